@@ -1,0 +1,1 @@
+//! NVMe conformance suite (being written).

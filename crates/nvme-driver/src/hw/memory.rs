@@ -1,0 +1,483 @@
+//! DMA memory: host pages, their device-visible addresses, and the only accessors allowed on them.
+//!
+//! A device writes DMA memory concurrently with the CPU, so no `&T` or `&[u8]` ever points into it.
+//! Data moves by copying (`read`/`write`, whose callers own the range by protocol: a buffer is read
+//! only after the completion that ends the device's access was observed with Acquire ordering) or
+//! through atomic loads and stores (queue entries, phase tags, ring indices).
+
+use std::collections::BTreeMap;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU16, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock, Weak};
+
+use super::{DmaAllocator, HwError};
+use crate::types::Iova;
+
+/// The page size every DMA region is aligned to and rounded up to.
+pub const PAGE_SIZE_BYTES: usize = 4096;
+const HUGE_PAGE_SIZE_BYTES: usize = 2 << 20;
+
+/// What backs a host allocation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PageKind {
+    /// 2 MiB hugetlbfs pages (fewer IOMMU entries, no TLB pressure).
+    Huge2MiB,
+    /// Ordinary 4 KiB pages.
+    Small4KiB,
+}
+
+/// An anonymous, page-aligned host allocation, unmapped on drop.
+#[derive(Debug)]
+pub struct HostMemory {
+    ptr: NonNull<u8>,
+    len: usize,
+    kind: PageKind,
+}
+
+// SAFETY: HostMemory owns its mapping exclusively; the pointer is only dereferenced through the
+// accessors of DmaRegion, which are themselves safe to call from any thread.
+unsafe impl Send for HostMemory {}
+// SAFETY: as above; shared access goes through atomic or copying accessors only.
+unsafe impl Sync for HostMemory {}
+
+impl HostMemory {
+    /// Allocates `len` bytes rounded up to a page, zeroed. With `prefer_huge`, tries 2 MiB pages
+    /// first (they need `vm.nr_hugepages` reserved) and falls back to 4 KiB pages.
+    pub fn allocate(len: usize, prefer_huge: bool) -> Result<Self, HwError> {
+        if len == 0 {
+            return Err(HwError::ZeroLength);
+        }
+        if prefer_huge {
+            let huge_len = round_up(len, HUGE_PAGE_SIZE_BYTES);
+            if let Ok(memory) = Self::mmap(huge_len, PageKind::Huge2MiB) {
+                return Ok(memory);
+            }
+        }
+        Self::mmap(round_up(len, PAGE_SIZE_BYTES), PageKind::Small4KiB)
+    }
+
+    fn mmap(len: usize, kind: PageKind) -> Result<Self, HwError> {
+        let mut flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS;
+        if kind == PageKind::Huge2MiB {
+            flags |= libc::MAP_HUGETLB;
+        }
+        // SAFETY: an anonymous mapping with a null hint has no preconditions; the result is
+        // checked for MAP_FAILED before use.
+        let ptr = unsafe {
+            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, flags, -1, 0)
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(HwError::Mmap { len, kind, source: std::io::Error::last_os_error() });
+        }
+        let ptr = NonNull::new(ptr.cast::<u8>())
+            .ok_or(HwError::Mmap { len, kind, source: std::io::Error::other("mmap returned null") })?;
+        Ok(Self { ptr, len, kind })
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn kind(&self) -> PageKind {
+        self.kind
+    }
+}
+
+impl Drop for HostMemory {
+    fn drop(&mut self) {
+        // SAFETY: ptr/len describe exactly the mapping created in `mmap`, and every DmaRegion
+        // that could access it holds an Arc to its owner, so none is alive any more.
+        unsafe {
+            libc::munmap(self.ptr.as_ptr().cast(), self.len);
+        }
+    }
+}
+
+/// Makes host memory visible to a device at a chosen IOVA (the IOMMU), and undoes it.
+pub trait IommuMapper: Send + Sync {
+    /// # Safety
+    /// `host..host+len` must stay valid until `unmap(iova, len)` has returned.
+    unsafe fn map(&self, host: *mut u8, len: usize, iova: Iova) -> Result<(), HwError>;
+    fn unmap(&self, iova: Iova, len: usize) -> Result<(), HwError>;
+}
+
+/// A mapper for devices that translate IOVAs themselves through [`DmaPool::translate`] (the
+/// software controller). Nothing is programmed anywhere; the pool's table is the IOMMU.
+#[derive(Debug, Default)]
+pub struct IdentityMapper;
+
+impl IommuMapper for IdentityMapper {
+    unsafe fn map(&self, _host: *mut u8, _len: usize, _iova: Iova) -> Result<(), HwError> {
+        Ok(())
+    }
+    fn unmap(&self, _iova: Iova, _len: usize) -> Result<(), HwError> {
+        Ok(())
+    }
+}
+
+enum Backing {
+    Owned(#[allow(dead_code)] HostMemory),
+    External,
+}
+
+struct RegionInner {
+    ptr: NonNull<u8>,
+    len: usize,
+    iova: Iova,
+    _backing: Backing,
+    pool: Weak<PoolShared>,
+}
+
+// SAFETY: the pointer refers to memory owned by (or, for external regions, guaranteed alive for)
+// this RegionInner; all access goes through copying or atomic accessors.
+unsafe impl Send for RegionInner {}
+// SAFETY: as above.
+unsafe impl Sync for RegionInner {}
+
+impl Drop for RegionInner {
+    fn drop(&mut self) {
+        if let Some(pool) = self.pool.upgrade() {
+            pool.release(self.iova, self.len);
+        }
+    }
+}
+
+/// A window onto DMA memory: device-visible address, length, and copying/atomic accessors.
+///
+/// Cloning is cheap and shares the memory; the mapping is removed when the last clone drops.
+#[derive(Clone)]
+pub struct DmaRegion {
+    inner: Arc<RegionInner>,
+    offset: usize,
+    len: usize,
+}
+
+impl std::fmt::Debug for DmaRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DmaRegion").field("iova", &self.iova()).field("len", &self.len).finish()
+    }
+}
+
+impl DmaRegion {
+    /// Device-visible address of the first byte of this window.
+    pub fn iova(&self) -> Iova {
+        Iova(self.inner.iova.0 + self.offset as u64)
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The host virtual address of the first byte, as an integer: for registering the memory
+    /// with another agent (e.g. `cuMemHostRegister`). Never dereference it in Rust.
+    pub fn host_address(&self) -> usize {
+        self.inner.ptr.as_ptr() as usize + self.offset
+    }
+
+    /// A sub-window `offset..offset+len` of this region.
+    pub fn subregion(&self, offset: usize, len: usize) -> Result<DmaRegion, HwError> {
+        self.check(offset, len, 1)?;
+        Ok(DmaRegion { inner: Arc::clone(&self.inner), offset: self.offset + offset, len })
+    }
+
+    fn check(&self, offset: usize, len: usize, align: usize) -> Result<(), HwError> {
+        let end = offset.checked_add(len);
+        if end.is_none_or(|end| end > self.len) {
+            return Err(HwError::OutOfRange { offset, access_len: len, region_len: self.len });
+        }
+        if (self.host_address() + offset) % align != 0 {
+            return Err(HwError::Misaligned { offset, align });
+        }
+        Ok(())
+    }
+
+    fn pointer(&self, offset: usize) -> *mut u8 {
+        // SAFETY: callers have checked `offset + access <= len` with `check`, so the result stays
+        // inside the allocation this region refers to.
+        unsafe { self.inner.ptr.as_ptr().add(self.offset + offset) }
+    }
+
+    /// Copies `destination.len()` bytes out of the region.
+    ///
+    /// The caller owns the range by protocol (the device is not writing it now): e.g. a read
+    /// buffer after its completion was observed, or a queue entry after its phase tag was loaded
+    /// with Acquire ordering.
+    pub fn read(&self, offset: usize, destination: &mut [u8]) -> Result<(), HwError> {
+        self.check(offset, destination.len(), 1)?;
+        // SAFETY: the range is inside the region (checked above) and cannot overlap
+        // `destination`, which is ordinary Rust memory; concurrent device writes to this range are
+        // excluded by the protocol stated in this method's contract.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.pointer(offset), destination.as_mut_ptr(), destination.len());
+        }
+        Ok(())
+    }
+
+    /// Copies `source` into the region (same ownership contract as [`DmaRegion::read`]).
+    pub fn write(&self, offset: usize, source: &[u8]) -> Result<(), HwError> {
+        self.check(offset, source.len(), 1)?;
+        // SAFETY: in bounds (checked above), non-overlapping with `source`; the device is not
+        // reading or writing this range concurrently by the caller's protocol.
+        unsafe {
+            std::ptr::copy_nonoverlapping(source.as_ptr(), self.pointer(offset), source.len());
+        }
+        Ok(())
+    }
+
+    /// Sets `len` bytes at `offset` to `byte`.
+    pub fn fill(&self, offset: usize, len: usize, byte: u8) -> Result<(), HwError> {
+        self.check(offset, len, 1)?;
+        // SAFETY: in bounds (checked above); same ownership contract as `write`.
+        unsafe {
+            std::ptr::write_bytes(self.pointer(offset), byte, len);
+        }
+        Ok(())
+    }
+
+    /// Copies `len` bytes from `source` at `source_offset` into this region at `offset`
+    /// (the software controller's DMA between two regions, without a bounce buffer).
+    pub fn copy_from(&self, offset: usize, source: &DmaRegion, source_offset: usize, len: usize) -> Result<(), HwError> {
+        self.check(offset, len, 1)?;
+        source.check(source_offset, len, 1)?;
+        // SAFETY: both ranges are in bounds (checked above); `copy` tolerates overlap in case both
+        // windows view the same memory; ownership of both ranges follows the DMA protocol.
+        unsafe {
+            std::ptr::copy(source.pointer(source_offset), self.pointer(offset), len);
+        }
+        Ok(())
+    }
+
+    pub fn load_u16(&self, offset: usize, order: Ordering) -> Result<u16, HwError> {
+        self.check(offset, 2, 2)?;
+        // SAFETY: in bounds and 2-byte aligned (checked); the memory lives as long as `self`;
+        // an atomic view is valid for memory another agent accesses concurrently.
+        Ok(unsafe { AtomicU16::from_ptr(self.pointer(offset).cast()) }.load(order))
+    }
+
+    pub fn store_u16(&self, offset: usize, value: u16, order: Ordering) -> Result<(), HwError> {
+        self.check(offset, 2, 2)?;
+        // SAFETY: as in `load_u16`.
+        unsafe { AtomicU16::from_ptr(self.pointer(offset).cast()) }.store(value, order);
+        Ok(())
+    }
+
+    pub fn load_u32(&self, offset: usize, order: Ordering) -> Result<u32, HwError> {
+        self.check(offset, 4, 4)?;
+        // SAFETY: in bounds and 4-byte aligned (checked); atomic access to shared memory.
+        Ok(unsafe { AtomicU32::from_ptr(self.pointer(offset).cast()) }.load(order))
+    }
+
+    pub fn store_u32(&self, offset: usize, value: u32, order: Ordering) -> Result<(), HwError> {
+        self.check(offset, 4, 4)?;
+        // SAFETY: as in `load_u32`.
+        unsafe { AtomicU32::from_ptr(self.pointer(offset).cast()) }.store(value, order);
+        Ok(())
+    }
+
+    pub fn fetch_add_u32(&self, offset: usize, value: u32, order: Ordering) -> Result<u32, HwError> {
+        self.check(offset, 4, 4)?;
+        // SAFETY: as in `load_u32`.
+        Ok(unsafe { AtomicU32::from_ptr(self.pointer(offset).cast()) }.fetch_add(value, order))
+    }
+
+    pub fn load_u64(&self, offset: usize, order: Ordering) -> Result<u64, HwError> {
+        self.check(offset, 8, 8)?;
+        // SAFETY: in bounds and 8-byte aligned (checked); atomic access to shared memory.
+        Ok(unsafe { AtomicU64::from_ptr(self.pointer(offset).cast()) }.load(order))
+    }
+
+    pub fn store_u64(&self, offset: usize, value: u64, order: Ordering) -> Result<(), HwError> {
+        self.check(offset, 8, 8)?;
+        // SAFETY: as in `load_u64`.
+        unsafe { AtomicU64::from_ptr(self.pointer(offset).cast()) }.store(value, order);
+        Ok(())
+    }
+}
+
+fn round_up(value: usize, to: usize) -> usize {
+    value.div_ceil(to) * to
+}
+
+/// IOVA bookkeeping shared by a pool and its regions (regions release their range on drop).
+struct PoolShared {
+    mapper: Arc<dyn IommuMapper>,
+    state: Mutex<IovaState>,
+    /// Every live mapping by start IOVA: the translation table devices without an IOMMU of their
+    /// own (the software controller) use, and how upper layers validate descriptors.
+    table: RwLock<BTreeMap<u64, Weak<RegionInner>>>,
+}
+
+struct IovaState {
+    next: u64,
+    limit: u64,
+    /// Freed ranges (start, len), reused first-fit.
+    free: Vec<(u64, u64)>,
+}
+
+impl PoolShared {
+    fn reserve(&self, len: u64, align: u64) -> Result<u64, HwError> {
+        let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(index) = state.free.iter().position(|&(start, free_len)| free_len >= len && start % align == 0) {
+            let (start, free_len) = state.free[index];
+            if free_len == len {
+                state.free.swap_remove(index);
+            } else {
+                state.free[index] = (start + len, free_len - len);
+            }
+            return Ok(start);
+        }
+        let start = state.next.div_ceil(align) * align;
+        let end = start.checked_add(len).filter(|&end| end <= state.limit);
+        let Some(end) = end else {
+            return Err(HwError::IovaExhausted { len: len as usize });
+        };
+        state.next = end;
+        Ok(start)
+    }
+
+    fn release(&self, iova: Iova, len: usize) {
+        if let Err(error) = self.mapper.unmap(iova, len) {
+            // The range stays reserved: reusing an IOVA whose unmap failed could alias memory.
+            tracing::error!(%iova, len, %error, "IOMMU unmap failed; IOVA range leaked");
+        } else {
+            let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            state.free.push((iova.0, len as u64));
+        }
+        let mut table = self.table.write().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if table.get(&iova.0).is_some_and(|weak| weak.strong_count() == 0) {
+            table.remove(&iova.0);
+        }
+    }
+}
+
+/// The standard [`DmaAllocator`]: host pages (2 MiB when reservable), IOVAs from a simple
+/// allocator inside `[base, limit)`, programmed through an [`IommuMapper`].
+#[derive(Clone)]
+pub struct DmaPool {
+    shared: Arc<PoolShared>,
+    prefer_huge: bool,
+}
+
+impl DmaPool {
+    /// A pool handing out IOVAs in `[iova_base, iova_limit)`.
+    pub fn new(mapper: Arc<dyn IommuMapper>, iova_base: Iova, iova_limit: Iova, prefer_huge: bool) -> Self {
+        let shared = PoolShared {
+            mapper,
+            state: Mutex::new(IovaState { next: iova_base.0, limit: iova_limit.0, free: Vec::new() }),
+            table: RwLock::new(BTreeMap::new()),
+        };
+        Self { shared: Arc::new(shared), prefer_huge }
+    }
+
+    /// A pool for a device that translates through [`DmaAllocator::translate`] itself.
+    pub fn identity() -> Self {
+        // Start away from zero so that a zeroed descriptor never names valid memory.
+        Self::new(Arc::new(IdentityMapper), Iova(1 << 32), Iova(1 << 48), false)
+    }
+
+    fn register(&self, ptr: NonNull<u8>, len: usize, backing: Backing) -> Result<DmaRegion, HwError> {
+        let align = if len >= HUGE_PAGE_SIZE_BYTES { HUGE_PAGE_SIZE_BYTES } else { PAGE_SIZE_BYTES } as u64;
+        let iova = Iova(self.shared.reserve(len as u64, align)?);
+        // SAFETY: `ptr..ptr+len` is either memory owned by `backing` (kept alive by the region
+        // until after unmap in RegionInner::drop) or external memory whose lifetime the caller of
+        // `map_external` guaranteed.
+        if let Err(error) = unsafe { self.shared.mapper.map(ptr.as_ptr(), len, iova) } {
+            let mut state = self.shared.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            state.free.push((iova.0, len as u64));
+            return Err(error);
+        }
+        let inner = Arc::new(RegionInner { ptr, len, iova, _backing: backing, pool: Arc::downgrade(&self.shared) });
+        self.shared
+            .table
+            .write()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .insert(iova.0, Arc::downgrade(&inner));
+        Ok(DmaRegion { inner, offset: 0, len })
+    }
+}
+
+impl DmaAllocator for DmaPool {
+    fn allocate(&self, len: usize) -> Result<DmaRegion, HwError> {
+        let memory = HostMemory::allocate(len, self.prefer_huge)?;
+        let ptr = memory.ptr;
+        let mapped_len = memory.len;
+        let region = self.register(ptr, mapped_len, Backing::Owned(memory))?;
+        region.subregion(0, round_up(len, PAGE_SIZE_BYTES))
+    }
+
+    unsafe fn map_external(&self, host: *mut u8, len: usize) -> Result<DmaRegion, HwError> {
+        if len == 0 {
+            return Err(HwError::ZeroLength);
+        }
+        let ptr = NonNull::new(host).ok_or(HwError::Misaligned { offset: 0, align: PAGE_SIZE_BYTES })?;
+        if (host as usize) % PAGE_SIZE_BYTES != 0 {
+            return Err(HwError::Misaligned { offset: 0, align: PAGE_SIZE_BYTES });
+        }
+        self.register(ptr, len, Backing::External)
+    }
+
+    fn translate(&self, iova: Iova, len: usize) -> Result<DmaRegion, HwError> {
+        let unmapped = HwError::Unmapped { iova, len };
+        let table = self.shared.table.read().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let (_, weak) = table.range(..=iova.0).next_back().ok_or(unmapped)?;
+        let inner = weak.upgrade().ok_or(HwError::Unmapped { iova, len })?;
+        let offset = (iova.0 - inner.iova.0) as usize;
+        let end = offset.checked_add(len).ok_or(HwError::Unmapped { iova, len })?;
+        if end > inner.len {
+            return Err(HwError::Unmapped { iova, len });
+        }
+        let region_len = inner.len;
+        DmaRegion { inner, offset: 0, len: region_len }.subregion(offset, len)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn allocate_is_zeroed_aligned_and_translatable() {
+        let pool = DmaPool::identity();
+        let region = pool.allocate(10_000).expect("allocate");
+        assert_eq!(region.len(), 12_288);
+        assert_eq!(region.iova().0 % 4096, 0);
+        let mut bytes = vec![1u8; region.len()];
+        region.read(0, &mut bytes).unwrap();
+        assert!(bytes.iter().all(|&b| b == 0));
+        region.write(100, b"hello").unwrap();
+        let view = pool.translate(Iova(region.iova().0 + 100), 5).expect("translate");
+        let mut out = [0u8; 5];
+        view.read(0, &mut out).unwrap();
+        assert_eq!(&out, b"hello");
+    }
+
+    #[test]
+    fn out_of_range_and_misaligned_are_errors() {
+        let pool = DmaPool::identity();
+        let region = pool.allocate(4096).unwrap();
+        assert!(matches!(region.write(4090, &[0; 7]), Err(HwError::OutOfRange { .. })));
+        assert!(matches!(region.load_u32(2, Ordering::Relaxed), Err(HwError::Misaligned { .. })));
+        assert!(matches!(region.subregion(usize::MAX, 2), Err(HwError::OutOfRange { .. })));
+        assert!(pool.translate(Iova(region.iova().0 + 4000), 200).is_err());
+        assert!(pool.translate(Iova(5), 1).is_err());
+    }
+
+    #[test]
+    fn dropped_region_is_unmapped_and_reused() {
+        let pool = DmaPool::identity();
+        let first = pool.allocate(4096).unwrap();
+        let iova = first.iova();
+        drop(first);
+        assert!(pool.translate(iova, 1).is_err(), "a freed region must not translate");
+        let second = pool.allocate(4096).unwrap();
+        assert_eq!(second.iova(), iova, "freed IOVA ranges are reused");
+    }
+}

@@ -1,0 +1,87 @@
+//! The hardware seam: the only place in this crate that touches raw memory or the kernel.
+//!
+//! The driver above this module is written against three small abstractions:
+//! - [`RegisterIo`]: 32/64-bit accesses to the controller's BAR0 at a byte offset;
+//! - [`DmaAllocator`]: memory the device can reach, as [`DmaRegion`]s that carry a device-visible
+//!   address ([`Iova`]) and offer only copying or atomic accessors (never a Rust reference into
+//!   memory a device writes);
+//! - [`DeviceBackend`]: one PCI function — its registers, its DMA allocator and function reset.
+//!
+//! VFIO implements them for real hardware; the software controller (`nvme-emu`) implements the
+//! device side of the same seam for tests and the embedded default device.
+#![allow(unsafe_code)]
+
+mod memory;
+
+use std::io;
+use std::sync::Arc;
+
+pub use memory::{DmaPool, DmaRegion, HostMemory, IdentityMapper, IommuMapper, PageKind};
+
+use crate::types::Iova;
+
+/// Errors from the hardware seam: memory, mappings and the kernel interfaces under them.
+#[derive(Debug, thiserror::Error)]
+pub enum HwError {
+    #[error("mmap of {len} bytes ({kind:?}) failed: {source}")]
+    Mmap { len: usize, kind: PageKind, source: io::Error },
+    #[error("access of {access_len} bytes at offset {offset} is outside a region of {region_len} bytes")]
+    OutOfRange { offset: usize, access_len: usize, region_len: usize },
+    #[error("access at offset {offset} is not aligned to {align} bytes")]
+    Misaligned { offset: usize, align: usize },
+    #[error("IOVA space exhausted: no free range of {len} bytes")]
+    IovaExhausted { len: usize },
+    #[error("zero-length DMA allocation or mapping")]
+    ZeroLength,
+    #[error("IOMMU map of {len} bytes at {iova} failed: {source}")]
+    Map { iova: Iova, len: usize, source: io::Error },
+    #[error("no DMA region is mapped at {iova} (+{len} bytes)")]
+    Unmapped { iova: Iova, len: usize },
+    #[error("device backend '{backend}': {message}")]
+    Backend { backend: &'static str, message: String },
+}
+
+/// Volatile access to a controller's register space (BAR0), NVMe base spec §3.1.
+///
+/// Accesses use the width given; implementations never split a 64-bit access into two 32-bit
+/// ones unless the transport forces it (and then low dword first, as §3.1.1 allows). An offset
+/// past the end of the BAR reads as all ones (like a device that fell off the bus) and writes are
+/// dropped: the driver treats all-ones reads as "device gone", so this can never be mistaken for
+/// valid data.
+pub trait RegisterIo: Send + Sync {
+    /// Size of the register space in bytes.
+    fn len(&self) -> usize;
+    fn read32(&self, offset: usize) -> u32;
+    fn write32(&self, offset: usize, value: u32);
+    fn read64(&self, offset: usize) -> u64;
+    fn write64(&self, offset: usize, value: u64);
+}
+
+/// Memory the device can reach by DMA.
+pub trait DmaAllocator: Send + Sync {
+    /// Allocates `len` bytes (rounded up to 4 KiB), zeroed, page aligned, mapped for the device.
+    fn allocate(&self, len: usize) -> Result<DmaRegion, HwError>;
+
+    /// Maps memory the caller owns (an engine's KV pool, a registered host buffer) for the device.
+    ///
+    /// # Safety
+    /// `host..host+len` must be valid for reads and writes for as long as the returned region or
+    /// any clone of it lives, must not be unmapped or freed before then, and must be page aligned
+    /// (4 KiB). The device may write it at any time while a command referencing it is in flight;
+    /// the caller must not hold Rust references into it while I/O is outstanding.
+    unsafe fn map_external(&self, host: *mut u8, len: usize) -> Result<DmaRegion, HwError>;
+
+    /// Finds the mapped region that contains `iova..iova+len` (the device's view of DMA). Used by
+    /// the software controller to perform DMA and by upper layers to validate descriptors.
+    fn translate(&self, iova: Iova, len: usize) -> Result<DmaRegion, HwError>;
+}
+
+/// One NVMe PCI function, as the driver sees it.
+pub trait DeviceBackend: Send + Sync {
+    /// A short human-readable name: `emu:/path`, `vfio:0000:00:04.0`.
+    fn name(&self) -> String;
+    fn registers(&self) -> Arc<dyn RegisterIo>;
+    fn dma(&self) -> Arc<dyn DmaAllocator>;
+    /// Function-level reset (PCIe FLR through VFIO; a full controller reset for the emulator).
+    fn function_reset(&self) -> Result<(), HwError>;
+}

@@ -1,0 +1,19 @@
+//! A userspace NVMe host driver.
+//!
+//! Layers, bottom up:
+//! - [`spec`]: NVMe specification types (registers, commands, completions, status, Identify,
+//!   PRP/SGL), plain data without unsafe code;
+//! - [`hw`]: the hardware seam — BAR0 register I/O, DMA memory with device-visible addresses, the
+//!   device backend — and all of this crate's unsafe code;
+//! - the driver proper, written against the seam only.
+//!
+//! The same driver code runs against the software controller (`nvme-emu`), QEMU's NVMe
+//! controller through VFIO, and real SSDs.
+#![deny(unsafe_code)]
+
+pub mod hw;
+pub mod spec;
+pub mod types;
+
+pub use hw::{DeviceBackend, DmaAllocator, DmaPool, DmaRegion, HwError, RegisterIo};
+pub use types::{CommandId, Iova, Lba, NamespaceId, QueueId};

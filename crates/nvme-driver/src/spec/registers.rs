@@ -1,0 +1,238 @@
+//! Controller registers (§3.1.3): offsets and typed views of CAP, VS, CC, CSTS, AQA.
+
+/// Controller Capabilities, 64-bit.
+pub const CAP: usize = 0x00;
+/// Version, 32-bit.
+pub const VS: usize = 0x08;
+/// Interrupt Mask Set / Clear (unused: the driver polls).
+pub const INTMS: usize = 0x0C;
+pub const INTMC: usize = 0x10;
+/// Controller Configuration, 32-bit.
+pub const CC: usize = 0x14;
+/// Controller Status, 32-bit.
+pub const CSTS: usize = 0x1C;
+/// NVM Subsystem Reset.
+pub const NSSR: usize = 0x20;
+/// Admin Queue Attributes, 32-bit.
+pub const AQA: usize = 0x24;
+/// Admin Submission Queue base address, 64-bit.
+pub const ASQ: usize = 0x28;
+/// Admin Completion Queue base address, 64-bit.
+pub const ACQ: usize = 0x30;
+/// First doorbell register (§3.1.3.24).
+pub const DOORBELL_BASE: usize = 0x1000;
+
+/// Byte offset of a queue's doorbell: SQ y tail at 0x1000 + (2y)·(4 << DSTRD), CQ y head at
+/// 0x1000 + (2y+1)·(4 << DSTRD) (§3.1.3.24, §3.1.3.25).
+pub fn doorbell_offset(queue_id: u16, completion: bool, doorbell_stride_log2: u8) -> usize {
+    let index = 2 * queue_id as usize + usize::from(completion);
+    DOORBELL_BASE + index * (4usize << doorbell_stride_log2)
+}
+
+/// CAP (§3.1.3.1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Capabilities(pub u64);
+
+impl Capabilities {
+    /// cap.mqes: maximum entries per queue, 0's based (returned here as a count).
+    pub fn max_queue_entries(self) -> u32 {
+        (self.0 & 0xFFFF) as u32 + 1
+    }
+    /// cap.cqr: contiguous queues required.
+    pub fn contiguous_queues_required(self) -> bool {
+        self.0 >> 16 & 1 == 1
+    }
+    /// cap.to: worst-case time for CSTS.RDY to change, in 500 ms units.
+    pub fn timeout_500ms_units(self) -> u8 {
+        (self.0 >> 24 & 0xFF) as u8
+    }
+    /// cap.to in milliseconds (at least 500 ms, so a controller reporting 0 still gets a bound).
+    pub fn ready_timeout_ms(self) -> u64 {
+        u64::from(self.timeout_500ms_units().max(1)) * 500
+    }
+    /// cap.dstrd: doorbell stride as a power of two over 4 bytes.
+    pub fn doorbell_stride_log2(self) -> u8 {
+        (self.0 >> 32 & 0xF) as u8
+    }
+    /// cap.nssrs: NVM subsystem reset supported.
+    pub fn subsystem_reset_supported(self) -> bool {
+        self.0 >> 36 & 1 == 1
+    }
+    /// cap.css bit 0: NVM command set supported.
+    pub fn nvm_command_set_supported(self) -> bool {
+        self.0 >> 37 & 1 == 1
+    }
+    /// cap.mpsmin: minimum memory page size, 2^(12 + mpsmin).
+    pub fn min_page_size_bytes(self) -> u64 {
+        1u64 << (12 + (self.0 >> 48 & 0xF))
+    }
+    /// cap.mpsmax: maximum memory page size, 2^(12 + mpsmax).
+    pub fn max_page_size_bytes(self) -> u64 {
+        1u64 << (12 + (self.0 >> 52 & 0xF))
+    }
+
+    /// Builds a CAP value (for the software controller).
+    pub fn build(max_queue_entries: u32, timeout_500ms_units: u8, doorbell_stride_log2: u8, mpsmin: u8, mpsmax: u8) -> Self {
+        let mqes = u64::from(max_queue_entries.clamp(2, 65536) - 1);
+        let value = mqes
+            | 1 << 16 // CQR: queues must be physically contiguous.
+            | u64::from(timeout_500ms_units) << 24
+            | u64::from(doorbell_stride_log2 & 0xF) << 32
+            | 1 << 37 // CSS: NVM command set.
+            | u64::from(mpsmin & 0xF) << 48
+            | u64::from(mpsmax & 0xF) << 52;
+        Self(value)
+    }
+}
+
+/// VS (§3.1.3.2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Version(pub u32);
+
+impl Version {
+    pub const V1_4: Version = Version(0x0001_0400);
+    pub fn major(self) -> u16 {
+        (self.0 >> 16) as u16
+    }
+    pub fn minor(self) -> u8 {
+        (self.0 >> 8) as u8
+    }
+    pub fn tertiary(self) -> u8 {
+        self.0 as u8
+    }
+}
+
+impl std::fmt::Display for Version {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}.{}.{}", self.major(), self.minor(), self.tertiary())
+    }
+}
+
+/// CC (§3.1.3.5).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ControllerConfiguration(pub u32);
+
+/// cc.shn values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ShutdownNotification {
+    None,
+    Normal,
+    Abrupt,
+}
+
+impl ControllerConfiguration {
+    /// cc.en
+    pub fn enabled(self) -> bool {
+        self.0 & 1 == 1
+    }
+    /// cc.css: I/O command set selected (0 = NVM).
+    pub fn command_set(self) -> u8 {
+        (self.0 >> 4 & 0x7) as u8
+    }
+    /// cc.mps: memory page size, 2^(12 + mps).
+    pub fn page_size_bytes(self) -> u64 {
+        1u64 << (12 + (self.0 >> 7 & 0xF))
+    }
+    /// cc.ams: arbitration mechanism.
+    pub fn arbitration(self) -> u8 {
+        (self.0 >> 11 & 0x7) as u8
+    }
+    /// cc.shn
+    pub fn shutdown(self) -> ShutdownNotification {
+        match self.0 >> 14 & 0x3 {
+            0 => ShutdownNotification::None,
+            1 => ShutdownNotification::Normal,
+            _ => ShutdownNotification::Abrupt,
+        }
+    }
+    /// cc.iosqes: I/O submission entry size, 2^n bytes.
+    pub fn io_submission_entry_size_log2(self) -> u8 {
+        (self.0 >> 16 & 0xF) as u8
+    }
+    /// cc.iocqes: I/O completion entry size, 2^n bytes.
+    pub fn io_completion_entry_size_log2(self) -> u8 {
+        (self.0 >> 20 & 0xF) as u8
+    }
+
+    /// The configuration the driver enables with: NVM command set, 4 KiB pages, round robin,
+    /// 64-byte SQ entries and 16-byte CQ entries.
+    pub fn for_enable() -> Self {
+        Self(1 | 6 << 16 | 4 << 20)
+    }
+}
+
+/// CSTS (§3.1.3.6).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ControllerStatus(pub u32);
+
+/// csts.shst values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ShutdownStatus {
+    Normal,
+    Occurring,
+    Complete,
+}
+
+impl ControllerStatus {
+    /// csts.rdy
+    pub fn ready(self) -> bool {
+        self.0 & 1 == 1
+    }
+    /// csts.cfs: controller fatal status.
+    pub fn fatal(self) -> bool {
+        self.0 >> 1 & 1 == 1
+    }
+    /// csts.shst
+    pub fn shutdown(self) -> ShutdownStatus {
+        match self.0 >> 2 & 0x3 {
+            0 => ShutdownStatus::Normal,
+            1 => ShutdownStatus::Occurring,
+            _ => ShutdownStatus::Complete,
+        }
+    }
+    /// All ones: the read did not reach a device (surprise removal, dead link).
+    pub fn device_gone(self) -> bool {
+        self.0 == u32::MAX
+    }
+}
+
+/// AQA (§3.1.3.7): admin queue sizes, 0's based.
+pub fn admin_queue_attributes(submission_entries: u32, completion_entries: u32) -> u32 {
+    (submission_entries - 1) & 0xFFF | ((completion_entries - 1) & 0xFFF) << 16
+}
+
+/// Decodes AQA into (submission entries, completion entries).
+pub fn decode_admin_queue_attributes(aqa: u32) -> (u32, u32) {
+    ((aqa & 0xFFF) + 1, (aqa >> 16 & 0xFFF) + 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn doorbells_follow_the_stride() {
+        assert_eq!(doorbell_offset(0, false, 0), 0x1000);
+        assert_eq!(doorbell_offset(0, true, 0), 0x1004);
+        assert_eq!(doorbell_offset(3, true, 0), 0x101C);
+        assert_eq!(doorbell_offset(1, false, 2), 0x1000 + 2 * 16);
+    }
+
+    #[test]
+    fn capabilities_round_trip() {
+        let cap = Capabilities::build(2048, 20, 0, 0, 4);
+        assert_eq!(cap.max_queue_entries(), 2048);
+        assert_eq!(cap.ready_timeout_ms(), 10_000);
+        assert_eq!(cap.doorbell_stride_log2(), 0);
+        assert_eq!(cap.min_page_size_bytes(), 4096);
+        assert_eq!(cap.max_page_size_bytes(), 65536);
+        assert!(cap.nvm_command_set_supported());
+        assert!(cap.contiguous_queues_required());
+        let cc = ControllerConfiguration::for_enable();
+        assert!(cc.enabled());
+        assert_eq!(cc.page_size_bytes(), 4096);
+        assert_eq!(cc.io_submission_entry_size_log2(), 6);
+        assert_eq!(cc.io_completion_entry_size_log2(), 4);
+        assert_eq!(decode_admin_queue_attributes(admin_queue_attributes(64, 32)), (64, 32));
+    }
+}

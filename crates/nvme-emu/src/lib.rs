@@ -1,0 +1,1 @@
+//! Software NVMe controller (being written).
