@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Compile the gio_uring CUDA kernels without a GPU, check the shared ABI header from C, C++ and CUDA,
+# and build the `cuda` feature of gio-uring.
+#
+# usage: tools/cuda-build.sh [OUT_DIR]        (default: target/kernels)
+#   GIO_SKIP_CARGO=1   skip `cargo build -p gio-uring --features cuda`
+#
+# nvcc comes from NVIDIA's CUDA 13 Python wheels, installed once (idempotently) with pip into
+# .tools/cuda-wheels (gitignored). Every wheel is pinned, including the two that nvcc pulls in
+# (crt, nvvm): an unpinned dependency resolves to the newest release and mixes toolkit versions.
+# The cu12 wheels ship no nvcc, so the cu13 ones are required. No GPU or driver is needed here.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+OUT="${1:-$ROOT/target/kernels}"
+CUDA_WHEEL_VERSION="13.2.86"
+WHEELS_DIR="$ROOT/.tools/cuda-wheels-$CUDA_WHEEL_VERSION"
+STAMP="$WHEELS_DIR/.installed"
+PACKAGES=(
+  "nvidia-cuda-nvcc==$CUDA_WHEEL_VERSION"
+  "nvidia-cuda-runtime==$CUDA_WHEEL_VERSION"
+  "nvidia-cuda-cccl==$CUDA_WHEEL_VERSION"
+  "nvidia-cuda-crt==$CUDA_WHEEL_VERSION"
+  "nvidia-nvvm==$CUDA_WHEEL_VERSION"
+)
+
+if [[ ! -f "$STAMP" ]]; then
+  echo "cuda-build: installing ${PACKAGES[*]} into $WHEELS_DIR"
+  rm -rf "$WHEELS_DIR"
+  python3 -m pip install --disable-pip-version-check --quiet --no-deps \
+    --target "$WHEELS_DIR" "${PACKAGES[@]}"
+  touch "$STAMP"
+fi
+
+CUDA_HOME="$WHEELS_DIR/nvidia/cu13"
+NVCC="$CUDA_HOME/bin/nvcc"
+[[ -x "$NVCC" ]] || { echo "cuda-build: nvcc not found at $NVCC" >&2; exit 1; }
+export PATH="$CUDA_HOME/bin:$PATH"
+"$NVCC" --version | tail -n 2
+
+KERNELS="$ROOT/kernels"
+mkdir -p "$OUT"
+# -Werror all-warnings turns nvcc's own warnings into errors; -Xcompiler passes the host side,
+# and --Werror also covers ptxas/nvlink diagnostics ("cross-execution-space-call", "deprecated").
+NVCC_FLAGS=(-std=c++17 -O3 -lineinfo -Werror all-warnings -Xcompiler -Wall,-Wextra,-Werror
+            -I "$KERNELS" -I "$CUDA_HOME/include")
+
+for arch in 80 90; do
+  "$NVCC" "${NVCC_FLAGS[@]}" -cubin -arch="sm_$arch" \
+    -o "$OUT/gio_io_kernel.sm_$arch.cubin" "$KERNELS/gio_io_kernel.cu"
+done
+# PTX for the lowest architecture we support: the driver JIT-compiles it for newer GPUs.
+"$NVCC" "${NVCC_FLAGS[@]}" -ptx -arch=compute_80 -o "$OUT/gio_io_kernel.compute_80.ptx" \
+  "$KERNELS/gio_io_kernel.cu"
+
+# The ABI header must be valid C11 (gcc), C++ (g++) and CUDA C++ (nvcc), and its static asserts
+# hold in all three.
+gcc -std=c11 -Wall -Wextra -Werror -pedantic -I "$KERNELS" -o "$OUT/abi_check_c" \
+  "$KERNELS/tests/abi_check.c"
+"$OUT/abi_check_c"
+g++ -std=c++17 -Wall -Wextra -Werror -pedantic -x c++ -I "$KERNELS" -o "$OUT/abi_check_cxx" \
+  "$KERNELS/tests/abi_check.c"
+"$OUT/abi_check_cxx"
+"$NVCC" "${NVCC_FLAGS[@]}" -x cu -arch=sm_80 -c -o "$OUT/abi_check_cu.o" \
+  "$KERNELS/tests/abi_check.c"
+
+ls -l "$OUT"/*.cubin "$OUT"/*.ptx
+echo "cuda-build: kernels OK -> $OUT"
+
+if [[ "${GIO_SKIP_CARGO:-0}" != "1" ]]; then
+  export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$ROOT/target-gio}"
+  (cd "$ROOT" && cargo build -p gio-uring --features cuda)
+  echo "cuda-build: cargo build -p gio-uring --features cuda OK"
+fi
