@@ -11,9 +11,19 @@
 //! controller through VFIO, and real SSDs.
 #![deny(unsafe_code)]
 
+mod controller;
+pub mod datapath;
+mod error;
 pub mod hw;
+mod io;
+mod queue;
 pub mod spec;
 pub mod types;
 
+pub use controller::{BringUpStage, Controller, ControllerConfig, DataPointerPreference, Namespace};
+pub use datapath::{DataPointerMode, DataSegment};
+pub use error::NvmeError;
 pub use hw::{DeviceBackend, DmaAllocator, DmaPool, DmaRegion, HwError, RegisterIo};
+pub use io::{IoQueuePair, DEALLOCATE_RANGES_MAX};
+pub use queue::{Completion, QueuePair};
 pub use types::{CommandId, Iova, Lba, NamespaceId, QueueId};

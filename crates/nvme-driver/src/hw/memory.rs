@@ -193,7 +193,7 @@ impl DmaRegion {
         if end.is_none_or(|end| end > self.len) {
             return Err(HwError::OutOfRange { offset, access_len: len, region_len: self.len });
         }
-        if (self.host_address() + offset) % align != 0 {
+        if !(self.host_address() + offset).is_multiple_of(align) {
             return Err(HwError::Misaligned { offset, align });
         }
         Ok(())
@@ -418,7 +418,7 @@ impl DmaAllocator for DmaPool {
             return Err(HwError::ZeroLength);
         }
         let ptr = NonNull::new(host).ok_or(HwError::Misaligned { offset: 0, align: PAGE_SIZE_BYTES })?;
-        if (host as usize) % PAGE_SIZE_BYTES != 0 {
+        if !(host as usize).is_multiple_of(PAGE_SIZE_BYTES) {
             return Err(HwError::Misaligned { offset: 0, align: PAGE_SIZE_BYTES });
         }
         self.register(ptr, len, Backing::External)

@@ -48,6 +48,7 @@ pub enum HwError {
 /// past the end of the BAR reads as all ones (like a device that fell off the bus) and writes are
 /// dropped: the driver treats all-ones reads as "device gone", so this can never be mistaken for
 /// valid data.
+#[allow(clippy::len_without_is_empty)] // A BAR is never empty.
 pub trait RegisterIo: Send + Sync {
     /// Size of the register space in bytes.
     fn len(&self) -> usize;

@@ -52,7 +52,7 @@ impl SglSupport {
 }
 
 /// Identify Controller (CNS 01h, Figure 275), the fields we use.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct IdentifyController {
     /// vid: PCI vendor id.
     pub vendor_id: u16,

@@ -1,0 +1,351 @@
+//! Data pointers for one command: PRP entries and lists (§4.1.1), SGL descriptors (§4.1.2), and
+//! how a transfer is cut into commands no larger than MDTS.
+//!
+//! A transfer is a list of [`DataSegment`]s (device-visible address + length) that together cover
+//! one contiguous LBA range. [`plan_command`] finds how much of it the next command can carry;
+//! [`build_data_pointer`] writes DPTR and, when needed, the PRP list or SGL segment into the
+//! command's scratch page. Neither allocates.
+
+use crate::error::NvmeError;
+use crate::hw::DmaRegion;
+use crate::spec::command::DataPointerKind;
+use crate::spec::data_pointer::{SglDescriptor, PRP_ENTRY_BYTES, SGL_DESCRIPTOR_BYTES};
+use crate::spec::SubmissionEntry;
+use crate::types::Iova;
+
+/// Bytes of the per-command scratch page that holds a PRP list or an SGL segment.
+pub const SCRATCH_BYTES: usize = 4096;
+/// Memory page size the driver configures (CC.MPS = 0).
+pub const PAGE_BYTES: u64 = 4096;
+/// Most PRP entries a list page holds; one list page per command, so transfers stay <= 2 MiB.
+pub const PRP_LIST_ENTRIES_MAX: usize = SCRATCH_BYTES / PRP_ENTRY_BYTES;
+/// Most SGL Data Block descriptors in one command's Last Segment.
+pub const SGL_DESCRIPTORS_MAX: usize = SCRATCH_BYTES / SGL_DESCRIPTOR_BYTES;
+
+/// A piece of a transfer's memory, in the device's address space.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DataSegment {
+    pub iova: Iova,
+    pub len: u32,
+}
+
+impl DataSegment {
+    pub fn new(iova: Iova, len: u32) -> Self {
+        Self { iova, len }
+    }
+
+    /// The whole of a DMA region (lengths above 4 GiB are not representable in one segment).
+    pub fn of(region: &DmaRegion) -> Self {
+        Self { iova: region.iova(), len: region.len().min(u32::MAX as usize) as u32 }
+    }
+}
+
+/// How commands describe their memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DataPointerMode {
+    /// PRP entries / lists: every segment but the first must start on a page, every segment but
+    /// the last must end on one.
+    Prp,
+    /// SGL Data Block descriptors: any dword-aligned segments.
+    Sgl,
+}
+
+impl DataPointerMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            DataPointerMode::Prp => "PRP",
+            DataPointerMode::Sgl => "SGL",
+        }
+    }
+}
+
+/// A position inside a transfer: segment index and byte offset within it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Cursor {
+    pub segment: usize,
+    pub offset: u32,
+}
+
+/// What the next command carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CommandPlan {
+    pub start: Cursor,
+    pub end: Cursor,
+    pub bytes: u64,
+}
+
+fn is_page_aligned(address: u64) -> bool {
+    address.is_multiple_of(PAGE_BYTES)
+}
+
+/// Plans the next command from `start`: at most `max_bytes`, a multiple of `block_bytes`, within
+/// the mode's descriptor limits. Returns `None` when the transfer is exhausted.
+pub fn plan_command(
+    segments: &[DataSegment],
+    start: Cursor,
+    max_bytes: u64,
+    block_bytes: u32,
+    mode: DataPointerMode,
+) -> Result<Option<CommandPlan>, NvmeError> {
+    let block_bytes = u64::from(block_bytes);
+    let mut cursor = start;
+    // Skip exhausted / empty segments.
+    while let Some(segment) = segments.get(cursor.segment) {
+        if cursor.offset < segment.len {
+            break;
+        }
+        cursor = Cursor { segment: cursor.segment + 1, offset: 0 };
+    }
+    if cursor.segment >= segments.len() {
+        return Ok(None);
+    }
+    let start = cursor;
+    let mut bytes = 0u64;
+    let mut descriptors = 0usize;
+    // Pages touched, for PRP (PRP1 + list entries).
+    let mut prp_pages = 0usize;
+    while let Some(segment) = segments.get(cursor.segment) {
+        let address = segment.iova.0 + u64::from(cursor.offset);
+        let available = u64::from(segment.len - cursor.offset);
+        let first = bytes == 0;
+        if address % 4 != 0 {
+            return Err(NvmeError::UnsupportedLayout { index: cursor.segment, reason: "address not dword aligned", mode: mode.name() });
+        }
+        let mut take = available.min(max_bytes - bytes);
+        match mode {
+            DataPointerMode::Sgl => {
+                if descriptors == SGL_DESCRIPTORS_MAX {
+                    break;
+                }
+                if take % 4 != 0 && take < available {
+                    take -= take % 4;
+                }
+            }
+            DataPointerMode::Prp => {
+                if !first && !is_page_aligned(address) {
+                    return Err(NvmeError::UnsupportedLayout { index: cursor.segment, reason: "segment does not start on a page", mode: mode.name() });
+                }
+                if take < available {
+                    // Cut inside this segment: the cut must fall on a page boundary.
+                    take = ((address + take) / PAGE_BYTES * PAGE_BYTES).saturating_sub(address);
+                } else if cursor.segment + 1 < segments.len() && !is_page_aligned(address + take) {
+                    return Err(NvmeError::UnsupportedLayout { index: cursor.segment, reason: "segment does not end on a page", mode: mode.name() });
+                }
+                let pages = ((address + take).div_ceil(PAGE_BYTES) - address / PAGE_BYTES) as usize;
+                // PRP1 + one list page of entries (a two-page transfer uses PRP2 directly).
+                if prp_pages + pages > PRP_LIST_ENTRIES_MAX + 1 {
+                    let room = PRP_LIST_ENTRIES_MAX + 1 - prp_pages;
+                    take = ((address / PAGE_BYTES + room as u64) * PAGE_BYTES).saturating_sub(address).min(take);
+                }
+                if take > 0 {
+                    prp_pages += ((address + take).div_ceil(PAGE_BYTES) - address / PAGE_BYTES) as usize;
+                }
+            }
+        }
+        if take == 0 {
+            break;
+        }
+        bytes += take;
+        descriptors += 1;
+        let new_offset = u64::from(cursor.offset) + take;
+        cursor = if new_offset == u64::from(segment.len) {
+            Cursor { segment: cursor.segment + 1, offset: 0 }
+        } else {
+            Cursor { segment: cursor.segment, offset: new_offset as u32 }
+        };
+        if bytes == max_bytes || take < available {
+            break;
+        }
+    }
+    // A command carries whole blocks; anything else is a caller error (or an impossible cut).
+    let remainder = bytes % block_bytes;
+    if remainder != 0 {
+        let more_follows = cursor.segment < segments.len();
+        if !more_follows || mode == DataPointerMode::Prp {
+            return Err(NvmeError::UnalignedTransfer { bytes, block_size_bytes: block_bytes as u32 });
+        }
+        // SGL: back the cut off to a block boundary.
+        cursor = back_off(segments, cursor, remainder);
+        bytes -= remainder;
+    }
+    if bytes == 0 {
+        return Err(NvmeError::UnalignedTransfer { bytes, block_size_bytes: block_bytes as u32 });
+    }
+    Ok(Some(CommandPlan { start, end: cursor, bytes }))
+}
+
+fn back_off(segments: &[DataSegment], mut cursor: Cursor, mut bytes: u64) -> Cursor {
+    while bytes > 0 {
+        if cursor.offset == 0 {
+            cursor.segment -= 1;
+            cursor.offset = segments[cursor.segment].len;
+        }
+        let step = bytes.min(u64::from(cursor.offset));
+        cursor.offset -= step as u32;
+        bytes -= step;
+    }
+    cursor
+}
+
+/// Visits the (address, length) pieces of a plan in order.
+fn for_each_piece(segments: &[DataSegment], plan: &CommandPlan, mut visit: impl FnMut(u64, u64)) {
+    let mut cursor = plan.start;
+    let mut remaining = plan.bytes;
+    while remaining > 0 {
+        let Some(segment) = segments.get(cursor.segment) else { return };
+        let available = u64::from(segment.len - cursor.offset).min(remaining);
+        if available > 0 {
+            visit(segment.iova.0 + u64::from(cursor.offset), available);
+        }
+        remaining -= available;
+        cursor = Cursor { segment: cursor.segment + 1, offset: 0 };
+    }
+}
+
+/// Writes DPTR (and the scratch page when needed) for `plan`. `scratch` is the command slot's
+/// page, `scratch_iova` its device address.
+pub fn build_data_pointer(
+    entry: &mut SubmissionEntry,
+    segments: &[DataSegment],
+    plan: &CommandPlan,
+    mode: DataPointerMode,
+    scratch: &DmaRegion,
+) -> Result<(), NvmeError> {
+    // Descriptors go straight into the scratch page as they are produced: no 4 KiB staging copy.
+    let mut failure = None;
+    let mut record = |result: Result<(), crate::hw::HwError>| {
+        if let Err(error) = result {
+            failure.get_or_insert(error);
+        }
+    };
+    match mode {
+        DataPointerMode::Sgl => {
+            entry.set_data_pointer_kind(DataPointerKind::Sgl);
+            let mut count = 0usize;
+            let mut first = SglDescriptor::default();
+            for_each_piece(segments, plan, |address, len| {
+                let descriptor = SglDescriptor::data_block(address, len as u32);
+                match count {
+                    0 => first = descriptor,
+                    1 => {
+                        record(scratch.write(0, &first.to_bytes()));
+                        record(scratch.write(SGL_DESCRIPTOR_BYTES, &descriptor.to_bytes()));
+                    }
+                    _ => record(scratch.write(count * SGL_DESCRIPTOR_BYTES, &descriptor.to_bytes())),
+                }
+                count += 1;
+            });
+            entry.dptr = if count <= 1 { first.to_dptr() } else { SglDescriptor::last_segment(scratch.iova().0, count as u32).to_dptr() };
+        }
+        DataPointerMode::Prp => {
+            entry.set_data_pointer_kind(DataPointerKind::Prp);
+            let mut count = 0usize;
+            let mut first_two = [0u64; 2];
+            for_each_piece(segments, plan, |address, len| {
+                // The first entry may carry an offset; every later one is a page start.
+                let mut page = if count == 0 { address } else { address / PAGE_BYTES * PAGE_BYTES };
+                let end = address + len;
+                while page < end && count <= PRP_LIST_ENTRIES_MAX {
+                    match count {
+                        0 | 1 => first_two[count] = page,
+                        2 => {
+                            record(scratch.write(0, &first_two[1].to_le_bytes()));
+                            record(scratch.write(PRP_ENTRY_BYTES, &page.to_le_bytes()));
+                        }
+                        _ => record(scratch.write((count - 1) * PRP_ENTRY_BYTES, &page.to_le_bytes())),
+                    }
+                    count += 1;
+                    page = (page / PAGE_BYTES + 1) * PAGE_BYTES;
+                }
+            });
+            entry.dptr[0] = first_two[0];
+            entry.dptr[1] = match count {
+                0 | 1 => 0,
+                2 => first_two[1],
+                _ => scratch.iova().0,
+            };
+        }
+    }
+    if let Some(error) = failure {
+        return Err(error.into());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn segment(iova: u64, len: u32) -> DataSegment {
+        DataSegment::new(Iova(iova), len)
+    }
+
+    fn plans(segments: &[DataSegment], max: u64, block: u32, mode: DataPointerMode) -> Result<Vec<CommandPlan>, NvmeError> {
+        let mut cursor = Cursor::default();
+        let mut out = Vec::new();
+        while let Some(plan) = plan_command(segments, cursor, max, block, mode)? {
+            cursor = plan.end;
+            out.push(plan);
+        }
+        Ok(out)
+    }
+
+    #[test]
+    fn mdts_splits_a_large_transfer() {
+        let segments = [segment(0x10_0000, 512 * 1024)];
+        for mode in [DataPointerMode::Prp, DataPointerMode::Sgl] {
+            let plans = plans(&segments, 128 * 1024, 4096, mode).unwrap();
+            assert_eq!(plans.len(), 4);
+            assert!(plans.iter().all(|plan| plan.bytes == 128 * 1024));
+        }
+    }
+
+    #[test]
+    fn scattered_buffers_become_one_sgl_command() {
+        let segments: Vec<_> = (0..8).map(|index| segment(0x100_0000 + index * 0x10_0000, 4096)).collect();
+        let plans = plans(&segments, 1 << 20, 512, DataPointerMode::Sgl).unwrap();
+        assert_eq!(plans.len(), 1);
+        assert_eq!(plans[0].bytes, 8 * 4096);
+    }
+
+    #[test]
+    fn prp_rejects_unaligned_middle_segments() {
+        let segments = [segment(0x1000, 4096), segment(0x3200, 4096)];
+        assert!(matches!(plans(&segments, 1 << 20, 512, DataPointerMode::Prp), Err(NvmeError::UnsupportedLayout { index: 1, .. })));
+        let sgl = plans(&segments, 1 << 20, 512, DataPointerMode::Sgl).unwrap();
+        assert_eq!(sgl.len(), 1);
+    }
+
+    #[test]
+    fn transfer_must_be_whole_blocks() {
+        let segments = [segment(0x1000, 1000)];
+        assert!(matches!(plans(&segments, 1 << 20, 512, DataPointerMode::Sgl), Err(NvmeError::UnalignedTransfer { .. })));
+    }
+
+    #[test]
+    fn sgl_with_more_descriptors_than_a_page_splits_on_block_boundaries() {
+        let segments: Vec<_> = (0..300).map(|index| segment(0x100_0000 + index * 0x2000, 512)).collect();
+        let plans = plans(&segments, 1 << 20, 512, DataPointerMode::Sgl).unwrap();
+        assert_eq!(plans.len(), 2);
+        assert_eq!(plans[0].bytes, 256 * 512);
+        assert_eq!(plans[1].bytes, 44 * 512);
+    }
+
+    #[test]
+    fn prp_offset_first_page_then_list() {
+        // Starts 512 bytes into a page: 3 pages touched for 8 KiB.
+        let segments = [segment(0x10_0200, 8192)];
+        let plans = plans(&segments, 1 << 20, 512, DataPointerMode::Prp).unwrap();
+        assert_eq!(plans.len(), 1);
+        let pool = crate::hw::DmaPool::identity();
+        let scratch = crate::hw::DmaAllocator::allocate(&pool, 4096).unwrap();
+        let mut entry = SubmissionEntry::default();
+        build_data_pointer(&mut entry, &segments, &plans[0], DataPointerMode::Prp, &scratch).unwrap();
+        assert_eq!(entry.dptr[0], 0x10_0200);
+        assert_eq!(entry.dptr[1], scratch.iova().0);
+        let mut list = [0u8; 16];
+        scratch.read(0, &mut list).unwrap();
+        assert_eq!(u64::from_le_bytes(list[0..8].try_into().unwrap()), 0x10_1000);
+        assert_eq!(u64::from_le_bytes(list[8..16].try_into().unwrap()), 0x10_2000);
+    }
+}

@@ -1,0 +1,82 @@
+//! The driver's error type: every failure names the queue, command and status it concerns.
+
+use crate::hw::HwError;
+use crate::spec::identify::IdentifyError;
+use crate::spec::NvmeStatus;
+use crate::types::{CommandId, NamespaceId, QueueId};
+
+/// Errors from the NVMe driver.
+#[derive(Debug, thiserror::Error)]
+pub enum NvmeError {
+    #[error(transparent)]
+    Hardware(#[from] HwError),
+
+    #[error("the controller stopped responding: register reads return all ones (device removed or link down)")]
+    DeviceGone,
+
+    #[error("controller fatal status (CSTS.CFS=1) {context}; reset the controller")]
+    ControllerFatal { context: &'static str },
+
+    #[error("controller did not reach {wanted} within {timeout_ms} ms (CAP.TO); CSTS={csts:#x}")]
+    ReadyTimeout { wanted: &'static str, timeout_ms: u64, csts: u32 },
+
+    #[error("controller is unsupported: {reason}")]
+    Unsupported { reason: String },
+
+    #[error("invalid Identify data: {0}")]
+    Identify(#[from] IdentifyError),
+
+    #[error("{queue} {command_id} (opcode {opcode:#04x}) failed: {status}")]
+    Command { queue: QueueId, command_id: CommandId, opcode: u8, status: NvmeStatus },
+
+    #[error("{queue} {command_id} timed out after {waited_ms} ms ({outstanding} commands outstanding)")]
+    Timeout { queue: QueueId, command_id: CommandId, waited_ms: u64, outstanding: usize },
+
+    #[error("{queue}: completion for {command_id} does not match any command in flight (stale, duplicated or corrupted)")]
+    UnexpectedCompletion { queue: QueueId, command_id: CommandId },
+
+    #[error("{queue}: completion names submission queue {reported}, expected {expected}")]
+    WrongSubmissionQueue { queue: QueueId, reported: u16, expected: u16 },
+
+    #[error("{queue} is full ({depth} entries): back-pressure, reap completions and retry")]
+    QueueFull { queue: QueueId, depth: u32 },
+
+    #[error("{queue} belongs to a controller generation that was reset; create a new queue pair")]
+    QueueStale { queue: QueueId },
+
+    #[error("no free I/O queue identifier: the controller granted {granted} I/O queue pairs")]
+    NoQueueAvailable { granted: u16 },
+
+    #[error("requested queue depth {requested} outside 2..={max} (CAP.MQES)")]
+    InvalidQueueDepth { requested: u32, max: u32 },
+
+    #[error("{namespace} does not exist on this controller")]
+    UnknownNamespace { namespace: NamespaceId },
+
+    #[error("{namespace}: LBA range {start}+{blocks} outside the namespace's {size_blocks} blocks")]
+    LbaOutOfRange { namespace: NamespaceId, start: u64, blocks: u64, size_blocks: u64 },
+
+    #[error("transfer of {bytes} bytes is not a multiple of the {block_size_bytes}-byte LBA size")]
+    UnalignedTransfer { bytes: u64, block_size_bytes: u32 },
+
+    #[error("buffer segment {index} ({reason}) cannot be described by {mode}")]
+    UnsupportedLayout { index: usize, reason: &'static str, mode: &'static str },
+
+    #[error("empty transfer: no buffers or zero length")]
+    EmptyTransfer,
+}
+
+impl NvmeError {
+    /// True for conditions a caller handles by reaping completions and retrying (not failures).
+    pub fn is_backpressure(&self) -> bool {
+        matches!(self, NvmeError::QueueFull { .. })
+    }
+
+    /// The NVMe status, if this error is a failed command.
+    pub fn status(&self) -> Option<NvmeStatus> {
+        match self {
+            NvmeError::Command { status, .. } => Some(*status),
+            _ => None,
+        }
+    }
+}

@@ -1,0 +1,353 @@
+//! A submission/completion queue pair (§3.3.1): the SQ tail, the CQ head and phase tag, command
+//! slots with generation-tagged command ids, batched doorbells and bounded polling.
+//!
+//! Memory ordering. Submission: entries are copied into the SQ, then a Release fence, then one
+//! doorbell write for the whole batch, so the controller never sees a tail that covers an
+//! unwritten entry. Completion: dword 3 of the entry at the head (command id, status, phase) is
+//! loaded with Acquire; only when its phase matches the expected one is the rest of the entry read,
+//! so the read cannot observe an entry older than the phase it carries. The CQ head doorbell is
+//! written once per reap batch, after the entries were consumed.
+
+use std::sync::atomic::{fence, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::datapath::SCRATCH_BYTES;
+use crate::error::NvmeError;
+use crate::hw::{DmaAllocator, DmaRegion, RegisterIo};
+use crate::spec::registers::{self, ControllerStatus};
+use crate::spec::{CompletionEntry, NvmeStatus, SubmissionEntry, COMPLETION_ENTRY_BYTES, SUBMISSION_ENTRY_BYTES};
+use crate::types::{CommandId, QueueId};
+
+/// One finished command, as handed to the reaper's callback.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Completion {
+    /// The caller's tag given at submission.
+    pub tag: u64,
+    pub command_id: CommandId,
+    pub opcode: u8,
+    /// Command-specific dword 0 (e.g. queues granted by Set Features).
+    pub dw0: u32,
+    pub status: Result<(), NvmeStatus>,
+}
+
+impl Completion {
+    /// The completion as a `Result`, with the queue and command named on failure.
+    pub fn into_result(self, queue: QueueId) -> Result<Completion, NvmeError> {
+        match self.status {
+            Ok(()) => Ok(self),
+            Err(status) => Err(NvmeError::Command { queue, command_id: self.command_id, opcode: self.opcode, status }),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct Slot {
+    generation: u16,
+    busy: bool,
+    opcode: u8,
+    tag: u64,
+}
+
+/// Polls between deadline checks and before the poller starts yielding the CPU.
+const POLLS_PER_CHECK: u32 = 64;
+
+/// An SQ/CQ pair in DMA memory with its doorbells.
+pub struct QueuePair {
+    id: QueueId,
+    depth: u32,
+    submission: DmaRegion,
+    completion: DmaRegion,
+    scratch: DmaRegion,
+    registers: Arc<dyn RegisterIo>,
+    sq_doorbell: usize,
+    cq_doorbell: usize,
+    sq_tail: u32,
+    cq_head: u32,
+    phase: bool,
+    doorbell_pending: bool,
+    slots: Vec<Slot>,
+    free: Vec<u16>,
+    slot_bits: u32,
+    in_flight: usize,
+}
+
+impl std::fmt::Debug for QueuePair {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QueuePair").field("id", &self.id).field("depth", &self.depth).field("in_flight", &self.in_flight).finish()
+    }
+}
+
+impl QueuePair {
+    /// Allocates the rings and one scratch page per command slot (PRP lists, SGL segments and
+    /// DSM ranges live there, so nothing is allocated per command).
+    pub fn allocate(
+        id: QueueId,
+        depth: u32,
+        dma: &dyn DmaAllocator,
+        registers: Arc<dyn RegisterIo>,
+        doorbell_stride_log2: u8,
+    ) -> Result<Self, NvmeError> {
+        if !(2..=65536).contains(&depth) {
+            return Err(NvmeError::InvalidQueueDepth { requested: depth, max: 65536 });
+        }
+        let submission = dma.allocate(depth as usize * SUBMISSION_ENTRY_BYTES)?;
+        let completion = dma.allocate(depth as usize * COMPLETION_ENTRY_BYTES)?;
+        let slot_count = depth as usize - 1;
+        let scratch = dma.allocate(slot_count * SCRATCH_BYTES)?;
+        let slot_bits = usize::BITS - (slot_count - 1).max(1).leading_zeros();
+        let sq_doorbell = registers::doorbell_offset(id.0, false, doorbell_stride_log2);
+        let cq_doorbell = registers::doorbell_offset(id.0, true, doorbell_stride_log2);
+        if cq_doorbell + 4 > registers.len() {
+            return Err(NvmeError::Unsupported { reason: format!("doorbell for {id} at {cq_doorbell:#x} lies outside BAR0 ({} bytes)", registers.len()) });
+        }
+        Ok(Self {
+            id,
+            depth,
+            submission,
+            completion,
+            scratch,
+            registers,
+            sq_doorbell,
+            cq_doorbell,
+            sq_tail: 0,
+            cq_head: 0,
+            phase: true,
+            doorbell_pending: false,
+            slots: vec![Slot::default(); slot_count],
+            free: (0..slot_count as u16).rev().collect(),
+            slot_bits,
+            in_flight: 0,
+        })
+    }
+
+    /// Returns the queue to its just-created state (after a controller reset).
+    pub fn clear(&mut self) -> Result<(), NvmeError> {
+        self.completion.fill(0, self.completion.len(), 0)?;
+        self.sq_tail = 0;
+        self.cq_head = 0;
+        self.phase = true;
+        self.doorbell_pending = false;
+        for slot in &mut self.slots {
+            slot.busy = false;
+            slot.generation = slot.generation.wrapping_add(1);
+        }
+        self.free = (0..self.slots.len() as u16).rev().collect();
+        self.in_flight = 0;
+        Ok(())
+    }
+
+    pub fn id(&self) -> QueueId {
+        self.id
+    }
+
+    /// Entries in each ring.
+    pub fn depth(&self) -> u32 {
+        self.depth
+    }
+
+    /// Commands submitted and not yet reaped.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight
+    }
+
+    /// Commands that can still be submitted before back-pressure.
+    pub fn free_slots(&self) -> usize {
+        self.free.len()
+    }
+
+    pub fn submission_iova(&self) -> crate::types::Iova {
+        self.submission.iova()
+    }
+
+    pub fn completion_iova(&self) -> crate::types::Iova {
+        self.completion.iova()
+    }
+
+    /// The scratch page that belongs to `command_id`'s slot.
+    pub(crate) fn scratch_for(&self, command_id: CommandId) -> Result<DmaRegion, NvmeError> {
+        let slot = usize::from(command_id.0) & ((1 << self.slot_bits) - 1);
+        Ok(self.scratch.subregion(slot * SCRATCH_BYTES, SCRATCH_BYTES)?)
+    }
+
+    fn command_id(&self, slot: u16) -> CommandId {
+        let generation_bits = 16 - self.slot_bits;
+        let generation = self.slots[usize::from(slot)].generation & ((1u32 << generation_bits) - 1) as u16;
+        CommandId(slot | (u32::from(generation) << self.slot_bits) as u16)
+    }
+
+    /// Reserves a slot and returns the command id its entry must carry. The caller then fills
+    /// data pointers (using [`QueuePair::scratch_for`]) and calls [`QueuePair::push`].
+    pub(crate) fn reserve(&mut self, opcode: u8, tag: u64) -> Result<CommandId, NvmeError> {
+        let slot = self.free.pop().ok_or(NvmeError::QueueFull { queue: self.id, depth: self.depth })?;
+        let entry = &mut self.slots[usize::from(slot)];
+        entry.busy = true;
+        entry.opcode = opcode;
+        entry.tag = tag;
+        self.in_flight += 1;
+        Ok(self.command_id(slot))
+    }
+
+    /// Gives back a reserved slot whose command was never pushed.
+    pub(crate) fn unreserve(&mut self, command_id: CommandId) {
+        let slot = command_id.0 & ((1 << self.slot_bits) - 1) as u16;
+        if let Some(entry) = self.slots.get_mut(usize::from(slot)) {
+            if entry.busy {
+                entry.busy = false;
+                self.in_flight -= 1;
+                self.free.push(slot);
+            }
+        }
+    }
+
+    /// Copies a prepared entry into the SQ at the tail. No doorbell: see [`QueuePair::ring_doorbell`].
+    pub(crate) fn push(&mut self, entry: &SubmissionEntry) -> Result<(), NvmeError> {
+        let offset = self.sq_tail as usize * SUBMISSION_ENTRY_BYTES;
+        self.submission.write(offset, &entry.to_bytes())?;
+        self.sq_tail = (self.sq_tail + 1) % self.depth;
+        self.doorbell_pending = true;
+        Ok(())
+    }
+
+    /// Submits a complete entry (command id assigned here); `tag` comes back in its completion.
+    pub fn submit(&mut self, mut entry: SubmissionEntry, tag: u64) -> Result<CommandId, NvmeError> {
+        let command_id = self.reserve(entry.opcode(), tag)?;
+        entry.set_command_id(command_id);
+        if let Err(error) = self.push(&entry) {
+            self.unreserve(command_id);
+            return Err(error);
+        }
+        Ok(command_id)
+    }
+
+    /// Publishes every entry pushed since the last call with one SQ tail doorbell write.
+    pub fn ring_doorbell(&mut self) {
+        if self.doorbell_pending {
+            // Entries were written with plain copies; order them before the doorbell store.
+            fence(Ordering::Release);
+            self.registers.write32(self.sq_doorbell, self.sq_tail);
+            self.doorbell_pending = false;
+        }
+    }
+
+    /// Consumes up to `max` completions, calling `on_completion` for each, and writes the CQ head
+    /// doorbell once. A completion that matches no command in flight is consumed and reported as
+    /// an error (after the completions before it were delivered).
+    pub fn reap(&mut self, max: usize, mut on_completion: impl FnMut(Completion)) -> Result<usize, NvmeError> {
+        let mut reaped = 0;
+        let mut failure = None;
+        while reaped < max {
+            let offset = self.cq_head as usize * COMPLETION_ENTRY_BYTES;
+            let dword3 = self.completion.load_u32(offset + CompletionEntry::DWORD3_OFFSET, Ordering::Acquire)?;
+            let (command_id, status_field, phase) = CompletionEntry::decode_dword3(dword3);
+            if phase != self.phase {
+                break;
+            }
+            let mut bytes = [0u8; COMPLETION_ENTRY_BYTES];
+            self.completion.read(offset, &mut bytes)?;
+            let entry = CompletionEntry::from_bytes(&bytes);
+            self.cq_head += 1;
+            if self.cq_head == self.depth {
+                self.cq_head = 0;
+                self.phase = !self.phase;
+            }
+            reaped += 1;
+            if entry.sq_id != self.id.0 {
+                failure = Some(NvmeError::WrongSubmissionQueue { queue: self.id, reported: entry.sq_id, expected: self.id.0 });
+                break;
+            }
+            let slot_index = command_id.0 & ((1 << self.slot_bits) - 1) as u16;
+            let matches = self.slots.get(usize::from(slot_index)).is_some_and(|slot| slot.busy) && self.command_id(slot_index) == command_id;
+            if !matches {
+                failure = Some(NvmeError::UnexpectedCompletion { queue: self.id, command_id });
+                break;
+            }
+            let slot = &mut self.slots[usize::from(slot_index)];
+            slot.busy = false;
+            slot.generation = slot.generation.wrapping_add(1);
+            let completion = Completion { tag: slot.tag, command_id, opcode: slot.opcode, dw0: entry.dw0, status: NvmeStatus::from_status_field(status_field) };
+            self.free.push(slot_index);
+            self.in_flight -= 1;
+            on_completion(completion);
+        }
+        if reaped > 0 {
+            self.registers.write32(self.cq_doorbell, self.cq_head);
+        }
+        match failure {
+            Some(error) => Err(error),
+            None => Ok(reaped),
+        }
+    }
+
+    /// Reaps until `done` says so or the deadline passes; on timeout, inspects CSTS so that a dead
+    /// or failed controller is reported as such rather than as a slow command.
+    pub fn poll_until(
+        &mut self,
+        deadline: Instant,
+        mut on_completion: impl FnMut(Completion),
+        mut done: impl FnMut(&QueuePair) -> bool,
+    ) -> Result<(), NvmeError> {
+        let started = Instant::now();
+        let mut idle_polls = 0u32;
+        loop {
+            let reaped = self.reap(usize::MAX, &mut on_completion)?;
+            if done(self) {
+                return Ok(());
+            }
+            if reaped > 0 {
+                idle_polls = 0;
+                continue;
+            }
+            idle_polls = idle_polls.saturating_add(1);
+            if idle_polls.is_multiple_of(POLLS_PER_CHECK) {
+                if Instant::now() >= deadline {
+                    return Err(self.diagnose_timeout(started));
+                }
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    }
+
+    /// Why nothing completed: device gone, controller fatal, or a genuine timeout naming the oldest
+    /// outstanding command.
+    pub fn diagnose_timeout(&self, started: Instant) -> NvmeError {
+        let status = ControllerStatus(self.registers.read32(registers::CSTS));
+        if status.device_gone() {
+            return NvmeError::DeviceGone;
+        }
+        if status.fatal() {
+            return NvmeError::ControllerFatal { context: "while waiting for completions" };
+        }
+        let command_id = self
+            .slots
+            .iter()
+            .enumerate()
+            .find(|(_, slot)| slot.busy)
+            .map(|(index, _)| self.command_id(index as u16))
+            .unwrap_or(CommandId(0));
+        NvmeError::Timeout { queue: self.id, command_id, waited_ms: started.elapsed().as_millis() as u64, outstanding: self.in_flight }
+    }
+
+    /// Submits one entry on an idle queue, rings, and waits for it: the admin path and tests.
+    pub fn execute(&mut self, entry: SubmissionEntry, timeout: Duration) -> Result<Completion, NvmeError> {
+        if self.in_flight != 0 {
+            return Err(NvmeError::Unsupported { reason: format!("execute() needs an idle queue; {} has {} commands in flight", self.id, self.in_flight) });
+        }
+        let command_id = self.submit(entry, 0)?;
+        self.ring_doorbell();
+        let mut result = None;
+        self.poll_until(
+            Instant::now() + timeout,
+            |completion| {
+                if completion.command_id == command_id {
+                    result = Some(completion);
+                }
+            },
+            |queue| queue.in_flight == 0,
+        )?;
+        let completion = result.ok_or(NvmeError::UnexpectedCompletion { queue: self.id, command_id })?;
+        completion.into_result(self.id)
+    }
+}
