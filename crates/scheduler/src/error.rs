@@ -1,0 +1,109 @@
+//! The crate's single error type.
+//!
+//! Profile tables come from disk and timelines from other programs: both are untrusted input, so
+//! every rejection names the field and the bucket (or line) that was wrong instead of panicking.
+
+use thiserror::Error;
+
+/// Everything that can go wrong while loading a profile table, building one, scheduling or
+/// simulating.
+#[derive(Debug, Error)]
+pub enum SchedulerError {
+    /// The table was written by a newer format than this build understands.
+    #[error("profile table format_version {found} is not supported (this build reads versions 1..={supported})")]
+    UnsupportedVersion { found: u64, supported: u32 },
+
+    /// A field holds a value that cannot be right (negative, NaN, zero where a step is needed…).
+    #[error("profile table: field `{field}` at {location}: {reason}")]
+    InvalidField {
+        field: String,
+        location: String,
+        reason: String,
+    },
+
+    /// A bucket of the (input length, prefix length) grid is absent.
+    #[error("profile table: missing bucket input_tokens={input_tokens} prefix_tokens={prefix_tokens}")]
+    MissingBucket { input_tokens: u32, prefix_tokens: u32 },
+
+    /// Entries that must be strictly increasing are not (duplicate or out of order).
+    #[error("profile table: `{field}` is not strictly increasing at {location}")]
+    NonMonotonic { field: String, location: String },
+
+    /// The table describes another model or GPU than the one in use.
+    #[error("profile table was built for {field} `{table}`, but `{in_use}` is in use")]
+    IdentityMismatch {
+        field: &'static str,
+        table: String,
+        in_use: String,
+    },
+
+    /// A lookup outside the range the table covers, where no conservative fallback exists.
+    #[error("lookup out of range: {what} = {value} is outside the profiled range [{min}, {max}]")]
+    OutOfRange {
+        what: &'static str,
+        value: u64,
+        min: u64,
+        max: u64,
+    },
+
+    /// The table is not valid JSON or does not have the documented shape.
+    #[error("profile table JSON: {0}")]
+    Parse(#[from] serde_json::Error),
+
+    /// A model, GPU, SSD or simulation parameter is unusable.
+    #[error("invalid configuration: `{field}`: {reason}")]
+    InvalidConfig { field: String, reason: String },
+
+    /// A measured kernel timeline has a malformed line.
+    #[error("timeline line {line}: {reason}")]
+    Timeline { line: usize, reason: String },
+
+    /// A policy asked for something impossible (more IOCBs than are pending, an unknown layer).
+    #[error("policy `{policy}` produced an invalid decision at {location}: {reason}")]
+    InvalidDecision {
+        policy: &'static str,
+        location: String,
+        reason: String,
+    },
+
+    /// The I/O probe (live backend) failed.
+    #[error("I/O probe `{probe}` failed at {point}: {reason}")]
+    Probe {
+        probe: String,
+        point: String,
+        reason: String,
+    },
+}
+
+/// Result alias used throughout the crate.
+pub type Result<T> = std::result::Result<T, SchedulerError>;
+
+/// Helper: reject a float that is NaN, infinite or negative.
+pub(crate) fn check_duration(value_us: f64, field: &str, location: &dyn Fn() -> String) -> Result<()> {
+    if !value_us.is_finite() {
+        return Err(SchedulerError::InvalidField {
+            field: field.to_string(),
+            location: location(),
+            reason: format!("{value_us} is not a finite number"),
+        });
+    }
+    if value_us < 0.0 {
+        return Err(SchedulerError::InvalidField {
+            field: field.to_string(),
+            location: location(),
+            reason: format!("{value_us} is negative"),
+        });
+    }
+    Ok(())
+}
+
+/// Helper: reject a configuration float that is not finite and strictly positive.
+pub(crate) fn check_positive(value: f64, field: &str) -> Result<()> {
+    if !value.is_finite() || value <= 0.0 {
+        return Err(SchedulerError::InvalidConfig {
+            field: field.to_string(),
+            reason: format!("{value} must be a finite number > 0"),
+        });
+    }
+    Ok(())
+}

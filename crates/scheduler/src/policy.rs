@@ -1,0 +1,398 @@
+//! When and how many IOCBs to issue: Tutti's slack-aware policy (§3.3, "Decoupled Scheduling for
+//! Read and Write") and the two baselines it is compared with, behind one trait.
+//!
+//! The runtime (the object store's `retrieve_layer`/`store_layer`, or the simulator) calls
+//! [`IoPolicy::plan_layer`] before each prefill layer, [`IoPolicy::plan_prefill_end`] once the
+//! last layer is done, and [`IoPolicy::plan_decode_step`] before each decode step. A policy only
+//! sees what a runtime knows — the profile table, what is still unissued, and how many issued
+//! IOCBs have not completed yet — and answers with kernels to launch at offsets into the layer.
+
+use crate::error::{Result, SchedulerError};
+use crate::table::{IoKind, LayerProfile, Profile, SlackWindow};
+
+/// One I/O kernel launch.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Issue {
+    pub kind: IoKind,
+    /// Reads: the layer whose cached KV is loaded. Writes: `None` (the oldest queued writes).
+    pub layer: Option<u32>,
+    pub iocb_count: u32,
+    pub sm_budget: u32,
+    /// Launch time from the start of the layer (or decode step).
+    pub offset_us: f64,
+    /// Start only after every read issued before it has completed (a stream dependency, so that
+    /// reads and writes never share the SSD).
+    pub after_reads: bool,
+}
+
+/// The decisions for one prefill layer.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LayerPlan {
+    /// Hold the layer's first kernel until every read of the request completed (no overlap).
+    pub wait_for_all_reads: bool,
+    pub issues: Vec<Issue>,
+}
+
+/// What the runtime knows before a prefill layer begins.
+#[derive(Clone, Copy, Debug)]
+pub struct LayerView<'a> {
+    pub table: &'a Profile,
+    pub input_tokens: u32,
+    pub prefix_tokens: u32,
+    /// The layer about to begin.
+    pub layer: u32,
+    /// IOCBs of each layer's cached KV not issued yet (index = layer).
+    pub unissued_read_iocbs: &'a [u32],
+    /// Issued and not completed, as the completion queue reports.
+    pub outstanding_read_iocbs: u32,
+    pub outstanding_write_iocbs: u32,
+    /// New KV of finished layers waiting to be written, in IOCBs.
+    pub queued_write_iocbs: u32,
+}
+
+/// What the runtime knows at the end of prefill or before a decode step.
+#[derive(Clone, Copy, Debug)]
+pub struct QueueView<'a> {
+    pub table: &'a Profile,
+    /// Context length (prompt plus tokens generated so far).
+    pub context_tokens: u32,
+    pub outstanding_read_iocbs: u32,
+    pub outstanding_write_iocbs: u32,
+    pub queued_write_iocbs: u32,
+}
+
+/// A scheduling policy.
+pub trait IoPolicy {
+    fn name(&self) -> &'static str;
+    fn plan_layer(&mut self, view: &LayerView<'_>) -> Result<LayerPlan>;
+    fn plan_prefill_end(&mut self, view: &QueueView<'_>) -> Result<Vec<Issue>>;
+    fn plan_decode_step(&mut self, view: &QueueView<'_>) -> Result<Vec<Issue>>;
+}
+
+/// The three policies by name (CLI, sweeps).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum PolicyKind {
+    SlackAware,
+    NaivePipeline,
+    NoOverlap,
+}
+
+impl PolicyKind {
+    pub const ALL: [PolicyKind; 3] = [Self::SlackAware, Self::NaivePipeline, Self::NoOverlap];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::SlackAware => "slack-aware",
+            Self::NaivePipeline => "naive-pipeline",
+            Self::NoOverlap => "no-overlap",
+        }
+    }
+
+    pub fn build(self) -> Box<dyn IoPolicy> {
+        match self {
+            Self::SlackAware => Box::new(SlackAware),
+            Self::NaivePipeline => Box::new(NaivePipeline),
+            Self::NoOverlap => Box::new(NoOverlap),
+        }
+    }
+}
+
+fn read_all(layer: u32, iocb_count: u32, sm_budget: u32) -> Issue {
+    Issue {
+        kind: IoKind::Read,
+        layer: Some(layer),
+        iocb_count,
+        sm_budget,
+        offset_us: 0.0,
+        after_reads: false,
+    }
+}
+
+fn write_all(iocb_count: u32, sm_budget: u32, after_reads: bool) -> Issue {
+    Issue {
+        kind: IoKind::Write,
+        layer: None,
+        iocb_count,
+        sm_budget,
+        offset_us: 0.0,
+        after_reads,
+    }
+}
+
+/// Tutti's policy.
+///
+/// Before layer `k`:
+/// 1. any of layer `k`'s own KV still unissued is on the critical path: issue it now;
+/// 2. layer `k+1`'s reads go into this layer's slack windows — in each window as many IOCBs as
+///    the I/O cost table says finish inside it, queued behind reads still in flight. If the
+///    windows cannot hold all of them, no window is suitable (reads are the bottleneck): issue
+///    them all now rather than stall;
+/// 3. windows with room left take reads of later layers (run-ahead);
+/// 4. writes go only into room that is left once *every* read of the request is issued, start
+///    after those reads complete, and must finish inside the window; otherwise they wait for the
+///    decode steps (each step is one window), and what does not fit there stays queued for later
+///    requests (the write backlog).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SlackAware;
+
+/// Output of a window-filling pass.
+struct Fill {
+    issues: Vec<Issue>,
+    ssd_free_at_us: f64,
+}
+
+/// Places `targets` (layer, IOCBs; layer `None` for writes) into `windows`, in order, each
+/// kernel starting once the SSD is estimated free and finishing before its window closes.
+fn fill_windows(
+    table: &Profile,
+    kind: IoKind,
+    windows: &[SlackWindow],
+    mut ssd_free_at_us: f64,
+    targets: &mut [(Option<u32>, u32)],
+) -> Result<Fill> {
+    let budget_max = table.io_sm_budget_max(kind);
+    let mut issues = Vec::new();
+    for window in windows {
+        let budget = window.free_sms.min(budget_max);
+        if budget == 0 {
+            continue;
+        }
+        for target in targets.iter_mut().filter(|t| t.1 > 0) {
+            // Kernels of one window queue behind each other on the SSD.
+            let start_us = window.offset_us.max(ssd_free_at_us);
+            let room_us = window.end_us() - start_us;
+            if room_us <= 0.0 {
+                break;
+            }
+            let count = largest_fitting(table, kind, budget, target.1, room_us)?;
+            if count == 0 {
+                break;
+            }
+            issues.push(Issue {
+                kind,
+                layer: target.0,
+                iocb_count: count,
+                sm_budget: budget,
+                offset_us: start_us,
+                after_reads: kind == IoKind::Write,
+            });
+            target.1 -= count;
+            ssd_free_at_us = start_us + table.io_duration_us(kind, count, budget)?;
+            if target.1 > 0 {
+                // This window is full; the rest of the target goes to the next one.
+                break;
+            }
+        }
+    }
+    Ok(Fill {
+        issues,
+        ssd_free_at_us,
+    })
+}
+
+/// The most IOCBs (≤ `want`) whose kernel finishes within `room_us`; 0 if none does or the budget
+/// is below every profiled one.
+fn largest_fitting(table: &Profile, kind: IoKind, budget: u32, want: u32, room_us: f64) -> Result<u32> {
+    let fits = |n: u32| -> Result<bool> {
+        match table.io_duration_us(kind, n, budget) {
+            Ok(d) => Ok(d <= room_us),
+            Err(SchedulerError::OutOfRange { .. }) => Ok(false),
+            Err(e) => Err(e),
+        }
+    };
+    if !fits(1)? {
+        return Ok(0);
+    }
+    // Durations are validated non-decreasing in the count: binary search.
+    let (mut lo, mut hi) = (1u32, want);
+    while lo < hi {
+        let mid = lo + (hi - lo).div_ceil(2);
+        if fits(mid)? {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    Ok(lo)
+}
+
+impl SlackAware {
+    fn layer_profile<'a>(view: &LayerView<'a>) -> Result<&'a LayerProfile> {
+        let bucket = view.table.bucket(view.input_tokens, view.prefix_tokens)?;
+        bucket
+            .layers
+            .get(view.layer as usize)
+            .ok_or_else(|| SchedulerError::OutOfRange {
+                what: "layer",
+                value: u64::from(view.layer),
+                min: 0,
+                max: bucket.layers.len().saturating_sub(1) as u64,
+            })
+    }
+}
+
+impl IoPolicy for SlackAware {
+    fn name(&self) -> &'static str {
+        PolicyKind::SlackAware.name()
+    }
+
+    fn plan_layer(&mut self, view: &LayerView<'_>) -> Result<LayerPlan> {
+        let table = view.table;
+        let profile = Self::layer_profile(view)?;
+        let read_budget = table.io_sm_budget_max(IoKind::Read);
+        let layer = view.layer as usize;
+        let mut unissued = view.unissued_read_iocbs.to_vec();
+        let mut plan = LayerPlan::default();
+        let mut ssd_free_at_us = table.io_duration_us(IoKind::Read, view.outstanding_read_iocbs, read_budget)?;
+
+        // 1. This layer's KV is needed now.
+        if let Some(own) = unissued.get_mut(layer).filter(|c| **c > 0) {
+            plan.issues.push(read_all(view.layer, *own, read_budget));
+            ssd_free_at_us += table.io_duration_us(IoKind::Read, *own, read_budget)?;
+            *own = 0;
+        }
+
+        // 2 + 3. Next layer into the windows, then run-ahead; if the next layer does not fit,
+        // issue it immediately and run ahead with what is left.
+        let mut targets: Vec<(Option<u32>, u32)> = (layer + 1..unissued.len())
+            .map(|l| (Some(l as u32), unissued[l]))
+            .filter(|t| t.1 > 0)
+            .collect();
+        let mut trial = targets.clone();
+        let fill = fill_windows(table, IoKind::Read, &profile.slack_windows, ssd_free_at_us, &mut trial)?;
+        let next_fits = trial
+            .first()
+            .zip(targets.first())
+            .map_or(true, |(after, before)| before.0 != Some(view.layer + 1) || after.1 == 0);
+        let fill = if next_fits {
+            targets = trial;
+            fill
+        } else {
+            let next = targets.remove(0);
+            plan.issues.push(read_all(view.layer + 1, next.1, read_budget));
+            ssd_free_at_us += table.io_duration_us(IoKind::Read, next.1, read_budget)?;
+            fill_windows(table, IoKind::Read, &profile.slack_windows, ssd_free_at_us, &mut targets)?
+        };
+        plan.issues.extend(fill.issues);
+        ssd_free_at_us = fill.ssd_free_at_us;
+
+        // 4. Writes only once no read of this request is left to issue.
+        let reads_left: u32 = targets.iter().map(|t| t.1).sum();
+        if reads_left == 0 && view.queued_write_iocbs > 0 {
+            let write_budget = table.io_sm_budget_max(IoKind::Write);
+            let writes_free_at_us =
+                table.io_duration_us(IoKind::Write, view.outstanding_write_iocbs, write_budget)?;
+            let mut writes = [(None, view.queued_write_iocbs)];
+            let fill = fill_windows(
+                table,
+                IoKind::Write,
+                &profile.slack_windows,
+                ssd_free_at_us.max(writes_free_at_us),
+                &mut writes,
+            )?;
+            plan.issues.extend(fill.issues);
+        }
+        Ok(plan)
+    }
+
+    fn plan_prefill_end(&mut self, _view: &QueueView<'_>) -> Result<Vec<Issue>> {
+        // Deferred writes wait for decode slack: issuing them now would contend with the next
+        // request's reads.
+        Ok(Vec::new())
+    }
+
+    fn plan_decode_step(&mut self, view: &QueueView<'_>) -> Result<Vec<Issue>> {
+        if view.queued_write_iocbs == 0 {
+            return Ok(Vec::new());
+        }
+        let step = view.table.decode_step(view.context_tokens)?;
+        let window = SlackWindow {
+            offset_us: 0.0,
+            duration_us: step.duration_us,
+            free_sms: step.free_sms,
+        };
+        let table = view.table;
+        let read_budget = table.io_sm_budget_max(IoKind::Read);
+        let write_budget = table.io_sm_budget_max(IoKind::Write);
+        let busy_until_us = table
+            .io_duration_us(IoKind::Read, view.outstanding_read_iocbs, read_budget)?
+            .max(table.io_duration_us(IoKind::Write, view.outstanding_write_iocbs, write_budget)?);
+        let mut writes = [(None, view.queued_write_iocbs)];
+        Ok(fill_windows(table, IoKind::Write, &[window], busy_until_us, &mut writes)?.issues)
+    }
+}
+
+/// Layer-wise pipelining without a schedule: before layer `k`, read layer `k+1` and write layer
+/// `k−1` at once, whatever else the SSD is doing (what Tutti §3.3 argues against).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct NaivePipeline;
+
+impl IoPolicy for NaivePipeline {
+    fn name(&self) -> &'static str {
+        PolicyKind::NaivePipeline.name()
+    }
+
+    fn plan_layer(&mut self, view: &LayerView<'_>) -> Result<LayerPlan> {
+        let budget = view.table.io_sm_budget_max(IoKind::Read);
+        let mut plan = LayerPlan::default();
+        for layer in [view.layer, view.layer + 1] {
+            if let Some(&count) = view.unissued_read_iocbs.get(layer as usize).filter(|c| **c > 0) {
+                plan.issues.push(read_all(layer, count, budget));
+            }
+        }
+        if view.queued_write_iocbs > 0 {
+            let write_budget = view.table.io_sm_budget_max(IoKind::Write);
+            plan.issues.push(write_all(view.queued_write_iocbs, write_budget, false));
+        }
+        Ok(plan)
+    }
+
+    fn plan_prefill_end(&mut self, view: &QueueView<'_>) -> Result<Vec<Issue>> {
+        Ok(flush_writes(view))
+    }
+
+    fn plan_decode_step(&mut self, view: &QueueView<'_>) -> Result<Vec<Issue>> {
+        Ok(flush_writes(view))
+    }
+}
+
+/// Load every layer's KV, then compute; write everything after the last layer.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct NoOverlap;
+
+impl IoPolicy for NoOverlap {
+    fn name(&self) -> &'static str {
+        PolicyKind::NoOverlap.name()
+    }
+
+    fn plan_layer(&mut self, view: &LayerView<'_>) -> Result<LayerPlan> {
+        let budget = view.table.io_sm_budget_max(IoKind::Read);
+        let issues = view
+            .unissued_read_iocbs
+            .iter()
+            .enumerate()
+            .filter(|(_, &count)| count > 0)
+            .map(|(layer, &count)| read_all(layer as u32, count, budget))
+            .collect();
+        Ok(LayerPlan {
+            wait_for_all_reads: view.layer == 0,
+            issues,
+        })
+    }
+
+    fn plan_prefill_end(&mut self, view: &QueueView<'_>) -> Result<Vec<Issue>> {
+        Ok(flush_writes(view))
+    }
+
+    fn plan_decode_step(&mut self, view: &QueueView<'_>) -> Result<Vec<Issue>> {
+        Ok(flush_writes(view))
+    }
+}
+
+fn flush_writes(view: &QueueView<'_>) -> Vec<Issue> {
+    if view.queued_write_iocbs == 0 {
+        return Vec::new();
+    }
+    let budget = view.table.io_sm_budget_max(IoKind::Write);
+    vec![write_all(view.queued_write_iocbs, budget, false)]
+}

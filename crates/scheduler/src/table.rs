@@ -1,0 +1,599 @@
+//! The profile table: what the slack-aware scheduler reads (Tutti §3.3, "Offline Profiling of SM
+//! Slack Windows").
+//!
+//! # Format (version 1, JSON)
+//!
+//! ```text
+//! {
+//!   "format_version": 1,
+//!   "model": { "name": "llama3-8b", "layer_count": 32, "kv_bytes_per_token_per_layer": 4096 },
+//!   "gpu":   { "name": "h100-sxm", "sm_count": 132 },
+//!   "compute_source": "analytic-roofline …",   // where the compute numbers come from
+//!   "io_cost_source": "analytic-ssd-model …",  // where the I/O cost numbers come from
+//!   "input_step_tokens": 4096, "input_step_count": 8, "prefix_step_tokens": 64,
+//!   "buckets": [ { "input_tokens": 4096, "prefix_tokens": 0,
+//!                  "layers": [ { "compute_duration_us": 812.5, "kv_needed_offset_us": 60.1,
+//!                                "slack_windows": [ { "offset_us": 0.0, "duration_us": 4.1,
+//!                                                     "free_sms": 60 }, … ] }, … ] }, … ],
+//!   "io_costs": [ { "kind": "read", "iocb_count": 1, "sm_budget": 4,
+//!                   "duration_us": 339.2, "bytes": 8388608 }, … ],
+//!   "decode_steps": [ { "context_tokens": 4096, "duration_us": 4400.0, "free_sms": 4 }, … ]
+//! }
+//! ```
+//!
+//! The grid is uniform: input lengths are `input_step_tokens × k` for `k = 1..=input_step_count`;
+//! for each input length, prefix lengths are `prefix_step_tokens × j` for every `j` with
+//! `prefix ≤ input`. Buckets are listed in (input, prefix) order, every grid point present, so a
+//! lookup is an index computation (O(1)). Within a layer, `kv_needed_offset_us` is when the first
+//! kernel that reads the cached KV (attention) starts; slack windows are sorted, do not overlap and
+//! lie inside the layer. `io_costs` rows are sorted by (kind, sm_budget, iocb_count).
+//!
+//! # Lookups between and beyond buckets: conservative rounding
+//!
+//! A lookup never interpolates: it rounds to the grid point whose layer is *cheapest* — input
+//! length rounded down and prefix length rounded up (more cached tokens means fewer new tokens to
+//! compute). Less compute means shorter slack windows, so the scheduler may decide a read does not
+//! fit a window and issue it at once; that costs nothing on the critical path, whereas assuming slack
+//! that does not exist would hold a critical read back or push a write into compute it delays.
+//! An input longer than the table is looked up at the longest input (again the cheaper side);
+//! an input shorter than the first step, or a prefix longer than the input, is
+//! [`SchedulerError::OutOfRange`]. I/O costs round the IOCB count up and the SM budget down (the
+//! slower entry); a count beyond the largest row is costed as back-to-back kernels of the largest
+//! row. Decode steps round the context down, and clamp to the longest profiled context.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{check_duration, Result, SchedulerError};
+
+/// The newest format this build reads and writes.
+pub const PROFILE_FORMAT_VERSION: u32 = 1;
+
+/// Window bounds may exceed the layer by this much (float rounding in producers).
+const WINDOW_EPSILON_US: f64 = 1e-6;
+
+/// Which model the table was profiled for.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelIdentity {
+    pub name: String,
+    pub layer_count: u32,
+    /// K and V of one token in one layer.
+    pub kv_bytes_per_token_per_layer: u64,
+}
+
+/// Which GPU the table was profiled on.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GpuIdentity {
+    pub name: String,
+    pub sm_count: u32,
+}
+
+/// A period inside a layer when `free_sms` SMs are idle and I/O can run without delaying compute.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SlackWindow {
+    /// From the start of the layer.
+    pub offset_us: f64,
+    pub duration_us: f64,
+    pub free_sms: u32,
+}
+
+impl SlackWindow {
+    /// When the window closes, from the start of the layer.
+    pub fn end_us(&self) -> f64 {
+        self.offset_us + self.duration_us
+    }
+}
+
+/// One transformer layer of one bucket.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LayerProfile {
+    pub compute_duration_us: f64,
+    /// Offset of the first kernel that needs this layer's cached KV (attention).
+    pub kv_needed_offset_us: f64,
+    pub slack_windows: Vec<SlackWindow>,
+}
+
+/// All layers for one (input length, prefix length) pair.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Bucket {
+    /// Prompt length, cached prefix included.
+    pub input_tokens: u32,
+    /// Cached prefix length (tokens whose KV is read rather than computed).
+    pub prefix_tokens: u32,
+    pub layers: Vec<LayerProfile>,
+}
+
+/// Read or write.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum IoKind {
+    Read,
+    Write,
+}
+
+/// Cost of one I/O kernel of `iocb_count` IOCBs on `sm_budget` SMs.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct IoCostEntry {
+    pub kind: IoKind,
+    pub iocb_count: u32,
+    pub sm_budget: u32,
+    pub duration_us: f64,
+    pub bytes: u64,
+}
+
+/// One decode step (one token for the whole batch) at a context length.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DecodeStep {
+    pub context_tokens: u32,
+    pub duration_us: f64,
+    /// SMs idle for the whole step (decode is memory-bound).
+    pub free_sms: u32,
+}
+
+/// The on-disk table. Load it through [`Profile`], which validates it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProfileTable {
+    pub format_version: u32,
+    pub model: ModelIdentity,
+    pub gpu: GpuIdentity,
+    /// Where the compute numbers come from ("analytic-roofline", "imported-timeline: file").
+    pub compute_source: String,
+    /// Where the I/O cost numbers come from ("analytic-ssd-model", "measured: backend").
+    pub io_cost_source: String,
+    pub input_step_tokens: u32,
+    pub input_step_count: u32,
+    pub prefix_step_tokens: u32,
+    pub buckets: Vec<Bucket>,
+    pub io_costs: Vec<IoCostEntry>,
+    pub decode_steps: Vec<DecodeStep>,
+}
+
+/// A validated table with its lookup index.
+#[derive(Clone, Debug)]
+pub struct Profile {
+    table: ProfileTable,
+    /// `bucket_start[k]` = index of the first bucket of input length `step × (k + 1)`.
+    bucket_start: Vec<usize>,
+}
+
+fn bucket_label(input_tokens: u32, prefix_tokens: u32) -> String {
+    format!("bucket(input_tokens={input_tokens}, prefix_tokens={prefix_tokens})")
+}
+
+fn invalid(field: &str, location: String, reason: impl Into<String>) -> SchedulerError {
+    SchedulerError::InvalidField {
+        field: field.to_string(),
+        location,
+        reason: reason.into(),
+    }
+}
+
+impl Profile {
+    /// Parses and validates a JSON table. The version is checked before the shape so that a future
+    /// table with new fields is reported as a version problem, not as a parse error.
+    pub fn from_json(text: &str) -> Result<Self> {
+        let value: serde_json::Value = serde_json::from_str(text)?;
+        match value.get("format_version").and_then(serde_json::Value::as_u64) {
+            Some(found) if found > u64::from(PROFILE_FORMAT_VERSION) => {
+                return Err(SchedulerError::UnsupportedVersion {
+                    found,
+                    supported: PROFILE_FORMAT_VERSION,
+                })
+            }
+            Some(_) => {}
+            None => {
+                return Err(invalid(
+                    "format_version",
+                    "table".into(),
+                    "missing or not an unsigned integer",
+                ))
+            }
+        }
+        let table: ProfileTable = serde_json::from_value(value)?;
+        Self::from_table(table)
+    }
+
+    /// Validates a table built in memory.
+    pub fn from_table(table: ProfileTable) -> Result<Self> {
+        let bucket_start = validate(&table)?;
+        Ok(Self {
+            table,
+            bucket_start,
+        })
+    }
+
+    /// Serializes the table (pretty JSON).
+    pub fn to_json(&self) -> Result<String> {
+        Ok(serde_json::to_string_pretty(&self.table)?)
+    }
+
+    pub fn table(&self) -> &ProfileTable {
+        &self.table
+    }
+
+    pub fn model(&self) -> &ModelIdentity {
+        &self.table.model
+    }
+
+    pub fn gpu(&self) -> &GpuIdentity {
+        &self.table.gpu
+    }
+
+    pub fn layer_count(&self) -> u32 {
+        self.table.model.layer_count
+    }
+
+    /// Rejects a table profiled for another model or GPU than the one in use.
+    pub fn check_identity(&self, model: &ModelIdentity, gpu: &GpuIdentity) -> Result<()> {
+        let t = &self.table;
+        if t.model.name != model.name {
+            return Err(SchedulerError::IdentityMismatch {
+                field: "model.name",
+                table: t.model.name.clone(),
+                in_use: model.name.clone(),
+            });
+        }
+        if t.model.layer_count != model.layer_count {
+            return Err(SchedulerError::IdentityMismatch {
+                field: "model.layer_count",
+                table: t.model.layer_count.to_string(),
+                in_use: model.layer_count.to_string(),
+            });
+        }
+        if t.model.kv_bytes_per_token_per_layer != model.kv_bytes_per_token_per_layer {
+            return Err(SchedulerError::IdentityMismatch {
+                field: "model.kv_bytes_per_token_per_layer",
+                table: t.model.kv_bytes_per_token_per_layer.to_string(),
+                in_use: model.kv_bytes_per_token_per_layer.to_string(),
+            });
+        }
+        if t.gpu.name != gpu.name {
+            return Err(SchedulerError::IdentityMismatch {
+                field: "gpu.name",
+                table: t.gpu.name.clone(),
+                in_use: gpu.name.clone(),
+            });
+        }
+        if t.gpu.sm_count != gpu.sm_count {
+            return Err(SchedulerError::IdentityMismatch {
+                field: "gpu.sm_count",
+                table: t.gpu.sm_count.to_string(),
+                in_use: gpu.sm_count.to_string(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Largest profiled input length.
+    pub fn input_tokens_max(&self) -> u32 {
+        self.table.input_step_tokens * self.table.input_step_count
+    }
+
+    /// All input lengths of the grid, shortest first.
+    pub fn input_lengths(&self) -> impl Iterator<Item = u32> + '_ {
+        (1..=self.table.input_step_count).map(|k| k * self.table.input_step_tokens)
+    }
+
+    /// All prefix lengths profiled for one grid input length.
+    pub fn prefix_lengths(&self, input_tokens: u32) -> impl Iterator<Item = u32> + '_ {
+        let step = self.table.prefix_step_tokens;
+        (0..=input_tokens / step).map(move |j| j * step)
+    }
+
+    /// The bucket for a request, rounded conservatively (see the module documentation).
+    pub fn bucket(&self, input_tokens: u32, prefix_tokens: u32) -> Result<&Bucket> {
+        let t = &self.table;
+        if prefix_tokens > input_tokens {
+            return Err(SchedulerError::OutOfRange {
+                what: "prefix_tokens",
+                value: u64::from(prefix_tokens),
+                min: 0,
+                max: u64::from(input_tokens),
+            });
+        }
+        let max = self.input_tokens_max();
+        if input_tokens < t.input_step_tokens {
+            return Err(SchedulerError::OutOfRange {
+                what: "input_tokens",
+                value: u64::from(input_tokens),
+                min: u64::from(t.input_step_tokens),
+                max: u64::from(max),
+            });
+        }
+        // Longer than profiled: the longest input is the cheaper side, hence conservative.
+        let input_index = (input_tokens.min(max) / t.input_step_tokens) as usize;
+        let input_rounded = input_index as u32 * t.input_step_tokens;
+        let prefix_rounded_up = prefix_tokens.div_ceil(t.prefix_step_tokens) * t.prefix_step_tokens;
+        // A prefix rounded past the (rounded-down) input means "everything cached": the cheapest
+        // bucket of that input, still the conservative side.
+        let prefix_index = (prefix_rounded_up.min(input_rounded) / t.prefix_step_tokens) as usize;
+        let index = self.bucket_start[input_index - 1] + prefix_index;
+        // Validation guarantees the index exists; `get` keeps a broken invariant from panicking.
+        t.buckets.get(index).ok_or(SchedulerError::MissingBucket {
+            input_tokens: input_rounded,
+            prefix_tokens: prefix_rounded_up.min(input_rounded),
+        })
+    }
+
+    /// Estimated duration of one I/O kernel, rounded to the slower profiled entry.
+    pub fn io_duration_us(&self, kind: IoKind, iocb_count: u32, sm_budget: u32) -> Result<f64> {
+        if iocb_count == 0 {
+            return Ok(0.0);
+        }
+        let rows = self.table.io_costs.iter().filter(|r| r.kind == kind);
+        // Largest profiled budget not above the one requested: fewer SMs is never faster.
+        let budget = rows
+            .clone()
+            .map(|r| r.sm_budget)
+            .filter(|&b| b <= sm_budget)
+            .max()
+            .ok_or_else(|| SchedulerError::OutOfRange {
+                what: "sm_budget",
+                value: u64::from(sm_budget),
+                min: self.io_budget_min(kind),
+                max: u64::from(self.table.gpu.sm_count),
+            })?;
+        let mut largest: Option<&IoCostEntry> = None;
+        for row in rows.filter(|r| r.sm_budget == budget) {
+            if row.iocb_count >= iocb_count {
+                return Ok(row.duration_us);
+            }
+            largest = Some(row);
+        }
+        // Beyond the table: back-to-back kernels of the largest profiled count (ignores any
+        // pipelining between them, so it over-estimates).
+        let largest = largest.ok_or_else(|| invalid("io_costs", format!("kind={kind:?}"), "no rows"))?;
+        let full = iocb_count / largest.iocb_count;
+        let rest = iocb_count % largest.iocb_count;
+        let rest_us = if rest == 0 {
+            0.0
+        } else {
+            self.io_duration_us(kind, rest, sm_budget)?
+        };
+        Ok(f64::from(full) * largest.duration_us + rest_us)
+    }
+
+    fn io_budget_min(&self, kind: IoKind) -> u64 {
+        self.table
+            .io_costs
+            .iter()
+            .filter(|r| r.kind == kind)
+            .map(|r| u64::from(r.sm_budget))
+            .min()
+            .unwrap_or(0)
+    }
+
+    /// The largest profiled SM budget for a kind (what an I/O kernel asks for by default).
+    pub fn io_sm_budget_max(&self, kind: IoKind) -> u32 {
+        self.table
+            .io_costs
+            .iter()
+            .filter(|r| r.kind == kind)
+            .map(|r| r.sm_budget)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// The decode step at a context length, rounded down (shorter step, less slack).
+    pub fn decode_step(&self, context_tokens: u32) -> Result<DecodeStep> {
+        let steps = &self.table.decode_steps;
+        let first = steps.first().map(|s| s.context_tokens).unwrap_or(0);
+        let last = steps.last().map(|s| s.context_tokens).unwrap_or(0);
+        let index = steps.partition_point(|s| s.context_tokens <= context_tokens);
+        if index == 0 {
+            return Err(SchedulerError::OutOfRange {
+                what: "context_tokens",
+                value: u64::from(context_tokens),
+                min: u64::from(first),
+                max: u64::from(last),
+            });
+        }
+        Ok(steps[index - 1])
+    }
+}
+
+/// Checks everything the lookups rely on; returns the per-input bucket offsets.
+fn validate(t: &ProfileTable) -> Result<Vec<usize>> {
+    let table = || "table".to_string();
+    if t.format_version == 0 || t.format_version > PROFILE_FORMAT_VERSION {
+        return Err(SchedulerError::UnsupportedVersion {
+            found: u64::from(t.format_version),
+            supported: PROFILE_FORMAT_VERSION,
+        });
+    }
+    if t.model.name.is_empty() {
+        return Err(invalid("model.name", table(), "empty"));
+    }
+    if t.model.layer_count == 0 {
+        return Err(invalid("model.layer_count", table(), "must be > 0"));
+    }
+    if t.model.kv_bytes_per_token_per_layer == 0 {
+        return Err(invalid("model.kv_bytes_per_token_per_layer", table(), "must be > 0"));
+    }
+    if t.gpu.name.is_empty() {
+        return Err(invalid("gpu.name", table(), "empty"));
+    }
+    if t.gpu.sm_count == 0 {
+        return Err(invalid("gpu.sm_count", table(), "must be > 0"));
+    }
+    for (field, value) in [
+        ("input_step_tokens", t.input_step_tokens),
+        ("input_step_count", t.input_step_count),
+        ("prefix_step_tokens", t.prefix_step_tokens),
+    ] {
+        if value == 0 {
+            return Err(invalid(field, table(), "must be > 0"));
+        }
+    }
+    if t.input_step_tokens.checked_mul(t.input_step_count).is_none() {
+        return Err(invalid("input_step_count", table(), "input range overflows u32"));
+    }
+
+    // Walk the expected grid in order alongside the listed buckets.
+    let mut bucket_start = Vec::with_capacity(t.input_step_count as usize);
+    let mut index = 0usize;
+    for k in 1..=t.input_step_count {
+        let input_tokens = k * t.input_step_tokens;
+        bucket_start.push(index);
+        for j in 0..=input_tokens / t.prefix_step_tokens {
+            let prefix_tokens = j * t.prefix_step_tokens;
+            let Some(bucket) = t.buckets.get(index) else {
+                return Err(SchedulerError::MissingBucket {
+                    input_tokens,
+                    prefix_tokens,
+                });
+            };
+            let found = (bucket.input_tokens, bucket.prefix_tokens);
+            if found != (input_tokens, prefix_tokens) {
+                // Smaller than expected: listed twice or out of order. Larger: we skipped one.
+                if found < (input_tokens, prefix_tokens) {
+                    return Err(SchedulerError::NonMonotonic {
+                        field: "buckets".into(),
+                        location: bucket_label(bucket.input_tokens, bucket.prefix_tokens),
+                    });
+                }
+                return Err(SchedulerError::MissingBucket {
+                    input_tokens,
+                    prefix_tokens,
+                });
+            }
+            validate_bucket(t, bucket)?;
+            index += 1;
+        }
+    }
+    if let Some(extra) = t.buckets.get(index) {
+        return Err(invalid(
+            "buckets",
+            bucket_label(extra.input_tokens, extra.prefix_tokens),
+            "not on the grid declared by input_step_tokens/input_step_count/prefix_step_tokens",
+        ));
+    }
+
+    validate_io_costs(t)?;
+    validate_decode_steps(t)?;
+    Ok(bucket_start)
+}
+
+fn validate_bucket(t: &ProfileTable, bucket: &Bucket) -> Result<()> {
+    let label = bucket_label(bucket.input_tokens, bucket.prefix_tokens);
+    if bucket.layers.len() != t.model.layer_count as usize {
+        return Err(invalid(
+            "layers",
+            label,
+            format!("{} layers listed, model has {}", bucket.layers.len(), t.model.layer_count),
+        ));
+    }
+    for (layer_index, layer) in bucket.layers.iter().enumerate() {
+        let at = || format!("{label} layer {layer_index}");
+        check_duration(layer.compute_duration_us, "compute_duration_us", &at)?;
+        check_duration(layer.kv_needed_offset_us, "kv_needed_offset_us", &at)?;
+        if layer.kv_needed_offset_us > layer.compute_duration_us + WINDOW_EPSILON_US {
+            return Err(invalid("kv_needed_offset_us", at(), "after the end of the layer"));
+        }
+        let mut previous_end_us = 0.0;
+        for (window_index, window) in layer.slack_windows.iter().enumerate() {
+            let at_window = || format!("{label} layer {layer_index} window {window_index}");
+            check_duration(window.offset_us, "slack_windows.offset_us", &at_window)?;
+            check_duration(window.duration_us, "slack_windows.duration_us", &at_window)?;
+            if window.offset_us + WINDOW_EPSILON_US < previous_end_us {
+                return Err(SchedulerError::NonMonotonic {
+                    field: "slack_windows.offset_us".into(),
+                    location: at_window(),
+                });
+            }
+            if window.end_us() > layer.compute_duration_us + WINDOW_EPSILON_US {
+                return Err(invalid(
+                    "slack_windows.duration_us",
+                    at_window(),
+                    "window ends after the layer",
+                ));
+            }
+            if window.free_sms > t.gpu.sm_count {
+                return Err(invalid(
+                    "slack_windows.free_sms",
+                    at_window(),
+                    format!("{} exceeds the GPU's {} SMs", window.free_sms, t.gpu.sm_count),
+                ));
+            }
+            previous_end_us = window.end_us();
+        }
+    }
+    Ok(())
+}
+
+fn validate_io_costs(t: &ProfileTable) -> Result<()> {
+    for kind in [IoKind::Read, IoKind::Write] {
+        if !t.io_costs.iter().any(|r| r.kind == kind) {
+            return Err(invalid("io_costs", format!("kind={kind:?}"), "no rows for this kind"));
+        }
+    }
+    let mut previous: Option<&IoCostEntry> = None;
+    for (row_index, row) in t.io_costs.iter().enumerate() {
+        let at = || {
+            format!(
+                "io_costs[{row_index}] (kind={:?}, iocb_count={}, sm_budget={})",
+                row.kind, row.iocb_count, row.sm_budget
+            )
+        };
+        check_duration(row.duration_us, "io_costs.duration_us", &at)?;
+        if row.duration_us == 0.0 {
+            return Err(invalid("io_costs.duration_us", at(), "must be > 0"));
+        }
+        if row.iocb_count == 0 {
+            return Err(invalid("io_costs.iocb_count", at(), "must be > 0"));
+        }
+        if row.sm_budget == 0 || row.sm_budget > t.gpu.sm_count {
+            return Err(invalid("io_costs.sm_budget", at(), "must be in 1..=gpu.sm_count"));
+        }
+        if row.bytes == 0 {
+            return Err(invalid("io_costs.bytes", at(), "must be > 0"));
+        }
+        if let Some(p) = previous {
+            let key = |r: &IoCostEntry| (r.kind, r.sm_budget, r.iocb_count);
+            if key(row) <= key(p) {
+                return Err(SchedulerError::NonMonotonic {
+                    field: "io_costs".into(),
+                    location: at(),
+                });
+            }
+            // More IOCBs on the same budget cannot finish sooner; a table saying so is corrupt.
+            if p.kind == row.kind && p.sm_budget == row.sm_budget && row.duration_us < p.duration_us {
+                return Err(SchedulerError::NonMonotonic {
+                    field: "io_costs.duration_us".into(),
+                    location: at(),
+                });
+            }
+        }
+        previous = Some(row);
+    }
+    Ok(())
+}
+
+fn validate_decode_steps(t: &ProfileTable) -> Result<()> {
+    if t.decode_steps.is_empty() {
+        return Err(invalid("decode_steps", "table".into(), "no rows"));
+    }
+    let mut previous: Option<u32> = None;
+    for (row_index, step) in t.decode_steps.iter().enumerate() {
+        let at = || format!("decode_steps[{row_index}] (context_tokens={})", step.context_tokens);
+        check_duration(step.duration_us, "decode_steps.duration_us", &at)?;
+        if step.free_sms > t.gpu.sm_count {
+            return Err(invalid("decode_steps.free_sms", at(), "exceeds gpu.sm_count"));
+        }
+        if previous.is_some_and(|p| step.context_tokens <= p) {
+            return Err(SchedulerError::NonMonotonic {
+                field: "decode_steps.context_tokens".into(),
+                location: at(),
+            });
+        }
+        previous = Some(step.context_tokens);
+    }
+    Ok(())
+}
