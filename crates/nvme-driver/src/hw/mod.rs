@@ -12,11 +12,13 @@
 #![allow(unsafe_code)]
 
 mod memory;
+pub mod vfio;
 
 use std::io;
 use std::sync::Arc;
 
 pub use memory::{DmaPool, DmaRegion, HostMemory, IdentityMapper, IommuMapper, PageKind};
+pub use vfio::{VfioDevice, VfioError};
 
 use crate::types::Iova;
 
@@ -39,6 +41,8 @@ pub enum HwError {
     Unmapped { iova: Iova, len: usize },
     #[error("device backend '{backend}': {message}")]
     Backend { backend: &'static str, message: String },
+    #[error(transparent)]
+    Vfio(#[from] vfio::VfioError),
 }
 
 /// Volatile access to a controller's register space (BAR0), NVMe base spec §3.1.

@@ -50,6 +50,8 @@ pub enum VfioError {
     NoType1v2,
     #[error("{operation} on {address} failed: {source}")]
     Ioctl { address: PciAddress, operation: &'static str, source: io::Error },
+    #[error("{operation} failed: {source}")]
+    Kernel { operation: &'static str, source: io::Error },
     #[error("opening {path} failed: {source}")]
     Open { path: PathBuf, source: io::Error },
     #[error("{address} is not a PCI device as VFIO reports it (device flags {flags:#x})")]

@@ -1,0 +1,137 @@
+//! BAR0 mapped from the VFIO device fd: the controller's registers as volatile memory.
+
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use super::error::VfioError;
+use super::sysfs::PciAddress;
+use crate::hw::RegisterIo;
+
+/// A shared mapping of BAR0, unmapped on drop. Holds the device fd so the mapping never outlives
+/// the device it belongs to.
+#[derive(Debug)]
+pub struct MappedBar {
+    base: NonNull<u8>,
+    len: usize,
+    _device: Arc<OwnedFd>,
+}
+
+// SAFETY: the mapping is device memory accessed only through volatile reads/writes of plain
+// integers; any thread may issue them (the hardware serialises register accesses).
+unsafe impl Send for MappedBar {}
+// SAFETY: as above; no Rust reference into the mapping is ever created.
+unsafe impl Sync for MappedBar {}
+
+impl MappedBar {
+    /// Maps `len` bytes of the region at `region_offset` of the device fd.
+    pub fn map(address: PciAddress, device: Arc<OwnedFd>, region_offset: u64, len: usize) -> Result<Self, VfioError> {
+        let size_bytes = len as u64;
+        let offset = libc::off_t::try_from(region_offset).map_err(|_| VfioError::BarMmap {
+            address,
+            size_bytes,
+            source: std::io::Error::from(std::io::ErrorKind::InvalidInput),
+        })?;
+        // SAFETY: a shared mapping of a VFIO region with a null hint; the kernel validates offset
+        // and length against the region and the result is checked before use.
+        let pointer = unsafe {
+            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, device.as_raw_fd(), offset)
+        };
+        if pointer == libc::MAP_FAILED {
+            return Err(VfioError::BarMmap { address, size_bytes, source: std::io::Error::last_os_error() });
+        }
+        let base = NonNull::new(pointer.cast::<u8>()).ok_or(VfioError::BarMmap {
+            address,
+            size_bytes,
+            source: std::io::Error::other("mmap returned null"),
+        })?;
+        Ok(Self { base, len, _device: device })
+    }
+
+    /// The register's address if `offset..offset+width` lies inside the BAR and is naturally
+    /// aligned; registers are never accessed across their natural boundary.
+    fn register(&self, offset: usize, width: usize) -> Option<*mut u8> {
+        let end = offset.checked_add(width)?;
+        if end > self.len || !offset.is_multiple_of(width) {
+            return None;
+        }
+        // SAFETY: offset + width <= len (checked), so the pointer stays inside the mapping.
+        Some(unsafe { self.base.as_ptr().add(offset) })
+    }
+}
+
+impl RegisterIo for MappedBar {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn read32(&self, offset: usize) -> u32 {
+        match self.register(offset, 4) {
+            // SAFETY: in bounds and 4-byte aligned (checked by `register`); a volatile load of
+            // exactly 32 bits, as the register requires.
+            Some(pointer) => unsafe { pointer.cast::<u32>().read_volatile() },
+            None => u32::MAX,
+        }
+    }
+
+    fn write32(&self, offset: usize, value: u32) {
+        if let Some(pointer) = self.register(offset, 4) {
+            // SAFETY: in bounds and aligned (checked); a single 32-bit volatile store.
+            unsafe { pointer.cast::<u32>().write_volatile(value) }
+        }
+    }
+
+    fn read64(&self, offset: usize) -> u64 {
+        match self.register(offset, 8) {
+            // SAFETY: in bounds and 8-byte aligned (checked); on x86_64 this is one 64-bit load,
+            // which NVMe controllers accept for CAP/ASQ/ACQ (§3.1.1).
+            Some(pointer) => unsafe { pointer.cast::<u64>().read_volatile() },
+            None => u64::MAX,
+        }
+    }
+
+    fn write64(&self, offset: usize, value: u64) {
+        if let Some(pointer) = self.register(offset, 8) {
+            // SAFETY: in bounds and aligned (checked); a single 64-bit volatile store.
+            unsafe { pointer.cast::<u64>().write_volatile(value) }
+        }
+    }
+}
+
+impl Drop for MappedBar {
+    fn drop(&mut self) {
+        // SAFETY: base/len are exactly the mapping created in `map`; no pointer derived from it
+        // survives (they are only formed inside the accessors above).
+        unsafe {
+            libc::munmap(self.base.as_ptr().cast(), self.len);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn out_of_range_and_misaligned_accesses_read_all_ones() {
+        // Goal: the bounds logic of BAR access, exercised on an ordinary file mapping (no VFIO
+        // here): in-range accesses round-trip, others read as a vanished device and drop writes.
+        let mut file = tempfile::tempfile().unwrap();
+        std::io::Write::write_all(&mut file, &[0u8; 8192]).unwrap();
+        let fd = Arc::new(OwnedFd::from(file));
+        let address = "0000:00:04.0".parse().unwrap();
+        let bar = MappedBar::map(address, fd, 0, 8192).unwrap();
+        bar.write32(0x14, 0x0046_0001);
+        assert_eq!(bar.read32(0x14), 0x0046_0001);
+        bar.write64(0x28, 0x1234_5678_9abc_def0);
+        assert_eq!(bar.read64(0x28), 0x1234_5678_9abc_def0);
+        assert_eq!(bar.read32(0x2C), 0x1234_5678, "64-bit registers are little endian");
+        assert_eq!(bar.read32(8192), u32::MAX);
+        assert_eq!(bar.read32(8190), u32::MAX);
+        assert_eq!(bar.read64(8188), u64::MAX);
+        assert_eq!(bar.read32(0x15), u32::MAX, "misaligned");
+        assert_eq!(bar.read64(0x2C), u64::MAX, "misaligned");
+        bar.write32(usize::MAX - 1, 7); // must neither wrap nor fault
+        assert_eq!(bar.len(), 8192);
+    }
+}

@@ -1,0 +1,285 @@
+//! The VFIO backend: one NVMe PCI function bound to vfio-pci, driven from user space with the
+//! IOMMU on.
+//!
+//! Opening a device walks the legacy container/group interface:
+//! 1. sysfs: the function exists, is bound to vfio-pci and has an IOMMU group;
+//! 2. `/dev/vfio/vfio` (container) + `/dev/vfio/<group>`: viable group, type1v2 IOMMU;
+//! 3. the device fd; PCI Command register: memory space + bus mastering on (vfio-pci leaves bus
+//!    mastering off, and a controller that cannot master fails its first DMA with CSTS.CFS=1);
+//! 4. BAR0 mmapped for [`RegisterIo`];
+//! 5. a [`DmaPool`] whose IOVAs come from the IOMMU's reported ranges and whose mappings are
+//!    programmed with `VFIO_IOMMU_MAP_DMA`.
+//!
+//! Dropping the device (and the last DMA region) closes the fds, which makes the kernel remove
+//! every mapping and reset the function, so a second run in the same system starts clean.
+
+mod bar;
+mod error;
+mod iommu;
+mod sys;
+mod sysfs;
+mod uapi;
+
+use std::ffi::CString;
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+pub use bar::MappedBar;
+pub use error::VfioError;
+pub use iommu::{choose_iova_window, parse_iommu_info, IommuInfo, VfioMapper, MSI_WINDOW_END_EXCLUSIVE, MSI_WINDOW_START};
+pub use sysfs::{describe_blockers, PciAddress, PciSysfs, GROUP_COMPATIBLE_DRIVERS, VFIO_PCI_DRIVER};
+
+use self::iommu::Container;
+use self::uapi::*;
+use super::{DeviceBackend, DmaAllocator, DmaPool, HwError, RegisterIo};
+use crate::types::Iova;
+
+/// How to open a device.
+#[derive(Debug, Clone)]
+pub struct VfioOptions {
+    /// Where sysfs is mounted (tests use a fake tree; the kernel's device nodes are always
+    /// under /dev/vfio).
+    pub sysfs_root: PathBuf,
+    /// Back DMA allocations with 2 MiB hugepages when `vm.nr_hugepages` has some reserved.
+    pub prefer_huge_pages: bool,
+}
+
+impl Default for VfioOptions {
+    fn default() -> Self {
+        Self { sysfs_root: PathBuf::from("/sys"), prefer_huge_pages: true }
+    }
+}
+
+/// An NVMe function opened through VFIO. Implements [`DeviceBackend`].
+pub struct VfioDevice {
+    address: PciAddress,
+    device: Arc<OwnedFd>,
+    container: Arc<Container>,
+    registers: Arc<MappedBar>,
+    pool: Arc<DmaPool>,
+    iommu: IommuInfo,
+    iova_window: (Iova, Iova),
+    config_offset: u64,
+    reset_supported: bool,
+}
+
+impl std::fmt::Debug for VfioDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VfioDevice")
+            .field("address", &self.address)
+            .field("group", &self.container.group_id())
+            .field("bar0_bytes", &self.registers.len())
+            .field("iova_window", &self.iova_window)
+            .finish()
+    }
+}
+
+impl VfioDevice {
+    /// Opens `address` (`0000:00:04.0`) with default options.
+    pub fn open(address: &str) -> Result<Self, HwError> {
+        Self::open_with(address.parse()?, &VfioOptions::default())
+    }
+
+    pub fn open_with(address: PciAddress, options: &VfioOptions) -> Result<Self, HwError> {
+        let sysfs = PciSysfs::new(&options.sysfs_root);
+        let group = check_sysfs(&sysfs, address)?;
+        let group_path = PathBuf::from(format!("/dev/vfio/{group}"));
+        if !group_path.exists() && PathBuf::from(format!("/dev/vfio/noiommu-{group}")).exists() {
+            return Err(VfioError::NoIommuMode { address, group }.into());
+        }
+        let describe = || match sysfs.group_blockers(group, address) {
+            Ok(blockers) if !blockers.is_empty() => describe_blockers(&blockers),
+            Ok(_) => "none found in sysfs (a member may be mid-unbind; retry)".to_string(),
+            Err(error) => format!("unknown ({error})"),
+        };
+        let container = Arc::new(Container::open(&group_path, group, describe)?);
+        let device = Arc::new(device_fd(&container, address)?);
+
+        let mut info = VfioDeviceInfo { argsz: argsz::<VfioDeviceInfo>(), ..VfioDeviceInfo::default() };
+        // SAFETY: DEVICE_GET_INFO writes at most argsz bytes of a vfio_device_info.
+        unsafe { sys::ioctl_with_mut(&*device, VFIO_DEVICE_GET_INFO, &mut info) }
+            .map_err(|source| VfioError::Ioctl { address, operation: "VFIO_DEVICE_GET_INFO", source })?;
+        if info.flags & VFIO_DEVICE_FLAGS_PCI == 0 {
+            return Err(VfioError::NotPci { address, flags: info.flags }.into());
+        }
+
+        let config = region_info(&device, address, VFIO_PCI_CONFIG_REGION_INDEX)?;
+        enable_memory_and_bus_master(&device, address, config.offset)?;
+
+        let bar0 = region_info(&device, address, VFIO_PCI_BAR0_REGION_INDEX)?;
+        let bar_len = usize::try_from(bar0.size).ok().filter(|&len| len >= 0x1000);
+        let (true, Some(bar_len)) = (bar0.flags & VFIO_REGION_INFO_FLAG_MMAP != 0, bar_len) else {
+            return Err(VfioError::BarNotMappable { address, flags: bar0.flags, size_bytes: bar0.size }.into());
+        };
+        let registers = Arc::new(MappedBar::map(address, Arc::clone(&device), bar0.offset, bar_len)?);
+
+        let iommu = container.info()?;
+        if iommu.page_sizes != 0 && iommu.page_sizes & 0x1000 == 0 {
+            return Err(VfioError::NoSmallPages { bitmap: iommu.page_sizes }.into());
+        }
+        let (base, limit) = choose_iova_window(&iommu.ranges).ok_or_else(|| VfioError::NoIovaWindow {
+            ranges: iommu.ranges.iter().map(|(start, end)| format!("{start:#x}..={end:#x}")).collect::<Vec<_>>().join(", "),
+        })?;
+        let mapper = Arc::new(VfioMapper::new(Arc::clone(&container)));
+        let pool = Arc::new(DmaPool::new(mapper, Iova(base), Iova(limit), options.prefer_huge_pages));
+        tracing::debug!(%address, group, base, limit, bar_len, "VFIO device open");
+
+        Ok(Self {
+            address,
+            device,
+            container,
+            registers,
+            pool,
+            iommu,
+            iova_window: (Iova(base), Iova(limit)),
+            config_offset: config.offset,
+            reset_supported: info.flags & VFIO_DEVICE_FLAGS_RESET != 0,
+        })
+    }
+
+    pub fn address(&self) -> PciAddress {
+        self.address
+    }
+
+    /// The IOMMU group the device belongs to.
+    pub fn iommu_group(&self) -> u32 {
+        self.container.group_id()
+    }
+
+    /// The IOVA window `[base, limit)` the DMA pool allocates from.
+    pub fn iova_window(&self) -> (Iova, Iova) {
+        self.iova_window
+    }
+
+    /// What the IOMMU reported (page sizes, ranges, mapping slots left at open time).
+    pub fn iommu_info(&self) -> &IommuInfo {
+        &self.iommu
+    }
+
+    /// Whether VFIO offers a function-level (or slot/bus) reset for this device.
+    pub fn reset_supported(&self) -> bool {
+        self.reset_supported
+    }
+
+    /// The DMA pool itself (for callers that want the concrete type).
+    pub fn dma_pool(&self) -> Arc<DmaPool> {
+        Arc::clone(&self.pool)
+    }
+}
+
+impl DeviceBackend for VfioDevice {
+    fn name(&self) -> String {
+        format!("vfio:{}", self.address)
+    }
+
+    fn registers(&self) -> Arc<dyn RegisterIo> {
+        Arc::clone(&self.registers) as Arc<dyn RegisterIo>
+    }
+
+    fn dma(&self) -> Arc<dyn DmaAllocator> {
+        Arc::clone(&self.pool) as Arc<dyn DmaAllocator>
+    }
+
+    fn function_reset(&self) -> Result<(), HwError> {
+        if !self.reset_supported {
+            return Err(VfioError::ResetUnsupported { address: self.address }.into());
+        }
+        sys::ioctl_value(&*self.device, VFIO_DEVICE_RESET, 0)
+            .map_err(|source| VfioError::Ioctl { address: self.address, operation: "VFIO_DEVICE_RESET", source })?;
+        // The kernel restores the saved config space after the reset, but a reset that went
+        // through a path without save/restore would leave bus mastering off; set it again.
+        enable_memory_and_bus_master(&self.device, self.address, self.config_offset)?;
+        Ok(())
+    }
+}
+
+/// Checks the function's sysfs state and returns its IOMMU group.
+fn check_sysfs(sysfs: &PciSysfs, address: PciAddress) -> Result<u32, VfioError> {
+    if !sysfs.exists(address) {
+        return Err(VfioError::NoSuchDevice { address, sysfs: sysfs.root().to_path_buf() });
+    }
+    match sysfs.driver(address)? {
+        Some(driver) if driver == VFIO_PCI_DRIVER => {}
+        Some(driver) => return Err(VfioError::WrongDriver { address, driver }),
+        None => return Err(VfioError::Unbound { address }),
+    }
+    sysfs.iommu_group(address)?.ok_or(VfioError::NoIommuGroup { address })
+}
+
+fn device_fd(container: &Container, address: PciAddress) -> Result<OwnedFd, VfioError> {
+    // The address text is ASCII hex digits and separators: it never contains NUL.
+    let name = CString::new(address.to_string()).map_err(|_| VfioError::BadAddress { text: address.to_string() })?;
+    let mut bytes = name.into_bytes_with_nul();
+    // SAFETY: GROUP_GET_DEVICE_FD reads a NUL-terminated device name at its argument and
+    // touches nothing past the terminator.
+    let fd = unsafe { sys::ioctl_with_buffer(container.group_fd(), VFIO_GROUP_GET_DEVICE_FD, &mut bytes) }
+        .map_err(|source| VfioError::Ioctl { address, operation: "VFIO_GROUP_GET_DEVICE_FD", source })?;
+    // SAFETY: on success the ioctl returns a new file descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+fn region_info(device: &OwnedFd, address: PciAddress, index: u32) -> Result<VfioRegionInfo, VfioError> {
+    let mut info = VfioRegionInfo { argsz: argsz::<VfioRegionInfo>(), index, ..VfioRegionInfo::default() };
+    // SAFETY: DEVICE_GET_REGION_INFO reads and writes at most argsz bytes of a vfio_region_info.
+    unsafe { sys::ioctl_with_mut(device, VFIO_DEVICE_GET_REGION_INFO, &mut info) }
+        .map_err(|source| VfioError::Ioctl { address, operation: "VFIO_DEVICE_GET_REGION_INFO", source })?;
+    Ok(info)
+}
+
+/// Sets Memory Space Enable and Bus Master Enable in the PCI Command register.
+fn enable_memory_and_bus_master(device: &OwnedFd, address: PciAddress, config_offset: u64) -> Result<(), VfioError> {
+    let at = config_offset + PCI_COMMAND_OFFSET;
+    let config_error = |source| VfioError::Ioctl { address, operation: "PCI config access (Command register)", source };
+    let mut bytes = [0u8; 2];
+    sys::pread_exact(device, &mut bytes, at).map_err(config_error)?;
+    let command = u16::from_le_bytes(bytes) | PCI_COMMAND_MEMORY | PCI_COMMAND_MASTER;
+    sys::pwrite_exact(device, &command.to_le_bytes(), at).map_err(config_error)?;
+    sys::pread_exact(device, &mut bytes, at).map_err(config_error)?;
+    let value = u16::from_le_bytes(bytes);
+    if value & (PCI_COMMAND_MEMORY | PCI_COMMAND_MASTER) != PCI_COMMAND_MEMORY | PCI_COMMAND_MASTER {
+        return Err(VfioError::CommandNotEnabled { address, value });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::sysfs::tests::add_device;
+    use super::*;
+
+    #[test]
+    fn sysfs_checks_name_the_fix() {
+        // Goal: every sysfs state that prevents VFIO yields an error that says what to run.
+        let temp = tempfile::tempdir().unwrap();
+        let root = temp.path();
+        add_device(root, "0000:00:04.0", "0x010802", Some("nvme"), Some(4));
+        add_device(root, "0000:00:05.0", "0x010802", None, Some(5));
+        add_device(root, "0000:00:06.0", "0x010802", Some("vfio-pci"), None);
+        add_device(root, "0000:00:07.0", "0x010802", Some("vfio-pci"), Some(7));
+        let sysfs = PciSysfs::new(root);
+        let at = |text: &str| text.parse::<PciAddress>().unwrap();
+
+        let wrong = check_sysfs(&sysfs, at("0000:00:04.0")).unwrap_err();
+        assert!(matches!(wrong, VfioError::WrongDriver { ref driver, .. } if driver == "nvme"));
+        assert!(wrong.to_string().contains("tutti bind 0000:00:04.0"), "{wrong}");
+        let unbound = check_sysfs(&sysfs, at("0000:00:05.0")).unwrap_err();
+        assert!(matches!(unbound, VfioError::Unbound { .. }));
+        assert!(unbound.to_string().contains("tutti bind"));
+        let no_group = check_sysfs(&sysfs, at("0000:00:06.0")).unwrap_err();
+        assert!(no_group.to_string().contains("intel_iommu=on"), "{no_group}");
+        let missing = check_sysfs(&sysfs, at("0000:00:08.0")).unwrap_err();
+        assert!(matches!(missing, VfioError::NoSuchDevice { .. }));
+        assert_eq!(check_sysfs(&sysfs, at("0000:00:07.0")).unwrap(), 7);
+    }
+
+    #[test]
+    fn open_reports_bad_addresses_and_missing_devices() {
+        // Goal: the public entry point fails cleanly before touching /dev/vfio.
+        assert!(matches!(VfioDevice::open("not-a-bdf"), Err(HwError::Vfio(VfioError::BadAddress { .. }))));
+        let temp = tempfile::tempdir().unwrap();
+        let options = VfioOptions { sysfs_root: temp.path().to_path_buf(), prefer_huge_pages: false };
+        let result = VfioDevice::open_with("0000:00:04.0".parse().unwrap(), &options);
+        assert!(matches!(result, Err(HwError::Vfio(VfioError::NoSuchDevice { .. }))));
+    }
+}
