@@ -1,0 +1,530 @@
+//! The checks. Each one opens with its goal, brings its own controller up, and leaves the device
+//! usable for the next.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use nvme_driver::spec::status::codes;
+use nvme_driver::spec::{SglDescriptor, StatusCodeType, SubmissionEntry};
+use nvme_driver::{
+    Controller, ControllerConfig, DataPointerMode, DataPointerPreference, DataSegment, DeviceBackend, DmaAllocator, DmaRegion, HwError, IoQueuePair, Lba, Namespace,
+    NvmeError,
+};
+
+use crate::pattern::{fill_pattern, verify_pattern};
+use crate::{FaultInjector, SuiteConfig};
+
+pub(crate) struct Context {
+    pub device: Arc<dyn DeviceBackend>,
+    pub faults: Option<Arc<dyn FaultInjector>>,
+    pub config: SuiteConfig,
+}
+
+pub(crate) enum Verdict {
+    Passed,
+    Skipped(String),
+}
+
+/// Why a check failed, as text for the report.
+#[derive(Debug)]
+pub(crate) struct Failure(String);
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl From<NvmeError> for Failure {
+    fn from(error: NvmeError) -> Self {
+        Failure(error.to_string())
+    }
+}
+
+impl From<HwError> for Failure {
+    fn from(error: HwError) -> Self {
+        Failure(error.to_string())
+    }
+}
+
+impl From<String> for Failure {
+    fn from(message: String) -> Self {
+        Failure(message)
+    }
+}
+
+type Outcome = Result<Verdict, Failure>;
+
+macro_rules! ensure {
+    ($condition:expr, $($message:tt)+) => {
+        if !$condition {
+            return Err(Failure(format!($($message)+)));
+        }
+    };
+}
+
+pub(crate) struct Check {
+    pub name: &'static str,
+    pub run: fn(&Context) -> Outcome,
+}
+
+pub(crate) const ALL: &[Check] = &[
+    Check { name: "bring_up_and_identify", run: bring_up_and_identify },
+    Check { name: "queue_pairs_at_full_depth", run: queue_pairs_at_full_depth },
+    Check { name: "read_write_sizes_prp", run: |context| read_write_sizes(context, DataPointerMode::Prp) },
+    Check { name: "read_write_sizes_sgl", run: |context| read_write_sizes(context, DataPointerMode::Sgl) },
+    Check { name: "scatter_read_prp", run: |context| scatter_read(context, DataPointerMode::Prp) },
+    Check { name: "scatter_read_sgl", run: |context| scatter_read(context, DataPointerMode::Sgl) },
+    Check { name: "mdts_split", run: mdts_split },
+    Check { name: "flush_write_zeroes_deallocate", run: flush_write_zeroes_deallocate },
+    Check { name: "error_lba_out_of_range", run: error_lba_out_of_range },
+    Check { name: "error_invalid_field", run: error_invalid_field },
+    Check { name: "error_invalid_opcode_and_namespace", run: error_invalid_opcode_and_namespace },
+    Check { name: "error_invalid_sgl", run: error_invalid_sgl },
+    Check { name: "bounded_timeout", run: bounded_timeout },
+    Check { name: "corrupted_command_id_detected", run: corrupted_command_id_detected },
+    Check { name: "fatal_status_then_reset", run: fatal_status_then_reset },
+    Check { name: "reset_and_continue", run: reset_and_continue },
+    Check { name: "data_integrity", run: data_integrity },
+];
+
+fn bring_up(context: &Context, preference: DataPointerPreference) -> Result<Controller, Failure> {
+    let config = ControllerConfig { io_queue_pairs_requested: context.config.queue_pairs.max(1), data_pointer: preference, ..ControllerConfig::default() };
+    Ok(Controller::init(Arc::clone(&context.device), config)?)
+}
+
+fn first_namespace(controller: &Controller) -> Result<Namespace, Failure> {
+    controller.namespaces().first().copied().ok_or_else(|| Failure("controller reports no active namespace".into()))
+}
+
+fn deadline(context: &Context) -> Instant {
+    Instant::now() + context.config.timeout
+}
+
+fn queue(controller: &Controller, depth: u32) -> Result<IoQueuePair, Failure> {
+    let depth = depth.min(controller.capabilities().max_queue_entries());
+    Ok(controller.create_io_queue_pair(depth)?)
+}
+
+/// Goal: bring-up reaches Ready and Identify data is coherent (namespaces, MDTS, LBA sizes).
+fn bring_up_and_identify(context: &Context) -> Outcome {
+    let controller = bring_up(context, DataPointerPreference::Auto)?;
+    let identify = controller.identify();
+    ensure!(identify.namespace_count >= 1, "Identify Controller NN is 0");
+    ensure!(!controller.namespaces().is_empty(), "no active namespace");
+    for namespace in controller.namespaces() {
+        ensure!(matches!(namespace.block_size_bytes, 512 | 4096), "{} has unexpected LBA size {}", namespace.id, namespace.block_size_bytes);
+        ensure!(namespace.size_blocks > 0, "{} has zero size", namespace.id);
+    }
+    ensure!(controller.max_transfer_bytes() >= 4096, "max transfer {} below one page", controller.max_transfer_bytes());
+    ensure!(controller.granted_queue_pairs() >= 1, "no I/O queue pairs granted");
+    ensure!(controller.status()?.ready(), "CSTS.RDY is not set after bring-up");
+    // The SMART log must be readable (1.4 controllers all support it).
+    let smart = controller.log_page(nvme_driver::spec::LogPageId::SmartHealth, 512)?;
+    ensure!(smart.len() == 512, "SMART log length {}", smart.len());
+    Ok(Verdict::Passed)
+}
+
+/// Goal: several I/O queue pairs, each filled to its full depth in one doorbell, all complete.
+fn queue_pairs_at_full_depth(context: &Context) -> Outcome {
+    let controller = bring_up(context, DataPointerPreference::Auto)?;
+    let namespace = first_namespace(&controller)?;
+    let pairs = context.config.queue_pairs.min(controller.granted_queue_pairs());
+    ensure!(pairs >= context.config.queue_pairs.min(4), "controller granted only {} I/O queue pairs", controller.granted_queue_pairs());
+    let depth = context.config.queue_depth_max.min(controller.capabilities().max_queue_entries());
+    let block = namespace.block_size_bytes as usize;
+    let mut queues = Vec::new();
+    for _ in 0..pairs {
+        queues.push(queue(&controller, depth)?);
+    }
+    let buffer = controller.dma().allocate(block * depth as usize)?;
+    for queue in &mut queues {
+        let commands = queue.free_slots();
+        ensure!(commands == depth as usize - 1, "{} offers {} slots for depth {}", queue.id(), commands, depth);
+        for index in 0..commands {
+            let segment = DataSegment::new(buffer.iova().checked_add((index * block) as u64).ok_or_else(|| Failure("iova overflow".into()))?, block as u32);
+            queue.submit_read(namespace.id, Lba(index as u64 % namespace.size_blocks), &[segment], index as u64)?;
+        }
+        // One more must be back-pressure, not an error or an overwrite.
+        let extra = queue.submit_read(namespace.id, Lba(0), &[DataSegment::new(buffer.iova(), block as u32)], 0);
+        ensure!(extra.as_ref().is_err_and(NvmeError::is_backpressure), "submitting past full depth gave {extra:?}");
+        queue.ring_doorbell();
+    }
+    for queue in &mut queues {
+        let mut completed = 0usize;
+        let mut failure = None;
+        let queue_id = queue.id();
+        queue.wait_idle(deadline(context), |completion| {
+            completed += 1;
+            if failure.is_none() {
+                failure = completion.into_result(queue_id).err();
+            }
+        })?;
+        if let Some(error) = failure {
+            return Err(error.into());
+        }
+        ensure!(completed == depth as usize - 1, "{} completed {} of {} commands", queue_id, completed, depth - 1);
+    }
+    Ok(Verdict::Passed)
+}
+
+fn mode_preference(controller_sgl: bool, mode: DataPointerMode) -> Result<DataPointerPreference, String> {
+    match mode {
+        DataPointerMode::Prp => Ok(DataPointerPreference::Prp),
+        DataPointerMode::Sgl if controller_sgl => Ok(DataPointerPreference::Sgl),
+        DataPointerMode::Sgl => Err("controller does not support SGL (Identify SGLS)".into()),
+    }
+}
+
+fn controller_for_mode(context: &Context, mode: DataPointerMode) -> Result<Result<Controller, String>, Failure> {
+    let probe = bring_up(context, DataPointerPreference::Auto)?;
+    let sgl = probe.identify().sgl_support.supported();
+    drop(probe);
+    match mode_preference(sgl, mode) {
+        Ok(preference) => Ok(Ok(bring_up(context, preference)?)),
+        Err(reason) => Ok(Err(reason)),
+    }
+}
+
+fn write_then_read(
+    context: &Context,
+    queue: &mut IoQueuePair,
+    namespace: &Namespace,
+    start: Lba,
+    write_segments: &[DataSegment],
+    read_segments: &[DataSegment],
+) -> Result<(), Failure> {
+    queue.write(namespace.id, start, write_segments, false, context.config.timeout)?;
+    queue.read(namespace.id, start, read_segments, context.config.timeout)?;
+    Ok(())
+}
+
+/// Goal: reads and writes from one block to 4×MDTS move exactly the bytes written, in `mode`.
+fn read_write_sizes(context: &Context, mode: DataPointerMode) -> Outcome {
+    let controller = match controller_for_mode(context, mode)? {
+        Ok(controller) => controller,
+        Err(reason) => return Ok(Verdict::Skipped(reason)),
+    };
+    let dma = Arc::clone(controller.dma());
+    for namespace in controller.namespaces().to_vec() {
+        let mut queue = queue(&controller, 64)?;
+        ensure!(queue.data_pointer_mode() == mode, "queue uses {:?}, wanted {mode:?}", queue.data_pointer_mode());
+        let block = u64::from(namespace.block_size_bytes);
+        let max = 4 * controller.max_transfer_bytes();
+        let mut sizes = vec![block, 4096.max(block), 8192, 64 * 1024, controller.max_transfer_bytes(), controller.max_transfer_bytes() + block, max];
+        if context.config.quick {
+            sizes = vec![block, controller.max_transfer_bytes() + block, max];
+        }
+        sizes.retain(|size| size % block == 0);
+        let capacity = namespace.size_bytes();
+        for (round, size) in sizes.into_iter().enumerate() {
+            ensure!(size <= capacity, "namespace too small for a {size}-byte transfer");
+            let start_bytes = (round as u64 * 3 * max) % (capacity - size + 1) / block * block;
+            let source = dma.allocate(size as usize)?;
+            let sink = dma.allocate(size as usize)?;
+            let seed = 0x5eed_0000 + round as u64;
+            fill_pattern(&source, 0, size as usize, seed, start_bytes)?;
+            let source_segment = DataSegment::new(source.iova(), size as u32);
+            let sink_segment = DataSegment::new(sink.iova(), size as u32);
+            write_then_read(context, &mut queue, &namespace, Lba(start_bytes / block), &[source_segment], &[sink_segment])?;
+            verify_pattern(&sink, 0, size as usize, seed, start_bytes).map_err(|message| Failure(format!("{} {mode:?} {size} bytes: {message}", namespace.id)))?;
+        }
+    }
+    Ok(Verdict::Passed)
+}
+
+/// Allocates `count` separate page-aligned buffers of `len` bytes (distinct regions, so their
+/// device addresses are not contiguous).
+fn scattered(dma: &dyn DmaAllocator, count: usize, len: usize) -> Result<Vec<DmaRegion>, Failure> {
+    let mut regions = Vec::with_capacity(count);
+    for _ in 0..count {
+        regions.push(dma.allocate(len)?);
+        // A spacer keeps consecutive buffers from being adjacent in IOVA space.
+        let _spacer = dma.allocate(4096)?;
+        regions.push(_spacer);
+    }
+    Ok(regions.into_iter().step_by(2).collect())
+}
+
+/// Goal: one LBA range read into many non-contiguous buffers lands each piece where it belongs.
+fn scatter_read(context: &Context, mode: DataPointerMode) -> Outcome {
+    let controller = match controller_for_mode(context, mode)? {
+        Ok(controller) => controller,
+        Err(reason) => return Ok(Verdict::Skipped(reason)),
+    };
+    let namespace = first_namespace(&controller)?;
+    let dma = Arc::clone(controller.dma());
+    let mut queue = queue(&controller, 64)?;
+    let piece = 8192usize.max(namespace.block_size_bytes as usize);
+    let count = if context.config.quick { 16 } else { 64 };
+    let total = piece * count;
+    let source = dma.allocate(total)?;
+    let start_bytes = 1024 * 1024u64;
+    let seed = 0x5ca7_7e20 + mode as u64;
+    fill_pattern(&source, 0, total, seed, start_bytes)?;
+    let start = Lba(start_bytes / u64::from(namespace.block_size_bytes));
+    queue.write(namespace.id, start, &[DataSegment::new(source.iova(), total as u32)], false, context.config.timeout)?;
+    let buffers = scattered(dma.as_ref(), count, piece)?;
+    let segments: Vec<DataSegment> = buffers.iter().map(|region| DataSegment::new(region.iova(), piece as u32)).collect();
+    let commands = queue.submit_read(namespace.id, start, &segments, 7)?;
+    queue.complete_all(context.config.timeout)?;
+    for (index, buffer) in buffers.iter().enumerate() {
+        verify_pattern(buffer, 0, piece, seed, start_bytes + (index * piece) as u64).map_err(|message| Failure(format!("piece {index} of {count} ({commands} commands): {message}")))?;
+    }
+    Ok(Verdict::Passed)
+}
+
+/// Goal: a transfer larger than MDTS is split into ceil(bytes / MDTS) commands, data intact.
+fn mdts_split(context: &Context) -> Outcome {
+    let controller = bring_up(context, DataPointerPreference::Auto)?;
+    let namespace = first_namespace(&controller)?;
+    let mut queue = queue(&controller, 64)?;
+    let max = controller.max_transfer_bytes();
+    let total = 4 * max + u64::from(namespace.block_size_bytes);
+    let buffer = controller.dma().allocate(total as usize)?;
+    fill_pattern(&buffer, 0, total as usize, 77, 0)?;
+    let commands = queue.submit_write(namespace.id, Lba(0), &[DataSegment::new(buffer.iova(), total as u32)], false, 1)?;
+    queue.complete_all(context.config.timeout)?;
+    ensure!(commands as u64 == total.div_ceil(max), "{total} bytes with MDTS {max} took {commands} commands");
+    buffer.fill(0, total as usize, 0)?;
+    queue.read(namespace.id, Lba(0), &[DataSegment::new(buffer.iova(), total as u32)], context.config.timeout)?;
+    verify_pattern(&buffer, 0, total as usize, 77, 0).map_err(Failure)?;
+    Ok(Verdict::Passed)
+}
+
+/// Goal: Flush succeeds; Write Zeroes reads back as zeroes; Deallocate succeeds (when supported).
+fn flush_write_zeroes_deallocate(context: &Context) -> Outcome {
+    let controller = bring_up(context, DataPointerPreference::Auto)?;
+    let namespace = first_namespace(&controller)?;
+    let mut queue = queue(&controller, 64)?;
+    let block = namespace.block_size_bytes as usize;
+    let buffer = controller.dma().allocate(16 * block)?;
+    let segment = DataSegment::new(buffer.iova(), (16 * block) as u32);
+    fill_pattern(&buffer, 0, 16 * block, 3, 0)?;
+    queue.write(namespace.id, Lba(32), &[segment], false, context.config.timeout)?;
+    queue.flush(namespace.id, context.config.timeout)?;
+    if controller.identify().supports_write_zeroes() {
+        queue.submit_write_zeroes(namespace.id, Lba(32), 16, false, 0)?;
+        queue.complete_all(context.config.timeout)?;
+        queue.read(namespace.id, Lba(32), &[segment], context.config.timeout)?;
+        let mut bytes = vec![1u8; 16 * block];
+        buffer.read(0, &mut bytes)?;
+        ensure!(bytes.iter().all(|&byte| byte == 0), "blocks read back non-zero after Write Zeroes");
+    }
+    if controller.identify().supports_dataset_management() {
+        queue.submit_deallocate(namespace.id, &[(Lba(32), 8), (Lba(40), 8)], 0)?;
+        queue.complete_all(context.config.timeout)?;
+        queue.read(namespace.id, Lba(32), &[segment], context.config.timeout)?;
+    }
+    // Writes with FUA complete too.
+    queue.write(namespace.id, Lba(48), &[segment], true, context.config.timeout)?;
+    Ok(Verdict::Passed)
+}
+
+/// Runs `entry` raw (optionally with data) and returns the controller's status as a typed error.
+fn raw_status(context: &Context, queue: &mut IoQueuePair, entry: SubmissionEntry, data: Option<&[DataSegment]>) -> Result<NvmeError, Failure> {
+    match data {
+        Some(segments) => queue.submit_raw_with_data(entry, segments, 99)?,
+        None => queue.submit_raw(entry, 99)?,
+    }
+    match queue.complete_all(context.config.timeout) {
+        Err(error @ NvmeError::Command { .. }) => Ok(error),
+        Err(other) => Err(Failure(format!("expected a command status, got: {other}"))),
+        Ok(()) => Err(Failure(format!("command with opcode {:#04x} unexpectedly succeeded", entry.opcode()))),
+    }
+}
+
+fn expect_status(error: &NvmeError, code_type: StatusCodeType, code: u8, what: &str) -> Result<(), Failure> {
+    match error.status() {
+        Some(status) if status.is(code_type, code) => Ok(()),
+        _ => Err(Failure(format!("{what}: expected status sct {:#x} sc {code:#04x}, got {error}", code_type.as_u8()))),
+    }
+}
+
+/// Goal: the device's LBA Out of Range reaches the caller as a typed error; the driver's own
+/// range check refuses the same request before it reaches the device.
+fn error_lba_out_of_range(context: &Context) -> Outcome {
+    let controller = bring_up(context, DataPointerPreference::Auto)?;
+    let namespace = first_namespace(&controller)?;
+    let mut queue = queue(&controller, 16)?;
+    let buffer = controller.dma().allocate(namespace.block_size_bytes as usize)?;
+    let segment = DataSegment::new(buffer.iova(), namespace.block_size_bytes);
+    let error = raw_status(context, &mut queue, SubmissionEntry::read(namespace.id, Lba(namespace.size_blocks), 1), Some(&[segment]))?;
+    expect_status(&error, StatusCodeType::Generic, codes::LBA_OUT_OF_RANGE, "read past the end")?;
+    let refused = queue.submit_read(namespace.id, Lba(namespace.size_blocks), &[segment], 0);
+    ensure!(matches!(refused, Err(NvmeError::LbaOutOfRange { .. })), "driver range check gave {refused:?}");
+    // The queue still works.
+    queue.read(namespace.id, Lba(0), &[segment], context.config.timeout)?;
+    Ok(Verdict::Passed)
+}
+
+/// Goal: a transfer above MDTS in one command is answered with Invalid Field in Command.
+fn error_invalid_field(context: &Context) -> Outcome {
+    let controller = bring_up(context, DataPointerPreference::Auto)?;
+    let namespace = first_namespace(&controller)?;
+    if controller.identify().mdts == 0 {
+        return Ok(Verdict::Skipped("controller reports no MDTS limit".into()));
+    }
+    let mut queue = queue(&controller, 16)?;
+    let bytes = 2 * controller.max_transfer_bytes();
+    let buffer = controller.dma().allocate(bytes as usize)?;
+    let blocks = (bytes / u64::from(namespace.block_size_bytes)) as u32;
+    let error = raw_status(context, &mut queue, SubmissionEntry::read(namespace.id, Lba(0), blocks), Some(&[DataSegment::new(buffer.iova(), bytes as u32)]))?;
+    expect_status(&error, StatusCodeType::Generic, codes::INVALID_FIELD, "read above MDTS")?;
+    Ok(Verdict::Passed)
+}
+
+/// Goal: an unknown opcode and an inactive namespace are answered with their statuses.
+fn error_invalid_opcode_and_namespace(context: &Context) -> Outcome {
+    let controller = bring_up(context, DataPointerPreference::Auto)?;
+    let namespace = first_namespace(&controller)?;
+    let mut queue = queue(&controller, 16)?;
+    let mut unknown = SubmissionEntry::flush(namespace.id);
+    unknown.cdw0 = 0x7E;
+    let error = raw_status(context, &mut queue, unknown, None)?;
+    expect_status(&error, StatusCodeType::Generic, codes::INVALID_OPCODE, "opcode 0x7e")?;
+    let inactive = nvme_driver::NamespaceId(controller.identify().namespace_count.saturating_add(7));
+    let buffer = controller.dma().allocate(4096)?;
+    let error = raw_status(context, &mut queue, SubmissionEntry::read(inactive, Lba(0), 1), Some(&[DataSegment::new(buffer.iova(), namespace.block_size_bytes)]))?;
+    expect_status(&error, StatusCodeType::Generic, codes::INVALID_NAMESPACE, "read from an inactive namespace")?;
+    Ok(Verdict::Passed)
+}
+
+/// Goal: a malformed SGL (reserved descriptor type) is answered with SGL Descriptor Type Invalid.
+fn error_invalid_sgl(context: &Context) -> Outcome {
+    let controller = match controller_for_mode(context, DataPointerMode::Sgl)? {
+        Ok(controller) => controller,
+        Err(reason) => return Ok(Verdict::Skipped(reason)),
+    };
+    let namespace = first_namespace(&controller)?;
+    let mut queue = queue(&controller, 16)?;
+    let buffer = controller.dma().allocate(4096)?;
+    let mut entry = SubmissionEntry::read(namespace.id, Lba(0), 1);
+    entry.set_data_pointer_kind(nvme_driver::spec::command::DataPointerKind::Sgl);
+    let mut descriptor = SglDescriptor::data_block(buffer.iova().0, namespace.block_size_bytes);
+    descriptor.identifier = 0xE0; // type 0xE is reserved
+    entry.dptr = descriptor.to_dptr();
+    let error = raw_status(context, &mut queue, entry, None)?;
+    expect_status(&error, StatusCodeType::Generic, codes::SGL_DESCRIPTOR_TYPE_INVALID, "reserved SGL descriptor type")?;
+    Ok(Verdict::Passed)
+}
+
+/// Goal: a command the device never completes fails at its deadline with an error naming the
+/// queue and command, instead of hanging.
+fn bounded_timeout(context: &Context) -> Outcome {
+    let Some(faults) = &context.faults else {
+        return Ok(Verdict::Skipped("device has no fault injection".into()));
+    };
+    let controller = bring_up(context, DataPointerPreference::Auto)?;
+    let namespace = first_namespace(&controller)?;
+    let mut queue = queue(&controller, 16)?;
+    faults.drop_next_completion();
+    queue.submit_flush(namespace.id, 5)?;
+    queue.ring_doorbell();
+    let started = Instant::now();
+    let result = queue.wait_idle(Instant::now() + Duration::from_millis(300), |_| {});
+    let waited = started.elapsed();
+    ensure!(matches!(result, Err(NvmeError::Timeout { .. })), "expected a timeout, got {result:?}");
+    ensure!(waited < Duration::from_secs(5), "timeout took {waited:?}");
+    Ok(Verdict::Passed)
+}
+
+/// Goal: a completion whose command id matches nothing in flight is detected, not trusted.
+fn corrupted_command_id_detected(context: &Context) -> Outcome {
+    let Some(faults) = &context.faults else {
+        return Ok(Verdict::Skipped("device has no fault injection".into()));
+    };
+    let controller = bring_up(context, DataPointerPreference::Auto)?;
+    let namespace = first_namespace(&controller)?;
+    let mut queue = queue(&controller, 16)?;
+    faults.corrupt_next_command_id();
+    queue.submit_flush(namespace.id, 5)?;
+    queue.ring_doorbell();
+    let result = queue.wait_idle(Instant::now() + Duration::from_millis(500), |_| {});
+    ensure!(matches!(result, Err(NvmeError::UnexpectedCompletion { .. })), "expected an unexpected-completion error, got {result:?}");
+    Ok(Verdict::Passed)
+}
+
+/// Goal: CSTS.CFS surfaces as ControllerFatal; after reset() I/O works again on new queues.
+fn fatal_status_then_reset(context: &Context) -> Outcome {
+    let Some(faults) = &context.faults else {
+        return Ok(Verdict::Skipped("device has no fault injection".into()));
+    };
+    let mut controller = bring_up(context, DataPointerPreference::Auto)?;
+    let namespace = first_namespace(&controller)?;
+    let mut queue = queue(&controller, 16)?;
+    faults.raise_fatal_status();
+    let _ = queue.submit_flush(namespace.id, 1);
+    queue.ring_doorbell();
+    let result = queue.wait_idle(Instant::now() + Duration::from_millis(500), |_| {});
+    ensure!(matches!(result, Err(NvmeError::ControllerFatal { .. })), "expected ControllerFatal, got {result:?}");
+    faults.clear_faults();
+    controller.reset(true)?;
+    let stale = queue.submit_flush(namespace.id, 1);
+    ensure!(matches!(stale, Err(NvmeError::QueueStale { .. })), "old queue after reset gave {stale:?}");
+    drop(queue);
+    let mut fresh = self::queue(&controller, 16)?;
+    let buffer = controller.dma().allocate(4096)?;
+    let segment = DataSegment::new(buffer.iova(), namespace.block_size_bytes);
+    fill_pattern(&buffer, 0, namespace.block_size_bytes as usize, 11, 0)?;
+    write_then_read(context, &mut fresh, &namespace, Lba(0), &[segment], &[segment])?;
+    Ok(Verdict::Passed)
+}
+
+/// Goal: reset() (with function-level reset) brings the controller back and data survives it.
+fn reset_and_continue(context: &Context) -> Outcome {
+    let mut controller = bring_up(context, DataPointerPreference::Auto)?;
+    let namespace = first_namespace(&controller)?;
+    let block = namespace.block_size_bytes as usize;
+    let buffer = controller.dma().allocate(8 * block)?;
+    let segment = DataSegment::new(buffer.iova(), (8 * block) as u32);
+    fill_pattern(&buffer, 0, 8 * block, 21, 64 * block as u64)?;
+    {
+        let mut queue = queue(&controller, 16)?;
+        queue.write(namespace.id, Lba(64), &[segment], false, context.config.timeout)?;
+        queue.flush(namespace.id, context.config.timeout)?;
+    }
+    controller.reset(true)?;
+    buffer.fill(0, 8 * block, 0)?;
+    let mut queue = queue(&controller, 16)?;
+    queue.read(namespace.id, Lba(64), &[segment], context.config.timeout)?;
+    verify_pattern(&buffer, 0, 8 * block, 21, 64 * block as u64).map_err(Failure)?;
+    Ok(Verdict::Passed)
+}
+
+/// Goal: `integrity_mib` MiB of patterned data written across every queue pair read back through
+/// scattered buffers byte for byte.
+fn data_integrity(context: &Context) -> Outcome {
+    let controller = bring_up(context, DataPointerPreference::Auto)?;
+    let namespace = first_namespace(&controller)?;
+    let chunk = 1usize << 20;
+    let total = context.config.integrity_mib * chunk as u64;
+    ensure!(total <= namespace.size_bytes(), "namespace holds {} bytes, integrity run needs {total}", namespace.size_bytes());
+    let pairs = context.config.queue_pairs.min(controller.granted_queue_pairs()).max(1);
+    let mut queues = Vec::new();
+    for _ in 0..pairs {
+        queues.push(queue(&controller, 256)?);
+    }
+    let block = u64::from(namespace.block_size_bytes);
+    let seed = 0x1a7e_9417;
+    let staging = controller.dma().allocate(chunk)?;
+    for index in 0..context.config.integrity_mib {
+        let offset = index * chunk as u64;
+        fill_pattern(&staging, 0, chunk, seed, offset)?;
+        let queue = &mut queues[index as usize % queues.len()];
+        queue.write(namespace.id, Lba(offset / block), &[DataSegment::new(staging.iova(), chunk as u32)], false, context.config.timeout)?;
+    }
+    queues[0].flush(namespace.id, context.config.timeout)?;
+    // Read back as 16 scattered 64 KiB pieces per MiB.
+    let pieces = scattered(controller.dma().as_ref(), 16, chunk / 16)?;
+    let segments: Vec<DataSegment> = pieces.iter().map(|region| DataSegment::new(region.iova(), (chunk / 16) as u32)).collect();
+    for index in 0..context.config.integrity_mib {
+        let offset = index * chunk as u64;
+        let queue = &mut queues[index as usize % queues.len()];
+        queue.read(namespace.id, Lba(offset / block), &segments, context.config.timeout)?;
+        for (piece_index, piece) in pieces.iter().enumerate() {
+            verify_pattern(piece, 0, chunk / 16, seed, offset + (piece_index * chunk / 16) as u64).map_err(Failure)?;
+        }
+    }
+    Ok(Verdict::Passed)
+}

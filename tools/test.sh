@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# tools/test.sh — every test suite of the project, from a fresh clone on a fresh Debian machine.
+#
+# It installs what the suites need (Debian packages, Python wheels; idempotent, as root) and runs:
+#   rust        cargo test --workspace (unit tests, the software-controller conformance suite,
+#               rings, executors, object store, scheduler simulator assertions)
+#   lint        cargo clippy -D warnings, cargo fmt --check
+#   bindings    gio_abi.h → Rust bindings regenerated with bindgen and diffed (tools/check-bindings.sh)
+#   cuda        CUDA kernels compiled with nvcc from the CUDA 13 wheels, `cuda` feature built
+#               (tools/cuda-build.sh; no GPU needed to compile)
+#   fuzz        the cargo-fuzz targets build (running them needs nightly: see fuzz/README.md)
+#   benches     criterion benchmarks compile (running them is `cargo bench`, not a test)
+#   vm          the conformance suite against QEMU's NVMe controller through VFIO in a Linux guest
+#               (tools/vm-test.sh)
+#
+# Stages run in that order; a failing stage does not stop the later ones, and the script exits
+# non-zero if any failed. Select stages with TUTTI_STAGES="rust lint" (default: all).
+set -uo pipefail
+cd "$(dirname "$(readlink -f "$0")")/.."
+
+STAGES=${TUTTI_STAGES:-"rust lint bindings cuda fuzz benches vm"}
+export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
+export DEBIAN_FRONTEND=noninteractive
+
+passed=0
+failed=0
+failed_names=()
+summary=()
+
+run_stage() {
+    local name=$1
+    shift
+    local started=$SECONDS
+    echo
+    echo "===== stage: $name ====="
+    if "$@"; then
+        passed=$((passed + 1))
+        summary+=("PASS $name ($((SECONDS - started)) s)")
+    else
+        failed=$((failed + 1))
+        failed_names+=("$name")
+        summary+=("FAIL $name ($((SECONDS - started)) s)")
+    fi
+}
+
+stage_rust() {
+    cargo test --workspace --all-targets --locked 2>&1
+}
+
+stage_lint() {
+    rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy rustfmt
+    cargo clippy --workspace --all-targets --locked -- -D warnings && cargo fmt --all -- --check
+}
+
+stage_bindings() { tools/check-bindings.sh; }
+stage_cuda() { tools/cuda-build.sh; }
+
+stage_fuzz() {
+    # The fuzz crate has its own workspace; `cargo fuzz run` needs nightly, building it does not.
+    (cd fuzz && cargo check --bins --locked 2>&1)
+}
+
+stage_benches() {
+    cargo bench --workspace --no-run --locked 2>&1
+}
+
+stage_vm() { tools/vm-test.sh; }
+
+for stage in $STAGES; do
+    case $stage in
+        rust | lint | bindings | cuda | fuzz | benches | vm) run_stage "$stage" "stage_$stage" ;;
+        *)
+            echo "tools/test.sh: unknown stage '$stage' (known: rust lint bindings cuda fuzz benches vm)" >&2
+            exit 2
+            ;;
+    esac
+done
+
+echo
+echo "===== summary ====="
+printf '%s\n' "${summary[@]}"
+echo "stages: $passed passed, $failed failed"
+if [ "$failed" -gt 0 ]; then
+    echo "failed stages: ${failed_names[*]}"
+    exit 1
+fi
