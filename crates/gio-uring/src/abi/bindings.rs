@@ -21,7 +21,7 @@ pub const GIO_DESCRIPTOR_PRP: u32 = 1;
 pub const GIO_IOCTX_FLAG_FUA: u32 = 1;
 pub const GIO_IOCTX_FLAGS_KNOWN: u32 = 1;
 #[repr(C)]
-#[derive(Debug, Default, Copy, Clone, PartialEq, Eq)]
+#[derive(Debug, Copy, Clone, PartialEq, Eq)]
 pub struct gio_ioctx {
     pub desc_iova: u64,
     pub data_iova: u64,
@@ -39,26 +39,17 @@ pub struct gio_ioctx {
 const _: () = {
     ["Size of gio_ioctx"][::core::mem::size_of::<gio_ioctx>() - 48usize];
     ["Alignment of gio_ioctx"][::core::mem::align_of::<gio_ioctx>() - 8usize];
-    ["Offset of field: gio_ioctx::desc_iova"]
-        [::core::mem::offset_of!(gio_ioctx, desc_iova) - 0usize];
-    ["Offset of field: gio_ioctx::data_iova"]
-        [::core::mem::offset_of!(gio_ioctx, data_iova) - 8usize];
-    ["Offset of field: gio_ioctx::start_lba"]
-        [::core::mem::offset_of!(gio_ioctx, start_lba) - 16usize];
+    ["Offset of field: gio_ioctx::desc_iova"][::core::mem::offset_of!(gio_ioctx, desc_iova) - 0usize];
+    ["Offset of field: gio_ioctx::data_iova"][::core::mem::offset_of!(gio_ioctx, data_iova) - 8usize];
+    ["Offset of field: gio_ioctx::start_lba"][::core::mem::offset_of!(gio_ioctx, start_lba) - 16usize];
     ["Offset of field: gio_ioctx::nsid"][::core::mem::offset_of!(gio_ioctx, nsid) - 24usize];
-    ["Offset of field: gio_ioctx::block_count"]
-        [::core::mem::offset_of!(gio_ioctx, block_count) - 28usize];
-    ["Offset of field: gio_ioctx::data_bytes"]
-        [::core::mem::offset_of!(gio_ioctx, data_bytes) - 32usize];
-    ["Offset of field: gio_ioctx::desc_bytes"]
-        [::core::mem::offset_of!(gio_ioctx, desc_bytes) - 36usize];
-    ["Offset of field: gio_ioctx::device_index"]
-        [::core::mem::offset_of!(gio_ioctx, device_index) - 40usize];
-    ["Offset of field: gio_ioctx::descriptor_kind"]
-        [::core::mem::offset_of!(gio_ioctx, descriptor_kind) - 42usize];
+    ["Offset of field: gio_ioctx::block_count"][::core::mem::offset_of!(gio_ioctx, block_count) - 28usize];
+    ["Offset of field: gio_ioctx::data_bytes"][::core::mem::offset_of!(gio_ioctx, data_bytes) - 32usize];
+    ["Offset of field: gio_ioctx::desc_bytes"][::core::mem::offset_of!(gio_ioctx, desc_bytes) - 36usize];
+    ["Offset of field: gio_ioctx::device_index"][::core::mem::offset_of!(gio_ioctx, device_index) - 40usize];
+    ["Offset of field: gio_ioctx::descriptor_kind"][::core::mem::offset_of!(gio_ioctx, descriptor_kind) - 42usize];
     ["Offset of field: gio_ioctx::flags"][::core::mem::offset_of!(gio_ioctx, flags) - 43usize];
-    ["Offset of field: gio_ioctx::reserved0"]
-        [::core::mem::offset_of!(gio_ioctx, reserved0) - 44usize];
+    ["Offset of field: gio_ioctx::reserved0"][::core::mem::offset_of!(gio_ioctx, reserved0) - 44usize];
 };
 #[repr(C)]
 #[derive(Debug, Copy, Clone, PartialEq, Eq)]
@@ -87,49 +78,26 @@ const _: () = {
     ["Size of gio_iocb"][::core::mem::size_of::<gio_iocb>() - 128usize];
     ["Alignment of gio_iocb"][::core::mem::align_of::<gio_iocb>() - 8usize];
     ["Offset of field: gio_iocb::id"][::core::mem::offset_of!(gio_iocb, id) - 0usize];
-    ["Offset of field: gio_iocb::ioctx_count"]
-        [::core::mem::offset_of!(gio_iocb, ioctx_count) - 4usize];
-    ["Offset of field: gio_iocb::ioctx_first"]
-        [::core::mem::offset_of!(gio_iocb, ioctx_first) - 8usize];
-    ["Offset of field: gio_iocb::layer_count"]
-        [::core::mem::offset_of!(gio_iocb, layer_count) - 12usize];
+    ["Offset of field: gio_iocb::ioctx_count"][::core::mem::offset_of!(gio_iocb, ioctx_count) - 4usize];
+    ["Offset of field: gio_iocb::ioctx_first"][::core::mem::offset_of!(gio_iocb, ioctx_first) - 8usize];
+    ["Offset of field: gio_iocb::layer_count"][::core::mem::offset_of!(gio_iocb, layer_count) - 12usize];
     ["Offset of field: gio_iocb::layer"][::core::mem::offset_of!(gio_iocb, layer) - 16usize];
-    ["Offset of field: gio_iocb::issue_seq"]
-        [::core::mem::offset_of!(gio_iocb, issue_seq) - 20usize];
+    ["Offset of field: gio_iocb::issue_seq"][::core::mem::offset_of!(gio_iocb, issue_seq) - 20usize];
     ["Offset of field: gio_iocb::opcode"][::core::mem::offset_of!(gio_iocb, opcode) - 24usize];
-    ["Offset of field: gio_iocb::reserved0"]
-        [::core::mem::offset_of!(gio_iocb, reserved0) - 25usize];
-    ["Offset of field: gio_iocb::user_data"]
-        [::core::mem::offset_of!(gio_iocb, user_data) - 32usize];
-    ["Offset of field: gio_iocb::lba_stride_blocks"]
-        [::core::mem::offset_of!(gio_iocb, lba_stride_blocks) - 40usize];
-    ["Offset of field: gio_iocb::mem_stride_bytes"]
-        [::core::mem::offset_of!(gio_iocb, mem_stride_bytes) - 48usize];
-    ["Offset of field: gio_iocb::desc_stride_bytes"]
-        [::core::mem::offset_of!(gio_iocb, desc_stride_bytes) - 56usize];
+    ["Offset of field: gio_iocb::reserved0"][::core::mem::offset_of!(gio_iocb, reserved0) - 25usize];
+    ["Offset of field: gio_iocb::user_data"][::core::mem::offset_of!(gio_iocb, user_data) - 32usize];
+    ["Offset of field: gio_iocb::lba_stride_blocks"][::core::mem::offset_of!(gio_iocb, lba_stride_blocks) - 40usize];
+    ["Offset of field: gio_iocb::mem_stride_bytes"][::core::mem::offset_of!(gio_iocb, mem_stride_bytes) - 48usize];
+    ["Offset of field: gio_iocb::desc_stride_bytes"][::core::mem::offset_of!(gio_iocb, desc_stride_bytes) - 56usize];
     ["Offset of field: gio_iocb::status"][::core::mem::offset_of!(gio_iocb, status) - 64usize];
-    ["Offset of field: gio_iocb::completed_ioctx_count"]
-        [::core::mem::offset_of!(gio_iocb, completed_ioctx_count) - 68usize];
-    ["Offset of field: gio_iocb::failed_ioctx"]
-        [::core::mem::offset_of!(gio_iocb, failed_ioctx) - 72usize];
-    ["Offset of field: gio_iocb::failed_nvme_status"]
-        [::core::mem::offset_of!(gio_iocb, failed_nvme_status) - 76usize];
-    ["Offset of field: gio_iocb::failed_status"]
-        [::core::mem::offset_of!(gio_iocb, failed_status) - 78usize];
-    ["Offset of field: gio_iocb::reserved1"]
-        [::core::mem::offset_of!(gio_iocb, reserved1) - 80usize];
+    ["Offset of field: gio_iocb::completed_ioctx_count"][::core::mem::offset_of!(gio_iocb, completed_ioctx_count) - 68usize];
+    ["Offset of field: gio_iocb::failed_ioctx"][::core::mem::offset_of!(gio_iocb, failed_ioctx) - 72usize];
+    ["Offset of field: gio_iocb::failed_nvme_status"][::core::mem::offset_of!(gio_iocb, failed_nvme_status) - 76usize];
+    ["Offset of field: gio_iocb::failed_status"][::core::mem::offset_of!(gio_iocb, failed_status) - 78usize];
+    ["Offset of field: gio_iocb::reserved1"][::core::mem::offset_of!(gio_iocb, reserved1) - 80usize];
 };
-impl Default for gio_iocb {
-    fn default() -> Self {
-        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
-        unsafe {
-            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
-            s.assume_init()
-        }
-    }
-}
 #[repr(C)]
-#[derive(Debug, Default, Copy, Clone, PartialEq, Eq)]
+#[derive(Debug, Copy, Clone, PartialEq, Eq)]
 pub struct gio_cqe {
     pub iocb_id: u32,
     pub issue_seq: u32,
@@ -143,11 +111,9 @@ const _: () = {
     ["Alignment of gio_cqe"][::core::mem::align_of::<gio_cqe>() - 4usize];
     ["Offset of field: gio_cqe::iocb_id"][::core::mem::offset_of!(gio_cqe, iocb_id) - 0usize];
     ["Offset of field: gio_cqe::issue_seq"][::core::mem::offset_of!(gio_cqe, issue_seq) - 4usize];
-    ["Offset of field: gio_cqe::failed_ioctx"]
-        [::core::mem::offset_of!(gio_cqe, failed_ioctx) - 8usize];
+    ["Offset of field: gio_cqe::failed_ioctx"][::core::mem::offset_of!(gio_cqe, failed_ioctx) - 8usize];
     ["Offset of field: gio_cqe::status"][::core::mem::offset_of!(gio_cqe, status) - 12usize];
-    ["Offset of field: gio_cqe::failed_nvme_status"]
-        [::core::mem::offset_of!(gio_cqe, failed_nvme_status) - 14usize];
+    ["Offset of field: gio_cqe::failed_nvme_status"][::core::mem::offset_of!(gio_cqe, failed_nvme_status) - 14usize];
 };
 #[repr(C)]
 #[derive(Debug, Copy, Clone, PartialEq, Eq)]
@@ -166,36 +132,18 @@ pub struct gio_ring_header {
 const _: () = {
     ["Size of gio_ring_header"][::core::mem::size_of::<gio_ring_header>() - 256usize];
     ["Alignment of gio_ring_header"][::core::mem::align_of::<gio_ring_header>() - 4usize];
-    ["Offset of field: gio_ring_header::head"]
-        [::core::mem::offset_of!(gio_ring_header, head) - 0usize];
-    ["Offset of field: gio_ring_header::reserved0"]
-        [::core::mem::offset_of!(gio_ring_header, reserved0) - 4usize];
-    ["Offset of field: gio_ring_header::tail"]
-        [::core::mem::offset_of!(gio_ring_header, tail) - 64usize];
-    ["Offset of field: gio_ring_header::reserved1"]
-        [::core::mem::offset_of!(gio_ring_header, reserved1) - 68usize];
-    ["Offset of field: gio_ring_header::mask"]
-        [::core::mem::offset_of!(gio_ring_header, mask) - 128usize];
-    ["Offset of field: gio_ring_header::entry_count"]
-        [::core::mem::offset_of!(gio_ring_header, entry_count) - 132usize];
-    ["Offset of field: gio_ring_header::reserved2"]
-        [::core::mem::offset_of!(gio_ring_header, reserved2) - 136usize];
-    ["Offset of field: gio_ring_header::producer_lock"]
-        [::core::mem::offset_of!(gio_ring_header, producer_lock) - 192usize];
-    ["Offset of field: gio_ring_header::reserved3"]
-        [::core::mem::offset_of!(gio_ring_header, reserved3) - 196usize];
+    ["Offset of field: gio_ring_header::head"][::core::mem::offset_of!(gio_ring_header, head) - 0usize];
+    ["Offset of field: gio_ring_header::reserved0"][::core::mem::offset_of!(gio_ring_header, reserved0) - 4usize];
+    ["Offset of field: gio_ring_header::tail"][::core::mem::offset_of!(gio_ring_header, tail) - 64usize];
+    ["Offset of field: gio_ring_header::reserved1"][::core::mem::offset_of!(gio_ring_header, reserved1) - 68usize];
+    ["Offset of field: gio_ring_header::mask"][::core::mem::offset_of!(gio_ring_header, mask) - 128usize];
+    ["Offset of field: gio_ring_header::entry_count"][::core::mem::offset_of!(gio_ring_header, entry_count) - 132usize];
+    ["Offset of field: gio_ring_header::reserved2"][::core::mem::offset_of!(gio_ring_header, reserved2) - 136usize];
+    ["Offset of field: gio_ring_header::producer_lock"][::core::mem::offset_of!(gio_ring_header, producer_lock) - 192usize];
+    ["Offset of field: gio_ring_header::reserved3"][::core::mem::offset_of!(gio_ring_header, reserved3) - 196usize];
 };
-impl Default for gio_ring_header {
-    fn default() -> Self {
-        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
-        unsafe {
-            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
-            s.assume_init()
-        }
-    }
-}
 #[repr(C)]
-#[derive(Debug, Default, Copy, Clone, PartialEq, Eq)]
+#[derive(Debug, Copy, Clone, PartialEq, Eq)]
 pub struct gio_nvme_slot {
     pub ready_ticket: u32,
     pub done_ticket: u32,
@@ -209,20 +157,13 @@ pub struct gio_nvme_slot {
 const _: () = {
     ["Size of gio_nvme_slot"][::core::mem::size_of::<gio_nvme_slot>() - 32usize];
     ["Alignment of gio_nvme_slot"][::core::mem::align_of::<gio_nvme_slot>() - 4usize];
-    ["Offset of field: gio_nvme_slot::ready_ticket"]
-        [::core::mem::offset_of!(gio_nvme_slot, ready_ticket) - 0usize];
-    ["Offset of field: gio_nvme_slot::done_ticket"]
-        [::core::mem::offset_of!(gio_nvme_slot, done_ticket) - 4usize];
-    ["Offset of field: gio_nvme_slot::ticket"]
-        [::core::mem::offset_of!(gio_nvme_slot, ticket) - 8usize];
-    ["Offset of field: gio_nvme_slot::iocb_id"]
-        [::core::mem::offset_of!(gio_nvme_slot, iocb_id) - 12usize];
-    ["Offset of field: gio_nvme_slot::ioctx_index"]
-        [::core::mem::offset_of!(gio_nvme_slot, ioctx_index) - 16usize];
-    ["Offset of field: gio_nvme_slot::issue_seq"]
-        [::core::mem::offset_of!(gio_nvme_slot, issue_seq) - 20usize];
-    ["Offset of field: gio_nvme_slot::reserved0"]
-        [::core::mem::offset_of!(gio_nvme_slot, reserved0) - 24usize];
+    ["Offset of field: gio_nvme_slot::ready_ticket"][::core::mem::offset_of!(gio_nvme_slot, ready_ticket) - 0usize];
+    ["Offset of field: gio_nvme_slot::done_ticket"][::core::mem::offset_of!(gio_nvme_slot, done_ticket) - 4usize];
+    ["Offset of field: gio_nvme_slot::ticket"][::core::mem::offset_of!(gio_nvme_slot, ticket) - 8usize];
+    ["Offset of field: gio_nvme_slot::iocb_id"][::core::mem::offset_of!(gio_nvme_slot, iocb_id) - 12usize];
+    ["Offset of field: gio_nvme_slot::ioctx_index"][::core::mem::offset_of!(gio_nvme_slot, ioctx_index) - 16usize];
+    ["Offset of field: gio_nvme_slot::issue_seq"][::core::mem::offset_of!(gio_nvme_slot, issue_seq) - 20usize];
+    ["Offset of field: gio_nvme_slot::reserved0"][::core::mem::offset_of!(gio_nvme_slot, reserved0) - 24usize];
 };
 #[repr(C)]
 #[derive(Debug, Copy, Clone, PartialEq, Eq)]
@@ -252,56 +193,29 @@ pub struct gio_nvme_qp {
 const _: () = {
     ["Size of gio_nvme_qp"][::core::mem::size_of::<gio_nvme_qp>() - 320usize];
     ["Alignment of gio_nvme_qp"][::core::mem::align_of::<gio_nvme_qp>() - 8usize];
-    ["Offset of field: gio_nvme_qp::sq_entries"]
-        [::core::mem::offset_of!(gio_nvme_qp, sq_entries) - 0usize];
-    ["Offset of field: gio_nvme_qp::cq_entries"]
-        [::core::mem::offset_of!(gio_nvme_qp, cq_entries) - 8usize];
-    ["Offset of field: gio_nvme_qp::sq_doorbell"]
-        [::core::mem::offset_of!(gio_nvme_qp, sq_doorbell) - 16usize];
-    ["Offset of field: gio_nvme_qp::cq_doorbell"]
-        [::core::mem::offset_of!(gio_nvme_qp, cq_doorbell) - 24usize];
+    ["Offset of field: gio_nvme_qp::sq_entries"][::core::mem::offset_of!(gio_nvme_qp, sq_entries) - 0usize];
+    ["Offset of field: gio_nvme_qp::cq_entries"][::core::mem::offset_of!(gio_nvme_qp, cq_entries) - 8usize];
+    ["Offset of field: gio_nvme_qp::sq_doorbell"][::core::mem::offset_of!(gio_nvme_qp, sq_doorbell) - 16usize];
+    ["Offset of field: gio_nvme_qp::cq_doorbell"][::core::mem::offset_of!(gio_nvme_qp, cq_doorbell) - 24usize];
     ["Offset of field: gio_nvme_qp::slots"][::core::mem::offset_of!(gio_nvme_qp, slots) - 32usize];
-    ["Offset of field: gio_nvme_qp::sq_depth"]
-        [::core::mem::offset_of!(gio_nvme_qp, sq_depth) - 40usize];
-    ["Offset of field: gio_nvme_qp::cq_depth"]
-        [::core::mem::offset_of!(gio_nvme_qp, cq_depth) - 44usize];
+    ["Offset of field: gio_nvme_qp::sq_depth"][::core::mem::offset_of!(gio_nvme_qp, sq_depth) - 40usize];
+    ["Offset of field: gio_nvme_qp::cq_depth"][::core::mem::offset_of!(gio_nvme_qp, cq_depth) - 44usize];
     ["Offset of field: gio_nvme_qp::qid"][::core::mem::offset_of!(gio_nvme_qp, qid) - 48usize];
-    ["Offset of field: gio_nvme_qp::reserved0"]
-        [::core::mem::offset_of!(gio_nvme_qp, reserved0) - 52usize];
-    ["Offset of field: gio_nvme_qp::sq_reserved"]
-        [::core::mem::offset_of!(gio_nvme_qp, sq_reserved) - 64usize];
-    ["Offset of field: gio_nvme_qp::reserved1"]
-        [::core::mem::offset_of!(gio_nvme_qp, reserved1) - 68usize];
-    ["Offset of field: gio_nvme_qp::sq_lock"]
-        [::core::mem::offset_of!(gio_nvme_qp, sq_lock) - 128usize];
-    ["Offset of field: gio_nvme_qp::sq_tail"]
-        [::core::mem::offset_of!(gio_nvme_qp, sq_tail) - 132usize];
-    ["Offset of field: gio_nvme_qp::reserved2"]
-        [::core::mem::offset_of!(gio_nvme_qp, reserved2) - 136usize];
-    ["Offset of field: gio_nvme_qp::sq_head"]
-        [::core::mem::offset_of!(gio_nvme_qp, sq_head) - 192usize];
-    ["Offset of field: gio_nvme_qp::unexpected_completions"]
-        [::core::mem::offset_of!(gio_nvme_qp, unexpected_completions) - 196usize];
-    ["Offset of field: gio_nvme_qp::reserved3"]
-        [::core::mem::offset_of!(gio_nvme_qp, reserved3) - 200usize];
-    ["Offset of field: gio_nvme_qp::cq_lock"]
-        [::core::mem::offset_of!(gio_nvme_qp, cq_lock) - 256usize];
-    ["Offset of field: gio_nvme_qp::cq_head"]
-        [::core::mem::offset_of!(gio_nvme_qp, cq_head) - 260usize];
-    ["Offset of field: gio_nvme_qp::reserved4"]
-        [::core::mem::offset_of!(gio_nvme_qp, reserved4) - 264usize];
+    ["Offset of field: gio_nvme_qp::reserved0"][::core::mem::offset_of!(gio_nvme_qp, reserved0) - 52usize];
+    ["Offset of field: gio_nvme_qp::sq_reserved"][::core::mem::offset_of!(gio_nvme_qp, sq_reserved) - 64usize];
+    ["Offset of field: gio_nvme_qp::reserved1"][::core::mem::offset_of!(gio_nvme_qp, reserved1) - 68usize];
+    ["Offset of field: gio_nvme_qp::sq_lock"][::core::mem::offset_of!(gio_nvme_qp, sq_lock) - 128usize];
+    ["Offset of field: gio_nvme_qp::sq_tail"][::core::mem::offset_of!(gio_nvme_qp, sq_tail) - 132usize];
+    ["Offset of field: gio_nvme_qp::reserved2"][::core::mem::offset_of!(gio_nvme_qp, reserved2) - 136usize];
+    ["Offset of field: gio_nvme_qp::sq_head"][::core::mem::offset_of!(gio_nvme_qp, sq_head) - 192usize];
+    ["Offset of field: gio_nvme_qp::unexpected_completions"][::core::mem::offset_of!(gio_nvme_qp, unexpected_completions) - 196usize];
+    ["Offset of field: gio_nvme_qp::reserved3"][::core::mem::offset_of!(gio_nvme_qp, reserved3) - 200usize];
+    ["Offset of field: gio_nvme_qp::cq_lock"][::core::mem::offset_of!(gio_nvme_qp, cq_lock) - 256usize];
+    ["Offset of field: gio_nvme_qp::cq_head"][::core::mem::offset_of!(gio_nvme_qp, cq_head) - 260usize];
+    ["Offset of field: gio_nvme_qp::reserved4"][::core::mem::offset_of!(gio_nvme_qp, reserved4) - 264usize];
 };
-impl Default for gio_nvme_qp {
-    fn default() -> Self {
-        let mut s = ::core::mem::MaybeUninit::<Self>::uninit();
-        unsafe {
-            ::core::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
-            s.assume_init()
-        }
-    }
-}
 #[repr(C)]
-#[derive(Debug, Default, Copy, Clone, PartialEq, Eq)]
+#[derive(Debug, Copy, Clone, PartialEq, Eq)]
 pub struct gio_launch_params {
     pub iocbs: u64,
     pub ioctxs: u64,
@@ -322,32 +236,18 @@ pub struct gio_launch_params {
 const _: () = {
     ["Size of gio_launch_params"][::core::mem::size_of::<gio_launch_params>() - 80usize];
     ["Alignment of gio_launch_params"][::core::mem::align_of::<gio_launch_params>() - 8usize];
-    ["Offset of field: gio_launch_params::iocbs"]
-        [::core::mem::offset_of!(gio_launch_params, iocbs) - 0usize];
-    ["Offset of field: gio_launch_params::ioctxs"]
-        [::core::mem::offset_of!(gio_launch_params, ioctxs) - 8usize];
-    ["Offset of field: gio_launch_params::sq_entries"]
-        [::core::mem::offset_of!(gio_launch_params, sq_entries) - 16usize];
-    ["Offset of field: gio_launch_params::cq_header"]
-        [::core::mem::offset_of!(gio_launch_params, cq_header) - 24usize];
-    ["Offset of field: gio_launch_params::cq_entries"]
-        [::core::mem::offset_of!(gio_launch_params, cq_entries) - 32usize];
-    ["Offset of field: gio_launch_params::nvme_qps"]
-        [::core::mem::offset_of!(gio_launch_params, nvme_qps) - 40usize];
-    ["Offset of field: gio_launch_params::sq_first"]
-        [::core::mem::offset_of!(gio_launch_params, sq_first) - 48usize];
-    ["Offset of field: gio_launch_params::iocb_count"]
-        [::core::mem::offset_of!(gio_launch_params, iocb_count) - 52usize];
-    ["Offset of field: gio_launch_params::sq_mask"]
-        [::core::mem::offset_of!(gio_launch_params, sq_mask) - 56usize];
-    ["Offset of field: gio_launch_params::iocb_capacity"]
-        [::core::mem::offset_of!(gio_launch_params, iocb_capacity) - 60usize];
-    ["Offset of field: gio_launch_params::ioctx_capacity"]
-        [::core::mem::offset_of!(gio_launch_params, ioctx_capacity) - 64usize];
-    ["Offset of field: gio_launch_params::device_count"]
-        [::core::mem::offset_of!(gio_launch_params, device_count) - 68usize];
-    ["Offset of field: gio_launch_params::poll_iterations_max"]
-        [::core::mem::offset_of!(gio_launch_params, poll_iterations_max) - 72usize];
-    ["Offset of field: gio_launch_params::backoff_ns_max"]
-        [::core::mem::offset_of!(gio_launch_params, backoff_ns_max) - 76usize];
+    ["Offset of field: gio_launch_params::iocbs"][::core::mem::offset_of!(gio_launch_params, iocbs) - 0usize];
+    ["Offset of field: gio_launch_params::ioctxs"][::core::mem::offset_of!(gio_launch_params, ioctxs) - 8usize];
+    ["Offset of field: gio_launch_params::sq_entries"][::core::mem::offset_of!(gio_launch_params, sq_entries) - 16usize];
+    ["Offset of field: gio_launch_params::cq_header"][::core::mem::offset_of!(gio_launch_params, cq_header) - 24usize];
+    ["Offset of field: gio_launch_params::cq_entries"][::core::mem::offset_of!(gio_launch_params, cq_entries) - 32usize];
+    ["Offset of field: gio_launch_params::nvme_qps"][::core::mem::offset_of!(gio_launch_params, nvme_qps) - 40usize];
+    ["Offset of field: gio_launch_params::sq_first"][::core::mem::offset_of!(gio_launch_params, sq_first) - 48usize];
+    ["Offset of field: gio_launch_params::iocb_count"][::core::mem::offset_of!(gio_launch_params, iocb_count) - 52usize];
+    ["Offset of field: gio_launch_params::sq_mask"][::core::mem::offset_of!(gio_launch_params, sq_mask) - 56usize];
+    ["Offset of field: gio_launch_params::iocb_capacity"][::core::mem::offset_of!(gio_launch_params, iocb_capacity) - 60usize];
+    ["Offset of field: gio_launch_params::ioctx_capacity"][::core::mem::offset_of!(gio_launch_params, ioctx_capacity) - 64usize];
+    ["Offset of field: gio_launch_params::device_count"][::core::mem::offset_of!(gio_launch_params, device_count) - 68usize];
+    ["Offset of field: gio_launch_params::poll_iterations_max"][::core::mem::offset_of!(gio_launch_params, poll_iterations_max) - 72usize];
+    ["Offset of field: gio_launch_params::backoff_ns_max"][::core::mem::offset_of!(gio_launch_params, backoff_ns_max) - 76usize];
 };

@@ -1,0 +1,181 @@
+//! The CPU/GPU shared ABI: bindgen's output for `kernels/gio_abi.h` plus typed views of its codes.
+//!
+//! `bindings.rs` is generated and checked in (tools/check-bindings.sh regenerates and diffs it); it
+//! carries bindgen's own layout assertions. The assertions below repeat the facts the rest of this
+//! crate relies on, so a header change that breaks them fails the build here, by name.
+
+#[allow(non_camel_case_types, non_upper_case_globals, dead_code, clippy::all)]
+mod bindings;
+
+pub use bindings::*;
+
+use core::mem::{offset_of, size_of};
+
+/// Cache line the ABI separates producer- and consumer-written fields by.
+pub const CACHE_LINE_BYTES: usize = GIO_CACHE_LINE_BYTES as usize;
+/// The compile-time upper bound of IOCTXs per IOCB (Tutti §3.2).
+pub const MAX_IOCTX_PER_IOCB: u32 = GIO_MAX_IOCTX_PER_IOCB;
+/// The version of the header these bindings were generated from.
+pub const ABI_VERSION: u32 = GIO_ABI_VERSION;
+
+const _: () = {
+    assert!(ABI_VERSION == 1, "update the Rust side for the new ABI version");
+    assert!(MAX_IOCTX_PER_IOCB == 2048);
+    assert!(size_of::<gio_ioctx>() == 48);
+    assert!(size_of::<gio_iocb>() == 2 * CACHE_LINE_BYTES);
+    assert!(offset_of!(gio_iocb, status) == CACHE_LINE_BYTES);
+    assert!(offset_of!(gio_iocb, user_data) == 32);
+    assert!(offset_of!(gio_iocb, failed_nvme_status) == 76);
+    assert!(size_of::<gio_cqe>() == 16);
+    assert!(size_of::<gio_ring_header>() == 4 * CACHE_LINE_BYTES);
+    assert!(offset_of!(gio_ring_header, head) == 0);
+    assert!(offset_of!(gio_ring_header, tail) == CACHE_LINE_BYTES);
+    assert!(offset_of!(gio_ring_header, mask) == 2 * CACHE_LINE_BYTES);
+    assert!(offset_of!(gio_ring_header, producer_lock) == 3 * CACHE_LINE_BYTES);
+    assert!(size_of::<gio_nvme_slot>() == 32);
+    assert!(size_of::<gio_nvme_qp>() == 5 * CACHE_LINE_BYTES);
+    assert!(size_of::<gio_launch_params>() == 80);
+    // Command ids are the low 16 bits of a free-running ticket: every depth must divide 2^16.
+    assert!(GIO_RING_DEPTH_MAX == 1 << 16);
+};
+
+/// NVMe opcode of every IOCTX in an IOCB.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Opcode {
+    Read,
+    Write,
+}
+
+impl Opcode {
+    pub fn to_abi(self) -> u8 {
+        match self {
+            Opcode::Read => GIO_OPCODE_READ as u8,
+            Opcode::Write => GIO_OPCODE_WRITE as u8,
+        }
+    }
+
+    pub fn from_abi(raw: u8) -> Option<Self> {
+        match u32::from(raw) {
+            GIO_OPCODE_READ => Some(Opcode::Read),
+            GIO_OPCODE_WRITE => Some(Opcode::Write),
+            _ => None,
+        }
+    }
+}
+
+/// `gio_iocb.status` / `gio_cqe.status`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IocbStatus {
+    Idle,
+    Issued,
+    Success,
+    NvmeError,
+    InvalidIoctx,
+    Timeout,
+}
+
+impl IocbStatus {
+    pub fn to_abi(self) -> u32 {
+        match self {
+            IocbStatus::Idle => GIO_IOCB_STATUS_IDLE,
+            IocbStatus::Issued => GIO_IOCB_STATUS_ISSUED,
+            IocbStatus::Success => GIO_IOCB_STATUS_SUCCESS,
+            IocbStatus::NvmeError => GIO_IOCB_STATUS_NVME_ERROR,
+            IocbStatus::InvalidIoctx => GIO_IOCB_STATUS_INVALID_IOCTX,
+            IocbStatus::Timeout => GIO_IOCB_STATUS_TIMEOUT,
+        }
+    }
+
+    /// `None` for a value no executor may write (untrusted input from shared memory).
+    pub fn from_abi(raw: u32) -> Option<Self> {
+        match raw {
+            GIO_IOCB_STATUS_IDLE => Some(IocbStatus::Idle),
+            GIO_IOCB_STATUS_ISSUED => Some(IocbStatus::Issued),
+            GIO_IOCB_STATUS_SUCCESS => Some(IocbStatus::Success),
+            GIO_IOCB_STATUS_NVME_ERROR => Some(IocbStatus::NvmeError),
+            GIO_IOCB_STATUS_INVALID_IOCTX => Some(IocbStatus::InvalidIoctx),
+            GIO_IOCB_STATUS_TIMEOUT => Some(IocbStatus::Timeout),
+            _ => None,
+        }
+    }
+
+    /// Whether this status ends an issue (may appear in a CQE).
+    pub fn is_terminal(self) -> bool {
+        !matches!(self, IocbStatus::Idle | IocbStatus::Issued)
+    }
+}
+
+/// The NVMe status field of a completion (CQE DW3 bits 31:17, here with the phase tag cleared):
+/// Status Code Type, Status Code, More, Do Not Retry (NVMe Base Spec 2.0 Fig. 101).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NvmeStatus(pub u16);
+
+impl NvmeStatus {
+    pub const SUCCESS: NvmeStatus = NvmeStatus(0);
+
+    /// Builds the field from a status code type and status code.
+    pub fn new(status_code_type: u8, status_code: u8) -> Self {
+        NvmeStatus((u16::from(status_code_type & 0x7) << 9) | (u16::from(status_code) << 1))
+    }
+    pub fn status_code(self) -> u8 {
+        (self.0 >> 1) as u8
+    }
+    pub fn status_code_type(self) -> u8 {
+        ((self.0 >> 9) & 0x7) as u8
+    }
+    pub fn do_not_retry(self) -> bool {
+        self.0 & 0x8000 != 0
+    }
+    pub fn is_success(self) -> bool {
+        self.status_code() == 0 && self.status_code_type() == 0
+    }
+}
+
+impl core::fmt::Display for NvmeStatus {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        write!(
+            f,
+            "SCT {:#x} SC {:#04x}{}",
+            self.status_code_type(),
+            self.status_code(),
+            if self.do_not_retry() { " DNR" } else { "" }
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_round_trip_and_unknown_codes_are_rejected() {
+        for status in [
+            IocbStatus::Idle,
+            IocbStatus::Issued,
+            IocbStatus::Success,
+            IocbStatus::NvmeError,
+            IocbStatus::InvalidIoctx,
+            IocbStatus::Timeout,
+        ] {
+            assert_eq!(IocbStatus::from_abi(status.to_abi()), Some(status));
+        }
+        assert_eq!(IocbStatus::from_abi(6), None);
+        assert_eq!(Opcode::from_abi(Opcode::Read.to_abi()), Some(Opcode::Read));
+        assert_eq!(Opcode::from_abi(Opcode::Write.to_abi()), Some(Opcode::Write));
+        assert_eq!(Opcode::from_abi(0x09), None);
+    }
+
+    #[test]
+    fn nvme_status_fields_match_the_cqe_layout() {
+        // LBA Out of Range: SCT 0 (generic), SC 0x80.
+        let status = NvmeStatus::new(0, 0x80);
+        assert_eq!(status.0, 0x100);
+        assert_eq!(status.status_code(), 0x80);
+        assert_eq!(status.status_code_type(), 0);
+        assert!(!status.is_success());
+        let media = NvmeStatus(NvmeStatus::new(2, 0x81).0 | 0x8000);
+        assert_eq!(media.status_code_type(), 2);
+        assert!(media.do_not_retry());
+        assert!(NvmeStatus::SUCCESS.is_success());
+    }
+}

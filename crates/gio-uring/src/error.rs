@@ -1,0 +1,87 @@
+//! The one error type of gio-uring.
+
+use crate::abi::NvmeStatus;
+use crate::types::{DeviceIndex, IocbId, IovaRange, LayerIndex};
+
+/// Why an IOCTX was refused when its IOCB was filled.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum IoctxFault {
+    #[error("{device} does not exist (the device table has {device_count})")]
+    UnknownDevice { device: DeviceIndex, device_count: usize },
+    #[error("zero length")]
+    ZeroLength,
+    #[error("{block_count} blocks exceed the NVMe limit of 65536 per command")]
+    TooManyBlocks { block_count: u32 },
+    #[error("namespace {nsid} is not the namespace {expected_nsid} of the device")]
+    WrongNamespace { nsid: u32, expected_nsid: u32 },
+    #[error("{data_bytes} data bytes do not equal {block_count} blocks of {block_bytes} bytes")]
+    LengthMismatch { data_bytes: u32, block_count: u32, block_bytes: u32 },
+    #[error("blocks {first_lba}..+{block_count} at layer {layer} exceed capacity {capacity_blocks}")]
+    LbaOutOfRange { first_lba: u64, block_count: u32, layer: u32, capacity_blocks: u64 },
+    #[error("{what} {range} at layer {layer} is outside registered memory")]
+    OutsideRegisteredMemory { what: &'static str, range: IovaRange, layer: u32 },
+    #[error("the device does not support SGL data pointers")]
+    SglUnsupported,
+    #[error("SGL segment of {desc_bytes} bytes is not a non-zero multiple of 16")]
+    BadSglSegment { desc_bytes: u32 },
+    #[error("address arithmetic overflows at layer {layer}")]
+    AddressOverflow { layer: u32 },
+}
+
+/// Errors of gio-uring. Every variant says which queue object it concerns.
+#[derive(Debug, thiserror::Error)]
+pub enum GioError {
+    #[error("invalid queue configuration: {reason}")]
+    InvalidConfig { reason: String },
+    #[error("cannot allocate {len_bytes} bytes of shared ring memory")]
+    OutOfMemory { len_bytes: usize },
+    #[error("{id} does not exist (queue depth {depth})")]
+    UnknownIocb { id: IocbId, depth: u32 },
+    #[error("only {available} free IOCBs, {requested} requested")]
+    NoFreeIocb { requested: usize, available: usize },
+    #[error("{id} is {state}, which does not allow {operation}")]
+    WrongState { id: IocbId, state: &'static str, operation: &'static str },
+    #[error("{id}: IOCTX count {count} outside 1..={max}")]
+    BadIoctxCount { id: IocbId, count: usize, max: u32 },
+    #[error("{id}: layer count must be at least 1")]
+    ZeroLayerCount { id: IocbId },
+    #[error("{id}, IOCTX {index}: {fault}")]
+    InvalidIoctx { id: IocbId, index: u32, fault: IoctxFault },
+    #[error("{id}: layer {} is outside the {layer_count} layers it was filled for", layer.0)]
+    LayerOutOfRange { id: IocbId, layer: LayerIndex, layer_count: u32 },
+    #[error("{id} appears twice in one issue")]
+    DuplicateIssue { id: IocbId },
+    #[error("issue of {count} IOCBs: the ids must number 1..={depth}")]
+    BadIssueSize { count: usize, depth: u32 },
+    #[error("{id} waits on {found:?} but the other IOCBs of this issue wait on {expected:?}")]
+    MixedDependencies { id: IocbId, expected: crate::types::Dependency, found: crate::types::Dependency },
+    #[error("SM budget must be at least 1")]
+    ZeroSmBudget,
+    /// Back-pressure, not a failure: nothing was issued; reap completions and retry.
+    #[error("submission queue full: {free} free slots, {needed} needed (back-pressure, retry)")]
+    SubmissionQueueFull { free: u32, needed: u32 },
+    #[error("{ring} ring corrupt: head {head}, tail {tail}, depth {depth}")]
+    RingCorrupt { ring: &'static str, head: u32, tail: u32, depth: u32 },
+    #[error("completion for {id} (issue {issue_seq}) matches nothing in flight: {reason}")]
+    UnexpectedCompletion { id: IocbId, issue_seq: u32, reason: &'static str },
+    #[error("completion queue full: the executor cannot post a completion for {id}")]
+    CompletionQueueFull { id: IocbId },
+    #[error("timed out after {waited_ms} ms waiting for {id}")]
+    WaitTimeout { id: IocbId, waited_ms: u128 },
+    #[error("executor {executor}: {reason}")]
+    Executor { executor: &'static str, reason: String },
+    /// A feature that needs a component that does not exist yet; never reported as success.
+    #[error("unsupported: {what}")]
+    Unsupported { what: &'static str },
+}
+
+/// How an issued IOCB ended, when it did not succeed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum IocbFailure {
+    #[error("IOCTX {ioctx_index} failed with NVMe status {status}")]
+    Nvme { ioctx_index: u32, status: NvmeStatus },
+    #[error("the executor refused IOCTX {ioctx_index}")]
+    InvalidIoctx { ioctx_index: u32 },
+    #[error("the executor timed out (first unfinished IOCTX {ioctx_index:?})")]
+    Timeout { ioctx_index: Option<u32> },
+}

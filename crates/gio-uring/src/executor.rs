@@ -1,0 +1,272 @@
+//! The executor seam: whatever turns issued IOCBs into NVMe commands and posts gio CQEs.
+//!
+//! An executor is the SQ's consumer and the CQ's producer. Two are planned: CPU worker threads that
+//! own NVMe queue pairs, and the CUDA I/O kernel (kernels/gio_io_kernel.cu). Both need the NVMe
+//! driver's queue pairs, which do not exist yet (crates/nvme-driver); until they do, this crate
+//! ships only the trait, the completion accounting every executor must follow
+//! ([`complete_ioctx`], [`post_cqe`]), and — in tests only — an in-memory test double.
+
+use std::sync::atomic::Ordering;
+
+use crate::abi::{self, NvmeStatus};
+use crate::error::GioError;
+use crate::layout::{IocbField, QueueMemory};
+use crate::ring::{Cqe, Ring};
+use crate::types::{Dependency, IocbId, LayerIndex, SmBudget};
+
+/// One `issue_io` call as the executor receives it: the ids are already on the SQ, at free-running
+/// positions `sq_first .. sq_first + count`, published with Release.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IssueBatch {
+    pub sq_first: u32,
+    pub count: u32,
+    pub layer: LayerIndex,
+    pub sm_budget: SmBudget,
+    pub dependency: Dependency,
+}
+
+/// Executes issued IOCBs.
+pub trait Executor: Send {
+    /// A short name for errors and logs.
+    fn name(&self) -> &'static str;
+
+    /// Accepts one issue: consume `batch.count` ids from the SQ in order, execute every IOCTX of
+    /// each IOCB (after `batch.dependency` has fired), and post exactly one CQE per IOCB. May
+    /// complete before returning or later.
+    fn submit(&mut self, memory: &QueueMemory, batch: &IssueBatch) -> Result<(), GioError>;
+
+    /// Makes progress without blocking, for executors that are driven by their caller (a polled
+    /// executor reaps NVMe completions here). Executors that run on their own return `Ok(())`.
+    fn poll(&mut self, memory: &QueueMemory) -> Result<(), GioError>;
+}
+
+/// Records the completion of IOCTX `ioctx_index` of IOCB `id` with `status`; returns the CQE to
+/// post if this was the last outstanding IOCTX of the issue. The protocol the GPU kernel follows
+/// too:
+/// 1. a failure claims `failed_ioctx` with a compare-and-swap (first failure wins), then writes its
+///    NVMe status and the IOCB status it implies;
+/// 2. the completed-IOCTX counter is incremented with AcqRel, so the thread that takes it to the
+///    IOCTX count has seen every earlier failure record;
+/// 3. that thread moves `status` off ISSUED with a compare-and-swap: exactly one CQE per issue,
+///    even if a timeout path raced it.
+pub fn complete_ioctx(
+    memory: &QueueMemory,
+    id: IocbId,
+    ioctx_index: u32,
+    ioctx_count: u32,
+    issue_seq: u32,
+    status: Result<(), (u32, NvmeStatus)>,
+) -> Option<Cqe> {
+    let region = &memory.region;
+    if let Err((iocb_status, nvme_status)) = status {
+        let claimed = region
+            .compare_exchange_u32(
+                memory.iocb_field_offset(id, IocbField::FailedIoctx),
+                abi::GIO_NO_FAILED_IOCTX,
+                ioctx_index,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            )
+            .is_ok();
+        if claimed {
+            region.store_u16(
+                memory.iocb_field_offset(id, IocbField::FailedNvmeStatus),
+                nvme_status.0 & 0xFFFE,
+                Ordering::Relaxed,
+            );
+            region.store_u16(
+                memory.iocb_field_offset(id, IocbField::FailedStatus),
+                iocb_status as u16,
+                Ordering::Relaxed,
+            );
+        }
+    }
+    let previous = region.fetch_add_u32(
+        memory.iocb_field_offset(id, IocbField::CompletedIoctxCount),
+        1,
+        Ordering::AcqRel,
+    );
+    if previous.wrapping_add(1) != ioctx_count {
+        return None;
+    }
+    let failed_ioctx =
+        region.load_u32(memory.iocb_field_offset(id, IocbField::FailedIoctx), Ordering::Relaxed);
+    let (final_status, failed_nvme_status) = if failed_ioctx == abi::GIO_NO_FAILED_IOCTX {
+        (abi::GIO_IOCB_STATUS_SUCCESS, 0)
+    } else {
+        (
+            u32::from(region.load_u16(memory.iocb_field_offset(id, IocbField::FailedStatus), Ordering::Relaxed)),
+            region.load_u16(memory.iocb_field_offset(id, IocbField::FailedNvmeStatus), Ordering::Relaxed),
+        )
+    };
+    region
+        .compare_exchange_u32(
+            memory.iocb_field_offset(id, IocbField::Status),
+            abi::GIO_IOCB_STATUS_ISSUED,
+            final_status,
+            Ordering::AcqRel,
+            Ordering::Relaxed,
+        )
+        .ok()?;
+    Some(Cqe {
+        iocb_id: id,
+        issue_seq,
+        failed_ioctx,
+        status: final_status as u16,
+        failed_nvme_status,
+    })
+}
+
+/// Posts a CQE (single producer: the caller serialises producers). The CQ has one entry per IOCB
+/// and an IOCB is reissued only after its CQE was reaped, so a full CQ is a protocol violation.
+pub fn post_cqe(memory: &QueueMemory, cqe: Cqe) -> Result<(), GioError> {
+    let ring: Ring<'_, Cqe> = Ring::new(&memory.region, memory.layout.cq, "cq");
+    let mut producer = ring.producer()?;
+    producer
+        .push(cqe)
+        .map_err(|cqe| GioError::CompletionQueueFull { id: cqe.iocb_id })
+}
+
+#[cfg(test)]
+pub(crate) mod test_double {
+    //! An in-memory stand-in for an executor, for tests of the queue protocol only. It performs no
+    //! I/O: every IOCTX "completes" with the status the test injected (success by default). It is
+    //! never exported.
+
+    use super::*;
+    use crate::ring::Ring;
+    use std::collections::VecDeque;
+
+    /// One IOCTX as the test double would have sent it to a device, after the per-layer rule.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub struct ExecutedIoctx {
+        pub iocb: IocbId,
+        pub ioctx_index: u32,
+        pub opcode: u8,
+        pub device_index: u16,
+        pub lba: u64,
+        pub data_iova: u64,
+        pub desc_iova: u64,
+        pub block_count: u32,
+        pub layer: u32,
+    }
+
+    #[derive(Debug, Default)]
+    pub struct MemoryExecutor {
+        /// Complete on `poll` (one IOCB per poll) instead of inside `submit`.
+        pub deferred: bool,
+        /// Never complete anything (to test deadlines).
+        pub stalled: bool,
+        /// (iocb, ioctx index) → NVMe status to complete with.
+        pub faults: Vec<(IocbId, u32, NvmeStatus)>,
+        pub pending: VecDeque<IocbId>,
+        pub executed: Vec<ExecutedIoctx>,
+        pub batches: Vec<IssueBatch>,
+    }
+
+    impl MemoryExecutor {
+        fn execute(&mut self, memory: &QueueMemory, id: IocbId) -> Result<(), GioError> {
+            let header = memory.read_iocb_header(id);
+            for index in 0..header.ioctx_count {
+                let ioctx = memory.read_ioctx(header.ioctx_first + index);
+                let layer = u64::from(header.layer);
+                self.executed.push(ExecutedIoctx {
+                    iocb: id,
+                    ioctx_index: index,
+                    opcode: header.opcode,
+                    device_index: ioctx.device_index,
+                    lba: ioctx.start_lba + layer * header.lba_stride_blocks,
+                    data_iova: ioctx.data_iova + layer * header.mem_stride_bytes,
+                    desc_iova: if ioctx.desc_iova == 0 {
+                        0
+                    } else {
+                        ioctx.desc_iova + layer * header.desc_stride_bytes
+                    },
+                    block_count: ioctx.block_count,
+                    layer: header.layer,
+                });
+                let status = self
+                    .faults
+                    .iter()
+                    .find(|(iocb, i, _)| *iocb == id && *i == index)
+                    .map(|(_, _, status)| (abi::GIO_IOCB_STATUS_NVME_ERROR, *status));
+                let status = status.map_or(Ok(()), Err);
+                if let Some(cqe) =
+                    complete_ioctx(memory, id, index, header.ioctx_count, header.issue_seq, status)
+                {
+                    post_cqe(memory, cqe)?;
+                }
+            }
+            Ok(())
+        }
+    }
+
+    impl Executor for MemoryExecutor {
+        fn name(&self) -> &'static str {
+            "memory test double"
+        }
+
+        fn submit(&mut self, memory: &QueueMemory, batch: &IssueBatch) -> Result<(), GioError> {
+            self.batches.push(*batch);
+            let ring: Ring<'_, IocbId> = Ring::new(&memory.region, memory.layout.sq, "sq");
+            let mut consumer = ring.consumer()?;
+            if consumer.head() != batch.sq_first || consumer.len() < batch.count {
+                return Err(GioError::Executor {
+                    executor: self.name(),
+                    reason: format!("SQ at {} with {} entries, batch {batch:?}", consumer.head(), consumer.len()),
+                });
+            }
+            let ids: Vec<IocbId> = consumer.by_ref().take(batch.count as usize).collect();
+            drop(consumer);
+            for id in ids {
+                if self.deferred || self.stalled {
+                    self.pending.push_back(id);
+                } else {
+                    self.execute(memory, id)?;
+                }
+            }
+            Ok(())
+        }
+
+        fn poll(&mut self, memory: &QueueMemory) -> Result<(), GioError> {
+            if self.stalled {
+                return Ok(());
+            }
+            if let Some(id) = self.pending.pop_front() {
+                self.execute(memory, id)?;
+            }
+            Ok(())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::{IocbProgress, QueueConfig};
+
+    #[test]
+    fn last_completion_posts_once_and_first_failure_wins() {
+        // Goal: with failures on IOCTX 2 then 1, the CQE names IOCTX 2 and only the last
+        // completion produces it; a late duplicate finaliser (timeout race) produces nothing.
+        let memory = QueueMemory::new(QueueConfig { depth: 2, ioctx_per_iocb_max: 4 }).unwrap();
+        let id = IocbId(1);
+        memory.write_iocb_progress(id, &IocbProgress::ISSUED, Ordering::Release);
+        let nvme = |sc| Err((abi::GIO_IOCB_STATUS_NVME_ERROR, NvmeStatus::new(0, sc)));
+        assert_eq!(complete_ioctx(&memory, id, 0, 4, 7, Ok(())), None);
+        assert_eq!(complete_ioctx(&memory, id, 2, 4, 7, nvme(0x80)), None);
+        assert_eq!(complete_ioctx(&memory, id, 1, 4, 7, nvme(0x81)), None);
+        let cqe = complete_ioctx(&memory, id, 3, 4, 7, Ok(())).expect("last IOCTX posts");
+        assert_eq!(cqe.failed_ioctx, 2);
+        assert_eq!(NvmeStatus(cqe.failed_nvme_status).status_code(), 0x80);
+        assert_eq!(u32::from(cqe.status), abi::GIO_IOCB_STATUS_NVME_ERROR);
+        assert_eq!(cqe.issue_seq, 7);
+        // Status already final: a second finaliser must not post another CQE.
+        memory.region.store_u32(
+            memory.iocb_field_offset(id, IocbField::CompletedIoctxCount),
+            3,
+            Ordering::Relaxed,
+        );
+        assert_eq!(complete_ioctx(&memory, id, 3, 4, 7, Ok(())), None);
+    }
+}

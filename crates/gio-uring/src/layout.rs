@@ -1,0 +1,459 @@
+//! Where everything of one queue lives in its shared region, and typed, copy-in/copy-out access to
+//! the IOCB and IOCTX records (never a reference into shared memory).
+//!
+//! One region per queue, allocated once by `init_queue`:
+//!
+//! ```text
+//! [SQ header 256][SQ entries: depth x u32][CQ header 256][CQ entries: depth x 16]
+//! [IOCBs: depth x 128][IOCTXs: depth x ioctx_per_iocb_max x 48]
+//! ```
+//! Each part starts on a cache line. IOCB `i` owns IOCTXs `[i * max, (i + 1) * max)`, so handing out
+//! IOCBs never allocates. Back of the envelope: depth 64 x 2048 IOCTXs x 48 B = 6 MiB per queue.
+
+use core::mem::{offset_of, size_of};
+use std::sync::atomic::Ordering;
+
+use crate::abi::{self, gio_cqe, gio_iocb, gio_ioctx, gio_ring_header, CACHE_LINE_BYTES};
+use crate::error::GioError;
+use crate::shared_memory::SharedRegion;
+use crate::types::IocbId;
+
+/// Sizes fixed at `init_queue`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QueueConfig {
+    /// IOCBs in the pool and entries in each ring: a power of two in `2..=GIO_RING_DEPTH_MAX`.
+    pub depth: u32,
+    /// IOCTX capacity of each IOCB, `1..=GIO_MAX_IOCTX_PER_IOCB`.
+    pub ioctx_per_iocb_max: u32,
+}
+
+impl QueueConfig {
+    /// `depth` IOCBs of the ABI's maximum of 2048 IOCTXs each.
+    pub fn with_depth(depth: u32) -> Self {
+        Self {
+            depth,
+            ioctx_per_iocb_max: abi::MAX_IOCTX_PER_IOCB,
+        }
+    }
+
+    fn validate(&self) -> Result<(), GioError> {
+        if !self.depth.is_power_of_two() || self.depth < 2 || self.depth > abi::GIO_RING_DEPTH_MAX
+        {
+            return Err(GioError::InvalidConfig {
+                reason: format!(
+                    "depth {} is not a power of two in 2..={}",
+                    self.depth,
+                    abi::GIO_RING_DEPTH_MAX
+                ),
+            });
+        }
+        if self.ioctx_per_iocb_max == 0 || self.ioctx_per_iocb_max > abi::MAX_IOCTX_PER_IOCB {
+            return Err(GioError::InvalidConfig {
+                reason: format!(
+                    "ioctx_per_iocb_max {} outside 1..={}",
+                    self.ioctx_per_iocb_max,
+                    abi::MAX_IOCTX_PER_IOCB
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Byte offsets of one ring (header + entries) inside the region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RingLayout {
+    pub header_offset_bytes: usize,
+    pub entries_offset_bytes: usize,
+    pub depth: u32,
+}
+
+impl RingLayout {
+    pub fn head_offset(&self) -> usize {
+        self.header_offset_bytes + offset_of!(gio_ring_header, head)
+    }
+    pub fn tail_offset(&self) -> usize {
+        self.header_offset_bytes + offset_of!(gio_ring_header, tail)
+    }
+    pub fn mask(&self) -> u32 {
+        self.depth - 1
+    }
+}
+
+/// Byte offsets of every part of a queue's region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QueueLayout {
+    pub config: QueueConfig,
+    pub sq: RingLayout,
+    pub cq: RingLayout,
+    pub iocbs_offset_bytes: usize,
+    pub ioctxs_offset_bytes: usize,
+    pub total_bytes: usize,
+}
+
+fn align_up(value: usize, align: usize) -> Option<usize> {
+    value.checked_add(align - 1).map(|v| v / align * align)
+}
+
+impl QueueLayout {
+    pub fn new(config: QueueConfig) -> Result<Self, GioError> {
+        config.validate()?;
+        let overflow = || GioError::InvalidConfig {
+            reason: format!("{config:?} does not fit the address space"),
+        };
+        let depth = config.depth as usize;
+        let header = size_of::<gio_ring_header>();
+        let mut cursor = 0usize;
+        let mut take = |bytes: usize| -> Option<usize> {
+            let start = align_up(cursor, CACHE_LINE_BYTES)?;
+            cursor = start.checked_add(bytes)?;
+            Some(start)
+        };
+        let sq_header = take(header).ok_or_else(overflow)?;
+        let sq_entries = take(depth * size_of::<u32>()).ok_or_else(overflow)?;
+        let cq_header = take(header).ok_or_else(overflow)?;
+        let cq_entries = take(depth * size_of::<gio_cqe>()).ok_or_else(overflow)?;
+        let iocbs = take(depth * size_of::<gio_iocb>()).ok_or_else(overflow)?;
+        let ioctx_bytes = depth
+            .checked_mul(config.ioctx_per_iocb_max as usize)
+            .and_then(|n| n.checked_mul(size_of::<gio_ioctx>()))
+            .ok_or_else(overflow)?;
+        let ioctxs = take(ioctx_bytes).ok_or_else(overflow)?;
+        let total_bytes = align_up(cursor, CACHE_LINE_BYTES).ok_or_else(overflow)?;
+        Ok(Self {
+            config,
+            sq: RingLayout {
+                header_offset_bytes: sq_header,
+                entries_offset_bytes: sq_entries,
+                depth: config.depth,
+            },
+            cq: RingLayout {
+                header_offset_bytes: cq_header,
+                entries_offset_bytes: cq_entries,
+                depth: config.depth,
+            },
+            iocbs_offset_bytes: iocbs,
+            ioctxs_offset_bytes: ioctxs,
+            total_bytes,
+        })
+    }
+
+    pub fn iocb_offset(&self, id: IocbId) -> usize {
+        assert!(id.0 < self.config.depth, "{id} outside depth {}", self.config.depth);
+        self.iocbs_offset_bytes + id.0 as usize * size_of::<gio_iocb>()
+    }
+
+    /// First IOCTX (index into the shared IOCTX array) owned by IOCB `id`.
+    pub fn ioctx_first(&self, id: IocbId) -> u32 {
+        id.0 * self.config.ioctx_per_iocb_max
+    }
+
+    pub fn ioctx_capacity(&self) -> u32 {
+        self.config.depth * self.config.ioctx_per_iocb_max
+    }
+
+    pub fn ioctx_offset(&self, array_index: u32) -> usize {
+        assert!(array_index < self.ioctx_capacity(), "IOCTX {array_index} outside the array");
+        self.ioctxs_offset_bytes + array_index as usize * size_of::<gio_ioctx>()
+    }
+}
+
+/// A queue's shared region together with its layout; shared by the queue and its executor.
+#[derive(Debug)]
+pub struct QueueMemory {
+    pub region: SharedRegion,
+    pub layout: QueueLayout,
+}
+
+macro_rules! field {
+    ($ty:ty, $field:ident) => {
+        offset_of!($ty, $field)
+    };
+}
+
+/// The CPU-written line of an IOCB (line 0 of `gio_iocb`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IocbHeader {
+    pub id: u32,
+    pub ioctx_count: u32,
+    pub ioctx_first: u32,
+    pub layer_count: u32,
+    pub layer: u32,
+    pub issue_seq: u32,
+    pub opcode: u8,
+    pub user_data: u64,
+    pub lba_stride_blocks: u64,
+    pub mem_stride_bytes: u64,
+    pub desc_stride_bytes: u64,
+}
+
+/// The executor-written line of an IOCB (line 1 of `gio_iocb`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IocbProgress {
+    pub status: u32,
+    pub completed_ioctx_count: u32,
+    pub failed_ioctx: u32,
+    pub failed_nvme_status: u16,
+    pub failed_status: u16,
+}
+
+impl IocbProgress {
+    /// The state the CPU resets an IOCB to when it issues it.
+    pub const ISSUED: IocbProgress = IocbProgress {
+        status: abi::GIO_IOCB_STATUS_ISSUED,
+        completed_ioctx_count: 0,
+        failed_ioctx: abi::GIO_NO_FAILED_IOCTX,
+        failed_nvme_status: 0,
+        failed_status: 0,
+    };
+}
+
+impl QueueMemory {
+    pub fn new(config: QueueConfig) -> Result<Self, GioError> {
+        let layout = QueueLayout::new(config)?;
+        let region = SharedRegion::allocate_host(layout.total_bytes)?;
+        let memory = Self { region, layout };
+        for ring in [layout.sq, layout.cq] {
+            let base = ring.header_offset_bytes;
+            memory.region.store_u32(base + field!(gio_ring_header, mask), ring.mask(), Ordering::Relaxed);
+            memory.region.store_u32(
+                base + field!(gio_ring_header, entry_count),
+                ring.depth,
+                Ordering::Relaxed,
+            );
+        }
+        for id in 0..config.depth {
+            let offset = layout.iocb_offset(IocbId(id));
+            memory.region.store_u32(offset + field!(gio_iocb, id), id, Ordering::Relaxed);
+            memory.region.store_u32(
+                offset + field!(gio_iocb, ioctx_first),
+                layout.ioctx_first(IocbId(id)),
+                Ordering::Relaxed,
+            );
+            memory.region.store_u32(
+                offset + field!(gio_iocb, failed_ioctx),
+                abi::GIO_NO_FAILED_IOCTX,
+                Ordering::Relaxed,
+            );
+        }
+        Ok(memory)
+    }
+
+    /// Writes the CPU line of an IOCB. Relaxed: published by the SQ tail's Release store.
+    pub fn write_iocb_header(&self, id: IocbId, header: &IocbHeader) {
+        let base = self.layout.iocb_offset(id);
+        let r = &self.region;
+        let o = Ordering::Relaxed;
+        r.store_u32(base + field!(gio_iocb, id), header.id, o);
+        r.store_u32(base + field!(gio_iocb, ioctx_count), header.ioctx_count, o);
+        r.store_u32(base + field!(gio_iocb, ioctx_first), header.ioctx_first, o);
+        r.store_u32(base + field!(gio_iocb, layer_count), header.layer_count, o);
+        r.store_u32(base + field!(gio_iocb, layer), header.layer, o);
+        r.store_u32(base + field!(gio_iocb, issue_seq), header.issue_seq, o);
+        r.store_u8(base + field!(gio_iocb, opcode), header.opcode, o);
+        r.store_u64(base + field!(gio_iocb, user_data), header.user_data, o);
+        r.store_u64(base + field!(gio_iocb, lba_stride_blocks), header.lba_stride_blocks, o);
+        r.store_u64(base + field!(gio_iocb, mem_stride_bytes), header.mem_stride_bytes, o);
+        r.store_u64(base + field!(gio_iocb, desc_stride_bytes), header.desc_stride_bytes, o);
+    }
+
+    /// Reads the CPU line of an IOCB; the caller has acquired the SQ tail that published it.
+    pub fn read_iocb_header(&self, id: IocbId) -> IocbHeader {
+        let base = self.layout.iocb_offset(id);
+        let r = &self.region;
+        let o = Ordering::Relaxed;
+        IocbHeader {
+            id: r.load_u32(base + field!(gio_iocb, id), o),
+            ioctx_count: r.load_u32(base + field!(gio_iocb, ioctx_count), o),
+            ioctx_first: r.load_u32(base + field!(gio_iocb, ioctx_first), o),
+            layer_count: r.load_u32(base + field!(gio_iocb, layer_count), o),
+            layer: r.load_u32(base + field!(gio_iocb, layer), o),
+            issue_seq: r.load_u32(base + field!(gio_iocb, issue_seq), o),
+            opcode: r.load_u8(base + field!(gio_iocb, opcode), o),
+            user_data: r.load_u64(base + field!(gio_iocb, user_data), o),
+            lba_stride_blocks: r.load_u64(base + field!(gio_iocb, lba_stride_blocks), o),
+            mem_stride_bytes: r.load_u64(base + field!(gio_iocb, mem_stride_bytes), o),
+            desc_stride_bytes: r.load_u64(base + field!(gio_iocb, desc_stride_bytes), o),
+        }
+    }
+
+    /// Writes the executor line. `status` is stored last with `status_order` so that a reader that
+    /// acquires `status` sees the other fields.
+    pub fn write_iocb_progress(&self, id: IocbId, progress: &IocbProgress, status_order: Ordering) {
+        let base = self.layout.iocb_offset(id);
+        let r = &self.region;
+        let o = Ordering::Relaxed;
+        r.store_u32(base + field!(gio_iocb, completed_ioctx_count), progress.completed_ioctx_count, o);
+        r.store_u32(base + field!(gio_iocb, failed_ioctx), progress.failed_ioctx, o);
+        r.store_u16(base + field!(gio_iocb, failed_nvme_status), progress.failed_nvme_status, o);
+        r.store_u16(base + field!(gio_iocb, failed_status), progress.failed_status, o);
+        r.store_u32(base + field!(gio_iocb, status), progress.status, status_order);
+    }
+
+    pub fn read_iocb_progress(&self, id: IocbId) -> IocbProgress {
+        let base = self.layout.iocb_offset(id);
+        let r = &self.region;
+        let status = r.load_u32(base + field!(gio_iocb, status), Ordering::Acquire);
+        let o = Ordering::Relaxed;
+        IocbProgress {
+            status,
+            completed_ioctx_count: r.load_u32(base + field!(gio_iocb, completed_ioctx_count), o),
+            failed_ioctx: r.load_u32(base + field!(gio_iocb, failed_ioctx), o),
+            failed_nvme_status: r.load_u16(base + field!(gio_iocb, failed_nvme_status), o),
+            failed_status: r.load_u16(base + field!(gio_iocb, failed_status), o),
+        }
+    }
+
+    /// Offset of an IOCB's executor-line field, for executors that update it atomically.
+    pub fn iocb_field_offset(&self, id: IocbId, field: IocbField) -> usize {
+        let base = self.layout.iocb_offset(id);
+        base + match field {
+            IocbField::Status => field!(gio_iocb, status),
+            IocbField::CompletedIoctxCount => field!(gio_iocb, completed_ioctx_count),
+            IocbField::FailedIoctx => field!(gio_iocb, failed_ioctx),
+            IocbField::FailedNvmeStatus => field!(gio_iocb, failed_nvme_status),
+            IocbField::FailedStatus => field!(gio_iocb, failed_status),
+        }
+    }
+
+    pub fn write_ioctx(&self, array_index: u32, ioctx: &gio_ioctx) {
+        let base = self.layout.ioctx_offset(array_index);
+        let r = &self.region;
+        let o = Ordering::Relaxed;
+        r.store_u64(base + field!(gio_ioctx, desc_iova), ioctx.desc_iova, o);
+        r.store_u64(base + field!(gio_ioctx, data_iova), ioctx.data_iova, o);
+        r.store_u64(base + field!(gio_ioctx, start_lba), ioctx.start_lba, o);
+        r.store_u32(base + field!(gio_ioctx, nsid), ioctx.nsid, o);
+        r.store_u32(base + field!(gio_ioctx, block_count), ioctx.block_count, o);
+        r.store_u32(base + field!(gio_ioctx, data_bytes), ioctx.data_bytes, o);
+        r.store_u32(base + field!(gio_ioctx, desc_bytes), ioctx.desc_bytes, o);
+        r.store_u16(base + field!(gio_ioctx, device_index), ioctx.device_index, o);
+        r.store_u8(base + field!(gio_ioctx, descriptor_kind), ioctx.descriptor_kind, o);
+        r.store_u8(base + field!(gio_ioctx, flags), ioctx.flags, o);
+        r.store_u32(base + field!(gio_ioctx, reserved0), 0, o);
+    }
+
+    pub fn read_ioctx(&self, array_index: u32) -> gio_ioctx {
+        let base = self.layout.ioctx_offset(array_index);
+        let r = &self.region;
+        let o = Ordering::Relaxed;
+        gio_ioctx {
+            desc_iova: r.load_u64(base + field!(gio_ioctx, desc_iova), o),
+            data_iova: r.load_u64(base + field!(gio_ioctx, data_iova), o),
+            start_lba: r.load_u64(base + field!(gio_ioctx, start_lba), o),
+            nsid: r.load_u32(base + field!(gio_ioctx, nsid), o),
+            block_count: r.load_u32(base + field!(gio_ioctx, block_count), o),
+            data_bytes: r.load_u32(base + field!(gio_ioctx, data_bytes), o),
+            desc_bytes: r.load_u32(base + field!(gio_ioctx, desc_bytes), o),
+            device_index: r.load_u16(base + field!(gio_ioctx, device_index), o),
+            descriptor_kind: r.load_u8(base + field!(gio_ioctx, descriptor_kind), o),
+            flags: r.load_u8(base + field!(gio_ioctx, flags), o),
+            reserved0: 0,
+        }
+    }
+}
+
+/// Executor-line fields of an IOCB that executors update with atomics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IocbField {
+    Status,
+    CompletedIoctxCount,
+    FailedIoctx,
+    FailedNvmeStatus,
+    FailedStatus,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layout_parts_are_disjoint_and_cache_line_aligned() {
+        // Goal: no two parts overlap and each starts on a cache line, for a few shapes.
+        for (depth, max) in [(2, 1), (64, 2048), (4, 3), (1024, 16)] {
+            let layout = QueueLayout::new(QueueConfig { depth, ioctx_per_iocb_max: max }).unwrap();
+            let d = depth as usize;
+            let parts = [
+                (layout.sq.header_offset_bytes, 256),
+                (layout.sq.entries_offset_bytes, d * 4),
+                (layout.cq.header_offset_bytes, 256),
+                (layout.cq.entries_offset_bytes, d * 16),
+                (layout.iocbs_offset_bytes, d * 128),
+                (layout.ioctxs_offset_bytes, d * max as usize * 48),
+            ];
+            for window in parts.windows(2) {
+                assert!(window[0].0 + window[0].1 <= window[1].0, "{depth}/{max}: {parts:?}");
+            }
+            for (offset, _) in parts {
+                assert_eq!(offset % CACHE_LINE_BYTES, 0);
+            }
+            let (last, len) = parts[5];
+            assert!(last + len <= layout.total_bytes);
+        }
+    }
+
+    #[test]
+    fn bad_configs_are_rejected() {
+        for config in [
+            QueueConfig { depth: 3, ioctx_per_iocb_max: 1 },
+            QueueConfig { depth: 1, ioctx_per_iocb_max: 1 },
+            QueueConfig { depth: 1 << 17, ioctx_per_iocb_max: 1 },
+            QueueConfig { depth: 4, ioctx_per_iocb_max: 0 },
+            QueueConfig { depth: 4, ioctx_per_iocb_max: 2049 },
+        ] {
+            assert!(matches!(QueueLayout::new(config), Err(GioError::InvalidConfig { .. })), "{config:?}");
+        }
+    }
+
+    #[test]
+    fn records_round_trip_through_shared_memory() {
+        let memory = QueueMemory::new(QueueConfig { depth: 4, ioctx_per_iocb_max: 8 }).unwrap();
+        let header = IocbHeader {
+            id: 3,
+            ioctx_count: 5,
+            ioctx_first: 24,
+            layer_count: 32,
+            layer: 7,
+            issue_seq: 9,
+            opcode: abi::Opcode::Write.to_abi(),
+            user_data: 0xFEED,
+            lba_stride_blocks: 1 << 20,
+            mem_stride_bytes: 1 << 30,
+            desc_stride_bytes: 4096,
+        };
+        memory.write_iocb_header(IocbId(3), &header);
+        assert_eq!(memory.read_iocb_header(IocbId(3)), header);
+        assert_eq!(memory.read_iocb_header(IocbId(2)).id, 2, "init writes each IOCB's id");
+        memory.write_iocb_progress(IocbId(3), &IocbProgress::ISSUED, Ordering::Release);
+        assert_eq!(memory.read_iocb_progress(IocbId(3)), IocbProgress::ISSUED);
+        let ioctx = gio_ioctx {
+            desc_iova: 0x1000,
+            data_iova: 0x2000,
+            start_lba: 77,
+            nsid: 1,
+            block_count: 8,
+            data_bytes: 4096,
+            desc_bytes: 32,
+            device_index: 2,
+            descriptor_kind: abi::GIO_DESCRIPTOR_SGL as u8,
+            flags: abi::GIO_IOCTX_FLAG_FUA as u8,
+            reserved0: 0,
+        };
+        memory.write_ioctx(31, &ioctx);
+        assert_eq!(memory.read_ioctx(31), ioctx);
+        let zero = gio_ioctx {
+            desc_iova: 0,
+            data_iova: 0,
+            start_lba: 0,
+            nsid: 0,
+            block_count: 0,
+            data_bytes: 0,
+            desc_bytes: 0,
+            device_index: 0,
+            descriptor_kind: 0,
+            flags: 0,
+            reserved0: 0,
+        };
+        assert_eq!(memory.read_ioctx(30), zero, "neighbouring record untouched");
+    }
+}

@@ -1,0 +1,37 @@
+//! gio_uring: the IOCB/IOCTX rings of Tutti §3.2 ("GPU io_uring"), shared by the CPU runtime and
+//! an I/O executor.
+//!
+//! - [`abi`]: the records of `kernels/gio_abi.h` (bindgen output, checked in) and their codes;
+//! - [`shared_memory`]: the only unsafe code — atomic access to memory another agent writes;
+//! - [`layout`]: where rings, IOCBs and IOCTXs live in a queue's region;
+//! - [`ring`]: SPSC rings with batch-publishing producer/consumer views;
+//! - [`validate`]: the checks an IOCTX passes when its IOCB is filled;
+//! - [`queue`]: the API — `init_queue`, `get_iocb`, `fill_iocb`, `issue_io`, `wait_cqe`,
+//!   `peek_cqe`, `reap_cqe`, `put_iocb`;
+//! - [`executor`]: the seam an executor (CPU workers, the CUDA kernel) plugs into;
+//! - `gpu` (feature `cuda`): CUDA driver detection, kernel loading, green contexts, DMA modes.
+//!
+//! Status: no working executor ships yet. Both real executors need the NVMe driver's queue pairs
+//! (crates/nvme-driver), which do not exist at the time of writing; see docs/gio-uring.md.
+
+pub mod abi;
+pub mod error;
+pub mod executor;
+#[cfg(feature = "cuda")]
+pub mod gpu;
+pub mod layout;
+pub mod queue;
+pub mod ring;
+pub mod shared_memory;
+pub mod types;
+pub mod validate;
+
+#[cfg(test)]
+mod queue_tests;
+
+pub use error::{GioError, IocbFailure, IoctxFault};
+pub use executor::{Executor, IssueBatch};
+pub use layout::QueueConfig;
+pub use queue::{Completion, GioQueue};
+pub use types::{Dependency, DeviceIndex, EventToken, IocbId, Iova, IovaRange, LayerIndex, Lba, SmBudget};
+pub use validate::{Descriptor, DeviceInfo, DeviceTable, IocbSpec, IoctxSpec, RegisteredMemory};

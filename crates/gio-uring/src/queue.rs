@@ -1,0 +1,376 @@
+//! The gio_uring API of Tutti §3.2: `init_queue`, `get_iocb`, fill, `issue_io`, `wait_cqe`, plus
+//! non-blocking `peek_cqe` / `reap_cqe` and `put_iocb`.
+//!
+//! Life of an IOCB (host-side state, never in shared memory):
+//! `Free --get_iocb--> Reserved --fill_iocb--> Prepared --issue_io--> InFlight --CQE--> Completed`,
+//! then `Completed --issue_io-->` InFlight again (the next layer of a prepared request), or
+//! `--put_iocb--> Free`. Everything is allocated by `init_queue`; `issue_io` and the completion
+//! path allocate nothing.
+
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use crate::abi::{self, IocbStatus, NvmeStatus};
+use crate::error::{GioError, IocbFailure};
+use crate::executor::{Executor, IssueBatch};
+use crate::layout::{IocbHeader, IocbProgress, QueueConfig, QueueMemory};
+use crate::ring::{Cqe, Ring};
+use crate::types::{Dependency, IocbId, LayerIndex, SmBudget};
+use crate::validate::{encode_ioctx, DeviceTable, IocbSpec, IoctxSpec, RegisteredMemory};
+
+/// The outcome of one issue of one IOCB.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Completion {
+    pub id: IocbId,
+    pub layer: LayerIndex,
+    pub user_data: u64,
+    pub result: Result<(), IocbFailure>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Free,
+    Reserved,
+    Prepared,
+    InFlight,
+    Completed(Completion),
+}
+
+impl State {
+    fn name(&self) -> &'static str {
+        match self {
+            State::Free => "free",
+            State::Reserved => "reserved (not filled)",
+            State::Prepared => "prepared",
+            State::InFlight => "in flight",
+            State::Completed(_) => "completed",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct HostIocb {
+    state: State,
+    dependency: Dependency,
+    header: IocbHeader,
+    /// Epoch of the last `issue_io` that named this IOCB, to find duplicates in O(1).
+    issue_mark: u64,
+}
+
+/// A gio_uring queue: its shared rings and records, the host-side state of each IOCB, and the
+/// executor that runs them.
+#[derive(Debug)]
+pub struct GioQueue<E: Executor> {
+    memory: QueueMemory,
+    executor: E,
+    devices: DeviceTable,
+    registered: RegisteredMemory,
+    iocbs: Vec<HostIocb>,
+    free: Vec<IocbId>,
+    /// Completed IOCBs not yet returned by `reap_cqe` / `wait_cqe`, in completion order.
+    reaped: VecDeque<IocbId>,
+    issue_epoch: u64,
+}
+
+impl<E: Executor> GioQueue<E> {
+    /// `init_queue(depth)`: allocates `depth` IOCBs with their IOCTXs, an SQ and a CQ of `depth`
+    /// entries, in one shared region. `devices` and `registered` are what IOCTXs are checked
+    /// against when filled.
+    pub fn init_queue(
+        config: QueueConfig,
+        devices: DeviceTable,
+        registered: RegisteredMemory,
+        executor: E,
+    ) -> Result<Self, GioError> {
+        let memory = QueueMemory::new(config)?;
+        let depth = config.depth as usize;
+        let iocbs = (0..config.depth)
+            .map(|id| HostIocb {
+                state: State::Free,
+                dependency: Dependency::None,
+                header: IocbHeader {
+                    id,
+                    ioctx_count: 0,
+                    ioctx_first: memory.layout.ioctx_first(IocbId(id)),
+                    layer_count: 0,
+                    layer: 0,
+                    issue_seq: 0,
+                    opcode: 0,
+                    user_data: 0,
+                    lba_stride_blocks: 0,
+                    mem_stride_bytes: 0,
+                    desc_stride_bytes: 0,
+                },
+                issue_mark: 0,
+            })
+            .collect();
+        // Hand out low ids first: pop from the end of a reversed list.
+        let free = (0..config.depth).rev().map(IocbId).collect();
+        Ok(Self {
+            memory,
+            executor,
+            devices,
+            registered,
+            iocbs,
+            free,
+            reaped: VecDeque::with_capacity(depth),
+            issue_epoch: 0,
+        })
+    }
+
+    pub fn config(&self) -> QueueConfig {
+        self.memory.layout.config
+    }
+
+    pub fn executor(&self) -> &E {
+        &self.executor
+    }
+
+    pub fn executor_mut(&mut self) -> &mut E {
+        &mut self.executor
+    }
+
+    /// The shared memory, e.g. to map it into a GPU.
+    pub fn memory(&self) -> &QueueMemory {
+        &self.memory
+    }
+
+    /// IOCBs not handed out.
+    pub fn free_iocbs(&self) -> usize {
+        self.free.len()
+    }
+
+    fn host(&self, id: IocbId) -> Result<&HostIocb, GioError> {
+        self.iocbs
+            .get(id.0 as usize)
+            .ok_or(GioError::UnknownIocb { id, depth: self.config().depth })
+    }
+
+    /// `get_iocb(n, event)`: reserves `count` IOCBs whose I/O will wait on `dependency`. Called
+    /// once per request, off the per-layer path (it returns a small Vec).
+    pub fn get_iocb(&mut self, count: usize, dependency: Dependency) -> Result<Vec<IocbId>, GioError> {
+        if count == 0 || count > self.free.len() {
+            return Err(GioError::NoFreeIocb { requested: count, available: self.free.len() });
+        }
+        let start = self.free.len() - count;
+        let ids: Vec<IocbId> = self.free.drain(start..).rev().collect();
+        for id in &ids {
+            let host = &mut self.iocbs[id.0 as usize];
+            host.state = State::Reserved;
+            host.dependency = dependency;
+        }
+        Ok(ids)
+    }
+
+    /// Returns an IOCB to the pool. Not while it is in flight.
+    pub fn put_iocb(&mut self, id: IocbId) -> Result<(), GioError> {
+        let state = self.host(id)?.state;
+        if matches!(state, State::InFlight | State::Free) {
+            return Err(GioError::WrongState { id, state: state.name(), operation: "put_iocb" });
+        }
+        self.forget_reaped(id);
+        self.iocbs[id.0 as usize].state = State::Free;
+        self.free.push(id);
+        Ok(())
+    }
+
+    /// Fills an IOCB with its request: checks every IOCTX (device, namespace, LBA range for the
+    /// first and last layer, length, descriptor and data inside registered memory) and writes the
+    /// records. On error the IOCB is left reserved (not issuable) and the error names the IOCTX.
+    pub fn fill_iocb(&mut self, id: IocbId, spec: &IocbSpec, ioctxs: &[IoctxSpec]) -> Result<(), GioError> {
+        let state = self.host(id)?.state;
+        if !matches!(state, State::Reserved | State::Prepared | State::Completed(_)) {
+            return Err(GioError::WrongState { id, state: state.name(), operation: "fill_iocb" });
+        }
+        let max = self.config().ioctx_per_iocb_max;
+        if ioctxs.is_empty() || ioctxs.len() > max as usize {
+            return Err(GioError::BadIoctxCount { id, count: ioctxs.len(), max });
+        }
+        if spec.layer_count == 0 {
+            return Err(GioError::ZeroLayerCount { id });
+        }
+        self.forget_reaped(id);
+        self.iocbs[id.0 as usize].state = State::Reserved;
+        let first = self.memory.layout.ioctx_first(id);
+        for (index, ioctx) in (0u32..).zip(ioctxs) {
+            let encoded = encode_ioctx(ioctx, spec, &self.devices, &self.registered)
+                .map_err(|fault| GioError::InvalidIoctx { id, index, fault })?;
+            self.memory.write_ioctx(first + index, &encoded);
+        }
+        let host = &mut self.iocbs[id.0 as usize];
+        host.header = IocbHeader {
+            id: id.0,
+            ioctx_count: ioctxs.len() as u32,
+            ioctx_first: first,
+            layer_count: spec.layer_count,
+            layer: 0,
+            issue_seq: host.header.issue_seq,
+            opcode: spec.opcode.to_abi(),
+            user_data: spec.user_data,
+            lba_stride_blocks: spec.lba_stride_blocks,
+            mem_stride_bytes: spec.mem_stride_bytes,
+            desc_stride_bytes: spec.desc_stride_bytes,
+        };
+        host.state = State::Prepared;
+        self.memory.write_iocb_header(id, &host.header);
+        Ok(())
+    }
+
+    /// `issue_io(ids, SMs)` for one layer: publishes the ids on the SQ (one Release store for the
+    /// batch) and hands the batch to the executor. All-or-nothing: on any error before the
+    /// executor is called, nothing was issued. A full SQ is back-pressure
+    /// ([`GioError::SubmissionQueueFull`]): reap and retry.
+    pub fn issue_io(&mut self, ids: &[IocbId], layer: LayerIndex, sm_budget: SmBudget) -> Result<(), GioError> {
+        let depth = self.config().depth;
+        if ids.is_empty() || ids.len() > depth as usize {
+            return Err(GioError::BadIssueSize { count: ids.len(), depth });
+        }
+        if sm_budget.0 == 0 {
+            return Err(GioError::ZeroSmBudget);
+        }
+        self.issue_epoch += 1;
+        let epoch = self.issue_epoch;
+        let dependency = self.host(ids[0])?.dependency;
+        for &id in ids {
+            let host = self.host(id)?;
+            if !matches!(host.state, State::Prepared | State::Completed(_)) {
+                return Err(GioError::WrongState { id, state: host.state.name(), operation: "issue_io" });
+            }
+            if layer.0 >= host.header.layer_count {
+                return Err(GioError::LayerOutOfRange { id, layer, layer_count: host.header.layer_count });
+            }
+            if host.dependency != dependency {
+                return Err(GioError::MixedDependencies { id, expected: dependency, found: host.dependency });
+            }
+            if host.issue_mark == epoch {
+                return Err(GioError::DuplicateIssue { id });
+            }
+            self.iocbs[id.0 as usize].issue_mark = epoch;
+        }
+        let ring: Ring<'_, IocbId> = Ring::new(&self.memory.region, self.memory.layout.sq, "sq");
+        let mut producer = ring.producer()?;
+        let needed = ids.len() as u32;
+        if producer.free() < needed {
+            return Err(GioError::SubmissionQueueFull { free: producer.free(), needed });
+        }
+        let sq_first = producer.tail();
+        for &id in ids {
+            let host = &mut self.iocbs[id.0 as usize];
+            host.header.layer = layer.0;
+            host.header.issue_seq = host.header.issue_seq.wrapping_add(1);
+            host.state = State::InFlight;
+            self.memory.write_iocb_header(id, &host.header);
+            // Relaxed: the SQ tail's Release store below publishes these writes.
+            self.memory.write_iocb_progress(id, &IocbProgress::ISSUED, Ordering::Relaxed);
+            if producer.push(id).is_err() {
+                unreachable!("free slots were checked above and this view is the only producer");
+            }
+        }
+        producer.sync()?;
+        drop(producer);
+        for &id in ids {
+            self.forget_reaped(id);
+        }
+        let batch = IssueBatch { sq_first, count: needed, layer, sm_budget, dependency };
+        self.executor.submit(&self.memory, &batch)
+    }
+
+    /// Moves every posted CQE into the host state. Each CQE is untrusted: it must name an IOCB in
+    /// flight with the issue sequence number it was issued with.
+    fn drain_cq(&mut self) -> Result<(), GioError> {
+        let ring: Ring<'_, Cqe> = Ring::new(&self.memory.region, self.memory.layout.cq, "cq");
+        let mut consumer = ring.consumer()?;
+        for cqe in &mut consumer {
+            let completion = self.check_cqe(&cqe)?;
+            self.iocbs[cqe.iocb_id.0 as usize].state = State::Completed(completion);
+            self.reaped.push_back(cqe.iocb_id);
+        }
+        Ok(())
+    }
+
+    fn check_cqe(&self, cqe: &Cqe) -> Result<Completion, GioError> {
+        let id = cqe.iocb_id;
+        let unexpected = |reason| GioError::UnexpectedCompletion { id, issue_seq: cqe.issue_seq, reason };
+        let host = self.iocbs.get(id.0 as usize).ok_or(unexpected("id outside the pool"))?;
+        if host.state != State::InFlight {
+            return Err(unexpected("IOCB not in flight"));
+        }
+        if host.header.issue_seq != cqe.issue_seq {
+            return Err(unexpected("stale issue sequence number"));
+        }
+        let failed_index = (cqe.failed_ioctx != abi::GIO_NO_FAILED_IOCTX).then_some(cqe.failed_ioctx);
+        if failed_index.is_some_and(|index| index >= host.header.ioctx_count) {
+            return Err(unexpected("failed IOCTX index outside the IOCB"));
+        }
+        let result = match (IocbStatus::from_abi(u32::from(cqe.status)), failed_index) {
+            (Some(IocbStatus::Success), None) => Ok(()),
+            (Some(IocbStatus::NvmeError), Some(ioctx_index)) => Err(IocbFailure::Nvme {
+                ioctx_index,
+                status: NvmeStatus(cqe.failed_nvme_status),
+            }),
+            (Some(IocbStatus::InvalidIoctx), Some(ioctx_index)) => Err(IocbFailure::InvalidIoctx { ioctx_index }),
+            (Some(IocbStatus::Timeout), ioctx_index) => Err(IocbFailure::Timeout { ioctx_index }),
+            _ => return Err(unexpected("status inconsistent with failed IOCTX")),
+        };
+        Ok(Completion { id, layer: LayerIndex(host.header.layer), user_data: host.header.user_data, result })
+    }
+
+    fn forget_reaped(&mut self, id: IocbId) {
+        // Bounded by the depth; only on issue/put of an IOCB whose completion was never reaped.
+        if let Some(position) = self.reaped.iter().position(|&reaped| reaped == id) {
+            self.reaped.remove(position);
+        }
+    }
+
+    fn completion_of(&self, id: IocbId) -> Option<Completion> {
+        match self.iocbs[id.0 as usize].state {
+            State::Completed(completion) => Some(completion),
+            _ => None,
+        }
+    }
+
+    /// The oldest completion not yet reaped, without consuming it. Never blocks.
+    pub fn peek_cqe(&mut self) -> Result<Option<Completion>, GioError> {
+        self.executor.poll(&self.memory)?;
+        self.drain_cq()?;
+        Ok(self.reaped.front().and_then(|&id| self.completion_of(id)))
+    }
+
+    /// Takes the oldest completion not yet reaped. Never blocks.
+    pub fn reap_cqe(&mut self) -> Result<Option<Completion>, GioError> {
+        self.executor.poll(&self.memory)?;
+        self.drain_cq()?;
+        Ok(self.reaped.pop_front().and_then(|id| self.completion_of(id)))
+    }
+
+    /// `wait_cqe(id)`: waits until IOCB `id`'s current issue completes, or `deadline` passes.
+    /// Completions of other IOCBs seen meanwhile stay available to `reap_cqe`.
+    pub fn wait_cqe(&mut self, id: IocbId, deadline: Instant) -> Result<Completion, GioError> {
+        let started = Instant::now();
+        let state = self.host(id)?.state;
+        if !matches!(state, State::InFlight | State::Completed(_)) {
+            return Err(GioError::WrongState { id, state: state.name(), operation: "wait_cqe" });
+        }
+        // Spin briefly (a CPU executor completes in microseconds), then yield the core.
+        const SPINS_BEFORE_YIELD: u32 = 256;
+        let mut spins = 0u32;
+        loop {
+            self.drain_cq()?;
+            if let Some(completion) = self.completion_of(id) {
+                self.forget_reaped(id);
+                return Ok(completion);
+            }
+            self.executor.poll(&self.memory)?;
+            if Instant::now() >= deadline {
+                return Err(GioError::WaitTimeout { id, waited_ms: started.elapsed().as_millis() });
+            }
+            if spins < SPINS_BEFORE_YIELD {
+                spins += 1;
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+    }
+}

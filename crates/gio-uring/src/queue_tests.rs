@@ -1,0 +1,260 @@
+//! Tests of the queue API against the in-memory test double (no I/O is performed: these check the
+//! protocol — states, rings, per-layer rule, failure reporting, deadlines — not data movement).
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use crate::abi::{self, NvmeStatus, Opcode};
+use crate::error::{GioError, IocbFailure, IoctxFault};
+use crate::executor::test_double::MemoryExecutor;
+use crate::layout::QueueConfig;
+use crate::queue::GioQueue;
+use crate::ring::{Cqe, Ring};
+use crate::types::{Dependency, DeviceIndex, EventToken, IocbId, Iova, IovaRange, LayerIndex, Lba, SmBudget};
+use crate::validate::{Descriptor, DeviceInfo, DeviceTable, IocbSpec, IoctxSpec, RegisteredMemory};
+
+const BLOCK_BYTES: u32 = 512;
+const KV_POOL: u64 = 0x4000_0000;
+const LAYERS: u32 = 8;
+const LAYER_BYTES: u64 = 0x10_0000;
+const LAYER_BLOCKS: u64 = 10_000;
+
+fn queue(executor: MemoryExecutor) -> GioQueue<MemoryExecutor> {
+    let devices = DeviceTable::new(vec![
+        DeviceInfo { nsid: 1, capacity_blocks: 1 << 20, block_bytes: BLOCK_BYTES, sgl_supported: true },
+        DeviceInfo { nsid: 1, capacity_blocks: 1 << 20, block_bytes: BLOCK_BYTES, sgl_supported: false },
+    ]);
+    let registered =
+        RegisteredMemory::new(vec![IovaRange::new(Iova(KV_POOL), u64::from(LAYERS) * LAYER_BYTES)]).unwrap();
+    GioQueue::init_queue(QueueConfig { depth: 8, ioctx_per_iocb_max: 16 }, devices, registered, executor).unwrap()
+}
+
+fn layered(user_data: u64) -> IocbSpec {
+    IocbSpec {
+        opcode: Opcode::Read,
+        user_data,
+        layer_count: LAYERS,
+        lba_stride_blocks: LAYER_BLOCKS,
+        mem_stride_bytes: LAYER_BYTES,
+        desc_stride_bytes: 0,
+    }
+}
+
+fn ioctx(device: u16, lba: u64, blocks: u32, offset_bytes: u64) -> IoctxSpec {
+    IoctxSpec {
+        device: DeviceIndex(device),
+        nsid: 1,
+        start_lba: Lba(lba),
+        block_count: blocks,
+        data: Iova(KV_POOL + offset_bytes),
+        descriptor: if device == 0 { Descriptor::SglInline } else { Descriptor::Prp { prp2: None } },
+        force_unit_access: false,
+    }
+}
+
+fn soon() -> Instant {
+    Instant::now() + Duration::from_secs(5)
+}
+
+#[test]
+fn prepared_request_is_reissued_per_layer_with_offsets_applied() {
+    // Goal: one fill, then one issue per layer; each layer's commands carry
+    // lba + layer * lba_stride and addr + layer * mem_stride, and each issue completes once.
+    let mut queue = queue(MemoryExecutor::default());
+    let ids = queue.get_iocb(2, Dependency::None).unwrap();
+    queue.fill_iocb(ids[0], &layered(10), &[ioctx(0, 0, 8, 0), ioctx(1, 64, 1, 4096)]).unwrap();
+    queue.fill_iocb(ids[1], &layered(11), &[ioctx(0, 100, 2, 8192)]).unwrap();
+    for layer in [0, 3, LAYERS - 1] {
+        queue.executor_mut().executed.clear();
+        queue.issue_io(&ids, LayerIndex(layer), SmBudget(2)).unwrap();
+        for (&id, user_data) in ids.iter().zip([10, 11]) {
+            let completion = queue.wait_cqe(id, soon()).unwrap();
+            assert_eq!(completion.id, id);
+            assert_eq!(completion.result, Ok(()));
+            assert_eq!(completion.layer, LayerIndex(layer));
+            assert_eq!(completion.user_data, user_data);
+        }
+        let executed = &queue.executor().executed;
+        assert_eq!(executed.len(), 3);
+        let layer = u64::from(layer);
+        assert_eq!(executed[0].lba, layer * LAYER_BLOCKS);
+        assert_eq!(executed[0].data_iova, KV_POOL + layer * LAYER_BYTES);
+        assert_eq!(executed[1].lba, 64 + layer * LAYER_BLOCKS);
+        assert_eq!(executed[1].device_index, 1);
+        assert_eq!(executed[2].data_iova, KV_POOL + 8192 + layer * LAYER_BYTES);
+        assert!(executed.iter().all(|e| u32::from(e.opcode) == abi::GIO_OPCODE_READ));
+        assert_eq!(queue.reap_cqe().unwrap(), None, "wait_cqe consumed both completions");
+    }
+    let batch = queue.executor().batches[1];
+    assert_eq!((batch.sq_first, batch.count, batch.layer), (2, 2, LayerIndex(3)));
+}
+
+#[test]
+fn a_device_error_fails_its_iocb_with_the_first_failure_and_the_ring_keeps_going() {
+    let mut queue = queue(MemoryExecutor::default());
+    let media_error = NvmeStatus::new(2, 0x81);
+    let ids = queue.get_iocb(2, Dependency::None).unwrap();
+    queue.executor_mut().faults.push((ids[0], 1, media_error));
+    let three = [ioctx(0, 0, 1, 0), ioctx(0, 1, 1, 512), ioctx(0, 2, 1, 1024)];
+    queue.fill_iocb(ids[0], &layered(0), &three).unwrap();
+    queue.fill_iocb(ids[1], &layered(1), &three).unwrap();
+    queue.issue_io(&ids, LayerIndex(0), SmBudget(1)).unwrap();
+    let failed = queue.wait_cqe(ids[0], soon()).unwrap();
+    assert_eq!(failed.result, Err(IocbFailure::Nvme { ioctx_index: 1, status: media_error }));
+    assert_eq!(queue.wait_cqe(ids[1], soon()).unwrap().result, Ok(()));
+    // The failed IOCB can be reissued (the next layer) and succeeds once the fault is gone.
+    queue.executor_mut().faults.clear();
+    queue.issue_io(&ids[..1], LayerIndex(1), SmBudget(1)).unwrap();
+    assert_eq!(queue.wait_cqe(ids[0], soon()).unwrap().result, Ok(()));
+}
+
+#[test]
+fn fill_rejects_bad_ioctxs_naming_the_index_and_leaves_the_iocb_unissuable() {
+    let mut queue = queue(MemoryExecutor::default());
+    let id = queue.get_iocb(1, Dependency::None).unwrap()[0];
+    type Case = (IoctxSpec, fn(&IoctxFault) -> bool);
+    let bad: [Case; 4] = [
+        (ioctx(0, 0, 1, 0), |f: &IoctxFault| matches!(f, IoctxFault::ZeroLength)),
+        (ioctx(5, 0, 1, 0), |f: &IoctxFault| matches!(f, IoctxFault::UnknownDevice { .. })),
+        // Fits at layer 0, beyond capacity at the last layer.
+        (ioctx(0, (1 << 20) - 70_000, 1, 0), |f: &IoctxFault| matches!(f, IoctxFault::LbaOutOfRange { layer: 7, .. })),
+        (ioctx(0, 0, 1, u64::from(LAYERS) * LAYER_BYTES), |f: &IoctxFault| {
+            matches!(f, IoctxFault::OutsideRegisteredMemory { what: "data", .. })
+        }),
+    ];
+    for (index, (mut spec, expected)) in bad.into_iter().enumerate() {
+        if index == 0 {
+            spec.block_count = 0;
+        }
+        let list = [ioctx(0, 0, 1, 0), ioctx(0, 1, 1, 512), spec];
+        match queue.fill_iocb(id, &layered(0), &list) {
+            Err(GioError::InvalidIoctx { id: got, index: 2, fault }) => {
+                assert_eq!(got, id);
+                assert!(expected(&fault), "case {index}: {fault:?}");
+            }
+            other => panic!("case {index}: expected InvalidIoctx at index 2, got {other:?}"),
+        }
+        let refused = queue.issue_io(&[id], LayerIndex(0), SmBudget(1));
+        assert!(matches!(refused, Err(GioError::WrongState { .. })), "{refused:?}");
+    }
+    assert!(matches!(queue.fill_iocb(id, &layered(0), &[]), Err(GioError::BadIoctxCount { count: 0, .. })));
+    let too_many = vec![ioctx(0, 0, 1, 0); 17];
+    assert!(matches!(queue.fill_iocb(id, &layered(0), &too_many), Err(GioError::BadIoctxCount { count: 17, .. })));
+}
+
+#[test]
+fn wait_is_bounded_by_its_deadline() {
+    // Goal: an executor that never completes makes wait_cqe fail with a timeout, promptly.
+    let mut queue = queue(MemoryExecutor { stalled: true, ..Default::default() });
+    let id = queue.get_iocb(1, Dependency::None).unwrap()[0];
+    queue.fill_iocb(id, &layered(0), &[ioctx(0, 0, 1, 0)]).unwrap();
+    queue.issue_io(&[id], LayerIndex(0), SmBudget(1)).unwrap();
+    let started = Instant::now();
+    let result = queue.wait_cqe(id, Instant::now() + Duration::from_millis(50));
+    assert!(matches!(result, Err(GioError::WaitTimeout { id: got, .. }) if got == id), "{result:?}");
+    assert!(started.elapsed() < Duration::from_secs(2));
+    assert!(matches!(queue.put_iocb(id), Err(GioError::WrongState { .. })), "in flight cannot be freed");
+}
+
+#[test]
+fn peek_and_reap_never_block_and_keep_completion_order() {
+    let mut queue = queue(MemoryExecutor { deferred: true, ..Default::default() });
+    let ids = queue.get_iocb(3, Dependency::None).unwrap();
+    for (n, &id) in ids.iter().enumerate() {
+        queue.fill_iocb(id, &layered(n as u64), &[ioctx(0, 0, 1, 0)]).unwrap();
+    }
+    queue.issue_io(&ids, LayerIndex(0), SmBudget(1)).unwrap();
+    // Waiting for the last drives the executor through all three; the others stay reapable.
+    assert_eq!(queue.wait_cqe(ids[2], soon()).unwrap().id, ids[2]);
+    assert_eq!(queue.peek_cqe().unwrap().map(|c| c.id), Some(ids[0]));
+    assert_eq!(queue.reap_cqe().unwrap().map(|c| c.id), Some(ids[0]));
+    assert_eq!(queue.reap_cqe().unwrap().map(|c| c.id), Some(ids[1]));
+    assert_eq!(queue.reap_cqe().unwrap(), None);
+    for id in ids {
+        queue.put_iocb(id).unwrap();
+    }
+    assert_eq!(queue.free_iocbs(), 8);
+}
+
+#[test]
+fn issue_is_all_or_nothing_on_bad_arguments() {
+    let mut queue = queue(MemoryExecutor::default());
+    let ids = queue.get_iocb(2, Dependency::None).unwrap();
+    let other = queue.get_iocb(1, Dependency::Event(EventToken(42))).unwrap()[0];
+    for &id in ids.iter().chain([&other]) {
+        queue.fill_iocb(id, &layered(0), &[ioctx(0, 0, 1, 0)]).unwrap();
+    }
+    let layer = LayerIndex(0);
+    assert!(matches!(queue.issue_io(&[ids[0], ids[0]], layer, SmBudget(1)), Err(GioError::DuplicateIssue { .. })));
+    assert!(matches!(queue.issue_io(&ids, LayerIndex(LAYERS), SmBudget(1)), Err(GioError::LayerOutOfRange { .. })));
+    assert!(matches!(queue.issue_io(&[ids[0], other], layer, SmBudget(1)), Err(GioError::MixedDependencies { .. })));
+    assert!(matches!(queue.issue_io(&ids, layer, SmBudget(0)), Err(GioError::ZeroSmBudget)));
+    assert!(matches!(queue.issue_io(&[], layer, SmBudget(1)), Err(GioError::BadIssueSize { .. })));
+    assert!(matches!(queue.issue_io(&[IocbId(99)], layer, SmBudget(1)), Err(GioError::UnknownIocb { .. })));
+    assert!(queue.executor().batches.is_empty(), "nothing reached the executor");
+    // The dependency travels with the batch.
+    queue.issue_io(&[other], layer, SmBudget(1)).unwrap();
+    assert_eq!(queue.executor().batches[0].dependency, Dependency::Event(EventToken(42)));
+    queue.issue_io(&ids, layer, SmBudget(1)).unwrap();
+    assert!(matches!(queue.issue_io(&ids, layer, SmBudget(1)), Err(GioError::WrongState { .. })), "a completion not yet drained by wait/reap keeps the IOCB in flight");
+}
+
+#[test]
+fn a_full_submission_queue_is_back_pressure_and_changes_nothing() {
+    let mut queue = queue(MemoryExecutor::default());
+    let ids = queue.get_iocb(2, Dependency::None).unwrap();
+    for &id in &ids {
+        queue.fill_iocb(id, &layered(0), &[ioctx(0, 0, 1, 0)]).unwrap();
+    }
+    // Pretend a slow consumer left 7 of 8 SQ slots occupied.
+    let sq = queue.memory().layout.sq;
+    queue.memory().region.store_u32(sq.tail_offset(), 7, Ordering::Release);
+    let result = queue.issue_io(&ids, LayerIndex(0), SmBudget(1));
+    assert!(matches!(result, Err(GioError::SubmissionQueueFull { free: 1, needed: 2 })), "{result:?}");
+    queue.memory().region.store_u32(sq.head_offset(), 7, Ordering::Release);
+    queue.issue_io(&ids, LayerIndex(0), SmBudget(1)).expect("issuable once the consumer caught up");
+}
+
+#[test]
+fn forged_or_stale_completions_are_errors() {
+    // Goal: a CQE for an IOCB that is not in flight, or for an old issue, is reported, not trusted.
+    let mut queue = queue(MemoryExecutor { stalled: true, ..Default::default() });
+    let id = queue.get_iocb(1, Dependency::None).unwrap()[0];
+    queue.fill_iocb(id, &layered(0), &[ioctx(0, 0, 1, 0)]).unwrap();
+    let post = |queue: &GioQueue<MemoryExecutor>, cqe: Cqe| {
+        let ring: Ring<'_, Cqe> = Ring::new(&queue.memory().region, queue.memory().layout.cq, "cq");
+        ring.producer().unwrap().push(cqe).unwrap();
+    };
+    let success = Cqe {
+        iocb_id: id,
+        issue_seq: 1,
+        failed_ioctx: abi::GIO_NO_FAILED_IOCTX,
+        status: abi::GIO_IOCB_STATUS_SUCCESS as u16,
+        failed_nvme_status: 0,
+    };
+    post(&queue, success);
+    assert!(matches!(queue.reap_cqe(), Err(GioError::UnexpectedCompletion { reason: "IOCB not in flight", .. })));
+    queue.issue_io(&[id], LayerIndex(0), SmBudget(1)).unwrap();
+    post(&queue, Cqe { issue_seq: 0, ..success });
+    assert!(matches!(queue.reap_cqe(), Err(GioError::UnexpectedCompletion { reason: "stale issue sequence number", .. })));
+    post(&queue, Cqe { failed_ioctx: 5, status: abi::GIO_IOCB_STATUS_NVME_ERROR as u16, ..success });
+    assert!(matches!(queue.reap_cqe(), Err(GioError::UnexpectedCompletion { .. })));
+    post(&queue, Cqe { status: 77, ..success });
+    assert!(matches!(queue.reap_cqe(), Err(GioError::UnexpectedCompletion { .. })));
+    post(&queue, success);
+    assert_eq!(queue.wait_cqe(id, soon()).unwrap().result, Ok(()));
+}
+
+#[test]
+fn get_iocb_hands_out_each_id_once_until_put_back() {
+    let mut queue = queue(MemoryExecutor::default());
+    let first = queue.get_iocb(5, Dependency::None).unwrap();
+    let second = queue.get_iocb(3, Dependency::None).unwrap();
+    let mut all: Vec<u32> = first.iter().chain(&second).map(|id| id.0).collect();
+    all.sort_unstable();
+    assert_eq!(all, (0..8).collect::<Vec<_>>());
+    assert!(matches!(queue.get_iocb(1, Dependency::None), Err(GioError::NoFreeIocb { available: 0, .. })));
+    queue.put_iocb(first[2]).unwrap();
+    assert_eq!(queue.get_iocb(1, Dependency::None).unwrap(), vec![first[2]]);
+    assert!(matches!(queue.get_iocb(0, Dependency::None), Err(GioError::NoFreeIocb { .. })));
+}

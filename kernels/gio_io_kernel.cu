@@ -1,0 +1,452 @@
+// The gio_uring I/O kernel: one launch per issue_io. GPU threads turn the IOCTXs of the issued
+// IOCBs into NVMe Read/Write commands, write them into NVMe submission queues, ring the doorbell,
+// reap NVMe completions and post one gio CQE per IOCB, with no CPU involvement per I/O (Tutti §3.2).
+//
+// STATUS: compiled (sm_80, sm_90 cubins + compute_80 PTX by tools/cuda-build.sh) but never run: no
+// GPU was available while it was written. Treat it as unverified until the GPU test has run.
+//
+// Shared records: kernels/gio_abi.h (IOCB, IOCTX, rings, per-queue-pair state), NVMe entries:
+// kernels/nvme_spec.h. Launch: gio_io_kernel<<<blocks, threads_per_block (multiple of 32)>>>(params)
+// on the I/O green context's stream, after cuStreamWaitEvent on the issue's dependency.
+//
+// Work split: the IOCTXs of each IOCB are cut into chunks of 32, one chunk per warp, round-robin
+// over all warps of the grid. For a chunk, the lanes targeting the same device reserve their SQ
+// slots with one atomicAdd (per device present in the warp), each lane writes its SQE, and one lane
+// per device publishes the tail. Afterwards warp 0 of every block polls completions until every
+// IOCB of the launch has its final status or the bounded wait expires.
+//
+// Every wait is bounded by params.poll_iterations_max iterations with exponential __nanosleep
+// backoff capped at params.backoff_ns_max. An expired wait fails the IOCB with
+// GIO_IOCB_STATUS_TIMEOUT; it never spins forever. After a timeout the queue pair may hold
+// commands the kernel no longer tracks: the host must reset it before reuse (docs/gio-uring.md).
+
+#include "gio_abi.h"
+#include "nvme_spec.h"
+
+namespace {
+
+constexpr uint32_t kWarpLanes = 32;
+constexpr uint32_t kFullMask = 0xFFFFFFFFu;
+
+// ---- memory access helpers: every location another agent writes is read or written volatile ----
+
+__device__ __forceinline__ uint32_t load_volatile(const uint32_t* address) {
+    return *reinterpret_cast<const volatile uint32_t*>(address);
+}
+__device__ __forceinline__ uint16_t load_volatile(const uint16_t* address) {
+    return *reinterpret_cast<const volatile uint16_t*>(address);
+}
+__device__ __forceinline__ void store_volatile(uint32_t* address, uint32_t value) {
+    *reinterpret_cast<volatile uint32_t*>(address) = value;
+}
+__device__ __forceinline__ void store_volatile(uint16_t* address, uint16_t value) {
+    *reinterpret_cast<volatile uint16_t*>(address) = value;
+}
+
+template <typename T>
+__device__ __forceinline__ T* device_pointer(uint64_t address) {
+    return reinterpret_cast<T*>(static_cast<uintptr_t>(address));
+}
+
+// Exponential backoff for polling loops; __nanosleep keeps a spinning warp from stealing issue
+// slots from the warps that do useful work on the same SM.
+struct Backoff {
+    uint32_t sleep_ns;
+    uint32_t max_ns;
+    __device__ explicit Backoff(uint32_t cap_ns) : sleep_ns(32), max_ns(cap_ns < 32 ? 32 : cap_ns) {}
+    __device__ void pause() {
+        __nanosleep(sleep_ns);
+        sleep_ns = sleep_ns * 2 > max_ns ? max_ns : sleep_ns * 2;
+    }
+};
+
+// Try-locks guard the two per-queue-pair critical sections (tail publication, completion
+// reaping). Nobody ever blocks on them: a thread that fails to take one leaves the work to the
+// holder, and the holder re-checks for such work after releasing (see try_publish_sq).
+__device__ __forceinline__ bool try_lock(uint32_t* lock) {
+    if (atomicCAS(lock, 0u, 1u) == 0u) {
+        __threadfence();  // acquire: the previous holder's writes are visible to us
+        return true;
+    }
+    return false;
+}
+__device__ __forceinline__ void unlock(uint32_t* lock) {
+    __threadfence();  // release: our writes are visible before the lock reads free
+    atomicExch(lock, 0u);
+}
+
+// ---- per-IOCB completion accounting (mirrors crates/gio-uring/src/executor.rs) ----
+
+// Posts one gio CQE. Producers are many GPU threads: they serialise on the ring's producer_lock.
+// The entry is written, then __threadfence_system() orders it (and the IOCB's final line) before
+// the tail store that makes it visible to the CPU consumer: release at system scope.
+__device__ bool post_gio_cqe(const gio_launch_params& params, const gio_cqe& cqe) {
+    gio_ring_header* header = device_pointer<gio_ring_header>(params.cq_header);
+    gio_cqe* entries = device_pointer<gio_cqe>(params.cq_entries);
+    Backoff backoff(params.backoff_ns_max);
+    for (uint32_t attempt = 0; attempt < params.poll_iterations_max; ++attempt) {
+        if (try_lock(&header->producer_lock)) {
+            const uint32_t tail = load_volatile(&header->tail);
+            const uint32_t head = load_volatile(&header->head);
+            const uint32_t depth = load_volatile(&header->entry_count);
+            if (tail - head < depth) {
+                gio_cqe* slot = &entries[tail & (depth - 1)];
+                store_volatile(&slot->iocb_id, cqe.iocb_id);
+                store_volatile(&slot->issue_seq, cqe.issue_seq);
+                store_volatile(&slot->failed_ioctx, cqe.failed_ioctx);
+                store_volatile(&slot->status, cqe.status);
+                store_volatile(&slot->failed_nvme_status, cqe.failed_nvme_status);
+                __threadfence_system();
+                store_volatile(&header->tail, tail + 1);
+                unlock(&header->producer_lock);
+                return true;
+            }
+            // Full: impossible while the CPU keeps one CQ entry per IOCB, but never spin on it.
+            unlock(&header->producer_lock);
+        }
+        backoff.pause();
+    }
+    return false;  // the IOCB's status is final in memory; the CPU's wait deadline reports it
+}
+
+// Moves an IOCB off ISSUED exactly once (compare-and-swap) and posts its CQE.
+__device__ void finalize_iocb(const gio_launch_params& params, gio_iocb* iocb, uint32_t final_status) {
+    __threadfence();
+    const uint32_t failed_ioctx = load_volatile(&iocb->failed_ioctx);
+    if (final_status == GIO_IOCB_STATUS_SUCCESS && failed_ioctx != GIO_NO_FAILED_IOCTX) {
+        final_status = load_volatile(&iocb->failed_status);
+    }
+    if (atomicCAS(&iocb->status, GIO_IOCB_STATUS_ISSUED, final_status) != GIO_IOCB_STATUS_ISSUED) {
+        return;  // someone (a timeout) already finished this issue
+    }
+    gio_cqe cqe;
+    cqe.iocb_id = iocb->id;
+    cqe.issue_seq = iocb->issue_seq;
+    cqe.failed_ioctx = failed_ioctx;
+    cqe.status = static_cast<uint16_t>(final_status);
+    cqe.failed_nvme_status =
+        failed_ioctx == GIO_NO_FAILED_IOCTX ? 0 : load_volatile(&iocb->failed_nvme_status);
+    post_gio_cqe(params, cqe);
+}
+
+// Counts one finished IOCTX. A failure first claims failed_ioctx (first failure wins) and records
+// its status; the fence orders that record before the counter increment, so whichever thread takes
+// the counter to ioctx_count sees it.
+__device__ void complete_ioctx(const gio_launch_params& params, gio_iocb* iocb, uint32_t ioctx_index,
+                               uint32_t failure_status, uint16_t nvme_status) {
+    if (failure_status != 0) {
+        if (atomicCAS(&iocb->failed_ioctx, GIO_NO_FAILED_IOCTX, ioctx_index) == GIO_NO_FAILED_IOCTX) {
+            store_volatile(&iocb->failed_nvme_status,
+                           static_cast<uint16_t>(nvme_status & NVME_CQE_STATUS_NO_PHASE_MASK));
+            store_volatile(&iocb->failed_status, static_cast<uint16_t>(failure_status));
+        }
+    }
+    __threadfence();
+    const uint32_t previous = atomicAdd(&iocb->completed_ioctx_count, 1u);
+    if (previous + 1 == load_volatile(&iocb->ioctx_count)) {
+        finalize_iocb(params, iocb, GIO_IOCB_STATUS_SUCCESS);
+    }
+}
+
+// ---- NVMe queue pair: tail publication ----
+
+// Advances the SQ tail over the contiguous run of ready slots and rings the doorbell once.
+//
+// In-order publication: a slot's SQE becomes visible to the controller only when every earlier
+// ticket's SQE is written, because the doorbell says "everything below this tail is valid".
+//
+// Why no ready slot is stranded: a writer stores ready_ticket, fences, then tries the lock. If the
+// try fails, the holder at that moment has not yet released it; the holder releases, fences, and
+// re-reads the ready flag of the next unpublished slot. With both fences, it is impossible that the
+// writer reads "locked" and the holder reads "not ready" (store-buffering is forbidden across
+// __threadfence), so either the writer publishes or the holder loops and does.
+__device__ void try_publish_sq(const gio_launch_params& params, gio_nvme_qp* qp) {
+    gio_nvme_slot* slots = device_pointer<gio_nvme_slot>(qp->slots);
+    const uint32_t depth = qp->sq_depth;
+    const uint32_t mask = depth - 1;
+    for (uint32_t round = 0; round < params.poll_iterations_max; ++round) {
+        if (!try_lock(&qp->sq_lock)) {
+            return;
+        }
+        const uint32_t head = load_volatile(&qp->sq_head);
+        const uint32_t published = load_volatile(&qp->sq_tail);
+        uint32_t tail = published;
+        bool queue_full = false;
+        // Bounded by the depth: at most depth - 1 commands are outstanding at the controller.
+        for (uint32_t scanned = 0; scanned < depth; ++scanned) {
+            if (load_volatile(&slots[tail & mask].ready_ticket) != tail + 1) {
+                break;
+            }
+            if (tail + 1 - head > depth - 1) {
+                queue_full = true;  // back-pressure: publish later, after completions move head
+                break;
+            }
+            ++tail;
+        }
+        if (tail != published) {
+            store_volatile(&qp->sq_tail, tail);
+            // The SQEs were fenced by their writers; this orders our reads of their ready flags
+            // (and so the SQEs) before the MMIO doorbell write the controller acts on.
+            __threadfence_system();
+            store_volatile(device_pointer<uint32_t>(qp->sq_doorbell), tail & mask);
+        }
+        unlock(&qp->sq_lock);
+        __threadfence();
+        if (queue_full || load_volatile(&slots[tail & mask].ready_ticket) != tail + 1) {
+            return;
+        }
+    }
+}
+
+// ---- NVMe queue pair: completion reaping ----
+
+__device__ void process_nvme_completion(const gio_launch_params& params, gio_nvme_qp* qp,
+                                        uint16_t command_id, uint16_t status) {
+    gio_nvme_slot* slots = device_pointer<gio_nvme_slot>(qp->slots);
+    gio_nvme_slot* slot = &slots[command_id & (qp->sq_depth - 1)];
+    const uint32_t ticket = load_volatile(&slot->ticket);
+    // The command id carries the ticket's generation bits: a completion whose id does not match
+    // the slot's current ticket, or for a ticket already completed, is not ours to count.
+    if ((ticket & 0xFFFFu) != command_id || load_volatile(&slot->done_ticket) == ticket + 1) {
+        atomicAdd(&qp->unexpected_completions, 1u);
+        return;
+    }
+    const uint32_t iocb_id = load_volatile(&slot->iocb_id);
+    const uint32_t ioctx_index = load_volatile(&slot->ioctx_index);
+    const uint32_t issue_seq = load_volatile(&slot->issue_seq);
+    __threadfence();
+    store_volatile(&slot->done_ticket, ticket + 1);  // the slot may now be reused
+    if (iocb_id >= params.iocb_capacity) {
+        atomicAdd(&qp->unexpected_completions, 1u);
+        return;
+    }
+    gio_iocb* iocb = &device_pointer<gio_iocb>(params.iocbs)[iocb_id];
+    // A completion of an issue that already timed out and was reissued must not count.
+    if (load_volatile(&iocb->issue_seq) != issue_seq) {
+        return;
+    }
+    const bool failed = (status & NVME_CQE_STATUS_SC_SCT_MASK) != 0;
+    complete_ioctx(params, iocb, ioctx_index, failed ? GIO_IOCB_STATUS_NVME_ERROR : 0u, status);
+}
+
+// Reaps the completions posted so far (at most one queue's worth per call), then writes the CQ
+// head doorbell once for the batch.
+__device__ void try_reap_cq(const gio_launch_params& params, gio_nvme_qp* qp) {
+    if (!try_lock(&qp->cq_lock)) {
+        return;
+    }
+    const nvme_cqe* entries = device_pointer<const nvme_cqe>(qp->cq_entries);
+    const uint32_t cq_depth = qp->cq_depth;
+    const uint32_t sq_mask = qp->sq_depth - 1;
+    uint32_t head = qp->cq_head;
+    uint32_t sq_head = load_volatile(&qp->sq_head);
+    const uint32_t first = head;
+    for (uint32_t reaped = 0; reaped < cq_depth; ++reaped) {
+        const nvme_cqe* entry = &entries[head & (cq_depth - 1)];
+        const uint16_t status = load_volatile(&entry->status);
+        const uint32_t expected_phase = ((head / cq_depth) & 1u) ^ 1u;
+        if ((status & NVME_CQE_STATUS_PHASE) != expected_phase) {
+            break;
+        }
+        // Acquire: read the rest of the entry only after seeing its phase tag flip.
+        __threadfence_system();
+        const uint16_t command_id = load_volatile(&entry->command_id);
+        const uint16_t sq_head_slot = load_volatile(&entry->sq_head);
+        process_nvme_completion(params, qp, command_id, status);
+        // SQHD is a slot index; advance the free-running head by its distance modulo the depth.
+        sq_head += (static_cast<uint32_t>(sq_head_slot) - sq_head) & sq_mask;
+        ++head;
+    }
+    if (head != first) {
+        qp->cq_head = head;
+        store_volatile(&qp->sq_head, sq_head);
+        // Our reads of the entries happen before the controller may overwrite them.
+        __threadfence_system();
+        store_volatile(device_pointer<uint32_t>(qp->cq_doorbell), head & (cq_depth - 1));
+    }
+    unlock(&qp->cq_lock);
+}
+
+__device__ void help_all_queue_pairs(const gio_launch_params& params) {
+    gio_nvme_qp* qps = device_pointer<gio_nvme_qp>(params.nvme_qps);
+    for (uint32_t device = 0; device < params.device_count; ++device) {
+        try_reap_cq(params, &qps[device]);
+        try_publish_sq(params, &qps[device]);
+    }
+}
+
+// ---- submission ----
+
+// Writes the SQE for `ticket` and marks its slot ready. Returns false if the slot did not become
+// free within the bounded wait.
+__device__ bool submit_ioctx(const gio_launch_params& params, gio_nvme_qp* qp, uint32_t ticket,
+                             const gio_iocb* iocb, uint32_t ioctx_index, const gio_ioctx& ioctx) {
+    gio_nvme_slot* slot = &device_pointer<gio_nvme_slot>(qp->slots)[ticket & (qp->sq_depth - 1)];
+    // The slot is free once the previous round's ticket (ticket - depth) was completed.
+    const uint32_t previous_done = ticket + 1 - qp->sq_depth;
+    Backoff backoff(params.backoff_ns_max);
+    uint32_t attempt = 0;
+    while (load_volatile(&slot->done_ticket) != previous_done) {
+        if (++attempt >= params.poll_iterations_max) {
+            return false;
+        }
+        help_all_queue_pairs(params);  // whoever waits also drives completions: no deadlock
+        backoff.pause();
+    }
+
+    const uint64_t layer = iocb->layer;
+    const uint64_t lba = ioctx.start_lba + layer * iocb->lba_stride_blocks;
+    const uint64_t data = ioctx.data_iova + layer * iocb->mem_stride_bytes;
+    const uint64_t desc = ioctx.desc_iova == 0 ? 0 : ioctx.desc_iova + layer * iocb->desc_stride_bytes;
+
+    alignas(16) nvme_sqe sqe = {};
+    sqe.opcode = iocb->opcode;
+    sqe.command_id = static_cast<uint16_t>(ticket & 0xFFFFu);
+    sqe.nsid = ioctx.nsid;
+    if (ioctx.descriptor_kind == GIO_DESCRIPTOR_SGL) {
+        sqe.flags = static_cast<uint8_t>(NVME_PSDT_SGL_MPTR_CONTIGUOUS << NVME_PSDT_SHIFT);
+        if (desc == 0) {
+            sqe.dptr.sgl1.address = data;
+            sqe.dptr.sgl1.length_bytes = ioctx.data_bytes;
+            sqe.dptr.sgl1.identifier =
+                static_cast<uint8_t>(NVME_SGL_TYPE_DATA_BLOCK << 4 | NVME_SGL_SUBTYPE_ADDRESS);
+        } else {
+            sqe.dptr.sgl1.address = desc;
+            sqe.dptr.sgl1.length_bytes = ioctx.desc_bytes;
+            sqe.dptr.sgl1.identifier =
+                static_cast<uint8_t>(NVME_SGL_TYPE_LAST_SEGMENT << 4 | NVME_SGL_SUBTYPE_ADDRESS);
+        }
+    } else {
+        sqe.flags = static_cast<uint8_t>(NVME_PSDT_PRP << NVME_PSDT_SHIFT);
+        sqe.dptr.prp.prp1 = data;
+        sqe.dptr.prp.prp2 = desc;
+    }
+    sqe.cdw10 = static_cast<uint32_t>(lba);
+    sqe.cdw11 = static_cast<uint32_t>(lba >> 32);
+    sqe.cdw12 = ((ioctx.block_count - 1) & 0xFFFFu) |
+                ((ioctx.flags & GIO_IOCTX_FLAG_FUA) != 0 ? NVME_RW_CDW12_FUA : 0u);
+
+    // Four 16-byte stores of the 64-byte entry (SQ entries are 64-byte aligned).
+    const uint4* source = reinterpret_cast<const uint4*>(&sqe);
+    uint4* target = reinterpret_cast<uint4*>(
+        &device_pointer<nvme_sqe>(qp->sq_entries)[ticket & (qp->sq_depth - 1)]);
+#pragma unroll
+    for (int part = 0; part < 4; ++part) {
+        target[part] = source[part];
+    }
+    store_volatile(&slot->ticket, ticket);
+    store_volatile(&slot->iocb_id, iocb->id);
+    store_volatile(&slot->ioctx_index, ioctx_index);
+    store_volatile(&slot->issue_seq, iocb->issue_seq);
+    // Publish: the SQE and the tracker are visible system-wide (the controller reads the SQE over
+    // PCIe) before the slot reads ready.
+    __threadfence_system();
+    store_volatile(&slot->ready_ticket, ticket + 1);
+    __threadfence();
+    return true;
+}
+
+// One warp's chunk: up to 32 IOCTXs of one IOCB, one per lane.
+__device__ void submit_chunk(const gio_launch_params& params, gio_iocb* iocb, uint32_t chunk) {
+    const uint32_t lane = threadIdx.x % kWarpLanes;
+    const uint32_t count = iocb->ioctx_count;
+    const uint32_t index = chunk * kWarpLanes + lane;
+    const bool active = index < count;
+    const uint32_t array_index = iocb->ioctx_first + index;
+    gio_ioctx ioctx = {};
+    bool valid = false;
+    if (active) {
+        if (array_index < params.ioctx_capacity) {
+            ioctx = device_pointer<const gio_ioctx>(params.ioctxs)[array_index];
+            valid = ioctx.device_index < params.device_count;
+        }
+        if (!valid) {
+            complete_ioctx(params, iocb, index, GIO_IOCB_STATUS_INVALID_IOCTX, 0);
+        }
+    }
+    const uint32_t valid_lanes = __ballot_sync(kFullMask, valid);
+    if (valid) {
+        // Lanes of the same device share one reservation: one atomicAdd per device in the warp.
+        const uint32_t group = __match_any_sync(valid_lanes, static_cast<uint32_t>(ioctx.device_index));
+        const uint32_t leader = static_cast<uint32_t>(__ffs(group)) - 1;
+        const uint32_t rank = static_cast<uint32_t>(__popc(group & ((1u << lane) - 1u)));
+        gio_nvme_qp* qp = &device_pointer<gio_nvme_qp>(params.nvme_qps)[ioctx.device_index];
+        uint32_t base = 0;
+        if (lane == leader) {
+            base = atomicAdd(&qp->sq_reserved, static_cast<uint32_t>(__popc(group)));
+        }
+        base = __shfl_sync(group, base, static_cast<int>(leader));
+        if (!submit_ioctx(params, qp, base + rank, iocb, index, ioctx)) {
+            complete_ioctx(params, iocb, index, GIO_IOCB_STATUS_TIMEOUT, 0);
+        }
+        __syncwarp(group);
+        if (lane == leader) {
+            try_publish_sq(params, qp);
+        }
+    }
+    __syncwarp(kFullMask);
+}
+
+__device__ bool launch_finished(const gio_launch_params& params) {
+    const uint32_t* sq = device_pointer<const uint32_t>(params.sq_entries);
+    gio_iocb* iocbs = device_pointer<gio_iocb>(params.iocbs);
+    for (uint32_t i = 0; i < params.iocb_count; ++i) {
+        const uint32_t id = sq[(params.sq_first + i) & params.sq_mask];
+        if (id < params.iocb_capacity && load_volatile(&iocbs[id].status) == GIO_IOCB_STATUS_ISSUED) {
+            return false;
+        }
+    }
+    return true;
+}
+
+// The bounded wait expired: finish every IOCB of the launch that is still ISSUED as TIMEOUT.
+__device__ void time_out_launch(const gio_launch_params& params) {
+    const uint32_t* sq = device_pointer<const uint32_t>(params.sq_entries);
+    gio_iocb* iocbs = device_pointer<gio_iocb>(params.iocbs);
+    for (uint32_t i = 0; i < params.iocb_count; ++i) {
+        const uint32_t id = sq[(params.sq_first + i) & params.sq_mask];
+        if (id < params.iocb_capacity && load_volatile(&iocbs[id].status) == GIO_IOCB_STATUS_ISSUED) {
+            finalize_iocb(params, &iocbs[id], GIO_IOCB_STATUS_TIMEOUT);
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" __global__ void gio_io_kernel(gio_launch_params params) {
+    const uint32_t warp = (blockIdx.x * blockDim.x + threadIdx.x) / kWarpLanes;
+    const uint32_t warp_count = (gridDim.x * blockDim.x) / kWarpLanes;
+    const uint32_t* sq = device_pointer<const uint32_t>(params.sq_entries);
+    gio_iocb* iocbs = device_pointer<gio_iocb>(params.iocbs);
+
+    // Submission: chunk k of the launch (counting over IOCBs in SQ order) goes to warp k % warps.
+    uint32_t chunk_base = 0;
+    for (uint32_t i = 0; i < params.iocb_count; ++i) {
+        const uint32_t id = sq[(params.sq_first + i) & params.sq_mask];
+        if (id >= params.iocb_capacity) {
+            continue;  // the CPU validates ids; a bad one has no IOCB to report on
+        }
+        gio_iocb* iocb = &iocbs[id];
+        const uint32_t count = iocb->ioctx_count;
+        const uint32_t chunks = (count + kWarpLanes - 1) / kWarpLanes;
+        uint32_t chunk = (warp + warp_count - chunk_base % warp_count) % warp_count;
+        for (; chunk < chunks; chunk += warp_count) {
+            submit_chunk(params, iocb, chunk);
+        }
+        chunk_base += chunks;
+    }
+
+    // Completion: one lane of warp 0 per block polls until the launch is done or the bound hits.
+    if (threadIdx.x != 0) {
+        return;
+    }
+    Backoff backoff(params.backoff_ns_max);
+    for (uint32_t iteration = 0; iteration < params.poll_iterations_max; ++iteration) {
+        help_all_queue_pairs(params);
+        if (launch_finished(params)) {
+            return;
+        }
+        backoff.pause();
+    }
+    time_out_launch(params);
+}
