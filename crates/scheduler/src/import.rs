@@ -1,0 +1,275 @@
+//! Builds a profile table from a measured per-layer kernel timeline exported by an engine
+//! (Tutti §3.3 profiles the same quantities offline during warm-up).
+//!
+//! # Timeline format (CSV, one kernel per line)
+//!
+//! ```text
+//! # lines starting with '#' and blank lines are ignored; the header line is required
+//! phase,input_tokens,prefix_tokens,layer,kernel,start_us,end_us,sms_used
+//! prefill,4096,0,0,input_norm,0.0,11.5,132
+//! prefill,4096,0,0,flash_attention,95.0,410.0,132
+//! decode,4096,,,decode_step,0.0,5200.0,70
+//! ```
+//!
+//! - `phase`: `prefill` or `decode`.
+//! - `input_tokens`, `prefix_tokens`: the bucket (prompt length including the cached prefix, and
+//!   the cached prefix). For `decode` rows `input_tokens` is the context length and
+//!   `prefix_tokens` and `layer` may be empty.
+//! - `layer`: 0-based layer index of a prefill kernel.
+//! - `kernel`: kernel name; the first kernel of a layer whose name contains `attn` (any case) is
+//!   where the layer needs its cached KV.
+//! - `start_us`, `end_us`: kernel start and end on any common clock (only differences matter).
+//! - `sms_used`: SMs the kernel occupies (from the launch grid or an occupancy tool).
+//!
+//! A layer's compute duration is its last end minus its first start. Its slack windows are the
+//! maximal intervals with a constant number of free SMs (`sm_count −` SMs of the kernels running),
+//! gaps between kernels counting as fully free; intervals with no free SM are dropped. A decode
+//! step's duration spans its kernels and its free SMs are the minimum over the step
+//! (conservative). The input and prefix steps are inferred (smallest input; greatest common
+//! divisor of the prefix lengths) and the table is then validated, so a missing bucket is named.
+
+use std::collections::BTreeMap;
+
+use crate::error::{Result, SchedulerError};
+use crate::table::{
+    Bucket, DecodeStep, GpuIdentity, IoCostEntry, LayerProfile, ModelIdentity, Profile, ProfileTable,
+    SlackWindow, PROFILE_FORMAT_VERSION,
+};
+
+const HEADER: &str = "phase,input_tokens,prefix_tokens,layer,kernel,start_us,end_us,sms_used";
+
+#[derive(Clone, Debug)]
+struct Kernel {
+    name: String,
+    start_us: f64,
+    end_us: f64,
+    sms_used: u32,
+}
+
+/// Parses a timeline and builds a validated table.
+pub fn import_timeline(
+    text: &str,
+    model: ModelIdentity,
+    gpu: GpuIdentity,
+    io_costs: Vec<IoCostEntry>,
+    compute_source: &str,
+    io_cost_source: &str,
+) -> Result<Profile> {
+    let mut prefill: BTreeMap<(u32, u32), BTreeMap<u32, Vec<Kernel>>> = BTreeMap::new();
+    let mut decode: BTreeMap<u32, Vec<Kernel>> = BTreeMap::new();
+    let mut saw_header = false;
+    for (index, raw) in text.lines().enumerate() {
+        let line = index + 1;
+        let trimmed = raw.trim();
+        if trimmed.is_empty() || trimmed.starts_with('#') {
+            continue;
+        }
+        if !saw_header {
+            if trimmed.replace(' ', "") != HEADER {
+                return Err(SchedulerError::Timeline {
+                    line,
+                    reason: format!("expected header `{HEADER}`"),
+                });
+            }
+            saw_header = true;
+            continue;
+        }
+        let fields: Vec<&str> = trimmed.split(',').map(str::trim).collect();
+        if fields.len() != 8 {
+            return Err(SchedulerError::Timeline {
+                line,
+                reason: format!("{} fields, expected 8", fields.len()),
+            });
+        }
+        let bad = |reason: String| SchedulerError::Timeline { line, reason };
+        let int = |name: &str, value: &str| -> Result<u32> {
+            value
+                .parse::<u32>()
+                .map_err(|e| bad(format!("`{name}` = `{value}`: {e}")))
+        };
+        let float = |name: &str, value: &str| -> Result<f64> {
+            let v = value
+                .parse::<f64>()
+                .map_err(|e| bad(format!("`{name}` = `{value}`: {e}")))?;
+            if !v.is_finite() || v < 0.0 {
+                return Err(bad(format!("`{name}` = {v} must be finite and >= 0")));
+            }
+            Ok(v)
+        };
+        let kernel = Kernel {
+            name: fields[4].to_string(),
+            start_us: float("start_us", fields[5])?,
+            end_us: float("end_us", fields[6])?,
+            sms_used: int("sms_used", fields[7])?,
+        };
+        if kernel.end_us < kernel.start_us {
+            return Err(bad("end_us is before start_us".into()));
+        }
+        if kernel.sms_used > gpu.sm_count {
+            return Err(bad(format!("sms_used {} exceeds the GPU's {} SMs", kernel.sms_used, gpu.sm_count)));
+        }
+        let input_tokens = int("input_tokens", fields[1])?;
+        match fields[0] {
+            "prefill" => {
+                let prefix_tokens = int("prefix_tokens", fields[2])?;
+                let layer = int("layer", fields[3])?;
+                if layer >= model.layer_count {
+                    return Err(bad(format!("layer {layer} but the model has {}", model.layer_count)));
+                }
+                prefill
+                    .entry((input_tokens, prefix_tokens))
+                    .or_default()
+                    .entry(layer)
+                    .or_default()
+                    .push(kernel);
+            }
+            "decode" => decode.entry(input_tokens).or_default().push(kernel),
+            other => return Err(bad(format!("phase `{other}` is neither prefill nor decode"))),
+        }
+    }
+    if prefill.is_empty() {
+        return Err(SchedulerError::Timeline {
+            line: 0,
+            reason: "no prefill rows".into(),
+        });
+    }
+
+    let input_step_tokens = prefill.keys().map(|k| k.0).min().unwrap_or(0);
+    let input_max = prefill.keys().map(|k| k.0).max().unwrap_or(0);
+    if input_step_tokens == 0 {
+        return Err(SchedulerError::Timeline {
+            line: 0,
+            reason: "input_tokens must be > 0".into(),
+        });
+    }
+    let prefix_step_tokens = prefill
+        .keys()
+        .map(|k| k.1)
+        .filter(|&p| p > 0)
+        .fold(0, gcd)
+        .max(1);
+    let prefix_step_tokens = if prefill.keys().all(|k| k.1 == 0) {
+        input_step_tokens
+    } else {
+        prefix_step_tokens
+    };
+
+    let mut buckets = Vec::with_capacity(prefill.len());
+    for ((input_tokens, prefix_tokens), layers) in prefill {
+        let mut profiles = Vec::with_capacity(model.layer_count as usize);
+        for layer in 0..model.layer_count {
+            let location = || format!("bucket(input_tokens={input_tokens}, prefix_tokens={prefix_tokens}) layer {layer}");
+            let kernels = layers.get(&layer).ok_or_else(|| SchedulerError::Timeline {
+                line: 0,
+                reason: format!("{}: no kernels", location()),
+            })?;
+            profiles.push(layer_from_kernels(kernels, gpu.sm_count).map_err(|reason| {
+                SchedulerError::Timeline {
+                    line: 0,
+                    reason: format!("{}: {reason}", location()),
+                }
+            })?);
+        }
+        buckets.push(Bucket {
+            input_tokens,
+            prefix_tokens,
+            layers: profiles,
+        });
+    }
+
+    let decode_steps = decode
+        .into_iter()
+        .map(|(context_tokens, kernels)| {
+            let start_us = kernels.iter().map(|k| k.start_us).fold(f64::INFINITY, f64::min);
+            let end_us = kernels.iter().map(|k| k.end_us).fold(0.0, f64::max);
+            let free_sms = free_intervals(&kernels, gpu.sm_count)
+                .iter()
+                .map(|w| w.free_sms)
+                .min()
+                .unwrap_or(gpu.sm_count);
+            DecodeStep {
+                context_tokens,
+                duration_us: end_us - start_us,
+                free_sms,
+            }
+        })
+        .collect();
+
+    let table = ProfileTable {
+        format_version: PROFILE_FORMAT_VERSION,
+        model,
+        gpu,
+        compute_source: compute_source.to_string(),
+        io_cost_source: io_cost_source.to_string(),
+        input_step_tokens,
+        input_step_count: input_max / input_step_tokens,
+        prefix_step_tokens,
+        buckets,
+        io_costs,
+        decode_steps,
+    };
+    Profile::from_table(table)
+}
+
+fn gcd(a: u32, b: u32) -> u32 {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+fn layer_from_kernels(kernels: &[Kernel], sm_count: u32) -> std::result::Result<LayerProfile, String> {
+    let start_us = kernels.iter().map(|k| k.start_us).fold(f64::INFINITY, f64::min);
+    let end_us = kernels.iter().map(|k| k.end_us).fold(0.0, f64::max);
+    let attention = kernels
+        .iter()
+        .filter(|k| k.name.to_ascii_lowercase().contains("attn") || k.name.to_ascii_lowercase().contains("attention"))
+        .map(|k| k.start_us)
+        .fold(f64::INFINITY, f64::min);
+    if !attention.is_finite() {
+        return Err("no attention kernel (name containing `attn`)".into());
+    }
+    let slack_windows = free_intervals(kernels, sm_count)
+        .into_iter()
+        .filter(|w| w.free_sms > 0 && w.duration_us > 0.0)
+        .map(|w| SlackWindow {
+            offset_us: w.offset_us - start_us,
+            ..w
+        })
+        .collect();
+    Ok(LayerProfile {
+        compute_duration_us: end_us - start_us,
+        kv_needed_offset_us: attention - start_us,
+        slack_windows,
+    })
+}
+
+/// Maximal intervals (absolute times) with a constant number of free SMs.
+fn free_intervals(kernels: &[Kernel], sm_count: u32) -> Vec<SlackWindow> {
+    let mut bounds: Vec<f64> = kernels.iter().flat_map(|k| [k.start_us, k.end_us]).collect();
+    bounds.sort_by(f64::total_cmp);
+    bounds.dedup();
+    let mut windows: Vec<SlackWindow> = Vec::new();
+    for pair in bounds.windows(2) {
+        let (from, to) = (pair[0], pair[1]);
+        let middle = (from + to) / 2.0;
+        let busy: u32 = kernels
+            .iter()
+            .filter(|k| k.start_us <= middle && middle < k.end_us)
+            .map(|k| k.sms_used)
+            .sum();
+        let free_sms = sm_count.saturating_sub(busy);
+        match windows.last_mut() {
+            Some(last) if last.free_sms == free_sms && (last.end_us() - from).abs() < 1e-9 => {
+                last.duration_us = to - last.offset_us;
+            }
+            _ => windows.push(SlackWindow {
+                offset_us: from,
+                duration_us: to - from,
+                free_sms,
+            }),
+        }
+    }
+    windows
+}

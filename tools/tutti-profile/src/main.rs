@@ -1,1 +1,338 @@
-fn main(){}
+//! `tutti-profile`: builds the slack profile tables Tutti's scheduler reads (Tutti §3.3) and runs
+//! the pipeline simulator over them (the model counterpart of Tutti §4.2.5, Fig. 13).
+//!
+//! - `analytic`: a table from a model config and a GPU spec (roofline; modelled, not measured);
+//! - `import`: a table from a measured per-layer kernel timeline (format in
+//!   `scheduler::import`);
+//! - `io`: the I/O cost table measured on a live backend (none is linked into this build yet);
+//! - `simulate`: hit-rate and prefix-length sweeps of every policy, CSV + SVG, crossover figures;
+//! - `check`: validates a table file.
+#![forbid(unsafe_code)]
+
+mod simulate;
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use scheduler::analytic::{build_table, AnalyticGrid, GpuSpec, ModelConfig};
+use scheduler::import::import_timeline;
+use scheduler::probe::IoGrid;
+use scheduler::ssd::SsdModel;
+use scheduler::table::{IoCostEntry, Profile};
+
+#[derive(Parser, Debug)]
+#[command(name = "tutti-profile", version, about = "Profile tables and pipeline simulation for Tutti's slack-aware I/O scheduler")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Build a table from a model config and a GPU spec with a roofline model (not measured).
+    Analytic(AnalyticArgs),
+    /// Build a table from a measured per-layer kernel timeline (CSV; see docs/scheduler.md).
+    Import(ImportArgs),
+    /// Measure the I/O cost table on the live backend.
+    Io(IoArgs),
+    /// Run the pipeline simulator: sweeps, crossover figures, CSV and SVG.
+    Simulate(simulate::SimulateArgs),
+    /// Validate a table file (optionally against the model and GPU in use).
+    Check(CheckArgs),
+}
+
+/// Model and GPU: a preset name or a JSON file with the full config.
+#[derive(Args, Debug, Clone)]
+struct TargetArgs {
+    /// Model preset: llama3-8b or qwen3-32b.
+    #[arg(long, default_value = "llama3-8b")]
+    model: String,
+    /// JSON file with a full model config (overrides --model).
+    #[arg(long)]
+    model_config: Option<PathBuf>,
+    /// GPU preset: h100 or h200.
+    #[arg(long, default_value = "h100")]
+    gpu: String,
+    /// JSON file with a full GPU spec (overrides --gpu).
+    #[arg(long)]
+    gpu_spec: Option<PathBuf>,
+}
+
+impl TargetArgs {
+    fn model(&self) -> Result<ModelConfig> {
+        if let Some(path) = &self.model_config {
+            return read_json(path);
+        }
+        ModelConfig::preset(&self.model)
+            .with_context(|| format!("unknown model preset `{}` (llama3-8b, qwen3-32b)", self.model))
+    }
+
+    fn gpu(&self) -> Result<GpuSpec> {
+        if let Some(path) = &self.gpu_spec {
+            return read_json(path);
+        }
+        GpuSpec::preset(&self.gpu).with_context(|| format!("unknown GPU preset `{}` (h100, h200)", self.gpu))
+    }
+}
+
+/// The SSD model behind analytic I/O costs (defaults: Tutti's two-SSD set-up).
+#[derive(Args, Debug, Clone)]
+struct SsdArgs {
+    #[arg(long, default_value_t = 2)]
+    ssd_count: u32,
+    /// Read bandwidth per SSD, GB/s.
+    #[arg(long, default_value_t = 14.5)]
+    ssd_read_gb_per_s: f64,
+    /// Write bandwidth per SSD, GB/s.
+    #[arg(long, default_value_t = 6.0)]
+    ssd_write_gb_per_s: f64,
+    /// Share of solo bandwidth each direction keeps under mixed read/write traffic.
+    #[arg(long, default_value_t = 0.4)]
+    mixed_bandwidth_fraction: f64,
+    /// Latency of an I/O kernel's first command from an idle queue, µs.
+    #[arg(long, default_value_t = 50.0)]
+    command_latency_us: f64,
+    /// Bytes per second one I/O SM can drive, GB/s.
+    #[arg(long, default_value_t = 10.0)]
+    io_gb_per_s_per_sm: f64,
+    /// Bytes one IOCB moves.
+    #[arg(long, default_value_t = scheduler::sweep::PRESET_IOCB_BYTES)]
+    iocb_bytes: u64,
+    /// Largest IOCB count in the cost table.
+    #[arg(long, default_value_t = 256)]
+    iocb_count_max: u32,
+}
+
+impl SsdArgs {
+    fn model(&self) -> Result<SsdModel> {
+        let ssd = SsdModel {
+            device_count: self.ssd_count,
+            read_bytes_per_s_per_device: self.ssd_read_gb_per_s * 1e9,
+            write_bytes_per_s_per_device: self.ssd_write_gb_per_s * 1e9,
+            mixed_bandwidth_fraction: self.mixed_bandwidth_fraction,
+            command_latency_us: self.command_latency_us,
+            io_bytes_per_s_per_sm: self.io_gb_per_s_per_sm * 1e9,
+        };
+        ssd.validate()?;
+        Ok(ssd)
+    }
+
+    fn cost_table(&self, io_sms: u32) -> Result<(Vec<IoCostEntry>, String)> {
+        let ssd = self.model()?;
+        let rows = ssd.cost_table(self.iocb_bytes, self.iocb_count_max, &[io_sms])?;
+        let source = format!(
+            "analytic-ssd-model (not measured): {} SSDs, {} GB/s read and {} GB/s write each, \
+             mixed fraction {}, latency {} us, {} GB/s per I/O SM, {} bytes per IOCB",
+            ssd.device_count,
+            self.ssd_read_gb_per_s,
+            self.ssd_write_gb_per_s,
+            ssd.mixed_bandwidth_fraction,
+            ssd.command_latency_us,
+            self.io_gb_per_s_per_sm,
+            self.iocb_bytes
+        );
+        Ok((rows, source))
+    }
+}
+
+#[derive(Args, Debug)]
+struct AnalyticArgs {
+    #[command(flatten)]
+    target: TargetArgs,
+    #[command(flatten)]
+    ssd: SsdArgs,
+    /// SMs reserved for the I/O green context.
+    #[arg(long, default_value_t = 4)]
+    io_sms: u32,
+    /// Input-length step of the grid, tokens.
+    #[arg(long, default_value_t = 4096)]
+    input_step: u32,
+    /// Number of input-length steps (the longest input is step × count).
+    #[arg(long, default_value_t = 8)]
+    input_count: u32,
+    /// Prefix-length step of the grid, tokens (Tutti uses one warp's worth of tokens; coarser
+    /// steps keep the file small).
+    #[arg(long, default_value_t = 256)]
+    prefix_step: u32,
+    /// Output file (JSON).
+    #[arg(long, short)]
+    out: PathBuf,
+}
+
+#[derive(Args, Debug)]
+struct ImportArgs {
+    /// Kernel timeline CSV.
+    #[arg(long)]
+    timeline: PathBuf,
+    #[command(flatten)]
+    target: TargetArgs,
+    /// I/O cost rows (JSON array of io_costs entries, e.g. from `io`); without it the analytic
+    /// SSD model fills them in and the table says so.
+    #[arg(long)]
+    io_costs: Option<PathBuf>,
+    #[command(flatten)]
+    ssd: SsdArgs,
+    /// SM budget of the analytic I/O cost rows.
+    #[arg(long, default_value_t = 4)]
+    io_sms: u32,
+    /// Output file (JSON).
+    #[arg(long, short)]
+    out: PathBuf,
+}
+
+#[derive(Args, Debug)]
+struct IoArgs {
+    /// IOCB counts to measure (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32,64,128,256")]
+    iocb_counts: Vec<u32>,
+    /// SM budgets to measure (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "2,4,8")]
+    sm_budgets: Vec<u32>,
+    /// Samples per grid point (median kept).
+    #[arg(long, default_value_t = 5)]
+    repetitions: u32,
+    /// Output file for the io_costs rows (JSON).
+    #[arg(long, short)]
+    out: Option<PathBuf>,
+}
+
+#[derive(Args, Debug)]
+struct CheckArgs {
+    /// Table file (JSON).
+    table: PathBuf,
+    /// Also check the table against this model and GPU.
+    #[arg(long)]
+    against_target: bool,
+    #[command(flatten)]
+    target: TargetArgs,
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Analytic(args) => analytic(&args),
+        Command::Import(args) => import(&args),
+        Command::Io(args) => io(&args),
+        Command::Simulate(args) => simulate::run(&args),
+        Command::Check(args) => check(&args),
+    }
+}
+
+fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))
+}
+
+fn write_file(path: &Path, contents: &str) -> Result<()> {
+    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
+    }
+    std::fs::write(path, contents).with_context(|| format!("writing {}", path.display()))
+}
+
+/// Loads and validates a table file.
+pub(crate) fn load_table(path: &Path) -> Result<Profile> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    Profile::from_json(&text).with_context(|| format!("loading profile table {}", path.display()))
+}
+
+fn analytic(args: &AnalyticArgs) -> Result<()> {
+    let model = args.target.model()?;
+    let gpu = args.target.gpu()?;
+    let grid = AnalyticGrid {
+        input_step_tokens: args.input_step,
+        input_step_count: args.input_count,
+        prefix_step_tokens: args.prefix_step,
+        io_sms: args.io_sms,
+        decode_step_tokens: args.input_step,
+    };
+    let (io_costs, io_source) = args.ssd.cost_table(args.io_sms)?;
+    let table = build_table(&model, &gpu, &grid, io_costs, &io_source)?;
+    let profile = Profile::from_table(table).context("the analytic table failed its own validation")?;
+    write_file(&args.out, &profile.to_json()?)?;
+    eprintln!(
+        "wrote {} ({} buckets, {} layers, model {}, GPU {}; analytic roofline, not measured)",
+        args.out.display(),
+        profile.table().buckets.len(),
+        profile.layer_count(),
+        model.name,
+        gpu.name
+    );
+    Ok(())
+}
+
+fn import(args: &ImportArgs) -> Result<()> {
+    let model = args.target.model()?;
+    let gpu = args.target.gpu()?;
+    let text = std::fs::read_to_string(&args.timeline)
+        .with_context(|| format!("reading {}", args.timeline.display()))?;
+    let (io_costs, io_source) = match &args.io_costs {
+        Some(path) => (
+            read_json::<Vec<IoCostEntry>>(path)?,
+            format!("imported from {}", path.display()),
+        ),
+        None => args.ssd.cost_table(args.io_sms)?,
+    };
+    let profile = import_timeline(
+        &text,
+        model.identity(),
+        gpu.identity(),
+        io_costs,
+        &format!("imported-timeline: {}", args.timeline.display()),
+        &io_source,
+    )
+    .with_context(|| format!("importing {}", args.timeline.display()))?;
+    write_file(&args.out, &profile.to_json()?)?;
+    eprintln!(
+        "wrote {} ({} buckets from {})",
+        args.out.display(),
+        profile.table().buckets.len(),
+        args.timeline.display()
+    );
+    Ok(())
+}
+
+fn io(args: &IoArgs) -> Result<()> {
+    // Validate the grid first so a typo is reported as such.
+    let grid = IoGrid {
+        iocb_counts: args.iocb_counts.clone(),
+        sm_budgets: args.sm_budgets.clone(),
+        repetitions: args.repetitions,
+    };
+    if grid.iocb_counts.iter().chain(&grid.sm_budgets).any(|&v| v == 0) || grid.repetitions == 0 {
+        bail!("--iocb-counts, --sm-budgets and --repetitions must all be > 0");
+    }
+    bail!(
+        "no I/O backend available in this build: measuring I/O costs needs an implementation of \
+         scheduler::probe::IoCostProbe over a live executor (the gio-uring CPU or CUDA executor \
+         driving the software NVMe controller, a VFIO-bound SSD, or a GPU), and none is linked \
+         into tutti-profile yet. Nothing was measured and nothing was written; `analytic` and \
+         `import` fill io_costs from the SSD model and label them as not measured \
+         ({} grid points × {} repetitions were requested)",
+        2 * grid.iocb_counts.len() * grid.sm_budgets.len(),
+        grid.repetitions
+    )
+}
+
+fn check(args: &CheckArgs) -> Result<()> {
+    let profile = load_table(&args.table)?;
+    if args.against_target {
+        let model = args.target.model()?;
+        let gpu = args.target.gpu()?;
+        profile.check_identity(&model.identity(), &gpu.identity())?;
+    }
+    let t = profile.table();
+    println!(
+        "{}: valid (format {}, model {}, GPU {}, {} buckets, inputs up to {} tokens, compute: {}, io costs: {})",
+        args.table.display(),
+        t.format_version,
+        t.model.name,
+        t.gpu.name,
+        t.buckets.len(),
+        profile.input_tokens_max(),
+        t.compute_source,
+        t.io_cost_source
+    );
+    Ok(())
+}
