@@ -245,8 +245,7 @@ impl IommuMapper for VfioMapper {
     }
 
     fn unmap(&self, iova: Iova, len: usize) -> Result<(), HwError> {
-        let mut request =
-            VfioIommuType1DmaUnmap { argsz: argsz::<VfioIommuType1DmaUnmap>(), flags: 0, iova: iova.0, size: len as u64 };
+        let mut request = VfioIommuType1DmaUnmap { argsz: argsz::<VfioIommuType1DmaUnmap>(), flags: 0, iova: iova.0, size: len as u64 };
         // SAFETY: UNMAP_DMA reads and updates (size) a vfio_iommu_type1_dma_unmap.
         unsafe { sys::ioctl_with_mut(&self.container.container, VFIO_IOMMU_UNMAP_DMA, &mut request) }
             .map_err(|source| VfioError::UnmapDma { iova: iova.0, len_bytes: len, source })?;

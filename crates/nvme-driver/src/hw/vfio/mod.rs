@@ -98,8 +98,11 @@ impl VfioDevice {
 
         let mut info = VfioDeviceInfo { argsz: argsz::<VfioDeviceInfo>(), ..VfioDeviceInfo::default() };
         // SAFETY: DEVICE_GET_INFO writes at most argsz bytes of a vfio_device_info.
-        unsafe { sys::ioctl_with_mut(&*device, VFIO_DEVICE_GET_INFO, &mut info) }
-            .map_err(|source| VfioError::Ioctl { address, operation: "VFIO_DEVICE_GET_INFO", source })?;
+        unsafe { sys::ioctl_with_mut(&*device, VFIO_DEVICE_GET_INFO, &mut info) }.map_err(|source| VfioError::Ioctl {
+            address,
+            operation: "VFIO_DEVICE_GET_INFO",
+            source,
+        })?;
         if info.flags & VFIO_DEVICE_FLAGS_PCI == 0 {
             return Err(VfioError::NotPci { address, flags: info.flags }.into());
         }
@@ -185,8 +188,11 @@ impl DeviceBackend for VfioDevice {
         if !self.reset_supported {
             return Err(VfioError::ResetUnsupported { address: self.address }.into());
         }
-        sys::ioctl_value(&*self.device, VFIO_DEVICE_RESET, 0)
-            .map_err(|source| VfioError::Ioctl { address: self.address, operation: "VFIO_DEVICE_RESET", source })?;
+        sys::ioctl_value(&*self.device, VFIO_DEVICE_RESET, 0).map_err(|source| VfioError::Ioctl {
+            address: self.address,
+            operation: "VFIO_DEVICE_RESET",
+            source,
+        })?;
         // The kernel restores the saved config space after the reset, but a reset that went
         // through a path without save/restore would leave bus mastering off; set it again.
         enable_memory_and_bus_master(&self.device, self.address, self.config_offset)?;
@@ -222,8 +228,11 @@ fn device_fd(container: &Container, address: PciAddress) -> Result<OwnedFd, Vfio
 fn region_info(device: &OwnedFd, address: PciAddress, index: u32) -> Result<VfioRegionInfo, VfioError> {
     let mut info = VfioRegionInfo { argsz: argsz::<VfioRegionInfo>(), index, ..VfioRegionInfo::default() };
     // SAFETY: DEVICE_GET_REGION_INFO reads and writes at most argsz bytes of a vfio_region_info.
-    unsafe { sys::ioctl_with_mut(device, VFIO_DEVICE_GET_REGION_INFO, &mut info) }
-        .map_err(|source| VfioError::Ioctl { address, operation: "VFIO_DEVICE_GET_REGION_INFO", source })?;
+    unsafe { sys::ioctl_with_mut(device, VFIO_DEVICE_GET_REGION_INFO, &mut info) }.map_err(|source| VfioError::Ioctl {
+        address,
+        operation: "VFIO_DEVICE_GET_REGION_INFO",
+        source,
+    })?;
     Ok(info)
 }
 

@@ -111,9 +111,7 @@ impl PciSysfs {
     /// Reads a small attribute file of the device, trimmed (`class`, `vendor`, `device`...).
     pub fn attribute(&self, address: PciAddress, name: &str) -> Result<String, VfioError> {
         let path = self.device_dir(address).join(name);
-        std::fs::read_to_string(&path)
-            .map(|text| text.trim().to_string())
-            .map_err(|source| VfioError::Sysfs { path, source })
+        std::fs::read_to_string(&path).map(|text| text.trim().to_string()).map_err(|source| VfioError::Sysfs { path, source })
     }
 
     /// A hexadecimal attribute such as `class` (`0x010802`).
@@ -222,7 +220,17 @@ pub(crate) mod tests {
         assert_eq!(address.to_string(), "0000:00:04.0");
         assert_eq!("3A:1f.7".parse::<PciAddress>().unwrap().to_string(), "0000:3a:1f.7");
         assert_eq!("abcd:ff:00.1".parse::<PciAddress>().unwrap().domain, 0xabcd);
-        for bad in ["", "00:04", "0000:00:20.0", "0000:00:04.8", "../../etc:00.0", "00000:00:04.0", "0000:00:04.0/x", "+0:00:04.0", "0000:000:04.0"] {
+        for bad in [
+            "",
+            "00:04",
+            "0000:00:20.0",
+            "0000:00:04.8",
+            "../../etc:00.0",
+            "00000:00:04.0",
+            "0000:00:04.0/x",
+            "+0:00:04.0",
+            "0000:000:04.0",
+        ] {
             assert!(bad.parse::<PciAddress>().is_err(), "{bad:?} must not parse");
         }
     }

@@ -1,0 +1,245 @@
+# tools/vm/lib.sh — shared steps of the VM harnesses (tools/vm-test.sh, tools/vm-bench.sh).
+# Sourced, not run. Every step is idempotent and caches under $VM_DIR.
+#
+# Provides:
+#   vm_log / vm_die                 timestamped messages on stderr
+#   vm_install_host_tools           qemu-system-x86, busybox-static, cpio, xz, zstd from Debian
+#   vm_prepare_kernel               a Debian linux-image .deb, unpacked with dpkg -x (never installed),
+#                                   modules.dep regenerated, vmlinux extracted for PVH boot
+#   vm_build_guest_binaries ...     static (crt-static) builds of project binaries into target-vm
+#   vm_build_initramfs OUT CMDS CONF BIN...   busybox + modules + binaries + tools/vm/init
+#   vm_boot INITRD                  QEMU/TCG with intel-iommu and the NVMe controllers; watchdog;
+#                                   sets VM_GUEST_RC, VM_BOOT_S, VM_WALL_S
+
+VM_REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+VM_DIR=${TUTTI_VM_DIR:-$VM_REPO/.tools/vm}
+VM_T0=$EPOCHREALTIME
+
+vm_elapsed() { awk -v a="$1" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.1f", b - a }'; }
+vm_log() { printf '[vm %6ss] %s\n' "$(vm_elapsed "$VM_T0")" "$*" >&2; }
+vm_die() {
+    vm_log "ERROR: $*"
+    exit 1
+}
+
+# Packages come from Debian's archive through apt; installed only when missing.
+vm_install_host_tools() {
+    local missing=()
+    command -v qemu-system-x86_64 > /dev/null || missing+=(qemu-system-x86)
+    dpkg-query -W -f='${Status}' busybox-static 2> /dev/null | grep -q 'ok installed' || missing+=(busybox-static)
+    command -v cpio > /dev/null || missing+=(cpio)
+    command -v xz > /dev/null || missing+=(xz-utils)
+    command -v zstd > /dev/null || missing+=(zstd)
+    command -v strip > /dev/null || missing+=(binutils)
+    if [ ${#missing[@]} -gt 0 ]; then
+        [ "${TUTTI_VM_SKIP_APT:-0}" = 1 ] && vm_die "missing host packages: ${missing[*]} (TUTTI_VM_SKIP_APT=1)"
+        vm_log "installing ${missing[*]}"
+        export DEBIAN_FRONTEND=noninteractive
+        if ! apt-get install -y -qq --no-install-recommends "${missing[@]}" > "$VM_DIR/logs/apt.log" 2>&1; then
+            apt-get update -qq >> "$VM_DIR/logs/apt.log" 2>&1 || true
+            apt-get install -y -qq --no-install-recommends "${missing[@]}" >> "$VM_DIR/logs/apt.log" 2>&1 ||
+                vm_die "apt-get install ${missing[*]} failed; see $VM_DIR/logs/apt.log"
+        fi
+    fi
+    # The guest has no libc: it needs the statically linked busybox, not the dynamic package's.
+    VM_BUSYBOX=$(dpkg -L busybox-static | grep -m1 '/busybox$')
+    [ -x "$VM_BUSYBOX" ] || vm_die "no static busybox found (package busybox-static)"
+}
+
+# The kernel: Debian's linux-image-amd64 target package, downloaded once with apt-get download.
+vm_prepare_kernel() {
+    local package version_file=$VM_DIR/kernel.package
+    if [ -n "${TUTTI_VM_KERNEL_PACKAGE:-}" ]; then
+        package=$TUTTI_VM_KERNEL_PACKAGE
+    elif [ -s "$version_file" ] && [ -s "$VM_DIR/kernel/$(cat "$version_file")/vmlinux" ]; then
+        package=$(cat "$version_file")
+    else
+        package=$(apt-cache depends linux-image-amd64 2> /dev/null | awk '/Depends: linux-image-[0-9]/ { print $2; exit }')
+        if [ -z "$package" ]; then
+            apt-get update -qq > /dev/null 2>&1 || true
+            package=$(apt-cache depends linux-image-amd64 | awk '/Depends: linux-image-[0-9]/ { print $2; exit }')
+        fi
+        [ -n "$package" ] || vm_die "cannot resolve linux-image-amd64 to a kernel package (apt-get update?)"
+    fi
+    VM_KVER=${package#linux-image-}
+    VM_KROOT=$VM_DIR/kernel/$package
+    VM_VMLINUX=$VM_KROOT/vmlinux
+    if [ ! -s "$VM_VMLINUX" ]; then
+        local deb
+        deb=$(ls "$VM_DIR"/debs/"${package}"_*.deb 2> /dev/null | head -n1)
+        if [ -z "$deb" ]; then
+            vm_log "downloading $package"
+            (cd "$VM_DIR/debs" && apt-get download "$package" > "$VM_DIR/logs/download.log" 2>&1) ||
+                vm_die "apt-get download $package failed; see $VM_DIR/logs/download.log"
+            deb=$(ls "$VM_DIR"/debs/"${package}"_*.deb | head -n1)
+        fi
+        rm -rf "$VM_KROOT"
+        mkdir -p "$VM_KROOT"
+        dpkg -x "$deb" "$VM_KROOT"
+        # The .deb ships no modules.dep: its postinst runs depmod on the installed system.
+        "$VM_BUSYBOX" depmod -b "$VM_KROOT" "$VM_KVER"
+        vm_extract_vmlinux "$VM_KROOT/boot/vmlinuz-$VM_KVER" "$VM_VMLINUX.tmp"
+        mv "$VM_VMLINUX.tmp" "$VM_VMLINUX"
+    fi
+    echo "$package" > "$version_file"
+    VM_MODULES=$VM_KROOT/lib/modules/$VM_KVER
+    [ -f "$VM_MODULES/modules.dep" ] || vm_die "$VM_MODULES/modules.dep missing"
+    grep -q '^CONFIG_INTEL_IOMMU=y' "$VM_KROOT/boot/config-$VM_KVER" || vm_die "kernel $VM_KVER lacks CONFIG_INTEL_IOMMU"
+}
+
+# bzImage = real-mode setup + decompressor + compressed ELF vmlinux. QEMU can enter the ELF
+# directly through its PVH note, which skips several seconds of decompression under TCG.
+vm_extract_vmlinux() {
+    local image=$1 out=$2 offset
+    offset=$(LC_ALL=C grep -obUaP '\xFD7zXZ\x00' "$image" | head -n1 | cut -d: -f1 || true)
+    if [ -n "$offset" ]; then
+        tail -c +$((offset + 1)) "$image" | xz -dcq > "$out" 2> /dev/null || true
+    else
+        offset=$(LC_ALL=C grep -obUaP '\x28\xB5\x2F\xFD' "$image" | head -n1 | cut -d: -f1 || true)
+        [ -n "$offset" ] && { tail -c +$((offset + 1)) "$image" | zstd -qdc > "$out" 2> /dev/null || true; }
+    fi
+    # Both decompressors complain about the bytes trailing the stream; the ELF itself is whole.
+    [ "$(head -c4 "$out" 2> /dev/null | od -An -tx1 | tr -d ' \n')" = 7f454c46 ] ||
+        vm_die "could not extract an ELF vmlinux from $image"
+}
+
+# Static builds for the guest (its initramfs has no libc). Arguments are cargo selectors, e.g.
+# "-p nvme-conformance --bin nvme-conformance". Output lines: paths of the built binaries.
+VM_TARGET_DIR=${TUTTI_VM_TARGET_DIR:-$VM_REPO/target-vm}
+vm_cargo_static() {
+    # Debug info is dropped: the guest loads the whole initramfs into RAM.
+    (cd "$VM_REPO" && RUSTFLAGS="-C target-feature=+crt-static" CARGO_PROFILE_RELEASE_DEBUG=0 \
+        CARGO_TARGET_DIR=$VM_TARGET_DIR cargo build --release --target x86_64-unknown-linux-gnu "$@")
+}
+VM_BIN_DIR=$VM_TARGET_DIR/x86_64-unknown-linux-gnu/release
+
+# Copies a module and everything modules.dep says it needs (the list there is already transitive).
+vm_copy_module() {
+    local root=$1 name=$2 pattern line file
+    pattern=$(echo "$name" | sed 's/[-_]/[-_]/g')
+    line=$(grep -E "(^|/)${pattern}\.ko(\.xz|\.zst)?:" "$VM_MODULES/modules.dep" | head -n1)
+    [ -n "$line" ] || vm_die "module $name not in $VM_MODULES/modules.dep"
+    for file in ${line%%:*} ${line#*:}; do
+        mkdir -p "$root/lib/modules/$VM_KVER/$(dirname "$file")"
+        # Decompressed, so that busybox's insmod needs no xz/zstd support.
+        case $file in
+            *.xz) xz -dc "$VM_MODULES/$file" > "$root/lib/modules/$VM_KVER/${file%.xz}" ;;
+            *.zst) zstd -qdc "$VM_MODULES/$file" > "$root/lib/modules/$VM_KVER/${file%.zst}" ;;
+            *) cp "$VM_MODULES/$file" "$root/lib/modules/$VM_KVER/$file" ;;
+        esac
+    done
+}
+
+# vm_build_initramfs OUT COMMANDS_FILE CONF_FILE [EXTRA_ROOT_DIR] -- BINARY...
+# EXTRA_ROOT_DIR (may be empty) is copied over the root as is (vm-bench puts fio there).
+vm_build_initramfs() {
+    local out=$1 commands=$2 conf=$3 extra=$4 root binary module
+    shift 4
+    [ "${1:-}" = -- ] && shift
+    root=$(mktemp -d "$VM_DIR/initramfs.XXXXXX")
+    mkdir -p "$root"/{bin,dev,proc,sys,tmp,etc,lib/modules/"$VM_KVER"}
+    cp "$VM_BUSYBOX" "$root/bin/busybox"
+    # The kernel opens /dev/console before /init runs, and before devtmpfs is mounted.
+    mknod -m 600 "$root/dev/console" c 5 1
+    mknod -m 666 "$root/dev/null" c 1 3
+    install -m 755 "$VM_REPO/tools/vm/init" "$root/init"
+    cp "$commands" "$root/etc/tutti-vm.commands"
+    cp "$conf" "$root/etc/tutti-vm.conf"
+    for binary in "$@"; do
+        install -m 755 "$binary" "$root/bin/$(basename "$binary")"
+        strip --strip-debug "$root/bin/$(basename "$binary")"
+    done
+    for module in vfio vfio_iommu_type1 vfio-pci nvme; do
+        vm_copy_module "$root" "$module"
+    done
+    [ -n "$extra" ] && cp -a "$extra"/. "$root"/
+    "$VM_BUSYBOX" depmod -b "$root" "$VM_KVER"
+    # Uncompressed: the guest would spend longer inflating it under TCG than the copy costs.
+    (cd "$root" && find . | LC_ALL=C sort | cpio -o -H newc --quiet) > "$out.tmp"
+    mv "$out.tmp" "$out"
+    rm -rf "$root"
+}
+
+# NVMe controllers: TUTTI_VM_NVME_COUNT (default 1) controllers at PCI slots 4, 5, ...; per
+# controller extra properties from TUTTI_VM_NVME_ARGS / TUTTI_VM_NS_ARGS, groups separated by ';'
+# (the last group repeats for further controllers). Each is backed by a fresh sparse image.
+vm_nvme_args() {
+    local count=${TUTTI_VM_NVME_COUNT:-1} index controller_groups ns_groups controller_extra ns_extra image size_mib
+    size_mib=${TUTTI_VM_DISK_MIB:-1024}
+    IFS=';' read -r -a controller_groups <<< "${TUTTI_VM_NVME_ARGS:-max_ioqpairs=8}"
+    IFS=';' read -r -a ns_groups <<< "${TUTTI_VM_NS_ARGS:-}"
+    VM_NVME_ARGS=()
+    VM_NVME_BDFS=()
+    [ "$count" -ge 1 ] && [ "$count" -le 8 ] || vm_die "TUTTI_VM_NVME_COUNT=$count: 1..8 supported"
+    mkdir -p "$VM_DIR/disks"
+    for ((index = 0; index < count; index++)); do
+        controller_extra=${controller_groups[$index]:-${controller_groups[-1]:-}}
+        ns_extra=""
+        [ ${#ns_groups[@]} -gt 0 ] && ns_extra=${ns_groups[$index]:-${ns_groups[-1]}}
+        image=$VM_DIR/disks/nvme$index.img
+        rm -f "$image"
+        truncate -s "${size_mib}M" "$image"
+        VM_NVME_ARGS+=(-drive "file=$image,if=none,id=nvmedisk$index,format=raw,cache=unsafe"
+            -device "nvme,id=nvme$index,serial=tutti-vm-$index,addr=$(printf '0x%x' $((4 + index)))${controller_extra:+,$controller_extra}"
+            -device "nvme-ns,drive=nvmedisk$index,bus=nvme$index,nsid=1${ns_extra:+,$ns_extra}")
+        VM_NVME_BDFS+=("$(printf '0000:00:%02x.0' $((4 + index)))")
+    done
+}
+
+# vm_boot INITRD LOG: boots the guest, streams its console with host timestamps into LOG and
+# stderr, and enforces TUTTI_VM_TIMEOUT_S. Sets VM_GUEST_RC (the guest's reported status, or
+# 124 on timeout, 125 when the guest never reported), VM_BOOT_S and VM_WALL_S.
+vm_boot() {
+    local initrd=$1 log=$2 timeout_s=${TUTTI_VM_TIMEOUT_S:-540} started pidfile qemu_rc line stamp
+    local append="console=ttyS0 panic=-1 loglevel=4 intel_iommu=on iommu=pt ${TUTTI_VM_APPEND:-}"
+    local qemu=(qemu-system-x86_64 -machine q35,kernel-irqchip=split -accel tcg -cpu max
+        -smp "${TUTTI_VM_SMP:-2}" -m "${TUTTI_VM_MEM:-2G}" -nographic -nodefaults -no-reboot -serial stdio
+        # The vIOMMU must exist before the devices it translates for.
+        -device intel-iommu,intremap=on,caching-mode=on
+        -device isa-debug-exit,iobase=0xf4,iosize=0x04
+        -kernel "$VM_VMLINUX" -initrd "$initrd" -append "$append"
+        "${VM_NVME_ARGS[@]}")
+    pidfile=$VM_DIR/qemu.pid
+    rm -f "$pidfile" "$log.watchdog"
+    : > "$log"
+    vm_log "qemu: ${qemu[*]}"
+    started=$EPOCHREALTIME
+    VM_BOOT_S=""
+    set +e
+    # A guest that printed its result but hangs on the way out is stopped 20 s later (the
+    # result still counts); one that never finishes is stopped by timeout(1).
+    timeout -k 10 "$timeout_s" "${qemu[@]}" -pidfile "$pidfile" < /dev/null 2>&1 | while IFS= read -r line; do
+        line=${line//$'\r'/}
+        stamp=$(vm_elapsed "$started")
+        printf '[guest %6ss] %s\n' "$stamp" "$line" | tee -a "$log" >&2
+        case $line in
+            *"TUTTI_VM_RESULT rc="*)
+                (sleep 20 && [ -s "$pidfile" ] && kill -0 "$(cat "$pidfile")" 2> /dev/null &&
+                    touch "$log.watchdog" && kill "$(cat "$pidfile")") > /dev/null 2>&1 &
+                ;;
+        esac
+    done
+    qemu_rc=${PIPESTATUS[0]}
+    set -e
+    VM_WALL_S=$(vm_elapsed "$started")
+    VM_BOOT_S=$(grep -a -m1 'TUTTI_VM: init started' "$log" | sed -E 's/^\[guest +([0-9.]+)s\].*/\1/')
+    local reported
+    reported=$(grep -a -m1 -o 'TUTTI_VM_RESULT rc=[0-9]*' "$log" | cut -d= -f2)
+    if [ "$qemu_rc" = 124 ] || [ "$qemu_rc" = 137 ]; then
+        vm_log "TIMEOUT: the guest did not finish within ${timeout_s}s (TUTTI_VM_TIMEOUT_S)"
+        VM_GUEST_RC=124
+    elif [ -z "$reported" ]; then
+        vm_log "the guest exited (QEMU status $qemu_rc) without reporting a result"
+        VM_GUEST_RC=125
+    elif [ -f "$log.watchdog" ]; then
+        vm_log "guest reported rc=$reported but hung on exit (stopped by the watchdog)"
+        VM_GUEST_RC=$reported
+    elif [ $((qemu_rc % 2)) = 1 ] && [ $(((qemu_rc - 1) / 2)) = "$reported" ]; then
+        # isa-debug-exit makes QEMU exit with (value << 1) | 1.
+        VM_GUEST_RC=$reported
+    else
+        vm_log "guest reported rc=$reported but QEMU exited with status $qemu_rc"
+        VM_GUEST_RC=126
+    fi
+    rm -f "$pidfile"
+}
