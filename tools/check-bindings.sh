@@ -33,6 +33,9 @@ REGEN="$CARGO_TARGET_DIR/release/gio-uring-regen"
 TMP="$(mktemp --suffix=.rs)"
 trap 'rm -f "$TMP"' EXIT
 "$REGEN" "$HEADER" "$TMP"
+# Format with the workspace's rustfmt.toml so the file is also what `cargo fmt --check` expects,
+# whatever formatting bindgen applied itself.
+rustfmt --edition 2021 --config-path "$ROOT/rustfmt.toml" "$TMP"
 
 if [[ "$MODE" == "--update" ]]; then
   cp "$TMP" "$CHECKED_IN"

@@ -68,7 +68,6 @@ ls -l "$OUT"/*.cubin "$OUT"/*.ptx
 echo "cuda-build: kernels OK -> $OUT"
 
 if [[ "${GIO_SKIP_CARGO:-0}" != "1" ]]; then
-  export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$ROOT/target-gio}"
   (cd "$ROOT" && cargo build -p gio-uring --features cuda)
   echo "cuda-build: cargo build -p gio-uring --features cuda OK"
 fi

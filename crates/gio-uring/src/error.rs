@@ -70,6 +70,13 @@ pub enum GioError {
     WaitTimeout { id: IocbId, waited_ms: u128 },
     #[error("executor {executor}: {reason}")]
     Executor { executor: &'static str, reason: String },
+    /// No usable CUDA driver: libcuda is absent, or cuInit found no device. GPU tests skip on it.
+    #[error("no CUDA driver: {reason}")]
+    NoCudaDriver { reason: String },
+    #[error("CUDA driver call {call} failed: {result}")]
+    Cuda { call: &'static str, result: String },
+    #[error("cannot read kernel image {path}: {source}")]
+    KernelImage { path: std::path::PathBuf, source: std::io::Error },
     /// A feature that needs a component that does not exist yet; never reported as success.
     #[error("unsupported: {what}")]
     Unsupported { what: &'static str },

@@ -69,28 +69,15 @@ pub fn complete_ioctx(
             )
             .is_ok();
         if claimed {
-            region.store_u16(
-                memory.iocb_field_offset(id, IocbField::FailedNvmeStatus),
-                nvme_status.0 & 0xFFFE,
-                Ordering::Relaxed,
-            );
-            region.store_u16(
-                memory.iocb_field_offset(id, IocbField::FailedStatus),
-                iocb_status as u16,
-                Ordering::Relaxed,
-            );
+            region.store_u16(memory.iocb_field_offset(id, IocbField::FailedNvmeStatus), nvme_status.0 & 0xFFFE, Ordering::Relaxed);
+            region.store_u16(memory.iocb_field_offset(id, IocbField::FailedStatus), iocb_status as u16, Ordering::Relaxed);
         }
     }
-    let previous = region.fetch_add_u32(
-        memory.iocb_field_offset(id, IocbField::CompletedIoctxCount),
-        1,
-        Ordering::AcqRel,
-    );
+    let previous = region.fetch_add_u32(memory.iocb_field_offset(id, IocbField::CompletedIoctxCount), 1, Ordering::AcqRel);
     if previous.wrapping_add(1) != ioctx_count {
         return None;
     }
-    let failed_ioctx =
-        region.load_u32(memory.iocb_field_offset(id, IocbField::FailedIoctx), Ordering::Relaxed);
+    let failed_ioctx = region.load_u32(memory.iocb_field_offset(id, IocbField::FailedIoctx), Ordering::Relaxed);
     let (final_status, failed_nvme_status) = if failed_ioctx == abi::GIO_NO_FAILED_IOCTX {
         (abi::GIO_IOCB_STATUS_SUCCESS, 0)
     } else {
@@ -108,13 +95,7 @@ pub fn complete_ioctx(
             Ordering::Relaxed,
         )
         .ok()?;
-    Some(Cqe {
-        iocb_id: id,
-        issue_seq,
-        failed_ioctx,
-        status: final_status as u16,
-        failed_nvme_status,
-    })
+    Some(Cqe { iocb_id: id, issue_seq, failed_ioctx, status: final_status as u16, failed_nvme_status })
 }
 
 /// Posts a CQE (single producer: the caller serialises producers). The CQ has one entry per IOCB
@@ -122,9 +103,7 @@ pub fn complete_ioctx(
 pub fn post_cqe(memory: &QueueMemory, cqe: Cqe) -> Result<(), GioError> {
     let ring: Ring<'_, Cqe> = Ring::new(&memory.region, memory.layout.cq, "cq");
     let mut producer = ring.producer()?;
-    producer
-        .push(cqe)
-        .map_err(|cqe| GioError::CompletionQueueFull { id: cqe.iocb_id })
+    producer.push(cqe).map_err(|cqe| GioError::CompletionQueueFull { id: cqe.iocb_id })
 }
 
 #[cfg(test)]
@@ -177,11 +156,7 @@ pub(crate) mod test_double {
                     device_index: ioctx.device_index,
                     lba: ioctx.start_lba + layer * header.lba_stride_blocks,
                     data_iova: ioctx.data_iova + layer * header.mem_stride_bytes,
-                    desc_iova: if ioctx.desc_iova == 0 {
-                        0
-                    } else {
-                        ioctx.desc_iova + layer * header.desc_stride_bytes
-                    },
+                    desc_iova: if ioctx.desc_iova == 0 { 0 } else { ioctx.desc_iova + layer * header.desc_stride_bytes },
                     block_count: ioctx.block_count,
                     layer: header.layer,
                 });
@@ -191,9 +166,7 @@ pub(crate) mod test_double {
                     .find(|(iocb, i, _)| *iocb == id && *i == index)
                     .map(|(_, _, status)| (abi::GIO_IOCB_STATUS_NVME_ERROR, *status));
                 let status = status.map_or(Ok(()), Err);
-                if let Some(cqe) =
-                    complete_ioctx(memory, id, index, header.ioctx_count, header.issue_seq, status)
-                {
+                if let Some(cqe) = complete_ioctx(memory, id, index, header.ioctx_count, header.issue_seq, status) {
                     post_cqe(memory, cqe)?;
                 }
             }
@@ -262,11 +235,7 @@ mod tests {
         assert_eq!(u32::from(cqe.status), abi::GIO_IOCB_STATUS_NVME_ERROR);
         assert_eq!(cqe.issue_seq, 7);
         // Status already final: a second finaliser must not post another CQE.
-        memory.region.store_u32(
-            memory.iocb_field_offset(id, IocbField::CompletedIoctxCount),
-            3,
-            Ordering::Relaxed,
-        );
+        memory.region.store_u32(memory.iocb_field_offset(id, IocbField::CompletedIoctxCount), 3, Ordering::Relaxed);
         assert_eq!(complete_ioctx(&memory, id, 3, 4, 7, Ok(())), None);
     }
 }

@@ -30,30 +30,18 @@ pub struct QueueConfig {
 impl QueueConfig {
     /// `depth` IOCBs of the ABI's maximum of 2048 IOCTXs each.
     pub fn with_depth(depth: u32) -> Self {
-        Self {
-            depth,
-            ioctx_per_iocb_max: abi::MAX_IOCTX_PER_IOCB,
-        }
+        Self { depth, ioctx_per_iocb_max: abi::MAX_IOCTX_PER_IOCB }
     }
 
     fn validate(&self) -> Result<(), GioError> {
-        if !self.depth.is_power_of_two() || self.depth < 2 || self.depth > abi::GIO_RING_DEPTH_MAX
-        {
+        if !self.depth.is_power_of_two() || self.depth < 2 || self.depth > abi::GIO_RING_DEPTH_MAX {
             return Err(GioError::InvalidConfig {
-                reason: format!(
-                    "depth {} is not a power of two in 2..={}",
-                    self.depth,
-                    abi::GIO_RING_DEPTH_MAX
-                ),
+                reason: format!("depth {} is not a power of two in 2..={}", self.depth, abi::GIO_RING_DEPTH_MAX),
             });
         }
         if self.ioctx_per_iocb_max == 0 || self.ioctx_per_iocb_max > abi::MAX_IOCTX_PER_IOCB {
             return Err(GioError::InvalidConfig {
-                reason: format!(
-                    "ioctx_per_iocb_max {} outside 1..={}",
-                    self.ioctx_per_iocb_max,
-                    abi::MAX_IOCTX_PER_IOCB
-                ),
+                reason: format!("ioctx_per_iocb_max {} outside 1..={}", self.ioctx_per_iocb_max, abi::MAX_IOCTX_PER_IOCB),
             });
         }
         Ok(())
@@ -98,9 +86,7 @@ fn align_up(value: usize, align: usize) -> Option<usize> {
 impl QueueLayout {
     pub fn new(config: QueueConfig) -> Result<Self, GioError> {
         config.validate()?;
-        let overflow = || GioError::InvalidConfig {
-            reason: format!("{config:?} does not fit the address space"),
-        };
+        let overflow = || GioError::InvalidConfig { reason: format!("{config:?} does not fit the address space") };
         let depth = config.depth as usize;
         let header = size_of::<gio_ring_header>();
         let mut cursor = 0usize;
@@ -122,16 +108,8 @@ impl QueueLayout {
         let total_bytes = align_up(cursor, CACHE_LINE_BYTES).ok_or_else(overflow)?;
         Ok(Self {
             config,
-            sq: RingLayout {
-                header_offset_bytes: sq_header,
-                entries_offset_bytes: sq_entries,
-                depth: config.depth,
-            },
-            cq: RingLayout {
-                header_offset_bytes: cq_header,
-                entries_offset_bytes: cq_entries,
-                depth: config.depth,
-            },
+            sq: RingLayout { header_offset_bytes: sq_header, entries_offset_bytes: sq_entries, depth: config.depth },
+            cq: RingLayout { header_offset_bytes: cq_header, entries_offset_bytes: cq_entries, depth: config.depth },
             iocbs_offset_bytes: iocbs,
             ioctxs_offset_bytes: ioctxs,
             total_bytes,
@@ -216,25 +194,13 @@ impl QueueMemory {
         for ring in [layout.sq, layout.cq] {
             let base = ring.header_offset_bytes;
             memory.region.store_u32(base + field!(gio_ring_header, mask), ring.mask(), Ordering::Relaxed);
-            memory.region.store_u32(
-                base + field!(gio_ring_header, entry_count),
-                ring.depth,
-                Ordering::Relaxed,
-            );
+            memory.region.store_u32(base + field!(gio_ring_header, entry_count), ring.depth, Ordering::Relaxed);
         }
         for id in 0..config.depth {
             let offset = layout.iocb_offset(IocbId(id));
             memory.region.store_u32(offset + field!(gio_iocb, id), id, Ordering::Relaxed);
-            memory.region.store_u32(
-                offset + field!(gio_iocb, ioctx_first),
-                layout.ioctx_first(IocbId(id)),
-                Ordering::Relaxed,
-            );
-            memory.region.store_u32(
-                offset + field!(gio_iocb, failed_ioctx),
-                abi::GIO_NO_FAILED_IOCTX,
-                Ordering::Relaxed,
-            );
+            memory.region.store_u32(offset + field!(gio_iocb, ioctx_first), layout.ioctx_first(IocbId(id)), Ordering::Relaxed);
+            memory.region.store_u32(offset + field!(gio_iocb, failed_ioctx), abi::GIO_NO_FAILED_IOCTX, Ordering::Relaxed);
         }
         Ok(memory)
     }

@@ -14,6 +14,9 @@
 //! Status: no working executor ships yet. Both real executors need the NVMe driver's queue pairs
 //! (crates/nvme-driver), which do not exist at the time of writing; see docs/gio-uring.md.
 
+// Unsafe code is confined to `shared_memory` and (feature `cuda`) `gpu::driver`, which opt in.
+#![deny(unsafe_code)]
+
 pub mod abi;
 pub mod error;
 pub mod executor;
@@ -22,6 +25,7 @@ pub mod gpu;
 pub mod layout;
 pub mod queue;
 pub mod ring;
+#[allow(unsafe_code)]
 pub mod shared_memory;
 pub mod types;
 pub mod validate;

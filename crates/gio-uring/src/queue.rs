@@ -77,12 +77,7 @@ impl<E: Executor> GioQueue<E> {
     /// `init_queue(depth)`: allocates `depth` IOCBs with their IOCTXs, an SQ and a CQ of `depth`
     /// entries, in one shared region. `devices` and `registered` are what IOCTXs are checked
     /// against when filled.
-    pub fn init_queue(
-        config: QueueConfig,
-        devices: DeviceTable,
-        registered: RegisteredMemory,
-        executor: E,
-    ) -> Result<Self, GioError> {
+    pub fn init_queue(config: QueueConfig, devices: DeviceTable, registered: RegisteredMemory, executor: E) -> Result<Self, GioError> {
         let memory = QueueMemory::new(config)?;
         let depth = config.depth as usize;
         let iocbs = (0..config.depth)
@@ -107,16 +102,7 @@ impl<E: Executor> GioQueue<E> {
             .collect();
         // Hand out low ids first: pop from the end of a reversed list.
         let free = (0..config.depth).rev().map(IocbId).collect();
-        Ok(Self {
-            memory,
-            executor,
-            devices,
-            registered,
-            iocbs,
-            free,
-            reaped: VecDeque::with_capacity(depth),
-            issue_epoch: 0,
-        })
+        Ok(Self { memory, executor, devices, registered, iocbs, free, reaped: VecDeque::with_capacity(depth), issue_epoch: 0 })
     }
 
     pub fn config(&self) -> QueueConfig {
@@ -142,9 +128,7 @@ impl<E: Executor> GioQueue<E> {
     }
 
     fn host(&self, id: IocbId) -> Result<&HostIocb, GioError> {
-        self.iocbs
-            .get(id.0 as usize)
-            .ok_or(GioError::UnknownIocb { id, depth: self.config().depth })
+        self.iocbs.get(id.0 as usize).ok_or(GioError::UnknownIocb { id, depth: self.config().depth })
     }
 
     /// `get_iocb(n, event)`: reserves `count` IOCBs whose I/O will wait on `dependency`. Called
@@ -194,8 +178,8 @@ impl<E: Executor> GioQueue<E> {
         self.iocbs[id.0 as usize].state = State::Reserved;
         let first = self.memory.layout.ioctx_first(id);
         for (index, ioctx) in (0u32..).zip(ioctxs) {
-            let encoded = encode_ioctx(ioctx, spec, &self.devices, &self.registered)
-                .map_err(|fault| GioError::InvalidIoctx { id, index, fault })?;
+            let encoded =
+                encode_ioctx(ioctx, spec, &self.devices, &self.registered).map_err(|fault| GioError::InvalidIoctx { id, index, fault })?;
             self.memory.write_ioctx(first + index, &encoded);
         }
         let host = &mut self.iocbs[id.0 as usize];
@@ -305,10 +289,9 @@ impl<E: Executor> GioQueue<E> {
         }
         let result = match (IocbStatus::from_abi(u32::from(cqe.status)), failed_index) {
             (Some(IocbStatus::Success), None) => Ok(()),
-            (Some(IocbStatus::NvmeError), Some(ioctx_index)) => Err(IocbFailure::Nvme {
-                ioctx_index,
-                status: NvmeStatus(cqe.failed_nvme_status),
-            }),
+            (Some(IocbStatus::NvmeError), Some(ioctx_index)) => {
+                Err(IocbFailure::Nvme { ioctx_index, status: NvmeStatus(cqe.failed_nvme_status) })
+            }
             (Some(IocbStatus::InvalidIoctx), Some(ioctx_index)) => Err(IocbFailure::InvalidIoctx { ioctx_index }),
             (Some(IocbStatus::Timeout), ioctx_index) => Err(IocbFailure::Timeout { ioctx_index }),
             _ => return Err(unexpected("status inconsistent with failed IOCTX")),

@@ -24,8 +24,7 @@ fn queue(executor: MemoryExecutor) -> GioQueue<MemoryExecutor> {
         DeviceInfo { nsid: 1, capacity_blocks: 1 << 20, block_bytes: BLOCK_BYTES, sgl_supported: true },
         DeviceInfo { nsid: 1, capacity_blocks: 1 << 20, block_bytes: BLOCK_BYTES, sgl_supported: false },
     ]);
-    let registered =
-        RegisteredMemory::new(vec![IovaRange::new(Iova(KV_POOL), u64::from(LAYERS) * LAYER_BYTES)]).unwrap();
+    let registered = RegisteredMemory::new(vec![IovaRange::new(Iova(KV_POOL), u64::from(LAYERS) * LAYER_BYTES)]).unwrap();
     GioQueue::init_queue(QueueConfig { depth: 8, ioctx_per_iocb_max: 16 }, devices, registered, executor).unwrap()
 }
 
@@ -196,7 +195,10 @@ fn issue_is_all_or_nothing_on_bad_arguments() {
     queue.issue_io(&[other], layer, SmBudget(1)).unwrap();
     assert_eq!(queue.executor().batches[0].dependency, Dependency::Event(EventToken(42)));
     queue.issue_io(&ids, layer, SmBudget(1)).unwrap();
-    assert!(matches!(queue.issue_io(&ids, layer, SmBudget(1)), Err(GioError::WrongState { .. })), "a completion not yet drained by wait/reap keeps the IOCB in flight");
+    assert!(
+        matches!(queue.issue_io(&ids, layer, SmBudget(1)), Err(GioError::WrongState { .. })),
+        "a completion not yet drained by wait/reap keeps the IOCB in flight"
+    );
 }
 
 #[test]

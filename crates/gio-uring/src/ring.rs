@@ -64,11 +64,7 @@ impl RingEntry for Cqe {
         region.store_u32(offset_bytes + offset_of!(gio_cqe, issue_seq), entry.issue_seq, o);
         region.store_u32(offset_bytes + offset_of!(gio_cqe, failed_ioctx), entry.failed_ioctx, o);
         region.store_u16(offset_bytes + offset_of!(gio_cqe, status), entry.status, o);
-        region.store_u16(
-            offset_bytes + offset_of!(gio_cqe, failed_nvme_status),
-            entry.failed_nvme_status,
-            o,
-        );
+        region.store_u16(offset_bytes + offset_of!(gio_cqe, failed_nvme_status), entry.failed_nvme_status, o);
     }
     fn load(region: &SharedRegion, offset_bytes: usize) -> Self {
         let o = Ordering::Relaxed;
@@ -77,8 +73,7 @@ impl RingEntry for Cqe {
             issue_seq: region.load_u32(offset_bytes + offset_of!(gio_cqe, issue_seq), o),
             failed_ioctx: region.load_u32(offset_bytes + offset_of!(gio_cqe, failed_ioctx), o),
             status: region.load_u16(offset_bytes + offset_of!(gio_cqe, status), o),
-            failed_nvme_status: region
-                .load_u16(offset_bytes + offset_of!(gio_cqe, failed_nvme_status), o),
+            failed_nvme_status: region.load_u16(offset_bytes + offset_of!(gio_cqe, failed_nvme_status), o),
         }
     }
 }
@@ -101,12 +96,7 @@ impl<E> Copy for Ring<'_, E> {}
 
 impl<'a, E: RingEntry> Ring<'a, E> {
     pub fn new(region: &'a SharedRegion, layout: RingLayout, name: &'static str) -> Self {
-        Self {
-            region,
-            layout,
-            name,
-            _entry: PhantomData,
-        }
+        Self { region, layout, name, _entry: PhantomData }
     }
 
     pub fn depth(&self) -> u32 {
@@ -120,12 +110,7 @@ impl<'a, E: RingEntry> Ring<'a, E> {
     fn checked_fill(&self, head: u32, tail: u32) -> Result<u32, GioError> {
         let fill = tail.wrapping_sub(head);
         if fill > self.layout.depth {
-            return Err(GioError::RingCorrupt {
-                ring: self.name,
-                head,
-                tail,
-                depth: self.layout.depth,
-            });
+            return Err(GioError::RingCorrupt { ring: self.name, head, tail, depth: self.layout.depth });
         }
         Ok(fill)
     }
@@ -136,12 +121,7 @@ impl<'a, E: RingEntry> Ring<'a, E> {
         let tail = self.region.load_u32(self.layout.tail_offset(), Ordering::Relaxed);
         let head = self.region.load_u32(self.layout.head_offset(), Ordering::Acquire);
         self.checked_fill(head, tail)?;
-        Ok(Producer {
-            ring: *self,
-            head,
-            tail,
-            published_tail: tail,
-        })
+        Ok(Producer { ring: *self, head, tail, published_tail: tail })
     }
 
     /// The consumer's view. Only one consumer view of a ring may exist at a time.
@@ -149,12 +129,7 @@ impl<'a, E: RingEntry> Ring<'a, E> {
         let head = self.region.load_u32(self.layout.head_offset(), Ordering::Relaxed);
         let tail = self.region.load_u32(self.layout.tail_offset(), Ordering::Acquire);
         self.checked_fill(head, tail)?;
-        Ok(Consumer {
-            ring: *self,
-            head,
-            tail,
-            published_head: head,
-        })
+        Ok(Consumer { ring: *self, head, tail, published_head: head })
     }
 }
 
@@ -199,9 +174,7 @@ impl<E: RingEntry> Producer<'_, E> {
 
     fn publish(&mut self) {
         if self.tail != self.published_tail {
-            self.ring
-                .region
-                .store_u32(self.ring.layout.tail_offset(), self.tail, Ordering::Release);
+            self.ring.region.store_u32(self.ring.layout.tail_offset(), self.tail, Ordering::Release);
             self.published_tail = self.tail;
         }
     }
@@ -254,9 +227,7 @@ impl<E: RingEntry> Consumer<'_, E> {
 
     fn release(&mut self) {
         if self.head != self.published_head {
-            self.ring
-                .region
-                .store_u32(self.ring.layout.head_offset(), self.head, Ordering::Release);
+            self.ring.region.store_u32(self.ring.layout.head_offset(), self.head, Ordering::Release);
             self.published_head = self.head;
         }
     }
@@ -304,11 +275,7 @@ mod tests {
     }
 
     fn op() -> impl Strategy<Value = Op> {
-        prop_oneof![
-            (0u32..40).prop_map(Op::Push),
-            (0u32..40).prop_map(Op::Pop),
-            Just(Op::Reopen),
-        ]
+        prop_oneof![(0u32..40).prop_map(Op::Push), (0u32..40).prop_map(Op::Pop), Just(Op::Reopen),]
     }
 
     proptest! {
@@ -400,13 +367,7 @@ mod tests {
     fn cqe_entries_round_trip() {
         let memory = memory(2);
         let ring: Ring<'_, Cqe> = Ring::new(&memory.region, memory.layout.cq, "cq");
-        let cqe = Cqe {
-            iocb_id: IocbId(1),
-            issue_seq: 42,
-            failed_ioctx: 7,
-            status: 3,
-            failed_nvme_status: 0x100,
-        };
+        let cqe = Cqe { iocb_id: IocbId(1), issue_seq: 42, failed_ioctx: 7, status: 3, failed_nvme_status: 0x100 };
         ring.producer().unwrap().push(cqe).unwrap();
         assert_eq!(ring.consumer().unwrap().next(), Some(cqe));
     }
@@ -421,8 +382,7 @@ mod tests {
         std::thread::scope(|scope| {
             let producer_memory = &memory;
             scope.spawn(move || {
-                let ring: Ring<'_, IocbId> =
-                    Ring::new(&producer_memory.region, producer_memory.layout.sq, "sq");
+                let ring: Ring<'_, IocbId> = Ring::new(&producer_memory.region, producer_memory.layout.sq, "sq");
                 let mut next = 0;
                 while next < COUNT {
                     assert!(Instant::now() < deadline, "producer stalled at {next}");

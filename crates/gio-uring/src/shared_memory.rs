@@ -52,16 +52,11 @@ impl SharedRegion {
         if len_bytes == 0 {
             return Err(GioError::OutOfMemory { len_bytes });
         }
-        let layout = Layout::from_size_align(len_bytes, REGION_ALIGN_BYTES)
-            .map_err(|_| GioError::OutOfMemory { len_bytes })?;
+        let layout = Layout::from_size_align(len_bytes, REGION_ALIGN_BYTES).map_err(|_| GioError::OutOfMemory { len_bytes })?;
         // SAFETY: `layout` has a non-zero size (checked above), as `alloc_zeroed` requires.
         let raw = unsafe { alloc::alloc_zeroed(layout) };
         let base = NonNull::new(raw).ok_or(GioError::OutOfMemory { len_bytes })?;
-        Ok(Self {
-            base,
-            len_bytes,
-            owner: Owner::Host(layout),
-        })
+        Ok(Self { base, len_bytes, owner: Owner::Host(layout) })
     }
 
     /// Wraps memory owned elsewhere, e.g. a `cuMemHostAlloc` allocation mapped into the GPU.
@@ -74,11 +69,7 @@ impl SharedRegion {
     /// - the owner must not free or unmap it before the region is dropped; dropping the region does
     ///   not free it.
     pub unsafe fn from_raw(base: NonNull<u8>, len_bytes: usize) -> Self {
-        Self {
-            base,
-            len_bytes,
-            owner: Owner::External,
-        }
+        Self { base, len_bytes, owner: Owner::External }
     }
 
     /// Size of the region.
@@ -100,10 +91,7 @@ impl SharedRegion {
             "shared field {offset_bytes}+{size_bytes} outside region of {} bytes",
             self.len_bytes
         );
-        assert!(
-            offset_bytes % size_bytes == 0,
-            "shared field at {offset_bytes} not aligned to {size_bytes}"
-        );
+        assert!(offset_bytes % size_bytes == 0, "shared field at {offset_bytes} not aligned to {size_bytes}");
         // SAFETY: offset_bytes + size_bytes <= len_bytes (asserted above), so the result stays
         // inside the allocation that `base` points to.
         unsafe { self.base.as_ptr().add(offset_bytes) }
@@ -212,10 +200,7 @@ mod tests {
         assert_eq!(region.load_u32(4, Ordering::Relaxed), 0xDEAD_BEEF);
         assert_eq!(region.load_u64(8, Ordering::Acquire), u64::MAX - 1);
         assert_eq!(region.fetch_add_u32(4, 1, Ordering::AcqRel), 0xDEAD_BEEF);
-        assert_eq!(
-            region.compare_exchange_u32(4, 7, 9, Ordering::AcqRel, Ordering::Acquire),
-            Err(0xDEAD_BEF0)
-        );
+        assert_eq!(region.compare_exchange_u32(4, 7, 9, Ordering::AcqRel, Ordering::Acquire), Err(0xDEAD_BEF0));
     }
 
     #[test]

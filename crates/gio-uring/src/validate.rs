@@ -114,14 +114,7 @@ pub struct IocbSpec {
 impl IocbSpec {
     /// A single-layer request.
     pub fn single(opcode: Opcode, user_data: u64) -> Self {
-        Self {
-            opcode,
-            user_data,
-            layer_count: 1,
-            lba_stride_blocks: 0,
-            mem_stride_bytes: 0,
-            desc_stride_bytes: 0,
-        }
+        Self { opcode, user_data, layer_count: 1, lba_stride_blocks: 0, mem_stride_bytes: 0, desc_stride_bytes: 0 }
     }
 }
 
@@ -133,16 +126,8 @@ fn at_layer(base: u64, stride: u64, layer: u32) -> Option<u64> {
 }
 
 /// Checks one IOCTX against the devices and registered memory and encodes it.
-pub fn encode_ioctx(
-    spec: &IoctxSpec,
-    iocb: &IocbSpec,
-    devices: &DeviceTable,
-    memory: &RegisteredMemory,
-) -> Result<gio_ioctx, IoctxFault> {
-    let device = devices.get(spec.device).ok_or(IoctxFault::UnknownDevice {
-        device: spec.device,
-        device_count: devices.len(),
-    })?;
+pub fn encode_ioctx(spec: &IoctxSpec, iocb: &IocbSpec, devices: &DeviceTable, memory: &RegisteredMemory) -> Result<gio_ioctx, IoctxFault> {
+    let device = devices.get(spec.device).ok_or(IoctxFault::UnknownDevice { device: spec.device, device_count: devices.len() })?;
     if spec.block_count == 0 {
         return Err(IoctxFault::ZeroLength);
     }
@@ -152,13 +137,11 @@ pub fn encode_ioctx(
     if spec.nsid != device.nsid {
         return Err(IoctxFault::WrongNamespace { nsid: spec.nsid, expected_nsid: device.nsid });
     }
-    let data_bytes = spec.block_count.checked_mul(device.block_bytes).ok_or(
-        IoctxFault::LengthMismatch {
-            data_bytes: u32::MAX,
-            block_count: spec.block_count,
-            block_bytes: device.block_bytes,
-        },
-    )?;
+    let data_bytes = spec.block_count.checked_mul(device.block_bytes).ok_or(IoctxFault::LengthMismatch {
+        data_bytes: u32::MAX,
+        block_count: spec.block_count,
+        block_bytes: device.block_bytes,
+    })?;
     let (kind, desc, desc_bytes) = match spec.descriptor {
         Descriptor::SglInline => (abi::GIO_DESCRIPTOR_SGL, None, 0u32),
         Descriptor::SglSegment { segment } => {
@@ -178,11 +161,8 @@ pub fn encode_ioctx(
     }
     let last_layer = iocb.layer_count.saturating_sub(1);
     for layer in [0, last_layer] {
-        let first_lba = at_layer(spec.start_lba.0, iocb.lba_stride_blocks, layer)
-            .ok_or(IoctxFault::AddressOverflow { layer })?;
-        let lba_ok = first_lba
-            .checked_add(u64::from(spec.block_count))
-            .is_some_and(|end| end <= device.capacity_blocks);
+        let first_lba = at_layer(spec.start_lba.0, iocb.lba_stride_blocks, layer).ok_or(IoctxFault::AddressOverflow { layer })?;
+        let lba_ok = first_lba.checked_add(u64::from(spec.block_count)).is_some_and(|end| end <= device.capacity_blocks);
         if !lba_ok {
             return Err(IoctxFault::LbaOutOfRange {
                 first_lba,
@@ -221,11 +201,8 @@ fn check_registered(
     stride: u64,
     last_layer: u32,
 ) -> Result<(), IoctxFault> {
-    let outside = |layer: u32, start: u64| IoctxFault::OutsideRegisteredMemory {
-        what,
-        range: IovaRange::new(Iova(start), len_bytes),
-        layer,
-    };
+    let outside =
+        |layer: u32, start: u64| IoctxFault::OutsideRegisteredMemory { what, range: IovaRange::new(Iova(start), len_bytes), layer };
     let first = memory.range_of(start).filter(|r| r.contains(start, len_bytes)).ok_or_else(|| outside(0, start))?;
     let last_start = at_layer(start, stride, last_layer).ok_or(IoctxFault::AddressOverflow { layer: last_layer })?;
     if !first.contains(last_start, len_bytes) {
@@ -246,11 +223,7 @@ mod tests {
     }
 
     fn memory() -> RegisteredMemory {
-        RegisteredMemory::new(vec![
-            IovaRange::new(Iova(0x10_0000), 0x10_0000),
-            IovaRange::new(Iova(0x80_0000), 0x1000),
-        ])
-        .unwrap()
+        RegisteredMemory::new(vec![IovaRange::new(Iova(0x10_0000), 0x10_0000), IovaRange::new(Iova(0x80_0000), 0x1000)]).unwrap()
     }
 
     fn good() -> IoctxSpec {
@@ -304,11 +277,17 @@ mod tests {
             (IoctxSpec { start_lba: Lba(993), ..good() }, iocb, |f| matches!(f, IoctxFault::LbaOutOfRange { layer: 0, .. })),
             // In range at layer 0, out of range at layer 10 (10 + 10*100 + 8 > 1000).
             (good(), layered(11), |f| matches!(f, IoctxFault::LbaOutOfRange { layer: 10, .. })),
-            (IoctxSpec { data: Iova(0x7F_0000), ..good() }, iocb, |f| matches!(f, IoctxFault::OutsideRegisteredMemory { what: "data", layer: 0, .. })),
+            (IoctxSpec { data: Iova(0x7F_0000), ..good() }, iocb, |f| {
+                matches!(f, IoctxFault::OutsideRegisteredMemory { what: "data", layer: 0, .. })
+            }),
             // Straddles the end of a range.
             (IoctxSpec { data: Iova(0x1F_F800), ..good() }, iocb, |f| matches!(f, IoctxFault::OutsideRegisteredMemory { .. })),
-            (IoctxSpec { descriptor: Descriptor::SglSegment { segment: IovaRange::new(Iova(0x90_0000), 32) }, ..good() }, iocb, |f| matches!(f, IoctxFault::OutsideRegisteredMemory { what: "descriptor", .. })),
-            (IoctxSpec { descriptor: Descriptor::SglSegment { segment: IovaRange::new(Iova(0x80_0000), 24) }, ..good() }, iocb, |f| matches!(f, IoctxFault::BadSglSegment { desc_bytes: 24 })),
+            (IoctxSpec { descriptor: Descriptor::SglSegment { segment: IovaRange::new(Iova(0x90_0000), 32) }, ..good() }, iocb, |f| {
+                matches!(f, IoctxFault::OutsideRegisteredMemory { what: "descriptor", .. })
+            }),
+            (IoctxSpec { descriptor: Descriptor::SglSegment { segment: IovaRange::new(Iova(0x80_0000), 24) }, ..good() }, iocb, |f| {
+                matches!(f, IoctxFault::BadSglSegment { desc_bytes: 24 })
+            }),
             (IoctxSpec { device: DeviceIndex(1), ..good() }, iocb, |f| matches!(f, IoctxFault::SglUnsupported)),
             (IoctxSpec { start_lba: Lba(u64::MAX - 2), ..good() }, iocb, |f| matches!(f, IoctxFault::LbaOutOfRange { .. })),
         ];
@@ -336,11 +315,7 @@ mod tests {
 
     #[test]
     fn overlapping_registrations_are_refused() {
-        assert!(RegisteredMemory::new(vec![
-            IovaRange::new(Iova(0), 0x2000),
-            IovaRange::new(Iova(0x1000), 0x1000),
-        ])
-        .is_none());
+        assert!(RegisteredMemory::new(vec![IovaRange::new(Iova(0), 0x2000), IovaRange::new(Iova(0x1000), 0x1000),]).is_none());
         assert!(RegisteredMemory::new(vec![IovaRange::new(Iova(u64::MAX), 2)]).is_none());
     }
 }

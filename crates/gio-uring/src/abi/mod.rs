@@ -133,13 +133,7 @@ impl NvmeStatus {
 
 impl core::fmt::Display for NvmeStatus {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        write!(
-            f,
-            "SCT {:#x} SC {:#04x}{}",
-            self.status_code_type(),
-            self.status_code(),
-            if self.do_not_retry() { " DNR" } else { "" }
-        )
+        write!(f, "SCT {:#x} SC {:#04x}{}", self.status_code_type(), self.status_code(), if self.do_not_retry() { " DNR" } else { "" })
     }
 }
 
