@@ -31,6 +31,11 @@ use crate::table::{
     SlackWindow, PROFILE_FORMAT_VERSION,
 };
 
+/// Configs come from files: a limit keeps a typo from allocating gigabytes.
+pub const LAYER_COUNT_MAX: u32 = 1024;
+/// Largest grid an analytic table may have (buckets × layers), for the same reason.
+pub const GRID_ENTRIES_MAX: u64 = 50_000_000;
+
 /// Shape of a decoder-only transformer.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -99,6 +104,12 @@ impl ModelConfig {
                     reason: "must be > 0".into(),
                 });
             }
+        }
+        if self.layer_count > LAYER_COUNT_MAX {
+            return Err(SchedulerError::InvalidConfig {
+                field: "model.layer_count".into(),
+                reason: format!("{} exceeds the limit of {LAYER_COUNT_MAX}", self.layer_count),
+            });
         }
         if self.name.is_empty() {
             return Err(SchedulerError::InvalidConfig {
@@ -363,6 +374,20 @@ pub fn build_table(
             reason: "input range overflows u32".into(),
         })?;
     let layer_count = model.layer_count as usize;
+    // Upper bound of sum over k of (k · input_step / prefix_step + 1), without looping.
+    let n = u128::from(grid.input_step_count);
+    let bucket_count = (n + n * (n + 1) / 2 * u128::from(grid.input_step_tokens)
+        / u128::from(grid.prefix_step_tokens))
+    .min(u128::from(u64::MAX)) as u64;
+    if bucket_count.saturating_mul(u64::from(model.layer_count)) > GRID_ENTRIES_MAX {
+        return Err(SchedulerError::InvalidConfig {
+            field: "grid".into(),
+            reason: format!(
+                "{bucket_count} buckets × {} layers exceeds {GRID_ENTRIES_MAX} entries: use a coarser step",
+                model.layer_count
+            ),
+        });
+    }
 
     let mut buckets = Vec::new();
     for k in 1..=grid.input_step_count {

@@ -156,7 +156,7 @@ pub fn import_timeline(
 
     let mut buckets = Vec::with_capacity(prefill.len());
     for ((input_tokens, prefix_tokens), layers) in prefill {
-        let mut profiles = Vec::with_capacity(model.layer_count as usize);
+        let mut profiles = Vec::new();
         for layer in 0..model.layer_count {
             let location = || format!("bucket(input_tokens={input_tokens}, prefix_tokens={prefix_tokens}) layer {layer}");
             let kernels = layers.get(&layer).ok_or_else(|| SchedulerError::Timeline {

@@ -64,7 +64,7 @@ pub fn measure_io_costs(
             let mut previous_us = 0.0_f64;
             for &iocb_count in &counts {
                 let point = || format!("kind={kind:?} iocb_count={iocb_count} sm_budget={sm_budget}");
-                let mut durations = Vec::with_capacity(grid.repetitions as usize);
+                let mut durations = Vec::new();
                 let mut bytes = 0;
                 for _ in 0..grid.repetitions {
                     let sample = probe.measure(kind, iocb_count, sm_budget)?;

@@ -310,15 +310,18 @@ impl Profile {
         // Longer than profiled: the longest input is the cheaper side, hence conservative.
         let input_index = (input_tokens.min(max) / t.input_step_tokens) as usize;
         let input_rounded = input_index as u32 * t.input_step_tokens;
-        let prefix_rounded_up = prefix_tokens.div_ceil(t.prefix_step_tokens) * t.prefix_step_tokens;
+        // In u64: rounding u32::MAX up to the step would overflow u32.
+        let step = u64::from(t.prefix_step_tokens);
+        let prefix_rounded_up = u64::from(prefix_tokens).div_ceil(step) * step;
         // A prefix rounded past the (rounded-down) input means "everything cached": the cheapest
         // bucket of that input, still the conservative side.
-        let prefix_index = (prefix_rounded_up.min(input_rounded) / t.prefix_step_tokens) as usize;
+        let prefix_rounded_up = prefix_rounded_up.min(u64::from(input_rounded)) as u32;
+        let prefix_index = (prefix_rounded_up / t.prefix_step_tokens) as usize;
         let index = self.bucket_start[input_index - 1] + prefix_index;
         // Validation guarantees the index exists; `get` keeps a broken invariant from panicking.
         t.buckets.get(index).ok_or(SchedulerError::MissingBucket {
             input_tokens: input_rounded,
-            prefix_tokens: prefix_rounded_up.min(input_rounded),
+            prefix_tokens: prefix_rounded_up,
         })
     }
 
@@ -437,7 +440,8 @@ fn validate(t: &ProfileTable) -> Result<Vec<usize>> {
     }
 
     // Walk the expected grid in order alongside the listed buckets.
-    let mut bucket_start = Vec::with_capacity(t.input_step_count as usize);
+    // Not pre-sized: the count is untrusted, and a missing bucket ends the walk early anyway.
+    let mut bucket_start = Vec::new();
     let mut index = 0usize;
     for k in 1..=t.input_step_count {
         let input_tokens = k * t.input_step_tokens;

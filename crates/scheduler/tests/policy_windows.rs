@@ -1,0 +1,177 @@
+//! The policies' decisions, window by window, on a hand-made table (tests/common) whose numbers
+//! make each expected decision computable by hand. Tutti §3.3 is the specification.
+
+mod common;
+
+use scheduler::policy::{IoPolicy, Issue, LayerPlan, LayerView, NaivePipeline, NoOverlap, QueueView, SlackAware};
+use scheduler::table::{IoKind, Profile};
+
+fn profile() -> Profile {
+    Profile::from_table(common::table()).expect("hand-made table is valid")
+}
+
+fn view<'a>(table: &'a Profile, layer: u32, unissued: &'a [u32]) -> LayerView<'a> {
+    LayerView {
+        table,
+        input_tokens: 1024,
+        prefix_tokens: 1024,
+        layer,
+        unissued_read_iocbs: unissued,
+        outstanding_read_iocbs: 0,
+        outstanding_write_iocbs: 0,
+        queued_write_iocbs: 0,
+    }
+}
+
+fn read(layer: u32, iocb_count: u32, sm_budget: u32, offset_us: f64) -> Issue {
+    Issue {
+        kind: IoKind::Read,
+        layer: Some(layer),
+        iocb_count,
+        sm_budget,
+        offset_us,
+        after_reads: false,
+    }
+}
+
+fn write(iocb_count: u32, sm_budget: u32, offset_us: f64, after_reads: bool) -> Issue {
+    Issue {
+        kind: IoKind::Write,
+        layer: None,
+        iocb_count,
+        sm_budget,
+        offset_us,
+        after_reads,
+    }
+}
+
+/// Goal: the critical layer's reads go first and at once, the next layer's reads are split over
+/// the windows by what the cost table says fits, and leftover room runs ahead.
+#[test]
+fn slack_aware_fills_windows_in_order() {
+    let table = profile();
+    let unissued = [2, 3, 3, 3];
+    let plan = SlackAware.plan_layer(&view(&table, 0, &unissued)).unwrap();
+    // Layer 0: 2 IOCBs now on 4 SMs -> SSD busy until 200 µs.
+    // Window [0,100): starts after 200 µs -> no room.
+    // Window [100,600) on 2 SMs: from 200 µs, 400 µs of room -> 2 IOCBs (300 µs), busy to 500.
+    // Window [600,1000) on 4 SMs: layer 1's last IOCB (100 µs) at 600, then layer 2 gets
+    // 2 IOCBs (200 µs) at 700; a third would round up to the 4-IOCB row (400 µs) and overflow.
+    assert_eq!(
+        plan,
+        LayerPlan {
+            wait_for_all_reads: false,
+            issues: vec![
+                read(0, 2, 4, 0.0),
+                read(1, 2, 2, 200.0),
+                read(1, 1, 4, 600.0),
+                read(2, 2, 4, 700.0),
+            ],
+        }
+    );
+}
+
+/// Goal: when the next layer's reads cannot all finish inside this layer's windows, they are
+/// issued immediately in one kernel instead of trickling into windows (reads are the bottleneck).
+#[test]
+fn slack_aware_issues_at_once_when_no_window_fits() {
+    let table = profile();
+    let unissued = [0, 8, 0, 0];
+    let plan = SlackAware.plan_layer(&view(&table, 0, &unissued)).unwrap();
+    // Windows could hold 1 + 2 + 4 = 7 of the 8 IOCBs: not enough.
+    assert_eq!(plan.issues, vec![read(1, 8, 4, 0.0)]);
+}
+
+/// Goal: reads already in flight push the estimate of when the SSD is free, so a window that
+/// would otherwise fit no longer does.
+#[test]
+fn slack_aware_accounts_for_reads_in_flight() {
+    let table = profile();
+    let unissued = [0, 0, 3, 0];
+    let mut v = view(&table, 1, &unissued);
+    let plan = SlackAware.plan_layer(&v).unwrap();
+    // Idle SSD: window [0,100) takes 1 IOCB, [100,600) on 2 SMs the other 2 (300 µs).
+    assert_eq!(plan.issues, vec![read(2, 1, 4, 0.0), read(2, 2, 2, 100.0)]);
+    // 8 IOCBs in flight -> busy until 800 µs; only [600,1000) remains, 200 µs of room: 2 IOCBs.
+    v.outstanding_read_iocbs = 8;
+    let plan = SlackAware.plan_layer(&v).unwrap();
+    assert_eq!(plan.issues, vec![read(2, 3, 4, 0.0)]);
+}
+
+/// Goal: writes only go into room left after every read of the request is issued, start after
+/// the reads (stream dependency) and must end inside their window.
+#[test]
+fn slack_aware_writes_only_into_leftover_slack() {
+    let table = profile();
+    let unissued = [0, 0, 0, 1];
+    let mut v = view(&table, 2, &unissued);
+    v.queued_write_iocbs = 3;
+    let plan = SlackAware.plan_layer(&v).unwrap();
+    // Layer 3's last IOCB fills [0,100). Writes: [100,600) on 2 SMs holds one (300 µs), the
+    // next two (400 µs on 4 SMs) go to [600,1000).
+    assert_eq!(
+        plan.issues,
+        vec![read(3, 1, 4, 0.0), write(1, 2, 100.0, true), write(2, 4, 600.0, true)]
+    );
+
+    // With a read of a later layer still unissued, no write is placed at all.
+    let unissued = [0, 0, 0, 8];
+    let mut v = view(&table, 1, &unissued);
+    v.queued_write_iocbs = 3;
+    let plan = SlackAware.plan_layer(&v).unwrap();
+    assert!(plan.issues.iter().all(|i| i.kind == IoKind::Read), "{plan:?}");
+}
+
+/// Goal: deferred writes fill decode steps (one window per step, context rounded down) and the
+/// rest stays queued; nothing is flushed at the end of prefill.
+#[test]
+fn slack_aware_defers_writes_to_decode() {
+    let table = profile();
+    let mut queue = QueueView {
+        table: &table,
+        context_tokens: 1500,
+        outstanding_read_iocbs: 0,
+        outstanding_write_iocbs: 0,
+        queued_write_iocbs: 8,
+    };
+    assert!(SlackAware.plan_prefill_end(&queue).unwrap().is_empty());
+    // Context 1500 rounds down to the 1000 µs step: 4 writes (800 µs) fit, 5 would cost 1600.
+    assert_eq!(SlackAware.plan_decode_step(&queue).unwrap(), vec![write(4, 4, 0.0, true)]);
+    // Two writes still in flight (400 µs): 600 µs of room left -> 2 more.
+    queue.outstanding_write_iocbs = 2;
+    assert_eq!(SlackAware.plan_decode_step(&queue).unwrap(), vec![write(2, 4, 400.0, true)]);
+    // Below the first profiled context: a typed error, not a guess.
+    queue.context_tokens = 10;
+    assert!(SlackAware.plan_decode_step(&queue).is_err());
+}
+
+/// Goal: the naive baseline reads the next layer and writes the previous one together, with no
+/// ordering between them.
+#[test]
+fn naive_pipeline_reads_next_and_writes_previous_at_once() {
+    let table = profile();
+    let unissued = [3, 3, 3, 3];
+    let plan = NaivePipeline.plan_layer(&view(&table, 0, &unissued)).unwrap();
+    assert_eq!(plan.issues, vec![read(0, 3, 4, 0.0), read(1, 3, 4, 0.0)]);
+    let unissued = [0, 0, 3, 3];
+    let mut v = view(&table, 1, &unissued);
+    v.queued_write_iocbs = 2;
+    let plan = NaivePipeline.plan_layer(&v).unwrap();
+    assert_eq!(plan.issues, vec![read(2, 3, 4, 0.0), write(2, 4, 0.0, false)]);
+}
+
+/// Goal: the no-overlap baseline loads everything before layer 0 and nothing afterwards.
+#[test]
+fn no_overlap_loads_everything_first() {
+    let table = profile();
+    let unissued = [3, 3, 3, 3];
+    let plan = NoOverlap.plan_layer(&view(&table, 0, &unissued)).unwrap();
+    assert!(plan.wait_for_all_reads);
+    assert_eq!(
+        plan.issues,
+        (0..4).map(|l| read(l, 3, 4, 0.0)).collect::<Vec<_>>()
+    );
+    let none = [0, 0, 0, 0];
+    let plan = NoOverlap.plan_layer(&view(&table, 1, &none)).unwrap();
+    assert_eq!(plan, LayerPlan::default());
+}

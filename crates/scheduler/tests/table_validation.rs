@@ -1,0 +1,223 @@
+//! Bad tables are rejected with the field and the bucket named; lookups outside the table give a
+//! typed error or the documented conservative fallback; nothing panics on untrusted input.
+
+mod common;
+
+use scheduler::table::{IoKind, Profile, ProfileTable};
+use scheduler::SchedulerError;
+
+fn load(table: ProfileTable) -> Result<Profile, SchedulerError> {
+    Profile::from_table(table)
+}
+
+fn message(result: Result<Profile, SchedulerError>) -> (SchedulerError, String) {
+    let error = result.expect_err("table must be rejected");
+    let text = error.to_string();
+    (error, text)
+}
+
+/// Goal: the test table is valid and round-trips through JSON unchanged.
+#[test]
+fn valid_table_round_trips() {
+    let profile = load(common::table()).unwrap();
+    let json = profile.to_json().unwrap();
+    let again = Profile::from_json(&json).unwrap();
+    assert_eq!(again.table(), profile.table());
+}
+
+#[test]
+fn missing_bucket_is_named() {
+    let mut t = common::table();
+    t.buckets.remove(3); // (2048, 1024)
+    let (error, text) = message(load(t));
+    assert!(matches!(error, SchedulerError::MissingBucket { input_tokens: 2048, prefix_tokens: 1024 }), "{text}");
+    // Truncated at the end as well.
+    let mut t = common::table();
+    t.buckets.pop();
+    let (error, _) = message(load(t));
+    assert!(matches!(error, SchedulerError::MissingBucket { input_tokens: 2048, prefix_tokens: 2048 }));
+}
+
+#[test]
+fn negative_duration_names_field_bucket_and_layer() {
+    let mut t = common::table();
+    t.buckets[1].layers[2].compute_duration_us = -5.0;
+    let (_, text) = message(load(t));
+    assert!(text.contains("compute_duration_us"), "{text}");
+    assert!(text.contains("bucket(input_tokens=1024, prefix_tokens=1024) layer 2"), "{text}");
+    assert!(text.contains("negative"), "{text}");
+}
+
+#[test]
+fn nan_and_infinite_durations_are_rejected() {
+    for bad in [f64::NAN, f64::INFINITY] {
+        let mut t = common::table();
+        t.buckets[0].layers[0].slack_windows[1].duration_us = bad;
+        let (_, text) = message(load(t));
+        assert!(text.contains("slack_windows.duration_us"), "{text}");
+        assert!(text.contains("layer 0 window 1"), "{text}");
+        assert!(text.contains("not a finite number"), "{text}");
+    }
+    // JSON itself has no NaN: a table written with one fails to parse, typed.
+    let json = Profile::from_table(common::table()).unwrap().to_json().unwrap();
+    let broken = json.replacen("\"compute_duration_us\": 1000.0", "\"compute_duration_us\": NaN", 1);
+    assert!(matches!(Profile::from_json(&broken), Err(SchedulerError::Parse(_))));
+    let null = json.replacen("\"compute_duration_us\": 1000.0", "\"compute_duration_us\": null", 1);
+    assert!(matches!(Profile::from_json(&null), Err(SchedulerError::Parse(_))));
+}
+
+#[test]
+fn non_monotonic_entries_are_rejected() {
+    // Buckets out of order.
+    let mut t = common::table();
+    t.buckets.swap(0, 1);
+    let (error, text) = message(load(t));
+    assert!(matches!(error, SchedulerError::MissingBucket { .. } | SchedulerError::NonMonotonic { .. }), "{text}");
+    // A bucket listed twice.
+    let mut t = common::table();
+    let duplicate = t.buckets[0].clone();
+    t.buckets.insert(1, duplicate);
+    let (error, text) = message(load(t));
+    assert!(matches!(error, SchedulerError::NonMonotonic { .. }), "{text}");
+    assert!(text.contains("bucket(input_tokens=1024, prefix_tokens=0)"), "{text}");
+    // Overlapping windows.
+    let mut t = common::table();
+    t.buckets[2].layers[1].slack_windows[1].offset_us = 50.0;
+    let (error, text) = message(load(t));
+    assert!(matches!(error, SchedulerError::NonMonotonic { .. }), "{text}");
+    assert!(text.contains("slack_windows.offset_us") && text.contains("layer 1 window 1"), "{text}");
+    // I/O cost rows out of order, and a larger count that is faster.
+    let mut t = common::table();
+    t.io_costs.swap(0, 1);
+    let (_, text) = message(load(t));
+    assert!(text.contains("io_costs") && text.contains("iocb_count=1"), "{text}");
+    let mut t = common::table();
+    t.io_costs[1].duration_us = 1.0;
+    let (_, text) = message(load(t));
+    assert!(text.contains("io_costs.duration_us"), "{text}");
+    // Decode steps out of order.
+    let mut t = common::table();
+    t.decode_steps.reverse();
+    let (_, text) = message(load(t));
+    assert!(text.contains("decode_steps.context_tokens"), "{text}");
+}
+
+#[test]
+fn zero_steps_and_impossible_values_are_rejected() {
+    let mut t = common::table();
+    t.prefix_step_tokens = 0;
+    assert!(message(load(t)).1.contains("prefix_step_tokens"));
+    let mut t = common::table();
+    t.buckets[0].layers[0].slack_windows[0].free_sms = 17;
+    assert!(message(load(t)).1.contains("free_sms"));
+    let mut t = common::table();
+    t.buckets[0].layers[0].kv_needed_offset_us = 2000.0;
+    assert!(message(load(t)).1.contains("kv_needed_offset_us"));
+    let mut t = common::table();
+    t.buckets[0].layers[0].slack_windows[2].duration_us = 500.0;
+    assert!(message(load(t)).1.contains("window ends after the layer"));
+    let mut t = common::table();
+    t.buckets[0].layers.pop();
+    assert!(message(load(t)).1.contains("3 layers listed, model has 4"));
+    let mut t = common::table();
+    t.io_costs.retain(|r| r.kind == IoKind::Read);
+    assert!(message(load(t)).1.contains("no rows for this kind"));
+}
+
+#[test]
+fn wrong_model_or_gpu_is_rejected() {
+    let profile = load(common::table()).unwrap();
+    let mut model = common::model();
+    model.name = "llama3-8b".into();
+    let error = profile.check_identity(&model, &common::gpu()).unwrap_err();
+    assert!(matches!(error, SchedulerError::IdentityMismatch { field: "model.name", .. }));
+    let mut model = common::model();
+    model.kv_bytes_per_token_per_layer = 4096;
+    let error = profile.check_identity(&model, &common::gpu()).unwrap_err();
+    assert!(error.to_string().contains("kv_bytes_per_token_per_layer"), "{error}");
+    let mut gpu = common::gpu();
+    gpu.sm_count = 132;
+    let error = profile.check_identity(&common::model(), &gpu).unwrap_err();
+    assert!(matches!(error, SchedulerError::IdentityMismatch { field: "gpu.sm_count", .. }));
+    profile.check_identity(&common::model(), &common::gpu()).unwrap();
+}
+
+#[test]
+fn future_version_is_rejected_before_its_shape_is_parsed() {
+    let json = Profile::from_table(common::table()).unwrap().to_json().unwrap();
+    // A future format may add fields we do not know: the version is what must be reported.
+    let future = json.replacen("\"format_version\": 1", "\"format_version\": 2, \"new_field\": [1]", 1);
+    match Profile::from_json(&future) {
+        Err(SchedulerError::UnsupportedVersion { found: 2, supported: 1 }) => {}
+        other => panic!("expected UnsupportedVersion, got {other:?}"),
+    }
+    let mut t = common::table();
+    t.format_version = 0;
+    assert!(matches!(load(t), Err(SchedulerError::UnsupportedVersion { found: 0, .. })));
+    let missing = json.replacen("\"format_version\": 1,", "", 1);
+    assert!(Profile::from_json(&missing).unwrap_err().to_string().contains("format_version"));
+}
+
+#[test]
+fn lookups_round_conservatively_or_fail_typed() {
+    let profile = load(common::table()).unwrap();
+    // Between buckets: input rounds down, prefix rounds up (the cheaper bucket).
+    let b = profile.bucket(1500, 100).unwrap();
+    assert_eq!((b.input_tokens, b.prefix_tokens), (1024, 1024));
+    let b = profile.bucket(2047, 1025).unwrap();
+    assert_eq!((b.input_tokens, b.prefix_tokens), (1024, 1024));
+    let b = profile.bucket(2048, 1).unwrap();
+    assert_eq!((b.input_tokens, b.prefix_tokens), (2048, 1024));
+    // Longer than profiled: clamp to the longest input (cheaper side).
+    let b = profile.bucket(100_000, 0).unwrap();
+    assert_eq!((b.input_tokens, b.prefix_tokens), (2048, 0));
+    // Shorter than the first step, or a prefix longer than the input: typed errors.
+    assert!(matches!(profile.bucket(1000, 0), Err(SchedulerError::OutOfRange { what: "input_tokens", .. })));
+    assert!(matches!(profile.bucket(1024, 2048), Err(SchedulerError::OutOfRange { what: "prefix_tokens", .. })));
+    assert!(matches!(profile.bucket(0, 0), Err(SchedulerError::OutOfRange { .. })));
+    assert!(profile.bucket(u32::MAX, u32::MAX).is_ok());
+
+    // I/O: count rounds up, budget rounds down, beyond the table = back-to-back largest kernels.
+    assert_eq!(profile.io_duration_us(IoKind::Read, 3, 4).unwrap(), 400.0);
+    assert_eq!(profile.io_duration_us(IoKind::Read, 3, 3).unwrap(), 600.0);
+    assert_eq!(profile.io_duration_us(IoKind::Read, 20, 4).unwrap(), 800.0 * 2.0 + 400.0);
+    assert_eq!(profile.io_duration_us(IoKind::Read, 0, 4).unwrap(), 0.0);
+    assert!(matches!(
+        profile.io_duration_us(IoKind::Write, 1, 1),
+        Err(SchedulerError::OutOfRange { what: "sm_budget", .. })
+    ));
+    assert!(profile.io_duration_us(IoKind::Read, u32::MAX, u32::MAX).unwrap().is_finite());
+
+    // Decode: context rounds down, clamps above, errors below.
+    assert_eq!(profile.decode_step(2047).unwrap().context_tokens, 1024);
+    assert_eq!(profile.decode_step(1 << 30).unwrap().context_tokens, 2048);
+    assert!(matches!(profile.decode_step(5), Err(SchedulerError::OutOfRange { what: "context_tokens", .. })));
+}
+
+/// Goal: no corruption of a table file makes the loader panic. Deterministic byte mutations
+/// (a small LCG, no external crates) over the JSON of a valid table.
+#[test]
+fn corrupted_json_never_panics() {
+    let json = Profile::from_table(common::table()).unwrap().to_json().unwrap();
+    let bytes = json.as_bytes();
+    let mut state: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut next = || {
+        state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (state >> 33) as usize
+    };
+    let replacements = b"-0123456789.,:{}[]\" aeE";
+    let mut rejected = 0;
+    for _ in 0..3000 {
+        let mut mutated = bytes.to_vec();
+        for _ in 0..(1 + next() % 3) {
+            let at = next() % mutated.len();
+            mutated[at] = replacements[next() % replacements.len()];
+        }
+        let text = String::from_utf8_lossy(&mutated);
+        if Profile::from_json(&text).is_err() {
+            rejected += 1;
+        }
+    }
+    // Most mutations must be caught (some only change a digit and stay valid).
+    assert!(rejected > 1000, "only {rejected} of 3000 mutations rejected");
+}
