@@ -1,0 +1,413 @@
+//! The analytic model, the simulator's SSD and compute model, the timeline importer and the I/O
+//! probe driver, each against numbers worked out by hand.
+
+mod common;
+
+use scheduler::analytic::{build_table, layer_kernels, AnalyticGrid, GpuSpec, ModelConfig};
+use scheduler::import::import_timeline;
+use scheduler::policy::{IoPolicy, Issue, LayerPlan, LayerView, QueueView};
+use scheduler::probe::{measure_io_costs, IoCostProbe, IoGrid, ProbeSample};
+use scheduler::sim::{simulate, SimConfig};
+use scheduler::ssd::SsdModel;
+use scheduler::table::{IoKind, Profile};
+use scheduler::SchedulerError;
+
+// ---------------------------------------------------------------------------------------------
+// Analytic model
+
+#[test]
+fn kv_bytes_per_token_match_the_known_models() {
+    let llama = ModelConfig::llama3_8b();
+    let qwen = ModelConfig::qwen3_32b();
+    assert_eq!(llama.kv_bytes_per_token_per_layer() * u64::from(llama.layer_count), 128 * 1024);
+    assert_eq!(qwen.kv_bytes_per_token_per_layer() * u64::from(qwen.layer_count), 256 * 1024);
+}
+
+/// Goal: a GEMM's estimate is exactly the documented roofline formula.
+#[test]
+fn qkv_projection_follows_the_roofline() {
+    let model = ModelConfig::llama3_8b();
+    let gpu = GpuSpec::h100();
+    let kernels = layer_kernels(&model, &gpu, 4, 4096, 0);
+    let qkv = kernels.iter().find(|k| k.name == "qkv_proj").unwrap();
+    let flops = 2.0 * 4096.0 * 4096.0 * (4096.0 + 2.0 * 1024.0);
+    let rate_per_us = 989e12 * 0.7 * (128.0 / 132.0) / 1e6;
+    let expected_us = flops / rate_per_us + gpu.kernel_overhead_us;
+    assert!((qkv.duration_us - expected_us).abs() < 1e-6, "{} vs {expected_us}", qkv.duration_us);
+    // Compute-bound: only the reserved I/O SMs are free.
+    assert_eq!(qkv.free_sms, 4);
+}
+
+#[test]
+fn compute_shrinks_with_prefix_and_attention_grows_with_context() {
+    let model = ModelConfig::qwen3_32b();
+    let gpu = GpuSpec::h100();
+    let total = |new: u64, prefix: u64| -> f64 {
+        layer_kernels(&model, &gpu, 4, new, prefix).iter().map(|k| k.duration_us).sum()
+    };
+    let attention = |new: u64, prefix: u64| -> f64 {
+        layer_kernels(&model, &gpu, 4, new, prefix)
+            .iter()
+            .find(|k| k.name == "attention")
+            .unwrap()
+            .duration_us
+    };
+    // Fixed prompt of 32K: more cached means less to compute.
+    let mut previous = f64::INFINITY;
+    for prefix in (0..=32768).step_by(4096) {
+        let now = total(32768 - prefix, prefix);
+        assert!(now < previous, "prefix {prefix}");
+        previous = now;
+    }
+    // Fixed 1K new tokens: attention over a longer prefix costs more.
+    assert!(attention(1024, 65536) > 2.0 * attention(1024, 16384));
+}
+
+#[test]
+fn decode_is_memory_bound_and_faster_on_h200() {
+    let model = ModelConfig::llama3_8b();
+    let step = |gpu: &GpuSpec| -> f64 {
+        layer_kernels(&model, gpu, 4, 1, 32768).iter().map(|k| k.duration_us).sum()
+    };
+    let h100 = step(&GpuSpec::h100());
+    let h200 = step(&GpuSpec::h200());
+    assert!(h200 < h100 * 0.85, "h200 {h200} vs h100 {h100}");
+    let kernels = layer_kernels(&model, &GpuSpec::h100(), 4, 1, 32768);
+    assert!(kernels.iter().all(|k| k.free_sms > 4), "decode kernels leave SMs idle");
+}
+
+#[test]
+fn analytic_build_rejects_bad_configs() {
+    let model = ModelConfig::llama3_8b();
+    let gpu = GpuSpec::h100();
+    let ssd = SsdModel::tutti_two_ssds();
+    let io = ssd.cost_table(1 << 20, 8, &[4]).unwrap();
+    let grid = AnalyticGrid {
+        input_step_tokens: 1024,
+        input_step_count: 2,
+        prefix_step_tokens: 512,
+        io_sms: 4,
+        decode_step_tokens: 1024,
+    };
+    let table = build_table(&model, &gpu, &grid, io.clone(), "test").unwrap();
+    Profile::from_table(table).unwrap();
+
+    let too_many_io_sms = AnalyticGrid { io_sms: 132, ..grid.clone() };
+    assert!(build_table(&model, &gpu, &too_many_io_sms, io.clone(), "t").is_err());
+    let huge = AnalyticGrid {
+        input_step_count: u32::MAX / 1024,
+        prefix_step_tokens: 1,
+        ..grid.clone()
+    };
+    assert!(matches!(
+        build_table(&model, &gpu, &huge, io.clone(), "t"),
+        Err(SchedulerError::InvalidConfig { .. })
+    ));
+    let mut bad_model = model.clone();
+    bad_model.head_dim = 0;
+    assert!(build_table(&bad_model, &gpu, &grid, io.clone(), "t").is_err());
+    let mut bad_gpu = gpu.clone();
+    bad_gpu.gemm_efficiency = f64::NAN;
+    assert!(build_table(&model, &bad_gpu, &grid, io, "t").is_err());
+    let mut bad_ssd = ssd;
+    bad_ssd.mixed_bandwidth_fraction = 0.0;
+    assert!(bad_ssd.cost_table(1 << 20, 8, &[4]).is_err());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Simulator
+
+/// 1 MiB of KV per layer read in 200 µs, written in 400 µs, 50 µs latency, mixed traffic halves
+/// both directions; SMs never limit.
+fn toy_ssd() -> SsdModel {
+    SsdModel {
+        device_count: 1,
+        read_bytes_per_s_per_device: 1048576.0 / 200e-6,
+        write_bytes_per_s_per_device: 1048576.0 / 400e-6,
+        mixed_bandwidth_fraction: 0.5,
+        command_latency_us: 50.0,
+        io_bytes_per_s_per_sm: 1e15,
+    }
+}
+
+/// Reads layers 0 and 1 before layer 0; before layer 1, writes layer 0 and reads layers 2 and 3
+/// together (to force mixed traffic); defers everything else.
+struct Scripted;
+
+impl IoPolicy for Scripted {
+    fn name(&self) -> &'static str {
+        "scripted"
+    }
+    fn plan_layer(&mut self, view: &LayerView<'_>) -> scheduler::Result<LayerPlan> {
+        let read = |layer: u32| Issue {
+            kind: IoKind::Read,
+            layer: Some(layer),
+            iocb_count: 1,
+            sm_budget: 4,
+            offset_us: 0.0,
+            after_reads: false,
+        };
+        let issues = match view.layer {
+            0 => vec![read(0), read(1)],
+            1 => vec![
+                Issue {
+                    kind: IoKind::Write,
+                    layer: None,
+                    iocb_count: view.queued_write_iocbs,
+                    sm_budget: 4,
+                    offset_us: 0.0,
+                    after_reads: false,
+                },
+                read(2),
+                read(3),
+            ],
+            _ => vec![],
+        };
+        Ok(LayerPlan { wait_for_all_reads: false, issues })
+    }
+    fn plan_prefill_end(&mut self, _: &QueueView<'_>) -> scheduler::Result<Vec<Issue>> {
+        Ok(vec![])
+    }
+    fn plan_decode_step(&mut self, _: &QueueView<'_>) -> scheduler::Result<Vec<Issue>> {
+        Ok(vec![])
+    }
+}
+
+/// Goal: the simulator's timing matches a hand-worked schedule, mixed-traffic penalty included.
+#[test]
+fn simulator_matches_a_hand_worked_schedule() {
+    let table = Profile::from_table(common::table()).unwrap();
+    // 2048 tokens, 1024 cached: 1 MiB to read and 1 MiB to write per layer, 1 IOCB each.
+    let config = SimConfig {
+        input_tokens: 2048,
+        prefix_tokens: 1024,
+        iocb_bytes: 1 << 20,
+        decode_step_count: 0,
+    };
+    let r = simulate(&table, &table, &toy_ssd(), &config, &mut Scripted).unwrap();
+    // Layer 0: read lands at 50 + 200 = 250; attention wanted it at 100 -> 150 µs bubble.
+    // Layer 1 starts at 1150: write (0.5 × rate: 800 µs) and reads of layers 2, 3 (0.5 × rate:
+    // 400 µs each, back to back) all transfer from 1200 to 2000: 800 µs of mixed traffic.
+    // Layers 2 and 3 need their KV at 2250 and 3250: no further bubble.
+    assert!((r.bubble_us - 150.0).abs() < 1e-6, "{r:?}");
+    assert!((r.mixed_io_us - 800.0).abs() < 1e-6, "{r:?}");
+    assert!((r.ttft_us - 4150.0).abs() < 1e-6, "{r:?}");
+    assert!((r.fill_bound_us - 150.0).abs() < 1e-6, "{r:?}");
+    // Layers 1..3's new KV was never issued.
+    assert_eq!(r.write_backlog_bytes_at_ttft, 3 << 20);
+    assert_eq!(r.write_backlog_bytes_at_end, 3 << 20);
+}
+
+#[test]
+fn zero_prefix_means_no_reads_and_no_bubble() {
+    let table = Profile::from_table(common::table()).unwrap();
+    for kind in scheduler::policy::PolicyKind::ALL {
+        let config = SimConfig {
+            input_tokens: 1024,
+            prefix_tokens: 0,
+            iocb_bytes: 1 << 20,
+            decode_step_count: 4,
+        };
+        let r = simulate(&table, &table, &toy_ssd(), &config, kind.build().as_mut()).unwrap();
+        assert_eq!(r.bubble_us, 0.0, "{kind:?}");
+        assert_eq!(r.ttft_us, 4000.0, "{kind:?}");
+        assert_eq!(r.read_bytes, 0);
+        assert_eq!(r.write_bytes, 4 << 20);
+    }
+}
+
+struct NeverReads;
+
+impl IoPolicy for NeverReads {
+    fn name(&self) -> &'static str {
+        "never-reads"
+    }
+    fn plan_layer(&mut self, _: &LayerView<'_>) -> scheduler::Result<LayerPlan> {
+        Ok(LayerPlan::default())
+    }
+    fn plan_prefill_end(&mut self, _: &QueueView<'_>) -> scheduler::Result<Vec<Issue>> {
+        Ok(vec![])
+    }
+    fn plan_decode_step(&mut self, _: &QueueView<'_>) -> scheduler::Result<Vec<Issue>> {
+        Ok(vec![])
+    }
+}
+
+struct OverIssues;
+
+impl IoPolicy for OverIssues {
+    fn name(&self) -> &'static str {
+        "over-issues"
+    }
+    fn plan_layer(&mut self, _: &LayerView<'_>) -> scheduler::Result<LayerPlan> {
+        Ok(LayerPlan {
+            wait_for_all_reads: false,
+            issues: vec![Issue {
+                kind: IoKind::Read,
+                layer: Some(0),
+                iocb_count: 99,
+                sm_budget: 4,
+                offset_us: 0.0,
+                after_reads: false,
+            }],
+        })
+    }
+    fn plan_prefill_end(&mut self, _: &QueueView<'_>) -> scheduler::Result<Vec<Issue>> {
+        Ok(vec![])
+    }
+    fn plan_decode_step(&mut self, _: &QueueView<'_>) -> scheduler::Result<Vec<Issue>> {
+        Ok(vec![])
+    }
+}
+
+/// Goal: a broken policy ends the run with a typed error, never a hang or a panic.
+#[test]
+fn broken_policies_are_reported() {
+    let table = Profile::from_table(common::table()).unwrap();
+    let config = SimConfig {
+        input_tokens: 2048,
+        prefix_tokens: 1024,
+        iocb_bytes: 1 << 20,
+        decode_step_count: 0,
+    };
+    let error = simulate(&table, &table, &toy_ssd(), &config, &mut NeverReads).unwrap_err();
+    assert!(matches!(error, SchedulerError::InvalidDecision { policy: "never-reads", .. }), "{error}");
+    let error = simulate(&table, &table, &toy_ssd(), &config, &mut OverIssues).unwrap_err();
+    assert!(error.to_string().contains("99 IOCBs requested"), "{error}");
+    let bad = SimConfig { iocb_bytes: 0, ..config };
+    assert!(simulate(&table, &table, &toy_ssd(), &bad, &mut OverIssues).is_err());
+    let off_grid = SimConfig { input_tokens: 10, prefix_tokens: 0, ..config };
+    assert!(simulate(&table, &table, &toy_ssd(), &off_grid, &mut OverIssues).is_err());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Timeline import
+
+fn timeline(skip: Option<(u32, u32)>) -> String {
+    let mut out = String::from("# toy timeline\nphase,input_tokens,prefix_tokens,layer,kernel,start_us,end_us,sms_used\n");
+    for (input, prefix) in [(1024, 0), (1024, 1024), (2048, 0), (2048, 1024), (2048, 2048)] {
+        if skip == Some((input, prefix)) {
+            continue;
+        }
+        for layer in 0..common::LAYERS {
+            let t = 5000.0 + 1000.0 * f64::from(layer);
+            out.push_str(&format!("prefill,{input},{prefix},{layer},qkv_gemm,{t},{},12\n", t + 100.0));
+            out.push_str(&format!("prefill,{input},{prefix},{layer},flash_attn_fwd,{},{},14\n", t + 100.0, t + 600.0));
+            out.push_str(&format!("prefill,{input},{prefix},{layer},mlp,{},{},16\n", t + 650.0, t + 1000.0));
+        }
+    }
+    out.push_str("decode,1024,,,decode_step,0,5000,10\ndecode,2048,,,decode_step,0,6000,10\n");
+    out
+}
+
+fn import(text: &str) -> scheduler::Result<Profile> {
+    import_timeline(text, common::model(), common::gpu(), common::io_costs(), "test", "test")
+}
+
+#[test]
+fn timeline_import_derives_windows_and_attention_offset() {
+    let profile = import(&timeline(None)).unwrap();
+    let t = profile.table();
+    assert_eq!((t.input_step_tokens, t.input_step_count, t.prefix_step_tokens), (1024, 2, 1024));
+    let layer = &profile.bucket(2048, 1024).unwrap().layers[3];
+    assert_eq!(layer.compute_duration_us, 1000.0);
+    assert_eq!(layer.kv_needed_offset_us, 100.0);
+    let windows: Vec<(f64, f64, u32)> = layer
+        .slack_windows
+        .iter()
+        .map(|w| (w.offset_us, w.duration_us, w.free_sms))
+        .collect();
+    // 16 − 12, 16 − 14, then the idle gap; the MLP leaves nothing free and is dropped.
+    assert_eq!(windows, vec![(0.0, 100.0, 4), (100.0, 500.0, 2), (600.0, 50.0, 16)]);
+    assert_eq!(profile.decode_step(2048).unwrap().duration_us, 6000.0);
+    assert_eq!(profile.decode_step(2048).unwrap().free_sms, 6);
+}
+
+#[test]
+fn timeline_errors_name_the_line_or_bucket() {
+    let error = import(&timeline(Some((2048, 1024)))).unwrap_err();
+    assert!(matches!(error, SchedulerError::MissingBucket { input_tokens: 2048, prefix_tokens: 1024 }), "{error}");
+
+    let with_line = |line_no: usize, replacement: &str| {
+        let mut lines: Vec<String> = timeline(None).lines().map(str::to_string).collect();
+        lines[line_no - 1] = replacement.to_string();
+        import(&lines.join("\n")).unwrap_err()
+    };
+    let error = with_line(3, "prefill,1024,0,0,qkv_gemm,5000,NaN,12");
+    assert!(matches!(error, SchedulerError::Timeline { line: 3, .. }), "{error}");
+    let error = with_line(3, "prefill,1024,0,0,qkv_gemm,5000,4000,12");
+    assert!(error.to_string().contains("end_us is before start_us"), "{error}");
+    let error = with_line(3, "prefill,1024,0,9,qkv_gemm,5000,5100,12");
+    assert!(error.to_string().contains("layer 9"), "{error}");
+    let error = with_line(3, "prefill,1024,0,0,qkv_gemm,-1,5100,12");
+    assert!(error.to_string().contains("start_us"), "{error}");
+    let error = with_line(3, "prefill,1024,0,0,qkv_gemm,5000,5100,99");
+    assert!(error.to_string().contains("sms_used"), "{error}");
+    let error = with_line(2, "phase,input,prefix");
+    assert!(matches!(error, SchedulerError::Timeline { line: 2, .. }), "{error}");
+    let error = with_line(3, "warmup,1024,0,0,qkv_gemm,5000,5100,12");
+    assert!(error.to_string().contains("warmup"), "{error}");
+
+    let no_attention = timeline(None).replace("flash_attn_fwd", "gemm");
+    let error = import(&no_attention).unwrap_err();
+    assert!(error.to_string().contains("no attention kernel"), "{error}");
+    assert!(error.to_string().contains("bucket(input_tokens=1024, prefix_tokens=0) layer 0"), "{error}");
+    assert!(import("").is_err());
+}
+
+// ---------------------------------------------------------------------------------------------
+// I/O probe driver (with a fake probe standing in for a backend: these rows are not measured)
+
+struct FakeProbe {
+    calls: u32,
+}
+
+impl IoCostProbe for FakeProbe {
+    fn describe(&self) -> String {
+        "fake".into()
+    }
+    fn measure(&mut self, kind: IoKind, iocb_count: u32, sm_budget: u32) -> scheduler::Result<ProbeSample> {
+        self.calls += 1;
+        let per_iocb_us = if kind == IoKind::Read { 100.0 } else { 250.0 } * 4.0 / f64::from(sm_budget);
+        // Noise: the 4-IOCB point reads fast once in a while; the median and the monotone
+        // clamp must absorb it.
+        let noise = if iocb_count == 4 && self.calls % 3 == 0 { -300.0 } else { 0.0 };
+        Ok(ProbeSample {
+            duration_us: per_iocb_us * f64::from(iocb_count) + noise + 10.0,
+            bytes: u64::from(iocb_count) << 20,
+        })
+    }
+}
+
+#[test]
+fn probe_grid_yields_a_valid_sorted_cost_table() {
+    let mut probe = FakeProbe { calls: 0 };
+    let grid = IoGrid {
+        iocb_counts: vec![8, 1, 4, 2, 2],
+        sm_budgets: vec![4, 2],
+        repetitions: 3,
+    };
+    let mut progress = Vec::new();
+    let rows = measure_io_costs(&mut probe, &grid, &mut |done, total| progress.push((done, total))).unwrap();
+    assert_eq!(rows.len(), 16);
+    assert_eq!(progress.last(), Some(&(16, 16)));
+    assert_eq!(probe.calls, 48);
+    let mut table = common::table();
+    table.io_costs = rows;
+    let profile = Profile::from_table(table).expect("probe rows form a valid table");
+    assert_eq!(profile.io_duration_us(IoKind::Read, 4, 4).unwrap(), 410.0);
+
+    struct Broken;
+    impl IoCostProbe for Broken {
+        fn describe(&self) -> String {
+            "broken".into()
+        }
+        fn measure(&mut self, _: IoKind, _: u32, _: u32) -> scheduler::Result<ProbeSample> {
+            Ok(ProbeSample { duration_us: f64::NAN, bytes: 1 })
+        }
+    }
+    let error = measure_io_costs(&mut Broken, &grid, &mut |_, _| {}).unwrap_err();
+    assert!(error.to_string().contains("kind=Read iocb_count=1 sm_budget=2"), "{error}");
+    let empty = IoGrid { iocb_counts: vec![], ..grid };
+    assert!(measure_io_costs(&mut FakeProbe { calls: 0 }, &empty, &mut |_, _| {}).is_err());
+}
