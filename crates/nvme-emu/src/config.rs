@@ -1,0 +1,166 @@
+//! Configuration of the software controller: geometry, capabilities, backing store.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::EmuError;
+
+/// Where the namespaces' data lives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Backing {
+    /// Zeroed process memory of `bytes` (lazily committed by the kernel). It survives
+    /// [`crate::EmuDevice::power_loss`] (it models the flash), not the process.
+    Memory { bytes: u64 },
+    /// A regular file or block device. With `create_bytes`, the file is created if missing and
+    /// grown to at least that size; without, it must exist and its current size is used.
+    File { path: PathBuf, create_bytes: Option<u64> },
+}
+
+/// One namespace: its LBA size and its share of the backing store.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NamespaceConfig {
+    /// Logical block size: a power of two in 512..=65536 (512 and 4096 are the usual ones).
+    pub block_size_bytes: u32,
+    /// Namespace size; `None` takes what the namespaces before it left of the backing store
+    /// (only allowed for the last namespace). Rounded down to whole blocks.
+    pub size_bytes: Option<u64>,
+}
+
+impl NamespaceConfig {
+    pub fn new(block_size_bytes: u32, size_bytes: Option<u64>) -> Self {
+        Self { block_size_bytes, size_bytes }
+    }
+}
+
+/// Everything that shapes the emulated controller. `EmuConfig::default()` is one namespace of
+/// 4 KiB LBAs over 64 MiB of memory, MQES 2048, MDTS 5 (128 KiB), SGL and a volatile write
+/// cache on, 64 I/O queue pairs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EmuConfig {
+    pub backing: Backing,
+    /// Namespaces, NSID 1.. in order, laid out back to back in the backing store.
+    pub namespaces: Vec<NamespaceConfig>,
+    /// CAP.MQES + 1: the largest queue the host may create (2..=65536).
+    pub max_queue_entries: u32,
+    /// CAP.DSTRD: doorbell stride is 4 << this (0..=15; keep it small, it sizes the BAR).
+    pub doorbell_stride_log2: u8,
+    /// CAP.TO: how long the host should wait for CSTS.RDY, in 500 ms units.
+    pub ready_timeout_500ms_units: u8,
+    /// Identify MDTS: commands may move at most 4 KiB << mdts bytes (0 = unlimited).
+    pub mdts: u8,
+    /// Report and accept SGLs (SGLS bit 0). Off makes a driver take its PRP path.
+    pub sgl_supported: bool,
+    /// A volatile write cache (Identify VWC = 1): writes are durable only after Flush or FUA.
+    pub volatile_write_cache: bool,
+    /// Dirty bytes the cache holds before it writes everything back on its own.
+    pub write_cache_bytes: u64,
+    /// I/O submission and completion queues the controller can allocate (Number of Queues).
+    pub io_queue_pairs_max: u16,
+    /// Validate commands and complete them without moving data or touching storage.
+    pub no_storage: bool,
+    /// Identify serial number.
+    pub serial_number: String,
+    /// Longest sleep of the idle poller between doorbell scans.
+    pub idle_sleep_max: Duration,
+    /// `fdatasync` the backing file on Flush (real durability across host crashes; slow).
+    pub sync_file_on_flush: bool,
+}
+
+impl Default for EmuConfig {
+    fn default() -> Self {
+        Self {
+            backing: Backing::Memory { bytes: 64 << 20 },
+            namespaces: vec![NamespaceConfig::new(4096, None)],
+            max_queue_entries: 2048,
+            doorbell_stride_log2: 0,
+            ready_timeout_500ms_units: 20,
+            mdts: 5,
+            sgl_supported: true,
+            volatile_write_cache: true,
+            write_cache_bytes: 32 << 20,
+            io_queue_pairs_max: 64,
+            no_storage: false,
+            serial_number: "TUTTI-EMU-0001".to_string(),
+            idle_sleep_max: Duration::from_micros(100),
+            sync_file_on_flush: false,
+        }
+    }
+}
+
+impl EmuConfig {
+    pub fn with_backing(mut self, backing: Backing) -> Self {
+        self.backing = backing;
+        self
+    }
+    pub fn with_namespaces(mut self, namespaces: Vec<NamespaceConfig>) -> Self {
+        self.namespaces = namespaces;
+        self
+    }
+    pub fn with_max_queue_entries(mut self, entries: u32) -> Self {
+        self.max_queue_entries = entries;
+        self
+    }
+    pub fn with_doorbell_stride_log2(mut self, stride_log2: u8) -> Self {
+        self.doorbell_stride_log2 = stride_log2;
+        self
+    }
+    pub fn with_mdts(mut self, mdts: u8) -> Self {
+        self.mdts = mdts;
+        self
+    }
+    pub fn with_sgl(mut self, supported: bool) -> Self {
+        self.sgl_supported = supported;
+        self
+    }
+    pub fn with_volatile_write_cache(mut self, present: bool) -> Self {
+        self.volatile_write_cache = present;
+        self
+    }
+    pub fn with_write_cache_bytes(mut self, bytes: u64) -> Self {
+        self.write_cache_bytes = bytes;
+        self
+    }
+    pub fn with_io_queue_pairs_max(mut self, pairs: u16) -> Self {
+        self.io_queue_pairs_max = pairs;
+        self
+    }
+    pub fn with_no_storage(mut self, no_storage: bool) -> Self {
+        self.no_storage = no_storage;
+        self
+    }
+
+    /// Largest transfer of one command in bytes, `None` if unlimited.
+    pub fn max_transfer_bytes(&self) -> Option<u64> {
+        (self.mdts != 0).then(|| 4096u64 << self.mdts.min(20))
+    }
+
+    /// Checks what can be checked without opening the backing store.
+    pub(crate) fn validate(&self) -> Result<(), EmuError> {
+        let invalid = |reason: String| Err(EmuError::InvalidConfig { reason });
+        if !(2..=65536).contains(&self.max_queue_entries) {
+            return invalid(format!("max_queue_entries {} outside 2..=65536", self.max_queue_entries));
+        }
+        if self.doorbell_stride_log2 > 8 {
+            return invalid(format!("doorbell_stride_log2 {} above 8", self.doorbell_stride_log2));
+        }
+        if self.io_queue_pairs_max == 0 || self.io_queue_pairs_max > 1024 {
+            return invalid(format!("io_queue_pairs_max {} outside 1..=1024", self.io_queue_pairs_max));
+        }
+        if self.namespaces.is_empty() || self.namespaces.len() > 1024 {
+            return invalid(format!("{} namespaces; 1..=1024 supported", self.namespaces.len()));
+        }
+        for (index, namespace) in self.namespaces.iter().enumerate() {
+            let size = namespace.block_size_bytes;
+            if !size.is_power_of_two() || !(512..=65536).contains(&size) {
+                return invalid(format!("namespace {}: block size {size} is not a power of two in 512..=65536", index + 1));
+            }
+            if namespace.size_bytes.is_none() && index + 1 != self.namespaces.len() {
+                return invalid(format!("namespace {}: only the last namespace may take the remaining space", index + 1));
+            }
+        }
+        if self.mdts > 20 {
+            return invalid(format!("mdts {} above 20", self.mdts));
+        }
+        Ok(())
+    }
+}

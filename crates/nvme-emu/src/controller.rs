@@ -1,0 +1,532 @@
+//! The controller proper: state machine (disabled, ready, fatal), doorbell scanning, command
+//! dispatch and completion posting. Admin and NVM command handlers live in `admin` and `io`.
+//!
+//! `ControllerCore` is plain single-threaded state; the device thread owns it behind a mutex and
+//! calls [`ControllerCore::poll`] in a loop, and the fuzz entry point drives
+//! [`ControllerCore::execute`] directly.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use nvme_driver::hw::{DmaAllocator, DmaPool};
+use nvme_driver::spec::registers::{self, ControllerConfiguration, ShutdownNotification};
+use nvme_driver::spec::status::codes;
+use nvme_driver::spec::{CompletionEntry, NvmeStatus, StatusCodeType, SubmissionEntry, COMPLETION_ENTRY_BYTES, SUBMISSION_ENTRY_BYTES};
+use nvme_driver::Iova;
+
+use crate::backing::{AlignedBuffer, Store};
+use crate::cache::WriteCache;
+use crate::config::EmuConfig;
+use crate::faults::{FaultAction, FaultPlan, FaultState};
+use crate::queues::{CompletionQueue, SubmissionQueue};
+use crate::registers::RegisterFile;
+use crate::stats::{Counters, EmuStats};
+use crate::EmuError;
+
+/// Commands fetched from one SQ per scan, so one busy queue cannot starve the others.
+const COMMANDS_PER_QUEUE_PER_SCAN: usize = 64;
+/// Error Information log entries kept (Identify ELPE + 1).
+pub(crate) const ERROR_LOG_ENTRIES: usize = 64;
+/// CSTS bits (§3.1.3.6).
+const CSTS_READY: u32 = 1;
+const CSTS_FATAL: u32 = 1 << 1;
+const CSTS_SHUTDOWN_MASK: u32 = 0x3 << 2;
+const CSTS_SHUTDOWN_COMPLETE: u32 = 0x2 << 2;
+
+/// A command's result: completion dword 0 on success, or the status to report.
+pub(crate) type CommandResult = Result<u32, NvmeStatus>;
+
+pub(crate) fn generic(code: u8) -> NvmeStatus {
+    NvmeStatus::generic(code)
+}
+
+pub(crate) fn command_specific(code: u8) -> NvmeStatus {
+    NvmeStatus::command_specific(code)
+}
+
+pub(crate) fn media(code: u8) -> NvmeStatus {
+    NvmeStatus::new(StatusCodeType::MediaAndDataIntegrity, code)
+}
+
+/// One namespace's geometry and its place in the backing store.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Namespace {
+    pub block_size_bytes: u32,
+    pub blocks: u64,
+    pub base_offset_bytes: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Disabled,
+    Ready,
+    /// CSTS.CFS is set; nothing is processed until the host clears CC.EN.
+    Fatal,
+}
+
+/// Features the host can set (§5.27).
+pub(crate) struct Features {
+    /// Number of Queues granted (I/O SQs, I/O CQs).
+    pub submission_queues_granted: u16,
+    pub completion_queues_granted: u16,
+    /// Volatile Write Cache enable (only meaningful when the cache is present).
+    pub write_cache_enabled: bool,
+}
+
+struct PendingCompletion {
+    due: Instant,
+    completion_queue_id: u16,
+    entry: CompletionEntry,
+}
+
+/// The last errors, newest last, for the Error Information log page.
+#[derive(Default)]
+pub(crate) struct ErrorLog {
+    pub entries: VecDeque<[u8; 64]>,
+    pub count: u64,
+}
+
+impl ErrorLog {
+    fn record(&mut self, queue_id: u16, entry: &SubmissionEntry, status_field: u16) {
+        self.count += 1;
+        let mut bytes = [0u8; 64];
+        bytes[0..8].copy_from_slice(&self.count.to_le_bytes());
+        bytes[8..10].copy_from_slice(&queue_id.to_le_bytes());
+        bytes[10..12].copy_from_slice(&entry.command_id().0.to_le_bytes());
+        bytes[12..14].copy_from_slice(&(status_field << 1).to_le_bytes());
+        bytes[14..16].copy_from_slice(&0xFFFFu16.to_le_bytes()); // parameter location unknown
+        bytes[16..24].copy_from_slice(&entry.starting_lba().0.to_le_bytes());
+        bytes[24..28].copy_from_slice(&entry.nsid.to_le_bytes());
+        if self.entries.len() == ERROR_LOG_ENTRIES {
+            self.entries.pop_front();
+        }
+        self.entries.push_back(bytes);
+    }
+}
+
+pub(crate) struct ControllerCore {
+    pub(crate) config: EmuConfig,
+    pub(crate) registers: Arc<RegisterFile>,
+    pub(crate) dma: DmaPool,
+    state: State,
+    pub(crate) submission_queues: Vec<Option<SubmissionQueue>>,
+    pub(crate) completion_queues: Vec<Option<CompletionQueue>>,
+    pub(crate) namespaces: Vec<Namespace>,
+    pub(crate) store: Store,
+    pub(crate) cache: WriteCache,
+    pub(crate) features: Features,
+    faults: FaultState,
+    pending: Vec<PendingCompletion>,
+    pub(crate) counters: Counters,
+    pub(crate) error_log: ErrorLog,
+    pub(crate) scratch: AlignedBuffer,
+    /// Unsafe shutdowns (power losses) and power cycles, for the SMART log.
+    pub(crate) power_cycles: u64,
+    pub(crate) unsafe_shutdowns: u64,
+}
+
+impl ControllerCore {
+    pub(crate) fn new(config: EmuConfig, registers: Arc<RegisterFile>, dma: DmaPool) -> Result<Self, EmuError> {
+        config.validate()?;
+        let store = Store::open(&config.backing)?;
+        let namespaces = layout_namespaces(&config, store.size_bytes())?;
+        let queue_slots = usize::from(config.io_queue_pairs_max) + 1;
+        let features = Self::default_features(&config);
+        Ok(Self {
+            registers,
+            dma,
+            state: State::Disabled,
+            submission_queues: (0..queue_slots).map(|_| None).collect(),
+            completion_queues: (0..queue_slots).map(|_| None).collect(),
+            namespaces,
+            store,
+            cache: WriteCache::default(),
+            features,
+            faults: FaultState::default(),
+            pending: Vec::new(),
+            counters: Counters::default(),
+            error_log: ErrorLog::default(),
+            scratch: AlignedBuffer::default(),
+            power_cycles: 1,
+            unsafe_shutdowns: 0,
+            config,
+        })
+    }
+
+    fn default_features(config: &EmuConfig) -> Features {
+        Features {
+            submission_queues_granted: config.io_queue_pairs_max,
+            completion_queues_granted: config.io_queue_pairs_max,
+            write_cache_enabled: config.volatile_write_cache,
+        }
+    }
+
+    pub(crate) fn describe_store(&self) -> String {
+        self.store.describe()
+    }
+
+    pub(crate) fn stats(&self) -> EmuStats {
+        self.counters.snapshot()
+    }
+
+    pub(crate) fn set_faults(&mut self, plan: FaultPlan) {
+        self.faults.install(plan);
+    }
+
+    /// The earliest time a delayed completion is due, so the poller does not oversleep.
+    pub(crate) fn next_due(&self) -> Option<Instant> {
+        self.pending.iter().map(|pending| pending.due).min()
+    }
+
+    /// One scan: reacts to CC, posts due delayed completions, consumes doorbells. Returns whether
+    /// anything happened (the poller backs off when nothing does).
+    pub(crate) fn poll(&mut self, now: Instant) -> bool {
+        let mut worked = self.react_to_configuration();
+        if self.state != State::Ready {
+            return worked;
+        }
+        worked |= self.post_due(now);
+        worked |= self.scan_queues(now);
+        worked
+    }
+
+    /// Applies CC: enable (EN 0 to 1), reset (EN 1 to 0), shutdown notification. Called by the
+    /// poller and, synchronously, after every host write of CC.
+    pub(crate) fn react_to_configuration(&mut self) -> bool {
+        let cc = ControllerConfiguration(self.registers.load32(registers::CC));
+        let mut worked = false;
+        match (self.state, cc.enabled()) {
+            (State::Disabled, true) => {
+                self.enable(cc);
+                worked = true;
+            }
+            (State::Ready | State::Fatal, false) => {
+                self.reset_controller();
+                worked = true;
+            }
+            _ => {}
+        }
+        worked |= self.handle_shutdown(cc);
+        worked
+    }
+
+    /// CC.EN 0 to 1 (§3.5.1): checks the configuration and the admin queues, then sets RDY.
+    /// A configuration the controller cannot run with sets CSTS.CFS instead.
+    fn enable(&mut self, cc: ControllerConfiguration) {
+        match self.admin_queues(cc) {
+            Ok((submission, completion)) => {
+                self.registers.clear_doorbells();
+                self.submission_queues[0] = Some(submission);
+                self.completion_queues[0] = Some(completion);
+                self.state = State::Ready;
+                self.counters.totals.enables += 1;
+                self.registers.set_status(CSTS_READY);
+            }
+            Err(reason) => {
+                tracing::warn!(reason, "controller enable failed; setting CSTS.CFS");
+                self.set_fatal();
+            }
+        }
+    }
+
+    fn admin_queues(&self, cc: ControllerConfiguration) -> Result<(SubmissionQueue, CompletionQueue), &'static str> {
+        if cc.command_set() != 0 {
+            return Err("CC.CSS selects a command set other than NVM");
+        }
+        if cc.page_size_bytes() != 4096 {
+            return Err("CC.MPS is not 4 KiB (CAP.MPSMIN = CAP.MPSMAX = 0)");
+        }
+        let sqes = cc.io_submission_entry_size_log2();
+        let cqes = cc.io_completion_entry_size_log2();
+        if (sqes != 0 && sqes != 6) || (cqes != 0 && cqes != 4) {
+            return Err("CC.IOSQES / CC.IOCQES are not 64 / 16 bytes");
+        }
+        let (sq_entries, cq_entries) = registers::decode_admin_queue_attributes(self.registers.load32(registers::AQA));
+        let max_entries = self.config.max_queue_entries.min(4096);
+        if !(2..=max_entries).contains(&sq_entries) || !(2..=max_entries).contains(&cq_entries) {
+            return Err("AQA sizes outside 2..=MQES+1");
+        }
+        let asq = self.registers.load64(registers::ASQ);
+        let acq = self.registers.load64(registers::ACQ);
+        if asq == 0 || acq == 0 || !asq.is_multiple_of(4096) || !acq.is_multiple_of(4096) {
+            return Err("ASQ / ACQ are zero or not page aligned");
+        }
+        let submission_memory = self.dma.translate(Iova(asq), sq_entries as usize * SUBMISSION_ENTRY_BYTES).map_err(|_| "ASQ is not mapped memory")?;
+        let completion_memory = self.dma.translate(Iova(acq), cq_entries as usize * COMPLETION_ENTRY_BYTES).map_err(|_| "ACQ is not mapped memory")?;
+        Ok((SubmissionQueue::new(submission_memory, sq_entries, 0), CompletionQueue::new(completion_memory, cq_entries)))
+    }
+
+    fn set_fatal(&mut self) {
+        self.state = State::Fatal;
+        let csts = self.registers.load32(registers::CSTS);
+        self.registers.set_status(csts | CSTS_FATAL);
+    }
+
+    fn drop_queues(&mut self) {
+        self.submission_queues.iter_mut().for_each(|queue| *queue = None);
+        self.completion_queues.iter_mut().for_each(|queue| *queue = None);
+        self.pending.clear();
+    }
+
+    /// CC.EN 1 to 0 (§3.7.2): queues are deleted, features return to defaults, RDY and CFS clear.
+    /// The write cache survives a controller reset (it is not a power loss).
+    fn reset_controller(&mut self) {
+        self.drop_queues();
+        self.features = Self::default_features(&self.config);
+        self.state = State::Disabled;
+        self.registers.clear_doorbells();
+        self.registers.set_status(0);
+    }
+
+    /// CC.SHN (§3.6): on a shutdown notification the cache is written back and SHST reports
+    /// complete; clearing SHN clears SHST.
+    fn handle_shutdown(&mut self, cc: ControllerConfiguration) -> bool {
+        let csts = self.registers.load32(registers::CSTS);
+        let complete = csts & CSTS_SHUTDOWN_MASK == CSTS_SHUTDOWN_COMPLETE;
+        match cc.shutdown() {
+            ShutdownNotification::None if csts & CSTS_SHUTDOWN_MASK != 0 => {
+                self.registers.set_status(csts & !CSTS_SHUTDOWN_MASK);
+                true
+            }
+            ShutdownNotification::Normal | ShutdownNotification::Abrupt if !complete => {
+                if let Err(status) = self.write_back(None) {
+                    tracing::error!(%status, "write-back at shutdown failed");
+                }
+                self.registers.set_status(csts & !CSTS_SHUTDOWN_MASK | CSTS_SHUTDOWN_COMPLETE);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Power is cut: unflushed cache contents are lost, in-flight commands get no completion,
+    /// every register returns to its reset value. The backing store is kept.
+    pub(crate) fn power_loss(&mut self) {
+        self.cache.discard_all();
+        self.drop_queues();
+        self.features = Self::default_features(&self.config);
+        self.state = State::Disabled;
+        self.registers.power_on_reset();
+        self.counters.totals.power_losses += 1;
+        self.unsafe_shutdowns += 1;
+        self.power_cycles += 1;
+    }
+
+    /// Function-level reset: like a controller reset, plus registers to reset values. The cache
+    /// is written back first (an FLR is not a power loss).
+    pub(crate) fn function_reset(&mut self) -> Result<(), NvmeStatus> {
+        let written = self.write_back(None);
+        self.reset_controller();
+        self.registers.power_on_reset();
+        written
+    }
+
+    fn update_doorbell(registers: &RegisterFile, counters: &mut Counters, queue_id: u16, completion: bool, entries: u32, value: &mut u32, last_invalid: &mut Option<u32>) {
+        let Some(rung) = registers.doorbell(queue_id, completion) else { return };
+        if rung < entries {
+            *value = rung;
+            *last_invalid = None;
+        } else if *last_invalid != Some(rung) {
+            // Beyond the queue: ignored (a real controller may post an asynchronous event).
+            counters.totals.invalid_doorbell_writes += 1;
+            *last_invalid = Some(rung);
+        }
+    }
+
+    fn scan_queues(&mut self, now: Instant) -> bool {
+        for (queue_id, slot) in self.completion_queues.iter_mut().enumerate() {
+            if let Some(queue) = slot {
+                Self::update_doorbell(&self.registers, &mut self.counters, queue_id as u16, true, queue.entries, &mut queue.head, &mut queue.last_invalid_doorbell);
+            }
+        }
+        let mut worked = false;
+        for queue_index in 0..self.submission_queues.len() {
+            let queue_id = queue_index as u16;
+            if let Some(Some(queue)) = self.submission_queues.get_mut(queue_index) {
+                Self::update_doorbell(&self.registers, &mut self.counters, queue_id, false, queue.entries, &mut queue.tail, &mut queue.last_invalid_doorbell);
+            }
+            for _ in 0..COMMANDS_PER_QUEUE_PER_SCAN {
+                if self.state != State::Ready {
+                    return worked;
+                }
+                let Some(Some(queue)) = self.submission_queues.get_mut(queue_index) else { break };
+                if queue.is_empty() {
+                    break;
+                }
+                let completion_queue_id = queue.completion_queue_id;
+                let free = self.completion_queues.get(usize::from(completion_queue_id)).and_then(Option::as_ref).map_or(0, CompletionQueue::free_slots);
+                if free == 0 {
+                    // CQ full: leave the command in the SQ until the host rings the CQ head.
+                    break;
+                }
+                let Some(entry) = queue.fetch() else { break };
+                let head = queue.head;
+                self.run_command(queue_id, completion_queue_id, head, entry, now);
+                worked = true;
+            }
+        }
+        worked
+    }
+
+    fn run_command(&mut self, queue_id: u16, completion_queue_id: u16, sq_head: u32, entry: SubmissionEntry, now: Instant) {
+        let admin = queue_id == 0;
+        self.counters.count_command(admin, entry.opcode());
+        let fault = self.faults.on_command(admin, entry.opcode());
+        if fault.is_some() {
+            self.counters.totals.faults_injected += 1;
+        }
+        let result = match fault {
+            Some(FaultAction::Status(status)) => Err(status),
+            Some(FaultAction::ControllerFatal) => {
+                self.set_fatal();
+                return;
+            }
+            _ => self.execute(queue_id, &entry),
+        };
+        let (dw0, status_field) = match result {
+            Ok(dw0) => (dw0, 0),
+            Err(status) => {
+                let field = status.to_status_field();
+                self.error_log.record(queue_id, &entry, field);
+                self.counters.totals.error_completions += 1;
+                (0, field)
+            }
+        };
+        let mut completion = CompletionEntry {
+            dw0,
+            dw1: 0,
+            sq_head: sq_head as u16,
+            sq_id: queue_id,
+            command_id: entry.command_id().0,
+            status_and_phase: status_field << 1,
+        };
+        match fault {
+            Some(FaultAction::DropCompletion) => {}
+            Some(FaultAction::Delay(delay)) => self.delay_completion(completion_queue_id, completion, now + delay),
+            Some(FaultAction::CorruptCommandId) => {
+                completion.command_id ^= 0x8001;
+                self.post(completion_queue_id, completion);
+            }
+            _ => self.post(completion_queue_id, completion),
+        }
+    }
+
+    fn delay_completion(&mut self, completion_queue_id: u16, entry: CompletionEntry, due: Instant) {
+        if let Some(Some(queue)) = self.completion_queues.get_mut(usize::from(completion_queue_id)) {
+            queue.reserved += 1;
+            self.pending.push(PendingCompletion { due, completion_queue_id, entry });
+        }
+    }
+
+    fn post(&mut self, completion_queue_id: u16, entry: CompletionEntry) {
+        if let Some(Some(queue)) = self.completion_queues.get_mut(usize::from(completion_queue_id)) {
+            if queue.post(entry) {
+                self.counters.totals.completions_posted += 1;
+            }
+        }
+    }
+
+    fn post_due(&mut self, now: Instant) -> bool {
+        let mut worked = false;
+        let mut index = 0;
+        // Bounded by the number of pending entries: each pass removes one or advances.
+        while index < self.pending.len() {
+            if self.pending[index].due > now {
+                index += 1;
+                continue;
+            }
+            let pending = self.pending.swap_remove(index);
+            if let Some(Some(queue)) = self.completion_queues.get_mut(usize::from(pending.completion_queue_id)) {
+                queue.reserved = queue.reserved.saturating_sub(1);
+            }
+            self.post(pending.completion_queue_id, pending.entry);
+            worked = true;
+        }
+        worked
+    }
+
+    /// Executes one command and returns its completion dword 0 or its status. Never panics on
+    /// anything in `entry` or in host memory.
+    pub(crate) fn execute(&mut self, queue_id: u16, entry: &SubmissionEntry) -> CommandResult {
+        // Fused operations (§4.15) are optional and not supported.
+        if entry.fuse() != 0 {
+            return Err(generic(codes::INVALID_FIELD));
+        }
+        if queue_id == 0 {
+            self.execute_admin(entry)
+        } else {
+            self.execute_io(entry)
+        }
+    }
+
+    /// Writes every dirty cached block of one namespace (or all) to the backing store.
+    pub(crate) fn write_back(&mut self, only_namespace: Option<usize>) -> Result<(), NvmeStatus> {
+        if self.cache.is_empty() {
+            return Ok(());
+        }
+        for run in self.cache.drain_runs(only_namespace) {
+            let Some(namespace) = self.namespaces.get(run.namespace_index).copied() else { continue };
+            let offset = namespace.base_offset_bytes + run.start_lba * u64::from(namespace.block_size_bytes);
+            if let Err(error) = self.store.write(offset, &run.data) {
+                tracing::error!(%error, offset, "cache write-back failed");
+                return Err(media(codes::WRITE_FAULT));
+            }
+            self.counters.totals.cache_writeback_bytes += run.data.len() as u64;
+        }
+        Ok(())
+    }
+
+    /// Idle sleep bound for the poller: the configured maximum, or less if a completion is due.
+    pub(crate) fn sleep_bound(&self, now: Instant) -> Duration {
+        let max = self.config.idle_sleep_max;
+        self.next_due().map_or(max, |due| due.saturating_duration_since(now).min(max))
+    }
+}
+
+/// Places the configured namespaces back to back in a store of `store_bytes`.
+fn layout_namespaces(config: &EmuConfig, store_bytes: u64) -> Result<Vec<Namespace>, EmuError> {
+    let mut namespaces = Vec::with_capacity(config.namespaces.len());
+    let mut offset = 0u64;
+    for (index, namespace) in config.namespaces.iter().enumerate() {
+        let block = u64::from(namespace.block_size_bytes);
+        let available = store_bytes.saturating_sub(offset);
+        let wanted = namespace.size_bytes.unwrap_or(available);
+        let blocks = wanted / block;
+        if blocks == 0 || blocks * block > available {
+            return Err(EmuError::InvalidConfig {
+                reason: format!("namespace {} needs {wanted} bytes but {available} of the {store_bytes}-byte backing store remain", index + 1),
+            });
+        }
+        namespaces.push(Namespace { block_size_bytes: namespace.block_size_bytes, blocks, base_offset_bytes: offset });
+        offset += blocks * block;
+    }
+    Ok(namespaces)
+}
+
+impl ControllerCore {
+    /// The namespace index of a host-supplied NSID (1-based), or Invalid Namespace or Format.
+    pub(crate) fn namespace_index(&self, nsid: u32) -> Result<usize, NvmeStatus> {
+        let index = usize::try_from(nsid).ok().and_then(|nsid| nsid.checked_sub(1));
+        index.filter(|&index| index < self.namespaces.len()).ok_or(generic(codes::INVALID_NAMESPACE))
+    }
+
+    /// Forgets delayed completions of a deleted submission queue (they would name a dead queue).
+    pub(crate) fn drop_pending_for(&mut self, submission_queue_id: u16) {
+        let completion_queues = &mut self.completion_queues;
+        self.pending.retain(|pending| {
+            let keep = pending.entry.sq_id != submission_queue_id;
+            if !keep {
+                if let Some(Some(queue)) = completion_queues.get_mut(usize::from(pending.completion_queue_id)) {
+                    queue.reserved = queue.reserved.saturating_sub(1);
+                }
+            }
+            keep
+        });
+    }
+
+    /// Whether the host has created any I/O queue.
+    pub(crate) fn io_queues_exist(&self) -> bool {
+        self.submission_queues.iter().skip(1).any(Option::is_some) || self.completion_queues.iter().skip(1).any(Option::is_some)
+    }
+}

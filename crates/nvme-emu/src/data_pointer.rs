@@ -1,0 +1,371 @@
+//! Resolving a command's data pointer (PRP or SGL, §4.1) into DMA regions.
+//!
+//! Everything read here comes from host memory and is untrusted: PRP lists and SGL segments are
+//! read with bounds, every length sum is checked, chains are bounded in hops and descriptors,
+//! a segment visited twice is a loop, and an address that translates to no mapped memory is a
+//! Data Transfer Error. Nothing here panics on host data.
+
+use std::collections::HashSet;
+
+use nvme_driver::hw::{DmaAllocator, DmaPool, DmaRegion};
+use nvme_driver::spec::data_pointer::{SglDescriptor, SglDescriptorType, PRP_ENTRY_BYTES, SGL_DESCRIPTOR_BYTES};
+use nvme_driver::spec::status::codes;
+use nvme_driver::spec::{NvmeStatus, SubmissionEntry};
+use nvme_driver::Iova;
+
+/// Memory page size (CC.MPS = 0; CAP.MPSMAX = 0 so it is the only one).
+pub(crate) const PAGE_BYTES: u64 = 4096;
+/// Most SGL descriptors one command may use, over all its segments (bounds loops and work).
+pub(crate) const MAX_SGL_DESCRIPTORS: u64 = 1 << 16;
+
+fn generic(code: u8) -> NvmeStatus {
+    NvmeStatus::generic(code)
+}
+
+/// The host memory a command transfers to or from, in order.
+#[derive(Debug, Default)]
+pub(crate) struct DataBuffers {
+    pub regions: Vec<DmaRegion>,
+}
+
+impl DataBuffers {
+    /// Copies `data` into the host buffers in order (device to host).
+    pub(crate) fn scatter(&self, data: &[u8]) -> Result<(), NvmeStatus> {
+        let mut done = 0usize;
+        for region in &self.regions {
+            let chunk = data.get(done..done + region.len()).ok_or(generic(codes::INTERNAL_ERROR))?;
+            region.write(0, chunk).map_err(|_| generic(codes::DATA_TRANSFER_ERROR))?;
+            done += region.len();
+        }
+        Ok(())
+    }
+
+    /// Copies the host buffers into `data` in order (host to device).
+    pub(crate) fn gather(&self, data: &mut [u8]) -> Result<(), NvmeStatus> {
+        let mut done = 0usize;
+        for region in &self.regions {
+            let chunk = data.get_mut(done..done + region.len()).ok_or(generic(codes::INTERNAL_ERROR))?;
+            region.read(0, chunk).map_err(|_| generic(codes::DATA_TRANSFER_ERROR))?;
+            done += region.len();
+        }
+        Ok(())
+    }
+}
+
+/// Resolves the data pointer of `entry` for a transfer of `length_bytes`. `sgl_allowed` is false
+/// for admin commands (PCIe admin commands use PRPs) and when the controller reports no SGLs.
+pub(crate) fn resolve(dma: &DmaPool, entry: &SubmissionEntry, length_bytes: u64, sgl_allowed: bool) -> Result<DataBuffers, NvmeStatus> {
+    if length_bytes == 0 {
+        return Ok(DataBuffers::default());
+    }
+    let ranges = match entry.psdt() {
+        0 => prp_ranges(dma, entry.dptr[0], entry.dptr[1], length_bytes)?,
+        1 | 2 if sgl_allowed => sgl_ranges(dma, entry.dptr, length_bytes)?,
+        _ => return Err(generic(codes::INVALID_FIELD)),
+    };
+    let mut regions = Vec::with_capacity(ranges.len());
+    for (iova, len) in coalesce(ranges) {
+        translate(dma, iova, len, &mut regions)?;
+    }
+    Ok(DataBuffers { regions })
+}
+
+/// Merges ranges that continue each other, so that one translation covers several pages.
+fn coalesce(ranges: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
+    let mut merged: Vec<(u64, u64)> = Vec::with_capacity(ranges.len());
+    for (iova, len) in ranges {
+        match merged.last_mut() {
+            Some((start, total)) if start.checked_add(*total) == Some(iova) => *total += len,
+            _ => merged.push((iova, len)),
+        }
+    }
+    merged
+}
+
+/// Translates one range; a merged range that spans two mappings adjacent in IOVA space is
+/// retried page by page.
+fn translate(dma: &DmaPool, iova: u64, len: u64, out: &mut Vec<DmaRegion>) -> Result<(), NvmeStatus> {
+    let transfer_error = generic(codes::DATA_TRANSFER_ERROR);
+    let whole_len = usize::try_from(len).map_err(|_| transfer_error)?;
+    if let Ok(region) = dma.translate(Iova(iova), whole_len) {
+        out.push(region);
+        return Ok(());
+    }
+    if len <= PAGE_BYTES {
+        return Err(transfer_error);
+    }
+    let mut done = 0u64;
+    // Bounded by len / page size + 1 iterations: every pass advances to the next page boundary.
+    while done < len {
+        let at = iova.checked_add(done).ok_or(transfer_error)?;
+        let chunk = (PAGE_BYTES - at % PAGE_BYTES).min(len - done);
+        let region = dma.translate(Iova(at), chunk as usize).map_err(|_| transfer_error)?;
+        match out.last_mut() {
+            // Keep one region per mapping where possible.
+            Some(previous) if previous.iova().checked_add(previous.len() as u64) == Some(Iova(at)) => {
+                if let Ok(longer) = dma.translate(previous.iova(), previous.len() + chunk as usize) {
+                    *previous = longer;
+                } else {
+                    out.push(region);
+                }
+            }
+            _ => out.push(region),
+        }
+        done += chunk;
+    }
+    Ok(())
+}
+
+/// Reads `count` little-endian u64 values at `iova` (one PRP list stretch, within one page).
+fn read_prp_entries(dma: &DmaPool, iova: u64, count: usize) -> Result<[u64; 512], NvmeStatus> {
+    let transfer_error = generic(codes::DATA_TRANSFER_ERROR);
+    let mut raw = [0u8; PAGE_BYTES as usize];
+    let bytes = raw.get_mut(..count * PRP_ENTRY_BYTES).ok_or(generic(codes::INTERNAL_ERROR))?;
+    let region = dma.translate(Iova(iova), bytes.len()).map_err(|_| transfer_error)?;
+    region.read(0, bytes).map_err(|_| transfer_error)?;
+    let mut entries = [0u64; 512];
+    for (entry, chunk) in entries.iter_mut().zip(bytes.chunks_exact(PRP_ENTRY_BYTES)) {
+        let mut qword = [0u8; 8];
+        qword.copy_from_slice(chunk);
+        *entry = u64::from_le_bytes(qword);
+    }
+    Ok(entries)
+}
+
+/// PRP1/PRP2/PRP lists (§4.1.1): the (address, length) pieces of the transfer.
+pub(crate) fn prp_ranges(dma: &DmaPool, prp1: u64, prp2: u64, length_bytes: u64) -> Result<Vec<(u64, u64)>, NvmeStatus> {
+    let offset_error = generic(codes::INVALID_PRP_OFFSET);
+    // PRP1 may carry an offset into its page, but it must be dword aligned.
+    if prp1 & 0x3 != 0 {
+        return Err(offset_error);
+    }
+    let first = length_bytes.min(PAGE_BYTES - prp1 % PAGE_BYTES);
+    let mut ranges = vec![(prp1, first)];
+    let mut remaining = length_bytes - first;
+    if remaining == 0 {
+        return Ok(ranges);
+    }
+    if remaining <= PAGE_BYTES {
+        if !prp2.is_multiple_of(PAGE_BYTES) {
+            return Err(offset_error);
+        }
+        ranges.push((prp2, remaining));
+        return Ok(ranges);
+    }
+    // PRP2 points to a list (offset allowed, qword aligned); entries must be page aligned.
+    if prp2 & 0x7 != 0 {
+        return Err(offset_error);
+    }
+    let mut entries_needed = remaining.div_ceil(PAGE_BYTES);
+    let mut list = prp2;
+    // Every list page but a degenerate first one yields at least one data entry.
+    let max_pages = entries_needed + 2;
+    for _ in 0..max_pages {
+        let slots = (PAGE_BYTES - list % PAGE_BYTES) / PRP_ENTRY_BYTES as u64;
+        let chained = entries_needed > slots;
+        let take = if chained { slots } else { entries_needed };
+        let entries = read_prp_entries(dma, list, take as usize)?;
+        let data_entries = if chained { take - 1 } else { take };
+        for &entry in entries.iter().take(data_entries as usize) {
+            if entry % PAGE_BYTES != 0 {
+                return Err(offset_error);
+            }
+            let len = remaining.min(PAGE_BYTES);
+            ranges.push((entry, len));
+            remaining -= len;
+        }
+        entries_needed -= data_entries;
+        if entries_needed == 0 {
+            return Ok(ranges);
+        }
+        let next = entries.get(take as usize - 1).copied().ok_or(generic(codes::INTERNAL_ERROR))?;
+        if next % PAGE_BYTES != 0 {
+            return Err(offset_error);
+        }
+        list = next;
+    }
+    Err(generic(codes::INVALID_FIELD))
+}
+
+/// SGLs (§4.1.2): a Data Block in SGL1, or a chain of Segment / Last Segment descriptors.
+pub(crate) fn sgl_ranges(dma: &DmaPool, dptr: [u64; 2], length_bytes: u64) -> Result<Vec<(u64, u64)>, NvmeStatus> {
+    let mut walk = SglWalk { ranges: Vec::new(), total_bytes: 0, expected_bytes: length_bytes };
+    let first = SglDescriptor::from_dptr(dptr);
+    match first.kind() {
+        SglDescriptorType::DataBlock => walk.data_block(&first)?,
+        SglDescriptorType::Segment | SglDescriptorType::LastSegment => walk.follow(dma, first)?,
+        _ => return Err(generic(codes::SGL_DESCRIPTOR_TYPE_INVALID)),
+    }
+    if walk.total_bytes != length_bytes {
+        return Err(generic(codes::DATA_SGL_LENGTH_INVALID));
+    }
+    Ok(walk.ranges)
+}
+
+struct SglWalk {
+    ranges: Vec<(u64, u64)>,
+    total_bytes: u64,
+    expected_bytes: u64,
+}
+
+impl SglWalk {
+    fn data_block(&mut self, descriptor: &SglDescriptor) -> Result<(), NvmeStatus> {
+        // Sub type 1 (offset addressing) is for fabrics; on PCIe only addresses are valid.
+        if descriptor.subtype() != 0 {
+            return Err(generic(codes::SGL_DESCRIPTOR_TYPE_INVALID));
+        }
+        let len = u64::from(descriptor.length);
+        let total = self.total_bytes.checked_add(len).filter(|&total| total <= self.expected_bytes);
+        self.total_bytes = total.ok_or(generic(codes::DATA_SGL_LENGTH_INVALID))?;
+        if len > 0 {
+            self.ranges.push((descriptor.address, len));
+        }
+        Ok(())
+    }
+
+    fn follow(&mut self, dma: &DmaPool, mut segment: SglDescriptor) -> Result<(), NvmeStatus> {
+        let mut visited = HashSet::new();
+        let mut descriptors_seen = 0u64;
+        // Each hop reads at least one descriptor, so the descriptor bound bounds the hops.
+        for _ in 0..MAX_SGL_DESCRIPTORS {
+            if segment.subtype() != 0 {
+                return Err(generic(codes::SGL_DESCRIPTOR_TYPE_INVALID));
+            }
+            let segment_bytes = u64::from(segment.length);
+            if segment_bytes == 0 || segment_bytes % SGL_DESCRIPTOR_BYTES as u64 != 0 {
+                return Err(generic(codes::INVALID_SGL_DESCRIPTOR_COUNT));
+            }
+            let count = segment_bytes / SGL_DESCRIPTOR_BYTES as u64;
+            descriptors_seen += count;
+            if descriptors_seen > MAX_SGL_DESCRIPTORS {
+                return Err(generic(codes::INVALID_SGL_DESCRIPTOR_COUNT));
+            }
+            if !visited.insert(segment.address) {
+                return Err(generic(codes::INVALID_SGL_SEGMENT_DESCRIPTOR));
+            }
+            let last = segment.kind() == SglDescriptorType::LastSegment;
+            let next = self.read_segment(dma, segment.address, count, last)?;
+            match (last, next) {
+                (true, _) => return Ok(()),
+                (false, Some(next)) => segment = next,
+                // A Segment must end with a descriptor pointing to the next segment.
+                (false, None) => return Err(generic(codes::INVALID_SGL_SEGMENT_DESCRIPTOR)),
+            }
+        }
+        Err(generic(codes::INVALID_SGL_DESCRIPTOR_COUNT))
+    }
+
+    /// Reads one segment of `count` descriptors; returns the chained segment descriptor, if any.
+    fn read_segment(&mut self, dma: &DmaPool, address: u64, count: u64, last: bool) -> Result<Option<SglDescriptor>, NvmeStatus> {
+        let transfer_error = generic(codes::DATA_TRANSFER_ERROR);
+        let bytes = usize::try_from(count * SGL_DESCRIPTOR_BYTES as u64).map_err(|_| transfer_error)?;
+        let region = dma.translate(Iova(address), bytes).map_err(|_| transfer_error)?;
+        let mut chunk = [0u8; 4096];
+        let per_chunk = (chunk.len() / SGL_DESCRIPTOR_BYTES) as u64;
+        let mut next = None;
+        let mut index = 0u64;
+        // Bounded by `count` descriptors, read 256 at a time.
+        while index < count {
+            let batch = per_chunk.min(count - index);
+            let raw = &mut chunk[..batch as usize * SGL_DESCRIPTOR_BYTES];
+            region.read(index as usize * SGL_DESCRIPTOR_BYTES, raw).map_err(|_| transfer_error)?;
+            for (offset, bytes) in raw.chunks_exact(SGL_DESCRIPTOR_BYTES).enumerate() {
+                let mut array = [0u8; SGL_DESCRIPTOR_BYTES];
+                array.copy_from_slice(bytes);
+                let descriptor = SglDescriptor::from_bytes(&array);
+                let position = index + offset as u64;
+                match descriptor.kind() {
+                    SglDescriptorType::DataBlock => self.data_block(&descriptor)?,
+                    SglDescriptorType::Segment | SglDescriptorType::LastSegment => {
+                        // Only the last descriptor of a (non-last) segment may chain on.
+                        if last || position + 1 != count {
+                            return Err(generic(codes::INVALID_SGL_SEGMENT_DESCRIPTOR));
+                        }
+                        next = Some(descriptor);
+                    }
+                    // Bit Bucket is optional (SGLS bit 16 clear); keyed and transport data
+                    // blocks belong to fabrics.
+                    _ => return Err(generic(codes::SGL_DESCRIPTOR_TYPE_INVALID)),
+                }
+            }
+            index += batch;
+        }
+        Ok(next)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nvme_driver::hw::DmaAllocator;
+
+    fn put_u64s(region: &DmaRegion, offset: usize, values: &[u64]) {
+        for (index, value) in values.iter().enumerate() {
+            region.write(offset + index * 8, &value.to_le_bytes()).unwrap();
+        }
+    }
+
+    #[test]
+    fn prp_list_chains_across_pages() {
+        // Goal: a list that starts near the end of a page chains to the next list page.
+        let dma = DmaPool::identity();
+        let data = dma.allocate(8 * 4096).unwrap();
+        let lists = dma.allocate(2 * 4096).unwrap();
+        let base = data.iova().0;
+        // List starts at the second-to-last slot of page 0: one data entry, then a chain pointer.
+        let list_start = lists.iova().0 + 4096 - 16;
+        put_u64s(&lists, 4096 - 16, &[base + 4096, lists.iova().0 + 4096]);
+        put_u64s(&lists, 4096, &[base + 2 * 4096, base + 3 * 4096]);
+        let ranges = prp_ranges(&dma, base + 512, list_start, 4096 - 512 + 3 * 4096).unwrap();
+        assert_eq!(ranges, vec![(base + 512, 3584), (base + 4096, 4096), (base + 8192, 4096), (base + 12288, 4096)]);
+        assert_eq!(coalesce(ranges), vec![(base + 512, 3584 + 3 * 4096)]);
+        // Offsets: PRP2 as a page pointer must be aligned; PRP1 must be dword aligned.
+        assert_eq!(prp_ranges(&dma, base, base + 8, 8192), Err(NvmeStatus::generic(codes::INVALID_PRP_OFFSET)));
+        assert_eq!(prp_ranges(&dma, base + 2, base, 8192), Err(NvmeStatus::generic(codes::INVALID_PRP_OFFSET)));
+        // A list entry with an offset.
+        put_u64s(&lists, 0, &[base + 100, base + 8192]);
+        assert_eq!(prp_ranges(&dma, base, lists.iova().0, 3 * 4096), Err(NvmeStatus::generic(codes::INVALID_PRP_OFFSET)));
+        // A list in unmapped memory.
+        assert_eq!(prp_ranges(&dma, base, 0x1000, 3 * 4096), Err(NvmeStatus::generic(codes::DATA_TRANSFER_ERROR)));
+    }
+
+    #[test]
+    fn sgl_segments_loops_and_lengths() {
+        // Goal: valid chains resolve; loops, bad types and length mismatches get their status.
+        let dma = DmaPool::identity();
+        let data = dma.allocate(4 * 4096).unwrap();
+        let segs = dma.allocate(4096).unwrap();
+        let base = data.iova().0;
+        let seg = segs.iova().0;
+        let write_descriptors = |offset: usize, descriptors: &[SglDescriptor]| {
+            for (index, descriptor) in descriptors.iter().enumerate() {
+                segs.write(offset + index * 16, &descriptor.to_bytes()).unwrap();
+            }
+        };
+        // Segment(2) -> [data 100, LastSegment(1) -> [data 28]]
+        write_descriptors(0, &[SglDescriptor::data_block(base, 100), SglDescriptor::last_segment(seg + 256, 1)]);
+        write_descriptors(256, &[SglDescriptor::data_block(base + 4096, 28)]);
+        let head = SglDescriptor::segment(seg, 2).to_dptr();
+        assert_eq!(sgl_ranges(&dma, head, 128).unwrap(), vec![(base, 100), (base + 4096, 28)]);
+        assert_eq!(sgl_ranges(&dma, head, 129), Err(NvmeStatus::generic(codes::DATA_SGL_LENGTH_INVALID)));
+        assert_eq!(sgl_ranges(&dma, head, 127), Err(NvmeStatus::generic(codes::DATA_SGL_LENGTH_INVALID)));
+        // A loop: Segment -> itself.
+        write_descriptors(512, &[SglDescriptor::data_block(base, 1), SglDescriptor::segment(seg + 512, 2)]);
+        let looped = SglDescriptor::segment(seg + 512, 2).to_dptr();
+        assert_eq!(sgl_ranges(&dma, looped, 1 << 20), Err(NvmeStatus::generic(codes::INVALID_SGL_SEGMENT_DESCRIPTOR)));
+        // Bit bucket and unknown types.
+        let bucket = SglDescriptor::new(SglDescriptorType::BitBucket, 0, 10).to_dptr();
+        assert_eq!(sgl_ranges(&dma, bucket, 10), Err(NvmeStatus::generic(codes::SGL_DESCRIPTOR_TYPE_INVALID)));
+        let other = SglDescriptor::new(SglDescriptorType::Other(0xE), base, 10).to_dptr();
+        assert_eq!(sgl_ranges(&dma, other, 10), Err(NvmeStatus::generic(codes::SGL_DESCRIPTOR_TYPE_INVALID)));
+        // Segment length not a multiple of 16; segment in unmapped memory.
+        let ragged = SglDescriptor::new(SglDescriptorType::LastSegment, seg, 17).to_dptr();
+        assert_eq!(sgl_ranges(&dma, ragged, 10), Err(NvmeStatus::generic(codes::INVALID_SGL_DESCRIPTOR_COUNT)));
+        let nowhere = SglDescriptor::last_segment(0x2000, 1).to_dptr();
+        assert_eq!(sgl_ranges(&dma, nowhere, 10), Err(NvmeStatus::generic(codes::DATA_TRANSFER_ERROR)));
+        // A segment descriptor inside a last segment.
+        write_descriptors(768, &[SglDescriptor::last_segment(seg, 1)]);
+        let nested = SglDescriptor::last_segment(seg + 768, 1).to_dptr();
+        assert_eq!(sgl_ranges(&dma, nested, 10), Err(NvmeStatus::generic(codes::INVALID_SGL_SEGMENT_DESCRIPTOR)));
+    }
+}

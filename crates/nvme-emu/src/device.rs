@@ -1,0 +1,168 @@
+//! The device: a controller thread polling the register file, and the `DeviceBackend` face the
+//! driver sees.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use nvme_driver::hw::{DeviceBackend, DmaAllocator, DmaPool, DmaRegion, HwError, RegisterIo};
+use nvme_driver::spec::registers::Capabilities;
+
+use crate::config::EmuConfig;
+use crate::controller::ControllerCore;
+use crate::faults::FaultPlan;
+use crate::registers::RegisterFile;
+use crate::stats::EmuStats;
+use crate::EmuError;
+
+/// Idle back-off: busy scans first, then yields, then sleeps doubling up to the configured cap.
+const SPIN_SCANS: u32 = 256;
+const YIELD_SCANS: u32 = 256;
+const FIRST_SLEEP: Duration = Duration::from_micros(5);
+/// How long `Drop` waits for the controller thread before leaving it detached.
+const STOP_TIMEOUT: Duration = Duration::from_secs(5);
+
+struct Shared {
+    core: Mutex<ControllerCore>,
+    stop: AtomicBool,
+}
+
+impl Shared {
+    fn core(&self) -> MutexGuard<'_, ControllerCore> {
+        // The controller never panics while holding the lock by design; if it ever did, the
+        // state is still structurally valid, so keep serving rather than cascade the panic.
+        self.core.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+/// A running software NVMe controller. See the crate documentation for an example.
+pub struct EmuDevice {
+    shared: Arc<Shared>,
+    registers: Arc<RegisterFile>,
+    dma: Arc<DmaPool>,
+    name: String,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl EmuDevice {
+    /// Opens the backing store, builds the register file and starts the controller thread. The
+    /// controller starts disabled (CC.EN = 0), waiting for a host to bring it up.
+    pub fn start(config: EmuConfig) -> Result<Arc<Self>, EmuError> {
+        config.validate()?;
+        let capabilities = Capabilities::build(config.max_queue_entries, config.ready_timeout_500ms_units, config.doorbell_stride_log2, 0, 0);
+        let registers = Arc::new(RegisterFile::new(capabilities.0, config.doorbell_stride_log2, config.io_queue_pairs_max)?);
+        let dma = Arc::new(DmaPool::identity());
+        let core = ControllerCore::new(config, Arc::clone(&registers), (*dma).clone())?;
+        let name = format!("emu:{}", core.describe_store());
+        let shared = Arc::new(Shared { core: Mutex::new(core), stop: AtomicBool::new(false) });
+        let hook_shared = Arc::downgrade(&shared);
+        registers.set_configuration_hook(Box::new(move || {
+            if let Some(shared) = hook_shared.upgrade() {
+                shared.core().react_to_configuration();
+            }
+        }));
+        let thread_shared = Arc::clone(&shared);
+        let thread = std::thread::Builder::new()
+            .name("nvme-emu".to_string())
+            .spawn(move || run(&thread_shared))
+            .map_err(EmuError::Thread)?;
+        Ok(Arc::new(Self { shared, registers, dma, name, thread: Mutex::new(Some(thread)) }))
+    }
+
+    /// Cuts the power: what the volatile write cache held is lost, commands in flight get no
+    /// completion, CSTS.RDY drops to 0 and every register returns to its reset value. The
+    /// backing store keeps what was durable; the host must bring the controller up again.
+    pub fn power_loss(&self) {
+        self.shared.core().power_loss();
+    }
+
+    /// Installs a fault plan (replacing the previous one; rule counters start from zero).
+    pub fn set_faults(&self, plan: FaultPlan) {
+        self.shared.core().set_faults(plan);
+    }
+
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> EmuStats {
+        self.shared.core().stats()
+    }
+
+    /// The emulated BAR0 memory (to map for a GPU that rings doorbells itself).
+    pub fn register_region(&self) -> DmaRegion {
+        self.registers.region().clone()
+    }
+
+    /// The DMA pool whose table the controller translates through (same as [`DeviceBackend::dma`]).
+    pub fn dma_pool(&self) -> Arc<DmaPool> {
+        Arc::clone(&self.dma)
+    }
+
+    fn stop_thread(&self) {
+        self.shared.stop.store(true, Ordering::Release);
+        let handle = self.thread.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
+        let Some(handle) = handle else { return };
+        let deadline = Instant::now() + STOP_TIMEOUT;
+        // Bounded wait: the thread checks `stop` at least every idle_sleep_max.
+        while !handle.is_finished() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        if handle.is_finished() {
+            if handle.join().is_err() {
+                tracing::error!("nvme-emu controller thread panicked");
+            }
+        } else {
+            tracing::error!("nvme-emu controller thread did not stop within {STOP_TIMEOUT:?}; detaching it");
+        }
+    }
+}
+
+impl Drop for EmuDevice {
+    fn drop(&mut self) {
+        self.stop_thread();
+    }
+}
+
+impl DeviceBackend for EmuDevice {
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    fn registers(&self) -> Arc<dyn RegisterIo> {
+        Arc::clone(&self.registers) as Arc<dyn RegisterIo>
+    }
+
+    fn dma(&self) -> Arc<dyn DmaAllocator> {
+        Arc::clone(&self.dma) as Arc<dyn DmaAllocator>
+    }
+
+    fn function_reset(&self) -> Result<(), HwError> {
+        self.shared.core().function_reset().map_err(|status| HwError::Backend { backend: "nvme-emu", message: format!("cache write-back during reset: {status}") })
+    }
+}
+
+/// The controller thread: scan, and back off while idle.
+fn run(shared: &Shared) {
+    let mut idle_scans: u32 = 0;
+    let mut sleep = FIRST_SLEEP;
+    while !shared.stop.load(Ordering::Acquire) {
+        let now = Instant::now();
+        let (worked, sleep_cap) = {
+            let mut core = shared.core();
+            (core.poll(now), core.sleep_bound(now))
+        };
+        if worked {
+            idle_scans = 0;
+            sleep = FIRST_SLEEP;
+            continue;
+        }
+        idle_scans = idle_scans.saturating_add(1);
+        if idle_scans < SPIN_SCANS {
+            std::hint::spin_loop();
+        } else if idle_scans < SPIN_SCANS + YIELD_SCANS {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(sleep.min(sleep_cap));
+            sleep = (sleep * 2).min(sleep_cap.max(FIRST_SLEEP));
+        }
+    }
+}

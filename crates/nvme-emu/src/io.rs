@@ -1,0 +1,183 @@
+//! NVM command set (NVM §3): Read, Write (FUA), Flush, Write Zeroes, Dataset Management.
+
+use nvme_driver::spec::command::{DatasetRange, DSM_DEALLOCATE};
+use nvme_driver::spec::status::codes;
+use nvme_driver::spec::{NvmOpcode, NvmeStatus, SubmissionEntry};
+
+use crate::controller::{generic, media, CommandResult, ControllerCore, Namespace};
+use crate::data_pointer::{self, DataBuffers};
+
+/// NSID that names every namespace (Flush only, as Identify VWC bits 2:1 report).
+const ALL_NAMESPACES: u32 = 0xFFFF_FFFF;
+/// Most Dataset Management ranges (NR is 8 bits, 0's based).
+const DSM_RANGES_MAX: usize = 256;
+
+fn check_range(namespace: &Namespace, start_lba: u64, blocks: u64) -> Result<(), NvmeStatus> {
+    let end = start_lba.checked_add(blocks).filter(|&end| end <= namespace.blocks);
+    end.map(|_| ()).ok_or(generic(codes::LBA_OUT_OF_RANGE))
+}
+
+impl ControllerCore {
+    pub(crate) fn execute_io(&mut self, entry: &SubmissionEntry) -> CommandResult {
+        let Some(opcode) = NvmOpcode::from_u8(entry.opcode()) else {
+            return Err(generic(codes::INVALID_OPCODE));
+        };
+        match opcode {
+            NvmOpcode::Flush => self.flush(entry),
+            NvmOpcode::Read | NvmOpcode::Write => self.read_write(entry, opcode == NvmOpcode::Write),
+            NvmOpcode::WriteZeroes => self.write_zeroes(entry),
+            NvmOpcode::DatasetManagement => self.dataset_management(entry),
+        }
+    }
+
+    fn namespace(&self, nsid: u32) -> Result<(usize, Namespace), NvmeStatus> {
+        let index = self.namespace_index(nsid)?;
+        let namespace = self.namespaces.get(index).copied().ok_or(generic(codes::INVALID_NAMESPACE))?;
+        Ok((index, namespace))
+    }
+
+    fn resolve(&self, entry: &SubmissionEntry, length_bytes: u64) -> Result<DataBuffers, NvmeStatus> {
+        data_pointer::resolve(&self.dma, entry, length_bytes, self.config.sgl_supported)
+    }
+
+    /// Checks a Read/Write and resolves its data pointer: (namespace index, geometry, buffers).
+    fn prepare_transfer(&self, entry: &SubmissionEntry) -> Result<(usize, Namespace, DataBuffers), NvmeStatus> {
+        let (index, namespace) = self.namespace(entry.nsid)?;
+        let blocks = u64::from(entry.block_count());
+        let length_bytes = blocks * u64::from(namespace.block_size_bytes);
+        if self.config.max_transfer_bytes().is_some_and(|max| length_bytes > max) {
+            return Err(generic(codes::INVALID_FIELD));
+        }
+        check_range(&namespace, entry.starting_lba().0, blocks)?;
+        let buffers = self.resolve(entry, length_bytes)?;
+        Ok((index, namespace, buffers))
+    }
+
+    fn read_write(&mut self, entry: &SubmissionEntry, write: bool) -> CommandResult {
+        let (index, namespace, buffers) = self.prepare_transfer(entry)?;
+        if self.config.no_storage {
+            return Ok(0);
+        }
+        let start_lba = entry.starting_lba().0;
+        let length = entry.block_count() as usize * namespace.block_size_bytes as usize;
+        // The scratch buffer is taken out for the duration so the store can borrow self.
+        let mut scratch = std::mem::take(&mut self.scratch);
+        let data = scratch.slice(length);
+        let result = if write {
+            buffers.gather(data).and_then(|()| self.store_blocks(index, &namespace, start_lba, data, entry.force_unit_access()))
+        } else {
+            self.load_blocks(index, &namespace, start_lba, data).and_then(|()| buffers.scatter(data))
+        };
+        self.scratch = scratch;
+        result?;
+        if write {
+            self.counters.totals.bytes_written += length as u64;
+            self.counters.host_writes += 1;
+        } else {
+            self.counters.totals.bytes_read += length as u64;
+            self.counters.host_reads += 1;
+        }
+        Ok(0)
+    }
+
+    /// Reads blocks as the host sees them: media, overlaid with newer cached writes.
+    fn load_blocks(&mut self, index: usize, namespace: &Namespace, start_lba: u64, data: &mut [u8]) -> Result<(), NvmeStatus> {
+        let offset = namespace.base_offset_bytes + start_lba * u64::from(namespace.block_size_bytes);
+        if let Err(error) = self.store.read(offset, data) {
+            tracing::error!(%error, offset, "backing store read failed");
+            return Err(media(codes::UNRECOVERED_READ_ERROR));
+        }
+        self.cache.overlay(index, start_lba, namespace.block_size_bytes as usize, data);
+        Ok(())
+    }
+
+    /// Writes blocks into the volatile cache, or through to media when the cache is off, the
+    /// write is FUA, or it is larger than the whole cache.
+    fn store_blocks(&mut self, index: usize, namespace: &Namespace, start_lba: u64, data: &[u8], force_unit_access: bool) -> Result<(), NvmeStatus> {
+        let block_size = namespace.block_size_bytes as usize;
+        let cache_on = self.config.volatile_write_cache && self.features.write_cache_enabled;
+        let length = data.len() as u64;
+        if !cache_on || force_unit_access || length > self.config.write_cache_bytes {
+            // Older cached copies of these blocks must not be written back over the new data.
+            self.cache.discard_range(index, start_lba, (data.len() / block_size) as u64);
+            let offset = namespace.base_offset_bytes + start_lba * block_size as u64;
+            return self.store.write(offset, data).map_err(|error| {
+                tracing::error!(%error, offset, "backing store write failed");
+                media(codes::WRITE_FAULT)
+            });
+        }
+        if self.cache.dirty_bytes() + length > self.config.write_cache_bytes {
+            self.write_back(None)?;
+        }
+        self.cache.insert(index, start_lba, block_size, data);
+        Ok(())
+    }
+
+    fn flush(&mut self, entry: &SubmissionEntry) -> CommandResult {
+        let only = if entry.nsid == ALL_NAMESPACES { None } else { Some(self.namespace_index(entry.nsid)?) };
+        if self.config.no_storage {
+            return Ok(0);
+        }
+        self.write_back(only)?;
+        if self.config.sync_file_on_flush {
+            self.store.sync().map_err(|error| {
+                tracing::error!(%error, "backing store sync failed");
+                media(codes::WRITE_FAULT)
+            })?;
+        }
+        Ok(0)
+    }
+
+    /// Zeroes blocks on media (write-through: durable early is allowed, and it keeps huge
+    /// deallocations out of the cache).
+    fn zero_blocks(&mut self, index: usize, namespace: &Namespace, start_lba: u64, blocks: u64) -> Result<(), NvmeStatus> {
+        self.cache.discard_range(index, start_lba, blocks);
+        let block_size = u64::from(namespace.block_size_bytes);
+        let offset = namespace.base_offset_bytes + start_lba * block_size;
+        self.store.write_zeroes(offset, blocks * block_size).map_err(|error| {
+            tracing::error!(%error, offset, "backing store zeroing failed");
+            media(codes::WRITE_FAULT)
+        })
+    }
+
+    fn write_zeroes(&mut self, entry: &SubmissionEntry) -> CommandResult {
+        let (index, namespace) = self.namespace(entry.nsid)?;
+        let blocks = u64::from(entry.block_count());
+        let start_lba = entry.starting_lba().0;
+        check_range(&namespace, start_lba, blocks)?;
+        if !self.config.no_storage {
+            self.zero_blocks(index, &namespace, start_lba, blocks)?;
+        }
+        Ok(0)
+    }
+
+    /// Dataset Management (NVM §3.2.3): with the Deallocate attribute, every range reads as
+    /// zeroes afterwards (DLFEAT = 001b). All ranges are checked before any is applied.
+    fn dataset_management(&mut self, entry: &SubmissionEntry) -> CommandResult {
+        let (index, namespace) = self.namespace(entry.nsid)?;
+        let range_count = (entry.cdw10 & 0xFF) as usize + 1;
+        let length = range_count * DatasetRange::BYTES;
+        let buffers = self.resolve(entry, length as u64)?;
+        let mut raw = [0u8; DSM_RANGES_MAX * DatasetRange::BYTES];
+        let bytes = raw.get_mut(..length).ok_or(generic(codes::INVALID_FIELD))?;
+        buffers.gather(bytes)?;
+        if entry.cdw11 & DSM_DEALLOCATE == 0 {
+            return Ok(0); // Only hints (integral read/write): nothing to do.
+        }
+        let mut ranges = Vec::with_capacity(range_count);
+        for chunk in bytes.chunks_exact(DatasetRange::BYTES) {
+            let mut array = [0u8; DatasetRange::BYTES];
+            array.copy_from_slice(chunk);
+            let range = DatasetRange::from_bytes(&array);
+            check_range(&namespace, range.start.0, u64::from(range.blocks))?;
+            ranges.push(range);
+        }
+        if self.config.no_storage {
+            return Ok(0);
+        }
+        for range in ranges {
+            self.zero_blocks(index, &namespace, range.start.0, u64::from(range.blocks))?;
+        }
+        Ok(0)
+    }
+}

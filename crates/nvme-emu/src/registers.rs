@@ -1,0 +1,161 @@
+//! The emulated BAR0: a register file in a page-aligned DMA region.
+//!
+//! The registers live in shared memory, not in Rust atomics inside a struct, so that another
+//! agent (a GPU that mapped the region with `cuMemHostRegister`) can write doorbells directly.
+//! The host side goes through [`RegisterIo`]; the controller thread reads the same memory with
+//! Acquire loads. Read-only registers (CAP, VS, CSTS) ignore host writes, and accesses outside
+//! the file or misaligned ones read as all ones and drop writes, as a device off the bus would.
+
+use std::sync::atomic::Ordering;
+use std::sync::OnceLock;
+
+use nvme_driver::hw::{DmaAllocator, DmaPool, DmaRegion, HwError, RegisterIo};
+use nvme_driver::spec::registers::{self, Version};
+
+/// The register file. Cheap to share (`Arc`) between the device handle and the controller.
+pub struct RegisterFile {
+    region: DmaRegion,
+    /// Keeps the pool (and so the mapping) alive; a private pool, so the register file is not
+    /// reachable through the device's own DMA translation.
+    _pool: DmaPool,
+    capabilities: u64,
+    doorbell_stride_log2: u8,
+    /// Runs after every host write of CC through [`RegisterIo`], so that enable, disable and
+    /// shutdown take effect before the write returns (as on hardware: a host that sees RDY = 0
+    /// after clearing EN may reuse the admin queue memory at once).
+    configuration_hook: OnceLock<Box<dyn Fn() + Send + Sync>>,
+}
+
+impl RegisterFile {
+    /// A register file with room for the admin queue pair and `io_queue_pairs` I/O pairs.
+    pub(crate) fn new(capabilities: u64, doorbell_stride_log2: u8, io_queue_pairs: u16) -> Result<Self, HwError> {
+        let pool = DmaPool::identity();
+        let doorbells = (usize::from(io_queue_pairs) + 1) * 2;
+        let len = registers::DOORBELL_BASE + doorbells * (4usize << doorbell_stride_log2);
+        let region = pool.allocate(len)?;
+        let file = Self { region, _pool: pool, capabilities, doorbell_stride_log2, configuration_hook: OnceLock::new() };
+        file.power_on_reset();
+        Ok(file)
+    }
+
+    /// Installs the CC write hook (once; later calls are ignored).
+    pub(crate) fn set_configuration_hook(&self, hook: Box<dyn Fn() + Send + Sync>) {
+        let _ = self.configuration_hook.set(hook);
+    }
+
+    /// The memory holding the registers, for mapping into another agent's address space.
+    pub fn region(&self) -> &DmaRegion {
+        &self.region
+    }
+
+    /// Every register to its reset value: CAP and VS, zero elsewhere (CC, CSTS, AQA, doorbells).
+    pub(crate) fn power_on_reset(&self) {
+        // The region is at least one page and 8-aligned: these stores cannot fail.
+        let _ = self.region.fill(0, self.region.len(), 0);
+        let _ = self.region.store_u64(registers::CAP, self.capabilities, Ordering::Relaxed);
+        let _ = self.region.store_u32(registers::VS, Version::V1_4.0, Ordering::Release);
+    }
+
+    /// Zeroes every doorbell (queues are created with head = tail = 0).
+    pub(crate) fn clear_doorbells(&self) {
+        let start = registers::DOORBELL_BASE;
+        let _ = self.region.fill(start, self.region.len().saturating_sub(start), 0);
+    }
+
+    pub(crate) fn load32(&self, offset: usize) -> u32 {
+        self.region.load_u32(offset, Ordering::Acquire).unwrap_or(u32::MAX)
+    }
+
+    pub(crate) fn load64(&self, offset: usize) -> u64 {
+        self.region.load_u64(offset, Ordering::Acquire).unwrap_or(u64::MAX)
+    }
+
+    pub(crate) fn set_status(&self, csts: u32) {
+        let _ = self.region.store_u32(registers::CSTS, csts, Ordering::Release);
+    }
+
+    fn doorbell_offset(&self, queue_id: u16, completion: bool) -> usize {
+        registers::doorbell_offset(queue_id, completion, self.doorbell_stride_log2)
+    }
+
+    /// The value last written to a doorbell, `None` if the queue has no doorbell in this file.
+    pub(crate) fn doorbell(&self, queue_id: u16, completion: bool) -> Option<u32> {
+        self.region.load_u32(self.doorbell_offset(queue_id, completion), Ordering::Acquire).ok()
+    }
+
+    /// Resets one queue's doorbell to zero when the queue is created.
+    pub(crate) fn reset_doorbell(&self, queue_id: u16, completion: bool) {
+        let _ = self.region.store_u32(self.doorbell_offset(queue_id, completion), 0, Ordering::Release);
+    }
+
+    /// Whether the host may write this 32-bit register.
+    fn host_writable(offset: usize) -> bool {
+        matches!(offset, registers::INTMS | registers::INTMC | registers::CC | registers::NSSR | registers::AQA)
+            || (registers::ASQ..registers::ACQ + 8).contains(&offset)
+            || offset >= registers::DOORBELL_BASE
+    }
+}
+
+impl RegisterIo for RegisterFile {
+    fn len(&self) -> usize {
+        self.region.len()
+    }
+
+    fn read32(&self, offset: usize) -> u32 {
+        self.load32(offset)
+    }
+
+    fn write32(&self, offset: usize, value: u32) {
+        if Self::host_writable(offset) {
+            // Release: the SQ entries written before this doorbell are visible to the controller
+            // thread once it observes the new tail with its Acquire load.
+            let _ = self.region.store_u32(offset, value, Ordering::Release);
+            if offset == registers::CC {
+                if let Some(hook) = self.configuration_hook.get() {
+                    hook();
+                }
+            }
+        }
+    }
+
+    fn read64(&self, offset: usize) -> u64 {
+        self.load64(offset)
+    }
+
+    fn write64(&self, offset: usize, value: u64) {
+        if offset == registers::ASQ || offset == registers::ACQ {
+            let _ = self.region.store_u64(offset, value, Ordering::Release);
+        } else if offset.is_multiple_of(8) && offset >= registers::DOORBELL_BASE {
+            // Split as §3.1.1 allows: low dword first.
+            self.write32(offset, value as u32);
+            self.write32(offset + 4, (value >> 32) as u32);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nvme_driver::spec::registers::Capabilities;
+
+    #[test]
+    fn read_only_registers_ignore_writes_and_out_of_range_reads_all_ones() {
+        // Goal: the host cannot change CAP/VS/CSTS, and bad offsets behave like a missing device.
+        let cap = Capabilities::build(2048, 20, 0, 0, 0).0;
+        let file = RegisterFile::new(cap, 0, 4).unwrap();
+        file.write64(registers::CAP, 0);
+        file.write32(registers::VS, 0);
+        file.write32(registers::CSTS, 1);
+        assert_eq!(file.read64(registers::CAP), cap);
+        assert_eq!(file.read32(registers::VS), Version::V1_4.0);
+        assert_eq!(file.read32(registers::CSTS), 0);
+        assert_eq!(file.read32(file.len() + 4), u32::MAX);
+        assert_eq!(file.read32(3), u32::MAX, "misaligned reads are all ones");
+        file.write32(file.len(), 5); // dropped, no panic
+        file.write32(registers::CC, 0x46_0001);
+        assert_eq!(file.read32(registers::CC), 0x46_0001);
+        file.write32(registers::doorbell_offset(4, true, 0), 9);
+        assert_eq!(file.doorbell(4, true), Some(9));
+        assert_eq!(file.doorbell(5000, true), None);
+    }
+}

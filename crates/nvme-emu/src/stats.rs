@@ -1,0 +1,72 @@
+//! Counters the controller keeps, readable by tests through [`crate::EmuDevice::stats`].
+
+use std::collections::BTreeMap;
+
+use nvme_driver::spec::{AdminOpcode, NvmOpcode};
+
+/// A snapshot of the controller's counters since it was started.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EmuStats {
+    /// Admin commands fetched, by opcode.
+    pub admin_commands: BTreeMap<u8, u64>,
+    /// I/O commands fetched, by opcode.
+    pub io_commands: BTreeMap<u8, u64>,
+    /// Bytes moved to the host by Read.
+    pub bytes_read: u64,
+    /// Bytes moved from the host by Write.
+    pub bytes_written: u64,
+    /// Completions posted (including error completions).
+    pub completions_posted: u64,
+    /// Completions with a non-success status.
+    pub error_completions: u64,
+    /// Doorbell values beyond the queue size, ignored.
+    pub invalid_doorbell_writes: u64,
+    /// Bytes written back from the volatile write cache to the backing store.
+    pub cache_writeback_bytes: u64,
+    /// Faults the plan injected.
+    pub faults_injected: u64,
+    /// `power_loss()` calls.
+    pub power_losses: u64,
+    /// Controller enables (CC.EN 0 to 1 that reached CSTS.RDY = 1).
+    pub enables: u64,
+}
+
+impl EmuStats {
+    pub fn admin(&self, opcode: AdminOpcode) -> u64 {
+        self.admin_commands.get(&(opcode as u8)).copied().unwrap_or(0)
+    }
+
+    pub fn io(&self, opcode: NvmOpcode) -> u64 {
+        self.io_commands.get(&(opcode as u8)).copied().unwrap_or(0)
+    }
+}
+
+/// The live counters: flat arrays on the hot path, turned into maps only for a snapshot.
+pub(crate) struct Counters {
+    pub admin_by_opcode: [u64; 256],
+    pub io_by_opcode: [u64; 256],
+    pub totals: EmuStats,
+    /// Host read/write commands completed successfully (SMART log).
+    pub host_reads: u64,
+    pub host_writes: u64,
+}
+
+impl Default for Counters {
+    fn default() -> Self {
+        Self { admin_by_opcode: [0; 256], io_by_opcode: [0; 256], totals: EmuStats::default(), host_reads: 0, host_writes: 0 }
+    }
+}
+
+impl Counters {
+    pub(crate) fn count_command(&mut self, admin: bool, opcode: u8) {
+        let table = if admin { &mut self.admin_by_opcode } else { &mut self.io_by_opcode };
+        table[usize::from(opcode)] += 1;
+    }
+
+    pub(crate) fn snapshot(&self) -> EmuStats {
+        let to_map = |table: &[u64; 256]| {
+            table.iter().enumerate().filter(|(_, &count)| count > 0).map(|(opcode, &count)| (opcode as u8, count)).collect()
+        };
+        EmuStats { admin_commands: to_map(&self.admin_by_opcode), io_commands: to_map(&self.io_by_opcode), ..self.totals.clone() }
+    }
+}
