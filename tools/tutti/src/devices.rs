@@ -1,0 +1,272 @@
+//! `tutti devices`, `tutti bind`, `tutti unbind`: find NVMe functions and move them between the
+//! kernel's nvme driver and vfio-pci.
+//!
+//! Binding uses `driver_override` (sticky: the function stays with vfio-pci until unbound) and
+//! `drivers_probe`, never `new_id`, which would grab every function with the same ids.
+
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use nvme_driver::hw::vfio::{describe_blockers, PciAddress, VFIO_PCI_DRIVER};
+
+use crate::system::System;
+
+/// How long the kernel gets to bind or release a function after a probe request (short in unit
+/// tests, where one test waits it out on purpose).
+const DRIVER_CHANGE_TIMEOUT: Duration = if cfg!(test) { Duration::from_millis(500) } else { Duration::from_secs(10) };
+
+#[derive(Args)]
+pub struct DevicesArgs {}
+
+#[derive(Args)]
+pub struct BindArgs {
+    /// PCI address of the NVMe function, e.g. 0000:00:04.0.
+    address: String,
+    /// Bind even if filesystems on the device are mounted (they will stop working) or the
+    /// function is not an NVMe controller.
+    #[arg(long)]
+    force: bool,
+}
+
+#[derive(Args)]
+pub struct UnbindArgs {
+    /// PCI address of the NVMe function, e.g. 0000:00:04.0.
+    address: String,
+    /// Only detach from vfio-pci; do not ask the kernel to probe a driver for it again.
+    #[arg(long)]
+    no_reprobe: bool,
+}
+
+/// Whether VFIO can take a function, and what stands in the way.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Readiness {
+    /// Bound to vfio-pci; the group's device node exists.
+    Ready,
+    /// `tutti bind` would make it ready.
+    Bindable,
+    /// Bindable, but the blocking reason must be resolved first (or `--force`d).
+    Blocked(String),
+    /// VFIO cannot take it in this configuration.
+    Impossible(String),
+}
+
+impl std::fmt::Display for Readiness {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Readiness::Ready => write!(f, "yes"),
+            Readiness::Bindable => write!(f, "after `tutti bind`"),
+            Readiness::Blocked(reason) => write!(f, "blocked: {reason}"),
+            Readiness::Impossible(reason) => write!(f, "no: {reason}"),
+        }
+    }
+}
+
+/// One row of `tutti devices`.
+#[derive(Debug, Clone)]
+pub struct DeviceReport {
+    pub address: PciAddress,
+    pub vendor_id: u32,
+    pub device_id: u32,
+    pub model: String,
+    pub driver: Option<String>,
+    pub iommu_group: Option<u32>,
+    pub block_devices: Vec<String>,
+    pub readiness: Readiness,
+}
+
+pub fn inspect(system: &System, address: PciAddress) -> Result<DeviceReport> {
+    let vendor_id = system.sysfs.hex_attribute(address, "vendor")?;
+    let device_id = system.sysfs.hex_attribute(address, "device")?;
+    let driver = system.sysfs.driver(address)?;
+    let iommu_group = system.sysfs.iommu_group(address)?;
+    let controllers = system.nvme_controllers(address);
+    let model = controllers
+        .iter()
+        .find_map(|controller| system.controller_model(address, controller))
+        .unwrap_or_else(|| vendor_name(vendor_id).map_or_else(|| "-".to_string(), |vendor| format!("({vendor})")));
+    let block_devices = system.block_devices(address);
+    let readiness = readiness(system, address, driver.as_deref(), iommu_group, &block_devices)?;
+    Ok(DeviceReport {
+        address,
+        vendor_id,
+        device_id,
+        model,
+        driver,
+        iommu_group,
+        block_devices: block_devices.into_iter().collect(),
+        readiness,
+    })
+}
+
+fn readiness(
+    system: &System,
+    address: PciAddress,
+    driver: Option<&str>,
+    iommu_group: Option<u32>,
+    block_devices: &std::collections::BTreeSet<String>,
+) -> Result<Readiness> {
+    let Some(group) = iommu_group else {
+        return Ok(Readiness::Impossible("no IOMMU group (enable VT-d/AMD-Vi and boot with intel_iommu=on / amd_iommu=on)".into()));
+    };
+    let blockers = system.sysfs.group_blockers(group, address)?;
+    if !blockers.is_empty() {
+        return Ok(Readiness::Impossible(format!("IOMMU group {group} shared with {}", describe_blockers(&blockers))));
+    }
+    if driver == Some(VFIO_PCI_DRIVER) {
+        return Ok(Readiness::Ready);
+    }
+    let uses = system.uses_of(block_devices)?;
+    if !uses.is_empty() {
+        let list: Vec<String> = uses.iter().map(|(device, target)| format!("{device} on {target}")).collect();
+        return Ok(Readiness::Blocked(format!("in use: {}", list.join(", "))));
+    }
+    if !system.driver_loaded(VFIO_PCI_DRIVER) {
+        return Ok(Readiness::Blocked("vfio-pci is not loaded (`modprobe vfio-pci`)".into()));
+    }
+    Ok(Readiness::Bindable)
+}
+
+/// A few vendors, for functions whose model the kernel has not read (not bound to nvme).
+fn vendor_name(vendor_id: u32) -> Option<&'static str> {
+    Some(match vendor_id {
+        0x1b36 => "Red Hat / QEMU",
+        0x8086 => "Intel",
+        0x144d => "Samsung",
+        0x15b7 => "Western Digital",
+        0x1e0f => "KIOXIA",
+        0x025e => "Solidigm",
+        0x1c5c => "SK hynix",
+        0x1344 => "Micron",
+        0x1987 => "Phison",
+        _ => return None,
+    })
+}
+
+pub fn run_devices(system: &System, _args: &DevicesArgs) -> Result<()> {
+    let functions = system.nvme_functions().context("listing PCI functions")?;
+    if functions.is_empty() {
+        println!("no NVMe functions (PCI class 0x010802) under {}", system.sysfs_root().display());
+        return Ok(());
+    }
+    println!("{:<13} {:<9} {:<28} {:<9} {:<5} {:<16} VFIO", "ADDRESS", "ID", "MODEL", "DRIVER", "GROUP", "BLOCK");
+    for address in functions {
+        let report = inspect(system, address).with_context(|| format!("inspecting {address}"))?;
+        let block = if report.block_devices.is_empty() { "-".to_string() } else { report.block_devices.join(",") };
+        println!(
+            "{:<13} {:04x}:{:04x} {:<28} {:<9} {:<5} {:<16} {}",
+            report.address.to_string(),
+            report.vendor_id,
+            report.device_id,
+            report.model,
+            report.driver.as_deref().unwrap_or("-"),
+            report.iommu_group.map_or_else(|| "-".to_string(), |group| group.to_string()),
+            block,
+            report.readiness
+        );
+    }
+    Ok(())
+}
+
+/// What `bind` did.
+#[derive(Debug, PartialEq, Eq)]
+pub enum BindOutcome {
+    AlreadyBound,
+    Bound { previous_driver: Option<String> },
+}
+
+/// Moves `address` to vfio-pci. Refuses non-NVMe functions and devices with mounted filesystems
+/// or active swap unless `force`.
+pub fn bind(system: &System, address: PciAddress, force: bool) -> Result<BindOutcome> {
+    if !system.sysfs.exists(address) {
+        bail!("no PCI function {address} (see `tutti devices`)");
+    }
+    if !system.is_nvme(address) && !force {
+        bail!("{address} is not an NVMe controller (class 0x010802); use --force to bind it anyway");
+    }
+    let previous_driver = system.sysfs.driver(address)?;
+    if previous_driver.as_deref() == Some(VFIO_PCI_DRIVER) {
+        return Ok(BindOutcome::AlreadyBound);
+    }
+    if !system.driver_loaded(VFIO_PCI_DRIVER) {
+        bail!("vfio-pci is not loaded: run `modprobe vfio-pci` (and make sure the IOMMU is on)");
+    }
+    if system.sysfs.iommu_group(address)?.is_none() {
+        bail!("{address} has no IOMMU group: enable VT-d/AMD-Vi in firmware and boot with intel_iommu=on or amd_iommu=on");
+    }
+    let uses = system.uses_of(&system.block_devices(address))?;
+    if !uses.is_empty() && !force {
+        let list: Vec<String> = uses.iter().map(|(device, target)| format!("/dev/{device} on {target}")).collect();
+        bail!("{address} is in use: {}; unmount first, or pass --force to take it away from the kernel anyway", list.join(", "));
+    }
+    let device_dir = system.sysfs.device_dir(address);
+    system.write_attribute(&device_dir.join("driver_override"), VFIO_PCI_DRIVER)?;
+    if previous_driver.is_some() {
+        system.write_attribute(&device_dir.join("driver/unbind"), &address.to_string())?;
+    }
+    system.write_attribute(&system.sysfs_root().join("bus/pci/drivers_probe"), &address.to_string())?;
+    system
+        .wait_for_driver(address, DRIVER_CHANGE_TIMEOUT, |driver| driver == Some(VFIO_PCI_DRIVER))
+        .with_context(|| format!("vfio-pci did not take {address}"))?;
+    Ok(BindOutcome::Bound { previous_driver })
+}
+
+pub fn run_bind(system: &System, args: &BindArgs) -> Result<()> {
+    let address: PciAddress = args.address.parse()?;
+    match bind(system, address, args.force)? {
+        BindOutcome::AlreadyBound => println!("{address} is already bound to vfio-pci"),
+        BindOutcome::Bound { previous_driver } => {
+            println!("{address}: {} -> vfio-pci", previous_driver.as_deref().unwrap_or("(no driver)"))
+        }
+    }
+    if let Some(group) = system.sysfs.iommu_group(address)? {
+        let blockers = system.sysfs.group_blockers(group, address)?;
+        if !blockers.is_empty() {
+            eprintln!(
+                "warning: IOMMU group {group} also holds {}: VFIO will refuse the group until they are bound too",
+                describe_blockers(&blockers)
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Detaches `address` from vfio-pci and, with `reprobe`, lets the kernel pick its driver again.
+/// Returns the driver that took it (None if none did).
+pub fn unbind(system: &System, address: PciAddress, reprobe: bool) -> Result<Option<String>> {
+    if !system.sysfs.exists(address) {
+        bail!("no PCI function {address} (see `tutti devices`)");
+    }
+    let device_dir = system.sysfs.device_dir(address);
+    let driver = system.sysfs.driver(address)?;
+    if driver.as_deref().is_some_and(|driver| driver != VFIO_PCI_DRIVER) {
+        bail!("{address} is bound to {}, not vfio-pci: nothing to undo", driver.as_deref().unwrap_or_default());
+    }
+    // An empty line clears the override, so that the default driver matches again.
+    system.write_attribute(&device_dir.join("driver_override"), "\n")?;
+    if driver.is_some() {
+        system.write_attribute(&device_dir.join("driver/unbind"), &address.to_string())?;
+        system.wait_for_driver(address, DRIVER_CHANGE_TIMEOUT, |driver| driver != Some(VFIO_PCI_DRIVER))?;
+    }
+    if !reprobe {
+        return Ok(None);
+    }
+    system.write_attribute(&system.sysfs_root().join("bus/pci/drivers_probe"), &address.to_string())?;
+    // The kernel probes synchronously, but a driver may also decline: then the function stays
+    // unbound, which is not an error. A short bounded wait covers asynchronous probing.
+    Ok(system.wait_for_driver(address, Duration::from_secs(2), |driver| driver.is_some()).unwrap_or(None))
+}
+
+pub fn run_unbind(system: &System, args: &UnbindArgs) -> Result<()> {
+    let address: PciAddress = args.address.parse()?;
+    match unbind(system, address, !args.no_reprobe)? {
+        Some(driver) => println!("{address}: vfio-pci -> {driver}"),
+        None if args.no_reprobe => println!("{address}: detached from vfio-pci (no driver)"),
+        None => println!("{address}: detached from vfio-pci; no driver claimed it (`modprobe nvme`?)"),
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+#[path = "devices_tests.rs"]
+mod tests;

@@ -1,0 +1,242 @@
+//! Tests of discovery and binding against a fake sysfs/procfs tree, with a thread standing in
+//! for the kernel's driver core (it reacts to unbind, driver_override and drivers_probe writes).
+
+use std::os::unix::fs::symlink;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::*;
+
+struct FakeHost {
+    _temp: tempfile::TempDir,
+    sys: PathBuf,
+    proc: PathBuf,
+}
+
+impl FakeHost {
+    fn new() -> Self {
+        let temp = tempfile::tempdir().unwrap();
+        let sys = temp.path().join("sys");
+        let proc = temp.path().join("proc");
+        std::fs::create_dir_all(&proc).unwrap();
+        std::fs::write(proc.join("mounts"), "sysfs /sys sysfs rw 0 0\n/dev/sda1 / ext4 rw 0 0\n").unwrap();
+        std::fs::write(proc.join("swaps"), "Filename Type Size Used Priority\n").unwrap();
+        for driver in ["nvme", "vfio-pci", "ahci"] {
+            let dir = sys.join("bus/pci/drivers").join(driver);
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::write(dir.join("unbind"), "").unwrap();
+        }
+        std::fs::write(sys.join("bus/pci/drivers_probe"), "").unwrap();
+        Self { _temp: temp, sys, proc }
+    }
+
+    fn system(&self) -> System {
+        System::new(self.sys.clone(), self.proc.clone())
+    }
+
+    /// A PCI function; with `namespaces`, an nvme controller `nvme<index>` with those namespaces
+    /// (and one partition each) as the kernel's nvme driver would publish them.
+    fn add(&self, address: &str, class: u32, driver: Option<&str>, group: u32, index: u32, namespaces: u32) -> PathBuf {
+        let dir = self.sys.join("bus/pci/devices").join(address);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("class"), format!("{class:#08x}\n")).unwrap();
+        std::fs::write(dir.join("vendor"), "0x1b36\n").unwrap();
+        std::fs::write(dir.join("device"), "0x0010\n").unwrap();
+        std::fs::write(dir.join("driver_override"), "(null)\n").unwrap();
+        if let Some(driver) = driver {
+            symlink(self.sys.join("bus/pci/drivers").join(driver), dir.join("driver")).unwrap();
+        }
+        let group_dir = self.sys.join("kernel/iommu_groups").join(group.to_string());
+        std::fs::create_dir_all(group_dir.join("devices")).unwrap();
+        symlink(&group_dir, dir.join("iommu_group")).unwrap();
+        symlink(&dir, group_dir.join("devices").join(address)).unwrap();
+        if namespaces > 0 {
+            let controller = dir.join(format!("nvme/nvme{index}"));
+            std::fs::create_dir_all(&controller).unwrap();
+            std::fs::write(controller.join("model"), "QEMU NVMe Ctrl                          \n").unwrap();
+            for namespace in 1..=namespaces {
+                let name = format!("nvme{index}n{namespace}");
+                std::fs::create_dir_all(controller.join(&name).join(format!("{name}p1"))).unwrap();
+            }
+        }
+        dir
+    }
+
+    fn mount(&self, device: &str, target: &str) {
+        let mut mounts = std::fs::read_to_string(self.proc.join("mounts")).unwrap();
+        mounts.push_str(&format!("/dev/{device} {target} ext4 rw 0 0\n"));
+        std::fs::write(self.proc.join("mounts"), mounts).unwrap();
+    }
+
+    fn driver_of(&self, address: &str) -> Option<String> {
+        std::fs::read_link(self.sys.join("bus/pci/devices").join(address).join("driver"))
+            .ok()
+            .map(|target| target.file_name().unwrap().to_string_lossy().into_owned())
+    }
+
+    /// Starts the fake driver core; it stops when the returned guard drops.
+    fn kernel(&self) -> FakeKernel {
+        let stop = Arc::new(AtomicBool::new(false));
+        let sys = self.sys.clone();
+        let flag = Arc::clone(&stop);
+        let handle = std::thread::spawn(move || {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while !flag.load(Ordering::Relaxed) && Instant::now() < deadline {
+                fake_driver_core_step(&sys);
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        });
+        FakeKernel { stop, handle: Some(handle) }
+    }
+}
+
+struct FakeKernel {
+    stop: Arc<AtomicBool>,
+    handle: Option<JoinHandle<()>>,
+}
+
+impl Drop for FakeKernel {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(handle) = self.handle.take() {
+            handle.join().unwrap();
+        }
+    }
+}
+
+/// One round of what the driver core does with the files tutti writes.
+fn fake_driver_core_step(sys: &Path) {
+    let drivers = sys.join("bus/pci/drivers");
+    for driver in std::fs::read_dir(&drivers).unwrap().filter_map(|entry| entry.ok()) {
+        let unbind = driver.path().join("unbind");
+        let requested = std::fs::read_to_string(&unbind).unwrap_or_default();
+        let requested = requested.trim();
+        if !requested.is_empty() {
+            let _ = std::fs::remove_file(sys.join("bus/pci/devices").join(requested).join("driver"));
+            std::fs::write(&unbind, "").unwrap();
+        }
+    }
+    let probe = sys.join("bus/pci/drivers_probe");
+    let requested = std::fs::read_to_string(&probe).unwrap_or_default();
+    let requested = requested.trim();
+    if !requested.is_empty() {
+        let dir = sys.join("bus/pci/devices").join(requested);
+        let override_driver = std::fs::read_to_string(dir.join("driver_override")).unwrap_or_default();
+        let chosen = match override_driver.trim() {
+            "" | "(null)" => "nvme".to_string(),
+            name => name.to_string(),
+        };
+        if !dir.join("driver").exists() {
+            symlink(drivers.join(chosen), dir.join("driver")).unwrap();
+        }
+        std::fs::write(&probe, "").unwrap();
+    }
+}
+
+fn at(text: &str) -> PciAddress {
+    text.parse().unwrap()
+}
+
+#[test]
+fn inspect_reports_model_block_devices_and_readiness() {
+    // Goal: the listing shows what an operator needs to decide whether to bind.
+    let host = FakeHost::new();
+    host.add("0000:00:04.0", 0x010802, Some("nvme"), 3, 0, 1);
+    host.add("0000:00:05.0", 0x010802, Some("vfio-pci"), 4, 1, 0);
+    host.add("0000:00:06.0", 0x010802, Some("nvme"), 5, 2, 1);
+    host.add("0000:00:06.1", 0x010601, Some("ahci"), 5, 0, 0);
+    host.add("0000:00:1f.2", 0x010601, Some("ahci"), 6, 0, 0);
+    host.mount("nvme0n1p1", "/data");
+    let system = host.system();
+    assert_eq!(system.nvme_functions().unwrap(), vec![at("0000:00:04.0"), at("0000:00:05.0"), at("0000:00:06.0")]);
+
+    let mounted = inspect(&system, at("0000:00:04.0")).unwrap();
+    assert_eq!(mounted.model, "QEMU NVMe Ctrl");
+    assert_eq!(mounted.block_devices, vec!["nvme0n1", "nvme0n1p1"]);
+    assert_eq!(mounted.iommu_group, Some(3));
+    assert!(matches!(&mounted.readiness, Readiness::Blocked(reason) if reason.contains("nvme0n1p1 on /data")), "{:?}", mounted.readiness);
+
+    let ready = inspect(&system, at("0000:00:05.0")).unwrap();
+    assert_eq!(ready.readiness, Readiness::Ready);
+    assert_eq!(ready.model, "(Red Hat / QEMU)", "no kernel model when vfio-pci holds it");
+
+    let shared = inspect(&system, at("0000:00:06.0")).unwrap();
+    assert!(matches!(&shared.readiness, Readiness::Impossible(reason) if reason.contains("0000:00:06.1 (ahci)")));
+}
+
+#[test]
+fn bind_and_unbind_round_trip() {
+    // Goal: bind moves an idle nvme-bound function to vfio-pci through driver_override, and
+    // unbind gives it back to nvme, with the override cleared.
+    let host = FakeHost::new();
+    let dir = host.add("0000:00:04.0", 0x010802, Some("nvme"), 3, 0, 1);
+    let system = host.system();
+    let _kernel = host.kernel();
+
+    let outcome = bind(&system, at("0000:00:04.0"), false).unwrap();
+    assert_eq!(outcome, BindOutcome::Bound { previous_driver: Some("nvme".into()) });
+    assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("vfio-pci"));
+    assert_eq!(std::fs::read_to_string(dir.join("driver_override")).unwrap(), "vfio-pci");
+    assert_eq!(bind(&system, at("0000:00:04.0"), false).unwrap(), BindOutcome::AlreadyBound);
+
+    let driver = unbind(&system, at("0000:00:04.0"), true).unwrap();
+    assert_eq!(driver.as_deref(), Some("nvme"));
+    assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("nvme"));
+    assert_eq!(std::fs::read_to_string(dir.join("driver_override")).unwrap().trim(), "");
+}
+
+#[test]
+fn bind_refuses_mounted_devices_unless_forced() {
+    // Goal: a mounted filesystem (or swap) on any namespace or partition blocks binding, and the
+    // error says where; --force overrides.
+    let host = FakeHost::new();
+    host.add("0000:00:04.0", 0x010802, Some("nvme"), 3, 0, 2);
+    host.mount("nvme0n2p1", r"/mnt/my\040data");
+    let system = host.system();
+    let _kernel = host.kernel();
+    let error = bind(&system, at("0000:00:04.0"), false).unwrap_err().to_string();
+    assert!(error.contains("/dev/nvme0n2p1 on /mnt/my data") && error.contains("--force"), "{error}");
+    assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("nvme"), "nothing changed");
+    assert!(bind(&system, at("0000:00:04.0"), true).is_ok());
+    assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("vfio-pci"));
+
+    let swap_host = FakeHost::new();
+    swap_host.add("0000:00:04.0", 0x010802, Some("nvme"), 3, 0, 1);
+    std::fs::write(swap_host.proc.join("swaps"), "Filename Type Size Used Priority\n/dev/nvme0n1p1 partition 100 0 -2\n").unwrap();
+    let error = bind(&swap_host.system(), at("0000:00:04.0"), false).unwrap_err().to_string();
+    assert!(error.contains("swap"), "{error}");
+}
+
+#[test]
+fn bind_refuses_what_vfio_cannot_take() {
+    // Goal: non-NVMe functions, missing devices, a missing vfio-pci driver and a function without
+    // an IOMMU group are refused before anything is written.
+    let host = FakeHost::new();
+    let sata = host.add("0000:00:1f.2", 0x010601, Some("ahci"), 6, 0, 0);
+    let system = host.system();
+    assert!(bind(&system, at("0000:00:1f.2"), false).unwrap_err().to_string().contains("not an NVMe controller"));
+    assert_eq!(std::fs::read_to_string(sata.join("driver_override")).unwrap(), "(null)\n");
+    assert!(bind(&system, at("0000:00:09.0"), false).unwrap_err().to_string().contains("no PCI function"));
+
+    let nvme = host.add("0000:00:04.0", 0x010802, None, 3, 0, 0);
+    std::fs::remove_file(nvme.join("iommu_group")).unwrap();
+    assert!(bind(&system, at("0000:00:04.0"), false).unwrap_err().to_string().contains("intel_iommu=on"));
+
+    std::fs::remove_dir_all(host.sys.join("bus/pci/drivers/vfio-pci")).unwrap();
+    assert!(bind(&system, at("0000:00:04.0"), false).unwrap_err().to_string().contains("modprobe vfio-pci"));
+}
+
+#[test]
+fn bind_times_out_when_the_kernel_does_not_react() {
+    // Goal: a probe request the kernel ignores ends in a bounded wait and an error, not a hang.
+    // (No fake kernel runs here.) The wait is DRIVER_CHANGE_TIMEOUT; keep this test's budget.
+    let host = FakeHost::new();
+    host.add("0000:00:04.0", 0x010802, None, 3, 0, 0);
+    let started = Instant::now();
+    let error = bind(&host.system(), at("0000:00:04.0"), false).unwrap_err();
+    assert!(format!("{error:#}").contains("vfio-pci did not take"), "{error:#}");
+    assert!(started.elapsed() < DRIVER_CHANGE_TIMEOUT + Duration::from_secs(5));
+}

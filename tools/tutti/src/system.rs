@@ -1,0 +1,196 @@
+//! The host as tutti sees it: sysfs (PCI functions, NVMe controllers, block devices) and procfs
+//! (mounts, swaps), both under configurable roots so tests run against fake trees.
+
+use std::collections::BTreeSet;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use nvme_driver::hw::vfio::{PciAddress, PciSysfs};
+
+/// PCI class code of an NVM Express controller (mass storage / NVM / NVMe).
+pub const NVME_CLASS: u32 = 0x010802;
+
+pub struct System {
+    pub sysfs: PciSysfs,
+    proc_root: PathBuf,
+}
+
+impl System {
+    pub fn new(sysfs_root: PathBuf, proc_root: PathBuf) -> Self {
+        Self { sysfs: PciSysfs::new(sysfs_root), proc_root }
+    }
+
+    pub fn sysfs_root(&self) -> &Path {
+        self.sysfs.root()
+    }
+
+    /// Every PCI function whose class is NVMe.
+    pub fn nvme_functions(&self) -> Result<Vec<PciAddress>> {
+        Ok(self.sysfs.devices()?.into_iter().filter(|&address| self.is_nvme(address)).collect())
+    }
+
+    pub fn is_nvme(&self, address: PciAddress) -> bool {
+        self.sysfs.hex_attribute(address, "class").is_ok_and(|class| class == NVME_CLASS)
+    }
+
+    /// `<root>/bus/pci/drivers/<name>` exists: the driver is loaded.
+    pub fn driver_loaded(&self, name: &str) -> bool {
+        self.sysfs_root().join("bus/pci/drivers").join(name).is_dir()
+    }
+
+    /// The kernel NVMe controllers (`nvme0`, ...) on this function, present while nvme drives it.
+    pub fn nvme_controllers(&self, address: PciAddress) -> Vec<String> {
+        let mut names: Vec<String> = read_names(&self.sysfs.device_dir(address).join("nvme"))
+            .into_iter()
+            .filter(|name| name.strip_prefix("nvme").is_some_and(|rest| !rest.is_empty() && rest.bytes().all(|b| b.is_ascii_digit())))
+            .collect();
+        names.sort();
+        names
+    }
+
+    /// The model string the kernel read from Identify Controller.
+    pub fn controller_model(&self, address: PciAddress, controller: &str) -> Option<String> {
+        let path = self.sysfs.device_dir(address).join("nvme").join(controller).join("model");
+        std::fs::read_to_string(path).ok().map(|text| text.trim().to_string()).filter(|text| !text.is_empty())
+    }
+
+    /// Block devices backed by this function: namespaces (`nvme0n1`) and their partitions
+    /// (`nvme0n1p1`). A multipath path node `nvme0c0n1` stands for the block device `nvme0n1`.
+    pub fn block_devices(&self, address: PciAddress) -> BTreeSet<String> {
+        let mut devices = BTreeSet::new();
+        for controller in self.nvme_controllers(address) {
+            let controller_dir = self.sysfs.device_dir(address).join("nvme").join(&controller);
+            for entry in read_names(&controller_dir) {
+                let Some(namespace) = namespace_block_name(&entry) else { continue };
+                for child in read_names(&controller_dir.join(&entry)) {
+                    if child.starts_with(&format!("{entry}p")) || child.starts_with(&format!("{namespace}p")) {
+                        devices.insert(child.replacen(&entry, &namespace, 1));
+                    }
+                }
+                devices.insert(namespace);
+            }
+        }
+        devices
+    }
+
+    /// Mount points and swap areas on the given block devices, as `(device, where)`.
+    pub fn uses_of(&self, block_devices: &BTreeSet<String>) -> Result<Vec<(String, String)>> {
+        let mut uses = Vec::new();
+        let mounts_path = self.proc_root.join("mounts");
+        let mounts = std::fs::read_to_string(&mounts_path).with_context(|| format!("reading {}", mounts_path.display()))?;
+        for line in mounts.lines() {
+            let mut fields = line.split_whitespace();
+            let (Some(source), Some(target)) = (fields.next(), fields.next()) else { continue };
+            if let Some(name) = source.strip_prefix("/dev/").filter(|name| block_devices.contains(*name)) {
+                uses.push((name.to_string(), unescape_mount_path(target)));
+            }
+        }
+        // /proc/swaps may be absent (no CONFIG_SWAP); then nothing is swapped on the device.
+        if let Ok(swaps) = std::fs::read_to_string(self.proc_root.join("swaps")) {
+            for line in swaps.lines().skip(1) {
+                let Some(source) = line.split_whitespace().next() else { continue };
+                if let Some(name) = source.strip_prefix("/dev/").filter(|name| block_devices.contains(*name)) {
+                    uses.push((name.to_string(), "swap".to_string()));
+                }
+            }
+        }
+        Ok(uses)
+    }
+
+    /// Writes a sysfs attribute the way `echo value > file` does (sysfs ignores the truncation,
+    /// a fake tree needs it); never creates files.
+    pub fn write_attribute(&self, path: &Path, value: &str) -> Result<()> {
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .truncate(true)
+            .open(path)
+            .with_context(|| format!("opening {} for writing (are you root?)", path.display()))?;
+        file.write_all(value.as_bytes()).with_context(|| format!("writing {value:?} to {}", path.display()))?;
+        Ok(())
+    }
+
+    /// Polls the function's driver until `accept` says yes; errors out after `timeout`.
+    pub fn wait_for_driver(&self, address: PciAddress, timeout: Duration, accept: impl Fn(Option<&str>) -> bool) -> Result<Option<String>> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let driver = self.sysfs.driver(address)?;
+            if accept(driver.as_deref()) {
+                return Ok(driver);
+            }
+            if Instant::now() >= deadline {
+                bail!("{address}: driver is still {} after {} ms", driver.as_deref().unwrap_or("(none)"), timeout.as_millis());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// Names of the entries of a directory; empty when it does not exist or cannot be read.
+fn read_names(dir: &Path) -> Vec<String> {
+    let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
+    entries.filter_map(|entry| entry.ok()).filter_map(|entry| entry.file_name().to_str().map(str::to_string)).collect()
+}
+
+/// `nvme0n1` → `nvme0n1`; `nvme0c1n2` (a multipath path) → `nvme0n2`; anything else → None.
+fn namespace_block_name(name: &str) -> Option<String> {
+    let rest = name.strip_prefix("nvme")?;
+    let (controller, rest) = split_digits(rest)?;
+    let rest = match rest.strip_prefix('c') {
+        Some(path) => split_digits(path)?.1,
+        None => rest,
+    };
+    let (namespace, tail) = split_digits(rest.strip_prefix('n')?)?;
+    tail.is_empty().then(|| format!("nvme{controller}n{namespace}"))
+}
+
+/// Splits a leading run of ASCII digits (at least one) from the rest.
+fn split_digits(text: &str) -> Option<(&str, &str)> {
+    let end = text.bytes().position(|b| !b.is_ascii_digit()).unwrap_or(text.len());
+    (end > 0).then(|| text.split_at(end))
+}
+
+/// /proc/mounts escapes space, tab, newline and backslash as octal `\NNN`.
+fn unescape_mount_path(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut index = 0;
+    while index < bytes.len() {
+        let octal = bytes.get(index + 1..index + 4).filter(|digits| digits.iter().all(|d| (b'0'..=b'7').contains(d)));
+        match (bytes[index], octal) {
+            (b'\\', Some(digits)) => {
+                let value = digits.iter().fold(0u32, |acc, d| acc * 8 + u32::from(d - b'0'));
+                out.push(u8::try_from(value).unwrap_or(b'?'));
+                index += 4;
+            }
+            (byte, _) => {
+                out.push(byte);
+                index += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn namespace_names_are_recognised() {
+        // Goal: block device names come only from well-formed namespace entries.
+        assert_eq!(namespace_block_name("nvme0n1").as_deref(), Some("nvme0n1"));
+        assert_eq!(namespace_block_name("nvme3c1n12").as_deref(), Some("nvme3n12"));
+        for other in ["nvme0", "nvme0n", "nvme0n1p1", "device", "nvmeXn1", "power", "nvme0c0"] {
+            assert_eq!(namespace_block_name(other), None, "{other}");
+        }
+    }
+
+    #[test]
+    fn mount_paths_are_unescaped() {
+        assert_eq!(unescape_mount_path(r"/mnt/my\040disk"), "/mnt/my disk");
+        assert_eq!(unescape_mount_path(r"/a\\b\9"), r"/a\\b\9");
+        assert_eq!(unescape_mount_path(r"/x\134y"), r"/x\y");
+    }
+}
