@@ -9,15 +9,18 @@
 //! - [`queue`]: the API — `init_queue`, `get_iocb`, `fill_iocb`, `issue_io`, `wait_cqe`,
 //!   `peek_cqe`, `reap_cqe`, `put_iocb`;
 //! - [`executor`]: the seam an executor (CPU workers, the CUDA kernel) plugs into;
+//! - [`cpu_executor`]: the executor that runs IOCBs on the CPU over nvme-driver's queue pairs;
 //! - `gpu` (feature `cuda`): CUDA driver detection, kernel loading, green contexts, DMA modes.
 //!
-//! Status: no working executor ships yet. Both real executors need the NVMe driver's queue pairs
-//! (crates/nvme-driver), which do not exist at the time of writing; see docs/gio-uring.md.
+//! Status: the CPU executor works over nvme-driver's queue pairs (tested end to end on the
+//! software controller); the CUDA executor is compiled but not implemented (it needs queue pairs
+//! in GPU-reachable memory from the driver) and was never run on a GPU; see docs/gio-uring.md.
 
 // Unsafe code is confined to `shared_memory` and (feature `cuda`) `gpu::driver`, which opt in.
 #![deny(unsafe_code)]
 
 pub mod abi;
+pub mod cpu_executor;
 pub mod error;
 pub mod executor;
 #[cfg(feature = "cuda")]
@@ -33,6 +36,7 @@ pub mod validate;
 #[cfg(test)]
 mod queue_tests;
 
+pub use cpu_executor::CpuExecutor;
 pub use error::{GioError, IocbFailure, IoctxFault};
 pub use executor::{Executor, IssueBatch};
 pub use layout::QueueConfig;
