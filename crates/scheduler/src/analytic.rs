@@ -27,8 +27,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{check_positive, Result, SchedulerError};
 use crate::table::{
-    Bucket, DecodeStep, GpuIdentity, IoCostEntry, LayerProfile, ModelIdentity, ProfileTable,
-    SlackWindow, PROFILE_FORMAT_VERSION,
+    Bucket, DecodeStep, GpuIdentity, IoCostEntry, LayerProfile, ModelIdentity, ProfileTable, SlackWindow, PROFILE_FORMAT_VERSION,
 };
 
 /// Configs come from files: a limit keeps a typo from allocating gigabytes.
@@ -99,10 +98,7 @@ impl ModelConfig {
             ("model.dtype_bytes", self.dtype_bytes),
         ] {
             if value == 0 {
-                return Err(SchedulerError::InvalidConfig {
-                    field: field.into(),
-                    reason: "must be > 0".into(),
-                });
+                return Err(SchedulerError::InvalidConfig { field: field.into(), reason: "must be > 0".into() });
             }
         }
         if self.layer_count > LAYER_COUNT_MAX {
@@ -112,10 +108,7 @@ impl ModelConfig {
             });
         }
         if self.name.is_empty() {
-            return Err(SchedulerError::InvalidConfig {
-                field: "model.name".into(),
-                reason: "empty".into(),
-            });
+            return Err(SchedulerError::InvalidConfig { field: "model.name".into(), reason: "empty".into() });
         }
         Ok(())
     }
@@ -170,11 +163,7 @@ impl GpuSpec {
 
     /// H200: same compute as H100, 4.8 TB/s HBM3e.
     pub fn h200() -> Self {
-        Self {
-            name: "h200".into(),
-            hbm_bytes_per_s: 4.8e12,
-            ..Self::h100()
-        }
+        Self { name: "h200".into(), hbm_bytes_per_s: 4.8e12, ..Self::h100() }
     }
 
     pub fn preset(name: &str) -> Option<Self> {
@@ -200,26 +189,17 @@ impl GpuSpec {
             ("gpu.memory_efficiency", self.memory_efficiency),
         ] {
             if !(value.is_finite() && value > 0.0 && value <= 1.0) {
-                return Err(SchedulerError::InvalidConfig {
-                    field: field.into(),
-                    reason: format!("{value} must be in (0, 1]"),
-                });
+                return Err(SchedulerError::InvalidConfig { field: field.into(), reason: format!("{value} must be in (0, 1]") });
             }
         }
         if !(self.kernel_overhead_us.is_finite() && self.kernel_overhead_us >= 0.0) {
-            return Err(SchedulerError::InvalidConfig {
-                field: "gpu.kernel_overhead_us".into(),
-                reason: "must be finite and >= 0".into(),
-            });
+            return Err(SchedulerError::InvalidConfig { field: "gpu.kernel_overhead_us".into(), reason: "must be finite and >= 0".into() });
         }
         Ok(())
     }
 
     pub fn identity(&self) -> GpuIdentity {
-        GpuIdentity {
-            name: self.name.clone(),
-            sm_count: self.sm_count,
-        }
+        GpuIdentity { name: self.name.clone(), sm_count: self.sm_count }
     }
 }
 
@@ -249,13 +229,7 @@ enum Rate {
 }
 
 /// Kernels of one layer with `new_tokens` computed over a cache of `prefix_tokens`.
-pub fn layer_kernels(
-    model: &ModelConfig,
-    gpu: &GpuSpec,
-    io_sms: u32,
-    new_tokens: u64,
-    prefix_tokens: u64,
-) -> Vec<KernelEstimate> {
+pub fn layer_kernels(model: &ModelConfig, gpu: &GpuSpec, io_sms: u32, new_tokens: u64, prefix_tokens: u64) -> Vec<KernelEstimate> {
     let n = new_tokens as f64;
     let p = prefix_tokens as f64;
     let b = f64::from(model.dtype_bytes);
@@ -278,12 +252,7 @@ pub fn layer_kernels(
             Rate::Gemm,
         ),
         ("rope_kv_store", 6.0 * n * (q_dim + kv_dim), 2.0 * b * n * (q_dim + 2.0 * kv_dim), Rate::Gemm),
-        (
-            "attention",
-            4.0 * q_dim * (n * p + n * n / 2.0),
-            b * (2.0 * n * q_dim + 2.0 * (p + n) * kv_dim),
-            Rate::Attention,
-        ),
+        ("attention", 4.0 * q_dim * (n * p + n * n / 2.0), b * (2.0 * n * q_dim + 2.0 * (p + n) * kv_dim), Rate::Attention),
         ("o_proj", 2.0 * n * q_dim * h, b * (q_dim * h + n * q_dim + n * h), Rate::Gemm),
         ("post_norm", 4.0 * n * h, 2.0 * n * h * b, Rate::Gemm),
         ("gate_up_proj", 4.0 * n * h * i, b * (2.0 * h * i + n * h + 2.0 * n * i), Rate::Gemm),
@@ -323,18 +292,10 @@ pub fn layer_profile(kernels: &[KernelEstimate]) -> LayerProfile {
         if kernel.name == "attention" {
             kv_needed_offset_us = offset_us;
         }
-        slack_windows.push(SlackWindow {
-            offset_us,
-            duration_us: kernel.duration_us,
-            free_sms: kernel.free_sms,
-        });
+        slack_windows.push(SlackWindow { offset_us, duration_us: kernel.duration_us, free_sms: kernel.free_sms });
         offset_us += kernel.duration_us;
     }
-    LayerProfile {
-        compute_duration_us: offset_us,
-        kv_needed_offset_us,
-        slack_windows,
-    }
+    LayerProfile { compute_duration_us: offset_us, kv_needed_offset_us, slack_windows }
 }
 
 /// Builds a complete table; `io_costs` come from a measurement or from
@@ -355,37 +316,24 @@ pub fn build_table(
         });
     }
     if grid.input_step_tokens == 0 || grid.input_step_count == 0 || grid.prefix_step_tokens == 0 {
-        return Err(SchedulerError::InvalidConfig {
-            field: "grid".into(),
-            reason: "steps and counts must be > 0".into(),
-        });
+        return Err(SchedulerError::InvalidConfig { field: "grid".into(), reason: "steps and counts must be > 0".into() });
     }
     if grid.decode_step_tokens == 0 {
-        return Err(SchedulerError::InvalidConfig {
-            field: "decode_step_tokens".into(),
-            reason: "must be > 0".into(),
-        });
+        return Err(SchedulerError::InvalidConfig { field: "decode_step_tokens".into(), reason: "must be > 0".into() });
     }
     let input_max = grid
         .input_step_tokens
         .checked_mul(grid.input_step_count)
-        .ok_or_else(|| SchedulerError::InvalidConfig {
-            field: "input_step_count".into(),
-            reason: "input range overflows u32".into(),
-        })?;
+        .ok_or_else(|| SchedulerError::InvalidConfig { field: "input_step_count".into(), reason: "input range overflows u32".into() })?;
     let layer_count = model.layer_count as usize;
     // Upper bound of sum over k of (k · input_step / prefix_step + 1), without looping.
     let n = u128::from(grid.input_step_count);
-    let bucket_count = (n + n * (n + 1) / 2 * u128::from(grid.input_step_tokens)
-        / u128::from(grid.prefix_step_tokens))
-    .min(u128::from(u64::MAX)) as u64;
+    let bucket_count =
+        (n + n * (n + 1) / 2 * u128::from(grid.input_step_tokens) / u128::from(grid.prefix_step_tokens)).min(u128::from(u64::MAX)) as u64;
     if bucket_count.saturating_mul(u64::from(model.layer_count)) > GRID_ENTRIES_MAX {
         return Err(SchedulerError::InvalidConfig {
             field: "grid".into(),
-            reason: format!(
-                "{bucket_count} buckets × {} layers exceeds {GRID_ENTRIES_MAX} entries: use a coarser step",
-                model.layer_count
-            ),
+            reason: format!("{bucket_count} buckets × {} layers exceeds {GRID_ENTRIES_MAX} entries: use a coarser step", model.layer_count),
         });
     }
 
@@ -398,11 +346,7 @@ pub fn build_table(
             let kernels = layer_kernels(model, gpu, grid.io_sms, new_tokens, u64::from(prefix_tokens));
             // The roofline gives every layer of a bucket the same profile.
             let layer = layer_profile(&kernels);
-            buckets.push(Bucket {
-                input_tokens,
-                prefix_tokens,
-                layers: vec![layer; layer_count],
-            });
+            buckets.push(Bucket { input_tokens, prefix_tokens, layers: vec![layer; layer_count] });
         }
     }
 
@@ -412,11 +356,7 @@ pub fn build_table(
         let kernels = layer_kernels(model, gpu, grid.io_sms, 1, u64::from(context_tokens));
         let per_layer_us: f64 = kernels.iter().map(|k| k.duration_us).sum();
         let free_sms = kernels.iter().map(|k| k.free_sms).min().unwrap_or(grid.io_sms);
-        decode_steps.push(DecodeStep {
-            context_tokens,
-            duration_us: per_layer_us * f64::from(model.layer_count),
-            free_sms,
-        });
+        decode_steps.push(DecodeStep { context_tokens, duration_us: per_layer_us * f64::from(model.layer_count), free_sms });
         let Some(next) = context_tokens.checked_add(grid.decode_step_tokens) else {
             break;
         };
@@ -430,11 +370,7 @@ pub fn build_table(
         compute_source: format!(
             "analytic-roofline (not measured): gemm_efficiency={}, attention_efficiency={}, \
              memory_efficiency={}, kernel_overhead_us={}, io_sms={}",
-            gpu.gemm_efficiency,
-            gpu.attention_efficiency,
-            gpu.memory_efficiency,
-            gpu.kernel_overhead_us,
-            grid.io_sms
+            gpu.gemm_efficiency, gpu.attention_efficiency, gpu.memory_efficiency, gpu.kernel_overhead_us, grid.io_sms
         ),
         io_cost_source: io_cost_source.to_string(),
         input_step_tokens: grid.input_step_tokens,

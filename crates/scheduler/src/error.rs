@@ -15,11 +15,7 @@ pub enum SchedulerError {
 
     /// A field holds a value that cannot be right (negative, NaN, zero where a step is needed…).
     #[error("profile table: field `{field}` at {location}: {reason}")]
-    InvalidField {
-        field: String,
-        location: String,
-        reason: String,
-    },
+    InvalidField { field: String, location: String, reason: String },
 
     /// A bucket of the (input length, prefix length) grid is absent.
     #[error("profile table: missing bucket input_tokens={input_tokens} prefix_tokens={prefix_tokens}")]
@@ -31,20 +27,11 @@ pub enum SchedulerError {
 
     /// The table describes another model or GPU than the one in use.
     #[error("profile table was built for {field} `{table}`, but `{in_use}` is in use")]
-    IdentityMismatch {
-        field: &'static str,
-        table: String,
-        in_use: String,
-    },
+    IdentityMismatch { field: &'static str, table: String, in_use: String },
 
     /// A lookup outside the range the table covers, where no conservative fallback exists.
     #[error("lookup out of range: {what} = {value} is outside the profiled range [{min}, {max}]")]
-    OutOfRange {
-        what: &'static str,
-        value: u64,
-        min: u64,
-        max: u64,
-    },
+    OutOfRange { what: &'static str, value: u64, min: u64, max: u64 },
 
     /// The table is not valid JSON or does not have the documented shape.
     #[error("profile table JSON: {0}")]
@@ -60,19 +47,11 @@ pub enum SchedulerError {
 
     /// A policy asked for something impossible (more IOCBs than are pending, an unknown layer).
     #[error("policy `{policy}` produced an invalid decision at {location}: {reason}")]
-    InvalidDecision {
-        policy: &'static str,
-        location: String,
-        reason: String,
-    },
+    InvalidDecision { policy: &'static str, location: String, reason: String },
 
     /// The I/O probe (live backend) failed.
     #[error("I/O probe `{probe}` failed at {point}: {reason}")]
-    Probe {
-        probe: String,
-        point: String,
-        reason: String,
-    },
+    Probe { probe: String, point: String, reason: String },
 }
 
 /// Result alias used throughout the crate.
@@ -100,10 +79,7 @@ pub(crate) fn check_duration(value_us: f64, field: &str, location: &dyn Fn() -> 
 /// Helper: reject a configuration float that is not finite and strictly positive.
 pub(crate) fn check_positive(value: f64, field: &str) -> Result<()> {
     if !value.is_finite() || value <= 0.0 {
-        return Err(SchedulerError::InvalidConfig {
-            field: field.to_string(),
-            reason: format!("{value} must be a finite number > 0"),
-        });
+        return Err(SchedulerError::InvalidConfig { field: field.to_string(), reason: format!("{value} must be a finite number > 0") });
     }
     Ok(())
 }

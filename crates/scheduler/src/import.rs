@@ -32,8 +32,7 @@ use std::collections::BTreeMap;
 
 use crate::error::{Result, SchedulerError};
 use crate::table::{
-    Bucket, DecodeStep, GpuIdentity, IoCostEntry, LayerProfile, ModelIdentity, Profile, ProfileTable,
-    SlackWindow, PROFILE_FORMAT_VERSION,
+    Bucket, DecodeStep, GpuIdentity, IoCostEntry, LayerProfile, ModelIdentity, Profile, ProfileTable, SlackWindow, PROFILE_FORMAT_VERSION,
 };
 
 const HEADER: &str = "phase,input_tokens,prefix_tokens,layer,kernel,start_us,end_us,sms_used";
@@ -66,31 +65,19 @@ pub fn import_timeline(
         }
         if !saw_header {
             if trimmed.replace(' ', "") != HEADER {
-                return Err(SchedulerError::Timeline {
-                    line,
-                    reason: format!("expected header `{HEADER}`"),
-                });
+                return Err(SchedulerError::Timeline { line, reason: format!("expected header `{HEADER}`") });
             }
             saw_header = true;
             continue;
         }
         let fields: Vec<&str> = trimmed.split(',').map(str::trim).collect();
         if fields.len() != 8 {
-            return Err(SchedulerError::Timeline {
-                line,
-                reason: format!("{} fields, expected 8", fields.len()),
-            });
+            return Err(SchedulerError::Timeline { line, reason: format!("{} fields, expected 8", fields.len()) });
         }
         let bad = |reason: String| SchedulerError::Timeline { line, reason };
-        let int = |name: &str, value: &str| -> Result<u32> {
-            value
-                .parse::<u32>()
-                .map_err(|e| bad(format!("`{name}` = `{value}`: {e}")))
-        };
+        let int = |name: &str, value: &str| -> Result<u32> { value.parse::<u32>().map_err(|e| bad(format!("`{name}` = `{value}`: {e}"))) };
         let float = |name: &str, value: &str| -> Result<f64> {
-            let v = value
-                .parse::<f64>()
-                .map_err(|e| bad(format!("`{name}` = `{value}`: {e}")))?;
+            let v = value.parse::<f64>().map_err(|e| bad(format!("`{name}` = `{value}`: {e}")))?;
             if !v.is_finite() || v < 0.0 {
                 return Err(bad(format!("`{name}` = {v} must be finite and >= 0")));
             }
@@ -116,65 +103,37 @@ pub fn import_timeline(
                 if layer >= model.layer_count {
                     return Err(bad(format!("layer {layer} but the model has {}", model.layer_count)));
                 }
-                prefill
-                    .entry((input_tokens, prefix_tokens))
-                    .or_default()
-                    .entry(layer)
-                    .or_default()
-                    .push(kernel);
+                prefill.entry((input_tokens, prefix_tokens)).or_default().entry(layer).or_default().push(kernel);
             }
             "decode" => decode.entry(input_tokens).or_default().push(kernel),
             other => return Err(bad(format!("phase `{other}` is neither prefill nor decode"))),
         }
     }
     if prefill.is_empty() {
-        return Err(SchedulerError::Timeline {
-            line: 0,
-            reason: "no prefill rows".into(),
-        });
+        return Err(SchedulerError::Timeline { line: 0, reason: "no prefill rows".into() });
     }
 
     let input_step_tokens = prefill.keys().map(|k| k.0).min().unwrap_or(0);
     let input_max = prefill.keys().map(|k| k.0).max().unwrap_or(0);
     if input_step_tokens == 0 {
-        return Err(SchedulerError::Timeline {
-            line: 0,
-            reason: "input_tokens must be > 0".into(),
-        });
+        return Err(SchedulerError::Timeline { line: 0, reason: "input_tokens must be > 0".into() });
     }
-    let prefix_step_tokens = prefill
-        .keys()
-        .map(|k| k.1)
-        .filter(|&p| p > 0)
-        .fold(0, gcd)
-        .max(1);
-    let prefix_step_tokens = if prefill.keys().all(|k| k.1 == 0) {
-        input_step_tokens
-    } else {
-        prefix_step_tokens
-    };
+    let prefix_step_tokens = prefill.keys().map(|k| k.1).filter(|&p| p > 0).fold(0, gcd).max(1);
+    let prefix_step_tokens = if prefill.keys().all(|k| k.1 == 0) { input_step_tokens } else { prefix_step_tokens };
 
     let mut buckets = Vec::with_capacity(prefill.len());
     for ((input_tokens, prefix_tokens), layers) in prefill {
         let mut profiles = Vec::new();
         for layer in 0..model.layer_count {
             let location = || format!("bucket(input_tokens={input_tokens}, prefix_tokens={prefix_tokens}) layer {layer}");
-            let kernels = layers.get(&layer).ok_or_else(|| SchedulerError::Timeline {
-                line: 0,
-                reason: format!("{}: no kernels", location()),
-            })?;
-            profiles.push(layer_from_kernels(kernels, gpu.sm_count).map_err(|reason| {
-                SchedulerError::Timeline {
-                    line: 0,
-                    reason: format!("{}: {reason}", location()),
-                }
-            })?);
+            let kernels =
+                layers.get(&layer).ok_or_else(|| SchedulerError::Timeline { line: 0, reason: format!("{}: no kernels", location()) })?;
+            profiles.push(
+                layer_from_kernels(kernels, gpu.sm_count)
+                    .map_err(|reason| SchedulerError::Timeline { line: 0, reason: format!("{}: {reason}", location()) })?,
+            );
         }
-        buckets.push(Bucket {
-            input_tokens,
-            prefix_tokens,
-            layers: profiles,
-        });
+        buckets.push(Bucket { input_tokens, prefix_tokens, layers: profiles });
     }
 
     let decode_steps = decode
@@ -182,16 +141,8 @@ pub fn import_timeline(
         .map(|(context_tokens, kernels)| {
             let start_us = kernels.iter().map(|k| k.start_us).fold(f64::INFINITY, f64::min);
             let end_us = kernels.iter().map(|k| k.end_us).fold(0.0, f64::max);
-            let free_sms = free_intervals(&kernels, gpu.sm_count)
-                .iter()
-                .map(|w| w.free_sms)
-                .min()
-                .unwrap_or(gpu.sm_count);
-            DecodeStep {
-                context_tokens,
-                duration_us: end_us - start_us,
-                free_sms,
-            }
+            let free_sms = free_intervals(&kernels, gpu.sm_count).iter().map(|w| w.free_sms).min().unwrap_or(gpu.sm_count);
+            DecodeStep { context_tokens, duration_us: end_us - start_us, free_sms }
         })
         .collect();
 
@@ -233,16 +184,9 @@ fn layer_from_kernels(kernels: &[Kernel], sm_count: u32) -> std::result::Result<
     let slack_windows = free_intervals(kernels, sm_count)
         .into_iter()
         .filter(|w| w.free_sms > 0 && w.duration_us > 0.0)
-        .map(|w| SlackWindow {
-            offset_us: w.offset_us - start_us,
-            ..w
-        })
+        .map(|w| SlackWindow { offset_us: w.offset_us - start_us, ..w })
         .collect();
-    Ok(LayerProfile {
-        compute_duration_us: end_us - start_us,
-        kv_needed_offset_us: attention - start_us,
-        slack_windows,
-    })
+    Ok(LayerProfile { compute_duration_us: end_us - start_us, kv_needed_offset_us: attention - start_us, slack_windows })
 }
 
 /// Maximal intervals (absolute times) with a constant number of free SMs.
@@ -254,21 +198,13 @@ fn free_intervals(kernels: &[Kernel], sm_count: u32) -> Vec<SlackWindow> {
     for pair in bounds.windows(2) {
         let (from, to) = (pair[0], pair[1]);
         let middle = (from + to) / 2.0;
-        let busy: u32 = kernels
-            .iter()
-            .filter(|k| k.start_us <= middle && middle < k.end_us)
-            .map(|k| k.sms_used)
-            .sum();
+        let busy: u32 = kernels.iter().filter(|k| k.start_us <= middle && middle < k.end_us).map(|k| k.sms_used).sum();
         let free_sms = sm_count.saturating_sub(busy);
         match windows.last_mut() {
             Some(last) if last.free_sms == free_sms && (last.end_us() - from).abs() < 1e-9 => {
                 last.duration_us = to - last.offset_us;
             }
-            _ => windows.push(SlackWindow {
-                offset_us: from,
-                duration_us: to - from,
-                free_sms,
-            }),
+            _ => windows.push(SlackWindow { offset_us: from, duration_us: to - from, free_sms }),
         }
     }
     windows

@@ -19,12 +19,7 @@ const COLORS: [&str; 4] = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd"];
 const COMPUTE_COLOR: &str = "#d62728";
 
 /// Renders the figure. `results` holds every policy's hit-rate sweep (one input length).
-pub fn render_svg(
-    title: &str,
-    results: &[SimResult],
-    summaries: &[PolicySummary],
-    analytic_bound_hit_rate: Option<f64>,
-) -> String {
+pub fn render_svg(title: &str, results: &[SimResult], summaries: &[PolicySummary], analytic_bound_hit_rate: Option<f64>) -> String {
     let width = (MARGIN_LEFT + 2.0 * PANEL_WIDTH + GAP + 40.0).max(MARGIN_LEFT + 100.0 + 290.0 * summaries.len() as f64);
     let height = MARGIN_TOP + PANEL_HEIGHT + MARGIN_BOTTOM + 30.0;
     let mut svg = String::new();
@@ -33,24 +28,12 @@ pub fn render_svg(
         r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0}" height="{height:.0}" font-family="sans-serif" font-size="12">"#
     );
     let _ = writeln!(svg, r#"<rect width="100%" height="100%" fill="white"/>"#);
-    let _ = writeln!(
-        svg,
-        r#"<text x="{:.0}" y="22" font-size="15" text-anchor="middle">{}</text>"#,
-        width / 2.0,
-        escape(title)
-    );
+    let _ = writeln!(svg, r#"<text x="{:.0}" y="22" font-size="15" text-anchor="middle">{}</text>"#, width / 2.0, escape(title));
     let zoom_from = analytic_bound_hit_rate
         .or_else(|| summaries.iter().filter_map(|s| s.crossover_hit_rate).reduce(f64::min))
         .map_or(0.8, |b| (b - 0.1).clamp(0.0, 0.9));
     panel(&mut svg, MARGIN_LEFT, (0.0, 1.0), results, summaries, analytic_bound_hit_rate);
-    panel(
-        &mut svg,
-        MARGIN_LEFT + PANEL_WIDTH + GAP,
-        (zoom_from, 1.0),
-        results,
-        summaries,
-        analytic_bound_hit_rate,
-    );
+    panel(&mut svg, MARGIN_LEFT + PANEL_WIDTH + GAP, (zoom_from, 1.0), results, summaries, analytic_bound_hit_rate);
     // Legend under the panels.
     let legend_y = MARGIN_TOP + PANEL_HEIGHT + 42.0;
     let mut x = MARGIN_LEFT;
@@ -84,24 +67,9 @@ pub fn render_svg(
     svg
 }
 
-fn panel(
-    svg: &mut String,
-    left: f64,
-    (x_from, x_to): (f64, f64),
-    results: &[SimResult],
-    summaries: &[PolicySummary],
-    bound: Option<f64>,
-) {
-    let visible: Vec<&SimResult> = results
-        .iter()
-        .filter(|r| r.hit_rate >= x_from - 1e-9 && r.hit_rate <= x_to + 1e-9)
-        .collect();
-    let y_max_ms = visible
-        .iter()
-        .map(|r| r.compute_us.max(r.bubble_us) / 1e3)
-        .fold(0.0, f64::max)
-        .max(1e-3)
-        * 1.05;
+fn panel(svg: &mut String, left: f64, (x_from, x_to): (f64, f64), results: &[SimResult], summaries: &[PolicySummary], bound: Option<f64>) {
+    let visible: Vec<&SimResult> = results.iter().filter(|r| r.hit_rate >= x_from - 1e-9 && r.hit_rate <= x_to + 1e-9).collect();
+    let y_max_ms = visible.iter().map(|r| r.compute_us.max(r.bubble_us) / 1e3).fold(0.0, f64::max).max(1e-3) * 1.05;
     let top = MARGIN_TOP;
     let bottom = MARGIN_TOP + PANEL_HEIGHT;
     let x_of = |h: f64| left + (h - x_from) / (x_to - x_from).max(1e-9) * PANEL_WIDTH;
@@ -143,20 +111,14 @@ fn panel(
 
     // Compute time is the same for every policy: draw it from the first policy's points.
     if let Some(first) = summaries.first() {
-        let points: Vec<(f64, f64)> = visible
-            .iter()
-            .filter(|r| r.policy == first.policy)
-            .map(|r| (x_of(r.hit_rate), y_of(r.compute_us / 1e3)))
-            .collect();
+        let points: Vec<(f64, f64)> =
+            visible.iter().filter(|r| r.policy == first.policy).map(|r| (x_of(r.hit_rate), y_of(r.compute_us / 1e3))).collect();
         polyline(svg, &points, COMPUTE_COLOR, 2.5, None);
     }
     for (index, summary) in summaries.iter().enumerate() {
         let color = COLORS[index % COLORS.len()];
         let mine: Vec<&&SimResult> = visible.iter().filter(|r| r.policy == summary.policy).collect();
-        let points: Vec<(f64, f64)> = mine
-            .iter()
-            .map(|r| (x_of(r.hit_rate), y_of(r.bubble_us / 1e3)))
-            .collect();
+        let points: Vec<(f64, f64)> = mine.iter().map(|r| (x_of(r.hit_rate), y_of(r.bubble_us / 1e3))).collect();
         polyline(svg, &points, color, 2.0, Some("6,3"));
         if let Some(h) = summary.crossover_hit_rate.filter(|h| *h >= x_from && *h <= x_to) {
             // Star on the bubble curve, at the nearest sweep point's height.
@@ -196,11 +158,7 @@ fn polyline(svg: &mut String, points: &[(f64, f64)], color: &str, width: f64, da
         let _ = write!(coords, "{x:.1},{y:.1} ");
     }
     let dash = dash.map(|d| format!(r#" stroke-dasharray="{d}""#)).unwrap_or_default();
-    let _ = writeln!(
-        svg,
-        r#"<polyline points="{}" fill="none" stroke="{color}" stroke-width="{width}"{dash}/>"#,
-        coords.trim_end()
-    );
+    let _ = writeln!(svg, r#"<polyline points="{}" fill="none" stroke="{color}" stroke-width="{width}"{dash}/>"#, coords.trim_end());
 }
 
 fn escape(text: &str) -> String {

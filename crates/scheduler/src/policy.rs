@@ -98,25 +98,11 @@ impl PolicyKind {
 }
 
 fn read_all(layer: u32, iocb_count: u32, sm_budget: u32) -> Issue {
-    Issue {
-        kind: IoKind::Read,
-        layer: Some(layer),
-        iocb_count,
-        sm_budget,
-        offset_us: 0.0,
-        after_reads: false,
-    }
+    Issue { kind: IoKind::Read, layer: Some(layer), iocb_count, sm_budget, offset_us: 0.0, after_reads: false }
 }
 
 fn write_all(iocb_count: u32, sm_budget: u32, after_reads: bool) -> Issue {
-    Issue {
-        kind: IoKind::Write,
-        layer: None,
-        iocb_count,
-        sm_budget,
-        offset_us: 0.0,
-        after_reads,
-    }
+    Issue { kind: IoKind::Write, layer: None, iocb_count, sm_budget, offset_us: 0.0, after_reads }
 }
 
 /// Tutti's policy.
@@ -184,10 +170,7 @@ fn fill_windows(
             }
         }
     }
-    Ok(Fill {
-        issues,
-        ssd_free_at_us,
-    })
+    Ok(Fill { issues, ssd_free_at_us })
 }
 
 /// The most IOCBs (≤ `want`) whose kernel finishes within `room_us`; 0 if none does or the budget
@@ -219,15 +202,12 @@ fn largest_fitting(table: &Profile, kind: IoKind, budget: u32, want: u32, room_u
 impl SlackAware {
     fn layer_profile<'a>(view: &LayerView<'a>) -> Result<&'a LayerProfile> {
         let bucket = view.table.bucket(view.input_tokens, view.prefix_tokens)?;
-        bucket
-            .layers
-            .get(view.layer as usize)
-            .ok_or_else(|| SchedulerError::OutOfRange {
-                what: "layer",
-                value: u64::from(view.layer),
-                min: 0,
-                max: bucket.layers.len().saturating_sub(1) as u64,
-            })
+        bucket.layers.get(view.layer as usize).ok_or_else(|| SchedulerError::OutOfRange {
+            what: "layer",
+            value: u64::from(view.layer),
+            min: 0,
+            max: bucket.layers.len().saturating_sub(1) as u64,
+        })
     }
 }
 
@@ -254,16 +234,11 @@ impl IoPolicy for SlackAware {
 
         // 2 + 3. Next layer into the windows, then run-ahead; if the next layer does not fit,
         // issue it immediately and run ahead with what is left.
-        let mut targets: Vec<(Option<u32>, u32)> = (layer + 1..unissued.len())
-            .map(|l| (Some(l as u32), unissued[l]))
-            .filter(|t| t.1 > 0)
-            .collect();
+        let mut targets: Vec<(Option<u32>, u32)> =
+            (layer + 1..unissued.len()).map(|l| (Some(l as u32), unissued[l])).filter(|t| t.1 > 0).collect();
         let mut trial = targets.clone();
         let fill = fill_windows(table, IoKind::Read, &profile.slack_windows, ssd_free_at_us, &mut trial)?;
-        let next_fits = trial
-            .first()
-            .zip(targets.first())
-            .map_or(true, |(after, before)| before.0 != Some(view.layer + 1) || after.1 == 0);
+        let next_fits = trial.first().zip(targets.first()).is_none_or(|(after, before)| before.0 != Some(view.layer + 1) || after.1 == 0);
         let fill = if next_fits {
             targets = trial;
             fill
@@ -280,16 +255,9 @@ impl IoPolicy for SlackAware {
         let reads_left: u32 = targets.iter().map(|t| t.1).sum();
         if reads_left == 0 && view.queued_write_iocbs > 0 {
             let write_budget = table.io_sm_budget_max(IoKind::Write);
-            let writes_free_at_us =
-                table.io_duration_us(IoKind::Write, view.outstanding_write_iocbs, write_budget)?;
+            let writes_free_at_us = table.io_duration_us(IoKind::Write, view.outstanding_write_iocbs, write_budget)?;
             let mut writes = [(None, view.queued_write_iocbs)];
-            let fill = fill_windows(
-                table,
-                IoKind::Write,
-                &profile.slack_windows,
-                ssd_free_at_us.max(writes_free_at_us),
-                &mut writes,
-            )?;
+            let fill = fill_windows(table, IoKind::Write, &profile.slack_windows, ssd_free_at_us.max(writes_free_at_us), &mut writes)?;
             plan.issues.extend(fill.issues);
         }
         Ok(plan)
@@ -306,17 +274,15 @@ impl IoPolicy for SlackAware {
             return Ok(Vec::new());
         }
         let step = view.table.decode_step(view.context_tokens)?;
-        let window = SlackWindow {
-            offset_us: 0.0,
-            duration_us: step.duration_us,
-            free_sms: step.free_sms,
-        };
+        let window = SlackWindow { offset_us: 0.0, duration_us: step.duration_us, free_sms: step.free_sms };
         let table = view.table;
         let read_budget = table.io_sm_budget_max(IoKind::Read);
         let write_budget = table.io_sm_budget_max(IoKind::Write);
-        let busy_until_us = table
-            .io_duration_us(IoKind::Read, view.outstanding_read_iocbs, read_budget)?
-            .max(table.io_duration_us(IoKind::Write, view.outstanding_write_iocbs, write_budget)?);
+        let busy_until_us = table.io_duration_us(IoKind::Read, view.outstanding_read_iocbs, read_budget)?.max(table.io_duration_us(
+            IoKind::Write,
+            view.outstanding_write_iocbs,
+            write_budget,
+        )?);
         let mut writes = [(None, view.queued_write_iocbs)];
         Ok(fill_windows(table, IoKind::Write, &[window], busy_until_us, &mut writes)?.issues)
     }
@@ -374,10 +340,7 @@ impl IoPolicy for NoOverlap {
             .filter(|(_, &count)| count > 0)
             .map(|(layer, &count)| read_all(layer as u32, count, budget))
             .collect();
-        Ok(LayerPlan {
-            wait_for_all_reads: view.layer == 0,
-            issues,
-        })
+        Ok(LayerPlan { wait_for_all_reads: view.layer == 0, issues })
     }
 
     fn plan_prefill_end(&mut self, view: &QueueView<'_>) -> Result<Vec<Issue>> {

@@ -39,11 +39,7 @@ pub struct IoGrid {
 /// Measures every (kind, SM budget, IOCB count) point, reporting progress as (done, total).
 /// Rows come out sorted as the table format requires; each duration is the median of
 /// `repetitions` samples. Samples that are not finite and positive are rejected.
-pub fn measure_io_costs(
-    probe: &mut dyn IoCostProbe,
-    grid: &IoGrid,
-    progress: &mut dyn FnMut(usize, usize),
-) -> Result<Vec<IoCostEntry>> {
+pub fn measure_io_costs(probe: &mut dyn IoCostProbe, grid: &IoGrid, progress: &mut dyn FnMut(usize, usize)) -> Result<Vec<IoCostEntry>> {
     let mut counts = grid.iocb_counts.clone();
     counts.sort_unstable();
     counts.dedup();
@@ -83,13 +79,7 @@ pub fn measure_io_costs(
                 // durations, and the slower neighbour is the conservative value.
                 let duration_us = durations[durations.len() / 2].max(previous_us);
                 previous_us = duration_us;
-                rows.push(IoCostEntry {
-                    kind,
-                    iocb_count,
-                    sm_budget,
-                    duration_us,
-                    bytes,
-                });
+                rows.push(IoCostEntry { kind, iocb_count, sm_budget, duration_us, bytes });
                 done += 1;
                 progress(done, total);
             }

@@ -84,11 +84,26 @@ struct Job {
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Phase {
     /// No-overlap: before layer 0, until every read completed.
-    Gate { layer: u32, since_us: f64 },
-    PreAttention { layer: u32, end_us: f64 },
-    WaitKv { layer: u32, since_us: f64 },
-    PostAttention { layer: u32, end_us: f64 },
-    Decode { step: u32, end_us: f64 },
+    Gate {
+        layer: u32,
+        since_us: f64,
+    },
+    PreAttention {
+        layer: u32,
+        end_us: f64,
+    },
+    WaitKv {
+        layer: u32,
+        since_us: f64,
+    },
+    PostAttention {
+        layer: u32,
+        end_us: f64,
+    },
+    Decode {
+        step: u32,
+        end_us: f64,
+    },
     Done,
 }
 
@@ -126,21 +141,16 @@ pub fn simulate(
 ) -> Result<SimResult> {
     ssd.validate()?;
     if config.iocb_bytes == 0 {
-        return Err(SchedulerError::InvalidConfig {
-            field: "iocb_bytes".into(),
-            reason: "must be > 0".into(),
-        });
+        return Err(SchedulerError::InvalidConfig { field: "iocb_bytes".into(), reason: "must be > 0".into() });
     }
     let bucket = truth.bucket(config.input_tokens, config.prefix_tokens)?;
     let layer_count = bucket.layers.len();
     let kv_bytes = truth.model().kv_bytes_per_token_per_layer;
     let read_bytes_per_layer = u64::from(config.prefix_tokens) * kv_bytes;
     let new_kv_bytes_per_layer = u64::from(config.input_tokens - config.prefix_tokens) * kv_bytes;
-    let read_iocbs = u32::try_from(read_bytes_per_layer.div_ceil(config.iocb_bytes)).map_err(|_| {
-        SchedulerError::InvalidConfig {
-            field: "iocb_bytes".into(),
-            reason: "too small: more than u32::MAX IOCBs per layer".into(),
-        }
+    let read_iocbs = u32::try_from(read_bytes_per_layer.div_ceil(config.iocb_bytes)).map_err(|_| SchedulerError::InvalidConfig {
+        field: "iocb_bytes".into(),
+        reason: "too small: more than u32::MAX IOCBs per layer".into(),
     })?;
     let sim = Sim {
         truth,
@@ -175,14 +185,9 @@ impl<'a> Sim<'a> {
             let budget = self.scheduler_table.io_sm_budget_max(IoKind::Read);
             self.ssd.kernel_duration_us(IoKind::Read, read_bytes_per_layer, budget)
         };
-        let fill_bound_us =
-            (layer0_read_us - first.map_or(0.0, |l| l.kv_needed_offset_us)).max(0.0);
+        let fill_bound_us = (layer0_read_us - first.map_or(0.0, |l| l.kv_needed_offset_us)).max(0.0);
 
-        let mut phase = if self.layers.is_empty() {
-            Phase::Done
-        } else {
-            self.start_layer(0)?
-        };
+        let mut phase = if self.layers.is_empty() { Phase::Done } else { self.start_layer(0)? };
         let mut ttft_us = if self.layers.is_empty() { 0.0 } else { f64::NAN };
         let mut write_backlog_bytes_at_ttft = 0;
         let mut events = 0u64;
@@ -228,10 +233,7 @@ impl<'a> Sim<'a> {
         SchedulerError::InvalidDecision {
             policy: self.policy.name(),
             location: format!("{phase:?} at {:.3} us", self.now_us),
-            reason: format!(
-                "{reason} (unissued read IOCBs per layer: {:?})",
-                self.unissued_read_iocbs
-            ),
+            reason: format!("{reason} (unissued read IOCBs per layer: {:?})", self.unissued_read_iocbs),
         }
     }
 
@@ -256,9 +258,7 @@ impl<'a> Sim<'a> {
     }
 
     fn layer_loaded(&self, layer: u32) -> bool {
-        self.pending_read_bytes
-            .get(layer as usize)
-            .is_none_or(|&b| b <= BYTES_EPSILON)
+        self.pending_read_bytes.get(layer as usize).is_none_or(|&b| b <= BYTES_EPSILON)
     }
 
     fn all_loaded(&self) -> bool {
@@ -294,19 +294,13 @@ impl<'a> Sim<'a> {
             IoKind::Read => IoKind::Write,
             IoKind::Write => IoKind::Read,
         };
-        let mixed = if self.transferring(other) {
-            self.ssd.mixed_bandwidth_fraction
-        } else {
-            1.0
-        };
+        let mixed = if self.transferring(other) { self.ssd.mixed_bandwidth_fraction } else { 1.0 };
         self.ssd.kernel_bytes_per_s(kind, sm_budget) * mixed / 1e6
     }
 
     fn next_event_us(&self, phase: &Phase) -> f64 {
         let mut next = match *phase {
-            Phase::PreAttention { end_us, .. }
-            | Phase::PostAttention { end_us, .. }
-            | Phase::Decode { end_us, .. } => end_us,
+            Phase::PreAttention { end_us, .. } | Phase::PostAttention { end_us, .. } | Phase::Decode { end_us, .. } => end_us,
             Phase::Gate { .. } | Phase::WaitKv { .. } | Phase::Done => f64::INFINITY,
         };
         for kind in [IoKind::Read, IoKind::Write] {
@@ -369,9 +363,8 @@ impl<'a> Sim<'a> {
                     IoKind::Read => &mut self.reads,
                     IoKind::Write => &mut self.writes,
                 };
-                let done = queue
-                    .front()
-                    .is_some_and(|j| j.release_us <= until_us && j.latency_left_us <= 0.0 && j.bytes_left <= BYTES_EPSILON);
+                let done =
+                    queue.front().is_some_and(|j| j.release_us <= until_us && j.latency_left_us <= 0.0 && j.bytes_left <= BYTES_EPSILON);
                 if !done {
                     break;
                 }
@@ -412,36 +405,24 @@ impl<'a> Sim<'a> {
             }
         }
         if plan.wait_for_all_reads {
-            return Ok(Phase::Gate {
-                layer,
-                since_us: self.now_us,
-            });
+            return Ok(Phase::Gate { layer, since_us: self.now_us });
         }
-        Ok(Phase::PreAttention {
-            layer,
-            end_us: self.now_us + profile.kv_needed_offset_us,
-        })
+        Ok(Phase::PreAttention { layer, end_us: self.now_us + profile.kv_needed_offset_us })
     }
 
     fn layer(&self, layer: u32) -> Result<&LayerProfile> {
-        self.layers
-            .get(layer as usize)
-            .ok_or_else(|| SchedulerError::OutOfRange {
-                what: "layer",
-                value: u64::from(layer),
-                min: 0,
-                max: self.layers.len().saturating_sub(1) as u64,
-            })
+        self.layers.get(layer as usize).ok_or_else(|| SchedulerError::OutOfRange {
+            what: "layer",
+            value: u64::from(layer),
+            min: 0,
+            max: self.layers.len().saturating_sub(1) as u64,
+        })
     }
 
     /// Turns a decision into SSD jobs, rejecting impossible ones.
     fn launch(&mut self, issue: Issue, release_us: f64) -> Result<()> {
         let name = self.policy.name();
-        let bad = |reason: String| SchedulerError::InvalidDecision {
-            policy: name,
-            location: format!("{issue:?}"),
-            reason,
-        };
+        let bad = |reason: String| SchedulerError::InvalidDecision { policy: name, location: format!("{issue:?}"), reason };
         if !issue.offset_us.is_finite() || issue.iocb_count == 0 {
             return Err(bad("offset must be finite and iocb_count > 0".into()));
         }
@@ -450,10 +431,7 @@ impl<'a> Sim<'a> {
             IoKind::Read => {
                 let layer = issue.layer.ok_or_else(|| bad("a read must name its layer".into()))?;
                 let index = layer as usize;
-                let unissued = self
-                    .unissued_read_iocbs
-                    .get_mut(index)
-                    .ok_or_else(|| bad(format!("layer {layer} does not exist")))?;
+                let unissued = self.unissued_read_iocbs.get_mut(index).ok_or_else(|| bad(format!("layer {layer} does not exist")))?;
                 if issue.iocb_count > *unissued {
                     return Err(bad(format!("{} IOCBs requested, {} unissued", issue.iocb_count, unissued)));
                 }
@@ -515,10 +493,7 @@ impl<'a> Sim<'a> {
         for issue in issues {
             self.launch(issue, self.now_us + issue.offset_us.max(0.0))?;
         }
-        Ok(Phase::Decode {
-            step,
-            end_us: self.now_us + duration_us,
-        })
+        Ok(Phase::Decode { step, end_us: self.now_us + duration_us })
     }
 
     /// Applies every compute transition due at `now_us`.
@@ -571,9 +546,6 @@ impl<'a> Sim<'a> {
         }
         let profile = self.layer(layer)?;
         let rest_us = profile.compute_duration_us - profile.kv_needed_offset_us;
-        Ok(Phase::PostAttention {
-            layer,
-            end_us: now + rest_us.max(0.0),
-        })
+        Ok(Phase::PostAttention { layer, end_us: now + rest_us.max(0.0) })
     }
 }

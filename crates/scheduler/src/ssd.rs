@@ -49,10 +49,7 @@ impl SsdModel {
 
     pub fn validate(&self) -> Result<()> {
         if self.device_count == 0 {
-            return Err(SchedulerError::InvalidConfig {
-                field: "ssd.device_count".into(),
-                reason: "must be > 0".into(),
-            });
+            return Err(SchedulerError::InvalidConfig { field: "ssd.device_count".into(), reason: "must be > 0".into() });
         }
         check_positive(self.read_bytes_per_s_per_device, "ssd.read_bytes_per_s_per_device")?;
         check_positive(self.write_bytes_per_s_per_device, "ssd.write_bytes_per_s_per_device")?;
@@ -84,8 +81,7 @@ impl SsdModel {
 
     /// Solo rate of one kernel on `sm_budget` SMs.
     pub fn kernel_bytes_per_s(&self, kind: IoKind, sm_budget: u32) -> f64 {
-        self.bandwidth_bytes_per_s(kind)
-            .min(f64::from(sm_budget) * self.io_bytes_per_s_per_sm)
+        self.bandwidth_bytes_per_s(kind).min(f64::from(sm_budget) * self.io_bytes_per_s_per_sm)
     }
 
     /// Solo duration of one kernel moving `bytes` from an idle queue.
@@ -96,12 +92,7 @@ impl SsdModel {
     /// An I/O cost table for [`crate::table::ProfileTable::io_costs`], computed from this model
     /// (the stand-in for `tutti-profile io` where no backend is available). Counts are powers of
     /// two up to `iocb_count_max`, for each budget in `sm_budgets` (sorted, deduplicated).
-    pub fn cost_table(
-        &self,
-        iocb_bytes: u64,
-        iocb_count_max: u32,
-        sm_budgets: &[u32],
-    ) -> Result<Vec<IoCostEntry>> {
+    pub fn cost_table(&self, iocb_bytes: u64, iocb_count_max: u32, sm_budgets: &[u32]) -> Result<Vec<IoCostEntry>> {
         self.validate()?;
         if iocb_bytes == 0 || iocb_count_max == 0 || sm_budgets.is_empty() {
             return Err(SchedulerError::InvalidConfig {

@@ -99,9 +99,7 @@ pub fn preset(name: &str) -> Option<Preset> {
 impl Preset {
     /// The analytic table of this preset, with I/O costs from its SSD model.
     pub fn build_profile(&self) -> Result<Profile> {
-        let io_costs = self
-            .ssd
-            .cost_table(self.iocb_bytes, self.iocb_count_max, &[self.grid.io_sms])?;
+        let io_costs = self.ssd.cost_table(self.iocb_bytes, self.iocb_count_max, &[self.grid.io_sms])?;
         let table = build_table(
             &self.model,
             &self.gpu,
@@ -147,12 +145,7 @@ pub fn hit_rate_sweep(
     let mut results = Vec::new();
     for &kind in policies {
         for prefix_tokens in profile.prefix_lengths(input_tokens) {
-            let config = SimConfig {
-                input_tokens,
-                prefix_tokens,
-                iocb_bytes,
-                decode_step_count,
-            };
+            let config = SimConfig { input_tokens, prefix_tokens, iocb_bytes, decode_step_count };
             let mut policy = kind.build();
             results.push(simulate(profile, profile, ssd, &config, policy.as_mut())?);
         }
@@ -171,22 +164,14 @@ pub fn prefix_length_sweep(
     policies: &[PolicyKind],
 ) -> Result<Vec<SimResult>> {
     if !(0.0..=1.0).contains(&hit_rate) {
-        return Err(SchedulerError::InvalidConfig {
-            field: "hit_rate".into(),
-            reason: format!("{hit_rate} is outside [0, 1]"),
-        });
+        return Err(SchedulerError::InvalidConfig { field: "hit_rate".into(), reason: format!("{hit_rate} is outside [0, 1]") });
     }
     let step = profile.table().prefix_step_tokens;
     let mut results = Vec::new();
     for &kind in policies {
         for input_tokens in profile.input_lengths() {
             let prefix_tokens = ((f64::from(input_tokens) * hit_rate) as u32 / step) * step;
-            let config = SimConfig {
-                input_tokens,
-                prefix_tokens,
-                iocb_bytes,
-                decode_step_count,
-            };
+            let config = SimConfig { input_tokens, prefix_tokens, iocb_bytes, decode_step_count };
             let mut policy = kind.build();
             results.push(simulate(profile, profile, ssd, &config, policy.as_mut())?);
         }
@@ -267,11 +252,7 @@ pub fn summarize(results: &[SimResult]) -> Vec<PolicySummary> {
                 policy,
                 crossover_hit_rate: crossover,
                 bubble_exceeds_compute_hit_rate: first_positive(&points, |r| r.bubble_us - r.compute_us),
-                max_bubble_share_below_crossover: points
-                    .iter()
-                    .filter(below)
-                    .map(|r| share(r.bubble_us, r))
-                    .fold(0.0, f64::max),
+                max_bubble_share_below_crossover: points.iter().filter(below).map(|r| share(r.bubble_us, r)).fold(0.0, f64::max),
                 max_excess_bubble_share_below_crossover: points
                     .iter()
                     .filter(below)

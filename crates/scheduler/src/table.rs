@@ -168,11 +168,7 @@ fn bucket_label(input_tokens: u32, prefix_tokens: u32) -> String {
 }
 
 fn invalid(field: &str, location: String, reason: impl Into<String>) -> SchedulerError {
-    SchedulerError::InvalidField {
-        field: field.to_string(),
-        location,
-        reason: reason.into(),
-    }
+    SchedulerError::InvalidField { field: field.to_string(), location, reason: reason.into() }
 }
 
 impl Profile {
@@ -182,19 +178,10 @@ impl Profile {
         let value: serde_json::Value = serde_json::from_str(text)?;
         match value.get("format_version").and_then(serde_json::Value::as_u64) {
             Some(found) if found > u64::from(PROFILE_FORMAT_VERSION) => {
-                return Err(SchedulerError::UnsupportedVersion {
-                    found,
-                    supported: PROFILE_FORMAT_VERSION,
-                })
+                return Err(SchedulerError::UnsupportedVersion { found, supported: PROFILE_FORMAT_VERSION })
             }
             Some(_) => {}
-            None => {
-                return Err(invalid(
-                    "format_version",
-                    "table".into(),
-                    "missing or not an unsigned integer",
-                ))
-            }
+            None => return Err(invalid("format_version", "table".into(), "missing or not an unsigned integer")),
         }
         let table: ProfileTable = serde_json::from_value(value)?;
         Self::from_table(table)
@@ -203,10 +190,7 @@ impl Profile {
     /// Validates a table built in memory.
     pub fn from_table(table: ProfileTable) -> Result<Self> {
         let bucket_start = validate(&table)?;
-        Ok(Self {
-            table,
-            bucket_start,
-        })
+        Ok(Self { table, bucket_start })
     }
 
     /// Serializes the table (pretty JSON).
@@ -234,11 +218,7 @@ impl Profile {
     pub fn check_identity(&self, model: &ModelIdentity, gpu: &GpuIdentity) -> Result<()> {
         let t = &self.table;
         if t.model.name != model.name {
-            return Err(SchedulerError::IdentityMismatch {
-                field: "model.name",
-                table: t.model.name.clone(),
-                in_use: model.name.clone(),
-            });
+            return Err(SchedulerError::IdentityMismatch { field: "model.name", table: t.model.name.clone(), in_use: model.name.clone() });
         }
         if t.model.layer_count != model.layer_count {
             return Err(SchedulerError::IdentityMismatch {
@@ -255,11 +235,7 @@ impl Profile {
             });
         }
         if t.gpu.name != gpu.name {
-            return Err(SchedulerError::IdentityMismatch {
-                field: "gpu.name",
-                table: t.gpu.name.clone(),
-                in_use: gpu.name.clone(),
-            });
+            return Err(SchedulerError::IdentityMismatch { field: "gpu.name", table: t.gpu.name.clone(), in_use: gpu.name.clone() });
         }
         if t.gpu.sm_count != gpu.sm_count {
             return Err(SchedulerError::IdentityMismatch {
@@ -319,10 +295,7 @@ impl Profile {
         let prefix_index = (prefix_rounded_up / t.prefix_step_tokens) as usize;
         let index = self.bucket_start[input_index - 1] + prefix_index;
         // Validation guarantees the index exists; `get` keeps a broken invariant from panicking.
-        t.buckets.get(index).ok_or(SchedulerError::MissingBucket {
-            input_tokens: input_rounded,
-            prefix_tokens: prefix_rounded_up,
-        })
+        t.buckets.get(index).ok_or(SchedulerError::MissingBucket { input_tokens: input_rounded, prefix_tokens: prefix_rounded_up })
     }
 
     /// Estimated duration of one I/O kernel, rounded to the slower profiled entry.
@@ -332,17 +305,12 @@ impl Profile {
         }
         let rows = self.table.io_costs.iter().filter(|r| r.kind == kind);
         // Largest profiled budget not above the one requested: fewer SMs is never faster.
-        let budget = rows
-            .clone()
-            .map(|r| r.sm_budget)
-            .filter(|&b| b <= sm_budget)
-            .max()
-            .ok_or_else(|| SchedulerError::OutOfRange {
-                what: "sm_budget",
-                value: u64::from(sm_budget),
-                min: self.io_budget_min(kind),
-                max: u64::from(self.table.gpu.sm_count),
-            })?;
+        let budget = rows.clone().map(|r| r.sm_budget).filter(|&b| b <= sm_budget).max().ok_or_else(|| SchedulerError::OutOfRange {
+            what: "sm_budget",
+            value: u64::from(sm_budget),
+            min: self.io_budget_min(kind),
+            max: u64::from(self.table.gpu.sm_count),
+        })?;
         let mut largest: Option<&IoCostEntry> = None;
         for row in rows.filter(|r| r.sm_budget == budget) {
             if row.iocb_count >= iocb_count {
@@ -355,33 +323,17 @@ impl Profile {
         let largest = largest.ok_or_else(|| invalid("io_costs", format!("kind={kind:?}"), "no rows"))?;
         let full = iocb_count / largest.iocb_count;
         let rest = iocb_count % largest.iocb_count;
-        let rest_us = if rest == 0 {
-            0.0
-        } else {
-            self.io_duration_us(kind, rest, sm_budget)?
-        };
+        let rest_us = if rest == 0 { 0.0 } else { self.io_duration_us(kind, rest, sm_budget)? };
         Ok(f64::from(full) * largest.duration_us + rest_us)
     }
 
     fn io_budget_min(&self, kind: IoKind) -> u64 {
-        self.table
-            .io_costs
-            .iter()
-            .filter(|r| r.kind == kind)
-            .map(|r| u64::from(r.sm_budget))
-            .min()
-            .unwrap_or(0)
+        self.table.io_costs.iter().filter(|r| r.kind == kind).map(|r| u64::from(r.sm_budget)).min().unwrap_or(0)
     }
 
     /// The largest profiled SM budget for a kind (what an I/O kernel asks for by default).
     pub fn io_sm_budget_max(&self, kind: IoKind) -> u32 {
-        self.table
-            .io_costs
-            .iter()
-            .filter(|r| r.kind == kind)
-            .map(|r| r.sm_budget)
-            .max()
-            .unwrap_or(0)
+        self.table.io_costs.iter().filter(|r| r.kind == kind).map(|r| r.sm_budget).max().unwrap_or(0)
     }
 
     /// The decode step at a context length, rounded down (shorter step, less slack).
@@ -406,10 +358,7 @@ impl Profile {
 fn validate(t: &ProfileTable) -> Result<Vec<usize>> {
     let table = || "table".to_string();
     if t.format_version == 0 || t.format_version > PROFILE_FORMAT_VERSION {
-        return Err(SchedulerError::UnsupportedVersion {
-            found: u64::from(t.format_version),
-            supported: PROFILE_FORMAT_VERSION,
-        });
+        return Err(SchedulerError::UnsupportedVersion { found: u64::from(t.format_version), supported: PROFILE_FORMAT_VERSION });
     }
     if t.model.name.is_empty() {
         return Err(invalid("model.name", table(), "empty"));
@@ -426,11 +375,9 @@ fn validate(t: &ProfileTable) -> Result<Vec<usize>> {
     if t.gpu.sm_count == 0 {
         return Err(invalid("gpu.sm_count", table(), "must be > 0"));
     }
-    for (field, value) in [
-        ("input_step_tokens", t.input_step_tokens),
-        ("input_step_count", t.input_step_count),
-        ("prefix_step_tokens", t.prefix_step_tokens),
-    ] {
+    for (field, value) in
+        [("input_step_tokens", t.input_step_tokens), ("input_step_count", t.input_step_count), ("prefix_step_tokens", t.prefix_step_tokens)]
+    {
         if value == 0 {
             return Err(invalid(field, table(), "must be > 0"));
         }
@@ -449,10 +396,7 @@ fn validate(t: &ProfileTable) -> Result<Vec<usize>> {
         for j in 0..=input_tokens / t.prefix_step_tokens {
             let prefix_tokens = j * t.prefix_step_tokens;
             let Some(bucket) = t.buckets.get(index) else {
-                return Err(SchedulerError::MissingBucket {
-                    input_tokens,
-                    prefix_tokens,
-                });
+                return Err(SchedulerError::MissingBucket { input_tokens, prefix_tokens });
             };
             let found = (bucket.input_tokens, bucket.prefix_tokens);
             if found != (input_tokens, prefix_tokens) {
@@ -463,10 +407,7 @@ fn validate(t: &ProfileTable) -> Result<Vec<usize>> {
                         location: bucket_label(bucket.input_tokens, bucket.prefix_tokens),
                     });
                 }
-                return Err(SchedulerError::MissingBucket {
-                    input_tokens,
-                    prefix_tokens,
-                });
+                return Err(SchedulerError::MissingBucket { input_tokens, prefix_tokens });
             }
             validate_bucket(t, bucket)?;
             index += 1;
@@ -488,11 +429,7 @@ fn validate(t: &ProfileTable) -> Result<Vec<usize>> {
 fn validate_bucket(t: &ProfileTable, bucket: &Bucket) -> Result<()> {
     let label = bucket_label(bucket.input_tokens, bucket.prefix_tokens);
     if bucket.layers.len() != t.model.layer_count as usize {
-        return Err(invalid(
-            "layers",
-            label,
-            format!("{} layers listed, model has {}", bucket.layers.len(), t.model.layer_count),
-        ));
+        return Err(invalid("layers", label, format!("{} layers listed, model has {}", bucket.layers.len(), t.model.layer_count)));
     }
     for (layer_index, layer) in bucket.layers.iter().enumerate() {
         let at = || format!("{label} layer {layer_index}");
@@ -507,17 +444,10 @@ fn validate_bucket(t: &ProfileTable, bucket: &Bucket) -> Result<()> {
             check_duration(window.offset_us, "slack_windows.offset_us", &at_window)?;
             check_duration(window.duration_us, "slack_windows.duration_us", &at_window)?;
             if window.offset_us + WINDOW_EPSILON_US < previous_end_us {
-                return Err(SchedulerError::NonMonotonic {
-                    field: "slack_windows.offset_us".into(),
-                    location: at_window(),
-                });
+                return Err(SchedulerError::NonMonotonic { field: "slack_windows.offset_us".into(), location: at_window() });
             }
             if window.end_us() > layer.compute_duration_us + WINDOW_EPSILON_US {
-                return Err(invalid(
-                    "slack_windows.duration_us",
-                    at_window(),
-                    "window ends after the layer",
-                ));
+                return Err(invalid("slack_windows.duration_us", at_window(), "window ends after the layer"));
             }
             if window.free_sms > t.gpu.sm_count {
                 return Err(invalid(
@@ -540,12 +470,7 @@ fn validate_io_costs(t: &ProfileTable) -> Result<()> {
     }
     let mut previous: Option<&IoCostEntry> = None;
     for (row_index, row) in t.io_costs.iter().enumerate() {
-        let at = || {
-            format!(
-                "io_costs[{row_index}] (kind={:?}, iocb_count={}, sm_budget={})",
-                row.kind, row.iocb_count, row.sm_budget
-            )
-        };
+        let at = || format!("io_costs[{row_index}] (kind={:?}, iocb_count={}, sm_budget={})", row.kind, row.iocb_count, row.sm_budget);
         check_duration(row.duration_us, "io_costs.duration_us", &at)?;
         if row.duration_us == 0.0 {
             return Err(invalid("io_costs.duration_us", at(), "must be > 0"));
@@ -562,17 +487,11 @@ fn validate_io_costs(t: &ProfileTable) -> Result<()> {
         if let Some(p) = previous {
             let key = |r: &IoCostEntry| (r.kind, r.sm_budget, r.iocb_count);
             if key(row) <= key(p) {
-                return Err(SchedulerError::NonMonotonic {
-                    field: "io_costs".into(),
-                    location: at(),
-                });
+                return Err(SchedulerError::NonMonotonic { field: "io_costs".into(), location: at() });
             }
             // More IOCBs on the same budget cannot finish sooner; a table saying so is corrupt.
             if p.kind == row.kind && p.sm_budget == row.sm_budget && row.duration_us < p.duration_us {
-                return Err(SchedulerError::NonMonotonic {
-                    field: "io_costs.duration_us".into(),
-                    location: at(),
-                });
+                return Err(SchedulerError::NonMonotonic { field: "io_costs.duration_us".into(), location: at() });
             }
         }
         previous = Some(row);
@@ -592,10 +511,7 @@ fn validate_decode_steps(t: &ProfileTable) -> Result<()> {
             return Err(invalid("decode_steps.free_sms", at(), "exceeds gpu.sm_count"));
         }
         if previous.is_some_and(|p| step.context_tokens <= p) {
-            return Err(SchedulerError::NonMonotonic {
-                field: "decode_steps.context_tokens".into(),
-                location: at(),
-            });
+            return Err(SchedulerError::NonMonotonic { field: "decode_steps.context_tokens".into(), location: at() });
         }
         previous = Some(step.context_tokens);
     }

@@ -42,15 +42,9 @@ fn qkv_projection_follows_the_roofline() {
 fn compute_shrinks_with_prefix_and_attention_grows_with_context() {
     let model = ModelConfig::qwen3_32b();
     let gpu = GpuSpec::h100();
-    let total = |new: u64, prefix: u64| -> f64 {
-        layer_kernels(&model, &gpu, 4, new, prefix).iter().map(|k| k.duration_us).sum()
-    };
+    let total = |new: u64, prefix: u64| -> f64 { layer_kernels(&model, &gpu, 4, new, prefix).iter().map(|k| k.duration_us).sum() };
     let attention = |new: u64, prefix: u64| -> f64 {
-        layer_kernels(&model, &gpu, 4, new, prefix)
-            .iter()
-            .find(|k| k.name == "attention")
-            .unwrap()
-            .duration_us
+        layer_kernels(&model, &gpu, 4, new, prefix).iter().find(|k| k.name == "attention").unwrap().duration_us
     };
     // Fixed prompt of 32K: more cached means less to compute.
     let mut previous = f64::INFINITY;
@@ -66,9 +60,7 @@ fn compute_shrinks_with_prefix_and_attention_grows_with_context() {
 #[test]
 fn decode_is_memory_bound_and_faster_on_h200() {
     let model = ModelConfig::llama3_8b();
-    let step = |gpu: &GpuSpec| -> f64 {
-        layer_kernels(&model, gpu, 4, 1, 32768).iter().map(|k| k.duration_us).sum()
-    };
+    let step = |gpu: &GpuSpec| -> f64 { layer_kernels(&model, gpu, 4, 1, 32768).iter().map(|k| k.duration_us).sum() };
     let h100 = step(&GpuSpec::h100());
     let h200 = step(&GpuSpec::h200());
     assert!(h200 < h100 * 0.85, "h200 {h200} vs h100 {h100}");
@@ -82,27 +74,14 @@ fn analytic_build_rejects_bad_configs() {
     let gpu = GpuSpec::h100();
     let ssd = SsdModel::tutti_two_ssds();
     let io = ssd.cost_table(1 << 20, 8, &[4]).unwrap();
-    let grid = AnalyticGrid {
-        input_step_tokens: 1024,
-        input_step_count: 2,
-        prefix_step_tokens: 512,
-        io_sms: 4,
-        decode_step_tokens: 1024,
-    };
+    let grid = AnalyticGrid { input_step_tokens: 1024, input_step_count: 2, prefix_step_tokens: 512, io_sms: 4, decode_step_tokens: 1024 };
     let table = build_table(&model, &gpu, &grid, io.clone(), "test").unwrap();
     Profile::from_table(table).unwrap();
 
     let too_many_io_sms = AnalyticGrid { io_sms: 132, ..grid.clone() };
     assert!(build_table(&model, &gpu, &too_many_io_sms, io.clone(), "t").is_err());
-    let huge = AnalyticGrid {
-        input_step_count: u32::MAX / 1024,
-        prefix_step_tokens: 1,
-        ..grid.clone()
-    };
-    assert!(matches!(
-        build_table(&model, &gpu, &huge, io.clone(), "t"),
-        Err(SchedulerError::InvalidConfig { .. })
-    ));
+    let huge = AnalyticGrid { input_step_count: u32::MAX / 1024, prefix_step_tokens: 1, ..grid.clone() };
+    assert!(matches!(build_table(&model, &gpu, &huge, io.clone(), "t"), Err(SchedulerError::InvalidConfig { .. })));
     let mut bad_model = model.clone();
     bad_model.head_dim = 0;
     assert!(build_table(&bad_model, &gpu, &grid, io.clone(), "t").is_err());
@@ -139,14 +118,8 @@ impl IoPolicy for Scripted {
         "scripted"
     }
     fn plan_layer(&mut self, view: &LayerView<'_>) -> scheduler::Result<LayerPlan> {
-        let read = |layer: u32| Issue {
-            kind: IoKind::Read,
-            layer: Some(layer),
-            iocb_count: 1,
-            sm_budget: 4,
-            offset_us: 0.0,
-            after_reads: false,
-        };
+        let read =
+            |layer: u32| Issue { kind: IoKind::Read, layer: Some(layer), iocb_count: 1, sm_budget: 4, offset_us: 0.0, after_reads: false };
         let issues = match view.layer {
             0 => vec![read(0), read(1)],
             1 => vec![
@@ -178,12 +151,7 @@ impl IoPolicy for Scripted {
 fn simulator_matches_a_hand_worked_schedule() {
     let table = Profile::from_table(common::table()).unwrap();
     // 2048 tokens, 1024 cached: 1 MiB to read and 1 MiB to write per layer, 1 IOCB each.
-    let config = SimConfig {
-        input_tokens: 2048,
-        prefix_tokens: 1024,
-        iocb_bytes: 1 << 20,
-        decode_step_count: 0,
-    };
+    let config = SimConfig { input_tokens: 2048, prefix_tokens: 1024, iocb_bytes: 1 << 20, decode_step_count: 0 };
     let r = simulate(&table, &table, &toy_ssd(), &config, &mut Scripted).unwrap();
     // Layer 0: read lands at 50 + 200 = 250; attention wanted it at 100 -> 150 µs bubble.
     // Layer 1 starts at 1150: write (0.5 × rate: 800 µs) and reads of layers 2, 3 (0.5 × rate:
@@ -202,12 +170,7 @@ fn simulator_matches_a_hand_worked_schedule() {
 fn zero_prefix_means_no_reads_and_no_bubble() {
     let table = Profile::from_table(common::table()).unwrap();
     for kind in scheduler::policy::PolicyKind::ALL {
-        let config = SimConfig {
-            input_tokens: 1024,
-            prefix_tokens: 0,
-            iocb_bytes: 1 << 20,
-            decode_step_count: 4,
-        };
+        let config = SimConfig { input_tokens: 1024, prefix_tokens: 0, iocb_bytes: 1 << 20, decode_step_count: 4 };
         let r = simulate(&table, &table, &toy_ssd(), &config, kind.build().as_mut()).unwrap();
         assert_eq!(r.bubble_us, 0.0, "{kind:?}");
         assert_eq!(r.ttft_us, 4000.0, "{kind:?}");
@@ -242,14 +205,7 @@ impl IoPolicy for OverIssues {
     fn plan_layer(&mut self, _: &LayerView<'_>) -> scheduler::Result<LayerPlan> {
         Ok(LayerPlan {
             wait_for_all_reads: false,
-            issues: vec![Issue {
-                kind: IoKind::Read,
-                layer: Some(0),
-                iocb_count: 99,
-                sm_budget: 4,
-                offset_us: 0.0,
-                after_reads: false,
-            }],
+            issues: vec![Issue { kind: IoKind::Read, layer: Some(0), iocb_count: 99, sm_budget: 4, offset_us: 0.0, after_reads: false }],
         })
     }
     fn plan_prefill_end(&mut self, _: &QueueView<'_>) -> scheduler::Result<Vec<Issue>> {
@@ -264,12 +220,7 @@ impl IoPolicy for OverIssues {
 #[test]
 fn broken_policies_are_reported() {
     let table = Profile::from_table(common::table()).unwrap();
-    let config = SimConfig {
-        input_tokens: 2048,
-        prefix_tokens: 1024,
-        iocb_bytes: 1 << 20,
-        decode_step_count: 0,
-    };
+    let config = SimConfig { input_tokens: 2048, prefix_tokens: 1024, iocb_bytes: 1 << 20, decode_step_count: 0 };
     let error = simulate(&table, &table, &toy_ssd(), &config, &mut NeverReads).unwrap_err();
     assert!(matches!(error, SchedulerError::InvalidDecision { policy: "never-reads", .. }), "{error}");
     let error = simulate(&table, &table, &toy_ssd(), &config, &mut OverIssues).unwrap_err();
@@ -312,11 +263,7 @@ fn timeline_import_derives_windows_and_attention_offset() {
     let layer = &profile.bucket(2048, 1024).unwrap().layers[3];
     assert_eq!(layer.compute_duration_us, 1000.0);
     assert_eq!(layer.kv_needed_offset_us, 100.0);
-    let windows: Vec<(f64, f64, u32)> = layer
-        .slack_windows
-        .iter()
-        .map(|w| (w.offset_us, w.duration_us, w.free_sms))
-        .collect();
+    let windows: Vec<(f64, f64, u32)> = layer.slack_windows.iter().map(|w| (w.offset_us, w.duration_us, w.free_sms)).collect();
     // 16 − 12, 16 − 14, then the idle gap; the MLP leaves nothing free and is dropped.
     assert_eq!(windows, vec![(0.0, 100.0, 4), (100.0, 500.0, 2), (600.0, 50.0, 16)]);
     assert_eq!(profile.decode_step(2048).unwrap().duration_us, 6000.0);
@@ -371,22 +318,15 @@ impl IoCostProbe for FakeProbe {
         let per_iocb_us = if kind == IoKind::Read { 100.0 } else { 250.0 } * 4.0 / f64::from(sm_budget);
         // Noise: the 4-IOCB point reads fast once in a while; the median and the monotone
         // clamp must absorb it.
-        let noise = if iocb_count == 4 && self.calls % 3 == 0 { -300.0 } else { 0.0 };
-        Ok(ProbeSample {
-            duration_us: per_iocb_us * f64::from(iocb_count) + noise + 10.0,
-            bytes: u64::from(iocb_count) << 20,
-        })
+        let noise = if iocb_count == 4 && self.calls.is_multiple_of(3) { -300.0 } else { 0.0 };
+        Ok(ProbeSample { duration_us: per_iocb_us * f64::from(iocb_count) + noise + 10.0, bytes: u64::from(iocb_count) << 20 })
     }
 }
 
 #[test]
 fn probe_grid_yields_a_valid_sorted_cost_table() {
     let mut probe = FakeProbe { calls: 0 };
-    let grid = IoGrid {
-        iocb_counts: vec![8, 1, 4, 2, 2],
-        sm_budgets: vec![4, 2],
-        repetitions: 3,
-    };
+    let grid = IoGrid { iocb_counts: vec![8, 1, 4, 2, 2], sm_budgets: vec![4, 2], repetitions: 3 };
     let mut progress = Vec::new();
     let rows = measure_io_costs(&mut probe, &grid, &mut |done, total| progress.push((done, total))).unwrap();
     assert_eq!(rows.len(), 16);

@@ -28,34 +28,15 @@ fn run(name: &str) -> Run {
     assert!((p.ssd.bandwidth_bytes_per_s(IoKind::Write) - 12e9).abs() < 1.0);
     assert!((p.ssd.mixed_bandwidth_fraction - 0.4).abs() < 1e-12);
     let profile = p.build_profile().expect("analytic table");
-    let results = hit_rate_sweep(
-        &profile,
-        &p.ssd,
-        p.input_tokens,
-        p.iocb_bytes,
-        p.decode_step_count,
-        &PolicyKind::ALL,
-    )
-    .expect("sweep runs");
-    let bound = analytic_bound(&profile, &p.ssd, p.input_tokens)
-        .expect("bound computes")
-        .expect("reads overtake compute within the sweep");
+    let results =
+        hit_rate_sweep(&profile, &p.ssd, p.input_tokens, p.iocb_bytes, p.decode_step_count, &PolicyKind::ALL).expect("sweep runs");
+    let bound = analytic_bound(&profile, &p.ssd, p.input_tokens).expect("bound computes").expect("reads overtake compute within the sweep");
     let summaries = summarize(&results);
-    Run {
-        bound,
-        results,
-        summaries,
-        profile,
-        ssd: p.ssd,
-        input_tokens: p.input_tokens,
-    }
+    Run { bound, results, summaries, profile, ssd: p.ssd, input_tokens: p.input_tokens }
 }
 
-fn summary<'a>(run: &'a Run, kind: PolicyKind) -> &'a PolicySummary {
-    run.summaries
-        .iter()
-        .find(|s| s.policy == kind.name())
-        .expect("policy in sweep")
+fn summary(run: &Run, kind: PolicyKind) -> &PolicySummary {
+    run.summaries.iter().find(|s| s.policy == kind.name()).expect("policy in sweep")
 }
 
 fn points(run: &Run, kind: PolicyKind) -> Vec<&SimResult> {
@@ -69,11 +50,7 @@ fn check_evidence(name: &str) {
     let crossover = slack.crossover_hit_rate.expect("slack-aware turns I/O-bound");
 
     // 1. The slack-aware crossover sits on the physical bound.
-    assert!(
-        (crossover - run.bound).abs() <= 0.01,
-        "{name}: slack-aware crossover {crossover:.4} vs analytic bound {:.4}",
-        run.bound
-    );
+    assert!((crossover - run.bound).abs() <= 0.01, "{name}: slack-aware crossover {crossover:.4} vs analytic bound {:.4}", run.bound);
 
     // Sanity of the model: nobody beats the pipeline fill, and TTFT = compute + bubble.
     for r in &run.results {
@@ -96,10 +73,7 @@ fn check_evidence(name: &str) {
     //    I/O-bound earlier, and with the penalty switched off it would reach the bound.
     let naive_crossover = naive.crossover_hit_rate.expect("naive turns I/O-bound");
     assert!(naive.mixed_io_us_total > 0.0, "{name}: naive never mixed traffic");
-    assert!(
-        naive_crossover < crossover,
-        "{name}: naive crossover {naive_crossover:.4} not below slack-aware {crossover:.4}"
-    );
+    assert!(naive_crossover < crossover, "{name}: naive crossover {naive_crossover:.4} not below slack-aware {crossover:.4}");
     let slack_points = points(&run, PolicyKind::SlackAware);
     let naive_points = points(&run, PolicyKind::NaivePipeline);
     let mut naive_slower_somewhere = false;
@@ -111,19 +85,10 @@ fn check_evidence(name: &str) {
         }
     }
     assert!(naive_slower_somewhere, "{name}: no sweep point between the two crossovers");
-    let unmixed = SsdModel {
-        mixed_bandwidth_fraction: 1.0,
-        ..run.ssd
-    };
-    let unmixed_results = hit_rate_sweep(
-        &run.profile,
-        &unmixed,
-        run.input_tokens,
-        scheduler::sweep::PRESET_IOCB_BYTES,
-        0,
-        &[PolicyKind::NaivePipeline],
-    )
-    .expect("sweep runs");
+    let unmixed = SsdModel { mixed_bandwidth_fraction: 1.0, ..run.ssd };
+    let unmixed_results =
+        hit_rate_sweep(&run.profile, &unmixed, run.input_tokens, scheduler::sweep::PRESET_IOCB_BYTES, 0, &[PolicyKind::NaivePipeline])
+            .expect("sweep runs");
     let unmixed_crossover = summarize(&unmixed_results)[0].crossover_hit_rate.expect("crosses");
     assert!(
         unmixed_crossover > naive_crossover && (unmixed_crossover - run.bound).abs() <= 0.01,
@@ -135,11 +100,7 @@ fn check_evidence(name: &str) {
     let read_bytes_per_us = run.ssd.bandwidth_bytes_per_s(IoKind::Read) / 1e6;
     for r in points(&run, PolicyKind::NoOverlap).into_iter().filter(|r| r.read_bytes > 0) {
         let load_us = run.ssd.command_latency_us + r.read_bytes as f64 / read_bytes_per_us;
-        assert!(
-            (r.bubble_us - load_us).abs() <= 1e-3 * load_us,
-            "{name}: no-overlap bubble {} vs full load {load_us}",
-            r.bubble_us
-        );
+        assert!((r.bubble_us - load_us).abs() <= 1e-3 * load_us, "{name}: no-overlap bubble {} vs full load {load_us}", r.bubble_us);
     }
 }
 
@@ -187,16 +148,9 @@ fn analytic_bound_is_where_read_time_meets_compute_time() {
 fn slack_aware_defers_writes_and_decode_drains_them() {
     let run = run("llama3-8b-h100-32k");
     let slack = points(&run, PolicyKind::SlackAware);
-    let near_bound = slack
-        .iter()
-        .filter(|r| r.hit_rate < run.bound)
-        .next_back()
-        .expect("points below the bound");
+    let near_bound = slack.iter().rfind(|r| r.hit_rate < run.bound).expect("points below the bound");
     // Just below the bound the reads occupy the whole prefill: most writes are deferred.
-    assert!(
-        near_bound.write_backlog_bytes_at_ttft > near_bound.write_bytes / 2,
-        "{near_bound:?}"
-    );
+    assert!(near_bound.write_backlog_bytes_at_ttft > near_bound.write_bytes / 2, "{near_bound:?}");
     for r in &slack {
         assert!(r.write_backlog_bytes_at_end <= r.write_backlog_bytes_at_ttft, "{r:?}");
     }

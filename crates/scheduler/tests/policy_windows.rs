@@ -24,25 +24,11 @@ fn view<'a>(table: &'a Profile, layer: u32, unissued: &'a [u32]) -> LayerView<'a
 }
 
 fn read(layer: u32, iocb_count: u32, sm_budget: u32, offset_us: f64) -> Issue {
-    Issue {
-        kind: IoKind::Read,
-        layer: Some(layer),
-        iocb_count,
-        sm_budget,
-        offset_us,
-        after_reads: false,
-    }
+    Issue { kind: IoKind::Read, layer: Some(layer), iocb_count, sm_budget, offset_us, after_reads: false }
 }
 
 fn write(iocb_count: u32, sm_budget: u32, offset_us: f64, after_reads: bool) -> Issue {
-    Issue {
-        kind: IoKind::Write,
-        layer: None,
-        iocb_count,
-        sm_budget,
-        offset_us,
-        after_reads,
-    }
+    Issue { kind: IoKind::Write, layer: None, iocb_count, sm_budget, offset_us, after_reads }
 }
 
 /// Goal: the critical layer's reads go first and at once, the next layer's reads are split over
@@ -61,12 +47,7 @@ fn slack_aware_fills_windows_in_order() {
         plan,
         LayerPlan {
             wait_for_all_reads: false,
-            issues: vec![
-                read(0, 2, 4, 0.0),
-                read(1, 2, 2, 200.0),
-                read(1, 1, 4, 600.0),
-                read(2, 2, 4, 700.0),
-            ],
+            issues: vec![read(0, 2, 4, 0.0), read(1, 2, 2, 200.0), read(1, 1, 4, 600.0), read(2, 2, 4, 700.0),],
         }
     );
 }
@@ -109,10 +90,7 @@ fn slack_aware_writes_only_into_leftover_slack() {
     let plan = SlackAware.plan_layer(&v).unwrap();
     // Layer 3's last IOCB fills [0,100). Writes: [100,600) on 2 SMs holds one (300 µs), the
     // next two (400 µs on 4 SMs) go to [600,1000).
-    assert_eq!(
-        plan.issues,
-        vec![read(3, 1, 4, 0.0), write(1, 2, 100.0, true), write(2, 4, 600.0, true)]
-    );
+    assert_eq!(plan.issues, vec![read(3, 1, 4, 0.0), write(1, 2, 100.0, true), write(2, 4, 600.0, true)]);
 
     // With a read of a later layer still unissued, no write is placed at all.
     let unissued = [0, 0, 0, 8];
@@ -127,13 +105,8 @@ fn slack_aware_writes_only_into_leftover_slack() {
 #[test]
 fn slack_aware_defers_writes_to_decode() {
     let table = profile();
-    let mut queue = QueueView {
-        table: &table,
-        context_tokens: 1500,
-        outstanding_read_iocbs: 0,
-        outstanding_write_iocbs: 0,
-        queued_write_iocbs: 8,
-    };
+    let mut queue =
+        QueueView { table: &table, context_tokens: 1500, outstanding_read_iocbs: 0, outstanding_write_iocbs: 0, queued_write_iocbs: 8 };
     assert!(SlackAware.plan_prefill_end(&queue).unwrap().is_empty());
     // Context 1500 rounds down to the 1000 µs step: 4 writes (800 µs) fit, 5 would cost 1600.
     assert_eq!(SlackAware.plan_decode_step(&queue).unwrap(), vec![write(4, 4, 0.0, true)]);
@@ -167,10 +140,7 @@ fn no_overlap_loads_everything_first() {
     let unissued = [3, 3, 3, 3];
     let plan = NoOverlap.plan_layer(&view(&table, 0, &unissued)).unwrap();
     assert!(plan.wait_for_all_reads);
-    assert_eq!(
-        plan.issues,
-        (0..4).map(|l| read(l, 3, 4, 0.0)).collect::<Vec<_>>()
-    );
+    assert_eq!(plan.issues, (0..4).map(|l| read(l, 3, 4, 0.0)).collect::<Vec<_>>());
     let none = [0, 0, 0, 0];
     let plan = NoOverlap.plan_layer(&view(&table, 1, &none)).unwrap();
     assert_eq!(plan, LayerPlan::default());

@@ -182,10 +182,7 @@ fn lookups_round_conservatively_or_fail_typed() {
     assert_eq!(profile.io_duration_us(IoKind::Read, 3, 3).unwrap(), 600.0);
     assert_eq!(profile.io_duration_us(IoKind::Read, 20, 4).unwrap(), 800.0 * 2.0 + 400.0);
     assert_eq!(profile.io_duration_us(IoKind::Read, 0, 4).unwrap(), 0.0);
-    assert!(matches!(
-        profile.io_duration_us(IoKind::Write, 1, 1),
-        Err(SchedulerError::OutOfRange { what: "sm_budget", .. })
-    ));
+    assert!(matches!(profile.io_duration_us(IoKind::Write, 1, 1), Err(SchedulerError::OutOfRange { what: "sm_budget", .. })));
     assert!(profile.io_duration_us(IoKind::Read, u32::MAX, u32::MAX).unwrap().is_finite());
 
     // Decode: context rounds down, clamps above, errors below.

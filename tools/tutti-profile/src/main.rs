@@ -64,8 +64,7 @@ impl TargetArgs {
         if let Some(path) = &self.model_config {
             return read_json(path);
         }
-        ModelConfig::preset(&self.model)
-            .with_context(|| format!("unknown model preset `{}` (llama3-8b, qwen3-32b)", self.model))
+        ModelConfig::preset(&self.model).with_context(|| format!("unknown model preset `{}` (llama3-8b, qwen3-32b)", self.model))
     }
 
     fn gpu(&self) -> Result<GpuSpec> {
@@ -265,13 +264,9 @@ fn analytic(args: &AnalyticArgs) -> Result<()> {
 fn import(args: &ImportArgs) -> Result<()> {
     let model = args.target.model()?;
     let gpu = args.target.gpu()?;
-    let text = std::fs::read_to_string(&args.timeline)
-        .with_context(|| format!("reading {}", args.timeline.display()))?;
+    let text = std::fs::read_to_string(&args.timeline).with_context(|| format!("reading {}", args.timeline.display()))?;
     let (io_costs, io_source) = match &args.io_costs {
-        Some(path) => (
-            read_json::<Vec<IoCostEntry>>(path)?,
-            format!("imported from {}", path.display()),
-        ),
+        Some(path) => (read_json::<Vec<IoCostEntry>>(path)?, format!("imported from {}", path.display())),
         None => args.ssd.cost_table(args.io_sms)?,
     };
     let profile = import_timeline(
@@ -284,22 +279,13 @@ fn import(args: &ImportArgs) -> Result<()> {
     )
     .with_context(|| format!("importing {}", args.timeline.display()))?;
     write_file(&args.out, &profile.to_json()?)?;
-    eprintln!(
-        "wrote {} ({} buckets from {})",
-        args.out.display(),
-        profile.table().buckets.len(),
-        args.timeline.display()
-    );
+    eprintln!("wrote {} ({} buckets from {})", args.out.display(), profile.table().buckets.len(), args.timeline.display());
     Ok(())
 }
 
 fn io(args: &IoArgs) -> Result<()> {
     // Validate the grid first so a typo is reported as such.
-    let grid = IoGrid {
-        iocb_counts: args.iocb_counts.clone(),
-        sm_budgets: args.sm_budgets.clone(),
-        repetitions: args.repetitions,
-    };
+    let grid = IoGrid { iocb_counts: args.iocb_counts.clone(), sm_budgets: args.sm_budgets.clone(), repetitions: args.repetitions };
     if grid.iocb_counts.iter().chain(&grid.sm_budgets).any(|&v| v == 0) || grid.repetitions == 0 {
         bail!("--iocb-counts, --sm-budgets and --repetitions must all be > 0");
     }

@@ -8,8 +8,7 @@ use clap::Args;
 use scheduler::plot::render_svg;
 use scheduler::policy::PolicyKind;
 use scheduler::sweep::{
-    analytic_bound, hit_rate_sweep, prefix_length_sweep, preset, preset_names, summarize, to_csv,
-    PolicySummary, Preset,
+    analytic_bound, hit_rate_sweep, prefix_length_sweep, preset, preset_names, summarize, to_csv, PolicySummary, Preset,
 };
 use serde::Serialize;
 
@@ -58,9 +57,8 @@ pub fn run(args: &SimulateArgs) -> Result<()> {
         }
         return Ok(());
     }
-    let mut experiment = preset(&args.preset).with_context(|| {
-        format!("unknown preset `{}`; known: {}", args.preset, preset_names().join(", "))
-    })?;
+    let mut experiment =
+        preset(&args.preset).with_context(|| format!("unknown preset `{}`; known: {}", args.preset, preset_names().join(", ")))?;
     if let Some(steps) = args.decode_steps {
         experiment.decode_step_count = steps;
     }
@@ -79,14 +77,8 @@ pub fn run(args: &SimulateArgs) -> Result<()> {
     };
 
     let policies = PolicyKind::ALL;
-    let sweep = hit_rate_sweep(
-        &profile,
-        &experiment.ssd,
-        experiment.input_tokens,
-        experiment.iocb_bytes,
-        experiment.decode_step_count,
-        &policies,
-    )?;
+    let sweep =
+        hit_rate_sweep(&profile, &experiment.ssd, experiment.input_tokens, experiment.iocb_bytes, experiment.decode_step_count, &policies)?;
     let prefix_sweep = prefix_length_sweep(
         &profile,
         &experiment.ssd,
@@ -98,10 +90,7 @@ pub fn run(args: &SimulateArgs) -> Result<()> {
     let bound = analytic_bound(&profile, &experiment.ssd, experiment.input_tokens)?;
     let summaries = summarize(&sweep);
 
-    let out = args
-        .out
-        .clone()
-        .unwrap_or_else(|| PathBuf::from("target").join("tutti-profile").join(&experiment.name));
+    let out = args.out.clone().unwrap_or_else(|| PathBuf::from("target").join("tutti-profile").join(&experiment.name));
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
     let title = format!(
         "{}: compute vs bubble, {} tokens, {} SSDs ({:.0} GB/s read, {:.0} GB/s write) — simulated",

@@ -68,17 +68,9 @@ fn analytic_then_check_then_simulate_with_the_table() {
     let output = run(bin().arg("check").arg(&table).args(["--against-target", "--model", "qwen3-32b"]));
     assert!(!output.status.success());
     assert!(stderr(&output).contains("model.name"), "{}", stderr(&output));
-    let output = run(bin()
-        .args(["simulate", "--preset", "llama3-8b-h100-32k", "--out"])
-        .arg(dir.join("sim"))
-        .arg("--table")
-        .arg(&table));
+    let output = run(bin().args(["simulate", "--preset", "llama3-8b-h100-32k", "--out"]).arg(dir.join("sim")).arg("--table").arg(&table));
     assert!(output.status.success(), "{}", stderr(&output));
-    let output = run(bin()
-        .args(["simulate", "--preset", "qwen3-32b-h100-32k", "--out"])
-        .arg(dir.join("sim2"))
-        .arg("--table")
-        .arg(&table));
+    let output = run(bin().args(["simulate", "--preset", "qwen3-32b-h100-32k", "--out"]).arg(dir.join("sim2")).arg("--table").arg(&table));
     assert!(!output.status.success());
     assert!(stderr(&output).contains("does not fit preset"), "{}", stderr(&output));
 }
@@ -115,9 +107,7 @@ fn bad_tables_and_arguments_fail_cleanly() {
     assert!(!output.status.success());
     assert!(stderr(&output).contains("unknown model preset"), "{}", stderr(&output));
 
-    let output = run(bin()
-        .args(["analytic", "--io-sms", "500", "--out"])
-        .arg(dir.join("y.json")));
+    let output = run(bin().args(["analytic", "--io-sms", "500", "--out"]).arg(dir.join("y.json")));
     assert!(!output.status.success() && stderr(&output).contains("io_sms"), "{}", stderr(&output));
 
     let output = run(bin().args(["simulate", "--prefix-sweep-hit-rate", "1.5", "--out"]).arg(dir.join("z")));
@@ -139,12 +129,8 @@ fn import_builds_a_table_from_a_timeline() {
     csv.push_str("decode,4096,,,step,0,3000,60\n");
     std::fs::write(&timeline, csv).unwrap();
     let table = dir.join("imported.json");
-    let output = run(bin()
-        .arg("import")
-        .arg("--timeline")
-        .arg(&timeline)
-        .args(["--model", "llama3-8b", "--gpu", "h100", "--out"])
-        .arg(&table));
+    let output =
+        run(bin().arg("import").arg("--timeline").arg(&timeline).args(["--model", "llama3-8b", "--gpu", "h100", "--out"]).arg(&table));
     assert!(output.status.success(), "{}", stderr(&output));
     let output = run(bin().arg("check").arg(&table));
     assert!(output.status.success(), "{}", stderr(&output));

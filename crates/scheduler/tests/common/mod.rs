@@ -3,25 +3,17 @@
 #![allow(dead_code)]
 
 use scheduler::table::{
-    Bucket, DecodeStep, GpuIdentity, IoCostEntry, IoKind, LayerProfile, ModelIdentity, ProfileTable,
-    SlackWindow, PROFILE_FORMAT_VERSION,
+    Bucket, DecodeStep, GpuIdentity, IoCostEntry, IoKind, LayerProfile, ModelIdentity, ProfileTable, SlackWindow, PROFILE_FORMAT_VERSION,
 };
 
 pub const LAYERS: u32 = 4;
 
 pub fn model() -> ModelIdentity {
-    ModelIdentity {
-        name: "toy".into(),
-        layer_count: LAYERS,
-        kv_bytes_per_token_per_layer: 1024,
-    }
+    ModelIdentity { name: "toy".into(), layer_count: LAYERS, kv_bytes_per_token_per_layer: 1024 }
 }
 
 pub fn gpu() -> GpuIdentity {
-    GpuIdentity {
-        name: "toy-gpu".into(),
-        sm_count: 16,
-    }
+    GpuIdentity { name: "toy-gpu".into(), sm_count: 16 }
 }
 
 /// Every layer: 1000 µs, attention at 100 µs, windows [0,100) 4 SMs, [100,600) 2 SMs,
@@ -64,11 +56,7 @@ pub fn table() -> ProfileTable {
     for input in [1024u32, 2048] {
         let mut prefix = 0;
         while prefix <= input {
-            buckets.push(Bucket {
-                input_tokens: input,
-                prefix_tokens: prefix,
-                layers: vec![layer(); LAYERS as usize],
-            });
+            buckets.push(Bucket { input_tokens: input, prefix_tokens: prefix, layers: vec![layer(); LAYERS as usize] });
             prefix += 1024;
         }
     }
