@@ -3,8 +3,10 @@
 //! the software controller, on VFIO devices, anywhere the driver runs.
 //!
 //! Shape: one executor owns one I/O queue pair per device of the queue's [`DeviceTable`] (same
-//! index) and is driven by its caller — `submit` turns IOCTXs into NVMe commands, `poll` reaps
-//! completions and posts gio CQEs; `GioQueue::wait_cqe` calls `poll` while it waits. Each IOCTX is
+//! index) and is driven by its caller — `submit` only takes the IOCB ids off the SQ (O(IOCBs), like
+//! a kernel launch); `poll` turns pending IOCTXs into NVMe commands as far as the device queues
+//! have room, reaps completions and posts gio CQEs. `GioQueue::wait_cqe`, `peek_cqe` and
+//! `reap_cqe` call `poll`. Each IOCTX is
 //! one command built directly from the IOCTX (no planning, no splitting: the IOCTX already names its
 //! data pointer), so a command costs a few field copies. Per batch there is one SQ doorbell per
 //! device touched and one CQ doorbell per reap.
@@ -168,8 +170,9 @@ impl Executor for CpuExecutor {
             // Capacity is the depth and an IOCB is pending at most once: this never reallocates.
             self.pending.push_back(Pending { header: memory.read_iocb_header(id), next_ioctx: 0 });
         }
-        drop(consumer);
-        self.pump(memory)
+        // Commands are built on the next poll, not here: like a kernel launch, issue_io costs
+        // O(IOCBs) on the caller's thread whatever the IOCTX count (wait_cqe polls at once).
+        Ok(())
     }
 
     fn poll(&mut self, memory: &QueueMemory) -> Result<(), GioError> {

@@ -30,6 +30,16 @@ pub trait Executor: Send {
     /// A short name for errors and logs.
     fn name(&self) -> &'static str;
 
+    /// Whether this executor can make an issue wait on `dependency`; checked by `issue_io` before
+    /// anything is published. By default only [`Dependency::None`] is accepted: an executor that
+    /// cannot wait on an event must refuse it rather than start the I/O early.
+    fn check_dependency(&self, dependency: &Dependency) -> Result<(), GioError> {
+        match dependency {
+            Dependency::None => Ok(()),
+            Dependency::Event(_) => Err(GioError::Unsupported { what: "this executor cannot wait on an event dependency" }),
+        }
+    }
+
     /// Accepts one issue: consume `batch.count` ids from the SQ in order, execute every IOCTX of
     /// each IOCB (after `batch.dependency` has fired), and post exactly one CQE per IOCB. May
     /// complete before returning or later.
@@ -177,6 +187,10 @@ pub(crate) mod test_double {
     impl Executor for MemoryExecutor {
         fn name(&self) -> &'static str {
             "memory test double"
+        }
+
+        fn check_dependency(&self, _dependency: &Dependency) -> Result<(), GioError> {
+            Ok(()) // records the dependency in `batches` for the tests to inspect
         }
 
         fn submit(&mut self, memory: &QueueMemory, batch: &IssueBatch) -> Result<(), GioError> {

@@ -232,6 +232,7 @@ impl<E: Executor> GioQueue<E> {
             }
             self.iocbs[id.0 as usize].issue_mark = epoch;
         }
+        self.executor.check_dependency(&dependency)?;
         let ring: Ring<'_, IocbId> = Ring::new(&self.memory.region, self.memory.layout.sq, "sq");
         let mut producer = ring.producer()?;
         let needed = ids.len() as u32;

@@ -167,3 +167,13 @@ fn a_lost_completion_is_a_bounded_wait_not_a_hang() {
     assert!(matches!(result, Err(GioError::WaitTimeout { id: IocbId(_), .. })), "{result:?}");
     assert!(started.elapsed() < Duration::from_secs(5));
 }
+
+#[test]
+fn an_event_dependency_the_cpu_executor_cannot_wait_on_is_refused_before_anything_is_issued() {
+    let mut rig = rig(true, 1, 64);
+    let id = rig.queue.get_iocb(1, Dependency::Event(gio_uring::EventToken(7))).unwrap()[0];
+    rig.queue.fill_iocb(id, &layered(Opcode::Read), &ioctxs(&rig.target, true, 1)).unwrap();
+    let result = rig.queue.issue_io(&[id], LayerIndex(0), SmBudget(1));
+    assert!(matches!(result, Err(GioError::Unsupported { .. })), "{result:?}");
+    assert!(rig.device.stats().io_commands.is_empty(), "no command reached the controller");
+}
