@@ -1,1 +1,26 @@
-//! Object store: GPU-file / NVMe-file pools and the layer-wise KV API. Filled by the object-store issue.
+//! Object store: Tutti's GPU-file / NVMe-file pools (§3.1) with a persistent, crash-safe format.
+//!
+//! - [`geometry`]: the model's KV shape and presets;
+//! - [`registration`]: the engine's KV pool in device address space, validated once;
+//! - [`mapping`]: the P2P mapping table (SGL descriptors or PRP lists, or base + strides);
+//! - [`format`]: superblock and slot headers on each namespace, byte by byte;
+//! - [`hash`], [`index`]: chained prefix keys, slot allocation, LRU eviction, pins;
+//! - [`pool`]: the pool's devices — format, open with recovery, metadata I/O, check;
+//! - [`store`]: the layer-wise API an engine calls (`prepare_*`, `*_layer`, `wait`, `commit`).
+//!
+//! No unsafe code: device memory is touched only through `DmaRegion` accessors.
+#![forbid(unsafe_code)]
+
+pub mod error;
+pub mod format;
+pub mod geometry;
+pub mod hash;
+pub mod index;
+pub mod mapping;
+pub mod registration;
+
+pub use error::{KvKind, ObjstoreError, Result};
+pub use geometry::ModelGeometry;
+pub use index::{BlockLocation, IndexCounts};
+pub use mapping::{mapping_memory, MappingForm, MappingMemoryReport, MappingTable};
+pub use registration::{KvLayout, KvRegistration};

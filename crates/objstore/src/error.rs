@@ -1,0 +1,71 @@
+//! The crate's one error type. Every variant names what was expected and what was found, because
+//! most of them describe untrusted input (an engine's registration, a device's metadata).
+
+use gio_uring::{GioError, IocbFailure};
+use nvme_driver::{HwError, NvmeError};
+
+use crate::geometry::ModelGeometry;
+
+/// Which of the two tensors of a layer an object holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum KvKind {
+    Key,
+    Value,
+}
+
+impl std::fmt::Display for KvKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            KvKind::Key => "K",
+            KvKind::Value => "V",
+        })
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ObjstoreError {
+    #[error("invalid model geometry: {reason}")]
+    InvalidGeometry { reason: String },
+    #[error("invalid KV registration: {reason}")]
+    InvalidRegistration { reason: String },
+    #[error("KV registration: {first} and {second} overlap in device address space")]
+    OverlappingRegistration { first: String, second: String },
+    #[error("KV registration: {what} at {address:#x} is not aligned to {align_bytes} bytes ({mode} needs it)")]
+    MisalignedRegistration { what: String, address: u64, align_bytes: u64, mode: &'static str },
+    #[error("block id {block} outside the registered pool of {num_blocks} blocks")]
+    BlockOutOfRange { block: u32, num_blocks: u32 },
+    #[error("layer {layer} past the model's {layers} layers")]
+    LayerOutOfRange { layer: u32, layers: u32 },
+    #[error("request: {reason}")]
+    BadRequest { reason: String },
+    #[error("invalid format parameters: {reason}")]
+    InvalidFormat { reason: String },
+    #[error("device {device}: namespace of {available_bytes} bytes is too small; the format needs {needed_bytes}")]
+    NamespaceTooSmall { device: usize, needed_bytes: u64, available_bytes: u64 },
+    #[error("device {device}: superblock: {reason}")]
+    CorruptSuperblock { device: usize, reason: String },
+    #[error("device {device}: superblock format version {found} is newer than this build's {supported}")]
+    NewerFormatVersion { device: usize, found: u32, supported: u32 },
+    #[error("pool geometry mismatch: the pool was formatted for {on_disk}, the registration is {registered}")]
+    GeometryMismatch { on_disk: ModelGeometry, registered: ModelGeometry },
+    #[error("device {device}: {reason}")]
+    PoolMembership { device: usize, reason: String },
+    #[error("pool full: {needed} slots needed, {evictable} free or evictable (the rest are pinned by in-flight I/O)")]
+    PoolFull { needed: usize, evictable: usize },
+    #[error("unknown or finished request handle {handle}")]
+    UnknownHandle { handle: u64 },
+    #[error("request handle {handle}: {reason}")]
+    HandleState { handle: u64, reason: String },
+    #[error("too many requests in flight ({max})")]
+    TooManyRequests { max: usize },
+    #[error("layer {layer} I/O failed on {iocb}: {failure:?}")]
+    LayerIo { layer: u32, iocb: String, failure: IocbFailure },
+    #[error("gio_uring: {0}")]
+    Gio(#[from] GioError),
+    #[error("NVMe: {0}")]
+    Nvme(#[from] NvmeError),
+    #[error("DMA memory: {0}")]
+    Dma(#[from] HwError),
+}
+
+pub type Result<T, E = ObjstoreError> = std::result::Result<T, E>;

@@ -1,0 +1,454 @@
+//! The on-disk format of one pool member (one NVMe namespace), byte by byte in docs/objstore.md:
+//!
+//! ```text
+//! LBA 0                  superblock (256 encoded bytes, zero padded to 4 KiB)
+//! byte 4096              slot-header region: slot_count entries of header_entry_bytes
+//! data_lba (1 MiB-aligned) data region: slot_count slots of slot_bytes
+//! ```
+//! A slot holds k = blocks_per_slot engine blocks, layer-major inside:
+//! `[layer][block j][K, V]`, so layer l of block j of slot s starts at byte
+//! `data + s * slot_bytes + (l * k + j) * 2 * object_bytes` and the per-layer stride is constant
+//! across slots (what gio_uring's per-layer rule needs).
+//!
+//! Everything read back is untrusted: decoding checks magic, CRC, version and ranges and returns
+//! a typed error; it never panics.
+
+use crate::error::{ObjstoreError, Result};
+use crate::geometry::ModelGeometry;
+
+pub const MAGIC: [u8; 8] = *b"TUTTIKV\0";
+pub const FORMAT_VERSION: u32 = 1;
+pub const SUPERBLOCK_ENCODED_BYTES: usize = 256;
+/// The superblock region: one 4 KiB unit whatever the LBA size, so headers start at byte 4096.
+pub const SUPERBLOCK_REGION_BYTES: u64 = 4096;
+/// Data region alignment: SSDs stripe internally at this granularity or finer.
+pub const DATA_ALIGN_BYTES: u64 = 1 << 20;
+pub const FLAG_PAYLOAD_CRC: u32 = 1;
+const SLOT_HEADER_FIXED_BYTES: usize = 32;
+const SLOT_HEADER_BLOCK_BYTES: usize = 16;
+const SUPERBLOCK_CRC_OFFSET: usize = SUPERBLOCK_ENCODED_BYTES - 4;
+
+/// Everything the superblock records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Superblock {
+    pub version: u32,
+    pub pool_uuid: [u8; 16],
+    pub device_index: u32,
+    pub device_count: u32,
+    pub geometry: ModelGeometry,
+    pub blocks_per_slot: u32,
+    pub lba_bytes: u32,
+    pub flags: u32,
+    pub header_entry_bytes: u32,
+    pub slot_count: u64,
+    pub slot_bytes: u64,
+    pub header_lba: u64,
+    pub header_blocks: u64,
+    pub data_lba: u64,
+}
+
+fn u32_at(bytes: &[u8], offset: usize) -> u32 {
+    u32::from_le_bytes(bytes[offset..offset + 4].try_into().expect("4-byte slice"))
+}
+
+fn u64_at(bytes: &[u8], offset: usize) -> u64 {
+    u64::from_le_bytes(bytes[offset..offset + 8].try_into().expect("8-byte slice"))
+}
+
+fn put_u32(bytes: &mut [u8], offset: usize, value: u32) {
+    bytes[offset..offset + 4].copy_from_slice(&value.to_le_bytes());
+}
+
+fn put_u64(bytes: &mut [u8], offset: usize, value: u64) {
+    bytes[offset..offset + 8].copy_from_slice(&value.to_le_bytes());
+}
+
+/// Bytes of one slot-header entry for k blocks per slot: the smallest power of two holding the
+/// fixed part and k (key, token count) records, so an entry never straddles an LBA.
+pub fn header_entry_bytes(blocks_per_slot: u32) -> u64 {
+    (SLOT_HEADER_FIXED_BYTES as u64 + u64::from(blocks_per_slot) * SLOT_HEADER_BLOCK_BYTES as u64).next_power_of_two()
+}
+
+impl Superblock {
+    /// Lays out a namespace of `size_blocks` LBAs of `lba_bytes` for `geometry` with k blocks per
+    /// slot, using at most `slot_count_max` slots (as many as fit when `None`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn plan(
+        geometry: ModelGeometry,
+        blocks_per_slot: u32,
+        lba_bytes: u32,
+        size_blocks: u64,
+        slot_count_max: Option<u64>,
+        pool_uuid: [u8; 16],
+        device_index: u32,
+        device_count: u32,
+        flags: u32,
+    ) -> Result<Self> {
+        geometry.validate()?;
+        let invalid = |reason: String| ObjstoreError::InvalidFormat { reason };
+        if !lba_bytes.is_power_of_two() || !(512..=65536).contains(&lba_bytes) {
+            return Err(invalid(format!("LBA size {lba_bytes} is not a power of two in 512..=65536")));
+        }
+        if geometry.object_bytes() % u64::from(lba_bytes) != 0 {
+            return Err(invalid(format!("an object of {} bytes is not a whole number of {lba_bytes}-byte LBAs", geometry.object_bytes())));
+        }
+        let entry = header_entry_bytes(blocks_per_slot);
+        if blocks_per_slot == 0 || blocks_per_slot > 1024 || entry > u64::from(lba_bytes) {
+            return Err(invalid(format!("blocks per slot {blocks_per_slot}: expected 1..=1024 with a header entry ({entry} B) within one LBA ({lba_bytes} B)")));
+        }
+        if device_count == 0 || device_index >= device_count {
+            return Err(invalid(format!("device index {device_index} of {device_count}")));
+        }
+        let lba = u64::from(lba_bytes);
+        let slot_bytes = geometry.block_bytes() * u64::from(blocks_per_slot);
+        let size_bytes = size_blocks.saturating_mul(lba);
+        let header_start = SUPERBLOCK_REGION_BYTES.max(lba);
+        let layout = |slots: u64| -> (u64, u64) {
+            let header_bytes = (slots * entry).div_ceil(lba) * lba;
+            let data_start = (header_start + header_bytes).div_ceil(DATA_ALIGN_BYTES) * DATA_ALIGN_BYTES;
+            (header_bytes, data_start)
+        };
+        let mut slots = size_bytes.saturating_sub(header_start + DATA_ALIGN_BYTES) / (slot_bytes + entry);
+        if let Some(max) = slot_count_max {
+            slots = slots.min(max);
+        }
+        while slots > 0 && layout(slots).1 + slots * slot_bytes > size_bytes {
+            slots -= 1;
+        }
+        if slots == 0 {
+            return Err(ObjstoreError::NamespaceTooSmall { device: device_index as usize, needed_bytes: layout(1).1 + slot_bytes, available_bytes: size_bytes });
+        }
+        let (header_bytes, data_start) = layout(slots);
+        Ok(Self {
+            version: FORMAT_VERSION,
+            pool_uuid,
+            device_index,
+            device_count,
+            geometry,
+            blocks_per_slot,
+            lba_bytes,
+            flags,
+            header_entry_bytes: entry as u32,
+            slot_count: slots,
+            slot_bytes,
+            header_lba: header_start / lba,
+            header_blocks: header_bytes / lba,
+            data_lba: data_start / lba,
+        })
+    }
+
+    pub fn encode(&self) -> [u8; SUPERBLOCK_ENCODED_BYTES] {
+        let mut b = [0u8; SUPERBLOCK_ENCODED_BYTES];
+        b[..8].copy_from_slice(&MAGIC);
+        put_u32(&mut b, 8, self.version);
+        put_u32(&mut b, 12, SUPERBLOCK_ENCODED_BYTES as u32);
+        b[16..32].copy_from_slice(&self.pool_uuid);
+        put_u32(&mut b, 32, self.device_index);
+        put_u32(&mut b, 36, self.device_count);
+        put_u32(&mut b, 40, self.geometry.layers);
+        put_u32(&mut b, 44, self.geometry.kv_heads);
+        put_u32(&mut b, 48, self.geometry.head_dim);
+        put_u32(&mut b, 52, self.geometry.dtype_bytes);
+        put_u32(&mut b, 56, self.geometry.block_tokens);
+        put_u32(&mut b, 60, self.blocks_per_slot);
+        put_u32(&mut b, 64, self.lba_bytes);
+        put_u32(&mut b, 68, self.flags);
+        put_u32(&mut b, 72, self.header_entry_bytes);
+        put_u64(&mut b, 80, self.slot_count);
+        put_u64(&mut b, 88, self.slot_bytes);
+        put_u64(&mut b, 96, self.header_lba);
+        put_u64(&mut b, 104, self.header_blocks);
+        put_u64(&mut b, 112, self.data_lba);
+        let crc = crc32fast::hash(&b[..SUPERBLOCK_CRC_OFFSET]);
+        put_u32(&mut b, SUPERBLOCK_CRC_OFFSET, crc);
+        b
+    }
+
+    /// Decodes and checks a superblock read from device `device` whose namespace has
+    /// `size_blocks` LBAs of `lba_bytes`.
+    pub fn decode(bytes: &[u8], device: usize, lba_bytes: u32, size_blocks: u64) -> Result<Self> {
+        let corrupt = |reason: String| ObjstoreError::CorruptSuperblock { device, reason };
+        if bytes.len() < SUPERBLOCK_ENCODED_BYTES {
+            return Err(corrupt(format!("truncated: {} bytes, expected {SUPERBLOCK_ENCODED_BYTES}", bytes.len())));
+        }
+        if bytes[..8] != MAGIC {
+            return Err(corrupt(format!("magic {:02x?}, expected {:02x?} (not a tutti pool, or never formatted)", &bytes[..8], MAGIC)));
+        }
+        let version = u32_at(bytes, 8);
+        if version > FORMAT_VERSION {
+            return Err(ObjstoreError::NewerFormatVersion { device, found: version, supported: FORMAT_VERSION });
+        }
+        let stored = u32_at(bytes, SUPERBLOCK_CRC_OFFSET);
+        let computed = crc32fast::hash(&bytes[..SUPERBLOCK_CRC_OFFSET]);
+        if stored != computed {
+            return Err(corrupt(format!("CRC32 {stored:#010x}, computed {computed:#010x}")));
+        }
+        if version == 0 || u32_at(bytes, 12) != SUPERBLOCK_ENCODED_BYTES as u32 {
+            return Err(corrupt(format!("version {version} with encoded length {}, expected {FORMAT_VERSION} / {SUPERBLOCK_ENCODED_BYTES}", u32_at(bytes, 12))));
+        }
+        let geometry = ModelGeometry {
+            layers: u32_at(bytes, 40),
+            kv_heads: u32_at(bytes, 44),
+            head_dim: u32_at(bytes, 48),
+            dtype_bytes: u32_at(bytes, 52),
+            block_tokens: u32_at(bytes, 56),
+        };
+        let superblock = Self {
+            version,
+            pool_uuid: bytes[16..32].try_into().expect("16-byte slice"),
+            device_index: u32_at(bytes, 32),
+            device_count: u32_at(bytes, 36),
+            geometry,
+            blocks_per_slot: u32_at(bytes, 60),
+            lba_bytes: u32_at(bytes, 64),
+            flags: u32_at(bytes, 68),
+            header_entry_bytes: u32_at(bytes, 72),
+            slot_count: u64_at(bytes, 80),
+            slot_bytes: u64_at(bytes, 88),
+            header_lba: u64_at(bytes, 96),
+            header_blocks: u64_at(bytes, 104),
+            data_lba: u64_at(bytes, 112),
+        };
+        // A CRC-valid superblock can still describe a layout that does not fit this namespace
+        // (copied from another device, or written by a buggy tool): re-derive and compare.
+        if superblock.lba_bytes != lba_bytes {
+            return Err(corrupt(format!("records {}-byte LBAs, the namespace has {lba_bytes}", superblock.lba_bytes)));
+        }
+        let expected = Self::plan(
+            geometry,
+            superblock.blocks_per_slot,
+            lba_bytes,
+            size_blocks,
+            Some(superblock.slot_count),
+            superblock.pool_uuid,
+            superblock.device_index,
+            superblock.device_count,
+            superblock.flags,
+        )
+        .map_err(|error| corrupt(format!("layout does not fit this namespace: {error}")))?;
+        if expected != superblock {
+            return Err(corrupt(format!("layout {superblock:?} differs from the one these parameters give: {expected:?}")));
+        }
+        Ok(superblock)
+    }
+
+    pub fn pair_blocks(&self) -> u64 {
+        2 * self.geometry.object_bytes() / u64::from(self.lba_bytes)
+    }
+
+    /// LBAs between layer l and layer l + 1 of the same block (gio_uring's `lba_stride_blocks`).
+    pub fn layer_stride_blocks(&self) -> u64 {
+        self.pair_blocks() * u64::from(self.blocks_per_slot)
+    }
+
+    /// First LBA of block `index` of slot `slot` at layer 0.
+    pub fn block_lba(&self, slot: u32, index: u32) -> u64 {
+        self.data_lba + u64::from(slot) * (self.slot_bytes / u64::from(self.lba_bytes)) + u64::from(index) * self.pair_blocks()
+    }
+
+    /// Byte offset of slot `slot`'s header entry inside the header region.
+    pub fn header_offset(&self, slot: u32) -> u64 {
+        u64::from(slot) * u64::from(self.header_entry_bytes)
+    }
+
+    pub fn header_region_bytes(&self) -> u64 {
+        self.header_blocks * u64::from(self.lba_bytes)
+    }
+}
+
+/// A slot's state as recorded in its header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SlotState {
+    /// Nothing valid: never written, evicted, or being rewritten.
+    Empty = 0,
+    /// Every object of every block listed is durable.
+    Valid = 1,
+}
+
+/// One block recorded in a slot header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct BlockRecord {
+    /// The chained hash of the block (its prefix and its tokens).
+    pub key: u64,
+    pub token_count: u32,
+}
+
+/// A decoded slot header.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SlotHeader {
+    /// Commit sequence number on this device (newer wins if a key appears twice).
+    pub generation: u64,
+    /// First 8 bytes of the pool UUID: a header left by an earlier format of the namespace
+    /// carries another tag and is ignored.
+    pub pool_tag: u64,
+    pub slot: u32,
+    pub state: SlotState,
+    pub flags: u32,
+    pub payload_crc: u32,
+    pub blocks: Vec<BlockRecord>,
+}
+
+/// Why a header entry was not accepted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeaderVerdict {
+    /// All zeroes, or state Empty with a valid CRC.
+    Empty,
+    /// CRC mismatch, a foreign pool tag, a wrong slot number or an impossible block count.
+    Corrupt,
+}
+
+pub fn pool_tag(uuid: &[u8; 16]) -> u64 {
+    u64::from_le_bytes(uuid[..8].try_into().expect("8-byte slice"))
+}
+
+impl SlotHeader {
+    /// Encodes into `out` (exactly `header_entry_bytes` long).
+    pub fn encode_into(&self, out: &mut [u8]) {
+        out.fill(0);
+        put_u64(out, 0, self.generation);
+        put_u64(out, 8, self.pool_tag);
+        put_u32(out, 16, self.slot);
+        out[20..22].copy_from_slice(&(self.state as u16).to_le_bytes());
+        out[22..24].copy_from_slice(&(self.blocks.len() as u16).to_le_bytes());
+        put_u32(out, 24, self.flags);
+        put_u32(out, 28, self.payload_crc);
+        for (j, block) in self.blocks.iter().enumerate() {
+            let at = SLOT_HEADER_FIXED_BYTES + j * SLOT_HEADER_BLOCK_BYTES;
+            put_u64(out, at, block.key);
+            put_u32(out, at + 8, block.token_count);
+        }
+        let crc_at = out.len() - 4;
+        let crc = crc32fast::hash(&out[..crc_at]);
+        put_u32(out, crc_at, crc);
+    }
+
+    /// Decodes entry `slot` of a header region of `superblock`'s pool.
+    pub fn decode(entry: &[u8], slot: u32, superblock: &Superblock) -> std::result::Result<Self, HeaderVerdict> {
+        if entry.len() != superblock.header_entry_bytes as usize || entry.len() < SLOT_HEADER_FIXED_BYTES + 4 {
+            return Err(HeaderVerdict::Corrupt);
+        }
+        if entry.iter().all(|&byte| byte == 0) {
+            return Err(HeaderVerdict::Empty);
+        }
+        let crc_at = entry.len() - 4;
+        if crc32fast::hash(&entry[..crc_at]) != u32_at(entry, crc_at) {
+            return Err(HeaderVerdict::Corrupt);
+        }
+        if u64_at(entry, 8) != pool_tag(&superblock.pool_uuid) || u32_at(entry, 16) != slot {
+            return Err(HeaderVerdict::Corrupt);
+        }
+        let state = match u16::from_le_bytes([entry[20], entry[21]]) {
+            0 => return Err(HeaderVerdict::Empty),
+            1 => SlotState::Valid,
+            _ => return Err(HeaderVerdict::Corrupt),
+        };
+        let count = u16::from_le_bytes([entry[22], entry[23]]) as usize;
+        if count == 0 || count > superblock.blocks_per_slot as usize || SLOT_HEADER_FIXED_BYTES + count * SLOT_HEADER_BLOCK_BYTES > crc_at {
+            return Err(HeaderVerdict::Corrupt);
+        }
+        let blocks = (0..count)
+            .map(|j| {
+                let at = SLOT_HEADER_FIXED_BYTES + j * SLOT_HEADER_BLOCK_BYTES;
+                BlockRecord { key: u64_at(entry, at), token_count: u32_at(entry, at + 8) }
+            })
+            .collect::<Vec<_>>();
+        if blocks.iter().any(|b| b.key == 0 || b.token_count == 0 || b.token_count > superblock.geometry.block_tokens) {
+            return Err(HeaderVerdict::Corrupt);
+        }
+        Ok(Self {
+            generation: u64_at(entry, 0),
+            pool_tag: u64_at(entry, 8),
+            slot,
+            state,
+            flags: u32_at(entry, 24),
+            payload_crc: u32_at(entry, 28),
+            blocks,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn small() -> ModelGeometry {
+        ModelGeometry { layers: 2, kv_heads: 1, head_dim: 128, dtype_bytes: 2, block_tokens: 16 } // 4 KiB objects
+    }
+
+    fn plan() -> Superblock {
+        Superblock::plan(small(), 1, 512, 16 << 11, None, [7; 16], 0, 2, 0).unwrap()
+    }
+
+    #[test]
+    fn plan_fits_the_namespace_and_round_trips() {
+        // Goal: the planned layout lies inside the namespace, regions do not overlap, and the
+        // encoding decodes to the same superblock.
+        let sb = plan();
+        let size = 16u64 << 20;
+        assert_eq!(sb.header_lba, 8);
+        assert!(sb.header_lba + sb.header_blocks <= sb.data_lba);
+        assert_eq!(sb.data_lba * 512 % DATA_ALIGN_BYTES, 0);
+        assert!(sb.data_lba * 512 + sb.slot_count * sb.slot_bytes <= size);
+        assert_eq!(sb.slot_bytes, 16384);
+        assert_eq!(sb.layer_stride_blocks(), 16);
+        assert_eq!(Superblock::decode(&sb.encode(), 0, 512, 16 << 11).unwrap(), sb);
+        let k4 = Superblock::plan(small(), 4, 512, 16 << 11, Some(10), [7; 16], 1, 2, 0).unwrap();
+        assert_eq!(k4.slot_count, 10);
+        assert_eq!(k4.header_entry_bytes, 128);
+        assert_eq!(k4.layer_stride_blocks(), 64);
+        assert_eq!(k4.block_lba(2, 3), k4.data_lba + 2 * 128 + 3 * 16);
+    }
+
+    #[test]
+    fn damaged_superblocks_are_typed_errors() {
+        // Goal: truncation, wrong magic, CRC failure, newer version, foreign LBA size, and a
+        // layout that does not fit the namespace: each refused with what was expected.
+        let sb = plan();
+        let good = sb.encode();
+        assert!(matches!(Superblock::decode(&good[..100], 0, 512, 16 << 11), Err(ObjstoreError::CorruptSuperblock { reason, .. }) if reason.contains("truncated")));
+        let mut magic = good;
+        magic[0] ^= 1;
+        assert!(matches!(Superblock::decode(&magic, 0, 512, 16 << 11), Err(ObjstoreError::CorruptSuperblock { reason, .. }) if reason.contains("magic")));
+        let mut flipped = good;
+        flipped[90] ^= 0x40;
+        assert!(matches!(Superblock::decode(&flipped, 0, 512, 16 << 11), Err(ObjstoreError::CorruptSuperblock { reason, .. }) if reason.contains("CRC")));
+        let mut newer = good;
+        put_u32(&mut newer, 8, FORMAT_VERSION + 1);
+        assert!(matches!(Superblock::decode(&newer, 3, 512, 16 << 11), Err(ObjstoreError::NewerFormatVersion { device: 3, found: 2, supported: 1 })));
+        assert!(matches!(Superblock::decode(&good, 0, 4096, 16 << 8), Err(ObjstoreError::CorruptSuperblock { reason, .. }) if reason.contains("LBAs")));
+        assert!(matches!(Superblock::decode(&good, 0, 512, 1 << 11), Err(ObjstoreError::CorruptSuperblock { reason, .. }) if reason.contains("does not fit")));
+        let zeros = [0u8; 512];
+        assert!(Superblock::decode(&zeros, 0, 512, 16 << 11).is_err());
+    }
+
+    #[test]
+    fn slot_headers_round_trip_and_reject_damage() {
+        // Goal: an encoded header decodes back; any flipped byte, a foreign tag or a header
+        // found at another slot's position is refused (never data from the wrong slot).
+        let sb = Superblock::plan(small(), 3, 512, 16 << 11, None, [9; 16], 0, 1, 0).unwrap();
+        let header = SlotHeader {
+            generation: 42,
+            pool_tag: pool_tag(&sb.pool_uuid),
+            slot: 5,
+            state: SlotState::Valid,
+            flags: 0,
+            payload_crc: 0,
+            blocks: vec![BlockRecord { key: 11, token_count: 16 }, BlockRecord { key: 12, token_count: 16 }],
+        };
+        let mut entry = vec![0u8; sb.header_entry_bytes as usize];
+        header.encode_into(&mut entry);
+        assert_eq!(SlotHeader::decode(&entry, 5, &sb).unwrap(), header);
+        assert_eq!(SlotHeader::decode(&entry, 6, &sb), Err(HeaderVerdict::Corrupt));
+        for index in 0..entry.len() {
+            let mut damaged = entry.clone();
+            damaged[index] ^= 0x10;
+            assert!(SlotHeader::decode(&damaged, 5, &sb).is_err(), "flip at byte {index} accepted");
+        }
+        let other_pool = Superblock { pool_uuid: [1; 16], ..sb };
+        assert_eq!(SlotHeader::decode(&entry, 5, &other_pool), Err(HeaderVerdict::Corrupt));
+        assert_eq!(SlotHeader::decode(&vec![0u8; entry.len()], 5, &sb), Err(HeaderVerdict::Empty));
+        let empty = SlotHeader { state: SlotState::Empty, blocks: vec![], ..header };
+        empty.encode_into(&mut entry);
+        assert_eq!(SlotHeader::decode(&entry, 5, &sb), Err(HeaderVerdict::Empty));
+    }
+}

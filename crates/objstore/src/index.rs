@@ -1,0 +1,383 @@
+//! The CPU-side index: chained block key -> (device, slot, position in slot), per-device free
+//! lists, an LRU list of committed slots, pins for slots with I/O in flight, and the set of keys
+//! being stored (so that two requests sharing a prefix store it once).
+//!
+//! Everything is sized at open: the per-slot arrays never grow, the LRU list is intrusive
+//! (prev/next indices in the slot array), and keys are already uniformly mixed, so the hash maps
+//! use them as their own hash.
+
+use std::collections::{HashMap, HashSet};
+use std::hash::{BuildHasherDefault, Hasher};
+
+use crate::format::BlockRecord;
+
+/// A hasher for keys that are already hashes.
+#[derive(Default)]
+pub struct KeyHasher(u64);
+
+impl Hasher for KeyHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &byte in bytes {
+            self.0 = (self.0 << 8) ^ u64::from(byte);
+        }
+    }
+    fn write_u64(&mut self, value: u64) {
+        self.0 = value;
+    }
+}
+
+type KeyBuild = BuildHasherDefault<KeyHasher>;
+
+const NONE: u32 = u32::MAX;
+
+/// Where a cached block lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockLocation {
+    pub device: u16,
+    pub slot: u32,
+    /// Position of the block inside its slot (0 when a slot holds one block).
+    pub index: u16,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SlotUse {
+    Free,
+    /// Chosen for a store in flight: its header on disk is Empty, nothing may read it.
+    Writing,
+    /// Committed: listed in the map and the LRU list.
+    Valid,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct SlotMeta {
+    state: SlotUse,
+    pins: u32,
+    prev: u32,
+    next: u32,
+    used: u16,
+    generation: u64,
+}
+
+#[derive(Debug)]
+struct DeviceSlots {
+    meta: Vec<SlotMeta>,
+    /// `slot * k + j` -> key of block j of the slot (0 = none).
+    keys: Vec<u64>,
+    free: Vec<u32>,
+    /// Most recently used.
+    head: u32,
+    /// Least recently used: the next victim.
+    tail: u32,
+    valid: u64,
+}
+
+/// What an allocation took.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Allocation {
+    pub device: u16,
+    pub slot: u32,
+    /// Whether a committed slot was evicted for it (its header must be made Empty on disk
+    /// before the new data goes there).
+    pub evicted: bool,
+}
+
+/// Counts for tools and tests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct IndexCounts {
+    pub slots: u64,
+    pub free_slots: u64,
+    pub valid_slots: u64,
+    pub writing_slots: u64,
+    pub pinned_slots: u64,
+    pub cached_blocks: u64,
+    pub evictions: u64,
+}
+
+#[derive(Debug)]
+pub struct Index {
+    blocks_per_slot: u32,
+    devices: Vec<DeviceSlots>,
+    map: HashMap<u64, BlockLocation, KeyBuild>,
+    pending: HashSet<u64, KeyBuild>,
+    evictions: u64,
+}
+
+impl Index {
+    /// An empty index over devices with the given slot counts.
+    pub fn new(slot_counts: &[u32], blocks_per_slot: u32) -> Self {
+        let devices = slot_counts
+            .iter()
+            .map(|&count| DeviceSlots {
+                meta: vec![SlotMeta { state: SlotUse::Free, pins: 0, prev: NONE, next: NONE, used: 0, generation: 0 }; count as usize],
+                keys: vec![0; count as usize * blocks_per_slot as usize],
+                // Pop from the end: low slots first, which keeps a fresh pool's data compact.
+                free: (0..count).rev().collect(),
+                head: NONE,
+                tail: NONE,
+                valid: 0,
+            })
+            .collect();
+        let total: usize = slot_counts.iter().map(|&c| c as usize * blocks_per_slot as usize).sum();
+        Self { blocks_per_slot, devices, map: HashMap::with_capacity_and_hasher(total, KeyBuild::default()), pending: HashSet::with_capacity_and_hasher(1024, KeyBuild::default()), evictions: 0 }
+    }
+
+    pub fn blocks_per_slot(&self) -> u32 {
+        self.blocks_per_slot
+    }
+
+    pub fn device_count(&self) -> usize {
+        self.devices.len()
+    }
+
+    pub fn get(&self, key: u64) -> Option<BlockLocation> {
+        self.map.get(&key).copied()
+    }
+
+    /// How many leading keys are cached (the longest cached prefix, in blocks).
+    pub fn cached_prefix(&self, keys: &[u64]) -> usize {
+        keys.iter().take_while(|key| self.map.contains_key(key)).count()
+    }
+
+    pub fn is_pending(&self, key: u64) -> bool {
+        self.pending.contains(&key)
+    }
+
+    pub fn add_pending(&mut self, key: u64) {
+        self.pending.insert(key);
+    }
+
+    pub fn remove_pending(&mut self, key: u64) {
+        self.pending.remove(&key);
+    }
+
+    fn unlink(device: &mut DeviceSlots, slot: u32) {
+        let SlotMeta { prev, next, .. } = device.meta[slot as usize];
+        match prev {
+            NONE => device.head = next,
+            p => device.meta[p as usize].next = next,
+        }
+        match next {
+            NONE => device.tail = prev,
+            n => device.meta[n as usize].prev = prev,
+        }
+        device.meta[slot as usize].prev = NONE;
+        device.meta[slot as usize].next = NONE;
+    }
+
+    fn push_front(device: &mut DeviceSlots, slot: u32) {
+        let old = device.head;
+        device.meta[slot as usize].prev = NONE;
+        device.meta[slot as usize].next = old;
+        if old != NONE {
+            device.meta[old as usize].prev = slot;
+        } else {
+            device.tail = slot;
+        }
+        device.head = slot;
+    }
+
+    /// Marks a committed slot most recently used.
+    pub fn touch(&mut self, device: u16, slot: u32) {
+        let d = &mut self.devices[usize::from(device)];
+        if d.meta[slot as usize].state == SlotUse::Valid && d.head != slot {
+            Self::unlink(d, slot);
+            Self::push_front(d, slot);
+        }
+    }
+
+    pub fn pin(&mut self, device: u16, slot: u32) {
+        self.devices[usize::from(device)].meta[slot as usize].pins += 1;
+    }
+
+    pub fn unpin(&mut self, device: u16, slot: u32) {
+        let meta = &mut self.devices[usize::from(device)].meta[slot as usize];
+        meta.pins = meta.pins.saturating_sub(1);
+    }
+
+    /// Free or evictable slots on `device` (evictable = committed and not pinned).
+    pub fn available(&self, device: u16) -> usize {
+        let d = &self.devices[usize::from(device)];
+        d.free.len() + d.meta.iter().filter(|m| m.state == SlotUse::Valid && m.pins == 0).count()
+    }
+
+    /// Takes a slot on `device`: a free one, else the least recently used committed slot that
+    /// is not pinned (its blocks leave the index). The slot comes back Writing and pinned.
+    pub fn allocate_on(&mut self, device: u16) -> Option<Allocation> {
+        let k = self.blocks_per_slot as usize;
+        let d = &mut self.devices[usize::from(device)];
+        let (slot, evicted) = if let Some(slot) = d.free.pop() {
+            (slot, false)
+        } else {
+            // Walk from the LRU end past pinned slots; bounded by the slot count.
+            let mut candidate = d.tail;
+            while candidate != NONE && d.meta[candidate as usize].pins > 0 {
+                candidate = d.meta[candidate as usize].prev;
+            }
+            if candidate == NONE {
+                return None;
+            }
+            Self::unlink(d, candidate);
+            let base = candidate as usize * k;
+            for key in &mut d.keys[base..base + k] {
+                if *key != 0 {
+                    self.map.remove(key);
+                    *key = 0;
+                }
+            }
+            d.valid -= 1;
+            self.evictions += 1;
+            (candidate, true)
+        };
+        let meta = &mut d.meta[slot as usize];
+        meta.state = SlotUse::Writing;
+        meta.pins = 1;
+        meta.used = 0;
+        Some(Allocation { device, slot, evicted })
+    }
+
+    /// Makes a written slot visible: its blocks enter the map, the slot becomes most recently
+    /// used and loses the pin its store held.
+    pub fn commit(&mut self, device: u16, slot: u32, keys: &[u64], generation: u64) {
+        let k = self.blocks_per_slot as usize;
+        for (j, &key) in keys.iter().enumerate() {
+            self.map.insert(key, BlockLocation { device, slot, index: j as u16 });
+            self.pending.remove(&key);
+        }
+        let d = &mut self.devices[usize::from(device)];
+        let base = slot as usize * k;
+        d.keys[base..base + keys.len()].copy_from_slice(keys);
+        let meta = &mut d.meta[slot as usize];
+        meta.state = SlotUse::Valid;
+        meta.used = keys.len() as u16;
+        meta.generation = generation;
+        meta.pins = meta.pins.saturating_sub(1);
+        d.valid += 1;
+        Self::push_front(d, slot);
+    }
+
+    /// Returns a slot taken by `allocate_on` whose store did not commit.
+    pub fn release_unwritten(&mut self, device: u16, slot: u32) {
+        let d = &mut self.devices[usize::from(device)];
+        let meta = &mut d.meta[slot as usize];
+        if meta.state == SlotUse::Writing {
+            meta.state = SlotUse::Free;
+            meta.pins = 0;
+            d.free.push(slot);
+        }
+    }
+
+    /// Recovery: records a committed slot read from disk. A key already present with a higher
+    /// generation wins; the loser's slot is returned as `Err` for the caller to free.
+    pub fn recover(&mut self, device: u16, slot: u32, blocks: &[BlockRecord], generation: u64) -> Result<(), (u16, u32)> {
+        for block in blocks {
+            if let Some(existing) = self.map.get(&block.key).copied() {
+                let theirs = self.devices[usize::from(existing.device)].meta[existing.slot as usize].generation;
+                if theirs >= generation {
+                    return Err((device, slot));
+                }
+                self.drop_valid(existing.device, existing.slot);
+                return self.recover(device, slot, blocks, generation).and(Err((existing.device, existing.slot)));
+            }
+        }
+        let d = &mut self.devices[usize::from(device)];
+        if let Some(position) = d.free.iter().position(|&s| s == slot) {
+            d.free.swap_remove(position);
+        }
+        let keys: Vec<u64> = blocks.iter().map(|b| b.key).collect();
+        d.meta[slot as usize].pins = 1; // commit() drops it
+        self.commit(device, slot, &keys, generation);
+        Ok(())
+    }
+
+    /// Recovery: after every header was read, rebuilds the free lists so low slots go first.
+    pub fn finish_recovery(&mut self) {
+        for d in &mut self.devices {
+            d.free = (0..d.meta.len() as u32).rev().filter(|&s| d.meta[s as usize].state == SlotUse::Free).collect();
+        }
+    }
+
+    fn drop_valid(&mut self, device: u16, slot: u32) {
+        let k = self.blocks_per_slot as usize;
+        let d = &mut self.devices[usize::from(device)];
+        if d.meta[slot as usize].state != SlotUse::Valid {
+            return;
+        }
+        Self::unlink(d, slot);
+        let base = slot as usize * k;
+        for key in &mut d.keys[base..base + k] {
+            if *key != 0 {
+                self.map.remove(key);
+                *key = 0;
+            }
+        }
+        d.valid -= 1;
+        d.meta[slot as usize].state = SlotUse::Free;
+        d.free.push(slot);
+    }
+
+    pub fn generation_of(&self, device: u16, slot: u32) -> u64 {
+        self.devices[usize::from(device)].meta[slot as usize].generation
+    }
+
+    pub fn counts(&self) -> IndexCounts {
+        let mut counts = IndexCounts { evictions: self.evictions, cached_blocks: self.map.len() as u64, ..IndexCounts::default() };
+        for d in &self.devices {
+            counts.slots += d.meta.len() as u64;
+            counts.free_slots += d.free.len() as u64;
+            counts.valid_slots += d.valid;
+            for meta in &d.meta {
+                counts.writing_slots += u64::from(meta.state == SlotUse::Writing);
+                counts.pinned_slots += u64::from(meta.pins > 0);
+            }
+        }
+        counts
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lru_eviction_skips_pinned_slots() {
+        // Goal: a full device evicts its least recently used unpinned slot; touching moves a
+        // slot to the front; a pinned slot is never chosen; all pinned -> None.
+        let mut index = Index::new(&[3], 1);
+        for (slot_key, _) in [(100u64, 0), (200, 1), (300, 2)] {
+            let a = index.allocate_on(0).unwrap();
+            assert!(!a.evicted);
+            index.commit(0, a.slot, &[slot_key], slot_key);
+        }
+        assert_eq!(index.counts().free_slots, 0);
+        let oldest = index.get(100).unwrap();
+        index.touch(0, oldest.slot); // 200 is now LRU
+        let victim = index.get(200).unwrap();
+        index.pin(0, victim.slot); // ... but pinned: 300 goes
+        let a = index.allocate_on(0).unwrap();
+        assert!(a.evicted);
+        assert!(index.get(300).is_none() && index.get(200).is_some() && index.get(100).is_some());
+        index.commit(0, a.slot, &[400], 400);
+        index.pin(0, index.get(100).unwrap().slot);
+        index.pin(0, index.get(400).unwrap().slot);
+        assert_eq!(index.allocate_on(0), None);
+        assert_eq!(index.cached_prefix(&[100, 200, 999, 400]), 2);
+        let counts = index.counts();
+        assert_eq!((counts.valid_slots, counts.pinned_slots, counts.evictions), (3, 3, 1));
+    }
+
+    #[test]
+    fn recovery_keeps_the_newest_copy_of_a_key() {
+        let mut index = Index::new(&[4], 2);
+        let rec = |key| BlockRecord { key, token_count: 16 };
+        assert_eq!(index.recover(0, 1, &[rec(7), rec(8)], 5), Ok(()));
+        assert_eq!(index.recover(0, 2, &[rec(8)], 3), Err((0, 2)));
+        assert_eq!(index.recover(0, 3, &[rec(7)], 9), Err((0, 1)));
+        index.finish_recovery();
+        assert_eq!(index.get(7), Some(BlockLocation { device: 0, slot: 3, index: 0 }));
+        assert_eq!(index.get(8), None);
+        assert_eq!(index.counts().free_slots, 3);
+    }
+}
