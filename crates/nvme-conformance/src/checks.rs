@@ -511,7 +511,8 @@ fn data_integrity(context: &Context) -> Outcome {
     for index in 0..context.config.integrity_mib {
         let offset = index * chunk as u64;
         fill_pattern(&staging, 0, chunk, seed, offset)?;
-        let queue = &mut queues[index as usize % queues.len()];
+        let queue_count = queues.len();
+        let queue = &mut queues[index as usize % queue_count];
         queue.write(namespace.id, Lba(offset / block), &[DataSegment::new(staging.iova(), chunk as u32)], false, context.config.timeout)?;
     }
     queues[0].flush(namespace.id, context.config.timeout)?;
@@ -520,7 +521,8 @@ fn data_integrity(context: &Context) -> Outcome {
     let segments: Vec<DataSegment> = pieces.iter().map(|region| DataSegment::new(region.iova(), (chunk / 16) as u32)).collect();
     for index in 0..context.config.integrity_mib {
         let offset = index * chunk as u64;
-        let queue = &mut queues[index as usize % queues.len()];
+        let queue_count = queues.len();
+        let queue = &mut queues[index as usize % queue_count];
         queue.read(namespace.id, Lba(offset / block), &segments, context.config.timeout)?;
         for (piece_index, piece) in pieces.iter().enumerate() {
             verify_pattern(piece, 0, chunk / 16, seed, offset + (piece_index * chunk / 16) as u64).map_err(Failure)?;

@@ -15,6 +15,7 @@
 #![forbid(unsafe_code)]
 
 mod checks;
+mod emu;
 mod pattern;
 
 use std::fmt;
@@ -23,6 +24,7 @@ use std::time::{Duration, Instant};
 
 use nvme_driver::DeviceBackend;
 
+pub use emu::EmuFaults;
 pub use pattern::{fill_pattern, verify_pattern};
 
 /// Faults a test device can be told to produce (the software controller implements this).
