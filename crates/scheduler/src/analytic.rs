@@ -204,7 +204,7 @@ impl GpuSpec {
 }
 
 /// The bucket grid and the SM split of an analytic table.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct AnalyticGrid {
     pub input_step_tokens: u32,
     pub input_step_count: u32,

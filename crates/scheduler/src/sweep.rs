@@ -36,7 +36,6 @@ pub struct Preset {
     pub ssd: SsdModel,
     /// Prompt length of the hit-rate sweep.
     pub input_tokens: u32,
-    #[serde(skip)]
     pub grid: AnalyticGrid,
     pub iocb_bytes: u64,
     pub iocb_count_max: u32,

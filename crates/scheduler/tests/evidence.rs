@@ -157,3 +157,27 @@ fn slack_aware_defers_writes_and_decode_drains_them() {
     // 64 decode steps (~0.4 s) at 12 GB/s hold far more than one 32K prompt's new KV.
     assert!(slack.iter().all(|r| r.write_backlog_bytes_at_end == 0), "decode did not drain");
 }
+
+/// Goal: the documented conservative rounding works in practice — a scheduler reading a table 16×
+/// coarser than the GPU's real behaviour (prefix rounded up to 1024-token buckets, so it sees less
+/// compute and less slack than there is) still reaches the bound and never mixes traffic.
+#[test]
+fn coarse_table_still_reaches_the_bound() {
+    use scheduler::sim::{simulate, SimConfig};
+    let fine = preset("llama3-8b-h100-32k").unwrap();
+    let mut coarse = fine.clone();
+    coarse.grid.prefix_step_tokens = 1024;
+    let truth = fine.build_profile().unwrap();
+    let scheduler_table = coarse.build_profile().unwrap();
+    let mut results = Vec::new();
+    for prefix_tokens in truth.prefix_lengths(fine.input_tokens) {
+        let config = SimConfig { input_tokens: fine.input_tokens, prefix_tokens, iocb_bytes: fine.iocb_bytes, decode_step_count: 0 };
+        let mut policy = PolicyKind::SlackAware.build();
+        let r = simulate(&truth, &scheduler_table, &fine.ssd, &config, policy.as_mut()).unwrap();
+        assert_eq!(r.mixed_io_us, 0.0, "{r:?}");
+        results.push(r);
+    }
+    let bound = analytic_bound(&truth, &fine.ssd, fine.input_tokens).unwrap().unwrap();
+    let crossover = summarize(&results)[0].crossover_hit_rate.unwrap();
+    assert!((crossover - bound).abs() <= 0.01, "coarse-table crossover {crossover:.4} vs bound {bound:.4}");
+}
