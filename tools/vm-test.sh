@@ -3,7 +3,8 @@
 # Linux guest under TCG. Runs alone or as the `vm` stage of tools/test.sh.
 #
 # Usage: tools/vm-test.sh [MODE]
-#   --conformance (default)  nvme-conformance --device vfio:<each BDF>, then a data-integrity run
+#   --conformance (default)  nvme-conformance --device vfio:<each BDF> --integrity-mib N, then a
+#                            second short run in the same guest (proves nothing leaked)
 #   --probe                  the standalone VFIO probe (examples/vfio_probe.rs), run twice
 #   --smoke                  boot, bind to vfio-pci by hand, list the VFIO nodes: no project code
 #   --shell                  like --probe, then an interactive guest shell (debugging)
@@ -13,6 +14,7 @@
 #   TUTTI_VM_COMMANDS        guest commands, one per line, replacing the mode's defaults; they
 #                            see $TUTTI_BDFS (every NVMe BDF) and $TUTTI_BDF0 (the first)
 #   TUTTI_VM_INTEGRITY_MIB   size of the data-integrity run (default 256)
+#   TUTTI_VM_CONFORMANCE_ARGS  extra nvme-conformance arguments (e.g. --quick, --queue-pairs 8)
 #   TUTTI_VM_NVME_COUNT      number of NVMe controllers (default 1; slots 00:04.0, 00:05.0, ...)
 #   TUTTI_VM_NVME_ARGS       extra `-device nvme` properties, ';' between controllers, the last
 #                            group repeating: e.g. "mdts=5,max_ioqpairs=4;mdts=7" (default
@@ -68,10 +70,12 @@ case $MODE in
         vm_cargo_static -p nvme-conformance --bin nvme-conformance -p tutti --bin tutti > "$VM_DIR/logs/build.log" 2>&1 ||
             { tail -n 30 "$VM_DIR/logs/build.log" >&2; vm_die "static build of nvme-conformance/tutti failed (log: $VM_DIR/logs/build.log)"; }
         BINARIES=("$VM_BIN_DIR/nvme-conformance" "$VM_BIN_DIR/tutti")
-        # shellcheck disable=SC2016 # expanded by the guest's shell
-        printf '%s\n' \
-            'nvme-conformance $(for b in $TUTTI_BDFS; do printf -- "--device vfio:%s " "$b"; done)' \
-            "nvme-conformance --device vfio:\$TUTTI_BDF0 --integrity-mib $INTEGRITY_MIB" > "$COMMANDS"
+        # The full suite with the data-integrity run on every controller; then a second process
+        # in the same guest, which only passes if the first released its groups and mappings.
+        # shellcheck disable=SC2016 # $TUTTI_BDFS is expanded by the guest's shell
+        DEVICES='$(for b in $TUTTI_BDFS; do printf -- "--device vfio:%s " "$b"; done)'
+        printf '%s\n' "nvme-conformance $DEVICES ${TUTTI_VM_CONFORMANCE_ARGS:-} --integrity-mib $INTEGRITY_MIB" \
+            "nvme-conformance $DEVICES --quick --filter bring_up_and_identify" > "$COMMANDS"
         ;;
     probe | shell)
         vm_log "building static guest binaries (vfio_probe, tutti) into $VM_TARGET_DIR"
