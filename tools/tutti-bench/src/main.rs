@@ -1,4 +1,86 @@
-//! tutti-bench (being written).
-fn main() -> anyhow::Result<()> {
-    anyhow::bail!("tutti-bench is not implemented yet")
+//! tutti-bench: an fio-like benchmark of the raw NVMe path (software controller, VFIO, or the
+//! kernel's io_uring as comparator) and of layer-wise KV store/retrieve.
+//!
+//! Exit status: 0 on success, 1 when the run failed (device error, verify mismatch), 2 when the
+//! input was wrong (bad flag, size, device string, file, model), with one line saying what is
+//! wrong and what is accepted.
+
+mod args;
+mod devices;
+mod kv;
+mod progress;
+mod report;
+mod run;
+mod uring;
+mod workloads;
+
+use std::io::Write;
+use std::process::ExitCode;
+
+use clap::Parser;
+
+use crate::args::Cli;
+
+/// Input the run cannot accept: printed as one line, exit status 2.
+#[derive(Debug)]
+pub struct UsageError(pub String);
+
+impl std::fmt::Display for UsageError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for UsageError {}
+
+/// Shorthand for returning a usage error.
+pub fn usage<T>(message: impl Into<String>) -> anyhow::Result<T> {
+    Err(UsageError(message.into()).into())
+}
+
+fn main() -> ExitCode {
+    let no_arguments = std::env::args_os().len() == 1;
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(error) => return clap_error(error),
+    };
+    let result = if no_arguments { run::default_run(&cli) } else { run::run(&cli) };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            let _ = std::io::stdout().flush();
+            if let Some(usage) = error.downcast_ref::<UsageError>() {
+                eprintln!("tutti-bench: {usage}");
+                ExitCode::from(2)
+            } else {
+                eprintln!("tutti-bench: error: {error:#}");
+                ExitCode::from(1)
+            }
+        }
+    }
+}
+
+/// clap's own errors, reduced to one line (help and version keep their full text).
+fn clap_error(error: clap::Error) -> ExitCode {
+    use clap::error::ErrorKind;
+    match error.kind() {
+        ErrorKind::DisplayHelp | ErrorKind::DisplayVersion | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+            let _ = error.print();
+            ExitCode::SUCCESS
+        }
+        _ => {
+            let rendered = error.render().to_string();
+            let first = rendered.lines().find(|line| !line.trim().is_empty()).unwrap_or("invalid arguments");
+            let first = first.trim_start_matches("error: ").trim();
+            // Enumerated flags list what they accept on a later line: keep it on this one.
+            let possible = rendered.lines().map(str::trim).find(|line| line.starts_with("[possible values:"));
+            let hint = match (error.kind(), possible) {
+                (_, Some(values)) => format!("; accepted: {}", values.trim_start_matches("[possible values:").trim_end_matches(']').trim()),
+                (ErrorKind::UnknownArgument, None) => "; run tutti-bench --help for the accepted options".to_string(),
+                _ => String::new(),
+            };
+            eprintln!("tutti-bench: {first}{hint}");
+            ExitCode::from(2)
+        }
+    }
 }

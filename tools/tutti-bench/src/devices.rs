@@ -1,0 +1,375 @@
+//! Devices the benchmark drives, behind two small traits: a [`Device`] opened once, and one
+//! [`IoQueue`] per job and device (a thread's own NVMe queue pair or io_uring instance), with
+//! `depth` fixed buffers allocated when the queue is opened — nothing is allocated per I/O.
+//!
+//! - `emu:` and `vfio:` go through `nvme-driver` (the software controller or a VFIO function);
+//! - `uring:` is the kernel path (see [`crate::uring`]).
+
+use std::fs::OpenOptions;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use nvme_driver::{Controller, ControllerConfig, DataSegment, DeviceBackend, DmaRegion, IoQueuePair, Lba, NamespaceId, NvmeError};
+use nvme_emu::{Backing, EmuConfig, EmuDevice, NamespaceConfig};
+
+use crate::args::{format_size, DeviceSpec};
+
+/// How long one I/O may take before the run fails (a stuck device, not a slow one).
+pub const IO_TIMEOUT: Duration = Duration::from_secs(30);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Direction {
+    Read,
+    Write,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceError {
+    #[error("{device}: {source}")]
+    Nvme { device: String, source: NvmeError },
+    #[error("{device}: {context}: {source}")]
+    Io { device: String, context: String, source: std::io::Error },
+    #[error("{device}: {direction:?} at byte offset {offset_bytes} failed: {reason}")]
+    Command { device: String, direction: Direction, offset_bytes: u64, reason: String },
+    #[error("{device}: no completion within {timeout_s} s ({in_flight} I/Os in flight)")]
+    Timeout { device: String, timeout_s: u64, in_flight: usize },
+    /// The submission queue is full: reap and retry (not a failure).
+    #[error("{device}: submission queue full")]
+    Backpressure { device: String },
+    #[error("{device}: completion names slot {slot}, which has no I/O in flight")]
+    UnexpectedCompletion { device: String, slot: u64 },
+    #[error("{0}")]
+    Setup(String),
+}
+
+/// One device, opened once and shared by the jobs.
+pub trait Device: Send + Sync {
+    fn name(&self) -> String;
+    /// A sentence about what is under this name (for the printed configuration).
+    fn describe(&self) -> String;
+    fn capacity_bytes(&self) -> u64;
+    /// Smallest I/O unit: offsets and sizes must be multiples of it.
+    fn block_size_bytes(&self) -> u32;
+    /// A queue for one job thread with `depth` buffers of `slot_bytes` each.
+    fn open_queue(&self, depth: u32, slot_bytes: usize) -> Result<Box<dyn IoQueue>, DeviceError>;
+}
+
+/// A job's queue on one device. Slots `0..depth` each own one buffer; a slot is queued at most
+/// once until its completion was handed to `on_done`.
+pub trait IoQueue: Send {
+    /// Queues an I/O of the slot's whole buffer at `offset_bytes` (not yet visible to the device).
+    fn queue(&mut self, slot: u32, direction: Direction, offset_bytes: u64) -> Result<(), DeviceError>;
+    /// Makes queued I/Os visible to the device and reaps what completed; with `wait`, blocks until
+    /// at least one I/O completed or `deadline` passed (then [`DeviceError::Timeout`]).
+    fn submit_and_reap(&mut self, wait: bool, deadline: Instant, on_done: &mut dyn FnMut(u32, Result<(), DeviceError>)) -> Result<usize, DeviceError>;
+    /// Copies `source` into the slot's buffer (only while the slot is idle).
+    fn write_buffer(&mut self, slot: u32, source: &[u8]) -> Result<(), DeviceError>;
+    /// Copies the slot's buffer out (only while the slot is idle).
+    fn read_buffer(&self, slot: u32, destination: &mut [u8]) -> Result<(), DeviceError>;
+    /// Waits for everything in flight (bounded), discarding results: used before tearing down.
+    fn drain(&mut self, deadline: Instant);
+}
+
+/// What opening a device needs to know about the run.
+#[derive(Debug, Clone, Copy)]
+pub struct OpenOptions2 {
+    /// The run writes: open files read-write.
+    pub writes: bool,
+    /// Bytes a missing file is created with (None: a missing file is an error).
+    pub create_bytes: Option<u64>,
+    /// Largest I/O the run issues (sizes the emulated controller's MDTS).
+    pub io_bytes_max: u64,
+    /// Queue pairs the run needs (one per job).
+    pub queues: u32,
+    /// Write the created file's contents so that reads hit real blocks, like fio's layout step.
+    pub lay_out: bool,
+}
+
+/// Files this run created, removed on drop unless the run succeeded and keeps them.
+#[derive(Debug, Default)]
+pub struct CreatedFiles {
+    paths: Vec<PathBuf>,
+    keep: bool,
+}
+
+impl CreatedFiles {
+    pub fn push(&mut self, path: PathBuf) {
+        self.paths.push(path);
+    }
+
+    pub fn keep(&mut self) {
+        self.keep = true;
+    }
+
+    pub fn paths(&self) -> &[PathBuf] {
+        &self.paths
+    }
+}
+
+impl Drop for CreatedFiles {
+    fn drop(&mut self) {
+        if !self.keep {
+            for path in &self.paths {
+                let _ = std::fs::remove_file(path);
+            }
+        }
+    }
+}
+
+/// Opens (and, where allowed, creates) the device a spec names.
+pub fn open(spec: &DeviceSpec, options: OpenOptions2, created: &mut CreatedFiles) -> Result<Arc<dyn Device>, DeviceError> {
+    match spec {
+        DeviceSpec::EmuFile(path) => {
+            prepare_file(path, options, created)?;
+            let config = emu_config(options).with_backing(Backing::File { path: path.clone(), create_bytes: None });
+            NvmeDevice::start_emu(config, format!("software NVMe controller (nvme-emu) over file {}", path.display()))
+        }
+        DeviceSpec::EmuMemory(bytes) => {
+            let config = emu_config(options).with_backing(Backing::Memory { bytes: *bytes });
+            NvmeDevice::start_emu(config, format!("software NVMe controller (nvme-emu) over {} of memory", format_size(*bytes)))
+        }
+        DeviceSpec::Vfio(address) => {
+            let device = nvme_driver::hw::VfioDevice::open(address)
+                .map_err(|error| DeviceError::Setup(format!("vfio:{address}: {error} (needs the device bound to vfio-pci and access to /dev/vfio)")))?;
+            NvmeDevice::init(Arc::new(device), None, options, format!("NVMe controller {address} through VFIO"))
+        }
+        DeviceSpec::Uring(path) => {
+            prepare_file(path, options, created)?;
+            Ok(Arc::new(crate::uring::UringDevice::open(path, options.writes)?))
+        }
+    }
+}
+
+fn emu_config(options: OpenOptions2) -> EmuConfig {
+    // MDTS large enough that one benchmark I/O is one command (as on an SSD with MDTS ≥ bs),
+    // capped at 2 MiB; the write cache off so that a completed write has reached the file, as
+    // with O_DIRECT on the kernel path.
+    let mut mdts = 5u8;
+    while (4096u64 << mdts) < options.io_bytes_max && mdts < 9 {
+        mdts += 1;
+    }
+    EmuConfig::default()
+        .with_namespaces(vec![NamespaceConfig::new(4096, None)])
+        .with_mdts(mdts)
+        .with_volatile_write_cache(false)
+        .with_io_queue_pairs_max(u16::try_from(options.queues.max(1)).unwrap_or(64))
+}
+
+/// Checks a file can be opened as the run needs, creating it (and laying it out) when missing
+/// and allowed. A created file is registered in `created` so that a failed run removes it.
+fn prepare_file(path: &Path, options: OpenOptions2, created: &mut CreatedFiles) -> Result<(), DeviceError> {
+    let io_error = |context: &str, source: std::io::Error| DeviceError::Setup(format!("{}: {context}: {source}", path.display()));
+    if path.exists() {
+        OpenOptions::new()
+            .read(true)
+            .write(options.writes)
+            .open(path)
+            .map_err(|source| io_error(if options.writes { "cannot open for reading and writing" } else { "cannot open for reading" }, source))?;
+        return Ok(());
+    }
+    let Some(bytes) = options.create_bytes else {
+        return Err(DeviceError::Setup(format!("{} does not exist; give --size to create it", path.display())));
+    };
+    let file = OpenOptions::new().read(true).write(true).create_new(true).open(path).map_err(|source| io_error("cannot create", source))?;
+    created.push(path.to_path_buf());
+    let bytes = bytes.div_ceil(4096) * 4096;
+    if options.lay_out {
+        lay_out(&file, bytes).map_err(|source| io_error("cannot lay out", source))?;
+    } else {
+        file.set_len(bytes).map_err(|source| io_error("cannot size", source))?;
+    }
+    Ok(())
+}
+
+/// Writes `bytes` of non-zero data so that later reads hit allocated blocks, not holes.
+fn lay_out(file: &std::fs::File, bytes: u64) -> std::io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    let chunk: Vec<u8> = (0..1usize << 20).map(|index| (index as u8) ^ 0x5a).collect();
+    let mut offset = 0u64;
+    while offset < bytes {
+        let len = (bytes - offset).min(chunk.len() as u64) as usize;
+        file.write_all_at(&chunk[..len], offset)?;
+        offset += len as u64;
+    }
+    file.sync_all()
+}
+
+/// A controller reached through `nvme-driver`: the software one or a VFIO function.
+struct NvmeDevice {
+    controller: Controller,
+    /// Keeps the software controller's thread alive as long as the driver uses it.
+    _emu: Option<Arc<EmuDevice>>,
+    namespace: nvme_driver::Namespace,
+    description: String,
+}
+
+impl NvmeDevice {
+    fn start_emu(config: EmuConfig, description: String) -> Result<Arc<dyn Device>, DeviceError> {
+        let queues = u32::from(config.io_queue_pairs_max);
+        let io_bytes_max = config.max_transfer_bytes().unwrap_or(1 << 20);
+        let emu = EmuDevice::start(config).map_err(|error| DeviceError::Setup(format!("software NVMe controller: {error}")))?;
+        let options = OpenOptions2 { writes: true, create_bytes: None, io_bytes_max, queues, lay_out: false };
+        Self::init(Arc::clone(&emu) as Arc<dyn DeviceBackend>, Some(emu), options, description)
+    }
+
+    fn init(backend: Arc<dyn DeviceBackend>, emu: Option<Arc<EmuDevice>>, options: OpenOptions2, description: String) -> Result<Arc<dyn Device>, DeviceError> {
+        let name = backend.name();
+        let config = ControllerConfig { io_queue_pairs_requested: u16::try_from(options.queues.clamp(1, 1024)).unwrap_or(1024), ..ControllerConfig::default() };
+        let controller = Controller::init(backend, config).map_err(|source| DeviceError::Nvme { device: name.clone(), source })?;
+        let namespace = *controller.namespaces().first().ok_or_else(|| DeviceError::Setup(format!("{name}: the controller has no active namespace")))?;
+        let description = format!(
+            "{description}: namespace {} of {} ({}-byte LBAs), {} data pointers, max transfer {}",
+            namespace.id.0,
+            format_size(namespace.size_bytes()),
+            namespace.block_size_bytes,
+            controller.data_pointer_mode().name(),
+            format_size(controller.max_transfer_bytes()),
+        );
+        Ok(Arc::new(Self { controller, _emu: emu, namespace, description }))
+    }
+}
+
+impl Device for NvmeDevice {
+    fn name(&self) -> String {
+        self.controller.backend().name()
+    }
+
+    fn describe(&self) -> String {
+        self.description.clone()
+    }
+
+    fn capacity_bytes(&self) -> u64 {
+        self.namespace.size_bytes()
+    }
+
+    fn block_size_bytes(&self) -> u32 {
+        self.namespace.block_size_bytes
+    }
+
+    fn open_queue(&self, depth: u32, slot_bytes: usize) -> Result<Box<dyn IoQueue>, DeviceError> {
+        let name = self.name();
+        let nvme = |source| DeviceError::Nvme { device: name.clone(), source };
+        let slot_len = u32::try_from(slot_bytes).map_err(|_| DeviceError::Setup(format!("{name}: block size {slot_bytes} does not fit one segment")))?;
+        // One I/O may take several commands when it exceeds the controller's max transfer size.
+        let commands_per_io = (slot_bytes as u64).div_ceil(self.controller.max_transfer_bytes().max(4096));
+        let max_entries = self.controller.capabilities().max_queue_entries();
+        let entries = (u64::from(depth) * commands_per_io + 1).min(u64::from(max_entries)) as u32;
+        let pair = self.controller.create_io_queue_pair(entries.max(2)).map_err(nvme)?;
+        let total = slot_bytes.checked_mul(depth as usize).ok_or_else(|| DeviceError::Setup(format!("{name}: {depth} buffers of {slot_bytes} bytes overflow")))?;
+        let buffers = self.controller.dma().allocate(total).map_err(|source| nvme(NvmeError::Hardware(source)))?;
+        // Fill write buffers with non-zero bytes once (some devices shortcut zeroes).
+        let fill: Vec<u8> = (0..slot_bytes).map(|index| (index as u8).wrapping_mul(31) ^ 0xa5).collect();
+        let mut segments = Vec::with_capacity(depth as usize);
+        for slot in 0..depth as usize {
+            let region = buffers.subregion(slot * slot_bytes, slot_bytes).map_err(|source| nvme(NvmeError::Hardware(source)))?;
+            region.write(0, &fill).map_err(|source| nvme(NvmeError::Hardware(source)))?;
+            segments.push(DataSegment::new(region.iova(), slot_len));
+        }
+        Ok(Box::new(NvmeQueue {
+            name,
+            pair,
+            namespace: self.namespace.id,
+            block_size_bytes: u64::from(self.namespace.block_size_bytes),
+            buffers,
+            slot_bytes,
+            segments,
+            remaining_commands: vec![0; depth as usize],
+            failure: vec![None; depth as usize],
+            directions: vec![Direction::Read; depth as usize],
+            offsets_bytes: vec![0; depth as usize],
+        }))
+    }
+}
+
+struct NvmeQueue {
+    name: String,
+    pair: IoQueuePair,
+    namespace: NamespaceId,
+    block_size_bytes: u64,
+    buffers: DmaRegion,
+    slot_bytes: usize,
+    segments: Vec<DataSegment>,
+    /// Commands of each slot's I/O still in flight (an I/O over MDTS is several commands).
+    remaining_commands: Vec<u32>,
+    /// First failed status of each slot's I/O, reported when its last command completes.
+    failure: Vec<Option<nvme_driver::spec::NvmeStatus>>,
+    directions: Vec<Direction>,
+    offsets_bytes: Vec<u64>,
+}
+
+impl IoQueue for NvmeQueue {
+    fn queue(&mut self, slot: u32, direction: Direction, offset_bytes: u64) -> Result<(), DeviceError> {
+        let index = slot as usize;
+        let segment = self.segments.get(index..=index).ok_or_else(|| DeviceError::Setup(format!("{}: slot {slot} out of range", self.name)))?;
+        let lba = Lba(offset_bytes / self.block_size_bytes);
+        let result = match direction {
+            Direction::Read => self.pair.submit_read(self.namespace, lba, segment, u64::from(slot)),
+            Direction::Write => self.pair.submit_write(self.namespace, lba, segment, false, u64::from(slot)),
+        };
+        match result {
+            Ok(commands) => {
+                self.remaining_commands[index] = commands as u32;
+                self.failure[index] = None;
+                self.directions[index] = direction;
+                self.offsets_bytes[index] = offset_bytes;
+                Ok(())
+            }
+            Err(error) if error.is_backpressure() => Err(DeviceError::Backpressure { device: self.name.clone() }),
+            Err(source) => Err(DeviceError::Nvme { device: self.name.clone(), source }),
+        }
+    }
+
+    fn submit_and_reap(&mut self, wait: bool, deadline: Instant, on_done: &mut dyn FnMut(u32, Result<(), DeviceError>)) -> Result<usize, DeviceError> {
+        let Self { name, pair, remaining_commands, failure, directions, offsets_bytes, .. } = self;
+        pair.ring_doorbell();
+        let mut done = 0usize;
+        let mut unexpected = None;
+        let mut on_completion = |completion: nvme_driver::Completion| {
+            let Some(remaining) = usize::try_from(completion.tag).ok().and_then(|index| remaining_commands.get_mut(index)).filter(|remaining| **remaining > 0) else {
+                unexpected = Some(completion.tag);
+                return;
+            };
+            *remaining -= 1;
+            let index = completion.tag as usize;
+            if let Err(status) = completion.status {
+                failure[index].get_or_insert(status);
+            }
+            if *remaining == 0 {
+                done += 1;
+                let result = match failure[index].take() {
+                    None => Ok(()),
+                    Some(status) => Err(DeviceError::Command { device: name.clone(), direction: directions[index], offset_bytes: offsets_bytes[index], reason: status.to_string() }),
+                };
+                on_done(index as u32, result);
+            }
+        };
+        let reaped = pair.reap(usize::MAX, &mut on_completion).map_err(|source| DeviceError::Nvme { device: name.clone(), source })?;
+        if reaped == 0 && wait && pair.in_flight() > 0 {
+            let in_flight = pair.in_flight();
+            pair.wait_for(1, deadline, &mut on_completion).map_err(|source| match source {
+                NvmeError::Timeout { .. } => DeviceError::Timeout { device: name.clone(), timeout_s: IO_TIMEOUT.as_secs(), in_flight },
+                source => DeviceError::Nvme { device: name.clone(), source },
+            })?;
+        }
+        if let Some(slot) = unexpected {
+            return Err(DeviceError::UnexpectedCompletion { device: name.clone(), slot });
+        }
+        Ok(done)
+    }
+
+    fn write_buffer(&mut self, slot: u32, source: &[u8]) -> Result<(), DeviceError> {
+        let offset = slot as usize * self.slot_bytes;
+        self.buffers.write(offset, &source[..source.len().min(self.slot_bytes)]).map_err(|source| DeviceError::Nvme { device: self.name.clone(), source: source.into() })
+    }
+
+    fn read_buffer(&self, slot: u32, destination: &mut [u8]) -> Result<(), DeviceError> {
+        let offset = slot as usize * self.slot_bytes;
+        let len = destination.len().min(self.slot_bytes);
+        self.buffers.read(offset, &mut destination[..len]).map_err(|source| DeviceError::Nvme { device: self.name.clone(), source: source.into() })
+    }
+
+    fn drain(&mut self, deadline: Instant) {
+        let _ = self.pair.wait_idle(deadline, |_| {});
+    }
+}

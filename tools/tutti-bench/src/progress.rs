@@ -1,0 +1,70 @@
+//! Progress while a phase runs: an indicatif bar when stderr is a terminal, a plain line every
+//! few seconds otherwise (logs, CI). Results go to stdout; progress always to stderr.
+
+use std::io::IsTerminal;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+use crate::args::format_size;
+use crate::workloads::Progress;
+
+/// Period of plain progress lines.
+const PLAIN_PERIOD: Duration = Duration::from_secs(5);
+const BAR_PERIOD: Duration = Duration::from_millis(100);
+
+/// Runs `work` while showing progress of `progress.bytes_done` towards `total_bytes` (a byte
+/// count for one-pass phases, or none for time-based ones, shown against `runtime`).
+pub fn with_progress<T>(label: &str, total_bytes: Option<u64>, runtime: Option<Duration>, progress: &Arc<Progress>, work: impl FnOnce() -> T) -> T {
+    let done = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let done = &done;
+        scope.spawn(move || show(label, total_bytes, runtime, progress, done));
+        let result = work();
+        done.store(true, Ordering::Release);
+        result
+    })
+}
+
+fn show(label: &str, total_bytes: Option<u64>, runtime: Option<Duration>, progress: &Progress, done: &std::sync::atomic::AtomicBool) {
+    let started = Instant::now();
+    let terminal = std::io::stderr().is_terminal();
+    let bar = terminal.then(|| {
+        let bar = match total_bytes {
+            Some(total) => ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr()),
+            None => ProgressBar::with_draw_target(runtime.map(|runtime| runtime.as_millis() as u64), ProgressDrawTarget::stderr()),
+        };
+        let template = if total_bytes.is_some() {
+            "{prefix} [{bar:30}] {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}"
+        } else {
+            "{prefix} [{bar:30}] {elapsed}"
+        };
+        bar.set_style(ProgressStyle::with_template(template).unwrap_or_else(|_| ProgressStyle::default_bar()).progress_chars("=> "));
+        bar.set_prefix(label.to_string());
+        bar
+    });
+    let mut last_line = started;
+    let mut last_bytes = 0u64;
+    while !done.load(Ordering::Acquire) {
+        std::thread::sleep(BAR_PERIOD);
+        let bytes = progress.bytes_done.load(Ordering::Relaxed);
+        match &bar {
+            Some(bar) if total_bytes.is_some() => bar.set_position(bytes),
+            Some(bar) => bar.set_position(started.elapsed().as_millis() as u64),
+            None => {
+                if last_line.elapsed() >= PLAIN_PERIOD {
+                    let rate = (bytes - last_bytes) as f64 / last_line.elapsed().as_secs_f64();
+                    let of = total_bytes.map(|total| format!(" of {}", format_size(total))).unwrap_or_default();
+                    eprintln!("{label}: {}{of} done, {} /s, {:.0}s elapsed", format_size(bytes), format_size(rate as u64), started.elapsed().as_secs_f64());
+                    last_line = Instant::now();
+                    last_bytes = bytes;
+                }
+            }
+        }
+    }
+    if let Some(bar) = bar {
+        bar.finish_and_clear();
+    }
+}

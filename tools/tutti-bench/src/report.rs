@@ -1,0 +1,327 @@
+//! Statistics (hdrhistogram latencies, CPU time) and the two output formats: fio-like text and
+//! JSON with fio's field names where they mean the same thing.
+
+use std::time::Duration;
+
+use hdrhistogram::Histogram;
+use serde_json::{json, Map, Value};
+
+use crate::args::{format_size, Pattern};
+use crate::workloads::VerifyMode;
+
+/// Percentiles printed and written, as fio names them.
+pub const PERCENTILES: [f64; 7] = [1.0, 10.0, 50.0, 90.0, 99.0, 99.9, 99.99];
+
+/// Latencies up to an hour, 3 significant digits: ~200 KiB per histogram, allocated once.
+fn new_histogram() -> Histogram<u64> {
+    Histogram::new_with_bounds(1, 3_600_000_000_000, 3).expect("constant histogram bounds are valid")
+}
+
+/// One direction (read or write) of one job.
+#[derive(Clone)]
+pub struct DirectionStats {
+    pub ios: u64,
+    pub bytes: u64,
+    /// Queued → completion seen (fio's lat).
+    pub total: Histogram<u64>,
+    /// Made visible to the device → completion seen (fio's clat).
+    pub completion: Histogram<u64>,
+    /// Queued → made visible to the device (fio's slat).
+    pub submission: Histogram<u64>,
+}
+
+impl DirectionStats {
+    pub fn new() -> Self {
+        Self { ios: 0, bytes: 0, total: new_histogram(), completion: new_histogram(), submission: new_histogram() }
+    }
+
+    pub fn record(&mut self, bytes: u64, total: Duration, completion: Duration, submission: Duration) {
+        self.ios += 1;
+        self.bytes += bytes;
+        let ns = |duration: Duration| u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX).max(1);
+        self.total.saturating_record(ns(total));
+        self.completion.saturating_record(ns(completion));
+        self.submission.saturating_record(ns(submission));
+    }
+
+    pub fn merge(&mut self, other: &DirectionStats) {
+        self.ios += other.ios;
+        self.bytes += other.bytes;
+        // Same bounds on both sides: adding cannot fail.
+        let _ = self.total.add(&other.total);
+        let _ = self.completion.add(&other.completion);
+        let _ = self.submission.add(&other.submission);
+    }
+}
+
+impl Default for DirectionStats {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// User and system CPU time.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CpuTime {
+    pub user: Duration,
+    pub system: Duration,
+}
+
+impl CpuTime {
+    pub fn since(&self, before: &CpuTime) -> CpuTime {
+        CpuTime { user: self.user.saturating_sub(before.user), system: self.system.saturating_sub(before.system) }
+    }
+
+    pub fn total(&self) -> Duration {
+        self.user + self.system
+    }
+}
+
+fn rusage(who: libc::c_int) -> CpuTime {
+    // getrusage only fails for an invalid `who`; then "no CPU" is reported rather than a guess.
+    let Some(usage) = crate::uring::getrusage(who) else { return CpuTime::default() };
+    let duration = |time: libc::timeval| Duration::from_secs(time.tv_sec.max(0) as u64) + Duration::from_micros(time.tv_usec.max(0) as u64);
+    CpuTime { user: duration(usage.ru_utime), system: duration(usage.ru_stime) }
+}
+
+/// CPU time of the calling thread.
+pub fn thread_cpu() -> CpuTime {
+    rusage(libc::RUSAGE_THREAD)
+}
+
+/// CPU time of the whole process (job threads, the software controller's thread, the kernel on
+/// their behalf).
+pub struct ProcessCpu;
+
+impl ProcessCpu {
+    #[allow(clippy::new_ret_no_self)]
+    pub fn now() -> CpuTime {
+        rusage(libc::RUSAGE_SELF)
+    }
+}
+
+pub struct JobStats {
+    pub name: String,
+    pub read: DirectionStats,
+    pub write: DirectionStats,
+    pub elapsed: Duration,
+    pub thread_cpu: CpuTime,
+}
+
+pub struct PhaseResult {
+    pub label: String,
+    pub pattern: Pattern,
+    pub verify: VerifyMode,
+    pub jobs: Vec<JobStats>,
+    pub elapsed: Duration,
+    pub process_cpu: CpuTime,
+}
+
+impl PhaseResult {
+    pub fn total_ios(&self) -> u64 {
+        self.jobs.iter().map(|job| job.read.ios + job.write.ios).sum()
+    }
+
+    fn merged(&self) -> (DirectionStats, DirectionStats) {
+        let mut read = DirectionStats::new();
+        let mut write = DirectionStats::new();
+        for job in &self.jobs {
+            read.merge(&job.read);
+            write.merge(&job.write);
+        }
+        (read, write)
+    }
+
+    /// Process CPU nanoseconds per I/O.
+    pub fn cpu_ns_per_io(&self) -> Option<f64> {
+        let ios = self.total_ios();
+        (ios > 0).then(|| self.process_cpu.total().as_nanos() as f64 / ios as f64)
+    }
+}
+
+fn rate(amount: u64, elapsed: Duration) -> f64 {
+    let seconds = elapsed.as_secs_f64();
+    if seconds > 0.0 {
+        amount as f64 / seconds
+    } else {
+        0.0
+    }
+}
+
+fn human_count(value: f64) -> String {
+    if value >= 1e6 {
+        format!("{:.2}M", value / 1e6)
+    } else if value >= 1e4 {
+        format!("{:.1}k", value / 1e3)
+    } else {
+        format!("{value:.0}")
+    }
+}
+
+fn human_bandwidth(bytes_per_second: f64) -> String {
+    let mib = bytes_per_second / (1024.0 * 1024.0);
+    let mb = bytes_per_second / 1e6;
+    if mib >= 1024.0 {
+        format!("{:.2}GiB/s ({:.2}GB/s)", mib / 1024.0, mb / 1000.0)
+    } else {
+        format!("{mib:.1}MiB/s ({mb:.1}MB/s)")
+    }
+}
+
+/// Picks fio's unit for a latency line by the magnitude of the mean.
+fn latency_unit(mean_ns: f64) -> (&'static str, f64) {
+    if mean_ns >= 10_000_000.0 {
+        ("msec", 1e6)
+    } else if mean_ns >= 10_000.0 {
+        ("usec", 1e3)
+    } else {
+        ("nsec", 1.0)
+    }
+}
+
+fn latency_line(name: &str, histogram: &Histogram<u64>) -> String {
+    let (unit, divisor) = latency_unit(histogram.mean());
+    format!(
+        "    {name} ({unit}): min={:.0}, max={:.0}, avg={:.2}, stdev={:.2}",
+        histogram.min() as f64 / divisor,
+        histogram.max() as f64 / divisor,
+        histogram.mean() / divisor,
+        histogram.stdev() / divisor
+    )
+}
+
+fn percentile_line(histogram: &Histogram<u64>) -> String {
+    let (unit, divisor) = latency_unit(histogram.mean());
+    let values: Vec<String> = PERCENTILES
+        .iter()
+        .map(|&percentile| format!("{percentile:.2}th=[{:.0}]", histogram.value_at_quantile(percentile / 100.0) as f64 / divisor))
+        .collect();
+    format!("    clat percentiles ({unit}): {}", values.join(", "))
+}
+
+fn direction_text(label: &str, stats: &DirectionStats, elapsed: Duration) -> Vec<String> {
+    if stats.ios == 0 {
+        return Vec::new();
+    }
+    vec![
+        format!(
+            "  {label}: IOPS={}, BW={} ({}/{:.2}s)",
+            human_count(rate(stats.ios, elapsed)),
+            human_bandwidth(rate(stats.bytes, elapsed)),
+            format_size(stats.bytes),
+            elapsed.as_secs_f64()
+        ),
+        latency_line("slat", &stats.submission),
+        latency_line("clat", &stats.completion),
+        latency_line(" lat", &stats.total),
+        percentile_line(&stats.completion),
+    ]
+}
+
+/// fio-like text for one phase.
+pub fn phase_text(phase: &PhaseResult) -> String {
+    let mut lines = vec![format!("{}: {} job(s), {:.2}s", phase.label, phase.jobs.len(), phase.elapsed.as_secs_f64())];
+    let many = phase.jobs.len() > 1;
+    if many {
+        for job in &phase.jobs {
+            let ios = job.read.ios + job.write.ios;
+            let bytes = job.read.bytes + job.write.bytes;
+            lines.push(format!(
+                "  {}: IOPS={}, BW={}, thread cpu: usr={:.3}s sys={:.3}s",
+                job.name,
+                human_count(rate(ios, job.elapsed)),
+                human_bandwidth(rate(bytes, job.elapsed)),
+                job.thread_cpu.user.as_secs_f64(),
+                job.thread_cpu.system.as_secs_f64()
+            ));
+        }
+    }
+    let (read, write) = phase.merged();
+    lines.extend(direction_text("read", &read, phase.elapsed));
+    lines.extend(direction_text("write", &write, phase.elapsed));
+    let seconds = phase.elapsed.as_secs_f64().max(1e-9);
+    lines.push(format!(
+        "  cpu (process): usr={:.2}%, sys={:.2}%, {} per I/O",
+        100.0 * phase.process_cpu.user.as_secs_f64() / seconds,
+        100.0 * phase.process_cpu.system.as_secs_f64() / seconds,
+        phase.cpu_ns_per_io().map_or("n/a".to_string(), |ns| format!("{ns:.0} ns")),
+    ));
+    let thread: Duration = phase.jobs.iter().map(|job| job.thread_cpu.total()).sum();
+    let ios = phase.total_ios();
+    if ios > 0 {
+        lines.push(format!("  cpu (job threads only): {:.0} ns per I/O", thread.as_nanos() as f64 / ios as f64));
+    }
+    if phase.verify == VerifyMode::CheckPattern {
+        lines.push(format!("  verify: {} read back and compared, no mismatch", format_size(read.bytes)));
+    }
+    lines.join("\n")
+}
+
+fn latency_json(histogram: &Histogram<u64>, with_percentiles: bool) -> Value {
+    let mut object = Map::new();
+    object.insert("min".into(), json!(histogram.min()));
+    object.insert("max".into(), json!(histogram.max()));
+    object.insert("mean".into(), json!(histogram.mean()));
+    object.insert("stddev".into(), json!(histogram.stdev()));
+    object.insert("N".into(), json!(histogram.len()));
+    if with_percentiles {
+        let mut percentiles = Map::new();
+        for percentile in PERCENTILES {
+            percentiles.insert(format!("{percentile:.6}"), json!(histogram.value_at_quantile(percentile / 100.0)));
+        }
+        object.insert("percentile".into(), Value::Object(percentiles));
+    }
+    Value::Object(object)
+}
+
+fn direction_json(stats: &DirectionStats, elapsed: Duration) -> Value {
+    json!({
+        "io_bytes": stats.bytes,
+        "io_kbytes": stats.bytes / 1024,
+        "bw_bytes": rate(stats.bytes, elapsed).round() as u64,
+        "bw": (rate(stats.bytes, elapsed) / 1024.0).round() as u64,
+        "iops": rate(stats.ios, elapsed),
+        "runtime": elapsed.as_millis() as u64,
+        "total_ios": stats.ios,
+        "slat_ns": latency_json(&stats.submission, false),
+        "clat_ns": latency_json(&stats.completion, true),
+        "lat_ns": latency_json(&stats.total, true),
+    })
+}
+
+/// fio-shaped JSON for one phase: `jobs[]` with `read`/`write` objects, plus an aggregate.
+pub fn phase_json(phase: &PhaseResult) -> Value {
+    let seconds = phase.elapsed.as_secs_f64().max(1e-9);
+    let jobs: Vec<Value> = phase
+        .jobs
+        .iter()
+        .map(|job| {
+            let job_seconds = job.elapsed.as_secs_f64().max(1e-9);
+            json!({
+                "jobname": job.name,
+                "groupid": 0,
+                "error": 0,
+                "job_runtime": job.elapsed.as_millis() as u64,
+                "read": direction_json(&job.read, job.elapsed),
+                "write": direction_json(&job.write, job.elapsed),
+                "usr_cpu": 100.0 * job.thread_cpu.user.as_secs_f64() / job_seconds,
+                "sys_cpu": 100.0 * job.thread_cpu.system.as_secs_f64() / job_seconds,
+            })
+        })
+        .collect();
+    let (read, write) = phase.merged();
+    json!({
+        "phase": phase.label,
+        "rw": phase.pattern.name(),
+        "verify": phase.verify == VerifyMode::CheckPattern,
+        "elapsed_ms": phase.elapsed.as_millis() as u64,
+        "jobs": jobs,
+        "aggregate": {
+            "read": direction_json(&read, phase.elapsed),
+            "write": direction_json(&write, phase.elapsed),
+            "usr_cpu": 100.0 * phase.process_cpu.user.as_secs_f64() / seconds,
+            "sys_cpu": 100.0 * phase.process_cpu.system.as_secs_f64() / seconds,
+            "cpu_ns_per_io": phase.cpu_ns_per_io(),
+        },
+    })
+}

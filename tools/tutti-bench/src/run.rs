@@ -1,0 +1,360 @@
+//! Turning a command line into phases: validation (every refusal is a [`UsageError`]), device
+//! opening, the phases themselves, and the printed configuration and results. Also the
+//! no-argument default run.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use crate::args::{format_size, Cli, DeviceSpec, Executor, OutputFormat, Pattern, Workload};
+use crate::devices::{self, CreatedFiles, Device, DeviceError, OpenOptions2};
+use crate::progress::with_progress;
+use crate::report::{phase_json, phase_text, PhaseResult};
+use crate::workloads::{run_phase, PhasePlan, Progress, VerifyMode};
+use crate::{usage, UsageError};
+
+/// Largest pool file the default run creates, and the share of the free space it may take.
+const DEFAULT_POOL_BYTES_MAX: u64 = 1 << 30;
+const DEFAULT_POOL_FREE_DIVISOR: u64 = 10;
+/// Below this the default run refuses: too small to say anything about a device.
+const DEFAULT_POOL_BYTES_MIN: u64 = 64 << 20;
+/// The default run's random-read phase.
+const DEFAULT_RANDREAD_RUNTIME: Duration = Duration::from_secs(5);
+
+pub fn run(cli: &Cli) -> anyhow::Result<()> {
+    check_executor(cli.executor)?;
+    if cli.workload == Some(Workload::Kv) {
+        return crate::kv::run(cli);
+    }
+    if cli.model.is_some() {
+        return usage("--model applies to --workload=kv; accepted with --workload=raw: --rw, --bs, --iodepth, --numjobs, --size, --runtime, --offset, --verify");
+    }
+    let mut created = CreatedFiles::default();
+    let devices = if cli.devices.is_empty() {
+        // No device named: a temporary pool file on the software controller, like the default.
+        let pool = temporary_pool(cli.directory.as_deref(), cli.size.map(|size| size + cli.offset))?;
+        let path = pool.path.clone();
+        created.push(path.clone());
+        vec![DeviceSpec::EmuFile(path)]
+    } else {
+        cli.devices.clone()
+    };
+    if cli.keep {
+        created.keep();
+    }
+    let result = run_raw(cli, &devices, &mut created);
+    if !cli.devices.is_empty() {
+        if result.is_ok() {
+            created.keep(); // files the user named stay after a successful run, like fio's
+        }
+    } else if let Some(path) = created.paths().first() {
+        eprintln!("pool file: {} ({})", path.display(), if cli.keep { "kept" } else { "removed" });
+    }
+    result
+}
+
+fn check_executor(executor: Executor) -> anyhow::Result<()> {
+    match executor {
+        Executor::Cpu => Ok(()),
+        Executor::Cuda => usage("--executor=cuda: the GPU I/O executor is not available in this build of tutti-bench (no CUDA executor is linked and no CUDA driver is used); accepted: --executor=cpu"),
+    }
+}
+
+/// The phases a raw command line asks for, and which of them is the headline.
+fn plan_phases(cli: &Cli, region_start: u64, region_bytes: u64, seed: u64) -> anyhow::Result<(Vec<PhasePlan>, usize)> {
+    let base = PhasePlan {
+        label: cli.rw.name().to_string(),
+        pattern: cli.rw,
+        bs: cli.bs,
+        iodepth: cli.iodepth,
+        region_start,
+        region_bytes,
+        split_region: false,
+        runtime: cli.runtime,
+        time_based: cli.time_based,
+        rwmixread: cli.rwmixread,
+        verify: VerifyMode::None,
+        seed,
+    };
+    if !cli.verify {
+        return Ok((vec![base], 0));
+    }
+    if cli.rw == Pattern::Randrw {
+        return usage("--verify works with --rw=read|write|randread|randwrite, not randrw");
+    }
+    if cli.time_based {
+        return usage("--verify makes one full pass (write, then read back); drop --time_based");
+    }
+    // Each job verifies its own slice, so that every block is written once and read back once.
+    let write = PhasePlan {
+        label: format!("{} (verify: write pattern)", if cli.rw.is_random() { "randwrite" } else { "write" }),
+        pattern: if cli.rw.is_random() { Pattern::Randwrite } else { Pattern::Write },
+        split_region: true,
+        runtime: None,
+        verify: VerifyMode::WritePattern,
+        ..base.clone()
+    };
+    let read = PhasePlan {
+        label: format!("{} (verify: read back and compare)", if cli.rw.is_random() { "randread" } else { "read" }),
+        pattern: if cli.rw.is_random() { Pattern::Randread } else { Pattern::Read },
+        split_region: true,
+        runtime: None,
+        verify: VerifyMode::CheckPattern,
+        ..base
+    };
+    let headline = if matches!(cli.rw, Pattern::Write | Pattern::Randwrite) { 0 } else { 1 };
+    Ok((vec![write, read], headline))
+}
+
+fn run_raw(cli: &Cli, specs: &[DeviceSpec], created: &mut CreatedFiles) -> anyhow::Result<()> {
+    // Checks that need no device come first, so that nothing is created for a doomed run.
+    if cli.bs % 512 != 0 {
+        return usage(format!("--bs={} is not a multiple of 512 bytes; accepted: multiples of the device block size, e.g. 4k, 128k, 1m", cli.bs));
+    }
+    if cli.bs > 64 << 20 {
+        return usage(format!("--bs={} is above 64 MiB; accepted: 512 bytes to 64 MiB", format_size(cli.bs)));
+    }
+    if cli.offset % cli.bs != 0 {
+        return usage(format!("--offset={} is not a multiple of --bs={}", cli.offset, cli.bs));
+    }
+    if cli.time_based && cli.runtime.is_none() {
+        return usage("--time_based needs --runtime");
+    }
+    if cli.size.is_some_and(|size| size < cli.bs) {
+        return usage(format!("--size={} is smaller than --bs={}", cli.size.unwrap_or(0), cli.bs));
+    }
+    let writes = cli.verify || matches!(cli.rw, Pattern::Write | Pattern::Randwrite | Pattern::Randrw);
+    let per_device_bytes = cli.size.map(|size| (size + cli.offset).div_ceil(specs.len() as u64));
+    let options = OpenOptions2 { writes, create_bytes: per_device_bytes, io_bytes_max: cli.bs, queues: cli.numjobs, lay_out: !writes };
+    let mut devices: Vec<Arc<dyn Device>> = Vec::with_capacity(specs.len());
+    for spec in specs {
+        let device = devices::open(spec, options, created).map_err(|error| match error {
+            DeviceError::Setup(message) => UsageError(message).into(),
+            error => anyhow::Error::new(error).context(format!("opening {spec}")),
+        })?;
+        if u64::from(device.block_size_bytes()) > cli.bs || cli.bs % u64::from(device.block_size_bytes()) != 0 {
+            return usage(format!("--bs={} is not a multiple of {}'s {}-byte blocks", cli.bs, device.name(), device.block_size_bytes()));
+        }
+        devices.push(device);
+    }
+    let stripe_capacity = devices.iter().map(|device| device.capacity_bytes()).min().unwrap_or(0) / cli.bs * cli.bs;
+    let capacity = stripe_capacity * devices.len() as u64;
+    if cli.offset >= capacity {
+        return usage(format!("--offset={} is at or past the end of the device ({} bytes)", cli.offset, capacity));
+    }
+    let region_bytes = match cli.size {
+        Some(size) if cli.offset + size > capacity => {
+            return usage(format!("--size={} from --offset={} is larger than the device ({}, {} bytes); accepted: up to {} bytes", format_size(size), cli.offset, format_size(capacity), capacity, capacity - cli.offset));
+        }
+        Some(size) => size / cli.bs * cli.bs,
+        None => (capacity - cli.offset) / cli.bs * cli.bs,
+    };
+    let seed = seed_from_clock();
+    let (phases, headline) = plan_phases(cli, cli.offset, region_bytes, seed)?;
+    let config = configuration(cli, &devices, region_bytes);
+    if cli.output_format == OutputFormat::Normal {
+        println!("{}", config_text(&config));
+    }
+    let results = run_phases(&devices, cli.numjobs, &phases)?;
+    match cli.output_format {
+        OutputFormat::Normal => {
+            for result in &results {
+                println!("{}", phase_text(result));
+            }
+        }
+        OutputFormat::Json => {
+            let output = json!({
+                "tutti-bench version": env!("CARGO_PKG_VERSION"),
+                "workload": "raw",
+                "global options": config,
+                "jobs": phase_json(&results[headline])["jobs"],
+                "phases": results.iter().map(phase_json).collect::<Vec<_>>(),
+            });
+            println!("{}", serde_json::to_string_pretty(&output)?);
+        }
+    }
+    Ok(())
+}
+
+fn run_phases(devices: &[Arc<dyn Device>], numjobs: u32, phases: &[PhasePlan]) -> anyhow::Result<Vec<PhaseResult>> {
+    let mut results = Vec::with_capacity(phases.len());
+    for plan in phases {
+        let progress = Arc::new(Progress::default());
+        let total = (!plan.time_based).then(|| if plan.split_region { plan.region_bytes / plan.bs / u64::from(numjobs) * plan.bs * u64::from(numjobs) } else { plan.region_bytes * u64::from(numjobs) });
+        let result = with_progress(&plan.label, total, plan.runtime, &progress, || run_phase(devices, numjobs, plan, &progress))?;
+        results.push(result);
+    }
+    Ok(results)
+}
+
+fn seed_from_clock() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0x7475_7474_69, |elapsed| elapsed.as_nanos() as u64)
+}
+
+/// The full configuration, printed with the result (and written as fio's "global options").
+fn configuration(cli: &Cli, devices: &[Arc<dyn Device>], region_bytes: u64) -> serde_json::Value {
+    json!({
+        "rw": cli.rw.name(),
+        "bs": cli.bs,
+        "iodepth": cli.iodepth,
+        "numjobs": cli.numjobs,
+        "size": region_bytes,
+        "offset": cli.offset,
+        "runtime_ms": cli.runtime.map(|runtime| runtime.as_millis() as u64),
+        "time_based": cli.time_based,
+        "rwmixread": (cli.rw == Pattern::Randrw).then_some(cli.rwmixread),
+        "verify": cli.verify,
+        "executor": "cpu",
+        "devices": devices.iter().map(|device| json!({"name": device.name(), "description": device.describe(), "capacity_bytes": device.capacity_bytes()})).collect::<Vec<_>>(),
+        "striping": if devices.len() > 1 { format!("round-robin in units of bs across {} devices", devices.len()) } else { "none".into() },
+    })
+}
+
+fn config_text(config: &serde_json::Value) -> String {
+    let get = |key: &str| config.get(key).cloned().unwrap_or(serde_json::Value::Null);
+    let mut lines = vec![format!(
+        "tutti-bench: rw={} bs={} iodepth={} numjobs={} size={} offset={} runtime={} time_based={} verify={} executor={}{}",
+        get("rw").as_str().unwrap_or("?"),
+        format_size(get("bs").as_u64().unwrap_or(0)),
+        get("iodepth"),
+        get("numjobs"),
+        format_size(get("size").as_u64().unwrap_or(0)),
+        get("offset"),
+        get("runtime_ms").as_u64().map_or("none".to_string(), |ms| format!("{ms}ms")),
+        get("time_based"),
+        get("verify"),
+        get("executor").as_str().unwrap_or("?"),
+        get("rwmixread").as_u64().map(|mix| format!(" rwmixread={mix}")).unwrap_or_default(),
+    )];
+    if let Some(devices) = config.get("devices").and_then(|devices| devices.as_array()) {
+        for device in devices {
+            lines.push(format!("  device {}: {}", device["name"].as_str().unwrap_or("?"), device["description"].as_str().unwrap_or("?")));
+        }
+    }
+    lines.join("\n")
+}
+
+/// A pool file in `directory` (default: the system temp directory) sized for the free space.
+struct TemporaryPool {
+    path: PathBuf,
+    bytes: u64,
+    free_bytes: u64,
+}
+
+fn free_bytes(directory: &Path) -> anyhow::Result<u64> {
+    // statvfs through std's metadata is not available; ask the filesystem via libc (safe wrapper
+    // in the uring module, which holds this binary's unsafe code).
+    crate::uring::statvfs_free_bytes(directory).map_err(|error| UsageError(format!("{}: cannot read free space: {error}", directory.display())).into())
+}
+
+fn temporary_pool(directory: Option<&Path>, wanted_bytes: Option<u64>) -> anyhow::Result<TemporaryPool> {
+    let directory = directory.map(Path::to_path_buf).unwrap_or_else(std::env::temp_dir);
+    let free = free_bytes(&directory)?;
+    let fitting = (free / DEFAULT_POOL_FREE_DIVISOR).min(DEFAULT_POOL_BYTES_MAX) / (1 << 20) * (1 << 20);
+    let bytes = match wanted_bytes {
+        Some(wanted) if wanted.div_ceil(4096) * 4096 > free => {
+            return usage(format!("--size={} does not fit the {} free in {}; accepted: up to {}", format_size(wanted), format_size(free), directory.display(), format_size(free)));
+        }
+        Some(wanted) => wanted.div_ceil(1 << 20) * (1 << 20),
+        None if fitting < DEFAULT_POOL_BYTES_MIN => {
+            return usage(format!(
+                "only {} free in {}: the default pool needs {} (a tenth of the free space, at least {}); free some space or pass --directory DIR",
+                format_size(free),
+                directory.display(),
+                format_size(DEFAULT_POOL_BYTES_MIN * DEFAULT_POOL_FREE_DIVISOR),
+                format_size(DEFAULT_POOL_BYTES_MIN)
+            ));
+        }
+        None => fitting,
+    };
+    let file = tempfile::Builder::new()
+        .prefix("tutti-bench-pool-")
+        .suffix(".img")
+        .tempfile_in(&directory)
+        .map_err(|error| UsageError(format!("cannot create a pool file in {}: {error}; pass --directory DIR with a writable directory", directory.display())))?;
+    let (file, path) = file.keep().map_err(|error| anyhow::anyhow!("cannot keep the pool file: {error}"))?;
+    if let Err(error) = file.set_len(bytes) {
+        let _ = std::fs::remove_file(&path);
+        return usage(format!("cannot size the pool file {} to {}: {error}", path.display(), format_size(bytes)));
+    }
+    Ok(TemporaryPool { path, bytes, free_bytes: free })
+}
+
+/// The embedded default: what `cargo run --release --bin tutti-bench` does on a fresh machine.
+pub fn default_run(cli: &Cli) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let pool = temporary_pool(cli.directory.as_deref(), None)?;
+    let mut created = CreatedFiles::default();
+    created.push(pool.path.clone());
+    if cli.keep {
+        created.keep();
+    }
+    println!(
+        "tutti-bench: no arguments: running the embedded default on a temporary pool file {} of {} ({} free there; a pool takes min(1 GiB, 10% of free space)), the software NVMe controller (nvme-emu) and the CPU executor.",
+        pool.path.display(),
+        format_size(pool.bytes),
+        format_size(pool.free_bytes)
+    );
+    let result = if crate::kv::available() { crate::kv::run(cli) } else { default_raw(&pool) };
+    let fate = if cli.keep { "kept (--keep)" } else { "removed" };
+    match &result {
+        Ok(()) => println!("tutti-bench: done in {:.1}s; pool file {} {fate}.", started.elapsed().as_secs_f64(), pool.path.display()),
+        Err(_) => eprintln!("tutti-bench: pool file {} {fate}.", pool.path.display()),
+    }
+    drop(created);
+    result
+}
+
+/// The raw fallback of the default run, labelled as such: write the pool with a pattern, read it
+/// back and compare, then random 4 KiB reads for a few seconds.
+fn default_raw(pool: &TemporaryPool) -> anyhow::Result<()> {
+    println!(
+        "The KV workload needs the object store's layer API (crates/objstore), not in this build yet; \
+         running the RAW-DEVICE workload instead (not KV): sequential 128 KiB writes of a verify pattern \
+         over the whole pool (QD 16), read back and compared, then {} s of random 4 KiB reads (QD 32).",
+        DEFAULT_RANDREAD_RUNTIME.as_secs()
+    );
+    let mut created = CreatedFiles::default();
+    created.keep(); // the caller owns the pool file's removal
+    let options = OpenOptions2 { writes: true, create_bytes: None, io_bytes_max: 128 << 10, queues: 1, lay_out: false };
+    let device = devices::open(&DeviceSpec::EmuFile(pool.path.clone()), options, &mut created).map_err(|error| anyhow::anyhow!("opening the software controller: {error}"))?;
+    println!("  device {}: {}", device.name(), device.describe());
+    let devices = [device];
+    let region_bytes = devices[0].capacity_bytes() / (128 << 10) * (128 << 10);
+    let seed = seed_from_clock();
+    let sequential = PhasePlan {
+        label: String::new(),
+        pattern: Pattern::Write,
+        bs: 128 << 10,
+        iodepth: 16,
+        region_start: 0,
+        region_bytes,
+        split_region: true,
+        runtime: None,
+        time_based: false,
+        rwmixread: 50,
+        verify: VerifyMode::WritePattern,
+        seed,
+    };
+    let phases = [
+        PhasePlan { label: "raw write (verify pattern), bs=128KiB iodepth=16".into(), ..sequential.clone() },
+        PhasePlan { label: "raw read + verify, bs=128KiB iodepth=16".into(), pattern: Pattern::Read, verify: VerifyMode::CheckPattern, ..sequential.clone() },
+        PhasePlan {
+            label: format!("raw randread, bs=4KiB iodepth=32, {} s", DEFAULT_RANDREAD_RUNTIME.as_secs()),
+            pattern: Pattern::Randread,
+            bs: 4096,
+            iodepth: 32,
+            split_region: false,
+            runtime: Some(DEFAULT_RANDREAD_RUNTIME),
+            time_based: true,
+            verify: VerifyMode::None,
+            ..sequential
+        },
+    ];
+    for result in run_phases(&devices, 1, &phases)? {
+        println!("{}", phase_text(&result));
+    }
+    Ok(())
+}

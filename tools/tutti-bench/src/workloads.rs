@@ -1,0 +1,416 @@
+//! The raw workload: jobs (one thread each, one queue per device each) issuing fio-style
+//! sequential, random and mixed I/O, with an optional verify pattern.
+//!
+//! Hot loop per iteration: fill free slots (no allocation: slots, timestamps and the completion
+//! list are sized to the queue depth up front), one submit-and-reap per device, then account the
+//! completions with one clock read per batch.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, Context};
+
+use crate::args::Pattern;
+use crate::devices::{Device, DeviceError, Direction, IoQueue, IO_TIMEOUT};
+use crate::report::{thread_cpu, DirectionStats, JobStats, PhaseResult, ProcessCpu};
+
+/// What a phase does with data beyond moving it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VerifyMode {
+    None,
+    /// Writes carry the pattern of their offset.
+    WritePattern,
+    /// Reads are compared against the pattern of their offset.
+    CheckPattern,
+}
+
+/// One phase of a run: every job runs it once.
+#[derive(Debug, Clone)]
+pub struct PhasePlan {
+    pub label: String,
+    pub pattern: Pattern,
+    pub bs: u64,
+    pub iodepth: u32,
+    /// Logical region (across striped devices) every job covers, unless `split_region`.
+    pub region_start: u64,
+    pub region_bytes: u64,
+    /// Give each job its own slice of the region instead of the whole region.
+    pub split_region: bool,
+    pub runtime: Option<Duration>,
+    pub time_based: bool,
+    pub rwmixread: u8,
+    pub verify: VerifyMode,
+    pub seed: u64,
+}
+
+/// A verify mismatch: data came back different from what was written (exit status 1).
+#[derive(Debug, thiserror::Error)]
+#[error("verify failed: {device} byte offset {offset_bytes} (I/O at {io_offset_bytes}, byte {byte_in_io} of it): expected {expected:#04x}, read {actual:#04x}")]
+pub struct VerifyError {
+    pub device: String,
+    pub offset_bytes: u64,
+    pub io_offset_bytes: u64,
+    pub byte_in_io: usize,
+    pub expected: u8,
+    pub actual: u8,
+}
+
+/// Shared progress counters the main thread renders.
+#[derive(Debug, Default)]
+pub struct Progress {
+    pub bytes_done: AtomicU64,
+    pub stop: AtomicBool,
+}
+
+/// Maps a logical byte offset onto (device index, device offset): stripes of `bs` round-robin.
+fn stripe(logical_bytes: u64, bs: u64, devices: u64) -> (usize, u64) {
+    let chunk = logical_bytes / bs;
+    ((chunk % devices) as usize, (chunk / devices) * bs + logical_bytes % bs)
+}
+
+/// The verify pattern: each 8-byte word is a hash of its logical byte offset and the run's seed,
+/// so any block read back can be checked without remembering what was written.
+pub fn fill_pattern(buffer: &mut [u8], logical_offset_bytes: u64, seed: u64) {
+    for (index, word) in buffer.chunks_mut(8).enumerate() {
+        let value = mix(seed ^ (logical_offset_bytes + index as u64 * 8));
+        let bytes = value.to_le_bytes();
+        word.copy_from_slice(&bytes[..word.len()]);
+    }
+}
+
+/// The first byte where `actual` differs from the pattern: (index, expected, actual).
+pub fn find_mismatch(actual: &[u8], logical_offset_bytes: u64, seed: u64) -> Option<(usize, u8, u8)> {
+    for (index, word) in actual.chunks(8).enumerate() {
+        let expected = mix(seed ^ (logical_offset_bytes + index as u64 * 8)).to_le_bytes();
+        if word != &expected[..word.len()] {
+            let byte = word.iter().zip(expected.iter()).position(|(a, e)| a != e).unwrap_or(0);
+            return Some((index * 8 + byte, expected[byte], word[byte]));
+        }
+    }
+    None
+}
+
+/// SplitMix64's finaliser: a bijective 64-bit mix.
+fn mix(mut value: u64) -> u64 {
+    value = value.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    value = (value ^ (value >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    value = (value ^ (value >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    value ^ (value >> 31)
+}
+
+/// Visits every block of `0..blocks` once per pass in a scrambled order (like fio's random map):
+/// a bijection on the next power of two, skipping values past the end.
+struct BlockPermutation {
+    blocks: u64,
+    bits: u32,
+    counter: u64,
+    seed: u64,
+}
+
+impl BlockPermutation {
+    fn new(blocks: u64, seed: u64) -> Self {
+        let bits = 64 - blocks.saturating_sub(1).leading_zeros();
+        Self { blocks, bits, counter: 0, seed }
+    }
+
+    fn mask(&self) -> u64 {
+        if self.bits >= 64 {
+            u64::MAX
+        } else {
+            (1u64 << self.bits) - 1
+        }
+    }
+
+    /// Each step is a bijection on `bits`-bit integers: add, multiply by an odd number, and
+    /// xor with a right shift of itself, all modulo 2^bits.
+    fn scramble(&self, mut value: u64) -> u64 {
+        let mask = self.mask();
+        let shift = (self.bits / 2).max(1);
+        for round in 0..3u64 {
+            value = value.wrapping_add(self.seed.rotate_left(round as u32 * 21)) & mask;
+            value = value.wrapping_mul(0x9e37_79b9_7f4a_7c15 | 1) & mask;
+            value ^= value >> shift;
+        }
+        value & mask
+    }
+
+    fn next(&mut self) -> u64 {
+        if self.blocks <= 1 {
+            return 0;
+        }
+        // At most half the domain lies past `blocks`, so this ends within 2^bits steps.
+        loop {
+            let candidate = self.scramble(self.counter & self.mask());
+            self.counter = self.counter.wrapping_add(1);
+            if self.counter & self.mask() == 0 {
+                self.seed = mix(self.seed); // a new order for the next pass
+            }
+            if candidate < self.blocks {
+                return candidate;
+            }
+        }
+    }
+}
+
+/// Picks direction and offset of the next I/O.
+struct OffsetGenerator {
+    pattern: Pattern,
+    start_bytes: u64,
+    bs: u64,
+    blocks: u64,
+    issued: u64,
+    permutation: BlockPermutation,
+    mix_state: u64,
+    rwmixread: u8,
+}
+
+impl OffsetGenerator {
+    fn next(&mut self) -> (Direction, u64) {
+        let block = if self.pattern.is_random() { self.permutation.next() } else { self.issued % self.blocks };
+        self.issued += 1;
+        let direction = match self.pattern {
+            Pattern::Read | Pattern::Randread => Direction::Read,
+            Pattern::Write | Pattern::Randwrite => Direction::Write,
+            Pattern::Randrw => {
+                self.mix_state = mix(self.mix_state);
+                if self.mix_state % 100 < u64::from(self.rwmixread) {
+                    Direction::Read
+                } else {
+                    Direction::Write
+                }
+            }
+        };
+        (direction, self.start_bytes + block * self.bs)
+    }
+}
+
+/// Runs one phase on all jobs and collects their statistics.
+pub fn run_phase(devices: &[Arc<dyn Device>], numjobs: u32, plan: &PhasePlan, progress: &Arc<Progress>) -> anyhow::Result<PhaseResult> {
+    let barrier = Arc::new(Barrier::new(numjobs as usize));
+    let cpu_before = ProcessCpu::now();
+    let started = Instant::now();
+    let results: Vec<anyhow::Result<JobStats>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..numjobs)
+            .map(|job| {
+                let barrier = Arc::clone(&barrier);
+                let progress = Arc::clone(progress);
+                std::thread::Builder::new()
+                    .name(format!("job{job}"))
+                    .spawn_scoped(scope, move || run_job(devices, job, numjobs, plan, &barrier, &progress))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|handle| match handle {
+                Ok(handle) => handle.join().unwrap_or_else(|_| Err(anyhow!("a job thread panicked"))),
+                Err(error) => Err(anyhow!("cannot start a job thread: {error}")),
+            })
+            .collect()
+    });
+    let elapsed = started.elapsed();
+    let cpu = ProcessCpu::now().since(&cpu_before);
+    let mut jobs = Vec::with_capacity(results.len());
+    for result in results {
+        jobs.push(result?);
+    }
+    Ok(PhaseResult { label: plan.label.clone(), pattern: plan.pattern, verify: plan.verify, jobs, elapsed, process_cpu: cpu })
+}
+
+struct SlotState {
+    direction: Direction,
+    logical_bytes: u64,
+    device: usize,
+    queued_at: Instant,
+    submitted_at: Instant,
+}
+
+fn run_job(devices: &[Arc<dyn Device>], job: u32, numjobs: u32, plan: &PhasePlan, barrier: &Barrier, progress: &Progress) -> anyhow::Result<JobStats> {
+    // Open queues first, then meet the other jobs, so that timing starts together.
+    let opened: Result<Vec<Box<dyn IoQueue>>, DeviceError> = devices.iter().map(|device| device.open_queue(plan.iodepth, plan.bs as usize)).collect();
+    barrier.wait();
+    let mut queues = opened.with_context(|| format!("job{job}: opening queues"))?;
+    let (region_start, region_bytes) = if plan.split_region {
+        let slice = (plan.region_bytes / plan.bs / u64::from(numjobs)) * plan.bs;
+        (plan.region_start + slice * u64::from(job), slice)
+    } else {
+        (plan.region_start, plan.region_bytes)
+    };
+    let blocks = region_bytes / plan.bs;
+    if blocks == 0 {
+        return Err(anyhow!("job{job}: region of {region_bytes} bytes holds no {}-byte block", plan.bs));
+    }
+    let seed = mix(plan.seed ^ u64::from(job));
+    let mut generator = OffsetGenerator {
+        pattern: plan.pattern,
+        start_bytes: region_start,
+        bs: plan.bs,
+        blocks,
+        issued: 0,
+        permutation: BlockPermutation::new(blocks, seed),
+        mix_state: seed,
+        rwmixread: plan.rwmixread,
+    };
+    let depth = plan.iodepth as usize;
+    let device_count = devices.len() as u64;
+    let total_ios = if plan.time_based { u64::MAX } else { blocks };
+    let mut free_slots: Vec<u32> = (0..plan.iodepth).rev().collect();
+    let now = Instant::now();
+    let mut slots: Vec<SlotState> = (0..depth).map(|_| SlotState { direction: Direction::Read, logical_bytes: 0, device: 0, queued_at: now, submitted_at: now }).collect();
+    let mut batch: Vec<u32> = Vec::with_capacity(depth);
+    let mut completed: Vec<(u32, Result<(), DeviceError>)> = Vec::with_capacity(depth);
+    let mut scratch = vec![0u8; plan.bs as usize];
+    let mut read = DirectionStats::new();
+    let mut write = DirectionStats::new();
+    let mut retry: Option<(Direction, u64)> = None;
+    let mut issued = 0u64;
+    let mut in_flight = 0usize;
+    let mut stop_issuing = false;
+    let cpu_before = thread_cpu();
+    let started = Instant::now();
+    let runtime_deadline = plan.runtime.map(|runtime| started + runtime);
+    let mut last_progress = started;
+
+    loop {
+        let now = Instant::now();
+        if runtime_deadline.is_some_and(|deadline| now >= deadline) || progress.stop.load(Ordering::Relaxed) {
+            stop_issuing = true;
+        }
+        let mut backpressure = false;
+        while !stop_issuing && in_flight < depth {
+            if issued >= total_ios && retry.is_none() {
+                stop_issuing = true;
+                break;
+            }
+            let Some(slot) = free_slots.pop() else { break };
+            let (direction, logical) = retry.take().unwrap_or_else(|| {
+                issued += 1;
+                generator.next()
+            });
+            let (device, device_offset) = stripe(logical, plan.bs, device_count);
+            if plan.verify == VerifyMode::WritePattern && direction == Direction::Write {
+                fill_pattern(&mut scratch, logical, plan.seed);
+                queues[device].write_buffer(slot, &scratch)?;
+            }
+            match queues[device].queue(slot, direction, device_offset) {
+                Ok(()) => {
+                    slots[slot as usize] = SlotState { direction, logical_bytes: logical, device, queued_at: now, submitted_at: now };
+                    batch.push(slot);
+                    in_flight += 1;
+                }
+                Err(DeviceError::Backpressure { .. }) => {
+                    free_slots.push(slot);
+                    retry = Some((direction, logical));
+                    backpressure = true;
+                    break;
+                }
+                Err(error) => return Err(error.into()),
+            }
+        }
+        if in_flight == 0 && stop_issuing {
+            break;
+        }
+        let submitted_at = Instant::now();
+        for &slot in &batch {
+            slots[slot as usize].submitted_at = submitted_at;
+        }
+        batch.clear();
+        // Block only when nothing more can be queued; with several devices, poll them in turn.
+        let must_wait = in_flight == depth || stop_issuing || backpressure;
+        let deadline = last_progress + IO_TIMEOUT;
+        for queue in queues.iter_mut() {
+            queue.submit_and_reap(must_wait && device_count == 1, deadline, &mut |slot, result| completed.push((slot, result)))?;
+        }
+        if completed.is_empty() {
+            if Instant::now() > deadline {
+                return Err(DeviceError::Timeout { device: devices[0].name(), timeout_s: IO_TIMEOUT.as_secs(), in_flight }.into());
+            }
+            if must_wait {
+                std::hint::spin_loop();
+            }
+            continue;
+        }
+        let done_at = Instant::now();
+        last_progress = done_at;
+        let mut bytes_done = 0u64;
+        for (slot, result) in completed.drain(..) {
+            let state = slots.get(slot as usize).ok_or_else(|| anyhow!("completion for unknown slot {slot}"))?;
+            result?;
+            if plan.verify == VerifyMode::CheckPattern && state.direction == Direction::Read {
+                queues[state.device].read_buffer(slot, &mut scratch)?;
+                if let Some((byte, expected, actual)) = find_mismatch(&scratch, state.logical_bytes, plan.seed) {
+                    return Err(VerifyError {
+                        device: devices[state.device].name(),
+                        offset_bytes: stripe(state.logical_bytes, plan.bs, device_count).1 + byte as u64,
+                        io_offset_bytes: stripe(state.logical_bytes, plan.bs, device_count).1,
+                        byte_in_io: byte,
+                        expected,
+                        actual,
+                    }
+                    .into());
+                }
+            }
+            let stats = if state.direction == Direction::Read { &mut read } else { &mut write };
+            stats.record(plan.bs, done_at - state.queued_at, done_at - state.submitted_at, state.submitted_at - state.queued_at);
+            bytes_done += plan.bs;
+            free_slots.push(slot);
+            in_flight -= 1;
+        }
+        progress.bytes_done.fetch_add(bytes_done, Ordering::Relaxed);
+    }
+    let elapsed = started.elapsed();
+    let cpu = thread_cpu().since(&cpu_before);
+    for queue in queues.iter_mut() {
+        queue.drain(Instant::now() + IO_TIMEOUT);
+    }
+    Ok(JobStats { name: format!("job{job}"), read, write, elapsed, thread_cpu: cpu })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn permutation_visits_every_block_once_per_pass() {
+        // Goal: random workloads cover the region like fio's random map (each block once).
+        for blocks in [1u64, 2, 3, 7, 64, 1000, 4097] {
+            let mut permutation = BlockPermutation::new(blocks, 42);
+            let mut seen = vec![false; blocks as usize];
+            for _ in 0..blocks {
+                let block = permutation.next();
+                assert!(block < blocks);
+                assert!(!seen[block as usize], "block {block} of {blocks} visited twice");
+                seen[block as usize] = true;
+            }
+        }
+    }
+
+    #[test]
+    fn permutation_is_not_sequential() {
+        let mut permutation = BlockPermutation::new(1 << 16, 7);
+        let first: Vec<u64> = (0..16).map(|_| permutation.next()).collect();
+        let sequential = first.windows(2).filter(|pair| pair[1] == pair[0] + 1).count();
+        assert!(sequential < 4, "{first:?}");
+    }
+
+    #[test]
+    fn pattern_round_trips_and_names_the_first_mismatch() {
+        let mut buffer = vec![0u8; 4096];
+        fill_pattern(&mut buffer, 8192, 5);
+        assert_eq!(find_mismatch(&buffer, 8192, 5), None);
+        // A different offset has a different pattern (a misdirected write is caught).
+        assert!(find_mismatch(&buffer, 4096, 5).is_some());
+        buffer[1234] ^= 0xff;
+        let (byte, expected, actual) = find_mismatch(&buffer, 8192, 5).unwrap();
+        assert_eq!(byte, 1234);
+        assert_eq!(expected ^ 0xff, actual);
+    }
+
+    #[test]
+    fn striping_round_robins_blocks() {
+        assert_eq!(stripe(0, 4096, 2), (0, 0));
+        assert_eq!(stripe(4096, 4096, 2), (1, 0));
+        assert_eq!(stripe(8192, 4096, 2), (0, 4096));
+        assert_eq!(stripe(12288, 4096, 1), (0, 12288));
+    }
+}
