@@ -15,6 +15,11 @@
 // per device publishes the tail. Afterwards warp 0 of every block polls completions until every
 // IOCB of the launch has its final status or the bounded wait expires.
 //
+// Launch requirements: threads per block a multiple of 32 (warp-wide intrinsics use a full mask),
+// and a grid whose blocks are all resident at once (at most the I/O domain's SMs times the
+// occupancy from cuOccupancyMaxActiveBlocksPerMultiprocessor): a block's polling thread waits for
+// IOCTXs that other blocks submit, so a block that never gets scheduled would turn into a timeout.
+//
 // Every wait is bounded by params.poll_iterations_max iterations with exponential __nanosleep
 // backoff capped at params.backoff_ns_max. An expired wait fails the IOCB with
 // GIO_IOCB_STATUS_TIMEOUT; it never spins forever. After a timeout the queue pair may hold
@@ -27,6 +32,7 @@ namespace {
 
 constexpr uint32_t kWarpLanes = 32;
 constexpr uint32_t kFullMask = 0xFFFFFFFFu;
+constexpr uint32_t kPublishRoundsMax = 4;
 
 // ---- memory access helpers: every location another agent writes is read or written volatile ----
 
@@ -164,7 +170,9 @@ __device__ void try_publish_sq(const gio_launch_params& params, gio_nvme_qp* qp)
     gio_nvme_slot* slots = device_pointer<gio_nvme_slot>(qp->slots);
     const uint32_t depth = qp->sq_depth;
     const uint32_t mask = depth - 1;
-    for (uint32_t round = 0; round < params.poll_iterations_max; ++round) {
+    // A few rounds suffice: another round is needed only when a slot turned ready while we held the
+    // lock; anything left over is published by the next caller (every poll iteration calls this).
+    for (uint32_t round = 0; round < kPublishRoundsMax; ++round) {
         if (!try_lock(&qp->sq_lock)) {
             return;
         }
@@ -238,7 +246,7 @@ __device__ void try_reap_cq(const gio_launch_params& params, gio_nvme_qp* qp) {
     const nvme_cqe* entries = device_pointer<const nvme_cqe>(qp->cq_entries);
     const uint32_t cq_depth = qp->cq_depth;
     const uint32_t sq_mask = qp->sq_depth - 1;
-    uint32_t head = qp->cq_head;
+    uint32_t head = load_volatile(&qp->cq_head);
     uint32_t sq_head = load_volatile(&qp->sq_head);
     const uint32_t first = head;
     for (uint32_t reaped = 0; reaped < cq_depth; ++reaped) {
@@ -258,7 +266,7 @@ __device__ void try_reap_cq(const gio_launch_params& params, gio_nvme_qp* qp) {
         ++head;
     }
     if (head != first) {
-        qp->cq_head = head;
+        store_volatile(&qp->cq_head, head);
         store_volatile(&qp->sq_head, sq_head);
         // Our reads of the entries happen before the controller may overwrite them.
         __threadfence_system();
