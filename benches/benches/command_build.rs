@@ -5,7 +5,7 @@
 //! (8 B each) or 32 SGL descriptors (16 B each) into the command's scratch page, so a few hundred
 //! nanoseconds at most. Anything near a microsecond means the planner or the copies regressed.
 use criterion::{black_box, criterion_group, criterion_main, Criterion, Throughput};
-use nvme_driver::datapath::{build_data_pointer, plan_command, Cursor, DataPointerMode, DataSegment};
+use nvme_driver::datapath::{build_data_pointer, plan_command, Cursor, DataPointerMode, DataSegment, ScratchPage};
 use nvme_driver::spec::SubmissionEntry;
 use nvme_driver::{DmaAllocator, DmaPool, Iova, Lba, NamespaceId};
 
@@ -26,7 +26,7 @@ fn bench(c: &mut Criterion) {
                 b.iter(|| {
                     let plan = plan_command(black_box(&list), Cursor::default(), 1 << 21, 512, mode).expect("plan").expect("non-empty");
                     let mut entry = SubmissionEntry::read(NamespaceId(1), Lba(0), (plan.bytes / 512) as u32);
-                    build_data_pointer(&mut entry, &list, &plan, mode, &scratch).expect("build");
+                    build_data_pointer(&mut entry, &list, &plan, mode, ScratchPage::new(&scratch, 0)).expect("build");
                     black_box(entry)
                 })
             });

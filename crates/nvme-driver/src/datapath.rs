@@ -7,7 +7,7 @@
 //! command's scratch page. Neither allocates.
 
 use crate::error::NvmeError;
-use crate::hw::DmaRegion;
+use crate::hw::{DmaRegion, HwError};
 use crate::spec::command::DataPointerKind;
 use crate::spec::data_pointer::{SglDescriptor, PRP_ENTRY_BYTES, SGL_DESCRIPTOR_BYTES};
 use crate::spec::SubmissionEntry;
@@ -21,6 +21,34 @@ pub const PAGE_BYTES: u64 = 4096;
 pub const PRP_LIST_ENTRIES_MAX: usize = SCRATCH_BYTES / PRP_ENTRY_BYTES;
 /// Most SGL Data Block descriptors in one command's Last Segment.
 pub const SGL_DESCRIPTORS_MAX: usize = SCRATCH_BYTES / SGL_DESCRIPTOR_BYTES;
+
+/// One command's scratch page: a borrowed window of its queue's scratch region (no reference
+/// count is touched per command).
+#[derive(Debug, Clone, Copy)]
+pub struct ScratchPage<'a> {
+    region: &'a DmaRegion,
+    offset: usize,
+}
+
+impl<'a> ScratchPage<'a> {
+    /// The page at `offset` of `region` (which must hold `offset + SCRATCH_BYTES` bytes).
+    pub fn new(region: &'a DmaRegion, offset: usize) -> Self {
+        Self { region, offset }
+    }
+
+    /// Device address of the page.
+    pub fn iova(&self) -> u64 {
+        self.region.iova().0 + self.offset as u64
+    }
+
+    /// Copies `bytes` into the page at `at`; never past the page.
+    pub fn write(&self, at: usize, bytes: &[u8]) -> Result<(), HwError> {
+        if at.checked_add(bytes.len()).is_none_or(|end| end > SCRATCH_BYTES) {
+            return Err(HwError::OutOfRange { offset: at, access_len: bytes.len(), region_len: SCRATCH_BYTES });
+        }
+        self.region.write(self.offset + at, bytes)
+    }
+}
 
 /// A piece of a transfer's memory, in the device's address space.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -202,18 +230,17 @@ fn for_each_piece(segments: &[DataSegment], plan: &CommandPlan, mut visit: impl 
     }
 }
 
-/// Writes DPTR (and the scratch page when needed) for `plan`. `scratch` is the command slot's
-/// page, `scratch_iova` its device address.
+/// Writes DPTR (and the scratch page when needed) for `plan`; `scratch` is the command slot's page.
 pub fn build_data_pointer(
     entry: &mut SubmissionEntry,
     segments: &[DataSegment],
     plan: &CommandPlan,
     mode: DataPointerMode,
-    scratch: &DmaRegion,
+    scratch: ScratchPage<'_>,
 ) -> Result<(), NvmeError> {
     // Descriptors go straight into the scratch page as they are produced: no 4 KiB staging copy.
     let mut failure = None;
-    let mut record = |result: Result<(), crate::hw::HwError>| {
+    let mut record = |result: Result<(), HwError>| {
         if let Err(error) = result {
             failure.get_or_insert(error);
         }
@@ -235,7 +262,7 @@ pub fn build_data_pointer(
                 }
                 count += 1;
             });
-            entry.dptr = if count <= 1 { first.to_dptr() } else { SglDescriptor::last_segment(scratch.iova().0, count as u32).to_dptr() };
+            entry.dptr = if count <= 1 { first.to_dptr() } else { SglDescriptor::last_segment(scratch.iova(), count as u32).to_dptr() };
         }
         DataPointerMode::Prp => {
             entry.set_data_pointer_kind(DataPointerKind::Prp);
@@ -262,7 +289,7 @@ pub fn build_data_pointer(
             entry.dptr[1] = match count {
                 0 | 1 => 0,
                 2 => first_two[1],
-                _ => scratch.iova().0,
+                _ => scratch.iova(),
             };
         }
     }
@@ -340,7 +367,7 @@ mod tests {
         let pool = crate::hw::DmaPool::identity();
         let scratch = crate::hw::DmaAllocator::allocate(&pool, 4096).unwrap();
         let mut entry = SubmissionEntry::default();
-        build_data_pointer(&mut entry, &segments, &plans[0], DataPointerMode::Prp, &scratch).unwrap();
+        build_data_pointer(&mut entry, &segments, &plans[0], DataPointerMode::Prp, ScratchPage::new(&scratch, 0)).unwrap();
         assert_eq!(entry.dptr[0], 0x10_0200);
         assert_eq!(entry.dptr[1], scratch.iova().0);
         let mut list = [0u8; 16];

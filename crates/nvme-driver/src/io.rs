@@ -132,7 +132,7 @@ impl IoQueuePair {
             let pushed = self
                 .queue
                 .scratch_for(command_id)
-                .and_then(|scratch| build_data_pointer(&mut entry, segments, &plan, self.mode, &scratch))
+                .and_then(|scratch| build_data_pointer(&mut entry, segments, &plan, self.mode, scratch))
                 .and_then(|()| self.queue.push(&entry));
             if let Err(error) = pushed {
                 self.queue.unreserve(command_id);
@@ -204,9 +204,10 @@ impl IoQueuePair {
                 let range = DatasetRange { context_attributes: 0, blocks, start };
                 scratch.write(index * DatasetRange::BYTES, &range.to_bytes())?;
             }
-            entry.dptr = [scratch.iova().0, 0];
-            self.queue.push(&entry)
+            entry.dptr = [scratch.iova(), 0];
+            Ok(())
         });
+        let result = result.and_then(|()| self.queue.push(&entry));
         if let Err(error) = result {
             self.queue.unreserve(command_id);
             return Err(error);
@@ -230,7 +231,7 @@ impl IoQueuePair {
         let result = self
             .queue
             .scratch_for(command_id)
-            .and_then(|scratch| build_data_pointer(&mut entry, segments, &plan, self.mode, &scratch))
+            .and_then(|scratch| build_data_pointer(&mut entry, segments, &plan, self.mode, scratch))
             .and_then(|()| self.queue.push(&entry));
         if let Err(error) = result {
             self.queue.unreserve(command_id);

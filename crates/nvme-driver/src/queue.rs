@@ -12,7 +12,7 @@ use std::sync::atomic::{fence, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::datapath::SCRATCH_BYTES;
+use crate::datapath::{ScratchPage, SCRATCH_BYTES};
 use crate::error::NvmeError;
 use crate::hw::{DmaAllocator, DmaRegion, RegisterIo};
 use crate::spec::registers::{self, ControllerStatus};
@@ -165,9 +165,9 @@ impl QueuePair {
     }
 
     /// The scratch page that belongs to `command_id`'s slot.
-    pub(crate) fn scratch_for(&self, command_id: CommandId) -> Result<DmaRegion, NvmeError> {
+    pub(crate) fn scratch_for(&self, command_id: CommandId) -> Result<ScratchPage<'_>, NvmeError> {
         let slot = usize::from(command_id.0) & ((1 << self.slot_bits) - 1);
-        Ok(self.scratch.subregion(slot * SCRATCH_BYTES, SCRATCH_BYTES)?)
+        Ok(ScratchPage::new(&self.scratch, slot * SCRATCH_BYTES))
     }
 
     fn command_id(&self, slot: u16) -> CommandId {
