@@ -171,9 +171,15 @@ fn prepare_file(path: &Path, options: OpenOptions2, created: &mut CreatedFiles) 
     let Some(bytes) = options.create_bytes else {
         return Err(DeviceError::Setup(format!("{} does not exist; give --size to create it", path.display())));
     };
+    let bytes = bytes.div_ceil(4096) * 4096;
+    let parent = path.parent().filter(|parent| !parent.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    if let Ok(free) = crate::uring::statvfs_free_bytes(parent) {
+        if bytes > free {
+            return Err(DeviceError::Setup(format!("{}: creating it with {} needs more than the {} free in {}", path.display(), format_size(bytes), format_size(free), parent.display())));
+        }
+    }
     let file = OpenOptions::new().read(true).write(true).create_new(true).open(path).map_err(|source| io_error("cannot create", source))?;
     created.push(path.to_path_buf());
-    let bytes = bytes.div_ceil(4096) * 4096;
     if options.lay_out {
         lay_out(&file, bytes).map_err(|source| io_error("cannot lay out", source))?;
     } else {
