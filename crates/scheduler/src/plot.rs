@@ -29,9 +29,10 @@ pub fn render_svg(title: &str, results: &[SimResult], summaries: &[PolicySummary
     );
     let _ = writeln!(svg, r#"<rect width="100%" height="100%" fill="white"/>"#);
     let _ = writeln!(svg, r#"<text x="{:.0}" y="22" font-size="15" text-anchor="middle">{}</text>"#, width / 2.0, escape(title));
+    // Zoom on the bound: a few times the distance from the bound to 100%, within 2..10 points.
     let zoom_from = analytic_bound_hit_rate
         .or_else(|| summaries.iter().filter_map(|s| s.crossover_hit_rate).reduce(f64::min))
-        .map_or(0.8, |b| (b - 0.1).clamp(0.0, 0.9));
+        .map_or(0.8, |b| (b - (3.0 * (1.0 - b)).clamp(0.02, 0.1)).clamp(0.0, 0.98));
     panel(&mut svg, MARGIN_LEFT, (0.0, 1.0), results, summaries, analytic_bound_hit_rate);
     panel(&mut svg, MARGIN_LEFT + PANEL_WIDTH + GAP, (zoom_from, 1.0), results, summaries, analytic_bound_hit_rate);
     // Legend under the panels.
