@@ -26,6 +26,7 @@ pub const DATA_ALIGN_BYTES: u64 = 1 << 20;
 pub const FLAG_PAYLOAD_CRC: u32 = 1;
 const SLOT_HEADER_FIXED_BYTES: usize = 32;
 const SLOT_HEADER_BLOCK_BYTES: usize = 16;
+const SLOT_HEADER_CRC_BYTES: u64 = 4;
 const SUPERBLOCK_CRC_OFFSET: usize = SUPERBLOCK_ENCODED_BYTES - 4;
 
 /// Everything the superblock records.
@@ -64,9 +65,9 @@ fn put_u64(bytes: &mut [u8], offset: usize, value: u64) {
 }
 
 /// Bytes of one slot-header entry for k blocks per slot: the smallest power of two holding the
-/// fixed part and k (key, token count) records, so an entry never straddles an LBA.
+/// fixed part, k (key, token count) records and the CRC, so an entry never straddles an LBA.
 pub fn header_entry_bytes(blocks_per_slot: u32) -> u64 {
-    (SLOT_HEADER_FIXED_BYTES as u64 + u64::from(blocks_per_slot) * SLOT_HEADER_BLOCK_BYTES as u64).next_power_of_two()
+    (SLOT_HEADER_FIXED_BYTES as u64 + u64::from(blocks_per_slot) * SLOT_HEADER_BLOCK_BYTES as u64 + SLOT_HEADER_CRC_BYTES).next_power_of_two()
 }
 
 impl Superblock {

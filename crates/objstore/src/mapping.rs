@@ -131,7 +131,11 @@ impl MappingTable {
                 if entries > PRP_LIST_ENTRIES_MAX {
                     return Err(ObjstoreError::InvalidRegistration { reason: format!("a {}-byte transfer needs {entries} PRP entries; one list page holds {PRP_LIST_ENTRIES_MAX}", table.piece_bytes) });
                 }
-                // Two pages: PRP2 is the second page itself. More: PRP2 points at a list.
+                // Two pages: PRP2 is the second page itself, which moves with the data.
+                // More: PRP2 points at a list in the table.
+                if pages == 2 {
+                    table.desc_stride_bytes = stride;
+                }
                 if pages > 2 {
                     let pieces = if adjacent { 1 } else { 2 };
                     table.prp_list_stride_bytes = (entries * PRP_ENTRY_BYTES).next_power_of_two();

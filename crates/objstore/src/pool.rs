@@ -1,0 +1,414 @@
+//! A pool on its devices: format, open with recovery, the slot-header mirror and its durable
+//! writes, and the offline check.
+//!
+//! Metadata goes through one NVMe queue pair per device owned here (data goes through gio_uring).
+//! Each device's header region is mirrored in DMA memory: the mirror only ever holds Valid entries
+//! whose data is already durable, and Empty entries, so writing any range of it is always safe —
+//! a torn or lost header write leaves each LBA either old or new, both consistent.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use nvme_driver::{Controller, DataSegment, DmaRegion, IoQueuePair, Lba, NamespaceId};
+
+use crate::error::{ObjstoreError, Result};
+use crate::format::{header_entry_bytes, pool_tag, HeaderVerdict, SlotHeader, SlotState, Superblock, FLAG_PAYLOAD_CRC, SUPERBLOCK_REGION_BYTES};
+use crate::geometry::ModelGeometry;
+use crate::hash::chain_hash;
+use crate::index::Index;
+
+/// Deadline of each metadata command batch.
+pub const METADATA_TIMEOUT: Duration = Duration::from_secs(10);
+/// Depth of the metadata queue pair of each device.
+const METADATA_QUEUE_DEPTH: u32 = 64;
+/// Metadata moves in pieces of at most this size (each piece is one submit + wait).
+const METADATA_CHUNK_BYTES: u64 = 1 << 20;
+
+/// One namespace offered to a pool.
+#[derive(Clone)]
+pub struct PoolTarget {
+    pub controller: Arc<Controller>,
+    pub namespace: NamespaceId,
+}
+
+impl std::fmt::Debug for PoolTarget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {}", self.controller.backend().name(), self.namespace)
+    }
+}
+
+/// Parameters of `format`.
+#[derive(Debug, Clone)]
+pub struct FormatParams {
+    pub geometry: ModelGeometry,
+    /// k: engine blocks per slot (1 = one GPU file per slot).
+    pub blocks_per_slot: u32,
+    /// Cap on slots per device (`None`: as many as fit).
+    pub slot_count_max: Option<u64>,
+    /// `None`: a fresh one.
+    pub pool_uuid: Option<[u8; 16]>,
+    /// Record a CRC32 of each slot's payload at commit (read back from host-visible KV memory),
+    /// verified by `check --payload`.
+    pub payload_crc: bool,
+}
+
+/// What `open` found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RecoveryReport {
+    pub devices: usize,
+    pub slots: u64,
+    pub valid_slots: u64,
+    pub empty_slots: u64,
+    /// Headers whose CRC, pool tag, slot number or contents were wrong: their slots are free.
+    pub corrupt_headers: u64,
+    /// Slots holding a key another, newer slot also holds: freed.
+    pub duplicate_slots: u64,
+    pub cached_blocks: u64,
+}
+
+pub(crate) struct PoolDevice {
+    pub(crate) target: PoolTarget,
+    pub(crate) queue: IoQueuePair,
+    pub(crate) superblock: Superblock,
+    mirror: DmaRegion,
+    /// Header-region LBA range (relative) not yet written: [first, end).
+    dirty: Option<(u64, u64)>,
+    /// A DMA buffer for payload checks and superblock I/O.
+    scratch: DmaRegion,
+}
+
+/// An open pool: devices in pool order (device index i at position i) and the index.
+pub struct Pool {
+    pub(crate) devices: Vec<PoolDevice>,
+    pub(crate) index: Index,
+    pub(crate) generation: u64,
+    /// Deadline of each metadata command batch after open.
+    timeout: Duration,
+}
+
+fn fresh_uuid() -> [u8; 16] {
+    // Uniqueness, not secrecy: time, process and a stack address through the key mixer.
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    let local = 0u8;
+    let seed = [nanos as u32, (nanos >> 32) as u32, (nanos >> 64) as u32, std::process::id(), (&local as *const u8 as usize) as u32];
+    let a = chain_hash(0, &seed);
+    let b = chain_hash(a, &seed);
+    let mut uuid = [0u8; 16];
+    uuid[..8].copy_from_slice(&a.to_le_bytes());
+    uuid[8..].copy_from_slice(&b.to_le_bytes());
+    uuid[6] = (uuid[6] & 0x0F) | 0x40; // RFC 4122 version 4 layout
+    uuid[8] = (uuid[8] & 0x3F) | 0x80;
+    uuid
+}
+
+pub fn format_uuid(uuid: &[u8; 16]) -> String {
+    let hex: String = uuid.iter().map(|b| format!("{b:02x}")).collect();
+    format!("{}-{}-{}-{}-{}", &hex[..8], &hex[8..12], &hex[12..16], &hex[16..20], &hex[20..])
+}
+
+fn deadline_error(error: nvme_driver::NvmeError) -> ObjstoreError {
+    ObjstoreError::Nvme(error)
+}
+
+/// Writes `len` bytes of `region` from `offset` to `lba` (relative LBAs computed by the caller),
+/// in pieces, with FUA when asked.
+#[allow(clippy::too_many_arguments)]
+fn write_region(queue: &mut IoQueuePair, namespace: NamespaceId, lba: u64, region: &DmaRegion, offset: u64, len: u64, lba_bytes: u64, fua: bool, timeout: Duration) -> Result<()> {
+    let mut done = 0;
+    while done < len {
+        let piece = (len - done).min(METADATA_CHUNK_BYTES);
+        let segment = DataSegment::new(nvme_driver::Iova(region.iova().0 + offset + done), piece as u32);
+        queue.write(namespace, Lba(lba + done / lba_bytes), &[segment], fua, timeout).map_err(deadline_error)?;
+        done += piece;
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn read_region(queue: &mut IoQueuePair, namespace: NamespaceId, lba: u64, region: &DmaRegion, offset: u64, len: u64, lba_bytes: u64, timeout: Duration) -> Result<()> {
+    let mut done = 0;
+    while done < len {
+        let piece = (len - done).min(METADATA_CHUNK_BYTES);
+        let segment = DataSegment::new(nvme_driver::Iova(region.iova().0 + offset + done), piece as u32);
+        queue.read(namespace, Lba(lba + done / lba_bytes), &[segment], timeout).map_err(deadline_error)?;
+        done += piece;
+    }
+    Ok(())
+}
+
+fn namespace_of(target: &PoolTarget) -> Result<nvme_driver::Namespace> {
+    Ok(target.controller.namespace(target.namespace)?)
+}
+
+/// Reads and decodes the superblock of one target (for `open` and `tutti pool inspect`).
+pub fn read_superblock(target: &PoolTarget, device: usize) -> Result<Superblock> {
+    let namespace = namespace_of(target)?;
+    let mut queue = target.controller.create_io_queue_pair(METADATA_QUEUE_DEPTH)?;
+    let bytes = SUPERBLOCK_REGION_BYTES.max(u64::from(namespace.block_size_bytes));
+    let region = target.controller.dma().allocate(bytes as usize)?;
+    read_region(&mut queue, target.namespace, 0, &region, 0, bytes, u64::from(namespace.block_size_bytes), METADATA_TIMEOUT)?;
+    let mut raw = vec![0u8; bytes as usize];
+    region.read(0, &mut raw)?;
+    Superblock::decode(&raw, device, namespace.block_size_bytes, namespace.size_blocks)
+}
+
+/// Formats `targets` as one pool (target i becomes device i): zeroes each header region, makes
+/// it durable, then writes the superblock with FUA — a format interrupted before the last step
+/// leaves no pool, never a pool with stale headers.
+pub fn format_pool(targets: &[PoolTarget], params: &FormatParams) -> Result<Vec<Superblock>> {
+    if targets.is_empty() || targets.len() > usize::from(u16::MAX) {
+        return Err(ObjstoreError::InvalidFormat { reason: format!("{} devices, expected 1..={}", targets.len(), u16::MAX) });
+    }
+    let uuid = params.pool_uuid.unwrap_or_else(fresh_uuid);
+    let flags = if params.payload_crc { FLAG_PAYLOAD_CRC } else { 0 };
+    let mut planned = Vec::with_capacity(targets.len());
+    for (device, target) in targets.iter().enumerate() {
+        let namespace = namespace_of(target)?;
+        let superblock = Superblock::plan(params.geometry, params.blocks_per_slot, namespace.block_size_bytes, namespace.size_blocks, params.slot_count_max, uuid, device as u32, targets.len() as u32, flags)
+            .map_err(|error| match error {
+                ObjstoreError::NamespaceTooSmall { needed_bytes, available_bytes, .. } => ObjstoreError::NamespaceTooSmall { device, needed_bytes, available_bytes },
+                other => other,
+            })?;
+        if superblock.slot_count > u64::from(u32::MAX) {
+            return Err(ObjstoreError::InvalidFormat { reason: format!("device {device}: {} slots, at most {} supported", superblock.slot_count, u32::MAX) });
+        }
+        planned.push(superblock);
+    }
+    for (target, superblock) in targets.iter().zip(&planned) {
+        let lba = u64::from(superblock.lba_bytes);
+        let mut queue = target.controller.create_io_queue_pair(METADATA_QUEUE_DEPTH)?;
+        let zeros = target.controller.dma().allocate(METADATA_CHUNK_BYTES as usize)?;
+        let region_bytes = superblock.header_region_bytes();
+        let mut done = 0;
+        while done < region_bytes {
+            let piece = (region_bytes - done).min(METADATA_CHUNK_BYTES);
+            write_region(&mut queue, target.namespace, superblock.header_lba + done / lba, &zeros, 0, piece, lba, false, METADATA_TIMEOUT)?;
+            done += piece;
+        }
+        queue.flush(target.namespace, METADATA_TIMEOUT)?;
+        let encoded = superblock.encode();
+        let block = zeros.subregion(0, SUPERBLOCK_REGION_BYTES.max(lba) as usize)?;
+        block.write(0, &encoded)?;
+        write_region(&mut queue, target.namespace, 0, &block, 0, SUPERBLOCK_REGION_BYTES.max(lba), lba, true, METADATA_TIMEOUT)?;
+    }
+    Ok(planned)
+}
+
+impl Pool {
+    /// Opens a pool: reads every superblock, checks that the targets form one whole pool of one
+    /// geometry (and `expected`, if given), reads every slot header and rebuilds the index.
+    /// Targets may be given in any order; the pool orders them by their recorded device index.
+    pub fn open(targets: Vec<PoolTarget>, expected: Option<&ModelGeometry>) -> Result<(Pool, RecoveryReport)> {
+        let mut found = Vec::with_capacity(targets.len());
+        for (position, target) in targets.into_iter().enumerate() {
+            let superblock = read_superblock(&target, position)?;
+            found.push((superblock, target));
+        }
+        let Some((first, _)) = found.first() else {
+            return Err(ObjstoreError::PoolMembership { device: 0, reason: "no devices given".into() });
+        };
+        let first = *first;
+        if let Some(expected) = expected {
+            if *expected != first.geometry {
+                return Err(ObjstoreError::GeometryMismatch { on_disk: first.geometry, registered: *expected });
+            }
+        }
+        for (position, (superblock, _)) in found.iter().enumerate() {
+            let membership = |reason: String| Err(ObjstoreError::PoolMembership { device: position, reason });
+            if superblock.pool_uuid != first.pool_uuid {
+                return membership(format!("belongs to pool {}, the first device to pool {}", format_uuid(&superblock.pool_uuid), format_uuid(&first.pool_uuid)));
+            }
+            if superblock.geometry != first.geometry {
+                return Err(ObjstoreError::GeometryMismatch { on_disk: superblock.geometry, registered: first.geometry });
+            }
+            if superblock.device_count as usize != found.len() {
+                return membership(format!("the pool has {} devices, {} were given", superblock.device_count, found.len()));
+            }
+            if superblock.blocks_per_slot != first.blocks_per_slot || superblock.lba_bytes != first.lba_bytes || superblock.flags != first.flags {
+                return membership(format!("blocks per slot {} / LBA {} B / flags {:#x}, device 0 has {} / {} B / {:#x}", superblock.blocks_per_slot, superblock.lba_bytes, superblock.flags, first.blocks_per_slot, first.lba_bytes, first.flags));
+            }
+        }
+        found.sort_by_key(|(superblock, _)| superblock.device_index);
+        for (index, (superblock, _)) in found.iter().enumerate() {
+            if superblock.device_index as usize != index {
+                return Err(ObjstoreError::PoolMembership { device: index, reason: format!("device index {} given twice or device {index} missing", superblock.device_index) });
+            }
+        }
+        let slot_counts: Vec<u32> = found.iter().map(|(superblock, _)| superblock.slot_count as u32).collect();
+        let mut pool = Pool { devices: Vec::with_capacity(found.len()), index: Index::new(&slot_counts, first.blocks_per_slot), generation: 0, timeout: METADATA_TIMEOUT };
+        let mut report = RecoveryReport { devices: found.len(), ..RecoveryReport::default() };
+        for (superblock, target) in found {
+            let mut queue = target.controller.create_io_queue_pair(METADATA_QUEUE_DEPTH)?;
+            let mirror = target.controller.dma().allocate(superblock.header_region_bytes() as usize)?;
+            read_region(&mut queue, target.namespace, superblock.header_lba, &mirror, 0, superblock.header_region_bytes(), u64::from(superblock.lba_bytes), METADATA_TIMEOUT)?;
+            let scratch = target.controller.dma().allocate((2 * superblock.geometry.object_bytes()).max(SUPERBLOCK_REGION_BYTES) as usize)?;
+            pool.devices.push(PoolDevice { target, queue, superblock, mirror, dirty: None, scratch });
+        }
+        pool.recover(&mut report)?;
+        Ok((pool, report))
+    }
+
+    fn recover(&mut self, report: &mut RecoveryReport) -> Result<()> {
+        let mut entry = Vec::new();
+        let mut losers = Vec::new();
+        for device in 0..self.devices.len() {
+            let superblock = self.devices[device].superblock;
+            entry.resize(superblock.header_entry_bytes as usize, 0);
+            for slot in 0..superblock.slot_count as u32 {
+                report.slots += 1;
+                self.devices[device].mirror.read(superblock.header_offset(slot) as usize, &mut entry)?;
+                match SlotHeader::decode(&entry, slot, &superblock) {
+                    Ok(header) => {
+                        self.generation = self.generation.max(header.generation);
+                        if let Err(loser) = self.index.recover(device as u16, slot, &header.blocks, header.generation) {
+                            losers.push(loser);
+                        }
+                    }
+                    Err(HeaderVerdict::Empty) => report.empty_slots += 1,
+                    Err(HeaderVerdict::Corrupt) => {
+                        report.corrupt_headers += 1;
+                        tracing::warn!(device, slot, "slot header failed its checks; slot returned to the free list");
+                    }
+                }
+            }
+        }
+        // A duplicate key's older copy is freed in memory; its header is rewritten Empty lazily,
+        // when the slot is next allocated (the newer copy wins again on every recovery until then).
+        report.duplicate_slots = losers.len() as u64;
+        self.index.finish_recovery();
+        let counts = self.index.counts();
+        report.valid_slots = counts.valid_slots;
+        report.cached_blocks = counts.cached_blocks;
+        Ok(())
+    }
+
+    /// Changes the deadline of metadata writes and flushes (tests that cut the power use short ones).
+    pub fn set_metadata_timeout(&mut self, timeout: Duration) {
+        self.timeout = timeout;
+    }
+
+    pub fn device_count(&self) -> usize {
+        self.devices.len()
+    }
+
+    pub fn superblock(&self, device: usize) -> &Superblock {
+        &self.devices[device].superblock
+    }
+
+    pub fn geometry(&self) -> &ModelGeometry {
+        &self.devices[0].superblock.geometry
+    }
+
+    pub fn blocks_per_slot(&self) -> u32 {
+        self.devices[0].superblock.blocks_per_slot
+    }
+
+    pub fn index(&self) -> &Index {
+        &self.index
+    }
+
+    pub fn target(&self, device: usize) -> &PoolTarget {
+        &self.devices[device].target
+    }
+
+    /// Records a slot header in the mirror; it reaches the device at the next `sync_headers`.
+    pub(crate) fn stage_header(&mut self, device: u16, slot: u32, state: SlotState, blocks: &[crate::format::BlockRecord], payload_crc: Option<u32>) -> Result<u64> {
+        self.generation += 1;
+        let generation = self.generation;
+        let d = &mut self.devices[usize::from(device)];
+        let superblock = d.superblock;
+        let header = SlotHeader {
+            generation,
+            pool_tag: pool_tag(&superblock.pool_uuid),
+            slot,
+            state,
+            flags: u32::from(payload_crc.is_some()),
+            payload_crc: payload_crc.unwrap_or(0),
+            blocks: blocks.to_vec(),
+        };
+        let mut entry = [0u8; 4096];
+        let entry = &mut entry[..header_entry_bytes(superblock.blocks_per_slot) as usize];
+        if state == SlotState::Empty {
+            entry.fill(0); // an evicted slot reads as never written
+        } else {
+            header.encode_into(entry);
+        }
+        let offset = superblock.header_offset(slot);
+        d.mirror.write(offset as usize, entry)?;
+        let lba = u64::from(superblock.lba_bytes);
+        let (first, end) = (offset / lba, (offset + entry.len() as u64).div_ceil(lba));
+        d.dirty = Some(d.dirty.map_or((first, end), |(a, b)| (a.min(first), b.max(end))));
+        Ok(generation)
+    }
+
+    /// Whether slot `slot`'s header in the mirror is all zeroes (never written, or made Empty).
+    pub(crate) fn header_is_zero(&self, device: u16, slot: u32) -> Result<bool> {
+        let d = &self.devices[usize::from(device)];
+        let mut entry = [0u8; 4096];
+        let entry = &mut entry[..d.superblock.header_entry_bytes as usize];
+        d.mirror.read(d.superblock.header_offset(slot) as usize, entry)?;
+        Ok(entry.iter().all(|&byte| byte == 0))
+    }
+
+    /// Writes every staged header range with FUA and waits: on return they are durable.
+    pub(crate) fn sync_headers(&mut self) -> Result<()> {
+        for d in &mut self.devices {
+            let Some((first, end)) = d.dirty else { continue };
+            let lba = u64::from(d.superblock.lba_bytes);
+            write_region(&mut d.queue, d.target.namespace, d.superblock.header_lba + first, &d.mirror, first * lba, (end - first) * lba, lba, true, self.timeout)?;
+            d.dirty = None;
+        }
+        Ok(())
+    }
+
+    /// Flushes the volatile write cache of the devices in `devices` (a bitmap by index).
+    pub(crate) fn flush(&mut self, devices: &[bool]) -> Result<()> {
+        for (d, &used) in self.devices.iter_mut().zip(devices) {
+            if used {
+                d.queue.flush(d.target.namespace, self.timeout)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The offline check of `tutti pool check`: every header was verified by `open` (counted in
+    /// the report); with `payload`, every valid slot whose header records a payload CRC is read
+    /// back and compared. Returns (slots verified, payload mismatches as (device, slot)).
+    pub fn check_payloads(&mut self, deadline: Instant) -> Result<(u64, Vec<(usize, u32)>)> {
+        let mut verified = 0;
+        let mut bad = Vec::new();
+        let mut entry = Vec::new();
+        let mut bytes = Vec::new();
+        for device in 0..self.devices.len() {
+            let superblock = self.devices[device].superblock;
+            entry.resize(superblock.header_entry_bytes as usize, 0);
+            for slot in 0..superblock.slot_count as u32 {
+                if Instant::now() > deadline {
+                    return Ok((verified, bad));
+                }
+                self.devices[device].mirror.read(superblock.header_offset(slot) as usize, &mut entry)?;
+                let Ok(header) = SlotHeader::decode(&entry, slot, &superblock) else { continue };
+                if header.flags & 1 == 0 {
+                    continue;
+                }
+                let mut crc = crc32fast::Hasher::new();
+                let pair = 2 * superblock.geometry.object_bytes();
+                bytes.resize(pair as usize, 0);
+                for layer in 0..superblock.geometry.layers {
+                    for j in 0..header.blocks.len() as u32 {
+                        let lba = superblock.block_lba(slot, j) + u64::from(layer) * superblock.layer_stride_blocks();
+                        let d = &mut self.devices[device];
+                        read_region(&mut d.queue, d.target.namespace, lba, &d.scratch, 0, pair, u64::from(superblock.lba_bytes), self.timeout)?;
+                        d.scratch.read(0, &mut bytes)?;
+                        crc.update(&bytes);
+                    }
+                }
+                verified += 1;
+                if crc.finalize() != header.payload_crc {
+                    bad.push((device, slot));
+                }
+            }
+        }
+        Ok((verified, bad))
+    }
+}

@@ -1,0 +1,597 @@
+//! The layer-wise API an engine calls (Tutti §3.1–3.2): `prepare_retrieve` / `prepare_store`
+//! do every per-block step once — lookup, pinning, slot choice, IOCTXs written into IOCBs — and
+//! `retrieve_layer` / `store_layer` then only issue the prepared IOCBs for one layer (O(IOCBs),
+//! not O(blocks): gio_uring's per-layer rule moves each IOCTX to the layer).
+//!
+//! Visibility and durability: a stored block enters the index only in `commit_store`, after
+//! every layer completed, the devices were flushed and its slot header was written with FUA. A
+//! slot reused by eviction is first made Empty on disk (in `prepare_store`, before any data is
+//! issued), so a crash never leaves a Valid header over other bytes.
+//!
+//! Scheduling hook: every issue takes an [`SmBudget`] — how many SMs (GPU executor) or workers
+//! (CPU executor) the layer's I/O may use, and the issue happens when the caller calls. The
+//! slack-aware scheduler (crates/scheduler) decides both per layer; [`LayerIssuePolicy`] is the
+//! seam an engine integration implements with it.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use gio_uring::abi::Opcode;
+use gio_uring::{
+    CpuExecutor, Dependency, DeviceIndex, DeviceInfo, DeviceTable, Executor, GioError, GioQueue, IocbId, IocbSpec, IoctxSpec, IovaRange, LayerIndex, Lba, QueueConfig,
+    RegisteredMemory, SmBudget,
+};
+use nvme_driver::{DataPointerMode, DmaAllocator};
+
+use crate::error::{KvKind, ObjstoreError, Result};
+use crate::format::{BlockRecord, SlotState, FLAG_PAYLOAD_CRC};
+use crate::hash::block_keys;
+use crate::index::{BlockLocation, IndexCounts};
+use crate::mapping::{MappingForm, MappingTable, Piece};
+use crate::pool::Pool;
+use crate::registration::KvRegistration;
+
+/// Direction of a prepared request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Direction {
+    Retrieve,
+    Store,
+}
+
+/// Decides the SM (or worker) budget of each layer's issue; the scheduler plugs in here.
+pub trait LayerIssuePolicy {
+    fn budget(&mut self, direction: Direction, layer: u32, iocbs: usize) -> SmBudget;
+}
+
+/// The same budget for every layer.
+#[derive(Debug, Clone, Copy)]
+pub struct FixedBudget(pub SmBudget);
+
+impl LayerIssuePolicy for FixedBudget {
+    fn budget(&mut self, _direction: Direction, _layer: u32, _iocbs: usize) -> SmBudget {
+        self.0
+    }
+}
+
+/// Sizes fixed when the store is built.
+#[derive(Debug, Clone, Copy)]
+pub struct StoreConfig {
+    /// IOCBs in the gio_uring queue (a power of two).
+    pub iocbs: u32,
+    /// IOCTX capacity of each IOCB (<= 2048, the ABI's maximum).
+    pub ioctx_per_iocb_max: u32,
+    /// Requests that may be prepared at once.
+    pub requests_max: usize,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        Self { iocbs: 64, ioctx_per_iocb_max: 2048, requests_max: 32 }
+    }
+}
+
+/// A request: its tokens (only full blocks count) and the engine blocks that hold (store) or
+/// will receive (retrieve) block i of the prefix.
+#[derive(Debug, Clone, Copy)]
+pub struct KvRequest<'a> {
+    pub tokens: &'a [u32],
+    pub block_ids: &'a [u32],
+}
+
+/// Names a prepared request. Stale handles (finished, or of a reused slot) are refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RequestHandle(u64);
+
+impl RequestHandle {
+    fn index(self) -> usize {
+        (self.0 >> 32) as usize
+    }
+}
+
+/// What `prepare_store` decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StorePlan {
+    pub handle: RequestHandle,
+    /// Blocks this request writes.
+    pub new_blocks: usize,
+    /// Blocks already cached or being stored by another request (stored once).
+    pub shared_blocks: usize,
+    /// Committed slots evicted to make room.
+    pub evicted_slots: usize,
+}
+
+#[derive(Debug, Default)]
+struct Request {
+    generation: u32,
+    active: bool,
+    direction: Option<Direction>,
+    iocbs: Vec<IocbId>,
+    /// (device, slot, position, engine block, key) of every block the request moves.
+    blocks: Vec<(BlockLocation, u32, u64)>,
+    /// (device, slot, blocks used) of every slot the request pinned or allocated.
+    slots: Vec<(u16, u32, u16)>,
+    layer_in_flight: Option<u32>,
+    layers_done: Vec<bool>,
+}
+
+/// The layer-wise KV store over one pool, one registration and one gio_uring queue.
+pub struct KvStore<E: Executor> {
+    pool: Pool,
+    table: MappingTable,
+    queue: GioQueue<E>,
+    dma: Arc<dyn DmaAllocator>,
+    config: StoreConfig,
+    requests: Vec<Request>,
+    free_requests: Vec<usize>,
+    keys: Vec<u64>,
+    ioctxs: Vec<IoctxSpec>,
+    device_cursor: usize,
+    crc_scratch: Vec<u8>,
+}
+
+/// A CPU executor with one I/O queue pair per pool device (device index i = pool device i).
+pub fn cpu_executor_for(pool: &Pool, nvme_queue_depth: u32, config: &StoreConfig) -> Result<CpuExecutor> {
+    let mut queues = Vec::with_capacity(pool.device_count());
+    for device in 0..pool.device_count() {
+        queues.push(pool.target(device).controller.create_io_queue_pair(nvme_queue_depth)?);
+    }
+    Ok(CpuExecutor::new(queues, config.iocbs))
+}
+
+impl<E: Executor> KvStore<E> {
+    /// Binds an open pool to the engine's registration: checks the geometry against the
+    /// pool's, builds the mapping table in `dma` (the engine's device address space, shared by
+    /// every pool device), and the gio_uring queue with `executor`.
+    pub fn new(pool: Pool, registration: KvRegistration, dma: Arc<dyn DmaAllocator>, executor: E, config: StoreConfig) -> Result<Self> {
+        if registration.geometry() != pool.geometry() {
+            return Err(ObjstoreError::GeometryMismatch { on_disk: *pool.geometry(), registered: *registration.geometry() });
+        }
+        if config.requests_max == 0 || config.ioctx_per_iocb_max == 0 {
+            return Err(ObjstoreError::BadRequest { reason: format!("store config {config:?}: requests_max and ioctx_per_iocb_max must be positive") });
+        }
+        let k = pool.blocks_per_slot();
+        let table = MappingTable::build(registration, &dma, k)?;
+        let mut devices = Vec::with_capacity(pool.device_count());
+        for device in 0..pool.device_count() {
+            let target = pool.target(device);
+            let namespace = target.controller.namespace(target.namespace)?;
+            let sgl = target.controller.data_pointer_mode() == DataPointerMode::Sgl;
+            if table.registration().mode() == DataPointerMode::Sgl && !sgl {
+                return Err(ObjstoreError::InvalidRegistration { reason: format!("registered for SGL, but pool device {device} ({target:?}) has no SGL support: register for PRP") });
+            }
+            let largest = if table.form() == MappingForm::SglTable { u64::from(k) } else { 1 } * 2 * pool.geometry().object_bytes();
+            if largest > target.controller.max_transfer_bytes() {
+                return Err(ObjstoreError::InvalidRegistration { reason: format!("one command would move {largest} bytes; pool device {device} takes at most {} (MDTS)", target.controller.max_transfer_bytes()) });
+            }
+            devices.push(DeviceInfo { nsid: namespace.id.0, capacity_blocks: namespace.size_blocks, block_bytes: namespace.block_size_bytes, sgl_supported: sgl });
+        }
+        let mut ranges: Vec<IovaRange> = table.registration().extents()?.iter().map(|e| IovaRange::new(gio_uring::Iova(e.start), e.len_bytes)).collect();
+        ranges.extend(table.region_range());
+        let registered = RegisteredMemory::new(ranges).ok_or_else(|| ObjstoreError::InvalidRegistration { reason: "the mapping table overlaps the registered KV memory".into() })?;
+        let queue = GioQueue::init_queue(QueueConfig { depth: config.iocbs, ioctx_per_iocb_max: config.ioctx_per_iocb_max }, DeviceTable::new(devices), registered, executor)?;
+        let layers = pool.geometry().layers as usize;
+        let requests = (0..config.requests_max).map(|_| Request { layers_done: vec![false; layers], ..Request::default() }).collect();
+        Ok(Self {
+            pool,
+            table,
+            queue,
+            dma,
+            config,
+            requests,
+            free_requests: (0..config.requests_max).rev().collect(),
+            keys: Vec::new(),
+            ioctxs: Vec::with_capacity(config.ioctx_per_iocb_max as usize),
+            device_cursor: 0,
+            crc_scratch: Vec::new(),
+        })
+    }
+
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    pub fn table(&self) -> &MappingTable {
+        &self.table
+    }
+
+    pub fn queue_mut(&mut self) -> &mut GioQueue<E> {
+        &mut self.queue
+    }
+
+    pub fn counts(&self) -> IndexCounts {
+        self.pool.index.counts()
+    }
+
+    /// Gives the pool back (every request must be finished).
+    pub fn into_pool(self) -> Pool {
+        self.pool
+    }
+
+    /// The longest cached prefix of `tokens`, in blocks (times block_tokens for tokens).
+    pub fn lookup(&mut self, tokens: &[u32]) -> usize {
+        block_keys(tokens, self.pool.geometry().block_tokens, &mut self.keys);
+        self.pool.index.cached_prefix(&self.keys)
+    }
+
+    fn check_request(&mut self, request: &KvRequest<'_>) -> Result<usize> {
+        let block_tokens = self.pool.geometry().block_tokens as usize;
+        let full = request.tokens.len() / block_tokens;
+        let n = request.block_ids.len();
+        if n == 0 || n > full {
+            return Err(ObjstoreError::BadRequest { reason: format!("{n} block ids for {} tokens ({full} full blocks of {block_tokens}); expected 1..={full}", request.tokens.len()) });
+        }
+        let registration = self.table.registration();
+        for &block in request.block_ids {
+            registration.check_block(block)?;
+        }
+        block_keys(&request.tokens[..n * block_tokens], block_tokens as u32, &mut self.keys);
+        Ok(n)
+    }
+
+    fn take_request(&mut self, direction: Direction) -> Result<usize> {
+        let index = self.free_requests.pop().ok_or(ObjstoreError::TooManyRequests { max: self.config.requests_max })?;
+        let request = &mut self.requests[index];
+        request.generation = request.generation.wrapping_add(1);
+        request.active = true;
+        request.direction = Some(direction);
+        request.iocbs.clear();
+        request.blocks.clear();
+        request.slots.clear();
+        request.layer_in_flight = None;
+        request.layers_done.fill(false);
+        Ok(index)
+    }
+
+    fn handle_of(&self, index: usize) -> RequestHandle {
+        RequestHandle((index as u64) << 32 | u64::from(self.requests[index].generation))
+    }
+
+    fn request_index(&self, handle: RequestHandle) -> Result<usize> {
+        let index = handle.index();
+        match self.requests.get(index) {
+            Some(request) if request.active && u64::from(request.generation) == handle.0 & 0xFFFF_FFFF => Ok(index),
+            _ => Err(ObjstoreError::UnknownHandle { handle: handle.0 }),
+        }
+    }
+
+    /// Prepares reading blocks 0..n of `request`'s prefix (n = block_ids.len(), all cached: call
+    /// `lookup` first) into the engine blocks `block_ids`. Pins their slots until `finish`.
+    pub fn prepare_retrieve(&mut self, request: &KvRequest<'_>) -> Result<RequestHandle> {
+        let n = self.check_request(request)?;
+        let cached = self.pool.index.cached_prefix(&self.keys[..n]);
+        if cached < n {
+            return Err(ObjstoreError::BadRequest { reason: format!("block {cached} of the prefix is not cached (lookup found {cached} of {n})") });
+        }
+        let index = self.take_request(Direction::Retrieve)?;
+        let mut blocks = std::mem::take(&mut self.requests[index].blocks);
+        let mut slots = std::mem::take(&mut self.requests[index].slots);
+        for (i, &key) in self.keys[..n].iter().enumerate() {
+            let location = self.pool.index.get(key).expect("cached_prefix saw every key");
+            self.pool.index.pin(location.device, location.slot);
+            self.pool.index.touch(location.device, location.slot);
+            slots.push((location.device, location.slot, 0));
+            blocks.push((location, request.block_ids[i], key));
+        }
+        self.requests[index].blocks = blocks;
+        self.requests[index].slots = slots;
+        if let Err(error) = self.build_iocbs(index, Opcode::Read) {
+            self.release(index);
+            return Err(error);
+        }
+        Ok(self.handle_of(index))
+    }
+
+    /// Prepares storing `request`'s blocks: blocks already cached or in flight elsewhere are
+    /// shared, the rest get slots (k consecutive new blocks per slot, slots round-robin across
+    /// devices, LRU eviction when full) and prepared IOCTXs.
+    pub fn prepare_store(&mut self, request: &KvRequest<'_>) -> Result<StorePlan> {
+        let n = self.check_request(request)?;
+        let index = self.take_request(Direction::Store)?;
+        let k = self.pool.blocks_per_slot() as usize;
+        let mut blocks = std::mem::take(&mut self.requests[index].blocks);
+        let mut slots = std::mem::take(&mut self.requests[index].slots);
+        let mut shared = 0;
+        let mut evicted = 0;
+        let mut failure = None;
+        for i in 0..n {
+            let key = self.keys[i];
+            if self.pool.index.get(key).is_some() || self.pool.index.is_pending(key) {
+                shared += 1;
+                continue;
+            }
+            let open_slot = slots.last().filter(|s| usize::from(s.2) < k).copied();
+            let (device, slot, used) = match open_slot {
+                Some(open) => open,
+                None => match self.allocate_slot() {
+                    Some(allocation) => {
+                        evicted += usize::from(allocation.evicted);
+                        // A slot whose header is not all zeroes (evicted, or left by a failed
+                        // commit or a duplicate found at recovery) must read Empty on disk
+                        // before its data is overwritten.
+                        let stale = allocation.evicted || !self.pool.header_is_zero(allocation.device, allocation.slot).unwrap_or(false);
+                        if stale {
+                            if let Err(error) = self.pool.stage_header(allocation.device, allocation.slot, SlotState::Empty, &[], None) {
+                                failure = Some(error);
+                                break;
+                            }
+                        }
+                        slots.push((allocation.device, allocation.slot, 0));
+                        (allocation.device, allocation.slot, 0)
+                    }
+                    None => {
+                        failure = Some(ObjstoreError::PoolFull { needed: (n - i).div_ceil(k), evictable: 0 });
+                        break;
+                    }
+                },
+            };
+            slots.last_mut().expect("pushed above").2 = used + 1;
+            self.pool.index.add_pending(key);
+            blocks.push((BlockLocation { device, slot, index: used }, request.block_ids[i], key));
+        }
+        self.requests[index].blocks = blocks;
+        self.requests[index].slots = slots;
+        // Evicted slots must read Empty on disk before new data can land in them.
+        let result = match failure {
+            Some(error) => Err(error),
+            None => self.pool.sync_headers().and_then(|()| if self.requests[index].blocks.is_empty() { Ok(()) } else { self.build_iocbs(index, Opcode::Write) }),
+        };
+        if let Err(error) = result {
+            self.release(index);
+            return Err(error);
+        }
+        Ok(StorePlan { handle: self.handle_of(index), new_blocks: self.requests[index].blocks.len(), shared_blocks: shared, evicted_slots: evicted })
+    }
+
+    fn allocate_slot(&mut self) -> Option<crate::index::Allocation> {
+        let devices = self.pool.device_count();
+        for attempt in 0..devices {
+            let device = (self.device_cursor + attempt) % devices;
+            if let Some(allocation) = self.pool.index.allocate_on(device as u16) {
+                self.device_cursor = (device + 1) % devices;
+                return Some(allocation);
+            }
+        }
+        None
+    }
+
+    /// Turns the request's blocks into IOCTXs (merging runs of consecutive positions and engine
+    /// blocks on the SGL table path) and fills IOCBs with them.
+    fn build_iocbs(&mut self, index: usize, opcode: Opcode) -> Result<()> {
+        self.ioctxs.clear();
+        let mergeable = self.table.form() == MappingForm::SglTable;
+        let blocks = &self.requests[index].blocks;
+        let mut i = 0;
+        let mut pieces = [Piece { disk_offset_bytes: 0, len_bytes: 0, data: nvme_driver::Iova(0), descriptor: gio_uring::Descriptor::SglInline }; 2];
+        while i < blocks.len() {
+            let (first, engine_block, _) = blocks[i];
+            let mut run = 1;
+            while mergeable && i + run < blocks.len() {
+                let (next, next_block, _) = blocks[i + run];
+                let follows = next.device == first.device && next.slot == first.slot && usize::from(next.index) == usize::from(first.index) + run && next_block as usize == engine_block as usize + run;
+                if !follows {
+                    break;
+                }
+                run += 1;
+            }
+            let device = &self.pool.devices[usize::from(first.device)];
+            let superblock = &device.superblock;
+            let lba_bytes = u64::from(superblock.lba_bytes);
+            let start = superblock.block_lba(first.slot, u32::from(first.index));
+            let count = self.table.pieces(engine_block, run as u32, &mut pieces);
+            for piece in &pieces[..count] {
+                self.ioctxs.push(IoctxSpec {
+                    device: DeviceIndex(first.device),
+                    nsid: device.target.namespace.0,
+                    start_lba: Lba(start + piece.disk_offset_bytes / lba_bytes),
+                    block_count: (piece.len_bytes / lba_bytes) as u32,
+                    data: gio_uring::Iova(piece.data.0),
+                    descriptor: piece.descriptor,
+                    force_unit_access: false,
+                });
+            }
+            i += run;
+        }
+        let per_iocb = self.config.ioctx_per_iocb_max as usize;
+        let iocb_count = self.ioctxs.len().div_ceil(per_iocb);
+        let ids = self.queue.get_iocb(iocb_count, Dependency::None)?;
+        let superblock = self.pool.superblock(0);
+        let spec = IocbSpec {
+            opcode,
+            user_data: self.handle_of(index).0,
+            layer_count: self.pool.geometry().layers,
+            lba_stride_blocks: superblock.layer_stride_blocks(),
+            mem_stride_bytes: self.table.mem_stride_bytes(),
+            desc_stride_bytes: self.table.desc_stride_bytes(),
+        };
+        self.requests[index].iocbs.extend_from_slice(&ids);
+        for (id, chunk) in ids.iter().zip(self.ioctxs.chunks(per_iocb)) {
+            self.queue.fill_iocb(*id, &spec, chunk)?;
+        }
+        Ok(())
+    }
+
+    fn issue(&mut self, handle: RequestHandle, layer: u32, budget: SmBudget, direction: Direction) -> Result<()> {
+        let index = self.request_index(handle)?;
+        self.table.registration().check_layer(layer)?;
+        let request = &self.requests[index];
+        if request.direction != Some(direction) {
+            return Err(ObjstoreError::HandleState { handle: handle.0, reason: format!("prepared for {:?}, not {direction:?}", request.direction) });
+        }
+        if let Some(previous) = request.layer_in_flight {
+            return Err(ObjstoreError::HandleState { handle: handle.0, reason: format!("layer {previous} is still in flight: wait for it before issuing layer {layer}") });
+        }
+        if request.iocbs.is_empty() {
+            self.requests[index].layers_done[layer as usize] = true; // nothing to move (all shared)
+            return Ok(());
+        }
+        self.queue.issue_io(&self.requests[index].iocbs, LayerIndex(layer), budget)?;
+        self.requests[index].layer_in_flight = Some(layer);
+        Ok(())
+    }
+
+    /// Issues the prepared reads of one layer (O(IOCBs)). Wait with [`KvStore::wait`].
+    pub fn retrieve_layer(&mut self, handle: RequestHandle, layer: u32, budget: SmBudget) -> Result<()> {
+        self.issue(handle, layer, budget, Direction::Retrieve)
+    }
+
+    /// Issues the prepared writes of one layer (O(IOCBs)). Wait with [`KvStore::wait`].
+    pub fn store_layer(&mut self, handle: RequestHandle, layer: u32, budget: SmBudget) -> Result<()> {
+        self.issue(handle, layer, budget, Direction::Store)
+    }
+
+    /// Waits (until `deadline`) for the layer in flight; returns it, or `None` if none was.
+    pub fn wait(&mut self, handle: RequestHandle, deadline: Instant) -> Result<Option<u32>> {
+        let index = self.request_index(handle)?;
+        let Some(layer) = self.requests[index].layer_in_flight else { return Ok(None) };
+        for i in 0..self.requests[index].iocbs.len() {
+            let id = self.requests[index].iocbs[i];
+            let completion = self.queue.wait_cqe(id, deadline)?;
+            if let Err(failure) = completion.result {
+                self.requests[index].layer_in_flight = None;
+                return Err(ObjstoreError::LayerIo { layer, iocb: id.to_string(), failure });
+            }
+        }
+        self.requests[index].layer_in_flight = None;
+        self.requests[index].layers_done[layer as usize] = true;
+        Ok(Some(layer))
+    }
+
+    /// Non-blocking: `Ok(true)` once nothing is in flight for the request (the layer that was
+    /// is then complete, or its failure is returned).
+    pub fn poll(&mut self, handle: RequestHandle) -> Result<bool> {
+        let index = self.request_index(handle)?;
+        if self.requests[index].layer_in_flight.is_none() {
+            return Ok(true);
+        }
+        match self.wait(handle, Instant::now()) {
+            Ok(_) => Ok(true),
+            Err(ObjstoreError::Gio(GioError::WaitTimeout { .. })) => Ok(false),
+            Err(error) => Err(error),
+        }
+    }
+
+    /// Makes a store durable and visible: every layer must have completed. Flushes the devices
+    /// written, records payload CRCs if the pool keeps them, writes the slot headers with FUA,
+    /// then enters the blocks into the index. Finishes the handle.
+    pub fn commit_store(&mut self, handle: RequestHandle) -> Result<usize> {
+        let index = self.request_index(handle)?;
+        let request = &self.requests[index];
+        if request.direction != Some(Direction::Store) {
+            return Err(ObjstoreError::HandleState { handle: handle.0, reason: "not a store".into() });
+        }
+        if request.layer_in_flight.is_some() || request.layers_done.iter().any(|done| !done) {
+            let missing = request.layers_done.iter().filter(|done| !**done).count();
+            return Err(ObjstoreError::HandleState { handle: handle.0, reason: format!("{missing} layers not stored yet (in flight: {:?})", request.layer_in_flight) });
+        }
+        let mut used = vec![false; self.pool.device_count()];
+        for &(device, _, _) in &request.slots {
+            used[usize::from(device)] = true;
+        }
+        let result = self.pool.flush(&used).and_then(|()| self.stage_valid_headers(index)).and_then(|()| self.pool.sync_headers());
+        if let Err(error) = result {
+            // Headers staged Valid must not reach the disk for slots that go back to the free
+            // list (their data may not be durable): stage them Empty again; the next
+            // `sync_headers` (always before new data is issued) writes them.
+            for s in 0..self.requests[index].slots.len() {
+                let (device, slot, _) = self.requests[index].slots[s];
+                let _ = self.pool.stage_header(device, slot, SlotState::Empty, &[], None);
+            }
+            self.release(index);
+            return Err(error);
+        }
+        let stored = self.requests[index].blocks.len();
+        let slots = std::mem::take(&mut self.requests[index].slots);
+        let blocks = std::mem::take(&mut self.requests[index].blocks);
+        for &(device, slot, _) in &slots {
+            let keys: Vec<u64> = blocks.iter().filter(|(l, _, _)| l.device == device && l.slot == slot).map(|(_, _, key)| *key).collect();
+            let generation = self.pool.index.generation_of(device, slot).max(self.pool.generation);
+            self.pool.index.commit(device, slot, &keys, generation);
+        }
+        self.requests[index].slots = slots;
+        self.requests[index].blocks = blocks;
+        self.requests[index].slots.clear(); // committed: nothing left to release
+        self.release(index);
+        Ok(stored)
+    }
+
+    fn stage_valid_headers(&mut self, index: usize) -> Result<()> {
+        let geometry = *self.pool.geometry();
+        let crc = self.pool.superblock(0).flags & FLAG_PAYLOAD_CRC != 0;
+        let mut records = Vec::with_capacity(self.pool.blocks_per_slot() as usize);
+        for s in 0..self.requests[index].slots.len() {
+            let (device, slot, _) = self.requests[index].slots[s];
+            records.clear();
+            let mut engine_blocks = Vec::new();
+            for (location, block, key) in &self.requests[index].blocks {
+                if location.device == device && location.slot == slot {
+                    records.push(BlockRecord { key: *key, token_count: geometry.block_tokens });
+                    engine_blocks.push(*block);
+                }
+            }
+            let payload_crc = if crc { Some(self.payload_crc(&engine_blocks)?) } else { None };
+            self.pool.stage_header(device, slot, SlotState::Valid, &records, payload_crc)?;
+        }
+        Ok(())
+    }
+
+    /// CRC32 of a slot's payload in disk order ([layer][block][K, V]), read from the engine's
+    /// memory (which must be host-visible through `dma`).
+    fn payload_crc(&mut self, engine_blocks: &[u32]) -> Result<u32> {
+        let geometry = *self.pool.geometry();
+        let object = geometry.object_bytes() as usize;
+        self.crc_scratch.resize(object, 0);
+        let mut crc = crc32fast::Hasher::new();
+        for layer in 0..geometry.layers {
+            for &block in engine_blocks {
+                for kind in [KvKind::Key, KvKind::Value] {
+                    let address = self.table.registration().object_address(layer, kind, block)?;
+                    let region = self.dma.translate(address, object)?;
+                    region.read(0, &mut self.crc_scratch)?;
+                    crc.update(&self.crc_scratch);
+                }
+            }
+        }
+        Ok(crc.finalize())
+    }
+
+    /// Ends a request without committing: a retrieve's pins are dropped; a store's slots go back
+    /// to the free list (their headers already read Empty). Not while a layer is in flight: the
+    /// device may still be moving its bytes.
+    pub fn finish(&mut self, handle: RequestHandle) -> Result<()> {
+        let index = self.request_index(handle)?;
+        if let Some(layer) = self.requests[index].layer_in_flight {
+            return Err(ObjstoreError::HandleState { handle: handle.0, reason: format!("layer {layer} in flight: wait for it first") });
+        }
+        self.release(index);
+        Ok(())
+    }
+
+    fn release(&mut self, index: usize) {
+        let request = &mut self.requests[index];
+        let direction = request.direction;
+        for &(device, slot, _) in &request.slots {
+            match direction {
+                Some(Direction::Retrieve) => self.pool.index.unpin(device, slot),
+                _ => self.pool.index.release_unwritten(device, slot),
+            }
+        }
+        if direction == Some(Direction::Store) {
+            for (_, _, key) in &request.blocks {
+                self.pool.index.remove_pending(*key);
+            }
+        }
+        for &id in &request.iocbs {
+            // Only fails for an IOCB in flight, which `finish` refuses before getting here.
+            if let Err(error) = self.queue.put_iocb(id) {
+                tracing::warn!(%error, "returning an IOCB");
+            }
+        }
+        let request = &mut self.requests[index];
+        request.iocbs.clear();
+        request.slots.clear();
+        request.blocks.clear();
+        request.active = false;
+        request.layer_in_flight = None;
+        self.free_requests.push(index);
+    }
+}

@@ -1,0 +1,192 @@
+//! A pool on the software controller, the engine's KV memory in that controller's DMA space, and
+//! helpers to fill and check KV blocks with bytes derived from their key.
+#![allow(dead_code)]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use gio_uring::{CpuExecutor, SmBudget};
+use nvme_driver::hw::DeviceBackend;
+use nvme_driver::{Controller, ControllerConfig, DataPointerMode, DmaAllocator, DmaRegion, Iova, NamespaceId};
+use nvme_emu::{Backing, EmuConfig, EmuDevice, NamespaceConfig};
+use objstore::hash::block_keys;
+use objstore::{cpu_executor_for, format_pool, FormatParams, KvKind, KvLayout, KvRegistration, KvRequest, KvStore, ModelGeometry, Pool, PoolTarget, StoreConfig};
+
+/// 4 layers, 4 KiB objects (16 tokens x 2 heads x 64 x 2 B), 32 KiB per block.
+pub fn geometry() -> ModelGeometry {
+    ModelGeometry { layers: 4, kv_heads: 2, head_dim: 64, dtype_bytes: 2, block_tokens: 16 }
+}
+
+pub const BUDGET: SmBudget = SmBudget(1);
+
+pub fn deadline() -> Instant {
+    Instant::now() + Duration::from_secs(10)
+}
+
+/// SplitMix64, for reproducible tests.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+    pub fn tokens(&mut self, count: usize) -> Vec<u32> {
+        (0..count).map(|_| self.next() as u32).collect()
+    }
+}
+
+pub fn start_device(namespaces: Vec<NamespaceConfig>, backing_bytes: u64, sgl: bool) -> Arc<EmuDevice> {
+    let config = EmuConfig::default().with_backing(Backing::Memory { bytes: backing_bytes }).with_namespaces(namespaces).with_mdts(8).with_sgl(sgl);
+    EmuDevice::start(config).expect("software controller")
+}
+
+pub fn bring_up(device: &Arc<EmuDevice>, admin_timeout: Duration) -> Arc<Controller> {
+    let backend: Arc<dyn DeviceBackend> = device.clone();
+    Arc::new(Controller::init(backend, ControllerConfig { admin_timeout, ..ControllerConfig::default() }).expect("bring-up"))
+}
+
+pub fn targets(controller: &Arc<Controller>, namespaces: &[u32]) -> Vec<PoolTarget> {
+    namespaces.iter().map(|&ns| PoolTarget { controller: controller.clone(), namespace: NamespaceId(ns) }).collect()
+}
+
+pub fn format(targets: &[PoolTarget], k: u32, slots: Option<u64>) {
+    let params = FormatParams { geometry: geometry(), blocks_per_slot: k, slot_count_max: slots, pool_uuid: None, payload_crc: true };
+    format_pool(targets, &params).expect("format");
+}
+
+/// The engine's KV memory: per-layer K and V tensors allocated separately (irregular bases:
+/// the SGL-table path), or one block-major region.
+pub struct Engine {
+    pub regions: Vec<DmaRegion>,
+    pub registration: KvRegistration,
+    pub dma: Arc<dyn DmaAllocator>,
+}
+
+pub fn separate_kv(dma: &Arc<dyn DmaAllocator>, num_blocks: u32, mode: DataPointerMode) -> Engine {
+    let g = geometry();
+    let bytes = (g.object_bytes() * u64::from(num_blocks)) as usize;
+    let regions: Vec<DmaRegion> = (0..2 * g.layers).map(|_| dma.allocate(bytes).unwrap()).collect();
+    // Interleave so V is not at a fixed offset from K.
+    let key_bases = (0..g.layers as usize).map(|l| regions[2 * l + 1].iova()).collect();
+    let value_bases = (0..g.layers as usize).map(|l| regions[2 * l].iova()).collect();
+    let layout = KvLayout::SeparateKv { key_bases, value_bases, block_stride_bytes: g.object_bytes() };
+    let registration = KvRegistration::new(g, num_blocks, layout, mode).expect("registration");
+    Engine { regions, registration, dma: dma.clone() }
+}
+
+pub fn block_major(dma: &Arc<dyn DmaAllocator>, num_blocks: u32, mode: DataPointerMode) -> Engine {
+    let g = geometry();
+    let region = dma.allocate((g.block_bytes() * u64::from(num_blocks)) as usize).unwrap();
+    let layout = KvLayout::BlockMajor { base: region.iova(), block_stride_bytes: g.block_bytes() };
+    let registration = KvRegistration::new(g, num_blocks, layout, mode).expect("registration");
+    Engine { regions: vec![region], registration, dma: dma.clone() }
+}
+
+/// The bytes object (layer, kind) of the block with `key` must hold.
+pub fn pattern(key: u64, layer: u32, kind: KvKind, out: &mut [u8]) {
+    let mut rng = Rng(key ^ (u64::from(layer) << 1 | u64::from(kind == KvKind::Value)).wrapping_mul(0x1000_0000_01B3));
+    for chunk in out.chunks_mut(8) {
+        let word = rng.next().to_le_bytes();
+        chunk.copy_from_slice(&word[..chunk.len()]);
+    }
+}
+
+impl Engine {
+    fn object(&self, layer: u32, kind: KvKind, block: u32) -> DmaRegion {
+        let address: Iova = self.registration.object_address(layer, kind, block).unwrap();
+        self.dma.translate(address, self.registration.geometry().object_bytes() as usize).unwrap()
+    }
+
+    /// Fills engine block `block` with the pattern of `key`.
+    pub fn fill(&self, block: u32, key: u64) {
+        let g = self.registration.geometry();
+        let mut bytes = vec![0u8; g.object_bytes() as usize];
+        for layer in 0..g.layers {
+            for kind in [KvKind::Key, KvKind::Value] {
+                pattern(key, layer, kind, &mut bytes);
+                let region = self.object(layer, kind, block);
+                let offset = (self.registration.object_address(layer, kind, block).unwrap().0 - region.iova().0) as usize;
+                region.write(offset, &bytes).unwrap();
+            }
+        }
+    }
+
+    pub fn scribble(&self, block: u32) {
+        let g = self.registration.geometry();
+        for layer in 0..g.layers {
+            for kind in [KvKind::Key, KvKind::Value] {
+                let address = self.registration.object_address(layer, kind, block).unwrap();
+                let region = self.object(layer, kind, block);
+                region.fill((address.0 - region.iova().0) as usize, g.object_bytes() as usize, 0xEE).unwrap();
+            }
+        }
+    }
+
+    /// Whether engine block `block` holds the pattern of `key` in every layer below `layers`.
+    pub fn holds(&self, block: u32, key: u64, layers: u32) -> bool {
+        let g = self.registration.geometry();
+        let mut expected = vec![0u8; g.object_bytes() as usize];
+        let mut found = vec![0u8; g.object_bytes() as usize];
+        for layer in 0..layers {
+            for kind in [KvKind::Key, KvKind::Value] {
+                pattern(key, layer, kind, &mut expected);
+                let address = self.registration.object_address(layer, kind, block).unwrap();
+                let region = self.object(layer, kind, block);
+                region.read((address.0 - region.iova().0) as usize, &mut found).unwrap();
+                if found != expected {
+                    return false;
+                }
+            }
+        }
+        true
+    }
+}
+
+pub fn keys_of(tokens: &[u32]) -> Vec<u64> {
+    let mut keys = Vec::new();
+    block_keys(tokens, geometry().block_tokens, &mut keys);
+    keys
+}
+
+pub fn open_store(targets: Vec<PoolTarget>, engine: &Engine, config: StoreConfig) -> KvStore<CpuExecutor> {
+    let (pool, report) = Pool::open(targets, Some(&geometry())).expect("open");
+    eprintln!("open: {report:?}");
+    let executor = cpu_executor_for(&pool, 256, &config).expect("executor");
+    KvStore::new(pool, engine.registration.clone(), engine.dma.clone(), executor, config).expect("store")
+}
+
+/// Stores `tokens` from engine blocks `blocks` (filled with their keys' patterns first), layer
+/// by layer, and commits.
+pub fn store(store: &mut KvStore<CpuExecutor>, engine: &Engine, tokens: &[u32], blocks: &[u32]) -> objstore::StorePlan {
+    let keys = keys_of(tokens);
+    for (i, &block) in blocks.iter().enumerate() {
+        engine.fill(block, keys[i]);
+    }
+    let plan = store.prepare_store(&KvRequest { tokens, block_ids: blocks }).expect("prepare_store");
+    for layer in 0..geometry().layers {
+        store.store_layer(plan.handle, layer, BUDGET).expect("store_layer");
+        store.wait(plan.handle, deadline()).expect("wait");
+    }
+    store.commit_store(plan.handle).expect("commit");
+    plan
+}
+
+/// Retrieves the first `blocks.len()` blocks of `tokens` into `blocks`, layer by layer.
+pub fn retrieve(store: &mut KvStore<CpuExecutor>, engine: &Engine, tokens: &[u32], blocks: &[u32]) {
+    for &block in blocks {
+        engine.scribble(block);
+    }
+    let handle = store.prepare_retrieve(&KvRequest { tokens, block_ids: blocks }).expect("prepare_retrieve");
+    for layer in 0..geometry().layers {
+        store.retrieve_layer(handle, layer, BUDGET).expect("retrieve_layer");
+        assert_eq!(store.wait(handle, deadline()).expect("wait"), Some(layer));
+    }
+    store.finish(handle).expect("finish");
+}
