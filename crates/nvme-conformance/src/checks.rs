@@ -85,6 +85,7 @@ pub(crate) const ALL: &[Check] = &[
     Check { name: "corrupted_command_id_detected", run: corrupted_command_id_detected },
     Check { name: "fatal_status_then_reset", run: fatal_status_then_reset },
     Check { name: "reset_and_continue", run: reset_and_continue },
+    Check { name: "detached_queue_pair", run: detached_queue_pair },
     Check { name: "data_integrity", run: data_integrity },
 ];
 
@@ -528,5 +529,62 @@ fn data_integrity(context: &Context) -> Outcome {
             verify_pattern(piece, 0, chunk / 16, seed, offset + (piece_index * chunk / 16) as u64).map_err(Failure)?;
         }
     }
+    Ok(Verdict::Passed)
+}
+
+/// Goal: a queue pair created for another agent (as the GPU executor uses them) works when that
+/// agent writes entries and rings doorbells itself: here the check plays the agent from the CPU.
+fn detached_queue_pair(context: &Context) -> Outcome {
+    use std::sync::atomic::Ordering;
+    use nvme_driver::spec::{CompletionEntry, SUBMISSION_ENTRY_BYTES};
+    let controller = bring_up(context, DataPointerPreference::Prp)?;
+    let namespace = first_namespace(&controller)?;
+    let depth = 16u32;
+    let submission = controller.dma().allocate(depth as usize * SUBMISSION_ENTRY_BYTES)?;
+    let completion = controller.dma().allocate(depth as usize * 16)?;
+    let detached = controller.create_detached_queue_pair(depth, Some((submission.clone(), completion.clone())))?;
+    let layout = detached.layout();
+    ensure!(layout.submission_iova == submission.iova(), "layout names another submission ring");
+    let block = namespace.block_size_bytes;
+    let buffer = controller.dma().allocate(block as usize)?;
+    fill_pattern(&buffer, 0, block as usize, 41, 0)?;
+    // Write one block with PRP1, then read it back into a second buffer.
+    let sink = controller.dma().allocate(block as usize)?;
+    let mut write = SubmissionEntry::write(namespace.id, Lba(5), 1, false);
+    write.set_command_id(nvme_driver::CommandId(1));
+    write.dptr = [buffer.iova().0, 0];
+    let mut read = SubmissionEntry::read(namespace.id, Lba(5), 1);
+    read.set_command_id(nvme_driver::CommandId(2));
+    read.dptr = [sink.iova().0, 0];
+    submission.write(0, &write.to_bytes())?;
+    // Commands in one SQ may complete in any order, so the read is submitted only after the write
+    // completed: one doorbell per entry.
+    let registers = controller.registers();
+    registers.write32(layout.submission_doorbell_offset, 1);
+    let wait_entry = |index: usize| -> Result<CompletionEntry, Failure> {
+        let deadline = deadline(context);
+        loop {
+            let dword3 = completion.load_u32(index * 16 + CompletionEntry::DWORD3_OFFSET, Ordering::Acquire)?;
+            if CompletionEntry::decode_dword3(dword3).2 {
+                let mut bytes = [0u8; 16];
+                completion.read(index * 16, &mut bytes)?;
+                return Ok(CompletionEntry::from_bytes(&bytes));
+            }
+            ensure!(Instant::now() < deadline, "no completion in slot {index} of the detached CQ");
+            std::thread::yield_now();
+        }
+    };
+    let first = wait_entry(0)?;
+    ensure!(first.command_id == 1 && first.status().is_ok(), "write completion {first:?}");
+    submission.write(SUBMISSION_ENTRY_BYTES, &read.to_bytes())?;
+    registers.write32(layout.submission_doorbell_offset, 2);
+    let second = wait_entry(1)?;
+    ensure!(second.command_id == 2 && second.status().is_ok(), "read completion {second:?}");
+    registers.write32(layout.completion_doorbell_offset, 2);
+    verify_pattern(&sink, 0, block as usize, 41, 0).map_err(Failure)?;
+    drop(detached);
+    // The queue id is free again: an ordinary queue pair can be created and used.
+    let mut queue = queue(&controller, 16)?;
+    queue.read(namespace.id, Lba(5), &[DataSegment::new(sink.iova(), block)], context.config.timeout)?;
     Ok(Verdict::Passed)
 }

@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crate::datapath::{DataPointerMode, PAGE_BYTES, PRP_LIST_ENTRIES_MAX};
+use crate::detached::{DetachedQueueLayout, DetachedQueuePair};
 use crate::error::NvmeError;
 use crate::hw::{DeviceBackend, DmaAllocator, DmaRegion, RegisterIo};
 use crate::io::IoQueuePair;
@@ -13,7 +14,7 @@ use crate::queue::{Completion, QueuePair};
 use crate::spec::command::{FeatureId, IdentifyCns, LogPageId};
 use crate::spec::identify::parse_active_namespaces;
 use crate::spec::registers::{self, Capabilities, ControllerConfiguration, ControllerStatus, Version};
-use crate::spec::{IdentifyController, IdentifyNamespace, SubmissionEntry, IDENTIFY_BYTES};
+use crate::spec::{IdentifyController, IdentifyNamespace, SubmissionEntry, COMPLETION_ENTRY_BYTES, IDENTIFY_BYTES, SUBMISSION_ENTRY_BYTES};
 use crate::types::{NamespaceId, QueueId};
 
 /// Which data pointer the driver uses for I/O.
@@ -302,17 +303,64 @@ impl Controller {
         if !(2..=max).contains(&depth) {
             return Err(NvmeError::InvalidQueueDepth { requested: depth, max });
         }
-        let id = {
-            let mut ids = self.admin.queue_ids_in_use.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-            let free = ids.iter().position(|used| !used).ok_or(NvmeError::NoQueueAvailable { granted: self.granted_queue_pairs })?;
-            ids[free] = true;
-            QueueId(free as u16)
-        };
+        let id = self.reserve_queue_id()?;
         let result = self.create_queue_with_id(id, depth);
         if result.is_err() {
             self.admin.release_queue_id(id);
         }
         result
+    }
+
+    /// Creates an I/O queue pair that another agent (a GPU kernel) drives: the host programs the
+    /// controller with `submission`/`completion` (or freshly allocated DMA memory when `None`),
+    /// then never touches the rings. The returned layout has the ring addresses and doorbell
+    /// offsets that agent needs.
+    pub fn create_detached_queue_pair(&self, depth: u32, rings: Option<(DmaRegion, DmaRegion)>) -> Result<DetachedQueuePair, NvmeError> {
+        let max = self.capabilities.max_queue_entries();
+        if !(2..=max).contains(&depth) {
+            return Err(NvmeError::InvalidQueueDepth { requested: depth, max });
+        }
+        let (submission, completion) = match rings {
+            Some(rings) => rings,
+            None => (self.dma.allocate(depth as usize * SUBMISSION_ENTRY_BYTES)?, self.dma.allocate(depth as usize * COMPLETION_ENTRY_BYTES)?),
+        };
+        DetachedQueuePair::validate_rings(depth, &submission, &completion)?;
+        completion.fill(0, depth as usize * COMPLETION_ENTRY_BYTES, 0)?;
+        let id = self.reserve_queue_id()?;
+        let stride = self.capabilities.doorbell_stride_log2();
+        let layout = DetachedQueueLayout {
+            id,
+            depth,
+            submission_iova: submission.iova(),
+            completion_iova: completion.iova(),
+            submission_host_address: submission.host_address(),
+            completion_host_address: completion.host_address(),
+            submission_doorbell_offset: registers::doorbell_offset(id.0, false, stride),
+            completion_doorbell_offset: registers::doorbell_offset(id.0, true, stride),
+        };
+        let created = self.admin_command(SubmissionEntry::create_io_completion_queue(id.0, depth, completion.iova().0)).and_then(|_| {
+            self.admin_command(SubmissionEntry::create_io_submission_queue(id.0, depth, submission.iova().0, id.0)).inspect_err(|_| {
+                let _ = self.admin_command(SubmissionEntry::delete_io_completion_queue(id.0));
+            })
+        });
+        if let Err(error) = created {
+            self.admin.release_queue_id(id);
+            return Err(error);
+        }
+        let epoch = self.admin.epoch.load(Ordering::Acquire);
+        Ok(DetachedQueuePair::new(layout, submission, completion, Arc::clone(&self.admin), epoch))
+    }
+
+    fn reserve_queue_id(&self) -> Result<QueueId, NvmeError> {
+        let mut ids = self.admin.queue_ids_in_use.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let free = ids.iter().position(|used| !used).ok_or(NvmeError::NoQueueAvailable { granted: self.granted_queue_pairs })?;
+        ids[free] = true;
+        Ok(QueueId(free as u16))
+    }
+
+    /// The controller's register space (for mapping doorbells into another agent).
+    pub fn registers(&self) -> &Arc<dyn RegisterIo> {
+        &self.registers
     }
 
     fn create_queue_with_id(&self, id: QueueId, depth: u32) -> Result<IoQueuePair, NvmeError> {

@@ -12,6 +12,7 @@
 #![deny(unsafe_code)]
 
 mod controller;
+mod detached;
 pub mod datapath;
 mod error;
 pub mod hw;
@@ -22,6 +23,7 @@ pub mod types;
 
 pub use controller::{BringUpStage, Controller, ControllerConfig, DataPointerPreference, Namespace};
 pub use datapath::{DataPointerMode, DataSegment};
+pub use detached::{DetachedQueueLayout, DetachedQueuePair};
 pub use error::NvmeError;
 pub use hw::{DeviceBackend, DmaAllocator, DmaPool, DmaRegion, HwError, RegisterIo};
 pub use io::{IoQueuePair, DEALLOCATE_RANGES_MAX};
