@@ -62,7 +62,12 @@ pub trait IoQueue: Send {
     fn queue(&mut self, slot: u32, direction: Direction, offset_bytes: u64) -> Result<(), DeviceError>;
     /// Makes queued I/Os visible to the device and reaps what completed; with `wait`, blocks until
     /// at least one I/O completed or `deadline` passed (then [`DeviceError::Timeout`]).
-    fn submit_and_reap(&mut self, wait: bool, deadline: Instant, on_done: &mut dyn FnMut(u32, Result<(), DeviceError>)) -> Result<usize, DeviceError>;
+    fn submit_and_reap(
+        &mut self,
+        wait: bool,
+        deadline: Instant,
+        on_done: &mut dyn FnMut(u32, Result<(), DeviceError>),
+    ) -> Result<usize, DeviceError>;
     /// Copies `source` into the slot's buffer (only while the slot is idle).
     fn write_buffer(&mut self, slot: u32, source: &[u8]) -> Result<(), DeviceError>;
     /// Copies the slot's buffer out (only while the slot is idle).
@@ -130,8 +135,9 @@ pub fn open(spec: &DeviceSpec, options: OpenOptions2, created: &mut CreatedFiles
             NvmeDevice::start_emu(config, format!("software NVMe controller (nvme-emu) over {} of memory", format_size(*bytes)))
         }
         DeviceSpec::Vfio(address) => {
-            let device = nvme_driver::hw::VfioDevice::open(address)
-                .map_err(|error| DeviceError::Setup(format!("vfio:{address}: {error} (needs the device bound to vfio-pci and access to /dev/vfio)")))?;
+            let device = nvme_driver::hw::VfioDevice::open(address).map_err(|error| {
+                DeviceError::Setup(format!("vfio:{address}: {error} (needs the device bound to vfio-pci and access to /dev/vfio)"))
+            })?;
             NvmeDevice::init(Arc::new(device), None, options, format!("NVMe controller {address} through VFIO"))
         }
         DeviceSpec::Uring(path) => {
@@ -161,11 +167,9 @@ fn emu_config(options: OpenOptions2) -> EmuConfig {
 fn prepare_file(path: &Path, options: OpenOptions2, created: &mut CreatedFiles) -> Result<(), DeviceError> {
     let io_error = |context: &str, source: std::io::Error| DeviceError::Setup(format!("{}: {context}: {source}", path.display()));
     if path.exists() {
-        OpenOptions::new()
-            .read(true)
-            .write(options.writes)
-            .open(path)
-            .map_err(|source| io_error(if options.writes { "cannot open for reading and writing" } else { "cannot open for reading" }, source))?;
+        OpenOptions::new().read(true).write(options.writes).open(path).map_err(|source| {
+            io_error(if options.writes { "cannot open for reading and writing" } else { "cannot open for reading" }, source)
+        })?;
         return Ok(());
     }
     let Some(bytes) = options.create_bytes else {
@@ -175,7 +179,13 @@ fn prepare_file(path: &Path, options: OpenOptions2, created: &mut CreatedFiles) 
     let parent = path.parent().filter(|parent| !parent.as_os_str().is_empty()).unwrap_or(Path::new("."));
     if let Ok(free) = crate::uring::statvfs_free_bytes(parent) {
         if bytes > free {
-            return Err(DeviceError::Setup(format!("{}: creating it with {} needs more than the {} free in {}", path.display(), format_size(bytes), format_size(free), parent.display())));
+            return Err(DeviceError::Setup(format!(
+                "{}: creating it with {} needs more than the {} free in {}",
+                path.display(),
+                format_size(bytes),
+                format_size(free),
+                parent.display()
+            )));
         }
     }
     let file = OpenOptions::new().read(true).write(true).create_new(true).open(path).map_err(|source| io_error("cannot create", source))?;
@@ -219,11 +229,22 @@ impl NvmeDevice {
         Self::init(Arc::clone(&emu) as Arc<dyn DeviceBackend>, Some(emu), options, description)
     }
 
-    fn init(backend: Arc<dyn DeviceBackend>, emu: Option<Arc<EmuDevice>>, options: OpenOptions2, description: String) -> Result<Arc<dyn Device>, DeviceError> {
+    fn init(
+        backend: Arc<dyn DeviceBackend>,
+        emu: Option<Arc<EmuDevice>>,
+        options: OpenOptions2,
+        description: String,
+    ) -> Result<Arc<dyn Device>, DeviceError> {
         let name = backend.name();
-        let config = ControllerConfig { io_queue_pairs_requested: u16::try_from(options.queues.clamp(1, 1024)).unwrap_or(1024), ..ControllerConfig::default() };
+        let config = ControllerConfig {
+            io_queue_pairs_requested: u16::try_from(options.queues.clamp(1, 1024)).unwrap_or(1024),
+            ..ControllerConfig::default()
+        };
         let controller = Controller::init(backend, config).map_err(|source| DeviceError::Nvme { device: name.clone(), source })?;
-        let namespace = *controller.namespaces().first().ok_or_else(|| DeviceError::Setup(format!("{name}: the controller has no active namespace")))?;
+        let namespace = *controller
+            .namespaces()
+            .first()
+            .ok_or_else(|| DeviceError::Setup(format!("{name}: the controller has no active namespace")))?;
         let description = format!(
             "{description}: namespace {} of {} ({}-byte LBAs), {} data pointers, max transfer {}",
             namespace.id.0,
@@ -256,13 +277,16 @@ impl Device for NvmeDevice {
     fn open_queue(&self, depth: u32, slot_bytes: usize) -> Result<Box<dyn IoQueue>, DeviceError> {
         let name = self.name();
         let nvme = |source| DeviceError::Nvme { device: name.clone(), source };
-        let slot_len = u32::try_from(slot_bytes).map_err(|_| DeviceError::Setup(format!("{name}: block size {slot_bytes} does not fit one segment")))?;
+        let slot_len = u32::try_from(slot_bytes)
+            .map_err(|_| DeviceError::Setup(format!("{name}: block size {slot_bytes} does not fit one segment")))?;
         // One I/O may take several commands when it exceeds the controller's max transfer size.
         let commands_per_io = (slot_bytes as u64).div_ceil(self.controller.max_transfer_bytes().max(4096));
         let max_entries = self.controller.capabilities().max_queue_entries();
         let entries = (u64::from(depth) * commands_per_io + 1).min(u64::from(max_entries)) as u32;
         let pair = self.controller.create_io_queue_pair(entries.max(2)).map_err(nvme)?;
-        let total = slot_bytes.checked_mul(depth as usize).ok_or_else(|| DeviceError::Setup(format!("{name}: {depth} buffers of {slot_bytes} bytes overflow")))?;
+        let total = slot_bytes
+            .checked_mul(depth as usize)
+            .ok_or_else(|| DeviceError::Setup(format!("{name}: {depth} buffers of {slot_bytes} bytes overflow")))?;
         let buffers = self.controller.dma().allocate(total).map_err(|source| nvme(NvmeError::Hardware(source)))?;
         // Fill write buffers with non-zero bytes once (some devices shortcut zeroes).
         let fill: Vec<u8> = (0..slot_bytes).map(|index| (index as u8).wrapping_mul(31) ^ 0xa5).collect();
@@ -307,7 +331,8 @@ struct NvmeQueue {
 impl IoQueue for NvmeQueue {
     fn queue(&mut self, slot: u32, direction: Direction, offset_bytes: u64) -> Result<(), DeviceError> {
         let index = slot as usize;
-        let segment = self.segments.get(index..=index).ok_or_else(|| DeviceError::Setup(format!("{}: slot {slot} out of range", self.name)))?;
+        let segment =
+            self.segments.get(index..=index).ok_or_else(|| DeviceError::Setup(format!("{}: slot {slot} out of range", self.name)))?;
         let lba = Lba(offset_bytes / self.block_size_bytes);
         let result = match direction {
             Direction::Read => self.pair.submit_read(self.namespace, lba, segment, u64::from(slot)),
@@ -326,13 +351,22 @@ impl IoQueue for NvmeQueue {
         }
     }
 
-    fn submit_and_reap(&mut self, wait: bool, deadline: Instant, on_done: &mut dyn FnMut(u32, Result<(), DeviceError>)) -> Result<usize, DeviceError> {
+    fn submit_and_reap(
+        &mut self,
+        wait: bool,
+        deadline: Instant,
+        on_done: &mut dyn FnMut(u32, Result<(), DeviceError>),
+    ) -> Result<usize, DeviceError> {
         let Self { name, pair, remaining_commands, failure, directions, offsets_bytes, .. } = self;
         pair.ring_doorbell();
         let mut done = 0usize;
         let mut unexpected = None;
         let mut on_completion = |completion: nvme_driver::Completion| {
-            let Some(remaining) = usize::try_from(completion.tag).ok().and_then(|index| remaining_commands.get_mut(index)).filter(|remaining| **remaining > 0) else {
+            let Some(remaining) = usize::try_from(completion.tag)
+                .ok()
+                .and_then(|index| remaining_commands.get_mut(index))
+                .filter(|remaining| **remaining > 0)
+            else {
                 unexpected = Some(completion.tag);
                 return;
             };
@@ -345,7 +379,12 @@ impl IoQueue for NvmeQueue {
                 done += 1;
                 let result = match failure[index].take() {
                     None => Ok(()),
-                    Some(status) => Err(DeviceError::Command { device: name.clone(), direction: directions[index], offset_bytes: offsets_bytes[index], reason: status.to_string() }),
+                    Some(status) => Err(DeviceError::Command {
+                        device: name.clone(),
+                        direction: directions[index],
+                        offset_bytes: offsets_bytes[index],
+                        reason: status.to_string(),
+                    }),
                 };
                 on_done(index as u32, result);
             }
@@ -366,13 +405,17 @@ impl IoQueue for NvmeQueue {
 
     fn write_buffer(&mut self, slot: u32, source: &[u8]) -> Result<(), DeviceError> {
         let offset = slot as usize * self.slot_bytes;
-        self.buffers.write(offset, &source[..source.len().min(self.slot_bytes)]).map_err(|source| DeviceError::Nvme { device: self.name.clone(), source: source.into() })
+        self.buffers
+            .write(offset, &source[..source.len().min(self.slot_bytes)])
+            .map_err(|source| DeviceError::Nvme { device: self.name.clone(), source: source.into() })
     }
 
     fn read_buffer(&self, slot: u32, destination: &mut [u8]) -> Result<(), DeviceError> {
         let offset = slot as usize * self.slot_bytes;
         let len = destination.len().min(self.slot_bytes);
-        self.buffers.read(offset, &mut destination[..len]).map_err(|source| DeviceError::Nvme { device: self.name.clone(), source: source.into() })
+        self.buffers
+            .read(offset, &mut destination[..len])
+            .map_err(|source| DeviceError::Nvme { device: self.name.clone(), source: source.into() })
     }
 
     fn drain(&mut self, deadline: Instant) {

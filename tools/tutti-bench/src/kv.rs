@@ -6,9 +6,14 @@ use crate::args::Cli;
 /// Runs `--workload=kv`. The object store's layer API has not landed in this build, so this
 /// refuses rather than print numbers that were not measured.
 pub fn run(cli: &Cli) -> anyhow::Result<()> {
-    let model = cli.model.map_or("llama3-8b", |model| model.name);
+    let model = cli.model.unwrap_or(crate::args::MODELS[0]);
+    let half_layer_bytes = model.bytes_per_token_per_layer_half() * cli.block_tokens;
     crate::usage(format!(
-        "--workload=kv (model {model}) needs the object store's layer API (crates/objstore), which this build does not have yet; accepted now: --workload=raw"
+        "--workload=kv (model {}: {} KiB of KV per token, {} KiB per K or V block of {} tokens) needs the object store's layer API (crates/objstore), which this build does not have yet; accepted now: --workload=raw",
+        model.name,
+        model.bytes_per_token() / 1024,
+        half_layer_bytes / 1024,
+        cli.block_tokens
     ))
 }
 

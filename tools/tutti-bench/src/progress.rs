@@ -17,7 +17,13 @@ const BAR_PERIOD: Duration = Duration::from_millis(100);
 
 /// Runs `work` while showing progress of `progress.bytes_done` towards `total_bytes` (a byte
 /// count for one-pass phases, or none for time-based ones, shown against `runtime`).
-pub fn with_progress<T>(label: &str, total_bytes: Option<u64>, runtime: Option<Duration>, progress: &Arc<Progress>, work: impl FnOnce() -> T) -> T {
+pub fn with_progress<T>(
+    label: &str,
+    total_bytes: Option<u64>,
+    runtime: Option<Duration>,
+    progress: &Arc<Progress>,
+    work: impl FnOnce() -> T,
+) -> T {
     let done = std::sync::atomic::AtomicBool::new(false);
     std::thread::scope(|scope| {
         let done = &done;
@@ -57,7 +63,12 @@ fn show(label: &str, total_bytes: Option<u64>, runtime: Option<Duration>, progre
                 if last_line.elapsed() >= PLAIN_PERIOD {
                     let rate = (bytes - last_bytes) as f64 / last_line.elapsed().as_secs_f64();
                     let of = total_bytes.map(|total| format!(" of {}", format_size(total))).unwrap_or_default();
-                    eprintln!("{label}: {}{of} done, {} /s, {:.0}s elapsed", format_size(bytes), format_size(rate as u64), started.elapsed().as_secs_f64());
+                    eprintln!(
+                        "{label}: {}{of} done, {} /s, {:.0}s elapsed",
+                        format_size(bytes),
+                        format_size(rate as u64),
+                        started.elapsed().as_secs_f64()
+                    );
                     last_line = Instant::now();
                     last_bytes = bytes;
                 }

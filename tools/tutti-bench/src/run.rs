@@ -110,13 +110,16 @@ fn plan_phases(cli: &Cli, region_start: u64, region_bytes: u64, seed: u64) -> an
 
 fn run_raw(cli: &Cli, specs: &[DeviceSpec], created: &mut CreatedFiles) -> anyhow::Result<()> {
     // Checks that need no device come first, so that nothing is created for a doomed run.
-    if cli.bs % 512 != 0 {
-        return usage(format!("--bs={} is not a multiple of 512 bytes; accepted: multiples of the device block size, e.g. 4k, 128k, 1m", cli.bs));
+    if !cli.bs.is_multiple_of(512) {
+        return usage(format!(
+            "--bs={} is not a multiple of 512 bytes; accepted: multiples of the device block size, e.g. 4k, 128k, 1m",
+            cli.bs
+        ));
     }
     if cli.bs > 64 << 20 {
         return usage(format!("--bs={} is above 64 MiB; accepted: 512 bytes to 64 MiB", format_size(cli.bs)));
     }
-    if cli.offset % cli.bs != 0 {
+    if !cli.offset.is_multiple_of(cli.bs) {
         return usage(format!("--offset={} is not a multiple of --bs={}", cli.offset, cli.bs));
     }
     if cli.time_based && cli.runtime.is_none() {
@@ -134,7 +137,7 @@ fn run_raw(cli: &Cli, specs: &[DeviceSpec], created: &mut CreatedFiles) -> anyho
             DeviceError::Setup(message) => UsageError(message).into(),
             error => anyhow::Error::new(error).context(format!("opening {spec}")),
         })?;
-        if u64::from(device.block_size_bytes()) > cli.bs || cli.bs % u64::from(device.block_size_bytes()) != 0 {
+        if u64::from(device.block_size_bytes()) > cli.bs || !cli.bs.is_multiple_of(u64::from(device.block_size_bytes())) {
             return usage(format!("--bs={} is not a multiple of {}'s {}-byte blocks", cli.bs, device.name(), device.block_size_bytes()));
         }
         devices.push(device);
@@ -146,7 +149,14 @@ fn run_raw(cli: &Cli, specs: &[DeviceSpec], created: &mut CreatedFiles) -> anyho
     }
     let region_bytes = match cli.size {
         Some(size) if cli.offset + size > capacity => {
-            return usage(format!("--size={} from --offset={} is larger than the device ({}, {} bytes); accepted: up to {} bytes", format_size(size), cli.offset, format_size(capacity), capacity, capacity - cli.offset));
+            return usage(format!(
+                "--size={} from --offset={} is larger than the device ({}, {} bytes); accepted: up to {} bytes",
+                format_size(size),
+                cli.offset,
+                format_size(capacity),
+                capacity,
+                capacity - cli.offset
+            ));
         }
         Some(size) => size / cli.bs * cli.bs,
         None => (capacity - cli.offset) / cli.bs * cli.bs,
@@ -182,7 +192,13 @@ fn run_phases(devices: &[Arc<dyn Device>], numjobs: u32, phases: &[PhasePlan]) -
     let mut results = Vec::with_capacity(phases.len());
     for plan in phases {
         let progress = Arc::new(Progress::default());
-        let total = (!plan.time_based).then(|| if plan.split_region { plan.region_bytes / plan.bs / u64::from(numjobs) * plan.bs * u64::from(numjobs) } else { plan.region_bytes * u64::from(numjobs) });
+        let total = (!plan.time_based).then(|| {
+            if plan.split_region {
+                plan.region_bytes / plan.bs / u64::from(numjobs) * plan.bs * u64::from(numjobs)
+            } else {
+                plan.region_bytes * u64::from(numjobs)
+            }
+        });
         let result = with_progress(&plan.label, total, plan.runtime, &progress, || run_phase(devices, numjobs, plan, &progress))?;
         results.push(result);
     }
@@ -190,7 +206,7 @@ fn run_phases(devices: &[Arc<dyn Device>], numjobs: u32, phases: &[PhasePlan]) -
 }
 
 fn seed_from_clock() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0x7475_7474_69, |elapsed| elapsed.as_nanos() as u64)
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0x0074_7574_7469, |elapsed| elapsed.as_nanos() as u64)
 }
 
 /// The full configuration, printed with the result (and written as fio's "global options").
@@ -246,7 +262,8 @@ struct TemporaryPool {
 fn free_bytes(directory: &Path) -> anyhow::Result<u64> {
     // statvfs through std's metadata is not available; ask the filesystem via libc (safe wrapper
     // in the uring module, which holds this binary's unsafe code).
-    crate::uring::statvfs_free_bytes(directory).map_err(|error| UsageError(format!("{}: cannot read free space: {error}", directory.display())).into())
+    crate::uring::statvfs_free_bytes(directory)
+        .map_err(|error| UsageError(format!("{}: cannot read free space: {error}", directory.display())).into())
 }
 
 fn temporary_pool(directory: Option<&Path>, wanted_bytes: Option<u64>) -> anyhow::Result<TemporaryPool> {
@@ -255,7 +272,13 @@ fn temporary_pool(directory: Option<&Path>, wanted_bytes: Option<u64>) -> anyhow
     let fitting = (free / DEFAULT_POOL_FREE_DIVISOR).min(DEFAULT_POOL_BYTES_MAX) / (1 << 20) * (1 << 20);
     let bytes = match wanted_bytes {
         Some(wanted) if wanted.div_ceil(4096) * 4096 > free => {
-            return usage(format!("--size={} does not fit the {} free in {}; accepted: up to {}", format_size(wanted), format_size(free), directory.display(), format_size(free)));
+            return usage(format!(
+                "--size={} does not fit the {} free in {}; accepted: up to {}",
+                format_size(wanted),
+                format_size(free),
+                directory.display(),
+                format_size(free)
+            ));
         }
         Some(wanted) => wanted.div_ceil(1 << 20) * (1 << 20),
         None if fitting < DEFAULT_POOL_BYTES_MIN => {
@@ -269,11 +292,9 @@ fn temporary_pool(directory: Option<&Path>, wanted_bytes: Option<u64>) -> anyhow
         }
         None => fitting,
     };
-    let file = tempfile::Builder::new()
-        .prefix("tutti-bench-pool-")
-        .suffix(".img")
-        .tempfile_in(&directory)
-        .map_err(|error| UsageError(format!("cannot create a pool file in {}: {error}; pass --directory DIR with a writable directory", directory.display())))?;
+    let file = tempfile::Builder::new().prefix("tutti-bench-pool-").suffix(".img").tempfile_in(&directory).map_err(|error| {
+        UsageError(format!("cannot create a pool file in {}: {error}; pass --directory DIR with a writable directory", directory.display()))
+    })?;
     let (file, path) = file.keep().map_err(|error| anyhow::anyhow!("cannot keep the pool file: {error}"))?;
     if let Err(error) = file.set_len(bytes) {
         let _ = std::fs::remove_file(&path);
@@ -319,7 +340,8 @@ fn default_raw(pool: &TemporaryPool) -> anyhow::Result<()> {
     let mut created = CreatedFiles::default();
     created.keep(); // the caller owns the pool file's removal
     let options = OpenOptions2 { writes: true, create_bytes: None, io_bytes_max: 128 << 10, queues: 1, lay_out: false };
-    let device = devices::open(&DeviceSpec::EmuFile(pool.path.clone()), options, &mut created).map_err(|error| anyhow::anyhow!("opening the software controller: {error}"))?;
+    let device = devices::open(&DeviceSpec::EmuFile(pool.path.clone()), options, &mut created)
+        .map_err(|error| anyhow::anyhow!("opening the software controller: {error}"))?;
     println!("  device {}: {}", device.name(), device.describe());
     let devices = [device];
     let region_bytes = devices[0].capacity_bytes() / (128 << 10) * (128 << 10);
@@ -340,7 +362,12 @@ fn default_raw(pool: &TemporaryPool) -> anyhow::Result<()> {
     };
     let phases = [
         PhasePlan { label: "raw write (verify pattern), bs=128KiB iodepth=16".into(), ..sequential.clone() },
-        PhasePlan { label: "raw read + verify, bs=128KiB iodepth=16".into(), pattern: Pattern::Read, verify: VerifyMode::CheckPattern, ..sequential.clone() },
+        PhasePlan {
+            label: "raw read + verify, bs=128KiB iodepth=16".into(),
+            pattern: Pattern::Read,
+            verify: VerifyMode::CheckPattern,
+            ..sequential.clone()
+        },
         PhasePlan {
             label: format!("raw randread, bs=4KiB iodepth=32, {} s", DEFAULT_RANDREAD_RUNTIME.as_secs()),
             pattern: Pattern::Randread,

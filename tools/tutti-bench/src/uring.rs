@@ -92,13 +92,17 @@ impl Device for UringDevice {
 
     fn open_queue(&self, depth: u32, slot_bytes: usize) -> Result<Box<dyn IoQueue>, DeviceError> {
         let name = self.name();
-        let ring = IoUring::new(depth.next_power_of_two().max(2))
-            .map_err(|source| DeviceError::Io { device: name.clone(), context: "io_uring_setup".into(), source })?;
+        let ring = IoUring::new(depth.next_power_of_two().max(2)).map_err(|source| DeviceError::Io {
+            device: name.clone(),
+            context: "io_uring_setup".into(),
+            source,
+        })?;
         if !ring.params().is_feature_ext_arg() {
             return Err(DeviceError::Setup(format!("{name}: the kernel's io_uring lacks EXT_ARG (Linux 5.11+), needed for bounded waits")));
         }
         let slot_len = u32::try_from(slot_bytes).map_err(|_| DeviceError::Setup(format!("{name}: block size {slot_bytes} too large")))?;
-        let buffers = AlignedBuffer::new(slot_bytes * depth as usize).ok_or_else(|| DeviceError::Setup(format!("{name}: cannot allocate {depth} × {slot_bytes} bytes of buffers")))?;
+        let buffers = AlignedBuffer::new(slot_bytes * depth as usize)
+            .ok_or_else(|| DeviceError::Setup(format!("{name}: cannot allocate {depth} × {slot_bytes} bytes of buffers")))?;
         let fill: Vec<u8> = (0..slot_bytes).map(|index| (index as u8).wrapping_mul(31) ^ 0xa5).collect();
         for slot in 0..depth as usize {
             buffers.copy_in(slot * slot_bytes, &fill);
@@ -211,7 +215,12 @@ impl IoQueue for UringQueue {
         Ok(())
     }
 
-    fn submit_and_reap(&mut self, wait: bool, deadline: Instant, on_done: &mut dyn FnMut(u32, Result<(), DeviceError>)) -> Result<usize, DeviceError> {
+    fn submit_and_reap(
+        &mut self,
+        wait: bool,
+        deadline: Instant,
+        on_done: &mut dyn FnMut(u32, Result<(), DeviceError>),
+    ) -> Result<usize, DeviceError> {
         let queued = self.ring.submission().len();
         let must_wait = wait && self.ring.completion().is_empty() && self.in_flight > 0;
         if must_wait {
@@ -221,7 +230,11 @@ impl IoQueue for UringQueue {
                 Ok(_) => {}
                 Err(error) if error.raw_os_error() == Some(libc::ETIME) => {
                     if self.ring.completion().is_empty() {
-                        return Err(DeviceError::Timeout { device: self.name.clone(), timeout_s: IO_TIMEOUT.as_secs(), in_flight: self.in_flight });
+                        return Err(DeviceError::Timeout {
+                            device: self.name.clone(),
+                            timeout_s: IO_TIMEOUT.as_secs(),
+                            in_flight: self.in_flight,
+                        });
                     }
                 }
                 // Interrupted or the kernel is short of resources: retried by the caller's loop.
@@ -248,10 +261,20 @@ impl IoQueue for UringQueue {
             let result = entry.result();
             let outcome = if result < 0 {
                 let reason = std::io::Error::from_raw_os_error(-result).to_string();
-                Err(DeviceError::Command { device: self.name.clone(), direction: self.directions[index], offset_bytes: self.offsets_bytes[index], reason })
+                Err(DeviceError::Command {
+                    device: self.name.clone(),
+                    direction: self.directions[index],
+                    offset_bytes: self.offsets_bytes[index],
+                    reason,
+                })
             } else if result as u32 != self.slot_len {
                 let reason = format!("short transfer: {result} of {} bytes (past the end of the file?)", self.slot_len);
-                Err(DeviceError::Command { device: self.name.clone(), direction: self.directions[index], offset_bytes: self.offsets_bytes[index], reason })
+                Err(DeviceError::Command {
+                    device: self.name.clone(),
+                    direction: self.directions[index],
+                    offset_bytes: self.offsets_bytes[index],
+                    reason,
+                })
             } else {
                 Ok(())
             };
@@ -309,7 +332,8 @@ pub fn getrusage(who: libc::c_int) -> Option<libc::rusage> {
 /// Bytes available to an unprivileged user on the filesystem holding `directory` (`statvfs(3)`).
 pub fn statvfs_free_bytes(directory: &Path) -> std::io::Result<u64> {
     use std::os::unix::ffi::OsStrExt;
-    let path = std::ffi::CString::new(directory.as_os_str().as_bytes()).map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+    let path =
+        std::ffi::CString::new(directory.as_os_str().as_bytes()).map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
     let mut stats = std::mem::MaybeUninit::<libc::statvfs>::zeroed();
     // SAFETY: `path` is a NUL-terminated string that outlives the call; statvfs writes one
     // `struct statvfs` through the second pointer, which points at memory of that type.
@@ -319,5 +343,8 @@ pub fn statvfs_free_bytes(directory: &Path) -> std::io::Result<u64> {
     }
     // SAFETY: statvfs succeeded, so the structure is initialised (it was zeroed before anyway).
     let stats = unsafe { stats.assume_init() };
-    Ok(u64::from(stats.f_bavail).saturating_mul(u64::from(stats.f_frsize)))
+    // The field types differ between targets (u64 here, u32 on some 32-bit ones).
+    #[allow(clippy::useless_conversion)]
+    let free = u64::from(stats.f_bavail).saturating_mul(u64::from(stats.f_frsize));
+    Ok(free)
 }

@@ -225,9 +225,17 @@ struct SlotState {
     submitted_at: Instant,
 }
 
-fn run_job(devices: &[Arc<dyn Device>], job: u32, numjobs: u32, plan: &PhasePlan, barrier: &Barrier, progress: &Progress) -> anyhow::Result<JobStats> {
+fn run_job(
+    devices: &[Arc<dyn Device>],
+    job: u32,
+    numjobs: u32,
+    plan: &PhasePlan,
+    barrier: &Barrier,
+    progress: &Progress,
+) -> anyhow::Result<JobStats> {
     // Open queues first, then meet the other jobs, so that timing starts together.
-    let opened: Result<Vec<Box<dyn IoQueue>>, DeviceError> = devices.iter().map(|device| device.open_queue(plan.iodepth, plan.bs as usize)).collect();
+    let opened: Result<Vec<Box<dyn IoQueue>>, DeviceError> =
+        devices.iter().map(|device| device.open_queue(plan.iodepth, plan.bs as usize)).collect();
     barrier.wait();
     let mut queues = opened.with_context(|| format!("job{job}: opening queues"))?;
     let (region_start, region_bytes) = if plan.split_region {
@@ -256,7 +264,9 @@ fn run_job(devices: &[Arc<dyn Device>], job: u32, numjobs: u32, plan: &PhasePlan
     let total_ios = if plan.time_based { u64::MAX } else { blocks };
     let mut free_slots: Vec<u32> = (0..plan.iodepth).rev().collect();
     let now = Instant::now();
-    let mut slots: Vec<SlotState> = (0..depth).map(|_| SlotState { direction: Direction::Read, logical_bytes: 0, device: 0, queued_at: now, submitted_at: now }).collect();
+    let mut slots: Vec<SlotState> = (0..depth)
+        .map(|_| SlotState { direction: Direction::Read, logical_bytes: 0, device: 0, queued_at: now, submitted_at: now })
+        .collect();
     let mut batch: Vec<u32> = Vec::with_capacity(depth);
     let mut completed: Vec<(u32, Result<(), DeviceError>)> = Vec::with_capacity(depth);
     let mut scratch = vec![0u8; plan.bs as usize];

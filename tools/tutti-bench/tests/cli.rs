@@ -77,7 +77,8 @@ fn bad_files_are_refused_and_nothing_is_left_behind() {
 #[test]
 fn emu_memory_write_verify_json_parses_with_fio_names() {
     // Goal: a real run through driver + software controller, verified, in fio-shaped JSON.
-    let output = bench(&["--device", "emu:mem:16m", "--rw=randwrite", "--bs=8k", "--iodepth=8", "--size=2m", "--verify", "--output-format=json"]);
+    let output =
+        bench(&["--device", "emu:mem:16m", "--rw=randwrite", "--bs=8k", "--iodepth=8", "--size=2m", "--verify", "--output-format=json"]);
     assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
     let json: serde_json::Value = serde_json::from_slice(&output.stdout).expect("JSON output parses");
     let job = &json["jobs"][0];
@@ -111,7 +112,16 @@ fn emu_file_is_created_sized_and_kept() {
 fn uring_runs_with_verify_or_skips_without_io_uring() {
     let directory = tempfile::tempdir().unwrap();
     let path = directory.path().join("uring.img");
-    let output = bench(&["--device", &format!("uring:{}", path.display()), "--size=2m", "--rw=randread", "--bs=4k", "--iodepth=16", "--numjobs=2", "--verify"]);
+    let output = bench(&[
+        "--device",
+        &format!("uring:{}", path.display()),
+        "--size=2m",
+        "--rw=randread",
+        "--bs=4k",
+        "--iodepth=16",
+        "--numjobs=2",
+        "--verify",
+    ]);
     let text = stderr(&output);
     if output.status.code() != Some(0) && (text.contains("io_uring_setup") || text.contains("O_DIRECT")) {
         eprintln!("skipped: io_uring with O_DIRECT is not available here: {text}");
@@ -125,7 +135,8 @@ fn uring_runs_with_verify_or_skips_without_io_uring() {
 
 #[test]
 fn striping_over_two_memory_devices_verifies() {
-    let output = bench(&["--device", "emu:mem:8m", "--device", "emu:mem:8m", "--size=4m", "--rw=write", "--bs=16k", "--iodepth=4", "--verify"]);
+    let output =
+        bench(&["--device", "emu:mem:8m", "--device", "emu:mem:8m", "--size=4m", "--rw=write", "--bs=16k", "--iodepth=4", "--verify"]);
     assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
     assert!(String::from_utf8_lossy(&output.stdout).contains("no mismatch"));
 }
