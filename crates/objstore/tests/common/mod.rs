@@ -190,3 +190,21 @@ pub fn retrieve(store: &mut KvStore<CpuExecutor>, engine: &Engine, tokens: &[u32
     }
     store.finish(handle).expect("finish");
 }
+
+/// Reads `len` bytes at `lba` of namespace `ns` behind the pool's back.
+pub fn raw_read(controller: &Arc<Controller>, ns: u32, lba: u64, len: usize) -> Vec<u8> {
+    let mut queue = controller.create_io_queue_pair(16).unwrap();
+    let region = controller.dma().allocate(len).unwrap();
+    queue.read(NamespaceId(ns), nvme_driver::Lba(lba), &[nvme_driver::DataSegment::new(region.iova(), len as u32)], Duration::from_secs(5)).unwrap();
+    let mut out = vec![0u8; len];
+    region.read(0, &mut out).unwrap();
+    out
+}
+
+/// Writes `bytes` (a whole number of LBAs) at `lba`, durably.
+pub fn raw_write(controller: &Arc<Controller>, ns: u32, lba: u64, bytes: &[u8]) {
+    let mut queue = controller.create_io_queue_pair(16).unwrap();
+    let region = controller.dma().allocate(bytes.len()).unwrap();
+    region.write(0, bytes).unwrap();
+    queue.write(NamespaceId(ns), nvme_driver::Lba(lba), &[nvme_driver::DataSegment::new(region.iova(), bytes.len() as u32)], true, Duration::from_secs(5)).unwrap();
+}

@@ -1,0 +1,239 @@
+//! Eviction, deduplication of shared prefixes, pinning under concurrent retrieves, pools across
+//! several controllers, and bad input — on the software controller with the CPU executor.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use nvme_driver::DataPointerMode;
+use nvme_emu::NamespaceConfig;
+use objstore::format::Superblock;
+use objstore::{KvRequest, KvStore, ModelGeometry, ObjstoreError, Pool, StoreConfig};
+
+struct Rig {
+    store: KvStore<gio_uring::CpuExecutor>,
+    engine: Engine,
+    controller: std::sync::Arc<nvme_driver::Controller>,
+    _device: std::sync::Arc<nvme_emu::EmuDevice>,
+}
+
+fn rig(slots: u64) -> Rig {
+    let device = start_device(vec![NamespaceConfig::new(512, None)], 8 << 20, true);
+    let controller = bring_up(&device, Duration::from_secs(5));
+    format(&targets(&controller, &[1]), 1, Some(slots));
+    let engine = separate_kv(controller.dma(), 32, DataPointerMode::Sgl);
+    let store = open_store(targets(&controller, &[1]), &engine, StoreConfig::default());
+    Rig { store, engine, controller, _device: device }
+}
+
+#[test]
+fn lru_eviction_keeps_recently_used_blocks() {
+    // Goal: with 6 slots, storing 9 one-block requests evicts the least recently used; a block
+    // retrieved in between survives; evicted prefixes are simply absent; survivors read back.
+    let mut rig = rig(6);
+    let mut rng = Rng(1);
+    let requests: Vec<Vec<u32>> = (0..9).map(|_| rng.tokens(16)).collect();
+    for tokens in &requests[..6] {
+        store(&mut rig.store, &rig.engine, tokens, &[0]);
+    }
+    assert_eq!(rig.store.counts().free_slots, 0);
+    retrieve(&mut rig.store, &rig.engine, &requests[0], &[5]); // request 0 becomes most recent
+    for tokens in &requests[6..] {
+        let plan = store(&mut rig.store, &rig.engine, tokens, &[1]);
+        assert_eq!(plan.evicted_slots, 1);
+    }
+    let cached: Vec<usize> = requests.iter().map(|t| rig.store.lookup(t)).collect();
+    assert_eq!(cached, vec![1, 0, 0, 0, 1, 1, 1, 1, 1]);
+    let counts = rig.store.counts();
+    assert_eq!((counts.valid_slots, counts.evictions, counts.pinned_slots), (6, 3, 0));
+    for (i, tokens) in requests.iter().enumerate().filter(|(i, _)| cached[*i] == 1) {
+        retrieve(&mut rig.store, &rig.engine, tokens, &[7]);
+        assert!(rig.engine.holds(7, keys_of(tokens)[0], 4), "request {i}");
+    }
+    // Eviction survives a reopen: the evicted slots' headers were made Empty.
+    drop(rig.store);
+    let (_, report) = Pool::open(targets(&rig.controller, &[1]), None).unwrap();
+    assert_eq!((report.valid_slots, report.corrupt_headers), (6, 0));
+}
+
+#[test]
+fn shared_prefixes_are_stored_once() {
+    // Goal: a second request sharing 3 blocks of prefix writes only its own blocks, also while
+    // the first is still in flight (pending keys), and both prefixes read back whole.
+    let mut rig = rig(64);
+    let mut rng = Rng(2);
+    let prefix = rng.tokens(48);
+    let a: Vec<u32> = prefix.iter().copied().chain(rng.tokens(32)).collect();
+    let b: Vec<u32> = prefix.iter().copied().chain(rng.tokens(16)).collect();
+    let keys_a = keys_of(&a);
+    let keys_b = keys_of(&b);
+    for (i, key) in keys_a.iter().enumerate() {
+        rig.engine.fill(i as u32, *key);
+    }
+    rig.engine.fill(10, keys_b[3]);
+    let plan_a = rig.store.prepare_store(&KvRequest { tokens: &a, block_ids: &[0, 1, 2, 3, 4] }).unwrap();
+    let plan_b = rig.store.prepare_store(&KvRequest { tokens: &b, block_ids: &[0, 1, 2, 10] }).unwrap();
+    assert_eq!((plan_a.new_blocks, plan_a.shared_blocks), (5, 0));
+    assert_eq!((plan_b.new_blocks, plan_b.shared_blocks), (1, 3));
+    for layer in 0..4 {
+        for handle in [plan_a.handle, plan_b.handle] {
+            rig.store.store_layer(handle, layer, BUDGET).unwrap();
+            rig.store.wait(handle, deadline()).unwrap();
+        }
+    }
+    rig.store.commit_store(plan_b.handle).unwrap();
+    assert_eq!(rig.store.lookup(&b), 0, "b's own block is committed but its prefix is not yet");
+    rig.store.commit_store(plan_a.handle).unwrap();
+    assert_eq!((rig.store.lookup(&a), rig.store.lookup(&b)), (5, 4));
+    assert_eq!(rig.store.counts().cached_blocks, 6);
+    let again = store(&mut rig.store, &rig.engine, &b, &[0, 1, 2, 10]);
+    assert_eq!((again.new_blocks, again.shared_blocks), (0, 4));
+    retrieve(&mut rig.store, &rig.engine, &b, &[20, 21, 22, 23]);
+    for (i, block) in [20, 21, 22, 23].into_iter().enumerate() {
+        assert!(rig.engine.holds(block, keys_b[i], 4), "block {i}");
+    }
+}
+
+#[test]
+fn pinned_slots_are_not_evicted_under_concurrent_retrieves() {
+    // Goal: two retrieves in flight pin 3 of 4 slots; a store needing 2 slots is refused
+    // (PoolFull), one needing 1 evicts the only unpinned slot; the retrieves, interleaved layer
+    // by layer with the store, still read the right bytes.
+    let mut rig = rig(4);
+    let mut rng = Rng(3);
+    let requests: Vec<Vec<u32>> = (0..4).map(|_| rng.tokens(16)).collect();
+    let two: Vec<u32> = requests[0].iter().chain(&rng.tokens(16)).copied().collect();
+    store(&mut rig.store, &rig.engine, &two, &[0, 1]);
+    store(&mut rig.store, &rig.engine, &requests[1], &[2]);
+    store(&mut rig.store, &rig.engine, &requests[2], &[3]);
+    for block in [10, 11, 12] {
+        rig.engine.scribble(block);
+    }
+    let r1 = rig.store.prepare_retrieve(&KvRequest { tokens: &two, block_ids: &[10, 11] }).unwrap();
+    let r2 = rig.store.prepare_retrieve(&KvRequest { tokens: &requests[1], block_ids: &[12] }).unwrap();
+    assert_eq!(rig.store.counts().pinned_slots, 3);
+    let big: Vec<u32> = rng.tokens(32);
+    let error = rig.store.prepare_store(&KvRequest { tokens: &big, block_ids: &[4, 5] }).unwrap_err();
+    assert!(matches!(error, ObjstoreError::PoolFull { .. }), "{error}");
+    assert_eq!(rig.store.lookup(&requests[2]), 0, "the failed store evicted the one free candidate ...");
+    // ... which is now free again: a one-block store takes it.
+    let new = rng.tokens(16);
+    rig.engine.fill(6, keys_of(&new)[0]);
+    let plan = rig.store.prepare_store(&KvRequest { tokens: &new, block_ids: &[6] }).unwrap();
+    for layer in 0..4 {
+        for handle in [r1, r2] {
+            rig.store.retrieve_layer(handle, layer, BUDGET).unwrap();
+        }
+        rig.store.store_layer(plan.handle, layer, BUDGET).unwrap();
+        for handle in [r1, r2, plan.handle] {
+            rig.store.wait(handle, deadline()).unwrap();
+        }
+    }
+    rig.store.commit_store(plan.handle).unwrap();
+    rig.store.finish(r1).unwrap();
+    rig.store.finish(r2).unwrap();
+    let keys = keys_of(&two);
+    assert!(rig.engine.holds(10, keys[0], 4) && rig.engine.holds(11, keys[1], 4));
+    assert!(rig.engine.holds(12, keys_of(&requests[1])[0], 4));
+    assert_eq!(rig.store.counts().pinned_slots, 0);
+    assert_eq!(rig.store.lookup(&new), 1);
+}
+
+#[test]
+fn api_misuse_and_bad_requests_are_typed_errors() {
+    let mut rig = rig(16);
+    let mut rng = Rng(4);
+    let tokens = rng.tokens(40); // 2 full blocks
+    let too_far = rig.store.prepare_store(&KvRequest { tokens: &tokens, block_ids: &[0, 32] }).unwrap_err();
+    assert!(matches!(too_far, ObjstoreError::BlockOutOfRange { block: 32, num_blocks: 32 }), "{too_far}");
+    let too_many = rig.store.prepare_store(&KvRequest { tokens: &tokens, block_ids: &[0, 1, 2] }).unwrap_err();
+    assert!(matches!(too_many, ObjstoreError::BadRequest { .. }), "{too_many}");
+    let uncached = rig.store.prepare_retrieve(&KvRequest { tokens: &tokens, block_ids: &[0] }).unwrap_err();
+    assert!(uncached.to_string().contains("not cached"), "{uncached}");
+    let plan = rig.store.prepare_store(&KvRequest { tokens: &tokens, block_ids: &[0, 1] }).unwrap();
+    let past = rig.store.store_layer(plan.handle, 4, BUDGET).unwrap_err();
+    assert!(matches!(past, ObjstoreError::LayerOutOfRange { layer: 4, layers: 4 }), "{past}");
+    assert!(matches!(rig.store.retrieve_layer(plan.handle, 0, BUDGET), Err(ObjstoreError::HandleState { .. })));
+    assert!(matches!(rig.store.commit_store(plan.handle), Err(ObjstoreError::HandleState { .. })));
+    rig.store.store_layer(plan.handle, 0, BUDGET).unwrap();
+    let overlap = rig.store.store_layer(plan.handle, 1, BUDGET).unwrap_err();
+    assert!(overlap.to_string().contains("still in flight"), "{overlap}");
+    assert!(matches!(rig.store.finish(plan.handle), Err(ObjstoreError::HandleState { .. })));
+    assert_eq!(rig.store.wait(plan.handle, deadline()).unwrap(), Some(0));
+    assert_eq!(rig.store.wait(plan.handle, deadline()).unwrap(), None);
+    rig.store.finish(plan.handle).unwrap(); // abandon: slots back, nothing visible
+    assert!(matches!(rig.store.store_layer(plan.handle, 1, BUDGET), Err(ObjstoreError::UnknownHandle { .. })));
+    assert_eq!(rig.store.lookup(&tokens), 0);
+    assert_eq!(rig.store.counts().free_slots, 16);
+}
+
+#[test]
+fn open_refuses_other_geometries_versions_and_damaged_superblocks() {
+    // Goal: geometry mismatch names both sides; a newer version, a flipped superblock byte, an
+    // unformatted namespace are typed errors; a damaged slot header loses only its own block.
+    let rig = rig(16);
+    let mut rig = rig;
+    let mut rng = Rng(5);
+    let a = rng.tokens(16);
+    let b = rng.tokens(16);
+    store(&mut rig.store, &rig.engine, &a, &[0]);
+    store(&mut rig.store, &rig.engine, &b, &[1]);
+    let controller = rig.controller.clone();
+    drop(rig.store);
+    let other = ModelGeometry::llama3_8b(16);
+    let Err(error) = Pool::open(targets(&controller, &[1]), Some(&other)) else { panic!("opened a pool of another geometry") };
+    let message = error.to_string();
+    assert!(message.contains("32 layers") && message.contains("4 layers"), "{message}");
+    let superblock = raw_read(&controller, 1, 0, 4096);
+    let decoded = Superblock::decode(&superblock, 0, 512, controller.namespaces()[0].size_blocks).unwrap();
+    // Damage the first slot header (slot 0 holds request a's block).
+    let header_lba = decoded.header_lba;
+    let mut headers = raw_read(&controller, 1, header_lba, 512);
+    headers[9] ^= 0xFF;
+    raw_write(&controller, 1, header_lba, &headers);
+    let engine = separate_kv(controller.dma(), 32, DataPointerMode::Sgl);
+    let (pool, report) = Pool::open(targets(&controller, &[1]), None).unwrap();
+    assert_eq!((report.valid_slots, report.corrupt_headers), (1, 1));
+    let executor = objstore::cpu_executor_for(&pool, 64, &StoreConfig::default()).unwrap();
+    let mut store = KvStore::new(pool, engine.registration.clone(), engine.dma.clone(), executor, StoreConfig::default()).unwrap();
+    assert_eq!((store.lookup(&a), store.lookup(&b)), (0, 1));
+    retrieve(&mut store, &engine, &b, &[9]);
+    assert!(engine.holds(9, keys_of(&b)[0], 4));
+    drop(store);
+    let mut newer = superblock.clone();
+    newer[8] = 2;
+    let crc = crc32fast::hash(&newer[..252]);
+    newer[252..256].copy_from_slice(&crc.to_le_bytes());
+    raw_write(&controller, 1, 0, &newer[..512]);
+    assert!(matches!(Pool::open(targets(&controller, &[1]), None), Err(ObjstoreError::NewerFormatVersion { found: 2, supported: 1, .. })));
+    let mut flipped = superblock.clone();
+    flipped[100] ^= 1;
+    raw_write(&controller, 1, 0, &flipped[..512]);
+    assert!(matches!(Pool::open(targets(&controller, &[1]), None), Err(ObjstoreError::CorruptSuperblock { .. })));
+    raw_write(&controller, 1, 0, &vec![0u8; 512]);
+    let Err(error) = Pool::open(targets(&controller, &[1]), None) else { panic!("opened an unformatted namespace") };
+    assert!(error.to_string().contains("magic"), "{error}");
+}
+
+#[test]
+fn a_pool_across_several_controllers() {
+    // Goal: one pool over two software controllers: open in either order, refuse a missing
+    // member or a member of another pool, naming the device and both pool ids.
+    let devices: Vec<_> = (0..3).map(|_| start_device(vec![NamespaceConfig::new(512, None)], 4 << 20, true)).collect();
+    let controllers: Vec<_> = devices.iter().map(|d| bring_up(d, Duration::from_secs(5))).collect();
+    let pool_targets: Vec<_> = controllers[..2].iter().flat_map(|c| targets(c, &[1])).collect();
+    format(&pool_targets, 1, None);
+    format(&targets(&controllers[2], &[1]), 1, None);
+    let reversed: Vec<_> = pool_targets.iter().rev().cloned().collect();
+    let (pool, report) = Pool::open(reversed, Some(&geometry())).unwrap();
+    assert_eq!(report.devices, 2);
+    assert_eq!(pool.superblock(0).device_index, 0);
+    assert!(std::sync::Arc::ptr_eq(&pool.target(0).controller, &controllers[0]));
+    drop(pool);
+    let Err(missing) = Pool::open(pool_targets[..1].to_vec(), None) else { panic!("opened half a pool") };
+    assert!(missing.to_string().contains("2 devices, 1 were given"), "{missing}");
+    let mixed = vec![pool_targets[0].clone(), targets(&controllers[2], &[1]).remove(0)];
+    let Err(foreign) = Pool::open(mixed, None) else { panic!("mixed two pools") };
+    assert!(matches!(&foreign, ObjstoreError::PoolMembership { device: 1, reason } if reason.contains("belongs to pool")), "{foreign}");
+}
