@@ -34,6 +34,8 @@ use crate::table::{IoKind, LayerProfile, Profile};
 const EVENT_COUNT_MAX: u64 = 10_000_000;
 /// Bytes below which a job counts as done (float residue).
 const BYTES_EPSILON: f64 = 1e-3;
+/// Time below which a remainder is float residue: advancing the clock by it may not change it.
+const RESIDUE_US: f64 = 1e-6;
 
 /// One run's request and I/O granularity.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
@@ -331,15 +333,19 @@ impl<'a> Sim<'a> {
         if read_moving && write_moving && !self.prefill_done {
             self.mixed_io_us += dt_us;
         }
-        for kind in [IoKind::Read, IoKind::Write] {
-            if !self.head_active(kind) {
-                continue;
-            }
-            let budget = match kind {
-                IoKind::Read => self.reads.front().map_or(0, |j| j.sm_budget),
-                IoKind::Write => self.writes.front().map_or(0, |j| j.sm_budget),
-            };
-            let rate = self.rate_bytes_per_us(kind, budget);
+        // Rates depend on both heads: take them all before either moves.
+        let rates: Vec<(IoKind, f64)> = [IoKind::Read, IoKind::Write]
+            .into_iter()
+            .filter(|&kind| self.head_active(kind))
+            .map(|kind| {
+                let budget = match kind {
+                    IoKind::Read => self.reads.front().map_or(0, |j| j.sm_budget),
+                    IoKind::Write => self.writes.front().map_or(0, |j| j.sm_budget),
+                };
+                (kind, self.rate_bytes_per_us(kind, budget))
+            })
+            .collect();
+        for (kind, rate) in rates {
             let queue = match kind {
                 IoKind::Read => &mut self.reads,
                 IoKind::Write => &mut self.writes,
@@ -347,12 +353,16 @@ impl<'a> Sim<'a> {
             if let Some(head) = queue.front_mut() {
                 if head.latency_left_us > 0.0 {
                     head.latency_left_us -= dt_us;
-                    // Snap float residue so the next step starts moving bytes.
-                    if head.latency_left_us < 1e-9 {
+                    // Snap float residue (below a picosecond) so the next step moves bytes; the
+                    // clock's own resolution at long run times is coarser than that.
+                    if head.latency_left_us < RESIDUE_US {
                         head.latency_left_us = 0.0;
                     }
                 } else {
                     head.bytes_left -= rate * dt_us;
+                    if head.bytes_left < rate * RESIDUE_US {
+                        head.bytes_left = 0.0;
+                    }
                 }
             }
         }
