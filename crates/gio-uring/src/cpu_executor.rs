@@ -11,8 +11,8 @@
 //! data pointer), so a command costs a few field copies. Per batch there is one SQ doorbell per
 //! device touched and one CQ doorbell per reap.
 //!
-//! Not yet: several worker threads each owning their own queue pairs (the paper's thread blocks).
-//! One executor is one such worker; fanning out is left to a later change.
+//! With worker threads, each owning the queue pairs of some devices, see [`crate::cpu_workers`];
+//! each worker runs one of these executors over its own devices.
 //!
 //! [`DeviceTable`]: crate::validate::DeviceTable
 
@@ -39,7 +39,8 @@ struct Pending {
 /// See the module documentation.
 #[derive(Debug)]
 pub struct CpuExecutor {
-    queues: Vec<IoQueuePair>,
+    /// Indexed by device index; `None`: the device belongs to another worker (see `cpu_workers`).
+    queues: Vec<Option<IoQueuePair>>,
     /// Bounded by the gio queue depth (each IOCB is in flight at most once); reserved up front.
     pending: VecDeque<Pending>,
     /// Whether a device's SQ holds entries not yet announced by a doorbell.
@@ -70,8 +71,29 @@ fn abi_status(status: DriverStatus) -> NvmeStatus {
 impl CpuExecutor {
     /// `queues[i]` serves device index `i`. `depth` is the gio queue depth.
     pub fn new(queues: Vec<IoQueuePair>, depth: u32) -> Self {
+        Self::for_devices(queues.into_iter().map(Some).collect(), depth)
+    }
+
+    /// An executor serving only the devices whose slot is `Some`; IOCTXs for the others are left
+    /// to the workers that own them.
+    pub(crate) fn for_devices(queues: Vec<Option<IoQueuePair>>, depth: u32) -> Self {
         let doorbell_due = vec![false; queues.len()];
         Self { queues, pending: VecDeque::with_capacity(depth as usize), doorbell_due }
+    }
+
+    /// Takes an IOCB another thread consumed from the SQ (worker mode).
+    pub(crate) fn accept(&mut self, header: IocbHeader) {
+        self.pending.push_back(Pending { header, next_ioctx: 0 });
+    }
+
+    /// Commands submitted to the devices and not yet reaped.
+    pub(crate) fn in_flight(&self) -> usize {
+        self.queues.iter().flatten().map(IoQueuePair::in_flight).sum()
+    }
+
+    /// Whether IOCTXs are still waiting for room in a device queue.
+    pub(crate) fn has_pending(&self) -> bool {
+        !self.pending.is_empty()
     }
 
     /// Builds the NVMe command for one IOCTX at the IOCB's current layer, or says why it cannot.
@@ -118,7 +140,11 @@ impl CpuExecutor {
                 let device = usize::from(ioctx.device_index);
                 let id = IocbId(header.id);
                 let command = Self::command(&header, &ioctx);
-                let (Some(queue), Some(command)) = (self.queues.get_mut(device), command) else {
+                if matches!(self.queues.get(device), Some(None)) {
+                    pending.next_ioctx += 1; // another worker's device
+                    continue;
+                }
+                let (Some(Some(queue)), Some(command)) = (self.queues.get_mut(device), command) else {
                     // Validation at fill time makes this unreachable unless shared memory was
                     // changed behind the queue's back: fail the IOCTX, never guess.
                     let status = Err((abi::GIO_IOCB_STATUS_INVALID_IOCTX, NvmeStatus::SUCCESS));
@@ -140,7 +166,7 @@ impl CpuExecutor {
             self.pending.pop_front();
         }
         for (queue, due) in self.queues.iter_mut().zip(&mut self.doorbell_due) {
-            if std::mem::take(due) {
+            if let (true, Some(queue)) = (std::mem::take(due), queue) {
                 queue.ring_doorbell();
             }
         }
@@ -168,7 +194,7 @@ impl Executor for CpuExecutor {
                 return Err(GioError::Executor { executor: "cpu", reason: format!("SQ names {id}, outside the pool") });
             }
             // Capacity is the depth and an IOCB is pending at most once: this never reallocates.
-            self.pending.push_back(Pending { header: memory.read_iocb_header(id), next_ioctx: 0 });
+            self.accept(memory.read_iocb_header(id));
         }
         // Commands are built on the next poll, not here: like a kernel launch, issue_io costs
         // O(IOCBs) on the caller's thread whatever the IOCTX count (wait_cqe polls at once).
@@ -178,6 +204,7 @@ impl Executor for CpuExecutor {
     fn poll(&mut self, memory: &QueueMemory) -> Result<(), GioError> {
         let mut posting = Ok(());
         for (device, queue) in self.queues.iter_mut().enumerate() {
+            let Some(queue) = queue else { continue };
             let depth = queue.depth() as usize;
             queue
                 .reap(depth, |completion| {

@@ -7,6 +7,7 @@
 //! ([`complete_ioctx`], [`post_cqe`]), and — in tests only — an in-memory test double.
 
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 use crate::abi::{self, NvmeStatus};
 use crate::error::GioError;
@@ -29,6 +30,13 @@ pub struct IssueBatch {
 pub trait Executor: Send {
     /// A short name for errors and logs.
     fn name(&self) -> &'static str;
+
+    /// Called once by `init_queue` with the queue's memory, for executors that run on their own
+    /// threads and need to keep it.
+    fn attach(&mut self, memory: &Arc<QueueMemory>) -> Result<(), GioError> {
+        let _ = memory;
+        Ok(())
+    }
 
     /// Whether this executor can make an issue wait on `dependency`; checked by `issue_io` before
     /// anything is published. By default only [`Dependency::None`] is accepted: an executor that
@@ -108,12 +116,37 @@ pub fn complete_ioctx(
     Some(Cqe { iocb_id: id, issue_seq, failed_ioctx, status: final_status as u16, failed_nvme_status })
 }
 
-/// Posts a CQE (single producer: the caller serialises producers). The CQ has one entry per IOCB
-/// and an IOCB is reissued only after its CQE was reaped, so a full CQ is a protocol violation.
+/// Attempts to take the CQ's producer lock before giving up: holders keep it for a few stores, so
+/// running out means a holder died (or a GPU kernel was killed) while holding it.
+const CQ_LOCK_ATTEMPTS_MAX: u32 = 1 << 22;
+
+/// Posts a CQE. Any number of producers (executor threads, GPU threads) may post concurrently: they
+/// serialise on the ring's `producer_lock`, whose Acquire/Release pair also orders one holder's
+/// tail store before the next holder's tail load. The CQ has one entry per IOCB and an IOCB is
+/// reissued only after its CQE was reaped, so a full CQ is a protocol violation, not back-pressure.
 pub fn post_cqe(memory: &QueueMemory, cqe: Cqe) -> Result<(), GioError> {
-    let ring: Ring<'_, Cqe> = Ring::new(&memory.region, memory.layout.cq, "cq");
-    let mut producer = ring.producer()?;
-    producer.push(cqe).map_err(|cqe| GioError::CompletionQueueFull { id: cqe.iocb_id })
+    let lock = memory.layout.cq.header_offset_bytes + core::mem::offset_of!(abi::gio_ring_header, producer_lock);
+    let mut attempts = 0u32;
+    while memory.region.compare_exchange_u32(lock, 0, 1, Ordering::Acquire, Ordering::Relaxed).is_err() {
+        attempts += 1;
+        if attempts >= CQ_LOCK_ATTEMPTS_MAX {
+            return Err(GioError::Executor {
+                executor: "cq",
+                reason: format!("CQ producer lock never released; CQE for {} lost", cqe.iocb_id),
+            });
+        }
+        if attempts % 64 == 0 {
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
+    }
+    let posted = Ring::<Cqe>::new(&memory.region, memory.layout.cq, "cq")
+        .producer()
+        .and_then(|mut producer| producer.push(cqe).map_err(|cqe| GioError::CompletionQueueFull { id: cqe.iocb_id }));
+    // The producer view published the tail (Release) when it was dropped, before this unlock.
+    memory.region.store_u32(lock, 0, Ordering::Release);
+    posted
 }
 
 #[cfg(test)]

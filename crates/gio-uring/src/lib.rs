@@ -10,6 +10,7 @@
 //!   `peek_cqe`, `reap_cqe`, `put_iocb`;
 //! - [`executor`]: the seam an executor (CPU workers, the CUDA kernel) plugs into;
 //! - [`cpu_executor`]: the executor that runs IOCBs on the CPU over nvme-driver's queue pairs;
+//! - [`cpu_workers`]: the same on worker threads, each owning the queue pairs of some devices;
 //! - `gpu` (feature `cuda`): CUDA driver detection, kernel loading, green contexts, DMA modes.
 //!
 //! Status: the CPU executor works over nvme-driver's queue pairs (tested end to end on the
@@ -21,6 +22,7 @@
 
 pub mod abi;
 pub mod cpu_executor;
+pub mod cpu_workers;
 pub mod error;
 pub mod executor;
 #[cfg(feature = "cuda")]
@@ -37,6 +39,7 @@ pub mod validate;
 mod queue_tests;
 
 pub use cpu_executor::CpuExecutor;
+pub use cpu_workers::CpuWorkers;
 pub use error::{GioError, IocbFailure, IoctxFault};
 pub use executor::{Executor, IssueBatch};
 pub use layout::QueueConfig;

@@ -9,6 +9,7 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Instant;
 
 use crate::abi::{self, IocbStatus, NvmeStatus};
@@ -62,7 +63,7 @@ struct HostIocb {
 /// executor that runs them.
 #[derive(Debug)]
 pub struct GioQueue<E: Executor> {
-    memory: QueueMemory,
+    memory: Arc<QueueMemory>,
     executor: E,
     devices: DeviceTable,
     registered: RegisteredMemory,
@@ -78,7 +79,9 @@ impl<E: Executor> GioQueue<E> {
     /// entries, in one shared region. `devices` and `registered` are what IOCTXs are checked
     /// against when filled.
     pub fn init_queue(config: QueueConfig, devices: DeviceTable, registered: RegisteredMemory, executor: E) -> Result<Self, GioError> {
-        let memory = QueueMemory::new(config)?;
+        let memory = Arc::new(QueueMemory::new(config)?);
+        let mut executor = executor;
+        executor.attach(&memory)?;
         let depth = config.depth as usize;
         let iocbs = (0..config.depth)
             .map(|id| HostIocb {

@@ -6,12 +6,12 @@ use std::time::{Duration, Instant};
 
 use gio_uring::abi::Opcode;
 use gio_uring::{
-    CpuExecutor, Dependency, Descriptor, DeviceIndex, DeviceInfo, DeviceTable, GioError, GioQueue, IocbFailure, IocbId, IocbSpec,
-    IoctxSpec, Iova, IovaRange, LayerIndex, Lba, QueueConfig, RegisteredMemory, SmBudget,
+    CpuExecutor, CpuWorkers, Dependency, Descriptor, DeviceIndex, DeviceInfo, DeviceTable, Executor, GioError, GioQueue, IocbFailure,
+    IocbId, IocbSpec, IoctxSpec, Iova, IovaRange, LayerIndex, Lba, QueueConfig, RegisteredMemory, SmBudget,
 };
 use nvme_driver::hw::{DeviceBackend, DmaRegion};
 use nvme_driver::spec::{NvmeStatus as DriverStatus, StatusCodeType};
-use nvme_driver::{Controller, ControllerConfig};
+use nvme_driver::{Controller, ControllerConfig, IoQueuePair};
 use nvme_emu::{Backing, EmuConfig, EmuDevice, FaultAction, FaultPlan, FaultRule, NamespaceConfig};
 
 const BLOCK_BYTES: u32 = 512;
@@ -24,8 +24,8 @@ const LAYER_BLOCKS: u64 = IOCTXS as u64 * BLOCKS_PER_IOCTX as u64;
 
 /// Fields drop in order: the queue pairs (inside the executor) must be deleted while the
 /// controller is still up, or each drop waits out the admin timeout.
-struct Rig {
-    queue: GioQueue<CpuExecutor>,
+struct Rig<E: Executor = CpuExecutor> {
+    queue: GioQueue<E>,
     source: DmaRegion,
     target: DmaRegion,
     _controller: Controller,
@@ -39,6 +39,10 @@ fn deadline() -> Instant {
 /// A software controller with one namespace, `queue_pairs` I/O queue pairs of depth `nvme_depth`
 /// (each its own gio device entry, all on namespace 1), and two DMA buffers of all layers' bytes.
 fn rig(sgl: bool, queue_pairs: u16, nvme_depth: u32) -> Rig {
+    rig_with(sgl, queue_pairs, nvme_depth, |queues| CpuExecutor::new(queues, 16))
+}
+
+fn rig_with<E: Executor>(sgl: bool, queue_pairs: u16, nvme_depth: u32, executor: impl FnOnce(Vec<IoQueuePair>) -> E) -> Rig<E> {
     let config = EmuConfig::default()
         .with_backing(Backing::Memory { bytes: 8 << 20 })
         .with_namespaces(vec![NamespaceConfig::new(BLOCK_BYTES, Some(4 << 20))])
@@ -62,7 +66,7 @@ fn rig(sgl: bool, queue_pairs: u16, nvme_depth: u32) -> Rig {
     let registered =
         RegisteredMemory::new([&source, &target].iter().map(|region| IovaRange::new(Iova(region.iova().0), region.len() as u64)).collect())
             .unwrap();
-    let executor = CpuExecutor::new(queues, 16);
+    let executor = executor(queues);
     let queue = GioQueue::init_queue(QueueConfig { depth: 16, ioctx_per_iocb_max: 2048 }, devices, registered, executor).unwrap();
     Rig { queue, source, target, _controller: controller, device }
 }
@@ -100,7 +104,7 @@ fn pattern(len: usize) -> Vec<u8> {
 }
 
 /// Writes every layer from `source`, reads every layer back into `target`, one issue per layer.
-fn round_trip(rig: &mut Rig, sgl: bool, devices: u16) {
+fn round_trip<E: Executor>(rig: &mut Rig<E>, sgl: bool, devices: u16) {
     let bytes = rig.source.len();
     let data = pattern(bytes);
     rig.source.write(0, &data).unwrap();
@@ -176,4 +180,20 @@ fn an_event_dependency_the_cpu_executor_cannot_wait_on_is_refused_before_anythin
     let result = rig.queue.issue_io(&[id], LayerIndex(0), SmBudget(1));
     assert!(matches!(result, Err(GioError::Unsupported { .. })), "{result:?}");
     assert!(rig.device.stats().io_commands.is_empty(), "no command reached the controller");
+}
+
+#[test]
+fn two_worker_threads_share_iocbs_and_move_the_same_bytes() {
+    // Goal: IOCTXs of one IOCB alternate between two devices owned by two worker threads; the
+    // shared completion counter lets whichever finishes last post the single CQE.
+    let mut rig = rig_with(true, 2, 8, |queues| {
+        let workers = queues.into_iter().enumerate().map(|(device, queue)| vec![(DeviceIndex(device as u16), queue)]).collect();
+        CpuWorkers::new(2, workers, 16).unwrap()
+    });
+    round_trip(&mut rig, true, 2);
+}
+
+#[test]
+fn a_device_without_a_worker_is_a_configuration_error() {
+    assert!(matches!(CpuWorkers::new(2, vec![vec![], vec![]], 16), Err(GioError::InvalidConfig { .. })));
 }

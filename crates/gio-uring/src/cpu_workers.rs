@@ -1,0 +1,190 @@
+//! The CPU executor with worker threads: each worker owns the NVMe queue pairs of some devices
+//! (no locks between workers on the I/O path) and plays the part of a thread block.
+//!
+//! `submit` (on the caller's thread) takes the IOCB ids off the gio SQ and hands each IOCB to every
+//! worker over a bounded channel allocated at start-up. A worker submits the IOCTXs that target its
+//! own devices and reaps its own queues. IOCTXs of one IOCB may be spread over several workers:
+//! completion counting is the shared-memory protocol of [`crate::executor::complete_ioctx`] (atomic
+//! counter, compare-and-swap on the first failure and on the final status), so whichever worker
+//! completes the last IOCTX posts the one CQE, under the CQ's producer lock.
+
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TryRecvError, TrySendError};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use nvme_driver::IoQueuePair;
+
+use crate::cpu_executor::CpuExecutor;
+use crate::error::GioError;
+use crate::executor::{Executor, IssueBatch};
+use crate::layout::{IocbHeader, QueueMemory};
+use crate::ring::Ring;
+use crate::types::{DeviceIndex, IocbId};
+
+/// How long an idle worker sleeps waiting for work before it polls its queues again.
+const IDLE_WAIT: Duration = Duration::from_micros(200);
+
+enum Message {
+    Iocb(IocbHeader),
+    Stop,
+}
+
+struct Worker {
+    sender: SyncSender<Message>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// See the module documentation.
+pub struct CpuWorkers {
+    /// Queue pairs per worker until `attach` moves them into the worker threads.
+    assignments: Vec<Vec<Option<IoQueuePair>>>,
+    workers: Vec<Worker>,
+    depth: u32,
+    /// The first error a worker hit; reported by `poll`. Locked only on that error path.
+    failure: Arc<Mutex<Option<String>>>,
+}
+
+impl std::fmt::Debug for CpuWorkers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CpuWorkers").field("workers", &self.workers.len()).field("depth", &self.depth).finish()
+    }
+}
+
+impl CpuWorkers {
+    /// `workers[w]` lists the (device index, queue pair) that worker `w` owns. Every device index
+    /// of `0..device_count` must be owned by exactly one worker. `depth` is the gio queue depth.
+    pub fn new(device_count: usize, workers: Vec<Vec<(DeviceIndex, IoQueuePair)>>, depth: u32) -> Result<Self, GioError> {
+        let mut owner: Vec<Option<usize>> = vec![None; device_count];
+        let mut assignments = Vec::with_capacity(workers.len());
+        for (worker, queues) in workers.into_iter().enumerate() {
+            let mut slots: Vec<Option<IoQueuePair>> = (0..device_count).map(|_| None).collect();
+            for (device, queue) in queues {
+                let index = usize::from(device.0);
+                let slot = owner.get_mut(index).ok_or_else(|| GioError::InvalidConfig {
+                    reason: format!("worker {worker} owns {device}, outside the {device_count} devices"),
+                })?;
+                if let Some(other) = slot.replace(worker) {
+                    return Err(GioError::InvalidConfig { reason: format!("{device} owned by workers {other} and {worker}") });
+                }
+                slots[index] = Some(queue);
+            }
+            assignments.push(slots);
+        }
+        if let Some(device) = owner.iter().position(Option::is_none) {
+            return Err(GioError::InvalidConfig { reason: format!("device {device} has no worker") });
+        }
+        Ok(Self { assignments, workers: Vec::new(), depth, failure: Arc::new(Mutex::new(None)) })
+    }
+
+    fn record_failure(failure: &Mutex<Option<String>>, error: &GioError) {
+        let mut slot = failure.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        slot.get_or_insert_with(|| error.to_string());
+    }
+
+    fn run(memory: Arc<QueueMemory>, mut core: CpuExecutor, receiver: Receiver<Message>, failure: Arc<Mutex<Option<String>>>) {
+        loop {
+            // Take every IOCB handed over since the last round.
+            loop {
+                match receiver.try_recv() {
+                    Ok(Message::Iocb(header)) => core.accept(header),
+                    Ok(Message::Stop) | Err(TryRecvError::Disconnected) => return,
+                    Err(TryRecvError::Empty) => break,
+                }
+            }
+            if let Err(error) = core.poll(&memory) {
+                tracing::error!("gio-uring CPU worker: {error}");
+                Self::record_failure(&failure, &error);
+            }
+            if core.has_pending() || core.in_flight() > 0 {
+                std::thread::yield_now();
+                continue;
+            }
+            // Idle: block until work arrives, bounded so that a lost wake-up cannot stall it.
+            match receiver.recv_timeout(IDLE_WAIT) {
+                Ok(Message::Iocb(header)) => core.accept(header),
+                Ok(Message::Stop) | Err(RecvTimeoutError::Disconnected) => return,
+                Err(RecvTimeoutError::Timeout) => {}
+            }
+        }
+    }
+}
+
+impl Executor for CpuWorkers {
+    fn name(&self) -> &'static str {
+        "cpu-workers"
+    }
+
+    fn attach(&mut self, memory: &Arc<QueueMemory>) -> Result<(), GioError> {
+        // An IOCB is in flight at most once, but a worker that owns none of its devices may still
+        // hold its message when it is reissued: four rounds of the depth leave ample slack.
+        let capacity = self.depth as usize * 4;
+        for (index, queues) in std::mem::take(&mut self.assignments).into_iter().enumerate() {
+            let (sender, receiver) = mpsc::sync_channel(capacity);
+            let core = CpuExecutor::for_devices(queues, self.depth);
+            let memory = Arc::clone(memory);
+            let failure = Arc::clone(&self.failure);
+            let thread = std::thread::Builder::new()
+                .name(format!("gio-cpu-{index}"))
+                .spawn(move || Self::run(memory, core, receiver, failure))
+                .map_err(|error| GioError::Executor { executor: "cpu-workers", reason: format!("spawn: {error}") })?;
+            self.workers.push(Worker { sender, thread: Some(thread) });
+        }
+        Ok(())
+    }
+
+    fn submit(&mut self, memory: &QueueMemory, batch: &IssueBatch) -> Result<(), GioError> {
+        if self.workers.is_empty() {
+            return Err(GioError::Executor { executor: "cpu-workers", reason: "not attached to a queue".into() });
+        }
+        let ring: Ring<'_, IocbId> = Ring::new(&memory.region, memory.layout.sq, "sq");
+        let mut consumer = ring.consumer()?;
+        if consumer.head() != batch.sq_first || consumer.len() < batch.count {
+            return Err(GioError::Executor {
+                executor: "cpu-workers",
+                reason: format!("SQ at {} with {} entries does not hold batch {batch:?}", consumer.head(), consumer.len()),
+            });
+        }
+        for _ in 0..batch.count {
+            let Some(id) = consumer.next() else { break };
+            if id.0 >= memory.layout.config.depth {
+                return Err(GioError::Executor { executor: "cpu-workers", reason: format!("SQ names {id}, outside the pool") });
+            }
+            let header = memory.read_iocb_header(id);
+            for (index, worker) in self.workers.iter().enumerate() {
+                worker.sender.try_send(Message::Iocb(header)).map_err(|error| GioError::Executor {
+                    executor: "cpu-workers",
+                    reason: match error {
+                        TrySendError::Full(_) => format!("worker {index} is {} IOCBs behind", self.depth * 4),
+                        TrySendError::Disconnected(_) => format!("worker {index} has stopped"),
+                    },
+                })?;
+            }
+        }
+        Ok(())
+    }
+
+    fn poll(&mut self, _memory: &QueueMemory) -> Result<(), GioError> {
+        let failure = self.failure.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        match failure.as_ref() {
+            Some(reason) => Err(GioError::Executor { executor: "cpu-workers", reason: reason.clone() }),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for CpuWorkers {
+    fn drop(&mut self) {
+        for worker in &self.workers {
+            // A worker that already stopped has dropped its receiver; nothing to tell it.
+            let _ = worker.sender.send(Message::Stop);
+        }
+        for worker in &mut self.workers {
+            if let Some(thread) = worker.thread.take() {
+                if thread.join().is_err() {
+                    tracing::error!("gio-uring CPU worker panicked");
+                }
+            }
+        }
+    }
+}
