@@ -193,8 +193,14 @@ impl Profile {
         Ok(Self { table, bucket_start })
     }
 
-    /// Serializes the table (pretty JSON).
+    /// Serializes the table as compact JSON (what tools write: a 32K-token grid is ~3× smaller
+    /// than pretty-printed).
     pub fn to_json(&self) -> Result<String> {
+        Ok(serde_json::to_string(&self.table)?)
+    }
+
+    /// Serializes the table as indented JSON, for reading by eye.
+    pub fn to_json_pretty(&self) -> Result<String> {
         Ok(serde_json::to_string_pretty(&self.table)?)
     }
 

@@ -20,9 +20,10 @@ fn message(result: Result<Profile, SchedulerError>) -> (SchedulerError, String) 
 #[test]
 fn valid_table_round_trips() {
     let profile = load(common::table()).unwrap();
-    let json = profile.to_json().unwrap();
-    let again = Profile::from_json(&json).unwrap();
-    assert_eq!(again.table(), profile.table());
+    for json in [profile.to_json_pretty().unwrap(), profile.to_json().unwrap()] {
+        let again = Profile::from_json(&json).unwrap();
+        assert_eq!(again.table(), profile.table());
+    }
 }
 
 #[test]
@@ -59,7 +60,7 @@ fn nan_and_infinite_durations_are_rejected() {
         assert!(text.contains("not a finite number"), "{text}");
     }
     // JSON itself has no NaN: a table written with one fails to parse, typed.
-    let json = Profile::from_table(common::table()).unwrap().to_json().unwrap();
+    let json = Profile::from_table(common::table()).unwrap().to_json_pretty().unwrap();
     let broken = json.replacen("\"compute_duration_us\": 1000.0", "\"compute_duration_us\": NaN", 1);
     assert!(matches!(Profile::from_json(&broken), Err(SchedulerError::Parse(_))));
     let null = json.replacen("\"compute_duration_us\": 1000.0", "\"compute_duration_us\": null", 1);
@@ -144,7 +145,7 @@ fn wrong_model_or_gpu_is_rejected() {
 
 #[test]
 fn future_version_is_rejected_before_its_shape_is_parsed() {
-    let json = Profile::from_table(common::table()).unwrap().to_json().unwrap();
+    let json = Profile::from_table(common::table()).unwrap().to_json_pretty().unwrap();
     // A future format may add fields we do not know: the version is what must be reported.
     let future = json.replacen("\"format_version\": 1", "\"format_version\": 2, \"new_field\": [1]", 1);
     match Profile::from_json(&future) {
@@ -195,7 +196,7 @@ fn lookups_round_conservatively_or_fail_typed() {
 /// (a small LCG, no external crates) over the JSON of a valid table.
 #[test]
 fn corrupted_json_never_panics() {
-    let json = Profile::from_table(common::table()).unwrap().to_json().unwrap();
+    let json = Profile::from_table(common::table()).unwrap().to_json_pretty().unwrap();
     let bytes = json.as_bytes();
     let mut state: u64 = 0x9e37_79b9_7f4a_7c15;
     let mut next = || {

@@ -157,6 +157,9 @@ struct AnalyticArgs {
     /// Output file (JSON).
     #[arg(long, short)]
     out: PathBuf,
+    /// Indent the JSON (several times larger).
+    #[arg(long)]
+    pretty: bool,
 }
 
 #[derive(Args, Debug)]
@@ -178,6 +181,9 @@ struct ImportArgs {
     /// Output file (JSON).
     #[arg(long, short)]
     out: PathBuf,
+    /// Indent the JSON (several times larger).
+    #[arg(long)]
+    pretty: bool,
 }
 
 #[derive(Args, Debug)]
@@ -249,7 +255,7 @@ fn analytic(args: &AnalyticArgs) -> Result<()> {
     let (io_costs, io_source) = args.ssd.cost_table(args.io_sms)?;
     let table = build_table(&model, &gpu, &grid, io_costs, &io_source)?;
     let profile = Profile::from_table(table).context("the analytic table failed its own validation")?;
-    write_file(&args.out, &profile.to_json()?)?;
+    write_file(&args.out, &if args.pretty { profile.to_json_pretty()? } else { profile.to_json()? })?;
     eprintln!(
         "wrote {} ({} buckets, {} layers, model {}, GPU {}; analytic roofline, not measured)",
         args.out.display(),
@@ -278,7 +284,7 @@ fn import(args: &ImportArgs) -> Result<()> {
         &io_source,
     )
     .with_context(|| format!("importing {}", args.timeline.display()))?;
-    write_file(&args.out, &profile.to_json()?)?;
+    write_file(&args.out, &if args.pretty { profile.to_json_pretty()? } else { profile.to_json()? })?;
     eprintln!("wrote {} ({} buckets from {})", args.out.display(), profile.table().buckets.len(), args.timeline.display());
     Ok(())
 }
