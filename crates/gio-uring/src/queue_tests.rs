@@ -260,3 +260,167 @@ fn get_iocb_hands_out_each_id_once_until_put_back() {
     assert_eq!(queue.get_iocb(1, Dependency::None).unwrap(), vec![first[2]]);
     assert!(matches!(queue.get_iocb(0, Dependency::None), Err(GioError::NoFreeIocb { .. })));
 }
+
+mod model {
+    //! Property test of the queue's IOCB life cycle against a plain model: random sequences of
+    //! get / fill / issue / reap / wait / put on a deferred executor (one IOCB completes per poll,
+    //! in issue order) must agree with the model on every result, and every issue must complete
+    //! exactly once.
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::{BTreeMap, VecDeque};
+
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    enum ModelState {
+        Reserved,
+        Prepared,
+        InFlight(u32),
+        Completed(u32),
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Get(usize),
+        Fill(usize),
+        Issue(Vec<usize>, u32),
+        Reap,
+        Wait(usize),
+        Put(usize),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        // Weighted so that most IOCBs get filled and issued, and several complete before a reap.
+        prop_oneof![
+            2 => (1usize..4).prop_map(Op::Get),
+            5 => any::<usize>().prop_map(Op::Fill),
+            5 => (proptest::collection::vec(any::<usize>(), 1..3), 0u32..(LAYERS + 1)).prop_map(|(ids, layer)| Op::Issue(ids, layer)),
+            3 => Just(Op::Reap),
+            2 => any::<usize>().prop_map(Op::Wait),
+            1 => any::<usize>().prop_map(Op::Put),
+        ]
+    }
+
+    #[derive(Default)]
+    struct Model {
+        states: BTreeMap<u32, ModelState>,
+        /// Issued, not yet completed by the executor, in issue order.
+        pending: VecDeque<u32>,
+        /// Completed, not yet returned by reap/wait, in completion order.
+        unreported: VecDeque<u32>,
+    }
+
+    impl Model {
+        fn pick(&self, index: usize) -> Option<u32> {
+            let ids: Vec<u32> = self.states.keys().copied().collect();
+            (!ids.is_empty()).then(|| ids[index % ids.len()])
+        }
+        /// One executor poll: the oldest pending IOCB completes.
+        fn step(&mut self) {
+            if let Some(id) = self.pending.pop_front() {
+                let ModelState::InFlight(layer) = self.states[&id] else { unreachable!() };
+                self.states.insert(id, ModelState::Completed(layer));
+                self.unreported.push_back(id);
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+        #[test]
+        fn iocb_life_cycle_matches_the_model(ops in proptest::collection::vec(op(), 1..80)) {
+            let mut queue = queue(MemoryExecutor { deferred: true, ..Default::default() });
+            let mut model = Model::default();
+            for op in ops {
+                match op {
+                    Op::Get(count) => {
+                        let free = 8 - model.states.len();
+                        match queue.get_iocb(count, Dependency::None) {
+                            Ok(ids) => {
+                                prop_assert!(count <= free);
+                                for id in ids {
+                                    prop_assert!(model.states.insert(id.0, ModelState::Reserved).is_none(), "id handed out twice");
+                                }
+                            }
+                            Err(GioError::NoFreeIocb { .. }) => prop_assert!(count > free),
+                            Err(other) => prop_assert!(false, "get: {other}"),
+                        }
+                    }
+                    Op::Fill(index) => {
+                        let Some(id) = model.pick(index) else { continue };
+                        let result = queue.fill_iocb(IocbId(id), &layered(u64::from(id)), &[ioctx(0, 0, 1, 0)]);
+                        match model.states[&id] {
+                            ModelState::InFlight(_) => prop_assert!(result.is_err()),
+                            _ => {
+                                prop_assert!(result.is_ok(), "fill: {result:?}");
+                                model.unreported.retain(|&u| u != id);
+                                model.states.insert(id, ModelState::Prepared);
+                            }
+                        }
+                    }
+                    Op::Issue(indices, layer) => {
+                        let picked: Vec<u32> = indices.iter().filter_map(|&i| model.pick(i)).collect();
+                        if picked.is_empty() { continue; }
+                        let ids: Vec<IocbId> = picked.iter().map(|&id| IocbId(id)).collect();
+                        let mut unique = picked.clone();
+                        unique.sort_unstable();
+                        unique.dedup();
+                        let ok = unique.len() == picked.len()
+                            && layer < LAYERS
+                            && picked.iter().all(|id| matches!(model.states[id], ModelState::Prepared | ModelState::Completed(_)));
+                        let result = queue.issue_io(&ids, LayerIndex(layer), SmBudget(1));
+                        prop_assert_eq!(result.is_ok(), ok, "issue {:?} layer {}: {:?}", picked, layer, result);
+                        if ok {
+                            for id in picked {
+                                model.unreported.retain(|&u| u != id);
+                                model.states.insert(id, ModelState::InFlight(layer));
+                                model.pending.push_back(id);
+                            }
+                        }
+                    }
+                    Op::Reap => {
+                        model.step();
+                        let expected = model.unreported.pop_front();
+                        let got = queue.reap_cqe().unwrap();
+                        prop_assert_eq!(got.map(|c| c.id.0), expected);
+                        if let (Some(completion), Some(id)) = (got, expected) {
+                            let ModelState::Completed(layer) = model.states[&id] else { unreachable!() };
+                            prop_assert_eq!(completion.layer, LayerIndex(layer));
+                            prop_assert_eq!(completion.user_data, u64::from(id));
+                        }
+                    }
+                    Op::Wait(index) => {
+                        let Some(id) = model.pick(index) else { continue };
+                        let result = queue.wait_cqe(IocbId(id), Instant::now() + Duration::from_secs(5));
+                        match model.states[&id] {
+                            ModelState::InFlight(_) | ModelState::Completed(_) => {
+                                while matches!(model.states[&id], ModelState::InFlight(_)) {
+                                    model.step();
+                                }
+                                model.unreported.retain(|&u| u != id);
+                                let ModelState::Completed(layer) = model.states[&id] else { unreachable!() };
+                                let completion = result.unwrap();
+                                prop_assert_eq!((completion.id.0, completion.layer), (id, LayerIndex(layer)));
+                            }
+                            _ => {
+                                let wrong_state = matches!(result, Err(GioError::WrongState { .. }));
+                                prop_assert!(wrong_state, "wait on a never-issued IOCB: {:?}", result);
+                            }
+                        }
+                    }
+                    Op::Put(index) => {
+                        let Some(id) = model.pick(index) else { continue };
+                        let result = queue.put_iocb(IocbId(id));
+                        if matches!(model.states[&id], ModelState::InFlight(_)) {
+                            prop_assert!(result.is_err());
+                        } else {
+                            prop_assert!(result.is_ok());
+                            model.states.remove(&id);
+                            model.unreported.retain(|&u| u != id);
+                        }
+                    }
+                }
+                prop_assert_eq!(queue.free_iocbs(), 8 - model.states.len());
+            }
+        }
+    }
+}
