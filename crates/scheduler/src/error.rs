@@ -33,9 +33,11 @@ pub enum SchedulerError {
     #[error("lookup out of range: {what} = {value} is outside the profiled range [{min}, {max}]")]
     OutOfRange { what: &'static str, value: u64, min: u64, max: u64 },
 
-    /// The table is not valid JSON or does not have the documented shape.
+    /// The table is not valid JSON or does not have the documented shape. The parser's message
+    /// (line, column, field) is part of this error's text rather than a separate source, so a
+    /// printed chain does not repeat it.
     #[error("profile table JSON: {0}")]
-    Parse(#[from] serde_json::Error),
+    Parse(serde_json::Error),
 
     /// A model, GPU, SSD or simulation parameter is unusable.
     #[error("invalid configuration: `{field}`: {reason}")]
@@ -52,6 +54,12 @@ pub enum SchedulerError {
     /// The I/O probe (live backend) failed.
     #[error("I/O probe `{probe}` failed at {point}: {reason}")]
     Probe { probe: String, point: String, reason: String },
+}
+
+impl From<serde_json::Error> for SchedulerError {
+    fn from(error: serde_json::Error) -> Self {
+        Self::Parse(error)
+    }
 }
 
 /// Result alias used throughout the crate.

@@ -213,8 +213,18 @@ struct CheckArgs {
     target: TargetArgs,
 }
 
-fn main() -> Result<()> {
-    let cli = Cli::parse();
+fn main() -> std::process::ExitCode {
+    // Print the error chain ourselves: a user error is not a crash and needs no backtrace.
+    match run(Cli::parse()) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: {error:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Analytic(args) => analytic(&args),
         Command::Import(args) => import(&args),
