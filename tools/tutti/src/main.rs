@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use clap::{Parser, Subcommand};
 
 mod devices;
+mod pool;
 mod system;
 
 use system::System;
@@ -33,6 +34,9 @@ enum Command {
     Bind(devices::BindArgs),
     /// Give an NVMe function back to the kernel (its default driver, normally nvme).
     Unbind(devices::UnbindArgs),
+    /// Format, inspect or check an object-store pool on NVMe namespaces.
+    #[command(subcommand)]
+    Pool(pool::PoolCommand),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -42,5 +46,6 @@ fn main() -> anyhow::Result<()> {
         Command::Devices(args) => devices::run_devices(&system, &args),
         Command::Bind(args) => devices::run_bind(&system, &args),
         Command::Unbind(args) => devices::run_unbind(&system, &args),
+        Command::Pool(command) => pool::run(&command),
     }
 }
