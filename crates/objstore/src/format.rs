@@ -90,7 +90,7 @@ impl Superblock {
         if !lba_bytes.is_power_of_two() || !(512..=65536).contains(&lba_bytes) {
             return Err(invalid(format!("LBA size {lba_bytes} is not a power of two in 512..=65536")));
         }
-        if geometry.object_bytes() % u64::from(lba_bytes) != 0 {
+        if !geometry.object_bytes().is_multiple_of(u64::from(lba_bytes)) {
             return Err(invalid(format!("an object of {} bytes is not a whole number of {lba_bytes}-byte LBAs", geometry.object_bytes())));
         }
         let entry = header_entry_bytes(blocks_per_slot);

@@ -66,9 +66,11 @@ pub struct RecoveryReport {
     pub cached_blocks: u64,
 }
 
+/// Fields drop in order: the queue pair must be deleted while its controller (kept alive by
+/// `target`) still runs, or the drop waits out the admin timeout.
 pub(crate) struct PoolDevice {
-    pub(crate) target: PoolTarget,
     pub(crate) queue: IoQueuePair,
+    pub(crate) target: PoolTarget,
     pub(crate) superblock: Superblock,
     mirror: DmaRegion,
     /// Header-region LBA range (relative) not yet written: [first, end).
@@ -242,7 +244,7 @@ impl Pool {
             let mirror = target.controller.dma().allocate(superblock.header_region_bytes() as usize)?;
             read_region(&mut queue, target.namespace, superblock.header_lba, &mirror, 0, superblock.header_region_bytes(), u64::from(superblock.lba_bytes), METADATA_TIMEOUT)?;
             let scratch = target.controller.dma().allocate((2 * superblock.geometry.object_bytes()).max(SUPERBLOCK_REGION_BYTES) as usize)?;
-            pool.devices.push(PoolDevice { target, queue, superblock, mirror, dirty: None, scratch });
+            pool.devices.push(PoolDevice { queue, target, superblock, mirror, dirty: None, scratch });
         }
         pool.recover(&mut report)?;
         Ok((pool, report))

@@ -95,7 +95,7 @@ impl KvRegistration {
         };
         let misaligned = |what: String, address: u64| Err(ObjstoreError::MisalignedRegistration { what, address, align_bytes: align, mode });
         let object = self.geometry.object_bytes();
-        if object % align != 0 {
+        if !object.is_multiple_of(align) {
             return misaligned("object size".into(), object);
         }
         let stride = match &self.layout {

@@ -115,10 +115,13 @@ struct Request {
 }
 
 /// The layer-wise KV store over one pool, one registration and one gio_uring queue.
+///
+/// Fields drop in order: the executor's queue pairs (inside `queue`) go before the pool, whose
+/// targets may hold the last references to the controllers.
 pub struct KvStore<E: Executor> {
+    queue: GioQueue<E>,
     pool: Pool,
     table: MappingTable,
-    queue: GioQueue<E>,
     dma: Arc<dyn DmaAllocator>,
     config: StoreConfig,
     requests: Vec<Request>,
