@@ -145,3 +145,87 @@ fn no_overlap_loads_everything_first() {
     let plan = NoOverlap.plan_layer(&view(&table, 1, &none)).unwrap();
     assert_eq!(plan, LayerPlan::default());
 }
+
+/// Goal: over many random windows and queue states, the slack-aware decisions keep Tutti's
+/// invariants: the current and the next layer's reads are always fully issued before the layer
+/// begins, no layer gets more IOCBs than it has, every write fits inside one window on the SMs
+/// that window has free, and writes appear only once no read is left unissued.
+#[test]
+fn slack_aware_invariants_hold_on_random_states() {
+    use scheduler::table::{LayerProfile, SlackWindow};
+    let mut state: u64 = 0x2545_f491_4f6c_dd1d;
+    let mut next = |bound: u64| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state % bound
+    };
+    let mut cases_with_writes = 0;
+    let mut cases_with_window_reads = 0;
+    for case in 0..2000 {
+        let mut windows = Vec::new();
+        let mut at_us = 0.0;
+        for _ in 0..next(5) {
+            at_us += next(200) as f64;
+            let duration_us = 1.0 + next(800) as f64;
+            windows.push(SlackWindow { offset_us: at_us, duration_us, free_sms: next(6) as u32 });
+            at_us += duration_us;
+        }
+        let layer_profile = LayerProfile { compute_duration_us: at_us + 1.0, kv_needed_offset_us: 0.0, slack_windows: windows.clone() };
+        let mut t = common::table();
+        for bucket in &mut t.buckets {
+            bucket.layers = vec![layer_profile.clone(); common::LAYERS as usize];
+        }
+        let table = Profile::from_table(t).unwrap();
+        let layer = next(u64::from(common::LAYERS)) as u32;
+        let unissued: Vec<u32> = (0..common::LAYERS).map(|l| if l < layer { 0 } else { next(10) as u32 }).collect();
+        let mut v = view(&table, layer, &unissued);
+        v.outstanding_read_iocbs = next(6) as u32;
+        v.outstanding_write_iocbs = next(3) as u32;
+        v.queued_write_iocbs = next(6) as u32;
+        let plan = SlackAware.plan_layer(&v).unwrap();
+
+        let mut issued = vec![0u32; common::LAYERS as usize];
+        let mut writes_seen = false;
+        for issue in &plan.issues {
+            assert!(issue.iocb_count > 0, "case {case}: {issue:?}");
+            match issue.kind {
+                IoKind::Read => {
+                    let l = issue.layer.expect("reads name a layer");
+                    assert!(l >= layer, "case {case}: read of a past layer");
+                    issued[l as usize] += issue.iocb_count;
+                }
+                IoKind::Write => {
+                    writes_seen = true;
+                    assert!(issue.after_reads, "case {case}: write not ordered after reads");
+                    let duration_us = table.io_duration_us(IoKind::Write, issue.iocb_count, issue.sm_budget).unwrap();
+                    let fits = windows.iter().any(|w| {
+                        w.offset_us <= issue.offset_us
+                            && issue.offset_us + duration_us <= w.end_us() + 1e-9
+                            && issue.sm_budget <= w.free_sms
+                    });
+                    assert!(fits, "case {case}: write outside every window: {issue:?} in {windows:?}");
+                }
+            }
+        }
+        for l in 0..common::LAYERS as usize {
+            assert!(issued[l] <= unissued[l], "case {case}: layer {l} over-issued");
+        }
+        let critical = [layer as usize, layer as usize + 1];
+        for l in critical.into_iter().filter(|&l| l < common::LAYERS as usize) {
+            assert_eq!(issued[l], unissued[l], "case {case}: layer {l} not fully issued: {plan:?}");
+        }
+        let writes_issued: u32 = plan.issues.iter().filter(|i| i.kind == IoKind::Write).map(|i| i.iocb_count).sum();
+        assert!(writes_issued <= v.queued_write_iocbs, "case {case}");
+        if writes_seen {
+            assert_eq!(issued, unissued, "case {case}: writes while reads remain unissued");
+            cases_with_writes += 1;
+        }
+        if plan.issues.iter().any(|i| i.kind == IoKind::Read && i.offset_us > 0.0) {
+            cases_with_window_reads += 1;
+        }
+    }
+    // The generator must reach the interesting branches, or the test proves nothing.
+    assert!(cases_with_writes > 100, "only {cases_with_writes} cases placed writes");
+    assert!(cases_with_window_reads > 100, "only {cases_with_window_reads} cases placed reads in windows");
+}
