@@ -65,6 +65,7 @@ pub struct Cli {
     pub output_format: OutputFormat,
 
     /// emu:PATH (software controller over a file, created when missing), emu:mem:SIZE,
+    /// emu:null:SIZE (no-storage mode: commands complete without moving data),
     /// vfio:BDF (e.g. vfio:0000:00:04.0), uring:PATH (io_uring + O_DIRECT). Repeat to stripe.
     #[arg(long = "device", value_parser = parse_device_arg)]
     pub devices: Vec<DeviceSpec>,
@@ -148,6 +149,9 @@ pub enum DeviceSpec {
     EmuFile(PathBuf),
     /// The software controller over process memory of this many bytes.
     EmuMemory(u64),
+    /// The software controller in no-storage mode: commands are validated and completed without
+    /// moving data (measures the driver and controller, not a medium).
+    EmuNull(u64),
     /// An NVMe function bound to vfio-pci, by PCI address.
     Vfio(String),
     /// The kernel path: io_uring with O_DIRECT.
@@ -159,6 +163,7 @@ impl std::fmt::Display for DeviceSpec {
         match self {
             DeviceSpec::EmuFile(path) => write!(f, "emu:{}", path.display()),
             DeviceSpec::EmuMemory(bytes) => write!(f, "emu:mem:{}", format_size(*bytes)),
+            DeviceSpec::EmuNull(bytes) => write!(f, "emu:null:{}", format_size(*bytes)),
             DeviceSpec::Vfio(address) => write!(f, "vfio:{address}"),
             DeviceSpec::Uring(path) => write!(f, "uring:{}", path.display()),
         }
@@ -264,7 +269,7 @@ fn parse_fraction_arg(text: &str) -> Result<f64, String> {
 
 /// Parses `emu:PATH`, `emu:mem:SIZE`, `vfio:BDF` or `uring:PATH`.
 pub fn parse_device(text: &str) -> Result<DeviceSpec, String> {
-    let accepted = "accepted: emu:PATH, emu:mem:SIZE, vfio:BDF (e.g. vfio:0000:00:04.0), uring:PATH";
+    let accepted = "accepted: emu:PATH, emu:mem:SIZE, emu:null:SIZE, vfio:BDF (e.g. vfio:0000:00:04.0), uring:PATH";
     let Some((kind, rest)) = text.split_once(':') else {
         return Err(format!("device '{text}' has no type prefix; {accepted}"));
     };
@@ -272,16 +277,18 @@ pub fn parse_device(text: &str) -> Result<DeviceSpec, String> {
         return Err(format!("device '{text}' names no path or address; {accepted}"));
     }
     match kind {
-        "emu" => match rest.strip_prefix("mem:") {
-            Some(size) => {
-                let bytes = parse_size(size).map_err(|error| format!("device '{text}': {error}"))?;
-                if bytes < 1 << 20 {
-                    return Err(format!("device '{text}': memory devices need at least 1 MiB"));
-                }
-                Ok(DeviceSpec::EmuMemory(bytes))
+        "emu" => {
+            let (memory, size) = match (rest.strip_prefix("mem:"), rest.strip_prefix("null:")) {
+                (Some(size), _) => (true, size),
+                (None, Some(size)) => (false, size),
+                (None, None) => return Ok(DeviceSpec::EmuFile(PathBuf::from(rest))),
+            };
+            let bytes = parse_size(size).map_err(|error| format!("device '{text}': {error}"))?;
+            if bytes < 1 << 20 {
+                return Err(format!("device '{text}': memory devices need at least 1 MiB"));
             }
-            None => Ok(DeviceSpec::EmuFile(PathBuf::from(rest))),
-        },
+            Ok(if memory { DeviceSpec::EmuMemory(bytes) } else { DeviceSpec::EmuNull(bytes) })
+        }
         "uring" => Ok(DeviceSpec::Uring(PathBuf::from(rest))),
         "vfio" => {
             if !is_pci_address(rest) {
@@ -359,6 +366,7 @@ mod tests {
     fn devices_parse() {
         assert_eq!(parse_device("emu:/tmp/x"), Ok(DeviceSpec::EmuFile("/tmp/x".into())));
         assert_eq!(parse_device("emu:mem:64m"), Ok(DeviceSpec::EmuMemory(64 << 20)));
+        assert_eq!(parse_device("emu:null:1g"), Ok(DeviceSpec::EmuNull(1 << 30)));
         assert_eq!(parse_device("uring:/dev/nvme0n1"), Ok(DeviceSpec::Uring("/dev/nvme0n1".into())));
         assert_eq!(parse_device("vfio:0000:00:04.0"), Ok(DeviceSpec::Vfio("0000:00:04.0".into())));
         assert_eq!(parse_device("vfio:00:04.0"), Ok(DeviceSpec::Vfio("00:04.0".into())));

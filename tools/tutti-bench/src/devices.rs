@@ -18,6 +18,12 @@ use crate::args::{format_size, DeviceSpec};
 /// How long one I/O may take before the run fails (a stuck device, not a slow one).
 pub const IO_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// Waiting for an NVMe completion: polls spent spinning, then yielding, then sleeping.
+const WAIT_SPIN_POLLS: u32 = 256;
+const WAIT_YIELD_POLLS: u32 = 64;
+const WAIT_SLEEP_MIN: Duration = Duration::from_micros(5);
+const WAIT_SLEEP_MAX: Duration = Duration::from_micros(50);
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Direction {
     Read,
@@ -133,6 +139,13 @@ pub fn open(spec: &DeviceSpec, options: OpenOptions2, created: &mut CreatedFiles
         DeviceSpec::EmuMemory(bytes) => {
             let config = emu_config(options).with_backing(Backing::Memory { bytes: *bytes });
             NvmeDevice::start_emu(config, format!("software NVMe controller (nvme-emu) over {} of memory", format_size(*bytes)))
+        }
+        DeviceSpec::EmuNull(bytes) => {
+            let config = emu_config(options).with_backing(Backing::Memory { bytes: *bytes }).with_no_storage(true);
+            NvmeDevice::start_emu(
+                config,
+                format!("software NVMe controller (nvme-emu) in no-storage mode ({}; data is not moved)", format_size(*bytes)),
+            )
         }
         DeviceSpec::Vfio(address) => {
             let device = nvme_driver::hw::VfioDevice::open(address).map_err(|error| {
@@ -391,11 +404,30 @@ impl IoQueue for NvmeQueue {
         };
         let reaped = pair.reap(usize::MAX, &mut on_completion).map_err(|source| DeviceError::Nvme { device: name.clone(), source })?;
         if reaped == 0 && wait && pair.in_flight() > 0 {
+            // Our own bounded wait rather than the driver's spin-and-yield: with the software
+            // controller the device is a thread of this process, and on a small machine a waiter
+            // that keeps the CPU starves it. Spin briefly (fast devices), then yield, then sleep
+            // in growing steps capped at WAIT_SLEEP_MAX.
             let in_flight = pair.in_flight();
-            pair.wait_for(1, deadline, &mut on_completion).map_err(|source| match source {
-                NvmeError::Timeout { .. } => DeviceError::Timeout { device: name.clone(), timeout_s: IO_TIMEOUT.as_secs(), in_flight },
-                source => DeviceError::Nvme { device: name.clone(), source },
-            })?;
+            let mut polls = 0u32;
+            let mut sleep = WAIT_SLEEP_MIN;
+            loop {
+                if pair.reap(usize::MAX, &mut on_completion).map_err(|source| DeviceError::Nvme { device: name.clone(), source })? > 0 {
+                    break;
+                }
+                polls += 1;
+                if polls % 64 == 0 && Instant::now() >= deadline {
+                    return Err(DeviceError::Timeout { device: name.clone(), timeout_s: IO_TIMEOUT.as_secs(), in_flight });
+                }
+                if polls < WAIT_SPIN_POLLS {
+                    std::hint::spin_loop();
+                } else if polls < WAIT_SPIN_POLLS + WAIT_YIELD_POLLS {
+                    std::thread::yield_now();
+                } else {
+                    std::thread::sleep(sleep);
+                    sleep = (sleep * 2).min(WAIT_SLEEP_MAX);
+                }
+            }
         }
         if let Some(slot) = unexpected {
             return Err(DeviceError::UnexpectedCompletion { device: name.clone(), slot });

@@ -122,6 +122,9 @@ fn run_raw(cli: &Cli, specs: &[DeviceSpec], created: &mut CreatedFiles) -> anyho
     if !cli.offset.is_multiple_of(cli.bs) {
         return usage(format!("--offset={} is not a multiple of --bs={}", cli.offset, cli.bs));
     }
+    if cli.verify && specs.iter().any(|spec| matches!(spec, DeviceSpec::EmuNull(_))) {
+        return usage("--verify cannot check emu:null devices (they move no data); accepted: emu:PATH, emu:mem:SIZE, uring:PATH, vfio:BDF");
+    }
     if cli.time_based && cli.runtime.is_none() {
         return usage("--time_based needs --runtime");
     }
