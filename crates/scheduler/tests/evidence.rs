@@ -187,3 +187,34 @@ fn coarse_table_still_reaches_the_bound() {
     let crossover = summarize(&results)[0].crossover_hit_rate.unwrap();
     assert!((crossover - bound).abs() <= 0.01, "coarse-table crossover {crossover:.4} vs bound {bound:.4}");
 }
+
+/// Goal: a table that under-estimates slack (the GPU is 10% slower than profiled, the direction
+/// the conservative rounding chooses) costs nothing: the crossover stays on the bound of the
+/// real GPU, and reads and writes still never mix.
+#[test]
+fn underestimated_slack_is_safe() {
+    use scheduler::sim::{simulate, SimConfig};
+    let p = preset("llama3-8b-h100-32k").unwrap();
+    let scheduler_table = p.build_profile().unwrap();
+    let mut slower = scheduler_table.table().clone();
+    for layer in slower.buckets.iter_mut().flat_map(|b| b.layers.iter_mut()) {
+        layer.compute_duration_us *= 1.1;
+        layer.kv_needed_offset_us *= 1.1;
+        for window in &mut layer.slack_windows {
+            window.offset_us *= 1.1;
+            window.duration_us *= 1.1;
+        }
+    }
+    let truth = Profile::from_table(slower).unwrap();
+    let mut results = Vec::new();
+    for prefix_tokens in truth.prefix_lengths(p.input_tokens) {
+        let config = SimConfig { input_tokens: p.input_tokens, prefix_tokens, iocb_bytes: p.iocb_bytes, decode_step_count: 0 };
+        let mut policy = PolicyKind::SlackAware.build();
+        let r = simulate(&truth, &scheduler_table, &p.ssd, &config, policy.as_mut()).unwrap();
+        assert_eq!(r.mixed_io_us, 0.0, "{r:?}");
+        results.push(r);
+    }
+    let bound = analytic_bound(&truth, &p.ssd, p.input_tokens).unwrap().unwrap();
+    let crossover = summarize(&results)[0].crossover_hit_rate.unwrap();
+    assert!((crossover - bound).abs() <= 0.01, "crossover {crossover:.4} vs real bound {bound:.4}");
+}
