@@ -286,8 +286,7 @@ impl ControllerCore {
         let dwords = u64::from(entry.cdw10 >> 16 | (entry.cdw11 & 0xFFFF) << 16) + 1;
         let length_bytes = dwords * 4;
         let offset = u64::from(entry.cdw12) | u64::from(entry.cdw13) << 32;
-        // Unlimited MDTS still gets a bound: log pages are small, a huge request is a host bug.
-        if offset % 4 != 0 || length_bytes > self.config.max_transfer_bytes().unwrap_or(1 << 20) {
+        if offset % 4 != 0 || length_bytes > self.config.accepted_transfer_bytes() {
             return Err(generic(codes::INVALID_FIELD));
         }
         let log = match log_id {

@@ -3,8 +3,8 @@
 //! Model: a write lands here and completes; it reaches the backing store (becomes durable) on
 //! Flush, on a FUA write of the same blocks, or when the cache exceeds its capacity (then every
 //! dirty block is written back). A power loss discards the cache. Blocks are keyed by
-//! (namespace index, LBA) so a write-back walks them in order and coalesces runs into one
-//! backing-store write each.
+//! (namespace index, LBA) so a write-back walks them in order and coalesces consecutive
+//! blocks into few backing-store writes.
 
 use std::collections::BTreeMap;
 
@@ -12,13 +12,6 @@ use std::collections::BTreeMap;
 pub(crate) struct WriteCache {
     blocks: BTreeMap<(usize, u64), Box<[u8]>>,
     dirty_bytes: u64,
-}
-
-/// A run of consecutive dirty blocks of one namespace, ready to be written back.
-pub(crate) struct DirtyRun {
-    pub namespace_index: usize,
-    pub start_lba: u64,
-    pub data: Vec<u8>,
 }
 
 impl WriteCache {
@@ -66,26 +59,24 @@ impl WriteCache {
         }
     }
 
-    /// Empties the cache into runs of consecutive blocks (for write-back), optionally only one
-    /// namespace's.
-    pub(crate) fn drain_runs(&mut self, only_namespace: Option<usize>) -> Vec<DirtyRun> {
-        let mut runs: Vec<DirtyRun> = Vec::new();
-        let keys: Vec<_> = self.blocks.keys().filter(|(namespace, _)| only_namespace.is_none_or(|only| only == *namespace)).copied().collect();
-        for key in keys {
-            let Some(data) = self.blocks.remove(&key) else { continue };
-            self.dirty_bytes -= data.len() as u64;
-            let (namespace_index, lba) = key;
-            match runs.last_mut() {
-                Some(run)
-                    if run.namespace_index == namespace_index
-                        && run.start_lba + (run.data.len() / data.len().max(1)) as u64 == lba =>
-                {
-                    run.data.extend_from_slice(&data)
-                }
-                _ => runs.push(DirtyRun { namespace_index, start_lba: lba, data: data.into_vec() }),
+    /// Takes every dirty block (of one namespace, or all) out of the cache, in (namespace, LBA)
+    /// order, for write-back. O(log n) to detach; the caller consumes the map.
+    pub(crate) fn take(&mut self, only_namespace: Option<usize>) -> BTreeMap<(usize, u64), Box<[u8]>> {
+        let taken = match only_namespace {
+            None => std::mem::take(&mut self.blocks),
+            Some(namespace) => {
+                let mut taken = self.blocks.split_off(&(namespace, 0));
+                let mut after = match namespace.checked_add(1) {
+                    Some(next) => taken.split_off(&(next, 0)),
+                    None => BTreeMap::new(),
+                };
+                self.blocks.append(&mut after);
+                taken
             }
-        }
-        runs
+        };
+        let bytes: u64 = taken.values().map(|block| block.len() as u64).sum();
+        self.dirty_bytes -= bytes;
+        taken
     }
 
     /// Power loss: everything not written back is gone.
@@ -110,9 +101,9 @@ mod tests {
         let mut buffer = [0u8; 12];
         cache.overlay(0, 9, 4, &mut buffer);
         assert_eq!(buffer, [0, 0, 0, 0, 1, 1, 1, 1, 3, 3, 3, 3]);
-        let runs = cache.drain_runs(Some(0));
-        assert_eq!(runs.len(), 1);
-        assert_eq!((runs[0].start_lba, runs[0].data.len()), (10, 8));
+        let taken = cache.take(Some(0));
+        assert_eq!(taken.keys().copied().collect::<Vec<_>>(), vec![(0, 10), (0, 11)]);
+        assert_eq!(cache.dirty_bytes(), 4, "namespace 1 stays");
         cache.discard_range(1, 0, 100);
         assert!(cache.is_empty());
         assert_eq!(cache.dirty_bytes(), 0);

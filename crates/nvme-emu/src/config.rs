@@ -5,6 +5,9 @@ use std::time::Duration;
 
 use crate::EmuError;
 
+/// The per-command transfer cap applied when `mdts` is 0 ("no limit" in Identify).
+pub const UNLIMITED_TRANSFER_CAP_BYTES: u64 = 32 << 20;
+
 /// Where the namespaces' data lives.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Backing {
@@ -129,9 +132,15 @@ impl EmuConfig {
         self
     }
 
-    /// Largest transfer of one command in bytes, `None` if unlimited.
+    /// Largest transfer of one command in bytes as Identify reports it, `None` if unlimited.
     pub fn max_transfer_bytes(&self) -> Option<u64> {
         (self.mdts != 0).then(|| 4096u64 << self.mdts.min(20))
+    }
+
+    /// Largest transfer the controller accepts: MDTS, or [`UNLIMITED_TRANSFER_CAP_BYTES`] when
+    /// MDTS is 0, so that a host cannot make it allocate gigabytes for one command.
+    pub fn accepted_transfer_bytes(&self) -> u64 {
+        self.max_transfer_bytes().unwrap_or(UNLIMITED_TRANSFER_CAP_BYTES)
     }
 
     /// Checks what can be checked without opening the backing store.

@@ -26,6 +26,8 @@ use crate::EmuError;
 
 /// Commands fetched from one SQ per scan, so one busy queue cannot starve the others.
 const COMMANDS_PER_QUEUE_PER_SCAN: usize = 64;
+/// Largest single backing-store write during a cache write-back.
+const WRITE_BACK_CHUNK_BYTES: usize = 1 << 20;
 /// Error Information log entries kept (Identify ELPE + 1).
 pub(crate) const ERROR_LOG_ENTRIES: usize = 64;
 /// CSTS bits (§3.1.3.6).
@@ -460,20 +462,45 @@ impl ControllerCore {
         }
     }
 
-    /// Writes every dirty cached block of one namespace (or all) to the backing store.
+    /// Writes every dirty cached block of one namespace (or all) to the backing store,
+    /// coalescing consecutive blocks into writes of up to `WRITE_BACK_CHUNK_BYTES`.
     pub(crate) fn write_back(&mut self, only_namespace: Option<usize>) -> Result<(), NvmeStatus> {
         if self.cache.is_empty() {
             return Ok(());
         }
-        for run in self.cache.drain_runs(only_namespace) {
-            let Some(namespace) = self.namespaces.get(run.namespace_index).copied() else { continue };
-            let offset = namespace.base_offset_bytes + run.start_lba * u64::from(namespace.block_size_bytes);
-            if let Err(error) = self.store.write(offset, &run.data) {
-                tracing::error!(%error, offset, "cache write-back failed");
-                return Err(media(codes::WRITE_FAULT));
+        let blocks = self.cache.take(only_namespace);
+        let mut pending: Vec<u8> = Vec::with_capacity(WRITE_BACK_CHUNK_BYTES);
+        // (namespace index, first LBA, next LBA) of what `pending` holds.
+        let mut run: Option<(usize, u64, u64)> = None;
+        for ((namespace_index, lba), data) in blocks {
+            let continues = run.is_some_and(|(index, _, next)| index == namespace_index && next == lba);
+            if !continues || pending.len() + data.len() > WRITE_BACK_CHUNK_BYTES {
+                if let Some((index, start, _)) = run.take() {
+                    self.write_run(index, start, &pending)?;
+                }
+                pending.clear();
+                run = Some((namespace_index, lba, lba));
             }
-            self.counters.totals.cache_writeback_bytes += run.data.len() as u64;
+            pending.extend_from_slice(&data);
+            if let Some((_, _, next)) = run.as_mut() {
+                *next = lba + 1;
+            }
         }
+        if let Some((index, start, _)) = run {
+            self.write_run(index, start, &pending)?;
+        }
+        Ok(())
+    }
+
+    fn write_run(&mut self, namespace_index: usize, start_lba: u64, data: &[u8]) -> Result<(), NvmeStatus> {
+        let Some(namespace) = self.namespaces.get(namespace_index).copied() else { return Ok(()) };
+        let offset = namespace.base_offset_bytes + start_lba * u64::from(namespace.block_size_bytes);
+        if let Err(error) = self.store.write(offset, data) {
+            // The blocks of this write-back are gone from the cache either way: report it.
+            tracing::error!(%error, offset, "cache write-back failed");
+            return Err(media(codes::WRITE_FAULT));
+        }
+        self.counters.totals.cache_writeback_bytes += data.len() as u64;
         Ok(())
     }
 

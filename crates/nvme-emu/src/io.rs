@@ -45,7 +45,7 @@ impl ControllerCore {
         let (index, namespace) = self.namespace(entry.nsid)?;
         let blocks = u64::from(entry.block_count());
         let length_bytes = blocks * u64::from(namespace.block_size_bytes);
-        if self.config.max_transfer_bytes().is_some_and(|max| length_bytes > max) {
+        if length_bytes > self.config.accepted_transfer_bytes() {
             return Err(generic(codes::INVALID_FIELD));
         }
         check_range(&namespace, entry.starting_lba().0, blocks)?;

@@ -3,3 +3,4 @@
 mod harness;
 mod admin_tests;
 mod io_tests;
+mod throughput;
