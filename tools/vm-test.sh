@@ -5,7 +5,8 @@
 # Usage: tools/vm-test.sh [MODE]
 #   --conformance (default)  nvme-conformance --device vfio:<each BDF> --integrity-mib N, then a
 #                            second short run in the same guest (proves nothing leaked)
-#   --probe                  the standalone VFIO probe (examples/vfio_probe.rs), run twice
+#   --probe                  the standalone VFIO probe (examples/vfio_probe.rs), run twice, then
+#                            tutti unbind (back to nvme) and bind again, and a third probe
 #   --smoke                  boot, bind to vfio-pci by hand, list the VFIO nodes: no project code
 #   --shell                  like --probe, then an interactive guest shell (debugging)
 #
@@ -22,8 +23,10 @@
 #   TUTTI_VM_NS_ARGS         extra `-device nvme-ns` properties, same convention: e.g.
 #                            "logical_block_size=4096,physical_block_size=4096"
 #   TUTTI_VM_DISK_MIB        size of each controller's backing image (default 1024)
-#   TUTTI_VM_TIMEOUT_S       watchdog for the whole guest run (default 540)
-#   TUTTI_VM_COMMAND_TIMEOUT_S  per-command limit inside the guest (default 300)
+#   TUTTI_VM_TIMEOUT_S       watchdog for the whole guest run (default 300)
+#   TUTTI_VM_BOOT_TIMEOUT_S, TUTTI_VM_BOOT_RETRIES  a guest that has not reached /init in 90 s
+#                            is restarted, once by default (rare TCG boot livelocks)
+#   TUTTI_VM_COMMAND_TIMEOUT_S  per-command limit inside the guest (default 240)
 #   TUTTI_VM_MEM, TUTTI_VM_SMP  guest memory and CPUs (default 2G, 2)
 #   TUTTI_VM_HUGEPAGES       2 MiB pages reserved in the guest (default 128)
 #   TUTTI_VM_KERNEL_NVME     1 (default): the guest's nvme driver takes the controllers first, so
@@ -83,8 +86,12 @@ case $MODE in
             { tail -n 30 "$VM_DIR/logs/build.log" >&2; vm_die "static build of vfio_probe/tutti failed (log: $VM_DIR/logs/build.log)"; }
         BINARIES=("$VM_BIN_DIR/examples/vfio_probe" "$VM_BIN_DIR/tutti")
         # Twice, as two processes: the second proves the first released the group and mappings.
+        # Then the round trip through the kernel's driver: unbind (nvme takes the controllers
+        # back and must see a working device), bind again, probe once more.
         # shellcheck disable=SC2016
-        printf '%s\n' 'vfio_probe $TUTTI_BDFS' 'vfio_probe $TUTTI_BDFS' > "$COMMANDS"
+        printf '%s\n' 'vfio_probe $TUTTI_BDFS' 'vfio_probe $TUTTI_BDFS' \
+            'for b in $TUTTI_BDFS; do tutti unbind $b || exit 1; done; tutti devices' \
+            'for b in $TUTTI_BDFS; do tutti bind $b || exit 1; done; vfio_probe $TUTTI_BDFS' > "$COMMANDS"
         ;;
     smoke)
         # shellcheck disable=SC2016
@@ -101,7 +108,7 @@ CONF=$VM_DIR/conf.$MODE
 cat > "$CONF" << EOF
 LOAD_NVME=${TUTTI_VM_KERNEL_NVME:-1}
 HUGEPAGES=${TUTTI_VM_HUGEPAGES:-128}
-COMMAND_TIMEOUT_S=${TUTTI_VM_COMMAND_TIMEOUT_S:-300}
+COMMAND_TIMEOUT_S=${TUTTI_VM_COMMAND_TIMEOUT_S:-240}
 SHELL_AFTER=$([ "$MODE" = shell ] && echo 1 || echo 0)
 EOF
 [ "$MODE" = smoke ] && sed -i 's/^LOAD_NVME=.*/LOAD_NVME=0/' "$CONF"
