@@ -209,7 +209,11 @@ vm_boot_once() {
     local started pidfile qemu_rc line stamp booted started_s status
     # cryptomgr.notests: the crypto self-tests cost boot time and are where the rare TCG boot
     # livelocks were seen.
-    local append="console=ttyS0 panic=-1 loglevel=4 intel_iommu=on iommu=pt cryptomgr.notests ${TUTTI_VM_APPEND:-}"
+    # iommu=pt: the guest kernel's own DMA (its nvme driver) bypasses translation unless
+    # TUTTI_VM_IOMMU_PT=0; VFIO domains are translated either way.
+    local append="console=ttyS0 panic=-1 loglevel=4 intel_iommu=on cryptomgr.notests"
+    [ "${TUTTI_VM_IOMMU_PT:-1}" = 1 ] && append="$append iommu=pt"
+    append="$append ${TUTTI_VM_APPEND:-}"
     local qemu=(qemu-system-x86_64 -machine q35,kernel-irqchip=split -accel tcg -cpu max
         -smp "${TUTTI_VM_SMP:-2}" -m "${TUTTI_VM_MEM:-2G}" -nographic -nodefaults -no-reboot -serial stdio
         # The vIOMMU must exist before the devices it translates for.
