@@ -8,6 +8,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Seek, SeekFrom};
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
@@ -51,6 +52,19 @@ impl Store {
             Store::Memory(bytes) => bytes.len() as u64,
             Store::File(file) => file.size_bytes,
         }
+    }
+
+    /// The descriptor a read of `len` bytes at `offset` into an aligned buffer should use, for
+    /// file stores (the direct one when the transfer is aligned).
+    pub(crate) fn file_descriptor(&self, offset: u64, len: usize) -> Option<RawFd> {
+        match self {
+            Store::Memory(_) => None,
+            Store::File(file) => Some(file.choose(offset, 0, len).as_raw_fd()),
+        }
+    }
+
+    pub(crate) fn is_file(&self) -> bool {
+        matches!(self, Store::File(_))
     }
 
     pub(crate) fn describe(&self) -> String {
@@ -161,6 +175,11 @@ pub(crate) struct AlignedBuffer {
 }
 
 impl AlignedBuffer {
+    /// Bytes held (what keeping this buffer in a pool costs).
+    pub(crate) fn capacity_bytes(&self) -> usize {
+        self.storage.len()
+    }
+
     /// A zero-initialised aligned slice of `len` bytes (contents of earlier use may remain).
     pub(crate) fn slice(&mut self, len: usize) -> &mut [u8] {
         let needed = len + DIRECT_ALIGNMENT_BYTES;

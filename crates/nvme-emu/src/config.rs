@@ -67,6 +67,9 @@ pub struct EmuConfig {
     pub idle_sleep_max: Duration,
     /// `fdatasync` the backing file on Flush (real durability across host crashes; slow).
     pub sync_file_on_flush: bool,
+    /// Batch consecutive Reads of a file-backed device through io_uring (several in flight);
+    /// off, or when io_uring is unavailable, every read is one synchronous `pread`.
+    pub io_uring: bool,
 }
 
 impl Default for EmuConfig {
@@ -86,6 +89,7 @@ impl Default for EmuConfig {
             serial_number: "TUTTI-EMU-0001".to_string(),
             idle_sleep_max: Duration::from_micros(100),
             sync_file_on_flush: false,
+            io_uring: true,
         }
     }
 }
@@ -125,6 +129,10 @@ impl EmuConfig {
     }
     pub fn with_io_queue_pairs_max(mut self, pairs: u16) -> Self {
         self.io_queue_pairs_max = pairs;
+        self
+    }
+    pub fn with_io_uring(mut self, enabled: bool) -> Self {
+        self.io_uring = enabled;
         self
     }
     pub fn with_no_storage(mut self, no_storage: bool) -> Self {

@@ -12,10 +12,12 @@ use std::time::{Duration, Instant};
 use nvme_driver::hw::{DmaAllocator, DmaPool};
 use nvme_driver::spec::registers::{self, ControllerConfiguration, ShutdownNotification};
 use nvme_driver::spec::status::codes;
-use nvme_driver::spec::{CompletionEntry, NvmeStatus, StatusCodeType, SubmissionEntry, COMPLETION_ENTRY_BYTES, SUBMISSION_ENTRY_BYTES};
+use nvme_driver::spec::{CompletionEntry, NvmOpcode, NvmeStatus, StatusCodeType, SubmissionEntry, COMPLETION_ENTRY_BYTES, SUBMISSION_ENTRY_BYTES};
 use nvme_driver::Iova;
 
 use crate::backing::{AlignedBuffer, Store};
+use crate::data_pointer::DataBuffers;
+use crate::uring::{ReadJob, UringReader};
 use crate::cache::WriteCache;
 use crate::config::EmuConfig;
 use crate::faults::{FaultAction, FaultPlan, FaultState};
@@ -26,6 +28,11 @@ use crate::EmuError;
 
 /// Commands fetched from one SQ per scan, so one busy queue cannot starve the others.
 const COMMANDS_PER_QUEUE_PER_SCAN: usize = 64;
+/// Reads in flight at once in an io_uring batch.
+const URING_DEPTH: u32 = 64;
+/// Read buffers kept for reuse, and the largest one worth keeping.
+const READ_BUFFERS_KEPT: usize = 64;
+const READ_BUFFER_KEPT_MAX_BYTES: usize = (1 << 20) + 4096;
 /// Largest single backing-store write during a cache write-back.
 const WRITE_BACK_CHUNK_BYTES: usize = 1 << 20;
 /// Error Information log entries kept (Identify ELPE + 1).
@@ -76,6 +83,15 @@ pub(crate) struct Features {
     pub write_cache_enabled: bool,
 }
 
+/// A Read validated and waiting for its backing-store I/O in a batch.
+struct PreparedRead {
+    entry: SubmissionEntry,
+    sq_head: u32,
+    namespace_index: usize,
+    namespace: Namespace,
+    buffers: DataBuffers,
+}
+
 struct PendingCompletion {
     due: Instant,
     completion_queue_id: u16,
@@ -123,6 +139,11 @@ pub(crate) struct ControllerCore {
     pub(crate) counters: Counters,
     pub(crate) error_log: ErrorLog,
     pub(crate) scratch: AlignedBuffer,
+    /// Batched reads for file stores (None: memory store, disabled, or no io_uring here).
+    reader: Option<UringReader>,
+    read_buffers: Vec<AlignedBuffer>,
+    /// Reused per scan: commands fetched from one SQ.
+    fetched: Vec<(SubmissionEntry, u32)>,
     /// Unsafe shutdowns (power losses) and power cycles, for the SMART log.
     pub(crate) power_cycles: u64,
     pub(crate) unsafe_shutdowns: u64,
@@ -135,6 +156,13 @@ impl ControllerCore {
         let namespaces = layout_namespaces(&config, store.size_bytes())?;
         let queue_slots = usize::from(config.io_queue_pairs_max) + 1;
         let features = Self::default_features(&config);
+        let reader = if store.is_file() && config.io_uring && !config.no_storage {
+            UringReader::new(URING_DEPTH)
+                .map_err(|error| tracing::info!(%error, "io_uring unavailable; reads use synchronous pread"))
+                .ok()
+        } else {
+            None
+        };
         Ok(Self {
             registers,
             dma,
@@ -150,6 +178,9 @@ impl ControllerCore {
             counters: Counters::default(),
             error_log: ErrorLog::default(),
             scratch: AlignedBuffer::default(),
+            reader,
+            read_buffers: Vec::new(),
+            fetched: Vec::new(),
             power_cycles: 1,
             unsafe_shutdowns: 0,
             config,
@@ -343,54 +374,134 @@ impl ControllerCore {
             }
         }
         let mut worked = false;
+        let mut fetched = std::mem::take(&mut self.fetched);
         for queue_index in 0..self.submission_queues.len() {
-            let queue_id = queue_index as u16;
-            if let Some(Some(queue)) = self.submission_queues.get_mut(queue_index) {
-                Self::update_doorbell(&self.registers, &mut self.counters, queue_id, false, queue.entries, &mut queue.tail, &mut queue.last_invalid_doorbell);
+            if self.state != State::Ready {
+                break;
             }
-            for _ in 0..COMMANDS_PER_QUEUE_PER_SCAN {
-                if self.state != State::Ready {
-                    return worked;
-                }
-                let Some(Some(queue)) = self.submission_queues.get_mut(queue_index) else { break };
-                if queue.is_empty() {
-                    break;
-                }
-                let completion_queue_id = queue.completion_queue_id;
-                let free = self.completion_queues.get(usize::from(completion_queue_id)).and_then(Option::as_ref).map_or(0, CompletionQueue::free_slots);
-                if free == 0 {
-                    // CQ full: leave the command in the SQ until the host rings the CQ head.
-                    break;
-                }
+            let queue_id = queue_index as u16;
+            let Some(Some(queue)) = self.submission_queues.get_mut(queue_index) else { continue };
+            Self::update_doorbell(&self.registers, &mut self.counters, queue_id, false, queue.entries, &mut queue.tail, &mut queue.last_invalid_doorbell);
+            let completion_queue_id = queue.completion_queue_id;
+            // A full CQ leaves commands in the SQ until the host rings the CQ head; never fetch
+            // more than there are free slots for.
+            let free = self.completion_queues.get(usize::from(completion_queue_id)).and_then(Option::as_ref).map_or(0, CompletionQueue::free_slots);
+            let limit = (free as usize).min(COMMANDS_PER_QUEUE_PER_SCAN);
+            fetched.clear();
+            while fetched.len() < limit && !queue.is_empty() {
                 let Some(entry) = queue.fetch() else { break };
-                let head = queue.head;
-                self.run_command(queue_id, completion_queue_id, head, entry, now);
+                fetched.push((entry, queue.head));
+            }
+            if !fetched.is_empty() {
                 worked = true;
+                self.run_batch(queue_id, completion_queue_id, &fetched, now);
             }
         }
+        self.fetched = fetched;
         worked
     }
 
-    fn run_command(&mut self, queue_id: u16, completion_queue_id: u16, sq_head: u32, entry: SubmissionEntry, now: Instant) {
+    /// Runs fetched commands in order. Consecutive Reads of a file-backed device are validated
+    /// first and their backing-store reads issued together (io_uring); any other command first
+    /// completes the pending reads, so no read can observe a later write or miss an earlier one.
+    fn run_batch(&mut self, queue_id: u16, completion_queue_id: u16, fetched: &[(SubmissionEntry, u32)], now: Instant) {
         let admin = queue_id == 0;
-        self.counters.count_command(admin, entry.opcode());
-        let fault = self.faults.on_command(admin, entry.opcode());
-        if fault.is_some() {
-            self.counters.totals.faults_injected += 1;
-        }
-        let result = match fault {
-            Some(FaultAction::Status(status)) => Err(status),
-            Some(FaultAction::ControllerFatal) => {
-                self.set_fatal();
-                return;
+        let mut group: Vec<PreparedRead> = Vec::new();
+        for (entry, sq_head) in fetched {
+            if self.state != State::Ready {
+                // A fatal fault stopped the controller: the rest get no completion.
+                break;
             }
-            _ => self.execute(queue_id, &entry),
-        };
+            self.counters.count_command(admin, entry.opcode());
+            let fault = self.faults.on_command(admin, entry.opcode());
+            if fault.is_some() {
+                self.counters.totals.faults_injected += 1;
+            }
+            let batchable = fault.is_none() && !admin && self.reader.is_some() && entry.opcode() == NvmOpcode::Read as u8 && entry.fuse() == 0;
+            if batchable {
+                match self.prepare_transfer(entry) {
+                    Ok((namespace_index, namespace, buffers)) => {
+                        group.push(PreparedRead { entry: *entry, sq_head: *sq_head, namespace_index, namespace, buffers });
+                    }
+                    Err(status) => self.complete(queue_id, completion_queue_id, *sq_head, entry, Err(status), None, now),
+                }
+                continue;
+            }
+            self.run_reads(queue_id, completion_queue_id, &mut group, now);
+            let result = match fault {
+                Some(FaultAction::Status(status)) => Err(status),
+                Some(FaultAction::ControllerFatal) => {
+                    self.set_fatal();
+                    break;
+                }
+                _ => self.execute(queue_id, entry),
+            };
+            self.complete(queue_id, completion_queue_id, *sq_head, entry, result, fault, now);
+        }
+        self.run_reads(queue_id, completion_queue_id, &mut group, now);
+    }
+
+    /// Performs the backing-store reads of a group (in flight together when there are several),
+    /// then finishes each Read: cache overlay, DMA to the host, completion.
+    fn run_reads(&mut self, queue_id: u16, completion_queue_id: u16, group: &mut Vec<PreparedRead>, now: Instant) {
+        if group.is_empty() {
+            return;
+        }
+        let mut jobs: Vec<ReadJob> = Vec::with_capacity(group.len());
+        for read in group.iter() {
+            let block_size = u64::from(read.namespace.block_size_bytes);
+            let offset = read.namespace.base_offset_bytes + read.entry.starting_lba().0 * block_size;
+            let len = (u64::from(read.entry.block_count()) * block_size) as usize;
+            let fd = self.store.file_descriptor(offset, len).unwrap_or(-1);
+            let buffer = self.read_buffers.pop().unwrap_or_default();
+            jobs.push(ReadJob { fd, offset, len, buffer, result: Err(std::io::Error::other("not submitted")) });
+        }
+        if jobs.len() > 1 {
+            if let Some(reader) = self.reader.as_mut() {
+                reader.run(&mut jobs);
+            }
+        }
+        for (read, mut job) in group.drain(..).zip(jobs) {
+            let data = job.buffer.slice(job.len);
+            // A single read, or one the ring could not do (short read, O_DIRECT refusal), is a
+            // synchronous pread into the same buffer.
+            let loaded = match job.result {
+                Ok(()) => {
+                    self.counters.totals.batched_reads += 1;
+                    Ok(())
+                }
+                Err(_) => self.store.read(job.offset, data),
+            };
+            let result = match loaded {
+                Err(error) => {
+                    tracing::error!(%error, offset = job.offset, "backing store read failed");
+                    Err(media(codes::UNRECOVERED_READ_ERROR))
+                }
+                Ok(()) => {
+                    let start_lba = read.entry.starting_lba().0;
+                    self.cache.overlay(read.namespace_index, start_lba, read.namespace.block_size_bytes as usize, data);
+                    read.buffers.scatter(data).map(|()| 0)
+                }
+            };
+            if result.is_ok() {
+                self.counters.totals.bytes_read += job.len as u64;
+                self.counters.host_reads += 1;
+            }
+            if self.read_buffers.len() < READ_BUFFERS_KEPT && job.buffer.capacity_bytes() <= READ_BUFFER_KEPT_MAX_BYTES {
+                self.read_buffers.push(job.buffer);
+            }
+            self.complete(queue_id, completion_queue_id, read.sq_head, &read.entry, result, None, now);
+        }
+    }
+
+    /// Records the outcome and posts (or, per the fault, delays, drops or corrupts) the completion.
+    #[allow(clippy::too_many_arguments)]
+    fn complete(&mut self, queue_id: u16, completion_queue_id: u16, sq_head: u32, entry: &SubmissionEntry, result: CommandResult, fault: Option<FaultAction>, now: Instant) {
         let (dw0, status_field) = match result {
             Ok(dw0) => (dw0, 0),
             Err(status) => {
                 let field = status.to_status_field();
-                self.error_log.record(queue_id, &entry, field);
+                self.error_log.record(queue_id, entry, field);
                 self.counters.totals.error_completions += 1;
                 (0, field)
             }
@@ -398,7 +509,7 @@ impl ControllerCore {
         let mut completion = CompletionEntry {
             dw0,
             dw1: 0,
-            sq_head: sq_head as u16,
+            sq_head: self.current_sq_head(queue_id, sq_head),
             sq_id: queue_id,
             command_id: entry.command_id().0,
             status_and_phase: status_field << 1,
@@ -412,6 +523,13 @@ impl ControllerCore {
             }
             _ => self.post(completion_queue_id, completion),
         }
+    }
+
+    /// The SQ head to report: where fetching has got to now (monotonic, even when completions
+    /// are posted out of fetch order), or `fallback` for a deleted queue.
+    fn current_sq_head(&self, queue_id: u16, fallback: u32) -> u16 {
+        let head = self.submission_queues.get(usize::from(queue_id)).and_then(Option::as_ref).map_or(fallback, |queue| queue.head);
+        head as u16
     }
 
     fn delay_completion(&mut self, completion_queue_id: u16, entry: CompletionEntry, due: Instant) {
@@ -442,7 +560,9 @@ impl ControllerCore {
             if let Some(Some(queue)) = self.completion_queues.get_mut(usize::from(pending.completion_queue_id)) {
                 queue.reserved = queue.reserved.saturating_sub(1);
             }
-            self.post(pending.completion_queue_id, pending.entry);
+            let mut entry = pending.entry;
+            entry.sq_head = self.current_sq_head(entry.sq_id, u32::from(entry.sq_head));
+            self.post(pending.completion_queue_id, entry);
             worked = true;
         }
         worked

@@ -41,7 +41,7 @@ impl ControllerCore {
     }
 
     /// Checks a Read/Write and resolves its data pointer: (namespace index, geometry, buffers).
-    fn prepare_transfer(&self, entry: &SubmissionEntry) -> Result<(usize, Namespace, DataBuffers), NvmeStatus> {
+    pub(crate) fn prepare_transfer(&self, entry: &SubmissionEntry) -> Result<(usize, Namespace, DataBuffers), NvmeStatus> {
         let (index, namespace) = self.namespace(entry.nsid)?;
         let blocks = u64::from(entry.block_count());
         let length_bytes = blocks * u64::from(namespace.block_size_bytes);

@@ -36,7 +36,7 @@
 //! device.power_loss(); // unflushed writes are gone; the host must bring the controller up again
 //! # Ok::<(), nvme_emu::EmuError>(())
 //! ```
-#![forbid(unsafe_code)]
+#![deny(unsafe_code)]
 
 mod admin;
 mod backing;
@@ -51,6 +51,7 @@ mod io;
 mod queues;
 mod registers;
 pub mod stats;
+mod uring;
 
 #[cfg(test)]
 mod tests;

@@ -23,6 +23,8 @@ pub struct EmuStats {
     pub invalid_doorbell_writes: u64,
     /// Bytes written back from the volatile write cache to the backing store.
     pub cache_writeback_bytes: u64,
+    /// Reads whose backing-store I/O went through an io_uring batch (several in flight).
+    pub batched_reads: u64,
     /// Faults the plan injected.
     pub faults_injected: u64,
     /// `power_loss()` calls.

@@ -1,0 +1,107 @@
+//! Batched backing-store reads through io_uring: several reads in flight per batch instead of
+//! one synchronous `pread` each. This is the only module of the crate with unsafe code.
+//!
+//! Soundness argument: the kernel writes into a job's buffer between the push of its entry and
+//! the reaping of its completion. Jobs own their buffers (heap memory that does not move when
+//! the job does), the caller lends the whole job list mutably for the duration of
+//! [`UringReader::run`], and `run` returns only after every pushed entry was reaped, except when
+//! the ring fails irrecoverably: then the buffers still in flight are leaked (never freed), so
+//! the kernel can never write into freed memory.
+#![allow(unsafe_code)]
+
+use std::io;
+use std::os::fd::RawFd;
+
+use io_uring::{opcode, types, IoUring};
+
+use crate::backing::AlignedBuffer;
+
+/// Retries of a failing `io_uring_enter` before giving up on the batch.
+const SUBMIT_RETRIES_MAX: u32 = 100;
+
+/// One read: `len` bytes at `offset` of `fd` into the start of `buffer`'s aligned slice.
+pub(crate) struct ReadJob {
+    pub fd: RawFd,
+    pub offset: u64,
+    pub len: usize,
+    pub buffer: AlignedBuffer,
+    pub result: io::Result<()>,
+}
+
+pub(crate) struct UringReader {
+    ring: IoUring,
+    depth: usize,
+}
+
+impl UringReader {
+    pub(crate) fn new(depth: u32) -> io::Result<Self> {
+        Ok(Self { ring: IoUring::new(depth)?, depth: depth as usize })
+    }
+
+    /// Runs every job, at most `depth` in flight; each job's `result` says how it went (a short
+    /// read is an `UnexpectedEof` error; the caller may retry synchronously).
+    pub(crate) fn run(&mut self, jobs: &mut [ReadJob]) {
+        let mut next = 0usize;
+        let mut in_flight = 0usize;
+        let mut failures = 0u32;
+        // Bounded: each pass pushes or reaps at least one job, or counts a failure.
+        while next < jobs.len() || in_flight > 0 {
+            while next < jobs.len() && in_flight < self.depth {
+                let Some(job) = jobs.get_mut(next) else { break };
+                let Ok(len) = u32::try_from(job.len) else {
+                    job.result = Err(io::Error::from(io::ErrorKind::InvalidInput));
+                    next += 1;
+                    continue;
+                };
+                let destination = job.buffer.slice(job.len).as_mut_ptr();
+                let entry = opcode::Read::new(types::Fd(job.fd), destination, len).offset(job.offset).build().user_data(next as u64);
+                // SAFETY: `destination..+len` is the job's own heap buffer, which stays allocated
+                // and is not otherwise accessed until this entry's completion is reaped below
+                // (or the buffer is leaked if the ring fails); `fd` is an open descriptor the
+                // store keeps for its whole life.
+                if unsafe { self.ring.submission().push(&entry) }.is_err() {
+                    break;
+                }
+                next += 1;
+                in_flight += 1;
+            }
+            if in_flight == 0 {
+                // Nothing could be pushed into an empty ring: leave the rest to the caller's
+                // synchronous fallback rather than spin.
+                return;
+            }
+            if let Err(error) = self.ring.submit_and_wait(1) {
+                let retryable = matches!(error.kind(), io::ErrorKind::Interrupted | io::ErrorKind::WouldBlock) || error.raw_os_error() == Some(libc::EBUSY);
+                failures += 1;
+                if !retryable || failures > SUBMIT_RETRIES_MAX {
+                    tracing::error!(%error, "io_uring submission failed; leaking the buffers of reads in flight");
+                    self.abandon(jobs, &error);
+                    return;
+                }
+                continue;
+            }
+            for completion in self.ring.completion() {
+                let Some(job) = jobs.get_mut(completion.user_data() as usize) else { continue };
+                in_flight = in_flight.saturating_sub(1);
+                let transferred = completion.result();
+                job.result = if transferred < 0 {
+                    Err(io::Error::from_raw_os_error(-transferred))
+                } else if transferred as usize == job.len {
+                    Ok(())
+                } else {
+                    Err(io::Error::from(io::ErrorKind::UnexpectedEof))
+                };
+            }
+        }
+    }
+
+    /// Gives up on the batch: buffers of reads still in flight may yet be written by the
+    /// kernel, so every job's buffer is leaked rather than freed, and every job reports an error
+    /// (the caller falls back to synchronous reads into fresh buffers).
+    fn abandon(&mut self, jobs: &mut [ReadJob], error: &io::Error) {
+        for job in jobs.iter_mut() {
+            std::mem::forget(std::mem::take(&mut job.buffer));
+            job.result = Err(io::Error::new(error.kind(), error.to_string()));
+        }
+    }
+}
