@@ -208,6 +208,12 @@ fn bind_refuses_mounted_devices_unless_forced() {
     std::fs::write(swap_host.proc.join("swaps"), "Filename Type Size Used Priority\n/dev/nvme0n1p1 partition 100 0 -2\n").unwrap();
     let error = bind(&swap_host.system(), at("0000:00:04.0"), false).unwrap_err().to_string();
     assert!(error.contains("swap"), "{error}");
+
+    let stacked_host = FakeHost::new();
+    stacked_host.add("0000:00:04.0", 0x010802, Some("nvme"), 3, 0, 1);
+    std::fs::create_dir_all(stacked_host.sys.join("class/block/nvme0n1/holders/dm-0")).unwrap();
+    let error = bind(&stacked_host.system(), at("0000:00:04.0"), false).unwrap_err().to_string();
+    assert!(error.contains("held by dm-0"), "{error}");
 }
 
 #[test]

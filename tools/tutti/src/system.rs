@@ -75,7 +75,8 @@ impl System {
         devices
     }
 
-    /// Mount points and swap areas on the given block devices, as `(device, where)`.
+    /// Mount points, swap areas and stacked devices on the given block devices, as
+    /// `(device, where)`.
     pub fn uses_of(&self, block_devices: &BTreeSet<String>) -> Result<Vec<(String, String)>> {
         let mut uses = Vec::new();
         let mounts_path = self.proc_root.join("mounts");
@@ -85,6 +86,13 @@ impl System {
             let (Some(source), Some(target)) = (fields.next(), fields.next()) else { continue };
             if let Some(name) = source.strip_prefix("/dev/").filter(|name| block_devices.contains(*name)) {
                 uses.push((name.to_string(), unescape_mount_path(target)));
+            }
+        }
+        // Stacked devices (device-mapper, md RAID, bcache) list themselves as holders; a mount
+        // of /dev/mapper/x never names the NVMe device itself.
+        for name in block_devices {
+            for holder in read_names(&self.sysfs_root().join("class/block").join(name).join("holders")) {
+                uses.push((name.clone(), format!("held by {holder}")));
             }
         }
         // /proc/swaps may be absent (no CONFIG_SWAP); then nothing is swapped on the device.
