@@ -3,4 +3,5 @@
 mod harness;
 mod admin_tests;
 mod io_tests;
+mod lifecycle_tests;
 mod throughput;

@@ -1,0 +1,157 @@
+//! Resets, shutdown, log counters, fault filters, unaligned file I/O: the less common paths.
+
+use std::time::{Duration, Instant};
+
+use nvme_driver::hw::{DeviceBackend, DmaRegion};
+use nvme_driver::spec::command::LogPageId;
+use nvme_driver::spec::registers::{self, ControllerConfiguration, ShutdownStatus};
+use nvme_driver::spec::status::codes;
+use nvme_driver::spec::{AdminOpcode, NvmOpcode, NvmeStatus, SubmissionEntry};
+use nvme_driver::{Lba, NamespaceId};
+
+use super::harness::{status_of, with_sgl, HostQueue, TestHost, DEADLINE};
+use crate::{Backing, EmuConfig, FaultAction, FaultPlan, FaultRule, NamespaceConfig, QueueFilter};
+
+fn memory_config() -> EmuConfig {
+    EmuConfig::default().with_backing(Backing::Memory { bytes: 8 << 20 })
+}
+
+fn write_block(host: &TestHost, queue: &mut HostQueue, lba: u64, byte: u8) {
+    let source = host.buffer(4096);
+    source.fill(0, 4096, byte).unwrap();
+    let entry = with_sgl(SubmissionEntry::write(NamespaceId(1), Lba(lba), 1, false), &source, 4096);
+    assert_eq!(status_of(&host.execute_on(queue, entry)), Ok(()));
+}
+
+fn read_block(host: &TestHost, queue: &mut HostQueue, lba: u64) -> Vec<u8> {
+    let target = host.buffer(4096);
+    let entry = with_sgl(SubmissionEntry::read(NamespaceId(1), Lba(lba), 1), &target, 4096);
+    assert_eq!(status_of(&host.execute_on(queue, entry)), Ok(()));
+    let mut out = vec![0u8; 4096];
+    target.read(0, &mut out).unwrap();
+    out
+}
+
+#[test]
+fn shutdown_and_function_reset_write_the_cache_back() {
+    // Goal: a normal shutdown and a function reset make cached writes durable (unlike power loss).
+    let mut host = TestHost::start(memory_config());
+    let mut queue = host.create_io_pair(1, 8);
+    write_block(&host, &mut queue, 1, 0x11);
+    host.registers.write32(registers::CC, ControllerConfiguration::for_enable().0 | 1 << 14);
+    assert_eq!(host.csts().shutdown(), ShutdownStatus::Complete, "CC writes take effect synchronously");
+    host.device.power_loss();
+    host.enable();
+    let mut queue = host.create_io_pair(1, 8);
+    assert!(read_block(&host, &mut queue, 1).iter().all(|&b| b == 0x11), "shutdown flushed the cache");
+
+    write_block(&host, &mut queue, 2, 0x22);
+    host.device.function_reset().unwrap();
+    assert!(!host.csts().ready(), "function reset disables the controller");
+    host.device.power_loss();
+    host.enable();
+    let mut queue = host.create_io_pair(1, 8);
+    assert!(read_block(&host, &mut queue, 2).iter().all(|&b| b == 0x22), "function reset flushed the cache");
+}
+
+#[test]
+fn smart_log_counts_host_commands_and_data_units() {
+    // Goal: the SMART log reflects the I/O done (what a host tool would show).
+    let mut host = TestHost::start(memory_config());
+    let mut queue = host.create_io_pair(1, 8);
+    for lba in 0..3 {
+        write_block(&host, &mut queue, lba, 1);
+    }
+    read_block(&host, &mut queue, 0);
+    host.device.power_loss();
+    host.enable();
+    let page = host.buffer(4096);
+    let smart = host.admin(SubmissionEntry::get_log_page(LogPageId::SmartHealth, 0, 128, page.iova().0));
+    assert_eq!(status_of(&smart), Ok(()));
+    let mut log = [0u8; 512];
+    page.read(0, &mut log).unwrap();
+    let counter = |offset: usize| u64::from_le_bytes(log[offset..offset + 8].try_into().unwrap());
+    assert_eq!(counter(48), 1, "data units written: 12 KiB rounds up to one unit of 512,000 bytes");
+    assert_eq!(counter(32), 1, "data units read");
+    assert_eq!((counter(64), counter(80)), (1, 3), "host read / write commands");
+    assert_eq!((counter(112), counter(144)), (2, 1), "power cycles / unsafe shutdowns");
+}
+
+#[test]
+fn fault_rules_filter_by_queue_and_opcode() {
+    // Goal: an opcode filter counts only that opcode; an admin rule leaves I/O alone.
+    let mut host = TestHost::start(memory_config());
+    let mut queue = host.create_io_pair(1, 8);
+    let internal = NvmeStatus::generic(codes::INTERNAL_ERROR);
+    host.device.set_faults(
+        FaultPlan::none()
+            .with_rule(FaultRule::on_nth_io(2, FaultAction::Status(internal)).with_opcode(NvmOpcode::Read as u8))
+            .with_rule(FaultRule::on_nth_io(1, FaultAction::Status(internal)).with_queue(QueueFilter::Admin).with_opcode(AdminOpcode::GetFeatures as u8)),
+    );
+    write_block(&host, &mut queue, 0, 5); // not a Read: not counted
+    read_block(&host, &mut queue, 0); // first Read
+    let target = host.buffer(4096);
+    let second = with_sgl(SubmissionEntry::read(NamespaceId(1), Lba(0), 1), &target, 4096);
+    assert_eq!(status_of(&host.execute_on(&mut queue, second)), Err(internal), "second Read fails");
+    read_block(&host, &mut queue, 0);
+    let features = host.admin(SubmissionEntry::get_features(nvme_driver::spec::FeatureId::NumberOfQueues));
+    assert_eq!(status_of(&features), Err(internal));
+    let stats = host.device.stats();
+    assert_eq!(stats.faults_injected, 2);
+    assert_eq!(stats.io(NvmOpcode::Read), 3);
+    assert_eq!(stats.admin(AdminOpcode::GetFeatures), 1);
+}
+
+#[test]
+fn deleting_a_queue_with_a_delayed_completion_pending_is_clean() {
+    // Goal: a delayed completion of a deleted SQ is discarded and frees its CQ reservation.
+    let mut host = TestHost::start(memory_config());
+    let mut queue = host.create_io_pair(1, 4);
+    host.device.set_faults(FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::Delay(Duration::from_millis(50)))));
+    TestHost::push(&mut queue, SubmissionEntry::flush(NamespaceId(1)));
+    host.ring_submission(&queue);
+    std::thread::sleep(Duration::from_millis(5));
+    assert_eq!(status_of(&host.admin(SubmissionEntry::delete_io_submission_queue(1))), Ok(()));
+    assert_eq!(status_of(&host.admin(SubmissionEntry::delete_io_completion_queue(1))), Ok(()));
+    std::thread::sleep(Duration::from_millis(60));
+    assert!(TestHost::try_reap(&mut queue).is_none(), "nothing posted for the deleted queue");
+    let mut queue = host.create_io_pair(1, 4);
+    for _ in 0..6 {
+        assert_eq!(status_of(&host.execute_on(&mut queue, SubmissionEntry::flush(NamespaceId(1)))), Ok(()));
+    }
+}
+
+#[test]
+fn file_backed_512_byte_blocks_at_unaligned_offsets() {
+    // Goal: 512 B LBAs at odd offsets (not O_DIRECT-aligned) round-trip on a file, batched or not.
+    let path = std::env::temp_dir().join(format!("nvme-emu-test-{}-unaligned", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let config = EmuConfig::default()
+        .with_backing(Backing::File { path: path.clone(), create_bytes: Some(2 << 20) })
+        .with_namespaces(vec![NamespaceConfig::new(512, Some((1 << 20) + 512)), NamespaceConfig::new(512, None)]);
+    let mut host = TestHost::start(config);
+    let mut queue = host.create_io_pair(1, 32);
+    let sources: Vec<DmaRegion> = (0..8).map(|_| host.buffer(4096)).collect();
+    for (index, source) in sources.iter().enumerate() {
+        source.fill(0, 1536, 0x30 + index as u8).unwrap();
+        let entry = with_sgl(SubmissionEntry::write(NamespaceId(2), Lba(1 + 7 * index as u64), 3, true), source, 1536);
+        assert_eq!(status_of(&host.execute_on(&mut queue, entry)), Ok(()));
+    }
+    let targets: Vec<DmaRegion> = (0..8).map(|_| host.buffer(4096)).collect();
+    for (index, target) in targets.iter().enumerate() {
+        TestHost::push(&mut queue, with_sgl(SubmissionEntry::read(NamespaceId(2), Lba(1 + 7 * index as u64), 3), target, 1536));
+    }
+    host.ring_submission(&queue);
+    let deadline = Instant::now() + DEADLINE;
+    for _ in 0..8 {
+        assert!(Instant::now() < deadline);
+        assert_eq!(status_of(&host.reap(&mut queue)), Ok(()));
+    }
+    for (index, target) in targets.iter().enumerate() {
+        let mut out = vec![0u8; 1536];
+        target.read(0, &mut out).unwrap();
+        assert!(out.iter().all(|&b| b == 0x30 + index as u8), "range {index}");
+    }
+    drop(host);
+    let _ = std::fs::remove_file(&path);
+}
