@@ -6,7 +6,8 @@
 //! (prev/next indices in the slot array), and keys are already uniformly mixed, so the hash maps
 //! use them as their own hash.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::hash_map::Entry as MapEntry;
+use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
 use crate::format::BlockRecord;
@@ -30,6 +31,14 @@ impl Hasher for KeyHasher {
 }
 
 type KeyBuild = BuildHasherDefault<KeyHasher>;
+
+/// A key's entry: where its block lives once committed, or a claim by a store in flight (one
+/// map serves both, so `prepare_store` probes once per block).
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    location: BlockLocation,
+    committed: bool,
+}
 
 const NONE: u32 = u32::MAX;
 
@@ -100,8 +109,7 @@ pub struct IndexCounts {
 pub struct Index {
     blocks_per_slot: u32,
     devices: Vec<DeviceSlots>,
-    map: HashMap<u64, BlockLocation, KeyBuild>,
-    pending: HashSet<u64, KeyBuild>,
+    map: HashMap<u64, Entry, KeyBuild>,
     evictions: u64,
 }
 
@@ -121,7 +129,7 @@ impl Index {
             })
             .collect();
         let total: usize = slot_counts.iter().map(|&c| c as usize * blocks_per_slot as usize).sum();
-        Self { blocks_per_slot, devices, map: HashMap::with_capacity_and_hasher(total, KeyBuild::default()), pending: HashSet::with_capacity_and_hasher(1024, KeyBuild::default()), evictions: 0 }
+        Self { blocks_per_slot, devices, map: HashMap::with_capacity_and_hasher(total, KeyBuild::default()), evictions: 0 }
     }
 
     pub fn blocks_per_slot(&self) -> u32 {
@@ -132,25 +140,35 @@ impl Index {
         self.devices.len()
     }
 
+    /// Where a committed block lives (a claimed, uncommitted key is not visible).
     pub fn get(&self, key: u64) -> Option<BlockLocation> {
-        self.map.get(&key).copied()
+        self.map.get(&key).filter(|entry| entry.committed).map(|entry| entry.location)
     }
 
     /// How many leading keys are cached (the longest cached prefix, in blocks).
     pub fn cached_prefix(&self, keys: &[u64]) -> usize {
-        keys.iter().take_while(|key| self.map.contains_key(key)).count()
+        keys.iter().take_while(|&&key| self.get(key).is_some()).count()
     }
 
-    pub fn is_pending(&self, key: u64) -> bool {
-        self.pending.contains(&key)
+    /// Claims `key` for a store: `false` if it is cached or another store in flight claimed it
+    /// (the block is then shared, not stored twice).
+    pub fn claim(&mut self, key: u64) -> bool {
+        match self.map.entry(key) {
+            MapEntry::Occupied(_) => false,
+            MapEntry::Vacant(vacant) => {
+                vacant.insert(Entry { location: BlockLocation { device: 0, slot: 0, index: 0 }, committed: false });
+                true
+            }
+        }
     }
 
-    pub fn add_pending(&mut self, key: u64) {
-        self.pending.insert(key);
-    }
-
+    /// Drops a claim that will not be committed.
     pub fn remove_pending(&mut self, key: u64) {
-        self.pending.remove(&key);
+        if let MapEntry::Occupied(occupied) = self.map.entry(key) {
+            if !occupied.get().committed {
+                occupied.remove();
+            }
+        }
     }
 
     fn unlink(device: &mut DeviceSlots, slot: u32) {
@@ -243,8 +261,7 @@ impl Index {
     pub fn commit(&mut self, device: u16, slot: u32, keys: &[u64], generation: u64) {
         let k = self.blocks_per_slot as usize;
         for (j, &key) in keys.iter().enumerate() {
-            self.map.insert(key, BlockLocation { device, slot, index: j as u16 });
-            self.pending.remove(&key);
+            self.map.insert(key, Entry { location: BlockLocation { device, slot, index: j as u16 }, committed: true });
         }
         let d = &mut self.devices[usize::from(device)];
         let base = slot as usize * k;
@@ -273,7 +290,7 @@ impl Index {
     /// generation wins; the loser's slot is returned as `Err` for the caller to free.
     pub fn recover(&mut self, device: u16, slot: u32, blocks: &[BlockRecord], generation: u64) -> Result<(), (u16, u32)> {
         for block in blocks {
-            if let Some(existing) = self.map.get(&block.key).copied() {
+            if let Some(existing) = self.get(block.key) {
                 let theirs = self.devices[usize::from(existing.device)].meta[existing.slot as usize].generation;
                 if theirs >= generation {
                     return Err((device, slot));
@@ -323,7 +340,8 @@ impl Index {
     }
 
     pub fn counts(&self) -> IndexCounts {
-        let mut counts = IndexCounts { evictions: self.evictions, cached_blocks: self.map.len() as u64, ..IndexCounts::default() };
+        let cached_blocks = self.map.values().filter(|entry| entry.committed).count() as u64;
+        let mut counts = IndexCounts { evictions: self.evictions, cached_blocks, ..IndexCounts::default() };
         for d in &self.devices {
             counts.slots += d.meta.len() as u64;
             counts.free_slots += d.free.len() as u64;

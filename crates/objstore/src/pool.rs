@@ -77,6 +77,8 @@ pub(crate) struct PoolDevice {
     dirty: Option<(u64, u64)>,
     /// A DMA buffer for payload checks and superblock I/O.
     scratch: DmaRegion,
+    /// Per slot: whether its mirror entry is not all zeroes (so reuse must stage Empty first).
+    header_nonzero: Vec<bool>,
 }
 
 /// An open pool: devices in pool order (device index i at position i) and the index.
@@ -244,7 +246,7 @@ impl Pool {
             let mirror = target.controller.dma().allocate(superblock.header_region_bytes() as usize)?;
             read_region(&mut queue, target.namespace, superblock.header_lba, &mirror, 0, superblock.header_region_bytes(), u64::from(superblock.lba_bytes), METADATA_TIMEOUT)?;
             let scratch = target.controller.dma().allocate((2 * superblock.geometry.object_bytes()).max(SUPERBLOCK_REGION_BYTES) as usize)?;
-            pool.devices.push(PoolDevice { queue, target, superblock, mirror, dirty: None, scratch });
+            pool.devices.push(PoolDevice { queue, target, superblock, mirror, dirty: None, scratch, header_nonzero: vec![false; superblock.slot_count as usize] });
         }
         pool.recover(&mut report)?;
         Ok((pool, report))
@@ -259,6 +261,7 @@ impl Pool {
             for slot in 0..superblock.slot_count as u32 {
                 report.slots += 1;
                 self.devices[device].mirror.read(superblock.header_offset(slot) as usize, &mut entry)?;
+                self.devices[device].header_nonzero[slot as usize] = entry.iter().any(|&byte| byte != 0);
                 match SlotHeader::decode(&entry, slot, &superblock) {
                     Ok(header) => {
                         self.generation = self.generation.max(header.generation);
@@ -337,6 +340,7 @@ impl Pool {
         }
         let offset = superblock.header_offset(slot);
         d.mirror.write(offset as usize, entry)?;
+        d.header_nonzero[slot as usize] = state != SlotState::Empty;
         let lba = u64::from(superblock.lba_bytes);
         let (first, end) = (offset / lba, (offset + entry.len() as u64).div_ceil(lba));
         d.dirty = Some(d.dirty.map_or((first, end), |(a, b)| (a.min(first), b.max(end))));
@@ -344,12 +348,8 @@ impl Pool {
     }
 
     /// Whether slot `slot`'s header in the mirror is all zeroes (never written, or made Empty).
-    pub(crate) fn header_is_zero(&self, device: u16, slot: u32) -> Result<bool> {
-        let d = &self.devices[usize::from(device)];
-        let mut entry = [0u8; 4096];
-        let entry = &mut entry[..d.superblock.header_entry_bytes as usize];
-        d.mirror.read(d.superblock.header_offset(slot) as usize, entry)?;
-        Ok(entry.iter().all(|&byte| byte == 0))
+    pub(crate) fn header_is_zero(&self, device: u16, slot: u32) -> bool {
+        !self.devices[usize::from(device)].header_nonzero[slot as usize]
     }
 
     /// Writes every staged header range with FUA and waits: on return they are durable.

@@ -168,7 +168,14 @@ impl<E: Executor> KvStore<E> {
             }
             devices.push(DeviceInfo { nsid: namespace.id.0, capacity_blocks: namespace.size_blocks, block_bytes: namespace.block_size_bytes, sgl_supported: sgl });
         }
-        let mut ranges: Vec<IovaRange> = table.registration().extents()?.iter().map(|e| IovaRange::new(gio_uring::Iova(e.start), e.len_bytes)).collect();
+        // On the SGL-table path IOCTXs point only into the table (the KV addresses are in the
+        // descriptors, checked at registration): registering just the table keeps gio_uring's
+        // per-IOCTX range lookup to one range.
+        let mut ranges: Vec<IovaRange> = if table.form() == MappingForm::SglTable {
+            Vec::new()
+        } else {
+            table.registration().extents()?.iter().map(|e| IovaRange::new(gio_uring::Iova(e.start), e.len_bytes)).collect()
+        };
         ranges.extend(table.region_range());
         let registered = RegisteredMemory::new(ranges).ok_or_else(|| ObjstoreError::InvalidRegistration { reason: "the mapping table overlaps the registered KV memory".into() })?;
         let queue = GioQueue::init_queue(QueueConfig { depth: config.iocbs, ioctx_per_iocb_max: config.ioctx_per_iocb_max }, DeviceTable::new(devices), registered, executor)?;
@@ -261,15 +268,16 @@ impl<E: Executor> KvStore<E> {
     /// `lookup` first) into the engine blocks `block_ids`. Pins their slots until `finish`.
     pub fn prepare_retrieve(&mut self, request: &KvRequest<'_>) -> Result<RequestHandle> {
         let n = self.check_request(request)?;
-        let cached = self.pool.index.cached_prefix(&self.keys[..n]);
-        if cached < n {
-            return Err(ObjstoreError::BadRequest { reason: format!("block {cached} of the prefix is not cached (lookup found {cached} of {n})") });
-        }
         let index = self.take_request(Direction::Retrieve)?;
         let mut blocks = std::mem::take(&mut self.requests[index].blocks);
         let mut slots = std::mem::take(&mut self.requests[index].slots);
         for (i, &key) in self.keys[..n].iter().enumerate() {
-            let location = self.pool.index.get(key).expect("cached_prefix saw every key");
+            let Some(location) = self.pool.index.get(key) else {
+                self.requests[index].blocks = blocks;
+                self.requests[index].slots = slots;
+                self.release(index);
+                return Err(ObjstoreError::BadRequest { reason: format!("block {i} of the prefix is not cached (lookup found {i} of {n})") });
+            };
             self.pool.index.pin(location.device, location.slot);
             self.pool.index.touch(location.device, location.slot);
             slots.push((location.device, location.slot, 0));
@@ -298,7 +306,7 @@ impl<E: Executor> KvStore<E> {
         let mut failure = None;
         for i in 0..n {
             let key = self.keys[i];
-            if self.pool.index.get(key).is_some() || self.pool.index.is_pending(key) {
+            if !self.pool.index.claim(key) {
                 shared += 1;
                 continue;
             }
@@ -311,9 +319,10 @@ impl<E: Executor> KvStore<E> {
                         // A slot whose header is not all zeroes (evicted, or left by a failed
                         // commit or a duplicate found at recovery) must read Empty on disk
                         // before its data is overwritten.
-                        let stale = allocation.evicted || !self.pool.header_is_zero(allocation.device, allocation.slot).unwrap_or(false);
+                        let stale = allocation.evicted || !self.pool.header_is_zero(allocation.device, allocation.slot);
                         if stale {
                             if let Err(error) = self.pool.stage_header(allocation.device, allocation.slot, SlotState::Empty, &[], None) {
+                                self.pool.index.remove_pending(key);
                                 failure = Some(error);
                                 break;
                             }
@@ -322,13 +331,13 @@ impl<E: Executor> KvStore<E> {
                         (allocation.device, allocation.slot, 0)
                     }
                     None => {
+                        self.pool.index.remove_pending(key);
                         failure = Some(ObjstoreError::PoolFull { needed: (n - i).div_ceil(k), evictable: 0 });
                         break;
                     }
                 },
             };
             slots.last_mut().expect("pushed above").2 = used + 1;
-            self.pool.index.add_pending(key);
             blocks.push((BlockLocation { device, slot, index: used }, request.block_ids[i], key));
         }
         self.requests[index].blocks = blocks;
