@@ -162,10 +162,10 @@ pub fn open(spec: &DeviceSpec, options: OpenOptions2, created: &mut CreatedFiles
 
 fn emu_config(options: OpenOptions2) -> EmuConfig {
     // MDTS large enough that one benchmark I/O is one command (as on an SSD with MDTS ≥ bs),
-    // capped at 2 MiB; the write cache off so that a completed write has reached the file, as
+    // capped at 16 MiB; the write cache off so that a completed write has reached the file, as
     // with O_DIRECT on the kernel path.
     let mut mdts = 5u8;
-    while (4096u64 << mdts) < options.io_bytes_max && mdts < 9 {
+    while (4096u64 << mdts) < options.io_bytes_max && mdts < 12 {
         mdts += 1;
     }
     EmuConfig::default()
@@ -177,7 +177,7 @@ fn emu_config(options: OpenOptions2) -> EmuConfig {
 
 /// Checks a file can be opened as the run needs, creating it (and laying it out) when missing
 /// and allowed. A created file is registered in `created` so that a failed run removes it.
-fn prepare_file(path: &Path, options: OpenOptions2, created: &mut CreatedFiles) -> Result<(), DeviceError> {
+pub fn prepare_file(path: &Path, options: OpenOptions2, created: &mut CreatedFiles) -> Result<(), DeviceError> {
     let io_error = |context: &str, source: std::io::Error| DeviceError::Setup(format!("{}: {context}: {source}", path.display()));
     if path.exists() {
         OpenOptions::new().read(true).write(options.writes).open(path).map_err(|source| {
@@ -453,4 +453,57 @@ impl IoQueue for NvmeQueue {
     fn drain(&mut self, deadline: Instant) {
         let _ = self.pair.wait_idle(deadline, |_| {});
     }
+}
+
+/// A controller for the object store (which takes `Arc<Controller>`), and what keeps it alive.
+pub struct KvController {
+    pub controller: Arc<Controller>,
+    /// Keeps the software controller's thread alive as long as the driver uses it.
+    pub _emu: Option<Arc<EmuDevice>>,
+    pub description: String,
+}
+
+/// Opens an `emu:` or `vfio:` device for the KV workload; `uring:` and `emu:null:` cannot hold
+/// a pool (no NVMe queues; no data) and are refused by the caller.
+pub fn open_controller(spec: &DeviceSpec, options: OpenOptions2, created: &mut CreatedFiles) -> Result<KvController, DeviceError> {
+    let (backend, emu, description): (Arc<dyn DeviceBackend>, Option<Arc<EmuDevice>>, String) = match spec {
+        DeviceSpec::EmuFile(path) => {
+            prepare_file(path, options, created)?;
+            let config = emu_config(options).with_backing(Backing::File { path: path.clone(), create_bytes: None });
+            let emu = EmuDevice::start(config).map_err(|error| DeviceError::Setup(format!("software NVMe controller: {error}")))?;
+            (
+                Arc::clone(&emu) as Arc<dyn DeviceBackend>,
+                Some(emu),
+                format!("software NVMe controller (nvme-emu) over file {}", path.display()),
+            )
+        }
+        DeviceSpec::EmuMemory(bytes) => {
+            let config = emu_config(options).with_backing(Backing::Memory { bytes: *bytes });
+            let emu = EmuDevice::start(config).map_err(|error| DeviceError::Setup(format!("software NVMe controller: {error}")))?;
+            (
+                Arc::clone(&emu) as Arc<dyn DeviceBackend>,
+                Some(emu),
+                format!("software NVMe controller (nvme-emu) over {} of memory", format_size(*bytes)),
+            )
+        }
+        DeviceSpec::Vfio(address) => {
+            let device = nvme_driver::hw::VfioDevice::open(address).map_err(|error| {
+                DeviceError::Setup(format!("vfio:{address}: {error} (needs the device bound to vfio-pci and access to /dev/vfio)"))
+            })?;
+            (Arc::new(device), None, format!("NVMe controller {address} through VFIO"))
+        }
+        DeviceSpec::EmuNull(_) | DeviceSpec::Uring(_) => {
+            return Err(DeviceError::Setup(format!(
+                "{spec} cannot hold a KV pool; accepted for --workload=kv: emu:PATH, emu:mem:SIZE, vfio:BDF"
+            )));
+        }
+    };
+    let name = backend.name();
+    let controller = Controller::init(backend, ControllerConfig::default()).map_err(|source| DeviceError::Nvme { device: name, source })?;
+    let description = format!(
+        "{description}: {} data pointers, max transfer {}",
+        controller.data_pointer_mode().name(),
+        format_size(controller.max_transfer_bytes())
+    );
+    Ok(KvController { controller: Arc::new(controller), _emu: emu, description })
 }

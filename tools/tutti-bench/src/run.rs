@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use serde_json::json;
 
@@ -20,8 +20,6 @@ const DEFAULT_POOL_BYTES_MAX: u64 = 1 << 30;
 const DEFAULT_POOL_FREE_DIVISOR: u64 = 10;
 /// Below this the default run refuses: too small to say anything about a device.
 const DEFAULT_POOL_BYTES_MIN: u64 = 64 << 20;
-/// The default run's random-read phase.
-const DEFAULT_RANDREAD_RUNTIME: Duration = Duration::from_secs(5);
 
 pub fn run(cli: &Cli) -> anyhow::Result<()> {
     check_executor(cli.executor)?;
@@ -306,6 +304,10 @@ fn temporary_pool(directory: Option<&Path>, wanted_bytes: Option<u64>) -> anyhow
     Ok(TemporaryPool { path, bytes, free_bytes: free })
 }
 
+/// The default run's request: Llama-3.1-8B, 16-token blocks, up to this many prompt tokens
+/// (512 MiB of KV), fewer when the pool is smaller.
+const DEFAULT_PROMPT_TOKENS_MAX: u64 = 4096;
+
 /// The embedded default: what `cargo run --release --bin tutti-bench` does on a fresh machine.
 pub fn default_run(cli: &Cli) -> anyhow::Result<()> {
     let started = Instant::now();
@@ -321,7 +323,7 @@ pub fn default_run(cli: &Cli) -> anyhow::Result<()> {
         format_size(pool.bytes),
         format_size(pool.free_bytes)
     );
-    let result = if crate::kv::available() { crate::kv::run(cli) } else { default_raw(&pool) };
+    let result = default_kv(&pool, &mut created);
     let fate = if cli.keep { "kept (--keep)" } else { "removed" };
     match &result {
         Ok(()) => println!("tutti-bench: done in {:.1}s; pool file {} {fate}.", started.elapsed().as_secs_f64(), pool.path.display()),
@@ -331,60 +333,43 @@ pub fn default_run(cli: &Cli) -> anyhow::Result<()> {
     result
 }
 
-/// The raw fallback of the default run, labelled as such: write the pool with a pattern, read it
-/// back and compare, then random 4 KiB reads for a few seconds.
-fn default_raw(pool: &TemporaryPool) -> anyhow::Result<()> {
-    println!(
-        "The KV workload needs the object store's layer API (crates/objstore), not in this build yet; \
-         running the RAW-DEVICE workload instead (not KV): sequential 128 KiB writes of a verify pattern \
-         over the whole pool (QD 16), read back and compared, then {} s of random 4 KiB reads (QD 32).",
-        DEFAULT_RANDREAD_RUNTIME.as_secs()
-    );
-    let mut created = CreatedFiles::default();
-    created.keep(); // the caller owns the pool file's removal
-    let options = OpenOptions2 { writes: true, create_bytes: None, io_bytes_max: 128 << 10, queues: 1, lay_out: false };
-    let device = devices::open(&DeviceSpec::EmuFile(pool.path.clone()), options, &mut created)
-        .map_err(|error| anyhow::anyhow!("opening the software controller: {error}"))?;
-    println!("  device {}: {}", device.name(), device.describe());
-    let devices = [device];
-    let region_bytes = devices[0].capacity_bytes() / (128 << 10) * (128 << 10);
-    let seed = seed_from_clock();
-    let sequential = PhasePlan {
-        label: String::new(),
-        pattern: Pattern::Write,
-        bs: 128 << 10,
-        iodepth: 16,
-        region_start: 0,
-        region_bytes,
-        split_region: true,
-        runtime: None,
-        time_based: false,
-        rwmixread: 50,
-        verify: VerifyMode::WritePattern,
-        seed,
+/// The default run's KV workload: store a prompt's KV cache layer by layer, retrieve it layer by
+/// layer into cleared engine memory, compare every byte.
+fn default_kv(pool: &TemporaryPool, created: &mut CreatedFiles) -> anyhow::Result<()> {
+    let mut plan = crate::kv::KvPlan {
+        model: crate::args::MODELS[0],
+        prompt_tokens: DEFAULT_PROMPT_TOKENS_MAX,
+        hit_rate: 1.0,
+        block_tokens: 16,
+        verify: true,
     };
-    let phases = [
-        PhasePlan { label: "raw write (verify pattern), bs=128KiB iodepth=16".into(), ..sequential.clone() },
-        PhasePlan {
-            label: "raw read + verify, bs=128KiB iodepth=16".into(),
-            pattern: Pattern::Read,
-            verify: VerifyMode::CheckPattern,
-            ..sequential.clone()
-        },
-        PhasePlan {
-            label: format!("raw randread, bs=4KiB iodepth=32, {} s", DEFAULT_RANDREAD_RUNTIME.as_secs()),
-            pattern: Pattern::Randread,
-            bs: 4096,
-            iodepth: 32,
-            split_region: false,
-            runtime: Some(DEFAULT_RANDREAD_RUNTIME),
-            time_based: true,
-            verify: VerifyMode::None,
-            ..sequential
-        },
-    ];
-    for result in run_phases(&devices, 1, &phases)? {
-        println!("{}", phase_text(&result));
+    while plan.pool_bytes() > pool.bytes && plan.prompt_tokens > plan.block_tokens {
+        plan.prompt_tokens -= plan.block_tokens;
     }
-    Ok(())
+    if plan.pool_bytes() > pool.bytes {
+        return usage(format!(
+            "the pool file of {} cannot hold one KV block of {}; free some space or pass --directory DIR",
+            format_size(pool.bytes),
+            plan.model.name
+        ));
+    }
+    println!(
+        "Workload: KV store + retrieve through the object store's layer API: a {}-token prompt of {} ({} blocks of {} tokens, {} of KV) stored layer by layer, \
+         then looked up and retrieved layer by layer into cleared engine memory and compared byte for byte (equivalent to: \
+         tutti-bench --workload=kv --model={} --prompt-tokens={} --block-tokens={} --hit-rate=1 --verify).",
+        plan.prompt_tokens,
+        plan.model.name,
+        plan.blocks(),
+        plan.block_tokens,
+        format_size(plan.blocks() * plan.model.bytes_per_token() * plan.block_tokens),
+        plan.model.name,
+        plan.prompt_tokens,
+        plan.block_tokens
+    );
+    crate::kv::run_plan(&DeviceSpec::EmuFile(pool.path.clone()), &plan, OutputFormat::Normal, created)
+}
+
+/// A temporary pool file of `bytes` for a run that named no device (removed by the caller).
+pub fn temporary_pool_file(directory: Option<&Path>, bytes: u64) -> anyhow::Result<PathBuf> {
+    Ok(temporary_pool(directory, Some(bytes))?.path)
 }
