@@ -28,6 +28,8 @@ use crate::EmuError;
 
 /// Commands fetched from one SQ per scan, so one busy queue cannot starve the others.
 const COMMANDS_PER_QUEUE_PER_SCAN: usize = 64;
+/// Longest delay a fault may impose on a completion.
+const MAX_FAULT_DELAY: Duration = Duration::from_secs(3600);
 /// Reads in flight at once in an io_uring batch.
 const URING_DEPTH: u32 = 64;
 /// Read buffers kept for reuse, and the largest one worth keeping.
@@ -516,7 +518,8 @@ impl ControllerCore {
         };
         match fault {
             Some(FaultAction::DropCompletion) => {}
-            Some(FaultAction::Delay(delay)) => self.delay_completion(completion_queue_id, completion, now + delay),
+            // Clamped so that no plan can overflow the clock.
+            Some(FaultAction::Delay(delay)) => self.delay_completion(completion_queue_id, completion, now + delay.min(MAX_FAULT_DELAY)),
             Some(FaultAction::CorruptCommandId) => {
                 completion.command_id ^= 0x8001;
                 self.post(completion_queue_id, completion);

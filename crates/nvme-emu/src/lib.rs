@@ -16,7 +16,8 @@
 //!   a no-storage mode, and counters ([`EmuStats`]).
 //!
 //! Nothing a host writes can make it panic: every malformed command gets the NVMe status a
-//! real controller would return (see `docs/nvme-emu.md` for the table).
+//! real controller would return (see `docs/nvme-emu.md` for the table). The only unsafe code is
+//! the io_uring module that batches file-backed reads.
 //!
 //! # Example
 //!
