@@ -152,3 +152,45 @@ fn no_argument_default_run_succeeds_and_removes_its_file() {
     let path = text.split_whitespace().find(|word| word.contains("tutti-bench-pool-")).unwrap().trim_end_matches([',', '.']);
     assert!(!Path::new(path).exists(), "{path} left behind");
 }
+
+#[test]
+fn kv_store_retrieve_verify_reports_every_layer() {
+    // Goal: the layer API path end to end: populate h blocks, retrieve and compare them, store
+    // the rest; JSON has one entry per layer for every phase.
+    let output = bench(&[
+        "--workload=kv",
+        "--device",
+        "emu:mem:128m",
+        "--model=llama3-8b",
+        "--prompt-tokens=160",
+        "--block-tokens=16",
+        "--hit-rate=0.6",
+        "--verify",
+        "--output-format=json",
+    ]);
+    assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
+    let json: serde_json::Value = serde_json::from_slice(&output.stdout).expect("JSON output parses");
+    let phases = json["phases"].as_array().unwrap();
+    let blocks: Vec<u64> = phases.iter().map(|phase| phase["blocks"].as_u64().unwrap()).collect();
+    assert_eq!(blocks, vec![6, 6, 4], "populate 6 of 10 blocks, retrieve them, store the other 4");
+    for phase in phases {
+        assert_eq!(phase["layers"].as_array().unwrap().len(), 32, "{phase}");
+        assert!(phase["bw_bytes"].as_u64().unwrap() > 0);
+    }
+    assert_eq!(phases[1]["verified_bytes"], 6 * 32 * 2 * (32 << 10));
+}
+
+#[test]
+fn kv_bad_input_is_refused_without_leaving_files() {
+    let directory = tempfile::tempdir().unwrap();
+    let pool = directory.path().join("pool.img");
+    assert_refused(
+        &["--workload=kv", "--device", &format!("emu:{}", pool.display()), "--model=llama3-70b", "--prompt-tokens=1000000"],
+        &["free"],
+    );
+    assert!(!pool.exists(), "a refused run left {} behind", pool.display());
+    assert_refused(&["--workload=kv", "--device", "emu:mem:64m", "--prompt-tokens=100000"], &["accepted: up to"]);
+    assert_refused(&["--workload=kv", "--device", "uring:/dev/null"], &["cannot hold a KV pool"]);
+    assert_refused(&["--workload=kv", "--device", "emu:mem:64m", "--prompt-tokens=8"], &["less than one block"]);
+    assert_refused(&["--workload=kv", "--hit-rate=1.5"], &["fraction"]);
+}
