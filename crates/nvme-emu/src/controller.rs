@@ -28,6 +28,8 @@ use crate::EmuError;
 
 /// Commands fetched from one SQ per scan, so one busy queue cannot starve the others.
 const COMMANDS_PER_QUEUE_PER_SCAN: usize = 64;
+/// Idle sleep of a disabled controller (CC writes through RegisterIo act synchronously).
+const DISABLED_SLEEP: Duration = Duration::from_millis(2);
 /// Longest delay a fault may impose on a completion.
 const MAX_FAULT_DELAY: Duration = Duration::from_secs(3600);
 /// Reads in flight at once in an io_uring batch.
@@ -629,6 +631,10 @@ impl ControllerCore {
 
     /// Idle sleep bound for the poller: the configured maximum, or less if a completion is due.
     pub(crate) fn sleep_bound(&self, now: Instant) -> Duration {
+        // Disabled: only a CC write can wake us, and those are applied synchronously.
+        if self.state != State::Ready {
+            return DISABLED_SLEEP;
+        }
         let max = self.config.idle_sleep_max;
         self.next_due().map_or(max, |due| due.saturating_duration_since(now).min(max))
     }

@@ -2,8 +2,8 @@
 //! driver sees.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::thread::JoinHandle;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::thread::{JoinHandle, Thread};
 use std::time::{Duration, Instant};
 
 use nvme_driver::hw::{DeviceBackend, DmaAllocator, DmaPool, DmaRegion, HwError, RegisterIo};
@@ -26,6 +26,9 @@ const STOP_TIMEOUT: Duration = Duration::from_secs(5);
 struct Shared {
     core: Mutex<ControllerCore>,
     stop: AtomicBool,
+    /// Set while the controller thread sleeps, so a doorbell write knows to wake it.
+    sleeping: AtomicBool,
+    thread: OnceLock<Thread>,
 }
 
 impl Shared {
@@ -55,11 +58,25 @@ impl EmuDevice {
         let dma = Arc::new(DmaPool::identity());
         let core = ControllerCore::new(config, Arc::clone(&registers), (*dma).clone())?;
         let name = format!("emu:{}", core.describe_store());
-        let shared = Arc::new(Shared { core: Mutex::new(core), stop: AtomicBool::new(false) });
+        let shared = Arc::new(Shared { core: Mutex::new(core), stop: AtomicBool::new(false), sleeping: AtomicBool::new(false), thread: OnceLock::new() });
         let hook_shared = Arc::downgrade(&shared);
         registers.set_configuration_hook(Box::new(move || {
             if let Some(shared) = hook_shared.upgrade() {
                 shared.core().react_to_configuration();
+            }
+        }));
+        let wake_shared = Arc::downgrade(&shared);
+        registers.set_doorbell_hook(Box::new(move || {
+            if let Some(shared) = wake_shared.upgrade() {
+                // The fence pairs with the one after the thread's store of `sleeping`: either its
+                // last scan before parking saw this doorbell, or this load sees `sleeping` and
+                // unparks. (A miss would cost at most one bounded sleep anyway.)
+                std::sync::atomic::fence(Ordering::SeqCst);
+                if shared.sleeping.load(Ordering::SeqCst) {
+                    if let Some(thread) = shared.thread.get() {
+                        thread.unpark();
+                    }
+                }
             }
         }));
         let thread_shared = Arc::clone(&shared);
@@ -67,6 +84,7 @@ impl EmuDevice {
             .name("nvme-emu".to_string())
             .spawn(move || run(&thread_shared))
             .map_err(EmuError::Thread)?;
+        let _ = shared.thread.set(thread.thread().clone());
         Ok(Arc::new(Self { shared, registers, dma, name, thread: Mutex::new(Some(thread)) }))
     }
 
@@ -99,6 +117,9 @@ impl EmuDevice {
 
     fn stop_thread(&self) {
         self.shared.stop.store(true, Ordering::Release);
+        if let Some(thread) = self.shared.thread.get() {
+            thread.unpark();
+        }
         let handle = self.thread.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
         let Some(handle) = handle else { return };
         let deadline = Instant::now() + STOP_TIMEOUT;
@@ -161,8 +182,21 @@ fn run(shared: &Shared) {
         } else if idle_scans < SPIN_SCANS + YIELD_SCANS {
             std::thread::yield_now();
         } else {
-            std::thread::sleep(sleep.min(sleep_cap));
-            sleep = (sleep * 2).min(sleep_cap.max(FIRST_SLEEP));
+            // Announce the sleep, then scan once more so a doorbell rung in between is not
+            // missed; a doorbell rung after that scan sees `sleeping` and unparks us.
+            shared.sleeping.store(true, Ordering::SeqCst);
+            std::sync::atomic::fence(Ordering::SeqCst);
+            let worked = shared.core().poll(Instant::now());
+            if !worked {
+                std::thread::park_timeout(sleep.min(sleep_cap));
+            }
+            shared.sleeping.store(false, Ordering::SeqCst);
+            if worked {
+                idle_scans = 0;
+                sleep = FIRST_SLEEP;
+            } else {
+                sleep = (sleep * 2).min(sleep_cap.max(FIRST_SLEEP));
+            }
         }
     }
 }

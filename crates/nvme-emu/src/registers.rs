@@ -24,6 +24,10 @@ pub struct RegisterFile {
     /// shutdown take effect before the write returns (as on hardware: a host that sees RDY = 0
     /// after clearing EN may reuse the admin queue memory at once).
     configuration_hook: OnceLock<Box<dyn Fn() + Send + Sync>>,
+    /// Runs after every host doorbell write through [`RegisterIo`]: wakes a sleeping controller
+    /// thread so that a command after an idle period does not wait out the sleep. (Doorbells
+    /// written straight into the memory, as a GPU does, are found by polling.)
+    doorbell_hook: OnceLock<Box<dyn Fn() + Send + Sync>>,
 }
 
 impl RegisterFile {
@@ -33,7 +37,7 @@ impl RegisterFile {
         let doorbells = (usize::from(io_queue_pairs) + 1) * 2;
         let len = registers::DOORBELL_BASE + doorbells * (4usize << doorbell_stride_log2);
         let region = pool.allocate(len)?;
-        let file = Self { region, _pool: pool, capabilities, doorbell_stride_log2, configuration_hook: OnceLock::new() };
+        let file = Self { region, _pool: pool, capabilities, doorbell_stride_log2, configuration_hook: OnceLock::new(), doorbell_hook: OnceLock::new() };
         file.power_on_reset();
         Ok(file)
     }
@@ -41,6 +45,11 @@ impl RegisterFile {
     /// Installs the CC write hook (once; later calls are ignored).
     pub(crate) fn set_configuration_hook(&self, hook: Box<dyn Fn() + Send + Sync>) {
         let _ = self.configuration_hook.set(hook);
+    }
+
+    /// Installs the doorbell write hook (once; later calls are ignored).
+    pub(crate) fn set_doorbell_hook(&self, hook: Box<dyn Fn() + Send + Sync>) {
+        let _ = self.doorbell_hook.set(hook);
     }
 
     /// The memory holding the registers, for mapping into another agent's address space.
@@ -110,10 +119,15 @@ impl RegisterIo for RegisterFile {
             // Release: the SQ entries written before this doorbell are visible to the controller
             // thread once it observes the new tail with its Acquire load.
             let _ = self.region.store_u32(offset, value, Ordering::Release);
-            if offset == registers::CC {
-                if let Some(hook) = self.configuration_hook.get() {
-                    hook();
-                }
+            let hook = if offset == registers::CC {
+                self.configuration_hook.get()
+            } else if offset >= registers::DOORBELL_BASE {
+                self.doorbell_hook.get()
+            } else {
+                None
+            };
+            if let Some(hook) = hook {
+                hook();
             }
         }
     }
