@@ -26,6 +26,11 @@ pub enum IoctxFault {
     BadSglSegment { desc_bytes: u32 },
     #[error("address arithmetic overflows at layer {layer}")]
     AddressOverflow { layer: u32 },
+    /// Staged DMA mode copies `data_iova..+data_bytes`; an SGL segment may scatter the data.
+    #[error("staged DMA mode needs contiguous data, not an SGL segment")]
+    StagedScatteredData,
+    #[error("data {range} is not inside one staging buffer at the first and last layer")]
+    OutsideStaging { range: IovaRange },
 }
 
 /// Errors of gio-uring. Every variant says which queue object it concerns.
@@ -77,6 +82,10 @@ pub enum GioError {
     Cuda { call: &'static str, result: String },
     #[error("cannot read kernel image {path}: {source}")]
     KernelImage { path: std::path::PathBuf, source: std::io::Error },
+    #[error("{token:?} is not an event this executor created")]
+    UnknownEvent { token: crate::types::EventToken },
+    #[error("NVMe driver: {context}: {source}")]
+    Nvme { context: String, source: nvme_driver::NvmeError },
     /// A feature that needs a component that does not exist yet; never reported as success.
     #[error("unsupported: {what}")]
     Unsupported { what: &'static str },

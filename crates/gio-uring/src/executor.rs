@@ -48,6 +48,14 @@ pub trait Executor: Send {
         }
     }
 
+    /// Called by `fill_iocb` once the IOCB's records are validated and written, before it becomes
+    /// issuable, for executors that precompute per-request state (the CUDA executor's staged
+    /// copies). An error leaves the IOCB unissuable, like a failed validation.
+    fn prepared(&mut self, memory: &QueueMemory, id: IocbId) -> Result<(), GioError> {
+        let _ = (memory, id);
+        Ok(())
+    }
+
     /// Accepts one issue: consume `batch.count` ids from the SQ in order, execute every IOCTX of
     /// each IOCB (after `batch.dependency` has fired), and post exactly one CQE per IOCB. May
     /// complete before returning or later.

@@ -15,7 +15,7 @@ use std::sync::atomic::Ordering;
 
 use crate::abi::{self, gio_cqe, gio_iocb, gio_ioctx, gio_ring_header, CACHE_LINE_BYTES};
 use crate::error::GioError;
-use crate::shared_memory::SharedRegion;
+use crate::shared_memory::{SharedRegion, REGION_ALIGN_BYTES};
 use crate::types::IocbId;
 
 /// Sizes fixed at `init_queue`.
@@ -189,7 +189,10 @@ impl IocbProgress {
 impl QueueMemory {
     pub fn new(config: QueueConfig) -> Result<Self, GioError> {
         let layout = QueueLayout::new(config)?;
-        let region = SharedRegion::allocate_host(layout.total_bytes)?;
+        // Whole pages: the region may be registered with a GPU, which pins pages, and two
+        // registrations must never share one.
+        let len_bytes = layout.total_bytes.div_ceil(REGION_ALIGN_BYTES) * REGION_ALIGN_BYTES;
+        let region = SharedRegion::allocate_host(len_bytes)?;
         let memory = Self { region, layout };
         for ring in [layout.sq, layout.cq] {
             let base = ring.header_offset_bytes;

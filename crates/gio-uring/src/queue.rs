@@ -199,8 +199,9 @@ impl<E: Executor> GioQueue<E> {
             mem_stride_bytes: spec.mem_stride_bytes,
             desc_stride_bytes: spec.desc_stride_bytes,
         };
-        host.state = State::Prepared;
         self.memory.write_iocb_header(id, &host.header);
+        self.executor.prepared(&self.memory, id)?;
+        self.iocbs[id.0 as usize].state = State::Prepared;
         Ok(())
     }
 

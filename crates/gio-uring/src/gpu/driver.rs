@@ -170,6 +170,8 @@ pub fn destroy_green_context(green: sys::CUgreenCtx) -> Result<(), GioError> {
 #[derive(Debug)]
 pub struct Handles {
     pub device: sys::CUdevice,
+    /// The device's primary context (retained), made current before every use.
+    pub context: sys::CUcontext,
     pub module: sys::CUmodule,
     pub function: sys::CUfunction,
     pub green: Option<sys::CUgreenCtx>,
@@ -180,3 +182,331 @@ pub struct Handles {
 // them once it has made the owning context current (the runtime does so before each use). They are
 // not tied to the creating thread, and the owner destroys each exactly once.
 unsafe impl Send for Handles {}
+
+/// Makes `context` current on the calling thread: the executor may be driven from any thread.
+pub fn set_current(context: sys::CUcontext) -> Result<(), GioError> {
+    // SAFETY: `context` is a retained primary context owned by the runtime, alive while it is.
+    check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(context) })
+}
+
+/// What keeps host memory mapped while it is registered with the GPU.
+#[derive(Debug)]
+pub enum MemoryOwner {
+    /// DMA memory of an NVMe controller (rings, staging buffers): page-granular mmaps.
+    Dma(nvme_driver::DmaRegion),
+    /// A gio queue's shared region (allocated in whole pages).
+    Queue(std::sync::Arc<crate::layout::QueueMemory>),
+    /// A region of the executor's own (allocated in whole pages).
+    Shared(std::sync::Arc<crate::shared_memory::SharedRegion>),
+    /// A controller's BAR0.
+    Bar(BarMapping),
+}
+
+impl MemoryOwner {
+    /// The host range the owner keeps mapped, widened to whole pages (every owner maps whole
+    /// pages: mmap, page-multiple allocations).
+    fn page_span(&self) -> Option<(u64, u64)> {
+        let (start, len) = match self {
+            MemoryOwner::Dma(region) => (region.host_address() as u64, region.len() as u64),
+            MemoryOwner::Queue(memory) => (memory.region.host_address(), memory.region.len_bytes() as u64),
+            MemoryOwner::Shared(region) => (region.host_address(), region.len_bytes() as u64),
+            MemoryOwner::Bar(bar) => (bar.host_address as u64, bar.len_bytes as u64),
+        };
+        super::plan::page_span(start, len)
+    }
+}
+
+/// Host memory registered with the GPU (page-locked and mapped into its address space), holding
+/// the owner that keeps the memory mapped. Unregistered on drop, before the owner is released.
+#[derive(Debug)]
+pub struct HostRegistration {
+    host_start: u64,
+    len_bytes: u64,
+    device_start: u64,
+    _owner: MemoryOwner,
+}
+
+impl HostRegistration {
+    /// `cuMemHostRegister(DEVICEMAP | PORTABLE, + IOMEMORY for a real BAR)` of the page span
+    /// `host_start..+len_bytes`, which must lie inside what `owner` keeps mapped, then
+    /// `cuMemHostGetDevicePointer`. Requires a current context.
+    pub fn register(owner: MemoryOwner, host_start: u64, len_bytes: u64) -> Result<Self, GioError> {
+        let (owned_start, owned_len) =
+            owner.page_span().ok_or_else(|| GioError::InvalidConfig { reason: "host memory wraps the address space".into() })?;
+        let inside = host_start % super::plan::PAGE_BYTES == 0
+            && host_start >= owned_start
+            && host_start.checked_add(len_bytes).is_some_and(|end| end <= owned_start + owned_len);
+        if !inside || len_bytes == 0 {
+            return Err(GioError::InvalidConfig {
+                reason: format!("span {host_start:#x}+{len_bytes} is not whole pages inside {owned_start:#x}+{owned_len}"),
+            });
+        }
+        let mut flags = sys::CU_MEMHOSTREGISTER_DEVICEMAP | sys::CU_MEMHOSTREGISTER_PORTABLE;
+        if matches!(&owner, MemoryOwner::Bar(bar) if bar.io_memory) {
+            flags |= sys::CU_MEMHOSTREGISTER_IOMEMORY;
+        }
+        let pointer = host_start as usize as *mut core::ffi::c_void;
+        // SAFETY: the span is whole pages inside memory `owner` keeps mapped (checked above), and
+        // the owner is held by the registration, which unregisters before releasing it.
+        check("cuMemHostRegister", unsafe { sys::cuMemHostRegister_v2(pointer, len_bytes as usize, flags) })?;
+        let mut registration = Self { host_start, len_bytes, device_start: 0, _owner: owner };
+        let mut device: sys::CUdeviceptr = 0;
+        // SAFETY: `pointer` was just registered with DEVICEMAP; `device` is a valid out-pointer.
+        check("cuMemHostGetDevicePointer", unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device, pointer, 0) })?;
+        registration.device_start = device;
+        Ok(registration)
+    }
+
+    pub fn span(&self) -> super::plan::RegisteredSpan {
+        super::plan::RegisteredSpan { host_start: self.host_start, len_bytes: self.len_bytes, device_start: self.device_start }
+    }
+
+    fn covers(&self, host_address: u64, len_bytes: u64) -> bool {
+        host_address >= self.host_start && host_address.checked_add(len_bytes).is_some_and(|end| end <= self.host_start + self.len_bytes)
+    }
+}
+
+impl Drop for HostRegistration {
+    fn drop(&mut self) {
+        let pointer = self.host_start as usize as *mut core::ffi::c_void;
+        // SAFETY: `pointer` starts a span this value registered and nobody else unregisters; the
+        // memory is still mapped (the owner is a field, released after this body).
+        if let Err(error) = check("cuMemHostUnregister", unsafe { sys::cuMemHostUnregister(pointer) }) {
+            tracing::warn!("gio-uring: {error}");
+        }
+    }
+}
+
+/// Direction of a staged-mode copy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CopyDirection {
+    /// Staging buffer → GPU memory (after the SSD wrote it: reads).
+    ToGpu,
+    /// GPU memory → staging buffer (before the SSD reads it: writes).
+    ToHost,
+}
+
+/// Enqueues one staged-mode copy on `stream`. The host side must lie inside `registration` (so it
+/// is page-locked and stays mapped while the registration lives; the executor keeps it until the
+/// stream is idle). The GPU side is a caller-given address: a wrong one is a CUDA error reported by
+/// the stream, not host memory corruption.
+pub fn copy_async(
+    direction: CopyDirection,
+    registration: &HostRegistration,
+    host_address: u64,
+    gpu_address: u64,
+    len_bytes: u64,
+    stream: sys::CUstream,
+) -> Result<(), GioError> {
+    if !registration.covers(host_address, len_bytes) {
+        return Err(GioError::InvalidConfig { reason: format!("staged copy {host_address:#x}+{len_bytes} outside its staging buffer") });
+    }
+    let host = host_address as usize as *mut core::ffi::c_void;
+    let len = len_bytes as usize;
+    match direction {
+        // SAFETY: the host range is registered, page-locked memory kept mapped by `registration`
+        // (checked above) which outlives the copy; no Rust reference into it exists (DMA memory is
+        // only accessed by copying or atomic accessors).
+        CopyDirection::ToGpu => check("cuMemcpyHtoDAsync", unsafe { sys::cuMemcpyHtoDAsync_v2(gpu_address, host, len, stream) }),
+        // SAFETY: as above.
+        CopyDirection::ToHost => check("cuMemcpyDtoHAsync", unsafe { sys::cuMemcpyDtoHAsync_v2(host, gpu_address, len, stream) }),
+    }
+}
+
+/// How BAR0 is reached from the host, so that the GPU can write doorbells into it.
+#[derive(Debug, Clone)]
+pub struct BarMapping {
+    host_address: usize,
+    len_bytes: usize,
+    io_memory: bool,
+    /// Keeps an emulated register file's memory alive.
+    _owner: Option<nvme_driver::DmaRegion>,
+}
+
+impl BarMapping {
+    /// An emulated controller's register file in ordinary host memory (nvme-emu's
+    /// `EmuDevice::register_region()`); kept alive by the mapping.
+    pub fn host_memory(region: nvme_driver::DmaRegion) -> Self {
+        Self { host_address: region.host_address(), len_bytes: region.len(), io_memory: false, _owner: Some(region) }
+    }
+
+    /// A real BAR0 mmapped through VFIO, registered with CU_MEMHOSTREGISTER_IOMEMORY.
+    ///
+    /// # Safety
+    /// `host_address..+len_bytes` must be an mmap of the controller's BAR0 that stays mapped for
+    /// as long as any executor built with this mapping exists.
+    pub unsafe fn io_memory(host_address: usize, len_bytes: usize) -> Self {
+        Self { host_address, len_bytes, io_memory: true, _owner: None }
+    }
+
+    pub fn host_address(&self) -> usize {
+        self.host_address
+    }
+
+    pub fn len_bytes(&self) -> usize {
+        self.len_bytes
+    }
+
+    pub fn is_io_memory(&self) -> bool {
+        self.io_memory
+    }
+}
+
+/// GPU memory from `cuMemAlloc`, freed on drop.
+#[derive(Debug)]
+pub struct DeviceMemory {
+    address: sys::CUdeviceptr,
+    len_bytes: usize,
+}
+
+impl DeviceMemory {
+    /// Requires a current context.
+    pub fn allocate(len_bytes: usize) -> Result<Self, GioError> {
+        let mut address: sys::CUdeviceptr = 0;
+        // SAFETY: `address` is a valid out-pointer; the size is checked by the driver.
+        check("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut address, len_bytes.max(1)) })?;
+        Ok(Self { address, len_bytes })
+    }
+
+    pub fn address(&self) -> u64 {
+        self.address
+    }
+
+    pub fn len_bytes(&self) -> usize {
+        self.len_bytes
+    }
+
+    fn check_range(&self, offset: usize, len: usize) -> Result<(), GioError> {
+        if offset.checked_add(len).map_or(true, |end| end > self.len_bytes) {
+            return Err(GioError::InvalidConfig {
+                reason: format!("copy of {len} bytes at {offset} outside a {}-byte GPU allocation", self.len_bytes),
+            });
+        }
+        Ok(())
+    }
+
+    /// Synchronous copy of `source` to `offset` (bounds checked).
+    pub fn copy_from_host(&self, offset: usize, source: &[u8]) -> Result<(), GioError> {
+        self.check_range(offset, source.len())?;
+        // SAFETY: the destination range is inside this allocation (checked) and `source` is a
+        // live slice for the whole synchronous call.
+        check("cuMemcpyHtoD", unsafe { sys::cuMemcpyHtoD_v2(self.address + offset as u64, source.as_ptr().cast(), source.len()) })
+    }
+
+    /// Synchronous copy from `offset` into `destination` (bounds checked).
+    pub fn copy_to_host(&self, offset: usize, destination: &mut [u8]) -> Result<(), GioError> {
+        self.check_range(offset, destination.len())?;
+        // SAFETY: the source range is inside this allocation (checked) and `destination` is a
+        // live, exclusively borrowed slice for the whole synchronous call.
+        check("cuMemcpyDtoH", unsafe {
+            sys::cuMemcpyDtoH_v2(destination.as_mut_ptr().cast(), self.address + offset as u64, destination.len())
+        })
+    }
+}
+
+impl Drop for DeviceMemory {
+    fn drop(&mut self) {
+        // SAFETY: `address` came from cuMemAlloc and is freed once, here.
+        if let Err(error) = check("cuMemFree", unsafe { sys::cuMemFree_v2(self.address) }) {
+            tracing::warn!("gio-uring: {error}");
+        }
+    }
+}
+
+/// A CUDA event without timing, destroyed on drop.
+#[derive(Debug)]
+pub struct Event {
+    event: sys::CUevent,
+}
+
+impl Event {
+    /// Requires a current context.
+    pub fn create() -> Result<Self, GioError> {
+        let mut event: sys::CUevent = std::ptr::null_mut();
+        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+        // SAFETY: `event` is a valid out-pointer.
+        check("cuEventCreate", unsafe { sys::cuEventCreate(&mut event, flags) })?;
+        Ok(Self { event })
+    }
+
+    /// The raw handle, for a caller that records it on its own stream.
+    pub fn raw(&self) -> sys::CUevent {
+        self.event
+    }
+
+    pub fn record(&self, stream: sys::CUstream) -> Result<(), GioError> {
+        // SAFETY: both handles are live (owned by this event and by the runtime).
+        check("cuEventRecord", unsafe { sys::cuEventRecord(self.event, stream) })
+    }
+
+    /// Whether all work captured by the last record has completed. Never blocks.
+    pub fn is_complete(&self) -> Result<bool, GioError> {
+        // SAFETY: `event` is live.
+        match unsafe { sys::cuEventQuery(self.event) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            other => Err(GioError::Cuda { call: "cuEventQuery", result: format!("{other:?}") }),
+        }
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // SAFETY: `event` came from cuEventCreate and is destroyed once, here.
+        if let Err(error) = check("cuEventDestroy", unsafe { sys::cuEventDestroy_v2(self.event) }) {
+            tracing::warn!("gio-uring: {error}");
+        }
+    }
+}
+
+// SAFETY: CUDA events, allocations and registrations are process-wide driver objects usable from
+// any thread that has the owning context current (the executor makes it current before use).
+unsafe impl Send for Event {}
+// SAFETY: as for Event.
+unsafe impl Send for DeviceMemory {}
+
+/// Makes later work on `stream` wait until `event`'s last record completes.
+pub fn stream_wait_event(stream: sys::CUstream, event: &Event) -> Result<(), GioError> {
+    // SAFETY: both handles are live; flags 0 is the only defined value.
+    check("cuStreamWaitEvent", unsafe { sys::cuStreamWaitEvent(stream, event.raw(), 0) })
+}
+
+/// Whether every operation enqueued on `stream` has completed. Never blocks.
+pub fn stream_is_idle(stream: sys::CUstream) -> Result<bool, GioError> {
+    // SAFETY: `stream` is a live stream owned by the runtime.
+    match unsafe { sys::cuStreamQuery(stream) } {
+        sys::CUresult::CUDA_SUCCESS => Ok(true),
+        sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+        other => Err(GioError::Cuda { call: "cuStreamQuery", result: format!("{other:?}") }),
+    }
+}
+
+/// Blocks of `threads_per_block` threads of `function` resident per SM.
+pub fn occupancy_blocks_per_sm(function: sys::CUfunction, threads_per_block: u32) -> Result<u32, GioError> {
+    let mut blocks = 0i32;
+    // SAFETY: `blocks` is a valid out-pointer; `function` is a loaded kernel; no dynamic shared
+    // memory is used by the kernel.
+    check("cuOccupancyMaxActiveBlocksPerMultiprocessor", unsafe {
+        sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut blocks, function, threads_per_block as i32, 0)
+    })?;
+    Ok(blocks.max(0) as u32)
+}
+
+/// Launches the I/O kernel with its one by-value argument.
+pub fn launch_io_kernel(
+    function: sys::CUfunction,
+    stream: sys::CUstream,
+    blocks: u32,
+    threads_per_block: u32,
+    params: &crate::abi::gio_launch_params,
+) -> Result<(), GioError> {
+    let mut argument = *params;
+    let mut arguments = [(&mut argument as *mut crate::abi::gio_launch_params).cast::<core::ffi::c_void>()];
+    // SAFETY: `arguments` holds one pointer to a gio_launch_params, the kernel's only parameter
+    // (same layout, asserted in abi/ and gio_abi.h); the driver copies the argument before
+    // returning, so the locals only need to live for the call. The addresses inside `params`
+    // are GPU addresses of memory the executor keeps registered or allocated.
+    check("cuLaunchKernel", unsafe {
+        sys::cuLaunchKernel(function, blocks, 1, 1, threads_per_block, 1, 1, 0, stream, arguments.as_mut_ptr(), std::ptr::null_mut())
+    })
+}

@@ -10,6 +10,11 @@
 
 #[allow(unsafe_code)]
 mod driver;
+mod executor;
+pub mod plan;
+
+pub use driver::{BarMapping, DeviceMemory};
+pub use executor::{GpuExecutor, GpuExecutorConfig, GpuQueueSpec, StagingBuffer};
 
 use std::ffi::CStr;
 use std::fmt;
@@ -19,8 +24,6 @@ use std::str::FromStr;
 use cudarc::driver::sys;
 
 use crate::error::GioError;
-use crate::executor::{Executor, IssueBatch};
-use crate::layout::QueueMemory;
 use crate::types::SmBudget;
 
 /// The kernel's entry point in the cubin/PTX (`extern "C"` in kernels/gio_io_kernel.cu).
@@ -164,7 +167,7 @@ impl GpuRuntime {
         if config.io_sm_budget.0 == 0 {
             return Err(GioError::ZeroSmBudget);
         }
-        driver::retain_primary_context(device)?;
+        let context = driver::retain_primary_context(device)?;
         let image = KernelImage::locate(&config.kernel_dir, major, minor);
         let loaded = image.and_then(|image| {
             let module = driver::load_module(&image.bytes)?;
@@ -200,7 +203,7 @@ impl GpuRuntime {
             kernel_image,
         };
         tracing::info!(?report, "gio-uring GPU runtime ready (DMA mode {})", config.dma_mode);
-        Ok(Self { handles: driver::Handles { device, module, function, green, stream }, report })
+        Ok(Self { handles: driver::Handles { device, context, module, function, green, stream }, report })
     }
 
     fn io_domain(
@@ -231,6 +234,28 @@ impl GpuRuntime {
     pub fn kernel_loaded(&self) -> bool {
         !self.handles.function.is_null()
     }
+
+    /// Makes the runtime's context current on the calling thread (every entry point of the
+    /// executor does this first, so it may be driven from any thread).
+    pub fn make_current(&self) -> Result<(), GioError> {
+        driver::set_current(self.handles.context)
+    }
+
+    /// SMs the I/O kernel may occupy: the green context's, or every SM with the fallback stream.
+    pub fn io_sm_count(&self) -> u32 {
+        match self.report.io_domain {
+            IoDomain::GreenContext { sm_count } => sm_count,
+            IoDomain::SharedStream { .. } => self.report.sm_count_total.max(0) as u32,
+        }
+    }
+
+    pub(crate) fn stream(&self) -> sys::CUstream {
+        self.handles.stream
+    }
+
+    pub(crate) fn function(&self) -> sys::CUfunction {
+        self.handles.function
+    }
 }
 
 impl Drop for GpuRuntime {
@@ -245,40 +270,6 @@ impl Drop for GpuRuntime {
         for error in results.into_iter().filter_map(Result::err) {
             tracing::warn!("gio-uring GPU teardown: {error}");
         }
-    }
-}
-
-/// The CUDA executor. Not implemented: see the module documentation. Every method returns
-/// [`GioError::Unsupported`] so that nothing above can mistake it for working I/O.
-#[derive(Debug)]
-pub struct GpuExecutor {
-    runtime: GpuRuntime,
-}
-
-const GPU_EXECUTOR_MISSING: &str = "the CUDA executor needs NVMe queue pairs in GPU-reachable memory \
-     and a GPU mapping of BAR0 doorbells from crates/nvme-driver, which do not exist yet";
-
-impl GpuExecutor {
-    pub fn new(_runtime: GpuRuntime) -> Result<Self, GioError> {
-        Err(GioError::Unsupported { what: GPU_EXECUTOR_MISSING })
-    }
-
-    pub fn runtime(&self) -> &GpuRuntime {
-        &self.runtime
-    }
-}
-
-impl Executor for GpuExecutor {
-    fn name(&self) -> &'static str {
-        "cuda"
-    }
-
-    fn submit(&mut self, _memory: &QueueMemory, _batch: &IssueBatch) -> Result<(), GioError> {
-        Err(GioError::Unsupported { what: GPU_EXECUTOR_MISSING })
-    }
-
-    fn poll(&mut self, _memory: &QueueMemory) -> Result<(), GioError> {
-        Err(GioError::Unsupported { what: GPU_EXECUTOR_MISSING })
     }
 }
 

@@ -1,0 +1,628 @@
+//! The CUDA executor: one I/O kernel launch per `issue_io`, over NVMe queue pairs the GPU drives.
+//!
+//! STATUS: compiled and its pure parts unit-tested (`plan.rs`); never run — no GPU was available
+//! while it was written. Treat it as unverified until `tests/gpu.rs` has passed on a GPU.
+//!
+//! Set-up, once: for each gio device index, a detached NVMe queue pair
+//! ([`Controller::create_detached_queue_pair`]) whose rings the executor allocates from the
+//! controller's DMA memory and registers with the GPU; BAR0 registered too (the doorbells); the
+//! kernel's per-queue-pair state (`gio_nvme_qp` + slots) in GPU memory, filled from each pair's
+//! [`nvme_driver::DetachedQueueLayout`]; in `attach`, the gio queue's region, a completion sink and
+//! one CUDA event per IOCB.
+//!
+//! Per issue: `submit` makes the stream wait on the caller's event (if any), enqueues the staged
+//! GPU→host copies of writes, launches the kernel with a grid sized within co-residency limits,
+//! enqueues the staged host→GPU copies of reads, and records the launch's event. It allocates
+//! nothing. `poll` retires launches whose event completed, in order: it posts each IOCB's CQE
+//! from the IOCB's final line, then advances the gio SQ head past the launch.
+//!
+//! Why the CPU posts the CQEs, not the kernel. The kernel writes its own CQEs into a sink ring
+//! that nobody reads, and the executor posts the real ones once the launch's event has completed:
+//! (1) in staged mode a read's data reaches GPU memory only with the copies that follow the
+//! kernel, so a CQE from the kernel would announce bytes not yet in place; (2) the kernel's
+//! polling threads find "their" IOCBs through the SQ entries and status words until they exit,
+//! so an IOCB reissued from a kernel-posted CQE before that kernel exited would be seen as still
+//! running by the old kernel, which could time it out. The cost is CPU work O(IOCBs) per launch
+//! and the latency of one `poll` after the kernel exits.
+//!
+//! Timeouts: when a retired launch holds an IOCB the kernel timed out, the NVMe queue pairs may
+//! hold commands the kernel no longer tracks. The executor waits (bounded) for the stream to
+//! drain, deletes and recreates every detached queue pair on the same rings, rewrites the kernel
+//! state, and only then posts the CQEs, so that nothing can be issued onto a dirty queue pair.
+
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use nvme_driver::spec::{COMPLETION_ENTRY_BYTES, SUBMISSION_ENTRY_BYTES};
+use nvme_driver::{Controller, DetachedQueuePair, DmaRegion};
+
+use super::driver::{self, BarMapping, CopyDirection, DeviceMemory, Event, HostRegistration, MemoryOwner};
+use super::plan::{self, CopyRun, GridLimits, LaunchAddresses, SpanLookup, StagedIoctx, StagingPair, StateLayout};
+use super::{DmaMode, GpuRuntime};
+use crate::abi::{self, gio_ring_header};
+use crate::error::GioError;
+use crate::executor::{post_cqe, Executor, IssueBatch};
+use crate::layout::{IocbField, QueueMemory, RingLayout};
+use crate::ring::{Cqe, Ring};
+use crate::shared_memory::{SharedRegion, REGION_ALIGN_BYTES};
+use crate::types::{Dependency, EventToken, IocbId};
+
+const NAME: &str = "cuda";
+
+/// One NVMe queue pair for the GPU, i.e. one gio device index (the position in the list).
+#[derive(Debug, Clone)]
+pub struct GpuQueueSpec {
+    pub controller: Arc<Controller>,
+    /// The controller's BAR0 as the host maps it (emulated: [`BarMapping::host_memory`]).
+    pub bar: BarMapping,
+    /// Entries per ring: a power of two, 2..=min(65536, CAP.MQES + 1).
+    pub depth: u32,
+}
+
+/// A staging buffer of staged DMA mode: IOVA-mapped host memory from a controller's DMA
+/// allocator, and the GPU buffer of the same length it mirrors byte for byte.
+#[derive(Debug, Clone)]
+pub struct StagingBuffer {
+    pub host: DmaRegion,
+    pub gpu_address: u64,
+}
+
+/// How the executor runs the kernel.
+#[derive(Debug, Clone)]
+pub struct GpuExecutorConfig {
+    /// A multiple of 32.
+    pub threads_per_block: u32,
+    /// Bound on every wait inside the kernel, in polling iterations.
+    pub poll_iterations_max: u32,
+    /// Cap of the kernel's exponential `__nanosleep` backoff. The kernel gives up after roughly
+    /// `poll_iterations_max × backoff_ns_max` (2 s with the defaults).
+    pub backoff_ns_max: u32,
+    /// Bound on waiting for the stream to drain before a queue-pair reset and on teardown.
+    pub drain_timeout: Duration,
+    /// Staged mode only (required there, refused in p2p mode).
+    pub staging: Vec<StagingBuffer>,
+}
+
+impl Default for GpuExecutorConfig {
+    fn default() -> Self {
+        Self {
+            threads_per_block: 128,
+            poll_iterations_max: 200_000,
+            backoff_ns_max: 10_000,
+            drain_timeout: Duration::from_secs(10),
+            staging: Vec::new(),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct DeviceQueue {
+    controller: Arc<Controller>,
+    pair: Option<DetachedQueuePair>,
+    submission: DmaRegion,
+    completion: DmaRegion,
+    rings_gpu: (u64, u64),
+    bar_gpu: u64,
+    bar_len_bytes: usize,
+    depth: u32,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Launch {
+    sq_first: u32,
+    count: u32,
+    /// `None`: the launch failed to be enqueued; its IOCBs are finished as timed out.
+    event: Option<usize>,
+    /// Resets done when it was enqueued: a timeout in a launch older than the last reset does not
+    /// need another one.
+    reset_generation: u64,
+}
+
+/// State that exists once `init_queue` attached the executor to a queue.
+#[derive(Debug)]
+struct Attached {
+    /// Keeps the queue's region alive as long as launches may read it.
+    _memory: Arc<QueueMemory>,
+    queue_gpu: u64,
+    sink: Arc<SharedRegion>,
+    sink_layout: RingLayout,
+    sink_gpu: u64,
+    events: Vec<Event>,
+    free_events: Vec<usize>,
+    launches: VecDeque<Launch>,
+    /// Staged mode: the copies of each IOCB at layer 0, planned when it was filled.
+    runs: Vec<Vec<CopyRun>>,
+}
+
+/// The CUDA executor (see the module documentation). Compiled, never run on a GPU.
+#[derive(Debug)]
+pub struct GpuExecutor {
+    // Fields drop in order: host registrations go first, while the memory they pin is still
+    // owned (by them and by the fields below); the runtime, which releases the context, goes last.
+    registrations: Vec<HostRegistration>,
+    attached: Option<Attached>,
+    dependency_events: Vec<Event>,
+    state: DeviceMemory,
+    state_layout: StateLayout,
+    state_image: Vec<u8>,
+    queues: Vec<DeviceQueue>,
+    staging: Vec<StagingPair>,
+    limits: GridLimits,
+    config: GpuExecutorConfig,
+    reset_generation: u64,
+    runtime: GpuRuntime,
+}
+
+fn nvme_error(context: String) -> impl FnOnce(nvme_driver::NvmeError) -> GioError {
+    move |source| GioError::Nvme { context, source }
+}
+
+fn executor_error(reason: String) -> GioError {
+    GioError::Executor { executor: NAME, reason }
+}
+
+/// Registers `host..+len` (kept mapped by `owner`) unless a registered span already covers it;
+/// returns its GPU address.
+fn register(registrations: &mut Vec<HostRegistration>, owner: MemoryOwner, host: u64, len_bytes: u64) -> Result<u64, GioError> {
+    let spans: Vec<_> = registrations.iter().map(HostRegistration::span).collect();
+    match plan::lookup_span(&spans, host, len_bytes)? {
+        SpanLookup::Registered { device_address } => Ok(device_address),
+        SpanLookup::New { host_start, len_bytes } => {
+            let registration = HostRegistration::register(owner, host_start, len_bytes)?;
+            let address = registration.span().device_start + (host - host_start);
+            registrations.push(registration);
+            Ok(address)
+        }
+    }
+}
+
+fn registration_for(registrations: &[HostRegistration], host: u64, len_bytes: u64) -> Option<&HostRegistration> {
+    registrations.iter().find(|registration| {
+        let span = registration.span();
+        host >= span.host_start && host.checked_add(len_bytes).is_some_and(|end| end <= span.host_start + span.len_bytes)
+    })
+}
+
+impl GpuExecutor {
+    /// Builds the executor over `queues` (gio device index = position). In staged mode
+    /// `config.staging` must name the staging buffers; in p2p mode it must be empty and every
+    /// data IOVA must already address GPU memory the platform exposes to the SSD (see
+    /// [`DmaMode::P2p`]). Nothing falls back from one mode to the other.
+    pub fn new(runtime: GpuRuntime, queues: Vec<GpuQueueSpec>, config: GpuExecutorConfig) -> Result<Self, GioError> {
+        runtime.make_current()?;
+        if queues.is_empty() || queues.len() > usize::from(u16::MAX) {
+            return Err(GioError::InvalidConfig { reason: format!("{} queue pairs; 1..=65535 are possible", queues.len()) });
+        }
+        let dma_mode = runtime.report().dma_mode;
+        match (dma_mode, config.staging.is_empty()) {
+            (DmaMode::Staged, true) => {
+                return Err(GioError::InvalidConfig { reason: "staged DMA mode needs at least one staging buffer".into() });
+            }
+            (DmaMode::P2p, false) => {
+                return Err(GioError::InvalidConfig { reason: "p2p DMA mode takes no staging buffers".into() });
+            }
+            _ => {}
+        }
+        let limits = GridLimits {
+            threads_per_block: config.threads_per_block,
+            blocks_per_sm: driver::occupancy_blocks_per_sm(runtime.function(), config.threads_per_block)?,
+            domain_sm_count: runtime.io_sm_count(),
+        };
+        limits.validate()?;
+        let mut registrations = Vec::new();
+        let mut staging = Vec::with_capacity(config.staging.len());
+        for buffer in &config.staging {
+            let host = buffer.host.host_address() as u64;
+            let len_bytes = buffer.host.len() as u64;
+            register(&mut registrations, MemoryOwner::Dma(buffer.host.clone()), host, len_bytes)?;
+            staging.push(StagingPair {
+                iova: crate::types::Iova(buffer.host.iova().0),
+                host_address: host,
+                gpu_address: buffer.gpu_address,
+                len_bytes,
+            });
+        }
+        let mut device_queues = Vec::with_capacity(queues.len());
+        let mut addresses = Vec::with_capacity(queues.len());
+        for (index, spec) in queues.into_iter().enumerate() {
+            let context = |what: &str| format!("gio device {index}: {what}");
+            let dma = spec.controller.dma();
+            let depth = spec.depth as usize;
+            let submission = dma
+                .allocate(depth * SUBMISSION_ENTRY_BYTES)
+                .map_err(|source| GioError::Nvme { context: context("submission ring"), source: source.into() })?;
+            let completion = dma
+                .allocate(depth * COMPLETION_ENTRY_BYTES)
+                .map_err(|source| GioError::Nvme { context: context("completion ring"), source: source.into() })?;
+            let sq_gpu = register(
+                &mut registrations,
+                MemoryOwner::Dma(submission.clone()),
+                submission.host_address() as u64,
+                submission.len() as u64,
+            )?;
+            let cq_gpu = register(
+                &mut registrations,
+                MemoryOwner::Dma(completion.clone()),
+                completion.host_address() as u64,
+                completion.len() as u64,
+            )?;
+            let bar = &spec.bar;
+            let bar_gpu = register(&mut registrations, MemoryOwner::Bar(bar.clone()), bar.host_address() as u64, bar.len_bytes() as u64)?;
+            let pair = spec
+                .controller
+                .create_detached_queue_pair(spec.depth, Some((submission.clone(), completion.clone())))
+                .map_err(nvme_error(context("create detached queue pair")))?;
+            addresses.push(plan::queue_pair_addresses(&pair.layout(), (sq_gpu, cq_gpu), bar_gpu, bar.len_bytes())?);
+            device_queues.push(DeviceQueue {
+                controller: spec.controller,
+                pair: Some(pair),
+                submission,
+                completion,
+                rings_gpu: (sq_gpu, cq_gpu),
+                bar_gpu,
+                bar_len_bytes: bar.len_bytes(),
+                depth: spec.depth,
+            });
+        }
+        let depths: Vec<u32> = device_queues.iter().map(|queue| queue.depth).collect();
+        let state_layout = StateLayout::new(&depths);
+        let state = DeviceMemory::allocate(state_layout.total_bytes)?;
+        let state_image = plan::state_image(&state_layout, &addresses, state.address());
+        state.copy_from_host(0, &state_image)?;
+        tracing::info!(
+            queue_pairs = device_queues.len(),
+            blocks_per_sm = limits.blocks_per_sm,
+            io_sms = limits.domain_sm_count,
+            "gio-uring CUDA executor ready (DMA mode {dma_mode}, {:?})",
+            runtime.report().io_domain
+        );
+        Ok(Self {
+            registrations,
+            attached: None,
+            dependency_events: Vec::new(),
+            state,
+            state_layout,
+            state_image,
+            queues: device_queues,
+            staging,
+            limits,
+            config,
+            reset_generation: 0,
+            runtime,
+        })
+    }
+
+    pub fn runtime(&self) -> &GpuRuntime {
+        &self.runtime
+    }
+
+    /// Queue-pair resets done after kernel timeouts.
+    pub fn resets(&self) -> u64 {
+        self.reset_generation
+    }
+
+    pub fn grid_limits(&self) -> GridLimits {
+        self.limits
+    }
+
+    /// Creates an event an issue can depend on ([`Dependency::Event`] with the returned token).
+    /// The caller records it on its own stream through [`GpuExecutor::dependency_event_handle`].
+    /// Created at set-up time, not per issue.
+    pub fn create_dependency_event(&mut self) -> Result<EventToken, GioError> {
+        self.runtime.make_current()?;
+        self.dependency_events.push(Event::create()?);
+        Ok(EventToken(self.dependency_events.len() as u64 - 1))
+    }
+
+    /// The raw CUevent behind `token`, for `cuEventRecord` on the caller's stream.
+    pub fn dependency_event_handle(&self, token: EventToken) -> Result<cudarc::driver::sys::CUevent, GioError> {
+        self.dependency_event(token).map(Event::raw)
+    }
+
+    /// Records `token`'s event on the executor's own I/O stream (for tests and for callers whose
+    /// producer work runs there).
+    pub fn record_dependency_on_io_stream(&self, token: EventToken) -> Result<(), GioError> {
+        self.runtime.make_current()?;
+        self.dependency_event(token)?.record(self.runtime.stream())
+    }
+
+    fn dependency_event(&self, token: EventToken) -> Result<&Event, GioError> {
+        usize::try_from(token.0).ok().and_then(|index| self.dependency_events.get(index)).ok_or(GioError::UnknownEvent { token })
+    }
+
+    /// Waits, polling with a deadline, until everything enqueued on the I/O stream has completed.
+    fn drain_stream(&self) -> Result<(), GioError> {
+        let deadline = Instant::now() + self.config.drain_timeout;
+        while !driver::stream_is_idle(self.runtime.stream())? {
+            if Instant::now() >= deadline {
+                return Err(executor_error(format!("I/O stream still busy after {:?}", self.config.drain_timeout)));
+            }
+            std::thread::sleep(Duration::from_micros(50));
+        }
+        Ok(())
+    }
+
+    /// Deletes and recreates every detached queue pair on its rings and rewrites the kernel state,
+    /// once the stream has drained (no kernel may be using a queue pair while it is replaced).
+    fn reset_queue_pairs(&mut self) -> Result<(), GioError> {
+        self.drain_stream()?;
+        for (index, queue) in self.queues.iter_mut().enumerate() {
+            drop(queue.pair.take()); // deletes the SQ and CQ; outstanding commands are aborted
+            let pair = queue
+                .controller
+                .create_detached_queue_pair(queue.depth, Some((queue.submission.clone(), queue.completion.clone())))
+                .map_err(nvme_error(format!("gio device {index}: recreate detached queue pair")))?;
+            let addresses = plan::queue_pair_addresses(&pair.layout(), queue.rings_gpu, queue.bar_gpu, queue.bar_len_bytes)?;
+            plan::write_queue_pair_state(&mut self.state_image, &self.state_layout, index, &addresses, self.state.address());
+            queue.pair = Some(pair);
+        }
+        self.state.copy_from_host(0, &self.state_image)?;
+        self.reset_generation += 1;
+        tracing::warn!(resets = self.reset_generation, "gio-uring: reset the GPU's NVMe queue pairs after a kernel timeout");
+        Ok(())
+    }
+
+    /// Enqueues everything for one issue. On error, reports whether the kernel was launched.
+    fn enqueue(&mut self, memory: &QueueMemory, batch: &IssueBatch, event_index: usize) -> Result<(), (bool, GioError)> {
+        let attached = self.attached.as_ref().ok_or((false, executor_error("not attached to a queue".into())))?;
+        let stream = self.runtime.stream();
+        let staged = self.runtime.report().dma_mode == DmaMode::Staged;
+        if let Dependency::Event(token) = batch.dependency {
+            let event = self.dependency_event(token).map_err(|error| (false, error))?;
+            driver::stream_wait_event(stream, event).map_err(|error| (false, error))?;
+        }
+        let mut chunks = 0u64;
+        for position in 0..batch.count {
+            let id = sq_entry(memory, batch.sq_first.wrapping_add(position)).map_err(|error| (false, error))?;
+            let header = memory.read_iocb_header(id);
+            chunks += plan::chunks_of(header.ioctx_count);
+            if staged && u32::from(header.opcode) == abi::GIO_OPCODE_WRITE {
+                let shift = u64::from(header.layer) * header.mem_stride_bytes;
+                self.copy_runs(&attached.runs[id.0 as usize], shift, CopyDirection::ToHost).map_err(|error| (false, error))?;
+            }
+        }
+        let blocks = self.limits.blocks(batch.sm_budget, chunks);
+        let addresses = LaunchAddresses {
+            queue_base: attached.queue_gpu,
+            cq_ring_base: attached.sink_gpu,
+            nvme_qps: self.state.address(),
+            device_count: self.queues.len() as u32,
+        };
+        let params = plan::launch_params(
+            &memory.layout,
+            &addresses,
+            batch.sq_first,
+            batch.count,
+            self.config.poll_iterations_max,
+            self.config.backoff_ns_max,
+        );
+        driver::launch_io_kernel(self.runtime.function(), stream, blocks, self.limits.threads_per_block, &params)
+            .map_err(|error| (false, error))?;
+        if staged {
+            for position in 0..batch.count {
+                let id = sq_entry(memory, batch.sq_first.wrapping_add(position)).map_err(|error| (true, error))?;
+                let header = memory.read_iocb_header(id);
+                if u32::from(header.opcode) == abi::GIO_OPCODE_READ {
+                    let shift = u64::from(header.layer) * header.mem_stride_bytes;
+                    self.copy_runs(&attached.runs[id.0 as usize], shift, CopyDirection::ToGpu).map_err(|error| (true, error))?;
+                }
+            }
+        }
+        attached.events[event_index].record(stream).map_err(|error| (true, error))
+    }
+
+    fn copy_runs(&self, runs: &[CopyRun], shift: u64, direction: CopyDirection) -> Result<(), GioError> {
+        for run in runs {
+            let host = run.host_address + shift;
+            let registration = registration_for(&self.registrations, host, run.len_bytes)
+                .ok_or_else(|| executor_error(format!("staged copy {host:#x}+{} outside every staging buffer", run.len_bytes)))?;
+            driver::copy_async(direction, registration, host, run.gpu_address + shift, run.len_bytes, self.runtime.stream())?;
+        }
+        Ok(())
+    }
+
+    /// Retires finished launches in order.
+    fn retire(&mut self, memory: &QueueMemory) -> Result<(), GioError> {
+        loop {
+            let Some(attached) = self.attached.as_ref() else { return Ok(()) };
+            let Some(&launch) = attached.launches.front() else { return Ok(()) };
+            if let Some(event) = launch.event {
+                if !attached.events[event].is_complete()? {
+                    return Ok(());
+                }
+            }
+            self.finish_launch(memory, launch)?;
+            if let Some(attached) = self.attached.as_mut() {
+                attached.launches.pop_front();
+                if let Some(event) = launch.event {
+                    attached.free_events.push(event);
+                }
+            }
+        }
+    }
+
+    /// A launch whose kernel (and copies) completed: reset the queue pairs if it timed out, post
+    /// one CQE per IOCB from the IOCB's final line, advance the SQ head, empty the sink.
+    fn finish_launch(&mut self, memory: &QueueMemory, launch: Launch) -> Result<(), GioError> {
+        let mut needs_reset = false;
+        for position in 0..launch.count {
+            let id = sq_entry(memory, launch.sq_first.wrapping_add(position))?;
+            let status_offset = memory.iocb_field_offset(id, IocbField::Status);
+            let finished_by_us = memory
+                .region
+                .compare_exchange_u32(
+                    status_offset,
+                    abi::GIO_IOCB_STATUS_ISSUED,
+                    abi::GIO_IOCB_STATUS_TIMEOUT,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                )
+                .is_ok();
+            // A kernel that exited leaving an IOCB unfinished broke its own bound: treat as timeout.
+            let timed_out = finished_by_us || memory.region.load_u32(status_offset, Ordering::Acquire) == abi::GIO_IOCB_STATUS_TIMEOUT;
+            let dirty = timed_out && launch.event.is_some() && launch.reset_generation == self.reset_generation;
+            needs_reset |= dirty;
+        }
+        if needs_reset {
+            self.reset_queue_pairs()?;
+        }
+        for position in 0..launch.count {
+            let id = sq_entry(memory, launch.sq_first.wrapping_add(position))?;
+            let header = memory.read_iocb_header(id);
+            let progress = memory.read_iocb_progress(id);
+            let cqe = Cqe {
+                iocb_id: id,
+                issue_seq: header.issue_seq,
+                failed_ioctx: progress.failed_ioctx,
+                status: progress.status as u16,
+                failed_nvme_status: if progress.failed_ioctx == abi::GIO_NO_FAILED_IOCTX { 0 } else { progress.failed_nvme_status },
+            };
+            post_cqe(memory, cqe)?;
+        }
+        let ring: Ring<'_, IocbId> = Ring::new(&memory.region, memory.layout.sq, "sq");
+        let mut consumer = ring.consumer()?;
+        if consumer.head() != launch.sq_first || consumer.len() < launch.count {
+            return Err(executor_error(format!(
+                "SQ at {} with {} entries cannot retire launch at {} of {}",
+                consumer.head(),
+                consumer.len(),
+                launch.sq_first,
+                launch.count
+            )));
+        }
+        consumer.by_ref().take(launch.count as usize).for_each(drop);
+        drop(consumer); // publishes the new head (Release)
+        if let Some(attached) = self.attached.as_ref() {
+            // The sink's entries are never read: empty it so the kernel never finds it full.
+            let sink = &attached.sink;
+            let tail = sink.load_u32(attached.sink_layout.tail_offset(), Ordering::Acquire);
+            sink.store_u32(attached.sink_layout.head_offset(), tail, Ordering::Release);
+        }
+        Ok(())
+    }
+}
+
+/// The IOCB id at free-running SQ position `position`, checked against the pool.
+fn sq_entry(memory: &QueueMemory, position: u32) -> Result<IocbId, GioError> {
+    let sq = memory.layout.sq;
+    let offset = sq.entries_offset_bytes + (position & sq.mask()) as usize * 4;
+    let id = memory.region.load_u32(offset, Ordering::Relaxed);
+    if id >= memory.layout.config.depth {
+        return Err(executor_error(format!("SQ position {position} holds IOCB {id}, outside depth {}", memory.layout.config.depth)));
+    }
+    Ok(IocbId(id))
+}
+
+impl Executor for GpuExecutor {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn attach(&mut self, memory: &Arc<QueueMemory>) -> Result<(), GioError> {
+        if self.attached.is_some() {
+            return Err(GioError::InvalidConfig { reason: "the CUDA executor serves one queue".into() });
+        }
+        self.runtime.make_current()?;
+        let region = &memory.region;
+        let queue_gpu =
+            register(&mut self.registrations, MemoryOwner::Queue(Arc::clone(memory)), region.host_address(), region.len_bytes() as u64)?;
+        let depth = memory.layout.config.depth;
+        let header_bytes = core::mem::size_of::<gio_ring_header>();
+        let sink_bytes =
+            (header_bytes + depth as usize * core::mem::size_of::<abi::gio_cqe>()).div_ceil(REGION_ALIGN_BYTES) * REGION_ALIGN_BYTES;
+        let sink = Arc::new(SharedRegion::allocate_host(sink_bytes)?);
+        let sink_layout = RingLayout { header_offset_bytes: 0, entries_offset_bytes: header_bytes, depth };
+        sink.store_u32(core::mem::offset_of!(gio_ring_header, mask), depth - 1, Ordering::Relaxed);
+        sink.store_u32(core::mem::offset_of!(gio_ring_header, entry_count), depth, Ordering::Relaxed);
+        let sink_gpu = register(&mut self.registrations, MemoryOwner::Shared(Arc::clone(&sink)), sink.host_address(), sink_bytes as u64)?;
+        // One event per IOCB: every launch in flight holds at least one SQ entry.
+        let events = (0..depth).map(|_| Event::create()).collect::<Result<Vec<_>, _>>()?;
+        self.attached = Some(Attached {
+            _memory: Arc::clone(memory),
+            queue_gpu,
+            sink,
+            sink_layout,
+            sink_gpu,
+            events,
+            free_events: (0..depth as usize).rev().collect(),
+            launches: VecDeque::with_capacity(depth as usize),
+            runs: vec![Vec::new(); depth as usize],
+        });
+        Ok(())
+    }
+
+    fn check_dependency(&self, dependency: &Dependency) -> Result<(), GioError> {
+        match dependency {
+            Dependency::None => Ok(()),
+            Dependency::Event(token) => self.dependency_event(*token).map(|_| ()),
+        }
+    }
+
+    fn prepared(&mut self, memory: &QueueMemory, id: IocbId) -> Result<(), GioError> {
+        if self.runtime.report().dma_mode != DmaMode::Staged {
+            return Ok(());
+        }
+        let Some(attached) = self.attached.as_mut() else {
+            return Err(executor_error("not attached to a queue".into()));
+        };
+        let header = memory.read_iocb_header(id);
+        let ioctxs = (0..header.ioctx_count).map(|index| {
+            let ioctx = memory.read_ioctx(header.ioctx_first + index);
+            StagedIoctx {
+                data_iova: ioctx.data_iova,
+                data_bytes: ioctx.data_bytes,
+                desc_iova: ioctx.desc_iova,
+                descriptor_kind: ioctx.descriptor_kind,
+            }
+        });
+        plan::plan_staged_copies(ioctxs, header.layer_count, header.mem_stride_bytes, &self.staging, &mut attached.runs[id.0 as usize])
+            .map_err(|(index, fault)| GioError::InvalidIoctx { id, index, fault })
+    }
+
+    fn submit(&mut self, memory: &QueueMemory, batch: &IssueBatch) -> Result<(), GioError> {
+        self.runtime.make_current()?;
+        self.retire(memory)?;
+        let attached = self.attached.as_mut().ok_or_else(|| executor_error("not attached to a queue".into()))?;
+        let event_index = attached
+            .free_events
+            .pop()
+            .ok_or_else(|| executor_error(format!("{} launches in flight, no event left", attached.launches.len())))?;
+        let reset_generation = self.reset_generation;
+        let outcome = self.enqueue(memory, batch, event_index);
+        let (event, result) = match outcome {
+            Ok(()) => (Some(event_index), Ok(())),
+            Err((launched, error)) => {
+                // The batch's IOCBs must still complete exactly once: a failed launch is retired as
+                // timed out, in order; a launch that did start is first waited for.
+                if launched {
+                    self.drain_stream()?;
+                }
+                if let Some(attached) = self.attached.as_mut() {
+                    attached.free_events.push(event_index);
+                }
+                (None, Err(error))
+            }
+        };
+        if let Some(attached) = self.attached.as_mut() {
+            attached.launches.push_back(Launch { sq_first: batch.sq_first, count: batch.count, event, reset_generation });
+        }
+        result
+    }
+
+    fn poll(&mut self, memory: &QueueMemory) -> Result<(), GioError> {
+        self.runtime.make_current()?;
+        self.retire(memory)
+    }
+}
+
+impl Drop for GpuExecutor {
+    fn drop(&mut self) {
+        // Host memory may only be unregistered (and then freed) once no kernel or copy uses it.
+        let drained = self.runtime.make_current().and_then(|()| self.drain_stream());
+        if let Err(error) = drained {
+            tracing::warn!("gio-uring CUDA executor teardown: {error}");
+        }
+    }
+}

@@ -1,0 +1,493 @@
+//! The CUDA executor's pure logic: no CUDA call here, so all of it is unit-tested on machines
+//! without a GPU. It translates the NVMe driver's [`DetachedQueueLayout`] into the kernel's
+//! per-queue-pair state (`gio_nvme_qp` + `gio_nvme_slot[]`, kernels/gio_abi.h), sizes the grid
+//! within co-residency limits, keeps the table of host ranges registered with the GPU, and plans
+//! the staged-mode copies.
+
+use core::mem::{offset_of, size_of};
+
+use nvme_driver::DetachedQueueLayout;
+
+use crate::abi::{self, gio_nvme_qp, gio_nvme_slot};
+use crate::error::{GioError, IoctxFault};
+use crate::types::{Iova, IovaRange, SmBudget};
+
+/// Host page size; `cuMemHostRegister` pins whole pages, so registrations are page-rounded.
+pub const PAGE_BYTES: u64 = 4096;
+/// Lanes per warp: the kernel's unit of work is a chunk of this many IOCTXs.
+pub const WARP_LANES: u32 = 32;
+
+/// One detached NVMe queue pair in the GPU's address space.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QueuePairAddresses {
+    pub qid: u16,
+    pub depth: u32,
+    pub sq_entries: u64,
+    pub cq_entries: u64,
+    pub sq_doorbell: u64,
+    pub cq_doorbell: u64,
+}
+
+/// Translates a queue pair's layout into GPU addresses: `rings` are the GPU addresses of its SQ
+/// and CQ, `bar_device_base` the GPU address of BAR0's first byte, `bar_len_bytes` the mapped
+/// length. The kernel indexes rings with masks and derives command ids from free-running tickets,
+/// so the depth must be a power of two in 2..=65536; a doorbell must lie inside the mapping.
+pub fn queue_pair_addresses(
+    layout: &DetachedQueueLayout,
+    rings: (u64, u64),
+    bar_device_base: u64,
+    bar_len_bytes: usize,
+) -> Result<QueuePairAddresses, GioError> {
+    let depth = layout.depth;
+    if !(2..=abi::GIO_RING_DEPTH_MAX).contains(&depth) || !depth.is_power_of_two() {
+        return Err(GioError::InvalidConfig {
+            reason: format!("queue {} has depth {depth}; the I/O kernel needs a power of two in 2..=65536", layout.id.0),
+        });
+    }
+    let doorbell = |offset: usize, what: &str| -> Result<u64, GioError> {
+        if offset.checked_add(4).map_or(true, |end| end > bar_len_bytes) || offset % 4 != 0 {
+            return Err(GioError::InvalidConfig {
+                reason: format!("queue {} {what} doorbell at {offset:#x} is outside the {bar_len_bytes}-byte BAR mapping", layout.id.0),
+            });
+        }
+        bar_device_base.checked_add(offset as u64).ok_or_else(|| GioError::InvalidConfig { reason: "BAR address overflows".into() })
+    };
+    Ok(QueuePairAddresses {
+        qid: layout.id.0,
+        depth,
+        sq_entries: rings.0,
+        cq_entries: rings.1,
+        sq_doorbell: doorbell(layout.submission_doorbell_offset, "SQ tail")?,
+        cq_doorbell: doorbell(layout.completion_doorbell_offset, "CQ head")?,
+    })
+}
+
+/// Where the kernel's per-queue-pair state lives in one GPU allocation: the `gio_nvme_qp` array
+/// (indexed by gio device index), then each queue pair's slot array, cache-line aligned.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StateLayout {
+    pub slots_offsets_bytes: Vec<usize>,
+    pub depths: Vec<u32>,
+    pub total_bytes: usize,
+}
+
+impl StateLayout {
+    pub fn new(depths: &[u32]) -> Self {
+        let line = abi::CACHE_LINE_BYTES;
+        let mut cursor = depths.len() * size_of::<gio_nvme_qp>();
+        let mut slots_offsets_bytes = Vec::with_capacity(depths.len());
+        for &depth in depths {
+            cursor = cursor.div_ceil(line) * line;
+            slots_offsets_bytes.push(cursor);
+            cursor += depth as usize * size_of::<gio_nvme_slot>();
+        }
+        Self { slots_offsets_bytes, depths: depths.to_vec(), total_bytes: cursor.max(line) }
+    }
+
+    pub fn qp_offset(index: usize) -> usize {
+        index * size_of::<gio_nvme_qp>()
+    }
+}
+
+fn put_u32(image: &mut [u8], offset: usize, value: u32) {
+    image[offset..offset + 4].copy_from_slice(&value.to_le_bytes());
+}
+
+fn put_u64(image: &mut [u8], offset: usize, value: u64) {
+    image[offset..offset + 8].copy_from_slice(&value.to_le_bytes());
+}
+
+/// Writes the fresh state of queue pair `index` into `image` (the host copy of the allocation at
+/// GPU address `state_base`): line 0 from `qp`, every counter and lock zero (a newly created NVMe
+/// queue has head = tail = 0 and expects phase 1), and slot `s` with
+/// `ready_ticket = done_ticket = s + 1 - depth` (mod 2^32): "the previous round of this slot is
+/// complete", which is what the kernel waits for before reusing a slot.
+pub fn write_queue_pair_state(image: &mut [u8], layout: &StateLayout, index: usize, qp: &QueuePairAddresses, state_base: u64) {
+    let base = StateLayout::qp_offset(index);
+    image[base..base + size_of::<gio_nvme_qp>()].fill(0);
+    let slots_offset = layout.slots_offsets_bytes[index];
+    put_u64(image, base + offset_of!(gio_nvme_qp, sq_entries), qp.sq_entries);
+    put_u64(image, base + offset_of!(gio_nvme_qp, cq_entries), qp.cq_entries);
+    put_u64(image, base + offset_of!(gio_nvme_qp, sq_doorbell), qp.sq_doorbell);
+    put_u64(image, base + offset_of!(gio_nvme_qp, cq_doorbell), qp.cq_doorbell);
+    put_u64(image, base + offset_of!(gio_nvme_qp, slots), state_base + slots_offset as u64);
+    put_u32(image, base + offset_of!(gio_nvme_qp, sq_depth), qp.depth);
+    put_u32(image, base + offset_of!(gio_nvme_qp, cq_depth), qp.depth);
+    put_u32(image, base + offset_of!(gio_nvme_qp, qid), u32::from(qp.qid));
+    let slot_bytes = size_of::<gio_nvme_slot>();
+    for slot in 0..qp.depth {
+        let at = slots_offset + slot as usize * slot_bytes;
+        image[at..at + slot_bytes].fill(0);
+        let previous_round_done = slot.wrapping_add(1).wrapping_sub(qp.depth);
+        put_u32(image, at + offset_of!(gio_nvme_slot, ready_ticket), previous_round_done);
+        put_u32(image, at + offset_of!(gio_nvme_slot, done_ticket), previous_round_done);
+    }
+}
+
+/// The whole state image for `qps` (one per gio device index).
+pub fn state_image(layout: &StateLayout, qps: &[QueuePairAddresses], state_base: u64) -> Vec<u8> {
+    let mut image = vec![0u8; layout.total_bytes];
+    for (index, qp) in qps.iter().enumerate() {
+        write_queue_pair_state(&mut image, layout, index, qp, state_base);
+    }
+    image
+}
+
+/// What bounds the grid of one launch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GridLimits {
+    pub threads_per_block: u32,
+    /// `cuOccupancyMaxActiveBlocksPerMultiprocessor` for the kernel at that block size.
+    pub blocks_per_sm: u32,
+    /// SMs of the I/O domain: the green context's, or every SM with the fallback stream.
+    pub domain_sm_count: u32,
+}
+
+impl GridLimits {
+    pub fn validate(&self) -> Result<(), GioError> {
+        if self.threads_per_block == 0 || self.threads_per_block % WARP_LANES != 0 {
+            return Err(GioError::InvalidConfig {
+                reason: format!("{} threads per block is not a positive multiple of 32", self.threads_per_block),
+            });
+        }
+        if self.blocks_per_sm == 0 || self.domain_sm_count == 0 {
+            return Err(GioError::InvalidConfig {
+                reason: format!(
+                    "no block of {} threads fits: occupancy {} blocks/SM on {} SMs",
+                    self.threads_per_block, self.blocks_per_sm, self.domain_sm_count
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Blocks for a launch of `chunks` warp-sized chunks with `budget` SMs: never more than can be
+    /// resident at once on min(budget, domain) SMs (a block's polling thread waits for IOCTXs
+    /// other blocks submit, so an unscheduled block would be a timeout), never more warps than
+    /// chunks, at least one.
+    pub fn blocks(&self, budget: SmBudget, chunks: u64) -> u32 {
+        let sms = budget.0.min(self.domain_sm_count).max(1);
+        let resident_max = u64::from(sms) * u64::from(self.blocks_per_sm);
+        let warps_per_block = u64::from(self.threads_per_block / WARP_LANES);
+        let needed = chunks.div_ceil(warps_per_block).max(1);
+        needed.min(resident_max) as u32
+    }
+}
+
+/// Warp-sized chunks of an IOCB of `ioctx_count` IOCTXs.
+pub fn chunks_of(ioctx_count: u32) -> u64 {
+    u64::from(ioctx_count.div_ceil(WARP_LANES))
+}
+
+/// The page-aligned span `cuMemHostRegister` needs for `len` bytes at `address`.
+pub fn page_span(address: u64, len_bytes: u64) -> Option<(u64, u64)> {
+    let start = address / PAGE_BYTES * PAGE_BYTES;
+    let end = address.checked_add(len_bytes.max(1))?.checked_next_multiple_of(PAGE_BYTES)?;
+    Some((start, end - start))
+}
+
+/// One host range registered with the GPU, and its GPU address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RegisteredSpan {
+    pub host_start: u64,
+    pub len_bytes: u64,
+    pub device_start: u64,
+}
+
+/// How a new host range relates to what is already registered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SpanLookup {
+    /// Inside a registered span: use this GPU address, register nothing.
+    Registered { device_address: u64 },
+    /// Register this page span.
+    New { host_start: u64, len_bytes: u64 },
+}
+
+/// Finds `address..+len_bytes` among `spans`. A range that straddles a registered span's edge is
+/// an error: CUDA refuses overlapping registrations, and splitting them is not worth the state.
+pub fn lookup_span(spans: &[RegisteredSpan], address: u64, len_bytes: u64) -> Result<SpanLookup, GioError> {
+    let (start, len) = page_span(address, len_bytes)
+        .ok_or_else(|| GioError::InvalidConfig { reason: format!("host range {address:#x}+{len_bytes} wraps") })?;
+    let end = start + len;
+    for span in spans {
+        let span_end = span.host_start + span.len_bytes;
+        if span.host_start <= start && end <= span_end {
+            return Ok(SpanLookup::Registered { device_address: span.device_start + (address - span.host_start) });
+        }
+        if start < span_end && span.host_start < end {
+            return Err(GioError::InvalidConfig {
+                reason: format!(
+                    "host range {address:#x}+{len_bytes} partly overlaps the registered span {:#x}+{}",
+                    span.host_start, span.len_bytes
+                ),
+            });
+        }
+    }
+    Ok(SpanLookup::New { host_start: start, len_bytes: len })
+}
+
+/// A staging buffer of staged DMA mode: IOVA-mapped host memory the SSD reads and writes, paired
+/// byte for byte with a GPU buffer of the same length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StagingPair {
+    pub iova: Iova,
+    pub host_address: u64,
+    pub gpu_address: u64,
+    pub len_bytes: u64,
+}
+
+/// One copy of staged mode at layer 0: `len_bytes` between host staging memory and GPU memory.
+/// At layer L both addresses move by L × the IOCB's `mem_stride_bytes`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CopyRun {
+    pub host_address: u64,
+    pub gpu_address: u64,
+    pub len_bytes: u64,
+}
+
+/// What staged-mode planning reads from one IOCTX.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StagedIoctx {
+    pub data_iova: u64,
+    pub data_bytes: u32,
+    pub desc_iova: u64,
+    pub descriptor_kind: u8,
+}
+
+/// Plans the copies of an IOCB in staged mode into `runs` (cleared first). Each IOCTX's data
+/// must be the contiguous IOVA range `data_iova..+data_bytes` inside one staging pair at the
+/// first and the last layer, so an SGL segment (scattered data) is refused; a PRP list must
+/// describe exactly that contiguous range. Adjacent IOCTXs merge into one run: a pool laid out
+/// contiguously costs one copy per IOCB. Runs never cover bytes outside the IOCTXs, because a
+/// read's copy into GPU memory must not overwrite neighbouring data.
+pub fn plan_staged_copies(
+    ioctxs: impl Iterator<Item = StagedIoctx>,
+    layer_count: u32,
+    mem_stride_bytes: u64,
+    pairs: &[StagingPair],
+    runs: &mut Vec<CopyRun>,
+) -> Result<(), (u32, IoctxFault)> {
+    runs.clear();
+    let last_layer = layer_count.saturating_sub(1);
+    for (index, ioctx) in (0u32..).zip(ioctxs) {
+        if ioctx.descriptor_kind == abi::GIO_DESCRIPTOR_SGL as u8 && ioctx.desc_iova != 0 {
+            return Err((index, IoctxFault::StagedScatteredData));
+        }
+        let len = u64::from(ioctx.data_bytes);
+        let shift = u64::from(last_layer)
+            .checked_mul(mem_stride_bytes)
+            .and_then(|shift| shift.checked_add(ioctx.data_iova))
+            .ok_or((index, IoctxFault::AddressOverflow { layer: last_layer }))?;
+        let inside = |pair: &&StagingPair, start: u64| {
+            start >= pair.iova.0 && start.checked_add(len).is_some_and(|end| end <= pair.iova.0 + pair.len_bytes)
+        };
+        let pair = pairs
+            .iter()
+            .find(|pair| inside(pair, ioctx.data_iova) && inside(pair, shift))
+            .ok_or((index, IoctxFault::OutsideStaging { range: IovaRange::new(Iova(ioctx.data_iova), len) }))?;
+        let offset = ioctx.data_iova - pair.iova.0;
+        let run = CopyRun { host_address: pair.host_address + offset, gpu_address: pair.gpu_address + offset, len_bytes: len };
+        match runs.last_mut() {
+            Some(last)
+                if last.host_address + last.len_bytes == run.host_address && last.gpu_address + last.len_bytes == run.gpu_address =>
+            {
+                last.len_bytes += run.len_bytes;
+            }
+            _ => runs.push(run),
+        }
+    }
+    Ok(())
+}
+
+/// GPU addresses of what one launch reads, besides the batch itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LaunchAddresses {
+    /// GPU address of the gio queue's shared region.
+    pub queue_base: u64,
+    /// GPU address of the CQ ring (header then entries) the kernel posts to.
+    pub cq_ring_base: u64,
+    /// GPU address of the `gio_nvme_qp` array.
+    pub nvme_qps: u64,
+    pub device_count: u32,
+}
+
+/// The kernel's argument for one issue (`sq_first`, `count`: the batch's SQ positions).
+pub fn launch_params(
+    layout: &crate::layout::QueueLayout,
+    addresses: &LaunchAddresses,
+    sq_first: u32,
+    count: u32,
+    poll_iterations_max: u32,
+    backoff_ns_max: u32,
+) -> abi::gio_launch_params {
+    abi::gio_launch_params {
+        iocbs: addresses.queue_base + layout.iocbs_offset_bytes as u64,
+        ioctxs: addresses.queue_base + layout.ioctxs_offset_bytes as u64,
+        sq_entries: addresses.queue_base + layout.sq.entries_offset_bytes as u64,
+        cq_header: addresses.cq_ring_base,
+        cq_entries: addresses.cq_ring_base + size_of::<abi::gio_ring_header>() as u64,
+        nvme_qps: addresses.nvme_qps,
+        sq_first,
+        iocb_count: count,
+        sq_mask: layout.sq.mask(),
+        iocb_capacity: layout.config.depth,
+        ioctx_capacity: layout.ioctx_capacity(),
+        device_count: addresses.device_count,
+        poll_iterations_max,
+        backoff_ns_max,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nvme_driver::QueueId;
+
+    fn layout(depth: u32) -> DetachedQueueLayout {
+        DetachedQueueLayout {
+            id: QueueId(3),
+            depth,
+            submission_iova: nvme_driver::Iova(0x10_0000),
+            completion_iova: nvme_driver::Iova(0x20_0000),
+            submission_host_address: 0x7000_0000,
+            completion_host_address: 0x7100_0000,
+            submission_doorbell_offset: 0x1000 + 6 * 4,
+            completion_doorbell_offset: 0x1000 + 7 * 4,
+        }
+    }
+
+    fn get_u32(image: &[u8], at: usize) -> u32 {
+        u32::from_le_bytes(image[at..at + 4].try_into().unwrap())
+    }
+
+    fn get_u64(image: &[u8], at: usize) -> u64 {
+        u64::from_le_bytes(image[at..at + 8].try_into().unwrap())
+    }
+
+    #[test]
+    fn layout_translates_into_gpu_addresses_and_bad_layouts_are_refused() {
+        // Goal: doorbells are BAR base + the driver's offsets; depths the kernel cannot mask and
+        // doorbells outside the mapping are configuration errors, not wild GPU stores.
+        let qp = queue_pair_addresses(&layout(64), (0xA000, 0xB000), 0xF000_0000, 0x2000).unwrap();
+        assert_eq!((qp.qid, qp.depth, qp.sq_entries, qp.cq_entries), (3, 64, 0xA000, 0xB000));
+        assert_eq!(qp.sq_doorbell, 0xF000_0000 + 0x1018);
+        assert_eq!(qp.cq_doorbell, 0xF000_0000 + 0x101C);
+        assert!(queue_pair_addresses(&layout(48), (0, 0), 0, 0x2000).is_err());
+        assert!(queue_pair_addresses(&layout(1), (0, 0), 0, 0x2000).is_err());
+        assert!(queue_pair_addresses(&layout(64), (0, 0), 0, 0x101C).is_err(), "CQ doorbell past the mapping");
+    }
+
+    #[test]
+    fn state_image_matches_the_abi_and_slots_start_as_completed_rounds() {
+        // Goal: every field the kernel reads sits at its gio_abi.h offset; counters are zero; slot
+        // s reads "ticket s - depth is done", so ticket s may use it at once and no earlier.
+        let depths = [8u32, 4];
+        let state = StateLayout::new(&depths);
+        let base = 0x5_0000_0000u64;
+        let a = queue_pair_addresses(&layout(8), (0xA000, 0xB000), 0xF000_0000, 0x2000).unwrap();
+        let b = QueuePairAddresses { qid: 4, depth: 4, ..a };
+        let image = state_image(&state, &[a, b], base);
+        assert_eq!(image.len(), state.total_bytes);
+        assert_eq!(state.slots_offsets_bytes[0], 2 * 320);
+        assert_eq!(state.slots_offsets_bytes[1], 2 * 320 + 8 * 32);
+        let q1 = StateLayout::qp_offset(1);
+        assert_eq!(get_u64(&image, q1 + offset_of!(gio_nvme_qp, slots)), base + state.slots_offsets_bytes[1] as u64);
+        assert_eq!(get_u64(&image, offset_of!(gio_nvme_qp, sq_doorbell)), a.sq_doorbell);
+        assert_eq!(get_u32(&image, q1 + offset_of!(gio_nvme_qp, sq_depth)), 4);
+        assert_eq!(get_u32(&image, q1 + offset_of!(gio_nvme_qp, cq_depth)), 4);
+        assert_eq!(get_u32(&image, q1 + offset_of!(gio_nvme_qp, qid)), 4);
+        for counter in [offset_of!(gio_nvme_qp, sq_reserved), offset_of!(gio_nvme_qp, sq_tail), offset_of!(gio_nvme_qp, cq_head)] {
+            assert_eq!(get_u32(&image, q1 + counter), 0);
+        }
+        for slot in 0..8u32 {
+            let at = state.slots_offsets_bytes[0] + slot as usize * 32;
+            let expected = slot.wrapping_add(1).wrapping_sub(8);
+            assert_eq!(get_u32(&image, at), expected, "ready_ticket of slot {slot}");
+            assert_eq!(get_u32(&image, at + 4), expected, "done_ticket of slot {slot}");
+            // The kernel's test for ticket t = slot: done_ticket == t + 1 - depth.
+            assert_eq!(get_u32(&image, at + 4), slot.wrapping_add(1).wrapping_sub(8));
+        }
+    }
+
+    #[test]
+    fn rewriting_one_queue_pair_resets_its_counters_only() {
+        // Goal: the reset after a timeout clears a dirty queue pair's locks and tickets and leaves
+        // its neighbour's state alone.
+        let state = StateLayout::new(&[4, 4]);
+        let qp = queue_pair_addresses(&layout(4), (1, 2), 0, 0x2000).unwrap();
+        let mut image = state_image(&state, &[qp, qp], 0);
+        let dirty = StateLayout::qp_offset(1) + offset_of!(gio_nvme_qp, sq_lock);
+        image[dirty] = 1;
+        let neighbour = offset_of!(gio_nvme_qp, sq_tail);
+        image[neighbour] = 9;
+        write_queue_pair_state(&mut image, &state, 1, &qp, 0);
+        assert_eq!(image[dirty], 0);
+        assert_eq!(image[neighbour], 9);
+    }
+
+    #[test]
+    fn grid_never_exceeds_what_is_co_resident_nor_the_work() {
+        let limits = GridLimits { threads_per_block: 128, blocks_per_sm: 4, domain_sm_count: 2 };
+        limits.validate().unwrap();
+        assert_eq!(limits.blocks(SmBudget(2), chunks_of(1)), 1);
+        assert_eq!(limits.blocks(SmBudget(2), chunks_of(2048)), 8, "64 chunks, 4 warps/block, capped at 2 SMs x 4");
+        assert_eq!(limits.blocks(SmBudget(1), chunks_of(2048)), 4);
+        assert_eq!(limits.blocks(SmBudget(64), chunks_of(2048)), 8, "the budget cannot exceed the domain");
+        assert_eq!(limits.blocks(SmBudget(2), 5), 2);
+        assert_eq!(chunks_of(33), 2);
+        assert!(GridLimits { threads_per_block: 100, ..limits }.validate().is_err());
+        assert!(GridLimits { blocks_per_sm: 0, ..limits }.validate().is_err());
+    }
+
+    #[test]
+    fn spans_are_page_rounded_reused_when_contained_and_refused_when_straddling() {
+        assert_eq!(page_span(0x1234, 10), Some((0x1000, 0x1000)));
+        assert_eq!(page_span(0x1000, 0x1001), Some((0x1000, 0x2000)));
+        assert_eq!(page_span(u64::MAX - 10, 100), None);
+        let spans = [RegisteredSpan { host_start: 0x10_000, len_bytes: 0x3000, device_start: 0xD0_000 }];
+        assert_eq!(lookup_span(&spans, 0x11_010, 16).unwrap(), SpanLookup::Registered { device_address: 0xD1_010 });
+        assert_eq!(lookup_span(&spans, 0x20_000, 1).unwrap(), SpanLookup::New { host_start: 0x20_000, len_bytes: 0x1000 });
+        assert!(lookup_span(&spans, 0x12_000, 0x2000).is_err());
+    }
+
+    #[test]
+    fn launch_params_point_into_the_queue_region_at_its_layout_offsets() {
+        let layout = crate::layout::QueueLayout::new(crate::layout::QueueConfig { depth: 8, ioctx_per_iocb_max: 4 }).unwrap();
+        let addresses =
+            LaunchAddresses { queue_base: 0x1_0000_0000, cq_ring_base: 0x2_0000_0000, nvme_qps: 0x3_0000_0000, device_count: 2 };
+        let params = launch_params(&layout, &addresses, 13, 3, 1000, 64);
+        assert_eq!(params.iocbs, 0x1_0000_0000 + layout.iocbs_offset_bytes as u64);
+        assert_eq!(params.ioctxs, 0x1_0000_0000 + layout.ioctxs_offset_bytes as u64);
+        assert_eq!(params.sq_entries, 0x1_0000_0000 + layout.sq.entries_offset_bytes as u64);
+        assert_eq!((params.cq_header, params.cq_entries), (0x2_0000_0000, 0x2_0000_0100));
+        assert_eq!((params.sq_first, params.iocb_count, params.sq_mask), (13, 3, 7));
+        assert_eq!((params.iocb_capacity, params.ioctx_capacity, params.device_count), (8, 32, 2));
+    }
+
+    fn ioctx(data_iova: u64, data_bytes: u32) -> StagedIoctx {
+        StagedIoctx { data_iova, data_bytes, desc_iova: 0, descriptor_kind: abi::GIO_DESCRIPTOR_SGL as u8 }
+    }
+
+    #[test]
+    fn staged_copies_merge_adjacent_ioctxs_and_never_cover_gaps() {
+        // Goal: contiguous IOCTXs give one copy; a gap gives two (a read's copy must not overwrite
+        // GPU bytes outside the IOCB); the last layer must stay inside the staging buffer.
+        let pairs = [StagingPair { iova: Iova(0x1_0000), host_address: 0x7000_0000, gpu_address: 0x9000_0000, len_bytes: 0x4000 }];
+        let mut runs = Vec::new();
+        let contiguous = [ioctx(0x1_0000, 512), ioctx(0x1_0200, 512)];
+        plan_staged_copies(contiguous.into_iter(), 2, 0x1000, &pairs, &mut runs).unwrap();
+        assert_eq!(runs, vec![CopyRun { host_address: 0x7000_0000, gpu_address: 0x9000_0000, len_bytes: 1024 }]);
+        let gap = [ioctx(0x1_0000, 512), ioctx(0x1_0400, 512)];
+        plan_staged_copies(gap.into_iter(), 1, 0, &pairs, &mut runs).unwrap();
+        assert_eq!(runs.len(), 2);
+        assert_eq!(runs[1], CopyRun { host_address: 0x7000_0400, gpu_address: 0x9000_0400, len_bytes: 512 });
+        let past_end = [ioctx(0x1_0000, 512), ioctx(0x1_3000, 512)];
+        let error = plan_staged_copies(past_end.into_iter(), 2, 0x1000, &pairs, &mut runs).unwrap_err();
+        assert!(matches!(error, (1, IoctxFault::OutsideStaging { .. })), "{error:?}");
+        let segment = [StagedIoctx { desc_iova: 0x1_2000, ..ioctx(0x1_0000, 512) }];
+        assert_eq!(plan_staged_copies(segment.into_iter(), 1, 0, &pairs, &mut runs).unwrap_err(), (0, IoctxFault::StagedScatteredData));
+        let prp = [StagedIoctx { desc_iova: 0x1_1000, descriptor_kind: abi::GIO_DESCRIPTOR_PRP as u8, ..ioctx(0x1_0000, 8192) }];
+        plan_staged_copies(prp.into_iter(), 1, 0, &pairs, &mut runs).unwrap();
+        assert_eq!(runs.len(), 1);
+    }
+}
