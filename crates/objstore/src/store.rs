@@ -451,6 +451,14 @@ impl<E: Executor> KvStore<E> {
         self.issue(handle, layer, budget, Direction::Store)
     }
 
+    /// Issues one layer with the budget `policy` gives it (the scheduler integration point).
+    pub fn issue_layer_with(&mut self, handle: RequestHandle, layer: u32, policy: &mut dyn LayerIssuePolicy) -> Result<()> {
+        let index = self.request_index(handle)?;
+        let direction = self.requests[index].direction.ok_or(ObjstoreError::UnknownHandle { handle: handle.0 })?;
+        let budget = policy.budget(direction, layer, self.requests[index].iocbs.len());
+        self.issue(handle, layer, budget, direction)
+    }
+
     /// Waits (until `deadline`) for the layer in flight; returns it, or `None` if none was.
     pub fn wait(&mut self, handle: RequestHandle, deadline: Instant) -> Result<Option<u32>> {
         let index = self.request_index(handle)?;
