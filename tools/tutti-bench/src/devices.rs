@@ -416,7 +416,7 @@ impl IoQueue for NvmeQueue {
                     break;
                 }
                 polls += 1;
-                if polls % 64 == 0 && Instant::now() >= deadline {
+                if polls.is_multiple_of(64) && Instant::now() >= deadline {
                     return Err(DeviceError::Timeout { device: name.clone(), timeout_s: IO_TIMEOUT.as_secs(), in_flight });
                 }
                 if polls < WAIT_SPIN_POLLS {
