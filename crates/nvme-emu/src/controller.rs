@@ -607,6 +607,7 @@ impl ControllerCore {
                 run = Some((namespace_index, lba, lba));
             }
             pending.extend_from_slice(&data);
+            self.cache.recycle(data);
             if let Some((_, _, next)) = run.as_mut() {
                 *next = lba + 1;
             }

@@ -61,6 +61,13 @@ fn measure(label: &str, config: EmuConfig, write: bool, block_bytes: usize, queu
 #[test]
 #[ignore = "measurement; run explicitly with --ignored --nocapture"]
 fn throughput() {
+    if let Ok(only) = std::env::var("EMU_THROUGHPUT_ONLY") {
+        // e.g. EMU_THROUGHPUT_ONLY=cached-write: one case, for profiling.
+        if only == "cached-write" {
+            measure("memory", EmuConfig::default().with_backing(Backing::Memory { bytes: 64 << 20 }), true, 4096, 32);
+        }
+        return;
+    }
     let memory = || EmuConfig::default().with_backing(Backing::Memory { bytes: 64 << 20 });
     let path = std::env::temp_dir().join(format!("nvme-emu-throughput-{}", std::process::id()));
     let file = || EmuConfig::default().with_backing(Backing::File { path: path.clone(), create_bytes: Some(64 << 20) });
