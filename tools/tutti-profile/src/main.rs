@@ -4,20 +4,21 @@
 //! - `analytic`: a table from a model config and a GPU spec (roofline; modelled, not measured);
 //! - `import`: a table from a measured per-layer kernel timeline (format in
 //!   `scheduler::import`);
-//! - `io`: the I/O cost table measured on a live backend (none is linked into this build yet);
+//! - `io`: the I/O cost table measured on a live backend (gio-uring's CPU executor over the
+//!   software controller or a VFIO device; see `measure_io`);
 //! - `simulate`: hit-rate and prefix-length sweeps of every policy, CSV + SVG, crossover figures;
 //! - `check`: validates a table file.
 #![forbid(unsafe_code)]
 
+mod measure_io;
 mod simulate;
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use scheduler::analytic::{build_table, AnalyticGrid, GpuSpec, ModelConfig};
 use scheduler::import::import_timeline;
-use scheduler::probe::IoGrid;
 use scheduler::ssd::SsdModel;
 use scheduler::table::{IoCostEntry, Profile};
 
@@ -35,7 +36,7 @@ enum Command {
     /// Build a table from a measured per-layer kernel timeline (CSV; see docs/scheduler.md).
     Import(ImportArgs),
     /// Measure the I/O cost table on the live backend.
-    Io(IoArgs),
+    Io(measure_io::IoArgs),
     /// Run the pipeline simulator: sweeps, crossover figures, CSV and SVG.
     Simulate(simulate::SimulateArgs),
     /// Validate a table file (optionally against the model and GPU in use).
@@ -44,7 +45,7 @@ enum Command {
 
 /// Model and GPU: a preset name or a JSON file with the full config.
 #[derive(Args, Debug, Clone)]
-struct TargetArgs {
+pub(crate) struct TargetArgs {
     /// Model preset: llama3-8b or qwen3-32b.
     #[arg(long, default_value = "llama3-8b")]
     model: String,
@@ -60,14 +61,14 @@ struct TargetArgs {
 }
 
 impl TargetArgs {
-    fn model(&self) -> Result<ModelConfig> {
+    pub(crate) fn model(&self) -> Result<ModelConfig> {
         if let Some(path) = &self.model_config {
             return read_json(path);
         }
         ModelConfig::preset(&self.model).with_context(|| format!("unknown model preset `{}` (llama3-8b, qwen3-32b)", self.model))
     }
 
-    fn gpu(&self) -> Result<GpuSpec> {
+    pub(crate) fn gpu(&self) -> Result<GpuSpec> {
         if let Some(path) = &self.gpu_spec {
             return read_json(path);
         }
@@ -169,8 +170,9 @@ struct ImportArgs {
     timeline: PathBuf,
     #[command(flatten)]
     target: TargetArgs,
-    /// I/O cost rows (JSON array of io_costs entries, e.g. from `io`); without it the analytic
-    /// SSD model fills them in and the table says so.
+    /// I/O cost rows: a profile table (e.g. written by `io`; its rows and their provenance are
+    /// taken) or a JSON array of io_costs entries. Without it the analytic SSD model fills them
+    /// in and the table says so.
     #[arg(long)]
     io_costs: Option<PathBuf>,
     #[command(flatten)]
@@ -184,22 +186,6 @@ struct ImportArgs {
     /// Indent the JSON (several times larger).
     #[arg(long)]
     pretty: bool,
-}
-
-#[derive(Args, Debug)]
-struct IoArgs {
-    /// IOCB counts to measure (comma-separated).
-    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32,64,128,256")]
-    iocb_counts: Vec<u32>,
-    /// SM budgets to measure (comma-separated).
-    #[arg(long, value_delimiter = ',', default_value = "2,4,8")]
-    sm_budgets: Vec<u32>,
-    /// Samples per grid point (median kept).
-    #[arg(long, default_value_t = 5)]
-    repetitions: u32,
-    /// Output file for the io_costs rows (JSON).
-    #[arg(long, short)]
-    out: Option<PathBuf>,
 }
 
 #[derive(Args, Debug)]
@@ -228,7 +214,7 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Analytic(args) => analytic(&args),
         Command::Import(args) => import(&args),
-        Command::Io(args) => io(&args),
+        Command::Io(args) => measure_io::run(&args),
         Command::Simulate(args) => simulate::run(&args),
         Command::Check(args) => check(&args),
     }
@@ -239,7 +225,7 @@ fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T> {
     serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))
 }
 
-fn write_file(path: &Path, contents: &str) -> Result<()> {
+pub(crate) fn write_file(path: &Path, contents: &str) -> Result<()> {
     if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
         std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
     }
@@ -282,7 +268,7 @@ fn import(args: &ImportArgs) -> Result<()> {
     let gpu = args.target.gpu()?;
     let text = std::fs::read_to_string(&args.timeline).with_context(|| format!("reading {}", args.timeline.display()))?;
     let (io_costs, io_source) = match &args.io_costs {
-        Some(path) => (read_json::<Vec<IoCostEntry>>(path)?, format!("imported from {}", path.display())),
+        Some(path) => io_costs_from(path)?,
         None => args.ssd.cost_table(args.io_sms)?,
     };
     let profile = import_timeline(
@@ -299,22 +285,17 @@ fn import(args: &ImportArgs) -> Result<()> {
     Ok(())
 }
 
-fn io(args: &IoArgs) -> Result<()> {
-    // Validate the grid first so a typo is reported as such.
-    let grid = IoGrid { iocb_counts: args.iocb_counts.clone(), sm_budgets: args.sm_budgets.clone(), repetitions: args.repetitions };
-    if grid.iocb_counts.iter().chain(&grid.sm_budgets).any(|&v| v == 0) || grid.repetitions == 0 {
-        bail!("--iocb-counts, --sm-budgets and --repetitions must all be > 0");
+/// I/O cost rows from a profile table (keeping its provenance) or from a bare JSON array.
+fn io_costs_from(path: &Path) -> Result<(Vec<IoCostEntry>, String)> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let value: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    if value.is_array() {
+        let rows = serde_json::from_value(value).with_context(|| format!("parsing io_costs rows in {}", path.display()))?;
+        return Ok((rows, format!("imported from {}", path.display())));
     }
-    bail!(
-        "no I/O backend available in this build: measuring I/O costs needs an implementation of \
-         scheduler::probe::IoCostProbe over a live executor (the gio-uring CPU or CUDA executor \
-         driving the software NVMe controller, a VFIO-bound SSD, or a GPU), and none is linked \
-         into tutti-profile yet. Nothing was measured and nothing was written; `analytic` and \
-         `import` fill io_costs from the SSD model and label them as not measured \
-         ({} grid points × {} repetitions were requested)",
-        2 * grid.iocb_counts.len() * grid.sm_budgets.len(),
-        grid.repetitions
-    )
+    let profile = Profile::from_json(&text).with_context(|| format!("loading profile table {}", path.display()))?;
+    let table = profile.table();
+    Ok((table.io_costs.clone(), format!("{} (from {})", table.io_cost_source, path.display())))
 }
 
 fn check(args: &CheckArgs) -> Result<()> {

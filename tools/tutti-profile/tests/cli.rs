@@ -1,6 +1,7 @@
 //! The `tutti-profile` binary end to end: simulate prints the crossover figures and writes its
-//! files; analytic writes a table that check accepts; io refuses to invent numbers; bad tables
-//! and bad arguments fail with a message, not a panic.
+//! files; analytic writes a table that check accepts; io measures on the software controller and
+//! writes a table the scheduler loads, and refuses what it cannot measure; bad tables and bad
+//! arguments fail with a message, not a panic.
 
 use std::path::PathBuf;
 use std::process::{Command, Output};
@@ -16,6 +17,14 @@ fn scratch(name: &str) -> PathBuf {
     dir
 }
 
+/// Taken by every test: the `io` tests time real work, and on a small machine a simulator sweep
+/// running beside them would be measured too.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn exclusive() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 fn run(cmd: &mut Command) -> Output {
     cmd.output().expect("binary runs")
 }
@@ -26,6 +35,7 @@ fn stderr(output: &Output) -> String {
 
 #[test]
 fn simulate_json_prints_crossovers_and_writes_files() {
+    let _one = exclusive();
     let out = scratch("simulate");
     let output = run(bin().args(["simulate", "--preset", "llama3-8b-h100-32k", "--json", "--out"]).arg(&out));
     assert!(output.status.success(), "{}", stderr(&output));
@@ -54,6 +64,7 @@ fn simulate_json_prints_crossovers_and_writes_files() {
 
 #[test]
 fn analytic_then_check_then_simulate_with_the_table() {
+    let _one = exclusive();
     let dir = scratch("analytic");
     let table = dir.join("llama.json");
     let output = run(bin()
@@ -75,18 +86,120 @@ fn analytic_then_check_then_simulate_with_the_table() {
     assert!(stderr(&output).contains("does not fit preset"), "{}", stderr(&output));
 }
 
+/// The tiny grid of the `io` tests: IOCBs of 16 IOCTXs of 4 KiB, so a debug build finishes in
+/// about a second while 64 IOCBs move 64× the bytes of one (4 MiB: milliseconds of copying even
+/// on the software controller, well above the wake-up latencies that dominate one small IOCB).
+const TINY_GRID: [&str; 10] =
+    ["--iocb-counts", "1,64", "--sm-budgets", "1,2", "--ioctxs-per-iocb", "16", "--ioctx-bytes", "4K", "--repetitions", "5"];
+
 #[test]
-fn io_refuses_without_a_backend() {
+fn io_measures_a_table_on_an_in_memory_emulated_device() {
+    // Goal: `io` runs the CPU executor on the software controller and writes a table that the
+    // scheduler's loader accepts, labelled with what was measured, whose durations are real
+    // measurements: moving 64 IOCBs takes longer than moving one.
+    let _one = exclusive();
     let dir = scratch("io");
     let out = dir.join("io.json");
-    let output = run(bin().args(["io", "--out"]).arg(&out));
+    let output = run(bin().args(["io", "--device", "emu:mem:16M"]).args(TINY_GRID).arg("--out").arg(&out));
+    assert!(output.status.success(), "{}", stderr(&output));
+    assert!(stderr(&output).contains("io [8/8]"), "plain progress lines off a terminal: {}", stderr(&output));
+    let text = std::fs::read_to_string(&out).expect("table written");
+    let profile = scheduler::table::Profile::from_json(&text).expect("the measured table passes the scheduler's validation");
+    let table = profile.table();
+    for label in ["measured", "executor cpu", "nvme-emu", "memory", "host", "not GPU-kernel costs"] {
+        assert!(table.io_cost_source.contains(label), "`{label}` missing from {}", table.io_cost_source);
+    }
+    assert!(table.compute_source.contains("not measured"), "{}", table.compute_source);
+    assert_eq!(table.io_costs.len(), 2 * 2 * 2);
+    for kind in [scheduler::table::IoKind::Read, scheduler::table::IoKind::Write] {
+        for budget in [1, 2] {
+            let rows: Vec<_> = table.io_costs.iter().filter(|r| r.kind == kind && r.sm_budget == budget).collect();
+            assert_eq!(rows.iter().map(|r| r.iocb_count).collect::<Vec<_>>(), [1, 64]);
+            assert!(rows.iter().all(|r| r.duration_us > 0.0 && r.bytes == u64::from(r.iocb_count) * 16 * 4096), "{rows:?}");
+            assert!(rows[1].duration_us > rows[0].duration_us, "{kind:?} budget {budget}: 64 IOCBs no slower than 1: {rows:?}");
+        }
+    }
+    let output = run(bin().arg("check").arg(&out));
+    assert!(output.status.success(), "{}", stderr(&output));
+    // `import` takes the measured rows and keeps their provenance.
+    let timeline = dir.join("timeline.csv");
+    let mut csv = String::from("phase,input_tokens,prefix_tokens,layer,kernel,start_us,end_us,sms_used\n");
+    for layer in 0..32 {
+        let t = f64::from(layer) * 1000.0;
+        for prefix in [0, 4096] {
+            csv.push_str(&format!("prefill,4096,{prefix},{layer},attn,{t},{},120\n", t + 900.0));
+        }
+    }
+    csv.push_str("decode,4096,,,step,0,3000,60\n");
+    std::fs::write(&timeline, csv).unwrap();
+    let imported = dir.join("imported.json");
+    let output = run(bin().arg("import").arg("--timeline").arg(&timeline).arg("--io-costs").arg(&out).arg("--out").arg(&imported));
+    assert!(output.status.success(), "{}", stderr(&output));
+    let output = run(bin().arg("check").arg(&imported));
+    assert!(String::from_utf8_lossy(&output.stdout).contains("measured by tutti-profile io"), "{}", stderr(&output));
+}
+
+#[test]
+fn io_on_the_default_temporary_device_with_prp_lists_removes_its_file() {
+    // Goal: without --device, `io` creates a file-backed software controller and removes the file
+    // afterwards; PRP data pointers with lists (16 KiB = 4 pages per IOCTX) work as SGLs do.
+    let _one = exclusive();
+    let child = bin()
+        .args(["io", "--iocb-counts", "1,2", "--sm-budgets", "1", "--ioctxs-per-iocb", "4", "--ioctx-bytes", "16K", "--repetitions", "1"])
+        .args(["--data-pointer", "prp"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("binary runs");
+    let pid = child.id();
+    let output = child.wait_with_output().unwrap();
+    assert!(output.status.success(), "{}", stderr(&output));
+    assert!(stderr(&output).contains("temporary file") && stderr(&output).contains("PRP"), "{}", stderr(&output));
+    assert!(stderr(&output).contains("nothing written"), "{}", stderr(&output));
+    assert!(String::from_utf8_lossy(&output.stdout).contains("duration_us"));
+    let prefix = format!("tutti-profile-io-{pid}-");
+    let left: Vec<_> = std::fs::read_dir(std::env::temp_dir())
+        .unwrap()
+        .filter_map(|entry| entry.ok())
+        .filter(|entry| entry.file_name().to_string_lossy().starts_with(&prefix))
+        .collect();
+    assert!(left.is_empty(), "temporary device file left behind: {left:?}");
+}
+
+#[test]
+fn io_refuses_what_it_cannot_measure_and_writes_nothing() {
+    // Goal: a GPU executor that is not here, a device holding data without --overwrite, and bad
+    // grid or device arguments are errors with a message; no table appears.
+    let _one = exclusive();
+    let dir = scratch("io-refuse");
+    let out = dir.join("io.json");
+    let output = run(bin().args(["io", "--executor", "cuda", "--out"]).arg(&out));
     assert!(!output.status.success());
-    assert!(stderr(&output).contains("no I/O backend available in this build"), "{}", stderr(&output));
+    assert!(stderr(&output).contains("GPU executor cannot run here"), "{}", stderr(&output));
+    // An existing file holds data: writes would overwrite it.
+    let file = dir.join("precious.img");
+    std::fs::write(&file, vec![7u8; 1 << 20]).unwrap();
+    let output = run(bin().arg("io").arg(format!("--device=emu:{}", file.display())).args(TINY_GRID).arg("--out").arg(&out));
+    assert!(!output.status.success());
+    assert!(stderr(&output).contains("--overwrite"), "{}", stderr(&output));
+    assert!(std::fs::read(&file).unwrap().iter().all(|&b| b == 7), "the file was touched");
+    for bad in [
+        vec!["--sm-budgets", "0"],
+        vec!["--device", "uring:/dev/nvme0n1"],
+        vec!["--device", "emu:mem:lots"],
+        vec!["--sm-budgets", "500"],
+        vec!["--ioctx-bytes", "1000", "--device", "emu:mem:1M"],
+    ] {
+        let output = run(bin().arg("io").args(&bad).arg("--out").arg(&out));
+        assert!(!output.status.success(), "{bad:?} accepted");
+        assert!(!stderr(&output).contains("panicked"), "{bad:?}: {}", stderr(&output));
+    }
     assert!(!out.exists(), "io must not write a table it did not measure");
 }
 
 #[test]
 fn bad_tables_and_arguments_fail_cleanly() {
+    let _one = exclusive();
     let dir = scratch("bad");
     let table = dir.join("bad.json");
     std::fs::write(&table, r#"{"format_version": 7, "anything": true}"#).unwrap();
@@ -116,6 +229,7 @@ fn bad_tables_and_arguments_fail_cleanly() {
 
 #[test]
 fn import_builds_a_table_from_a_timeline() {
+    let _one = exclusive();
     let dir = scratch("import");
     let timeline = dir.join("timeline.csv");
     let mut csv = String::from("phase,input_tokens,prefix_tokens,layer,kernel,start_us,end_us,sms_used\n");

@@ -1,0 +1,346 @@
+//! `tutti-profile io`: measures the I/O cost table (read/write × IOCB count × SM budget →
+//! duration and bytes) by running gio-uring's CPU executor on a live NVMe controller, and writes
+//! a profile table whose `io_cost_source` says what was measured, on what, and where.
+//!
+//! The CPU executor's costs calibrate the pipeline (driver, queues, controller, storage); they
+//! are not the costs of the GPU I/O kernel on an H100, and the table says so.
+
+mod backend;
+mod probe;
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use scheduler::analytic::{build_table, AnalyticGrid};
+use scheduler::probe::{measure_io_costs_reporting, IoGrid, MeasuredPoint};
+use scheduler::table::{IoCostEntry, IoKind, Profile, ProfileTable};
+
+use crate::{load_table, write_file, TargetArgs};
+use backend::{parse_size, Backend, DeviceSpec, Requirements};
+use probe::{CpuProbe, DataPointer, ProbeShape};
+
+/// Which executor runs the I/O kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ExecutorKind {
+    /// gio-uring's CPU executor: one worker thread per SM of the budget.
+    Cpu,
+    /// The CUDA I/O kernel (not available in this build).
+    Cuda,
+}
+
+#[derive(Args, Debug)]
+pub struct IoArgs {
+    /// Device: emu:PATH (software controller over a file; created if missing), emu:mem:SIZE
+    /// (over memory, e.g. emu:mem:256M) or vfio:BDF. Default: a software controller over a
+    /// temporary file, removed afterwards.
+    #[arg(long)]
+    device: Option<String>,
+    /// Executor running the I/O kernels.
+    #[arg(long, value_enum, default_value_t = ExecutorKind::Cpu)]
+    executor: ExecutorKind,
+    /// IOCB counts to measure (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16")]
+    iocb_counts: Vec<u32>,
+    /// SM budgets to measure (comma-separated); the CPU executor runs one worker thread per SM.
+    #[arg(long, value_delimiter = ',', default_value = "1,2")]
+    sm_budgets: Vec<u32>,
+    /// Samples per grid point (median kept).
+    #[arg(long, default_value_t = 3)]
+    repetitions: u32,
+    /// IOCTXs per IOCB (the presets' IOCB: 256 IOCTXs of 32 KiB).
+    #[arg(long, default_value_t = 256)]
+    ioctxs_per_iocb: u32,
+    /// Bytes per IOCTX (one NVMe command each), e.g. 32K.
+    #[arg(long, default_value = "32K", value_parser = parse_size)]
+    ioctx_bytes: u64,
+    /// Largest host DMA buffer; IOCTX data slots wrap over it.
+    #[arg(long, default_value = "64M", value_parser = parse_size)]
+    buffer_bytes: u64,
+    /// Data pointers of the NVMe commands.
+    #[arg(long, value_enum, default_value_t = DataPointer::Auto)]
+    data_pointer: DataPointer,
+    /// Allow writing to a device that already holds data (an existing emu: file, a VFIO SSD):
+    /// the write rows and the lay-out pass overwrite the LBAs the grid spans.
+    #[arg(long)]
+    overwrite: bool,
+    /// Longest one sample may take, seconds.
+    #[arg(long, default_value_t = 60)]
+    timeout_s: u64,
+    /// Table whose compute side (model, GPU, buckets, decode steps) the measured rows join.
+    /// Without it, the analytic roofline table of --model/--gpu (not measured) is used.
+    #[arg(long)]
+    base: Option<PathBuf>,
+    #[command(flatten)]
+    target: TargetArgs,
+    /// SMs reserved for I/O in the analytic compute side (without --base).
+    #[arg(long, default_value_t = 4)]
+    io_sms: u32,
+    /// Output table (JSON). Without it the rows are printed and nothing is written.
+    #[arg(long, short)]
+    out: Option<PathBuf>,
+    /// Indent the JSON.
+    #[arg(long)]
+    pretty: bool,
+}
+
+/// The compute side the measured rows are joined to.
+enum Base {
+    Table(Box<ProfileTable>, PathBuf),
+    Analytic(scheduler::analytic::ModelConfig, scheduler::analytic::GpuSpec),
+}
+
+impl Base {
+    fn sm_count(&self) -> u32 {
+        match self {
+            Self::Table(table, _) => table.gpu.sm_count,
+            Self::Analytic(_, gpu) => gpu.sm_count,
+        }
+    }
+
+    fn join(self, rows: Vec<IoCostEntry>, source: &str, io_sms: u32) -> Result<Profile> {
+        let table = match self {
+            Self::Table(mut table, path) => {
+                table.io_costs = rows;
+                table.io_cost_source = source.to_string();
+                table.compute_source = format!("{} (from {})", table.compute_source, path.display());
+                *table
+            }
+            Self::Analytic(model, gpu) => {
+                let grid = AnalyticGrid {
+                    input_step_tokens: 4096,
+                    input_step_count: 8,
+                    prefix_step_tokens: 256,
+                    io_sms,
+                    decode_step_tokens: 4096,
+                };
+                build_table(&model, &gpu, &grid, rows, source)?
+            }
+        };
+        Ok(Profile::from_table(table)?)
+    }
+}
+
+pub fn run(args: &IoArgs) -> Result<()> {
+    if args.executor == ExecutorKind::Cuda {
+        bail!(
+            "--executor cuda: the GPU executor cannot run here. gio-uring's CUDA executor is not implemented yet \
+             (it needs NVMe queue pairs in GPU-reachable memory) and this build of tutti-profile links no CUDA; \
+             nothing was measured. Use --executor cpu, whose costs calibrate the pipeline, not a GPU kernel"
+        );
+    }
+    let grid = IoGrid { iocb_counts: args.iocb_counts.clone(), sm_budgets: args.sm_budgets.clone(), repetitions: args.repetitions };
+    if grid.iocb_counts.is_empty() || grid.sm_budgets.is_empty() {
+        bail!("--iocb-counts and --sm-budgets need at least one value");
+    }
+    if grid.iocb_counts.iter().chain(&grid.sm_budgets).any(|&v| v == 0) || grid.repetitions == 0 {
+        bail!("--iocb-counts, --sm-budgets and --repetitions must all be > 0");
+    }
+    let ioctx_bytes = u32::try_from(args.ioctx_bytes).ok().filter(|&b| b <= 1 << 24).context("--ioctx-bytes must be at most 16M")?;
+    if args.ioctxs_per_iocb == 0 || args.ioctxs_per_iocb > gio_uring::abi::MAX_IOCTX_PER_IOCB {
+        bail!("--ioctxs-per-iocb must be in 1..={}", gio_uring::abi::MAX_IOCTX_PER_IOCB);
+    }
+    let iocb_count_max = grid.iocb_counts.iter().copied().max().unwrap_or(1);
+    if iocb_count_max > gio_uring::abi::GIO_RING_DEPTH_MAX / 2 {
+        bail!("--iocb-counts: at most {} IOCBs per sample", gio_uring::abi::GIO_RING_DEPTH_MAX / 2);
+    }
+    let sm_budget_max = grid.sm_budgets.iter().copied().max().unwrap_or(1);
+    let queue_pairs = u16::try_from(sm_budget_max).ok().filter(|&n| n <= 256).context("--sm-budgets: at most 256 CPU workers")?;
+
+    // Resolve the compute side first: a budget the table's GPU cannot hold is reported before
+    // anything runs.
+    let base = match &args.base {
+        Some(path) => Base::Table(Box::new(load_table(path)?.table().clone()), path.clone()),
+        None => Base::Analytic(args.target.model()?, args.target.gpu()?),
+    };
+    if sm_budget_max > base.sm_count() {
+        bail!("--sm-budgets: {sm_budget_max} exceeds the table GPU's {} SMs", base.sm_count());
+    }
+
+    let spec = match &args.device {
+        Some(text) => DeviceSpec::parse(text)?,
+        None => DeviceSpec::EmuTemporary,
+    };
+    if spec.holds_prior_data() && !args.overwrite {
+        bail!(
+            "{}: measuring writes overwrites the first {} MiB of namespace 1; pass --overwrite if that is intended",
+            args.device.as_deref().unwrap_or("device"),
+            (u64::from(iocb_count_max) * u64::from(args.ioctxs_per_iocb) * args.ioctx_bytes) >> 20
+        );
+    }
+    let shape = ProbeShape {
+        ioctxs_per_iocb: args.ioctxs_per_iocb,
+        ioctx_bytes,
+        iocb_count_max,
+        buffer_bytes_max: args.buffer_bytes,
+        data_pointer: args.data_pointer,
+        sample_timeout: Duration::from_secs(args.timeout_s.max(1)),
+    };
+    let needs = Requirements { span_bytes: shape.span_bytes(), command_bytes: u64::from(ioctx_bytes), queue_pairs };
+    let backend = Backend::open(&spec, needs)?;
+    let mut probe = CpuProbe::new(backend, shape)?;
+    let sm_budget_min = grid.sm_budgets.iter().copied().min().unwrap_or(1);
+
+    eprintln!("io: measuring on {}", probe.backend().description);
+    eprintln!(
+        "io: IOCB = {} IOCTXs x {} bytes ({} data pointers); {} grid points x {} samples; host {}",
+        shape.ioctxs_per_iocb,
+        ioctx_bytes,
+        probe.data_pointer_name(),
+        2 * dedup_len(&grid.iocb_counts) * dedup_len(&grid.sm_budgets),
+        grid.repetitions,
+        host_description()
+    );
+    let layout = probe.lay_out(sm_budget_min)?;
+    eprintln!("io: laid out {} MiB (untimed pass, took {:.1} ms)", shape.span_bytes() >> 20, layout.as_secs_f64() * 1e3);
+
+    let mut points = Vec::new();
+    let rows = {
+        let mut reporter = Reporter::new();
+        let result = measure_io_costs_reporting(&mut probe, &grid, &mut |done, total, point| {
+            reporter.report(done, total, point);
+            points.push(*point);
+        });
+        reporter.finish();
+        result.context("measuring I/O costs")?
+    };
+    let raised = points.iter().filter(|p| p.raised()).count();
+    print_rows(&points);
+
+    let source = format!(
+        "measured by tutti-profile io: executor cpu (gio-uring CpuWorkers; sm_budget N = N CPU worker threads, \
+         each owning one NVMe I/O queue pair; these are CPU-executor costs, not GPU-kernel costs); device: {}; \
+         IOCB = {} IOCTXs x {} bytes, {} data pointers; median of {} samples per point{}; host: {}",
+        probe.backend().description,
+        shape.ioctxs_per_iocb,
+        ioctx_bytes,
+        probe.data_pointer_name(),
+        grid.repetitions,
+        if raised == 0 {
+            String::new()
+        } else {
+            format!(" ({raised} rows measured faster than a smaller IOCB count and carry that slower value)")
+        },
+        host_description()
+    );
+    drop(probe);
+
+    let Some(out) = &args.out else {
+        eprintln!("io: no --out given; nothing written");
+        return Ok(());
+    };
+    let profile = base.join(rows, &source, args.io_sms).context("the measured table failed validation")?;
+    write_file(out, &if args.pretty { profile.to_json_pretty()? } else { profile.to_json()? })?;
+    eprintln!(
+        "wrote {} (io_costs measured; compute side: {}; model {}, GPU {})",
+        out.display(),
+        profile.table().compute_source,
+        profile.model().name,
+        profile.gpu().name
+    );
+    Ok(())
+}
+
+fn dedup_len(values: &[u32]) -> usize {
+    let mut values = values.to_vec();
+    values.sort_unstable();
+    values.dedup();
+    values.len()
+}
+
+/// Progress: a bar on a terminal, one line per point otherwise (logs, CI, tests).
+struct Reporter {
+    bar: Option<ProgressBar>,
+}
+
+impl Reporter {
+    fn new() -> Self {
+        let bar = std::io::stderr().is_terminal().then(|| {
+            let bar = ProgressBar::new(0);
+            if let Ok(style) = ProgressStyle::with_template("io {bar:30} {pos}/{len} {msg}") {
+                bar.set_style(style);
+            }
+            bar
+        });
+        Self { bar }
+    }
+
+    fn report(&mut self, done: usize, total: usize, point: &MeasuredPoint) {
+        let line = point_line(point);
+        match &self.bar {
+            Some(bar) => {
+                bar.set_length(total as u64);
+                bar.set_position(done as u64);
+                bar.set_message(line);
+            }
+            None => eprintln!("io [{done}/{total}] {line}"),
+        }
+    }
+
+    fn finish(&mut self) {
+        if let Some(bar) = self.bar.take() {
+            bar.finish_and_clear();
+        }
+    }
+}
+
+fn kind_name(kind: IoKind) -> &'static str {
+    match kind {
+        IoKind::Read => "read",
+        IoKind::Write => "write",
+    }
+}
+
+fn point_line(point: &MeasuredPoint) -> String {
+    let entry = &point.entry;
+    let mut line = format!(
+        "{} sm_budget={} (CPU workers {}) iocb_count={}: {:.1} us for {} KiB ({:.2} GB/s)",
+        kind_name(entry.kind),
+        entry.sm_budget,
+        entry.sm_budget,
+        entry.iocb_count,
+        point.median_us,
+        entry.bytes >> 10,
+        entry.bytes as f64 / (point.median_us * 1e3)
+    );
+    if point.raised() {
+        line.push_str(&format!(" (table keeps the smaller count's {:.1} us)", entry.duration_us));
+    }
+    line
+}
+
+/// The rows as measured, on stdout.
+fn print_rows(points: &[MeasuredPoint]) {
+    println!(
+        "{:<6} {:>9} {:>11} {:>10} {:>12} {:>14} {:>9}",
+        "kind", "sm_budget", "cpu_workers", "iocb_count", "bytes", "duration_us", "GB/s"
+    );
+    for point in points {
+        let entry = &point.entry;
+        println!(
+            "{:<6} {:>9} {:>11} {:>10} {:>12} {:>14.1} {:>9.2}{}",
+            kind_name(entry.kind),
+            entry.sm_budget,
+            entry.sm_budget,
+            entry.iocb_count,
+            entry.bytes,
+            entry.duration_us,
+            entry.bytes as f64 / (point.median_us * 1e3),
+            if point.raised() { format!("  (median {:.1} us)", point.median_us) } else { String::new() }
+        );
+    }
+}
+
+/// Host name, CPU model and core count, for the table's provenance.
+fn host_description() -> String {
+    let name = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_string()).unwrap_or_else(|_| "unknown".into());
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|text| text.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split(':').nth(1)).map(|s| s.trim().to_string()))
+        .unwrap_or_else(|| "unknown CPU".into());
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    format!("{name}, {cpu}, {cores} cores available")
+}
