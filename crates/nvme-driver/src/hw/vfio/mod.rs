@@ -283,6 +283,27 @@ mod tests {
     }
 
     #[test]
+    fn command_register_gains_memory_and_bus_master_and_keeps_other_bits() {
+        // Goal: the read-modify-write of the PCI Command register, run against an ordinary
+        // file standing in for the config region (VFIO exposes it through pread/pwrite too).
+        let mut file = tempfile::tempfile().unwrap();
+        // vfio-pci puts region N at N << 40; any offset exercises the same arithmetic.
+        let config_offset = 0x1000u64;
+        let mut image = vec![0u8; config_offset as usize + 64];
+        image[config_offset as usize + 4] = 0x00;
+        image[config_offset as usize + 5] = 0x04; // INTx Disable (bit 10) already set
+        std::io::Write::write_all(&mut file, &image).unwrap();
+        let device = OwnedFd::from(file);
+        let address = "0000:00:04.0".parse().unwrap();
+        enable_memory_and_bus_master(&device, address, config_offset).unwrap();
+        let mut bytes = [0u8; 2];
+        sys::pread_exact(&device, &mut bytes, config_offset + PCI_COMMAND_OFFSET).unwrap();
+        assert_eq!(u16::from_le_bytes(bytes), 0x0406, "MEM + MASTER added, INTx Disable kept");
+        // A region that ends before the register is an error, not a panic.
+        assert!(enable_memory_and_bus_master(&device, address, 1 << 20).is_err());
+    }
+
+    #[test]
     fn open_reports_bad_addresses_and_missing_devices() {
         // Goal: the public entry point fails cleanly before touching /dev/vfio.
         assert!(matches!(VfioDevice::open("not-a-bdf"), Err(HwError::Vfio(VfioError::BadAddress { .. }))));
