@@ -31,16 +31,27 @@ pub(crate) struct ReadJob {
 pub(crate) struct UringReader {
     ring: IoUring,
     depth: usize,
+    /// Tags completions with the batch they belong to (high 32 bits of user data), so that a
+    /// stale completion can never be taken for one of a later batch.
+    generation: u32,
+    /// Set when a batch had to be abandoned: entries may still sit in the ring, so it is never
+    /// used again (every later read is synchronous).
+    broken: bool,
 }
 
 impl UringReader {
     pub(crate) fn new(depth: u32) -> io::Result<Self> {
-        Ok(Self { ring: IoUring::new(depth)?, depth: depth as usize })
+        Ok(Self { ring: IoUring::new(depth)?, depth: depth as usize, generation: 0, broken: false })
     }
 
     /// Runs every job, at most `depth` in flight; each job's `result` says how it went (a short
     /// read is an `UnexpectedEof` error; the caller may retry synchronously).
     pub(crate) fn run(&mut self, jobs: &mut [ReadJob]) {
+        if self.broken {
+            return;
+        }
+        self.generation = self.generation.wrapping_add(1);
+        let tag = u64::from(self.generation) << 32;
         let mut next = 0usize;
         let mut in_flight = 0usize;
         let mut failures = 0u32;
@@ -54,7 +65,7 @@ impl UringReader {
                     continue;
                 };
                 let destination = job.buffer.slice(job.len).as_mut_ptr();
-                let entry = opcode::Read::new(types::Fd(job.fd), destination, len).offset(job.offset).build().user_data(next as u64);
+                let entry = opcode::Read::new(types::Fd(job.fd), destination, len).offset(job.offset).build().user_data(tag | next as u64);
                 // SAFETY: `destination..+len` is the job's own heap buffer, which stays allocated
                 // and is not otherwise accessed until this entry's completion is reaped below
                 // (or the buffer is leaked if the ring fails); `fd` is an open descriptor the
@@ -81,7 +92,10 @@ impl UringReader {
                 continue;
             }
             for completion in self.ring.completion() {
-                let Some(job) = jobs.get_mut(completion.user_data() as usize) else { continue };
+                if completion.user_data() & !0xFFFF_FFFF != tag {
+                    continue;
+                }
+                let Some(job) = jobs.get_mut((completion.user_data() & 0xFFFF_FFFF) as usize) else { continue };
                 in_flight = in_flight.saturating_sub(1);
                 let transferred = completion.result();
                 job.result = if transferred < 0 {
@@ -99,6 +113,7 @@ impl UringReader {
     /// kernel, so every job's buffer is leaked rather than freed, and every job reports an error
     /// (the caller falls back to synchronous reads into fresh buffers).
     fn abandon(&mut self, jobs: &mut [ReadJob], error: &io::Error) {
+        self.broken = true;
         for job in jobs.iter_mut() {
             std::mem::forget(std::mem::take(&mut job.buffer));
             job.result = Err(io::Error::new(error.kind(), error.to_string()));
