@@ -81,6 +81,8 @@ struct DeviceSlots {
     /// Least recently used: the next victim.
     tail: u32,
     valid: u64,
+    /// Valid slots with no pin: what eviction can take.
+    unpinned_valid: u64,
 }
 
 /// What an allocation took.
@@ -126,6 +128,7 @@ impl Index {
                 head: NONE,
                 tail: NONE,
                 valid: 0,
+                unpinned_valid: 0,
             })
             .collect();
         let total: usize = slot_counts.iter().map(|&c| c as usize * blocks_per_slot as usize).sum();
@@ -160,6 +163,11 @@ impl Index {
                 true
             }
         }
+    }
+
+    /// Whether a store in flight claimed `key` (it is not visible yet).
+    pub fn is_claimed(&self, key: u64) -> bool {
+        self.map.get(&key).is_some_and(|entry| !entry.committed)
     }
 
     /// Drops a claim that will not be committed.
@@ -207,18 +215,26 @@ impl Index {
     }
 
     pub fn pin(&mut self, device: u16, slot: u32) {
-        self.devices[usize::from(device)].meta[slot as usize].pins += 1;
+        let d = &mut self.devices[usize::from(device)];
+        let meta = &mut d.meta[slot as usize];
+        if meta.state == SlotUse::Valid && meta.pins == 0 {
+            d.unpinned_valid -= 1;
+        }
+        meta.pins += 1;
     }
 
     pub fn unpin(&mut self, device: u16, slot: u32) {
-        let meta = &mut self.devices[usize::from(device)].meta[slot as usize];
+        let d = &mut self.devices[usize::from(device)];
+        let meta = &mut d.meta[slot as usize];
+        if meta.pins == 1 && meta.state == SlotUse::Valid {
+            d.unpinned_valid += 1;
+        }
         meta.pins = meta.pins.saturating_sub(1);
     }
 
-    /// Free or evictable slots on `device` (evictable = committed and not pinned).
-    pub fn available(&self, device: u16) -> usize {
-        let d = &self.devices[usize::from(device)];
-        d.free.len() + d.meta.iter().filter(|m| m.state == SlotUse::Valid && m.pins == 0).count()
+    /// Free or evictable slots on all devices (evictable = committed and not pinned), O(devices).
+    pub fn available(&self) -> u64 {
+        self.devices.iter().map(|d| d.free.len() as u64 + d.unpinned_valid).sum()
     }
 
     /// Takes a slot on `device`: a free one, else the least recently used committed slot that
@@ -246,6 +262,7 @@ impl Index {
                 }
             }
             d.valid -= 1;
+            d.unpinned_valid -= 1;
             self.evictions += 1;
             (candidate, true)
         };
@@ -272,6 +289,9 @@ impl Index {
         meta.generation = generation;
         meta.pins = meta.pins.saturating_sub(1);
         d.valid += 1;
+        if meta.pins == 0 {
+            d.unpinned_valid += 1;
+        }
         Self::push_front(d, slot);
     }
 
@@ -331,6 +351,9 @@ impl Index {
             }
         }
         d.valid -= 1;
+        if d.meta[slot as usize].pins == 0 {
+            d.unpinned_valid -= 1;
+        }
         d.meta[slot as usize].state = SlotUse::Free;
         d.free.push(slot);
     }
@@ -380,6 +403,7 @@ mod tests {
         index.commit(0, a.slot, &[400], 400);
         index.pin(0, index.get(100).unwrap().slot);
         index.pin(0, index.get(400).unwrap().slot);
+        assert_eq!(index.available(), 0);
         assert_eq!(index.allocate_on(0), None);
         assert_eq!(index.cached_prefix(&[100, 200, 999, 400]), 2);
         let counts = index.counts();
@@ -397,5 +421,76 @@ mod tests {
         assert_eq!(index.get(7), Some(BlockLocation { device: 0, slot: 3, index: 0 }));
         assert_eq!(index.get(8), None);
         assert_eq!(index.counts().free_slots, 3);
+    }
+
+    #[test]
+    fn random_operations_agree_with_a_simple_model() {
+        // Goal: against a model (a Vec ordered by last use, pin counts, free set), thousands of
+        // random allocate/commit/pin/unpin/touch/release steps keep the counters right and
+        // eviction always takes the least recently used unpinned slot.
+        let slots = 8u32;
+        let mut index = Index::new(&[slots], 1);
+        let mut state = 0x1234_5678u64;
+        let mut next = move || {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (state >> 33) as u32
+        };
+        let mut lru: Vec<u32> = Vec::new(); // committed slots, least recent first
+        let mut pins = vec![0u32; slots as usize];
+        let mut writing: Vec<u32> = Vec::new();
+        let mut key = 1u64;
+        for step in 0..5000 {
+            match next() % 5 {
+                0 => {
+                    let evictable = lru.iter().copied().find(|&s| pins[s as usize] == 0);
+                    let free = slots as usize - lru.len() - writing.len();
+                    match index.allocate_on(0) {
+                        Some(a) if a.evicted => {
+                            assert_eq!(free, 0, "step {step}: evicted with free slots");
+                            assert_eq!(Some(a.slot), evictable, "step {step}: not the LRU unpinned slot");
+                            lru.retain(|&s| s != a.slot);
+                            writing.push(a.slot);
+                        }
+                        Some(a) => {
+                            assert!(free > 0, "step {step}");
+                            writing.push(a.slot);
+                        }
+                        None => assert!(free == 0 && evictable.is_none(), "step {step}: refused with room"),
+                    }
+                }
+                1 if !writing.is_empty() => {
+                    let slot = writing.remove(next() as usize % writing.len());
+                    if next() % 4 == 0 {
+                        index.release_unwritten(0, slot);
+                    } else {
+                        key += 1;
+                        index.commit(0, slot, &[key], key);
+                        lru.push(slot);
+                    }
+                }
+                2 if !lru.is_empty() => {
+                    let slot = lru[next() as usize % lru.len()];
+                    index.pin(0, slot);
+                    pins[slot as usize] += 1;
+                }
+                3 => {
+                    if let Some(slot) = (0..slots).find(|&s| pins[s as usize] > 0 && lru.contains(&s)) {
+                        index.unpin(0, slot);
+                        pins[slot as usize] -= 1;
+                    }
+                }
+                _ if !lru.is_empty() => {
+                    let position = next() as usize % lru.len();
+                    let slot = lru.remove(position);
+                    index.touch(0, slot);
+                    lru.push(slot);
+                }
+                _ => {}
+            }
+            let free = slots as u64 - lru.len() as u64 - writing.len() as u64;
+            let unpinned = lru.iter().filter(|&&s| pins[s as usize] == 0).count() as u64;
+            assert_eq!(index.available(), free + unpinned, "step {step}");
+            assert_eq!(index.counts().valid_slots, lru.len() as u64, "step {step}");
+        }
     }
 }

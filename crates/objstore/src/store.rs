@@ -297,8 +297,26 @@ impl<E: Executor> KvStore<E> {
     /// devices, LRU eviction when full) and prepared IOCTXs.
     pub fn prepare_store(&mut self, request: &KvRequest<'_>) -> Result<StorePlan> {
         let n = self.check_request(request)?;
-        let index = self.take_request(Direction::Store)?;
         let k = self.pool.blocks_per_slot() as usize;
+        // Refuse before evicting anything: a store that cannot fit must not cost the cache.
+        // The bound assumes every block is new; only when it fails are the new ones counted.
+        let available = self.pool.index.available();
+        if (n.div_ceil(k) as u64) > available {
+            let mut needed = 0;
+            let mut run = 0;
+            for &key in &self.keys[..n] {
+                if self.pool.index.get(key).is_none() && !self.pool.index.is_claimed(key) {
+                    if run % k == 0 {
+                        needed += 1;
+                    }
+                    run += 1;
+                }
+            }
+            if needed as u64 > available {
+                return Err(ObjstoreError::PoolFull { needed, evictable: available as usize });
+            }
+        }
+        let index = self.take_request(Direction::Store)?;
         let mut blocks = std::mem::take(&mut self.requests[index].blocks);
         let mut slots = std::mem::take(&mut self.requests[index].slots);
         let mut shared = 0;

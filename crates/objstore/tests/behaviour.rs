@@ -115,9 +115,9 @@ fn pinned_slots_are_not_evicted_under_concurrent_retrieves() {
     assert_eq!(rig.store.counts().pinned_slots, 3);
     let big: Vec<u32> = rng.tokens(32);
     let error = rig.store.prepare_store(&KvRequest { tokens: &big, block_ids: &[4, 5] }).unwrap_err();
-    assert!(matches!(error, ObjstoreError::PoolFull { .. }), "{error}");
-    assert_eq!(rig.store.lookup(&requests[2]), 0, "the failed store evicted the one free candidate ...");
-    // ... which is now free again: a one-block store takes it.
+    assert!(matches!(error, ObjstoreError::PoolFull { needed: 2, evictable: 1 }), "{error}");
+    assert_eq!(rig.store.lookup(&requests[2]), 1, "a store that cannot fit must not evict anything");
+    // A one-block store fits: it evicts the one unpinned slot.
     let new = rng.tokens(16);
     rig.engine.fill(6, keys_of(&new)[0]);
     let plan = rig.store.prepare_store(&KvRequest { tokens: &new, block_ids: &[6] }).unwrap();
@@ -131,6 +131,7 @@ fn pinned_slots_are_not_evicted_under_concurrent_retrieves() {
         }
     }
     rig.store.commit_store(plan.handle).unwrap();
+    assert_eq!(rig.store.lookup(&requests[2]), 0);
     rig.store.finish(r1).unwrap();
     rig.store.finish(r2).unwrap();
     let keys = keys_of(&two);
