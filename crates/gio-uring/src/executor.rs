@@ -187,6 +187,8 @@ pub(crate) mod test_double {
         pub deferred: bool,
         /// Never complete anything (to test deadlines).
         pub stalled: bool,
+        /// Refuse every `prepared` call (as the CUDA executor does for data outside staging).
+        pub refuse_prepared: bool,
         /// (iocb, ioctx index) → NVMe status to complete with.
         pub faults: Vec<(IocbId, u32, NvmeStatus)>,
         pub pending: VecDeque<IocbId>,
@@ -232,6 +234,13 @@ pub(crate) mod test_double {
 
         fn check_dependency(&self, _dependency: &Dependency) -> Result<(), GioError> {
             Ok(()) // records the dependency in `batches` for the tests to inspect
+        }
+
+        fn prepared(&mut self, _memory: &QueueMemory, id: IocbId) -> Result<(), GioError> {
+            if self.refuse_prepared {
+                return Err(GioError::InvalidIoctx { id, index: 0, fault: crate::error::IoctxFault::StagedScatteredData });
+            }
+            Ok(())
         }
 
         fn submit(&mut self, memory: &QueueMemory, batch: &IssueBatch) -> Result<(), GioError> {

@@ -424,3 +424,19 @@ mod model {
         }
     }
 }
+
+#[test]
+fn an_iocb_the_executor_refuses_to_prepare_cannot_be_issued() {
+    // Goal: an executor's `prepared` error (the CUDA executor's staged-mode checks) surfaces from
+    // fill_iocb and leaves the IOCB unissuable, exactly like a failed validation.
+    let mut queue = queue(MemoryExecutor { refuse_prepared: true, ..MemoryExecutor::default() });
+    let id = queue.get_iocb(1, Dependency::None).unwrap()[0];
+    let result = queue.fill_iocb(id, &layered(0), &[ioctx(0, 0, 8, 0)]);
+    assert!(matches!(result, Err(GioError::InvalidIoctx { index: 0, fault: IoctxFault::StagedScatteredData, .. })), "{result:?}");
+    let issued = queue.issue_io(&[id], LayerIndex(0), SmBudget(1));
+    assert!(matches!(issued, Err(GioError::WrongState { .. })), "{issued:?}");
+    queue.executor_mut().refuse_prepared = false;
+    queue.fill_iocb(id, &layered(0), &[ioctx(0, 0, 8, 0)]).unwrap();
+    queue.issue_io(&[id], LayerIndex(0), SmBudget(1)).unwrap();
+    assert_eq!(queue.wait_cqe(id, soon()).unwrap().result, Ok(()));
+}

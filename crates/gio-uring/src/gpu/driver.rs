@@ -160,6 +160,14 @@ pub fn create_green_context(device: sys::CUdevice, sm_count: u32) -> Result<(sys
     Ok((green, stream, granted))
 }
 
+/// The CUcontext form of a green context, for context-scoped calls (module loading, allocation).
+pub fn context_of_green(green: sys::CUgreenCtx) -> Result<sys::CUcontext, GioError> {
+    let mut context: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: `context` is a valid out-pointer; `green` is a live green context.
+    check("cuCtxFromGreenCtx", unsafe { sys::cuCtxFromGreenCtx(&mut context, green) })?;
+    Ok(context)
+}
+
 pub fn destroy_green_context(green: sys::CUgreenCtx) -> Result<(), GioError> {
     // SAFETY: `green` came from create_green_context and is destroyed once, by its owner's Drop.
     check("cuGreenCtxDestroy", unsafe { sys::cuGreenCtxDestroy(green) })
@@ -170,7 +178,8 @@ pub fn destroy_green_context(green: sys::CUgreenCtx) -> Result<(), GioError> {
 #[derive(Debug)]
 pub struct Handles {
     pub device: sys::CUdevice,
-    /// The device's primary context (retained), made current before every use.
+    /// The I/O context, made current before every use: the green context as a CUcontext, or the
+    /// device's primary context (retained either way, released last).
     pub context: sys::CUcontext,
     pub module: sys::CUmodule,
     pub function: sys::CUfunction,

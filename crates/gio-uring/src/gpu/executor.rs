@@ -40,12 +40,12 @@ use nvme_driver::{Controller, DetachedQueuePair, DmaRegion};
 
 use super::driver::{self, BarMapping, CopyDirection, DeviceMemory, Event, HostRegistration, MemoryOwner};
 use super::plan::{self, CopyRun, GridLimits, LaunchAddresses, SpanLookup, StagedIoctx, StagingPair, StateLayout};
+use super::retire::{self, sq_entry};
 use super::{DmaMode, GpuRuntime};
 use crate::abi::{self, gio_ring_header};
 use crate::error::GioError;
-use crate::executor::{post_cqe, Executor, IssueBatch};
-use crate::layout::{IocbField, QueueMemory, RingLayout};
-use crate::ring::{Cqe, Ring};
+use crate::executor::{Executor, IssueBatch};
+use crate::layout::{QueueMemory, RingLayout};
 use crate::shared_memory::{SharedRegion, REGION_ALIGN_BYTES};
 use crate::types::{Dependency, EventToken, IocbId};
 
@@ -113,8 +113,10 @@ struct DeviceQueue {
 struct Launch {
     sq_first: u32,
     count: u32,
-    /// `None`: the launch failed to be enqueued; its IOCBs are finished as timed out.
+    /// `None`: enqueueing failed part way; its IOCBs are finished as timed out.
     event: Option<usize>,
+    /// Whether the kernel was launched (then a timeout may have left the queue pairs dirty).
+    ran: bool,
     /// Resets done when it was enqueued: a timeout in a launch older than the last reset does not
     /// need another one.
     reset_generation: u64,
@@ -446,54 +448,13 @@ impl GpuExecutor {
     /// A launch whose kernel (and copies) completed: reset the queue pairs if it timed out, post
     /// one CQE per IOCB from the IOCB's final line, advance the SQ head, empty the sink.
     fn finish_launch(&mut self, memory: &QueueMemory, launch: Launch) -> Result<(), GioError> {
-        let mut needs_reset = false;
-        for position in 0..launch.count {
-            let id = sq_entry(memory, launch.sq_first.wrapping_add(position))?;
-            let status_offset = memory.iocb_field_offset(id, IocbField::Status);
-            let finished_by_us = memory
-                .region
-                .compare_exchange_u32(
-                    status_offset,
-                    abi::GIO_IOCB_STATUS_ISSUED,
-                    abi::GIO_IOCB_STATUS_TIMEOUT,
-                    Ordering::AcqRel,
-                    Ordering::Acquire,
-                )
-                .is_ok();
-            // A kernel that exited leaving an IOCB unfinished broke its own bound: treat as timeout.
-            let timed_out = finished_by_us || memory.region.load_u32(status_offset, Ordering::Acquire) == abi::GIO_IOCB_STATUS_TIMEOUT;
-            let dirty = timed_out && launch.event.is_some() && launch.reset_generation == self.reset_generation;
-            needs_reset |= dirty;
-        }
-        if needs_reset {
+        let timed_out = retire::settle(memory, launch.sq_first, launch.count)?;
+        // Launches enqueued before the last reset ran on the queue pairs it replaced.
+        if timed_out && launch.ran && launch.reset_generation == self.reset_generation {
             self.reset_queue_pairs()?;
         }
-        for position in 0..launch.count {
-            let id = sq_entry(memory, launch.sq_first.wrapping_add(position))?;
-            let header = memory.read_iocb_header(id);
-            let progress = memory.read_iocb_progress(id);
-            let cqe = Cqe {
-                iocb_id: id,
-                issue_seq: header.issue_seq,
-                failed_ioctx: progress.failed_ioctx,
-                status: progress.status as u16,
-                failed_nvme_status: if progress.failed_ioctx == abi::GIO_NO_FAILED_IOCTX { 0 } else { progress.failed_nvme_status },
-            };
-            post_cqe(memory, cqe)?;
-        }
-        let ring: Ring<'_, IocbId> = Ring::new(&memory.region, memory.layout.sq, "sq");
-        let mut consumer = ring.consumer()?;
-        if consumer.head() != launch.sq_first || consumer.len() < launch.count {
-            return Err(executor_error(format!(
-                "SQ at {} with {} entries cannot retire launch at {} of {}",
-                consumer.head(),
-                consumer.len(),
-                launch.sq_first,
-                launch.count
-            )));
-        }
-        consumer.by_ref().take(launch.count as usize).for_each(drop);
-        drop(consumer); // publishes the new head (Release)
+        retire::post_completions(memory, launch.sq_first, launch.count)?;
+        retire::advance_sq(memory, launch.sq_first, launch.count)?;
         if let Some(attached) = self.attached.as_ref() {
             // The sink's entries are never read: empty it so the kernel never finds it full.
             let sink = &attached.sink;
@@ -502,17 +463,6 @@ impl GpuExecutor {
         }
         Ok(())
     }
-}
-
-/// The IOCB id at free-running SQ position `position`, checked against the pool.
-fn sq_entry(memory: &QueueMemory, position: u32) -> Result<IocbId, GioError> {
-    let sq = memory.layout.sq;
-    let offset = sq.entries_offset_bytes + (position & sq.mask()) as usize * 4;
-    let id = memory.region.load_u32(offset, Ordering::Relaxed);
-    if id >= memory.layout.config.depth {
-        return Err(executor_error(format!("SQ position {position} holds IOCB {id}, outside depth {}", memory.layout.config.depth)));
-    }
-    Ok(IocbId(id))
 }
 
 impl Executor for GpuExecutor {
@@ -590,23 +540,27 @@ impl Executor for GpuExecutor {
             .pop()
             .ok_or_else(|| executor_error(format!("{} launches in flight, no event left", attached.launches.len())))?;
         let reset_generation = self.reset_generation;
-        let outcome = self.enqueue(memory, batch, event_index);
-        let (event, result) = match outcome {
-            Ok(()) => (Some(event_index), Ok(())),
-            Err((launched, error)) => {
-                // The batch's IOCBs must still complete exactly once: a failed launch is retired as
-                // timed out, in order; a launch that did start is first waited for.
-                if launched {
-                    self.drain_stream()?;
-                }
+        let (launch, result) = match self.enqueue(memory, batch, event_index) {
+            Ok(()) => {
+                (Launch { sq_first: batch.sq_first, count: batch.count, event: Some(event_index), ran: true, reset_generation }, Ok(()))
+            }
+            Err((ran, error)) => {
+                // The batch's IOCBs must still complete exactly once, in SQ order: the launch is
+                // recorded without an event and retired as timed out. A kernel that did start is
+                // waited for first (bounded), since it reads the SQ entries until it exits.
                 if let Some(attached) = self.attached.as_mut() {
                     attached.free_events.push(event_index);
                 }
-                (None, Err(error))
+                let drained = if ran { self.drain_stream() } else { Ok(()) };
+                let error = match drained {
+                    Ok(()) => error,
+                    Err(drain_error) => executor_error(format!("{error}; then {drain_error}")),
+                };
+                (Launch { sq_first: batch.sq_first, count: batch.count, event: None, ran, reset_generation }, Err(error))
             }
         };
         if let Some(attached) = self.attached.as_mut() {
-            attached.launches.push_back(Launch { sq_first: batch.sq_first, count: batch.count, event, reset_generation });
+            attached.launches.push_back(launch);
         }
         result
     }

@@ -12,6 +12,7 @@
 mod driver;
 mod executor;
 pub mod plan;
+mod retire;
 
 pub use driver::{BarMapping, DeviceMemory};
 pub use executor::{GpuExecutor, GpuExecutorConfig, GpuQueueSpec, StagingBuffer};
@@ -167,9 +168,31 @@ impl GpuRuntime {
         if config.io_sm_budget.0 == 0 {
             return Err(GioError::ZeroSmBudget);
         }
-        let context = driver::retain_primary_context(device)?;
+        let primary = driver::retain_primary_context(device)?;
+        let (green, stream, io_domain) = match Self::io_domain(device, &driver_info, config.io_sm_budget) {
+            Ok(domain) => domain,
+            Err(error) => {
+                let _ = driver::release_primary_context(device);
+                return Err(error);
+            }
+        };
+        // Everything the executor does runs in the I/O domain's context: the green context (as a
+        // CUcontext) when there is one, so that the module, the allocations and the stream all
+        // belong to the context the kernel runs in; otherwise the primary context.
+        let undo_domain = |stream, green: Option<sys::CUgreenCtx>| {
+            let _ = driver::destroy_stream(stream);
+            let _ = green.map_or(Ok(()), driver::destroy_green_context);
+            let _ = driver::release_primary_context(device);
+        };
+        let context = match green.map_or(Ok(primary), driver::context_of_green) {
+            Ok(context) => context,
+            Err(error) => {
+                undo_domain(stream, green);
+                return Err(error);
+            }
+        };
         let image = KernelImage::locate(&config.kernel_dir, major, minor);
-        let loaded = image.and_then(|image| {
+        let loaded = driver::set_current(context).and(image).and_then(|image| {
             let module = driver::load_module(&image.bytes)?;
             match driver::function(module, KERNEL_NAME) {
                 Ok(function) => Ok((image.path, module, function)),
@@ -182,15 +205,7 @@ impl GpuRuntime {
         let (kernel_image, module, function) = match loaded {
             Ok(loaded) => loaded,
             Err(error) => {
-                let _ = driver::release_primary_context(device);
-                return Err(error);
-            }
-        };
-        let (green, stream, io_domain) = match Self::io_domain(device, &driver_info, config.io_sm_budget) {
-            Ok(domain) => domain,
-            Err(error) => {
-                let _ = driver::unload_module(module);
-                let _ = driver::release_primary_context(device);
+                undo_domain(stream, green);
                 return Err(error);
             }
         };
@@ -261,10 +276,12 @@ impl GpuRuntime {
 impl Drop for GpuRuntime {
     fn drop(&mut self) {
         // Errors on teardown cannot be acted on; they are logged, not hidden.
+        // The module belongs to the I/O context: unload it while that context exists.
         let results = [
+            driver::set_current(self.handles.context),
             driver::destroy_stream(self.handles.stream),
-            self.handles.green.map_or(Ok(()), driver::destroy_green_context),
             driver::unload_module(self.handles.module),
+            self.handles.green.map_or(Ok(()), driver::destroy_green_context),
             driver::release_primary_context(self.handles.device),
         ];
         for error in results.into_iter().filter_map(Result::err) {

@@ -1,0 +1,178 @@
+//! Retiring a finished launch of the I/O kernel, on the CPU: everything here reads and writes
+//! only the gio queue's shared memory, so it is unit-tested without a GPU.
+//!
+//! Order, once the launch's event says the kernel (and its copies) completed:
+//! 1. [`settle`]: any IOCB the kernel left ISSUED is finished as TIMEOUT (same compare-and-swap as
+//!    the kernel, so still one completion per issue); reports whether any IOCB timed out;
+//! 2. the caller resets the NVMe queue pairs if so;
+//! 3. [`post_completions`]: one CQE per IOCB, built from its final line;
+//! 4. [`advance_sq`]: the SQ head moves past the launch, which only now stops reading its entries.
+
+use std::sync::atomic::Ordering;
+
+use crate::abi;
+use crate::error::GioError;
+use crate::executor::post_cqe;
+use crate::layout::{IocbField, QueueMemory};
+use crate::ring::{Cqe, Ring};
+use crate::types::IocbId;
+
+fn retire_error(reason: String) -> GioError {
+    GioError::Executor { executor: "cuda", reason }
+}
+
+/// The IOCB id at free-running SQ position `position`, checked against the pool.
+pub fn sq_entry(memory: &QueueMemory, position: u32) -> Result<IocbId, GioError> {
+    let sq = memory.layout.sq;
+    let offset = sq.entries_offset_bytes + (position & sq.mask()) as usize * 4;
+    let id = memory.region.load_u32(offset, Ordering::Relaxed);
+    if id >= memory.layout.config.depth {
+        return Err(retire_error(format!("SQ position {position} holds IOCB {id}, outside depth {}", memory.layout.config.depth)));
+    }
+    Ok(IocbId(id))
+}
+
+/// Finishes IOCBs the kernel left ISSUED as TIMEOUT; true if any IOCB of the launch timed out.
+pub fn settle(memory: &QueueMemory, sq_first: u32, count: u32) -> Result<bool, GioError> {
+    let mut timed_out = false;
+    for position in 0..count {
+        let id = sq_entry(memory, sq_first.wrapping_add(position))?;
+        let status = memory.iocb_field_offset(id, IocbField::Status);
+        let abandoned = memory
+            .region
+            .compare_exchange_u32(status, abi::GIO_IOCB_STATUS_ISSUED, abi::GIO_IOCB_STATUS_TIMEOUT, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok();
+        timed_out |= abandoned || memory.region.load_u32(status, Ordering::Acquire) == abi::GIO_IOCB_STATUS_TIMEOUT;
+    }
+    Ok(timed_out)
+}
+
+/// Posts one CQE per IOCB of the launch from the IOCB's final line.
+pub fn post_completions(memory: &QueueMemory, sq_first: u32, count: u32) -> Result<(), GioError> {
+    for position in 0..count {
+        let id = sq_entry(memory, sq_first.wrapping_add(position))?;
+        let header = memory.read_iocb_header(id);
+        let progress = memory.read_iocb_progress(id);
+        let failed = progress.failed_ioctx != abi::GIO_NO_FAILED_IOCTX;
+        post_cqe(
+            memory,
+            Cqe {
+                iocb_id: id,
+                issue_seq: header.issue_seq,
+                failed_ioctx: progress.failed_ioctx,
+                status: progress.status as u16,
+                failed_nvme_status: if failed { progress.failed_nvme_status } else { 0 },
+            },
+        )?;
+    }
+    Ok(())
+}
+
+/// Moves the SQ head past the launch; the launch must be the oldest entries on the SQ.
+pub fn advance_sq(memory: &QueueMemory, sq_first: u32, count: u32) -> Result<(), GioError> {
+    let ring: Ring<'_, IocbId> = Ring::new(&memory.region, memory.layout.sq, "sq");
+    let mut consumer = ring.consumer()?;
+    if consumer.head() != sq_first || consumer.len() < count {
+        return Err(retire_error(format!(
+            "SQ at {} with {} entries cannot retire the launch at {sq_first} of {count}",
+            consumer.head(),
+            consumer.len()
+        )));
+    }
+    consumer.by_ref().take(count as usize).for_each(drop);
+    Ok(()) // dropping the consumer publishes the head (Release)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::abi::{NvmeStatus, Opcode};
+    use crate::error::IocbFailure;
+    use crate::executor::{Executor, IssueBatch};
+    use crate::layout::QueueConfig;
+    use crate::queue::GioQueue;
+    use crate::types::{Dependency, DeviceIndex, Iova, IovaRange, LayerIndex, Lba, SmBudget};
+    use crate::validate::{Descriptor, DeviceInfo, DeviceTable, IocbSpec, IoctxSpec, RegisteredMemory};
+    use std::time::{Duration, Instant};
+
+    /// Plays a kernel that was launched and has not exited: leaves the SQ entries in place.
+    struct Launched;
+
+    impl Executor for Launched {
+        fn name(&self) -> &'static str {
+            "launched"
+        }
+        fn submit(&mut self, _memory: &QueueMemory, _batch: &IssueBatch) -> Result<(), GioError> {
+            Ok(())
+        }
+        fn poll(&mut self, _memory: &QueueMemory) -> Result<(), GioError> {
+            Ok(())
+        }
+    }
+
+    fn queue_with_two_issued() -> (GioQueue<Launched>, [IocbId; 2]) {
+        let devices = DeviceTable::new(vec![DeviceInfo { nsid: 1, capacity_blocks: 1 << 20, block_bytes: 512, sgl_supported: true }]);
+        let registered = RegisteredMemory::new(vec![IovaRange::new(Iova(0x1000_0000), 1 << 20)]).unwrap();
+        let mut queue = GioQueue::init_queue(QueueConfig { depth: 4, ioctx_per_iocb_max: 4 }, devices, registered, Launched).unwrap();
+        let ids = queue.get_iocb(2, Dependency::None).unwrap();
+        let spec = IocbSpec {
+            opcode: Opcode::Read,
+            user_data: 9,
+            layer_count: 1,
+            lba_stride_blocks: 0,
+            mem_stride_bytes: 0,
+            desc_stride_bytes: 0,
+        };
+        let ioctx = IoctxSpec {
+            device: DeviceIndex(0),
+            nsid: 1,
+            start_lba: Lba(0),
+            block_count: 1,
+            data: Iova(0x1000_0000),
+            descriptor: Descriptor::SglInline,
+            force_unit_access: false,
+        };
+        for &id in &ids {
+            queue.fill_iocb(id, &spec, &[ioctx, ioctx]).unwrap();
+        }
+        queue.issue_io(&ids, LayerIndex(0), SmBudget(1)).unwrap();
+        (queue, [ids[0], ids[1]])
+    }
+
+    #[test]
+    fn retiring_posts_each_final_status_and_frees_the_sq_only_at_the_end() {
+        // Goal: after "the kernel" finished one IOCB with an NVMe error and left the other
+        // ISSUED, retirement reports a timeout, posts both CQEs (error with its IOCTX and status,
+        // and a timeout), and frees exactly the launch's SQ entries.
+        let (mut queue, [a, b]) = queue_with_two_issued();
+        let memory = queue.memory();
+        memory.region.store_u32(memory.iocb_field_offset(a, IocbField::FailedIoctx), 1, Ordering::Relaxed);
+        memory.region.store_u16(memory.iocb_field_offset(a, IocbField::FailedNvmeStatus), NvmeStatus::new(2, 0x81).0, Ordering::Relaxed);
+        memory.region.store_u32(memory.iocb_field_offset(a, IocbField::Status), abi::GIO_IOCB_STATUS_NVME_ERROR, Ordering::Release);
+        assert!(settle(memory, 0, 2).unwrap(), "IOCB b was left ISSUED: a timeout");
+        assert!(queue.peek_cqe().unwrap().is_none(), "nothing is visible before the CQEs are posted");
+        let memory = queue.memory();
+        post_completions(memory, 0, 2).unwrap();
+        advance_sq(memory, 0, 2).unwrap();
+        assert!(advance_sq(memory, 0, 2).is_err(), "a launch cannot be retired twice");
+        let deadline = Instant::now() + Duration::from_secs(1);
+        match queue.wait_cqe(a, deadline).unwrap().result {
+            Err(IocbFailure::Nvme { ioctx_index: 1, status }) => assert_eq!(status.status_code(), 0x81),
+            other => panic!("IOCB a: {other:?}"),
+        }
+        assert!(matches!(queue.wait_cqe(b, deadline).unwrap().result, Err(IocbFailure::Timeout { .. })));
+        // Both can be issued again, and the SQ has room for them.
+        queue.issue_io(&[a, b], LayerIndex(0), SmBudget(1)).unwrap();
+    }
+
+    #[test]
+    fn a_launch_that_finished_everything_needs_no_reset() {
+        let (queue, [a, b]) = queue_with_two_issued();
+        let memory = queue.memory();
+        for id in [a, b] {
+            memory.region.store_u32(memory.iocb_field_offset(id, IocbField::Status), abi::GIO_IOCB_STATUS_SUCCESS, Ordering::Release);
+        }
+        assert!(!settle(memory, 0, 2).unwrap());
+        assert!(advance_sq(memory, 1, 1).is_err(), "retirement must start at the SQ head");
+    }
+}
