@@ -33,19 +33,25 @@ pub enum FaultAction {
     CorruptCommandId,
 }
 
-/// One fault: `action` on the `nth` (1-based) command matching `queue` and `opcode`.
+/// One fault: `action` on the `nth` (1-based) command matching `queue` and `opcode`, and with
+/// `repeat`, again on every `nth` match after that (2·nth, 3·nth, ...).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FaultRule {
     pub nth: u64,
     pub queue: QueueFilter,
     pub opcode: Option<u8>,
     pub action: FaultAction,
+    pub repeat: bool,
 }
 
 impl FaultRule {
     /// `action` on the `nth` I/O command of any opcode.
     pub fn on_nth_io(nth: u64, action: FaultAction) -> Self {
-        Self { nth, queue: QueueFilter::Io, opcode: None, action }
+        Self { nth, queue: QueueFilter::Io, opcode: None, action, repeat: false }
+    }
+    /// `action` on every `every`-th I/O command (e.g. every 10th completion delayed).
+    pub fn every_nth_io(every: u64, action: FaultAction) -> Self {
+        Self { repeat: true, ..Self::on_nth_io(every, action) }
     }
     /// Restricts the rule to one opcode.
     pub fn with_opcode(mut self, opcode: u8) -> Self {
@@ -135,7 +141,8 @@ impl FaultState {
                 continue;
             }
             *count += 1;
-            if *count == rule.nth && fired.is_none() {
+            let due = if rule.repeat { rule.nth > 0 && *count % rule.nth == 0 } else { *count == rule.nth };
+            if due && fired.is_none() {
                 fired = Some(rule.action);
             }
         }
@@ -157,6 +164,9 @@ mod tests {
         assert_eq!(state.on_command(true, 0x01), None, "admin commands do not count for an I/O rule");
         assert_eq!(state.on_command(false, 0x01), Some(FaultAction::DropCompletion));
         assert_eq!(state.on_command(false, 0x01), None, "fires once");
+        state.install(FaultPlan::none().with_rule(FaultRule::every_nth_io(3, FaultAction::DropCompletion)));
+        let fired: Vec<bool> = (0..9).map(|_| state.on_command(false, 0x02).is_some()).collect();
+        assert_eq!(fired, [false, false, true, false, false, true, false, false, true]);
         assert_eq!(FaultPlan::from_seed(7, 100, 5), FaultPlan::from_seed(7, 100, 5));
         assert_ne!(FaultPlan::from_seed(7, 100, 5), FaultPlan::from_seed(8, 100, 5));
         assert!(FaultPlan::from_seed(7, 100, 50).rules.iter().all(|rule| (1..=100).contains(&rule.nth)));
