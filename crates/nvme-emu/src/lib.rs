@@ -19,6 +19,17 @@
 //! real controller would return (see `docs/nvme-emu.md` for the table). The only unsafe code is
 //! the io_uring module that batches file-backed reads.
 //!
+//! # API
+//!
+//! - [`EmuConfig`] (`Default` + `with_*` builders), [`Backing`] (`Memory { bytes }`,
+//!   `File { path, create_bytes }`), [`NamespaceConfig`] (`block_size_bytes`, `size_bytes`);
+//! - [`EmuDevice::start`]`(EmuConfig) -> Result<Arc<EmuDevice>, EmuError>`; the device implements
+//!   [`nvme_driver::hw::DeviceBackend`] and stops its thread when the last `Arc` drops;
+//! - [`EmuDevice::power_loss`], [`EmuDevice::set_faults`]`(`[`FaultPlan`]`)`,
+//!   [`EmuDevice::stats`]` -> `[`EmuStats`], [`EmuDevice::register_region`] (BAR0 memory for a
+//!   GPU), [`EmuDevice::dma_pool`];
+//! - [`fuzzing::process_raw`] for fuzzers.
+//!
 //! # Example
 //!
 //! ```
