@@ -1,10 +1,9 @@
 //! The executor seam: whatever turns issued IOCBs into NVMe commands and posts gio CQEs.
 //!
-//! An executor is the SQ's consumer and the CQ's producer. Two are planned: CPU worker threads that
-//! own NVMe queue pairs, and the CUDA I/O kernel (kernels/gio_io_kernel.cu). Both need the NVMe
-//! driver's queue pairs, which do not exist yet (crates/nvme-driver); until they do, this crate
-//! ships only the trait, the completion accounting every executor must follow
-//! ([`complete_ioctx`], [`post_cqe`]), and — in tests only — an in-memory test double.
+//! An executor is the SQ's consumer and the CQ's producer: the CPU executors (`cpu_executor`,
+//! `cpu_workers`) and, with the `cuda` feature, the CUDA executor (`gpu`). This module holds the
+//! trait, the completion accounting every executor follows ([`complete_ioctx`], [`post_cqe`]),
+//! and — in tests only — an in-memory test double.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;

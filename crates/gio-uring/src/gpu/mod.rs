@@ -1,12 +1,15 @@
 //! GPU side of gio_uring (feature `cuda`): finding the CUDA driver without panicking, loading the
-//! I/O kernel, carving an I/O domain of SMs out of the GPU with a green context, and the DMA mode.
+//! I/O kernel, carving an I/O domain of SMs out of the GPU with a green context, the DMA mode, and
+//! the CUDA executor.
 //!
-//! STATUS: compiled, not run — no GPU was available while this was written. What exists:
-//! [`probe_driver`], [`GpuRuntime::open`] (context, kernel module, green context or an ordinary
-//! stream with a warning), [`DmaMode`]. What does not: [`GpuExecutor`] returns
-//! [`GioError::Unsupported`] from every entry point, because launching the kernel needs NVMe queue
-//! pairs placed in GPU-reachable memory and BAR0 doorbells mapped into the GPU, which the NVMe
-//! driver (crates/nvme-driver) does not offer yet. It never pretends to have done I/O.
+//! STATUS: compiled, and its pure logic unit-tested (`plan`, `retire`); never run — no GPU was
+//! available while it was written. What exists: [`probe_driver`], [`GpuRuntime::open`] (I/O
+//! domain: green context or an ordinary stream with a warning; the kernel loaded into that
+//! domain's context), [`DmaMode`], and [`GpuExecutor`], which drives detached NVMe queue pairs
+//! from the kernel (see `executor.rs`). `tests/gpu.rs` runs it against the software controller
+//! where a GPU exists; until that has passed on a GPU, nothing here is known to work.
+//!
+//! Unsafe code is confined to `driver` (FFI into libcuda); the other modules are safe Rust.
 
 #[allow(unsafe_code)]
 mod driver;
