@@ -39,6 +39,8 @@
 set -euo pipefail
 # shellcheck source=tools/vm/lib.sh
 . "$(dirname "$(readlink -f "$0")")/vm/lib.sh"
+# Whatever ends the script with a failure, the last line says so.
+trap 'status=$?; [ "$status" = 0 ] || vm_log "vm-test: FAILED (exit status $status)"' EXIT
 
 MODE=conformance
 case "${1:-}" in

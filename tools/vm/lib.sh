@@ -42,7 +42,7 @@ vm_install_host_tools() {
         fi
     fi
     # The guest has no libc: it needs the statically linked busybox, not the dynamic package's.
-    VM_BUSYBOX=$(dpkg -L busybox-static | grep -m1 '/busybox$')
+    VM_BUSYBOX=$(dpkg -L busybox-static 2> /dev/null | grep -m1 '/busybox$' || true)
     [ -x "$VM_BUSYBOX" ] || vm_die "no static busybox found (package busybox-static)"
 }
 
@@ -54,10 +54,10 @@ vm_prepare_kernel() {
     elif [ -s "$version_file" ] && [ -s "$VM_DIR/kernel/$(cat "$version_file")/vmlinux" ]; then
         package=$(cat "$version_file")
     else
-        package=$(apt-cache depends linux-image-amd64 2> /dev/null | awk '/Depends: linux-image-[0-9]/ { print $2; exit }')
+        package=$(apt-cache depends linux-image-amd64 2> /dev/null | awk '/Depends: linux-image-[0-9]/ { print $2; exit }' || true)
         if [ -z "$package" ]; then
             apt-get update -qq > /dev/null 2>&1 || true
-            package=$(apt-cache depends linux-image-amd64 | awk '/Depends: linux-image-[0-9]/ { print $2; exit }')
+            package=$(apt-cache depends linux-image-amd64 | awk '/Depends: linux-image-[0-9]/ { print $2; exit }' || true)
         fi
         [ -n "$package" ] || vm_die "cannot resolve linux-image-amd64 to a kernel package (apt-get update?)"
     fi
@@ -66,12 +66,15 @@ vm_prepare_kernel() {
     VM_VMLINUX=$VM_KROOT/vmlinux
     if [ ! -s "$VM_VMLINUX" ]; then
         local deb
-        deb=$(ls "$VM_DIR"/debs/"${package}"_*.deb 2> /dev/null | head -n1)
+        # (Every `$(... | ...)` here ends in `|| true`: under pipefail a failed lookup would
+        # otherwise end the script silently; the checks after each say what went wrong.)
+        deb=$(ls "$VM_DIR"/debs/"${package}"_*.deb 2> /dev/null | head -n1 || true)
         if [ -z "$deb" ]; then
             vm_log "downloading $package"
             (cd "$VM_DIR/debs" && apt-get download "$package" > "$VM_DIR/logs/download.log" 2>&1) ||
                 vm_die "apt-get download $package failed; see $VM_DIR/logs/download.log"
-            deb=$(ls "$VM_DIR"/debs/"${package}"_*.deb | head -n1)
+            deb=$(ls "$VM_DIR"/debs/"${package}"_*.deb 2> /dev/null | head -n1 || true)
+            [ -n "$deb" ] || vm_die "apt-get download $package left no .deb in $VM_DIR/debs"
         fi
         rm -rf "$VM_KROOT"
         mkdir -p "$VM_KROOT"
@@ -117,7 +120,7 @@ VM_BIN_DIR=$VM_TARGET_DIR/x86_64-unknown-linux-gnu/release
 vm_copy_module() {
     local root=$1 name=$2 pattern line file
     pattern=$(echo "$name" | sed 's/[-_]/[-_]/g')
-    line=$(grep -E "(^|/)${pattern}\.ko(\.xz|\.zst)?:" "$VM_MODULES/modules.dep" | head -n1)
+    line=$(grep -E "(^|/)${pattern}\.ko(\.xz|\.zst)?:" "$VM_MODULES/modules.dep" | head -n1 || true)
     [ -n "$line" ] || vm_die "module $name not in $VM_MODULES/modules.dep"
     for file in ${line%%:*} ${line#*:}; do
         mkdir -p "$root/lib/modules/$VM_KVER/$(dirname "$file")"
