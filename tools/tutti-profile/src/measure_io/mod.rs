@@ -184,6 +184,8 @@ pub fn run(args: &IoArgs) -> Result<()> {
     let mut probe = CpuProbe::new(backend, shape)?;
     let sm_budget_min = grid.sm_budgets.iter().copied().min().unwrap_or(1);
 
+    // Taken once, before the samples: the load average then is what they ran beside.
+    let host = host_description();
     eprintln!("io: measuring on {}", probe.backend().description);
     eprintln!(
         "io: IOCB = {} IOCTXs x {} bytes ({} data pointers); {} grid points x {} samples; host {}",
@@ -192,7 +194,7 @@ pub fn run(args: &IoArgs) -> Result<()> {
         probe.data_pointer_name(),
         2 * dedup_len(&grid.iocb_counts) * dedup_len(&grid.sm_budgets),
         grid.repetitions,
-        host_description()
+        host
     );
     let layout = probe.lay_out(sm_budget_min)?;
     eprintln!("io: laid out {} MiB (untimed pass, took {:.1} ms)", shape.span_bytes() >> 20, layout.as_secs_f64() * 1e3);
@@ -224,7 +226,7 @@ pub fn run(args: &IoArgs) -> Result<()> {
         } else {
             format!(" ({raised} rows measured faster than a smaller IOCB count and carry that slower value)")
         },
-        host_description()
+        host
     );
     drop(probe);
 
@@ -342,5 +344,11 @@ fn host_description() -> String {
         .and_then(|text| text.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split(':').nth(1)).map(|s| s.trim().to_string()))
         .unwrap_or_else(|| "unknown CPU".into());
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
-    format!("{name}, {cpu}, {cores} cores available")
+    // The 1-minute load average: on a shared machine it says how much of the cores the samples
+    // competed for.
+    let load = std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|text| text.split_whitespace().next().map(str::to_string))
+        .map_or_else(String::new, |load| format!(", load average {load}"));
+    format!("{name}, {cpu}, {cores} cores available{load}")
 }
