@@ -174,6 +174,61 @@ impl CpuExecutor {
     }
 }
 
+impl CpuExecutor {
+    /// Recovers from lost completions (after `wait_cqe` timed out): replaces every queue pair
+    /// with one from `fresh` (same order as the devices this executor serves) and returns how
+    /// many IOCBs it reclaimed.
+    ///
+    /// The old queue pairs are dropped first, which deletes their queues on the controller: the
+    /// controller aborts what they held, so no command of theirs can move data or complete
+    /// afterwards. Only then is every IOCB still in flight finished as TIMEOUT (the same
+    /// compare-and-swap as a normal completion, so one CQE per issue) and made reissuable. IOCBs
+    /// whose IOCTXs were never submitted are reclaimed too; the caller reissues whatever it still
+    /// needs. Not available to `CpuWorkers`, whose queue pairs live on worker threads.
+    pub fn reset(&mut self, memory: &QueueMemory, fresh: Vec<IoQueuePair>) -> Result<usize, GioError> {
+        let served = self.queues.iter().filter(|queue| queue.is_some()).count();
+        if fresh.len() != served {
+            return Err(GioError::InvalidConfig { reason: format!("reset needs {served} fresh queue pairs, got {}", fresh.len()) });
+        }
+        let mut fresh = fresh.into_iter();
+        for slot in self.queues.iter_mut().filter(|queue| queue.is_some()) {
+            // Dropping the old pair deletes its queues (bounded by the controller's admin timeout).
+            drop(std::mem::replace(slot, fresh.next()));
+        }
+        self.pending.clear();
+        self.doorbell_due.iter_mut().for_each(|due| *due = false);
+        let mut reclaimed = 0;
+        for id in (0..memory.layout.config.depth).map(IocbId) {
+            let status = memory.iocb_field_offset(id, crate::layout::IocbField::Status);
+            let finished = memory.region.compare_exchange_u32(
+                status,
+                abi::GIO_IOCB_STATUS_ISSUED,
+                abi::GIO_IOCB_STATUS_TIMEOUT,
+                std::sync::atomic::Ordering::AcqRel,
+                std::sync::atomic::Ordering::Relaxed,
+            );
+            if finished.is_err() {
+                continue;
+            }
+            let header = memory.read_iocb_header(id);
+            let progress = memory.read_iocb_progress(id);
+            let failed = progress.failed_ioctx != abi::GIO_NO_FAILED_IOCTX;
+            post_cqe(
+                memory,
+                crate::ring::Cqe {
+                    iocb_id: id,
+                    issue_seq: header.issue_seq,
+                    failed_ioctx: progress.failed_ioctx,
+                    status: abi::GIO_IOCB_STATUS_TIMEOUT as u16,
+                    failed_nvme_status: if failed { progress.failed_nvme_status } else { 0 },
+                },
+            )?;
+            reclaimed += 1;
+        }
+        Ok(reclaimed)
+    }
+}
+
 impl Executor for CpuExecutor {
     fn name(&self) -> &'static str {
         "cpu"

@@ -121,6 +121,12 @@ impl<E: Executor> GioQueue<E> {
     }
 
     /// The shared memory, e.g. to map it into a GPU.
+    /// The executor together with the queue's memory, for executor operations that act on the
+    /// shared records (e.g. [`crate::CpuExecutor::reset`] after a lost completion).
+    pub fn executor_and_memory(&mut self) -> (&mut E, &QueueMemory) {
+        (&mut self.executor, &self.memory)
+    }
+
     pub fn memory(&self) -> &QueueMemory {
         &self.memory
     }

@@ -28,7 +28,7 @@ struct Rig<E: Executor = CpuExecutor> {
     queue: GioQueue<E>,
     source: DmaRegion,
     target: DmaRegion,
-    _controller: Controller,
+    controller: Controller,
     device: Arc<EmuDevice>,
 }
 
@@ -68,7 +68,7 @@ fn rig_with<E: Executor>(sgl: bool, queue_pairs: u16, nvme_depth: u32, executor:
             .unwrap();
     let executor = executor(queues);
     let queue = GioQueue::init_queue(QueueConfig { depth: 16, ioctx_per_iocb_max: 2048 }, devices, registered, executor).unwrap();
-    Rig { queue, source, target, _controller: controller, device }
+    Rig { queue, source, target, controller, device }
 }
 
 /// IOCTX `i` moves KV block `i` of layer 0 (the layer rule reaches the others); consecutive
@@ -170,6 +170,39 @@ fn a_lost_completion_is_a_bounded_wait_not_a_hang() {
     let result = rig.queue.wait_cqe(id, Instant::now() + Duration::from_millis(200));
     assert!(matches!(result, Err(GioError::WaitTimeout { id: IocbId(_), .. })), "{result:?}");
     assert!(started.elapsed() < Duration::from_secs(5));
+}
+
+#[test]
+fn a_lost_completion_is_reclaimed_by_resetting_the_queue_pair_and_the_iocb_reissued() {
+    // Goal: after wait_cqe timed out on a completion the device dropped, replacing the queue pair
+    // finishes the IOCB as a timeout (one completion), and the IOCB then reads the right bytes.
+    let mut rig = rig(true, 1, 64);
+    let data = pattern(rig.source.len());
+    rig.target.write(0, &data).unwrap();
+    let write = rig.queue.get_iocb(1, Dependency::None).unwrap()[0];
+    rig.queue.fill_iocb(write, &layered(Opcode::Write), &ioctxs(&rig.target, true, 1)).unwrap();
+    rig.queue.issue_io(&[write], LayerIndex(0), SmBudget(1)).unwrap();
+    assert_eq!(rig.queue.wait_cqe(write, deadline()).unwrap().result, Ok(()));
+    rig.target.fill(0, rig.target.len(), 0).unwrap();
+    rig.device.set_faults(FaultPlan::none().with_rule(FaultRule::on_nth_io(3, FaultAction::DropCompletion)));
+    let read = rig.queue.get_iocb(1, Dependency::None).unwrap()[0];
+    rig.queue.fill_iocb(read, &layered(Opcode::Read), &ioctxs(&rig.target, true, 1)).unwrap();
+    rig.queue.issue_io(&[read], LayerIndex(0), SmBudget(1)).unwrap();
+    let result = rig.queue.wait_cqe(read, Instant::now() + Duration::from_millis(200));
+    assert!(matches!(result, Err(GioError::WaitTimeout { .. })), "{result:?}");
+    rig.device.set_faults(FaultPlan::none());
+    let fresh = rig.controller.create_io_queue_pair(64).unwrap();
+    let (executor, memory) = rig.queue.executor_and_memory();
+    assert_eq!(executor.reset(memory, vec![fresh]).unwrap(), 1, "the one IOCB in flight is reclaimed");
+    let reclaimed = rig.queue.wait_cqe(read, deadline()).unwrap();
+    assert!(matches!(reclaimed.result, Err(IocbFailure::Timeout { .. })), "{:?}", reclaimed.result);
+    let (executor, memory) = rig.queue.executor_and_memory();
+    assert!(matches!(executor.reset(memory, Vec::new()), Err(GioError::InvalidConfig { .. })), "one fresh pair per device");
+    rig.queue.issue_io(&[read], LayerIndex(0), SmBudget(1)).unwrap();
+    assert_eq!(rig.queue.wait_cqe(read, deadline()).unwrap().result, Ok(()), "reissued on the fresh queue pair");
+    let mut back = vec![0u8; LAYER_BYTES as usize];
+    rig.target.read(0, &mut back).unwrap();
+    assert!(back[..] == data[..LAYER_BYTES as usize], "layer 0 read back after the reset");
 }
 
 #[test]
