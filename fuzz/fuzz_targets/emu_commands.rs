@@ -2,27 +2,17 @@
 //! plus arbitrary host memory (PRP lists, SGL segments, DSM ranges, data) must always produce an
 //! NVMe status, never a panic, hang or out-of-bounds access.
 //!
-//! Input layout: byte 0 = flags (bit 0: admin command; bit 1: rebase PRP1/PRP2 into the
-//! mapped memory so deeper paths are reached), bytes 1..65 = the entry, the rest = memory
-//! mapped at `nvme_emu::fuzzing::FUZZ_MEMORY_IOVA`.
+//! Input layout: byte 0 = flags (bit 0: admin command; bit 1: rebase DPTR qword 0 (PRP1 or
+//! the SGL1 address) into the mapped memory; bit 2: rebase DPTR qword 1 (PRP2; leave it clear
+//! for SGLs, where it holds length and type)), bytes 1..65 = the entry, the rest = memory mapped
+//! at `nvme_emu::fuzzing::FUZZ_MEMORY_IOVA`. Seeds that reach PRP lists, SGL chains, DSM and
+//! admin data transfers are in `fuzz/seeds/emu_commands/`.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use nvme_emu::fuzzing::{process_raw, FUZZ_MEMORY_IOVA};
+use nvme_emu::fuzzing::process_input;
 
 fuzz_target!(|data: &[u8]| {
-    let Some((&flags, rest)) = data.split_first() else { return };
-    let Some((entry_bytes, memory)) = rest.split_first_chunk::<64>() else { return };
-    let mut entry = *entry_bytes;
-    if flags & 2 != 0 {
-        let span = memory.len().max(1) as u64;
-        for start in [24usize, 32] {
-            let mut qword = [0u8; 8];
-            qword.copy_from_slice(&entry[start..start + 8]);
-            let rebased = FUZZ_MEMORY_IOVA + u64::from_le_bytes(qword) % span;
-            entry[start..start + 8].copy_from_slice(&rebased.to_le_bytes());
-        }
-    }
-    // Setup errors (allocation) are not findings; panics are.
-    let _ = process_raw(flags & 1 != 0, &entry, memory);
+    // `None` (too short, setup failure) is not a finding; a panic is.
+    let _ = process_input(data);
 });
