@@ -481,15 +481,21 @@ impl<E: Executor> KvStore<E> {
     pub fn wait(&mut self, handle: RequestHandle, deadline: Instant) -> Result<Option<u32>> {
         let index = self.request_index(handle)?;
         let Some(layer) = self.requests[index].layer_in_flight else { return Ok(None) };
+        // Every IOCB of the layer is waited for, even after a failure: until all completed, the
+        // device may still be moving bytes of this request. A timeout leaves the layer in flight
+        // (wait again, or drop the store).
+        let mut failure = None;
         for i in 0..self.requests[index].iocbs.len() {
             let id = self.requests[index].iocbs[i];
             let completion = self.queue.wait_cqe(id, deadline)?;
-            if let Err(failure) = completion.result {
-                self.requests[index].layer_in_flight = None;
-                return Err(ObjstoreError::LayerIo { layer, iocb: id.to_string(), failure });
+            if let (None, Err(error)) = (&failure, completion.result) {
+                failure = Some(ObjstoreError::LayerIo { layer, iocb: id.to_string(), failure: error });
             }
         }
         self.requests[index].layer_in_flight = None;
+        if let Some(error) = failure {
+            return Err(error);
+        }
         self.requests[index].layers_done[layer as usize] = true;
         Ok(Some(layer))
     }

@@ -238,3 +238,42 @@ fn a_pool_across_several_controllers() {
     let Err(foreign) = Pool::open(mixed, None) else { panic!("mixed two pools") };
     assert!(matches!(&foreign, ObjstoreError::PoolMembership { device: 1, reason } if reason.contains("belongs to pool")), "{foreign}");
 }
+
+#[test]
+fn a_device_error_fails_the_layer_and_leaves_nothing_visible() {
+    // Goal: a media error on one data write fails that layer's wait with the NVMe status; the
+    // abandoned store frees its slots and shows nothing; a failed read fails the retrieve;
+    // the store keeps working afterwards.
+    use nvme_driver::spec::{NvmeStatus, StatusCodeType};
+    use nvme_emu::{FaultAction, FaultPlan, FaultRule};
+    let mut rig = rig(16);
+    let mut rng = Rng(6);
+    let tokens = rng.tokens(32);
+    let keys = keys_of(&tokens);
+    rig.engine.fill(0, keys[0]);
+    rig.engine.fill(1, keys[1]);
+    let media = NvmeStatus::new(StatusCodeType::MediaAndDataIntegrity, 0x81);
+    rig._device.set_faults(FaultPlan::none().with_rule(FaultRule::on_nth_io(3, FaultAction::Status(media))));
+    let plan = rig.store.prepare_store(&KvRequest { tokens: &tokens, block_ids: &[0, 1] }).unwrap();
+    let mut failed_layer = None;
+    for layer in 0..4 {
+        rig.store.store_layer(plan.handle, layer, BUDGET).unwrap();
+        if let Err(error) = rig.store.wait(plan.handle, deadline()) {
+            assert!(matches!(error, ObjstoreError::LayerIo { .. }), "{error}");
+            failed_layer = Some(layer);
+            break;
+        }
+    }
+    assert_eq!(failed_layer, Some(1), "2 commands per layer: the 3rd command is layer 1's first");
+    assert!(matches!(rig.store.commit_store(plan.handle), Err(ObjstoreError::HandleState { .. })));
+    rig.store.finish(plan.handle).unwrap();
+    assert_eq!((rig.store.lookup(&tokens), rig.store.counts().free_slots), (0, 16));
+    store(&mut rig.store, &rig.engine, &tokens, &[0, 1]);
+    rig._device.set_faults(FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::Status(media))));
+    let handle = rig.store.prepare_retrieve(&KvRequest { tokens: &tokens, block_ids: &[5, 6] }).unwrap();
+    rig.store.retrieve_layer(handle, 0, BUDGET).unwrap();
+    assert!(matches!(rig.store.wait(handle, deadline()), Err(ObjstoreError::LayerIo { layer: 0, .. })));
+    rig.store.finish(handle).unwrap();
+    retrieve(&mut rig.store, &rig.engine, &tokens, &[5, 6]);
+    assert!(rig.engine.holds(5, keys[0], 4) && rig.engine.holds(6, keys[1], 4));
+}
