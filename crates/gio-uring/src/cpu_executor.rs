@@ -17,6 +17,7 @@
 //! [`DeviceTable`]: crate::validate::DeviceTable
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 use nvme_driver::spec::command::DataPointerKind;
 use nvme_driver::spec::{NvmeStatus as DriverStatus, SubmissionEntry};
@@ -25,15 +26,18 @@ use nvme_driver::{IoQueuePair, NamespaceId};
 use crate::abi::{self, NvmeStatus, Opcode};
 use crate::error::GioError;
 use crate::executor::{complete_ioctx, post_cqe, Executor, IssueBatch};
+use crate::ioctx_index::IoctxIndex;
 use crate::layout::{IocbHeader, QueueMemory};
 use crate::ring::Ring;
 use crate::types::IocbId;
 
-/// An IOCB accepted from the SQ whose IOCTXs are not all submitted yet.
+/// An IOCB accepted from the SQ whose IOCTXs are not all submitted yet: positions
+/// `next..end` are left (IOCTX indices, or with a worker index, positions in its group).
 #[derive(Debug, Clone, Copy)]
 struct Pending {
     header: IocbHeader,
-    next_ioctx: u32,
+    next: u32,
+    end: u32,
 }
 
 /// See the module documentation.
@@ -45,6 +49,8 @@ pub struct CpuExecutor {
     pending: VecDeque<Pending>,
     /// Whether a device's SQ holds entries not yet announced by a doorbell.
     doorbell_due: Vec<bool>,
+    /// Worker mode: the IOCTX index built at fill time and this worker's number in it.
+    index: Option<(Arc<IoctxIndex>, usize)>,
 }
 
 /// The tag of an NVMe command: which IOCTX of which IOCB it carries.
@@ -71,19 +77,24 @@ fn abi_status(status: DriverStatus) -> NvmeStatus {
 impl CpuExecutor {
     /// `queues[i]` serves device index `i`. `depth` is the gio queue depth.
     pub fn new(queues: Vec<IoQueuePair>, depth: u32) -> Self {
-        Self::for_devices(queues.into_iter().map(Some).collect(), depth)
+        Self::for_devices(queues.into_iter().map(Some).collect(), depth, None)
     }
 
     /// An executor serving only the devices whose slot is `Some`; IOCTXs for the others are left
-    /// to the workers that own them.
-    pub(crate) fn for_devices(queues: Vec<Option<IoQueuePair>>, depth: u32) -> Self {
+    /// to the workers that own them. With `index`, it visits only the IOCTXs the index gives
+    /// this worker.
+    pub(crate) fn for_devices(queues: Vec<Option<IoQueuePair>>, depth: u32, index: Option<(Arc<IoctxIndex>, usize)>) -> Self {
         let doorbell_due = vec![false; queues.len()];
-        Self { queues, pending: VecDeque::with_capacity(depth as usize), doorbell_due }
+        Self { queues, pending: VecDeque::with_capacity(depth as usize), doorbell_due, index }
     }
 
     /// Takes an IOCB another thread consumed from the SQ (worker mode).
     pub(crate) fn accept(&mut self, header: IocbHeader) {
-        self.pending.push_back(Pending { header, next_ioctx: 0 });
+        let (next, len) = match &self.index {
+            Some((index, worker)) => index.range(IocbId(header.id), *worker),
+            None => (0, header.ioctx_count),
+        };
+        self.pending.push_back(Pending { header, next, end: next + len });
     }
 
     /// Commands submitted to the devices and not yet reaped.
@@ -134,14 +145,17 @@ impl CpuExecutor {
     fn pump(&mut self, memory: &QueueMemory) -> Result<(), GioError> {
         'iocbs: while let Some(pending) = self.pending.front_mut() {
             let header = pending.header;
-            while pending.next_ioctx < header.ioctx_count {
-                let index = pending.next_ioctx;
+            let id = IocbId(header.id);
+            while pending.next < pending.end {
+                let index = match &self.index {
+                    Some((ioctx_index, _)) => ioctx_index.ioctx_at(id, pending.next),
+                    None => pending.next,
+                };
                 let ioctx = memory.read_ioctx(header.ioctx_first + index);
                 let device = usize::from(ioctx.device_index);
-                let id = IocbId(header.id);
                 let command = Self::command(&header, &ioctx);
                 if matches!(self.queues.get(device), Some(None)) {
-                    pending.next_ioctx += 1; // another worker's device
+                    pending.next += 1; // another worker's device
                     continue;
                 }
                 let (Some(Some(queue)), Some(command)) = (self.queues.get_mut(device), command) else {
@@ -151,7 +165,7 @@ impl CpuExecutor {
                     if let Some(cqe) = complete_ioctx(memory, id, index, header.ioctx_count, header.issue_seq, status) {
                         post_cqe(memory, cqe)?;
                     }
-                    pending.next_ioctx += 1;
+                    pending.next += 1;
                     continue;
                 };
                 if queue.free_slots() == 0 {
@@ -161,7 +175,7 @@ impl CpuExecutor {
                     .submit_raw(command, tag(id, index))
                     .map_err(|error| GioError::Executor { executor: "cpu", reason: format!("device {device}: {error}") })?;
                 self.doorbell_due[device] = true;
-                pending.next_ioctx += 1;
+                pending.next += 1;
             }
             self.pending.pop_front();
         }

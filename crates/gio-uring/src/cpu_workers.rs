@@ -1,9 +1,11 @@
 //! The CPU executor with worker threads: each worker owns the NVMe queue pairs of some devices
 //! (no locks between workers on the I/O path) and plays the part of a thread block.
 //!
-//! `submit` (on the caller's thread) takes the IOCB ids off the gio SQ and hands each IOCB to every
-//! worker over a bounded channel allocated at start-up. A worker submits the IOCTXs that target its
-//! own devices and reaps its own queues. IOCTXs of one IOCB may be spread over several workers:
+//! When an IOCB is filled, its IOCTXs are grouped by the worker owning their device
+//! ([`crate::ioctx_index`]). `submit` (on the caller's thread) takes the IOCB ids off the gio SQ
+//! and hands each IOCB, over a bounded channel allocated at start-up, to the workers that own at
+//! least one of its IOCTXs. A worker submits exactly its group of IOCTXs, without scanning the
+//! others, and reaps its own queues. IOCTXs of one IOCB may be spread over several workers:
 //! completion counting is the shared-memory protocol of [`crate::executor::complete_ioctx`] (atomic
 //! counter, compare-and-swap on the first failure and on the final status), so whichever worker
 //! completes the last IOCTX posts the one CQE, under the CQ's producer lock.
@@ -18,6 +20,7 @@ use nvme_driver::IoQueuePair;
 use crate::cpu_executor::CpuExecutor;
 use crate::error::GioError;
 use crate::executor::{Executor, IssueBatch};
+use crate::ioctx_index::IoctxIndex;
 use crate::layout::{IocbHeader, QueueMemory};
 use crate::ring::Ring;
 use crate::types::{DeviceIndex, IocbId};
@@ -39,6 +42,12 @@ struct Worker {
 pub struct CpuWorkers {
     /// Queue pairs per worker until `attach` moves them into the worker threads.
     assignments: Vec<Vec<Option<IoQueuePair>>>,
+    /// The worker owning each device index.
+    owner: Vec<usize>,
+    /// Built by `attach`; each IOCB's group per worker is written by `prepared`.
+    index: Option<Arc<IoctxIndex>>,
+    /// Scratch of one counter per worker for building the index.
+    counts: Vec<u32>,
     workers: Vec<Worker>,
     depth: u32,
     /// The first error a worker hit; reported by `poll`. Locked only on that error path.
@@ -74,7 +83,9 @@ impl CpuWorkers {
         if let Some(device) = owner.iter().position(Option::is_none) {
             return Err(GioError::InvalidConfig { reason: format!("device {device} has no worker") });
         }
-        Ok(Self { assignments, workers: Vec::new(), depth, failure: Arc::new(Mutex::new(None)) })
+        let owner = owner.into_iter().flatten().collect();
+        let counts = vec![0; assignments.len()];
+        Ok(Self { assignments, owner, index: None, counts, workers: Vec::new(), depth, failure: Arc::new(Mutex::new(None)) })
     }
 
     fn record_failure(failure: &Mutex<Option<String>>, error: &GioError) {
@@ -116,12 +127,16 @@ impl Executor for CpuWorkers {
     }
 
     fn attach(&mut self, memory: &Arc<QueueMemory>) -> Result<(), GioError> {
-        // An IOCB is in flight at most once, but a worker that owns none of its devices may still
-        // hold its message when it is reissued: four rounds of the depth leave ample slack.
-        let capacity = self.depth as usize * 4;
+        // A worker receives an IOCB only if it owns some of its IOCTXs, so the IOCB cannot complete
+        // (and be reissued) before that worker took the message: the depth bounds each channel.
+        // Twice the depth leaves slack.
+        let capacity = self.depth as usize * 2;
+        let config = memory.layout.config;
+        let ioctx_index = Arc::new(IoctxIndex::new(config.depth, config.ioctx_per_iocb_max, self.counts.len()));
+        self.index = Some(Arc::clone(&ioctx_index));
         for (index, queues) in std::mem::take(&mut self.assignments).into_iter().enumerate() {
             let (sender, receiver) = mpsc::sync_channel(capacity);
-            let core = CpuExecutor::for_devices(queues, self.depth);
+            let core = CpuExecutor::for_devices(queues, self.depth, Some((Arc::clone(&ioctx_index), index)));
             let memory = Arc::clone(memory);
             let failure = Arc::clone(&self.failure);
             let thread = std::thread::Builder::new()
@@ -130,6 +145,13 @@ impl Executor for CpuWorkers {
                 .map_err(|error| GioError::Executor { executor: "cpu-workers", reason: format!("spawn: {error}") })?;
             self.workers.push(Worker { sender, thread: Some(thread) });
         }
+        Ok(())
+    }
+
+    fn prepared(&mut self, memory: &QueueMemory, id: IocbId) -> Result<(), GioError> {
+        let index =
+            self.index.as_ref().ok_or_else(|| GioError::Executor { executor: "cpu-workers", reason: "not attached to a queue".into() })?;
+        index.build(memory, id, &self.owner, &mut self.counts);
         Ok(())
     }
 
@@ -151,11 +173,17 @@ impl Executor for CpuWorkers {
                 return Err(GioError::Executor { executor: "cpu-workers", reason: format!("SQ names {id}, outside the pool") });
             }
             let header = memory.read_iocb_header(id);
+            let Some(ioctx_index) = &self.index else {
+                return Err(GioError::Executor { executor: "cpu-workers", reason: "not attached to a queue".into() });
+            };
             for (index, worker) in self.workers.iter().enumerate() {
+                if ioctx_index.range(id, index).1 == 0 {
+                    continue; // owns none of this IOCB's IOCTXs
+                }
                 worker.sender.try_send(Message::Iocb(header)).map_err(|error| GioError::Executor {
                     executor: "cpu-workers",
                     reason: match error {
-                        TrySendError::Full(_) => format!("worker {index} is {} IOCBs behind", self.depth * 4),
+                        TrySendError::Full(_) => format!("worker {index} is {} IOCBs behind", self.depth * 2),
                         TrySendError::Disconnected(_) => format!("worker {index} has stopped"),
                     },
                 })?;

@@ -28,6 +28,7 @@ pub mod error;
 pub mod executor;
 #[cfg(feature = "cuda")]
 pub mod gpu;
+mod ioctx_index;
 pub mod layout;
 pub mod queue;
 pub mod ring;
