@@ -129,7 +129,7 @@ impl Backend {
             }
             DeviceSpec::EmuMemory(bytes) => {
                 let backing = Backing::Memory { bytes: *bytes };
-                Self::emu(backing, needs, format!("nvme-emu software controller over {} MiB of memory", bytes >> 20))
+                Self::emu(backing, needs, format!("nvme-emu software controller over {} of memory", super::format_bytes(*bytes)))
             }
             DeviceSpec::Vfio(address) => {
                 let device = nvme_driver::hw::VfioDevice::open(address).map_err(|error| {

@@ -127,9 +127,10 @@ impl Base {
 pub fn run(args: &IoArgs) -> Result<()> {
     if args.executor == ExecutorKind::Cuda {
         bail!(
-            "--executor cuda: the GPU executor cannot run here. gio-uring's CUDA executor is not implemented yet \
-             (it needs NVMe queue pairs in GPU-reachable memory) and this build of tutti-profile links no CUDA; \
-             nothing was measured. Use --executor cpu, whose costs calibrate the pipeline, not a GPU kernel"
+            "--executor cuda: the GPU executor cannot run here. tutti-profile is built without gio-uring's \
+             `cuda` feature and has no probe that drives the CUDA I/O kernel (which also needs NVMe queue pairs \
+             in GPU-reachable memory); nothing was measured. --executor cpu measures the CPU executor, whose \
+             costs calibrate the pipeline, not a GPU kernel"
         );
     }
     let grid = IoGrid { iocb_counts: args.iocb_counts.clone(), sm_budgets: args.sm_budgets.clone(), repetitions: args.repetitions };
@@ -197,7 +198,7 @@ pub fn run(args: &IoArgs) -> Result<()> {
         host
     );
     let layout = probe.lay_out(sm_budget_min)?;
-    eprintln!("io: laid out {} MiB (untimed pass, took {:.1} ms)", shape.span_bytes() >> 20, layout.as_secs_f64() * 1e3);
+    eprintln!("io: laid out {} (untimed pass, took {:.1} ms)", format_bytes(shape.span_bytes()), layout.as_secs_f64() * 1e3);
 
     let mut points = Vec::new();
     let rows = {
@@ -244,6 +245,16 @@ pub fn run(args: &IoArgs) -> Result<()> {
         profile.gpu().name
     );
     Ok(())
+}
+
+/// `512 KiB`, `128 MiB`: whole binary units, the largest that keeps the figure exact or ≥ 1.
+pub(crate) fn format_bytes(bytes: u64) -> String {
+    match bytes {
+        b if b >= 1 << 30 && b % (1 << 30) == 0 => format!("{} GiB", b >> 30),
+        b if b >= 1 << 20 => format!("{} MiB", b >> 20),
+        b if b >= 1 << 10 => format!("{} KiB", b >> 10),
+        b => format!("{b} bytes"),
+    }
 }
 
 fn dedup_len(values: &[u32]) -> usize {
