@@ -11,6 +11,10 @@ use nvme_emu::NamespaceConfig;
 use objstore::StoreConfig;
 
 fn round_trip(k: u32, sgl: bool, major: bool, namespaces: &[u32]) {
+    round_trip_with(k, sgl, major, namespaces, false);
+}
+
+fn round_trip_with(k: u32, sgl: bool, major: bool, namespaces: &[u32], workers: bool) {
     let ns_configs = namespaces.iter().map(|_| NamespaceConfig::new(512, Some(8 << 20))).collect();
     let device = start_device(ns_configs, (8 << 20) * namespaces.len() as u64, sgl);
     let controller = bring_up(&device, Duration::from_secs(5));
@@ -20,8 +24,20 @@ fn round_trip(k: u32, sgl: bool, major: bool, namespaces: &[u32]) {
     let mut rng = Rng(u64::from(k) * 7 + u64::from(sgl) + 31 * u64::from(major));
     let requests: Vec<Vec<u32>> = (0..12).map(|r| rng.tokens(16 * (1 + r % 5) + 5)).collect();
     {
+        // Stored with one executor, read back after the reopen with the other.
         let mut kv = open_store(targets(&controller, namespaces), &engine, StoreConfig::default());
-        for (r, tokens) in requests.iter().enumerate() {
+        if workers {
+            drop(kv);
+            let mut threaded = open_store_workers(targets(&controller, namespaces), &engine, StoreConfig::default());
+            for (r, tokens) in requests.iter().enumerate() {
+                let n = tokens.len() / 16;
+                let blocks: Vec<u32> = (0..n as u32).map(|i| if r % 2 == 0 { i } else { 63 - 3 * i }).collect();
+                store(&mut threaded, &engine, tokens, &blocks);
+            }
+            drop(threaded);
+            kv = open_store(targets(&controller, namespaces), &engine, StoreConfig::default());
+        }
+        for (r, tokens) in requests.iter().enumerate().filter(|_| !workers) {
             let n = tokens.len() / 16;
             // Consecutive engine blocks for some requests (exercises merged runs), scattered for others.
             let blocks: Vec<u32> = (0..n as u32).map(|i| if r % 2 == 0 { i } else { 63 - 3 * i }).collect();
@@ -76,3 +92,9 @@ fn several_devices_round_robin() {
     round_trip(1, true, false, &[1, 2, 3]);
 }
 
+
+#[test]
+fn several_devices_with_worker_threads() {
+    // Goal: the same pool format and API under the threaded CPU executor (one worker per device).
+    round_trip_with(1, true, false, &[1, 2], true);
+}

@@ -162,9 +162,19 @@ pub fn open_store(targets: Vec<PoolTarget>, engine: &Engine, config: StoreConfig
     KvStore::new(pool, engine.registration.clone(), engine.dma.clone(), executor, config).expect("store")
 }
 
+/// Like `open_store`, with the threaded CPU executor: one worker per pool device.
+pub fn open_store_workers(targets: Vec<PoolTarget>, engine: &Engine, config: StoreConfig) -> KvStore<gio_uring::CpuWorkers> {
+    let (pool, _report) = Pool::open(targets, Some(&geometry())).expect("open");
+    let workers = (0..pool.device_count())
+        .map(|device| vec![(gio_uring::DeviceIndex(device as u16), pool.target(device).controller.create_io_queue_pair(256).unwrap())])
+        .collect();
+    let executor = gio_uring::CpuWorkers::new(pool.device_count(), workers, config.iocbs).expect("workers");
+    KvStore::new(pool, engine.registration.clone(), engine.dma.clone(), executor, config).expect("store")
+}
+
 /// Stores `tokens` from engine blocks `blocks` (filled with their keys' patterns first), layer
 /// by layer, and commits.
-pub fn store(store: &mut KvStore<CpuExecutor>, engine: &Engine, tokens: &[u32], blocks: &[u32]) -> objstore::StorePlan {
+pub fn store<E: gio_uring::Executor>(store: &mut KvStore<E>, engine: &Engine, tokens: &[u32], blocks: &[u32]) -> objstore::StorePlan {
     let keys = keys_of(tokens);
     for (i, &block) in blocks.iter().enumerate() {
         engine.fill(block, keys[i]);
@@ -179,7 +189,7 @@ pub fn store(store: &mut KvStore<CpuExecutor>, engine: &Engine, tokens: &[u32], 
 }
 
 /// Retrieves the first `blocks.len()` blocks of `tokens` into `blocks`, layer by layer.
-pub fn retrieve(store: &mut KvStore<CpuExecutor>, engine: &Engine, tokens: &[u32], blocks: &[u32]) {
+pub fn retrieve<E: gio_uring::Executor>(store: &mut KvStore<E>, engine: &Engine, tokens: &[u32], blocks: &[u32]) {
     for &block in blocks {
         engine.scribble(block);
     }
