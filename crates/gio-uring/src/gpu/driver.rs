@@ -474,10 +474,36 @@ unsafe impl Send for Event {}
 // SAFETY: as for Event.
 unsafe impl Send for DeviceMemory {}
 
-/// Makes later work on `stream` wait until `event`'s last record completes.
-pub fn stream_wait_event(stream: sys::CUstream, event: &Event) -> Result<(), GioError> {
-    // SAFETY: both handles are live; flags 0 is the only defined value.
-    check("cuStreamWaitEvent", unsafe { sys::cuStreamWaitEvent(stream, event.raw(), 0) })
+/// A CUDA event the caller created (typically recorded on its compute stream, in its own
+/// context), handed to the executor so that I/O can wait on it.
+#[derive(Debug, Clone, Copy)]
+pub struct CallerEvent {
+    event: sys::CUevent,
+}
+
+impl CallerEvent {
+    /// # Safety
+    /// `event` must be a valid CUevent that the caller does not destroy while the executor it is
+    /// registered with exists.
+    pub unsafe fn from_raw(event: sys::CUevent) -> Self {
+        Self { event }
+    }
+
+    pub fn raw(&self) -> sys::CUevent {
+        self.event
+    }
+}
+
+// SAFETY: a CUevent handle may be used from any thread (the driver API is thread-safe); its
+// validity is the caller's promise made in `from_raw`.
+unsafe impl Send for CallerEvent {}
+
+/// Makes later work on `stream` wait until the last record of `event` (the executor's own, or a
+/// caller's from any context: cross-context waits are allowed) completes.
+pub fn stream_wait_event(stream: sys::CUstream, event: sys::CUevent) -> Result<(), GioError> {
+    // SAFETY: `stream` is the runtime's live stream; `event` is an Event this module owns or a
+    // CallerEvent whose validity the caller promised; flags 0 is the only defined value.
+    check("cuStreamWaitEvent", unsafe { sys::cuStreamWaitEvent(stream, event, 0) })
 }
 
 /// Whether every operation enqueued on `stream` has completed. Never blocks.

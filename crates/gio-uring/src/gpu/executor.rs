@@ -38,7 +38,7 @@ use std::time::{Duration, Instant};
 use nvme_driver::spec::{COMPLETION_ENTRY_BYTES, SUBMISSION_ENTRY_BYTES};
 use nvme_driver::{Controller, DetachedQueuePair, DmaRegion};
 
-use super::driver::{self, BarMapping, CopyDirection, DeviceMemory, Event, HostRegistration, MemoryOwner};
+use super::driver::{self, BarMapping, CallerEvent, CopyDirection, DeviceMemory, Event, HostRegistration, MemoryOwner};
 use super::plan::{self, CopyRun, GridLimits, LaunchAddresses, SpanLookup, StagedIoctx, StagingPair, StateLayout};
 use super::retire::{self, sq_entry};
 use super::{DmaMode, GpuRuntime};
@@ -109,6 +109,22 @@ struct DeviceQueue {
     depth: u32,
 }
 
+/// An event issues may depend on.
+#[derive(Debug)]
+enum DependencyEvent {
+    Own(Event),
+    Caller(CallerEvent),
+}
+
+impl DependencyEvent {
+    fn raw(&self) -> cudarc::driver::sys::CUevent {
+        match self {
+            DependencyEvent::Own(event) => event.raw(),
+            DependencyEvent::Caller(event) => event.raw(),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy)]
 struct Launch {
     sq_first: u32,
@@ -145,7 +161,7 @@ pub struct GpuExecutor {
     // owned (by them and by the fields below); the runtime, which releases the context, goes last.
     registrations: Vec<HostRegistration>,
     attached: Option<Attached>,
-    dependency_events: Vec<Event>,
+    dependency_events: Vec<DependencyEvent>,
     state: DeviceMemory,
     state_layout: StateLayout,
     state_image: Vec<u8>,
@@ -309,28 +325,36 @@ impl GpuExecutor {
         self.limits
     }
 
-    /// Creates an event an issue can depend on ([`Dependency::Event`] with the returned token).
-    /// The caller records it on its own stream through [`GpuExecutor::dependency_event_handle`].
-    /// Created at set-up time, not per issue.
+    /// Registers the caller's event (e.g. recorded on its compute stream after the kernel that
+    /// produces a layer's KV): issues of IOCBs with [`Dependency::Event`] of the returned token
+    /// start only after its last record completed. Registered at set-up time, not per issue.
+    pub fn register_caller_event(&mut self, event: CallerEvent) -> EventToken {
+        self.dependency_events.push(DependencyEvent::Caller(event));
+        EventToken(self.dependency_events.len() as u64 - 1)
+    }
+
+    /// Creates an event in the I/O context that issues can depend on, for producers that record
+    /// it on a stream of that context ([`GpuExecutor::record_dependency_on_io_stream`]). A stream
+    /// of another context needs [`GpuExecutor::register_caller_event`] with an event of its own
+    /// context instead (cuEventRecord wants event and stream in one context).
     pub fn create_dependency_event(&mut self) -> Result<EventToken, GioError> {
         self.runtime.make_current()?;
-        self.dependency_events.push(Event::create()?);
+        self.dependency_events.push(DependencyEvent::Own(Event::create()?));
         Ok(EventToken(self.dependency_events.len() as u64 - 1))
     }
 
-    /// The raw CUevent behind `token`, for `cuEventRecord` on the caller's stream.
-    pub fn dependency_event_handle(&self, token: EventToken) -> Result<cudarc::driver::sys::CUevent, GioError> {
-        self.dependency_event(token).map(Event::raw)
-    }
-
-    /// Records `token`'s event on the executor's own I/O stream (for tests and for callers whose
-    /// producer work runs there).
+    /// Records `token`'s event (one this executor created) on the I/O stream.
     pub fn record_dependency_on_io_stream(&self, token: EventToken) -> Result<(), GioError> {
         self.runtime.make_current()?;
-        self.dependency_event(token)?.record(self.runtime.stream())
+        match self.dependency_event(token)? {
+            DependencyEvent::Own(event) => event.record(self.runtime.stream()),
+            DependencyEvent::Caller(_) => {
+                Err(GioError::InvalidConfig { reason: format!("{token:?} is the caller's event; record it yourself") })
+            }
+        }
     }
 
-    fn dependency_event(&self, token: EventToken) -> Result<&Event, GioError> {
+    fn dependency_event(&self, token: EventToken) -> Result<&DependencyEvent, GioError> {
         usize::try_from(token.0).ok().and_then(|index| self.dependency_events.get(index)).ok_or(GioError::UnknownEvent { token })
     }
 
@@ -373,7 +397,7 @@ impl GpuExecutor {
         let staged = self.runtime.report().dma_mode == DmaMode::Staged;
         if let Dependency::Event(token) = batch.dependency {
             let event = self.dependency_event(token).map_err(|error| (false, error))?;
-            driver::stream_wait_event(stream, event).map_err(|error| (false, error))?;
+            driver::stream_wait_event(stream, event.raw()).map_err(|error| (false, error))?;
         }
         let mut chunks = 0u64;
         for position in 0..batch.count {

@@ -17,7 +17,7 @@ mod executor;
 pub mod plan;
 mod retire;
 
-pub use driver::{BarMapping, DeviceMemory};
+pub use driver::{BarMapping, CallerEvent, DeviceMemory};
 pub use executor::{GpuExecutor, GpuExecutorConfig, GpuQueueSpec, StagingBuffer};
 
 use std::ffi::CStr;
