@@ -12,6 +12,8 @@
 #   COMPARE_IODEPTH  queue depth of every row      (default 32)
 #   COMPARE_KEEP     1 keeps the test file         (default: removed at the end)
 #   COMPARE_ROWS     subset of rows, e.g. "randread-4k read-1m"
+#   COMPARE_QD1      1 adds fio at queue depth 1 as a reference column: the software controller
+#                    (emu:) serialises backing-store writes, so its writes are compared with this
 set -euo pipefail
 
 FILE=${COMPARE_FILE:-/var/tmp/tutti-compare.img}
@@ -20,6 +22,8 @@ RUNTIME=${COMPARE_RUNTIME:-10}
 RUNS=${COMPARE_RUNS:-3}
 IODEPTH=${COMPARE_IODEPTH:-32}
 ROWS=${COMPARE_ROWS:-"randread-4k read-128k read-1m write-128k write-1m"}
+TOOLS="fio uring emu"
+[ "${COMPARE_QD1:-0}" = 1 ] && TOOLS="fio uring emu fioqd1"
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$ROOT/target-bench}
 BENCH=$CARGO_TARGET_DIR/release/tutti-bench
@@ -62,8 +66,10 @@ run() {
     read -r rw bs <<<"$(row_params "$row")"
     out=$WORK/$tool-$row-$index.json
     case $tool in
-        fio)
-            fio --name=job --filename="$FILE" --size="$SIZE" --rw="$rw" --bs="$bs" --iodepth="$IODEPTH" \
+        fio|fioqd1)
+            local depth=$IODEPTH
+            [ "$tool" = fioqd1 ] && depth=1
+            fio --name=job --filename="$FILE" --size="$SIZE" --rw="$rw" --bs="$bs" --iodepth="$depth" \
                 --numjobs=1 --ioengine=io_uring --direct=1 --time_based --runtime="$RUNTIME" \
                 --output-format=json --output="$out" ;;
         uring|emu)
@@ -73,20 +79,23 @@ run() {
     esac
 }
 
+load_start=$(cut -d' ' -f1-3 /proc/loadavg)
 for index in $(seq 1 "$RUNS"); do
     for row in $ROWS; do
         # Tools interleaved within a run, so that drift on a shared machine hits all of them.
-        for tool in fio uring emu; do
+        for tool in $TOOLS; do
             say "run $index/$RUNS: $row $tool"
             run "$tool" "$row" "$index"
         done
     done
 done
 
+load_end=$(cut -d' ' -f1-3 /proc/loadavg)
 uname_line="$(nproc) cores, $(uname -r), $(df -T "$(dirname "$FILE")" | awk 'NR==2 {print $2" on "$1}'), fio $(fio --version)"
-python3 - "$WORK" "$RUNS" "$ROWS" "$IODEPTH" "$RUNTIME" "$SIZE" "$uname_line" <<'EOF'
+python3 - "$WORK" "$RUNS" "$ROWS" "$IODEPTH" "$RUNTIME" "$SIZE" "$uname_line" "$load_start" "$load_end" "$TOOLS" <<'EOF'
 import json, statistics, sys
-work, runs, rows, iodepth, runtime, size, machine = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(), *sys.argv[4:]
+work, runs, rows, iodepth, runtime, size, machine, load_start, load_end, tools = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(), *sys.argv[4:]
+tools = tools.split()
 
 def figure(tool, row, index):
     """IOPS for the 4 KiB row, MB/s for the others; None when the run produced nothing."""
@@ -104,9 +113,10 @@ def median(values):
 def show(value, digits=0):
     return "-" if value is None else f"{value:,.{digits}f}"
 
-print(f"machine: {machine}")
+print(f"machine: {machine}; load average {load_start} at start, {load_end} at end")
 print(f"parameters: iodepth={iodepth} numjobs=1 runtime={runtime}s size={size} direct I/O; medians of {runs} runs; ratio = median of per-run ratios to fio")
-print(f"{'row':<12} {'unit':<5} {'fio':>10} {'uring':>10} {'ratio':>6} {'emu':>10} {'ratio':>6}  goals")
+qd1 = "fioqd1" in tools
+print(f"{'row':<12} {'unit':<5} {'fio':>10} {'uring':>10} {'ratio':>6} {'emu':>10} {'ratio':>6}" + (f" {'fio qd1':>10}" if qd1 else "") + "  goals")
 for row in rows:
     fio = [figure("fio", row, i) for i in range(1, runs + 1)]
     cells = []
@@ -119,5 +129,12 @@ for row in rows:
     if not row.endswith("4k"):
         goals.append("emu>=0.9 " + ("met" if emu_ratio is not None and emu_ratio >= 0.9 else "MISSED"))
     unit = "IOPS" if row.endswith("4k") else "MB/s"
-    print(f"{row:<12} {unit:<5} {show(median(fio)):>10} {show(uring):>10} {show(uring_ratio, 2):>6} {show(emu):>10} {show(emu_ratio, 2):>6}  {', '.join(goals)}")
+    print(f"{row:<12} {unit:<5} {show(median(fio)):>10} {show(uring):>10} {show(uring_ratio, 2):>6} {show(emu):>10} {show(emu_ratio, 2):>6}" + (f" {show(median([figure('fioqd1', row, i) for i in range(1, runs + 1)])):>10}" if qd1 else "") + f"  {', '.join(goals)}")
+print()
+print("per run (the spread is the machine's noise):")
+for row in rows:
+    for tool in tools:
+        values = [figure(tool, row, i) for i in range(1, runs + 1)]
+        name = "fio qd1" if tool == "fioqd1" else tool
+        print(f"  {row:<12} {name:<8} " + "  ".join(show(v) for v in values))
 EOF
