@@ -103,6 +103,27 @@ fn pattern(len: usize) -> Vec<u8> {
     (0..len).map(|i| (i.wrapping_mul(31) ^ (i >> 9)) as u8).collect()
 }
 
+/// Checks, through a separate CPU queue pair, that the SSD holds IOCTX `i` of layer `L` at LBA
+/// `L × LAYER_BLOCKS + (IOCTXS − 1 − i) × BLOCKS_PER_IOCTX` (tests/gpu.rs checks the CUDA executor
+/// against the same layout).
+fn assert_ssd_layout(controller: &Controller, data: &[u8]) {
+    let namespace = controller.namespaces()[0];
+    let mut queue = controller.create_io_queue_pair(16).expect("checking queue pair");
+    let block_bytes = (BLOCKS_PER_IOCTX * BLOCK_BYTES) as usize;
+    let scratch = controller.dma().allocate(block_bytes).unwrap();
+    let mut on_ssd = vec![0u8; block_bytes];
+    for layer in 0..LAYERS {
+        for i in 0..IOCTXS {
+            let lba = u64::from(layer) * LAYER_BLOCKS + u64::from(IOCTXS - 1 - i) * u64::from(BLOCKS_PER_IOCTX);
+            let segment = nvme_driver::DataSegment::new(scratch.iova(), block_bytes as u32);
+            queue.read(namespace.id, nvme_driver::Lba(lba), &[segment], Duration::from_secs(5)).unwrap();
+            scratch.read(0, &mut on_ssd).unwrap();
+            let offset = layer as usize * LAYER_BYTES as usize + i as usize * block_bytes;
+            assert!(on_ssd[..] == data[offset..offset + block_bytes], "layer {layer} IOCTX {i} at LBA {lba}");
+        }
+    }
+}
+
 /// Writes every layer from `source`, reads every layer back into `target`, one issue per layer.
 fn round_trip<E: Executor>(rig: &mut Rig<E>, sgl: bool, devices: u16) {
     let bytes = rig.source.len();
@@ -116,6 +137,7 @@ fn round_trip<E: Executor>(rig: &mut Rig<E>, sgl: bool, devices: u16) {
         rig.queue.issue_io(&[write], LayerIndex(layer), SmBudget(1)).unwrap();
         assert_eq!(rig.queue.wait_cqe(write, deadline()).unwrap().result, Ok(()), "write layer {layer}");
     }
+    assert_ssd_layout(&rig.controller, &data);
     for layer in 0..LAYERS {
         rig.queue.issue_io(&[read], LayerIndex(layer), SmBudget(1)).unwrap();
         let completion = rig.queue.wait_cqe(read, deadline()).unwrap();

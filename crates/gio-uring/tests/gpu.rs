@@ -6,8 +6,9 @@
 //! tests/cpu_executor.rs: 4 layers × 40 IOCTXs of 8 × 512-byte blocks, one IOCB per direction
 //! filled once and reissued per layer, LBAs in reverse order. DMA mode is staged: the emulator
 //! writes host staging buffers and the executor copies them to and from GPU memory. The pattern
-//! goes into GPU memory, is written to the SSD layer by layer, read back into another GPU
-//! buffer, and the bytes are compared. Then a dropped NVMe completion must end as a kernel
+//! goes into GPU memory and is written to the SSD layer by layer; the SSD's blocks are checked
+//! through an ordinary CPU queue pair at the LBAs the CPU test uses; then everything is read back
+//! into another GPU buffer and the bytes are compared. Then a dropped NVMe completion must end as a kernel
 //! timeout, reset the queue pair, and the next issue must succeed.
 //!
 //! Needs the kernel images from tools/cuda-build.sh (GIO_KERNEL_DIR, default target/kernels).
@@ -53,7 +54,7 @@ mod cuda {
         LayerIndex, Lba, QueueConfig, RegisteredMemory, SmBudget,
     };
     use nvme_driver::hw::{DeviceBackend, DmaRegion};
-    use nvme_driver::{Controller, ControllerConfig};
+    use nvme_driver::{Controller, ControllerConfig, DataSegment};
     use nvme_emu::{Backing, EmuConfig, EmuDevice, FaultAction, FaultPlan, FaultRule, NamespaceConfig};
 
     const BLOCK_BYTES: u32 = 512;
@@ -159,6 +160,24 @@ mod cuda {
             queue.issue_io(&[write], LayerIndex(layer), SmBudget(2)).unwrap();
             assert_eq!(queue.wait_cqe(write, deadline()).unwrap().result, Ok(()), "write layer {layer}");
         }
+        // The SSD must hold what the CPU executor's workload puts there: IOCTX i of layer L at
+        // LBA L × LAYER_BLOCKS + (IOCTXS − 1 − i) × BLOCKS_PER_IOCTX. Checked through an ordinary
+        // CPU-driven queue pair, so a self-consistent but wrong LBA mapping cannot pass.
+        let mut cpu_queue = controller.create_io_queue_pair(16).expect("CPU queue pair");
+        let block_bytes = (BLOCKS_PER_IOCTX * BLOCK_BYTES) as usize;
+        let scratch = controller.dma().allocate(block_bytes).unwrap();
+        let mut on_ssd = vec![0u8; block_bytes];
+        for layer in 0..LAYERS {
+            for i in 0..IOCTXS {
+                let lba = u64::from(layer) * LAYER_BLOCKS + u64::from(IOCTXS - 1 - i) * u64::from(BLOCKS_PER_IOCTX);
+                let segment = DataSegment::new(scratch.iova(), block_bytes as u32);
+                cpu_queue.read(namespace.id, nvme_driver::Lba(lba), &[segment], Duration::from_secs(5)).unwrap();
+                scratch.read(0, &mut on_ssd).unwrap();
+                let offset = layer as usize * LAYER_BYTES as usize + i as usize * block_bytes;
+                assert!(on_ssd[..] == data[offset..offset + block_bytes], "layer {layer} IOCTX {i} at LBA {lba}");
+            }
+        }
+        drop(cpu_queue);
         for layer in 0..LAYERS {
             queue.issue_io(&[read], LayerIndex(layer), SmBudget(2)).unwrap();
             let completion = queue.wait_cqe(read, deadline()).unwrap();
