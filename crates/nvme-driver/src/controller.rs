@@ -12,7 +12,7 @@ use crate::hw::{DeviceBackend, DmaAllocator, DmaRegion, RegisterIo};
 use crate::io::IoQueuePair;
 use crate::queue::{Completion, QueuePair};
 use crate::spec::command::{FeatureId, IdentifyCns, LogPageId};
-use crate::spec::identify::parse_active_namespaces;
+use crate::spec::identify::{parse_active_namespaces, IdentifyError};
 use crate::spec::registers::{self, Capabilities, ControllerConfiguration, ControllerStatus, Version};
 use crate::spec::{IdentifyController, IdentifyNamespace, SubmissionEntry, COMPLETION_ENTRY_BYTES, IDENTIFY_BYTES, SUBMISSION_ENTRY_BYTES};
 use crate::types::{NamespaceId, QueueId};
@@ -276,7 +276,8 @@ impl Controller {
                 continue;
             }
             let namespace = IdentifyNamespace::parse(&bytes)?;
-            namespaces.push(Namespace { id: NamespaceId(nsid), block_size_bytes: namespace.block_size_bytes(), size_blocks: namespace.size_blocks });
+            let block_size_bytes = namespace.block_size_bytes().ok_or(IdentifyError::FormatIndexOutOfRange { index: namespace.format_index, count: namespace.formats.len() as u8 })?;
+            namespaces.push(Namespace { id: NamespaceId(nsid), block_size_bytes, size_blocks: namespace.size_blocks });
         }
         self.identify = identify;
         self.namespaces = namespaces;

@@ -13,10 +13,6 @@ use crate::queues::{CompletionQueue, SubmissionQueue};
 
 /// PCI vendor id reported in Identify (not a registered vendor: this is an emulator).
 const VENDOR_ID: u16 = 0x7475;
-/// Feature Identifier Not Saveable (command specific, §5.27).
-const FEATURE_NOT_SAVEABLE: u8 = 0x0D;
-/// Command Sequence Error (generic).
-const COMMAND_SEQUENCE_ERROR: u8 = 0x0C;
 /// Feature identifiers (§5.27.1).
 const FEATURE_ARBITRATION: u32 = 0x01;
 const FEATURE_VOLATILE_WRITE_CACHE: u32 = 0x06;
@@ -248,7 +244,7 @@ impl ControllerCore {
 
     fn set_features(&mut self, entry: &SubmissionEntry) -> CommandResult {
         if entry.cdw10 >> 31 == 1 {
-            return Err(command_specific(FEATURE_NOT_SAVEABLE));
+            return Err(command_specific(codes::FEATURE_NOT_SAVEABLE));
         }
         match entry.cdw10 & 0xFF {
             FEATURE_NUMBER_OF_QUEUES => {
@@ -258,7 +254,7 @@ impl ControllerCore {
                     return Err(generic(codes::INVALID_FIELD));
                 }
                 if self.io_queues_exist() {
-                    return Err(generic(COMMAND_SEQUENCE_ERROR));
+                    return Err(generic(codes::COMMAND_SEQUENCE_ERROR));
                 }
                 let max = u32::from(self.config.io_queue_pairs_max);
                 // Both values are at most io_queue_pairs_max (a u16) here.

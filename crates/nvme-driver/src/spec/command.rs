@@ -229,7 +229,7 @@ impl SubmissionEntry {
     pub fn create_io_completion_queue(queue_id: u16, entries: u32, prp1: u64) -> Self {
         let mut entry = Self::with_opcode(AdminOpcode::CreateIoCompletionQueue as u8, 0);
         entry.dptr[0] = prp1;
-        entry.cdw10 = u32::from(queue_id) | (entries - 1) << 16;
+        entry.cdw10 = u32::from(queue_id) | (entries.saturating_sub(1) & 0xFFFF) << 16;
         entry.cdw11 = 1; // PC: physically contiguous; IEN = 0.
         entry
     }
@@ -238,7 +238,7 @@ impl SubmissionEntry {
     pub fn create_io_submission_queue(queue_id: u16, entries: u32, prp1: u64, completion_queue_id: u16) -> Self {
         let mut entry = Self::with_opcode(AdminOpcode::CreateIoSubmissionQueue as u8, 0);
         entry.dptr[0] = prp1;
-        entry.cdw10 = u32::from(queue_id) | (entries - 1) << 16;
+        entry.cdw10 = u32::from(queue_id) | (entries.saturating_sub(1) & 0xFFFF) << 16;
         entry.cdw11 = 1 | u32::from(completion_queue_id) << 16;
         entry
     }
@@ -294,14 +294,16 @@ impl SubmissionEntry {
         let mut entry = Self::with_opcode(opcode as u8, nsid.0);
         entry.cdw10 = start.0 as u32;
         entry.cdw11 = (start.0 >> 32) as u32;
-        entry.cdw12 = (blocks - 1) & 0xFFFF;
+        entry.cdw12 = blocks.saturating_sub(1) & 0xFFFF;
         if force_unit_access {
             entry.cdw12 |= FORCE_UNIT_ACCESS;
         }
         entry
     }
 
-    /// Read (NVM §3.2.4): `blocks` is a count (1..=65536); the data pointer is set separately.
+    /// Read (NVM §3.2.4): `blocks` is a count (1..=65536; 0 encodes as 1, the smallest legal
+    /// transfer — callers validate counts before building commands); the data pointer is set
+    /// separately.
     pub fn read(nsid: NamespaceId, start: Lba, blocks: u32) -> Self {
         Self::read_write(NvmOpcode::Read, nsid, start, blocks, false)
     }

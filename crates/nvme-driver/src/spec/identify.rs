@@ -215,13 +215,15 @@ impl IdentifyNamespace {
         Ok(Self { size_blocks, capacity_blocks, utilization_blocks: u64_at(bytes, 16), format_index, formats })
     }
 
-    /// The LBA format in use (validated by `parse`).
-    pub fn format(&self) -> LbaFormat {
-        self.formats[usize::from(self.format_index)]
+    /// The LBA format in use (always present in parsed data; `None` only for a hand-built
+    /// value whose index names no format).
+    pub fn format(&self) -> Option<LbaFormat> {
+        self.formats.get(usize::from(self.format_index)).copied()
     }
 
-    pub fn block_size_bytes(&self) -> u32 {
-        self.format().block_size_bytes()
+    /// Bytes per logical block of the format in use (`None` as for [`IdentifyNamespace::format`]).
+    pub fn block_size_bytes(&self) -> Option<u32> {
+        self.format().map(|format| format.block_size_bytes())
     }
 
     /// Serialises (for the software controller).
@@ -288,7 +290,7 @@ mod tests {
         namespace[26] = 0; // format 0 with lbads 0
         assert!(matches!(IdentifyNamespace::parse(&namespace), Err(IdentifyError::UnsupportedLbaSize { .. })));
         namespace[128 + 2] = 12;
-        assert_eq!(IdentifyNamespace::parse(&namespace).unwrap().block_size_bytes(), 4096);
+        assert_eq!(IdentifyNamespace::parse(&namespace).unwrap().block_size_bytes(), Some(4096));
     }
 
     #[test]

@@ -61,6 +61,7 @@ pub mod codes {
     pub const ABORTED_BY_REQUEST: u8 = 0x07;
     pub const ABORTED_SQ_DELETION: u8 = 0x08;
     pub const INVALID_NAMESPACE: u8 = 0x0B;
+    pub const COMMAND_SEQUENCE_ERROR: u8 = 0x0C;
     pub const INVALID_SGL_SEGMENT_DESCRIPTOR: u8 = 0x0D;
     pub const INVALID_SGL_DESCRIPTOR_COUNT: u8 = 0x0E;
     pub const DATA_SGL_LENGTH_INVALID: u8 = 0x0F;
@@ -76,6 +77,7 @@ pub mod codes {
     pub const INVALID_LOG_PAGE: u8 = 0x09;
     pub const FEATURE_NOT_CHANGEABLE: u8 = 0x0E;
     pub const INVALID_QUEUE_DELETION: u8 = 0x0C;
+    pub const FEATURE_NOT_SAVEABLE: u8 = 0x0D;
     // Media and Data Integrity Errors (Figure 97).
     pub const WRITE_FAULT: u8 = 0x80;
     pub const UNRECOVERED_READ_ERROR: u8 = 0x81;
@@ -92,7 +94,8 @@ impl NvmeStatus {
         Err(NvmeStatus { code_type, code, more: field >> 13 & 1 == 1, do_not_retry: field >> 14 & 1 == 1 })
     }
 
-    /// A status the software controller returns.
+    /// A status the software controller returns, with Do Not Retry set (the same command would
+    /// fail again); build the struct directly for a retryable status.
     pub fn new(code_type: StatusCodeType, code: u8) -> Self {
         Self { code_type, code, do_not_retry: true, more: false }
     }
@@ -127,6 +130,7 @@ impl NvmeStatus {
             (StatusCodeType::Generic, ABORTED_BY_REQUEST) => "Command Abort Requested",
             (StatusCodeType::Generic, ABORTED_SQ_DELETION) => "Command Aborted due to SQ Deletion",
             (StatusCodeType::Generic, INVALID_NAMESPACE) => "Invalid Namespace or Format",
+            (StatusCodeType::Generic, COMMAND_SEQUENCE_ERROR) => "Command Sequence Error",
             (StatusCodeType::Generic, INVALID_SGL_SEGMENT_DESCRIPTOR) => "Invalid SGL Segment Descriptor",
             (StatusCodeType::Generic, INVALID_SGL_DESCRIPTOR_COUNT) => "Invalid Number of SGL Descriptors",
             (StatusCodeType::Generic, DATA_SGL_LENGTH_INVALID) => "Data SGL Length Invalid",
@@ -141,6 +145,7 @@ impl NvmeStatus {
             (StatusCodeType::CommandSpecific, INVALID_LOG_PAGE) => "Invalid Log Page",
             (StatusCodeType::CommandSpecific, INVALID_QUEUE_DELETION) => "Invalid Queue Deletion",
             (StatusCodeType::CommandSpecific, FEATURE_NOT_CHANGEABLE) => "Feature Not Changeable",
+            (StatusCodeType::CommandSpecific, FEATURE_NOT_SAVEABLE) => "Feature Identifier Not Saveable",
             (StatusCodeType::MediaAndDataIntegrity, WRITE_FAULT) => "Write Fault",
             (StatusCodeType::MediaAndDataIntegrity, UNRECOVERED_READ_ERROR) => "Unrecovered Read Error",
             _ => "unnamed status",

@@ -87,7 +87,7 @@ fn identify_data_parses_with_the_driver_parsers() {
         assert_eq!(status_of(&completion), Ok(()));
         buffer.read(0, &mut bytes).unwrap();
         let namespace = IdentifyNamespace::parse(&bytes).unwrap();
-        assert_eq!((namespace.block_size_bytes(), namespace.size_blocks), (block, blocks), "nsid {nsid}");
+        assert_eq!((namespace.block_size_bytes(), namespace.size_blocks), (Some(block), blocks), "nsid {nsid}");
     }
     let completion = host.admin(SubmissionEntry::identify(IdentifyCns::ActiveNamespaceList, 0, buffer.iova().0));
     assert_eq!(status_of(&completion), Ok(()));
