@@ -298,6 +298,27 @@ pub enum HeaderVerdict {
     Corrupt,
 }
 
+/// Encodes a slot-header entry into `out` (exactly `header_entry_bytes` long) without building
+/// a [`SlotHeader`] (no allocation on the commit path).
+pub fn encode_entry(out: &mut [u8], generation: u64, pool_tag: u64, slot: u32, state: SlotState, payload_crc: Option<u32>, blocks: &[BlockRecord]) {
+    out.fill(0);
+    put_u64(out, 0, generation);
+    put_u64(out, 8, pool_tag);
+    put_u32(out, 16, slot);
+    out[20..22].copy_from_slice(&(state as u16).to_le_bytes());
+    out[22..24].copy_from_slice(&(blocks.len() as u16).to_le_bytes());
+    put_u32(out, 24, u32::from(payload_crc.is_some()));
+    put_u32(out, 28, payload_crc.unwrap_or(0));
+    for (j, block) in blocks.iter().enumerate() {
+        let at = SLOT_HEADER_FIXED_BYTES + j * SLOT_HEADER_BLOCK_BYTES;
+        put_u64(out, at, block.key);
+        put_u32(out, at + 8, block.token_count);
+    }
+    let crc_at = out.len() - 4;
+    let crc = crc32fast::hash(&out[..crc_at]);
+    put_u32(out, crc_at, crc);
+}
+
 pub fn pool_tag(uuid: &[u8; 16]) -> u64 {
     u64::from_le_bytes(uuid[..8].try_into().expect("8-byte slice"))
 }
@@ -305,22 +326,8 @@ pub fn pool_tag(uuid: &[u8; 16]) -> u64 {
 impl SlotHeader {
     /// Encodes into `out` (exactly `header_entry_bytes` long).
     pub fn encode_into(&self, out: &mut [u8]) {
-        out.fill(0);
-        put_u64(out, 0, self.generation);
-        put_u64(out, 8, self.pool_tag);
-        put_u32(out, 16, self.slot);
-        out[20..22].copy_from_slice(&(self.state as u16).to_le_bytes());
-        out[22..24].copy_from_slice(&(self.blocks.len() as u16).to_le_bytes());
-        put_u32(out, 24, self.flags);
-        put_u32(out, 28, self.payload_crc);
-        for (j, block) in self.blocks.iter().enumerate() {
-            let at = SLOT_HEADER_FIXED_BYTES + j * SLOT_HEADER_BLOCK_BYTES;
-            put_u64(out, at, block.key);
-            put_u32(out, at + 8, block.token_count);
-        }
-        let crc_at = out.len() - 4;
-        let crc = crc32fast::hash(&out[..crc_at]);
-        put_u32(out, crc_at, crc);
+        let payload_crc = (self.flags & 1 != 0).then_some(self.payload_crc);
+        encode_entry(out, self.generation, self.pool_tag, self.slot, self.state, payload_crc, &self.blocks);
     }
 
     /// Decodes entry `slot` of a header region of `superblock`'s pool.

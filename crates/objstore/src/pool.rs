@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use nvme_driver::{Controller, DataSegment, DmaRegion, IoQueuePair, Lba, NamespaceId};
 
 use crate::error::{ObjstoreError, Result};
-use crate::format::{header_entry_bytes, pool_tag, HeaderVerdict, SlotHeader, SlotState, Superblock, FLAG_PAYLOAD_CRC, SUPERBLOCK_REGION_BYTES};
+use crate::format::{encode_entry, header_entry_bytes, pool_tag, HeaderVerdict, SlotHeader, SlotState, Superblock, FLAG_PAYLOAD_CRC, SUPERBLOCK_REGION_BYTES};
 use crate::geometry::ModelGeometry;
 use crate::hash::chain_hash;
 use crate::index::Index;
@@ -322,21 +322,11 @@ impl Pool {
         let generation = self.generation;
         let d = &mut self.devices[usize::from(device)];
         let superblock = d.superblock;
-        let header = SlotHeader {
-            generation,
-            pool_tag: pool_tag(&superblock.pool_uuid),
-            slot,
-            state,
-            flags: u32::from(payload_crc.is_some()),
-            payload_crc: payload_crc.unwrap_or(0),
-            blocks: blocks.to_vec(),
-        };
         let mut entry = [0u8; 4096];
         let entry = &mut entry[..header_entry_bytes(superblock.blocks_per_slot) as usize];
-        if state == SlotState::Empty {
-            entry.fill(0); // an evicted slot reads as never written
-        } else {
-            header.encode_into(entry);
+        if state != SlotState::Empty {
+            // An evicted slot stays all zeroes: it reads as never written.
+            encode_entry(entry, generation, pool_tag(&superblock.pool_uuid), slot, state, payload_crc, blocks);
         }
         let offset = superblock.header_offset(slot);
         d.mirror.write(offset as usize, entry)?;

@@ -130,6 +130,7 @@ pub struct KvStore<E: Executor> {
     ioctxs: Vec<IoctxSpec>,
     device_cursor: usize,
     crc_scratch: Vec<u8>,
+    records: Vec<BlockRecord>,
 }
 
 /// A CPU executor with one I/O queue pair per pool device (device index i = pool device i).
@@ -193,6 +194,7 @@ impl<E: Executor> KvStore<E> {
             ioctxs: Vec::with_capacity(config.ioctx_per_iocb_max as usize),
             device_cursor: 0,
             crc_scratch: Vec::new(),
+            records: Vec::with_capacity(k as usize),
         })
     }
 
@@ -546,10 +548,15 @@ impl<E: Executor> KvStore<E> {
         let stored = self.requests[index].blocks.len();
         let slots = std::mem::take(&mut self.requests[index].slots);
         let blocks = std::mem::take(&mut self.requests[index].blocks);
-        for &(device, slot, _) in &slots {
-            let keys: Vec<u64> = blocks.iter().filter(|(l, _, _)| l.device == device && l.slot == slot).map(|(_, _, key)| *key).collect();
-            let generation = self.pool.index.generation_of(device, slot).max(self.pool.generation);
-            self.pool.index.commit(device, slot, &keys, generation);
+        let mut start = 0;
+        for &(device, slot, used) in &slots {
+            // A slot's blocks are contiguous in `blocks` (prepare_store fills one slot at a time).
+            let range = start..start + usize::from(used);
+            start = range.end;
+            self.keys.clear();
+            self.keys.extend(blocks[range].iter().map(|(_, _, key)| *key));
+            let generation = self.pool.generation;
+            self.pool.index.commit(device, slot, &self.keys, generation);
         }
         self.requests[index].slots = slots;
         self.requests[index].blocks = blocks;
@@ -559,34 +566,38 @@ impl<E: Executor> KvStore<E> {
     }
 
     fn stage_valid_headers(&mut self, index: usize) -> Result<()> {
-        let geometry = *self.pool.geometry();
+        let slots = std::mem::take(&mut self.requests[index].slots);
+        let blocks = std::mem::take(&mut self.requests[index].blocks);
+        let result = self.stage_valid_headers_of(&slots, &blocks);
+        self.requests[index].slots = slots;
+        self.requests[index].blocks = blocks;
+        result
+    }
+
+    fn stage_valid_headers_of(&mut self, slots: &[(u16, u32, u16)], blocks: &[(BlockLocation, u32, u64)]) -> Result<()> {
+        let block_tokens = self.pool.geometry().block_tokens;
         let crc = self.pool.superblock(0).flags & FLAG_PAYLOAD_CRC != 0;
-        let mut records = Vec::with_capacity(self.pool.blocks_per_slot() as usize);
-        for s in 0..self.requests[index].slots.len() {
-            let (device, slot, _) = self.requests[index].slots[s];
-            records.clear();
-            let mut engine_blocks = Vec::new();
-            for (location, block, key) in &self.requests[index].blocks {
-                if location.device == device && location.slot == slot {
-                    records.push(BlockRecord { key: *key, token_count: geometry.block_tokens });
-                    engine_blocks.push(*block);
-                }
-            }
-            let payload_crc = if crc { Some(self.payload_crc(&engine_blocks)?) } else { None };
-            self.pool.stage_header(device, slot, SlotState::Valid, &records, payload_crc)?;
+        let mut start = 0;
+        for &(device, slot, used) in slots {
+            let range = start..start + usize::from(used);
+            start = range.end;
+            self.records.clear();
+            self.records.extend(blocks[range.clone()].iter().map(|(_, _, key)| BlockRecord { key: *key, token_count: block_tokens }));
+            let payload_crc = if crc { Some(self.payload_crc(&blocks[range])?) } else { None };
+            self.pool.stage_header(device, slot, SlotState::Valid, &self.records, payload_crc)?;
         }
         Ok(())
     }
 
     /// CRC32 of a slot's payload in disk order ([layer][block][K, V]), read from the engine's
     /// memory (which must be host-visible through `dma`).
-    fn payload_crc(&mut self, engine_blocks: &[u32]) -> Result<u32> {
+    fn payload_crc(&mut self, blocks: &[(BlockLocation, u32, u64)]) -> Result<u32> {
         let geometry = *self.pool.geometry();
         let object = geometry.object_bytes() as usize;
         self.crc_scratch.resize(object, 0);
         let mut crc = crc32fast::Hasher::new();
         for layer in 0..geometry.layers {
-            for &block in engine_blocks {
+            for &(_, block, _) in blocks {
                 for kind in [KvKind::Key, KvKind::Value] {
                     let address = self.table.registration().object_address(layer, kind, block)?;
                     let region = self.dma.translate(address, object)?;
