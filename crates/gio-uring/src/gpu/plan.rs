@@ -16,6 +16,8 @@ use crate::types::{Iova, IovaRange, SmBudget};
 pub const PAGE_BYTES: u64 = 4096;
 /// Lanes per warp: the kernel's unit of work is a chunk of this many IOCTXs.
 pub const WARP_LANES: u32 = 32;
+/// CUDA's limit on threads per block (every architecture since sm_20).
+pub const THREADS_PER_BLOCK_MAX: u32 = 1024;
 
 /// One detached NVMe queue pair in the GPU's address space.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -145,9 +147,9 @@ pub struct GridLimits {
 
 impl GridLimits {
     pub fn validate(&self) -> Result<(), GioError> {
-        if self.threads_per_block == 0 || self.threads_per_block % WARP_LANES != 0 {
+        if self.threads_per_block == 0 || self.threads_per_block % WARP_LANES != 0 || self.threads_per_block > THREADS_PER_BLOCK_MAX {
             return Err(GioError::InvalidConfig {
-                reason: format!("{} threads per block is not a positive multiple of 32", self.threads_per_block),
+                reason: format!("{} threads per block is not a multiple of 32 in 32..=1024", self.threads_per_block),
             });
         }
         if self.blocks_per_sm == 0 || self.domain_sm_count == 0 {
@@ -436,6 +438,8 @@ mod tests {
         assert_eq!(limits.blocks(SmBudget(2), 5), 2);
         assert_eq!(chunks_of(33), 2);
         assert!(GridLimits { threads_per_block: 100, ..limits }.validate().is_err());
+        assert!(GridLimits { threads_per_block: 1056, ..limits }.validate().is_err());
+        assert!(GridLimits { threads_per_block: 1024, ..limits }.validate().is_ok());
         assert!(GridLimits { blocks_per_sm: 0, ..limits }.validate().is_err());
     }
 
