@@ -1,29 +1,33 @@
 #!/usr/bin/env bash
 # tools/vm-bench.sh — side-by-side benchmark in the VM of tools/vm-test.sh: the guest kernel's
-# nvme driver driven by fio (io_uring, O_DIRECT) on QEMU's NVMe controller. A benchmark command,
-# not a test: it prints a table and fails only if a run fails.
+# nvme driver driven by fio against our userspace driver driven by tutti-bench, on the same QEMU
+# NVMe controller. A benchmark command, not a test: it prints a table and fails only if a run
+# fails. Numbers under TCG describe the emulator, not an SSD: compare the two drivers only.
 #
 # Rows (issue 3 §5): 4 KiB random read at QD 1 and QD 32; 128 KiB and 1 MiB sequential read and
-# write. Columns: IOPS, bandwidth, p50/p99 completion latency.
-#
-# STATUS: only the kernel half exists. The userspace-driver half (the same rows through VFIO with
-# tutti-bench, and the ours/kernel ratio) is not implemented here yet: it needs tutti-bench's
-# raw-device mode. The table says so rather than printing made-up numbers.
+# write. For each row: the guest kernel's nvme driver under fio (io_uring, O_DIRECT), then — after
+# `tutti bind` moved the controller to vfio-pci — our userspace driver under tutti-bench with the
+# same parameters (CPU executor, polled, through the emulated IOMMU). Columns: IOPS, bandwidth,
+# p50/p99 completion latency, and ours/kernel (IOPS, which for equal block sizes is also the
+# bandwidth ratio). The goal is >= 1.0 on every row; the table says MISSED where it is not.
 #
 # Environment: everything tools/vm-test.sh takes for the VM (TUTTI_VM_DIR, TUTTI_VM_NVME_ARGS,
 # TUTTI_VM_NS_ARGS, TUTTI_VM_DISK_MIB, TUTTI_VM_MEM, TUTTI_VM_SMP, TUTTI_VM_TIMEOUT_S,
 # TUTTI_VM_IOMMU_PT), plus
-#   TUTTI_BENCH_RUNTIME_S    seconds per row after a 1 s ramp (default 8)
+#   TUTTI_BENCH_RUNTIME_S    seconds per row and driver (default 8; fio adds a 1 s ramp)
 #   TUTTI_BENCH_SIZE_MIB     span of the device each job touches (default 512)
-# The first controller (/dev/nvme0n1 in the guest) is benchmarked.
+#   TUTTI_BENCH_OURS=0       kernel rows only (no static tutti-bench build)
+# The first controller (/dev/nvme0n1, then vfio:0000:00:04.0 in the guest) is benchmarked.
 set -euo pipefail
 # shellcheck source=tools/vm/lib.sh
 . "$(dirname "$(readlink -f "$0")")/vm/lib.sh"
 
 RUNTIME_S=${TUTTI_BENCH_RUNTIME_S:-8}
 SIZE_MIB=${TUTTI_BENCH_SIZE_MIB:-512}
+OURS=${TUTTI_BENCH_OURS:-1}
 export TUTTI_VM_DISK_MIB=${TUTTI_VM_DISK_MIB:-$((SIZE_MIB + 64))}
 export TUTTI_VM_NVME_COUNT=1
+export TUTTI_VM_TIMEOUT_S=${TUTTI_VM_TIMEOUT_S:-$((RUNTIME_S * 40 + 180))}
 
 mkdir -p "$VM_DIR"/{debs,logs,kernel}
 vm_install_host_tools
@@ -33,9 +37,17 @@ command -v fio > /dev/null || {
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends fio > "$VM_DIR/logs/apt-fio.log" 2>&1 ||
         vm_die "apt-get install fio failed; see $VM_DIR/logs/apt-fio.log"
 }
-command -v python3 > /dev/null || vm_die "python3 is needed to summarise fio's JSON"
+command -v python3 > /dev/null || vm_die "python3 is needed to summarise the JSON results"
 vm_prepare_kernel
 vm_nvme_args
+
+BINARIES=()
+if [ "$OURS" = 1 ]; then
+    vm_log "building static guest binaries (tutti-bench, tutti) into $VM_TARGET_DIR"
+    vm_cargo_static -p tutti-bench --bin tutti-bench -p tutti --bin tutti > "$VM_DIR/logs/build-bench.log" 2>&1 ||
+        { tail -n 30 "$VM_DIR/logs/build-bench.log" >&2; vm_die "static build of tutti-bench/tutti failed (log: $VM_DIR/logs/build-bench.log)"; }
+    BINARIES=("$VM_BIN_DIR/tutti-bench" "$VM_BIN_DIR/tutti")
+fi
 
 # fio and every shared library it loads (Debian's fio links librados, libgfapi, ... directly),
 # at their host paths, plus the dynamic loader.
@@ -47,63 +59,90 @@ ldd "$(command -v fio)" | awk '/=> \// { print $3 } /^\t\/.*ld-linux/ { print $1
     mkdir -p "$EXTRA$(dirname "$library")"
     cp -L "$library" "$EXTRA$library"
 done
-# /lib64/ld-linux-x86-64.so.2 is how the binary names its interpreter; Debian's /lib64 is a real
-# directory, but make sure the path resolves in the guest either way.
+# The binary names its interpreter /lib64/ld-linux-x86-64.so.2: make sure that path resolves.
 [ -e "$EXTRA/lib64/ld-linux-x86-64.so.2" ] || { mkdir -p "$EXTRA/lib64" && cp -L /lib64/ld-linux-x86-64.so.2 "$EXTRA/lib64/"; }
 
-# One fio run per row; its JSON is framed by markers so the host can cut it out of the console.
+# One run per row and driver; each JSON document (fio's schema; tutti-bench writes the same) is
+# framed by markers so the host can cut it out of the console. tutti-bench's progress display
+# (stderr) is shown only when a run fails.
+ROWS=(randread-4k-qd1:randread:4k:1 randread-4k-qd32:randread:4k:32 seqread-128k:read:128k:32
+    seqread-1m:read:1m:8 seqwrite-128k:write:128k:32 seqwrite-1m:write:1m:8)
 COMMANDS=$VM_DIR/commands.bench
-: > "$COMMANDS"
-row() {
-    local name=$1 rw=$2 block=$3 depth=$4
-    printf '%s\n' "echo FIO_BEGIN $name; /usr/bin/fio --name=$name --filename=/dev/nvme0n1 --ioengine=io_uring --direct=1 --rw=$rw --bs=$block --iodepth=$depth --numjobs=1 --size=${SIZE_MIB}M --time_based --ramp_time=1 --runtime=$RUNTIME_S --randrepeat=0 --norandommap --output-format=json | sed 's/^/FIO_JSON /'; echo FIO_END $name" >> "$COMMANDS"
-}
 # Fill the span once so reads return written data rather than the image's holes.
-printf '%s\n' "/usr/bin/fio --name=fill --filename=/dev/nvme0n1 --ioengine=io_uring --direct=1 --rw=write --bs=1M --iodepth=16 --size=${SIZE_MIB}M --output-format=terse > /dev/null" >> "$COMMANDS"
-row randread-4k-qd1 randread 4k 1
-row randread-4k-qd32 randread 4k 32
-row seqread-128k read 128k 32
-row seqread-1m read 1m 8
-row seqwrite-128k write 128k 32
-row seqwrite-1m write 1m 8
-# TODO(tutti-bench): the same six rows through VFIO, e.g. `tutti bind $TUTTI_BDF0` followed by
-# tutti-bench's raw-device mode, printed between OURS_BEGIN/OURS_END markers for the table below.
+printf '%s\n' "/usr/bin/fio --name=fill --filename=/dev/nvme0n1 --ioengine=io_uring --direct=1 --rw=write --bs=1M --iodepth=16 --size=${SIZE_MIB}M --output-format=terse > /dev/null" > "$COMMANDS"
+for spec in "${ROWS[@]}"; do
+    IFS=: read -r name rw block depth <<< "$spec"
+    printf '%s\n' "echo JSON_BEGIN kernel $name; /usr/bin/fio --name=$name --filename=/dev/nvme0n1 --ioengine=io_uring --direct=1 --rw=$rw --bs=$block --iodepth=$depth --numjobs=1 --size=${SIZE_MIB}M --time_based --ramp_time=1 --runtime=$RUNTIME_S --randrepeat=0 --norandommap --output-format=json | sed 's/^/JSON /'; echo JSON_END" >> "$COMMANDS"
+done
+if [ "$OURS" = 1 ]; then
+    # shellcheck disable=SC2016 # $TUTTI_BDF0 is expanded by the guest's shell
+    printf '%s\n' 'tutti bind $TUTTI_BDF0' >> "$COMMANDS"
+    for spec in "${ROWS[@]}"; do
+        IFS=: read -r name rw block depth <<< "$spec"
+        printf '%s\n' "echo JSON_BEGIN ours $name; tutti-bench --workload=raw --device vfio:\$TUTTI_BDF0 --rw=$rw --bs=$block --iodepth=$depth --numjobs=1 --size=${SIZE_MIB}M --time_based --runtime=${RUNTIME_S}s --output-format=json > /tmp/result.json 2> /tmp/stderr.txt; status=\$?; [ \$status = 0 ] || cat /tmp/stderr.txt; sed 's/^/JSON /' /tmp/result.json; echo JSON_END; exit \$status" >> "$COMMANDS"
+    done
+fi
 
 CONF=$VM_DIR/conf.bench
 printf '%s\n' LOAD_NVME=1 BIND=0 HUGEPAGES=128 "COMMAND_TIMEOUT_S=$((RUNTIME_S * 4 + 120))" SHELL_AFTER=0 > "$CONF"
 INITRD=$VM_DIR/initramfs-bench.cpio
-vm_build_initramfs "$INITRD" "$COMMANDS" "$CONF" "$EXTRA" --
-vm_log "initramfs $(du -h "$INITRD" | cut -f1) (fio and its libraries included)"
+vm_build_initramfs "$INITRD" "$COMMANDS" "$CONF" "$EXTRA" -- "${BINARIES[@]}"
+vm_log "initramfs $(du -h "$INITRD" | cut -f1) (fio and its libraries included); guest commands:"
+sed 's/^/    /' "$COMMANDS" >&2
 
 LOG=$VM_DIR/logs/vm-bench.log
 vm_boot "$INITRD" "$LOG"
 vm_log "guest booted to init in ${VM_BOOT_S:-?}s; VM run ${VM_WALL_S}s; log: $LOG"
 [ "$VM_GUEST_RC" = 0 ] || vm_die "a benchmark run failed in the guest (status $VM_GUEST_RC)"
 
-python3 - "$LOG" << 'EOF'
+python3 - "$LOG" "$OURS" << 'SUMMARY'
 import json, re, sys
 
-jobs, current, lines = {}, None, []
+results, current, lines = {}, None, []
 for raw in open(sys.argv[1], errors="replace"):
     text = re.sub(r"^\[guest +[0-9.]+s\] ", "", raw.rstrip("\n"))
-    if text.startswith("FIO_BEGIN "):
-        current, lines = text.split()[1], []
-    elif text.startswith("FIO_END ") and current:
-        jobs[current] = json.loads("\n".join(lines))
+    if text.startswith("JSON_BEGIN "):
+        current, lines = tuple(text.split()[1:3]), []
+    elif text.startswith("JSON_END") and current:
+        try:
+            results[current] = json.loads("\n".join(lines))
+        except ValueError:
+            print(f"unreadable JSON for {current[0]} {current[1]}", file=sys.stderr)
         current = None
-    elif current and text.startswith("FIO_JSON "):
-        lines.append(text[len("FIO_JSON "):])
+    elif current and text.startswith("JSON "):
+        lines.append(text[len("JSON "):])
 
-print()
-print("kernel nvme driver, fio io_uring O_DIRECT, QEMU NVMe under TCG (numbers describe the emulator, not an SSD)")
-print(f"{'row':<18} {'IOPS':>10} {'MiB/s':>9} {'p50 us':>9} {'p99 us':>9}   ours/kernel")
-for name, doc in jobs.items():
-    job = doc["jobs"][0]
-    side = job["write"] if job["write"]["io_bytes"] > job["read"]["io_bytes"] else job["read"]
+def figures(driver, row):
+    """(IOPS, MiB/s, p50 us, p99 us) of the row's main direction, or None."""
+    try:
+        job = results[(driver, row)]["jobs"][0]
+    except (KeyError, IndexError):
+        return None
+    side = job["write"] if row.startswith("seqwrite") else job["read"]
     percentiles = side.get("clat_ns", {}).get("percentile", {})
-    p50 = percentiles.get("50.000000", 0) / 1000
-    p99 = percentiles.get("99.000000", 0) / 1000
-    print(f"{name:<18} {side['iops']:>10.0f} {side['bw_bytes'] / 2**20:>9.1f} {p50:>9.1f} {p99:>9.1f}   n/a (userspace half not implemented)")
-if len(jobs) != 6:
-    sys.exit(f"expected 6 fio results, found {len(jobs)}")
-EOF
+    def at(wanted):
+        return next((value for key, value in percentiles.items() if float(key) == wanted), 0) / 1000
+    return side["iops"], side["bw_bytes"] / 2**20, at(50.0), at(99.0)
+
+rows = ["randread-4k-qd1", "randread-4k-qd32", "seqread-128k", "seqread-1m", "seqwrite-128k", "seqwrite-1m"]
+print()
+print("QEMU NVMe under TCG, one controller: kernel = guest nvme driver + fio io_uring O_DIRECT;")
+print("ours = tutti-bench through VFIO (CPU executor, polled). Emulator numbers, not an SSD's.")
+print(f"{'row':<17} {'driver':<7} {'IOPS':>9} {'MiB/s':>8} {'p50 us':>9} {'p99 us':>9}  ours/kernel")
+missing = 0
+for row in rows:
+    kernel, ours = figures("kernel", row), figures("ours", row)
+    for driver, data in (("kernel", kernel), ("ours", ours)):
+        if data is None:
+            if driver == "kernel" or sys.argv[2] == "1":
+                missing += 1
+            print(f"{row:<17} {driver:<7} {'-':>9} {'-':>8} {'-':>9} {'-':>9}")
+            continue
+        ratio = ""
+        if driver == "ours" and kernel and kernel[0]:
+            value = data[0] / kernel[0]
+            ratio = f"{value:.2f} {'met' if value >= 1.0 else 'MISSED'}"
+        print(f"{row:<17} {driver:<7} {data[0]:>9.0f} {data[1]:>8.1f} {data[2]:>9.1f} {data[3]:>9.1f}  {ratio}")
+if missing:
+    sys.exit(f"{missing} result(s) missing")
+SUMMARY
