@@ -339,6 +339,8 @@ impl<E: Executor> KvStore<E> {
                         // A slot whose header is not all zeroes (evicted, or left by a failed
                         // commit or a duplicate found at recovery) must read Empty on disk
                         // before its data is overwritten.
+                        // Listed first, so that a failure below still returns it to the free list.
+                        slots.push((allocation.device, allocation.slot, 0));
                         let stale = allocation.evicted || !self.pool.header_is_zero(allocation.device, allocation.slot);
                         if stale {
                             if let Err(error) = self.pool.stage_header(allocation.device, allocation.slot, SlotState::Empty, &[], None) {
@@ -347,7 +349,6 @@ impl<E: Executor> KvStore<E> {
                                 break;
                             }
                         }
-                        slots.push((allocation.device, allocation.slot, 0));
                         (allocation.device, allocation.slot, 0)
                     }
                     None => {
