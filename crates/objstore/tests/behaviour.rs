@@ -277,3 +277,32 @@ fn a_device_error_fails_the_layer_and_leaves_nothing_visible() {
     retrieve(&mut rig.store, &rig.engine, &tokens, &[5, 6]);
     assert!(rig.engine.holds(5, keys[0], 4) && rig.engine.holds(6, keys[1], 4));
 }
+
+#[test]
+fn poll_reports_completion_without_blocking() {
+    // Goal: `poll` returns false while a layer is in flight and true once it completed, within
+    // a bounded number of tries; the polled layers read the right bytes.
+    let mut rig = rig(16);
+    let mut rng = Rng(7);
+    let tokens = rng.tokens(64);
+    store(&mut rig.store, &rig.engine, &tokens, &[0, 1, 2, 3]);
+    for block in 8..12 {
+        rig.engine.scribble(block);
+    }
+    let handle = rig.store.prepare_retrieve(&KvRequest { tokens: &tokens, block_ids: &[8, 9, 10, 11] }).unwrap();
+    assert!(rig.store.poll(handle).unwrap(), "nothing in flight yet");
+    for layer in 0..4 {
+        rig.store.retrieve_layer(handle, layer, BUDGET).unwrap();
+        let until = deadline();
+        while !rig.store.poll(handle).unwrap() {
+            assert!(std::time::Instant::now() < until, "layer {layer} never completed");
+            std::thread::yield_now();
+        }
+        assert_eq!(rig.store.wait(handle, deadline()).unwrap(), None, "poll already retired the layer");
+    }
+    rig.store.finish(handle).unwrap();
+    let keys = keys_of(&tokens);
+    for (i, block) in (8..12).enumerate() {
+        assert!(rig.engine.holds(block, keys[i], 4), "block {i}");
+    }
+}
