@@ -58,6 +58,8 @@ pub enum ObjstoreError {
     HandleState { handle: u64, reason: String },
     #[error("too many requests in flight ({max})")]
     TooManyRequests { max: usize },
+    #[error("{what}: deadline passed after {done} items")]
+    DeadlinePassed { what: &'static str, done: u64 },
     #[error("layer {layer} I/O failed on {iocb}: {failure:?}")]
     LayerIo { layer: u32, iocb: String, failure: IocbFailure },
     #[error("gio_uring: {0}")]

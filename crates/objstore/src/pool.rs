@@ -376,7 +376,7 @@ impl Pool {
             entry.resize(superblock.header_entry_bytes as usize, 0);
             for slot in 0..superblock.slot_count as u32 {
                 if Instant::now() > deadline {
-                    return Ok((verified, bad));
+                    return Err(ObjstoreError::DeadlinePassed { what: "payload check", done: verified });
                 }
                 self.devices[device].mirror.read(superblock.header_offset(slot) as usize, &mut entry)?;
                 let Ok(header) = SlotHeader::decode(&entry, slot, &superblock) else { continue };
