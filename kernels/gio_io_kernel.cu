@@ -5,6 +5,10 @@
 // STATUS: compiled (sm_80, sm_90 cubins + compute_80 PTX by tools/cuda-build.sh) but never run: no
 // GPU was available while it was written. Treat it as unverified until the GPU test has run.
 //
+// Host side: crates/gio-uring/src/gpu/executor.rs. It passes a private "sink" ring as the gio CQ
+// and posts the CQEs the CPU sees itself, after the launch's event (staged copies follow the
+// kernel, and an IOCB must not be reissued while the kernel that completed it still polls).
+//
 // Shared records: kernels/gio_abi.h (IOCB, IOCTX, rings, per-queue-pair state), NVMe entries:
 // kernels/nvme_spec.h. Launch: gio_io_kernel<<<blocks, threads_per_block (multiple of 32)>>>(params)
 // on the I/O green context's stream, after cuStreamWaitEvent on the issue's dependency.
