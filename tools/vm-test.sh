@@ -89,10 +89,11 @@ case $MODE in
         BINARIES=("$VM_BIN_DIR/examples/vfio_probe" "$VM_BIN_DIR/tutti")
         # Twice, as two processes: the second proves the first released the group and mappings.
         # Then the round trip through the kernel's driver: unbind (nvme takes the controllers
-        # back and must see a working device), bind again, probe once more.
+        # back and must see a working device; the probe must now refuse, naming the fix), bind
+        # again, probe once more.
         # shellcheck disable=SC2016
         printf '%s\n' 'vfio_probe $TUTTI_BDFS' 'vfio_probe $TUTTI_BDFS' \
-            'for b in $TUTTI_BDFS; do tutti unbind $b || exit 1; done; tutti devices' \
+            'for b in $TUTTI_BDFS; do tutti unbind $b || exit 1; done; tutti devices; vfio_probe $TUTTI_BDFS 2>&1 | grep "not vfio-pci: run .tutti bind"' \
             'for b in $TUTTI_BDFS; do tutti bind $b || exit 1; done; vfio_probe $TUTTI_BDFS' > "$COMMANDS"
         ;;
     smoke)
