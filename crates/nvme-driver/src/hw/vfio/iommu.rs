@@ -329,6 +329,36 @@ mod tests {
         assert_eq!(parse_iommu_info(&reversed).unwrap().ranges, vec![]);
     }
 
+    proptest::proptest! {
+        /// Goal: whatever the kernel reports, the window lies inside one reported range, misses
+        /// the MSI window and the first MiB, is 2 MiB aligned and at least 2 MiB long.
+        #[test]
+        fn chosen_window_is_always_usable(raw in proptest::collection::vec((0u64..1 << 40, 0u64..1 << 36), 0..6)) {
+            let ranges: Vec<(u64, u64)> = raw.iter().map(|&(start, len)| (start, start + len)).collect();
+            if let Some((base, limit)) = choose_iova_window(&ranges) {
+                proptest::prop_assert!(base % (2 << 20) == 0 && limit - base >= 2 << 20);
+                proptest::prop_assert!(base >= IOVA_FLOOR);
+                proptest::prop_assert!(limit <= MSI_WINDOW_START || base >= MSI_WINDOW_END_EXCLUSIVE);
+                let inside = |&(start, end): &(u64, u64)| base >= start && limit - 1 <= end;
+                if ranges.is_empty() {
+                    proptest::prop_assert!(limit <= 1 << 39);
+                } else {
+                    proptest::prop_assert!(ranges.iter().any(inside), "{base:#x}..{limit:#x} not in {ranges:x?}");
+                }
+            }
+        }
+
+        /// Goal: arbitrary bytes from the kernel never make the parser panic or loop.
+        #[test]
+        fn parser_survives_arbitrary_bytes(mut bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..256), offset in 0u32..300) {
+            if bytes.len() >= 20 {
+                bytes[4..8].copy_from_slice(&VFIO_IOMMU_INFO_CAPS.to_le_bytes());
+                bytes[16..20].copy_from_slice(&offset.to_le_bytes());
+            }
+            let _ = parse_iommu_info(&bytes);
+        }
+    }
+
     #[test]
     fn window_avoids_msi_and_low_memory() {
         // Goal: the chosen window never contains the MSI window or the first MiB, is 2 MiB
