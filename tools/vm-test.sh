@@ -121,9 +121,7 @@ vm_build_initramfs "$INITRD" "$COMMANDS" "$CONF" "" -- "${BINARIES[@]}"
 vm_log "initramfs $(du -h "$INITRD" | cut -f1); controllers: ${VM_NVME_BDFS[*]}; guest commands:"
 sed 's/^/    /' "$COMMANDS" >&2
 
-if [ "$MODE" = shell ]; then
-    export TUTTI_VM_TIMEOUT_S=${TUTTI_VM_TIMEOUT_S:-86400}
-fi
+[ "$MODE" = shell ] && VM_INTERACTIVE=1
 LOG=$VM_DIR/logs/vm-test-$MODE.log
 vm_boot "$INITRD" "$LOG"
 vm_log "guest booted to init in ${VM_BOOT_S:-?}s; VM run ${VM_WALL_S}s; whole VM stage $(vm_elapsed "$VM_T0")s; log: $LOG"

@@ -228,6 +228,16 @@ vm_boot_once() {
     rm -f "$pidfile" "$log.watchdog" "$log.boothang"
     : > "$log"
     vm_log "qemu: ${qemu[*]}"
+    if [ "${VM_INTERACTIVE:-0}" = 1 ]; then
+        # The terminal is the guest's console (leave QEMU with Ctrl-A X); no watchdog.
+        set +e
+        "${qemu[@]}"
+        qemu_rc=$?
+        set -e
+        VM_WALL_S=0
+        VM_GUEST_RC=$([ $((qemu_rc % 2)) = 1 ] && echo $(((qemu_rc - 1) / 2)) || echo "$qemu_rc")
+        return 0
+    fi
     started=$EPOCHREALTIME
     started_s=$SECONDS
     VM_BOOT_S=""
