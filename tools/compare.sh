@@ -11,6 +11,7 @@
 #   COMPARE_RUNS     repetitions; medians reported (default 3)
 #   COMPARE_IODEPTH  queue depth of every row      (default 32)
 #   COMPARE_KEEP     1 keeps the test file         (default: removed at the end)
+#   COMPARE_SETTLE   seconds of pause (after a sync) before each measurement (default 2)
 #   COMPARE_ROWS     subset of rows, e.g. "randread-4k read-1m"
 #   COMPARE_QD1      1 adds fio at queue depth 1 as a reference column: the software controller
 #                    (emu:) serialises backing-store writes, so its writes are compared with this
@@ -21,6 +22,7 @@ SIZE=${COMPARE_SIZE:-4g}
 RUNTIME=${COMPARE_RUNTIME:-10}
 RUNS=${COMPARE_RUNS:-3}
 IODEPTH=${COMPARE_IODEPTH:-32}
+SETTLE=${COMPARE_SETTLE:-2}
 ROWS=${COMPARE_ROWS:-"randread-4k read-128k read-1m write-128k write-1m"}
 TOOLS="fio uring emu"
 [ "${COMPARE_QD1:-0}" = 1 ] && TOOLS="fio uring emu fioqd1"
@@ -82,9 +84,15 @@ run() {
 load_start=$(cut -d' ' -f1-3 /proc/loadavg)
 for index in $(seq 1 "$RUNS"); do
     for row in $ROWS; do
-        # Tools interleaved within a run, so that drift on a shared machine hits all of them.
-        for tool in $TOOLS; do
+        # Tools interleaved within a run, so that drift on a shared machine hits all of them,
+        # and the order rotated from run to run: a virtual disk may still be writing back what
+        # the previous tool wrote, which would always penalise the same tool.
+        read -r -a order <<<"$TOOLS"
+        for ((k = 0; k < ${#order[@]}; k++)); do
+            tool=${order[$(((k + index - 1) % ${#order[@]}))]}
             say "run $index/$RUNS: $row $tool"
+            sync
+            sleep "$SETTLE"
             run "$tool" "$row" "$index"
         done
     done

@@ -74,7 +74,7 @@ pub struct Cli {
     #[arg(long, value_enum, default_value_t = Executor::Cpu)]
     pub executor: Executor,
 
-    /// Model whose KV geometry the kv workload uses.
+    /// Model whose KV geometry the kv workload uses: llama3-8b (default), qwen3-32b, llama3-70b.
     #[arg(long, value_parser = parse_model_arg)]
     pub model: Option<Model>,
 
