@@ -330,13 +330,22 @@ pub struct BarMapping {
     io_memory: bool,
     /// Keeps an emulated register file's memory alive.
     _owner: Option<nvme_driver::DmaRegion>,
+    /// Keeps a VFIO device (and so its BAR0 mmap) alive.
+    _device: Option<std::sync::Arc<nvme_driver::hw::vfio::VfioDevice>>,
 }
 
 impl BarMapping {
     /// An emulated controller's register file in ordinary host memory (nvme-emu's
     /// `EmuDevice::register_region()`); kept alive by the mapping.
     pub fn host_memory(region: nvme_driver::DmaRegion) -> Self {
-        Self { host_address: region.host_address(), len_bytes: region.len(), io_memory: false, _owner: Some(region) }
+        Self { host_address: region.host_address(), len_bytes: region.len(), io_memory: false, _owner: Some(region), _device: None }
+    }
+
+    /// A VFIO device's BAR0 mmap, registered with CU_MEMHOSTREGISTER_IOMEMORY; the mapping holds
+    /// the device, so the BAR stays mapped while any executor built with it exists.
+    pub fn vfio(device: std::sync::Arc<nvme_driver::hw::vfio::VfioDevice>) -> Self {
+        let (host_address, len_bytes) = device.bar0_host_range();
+        Self { host_address, len_bytes, io_memory: true, _owner: None, _device: Some(device) }
     }
 
     /// A real BAR0 mmapped through VFIO, registered with CU_MEMHOSTREGISTER_IOMEMORY.
@@ -345,7 +354,7 @@ impl BarMapping {
     /// `host_address..+len_bytes` must be an mmap of the controller's BAR0 that stays mapped for
     /// as long as any executor built with this mapping exists.
     pub unsafe fn io_memory(host_address: usize, len_bytes: usize) -> Self {
-        Self { host_address, len_bytes, io_memory: true, _owner: None }
+        Self { host_address, len_bytes, io_memory: true, _owner: None, _device: None }
     }
 
     pub fn host_address(&self) -> usize {

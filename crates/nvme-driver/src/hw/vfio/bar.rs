@@ -24,6 +24,12 @@ unsafe impl Send for MappedBar {}
 unsafe impl Sync for MappedBar {}
 
 impl MappedBar {
+    /// Host virtual address of the mapping (for registering the doorbells with a GPU); valid
+    /// while this value lives. Never dereferenced as a Rust reference.
+    pub fn host_address(&self) -> usize {
+        self.base.as_ptr() as usize
+    }
+
     /// Maps `len` bytes of the region at `region_offset` of the device fd.
     pub fn map(address: PciAddress, device: Arc<OwnedFd>, region_offset: u64, len: usize) -> Result<Self, VfioError> {
         let size_bytes = len as u64;

@@ -141,6 +141,12 @@ impl VfioDevice {
         })
     }
 
+    /// Host virtual address and length of the BAR0 mapping, for registering the doorbells with
+    /// another agent (`cuMemHostRegister` with IOMEMORY). Valid while this device lives.
+    pub fn bar0_host_range(&self) -> (usize, usize) {
+        (self.registers.host_address(), self.registers.len())
+    }
+
     pub fn address(&self) -> PciAddress {
         self.address
     }
