@@ -20,7 +20,8 @@ use nvme_emu::{Backing, EmuConfig, EmuDevice};
 const BATCH: usize = 32;
 
 fn bench(c: &mut Criterion) {
-    let device = EmuDevice::start(EmuConfig::default().with_backing(Backing::Memory { bytes: 64 << 20 }).with_no_storage(true)).expect("software controller");
+    let device = EmuDevice::start(EmuConfig::default().with_backing(Backing::Memory { bytes: 64 << 20 }).with_no_storage(true))
+        .expect("software controller");
     let backend: Arc<dyn DeviceBackend> = device.clone();
     let controller = Controller::init(backend, ControllerConfig::default()).expect("bring-up");
     let namespace = controller.namespaces()[0];

@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 use nvme_driver::spec::status::codes;
 use nvme_driver::spec::{SglDescriptor, StatusCodeType, SubmissionEntry};
 use nvme_driver::{
-    Controller, ControllerConfig, DataPointerMode, DataPointerPreference, DataSegment, DeviceBackend, DmaAllocator, DmaRegion, HwError, IoQueuePair, Lba, Namespace,
-    NvmeError,
+    Controller, ControllerConfig, DataPointerMode, DataPointerPreference, DataSegment, DeviceBackend, DmaAllocator, DmaRegion, HwError,
+    IoQueuePair, Lba, Namespace, NvmeError,
 };
 
 use crate::pattern::{fill_pattern, verify_pattern};
@@ -90,7 +90,11 @@ pub(crate) const ALL: &[Check] = &[
 ];
 
 fn bring_up(context: &Context, preference: DataPointerPreference) -> Result<Controller, Failure> {
-    let config = ControllerConfig { io_queue_pairs_requested: context.config.queue_pairs.max(1), data_pointer: preference, ..ControllerConfig::default() };
+    let config = ControllerConfig {
+        io_queue_pairs_requested: context.config.queue_pairs.max(1),
+        data_pointer: preference,
+        ..ControllerConfig::default()
+    };
     Ok(Controller::init(Arc::clone(&context.device), config)?)
 }
 
@@ -114,7 +118,12 @@ fn bring_up_and_identify(context: &Context) -> Outcome {
     ensure!(identify.namespace_count >= 1, "Identify Controller NN is 0");
     ensure!(!controller.namespaces().is_empty(), "no active namespace");
     for namespace in controller.namespaces() {
-        ensure!(matches!(namespace.block_size_bytes, 512 | 4096), "{} has unexpected LBA size {}", namespace.id, namespace.block_size_bytes);
+        ensure!(
+            matches!(namespace.block_size_bytes, 512 | 4096),
+            "{} has unexpected LBA size {}",
+            namespace.id,
+            namespace.block_size_bytes
+        );
         ensure!(namespace.size_blocks > 0, "{} has zero size", namespace.id);
     }
     ensure!(controller.max_transfer_bytes() >= 4096, "max transfer {} below one page", controller.max_transfer_bytes());
@@ -143,7 +152,10 @@ fn queue_pairs_at_full_depth(context: &Context) -> Outcome {
         let commands = queue.free_slots();
         ensure!(commands == depth as usize - 1, "{} offers {} slots for depth {}", queue.id(), commands, depth);
         for index in 0..commands {
-            let segment = DataSegment::new(buffer.iova().checked_add((index * block) as u64).ok_or_else(|| Failure("iova overflow".into()))?, block as u32);
+            let segment = DataSegment::new(
+                buffer.iova().checked_add((index * block) as u64).ok_or_else(|| Failure("iova overflow".into()))?,
+                block as u32,
+            );
             queue.submit_read(namespace.id, Lba(index as u64 % namespace.size_blocks), &[segment], index as u64)?;
         }
         // One more must be back-pressure, not an error or an overwrite.
@@ -212,7 +224,8 @@ fn read_write_sizes(context: &Context, mode: DataPointerMode) -> Outcome {
         ensure!(queue.data_pointer_mode() == mode, "queue uses {:?}, wanted {mode:?}", queue.data_pointer_mode());
         let block = u64::from(namespace.block_size_bytes);
         let max = 4 * controller.max_transfer_bytes();
-        let mut sizes = vec![block, 4096.max(block), 8192, 64 * 1024, controller.max_transfer_bytes(), controller.max_transfer_bytes() + block, max];
+        let mut sizes =
+            vec![block, 4096.max(block), 8192, 64 * 1024, controller.max_transfer_bytes(), controller.max_transfer_bytes() + block, max];
         if context.config.quick {
             sizes = vec![block, controller.max_transfer_bytes() + block, max];
         }
@@ -228,7 +241,8 @@ fn read_write_sizes(context: &Context, mode: DataPointerMode) -> Outcome {
             let source_segment = DataSegment::new(source.iova(), size as u32);
             let sink_segment = DataSegment::new(sink.iova(), size as u32);
             write_then_read(context, &mut queue, &namespace, Lba(start_bytes / block), &[source_segment], &[sink_segment])?;
-            verify_pattern(&sink, 0, size as usize, seed, start_bytes).map_err(|message| Failure(format!("{} {mode:?} {size} bytes: {message}", namespace.id)))?;
+            verify_pattern(&sink, 0, size as usize, seed, start_bytes)
+                .map_err(|message| Failure(format!("{} {mode:?} {size} bytes: {message}", namespace.id)))?;
         }
     }
     Ok(Verdict::Passed)
@@ -270,7 +284,8 @@ fn scatter_read(context: &Context, mode: DataPointerMode) -> Outcome {
     let commands = queue.submit_read(namespace.id, start, &segments, 7)?;
     queue.complete_all(context.config.timeout)?;
     for (index, buffer) in buffers.iter().enumerate() {
-        verify_pattern(buffer, 0, piece, seed, start_bytes + (index * piece) as u64).map_err(|message| Failure(format!("piece {index} of {count} ({commands} commands): {message}")))?;
+        verify_pattern(buffer, 0, piece, seed, start_bytes + (index * piece) as u64)
+            .map_err(|message| Failure(format!("piece {index} of {count} ({commands} commands): {message}")))?;
     }
     Ok(Verdict::Passed)
 }
@@ -323,7 +338,12 @@ fn flush_write_zeroes_deallocate(context: &Context) -> Outcome {
 }
 
 /// Runs `entry` raw (optionally with data) and returns the controller's status as a typed error.
-fn raw_status(context: &Context, queue: &mut IoQueuePair, entry: SubmissionEntry, data: Option<&[DataSegment]>) -> Result<NvmeError, Failure> {
+fn raw_status(
+    context: &Context,
+    queue: &mut IoQueuePair,
+    entry: SubmissionEntry,
+    data: Option<&[DataSegment]>,
+) -> Result<NvmeError, Failure> {
     match data {
         Some(segments) => queue.submit_raw_with_data(entry, segments, 99)?,
         None => queue.submit_raw(entry, 99)?,
@@ -370,7 +390,12 @@ fn error_invalid_field(context: &Context) -> Outcome {
     let bytes = 2 * controller.max_transfer_bytes();
     let buffer = controller.dma().allocate(bytes as usize)?;
     let blocks = (bytes / u64::from(namespace.block_size_bytes)) as u32;
-    let error = raw_status(context, &mut queue, SubmissionEntry::read(namespace.id, Lba(0), blocks), Some(&[DataSegment::new(buffer.iova(), bytes as u32)]))?;
+    let error = raw_status(
+        context,
+        &mut queue,
+        SubmissionEntry::read(namespace.id, Lba(0), blocks),
+        Some(&[DataSegment::new(buffer.iova(), bytes as u32)]),
+    )?;
     expect_status(&error, StatusCodeType::Generic, codes::INVALID_FIELD, "read above MDTS")?;
     Ok(Verdict::Passed)
 }
@@ -386,7 +411,12 @@ fn error_invalid_opcode_and_namespace(context: &Context) -> Outcome {
     expect_status(&error, StatusCodeType::Generic, codes::INVALID_OPCODE, "opcode 0x7e")?;
     let inactive = nvme_driver::NamespaceId(controller.identify().namespace_count.saturating_add(7));
     let buffer = controller.dma().allocate(4096)?;
-    let error = raw_status(context, &mut queue, SubmissionEntry::read(inactive, Lba(0), 1), Some(&[DataSegment::new(buffer.iova(), namespace.block_size_bytes)]))?;
+    let error = raw_status(
+        context,
+        &mut queue,
+        SubmissionEntry::read(inactive, Lba(0), 1),
+        Some(&[DataSegment::new(buffer.iova(), namespace.block_size_bytes)]),
+    )?;
     expect_status(&error, StatusCodeType::Generic, codes::INVALID_NAMESPACE, "read from an inactive namespace")?;
     Ok(Verdict::Passed)
 }
@@ -412,7 +442,9 @@ fn error_invalid_sgl(context: &Context) -> Outcome {
     let accepted = [codes::SGL_DESCRIPTOR_TYPE_INVALID, codes::INVALID_SGL_SEGMENT_DESCRIPTOR];
     match error.status() {
         Some(status) if status.code_type == StatusCodeType::Generic && accepted.contains(&status.code) => Ok(Verdict::Passed),
-        _ => Err(Failure(format!("reserved SGL descriptor type: expected SGL Descriptor Type Invalid or Invalid SGL Segment Descriptor, got {error}"))),
+        _ => Err(Failure(format!(
+            "reserved SGL descriptor type: expected SGL Descriptor Type Invalid or Invalid SGL Segment Descriptor, got {error}"
+        ))),
     }
 }
 
@@ -541,8 +573,8 @@ fn data_integrity(context: &Context) -> Outcome {
 /// Goal: a queue pair created for another agent (as the GPU executor uses them) works when that
 /// agent writes entries and rings doorbells itself: here the check plays the agent from the CPU.
 fn detached_queue_pair(context: &Context) -> Outcome {
-    use std::sync::atomic::Ordering;
     use nvme_driver::spec::{CompletionEntry, SUBMISSION_ENTRY_BYTES};
+    use std::sync::atomic::Ordering;
     let controller = bring_up(context, DataPointerPreference::Prp)?;
     let namespace = first_namespace(&controller)?;
     let depth = 16u32;

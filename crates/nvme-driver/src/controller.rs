@@ -43,7 +43,12 @@ pub struct ControllerConfig {
 
 impl Default for ControllerConfig {
     fn default() -> Self {
-        Self { admin_queue_depth: 64, io_queue_pairs_requested: 16, data_pointer: DataPointerPreference::Auto, admin_timeout: Duration::from_secs(10) }
+        Self {
+            admin_queue_depth: 64,
+            io_queue_pairs_requested: 16,
+            data_pointer: DataPointerPreference::Auto,
+            admin_timeout: Duration::from_secs(10),
+        }
     }
 }
 
@@ -162,11 +167,18 @@ impl Controller {
             return Err(NvmeError::Unsupported { reason: "CAP.CSS does not include the NVM command set".into() });
         }
         if capabilities.min_page_size_bytes() > PAGE_BYTES || capabilities.max_page_size_bytes() < PAGE_BYTES {
-            return Err(NvmeError::Unsupported { reason: format!("controller page sizes {}..={} exclude 4 KiB", capabilities.min_page_size_bytes(), capabilities.max_page_size_bytes()) });
+            return Err(NvmeError::Unsupported {
+                reason: format!(
+                    "controller page sizes {}..={} exclude 4 KiB",
+                    capabilities.min_page_size_bytes(),
+                    capabilities.max_page_size_bytes()
+                ),
+            });
         }
         let max_entries = capabilities.max_queue_entries();
         let admin_depth = config.admin_queue_depth.clamp(2, max_entries.min(4096));
-        let admin_queue = QueuePair::allocate(QueueId(0), admin_depth, dma.as_ref(), Arc::clone(&registers), capabilities.doorbell_stride_log2())?;
+        let admin_queue =
+            QueuePair::allocate(QueueId(0), admin_depth, dma.as_ref(), Arc::clone(&registers), capabilities.doorbell_stride_log2())?;
         let admin = Arc::new(AdminShared {
             admin: Mutex::new(admin_queue),
             epoch: AtomicU64::new(0),
@@ -276,7 +288,9 @@ impl Controller {
                 continue;
             }
             let namespace = IdentifyNamespace::parse(&bytes)?;
-            let block_size_bytes = namespace.block_size_bytes().ok_or(IdentifyError::FormatIndexOutOfRange { index: namespace.format_index, count: namespace.formats.len() as u8 })?;
+            let block_size_bytes = namespace
+                .block_size_bytes()
+                .ok_or(IdentifyError::FormatIndexOutOfRange { index: namespace.format_index, count: namespace.formats.len() as u8 })?;
             namespaces.push(Namespace { id: NamespaceId(nsid), block_size_bytes, size_blocks: namespace.size_blocks });
         }
         self.identify = identify;
@@ -323,7 +337,9 @@ impl Controller {
         }
         let (submission, completion) = match rings {
             Some(rings) => rings,
-            None => (self.dma.allocate(depth as usize * SUBMISSION_ENTRY_BYTES)?, self.dma.allocate(depth as usize * COMPLETION_ENTRY_BYTES)?),
+            None => {
+                (self.dma.allocate(depth as usize * SUBMISSION_ENTRY_BYTES)?, self.dma.allocate(depth as usize * COMPLETION_ENTRY_BYTES)?)
+            }
         };
         DetachedQueuePair::validate_rings(depth, &submission, &completion)?;
         completion.fill(0, depth as usize * COMPLETION_ENTRY_BYTES, 0)?;
@@ -365,7 +381,8 @@ impl Controller {
     }
 
     fn create_queue_with_id(&self, id: QueueId, depth: u32) -> Result<IoQueuePair, NvmeError> {
-        let queue = QueuePair::allocate(id, depth, self.dma.as_ref(), Arc::clone(&self.registers), self.capabilities.doorbell_stride_log2())?;
+        let queue =
+            QueuePair::allocate(id, depth, self.dma.as_ref(), Arc::clone(&self.registers), self.capabilities.doorbell_stride_log2())?;
         self.admin_command(SubmissionEntry::create_io_completion_queue(id.0, depth, queue.completion_iova().0))?;
         if let Err(error) = self.admin_command(SubmissionEntry::create_io_submission_queue(id.0, depth, queue.submission_iova().0, id.0)) {
             let _ = self.admin_command(SubmissionEntry::delete_io_completion_queue(id.0));
@@ -397,7 +414,11 @@ impl Controller {
                 return Ok(());
             }
             if Instant::now() >= deadline {
-                return Err(NvmeError::ReadyTimeout { wanted: "CSTS.SHST=complete", timeout_ms: self.capabilities.ready_timeout_ms(), csts: status.0 });
+                return Err(NvmeError::ReadyTimeout {
+                    wanted: "CSTS.SHST=complete",
+                    timeout_ms: self.capabilities.ready_timeout_ms(),
+                    csts: status.0,
+                });
             }
             std::thread::sleep(Duration::from_micros(500));
         }

@@ -151,13 +151,21 @@ pub fn plan_command(
             }
             DataPointerMode::Prp => {
                 if !first && !is_page_aligned(address) {
-                    return Err(NvmeError::UnsupportedLayout { index: cursor.segment, reason: "segment does not start on a page", mode: mode.name() });
+                    return Err(NvmeError::UnsupportedLayout {
+                        index: cursor.segment,
+                        reason: "segment does not start on a page",
+                        mode: mode.name(),
+                    });
                 }
                 if take < available {
                     // Cut inside this segment: the cut must fall on a page boundary.
                     take = ((address + take) / PAGE_BYTES * PAGE_BYTES).saturating_sub(address);
                 } else if cursor.segment + 1 < segments.len() && !is_page_aligned(address + take) {
-                    return Err(NvmeError::UnsupportedLayout { index: cursor.segment, reason: "segment does not end on a page", mode: mode.name() });
+                    return Err(NvmeError::UnsupportedLayout {
+                        index: cursor.segment,
+                        reason: "segment does not end on a page",
+                        mode: mode.name(),
+                    });
                 }
                 let pages = ((address + take).div_ceil(PAGE_BYTES) - address / PAGE_BYTES) as usize;
                 // PRP1 + one list page of entries (a two-page transfer uses PRP2 directly).

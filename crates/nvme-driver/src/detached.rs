@@ -55,7 +55,9 @@ impl DetachedQueuePair {
         ];
         for (region, needed, what) in checks {
             if region.len() < needed {
-                return Err(NvmeError::Unsupported { reason: format!("{what} holds {} bytes, {depth} entries need {needed}", region.len()) });
+                return Err(NvmeError::Unsupported {
+                    reason: format!("{what} holds {} bytes, {depth} entries need {needed}", region.len()),
+                });
             }
             if region.iova().0 % 4096 != 0 {
                 return Err(NvmeError::Unsupported { reason: format!("{what} at {} is not page aligned", region.iova()) });

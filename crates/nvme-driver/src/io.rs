@@ -37,7 +37,14 @@ impl std::fmt::Debug for IoQueuePair {
 }
 
 impl IoQueuePair {
-    pub(crate) fn new(queue: QueuePair, admin: Arc<AdminShared>, epoch: u64, mode: DataPointerMode, max_transfer_bytes: u64, namespaces: Vec<Namespace>) -> Self {
+    pub(crate) fn new(
+        queue: QueuePair,
+        admin: Arc<AdminShared>,
+        epoch: u64,
+        mode: DataPointerMode,
+        max_transfer_bytes: u64,
+        namespaces: Vec<Namespace>,
+    ) -> Self {
         Self { queue, admin, epoch, mode, max_transfer_bytes, namespaces }
     }
 
@@ -154,9 +161,18 @@ impl IoQueuePair {
 
     /// Queues writes of `segments` to the LBA range starting at `start`; with
     /// `force_unit_access` each command completes only once its data is durable.
-    pub fn submit_write(&mut self, namespace: NamespaceId, start: Lba, segments: &[DataSegment], force_unit_access: bool, tag: u64) -> Result<usize, NvmeError> {
+    pub fn submit_write(
+        &mut self,
+        namespace: NamespaceId,
+        start: Lba,
+        segments: &[DataSegment],
+        force_unit_access: bool,
+        tag: u64,
+    ) -> Result<usize, NvmeError> {
         let namespace = self.namespace(namespace)?;
-        self.submit_transfer(namespace, start, segments, tag, |lba, blocks| SubmissionEntry::write(namespace.id, lba, blocks, force_unit_access))
+        self.submit_transfer(namespace, start, segments, tag, |lba, blocks| {
+            SubmissionEntry::write(namespace.id, lba, blocks, force_unit_access)
+        })
     }
 
     /// Queues a Flush: completes when every write completed before it is durable.
@@ -168,7 +184,14 @@ impl IoQueuePair {
     }
 
     /// Queues Write Zeroes over `blocks` blocks from `start` (split at 65536 blocks per command).
-    pub fn submit_write_zeroes(&mut self, namespace: NamespaceId, start: Lba, blocks: u64, deallocate: bool, tag: u64) -> Result<usize, NvmeError> {
+    pub fn submit_write_zeroes(
+        &mut self,
+        namespace: NamespaceId,
+        start: Lba,
+        blocks: u64,
+        deallocate: bool,
+        tag: u64,
+    ) -> Result<usize, NvmeError> {
         self.check_epoch()?;
         let namespace = self.namespace(namespace)?;
         Self::check_range(&namespace, start, blocks)?;
@@ -191,7 +214,9 @@ impl IoQueuePair {
         self.check_epoch()?;
         let namespace = self.namespace(namespace)?;
         if ranges.is_empty() || ranges.len() > DEALLOCATE_RANGES_MAX {
-            return Err(NvmeError::Unsupported { reason: format!("deallocate takes 1..={DEALLOCATE_RANGES_MAX} ranges, got {}", ranges.len()) });
+            return Err(NvmeError::Unsupported {
+                reason: format!("deallocate takes 1..={DEALLOCATE_RANGES_MAX} ranges, got {}", ranges.len()),
+            });
         }
         for &(start, blocks) in ranges {
             Self::check_range(&namespace, start, u64::from(blocks))?;
@@ -291,7 +316,14 @@ impl IoQueuePair {
     }
 
     /// Synchronous write (tests, tools): submit, ring, wait.
-    pub fn write(&mut self, namespace: NamespaceId, start: Lba, segments: &[DataSegment], force_unit_access: bool, timeout: Duration) -> Result<(), NvmeError> {
+    pub fn write(
+        &mut self,
+        namespace: NamespaceId,
+        start: Lba,
+        segments: &[DataSegment],
+        force_unit_access: bool,
+        timeout: Duration,
+    ) -> Result<(), NvmeError> {
         self.submit_write(namespace, start, segments, force_unit_access, 0)?;
         self.complete_all(timeout)
     }

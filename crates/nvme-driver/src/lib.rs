@@ -12,8 +12,8 @@
 #![deny(unsafe_code)]
 
 mod controller;
-mod detached;
 pub mod datapath;
+mod detached;
 mod error;
 pub mod hw;
 mod io;

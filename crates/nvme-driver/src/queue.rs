@@ -99,7 +99,9 @@ impl QueuePair {
         let sq_doorbell = registers::doorbell_offset(id.0, false, doorbell_stride_log2);
         let cq_doorbell = registers::doorbell_offset(id.0, true, doorbell_stride_log2);
         if cq_doorbell + 4 > registers.len() {
-            return Err(NvmeError::Unsupported { reason: format!("doorbell for {id} at {cq_doorbell:#x} lies outside BAR0 ({} bytes)", registers.len()) });
+            return Err(NvmeError::Unsupported {
+                reason: format!("doorbell for {id} at {cq_doorbell:#x} lies outside BAR0 ({} bytes)", registers.len()),
+            });
         }
         Ok(Self {
             id,
@@ -257,7 +259,8 @@ impl QueuePair {
                 break;
             }
             let slot_index = command_id.0 & ((1 << self.slot_bits) - 1) as u16;
-            let matches = self.slots.get(usize::from(slot_index)).is_some_and(|slot| slot.busy) && self.command_id(slot_index) == command_id;
+            let matches =
+                self.slots.get(usize::from(slot_index)).is_some_and(|slot| slot.busy) && self.command_id(slot_index) == command_id;
             if !matches {
                 failure = Some(NvmeError::UnexpectedCompletion { queue: self.id, command_id });
                 break;
@@ -265,7 +268,13 @@ impl QueuePair {
             let slot = &mut self.slots[usize::from(slot_index)];
             slot.busy = false;
             slot.generation = slot.generation.wrapping_add(1);
-            let completion = Completion { tag: slot.tag, command_id, opcode: slot.opcode, dw0: entry.dw0, status: NvmeStatus::from_status_field(status_field) };
+            let completion = Completion {
+                tag: slot.tag,
+                command_id,
+                opcode: slot.opcode,
+                dw0: entry.dw0,
+                status: NvmeStatus::from_status_field(status_field),
+            };
             self.free.push(slot_index);
             self.in_flight -= 1;
             on_completion(completion);
@@ -333,7 +342,9 @@ impl QueuePair {
     /// Submits one entry on an idle queue, rings, and waits for it: the admin path and tests.
     pub fn execute(&mut self, entry: SubmissionEntry, timeout: Duration) -> Result<Completion, NvmeError> {
         if self.in_flight != 0 {
-            return Err(NvmeError::Unsupported { reason: format!("execute() needs an idle queue; {} has {} commands in flight", self.id, self.in_flight) });
+            return Err(NvmeError::Unsupported {
+                reason: format!("execute() needs an idle queue; {} has {} commands in flight", self.id, self.in_flight),
+            });
         }
         let command_id = self.submit(entry, 0)?;
         self.ring_doorbell();

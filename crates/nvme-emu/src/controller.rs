@@ -12,18 +12,20 @@ use std::time::{Duration, Instant};
 use nvme_driver::hw::{DmaAllocator, DmaPool};
 use nvme_driver::spec::registers::{self, ControllerConfiguration, ShutdownNotification};
 use nvme_driver::spec::status::codes;
-use nvme_driver::spec::{CompletionEntry, NvmOpcode, NvmeStatus, StatusCodeType, SubmissionEntry, COMPLETION_ENTRY_BYTES, SUBMISSION_ENTRY_BYTES};
+use nvme_driver::spec::{
+    CompletionEntry, NvmOpcode, NvmeStatus, StatusCodeType, SubmissionEntry, COMPLETION_ENTRY_BYTES, SUBMISSION_ENTRY_BYTES,
+};
 use nvme_driver::Iova;
 
 use crate::backing::{AlignedBuffer, Store};
-use crate::data_pointer::DataBuffers;
-use crate::uring::{ReadJob, UringReader};
 use crate::cache::WriteCache;
 use crate::config::EmuConfig;
+use crate::data_pointer::DataBuffers;
 use crate::faults::{FaultAction, FaultPlan, FaultState};
 use crate::queues::{CompletionQueue, SubmissionQueue};
 use crate::registers::RegisterFile;
 use crate::stats::{Counters, EmuStats};
+use crate::uring::{ReadJob, UringReader};
 use crate::EmuError;
 
 /// Commands fetched from one SQ per scan, so one busy queue cannot starve the others.
@@ -161,9 +163,7 @@ impl ControllerCore {
         let queue_slots = usize::from(config.io_queue_pairs_max) + 1;
         let features = Self::default_features(&config);
         let reader = if store.is_file() && config.io_uring && !config.no_storage {
-            UringReader::new(URING_DEPTH)
-                .map_err(|error| tracing::info!(%error, "io_uring unavailable; reads use synchronous pread"))
-                .ok()
+            UringReader::new(URING_DEPTH).map_err(|error| tracing::info!(%error, "io_uring unavailable; reads use synchronous pread")).ok()
         } else {
             None
         };
@@ -289,8 +289,10 @@ impl ControllerCore {
         if asq == 0 || acq == 0 || !asq.is_multiple_of(4096) || !acq.is_multiple_of(4096) {
             return Err("ASQ / ACQ are zero or not page aligned");
         }
-        let submission_memory = self.dma.translate(Iova(asq), sq_entries as usize * SUBMISSION_ENTRY_BYTES).map_err(|_| "ASQ is not mapped memory")?;
-        let completion_memory = self.dma.translate(Iova(acq), cq_entries as usize * COMPLETION_ENTRY_BYTES).map_err(|_| "ACQ is not mapped memory")?;
+        let submission_memory =
+            self.dma.translate(Iova(asq), sq_entries as usize * SUBMISSION_ENTRY_BYTES).map_err(|_| "ASQ is not mapped memory")?;
+        let completion_memory =
+            self.dma.translate(Iova(acq), cq_entries as usize * COMPLETION_ENTRY_BYTES).map_err(|_| "ACQ is not mapped memory")?;
         Ok((SubmissionQueue::new(submission_memory, sq_entries, 0), CompletionQueue::new(completion_memory, cq_entries)))
     }
 
@@ -359,7 +361,15 @@ impl ControllerCore {
         written
     }
 
-    fn update_doorbell(registers: &RegisterFile, counters: &mut Counters, queue_id: u16, completion: bool, entries: u32, value: &mut u32, last_invalid: &mut Option<u32>) {
+    fn update_doorbell(
+        registers: &RegisterFile,
+        counters: &mut Counters,
+        queue_id: u16,
+        completion: bool,
+        entries: u32,
+        value: &mut u32,
+        last_invalid: &mut Option<u32>,
+    ) {
         let Some(rung) = registers.doorbell(queue_id, completion) else { return };
         if rung < entries {
             *value = rung;
@@ -374,7 +384,15 @@ impl ControllerCore {
     fn scan_queues(&mut self, now: Instant) -> bool {
         for (queue_id, slot) in self.completion_queues.iter_mut().enumerate() {
             if let Some(queue) = slot {
-                Self::update_doorbell(&self.registers, &mut self.counters, queue_id as u16, true, queue.entries, &mut queue.head, &mut queue.last_invalid_doorbell);
+                Self::update_doorbell(
+                    &self.registers,
+                    &mut self.counters,
+                    queue_id as u16,
+                    true,
+                    queue.entries,
+                    &mut queue.head,
+                    &mut queue.last_invalid_doorbell,
+                );
             }
         }
         let mut worked = false;
@@ -385,11 +403,23 @@ impl ControllerCore {
             }
             let queue_id = queue_index as u16;
             let Some(Some(queue)) = self.submission_queues.get_mut(queue_index) else { continue };
-            Self::update_doorbell(&self.registers, &mut self.counters, queue_id, false, queue.entries, &mut queue.tail, &mut queue.last_invalid_doorbell);
+            Self::update_doorbell(
+                &self.registers,
+                &mut self.counters,
+                queue_id,
+                false,
+                queue.entries,
+                &mut queue.tail,
+                &mut queue.last_invalid_doorbell,
+            );
             let completion_queue_id = queue.completion_queue_id;
             // A full CQ leaves commands in the SQ until the host rings the CQ head; never fetch
             // more than there are free slots for.
-            let free = self.completion_queues.get(usize::from(completion_queue_id)).and_then(Option::as_ref).map_or(0, CompletionQueue::free_slots);
+            let free = self
+                .completion_queues
+                .get(usize::from(completion_queue_id))
+                .and_then(Option::as_ref)
+                .map_or(0, CompletionQueue::free_slots);
             let limit = (free as usize).min(COMMANDS_PER_QUEUE_PER_SCAN);
             fetched.clear();
             while fetched.len() < limit && !queue.is_empty() {
@@ -421,7 +451,8 @@ impl ControllerCore {
             if fault.is_some() {
                 self.counters.totals.faults_injected += 1;
             }
-            let batchable = fault.is_none() && !admin && self.reader.is_some() && entry.opcode() == NvmOpcode::Read as u8 && entry.fuse() == 0;
+            let batchable =
+                fault.is_none() && !admin && self.reader.is_some() && entry.opcode() == NvmOpcode::Read as u8 && entry.fuse() == 0;
             if batchable {
                 match self.prepare_transfer(entry) {
                     Ok((namespace_index, namespace, buffers)) => {
@@ -500,7 +531,16 @@ impl ControllerCore {
 
     /// Records the outcome and posts (or, per the fault, delays, drops or corrupts) the completion.
     #[allow(clippy::too_many_arguments)]
-    fn complete(&mut self, queue_id: u16, completion_queue_id: u16, sq_head: u32, entry: &SubmissionEntry, result: CommandResult, fault: Option<FaultAction>, now: Instant) {
+    fn complete(
+        &mut self,
+        queue_id: u16,
+        completion_queue_id: u16,
+        sq_head: u32,
+        entry: &SubmissionEntry,
+        result: CommandResult,
+        fault: Option<FaultAction>,
+        now: Instant,
+    ) {
         let (dw0, status_field) = match result {
             Ok(dw0) => (dw0, 0),
             Err(status) => {
@@ -652,7 +692,10 @@ fn layout_namespaces(config: &EmuConfig, store_bytes: u64) -> Result<Vec<Namespa
         let blocks = wanted / block;
         if blocks == 0 || blocks * block > available {
             return Err(EmuError::InvalidConfig {
-                reason: format!("namespace {} needs {wanted} bytes but {available} of the {store_bytes}-byte backing store remain", index + 1),
+                reason: format!(
+                    "namespace {} needs {wanted} bytes but {available} of the {store_bytes}-byte backing store remain",
+                    index + 1
+                ),
             });
         }
         namespaces.push(Namespace { block_size_bytes: namespace.block_size_bytes, blocks, base_offset_bytes: offset });

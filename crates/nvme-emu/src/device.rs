@@ -53,12 +53,18 @@ impl EmuDevice {
     /// controller starts disabled (CC.EN = 0), waiting for a host to bring it up.
     pub fn start(config: EmuConfig) -> Result<Arc<Self>, EmuError> {
         config.validate()?;
-        let capabilities = Capabilities::build(config.max_queue_entries, config.ready_timeout_500ms_units, config.doorbell_stride_log2, 0, 0);
+        let capabilities =
+            Capabilities::build(config.max_queue_entries, config.ready_timeout_500ms_units, config.doorbell_stride_log2, 0, 0);
         let registers = Arc::new(RegisterFile::new(capabilities.0, config.doorbell_stride_log2, config.io_queue_pairs_max)?);
         let dma = Arc::new(DmaPool::identity());
         let core = ControllerCore::new(config, Arc::clone(&registers), (*dma).clone())?;
         let name = format!("emu:{}", core.describe_store());
-        let shared = Arc::new(Shared { core: Mutex::new(core), stop: AtomicBool::new(false), sleeping: AtomicBool::new(false), thread: OnceLock::new() });
+        let shared = Arc::new(Shared {
+            core: Mutex::new(core),
+            stop: AtomicBool::new(false),
+            sleeping: AtomicBool::new(false),
+            thread: OnceLock::new(),
+        });
         let hook_shared = Arc::downgrade(&shared);
         registers.set_configuration_hook(Box::new(move || {
             if let Some(shared) = hook_shared.upgrade() {
@@ -80,10 +86,8 @@ impl EmuDevice {
             }
         }));
         let thread_shared = Arc::clone(&shared);
-        let thread = std::thread::Builder::new()
-            .name("nvme-emu".to_string())
-            .spawn(move || run(&thread_shared))
-            .map_err(EmuError::Thread)?;
+        let thread =
+            std::thread::Builder::new().name("nvme-emu".to_string()).spawn(move || run(&thread_shared)).map_err(EmuError::Thread)?;
         let _ = shared.thread.set(thread.thread().clone());
         Ok(Arc::new(Self { shared, registers, dma, name, thread: Mutex::new(Some(thread)) }))
     }
@@ -157,7 +161,10 @@ impl DeviceBackend for EmuDevice {
     }
 
     fn function_reset(&self) -> Result<(), HwError> {
-        self.shared.core().function_reset().map_err(|status| HwError::Backend { backend: "nvme-emu", message: format!("cache write-back during reset: {status}") })
+        self.shared
+            .core()
+            .function_reset()
+            .map_err(|status| HwError::Backend { backend: "nvme-emu", message: format!("cache write-back during reset: {status}") })
     }
 }
 

@@ -93,7 +93,14 @@ impl ControllerCore {
 
     /// Writes blocks into the volatile cache, or through to media when the cache is off, the
     /// write is FUA, or it is larger than the whole cache.
-    fn store_blocks(&mut self, index: usize, namespace: &Namespace, start_lba: u64, data: &[u8], force_unit_access: bool) -> Result<(), NvmeStatus> {
+    fn store_blocks(
+        &mut self,
+        index: usize,
+        namespace: &Namespace,
+        start_lba: u64,
+        data: &[u8],
+        force_unit_access: bool,
+    ) -> Result<(), NvmeStatus> {
         let block_size = namespace.block_size_bytes as usize;
         let cache_on = self.config.volatile_write_cache && self.features.write_cache_enabled;
         let length = data.len() as u64;

@@ -37,7 +37,14 @@ impl RegisterFile {
         let doorbells = (usize::from(io_queue_pairs) + 1) * 2;
         let len = registers::DOORBELL_BASE + doorbells * (4usize << doorbell_stride_log2);
         let region = pool.allocate(len)?;
-        let file = Self { region, _pool: pool, capabilities, doorbell_stride_log2, configuration_hook: OnceLock::new(), doorbell_hook: OnceLock::new() };
+        let file = Self {
+            region,
+            _pool: pool,
+            capabilities,
+            doorbell_stride_log2,
+            configuration_hook: OnceLock::new(),
+            doorbell_hook: OnceLock::new(),
+        };
         file.power_on_reset();
         Ok(file)
     }

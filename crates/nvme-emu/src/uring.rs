@@ -82,7 +82,8 @@ impl UringReader {
                 return;
             }
             if let Err(error) = self.ring.submit_and_wait(1) {
-                let retryable = matches!(error.kind(), io::ErrorKind::Interrupted | io::ErrorKind::WouldBlock) || error.raw_os_error() == Some(libc::EBUSY);
+                let retryable = matches!(error.kind(), io::ErrorKind::Interrupted | io::ErrorKind::WouldBlock)
+                    || error.raw_os_error() == Some(libc::EBUSY);
                 failures += 1;
                 if !retryable || failures > SUBMIT_RETRIES_MAX {
                     tracing::error!(%error, "io_uring submission failed; leaking the buffers of reads in flight");

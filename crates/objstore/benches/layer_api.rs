@@ -18,7 +18,9 @@ use gio_uring::{CpuExecutor, SmBudget};
 use nvme_driver::hw::DeviceBackend;
 use nvme_driver::{Controller, ControllerConfig, DataPointerMode, NamespaceId};
 use nvme_emu::{Backing, EmuConfig, EmuDevice, NamespaceConfig};
-use objstore::{cpu_executor_for, format_pool, FormatParams, KvLayout, KvRegistration, KvRequest, KvStore, ModelGeometry, Pool, PoolTarget, StoreConfig};
+use objstore::{
+    cpu_executor_for, format_pool, FormatParams, KvLayout, KvRegistration, KvRequest, KvStore, ModelGeometry, Pool, PoolTarget, StoreConfig,
+};
 
 const BLOCKS: u32 = 2048;
 
@@ -38,12 +40,15 @@ fn rig() -> Rig {
     let geometry = ModelGeometry { kv_heads: 1, head_dim: 16, ..ModelGeometry::llama3_8b(16) };
     let slots = 2 * u64::from(BLOCKS) + 8;
     let namespace_bytes = slots * geometry.block_bytes() + (64 << 20);
-    let config = EmuConfig::default().with_backing(Backing::Memory { bytes: namespace_bytes }).with_namespaces(vec![NamespaceConfig::new(512, None)]);
+    let config = EmuConfig::default()
+        .with_backing(Backing::Memory { bytes: namespace_bytes })
+        .with_namespaces(vec![NamespaceConfig::new(512, None)]);
     let device = EmuDevice::start(config).unwrap();
     let backend: Arc<dyn DeviceBackend> = device.clone();
     let controller = Arc::new(Controller::init(backend, ControllerConfig::default()).unwrap());
     let targets = vec![PoolTarget { controller: controller.clone(), namespace: NamespaceId(1) }];
-    format_pool(&targets, &FormatParams { geometry, blocks_per_slot: 1, slot_count_max: Some(slots), pool_uuid: None, payload_crc: false }).unwrap();
+    format_pool(&targets, &FormatParams { geometry, blocks_per_slot: 1, slot_count_max: Some(slots), pool_uuid: None, payload_crc: false })
+        .unwrap();
     let (pool, _) = Pool::open(targets, Some(&geometry)).unwrap();
     let tensor_bytes = (geometry.object_bytes() * u64::from(BLOCKS)) as usize;
     let engine: Vec<_> = (0..2 * geometry.layers).map(|_| controller.dma().allocate(tensor_bytes).unwrap()).collect();
@@ -100,7 +105,10 @@ fn prepare(c: &mut Criterion) {
 
     let mut group = c.benchmark_group("issue_one_layer");
     for blocks in [16u32, 2048] {
-        let handle = rig.store.prepare_retrieve(&KvRequest { tokens: &rig.cached_tokens[..16 * blocks as usize], block_ids: &ids[..blocks as usize] }).unwrap();
+        let handle = rig
+            .store
+            .prepare_retrieve(&KvRequest { tokens: &rig.cached_tokens[..16 * blocks as usize], block_ids: &ids[..blocks as usize] })
+            .unwrap();
         group.bench_function(BenchmarkId::new("retrieve_layer", blocks), |b| {
             let mut layer = 0;
             b.iter_custom(|iterations| {
@@ -134,7 +142,10 @@ fn prepare(c: &mut Criterion) {
         rig.store.finish(plan.handle).unwrap();
     }
     for (slot, blocks) in [(2usize, 16u32), (3, 2048)] {
-        let handle = rig.store.prepare_retrieve(&KvRequest { tokens: &rig.cached_tokens[..16 * blocks as usize], block_ids: &ids[..blocks as usize] }).unwrap();
+        let handle = rig
+            .store
+            .prepare_retrieve(&KvRequest { tokens: &rig.cached_tokens[..16 * blocks as usize], block_ids: &ids[..blocks as usize] })
+            .unwrap();
         for run in 0..runs {
             let started = Instant::now();
             rig.store.retrieve_layer(handle, run % 32, SmBudget(1)).unwrap();

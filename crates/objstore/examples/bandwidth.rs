@@ -16,7 +16,9 @@ use gio_uring::SmBudget;
 use nvme_driver::hw::DeviceBackend;
 use nvme_driver::{Controller, ControllerConfig, DataPointerMode, NamespaceId};
 use nvme_emu::{Backing, EmuConfig, EmuDevice, NamespaceConfig};
-use objstore::{cpu_executor_for, format_pool, FormatParams, KvLayout, KvRegistration, KvRequest, KvStore, ModelGeometry, Pool, PoolTarget, StoreConfig};
+use objstore::{
+    cpu_executor_for, format_pool, FormatParams, KvLayout, KvRegistration, KvRequest, KvStore, ModelGeometry, Pool, PoolTarget, StoreConfig,
+};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
@@ -36,7 +38,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let backend: Arc<dyn DeviceBackend> = device.clone();
     let controller = Arc::new(Controller::init(backend, ControllerConfig::default())?);
     let targets = vec![PoolTarget { controller: controller.clone(), namespace: NamespaceId(1) }];
-    format_pool(&targets, &FormatParams { geometry, blocks_per_slot: k, slot_count_max: Some(slots), pool_uuid: None, payload_crc: false })?;
+    format_pool(
+        &targets,
+        &FormatParams { geometry, blocks_per_slot: k, slot_count_max: Some(slots), pool_uuid: None, payload_crc: false },
+    )?;
     let (pool, _) = Pool::open(targets, Some(&geometry))?;
     let tensor = (geometry.object_bytes() * u64::from(blocks)) as usize;
     let engine: Vec<_> = (0..2 * geometry.layers).map(|_| controller.dma().allocate(tensor)).collect::<Result<_, _>>()?;
@@ -75,7 +80,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         best_retrieve = best_retrieve.min(started.elapsed());
         store.finish(handle)?;
     }
-    let command_bytes = 2 * geometry.object_bytes() * u64::from(if store.table().form() == objstore::MappingForm::SglTable { k } else { 1 });
+    let command_bytes =
+        2 * geometry.object_bytes() * u64::from(if store.table().form() == objstore::MappingForm::SglTable { k } else { 1 });
     println!(
         "{blocks} blocks x {} MiB, k = {k} ({} KiB per command, {} commands per layer), file {}:\n  store    {:.2} GB/s ({:?})\n  retrieve {:.2} GB/s ({:?})",
         geometry.block_bytes() >> 20,

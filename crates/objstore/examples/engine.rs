@@ -27,7 +27,9 @@ use gio_uring::SmBudget;
 use nvme_driver::hw::DeviceBackend;
 use nvme_driver::{Controller, ControllerConfig, DataPointerMode, DmaRegion, NamespaceId};
 use nvme_emu::{Backing, EmuConfig, EmuDevice};
-use objstore::{cpu_executor_for, format_pool, FormatParams, KvLayout, KvRegistration, KvRequest, KvStore, ModelGeometry, Pool, PoolTarget, StoreConfig};
+use objstore::{
+    cpu_executor_for, format_pool, FormatParams, KvLayout, KvRegistration, KvRequest, KvStore, ModelGeometry, Pool, PoolTarget, StoreConfig,
+};
 use scheduler::analytic::{build_table, AnalyticGrid, GpuSpec, ModelConfig};
 use scheduler::ssd::SsdModel;
 use scheduler::table::Profile;
@@ -132,7 +134,9 @@ fn main() -> Result<(), Failure> {
     format_pool(&targets, &FormatParams { geometry, blocks_per_slot: 1, slot_count_max: None, pool_uuid: None, payload_crc: false })?;
     let (pool, _) = Pool::open(targets, Some(&geometry))?;
     let object_bytes = geometry.object_bytes() as usize;
-    let tensors = (0..2 * geometry.layers).map(|_| controller.dma().allocate(object_bytes * ENGINE_BLOCKS as usize)).collect::<Result<Vec<_>, _>>()?;
+    let tensors = (0..2 * geometry.layers)
+        .map(|_| controller.dma().allocate(object_bytes * ENGINE_BLOCKS as usize))
+        .collect::<Result<Vec<_>, _>>()?;
     let layout = KvLayout::SeparateKv {
         key_bases: tensors.iter().step_by(2).map(DmaRegion::iova).collect(),
         value_bases: tensors.iter().skip(1).step_by(2).map(DmaRegion::iova).collect(),
@@ -144,7 +148,10 @@ fn main() -> Result<(), Failure> {
     let executor = cpu_executor_for(&pool, 256, &store_config)?;
     let mut store = KvStore::new(pool, registration, Arc::clone(controller.dma()), executor, store_config)?;
 
-    println!("engine example: Llama-3.1-8B, {BLOCK_TOKENS}-token blocks ({} MiB each), software controller in memory, CPU executor", geometry.block_bytes() >> 20);
+    println!(
+        "engine example: Llama-3.1-8B, {BLOCK_TOKENS}-token blocks ({} MiB each), software controller in memory, CPU executor",
+        geometry.block_bytes() >> 20
+    );
     println!("compute: analytic H100 per-layer times x {compute_scale}; I/O: this machine\n");
     println!("{:>4} {:>8} {:>8} {:>10} {:>10} {:>10} {:>10}", "req", "blocks", "hit", "ttft_ms", "bubble_ms", "compute_ms", "store_ms");
     let (mut hit_blocks_total, mut blocks_total) = (0u64, 0u64);

@@ -67,7 +67,8 @@ fn put_u64(bytes: &mut [u8], offset: usize, value: u64) {
 /// Bytes of one slot-header entry for k blocks per slot: the smallest power of two holding the
 /// fixed part, k (key, token count) records and the CRC, so an entry never straddles an LBA.
 pub fn header_entry_bytes(blocks_per_slot: u32) -> u64 {
-    (SLOT_HEADER_FIXED_BYTES as u64 + u64::from(blocks_per_slot) * SLOT_HEADER_BLOCK_BYTES as u64 + SLOT_HEADER_CRC_BYTES).next_power_of_two()
+    (SLOT_HEADER_FIXED_BYTES as u64 + u64::from(blocks_per_slot) * SLOT_HEADER_BLOCK_BYTES as u64 + SLOT_HEADER_CRC_BYTES)
+        .next_power_of_two()
 }
 
 impl Superblock {
@@ -95,7 +96,9 @@ impl Superblock {
         }
         let entry = header_entry_bytes(blocks_per_slot);
         if blocks_per_slot == 0 || blocks_per_slot > 1024 || entry > u64::from(lba_bytes) {
-            return Err(invalid(format!("blocks per slot {blocks_per_slot}: expected 1..=1024 with a header entry ({entry} B) within one LBA ({lba_bytes} B)")));
+            return Err(invalid(format!(
+                "blocks per slot {blocks_per_slot}: expected 1..=1024 with a header entry ({entry} B) within one LBA ({lba_bytes} B)"
+            )));
         }
         if device_count == 0 || device_index >= device_count {
             return Err(invalid(format!("device index {device_index} of {device_count}")));
@@ -117,7 +120,11 @@ impl Superblock {
             slots -= 1;
         }
         if slots == 0 {
-            return Err(ObjstoreError::NamespaceTooSmall { device: device_index as usize, needed_bytes: layout(1).1 + slot_bytes, available_bytes: size_bytes });
+            return Err(ObjstoreError::NamespaceTooSmall {
+                device: device_index as usize,
+                needed_bytes: layout(1).1 + slot_bytes,
+                available_bytes: size_bytes,
+            });
         }
         let (header_bytes, data_start) = layout(slots);
         Ok(Self {
@@ -185,7 +192,10 @@ impl Superblock {
             return Err(corrupt(format!("CRC32 {stored:#010x}, computed {computed:#010x}")));
         }
         if version == 0 || u32_at(bytes, 12) != SUPERBLOCK_ENCODED_BYTES as u32 {
-            return Err(corrupt(format!("version {version} with encoded length {}, expected {FORMAT_VERSION} / {SUPERBLOCK_ENCODED_BYTES}", u32_at(bytes, 12))));
+            return Err(corrupt(format!(
+                "version {version} with encoded length {}, expected {FORMAT_VERSION} / {SUPERBLOCK_ENCODED_BYTES}",
+                u32_at(bytes, 12)
+            )));
         }
         let geometry = ModelGeometry {
             layers: u32_at(bytes, 40),
@@ -300,7 +310,15 @@ pub enum HeaderVerdict {
 
 /// Encodes a slot-header entry into `out` (exactly `header_entry_bytes` long) without building
 /// a [`SlotHeader`] (no allocation on the commit path).
-pub fn encode_entry(out: &mut [u8], generation: u64, pool_tag: u64, slot: u32, state: SlotState, payload_crc: Option<u32>, blocks: &[BlockRecord]) {
+pub fn encode_entry(
+    out: &mut [u8],
+    generation: u64,
+    pool_tag: u64,
+    slot: u32,
+    state: SlotState,
+    payload_crc: Option<u32>,
+    blocks: &[BlockRecord],
+) {
     out.fill(0);
     put_u64(out, 0, generation);
     put_u64(out, 8, pool_tag);
@@ -380,7 +398,8 @@ mod tests {
     use super::*;
 
     fn small() -> ModelGeometry {
-        ModelGeometry { layers: 2, kv_heads: 1, head_dim: 128, dtype_bytes: 2, block_tokens: 16 } // 4 KiB objects
+        ModelGeometry { layers: 2, kv_heads: 1, head_dim: 128, dtype_bytes: 2, block_tokens: 16 }
+        // 4 KiB objects
     }
 
     fn plan() -> Superblock {
@@ -413,18 +432,31 @@ mod tests {
         // layout that does not fit the namespace: each refused with what was expected.
         let sb = plan();
         let good = sb.encode();
-        assert!(matches!(Superblock::decode(&good[..100], 0, 512, 16 << 11), Err(ObjstoreError::CorruptSuperblock { reason, .. }) if reason.contains("truncated")));
+        assert!(
+            matches!(Superblock::decode(&good[..100], 0, 512, 16 << 11), Err(ObjstoreError::CorruptSuperblock { reason, .. }) if reason.contains("truncated"))
+        );
         let mut magic = good;
         magic[0] ^= 1;
-        assert!(matches!(Superblock::decode(&magic, 0, 512, 16 << 11), Err(ObjstoreError::CorruptSuperblock { reason, .. }) if reason.contains("magic")));
+        assert!(
+            matches!(Superblock::decode(&magic, 0, 512, 16 << 11), Err(ObjstoreError::CorruptSuperblock { reason, .. }) if reason.contains("magic"))
+        );
         let mut flipped = good;
         flipped[90] ^= 0x40;
-        assert!(matches!(Superblock::decode(&flipped, 0, 512, 16 << 11), Err(ObjstoreError::CorruptSuperblock { reason, .. }) if reason.contains("CRC")));
+        assert!(
+            matches!(Superblock::decode(&flipped, 0, 512, 16 << 11), Err(ObjstoreError::CorruptSuperblock { reason, .. }) if reason.contains("CRC"))
+        );
         let mut newer = good;
         put_u32(&mut newer, 8, FORMAT_VERSION + 1);
-        assert!(matches!(Superblock::decode(&newer, 3, 512, 16 << 11), Err(ObjstoreError::NewerFormatVersion { device: 3, found: 2, supported: 1 })));
-        assert!(matches!(Superblock::decode(&good, 0, 4096, 16 << 8), Err(ObjstoreError::CorruptSuperblock { reason, .. }) if reason.contains("LBAs")));
-        assert!(matches!(Superblock::decode(&good, 0, 512, 1 << 11), Err(ObjstoreError::CorruptSuperblock { reason, .. }) if reason.contains("does not fit")));
+        assert!(matches!(
+            Superblock::decode(&newer, 3, 512, 16 << 11),
+            Err(ObjstoreError::NewerFormatVersion { device: 3, found: 2, supported: 1 })
+        ));
+        assert!(
+            matches!(Superblock::decode(&good, 0, 4096, 16 << 8), Err(ObjstoreError::CorruptSuperblock { reason, .. }) if reason.contains("LBAs"))
+        );
+        assert!(
+            matches!(Superblock::decode(&good, 0, 512, 1 << 11), Err(ObjstoreError::CorruptSuperblock { reason, .. }) if reason.contains("does not fit"))
+        );
         let zeros = [0u8; 512];
         assert!(Superblock::decode(&zeros, 0, 512, 16 << 11).is_err());
     }

@@ -203,7 +203,12 @@ impl MappingTable {
                 let table = self.region.as_ref().map_or(0, |region| region.iova().0);
                 let at = Iova(table + b * 2 * SGL_DESCRIPTOR_BYTES);
                 let segment = IovaRange::new(gio(at), u64::from(run) * 2 * SGL_DESCRIPTOR_BYTES);
-                out[0] = Piece { disk_offset_bytes: 0, len_bytes: u64::from(run) * 2 * object, data: at, descriptor: Descriptor::SglSegment { segment } };
+                out[0] = Piece {
+                    disk_offset_bytes: 0,
+                    len_bytes: u64::from(run) * 2 * object,
+                    data: at,
+                    descriptor: Descriptor::SglSegment { segment },
+                };
                 1
             }
             MappingForm::Collapsed => {
@@ -214,7 +219,12 @@ impl MappingTable {
             MappingForm::StridedPair => {
                 for (index, kind) in [KvKind::Key, KvKind::Value].into_iter().enumerate() {
                     let data = self.registration.address_unchecked(0, kind, first_block);
-                    out[index] = Piece { disk_offset_bytes: index as u64 * object, len_bytes: object, data, descriptor: self.prp_descriptor(data, first_block, index as u64) };
+                    out[index] = Piece {
+                        disk_offset_bytes: index as u64 * object,
+                        len_bytes: object,
+                        data,
+                        descriptor: self.prp_descriptor(data, first_block, index as u64),
+                    };
                 }
                 2
             }
@@ -290,7 +300,7 @@ mod tests {
         assert_eq!(report.sgl_bytes, 15 << 20);
         assert_eq!(report.prp_list_page_per_object_bytes, 3840 << 20); // 3.75 GiB
         assert_eq!(report.prp_packed_bytes, 983_040 * 128); // 15 entries padded to 16
-        // 16-token blocks halve the object: twice the descriptors.
+                                                            // 16-token blocks halve the object: twice the descriptors.
         assert_eq!(mapping_memory(&ModelGeometry::llama3_8b(16), 60 << 30).sgl_bytes, 30 << 20);
     }
 

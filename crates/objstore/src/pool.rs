@@ -12,7 +12,9 @@ use std::time::{Duration, Instant};
 use nvme_driver::{Controller, DataSegment, DmaRegion, IoQueuePair, Lba, NamespaceId};
 
 use crate::error::{ObjstoreError, Result};
-use crate::format::{encode_entry, header_entry_bytes, pool_tag, HeaderVerdict, SlotHeader, SlotState, Superblock, FLAG_PAYLOAD_CRC, SUPERBLOCK_REGION_BYTES};
+use crate::format::{
+    encode_entry, header_entry_bytes, pool_tag, HeaderVerdict, SlotHeader, SlotState, Superblock, FLAG_PAYLOAD_CRC, SUPERBLOCK_REGION_BYTES,
+};
 use crate::geometry::ModelGeometry;
 use crate::hash::chain_hash;
 use crate::index::Index;
@@ -117,7 +119,17 @@ fn deadline_error(error: nvme_driver::NvmeError) -> ObjstoreError {
 /// Writes `len` bytes of `region` from `offset` to `lba` (relative LBAs computed by the caller),
 /// in pieces, with FUA when asked.
 #[allow(clippy::too_many_arguments)]
-fn write_region(queue: &mut IoQueuePair, namespace: NamespaceId, lba: u64, region: &DmaRegion, offset: u64, len: u64, lba_bytes: u64, fua: bool, timeout: Duration) -> Result<()> {
+fn write_region(
+    queue: &mut IoQueuePair,
+    namespace: NamespaceId,
+    lba: u64,
+    region: &DmaRegion,
+    offset: u64,
+    len: u64,
+    lba_bytes: u64,
+    fua: bool,
+    timeout: Duration,
+) -> Result<()> {
     let mut done = 0;
     while done < len {
         let piece = (len - done).min(METADATA_CHUNK_BYTES);
@@ -129,7 +141,16 @@ fn write_region(queue: &mut IoQueuePair, namespace: NamespaceId, lba: u64, regio
 }
 
 #[allow(clippy::too_many_arguments)]
-fn read_region(queue: &mut IoQueuePair, namespace: NamespaceId, lba: u64, region: &DmaRegion, offset: u64, len: u64, lba_bytes: u64, timeout: Duration) -> Result<()> {
+fn read_region(
+    queue: &mut IoQueuePair,
+    namespace: NamespaceId,
+    lba: u64,
+    region: &DmaRegion,
+    offset: u64,
+    len: u64,
+    lba_bytes: u64,
+    timeout: Duration,
+) -> Result<()> {
     let mut done = 0;
     while done < len {
         let piece = (len - done).min(METADATA_CHUNK_BYTES);
@@ -168,13 +189,27 @@ pub fn format_pool(targets: &[PoolTarget], params: &FormatParams) -> Result<Vec<
     let mut planned = Vec::with_capacity(targets.len());
     for (device, target) in targets.iter().enumerate() {
         let namespace = namespace_of(target)?;
-        let superblock = Superblock::plan(params.geometry, params.blocks_per_slot, namespace.block_size_bytes, namespace.size_blocks, params.slot_count_max, uuid, device as u32, targets.len() as u32, flags)
-            .map_err(|error| match error {
-                ObjstoreError::NamespaceTooSmall { needed_bytes, available_bytes, .. } => ObjstoreError::NamespaceTooSmall { device, needed_bytes, available_bytes },
-                other => other,
-            })?;
+        let superblock = Superblock::plan(
+            params.geometry,
+            params.blocks_per_slot,
+            namespace.block_size_bytes,
+            namespace.size_blocks,
+            params.slot_count_max,
+            uuid,
+            device as u32,
+            targets.len() as u32,
+            flags,
+        )
+        .map_err(|error| match error {
+            ObjstoreError::NamespaceTooSmall { needed_bytes, available_bytes, .. } => {
+                ObjstoreError::NamespaceTooSmall { device, needed_bytes, available_bytes }
+            }
+            other => other,
+        })?;
         if superblock.slot_count > u64::from(u32::MAX) {
-            return Err(ObjstoreError::InvalidFormat { reason: format!("device {device}: {} slots, at most {} supported", superblock.slot_count, u32::MAX) });
+            return Err(ObjstoreError::InvalidFormat {
+                reason: format!("device {device}: {} slots, at most {} supported", superblock.slot_count, u32::MAX),
+            });
         }
         planned.push(superblock);
     }
@@ -220,7 +255,11 @@ impl Pool {
         for (position, (superblock, _)) in found.iter().enumerate() {
             let membership = |reason: String| Err(ObjstoreError::PoolMembership { device: position, reason });
             if superblock.pool_uuid != first.pool_uuid {
-                return membership(format!("belongs to pool {}, the first device to pool {}", format_uuid(&superblock.pool_uuid), format_uuid(&first.pool_uuid)));
+                return membership(format!(
+                    "belongs to pool {}, the first device to pool {}",
+                    format_uuid(&superblock.pool_uuid),
+                    format_uuid(&first.pool_uuid)
+                ));
             }
             if superblock.geometry != first.geometry {
                 return Err(ObjstoreError::GeometryMismatch { on_disk: superblock.geometry, registered: first.geometry });
@@ -228,25 +267,57 @@ impl Pool {
             if superblock.device_count as usize != found.len() {
                 return membership(format!("the pool has {} devices, {} were given", superblock.device_count, found.len()));
             }
-            if superblock.blocks_per_slot != first.blocks_per_slot || superblock.lba_bytes != first.lba_bytes || superblock.flags != first.flags {
-                return membership(format!("blocks per slot {} / LBA {} B / flags {:#x}, device 0 has {} / {} B / {:#x}", superblock.blocks_per_slot, superblock.lba_bytes, superblock.flags, first.blocks_per_slot, first.lba_bytes, first.flags));
+            if superblock.blocks_per_slot != first.blocks_per_slot
+                || superblock.lba_bytes != first.lba_bytes
+                || superblock.flags != first.flags
+            {
+                return membership(format!(
+                    "blocks per slot {} / LBA {} B / flags {:#x}, device 0 has {} / {} B / {:#x}",
+                    superblock.blocks_per_slot, superblock.lba_bytes, superblock.flags, first.blocks_per_slot, first.lba_bytes, first.flags
+                ));
             }
         }
         found.sort_by_key(|(superblock, _)| superblock.device_index);
         for (index, (superblock, _)) in found.iter().enumerate() {
             if superblock.device_index as usize != index {
-                return Err(ObjstoreError::PoolMembership { device: index, reason: format!("device index {} given twice or device {index} missing", superblock.device_index) });
+                return Err(ObjstoreError::PoolMembership {
+                    device: index,
+                    reason: format!("device index {} given twice or device {index} missing", superblock.device_index),
+                });
             }
         }
         let slot_counts: Vec<u32> = found.iter().map(|(superblock, _)| superblock.slot_count as u32).collect();
-        let mut pool = Pool { devices: Vec::with_capacity(found.len()), index: Index::new(&slot_counts, first.blocks_per_slot), generation: 0, timeout: METADATA_TIMEOUT };
+        let mut pool = Pool {
+            devices: Vec::with_capacity(found.len()),
+            index: Index::new(&slot_counts, first.blocks_per_slot),
+            generation: 0,
+            timeout: METADATA_TIMEOUT,
+        };
         let mut report = RecoveryReport { devices: found.len(), ..RecoveryReport::default() };
         for (superblock, target) in found {
             let mut queue = target.controller.create_io_queue_pair(METADATA_QUEUE_DEPTH)?;
             let mirror = target.controller.dma().allocate(superblock.header_region_bytes() as usize)?;
-            read_region(&mut queue, target.namespace, superblock.header_lba, &mirror, 0, superblock.header_region_bytes(), u64::from(superblock.lba_bytes), METADATA_TIMEOUT)?;
-            let scratch = target.controller.dma().allocate((2 * superblock.geometry.object_bytes()).max(SUPERBLOCK_REGION_BYTES) as usize)?;
-            pool.devices.push(PoolDevice { queue, target, superblock, mirror, dirty: None, scratch, header_nonzero: vec![false; superblock.slot_count as usize] });
+            read_region(
+                &mut queue,
+                target.namespace,
+                superblock.header_lba,
+                &mirror,
+                0,
+                superblock.header_region_bytes(),
+                u64::from(superblock.lba_bytes),
+                METADATA_TIMEOUT,
+            )?;
+            let scratch =
+                target.controller.dma().allocate((2 * superblock.geometry.object_bytes()).max(SUPERBLOCK_REGION_BYTES) as usize)?;
+            pool.devices.push(PoolDevice {
+                queue,
+                target,
+                superblock,
+                mirror,
+                dirty: None,
+                scratch,
+                header_nonzero: vec![false; superblock.slot_count as usize],
+            });
         }
         pool.recover(&mut report)?;
         Ok((pool, report))
@@ -317,7 +388,14 @@ impl Pool {
     }
 
     /// Records a slot header in the mirror; it reaches the device at the next `sync_headers`.
-    pub(crate) fn stage_header(&mut self, device: u16, slot: u32, state: SlotState, blocks: &[crate::format::BlockRecord], payload_crc: Option<u32>) -> Result<u64> {
+    pub(crate) fn stage_header(
+        &mut self,
+        device: u16,
+        slot: u32,
+        state: SlotState,
+        blocks: &[crate::format::BlockRecord],
+        payload_crc: Option<u32>,
+    ) -> Result<u64> {
         self.generation += 1;
         let generation = self.generation;
         let d = &mut self.devices[usize::from(device)];
@@ -347,7 +425,17 @@ impl Pool {
         for d in &mut self.devices {
             let Some((first, end)) = d.dirty else { continue };
             let lba = u64::from(d.superblock.lba_bytes);
-            write_region(&mut d.queue, d.target.namespace, d.superblock.header_lba + first, &d.mirror, first * lba, (end - first) * lba, lba, true, self.timeout)?;
+            write_region(
+                &mut d.queue,
+                d.target.namespace,
+                d.superblock.header_lba + first,
+                &d.mirror,
+                first * lba,
+                (end - first) * lba,
+                lba,
+                true,
+                self.timeout,
+            )?;
             d.dirty = None;
         }
         Ok(())
@@ -390,7 +478,16 @@ impl Pool {
                     for j in 0..header.blocks.len() as u32 {
                         let lba = superblock.block_lba(slot, j) + u64::from(layer) * superblock.layer_stride_blocks();
                         let d = &mut self.devices[device];
-                        read_region(&mut d.queue, d.target.namespace, lba, &d.scratch, 0, pair, u64::from(superblock.lba_bytes), self.timeout)?;
+                        read_region(
+                            &mut d.queue,
+                            d.target.namespace,
+                            lba,
+                            &d.scratch,
+                            0,
+                            pair,
+                            u64::from(superblock.lba_bytes),
+                            self.timeout,
+                        )?;
                         d.scratch.read(0, &mut bytes)?;
                         crc.update(&bytes);
                     }

@@ -93,13 +93,16 @@ impl KvRegistration {
             DataPointerMode::Sgl => (SGL_ALIGN_BYTES, "SGL"),
             DataPointerMode::Prp => (PAGE_BYTES, "PRP"),
         };
-        let misaligned = |what: String, address: u64| Err(ObjstoreError::MisalignedRegistration { what, address, align_bytes: align, mode });
+        let misaligned =
+            |what: String, address: u64| Err(ObjstoreError::MisalignedRegistration { what, address, align_bytes: align, mode });
         let object = self.geometry.object_bytes();
         if !object.is_multiple_of(align) {
             return misaligned("object size".into(), object);
         }
         let stride = match &self.layout {
-            KvLayout::SeparateKv { block_stride_bytes, .. } | KvLayout::FusedPerLayer { block_stride_bytes, .. } | KvLayout::BlockMajor { block_stride_bytes, .. } => *block_stride_bytes,
+            KvLayout::SeparateKv { block_stride_bytes, .. }
+            | KvLayout::FusedPerLayer { block_stride_bytes, .. }
+            | KvLayout::BlockMajor { block_stride_bytes, .. } => *block_stride_bytes,
         };
         if stride % align != 0 {
             return misaligned("block stride".into(), stride);
@@ -118,7 +121,9 @@ impl KvRegistration {
                 let keys = key_bases.iter().enumerate().map(|(l, b)| (format!("layer {l} K base"), *b));
                 keys.chain(value_bases.iter().enumerate().map(|(l, b)| (format!("layer {l} V base"), *b))).collect()
             }
-            KvLayout::FusedPerLayer { layer_bases, .. } => layer_bases.iter().enumerate().map(|(l, b)| (format!("layer {l} base"), *b)).collect(),
+            KvLayout::FusedPerLayer { layer_bases, .. } => {
+                layer_bases.iter().enumerate().map(|(l, b)| (format!("layer {l} base"), *b)).collect()
+            }
             KvLayout::BlockMajor { base, .. } => vec![("pool base".into(), *base)],
         }
     }
@@ -259,7 +264,8 @@ mod tests {
     use super::*;
 
     fn geometry() -> ModelGeometry {
-        ModelGeometry { layers: 4, kv_heads: 2, head_dim: 64, dtype_bytes: 2, block_tokens: 16 } // 4 KiB objects
+        ModelGeometry { layers: 4, kv_heads: 2, head_dim: 64, dtype_bytes: 2, block_tokens: 16 }
+        // 4 KiB objects
     }
 
     fn separate(k0: u64, v0: u64, layer_stride: u64) -> KvLayout {
@@ -277,11 +283,20 @@ mod tests {
         assert_eq!(sep.object_address(2, KvKind::Value, 3).unwrap(), Iova(0x20_0000 + 0x2_0000 + 3 * 4096));
         assert_eq!(sep.layer_stride_bytes(), Some(0x1_0000));
         assert!(!sep.key_value_adjacent());
-        let fused = KvLayout::FusedPerLayer { layer_bases: vec![Iova(0x10_0000), Iova(0x50_0000), Iova(0x30_0000), Iova(0x70_0000)], block_stride_bytes: 4096 };
+        let fused = KvLayout::FusedPerLayer {
+            layer_bases: vec![Iova(0x10_0000), Iova(0x50_0000), Iova(0x30_0000), Iova(0x70_0000)],
+            block_stride_bytes: 4096,
+        };
         let fused = KvRegistration::new(geometry(), 8, fused, DataPointerMode::Sgl).unwrap();
         assert_eq!(fused.object_address(1, KvKind::Value, 2).unwrap(), Iova(0x50_0000 + 10 * 4096));
         assert_eq!(fused.layer_stride_bytes(), None);
-        let major = KvRegistration::new(geometry(), 8, KvLayout::BlockMajor { base: Iova(0x100_0000), block_stride_bytes: 8 * 4096 }, DataPointerMode::Sgl).unwrap();
+        let major = KvRegistration::new(
+            geometry(),
+            8,
+            KvLayout::BlockMajor { base: Iova(0x100_0000), block_stride_bytes: 8 * 4096 },
+            DataPointerMode::Sgl,
+        )
+        .unwrap();
         assert_eq!(major.object_address(3, KvKind::Value, 1).unwrap(), Iova(0x100_0000 + 8 * 4096 + 7 * 4096));
         assert_eq!(major.layer_stride_bytes(), Some(8192));
         assert!(major.key_value_adjacent());
@@ -291,10 +306,17 @@ mod tests {
     fn bad_registrations_are_typed_errors_naming_the_culprit() {
         // Goal: overlap, misalignment, wrong base count, small stride, block/layer out of range.
         let overlap = KvRegistration::new(geometry(), 8, separate(0x10_0000, 0x10_4000, 0x1_0000), DataPointerMode::Sgl).unwrap_err();
-        assert!(matches!(&overlap, ObjstoreError::OverlappingRegistration { first, second } if first.contains("layer 0 K") && second.contains("layer 0 V")), "{overlap}");
+        assert!(
+            matches!(&overlap, ObjstoreError::OverlappingRegistration { first, second } if first.contains("layer 0 K") && second.contains("layer 0 V")),
+            "{overlap}"
+        );
         let misaligned = KvRegistration::new(geometry(), 8, separate(0x10_0002, 0x20_0000, 0x1_0000), DataPointerMode::Sgl).unwrap_err();
-        assert!(matches!(&misaligned, ObjstoreError::MisalignedRegistration { what, align_bytes: 4, .. } if what == "layer 0 K base"), "{misaligned}");
-        let misaligned_prp = KvRegistration::new(geometry(), 8, separate(0x10_0200, 0x20_0000, 0x1_0000), DataPointerMode::Prp).unwrap_err();
+        assert!(
+            matches!(&misaligned, ObjstoreError::MisalignedRegistration { what, align_bytes: 4, .. } if what == "layer 0 K base"),
+            "{misaligned}"
+        );
+        let misaligned_prp =
+            KvRegistration::new(geometry(), 8, separate(0x10_0200, 0x20_0000, 0x1_0000), DataPointerMode::Prp).unwrap_err();
         assert!(matches!(misaligned_prp, ObjstoreError::MisalignedRegistration { align_bytes: 4096, .. }));
         let few = KvLayout::FusedPerLayer { layer_bases: vec![Iova(0x10_0000)], block_stride_bytes: 4096 };
         assert!(KvRegistration::new(geometry(), 8, few, DataPointerMode::Sgl).unwrap_err().to_string().contains("expected 4"));

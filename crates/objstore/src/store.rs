@@ -18,8 +18,8 @@ use std::time::Instant;
 
 use gio_uring::abi::Opcode;
 use gio_uring::{
-    CpuExecutor, Dependency, DeviceIndex, DeviceInfo, DeviceTable, Executor, GioError, GioQueue, IocbId, IocbSpec, IoctxSpec, IovaRange, LayerIndex, Lba, QueueConfig,
-    RegisteredMemory, SmBudget,
+    CpuExecutor, Dependency, DeviceIndex, DeviceInfo, DeviceTable, Executor, GioError, GioQueue, IocbId, IocbSpec, IoctxSpec, IovaRange,
+    LayerIndex, Lba, QueueConfig, RegisteredMemory, SmBudget,
 };
 use nvme_driver::{DataPointerMode, DmaAllocator};
 
@@ -151,7 +151,9 @@ impl<E: Executor> KvStore<E> {
             return Err(ObjstoreError::GeometryMismatch { on_disk: *pool.geometry(), registered: *registration.geometry() });
         }
         if config.requests_max == 0 || config.ioctx_per_iocb_max == 0 {
-            return Err(ObjstoreError::BadRequest { reason: format!("store config {config:?}: requests_max and ioctx_per_iocb_max must be positive") });
+            return Err(ObjstoreError::BadRequest {
+                reason: format!("store config {config:?}: requests_max and ioctx_per_iocb_max must be positive"),
+            });
         }
         let k = pool.blocks_per_slot();
         let table = MappingTable::build(registration, &dma, k)?;
@@ -161,13 +163,25 @@ impl<E: Executor> KvStore<E> {
             let namespace = target.controller.namespace(target.namespace)?;
             let sgl = target.controller.data_pointer_mode() == DataPointerMode::Sgl;
             if table.registration().mode() == DataPointerMode::Sgl && !sgl {
-                return Err(ObjstoreError::InvalidRegistration { reason: format!("registered for SGL, but pool device {device} ({target:?}) has no SGL support: register for PRP") });
+                return Err(ObjstoreError::InvalidRegistration {
+                    reason: format!("registered for SGL, but pool device {device} ({target:?}) has no SGL support: register for PRP"),
+                });
             }
             let largest = if table.form() == MappingForm::SglTable { u64::from(k) } else { 1 } * 2 * pool.geometry().object_bytes();
             if largest > target.controller.max_transfer_bytes() {
-                return Err(ObjstoreError::InvalidRegistration { reason: format!("one command would move {largest} bytes; pool device {device} takes at most {} (MDTS)", target.controller.max_transfer_bytes()) });
+                return Err(ObjstoreError::InvalidRegistration {
+                    reason: format!(
+                        "one command would move {largest} bytes; pool device {device} takes at most {} (MDTS)",
+                        target.controller.max_transfer_bytes()
+                    ),
+                });
             }
-            devices.push(DeviceInfo { nsid: namespace.id.0, capacity_blocks: namespace.size_blocks, block_bytes: namespace.block_size_bytes, sgl_supported: sgl });
+            devices.push(DeviceInfo {
+                nsid: namespace.id.0,
+                capacity_blocks: namespace.size_blocks,
+                block_bytes: namespace.block_size_bytes,
+                sgl_supported: sgl,
+            });
         }
         // On the SGL-table path IOCTXs point only into the table (the KV addresses are in the
         // descriptors, checked at registration): registering just the table keeps gio_uring's
@@ -178,8 +192,14 @@ impl<E: Executor> KvStore<E> {
             table.registration().extents()?.iter().map(|e| IovaRange::new(gio_uring::Iova(e.start), e.len_bytes)).collect()
         };
         ranges.extend(table.region_range());
-        let registered = RegisteredMemory::new(ranges).ok_or_else(|| ObjstoreError::InvalidRegistration { reason: "the mapping table overlaps the registered KV memory".into() })?;
-        let queue = GioQueue::init_queue(QueueConfig { depth: config.iocbs, ioctx_per_iocb_max: config.ioctx_per_iocb_max }, DeviceTable::new(devices), registered, executor)?;
+        let registered = RegisteredMemory::new(ranges)
+            .ok_or_else(|| ObjstoreError::InvalidRegistration { reason: "the mapping table overlaps the registered KV memory".into() })?;
+        let queue = GioQueue::init_queue(
+            QueueConfig { depth: config.iocbs, ioctx_per_iocb_max: config.ioctx_per_iocb_max },
+            DeviceTable::new(devices),
+            registered,
+            executor,
+        )?;
         let layers = pool.geometry().layers as usize;
         let requests = (0..config.requests_max).map(|_| Request { layers_done: vec![false; layers], ..Request::default() }).collect();
         Ok(Self {
@@ -230,7 +250,12 @@ impl<E: Executor> KvStore<E> {
         let full = request.tokens.len() / block_tokens;
         let n = request.block_ids.len();
         if n == 0 || n > full {
-            return Err(ObjstoreError::BadRequest { reason: format!("{n} block ids for {} tokens ({full} full blocks of {block_tokens}); expected 1..={full}", request.tokens.len()) });
+            return Err(ObjstoreError::BadRequest {
+                reason: format!(
+                    "{n} block ids for {} tokens ({full} full blocks of {block_tokens}); expected 1..={full}",
+                    request.tokens.len()
+                ),
+            });
         }
         let registration = self.table.registration();
         for &block in request.block_ids {
@@ -278,7 +303,9 @@ impl<E: Executor> KvStore<E> {
                 self.requests[index].blocks = blocks;
                 self.requests[index].slots = slots;
                 self.release(index);
-                return Err(ObjstoreError::BadRequest { reason: format!("block {i} of the prefix is not cached (lookup found {i} of {n})") });
+                return Err(ObjstoreError::BadRequest {
+                    reason: format!("block {i} of the prefix is not cached (lookup found {i} of {n})"),
+                });
             };
             self.pool.index.pin(location.device, location.slot);
             self.pool.index.touch(location.device, location.slot);
@@ -366,13 +393,24 @@ impl<E: Executor> KvStore<E> {
         // Evicted slots must read Empty on disk before new data can land in them.
         let result = match failure {
             Some(error) => Err(error),
-            None => self.pool.sync_headers().and_then(|()| if self.requests[index].blocks.is_empty() { Ok(()) } else { self.build_iocbs(index, Opcode::Write) }),
+            None => self.pool.sync_headers().and_then(|()| {
+                if self.requests[index].blocks.is_empty() {
+                    Ok(())
+                } else {
+                    self.build_iocbs(index, Opcode::Write)
+                }
+            }),
         };
         if let Err(error) = result {
             self.release(index);
             return Err(error);
         }
-        Ok(StorePlan { handle: self.handle_of(index), new_blocks: self.requests[index].blocks.len(), shared_blocks: shared, evicted_slots: evicted })
+        Ok(StorePlan {
+            handle: self.handle_of(index),
+            new_blocks: self.requests[index].blocks.len(),
+            shared_blocks: shared,
+            evicted_slots: evicted,
+        })
     }
 
     fn allocate_slot(&mut self) -> Option<crate::index::Allocation> {
@@ -394,13 +432,17 @@ impl<E: Executor> KvStore<E> {
         let mergeable = self.table.form() == MappingForm::SglTable;
         let blocks = &self.requests[index].blocks;
         let mut i = 0;
-        let mut pieces = [Piece { disk_offset_bytes: 0, len_bytes: 0, data: nvme_driver::Iova(0), descriptor: gio_uring::Descriptor::SglInline }; 2];
+        let mut pieces =
+            [Piece { disk_offset_bytes: 0, len_bytes: 0, data: nvme_driver::Iova(0), descriptor: gio_uring::Descriptor::SglInline }; 2];
         while i < blocks.len() {
             let (first, engine_block, _) = blocks[i];
             let mut run = 1;
             while mergeable && i + run < blocks.len() {
                 let (next, next_block, _) = blocks[i + run];
-                let follows = next.device == first.device && next.slot == first.slot && usize::from(next.index) == usize::from(first.index) + run && next_block as usize == engine_block as usize + run;
+                let follows = next.device == first.device
+                    && next.slot == first.slot
+                    && usize::from(next.index) == usize::from(first.index) + run
+                    && next_block as usize == engine_block as usize + run;
                 if !follows {
                     break;
                 }
@@ -448,10 +490,16 @@ impl<E: Executor> KvStore<E> {
         self.table.registration().check_layer(layer)?;
         let request = &self.requests[index];
         if request.direction != Some(direction) {
-            return Err(ObjstoreError::HandleState { handle: handle.0, reason: format!("prepared for {:?}, not {direction:?}", request.direction) });
+            return Err(ObjstoreError::HandleState {
+                handle: handle.0,
+                reason: format!("prepared for {:?}, not {direction:?}", request.direction),
+            });
         }
         if let Some(previous) = request.layer_in_flight {
-            return Err(ObjstoreError::HandleState { handle: handle.0, reason: format!("layer {previous} is still in flight: wait for it before issuing layer {layer}") });
+            return Err(ObjstoreError::HandleState {
+                handle: handle.0,
+                reason: format!("layer {previous} is still in flight: wait for it before issuing layer {layer}"),
+            });
         }
         if request.iocbs.is_empty() {
             self.requests[index].layers_done[layer as usize] = true; // nothing to move (all shared)
@@ -528,7 +576,10 @@ impl<E: Executor> KvStore<E> {
         }
         if request.layer_in_flight.is_some() || request.layers_done.iter().any(|done| !done) {
             let missing = request.layers_done.iter().filter(|done| !**done).count();
-            return Err(ObjstoreError::HandleState { handle: handle.0, reason: format!("{missing} layers not stored yet (in flight: {:?})", request.layer_in_flight) });
+            return Err(ObjstoreError::HandleState {
+                handle: handle.0,
+                reason: format!("{missing} layers not stored yet (in flight: {:?})", request.layer_in_flight),
+            });
         }
         let mut used = vec![false; self.pool.device_count()];
         for &(device, _, _) in &request.slots {

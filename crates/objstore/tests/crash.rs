@@ -45,7 +45,13 @@ fn open(controller: &Arc<Controller>, engine: &Engine, metadata_timeout: Duratio
 }
 
 /// One store, step by step; `budget` counts API steps down to a power cut between calls.
-fn try_store(store: &mut KvStore<gio_uring::CpuExecutor>, engine: &Engine, tokens: &[u32], blocks: &[u32], steps: &mut u64) -> Result<(), String> {
+fn try_store(
+    store: &mut KvStore<gio_uring::CpuExecutor>,
+    engine: &Engine,
+    tokens: &[u32],
+    blocks: &[u32],
+    steps: &mut u64,
+) -> Result<(), String> {
     let keys = keys_of(tokens);
     for (i, &block) in blocks.iter().enumerate() {
         engine.fill(block, keys[i]);
@@ -144,7 +150,11 @@ fn power_loss_during_stores_never_returns_wrong_bytes() {
         let mut store = open(&controller, &engine, Duration::from_secs(5)).expect("open after the crash");
         for (r, tokens) in known.iter().enumerate() {
             let cached = store.lookup(tokens);
-            assert!(cached >= visible_before[r], "iteration {iteration}: request {r} had {} blocks visible before the crash, {cached} after", visible_before[r]);
+            assert!(
+                cached >= visible_before[r],
+                "iteration {iteration}: request {r} had {} blocks visible before the crash, {cached} after",
+                visible_before[r]
+            );
             if cached == 0 {
                 continue;
             }
@@ -152,7 +162,10 @@ fn power_loss_during_stores_never_returns_wrong_bytes() {
             retrieve(&mut store, &engine, tokens, &blocks);
             let keys = keys_of(tokens);
             for (i, &block) in blocks.iter().enumerate() {
-                assert!(engine.holds(block, keys[i], geometry().layers), "iteration {iteration}: request {r} block {i} came back with other bytes");
+                assert!(
+                    engine.holds(block, keys[i], geometry().layers),
+                    "iteration {iteration}: request {r} block {i} came back with other bytes"
+                );
                 verified_blocks += 1;
             }
         }

@@ -92,7 +92,6 @@ fn several_devices_round_robin() {
     round_trip(1, true, false, &[1, 2, 3]);
 }
 
-
 #[test]
 fn several_devices_with_worker_threads() {
     // Goal: the same pool format and API under the threaded CPU executor (one worker per device).

@@ -80,7 +80,9 @@ fn open_targets(args: &DeviceArgs) -> Result<Vec<PoolTarget>> {
     let mut targets = Vec::with_capacity(args.devices.len());
     for spec in &args.devices {
         let backend: Arc<dyn DeviceBackend> = if let Some(address) = spec.strip_prefix("vfio:") {
-            Arc::new(VfioDevice::open(address).with_context(|| format!("opening {spec} through VFIO (is it bound? `tutti bind {address}`)"))?)
+            Arc::new(
+                VfioDevice::open(address).with_context(|| format!("opening {spec} through VFIO (is it bound? `tutti bind {address}`)"))?,
+            )
         } else if let Some(path) = spec.strip_prefix("emu:") {
             let mut config = EmuConfig::default()
                 .with_backing(Backing::File { path: PathBuf::from(path), create_bytes: args.emu_create_bytes })
@@ -122,9 +124,16 @@ fn describe(superblock: &Superblock) -> String {
 pub fn run(command: &PoolCommand) -> Result<()> {
     match command {
         PoolCommand::Format(args) => {
-            let geometry = ModelGeometry::preset(&args.model, args.block_tokens).with_context(|| format!("unknown model {:?}: llama3-8b, qwen3-32b or llama3-70b", args.model))?;
+            let geometry = ModelGeometry::preset(&args.model, args.block_tokens)
+                .with_context(|| format!("unknown model {:?}: llama3-8b, qwen3-32b or llama3-70b", args.model))?;
             let targets = open_targets(&args.devices)?;
-            let params = FormatParams { geometry, blocks_per_slot: args.blocks_per_slot, slot_count_max: args.slots, pool_uuid: None, payload_crc: args.payload_crc };
+            let params = FormatParams {
+                geometry,
+                blocks_per_slot: args.blocks_per_slot,
+                slot_count_max: args.slots,
+                pool_uuid: None,
+                payload_crc: args.payload_crc,
+            };
             for superblock in format_pool(&targets, &params)? {
                 println!("{}", describe(&superblock));
             }
@@ -140,12 +149,18 @@ pub fn run(command: &PoolCommand) -> Result<()> {
             }
             let (pool, report) = Pool::open(targets, None)?;
             let counts = pool.index().counts();
-            println!("{} slots: {} valid, {} empty, {} corrupt headers, {} duplicates; {} cached blocks", report.slots, report.valid_slots, report.empty_slots, report.corrupt_headers, report.duplicate_slots, counts.cached_blocks);
+            println!(
+                "{} slots: {} valid, {} empty, {} corrupt headers, {} duplicates; {} cached blocks",
+                report.slots, report.valid_slots, report.empty_slots, report.corrupt_headers, report.duplicate_slots, counts.cached_blocks
+            );
             Ok(())
         }
         PoolCommand::Check(args) => {
             let (mut pool, report) = Pool::open(open_targets(&args.devices)?, None)?;
-            println!("{} slots checked: {} valid, {} empty, {} corrupt headers, {} duplicates", report.slots, report.valid_slots, report.empty_slots, report.corrupt_headers, report.duplicate_slots);
+            println!(
+                "{} slots checked: {} valid, {} empty, {} corrupt headers, {} duplicates",
+                report.slots, report.valid_slots, report.empty_slots, report.corrupt_headers, report.duplicate_slots
+            );
             let mut damaged = report.corrupt_headers + report.duplicate_slots;
             if args.payload {
                 let (verified, bad) = pool.check_payloads(Instant::now() + Duration::from_secs(24 * 3600))?;
@@ -173,12 +188,31 @@ mod tests {
         // check fails once a slot header is damaged... here: once the superblock is.
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("pool.img");
-        let devices = DeviceArgs { devices: vec![format!("emu:{}", path.display())], namespace: 1, emu_lba_bytes: 4096, emu_create_bytes: Some(64 << 20) };
-        let format = FormatArgs { devices: devices.clone(), model: "llama3-8b".into(), block_tokens: 16, blocks_per_slot: 1, slots: None, payload_crc: false };
+        let devices = DeviceArgs {
+            devices: vec![format!("emu:{}", path.display())],
+            namespace: 1,
+            emu_lba_bytes: 4096,
+            emu_create_bytes: Some(64 << 20),
+        };
+        let format = FormatArgs {
+            devices: devices.clone(),
+            model: "llama3-8b".into(),
+            block_tokens: 16,
+            blocks_per_slot: 1,
+            slots: None,
+            payload_crc: false,
+        };
         run(&PoolCommand::Format(format)).unwrap();
         run(&PoolCommand::Inspect(devices.clone())).unwrap();
         run(&PoolCommand::Check(CheckArgs { devices: devices.clone(), payload: true })).unwrap();
-        let bad_model = FormatArgs { devices: devices.clone(), model: "gpt".into(), block_tokens: 16, blocks_per_slot: 1, slots: None, payload_crc: false };
+        let bad_model = FormatArgs {
+            devices: devices.clone(),
+            model: "gpt".into(),
+            block_tokens: 16,
+            blocks_per_slot: 1,
+            slots: None,
+            payload_crc: false,
+        };
         assert!(run(&PoolCommand::Format(bad_model)).unwrap_err().to_string().contains("unknown model"));
         // Flip a superblock byte in the file: check refuses the pool.
         let mut bytes = std::fs::read(&path).unwrap();

@@ -63,14 +63,11 @@ impl HostMemory {
         }
         // SAFETY: an anonymous mapping with a null hint has no preconditions; the result is
         // checked for MAP_FAILED before use.
-        let ptr = unsafe {
-            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, flags, -1, 0)
-        };
+        let ptr = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, flags, -1, 0) };
         if ptr == libc::MAP_FAILED {
             return Err(HwError::Mmap { len, kind, source: std::io::Error::last_os_error() });
         }
-        let ptr = NonNull::new(ptr.cast::<u8>())
-            .ok_or(HwError::Mmap { len, kind, source: std::io::Error::other("mmap returned null") })?;
+        let ptr = NonNull::new(ptr.cast::<u8>()).ok_or(HwError::Mmap { len, kind, source: std::io::Error::other("mmap returned null") })?;
         Ok(Self { ptr, len, kind })
     }
 
@@ -395,11 +392,7 @@ impl DmaPool {
             return Err(error);
         }
         let inner = Arc::new(RegionInner { ptr, len, iova, _backing: backing, pool: Arc::downgrade(&self.shared) });
-        self.shared
-            .table
-            .write()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .insert(iova.0, Arc::downgrade(&inner));
+        self.shared.table.write().unwrap_or_else(|poisoned| poisoned.into_inner()).insert(iova.0, Arc::downgrade(&inner));
         Ok(DmaRegion { inner, offset: 0, len })
     }
 }

@@ -63,14 +63,7 @@ impl CompletionEntry {
     pub fn from_bytes(bytes: &[u8; 16]) -> Self {
         let u16_at = |start: usize| u16::from_le_bytes([bytes[start], bytes[start + 1]]);
         let u32_at = |start: usize| u32::from_le_bytes([bytes[start], bytes[start + 1], bytes[start + 2], bytes[start + 3]]);
-        Self {
-            dw0: u32_at(0),
-            dw1: u32_at(4),
-            sq_head: u16_at(8),
-            sq_id: u16_at(10),
-            command_id: u16_at(12),
-            status_and_phase: u16_at(14),
-        }
+        Self { dw0: u32_at(0), dw1: u32_at(4), sq_head: u16_at(8), sq_id: u16_at(10), command_id: u16_at(12), status_and_phase: u16_at(14) }
     }
 
     /// Decodes dword 3 as loaded atomically: (command id, status field, phase).

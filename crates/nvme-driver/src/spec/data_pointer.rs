@@ -97,7 +97,12 @@ impl SglDescriptor {
         address.copy_from_slice(&bytes[0..8]);
         let mut length = [0u8; 4];
         length.copy_from_slice(&bytes[8..12]);
-        Self { address: u64::from_le_bytes(address), length: u32::from_le_bytes(length), reserved: [bytes[12], bytes[13], bytes[14]], identifier: bytes[15] }
+        Self {
+            address: u64::from_le_bytes(address),
+            length: u32::from_le_bytes(length),
+            reserved: [bytes[12], bytes[13], bytes[14]],
+            identifier: bytes[15],
+        }
     }
 
     /// The two dwords pairs as they sit in DPTR (SGL1).

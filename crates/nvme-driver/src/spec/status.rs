@@ -110,7 +110,10 @@ impl NvmeStatus {
 
     /// Encodes back into the 15-bit status field.
     pub fn to_status_field(self) -> u16 {
-        u16::from(self.code) | u16::from(self.code_type.as_u8() & 0x7) << 8 | u16::from(self.more) << 13 | u16::from(self.do_not_retry) << 14
+        u16::from(self.code)
+            | u16::from(self.code_type.as_u8() & 0x7) << 8
+            | u16::from(self.more) << 13
+            | u16::from(self.do_not_retry) << 14
     }
 
     pub fn is(self, code_type: StatusCodeType, code: u8) -> bool {
@@ -155,7 +158,14 @@ impl NvmeStatus {
 
 impl fmt::Display for NvmeStatus {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} (sct {:#x}, sc {:#04x}{})", self.name(), self.code_type.as_u8(), self.code, if self.do_not_retry { ", dnr" } else { "" })
+        write!(
+            f,
+            "{} (sct {:#x}, sc {:#04x}{})",
+            self.name(),
+            self.code_type.as_u8(),
+            self.code,
+            if self.do_not_retry { ", dnr" } else { "" }
+        )
     }
 }
 

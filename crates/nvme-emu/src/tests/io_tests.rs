@@ -115,7 +115,11 @@ fn malformed_commands_get_their_statuses() {
     unknown.cdw0 = unknown.cdw0 & !0xFF | 0x7C;
     let cases: Vec<(&str, SubmissionEntry, Result<(), NvmeStatus>)> = vec![
         ("past the end", with_sgl(SubmissionEntry::read(NS_4K, Lba(blocks_4k), 1), &buffer, 4096), generic(codes::LBA_OUT_OF_RANGE)),
-        ("straddles the end", with_sgl(SubmissionEntry::read(NS_4K, Lba(blocks_4k - 1), 2), &buffer, 8192), generic(codes::LBA_OUT_OF_RANGE)),
+        (
+            "straddles the end",
+            with_sgl(SubmissionEntry::read(NS_4K, Lba(blocks_4k - 1), 2), &buffer, 8192),
+            generic(codes::LBA_OUT_OF_RANGE),
+        ),
         ("LBA overflow", with_sgl(SubmissionEntry::write(NS_4K, Lba(u64::MAX), 2, false), &buffer, 8192), generic(codes::LBA_OUT_OF_RANGE)),
         ("above MDTS", with_sgl(SubmissionEntry::read(NS_4K, Lba(0), 5), &buffer, 5 * 4096), generic(codes::INVALID_FIELD)),
         ("namespace 0", with_sgl(SubmissionEntry::read(NamespaceId(0), Lba(0), 1), &buffer, 4096), generic(codes::INVALID_NAMESPACE)),
@@ -125,7 +129,11 @@ fn malformed_commands_get_their_statuses() {
         ("SGL too short", sgl_read(SglDescriptor::data_block(buffer.iova().0, 4095)), generic(codes::DATA_SGL_LENGTH_INVALID)),
         ("SGL too long", sgl_read(SglDescriptor::data_block(buffer.iova().0, 4097)), generic(codes::DATA_SGL_LENGTH_INVALID)),
         ("bit bucket", sgl_read(SglDescriptor::new(SglDescriptorType::BitBucket, 0, 4096)), generic(codes::SGL_DESCRIPTOR_TYPE_INVALID)),
-        ("keyed", sgl_read(SglDescriptor::new(SglDescriptorType::KeyedDataBlock, buffer.iova().0, 4096)), generic(codes::SGL_DESCRIPTOR_TYPE_INVALID)),
+        (
+            "keyed",
+            sgl_read(SglDescriptor::new(SglDescriptorType::KeyedDataBlock, buffer.iova().0, 4096)),
+            generic(codes::SGL_DESCRIPTOR_TYPE_INVALID),
+        ),
         ("segment loop", sgl_read(SglDescriptor::segment(segments.iova().0, 1)), generic(codes::INVALID_SGL_SEGMENT_DESCRIPTOR)),
         ("unmapped buffer", sgl_read(SglDescriptor::data_block(0x10_0000, 4096)), generic(codes::DATA_TRANSFER_ERROR)),
         ("unmapped PRP", SubmissionEntry::read(NS_4K, Lba(0), 1), generic(codes::DATA_TRANSFER_ERROR)),

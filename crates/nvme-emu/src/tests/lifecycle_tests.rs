@@ -84,9 +84,11 @@ fn fault_rules_filter_by_queue_and_opcode() {
     let mut queue = host.create_io_pair(1, 8);
     let internal = NvmeStatus::generic(codes::INTERNAL_ERROR);
     host.device.set_faults(
-        FaultPlan::none()
-            .with_rule(FaultRule::on_nth_io(2, FaultAction::Status(internal)).with_opcode(NvmOpcode::Read as u8))
-            .with_rule(FaultRule::on_nth_io(1, FaultAction::Status(internal)).with_queue(QueueFilter::Admin).with_opcode(AdminOpcode::GetFeatures as u8)),
+        FaultPlan::none().with_rule(FaultRule::on_nth_io(2, FaultAction::Status(internal)).with_opcode(NvmOpcode::Read as u8)).with_rule(
+            FaultRule::on_nth_io(1, FaultAction::Status(internal))
+                .with_queue(QueueFilter::Admin)
+                .with_opcode(AdminOpcode::GetFeatures as u8),
+        ),
     );
     write_block(&host, &mut queue, 0, 5); // not a Read: not counted
     read_block(&host, &mut queue, 0); // first Read

@@ -10,7 +10,10 @@ use nvme_driver::hw::DeviceBackend;
 use nvme_driver::{Controller, ControllerConfig, DataPointerMode, DmaAllocator, DmaRegion, Iova, NamespaceId};
 use nvme_emu::{Backing, EmuConfig, EmuDevice, NamespaceConfig};
 use objstore::hash::block_keys;
-use objstore::{cpu_executor_for, format_pool, FormatParams, KvKind, KvLayout, KvRegistration, KvRequest, KvStore, ModelGeometry, Pool, PoolTarget, StoreConfig};
+use objstore::{
+    cpu_executor_for, format_pool, FormatParams, KvKind, KvLayout, KvRegistration, KvRequest, KvStore, ModelGeometry, Pool, PoolTarget,
+    StoreConfig,
+};
 
 /// 4 layers, 4 KiB objects (16 tokens x 2 heads x 64 x 2 B), 32 KiB per block.
 pub fn geometry() -> ModelGeometry {
@@ -43,7 +46,8 @@ impl Rng {
 }
 
 pub fn start_device(namespaces: Vec<NamespaceConfig>, backing_bytes: u64, sgl: bool) -> Arc<EmuDevice> {
-    let config = EmuConfig::default().with_backing(Backing::Memory { bytes: backing_bytes }).with_namespaces(namespaces).with_mdts(8).with_sgl(sgl);
+    let config =
+        EmuConfig::default().with_backing(Backing::Memory { bytes: backing_bytes }).with_namespaces(namespaces).with_mdts(8).with_sgl(sgl);
     EmuDevice::start(config).expect("software controller")
 }
 
@@ -205,7 +209,9 @@ pub fn retrieve<E: gio_uring::Executor>(store: &mut KvStore<E>, engine: &Engine,
 pub fn raw_read(controller: &Arc<Controller>, ns: u32, lba: u64, len: usize) -> Vec<u8> {
     let mut queue = controller.create_io_queue_pair(16).unwrap();
     let region = controller.dma().allocate(len).unwrap();
-    queue.read(NamespaceId(ns), nvme_driver::Lba(lba), &[nvme_driver::DataSegment::new(region.iova(), len as u32)], Duration::from_secs(5)).unwrap();
+    queue
+        .read(NamespaceId(ns), nvme_driver::Lba(lba), &[nvme_driver::DataSegment::new(region.iova(), len as u32)], Duration::from_secs(5))
+        .unwrap();
     let mut out = vec![0u8; len];
     region.read(0, &mut out).unwrap();
     out
@@ -216,5 +222,13 @@ pub fn raw_write(controller: &Arc<Controller>, ns: u32, lba: u64, bytes: &[u8]) 
     let mut queue = controller.create_io_queue_pair(16).unwrap();
     let region = controller.dma().allocate(bytes.len()).unwrap();
     region.write(0, bytes).unwrap();
-    queue.write(NamespaceId(ns), nvme_driver::Lba(lba), &[nvme_driver::DataSegment::new(region.iova(), bytes.len() as u32)], true, Duration::from_secs(5)).unwrap();
+    queue
+        .write(
+            NamespaceId(ns),
+            nvme_driver::Lba(lba),
+            &[nvme_driver::DataSegment::new(region.iova(), bytes.len() as u32)],
+            true,
+            Duration::from_secs(5),
+        )
+        .unwrap();
 }
