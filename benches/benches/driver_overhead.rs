@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use nvme_driver::{Controller, ControllerConfig, DataSegment, DeviceBackend, DmaAllocator, Lba};
+use nvme_driver::{Controller, ControllerConfig, DataSegment, DeviceBackend, Lba};
 use nvme_emu::{Backing, EmuConfig, EmuDevice};
 
 const BATCH: usize = 32;

@@ -24,8 +24,11 @@ fn parse_size_bytes(text: &str) -> Result<u64> {
     value.checked_mul(1 << shift).with_context(|| format!("size '{text}' overflows"))
 }
 
-/// `vfio:BDF`, `emu:mem:SIZE` or `emu:PATH` (a file of at least 64 MiB is created if missing).
-pub fn open(spec: &str) -> Result<(Arc<dyn DeviceBackend>, Option<Arc<dyn FaultInjector>>)> {
+/// A device under test and, where it has one, its fault injector.
+pub type DeviceUnderTest = (Arc<dyn DeviceBackend>, Option<Arc<dyn FaultInjector>>);
+
+/// `vfio:BDF`, `emu:mem:SIZE` or `emu:PATH` (a file of at least 256 MiB is created if missing).
+pub fn open(spec: &str) -> Result<DeviceUnderTest> {
     if let Some(address) = spec.strip_prefix("vfio:") {
         let device = nvme_driver::hw::vfio::VfioDevice::open(address)?;
         return Ok((Arc::new(device), None));

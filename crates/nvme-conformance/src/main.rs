@@ -7,13 +7,11 @@
 //! ```
 //! Exit status: 0 when every check on every device passed, 1 when any failed, 2 for bad usage.
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use nvme_conformance::{run_suite, FaultInjector, SuiteConfig};
-use nvme_driver::DeviceBackend;
+use nvme_conformance::{run_suite, SuiteConfig};
 
 mod devices;
 
@@ -76,8 +74,7 @@ fn run(arguments: Arguments) -> Result<bool> {
     };
     let mut all_passed = true;
     for spec in &arguments.devices {
-        let (device, faults): (Arc<dyn DeviceBackend>, Option<Arc<dyn FaultInjector>>) =
-            devices::open(spec).with_context(|| format!("opening device '{spec}'"))?;
+        let (device, faults) = devices::open(spec).with_context(|| format!("opening device '{spec}'"))?;
         let report = run_suite(device, faults, &config);
         print!("{report}");
         all_passed &= report.passed();
