@@ -13,6 +13,7 @@
 //!    any wait for a layer's KV is counted as bubble,
 //! 4. checks the retrieved bytes, then stores the request's new blocks layer by layer after
 //!    prefill (Tutti defers writes out of the prefill critical path) and commits them.
+//!
 //! It prints hit rate, TTFT and bubble per request and in total.
 //!
 //! Honest scope: the device is the software NVMe controller in memory and the executor is the
