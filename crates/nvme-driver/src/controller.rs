@@ -93,6 +93,21 @@ impl AdminShared {
         self.admin.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
+    /// Deletes an I/O SQ and its CQ (bounded by the admin timeout) and frees the queue id. On
+    /// failure the id stays reserved: reusing it while the controller still has the queue would
+    /// fail.
+    pub(crate) fn delete_io_queue_pair(&self, id: QueueId) {
+        let mut admin = self.lock_admin();
+        let deleted = admin
+            .execute(SubmissionEntry::delete_io_submission_queue(id.0), self.timeout)
+            .and_then(|_| admin.execute(SubmissionEntry::delete_io_completion_queue(id.0), self.timeout));
+        drop(admin);
+        match deleted {
+            Ok(_) => self.release_queue_id(id),
+            Err(error) => tracing::warn!(queue = %id, %error, "deleting I/O queue pair failed"),
+        }
+    }
+
     pub(crate) fn release_queue_id(&self, id: QueueId) {
         let mut ids = self.queue_ids_in_use.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         if let Some(slot) = ids.get_mut(usize::from(id.0)) {

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use crate::controller::AdminShared;
 use crate::error::NvmeError;
 use crate::hw::DmaRegion;
-use crate::spec::{SubmissionEntry, COMPLETION_ENTRY_BYTES, SUBMISSION_ENTRY_BYTES};
+use crate::spec::{COMPLETION_ENTRY_BYTES, SUBMISSION_ENTRY_BYTES};
 use crate::types::{Iova, QueueId};
 
 /// Where a detached queue pair lives and how to ring it; everything a GPU kernel needs.
@@ -91,15 +91,6 @@ impl Drop for DetachedQueuePair {
         if !self.is_live() {
             return;
         }
-        let id = self.layout.id;
-        let mut admin = self.admin.lock_admin();
-        let deleted = admin
-            .execute(SubmissionEntry::delete_io_submission_queue(id.0), self.admin.timeout)
-            .and_then(|_| admin.execute(SubmissionEntry::delete_io_completion_queue(id.0), self.admin.timeout));
-        drop(admin);
-        match deleted {
-            Ok(_) => self.admin.release_queue_id(id),
-            Err(error) => tracing::warn!(queue = %id, %error, "deleting detached I/O queue pair failed"),
-        }
+        self.admin.delete_io_queue_pair(self.layout.id);
     }
 }

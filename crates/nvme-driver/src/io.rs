@@ -133,18 +133,8 @@ impl IoQueuePair {
         let mut lba = start;
         while let Some(plan) = plan_command(segments, cursor, self.max_transfer_bytes, namespace.block_size_bytes, self.mode)? {
             let blocks = (plan.bytes / block) as u32;
-            let mut entry = make(lba, blocks);
-            let command_id = self.queue.reserve(entry.opcode(), tag)?;
-            entry.set_command_id(command_id);
-            let pushed = self
-                .queue
-                .scratch_for(command_id)
-                .and_then(|scratch| build_data_pointer(&mut entry, segments, &plan, self.mode, scratch))
-                .and_then(|()| self.queue.push(&entry));
-            if let Err(error) = pushed {
-                self.queue.unreserve(command_id);
-                return Err(error);
-            }
+            let mode = self.mode;
+            self.queue.submit_with(make(lba, blocks), tag, |entry, scratch| build_data_pointer(entry, segments, &plan, mode, scratch))?;
             lba = Lba(lba.0 + u64::from(blocks));
             cursor = plan.end;
         }
@@ -221,22 +211,15 @@ impl IoQueuePair {
         for &(start, blocks) in ranges {
             Self::check_range(&namespace, start, u64::from(blocks))?;
         }
-        let mut entry = SubmissionEntry::deallocate(namespace.id, ranges.len() as u32);
-        let command_id = self.queue.reserve(entry.opcode(), tag)?;
-        entry.set_command_id(command_id);
-        let result = self.queue.scratch_for(command_id).and_then(|scratch| {
+        let entry = SubmissionEntry::deallocate(namespace.id, ranges.len() as u32);
+        self.queue.submit_with(entry, tag, |entry, scratch| {
             for (index, &(start, blocks)) in ranges.iter().enumerate() {
                 let range = DatasetRange { context_attributes: 0, blocks, start };
                 scratch.write(index * DatasetRange::BYTES, &range.to_bytes())?;
             }
             entry.dptr = [scratch.iova(), 0];
             Ok(())
-        });
-        let result = result.and_then(|()| self.queue.push(&entry));
-        if let Err(error) = result {
-            self.queue.unreserve(command_id);
-            return Err(error);
-        }
+        })?;
         Ok(1)
     }
 
@@ -248,20 +231,11 @@ impl IoQueuePair {
     }
 
     /// Like [`IoQueuePair::submit_raw`] but with a data pointer built for `segments`.
-    pub fn submit_raw_with_data(&mut self, mut entry: SubmissionEntry, segments: &[DataSegment], tag: u64) -> Result<(), NvmeError> {
+    pub fn submit_raw_with_data(&mut self, entry: SubmissionEntry, segments: &[DataSegment], tag: u64) -> Result<(), NvmeError> {
         self.check_epoch()?;
         let plan = plan_command(segments, Cursor::default(), u64::MAX, 1, self.mode)?.ok_or(NvmeError::EmptyTransfer)?;
-        let command_id = self.queue.reserve(entry.opcode(), tag)?;
-        entry.set_command_id(command_id);
-        let result = self
-            .queue
-            .scratch_for(command_id)
-            .and_then(|scratch| build_data_pointer(&mut entry, segments, &plan, self.mode, scratch))
-            .and_then(|()| self.queue.push(&entry));
-        if let Err(error) = result {
-            self.queue.unreserve(command_id);
-            return Err(error);
-        }
+        let mode = self.mode;
+        self.queue.submit_with(entry, tag, |entry, scratch| build_data_pointer(entry, segments, &plan, mode, scratch))?;
         Ok(())
     }
 
@@ -340,16 +314,6 @@ impl Drop for IoQueuePair {
         if self.admin.epoch.load(Ordering::Acquire) != self.epoch {
             return; // The controller was reset: these queues no longer exist there.
         }
-        let id = self.queue.id();
-        let mut admin = self.admin.lock_admin();
-        let deleted = admin
-            .execute(SubmissionEntry::delete_io_submission_queue(id.0), self.admin.timeout)
-            .and_then(|_| admin.execute(SubmissionEntry::delete_io_completion_queue(id.0), self.admin.timeout));
-        drop(admin);
-        match deleted {
-            Ok(_) => self.admin.release_queue_id(id),
-            // Keep the id reserved: reusing it while the controller still has the queue would fail.
-            Err(error) => tracing::warn!(queue = %id, %error, "deleting I/O queue pair failed"),
-        }
+        self.admin.delete_io_queue_pair(self.queue.id());
     }
 }

@@ -167,9 +167,9 @@ impl QueuePair {
     }
 
     /// The scratch page that belongs to `command_id`'s slot.
-    pub(crate) fn scratch_for(&self, command_id: CommandId) -> Result<ScratchPage<'_>, NvmeError> {
+    fn scratch_for(&self, command_id: CommandId) -> ScratchPage<'_> {
         let slot = usize::from(command_id.0) & ((1 << self.slot_bits) - 1);
-        Ok(ScratchPage::new(&self.scratch, slot * SCRATCH_BYTES))
+        ScratchPage::new(&self.scratch, slot * SCRATCH_BYTES)
     }
 
     fn command_id(&self, slot: u16) -> CommandId {
@@ -178,9 +178,8 @@ impl QueuePair {
         CommandId(slot | (u32::from(generation) << self.slot_bits) as u16)
     }
 
-    /// Reserves a slot and returns the command id its entry must carry. The caller then fills
-    /// data pointers (using [`QueuePair::scratch_for`]) and calls [`QueuePair::push`].
-    pub(crate) fn reserve(&mut self, opcode: u8, tag: u64) -> Result<CommandId, NvmeError> {
+    /// Reserves a slot and returns the command id its entry must carry.
+    fn reserve(&mut self, opcode: u8, tag: u64) -> Result<CommandId, NvmeError> {
         let slot = self.free.pop().ok_or(NvmeError::QueueFull { queue: self.id, depth: self.depth })?;
         let entry = &mut self.slots[usize::from(slot)];
         entry.busy = true;
@@ -191,7 +190,7 @@ impl QueuePair {
     }
 
     /// Gives back a reserved slot whose command was never pushed.
-    pub(crate) fn unreserve(&mut self, command_id: CommandId) {
+    fn unreserve(&mut self, command_id: CommandId) {
         let slot = command_id.0 & ((1 << self.slot_bits) - 1) as u16;
         if let Some(entry) = self.slots.get_mut(usize::from(slot)) {
             if entry.busy {
@@ -203,7 +202,7 @@ impl QueuePair {
     }
 
     /// Copies a prepared entry into the SQ at the tail. No doorbell: see [`QueuePair::ring_doorbell`].
-    pub(crate) fn push(&mut self, entry: &SubmissionEntry) -> Result<(), NvmeError> {
+    fn push(&mut self, entry: &SubmissionEntry) -> Result<(), NvmeError> {
         let offset = self.sq_tail as usize * SUBMISSION_ENTRY_BYTES;
         self.submission.write(offset, &entry.to_bytes())?;
         self.sq_tail = (self.sq_tail + 1) % self.depth;
@@ -212,10 +211,23 @@ impl QueuePair {
     }
 
     /// Submits a complete entry (command id assigned here); `tag` comes back in its completion.
-    pub fn submit(&mut self, mut entry: SubmissionEntry, tag: u64) -> Result<CommandId, NvmeError> {
+    pub fn submit(&mut self, entry: SubmissionEntry, tag: u64) -> Result<CommandId, NvmeError> {
+        self.submit_with(entry, tag, |_, _| Ok(()))
+    }
+
+    /// Reserves a slot, lets `fill` complete the entry (data pointer, PRP list or SGL segment in
+    /// the slot's scratch page), and copies it into the SQ. On any error the slot is given back
+    /// and nothing reaches the SQ.
+    pub(crate) fn submit_with(
+        &mut self,
+        mut entry: SubmissionEntry,
+        tag: u64,
+        fill: impl FnOnce(&mut SubmissionEntry, ScratchPage<'_>) -> Result<(), NvmeError>,
+    ) -> Result<CommandId, NvmeError> {
         let command_id = self.reserve(entry.opcode(), tag)?;
         entry.set_command_id(command_id);
-        if let Err(error) = self.push(&entry) {
+        let filled = fill(&mut entry, self.scratch_for(command_id));
+        if let Err(error) = filled.and_then(|()| self.push(&entry)) {
             self.unreserve(command_id);
             return Err(error);
         }
