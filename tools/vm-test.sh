@@ -4,7 +4,8 @@
 #
 # Usage: tools/vm-test.sh [MODE]
 #   --conformance (default)  nvme-conformance --device vfio:<each BDF> --integrity-mib N, then a
-#                            second short run in the same guest (proves nothing leaked)
+#                            second short run in the same guest (proves nothing leaked), then
+#                            objstore-roundtrip on the first controller (store, reopen, compare)
 #   --probe                  the standalone VFIO probe (examples/vfio_probe.rs), run twice, then
 #                            tutti unbind (back to nvme) and bind again, and a third probe
 #   --smoke                  boot, bind to vfio-pci by hand, list the VFIO nodes: no project code
@@ -71,16 +72,20 @@ case $MODE in
         if ! [ -f "$CONFORMANCE/src/main.rs" ] && ! [ -d "$CONFORMANCE/src/bin" ] && ! grep -q '^\[\[bin\]\]' "$CONFORMANCE/Cargo.toml"; then
             vm_die "the nvme-conformance binary does not exist yet (crates/nvme-conformance has no main.rs or src/bin); use --probe to test the VFIO backend"
         fi
-        vm_log "building static guest binaries (nvme-conformance, tutti) into $VM_TARGET_DIR"
-        vm_cargo_static -p nvme-conformance --bin nvme-conformance -p tutti --bin tutti > "$VM_DIR/logs/build.log" 2>&1 ||
-            { tail -n 30 "$VM_DIR/logs/build.log" >&2; vm_die "static build of nvme-conformance/tutti failed (log: $VM_DIR/logs/build.log)"; }
-        BINARIES=("$VM_BIN_DIR/nvme-conformance" "$VM_BIN_DIR/tutti")
+        vm_log "building static guest binaries (nvme-conformance, objstore-roundtrip, tutti) into $VM_TARGET_DIR"
+        vm_cargo_static -p nvme-conformance --bin nvme-conformance -p objstore --bin objstore-roundtrip -p tutti --bin tutti \
+            > "$VM_DIR/logs/build.log" 2>&1 ||
+            { tail -n 30 "$VM_DIR/logs/build.log" >&2; vm_die "static build of the guest binaries failed (log: $VM_DIR/logs/build.log)"; }
+        BINARIES=("$VM_BIN_DIR/nvme-conformance" "$VM_BIN_DIR/objstore-roundtrip" "$VM_BIN_DIR/tutti")
         # The full suite with the data-integrity run on every controller; then a second process
         # in the same guest, which only passes if the first released its groups and mappings.
         # shellcheck disable=SC2016 # $TUTTI_BDFS is expanded by the guest's shell
         DEVICES='$(for b in $TUTTI_BDFS; do printf -- "--device vfio:%s " "$b"; done)'
+        # Then the object store's persistence round trip (store, reopen, scatter retrieve, compare)
+        # on the first controller, which it formats.
         printf '%s\n' "nvme-conformance $DEVICES ${TUTTI_VM_CONFORMANCE_ARGS:-} --integrity-mib $INTEGRITY_MIB" \
-            "nvme-conformance $DEVICES --quick --filter bring_up_and_identify" > "$COMMANDS"
+            "nvme-conformance $DEVICES --quick --filter bring_up_and_identify" \
+            'objstore-roundtrip --device vfio:$TUTTI_BDF0' > "$COMMANDS"
         ;;
     probe | shell)
         vm_log "building static guest binaries (vfio_probe, tutti) into $VM_TARGET_DIR"

@@ -6,7 +6,8 @@
 //! - [`format`]: superblock and slot headers on each namespace, byte by byte;
 //! - [`hash`], [`index`]: chained prefix keys, slot allocation, LRU eviction, pins;
 //! - [`pool`]: the pool's devices — format, open with recovery, metadata I/O, check;
-//! - [`store`]: the layer-wise API an engine calls (`prepare_*`, `*_layer`, `wait`, `commit`).
+//! - [`store`]: the layer-wise API an engine calls (`prepare_*`, `*_layer`, `wait`, `commit`);
+//! - [`selfcheck`]: a persistence round trip for any controller (`objstore-roundtrip`).
 //!
 //! No unsafe code: device memory is touched only through `DmaRegion` accessors.
 #![forbid(unsafe_code)]
@@ -19,6 +20,7 @@ pub mod index;
 pub mod mapping;
 pub mod pool;
 pub mod registration;
+pub mod selfcheck;
 pub mod store;
 
 pub use error::{KvKind, ObjstoreError, Result};
