@@ -341,6 +341,14 @@ struct NvmeQueue {
     offsets_bytes: Vec<u64>,
 }
 
+impl Drop for NvmeQueue {
+    fn drop(&mut self) {
+        // A failed run can leave commands in flight: let them finish (bounded) before the queue
+        // pair is deleted and the buffers they point at are freed.
+        self.drain(Instant::now() + IO_TIMEOUT);
+    }
+}
+
 impl IoQueue for NvmeQueue {
     fn queue(&mut self, slot: u32, direction: Direction, offset_bytes: u64) -> Result<(), DeviceError> {
         let index = slot as usize;

@@ -297,6 +297,7 @@ fn temporary_pool(directory: Option<&Path>, wanted_bytes: Option<u64>) -> anyhow
         UsageError(format!("cannot create a pool file in {}: {error}; pass --directory DIR with a writable directory", directory.display()))
     })?;
     let (file, path) = file.keep().map_err(|error| anyhow::anyhow!("cannot keep the pool file: {error}"))?;
+    crate::uring::remove_on_interrupt(&path);
     if let Err(error) = file.set_len(bytes) {
         let _ = std::fs::remove_file(&path);
         return usage(format!("cannot size the pool file {} to {}: {error}", path.display(), format_size(bytes)));

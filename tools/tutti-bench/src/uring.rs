@@ -348,3 +348,34 @@ pub fn statvfs_free_bytes(directory: &Path) -> std::io::Result<u64> {
     let free = u64::from(stats.f_bavail).saturating_mul(u64::from(stats.f_frsize));
     Ok(free)
 }
+
+/// The temporary pool file an interrupted run must not leave behind (set once per process).
+static INTERRUPT_REMOVES: std::sync::OnceLock<std::ffi::CString> = std::sync::OnceLock::new();
+
+extern "C" fn remove_pool_and_exit(_signal: libc::c_int) {
+    if let Some(path) = INTERRUPT_REMOVES.get() {
+        // SAFETY: unlink(2) and _exit(2) are async-signal-safe; `path` is a NUL-terminated string
+        // that lives for the rest of the process (a static set before the handler was installed).
+        unsafe { libc::unlink(path.as_ptr()) };
+    }
+    // SAFETY: _exit is async-signal-safe and ends the process without running Rust code.
+    unsafe { libc::_exit(130) }
+}
+
+/// On SIGINT/SIGTERM, removes `path` and exits with status 130, so that interrupting the default
+/// run does not leave up to 1 GiB in the temp directory. Best effort: returns false if not set up.
+pub fn remove_on_interrupt(path: &Path) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(path) = std::ffi::CString::new(path.as_os_str().as_bytes()) else { return false };
+    if INTERRUPT_REMOVES.set(path).is_err() {
+        return false;
+    }
+    let handler = remove_pool_and_exit as extern "C" fn(libc::c_int) as libc::sighandler_t;
+    // SAFETY: the handler only calls async-signal-safe functions (see above); `signal` replaces
+    // the default disposition of two signals that would otherwise kill the process anyway.
+    unsafe {
+        libc::signal(libc::SIGINT, handler);
+        libc::signal(libc::SIGTERM, handler);
+    }
+    true
+}

@@ -195,9 +195,13 @@ pub fn run_phase(devices: &[Arc<dyn Device>], numjobs: u32, plan: &PhasePlan, pr
             .map(|job| {
                 let barrier = Arc::clone(&barrier);
                 let progress = Arc::clone(progress);
-                std::thread::Builder::new()
-                    .name(format!("job{job}"))
-                    .spawn_scoped(scope, move || run_job(devices, job, numjobs, plan, &barrier, &progress))
+                std::thread::Builder::new().name(format!("job{job}")).spawn_scoped(scope, move || {
+                    let result = run_job(devices, job, numjobs, plan, &barrier, &progress);
+                    if result.is_err() {
+                        progress.stop.store(true, Ordering::Relaxed); // the others stop too
+                    }
+                    result
+                })
             })
             .collect();
         handles
@@ -280,6 +284,7 @@ fn run_job(
     let started = Instant::now();
     let runtime_deadline = plan.runtime.map(|runtime| started + runtime);
     let mut last_progress = started;
+    let mut idle_polls = 0u32;
 
     loop {
         let now = Instant::now();
@@ -336,7 +341,14 @@ fn run_job(
                 return Err(DeviceError::Timeout { device: devices[0].name(), timeout_s: IO_TIMEOUT.as_secs(), in_flight }.into());
             }
             if must_wait {
-                std::hint::spin_loop();
+                // Several devices are polled in turn; give the CPU away now and then (a software
+                // controller is a thread of this process).
+                idle_polls += 1;
+                if idle_polls.is_multiple_of(64) {
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
             }
             continue;
         }
