@@ -116,32 +116,17 @@ fn deadline_error(error: nvme_driver::NvmeError) -> ObjstoreError {
     ObjstoreError::Nvme(error)
 }
 
-/// Writes `len` bytes of `region` from `offset` to `lba` (relative LBAs computed by the caller),
-/// in pieces, with FUA when asked.
-#[allow(clippy::too_many_arguments)]
-fn write_region(
-    queue: &mut IoQueuePair,
-    namespace: NamespaceId,
-    lba: u64,
-    region: &DmaRegion,
-    offset: u64,
-    len: u64,
-    lba_bytes: u64,
-    fua: bool,
-    timeout: Duration,
-) -> Result<()> {
-    let mut done = 0;
-    while done < len {
-        let piece = (len - done).min(METADATA_CHUNK_BYTES);
-        let segment = DataSegment::new(nvme_driver::Iova(region.iova().0 + offset + done), piece as u32);
-        queue.write(namespace, Lba(lba + done / lba_bytes), &[segment], fua, timeout).map_err(deadline_error)?;
-        done += piece;
-    }
-    Ok(())
+/// Which way `transfer_region` moves data.
+#[derive(Debug, Clone, Copy)]
+enum Transfer {
+    Read,
+    Write { force_unit_access: bool },
 }
 
+/// Moves `len` bytes between `region` (from `offset`) and the namespace at `lba` (relative LBAs
+/// computed by the caller), in pieces of at most `METADATA_CHUNK_BYTES`.
 #[allow(clippy::too_many_arguments)]
-fn read_region(
+fn transfer_region(
     queue: &mut IoQueuePair,
     namespace: NamespaceId,
     lba: u64,
@@ -149,13 +134,19 @@ fn read_region(
     offset: u64,
     len: u64,
     lba_bytes: u64,
+    transfer: Transfer,
     timeout: Duration,
 ) -> Result<()> {
     let mut done = 0;
     while done < len {
         let piece = (len - done).min(METADATA_CHUNK_BYTES);
-        let segment = DataSegment::new(nvme_driver::Iova(region.iova().0 + offset + done), piece as u32);
-        queue.read(namespace, Lba(lba + done / lba_bytes), &[segment], timeout).map_err(deadline_error)?;
+        let segment = [DataSegment::new(nvme_driver::Iova(region.iova().0 + offset + done), piece as u32)];
+        let start = Lba(lba + done / lba_bytes);
+        match transfer {
+            Transfer::Read => queue.read(namespace, start, &segment, timeout),
+            Transfer::Write { force_unit_access } => queue.write(namespace, start, &segment, force_unit_access, timeout),
+        }
+        .map_err(deadline_error)?;
         done += piece;
     }
     Ok(())
@@ -171,7 +162,17 @@ pub fn read_superblock(target: &PoolTarget, device: usize) -> Result<Superblock>
     let mut queue = target.controller.create_io_queue_pair(METADATA_QUEUE_DEPTH)?;
     let bytes = SUPERBLOCK_REGION_BYTES.max(u64::from(namespace.block_size_bytes));
     let region = target.controller.dma().allocate(bytes as usize)?;
-    read_region(&mut queue, target.namespace, 0, &region, 0, bytes, u64::from(namespace.block_size_bytes), METADATA_TIMEOUT)?;
+    transfer_region(
+        &mut queue,
+        target.namespace,
+        0,
+        &region,
+        0,
+        bytes,
+        u64::from(namespace.block_size_bytes),
+        Transfer::Read,
+        METADATA_TIMEOUT,
+    )?;
     let mut raw = vec![0u8; bytes as usize];
     region.read(0, &mut raw)?;
     Superblock::decode(&raw, device, namespace.block_size_bytes, namespace.size_blocks)
@@ -221,14 +222,34 @@ pub fn format_pool(targets: &[PoolTarget], params: &FormatParams) -> Result<Vec<
         let mut done = 0;
         while done < region_bytes {
             let piece = (region_bytes - done).min(METADATA_CHUNK_BYTES);
-            write_region(&mut queue, target.namespace, superblock.header_lba + done / lba, &zeros, 0, piece, lba, false, METADATA_TIMEOUT)?;
+            transfer_region(
+                &mut queue,
+                target.namespace,
+                superblock.header_lba + done / lba,
+                &zeros,
+                0,
+                piece,
+                lba,
+                Transfer::Write { force_unit_access: false },
+                METADATA_TIMEOUT,
+            )?;
             done += piece;
         }
         queue.flush(target.namespace, METADATA_TIMEOUT)?;
         let encoded = superblock.encode();
         let block = zeros.subregion(0, SUPERBLOCK_REGION_BYTES.max(lba) as usize)?;
         block.write(0, &encoded)?;
-        write_region(&mut queue, target.namespace, 0, &block, 0, SUPERBLOCK_REGION_BYTES.max(lba), lba, true, METADATA_TIMEOUT)?;
+        transfer_region(
+            &mut queue,
+            target.namespace,
+            0,
+            &block,
+            0,
+            SUPERBLOCK_REGION_BYTES.max(lba),
+            lba,
+            Transfer::Write { force_unit_access: true },
+            METADATA_TIMEOUT,
+        )?;
     }
     Ok(planned)
 }
@@ -297,7 +318,7 @@ impl Pool {
         for (superblock, target) in found {
             let mut queue = target.controller.create_io_queue_pair(METADATA_QUEUE_DEPTH)?;
             let mirror = target.controller.dma().allocate(superblock.header_region_bytes() as usize)?;
-            read_region(
+            transfer_region(
                 &mut queue,
                 target.namespace,
                 superblock.header_lba,
@@ -305,6 +326,7 @@ impl Pool {
                 0,
                 superblock.header_region_bytes(),
                 u64::from(superblock.lba_bytes),
+                Transfer::Read,
                 METADATA_TIMEOUT,
             )?;
             let scratch =
@@ -425,7 +447,7 @@ impl Pool {
         for d in &mut self.devices {
             let Some((first, end)) = d.dirty else { continue };
             let lba = u64::from(d.superblock.lba_bytes);
-            write_region(
+            transfer_region(
                 &mut d.queue,
                 d.target.namespace,
                 d.superblock.header_lba + first,
@@ -433,7 +455,7 @@ impl Pool {
                 first * lba,
                 (end - first) * lba,
                 lba,
-                true,
+                Transfer::Write { force_unit_access: true },
                 self.timeout,
             )?;
             d.dirty = None;
@@ -478,7 +500,7 @@ impl Pool {
                     for j in 0..header.blocks.len() as u32 {
                         let lba = superblock.block_lba(slot, j) + u64::from(layer) * superblock.layer_stride_blocks();
                         let d = &mut self.devices[device];
-                        read_region(
+                        transfer_region(
                             &mut d.queue,
                             d.target.namespace,
                             lba,
@@ -486,6 +508,7 @@ impl Pool {
                             0,
                             pair,
                             u64::from(superblock.lba_bytes),
+                            Transfer::Read,
                             self.timeout,
                         )?;
                         d.scratch.read(0, &mut bytes)?;
