@@ -7,20 +7,16 @@ use std::time::{Duration, Instant};
 use gio_uring::abi::Opcode;
 use gio_uring::{
     CpuExecutor, CpuWorkers, Dependency, Descriptor, DeviceIndex, DeviceInfo, DeviceTable, Executor, GioError, GioQueue, IocbFailure,
-    IocbId, IocbSpec, IoctxSpec, Iova, IovaRange, LayerIndex, Lba, QueueConfig, RegisteredMemory, SmBudget,
+    IocbId, IoctxSpec, Iova, IovaRange, LayerIndex, Lba, QueueConfig, RegisteredMemory, SmBudget,
 };
 use nvme_driver::hw::{DeviceBackend, DmaRegion};
 use nvme_driver::spec::{NvmeStatus as DriverStatus, StatusCodeType};
 use nvme_driver::{Controller, ControllerConfig, IoQueuePair};
 use nvme_emu::{Backing, EmuConfig, EmuDevice, FaultAction, FaultPlan, FaultRule, NamespaceConfig};
 
-const BLOCK_BYTES: u32 = 512;
-const LAYERS: u32 = 4;
-/// Blocks per IOCTX (one 4 KiB KV block) and IOCTXs per layer.
-const BLOCKS_PER_IOCTX: u32 = 8;
-const IOCTXS: u32 = 40;
-const LAYER_BYTES: u64 = IOCTXS as u64 * BLOCKS_PER_IOCTX as u64 * BLOCK_BYTES as u64;
-const LAYER_BLOCKS: u64 = IOCTXS as u64 * BLOCKS_PER_IOCTX as u64;
+mod common;
+
+use common::{assert_ssd_layout, layered, pattern, BLOCKS_PER_IOCTX, BLOCK_BYTES, IOCTXS, LAYERS, LAYER_BYTES};
 
 /// Fields drop in order: the queue pairs (inside the executor) must be deleted while the
 /// controller is still up, or each drop waits out the admin timeout.
@@ -86,42 +82,6 @@ fn ioctxs(region: &DmaRegion, sgl: bool, devices: u16) -> Vec<IoctxSpec> {
             force_unit_access: false,
         })
         .collect()
-}
-
-fn layered(opcode: Opcode) -> IocbSpec {
-    IocbSpec {
-        opcode,
-        user_data: 0,
-        layer_count: LAYERS,
-        lba_stride_blocks: LAYER_BLOCKS,
-        mem_stride_bytes: LAYER_BYTES,
-        desc_stride_bytes: 0,
-    }
-}
-
-fn pattern(len: usize) -> Vec<u8> {
-    (0..len).map(|i| (i.wrapping_mul(31) ^ (i >> 9)) as u8).collect()
-}
-
-/// Checks, through a separate CPU queue pair, that the SSD holds IOCTX `i` of layer `L` at LBA
-/// `L × LAYER_BLOCKS + (IOCTXS − 1 − i) × BLOCKS_PER_IOCTX` (tests/gpu.rs checks the CUDA executor
-/// against the same layout).
-fn assert_ssd_layout(controller: &Controller, data: &[u8]) {
-    let namespace = controller.namespaces()[0];
-    let mut queue = controller.create_io_queue_pair(16).expect("checking queue pair");
-    let block_bytes = (BLOCKS_PER_IOCTX * BLOCK_BYTES) as usize;
-    let scratch = controller.dma().allocate(block_bytes).unwrap();
-    let mut on_ssd = vec![0u8; block_bytes];
-    for layer in 0..LAYERS {
-        for i in 0..IOCTXS {
-            let lba = u64::from(layer) * LAYER_BLOCKS + u64::from(IOCTXS - 1 - i) * u64::from(BLOCKS_PER_IOCTX);
-            let segment = nvme_driver::DataSegment::new(scratch.iova(), block_bytes as u32);
-            queue.read(namespace.id, nvme_driver::Lba(lba), &[segment], Duration::from_secs(5)).unwrap();
-            scratch.read(0, &mut on_ssd).unwrap();
-            let offset = layer as usize * LAYER_BYTES as usize + i as usize * block_bytes;
-            assert!(on_ssd[..] == data[offset..offset + block_bytes], "layer {layer} IOCTX {i} at LBA {lba}");
-        }
-    }
 }
 
 /// Writes every layer from `source`, reads every layer back into `target`, one issue per layer.

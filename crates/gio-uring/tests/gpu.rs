@@ -40,6 +40,9 @@ fn main() {
 }
 
 #[cfg(feature = "cuda")]
+mod common;
+
+#[cfg(feature = "cuda")]
 mod cuda {
     use std::path::PathBuf;
     use std::sync::Arc;
@@ -50,26 +53,17 @@ mod cuda {
         BarMapping, DeviceMemory, DmaMode, GpuConfig, GpuExecutor, GpuExecutorConfig, GpuQueueSpec, GpuRuntime, StagingBuffer,
     };
     use gio_uring::{
-        Dependency, Descriptor, DeviceIndex, DeviceInfo, DeviceTable, GioQueue, IocbFailure, IocbSpec, IoctxSpec, Iova, IovaRange,
-        LayerIndex, Lba, QueueConfig, RegisteredMemory, SmBudget,
+        Dependency, Descriptor, DeviceIndex, DeviceInfo, DeviceTable, GioQueue, IocbFailure, IoctxSpec, Iova, IovaRange, LayerIndex, Lba,
+        QueueConfig, RegisteredMemory, SmBudget,
     };
     use nvme_driver::hw::{DeviceBackend, DmaRegion};
-    use nvme_driver::{Controller, ControllerConfig, DataSegment};
+    use nvme_driver::{Controller, ControllerConfig};
     use nvme_emu::{Backing, EmuConfig, EmuDevice, FaultAction, FaultPlan, FaultRule, NamespaceConfig};
 
-    const BLOCK_BYTES: u32 = 512;
-    const LAYERS: u32 = 4;
-    const BLOCKS_PER_IOCTX: u32 = 8;
-    const IOCTXS: u32 = 40;
-    const LAYER_BYTES: u64 = IOCTXS as u64 * BLOCKS_PER_IOCTX as u64 * BLOCK_BYTES as u64;
-    const LAYER_BLOCKS: u64 = IOCTXS as u64 * BLOCKS_PER_IOCTX as u64;
+    use crate::common::{assert_ssd_layout, layered, pattern, BLOCKS_PER_IOCTX, BLOCK_BYTES, IOCTXS, LAYERS, LAYER_BYTES};
 
     fn deadline() -> Instant {
         Instant::now() + Duration::from_secs(30)
-    }
-
-    fn pattern(len: usize) -> Vec<u8> {
-        (0..len).map(|i| (i.wrapping_mul(31) ^ (i >> 9)) as u8).collect()
     }
 
     /// The CPU test's IOCTXs: IOCTX `i` moves KV block `i` of layer 0, LBAs reversed.
@@ -86,17 +80,6 @@ mod cuda {
                 force_unit_access: false,
             })
             .collect()
-    }
-
-    fn layered(opcode: Opcode) -> IocbSpec {
-        IocbSpec {
-            opcode,
-            user_data: 0,
-            layer_count: LAYERS,
-            lba_stride_blocks: LAYER_BLOCKS,
-            mem_stride_bytes: LAYER_BYTES,
-            desc_stride_bytes: 0,
-        }
     }
 
     pub fn staged_round_trip_matches_bytes_and_a_timeout_resets_the_queue_pair() {
@@ -160,24 +143,8 @@ mod cuda {
             queue.issue_io(&[write], LayerIndex(layer), SmBudget(2)).unwrap();
             assert_eq!(queue.wait_cqe(write, deadline()).unwrap().result, Ok(()), "write layer {layer}");
         }
-        // The SSD must hold what the CPU executor's workload puts there: IOCTX i of layer L at
-        // LBA L × LAYER_BLOCKS + (IOCTXS − 1 − i) × BLOCKS_PER_IOCTX. Checked through an ordinary
-        // CPU-driven queue pair, so a self-consistent but wrong LBA mapping cannot pass.
-        let mut cpu_queue = controller.create_io_queue_pair(16).expect("CPU queue pair");
-        let block_bytes = (BLOCKS_PER_IOCTX * BLOCK_BYTES) as usize;
-        let scratch = controller.dma().allocate(block_bytes).unwrap();
-        let mut on_ssd = vec![0u8; block_bytes];
-        for layer in 0..LAYERS {
-            for i in 0..IOCTXS {
-                let lba = u64::from(layer) * LAYER_BLOCKS + u64::from(IOCTXS - 1 - i) * u64::from(BLOCKS_PER_IOCTX);
-                let segment = DataSegment::new(scratch.iova(), block_bytes as u32);
-                cpu_queue.read(namespace.id, nvme_driver::Lba(lba), &[segment], Duration::from_secs(5)).unwrap();
-                scratch.read(0, &mut on_ssd).unwrap();
-                let offset = layer as usize * LAYER_BYTES as usize + i as usize * block_bytes;
-                assert!(on_ssd[..] == data[offset..offset + block_bytes], "layer {layer} IOCTX {i} at LBA {lba}");
-            }
-        }
-        drop(cpu_queue);
+        // The SSD must hold what the CPU executor's workload puts there.
+        assert_ssd_layout(&controller, &data);
         for layer in 0..LAYERS {
             queue.issue_io(&[read], LayerIndex(layer), SmBudget(2)).unwrap();
             let completion = queue.wait_cqe(read, deadline()).unwrap();
