@@ -1,7 +1,8 @@
 //! The backing store: process memory, or a file / block device with `O_DIRECT` where allowed.
 //!
-//! File I/O is synchronous `pread`/`pwrite` (one syscall per contiguous run of a command, so a
-//! 128 KiB command costs one syscall). Transfers whose offset, length and buffer are 4 KiB
+//! File I/O here is synchronous `pread`/`pwrite` (one syscall per contiguous run of a command,
+//! so a 128 KiB command costs one syscall); batches of transfers go through `uring` instead,
+//! on the descriptors that [`Store::file_descriptor`] picks. Transfers whose offset, length and buffer are 4 KiB
 //! aligned go through an `O_DIRECT` descriptor when the filesystem accepts one; the rest go
 //! through a buffered descriptor of the same file. Linux keeps the two coherent (direct I/O
 //! writes back and invalidates the page-cache range it touches).
@@ -189,6 +190,15 @@ impl AlignedBuffer {
         let start = self.storage.as_ptr() as usize;
         let skip = (DIRECT_ALIGNMENT_BYTES - start % DIRECT_ALIGNMENT_BYTES) % DIRECT_ALIGNMENT_BYTES;
         &mut self.storage[skip..skip + len]
+    }
+}
+
+impl AlignedBuffer {
+    /// The first `len` bytes of the aligned slice, read only (empty if the buffer is smaller).
+    pub(crate) fn bytes(&self, len: usize) -> &[u8] {
+        let start = self.storage.as_ptr() as usize;
+        let skip = (DIRECT_ALIGNMENT_BYTES - start % DIRECT_ALIGNMENT_BYTES) % DIRECT_ALIGNMENT_BYTES;
+        self.storage.get(skip..skip + len).unwrap_or(&[])
     }
 }
 

@@ -67,8 +67,9 @@ pub struct EmuConfig {
     pub idle_sleep_max: Duration,
     /// `fdatasync` the backing file on Flush (real durability across host crashes; slow).
     pub sync_file_on_flush: bool,
-    /// Batch consecutive Reads of a file-backed device through io_uring (several in flight);
-    /// off, or when io_uring is unavailable, every read is one synchronous `pread`.
+    /// Batch consecutive Reads and write-through Writes of a file-backed device through io_uring
+    /// (several in flight); off, or when io_uring is unavailable, every transfer is one
+    /// synchronous `pread`/`pwrite`.
     pub io_uring: bool,
 }
 

@@ -34,11 +34,11 @@ const COMMANDS_PER_QUEUE_PER_SCAN: usize = 64;
 const DISABLED_SLEEP: Duration = Duration::from_millis(2);
 /// Longest delay a fault may impose on a completion.
 const MAX_FAULT_DELAY: Duration = Duration::from_secs(3600);
-/// Reads in flight at once in an io_uring batch.
+/// Transfers in flight at once in an io_uring batch.
 const URING_DEPTH: u32 = 64;
-/// Read buffers kept for reuse, and the largest one worth keeping.
-const READ_BUFFERS_KEPT: usize = 64;
-const READ_BUFFER_KEPT_MAX_BYTES: usize = (1 << 20) + 4096;
+/// Transfer buffers kept for reuse, and the largest one worth keeping.
+const IO_BUFFERS_KEPT: usize = 64;
+const IO_BUFFER_KEPT_MAX_BYTES: usize = (1 << 20) + 4096;
 /// Largest single backing-store write during a cache write-back.
 const WRITE_BACK_CHUNK_BYTES: usize = 1 << 20;
 /// Error Information log entries kept (Identify ELPE + 1).
@@ -89,13 +89,19 @@ pub(crate) struct Features {
     pub write_cache_enabled: bool,
 }
 
-/// A Read validated and waiting for its backing-store I/O in a batch.
-struct PreparedRead {
+/// A Read or Write validated and waiting for its backing-store I/O in a batch.
+struct PreparedIo {
     entry: SubmissionEntry,
     sq_head: u32,
     namespace_index: usize,
     namespace: Namespace,
+    /// Host memory: where a Read's data goes (a Write's was gathered into `buffer` already).
     buffers: DataBuffers,
+    write: bool,
+    start_lba: u64,
+    blocks: u64,
+    /// A Write's data; a Read's destination once the group runs.
+    buffer: AlignedBuffer,
 }
 
 struct PendingCompletion {
@@ -145,9 +151,9 @@ pub(crate) struct ControllerCore {
     pub(crate) counters: Counters,
     pub(crate) error_log: ErrorLog,
     pub(crate) scratch: AlignedBuffer,
-    /// Batched reads for file stores (None: memory store, disabled, or no io_uring here).
+    /// Batched reads and writes for file stores (None: memory store, disabled, or no io_uring).
     reader: Option<UringReader>,
-    read_buffers: Vec<AlignedBuffer>,
+    io_buffers: Vec<AlignedBuffer>,
     /// Reused per scan: commands fetched from one SQ.
     fetched: Vec<(SubmissionEntry, u32)>,
     /// Unsafe shutdowns (power losses) and power cycles, for the SMART log.
@@ -163,7 +169,9 @@ impl ControllerCore {
         let queue_slots = usize::from(config.io_queue_pairs_max) + 1;
         let features = Self::default_features(&config);
         let reader = if store.is_file() && config.io_uring && !config.no_storage {
-            UringReader::new(URING_DEPTH).map_err(|error| tracing::info!(%error, "io_uring unavailable; reads use synchronous pread")).ok()
+            UringReader::new(URING_DEPTH)
+                .map_err(|error| tracing::info!(%error, "io_uring unavailable; reads and writes use synchronous pread/pwrite"))
+                .ok()
         } else {
             None
         };
@@ -183,7 +191,7 @@ impl ControllerCore {
             error_log: ErrorLog::default(),
             scratch: AlignedBuffer::default(),
             reader,
-            read_buffers: Vec::new(),
+            io_buffers: Vec::new(),
             fetched: Vec::new(),
             power_cycles: 1,
             unsafe_shutdowns: 0,
@@ -435,12 +443,15 @@ impl ControllerCore {
         worked
     }
 
-    /// Runs fetched commands in order. Consecutive Reads of a file-backed device are validated
-    /// first and their backing-store reads issued together (io_uring); any other command first
-    /// completes the pending reads, so no read can observe a later write or miss an earlier one.
+    /// Runs fetched commands in order. Consecutive Reads of a file-backed device, and Writes
+    /// that go straight to the backing store (write cache off, FUA, or larger than the cache),
+    /// are validated first and their backing-store I/O issued together (io_uring). A command
+    /// whose LBAs overlap a Write of the group (or a Write overlapping any of it) first completes
+    /// the group, as does any other command, so no read can observe a later write or miss an
+    /// earlier one and overlapping writes land in submission order.
     fn run_batch(&mut self, queue_id: u16, completion_queue_id: u16, fetched: &[(SubmissionEntry, u32)], now: Instant) {
         let admin = queue_id == 0;
-        let mut group: Vec<PreparedRead> = Vec::new();
+        let mut group: Vec<PreparedIo> = Vec::new();
         for (entry, sq_head) in fetched {
             if self.state != State::Ready {
                 // A fatal fault stopped the controller: the rest get no completion.
@@ -451,18 +462,17 @@ impl ControllerCore {
             if fault.is_some() {
                 self.counters.totals.faults_injected += 1;
             }
-            let batchable =
-                fault.is_none() && !admin && self.reader.is_some() && entry.opcode() == NvmOpcode::Read as u8 && entry.fuse() == 0;
+            let read = entry.opcode() == NvmOpcode::Read as u8;
+            let batchable = fault.is_none()
+                && !admin
+                && self.reader.is_some()
+                && entry.fuse() == 0
+                && (read || (entry.opcode() == NvmOpcode::Write as u8 && self.write_goes_to_store(entry)));
             if batchable {
-                match self.prepare_transfer(entry) {
-                    Ok((namespace_index, namespace, buffers)) => {
-                        group.push(PreparedRead { entry: *entry, sq_head: *sq_head, namespace_index, namespace, buffers });
-                    }
-                    Err(status) => self.complete(queue_id, completion_queue_id, *sq_head, entry, Err(status), None, now),
-                }
+                self.prepare_io(queue_id, completion_queue_id, &mut group, entry, *sq_head, !read, now);
                 continue;
             }
-            self.run_reads(queue_id, completion_queue_id, &mut group, now);
+            self.run_group(queue_id, completion_queue_id, &mut group, now);
             let result = match fault {
                 Some(FaultAction::Status(status)) => Err(status),
                 Some(FaultAction::ControllerFatal) => {
@@ -473,59 +483,132 @@ impl ControllerCore {
             };
             self.complete(queue_id, completion_queue_id, *sq_head, entry, result, fault, now);
         }
-        self.run_reads(queue_id, completion_queue_id, &mut group, now);
+        self.run_group(queue_id, completion_queue_id, &mut group, now);
     }
 
-    /// Performs the backing-store reads of a group (in flight together when there are several),
-    /// then finishes each Read: cache overlay, DMA to the host, completion.
-    fn run_reads(&mut self, queue_id: u16, completion_queue_id: u16, group: &mut Vec<PreparedRead>, now: Instant) {
+    /// Validates a batchable Read or Write and adds it to `group` (a Write's data is gathered
+    /// from the host now, and older cached copies of its blocks are dropped now, in command
+    /// order, as the synchronous path does). A command that overlaps a Write of the group, or
+    /// a Write that overlaps any command of it, first completes the group. An invalid command
+    /// completes at once with its status.
+    #[allow(clippy::too_many_arguments)]
+    fn prepare_io(
+        &mut self,
+        queue_id: u16,
+        completion_queue_id: u16,
+        group: &mut Vec<PreparedIo>,
+        entry: &SubmissionEntry,
+        sq_head: u32,
+        write: bool,
+        now: Instant,
+    ) {
+        let (namespace_index, namespace, buffers) = match self.prepare_transfer(entry) {
+            Ok(prepared) => prepared,
+            Err(status) => return self.complete(queue_id, completion_queue_id, sq_head, entry, Err(status), None, now),
+        };
+        let start_lba = entry.starting_lba().0;
+        let blocks = u64::from(entry.block_count());
+        let conflicts = group.iter().any(|other| {
+            (write || other.write)
+                && other.namespace_index == namespace_index
+                && other.start_lba < start_lba + blocks
+                && start_lba < other.start_lba + other.blocks
+        });
+        if conflicts {
+            self.run_group(queue_id, completion_queue_id, group, now);
+        }
+        let len = (blocks * u64::from(namespace.block_size_bytes)) as usize;
+        let mut buffer = self.io_buffers.pop().unwrap_or_default();
+        if write {
+            if let Err(status) = buffers.gather(buffer.slice(len)) {
+                self.recycle_buffer(buffer);
+                return self.complete(queue_id, completion_queue_id, sq_head, entry, Err(status), None, now);
+            }
+            // Older cached copies of these blocks must not be written back over the new data.
+            self.cache.discard_range(namespace_index, start_lba, blocks);
+        }
+        group.push(PreparedIo { entry: *entry, sq_head, namespace_index, namespace, buffers, write, start_lba, blocks, buffer });
+    }
+
+    /// Whether a Write bypasses the volatile write cache (the rule of `store_blocks`). A Write
+    /// naming no valid namespace answers false: the synchronous path reports its error.
+    fn write_goes_to_store(&self, entry: &SubmissionEntry) -> bool {
+        let Ok(index) = self.namespace_index(entry.nsid) else { return false };
+        let Some(namespace) = self.namespaces.get(index) else { return false };
+        let length = u64::from(entry.block_count()) * u64::from(namespace.block_size_bytes);
+        let cache_on = self.config.volatile_write_cache && self.features.write_cache_enabled;
+        !cache_on || entry.force_unit_access() || length > self.config.write_cache_bytes
+    }
+
+    fn recycle_buffer(&mut self, buffer: AlignedBuffer) {
+        if self.io_buffers.len() < IO_BUFFERS_KEPT && buffer.capacity_bytes() <= IO_BUFFER_KEPT_MAX_BYTES {
+            self.io_buffers.push(buffer);
+        }
+    }
+
+    /// Performs the backing-store I/O of a group (in flight together when there are several),
+    /// then finishes each command in order: a Read gets the cache overlay and its DMA to the
+    /// host, and each gets its completion. Returns only when all of the group's I/O is done.
+    fn run_group(&mut self, queue_id: u16, completion_queue_id: u16, group: &mut Vec<PreparedIo>, now: Instant) {
         if group.is_empty() {
             return;
         }
         let mut jobs: Vec<ReadJob> = Vec::with_capacity(group.len());
-        for read in group.iter() {
-            let block_size = u64::from(read.namespace.block_size_bytes);
-            let offset = read.namespace.base_offset_bytes + read.entry.starting_lba().0 * block_size;
-            let len = (u64::from(read.entry.block_count()) * block_size) as usize;
+        for io in group.iter_mut() {
+            let block_size = u64::from(io.namespace.block_size_bytes);
+            let offset = io.namespace.base_offset_bytes + io.start_lba * block_size;
+            let len = (io.blocks * block_size) as usize;
             let fd = self.store.file_descriptor(offset, len).unwrap_or(-1);
-            let buffer = self.read_buffers.pop().unwrap_or_default();
-            jobs.push(ReadJob { fd, offset, len, buffer, result: Err(std::io::Error::other("not submitted")) });
+            let buffer = std::mem::take(&mut io.buffer);
+            jobs.push(ReadJob { fd, write: io.write, offset, len, buffer, result: Err(std::io::Error::other("not submitted")) });
         }
         if jobs.len() > 1 {
             if let Some(reader) = self.reader.as_mut() {
                 reader.run(&mut jobs);
             }
         }
-        for (read, mut job) in group.drain(..).zip(jobs) {
+        for (io, mut job) in group.drain(..).zip(jobs) {
             let data = job.buffer.slice(job.len);
-            // A single read, or one the ring could not do (short read, O_DIRECT refusal), is a
-            // synchronous pread into the same buffer.
-            let loaded = match job.result {
+            // A single transfer, or one the ring could not do (short transfer, O_DIRECT
+            // refusal), is a synchronous pread/pwrite of the same buffer.
+            let done = match job.result {
                 Ok(()) => {
-                    self.counters.totals.batched_reads += 1;
+                    if io.write {
+                        self.counters.totals.batched_writes += 1;
+                    } else {
+                        self.counters.totals.batched_reads += 1;
+                    }
                     Ok(())
                 }
+                Err(_) if io.write => self.store.write(job.offset, data),
                 Err(_) => self.store.read(job.offset, data),
             };
-            let result = match loaded {
+            let result = match done {
+                Err(error) if io.write => {
+                    tracing::error!(%error, offset = job.offset, "backing store write failed");
+                    Err(media(codes::WRITE_FAULT))
+                }
                 Err(error) => {
                     tracing::error!(%error, offset = job.offset, "backing store read failed");
                     Err(media(codes::UNRECOVERED_READ_ERROR))
                 }
+                Ok(()) if io.write => Ok(0),
                 Ok(()) => {
-                    let start_lba = read.entry.starting_lba().0;
-                    self.cache.overlay(read.namespace_index, start_lba, read.namespace.block_size_bytes as usize, data);
-                    read.buffers.scatter(data).map(|()| 0)
+                    self.cache.overlay(io.namespace_index, io.start_lba, io.namespace.block_size_bytes as usize, data);
+                    io.buffers.scatter(data).map(|()| 0)
                 }
             };
             if result.is_ok() {
-                self.counters.totals.bytes_read += job.len as u64;
-                self.counters.host_reads += 1;
+                if io.write {
+                    self.counters.totals.bytes_written += job.len as u64;
+                    self.counters.host_writes += 1;
+                } else {
+                    self.counters.totals.bytes_read += job.len as u64;
+                    self.counters.host_reads += 1;
+                }
             }
-            if self.read_buffers.len() < READ_BUFFERS_KEPT && job.buffer.capacity_bytes() <= READ_BUFFER_KEPT_MAX_BYTES {
-                self.read_buffers.push(job.buffer);
-            }
-            self.complete(queue_id, completion_queue_id, read.sq_head, &read.entry, result, None, now);
+            self.recycle_buffer(job.buffer);
+            self.complete(queue_id, completion_queue_id, io.sq_head, &io.entry, result, None, now);
         }
     }
 

@@ -17,7 +17,7 @@
 //!
 //! Nothing a host writes can make it panic: every malformed command gets the NVMe status a
 //! real controller would return (see `docs/nvme-emu.md` for the table). The only unsafe code is
-//! the io_uring module that batches file-backed reads.
+//! the io_uring module that batches file-backed reads and write-through writes.
 //!
 //! # API
 //!

@@ -25,6 +25,8 @@ pub struct EmuStats {
     pub cache_writeback_bytes: u64,
     /// Reads whose backing-store I/O went through an io_uring batch (several in flight).
     pub batched_reads: u64,
+    /// Writes whose backing-store I/O went through an io_uring batch (several in flight).
+    pub batched_writes: u64,
     /// Faults the plan injected.
     pub faults_injected: u64,
     /// `power_loss()` calls.

@@ -1,12 +1,13 @@
-//! Batched backing-store reads through io_uring: several reads in flight per batch instead of
-//! one synchronous `pread` each. This is the only module of the crate with unsafe code.
+//! Batched backing-store reads and writes through io_uring: several transfers in flight per
+//! batch instead of one synchronous `pread`/`pwrite` each. This is the only module of the crate
+//! with unsafe code.
 //!
-//! Soundness argument: the kernel writes into a job's buffer between the push of its entry and
-//! the reaping of its completion. Jobs own their buffers (heap memory that does not move when
-//! the job does), the caller lends the whole job list mutably for the duration of
-//! [`UringReader::run`], and `run` returns only after every pushed entry was reaped, except when
-//! the ring fails irrecoverably: then the buffers still in flight are leaked (never freed), so
-//! the kernel can never write into freed memory.
+//! Soundness argument: the kernel writes into a read job's buffer (and reads a write job's)
+//! between the push of its entry and the reaping of its completion. Jobs own their buffers (heap
+//! memory that does not move when the job does), the caller lends the whole job list mutably
+//! for the duration of [`UringReader::run`], and `run` returns only after every pushed entry was
+//! reaped, except when the ring fails irrecoverably: then the buffers still in flight are leaked
+//! (never freed), so the kernel can never touch freed memory.
 #![allow(unsafe_code)]
 
 use std::io;
@@ -19,9 +20,12 @@ use crate::backing::AlignedBuffer;
 /// Retries of a failing `io_uring_enter` before giving up on the batch.
 const SUBMIT_RETRIES_MAX: u32 = 100;
 
-/// One read: `len` bytes at `offset` of `fd` into the start of `buffer`'s aligned slice.
+/// One transfer: `len` bytes at `offset` of `fd` into (a read) or from (a write) the start of
+/// `buffer`'s aligned slice.
 pub(crate) struct ReadJob {
     pub fd: RawFd,
+    /// A write of the buffer's first `len` bytes, which the caller filled before `run`.
+    pub write: bool,
     pub offset: u64,
     pub len: usize,
     pub buffer: AlignedBuffer,
@@ -44,8 +48,10 @@ impl UringReader {
         Ok(Self { ring: IoUring::new(depth)?, depth: depth as usize, generation: 0, broken: false })
     }
 
-    /// Runs every job, at most `depth` in flight; each job's `result` says how it went (a short
-    /// read is an `UnexpectedEof` error; the caller may retry synchronously).
+    /// Runs every job, at most `depth` in flight, in no particular order (the caller never puts
+    /// overlapping writes, or a write and an overlapping read, in one batch); each job's `result`
+    /// says how it went (a short transfer is an `UnexpectedEof` error; the caller may retry
+    /// synchronously, which for a write rewrites the same bytes).
     pub(crate) fn run(&mut self, jobs: &mut [ReadJob]) {
         if self.broken {
             return;
@@ -64,12 +70,18 @@ impl UringReader {
                     next += 1;
                     continue;
                 };
-                let destination = job.buffer.slice(job.len).as_mut_ptr();
-                let entry = opcode::Read::new(types::Fd(job.fd), destination, len).offset(job.offset).build().user_data(tag | next as u64);
-                // SAFETY: `destination..+len` is the job's own heap buffer, which stays allocated
-                // and is not otherwise accessed until this entry's completion is reaped below
-                // (or the buffer is leaked if the ring fails); `fd` is an open descriptor the
-                // store keeps for its whole life.
+                let memory = job.buffer.slice(job.len).as_mut_ptr();
+                let entry = if job.write {
+                    opcode::Write::new(types::Fd(job.fd), memory.cast_const(), len).offset(job.offset).build()
+                } else {
+                    opcode::Read::new(types::Fd(job.fd), memory, len).offset(job.offset).build()
+                };
+                let entry = entry.user_data(tag | next as u64);
+                // SAFETY: `memory..+len` is the job's own heap buffer, which stays allocated,
+                // unmoved and not otherwise accessed until this entry's completion is reaped
+                // below (or the buffer is leaked if the ring fails; `abandon` only reads a write
+                // job's buffer, which the kernel also only reads); `fd` is an open descriptor
+                // the store keeps for its whole life.
                 if unsafe { self.ring.submission().push(&entry) }.is_err() {
                     break;
                 }
@@ -110,13 +122,18 @@ impl UringReader {
         }
     }
 
-    /// Gives up on the batch: buffers of reads still in flight may yet be written by the
+    /// Gives up on the batch: buffers of transfers still in flight may yet be used by the
     /// kernel, so every job's buffer is leaked rather than freed, and every job reports an error
-    /// (the caller falls back to synchronous reads into fresh buffers).
+    /// (the caller falls back to synchronous transfers). A write job gets a fresh buffer with a
+    /// copy of its data first, so that its synchronous retry writes the same bytes.
     fn abandon(&mut self, jobs: &mut [ReadJob], error: &io::Error) {
         self.broken = true;
         for job in jobs.iter_mut() {
-            std::mem::forget(std::mem::take(&mut job.buffer));
+            let mut fresh = AlignedBuffer::default();
+            if job.write {
+                fresh.slice(job.len).copy_from_slice(job.buffer.bytes(job.len));
+            }
+            std::mem::forget(std::mem::replace(&mut job.buffer, fresh));
             job.result = Err(io::Error::new(error.kind(), error.to_string()));
         }
     }
