@@ -36,6 +36,9 @@ const DISABLED_SLEEP: Duration = Duration::from_millis(2);
 const MAX_FAULT_DELAY: Duration = Duration::from_secs(3600);
 /// Transfers in flight at once in an io_uring batch.
 const URING_DEPTH: u32 = 64;
+/// Bytes a batch gathers before it goes to the ring: larger batches leave the disk idle while
+/// the controller copies their data, and the host idle until all of it completes.
+const GROUP_BYTES_MAX: u64 = 4 << 20;
 /// Transfer buffers kept for reuse, and the largest one worth keeping.
 const IO_BUFFERS_KEPT: usize = 64;
 const IO_BUFFER_KEPT_MAX_BYTES: usize = (1 << 20) + 4096;
@@ -528,6 +531,10 @@ impl ControllerCore {
             self.cache.discard_range(namespace_index, start_lba, blocks);
         }
         group.push(PreparedIo { entry: *entry, sq_head, namespace_index, namespace, buffers, write, start_lba, blocks, buffer });
+        let bytes: u64 = group.iter().map(|io| io.blocks * u64::from(io.namespace.block_size_bytes)).sum();
+        if bytes >= GROUP_BYTES_MAX {
+            self.run_group(queue_id, completion_queue_id, group, now);
+        }
     }
 
     /// Whether a Write bypasses the volatile write cache (the rule of `store_blocks`). A Write
