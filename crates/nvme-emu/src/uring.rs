@@ -77,11 +77,10 @@ impl UringReader {
                     opcode::Read::new(types::Fd(job.fd), memory, len).offset(job.offset).build()
                 };
                 let entry = entry.user_data(tag | next as u64);
-                // SAFETY: `memory..+len` is the job's own heap buffer, which stays allocated,
-                // unmoved and not otherwise accessed until this entry's completion is reaped
-                // below (or the buffer is leaked if the ring fails; `abandon` only reads a write
-                // job's buffer, which the kernel also only reads); `fd` is an open descriptor
-                // the store keeps for its whole life.
+                // `abandon` only reads a write job's buffer, which the kernel also only reads; `fd` is an open
+                // descriptor the store keeps for its whole life.
+                // SAFETY: `memory..+len` is the job's own heap buffer, allocated, unmoved and not otherwise
+                // accessed until this entry's completion is reaped below (or leaked if the ring fails).
                 if unsafe { self.ring.submission().push(&entry) }.is_err() {
                     break;
                 }

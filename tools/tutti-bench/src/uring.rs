@@ -201,10 +201,9 @@ impl IoQueue for UringQueue {
             Direction::Write => opcode::Write::new(fd, buffer.cast_const(), self.slot_len).offset(offset_bytes).build(),
         }
         .user_data(u64::from(slot));
-        // SAFETY: the entry points at this slot's part of `buffers` (slot_len bytes, in bounds)
-        // and at `file`'s descriptor; both live as long as the ring (fields of `self`, and drop
-        // waits for in-flight I/O or leaks the buffer). The slot is not reused before its
-        // completion is reaped (caller's protocol).
+        // The slot is not reused before its completion is reaped (caller's protocol).
+        // SAFETY: the entry points at this slot's part of `buffers` (slot_len bytes, in bounds) and at `file`'s
+        // descriptor; both live as long as the ring (fields of `self`; drop waits for in-flight I/O or leaks).
         let pushed = unsafe { self.ring.submission().push(&entry) };
         if pushed.is_err() {
             return Err(DeviceError::Backpressure { device: self.name.clone() });

@@ -546,10 +546,10 @@ pub fn launch_io_kernel(
 ) -> Result<(), GioError> {
     let mut argument = *params;
     let mut arguments = [(&mut argument as *mut crate::abi::gio_launch_params).cast::<core::ffi::c_void>()];
-    // SAFETY: `arguments` holds one pointer to a gio_launch_params, the kernel's only parameter
-    // (same layout, asserted in abi/ and gio_abi.h); the driver copies the argument before
-    // returning, so the locals only need to live for the call. The addresses inside `params`
-    // are GPU addresses of memory the executor keeps registered or allocated.
+    // The driver copies the argument before returning, so the locals only need to live for the call; the
+    // addresses inside `params` are GPU addresses of memory the executor keeps registered or allocated.
+    // SAFETY: `arguments` holds one pointer to a gio_launch_params, the kernel's only parameter (same
+    // layout, asserted in abi/ and gio_abi.h), valid for the call (see above).
     check("cuLaunchKernel", unsafe {
         sys::cuLaunchKernel(function, blocks, 1, 1, threads_per_block, 1, 1, 0, stream, arguments.as_mut_ptr(), std::ptr::null_mut())
     })
