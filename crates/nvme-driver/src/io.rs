@@ -100,6 +100,15 @@ impl IoQueuePair {
 
     /// Counts the commands a transfer needs, validating its layout (no side effects).
     fn count_commands(&self, segments: &[DataSegment], block_size_bytes: u32) -> Result<(usize, u64), NvmeError> {
+        // The common case — one dword-aligned buffer of whole blocks within MDTS — is exactly one
+        // command (PRP or SGL); planning it twice would be waste. Anything else takes the planner.
+        if let [segment] = segments {
+            let bytes = u64::from(segment.len);
+            let whole_blocks = bytes > 0 && bytes.is_multiple_of(u64::from(block_size_bytes));
+            if whole_blocks && bytes <= self.max_transfer_bytes && segment.iova.0.is_multiple_of(4) {
+                return Ok((1, bytes));
+            }
+        }
         let mut cursor = Cursor::default();
         let mut commands = 0;
         let mut bytes = 0;
