@@ -18,7 +18,7 @@ use crate::executor::{Executor, IssueBatch};
 use crate::layout::{IocbHeader, IocbProgress, QueueConfig, QueueMemory};
 use crate::ring::{Cqe, Ring};
 use crate::types::{Dependency, IocbId, LayerIndex, SmBudget};
-use crate::validate::{encode_ioctx, DeviceTable, IocbSpec, IoctxSpec, RegisteredMemory};
+use crate::validate::{DeviceTable, IocbSpec, IoctxEncoder, IoctxSpec, RegisteredMemory};
 
 /// The outcome of one issue of one IOCB.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -186,10 +186,12 @@ impl<E: Executor> GioQueue<E> {
         self.forget_reaped(id);
         self.iocbs[id.0 as usize].state = State::Reserved;
         let first = self.memory.layout.ioctx_first(id);
+        // Each IOCTX is stored as soon as it is encoded. A bad one leaves the IOCB Reserved with
+        // some records rewritten, which no executor reads (only issued IOCBs are read).
+        let encoder = IoctxEncoder::new(spec, &self.devices, &self.registered);
         for (index, ioctx) in (0u32..).zip(ioctxs) {
-            let encoded =
-                encode_ioctx(ioctx, spec, &self.devices, &self.registered).map_err(|fault| GioError::InvalidIoctx { id, index, fault })?;
-            self.memory.write_ioctx(first + index, &encoded);
+            let words = encoder.encode_words(ioctx).map_err(|fault| GioError::InvalidIoctx { id, index, fault })?;
+            self.memory.write_ioctx_record(first + index, &words);
         }
         let host = &mut self.iocbs[id.0 as usize];
         host.header = IocbHeader {
