@@ -143,17 +143,25 @@ impl<E: Executor> GioQueue<E> {
     /// `get_iocb(n, event)`: reserves `count` IOCBs whose I/O will wait on `dependency`. Called
     /// once per request, off the per-layer path (it returns a small Vec).
     pub fn get_iocb(&mut self, count: usize, dependency: Dependency) -> Result<Vec<IocbId>, GioError> {
+        let mut ids = Vec::with_capacity(count);
+        self.get_iocb_into(count, dependency, &mut ids)?;
+        Ok(ids)
+    }
+
+    /// [`GioQueue::get_iocb`] appending to `ids`, which allocates nothing when `ids` has room
+    /// (a caller that keeps its id list across requests prepares without allocating).
+    pub fn get_iocb_into(&mut self, count: usize, dependency: Dependency, ids: &mut Vec<IocbId>) -> Result<(), GioError> {
         if count == 0 || count > self.free.len() {
             return Err(GioError::NoFreeIocb { requested: count, available: self.free.len() });
         }
         let start = self.free.len() - count;
-        let ids: Vec<IocbId> = self.free.drain(start..).rev().collect();
-        for id in &ids {
+        for id in self.free.drain(start..).rev() {
             let host = &mut self.iocbs[id.0 as usize];
             host.state = State::Reserved;
             host.dependency = dependency;
+            ids.push(id);
         }
-        Ok(ids)
+        Ok(())
     }
 
     /// Returns an IOCB to the pool. Not while it is in flight.

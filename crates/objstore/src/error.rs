@@ -46,6 +46,8 @@ pub enum ObjstoreError {
     CorruptSuperblock { device: usize, reason: String },
     #[error("device {device}: superblock format version {found} is newer than this build's {supported}")]
     NewerFormatVersion { device: usize, found: u32, supported: u32 },
+    #[error("device {device}: superblock format version {found} is older than this build's {supported}: {reason}")]
+    OlderFormatVersion { device: usize, found: u32, supported: u32, reason: &'static str },
     #[error("pool geometry mismatch: the pool was formatted for {on_disk}, the registration is {registered}")]
     GeometryMismatch { on_disk: ModelGeometry, registered: ModelGeometry },
     #[error("device {device}: {reason}")]

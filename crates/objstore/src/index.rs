@@ -144,6 +144,7 @@ impl Index {
     }
 
     /// Where a committed block lives (a claimed, uncommitted key is not visible).
+    #[inline]
     pub fn get(&self, key: u64) -> Option<BlockLocation> {
         self.map.get(&key).filter(|entry| entry.committed).map(|entry| entry.location)
     }
@@ -155,6 +156,7 @@ impl Index {
 
     /// Claims `key` for a store: `false` if it is cached or another store in flight claimed it
     /// (the block is then shared, not stored twice).
+    #[inline]
     pub fn claim(&mut self, key: u64) -> bool {
         match self.map.entry(key) {
             MapEntry::Occupied(_) => false,
@@ -214,6 +216,25 @@ impl Index {
         }
     }
 
+    /// `pin` then `touch` with one slot lookup: what a retrieve does to every slot it reads.
+    #[inline]
+    pub fn pin_and_touch(&mut self, device: u16, slot: u32) {
+        let d = &mut self.devices[usize::from(device)];
+        let meta = &mut d.meta[slot as usize];
+        if meta.state == SlotUse::Valid {
+            if meta.pins == 0 {
+                d.unpinned_valid -= 1;
+            }
+            meta.pins += 1;
+            if d.head != slot {
+                Self::unlink(d, slot);
+                Self::push_front(d, slot);
+            }
+        } else {
+            meta.pins += 1;
+        }
+    }
+
     pub fn pin(&mut self, device: u16, slot: u32) {
         let d = &mut self.devices[usize::from(device)];
         let meta = &mut d.meta[slot as usize];
@@ -239,6 +260,7 @@ impl Index {
 
     /// Takes a slot on `device`: a free one, else the least recently used committed slot that
     /// is not pinned (its blocks leave the index). The slot comes back Writing and pinned.
+    #[inline]
     pub fn allocate_on(&mut self, device: u16) -> Option<Allocation> {
         let k = self.blocks_per_slot as usize;
         let d = &mut self.devices[usize::from(device)];
@@ -381,6 +403,35 @@ impl Index {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pin_and_touch_equals_pin_then_touch() {
+        // Goal: the fused retrieve path leaves the same LRU order and counts as the two calls.
+        let build = || {
+            let mut index = Index::new(&[4], 1);
+            for key in [10u64, 20, 30, 40] {
+                let a = index.allocate_on(0).unwrap();
+                index.commit(0, a.slot, &[key], key);
+            }
+            index
+        };
+        let (mut fused, mut separate) = (build(), build());
+        for key in [10u64, 30, 10] {
+            let slot = fused.get(key).unwrap().slot;
+            fused.pin_and_touch(0, slot);
+            separate.pin(0, slot);
+            separate.touch(0, slot);
+        }
+        assert_eq!(fused.counts(), separate.counts());
+        for key in [100u64, 200] {
+            // Both evict the same (least recently used, unpinned) slots: 20, then 40.
+            let (a, b) = (fused.allocate_on(0), separate.allocate_on(0));
+            assert_eq!(a, b);
+            fused.commit(0, a.unwrap().slot, &[key], key);
+            separate.commit(0, b.unwrap().slot, &[key], key);
+        }
+        assert!(fused.get(20).is_none() && fused.get(40).is_none() && fused.get(10).is_some());
+    }
 
     #[test]
     fn lru_eviction_skips_pinned_slots() {

@@ -195,6 +195,7 @@ impl MappingTable {
     /// at layer 0; `out` receives at most 2 pieces per block. Runs longer than one block are
     /// merged into one piece only on the SGL table path. Allocation-free: the hot path of
     /// `prepare_*` calls it per block.
+    #[inline]
     pub fn pieces(&self, first_block: u32, run: u32, out: &mut [Piece; 2]) -> usize {
         let object = self.registration.geometry().object_bytes();
         let b = u64::from(first_block);

@@ -24,7 +24,7 @@ use gio_uring::{
 use nvme_driver::{DataPointerMode, DmaAllocator};
 
 use crate::error::{KvKind, ObjstoreError, Result};
-use crate::format::{BlockRecord, SlotState, FLAG_PAYLOAD_CRC};
+use crate::format::{BlockRecord, SlotAddressing, SlotState, FLAG_PAYLOAD_CRC};
 use crate::hash::block_keys;
 use crate::index::{BlockLocation, IndexCounts};
 use crate::mapping::{MappingForm, MappingTable, Piece};
@@ -131,6 +131,8 @@ pub struct KvStore<E: Executor> {
     device_cursor: usize,
     crc_scratch: Vec<u8>,
     records: Vec<BlockRecord>,
+    /// Per pool device: its namespace id and slot addressing (the per-block LBA arithmetic).
+    addressing: Vec<(u32, SlotAddressing)>,
 }
 
 /// A CPU executor with one I/O queue pair per pool device (device index i = pool device i).
@@ -200,6 +202,7 @@ impl<E: Executor> KvStore<E> {
             registered,
             executor,
         )?;
+        let addressing = pool.devices.iter().map(|device| (device.target.namespace.0, device.superblock.addressing())).collect();
         let layers = pool.geometry().layers as usize;
         let requests = (0..config.requests_max).map(|_| Request { layers_done: vec![false; layers], ..Request::default() }).collect();
         Ok(Self {
@@ -215,6 +218,7 @@ impl<E: Executor> KvStore<E> {
             device_cursor: 0,
             crc_scratch: Vec::new(),
             records: Vec::with_capacity(k as usize),
+            addressing,
         })
     }
 
@@ -257,9 +261,12 @@ impl<E: Executor> KvStore<E> {
                 ),
             });
         }
-        let registration = self.table.registration();
-        for &block in request.block_ids {
-            registration.check_block(block)?;
+        // One max (vectorised) instead of a check per block; the error names the first bad id.
+        if request.block_ids.iter().copied().max().is_some_and(|max| max >= self.table.registration().num_blocks()) {
+            let registration = self.table.registration();
+            for &block in request.block_ids {
+                registration.check_block(block)?;
+            }
         }
         block_keys(&request.tokens[..n * block_tokens], block_tokens as u32, &mut self.keys);
         Ok(n)
@@ -307,8 +314,7 @@ impl<E: Executor> KvStore<E> {
                     reason: format!("block {i} of the prefix is not cached (lookup found {i} of {n})"),
                 });
             };
-            self.pool.index.pin(location.device, location.slot);
-            self.pool.index.touch(location.device, location.slot);
+            self.pool.index.pin_and_touch(location.device, location.slot);
             slots.push((location.device, location.slot, 0));
             blocks.push((location, request.block_ids[i], key));
         }
@@ -351,15 +357,17 @@ impl<E: Executor> KvStore<E> {
         let mut shared = 0;
         let mut evicted = 0;
         let mut failure = None;
-        for i in 0..n {
-            let key = self.keys[i];
+        // The slot being filled: (device, slot, blocks used); `None` until the first new block
+        // and whenever it is full (k blocks).
+        let mut open: Option<(u16, u32, u16)> = None;
+        let keys = std::mem::take(&mut self.keys);
+        for (i, (&key, &engine_block)) in keys[..n].iter().zip(request.block_ids).enumerate() {
             if !self.pool.index.claim(key) {
                 shared += 1;
                 continue;
             }
-            let open_slot = slots.last().filter(|s| usize::from(s.2) < k).copied();
-            let (device, slot, used) = match open_slot {
-                Some(open) => open,
+            let (device, slot, used) = match open {
+                Some(slot) => slot,
                 None => match self.allocate_slot() {
                     Some(allocation) => {
                         evicted += usize::from(allocation.evicted);
@@ -385,9 +393,14 @@ impl<E: Executor> KvStore<E> {
                     }
                 },
             };
-            slots.last_mut().expect("pushed above").2 = used + 1;
-            blocks.push((BlockLocation { device, slot, index: used }, request.block_ids[i], key));
+            let used_now = used + 1;
+            if let Some(last) = slots.last_mut() {
+                last.2 = used_now; // the open slot is always the last one listed
+            }
+            open = (usize::from(used_now) < k).then_some((device, slot, used_now));
+            blocks.push((BlockLocation { device, slot, index: used }, engine_block, key));
         }
+        self.keys = keys;
         self.requests[index].blocks = blocks;
         self.requests[index].slots = slots;
         // Evicted slots must read Empty on disk before new data can land in them.
@@ -413,14 +426,19 @@ impl<E: Executor> KvStore<E> {
         })
     }
 
+    /// A slot on the next device round-robin that has one (wrapping by compare, not `%`: this
+    /// runs once per slot of a store).
+    #[inline]
     fn allocate_slot(&mut self) -> Option<crate::index::Allocation> {
         let devices = self.pool.device_count();
-        for attempt in 0..devices {
-            let device = (self.device_cursor + attempt) % devices;
+        let mut device = self.device_cursor;
+        for _ in 0..devices {
+            let next = if device + 1 == devices { 0 } else { device + 1 };
             if let Some(allocation) = self.pool.index.allocate_on(device as u16) {
-                self.device_cursor = (device + 1) % devices;
+                self.device_cursor = next;
                 return Some(allocation);
             }
+            device = next;
         }
         None
     }
@@ -448,17 +466,15 @@ impl<E: Executor> KvStore<E> {
                 }
                 run += 1;
             }
-            let device = &self.pool.devices[usize::from(first.device)];
-            let superblock = &device.superblock;
-            let lba_bytes = u64::from(superblock.lba_bytes);
-            let start = superblock.block_lba(first.slot, u32::from(first.index));
+            let (nsid, addressing) = self.addressing[usize::from(first.device)];
+            let start = addressing.block_lba(first.slot, u32::from(first.index));
             let count = self.table.pieces(engine_block, run as u32, &mut pieces);
             for piece in &pieces[..count] {
                 self.ioctxs.push(IoctxSpec {
                     device: DeviceIndex(first.device),
-                    nsid: device.target.namespace.0,
-                    start_lba: Lba(start + piece.disk_offset_bytes / lba_bytes),
-                    block_count: (piece.len_bytes / lba_bytes) as u32,
+                    nsid,
+                    start_lba: Lba(start + addressing.blocks_of(piece.disk_offset_bytes)),
+                    block_count: addressing.blocks_of(piece.len_bytes) as u32,
                     data: gio_uring::Iova(piece.data.0),
                     descriptor: piece.descriptor,
                     force_unit_access: false,
@@ -468,7 +484,9 @@ impl<E: Executor> KvStore<E> {
         }
         let per_iocb = self.config.ioctx_per_iocb_max as usize;
         let iocb_count = self.ioctxs.len().div_ceil(per_iocb);
-        let ids = self.queue.get_iocb(iocb_count, Dependency::None)?;
+        // The request's id list keeps its capacity across requests: no allocation here.
+        let first_iocb = self.requests[index].iocbs.len();
+        self.queue.get_iocb_into(iocb_count, Dependency::None, &mut self.requests[index].iocbs)?;
         let superblock = self.pool.superblock(0);
         let spec = IocbSpec {
             opcode,
@@ -478,9 +496,8 @@ impl<E: Executor> KvStore<E> {
             mem_stride_bytes: self.table.mem_stride_bytes(),
             desc_stride_bytes: self.table.desc_stride_bytes(),
         };
-        self.requests[index].iocbs.extend_from_slice(&ids);
-        for (id, chunk) in ids.iter().zip(self.ioctxs.chunks(per_iocb)) {
-            self.queue.fill_iocb(*id, &spec, chunk)?;
+        for (n, chunk) in self.ioctxs.chunks(per_iocb).enumerate() {
+            self.queue.fill_iocb(self.requests[index].iocbs[first_iocb + n], &spec, chunk)?;
         }
         Ok(())
     }

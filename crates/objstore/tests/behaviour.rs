@@ -8,7 +8,7 @@ use std::time::Duration;
 use common::*;
 use nvme_driver::DataPointerMode;
 use nvme_emu::NamespaceConfig;
-use objstore::format::Superblock;
+use objstore::format::{Superblock, FORMAT_VERSION};
 use objstore::{KvRequest, KvStore, ModelGeometry, ObjstoreError, Pool, StoreConfig};
 
 struct Rig {
@@ -202,12 +202,27 @@ fn open_refuses_other_geometries_versions_and_damaged_superblocks() {
     retrieve(&mut store, &engine, &b, &[9]);
     assert!(engine.holds(9, keys_of(&b)[0], 4));
     drop(store);
-    let mut newer = superblock.clone();
-    newer[8] = 2;
-    let crc = crc32fast::hash(&newer[..252]);
-    newer[252..256].copy_from_slice(&crc.to_le_bytes());
-    raw_write(&controller, 1, 0, &newer[..512]);
-    assert!(matches!(Pool::open(targets(&controller, &[1]), None), Err(ObjstoreError::NewerFormatVersion { found: 2, supported: 1, .. })));
+    let with_version = |version: u32| {
+        let mut bytes = superblock.clone();
+        bytes[8..12].copy_from_slice(&version.to_le_bytes());
+        let crc = crc32fast::hash(&bytes[..252]);
+        bytes[252..256].copy_from_slice(&crc.to_le_bytes());
+        bytes
+    };
+    raw_write(&controller, 1, 0, &with_version(FORMAT_VERSION + 1)[..512]);
+    assert!(matches!(
+        Pool::open(targets(&controller, &[1]), None),
+        Err(ObjstoreError::NewerFormatVersion { found, supported: FORMAT_VERSION, .. }) if found == FORMAT_VERSION + 1
+    ));
+    // Version 1 had this layout with keys of the first hash scheme: refused, with the fix.
+    raw_write(&controller, 1, 0, &with_version(1)[..512]);
+    match Pool::open(targets(&controller, &[1]), None) {
+        Err(error @ ObjstoreError::OlderFormatVersion { found: 1, .. }) => {
+            assert!(error.to_string().contains("tutti pool format"), "{error}")
+        }
+        Err(other) => panic!("expected OlderFormatVersion, got {other}"),
+        Ok(_) => panic!("a version 1 pool was opened"),
+    }
     let mut flipped = superblock.clone();
     flipped[100] ^= 1;
     raw_write(&controller, 1, 0, &flipped[..512]);
