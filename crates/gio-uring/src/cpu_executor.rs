@@ -189,28 +189,49 @@ impl CpuExecutor {
 }
 
 impl CpuExecutor {
+    /// `(device index, NVMe queue depth)` of every device this executor serves: what
+    /// [`CpuExecutor::reset`] needs fresh queue pairs for.
+    pub fn served_queue_depths(&self) -> impl Iterator<Item = (usize, u32)> + '_ {
+        self.queues.iter().enumerate().filter_map(|(device, queue)| queue.as_ref().map(|queue| (device, queue.depth())))
+    }
+
     /// Recovers from lost completions (after `wait_cqe` timed out): replaces every queue pair
     /// with one from `fresh` (same order as the devices this executor serves) and returns how
     /// many IOCBs it reclaimed.
     ///
-    /// The old queue pairs are dropped first, which deletes their queues on the controller: the
-    /// controller aborts what they held, so no command of theirs can move data or complete
-    /// afterwards. Only then is every IOCB still in flight finished as TIMEOUT (the same
-    /// compare-and-swap as a normal completion, so one CQE per issue) and made reissuable. IOCBs
-    /// whose IOCTXs were never submitted are reclaimed too; the caller reissues whatever it still
-    /// needs. Not available to `CpuWorkers`, whose queue pairs live on worker threads.
+    /// The old queue pairs are deleted on their controllers first: the controller aborts or
+    /// finishes what they held, so no command of theirs can move data or complete afterwards.
+    /// Only then is every IOCB still in flight finished as TIMEOUT (the same compare-and-swap as
+    /// a normal completion, so one CQE per issue) and made reissuable. IOCBs whose IOCTXs were
+    /// never submitted are reclaimed too; the caller reissues whatever it still needs. Not
+    /// available to `CpuWorkers`, whose queue pairs live on worker threads.
+    ///
+    /// If a deletion fails (each is bounded by the controller's admin timeout), nothing is
+    /// reclaimed: the fresh pairs are in place, but the IOCBs stay in flight, because the old
+    /// commands may still move data. Reset that controller before reusing their memory.
     pub fn reset(&mut self, memory: &QueueMemory, fresh: Vec<IoQueuePair>) -> Result<usize, GioError> {
         let served = self.queues.iter().filter(|queue| queue.is_some()).count();
         if fresh.len() != served {
             return Err(GioError::InvalidConfig { reason: format!("reset needs {served} fresh queue pairs, got {}", fresh.len()) });
         }
         let mut fresh = fresh.into_iter();
-        for slot in self.queues.iter_mut().filter(|queue| queue.is_some()) {
-            // Dropping the old pair deletes its queues (bounded by the controller's admin timeout).
-            drop(std::mem::replace(slot, fresh.next()));
+        let mut failure = None;
+        for (device, slot) in self.queues.iter_mut().enumerate().filter(|(_, queue)| queue.is_some()) {
+            let old = std::mem::replace(slot, fresh.next()).expect("served slots hold a queue pair");
+            if let Err(source) = old.delete() {
+                failure.get_or_insert(GioError::Nvme {
+                    context: format!(
+                        "deleting device {device}'s queue pair during reset (its commands may still move data: reset the controller)"
+                    ),
+                    source,
+                });
+            }
         }
         self.pending.clear();
         self.doorbell_due.iter_mut().for_each(|due| *due = false);
+        if let Some(error) = failure {
+            return Err(error);
+        }
         let mut reclaimed = 0;
         for id in (0..memory.layout.config.depth).map(IocbId) {
             let status = memory.iocb_field_offset(id, crate::layout::IocbField::Status);

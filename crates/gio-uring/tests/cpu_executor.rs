@@ -12,7 +12,7 @@ use gio_uring::{
 use nvme_driver::hw::{DeviceBackend, DmaRegion};
 use nvme_driver::spec::{NvmeStatus as DriverStatus, StatusCodeType};
 use nvme_driver::{Controller, ControllerConfig, IoQueuePair};
-use nvme_emu::{Backing, EmuConfig, EmuDevice, FaultAction, FaultPlan, FaultRule, NamespaceConfig};
+use nvme_emu::{Backing, EmuConfig, EmuDevice, FaultAction, FaultPlan, FaultRule, NamespaceConfig, QueueFilter};
 
 mod common;
 
@@ -172,6 +172,22 @@ fn a_lost_completion_is_reclaimed_by_resetting_the_queue_pair_and_the_iocb_reiss
     rig.queue.issue_io(&[read], LayerIndex(0), SmBudget(1)).unwrap();
     let result = rig.queue.wait_cqe(read, Instant::now() + Duration::from_millis(200));
     assert!(matches!(result, Err(GioError::WaitTimeout { .. })), "{result:?}");
+    // A controller that refuses to delete the old submission queue: its commands may still
+    // move data, so nothing is reclaimed and the reset says so.
+    let refuse_delete = FaultRule {
+        nth: 1,
+        queue: QueueFilter::Admin,
+        opcode: Some(0x00),
+        action: FaultAction::Status(DriverStatus::generic(nvme_driver::spec::status::codes::INTERNAL_ERROR)),
+        repeat: false,
+    };
+    rig.device.set_faults(FaultPlan::none().with_rule(refuse_delete));
+    let fresh = rig.controller.create_io_queue_pair(64).unwrap();
+    let (executor, memory) = rig.queue.executor_and_memory();
+    let refused = executor.reset(memory, vec![fresh]);
+    assert!(matches!(&refused, Err(GioError::Nvme { context, .. }) if context.contains("reset the controller")), "{refused:?}");
+    let still = rig.queue.wait_cqe(read, Instant::now() + Duration::from_millis(50));
+    assert!(matches!(still, Err(GioError::WaitTimeout { .. })), "not reclaimed while the old queue may run: {still:?}");
     rig.device.set_faults(FaultPlan::none());
     let fresh = rig.controller.create_io_queue_pair(64).unwrap();
     let (executor, memory) = rig.queue.executor_and_memory();

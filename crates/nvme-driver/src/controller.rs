@@ -96,15 +96,24 @@ impl AdminShared {
     /// Deletes an I/O SQ and its CQ (bounded by the admin timeout) and frees the queue id. On
     /// failure the id stays reserved: reusing it while the controller still has the queue would
     /// fail.
-    pub(crate) fn delete_io_queue_pair(&self, id: QueueId) {
+    /// Deletes an I/O queue pair (submission queue first, which makes the controller abort
+    /// or finish its commands: none of them moves data after this returns `Ok`). On an error
+    /// that is not guaranteed, and the queue id stays reserved.
+    pub(crate) fn try_delete_io_queue_pair(&self, id: QueueId) -> Result<(), NvmeError> {
         let mut admin = self.lock_admin();
         let deleted = admin
             .execute(SubmissionEntry::delete_io_submission_queue(id.0), self.timeout)
             .and_then(|_| admin.execute(SubmissionEntry::delete_io_completion_queue(id.0), self.timeout));
         drop(admin);
-        match deleted {
-            Ok(_) => self.release_queue_id(id),
-            Err(error) => tracing::warn!(queue = %id, %error, "deleting I/O queue pair failed"),
+        deleted?;
+        self.release_queue_id(id);
+        Ok(())
+    }
+
+    /// [`AdminShared::try_delete_io_queue_pair`] for drop paths: a failure is logged.
+    pub(crate) fn delete_io_queue_pair(&self, id: QueueId) {
+        if let Err(error) = self.try_delete_io_queue_pair(id) {
+            tracing::warn!(queue = %id, %error, "deleting I/O queue pair failed");
         }
     }
 

@@ -28,6 +28,8 @@ pub struct IoQueuePair {
     mode: DataPointerMode,
     max_transfer_bytes: u64,
     namespaces: Vec<Namespace>,
+    /// Set by [`IoQueuePair::delete`], so that drop does not delete twice.
+    deleted: bool,
 }
 
 impl std::fmt::Debug for IoQueuePair {
@@ -45,7 +47,7 @@ impl IoQueuePair {
         max_transfer_bytes: u64,
         namespaces: Vec<Namespace>,
     ) -> Self {
-        Self { queue, admin, epoch, mode, max_transfer_bytes, namespaces }
+        Self { queue, admin, epoch, mode, max_transfer_bytes, namespaces, deleted: false }
     }
 
     pub fn id(&self) -> QueueId {
@@ -318,10 +320,24 @@ impl IoQueuePair {
     }
 }
 
+impl IoQueuePair {
+    /// Deletes the queue pair on the controller and reports how that went (dropping it does the
+    /// same, but can only log a failure). After `Ok`, none of its commands moves data any more:
+    /// the controller aborted or finished them, and their completions are discarded. After an
+    /// error that is not guaranteed: reset the controller before reusing the memory they named.
+    pub fn delete(mut self) -> Result<(), NvmeError> {
+        self.deleted = true;
+        if self.admin.epoch.load(Ordering::Acquire) != self.epoch {
+            return Ok(()); // The controller was reset: these queues no longer exist there.
+        }
+        self.admin.try_delete_io_queue_pair(self.queue.id())
+    }
+}
+
 impl Drop for IoQueuePair {
     fn drop(&mut self) {
-        if self.admin.epoch.load(Ordering::Acquire) != self.epoch {
-            return; // The controller was reset: these queues no longer exist there.
+        if self.deleted || self.admin.epoch.load(Ordering::Acquire) != self.epoch {
+            return; // Deleted explicitly, or the controller was reset (the queues are gone).
         }
         self.admin.delete_io_queue_pair(self.queue.id());
     }

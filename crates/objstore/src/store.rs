@@ -13,6 +13,8 @@
 //! slack-aware scheduler (crates/scheduler) decides both per layer; [`LayerIssuePolicy`] is the
 //! seam an engine integration implements with it.
 
+mod abandon;
+
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -546,12 +548,14 @@ impl<E: Executor> KvStore<E> {
     }
 
     /// Waits (until `deadline`) for the layer in flight; returns it, or `None` if none was.
+    /// After a timeout the layer is still in flight: wait again, or (CPU executor) end it with
+    /// `abandon_in_flight`.
     pub fn wait(&mut self, handle: RequestHandle, deadline: Instant) -> Result<Option<u32>> {
         let index = self.request_index(handle)?;
         let Some(layer) = self.requests[index].layer_in_flight else { return Ok(None) };
         // Every IOCB of the layer is waited for, even after a failure: until all completed, the
         // device may still be moving bytes of this request. A timeout leaves the layer in flight
-        // (wait again, or drop the store).
+        // (wait again, or `abandon_in_flight`).
         let mut failure = None;
         for i in 0..self.requests[index].iocbs.len() {
             let id = self.requests[index].iocbs[i];
@@ -684,7 +688,10 @@ impl<E: Executor> KvStore<E> {
     pub fn finish(&mut self, handle: RequestHandle) -> Result<()> {
         let index = self.request_index(handle)?;
         if let Some(layer) = self.requests[index].layer_in_flight {
-            return Err(ObjstoreError::HandleState { handle: handle.0, reason: format!("layer {layer} in flight: wait for it first") });
+            return Err(ObjstoreError::HandleState {
+                handle: handle.0,
+                reason: format!("layer {layer} in flight: wait for it first (after a timed-out wait, `abandon_in_flight`)"),
+            });
         }
         self.release(index);
         Ok(())

@@ -321,3 +321,55 @@ fn poll_reports_completion_without_blocking() {
         assert!(rig.engine.holds(block, keys[i], 4), "block {i}");
     }
 }
+
+#[test]
+fn a_lost_completion_is_abandoned_and_the_layer_issued_again() {
+    // Goal: a layer whose completion the device dropped times out and cannot be finished;
+    // `abandon_in_flight` ends it (one layer), after which the same layer is issued again and
+    // moves the right bytes: for a retrieve, and for a store that then commits and reads back.
+    use gio_uring::GioError;
+    use nvme_emu::{FaultAction, FaultPlan, FaultRule};
+    let short = || std::time::Instant::now() + Duration::from_millis(200);
+    let mut rig = rig(16);
+    let mut rng = Rng(8);
+    let tokens = rng.tokens(32);
+    let keys = keys_of(&tokens);
+    store(&mut rig.store, &rig.engine, &tokens, &[0, 1]);
+    rig.engine.scribble(5);
+    rig.engine.scribble(6);
+    rig._device.set_faults(FaultPlan::none().with_rule(FaultRule::on_nth_io(2, FaultAction::DropCompletion)));
+    let handle = rig.store.prepare_retrieve(&KvRequest { tokens: &tokens, block_ids: &[5, 6] }).unwrap();
+    rig.store.retrieve_layer(handle, 0, BUDGET).unwrap();
+    let timed_out = rig.store.wait(handle, short());
+    assert!(matches!(timed_out, Err(ObjstoreError::Gio(GioError::WaitTimeout { .. }))), "{timed_out:?}");
+    assert!(matches!(rig.store.finish(handle), Err(ObjstoreError::HandleState { .. })), "in flight: not finishable");
+    rig._device.set_faults(FaultPlan::none());
+    assert_eq!(rig.store.abandon_in_flight().unwrap(), 1);
+    assert!(rig.store.poll(handle).unwrap(), "nothing in flight after the abandon");
+    for layer in 0..4 {
+        rig.store.retrieve_layer(handle, layer, BUDGET).unwrap();
+        assert_eq!(rig.store.wait(handle, deadline()).unwrap(), Some(layer));
+    }
+    rig.store.finish(handle).unwrap();
+    assert!(rig.engine.holds(5, keys[0], 4) && rig.engine.holds(6, keys[1], 4));
+    assert_eq!(rig.store.counts().pinned_slots, 0);
+
+    let fresh = rng.tokens(16);
+    let fresh_key = keys_of(&fresh)[0];
+    rig.engine.fill(2, fresh_key);
+    rig._device.set_faults(FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion)));
+    let plan = rig.store.prepare_store(&KvRequest { tokens: &fresh, block_ids: &[2] }).unwrap();
+    rig.store.store_layer(plan.handle, 0, BUDGET).unwrap();
+    assert!(matches!(rig.store.wait(plan.handle, short()), Err(ObjstoreError::Gio(GioError::WaitTimeout { .. }))));
+    rig._device.set_faults(FaultPlan::none());
+    assert_eq!(rig.store.abandon_in_flight().unwrap(), 1);
+    assert!(matches!(rig.store.commit_store(plan.handle), Err(ObjstoreError::HandleState { .. })), "layer 0 is not stored");
+    for layer in 0..4 {
+        rig.store.store_layer(plan.handle, layer, BUDGET).unwrap();
+        rig.store.wait(plan.handle, deadline()).unwrap();
+    }
+    assert_eq!(rig.store.commit_store(plan.handle).unwrap(), 1);
+    retrieve(&mut rig.store, &rig.engine, &fresh, &[7]);
+    assert!(rig.engine.holds(7, fresh_key, 4));
+    assert_eq!(rig.store.abandon_in_flight().unwrap(), 0, "nothing in flight: nothing abandoned");
+}

@@ -1,0 +1,53 @@
+//! Recovery from a wait that timed out on the CPU executor: a completion the device lost, or a
+//! device that stopped answering. Waiting longer cannot end such a layer, and `finish` refuses
+//! a request with a layer in flight (the device might still move its bytes), so without this
+//! only dropping the store would free the request.
+
+use std::time::{Duration, Instant};
+
+use gio_uring::CpuExecutor;
+
+use super::KvStore;
+use crate::error::Result;
+
+/// Every IOCB the executor reset ended has its completion posted already; this only bounds
+/// the reaping of them.
+const REAP_TIMEOUT: Duration = Duration::from_secs(1);
+
+impl KvStore<CpuExecutor> {
+    /// Ends every layer in flight, of every request: the executor's queue pairs are deleted on
+    /// the controllers (which aborts or finishes their commands, so none of them moves data
+    /// afterwards) and replaced by fresh ones of the same depth. Returns how many layers were
+    /// abandoned. Their requests stay prepared: issue the layers again, or `finish` them.
+    ///
+    /// For after a [`KvStore::wait`] timed out. It ends healthy layers of other requests too
+    /// (reissue them). If a controller fails to delete a queue pair the error says so, and the
+    /// layers stay in flight: that controller must be reset before the memory is reused. The
+    /// GPU executor needs none of this: it resets its queue pairs itself when a kernel times
+    /// out, and its layers then complete with a timeout failure.
+    pub fn abandon_in_flight(&mut self) -> Result<usize> {
+        let served: Vec<(usize, u32)> = self.queue.executor().served_queue_depths().collect();
+        let mut fresh = Vec::with_capacity(served.len());
+        for (device, depth) in served {
+            fresh.push(self.pool.target(device).controller.create_io_queue_pair(depth)?);
+        }
+        let (executor, memory) = self.queue.executor_and_memory();
+        let ended = executor.reset(memory, fresh)?;
+        let mut abandoned = 0;
+        for index in 0..self.requests.len() {
+            if self.requests[index].layer_in_flight.is_none() {
+                continue;
+            }
+            // Consume each IOCB's completion (a timeout posted by the reset, or the result it
+            // had before), so that the IOCBs can be issued again.
+            for i in 0..self.requests[index].iocbs.len() {
+                let id = self.requests[index].iocbs[i];
+                self.queue.wait_cqe(id, Instant::now() + REAP_TIMEOUT)?;
+            }
+            self.requests[index].layer_in_flight = None;
+            abandoned += 1;
+        }
+        tracing::warn!(abandoned, iocbs_ended = ended, "objstore: abandoned the layers in flight and replaced the NVMe queue pairs");
+        Ok(abandoned)
+    }
+}
