@@ -53,7 +53,10 @@ pub struct RegisteredMemory {
 }
 
 impl RegisteredMemory {
-    /// `None` if two ranges overlap or a range wraps the address space.
+    /// `None` if two ranges overlap or a range wraps the address space. Ranges that touch are
+    /// merged: the per-layer rule checks that a request's first and last layer lie in *one*
+    /// range, and tensors allocated back to back (a PRP layout at one layer stride) are one
+    /// contiguous range even when registered one tensor at a time.
     pub fn new(mut ranges: Vec<IovaRange>) -> Option<Self> {
         ranges.sort_by_key(|range| range.start);
         for range in &ranges {
@@ -64,7 +67,14 @@ impl RegisteredMemory {
                 return None;
             }
         }
-        Some(Self { ranges })
+        let mut merged: Vec<IovaRange> = Vec::with_capacity(ranges.len());
+        for range in ranges {
+            match merged.last_mut() {
+                Some(last) if last.end() == Some(range.start.0) => last.len_bytes += range.len_bytes,
+                _ => merged.push(range),
+            }
+        }
+        Some(Self { ranges: merged })
     }
 
     /// The registered range holding `address`, if any.
@@ -485,6 +495,18 @@ mod tests {
         // With 0x10 descriptor stride, layer 0x200 puts the list outside its 0x1000-byte range.
         let fault = check(prp, IocbSpec { layer_count: 0x200, lba_stride_blocks: 0, mem_stride_bytes: 0, ..layered(1) }).unwrap_err();
         assert!(matches!(fault, IoctxFault::OutsideRegisteredMemory { what: "descriptor", layer: 0x1FF, .. }), "{fault:?}");
+    }
+
+    #[test]
+    fn touching_registrations_are_one_range() {
+        // Goal: back-to-back tensors registered separately still pass a check whose first and
+        // last layer fall in different tensors (it failed before the merge).
+        let memory = RegisteredMemory::new(vec![IovaRange::new(Iova(0x3000), 0x1000), IovaRange::new(Iova(0x2000), 0x1000)]).unwrap();
+        let iocb = IocbSpec { layer_count: 2, mem_stride_bytes: 0x1000, ..IocbSpec::single(Opcode::Read, 0) };
+        let spec = IoctxSpec { start_lba: Lba(0), block_count: 1, data: Iova(0x2000), ..good() };
+        assert!(encode_ioctx(&spec, &iocb, &devices(), &memory).is_ok());
+        let apart = RegisteredMemory::new(vec![IovaRange::new(Iova(0x2000), 0x1000), IovaRange::new(Iova(0x3200), 0x1000)]).unwrap();
+        assert!(encode_ioctx(&spec, &iocb, &devices(), &apart).is_err());
     }
 
     #[test]

@@ -52,11 +52,19 @@ impl EmuDevice {
     /// Opens the backing store, builds the register file and starts the controller thread. The
     /// controller starts disabled (CC.EN = 0), waiting for a host to bring it up.
     pub fn start(config: EmuConfig) -> Result<Arc<Self>, EmuError> {
+        Self::start_in(config, &DmaPool::identity())
+    }
+
+    /// [`EmuDevice::start`] in the DMA space of `dma` (e.g. another controller's
+    /// [`EmuDevice::dma_pool`]): controllers started in one space reach each other's
+    /// allocations at the same IOVAs, like SSDs in one VFIO container. A pool striped across
+    /// several controllers needs that, because the engine's KV memory is registered once.
+    pub fn start_in(config: EmuConfig, dma: &DmaPool) -> Result<Arc<Self>, EmuError> {
         config.validate()?;
         let capabilities =
             Capabilities::build(config.max_queue_entries, config.ready_timeout_500ms_units, config.doorbell_stride_log2, 0, 0);
         let registers = Arc::new(RegisterFile::new(capabilities.0, config.doorbell_stride_log2, config.io_queue_pairs_max)?);
-        let dma = Arc::new(DmaPool::identity());
+        let dma = Arc::new(dma.clone());
         let core = ControllerCore::new(config, Arc::clone(&registers), (*dma).clone())?;
         let name = format!("emu:{}", core.describe_store());
         let shared = Arc::new(Shared {

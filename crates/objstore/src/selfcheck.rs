@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use gio_uring::SmBudget;
-use nvme_driver::{Controller, DmaAllocator, DmaRegion, NamespaceId};
+use nvme_driver::{Controller, DataPointerMode, DmaAllocator, DmaRegion};
 
 use crate::{
     cpu_executor_for, format_pool, FormatParams, KvLayout, KvRegistration, KvRequest, KvStore, ModelGeometry, ObjstoreError, Pool,
@@ -92,14 +92,21 @@ fn object_pattern(tokens: &[u32], block: u32, block_tokens: u32, layer: u32, val
     }
 }
 
-/// Runs the round trip on namespace `namespace` of `controller` (which it formats).
-pub fn round_trip(
-    controller: Arc<Controller>,
-    namespace: NamespaceId,
-    config: &RoundTripConfig,
-) -> Result<RoundTripReport, RoundTripError> {
+/// Runs the round trip on one pool over `targets` (which it formats): one namespace, or
+/// namespaces of several controllers, which must then share one DMA space (one VFIO container,
+/// or emulators started in one DMA pool). The engine memory is allocated in the first
+/// target's space; PRP is registered if any controller lacks SGL.
+pub fn round_trip(targets: Vec<PoolTarget>, config: &RoundTripConfig) -> Result<RoundTripReport, RoundTripError> {
     let geometry = config.geometry;
-    let targets = vec![PoolTarget { controller: Arc::clone(&controller), namespace }];
+    let Some(first) = targets.first() else {
+        return Err(ObjstoreError::BadRequest { reason: "a round trip needs at least one pool device".into() }.into());
+    };
+    let controller: Arc<Controller> = Arc::clone(&first.controller);
+    let mode = if targets.iter().all(|target| target.controller.data_pointer_mode() == DataPointerMode::Sgl) {
+        DataPointerMode::Sgl
+    } else {
+        DataPointerMode::Prp
+    };
     format_pool(
         &targets,
         &FormatParams { geometry, blocks_per_slot: config.blocks_per_slot, slot_count_max: None, pool_uuid: None, payload_crc: false },
@@ -108,8 +115,17 @@ pub fn round_trip(
     let engine_blocks = 2 * config.blocks_per_request;
     let object_bytes = geometry.object_bytes() as usize;
     let dma: Arc<dyn DmaAllocator> = Arc::clone(controller.dma());
-    let tensors =
-        (0..2 * geometry.layers).map(|_| dma.allocate(object_bytes * engine_blocks as usize)).collect::<Result<Vec<DmaRegion>, _>>()?;
+    let tensor_bytes = object_bytes * engine_blocks as usize;
+    let tensors = if mode == DataPointerMode::Sgl {
+        // Separate allocations: irregular layer bases, so the SGL descriptor table is used.
+        (0..2 * geometry.layers).map(|_| dma.allocate(tensor_bytes)).collect::<Result<Vec<DmaRegion>, _>>()?
+    } else {
+        // PRP follows `data + layer x stride`: the tensors at equal spacing in one region.
+        let region = dma.allocate(tensor_bytes * 2 * geometry.layers as usize)?;
+        (0..2 * geometry.layers as usize)
+            .map(|i| region.subregion(i * tensor_bytes, tensor_bytes))
+            .collect::<Result<Vec<DmaRegion>, _>>()?
+    };
     let layout = || KvLayout::SeparateKv {
         key_bases: tensors.iter().step_by(2).map(DmaRegion::iova).collect(),
         value_bases: tensors.iter().skip(1).step_by(2).map(DmaRegion::iova).collect(),
@@ -117,7 +133,7 @@ pub fn round_trip(
     };
     let open_store = || -> Result<(KvStore<gio_uring::CpuExecutor>, RecoveryReport), RoundTripError> {
         let (pool, recovery) = Pool::open(targets.clone(), Some(&geometry))?;
-        let registration = KvRegistration::new(geometry, engine_blocks, layout(), controller.data_pointer_mode())?;
+        let registration = KvRegistration::new(geometry, engine_blocks, layout(), mode)?;
         let store_config = StoreConfig::default();
         let executor = cpu_executor_for(&pool, 256, &store_config)?;
         Ok((KvStore::new(pool, registration, Arc::clone(&dma), executor, store_config)?, recovery))

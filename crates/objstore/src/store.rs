@@ -164,6 +164,16 @@ impl<E: Executor> KvStore<E> {
         let mut devices = Vec::with_capacity(pool.device_count());
         for device in 0..pool.device_count() {
             let target = pool.target(device);
+            // Every device must reach the engine's memory and the mapping table at the IOVAs
+            // registered: an IOVA of another space names unrelated memory on that device.
+            if target.controller.dma().address_space() != dma.address_space() {
+                return Err(ObjstoreError::InvalidRegistration {
+                    reason: format!(
+                        "pool device {device} ({target:?}) is in another DMA address space than the registered memory: open all pool \
+                         controllers in one space (VfioDevice::open_many, EmuDevice::start_in) and register memory allocated there"
+                    ),
+                });
+            }
             let namespace = target.controller.namespace(target.namespace)?;
             let sgl = target.controller.data_pointer_mode() == DataPointerMode::Sgl;
             if table.registration().mode() == DataPointerMode::Sgl && !sgl {

@@ -252,6 +252,48 @@ fn a_pool_across_several_controllers() {
     let mixed = vec![pool_targets[0].clone(), targets(&controllers[2], &[1]).remove(0)];
     let Err(foreign) = Pool::open(mixed, None) else { panic!("mixed two pools") };
     assert!(matches!(&foreign, ObjstoreError::PoolMembership { device: 1, reason } if reason.contains("belongs to pool")), "{foreign}");
+    // These controllers each have their own DMA space: a store over them is refused, since
+    // the second could not reach memory registered in the first's.
+    let engine = separate_kv(controllers[0].dma(), 8, DataPointerMode::Sgl);
+    let (pool, _) = Pool::open(pool_targets.clone(), None).unwrap();
+    let executor = objstore::cpu_executor_for(&pool, 64, &StoreConfig::default()).unwrap();
+    let Err(refused) = KvStore::new(pool, engine.registration.clone(), engine.dma.clone(), executor, StoreConfig::default()) else {
+        panic!("a store across two DMA spaces was built")
+    };
+    assert!(refused.to_string().contains("pool device 1") && refused.to_string().contains("another DMA address space"), "{refused}");
+}
+
+#[test]
+fn data_moves_across_controllers_that_share_a_dma_space() {
+    // Goal: a pool striped over two controllers started in one DMA space stores blocks on
+    // both (round-robin), survives a reopen, and retrieves every block into other engine
+    // blocks byte for byte.
+    let first = start_device(vec![NamespaceConfig::new(512, None)], 8 << 20, true);
+    let second =
+        nvme_emu::EmuDevice::start_in(device_config(vec![NamespaceConfig::new(512, None)], 8 << 20, true), &first.dma_pool()).unwrap();
+    let controllers = [bring_up(&first, Duration::from_secs(5)), bring_up(&second, Duration::from_secs(5))];
+    let pool_targets: Vec<_> = controllers.iter().flat_map(|c| targets(c, &[1])).collect();
+    format(&pool_targets, 1, None);
+    let engine = separate_kv(controllers[0].dma(), 32, DataPointerMode::Sgl);
+    let mut kv = open_store(pool_targets.clone(), &engine, StoreConfig::default());
+    let mut rng = Rng(9);
+    let requests: Vec<Vec<u32>> = (0..3).map(|_| rng.tokens(64)).collect();
+    for (r, tokens) in requests.iter().enumerate() {
+        let blocks: Vec<u32> = (0..4).map(|b| (r * 4 + b) as u32).collect();
+        store(&mut kv, &engine, tokens, &blocks);
+    }
+    let written = |device: &nvme_emu::EmuDevice| device.stats().bytes_written;
+    assert!(written(&first) > 0 && written(&second) > 0, "both controllers hold data");
+    drop(kv);
+    let mut kv = open_store(pool_targets, &engine, StoreConfig::default());
+    for (r, tokens) in requests.iter().enumerate() {
+        assert_eq!(kv.lookup(tokens), 4);
+        let blocks: Vec<u32> = (0..4).map(|b| (16 + r * 4 + b) as u32).collect();
+        retrieve(&mut kv, &engine, tokens, &blocks);
+        for (b, key) in keys_of(tokens).iter().enumerate() {
+            assert!(engine.holds(blocks[b], *key, 4), "request {r} block {b}");
+        }
+    }
 }
 
 #[test]

@@ -6,12 +6,18 @@ use nvme_driver::hw::DeviceBackend;
 use nvme_driver::{Controller, ControllerConfig, NamespaceId};
 use nvme_emu::{Backing, EmuConfig, EmuDevice};
 use objstore::selfcheck::{round_trip, RoundTripConfig};
-use objstore::ModelGeometry;
+use objstore::{ModelGeometry, PoolTarget};
 
 fn controller() -> Arc<Controller> {
+    bring_up(EmuDevice::start(config()).expect("software controller"))
+}
+
+fn config() -> EmuConfig {
     // MDTS 7 (512 KiB), as QEMU reports: a k = 4 slot moves 256 KiB per command.
-    let device = EmuDevice::start(EmuConfig::default().with_backing(Backing::Memory { bytes: 256 << 20 }).with_mdts(7))
-        .expect("software controller");
+    EmuConfig::default().with_backing(Backing::Memory { bytes: 256 << 20 }).with_mdts(7)
+}
+
+fn bring_up(device: Arc<EmuDevice>) -> Arc<Controller> {
     let backend: Arc<dyn DeviceBackend> = device;
     Arc::new(Controller::init(backend, ControllerConfig::default()).expect("bring-up"))
 }
@@ -24,10 +30,26 @@ fn small() -> RoundTripConfig {
 #[test]
 fn round_trip_passes_with_one_and_four_blocks_per_slot() {
     for k in [1, 4] {
-        let report = round_trip(controller(), NamespaceId(1), &RoundTripConfig { blocks_per_slot: k, ..small() }).expect("round trip");
+        let targets = vec![PoolTarget { controller: controller(), namespace: NamespaceId(1) }];
+        let report = round_trip(targets, &RoundTripConfig { blocks_per_slot: k, ..small() }).expect("round trip");
         assert_eq!(report.blocks_shared, 2 * 4, "k={k}: requests 1 and 2 share half of 8 blocks");
         assert_eq!(report.blocks_stored, 8 + 4 + 4, "k={k}");
         assert_eq!(report.bytes_verified, 3 * 8 * 2 * 4 * small().geometry.object_bytes(), "k={k}");
         assert_eq!(report.recovery.corrupt_headers, 0);
     }
+}
+
+#[test]
+fn round_trip_passes_across_two_controllers_in_one_dma_space() {
+    // Goal: the multi-controller form the VM harness runs on two QEMU controllers (one VFIO
+    // container), here on two software controllers in one DMA pool, one of them PRP-only.
+    let first = EmuDevice::start(config()).expect("software controller");
+    let second = EmuDevice::start_in(config().with_sgl(false), &first.dma_pool()).expect("software controller");
+    let targets = vec![
+        PoolTarget { controller: bring_up(first), namespace: NamespaceId(1) },
+        PoolTarget { controller: bring_up(second), namespace: NamespaceId(1) },
+    ];
+    let report = round_trip(targets, &small()).expect("round trip");
+    assert_eq!(report.recovery.devices, 2);
+    assert_eq!(report.bytes_verified, 3 * 8 * 2 * 4 * small().geometry.object_bytes());
 }

@@ -10,7 +10,7 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU16, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
 
-use super::{DmaAllocator, HwError};
+use super::{AddressSpaceId, DmaAllocator, HwError};
 use crate::types::Iova;
 
 /// The page size every DMA region is aligned to and rounded up to.
@@ -415,6 +415,11 @@ impl DmaAllocator for DmaPool {
             return Err(HwError::Misaligned { offset: 0, align: PAGE_SIZE_BYTES });
         }
         self.register(ptr, len, Backing::External)
+    }
+
+    fn address_space(&self) -> AddressSpaceId {
+        // Clones of a pool share `shared` (one IOVA allocator and table): its address is the id.
+        AddressSpaceId(Arc::as_ptr(&self.shared) as u64)
     }
 
     fn translate(&self, iova: Iova, len: usize) -> Result<DmaRegion, HwError> {

@@ -79,7 +79,17 @@ pub trait DmaAllocator: Send + Sync {
     /// Finds the mapped region that contains `iova..iova+len` (the device's view of DMA). Used by
     /// the software controller to perform DMA and by upper layers to validate descriptors.
     fn translate(&self, iova: Iova, len: usize) -> Result<DmaRegion, HwError>;
+
+    /// Which device address space this allocator's IOVAs belong to. Two allocators with the
+    /// same id resolve every IOVA to the same memory (one VFIO container, one emulator DMA
+    /// pool); an IOVA from another space names unrelated memory, or none, on this device.
+    fn address_space(&self) -> AddressSpaceId;
 }
+
+/// Identifies a device address space (see [`DmaAllocator::address_space`]). Only equality is
+/// meaningful.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct AddressSpaceId(pub u64);
 
 /// One NVMe PCI function, as the driver sees it.
 pub trait DeviceBackend: Send + Sync {

@@ -46,9 +46,11 @@ impl Rng {
 }
 
 pub fn start_device(namespaces: Vec<NamespaceConfig>, backing_bytes: u64, sgl: bool) -> Arc<EmuDevice> {
-    let config =
-        EmuConfig::default().with_backing(Backing::Memory { bytes: backing_bytes }).with_namespaces(namespaces).with_mdts(8).with_sgl(sgl);
-    EmuDevice::start(config).expect("software controller")
+    EmuDevice::start(device_config(namespaces, backing_bytes, sgl)).expect("software controller")
+}
+
+pub fn device_config(namespaces: Vec<NamespaceConfig>, backing_bytes: u64, sgl: bool) -> EmuConfig {
+    EmuConfig::default().with_backing(Backing::Memory { bytes: backing_bytes }).with_namespaces(namespaces).with_mdts(8).with_sgl(sgl)
 }
 
 pub fn bring_up(device: &Arc<EmuDevice>, admin_timeout: Duration) -> Arc<Controller> {

@@ -10,6 +10,8 @@ use super::sysfs::PciAddress;
 pub enum VfioError {
     #[error("'{text}' is not a PCI address: expected DDDD:BB:DD.F such as 0000:00:04.0")]
     BadAddress { text: String },
+    #[error("{address} is listed twice: each function can be opened once")]
+    DuplicateDevice { address: PciAddress },
     #[error("no PCI function {address} under {sysfs}: list NVMe functions with `tutti devices`")]
     NoSuchDevice { address: PciAddress, sysfs: PathBuf },
     #[error(

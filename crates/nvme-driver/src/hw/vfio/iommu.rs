@@ -2,7 +2,7 @@
 
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use super::error::{map_dma_error, open_error, VfioError};
 use super::sys;
@@ -133,15 +133,16 @@ pub fn choose_iova_window(ranges: &[(u64, u64)]) -> Option<(u64, u64)> {
     best
 }
 
-/// A container with one group attached and the type1v2 IOMMU set. Closing it (the last `Arc`)
-/// removes every DMA mapping the process made through it.
+/// A container with one or more groups attached and the type1v2 IOMMU set: one IOVA space for
+/// every device in those groups. Closing it (the last `Arc`) removes every DMA mapping the
+/// process made through it.
 #[derive(Debug)]
 pub struct Container {
-    /// Declared before `group` so it closes first: the kernel then tears down mappings while
-    /// the group is still attached (either order works, this one is the tidy one).
+    /// Declared before `groups` so it closes first: the kernel then tears down mappings while
+    /// the groups are still attached (either order works, this one is the tidy one).
     container: OwnedFd,
-    group: OwnedFd,
-    group_id: u32,
+    /// (group id, group fd), in attach order; never empty.
+    groups: Mutex<Vec<(u32, Arc<OwnedFd>)>>,
 }
 
 impl Container {
@@ -159,29 +160,35 @@ impl Container {
         if sys::ioctl_value(&container, VFIO_CHECK_EXTENSION, VFIO_TYPE1V2_IOMMU).unwrap_or(0) != 1 {
             return Err(VfioError::NoType1v2);
         }
-        let group = sys::open_read_write(group_path).map_err(|source| open_error(group_path.to_path_buf(), group_id, source))?;
-        let mut status = VfioGroupStatus { argsz: argsz::<VfioGroupStatus>(), flags: 0 };
-        // SAFETY: GROUP_GET_STATUS writes a vfio_group_status, whose argsz we set to its size.
-        unsafe { sys::ioctl_with_mut(&group, VFIO_GROUP_GET_STATUS, &mut status) }
-            .map_err(|source| VfioError::Kernel { operation: "VFIO_GROUP_GET_STATUS", source })?;
-        if status.flags & VFIO_GROUP_FLAGS_VIABLE == 0 {
-            return Err(VfioError::GroupNotViable { group: group_id, others: describe_blockers() });
-        }
-        let mut container_fd: libc::c_int = std::os::fd::AsRawFd::as_raw_fd(&container);
-        // SAFETY: GROUP_SET_CONTAINER reads one int (the container fd) at its argument.
-        unsafe { sys::ioctl_with_mut(&group, VFIO_GROUP_SET_CONTAINER, &mut container_fd) }
-            .map_err(|source| VfioError::Kernel { operation: "VFIO_GROUP_SET_CONTAINER", source })?;
+        let group = attach_group(&container, group_path, group_id, describe_blockers)?;
         sys::ioctl_value(&container, VFIO_SET_IOMMU, VFIO_TYPE1V2_IOMMU)
             .map_err(|source| VfioError::Kernel { operation: "VFIO_SET_IOMMU(type1v2)", source })?;
-        Ok(Self { container, group, group_id })
+        Ok(Self { container, groups: Mutex::new(vec![(group_id, Arc::new(group))]) })
     }
 
+    /// Attaches another group, so its devices share this container's IOVA space (a group
+    /// already attached is fine: several functions may share one). Done before any DMA
+    /// mapping: the caller queries [`Container::info`] afterwards, when the reserved ranges of
+    /// every attached group are known.
+    pub fn attach(&self, group_path: &Path, group_id: u32, describe_blockers: impl FnOnce() -> String) -> Result<(), VfioError> {
+        let mut groups = self.groups.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if groups.iter().any(|(id, _)| *id == group_id) {
+            return Ok(());
+        }
+        let group = attach_group(&self.container, group_path, group_id, describe_blockers)?;
+        groups.push((group_id, Arc::new(group)));
+        Ok(())
+    }
+
+    /// The first group attached.
     pub fn group_id(&self) -> u32 {
-        self.group_id
+        self.groups.lock().unwrap_or_else(|poisoned| poisoned.into_inner())[0].0
     }
 
-    pub(super) fn group_fd(&self) -> &OwnedFd {
-        &self.group
+    /// The fd of attached group `group_id`.
+    pub(super) fn group_fd(&self, group_id: u32) -> Option<Arc<OwnedFd>> {
+        let groups = self.groups.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        groups.iter().find(|(id, _)| *id == group_id).map(|(_, fd)| Arc::clone(fd))
     }
 
     /// Queries the IOMMU: page sizes, IOVA ranges, mapping slots left.
@@ -208,6 +215,28 @@ impl Container {
         }
         parse_iommu_info(&buffer)
     }
+}
+
+/// Opens a group, checks it is viable, and attaches it to `container`.
+fn attach_group(
+    container: &OwnedFd,
+    group_path: &Path,
+    group_id: u32,
+    describe_blockers: impl FnOnce() -> String,
+) -> Result<OwnedFd, VfioError> {
+    let group = sys::open_read_write(group_path).map_err(|source| open_error(group_path.to_path_buf(), group_id, source))?;
+    let mut status = VfioGroupStatus { argsz: argsz::<VfioGroupStatus>(), flags: 0 };
+    // SAFETY: GROUP_GET_STATUS writes a vfio_group_status, whose argsz we set to its size.
+    unsafe { sys::ioctl_with_mut(&group, VFIO_GROUP_GET_STATUS, &mut status) }
+        .map_err(|source| VfioError::Kernel { operation: "VFIO_GROUP_GET_STATUS", source })?;
+    if status.flags & VFIO_GROUP_FLAGS_VIABLE == 0 {
+        return Err(VfioError::GroupNotViable { group: group_id, others: describe_blockers() });
+    }
+    let mut container_fd: libc::c_int = std::os::fd::AsRawFd::as_raw_fd(container);
+    // SAFETY: GROUP_SET_CONTAINER reads one int (the container fd) at its argument.
+    unsafe { sys::ioctl_with_mut(&group, VFIO_GROUP_SET_CONTAINER, &mut container_fd) }
+        .map_err(|source| VfioError::Kernel { operation: "VFIO_GROUP_SET_CONTAINER", source })?;
+    Ok(group)
 }
 
 /// Programs the container's IOMMU for a [`crate::hw::DmaPool`].

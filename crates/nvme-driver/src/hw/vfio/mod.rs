@@ -54,8 +54,11 @@ impl Default for VfioOptions {
 /// An NVMe function opened through VFIO. Implements [`DeviceBackend`].
 pub struct VfioDevice {
     address: PciAddress,
+    /// Its IOMMU group (the container may hold others: see [`VfioDevice::open_many`]).
+    group: u32,
     device: Arc<OwnedFd>,
-    container: Arc<Container>,
+    /// Keeps the container and its group fds open while the device is.
+    _container: Arc<Container>,
     registers: Arc<MappedBar>,
     pool: Arc<DmaPool>,
     iommu: IommuInfo,
@@ -68,7 +71,7 @@ impl std::fmt::Debug for VfioDevice {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("VfioDevice")
             .field("address", &self.address)
-            .field("group", &self.container.group_id())
+            .field("group", &self.group)
             .field("bar0_bytes", &self.registers.len())
             .field("iova_window", &self.iova_window)
             .finish()
@@ -82,40 +85,45 @@ impl VfioDevice {
     }
 
     pub fn open_with(address: PciAddress, options: &VfioOptions) -> Result<Self, HwError> {
+        let mut devices = Self::open_many(&[address], options)?;
+        Ok(devices.pop().expect("one device per address"))
+    }
+
+    /// Opens several functions in one container, so they share one IOVA space and one
+    /// [`DmaPool`]: memory allocated or mapped through any of them is reachable by all at the
+    /// same IOVAs — what a pool striped across several SSDs needs (the engine's KV memory is
+    /// registered once). Every group is attached before the IOMMU is queried, so the IOVA
+    /// window avoids the reserved ranges of all of them.
+    pub fn open_many(addresses: &[PciAddress], options: &VfioOptions) -> Result<Vec<Self>, HwError> {
+        let Some(&first) = addresses.first() else { return Ok(Vec::new()) };
+        for (index, address) in addresses.iter().enumerate() {
+            if addresses[..index].contains(address) {
+                return Err(VfioError::DuplicateDevice { address: *address }.into());
+            }
+        }
         let sysfs = PciSysfs::new(&options.sysfs_root);
-        let group = check_sysfs(&sysfs, address)?;
-        let group_path = PathBuf::from(format!("/dev/vfio/{group}"));
-        if !group_path.exists() && PathBuf::from(format!("/dev/vfio/noiommu-{group}")).exists() {
-            return Err(VfioError::NoIommuMode { address, group }.into());
+        let mut groups = Vec::with_capacity(addresses.len());
+        for &address in addresses {
+            let group = check_sysfs(&sysfs, address)?;
+            let group_path = PathBuf::from(format!("/dev/vfio/{group}"));
+            if !group_path.exists() && PathBuf::from(format!("/dev/vfio/noiommu-{group}")).exists() {
+                return Err(VfioError::NoIommuMode { address, group }.into());
+            }
+            groups.push((address, group, group_path));
         }
-        let describe = || match sysfs.group_blockers(group, address) {
-            Ok(blockers) if !blockers.is_empty() => describe_blockers(&blockers),
-            Ok(_) => "none found in sysfs (a member may be mid-unbind; retry)".to_string(),
-            Err(error) => format!("unknown ({error})"),
+        let describe = |group: u32, address: PciAddress| {
+            let sysfs = &sysfs;
+            move || match sysfs.group_blockers(group, address) {
+                Ok(blockers) if !blockers.is_empty() => describe_blockers(&blockers),
+                Ok(_) => "none found in sysfs (a member may be mid-unbind; retry)".to_string(),
+                Err(error) => format!("unknown ({error})"),
+            }
         };
-        let container = Arc::new(Container::open(&group_path, group, describe)?);
-        let device = Arc::new(device_fd(&container, address)?);
-
-        let mut info = VfioDeviceInfo { argsz: argsz::<VfioDeviceInfo>(), ..VfioDeviceInfo::default() };
-        // SAFETY: DEVICE_GET_INFO writes at most argsz bytes of a vfio_device_info.
-        unsafe { sys::ioctl_with_mut(&*device, VFIO_DEVICE_GET_INFO, &mut info) }.map_err(|source| VfioError::Ioctl {
-            address,
-            operation: "VFIO_DEVICE_GET_INFO",
-            source,
-        })?;
-        if info.flags & VFIO_DEVICE_FLAGS_PCI == 0 {
-            return Err(VfioError::NotPci { address, flags: info.flags }.into());
+        let (_, first_group, first_path) = &groups[0];
+        let container = Arc::new(Container::open(first_path, *first_group, describe(*first_group, first))?);
+        for (address, group, path) in &groups[1..] {
+            container.attach(path, *group, describe(*group, *address))?;
         }
-
-        let config = region_info(&device, address, VFIO_PCI_CONFIG_REGION_INDEX)?;
-        enable_memory_and_bus_master(&device, address, config.offset)?;
-
-        let bar0 = region_info(&device, address, VFIO_PCI_BAR0_REGION_INDEX)?;
-        let bar_len = usize::try_from(bar0.size).ok().filter(|&len| len >= 0x1000);
-        let (true, Some(bar_len)) = (bar0.flags & VFIO_REGION_INFO_FLAG_MMAP != 0, bar_len) else {
-            return Err(VfioError::BarNotMappable { address, flags: bar0.flags, size_bytes: bar0.size }.into());
-        };
-        let registers = Arc::new(MappedBar::map(address, Arc::clone(&device), bar0.offset, bar_len)?);
 
         let iommu = container.info()?;
         if iommu.page_sizes != 0 && iommu.page_sizes & 0x1000 == 0 {
@@ -126,19 +134,47 @@ impl VfioDevice {
         })?;
         let mapper = Arc::new(VfioMapper::new(Arc::clone(&container)));
         let pool = Arc::new(DmaPool::new(mapper, Iova(base), Iova(limit), options.prefer_huge_pages));
-        tracing::debug!(%address, group, base, limit, bar_len, "VFIO device open");
 
-        Ok(Self {
-            address,
-            device,
-            container,
-            registers,
-            pool,
-            iommu,
-            iova_window: (Iova(base), Iova(limit)),
-            config_offset: config.offset,
-            reset_supported: info.flags & VFIO_DEVICE_FLAGS_RESET != 0,
-        })
+        let mut devices = Vec::with_capacity(groups.len());
+        for (address, group, _) in groups {
+            let group_fd = container.group_fd(group).expect("every group was attached above");
+            let device = Arc::new(device_fd(&group_fd, address)?);
+
+            let mut info = VfioDeviceInfo { argsz: argsz::<VfioDeviceInfo>(), ..VfioDeviceInfo::default() };
+            // SAFETY: DEVICE_GET_INFO writes at most argsz bytes of a vfio_device_info.
+            unsafe { sys::ioctl_with_mut(&*device, VFIO_DEVICE_GET_INFO, &mut info) }.map_err(|source| VfioError::Ioctl {
+                address,
+                operation: "VFIO_DEVICE_GET_INFO",
+                source,
+            })?;
+            if info.flags & VFIO_DEVICE_FLAGS_PCI == 0 {
+                return Err(VfioError::NotPci { address, flags: info.flags }.into());
+            }
+
+            let config = region_info(&device, address, VFIO_PCI_CONFIG_REGION_INDEX)?;
+            enable_memory_and_bus_master(&device, address, config.offset)?;
+
+            let bar0 = region_info(&device, address, VFIO_PCI_BAR0_REGION_INDEX)?;
+            let bar_len = usize::try_from(bar0.size).ok().filter(|&len| len >= 0x1000);
+            let (true, Some(bar_len)) = (bar0.flags & VFIO_REGION_INFO_FLAG_MMAP != 0, bar_len) else {
+                return Err(VfioError::BarNotMappable { address, flags: bar0.flags, size_bytes: bar0.size }.into());
+            };
+            let registers = Arc::new(MappedBar::map(address, Arc::clone(&device), bar0.offset, bar_len)?);
+            tracing::debug!(%address, group, base, limit, bar_len, devices = addresses.len(), "VFIO device open");
+            devices.push(Self {
+                address,
+                group,
+                device,
+                _container: Arc::clone(&container),
+                registers,
+                pool: Arc::clone(&pool),
+                iommu: iommu.clone(),
+                iova_window: (Iova(base), Iova(limit)),
+                config_offset: config.offset,
+                reset_supported: info.flags & VFIO_DEVICE_FLAGS_RESET != 0,
+            });
+        }
+        Ok(devices)
     }
 
     /// Host virtual address and length of the BAR0 mapping, for registering the doorbells with
@@ -153,7 +189,7 @@ impl VfioDevice {
 
     /// The IOMMU group the device belongs to.
     pub fn iommu_group(&self) -> u32 {
-        self.container.group_id()
+        self.group
     }
 
     /// The IOVA window `[base, limit)` the DMA pool allocates from.
@@ -219,14 +255,17 @@ fn check_sysfs(sysfs: &PciSysfs, address: PciAddress) -> Result<u32, VfioError> 
     sysfs.iommu_group(address)?.ok_or(VfioError::NoIommuGroup { address })
 }
 
-fn device_fd(container: &Container, address: PciAddress) -> Result<OwnedFd, VfioError> {
+fn device_fd(group: &OwnedFd, address: PciAddress) -> Result<OwnedFd, VfioError> {
     // The address text is ASCII hex digits and separators: it never contains NUL.
     let name = CString::new(address.to_string()).map_err(|_| VfioError::BadAddress { text: address.to_string() })?;
     let mut bytes = name.into_bytes_with_nul();
     // SAFETY: GROUP_GET_DEVICE_FD reads a NUL-terminated device name at its argument and
     // touches nothing past the terminator.
-    let fd = unsafe { sys::ioctl_with_buffer(container.group_fd(), VFIO_GROUP_GET_DEVICE_FD, &mut bytes) }
-        .map_err(|source| VfioError::Ioctl { address, operation: "VFIO_GROUP_GET_DEVICE_FD", source })?;
+    let fd = unsafe { sys::ioctl_with_buffer(group, VFIO_GROUP_GET_DEVICE_FD, &mut bytes) }.map_err(|source| VfioError::Ioctl {
+        address,
+        operation: "VFIO_GROUP_GET_DEVICE_FD",
+        source,
+    })?;
     // SAFETY: on success the ioctl returns a new file descriptor that nothing else owns.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
