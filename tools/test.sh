@@ -10,8 +10,8 @@
 #               (tools/cuda-build.sh; no GPU needed to compile)
 #   fuzz        the cargo-fuzz targets build (running them needs nightly: see fuzz/README.md)
 #   benches     criterion benchmarks compile (running them is `cargo bench`, not a test)
-#   vm          the conformance suite against QEMU's NVMe controller through VFIO in a Linux guest
-#               (tools/vm-test.sh)
+#   vm          the conformance suite against two QEMU NVMe controllers through VFIO in a Linux guest,
+#               and the object-store round trip over both (tools/vm-test.sh)
 #
 # Stages run in that order; a failing stage does not stop the later ones, and the script exits
 # non-zero if any failed. Select stages with TUTTI_STAGES="rust lint" (default: all).
@@ -64,7 +64,9 @@ stage_benches() {
     cargo bench --workspace --no-run --locked 2>&1
 }
 
-stage_vm() { tools/vm-test.sh; }
+# Two controllers: the suite runs on each, and the object-store round trip stripes one pool over
+# both through one VFIO container (VfioDevice::open_many).
+stage_vm() { TUTTI_VM_NVME_COUNT=${TUTTI_VM_NVME_COUNT:-2} tools/vm-test.sh; }
 
 for stage in $STAGES; do
     case $stage in

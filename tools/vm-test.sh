@@ -5,7 +5,8 @@
 # Usage: tools/vm-test.sh [MODE]
 #   --conformance (default)  nvme-conformance --device vfio:<each BDF> --integrity-mib N, then a
 #                            second short run in the same guest (proves nothing leaked), then
-#                            objstore-roundtrip on the first controller (store, reopen, compare)
+#                            objstore-roundtrip on a pool over every controller (store, reopen,
+#                            compare)
 #   --probe                  the standalone VFIO probe (examples/vfio_probe.rs), run twice, then
 #                            tutti unbind (back to nvme) and bind again, and a third probe
 #   --smoke                  boot, bind to vfio-pci by hand, list the VFIO nodes: no project code
@@ -82,10 +83,10 @@ case $MODE in
         # shellcheck disable=SC2016 # $TUTTI_BDFS is expanded by the guest's shell
         DEVICES='$(for b in $TUTTI_BDFS; do printf -- "--device vfio:%s " "$b"; done)'
         # Then the object store's persistence round trip (store, reopen, scatter retrieve, compare)
-        # on the first controller, which it formats.
+        # on one pool striped over every controller (one VFIO container), which it formats.
         printf '%s\n' "nvme-conformance $DEVICES ${TUTTI_VM_CONFORMANCE_ARGS:-} --integrity-mib $INTEGRITY_MIB" \
             "nvme-conformance $DEVICES --quick --filter bring_up_and_identify" \
-            'objstore-roundtrip --device vfio:$TUTTI_BDF0' > "$COMMANDS"
+            "objstore-roundtrip $DEVICES" > "$COMMANDS"
         ;;
     probe | shell)
         vm_log "building static guest binaries (vfio_probe, tutti) into $VM_TARGET_DIR"
