@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use nvme_driver::hw::{DeviceBackend, VfioDevice};
+use nvme_driver::hw::vfio::{PciAddress, VfioOptions};
+use nvme_driver::hw::{DeviceBackend, DmaPool, VfioDevice};
 use nvme_driver::{Controller, ControllerConfig, NamespaceId};
 use nvme_emu::{Backing, EmuConfig, EmuDevice, NamespaceConfig};
 use objstore::format::Superblock;
@@ -76,22 +77,36 @@ pub struct CheckArgs {
     payload: bool,
 }
 
+/// Opens the pool's devices in one DMA space, as a store over them needs: every `vfio:` device
+/// in one VFIO container (which also lets two functions of one IOMMU group be used), every
+/// `emu:` controller in the first one's DMA pool.
 fn open_targets(args: &DeviceArgs) -> Result<Vec<PoolTarget>> {
+    let mut addresses = Vec::new();
+    for spec in &args.devices {
+        if let Some(address) = spec.strip_prefix("vfio:") {
+            addresses.push(address.parse::<PciAddress>().with_context(|| format!("device {spec:?}"))?);
+        } else if !spec.starts_with("emu:") {
+            bail!("device {spec:?}: expected vfio:<PCI address> or emu:<file>");
+        }
+    }
+    let listed = addresses.iter().map(ToString::to_string).collect::<Vec<_>>().join(" ");
+    let mut vfio = VfioDevice::open_many(&addresses, &VfioOptions::default())
+        .with_context(|| format!("opening {listed} through VFIO (are they bound? `tutti bind ADDRESS`)"))?
+        .into_iter();
+    let mut emu_space: Option<DmaPool> = None;
     let mut targets = Vec::with_capacity(args.devices.len());
     for spec in &args.devices {
-        let backend: Arc<dyn DeviceBackend> = if let Some(address) = spec.strip_prefix("vfio:") {
-            Arc::new(
-                VfioDevice::open(address).with_context(|| format!("opening {spec} through VFIO (is it bound? `tutti bind {address}`)"))?,
-            )
-        } else if let Some(path) = spec.strip_prefix("emu:") {
+        let backend: Arc<dyn DeviceBackend> = if spec.starts_with("vfio:") {
+            Arc::new(vfio.next().expect("one opened device per vfio: spec"))
+        } else {
+            let path = spec.strip_prefix("emu:").expect("checked above");
             let mut config = EmuConfig::default()
                 .with_backing(Backing::File { path: PathBuf::from(path), create_bytes: args.emu_create_bytes })
                 .with_namespaces(vec![NamespaceConfig::new(args.emu_lba_bytes, None)])
                 .with_mdts(8);
             config.sync_file_on_flush = true; // the pool's durability promises hold across host crashes too
-            EmuDevice::start(config).with_context(|| format!("starting the software controller on {path}"))?
-        } else {
-            bail!("device {spec:?}: expected vfio:<PCI address> or emu:<file>");
+            let space = emu_space.get_or_insert_with(DmaPool::identity);
+            EmuDevice::start_in(config, space).with_context(|| format!("starting the software controller on {path}"))?
         };
         let controller = Controller::init(backend, ControllerConfig::default()).with_context(|| format!("bringing up {spec}"))?;
         targets.push(PoolTarget { controller: Arc::new(controller), namespace: NamespaceId(args.namespace) });
