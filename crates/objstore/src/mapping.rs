@@ -192,11 +192,12 @@ impl MappingTable {
     }
 
     /// The pieces that move engine blocks `first_block .. first_block + run` (consecutive ids)
-    /// at layer 0; `out` receives at most 2 pieces per block. Runs longer than one block are
-    /// merged into one piece only on the SGL table path. Allocation-free: the hot path of
-    /// `prepare_*` calls it per block.
+    /// at layer 0, handed to `emit` in disk order (at most 2 per block). Runs longer than one
+    /// block are merged into one piece only on the SGL table path. Allocation-free: the hot
+    /// path of `prepare_*` calls it per block. A callback rather than an out-array: writing the
+    /// pieces to memory and reading them back in wider loads stalled store forwarding.
     #[inline]
-    pub fn pieces(&self, first_block: u32, run: u32, out: &mut [Piece; 2]) -> usize {
+    pub fn for_each_piece(&self, first_block: u32, run: u32, mut emit: impl FnMut(Piece)) {
         let object = self.registration.geometry().object_bytes();
         let b = u64::from(first_block);
         match self.form {
@@ -204,30 +205,27 @@ impl MappingTable {
                 let table = self.region.as_ref().map_or(0, |region| region.iova().0);
                 let at = Iova(table + b * 2 * SGL_DESCRIPTOR_BYTES);
                 let segment = IovaRange::new(gio(at), u64::from(run) * 2 * SGL_DESCRIPTOR_BYTES);
-                out[0] = Piece {
+                emit(Piece {
                     disk_offset_bytes: 0,
                     len_bytes: u64::from(run) * 2 * object,
                     data: at,
                     descriptor: Descriptor::SglSegment { segment },
-                };
-                1
+                });
             }
             MappingForm::Collapsed => {
                 let data = self.registration.address_unchecked(0, KvKind::Key, first_block);
-                out[0] = Piece { disk_offset_bytes: 0, len_bytes: 2 * object, data, descriptor: self.prp_descriptor(data, first_block, 0) };
-                1
+                emit(Piece { disk_offset_bytes: 0, len_bytes: 2 * object, data, descriptor: self.prp_descriptor(data, first_block, 0) });
             }
             MappingForm::StridedPair => {
                 for (index, kind) in [KvKind::Key, KvKind::Value].into_iter().enumerate() {
                     let data = self.registration.address_unchecked(0, kind, first_block);
-                    out[index] = Piece {
+                    emit(Piece {
                         disk_offset_bytes: index as u64 * object,
                         len_bytes: object,
                         data,
                         descriptor: self.prp_descriptor(data, first_block, index as u64),
-                    };
+                    });
                 }
-                2
             }
         }
     }

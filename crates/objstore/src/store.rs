@@ -29,7 +29,7 @@ use crate::error::{KvKind, ObjstoreError, Result};
 use crate::format::{BlockRecord, SlotAddressing, SlotState, FLAG_PAYLOAD_CRC};
 use crate::hash::block_keys;
 use crate::index::{BlockLocation, IndexCounts};
-use crate::mapping::{MappingForm, MappingTable, Piece};
+use crate::mapping::{MappingForm, MappingTable};
 use crate::pool::Pool;
 use crate::registration::KvRegistration;
 
@@ -462,8 +462,6 @@ impl<E: Executor> KvStore<E> {
         let mergeable = self.table.form() == MappingForm::SglTable;
         let blocks = &self.requests[index].blocks;
         let mut i = 0;
-        let mut pieces =
-            [Piece { disk_offset_bytes: 0, len_bytes: 0, data: nvme_driver::Iova(0), descriptor: gio_uring::Descriptor::SglInline }; 2];
         while i < blocks.len() {
             let (first, engine_block, _) = blocks[i];
             let mut run = 1;
@@ -480,9 +478,9 @@ impl<E: Executor> KvStore<E> {
             }
             let (nsid, addressing) = self.addressing[usize::from(first.device)];
             let start = addressing.block_lba(first.slot, u32::from(first.index));
-            let count = self.table.pieces(engine_block, run as u32, &mut pieces);
-            for piece in &pieces[..count] {
-                self.ioctxs.push(IoctxSpec {
+            let ioctxs = &mut self.ioctxs;
+            self.table.for_each_piece(engine_block, run as u32, |piece| {
+                ioctxs.push(IoctxSpec {
                     device: DeviceIndex(first.device),
                     nsid,
                     start_lba: Lba(start + addressing.blocks_of(piece.disk_offset_bytes)),
@@ -490,8 +488,8 @@ impl<E: Executor> KvStore<E> {
                     data: gio_uring::Iova(piece.data.0),
                     descriptor: piece.descriptor,
                     force_unit_access: false,
-                });
-            }
+                })
+            });
             i += run;
         }
         let per_iocb = self.config.ioctx_per_iocb_max as usize;
