@@ -321,22 +321,6 @@ impl QueueMemory {
         }
     }
 
-    /// Writes encoded IOCTXs (see [`ioctx_words`]) at consecutive array entries from
-    /// `first_index`, with one bounds check for the batch.
-    pub fn write_ioctx_words(&self, first_index: u32, words: &[u64]) {
-        assert!(words.len() % IOCTX_WORDS == 0, "{} words is not a whole number of IOCTXs", words.len());
-        let count = (words.len() / IOCTX_WORDS) as u64;
-        assert!(
-            u64::from(first_index) + count <= u64::from(self.layout.ioctx_capacity()),
-            "IOCTXs {first_index}+{count} outside the array of {}",
-            self.layout.ioctx_capacity()
-        );
-        if count == 0 {
-            return;
-        }
-        self.region.store_u64_words(self.layout.ioctx_offset(first_index), words, Ordering::Relaxed);
-    }
-
     pub fn write_ioctx(&self, array_index: u32, ioctx: &gio_ioctx) {
         self.write_ioctx_record(array_index, &ioctx_words(ioctx));
     }
@@ -472,9 +456,9 @@ mod tests {
     }
 
     #[test]
-    fn a_batch_of_ioctx_words_reads_back_field_by_field() {
+    fn ioctx_words_read_back_field_by_field() {
         // Goal: the word packing places every field where the per-field reader (and the C
-        // struct) expects it, for each record of a batch; the batch stays inside its records.
+        // struct) expects it, for consecutive records; each stays inside its own 48 bytes.
         let memory = QueueMemory::new(QueueConfig { depth: 4, ioctx_per_iocb_max: 8 }).unwrap();
         let record = |i: u32| gio_ioctx {
             desc_iova: 0x1000 + u64::from(i),
@@ -489,11 +473,9 @@ mod tests {
             flags: 0x80 | i as u8,
             reserved0: 0,
         };
-        let mut words = Vec::new();
         for i in 0..3 {
-            words.extend_from_slice(&ioctx_words(&record(i)));
+            memory.write_ioctx_record(9 + i, &ioctx_words(&record(i)));
         }
-        memory.write_ioctx_words(9, &words);
         for i in 0..3 {
             assert_eq!(memory.read_ioctx(9 + i), record(i));
         }
@@ -503,8 +485,8 @@ mod tests {
 
     #[test]
     #[should_panic(expected = "outside the array")]
-    fn a_batch_past_the_ioctx_array_panics_before_writing() {
+    fn a_record_past_the_ioctx_array_panics_before_writing() {
         let memory = QueueMemory::new(QueueConfig { depth: 2, ioctx_per_iocb_max: 2 }).unwrap();
-        memory.write_ioctx_words(3, &[0; 2 * IOCTX_WORDS]);
+        memory.write_ioctx_record(4, &[0; IOCTX_WORDS]);
     }
 }

@@ -175,30 +175,15 @@ impl SharedRegion {
         unsafe { AtomicU64::from_ptr(ptr) }.store(value, order);
     }
 
-    /// [`SharedRegion::store_u64_words`] for a fixed count, which the compiler unrolls.
+    /// Stores `words` at consecutive 8-byte fields from `offset_bytes`, with one bounds and
+    /// alignment check for the whole span (a check per field was a measurable share of
+    /// `prepare_*`, which writes thousands of IOCTX records); the compiler unrolls it.
     #[inline]
     pub fn store_u64_array<const N: usize>(&self, offset_bytes: usize, words: &[u64; N], order: Ordering) {
         let first = self.span(offset_bytes, N * 8, 8).cast::<u64>();
         for (index, &word) in words.iter().enumerate() {
             // SAFETY: the span [offset, offset + 8 * N) is in bounds and 8-byte aligned (checked
             // by `span`), so word `index < N` is too; accessed only atomically.
-            let atomic = unsafe { AtomicU64::from_ptr(first.add(index)) };
-            atomic.store(word, order);
-        }
-    }
-
-    /// Stores `words` at consecutive 8-byte fields from `offset_bytes`, with one bounds and
-    /// alignment check for the whole span (the IOCTX fill path writes thousands of words per
-    /// IOCB; a check per field was a measurable share of `prepare_*`).
-    pub fn store_u64_words(&self, offset_bytes: usize, words: &[u64], order: Ordering) {
-        if words.is_empty() {
-            return;
-        }
-        let span_bytes = words.len().checked_mul(8).expect("word span overflows usize");
-        let first = self.span(offset_bytes, span_bytes, 8).cast::<u64>();
-        for (index, &word) in words.iter().enumerate() {
-            // SAFETY: the span [offset, offset + 8 * len) is in bounds and 8-byte aligned
-            // (checked by `span`), so word `index < len` is too; accessed only atomically.
             let atomic = unsafe { AtomicU64::from_ptr(first.add(index)) };
             atomic.store(word, order);
         }
