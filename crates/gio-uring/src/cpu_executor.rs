@@ -203,13 +203,19 @@ impl CpuExecutor {
     /// finishes what they held, so no command of theirs can move data or complete afterwards.
     /// Only then is every IOCB still in flight finished as TIMEOUT (the same compare-and-swap as
     /// a normal completion, so one CQE per issue) and made reissuable. IOCBs whose IOCTXs were
-    /// never submitted are reclaimed too; the caller reissues whatever it still needs. Not
-    /// available to `CpuWorkers`, whose queue pairs live on worker threads.
+    /// never submitted are reclaimed too; the caller reissues whatever it still needs.
     ///
     /// If a deletion fails (each is bounded by the controller's admin timeout), nothing is
     /// reclaimed: the fresh pairs are in place, but the IOCBs stay in flight, because the old
     /// commands may still move data. Reset that controller before reusing their memory.
     pub fn reset(&mut self, memory: &QueueMemory, fresh: Vec<IoQueuePair>) -> Result<usize, GioError> {
+        self.replace_queue_pairs(fresh)?;
+        finish_issued_as_timeout(memory)
+    }
+
+    /// The first half of [`CpuExecutor::reset`]: deletes the old queue pairs, installs `fresh`
+    /// and forgets every IOCTX not yet submitted. Also run by each worker of `CpuWorkers`.
+    pub(crate) fn replace_queue_pairs(&mut self, fresh: Vec<IoQueuePair>) -> Result<(), GioError> {
         let served = self.queues.iter().filter(|queue| queue.is_some()).count();
         if fresh.len() != served {
             return Err(GioError::InvalidConfig { reason: format!("reset needs {served} fresh queue pairs, got {}", fresh.len()) });
@@ -229,38 +235,51 @@ impl CpuExecutor {
         }
         self.pending.clear();
         self.doorbell_due.iter_mut().for_each(|due| *due = false);
-        if let Some(error) = failure {
-            return Err(error);
+        failure.map_or(Ok(()), Err)
+    }
+}
+
+/// The second half of a reset, once no old command can complete: every IOCB still ISSUED ends
+/// as TIMEOUT with one CQE (the compare-and-swap of a normal completion). Returns how many.
+pub(crate) fn finish_issued_as_timeout(memory: &QueueMemory) -> Result<usize, GioError> {
+    let mut reclaimed = 0;
+    for id in (0..memory.layout.config.depth).map(IocbId) {
+        let status = memory.iocb_field_offset(id, crate::layout::IocbField::Status);
+        let finished = memory.region.compare_exchange_u32(
+            status,
+            abi::GIO_IOCB_STATUS_ISSUED,
+            abi::GIO_IOCB_STATUS_TIMEOUT,
+            std::sync::atomic::Ordering::AcqRel,
+            std::sync::atomic::Ordering::Relaxed,
+        );
+        if finished.is_err() {
+            continue;
         }
-        let mut reclaimed = 0;
-        for id in (0..memory.layout.config.depth).map(IocbId) {
-            let status = memory.iocb_field_offset(id, crate::layout::IocbField::Status);
-            let finished = memory.region.compare_exchange_u32(
-                status,
-                abi::GIO_IOCB_STATUS_ISSUED,
-                abi::GIO_IOCB_STATUS_TIMEOUT,
-                std::sync::atomic::Ordering::AcqRel,
-                std::sync::atomic::Ordering::Relaxed,
-            );
-            if finished.is_err() {
-                continue;
-            }
-            let header = memory.read_iocb_header(id);
-            let progress = memory.read_iocb_progress(id);
-            let failed = progress.failed_ioctx != abi::GIO_NO_FAILED_IOCTX;
-            post_cqe(
-                memory,
-                crate::ring::Cqe {
-                    iocb_id: id,
-                    issue_seq: header.issue_seq,
-                    failed_ioctx: progress.failed_ioctx,
-                    status: abi::GIO_IOCB_STATUS_TIMEOUT as u16,
-                    failed_nvme_status: if failed { progress.failed_nvme_status } else { 0 },
-                },
-            )?;
-            reclaimed += 1;
-        }
-        Ok(reclaimed)
+        let header = memory.read_iocb_header(id);
+        let progress = memory.read_iocb_progress(id);
+        let failed = progress.failed_ioctx != abi::GIO_NO_FAILED_IOCTX;
+        post_cqe(
+            memory,
+            crate::ring::Cqe {
+                iocb_id: id,
+                issue_seq: header.issue_seq,
+                failed_ioctx: progress.failed_ioctx,
+                status: abi::GIO_IOCB_STATUS_TIMEOUT as u16,
+                failed_nvme_status: if failed { progress.failed_nvme_status } else { 0 },
+            },
+        )?;
+        reclaimed += 1;
+    }
+    Ok(reclaimed)
+}
+
+impl crate::executor::QueuePairReset for CpuExecutor {
+    fn served_queue_depths(&self) -> Vec<(usize, u32)> {
+        CpuExecutor::served_queue_depths(self).collect()
+    }
+
+    fn reset(&mut self, memory: &QueueMemory, fresh: Vec<IoQueuePair>) -> Result<usize, GioError> {
+        CpuExecutor::reset(self, memory, fresh)
     }
 }
 

@@ -30,8 +30,17 @@ const IDLE_WAIT: Duration = Duration::from_micros(200);
 
 enum Message {
     Iocb(IocbHeader),
+    /// Replace the worker's queue pairs (its devices in increasing index order) and report.
+    Reset {
+        fresh: Vec<IoQueuePair>,
+        done: SyncSender<Result<(), GioError>>,
+    },
     Stop,
 }
+
+/// How long `reset` waits for each worker to delete and replace its queue pairs (each deletion
+/// is bounded by its controller's admin timeout, 10 s by default).
+const RESET_TIMEOUT: Duration = Duration::from_secs(120);
 
 struct Worker {
     sender: SyncSender<Message>,
@@ -44,6 +53,8 @@ pub struct CpuWorkers {
     assignments: Vec<Vec<Option<IoQueuePair>>>,
     /// The worker owning each device index.
     owner: Vec<usize>,
+    /// The NVMe queue depth of each device's queue pair (fresh ones for `reset` match it).
+    queue_depths: Vec<u32>,
     /// Built by `attach`; each IOCB's group per worker is written by `prepared`.
     index: Option<Arc<IoctxIndex>>,
     /// Scratch of one counter per worker for building the index.
@@ -65,6 +76,7 @@ impl CpuWorkers {
     /// of `0..device_count` must be owned by exactly one worker. `depth` is the gio queue depth.
     pub fn new(device_count: usize, workers: Vec<Vec<(DeviceIndex, IoQueuePair)>>, depth: u32) -> Result<Self, GioError> {
         let mut owner: Vec<Option<usize>> = vec![None; device_count];
+        let mut queue_depths = vec![0; device_count];
         let mut assignments = Vec::with_capacity(workers.len());
         for (worker, queues) in workers.into_iter().enumerate() {
             let mut slots: Vec<Option<IoQueuePair>> = (0..device_count).map(|_| None).collect();
@@ -76,6 +88,7 @@ impl CpuWorkers {
                 if let Some(other) = slot.replace(worker) {
                     return Err(GioError::InvalidConfig { reason: format!("{device} owned by workers {other} and {worker}") });
                 }
+                queue_depths[index] = queue.depth();
                 slots[index] = Some(queue);
             }
             assignments.push(slots);
@@ -85,7 +98,7 @@ impl CpuWorkers {
         }
         let owner = owner.into_iter().flatten().collect();
         let counts = vec![0; assignments.len()];
-        Ok(Self { assignments, owner, index: None, counts, workers: Vec::new(), depth, failure: Arc::new(Mutex::new(None)) })
+        Ok(Self { assignments, owner, queue_depths, index: None, counts, workers: Vec::new(), depth, failure: Arc::new(Mutex::new(None)) })
     }
 
     fn record_failure(failure: &Mutex<Option<String>>, error: &GioError) {
@@ -93,13 +106,30 @@ impl CpuWorkers {
         slot.get_or_insert_with(|| error.to_string());
     }
 
+    /// Acts on one message; `false` when the worker must stop.
+    fn handle(core: &mut CpuExecutor, message: Message) -> bool {
+        match message {
+            Message::Iocb(header) => core.accept(header),
+            Message::Reset { fresh, done } => {
+                // The caller waits on `done`; if it gave up, nobody needs the answer.
+                let _ = done.send(core.replace_queue_pairs(fresh));
+            }
+            Message::Stop => return false,
+        }
+        true
+    }
+
     fn run(memory: Arc<QueueMemory>, mut core: CpuExecutor, receiver: Receiver<Message>, failure: Arc<Mutex<Option<String>>>) {
         loop {
             // Take every IOCB handed over since the last round.
             loop {
                 match receiver.try_recv() {
-                    Ok(Message::Iocb(header)) => core.accept(header),
-                    Ok(Message::Stop) | Err(TryRecvError::Disconnected) => return,
+                    Ok(message) => {
+                        if !Self::handle(&mut core, message) {
+                            return;
+                        }
+                    }
+                    Err(TryRecvError::Disconnected) => return,
                     Err(TryRecvError::Empty) => break,
                 }
             }
@@ -113,8 +143,12 @@ impl CpuWorkers {
             }
             // Idle: block until work arrives, bounded so that a lost wake-up cannot stall it.
             match receiver.recv_timeout(IDLE_WAIT) {
-                Ok(Message::Iocb(header)) => core.accept(header),
-                Ok(Message::Stop) | Err(RecvTimeoutError::Disconnected) => return,
+                Ok(message) => {
+                    if !Self::handle(&mut core, message) {
+                        return;
+                    }
+                }
+                Err(RecvTimeoutError::Disconnected) => return,
                 Err(RecvTimeoutError::Timeout) => {}
             }
         }
@@ -198,6 +232,54 @@ impl Executor for CpuWorkers {
             Some(reason) => Err(GioError::Executor { executor: "cpu-workers", reason: reason.clone() }),
             None => Ok(()),
         }
+    }
+}
+
+impl crate::executor::QueuePairReset for CpuWorkers {
+    fn served_queue_depths(&self) -> Vec<(usize, u32)> {
+        self.queue_depths.iter().copied().enumerate().collect()
+    }
+
+    /// Every worker deletes and replaces its own queue pairs (on its thread, between polls);
+    /// only when all have, are the IOCBs still in flight ended. `fresh[d]` serves device `d`.
+    fn reset(&mut self, memory: &QueueMemory, fresh: Vec<IoQueuePair>) -> Result<usize, GioError> {
+        if fresh.len() != self.owner.len() {
+            return Err(GioError::InvalidConfig {
+                reason: format!("reset needs {} fresh queue pairs, got {}", self.owner.len(), fresh.len()),
+            });
+        }
+        if self.workers.is_empty() {
+            return Err(GioError::Executor { executor: "cpu-workers", reason: "not attached to a queue".into() });
+        }
+        let mut per_worker: Vec<Vec<IoQueuePair>> = (0..self.workers.len()).map(|_| Vec::new()).collect();
+        for (device, queue) in fresh.into_iter().enumerate() {
+            per_worker[self.owner[device]].push(queue); // increasing device order per worker
+        }
+        let mut replies = Vec::with_capacity(self.workers.len());
+        for (index, (worker, fresh)) in self.workers.iter().zip(per_worker).enumerate() {
+            let (done, reply) = mpsc::sync_channel(1);
+            worker
+                .sender
+                .send(Message::Reset { fresh, done })
+                .map_err(|_| GioError::Executor { executor: "cpu-workers", reason: format!("worker {index} has stopped") })?;
+            replies.push(reply);
+        }
+        let mut failure = None;
+        for (index, reply) in replies.into_iter().enumerate() {
+            let outcome = reply.recv_timeout(RESET_TIMEOUT).unwrap_or_else(|_| {
+                Err(GioError::Executor {
+                    executor: "cpu-workers",
+                    reason: format!("worker {index} did not replace its queue pairs within {} s", RESET_TIMEOUT.as_secs()),
+                })
+            });
+            if let Err(error) = outcome {
+                failure.get_or_insert(error);
+            }
+        }
+        if let Some(error) = failure {
+            return Err(error);
+        }
+        crate::cpu_executor::finish_issued_as_timeout(memory)
     }
 }
 

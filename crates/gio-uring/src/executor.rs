@@ -65,6 +65,19 @@ pub trait Executor: Send {
     fn poll(&mut self, memory: &QueueMemory) -> Result<(), GioError>;
 }
 
+/// Executors whose NVMe queue pairs the caller can replace after a wait timed out (a lost
+/// completion, a silent device): the CPU executors. `reset` deletes the old queue pairs on the
+/// controllers (so none of their commands moves data afterwards), installs `fresh` (one per
+/// served device, in the order of `served_queue_depths`), then ends every IOCB still in flight
+/// as TIMEOUT with one CQE, and returns how many. If a deletion fails nothing is reclaimed and
+/// the error says that controller needs a reset. (The GPU executor resets its queue pairs
+/// itself after a kernel timeout.)
+pub trait QueuePairReset: Executor {
+    /// `(device index, NVMe queue depth)` of every device served.
+    fn served_queue_depths(&self) -> Vec<(usize, u32)>;
+    fn reset(&mut self, memory: &QueueMemory, fresh: Vec<nvme_driver::IoQueuePair>) -> Result<usize, GioError>;
+}
+
 /// Records the completion of IOCTX `ioctx_index` of IOCB `id` with `status`; returns the CQE to
 /// post if this was the last outstanding IOCTX of the issue. The protocol the GPU kernel follows
 /// too:

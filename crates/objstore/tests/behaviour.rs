@@ -415,3 +415,33 @@ fn a_lost_completion_is_abandoned_and_the_layer_issued_again() {
     assert!(rig.engine.holds(7, fresh_key, 4));
     assert_eq!(rig.store.abandon_in_flight().unwrap(), 0, "nothing in flight: nothing abandoned");
 }
+
+#[test]
+fn a_lost_completion_on_the_worker_executor_is_abandoned_too() {
+    // Goal: the same recovery with CpuWorkers, whose queue pairs live on worker threads: each
+    // worker replaces its own, then the layer is reissued and reads the right bytes.
+    use gio_uring::GioError;
+    use nvme_emu::{FaultAction, FaultPlan, FaultRule};
+    let device = start_device(vec![NamespaceConfig::new(512, None)], 8 << 20, true);
+    let controller = bring_up(&device, Duration::from_secs(5));
+    format(&targets(&controller, &[1]), 1, Some(16));
+    let engine = separate_kv(controller.dma(), 32, DataPointerMode::Sgl);
+    let mut kv = open_store_workers(targets(&controller, &[1]), &engine, StoreConfig::default());
+    let mut rng = Rng(10);
+    let tokens = rng.tokens(32);
+    let keys = keys_of(&tokens);
+    store(&mut kv, &engine, &tokens, &[0, 1]);
+    device.set_faults(FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion)));
+    let handle = kv.prepare_retrieve(&KvRequest { tokens: &tokens, block_ids: &[3, 4] }).unwrap();
+    kv.retrieve_layer(handle, 0, BUDGET).unwrap();
+    let timed_out = kv.wait(handle, std::time::Instant::now() + Duration::from_millis(200));
+    assert!(matches!(timed_out, Err(ObjstoreError::Gio(GioError::WaitTimeout { .. }))), "{timed_out:?}");
+    device.set_faults(FaultPlan::none());
+    assert_eq!(kv.abandon_in_flight().unwrap(), 1);
+    for layer in 0..4 {
+        kv.retrieve_layer(handle, layer, BUDGET).unwrap();
+        assert_eq!(kv.wait(handle, deadline()).unwrap(), Some(layer));
+    }
+    kv.finish(handle).unwrap();
+    assert!(engine.holds(3, keys[0], 4) && engine.holds(4, keys[1], 4));
+}

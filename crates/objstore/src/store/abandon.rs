@@ -1,11 +1,11 @@
-//! Recovery from a wait that timed out on the CPU executor: a completion the device lost, or a
+//! Recovery from a wait that timed out on a CPU executor: a completion the device lost, or a
 //! device that stopped answering. Waiting longer cannot end such a layer, and `finish` refuses
 //! a request with a layer in flight (the device might still move its bytes), so without this
 //! only dropping the store would free the request.
 
 use std::time::{Duration, Instant};
 
-use gio_uring::CpuExecutor;
+use gio_uring::QueuePairReset;
 
 use super::KvStore;
 use crate::error::Result;
@@ -14,7 +14,7 @@ use crate::error::Result;
 /// the reaping of them.
 const REAP_TIMEOUT: Duration = Duration::from_secs(1);
 
-impl KvStore<CpuExecutor> {
+impl<E: QueuePairReset> KvStore<E> {
     /// Ends every layer in flight, of every request: the executor's queue pairs are deleted on
     /// the controllers (which aborts or finishes their commands, so none of them moves data
     /// afterwards) and replaced by fresh ones of the same depth. Returns how many layers were
@@ -26,7 +26,7 @@ impl KvStore<CpuExecutor> {
     /// GPU executor needs none of this: it resets its queue pairs itself when a kernel times
     /// out, and its layers then complete with a timeout failure.
     pub fn abandon_in_flight(&mut self) -> Result<usize> {
-        let served: Vec<(usize, u32)> = self.queue.executor().served_queue_depths().collect();
+        let served = self.queue.executor().served_queue_depths();
         let mut fresh = Vec::with_capacity(served.len());
         for (device, depth) in served {
             fresh.push(self.pool.target(device).controller.create_io_queue_pair(depth)?);
