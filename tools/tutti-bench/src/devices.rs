@@ -10,6 +10,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use nvme_driver::hw::vfio::{PciAddress, VfioOptions};
+use nvme_driver::DmaPool;
 use nvme_driver::{Controller, ControllerConfig, DataSegment, DeviceBackend, DmaRegion, IoQueuePair, Lba, NamespaceId, NvmeError};
 use nvme_emu::{Backing, EmuConfig, EmuDevice, NamespaceConfig};
 
@@ -471,47 +473,75 @@ pub struct KvController {
     pub description: String,
 }
 
-/// Opens an `emu:` or `vfio:` device for the KV workload; `uring:` and `emu:null:` cannot hold
-/// a pool (no NVMe queues; no data) and are refused by the caller.
-pub fn open_controller(spec: &DeviceSpec, options: OpenOptions2, created: &mut CreatedFiles) -> Result<KvController, DeviceError> {
-    let (backend, emu, description): (Arc<dyn DeviceBackend>, Option<Arc<EmuDevice>>, String) = match spec {
-        DeviceSpec::EmuFile(path) => {
-            prepare_file(path, options, created)?;
-            let config = emu_config(options).with_backing(Backing::File { path: path.clone(), create_bytes: None });
-            let emu = EmuDevice::start(config).map_err(|error| DeviceError::Setup(format!("software NVMe controller: {error}")))?;
-            (
-                Arc::clone(&emu) as Arc<dyn DeviceBackend>,
-                Some(emu),
-                format!("software NVMe controller (nvme-emu) over file {}", path.display()),
-            )
+/// Opens the `emu:` or `vfio:` devices of one KV pool, in one DMA space (the store registers
+/// the engine's memory once): every `vfio:` function in one VFIO container, every software
+/// controller in the first one's DMA pool. `uring:` and `emu:null:` cannot hold a pool (no
+/// NVMe queues; no data), and `vfio:` and `emu:` cannot be mixed (two address spaces).
+pub fn open_controllers(specs: &[DeviceSpec], options: OpenOptions2, created: &mut CreatedFiles) -> Result<Vec<KvController>, DeviceError> {
+    let mut addresses = Vec::new();
+    for spec in specs {
+        match spec {
+            DeviceSpec::Vfio(address) => {
+                addresses.push(address.parse::<PciAddress>().map_err(|error| DeviceError::Setup(format!("{spec}: {error}")))?)
+            }
+            DeviceSpec::EmuFile(_) | DeviceSpec::EmuMemory(_) => {}
+            DeviceSpec::EmuNull(_) | DeviceSpec::Uring(_) => {
+                return Err(DeviceError::Setup(format!(
+                    "{spec} cannot hold a KV pool; accepted for --workload=kv: emu:PATH, emu:mem:SIZE, vfio:BDF"
+                )));
+            }
         }
-        DeviceSpec::EmuMemory(bytes) => {
-            let config = emu_config(options).with_backing(Backing::Memory { bytes: *bytes });
-            let emu = EmuDevice::start(config).map_err(|error| DeviceError::Setup(format!("software NVMe controller: {error}")))?;
-            (
-                Arc::clone(&emu) as Arc<dyn DeviceBackend>,
-                Some(emu),
-                format!("software NVMe controller (nvme-emu) over {} of memory", format_size(*bytes)),
-            )
-        }
-        DeviceSpec::Vfio(address) => {
-            let device = nvme_driver::hw::VfioDevice::open(address).map_err(|error| {
-                DeviceError::Setup(format!("vfio:{address}: {error} (needs the device bound to vfio-pci and access to /dev/vfio)"))
-            })?;
-            (Arc::new(device), None, format!("NVMe controller {address} through VFIO"))
-        }
-        DeviceSpec::EmuNull(_) | DeviceSpec::Uring(_) => {
-            return Err(DeviceError::Setup(format!(
-                "{spec} cannot hold a KV pool; accepted for --workload=kv: emu:PATH, emu:mem:SIZE, vfio:BDF"
-            )));
-        }
-    };
-    let name = backend.name();
-    let controller = Controller::init(backend, ControllerConfig::default()).map_err(|source| DeviceError::Nvme { device: name, source })?;
-    let description = format!(
-        "{description}: {} data pointers, max transfer {}",
-        controller.data_pointer_mode().name(),
-        format_size(controller.max_transfer_bytes())
-    );
-    Ok(KvController { controller: Arc::new(controller), _emu: emu, description })
+    }
+    if !addresses.is_empty() && addresses.len() != specs.len() {
+        return Err(DeviceError::Setup(
+            "a KV pool's devices share one DMA space: give only vfio: devices (one VFIO container) or only emu: ones".into(),
+        ));
+    }
+    let mut vfio = nvme_driver::hw::VfioDevice::open_many(&addresses, &VfioOptions::default())
+        .map_err(|error| {
+            let listed = addresses.iter().map(|address| format!("vfio:{address}")).collect::<Vec<_>>().join(" ");
+            DeviceError::Setup(format!("{listed}: {error} (needs the devices bound to vfio-pci and access to /dev/vfio)"))
+        })?
+        .into_iter();
+    let space = DmaPool::identity();
+    let mut controllers = Vec::with_capacity(specs.len());
+    for spec in specs {
+        let start_emu = |config: EmuConfig| {
+            EmuDevice::start_in(config, &space).map_err(|error| DeviceError::Setup(format!("software NVMe controller: {error}")))
+        };
+        let (backend, emu, description): (Arc<dyn DeviceBackend>, Option<Arc<EmuDevice>>, String) = match spec {
+            DeviceSpec::EmuFile(path) => {
+                prepare_file(path, options, created)?;
+                let emu = start_emu(emu_config(options).with_backing(Backing::File { path: path.clone(), create_bytes: None }))?;
+                (
+                    Arc::clone(&emu) as Arc<dyn DeviceBackend>,
+                    Some(emu),
+                    format!("software NVMe controller (nvme-emu) over file {}", path.display()),
+                )
+            }
+            DeviceSpec::EmuMemory(bytes) => {
+                let emu = start_emu(emu_config(options).with_backing(Backing::Memory { bytes: *bytes }))?;
+                (
+                    Arc::clone(&emu) as Arc<dyn DeviceBackend>,
+                    Some(emu),
+                    format!("software NVMe controller (nvme-emu) over {} of memory", format_size(*bytes)),
+                )
+            }
+            DeviceSpec::Vfio(address) => {
+                let device = vfio.next().expect("one opened function per vfio: spec");
+                (Arc::new(device), None, format!("NVMe controller {address} through VFIO"))
+            }
+            DeviceSpec::EmuNull(_) | DeviceSpec::Uring(_) => unreachable!("refused above"),
+        };
+        let name = backend.name();
+        let controller =
+            Controller::init(backend, ControllerConfig::default()).map_err(|source| DeviceError::Nvme { device: name, source })?;
+        let description = format!(
+            "{description}: {} data pointers, max transfer {}",
+            controller.data_pointer_mode().name(),
+            format_size(controller.max_transfer_bytes())
+        );
+        controllers.push(KvController { controller: Arc::new(controller), _emu: emu, description });
+    }
+    Ok(controllers)
 }

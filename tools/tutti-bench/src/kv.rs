@@ -76,10 +76,12 @@ impl KvPlan {
         ((self.blocks() as f64) * self.hit_rate).round() as u64
     }
 
-    /// Bytes of a pool device that holds this plan's blocks.
-    pub fn pool_bytes(&self) -> u64 {
+    /// Bytes of each of `devices` pool devices: blocks go round-robin across them (one more slot
+    /// each for where the store's round-robin cursor starts).
+    pub fn pool_bytes_per_device(&self, devices: usize) -> u64 {
         let block_bytes = self.model.bytes_per_token() * self.block_tokens;
-        self.blocks() * (block_bytes + SLOT_OVERHEAD_BYTES) + POOL_OVERHEAD_BYTES
+        let blocks = if devices <= 1 { self.blocks() } else { self.blocks().div_ceil(devices as u64) + 1 };
+        blocks * (block_bytes + SLOT_OVERHEAD_BYTES) + POOL_OVERHEAD_BYTES
     }
 }
 
@@ -87,22 +89,18 @@ impl KvPlan {
 pub fn run(cli: &Cli) -> anyhow::Result<()> {
     let plan = KvPlan::from_cli(cli);
     check_plan(&plan)?;
-    if cli.devices.len() > 1 {
-        return usage("--workload=kv drives one device in this build (a pool across several software controllers needs one shared DMA space); give one --device");
-    }
     let mut created = CreatedFiles::default();
-    let spec = match cli.devices.first() {
-        Some(spec) => spec.clone(),
-        None => {
-            let path = crate::run::temporary_pool_file(cli.directory.as_deref(), plan.pool_bytes())?;
-            created.push(path.clone());
-            DeviceSpec::EmuFile(path)
-        }
+    let specs = if cli.devices.is_empty() {
+        let path = crate::run::temporary_pool_file(cli.directory.as_deref(), plan.pool_bytes_per_device(1))?;
+        created.push(path.clone());
+        vec![DeviceSpec::EmuFile(path)]
+    } else {
+        cli.devices.clone()
     };
     if cli.keep {
         created.keep();
     }
-    let result = run_plan(&spec, &plan, cli.output_format, &mut created);
+    let result = run_plan(&specs, &plan, cli.output_format, &mut created);
     if !cli.devices.is_empty() {
         if result.is_ok() {
             created.keep();
@@ -309,21 +307,22 @@ impl LayerPhase {
     }
 }
 
-/// Runs a plan on one device (created files are registered in `created`).
-pub fn run_plan(spec: &DeviceSpec, plan: &KvPlan, output: OutputFormat, created: &mut CreatedFiles) -> anyhow::Result<()> {
+/// Runs a plan on one pool over `specs` (created files are registered in `created`).
+pub fn run_plan(specs: &[DeviceSpec], plan: &KvPlan, output: OutputFormat, created: &mut CreatedFiles) -> anyhow::Result<()> {
     let geometry = plan.geometry()?;
     let options = OpenOptions2 {
         writes: true,
-        create_bytes: Some(plan.pool_bytes()),
+        create_bytes: Some(plan.pool_bytes_per_device(specs.len())),
         io_bytes_max: 2 * geometry.object_bytes(),
         queues: 4,
         lay_out: false,
     };
-    let device = devices::open_controller(spec, options, created).map_err(|error| match error {
+    let listed = specs.iter().map(ToString::to_string).collect::<Vec<_>>().join(",");
+    let devices = devices::open_controllers(specs, options, created).map_err(|error| match error {
         DeviceError::Setup(message) => UsageError(message).into(),
-        error => anyhow::Error::new(error).context(format!("opening {spec}")),
+        error => anyhow::Error::new(error).context(format!("opening {listed}")),
     })?;
-    let rig = Rig::build(&device, &geometry, plan)?;
+    let rig = Rig::build(&devices, &geometry, plan)?;
     let config = json!({
         "workload": "kv",
         "model": plan.model.name,
@@ -336,8 +335,8 @@ pub fn run_plan(spec: &DeviceSpec, plan: &KvPlan, output: OutputFormat, created:
         "kv_bytes": plan.blocks() * geometry.block_bytes(),
         "verify": plan.verify,
         "executor": "cpu",
-        "device": spec.to_string(),
-        "device_description": device.description,
+        "device": listed,
+        "device_description": devices.iter().map(|device| device.description.as_str()).collect::<Vec<_>>().join("; "),
         "pool_slots": rig.slots,
     });
     if output == OutputFormat::Normal {
@@ -352,7 +351,10 @@ pub fn run_plan(spec: &DeviceSpec, plan: &KvPlan, output: OutputFormat, created:
             plan.cached_blocks(),
             plan.verify
         );
-        println!("  device {spec}: {}; pool of {} slots (1 block per slot)", device.description, rig.slots);
+        for (spec, device) in specs.iter().zip(&devices) {
+            println!("  device {spec}: {}", device.description);
+        }
+        println!("  pool of {} slots (1 block per slot) over {} device(s), blocks round-robin", rig.slots, devices.len());
     }
     let phases = rig.run(plan)?;
     match output {
@@ -385,25 +387,29 @@ struct Rig {
 }
 
 impl Rig {
-    fn build(device: &KvController, geometry: &ModelGeometry, plan: &KvPlan) -> anyhow::Result<Self> {
+    fn build(devices: &[KvController], geometry: &ModelGeometry, plan: &KvPlan) -> anyhow::Result<Self> {
         let blocks = u32::try_from(plan.blocks()).map_err(|_| anyhow!("too many blocks"))?;
-        let targets = vec![PoolTarget { controller: Arc::clone(&device.controller), namespace: NamespaceId(1) }];
+        let targets: Vec<PoolTarget> =
+            devices.iter().map(|device| PoolTarget { controller: Arc::clone(&device.controller), namespace: NamespaceId(1) }).collect();
         let params = FormatParams { geometry: *geometry, blocks_per_slot: 1, slot_count_max: None, pool_uuid: None, payload_crc: false };
         format_pool(&targets, &params).context("formatting the pool")?;
         let (pool, report) = Pool::open(targets, Some(geometry)).context("opening the pool")?;
         if report.slots < plan.blocks() {
             let tokens = report.slots * plan.block_tokens;
             return usage(format!(
-                "--prompt-tokens={} needs {} slots of {}; the device holds {}; accepted: up to {tokens} tokens on this device",
+                "--prompt-tokens={} needs {} slots of {}; the pool's {} device(s) hold {}; accepted: up to {tokens} tokens on them",
                 plan.prompt_tokens,
                 plan.blocks(),
                 format_size(geometry.block_bytes()),
+                devices.len(),
                 report.slots
             ));
         }
-        let dma = Arc::clone(device.controller.dma());
+        // One DMA space for all pool devices (open_controllers): the first one's allocator.
+        let dma = Arc::clone(devices[0].controller.dma());
         let (engine, layout) = Engine::allocate(&dma, geometry, blocks)?;
-        let mode = if device.controller.data_pointer_mode() == DataPointerMode::Sgl { DataPointerMode::Sgl } else { DataPointerMode::Prp };
+        let sgl = devices.iter().all(|device| device.controller.data_pointer_mode() == DataPointerMode::Sgl);
+        let mode = if sgl { DataPointerMode::Sgl } else { DataPointerMode::Prp };
         let registration = KvRegistration::new(*geometry, blocks, layout, mode).context("registering the engine's KV memory")?;
         let config = StoreConfig::default();
         let executor = cpu_executor_for(&pool, 1024, &config).context("creating the CPU executor")?;

@@ -344,10 +344,10 @@ fn default_kv(pool: &TemporaryPool, created: &mut CreatedFiles) -> anyhow::Resul
         block_tokens: 16,
         verify: true,
     };
-    while plan.pool_bytes() > pool.bytes && plan.prompt_tokens > plan.block_tokens {
+    while plan.pool_bytes_per_device(1) > pool.bytes && plan.prompt_tokens > plan.block_tokens {
         plan.prompt_tokens -= plan.block_tokens;
     }
-    if plan.pool_bytes() > pool.bytes {
+    if plan.pool_bytes_per_device(1) > pool.bytes {
         return usage(format!(
             "the pool file of {} cannot hold one KV block of {}; free some space or pass --directory DIR",
             format_size(pool.bytes),
@@ -367,7 +367,7 @@ fn default_kv(pool: &TemporaryPool, created: &mut CreatedFiles) -> anyhow::Resul
         plan.prompt_tokens,
         plan.block_tokens
     );
-    crate::kv::run_plan(&DeviceSpec::EmuFile(pool.path.clone()), &plan, OutputFormat::Normal, created)
+    crate::kv::run_plan(&[DeviceSpec::EmuFile(pool.path.clone())], &plan, OutputFormat::Normal, created)
 }
 
 /// A temporary pool file of `bytes` for a run that named no device (removed by the caller).

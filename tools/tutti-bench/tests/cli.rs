@@ -181,6 +181,30 @@ fn kv_store_retrieve_verify_reports_every_layer() {
 }
 
 #[test]
+fn kv_pool_striped_over_two_software_controllers() {
+    // Goal: a KV pool over two controllers (one DMA space) stores, retrieves and verifies; the
+    // report names both devices.
+    let output = bench(&[
+        "--workload=kv",
+        "--device",
+        "emu:mem:64m",
+        "--device",
+        "emu:mem:64m",
+        "--model=llama3-8b",
+        "--prompt-tokens=160",
+        "--block-tokens=16",
+        "--hit-rate=0.6",
+        "--verify",
+        "--output-format=json",
+    ]);
+    assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
+    let json: serde_json::Value = serde_json::from_slice(&output.stdout).expect("JSON output parses");
+    assert_eq!(json["global options"]["device"], "emu:mem:64MiB,emu:mem:64MiB");
+    let phases = json["phases"].as_array().unwrap();
+    assert_eq!(phases[1]["verified_bytes"], 6 * 32 * 2 * (32 << 10));
+}
+
+#[test]
 fn kv_bad_input_is_refused_without_leaving_files() {
     let directory = tempfile::tempdir().unwrap();
     let pool = directory.path().join("pool.img");
@@ -191,6 +215,7 @@ fn kv_bad_input_is_refused_without_leaving_files() {
     assert!(!pool.exists(), "a refused run left {} behind", pool.display());
     assert_refused(&["--workload=kv", "--device", "emu:mem:64m", "--prompt-tokens=100000"], &["accepted: up to"]);
     assert_refused(&["--workload=kv", "--device", "uring:/dev/null"], &["cannot hold a KV pool"]);
+    assert_refused(&["--workload=kv", "--device", "emu:mem:64m", "--device", "vfio:0000:00:04.0"], &["one DMA space"]);
     assert_refused(&["--workload=kv", "--device", "emu:mem:64m", "--prompt-tokens=8"], &["less than one block"]);
     assert_refused(&["--workload=kv", "--hit-rate=1.5"], &["fraction"]);
 }
