@@ -51,6 +51,8 @@ pub struct CpuExecutor {
     doorbell_due: Vec<bool>,
     /// Worker mode: the IOCTX index built at fill time and this worker's number in it.
     index: Option<(Arc<IoctxIndex>, usize)>,
+    /// (device, old queue pair) whose deletion failed in a reset: retried by the next one.
+    undeleted: Vec<(usize, IoQueuePair)>,
 }
 
 /// The tag of an NVMe command: which IOCTX of which IOCB it carries.
@@ -85,7 +87,7 @@ impl CpuExecutor {
     /// this worker.
     pub(crate) fn for_devices(queues: Vec<Option<IoQueuePair>>, depth: u32, index: Option<(Arc<IoctxIndex>, usize)>) -> Self {
         let doorbell_due = vec![false; queues.len()];
-        Self { queues, pending: VecDeque::with_capacity(depth as usize), doorbell_due, index }
+        Self { queues, pending: VecDeque::with_capacity(depth as usize), doorbell_due, index, undeleted: Vec::new() }
     }
 
     /// Takes an IOCB another thread consumed from the SQ (worker mode).
@@ -207,7 +209,8 @@ impl CpuExecutor {
     ///
     /// If a deletion fails (each is bounded by the controller's admin timeout), nothing is
     /// reclaimed: the fresh pairs are in place, but the IOCBs stay in flight, because the old
-    /// commands may still move data. Reset that controller before reusing their memory.
+    /// commands may still move data. The failed pair is kept and its deletion retried by the
+    /// next reset, which reclaims only once it succeeds (or the controller was reset).
     pub fn reset(&mut self, memory: &QueueMemory, fresh: Vec<IoQueuePair>) -> Result<usize, GioError> {
         self.replace_queue_pairs(fresh)?;
         finish_issued_as_timeout(memory)
@@ -215,24 +218,39 @@ impl CpuExecutor {
 
     /// The first half of [`CpuExecutor::reset`]: deletes the old queue pairs, installs `fresh`
     /// and forgets every IOCTX not yet submitted. Also run by each worker of `CpuWorkers`.
+    ///
+    /// A pair whose deletion fails is kept (its rings stay allocated: late completions cannot
+    /// land in reused memory) and its deletion is retried by the next reset; until one succeeds,
+    /// or its controller is reset, every reset returns an error, so no IOCB is reclaimed while
+    /// the old commands may still move data.
     pub(crate) fn replace_queue_pairs(&mut self, fresh: Vec<IoQueuePair>) -> Result<(), GioError> {
         let served = self.queues.iter().filter(|queue| queue.is_some()).count();
         if fresh.len() != served {
             return Err(GioError::InvalidConfig { reason: format!("reset needs {served} fresh queue pairs, got {}", fresh.len()) });
         }
-        let mut fresh = fresh.into_iter();
         let mut failure = None;
-        for (device, slot) in self.queues.iter_mut().enumerate().filter(|(_, queue)| queue.is_some()) {
-            let old = std::mem::replace(slot, fresh.next()).expect("served slots hold a queue pair");
-            if let Err(source) = old.delete() {
+        let mut delete = |device: usize, pair: IoQueuePair, undeleted: &mut Vec<(usize, IoQueuePair)>| {
+            if let Err(error) = pair.delete() {
                 failure.get_or_insert(GioError::Nvme {
                     context: format!(
-                        "deleting device {device}'s queue pair during reset (its commands may still move data: reset the controller)"
+                        "deleting device {device}'s old queue pair during reset (its commands may still move data: nothing is reclaimed \
+                         until a later reset deletes it or the controller is reset)"
                     ),
-                    source,
+                    source: error.source,
                 });
+                undeleted.push((device, *error.pair));
             }
+        };
+        let mut undeleted = Vec::new();
+        for (device, pair) in std::mem::take(&mut self.undeleted) {
+            delete(device, pair, &mut undeleted);
         }
+        let mut fresh = fresh.into_iter();
+        for (device, slot) in self.queues.iter_mut().enumerate().filter(|(_, queue)| queue.is_some()) {
+            let old = std::mem::replace(slot, fresh.next()).expect("served slots hold a queue pair");
+            delete(device, old, &mut undeleted);
+        }
+        self.undeleted = undeleted;
         self.pending.clear();
         self.doorbell_due.iter_mut().for_each(|due| *due = false);
         failure.map_or(Ok(()), Err)

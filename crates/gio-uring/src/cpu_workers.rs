@@ -255,23 +255,33 @@ impl crate::executor::QueuePairReset for CpuWorkers {
         for (device, queue) in fresh.into_iter().enumerate() {
             per_worker[self.owner[device]].push(queue); // increasing device order per worker
         }
+        // Tell every worker, then wait for every one told (even after a failure: a worker that
+        // got the message replaces its pairs regardless, and its outcome must be heard).
+        let mut failure = None;
         let mut replies = Vec::with_capacity(self.workers.len());
         for (index, (worker, fresh)) in self.workers.iter().zip(per_worker).enumerate() {
             let (done, reply) = mpsc::sync_channel(1);
-            worker
-                .sender
-                .send(Message::Reset { fresh, done })
-                .map_err(|_| GioError::Executor { executor: "cpu-workers", reason: format!("worker {index} has stopped") })?;
-            replies.push(reply);
+            match worker.sender.send(Message::Reset { fresh, done }) {
+                Ok(()) => replies.push((index, reply)),
+                Err(_) => {
+                    failure.get_or_insert(GioError::Executor { executor: "cpu-workers", reason: format!("worker {index} has stopped") });
+                }
+            }
         }
-        let mut failure = None;
-        for (index, reply) in replies.into_iter().enumerate() {
-            let outcome = reply.recv_timeout(RESET_TIMEOUT).unwrap_or_else(|_| {
-                Err(GioError::Executor {
+        for (index, reply) in replies {
+            let outcome = match reply.recv_timeout(RESET_TIMEOUT) {
+                Ok(outcome) => outcome,
+                Err(RecvTimeoutError::Timeout) => Err(GioError::Executor {
                     executor: "cpu-workers",
-                    reason: format!("worker {index} did not replace its queue pairs within {} s", RESET_TIMEOUT.as_secs()),
-                })
-            });
+                    reason: format!(
+                        "worker {index} did not replace its queue pairs within {} s (a later reset hears of any deletion it could not do)",
+                        RESET_TIMEOUT.as_secs()
+                    ),
+                }),
+                Err(RecvTimeoutError::Disconnected) => {
+                    Err(GioError::Executor { executor: "cpu-workers", reason: format!("worker {index} stopped during the reset") })
+                }
+            };
             if let Err(error) = outcome {
                 failure.get_or_insert(error);
             }

@@ -181,17 +181,29 @@ fn a_lost_completion_is_reclaimed_by_resetting_the_queue_pair_and_the_iocb_reiss
         action: FaultAction::Status(DriverStatus::generic(nvme_driver::spec::status::codes::INTERNAL_ERROR)),
         repeat: false,
     };
-    rig.device.set_faults(FaultPlan::none().with_rule(refuse_delete));
+    let delete_sq_commands = |device: &EmuDevice| device.stats().admin_commands.get(&0x00).copied().unwrap_or(0);
+    let deletes_before = delete_sq_commands(&rig.device);
+    // The first two Delete I/O SQ commands fail.
+    rig.device.set_faults(FaultPlan::none().with_rule(refuse_delete).with_rule(FaultRule { nth: 2, ..refuse_delete }));
     let fresh = rig.controller.create_io_queue_pair(64).unwrap();
     let (executor, memory) = rig.queue.executor_and_memory();
     let refused = executor.reset(memory, vec![fresh]);
-    assert!(matches!(&refused, Err(GioError::Nvme { context, .. }) if context.contains("reset the controller")), "{refused:?}");
+    assert!(matches!(&refused, Err(GioError::Nvme { context, .. }) if context.contains("the controller is reset")), "{refused:?}");
     let still = rig.queue.wait_cqe(read, Instant::now() + Duration::from_millis(50));
     assert!(matches!(still, Err(GioError::WaitTimeout { .. })), "not reclaimed while the old queue may run: {still:?}");
-    rig.device.set_faults(FaultPlan::none());
+    // The next reset retries the pair the failed one kept; refused again, still nothing is
+    // reclaimed (even though the pair the first reset installed deletes fine).
+    let fresh = rig.controller.create_io_queue_pair(64).unwrap();
+    let (executor, memory) = rig.queue.executor_and_memory();
+    assert!(executor.reset(memory, vec![fresh]).is_err(), "the kept pair is still undeleted");
+    let still = rig.queue.wait_cqe(read, Instant::now() + Duration::from_millis(50));
+    assert!(matches!(still, Err(GioError::WaitTimeout { .. })), "not reclaimed while the old queue may run: {still:?}");
+    // The controller answers now: the kept pair is deleted, then the replaced one, and only
+    // then is the IOCB reclaimed.
     let fresh = rig.controller.create_io_queue_pair(64).unwrap();
     let (executor, memory) = rig.queue.executor_and_memory();
     assert_eq!(executor.reset(memory, vec![fresh]).unwrap(), 1, "the one IOCB in flight is reclaimed");
+    assert_eq!(delete_sq_commands(&rig.device) - deletes_before, 5, "refused twice, then the kept pair and two replaced ones");
     let reclaimed = rig.queue.wait_cqe(read, deadline()).unwrap();
     assert!(matches!(reclaimed.result, Err(IocbFailure::Timeout { .. })), "{:?}", reclaimed.result);
     let (executor, memory) = rig.queue.executor_and_memory();

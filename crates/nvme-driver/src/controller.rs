@@ -96,23 +96,26 @@ impl AdminShared {
     /// Deletes an I/O SQ and its CQ (bounded by the admin timeout) and frees the queue id. On
     /// failure the id stays reserved: reusing it while the controller still has the queue would
     /// fail.
-    /// Deletes an I/O queue pair (submission queue first, which makes the controller abort
-    /// or finish its commands: none of them moves data after this returns `Ok`). On an error
-    /// that is not guaranteed, and the queue id stays reserved.
-    pub(crate) fn try_delete_io_queue_pair(&self, id: QueueId) -> Result<(), NvmeError> {
+    /// Deletes an I/O queue pair: the submission queue first (unless `sq_deleted` says an
+    /// earlier try already did), which makes the controller abort or finish its commands, so
+    /// none of them moves data once that step succeeded; then the completion queue, and the id
+    /// is released. On an error the id stays reserved; `sq_deleted` tells a retry where to
+    /// resume.
+    pub(crate) fn try_delete_io_queue_pair(&self, id: QueueId, sq_deleted: &mut bool) -> Result<(), NvmeError> {
         let mut admin = self.lock_admin();
-        let deleted = admin
-            .execute(SubmissionEntry::delete_io_submission_queue(id.0), self.timeout)
-            .and_then(|_| admin.execute(SubmissionEntry::delete_io_completion_queue(id.0), self.timeout));
+        if !*sq_deleted {
+            admin.execute(SubmissionEntry::delete_io_submission_queue(id.0), self.timeout)?;
+            *sq_deleted = true;
+        }
+        admin.execute(SubmissionEntry::delete_io_completion_queue(id.0), self.timeout)?;
         drop(admin);
-        deleted?;
         self.release_queue_id(id);
         Ok(())
     }
 
     /// [`AdminShared::try_delete_io_queue_pair`] for drop paths: a failure is logged.
     pub(crate) fn delete_io_queue_pair(&self, id: QueueId) {
-        if let Err(error) = self.try_delete_io_queue_pair(id) {
+        if let Err(error) = self.try_delete_io_queue_pair(id, &mut false) {
             tracing::warn!(queue = %id, %error, "deleting I/O queue pair failed");
         }
     }

@@ -30,6 +30,8 @@ pub struct IoQueuePair {
     namespaces: Vec<Namespace>,
     /// Set by [`IoQueuePair::delete`], so that drop does not delete twice.
     deleted: bool,
+    /// The submission queue is gone on the controller (a deletion got that far).
+    sq_deleted: bool,
 }
 
 impl std::fmt::Debug for IoQueuePair {
@@ -47,7 +49,7 @@ impl IoQueuePair {
         max_transfer_bytes: u64,
         namespaces: Vec<Namespace>,
     ) -> Self {
-        Self { queue, admin, epoch, mode, max_transfer_bytes, namespaces, deleted: false }
+        Self { queue, admin, epoch, mode, max_transfer_bytes, namespaces, deleted: false, sq_deleted: false }
     }
 
     pub fn id(&self) -> QueueId {
@@ -323,22 +325,47 @@ impl IoQueuePair {
 impl IoQueuePair {
     /// Deletes the queue pair on the controller and reports how that went (dropping it does the
     /// same, but can only log a failure). After `Ok`, none of its commands moves data any more:
-    /// the controller aborted or finished them, and their completions are discarded. After an
-    /// error that is not guaranteed: reset the controller before reusing the memory they named.
-    pub fn delete(mut self) -> Result<(), NvmeError> {
-        self.deleted = true;
-        if self.admin.epoch.load(Ordering::Acquire) != self.epoch {
+    /// the controller aborted or finished them, and their completions are discarded.
+    ///
+    /// On an error that is not guaranteed, and the pair comes back inside the error: keep it
+    /// (its rings stay allocated, so late completions cannot land in reused memory) and call
+    /// `delete` again, or reset the controller ([`IoQueuePair::controller_was_reset`] then says
+    /// so, and dropping it is safe).
+    pub fn delete(mut self) -> Result<(), UndeletedQueuePair> {
+        if self.controller_was_reset() {
+            self.deleted = true;
             return Ok(()); // The controller was reset: these queues no longer exist there.
         }
-        self.admin.try_delete_io_queue_pair(self.queue.id())
+        match self.admin.try_delete_io_queue_pair(self.queue.id(), &mut self.sq_deleted) {
+            Ok(()) => {
+                self.deleted = true;
+                Ok(())
+            }
+            Err(source) => Err(UndeletedQueuePair { source, pair: Box::new(self) }),
+        }
     }
+
+    /// Whether the controller was reset since this pair was created (its queues are gone).
+    pub fn controller_was_reset(&self) -> bool {
+        self.admin.epoch.load(Ordering::Acquire) != self.epoch
+    }
+}
+
+/// A queue pair whose deletion failed: the controller may still run its commands.
+#[derive(Debug, thiserror::Error)]
+#[error("deleting {} failed: {source}", pair.queue.id())]
+pub struct UndeletedQueuePair {
+    pub source: NvmeError,
+    pub pair: Box<IoQueuePair>,
 }
 
 impl Drop for IoQueuePair {
     fn drop(&mut self) {
-        if self.deleted || self.admin.epoch.load(Ordering::Acquire) != self.epoch {
+        if self.deleted || self.controller_was_reset() {
             return; // Deleted explicitly, or the controller was reset (the queues are gone).
         }
-        self.admin.delete_io_queue_pair(self.queue.id());
+        if let Err(error) = self.admin.try_delete_io_queue_pair(self.queue.id(), &mut self.sq_deleted) {
+            tracing::warn!(queue = %self.queue.id(), %error, "deleting I/O queue pair failed");
+        }
     }
 }

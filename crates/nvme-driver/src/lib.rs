@@ -26,6 +26,6 @@ pub use datapath::{DataPointerMode, DataSegment};
 pub use detached::{DetachedQueueLayout, DetachedQueuePair};
 pub use error::NvmeError;
 pub use hw::{AddressSpaceId, DeviceBackend, DmaAllocator, DmaPool, DmaRegion, HwError, RegisterIo};
-pub use io::{IoQueuePair, DEALLOCATE_RANGES_MAX};
+pub use io::{IoQueuePair, UndeletedQueuePair, DEALLOCATE_RANGES_MAX};
 pub use queue::{Completion, QueuePair};
 pub use types::{CommandId, Iova, Lba, NamespaceId, QueueId};

@@ -203,7 +203,20 @@ impl<E: Executor> KvStore<E> {
         let mut ranges: Vec<IovaRange> = if table.form() == MappingForm::SglTable {
             Vec::new()
         } else {
-            table.registration().extents()?.iter().map(|e| IovaRange::new(gio_uring::Iova(e.start), e.len_bytes)).collect()
+            // Tensors allocated back to back are one buffer to the per-layer rule (a PRP layout
+            // at one layer stride spans several): merge touching KV extents, and only those,
+            // so no request can run from the KV memory into the mapping table.
+            let mut extents: Vec<IovaRange> =
+                table.registration().extents()?.iter().map(|e| IovaRange::new(gio_uring::Iova(e.start), e.len_bytes)).collect();
+            extents.sort_by_key(|range| range.start);
+            let mut merged: Vec<IovaRange> = Vec::with_capacity(extents.len());
+            for extent in extents {
+                match merged.last_mut() {
+                    Some(last) if last.end() == Some(extent.start.0) => last.len_bytes += extent.len_bytes,
+                    _ => merged.push(extent),
+                }
+            }
+            merged
         };
         ranges.extend(table.region_range());
         let registered = RegisteredMemory::new(ranges)
