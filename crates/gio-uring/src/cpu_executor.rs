@@ -191,12 +191,6 @@ impl CpuExecutor {
 }
 
 impl CpuExecutor {
-    /// `(device index, NVMe queue depth)` of every device this executor serves: what
-    /// [`CpuExecutor::reset`] needs fresh queue pairs for.
-    pub fn served_queue_depths(&self) -> impl Iterator<Item = (usize, u32)> + '_ {
-        self.queues.iter().enumerate().filter_map(|(device, queue)| queue.as_ref().map(|queue| (device, queue.depth())))
-    }
-
     /// Recovers from lost completions (after `wait_cqe` timed out): replaces every queue pair
     /// with one from `fresh` (same order as the devices this executor serves) and returns how
     /// many IOCBs it reclaimed.
@@ -293,7 +287,7 @@ pub(crate) fn finish_issued_as_timeout(memory: &QueueMemory) -> Result<usize, Gi
 
 impl crate::executor::QueuePairReset for CpuExecutor {
     fn served_queue_depths(&self) -> Vec<(usize, u32)> {
-        CpuExecutor::served_queue_depths(self).collect()
+        self.queues.iter().enumerate().filter_map(|(device, queue)| queue.as_ref().map(|queue| (device, queue.depth()))).collect()
     }
 
     fn reset(&mut self, memory: &QueueMemory, fresh: Vec<IoQueuePair>) -> Result<usize, GioError> {

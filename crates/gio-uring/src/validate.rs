@@ -187,20 +187,7 @@ impl<'a> IoctxEncoder<'a> {
             return None;
         }
         let data_bytes = count.checked_mul(device.block_bytes)?;
-        let (kind, desc, desc_bytes) = match spec.descriptor {
-            Descriptor::SglInline => (abi::GIO_DESCRIPTOR_SGL, None, 0u32),
-            Descriptor::SglSegment { segment } => {
-                let bytes = u32::try_from(segment.len_bytes).ok()?;
-                if bytes == 0 || bytes % 16 != 0 {
-                    return None;
-                }
-                (abi::GIO_DESCRIPTOR_SGL, Some(segment), bytes)
-            }
-            Descriptor::Prp { prp2 } => {
-                let bytes = prp2.map_or(0, |range| u32::try_from(range.len_bytes).unwrap_or(u32::MAX));
-                (abi::GIO_DESCRIPTOR_PRP, prp2, bytes)
-            }
-        };
+        let (kind, desc, desc_bytes) = descriptor_parts(spec.descriptor).ok()?;
         if kind == abi::GIO_DESCRIPTOR_SGL && !device.sgl_supported {
             return None;
         }
@@ -253,20 +240,7 @@ impl<'a> IoctxEncoder<'a> {
                 block_bytes: device.block_bytes,
             }));
         };
-        let (kind, desc, desc_bytes) = match spec.descriptor {
-            Descriptor::SglInline => (abi::GIO_DESCRIPTOR_SGL, None, 0u32),
-            Descriptor::SglSegment { segment } => {
-                let bytes = u32::try_from(segment.len_bytes).unwrap_or(0);
-                if bytes == 0 || bytes % 16 != 0 {
-                    return Err(cold_fault(|| IoctxFault::BadSglSegment { desc_bytes: bytes }));
-                }
-                (abi::GIO_DESCRIPTOR_SGL, Some(segment), bytes)
-            }
-            Descriptor::Prp { prp2 } => {
-                let bytes = prp2.map_or(0, |range| u32::try_from(range.len_bytes).unwrap_or(u32::MAX));
-                (abi::GIO_DESCRIPTOR_PRP, prp2, bytes)
-            }
-        };
+        let (kind, desc, desc_bytes) = descriptor_parts(spec.descriptor)?;
         if kind == abi::GIO_DESCRIPTOR_SGL && !device.sgl_supported {
             return Err(cold_fault(|| IoctxFault::SglUnsupported));
         }
@@ -360,6 +334,27 @@ impl<'a> IoctxEncoder<'a> {
             return Err(outside(self.last_layer, last_start));
         }
         Ok(())
+    }
+}
+
+/// The ABI descriptor kind of `descriptor`, the descriptor range it names and that range's
+/// byte count (saturated for PRP), or the fault of a malformed SGL segment (empty, not a
+/// multiple of 16 bytes, or past `u32`). Shared by the quick and the detailed check.
+#[inline]
+fn descriptor_parts(descriptor: Descriptor) -> Result<(u32, Option<IovaRange>, u32), IoctxFault> {
+    match descriptor {
+        Descriptor::SglInline => Ok((abi::GIO_DESCRIPTOR_SGL, None, 0)),
+        Descriptor::SglSegment { segment } => {
+            let bytes = u32::try_from(segment.len_bytes).unwrap_or(0);
+            if bytes == 0 || bytes % 16 != 0 {
+                return Err(IoctxFault::BadSglSegment { desc_bytes: bytes });
+            }
+            Ok((abi::GIO_DESCRIPTOR_SGL, Some(segment), bytes))
+        }
+        Descriptor::Prp { prp2 } => {
+            let bytes = prp2.map_or(0, |range| u32::try_from(range.len_bytes).unwrap_or(u32::MAX));
+            Ok((abi::GIO_DESCRIPTOR_PRP, prp2, bytes))
+        }
     }
 }
 

@@ -209,34 +209,31 @@ impl Index {
 
     /// Marks a committed slot most recently used.
     pub fn touch(&mut self, device: u16, slot: u32) {
+        Self::touch_slot(&mut self.devices[usize::from(device)], slot);
+    }
+
+    pub fn pin(&mut self, device: u16, slot: u32) {
+        Self::pin_slot(&mut self.devices[usize::from(device)], slot);
+    }
+
+    /// `pin` then `touch` with one device lookup: what a retrieve does to every slot it reads.
+    #[inline]
+    pub fn pin_and_touch(&mut self, device: u16, slot: u32) {
         let d = &mut self.devices[usize::from(device)];
+        Self::pin_slot(d, slot);
+        Self::touch_slot(d, slot);
+    }
+
+    #[inline]
+    fn touch_slot(d: &mut DeviceSlots, slot: u32) {
         if d.meta[slot as usize].state == SlotUse::Valid && d.head != slot {
             Self::unlink(d, slot);
             Self::push_front(d, slot);
         }
     }
 
-    /// `pin` then `touch` with one slot lookup: what a retrieve does to every slot it reads.
     #[inline]
-    pub fn pin_and_touch(&mut self, device: u16, slot: u32) {
-        let d = &mut self.devices[usize::from(device)];
-        let meta = &mut d.meta[slot as usize];
-        if meta.state == SlotUse::Valid {
-            if meta.pins == 0 {
-                d.unpinned_valid -= 1;
-            }
-            meta.pins += 1;
-            if d.head != slot {
-                Self::unlink(d, slot);
-                Self::push_front(d, slot);
-            }
-        } else {
-            meta.pins += 1;
-        }
-    }
-
-    pub fn pin(&mut self, device: u16, slot: u32) {
-        let d = &mut self.devices[usize::from(device)];
+    fn pin_slot(d: &mut DeviceSlots, slot: u32) {
         let meta = &mut d.meta[slot as usize];
         if meta.state == SlotUse::Valid && meta.pins == 0 {
             d.unpinned_valid -= 1;

@@ -146,6 +146,22 @@ pub fn cpu_executor_for(pool: &Pool, nvme_queue_depth: u32, config: &StoreConfig
     Ok(CpuExecutor::new(queues, config.iocbs))
 }
 
+/// The KV tensors as gio_uring ranges, touching ones merged: tensors allocated back to back are
+/// one buffer to the per-layer rule (a PRP layout at one layer stride spans several). Only KV
+/// extents are merged, so no request can run from the KV memory into the mapping table.
+fn kv_ranges(extents: &[crate::registration::Extent]) -> Vec<IovaRange> {
+    let mut sorted: Vec<IovaRange> = extents.iter().map(|e| IovaRange::new(gio_uring::Iova(e.start), e.len_bytes)).collect();
+    sorted.sort_by_key(|range| range.start);
+    let mut merged: Vec<IovaRange> = Vec::with_capacity(sorted.len());
+    for range in sorted {
+        match merged.last_mut() {
+            Some(last) if last.end() == Some(range.start.0) => last.len_bytes += range.len_bytes,
+            _ => merged.push(range),
+        }
+    }
+    merged
+}
+
 impl<E: Executor> KvStore<E> {
     /// Binds an open pool to the engine's registration: checks the geometry against the
     /// pool's, builds the mapping table in `dma` (the engine's device address space, shared by
@@ -200,24 +216,8 @@ impl<E: Executor> KvStore<E> {
         // On the SGL-table path IOCTXs point only into the table (the KV addresses are in the
         // descriptors, checked at registration): registering just the table keeps gio_uring's
         // per-IOCTX range lookup to one range.
-        let mut ranges: Vec<IovaRange> = if table.form() == MappingForm::SglTable {
-            Vec::new()
-        } else {
-            // Tensors allocated back to back are one buffer to the per-layer rule (a PRP layout
-            // at one layer stride spans several): merge touching KV extents, and only those,
-            // so no request can run from the KV memory into the mapping table.
-            let mut extents: Vec<IovaRange> =
-                table.registration().extents()?.iter().map(|e| IovaRange::new(gio_uring::Iova(e.start), e.len_bytes)).collect();
-            extents.sort_by_key(|range| range.start);
-            let mut merged: Vec<IovaRange> = Vec::with_capacity(extents.len());
-            for extent in extents {
-                match merged.last_mut() {
-                    Some(last) if last.end() == Some(extent.start.0) => last.len_bytes += extent.len_bytes,
-                    _ => merged.push(extent),
-                }
-            }
-            merged
-        };
+        let mut ranges: Vec<IovaRange> =
+            if table.form() == MappingForm::SglTable { Vec::new() } else { kv_ranges(&table.registration().extents()?) };
         ranges.extend(table.region_range());
         let registered = RegisteredMemory::new(ranges)
             .ok_or_else(|| ObjstoreError::InvalidRegistration { reason: "the mapping table overlaps the registered KV memory".into() })?;

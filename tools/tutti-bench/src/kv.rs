@@ -89,26 +89,7 @@ impl KvPlan {
 pub fn run(cli: &Cli) -> anyhow::Result<()> {
     let plan = KvPlan::from_cli(cli);
     check_plan(&plan)?;
-    let mut created = CreatedFiles::default();
-    let specs = if cli.devices.is_empty() {
-        let path = crate::run::temporary_pool_file(cli.directory.as_deref(), plan.pool_bytes_per_device(1))?;
-        created.push(path.clone());
-        vec![DeviceSpec::EmuFile(path)]
-    } else {
-        cli.devices.clone()
-    };
-    if cli.keep {
-        created.keep();
-    }
-    let result = run_plan(&specs, &plan, cli.output_format, &mut created);
-    if !cli.devices.is_empty() {
-        if result.is_ok() {
-            created.keep();
-        }
-    } else if let Some(path) = created.paths().first() {
-        eprintln!("pool file: {} ({})", path.display(), if cli.keep { "kept" } else { "removed" });
-    }
-    result
+    crate::run::with_devices(cli, Some(plan.pool_bytes_per_device(1)), |specs, created| run_plan(specs, &plan, cli.output_format, created))
 }
 
 fn check_plan(plan: &KvPlan) -> anyhow::Result<()> {

@@ -29,11 +29,20 @@ pub fn run(cli: &Cli) -> anyhow::Result<()> {
     if cli.model.is_some() {
         return usage("--model applies to --workload=kv; accepted with --workload=raw: --rw, --bs, --iodepth, --numjobs, --size, --runtime, --offset, --verify");
     }
+    with_devices(cli, cli.size.map(|size| size + cli.offset), |devices, created| run_raw(cli, devices, created))
+}
+
+/// Runs `body` on the devices the command line names or, when it names none, on a temporary
+/// pool file on the software controller (`bytes`, or the default size). Files the user named
+/// stay after a successful run, like fio's; the temporary one is removed unless `--keep`.
+pub fn with_devices(
+    cli: &Cli,
+    bytes: Option<u64>,
+    body: impl FnOnce(&[DeviceSpec], &mut CreatedFiles) -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
     let mut created = CreatedFiles::default();
     let devices = if cli.devices.is_empty() {
-        // No device named: a temporary pool file on the software controller, like the default.
-        let pool = temporary_pool(cli.directory.as_deref(), cli.size.map(|size| size + cli.offset))?;
-        let path = pool.path.clone();
+        let path = temporary_pool(cli.directory.as_deref(), bytes)?.path;
         created.push(path.clone());
         vec![DeviceSpec::EmuFile(path)]
     } else {
@@ -42,10 +51,10 @@ pub fn run(cli: &Cli) -> anyhow::Result<()> {
     if cli.keep {
         created.keep();
     }
-    let result = run_raw(cli, &devices, &mut created);
+    let result = body(&devices, &mut created);
     if !cli.devices.is_empty() {
         if result.is_ok() {
-            created.keep(); // files the user named stay after a successful run, like fio's
+            created.keep();
         }
     } else if let Some(path) = created.paths().first() {
         eprintln!("pool file: {} ({})", path.display(), if cli.keep { "kept" } else { "removed" });
@@ -368,9 +377,4 @@ fn default_kv(pool: &TemporaryPool, created: &mut CreatedFiles) -> anyhow::Resul
         plan.block_tokens
     );
     crate::kv::run_plan(&[DeviceSpec::EmuFile(pool.path.clone())], &plan, OutputFormat::Normal, created)
-}
-
-/// A temporary pool file of `bytes` for a run that named no device (removed by the caller).
-pub fn temporary_pool_file(directory: Option<&Path>, bytes: u64) -> anyhow::Result<PathBuf> {
-    Ok(temporary_pool(directory, Some(bytes))?.path)
 }
