@@ -153,21 +153,21 @@ fn no_argument_default_run_succeeds_and_removes_its_file() {
     assert!(!Path::new(path).exists(), "{path} left behind");
 }
 
+/// A 10-block Llama-3.1-8B KV run (6 cached), verified, JSON out, on `devices`.
+fn small_kv_run<'a>(devices: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec!["--workload=kv"];
+    for device in devices {
+        args.extend(["--device", device]);
+    }
+    args.extend(["--model=llama3-8b", "--prompt-tokens=160", "--block-tokens=16", "--hit-rate=0.6", "--verify", "--output-format=json"]);
+    args
+}
+
 #[test]
 fn kv_store_retrieve_verify_reports_every_layer() {
     // Goal: the layer API path end to end: populate h blocks, retrieve and compare them, store
     // the rest; JSON has one entry per layer for every phase.
-    let output = bench(&[
-        "--workload=kv",
-        "--device",
-        "emu:mem:128m",
-        "--model=llama3-8b",
-        "--prompt-tokens=160",
-        "--block-tokens=16",
-        "--hit-rate=0.6",
-        "--verify",
-        "--output-format=json",
-    ]);
+    let output = bench(&small_kv_run(&["emu:mem:128m"]));
     assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
     let json: serde_json::Value = serde_json::from_slice(&output.stdout).expect("JSON output parses");
     let phases = json["phases"].as_array().unwrap();
@@ -184,19 +184,7 @@ fn kv_store_retrieve_verify_reports_every_layer() {
 fn kv_pool_striped_over_two_software_controllers() {
     // Goal: a KV pool over two controllers (one DMA space) stores, retrieves and verifies; the
     // report names both devices.
-    let output = bench(&[
-        "--workload=kv",
-        "--device",
-        "emu:mem:64m",
-        "--device",
-        "emu:mem:64m",
-        "--model=llama3-8b",
-        "--prompt-tokens=160",
-        "--block-tokens=16",
-        "--hit-rate=0.6",
-        "--verify",
-        "--output-format=json",
-    ]);
+    let output = bench(&small_kv_run(&["emu:mem:64m", "emu:mem:64m"]));
     assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
     let json: serde_json::Value = serde_json::from_slice(&output.stdout).expect("JSON output parses");
     assert_eq!(json["global options"]["device"], "emu:mem:64MiB,emu:mem:64MiB");
