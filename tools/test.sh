@@ -4,7 +4,7 @@
 # It installs what the suites need (Debian packages, Python wheels; idempotent, as root) and runs:
 #   rust        cargo test --workspace (unit tests, the software-controller conformance suite,
 #               rings, executors, object store, scheduler simulator assertions)
-#   lint        cargo clippy -D warnings, cargo fmt --check
+#   lint        rust-version checked (tools/check-msrv.sh), cargo clippy -D warnings, cargo fmt --check
 #   bindings    gio_abi.h → Rust bindings regenerated with bindgen and diffed (tools/check-bindings.sh)
 #   cuda        CUDA kernels compiled with nvcc from the CUDA 13 wheels, `cuda` feature built
 #               (tools/cuda-build.sh; no GPU needed to compile)
@@ -49,7 +49,9 @@ stage_rust() {
 
 stage_lint() {
     rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy rustfmt
-    cargo clippy --workspace --all-targets --locked -- -D warnings && cargo fmt --all -- --check
+    # clippy's incompatible_msrv lint checks std APIs against rust-version; check-msrv.sh checks
+    # that every package declares it and that no locked dependency needs a newer compiler.
+    tools/check-msrv.sh && cargo clippy --workspace --all-targets --locked -- -D warnings && cargo fmt --all -- --check
 }
 
 stage_bindings() { tools/check-bindings.sh; }

@@ -155,7 +155,7 @@ pub fn post_cqe(memory: &QueueMemory, cqe: Cqe) -> Result<(), GioError> {
                 reason: format!("CQ producer lock never released; CQE for {} lost", cqe.iocb_id),
             });
         }
-        if attempts % 64 == 0 {
+        if attempts.is_multiple_of(64) {
             std::thread::yield_now();
         } else {
             std::hint::spin_loop();

@@ -97,7 +97,7 @@ impl SharedRegion {
             "shared field {offset_bytes}+{len_bytes} outside region of {} bytes",
             self.len_bytes
         );
-        assert!(offset_bytes % align_bytes == 0, "shared field at {offset_bytes} not aligned to {align_bytes}");
+        assert!(offset_bytes.is_multiple_of(align_bytes), "shared field at {offset_bytes} not aligned to {align_bytes}");
         // SAFETY: offset_bytes + len_bytes <= len_bytes of the region (asserted above), so the result stays
         // inside the allocation that `base` points to.
         unsafe { self.base.as_ptr().add(offset_bytes) }
