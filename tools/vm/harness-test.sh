@@ -9,6 +9,8 @@
 #    (it once read the shared pid file when it fired, and so killed the next run's QEMU).
 # 2. a guest that reports its result but never exits is stopped by the watchdog after the grace
 #    period, and its reported status still counts.
+# 3. the per-step summary (vm_step_summary) tells passed, failed, optional-failed and unfinished
+#    commands apart.
 set -euo pipefail
 HERE=$(dirname "$(readlink -f "$0")")
 WORK=$(mktemp -d)
@@ -31,6 +33,7 @@ done
 [ -n "$pidfile" ] && echo $$ > "$pidfile"
 echo "TUTTI_VM: init started at uptime 0.1s"
 sleep "${FAKE_RUN_S:-0}"
+[ -n "${FAKE_LINES:-}" ] && printf '%s\n' "$FAKE_LINES"
 echo "TUTTI_VM_RESULT rc=0"
 # `exec`, so that stopping this pid ends the output as stopping QEMU does.
 [ "${FAKE_HANG_S:-0}" -gt 0 ] && exec sleep "$FAKE_HANG_S"
@@ -64,6 +67,21 @@ check "a guest hanging after its result is stopped and its result counts" 0 "$VM
 check "the watchdog fired for it" yes "$([ -f "$WORK/c.log.watchdog" ] && echo yes || echo no)"
 check "within the grace period (+ slack)" yes "$(awk -v s="$VM_WALL_S" -v g="$TUTTI_VM_EXIT_GRACE_S" 'BEGIN { print (s < g + 8) ? "yes" : "no" }')"
 check "no pid files left behind" 0 "$(find "$TUTTI_VM_DIR" -name 'qemu.*.pid' | wc -l)"
+
+# 3. Step summary.
+FAKE_LINES='TUTTI_VM: command 1 started at 1.0s: nvme-conformance --device vfio:0000:00:04.0
+TUTTI_VM: command 1 finished: rc=0 after 2.5s
+TUTTI_VM: command 2 started at 3.5s: objstore-roundtrip --device vfio:0000:00:04.0
+TUTTI_VM: command 2 finished: rc=1 after 0.4s
+TUTTI_VM_OPTIONAL_FAILED command=2 rc=1: objstore-roundtrip --device vfio:0000:00:04.0
+TUTTI_VM: command 3 started at 4.0s: false
+TUTTI_VM: command 3 finished: rc=1 after 0.0s
+TUTTI_VM: command 4 started at 4.1s: sleep 1000' vm_boot /dev/null "$WORK/d.log" 2> "$WORK/d.err"
+summary=$(vm_step_summary "$WORK/d.log")
+check "step 1 passed" 1 "$(grep -c 'step 1: PASS .*nvme-conformance' <<< "$summary")"
+check "step 2 failed, allowed" 1 "$(grep -c 'step 2: FAIL (optional: allowed) *rc=1 .*objstore-roundtrip' <<< "$summary")"
+check "step 3 failed" 1 "$(grep -c 'step 3: FAIL  *rc=1 .*false' <<< "$summary")"
+check "step 4 never finished" 1 "$(grep -c 'step 4: NO RESULT .*sleep 1000' <<< "$summary")"
 
 if [ "$failures" -gt 0 ]; then
     for log in "$WORK"/*.err; do sed "s|^|$(basename "$log"): |" "$log" >&2; done

@@ -193,6 +193,34 @@ vm_nvme_args() {
     done
 }
 
+# vm_step_summary LOG: one line per guest command of a finished run: PASS, FAIL, "FAIL
+# (optional: allowed)" for a failed `optional` command, or NO RESULT (the guest stopped first).
+vm_step_summary() {
+    awk '
+        /TUTTI_VM: command [0-9]+ started at / {
+            line = $0; sub(/.*TUTTI_VM: command /, "", line)
+            n = line + 0; sub(/^[0-9]+ started at [0-9.]+s: /, "", line)
+            command[n] = line; order[++count] = n
+        }
+        /TUTTI_VM: command [0-9]+ finished: rc=/ {
+            line = $0; sub(/.*TUTTI_VM: command /, "", line); split(line, field, " ")
+            n = field[1] + 0; status[n] = substr(field[3], 4); took[n] = field[5]
+        }
+        /TUTTI_VM_OPTIONAL_FAILED command=/ {
+            line = $0; sub(/.*TUTTI_VM_OPTIONAL_FAILED command=/, "", line); optional[line + 0] = 1
+        }
+        END {
+            for (i = 1; i <= count; i++) {
+                n = order[i]
+                if (!(n in status)) word = "NO RESULT"
+                else if (status[n] == 0) word = "PASS"
+                else if (n in optional) word = "FAIL (optional: allowed)"
+                else word = "FAIL"
+                printf "  step %d: %-24s rc=%-3s %7s  %s\n", n, word, (n in status) ? status[n] : "-", took[n], command[n]
+            }
+        }' "$1"
+}
+
 # vm_boot INITRD LOG: boots the guest, streams its console with host timestamps into LOG and
 # stderr, and enforces TUTTI_VM_TIMEOUT_S. Sets VM_GUEST_RC (the guest's reported status, or
 # 124 on timeout, 125 when the guest never reported), VM_BOOT_S and VM_WALL_S.
