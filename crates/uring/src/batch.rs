@@ -18,7 +18,7 @@ pub struct Job {
 
 impl Job {
     pub fn new(transfer: Transfer, buffer: AlignedBuffer) -> Self {
-        Self { transfer, buffer, result: Err(UringError::Abandoned { cause: "not run yet".into() }) }
+        Self { transfer, buffer, result: Err(UringError::NotRun) }
     }
 }
 

@@ -7,6 +7,8 @@ use std::time::Duration;
 pub enum UringError {
     #[error("io_uring is unavailable: {reason}")]
     Unsupported { reason: String, source: Option<io::Error> },
+    #[error("the transfer was not run")]
+    NotRun,
     #[error("io_uring wait ran past its deadline ({waited:?}) with {in_flight} transfer(s) in flight")]
     Timeout { waited: Duration, in_flight: usize },
     #[error("io_uring_enter failed: {source}")]

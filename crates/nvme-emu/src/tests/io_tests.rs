@@ -440,7 +440,7 @@ fn batched_file_reads_keep_command_order_and_see_the_cache() {
         assert!(read_back(target) == expected, "block {block}");
     }
     assert!(read_back(&targets[blocks]) == newer, "the read after the write sees it");
-    if io_uring::IoUring::new(2).is_ok() {
+    if tutti_uring::available() {
         assert!(host.device.stats().batched_reads >= blocks as u64, "reads went through io_uring");
     } else {
         eprintln!("io_uring unavailable here: only the synchronous read path was checked");
@@ -511,7 +511,7 @@ fn batched_file_writes_keep_overlapping_commands_in_order() {
     }
     assert!(read_back(&target_20) == second, "overlapping writes land in order");
     assert!(read_back(&target_40) == fua, "the FUA write supersedes the cached copy");
-    if io_uring::IoUring::new(2).is_ok() {
+    if tutti_uring::available() {
         assert!(host.device.stats().batched_writes >= blocks as u64, "writes went through io_uring");
     } else {
         eprintln!("io_uring unavailable here: only the synchronous write path was checked");
