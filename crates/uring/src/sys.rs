@@ -236,6 +236,9 @@ impl Ring {
         if let Some(error) = self.abandoned_error() {
             return Err(error);
         }
+        if self.ring.submission().is_empty() {
+            return Ok(());
+        }
         match self.ring.submit() {
             Ok(_) => Ok(()),
             Err(error) if retryable(&error) => Ok(()),
@@ -244,8 +247,8 @@ impl Ring {
     }
 
     /// Submits queued entries and waits until at least one completion is ready or `deadline`
-    /// passes ([`UringError::Timeout`]). Returns at once when a completion is already there or
-    /// nothing is in flight.
+    /// passes ([`UringError::Timeout`]). Returns at once (after submitting) when a completion is
+    /// already there or nothing is in flight.
     pub fn wait(&mut self, deadline: Instant) -> Result<(), UringError> {
         if let Some(error) = self.abandoned_error() {
             return Err(error);
@@ -254,7 +257,8 @@ impl Ring {
         // Bounded by the deadline: every pass either returns or sleeps in the kernel until it.
         loop {
             if !self.ring.completion().is_empty() || self.in_flight() == 0 {
-                return Ok(());
+                // Entries queued since the last call still go to the kernel now.
+                return self.submit();
             }
             let now = Instant::now();
             if now >= deadline {
