@@ -585,7 +585,11 @@ fn data_integrity(context: &Context) -> Outcome {
             verify_pattern(piece, 0, chunk / 16, seed, offset + (piece_index * chunk / 16) as u64).map_err(Failure)?;
         }
     }
-    Ok(Verdict::PassedWith(format!("{} MiB over {note}, MDTS {} KiB", context.config.integrity_mib, controller.max_transfer_bytes() / 1024)))
+    Ok(Verdict::PassedWith(format!(
+        "{} MiB over {note}, MDTS {} KiB",
+        context.config.integrity_mib,
+        controller.max_transfer_bytes() / 1024
+    )))
 }
 
 /// Goal: a queue pair created for another agent (as the GPU executor uses them) works when that

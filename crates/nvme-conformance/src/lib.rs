@@ -132,12 +132,13 @@ pub fn run_suite(device: Arc<dyn DeviceBackend>, faults: Option<Arc<dyn FaultInj
             continue;
         }
         let started = Instant::now();
-        let (outcome, note) = match (check.run)(&checks::Context { device: Arc::clone(&device), faults: faults.clone(), config: config.clone() }) {
-            Ok(checks::Verdict::Passed) => (Outcome::Passed, None),
-            Ok(checks::Verdict::PassedWith(note)) => (Outcome::Passed, Some(note)),
-            Ok(checks::Verdict::Skipped(reason)) => (Outcome::Skipped(reason), None),
-            Err(error) => (Outcome::Failed(format!("{error:#}")), None),
-        };
+        let (outcome, note) =
+            match (check.run)(&checks::Context { device: Arc::clone(&device), faults: faults.clone(), config: config.clone() }) {
+                Ok(checks::Verdict::Passed) => (Outcome::Passed, None),
+                Ok(checks::Verdict::PassedWith(note)) => (Outcome::Passed, Some(note)),
+                Ok(checks::Verdict::Skipped(reason)) => (Outcome::Skipped(reason), None),
+                Err(error) => (Outcome::Failed(format!("{error:#}")), None),
+            };
         if let Some(faults) = &faults {
             faults.clear_faults();
         }

@@ -26,8 +26,8 @@ use crate::queues::{CompletionQueue, SubmissionQueue};
 use crate::registers::RegisterFile;
 use crate::stats::{Counters, EmuStats};
 use crate::uring::UringReader;
-use tutti_uring::{Direction, Job, Transfer};
 use crate::EmuError;
+use tutti_uring::{Direction, Job, Transfer};
 
 /// Commands fetched from one SQ per scan, so one busy queue cannot starve the others.
 const COMMANDS_PER_QUEUE_PER_SCAN: usize = 64;

@@ -53,8 +53,8 @@ impl AlignedBuffer {
     pub fn slice(&mut self, len: usize) -> &mut [u8] {
         if let Err(error) = self.try_reserve(len) {
             tracing::error!(%error, "aligned buffer growth failed");
-            let layout = std::alloc::Layout::from_size_align(len.max(1), Self::ALIGNMENT_BYTES)
-                .unwrap_or_else(|_| std::alloc::Layout::new::<u8>());
+            let layout =
+                std::alloc::Layout::from_size_align(len.max(1), Self::ALIGNMENT_BYTES).unwrap_or_else(|_| std::alloc::Layout::new::<u8>());
             std::alloc::handle_alloc_error(layout);
         }
         match self.allocation.as_mut() {

@@ -148,10 +148,10 @@ impl Ring {
     /// A ring for up to `entries` transfers in flight (rounded up to a power of two, at least 2).
     /// Refused where io_uring is missing, forbidden, or too old for bounded waits.
     pub fn new(entries: u32) -> Result<Self, UringError> {
-        let entries = entries.max(2).checked_next_power_of_two().ok_or(UringError::Unsupported {
-            reason: format!("{entries} entries is more than a ring can hold"),
-            source: None,
-        })?;
+        let entries = entries
+            .max(2)
+            .checked_next_power_of_two()
+            .ok_or(UringError::Unsupported { reason: format!("{entries} entries is more than a ring can hold"), source: None })?;
         let ring = IoUring::new(entries)
             .map_err(|source| UringError::Unsupported { reason: "io_uring_setup failed".into(), source: Some(source) })?;
         if !ring.params().is_feature_ext_arg() {

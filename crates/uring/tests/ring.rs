@@ -125,8 +125,10 @@ fn a_batch_larger_than_the_ring_runs_every_job() {
     let file = tempfile::tempfile().unwrap();
     let mut ring = Ring::new(4).unwrap();
     let jobs_count = 19;
-    let transfer = |index: usize, direction| Transfer { fd: file.as_raw_fd(), direction, offset_bytes: index as u64 * 4096, len_bytes: 4096 };
-    let mut writes: Vec<Job> = (0..jobs_count).map(|index| Job::new(transfer(index, Direction::Write), patterned(4096, index as u8))).collect();
+    let transfer =
+        |index: usize, direction| Transfer { fd: file.as_raw_fd(), direction, offset_bytes: index as u64 * 4096, len_bytes: 4096 };
+    let mut writes: Vec<Job> =
+        (0..jobs_count).map(|index| Job::new(transfer(index, Direction::Write), patterned(4096, index as u8))).collect();
     ring.run_batch(&mut writes, Instant::now() + Duration::from_secs(20)).unwrap();
     assert!(writes.iter().all(|job| job.result.is_ok()));
     let mut reads: Vec<Job> = (0..jobs_count).map(|index| Job::new(transfer(index, Direction::Read), AlignedBuffer::default())).collect();

@@ -128,7 +128,8 @@ struct UringQueue {
 impl UringQueue {
     /// The slot's buffer, if the slot is idle (its buffer is home, not lent to the ring).
     fn idle_buffer(&self, slot: u32) -> Result<&AlignedBuffer, DeviceError> {
-        let buffer = self.buffers.get(slot as usize).ok_or_else(|| DeviceError::Setup(format!("{}: slot {slot} out of range", self.name)))?;
+        let buffer =
+            self.buffers.get(slot as usize).ok_or_else(|| DeviceError::Setup(format!("{}: slot {slot} out of range", self.name)))?;
         if buffer.capacity_bytes() < self.slot_bytes {
             return Err(DeviceError::Setup(format!("{}: slot {slot} has an I/O in flight", self.name)));
         }
@@ -170,7 +171,9 @@ impl IoQueue for UringQueue {
     ) -> Result<usize, DeviceError> {
         let submitted = if wait { self.ring.wait(deadline) } else { self.ring.submit() };
         submitted.map_err(|error| match error {
-            UringError::Timeout { in_flight, .. } => DeviceError::Timeout { device: self.name.clone(), timeout_s: IO_TIMEOUT.as_secs(), in_flight },
+            UringError::Timeout { in_flight, .. } => {
+                DeviceError::Timeout { device: self.name.clone(), timeout_s: IO_TIMEOUT.as_secs(), in_flight }
+            }
             UringError::Enter { source } => DeviceError::Io { device: self.name.clone(), context: "io_uring_enter".into(), source },
             other => DeviceError::Setup(format!("{}: {other}", self.name)),
         })?;
@@ -194,7 +197,9 @@ impl IoQueue for UringQueue {
             on_done(completion.tag as u32, outcome);
         });
         reaped.map_err(|error| match error {
-            UringError::UnexpectedCompletion { user_data } => DeviceError::UnexpectedCompletion { device: self.name.clone(), slot: user_data },
+            UringError::UnexpectedCompletion { user_data } => {
+                DeviceError::UnexpectedCompletion { device: self.name.clone(), slot: user_data }
+            }
             other => DeviceError::Setup(format!("{}: {other}", self.name)),
         })
     }

@@ -281,9 +281,9 @@ pub fn plan_staged_copies(
             .and_then(|shift| shift.checked_add(ioctx.data_iova))
             .ok_or((index, IoctxFault::AddressOverflow { layer: last_layer }))?;
         let inside = |pair: &&StagingPair, start: u64| {
-            Iova(start).checked_offset_from(pair.iova).is_some_and(|offset| {
-                offset.checked_add(len).is_some_and(|end| end <= pair.len_bytes)
-            })
+            Iova(start)
+                .checked_offset_from(pair.iova)
+                .is_some_and(|offset| offset.checked_add(len).is_some_and(|end| end <= pair.len_bytes))
         };
         let pair = pairs
             .iter()

@@ -434,10 +434,8 @@ impl DmaAllocator for DmaPool {
         let table = self.shared.table.read().unwrap_or_else(|poisoned| poisoned.into_inner());
         let (_, weak) = table.range(..=iova.0).next_back().ok_or(unmapped)?;
         let inner = weak.upgrade().ok_or(HwError::Unmapped { iova, len })?;
-        let offset = iova
-            .checked_offset_from(inner.iova)
-            .and_then(|offset| usize::try_from(offset).ok())
-            .ok_or(HwError::Unmapped { iova, len })?;
+        let offset =
+            iova.checked_offset_from(inner.iova).and_then(|offset| usize::try_from(offset).ok()).ok_or(HwError::Unmapped { iova, len })?;
         let end = offset.checked_add(len).ok_or(HwError::Unmapped { iova, len })?;
         if end > inner.len {
             return Err(HwError::Unmapped { iova, len });

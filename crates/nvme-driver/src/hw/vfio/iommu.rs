@@ -160,7 +160,8 @@ impl Container {
             return Err(VfioError::NoType1v2);
         }
         let group = attach_group(&container, group_path, group_id, describe_blockers)?;
-        sys::set_iommu(&container, VFIO_TYPE1v2_IOMMU).map_err(|source| VfioError::Kernel { operation: "VFIO_SET_IOMMU(type1v2)", source })?;
+        sys::set_iommu(&container, VFIO_TYPE1v2_IOMMU)
+            .map_err(|source| VfioError::Kernel { operation: "VFIO_SET_IOMMU(type1v2)", source })?;
         Ok(Self { container, groups: Mutex::new(vec![(group_id, Arc::new(group))]) })
     }
 
@@ -195,7 +196,8 @@ impl Container {
             let mut buffer = vec![0u8; len];
             // `len` is bounded below by the caller (at most a few KiB); it fits argsz.
             buffer[0..4].copy_from_slice(&(len as u32).to_le_bytes());
-            sys::iommu_info(&self.container, &mut buffer).map_err(|source| VfioError::Kernel { operation: "VFIO_IOMMU_GET_INFO", source })?;
+            sys::iommu_info(&self.container, &mut buffer)
+                .map_err(|source| VfioError::Kernel { operation: "VFIO_IOMMU_GET_INFO", source })?;
             Ok(buffer)
         };
         let header_bytes = std::mem::size_of::<vfio_iommu_type1_info>();
@@ -272,8 +274,11 @@ impl IommuMapper for VfioMapper {
             size: len as u64,
             ..vfio_iommu_type1_dma_unmap::default()
         };
-        sys::iommu_unmap_dma(&self.container.container, &mut request)
-            .map_err(|source| VfioError::UnmapDma { iova: iova.0, len_bytes: len, source })?;
+        sys::iommu_unmap_dma(&self.container.container, &mut request).map_err(|source| VfioError::UnmapDma {
+            iova: iova.0,
+            len_bytes: len,
+            source,
+        })?;
         if request.size != len as u64 {
             return Err(VfioError::PartialUnmap { iova: iova.0, len_bytes: len, unmapped_bytes: request.size }.into());
         }

@@ -151,7 +151,11 @@ impl VfioDevice {
             let device = Arc::new(device_fd(&group_fd, address)?);
 
             let mut info = vfio_device_info { argsz: argsz::<vfio_device_info>(), ..vfio_device_info::default() };
-            sys::device_info(&*device, &mut info).map_err(|source| VfioError::Ioctl { address, operation: "VFIO_DEVICE_GET_INFO", source })?;
+            sys::device_info(&*device, &mut info).map_err(|source| VfioError::Ioctl {
+                address,
+                operation: "VFIO_DEVICE_GET_INFO",
+                source,
+            })?;
             let flags = DeviceFlags::from_bits_retain(info.flags);
             if !flags.contains(DeviceFlags::PCI) {
                 return Err(VfioError::NotPci { address, flags: info.flags }.into());
@@ -236,7 +240,11 @@ impl DeviceBackend for VfioDevice {
         if !self.reset_supported {
             return Err(VfioError::ResetUnsupported { address: self.address }.into());
         }
-        sys::device_reset(&*self.device).map_err(|source| VfioError::Ioctl { address: self.address, operation: "VFIO_DEVICE_RESET", source })?;
+        sys::device_reset(&*self.device).map_err(|source| VfioError::Ioctl {
+            address: self.address,
+            operation: "VFIO_DEVICE_RESET",
+            source,
+        })?;
         // The kernel restores the saved config space after the reset, but a reset that went
         // through a path without save/restore would leave bus mastering off; set it again.
         enable_memory_and_bus_master(&self.device, self.address, self.config_offset)?;

@@ -14,12 +14,12 @@
 //! or direction bits are encoded: the argument size travels in each struct's leading `argsz`.
 //! Also by hand: the PCI Command register (PCI Local Bus 3.0 §6.2.2), which is PCI, not VFIO.
 
-pub use vfio_bindings::bindings::vfio::{
-    vfio_device_info, vfio_group_status, vfio_info_cap_header, vfio_iommu_type1_dma_map, vfio_iommu_type1_dma_unmap,
-    vfio_iommu_type1_info, vfio_iova_range, vfio_region_info, VFIO_API_VERSION, VFIO_IOMMU_TYPE1_INFO_CAP_IOVA_RANGE,
-    VFIO_IOMMU_TYPE1_INFO_DMA_AVAIL, VFIO_PCI_BAR0_REGION_INDEX, VFIO_PCI_CONFIG_REGION_INDEX, VFIO_TYPE1v2_IOMMU,
-};
 use vfio_bindings::bindings::vfio as raw;
+pub use vfio_bindings::bindings::vfio::{
+    vfio_device_info, vfio_group_status, vfio_info_cap_header, vfio_iommu_type1_dma_map, vfio_iommu_type1_dma_unmap, vfio_iommu_type1_info,
+    vfio_iova_range, vfio_region_info, VFIO_TYPE1v2_IOMMU, VFIO_API_VERSION, VFIO_IOMMU_TYPE1_INFO_CAP_IOVA_RANGE,
+    VFIO_IOMMU_TYPE1_INFO_DMA_AVAIL, VFIO_PCI_BAR0_REGION_INDEX, VFIO_PCI_CONFIG_REGION_INDEX,
+};
 
 /// `VFIO_BASE + n` of the header's `_IO(VFIO_TYPE, VFIO_BASE + n)` request numbers.
 pub mod request {
