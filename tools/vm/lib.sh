@@ -10,6 +10,10 @@
 #   vm_build_initramfs OUT CMDS CONF BIN...   busybox + modules + binaries + tools/vm/init
 #   vm_boot INITRD                  QEMU/TCG with intel-iommu and the NVMe controllers; watchdog;
 #                                   sets VM_GUEST_RC, VM_BOOT_S, VM_WALL_S
+#
+# TUTTI_VM_QEMU replaces the QEMU binary (tools/vm/harness-test.sh runs the boot logic against a
+# stand-in); TUTTI_VM_EXIT_GRACE_S (default 20) is how long a guest that reported its result may
+# take to leave before the exit watchdog stops its QEMU.
 
 VM_REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 VM_DIR=${TUTTI_VM_DIR:-$VM_REPO/.tools/vm}
@@ -189,6 +193,34 @@ vm_nvme_args() {
     done
 }
 
+# vm_step_summary LOG: one line per guest command of a finished run: PASS, FAIL, "FAIL
+# (optional: allowed)" for a failed `optional` command, or NO RESULT (the guest stopped first).
+vm_step_summary() {
+    awk '
+        /TUTTI_VM: command [0-9]+ started at / {
+            line = $0; sub(/.*TUTTI_VM: command /, "", line)
+            n = line + 0; sub(/^[0-9]+ started at [0-9.]+s: /, "", line)
+            command[n] = line; order[++count] = n
+        }
+        /TUTTI_VM: command [0-9]+ finished: rc=/ {
+            line = $0; sub(/.*TUTTI_VM: command /, "", line); split(line, field, " ")
+            n = field[1] + 0; status[n] = substr(field[3], 4); took[n] = field[5]
+        }
+        /TUTTI_VM_OPTIONAL_FAILED command=/ {
+            line = $0; sub(/.*TUTTI_VM_OPTIONAL_FAILED command=/, "", line); optional[line + 0] = 1
+        }
+        END {
+            for (i = 1; i <= count; i++) {
+                n = order[i]
+                if (!(n in status)) word = "NO RESULT"
+                else if (status[n] == 0) word = "PASS"
+                else if (n in optional) word = "FAIL (optional: allowed)"
+                else word = "FAIL"
+                printf "  step %d: %-24s rc=%-3s %7s  %s\n", n, word, (n in status) ? status[n] : "-", took[n], command[n]
+            }
+        }' "$1"
+}
+
 # vm_boot INITRD LOG: boots the guest, streams its console with host timestamps into LOG and
 # stderr, and enforces TUTTI_VM_TIMEOUT_S. Sets VM_GUEST_RC (the guest's reported status, or
 # 124 on timeout, 125 when the guest never reported), VM_BOOT_S and VM_WALL_S.
@@ -209,7 +241,7 @@ vm_boot() {
 
 vm_boot_once() {
     local initrd=$1 log=$2 timeout_s=${TUTTI_VM_TIMEOUT_S:-300} boot_timeout_s=${TUTTI_VM_BOOT_TIMEOUT_S:-90}
-    local started pidfile qemu_rc line stamp booted started_s status
+    local started pidfile qemu_rc line stamp booted started_s status grace_s=${TUTTI_VM_EXIT_GRACE_S:-20}
     # cryptomgr.notests: the crypto self-tests cost boot time and are where the rare TCG boot
     # livelocks were seen.
     # iommu=pt: the guest kernel's own DMA (its nvme driver) bypasses translation unless
@@ -217,19 +249,22 @@ vm_boot_once() {
     local append="console=ttyS0 panic=-1 loglevel=4 intel_iommu=on cryptomgr.notests"
     [ "${TUTTI_VM_IOMMU_PT:-1}" = 1 ] && append="$append iommu=pt"
     append="$append ${TUTTI_VM_APPEND:-}"
-    local qemu=(qemu-system-x86_64 -machine q35,kernel-irqchip=split -accel tcg -cpu max
+    local qemu=("${TUTTI_VM_QEMU:-qemu-system-x86_64}" -machine q35,kernel-irqchip=split -accel tcg -cpu max
         -smp "${TUTTI_VM_SMP:-2}" -m "${TUTTI_VM_MEM:-2G}" -nographic -nodefaults -no-reboot -serial stdio
         # The vIOMMU must exist before the devices it translates for.
         -device intel-iommu,intremap=on,caching-mode=on
         -device isa-debug-exit,iobase=0xf4,iosize=0x04
         -kernel "$VM_VMLINUX" -initrd "$initrd" -append "$append"
         "${VM_NVME_ARGS[@]}")
-    pidfile=$VM_DIR/qemu.pid
-    rm -f "$pidfile" "$log.watchdog" "$log.boothang"
+    # One pid file per run: a watchdog of an earlier run (or of another harness sharing VM_DIR)
+    # must never find this run's QEMU under its name.
+    pidfile=$(mktemp "$VM_DIR/qemu.XXXXXX.pid")
+    rm -f "$log.watchdog" "$log.boothang"
     : > "$log"
     vm_log "qemu: ${qemu[*]}"
     if [ "${VM_INTERACTIVE:-0}" = 1 ]; then
         # The terminal is the guest's console (leave QEMU with Ctrl-A X); no watchdog.
+        rm -f "$pidfile"
         set +e
         "${qemu[@]}"
         qemu_rc=$?
@@ -242,10 +277,13 @@ vm_boot_once() {
     started_s=$SECONDS
     VM_BOOT_S=""
     set +e
-    # A guest that printed its result but hangs on the way out is stopped 20 s later (the
-    # result still counts); one that never finishes is stopped by timeout(1).
+    # A guest that printed its result but hangs on the way out is stopped grace_s later (the
+    # result still counts); one that never finishes is stopped by timeout(1). The watchdog
+    # takes QEMU's pid when it starts, not when it fires, and is cancelled when QEMU's output
+    # ends, so it can only ever stop the QEMU of this run.
     timeout -k 10 "$timeout_s" "${qemu[@]}" -pidfile "$pidfile" < /dev/null 2>&1 | {
         booted=0
+        watchdog=""
         while :; do
             line=""
             IFS= read -r -t 2 line
@@ -258,8 +296,12 @@ vm_boot_once() {
                 case $line in
                     *"TUTTI_VM: init started"*) booted=1 ;;
                     *"TUTTI_VM_RESULT rc="*)
-                        (sleep 20 && [ -s "$pidfile" ] && kill -0 "$(cat "$pidfile")" 2> /dev/null &&
-                            touch "$log.watchdog" && kill "$(cat "$pidfile")") > /dev/null 2>&1 &
+                        qemu_pid=$(cat "$pidfile" 2> /dev/null || true)
+                        if [ -n "$qemu_pid" ] && [ -z "$watchdog" ]; then
+                            (sleep "$grace_s" && kill -0 "$qemu_pid" 2> /dev/null &&
+                                touch "$log.watchdog" && kill "$qemu_pid") > /dev/null 2>&1 &
+                            watchdog=$!
+                        fi
                         ;;
                 esac
             fi
@@ -268,6 +310,8 @@ vm_boot_once() {
                 [ -s "$pidfile" ] && kill "$(cat "$pidfile")" 2> /dev/null
             fi
         done
+        # QEMU has exited (its output ended): a watchdog still sleeping has nothing to stop.
+        if [ -n "$watchdog" ]; then kill "$watchdog" 2> /dev/null || true; fi
     }
     qemu_rc=${PIPESTATUS[0]}
     set -e

@@ -10,6 +10,7 @@
 //! counter, compare-and-swap on the first failure and on the final status), so whichever worker
 //! completes the last IOCTX posts the one CQE, under the CQ's producer lock.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TryRecvError, TrySendError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -61,8 +62,34 @@ pub struct CpuWorkers {
     counts: Vec<u32>,
     workers: Vec<Worker>,
     depth: u32,
-    /// The first error a worker hit; reported by `poll`. Locked only on that error path.
-    failure: Arc<Mutex<Option<String>>>,
+    /// The first error a worker hit, reported by `poll`. `poll` reads only the flag; the lock
+    /// is taken by a worker recording an error and by `poll` once the flag says there is one.
+    failure: Arc<Failure>,
+}
+
+/// The first error any worker hit.
+#[derive(Default)]
+struct Failure {
+    /// Set (Release) after `reason` holds the text, so a poll that sees it (Acquire) finds it.
+    raised: AtomicBool,
+    reason: Mutex<Option<String>>,
+}
+
+impl Failure {
+    fn record(&self, error: &GioError) {
+        let mut slot = self.reason.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        slot.get_or_insert_with(|| error.to_string());
+        self.raised.store(true, Ordering::Release);
+    }
+
+    /// The recorded reason; locks only when one was recorded, so the steady-state poll of a
+    /// healthy executor is one atomic load and never waits on a worker.
+    fn reason(&self) -> Option<String> {
+        if !self.raised.load(Ordering::Acquire) {
+            return None;
+        }
+        self.reason.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone()
+    }
 }
 
 impl std::fmt::Debug for CpuWorkers {
@@ -98,12 +125,7 @@ impl CpuWorkers {
         }
         let owner = owner.into_iter().flatten().collect();
         let counts = vec![0; assignments.len()];
-        Ok(Self { assignments, owner, queue_depths, index: None, counts, workers: Vec::new(), depth, failure: Arc::new(Mutex::new(None)) })
-    }
-
-    fn record_failure(failure: &Mutex<Option<String>>, error: &GioError) {
-        let mut slot = failure.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        slot.get_or_insert_with(|| error.to_string());
+        Ok(Self { assignments, owner, queue_depths, index: None, counts, workers: Vec::new(), depth, failure: Arc::default() })
     }
 
     /// Acts on one message; `false` when the worker must stop.
@@ -119,7 +141,7 @@ impl CpuWorkers {
         true
     }
 
-    fn run(memory: Arc<QueueMemory>, mut core: CpuExecutor, receiver: Receiver<Message>, failure: Arc<Mutex<Option<String>>>) {
+    fn run(memory: Arc<QueueMemory>, mut core: CpuExecutor, receiver: Receiver<Message>, failure: Arc<Failure>) {
         loop {
             // Take every IOCB handed over since the last round.
             loop {
@@ -135,7 +157,7 @@ impl CpuWorkers {
             }
             if let Err(error) = core.poll(&memory) {
                 tracing::error!("gio-uring CPU worker: {error}");
-                Self::record_failure(&failure, &error);
+                failure.record(&error);
             }
             if core.has_pending() || core.in_flight() > 0 {
                 std::thread::yield_now();
@@ -227,9 +249,8 @@ impl Executor for CpuWorkers {
     }
 
     fn poll(&mut self, _memory: &QueueMemory) -> Result<(), GioError> {
-        let failure = self.failure.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        match failure.as_ref() {
-            Some(reason) => Err(GioError::Executor { executor: "cpu-workers", reason: reason.clone() }),
+        match self.failure.reason() {
+            Some(reason) => Err(GioError::Executor { executor: "cpu-workers", reason }),
             None => Ok(()),
         }
     }
@@ -306,5 +327,39 @@ impl Drop for CpuWorkers {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::QueueConfig;
+
+    fn queue_memory() -> QueueMemory {
+        QueueMemory::new(QueueConfig { depth: 4, ioctx_per_iocb_max: 4 }).expect("memory")
+    }
+
+    #[test]
+    fn poll_does_not_take_the_failure_lock_while_healthy() {
+        // Goal: the steady-state poll reads a flag, not the mutex: with the lock held elsewhere
+        // (as by a worker recording an error) a poll of a healthy executor returns at once.
+        let mut workers = CpuWorkers::new(0, Vec::new(), 4).expect("no devices is a valid executor");
+        let memory = queue_memory();
+        let failure = Arc::clone(&workers.failure);
+        let held = failure.reason.lock().expect("lock");
+        let (done, finished) = mpsc::channel();
+        let poller = std::thread::spawn(move || {
+            let result = workers.poll(&memory).map_err(|error| error.to_string());
+            let _ = done.send(result);
+            workers
+        });
+        let result = finished.recv_timeout(Duration::from_secs(5));
+        drop(held);
+        assert_eq!(result, Ok(Ok(())), "poll blocked on the failure mutex (or failed)");
+        let mut workers = poller.join().expect("poller");
+        // A recorded failure is still reported, with its text.
+        failure.record(&GioError::InvalidConfig { reason: "worker 0 hit a wall".into() });
+        let reported = workers.poll(&queue_memory()).expect_err("the failure must be reported");
+        assert!(reported.to_string().contains("worker 0 hit a wall"), "{reported}");
     }
 }

@@ -11,13 +11,10 @@ pub struct IocbId(pub u32);
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct DeviceIndex(pub u16);
 
-/// A logical block address on a namespace.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct Lba(pub u64);
-
-/// A device-visible address (an IOVA through the IOMMU, or a GPU/host address a device can DMA to).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct Iova(pub u64);
+/// A logical block address on a namespace, and a device-visible address (an IOVA through the
+/// IOMMU, or a GPU/host address a device can DMA to): the driver's own newtypes, so values pass
+/// between the layers without conversion and with the same checked arithmetic.
+pub use nvme_driver::types::{Iova, Lba};
 
 /// A model layer, for the per-layer offset rule of an IOCB.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -41,7 +38,7 @@ impl IovaRange {
 
     /// One past the last byte, or `None` if the range wraps the address space.
     pub fn end(&self) -> Option<u64> {
-        self.start.0.checked_add(self.len_bytes)
+        self.start.checked_end(self.len_bytes).map(|end| end.0)
     }
 
     /// Whether `[start, start + len_bytes)` lies inside this range.
@@ -62,12 +59,6 @@ impl fmt::Display for IocbId {
 impl fmt::Display for DeviceIndex {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "device {}", self.0)
-    }
-}
-
-impl fmt::Display for Iova {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{:#x}", self.0)
     }
 }
 

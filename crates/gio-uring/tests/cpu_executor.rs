@@ -77,7 +77,7 @@ fn ioctxs(region: &DmaRegion, sgl: bool, devices: u16) -> Vec<IoctxSpec> {
             nsid: 1,
             start_lba: Lba(u64::from(IOCTXS - 1 - i) * u64::from(BLOCKS_PER_IOCTX)),
             block_count: BLOCKS_PER_IOCTX,
-            data: Iova(region.iova().0 + u64::from(i) * block_bytes),
+            data: region.iova().checked_add(u64::from(i) * block_bytes).expect("inside the region"),
             descriptor: if sgl { Descriptor::SglInline } else { Descriptor::Prp { prp2: None } },
             force_unit_access: false,
         })

@@ -75,7 +75,7 @@ mod cuda {
                 nsid: 1,
                 start_lba: Lba(u64::from(IOCTXS - 1 - i) * u64::from(BLOCKS_PER_IOCTX)),
                 block_count: BLOCKS_PER_IOCTX,
-                data: Iova(staging.iova().0 + u64::from(i) * block_bytes),
+                data: staging.iova().checked_add(u64::from(i) * block_bytes).expect("inside the staging buffer"),
                 descriptor: Descriptor::Prp { prp2: None },
                 force_unit_access: false,
             })

@@ -22,7 +22,8 @@ struct Arguments {
     /// Device to test: `vfio:BDF` (e.g. vfio:0000:00:04.0), `emu:mem:SIZE` or `emu:PATH`. Repeatable.
     #[arg(long = "device", required = true)]
     devices: Vec<String>,
-    /// I/O queue pairs to exercise concurrently.
+    /// I/O queue pairs to ask for and exercise concurrently; a controller that grants fewer is
+    /// tested with what it grants (the report says how many were used).
     #[arg(long, default_value_t = 4)]
     queue_pairs: u16,
     /// Upper bound on I/O queue depth (CAP.MQES bounds it too).

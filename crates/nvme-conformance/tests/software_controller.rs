@@ -64,6 +64,21 @@ fn several_namespaces_stride_and_small_queues() {
     assert_passed(&report, &["bring_up_and_identify", "queue_pairs_at_full_depth", "read_write_sizes_sgl", "read_write_sizes_prp"]);
 }
 
+/// Goal: a controller that grants a single I/O queue pair (the suite asks for 4) and has a
+/// 16 KiB MDTS passes the whole suite, and the report says how many queue pairs were used.
+#[test]
+fn controller_granting_one_queue_pair_and_small_mdts_passes_everything() {
+    let config = EmuConfig::default().with_backing(Backing::Memory { bytes: 64 << 20 }).with_io_queue_pairs_max(1).with_mdts(2);
+    let report = run(config, suite());
+    let all: Vec<&str> = report.results.iter().map(|result| result.name).collect();
+    assert_passed(&report, &all);
+    let full_depth = report.results.iter().find(|result| result.name == "queue_pairs_at_full_depth").expect("ran");
+    let note = full_depth.note.as_deref().unwrap_or_default();
+    assert!(note.contains("1 I/O queue pair(s): the controller granted 1 of the 4 requested"), "{note}");
+    let text = report.to_string();
+    assert!(text.contains("granted 1 of the 4 requested") && text.contains("MDTS 16 KiB"), "{text}");
+}
+
 /// Goal: the suite also holds on a file-backed controller (the embedded default device).
 #[test]
 fn file_backed_controller() {

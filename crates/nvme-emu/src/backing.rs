@@ -16,6 +16,10 @@ use std::path::{Path, PathBuf};
 use crate::config::Backing;
 use crate::EmuError;
 
+/// The page-aligned buffer the store's `O_DIRECT` transfers and io_uring batches use: the
+/// project's one such type, from the shared io_uring crate.
+pub(crate) use tutti_uring::AlignedBuffer;
+
 const DIRECT_ALIGNMENT_BYTES: usize = 4096;
 /// Chunk of zeroes written per syscall by `write_zeroes` on files.
 const ZERO_CHUNK_BYTES: usize = 1 << 20;
@@ -165,40 +169,6 @@ impl FileStore {
             Some(direct) if aligned => direct,
             _ => &self.buffered,
         }
-    }
-}
-
-/// A growable byte buffer whose usable slice starts 4 KiB aligned (so `O_DIRECT` can use it),
-/// built from a plain `Vec` without unsafe code.
-#[derive(Default)]
-pub(crate) struct AlignedBuffer {
-    storage: Vec<u8>,
-}
-
-impl AlignedBuffer {
-    /// Bytes held (what keeping this buffer in a pool costs).
-    pub(crate) fn capacity_bytes(&self) -> usize {
-        self.storage.len()
-    }
-
-    /// A zero-initialised aligned slice of `len` bytes (contents of earlier use may remain).
-    pub(crate) fn slice(&mut self, len: usize) -> &mut [u8] {
-        let needed = len + DIRECT_ALIGNMENT_BYTES;
-        if self.storage.len() < needed {
-            self.storage = vec![0u8; needed];
-        }
-        let start = self.storage.as_ptr() as usize;
-        let skip = (DIRECT_ALIGNMENT_BYTES - start % DIRECT_ALIGNMENT_BYTES) % DIRECT_ALIGNMENT_BYTES;
-        &mut self.storage[skip..skip + len]
-    }
-}
-
-impl AlignedBuffer {
-    /// The first `len` bytes of the aligned slice, read only (empty if the buffer is smaller).
-    pub(crate) fn bytes(&self, len: usize) -> &[u8] {
-        let start = self.storage.as_ptr() as usize;
-        let skip = (DIRECT_ALIGNMENT_BYTES - start % DIRECT_ALIGNMENT_BYTES) % DIRECT_ALIGNMENT_BYTES;
-        self.storage.get(skip..skip + len).unwrap_or(&[])
     }
 }
 

@@ -25,8 +25,9 @@ use crate::faults::{FaultAction, FaultPlan, FaultState};
 use crate::queues::{CompletionQueue, SubmissionQueue};
 use crate::registers::RegisterFile;
 use crate::stats::{Counters, EmuStats};
-use crate::uring::{ReadJob, UringReader};
+use crate::uring::UringReader;
 use crate::EmuError;
+use tutti_uring::{Direction, Job, Transfer};
 
 /// Commands fetched from one SQ per scan, so one busy queue cannot starve the others.
 const COMMANDS_PER_QUEUE_PER_SCAN: usize = 64;
@@ -560,14 +561,20 @@ impl ControllerCore {
         if group.is_empty() {
             return;
         }
-        let mut jobs: Vec<ReadJob> = Vec::with_capacity(group.len());
+        let mut jobs: Vec<Job> = Vec::with_capacity(group.len());
         for io in group.iter_mut() {
             let block_size = u64::from(io.namespace.block_size_bytes);
             let offset = io.namespace.base_offset_bytes + io.start_lba * block_size;
             let len = (io.blocks * block_size) as usize;
             let fd = self.store.file_descriptor(offset, len).unwrap_or(-1);
-            let buffer = std::mem::take(&mut io.buffer);
-            jobs.push(ReadJob { fd, write: io.write, offset, len, buffer, result: Err(std::io::Error::other("not submitted")) });
+            let mut buffer = std::mem::take(&mut io.buffer);
+            // A read's buffer comes from the pool at any size: grow it now (the ring refuses a
+            // buffer smaller than its transfer; that job would then run synchronously).
+            if let Err(error) = buffer.try_reserve(len) {
+                tracing::warn!(%error, "no memory for a batched read's buffer; it runs synchronously");
+            }
+            let direction = if io.write { Direction::Write } else { Direction::Read };
+            jobs.push(Job::new(Transfer { fd, direction, offset_bytes: offset, len_bytes: len }, buffer));
         }
         if jobs.len() > 1 {
             if let Some(reader) = self.reader.as_mut() {
@@ -575,7 +582,8 @@ impl ControllerCore {
             }
         }
         for (io, mut job) in group.drain(..).zip(jobs) {
-            let data = job.buffer.slice(job.len);
+            let (offset, len) = (job.transfer.offset_bytes, job.transfer.len_bytes);
+            let data = job.buffer.slice(len);
             // A single transfer, or one the ring could not do (short transfer, O_DIRECT
             // refusal), is a synchronous pread/pwrite of the same buffer.
             let done = match job.result {
@@ -587,16 +595,16 @@ impl ControllerCore {
                     }
                     Ok(())
                 }
-                Err(_) if io.write => self.store.write(job.offset, data),
-                Err(_) => self.store.read(job.offset, data),
+                Err(_) if io.write => self.store.write(offset, data),
+                Err(_) => self.store.read(offset, data),
             };
             let result = match done {
                 Err(error) if io.write => {
-                    tracing::error!(%error, offset = job.offset, "backing store write failed");
+                    tracing::error!(%error, offset, "backing store write failed");
                     Err(media(codes::WRITE_FAULT))
                 }
                 Err(error) => {
-                    tracing::error!(%error, offset = job.offset, "backing store read failed");
+                    tracing::error!(%error, offset, "backing store read failed");
                     Err(media(codes::UNRECOVERED_READ_ERROR))
                 }
                 Ok(()) if io.write => Ok(0),
@@ -607,10 +615,10 @@ impl ControllerCore {
             };
             if result.is_ok() {
                 if io.write {
-                    self.counters.totals.bytes_written += job.len as u64;
+                    self.counters.totals.bytes_written += len as u64;
                     self.counters.host_writes += 1;
                 } else {
-                    self.counters.totals.bytes_read += job.len as u64;
+                    self.counters.totals.bytes_read += len as u64;
                     self.counters.host_reads += 1;
                 }
             }

@@ -313,8 +313,8 @@ mod tests {
         let lists = dma.allocate(2 * 4096).unwrap();
         let base = data.iova().0;
         // List starts at the second-to-last slot of page 0: one data entry, then a chain pointer.
-        let list_start = lists.iova().0 + 4096 - 16;
-        put_u64s(&lists, 4096 - 16, &[base + 4096, lists.iova().0 + 4096]);
+        let list_start = lists.iova().checked_add(4096 - 16).unwrap().0;
+        put_u64s(&lists, 4096 - 16, &[base + 4096, lists.iova().checked_add(4096).unwrap().0]);
         put_u64s(&lists, 4096, &[base + 2 * 4096, base + 3 * 4096]);
         let ranges = prp_ranges(&dma, base + 512, list_start, 4096 - 512 + 3 * 4096).unwrap();
         assert_eq!(ranges, vec![(base + 512, 3584), (base + 4096, 4096), (base + 8192, 4096), (base + 12288, 4096)]);

@@ -16,8 +16,9 @@
 //!   a no-storage mode, and counters ([`EmuStats`]).
 //!
 //! Nothing a host writes can make it panic: every malformed command gets the NVMe status a
-//! real controller would return (see `docs/nvme-emu.md` for the table). The only unsafe code is
-//! the io_uring module that batches file-backed reads and write-through writes.
+//! real controller would return (see `docs/nvme-emu.md` for the table). It has no unsafe code:
+//! file-backed reads and write-through writes are batched through the shared `tutti-uring`
+//! crate, which owns the buffers the kernel uses.
 //!
 //! # API
 //!
@@ -48,7 +49,7 @@
 //! device.power_loss(); // unflushed writes are gone; the host must bring the controller up again
 //! # Ok::<(), nvme_emu::EmuError>(())
 //! ```
-#![deny(unsafe_code)]
+#![forbid(unsafe_code)]
 
 mod admin;
 mod backing;

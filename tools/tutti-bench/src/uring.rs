@@ -1,30 +1,29 @@
 //! The kernel path: io_uring with `O_DIRECT` on a file or block device — the CPU-centric
-//! comparator, and the fallback where VFIO cannot be used. All of this binary's unsafe code is in
-//! this module.
+//! comparator, and the fallback where VFIO cannot be used. The ring, its page-aligned buffers and
+//! its bounded waits are the shared `tutti-uring` crate's; this module also holds the binary's
+//! remaining unsafe code (block-device ioctls, getrusage, statvfs, the interrupt handler).
 //!
-//! Per job: one ring with `depth` entries and one page-aligned buffer of `depth × bs` bytes
-//! allocated when the queue opens. Submission and waiting share one `io_uring_enter` per loop
-//! (like fio's io_uring engine without fixed buffers), and every wait carries a timeout
-//! (`IORING_ENTER_EXT_ARG`), so a stuck device fails the run instead of hanging it.
+//! Per job: one ring with `depth` entries and one page-aligned buffer of `bs` bytes per slot,
+//! allocated when the queue opens. A slot's buffer is lent to the ring while its I/O is in flight
+//! and comes back with the completion. Submission and waiting share one `io_uring_enter` per
+//! loop (like fio's io_uring engine without fixed buffers), and every wait carries the run's
+//! deadline, so a stuck device fails the run instead of hanging it.
 
-use std::alloc::Layout;
 use std::fs::{File, OpenOptions};
-use std::mem::ManuallyDrop;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::ptr::NonNull;
 use std::sync::Arc;
 use std::time::Instant;
 
-use io_uring::{opcode, types, IoUring};
+use tutti_uring::{AlignedBuffer, Refused, Ring, Transfer, UringError};
 
 use crate::args::format_size;
 use crate::devices::{Device, DeviceError, Direction, IoQueue, IO_TIMEOUT};
 
 /// `O_DIRECT` needs buffers, offsets and lengths aligned to the logical block size; a page covers
 /// every device we expect.
-const BUFFER_ALIGNMENT_BYTES: usize = 4096;
+const BUFFER_ALIGNMENT_BYTES: usize = AlignedBuffer::ALIGNMENT_BYTES;
 
 /// `BLKGETSIZE64` and `BLKSSZGET` from `<linux/fs.h>`.
 const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
@@ -92,126 +91,76 @@ impl Device for UringDevice {
 
     fn open_queue(&self, depth: u32, slot_bytes: usize) -> Result<Box<dyn IoQueue>, DeviceError> {
         let name = self.name();
-        let ring = IoUring::new(depth.next_power_of_two().max(2)).map_err(|source| DeviceError::Io {
-            device: name.clone(),
-            context: "io_uring_setup".into(),
-            source,
-        })?;
-        if !ring.params().is_feature_ext_arg() {
-            return Err(DeviceError::Setup(format!("{name}: the kernel's io_uring lacks EXT_ARG (Linux 5.11+), needed for bounded waits")));
-        }
-        let slot_len = u32::try_from(slot_bytes).map_err(|_| DeviceError::Setup(format!("{name}: block size {slot_bytes} too large")))?;
-        let buffers = AlignedBuffer::new(slot_bytes * depth as usize)
-            .ok_or_else(|| DeviceError::Setup(format!("{name}: cannot allocate {depth} × {slot_bytes} bytes of buffers")))?;
+        let ring = Ring::new(depth).map_err(|error| DeviceError::Setup(format!("{name}: {error}")))?;
         let fill: Vec<u8> = (0..slot_bytes).map(|index| (index as u8).wrapping_mul(31) ^ 0xa5).collect();
-        for slot in 0..depth as usize {
-            buffers.copy_in(slot * slot_bytes, &fill);
+        let mut buffers = Vec::with_capacity(depth as usize);
+        for _ in 0..depth {
+            let mut buffer = AlignedBuffer::with_capacity(slot_bytes)
+                .map_err(|error| DeviceError::Setup(format!("{name}: {depth} buffers of {slot_bytes} bytes: {error}")))?;
+            buffer.slice(slot_bytes).copy_from_slice(&fill);
+            buffers.push(buffer);
         }
         Ok(Box::new(UringQueue {
             name,
             ring,
             file: Arc::clone(&self.file),
-            buffers: ManuallyDrop::new(buffers),
+            buffers,
             slot_bytes,
-            slot_len,
-            in_flight: 0,
             directions: vec![Direction::Read; depth as usize],
             offsets_bytes: vec![0; depth as usize],
         }))
     }
 }
 
-/// Page-aligned heap memory the kernel reads and writes by DMA. Never exposed as a Rust
-/// reference: the kernel may write it while an I/O is in flight.
-struct AlignedBuffer {
-    pointer: NonNull<u8>,
-    layout: Layout,
-}
-
-// SAFETY: the buffer is plain heap memory owned by this value; access goes through `copy_in` /
-// `copy_out`, whose callers guarantee no I/O on the range is in flight.
-unsafe impl Send for AlignedBuffer {}
-
-impl AlignedBuffer {
-    fn new(len: usize) -> Option<Self> {
-        let layout = Layout::from_size_align(len.max(BUFFER_ALIGNMENT_BYTES), BUFFER_ALIGNMENT_BYTES).ok()?;
-        // SAFETY: the layout has a non-zero size (at least one page).
-        let pointer = NonNull::new(unsafe { std::alloc::alloc_zeroed(layout) })?;
-        Some(Self { pointer, layout })
-    }
-
-    fn address(&self, offset: usize) -> *mut u8 {
-        debug_assert!(offset < self.layout.size());
-        // SAFETY: callers pass offsets inside the allocation (slot × slot size < depth × slot size).
-        unsafe { self.pointer.as_ptr().add(offset) }
-    }
-
-    fn copy_in(&self, offset: usize, source: &[u8]) {
-        let len = source.len().min(self.layout.size().saturating_sub(offset));
-        // SAFETY: `offset..offset+len` is inside the allocation (clamped above); `source` is
-        // ordinary memory that cannot overlap it; no I/O uses the range (caller's protocol).
-        unsafe { std::ptr::copy_nonoverlapping(source.as_ptr(), self.address(offset), len) }
-    }
-
-    fn copy_out(&self, offset: usize, destination: &mut [u8]) {
-        let len = destination.len().min(self.layout.size().saturating_sub(offset));
-        // SAFETY: as in `copy_in`, in the other direction.
-        unsafe { std::ptr::copy_nonoverlapping(self.address(offset), destination.as_mut_ptr(), len) }
-    }
-}
-
-impl Drop for AlignedBuffer {
-    fn drop(&mut self) {
-        // SAFETY: allocated in `new` with this layout; `UringQueue::drop` leaks the buffer instead
-        // of dropping it while the kernel may still write into it.
-        unsafe { std::alloc::dealloc(self.pointer.as_ptr(), self.layout) }
-    }
-}
-
 struct UringQueue {
     name: String,
-    ring: IoUring,
+    /// Declared before `file`: dropping the ring (which drains or leaks what is in flight)
+    /// happens while the file is still open.
+    ring: Ring,
     file: Arc<File>,
-    /// Dropped by hand in `Drop`, only once no I/O is in flight.
-    buffers: ManuallyDrop<AlignedBuffer>,
+    /// One buffer per slot; empty while the slot's I/O is in flight (the ring holds it then).
+    buffers: Vec<AlignedBuffer>,
     slot_bytes: usize,
-    slot_len: u32,
-    in_flight: usize,
     directions: Vec<Direction>,
     offsets_bytes: Vec<u64>,
 }
 
 impl UringQueue {
-    fn timespec_until(deadline: Instant) -> types::Timespec {
-        let left = deadline.saturating_duration_since(Instant::now());
-        types::Timespec::new().sec(left.as_secs()).nsec(left.subsec_nanos())
+    /// The slot's buffer, if the slot is idle (its buffer is home, not lent to the ring).
+    fn idle_buffer(&self, slot: u32) -> Result<&AlignedBuffer, DeviceError> {
+        let buffer =
+            self.buffers.get(slot as usize).ok_or_else(|| DeviceError::Setup(format!("{}: slot {slot} out of range", self.name)))?;
+        if buffer.capacity_bytes() < self.slot_bytes {
+            return Err(DeviceError::Setup(format!("{}: slot {slot} has an I/O in flight", self.name)));
+        }
+        Ok(buffer)
     }
 }
 
 impl IoQueue for UringQueue {
     fn queue(&mut self, slot: u32, direction: Direction, offset_bytes: u64) -> Result<(), DeviceError> {
+        self.idle_buffer(slot)?;
         let index = slot as usize;
-        if index >= self.directions.len() {
-            return Err(DeviceError::Setup(format!("{}: slot {slot} out of range", self.name)));
+        let buffer = std::mem::take(&mut self.buffers[index]);
+        let kernel_direction = match direction {
+            Direction::Read => tutti_uring::Direction::Read,
+            Direction::Write => tutti_uring::Direction::Write,
+        };
+        let transfer = Transfer { fd: self.file.as_raw_fd(), direction: kernel_direction, offset_bytes, len_bytes: self.slot_bytes };
+        match self.ring.push(transfer, buffer, u64::from(slot)) {
+            Ok(()) => {
+                self.directions[index] = direction;
+                self.offsets_bytes[index] = offset_bytes;
+                Ok(())
+            }
+            Err(Refused { buffer, error }) => {
+                self.buffers[index] = buffer;
+                match error {
+                    UringError::Full { .. } => Err(DeviceError::Backpressure { device: self.name.clone() }),
+                    other => Err(DeviceError::Setup(format!("{}: {other}", self.name))),
+                }
+            }
         }
-        let fd = types::Fd(self.file.as_raw_fd());
-        let buffer = self.buffers.address(index * self.slot_bytes);
-        let entry = match direction {
-            Direction::Read => opcode::Read::new(fd, buffer, self.slot_len).offset(offset_bytes).build(),
-            Direction::Write => opcode::Write::new(fd, buffer.cast_const(), self.slot_len).offset(offset_bytes).build(),
-        }
-        .user_data(u64::from(slot));
-        // The slot is not reused before its completion is reaped (caller's protocol).
-        // SAFETY: the entry points at this slot's part of `buffers` (slot_len bytes, in bounds) and at `file`'s
-        // descriptor; both live as long as the ring (fields of `self`; drop waits for in-flight I/O or leaks).
-        let pushed = unsafe { self.ring.submission().push(&entry) };
-        if pushed.is_err() {
-            return Err(DeviceError::Backpressure { device: self.name.clone() });
-        }
-        self.directions[index] = direction;
-        self.offsets_bytes[index] = offset_bytes;
-        self.in_flight += 1;
-        Ok(())
     }
 
     fn submit_and_reap(
@@ -220,85 +169,57 @@ impl IoQueue for UringQueue {
         deadline: Instant,
         on_done: &mut dyn FnMut(u32, Result<(), DeviceError>),
     ) -> Result<usize, DeviceError> {
-        let queued = self.ring.submission().len();
-        let must_wait = wait && self.ring.completion().is_empty() && self.in_flight > 0;
-        if must_wait {
-            let timespec = Self::timespec_until(deadline);
-            let arguments = types::SubmitArgs::new().timespec(&timespec);
-            match self.ring.submitter().submit_with_args(1, &arguments) {
-                Ok(_) => {}
-                Err(error) if error.raw_os_error() == Some(libc::ETIME) => {
-                    if self.ring.completion().is_empty() {
-                        return Err(DeviceError::Timeout {
-                            device: self.name.clone(),
-                            timeout_s: IO_TIMEOUT.as_secs(),
-                            in_flight: self.in_flight,
-                        });
+        let submitted = if wait { self.ring.wait(deadline) } else { self.ring.submit() };
+        submitted.map_err(|error| match error {
+            UringError::Timeout { in_flight, .. } => {
+                DeviceError::Timeout { device: self.name.clone(), timeout_s: IO_TIMEOUT.as_secs(), in_flight }
+            }
+            UringError::Enter { source } => DeviceError::Io { device: self.name.clone(), context: "io_uring_enter".into(), source },
+            other => DeviceError::Setup(format!("{}: {other}", self.name)),
+        })?;
+        let Self { ring, buffers, directions, offsets_bytes, name, .. } = self;
+        let reaped = ring.reap(|completion| {
+            // The tag is a slot index this queue pushed (below the depth).
+            let index = completion.tag as usize;
+            let outcome = completion.check().map_err(|error| DeviceError::Command {
+                device: name.clone(),
+                direction: directions[index],
+                offset_bytes: offsets_bytes[index],
+                reason: match error {
+                    UringError::Transfer { source, .. } => source.to_string(),
+                    UringError::ShortTransfer { done_bytes, len_bytes, .. } => {
+                        format!("short transfer: {done_bytes} of {len_bytes} bytes (past the end of the file?)")
                     }
-                }
-                // Interrupted or the kernel is short of resources: retried by the caller's loop.
-                Err(error) if matches!(error.raw_os_error(), Some(libc::EINTR) | Some(libc::EAGAIN) | Some(libc::EBUSY)) => {}
-                Err(source) => return Err(DeviceError::Io { device: self.name.clone(), context: "io_uring_enter".into(), source }),
+                    other => other.to_string(),
+                },
+            });
+            buffers[index] = completion.buffer;
+            on_done(completion.tag as u32, outcome);
+        });
+        reaped.map_err(|error| match error {
+            UringError::UnexpectedCompletion { user_data } => {
+                DeviceError::UnexpectedCompletion { device: self.name.clone(), slot: user_data }
             }
-        } else if queued > 0 {
-            match self.ring.submit() {
-                Ok(_) => {}
-                Err(error) if matches!(error.raw_os_error(), Some(libc::EINTR) | Some(libc::EAGAIN) | Some(libc::EBUSY)) => {}
-                Err(source) => return Err(DeviceError::Io { device: self.name.clone(), context: "io_uring_enter".into(), source }),
-            }
-        }
-        let mut done = 0;
-        let mut unexpected = None;
-        for entry in self.ring.completion() {
-            let slot = entry.user_data();
-            let Some(index) = usize::try_from(slot).ok().filter(|&index| index < self.directions.len()) else {
-                unexpected = Some(slot);
-                continue;
-            };
-            self.in_flight = self.in_flight.saturating_sub(1);
-            done += 1;
-            let result = entry.result();
-            let outcome = if result < 0 {
-                let reason = std::io::Error::from_raw_os_error(-result).to_string();
-                Err(DeviceError::Command {
-                    device: self.name.clone(),
-                    direction: self.directions[index],
-                    offset_bytes: self.offsets_bytes[index],
-                    reason,
-                })
-            } else if result as u32 != self.slot_len {
-                let reason = format!("short transfer: {result} of {} bytes (past the end of the file?)", self.slot_len);
-                Err(DeviceError::Command {
-                    device: self.name.clone(),
-                    direction: self.directions[index],
-                    offset_bytes: self.offsets_bytes[index],
-                    reason,
-                })
-            } else {
-                Ok(())
-            };
-            on_done(index as u32, outcome);
-        }
-        if let Some(slot) = unexpected {
-            return Err(DeviceError::UnexpectedCompletion { device: self.name.clone(), slot });
-        }
-        Ok(done)
+            other => DeviceError::Setup(format!("{}: {other}", self.name)),
+        })
     }
 
     fn write_buffer(&mut self, slot: u32, source: &[u8]) -> Result<(), DeviceError> {
+        self.idle_buffer(slot)?;
         let len = source.len().min(self.slot_bytes);
-        self.buffers.copy_in(slot as usize * self.slot_bytes, &source[..len]);
+        self.buffers[slot as usize].slice(len).copy_from_slice(&source[..len]);
         Ok(())
     }
 
     fn read_buffer(&self, slot: u32, destination: &mut [u8]) -> Result<(), DeviceError> {
+        let buffer = self.idle_buffer(slot)?;
         let len = destination.len().min(self.slot_bytes);
-        self.buffers.copy_out(slot as usize * self.slot_bytes, &mut destination[..len]);
+        destination[..len].copy_from_slice(buffer.bytes(len));
         Ok(())
     }
 
     fn drain(&mut self, deadline: Instant) {
-        while self.in_flight > 0 && Instant::now() < deadline {
+        while self.ring.in_flight() > 0 && Instant::now() < deadline {
             if self.submit_and_reap(true, deadline, &mut |_, _| {}).is_err() {
                 break;
             }
@@ -308,13 +229,8 @@ impl IoQueue for UringQueue {
 
 impl Drop for UringQueue {
     fn drop(&mut self) {
+        // The ring leaks (never frees) the buffers of I/Os still in flight when it is dropped.
         self.drain(Instant::now() + IO_TIMEOUT);
-        // With I/O still in flight the kernel may write into the buffers: leak them rather than
-        // free memory a device could scribble on.
-        if self.in_flight == 0 {
-            // SAFETY: no I/O references the buffers any more and they are not used after this.
-            unsafe { ManuallyDrop::drop(&mut self.buffers) }
-        }
     }
 }
 

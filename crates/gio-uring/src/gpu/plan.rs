@@ -281,13 +281,17 @@ pub fn plan_staged_copies(
             .and_then(|shift| shift.checked_add(ioctx.data_iova))
             .ok_or((index, IoctxFault::AddressOverflow { layer: last_layer }))?;
         let inside = |pair: &&StagingPair, start: u64| {
-            start >= pair.iova.0 && start.checked_add(len).is_some_and(|end| end <= pair.iova.0 + pair.len_bytes)
+            Iova(start)
+                .checked_offset_from(pair.iova)
+                .is_some_and(|offset| offset.checked_add(len).is_some_and(|end| end <= pair.len_bytes))
         };
         let pair = pairs
             .iter()
             .find(|pair| inside(pair, ioctx.data_iova) && inside(pair, shift))
             .ok_or((index, IoctxFault::OutsideStaging { range: IovaRange::new(Iova(ioctx.data_iova), len) }))?;
-        let offset = ioctx.data_iova - pair.iova.0;
+        let offset = Iova(ioctx.data_iova)
+            .checked_offset_from(pair.iova)
+            .ok_or((index, IoctxFault::OutsideStaging { range: IovaRange::new(Iova(ioctx.data_iova), len) }))?;
         let run = CopyRun { host_address: pair.host_address + offset, gpu_address: pair.gpu_address + offset, len_bytes: len };
         match runs.last_mut() {
             Some(last)

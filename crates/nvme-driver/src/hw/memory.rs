@@ -151,6 +151,8 @@ pub struct DmaRegion {
     inner: Arc<RegionInner>,
     offset: usize,
     len: usize,
+    /// `inner.iova + offset`, computed (checked) when the window is made.
+    iova: Iova,
 }
 
 impl std::fmt::Debug for DmaRegion {
@@ -162,7 +164,7 @@ impl std::fmt::Debug for DmaRegion {
 impl DmaRegion {
     /// Device-visible address of the first byte of this window.
     pub fn iova(&self) -> Iova {
-        Iova(self.inner.iova.0 + self.offset as u64)
+        self.iova
     }
 
     pub fn len(&self) -> usize {
@@ -182,7 +184,11 @@ impl DmaRegion {
     /// A sub-window `offset..offset+len` of this region.
     pub fn subregion(&self, offset: usize, len: usize) -> Result<DmaRegion, HwError> {
         self.check(offset, len, 1)?;
-        Ok(DmaRegion { inner: Arc::clone(&self.inner), offset: self.offset + offset, len })
+        // Inside the region (checked above), so neither sum can overflow; checked all the same.
+        let out_of_range = || HwError::OutOfRange { offset, access_len: len, region_len: self.len };
+        let iova = self.iova.checked_add_usize(offset).ok_or_else(out_of_range)?;
+        let inner_offset = self.offset.checked_add(offset).ok_or_else(out_of_range)?;
+        Ok(DmaRegion { inner: Arc::clone(&self.inner), offset: inner_offset, len, iova })
     }
 
     fn check(&self, offset: usize, len: usize, align: usize) -> Result<(), HwError> {
@@ -393,7 +399,8 @@ impl DmaPool {
         }
         let inner = Arc::new(RegionInner { ptr, len, iova, _backing: backing, pool: Arc::downgrade(&self.shared) });
         self.shared.table.write().unwrap_or_else(|poisoned| poisoned.into_inner()).insert(iova.0, Arc::downgrade(&inner));
-        Ok(DmaRegion { inner, offset: 0, len })
+        let iova = inner.iova;
+        Ok(DmaRegion { inner, offset: 0, len, iova })
     }
 }
 
@@ -427,13 +434,14 @@ impl DmaAllocator for DmaPool {
         let table = self.shared.table.read().unwrap_or_else(|poisoned| poisoned.into_inner());
         let (_, weak) = table.range(..=iova.0).next_back().ok_or(unmapped)?;
         let inner = weak.upgrade().ok_or(HwError::Unmapped { iova, len })?;
-        let offset = (iova.0 - inner.iova.0) as usize;
+        let offset =
+            iova.checked_offset_from(inner.iova).and_then(|offset| usize::try_from(offset).ok()).ok_or(HwError::Unmapped { iova, len })?;
         let end = offset.checked_add(len).ok_or(HwError::Unmapped { iova, len })?;
         if end > inner.len {
             return Err(HwError::Unmapped { iova, len });
         }
-        let region_len = inner.len;
-        DmaRegion { inner, offset: 0, len: region_len }.subregion(offset, len)
+        let (region_len, region_iova) = (inner.len, inner.iova);
+        DmaRegion { inner, offset: 0, len: region_len, iova: region_iova }.subregion(offset, len)
     }
 }
 
@@ -451,7 +459,7 @@ mod tests {
         region.read(0, &mut bytes).unwrap();
         assert!(bytes.iter().all(|&b| b == 0));
         region.write(100, b"hello").unwrap();
-        let view = pool.translate(Iova(region.iova().0 + 100), 5).expect("translate");
+        let view = pool.translate(region.iova().checked_add(100).unwrap(), 5).expect("translate");
         let mut out = [0u8; 5];
         view.read(0, &mut out).unwrap();
         assert_eq!(&out, b"hello");
@@ -464,7 +472,7 @@ mod tests {
         assert!(matches!(region.write(4090, &[0; 7]), Err(HwError::OutOfRange { .. })));
         assert!(matches!(region.load_u32(2, Ordering::Relaxed), Err(HwError::Misaligned { .. })));
         assert!(matches!(region.subregion(usize::MAX, 2), Err(HwError::OutOfRange { .. })));
-        assert!(pool.translate(Iova(region.iova().0 + 4000), 200).is_err());
+        assert!(pool.translate(region.iova().checked_add(4000).unwrap(), 200).is_err());
         assert!(pool.translate(Iova(5), 1).is_err());
     }
 

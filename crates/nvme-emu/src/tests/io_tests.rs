@@ -80,7 +80,7 @@ fn sgl_segment_chain_scatters_into_many_buffers() {
     let put = |offset: usize, descriptor: SglDescriptor| segments.write(offset, &descriptor.to_bytes()).unwrap();
     put(0, SglDescriptor::data_block(pieces[0].iova().0, 4096));
     put(16, SglDescriptor::data_block(pieces[1].iova().0, 4096));
-    put(32, SglDescriptor::last_segment(segments.iova().0 + 1024, 2));
+    put(32, SglDescriptor::last_segment(segments.iova().checked_add(1024).unwrap().0, 2));
     put(1024, SglDescriptor::data_block(pieces[2].iova().0, 4096));
     put(1040, SglDescriptor::data_block(pieces[3].iova().0, 4096));
     let mut read = SubmissionEntry::read(NS_4K, Lba(3), 4);
@@ -142,7 +142,7 @@ fn malformed_commands_get_their_statuses() {
         assert_eq!(status_of(&host.execute_on(&mut queue, entry)), expected, "{name}");
     }
     let mut misaligned_prp = SubmissionEntry::read(NS_4K, Lba(0), 2);
-    misaligned_prp.dptr = [buffer.iova().0, buffer.iova().0 + 4096 + 8];
+    misaligned_prp.dptr = [buffer.iova().0, buffer.iova().checked_add(4096 + 8).unwrap().0];
     assert_eq!(status_of(&host.execute_on(&mut queue, misaligned_prp)), generic(codes::INVALID_PRP_OFFSET));
     // With SGLs turned off, an SGL command is an invalid field.
     drop(host);
@@ -440,7 +440,7 @@ fn batched_file_reads_keep_command_order_and_see_the_cache() {
         assert!(read_back(target) == expected, "block {block}");
     }
     assert!(read_back(&targets[blocks]) == newer, "the read after the write sees it");
-    if io_uring::IoUring::new(2).is_ok() {
+    if tutti_uring::available() {
         assert!(host.device.stats().batched_reads >= blocks as u64, "reads went through io_uring");
     } else {
         eprintln!("io_uring unavailable here: only the synchronous read path was checked");
@@ -511,7 +511,7 @@ fn batched_file_writes_keep_overlapping_commands_in_order() {
     }
     assert!(read_back(&target_20) == second, "overlapping writes land in order");
     assert!(read_back(&target_40) == fua, "the FUA write supersedes the cached copy");
-    if io_uring::IoUring::new(2).is_ok() {
+    if tutti_uring::available() {
         assert!(host.device.stats().batched_writes >= blocks as u64, "writes went through io_uring");
     } else {
         eprintln!("io_uring unavailable here: only the synchronous write path was checked");

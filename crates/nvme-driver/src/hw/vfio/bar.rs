@@ -1,57 +1,45 @@
 //! BAR0 mapped from the VFIO device fd: the controller's registers as volatile memory.
 
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::ptr::NonNull;
 use std::sync::Arc;
+
+use memmap2::{MmapOptions, MmapRaw};
 
 use super::error::VfioError;
 use super::sysfs::PciAddress;
 use crate::hw::RegisterIo;
 
-/// A shared mapping of BAR0, unmapped on drop. Holds the device fd so the mapping never outlives
-/// the device it belongs to.
+/// A shared mapping of BAR0 (memmap2's `MmapRaw`: a mapping that is only ever a raw pointer,
+/// never a slice, and is unmapped on drop). Holds the device fd so the mapping never outlives the
+/// device it belongs to.
 #[derive(Debug)]
 pub struct MappedBar {
-    base: NonNull<u8>,
+    /// Declared before `_device`: unmapped before the fd closes.
+    mapping: MmapRaw,
     len: usize,
     _device: Arc<OwnedFd>,
 }
-
-// SAFETY: the mapping is device memory accessed only through volatile reads/writes of plain
-// integers; any thread may issue them (the hardware serialises register accesses).
-unsafe impl Send for MappedBar {}
-// SAFETY: as above; no Rust reference into the mapping is ever created.
-unsafe impl Sync for MappedBar {}
 
 impl MappedBar {
     /// Host virtual address of the mapping (for registering the doorbells with a GPU); valid
     /// while this value lives. Never dereferenced as a Rust reference.
     pub fn host_address(&self) -> usize {
-        self.base.as_ptr() as usize
+        self.mapping.as_ptr() as usize
     }
 
-    /// Maps `len` bytes of the region at `region_offset` of the device fd.
+    /// Maps `len` bytes of the region at `region_offset` of the device fd, shared, read/write.
     pub fn map(address: PciAddress, device: Arc<OwnedFd>, region_offset: u64, len: usize) -> Result<Self, VfioError> {
         let size_bytes = len as u64;
-        let offset = libc::off_t::try_from(region_offset).map_err(|_| VfioError::BarMmap {
-            address,
-            size_bytes,
-            source: std::io::Error::from(std::io::ErrorKind::InvalidInput),
-        })?;
-        // SAFETY: a shared mapping of a VFIO region with a null hint; the kernel validates offset
-        // and length against the region and the result is checked before use.
-        let pointer = unsafe {
-            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, device.as_raw_fd(), offset)
-        };
-        if pointer == libc::MAP_FAILED {
-            return Err(VfioError::BarMmap { address, size_bytes, source: std::io::Error::last_os_error() });
+        // The kernel validates offset and length against the region; a BAR is never empty.
+        if len == 0 || i64::try_from(region_offset).is_err() {
+            return Err(VfioError::BarMmap { address, size_bytes, source: std::io::Error::from(std::io::ErrorKind::InvalidInput) });
         }
-        let base = NonNull::new(pointer.cast::<u8>()).ok_or(VfioError::BarMmap {
-            address,
-            size_bytes,
-            source: std::io::Error::other("mmap returned null"),
-        })?;
-        Ok(Self { base, len, _device: device })
+        let mapping = MmapOptions::new()
+            .offset(region_offset)
+            .len(len)
+            .map_raw(device.as_raw_fd())
+            .map_err(|source| VfioError::BarMmap { address, size_bytes, source })?;
+        Ok(Self { mapping, len, _device: device })
     }
 
     /// The register's address if `offset..offset+width` lies inside the BAR and is naturally
@@ -61,8 +49,8 @@ impl MappedBar {
         if end > self.len || !offset.is_multiple_of(width) {
             return None;
         }
-        // SAFETY: offset + width <= len (checked), so the pointer stays inside the mapping.
-        Some(unsafe { self.base.as_ptr().add(offset) })
+        // `offset + width <= len` (checked): the pointer stays inside the mapping.
+        Some(self.mapping.as_mut_ptr().wrapping_add(offset))
     }
 }
 
@@ -100,16 +88,6 @@ impl RegisterIo for MappedBar {
         if let Some(pointer) = self.register(offset, 8) {
             // SAFETY: in bounds and aligned (checked); a single 64-bit volatile store.
             unsafe { pointer.cast::<u64>().write_volatile(value) }
-        }
-    }
-}
-
-impl Drop for MappedBar {
-    fn drop(&mut self) {
-        // SAFETY: base/len are exactly the mapping created in `map`; no pointer derived from it
-        // survives (they are only formed inside the accessors above).
-        unsafe {
-            libc::munmap(self.base.as_ptr().cast(), self.len);
         }
     }
 }

@@ -52,10 +52,10 @@ fn u64_at(bytes: &[u8], offset: usize) -> Option<u64> {
 /// from the kernel but is still checked: every offset in bounds, the chain strictly forward.
 pub fn parse_iommu_info(buffer: &[u8]) -> Result<IommuInfo, VfioError> {
     let bad = |reason| VfioError::BadCapabilityChain { reason };
-    let header_bytes = std::mem::size_of::<VfioIommuType1Info>();
-    let flags = u32_at(buffer, 4).ok_or(bad("info shorter than its header"))?;
+    let header_bytes = std::mem::size_of::<vfio_iommu_type1_info>();
+    let flags = IommuInfoFlags::from_bits_retain(u32_at(buffer, 4).ok_or(bad("info shorter than its header"))?);
     let mut info = IommuInfo { page_sizes: u64_at(buffer, 8).ok_or(bad("info shorter than its header"))?, ..IommuInfo::default() };
-    if flags & VFIO_IOMMU_INFO_CAPS == 0 {
+    if !flags.contains(IommuInfoFlags::CAPS) {
         return Ok(info);
     }
     let mut offset = u32_at(buffer, 16).ok_or(bad("info shorter than its header"))? as usize;
@@ -66,7 +66,7 @@ pub fn parse_iommu_info(buffer: &[u8]) -> Result<IommuInfo, VfioError> {
         if offset < header_bytes {
             return Err(bad("capability overlaps the info header"));
         }
-        let id = u16_at(buffer, offset).ok_or(bad("capability header out of bounds"))?;
+        let id = u32::from(u16_at(buffer, offset).ok_or(bad("capability header out of bounds"))?);
         let next = u32_at(buffer, offset + 4).ok_or(bad("capability header out of bounds"))? as usize;
         match id {
             VFIO_IOMMU_TYPE1_INFO_CAP_IOVA_RANGE => {
@@ -151,17 +151,16 @@ impl Container {
     pub fn open(group_path: &Path, group_id: u32, describe_blockers: impl FnOnce() -> String) -> Result<Self, VfioError> {
         let container_path = PathBuf::from("/dev/vfio/vfio");
         let container = sys::open_read_write(&container_path).map_err(|source| open_error(container_path, group_id, source))?;
-        let version = sys::ioctl_value(&container, VFIO_GET_API_VERSION, 0)
-            .map_err(|source| VfioError::Kernel { operation: "VFIO_GET_API_VERSION", source })?;
-        if version != VFIO_API_VERSION {
+        let version = sys::api_version(&container).map_err(|source| VfioError::Kernel { operation: "VFIO_GET_API_VERSION", source })?;
+        if i64::from(version) != i64::from(VFIO_API_VERSION) {
             return Err(VfioError::ApiVersion { version });
         }
         // CHECK_EXTENSION answers 1 when the IOMMU model is available, 0 when not.
-        if sys::ioctl_value(&container, VFIO_CHECK_EXTENSION, VFIO_TYPE1V2_IOMMU).unwrap_or(0) != 1 {
+        if sys::check_extension(&container, VFIO_TYPE1v2_IOMMU).unwrap_or(0) != 1 {
             return Err(VfioError::NoType1v2);
         }
         let group = attach_group(&container, group_path, group_id, describe_blockers)?;
-        sys::ioctl_value(&container, VFIO_SET_IOMMU, VFIO_TYPE1V2_IOMMU)
+        sys::set_iommu(&container, VFIO_TYPE1v2_IOMMU)
             .map_err(|source| VfioError::Kernel { operation: "VFIO_SET_IOMMU(type1v2)", source })?;
         Ok(Self { container, groups: Mutex::new(vec![(group_id, Arc::new(group))]) })
     }
@@ -197,12 +196,11 @@ impl Container {
             let mut buffer = vec![0u8; len];
             // `len` is bounded below by the caller (at most a few KiB); it fits argsz.
             buffer[0..4].copy_from_slice(&(len as u32).to_le_bytes());
-            // SAFETY: IOMMU_GET_INFO writes at most argsz (= buffer.len()) bytes.
-            unsafe { sys::ioctl_with_buffer(&self.container, VFIO_IOMMU_GET_INFO, &mut buffer) }
+            sys::iommu_info(&self.container, &mut buffer)
                 .map_err(|source| VfioError::Kernel { operation: "VFIO_IOMMU_GET_INFO", source })?;
             Ok(buffer)
         };
-        let header_bytes = std::mem::size_of::<VfioIommuType1Info>();
+        let header_bytes = std::mem::size_of::<vfio_iommu_type1_info>();
         let mut buffer = query(header_bytes)?;
         // With capabilities, the kernel raises argsz to the size it needs; ask again with that.
         let needed = u32_at(&buffer, 0).unwrap_or(0) as usize;
@@ -210,8 +208,8 @@ impl Container {
             buffer = query(needed)?;
         } else {
             // Only the fixed header was filled: drop a capability offset that points past it.
-            let flags = u32_at(&buffer, 4).unwrap_or(0) & !VFIO_IOMMU_INFO_CAPS;
-            buffer[4..8].copy_from_slice(&flags.to_le_bytes());
+            let flags = IommuInfoFlags::from_bits_retain(u32_at(&buffer, 4).unwrap_or(0)).difference(IommuInfoFlags::CAPS);
+            buffer[4..8].copy_from_slice(&flags.bits().to_le_bytes());
         }
         parse_iommu_info(&buffer)
     }
@@ -225,17 +223,12 @@ fn attach_group(
     describe_blockers: impl FnOnce() -> String,
 ) -> Result<OwnedFd, VfioError> {
     let group = sys::open_read_write(group_path).map_err(|source| open_error(group_path.to_path_buf(), group_id, source))?;
-    let mut status = VfioGroupStatus { argsz: argsz::<VfioGroupStatus>(), flags: 0 };
-    // SAFETY: GROUP_GET_STATUS writes a vfio_group_status, whose argsz we set to its size.
-    unsafe { sys::ioctl_with_mut(&group, VFIO_GROUP_GET_STATUS, &mut status) }
-        .map_err(|source| VfioError::Kernel { operation: "VFIO_GROUP_GET_STATUS", source })?;
-    if status.flags & VFIO_GROUP_FLAGS_VIABLE == 0 {
+    let mut status = vfio_group_status { argsz: argsz::<vfio_group_status>(), flags: 0 };
+    sys::group_status(&group, &mut status).map_err(|source| VfioError::Kernel { operation: "VFIO_GROUP_GET_STATUS", source })?;
+    if !GroupFlags::from_bits_retain(status.flags).contains(GroupFlags::VIABLE) {
         return Err(VfioError::GroupNotViable { group: group_id, others: describe_blockers() });
     }
-    let mut container_fd: libc::c_int = std::os::fd::AsRawFd::as_raw_fd(container);
-    // SAFETY: GROUP_SET_CONTAINER reads one int (the container fd) at its argument.
-    unsafe { sys::ioctl_with_mut(&group, VFIO_GROUP_SET_CONTAINER, &mut container_fd) }
-        .map_err(|source| VfioError::Kernel { operation: "VFIO_GROUP_SET_CONTAINER", source })?;
+    sys::group_set_container(&group, container).map_err(|source| VfioError::Kernel { operation: "VFIO_GROUP_SET_CONTAINER", source })?;
     Ok(group)
 }
 
@@ -259,25 +252,33 @@ impl IommuMapper for VfioMapper {
         if !(len as u64).is_multiple_of(SMALL_PAGE_BYTES) {
             return Err(VfioError::UnalignedDmaLength { len_bytes: len }.into());
         }
-        let mut request = VfioIommuType1DmaMap {
-            argsz: argsz::<VfioIommuType1DmaMap>(),
-            flags: VFIO_DMA_MAP_FLAG_READ | VFIO_DMA_MAP_FLAG_WRITE,
+        let request = vfio_iommu_type1_dma_map {
+            argsz: argsz::<vfio_iommu_type1_dma_map>(),
+            flags: (DmaMapFlags::READ | DmaMapFlags::WRITE).bits(),
             vaddr: host as u64,
             iova: iova.0,
             size: len as u64,
         };
-        // SAFETY: MAP_DMA reads a vfio_iommu_type1_dma_map. The kernel pins `host..host+len`
-        // (checking it is mapped in this process); our caller keeps it valid until unmap.
-        unsafe { sys::ioctl_with_mut(&self.container.container, VFIO_IOMMU_MAP_DMA, &mut request) }
+        // SAFETY: `host..host+len` is memory our caller keeps valid (and never frees) until it is
+        // unmapped: exactly `IommuMapper::map`'s contract, which is `iommu_map_dma`'s.
+        unsafe { sys::iommu_map_dma(&self.container.container, &request) }
             .map_err(|source| map_dma_error(source, iova.0, len, sys::memlock_limit_bytes()))?;
         Ok(())
     }
 
     fn unmap(&self, iova: Iova, len: usize) -> Result<(), HwError> {
-        let mut request = VfioIommuType1DmaUnmap { argsz: argsz::<VfioIommuType1DmaUnmap>(), flags: 0, iova: iova.0, size: len as u64 };
-        // SAFETY: UNMAP_DMA reads and updates (size) a vfio_iommu_type1_dma_unmap.
-        unsafe { sys::ioctl_with_mut(&self.container.container, VFIO_IOMMU_UNMAP_DMA, &mut request) }
-            .map_err(|source| VfioError::UnmapDma { iova: iova.0, len_bytes: len, source })?;
+        let mut request = vfio_iommu_type1_dma_unmap {
+            argsz: argsz::<vfio_iommu_type1_dma_unmap>(),
+            flags: 0,
+            iova: iova.0,
+            size: len as u64,
+            ..vfio_iommu_type1_dma_unmap::default()
+        };
+        sys::iommu_unmap_dma(&self.container.container, &mut request).map_err(|source| VfioError::UnmapDma {
+            iova: iova.0,
+            len_bytes: len,
+            source,
+        })?;
         if request.size != len as u64 {
             return Err(VfioError::PartialUnmap { iova: iova.0, len_bytes: len, unmapped_bytes: request.size }.into());
         }
@@ -301,13 +302,13 @@ mod tests {
                 body.extend_from_slice(&start.to_le_bytes());
                 body.extend_from_slice(&end.to_le_bytes());
             }
-            caps.push((VFIO_IOMMU_TYPE1_INFO_CAP_IOVA_RANGE, body));
+            caps.push((VFIO_IOMMU_TYPE1_INFO_CAP_IOVA_RANGE as u16, body));
         }
         caps.push((2, vec![0; 24])); // migration capability: skipped
         if let Some(avail) = dma_avail {
-            caps.push((VFIO_IOMMU_TYPE1_INFO_DMA_AVAIL, avail.to_le_bytes().to_vec()));
+            caps.push((VFIO_IOMMU_TYPE1_INFO_DMA_AVAIL as u16, avail.to_le_bytes().to_vec()));
         }
-        buffer[4..8].copy_from_slice(&(1u32 | VFIO_IOMMU_INFO_CAPS).to_le_bytes());
+        buffer[4..8].copy_from_slice(&(IommuInfoFlags::PAGE_SIZES | IommuInfoFlags::CAPS).bits().to_le_bytes());
         buffer[16..20].copy_from_slice(&24u32.to_le_bytes());
         let count = caps.len();
         for (index, (id, body)) in caps.into_iter().enumerate() {
@@ -381,7 +382,7 @@ mod tests {
         #[test]
         fn parser_survives_arbitrary_bytes(mut bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..256), offset in 0u32..300) {
             if bytes.len() >= 20 {
-                bytes[4..8].copy_from_slice(&VFIO_IOMMU_INFO_CAPS.to_le_bytes());
+                bytes[4..8].copy_from_slice(&IommuInfoFlags::CAPS.bits().to_le_bytes());
                 bytes[16..20].copy_from_slice(&offset.to_le_bytes());
             }
             let _ = parse_iommu_info(&bytes);

@@ -12,6 +12,16 @@
 //!
 //! Dropping the device (and the last DMA region) closes the fds, which makes the kernel remove
 //! every mapping and reset the function, so a second run in the same system starts clean.
+//!
+//! Crates: the kernel's VFIO structs and constants are `vfio-bindings`' generated ones; ioctls,
+//! `pread`/`pwrite` and `getrlimit` go through nix's typed wrappers (`sys.rs`; the ioctls are
+//! generated with nix's ioctl macros); BAR0 is a memmap2 `MmapRaw` (a mapping that is only a raw
+//! pointer, unmapped on drop); flag words are `bitflags` sets (`uapi.rs`). Not used:
+//! `vfio-ioctls`, whose container/device types wrap vmm-sys-util's, which would sit beside this
+//! module's own hardware seam rather than under it, and which has no BAR mapping; and nix's
+//! `mmap`, since memmap2 gives the unmap-on-drop ownership without unsafe code here. Still written
+//! by hand, because bindgen cannot produce them: the ioctl request numbers (C macros in vfio.h;
+//! see `uapi.rs`).
 
 mod bar;
 mod error;
@@ -21,7 +31,7 @@ mod sysfs;
 mod uapi;
 
 use std::ffi::CString;
-use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -140,14 +150,14 @@ impl VfioDevice {
             let group_fd = container.group_fd(group).expect("every group was attached above");
             let device = Arc::new(device_fd(&group_fd, address)?);
 
-            let mut info = VfioDeviceInfo { argsz: argsz::<VfioDeviceInfo>(), ..VfioDeviceInfo::default() };
-            // SAFETY: DEVICE_GET_INFO writes at most argsz bytes of a vfio_device_info.
-            unsafe { sys::ioctl_with_mut(&*device, VFIO_DEVICE_GET_INFO, &mut info) }.map_err(|source| VfioError::Ioctl {
+            let mut info = vfio_device_info { argsz: argsz::<vfio_device_info>(), ..vfio_device_info::default() };
+            sys::device_info(&*device, &mut info).map_err(|source| VfioError::Ioctl {
                 address,
                 operation: "VFIO_DEVICE_GET_INFO",
                 source,
             })?;
-            if info.flags & VFIO_DEVICE_FLAGS_PCI == 0 {
+            let flags = DeviceFlags::from_bits_retain(info.flags);
+            if !flags.contains(DeviceFlags::PCI) {
                 return Err(VfioError::NotPci { address, flags: info.flags }.into());
             }
 
@@ -156,7 +166,7 @@ impl VfioDevice {
 
             let bar0 = region_info(&device, address, VFIO_PCI_BAR0_REGION_INDEX)?;
             let bar_len = usize::try_from(bar0.size).ok().filter(|&len| len >= 0x1000);
-            let (true, Some(bar_len)) = (bar0.flags & VFIO_REGION_INFO_FLAG_MMAP != 0, bar_len) else {
+            let (true, Some(bar_len)) = (RegionFlags::from_bits_retain(bar0.flags).contains(RegionFlags::MMAP), bar_len) else {
                 return Err(VfioError::BarNotMappable { address, flags: bar0.flags, size_bytes: bar0.size }.into());
             };
             let registers = Arc::new(MappedBar::map(address, Arc::clone(&device), bar0.offset, bar_len)?);
@@ -171,7 +181,7 @@ impl VfioDevice {
                 iommu: iommu.clone(),
                 iova_window: (Iova(base), Iova(limit)),
                 config_offset: config.offset,
-                reset_supported: info.flags & VFIO_DEVICE_FLAGS_RESET != 0,
+                reset_supported: flags.contains(DeviceFlags::RESET),
             });
         }
         Ok(devices)
@@ -230,7 +240,7 @@ impl DeviceBackend for VfioDevice {
         if !self.reset_supported {
             return Err(VfioError::ResetUnsupported { address: self.address }.into());
         }
-        sys::ioctl_value(&*self.device, VFIO_DEVICE_RESET, 0).map_err(|source| VfioError::Ioctl {
+        sys::device_reset(&*self.device).map_err(|source| VfioError::Ioctl {
             address: self.address,
             operation: "VFIO_DEVICE_RESET",
             source,
@@ -258,40 +268,32 @@ fn check_sysfs(sysfs: &PciSysfs, address: PciAddress) -> Result<u32, VfioError> 
 fn device_fd(group: &OwnedFd, address: PciAddress) -> Result<OwnedFd, VfioError> {
     // The address text is ASCII hex digits and separators: it never contains NUL.
     let name = CString::new(address.to_string()).map_err(|_| VfioError::BadAddress { text: address.to_string() })?;
-    let mut bytes = name.into_bytes_with_nul();
-    // SAFETY: GROUP_GET_DEVICE_FD reads a NUL-terminated device name at its argument and
-    // touches nothing past the terminator.
-    let fd = unsafe { sys::ioctl_with_buffer(group, VFIO_GROUP_GET_DEVICE_FD, &mut bytes) }.map_err(|source| VfioError::Ioctl {
-        address,
-        operation: "VFIO_GROUP_GET_DEVICE_FD",
-        source,
-    })?;
-    // SAFETY: on success the ioctl returns a new file descriptor that nothing else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    sys::group_device_fd(group, &name).map_err(|source| VfioError::Ioctl { address, operation: "VFIO_GROUP_GET_DEVICE_FD", source })
 }
 
-fn region_info(device: &OwnedFd, address: PciAddress, index: u32) -> Result<VfioRegionInfo, VfioError> {
-    let mut info = VfioRegionInfo { argsz: argsz::<VfioRegionInfo>(), index, ..VfioRegionInfo::default() };
-    // SAFETY: DEVICE_GET_REGION_INFO reads and writes at most argsz bytes of a vfio_region_info.
-    unsafe { sys::ioctl_with_mut(device, VFIO_DEVICE_GET_REGION_INFO, &mut info) }.map_err(|source| VfioError::Ioctl {
-        address,
-        operation: "VFIO_DEVICE_GET_REGION_INFO",
-        source,
-    })?;
+fn region_info(device: &OwnedFd, address: PciAddress, index: u32) -> Result<vfio_region_info, VfioError> {
+    let mut info = vfio_region_info { argsz: argsz::<vfio_region_info>(), index, ..vfio_region_info::default() };
+    sys::region_info(device, &mut info).map_err(|source| VfioError::Ioctl { address, operation: "VFIO_DEVICE_GET_REGION_INFO", source })?;
     Ok(info)
 }
 
 /// Sets Memory Space Enable and Bus Master Enable in the PCI Command register.
 fn enable_memory_and_bus_master(device: &OwnedFd, address: PciAddress, config_offset: u64) -> Result<(), VfioError> {
-    let at = config_offset + PCI_COMMAND_OFFSET;
+    let config_error_offset = |_| VfioError::Ioctl {
+        address,
+        operation: "PCI config access (Command register)",
+        source: std::io::Error::from(std::io::ErrorKind::InvalidInput),
+    };
+    let at = config_offset.checked_add(PCI_COMMAND_OFFSET).ok_or(()).map_err(config_error_offset)?;
     let config_error = |source| VfioError::Ioctl { address, operation: "PCI config access (Command register)", source };
+    let wanted = PciCommand::MEMORY | PciCommand::MASTER;
     let mut bytes = [0u8; 2];
     sys::pread_exact(device, &mut bytes, at).map_err(config_error)?;
-    let command = u16::from_le_bytes(bytes) | PCI_COMMAND_MEMORY | PCI_COMMAND_MASTER;
-    sys::pwrite_exact(device, &command.to_le_bytes(), at).map_err(config_error)?;
+    let command = PciCommand::from_bits_retain(u16::from_le_bytes(bytes)) | wanted;
+    sys::pwrite_exact(device, &command.bits().to_le_bytes(), at).map_err(config_error)?;
     sys::pread_exact(device, &mut bytes, at).map_err(config_error)?;
     let value = u16::from_le_bytes(bytes);
-    if value & (PCI_COMMAND_MEMORY | PCI_COMMAND_MASTER) != PCI_COMMAND_MEMORY | PCI_COMMAND_MASTER {
+    if !PciCommand::from_bits_retain(value).contains(wanted) {
         return Err(VfioError::CommandNotEnabled { address, value });
     }
     Ok(())

@@ -1,0 +1,32 @@
+//! Failures of the io_uring wrapper.
+
+use std::io;
+use std::time::Duration;
+
+#[derive(Debug, thiserror::Error)]
+pub enum UringError {
+    #[error("io_uring is unavailable: {reason}")]
+    Unsupported { reason: String, source: Option<io::Error> },
+    #[error("the transfer was not run")]
+    NotRun,
+    #[error("io_uring wait ran past its deadline ({waited:?}) with {in_flight} transfer(s) in flight")]
+    Timeout { waited: Duration, in_flight: usize },
+    #[error("io_uring_enter failed: {source}")]
+    Enter { source: io::Error },
+    #[error("the ring has all {capacity} transfers in flight (or its submission queue is full)")]
+    Full { capacity: usize },
+    #[error("a transfer of {len_bytes} bytes does not fit its {capacity_bytes}-byte buffer")]
+    BufferTooSmall { len_bytes: usize, capacity_bytes: usize },
+    #[error("a transfer of {len_bytes} bytes is larger than io_uring's 4 GiB limit")]
+    TransferTooLarge { len_bytes: usize },
+    #[error("the ring was abandoned after an earlier failure ({cause}); its transfers never ran or never completed")]
+    Abandoned { cause: String },
+    #[error("a completion names slot {user_data}, which has no transfer in flight")]
+    UnexpectedCompletion { user_data: u64 },
+    #[error("{direction:?} of {len_bytes} bytes at offset {offset_bytes} failed: {source}")]
+    Transfer { direction: crate::Direction, offset_bytes: u64, len_bytes: usize, source: io::Error },
+    #[error("{direction:?} at offset {offset_bytes} moved {done_bytes} of {len_bytes} bytes (past the end of the file?)")]
+    ShortTransfer { direction: crate::Direction, offset_bytes: u64, len_bytes: usize, done_bytes: usize },
+    #[error("cannot allocate {len_bytes} bytes of page-aligned buffer")]
+    Allocation { len_bytes: usize },
+}

@@ -1,0 +1,58 @@
+//! The project's one io_uring wrapper: the software controller's file backing (`nvme-emu`) and
+//! the kernel comparator of `tutti-bench` both go through it.
+//!
+//! - [`AlignedBuffer`]: page-aligned heap memory (what `O_DIRECT` needs), growable, empty
+//!   without allocating.
+//! - [`Ring`]: a ring that takes ownership of a transfer's buffer from [`Ring::push`] until the
+//!   transfer's completion hands it back ([`Ring::reap`]), so no Rust reference to memory the
+//!   kernel may write can exist, and a buffer is never freed while the kernel may still use it:
+//!   a ring that is abandoned or dropped with transfers in flight leaks their buffers, logs it
+//!   and counts it ([`leaked_buffers_total`]).
+//! - One timeout discipline: every wait takes a deadline ([`Ring::wait`] passes it to
+//!   `io_uring_enter` through `IORING_ENTER_EXT_ARG`, Linux 5.11+), and running past it is
+//!   [`UringError::Timeout`]. A kernel without that feature is refused at [`Ring::new`] rather
+//!   than waited on without a bound.
+//! - [`Ring::run_batch`]: a list of transfers with at most the ring's capacity in flight, used by
+//!   the software controller to overlap the backing-store I/O of consecutive commands.
+//!
+//! All unsafe code is in the `sys` module.
+#![deny(unsafe_code)]
+
+mod batch;
+mod buffer;
+mod error;
+mod sys;
+
+pub use batch::Job;
+pub use buffer::AlignedBuffer;
+pub use error::UringError;
+pub use sys::{leaked_buffers_total, Completion, Refused, Ring};
+
+use std::os::fd::RawFd;
+
+/// Which way a transfer moves data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Direction {
+    /// From the file into the buffer.
+    Read,
+    /// From the buffer into the file.
+    Write,
+}
+
+/// One transfer: `len_bytes` at `offset_bytes` of `fd`, into or from the start of a buffer.
+///
+/// `fd` must stay open until the transfer completes; a descriptor closed (or reused) early makes
+/// the transfer fail or touch another file, never memory other than its buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Transfer {
+    pub fd: RawFd,
+    pub direction: Direction,
+    pub offset_bytes: u64,
+    pub len_bytes: usize,
+}
+
+/// Whether this kernel (and its seccomp or container policy) offers io_uring with bounded waits.
+/// Tests call it first and skip, saying so, where it answers false.
+pub fn available() -> bool {
+    Ring::new(2).is_ok()
+}

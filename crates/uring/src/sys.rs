@@ -1,0 +1,363 @@
+//! Everything that touches memory the kernel reads or writes behind Rust's back: the page-aligned
+//! allocation under [`crate::AlignedBuffer`] and the ring that lends such buffers to the kernel.
+//! This is the crate's only module with unsafe code.
+//!
+//! Soundness argument: [`Ring::push`] takes a transfer's buffer by value and keeps it in its
+//! in-flight table until [`Ring::reap`] sees that transfer's completion; only then is the buffer
+//! handed back. While it is in the table nothing else can reach it, so no Rust reference to it
+//! exists while the kernel may write it, and it cannot be freed: a ring abandoned after a failure,
+//! or dropped with transfers still in flight after a bounded drain, leaks those buffers (logged,
+//! and counted in [`leaked_buffers_total`]) rather than free memory the kernel may still use.
+#![allow(unsafe_code)]
+
+use std::alloc::Layout;
+use std::io;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use io_uring::{opcode, types, IoUring};
+
+use crate::buffer::AlignedBuffer;
+use crate::error::UringError;
+use crate::{Direction, Transfer};
+
+/// How long dropping a ring waits for transfers still in flight before it leaks their buffers.
+const DROP_DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Buffers leaked by every ring of the process (see the module documentation).
+static LEAKED_BUFFERS: AtomicU64 = AtomicU64::new(0);
+
+/// Buffers this process leaked because the kernel might still have been using them.
+pub fn leaked_buffers_total() -> u64 {
+    LEAKED_BUFFERS.load(Ordering::Relaxed)
+}
+
+/// Zeroed heap memory with a given alignment, freed on drop.
+pub(crate) struct Allocation {
+    pointer: NonNull<u8>,
+    layout: Layout,
+}
+
+// SAFETY: the allocation is plain heap memory owned by this value alone; it is reached only
+// through `&self` (shared reads) or `&mut self` (exclusive), like a `Box<[u8]>`.
+unsafe impl Send for Allocation {}
+// SAFETY: as above: `&Allocation` only gives out `&[u8]`.
+unsafe impl Sync for Allocation {}
+
+impl Allocation {
+    /// `len` zeroed bytes aligned to `align`; `None` for a zero length, an invalid layout or
+    /// when the allocator refuses.
+    pub(crate) fn zeroed(len: usize, align: usize) -> Option<Self> {
+        let layout = Layout::from_size_align(len, align).ok().filter(|layout| layout.size() > 0)?;
+        // SAFETY: the layout has a non-zero size (checked above).
+        let pointer = NonNull::new(unsafe { std::alloc::alloc_zeroed(layout) })?;
+        Some(Self { pointer, layout })
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.layout.size()
+    }
+
+    pub(crate) fn as_slice(&self) -> &[u8] {
+        // SAFETY: `pointer` is valid for `len` initialised (zeroed at allocation) bytes owned by
+        // `self`; the shared borrow of `self` keeps them from being written through Rust, and the
+        // kernel never holds an `Allocation` that Rust can reach (see the module documentation).
+        unsafe { std::slice::from_raw_parts(self.pointer.as_ptr(), self.len()) }
+    }
+
+    pub(crate) fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_slice`, with exclusive access through `&mut self`.
+        unsafe { std::slice::from_raw_parts_mut(self.pointer.as_ptr(), self.len()) }
+    }
+
+    fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.pointer.as_ptr()
+    }
+}
+
+impl Drop for Allocation {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `zeroed` with exactly this layout and not freed before; a buffer
+        // the kernel may still use is leaked by the ring instead of dropped.
+        unsafe { std::alloc::dealloc(self.pointer.as_ptr(), self.layout) }
+    }
+}
+
+/// A transfer the kernel owns until its completion is reaped.
+struct InFlight {
+    buffer: AlignedBuffer,
+    tag: u64,
+    transfer: Transfer,
+}
+
+/// A finished transfer: the caller's tag, its buffer back, and the bytes moved or the errno.
+#[derive(Debug)]
+pub struct Completion {
+    pub tag: u64,
+    pub transfer: Transfer,
+    pub buffer: AlignedBuffer,
+    pub result: io::Result<usize>,
+}
+
+impl Completion {
+    /// `Ok` when the whole transfer was done; a typed error naming it otherwise.
+    pub fn check(&self) -> Result<(), UringError> {
+        let Transfer { direction, offset_bytes, len_bytes, .. } = self.transfer;
+        match &self.result {
+            Ok(done) if *done == len_bytes => Ok(()),
+            Ok(done) => Err(UringError::ShortTransfer { direction, offset_bytes, len_bytes, done_bytes: *done }),
+            Err(error) => Err(UringError::Transfer {
+                direction,
+                offset_bytes,
+                len_bytes,
+                source: error.raw_os_error().map_or_else(|| io::Error::new(error.kind(), error.to_string()), io::Error::from_raw_os_error),
+            }),
+        }
+    }
+}
+
+/// A push the ring refused: the buffer comes back with the reason.
+#[derive(Debug)]
+pub struct Refused {
+    pub buffer: AlignedBuffer,
+    pub error: UringError,
+}
+
+/// See the crate documentation.
+///
+/// The kernel cancels (`ECANCELED`) the transfers a thread submitted when that thread exits, so
+/// a ring is used from the thread that pushes and waits (it is `Send`, to be moved before use).
+pub struct Ring {
+    ring: IoUring,
+    /// Indexed by the `user_data` of the entry; `capacity` slots, allocated once.
+    in_flight: Vec<Option<InFlight>>,
+    /// Free slot indices (a stack), allocated once.
+    free: Vec<u32>,
+    /// Why the ring was abandoned, once it was: it is never used again.
+    abandoned: Option<String>,
+}
+
+impl std::fmt::Debug for Ring {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ring").field("capacity", &self.capacity()).field("in_flight", &self.in_flight()).finish()
+    }
+}
+
+impl Ring {
+    /// A ring for up to `entries` transfers in flight (rounded up to a power of two, at least 2).
+    /// Refused where io_uring is missing, forbidden, or too old for bounded waits.
+    pub fn new(entries: u32) -> Result<Self, UringError> {
+        let entries = entries
+            .max(2)
+            .checked_next_power_of_two()
+            .ok_or(UringError::Unsupported { reason: format!("{entries} entries is more than a ring can hold"), source: None })?;
+        let ring = IoUring::new(entries)
+            .map_err(|source| UringError::Unsupported { reason: "io_uring_setup failed".into(), source: Some(source) })?;
+        if !ring.params().is_feature_ext_arg() {
+            return Err(UringError::Unsupported {
+                reason: "the kernel's io_uring lacks IORING_FEAT_EXT_ARG (Linux 5.11+), needed for waits with a deadline".into(),
+                source: None,
+            });
+        }
+        let capacity = entries as usize;
+        Ok(Self { ring, in_flight: (0..capacity).map(|_| None).collect(), free: (0..entries).rev().collect(), abandoned: None })
+    }
+
+    /// Transfers that can be in flight at once.
+    pub fn capacity(&self) -> usize {
+        self.in_flight.len()
+    }
+
+    /// Transfers pushed and not yet reaped.
+    pub fn in_flight(&self) -> usize {
+        self.capacity() - self.free.len()
+    }
+
+    /// Whether [`Ring::abandon`] was called (every later call fails).
+    pub fn is_abandoned(&self) -> bool {
+        self.abandoned.is_some()
+    }
+
+    /// Why the ring was abandoned, if it was.
+    pub(crate) fn abandon_cause(&self) -> Option<String> {
+        self.abandoned.clone()
+    }
+
+    fn abandoned_error(&self) -> Option<UringError> {
+        self.abandoned.as_ref().map(|cause| UringError::Abandoned { cause: cause.clone() })
+    }
+
+    /// Queues `transfer` on `buffer`, which the ring keeps until the transfer's completion is
+    /// reaped; `tag` comes back with it. The entry reaches the kernel at the next
+    /// [`Ring::submit`] or [`Ring::wait`]. A refusal hands the buffer back.
+    pub fn push(&mut self, transfer: Transfer, mut buffer: AlignedBuffer, tag: u64) -> Result<(), Refused> {
+        let refuse = |buffer, error| Err(Refused { buffer, error });
+        if let Some(error) = self.abandoned_error() {
+            return refuse(buffer, error);
+        }
+        let Ok(len) = u32::try_from(transfer.len_bytes) else {
+            return refuse(buffer, UringError::TransferTooLarge { len_bytes: transfer.len_bytes });
+        };
+        if buffer.capacity_bytes() < transfer.len_bytes {
+            let capacity_bytes = buffer.capacity_bytes();
+            return refuse(buffer, UringError::BufferTooSmall { len_bytes: transfer.len_bytes, capacity_bytes });
+        }
+        let Some(&slot) = self.free.last() else {
+            let capacity = self.capacity();
+            return refuse(buffer, UringError::Full { capacity });
+        };
+        // An empty buffer (a zero-length transfer) has no allocation: a dangling, aligned
+        // pointer that the kernel never dereferences for zero bytes.
+        let memory = buffer.allocation_mut().map_or(NonNull::<u64>::dangling().as_ptr().cast::<u8>(), Allocation::as_mut_ptr);
+        let fd = types::Fd(transfer.fd);
+        let entry = match transfer.direction {
+            Direction::Read => opcode::Read::new(fd, memory, len).offset(transfer.offset_bytes).build(),
+            Direction::Write => opcode::Write::new(fd, memory.cast_const(), len).offset(transfer.offset_bytes).build(),
+        }
+        .user_data(u64::from(slot));
+        // SAFETY: the entry names `len` bytes of `buffer`'s allocation (capacity checked above),
+        // and `buffer` moves into the in-flight table below, where nothing reaches it until this
+        // entry's completion is reaped (or it is leaked): the memory stays valid and unaliased for
+        // as long as the kernel may use it. The fd is the caller's to keep open (see `Transfer`);
+        // a stale one cannot make the kernel touch any memory but this buffer.
+        if unsafe { self.ring.submission().push(&entry) }.is_err() {
+            let capacity = self.capacity();
+            return refuse(buffer, UringError::Full { capacity });
+        }
+        self.free.pop();
+        self.in_flight[slot as usize] = Some(InFlight { buffer, tag, transfer });
+        Ok(())
+    }
+
+    /// Hands queued entries to the kernel without waiting. A busy or interrupted kernel is not an
+    /// error: the entries stay queued for the next call.
+    pub fn submit(&mut self) -> Result<(), UringError> {
+        if let Some(error) = self.abandoned_error() {
+            return Err(error);
+        }
+        if self.ring.submission().is_empty() {
+            return Ok(());
+        }
+        match self.ring.submit() {
+            Ok(_) => Ok(()),
+            Err(error) if retryable(&error) => Ok(()),
+            Err(source) => Err(UringError::Enter { source }),
+        }
+    }
+
+    /// Submits queued entries and waits until at least one completion is ready or `deadline`
+    /// passes ([`UringError::Timeout`]). Returns at once (after submitting) when a completion is
+    /// already there or nothing is in flight.
+    pub fn wait(&mut self, deadline: Instant) -> Result<(), UringError> {
+        if let Some(error) = self.abandoned_error() {
+            return Err(error);
+        }
+        let started = Instant::now();
+        // Bounded by the deadline: every pass either returns or sleeps in the kernel until it.
+        loop {
+            if !self.ring.completion().is_empty() || self.in_flight() == 0 {
+                // Entries queued since the last call still go to the kernel now.
+                return self.submit();
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(UringError::Timeout { waited: now.saturating_duration_since(started), in_flight: self.in_flight() });
+            }
+            let left = deadline.saturating_duration_since(now);
+            let timespec = types::Timespec::new().sec(left.as_secs()).nsec(left.subsec_nanos());
+            let arguments = types::SubmitArgs::new().timespec(&timespec);
+            match self.ring.submitter().submit_with_args(1, &arguments) {
+                Ok(_) => {}
+                // ETIME: the deadline passed in the kernel; the loop reports it (or a completion
+                // that raced it).
+                Err(error) if error.raw_os_error() == Some(libc::ETIME) || retryable(&error) => {}
+                Err(source) => return Err(UringError::Enter { source }),
+            }
+        }
+    }
+
+    /// Hands every completion that is ready to `on_done`, with its buffer; returns how many. A
+    /// completion naming no transfer in flight is consumed and reported after the others.
+    pub fn reap(&mut self, mut on_done: impl FnMut(Completion)) -> Result<usize, UringError> {
+        let mut done = 0;
+        let mut unexpected = None;
+        for entry in self.ring.completion() {
+            let user_data = entry.user_data();
+            let Some(in_flight) = usize::try_from(user_data).ok().and_then(|slot| self.in_flight.get_mut(slot)).and_then(Option::take)
+            else {
+                unexpected = Some(user_data);
+                continue;
+            };
+            // The slot index fits u32: it came from `free`, which holds only u32 values.
+            self.free.push(user_data as u32);
+            let result = entry.result();
+            let result = if result < 0 { Err(io::Error::from_raw_os_error(-result)) } else { Ok(result as usize) };
+            done += 1;
+            on_done(Completion { tag: in_flight.tag, transfer: in_flight.transfer, buffer: in_flight.buffer, result });
+        }
+        match unexpected {
+            Some(user_data) => Err(UringError::UnexpectedCompletion { user_data }),
+            None => Ok(done),
+        }
+    }
+
+    /// Gives up on the ring after a failure: it is never used again, and the buffers of
+    /// transfers still in flight stay with it, to be leaked when it is dropped.
+    pub fn abandon(&mut self, cause: &UringError) {
+        self.abandoned.get_or_insert_with(|| cause.to_string());
+    }
+
+    /// The data of an in-flight write tagged `tag`, copied into `destination` (so a caller that
+    /// abandoned the ring can retry the write synchronously). `false` if there is no such write.
+    pub fn copy_in_flight_write(&self, tag: u64, destination: &mut [u8]) -> bool {
+        let Some(in_flight) =
+            self.in_flight.iter().flatten().find(|in_flight| in_flight.tag == tag && in_flight.transfer.direction == Direction::Write)
+        else {
+            return false;
+        };
+        // The kernel only reads a write's buffer, so reading it here too is a shared read of
+        // memory nobody writes.
+        let source = in_flight.buffer.bytes(in_flight.transfer.len_bytes);
+        let len = source.len().min(destination.len());
+        destination[..len].copy_from_slice(&source[..len]);
+        true
+    }
+
+    /// Tags of the transfers in flight.
+    pub fn in_flight_tags(&self) -> impl Iterator<Item = u64> + '_ {
+        self.in_flight.iter().flatten().map(|in_flight| in_flight.tag)
+    }
+}
+
+impl Drop for Ring {
+    fn drop(&mut self) {
+        if self.in_flight() > 0 && self.abandoned.is_none() {
+            let deadline = Instant::now() + DROP_DRAIN_TIMEOUT;
+            while self.in_flight() > 0 {
+                if self.wait(deadline).is_err() || self.reap(drop).is_err() {
+                    break;
+                }
+            }
+        }
+        let mut leaked = 0u64;
+        for slot in &mut self.in_flight {
+            if let Some(in_flight) = slot.take() {
+                // The kernel may still read or write it (closing the ring does not wait for
+                // every transfer): never free it.
+                std::mem::forget(in_flight.buffer);
+                leaked += 1;
+            }
+        }
+        if leaked > 0 {
+            LEAKED_BUFFERS.fetch_add(leaked, Ordering::Relaxed);
+            tracing::error!(leaked, abandoned = ?self.abandoned, "io_uring ring dropped with transfers in flight: their buffers are leaked");
+        }
+    }
+}
+
+/// Errors of `io_uring_enter` that mean "try again": interrupted, or the kernel short of
+/// resources or with a full completion queue (reaping makes room).
+fn retryable(error: &io::Error) -> bool {
+    matches!(error.raw_os_error(), Some(libc::EINTR) | Some(libc::EAGAIN) | Some(libc::EBUSY))
+}

@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# tools/vm/harness-test.sh — checks the VM harness's boot logic (tools/vm/lib.sh: vm_boot) without
+# QEMU: a stand-in "QEMU" script plays the guest. Run by tools/vm-test.sh before it boots, and
+# alone: `tools/vm/harness-test.sh` (about 10 s, no root, no downloads).
+#
+# Cases:
+# 1. back to back: run A reports its result and exits at once; run B starts right away in the
+#    same TUTTI_VM_DIR and takes longer than A's exit grace. A's exit watchdog must not stop B
+#    (it once read the shared pid file when it fired, and so killed the next run's QEMU).
+# 2. a guest that reports its result but never exits is stopped by the watchdog after the grace
+#    period, and its reported status still counts.
+# 3. the per-step summary (vm_step_summary) tells passed, failed, optional-failed and unfinished
+#    commands apart.
+set -euo pipefail
+HERE=$(dirname "$(readlink -f "$0")")
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+export TUTTI_VM_DIR=$WORK/vm
+mkdir -p "$TUTTI_VM_DIR/logs"
+# shellcheck source=tools/vm/lib.sh
+. "$HERE/lib.sh"
+
+# The stand-in QEMU: writes its pid file like QEMU's -pidfile, prints what the guest's /init
+# prints, and exits as isa-debug-exit makes QEMU exit ((rc << 1) | 1). FAKE_RUN_S: guest run
+# time before the result; FAKE_HANG_S: time it then stays up.
+cat > "$WORK/fake-qemu" << 'FAKE'
+#!/usr/bin/env bash
+pidfile=""
+while [ $# -gt 0 ]; do
+    [ "$1" = -pidfile ] && pidfile=$2
+    shift
+done
+[ -n "$pidfile" ] && echo $$ > "$pidfile"
+echo "TUTTI_VM: init started at uptime 0.1s"
+sleep "${FAKE_RUN_S:-0}"
+[ -n "${FAKE_LINES:-}" ] && printf '%s\n' "$FAKE_LINES"
+echo "TUTTI_VM_RESULT rc=0"
+# `exec`, so that stopping this pid ends the output as stopping QEMU does.
+[ "${FAKE_HANG_S:-0}" -gt 0 ] && exec sleep "$FAKE_HANG_S"
+exit 1
+FAKE
+chmod +x "$WORK/fake-qemu"
+export TUTTI_VM_QEMU=$WORK/fake-qemu TUTTI_VM_EXIT_GRACE_S=2 TUTTI_VM_BOOT_RETRIES=0
+VM_VMLINUX=/dev/null
+VM_NVME_ARGS=()
+failures=0
+check() {
+    local what=$1 expected=$2 got=$3
+    if [ "$got" = "$expected" ]; then
+        vm_log "harness-test: ok: $what"
+    else
+        vm_log "harness-test: FAILED: $what: expected $expected, got $got"
+        failures=$((failures + 1))
+    fi
+}
+
+# 1. Back to back.
+FAKE_RUN_S=0 FAKE_HANG_S=0 vm_boot /dev/null "$WORK/a.log" 2> "$WORK/a.err"
+check "first run passes" 0 "$VM_GUEST_RC"
+FAKE_RUN_S=$((TUTTI_VM_EXIT_GRACE_S + 2)) FAKE_HANG_S=0 vm_boot /dev/null "$WORK/b.log" 2> "$WORK/b.err"
+check "a run started right after another passes (the first run's watchdog leaves it alone)" 0 "$VM_GUEST_RC"
+check "no watchdog fired in the second run" no "$([ -f "$WORK/b.log.watchdog" ] && echo yes || echo no)"
+
+# 2. A guest that hangs on its way out.
+FAKE_RUN_S=0 FAKE_HANG_S=30 vm_boot /dev/null "$WORK/c.log" 2> "$WORK/c.err"
+check "a guest hanging after its result is stopped and its result counts" 0 "$VM_GUEST_RC"
+check "the watchdog fired for it" yes "$([ -f "$WORK/c.log.watchdog" ] && echo yes || echo no)"
+check "within the grace period (+ slack)" yes "$(awk -v s="$VM_WALL_S" -v g="$TUTTI_VM_EXIT_GRACE_S" 'BEGIN { print (s < g + 8) ? "yes" : "no" }')"
+check "no pid files left behind" 0 "$(find "$TUTTI_VM_DIR" -name 'qemu.*.pid' | wc -l)"
+
+# 3. Step summary.
+FAKE_LINES='TUTTI_VM: command 1 started at 1.0s: nvme-conformance --device vfio:0000:00:04.0
+TUTTI_VM: command 1 finished: rc=0 after 2.5s
+TUTTI_VM: command 2 started at 3.5s: objstore-roundtrip --device vfio:0000:00:04.0
+TUTTI_VM: command 2 finished: rc=1 after 0.4s
+TUTTI_VM_OPTIONAL_FAILED command=2 rc=1: objstore-roundtrip --device vfio:0000:00:04.0
+TUTTI_VM: command 3 started at 4.0s: false
+TUTTI_VM: command 3 finished: rc=1 after 0.0s
+TUTTI_VM: command 4 started at 4.1s: sleep 1000' vm_boot /dev/null "$WORK/d.log" 2> "$WORK/d.err"
+summary=$(vm_step_summary "$WORK/d.log")
+check "step 1 passed" 1 "$(grep -c 'step 1: PASS .*nvme-conformance' <<< "$summary")"
+check "step 2 failed, allowed" 1 "$(grep -c 'step 2: FAIL (optional: allowed) *rc=1 .*objstore-roundtrip' <<< "$summary")"
+check "step 3 failed" 1 "$(grep -c 'step 3: FAIL  *rc=1 .*false' <<< "$summary")"
+check "step 4 never finished" 1 "$(grep -c 'step 4: NO RESULT .*sleep 1000' <<< "$summary")"
+
+if [ "$failures" -gt 0 ]; then
+    for log in "$WORK"/*.err; do sed "s|^|$(basename "$log"): |" "$log" >&2; done
+    vm_log "harness-test: $failures check(s) failed"
+    exit 1
+fi
+vm_log "harness-test: all checks passed"
