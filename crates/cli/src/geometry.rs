@@ -17,6 +17,8 @@ use serde_json::{Map, Value};
 pub const FIELD_MAX: u32 = 1 << 16;
 /// Preset names, for messages.
 pub const PRESETS: &str = "llama3-8b, qwen3-32b, llama3-70b";
+/// The model tools use when none is named.
+pub const DEFAULT_MODEL: &str = "llama3-8b";
 /// Tokens per block when nothing says otherwise (vLLM's default).
 pub const TOKENS_PER_BLOCK_DEFAULT: u32 = 16;
 
