@@ -40,6 +40,10 @@ pub enum DeviceError {
         format_size(*available_bytes), format_size(*reserve_bytes)
     )]
     NotEnoughMemory { specs: String, asked_bytes: u64, available_bytes: u64, reserve_bytes: u64 },
+    #[error("{spec}: no such file (nothing to open; give a size to create one where the tool offers it)")]
+    MissingFile { spec: String },
+    #[error("{spec}: the file is empty (0 bytes), so it holds no namespace (was it truncated?)")]
+    EmptyFile { spec: String },
     #[error("the devices of one set share one DMA space: give only vfio: devices (one VFIO container) or only emu: ones")]
     MixedSpaces,
     #[error("{spec}: cannot start the software NVMe controller: {source}")]

@@ -51,6 +51,13 @@ pub fn open_in_one_space(specs: &[DeviceSpec], emu: &EmuOptions) -> Result<Vec<O
         return Err(DeviceError::MixedSpaces);
     }
     check_memory(specs)?;
+    if emu.create_bytes.is_none() {
+        for spec in specs {
+            if let DeviceSpec::EmuFile(path) = spec {
+                check_file(spec, path)?;
+            }
+        }
+    }
     let mut functions = if addresses.is_empty() {
         Vec::new().into_iter()
     } else {
@@ -83,6 +90,18 @@ pub fn open_in_one_space(specs: &[DeviceSpec], emu: &EmuOptions) -> Result<Vec<O
         opened.push(OpenedDevice { spec: spec.clone(), backend, emulator });
     }
     Ok(opened)
+}
+
+/// A file the software controller is to open as it is: it must exist and, when it is a regular
+/// file, hold something (a block device reports length 0 here, and its own size to the
+/// controller).
+fn check_file(spec: &DeviceSpec, path: &std::path::Path) -> Result<(), DeviceError> {
+    match std::fs::metadata(path) {
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => Err(DeviceError::MissingFile { spec: spec.to_string() }),
+        Ok(metadata) if metadata.is_file() && metadata.len() == 0 => Err(DeviceError::EmptyFile { spec: spec.to_string() }),
+        // Other failures (permissions) are the controller's to report, with the path.
+        _ => Ok(()),
+    }
 }
 
 fn emu_config(spec: &DeviceSpec, emu: &EmuOptions) -> EmuConfig {
@@ -124,7 +143,19 @@ mod tests {
         let uring = open_in_one_space(&[parse("uring:/dev/null")], &emu).err().unwrap().to_string();
         assert!(uring.contains("uring:/dev/null cannot be used here"), "{uring}");
         let missing = open_in_one_space(&[parse("emu:/nonexistent/dir/x.img")], &emu).err().unwrap().to_string();
-        assert!(missing.starts_with("emu:/nonexistent/dir/x.img: cannot start the software NVMe controller"), "{missing}");
+        assert_eq!(
+            missing,
+            "emu:/nonexistent/dir/x.img: no such file (nothing to open; give a size to create one where the tool offers it)"
+        );
+        let directory = tempfile::tempdir().unwrap();
+        let empty = directory.path().join("empty.img");
+        std::fs::write(&empty, b"").unwrap();
+        let error = open_in_one_space(&[parse(&format!("emu:{}", empty.display()))], &emu).err().unwrap().to_string();
+        assert!(error.ends_with("the file is empty (0 bytes), so it holds no namespace (was it truncated?)"), "{error}");
+        // With a size to create, a missing file is made, in a directory that exists.
+        let creating = EmuOptions { create_bytes: Some(1 << 20), ..EmuOptions::default() };
+        let error = open_in_one_space(&[parse("emu:/nonexistent/dir/x.img")], &creating).err().unwrap().to_string();
+        assert!(error.starts_with("emu:/nonexistent/dir/x.img: cannot start the software NVMe controller"), "{error}");
     }
 
     #[test]
