@@ -218,18 +218,17 @@ fn memory_devices_larger_than_the_machine_are_refused_with_status_2() {
     assert_refused(&["--device", "emu:null:1024T", "--rw=read"], &["emu:null:1PiB", "use emu:PATH"]);
 }
 
-/// Runs `arguments` with standard output closed by its reader before the first line is written
-/// (the read end is dropped as soon as the process exists; it writes only after bringing up a
-/// device), returning the exit status and standard error.
+/// Runs `arguments` with standard output a pipe whose read end is closed before the program
+/// starts (so its first write fails, always), returning the exit status and standard error.
 fn run_with_stdout_closed(arguments: &[&str]) -> (Option<i32>, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_tutti-bench"))
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let output = Command::new(env!("CARGO_BIN_EXE_tutti-bench"))
         .args(arguments)
-        .stdout(Stdio::piped())
+        .stdout(writer)
         .stderr(Stdio::piped())
-        .spawn()
+        .output()
         .expect("the built binary runs");
-    drop(child.stdout.take());
-    let output = child.wait_with_output().unwrap();
     (output.status.code(), stderr(&output))
 }
 

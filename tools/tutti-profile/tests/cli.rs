@@ -316,15 +316,10 @@ fn a_closed_standard_output_is_status_141() {
     // Goal (issue 17 item 9): `tutti-profile ... | head -c1` used to panic (exit 101).
     let _one = exclusive();
     let dir = scratch("epipe");
-    let mut child = bin()
-        .args(["simulate", "--preset", "llama3-8b-h100-32k", "--out"])
-        .arg(&dir)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    drop(child.stdout.take());
-    let output = child.wait_with_output().unwrap();
+    // The pipe's read end is closed before the program starts: its first write fails, always.
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let output = bin().args(["simulate", "--preset", "llama3-8b-h100-32k", "--out"]).arg(&dir).stdout(writer).output().unwrap();
     assert_eq!(output.status.code(), Some(141), "{}", stderr(&output));
     assert!(!stderr(&output).contains("panicked"), "{}", stderr(&output));
 }
