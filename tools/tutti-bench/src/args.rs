@@ -33,7 +33,7 @@ pub struct Cli {
     pub rw: Pattern,
 
     /// Block size per I/O: 4k, 128KiB, 1m (k/m/g/t are powers of 1024, like fio).
-    #[arg(long, value_parser = parse_size_arg, default_value = "4k")]
+    #[arg(long, value_parser = parse_size, default_value = "4k")]
     pub bs: u64,
 
     /// I/Os in flight per job.
@@ -45,7 +45,7 @@ pub struct Cli {
     pub numjobs: u32,
 
     /// Bytes each job covers, from --offset (default: the device from --offset to its end).
-    #[arg(long, value_parser = parse_size_arg)]
+    #[arg(long, value_parser = parse_size)]
     pub size: Option<u64>,
 
     /// Stop after this long (10, 10s, 500ms, 2m). Without --time_based a job also stops after
@@ -62,7 +62,7 @@ pub struct Cli {
     pub rwmixread: u8,
 
     /// Byte offset where the region starts (a multiple of --bs).
-    #[arg(long, value_parser = parse_size_arg, default_value = "0")]
+    #[arg(long, value_parser = parse_size, default_value = "0")]
     pub offset: u64,
 
     /// Write a known pattern, read it back and compare (names the first mismatch).
@@ -250,10 +250,6 @@ fn parse_fraction_arg(text: &str) -> Result<f64, String> {
         Ok(value) if (0.0..=1.0).contains(&value) => Ok(value),
         _ => Err(format!("'{text}' is not a fraction; accepted: a number in 0..=1, e.g. 0.9")),
     }
-}
-
-fn parse_size_arg(text: &str) -> Result<u64, String> {
-    parse_size(text).map_err(|error| error.to_string())
 }
 
 fn parse_device_arg(text: &str) -> Result<DeviceSpec, String> {

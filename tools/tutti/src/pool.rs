@@ -40,16 +40,12 @@ pub struct DeviceArgs {
     #[arg(long, default_value_t = 4096)]
     emu_lba_bytes: u32,
     /// Create (or grow) `emu:` files to this size (e.g. 64m, 1g).
-    #[arg(long, value_parser = parse_size_arg)]
+    #[arg(long, value_parser = parse_size)]
     emu_create_bytes: Option<u64>,
 }
 
 fn parse_pool_device(text: &str) -> Result<DeviceSpec, String> {
     DeviceSpec::parse(text, &POOL_DEVICE_KINDS).map_err(|error| error.to_string())
-}
-
-fn parse_size_arg(text: &str) -> Result<u64, String> {
-    parse_size(text).map_err(|error| error.to_string())
 }
 
 #[derive(clap::Subcommand, Debug)]
