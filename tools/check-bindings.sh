@@ -2,12 +2,15 @@
 # Regenerate the Rust bindings of kernels/gio_abi.h with bindgen and fail if the checked-in
 # crates/gio-uring/src/abi/bindings.rs differs (drift between the C header and Rust).
 #
-# usage: tools/check-bindings.sh            check (exit 1 on drift, with the diff)
-#        tools/check-bindings.sh --update   rewrite the checked-in file
+# usage: tools/check-bindings.sh                       check (exit 1 on drift, with the diff)
+#        tools/check-bindings.sh --update              rewrite the checked-in file
+#        tools/check-bindings.sh --find-libclang [ROOT]
+#                                                      print the libclang bindgen would load (under
+#                                                      ROOT, default /; for tests), exit 1 if none
 #
 # bindgen needs libclang, which a fresh machine lacks and the normal build must not require, so the
 # generator is a separate crate (crates/gio-uring/regen, outside the workspace) and libclang-dev is
-# installed here with apt-get (idempotent; needs root).
+# installed here with apt-get (idempotent; needs root) when no libclang bindgen can load is found.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -15,16 +18,76 @@ HEADER="$ROOT/kernels/gio_abi.h"
 CHECKED_IN="$ROOT/crates/gio-uring/src/abi/bindings.rs"
 MODE="${1:-check}"
 
-if ! ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1 \
-   && ! ls /usr/lib/*/libclang*.so* >/dev/null 2>&1; then
+# Prints the first libclang shared library that bindgen's loader (clang-sys 1.x with the `runtime`
+# feature, build/common.rs and build/dynamic.rs) would find under $1 (a prefix, / on a real
+# machine) and returns 0; returns 1 when there is none. Like clang-sys it searches only
+# LIBCLANG_PATH when that is set (a directory, or the library itself), otherwise the directories
+# of `llvm-config --prefix`, LD_LIBRARY_PATH and LIBRARY_PATH, then its standard globs; it takes
+# libclang.so, libclang-*.so, libclang.so.* and libclang-*.so.*, and never a name containing
+# "-cpp." -- libclang-cpp (the C++ API library, installed by other packages such as clang or
+# mesa's dependencies) is another library that bindgen cannot load: its presence is what made the
+# earlier `ls libclang*.so*` check skip the install and bindgen fail.
+find_libclang() {
+  local prefix=${1%/} directories=() directory file name pattern
+  if [[ -n "${LIBCLANG_PATH:-}" ]]; then
+    if [[ -f "$prefix$LIBCLANG_PATH" ]]; then
+      echo "$prefix$LIBCLANG_PATH"
+      return 0
+    fi
+    directories=("$prefix$LIBCLANG_PATH")
+  else
+    if [[ -z "$prefix" ]] && command -v llvm-config >/dev/null 2>&1; then
+      local llvm_prefix
+      llvm_prefix=$(llvm-config --prefix 2>/dev/null | head -n1) || true
+      [[ -n "$llvm_prefix" ]] && directories+=("$llvm_prefix/bin" "$llvm_prefix/lib" "$llvm_prefix/lib64")
+    fi
+    local listed
+    for listed in "${LD_LIBRARY_PATH:-}" "${LIBRARY_PATH:-}"; do
+      local entries=()
+      IFS=: read -r -a entries <<<"$listed"
+      for directory in "${entries[@]}"; do
+        [[ -n "$directory" ]] && directories+=("$prefix$directory")
+      done
+    done
+    for pattern in /usr/local/llvm*/lib* /usr/local/lib*/*/* /usr/local/lib*/* /usr/local/lib* /usr/lib*/*/* /usr/lib*/* /usr/lib*; do
+      for directory in $prefix$pattern; do
+        [[ -d "$directory" ]] && directories+=("$directory")
+      done
+    done
+  fi
+  for directory in "${directories[@]}"; do
+    for file in "$directory"/libclang.so "$directory"/libclang-*.so "$directory"/libclang.so.* "$directory"/libclang-*.so.*; do
+      [[ -e "$file" ]] || continue
+      name=${file##*/}
+      [[ "$name" == *-cpp.* ]] && continue
+      echo "$file"
+      return 0
+    done
+  done
+  return 1
+}
+
+if [[ "$MODE" == "--find-libclang" ]]; then
+  find_libclang "${2:-/}"
+  exit
+fi
+
+if ! LIBCLANG=$(find_libclang /); then
   if [[ "$(id -u)" != "0" ]]; then
-    echo "check-bindings: libclang missing and not root: install libclang-dev" >&2
+    echo "check-bindings: no libclang that bindgen can load (libclang.so, libclang-N.so, libclang.so.N; libclang-cpp does not count) and not root: install libclang-dev" >&2
     exit 1
   fi
-  echo "check-bindings: installing libclang-dev"
+  echo "check-bindings: installing libclang-dev (no libclang that bindgen can load was found)"
   DEBIAN_FRONTEND=noninteractive apt-get install -y -q libclang-dev >/dev/null \
     || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q libclang-dev >/dev/null; }
+  if ! LIBCLANG=$(find_libclang /); then
+    echo "check-bindings: libclang-dev is installed but no libclang that bindgen can load was found; set LIBCLANG_PATH" >&2
+    exit 1
+  fi
 fi
+# bindgen loads exactly the library found here.
+export LIBCLANG_PATH="$LIBCLANG"
+echo "check-bindings: libclang: $LIBCLANG"
 
 export CARGO_TARGET_DIR="${GIO_REGEN_TARGET_DIR:-$ROOT/target-gio/regen}"
 cargo build --release -q --manifest-path "$ROOT/crates/gio-uring/regen/Cargo.toml"

@@ -5,7 +5,8 @@
 #   rust        cargo test --workspace (unit tests, the software-controller conformance suite,
 #               rings, executors, object store, scheduler simulator assertions)
 #   lint        rust-version checked (tools/check-msrv.sh), cargo clippy -D warnings, cargo fmt --check
-#   bindings    gio_abi.h → Rust bindings regenerated with bindgen and diffed (tools/check-bindings.sh)
+#   bindings    gio_abi.h → Rust bindings regenerated with bindgen and diffed (tools/check-bindings.sh,
+#               after tools/check-bindings-test.sh tests its libclang detection)
 #   cuda        CUDA kernels compiled with nvcc from the CUDA 13 wheels, `cuda` feature built
 #               (tools/cuda-build.sh; no GPU needed to compile)
 #   fuzz        the cargo-fuzz targets build (running them needs nightly: see fuzz/README.md)
@@ -54,7 +55,7 @@ stage_lint() {
     tools/check-msrv.sh && cargo clippy --workspace --all-targets --locked -- -D warnings && cargo fmt --all -- --check
 }
 
-stage_bindings() { tools/check-bindings.sh; }
+stage_bindings() { tools/check-bindings-test.sh && tools/check-bindings.sh; }
 stage_cuda() { tools/cuda-build.sh; }
 
 stage_fuzz() {

@@ -5,23 +5,33 @@
 //! nvme-conformance --device emu:mem:256M                  # the software controller in memory
 //! nvme-conformance --device emu:/tmp/nvme.img --integrity-mib 256
 //! ```
-//! Exit status: 0 when every check on every device passed, 1 when any failed, 2 for bad usage.
+//! Exit status: 0 when every check on every device passed, 1 when any failed, 2 for bad usage
+//! (bad flags, a device string that does not parse or a device that cannot be opened, e.g. a
+//! memory device larger than the machine can spare), 141 when standard output was closed by its
+//! reader.
 use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use nvme_conformance::{run_suite, SuiteConfig};
+use tutti_cli::{exit, outln};
+use tutti_devices::DeviceSpec;
 
 mod devices;
 
 /// Runs the NVMe conformance suite against the given devices.
 #[derive(Parser, Debug)]
-#[command(version, about)]
+#[command(
+    version,
+    about,
+    after_long_help = "Exit status: 0 every check passed; 1 a check failed; 2 unusable input (bad flag or device); 141 standard output was closed by its reader (e.g. `| head`)."
+)]
 struct Arguments {
-    /// Device to test: `vfio:BDF` (e.g. vfio:0000:00:04.0), `emu:mem:SIZE` or `emu:PATH`. Repeatable.
-    #[arg(long = "device", required = true)]
-    devices: Vec<String>,
+    /// Device to test: `vfio:BDF` (e.g. vfio:0000:00:04.0), `emu:mem:SIZE` or `emu:PATH` (a file
+    /// of at least 256 MiB is created or grown). Repeatable.
+    #[arg(long = "device", required = true, value_parser = parse_device)]
+    devices: Vec<DeviceSpec>,
     /// I/O queue pairs to ask for and exercise concurrently; a controller that grants fewer is
     /// tested with what it grants (the report says how many were used).
     #[arg(long, default_value_t = 4)]
@@ -43,20 +53,25 @@ struct Arguments {
     timeout_s: u64,
 }
 
+fn parse_device(text: &str) -> Result<DeviceSpec, String> {
+    DeviceSpec::parse(text, &devices::DEVICE_KINDS).map_err(|error| error.to_string())
+}
+
 fn main() -> ExitCode {
     let arguments = match Arguments::try_parse() {
         Ok(arguments) => arguments,
         Err(error) => {
             let _ = error.print();
-            return ExitCode::from(if error.use_stderr() { 2 } else { 0 });
+            return ExitCode::from(if error.use_stderr() { exit::UNUSABLE_INPUT } else { exit::SUCCESS });
         }
     };
-    match run(arguments) {
+    match run(arguments).and_then(|passed| Ok(tutti_cli::stdout::flush().map(|()| passed)?)) {
         Ok(true) => ExitCode::SUCCESS,
-        Ok(false) => ExitCode::from(1),
+        Ok(false) => ExitCode::from(exit::FAILURE),
+        Err(error) if tutti_cli::is_stdout_closed(error.as_ref()) => ExitCode::from(exit::STDOUT_CLOSED),
         Err(error) => {
             eprintln!("nvme-conformance: {error:#}");
-            ExitCode::from(2)
+            ExitCode::from(exit::UNUSABLE_INPUT)
         }
     }
 }
@@ -77,9 +92,9 @@ fn run(arguments: Arguments) -> Result<bool> {
     for spec in &arguments.devices {
         let (device, faults) = devices::open(spec).with_context(|| format!("opening device '{spec}'"))?;
         let report = run_suite(device, faults, &config);
-        print!("{report}");
+        tutti_cli::stdout::write_fmt(format_args!("{report}"))?;
         all_passed &= report.passed();
     }
-    println!("{}", if all_passed { "CONFORMANCE_OK" } else { "CONFORMANCE_FAILED" });
+    outln!("{}", if all_passed { "CONFORMANCE_OK" } else { "CONFORMANCE_FAILED" })?;
     Ok(all_passed)
 }

@@ -25,7 +25,8 @@ const DIRECT_ALIGNMENT_BYTES: usize = 4096;
 const ZERO_CHUNK_BYTES: usize = 1 << 20;
 
 pub(crate) enum Store {
-    Memory(Vec<u8>),
+    /// An anonymous private mapping: zeroed, committed page by page as it is written.
+    Memory(memmap2::MmapMut),
     File(FileStore),
 }
 
@@ -46,7 +47,7 @@ impl Store {
             Backing::Memory { bytes } => {
                 let len = usize::try_from(*bytes)
                     .map_err(|_| EmuError::InvalidConfig { reason: format!("{bytes} bytes of memory do not fit usize") })?;
-                Ok(Store::Memory(vec![0u8; len]))
+                Ok(Store::Memory(allocate_memory(len)?))
             }
             Backing::File { path, create_bytes } => Ok(Store::File(FileStore::open(path, *create_bytes)?)),
         }
@@ -138,6 +139,17 @@ impl Store {
     }
 }
 
+/// Zeroed memory for a memory-backed store, refused with [`EmuError::Memory`] when the kernel
+/// will not grant it (`vec![0; len]` would abort the process instead). An anonymous mapping is
+/// zeroed and lazily committed like `calloc`'s large allocations, so a device costs only what is
+/// written to it. It is mapped without `MAP_NORESERVE` on purpose: the kernel's commit
+/// accounting then refuses, at mmap time, a size it could never back (overcommit modes 0 and 2)
+/// instead of letting a later write fault the process into the OOM killer. Under mode 1
+/// (always overcommit) nothing is refused here; the tools check `MemAvailable` first.
+fn allocate_memory(len: usize) -> Result<memmap2::MmapMut, EmuError> {
+    memmap2::MmapOptions::new().len(len).map_anon().map_err(|source| EmuError::Memory { bytes: len as u64, source })
+}
+
 impl FileStore {
     fn open(path: &Path, create_bytes: Option<u64>) -> Result<Self, EmuError> {
         let mut options = OpenOptions::new();
@@ -200,5 +212,21 @@ mod tests {
         assert!(check[..4096].iter().all(|&b| b == 0));
         assert!(store.read((1 << 20) - 1, &mut small).is_err(), "reads past the end fail");
         let _ = std::fs::remove_file(&path);
+    }
+
+    #[test]
+    fn memory_the_machine_cannot_hold_is_an_error_not_an_abort() {
+        // Goal: a memory backing far beyond any machine (2^62 bytes) is refused with a typed
+        // error naming the size; a small one is zeroed and round-trips.
+        let error = Store::open(&Backing::Memory { bytes: 1 << 62 }).err().expect("2^62 bytes cannot be mapped");
+        assert!(matches!(error, EmuError::Memory { bytes, .. } if bytes == 1 << 62), "{error}");
+        assert!(error.to_string().contains("4611686018427387904 bytes"), "{error}");
+        let mut store = Store::open(&Backing::Memory { bytes: 1 << 20 }).unwrap();
+        let mut read = [0xFFu8; 8];
+        store.read(4096, &mut read).unwrap();
+        assert_eq!(read, [0; 8]);
+        store.write(4096, &[1, 2, 3]).unwrap();
+        store.read(4096, &mut read[..3]).unwrap();
+        assert_eq!(&read[..3], &[1, 2, 3]);
     }
 }

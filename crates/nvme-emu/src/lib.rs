@@ -85,6 +85,8 @@ pub enum EmuError {
     InvalidConfig { reason: String },
     #[error("backing store {path}: {source}")]
     Backing { path: PathBuf, source: std::io::Error },
+    #[error("cannot allocate {bytes} bytes of memory for the backing store: {source}")]
+    Memory { bytes: u64, source: std::io::Error },
     #[error("DMA memory for the emulator: {0}")]
     Hw(#[from] nvme_driver::hw::HwError),
     #[error("cannot start the controller thread: {0}")]

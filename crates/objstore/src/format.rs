@@ -250,7 +250,7 @@ impl Superblock {
         )
         .map_err(|error| corrupt(format!("layout does not fit this namespace: {error}")))?;
         if expected != superblock {
-            return Err(corrupt(format!("layout {superblock:?} differs from the one these parameters give: {expected:?}")));
+            return Err(corrupt(layout_difference(&superblock, &expected, lba_bytes, size_blocks)));
         }
         Ok(superblock)
     }
@@ -287,6 +287,32 @@ impl Superblock {
     pub fn header_region_bytes(&self) -> u64 {
         self.header_blocks * u64::from(self.lba_bytes)
     }
+}
+
+/// Words for a CRC-valid superblock whose recorded layout is not the one its own parameters
+/// give on this namespace: each field that differs, and the likely cause.
+fn layout_difference(recorded: &Superblock, derived: &Superblock, lba_bytes: u32, size_blocks: u64) -> String {
+    let fields = [
+        ("slot count", recorded.slot_count, derived.slot_count),
+        ("slot bytes", recorded.slot_bytes, derived.slot_bytes),
+        ("header LBA", recorded.header_lba, derived.header_lba),
+        ("header LBAs", recorded.header_blocks, derived.header_blocks),
+        ("data LBA", recorded.data_lba, derived.data_lba),
+        ("header entry bytes", u64::from(recorded.header_entry_bytes), u64::from(derived.header_entry_bytes)),
+    ];
+    let differences: Vec<String> = fields
+        .iter()
+        .filter(|(_, recorded, derived)| recorded != derived)
+        .map(|(name, recorded, derived)| format!("{name} {recorded} recorded, {derived} fit"))
+        .collect();
+    let namespace_bytes = size_blocks.saturating_mul(u64::from(lba_bytes));
+    let cause = if derived.slot_count < recorded.slot_count {
+        format!("the namespace ({namespace_bytes} bytes) is smaller than when the pool was formatted: a truncated file, or another device")
+    } else {
+        "the superblock was written for another namespace or by another tool".to_string()
+    };
+    let listed = if differences.is_empty() { "fields beyond the layout differ".to_string() } else { differences.join(", ") };
+    format!("its layout does not fit this namespace ({listed}): {cause}")
 }
 
 /// A superblock's data-region addressing with every quotient precomputed, for the per-block

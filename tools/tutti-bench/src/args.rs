@@ -1,5 +1,6 @@
 //! Command line: fio's vocabulary for raw workloads, KV-cache vocabulary for the layer workload,
-//! and the parsers for sizes, durations and device strings.
+//! and which workload a command line selects. Sizes and device strings are `tutti-devices`'s,
+//! the model geometry options `tutti-cli`'s.
 //!
 //! Every parser returns a one-line message that says what was wrong and what is accepted; the
 //! binary turns it into exit status 2.
@@ -7,16 +8,23 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{Parser, ValueEnum};
+use clap::parser::ValueSource;
+use clap::{ArgMatches, Parser, ValueEnum};
+use tutti_cli::GeometryArgs;
+pub use tutti_devices::{format_size, DeviceSpec};
+use tutti_devices::{parse_size, DeviceKind};
 
 /// fio-like benchmark of the raw NVMe path and of layer-wise KV store/retrieve.
 ///
-/// With no arguments: a temporary pool file on the local disk, the software NVMe controller and
-/// the CPU executor run the embedded default workload, then the file is removed.
+/// With no arguments (or only --output-format, --keep, --directory): a temporary pool file on
+/// the local disk, the software NVMe controller and the CPU executor run the embedded default
+/// KV workload, then the file is removed.
 #[derive(Debug, Parser, Clone)]
-#[command(name = "tutti-bench", version, about, long_about = None)]
+#[command(name = "tutti-bench", version, about, long_about = None, after_long_help = exit_status_help())]
 pub struct Cli {
     /// What to run: raw device I/O (fio-like) or KV store/retrieve through the object store.
+    /// Default: kv when a KV option is given, raw when a raw option or a device is given, the
+    /// embedded default otherwise.
     #[arg(long, value_enum)]
     pub workload: Option<Workload>,
 
@@ -25,7 +33,7 @@ pub struct Cli {
     pub rw: Pattern,
 
     /// Block size per I/O: 4k, 128KiB, 1m (k/m/g/t are powers of 1024, like fio).
-    #[arg(long, value_parser = parse_size_arg, default_value = "4k")]
+    #[arg(long, value_parser = parse_size, default_value = "4k")]
     pub bs: u64,
 
     /// I/Os in flight per job.
@@ -37,7 +45,7 @@ pub struct Cli {
     pub numjobs: u32,
 
     /// Bytes each job covers, from --offset (default: the device from --offset to its end).
-    #[arg(long, value_parser = parse_size_arg)]
+    #[arg(long, value_parser = parse_size)]
     pub size: Option<u64>,
 
     /// Stop after this long (10, 10s, 500ms, 2m). Without --time_based a job also stops after
@@ -54,7 +62,7 @@ pub struct Cli {
     pub rwmixread: u8,
 
     /// Byte offset where the region starts (a multiple of --bs).
-    #[arg(long, value_parser = parse_size_arg, default_value = "0")]
+    #[arg(long, value_parser = parse_size, default_value = "0")]
     pub offset: u64,
 
     /// Write a known pattern, read it back and compare (names the first mismatch).
@@ -64,9 +72,10 @@ pub struct Cli {
     #[arg(long = "output-format", value_enum, default_value_t = OutputFormat::Normal)]
     pub output_format: OutputFormat,
 
-    /// emu:PATH (software controller over a file, created when missing), emu:mem:SIZE,
-    /// emu:null:SIZE (no-storage mode: commands complete without moving data),
-    /// vfio:BDF (e.g. vfio:0000:00:04.0), uring:PATH (io_uring + O_DIRECT). Repeat to stripe.
+    /// emu:PATH (software controller over a file, created when missing), emu:mem:SIZE (refused
+    /// when larger than the memory this machine can spare), emu:null:SIZE (no-storage mode:
+    /// commands complete without moving data), vfio:BDF (e.g. vfio:0000:00:04.0), uring:PATH
+    /// (io_uring + O_DIRECT). Repeat to stripe.
     #[arg(long = "device", value_parser = parse_device_arg)]
     pub devices: Vec<DeviceSpec>,
 
@@ -74,9 +83,9 @@ pub struct Cli {
     #[arg(long, value_enum, default_value_t = Executor::Cpu)]
     pub executor: Executor,
 
-    /// Model whose KV geometry the kv workload uses: llama3-8b (default), qwen3-32b, llama3-70b.
-    #[arg(long, value_parser = parse_model_arg)]
-    pub model: Option<Model>,
+    /// The model whose KV geometry the kv workload uses (default llama3-8b, 16 tokens per block).
+    #[command(flatten)]
+    pub geometry: GeometryArgs,
 
     /// Prompt length in tokens (kv workload).
     #[arg(long = "prompt-tokens", default_value_t = 8192, value_parser = clap::value_parser!(u64).range(1..=1_048_576))]
@@ -86,9 +95,21 @@ pub struct Cli {
     #[arg(long = "hit-rate", default_value_t = 1.0, value_parser = parse_fraction_arg)]
     pub hit_rate: f64,
 
-    /// Tokens per KV block (kv workload).
-    #[arg(long = "block-tokens", default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..=4096))]
-    pub block_tokens: u64,
+    /// Use the pool already on the devices instead of formatting a new one (kv workload): blocks
+    /// an earlier run stored with the same --seed are found by lookup.
+    #[arg(long = "keep-pool")]
+    pub keep_pool: bool,
+
+    /// Check a pool an earlier run stored (after a crash or a move; implies --keep-pool): look the
+    /// whole prompt up, retrieve it layer by layer and compare every byte with the pattern of
+    /// --seed. Exit status 1 when a block is missing or a byte differs.
+    #[arg(long = "retrieve-only", conflicts_with = "hit_rate")]
+    pub retrieve_only: bool,
+
+    /// Seed of the kv workload's tokens and data pattern: the same seed, model and prompt give
+    /// the same blocks and bytes on every run.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
 
     /// Keep the temporary pool file of the default run.
     #[arg(long)]
@@ -97,6 +118,63 @@ pub struct Cli {
     /// Where the default run puts its temporary pool file (default: the system temp directory).
     #[arg(long)]
     pub directory: Option<PathBuf>,
+}
+
+fn exit_status_help() -> String {
+    format!(
+        "{}
+130: interrupted (SIGINT/SIGTERM); the temporary pool file was removed.",
+        tutti_cli::exit::help_text(false)
+    )
+}
+
+/// What a command line runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Selected {
+    /// The embedded default: a temporary pool, the KV store + retrieve with verification.
+    Default,
+    Raw,
+    Kv,
+}
+
+/// Options that shape only the raw workload, and only the kv workload (by clap id).
+const RAW_OPTIONS: [&str; 9] = ["rw", "bs", "iodepth", "numjobs", "size", "runtime", "time_based", "rwmixread", "offset"];
+const KV_OPTIONS: [&str; 12] = [
+    "model",
+    "model_config",
+    "layers",
+    "kv_heads",
+    "head_dim",
+    "dtype",
+    "tokens_per_block",
+    "prompt_tokens",
+    "hit_rate",
+    "keep_pool",
+    "retrieve_only",
+    "seed",
+];
+
+/// The workload a command line selects. Presentation options (--output-format, --keep,
+/// --directory) never change it: with nothing else, the embedded default runs.
+pub fn select_workload(matches: &ArgMatches, cli: &Cli) -> Selected {
+    let given = |id: &str| matches.value_source(id) == Some(ValueSource::CommandLine);
+    match cli.workload {
+        Some(Workload::Raw) => Selected::Raw,
+        Some(Workload::Kv) => Selected::Kv,
+        None if RAW_OPTIONS.iter().any(|id| given(id)) => Selected::Raw,
+        None if KV_OPTIONS.iter().any(|id| given(id)) => Selected::Kv,
+        None if !cli.devices.is_empty() || cli.verify => Selected::Raw,
+        None => Selected::Default,
+    }
+}
+
+/// Names of the kv-only options given on the command line (refused with the raw workload).
+pub fn kv_options_given(matches: &ArgMatches) -> Vec<String> {
+    KV_OPTIONS
+        .iter()
+        .filter(|id| matches.value_source(id) == Some(ValueSource::CommandLine))
+        .map(|id| format!("--{}", id.replace('_', "-")))
+        .collect()
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -142,99 +220,6 @@ pub enum Executor {
     Cuda,
 }
 
-/// A device string as given on the command line.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum DeviceSpec {
-    /// The software controller over a file or block device.
-    EmuFile(PathBuf),
-    /// The software controller over process memory of this many bytes.
-    EmuMemory(u64),
-    /// The software controller in no-storage mode: commands are validated and completed without
-    /// moving data (measures the driver and controller, not a medium).
-    EmuNull(u64),
-    /// An NVMe function bound to vfio-pci, by PCI address.
-    Vfio(String),
-    /// The kernel path: io_uring with O_DIRECT.
-    Uring(PathBuf),
-}
-
-impl std::fmt::Display for DeviceSpec {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            DeviceSpec::EmuFile(path) => write!(f, "emu:{}", path.display()),
-            DeviceSpec::EmuMemory(bytes) => write!(f, "emu:mem:{}", format_size(*bytes)),
-            DeviceSpec::EmuNull(bytes) => write!(f, "emu:null:{}", format_size(*bytes)),
-            DeviceSpec::Vfio(address) => write!(f, "vfio:{address}"),
-            DeviceSpec::Uring(path) => write!(f, "uring:{}", path.display()),
-        }
-    }
-}
-
-/// KV geometry of the models the kv workload knows (bf16, grouped-query attention).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Model {
-    pub name: &'static str,
-    pub layers: u32,
-    pub kv_heads: u32,
-    pub head_dim: u32,
-}
-
-impl Model {
-    /// Bytes of K (or of V) per token in one layer: heads × head dim × 2 bytes (bf16).
-    pub fn bytes_per_token_per_layer_half(&self) -> u64 {
-        u64::from(self.kv_heads) * u64::from(self.head_dim) * 2
-    }
-
-    /// Bytes of K and V per token across all layers (the brief's "KV bytes per token").
-    pub fn bytes_per_token(&self) -> u64 {
-        2 * self.bytes_per_token_per_layer_half() * u64::from(self.layers)
-    }
-}
-
-pub const MODELS: [Model; 3] = [
-    Model { name: "llama3-8b", layers: 32, kv_heads: 8, head_dim: 128 },
-    Model { name: "qwen3-32b", layers: 64, kv_heads: 8, head_dim: 128 },
-    Model { name: "llama3-70b", layers: 80, kv_heads: 8, head_dim: 128 },
-];
-
-pub fn model_names() -> String {
-    MODELS.iter().map(|model| model.name).collect::<Vec<_>>().join(", ")
-}
-
-fn parse_model_arg(text: &str) -> Result<Model, String> {
-    MODELS
-        .iter()
-        .copied()
-        .find(|model| model.name.eq_ignore_ascii_case(text))
-        .ok_or_else(|| format!("unknown model '{text}'; accepted: {}", model_names()))
-}
-
-/// Parses a size like fio: plain bytes, or a number with k/m/g/t (optionally followed by `b` or
-/// `ib`), all powers of 1024, any case: `4k` = `4KiB` = 4096.
-pub fn parse_size(text: &str) -> Result<u64, String> {
-    let accepted = "accepted: a whole number of bytes with an optional k/m/g/t suffix (powers of 1024), e.g. 4k, 128KiB, 1m, 2G";
-    let trimmed = text.trim();
-    let digits_end = trimmed.find(|c: char| !c.is_ascii_digit()).unwrap_or(trimmed.len());
-    let (digits, suffix) = trimmed.split_at(digits_end);
-    if digits.is_empty() {
-        return Err(format!("malformed size '{text}'; {accepted}"));
-    }
-    let shift = match suffix.to_ascii_lowercase().as_str() {
-        "" | "b" => 0,
-        "k" | "kb" | "kib" => 10,
-        "m" | "mb" | "mib" => 20,
-        "g" | "gb" | "gib" => 30,
-        "t" | "tb" | "tib" => 40,
-        _ => return Err(format!("malformed size '{text}' (unknown suffix '{suffix}'); {accepted}")),
-    };
-    let number: u64 = digits.parse().map_err(|_| format!("size '{text}' is too large; {accepted}"))?;
-    number.checked_mul(1u64 << shift).ok_or_else(|| format!("size '{text}' is too large (over 2^64 bytes)"))
-}
-
-fn parse_size_arg(text: &str) -> Result<u64, String> {
-    parse_size(text)
-}
-
 /// Parses a duration like fio's runtime: plain seconds, or with us/ms/s/m/h.
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let accepted = "accepted: a whole number with an optional unit us/ms/s/m/h (default seconds), e.g. 10, 500ms, 2m";
@@ -267,91 +252,14 @@ fn parse_fraction_arg(text: &str) -> Result<f64, String> {
     }
 }
 
-/// Parses `emu:PATH`, `emu:mem:SIZE`, `vfio:BDF` or `uring:PATH`.
-pub fn parse_device(text: &str) -> Result<DeviceSpec, String> {
-    let accepted = "accepted: emu:PATH, emu:mem:SIZE, emu:null:SIZE, vfio:BDF (e.g. vfio:0000:00:04.0), uring:PATH";
-    let Some((kind, rest)) = text.split_once(':') else {
-        return Err(format!("device '{text}' has no type prefix; {accepted}"));
-    };
-    if rest.is_empty() {
-        return Err(format!("device '{text}' names no path or address; {accepted}"));
-    }
-    match kind {
-        "emu" => {
-            let (memory, size) = match (rest.strip_prefix("mem:"), rest.strip_prefix("null:")) {
-                (Some(size), _) => (true, size),
-                (None, Some(size)) => (false, size),
-                (None, None) => return Ok(DeviceSpec::EmuFile(PathBuf::from(rest))),
-            };
-            let bytes = parse_size(size).map_err(|error| format!("device '{text}': {error}"))?;
-            if bytes < 1 << 20 {
-                return Err(format!("device '{text}': memory devices need at least 1 MiB"));
-            }
-            Ok(if memory { DeviceSpec::EmuMemory(bytes) } else { DeviceSpec::EmuNull(bytes) })
-        }
-        "uring" => Ok(DeviceSpec::Uring(PathBuf::from(rest))),
-        "vfio" => {
-            if !is_pci_address(rest) {
-                return Err(format!("device '{text}': '{rest}' is not a PCI address like 0000:00:04.0; {accepted}"));
-            }
-            Ok(DeviceSpec::Vfio(rest.to_string()))
-        }
-        _ => Err(format!("device '{text}' has unknown type '{kind}'; {accepted}")),
-    }
-}
-
 fn parse_device_arg(text: &str) -> Result<DeviceSpec, String> {
-    parse_device(text)
-}
-
-/// `DDDD:BB:DD.F` (hex, domain optional).
-fn is_pci_address(text: &str) -> bool {
-    let hex = |part: &str, len: usize| part.len() == len && part.chars().all(|c| c.is_ascii_hexdigit());
-    let parts: Vec<&str> = text.split(':').collect();
-    let (domain_ok, bus, rest) = match parts.as_slice() {
-        [domain, bus, rest] => (hex(domain, 4), *bus, *rest),
-        [bus, rest] => (true, *bus, *rest),
-        _ => return false,
-    };
-    let Some((device, function)) = rest.split_once('.') else { return false };
-    domain_ok && hex(bus, 2) && hex(device, 2) && function.len() == 1 && function.chars().all(|c| ('0'..='7').contains(&c))
-}
-
-/// Human size with binary units, like fio's output (`4KiB`, `1.5GiB`).
-pub fn format_size(bytes: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut value = bytes as f64;
-    let mut unit = 0;
-    while value >= 1024.0 && unit + 1 < UNITS.len() {
-        value /= 1024.0;
-        unit += 1;
-    }
-    if value.fract() == 0.0 {
-        format!("{value:.0}{}", UNITS[unit])
-    } else {
-        format!("{value:.2}{}", UNITS[unit])
-    }
+    DeviceSpec::parse(text, &DeviceKind::ALL).map_err(|error| error.to_string())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn sizes_parse_like_fio() {
-        // Goal: fio's suffixes, all binary, any case; junk is refused with what is accepted.
-        assert_eq!(parse_size("4k"), Ok(4096));
-        assert_eq!(parse_size("4K"), Ok(4096));
-        assert_eq!(parse_size("4KiB"), Ok(4096));
-        assert_eq!(parse_size("128kb"), Ok(128 << 10));
-        assert_eq!(parse_size("1m"), Ok(1 << 20));
-        assert_eq!(parse_size("2G"), Ok(2 << 30));
-        assert_eq!(parse_size("512"), Ok(512));
-        assert!(parse_size("4q").unwrap_err().contains("accepted"));
-        assert!(parse_size("").is_err());
-        assert!(parse_size("k").is_err());
-        assert!(parse_size("99999999999t").is_err());
-    }
+    use clap::{CommandFactory, FromArgMatches};
 
     #[test]
     fn durations_parse() {
@@ -363,33 +271,22 @@ mod tests {
     }
 
     #[test]
-    fn devices_parse() {
-        assert_eq!(parse_device("emu:/tmp/x"), Ok(DeviceSpec::EmuFile("/tmp/x".into())));
-        assert_eq!(parse_device("emu:mem:64m"), Ok(DeviceSpec::EmuMemory(64 << 20)));
-        assert_eq!(parse_device("emu:null:1g"), Ok(DeviceSpec::EmuNull(1 << 30)));
-        assert_eq!(parse_device("uring:/dev/nvme0n1"), Ok(DeviceSpec::Uring("/dev/nvme0n1".into())));
-        assert_eq!(parse_device("vfio:0000:00:04.0"), Ok(DeviceSpec::Vfio("0000:00:04.0".into())));
-        assert_eq!(parse_device("vfio:00:04.0"), Ok(DeviceSpec::Vfio("00:04.0".into())));
-        assert!(parse_device("vfio:banana").is_err());
-        assert!(parse_device("nvme:/dev/x").is_err());
-        assert!(parse_device("/dev/x").is_err());
-        assert!(parse_device("emu:").is_err());
-        assert!(parse_device("emu:mem:4q").is_err());
-    }
-
-    #[test]
-    fn models_have_the_briefs_bytes_per_token() {
-        // Design brief §6: 128 KiB (8B), 256 KiB (32B), 320 KiB (70B) per token.
-        let find = |name| parse_model_arg(name).unwrap().bytes_per_token();
-        assert_eq!(find("llama3-8b"), 128 << 10);
-        assert_eq!(find("qwen3-32b"), 256 << 10);
-        assert_eq!(find("llama3-70b"), 320 << 10);
-        assert!(parse_model_arg("gpt-5").unwrap_err().contains("llama3-8b"));
-    }
-
-    #[test]
-    fn sizes_format() {
-        assert_eq!(format_size(4096), "4KiB");
-        assert_eq!(format_size(1536 << 20), "1.50GiB");
+    fn an_output_flag_alone_is_the_embedded_default() {
+        // Goal (issue 17): adding --output-format (or --keep, --directory) to the bare command
+        // must not turn the default KV run into a raw 4 KiB read.
+        let selected = |arguments: &[&str]| {
+            let matches = Cli::command().try_get_matches_from(std::iter::once("tutti-bench").chain(arguments.iter().copied())).unwrap();
+            select_workload(&matches, &Cli::from_arg_matches(&matches).unwrap())
+        };
+        assert_eq!(selected(&[]), Selected::Default);
+        assert_eq!(selected(&["--output-format", "json"]), Selected::Default);
+        assert_eq!(selected(&["--output-format=json", "--keep", "--directory", "/tmp"]), Selected::Default);
+        assert_eq!(selected(&["--bs", "4k"]), Selected::Raw);
+        assert_eq!(selected(&["--device", "emu:mem:16m"]), Selected::Raw);
+        assert_eq!(selected(&["--device", "emu:mem:16m", "--workload=kv"]), Selected::Kv);
+        assert_eq!(selected(&["--prompt-tokens", "160"]), Selected::Kv);
+        assert_eq!(selected(&["--layers", "4", "--kv-heads", "1", "--head-dim", "64"]), Selected::Kv);
+        assert_eq!(selected(&["--retrieve-only", "--device", "emu:/x"]), Selected::Kv);
+        assert_eq!(selected(&["--workload=raw"]), Selected::Raw);
     }
 }

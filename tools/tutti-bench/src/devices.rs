@@ -10,10 +10,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use nvme_driver::hw::vfio::{PciAddress, VfioOptions};
-use nvme_driver::DmaPool;
-use nvme_driver::{Controller, ControllerConfig, DataSegment, DeviceBackend, DmaRegion, IoQueuePair, Lba, NamespaceId, NvmeError};
-use nvme_emu::{Backing, EmuConfig, EmuDevice, NamespaceConfig};
+use nvme_driver::{Controller, ControllerConfig, DataSegment, DmaRegion, IoQueuePair, Lba, NamespaceId, NvmeError};
+use nvme_emu::{EmuConfig, EmuDevice, NamespaceConfig};
+use tutti_devices::open::EmuOptions;
+use tutti_devices::{open_in_one_space, OpenedDevice};
 
 use crate::args::{format_size, DeviceSpec};
 
@@ -49,6 +49,9 @@ pub enum DeviceError {
     UnexpectedCompletion { device: String, slot: u64 },
     #[error("{0}")]
     Setup(String),
+    /// A device string or set the run cannot use (exit status 2).
+    #[error(transparent)]
+    Spec(#[from] tutti_devices::DeviceError),
 }
 
 /// One device, opened once and shared by the jobs.
@@ -130,34 +133,21 @@ impl Drop for CreatedFiles {
     }
 }
 
-/// Opens (and, where allowed, creates) the device a spec names.
+/// Opens (and, where allowed, creates) the device a spec names, in its own DMA space.
 pub fn open(spec: &DeviceSpec, options: OpenOptions2, created: &mut CreatedFiles) -> Result<Arc<dyn Device>, DeviceError> {
     match spec {
-        DeviceSpec::EmuFile(path) => {
-            prepare_file(path, options, created)?;
-            let config = emu_config(options).with_backing(Backing::File { path: path.clone(), create_bytes: None });
-            NvmeDevice::start_emu(config, format!("software NVMe controller (nvme-emu) over file {}", path.display()))
-        }
-        DeviceSpec::EmuMemory(bytes) => {
-            let config = emu_config(options).with_backing(Backing::Memory { bytes: *bytes });
-            NvmeDevice::start_emu(config, format!("software NVMe controller (nvme-emu) over {} of memory", format_size(*bytes)))
-        }
-        DeviceSpec::EmuNull(bytes) => {
-            let config = emu_config(options).with_backing(Backing::Memory { bytes: *bytes }).with_no_storage(true);
-            NvmeDevice::start_emu(
-                config,
-                format!("software NVMe controller (nvme-emu) in no-storage mode ({}; data is not moved)", format_size(*bytes)),
-            )
-        }
-        DeviceSpec::Vfio(address) => {
-            let device = nvme_driver::hw::VfioDevice::open(address).map_err(|error| {
-                DeviceError::Setup(format!("vfio:{address}: {error} (needs the device bound to vfio-pci and access to /dev/vfio)"))
-            })?;
-            NvmeDevice::init(Arc::new(device), None, options, format!("NVMe controller {address} through VFIO"))
-        }
         DeviceSpec::Uring(path) => {
             prepare_file(path, options, created)?;
             Ok(Arc::new(crate::uring::UringDevice::open(path, options.writes)?))
+        }
+        _ => {
+            if let DeviceSpec::EmuFile(path) = spec {
+                prepare_file(path, options, created)?;
+            }
+            let emu = EmuOptions { config: emu_config(options), create_bytes: None };
+            let opened = open_in_one_space(std::slice::from_ref(spec), &emu)?;
+            let device = opened.into_iter().next().ok_or_else(|| DeviceError::Setup(format!("{spec}: nothing was opened")))?;
+            NvmeDevice::init(device, options)
         }
     }
 }
@@ -236,39 +226,27 @@ struct NvmeDevice {
 }
 
 impl NvmeDevice {
-    fn start_emu(config: EmuConfig, description: String) -> Result<Arc<dyn Device>, DeviceError> {
-        let queues = u32::from(config.io_queue_pairs_max);
-        let io_bytes_max = config.max_transfer_bytes().unwrap_or(1 << 20);
-        let emu = EmuDevice::start(config).map_err(|error| DeviceError::Setup(format!("software NVMe controller: {error}")))?;
-        let options = OpenOptions2 { writes: true, create_bytes: None, io_bytes_max, queues, lay_out: false };
-        Self::init(Arc::clone(&emu) as Arc<dyn DeviceBackend>, Some(emu), options, description)
-    }
-
-    fn init(
-        backend: Arc<dyn DeviceBackend>,
-        emu: Option<Arc<EmuDevice>>,
-        options: OpenOptions2,
-        description: String,
-    ) -> Result<Arc<dyn Device>, DeviceError> {
-        let name = backend.name();
+    fn init(device: OpenedDevice, options: OpenOptions2) -> Result<Arc<dyn Device>, DeviceError> {
+        let name = device.backend.name();
         let config = ControllerConfig {
             io_queue_pairs_requested: u16::try_from(options.queues.clamp(1, 1024)).unwrap_or(1024),
             ..ControllerConfig::default()
         };
-        let controller = Controller::init(backend, config).map_err(|source| DeviceError::Nvme { device: name.clone(), source })?;
+        let controller = Controller::init(device.backend, config).map_err(|source| DeviceError::Nvme { device: name.clone(), source })?;
         let namespace = *controller
             .namespaces()
             .first()
             .ok_or_else(|| DeviceError::Setup(format!("{name}: the controller has no active namespace")))?;
         let description = format!(
-            "{description}: namespace {} of {} ({}-byte LBAs), {} data pointers, max transfer {}",
+            "{}: namespace {} of {} ({}-byte LBAs), {} data pointers, max transfer {}",
+            device.spec.describe(),
             namespace.id.0,
             format_size(namespace.size_bytes()),
             namespace.block_size_bytes,
             controller.data_pointer_mode().name(),
             format_size(controller.max_transfer_bytes()),
         );
-        Ok(Arc::new(Self { controller, _emu: emu, namespace, description }))
+        Ok(Arc::new(Self { controller, _emu: device.emulator, namespace, description }))
     }
 }
 
@@ -475,73 +453,39 @@ pub struct KvController {
 
 /// Opens the `emu:` or `vfio:` devices of one KV pool, in one DMA space (the store registers
 /// the engine's memory once): every `vfio:` function in one VFIO container, every software
-/// controller in the first one's DMA pool. `uring:` and `emu:null:` cannot hold a pool (no
-/// NVMe queues; no data), and `vfio:` and `emu:` cannot be mixed (two address spaces).
+/// controller in one DMA pool. `uring:` and `emu:null:` cannot hold a pool (no NVMe queues; no
+/// data), and `vfio:` and `emu:` cannot be mixed (two address spaces).
 pub fn open_controllers(specs: &[DeviceSpec], options: OpenOptions2, created: &mut CreatedFiles) -> Result<Vec<KvController>, DeviceError> {
-    let mut addresses = Vec::new();
     for spec in specs {
-        match spec {
-            DeviceSpec::Vfio(address) => {
-                addresses.push(address.parse::<PciAddress>().map_err(|error| DeviceError::Setup(format!("{spec}: {error}")))?)
-            }
-            DeviceSpec::EmuFile(_) | DeviceSpec::EmuMemory(_) => {}
-            DeviceSpec::EmuNull(_) | DeviceSpec::Uring(_) => {
-                return Err(DeviceError::Setup(format!(
-                    "{spec} cannot hold a KV pool; accepted for --workload=kv: emu:PATH, emu:mem:SIZE, vfio:BDF"
-                )));
-            }
+        if matches!(spec, DeviceSpec::EmuNull(_) | DeviceSpec::Uring(_)) {
+            return Err(DeviceError::Setup(format!(
+                "{spec} cannot hold a KV pool; accepted for --workload=kv: emu:PATH, emu:mem:SIZE, vfio:BDF"
+            )));
         }
     }
-    if !addresses.is_empty() && addresses.len() != specs.len() {
-        return Err(DeviceError::Setup(
-            "a KV pool's devices share one DMA space: give only vfio: devices (one VFIO container) or only emu: ones".into(),
-        ));
+    // Refused before any file is created.
+    if specs.iter().any(|spec| matches!(spec, DeviceSpec::Vfio(_))) && specs.iter().any(DeviceSpec::is_emulated) {
+        return Err(tutti_devices::DeviceError::MixedSpaces.into());
     }
-    let mut vfio = nvme_driver::hw::VfioDevice::open_many(&addresses, &VfioOptions::default())
-        .map_err(|error| {
-            let listed = addresses.iter().map(|address| format!("vfio:{address}")).collect::<Vec<_>>().join(" ");
-            DeviceError::Setup(format!("{listed}: {error} (needs the devices bound to vfio-pci and access to /dev/vfio)"))
-        })?
-        .into_iter();
-    let space = DmaPool::identity();
-    let mut controllers = Vec::with_capacity(specs.len());
+    tutti_devices::check_memory(specs)?;
     for spec in specs {
-        let start_emu = |config: EmuConfig| {
-            EmuDevice::start_in(config, &space).map_err(|error| DeviceError::Setup(format!("software NVMe controller: {error}")))
-        };
-        let (backend, emu, description): (Arc<dyn DeviceBackend>, Option<Arc<EmuDevice>>, String) = match spec {
-            DeviceSpec::EmuFile(path) => {
-                prepare_file(path, options, created)?;
-                let emu = start_emu(emu_config(options).with_backing(Backing::File { path: path.clone(), create_bytes: None }))?;
-                (
-                    Arc::clone(&emu) as Arc<dyn DeviceBackend>,
-                    Some(emu),
-                    format!("software NVMe controller (nvme-emu) over file {}", path.display()),
-                )
-            }
-            DeviceSpec::EmuMemory(bytes) => {
-                let emu = start_emu(emu_config(options).with_backing(Backing::Memory { bytes: *bytes }))?;
-                (
-                    Arc::clone(&emu) as Arc<dyn DeviceBackend>,
-                    Some(emu),
-                    format!("software NVMe controller (nvme-emu) over {} of memory", format_size(*bytes)),
-                )
-            }
-            DeviceSpec::Vfio(address) => {
-                let device = vfio.next().expect("one opened function per vfio: spec");
-                (Arc::new(device), None, format!("NVMe controller {address} through VFIO"))
-            }
-            DeviceSpec::EmuNull(_) | DeviceSpec::Uring(_) => unreachable!("refused above"),
-        };
-        let name = backend.name();
+        if let DeviceSpec::EmuFile(path) = spec {
+            prepare_file(path, options, created)?;
+        }
+    }
+    let emu = EmuOptions { config: emu_config(options), create_bytes: None };
+    let mut controllers = Vec::with_capacity(specs.len());
+    for device in open_in_one_space(specs, &emu)? {
+        let name = device.backend.name();
         let controller =
-            Controller::init(backend, ControllerConfig::default()).map_err(|source| DeviceError::Nvme { device: name, source })?;
+            Controller::init(device.backend, ControllerConfig::default()).map_err(|source| DeviceError::Nvme { device: name, source })?;
         let description = format!(
-            "{description}: {} data pointers, max transfer {}",
+            "{}: {} data pointers, max transfer {}",
+            device.spec.describe(),
             controller.data_pointer_mode().name(),
             format_size(controller.max_transfer_bytes())
         );
-        controllers.push(KvController { controller: Arc::new(controller), _emu: emu, description });
+        controllers.push(KvController { controller: Arc::new(controller), _emu: device.emulator, description });
     }
     Ok(controllers)
 }

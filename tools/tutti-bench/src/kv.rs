@@ -9,6 +9,11 @@
 //! 3. store: the request's n − h new blocks are written layer by layer and committed.
 //!
 //! Each layer is timed from its issue (`store_layer`/`retrieve_layer`) to the end of its `wait`.
+//!
+//! Pools are formatted with payload CRCs on, unless the run keeps the pool on the devices
+//! (`--keep-pool`) or only checks it (`--retrieve-only`: lookup of the whole prompt, retrieve,
+//! compare; no store). Tokens and data derive from `--seed` alone, so a later run with the same
+//! seed, model and prompt knows every byte the earlier one stored.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -17,12 +22,13 @@ use anyhow::{anyhow, Context};
 use gio_uring::{CpuExecutor, SmBudget};
 use nvme_driver::{DataPointerMode, DmaAllocator, DmaRegion, NamespaceId};
 use objstore::{
-    cpu_executor_for, format_pool, FormatParams, KvKind, KvLayout, KvRegistration, KvRequest, KvStore, ModelGeometry, Pool, PoolTarget,
-    StoreConfig,
+    cpu_executor_for, format_pool, FormatParams, KvKind, KvLayout, KvRegistration, KvRequest, KvStore, MappingForm, ModelGeometry,
+    ObjstoreError, Pool, PoolTarget, StoreConfig,
 };
 use serde_json::{json, Value};
+use tutti_cli::{outln, ModelChoice};
 
-use crate::args::{format_size, Cli, DeviceSpec, Model, OutputFormat};
+use crate::args::{format_size, Cli, DeviceSpec, OutputFormat};
 use crate::devices::{self, CreatedFiles, DeviceError, KvController, OpenOptions2};
 use crate::report::{CpuTime, ProcessCpu};
 use crate::workloads::{fill_pattern, find_mismatch};
@@ -35,41 +41,68 @@ const LAYER_TIMEOUT: Duration = Duration::from_secs(60);
 const POOL_OVERHEAD_BYTES: u64 = 16 << 20;
 const SLOT_OVERHEAD_BYTES: u64 = 64 << 10;
 
+/// What a run does with the pool on its devices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PoolMode {
+    /// Format a fresh pool (payload CRCs on), then store and retrieve.
+    Format,
+    /// Open the pool the devices hold, then store and retrieve (blocks already there are found).
+    Keep,
+    /// Open the pool the devices hold, look the whole prompt up, retrieve and compare; no store.
+    RetrieveOnly,
+}
+
+impl PoolMode {
+    fn name(self) -> &'static str {
+        match self {
+            PoolMode::Format => "format",
+            PoolMode::Keep => "keep",
+            PoolMode::RetrieveOnly => "retrieve-only",
+        }
+    }
+}
+
 /// What one KV run does.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct KvPlan {
-    pub model: Model,
+    pub model: ModelChoice,
     pub prompt_tokens: u64,
     pub hit_rate: f64,
-    pub block_tokens: u64,
     pub verify: bool,
+    pub pool: PoolMode,
+    /// Seed of the tokens and the data pattern.
+    pub seed: u64,
 }
 
 impl KvPlan {
-    pub fn from_cli(cli: &Cli) -> Self {
-        Self {
-            model: cli.model.unwrap_or(crate::args::MODELS[0]),
+    pub fn from_cli(cli: &Cli) -> anyhow::Result<Self> {
+        let model = cli.geometry.resolve(Some(tutti_cli::geometry::DEFAULT_MODEL)).map_err(|error| UsageError(error.to_string()))?;
+        let pool = match (cli.retrieve_only, cli.keep_pool) {
+            (true, _) => PoolMode::RetrieveOnly,
+            (false, true) => PoolMode::Keep,
+            (false, false) => PoolMode::Format,
+        };
+        Ok(Self {
+            model,
             prompt_tokens: cli.prompt_tokens,
-            hit_rate: cli.hit_rate,
-            block_tokens: cli.block_tokens,
-            verify: cli.verify,
-        }
+            hit_rate: if pool == PoolMode::RetrieveOnly { 1.0 } else { cli.hit_rate },
+            verify: cli.verify || pool == PoolMode::RetrieveOnly,
+            pool,
+            seed: cli.seed,
+        })
     }
 
-    fn geometry(&self) -> anyhow::Result<ModelGeometry> {
-        let block_tokens =
-            u32::try_from(self.block_tokens).map_err(|_| UsageError(format!("--block-tokens={} is too large", self.block_tokens)))?;
-        let geometry = ModelGeometry::preset(self.model.name, block_tokens)
-            .ok_or_else(|| UsageError(format!("model {} has no object-store preset", self.model.name)))?;
-        geometry
-            .validate()
-            .map_err(|error| UsageError(format!("model {} with --block-tokens={}: {error}", self.model.name, self.block_tokens)))?;
-        Ok(geometry)
+    pub fn geometry(&self) -> ModelGeometry {
+        self.model.geometry
+    }
+
+    pub fn block_tokens(&self) -> u64 {
+        u64::from(self.model.geometry.block_tokens)
     }
 
     /// Full blocks of the prompt (a partial last block is not cached, as in the engines).
     pub fn blocks(&self) -> u64 {
-        self.prompt_tokens / self.block_tokens
+        self.prompt_tokens / self.block_tokens()
     }
 
     pub fn cached_blocks(&self) -> u64 {
@@ -79,23 +112,46 @@ impl KvPlan {
     /// Bytes of each of `devices` pool devices: blocks go round-robin across them (one more slot
     /// each for where the store's round-robin cursor starts).
     pub fn pool_bytes_per_device(&self, devices: usize) -> u64 {
-        let block_bytes = self.model.bytes_per_token() * self.block_tokens;
+        let block_bytes = self.geometry().block_bytes();
         let blocks = if devices <= 1 { self.blocks() } else { self.blocks().div_ceil(devices as u64) + 1 };
-        blocks * (block_bytes + SLOT_OVERHEAD_BYTES) + POOL_OVERHEAD_BYTES
+        blocks.saturating_mul(block_bytes + SLOT_OVERHEAD_BYTES).saturating_add(POOL_OVERHEAD_BYTES)
     }
 }
 
 /// `--workload=kv` from the command line.
 pub fn run(cli: &Cli) -> anyhow::Result<()> {
-    let plan = KvPlan::from_cli(cli);
+    let plan = KvPlan::from_cli(cli)?;
     check_plan(&plan)?;
-    crate::run::with_devices(cli, Some(plan.pool_bytes_per_device(1)), |specs, created| run_plan(specs, &plan, cli.output_format, created))
+    if plan.pool != PoolMode::Format {
+        let flag = if plan.pool == PoolMode::Keep { "--keep-pool" } else { "--retrieve-only" };
+        if cli.devices.is_empty() {
+            return usage(format!(
+                "{flag} uses the pool an earlier run left on its devices: name them with --device (e.g. emu:PATH, vfio:BDF)"
+            ));
+        }
+        for spec in &cli.devices {
+            match spec {
+                DeviceSpec::EmuFile(path) if !path.exists() => {
+                    return usage(format!("{spec}: {} does not exist; {flag} needs the pool an earlier run stored there", path.display()))
+                }
+                DeviceSpec::EmuMemory(_) => {
+                    return usage(format!("{spec} starts empty: {flag} needs devices that hold a pool (emu:PATH, vfio:BDF)"))
+                }
+                _ => {}
+            }
+        }
+    }
+    let create_bytes = (plan.pool == PoolMode::Format).then(|| plan.pool_bytes_per_device(1));
+    crate::run::with_devices(cli, create_bytes, |specs, created| run_plan(specs, &plan, cli.output_format, created))
 }
 
 fn check_plan(plan: &KvPlan) -> anyhow::Result<()> {
-    plan.geometry()?;
     if plan.blocks() == 0 {
-        return usage(format!("--prompt-tokens={} is less than one block of --block-tokens={}", plan.prompt_tokens, plan.block_tokens));
+        return usage(format!(
+            "--prompt-tokens={} is less than one block of --tokens-per-block={}",
+            plan.prompt_tokens,
+            plan.block_tokens()
+        ));
     }
     if plan.blocks() > u64::from(u32::MAX / 2) {
         return usage(format!("--prompt-tokens={} makes too many blocks", plan.prompt_tokens));
@@ -172,6 +228,18 @@ impl Engine {
         }
         Ok(None)
     }
+}
+
+/// The prompt's tokens: a function of `seed` alone, so a later run finds what an earlier one
+/// stored (an LCG; only its determinism and spread matter).
+fn prompt_tokens(seed: u64, count: u64) -> Vec<u32> {
+    let mut state = seed;
+    (0..count)
+        .map(|_| {
+            state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+            (state >> 33) as u32
+        })
+        .collect()
 }
 
 /// Per-layer measurements of one phase.
@@ -290,10 +358,10 @@ impl LayerPhase {
 
 /// Runs a plan on one pool over `specs` (created files are registered in `created`).
 pub fn run_plan(specs: &[DeviceSpec], plan: &KvPlan, output: OutputFormat, created: &mut CreatedFiles) -> anyhow::Result<()> {
-    let geometry = plan.geometry()?;
+    let geometry = plan.geometry();
     let options = OpenOptions2 {
         writes: true,
-        create_bytes: Some(plan.pool_bytes_per_device(specs.len())),
+        create_bytes: (plan.pool == PoolMode::Format).then(|| plan.pool_bytes_per_device(specs.len())),
         io_bytes_max: 2 * geometry.object_bytes(),
         queues: 4,
         lay_out: false,
@@ -301,28 +369,45 @@ pub fn run_plan(specs: &[DeviceSpec], plan: &KvPlan, output: OutputFormat, creat
     let listed = specs.iter().map(ToString::to_string).collect::<Vec<_>>().join(",");
     let devices = devices::open_controllers(specs, options, created).map_err(|error| match error {
         DeviceError::Setup(message) => UsageError(message).into(),
+        DeviceError::Spec(error) => UsageError(error.to_string()).into(),
         error => anyhow::Error::new(error).context(format!("opening {listed}")),
     })?;
     let rig = Rig::build(&devices, &geometry, plan)?;
+    let mapping = rig.store.table();
+    let mapping_bytes = mapping.memory_bytes();
     let config = json!({
         "workload": "kv",
         "model": plan.model.name,
         "geometry": geometry.to_string(),
+        "layers": geometry.layers,
+        "kv_heads": geometry.kv_heads,
+        "head_dim": geometry.head_dim,
+        "dtype_bytes": geometry.dtype_bytes,
+        "tokens_per_block": geometry.block_tokens,
         "prompt_tokens": plan.prompt_tokens,
-        "block_tokens": plan.block_tokens,
+        "block_tokens": geometry.block_tokens,
         "blocks": plan.blocks(),
         "cached_blocks": plan.cached_blocks(),
         "hit_rate": plan.hit_rate,
         "kv_bytes": plan.blocks() * geometry.block_bytes(),
         "verify": plan.verify,
+        "pool_mode": plan.pool.name(),
+        "seed": plan.seed,
         "executor": "cpu",
         "device": listed,
         "device_description": devices.iter().map(|device| device.description.as_str()).collect::<Vec<_>>().join("; "),
         "pool_slots": rig.slots,
+        "pool_valid_slots_at_open": rig.valid_slots_at_open,
+        "payload_crc": rig.payload_crc,
+        "mapping_table": {
+            "form": mapping_form_name(mapping.form()),
+            "bytes": mapping_bytes,
+            "engine_blocks": plan.blocks(),
+        },
     });
     if output == OutputFormat::Normal {
-        println!(
-            "tutti-bench: workload=kv model={} ({}) prompt={} tokens = {} blocks ({} of KV), hit-rate={} ({} cached blocks), verify={}, executor=cpu",
+        outln!(
+            "tutti-bench: workload=kv model={} ({}) prompt={} tokens = {} blocks ({} of KV), hit-rate={} ({} cached blocks), verify={}, pool={}, seed={}, executor=cpu",
             plan.model.name,
             geometry,
             plan.prompt_tokens,
@@ -330,18 +415,36 @@ pub fn run_plan(specs: &[DeviceSpec], plan: &KvPlan, output: OutputFormat, creat
             format_size(plan.blocks() * geometry.block_bytes()),
             plan.hit_rate,
             plan.cached_blocks(),
-            plan.verify
-        );
+            plan.verify,
+            plan.pool.name(),
+            plan.seed
+        )?;
         for (spec, device) in specs.iter().zip(&devices) {
-            println!("  device {spec}: {}", device.description);
+            outln!("  device {spec}: {}", device.description)?;
         }
-        println!("  pool of {} slots (1 block per slot) over {} device(s), blocks round-robin", rig.slots, devices.len());
+        outln!(
+            "  pool of {} slots (1 block per slot) over {} device(s), blocks round-robin, payload CRC {}{}",
+            rig.slots,
+            devices.len(),
+            if rig.payload_crc { "on" } else { "off" },
+            match plan.pool {
+                PoolMode::Format => ", formatted for this run".to_string(),
+                _ => format!(", kept: {} valid slots found at open", rig.valid_slots_at_open),
+            }
+        )?;
+        outln!(
+            "  mapping table: {} of {} for {} engine blocks ({}), built once at registration",
+            format_size(mapping_bytes),
+            mapping_form_name(mapping.form()),
+            plan.blocks(),
+            format_size(plan.blocks() * geometry.block_bytes())
+        )?;
     }
     let phases = rig.run(plan)?;
     match output {
         OutputFormat::Normal => {
             for phase in &phases {
-                println!("{}", phase.text());
+                outln!("{}", phase.text())?;
             }
         }
         OutputFormat::Json => {
@@ -351,10 +454,33 @@ pub fn run_plan(specs: &[DeviceSpec], plan: &KvPlan, output: OutputFormat, creat
                 "global options": config,
                 "phases": phases.iter().map(LayerPhase::json).collect::<Vec<_>>(),
             });
-            println!("{}", serde_json::to_string_pretty(&out)?);
+            outln!("{}", serde_json::to_string_pretty(&out)?)?;
         }
     }
     Ok(())
+}
+
+fn mapping_form_name(form: MappingForm) -> &'static str {
+    match form {
+        MappingForm::Collapsed => "base + strides (collapsed: no per-object entries)",
+        MappingForm::StridedPair => "PRP lists at a fixed layer stride",
+        MappingForm::SglTable => "16-byte SGL descriptors",
+    }
+}
+
+/// Words (and an exit status) for a pool the devices hold that this run cannot use.
+fn pool_open_error(error: ObjstoreError, plan: &KvPlan) -> anyhow::Error {
+    match error {
+        ObjstoreError::GeometryMismatch { on_disk, registered } => UsageError(format!(
+            "the pool on the devices was formatted for {on_disk}; this run asks for {registered} ({}): give the model options of the run that stored it",
+            plan.model.name
+        ))
+        .into(),
+        error @ (ObjstoreError::PoolMembership { .. }
+        | ObjstoreError::NewerFormatVersion { .. }
+        | ObjstoreError::OlderFormatVersion { .. }) => UsageError(format!("the devices do not hold one usable pool: {error}")).into(),
+        error => anyhow::Error::new(error).context("opening the pool on the devices (it is damaged or was never formatted)"),
+    }
 }
 
 /// Everything a run needs, in drop order: the store (its queue pairs) before the engine memory
@@ -363,6 +489,8 @@ struct Rig {
     store: KvStore<CpuExecutor>,
     engine: Engine,
     slots: u64,
+    valid_slots_at_open: u64,
+    payload_crc: bool,
     tokens: Vec<u32>,
     seed: u64,
 }
@@ -372,11 +500,20 @@ impl Rig {
         let blocks = u32::try_from(plan.blocks()).map_err(|_| anyhow!("too many blocks"))?;
         let targets: Vec<PoolTarget> =
             devices.iter().map(|device| PoolTarget { controller: Arc::clone(&device.controller), namespace: NamespaceId(1) }).collect();
-        let params = FormatParams { geometry: *geometry, blocks_per_slot: 1, slot_count_max: None, pool_uuid: None, payload_crc: false };
-        format_pool(&targets, &params).context("formatting the pool")?;
-        let (pool, report) = Pool::open(targets, Some(geometry)).context("opening the pool")?;
+        if plan.pool == PoolMode::Format {
+            // Payload CRCs on: `tutti pool check --payload` can verify what a bench run left.
+            let params = FormatParams { geometry: *geometry, blocks_per_slot: 1, slot_count_max: None, pool_uuid: None, payload_crc: true };
+            format_pool(&targets, &params).map_err(|error| match error {
+                error @ (ObjstoreError::NamespaceTooSmall { .. } | ObjstoreError::InvalidFormat { .. }) => {
+                    UsageError(format!("cannot format a pool on {}: {error}", plan.model.name)).into()
+                }
+                error => anyhow::Error::new(error).context("formatting the pool"),
+            })?;
+        }
+        let (pool, report) = Pool::open(targets, Some(geometry)).map_err(|error| pool_open_error(error, plan))?;
+        let payload_crc = pool.superblock(0).flags & objstore::format::FLAG_PAYLOAD_CRC != 0;
         if report.slots < plan.blocks() {
-            let tokens = report.slots * plan.block_tokens;
+            let tokens = report.slots * plan.block_tokens();
             return usage(format!(
                 "--prompt-tokens={} needs {} slots of {}; the pool's {} device(s) hold {}; accepted: up to {tokens} tokens on them",
                 plan.prompt_tokens,
@@ -395,34 +532,48 @@ impl Rig {
         let config = StoreConfig::default();
         let executor = cpu_executor_for(&pool, 1024, &config).context("creating the CPU executor")?;
         let store = KvStore::new(pool, registration, dma, executor, config).context("building the KV store")?;
-        let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |elapsed| elapsed.as_nanos() as u64);
-        let mut state = seed;
-        let tokens = (0..plan.blocks() * plan.block_tokens)
-            .map(|_| {
-                state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
-                (state >> 33) as u32
-            })
-            .collect();
-        Ok(Self { store, engine, slots: report.slots, tokens, seed })
+        Ok(Self {
+            store,
+            engine,
+            slots: report.slots,
+            valid_slots_at_open: report.valid_slots,
+            payload_crc,
+            tokens: prompt_tokens(plan.seed, plan.blocks() * plan.block_tokens()),
+            seed: plan.seed,
+        })
     }
 
     fn run(mut self, plan: &KvPlan) -> anyhow::Result<Vec<LayerPhase>> {
         let blocks = plan.blocks() as u32;
         let cached = plan.cached_blocks() as u32;
-        let block_tokens = plan.block_tokens as usize;
+        let block_tokens = plan.block_tokens() as usize;
         let ids: Vec<u32> = (0..blocks).collect();
         let tokens = std::mem::take(&mut self.tokens);
         let mut scratch = vec![0u8; self.engine.object_bytes];
         let mut phases = Vec::new();
-        self.engine.fill(0..blocks, self.seed, &mut scratch)?;
-        if cached > 0 {
+        if plan.pool != PoolMode::RetrieveOnly {
+            self.engine.fill(0..blocks, self.seed, &mut scratch)?;
+        }
+        if cached > 0 && plan.pool != PoolMode::RetrieveOnly {
             let request = KvRequest { tokens: &tokens[..cached as usize * block_tokens], block_ids: &ids[..cached as usize] };
             phases.push(self.store_phase("store (populate: the cached prefix, written by an earlier request)", &request)?);
         }
         if cached > 0 {
             let found = self.store.lookup(&tokens);
-            if found != cached as usize {
-                return Err(anyhow!("lookup found {found} cached blocks of the prompt, expected {cached}"));
+            match plan.pool {
+                PoolMode::RetrieveOnly if found < cached as usize => {
+                    return Err(anyhow!(
+                        "the pool holds {found} of the prompt's {cached} blocks (lookup stops at the first block it lacks): blocks were lost, \
+                         or the run that stored them used another --seed, model or --prompt-tokens"
+                    ));
+                }
+                // A kept pool may hold more of the prompt than this run's hit rate (an earlier run
+                // with the same seed stored it); the retrieve below moves the first `cached` blocks.
+                PoolMode::Keep if found >= cached as usize => {}
+                _ if found != cached as usize => {
+                    return Err(anyhow!("lookup found {found} cached blocks of the prompt, expected {cached}"));
+                }
+                _ => {}
             }
             if plan.verify {
                 self.engine.clear(0..cached)?;
@@ -443,7 +594,7 @@ impl Rig {
             let cpu = ProcessCpu::now().since(&cpu_before);
             let verified = if plan.verify {
                 if let Some(mismatch) = self.engine.check(0..cached, self.seed, &mut scratch)? {
-                    return Err(anyhow!("verify failed after retrieve: {mismatch}"));
+                    return Err(anyhow!("verify failed after retrieve (pattern of --seed={}): {mismatch}", self.seed));
                 }
                 Some(u64::from(cached) * 2 * u64::from(self.engine.layers) * self.engine.object_bytes as u64)
             } else {
@@ -459,7 +610,7 @@ impl Rig {
                 verified,
             });
         }
-        if cached < blocks {
+        if cached < blocks && plan.pool != PoolMode::RetrieveOnly {
             let request = KvRequest { tokens: &tokens, block_ids: &ids };
             phases.push(self.store_phase("store (the request's new blocks after prefill)", &request)?);
         }

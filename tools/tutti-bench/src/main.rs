@@ -1,9 +1,11 @@
 //! tutti-bench: an fio-like benchmark of the raw NVMe path (software controller, VFIO, or the
 //! kernel's io_uring as comparator) and of layer-wise KV store/retrieve.
 //!
-//! Exit status: 0 on success, 1 when the run failed (device error, verify mismatch), 2 when the
-//! input was wrong (bad flag, size, device string, file, model), with one line saying what is
-//! wrong and what is accepted.
+//! Exit status (`tutti_cli::exit`): 0 on success, 1 when the run failed (device error, verify
+//! mismatch, a block missing from a kept pool), 2 when the input was wrong (bad flag, size,
+//! device string, file, model, a memory device larger than the machine can hold) with one line
+//! saying what is wrong and what is accepted, 130 when interrupted, 141 when standard output was
+//! closed by its reader.
 
 mod args;
 mod devices;
@@ -14,10 +16,10 @@ mod run;
 mod uring;
 mod workloads;
 
-use std::io::Write;
 use std::process::ExitCode;
 
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches};
+use tutti_cli::exit;
 
 use crate::args::Cli;
 
@@ -39,22 +41,23 @@ pub fn usage<T>(message: impl Into<String>) -> anyhow::Result<T> {
 }
 
 fn main() -> ExitCode {
-    let no_arguments = std::env::args_os().len() == 1;
-    let cli = match Cli::try_parse() {
-        Ok(cli) => cli,
+    let parsed = Cli::command().try_get_matches().and_then(|matches| Cli::from_arg_matches(&matches).map(|cli| (matches, cli)));
+    let (matches, cli) = match parsed {
+        Ok(parsed) => parsed,
         Err(error) => return clap_error(error),
     };
-    let result = if no_arguments { run::default_run(&cli) } else { run::run(&cli) };
+    let result = run::run(&cli, args::select_workload(&matches, &cli), &matches).and_then(|()| Ok(tutti_cli::stdout::flush()?));
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        Err(error) if tutti_cli::is_stdout_closed(error.as_ref()) => ExitCode::from(exit::STDOUT_CLOSED),
         Err(error) => {
-            let _ = std::io::stdout().flush();
+            let _ = tutti_cli::stdout::flush();
             if let Some(usage) = error.downcast_ref::<UsageError>() {
                 eprintln!("tutti-bench: {usage}");
-                ExitCode::from(2)
+                ExitCode::from(exit::UNUSABLE_INPUT)
             } else {
                 eprintln!("tutti-bench: error: {error:#}");
-                ExitCode::from(1)
+                ExitCode::from(exit::FAILURE)
             }
         }
     }
@@ -65,6 +68,7 @@ fn clap_error(error: clap::Error) -> ExitCode {
     use clap::error::ErrorKind;
     match error.kind() {
         ErrorKind::DisplayHelp | ErrorKind::DisplayVersion | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+            // A closed pipe while printing help is not a failure either.
             let _ = error.print();
             ExitCode::SUCCESS
         }
@@ -80,7 +84,7 @@ fn clap_error(error: clap::Error) -> ExitCode {
                 _ => String::new(),
             };
             eprintln!("tutti-bench: {first}{hint}");
-            ExitCode::from(2)
+            ExitCode::from(exit::UNUSABLE_INPUT)
         }
     }
 }

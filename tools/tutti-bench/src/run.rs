@@ -6,9 +6,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
+use clap::ArgMatches;
 use serde_json::json;
+use tutti_cli::outln;
 
-use crate::args::{format_size, Cli, DeviceSpec, Executor, OutputFormat, Pattern, Workload};
+use crate::args::{format_size, Cli, DeviceSpec, Executor, OutputFormat, Pattern, Selected};
 use crate::devices::{self, CreatedFiles, Device, DeviceError, OpenOptions2};
 use crate::progress::with_progress;
 use crate::report::{phase_json, phase_text, PhaseResult};
@@ -21,15 +23,22 @@ const DEFAULT_POOL_FREE_DIVISOR: u64 = 10;
 /// Below this the default run refuses: too small to say anything about a device.
 const DEFAULT_POOL_BYTES_MIN: u64 = 64 << 20;
 
-pub fn run(cli: &Cli) -> anyhow::Result<()> {
+pub fn run(cli: &Cli, selected: Selected, matches: &ArgMatches) -> anyhow::Result<()> {
     check_executor(cli.executor)?;
-    if cli.workload == Some(Workload::Kv) {
-        return crate::kv::run(cli);
+    match selected {
+        Selected::Default => default_run(cli),
+        Selected::Kv => crate::kv::run(cli),
+        Selected::Raw => {
+            let kv_options = crate::args::kv_options_given(matches);
+            if !kv_options.is_empty() {
+                return usage(format!(
+                    "{} apply to --workload=kv; accepted with --workload=raw: --rw, --bs, --iodepth, --numjobs, --size, --runtime, --offset, --verify",
+                    kv_options.join(", ")
+                ));
+            }
+            with_devices(cli, cli.size.map(|size| size + cli.offset), |devices, created| run_raw(cli, devices, created))
+        }
     }
-    if cli.model.is_some() {
-        return usage("--model applies to --workload=kv; accepted with --workload=raw: --rw, --bs, --iodepth, --numjobs, --size, --runtime, --offset, --verify");
-    }
-    with_devices(cli, cli.size.map(|size| size + cli.offset), |devices, created| run_raw(cli, devices, created))
 }
 
 /// Runs `body` on the devices the command line names or, when it names none, on a temporary
@@ -141,10 +150,13 @@ fn run_raw(cli: &Cli, specs: &[DeviceSpec], created: &mut CreatedFiles) -> anyho
     let writes = cli.verify || matches!(cli.rw, Pattern::Write | Pattern::Randwrite | Pattern::Randrw);
     let per_device_bytes = cli.size.map(|size| (size + cli.offset).div_ceil(specs.len() as u64));
     let options = OpenOptions2 { writes, create_bytes: per_device_bytes, io_bytes_max: cli.bs, queues: cli.numjobs, lay_out: !writes };
+    // Memory devices are checked together: two emu:mem devices may fit one by one, not both.
+    tutti_devices::check_memory(specs).map_err(|error| UsageError(error.to_string()))?;
     let mut devices: Vec<Arc<dyn Device>> = Vec::with_capacity(specs.len());
     for spec in specs {
         let device = devices::open(spec, options, created).map_err(|error| match error {
             DeviceError::Setup(message) => UsageError(message).into(),
+            DeviceError::Spec(error) => UsageError(error.to_string()).into(),
             error => anyhow::Error::new(error).context(format!("opening {spec}")),
         })?;
         if u64::from(device.block_size_bytes()) > cli.bs || !cli.bs.is_multiple_of(u64::from(device.block_size_bytes())) {
@@ -175,13 +187,13 @@ fn run_raw(cli: &Cli, specs: &[DeviceSpec], created: &mut CreatedFiles) -> anyho
     let (phases, headline) = plan_phases(cli, cli.offset, region_bytes, seed)?;
     let config = configuration(cli, &devices, region_bytes);
     if cli.output_format == OutputFormat::Normal {
-        println!("{}", config_text(&config));
+        outln!("{}", config_text(&config))?;
     }
     let results = run_phases(&devices, cli.numjobs, &phases)?;
     match cli.output_format {
         OutputFormat::Normal => {
             for result in &results {
-                println!("{}", phase_text(result));
+                outln!("{}", phase_text(result))?;
             }
         }
         OutputFormat::Json => {
@@ -192,7 +204,7 @@ fn run_raw(cli: &Cli, specs: &[DeviceSpec], created: &mut CreatedFiles) -> anyho
                 "jobs": phase_json(&results[headline])["jobs"],
                 "phases": results.iter().map(phase_json).collect::<Vec<_>>(),
             });
-            println!("{}", serde_json::to_string_pretty(&output)?);
+            outln!("{}", serde_json::to_string_pretty(&output)?)?;
         }
     }
     Ok(())
@@ -319,42 +331,62 @@ fn temporary_pool(directory: Option<&Path>, wanted_bytes: Option<u64>) -> anyhow
 const DEFAULT_PROMPT_TOKENS_MAX: u64 = 4096;
 
 /// The embedded default: what `cargo run --release --bin tutti-bench` does on a fresh machine.
+/// With `--output-format=json` standard output holds only the JSON; what the run is about goes
+/// to standard error.
 pub fn default_run(cli: &Cli) -> anyhow::Result<()> {
     let started = Instant::now();
+    let json = cli.output_format == OutputFormat::Json;
+    let say = |text: String| -> anyhow::Result<()> {
+        if json {
+            eprintln!("{text}");
+        } else {
+            outln!("{text}")?;
+        }
+        Ok(())
+    };
     let pool = temporary_pool(cli.directory.as_deref(), None)?;
     let mut created = CreatedFiles::default();
     created.push(pool.path.clone());
     if cli.keep {
         created.keep();
     }
-    println!(
-        "tutti-bench: no arguments: running the embedded default on a temporary pool file {} of {} ({} free there; a pool takes min(1 GiB, 10% of free space)), the software NVMe controller (nvme-emu) and the CPU executor.",
+    say(format!(
+        "tutti-bench: no workload options: running the embedded default on a temporary pool file {} of {} ({} free there; a pool takes min(1 GiB, 10% of free space)), the software NVMe controller (nvme-emu) and the CPU executor.",
         pool.path.display(),
         format_size(pool.bytes),
         format_size(pool.free_bytes)
-    );
-    let result = default_kv(&pool, &mut created);
+    ))?;
+    let result = default_kv(&pool, cli, &say, &mut created);
     let fate = if cli.keep { "kept (--keep)" } else { "removed" };
+    drop(created);
     match &result {
-        Ok(()) => println!("tutti-bench: done in {:.1}s; pool file {} {fate}.", started.elapsed().as_secs_f64(), pool.path.display()),
+        Ok(()) => say(format!("tutti-bench: done in {:.1}s; pool file {} {fate}.", started.elapsed().as_secs_f64(), pool.path.display()))?,
         Err(_) => eprintln!("tutti-bench: pool file {} {fate}.", pool.path.display()),
     }
-    drop(created);
     result
 }
 
 /// The default run's KV workload: store a prompt's KV cache layer by layer, retrieve it layer by
 /// layer into cleared engine memory, compare every byte.
-fn default_kv(pool: &TemporaryPool, created: &mut CreatedFiles) -> anyhow::Result<()> {
+fn default_kv(
+    pool: &TemporaryPool,
+    cli: &Cli,
+    say: &dyn Fn(String) -> anyhow::Result<()>,
+    created: &mut CreatedFiles,
+) -> anyhow::Result<()> {
+    let model = tutti_cli::GeometryArgs::default()
+        .resolve(Some(tutti_cli::geometry::DEFAULT_MODEL))
+        .map_err(|error| anyhow::anyhow!("the default model: {error}"))?;
     let mut plan = crate::kv::KvPlan {
-        model: crate::args::MODELS[0],
+        model,
         prompt_tokens: DEFAULT_PROMPT_TOKENS_MAX,
         hit_rate: 1.0,
-        block_tokens: 16,
         verify: true,
+        pool: crate::kv::PoolMode::Format,
+        seed: cli.seed,
     };
-    while plan.pool_bytes_per_device(1) > pool.bytes && plan.prompt_tokens > plan.block_tokens {
-        plan.prompt_tokens -= plan.block_tokens;
+    while plan.pool_bytes_per_device(1) > pool.bytes && plan.prompt_tokens > plan.block_tokens() {
+        plan.prompt_tokens -= plan.block_tokens();
     }
     if plan.pool_bytes_per_device(1) > pool.bytes {
         return usage(format!(
@@ -363,18 +395,18 @@ fn default_kv(pool: &TemporaryPool, created: &mut CreatedFiles) -> anyhow::Resul
             plan.model.name
         ));
     }
-    println!(
+    say(format!(
         "Workload: KV store + retrieve through the object store's layer API: a {}-token prompt of {} ({} blocks of {} tokens, {} of KV) stored layer by layer, \
          then looked up and retrieved layer by layer into cleared engine memory and compared byte for byte (equivalent to: \
-         tutti-bench --workload=kv --model={} --prompt-tokens={} --block-tokens={} --hit-rate=1 --verify).",
+         tutti-bench --workload=kv --model={} --prompt-tokens={} --tokens-per-block={} --hit-rate=1 --verify).",
         plan.prompt_tokens,
         plan.model.name,
         plan.blocks(),
-        plan.block_tokens,
-        format_size(plan.blocks() * plan.model.bytes_per_token() * plan.block_tokens),
+        plan.block_tokens(),
+        format_size(plan.blocks() * plan.geometry().block_bytes()),
         plan.model.name,
         plan.prompt_tokens,
-        plan.block_tokens
-    );
-    crate::kv::run_plan(&[DeviceSpec::EmuFile(pool.path.clone())], &plan, OutputFormat::Normal, created)
+        plan.block_tokens()
+    ))?;
+    crate::kv::run_plan(&[DeviceSpec::EmuFile(pool.path.clone())], &plan, cli.output_format, created)
 }

@@ -1,9 +1,10 @@
 //! The binary as a user runs it: bad input is refused with one line and exit status 2 and leaves
 //! no file behind; small real runs on the software controller and on io_uring succeed, verify,
-//! and print JSON that parses with fio's field names.
+//! and print JSON that parses with fio's field names; a kept pool is reopened and checked with
+//! the deterministic pattern; a closed standard output ends the run quietly with status 141.
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
 
 fn bench(arguments: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_tutti-bench")).args(arguments).output().expect("the built binary runs")
@@ -206,4 +207,183 @@ fn kv_bad_input_is_refused_without_leaving_files() {
     assert_refused(&["--workload=kv", "--device", "emu:mem:64m", "--device", "vfio:0000:00:04.0"], &["one DMA space"]);
     assert_refused(&["--workload=kv", "--device", "emu:mem:64m", "--prompt-tokens=8"], &["less than one block"]);
     assert_refused(&["--workload=kv", "--hit-rate=1.5"], &["fraction"]);
+}
+
+#[test]
+fn memory_devices_larger_than_the_machine_are_refused_with_status_2() {
+    // Goal (issue 17 items 6 and 9): emu:mem:1T used to abort (exit 134, a backtrace); now one
+    // line naming the size, what is available and the fix, for the raw and the kv workload.
+    assert_refused(&["--device=emu:mem:1T"], &["emu:mem:1TiB", "1TiB of memory asked", "MemAvailable", "use emu:PATH"]);
+    assert_refused(&["--workload=kv", "--device", "emu:mem:1T"], &["1TiB of memory asked", "use emu:PATH"]);
+    assert_refused(&["--device", "emu:null:1024T", "--rw=read"], &["emu:null:1PiB", "use emu:PATH"]);
+}
+
+/// Runs `arguments` with standard output a pipe whose read end is closed before the program
+/// starts (so its first write fails, always), returning the exit status and standard error.
+fn run_with_stdout_closed(arguments: &[&str]) -> (Option<i32>, String) {
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let output = Command::new(env!("CARGO_BIN_EXE_tutti-bench"))
+        .args(arguments)
+        .stdout(writer)
+        .stderr(Stdio::piped())
+        .output()
+        .expect("the built binary runs");
+    (output.status.code(), stderr(&output))
+}
+
+#[test]
+fn a_closed_standard_output_ends_the_run_quietly_with_141() {
+    // Goal (issue 17 item 9): `tutti-bench ... | head -c1` used to panic (exit 101, "failed
+    // printing to stdout: Broken pipe"); now it stops like a Unix tool: status 141, no panic, and
+    // the files it created are removed.
+    let directory = tempfile::tempdir().unwrap();
+    let pool = directory.path().join("pool.img");
+    let pool_device = format!("emu:{}", pool.display());
+    for arguments in [
+        vec!["--device", "emu:mem:16m", "--size=1m"],
+        vec!["--device", "emu:mem:16m", "--size=1m", "--output-format=json"],
+        small_kv_run(&[&pool_device]),
+    ] {
+        let (status, text) = run_with_stdout_closed(&arguments);
+        assert_eq!(status, Some(141), "{arguments:?}: {text}");
+        assert!(!text.contains("panicked"), "{arguments:?}: {text}");
+    }
+    // Through a real pipe into head, as a user types it.
+    let shell = format!("set -o pipefail; '{}' --device emu:mem:16m --size=1m | head -c1 >/dev/null", env!("CARGO_BIN_EXE_tutti-bench"));
+    let output = Command::new("bash").args(["-c", &shell]).output().unwrap();
+    assert!(matches!(output.status.code(), Some(0 | 141)), "{}", stderr(&output));
+    assert!(!stderr(&output).contains("panicked"), "{}", stderr(&output));
+}
+
+#[test]
+fn an_output_flag_alone_runs_the_default_kv_workload() {
+    // Goal (issue 17 item 9): `--output-format json` alone used to run a raw 4 KiB read at QD 1;
+    // it must run the same KV store + retrieve as the bare command, with only JSON on stdout.
+    // (Writes the default pool, up to 1 GiB, in the temp directory; about 15 s in a debug build.)
+    let output = bench(&["--output-format", "json"]);
+    assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
+    let json: serde_json::Value = serde_json::from_slice(&output.stdout).expect("only JSON on stdout");
+    assert_eq!(json["workload"], "kv", "{json}");
+    assert_eq!(json["global options"]["model"], "llama3-8b");
+    assert_eq!(json["global options"]["verify"], true);
+    let phases = json["phases"].as_array().unwrap();
+    assert!(phases.len() == 2 && phases[1]["verified_bytes"].as_u64().unwrap() > 0, "{json}");
+    assert!(json["global options"]["mapping_table"]["bytes"].as_u64().unwrap() > 0);
+    assert!(stderr(&output).contains("removed"), "{}", stderr(&output));
+}
+
+/// The byte offset of the first byte of slot 0's first object in a one-device pool file.
+fn first_slot_data_offset(pool: &Path) -> u64 {
+    let bytes = std::fs::read(pool).unwrap();
+    let superblock = objstore::format::Superblock::decode(&bytes, 0, 4096, bytes.len() as u64 / 4096).expect("a pool");
+    superblock.block_lba(0, 0) * 4096
+}
+
+#[test]
+fn a_kept_pool_is_reopened_and_checked_with_the_deterministic_pattern() {
+    // Goal (issue 17 item 9): store once; a second run with --keep-pool finds the blocks instead
+    // of reformatting; --retrieve-only checks every byte against the pattern of the seed and
+    // exits non-zero once one stored byte is corrupted; payload CRCs are on in bench pools.
+    let directory = tempfile::tempdir().unwrap();
+    let pool = directory.path().join("pool.img");
+    let device = format!("emu:{}", pool.display());
+    let stored = bench(&small_kv_run(&[&device]));
+    assert_eq!(stored.status.code(), Some(0), "{}", stderr(&stored));
+    let json: serde_json::Value = serde_json::from_slice(&stored.stdout).unwrap();
+    assert_eq!(json["global options"]["payload_crc"], true);
+    assert_eq!(json["global options"]["pool_mode"], "format");
+
+    // Kept: all 10 blocks are there from the first run, so the populate phase writes none.
+    let kept = bench(&["--device", &device, "--prompt-tokens=160", "--hit-rate=0.6", "--keep-pool", "--verify", "--output-format=json"]);
+    assert_eq!(kept.status.code(), Some(0), "{}", stderr(&kept));
+    let json: serde_json::Value = serde_json::from_slice(&kept.stdout).unwrap();
+    assert_eq!(json["global options"]["pool_valid_slots_at_open"], 10, "{}", json["global options"]);
+    let blocks: Vec<u64> = json["phases"].as_array().unwrap().iter().map(|phase| phase["blocks"].as_u64().unwrap()).collect();
+    assert_eq!(blocks, vec![0, 6, 0], "populate finds the 6 blocks, retrieve moves them, no new block is written");
+
+    // Retrieve-only: every byte of the 10 blocks compared.
+    let checked = bench(&["--device", &device, "--prompt-tokens=160", "--retrieve-only", "--output-format=json"]);
+    assert_eq!(checked.status.code(), Some(0), "{}", stderr(&checked));
+    let json: serde_json::Value = serde_json::from_slice(&checked.stdout).unwrap();
+    let phases = json["phases"].as_array().unwrap();
+    assert_eq!(phases.len(), 1, "no store phase");
+    assert_eq!(phases[0]["verified_bytes"], 10 * 32 * 2 * (32 << 10));
+    // Another seed means other tokens: nothing is found, and the run says why.
+    let other_seed = bench(&["--device", &device, "--prompt-tokens=160", "--retrieve-only", "--seed=2"]);
+    assert_eq!(other_seed.status.code(), Some(1));
+    assert!(stderr(&other_seed).contains("holds 0 of the prompt's 10 blocks"), "{}", stderr(&other_seed));
+    // Another geometry is refused before anything is read.
+    assert_refused(&["--device", &device, "--prompt-tokens=160", "--retrieve-only", "--layers=16"], &["formatted for 32 layers"]);
+
+    // One flipped byte in a stored object: the check fails.
+    let offset = first_slot_data_offset(&pool) + 1000;
+    let mut bytes = std::fs::read(&pool).unwrap();
+    bytes[offset as usize] ^= 0x40;
+    std::fs::write(&pool, &bytes).unwrap();
+    let corrupted = bench(&["--device", &device, "--prompt-tokens=160", "--retrieve-only"]);
+    assert_eq!(corrupted.status.code(), Some(1), "{}", stderr(&corrupted));
+    assert!(!stderr(&corrupted).contains("panicked"), "{}", stderr(&corrupted));
+}
+
+#[test]
+fn keep_pool_refuses_what_holds_no_pool() {
+    let directory = tempfile::tempdir().unwrap();
+    let missing = format!("emu:{}", directory.path().join("absent.img").display());
+    assert_refused(&["--device", &missing, "--retrieve-only"], &["does not exist", "--retrieve-only"]);
+    assert_refused(&["--device", "emu:mem:64m", "--keep-pool"], &["starts empty"]);
+    assert_refused(&["--keep-pool"], &["--device"]);
+    assert_refused(&["--retrieve-only", "--hit-rate=0.5", "--device", &missing], &["--hit-rate"]);
+}
+
+#[test]
+fn any_model_geometry_is_accepted_by_flags_or_config_file_and_reports_its_mapping_table() {
+    // Goal (issue 17 item 9): a geometry that is no preset runs end to end; bad values are
+    // refused in words; the mapping table's memory is reported in JSON and text.
+    let custom = [
+        "--device",
+        "emu:mem:64m",
+        "--layers=4",
+        "--kv-heads=2",
+        "--head-dim=64",
+        "--dtype=fp8",
+        "--tokens-per-block=32",
+        "--prompt-tokens=320",
+        "--hit-rate=0.5",
+        "--verify",
+        "--output-format=json",
+    ];
+    let output = bench(&custom);
+    assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
+    let json: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    let options = &json["global options"];
+    assert_eq!((options["layers"].as_u64(), options["kv_heads"].as_u64(), options["dtype_bytes"].as_u64()), (Some(4), Some(2), Some(1)));
+    assert_eq!(options["model"], "custom");
+    assert_eq!(options["mapping_table"]["form"], "16-byte SGL descriptors");
+    // 10 blocks x 4 layers x (K, V) x 16 bytes, plus the pad of one transfer (2 objects of 4 KiB),
+    // in whole 4 KiB pages of DMA memory.
+    assert_eq!(options["mapping_table"]["bytes"], (10 * 4 * 2 * 16 + 2 * 4096_u64).div_ceil(4096) * 4096);
+    let phases = json["phases"].as_array().unwrap();
+    assert_eq!(phases[1]["verified_bytes"], 5 * 4 * 2 * 4096);
+    assert!(phases.iter().all(|phase| phase["layers"].as_array().unwrap().len() == 4));
+
+    let directory = tempfile::tempdir().unwrap();
+    let config = directory.path().join("config.json");
+    std::fs::write(
+        &config,
+        r#"{"num_hidden_layers": 2, "hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 2, "torch_dtype": "bfloat16"}"#,
+    )
+    .unwrap();
+    let output = bench(&["--device", "emu:mem:64m", "--model-config", config.to_str().unwrap(), "--prompt-tokens=64", "--verify"]);
+    assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
+    let text = String::from_utf8_lossy(&output.stdout);
+    assert!(text.contains("2 layers x 2 KV heads x dim 64 x 2 B, 16 tokens/block"), "{text}");
+    assert!(text.contains("mapping table: "), "{text}");
+
+    assert_refused(&["--workload=kv", "--head-dim=0"], &["--head-dim=0", "at least 1"]);
+    assert_refused(&["--workload=kv", "--layers=99999999999"], &["--layers", "99999999999"]);
+    assert_refused(&["--workload=kv", "--kv-heads=1024", "--head-dim=1024", "--tokens-per-block=1024"], &["exceeds 1 GiB"]);
+    assert_refused(&["--workload=kv", "--dtype=int3"], &["int3", "bf16"]);
+    assert_refused(&["--model-config", "/nonexistent/config.json"], &["cannot read it"]);
+    assert_refused(&["--device", "emu:mem:16m", "--rw=read", "--layers=4"], &["--layers", "--workload=kv"]);
 }

@@ -8,6 +8,10 @@
 //!   software controller or a VFIO device; see `measure_io`);
 //! - `simulate`: hit-rate and prefix-length sweeps of every policy, CSV + SVG, crossover figures;
 //! - `check`: validates a table file.
+//!
+//! Exit status (`tutti_cli::exit`): 0 done, 1 a measurement or simulation failed or `check`
+//! found the table invalid, 2 unusable input (bad flags, device, model geometry, GPU spec, or an
+//! input table/file that cannot be read or is invalid), 141 standard output closed.
 #![forbid(unsafe_code)]
 
 mod measure_io;
@@ -21,9 +25,15 @@ use scheduler::analytic::{build_table, AnalyticGrid, GpuSpec, ModelConfig};
 use scheduler::import::import_timeline;
 use scheduler::ssd::SsdModel;
 use scheduler::table::{IoCostEntry, Profile};
+use tutti_cli::{exit, outln, GeometryArgs};
 
 #[derive(Parser, Debug)]
-#[command(name = "tutti-profile", version, about = "Profile tables and pipeline simulation for Tutti's slack-aware I/O scheduler")]
+#[command(
+    name = "tutti-profile",
+    version,
+    about = "Profile tables and pipeline simulation for Tutti's slack-aware I/O scheduler",
+    after_long_help = tutti_cli::exit::help_text(true)
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -43,15 +53,15 @@ enum Command {
     Check(CheckArgs),
 }
 
-/// Model and GPU: a preset name or a JSON file with the full config.
+/// Model and GPU: the model's geometry options (a preset, a config.json, or flags) and a GPU
+/// preset or spec file.
 #[derive(Args, Debug, Clone)]
 pub(crate) struct TargetArgs {
-    /// Model preset: llama3-8b or qwen3-32b.
-    #[arg(long, default_value = "llama3-8b")]
-    model: String,
-    /// JSON file with a full model config (overrides --model).
-    #[arg(long)]
-    model_config: Option<PathBuf>,
+    /// The model: --model llama3-8b|qwen3-32b (default llama3-8b), --model-config FILE (a
+    /// Hugging Face config.json, or this tool's ModelConfig JSON), and flags overriding its KV
+    /// geometry (--layers, --kv-heads, --head-dim, --dtype, --tokens-per-block).
+    #[command(flatten)]
+    geometry: GeometryArgs,
     /// GPU preset: h100 or h200.
     #[arg(long, default_value = "h100")]
     gpu: String,
@@ -61,19 +71,64 @@ pub(crate) struct TargetArgs {
 }
 
 impl TargetArgs {
+    /// The model for the roofline side: the KV geometry from the options; hidden size, attention
+    /// heads and intermediate size from the config file or, failing that, the scheduler's preset
+    /// of the same name.
     pub(crate) fn model(&self) -> Result<ModelConfig> {
-        if let Some(path) = &self.model_config {
-            return read_json(path);
-        }
-        ModelConfig::preset(&self.model).with_context(|| format!("unknown model preset `{}` (llama3-8b, qwen3-32b)", self.model))
+        let choice = self.geometry.resolve(Some(tutti_cli::geometry::DEFAULT_MODEL)).map_err(|error| unusable(error.to_string()))?;
+        let preset = choice.base.as_deref().and_then(ModelConfig::preset);
+        let compute = |from_file: Option<u32>, from_preset: fn(&ModelConfig) -> u32, key: &str| {
+            from_file.or(preset.as_ref().map(from_preset)).ok_or_else(|| {
+                unusable(format!(
+                    "model {}: the roofline model needs {key}, which neither the options nor a preset (llama3-8b, qwen3-32b) give; \
+                     pass --model-config with a config.json that has hidden_size, num_attention_heads and intermediate_size",
+                    choice.name
+                ))
+            })
+        };
+        let geometry = choice.geometry;
+        let model = ModelConfig {
+            name: choice.name.clone(),
+            layer_count: geometry.layers,
+            hidden_size: compute(choice.compute.hidden_size, |preset| preset.hidden_size, "hidden_size")?,
+            head_count: compute(choice.compute.attention_heads, |preset| preset.head_count, "num_attention_heads")?,
+            kv_head_count: geometry.kv_heads,
+            head_dim: geometry.head_dim,
+            intermediate_size: compute(choice.compute.intermediate_size, |preset| preset.intermediate_size, "intermediate_size")?,
+            dtype_bytes: geometry.dtype_bytes,
+        };
+        model.validate().map_err(|error| unusable(format!("model {}: {error}", choice.name)))?;
+        Ok(model)
+    }
+
+    /// Bytes of one KV object of the model (a layer's K or V of one block): one IOCTX.
+    pub(crate) fn object_bytes(&self) -> Result<u64> {
+        let choice = self.geometry.resolve(Some(tutti_cli::geometry::DEFAULT_MODEL)).map_err(|error| unusable(error.to_string()))?;
+        Ok(choice.geometry.object_bytes())
     }
 
     pub(crate) fn gpu(&self) -> Result<GpuSpec> {
         if let Some(path) = &self.gpu_spec {
             return read_json(path);
         }
-        GpuSpec::preset(&self.gpu).with_context(|| format!("unknown GPU preset `{}` (h100, h200)", self.gpu))
+        GpuSpec::preset(&self.gpu).ok_or_else(|| unusable(format!("unknown GPU preset `{}` (h100, h200)", self.gpu)))
     }
+}
+
+/// Input the command cannot use: exit status 2.
+#[derive(Debug)]
+pub(crate) struct Unusable(pub String);
+
+impl std::fmt::Display for Unusable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Unusable {}
+
+pub(crate) fn unusable(message: impl Into<String>) -> anyhow::Error {
+    Unusable(message.into()).into()
 }
 
 /// The SSD model behind analytic I/O costs (defaults: Tutti's two-SSD set-up).
@@ -200,12 +255,30 @@ struct CheckArgs {
 }
 
 fn main() -> std::process::ExitCode {
-    // Print the error chain ourselves: a user error is not a crash and needs no backtrace.
-    match run(Cli::parse()) {
-        Ok(()) => std::process::ExitCode::SUCCESS,
+    use std::process::ExitCode;
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
         Err(error) => {
+            // Help and version go to stdout (a closed pipe is not a failure); usage errors are 2.
+            let _ = error.print();
+            return ExitCode::from(if error.use_stderr() { exit::UNUSABLE_INPUT } else { exit::SUCCESS });
+        }
+    };
+    // Print the error chain ourselves: a user error is not a crash and needs no backtrace.
+    match run(cli).and_then(|()| Ok(tutti_cli::stdout::flush()?)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) if tutti_cli::is_stdout_closed(error.as_ref()) => ExitCode::from(exit::STDOUT_CLOSED),
+        Err(error) => {
+            let _ = tutti_cli::stdout::flush();
             eprintln!("error: {error:#}");
-            std::process::ExitCode::FAILURE
+            let unusable = error.chain().any(|cause| {
+                cause.is::<Unusable>()
+                    || matches!(
+                        cause.downcast_ref::<scheduler::SchedulerError>(),
+                        Some(scheduler::SchedulerError::InvalidConfig { .. } | scheduler::SchedulerError::Timeline { .. })
+                    )
+            });
+            ExitCode::from(if unusable { exit::UNUSABLE_INPUT } else { exit::FAILURE })
         }
     }
 }
@@ -221,8 +294,37 @@ fn run(cli: Cli) -> Result<()> {
 }
 
 fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))
+    let text = std::fs::read_to_string(path).map_err(|error| unusable(format!("reading {}: {error}", path.display())))?;
+    serde_json::from_str(&text).map_err(|error| unusable(format!("{}: {}", path.display(), describe_json_error(&text, &error))))
+}
+
+/// A JSON parse error in words: the parser's message and position, what stands there, and why
+/// it is not JSON when it is a non-finite number (serde_json writes NaN and infinities as null,
+/// but hand-edited or Python-written files carry `NaN`, `Infinity`).
+pub(crate) fn describe_json_error(text: &str, error: &serde_json::Error) -> String {
+    let (line, column) = (error.line(), error.column());
+    let offset = text.split_inclusive('\n').take(line.saturating_sub(1)).map(str::len).sum::<usize>() + column.saturating_sub(1);
+    let found: String = text.get(offset..).unwrap_or("").chars().take(16).take_while(|c| !c.is_whitespace() && *c != ',').collect();
+    let field = text.get(..offset).and_then(|before| {
+        let colon = before.trim_end().strip_suffix(':')?;
+        let key = colon.trim_end().strip_suffix('"')?;
+        key.rfind('"').map(|start| key[start + 1..].to_string())
+    });
+    let place = match &field {
+        Some(field) => format!("field `{field}`"),
+        None => "a value".to_string(),
+    };
+    let non_finite = ["NaN", "-NaN", "Infinity", "-Infinity", "inf", "-inf", "nan"].iter().any(|word| found.starts_with(word));
+    if non_finite {
+        format!(
+            "{place} at line {line} column {column} holds `{found}`, which is not a number JSON can hold; \
+             every figure in a table must be a finite number"
+        )
+    } else if found.is_empty() {
+        format!("not valid JSON: {error}")
+    } else {
+        format!("not valid JSON at {place} (line {line} column {column}, `{found}`): {error}")
+    }
 }
 
 pub(crate) fn write_file(path: &Path, contents: &str) -> Result<()> {
@@ -232,10 +334,21 @@ pub(crate) fn write_file(path: &Path, contents: &str) -> Result<()> {
     std::fs::write(path, contents).with_context(|| format!("writing {}", path.display()))
 }
 
-/// Loads and validates a table file.
+/// Loads and validates a table file given as input (an invalid one is unusable input).
 pub(crate) fn load_table(path: &Path) -> Result<Profile> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    Profile::from_json(&text).with_context(|| format!("loading profile table {}", path.display()))
+    let text = std::fs::read_to_string(path).map_err(|error| unusable(format!("reading {}: {error}", path.display())))?;
+    parse_table(path, &text).map_err(|error| unusable(format!("{error:#}")))
+}
+
+/// Parses and validates a table's text, parse errors in words.
+fn parse_table(path: &Path, text: &str) -> Result<Profile> {
+    match Profile::from_json(text) {
+        Ok(profile) => Ok(profile),
+        Err(scheduler::SchedulerError::Parse(error)) => {
+            anyhow::bail!("loading profile table {}: {}", path.display(), describe_json_error(text, &error))
+        }
+        Err(error) => Err(anyhow::Error::new(error).context(format!("loading profile table {}", path.display()))),
+    }
 }
 
 fn analytic(args: &AnalyticArgs) -> Result<()> {
@@ -266,7 +379,8 @@ fn analytic(args: &AnalyticArgs) -> Result<()> {
 fn import(args: &ImportArgs) -> Result<()> {
     let model = args.target.model()?;
     let gpu = args.target.gpu()?;
-    let text = std::fs::read_to_string(&args.timeline).with_context(|| format!("reading {}", args.timeline.display()))?;
+    let text =
+        std::fs::read_to_string(&args.timeline).map_err(|error| unusable(format!("reading {}: {error}", args.timeline.display())))?;
     let (io_costs, io_source) = match &args.io_costs {
         Some(path) => io_costs_from(path)?,
         None => args.ssd.cost_table(args.io_sms)?,
@@ -287,26 +401,31 @@ fn import(args: &ImportArgs) -> Result<()> {
 
 /// I/O cost rows from a profile table (keeping its provenance) or from a bare JSON array.
 fn io_costs_from(path: &Path) -> Result<(Vec<IoCostEntry>, String)> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    let value: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    let text = std::fs::read_to_string(path).map_err(|error| unusable(format!("reading {}: {error}", path.display())))?;
+    let value: serde_json::Value =
+        serde_json::from_str(&text).map_err(|error| unusable(format!("{}: {}", path.display(), describe_json_error(&text, &error))))?;
     if value.is_array() {
-        let rows = serde_json::from_value(value).with_context(|| format!("parsing io_costs rows in {}", path.display()))?;
+        let rows = serde_json::from_value(value)
+            .map_err(|error| unusable(format!("{}: io_costs rows: {}", path.display(), describe_json_error(&text, &error))))?;
         return Ok((rows, format!("imported from {}", path.display())));
     }
-    let profile = Profile::from_json(&text).with_context(|| format!("loading profile table {}", path.display()))?;
+    let profile = load_table(path)?;
     let table = profile.table();
     Ok((table.io_costs.clone(), format!("{} (from {})", table.io_cost_source, path.display())))
 }
 
 fn check(args: &CheckArgs) -> Result<()> {
-    let profile = load_table(&args.table)?;
+    // The checker's verdict: an invalid table is what it looks for (exit status 1), an unreadable
+    // file is unusable input (2).
+    let text = std::fs::read_to_string(&args.table).map_err(|error| unusable(format!("reading {}: {error}", args.table.display())))?;
+    let profile = parse_table(&args.table, &text)?;
     if args.against_target {
         let model = args.target.model()?;
         let gpu = args.target.gpu()?;
         profile.check_identity(&model.identity(), &gpu.identity())?;
     }
     let t = profile.table();
-    println!(
+    outln!(
         "{}: valid (format {}, model {}, GPU {}, {} buckets, inputs up to {} tokens, compute: {}, io costs: {})",
         args.table.display(),
         t.format_version,
@@ -316,6 +435,6 @@ fn check(args: &CheckArgs) -> Result<()> {
         profile.input_tokens_max(),
         t.compute_source,
         t.io_cost_source
-    );
+    )?;
     Ok(())
 }

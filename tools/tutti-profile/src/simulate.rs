@@ -11,6 +11,7 @@ use scheduler::sweep::{
     analytic_bound, hit_rate_sweep, prefix_length_sweep, preset, preset_names, summarize, to_csv, PolicySummary, Preset,
 };
 use serde::Serialize;
+use tutti_cli::outln;
 
 #[derive(Args, Debug)]
 pub struct SimulateArgs {
@@ -53,12 +54,12 @@ struct Report<'a> {
 pub fn run(args: &SimulateArgs) -> Result<()> {
     if args.list_presets {
         for name in preset_names() {
-            println!("{name}");
+            outln!("{name}")?;
         }
         return Ok(());
     }
-    let mut experiment =
-        preset(&args.preset).with_context(|| format!("unknown preset `{}`; known: {}", args.preset, preset_names().join(", ")))?;
+    let mut experiment = preset(&args.preset)
+        .ok_or_else(|| crate::unusable(format!("unknown preset `{}`; known: {}", args.preset, preset_names().join(", "))))?;
     if let Some(steps) = args.decode_steps {
         experiment.decode_step_count = steps;
     }
@@ -70,7 +71,7 @@ pub fn run(args: &SimulateArgs) -> Result<()> {
             let profile = crate::load_table(path)?;
             profile
                 .check_identity(&experiment.model.identity(), &experiment.gpu.identity())
-                .with_context(|| format!("table {} does not fit preset {}", path.display(), experiment.name))?;
+                .map_err(|error| crate::unusable(format!("table {} does not fit preset {}: {error}", path.display(), experiment.name)))?;
             profile
         }
         None => experiment.build_profile()?,
@@ -126,22 +127,22 @@ pub fn run(args: &SimulateArgs) -> Result<()> {
     std::fs::write(&summary_path, &json).with_context(|| format!("writing {}", summary_path.display()))?;
 
     if args.json {
-        println!("{json}");
+        outln!("{json}")?;
     } else {
-        println!("{} (simulated; not measured)", experiment.name);
-        println!("  analytic bound (per-layer read = compute): {}", percent(bound));
+        outln!("{} (simulated; not measured)", experiment.name)?;
+        outln!("  analytic bound (per-layer read = compute): {}", percent(bound))?;
         for s in &report.policies {
-            println!(
+            outln!(
                 "  {:<15} crossover {}  bubble>compute {}  max bubble below crossover {:.2}% of TTFT ({:.2}% beyond the pipeline fill)",
                 s.policy,
                 percent(s.crossover_hit_rate),
                 percent(s.bubble_exceeds_compute_hit_rate),
                 s.max_bubble_share_below_crossover * 100.0,
                 s.max_excess_bubble_share_below_crossover * 100.0
-            );
+            )?;
         }
         for path in written.iter().chain(std::iter::once(&summary_path.display().to_string())) {
-            println!("  wrote {path}");
+            outln!("  wrote {path}")?;
         }
     }
     Ok(())

@@ -218,7 +218,7 @@ fn bad_tables_and_arguments_fail_cleanly() {
 
     let output = run(bin().args(["analytic", "--model", "gpt-9", "--out"]).arg(dir.join("x.json")));
     assert!(!output.status.success());
-    assert!(stderr(&output).contains("unknown model preset"), "{}", stderr(&output));
+    assert!(stderr(&output).contains("unknown model 'gpt-9'"), "{}", stderr(&output));
 
     let output = run(bin().args(["analytic", "--io-sms", "500", "--out"]).arg(dir.join("y.json")));
     assert!(!output.status.success() && stderr(&output).contains("io_sms"), "{}", stderr(&output));
@@ -249,4 +249,116 @@ fn import_builds_a_table_from_a_timeline() {
     let output = run(bin().arg("check").arg(&table));
     assert!(output.status.success(), "{}", stderr(&output));
     assert!(String::from_utf8_lossy(&output.stdout).contains("imported-timeline"));
+}
+
+/// Exit status and standard error of `arguments`, asserting no panic.
+fn status(arguments: &[&str]) -> (Option<i32>, String) {
+    let output = run(bin().args(arguments));
+    let text = stderr(&output);
+    assert!(!text.contains("panicked"), "{arguments:?}: {text}");
+    (output.status.code(), text)
+}
+
+#[test]
+fn exit_statuses_are_0_1_2_and_documented() {
+    // Goal (issue 17 item 9): 0 done, 1 failure or damage found (check), 2 unusable input.
+    let _one = exclusive();
+    let dir = scratch("status");
+    let table = dir.join("t.json");
+    let (code, text) = status(&["analytic", "--input-count", "2", "--out", table.to_str().unwrap()]);
+    assert_eq!(code, Some(0), "{text}");
+    assert_eq!(status(&["check", table.to_str().unwrap()]).0, Some(0));
+    std::fs::write(dir.join("bad.json"), r#"{"format_version": 1, "anything": true}"#).unwrap();
+    assert_eq!(status(&["check", dir.join("bad.json").to_str().unwrap()]).0, Some(1), "an invalid table is what check finds");
+    assert_eq!(status(&["check", dir.join("absent.json").to_str().unwrap()]).0, Some(2));
+    assert_eq!(status(&["simulate", "--table", dir.join("bad.json").to_str().unwrap()]).0, Some(2), "an invalid input table");
+    assert_eq!(status(&["analytic", "--model", "gpt-9", "--out", "x.json"]).0, Some(2));
+    assert_eq!(status(&["analytic", "--io-sms", "500", "--out", dir.join("y.json").to_str().unwrap()]).0, Some(2));
+    assert_eq!(status(&["simulate", "--preset", "nope"]).0, Some(2));
+    assert_eq!(status(&["--frobnicate"]).0, Some(2));
+    let help = run(bin().arg("--help"));
+    assert!(String::from_utf8_lossy(&help.stdout).contains("Exit status: 0 done; 1 the run failed, or damage was found; 2 unusable input"));
+}
+
+#[test]
+fn a_nan_in_a_table_is_named_in_words() {
+    // Goal (issue 17 item 9): a NaN in a table used to get only serde's "expected value at line
+    // 1 column N"; now the field, the position and why it cannot be read.
+    let _one = exclusive();
+    let dir = scratch("nan");
+    let table = dir.join("t.json");
+    assert_eq!(status(&["analytic", "--input-count", "2", "--out", table.to_str().unwrap()]).0, Some(0));
+    let text = std::fs::read_to_string(&table).unwrap();
+    let at = text.find("\"duration_us\":").expect("an io cost row") + "\"duration_us\":".len();
+    let end = at + text[at..].find([',', '}']).unwrap();
+    let nan = dir.join("nan.json");
+    std::fs::write(&nan, format!("{}NaN{}", &text[..at], &text[end..])).unwrap();
+    let (code, message) = status(&["check", nan.to_str().unwrap()]);
+    assert_eq!(code, Some(1), "{message}");
+    assert!(message.contains("field `duration_us` at line 1 column"), "{message}");
+    assert!(message.contains("holds `NaN`, which is not a number JSON can hold"), "{message}");
+    let (code, message) = status(&["simulate", "--table", nan.to_str().unwrap(), "--out", dir.join("sim").to_str().unwrap()]);
+    assert_eq!(code, Some(2), "{message}");
+    assert!(message.contains("`NaN`"), "{message}");
+}
+
+#[test]
+fn memory_devices_larger_than_the_machine_are_refused_with_status_2() {
+    // Goal (issue 17 item 9): `io --device emu:mem:1T` used to abort (exit 134).
+    let _one = exclusive();
+    let (code, message) = status(&["io", "--device", "emu:mem:1T"]);
+    assert_eq!(code, Some(2), "{message}");
+    assert!(message.contains("1TiB of memory asked") && message.contains("use emu:PATH"), "{message}");
+}
+
+#[test]
+fn a_closed_standard_output_is_status_141() {
+    // Goal (issue 17 item 9): `tutti-profile ... | head -c1` used to panic (exit 101).
+    let _one = exclusive();
+    let dir = scratch("epipe");
+    // The pipe's read end is closed before the program starts: its first write fails, always.
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let output = bin().args(["simulate", "--preset", "llama3-8b-h100-32k", "--out"]).arg(&dir).stdout(writer).output().unwrap();
+    assert_eq!(output.status.code(), Some(141), "{}", stderr(&output));
+    assert!(!stderr(&output).contains("panicked"), "{}", stderr(&output));
+}
+
+#[test]
+fn any_model_geometry_reaches_the_tables() {
+    // Goal (issue 17 item 9): a config.json or geometry flags instead of the two presets; the
+    // I/O grid's IOCTX is one KV object of the model unless --ioctx-bytes says otherwise.
+    let _one = exclusive();
+    let dir = scratch("geometry");
+    let config = dir.join("config.json");
+    std::fs::write(
+        &config,
+        r#"{"_name_or_path": "my-model", "num_hidden_layers": 24, "hidden_size": 2048, "num_attention_heads": 16,
+            "num_key_value_heads": 4, "intermediate_size": 8192, "torch_dtype": "bfloat16"}"#,
+    )
+    .unwrap();
+    let table = dir.join("t.json");
+    let (code, text) =
+        status(&["analytic", "--model-config", config.to_str().unwrap(), "--input-count", "2", "--out", table.to_str().unwrap()]);
+    assert_eq!(code, Some(0), "{text}");
+    let profile = scheduler::table::Profile::from_json(&std::fs::read_to_string(&table).unwrap()).unwrap();
+    assert_eq!((profile.model().name.as_str(), profile.layer_count()), ("my-model", 24));
+    let (code, text) = status(&["analytic", "--layers", "40", "--input-count", "2", "--out", table.to_str().unwrap()]);
+    assert_eq!(code, Some(0), "{text}");
+    let profile = scheduler::table::Profile::from_json(&std::fs::read_to_string(&table).unwrap()).unwrap();
+    assert_eq!((profile.model().name.as_str(), profile.layer_count()), ("custom", 40));
+    assert_eq!(status(&["analytic", "--head-dim", "0", "--out", table.to_str().unwrap()]).0, Some(2));
+    // 8 tokens x 8 KV heads x 128 x 2 bytes = 16 KiB per IOCTX.
+    let output = run(bin().args(["io", "--device", "emu:mem:16M", "--tokens-per-block", "8"]).args([
+        "--iocb-counts",
+        "1",
+        "--sm-budgets",
+        "1",
+        "--ioctxs-per-iocb",
+        "4",
+        "--repetitions",
+        "1",
+    ]));
+    assert!(output.status.success(), "{}", stderr(&output));
+    assert!(stderr(&output).contains("IOCB = 4 IOCTXs x 16384 bytes"), "{}", stderr(&output));
 }

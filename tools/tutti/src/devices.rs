@@ -9,6 +9,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use nvme_driver::hw::vfio::{describe_blockers, PciAddress, VFIO_PCI_DRIVER};
+use tutti_cli::outln;
 
 use crate::system::System;
 
@@ -146,14 +147,14 @@ fn vendor_name(vendor_id: u32) -> Option<&'static str> {
 pub fn run_devices(system: &System, _args: &DevicesArgs) -> Result<()> {
     let functions = system.nvme_functions().context("listing PCI functions")?;
     if functions.is_empty() {
-        println!("no NVMe functions (PCI class 0x010802) under {}", system.sysfs_root().display());
+        outln!("no NVMe functions (PCI class 0x010802) under {}", system.sysfs_root().display())?;
         return Ok(());
     }
-    println!("{:<13} {:<9} {:<28} {:<9} {:<5} {:<16} VFIO", "ADDRESS", "ID", "MODEL", "DRIVER", "GROUP", "BLOCK");
+    outln!("{:<13} {:<9} {:<28} {:<9} {:<5} {:<16} VFIO", "ADDRESS", "ID", "MODEL", "DRIVER", "GROUP", "BLOCK")?;
     for address in functions {
         let report = inspect(system, address).with_context(|| format!("inspecting {address}"))?;
         let block = if report.block_devices.is_empty() { "-".to_string() } else { report.block_devices.join(",") };
-        println!(
+        outln!(
             "{:<13} {:04x}:{:04x} {:<28} {:<9} {:<5} {:<16} {}",
             report.address.to_string(),
             report.vendor_id,
@@ -163,7 +164,7 @@ pub fn run_devices(system: &System, _args: &DevicesArgs) -> Result<()> {
             report.iommu_group.map_or_else(|| "-".to_string(), |group| group.to_string()),
             block,
             report.readiness
-        );
+        )?;
     }
     Ok(())
 }
@@ -212,12 +213,10 @@ pub fn bind(system: &System, address: PciAddress, force: bool) -> Result<BindOut
 }
 
 pub fn run_bind(system: &System, args: &BindArgs) -> Result<()> {
-    let address: PciAddress = args.address.parse()?;
+    let address = parse_address(&args.address)?;
     match bind(system, address, args.force)? {
-        BindOutcome::AlreadyBound => println!("{address} is already bound to vfio-pci"),
-        BindOutcome::Bound { previous_driver } => {
-            println!("{address}: {} -> vfio-pci", previous_driver.as_deref().unwrap_or("(no driver)"))
-        }
+        BindOutcome::AlreadyBound => outln!("{address} is already bound to vfio-pci")?,
+        BindOutcome::Bound { previous_driver } => outln!("{address}: {} -> vfio-pci", previous_driver.as_deref().unwrap_or("(no driver)"))?,
     }
     if let Some(group) = system.sysfs.iommu_group(address)? {
         let blockers = system.sysfs.group_blockers(group, address)?;
@@ -258,13 +257,19 @@ pub fn unbind(system: &System, address: PciAddress, reprobe: bool) -> Result<Opt
 }
 
 pub fn run_unbind(system: &System, args: &UnbindArgs) -> Result<()> {
-    let address: PciAddress = args.address.parse()?;
+    let address = parse_address(&args.address)?;
     match unbind(system, address, !args.no_reprobe)? {
-        Some(driver) => println!("{address}: vfio-pci -> {driver}"),
-        None if args.no_reprobe => println!("{address}: detached from vfio-pci (no driver)"),
-        None => println!("{address}: detached from vfio-pci; no driver claimed it (`modprobe nvme`?)"),
+        Some(driver) => outln!("{address}: vfio-pci -> {driver}")?,
+        None if args.no_reprobe => outln!("{address}: detached from vfio-pci (no driver)")?,
+        None => outln!("{address}: detached from vfio-pci; no driver claimed it (`modprobe nvme`?)")?,
     }
     Ok(())
+}
+
+/// A PCI address from the command line; a malformed one is unusable input (exit status 2).
+fn parse_address(text: &str) -> Result<PciAddress> {
+    text.parse::<PciAddress>()
+        .map_err(|_| crate::Unusable(format!("'{text}' is not a PCI address; accepted: DDDD:BB:DD.F or BB:DD.F, e.g. 0000:01:00.0")).into())
 }
 
 #[cfg(test)]

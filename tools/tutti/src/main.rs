@@ -2,9 +2,15 @@
 //!
 //! One module per subcommand group; each owns its clap arguments and a `run` function taking the
 //! [`System`] paths, so a new group (`tutti pool ...`) is a module plus one enum variant here.
+//!
+//! Exit status (`tutti_cli::exit`): 0 done (for `pool check`: nothing damaged), 1 the operation
+//! failed or damage was found, 2 unusable input (a bad flag, device string, PCI address or model
+//! geometry; a file that holds no pool or is too small), 141 standard output closed.
 use std::path::PathBuf;
+use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use tutti_cli::exit;
 
 mod devices;
 mod pool;
@@ -14,7 +20,7 @@ use system::System;
 
 /// tutti administration tool.
 #[derive(Parser)]
-#[command(version, about)]
+#[command(version, about, after_long_help = tutti_cli::exit::help_text(true))]
 struct Cli {
     /// Where sysfs is mounted (tests point this at a fake tree).
     #[arg(long, global = true, hide = true, default_value = "/sys")]
@@ -39,13 +45,43 @@ enum Command {
     Pool(pool::PoolCommand),
 }
 
-fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+/// Input the command cannot use: one line, exit status 2.
+#[derive(Debug)]
+pub struct Unusable(pub String);
+
+impl std::fmt::Display for Unusable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Unusable {}
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(error) => {
+            // Help and version go to stdout (a closed pipe is not a failure); usage errors are 2.
+            let _ = error.print();
+            return ExitCode::from(if error.use_stderr() { exit::UNUSABLE_INPUT } else { exit::SUCCESS });
+        }
+    };
     let system = System::new(cli.sysfs_root, cli.proc_root);
-    match cli.command {
+    let result = match cli.command {
         Command::Devices(args) => devices::run_devices(&system, &args),
         Command::Bind(args) => devices::run_bind(&system, &args),
         Command::Unbind(args) => devices::run_unbind(&system, &args),
         Command::Pool(command) => pool::run(&command),
+    }
+    .and_then(|()| Ok(tutti_cli::stdout::flush()?));
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) if tutti_cli::is_stdout_closed(error.as_ref()) => ExitCode::from(exit::STDOUT_CLOSED),
+        Err(error) => {
+            let _ = tutti_cli::stdout::flush();
+            eprintln!("tutti: {error:#}");
+            let unusable = error.chain().any(|cause| cause.is::<Unusable>());
+            ExitCode::from(if unusable { exit::UNUSABLE_INPUT } else { exit::FAILURE })
+        }
     }
 }

@@ -5,35 +5,47 @@
 //! controller over a regular file, created with `--emu-create-bytes`; useful for tests and
 //! benchmarks on machines without a spare SSD). Devices are listed in pool order for `format`;
 //! `inspect` and `check` take them in any order.
+//!
+//! Exit status: 2 when the devices or options cannot be used (nothing is written), 1 when the
+//! pool is damaged (`check`, `inspect`) or a device fails, 0 otherwise.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use nvme_driver::hw::vfio::{PciAddress, VfioOptions};
-use nvme_driver::hw::{DeviceBackend, DmaPool, VfioDevice};
 use nvme_driver::{Controller, ControllerConfig, NamespaceId};
-use nvme_emu::{Backing, EmuConfig, EmuDevice, NamespaceConfig};
+use nvme_emu::{EmuConfig, NamespaceConfig};
 use objstore::format::Superblock;
 use objstore::pool::{format_uuid, read_superblock};
-use objstore::{format_pool, FormatParams, ModelGeometry, Pool, PoolTarget};
+use objstore::{format_pool, mapping_memory, FormatParams, ObjstoreError, Pool, PoolTarget};
+use tutti_cli::{outln, GeometryArgs};
+use tutti_devices::open::EmuOptions;
+use tutti_devices::{format_size, open_in_one_space, parse_size, DeviceKind, DeviceSpec};
+
+use crate::Unusable;
+
+/// The kinds of device a pool can live on here (memory would not outlive the command).
+const POOL_DEVICE_KINDS: [DeviceKind; 2] = [DeviceKind::Vfio, DeviceKind::EmuFile];
 
 #[derive(Args, Debug, Clone)]
 pub struct DeviceArgs {
     /// A pool member: `vfio:0000:01:00.0` or `emu:/path/to/file`. Repeat for several devices.
-    #[arg(long = "device", required = true)]
-    devices: Vec<String>,
+    #[arg(long = "device", required = true, value_parser = parse_pool_device)]
+    devices: Vec<DeviceSpec>,
     /// Namespace id on every device.
     #[arg(long, default_value_t = 1)]
     namespace: u32,
     /// LBA size of an `emu:` device's namespace.
     #[arg(long, default_value_t = 4096)]
     emu_lba_bytes: u32,
-    /// Create (or grow) `emu:` files to this many bytes.
-    #[arg(long)]
+    /// Create (or grow) `emu:` files to this size (e.g. 64m, 1g).
+    #[arg(long, value_parser = parse_size)]
     emu_create_bytes: Option<u64>,
+}
+
+fn parse_pool_device(text: &str) -> Result<DeviceSpec, String> {
+    DeviceSpec::parse(text, &POOL_DEVICE_KINDS).map_err(|error| error.to_string())
 }
 
 #[derive(clap::Subcommand, Debug)]
@@ -42,8 +54,8 @@ pub enum PoolCommand {
     Format(FormatArgs),
     /// Print each device's superblock and the slot counts found by recovery.
     Inspect(DeviceArgs),
-    /// Verify every slot header (and, with --payload, every recorded payload CRC); exits
-    /// non-zero if anything is damaged.
+    /// Verify every slot header (and, with --payload, every recorded payload CRC); exit status 1
+    /// if anything is damaged.
     Check(CheckArgs),
 }
 
@@ -51,12 +63,9 @@ pub enum PoolCommand {
 pub struct FormatArgs {
     #[command(flatten)]
     devices: DeviceArgs,
-    /// Model preset: llama3-8b, qwen3-32b, llama3-70b.
-    #[arg(long)]
-    model: String,
-    /// Tokens per engine block.
-    #[arg(long, default_value_t = 16)]
-    block_tokens: u32,
+    /// The model's KV geometry: --model, --model-config, or --layers/--kv-heads/--head-dim.
+    #[command(flatten)]
+    geometry: GeometryArgs,
     /// Engine blocks per slot (k).
     #[arg(long, default_value_t = 1)]
     blocks_per_slot: u32,
@@ -79,45 +88,42 @@ pub struct CheckArgs {
 
 /// Opens the pool's devices in one DMA space, as a store over them needs: every `vfio:` device
 /// in one VFIO container (which also lets two functions of one IOMMU group be used), every
-/// `emu:` controller in the first one's DMA pool.
+/// `emu:` controller in one DMA pool.
 fn open_targets(args: &DeviceArgs) -> Result<Vec<PoolTarget>> {
-    let mut addresses = Vec::new();
-    for spec in &args.devices {
-        if let Some(address) = spec.strip_prefix("vfio:") {
-            addresses.push(address.parse::<PciAddress>().with_context(|| format!("device {spec:?}"))?);
-        } else if !spec.starts_with("emu:") {
-            bail!("device {spec:?}: expected vfio:<PCI address> or emu:<file>");
-        }
-    }
-    let listed = addresses.iter().map(ToString::to_string).collect::<Vec<_>>().join(" ");
-    let mut vfio = VfioDevice::open_many(&addresses, &VfioOptions::default())
-        .with_context(|| format!("opening {listed} through VFIO (are they bound? `tutti bind ADDRESS`)"))?
-        .into_iter();
-    let mut emu_space: Option<DmaPool> = None;
-    let mut targets = Vec::with_capacity(args.devices.len());
-    for spec in &args.devices {
-        let backend: Arc<dyn DeviceBackend> = if spec.starts_with("vfio:") {
-            Arc::new(vfio.next().expect("one opened device per vfio: spec"))
-        } else {
-            let path = spec.strip_prefix("emu:").expect("checked above");
-            let mut config = EmuConfig::default()
-                .with_backing(Backing::File { path: PathBuf::from(path), create_bytes: args.emu_create_bytes })
-                .with_namespaces(vec![NamespaceConfig::new(args.emu_lba_bytes, None)])
-                .with_mdts(8);
-            config.sync_file_on_flush = true; // the pool's durability promises hold across host crashes too
-            let space = emu_space.get_or_insert_with(DmaPool::identity);
-            EmuDevice::start_in(config, space).with_context(|| format!("starting the software controller on {path}"))?
-        };
-        let controller = Controller::init(backend, ControllerConfig::default()).with_context(|| format!("bringing up {spec}"))?;
+    let mut config = EmuConfig::default().with_namespaces(vec![NamespaceConfig::new(args.emu_lba_bytes, None)]).with_mdts(8);
+    config.sync_file_on_flush = true; // the pool's durability promises hold across host crashes too
+    let emu = EmuOptions { config, create_bytes: args.emu_create_bytes };
+    let opened = open_in_one_space(&args.devices, &emu).map_err(|error| Unusable(error.to_string()))?;
+    let mut targets = Vec::with_capacity(opened.len());
+    for device in opened {
+        let spec = device.spec.to_string();
+        let controller = Controller::init(device.backend, ControllerConfig::default()).with_context(|| format!("bringing up {spec}"))?;
         targets.push(PoolTarget { controller: Arc::new(controller), namespace: NamespaceId(args.namespace) });
     }
     Ok(targets)
 }
 
+/// Exit status 2 for what the devices given cannot be (a set that is not one pool, a format this
+/// build does not read, a namespace too small to format), 1 for damage.
+fn classify(error: ObjstoreError, what: &str) -> anyhow::Error {
+    match error {
+        error @ (ObjstoreError::PoolMembership { .. }
+        | ObjstoreError::GeometryMismatch { .. }
+        | ObjstoreError::NewerFormatVersion { .. }
+        | ObjstoreError::OlderFormatVersion { .. }
+        | ObjstoreError::NamespaceTooSmall { .. }
+        | ObjstoreError::InvalidFormat { .. }
+        | ObjstoreError::InvalidGeometry { .. }) => Unusable(format!("{what}: {error}")).into(),
+        error => anyhow::Error::new(error).context(what.to_string()),
+    }
+}
+
 fn describe(superblock: &Superblock) -> String {
     let g = &superblock.geometry;
+    let payload_bytes = superblock.slot_count.saturating_mul(superblock.slot_bytes);
+    let mapping = mapping_memory(g, payload_bytes);
     format!(
-        "pool {} device {}/{} v{}\n  geometry: {g}\n  object {} B, block {} B, {} block(s) per slot, slot {} B\n  {} slots, LBA {} B, headers at LBA {} ({} LBAs of {}-byte entries), data at LBA {}, payload CRC {}",
+        "pool {} device {}/{} v{}\n  geometry: {g}\n  object {} B, block {} B, {} block(s) per slot, slot {} B\n  {} slots, LBA {} B, headers at LBA {} ({} LBAs of {}-byte entries), data at LBA {}, payload CRC {}\n  mapping table for these {} of KV ({} objects): {} of SGL descriptors (PRP lists: {})",
         format_uuid(&superblock.pool_uuid),
         superblock.device_index,
         superblock.device_count,
@@ -133,55 +139,68 @@ fn describe(superblock: &Superblock) -> String {
         superblock.header_entry_bytes,
         superblock.data_lba,
         if superblock.flags & objstore::format::FLAG_PAYLOAD_CRC != 0 { "on" } else { "off" },
+        format_size(payload_bytes),
+        mapping.objects,
+        format_size(mapping.sgl_bytes),
+        format_size(mapping.prp_packed_bytes),
     )
 }
 
 pub fn run(command: &PoolCommand) -> Result<()> {
     match command {
         PoolCommand::Format(args) => {
-            let geometry = ModelGeometry::preset(&args.model, args.block_tokens)
-                .with_context(|| format!("unknown model {:?}: llama3-8b, qwen3-32b or llama3-70b", args.model))?;
+            let model = args.geometry.resolve(None).map_err(|error| Unusable(error.to_string()))?;
             let targets = open_targets(&args.devices)?;
             let params = FormatParams {
-                geometry,
+                geometry: model.geometry,
                 blocks_per_slot: args.blocks_per_slot,
                 slot_count_max: args.slots,
                 pool_uuid: None,
                 payload_crc: args.payload_crc,
             };
-            for superblock in format_pool(&targets, &params)? {
-                println!("{}", describe(&superblock));
+            let superblocks = format_pool(&targets, &params).map_err(|error| classify(error, &format!("formatting a pool for {model}")))?;
+            for superblock in superblocks {
+                outln!("{}", describe(&superblock))?;
             }
             Ok(())
         }
         PoolCommand::Inspect(args) => {
             let targets = open_targets(args)?;
-            for (position, target) in targets.iter().enumerate() {
+            for ((position, target), spec) in targets.iter().enumerate().zip(&args.devices) {
                 match read_superblock(target, position) {
-                    Ok(superblock) => println!("{target:?}: {}", describe(&superblock)),
-                    Err(error) => println!("{target:?}: {error}"),
+                    Ok(superblock) => outln!("{spec}: {}", describe(&superblock))?,
+                    Err(error) => outln!("{spec}: {error}")?,
                 }
             }
-            let (pool, report) = Pool::open(targets, None)?;
+            let (pool, report) = Pool::open(targets, None).map_err(|error| classify(error, "opening the pool"))?;
             let counts = pool.index().counts();
-            println!(
+            outln!(
                 "{} slots: {} valid, {} empty, {} corrupt headers, {} duplicates; {} cached blocks",
-                report.slots, report.valid_slots, report.empty_slots, report.corrupt_headers, report.duplicate_slots, counts.cached_blocks
-            );
+                report.slots,
+                report.valid_slots,
+                report.empty_slots,
+                report.corrupt_headers,
+                report.duplicate_slots,
+                counts.cached_blocks
+            )?;
             Ok(())
         }
         PoolCommand::Check(args) => {
-            let (mut pool, report) = Pool::open(open_targets(&args.devices)?, None)?;
-            println!(
+            let (mut pool, report) = Pool::open(open_targets(&args.devices)?, None).map_err(|error| classify(error, "opening the pool"))?;
+            outln!(
                 "{} slots checked: {} valid, {} empty, {} corrupt headers, {} duplicates",
-                report.slots, report.valid_slots, report.empty_slots, report.corrupt_headers, report.duplicate_slots
-            );
+                report.slots,
+                report.valid_slots,
+                report.empty_slots,
+                report.corrupt_headers,
+                report.duplicate_slots
+            )?;
             let mut damaged = report.corrupt_headers + report.duplicate_slots;
             if args.payload {
                 let (verified, bad) = pool.check_payloads(Instant::now() + Duration::from_secs(24 * 3600))?;
-                println!("{verified} payloads verified, {} mismatches", bad.len());
+                outln!("{verified} payloads verified, {} mismatches", bad.len())?;
                 for (device, slot) in &bad {
-                    println!("  payload CRC mismatch: device {device} slot {slot}");
+                    outln!("  payload CRC mismatch: device {device} slot {slot}")?;
                 }
                 damaged += bad.len() as u64;
             }
@@ -190,50 +209,5 @@ pub fn run(command: &PoolCommand) -> Result<()> {
             }
             Ok(())
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn format_inspect_check_on_an_emulated_file() {
-        // Goal: the three subcommands run end to end on a file-backed software controller, and
-        // check fails once a slot header is damaged... here: once the superblock is.
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("pool.img");
-        let devices = DeviceArgs {
-            devices: vec![format!("emu:{}", path.display())],
-            namespace: 1,
-            emu_lba_bytes: 4096,
-            emu_create_bytes: Some(64 << 20),
-        };
-        let format = FormatArgs {
-            devices: devices.clone(),
-            model: "llama3-8b".into(),
-            block_tokens: 16,
-            blocks_per_slot: 1,
-            slots: None,
-            payload_crc: false,
-        };
-        run(&PoolCommand::Format(format)).unwrap();
-        run(&PoolCommand::Inspect(devices.clone())).unwrap();
-        run(&PoolCommand::Check(CheckArgs { devices: devices.clone(), payload: true })).unwrap();
-        let bad_model = FormatArgs {
-            devices: devices.clone(),
-            model: "gpt".into(),
-            block_tokens: 16,
-            blocks_per_slot: 1,
-            slots: None,
-            payload_crc: false,
-        };
-        assert!(run(&PoolCommand::Format(bad_model)).unwrap_err().to_string().contains("unknown model"));
-        // Flip a superblock byte in the file: check refuses the pool.
-        let mut bytes = std::fs::read(&path).unwrap();
-        bytes[100] ^= 1;
-        std::fs::write(&path, &bytes).unwrap();
-        let error = run(&PoolCommand::Check(CheckArgs { devices, payload: false })).unwrap_err();
-        assert!(format!("{error:#}").contains("CRC"), "{error:#}");
     }
 }

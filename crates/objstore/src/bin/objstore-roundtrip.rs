@@ -4,8 +4,11 @@
 //! stores KV for several requests layer by layer, reopens the pool, retrieves every request
 //! into different engine blocks and compares every byte. Several devices are opened in one
 //! VFIO container (one IOVA space), and the pool's blocks are striped across them. Prints
-//! OBJSTORE_ROUNDTRIP_OK on success; exit status 1 on a failed check, 2 on bad usage. The VM
-//! harness runs it against QEMU's NVMe controllers.
+//! OBJSTORE_ROUNDTRIP_OK on success. The VM harness runs it against QEMU's NVMe controllers.
+//!
+//! Exit status, as for every tutti tool: 0 the round trip passed, 1 it failed, 2 bad usage, 141
+//! standard output was closed by its reader (`| head`).
+use std::io::Write;
 use std::process::ExitCode;
 use std::sync::Arc;
 
@@ -16,8 +19,35 @@ use objstore::PoolTarget;
 
 const USAGE: &str =
     "usage: objstore-roundtrip --device vfio:DOMAIN:BUS:DEVICE.FUNCTION [--device vfio:BDF ...] [--requests N] [--blocks N] [--k N]";
+const EXIT_STATUS: &str = "exit status: 0 the round trip passed; 1 it failed; 2 bad usage; 141 standard output was closed by its reader";
 
-fn parse() -> Result<(Vec<PciAddress>, RoundTripConfig), String> {
+/// The exit statuses of every tutti tool (tutti-cli's `exit`; this binary lives in objstore,
+/// below that crate, so it restates the two it needs beyond 0).
+const EXIT_FAILURE: u8 = 1;
+const EXIT_USAGE: u8 = 2;
+const EXIT_STDOUT_CLOSED: u8 = 141;
+
+/// Writes a line to standard output. A reader that closed the pipe ends the program quietly
+/// with 141 (where `println!` would panic); another write error is a failure.
+fn say(text: &str) -> Result<(), ExitCode> {
+    let mut out = std::io::stdout().lock();
+    match writeln!(out, "{text}").and_then(|()| out.flush()) {
+        Ok(()) => Ok(()),
+        Err(error) if error.kind() == std::io::ErrorKind::BrokenPipe => Err(ExitCode::from(EXIT_STDOUT_CLOSED)),
+        Err(error) => {
+            eprintln!("objstore-roundtrip: cannot write to standard output: {error}");
+            Err(ExitCode::from(EXIT_FAILURE))
+        }
+    }
+}
+
+/// What the command line asks for.
+enum Request {
+    Help,
+    RoundTrip(Vec<PciAddress>, RoundTripConfig),
+}
+
+fn parse() -> Result<Request, String> {
     let mut addresses = Vec::new();
     let mut config = RoundTripConfig::default();
     let mut args = std::env::args().skip(1);
@@ -25,6 +55,7 @@ fn parse() -> Result<(Vec<PciAddress>, RoundTripConfig), String> {
         let mut value = || args.next().ok_or_else(|| format!("{flag} needs a value"));
         let number = |text: String| text.parse::<u32>().ok().filter(|&n| n > 0).ok_or_else(|| format!("'{text}' is not a positive number"));
         match flag.as_str() {
+            "--help" | "-h" => return Ok(Request::Help),
             "--device" => {
                 let device = value()?;
                 let address = device.strip_prefix("vfio:").ok_or_else(|| format!("'{device}' is not a vfio:BDF device"))?;
@@ -39,7 +70,7 @@ fn parse() -> Result<(Vec<PciAddress>, RoundTripConfig), String> {
     if addresses.is_empty() {
         return Err("--device is required".into());
     }
-    Ok((addresses, config))
+    Ok(Request::RoundTrip(addresses, config))
 }
 
 fn run(addresses: &[PciAddress], config: &RoundTripConfig) -> Result<objstore::selfcheck::RoundTripReport, String> {
@@ -57,17 +88,25 @@ fn run(addresses: &[PciAddress], config: &RoundTripConfig) -> Result<objstore::s
 }
 
 fn main() -> ExitCode {
+    match round_trip_main() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(code) => code,
+    }
+}
+
+fn round_trip_main() -> Result<(), ExitCode> {
     let (addresses, config) = match parse() {
-        Ok(parsed) => parsed,
+        Ok(Request::Help) => return say(&format!("{USAGE}\n{EXIT_STATUS}")),
+        Ok(Request::RoundTrip(addresses, config)) => (addresses, config),
         Err(message) => {
             eprintln!("objstore-roundtrip: {message}\n{USAGE}");
-            return ExitCode::from(2);
+            return Err(ExitCode::from(EXIT_USAGE));
         }
     };
     let names = addresses.iter().map(|address| format!("vfio:{address}")).collect::<Vec<_>>().join(" + ");
     match run(&addresses, &config) {
         Ok(report) => {
-            println!(
+            say(&format!(
                 "objstore round trip on {names}: {} blocks stored, {} shared, reopened ({} devices, {} valid slots, {} corrupt headers), {} MiB compared",
                 report.blocks_stored,
                 report.blocks_shared,
@@ -75,14 +114,13 @@ fn main() -> ExitCode {
                 report.recovery.valid_slots,
                 report.recovery.corrupt_headers,
                 report.bytes_verified >> 20
-            );
-            println!("OBJSTORE_ROUNDTRIP_OK");
-            ExitCode::SUCCESS
+            ))?;
+            say("OBJSTORE_ROUNDTRIP_OK")
         }
         Err(message) => {
             eprintln!("objstore-roundtrip: {message}");
-            println!("OBJSTORE_ROUNDTRIP_FAILED");
-            ExitCode::from(1)
+            say("OBJSTORE_ROUNDTRIP_FAILED")?;
+            Err(ExitCode::from(EXIT_FAILURE))
         }
     }
 }

@@ -6,69 +6,33 @@ use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context, Result};
-use nvme_driver::hw::DeviceBackend;
-use nvme_driver::{Controller, ControllerConfig, Namespace};
-use nvme_emu::{Backing, EmuConfig, EmuDevice, NamespaceConfig};
+use nvme_driver::{Controller, ControllerConfig, DeviceBackend, Namespace};
+use nvme_emu::{EmuConfig, EmuDevice, NamespaceConfig};
+use tutti_devices::open::EmuOptions;
+use tutti_devices::{open_in_one_space, DeviceKind, DeviceSpec, OpenedDevice};
 
-/// What `--device` names.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum DeviceSpec {
-    /// A file-backed software controller on a temporary file, removed afterwards.
-    EmuTemporary,
-    /// A file-backed software controller; a missing file is created with the size the grid needs.
-    EmuFile(PathBuf),
-    /// A software controller over process memory of this many bytes.
-    EmuMemory(u64),
-    /// An NVMe function bound to vfio-pci, by PCI address.
-    Vfio(String),
-}
+use crate::unusable;
 
-impl DeviceSpec {
-    pub fn parse(text: &str) -> Result<Self> {
-        if let Some(size) = text.strip_prefix("emu:mem:") {
-            return Ok(Self::EmuMemory(parse_size(size).with_context(|| format!("--device {text}"))?));
-        }
-        if let Some(path) = text.strip_prefix("emu:") {
-            if path.is_empty() {
-                bail!("--device emu: needs a path (emu:PATH) or a memory size (emu:mem:SIZE)");
-            }
-            return Ok(Self::EmuFile(PathBuf::from(path)));
-        }
-        if let Some(address) = text.strip_prefix("vfio:") {
-            if address.is_empty() {
-                bail!("--device vfio: needs a PCI address, e.g. vfio:0000:01:00.0");
-            }
-            return Ok(Self::Vfio(address.to_string()));
-        }
-        bail!("--device `{text}`: expected emu:PATH, emu:mem:SIZE or vfio:BDF")
-    }
+/// What `--device` may name (no temporary file: that is what no `--device` means).
+pub const DEVICE_KINDS: [DeviceKind; 3] = [DeviceKind::EmuFile, DeviceKind::EmuMemory, DeviceKind::Vfio];
 
-    /// Whether measuring writes would overwrite data that existed before the run.
-    pub fn holds_prior_data(&self) -> bool {
-        match self {
-            Self::EmuTemporary | Self::EmuMemory(_) => false,
-            Self::EmuFile(path) => path.exists(),
-            Self::Vfio(_) => true,
-        }
+/// Whether measuring writes would overwrite data that existed before the run (`None`: the
+/// temporary device).
+pub fn holds_prior_data(spec: Option<&DeviceSpec>) -> bool {
+    match spec {
+        None | Some(DeviceSpec::EmuMemory(_) | DeviceSpec::EmuNull(_)) => false,
+        Some(DeviceSpec::EmuFile(path)) => path.exists(),
+        Some(DeviceSpec::Vfio(_) | DeviceSpec::Uring(_)) => true,
     }
 }
 
-/// `4096`, `64K`, `256M`, `1G` (binary multiples).
-pub fn parse_size(text: &str) -> Result<u64> {
-    let text = text.trim();
-    let (digits, multiplier) = match text.char_indices().last() {
-        Some((at, 'k' | 'K')) => (&text[..at], 1u64 << 10),
-        Some((at, 'm' | 'M')) => (&text[..at], 1 << 20),
-        Some((at, 'g' | 'G')) => (&text[..at], 1 << 30),
-        Some((at, 't' | 'T')) => (&text[..at], 1 << 40),
-        _ => (text, 1),
-    };
-    let value: u64 = digits.parse().with_context(|| format!("size `{text}` is not a number with an optional K/M/G/T suffix"))?;
-    let bytes = value.checked_mul(multiplier).with_context(|| format!("size `{text}` overflows"))?;
-    if bytes == 0 {
-        bail!("size `{text}` must be > 0");
+/// A size for clap (`4096`, `64K`, `256M`, `1G`: tutti-devices' sizes), more than zero.
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    match tutti_devices::parse_size(text) {
+        Ok(0) => Err(format!("size '{text}' must be more than 0")),
+        Ok(bytes) => Ok(bytes),
+        Err(error) => Err(error.to_string()),
     }
-    Ok(bytes)
 }
 
 /// A file this run created; removed when dropped.
@@ -109,34 +73,29 @@ pub struct Backend {
 }
 
 impl Backend {
-    pub fn open(spec: &DeviceSpec, needs: Requirements) -> Result<Self> {
+    /// Opens `spec`, or a software controller over a temporary file when `None`.
+    pub fn open(spec: Option<&DeviceSpec>, needs: Requirements) -> Result<Self> {
+        let Some(spec) = spec else {
+            let path = temporary_path();
+            // Registered before the controller creates it, so that a failed start removes it.
+            let guard = TemporaryFile(path.clone());
+            let what = format!("nvme-emu software controller over temporary file {} (host page cache)", path.display());
+            let mut backend = Self::emu(&DeviceSpec::EmuFile(path), Some(needs.span_bytes), needs, what)?;
+            backend._temporary = Some(guard);
+            return Ok(backend);
+        };
         match spec {
-            DeviceSpec::EmuTemporary => {
-                let path = temporary_path();
-                // Registered before the controller creates it, so that a failed start removes it.
-                let guard = TemporaryFile(path.clone());
-                let backing = Backing::File { path: path.clone(), create_bytes: Some(needs.span_bytes) };
-                let what = format!("nvme-emu software controller over temporary file {} (host page cache)", path.display());
-                let mut backend = Self::emu(backing, needs, what)?;
-                backend._temporary = Some(guard);
-                Ok(backend)
-            }
             DeviceSpec::EmuFile(path) => {
                 // An existing file keeps its size: growing a user's file is not ours to do.
                 let create_bytes = (!path.exists()).then_some(needs.span_bytes);
-                let backing = Backing::File { path: path.clone(), create_bytes };
-                Self::emu(backing, needs, format!("nvme-emu software controller over file {} (host page cache)", path.display()))
+                Self::emu(spec, create_bytes, needs, format!("nvme-emu software controller over file {} (host page cache)", path.display()))
             }
             DeviceSpec::EmuMemory(bytes) => {
-                let backing = Backing::Memory { bytes: *bytes };
-                Self::emu(backing, needs, format!("nvme-emu software controller over {} of memory", super::format_bytes(*bytes)))
+                Self::emu(spec, None, needs, format!("nvme-emu software controller over {} of memory", tutti_devices::format_size(*bytes)))
             }
             DeviceSpec::Vfio(address) => {
-                let device = nvme_driver::hw::VfioDevice::open(address).map_err(|error| {
-                    anyhow::anyhow!("vfio:{address}: {error} (needs the function bound to vfio-pci and access to /dev/vfio)")
-                })?;
-                let backend: Arc<dyn DeviceBackend> = Arc::new(device);
-                let controller = Self::bring_up(backend, needs).with_context(|| format!("vfio:{address}"))?;
+                let device = open_one(spec, &EmuOptions::default())?;
+                let controller = Self::bring_up(device.backend, needs).with_context(|| format!("vfio:{address}"))?;
                 let identify = controller.identify();
                 let description = format!(
                     "NVMe controller {address} through VFIO ({} firmware {}, volatile write cache {})",
@@ -150,27 +109,29 @@ impl Backend {
                 );
                 Self::finish(controller, description, None, needs)
             }
+            DeviceSpec::EmuNull(_) | DeviceSpec::Uring(_) => {
+                Err(unusable(format!("{spec} cannot be measured here; accepted: {}", DeviceKind::list(&DEVICE_KINDS))))
+            }
         }
     }
 
-    fn emu(backing: Backing, needs: Requirements, description: String) -> Result<Self> {
+    fn emu(spec: &DeviceSpec, create_bytes: Option<u64>, needs: Requirements, description: String) -> Result<Self> {
         // MDTS large enough that one IOCTX is one command, as the executor requires.
         let mut mdts = 5u8;
         while (4096u64 << mdts) < needs.command_bytes && mdts < 12 {
             mdts += 1;
         }
         let config = EmuConfig::default()
-            .with_backing(backing)
             .with_namespaces(vec![NamespaceConfig::new(4096, None)])
             .with_mdts(mdts)
             // Off: a completed write has reached the backing store, as on a device without a
             // volatile cache (a 32 MiB cache would make small write kernels look free).
             .with_volatile_write_cache(false)
             .with_io_queue_pairs_max(needs.queue_pairs.max(1));
-        let device = EmuDevice::start(config).context("starting the software NVMe controller")?;
-        let backend: Arc<dyn DeviceBackend> = device.clone();
-        let controller = Self::bring_up(backend, needs).context("bringing up the software NVMe controller")?;
-        Self::finish(controller, format!("{description}, volatile write cache off"), Some(device), needs)
+        let device = open_one(spec, &EmuOptions { config, create_bytes })?;
+        let emulator = device.emulator.clone();
+        let controller = Self::bring_up(device.backend, needs).context("bringing up the software NVMe controller")?;
+        Self::finish(controller, format!("{description}, volatile write cache off"), emulator, needs)
     }
 
     fn bring_up(backend: Arc<dyn DeviceBackend>, needs: Requirements) -> Result<Controller> {
@@ -202,6 +163,13 @@ impl Backend {
     }
 }
 
+/// Opens one device through tutti-devices; what it refuses (a memory device larger than the
+/// machine can spare, a VFIO function that cannot be opened) is unusable input.
+fn open_one(spec: &DeviceSpec, emu: &EmuOptions) -> Result<OpenedDevice> {
+    let opened = open_in_one_space(std::slice::from_ref(spec), emu).map_err(|error| unusable(error.to_string()))?;
+    opened.into_iter().next().with_context(|| format!("{spec}: nothing was opened"))
+}
+
 fn temporary_path() -> PathBuf {
     let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
     std::env::temp_dir().join(format!("tutti-profile-io-{}-{nanos}.img", std::process::id()))
@@ -212,16 +180,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn device_specs_and_sizes_parse_and_bad_ones_are_errors() {
-        assert_eq!(DeviceSpec::parse("emu:mem:64M").unwrap(), DeviceSpec::EmuMemory(64 << 20));
-        assert_eq!(DeviceSpec::parse("emu:/tmp/x.img").unwrap(), DeviceSpec::EmuFile("/tmp/x.img".into()));
-        assert_eq!(DeviceSpec::parse("vfio:0000:01:00.0").unwrap(), DeviceSpec::Vfio("0000:01:00.0".into()));
-        for bad in ["emu:", "vfio:", "uring:/dev/nvme0n1", "emu:mem:", "emu:mem:12Q", "emu:mem:0", "emu:mem:99999999999T"] {
-            assert!(DeviceSpec::parse(bad).is_err(), "{bad}");
-        }
-        assert_eq!(parse_size("4096").unwrap(), 4096);
-        assert_eq!(parse_size("2g").unwrap(), 2 << 30);
-        assert!(DeviceSpec::Vfio("x".into()).holds_prior_data());
-        assert!(!DeviceSpec::EmuMemory(1).holds_prior_data());
+    fn sizes_must_be_positive_and_devices_of_the_accepted_kinds() {
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("2g"), Ok(2 << 30));
+        assert!(parse_size("0").unwrap_err().contains("more than 0"));
+        assert!(parse_size("12Q").unwrap_err().contains("unknown suffix"));
+        assert!(DeviceSpec::parse("uring:/dev/nvme0n1", &DEVICE_KINDS).is_err());
+        assert!(DeviceSpec::parse("emu:mem:64M", &DEVICE_KINDS).is_ok());
+        assert!(holds_prior_data(Some(&DeviceSpec::parse("vfio:0000:01:00.0", &DEVICE_KINDS).unwrap())));
+        assert!(!holds_prior_data(Some(&DeviceSpec::EmuMemory(1 << 20))));
+        assert!(!holds_prior_data(None));
     }
 }

@@ -12,16 +12,18 @@ use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use scheduler::analytic::{build_table, AnalyticGrid};
 use scheduler::probe::{measure_io_costs_reporting, IoGrid, MeasuredPoint};
 use scheduler::table::{IoCostEntry, IoKind, Profile, ProfileTable};
+use tutti_cli::outln;
 
-use crate::{load_table, write_file, TargetArgs};
-use backend::{parse_size, Backend, DeviceSpec, Requirements};
+use crate::{load_table, unusable, write_file, TargetArgs};
+use backend::{parse_size, Backend, Requirements};
 use probe::{CpuProbe, DataPointer, ProbeShape};
+use tutti_devices::DeviceSpec;
 
 /// Which executor runs the I/O kernels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -35,8 +37,9 @@ pub enum ExecutorKind {
 #[derive(Args, Debug)]
 pub struct IoArgs {
     /// Device: emu:PATH (software controller over a file; created if missing), emu:mem:SIZE
-    /// (over memory, e.g. emu:mem:256M) or vfio:BDF. Default: a software controller over a
-    /// temporary file, removed afterwards.
+    /// (over memory, e.g. emu:mem:256M; refused when larger than the memory this machine can
+    /// spare) or vfio:BDF. Default: a software controller over a temporary file, removed
+    /// afterwards.
     #[arg(long)]
     device: Option<String>,
     /// Executor running the I/O kernels.
@@ -54,9 +57,10 @@ pub struct IoArgs {
     /// IOCTXs per IOCB (the presets' IOCB: 256 IOCTXs of 32 KiB).
     #[arg(long, default_value_t = 256)]
     ioctxs_per_iocb: u32,
-    /// Bytes per IOCTX (one NVMe command each), e.g. 32K.
-    #[arg(long, default_value = "32K", value_parser = parse_size)]
-    ioctx_bytes: u64,
+    /// Bytes per IOCTX (one NVMe command each), e.g. 32K [default: one KV object of the model:
+    /// tokens per block x KV heads x head dim x dtype bytes, 32K for llama3-8b with 16 tokens].
+    #[arg(long, value_parser = parse_size)]
+    ioctx_bytes: Option<u64>,
     /// Largest host DMA buffer; IOCTX data slots wrap over it.
     #[arg(long, default_value = "64M", value_parser = parse_size)]
     buffer_bytes: u64,
@@ -126,30 +130,39 @@ impl Base {
 
 pub fn run(args: &IoArgs) -> Result<()> {
     if args.executor == ExecutorKind::Cuda {
-        bail!(
+        return Err(unusable(
             "--executor cuda: the GPU executor cannot run here. tutti-profile is built without gio-uring's \
              `cuda` feature and has no probe that drives the CUDA I/O kernel (which also needs NVMe queue pairs \
              in GPU-reachable memory); nothing was measured. --executor cpu measures the CPU executor, whose \
-             costs calibrate the pipeline, not a GPU kernel"
-        );
+             costs calibrate the pipeline, not a GPU kernel",
+        ));
     }
     let grid = IoGrid { iocb_counts: args.iocb_counts.clone(), sm_budgets: args.sm_budgets.clone(), repetitions: args.repetitions };
     if grid.iocb_counts.is_empty() || grid.sm_budgets.is_empty() {
-        bail!("--iocb-counts and --sm-budgets need at least one value");
+        return Err(unusable("--iocb-counts and --sm-budgets need at least one value"));
     }
     if grid.iocb_counts.iter().chain(&grid.sm_budgets).any(|&v| v == 0) || grid.repetitions == 0 {
-        bail!("--iocb-counts, --sm-budgets and --repetitions must all be > 0");
+        return Err(unusable("--iocb-counts, --sm-budgets and --repetitions must all be > 0"));
     }
-    let ioctx_bytes = u32::try_from(args.ioctx_bytes).ok().filter(|&b| b <= 1 << 24).context("--ioctx-bytes must be at most 16M")?;
+    let ioctx_bytes_wanted = match args.ioctx_bytes {
+        Some(bytes) => bytes,
+        // One IOCTX moves one KV object of the model (a layer's K or V of one block).
+        None => args.target.object_bytes()?,
+    };
+    let ioctx_bytes = u32::try_from(ioctx_bytes_wanted)
+        .ok()
+        .filter(|&bytes| bytes <= 1 << 24)
+        .ok_or_else(|| unusable(format!("--ioctx-bytes={ioctx_bytes_wanted}: at most 16M (one NVMe command per IOCTX)")))?;
     if args.ioctxs_per_iocb == 0 || args.ioctxs_per_iocb > gio_uring::abi::MAX_IOCTX_PER_IOCB {
-        bail!("--ioctxs-per-iocb must be in 1..={}", gio_uring::abi::MAX_IOCTX_PER_IOCB);
+        return Err(unusable(format!("--ioctxs-per-iocb must be in 1..={}", gio_uring::abi::MAX_IOCTX_PER_IOCB)));
     }
     let iocb_count_max = grid.iocb_counts.iter().copied().max().unwrap_or(1);
     if iocb_count_max > gio_uring::abi::GIO_RING_DEPTH_MAX / 2 {
-        bail!("--iocb-counts: at most {} IOCBs per sample", gio_uring::abi::GIO_RING_DEPTH_MAX / 2);
+        return Err(unusable(format!("--iocb-counts: at most {} IOCBs per sample", gio_uring::abi::GIO_RING_DEPTH_MAX / 2)));
     }
     let sm_budget_max = grid.sm_budgets.iter().copied().max().unwrap_or(1);
-    let queue_pairs = u16::try_from(sm_budget_max).ok().filter(|&n| n <= 256).context("--sm-budgets: at most 256 CPU workers")?;
+    let queue_pairs =
+        u16::try_from(sm_budget_max).ok().filter(|&n| n <= 256).ok_or_else(|| unusable("--sm-budgets: at most 256 CPU workers"))?;
 
     // Resolve the compute side first: a budget the table's GPU cannot hold is reported before
     // anything runs.
@@ -158,19 +171,19 @@ pub fn run(args: &IoArgs) -> Result<()> {
         None => Base::Analytic(args.target.model()?, args.target.gpu()?),
     };
     if sm_budget_max > base.sm_count() {
-        bail!("--sm-budgets: {sm_budget_max} exceeds the table GPU's {} SMs", base.sm_count());
+        return Err(unusable(format!("--sm-budgets: {sm_budget_max} exceeds the table GPU's {} SMs", base.sm_count())));
     }
 
     let spec = match &args.device {
-        Some(text) => DeviceSpec::parse(text)?,
-        None => DeviceSpec::EmuTemporary,
+        Some(text) => Some(DeviceSpec::parse(text, &backend::DEVICE_KINDS).map_err(|error| unusable(error.to_string()))?),
+        None => None,
     };
-    if spec.holds_prior_data() && !args.overwrite {
-        bail!(
+    if backend::holds_prior_data(spec.as_ref()) && !args.overwrite {
+        return Err(unusable(format!(
             "{}: measuring writes overwrites the first {} MiB of namespace 1; pass --overwrite if that is intended",
             args.device.as_deref().unwrap_or("device"),
-            (u64::from(iocb_count_max) * u64::from(args.ioctxs_per_iocb) * args.ioctx_bytes) >> 20
-        );
+            (u64::from(iocb_count_max) * u64::from(args.ioctxs_per_iocb) * u64::from(ioctx_bytes)) >> 20
+        )));
     }
     let shape = ProbeShape {
         ioctxs_per_iocb: args.ioctxs_per_iocb,
@@ -181,7 +194,7 @@ pub fn run(args: &IoArgs) -> Result<()> {
         sample_timeout: Duration::from_secs(args.timeout_s.max(1)),
     };
     let needs = Requirements { span_bytes: shape.span_bytes(), command_bytes: u64::from(ioctx_bytes), queue_pairs };
-    let backend = Backend::open(&spec, needs)?;
+    let backend = Backend::open(spec.as_ref(), needs)?;
     let mut probe = CpuProbe::new(backend, shape)?;
     let sm_budget_min = grid.sm_budgets.iter().copied().min().unwrap_or(1);
 
@@ -198,7 +211,7 @@ pub fn run(args: &IoArgs) -> Result<()> {
         host
     );
     let layout = probe.lay_out(sm_budget_min)?;
-    eprintln!("io: laid out {} (untimed pass, took {:.1} ms)", format_bytes(shape.span_bytes()), layout.as_secs_f64() * 1e3);
+    eprintln!("io: laid out {} (untimed pass, took {:.1} ms)", tutti_devices::format_size(shape.span_bytes()), layout.as_secs_f64() * 1e3);
 
     let mut points = Vec::new();
     let rows = {
@@ -211,7 +224,7 @@ pub fn run(args: &IoArgs) -> Result<()> {
         result.context("measuring I/O costs")?
     };
     let raised = points.iter().filter(|p| p.raised()).count();
-    print_rows(&points);
+    print_rows(&points)?;
 
     let source = format!(
         "measured by tutti-profile io: executor cpu (gio-uring CpuWorkers; sm_budget N = N CPU worker threads, \
@@ -245,16 +258,6 @@ pub fn run(args: &IoArgs) -> Result<()> {
         profile.gpu().name
     );
     Ok(())
-}
-
-/// `512 KiB`, `128 MiB`: whole binary units, the largest that keeps the figure exact or ≥ 1.
-pub(crate) fn format_bytes(bytes: u64) -> String {
-    match bytes {
-        b if b >= 1 << 30 && b % (1 << 30) == 0 => format!("{} GiB", b >> 30),
-        b if b >= 1 << 20 => format!("{} MiB", b >> 20),
-        b if b >= 1 << 10 => format!("{} KiB", b >> 10),
-        b => format!("{b} bytes"),
-    }
 }
 
 fn dedup_len(values: &[u32]) -> usize {
@@ -326,14 +329,20 @@ fn point_line(point: &MeasuredPoint) -> String {
 }
 
 /// The rows as measured, on stdout.
-fn print_rows(points: &[MeasuredPoint]) {
-    println!(
+fn print_rows(points: &[MeasuredPoint]) -> Result<()> {
+    outln!(
         "{:<6} {:>9} {:>11} {:>10} {:>12} {:>14} {:>9}",
-        "kind", "sm_budget", "cpu_workers", "iocb_count", "bytes", "duration_us", "GB/s"
-    );
+        "kind",
+        "sm_budget",
+        "cpu_workers",
+        "iocb_count",
+        "bytes",
+        "duration_us",
+        "GB/s"
+    )?;
     for point in points {
         let entry = &point.entry;
-        println!(
+        outln!(
             "{:<6} {:>9} {:>11} {:>10} {:>12} {:>14.1} {:>9.2}{}",
             kind_name(entry.kind),
             entry.sm_budget,
@@ -343,8 +352,9 @@ fn print_rows(points: &[MeasuredPoint]) {
             entry.duration_us,
             entry.bytes as f64 / (point.median_us * 1e3),
             if point.raised() { format!("  (median {:.1} us)", point.median_us) } else { String::new() }
-        );
+        )?;
     }
+    Ok(())
 }
 
 /// Host name, CPU model and core count, for the table's provenance.

@@ -1,0 +1,24 @@
+//! Exit statuses, the same in every tool (documented in each tool's `--help` and in README.md).
+
+/// The run did what was asked (for checkers: nothing damaged was found).
+pub const SUCCESS: u8 = 0;
+/// The run started but failed (a device error, a timeout, a verify mismatch), or a checker found
+/// damage.
+pub const FAILURE: u8 = 1;
+/// The input cannot be used: a bad flag, size, device string, model geometry, a file that cannot
+/// be opened or is not what it should be, a memory device larger than the machine can hold.
+/// Nothing was changed.
+pub const UNUSABLE_INPUT: u8 = 2;
+/// Standard output was closed by its reader (e.g. `| head`): the tool stopped quietly, as a C
+/// tool killed by SIGPIPE would (a shell reports such a tool as 128 + 13).
+pub const STDOUT_CLOSED: u8 = 141;
+
+/// The exit-status paragraph for a tool's long help.
+pub fn help_text(checker: bool) -> String {
+    let failure = if checker { "the run failed, or damage was found" } else { "the run failed (device error, timeout, verify mismatch)" };
+    format!(
+        "Exit status: {SUCCESS} done; {FAILURE} {failure}; {UNUSABLE_INPUT} unusable input (bad flag, size, device, \
+         geometry, file, or a memory device larger than this machine can hold; nothing was changed); \
+         {STDOUT_CLOSED} standard output was closed by its reader (e.g. `| head`)."
+    )
+}

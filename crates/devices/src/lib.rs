@@ -1,0 +1,53 @@
+//! The device strings every tutti tool accepts, in one place:
+//!
+//! - [`size`]: sizes like fio's (`4k` = `4KiB` = 4096, k/m/g/t powers of 1024) and their display;
+//! - [`spec`]: `vfio:BDF`, `emu:PATH`, `emu:mem:SIZE`, `emu:null:SIZE`, `uring:PATH` as a typed
+//!   [`DeviceSpec`], each tool naming the kinds it accepts;
+//! - [`memory`]: the check that `emu:mem:`/`emu:null:` devices fit the memory the machine has
+//!   available (`MemAvailable` less a reserve), before anything is allocated;
+//! - [`open`]: opening a list of specs in one DMA space (every `vfio:` function in one VFIO
+//!   container, every software controller in one DMA pool), as an object-store pool needs.
+//!
+//! Every error is a [`DeviceError`] that names what was given, what is wrong and what is
+//! accepted; the tools print it as one line and exit with status 2 (unusable input).
+#![forbid(unsafe_code)]
+
+pub mod memory;
+pub mod open;
+pub mod size;
+pub mod spec;
+
+pub use memory::{check_memory, check_memory_with, memory_reserve_bytes};
+pub use open::{open_in_one_space, OpenedDevice};
+pub use size::{format_size, parse_size};
+pub use spec::{DeviceKind, DeviceSpec};
+
+/// What a device string or a device set cannot be used for, in words.
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceError {
+    #[error("malformed size '{text}'{detail}; {}", size::ACCEPTED)]
+    MalformedSize { text: String, detail: String },
+    #[error("size '{text}' is too large (over 2^64 bytes)")]
+    SizeTooLarge { text: String },
+    #[error("device '{text}' {reason}; accepted: {accepted}")]
+    MalformedSpec { text: String, reason: String, accepted: String },
+    #[error("{spec} cannot be used here; accepted: {accepted}")]
+    NotAccepted { spec: String, accepted: String },
+    #[error(
+        "{specs}: {} of memory asked, but only {} can be spared (MemAvailable {} less a reserve of {}); \
+         use emu:PATH for a file-backed device, or a smaller size",
+        format_size(*asked_bytes), format_size(available_bytes.saturating_sub(*reserve_bytes)),
+        format_size(*available_bytes), format_size(*reserve_bytes)
+    )]
+    NotEnoughMemory { specs: String, asked_bytes: u64, available_bytes: u64, reserve_bytes: u64 },
+    #[error("{spec}: no such file (nothing to open; give a size to create one where the tool offers it)")]
+    MissingFile { spec: String },
+    #[error("{spec}: the file is empty (0 bytes), so it holds no namespace (was it truncated?)")]
+    EmptyFile { spec: String },
+    #[error("the devices of one set share one DMA space: give only vfio: devices (one VFIO container) or only emu: ones")]
+    MixedSpaces,
+    #[error("{spec}: cannot start the software NVMe controller: {source}")]
+    Emulator { spec: String, source: nvme_emu::EmuError },
+    #[error("{listed}: {source} (needs the device bound to vfio-pci, e.g. `tutti bind BDF`, and access to /dev/vfio)")]
+    Vfio { listed: String, source: nvme_driver::HwError },
+}

@@ -1,0 +1,101 @@
+//! Whether memory devices fit: the sum of every `emu:mem:`/`emu:null:` size must fit what the
+//! kernel says is available (`MemAvailable` in /proc/meminfo) less a reserve for the rest of
+//! the process and the machine.
+//!
+//! This is a first line, not a guarantee: with overcommit the kernel may still grant a mapping
+//! it cannot back, so the software controller also allocates fallibly (nvme-emu's memory
+//! backing refuses with an error rather than aborting). Both are needed: the check gives a
+//! message in words before anything starts; the fallible allocation covers what the check
+//! cannot see (other processes growing meanwhile, kernels without `MemAvailable`).
+
+use crate::spec::DeviceSpec;
+use crate::DeviceError;
+
+const MEMINFO_PATH: &str = "/proc/meminfo";
+/// Smallest reserve kept back from `MemAvailable`.
+const RESERVE_BYTES_MIN: u64 = 256 << 20;
+/// The reserve is at least this fraction (1/n) of `MemAvailable`: engine memory, page cache,
+/// other processes.
+const RESERVE_DIVISOR: u64 = 8;
+
+/// The part of `available_bytes` kept back from memory devices.
+pub fn memory_reserve_bytes(available_bytes: u64) -> u64 {
+    (available_bytes / RESERVE_DIVISOR).max(RESERVE_BYTES_MIN)
+}
+
+/// Checks that the memory devices among `specs` fit this machine's available memory. Passes
+/// (leaving the fallible allocation to refuse) when /proc/meminfo cannot be read or has no
+/// `MemAvailable` (kernels before 3.14).
+pub fn check_memory(specs: &[DeviceSpec]) -> Result<(), DeviceError> {
+    match std::fs::read_to_string(MEMINFO_PATH) {
+        Ok(meminfo) => check_memory_with(specs, &meminfo),
+        Err(_) => Ok(()),
+    }
+}
+
+/// [`check_memory`] against the text of a /proc/meminfo.
+pub fn check_memory_with(specs: &[DeviceSpec], meminfo: &str) -> Result<(), DeviceError> {
+    let memory: Vec<&DeviceSpec> = specs.iter().filter(|spec| spec.memory_bytes().is_some()).collect();
+    if memory.is_empty() {
+        return Ok(());
+    }
+    let Some(available_bytes) = mem_available_bytes(meminfo) else { return Ok(()) };
+    let asked_bytes = memory.iter().filter_map(|spec| spec.memory_bytes()).fold(0u64, u64::saturating_add);
+    let reserve_bytes = memory_reserve_bytes(available_bytes);
+    if asked_bytes > available_bytes.saturating_sub(reserve_bytes) {
+        let specs = memory.iter().map(ToString::to_string).collect::<Vec<_>>().join(" + ");
+        return Err(DeviceError::NotEnoughMemory { specs, asked_bytes, available_bytes, reserve_bytes });
+    }
+    Ok(())
+}
+
+/// `MemAvailable:   23759532 kB` in bytes.
+fn mem_available_bytes(meminfo: &str) -> Option<u64> {
+    let line = meminfo.lines().find(|line| line.starts_with("MemAvailable:"))?;
+    let mut words = line["MemAvailable:".len()..].split_whitespace();
+    let value: u64 = words.next()?.parse().ok()?;
+    match words.next() {
+        Some("kB") => value.checked_mul(1024),
+        None => Some(value),
+        Some(_) => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::DeviceKind;
+
+    const MEMINFO_24G: &str = "MemTotal:       24000000 kB\nMemFree:         1000000 kB\nMemAvailable:   20971520 kB\nBuffers: 1 kB\n";
+
+    fn specs(texts: &[&str]) -> Vec<DeviceSpec> {
+        texts.iter().map(|text| DeviceSpec::parse(text, &DeviceKind::ALL).unwrap()).collect()
+    }
+
+    #[test]
+    fn a_memory_device_larger_than_available_memory_is_refused_in_words() {
+        // Goal: emu:mem:1T and emu:mem:30G on a machine with 20 GiB available are refused with the
+        // size asked, what is available and the fix; 16 GiB fits (20 GiB less a 2.5 GiB reserve).
+        for too_big in ["emu:mem:1T", "emu:mem:30G", "emu:null:1T"] {
+            let message = check_memory_with(&specs(&[too_big]), MEMINFO_24G).unwrap_err().to_string();
+            assert!(message.contains("MemAvailable 20GiB") && message.contains("use emu:PATH"), "{message}");
+        }
+        let message = check_memory_with(&specs(&["emu:mem:1T"]), MEMINFO_24G).unwrap_err().to_string();
+        assert!(message.starts_with("emu:mem:1TiB: 1TiB of memory asked, but only 17.50GiB can be spared"), "{message}");
+        check_memory_with(&specs(&["emu:mem:16G"]), MEMINFO_24G).unwrap();
+    }
+
+    #[test]
+    fn memory_devices_are_summed_and_other_kinds_ignored() {
+        let message = check_memory_with(&specs(&["emu:mem:10G", "emu:mem:10G"]), MEMINFO_24G).unwrap_err().to_string();
+        assert!(message.contains("emu:mem:10GiB + emu:mem:10GiB: 20GiB"), "{message}");
+        check_memory_with(&specs(&["emu:/tmp/x", "vfio:0000:00:04.0", "uring:/dev/x"]), "MemAvailable: 1 kB\n").unwrap();
+    }
+
+    #[test]
+    fn an_unreadable_meminfo_leaves_the_decision_to_the_allocation() {
+        check_memory_with(&specs(&["emu:mem:1T"]), "MemTotal: 5 kB\n").unwrap();
+        check_memory_with(&specs(&["emu:mem:1T"]), "MemAvailable: lots\n").unwrap();
+        assert_eq!(mem_available_bytes("MemAvailable:   2 kB\n"), Some(2048));
+    }
+}

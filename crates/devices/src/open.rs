@@ -1,0 +1,167 @@
+//! Opening a list of device specs in one DMA space: every `vfio:` function in one VFIO
+//! container, every software controller in one DMA pool. An object-store pool striped over
+//! several devices needs that (the engine's KV memory is registered once, at one set of
+//! addresses every device reaches); a single device gets its own space.
+
+use std::sync::Arc;
+
+use nvme_driver::hw::vfio::{PciAddress, VfioOptions};
+use nvme_driver::hw::VfioDevice;
+use nvme_driver::{DeviceBackend, DmaPool};
+use nvme_emu::{Backing, EmuConfig, EmuDevice};
+
+use crate::memory::check_memory;
+use crate::spec::{DeviceKind, DeviceSpec};
+use crate::DeviceError;
+
+/// One opened device: the backend a `Controller` is brought up on and, for the software
+/// controller, the device itself (its thread runs as long as this is held; fault injection).
+pub struct OpenedDevice {
+    pub spec: DeviceSpec,
+    pub backend: Arc<dyn DeviceBackend>,
+    pub emulator: Option<Arc<EmuDevice>>,
+}
+
+/// How software controllers are started.
+#[derive(Debug, Clone, Default)]
+pub struct EmuOptions {
+    /// Everything but the backing store, which each spec names.
+    pub config: EmuConfig,
+    /// An `emu:PATH` file that is missing is created with this many bytes, one that is smaller is
+    /// grown to it (nvme-emu's rule); `None`: the file must exist and keeps its size.
+    pub create_bytes: Option<u64>,
+}
+
+/// Opens `specs` in one DMA space, in order. Refuses `uring:` (no NVMe controller), a mix of
+/// `vfio:` and software controllers (two address spaces), and memory devices the machine
+/// cannot hold ([`check_memory`]), before anything is opened.
+pub fn open_in_one_space(specs: &[DeviceSpec], emu: &EmuOptions) -> Result<Vec<OpenedDevice>, DeviceError> {
+    let mut addresses: Vec<PciAddress> = Vec::new();
+    for spec in specs {
+        match spec {
+            DeviceSpec::Vfio(address) => addresses.push(*address),
+            DeviceSpec::Uring(_) => {
+                let accepted = DeviceKind::list(&[DeviceKind::EmuFile, DeviceKind::EmuMemory, DeviceKind::EmuNull, DeviceKind::Vfio]);
+                return Err(DeviceError::NotAccepted { spec: spec.to_string(), accepted });
+            }
+            DeviceSpec::EmuFile(_) | DeviceSpec::EmuMemory(_) | DeviceSpec::EmuNull(_) => {}
+        }
+    }
+    if !addresses.is_empty() && addresses.len() != specs.len() {
+        return Err(DeviceError::MixedSpaces);
+    }
+    check_memory(specs)?;
+    if emu.create_bytes.is_none() {
+        for spec in specs {
+            if let DeviceSpec::EmuFile(path) = spec {
+                check_file(spec, path)?;
+            }
+        }
+    }
+    let mut functions = if addresses.is_empty() {
+        Vec::new().into_iter()
+    } else {
+        VfioDevice::open_many(&addresses, &VfioOptions::default())
+            .map_err(|source| {
+                let listed = addresses.iter().map(|address| format!("vfio:{address}")).collect::<Vec<_>>().join(" ");
+                DeviceError::Vfio { listed, source }
+            })?
+            .into_iter()
+    };
+    let space = DmaPool::identity();
+    let mut opened = Vec::with_capacity(specs.len());
+    for spec in specs {
+        let (backend, emulator): (Arc<dyn DeviceBackend>, _) = match spec {
+            DeviceSpec::Vfio(_) => {
+                // open_many returns one function per address, in order.
+                let function = functions.next().ok_or_else(|| DeviceError::Vfio {
+                    listed: spec.to_string(),
+                    source: nvme_driver::HwError::Backend { backend: "vfio", message: "VFIO opened fewer functions than asked".into() },
+                })?;
+                (Arc::new(function), None)
+            }
+            _ => {
+                let config = emu_config(spec, emu);
+                let device =
+                    EmuDevice::start_in(config, &space).map_err(|source| DeviceError::Emulator { spec: spec.to_string(), source })?;
+                (Arc::clone(&device) as Arc<dyn DeviceBackend>, Some(device))
+            }
+        };
+        opened.push(OpenedDevice { spec: spec.clone(), backend, emulator });
+    }
+    Ok(opened)
+}
+
+/// A file the software controller is to open as it is: it must exist and, when it is a regular
+/// file, hold something (a block device reports length 0 here, and its own size to the
+/// controller).
+fn check_file(spec: &DeviceSpec, path: &std::path::Path) -> Result<(), DeviceError> {
+    match std::fs::metadata(path) {
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => Err(DeviceError::MissingFile { spec: spec.to_string() }),
+        Ok(metadata) if metadata.is_file() && metadata.len() == 0 => Err(DeviceError::EmptyFile { spec: spec.to_string() }),
+        // Other failures (permissions) are the controller's to report, with the path.
+        _ => Ok(()),
+    }
+}
+
+fn emu_config(spec: &DeviceSpec, emu: &EmuOptions) -> EmuConfig {
+    let config = emu.config.clone();
+    match spec {
+        DeviceSpec::EmuFile(path) => config.with_backing(Backing::File { path: path.clone(), create_bytes: emu.create_bytes }),
+        DeviceSpec::EmuMemory(bytes) => config.with_backing(Backing::Memory { bytes: *bytes }),
+        DeviceSpec::EmuNull(bytes) => config.with_backing(Backing::Memory { bytes: *bytes }).with_no_storage(true),
+        DeviceSpec::Vfio(_) | DeviceSpec::Uring(_) => config,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> DeviceSpec {
+        DeviceSpec::parse(text, &DeviceKind::ALL).unwrap()
+    }
+
+    #[test]
+    fn software_controllers_share_one_dma_space() {
+        // Goal: two emu devices opened together reach each other's allocations (one space).
+        let directory = tempfile::tempdir().unwrap();
+        let file = parse(&format!("emu:{}", directory.path().join("a.img").display()));
+        let emu = EmuOptions { create_bytes: Some(8 << 20), ..EmuOptions::default() };
+        let opened = open_in_one_space(&[parse("emu:mem:8m"), file], &emu).unwrap();
+        assert_eq!(opened.len(), 2);
+        assert!(opened.iter().all(|device| device.emulator.is_some()));
+        assert_eq!(opened[0].backend.dma().address_space(), opened[1].backend.dma().address_space());
+        assert_eq!(std::fs::metadata(directory.path().join("a.img")).unwrap().len(), 8 << 20);
+    }
+
+    #[test]
+    fn mixed_spaces_io_uring_and_missing_files_are_refused() {
+        let emu = EmuOptions::default();
+        let mixed = open_in_one_space(&[parse("emu:mem:8m"), parse("vfio:0000:00:04.0")], &emu).err().unwrap();
+        assert!(matches!(mixed, DeviceError::MixedSpaces), "{mixed}");
+        let uring = open_in_one_space(&[parse("uring:/dev/null")], &emu).err().unwrap().to_string();
+        assert!(uring.contains("uring:/dev/null cannot be used here"), "{uring}");
+        let missing = open_in_one_space(&[parse("emu:/nonexistent/dir/x.img")], &emu).err().unwrap().to_string();
+        assert_eq!(
+            missing,
+            "emu:/nonexistent/dir/x.img: no such file (nothing to open; give a size to create one where the tool offers it)"
+        );
+        let directory = tempfile::tempdir().unwrap();
+        let empty = directory.path().join("empty.img");
+        std::fs::write(&empty, b"").unwrap();
+        let error = open_in_one_space(&[parse(&format!("emu:{}", empty.display()))], &emu).err().unwrap().to_string();
+        assert!(error.ends_with("the file is empty (0 bytes), so it holds no namespace (was it truncated?)"), "{error}");
+        // With a size to create, a missing file is made, in a directory that exists.
+        let creating = EmuOptions { create_bytes: Some(1 << 20), ..EmuOptions::default() };
+        let error = open_in_one_space(&[parse("emu:/nonexistent/dir/x.img")], &creating).err().unwrap().to_string();
+        assert!(error.starts_with("emu:/nonexistent/dir/x.img: cannot start the software NVMe controller"), "{error}");
+    }
+
+    #[test]
+    fn a_memory_device_beyond_this_machine_is_refused_before_allocating() {
+        // Goal: emu:mem:1P cannot be held anywhere: a typed error, not an abort.
+        let error = open_in_one_space(&[parse("emu:mem:1024T")], &EmuOptions::default()).err().unwrap();
+        assert!(matches!(error, DeviceError::NotEnoughMemory { .. } | DeviceError::Emulator { .. }), "{error}");
+    }
+}

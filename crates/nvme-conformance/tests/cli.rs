@@ -1,0 +1,39 @@
+//! The `nvme-conformance` binary's exit statuses: 0 passed, 2 unusable input (including a memory
+//! device larger than the machine can spare), 141 standard output closed by its reader.
+
+use std::process::{Command, Stdio};
+
+fn conformance(arguments: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_nvme-conformance")).args(arguments).output().expect("the built binary runs")
+}
+
+#[test]
+fn passes_refuses_and_stops_quietly_on_a_closed_pipe() {
+    let passed = conformance(&["--device", "emu:mem:16M", "--quick", "--filter", "bring_up"]);
+    assert_eq!(passed.status.code(), Some(0), "{}", String::from_utf8_lossy(&passed.stderr));
+    assert!(String::from_utf8_lossy(&passed.stdout).contains("CONFORMANCE_OK"));
+
+    // Goal (issue 17 items 6 and 9): a memory device the machine cannot hold is refused in words
+    // (it used to abort the process, exit 134).
+    let huge = conformance(&["--device", "emu:mem:1T"]);
+    let text = String::from_utf8_lossy(&huge.stderr);
+    assert_eq!(huge.status.code(), Some(2), "{text}");
+    assert!(text.contains("1TiB of memory asked") && text.contains("use emu:PATH"), "{text}");
+    let bad = conformance(&["--device", "uring:/dev/nvme0n1"]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("cannot be used here"));
+
+    // Goal (issue 17 item 9): standard output closed before the report: 141, no panic.
+    // The pipe's read end is closed before the program starts: its first write fails, always.
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let output = Command::new(env!("CARGO_BIN_EXE_nvme-conformance"))
+        .args(["--device", "emu:mem:16M", "--quick", "--filter", "bring_up"])
+        .stdout(writer)
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(141), "{text}");
+    assert!(!text.contains("panicked"), "{text}");
+}

@@ -1,0 +1,29 @@
+//! The `objstore-roundtrip` binary's exit statuses without a VFIO device (the round trip itself
+//! runs in tools/vm-test.sh): help is 0, bad usage 2, and a reader that closes standard output
+//! ends it quietly with 141 instead of a panic.
+
+use std::process::{Command, Stdio};
+
+fn binary() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_objstore-roundtrip"))
+}
+
+#[test]
+fn help_usage_and_a_closed_pipe() {
+    let help = binary().arg("--help").output().unwrap();
+    assert_eq!(help.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&help.stdout).contains("exit status: 0 the round trip passed"));
+    for bad in [vec![], vec!["--device", "emu:/tmp/x.img"], vec!["--frobnicate"], vec!["--device", "vfio:banana"]] {
+        let output = binary().args(&bad).output().unwrap();
+        assert_eq!(output.status.code(), Some(2), "{bad:?}");
+        assert!(String::from_utf8_lossy(&output.stderr).contains("usage:"), "{bad:?}");
+    }
+    // Goal (issue 17 item 9): `objstore-roundtrip ... | head -c1` must not panic (exit 101).
+    // The pipe's read end is closed before the program starts: its first write fails, always.
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let output = binary().arg("--help").stdout(writer).stderr(Stdio::piped()).output().unwrap();
+    let text = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(141), "{text}");
+    assert!(!text.contains("panicked"), "{text}");
+}

@@ -1,0 +1,158 @@
+//! `tutti` as a user runs it: pool format/inspect/check on a file-backed software controller,
+//! the exit statuses (0 clean, 1 damage found, 2 unusable input, 141 standard output closed),
+//! messages in words for truncated and foreign files, and any model geometry for `pool format`.
+
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+
+fn tutti(arguments: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tutti")).args(arguments).output().expect("the built binary runs")
+}
+
+fn stderr(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+fn stdout(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+/// Asserts the exit status and that standard error contains every needle and no Rust dump.
+fn assert_status(output: &Output, status: i32, needles: &[&str]) {
+    let text = stderr(output);
+    assert_eq!(output.status.code(), Some(status), "stderr: {text}\nstdout: {}", stdout(output));
+    for needle in needles {
+        assert!(text.contains(needle), "'{needle}' missing from: {text}");
+    }
+    for dump in ["Superblock {", "ModelGeometry {", "panicked", "Stack backtrace"] {
+        assert!(!text.contains(dump), "'{dump}' in: {text}");
+    }
+}
+
+fn device(path: &Path) -> String {
+    format!("emu:{}", path.display())
+}
+
+fn format(path: &Path, extra: &[&str]) -> Output {
+    let device = device(path);
+    let mut arguments = vec!["pool", "format", "--device", &device, "--emu-create-bytes", "64m"];
+    arguments.extend_from_slice(extra);
+    tutti(&arguments)
+}
+
+#[test]
+fn format_inspect_check_then_damage_is_status_1() {
+    // Goal: the three subcommands run end to end; check is 0 on a clean pool and 1 once the
+    // superblock is damaged, with the reason in words.
+    let directory = tempfile::tempdir().unwrap();
+    let path = directory.path().join("pool.img");
+    let output = format(&path, &["--model", "llama3-8b", "--payload-crc"]);
+    assert_status(&output, 0, &[]);
+    assert!(stdout(&output).contains("31 slots") && stdout(&output).contains("payload CRC on"), "{}", stdout(&output));
+    assert!(stdout(&output).contains("of SGL descriptors"), "the mapping table's memory is reported: {}", stdout(&output));
+    let device = device(&path);
+    assert_status(&tutti(&["pool", "inspect", "--device", &device]), 0, &[]);
+    let output = tutti(&["pool", "check", "--device", &device, "--payload"]);
+    assert_status(&output, 0, &[]);
+    assert!(stdout(&output).contains("31 slots checked: 0 valid, 31 empty, 0 corrupt headers"), "{}", stdout(&output));
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[100] ^= 1;
+    std::fs::write(&path, &bytes).unwrap();
+    assert_status(&tutti(&["pool", "check", "--device", &device]), 1, &["superblock", "CRC32"]);
+}
+
+#[test]
+fn truncated_and_foreign_files_are_described_in_words() {
+    // Goal (issue 17 item 9): a truncated pool file used to print the superblock as a Rust
+    // Debug dump, an empty one "needs 0 bytes but 0 of the 0-byte backing store remain".
+    let directory = tempfile::tempdir().unwrap();
+    let path = directory.path().join("pool.img");
+    assert_status(&format(&path, &["--model", "llama3-8b"]), 0, &[]);
+    let pool_device = device(&path);
+    let device = pool_device.as_str();
+    std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(32 << 20).unwrap();
+    let output = tutti(&["pool", "check", "--device", device]);
+    assert_status(&output, 1, &["slot count 31 recorded, 15 fit", "smaller than when the pool was formatted", "truncated"]);
+    assert_status(&tutti(&["pool", "inspect", "--device", device]), 1, &["truncated"]);
+    assert!(!stdout(&tutti(&["pool", "inspect", "--device", device])).contains("Superblock {"));
+
+    std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(0).unwrap();
+    assert_status(&tutti(&["pool", "check", "--device", device]), 2, &["the file is empty (0 bytes)"]);
+
+    std::fs::write(&path, vec![0u8; 1 << 20]).unwrap();
+    assert_status(&tutti(&["pool", "check", "--device", device]), 1, &["not a tutti pool, or never formatted"]);
+
+    let missing = format!("emu:{}", directory.path().join("absent.img").display());
+    assert_status(&tutti(&["pool", "inspect", "--device", &missing]), 2, &["absent.img: no such file"]);
+}
+
+#[test]
+fn unusable_input_is_status_2_and_writes_nothing() {
+    let directory = tempfile::tempdir().unwrap();
+    let path = directory.path().join("pool.img");
+    assert_status(&format(&path, &[]), 2, &["no model given", "--model-config"]);
+    assert!(!path.exists(), "a refused format created {}", path.display());
+    assert_status(&format(&path, &["--model", "gpt-5"]), 2, &["unknown model 'gpt-5'", "llama3-8b"]);
+    assert_status(&format(&path, &["--model", "llama3-8b", "--head-dim", "0"]), 2, &["--head-dim=0"]);
+    assert_status(&tutti(&["pool", "check", "--device", "emu:mem:64m"]), 2, &["cannot be used here", "vfio:BDF", "emu:PATH"]);
+    assert_status(&tutti(&["pool", "check", "--device", "nvme:/dev/x"]), 2, &["unknown type 'nvme'"]);
+    assert_status(&tutti(&["pool", "check", "--device", "vfio:banana"]), 2, &["not a PCI address"]);
+    let small = device(&directory.path().join("small.img"));
+    assert_status(
+        &tutti(&["pool", "format", "--device", &small, "--emu-create-bytes", "1m", "--model", "llama3-8b"]),
+        2,
+        &["too small", "the format needs"],
+    );
+    assert_status(&tutti(&["bind", "banana"]), 2, &["'banana' is not a PCI address"]);
+    assert_status(&tutti(&["frobnicate"]), 2, &[]);
+}
+
+#[test]
+fn pool_format_takes_any_geometry() {
+    // Goal (issue 17 item 9): a geometry that is no preset, by flags or by a config.json.
+    let directory = tempfile::tempdir().unwrap();
+    let output = format(
+        &directory.path().join("a.img"),
+        &["--layers", "4", "--kv-heads", "2", "--head-dim", "64", "--dtype", "fp8", "--tokens-per-block", "32"],
+    );
+    assert_status(&output, 0, &[]);
+    assert!(stdout(&output).contains("geometry: 4 layers x 2 KV heads x dim 64 x 1 B, 32 tokens/block"), "{}", stdout(&output));
+    let config = directory.path().join("config.json");
+    std::fs::write(
+        &config,
+        r#"{"num_hidden_layers": 48, "num_attention_heads": 40, "hidden_size": 5120, "num_key_value_heads": 8, "torch_dtype": "bfloat16"}"#,
+    )
+    .unwrap();
+    let output = format(&directory.path().join("b.img"), &["--model-config", config.to_str().unwrap(), "--tokens-per-block", "32"]);
+    assert_status(&output, 0, &[]);
+    assert!(stdout(&output).contains("geometry: 48 layers x 8 KV heads x dim 128 x 2 B, 32 tokens/block"), "{}", stdout(&output));
+}
+
+#[test]
+fn a_closed_standard_output_is_status_141_without_a_panic() {
+    // Goal (issue 17 item 9): `tutti pool format ... | head -c1` used to panic (exit 101).
+    let directory = tempfile::tempdir().unwrap();
+    let device = device(&directory.path().join("pool.img"));
+    // The pipe's read end is closed before the program starts: its first write fails, always.
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let output = Command::new(env!("CARGO_BIN_EXE_tutti"))
+        .args(["pool", "format", "--device", &device, "--emu-create-bytes", "64m", "--model", "llama3-8b"])
+        .stdout(writer)
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    assert_status(&output, 141, &[]);
+    assert!(stderr(&output).is_empty(), "quietly: {}", stderr(&output));
+}
+
+#[test]
+fn help_documents_the_exit_statuses() {
+    let output = tutti(&["--help"]);
+    assert_eq!(output.status.code(), Some(0));
+    assert!(
+        stdout(&output).contains("Exit status: 0 done; 1 the run failed, or damage was found; 2 unusable input"),
+        "{}",
+        stdout(&output)
+    );
+}
