@@ -461,7 +461,7 @@ mod tests {
     #[test]
     fn recovery_keeps_the_newest_copy_of_a_key() {
         let mut index = Index::new(&[4], 2);
-        let rec = |key| BlockRecord { key, token_count: 16 };
+        let rec = |key| BlockRecord { key, token_count: 16, payload_crc: 0 };
         assert_eq!(index.recover(0, 1, &[rec(7), rec(8)], 5), Ok(()));
         assert_eq!(index.recover(0, 2, &[rec(8)], 3), Err((0, 2)));
         assert_eq!(index.recover(0, 3, &[rec(7)], 9), Err((0, 1)));

@@ -13,7 +13,8 @@ use nvme_driver::{Controller, DataSegment, DmaRegion, IoQueuePair, Lba, Namespac
 
 use crate::error::{ObjstoreError, Result};
 use crate::format::{
-    encode_entry, header_entry_bytes, pool_tag, HeaderVerdict, SlotHeader, SlotState, Superblock, FLAG_PAYLOAD_CRC, SUPERBLOCK_REGION_BYTES,
+    encode_empty_entry, encode_entry, header_entry_bytes, pool_tag, HeaderVerdict, SlotHeader, SlotState, Superblock, FLAG_PAYLOAD_CRC,
+    HEADER_FLAG_PAYLOAD_CRC, SUPERBLOCK_REGION_BYTES,
 };
 use crate::geometry::ModelGeometry;
 use crate::hash::chain_hash;
@@ -62,7 +63,12 @@ pub struct RecoveryReport {
     pub valid_slots: u64,
     pub empty_slots: u64,
     /// Headers whose CRC, pool tag, slot number or contents were wrong: their slots are free.
+    /// Includes the zeroed ones.
     pub corrupt_headers: u64,
+    /// Of the corrupt headers, those that were all zeroes: a zeroed (or deallocated) header
+    /// region. Every slot has a tagged entry from format on, so these are damage, and the
+    /// blocks they recorded, if any, are lost.
+    pub zeroed_headers: u64,
     /// Slots holding a key another, newer slot also holds: freed.
     pub duplicate_slots: u64,
     pub cached_blocks: u64,
@@ -79,8 +85,9 @@ pub(crate) struct PoolDevice {
     dirty: Option<(u64, u64)>,
     /// A DMA buffer for payload checks and superblock I/O.
     scratch: DmaRegion,
-    /// Per slot: whether its mirror entry is not all zeroes (so reuse must stage Empty first).
-    header_nonzero: Vec<bool>,
+    /// Per slot: whether its mirror entry is anything but a clean Empty entry (Valid, or
+    /// damaged), so that reuse must stage Empty first.
+    header_not_empty: Vec<bool>,
 }
 
 /// An open pool: devices in pool order (device index i at position i) and the index.
@@ -178,9 +185,9 @@ pub fn read_superblock(target: &PoolTarget, device: usize) -> Result<Superblock>
     Superblock::decode(&raw, device, namespace.block_size_bytes, namespace.size_blocks)
 }
 
-/// Formats `targets` as one pool (target i becomes device i): zeroes each header region, makes
-/// it durable, then writes the superblock with FUA — a format interrupted before the last step
-/// leaves no pool, never a pool with stale headers.
+/// Formats `targets` as one pool (target i becomes device i): writes an Empty entry for every
+/// slot, makes the header region durable, then writes the superblock with FUA — a format
+/// interrupted before the last step leaves no pool, never a pool with stale headers.
 pub fn format_pool(targets: &[PoolTarget], params: &FormatParams) -> Result<Vec<Superblock>> {
     if targets.is_empty() || targets.len() > usize::from(u16::MAX) {
         return Err(ObjstoreError::InvalidFormat { reason: format!("{} devices, expected 1..={}", targets.len(), u16::MAX) });
@@ -217,16 +224,30 @@ pub fn format_pool(targets: &[PoolTarget], params: &FormatParams) -> Result<Vec<
     for (target, superblock) in targets.iter().zip(&planned) {
         let lba = u64::from(superblock.lba_bytes);
         let mut queue = target.controller.create_io_queue_pair(METADATA_QUEUE_DEPTH)?;
-        let zeros = target.controller.dma().allocate(METADATA_CHUNK_BYTES as usize)?;
+        let buffer = target.controller.dma().allocate(METADATA_CHUNK_BYTES as usize)?;
         let region_bytes = superblock.header_region_bytes();
+        let entry_bytes = u64::from(superblock.header_entry_bytes);
+        let tag = pool_tag(&superblock.pool_uuid);
+        let mut entries = vec![0u8; METADATA_CHUNK_BYTES as usize];
         let mut done = 0;
         while done < region_bytes {
+            // Every slot gets a tagged, checksummed Empty entry (a zeroed one is damage); the
+            // region's tail past the last slot stays zero. Chunks are whole LBAs, and entries
+            // never straddle an LBA, so a chunk holds whole entries.
             let piece = (region_bytes - done).min(METADATA_CHUNK_BYTES);
+            let chunk = &mut entries[..piece as usize];
+            chunk.fill(0);
+            let first_slot = done / entry_bytes;
+            let slots = (piece / entry_bytes).min(superblock.slot_count.saturating_sub(first_slot));
+            for (index, entry) in chunk.chunks_exact_mut(entry_bytes as usize).take(slots as usize).enumerate() {
+                encode_empty_entry(entry, 0, tag, (first_slot + index as u64) as u32);
+            }
+            buffer.write(0, chunk)?;
             transfer_region(
                 &mut queue,
                 target.namespace,
                 superblock.header_lba + done / lba,
-                &zeros,
+                &buffer,
                 0,
                 piece,
                 lba,
@@ -237,7 +258,8 @@ pub fn format_pool(targets: &[PoolTarget], params: &FormatParams) -> Result<Vec<
         }
         queue.flush(target.namespace, METADATA_TIMEOUT)?;
         let encoded = superblock.encode();
-        let block = zeros.subregion(0, SUPERBLOCK_REGION_BYTES.max(lba) as usize)?;
+        let block = buffer.subregion(0, SUPERBLOCK_REGION_BYTES.max(lba) as usize)?;
+        block.fill(0, block.len(), 0)?;
         block.write(0, &encoded)?;
         transfer_region(
             &mut queue,
@@ -338,7 +360,7 @@ impl Pool {
                 mirror,
                 dirty: None,
                 scratch,
-                header_nonzero: vec![false; superblock.slot_count as usize],
+                header_not_empty: vec![false; superblock.slot_count as usize],
             });
         }
         pool.recover(&mut report)?;
@@ -354,8 +376,9 @@ impl Pool {
             for slot in 0..superblock.slot_count as u32 {
                 report.slots += 1;
                 self.devices[device].mirror.read(superblock.header_offset(slot) as usize, &mut entry)?;
-                self.devices[device].header_nonzero[slot as usize] = entry.iter().any(|&byte| byte != 0);
-                match SlotHeader::decode(&entry, slot, &superblock) {
+                let verdict = SlotHeader::decode(&entry, slot, &superblock);
+                self.devices[device].header_not_empty[slot as usize] = verdict != Err(HeaderVerdict::Empty);
+                match verdict {
                     Ok(header) => {
                         self.generation = self.generation.max(header.generation);
                         if let Err(loser) = self.index.recover(device as u16, slot, &header.blocks, header.generation) {
@@ -363,12 +386,22 @@ impl Pool {
                         }
                     }
                     Err(HeaderVerdict::Empty) => report.empty_slots += 1,
+                    Err(HeaderVerdict::Zeroed) => {
+                        report.corrupt_headers += 1;
+                        report.zeroed_headers += 1;
+                    }
                     Err(HeaderVerdict::Corrupt) => {
                         report.corrupt_headers += 1;
                         tracing::warn!(device, slot, "slot header failed its checks; slot returned to the free list");
                     }
                 }
             }
+        }
+        if report.zeroed_headers > 0 {
+            tracing::warn!(
+                zeroed = report.zeroed_headers,
+                "slot headers are all zeroes: the header region was zeroed or deallocated; blocks recorded there are lost"
+            );
         }
         // A duplicate key's older copy is freed in memory; its header is rewritten Empty lazily,
         // when the slot is next allocated (the newer copy wins again on every recovery until then).
@@ -410,36 +443,35 @@ impl Pool {
     }
 
     /// Records a slot header in the mirror; it reaches the device at the next `sync_headers`.
-    pub(crate) fn stage_header(
-        &mut self,
-        device: u16,
-        slot: u32,
-        state: SlotState,
-        blocks: &[crate::format::BlockRecord],
-        payload_crc: Option<u32>,
-    ) -> Result<u64> {
+    /// `blocks` carry their payload CRCs when the pool records them; an Empty entry lists none.
+    pub(crate) fn stage_header(&mut self, device: u16, slot: u32, state: SlotState, blocks: &[crate::format::BlockRecord]) -> Result<u64> {
         self.generation += 1;
         let generation = self.generation;
         let d = &mut self.devices[usize::from(device)];
         let superblock = d.superblock;
         let mut entry = [0u8; 4096];
         let entry = &mut entry[..header_entry_bytes(superblock.blocks_per_slot) as usize];
-        if state != SlotState::Empty {
-            // An evicted slot stays all zeroes: it reads as never written.
-            encode_entry(entry, generation, pool_tag(&superblock.pool_uuid), slot, state, payload_crc, blocks);
+        let tag = pool_tag(&superblock.pool_uuid);
+        match state {
+            SlotState::Empty => encode_empty_entry(entry, generation, tag, slot),
+            SlotState::Valid => {
+                let payload_crcs = superblock.flags & FLAG_PAYLOAD_CRC != 0;
+                encode_entry(entry, generation, tag, slot, state, payload_crcs, blocks);
+            }
         }
         let offset = superblock.header_offset(slot);
         d.mirror.write(offset as usize, entry)?;
-        d.header_nonzero[slot as usize] = state != SlotState::Empty;
+        d.header_not_empty[slot as usize] = state != SlotState::Empty;
         let lba = u64::from(superblock.lba_bytes);
         let (first, end) = (offset / lba, (offset + entry.len() as u64).div_ceil(lba));
         d.dirty = Some(d.dirty.map_or((first, end), |(a, b)| (a.min(first), b.max(end))));
         Ok(generation)
     }
 
-    /// Whether slot `slot`'s header in the mirror is all zeroes (never written, or made Empty).
-    pub(crate) fn header_is_zero(&self, device: u16, slot: u32) -> bool {
-        !self.devices[usize::from(device)].header_nonzero[slot as usize]
+    /// Whether slot `slot`'s header in the mirror is a clean Empty entry (as formatted, or made
+    /// Empty since).
+    pub(crate) fn header_is_empty(&self, device: u16, slot: u32) -> bool {
+        !self.devices[usize::from(device)].header_not_empty[slot as usize]
     }
 
     /// Writes every staged header range with FUA and waits: on return they are durable.
@@ -474,13 +506,15 @@ impl Pool {
     }
 
     /// The offline check of `tutti pool check`: every header was verified by `open` (counted in
-    /// the report); with `payload`, every valid slot whose header records a payload CRC is read
-    /// back and compared. Returns (slots verified, payload mismatches as (device, slot)).
+    /// the report); with `payload`, every block of every valid slot whose header records payload
+    /// CRCs is read back and compared. Returns (slots verified, slots with a mismatching block,
+    /// as (device, slot)).
     pub fn check_payloads(&mut self, deadline: Instant) -> Result<(u64, Vec<(usize, u32)>)> {
         let mut verified = 0;
         let mut bad = Vec::new();
         let mut entry = Vec::new();
         let mut bytes = Vec::new();
+        let mut hashers = Vec::new();
         for device in 0..self.devices.len() {
             let superblock = self.devices[device].superblock;
             entry.resize(superblock.header_entry_bytes as usize, 0);
@@ -490,15 +524,17 @@ impl Pool {
                 }
                 self.devices[device].mirror.read(superblock.header_offset(slot) as usize, &mut entry)?;
                 let Ok(header) = SlotHeader::decode(&entry, slot, &superblock) else { continue };
-                if header.flags & 1 == 0 {
+                if header.flags & HEADER_FLAG_PAYLOAD_CRC == 0 {
                     continue;
                 }
-                let mut crc = crc32fast::Hasher::new();
+                // One CRC per block, each over `for l: K then V` of that block.
+                hashers.clear();
+                hashers.resize(header.blocks.len(), crc32fast::Hasher::new());
                 let pair = 2 * superblock.geometry.object_bytes();
                 bytes.resize(pair as usize, 0);
                 for layer in 0..superblock.geometry.layers {
-                    for j in 0..header.blocks.len() as u32 {
-                        let lba = superblock.block_lba(slot, j) + u64::from(layer) * superblock.layer_stride_blocks();
+                    for (j, hasher) in hashers.iter_mut().enumerate() {
+                        let lba = superblock.block_lba(slot, j as u32) + u64::from(layer) * superblock.layer_stride_blocks();
                         let d = &mut self.devices[device];
                         transfer_region(
                             &mut d.queue,
@@ -512,11 +548,11 @@ impl Pool {
                             self.timeout,
                         )?;
                         d.scratch.read(0, &mut bytes)?;
-                        crc.update(&bytes);
+                        hasher.update(&bytes);
                     }
                 }
                 verified += 1;
-                if crc.finalize() != header.payload_crc {
+                if hashers.iter_mut().zip(&header.blocks).any(|(hasher, block)| std::mem::take(hasher).finalize() != block.payload_crc) {
                     bad.push((device, slot));
                 }
             }

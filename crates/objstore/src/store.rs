@@ -396,14 +396,14 @@ impl<E: Executor> KvStore<E> {
                 None => match self.allocate_slot() {
                     Some(allocation) => {
                         evicted += usize::from(allocation.evicted);
-                        // A slot whose header is not all zeroes (evicted, or left by a failed
+                        // A slot whose header is not a clean Empty entry (evicted, or left by a failed
                         // commit or a duplicate found at recovery) must read Empty on disk
                         // before its data is overwritten.
                         // Listed first, so that a failure below still returns it to the free list.
                         slots.push((allocation.device, allocation.slot, 0));
-                        let stale = allocation.evicted || !self.pool.header_is_zero(allocation.device, allocation.slot);
+                        let stale = allocation.evicted || !self.pool.header_is_empty(allocation.device, allocation.slot);
                         if stale {
-                            if let Err(error) = self.pool.stage_header(allocation.device, allocation.slot, SlotState::Empty, &[], None) {
+                            if let Err(error) = self.pool.stage_header(allocation.device, allocation.slot, SlotState::Empty, &[]) {
                                 self.pool.index.remove_pending(key);
                                 failure = Some(error);
                                 break;
@@ -634,7 +634,7 @@ impl<E: Executor> KvStore<E> {
             // `sync_headers` (always before new data is issued) writes them.
             for s in 0..self.requests[index].slots.len() {
                 let (device, slot, _) = self.requests[index].slots[s];
-                let _ = self.pool.stage_header(device, slot, SlotState::Empty, &[], None);
+                let _ = self.pool.stage_header(device, slot, SlotState::Empty, &[]);
             }
             self.release(index);
             return Err(error);
@@ -676,31 +676,36 @@ impl<E: Executor> KvStore<E> {
             let range = start..start + usize::from(used);
             start = range.end;
             self.records.clear();
-            self.records.extend(blocks[range.clone()].iter().map(|(_, _, key)| BlockRecord { key: *key, token_count: block_tokens }));
-            let payload_crc = if crc { Some(self.payload_crc(&blocks[range])?) } else { None };
-            self.pool.stage_header(device, slot, SlotState::Valid, &self.records, payload_crc)?;
+            for &(_, engine_block, key) in &blocks[range] {
+                let payload_crc = if crc { self.payload_crc(engine_block)? } else { 0 };
+                self.records.push(BlockRecord { key, token_count: block_tokens, payload_crc });
+            }
+            self.pool.stage_header(device, slot, SlotState::Valid, &self.records)?;
         }
         Ok(())
     }
 
-    /// CRC32 of a slot's payload in disk order ([layer][block][K, V]), read from the engine's
-    /// memory (which must be host-visible through `dma`).
-    fn payload_crc(&mut self, blocks: &[(BlockLocation, u32, u64)]) -> Result<u32> {
-        let geometry = *self.pool.geometry();
-        let object = geometry.object_bytes() as usize;
-        self.crc_scratch.resize(object, 0);
+    /// CRC32 of one block's payload in disk order (`for l: K then V`), read from engine block
+    /// `engine_block` (memory that must be host-visible through `dma`).
+    fn payload_crc(&mut self, engine_block: u32) -> Result<u32> {
         let mut crc = crc32fast::Hasher::new();
-        for layer in 0..geometry.layers {
-            for &(_, block, _) in blocks {
-                for kind in [KvKind::Key, KvKind::Value] {
-                    let address = self.table.registration().object_address(layer, kind, block)?;
-                    let region = self.dma.translate(address, object)?;
-                    region.read(0, &mut self.crc_scratch)?;
-                    crc.update(&self.crc_scratch);
-                }
-            }
+        for layer in 0..self.pool.geometry().layers {
+            self.fold_layer(&mut crc, layer, engine_block)?;
         }
         Ok(crc.finalize())
+    }
+
+    /// Adds layer `layer` of engine block `engine_block` (K, then V) to `crc`.
+    fn fold_layer(&mut self, crc: &mut crc32fast::Hasher, layer: u32, engine_block: u32) -> Result<()> {
+        let object = self.pool.geometry().object_bytes() as usize;
+        self.crc_scratch.resize(object, 0);
+        for kind in [KvKind::Key, KvKind::Value] {
+            let address = self.table.registration().object_address(layer, kind, engine_block)?;
+            let region = self.dma.translate(address, object)?;
+            region.read(0, &mut self.crc_scratch)?;
+            crc.update(&self.crc_scratch);
+        }
+        Ok(())
     }
 
     /// Ends a request without committing: a retrieve's pins are dropped; a store's slots go back

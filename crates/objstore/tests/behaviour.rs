@@ -214,14 +214,17 @@ fn open_refuses_other_geometries_versions_and_damaged_superblocks() {
         Pool::open(targets(&controller, &[1]), None),
         Err(ObjstoreError::NewerFormatVersion { found, supported: FORMAT_VERSION, .. }) if found == FORMAT_VERSION + 1
     ));
-    // Version 1 had this layout with keys of the first hash scheme: refused, with the fix.
-    raw_write(&controller, 1, 0, &with_version(1)[..512]);
-    match Pool::open(targets(&controller, &[1]), None) {
-        Err(error @ ObjstoreError::OlderFormatVersion { found: 1, .. }) => {
-            assert!(error.to_string().contains("tutti pool format"), "{error}")
+    // Version 1 had this layout with keys of the first hash scheme, version 2 all-zero Empty
+    // headers: both refused, with the fix.
+    for older in [1, 2] {
+        raw_write(&controller, 1, 0, &with_version(older)[..512]);
+        match Pool::open(targets(&controller, &[1]), None) {
+            Err(error @ ObjstoreError::OlderFormatVersion { found, .. }) if found == older => {
+                assert!(error.to_string().contains("tutti pool format"), "{error}")
+            }
+            Err(other) => panic!("expected OlderFormatVersion, got {other}"),
+            Ok(_) => panic!("a version {older} pool was opened"),
         }
-        Err(other) => panic!("expected OlderFormatVersion, got {other}"),
-        Ok(_) => panic!("a version 1 pool was opened"),
     }
     let mut flipped = superblock.clone();
     flipped[100] ^= 1;
@@ -230,6 +233,33 @@ fn open_refuses_other_geometries_versions_and_damaged_superblocks() {
     raw_write(&controller, 1, 0, &vec![0u8; 512]);
     let Err(error) = Pool::open(targets(&controller, &[1]), None) else { panic!("opened an unformatted namespace") };
     assert!(error.to_string().contains("magic"), "{error}");
+}
+
+#[test]
+fn a_zeroed_header_region_is_reported_as_damage() {
+    // Goal: wiping the slot-header region (zeroed or deallocated LBAs) is not "an empty pool":
+    // open counts every slot's header as corrupt and zeroed, so the loss of the committed
+    // blocks is visible (`tutti pool check` fails on it). A freshly formatted pool has none.
+    let mut rig = rig(16);
+    let (_, fresh) = Pool::open(targets(&rig.controller, &[1]), None).unwrap();
+    assert_eq!((fresh.empty_slots, fresh.corrupt_headers, fresh.zeroed_headers), (16, 0, 0), "format writes tagged Empty entries");
+    let mut rng = Rng(11);
+    let tokens = rng.tokens(32);
+    store(&mut rig.store, &rig.engine, &tokens, &[0, 1]);
+    drop(rig.store);
+    let superblock = Superblock::decode(&raw_read(&rig.controller, 1, 0, 512), 0, 512, rig.controller.namespaces()[0].size_blocks).unwrap();
+    let zeros = vec![0u8; superblock.header_region_bytes() as usize];
+    raw_write(&rig.controller, 1, superblock.header_lba, &zeros);
+    let (pool, report) = Pool::open(targets(&rig.controller, &[1]), None).unwrap();
+    assert_eq!((report.valid_slots, report.empty_slots, report.corrupt_headers, report.zeroed_headers), (0, 0, 16, 16), "{report:?}");
+    // The pool stays usable: damaged slots are free, and each is made Empty before reuse.
+    let executor = objstore::cpu_executor_for(&pool, 64, &StoreConfig::default()).unwrap();
+    let mut kv = KvStore::new(pool, rig.engine.registration.clone(), rig.engine.dma.clone(), executor, StoreConfig::default()).unwrap();
+    assert_eq!(kv.lookup(&tokens), 0);
+    store(&mut kv, &rig.engine, &tokens, &[0, 1]);
+    drop(kv);
+    let (_, report) = Pool::open(targets(&rig.controller, &[1]), None).unwrap();
+    assert_eq!((report.valid_slots, report.zeroed_headers), (2, 14), "{report:?}");
 }
 
 #[test]

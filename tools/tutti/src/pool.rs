@@ -173,9 +173,12 @@ pub fn run(command: &PoolCommand) -> Result<()> {
         PoolCommand::Check(args) => {
             let (mut pool, report) = Pool::open(open_targets(&args.devices)?, None)?;
             println!(
-                "{} slots checked: {} valid, {} empty, {} corrupt headers, {} duplicates",
-                report.slots, report.valid_slots, report.empty_slots, report.corrupt_headers, report.duplicate_slots
+                "{} slots checked: {} valid, {} empty, {} corrupt headers ({} all zeroes), {} duplicates",
+                report.slots, report.valid_slots, report.empty_slots, report.corrupt_headers, report.zeroed_headers, report.duplicate_slots
             );
+            if report.zeroed_headers > 0 {
+                println!("  the slot-header region was zeroed or deallocated: the blocks recorded there are lost");
+            }
             let mut damaged = report.corrupt_headers + report.duplicate_slots;
             if args.payload {
                 let (verified, bad) = pool.check_payloads(Instant::now() + Duration::from_secs(24 * 3600))?;
@@ -200,7 +203,7 @@ mod tests {
     #[test]
     fn format_inspect_check_on_an_emulated_file() {
         // Goal: the three subcommands run end to end on a file-backed software controller, and
-        // check fails once a slot header is damaged... here: once the superblock is.
+        // check fails once the slot-header region is zeroed, and once the superblock is damaged.
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("pool.img");
         let devices = DeviceArgs {
@@ -229,6 +232,16 @@ mod tests {
             payload_crc: false,
         };
         assert!(run(&PoolCommand::Format(bad_model)).unwrap_err().to_string().contains("unknown model"));
+        // Zero the slot-header region (byte 4096 on, one 4 KiB LBA here): check reports damage
+        // (every empty slot carries a tagged, checksummed entry), not an empty pool.
+        let mut bytes = std::fs::read(&path).unwrap();
+        let pristine = bytes.clone();
+        bytes[4096..8192].fill(0);
+        std::fs::write(&path, &bytes).unwrap();
+        let error = run(&PoolCommand::Check(CheckArgs { devices: devices.clone(), payload: false })).unwrap_err();
+        assert!(format!("{error:#}").contains("damaged slots"), "{error:#}");
+        std::fs::write(&path, &pristine).unwrap();
+        run(&PoolCommand::Check(CheckArgs { devices: devices.clone(), payload: false })).unwrap();
         // Flip a superblock byte in the file: check refuses the pool.
         let mut bytes = std::fs::read(&path).unwrap();
         bytes[100] ^= 1;
