@@ -2,14 +2,22 @@
 //! writes, and the offline check.
 //!
 //! Metadata goes through one NVMe queue pair per device owned here (data goes through gio_uring).
-//! Each device's header region is mirrored in DMA memory: the mirror only ever holds Valid entries
-//! whose data is already durable, and Empty entries, so writing any range of it is always safe —
-//! a torn or lost header write leaves each LBA either old or new, both consistent.
+//! Each device's header region is mirrored in DMA memory ([`mirror`]): the mirror only ever holds
+//! Valid entries whose data is already durable, and Empty entries, so writing any of its sectors
+//! is always safe, and a sync writes only the sectors that changed.
+
+mod metadata_io;
+mod mirror;
+#[cfg(test)]
+mod tests;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use nvme_driver::{Controller, DataSegment, DmaRegion, IoQueuePair, Lba, NamespaceId};
+use nvme_driver::{Controller, DmaRegion, IoQueuePair, NamespaceId};
+
+use metadata_io::{transfer_region, Transfer, METADATA_CHUNK_BYTES};
+use mirror::HeaderMirror;
 
 use crate::error::{ObjstoreError, Result};
 use crate::format::{
@@ -24,8 +32,6 @@ use crate::index::Index;
 pub const METADATA_TIMEOUT: Duration = Duration::from_secs(10);
 /// Depth of the metadata queue pair of each device.
 const METADATA_QUEUE_DEPTH: u32 = 64;
-/// Metadata moves in pieces of at most this size (each piece is one submit + wait).
-const METADATA_CHUNK_BYTES: u64 = 1 << 20;
 
 /// One namespace offered to a pool.
 #[derive(Clone)]
@@ -80,14 +86,9 @@ pub(crate) struct PoolDevice {
     pub(crate) queue: IoQueuePair,
     pub(crate) target: PoolTarget,
     pub(crate) superblock: Superblock,
-    mirror: DmaRegion,
-    /// Header-region LBA range (relative) not yet written: [first, end).
-    dirty: Option<(u64, u64)>,
+    mirror: HeaderMirror,
     /// A DMA buffer for payload checks and superblock I/O.
     scratch: DmaRegion,
-    /// Per slot: whether its mirror entry is anything but a clean Empty entry (Valid, or
-    /// damaged), so that reuse must stage Empty first.
-    header_not_empty: Vec<bool>,
 }
 
 /// An open pool: devices in pool order (device index i at position i) and the index.
@@ -117,46 +118,6 @@ fn fresh_uuid() -> [u8; 16] {
 pub fn format_uuid(uuid: &[u8; 16]) -> String {
     let hex: String = uuid.iter().map(|b| format!("{b:02x}")).collect();
     format!("{}-{}-{}-{}-{}", &hex[..8], &hex[8..12], &hex[12..16], &hex[16..20], &hex[20..])
-}
-
-fn deadline_error(error: nvme_driver::NvmeError) -> ObjstoreError {
-    ObjstoreError::Nvme(error)
-}
-
-/// Which way `transfer_region` moves data.
-#[derive(Debug, Clone, Copy)]
-enum Transfer {
-    Read,
-    Write { force_unit_access: bool },
-}
-
-/// Moves `len` bytes between `region` (from `offset`) and the namespace at `lba` (relative LBAs
-/// computed by the caller), in pieces of at most `METADATA_CHUNK_BYTES`.
-#[allow(clippy::too_many_arguments)]
-fn transfer_region(
-    queue: &mut IoQueuePair,
-    namespace: NamespaceId,
-    lba: u64,
-    region: &DmaRegion,
-    offset: u64,
-    len: u64,
-    lba_bytes: u64,
-    transfer: Transfer,
-    timeout: Duration,
-) -> Result<()> {
-    let mut done = 0;
-    while done < len {
-        let piece = (len - done).min(METADATA_CHUNK_BYTES);
-        let segment = [DataSegment::new(nvme_driver::Iova(region.iova().0 + offset + done), piece as u32)];
-        let start = Lba(lba + done / lba_bytes);
-        match transfer {
-            Transfer::Read => queue.read(namespace, start, &segment, timeout),
-            Transfer::Write { force_unit_access } => queue.write(namespace, start, &segment, force_unit_access, timeout),
-        }
-        .map_err(deadline_error)?;
-        done += piece;
-    }
-    Ok(())
 }
 
 fn namespace_of(target: &PoolTarget) -> Result<nvme_driver::Namespace> {
@@ -353,15 +314,7 @@ impl Pool {
             )?;
             let scratch =
                 target.controller.dma().allocate((2 * superblock.geometry.object_bytes()).max(SUPERBLOCK_REGION_BYTES) as usize)?;
-            pool.devices.push(PoolDevice {
-                queue,
-                target,
-                superblock,
-                mirror,
-                dirty: None,
-                scratch,
-                header_not_empty: vec![false; superblock.slot_count as usize],
-            });
+            pool.devices.push(PoolDevice { queue, target, superblock, mirror: HeaderMirror::new(mirror, superblock), scratch });
         }
         pool.recover(&mut report)?;
         Ok((pool, report))
@@ -375,9 +328,9 @@ impl Pool {
             entry.resize(superblock.header_entry_bytes as usize, 0);
             for slot in 0..superblock.slot_count as u32 {
                 report.slots += 1;
-                self.devices[device].mirror.read(superblock.header_offset(slot) as usize, &mut entry)?;
+                self.devices[device].mirror.read_entry(slot, &mut entry)?;
                 let verdict = SlotHeader::decode(&entry, slot, &superblock);
-                self.devices[device].header_not_empty[slot as usize] = verdict != Err(HeaderVerdict::Empty);
+                self.devices[device].mirror.set_empty(slot, verdict == Err(HeaderVerdict::Empty));
                 match verdict {
                     Ok(header) => {
                         self.generation = self.generation.max(header.generation);
@@ -459,38 +412,20 @@ impl Pool {
                 encode_entry(entry, generation, tag, slot, state, payload_crcs, blocks);
             }
         }
-        let offset = superblock.header_offset(slot);
-        d.mirror.write(offset as usize, entry)?;
-        d.header_not_empty[slot as usize] = state != SlotState::Empty;
-        let lba = u64::from(superblock.lba_bytes);
-        let (first, end) = (offset / lba, (offset + entry.len() as u64).div_ceil(lba));
-        d.dirty = Some(d.dirty.map_or((first, end), |(a, b)| (a.min(first), b.max(end))));
+        d.mirror.stage(slot, entry, state == SlotState::Empty)?;
         Ok(generation)
     }
 
     /// Whether slot `slot`'s header in the mirror is a clean Empty entry (as formatted, or made
     /// Empty since).
     pub(crate) fn header_is_empty(&self, device: u16, slot: u32) -> bool {
-        !self.devices[usize::from(device)].header_not_empty[slot as usize]
+        self.devices[usize::from(device)].mirror.is_empty(slot)
     }
 
-    /// Writes every staged header range with FUA and waits: on return they are durable.
+    /// Writes every staged header sector with FUA and waits: on return they are durable.
     pub(crate) fn sync_headers(&mut self) -> Result<()> {
         for d in &mut self.devices {
-            let Some((first, end)) = d.dirty else { continue };
-            let lba = u64::from(d.superblock.lba_bytes);
-            transfer_region(
-                &mut d.queue,
-                d.target.namespace,
-                d.superblock.header_lba + first,
-                &d.mirror,
-                first * lba,
-                (end - first) * lba,
-                lba,
-                Transfer::Write { force_unit_access: true },
-                self.timeout,
-            )?;
-            d.dirty = None;
+            d.mirror.sync(&mut d.queue, d.target.namespace, self.timeout)?;
         }
         Ok(())
     }
@@ -522,7 +457,7 @@ impl Pool {
                 if Instant::now() > deadline {
                     return Err(ObjstoreError::DeadlinePassed { what: "payload check", done: verified });
                 }
-                self.devices[device].mirror.read(superblock.header_offset(slot) as usize, &mut entry)?;
+                self.devices[device].mirror.read_entry(slot, &mut entry)?;
                 let Ok(header) = SlotHeader::decode(&entry, slot, &superblock) else { continue };
                 if header.flags & HEADER_FLAG_PAYLOAD_CRC == 0 {
                     continue;
