@@ -85,6 +85,17 @@ struct DeviceSlots {
     unpinned_valid: u64,
 }
 
+/// What [`Index::claim`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Claim {
+    /// Nobody had the key: this store claimed it and writes the block.
+    New,
+    /// Committed at this location: shared (the store must pin the slot while it counts on it).
+    Cached(BlockLocation),
+    /// Claimed by another store in flight: shared.
+    Pending,
+}
+
 /// What an allocation took.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Allocation {
@@ -154,15 +165,17 @@ impl Index {
         keys.iter().take_while(|&&key| self.get(key).is_some()).count()
     }
 
-    /// Claims `key` for a store: `false` if it is cached or another store in flight claimed it
-    /// (the block is then shared, not stored twice).
+    /// Claims `key` for a store, in one probe: [`Claim::New`] if nobody has it (it is now
+    /// claimed), else where it is cached, or that another store in flight claimed it (the block
+    /// is then shared, not stored twice).
     #[inline]
-    pub fn claim(&mut self, key: u64) -> bool {
+    pub fn claim(&mut self, key: u64) -> Claim {
         match self.map.entry(key) {
-            MapEntry::Occupied(_) => false,
+            MapEntry::Occupied(occupied) if occupied.get().committed => Claim::Cached(occupied.get().location),
+            MapEntry::Occupied(_) => Claim::Pending,
             MapEntry::Vacant(vacant) => {
                 vacant.insert(Entry { location: BlockLocation { device: 0, slot: 0, index: 0 }, committed: false });
-                true
+                Claim::New
             }
         }
     }

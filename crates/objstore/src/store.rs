@@ -28,7 +28,7 @@ use nvme_driver::{DataPointerMode, DmaAllocator};
 use crate::error::{KvKind, ObjstoreError, Result};
 use crate::format::{BlockRecord, SlotAddressing, SlotState, FLAG_PAYLOAD_CRC};
 use crate::hash::block_keys;
-use crate::index::{BlockLocation, IndexCounts};
+use crate::index::{BlockLocation, Claim, IndexCounts};
 use crate::mapping::{MappingForm, MappingTable};
 use crate::pool::Pool;
 use crate::registration::KvRegistration;
@@ -110,8 +110,11 @@ struct Request {
     iocbs: Vec<IocbId>,
     /// (device, slot, position, engine block, key) of every block the request moves.
     blocks: Vec<(BlockLocation, u32, u64)>,
-    /// (device, slot, blocks used) of every slot the request pinned or allocated.
+    /// (device, slot, blocks used) of every slot the request pinned (retrieve) or allocated
+    /// (store).
     slots: Vec<(u16, u32, u16)>,
+    /// A store's pins on the slots of the cached blocks it shares, one per block.
+    shared_pins: Vec<(u16, u32)>,
     layer_in_flight: Option<u32>,
     layers_done: Vec<bool>,
 }
@@ -306,6 +309,7 @@ impl<E: Executor> KvStore<E> {
         request.iocbs.clear();
         request.blocks.clear();
         request.slots.clear();
+        request.shared_pins.clear();
         request.layer_in_flight = None;
         request.layers_done.fill(false);
         Ok(index)
@@ -354,57 +358,62 @@ impl<E: Executor> KvStore<E> {
 
     /// Prepares storing `request`'s blocks: blocks already cached or in flight elsewhere are
     /// shared, the rest get slots (k consecutive new blocks per slot, slots round-robin across
-    /// devices, LRU eviction when full) and prepared IOCTXs.
+    /// devices, LRU eviction when full) and prepared IOCTXs. The slots of shared cached blocks
+    /// are pinned until the store commits or is finished, so no allocation (this one's or
+    /// another store's) evicts a block this request counts on.
     pub fn prepare_store(&mut self, request: &KvRequest<'_>) -> Result<StorePlan> {
         let n = self.check_request(request)?;
         let k = self.pool.blocks_per_slot() as usize;
-        // Refuse before evicting anything: a store that cannot fit must not cost the cache.
-        // The bound assumes every block is new; only when it fails are the new ones counted.
-        let available = self.pool.index.available();
-        if (n.div_ceil(k) as u64) > available {
-            let mut needed = 0;
-            let mut run = 0;
-            for &key in &self.keys[..n] {
-                if self.pool.index.get(key).is_none() && !self.pool.index.is_claimed(key) {
-                    if run % k == 0 {
-                        needed += 1;
-                    }
-                    run += 1;
-                }
-            }
-            if needed as u64 > available {
-                return Err(ObjstoreError::PoolFull { needed, evictable: available as usize });
-            }
-        }
         let index = self.take_request(Direction::Store)?;
         let mut blocks = std::mem::take(&mut self.requests[index].blocks);
-        let mut slots = std::mem::take(&mut self.requests[index].slots);
+        let mut pins = std::mem::take(&mut self.requests[index].shared_pins);
         let mut shared = 0;
+        // Pass 1, one map probe per block: claim the new keys, pin the slots of cached ones
+        // before any allocation can evict them.
+        let unplaced = BlockLocation { device: 0, slot: 0, index: 0 };
+        for (&key, &engine_block) in self.keys[..n].iter().zip(request.block_ids) {
+            match self.pool.index.claim(key) {
+                Claim::New => blocks.push((unplaced, engine_block, key)),
+                Claim::Cached(location) => {
+                    self.pool.index.pin(location.device, location.slot);
+                    pins.push((location.device, location.slot));
+                    shared += 1;
+                }
+                Claim::Pending => shared += 1,
+            }
+        }
+        self.requests[index].blocks = blocks;
+        self.requests[index].shared_pins = pins;
+        // Refuse before evicting anything: a store that cannot fit must not cost the cache.
+        // New blocks fill slots k at a time (shared ones do not break a slot), so this is exact.
+        let needed = self.requests[index].blocks.len().div_ceil(k);
+        let available = self.pool.index.available();
+        if needed as u64 > available {
+            self.release(index);
+            return Err(ObjstoreError::PoolFull { needed, evictable: available as usize });
+        }
+        // Pass 2: slots for the new blocks.
+        let mut blocks = std::mem::take(&mut self.requests[index].blocks);
+        let mut slots = std::mem::take(&mut self.requests[index].slots);
         let mut evicted = 0;
         let mut failure = None;
         // The slot being filled: (device, slot, blocks used); `None` until the first new block
         // and whenever it is full (k blocks).
         let mut open: Option<(u16, u32, u16)> = None;
-        let keys = std::mem::take(&mut self.keys);
-        for (i, (&key, &engine_block)) in keys[..n].iter().zip(request.block_ids).enumerate() {
-            if !self.pool.index.claim(key) {
-                shared += 1;
-                continue;
-            }
+        for i in 0..blocks.len() {
             let (device, slot, used) = match open {
                 Some(slot) => slot,
                 None => match self.allocate_slot() {
                     Some(allocation) => {
                         evicted += usize::from(allocation.evicted);
-                        // A slot whose header is not a clean Empty entry (evicted, or left by a failed
-                        // commit or a duplicate found at recovery) must read Empty on disk
-                        // before its data is overwritten.
+                        // A slot whose header is not a clean Empty entry (evicted, or left by a
+                        // failed commit or a duplicate found at recovery) must read Empty on
+                        // disk before its data is overwritten.
                         // Listed first, so that a failure below still returns it to the free list.
                         slots.push((allocation.device, allocation.slot, 0));
                         let stale = allocation.evicted || !self.pool.header_is_empty(allocation.device, allocation.slot);
                         if stale {
                             if let Err(error) = self.pool.stage_header(allocation.device, allocation.slot, SlotState::Empty, &[]) {
-                                self.pool.index.remove_pending(key);
                                 failure = Some(error);
                                 break;
                             }
@@ -412,8 +421,8 @@ impl<E: Executor> KvStore<E> {
                         (allocation.device, allocation.slot, 0)
                     }
                     None => {
-                        self.pool.index.remove_pending(key);
-                        failure = Some(ObjstoreError::PoolFull { needed: (n - i).div_ceil(k), evictable: 0 });
+                        // Unreachable after the check above unless the index is inconsistent.
+                        failure = Some(ObjstoreError::PoolFull { needed: (blocks.len() - i).div_ceil(k), evictable: 0 });
                         break;
                     }
                 },
@@ -423,9 +432,8 @@ impl<E: Executor> KvStore<E> {
                 last.2 = used_now; // the open slot is always the last one listed
             }
             open = (usize::from(used_now) < k).then_some((device, slot, used_now));
-            blocks.push((BlockLocation { device, slot, index: used }, engine_block, key));
+            blocks[i].0 = BlockLocation { device, slot, index: used };
         }
-        self.keys = keys;
         self.requests[index].blocks = blocks;
         self.requests[index].slots = slots;
         // Evicted slots must read Empty on disk before new data can land in them.
@@ -732,6 +740,9 @@ impl<E: Executor> KvStore<E> {
                 _ => self.pool.index.release_unwritten(device, slot),
             }
         }
+        for &(device, slot) in &request.shared_pins {
+            self.pool.index.unpin(device, slot);
+        }
         if direction == Some(Direction::Store) {
             for (_, _, key) in &request.blocks {
                 self.pool.index.remove_pending(*key);
@@ -746,6 +757,7 @@ impl<E: Executor> KvStore<E> {
         let request = &mut self.requests[index];
         request.iocbs.clear();
         request.slots.clear();
+        request.shared_pins.clear();
         request.blocks.clear();
         request.active = false;
         request.layer_in_flight = None;

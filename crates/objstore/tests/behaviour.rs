@@ -142,6 +142,52 @@ fn pinned_slots_are_not_evicted_under_concurrent_retrieves() {
 }
 
 #[test]
+fn a_store_pins_the_cached_blocks_it_shares() {
+    // Goal: a store that shares a cached block pins that block's slot from prepare_store until
+    // it commits or is finished. With the pool full and the shared slot the least recently
+    // used, allocating the store's new block evicts another slot, not the shared one (which
+    // left a gap: the committed prefix was unreachable). Pins end on commit and on finish.
+    let mut rig = rig(4);
+    let mut rng = Rng(12);
+    let singles: Vec<Vec<u32>> = (0..4).map(|_| rng.tokens(16)).collect();
+    for (i, tokens) in singles.iter().enumerate() {
+        store(&mut rig.store, &rig.engine, tokens, &[i as u32]);
+    }
+    assert_eq!(rig.store.counts().free_slots, 0);
+    // Request 0's slot is the least recently used; extend request 0 by one new block.
+    let extended: Vec<u32> = singles[0].iter().copied().chain(rng.tokens(16)).collect();
+    let keys = keys_of(&extended);
+    rig.engine.fill(4, keys[0]);
+    rig.engine.fill(5, keys[1]);
+    let plan = rig.store.prepare_store(&KvRequest { tokens: &extended, block_ids: &[4, 5] }).unwrap();
+    assert_eq!((plan.new_blocks, plan.shared_blocks, plan.evicted_slots), (1, 1, 1));
+    assert_eq!(rig.store.lookup(&singles[0]), 1, "the shared block was not evicted");
+    assert_eq!(rig.store.lookup(&singles[1]), 0, "the next least recently used slot was");
+    assert_eq!(rig.store.counts().pinned_slots, 2, "the shared slot and the slot being written");
+    // While the store is in flight, another store cannot evict the shared block either.
+    let other = rng.tokens(48);
+    let refused = rig.store.prepare_store(&KvRequest { tokens: &other, block_ids: &[6, 7, 12] }).unwrap_err();
+    assert!(matches!(refused, ObjstoreError::PoolFull { needed: 3, evictable: 2 }), "{refused}");
+    assert_eq!(rig.store.lookup(&singles[2]), 1, "a refused store evicts nothing");
+    for layer in 0..4 {
+        rig.store.store_layer(plan.handle, layer, BUDGET).unwrap();
+        rig.store.wait(plan.handle, deadline()).unwrap();
+    }
+    rig.store.commit_store(plan.handle).unwrap();
+    assert_eq!(rig.store.lookup(&extended), 2, "the whole prefix is cached");
+    assert_eq!(rig.store.counts().pinned_slots, 0, "commit unpinned the shared slot");
+    retrieve(&mut rig.store, &rig.engine, &extended, &[8, 9]);
+    assert!(rig.engine.holds(8, keys[0], 4) && rig.engine.holds(9, keys[1], 4));
+    // An abandoned store unpins too.
+    let sharing: Vec<u32> = singles[2].iter().copied().chain(rng.tokens(16)).collect();
+    let plan = rig.store.prepare_store(&KvRequest { tokens: &sharing, block_ids: &[10, 11] }).unwrap();
+    assert_eq!(plan.shared_blocks, 1);
+    assert_eq!(rig.store.counts().pinned_slots, 2);
+    rig.store.finish(plan.handle).unwrap();
+    assert_eq!(rig.store.counts().pinned_slots, 0);
+}
+
+#[test]
 fn api_misuse_and_bad_requests_are_typed_errors() {
     let mut rig = rig(16);
     let mut rng = Rng(4);
