@@ -29,7 +29,7 @@ use crate::error::{KvKind, ObjstoreError, Result};
 use crate::format::{BlockRecord, SlotAddressing, SlotState, FLAG_PAYLOAD_CRC};
 use crate::hash::block_keys;
 use crate::index::{BlockLocation, Claim, IndexCounts};
-use crate::mapping::{MappingForm, MappingTable};
+use crate::mapping::{CommandLimits, MappingForm, MappingTable};
 use crate::pool::Pool;
 use crate::registration::KvRegistration;
 
@@ -179,7 +179,11 @@ impl<E: Executor> KvStore<E> {
             });
         }
         let k = pool.blocks_per_slot();
-        let table = MappingTable::build(registration, &dma, k)?;
+        // Every command must fit every pool device: the table cuts transfers to the smallest MDTS.
+        let max_transfer_bytes =
+            (0..pool.device_count()).map(|device| pool.target(device).controller.max_transfer_bytes()).min().unwrap_or(0);
+        let limits = CommandLimits { max_transfer_bytes, lba_bytes: pool.superblock(0).lba_bytes };
+        let table = MappingTable::build(registration, &dma, k, limits)?;
         let mut devices = Vec::with_capacity(pool.device_count());
         for device in 0..pool.device_count() {
             let target = pool.target(device);
@@ -198,15 +202,6 @@ impl<E: Executor> KvStore<E> {
             if table.registration().mode() == DataPointerMode::Sgl && !sgl {
                 return Err(ObjstoreError::InvalidRegistration {
                     reason: format!("registered for SGL, but pool device {device} ({target:?}) has no SGL support: register for PRP"),
-                });
-            }
-            let largest = if table.form() == MappingForm::SglTable { u64::from(k) } else { 1 } * 2 * pool.geometry().object_bytes();
-            if largest > target.controller.max_transfer_bytes() {
-                return Err(ObjstoreError::InvalidRegistration {
-                    reason: format!(
-                        "one command would move {largest} bytes; pool device {device} takes at most {} (MDTS)",
-                        target.controller.max_transfer_bytes()
-                    ),
                 });
             }
             devices.push(DeviceInfo {

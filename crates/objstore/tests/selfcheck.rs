@@ -5,7 +5,7 @@ use std::sync::Arc;
 use nvme_driver::hw::DeviceBackend;
 use nvme_driver::{Controller, ControllerConfig, NamespaceId};
 use nvme_emu::{Backing, EmuConfig, EmuDevice};
-use objstore::selfcheck::{round_trip, RoundTripConfig};
+use objstore::selfcheck::{round_trip, EngineLayout, RoundTripConfig};
 use objstore::{ModelGeometry, PoolTarget};
 
 fn controller() -> Arc<Controller> {
@@ -52,4 +52,24 @@ fn round_trip_passes_across_two_controllers_in_one_dma_space() {
     let report = round_trip(targets, &small()).expect("round trip");
     assert_eq!(report.recovery.devices, 2);
     assert_eq!(report.bytes_verified, 3 * 8 * 2 * 4 * small().geometry.object_bytes());
+}
+
+#[test]
+fn round_trip_passes_on_a_controller_with_a_small_mdts() {
+    // Goal: a controller that moves at most 16 KiB per command (MDTS 2, like a cheap SSD or
+    // QEMU's `mdts=2`) takes a pool of 32 KiB objects (64 KiB per block-layer, 256 KiB per k = 4
+    // slot layer): every transfer is cut into commands it accepts, and the bytes come back
+    // exactly, for SGL and PRP-only controllers, both engine layouts and k = 1 and 4. It used
+    // to refuse the pool ("one command would move 65536 bytes; pool device 0 takes at most 16384").
+    for sgl in [true, false] {
+        for layout in [EngineLayout::SeparateKv, EngineLayout::BlockMajor] {
+            for k in [1, 4] {
+                let device = EmuDevice::start(config().with_mdts(2).with_sgl(sgl)).expect("software controller");
+                let targets = vec![PoolTarget { controller: bring_up(device), namespace: NamespaceId(1) }];
+                let context = format!("sgl={sgl} {layout:?} k={k}");
+                let report = round_trip(targets, &RoundTripConfig { blocks_per_slot: k, layout, ..small() }).expect(&context);
+                assert_eq!(report.bytes_verified, 3 * 8 * 2 * 4 * small().geometry.object_bytes(), "{context}");
+            }
+        }
+    }
 }
