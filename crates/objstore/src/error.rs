@@ -52,6 +52,8 @@ pub enum ObjstoreError {
     GeometryMismatch { on_disk: ModelGeometry, registered: ModelGeometry },
     #[error("device {device}: {reason}")]
     PoolMembership { device: usize, reason: String },
+    #[error("pool device {device}: its controller granted {granted} I/O queue pair(s), the store needs {needed}: {reason}")]
+    QueuePairs { device: usize, granted: u16, needed: usize, reason: String },
     #[error("pool full: {needed} slots needed, {evictable} free or evictable (the rest are pinned by in-flight I/O)")]
     PoolFull { needed: usize, evictable: usize },
     #[error("unknown or finished request handle {handle}")]

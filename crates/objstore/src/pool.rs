@@ -1,7 +1,9 @@
 //! A pool on its devices: format, open with recovery, the slot-header mirror and its durable
 //! writes, and the offline check.
 //!
-//! Metadata goes through one NVMe queue pair per device owned here (data goes through gio_uring).
+//! Metadata goes through one NVMe queue pair per device owned here (data goes through gio_uring),
+//! or, on a controller that granted too few I/O queue pairs for that (fewer than two per pool
+//! device on it), through the executor's queue pair, lent between commands ([`QueueLender`]).
 //! Each device's header region is mirrored in DMA memory ([`mirror`]): the mirror only ever holds
 //! Valid entries whose data is already durable, and Empty entries, so writing any of its sectors
 //! is always safe, and a sync writes only the sectors that changed.
@@ -16,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use nvme_driver::{Controller, DmaRegion, IoQueuePair, NamespaceId};
 
+pub use metadata_io::METADATA_QUEUE_DEPTH;
 use metadata_io::{transfer_region, Transfer, METADATA_CHUNK_BYTES};
 use mirror::HeaderMirror;
 
@@ -30,8 +33,6 @@ use crate::index::Index;
 
 /// Deadline of each metadata command batch.
 pub const METADATA_TIMEOUT: Duration = Duration::from_secs(10);
-/// Depth of the metadata queue pair of each device.
-const METADATA_QUEUE_DEPTH: u32 = 64;
 
 /// One namespace offered to a pool.
 #[derive(Clone)]
@@ -44,6 +45,45 @@ impl std::fmt::Debug for PoolTarget {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{} {}", self.controller.backend().name(), self.namespace)
     }
+}
+
+/// Lends an executor's NVMe queue pair for the metadata commands of a pool device whose
+/// controller granted too few I/O queue pairs for the pool to keep its own (see
+/// `gio_uring::Executor::lend_queue_pair`): the queue pair serving pool device `device`, idle,
+/// or `None` if the executor cannot lend.
+pub trait QueueLender {
+    fn lend(&mut self, device: usize, deadline: Instant) -> Result<Option<&mut IoQueuePair>>;
+}
+
+/// No executor to borrow from (offline use): the pool creates a temporary queue pair.
+pub(crate) struct NoLender;
+
+impl QueueLender for NoLender {
+    fn lend(&mut self, _device: usize, _deadline: Instant) -> Result<Option<&mut IoQueuePair>> {
+        Ok(None)
+    }
+}
+
+/// The queue pair device `device`'s metadata goes through: its own, else the lender's, else a
+/// temporary one created in `temporary` (dropped, and so deleted, by the caller).
+fn metadata_queue<'a>(
+    own: &'a mut Option<IoQueuePair>,
+    temporary: &'a mut Option<IoQueuePair>,
+    lender: &'a mut dyn QueueLender,
+    target: &PoolTarget,
+    device: usize,
+    timeout: Duration,
+) -> Result<&'a mut IoQueuePair> {
+    if let Some(queue) = own {
+        return Ok(queue);
+    }
+    if let Some(queue) = lender.lend(device, Instant::now() + timeout)? {
+        return Ok(queue);
+    }
+    if temporary.is_none() {
+        *temporary = Some(target.controller.create_io_queue_pair(METADATA_QUEUE_DEPTH)?);
+    }
+    Ok(temporary.as_mut().expect("set above"))
 }
 
 /// Parameters of `format`.
@@ -83,7 +123,9 @@ pub struct RecoveryReport {
 /// Fields drop in order: the queue pair must be deleted while its controller (kept alive by
 /// `target`) still runs, or the drop waits out the admin timeout.
 pub(crate) struct PoolDevice {
-    pub(crate) queue: IoQueuePair,
+    /// The device's own metadata queue pair; `None` when its controller granted too few and
+    /// metadata borrows the executor's ([`QueueLender`]).
+    pub(crate) queue: Option<IoQueuePair>,
     pub(crate) target: PoolTarget,
     pub(crate) superblock: Superblock,
     mirror: HeaderMirror,
@@ -217,7 +259,7 @@ pub fn format_pool(targets: &[PoolTarget], params: &FormatParams) -> Result<Vec<
             )?;
             done += piece;
         }
-        queue.flush(target.namespace, METADATA_TIMEOUT)?;
+        metadata_io::flush(&mut queue, target.namespace, METADATA_TIMEOUT)?;
         let encoded = superblock.encode();
         let block = buffer.subregion(0, SUPERBLOCK_REGION_BYTES.max(lba) as usize)?;
         block.fill(0, block.len(), 0)?;
@@ -298,7 +340,14 @@ impl Pool {
             timeout: METADATA_TIMEOUT,
         };
         let mut report = RecoveryReport { devices: found.len(), ..RecoveryReport::default() };
-        for (superblock, target) in found {
+        // A controller serving n pool devices needs n queue pairs for the executor; the pool
+        // keeps n more for metadata only if it granted 2n, and otherwise borrows the executor's.
+        let devices_on = |controller: &Arc<Controller>| found.iter().filter(|(_, t)| Arc::ptr_eq(&t.controller, controller)).count();
+        let own_queue: Vec<bool> = found
+            .iter()
+            .map(|(_, target)| usize::from(target.controller.granted_queue_pairs()) >= 2 * devices_on(&target.controller))
+            .collect();
+        for ((superblock, target), own_queue) in found.into_iter().zip(own_queue) {
             let mut queue = target.controller.create_io_queue_pair(METADATA_QUEUE_DEPTH)?;
             let mirror = target.controller.dma().allocate(superblock.header_region_bytes() as usize)?;
             transfer_region(
@@ -314,6 +363,15 @@ impl Pool {
             )?;
             let scratch =
                 target.controller.dma().allocate((2 * superblock.geometry.object_bytes()).max(SUPERBLOCK_REGION_BYTES) as usize)?;
+            if !own_queue {
+                tracing::info!(
+                    device = superblock.device_index,
+                    granted = target.controller.granted_queue_pairs(),
+                    "the controller granted too few I/O queue pairs for a metadata queue of the pool's own: metadata will \
+                     borrow the executor's queue pair"
+                );
+            }
+            let queue = own_queue.then_some(queue); // a shared one is deleted here, freeing its id
             pool.devices.push(PoolDevice { queue, target, superblock, mirror: HeaderMirror::new(mirror, superblock), scratch });
         }
         pool.recover(&mut report)?;
@@ -422,19 +480,34 @@ impl Pool {
         self.devices[usize::from(device)].mirror.is_empty(slot)
     }
 
+    /// Whether device `device`'s metadata borrows the executor's queue pair (its controller
+    /// granted fewer than two I/O queue pairs per pool device on it).
+    pub fn metadata_queue_shared(&self, device: usize) -> bool {
+        self.devices[device].queue.is_none()
+    }
+
     /// Writes every staged header sector with FUA and waits: on return they are durable.
-    pub(crate) fn sync_headers(&mut self) -> Result<()> {
-        for d in &mut self.devices {
-            d.mirror.sync(&mut d.queue, d.target.namespace, self.timeout)?;
+    pub(crate) fn sync_headers(&mut self, lender: &mut dyn QueueLender) -> Result<()> {
+        let timeout = self.timeout;
+        for (index, d) in self.devices.iter_mut().enumerate() {
+            if !d.mirror.has_dirty() {
+                continue;
+            }
+            let mut temporary = None;
+            let queue = metadata_queue(&mut d.queue, &mut temporary, lender, &d.target, index, timeout)?;
+            d.mirror.sync(queue, d.target.namespace, timeout)?;
         }
         Ok(())
     }
 
     /// Flushes the volatile write cache of the devices in `devices` (a bitmap by index).
-    pub(crate) fn flush(&mut self, devices: &[bool]) -> Result<()> {
-        for (d, &used) in self.devices.iter_mut().zip(devices) {
+    pub(crate) fn flush(&mut self, devices: &[bool], lender: &mut dyn QueueLender) -> Result<()> {
+        let timeout = self.timeout;
+        for (index, (d, &used)) in self.devices.iter_mut().zip(devices).enumerate() {
             if used {
-                d.queue.flush(d.target.namespace, self.timeout)?;
+                let mut temporary = None;
+                let queue = metadata_queue(&mut d.queue, &mut temporary, lender, &d.target, index, timeout)?;
+                metadata_io::flush(queue, d.target.namespace, timeout)?;
             }
         }
         Ok(())
@@ -450,7 +523,11 @@ impl Pool {
         let mut entry = Vec::new();
         let mut bytes = Vec::new();
         let mut hashers = Vec::new();
+        let mut no_lender = NoLender;
         for device in 0..self.devices.len() {
+            // A device without a metadata queue of its own gets one for the check (no store,
+            // so no executor holds the controller's queue pairs).
+            let mut temporary = None;
             let superblock = self.devices[device].superblock;
             entry.resize(superblock.header_entry_bytes as usize, 0);
             for slot in 0..superblock.slot_count as u32 {
@@ -471,8 +548,9 @@ impl Pool {
                     for (j, hasher) in hashers.iter_mut().enumerate() {
                         let lba = superblock.block_lba(slot, j as u32) + u64::from(layer) * superblock.layer_stride_blocks();
                         let d = &mut self.devices[device];
+                        let queue = metadata_queue(&mut d.queue, &mut temporary, &mut no_lender, &d.target, device, self.timeout)?;
                         transfer_region(
-                            &mut d.queue,
+                            queue,
                             d.target.namespace,
                             lba,
                             &d.scratch,

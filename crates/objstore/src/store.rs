@@ -30,8 +30,12 @@ use crate::format::{BlockRecord, SlotAddressing, SlotState, FLAG_PAYLOAD_CRC};
 use crate::hash::block_keys;
 use crate::index::{BlockLocation, Claim, IndexCounts};
 use crate::mapping::{CommandLimits, MappingForm, MappingTable};
-use crate::pool::Pool;
+use crate::pool::{Pool, QueueLender};
 use crate::registration::KvRegistration;
+
+/// Bounds the check, in `KvStore::new`, that the executor can lend its queue pairs (nothing is
+/// in flight yet, so it answers at once).
+const LEND_CHECK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Direction of a prepared request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -141,12 +145,41 @@ pub struct KvStore<E: Executor> {
 }
 
 /// A CPU executor with one I/O queue pair per pool device (device index i = pool device i).
+/// On a controller that granted fewer than two queue pairs per pool device, the pool's
+/// metadata borrows these (the CPU executor lends them between commands).
 pub fn cpu_executor_for(pool: &Pool, nvme_queue_depth: u32, config: &StoreConfig) -> Result<CpuExecutor> {
     let mut queues = Vec::with_capacity(pool.device_count());
     for device in 0..pool.device_count() {
-        queues.push(pool.target(device).controller.create_io_queue_pair(nvme_queue_depth)?);
+        let controller = &pool.target(device).controller;
+        match controller.create_io_queue_pair(nvme_queue_depth) {
+            Ok(queue) => queues.push(queue),
+            Err(nvme_driver::NvmeError::NoQueueAvailable { granted }) => {
+                let needed = (0..pool.device_count()).filter(|&d| Arc::ptr_eq(&pool.target(d).controller, controller)).count();
+                let own = (0..pool.device_count()).filter(|&d| !pool.metadata_queue_shared(d)).count();
+                return Err(ObjstoreError::QueuePairs {
+                    device,
+                    granted,
+                    needed,
+                    reason: format!(
+                        "the CPU executor needs one per pool device on this controller (pool metadata borrows them when the controller \
+                         grants fewer than two per device; {own} pool device(s) keep a metadata queue pair of their own, and other \
+                         users of the controller may hold some)"
+                    ),
+                });
+            }
+            Err(error) => return Err(error.into()),
+        }
     }
     Ok(CpuExecutor::new(queues, config.iocbs))
+}
+
+/// The executor lends its queue pair of pool device `device` for the pool's metadata when the
+/// pool has none of its own there (see `Executor::lend_queue_pair`).
+impl<E: Executor> QueueLender for GioQueue<E> {
+    fn lend(&mut self, device: usize, deadline: Instant) -> Result<Option<&mut nvme_driver::IoQueuePair>> {
+        let (executor, memory) = self.executor_and_memory();
+        Ok(executor.lend_queue_pair(memory, device, deadline)?)
+    }
 }
 
 /// The KV tensors as gio_uring ranges, touching ones merged: tensors allocated back to back are
@@ -225,6 +258,24 @@ impl<E: Executor> KvStore<E> {
             registered,
             executor,
         )?;
+        let mut queue = queue;
+        for device in (0..pool.device_count()).filter(|&device| pool.metadata_queue_shared(device)) {
+            // The pool's metadata (header writes, flushes) borrows the executor's queue pair here.
+            if queue.lend(device, Instant::now() + LEND_CHECK_TIMEOUT)?.is_none() {
+                let controller = &pool.target(device).controller;
+                let on_controller = (0..pool.device_count()).filter(|&d| Arc::ptr_eq(&pool.target(d).controller, controller)).count();
+                return Err(ObjstoreError::QueuePairs {
+                    device,
+                    granted: controller.granted_queue_pairs(),
+                    needed: 2 * on_controller,
+                    reason: format!(
+                        "one per pool device on it for the executor and one for the pool's metadata; executor `{}` cannot lend its \
+                         queue pairs for metadata (the CPU executor of `cpu_executor_for` can: with it, one per pool device is enough)",
+                        queue.executor().name()
+                    ),
+                });
+            }
+        }
         let addressing = pool.devices.iter().map(|device| (device.target.namespace.0, device.superblock.addressing())).collect();
         let layers = pool.geometry().layers as usize;
         let requests = (0..config.requests_max).map(|_| Request { layers_done: vec![false; layers], ..Request::default() }).collect();
@@ -434,7 +485,7 @@ impl<E: Executor> KvStore<E> {
         // Evicted slots must read Empty on disk before new data can land in them.
         let result = match failure {
             Some(error) => Err(error),
-            None => self.pool.sync_headers().and_then(|()| {
+            None => self.pool.sync_headers(&mut self.queue).and_then(|()| {
                 if self.requests[index].blocks.is_empty() {
                     Ok(())
                 } else {
@@ -630,7 +681,11 @@ impl<E: Executor> KvStore<E> {
         for &(device, _, _) in &request.slots {
             used[usize::from(device)] = true;
         }
-        let result = self.pool.flush(&used).and_then(|()| self.stage_valid_headers(index)).and_then(|()| self.pool.sync_headers());
+        let result = self
+            .pool
+            .flush(&used, &mut self.queue)
+            .and_then(|()| self.stage_valid_headers(index))
+            .and_then(|()| self.pool.sync_headers(&mut self.queue));
         if let Err(error) = result {
             // Headers staged Valid must not reach the disk for slots that go back to the free
             // list (their data may not be durable): stage them Empty again; the next

@@ -309,6 +309,76 @@ fn a_zeroed_header_region_is_reported_as_damage() {
 }
 
 #[test]
+fn one_granted_queue_pair_serves_data_and_metadata() {
+    // Goal: on a controller that grants a single I/O queue pair, the pool's metadata (header
+    // writes, flushes) borrows the CPU executor's queue pair between its commands. A commit
+    // while another request's layer is in flight on that queue first lets those reads finish
+    // (their completion is kept for that request's wait), and every byte is right. Executors
+    // that cannot lend, and pools needing more queue pairs than granted, are refused at setup
+    // with the counts and the reason.
+    let config = device_config(vec![NamespaceConfig::new(512, Some(4 << 20)), NamespaceConfig::new(512, Some(4 << 20))], 8 << 20, true)
+        .with_io_queue_pairs_max(1);
+    let device = nvme_emu::EmuDevice::start(config).unwrap();
+    let controller = bring_up(&device, Duration::from_secs(5));
+    format(&targets(&controller, &[1]), 1, Some(16));
+    let engine = separate_kv(controller.dma(), 32, DataPointerMode::Sgl);
+    let mut kv = open_store(targets(&controller, &[1]), &engine, StoreConfig::default());
+    assert!(kv.pool().metadata_queue_shared(0));
+    let mut rng = Rng(13);
+    let first = rng.tokens(32);
+    store(&mut kv, &engine, &first, &[0, 1]);
+    let second = rng.tokens(48);
+    let keys = keys_of(&second);
+    for (i, key) in keys.iter().enumerate() {
+        engine.fill(4 + i as u32, *key);
+    }
+    let plan = kv.prepare_store(&KvRequest { tokens: &second, block_ids: &[4, 5, 6] }).unwrap();
+    for layer in 0..4 {
+        kv.store_layer(plan.handle, layer, BUDGET).unwrap();
+        kv.wait(plan.handle, deadline()).unwrap();
+    }
+    engine.scribble(8);
+    engine.scribble(9);
+    let reading = kv.prepare_retrieve(&KvRequest { tokens: &first, block_ids: &[8, 9] }).unwrap();
+    kv.retrieve_layer(reading, 0, BUDGET).unwrap();
+    kv.commit_store(plan.handle).unwrap(); // borrows the queue the reads are on
+    assert_eq!(kv.wait(reading, deadline()).unwrap(), Some(0));
+    for layer in 1..4 {
+        kv.retrieve_layer(reading, layer, BUDGET).unwrap();
+        kv.wait(reading, deadline()).unwrap();
+    }
+    kv.finish(reading).unwrap();
+    let first_keys = keys_of(&first);
+    assert!(engine.holds(8, first_keys[0], 4) && engine.holds(9, first_keys[1], 4));
+    drop(kv);
+    let mut kv = open_store(targets(&controller, &[1]), &engine, StoreConfig::default());
+    assert_eq!(kv.lookup(&second), 3, "the commit's headers are durable");
+    retrieve(&mut kv, &engine, &second, &[10, 11, 12]);
+    for (i, key) in keys.iter().enumerate() {
+        assert!(engine.holds(10 + i as u32, *key, 4), "block {i}");
+    }
+    drop(kv);
+
+    // The threaded executor owns its queue pairs on worker threads: it cannot lend them.
+    let (pool, _) = Pool::open(targets(&controller, &[1]), None).unwrap();
+    let workers = vec![vec![(gio_uring::DeviceIndex(0), controller.create_io_queue_pair(64).unwrap())]];
+    let executor = gio_uring::CpuWorkers::new(1, workers, 64).unwrap();
+    let Err(refused) = KvStore::new(pool, engine.registration.clone(), engine.dma.clone(), executor, StoreConfig::default()) else {
+        panic!("a store whose metadata has no queue pair was built")
+    };
+    assert!(
+        matches!(&refused, ObjstoreError::QueuePairs { device: 0, granted: 1, needed: 2, reason } if reason.contains("cannot lend")),
+        "{refused}"
+    );
+    // Two pool devices on one controller need two queue pairs for the executor alone.
+    let both = targets(&controller, &[1, 2]);
+    format(&both, 1, Some(8));
+    let (pool, _) = Pool::open(both, None).unwrap();
+    let Err(refused) = objstore::cpu_executor_for(&pool, 64, &StoreConfig::default()) else { panic!("two queue pairs from one") };
+    assert!(matches!(&refused, ObjstoreError::QueuePairs { granted: 1, needed: 2, .. }), "{refused}");
+}
+
+#[test]
 fn a_pool_across_several_controllers() {
     // Goal: one pool over two software controllers: open in either order, refuse a missing
     // member or a member of another pool, naming the device and both pool ids.

@@ -55,16 +55,18 @@ fn round_trip_passes_across_two_controllers_in_one_dma_space() {
 }
 
 #[test]
-fn round_trip_passes_on_a_controller_with_a_small_mdts() {
-    // Goal: a controller that moves at most 16 KiB per command (MDTS 2, like a cheap SSD or
-    // QEMU's `mdts=2`) takes a pool of 32 KiB objects (64 KiB per block-layer, 256 KiB per k = 4
-    // slot layer): every transfer is cut into commands it accepts, and the bytes come back
-    // exactly, for SGL and PRP-only controllers, both engine layouts and k = 1 and 4. It used
-    // to refuse the pool ("one command would move 65536 bytes; pool device 0 takes at most 16384").
+fn round_trip_passes_on_a_controller_with_a_small_mdts_and_one_queue_pair() {
+    // Goal: a controller like a cheap or busy SSD (QEMU's `mdts=2,max_ioqpairs=1`): at most
+    // 16 KiB per command and one I/O queue pair. A pool of 32 KiB objects (64 KiB per
+    // block-layer, 256 KiB per k = 4 slot layer) formats, stores, reopens and retrieves byte
+    // for byte: every transfer is cut into commands the controller accepts, and the pool's
+    // metadata borrows the executor's queue pair. For SGL and PRP-only controllers, both engine
+    // layouts, k = 1 and 4. It used to refuse the pool ("one command would move 65536 bytes;
+    // pool device 0 takes at most 16384"), then fail with "no free I/O queue identifier".
     for sgl in [true, false] {
         for layout in [EngineLayout::SeparateKv, EngineLayout::BlockMajor] {
             for k in [1, 4] {
-                let device = EmuDevice::start(config().with_mdts(2).with_sgl(sgl)).expect("software controller");
+                let device = EmuDevice::start(config().with_mdts(2).with_sgl(sgl).with_io_queue_pairs_max(1)).expect("software controller");
                 let targets = vec![PoolTarget { controller: bring_up(device), namespace: NamespaceId(1) }];
                 let context = format!("sgl={sgl} {layout:?} k={k}");
                 let report = round_trip(targets, &RoundTripConfig { blocks_per_slot: k, layout, ..small() }).expect(&context);

@@ -3,10 +3,17 @@
 
 use std::time::Duration;
 
+use gio_uring::LENT_COMMAND_TAG;
 use nvme_driver::{DataSegment, DmaRegion, IoQueuePair, Iova, Lba, NamespaceId, NvmeError};
 
 use crate::error::Result;
 
+/// The tag of every metadata command: it names no IOCB, so on a queue pair lent by an executor
+/// a late completion of ours can never be counted for an IOCTX.
+const METADATA_TAG: u64 = LENT_COMMAND_TAG;
+
+/// Depth of a metadata queue pair (a pool device's own, or a temporary one).
+pub const METADATA_QUEUE_DEPTH: u32 = 64;
 /// Metadata moves in pieces of at most this size (each piece is one submit + wait).
 pub(crate) const METADATA_CHUNK_BYTES: u64 = 1 << 20;
 /// Commands one piece may need: well below any queue depth the pool uses (the driver refuses a
@@ -48,9 +55,10 @@ pub(crate) fn transfer_region(
         let segment = [DataSegment::new(Iova(region.iova().0 + offset + done), piece as u32)];
         let start = Lba(lba + done / lba_bytes);
         match transfer {
-            Transfer::Read => queue.read(namespace, start, &segment, timeout),
-            Transfer::Write { force_unit_access } => queue.write(namespace, start, &segment, force_unit_access, timeout),
+            Transfer::Read => queue.submit_read(namespace, start, &segment, METADATA_TAG),
+            Transfer::Write { force_unit_access } => queue.submit_write(namespace, start, &segment, force_unit_access, METADATA_TAG),
         }?;
+        queue.complete_all(timeout)?;
         done += piece;
     }
     Ok(())
@@ -77,10 +85,10 @@ pub(crate) fn write_runs_durably(
             let segment = [DataSegment::new(Iova(region.iova().0 + at * lba_bytes), (blocks * lba_bytes) as u32)];
             let start = Lba(base_lba + at);
             // A full queue refuses before submitting anything: drain it, then submit again.
-            match queue.submit_write(namespace, start, &segment, true, 0) {
+            match queue.submit_write(namespace, start, &segment, true, METADATA_TAG) {
                 Err(NvmeError::QueueFull { .. }) => {
                     queue.complete_all(timeout)?;
-                    queue.submit_write(namespace, start, &segment, true, 0)?;
+                    queue.submit_write(namespace, start, &segment, true, METADATA_TAG)?;
                 }
                 other => {
                     other?;
@@ -89,6 +97,13 @@ pub(crate) fn write_runs_durably(
             at += blocks;
         }
     }
+    queue.complete_all(timeout)?;
+    Ok(())
+}
+
+/// Flushes the namespace's volatile write cache and waits.
+pub(crate) fn flush(queue: &mut IoQueuePair, namespace: NamespaceId, timeout: Duration) -> Result<()> {
+    queue.submit_flush(namespace, METADATA_TAG)?;
     queue.complete_all(timeout)?;
     Ok(())
 }

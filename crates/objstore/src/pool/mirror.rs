@@ -69,6 +69,11 @@ impl HeaderMirror {
         Ok(())
     }
 
+    /// Whether any LBA was staged since the last sync.
+    pub(crate) fn has_dirty(&self) -> bool {
+        !self.dirty.is_empty()
+    }
+
     /// LBAs staged and not yet durable.
     #[cfg(test)]
     pub(crate) fn dirty_blocks(&self) -> usize {

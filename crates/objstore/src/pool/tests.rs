@@ -43,18 +43,18 @@ fn a_sync_writes_only_the_dirty_header_sectors() {
         pool.stage_header(0, slot, SlotState::Empty, &[]).unwrap();
     }
     assert_eq!(pool.devices[0].mirror.dirty_blocks(), 2, "slots 0 and 1 share an LBA");
-    pool.sync_headers().unwrap();
+    pool.sync_headers(&mut NoLender).unwrap();
     let after = device.stats();
     assert_eq!(after.io(NvmOpcode::Write) - before.io(NvmOpcode::Write), 2, "one FUA write per dirty LBA");
     assert_eq!(after.bytes_written - before.bytes_written, 2 * 512);
     assert_eq!(pool.devices[0].mirror.dirty_blocks(), 0);
-    pool.sync_headers().unwrap();
+    pool.sync_headers(&mut NoLender).unwrap();
     assert_eq!(device.stats().io(NvmOpcode::Write), after.io(NvmOpcode::Write), "nothing dirty, nothing written");
     // Adjacent dirty LBAs go as one command.
     for slot in [8, 16, 24] {
         pool.stage_header(0, slot, SlotState::Empty, &[]).unwrap();
     }
-    pool.sync_headers().unwrap();
+    pool.sync_headers(&mut NoLender).unwrap();
     assert_eq!(device.stats().io(NvmOpcode::Write) - after.io(NvmOpcode::Write), 1, "LBAs 1..4 in one command");
     drop(pool);
     let (_, reopened) = Pool::open(targets, Some(&geometry())).unwrap();
