@@ -58,6 +58,9 @@ enum SlotUse {
     Writing,
     /// Committed: listed in the map and the LRU list.
     Valid,
+    /// Taken out of the cache (a payload CRC mismatch) while pinned: in neither the map nor
+    /// the LRU list; joins the free list when its last pin goes.
+    Condemned,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -261,6 +264,39 @@ impl Index {
             d.unpinned_valid += 1;
         }
         meta.pins = meta.pins.saturating_sub(1);
+        if meta.pins == 0 && meta.state == SlotUse::Condemned {
+            meta.state = SlotUse::Free;
+            d.free.push(slot);
+        }
+    }
+
+    /// Takes a committed slot out of the cache for good (its payload failed a CRC check): its
+    /// blocks leave the map and the LRU list at once, so no lookup finds them again; the slot
+    /// joins the free list when its last pin goes (a retrieve may still be reading it). The
+    /// caller makes its header Empty on disk. Does nothing to a slot that is not committed.
+    pub fn condemn(&mut self, device: u16, slot: u32) {
+        let k = self.blocks_per_slot as usize;
+        let d = &mut self.devices[usize::from(device)];
+        if d.meta[slot as usize].state != SlotUse::Valid {
+            return;
+        }
+        Self::unlink(d, slot);
+        let base = slot as usize * k;
+        for key in &mut d.keys[base..base + k] {
+            if *key != 0 {
+                self.map.remove(key);
+                *key = 0;
+            }
+        }
+        d.valid -= 1;
+        let meta = &mut d.meta[slot as usize];
+        if meta.pins == 0 {
+            d.unpinned_valid -= 1;
+            meta.state = SlotUse::Free;
+            d.free.push(slot);
+        } else {
+            meta.state = SlotUse::Condemned;
+        }
     }
 
     /// Free or evictable slots on all devices (evictable = committed and not pinned), O(devices).
@@ -469,6 +505,32 @@ mod tests {
         assert_eq!(index.cached_prefix(&[100, 200, 999, 400]), 2);
         let counts = index.counts();
         assert_eq!((counts.valid_slots, counts.pinned_slots, counts.evictions), (3, 3, 1));
+    }
+
+    #[test]
+    fn a_condemned_slot_leaves_the_cache_now_and_is_reused_once_unpinned() {
+        // Goal: condemning a pinned committed slot hides its blocks at once, keeps it out of
+        // allocation while pinned (a retrieve may still read it), and frees it on the last unpin.
+        let mut index = Index::new(&[2], 2);
+        let a = index.allocate_on(0).unwrap();
+        index.commit(0, a.slot, &[10, 11], 1);
+        let b = index.allocate_on(0).unwrap();
+        index.commit(0, b.slot, &[20], 2);
+        index.pin(0, a.slot);
+        index.pin(0, a.slot);
+        index.condemn(0, a.slot);
+        assert_eq!((index.get(10), index.get(11)), (None, None));
+        assert_eq!(index.available(), 1, "only b can be taken");
+        let next = index.allocate_on(0).unwrap();
+        assert_eq!((next.slot, next.evicted), (b.slot, true));
+        assert_eq!(index.allocate_on(0), None, "the condemned slot is still pinned");
+        index.unpin(0, a.slot);
+        assert_eq!(index.allocate_on(0), None);
+        index.unpin(0, a.slot);
+        let reused = index.allocate_on(0).unwrap();
+        assert_eq!((reused.slot, reused.evicted), (a.slot, false));
+        let counts = index.counts();
+        assert_eq!((counts.valid_slots, counts.writing_slots, counts.cached_blocks), (0, 2, 0));
     }
 
     #[test]

@@ -23,7 +23,7 @@ pub mod registration;
 pub mod selfcheck;
 pub mod store;
 
-pub use error::{KvKind, ObjstoreError, Result};
+pub use error::{KvKind, MismatchedBlock, ObjstoreError, Result};
 pub use geometry::ModelGeometry;
 pub use index::{BlockLocation, IndexCounts};
 pub use mapping::{mapping_memory, CommandLimits, MappingForm, MappingMemoryReport, MappingTable};

@@ -474,6 +474,12 @@ impl Pool {
         Ok(generation)
     }
 
+    /// The payload CRC recorded for a committed block: 4 bytes at `offset` (see
+    /// `format::payload_crc_offset`) in slot `slot`'s entry in the mirror.
+    pub(crate) fn recorded_payload_crc(&self, device: u16, slot: u32, offset: usize) -> Result<u32> {
+        self.devices[usize::from(device)].mirror.read_entry_u32(slot, offset)
+    }
+
     /// Whether slot `slot`'s header in the mirror is a clean Empty entry (as formatted, or made
     /// Empty since).
     pub(crate) fn header_is_empty(&self, device: u16, slot: u32) -> bool {

@@ -15,6 +15,7 @@
 
 mod abandon;
 mod commit;
+mod verify;
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -69,11 +70,17 @@ pub struct StoreConfig {
     pub ioctx_per_iocb_max: u32,
     /// Requests that may be prepared at once.
     pub requests_max: usize,
+    /// Verify every retrieve against the payload CRCs recorded at commit (the pool must record
+    /// them, and the KV memory must be host-visible through the store's DMA allocator): the
+    /// last layer's `wait` succeeds only once every block's CRC matched; a block that does
+    /// not is named in [`ObjstoreError::PayloadMismatch`] and evicted. Costs one CPU pass over
+    /// the retrieved bytes (docs/objstore.md gives the figures).
+    pub verify_retrieves: bool,
 }
 
 impl Default for StoreConfig {
     fn default() -> Self {
-        Self { iocbs: 64, ioctx_per_iocb_max: 2048, requests_max: 32 }
+        Self { iocbs: 64, ioctx_per_iocb_max: 2048, requests_max: 32, verify_retrieves: false }
     }
 }
 
@@ -122,6 +129,10 @@ struct Request {
     shared_pins: Vec<(u16, u32)>,
     layer_in_flight: Option<u32>,
     layers_done: Vec<bool>,
+    /// Verified retrieves: one running CRC per block, and how many layers (from 0, in order)
+    /// are folded into them.
+    crcs: Vec<crc32fast::Hasher>,
+    crc_layers: u32,
 }
 
 /// The layer-wise KV store over one pool, one registration and one gio_uring queue.
@@ -211,6 +222,9 @@ impl<E: Executor> KvStore<E> {
             return Err(ObjstoreError::BadRequest {
                 reason: format!("store config {config:?}: requests_max and ioctx_per_iocb_max must be positive"),
             });
+        }
+        if config.verify_retrieves {
+            verify::check_verifiable(&pool, &registration, &dma)?;
         }
         let k = pool.blocks_per_slot();
         // Every command must fit every pool device: the table cuts transfers to the smallest MDTS.
@@ -359,6 +373,8 @@ impl<E: Executor> KvStore<E> {
         request.shared_pins.clear();
         request.layer_in_flight = None;
         request.layers_done.fill(false);
+        request.crcs.clear();
+        request.crc_layers = 0;
         Ok(index)
     }
 
@@ -396,6 +412,9 @@ impl<E: Executor> KvStore<E> {
         }
         self.requests[index].blocks = blocks;
         self.requests[index].slots = slots;
+        if self.config.verify_retrieves {
+            self.requests[index].crcs.resize(n, crc32fast::Hasher::new());
+        }
         if let Err(error) = self.build_iocbs(index, Opcode::Read) {
             self.release(index);
             return Err(error);
@@ -645,6 +664,9 @@ impl<E: Executor> KvStore<E> {
             return Err(error);
         }
         self.requests[index].layers_done[layer as usize] = true;
+        if self.config.verify_retrieves && self.requests[index].direction == Some(Direction::Retrieve) {
+            self.verify_layers(index, handle)?;
+        }
         Ok(Some(layer))
     }
 

@@ -188,6 +188,70 @@ fn a_store_pins_the_cached_blocks_it_shares() {
 }
 
 #[test]
+fn a_verified_retrieve_names_and_evicts_blocks_whose_bytes_changed_on_disk() {
+    // Goal: with `verify_retrieves`, a block whose bytes on disk no longer match the payload CRC
+    // recorded at commit fails the retrieve's last layer with PayloadMismatch naming that block;
+    // the request's other blocks are delivered intact; the bad block's slot is evicted (lookup
+    // stops before it, and after a reopen too, since its header was made Empty on disk).
+    let device = start_device(vec![NamespaceConfig::new(512, None)], 8 << 20, true);
+    let controller = bring_up(&device, Duration::from_secs(5));
+    format(&targets(&controller, &[1]), 1, Some(16)); // records payload CRCs
+    let engine = separate_kv(controller.dma(), 32, DataPointerMode::Sgl);
+    let verified = StoreConfig { verify_retrieves: true, ..StoreConfig::default() };
+    let mut kv = open_store(targets(&controller, &[1]), &engine, verified);
+    let mut rng = Rng(14);
+    let tokens = rng.tokens(48);
+    let keys = keys_of(&tokens);
+    store(&mut kv, &engine, &tokens, &[0, 1, 2]);
+    retrieve(&mut kv, &engine, &tokens, &[3, 4, 5]); // intact: verified without complaint
+                                                     // Flip one byte of block 1's layer-2 V object on disk, behind the store's back.
+    let location = kv.pool().index().get(keys[1]).unwrap();
+    let superblock = *kv.pool().superblock(0);
+    let object_blocks = geometry().object_bytes() / 512;
+    let lba = superblock.block_lba(location.slot, u32::from(location.index)) + 2 * superblock.layer_stride_blocks() + object_blocks;
+    let mut sector = raw_read(&controller, 1, lba, 512);
+    sector[100] ^= 0x01;
+    raw_write(&controller, 1, lba, &sector);
+    for block in [20, 21, 22] {
+        engine.scribble(block);
+    }
+    let handle = kv.prepare_retrieve(&KvRequest { tokens: &tokens, block_ids: &[20, 21, 22] }).unwrap();
+    for layer in 0..3 {
+        kv.retrieve_layer(handle, layer, BUDGET).unwrap();
+        assert_eq!(kv.wait(handle, deadline()).unwrap(), Some(layer), "layers before the last are not judged yet");
+    }
+    kv.retrieve_layer(handle, 3, BUDGET).unwrap();
+    match kv.wait(handle, deadline()) {
+        Err(ObjstoreError::PayloadMismatch { blocks, .. }) => {
+            assert_eq!(blocks.len(), 1, "{blocks:?}");
+            assert_eq!((blocks[0].prefix_index, blocks[0].engine_block, blocks[0].slot), (1, 21, location.slot), "{blocks:?}");
+        }
+        other => panic!("expected a payload mismatch, got {other:?}"),
+    }
+    assert!(engine.holds(20, keys[0], 4) && engine.holds(22, keys[2], 4), "the good blocks were delivered");
+    assert!(!engine.holds(21, keys[1], 4));
+    kv.finish(handle).unwrap();
+    assert_eq!(kv.lookup(&tokens), 1, "block 1 was evicted: the prefix stops there");
+    assert_eq!((kv.counts().valid_slots, kv.counts().pinned_slots), (2, 0));
+    retrieve(&mut kv, &engine, &tokens[..16], &[23]);
+    assert!(engine.holds(23, keys[0], 4));
+    drop(kv);
+    let (pool, report) = Pool::open(targets(&controller, &[1]), None).unwrap();
+    assert_eq!((report.valid_slots, report.corrupt_headers), (2, 0), "the evicted slot's header is Empty on disk");
+    drop(pool);
+    // Verification needs the CRCs: a pool formatted without them is refused.
+    let plain =
+        objstore::FormatParams { geometry: geometry(), blocks_per_slot: 1, slot_count_max: Some(16), pool_uuid: None, payload_crc: false };
+    objstore::format_pool(&targets(&controller, &[1]), &plain).unwrap();
+    let (pool, _) = Pool::open(targets(&controller, &[1]), None).unwrap();
+    let executor = objstore::cpu_executor_for(&pool, 64, &verified).unwrap();
+    let Err(refused) = KvStore::new(pool, engine.registration.clone(), engine.dma.clone(), executor, verified) else {
+        panic!("verification without recorded CRCs")
+    };
+    assert!(refused.to_string().contains("payload CRCs"), "{refused}");
+}
+
+#[test]
 fn api_misuse_and_bad_requests_are_typed_errors() {
     let mut rig = rig(16);
     let mut rng = Rng(4);

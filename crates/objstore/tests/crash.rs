@@ -41,7 +41,7 @@ fn bring_up_fast(device: &Arc<EmuDevice>) -> Arc<Controller> {
 fn open(controller: &Arc<Controller>, engine: &Engine, metadata_timeout: Duration) -> objstore::Result<KvStore<gio_uring::CpuExecutor>> {
     let (mut pool, _) = Pool::open(targets(controller, &[1]), Some(&geometry()))?;
     pool.set_metadata_timeout(metadata_timeout);
-    let config = StoreConfig { iocbs: 16, ioctx_per_iocb_max: 64, requests_max: 4 };
+    let config = StoreConfig { iocbs: 16, ioctx_per_iocb_max: 64, requests_max: 4, ..StoreConfig::default() };
     let executor = cpu_executor_for(&pool, 256, &config)?;
     KvStore::new(pool, engine.registration.clone(), engine.dma.clone(), executor, config)
 }

@@ -46,6 +46,13 @@ impl HeaderMirror {
         Ok(())
     }
 
+    /// Reads 4 bytes at `offset` inside slot `slot`'s entry.
+    pub(crate) fn read_entry_u32(&self, slot: u32, offset: usize) -> Result<u32> {
+        let mut bytes = [0u8; 4];
+        self.region.read(self.superblock.header_offset(slot) as usize + offset, &mut bytes)?;
+        Ok(u32::from_le_bytes(bytes))
+    }
+
     /// Records whether slot `slot`'s entry is a clean Empty one (recovery's verdict).
     pub(crate) fn set_empty(&mut self, slot: u32, empty: bool) {
         self.not_empty[slot as usize] = !empty;

@@ -103,7 +103,7 @@ impl<E: Executor> KvStore<E> {
     }
 
     /// Adds layer `layer` of engine block `engine_block` (K, then V) to `crc`.
-    fn fold_layer(&mut self, crc: &mut crc32fast::Hasher, layer: u32, engine_block: u32) -> Result<()> {
+    pub(super) fn fold_layer(&mut self, crc: &mut crc32fast::Hasher, layer: u32, engine_block: u32) -> Result<()> {
         let object = self.pool.geometry().object_bytes() as usize;
         self.crc_scratch.resize(object, 0);
         for kind in [KvKind::Key, KvKind::Value] {
