@@ -70,7 +70,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
 /// Formats a pool on `path`, stores and retrieves `blocks` blocks 3 times, keeps the best
 /// times; returns them with the largest command and the commands of one layer.
-fn run(path: &Path, blocks: u32, k: u32, geometry: ModelGeometry, verify: bool) -> Result<(Measured, u64, u64), Box<dyn std::error::Error>> {
+fn run(
+    path: &Path,
+    blocks: u32,
+    k: u32,
+    geometry: ModelGeometry,
+    verify: bool,
+) -> Result<(Measured, u64, u64), Box<dyn std::error::Error>> {
     let slots = u64::from(blocks.div_ceil(k));
     let bytes = slots * u64::from(k) * geometry.block_bytes() + (16 << 20);
     // `mem`: a memory-backed controller, for the CPU cost without the disk's variance.

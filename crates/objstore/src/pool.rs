@@ -3,7 +3,7 @@
 //!
 //! Metadata goes through one NVMe queue pair per device owned here (data goes through gio_uring),
 //! or, on a controller that granted too few I/O queue pairs for that (fewer than two per pool
-//! device on it), through the executor's queue pair, lent between commands ([`QueueLender`]).
+//! device on it), through the executor's queue pair, lent between commands (`QueueLender`).
 //! Each device's header region is mirrored in DMA memory ([`mirror`]): the mirror only ever holds
 //! Valid entries whose data is already durable, and Empty entries, so writing any of its sectors
 //! is always safe, and a sync writes only the sectors that changed.
@@ -51,7 +51,7 @@ impl std::fmt::Debug for PoolTarget {
 /// controller granted too few I/O queue pairs for the pool to keep its own (see
 /// `gio_uring::Executor::lend_queue_pair`): the queue pair serving pool device `device`, idle,
 /// or `None` if the executor cannot lend.
-pub trait QueueLender {
+pub(crate) trait QueueLender {
     fn lend(&mut self, device: usize, deadline: Instant) -> Result<Option<&mut IoQueuePair>>;
 }
 
@@ -124,7 +124,7 @@ pub struct RecoveryReport {
 /// `target`) still runs, or the drop waits out the admin timeout.
 pub(crate) struct PoolDevice {
     /// The device's own metadata queue pair; `None` when its controller granted too few and
-    /// metadata borrows the executor's ([`QueueLender`]).
+    /// metadata borrows the executor's (`QueueLender`).
     pub(crate) queue: Option<IoQueuePair>,
     pub(crate) target: PoolTarget,
     pub(crate) superblock: Superblock,

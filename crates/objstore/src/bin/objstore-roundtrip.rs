@@ -17,7 +17,8 @@ use nvme_driver::{Controller, ControllerConfig, DeviceBackend};
 use objstore::selfcheck::{round_trip, EngineLayout, RoundTripConfig};
 use objstore::PoolTarget;
 
-const USAGE: &str = "usage: objstore-roundtrip --device vfio:DOMAIN:BUS:DEVICE.FUNCTION [--device vfio:BDF ...] [--requests N] [--blocks N] \
+const USAGE: &str =
+    "usage: objstore-roundtrip --device vfio:DOMAIN:BUS:DEVICE.FUNCTION [--device vfio:BDF ...] [--requests N] [--blocks N] \
                      [--k N] [--layout separate|block-major]";
 
 fn parse() -> Result<(Vec<PciAddress>, RoundTripConfig), String> {
