@@ -111,6 +111,12 @@ pub struct MappingTable {
     part_bytes: u64,
     /// SGL table path: descriptors one command takes (whole descriptors within MDTS).
     descriptors_per_command: u64,
+    /// Bytes of one object, and on the SGL table path the bytes of one block's descriptors in
+    /// a layer and the blocks one command takes whole: the per-block path reads these instead
+    /// of recomputing them.
+    object_bytes: u64,
+    sgl_block_bytes: u64,
+    sgl_blocks_per_command: u64,
 }
 
 fn gio(iova: Iova) -> GioIova {
@@ -141,6 +147,9 @@ impl MappingTable {
             parts_per_unit: 1,
             part_bytes: 0,
             descriptors_per_command: 0,
+            object_bytes: object,
+            sgl_block_bytes: 0,
+            sgl_blocks_per_command: 0,
             registration,
         };
         match (table.registration.mode(), stride, adjacent) {
@@ -156,7 +165,9 @@ impl MappingTable {
                 (table.parts_per_unit, table.part_bytes) = (parts, part);
                 let per_block = 2 * parts;
                 table.descriptors_per_command = (max_transfer / part).min(u64::from(run_blocks_max) * per_block);
+                table.sgl_blocks_per_command = table.descriptors_per_command / per_block;
                 let pair = per_block * SGL_DESCRIPTOR_BYTES;
+                table.sgl_block_bytes = pair;
                 table.desc_stride_bytes = n * pair;
                 // The IOCTX's data field points into the table too (only the segment is read for
                 // an SGL segment, but gio_uring checks data ranges): pad by the longest command.
@@ -281,27 +292,19 @@ impl MappingTable {
     /// in wider loads stalled store forwarding.
     #[inline]
     pub fn for_each_piece(&self, first_block: u32, run: u32, mut emit: impl FnMut(Piece)) {
-        let object = self.registration.geometry().object_bytes();
         let b = u64::from(first_block);
         match self.form {
             MappingForm::SglTable => {
                 let table = self.region.as_ref().map_or(0, |region| region.iova().0);
-                let per_block = 2 * self.parts_per_unit;
-                let first = table + b * per_block * SGL_DESCRIPTOR_BYTES;
-                let total = u64::from(run) * per_block;
-                let mut done = 0;
-                while done < total {
-                    let count = (total - done).min(self.descriptors_per_command);
-                    let at = Iova(first + done * SGL_DESCRIPTOR_BYTES);
-                    let segment = IovaRange::new(gio(at), count * SGL_DESCRIPTOR_BYTES);
-                    emit(Piece {
-                        disk_offset_bytes: done * self.part_bytes,
-                        len_bytes: count * self.part_bytes,
-                        data: at,
-                        descriptor: Descriptor::SglSegment { segment },
-                    });
-                    done += count;
+                let first = table + b * self.sgl_block_bytes;
+                if u64::from(run) <= self.sgl_blocks_per_command {
+                    // The common case (MDTS holds the run): one command, as before the split.
+                    let segment = IovaRange::new(gio(Iova(first)), u64::from(run) * self.sgl_block_bytes);
+                    let descriptor = Descriptor::SglSegment { segment };
+                    emit(Piece { disk_offset_bytes: 0, len_bytes: u64::from(run) * 2 * self.object_bytes, data: Iova(first), descriptor });
+                    return;
                 }
+                self.split_sgl_pieces(first, run, &mut emit);
             }
             MappingForm::Collapsed => {
                 let base = self.registration.address_unchecked(0, KvKind::Key, first_block);
@@ -313,6 +316,7 @@ impl MappingTable {
                 }
             }
             MappingForm::StridedPair => {
+                let object = self.object_bytes;
                 for (index, kind) in [KvKind::Key, KvKind::Value].into_iter().enumerate() {
                     let base = self.registration.address_unchecked(0, kind, first_block);
                     for part in 0..self.parts_per_unit {
@@ -327,6 +331,28 @@ impl MappingTable {
                     }
                 }
             }
+        }
+    }
+
+    /// The SGL table path when a run's descriptors exceed one command (MDTS smaller than the
+    /// run): commands of `descriptors_per_command` whole descriptors. Out of line, so that the
+    /// common path stays small enough to inline into the per-block loop.
+    #[cold]
+    #[inline(never)]
+    fn split_sgl_pieces(&self, first: u64, run: u32, emit: &mut dyn FnMut(Piece)) {
+        let total = u64::from(run) * 2 * self.parts_per_unit;
+        let mut done = 0;
+        while done < total {
+            let count = (total - done).min(self.descriptors_per_command);
+            let at = Iova(first + done * SGL_DESCRIPTOR_BYTES);
+            let segment = IovaRange::new(gio(at), count * SGL_DESCRIPTOR_BYTES);
+            emit(Piece {
+                disk_offset_bytes: done * self.part_bytes,
+                len_bytes: count * self.part_bytes,
+                data: at,
+                descriptor: Descriptor::SglSegment { segment },
+            });
+            done += count;
         }
     }
 

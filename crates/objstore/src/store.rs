@@ -563,15 +563,18 @@ impl<E: Executor> KvStore<E> {
                 }
                 run += 1;
             }
-            let (nsid, addressing) = self.addressing[usize::from(first.device)];
+            // By reference: a copy of the tuple went through the stack as wide stores read back
+            // narrower (a store-forwarding stall once the closure had to live in memory).
+            let (nsid, addressing) = &self.addressing[usize::from(first.device)];
+            let (nsid, lba_shift) = (*nsid, addressing.lba_shift);
             let start = addressing.block_lba(first.slot, u32::from(first.index));
             let ioctxs = &mut self.ioctxs;
-            self.table.for_each_piece(engine_block, run as u32, |piece| {
+            self.table.for_each_piece(engine_block, run as u32, move |piece| {
                 ioctxs.push(IoctxSpec {
                     device: DeviceIndex(first.device),
                     nsid,
-                    start_lba: Lba(start + addressing.blocks_of(piece.disk_offset_bytes)),
-                    block_count: addressing.blocks_of(piece.len_bytes) as u32,
+                    start_lba: Lba(start + (piece.disk_offset_bytes >> lba_shift)),
+                    block_count: (piece.len_bytes >> lba_shift) as u32,
                     data: gio_uring::Iova(piece.data.0),
                     descriptor: piece.descriptor,
                     force_unit_access: false,
