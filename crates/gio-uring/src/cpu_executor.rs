@@ -18,6 +18,7 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
+use std::time::Instant;
 
 use nvme_driver::spec::command::DataPointerKind;
 use nvme_driver::spec::{NvmeStatus as DriverStatus, SubmissionEntry};
@@ -328,24 +329,40 @@ impl Executor for CpuExecutor {
             let Some(queue) = queue else { continue };
             let depth = queue.depth() as usize;
             queue
-                .reap(depth, |completion| {
-                    let (id, index) = untag(completion.tag);
-                    if id.0 >= memory.layout.config.depth {
-                        posting = Err(GioError::Executor { executor: "cpu", reason: format!("completion tag names {id}") });
-                        return;
-                    }
-                    let header = memory.read_iocb_header(id);
-                    let status = completion.status.map_err(|status| (abi::GIO_IOCB_STATUS_NVME_ERROR, abi_status(status)));
-                    if let Some(cqe) = complete_ioctx(memory, id, index, header.ioctx_count, header.issue_seq, status) {
-                        if let Err(error) = post_cqe(memory, cqe) {
-                            posting = Err(error);
-                        }
-                    }
-                })
+                .reap(depth, |completion| finish_command(memory, completion, &mut posting))
                 .map_err(|error| GioError::Executor { executor: "cpu", reason: format!("device {device}: {error}") })?;
         }
         posting?;
         self.pump(memory)
+    }
+
+    fn lend_queue_pair(&mut self, memory: &QueueMemory, device: usize, deadline: Instant) -> Result<Option<&mut IoQueuePair>, GioError> {
+        let Some(Some(queue)) = self.queues.get_mut(device) else { return Ok(None) };
+        // Everything submitted was announced (`pump` rings before it returns): wait for it.
+        let mut posting = Ok(());
+        queue.wait_idle(deadline, |completion| finish_command(memory, completion, &mut posting)).map_err(|error| GioError::Executor {
+            executor: "cpu",
+            reason: format!("device {device}: emptying the queue pair to lend it: {error}"),
+        })?;
+        posting?;
+        Ok(Some(queue))
+    }
+}
+
+/// Accounts one NVMe completion to its IOCTX and posts the IOCB's CQE if it was the last. A tag
+/// naming no IOCB (a borrower's [`crate::executor::LENT_COMMAND_TAG`], or garbage) is an error.
+fn finish_command(memory: &QueueMemory, completion: nvme_driver::Completion, posting: &mut Result<(), GioError>) {
+    let (id, index) = untag(completion.tag);
+    if id.0 >= memory.layout.config.depth {
+        *posting = Err(GioError::Executor { executor: "cpu", reason: format!("completion tag {:#x} names no IOCB", completion.tag) });
+        return;
+    }
+    let header = memory.read_iocb_header(id);
+    let status = completion.status.map_err(|status| (abi::GIO_IOCB_STATUS_NVME_ERROR, abi_status(status)));
+    if let Some(cqe) = complete_ioctx(memory, id, index, header.ioctx_count, header.issue_seq, status) {
+        if let Err(error) = post_cqe(memory, cqe) {
+            *posting = Err(error);
+        }
     }
 }
 

@@ -7,6 +7,7 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Instant;
 
 use crate::abi::{self, NvmeStatus};
 use crate::error::GioError;
@@ -63,7 +64,29 @@ pub trait Executor: Send {
     /// Makes progress without blocking, for executors that are driven by their caller (a polled
     /// executor reaps NVMe completions here). Executors that run on their own return `Ok(())`.
     fn poll(&mut self, memory: &QueueMemory) -> Result<(), GioError>;
+
+    /// Lends the NVMe queue pair serving device `device` for the caller's own synchronous
+    /// commands: an object store's metadata on a controller that granted one I/O queue pair.
+    /// First reaps, until `deadline`, every command of this executor in flight on it (posting
+    /// CQEs as usual), so the caller finds it idle; IOCTXs not yet submitted wait for the next
+    /// `poll`. The caller must leave it idle again, and tag its commands with
+    /// [`LENT_COMMAND_TAG`] (a late completion of theirs is then an executor error, never
+    /// taken for an IOCTX's). `Ok(None)`: this executor cannot lend (its queue pairs live on
+    /// other threads, or on a GPU).
+    fn lend_queue_pair(
+        &mut self,
+        memory: &QueueMemory,
+        device: usize,
+        deadline: Instant,
+    ) -> Result<Option<&mut nvme_driver::IoQueuePair>, GioError> {
+        let _ = (memory, device, deadline);
+        Ok(None)
+    }
 }
+
+/// The tag a borrower of a lent queue pair ([`Executor::lend_queue_pair`]) gives its commands:
+/// it names no IOCB, so a completion of one can never be counted for an IOCTX.
+pub const LENT_COMMAND_TAG: u64 = u64::MAX;
 
 /// Executors whose NVMe queue pairs the caller can replace after a wait timed out (a lost
 /// completion, a silent device): the CPU executors. `reset` deletes the old queue pairs on the

@@ -43,7 +43,7 @@ mod queue_tests;
 pub use cpu_executor::CpuExecutor;
 pub use cpu_workers::CpuWorkers;
 pub use error::{GioError, IocbFailure, IoctxFault};
-pub use executor::{Executor, IssueBatch, QueuePairReset};
+pub use executor::{Executor, IssueBatch, QueuePairReset, LENT_COMMAND_TAG};
 pub use layout::QueueConfig;
 pub use queue::{Completion, GioQueue};
 pub use types::{Dependency, DeviceIndex, EventToken, IocbId, Iova, IovaRange, LayerIndex, Lba, SmBudget};

@@ -240,3 +240,58 @@ fn two_worker_threads_share_iocbs_and_move_the_same_bytes() {
 fn a_device_without_a_worker_is_a_configuration_error() {
     assert!(matches!(CpuWorkers::new(2, vec![vec![], vec![]], 16), Err(GioError::InvalidConfig { .. })));
 }
+
+#[test]
+fn a_lent_queue_pair_is_emptied_first_and_serves_the_borrowers_commands() {
+    // Goal: a caller can borrow the CPU executor's queue pair between issues (an object store's
+    // metadata on a controller with one I/O queue pair): the executor first reaps its own
+    // commands in flight (their CQE is posted as usual), the borrower's synchronous commands
+    // run on the idle queue, and the executor's IOCTXs not yet submitted go out on the next
+    // poll. A borrower's completion that arrives late is an executor error, never counted
+    // for an IOCTX. Executors whose queue pairs live on other threads do not lend.
+    let mut rig = rig(true, 1, 8); // depth 8: most of the 40 IOCTXs wait for room
+    let data = pattern(rig.source.len());
+    rig.source.write(0, &data).unwrap();
+    let id = rig.queue.get_iocb(1, Dependency::None).unwrap()[0];
+    rig.queue.fill_iocb(id, &layered(Opcode::Write), &ioctxs(&rig.source, true, 1)).unwrap();
+    rig.queue.issue_io(&[id], LayerIndex(0), SmBudget(1)).unwrap();
+    let namespace = rig.controller.namespaces()[0];
+    let scratch = rig.controller.dma().allocate(BLOCK_BYTES as usize).unwrap();
+    scratch.fill(0, BLOCK_BYTES as usize, 0xA5).unwrap();
+    let far = nvme_driver::Lba(namespace.size_blocks - 1);
+    let segment = [nvme_driver::DataSegment::new(scratch.iova(), BLOCK_BYTES)];
+    {
+        let (executor, memory) = rig.queue.executor_and_memory();
+        executor.poll(memory).unwrap(); // the first 7 IOCTXs go to the device
+        let queue = executor.lend_queue_pair(memory, 0, deadline()).unwrap().expect("the CPU executor lends");
+        assert_eq!(queue.in_flight(), 0, "lent idle");
+        queue.submit_write(namespace.id, far, &segment, true, gio_uring::LENT_COMMAND_TAG).unwrap();
+        queue.complete_all(Duration::from_secs(10)).unwrap();
+        assert!(executor.lend_queue_pair(memory, 1, deadline()).unwrap().is_none(), "no such device");
+    }
+    assert_eq!(rig.queue.wait_cqe(id, deadline()).unwrap().result, Ok(()), "the executor's IOCB completes");
+    let mut back = vec![0u8; BLOCK_BYTES as usize];
+    scratch.fill(0, BLOCK_BYTES as usize, 0).unwrap();
+    {
+        let (executor, memory) = rig.queue.executor_and_memory();
+        let queue = executor.lend_queue_pair(memory, 0, deadline()).unwrap().unwrap();
+        queue.submit_read(namespace.id, far, &segment, gio_uring::LENT_COMMAND_TAG).unwrap();
+        queue.complete_all(Duration::from_secs(10)).unwrap();
+        scratch.read(0, &mut back).unwrap();
+        assert!(back.iter().all(|&byte| byte == 0xA5), "the borrower's write reached the disk");
+        // A borrower that breaks the contract: a command left in flight.
+        queue.submit_read(namespace.id, far, &segment, gio_uring::LENT_COMMAND_TAG).unwrap();
+        queue.ring_doorbell();
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    rig.queue.issue_io(&[id], LayerIndex(1), SmBudget(1)).unwrap();
+    let stray = rig.queue.wait_cqe(id, deadline());
+    assert!(matches!(&stray, Err(GioError::Executor { reason, .. }) if reason.contains("names no IOCB")), "{stray:?}");
+
+    let mut workers = rig_with(true, 1, 8, |queues| {
+        let workers = queues.into_iter().map(|queue| vec![(DeviceIndex(0), queue)]).collect();
+        CpuWorkers::new(1, workers, 16).unwrap()
+    });
+    let (executor, memory) = workers.queue.executor_and_memory();
+    assert!(executor.lend_queue_pair(memory, 0, deadline()).unwrap().is_none(), "worker threads own their queue pairs");
+}

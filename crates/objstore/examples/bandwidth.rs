@@ -3,14 +3,17 @@
 //!
 //! `cargo run --release -p objstore --example bandwidth -- [FILE] [BLOCKS] [K]`
 //! (defaults: /tmp/objstore-bandwidth.img, 128 blocks, k = 1). One request of BLOCKS blocks in
-//! consecutive engine blocks, all 32 layers, best of 3. With k > 1 a slot holds k blocks and one
+//! consecutive engine blocks, all 32 layers, best of 3; twice in one run: plain, then with
+//! payload CRCs recorded at commit and every retrieve verified (`verify_retrieves`), so the
+//! cost of verification is read off the same run. FILE `mem` puts the namespace in memory
+//! instead (no disk variance: what is left is the CPU cost). With k > 1 a slot holds k blocks and one
 //! command moves a layer of up to k blocks (an SGL scatter list straight from the mapping table).
 //! A layer's commands are submitted together (128 at k = 1, 32 at k = 4 for 128 blocks), and
 //! the software controller moves the commands of one doorbell scan as one io_uring batch
 //! (O_DIRECT where the filesystem allows, batches up to 4 MiB), so compare with fio at the same
 //! I/O size and a deep queue (e.g. 32).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -22,16 +25,68 @@ use objstore::{
     cpu_executor_for, format_pool, FormatParams, KvLayout, KvRegistration, KvRequest, KvStore, ModelGeometry, Pool, PoolTarget, StoreConfig,
 };
 
+/// One configuration's best-of-3 times.
+struct Measured {
+    store: Duration,
+    commit: Duration,
+    retrieve: Duration,
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
     let path = PathBuf::from(args.next().unwrap_or_else(|| "/tmp/objstore-bandwidth.img".into()));
     let blocks: u32 = args.next().map_or(Ok(128), |a| a.parse())?;
     let k: u32 = args.next().map_or(Ok(1), |a| a.parse())?;
     let geometry = ModelGeometry::llama3_8b(16);
+    let total = f64::from(blocks) * geometry.block_bytes() as f64;
+    let mut results = Vec::new();
+    // Same run, same file: plain, then with payload CRCs recorded at commit and every retrieve
+    // verified against them (the CPU reads the retrieved bytes once more).
+    for verify in [false, true] {
+        let (measured, command_bytes, commands_per_layer) = run(&path, blocks, k, geometry, verify)?;
+        println!(
+            "{blocks} blocks x {} MiB, k = {k} ({} KiB per command, {commands_per_layer} commands per layer), payload CRC + verified retrieve {}, file {}:\n  store    {:.2} GB/s ({:?}), commit {:?}\n  retrieve {:.2} GB/s ({:?})",
+            geometry.block_bytes() >> 20,
+            command_bytes >> 10,
+            if verify { "on" } else { "off" },
+            path.display(),
+            total / measured.store.as_secs_f64() / 1e9,
+            measured.store,
+            measured.commit,
+            total / measured.retrieve.as_secs_f64() / 1e9,
+            measured.retrieve,
+        );
+        results.push(measured);
+    }
+    let ratio = |on: Duration, off: Duration| on.as_secs_f64() / off.as_secs_f64();
+    println!(
+        "verified / plain time: retrieve {:.2}x, store + commit {:.2}x",
+        ratio(results[1].retrieve, results[0].retrieve),
+        ratio(results[1].store + results[1].commit, results[0].store + results[0].commit)
+    );
+    std::fs::remove_file(&path).ok();
+    Ok(())
+}
+
+/// Formats a pool on `path`, stores and retrieves `blocks` blocks 3 times, keeps the best
+/// times; returns them with the largest command and the commands of one layer.
+fn run(
+    path: &Path,
+    blocks: u32,
+    k: u32,
+    geometry: ModelGeometry,
+    verify: bool,
+) -> Result<(Measured, u64, u64), Box<dyn std::error::Error>> {
     let slots = u64::from(blocks.div_ceil(k));
     let bytes = slots * u64::from(k) * geometry.block_bytes() + (16 << 20);
+    // `mem`: a memory-backed controller, for the CPU cost without the disk's variance.
+    let backing = if path == Path::new("mem") {
+        Backing::Memory { bytes }
+    } else {
+        Backing::File { path: path.to_path_buf(), create_bytes: Some(bytes) }
+    };
     let mut config = EmuConfig::default()
-        .with_backing(Backing::File { path: path.clone(), create_bytes: Some(bytes) })
+        .with_backing(backing)
         .with_namespaces(vec![NamespaceConfig::new(4096, None)])
         .with_mdts(9)
         .with_volatile_write_cache(false);
@@ -42,7 +97,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let targets = vec![PoolTarget { controller: controller.clone(), namespace: NamespaceId(1) }];
     format_pool(
         &targets,
-        &FormatParams { geometry, blocks_per_slot: k, slot_count_max: Some(slots), pool_uuid: None, payload_crc: false },
+        &FormatParams { geometry, blocks_per_slot: k, slot_count_max: Some(slots), pool_uuid: None, payload_crc: verify },
     )?;
     let (pool, _) = Pool::open(targets, Some(&geometry))?;
     let tensor = (geometry.object_bytes() * u64::from(blocks)) as usize;
@@ -56,13 +111,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         block_stride_bytes: geometry.object_bytes(),
     };
     let registration = KvRegistration::new(geometry, blocks, layout, DataPointerMode::Sgl)?;
-    let store_config = StoreConfig::default();
+    let store_config = StoreConfig { verify_retrieves: verify, ..StoreConfig::default() };
     let executor = cpu_executor_for(&pool, 1024, &store_config)?;
     let mut store = KvStore::new(pool, registration, controller.dma().clone(), executor, store_config)?;
     let ids: Vec<u32> = (0..blocks).collect();
-    let total = f64::from(blocks) * geometry.block_bytes() as f64;
     let deadline = || Instant::now() + Duration::from_secs(60);
-    let (mut best_store, mut best_retrieve) = (Duration::MAX, Duration::MAX);
+    let mut best = Measured { store: Duration::MAX, commit: Duration::MAX, retrieve: Duration::MAX };
     for round in 0..3u32 {
         let tokens: Vec<u32> = (0..16 * blocks).map(|t| t ^ (round << 24)).collect();
         let plan = store.prepare_store(&KvRequest { tokens: &tokens, block_ids: &ids })?;
@@ -71,31 +125,23 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             store.store_layer(plan.handle, layer, SmBudget(1))?;
             store.wait(plan.handle, deadline())?;
         }
-        best_store = best_store.min(started.elapsed());
+        best.store = best.store.min(started.elapsed());
+        let started = Instant::now();
         store.commit_store(plan.handle)?;
+        best.commit = best.commit.min(started.elapsed());
         let handle = store.prepare_retrieve(&KvRequest { tokens: &tokens, block_ids: &ids })?;
         let started = Instant::now();
         for layer in 0..geometry.layers {
             store.retrieve_layer(handle, layer, SmBudget(1))?;
             store.wait(handle, deadline())?;
         }
-        best_retrieve = best_retrieve.min(started.elapsed());
+        best.retrieve = best.retrieve.min(started.elapsed());
         store.finish(handle)?;
     }
-    let command_bytes =
-        2 * geometry.object_bytes() * u64::from(if store.table().form() == objstore::MappingForm::SglTable { k } else { 1 });
-    println!(
-        "{blocks} blocks x {} MiB, k = {k} ({} KiB per command, {} commands per layer), file {}:\n  store    {:.2} GB/s ({:?})\n  retrieve {:.2} GB/s ({:?})",
-        geometry.block_bytes() >> 20,
-        command_bytes >> 10,
-        blocks.div_ceil(if store.table().form() == objstore::MappingForm::SglTable { k } else { 1 }),
-        path.display(),
-        total / best_store.as_secs_f64() / 1e9,
-        best_store,
-        total / best_retrieve.as_secs_f64() / 1e9,
-        best_retrieve,
-    );
+    let table = store.table();
+    let runs = if table.form() == objstore::MappingForm::SglTable { blocks.div_ceil(k) } else { blocks };
+    let commands_per_layer = u64::from(runs) * table.commands_per_run(if table.form() == objstore::MappingForm::SglTable { k } else { 1 });
+    let command_bytes = table.command_bytes_max();
     drop(store);
-    std::fs::remove_file(&path).ok();
-    Ok(())
+    Ok((best, command_bytes, commands_per_layer))
 }

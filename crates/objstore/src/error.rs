@@ -22,6 +22,29 @@ impl std::fmt::Display for KvKind {
     }
 }
 
+/// A retrieved block whose bytes did not match the payload CRC recorded when it was stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MismatchedBlock {
+    /// Position of the block in the request's prefix.
+    pub prefix_index: usize,
+    /// The engine block that received it (its bytes there are not to be used).
+    pub engine_block: u32,
+    pub device: u16,
+    pub slot: u32,
+    pub expected_crc: u32,
+    pub computed_crc: u32,
+}
+
+impl std::fmt::Display for MismatchedBlock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "prefix block {} (engine block {}, device {} slot {}): CRC {:#010x}, recorded {:#010x}",
+            self.prefix_index, self.engine_block, self.device, self.slot, self.computed_crc, self.expected_crc
+        )
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum ObjstoreError {
     #[error("invalid model geometry: {reason}")]
@@ -52,6 +75,8 @@ pub enum ObjstoreError {
     GeometryMismatch { on_disk: ModelGeometry, registered: ModelGeometry },
     #[error("device {device}: {reason}")]
     PoolMembership { device: usize, reason: String },
+    #[error("pool device {device}: its controller granted {granted} I/O queue pair(s), the store needs {needed}: {reason}")]
+    QueuePairs { device: usize, granted: u16, needed: usize, reason: String },
     #[error("pool full: {needed} slots needed, {evictable} free or evictable (the rest are pinned by in-flight I/O)")]
     PoolFull { needed: usize, evictable: usize },
     #[error("unknown or finished request handle {handle}")]
@@ -64,6 +89,12 @@ pub enum ObjstoreError {
     DeadlinePassed { what: &'static str, done: u64 },
     #[error("layer {layer} I/O failed on {iocb}: {failure:?}")]
     LayerIo { layer: u32, iocb: String, failure: IocbFailure },
+    #[error(
+        "request handle {handle}: payload CRC mismatch in {count} block(s), first {first}; their slots were evicted, the request's other blocks were delivered",
+        count = blocks.len(),
+        first = blocks.first().map_or(String::new(), ToString::to_string)
+    )]
+    PayloadMismatch { handle: u64, blocks: Vec<MismatchedBlock> },
     #[error("gio_uring: {0}")]
     Gio(#[from] GioError),
     #[error("NVMe: {0}")]

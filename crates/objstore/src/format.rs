@@ -17,19 +17,38 @@ use crate::error::{ObjstoreError, Result};
 use crate::geometry::ModelGeometry;
 
 pub const MAGIC: [u8; 8] = *b"TUTTIKV\0";
-/// 2: block keys from the predecessor-last `chain_hash` (version 1 had the same layout with
-/// keys of the first scheme, and is refused).
-pub const FORMAT_VERSION: u32 = 2;
+/// 3: Empty slot headers carry the pool tag, slot number and a CRC (a zeroed header region is
+/// damage, not an empty pool), and payload CRCs are per block. Version 2 (all-zero Empty
+/// entries, one payload CRC per slot) and version 1 (keys of the first hash scheme) are refused.
+pub const FORMAT_VERSION: u32 = 3;
 pub const SUPERBLOCK_ENCODED_BYTES: usize = 256;
 /// The superblock region: one 4 KiB unit whatever the LBA size, so headers start at byte 4096.
 pub const SUPERBLOCK_REGION_BYTES: u64 = 4096;
 /// Data region alignment: SSDs stripe internally at this granularity or finer.
 pub const DATA_ALIGN_BYTES: u64 = 1 << 20;
 pub const FLAG_PAYLOAD_CRC: u32 = 1;
+/// Every superblock flag this build understands; any other bit set is a corrupt superblock.
+const FLAGS_KNOWN: u32 = FLAG_PAYLOAD_CRC;
 const SLOT_HEADER_FIXED_BYTES: usize = 32;
 const SLOT_HEADER_BLOCK_BYTES: usize = 16;
 const SLOT_HEADER_CRC_BYTES: u64 = 4;
 const SUPERBLOCK_CRC_OFFSET: usize = SUPERBLOCK_ENCODED_BYTES - 4;
+
+/// Why a pool of an older format version cannot be opened, `None` for the current one.
+fn older_version_reason(version: u32) -> Option<&'static str> {
+    match version {
+        // Same layout, but its slot headers hold keys of the first block-hash scheme: its
+        // blocks could never be found, and new ones would sit beside them unseen.
+        1 => Some("its block keys use the first hash scheme; reformat it (`tutti pool format`)"),
+        // Its Empty headers are all zeroes, which version 3 reads as a damaged header region
+        // (and its payload CRCs are per slot): every slot would count as corrupt.
+        2 => Some(
+            "its empty slot headers are all zeroes, which this version treats as damage (a zeroed header region), and its \
+             payload CRCs are per slot; reformat it (`tutti pool format`)",
+        ),
+        _ => None,
+    }
+}
 
 /// Everything the superblock records.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -193,15 +212,8 @@ impl Superblock {
         if stored != computed {
             return Err(corrupt(format!("CRC32 {stored:#010x}, computed {computed:#010x}")));
         }
-        if version == 1 {
-            // Same layout, but its slot headers hold keys of the first block-hash scheme: its
-            // blocks could never be found, and new ones would sit beside them unseen.
-            return Err(ObjstoreError::OlderFormatVersion {
-                device,
-                found: version,
-                supported: FORMAT_VERSION,
-                reason: "its block keys use the first hash scheme; reformat it (`tutti pool format`)",
-            });
+        if let Some(reason) = older_version_reason(version) {
+            return Err(ObjstoreError::OlderFormatVersion { device, found: version, supported: FORMAT_VERSION, reason });
         }
         if version == 0 || u32_at(bytes, 12) != SUPERBLOCK_ENCODED_BYTES as u32 {
             return Err(corrupt(format!(
@@ -232,6 +244,16 @@ impl Superblock {
             header_blocks: u64_at(bytes, 104),
             data_lba: u64_at(bytes, 112),
         };
+        if superblock.flags & !FLAGS_KNOWN != 0 {
+            return Err(corrupt(format!(
+                "flags {:#x}: bits {:#x} are unknown to this build",
+                superblock.flags,
+                superblock.flags & !FLAGS_KNOWN
+            )));
+        }
+        if u32_at(bytes, 76) != 0 || bytes[120..SUPERBLOCK_CRC_OFFSET].iter().any(|&byte| byte != 0) {
+            return Err(corrupt("reserved bytes are not zero".into()));
+        }
         // A CRC-valid superblock can still describe a layout that does not fit this namespace
         // (copied from another device, or written by a buggy tool): re-derive and compare.
         if superblock.lba_bytes != lba_bytes {
@@ -345,7 +367,8 @@ impl SlotAddressing {
 /// A slot's state as recorded in its header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SlotState {
-    /// Nothing valid: never written, evicted, or being rewritten.
+    /// Nothing valid: never written, evicted, or being rewritten. Still a full entry (pool tag,
+    /// slot number, CRC), so that a zeroed entry is recognisably damage.
     Empty = 0,
     /// Every object of every block listed is durable.
     Valid = 1,
@@ -357,6 +380,9 @@ pub struct BlockRecord {
     /// The chained hash of the block (its prefix and its tokens).
     pub key: u64,
     pub token_count: u32,
+    /// CRC-32 of the block's payload in disk order (`for l: K then V`), when the pool records
+    /// payload CRCs ([`FLAG_PAYLOAD_CRC`]); 0 otherwise.
+    pub payload_crc: u32,
 }
 
 /// A decoded slot header.
@@ -369,29 +395,46 @@ pub struct SlotHeader {
     pub pool_tag: u64,
     pub slot: u32,
     pub state: SlotState,
+    /// Bit 0 ([`HEADER_FLAG_PAYLOAD_CRC`]): every block record carries its payload CRC.
     pub flags: u32,
-    pub payload_crc: u32,
     pub blocks: Vec<BlockRecord>,
 }
+
+/// Header flag: the block records carry payload CRCs.
+pub const HEADER_FLAG_PAYLOAD_CRC: u32 = 1;
 
 /// Why a header entry was not accepted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HeaderVerdict {
-    /// All zeroes, or state Empty with a valid CRC.
+    /// A well-formed Empty entry of this pool and slot.
     Empty,
-    /// CRC mismatch, a foreign pool tag, a wrong slot number or an impossible block count.
+    /// All zeroes: an Empty entry carries a pool tag and a CRC, so this is damage (a zeroed or
+    /// deallocated header region), and any block it recorded is lost.
+    Zeroed,
+    /// CRC mismatch, a foreign pool tag, a wrong slot number, an impossible block count or
+    /// non-zero reserved bytes.
     Corrupt,
 }
 
+/// Byte offset, inside an entry, of block `index`'s record.
+fn block_record_offset(index: usize) -> usize {
+    SLOT_HEADER_FIXED_BYTES + index * SLOT_HEADER_BLOCK_BYTES
+}
+
+/// Byte offset, inside an entry, of block `index`'s payload CRC.
+pub fn payload_crc_offset(index: usize) -> usize {
+    block_record_offset(index) + 12
+}
+
 /// Encodes a slot-header entry into `out` (exactly `header_entry_bytes` long) without building
-/// a [`SlotHeader`] (no allocation on the commit path).
+/// a [`SlotHeader`] (no allocation on the commit path). An Empty entry lists no blocks.
 pub fn encode_entry(
     out: &mut [u8],
     generation: u64,
     pool_tag: u64,
     slot: u32,
     state: SlotState,
-    payload_crc: Option<u32>,
+    payload_crcs: bool,
     blocks: &[BlockRecord],
 ) {
     out.fill(0);
@@ -400,16 +443,21 @@ pub fn encode_entry(
     put_u32(out, 16, slot);
     out[20..22].copy_from_slice(&(state as u16).to_le_bytes());
     out[22..24].copy_from_slice(&(blocks.len() as u16).to_le_bytes());
-    put_u32(out, 24, u32::from(payload_crc.is_some()));
-    put_u32(out, 28, payload_crc.unwrap_or(0));
+    put_u32(out, 24, if payload_crcs { HEADER_FLAG_PAYLOAD_CRC } else { 0 });
     for (j, block) in blocks.iter().enumerate() {
-        let at = SLOT_HEADER_FIXED_BYTES + j * SLOT_HEADER_BLOCK_BYTES;
+        let at = block_record_offset(j);
         put_u64(out, at, block.key);
         put_u32(out, at + 8, block.token_count);
+        put_u32(out, at + 12, if payload_crcs { block.payload_crc } else { 0 });
     }
     let crc_at = out.len() - 4;
     let crc = crc32fast::hash(&out[..crc_at]);
     put_u32(out, crc_at, crc);
+}
+
+/// Encodes the Empty entry of `slot` (what format writes, and what eviction stages).
+pub fn encode_empty_entry(out: &mut [u8], generation: u64, pool_tag: u64, slot: u32) {
+    encode_entry(out, generation, pool_tag, slot, SlotState::Empty, false, &[]);
 }
 
 pub fn pool_tag(uuid: &[u8; 16]) -> u64 {
@@ -419,17 +467,18 @@ pub fn pool_tag(uuid: &[u8; 16]) -> u64 {
 impl SlotHeader {
     /// Encodes into `out` (exactly `header_entry_bytes` long).
     pub fn encode_into(&self, out: &mut [u8]) {
-        let payload_crc = (self.flags & 1 != 0).then_some(self.payload_crc);
-        encode_entry(out, self.generation, self.pool_tag, self.slot, self.state, payload_crc, &self.blocks);
+        let payload_crcs = self.flags & HEADER_FLAG_PAYLOAD_CRC != 0;
+        encode_entry(out, self.generation, self.pool_tag, self.slot, self.state, payload_crcs, &self.blocks);
     }
 
-    /// Decodes entry `slot` of a header region of `superblock`'s pool.
+    /// Decodes entry `slot` of a header region of `superblock`'s pool. `Err(Empty)` for a
+    /// well-formed Empty entry; anything not exactly what this build writes is refused.
     pub fn decode(entry: &[u8], slot: u32, superblock: &Superblock) -> std::result::Result<Self, HeaderVerdict> {
         if entry.len() != superblock.header_entry_bytes as usize || entry.len() < SLOT_HEADER_FIXED_BYTES + 4 {
             return Err(HeaderVerdict::Corrupt);
         }
         if entry.iter().all(|&byte| byte == 0) {
-            return Err(HeaderVerdict::Empty);
+            return Err(HeaderVerdict::Zeroed);
         }
         let crc_at = entry.len() - 4;
         if crc32fast::hash(&entry[..crc_at]) != u32_at(entry, crc_at) {
@@ -438,33 +487,36 @@ impl SlotHeader {
         if u64_at(entry, 8) != pool_tag(&superblock.pool_uuid) || u32_at(entry, 16) != slot {
             return Err(HeaderVerdict::Corrupt);
         }
-        let state = match u16::from_le_bytes([entry[20], entry[21]]) {
-            0 => return Err(HeaderVerdict::Empty),
-            1 => SlotState::Valid,
-            _ => return Err(HeaderVerdict::Corrupt),
-        };
         let count = u16::from_le_bytes([entry[22], entry[23]]) as usize;
-        if count == 0 || count > superblock.blocks_per_slot as usize || SLOT_HEADER_FIXED_BYTES + count * SLOT_HEADER_BLOCK_BYTES > crc_at {
+        let flags = u32_at(entry, 24);
+        match u16::from_le_bytes([entry[20], entry[21]]) {
+            // Empty: no blocks, no flags, nothing else set.
+            0 if entry[22..crc_at].iter().all(|&byte| byte == 0) => return Err(HeaderVerdict::Empty),
+            1 => {}
+            _ => return Err(HeaderVerdict::Corrupt),
+        }
+        // A Valid entry records payload CRCs exactly when the pool does.
+        let pool_crcs = superblock.flags & FLAG_PAYLOAD_CRC != 0;
+        let expected_flags = if pool_crcs { HEADER_FLAG_PAYLOAD_CRC } else { 0 };
+        if count == 0 || count > superblock.blocks_per_slot as usize || block_record_offset(count) > crc_at || flags != expected_flags {
+            return Err(HeaderVerdict::Corrupt);
+        }
+        if u32_at(entry, 28) != 0 || entry[block_record_offset(count)..crc_at].iter().any(|&byte| byte != 0) {
             return Err(HeaderVerdict::Corrupt);
         }
         let blocks = (0..count)
             .map(|j| {
-                let at = SLOT_HEADER_FIXED_BYTES + j * SLOT_HEADER_BLOCK_BYTES;
-                BlockRecord { key: u64_at(entry, at), token_count: u32_at(entry, at + 8) }
+                let at = block_record_offset(j);
+                BlockRecord { key: u64_at(entry, at), token_count: u32_at(entry, at + 8), payload_crc: u32_at(entry, at + 12) }
             })
             .collect::<Vec<_>>();
-        if blocks.iter().any(|b| b.key == 0 || b.token_count == 0 || b.token_count > superblock.geometry.block_tokens) {
+        let bad_block = |b: &BlockRecord| {
+            b.key == 0 || b.token_count == 0 || b.token_count > superblock.geometry.block_tokens || (!pool_crcs && b.payload_crc != 0)
+        };
+        if blocks.iter().any(bad_block) {
             return Err(HeaderVerdict::Corrupt);
         }
-        Ok(Self {
-            generation: u64_at(entry, 0),
-            pool_tag: u64_at(entry, 8),
-            slot,
-            state,
-            flags: u32_at(entry, 24),
-            payload_crc: u32_at(entry, 28),
-            blocks,
-        })
+        Ok(Self { generation: u64_at(entry, 0), pool_tag: u64_at(entry, 8), slot, state: SlotState::Valid, flags, blocks })
     }
 }
 
@@ -535,14 +587,18 @@ mod tests {
             Superblock::decode(&newer, 3, 512, 16 << 11),
             Err(ObjstoreError::NewerFormatVersion { device: 3, found, supported: FORMAT_VERSION }) if found == FORMAT_VERSION + 1
         ));
-        let mut first_scheme = good;
-        put_u32(&mut first_scheme, 8, 1);
-        let crc = crc32fast::hash(&first_scheme[..SUPERBLOCK_CRC_OFFSET]);
-        put_u32(&mut first_scheme, SUPERBLOCK_CRC_OFFSET, crc);
-        assert!(matches!(
-            Superblock::decode(&first_scheme, 3, 512, 16 << 11),
-            Err(ObjstoreError::OlderFormatVersion { device: 3, found: 1, supported: FORMAT_VERSION, .. })
-        ));
+        for older in [1, 2] {
+            let mut bytes = good;
+            put_u32(&mut bytes, 8, older);
+            let crc = crc32fast::hash(&bytes[..SUPERBLOCK_CRC_OFFSET]);
+            put_u32(&mut bytes, SUPERBLOCK_CRC_OFFSET, crc);
+            let error = Superblock::decode(&bytes, 3, 512, 16 << 11).unwrap_err();
+            assert!(
+                matches!(&error, ObjstoreError::OlderFormatVersion { device: 3, found, supported: FORMAT_VERSION, .. } if *found == older),
+                "{error}"
+            );
+            assert!(error.to_string().contains("tutti pool format"), "{error}");
+        }
         assert!(
             matches!(Superblock::decode(&good, 0, 4096, 16 << 8), Err(ObjstoreError::CorruptSuperblock { reason, .. }) if reason.contains("LBAs"))
         );
@@ -554,33 +610,100 @@ mod tests {
     }
 
     #[test]
+    fn crc_valid_superblocks_with_extreme_fields_are_refused_without_overflow() {
+        // Goal: a superblock whose CRC is right but whose fields are at their extremes (a
+        // buggy or hostile tool wrote it) is a typed error: the object size 2^16^4 = 2^64 used
+        // to overflow in `object_bytes` before any range check ran.
+        let good = plan().encode();
+        let reseal = |mut bytes: [u8; SUPERBLOCK_ENCODED_BYTES]| {
+            let crc = crc32fast::hash(&bytes[..SUPERBLOCK_CRC_OFFSET]);
+            put_u32(&mut bytes, SUPERBLOCK_CRC_OFFSET, crc);
+            bytes
+        };
+        let mut extreme = good;
+        for offset in [40, 44, 48, 52, 56] {
+            put_u32(&mut extreme, offset, 1 << 16);
+        }
+        let error = Superblock::decode(&reseal(extreme), 0, 512, 16 << 11).unwrap_err();
+        assert!(matches!(&error, ObjstoreError::CorruptSuperblock { reason, .. } if reason.contains("overflows")), "{error}");
+        // Every field at its maximum, one at a time, never panics; the geometry and layout
+        // fields are refused (the device count is checked against the pool at open).
+        for offset in (32..120).step_by(4) {
+            let mut bytes = good;
+            put_u32(&mut bytes, offset, u32::MAX);
+            let decoded = Superblock::decode(&reseal(bytes), 0, 512, 16 << 11);
+            assert_eq!(decoded.is_err(), offset != 36, "u32 at {offset}: {decoded:?}");
+        }
+        for offset in (80..120).step_by(8) {
+            let mut bytes = good;
+            put_u64(&mut bytes, offset, u64::MAX);
+            assert!(Superblock::decode(&reseal(bytes), 0, 512, u64::MAX).is_err(), "u64 at {offset}");
+        }
+    }
+
+    #[test]
     fn slot_headers_round_trip_and_reject_damage() {
         // Goal: an encoded header decodes back; any flipped byte, a foreign tag or a header
-        // found at another slot's position is refused (never data from the wrong slot).
-        let sb = Superblock::plan(small(), 3, 512, 16 << 11, None, [9; 16], 0, 1, 0).unwrap();
-        let header = SlotHeader {
-            generation: 42,
-            pool_tag: pool_tag(&sb.pool_uuid),
-            slot: 5,
-            state: SlotState::Valid,
-            flags: 0,
-            payload_crc: 0,
-            blocks: vec![BlockRecord { key: 11, token_count: 16 }, BlockRecord { key: 12, token_count: 16 }],
-        };
+        // found at another slot's position is refused (never data from the wrong slot); so
+        // is a Valid header whose payload-CRC flag disagrees with the pool's.
+        for pool_flags in [0, FLAG_PAYLOAD_CRC] {
+            let sb = Superblock::plan(small(), 3, 512, 16 << 11, None, [9; 16], 0, 1, pool_flags).unwrap();
+            let crcs = pool_flags != 0;
+            let crc = |value: u32| if crcs { value } else { 0 };
+            let header = SlotHeader {
+                generation: 42,
+                pool_tag: pool_tag(&sb.pool_uuid),
+                slot: 5,
+                state: SlotState::Valid,
+                flags: if crcs { HEADER_FLAG_PAYLOAD_CRC } else { 0 },
+                blocks: vec![
+                    BlockRecord { key: 11, token_count: 16, payload_crc: crc(0xDEAD_BEEF) },
+                    BlockRecord { key: 12, token_count: 16, payload_crc: crc(0x1234_5678) },
+                ],
+            };
+            let mut entry = vec![0u8; sb.header_entry_bytes as usize];
+            header.encode_into(&mut entry);
+            assert_eq!(SlotHeader::decode(&entry, 5, &sb).unwrap(), header);
+            if crcs {
+                assert_eq!(u32_at(&entry, payload_crc_offset(1)), 0x1234_5678);
+            }
+            assert_eq!(SlotHeader::decode(&entry, 6, &sb), Err(HeaderVerdict::Corrupt));
+            for index in 0..entry.len() {
+                let mut damaged = entry.clone();
+                damaged[index] ^= 0x10;
+                assert!(SlotHeader::decode(&damaged, 5, &sb).is_err(), "flip at byte {index} accepted");
+            }
+            let other_pool = Superblock { pool_uuid: [1; 16], ..sb };
+            assert_eq!(SlotHeader::decode(&entry, 5, &other_pool), Err(HeaderVerdict::Corrupt));
+            let other_flags = Superblock { flags: pool_flags ^ FLAG_PAYLOAD_CRC, ..sb };
+            assert_eq!(SlotHeader::decode(&entry, 5, &other_flags), Err(HeaderVerdict::Corrupt));
+        }
+    }
+
+    #[test]
+    fn empty_headers_carry_tag_and_crc_and_zeroes_are_damage() {
+        // Goal: the Empty entry format writes decodes as Empty only for its own pool and slot,
+        // every single-byte flip of it is refused, and an all-zero entry (a zeroed header
+        // region) is `Zeroed`, not Empty: committed blocks cannot vanish silently.
+        let sb = Superblock::plan(small(), 1, 512, 16 << 11, None, [9; 16], 0, 1, FLAG_PAYLOAD_CRC).unwrap();
         let mut entry = vec![0u8; sb.header_entry_bytes as usize];
-        header.encode_into(&mut entry);
-        assert_eq!(SlotHeader::decode(&entry, 5, &sb).unwrap(), header);
-        assert_eq!(SlotHeader::decode(&entry, 6, &sb), Err(HeaderVerdict::Corrupt));
+        encode_empty_entry(&mut entry, 7, pool_tag(&sb.pool_uuid), 3);
+        assert_eq!(SlotHeader::decode(&entry, 3, &sb), Err(HeaderVerdict::Empty));
+        assert_eq!(SlotHeader::decode(&entry, 4, &sb), Err(HeaderVerdict::Corrupt));
+        let other_pool = Superblock { pool_uuid: [1; 16], ..sb };
+        assert_eq!(SlotHeader::decode(&entry, 3, &other_pool), Err(HeaderVerdict::Corrupt));
         for index in 0..entry.len() {
             let mut damaged = entry.clone();
-            damaged[index] ^= 0x10;
-            assert!(SlotHeader::decode(&damaged, 5, &sb).is_err(), "flip at byte {index} accepted");
+            damaged[index] ^= 0x01;
+            assert_eq!(SlotHeader::decode(&damaged, 3, &sb), Err(HeaderVerdict::Corrupt), "flip at byte {index}");
         }
-        let other_pool = Superblock { pool_uuid: [1; 16], ..sb };
-        assert_eq!(SlotHeader::decode(&entry, 5, &other_pool), Err(HeaderVerdict::Corrupt));
-        assert_eq!(SlotHeader::decode(&vec![0u8; entry.len()], 5, &sb), Err(HeaderVerdict::Empty));
-        let empty = SlotHeader { state: SlotState::Empty, blocks: vec![], ..header };
-        empty.encode_into(&mut entry);
-        assert_eq!(SlotHeader::decode(&entry, 5, &sb), Err(HeaderVerdict::Empty));
+        assert_eq!(SlotHeader::decode(&vec![0u8; entry.len()], 3, &sb), Err(HeaderVerdict::Zeroed));
+        // An Empty state with a block count (or any other field) set is not a clean Empty entry.
+        let mut with_count = entry.clone();
+        with_count[22] = 1;
+        let crc_at = with_count.len() - 4;
+        let crc = crc32fast::hash(&with_count[..crc_at]);
+        put_u32(&mut with_count, crc_at, crc);
+        assert_eq!(SlotHeader::decode(&with_count, 3, &sb), Err(HeaderVerdict::Corrupt));
     }
 }

@@ -58,6 +58,9 @@ enum SlotUse {
     Writing,
     /// Committed: listed in the map and the LRU list.
     Valid,
+    /// Taken out of the cache (a payload CRC mismatch) while pinned: in neither the map nor
+    /// the LRU list; joins the free list when its last pin goes.
+    Condemned,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -83,6 +86,17 @@ struct DeviceSlots {
     valid: u64,
     /// Valid slots with no pin: what eviction can take.
     unpinned_valid: u64,
+}
+
+/// What [`Index::claim`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Claim {
+    /// Nobody had the key: this store claimed it and writes the block.
+    New,
+    /// Committed at this location: shared (the store must pin the slot while it counts on it).
+    Cached(BlockLocation),
+    /// Claimed by another store in flight: shared.
+    Pending,
 }
 
 /// What an allocation took.
@@ -154,15 +168,17 @@ impl Index {
         keys.iter().take_while(|&&key| self.get(key).is_some()).count()
     }
 
-    /// Claims `key` for a store: `false` if it is cached or another store in flight claimed it
-    /// (the block is then shared, not stored twice).
+    /// Claims `key` for a store, in one probe: [`Claim::New`] if nobody has it (it is now
+    /// claimed), else where it is cached, or that another store in flight claimed it (the block
+    /// is then shared, not stored twice).
     #[inline]
-    pub fn claim(&mut self, key: u64) -> bool {
+    pub fn claim(&mut self, key: u64) -> Claim {
         match self.map.entry(key) {
-            MapEntry::Occupied(_) => false,
+            MapEntry::Occupied(occupied) if occupied.get().committed => Claim::Cached(occupied.get().location),
+            MapEntry::Occupied(_) => Claim::Pending,
             MapEntry::Vacant(vacant) => {
                 vacant.insert(Entry { location: BlockLocation { device: 0, slot: 0, index: 0 }, committed: false });
-                true
+                Claim::New
             }
         }
     }
@@ -248,6 +264,39 @@ impl Index {
             d.unpinned_valid += 1;
         }
         meta.pins = meta.pins.saturating_sub(1);
+        if meta.pins == 0 && meta.state == SlotUse::Condemned {
+            meta.state = SlotUse::Free;
+            d.free.push(slot);
+        }
+    }
+
+    /// Takes a committed slot out of the cache for good (its payload failed a CRC check): its
+    /// blocks leave the map and the LRU list at once, so no lookup finds them again; the slot
+    /// joins the free list when its last pin goes (a retrieve may still be reading it). The
+    /// caller makes its header Empty on disk. Does nothing to a slot that is not committed.
+    pub fn condemn(&mut self, device: u16, slot: u32) {
+        let k = self.blocks_per_slot as usize;
+        let d = &mut self.devices[usize::from(device)];
+        if d.meta[slot as usize].state != SlotUse::Valid {
+            return;
+        }
+        Self::unlink(d, slot);
+        let base = slot as usize * k;
+        for key in &mut d.keys[base..base + k] {
+            if *key != 0 {
+                self.map.remove(key);
+                *key = 0;
+            }
+        }
+        d.valid -= 1;
+        let meta = &mut d.meta[slot as usize];
+        if meta.pins == 0 {
+            d.unpinned_valid -= 1;
+            meta.state = SlotUse::Free;
+            d.free.push(slot);
+        } else {
+            meta.state = SlotUse::Condemned;
+        }
     }
 
     /// Free or evictable slots on all devices (evictable = committed and not pinned), O(devices).
@@ -459,9 +508,35 @@ mod tests {
     }
 
     #[test]
+    fn a_condemned_slot_leaves_the_cache_now_and_is_reused_once_unpinned() {
+        // Goal: condemning a pinned committed slot hides its blocks at once, keeps it out of
+        // allocation while pinned (a retrieve may still read it), and frees it on the last unpin.
+        let mut index = Index::new(&[2], 2);
+        let a = index.allocate_on(0).unwrap();
+        index.commit(0, a.slot, &[10, 11], 1);
+        let b = index.allocate_on(0).unwrap();
+        index.commit(0, b.slot, &[20], 2);
+        index.pin(0, a.slot);
+        index.pin(0, a.slot);
+        index.condemn(0, a.slot);
+        assert_eq!((index.get(10), index.get(11)), (None, None));
+        assert_eq!(index.available(), 1, "only b can be taken");
+        let next = index.allocate_on(0).unwrap();
+        assert_eq!((next.slot, next.evicted), (b.slot, true));
+        assert_eq!(index.allocate_on(0), None, "the condemned slot is still pinned");
+        index.unpin(0, a.slot);
+        assert_eq!(index.allocate_on(0), None);
+        index.unpin(0, a.slot);
+        let reused = index.allocate_on(0).unwrap();
+        assert_eq!((reused.slot, reused.evicted), (a.slot, false));
+        let counts = index.counts();
+        assert_eq!((counts.valid_slots, counts.writing_slots, counts.cached_blocks), (0, 2, 0));
+    }
+
+    #[test]
     fn recovery_keeps_the_newest_copy_of_a_key() {
         let mut index = Index::new(&[4], 2);
-        let rec = |key| BlockRecord { key, token_count: 16 };
+        let rec = |key| BlockRecord { key, token_count: 16, payload_crc: 0 };
         assert_eq!(index.recover(0, 1, &[rec(7), rec(8)], 5), Ok(()));
         assert_eq!(index.recover(0, 2, &[rec(8)], 3), Err((0, 2)));
         assert_eq!(index.recover(0, 3, &[rec(7)], 9), Err((0, 1)));

@@ -23,10 +23,10 @@ pub mod registration;
 pub mod selfcheck;
 pub mod store;
 
-pub use error::{KvKind, ObjstoreError, Result};
+pub use error::{KvKind, MismatchedBlock, ObjstoreError, Result};
 pub use geometry::ModelGeometry;
 pub use index::{BlockLocation, IndexCounts};
-pub use mapping::{mapping_memory, MappingForm, MappingMemoryReport, MappingTable};
+pub use mapping::{mapping_memory, CommandLimits, MappingForm, MappingMemoryReport, MappingTable};
 pub use pool::{format_pool, FormatParams, Pool, PoolTarget, RecoveryReport};
 pub use registration::{KvLayout, KvRegistration};
 pub use store::{cpu_executor_for, Direction, FixedBudget, KvRequest, KvStore, LayerIssuePolicy, RequestHandle, StoreConfig, StorePlan};

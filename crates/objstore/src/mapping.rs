@@ -50,6 +50,47 @@ pub struct Piece {
     pub descriptor: Descriptor,
 }
 
+/// What one command may move on every device of a pool, fixed when the store is built.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CommandLimits {
+    /// The smallest largest-transfer (MDTS, at most one PRP list page) of the pool's controllers.
+    pub max_transfer_bytes: u64,
+    /// The pool's LBA size: every command moves whole LBAs.
+    pub lba_bytes: u32,
+}
+
+impl CommandLimits {
+    /// No limit but the LBA size (tests of the table alone).
+    pub fn unlimited(lba_bytes: u32) -> Self {
+        Self { max_transfer_bytes: u64::MAX, lba_bytes }
+    }
+}
+
+/// How a unit (an object, or a block-layer's K+V pair) is cut into equal commands under MDTS:
+/// the fewest parts that divide it into whole `granule_bytes` no larger than the limit.
+/// Equal parts keep one per-IOCB descriptor stride valid for every part (a PRP part of two
+/// pages moves its second page with the data; longer ones point into the table).
+fn split_unit(unit_bytes: u64, granule_bytes: u64, max_transfer_bytes: u64) -> Result<(u64, u64)> {
+    if granule_bytes > max_transfer_bytes {
+        return Err(ObjstoreError::InvalidRegistration {
+            reason: format!(
+                "one command moves at most {max_transfer_bytes} bytes (MDTS), less than one {granule_bytes}-byte unit of transfer (an LBA, or a page on the PRP path)"
+            ),
+        });
+    }
+    if unit_bytes == 0 || !unit_bytes.is_multiple_of(granule_bytes) {
+        return Err(ObjstoreError::InvalidRegistration {
+            reason: format!(
+                "a {unit_bytes}-byte transfer is not a whole number of {granule_bytes}-byte units (LBAs, or pages on the PRP path)"
+            ),
+        });
+    }
+    let granules = unit_bytes / granule_bytes;
+    let parts =
+        (1..=granules).find(|&parts| granules.is_multiple_of(parts) && unit_bytes / parts <= max_transfer_bytes).unwrap_or(granules);
+    Ok((parts, unit_bytes / parts))
+}
+
 /// The table, its memory, and the per-layer strides every IOCB of this pool uses.
 #[derive(Debug)]
 pub struct MappingTable {
@@ -63,8 +104,19 @@ pub struct MappingTable {
     desc_stride_bytes: u64,
     /// Bytes of one PRP list (a power of two, so no list crosses a page).
     prp_list_stride_bytes: u64,
-    /// Bytes of one piece on the PRP path (a K+V pair or one object).
-    piece_bytes: u64,
+    /// Pieces per unit (K+V pair on the collapsed path, object otherwise): 1 unless MDTS is
+    /// smaller than the unit. On the SGL table path: descriptors per object.
+    parts_per_unit: u64,
+    /// Bytes of one piece (collapsed and strided paths) or of one descriptor (SGL table).
+    part_bytes: u64,
+    /// SGL table path: descriptors one command takes (whole descriptors within MDTS).
+    descriptors_per_command: u64,
+    /// Bytes of one object, and on the SGL table path the bytes of one block's descriptors in
+    /// a layer and the blocks one command takes whole: the per-block path reads these instead
+    /// of recomputing them.
+    object_bytes: u64,
+    sgl_block_bytes: u64,
+    sgl_blocks_per_command: u64,
 }
 
 fn gio(iova: Iova) -> GioIova {
@@ -73,14 +125,18 @@ fn gio(iova: Iova) -> GioIova {
 
 impl MappingTable {
     /// Builds the table in memory from `dma` (the engine's address space). `run_blocks_max` is
-    /// the longest run of consecutive blocks one IOCTX may move (the pool's blocks per slot).
-    pub fn build(registration: KvRegistration, dma: &Arc<dyn DmaAllocator>, run_blocks_max: u32) -> Result<Self> {
+    /// the longest run of consecutive blocks one IOCTX may move (the pool's blocks per slot);
+    /// `limits` cut every transfer into commands the pool's controllers take, decided here
+    /// once (more IOCTXs per block-layer, never per-request work).
+    pub fn build(registration: KvRegistration, dma: &Arc<dyn DmaAllocator>, run_blocks_max: u32, limits: CommandLimits) -> Result<Self> {
         let geometry = *registration.geometry();
         let object = geometry.object_bytes();
         let layers = u64::from(geometry.layers);
         let n = u64::from(registration.num_blocks());
         let stride = registration.layer_stride_bytes();
         let adjacent = registration.key_value_adjacent();
+        let lba = u64::from(limits.lba_bytes);
+        let max_transfer = limits.max_transfer_bytes;
         let too_big = |what: &str| ObjstoreError::InvalidRegistration { reason: format!("{what} does not fit in memory") };
         let mut table = MappingTable {
             form: MappingForm::SglTable,
@@ -88,20 +144,34 @@ impl MappingTable {
             mem_stride_bytes: 0,
             desc_stride_bytes: 0,
             prp_list_stride_bytes: 0,
-            piece_bytes: 0,
+            parts_per_unit: 1,
+            part_bytes: 0,
+            descriptors_per_command: 0,
+            object_bytes: object,
+            sgl_block_bytes: 0,
+            sgl_blocks_per_command: 0,
             registration,
         };
         match (table.registration.mode(), stride, adjacent) {
             (DataPointerMode::Sgl, Some(stride), true) => {
                 table.form = MappingForm::Collapsed;
                 table.mem_stride_bytes = stride;
+                (table.parts_per_unit, table.part_bytes) = split_unit(2 * object, lba, max_transfer)?;
             }
             (DataPointerMode::Sgl, _, _) => {
-                let pair = 2 * SGL_DESCRIPTOR_BYTES;
+                // One descriptor per object, or per MDTS-sized part of it; a command takes as
+                // many whole descriptors as MDTS allows, up to a run of k blocks.
+                let (parts, part) = split_unit(object, lba, max_transfer)?;
+                (table.parts_per_unit, table.part_bytes) = (parts, part);
+                let per_block = 2 * parts;
+                table.descriptors_per_command = (max_transfer / part).min(u64::from(run_blocks_max) * per_block);
+                table.sgl_blocks_per_command = table.descriptors_per_command / per_block;
+                let pair = per_block * SGL_DESCRIPTOR_BYTES;
+                table.sgl_block_bytes = pair;
                 table.desc_stride_bytes = n * pair;
                 // The IOCTX's data field points into the table too (only the segment is read for
-                // an SGL segment, but gio_uring checks data ranges): pad by the longest transfer.
-                let pad = u64::from(run_blocks_max) * 2 * object;
+                // an SGL segment, but gio_uring checks data ranges): pad by the longest command.
+                let pad = table.descriptors_per_command * part;
                 let bytes = (layers * n * pair).checked_add(pad).ok_or_else(|| too_big("SGL table"))?;
                 let region = dma.allocate(usize::try_from(bytes).map_err(|_| too_big("SGL table"))?)?;
                 let mut scratch = Vec::with_capacity((n * pair) as usize);
@@ -110,7 +180,9 @@ impl MappingTable {
                     for block in 0..table.registration.num_blocks() {
                         for kind in [KvKind::Key, KvKind::Value] {
                             let address = table.registration.address_unchecked(layer, kind, block);
-                            scratch.extend_from_slice(&sgl_data_block(address, object as u32));
+                            for index in 0..parts {
+                                scratch.extend_from_slice(&sgl_data_block(Iova(address.0 + index * part), part as u32));
+                            }
                         }
                     }
                     region.write((u64::from(layer) * table.desc_stride_bytes) as usize, &scratch)?;
@@ -125,18 +197,21 @@ impl MappingTable {
             (DataPointerMode::Prp, Some(stride), adjacent) => {
                 table.form = if adjacent { MappingForm::Collapsed } else { MappingForm::StridedPair };
                 table.mem_stride_bytes = stride;
-                table.piece_bytes = if adjacent { 2 * object } else { object };
-                let pages = table.piece_bytes / PAGE_BYTES;
+                let unit = if adjacent { 2 * object } else { object };
+                // PRP entries name whole pages: parts are whole pages (and whole LBAs).
+                (table.parts_per_unit, table.part_bytes) = split_unit(unit, PAGE_BYTES.max(lba), max_transfer)?;
+                let pages = unit / PAGE_BYTES;
                 let entries = pages.saturating_sub(1);
                 if entries > PRP_LIST_ENTRIES_MAX {
-                    return Err(ObjstoreError::InvalidRegistration { reason: format!("a {}-byte transfer needs {entries} PRP entries; one list page holds {PRP_LIST_ENTRIES_MAX}", table.piece_bytes) });
+                    return Err(ObjstoreError::InvalidRegistration { reason: format!("a {unit}-byte transfer needs {entries} PRP entries; one list page holds {PRP_LIST_ENTRIES_MAX}") });
                 }
-                // Two pages: PRP2 is the second page itself, which moves with the data.
-                // More: PRP2 points at a list in the table.
-                if pages == 2 {
+                // A part of two pages: PRP2 is the second page itself, which moves with the
+                // data. More: PRP2 points at the part's entries in the unit's list in the table.
+                let part_pages = table.part_bytes / PAGE_BYTES;
+                if part_pages == 2 {
                     table.desc_stride_bytes = stride;
                 }
-                if pages > 2 {
+                if part_pages > 2 {
                     let pieces = if adjacent { 1 } else { 2 };
                     table.prp_list_stride_bytes = (entries * PRP_ENTRY_BYTES).next_power_of_two();
                     table.desc_stride_bytes = n * pieces * table.prp_list_stride_bytes;
@@ -191,58 +266,113 @@ impl MappingTable {
         self.region.as_ref().map(|region| IovaRange::new(gio(region.iova()), region.len() as u64))
     }
 
+    /// Commands (IOCTXs) that move one layer of a run of `run` consecutive blocks of one slot
+    /// (runs longer than one block exist only on the SGL table path).
+    pub fn commands_per_run(&self, run: u32) -> u64 {
+        match self.form {
+            MappingForm::SglTable => (2 * self.parts_per_unit * u64::from(run)).div_ceil(self.descriptors_per_command),
+            MappingForm::Collapsed => self.parts_per_unit * u64::from(run),
+            MappingForm::StridedPair => 2 * self.parts_per_unit * u64::from(run),
+        }
+    }
+
+    /// The most bytes one command of this table moves.
+    pub fn command_bytes_max(&self) -> u64 {
+        match self.form {
+            MappingForm::SglTable => self.descriptors_per_command * self.part_bytes,
+            MappingForm::Collapsed | MappingForm::StridedPair => self.part_bytes,
+        }
+    }
+
     /// The pieces that move engine blocks `first_block .. first_block + run` (consecutive ids)
-    /// at layer 0, handed to `emit` in disk order (at most 2 per block). Runs longer than one
-    /// block are merged into one piece only on the SGL table path. Allocation-free: the hot
-    /// path of `prepare_*` calls it per block. A callback rather than an out-array: writing the
-    /// pieces to memory and reading them back in wider loads stalled store forwarding.
+    /// at layer 0, handed to `emit` in disk order (one per command: at most 2 per block unless
+    /// MDTS cuts objects). Runs longer than one block are merged into one piece only on the
+    /// SGL table path. Allocation-free: the hot path of `prepare_*` calls it per block. A
+    /// callback rather than an out-array: writing the pieces to memory and reading them back
+    /// in wider loads stalled store forwarding.
     #[inline]
     pub fn for_each_piece(&self, first_block: u32, run: u32, mut emit: impl FnMut(Piece)) {
-        let object = self.registration.geometry().object_bytes();
         let b = u64::from(first_block);
         match self.form {
             MappingForm::SglTable => {
                 let table = self.region.as_ref().map_or(0, |region| region.iova().0);
-                let at = Iova(table + b * 2 * SGL_DESCRIPTOR_BYTES);
-                let segment = IovaRange::new(gio(at), u64::from(run) * 2 * SGL_DESCRIPTOR_BYTES);
-                emit(Piece {
-                    disk_offset_bytes: 0,
-                    len_bytes: u64::from(run) * 2 * object,
-                    data: at,
-                    descriptor: Descriptor::SglSegment { segment },
-                });
+                let first = table + b * self.sgl_block_bytes;
+                if u64::from(run) <= self.sgl_blocks_per_command {
+                    // The common case (MDTS holds the run): one command, as before the split.
+                    let segment = IovaRange::new(gio(Iova(first)), u64::from(run) * self.sgl_block_bytes);
+                    let descriptor = Descriptor::SglSegment { segment };
+                    emit(Piece { disk_offset_bytes: 0, len_bytes: u64::from(run) * 2 * self.object_bytes, data: Iova(first), descriptor });
+                    return;
+                }
+                self.split_sgl_pieces(first, run, &mut emit);
             }
             MappingForm::Collapsed => {
-                let data = self.registration.address_unchecked(0, KvKind::Key, first_block);
-                emit(Piece { disk_offset_bytes: 0, len_bytes: 2 * object, data, descriptor: self.prp_descriptor(data, first_block, 0) });
+                let base = self.registration.address_unchecked(0, KvKind::Key, first_block);
+                for part in 0..self.parts_per_unit {
+                    let offset = part * self.part_bytes;
+                    let data = Iova(base.0 + offset);
+                    let descriptor = self.prp_descriptor(data, first_block, 0, offset);
+                    emit(Piece { disk_offset_bytes: offset, len_bytes: self.part_bytes, data, descriptor });
+                }
             }
             MappingForm::StridedPair => {
+                let object = self.object_bytes;
                 for (index, kind) in [KvKind::Key, KvKind::Value].into_iter().enumerate() {
-                    let data = self.registration.address_unchecked(0, kind, first_block);
-                    emit(Piece {
-                        disk_offset_bytes: index as u64 * object,
-                        len_bytes: object,
-                        data,
-                        descriptor: self.prp_descriptor(data, first_block, index as u64),
-                    });
+                    let base = self.registration.address_unchecked(0, kind, first_block);
+                    for part in 0..self.parts_per_unit {
+                        let offset = part * self.part_bytes;
+                        let data = Iova(base.0 + offset);
+                        emit(Piece {
+                            disk_offset_bytes: index as u64 * object + offset,
+                            len_bytes: self.part_bytes,
+                            data,
+                            descriptor: self.prp_descriptor(data, first_block, index as u64, offset),
+                        });
+                    }
                 }
             }
         }
     }
 
-    /// The descriptor for a piece on the non-table paths: SGL inline, or PRP (second page or list).
-    fn prp_descriptor(&self, data: Iova, block: u32, piece: u64) -> Descriptor {
+    /// The SGL table path when a run's descriptors exceed one command (MDTS smaller than the
+    /// run): commands of `descriptors_per_command` whole descriptors. Out of line, so that the
+    /// common path stays small enough to inline into the per-block loop.
+    #[cold]
+    #[inline(never)]
+    fn split_sgl_pieces(&self, first: u64, run: u32, emit: &mut dyn FnMut(Piece)) {
+        let total = u64::from(run) * 2 * self.parts_per_unit;
+        let mut done = 0;
+        while done < total {
+            let count = (total - done).min(self.descriptors_per_command);
+            let at = Iova(first + done * SGL_DESCRIPTOR_BYTES);
+            let segment = IovaRange::new(gio(at), count * SGL_DESCRIPTOR_BYTES);
+            emit(Piece {
+                disk_offset_bytes: done * self.part_bytes,
+                len_bytes: count * self.part_bytes,
+                data: at,
+                descriptor: Descriptor::SglSegment { segment },
+            });
+            done += count;
+        }
+    }
+
+    /// The descriptor for a piece on the non-table paths: SGL inline, or PRP (second page or
+    /// the piece's entries in its unit's list). `list` is the unit's list index in its block
+    /// (0 for K or a K+V pair, 1 for V); `offset` the piece's byte offset inside the unit.
+    fn prp_descriptor(&self, data: Iova, block: u32, list: u64, offset: u64) -> Descriptor {
         if self.registration.mode() == DataPointerMode::Sgl {
             return Descriptor::SglInline;
         }
-        let pages = self.piece_bytes / PAGE_BYTES;
+        let pages = self.part_bytes / PAGE_BYTES;
         let prp2 = match (pages, &self.region) {
             (0 | 1, _) => None,
             (2, _) => Some(IovaRange::new(gio(Iova(data.0 + PAGE_BYTES)), PAGE_BYTES)),
             (_, Some(region)) => {
-                let pieces = if self.form == MappingForm::Collapsed { 1 } else { 2 };
-                let offset = (u64::from(block) * pieces + piece) * self.prp_list_stride_bytes;
-                Some(IovaRange::new(gio(Iova(region.iova().0 + offset)), (pages - 1) * PRP_ENTRY_BYTES))
+                let lists = if self.form == MappingForm::Collapsed { 1 } else { 2 };
+                // Entry i of a unit's list names its page i + 1: a piece from page s takes s..
+                let first_entry = offset / PAGE_BYTES;
+                let at = (u64::from(block) * lists + list) * self.prp_list_stride_bytes + first_entry * PRP_ENTRY_BYTES;
+                Some(IovaRange::new(gio(Iova(region.iova().0 + at)), (pages - 1) * PRP_ENTRY_BYTES))
             }
             (_, None) => None,
         };
@@ -309,5 +439,128 @@ mod tests {
         assert_eq!(&d[..8], &0x1122_3344_5566_7788u64.to_le_bytes());
         assert_eq!(&d[8..12], &0x1_0000u32.to_le_bytes());
         assert_eq!(&d[12..], &[0, 0, 0, 0]);
+    }
+
+    fn engine(mode: DataPointerMode, major: bool, blocks: u32) -> (Arc<dyn DmaAllocator>, KvRegistration, Vec<DmaRegion>) {
+        // 2 layers of 32 KiB objects (Llama-3.1-8B's 16-token block).
+        let geometry = ModelGeometry { layers: 2, ..ModelGeometry::llama3_8b(16) };
+        let dma: Arc<dyn DmaAllocator> = Arc::new(nvme_driver::hw::DmaPool::identity());
+        let object = geometry.object_bytes();
+        if major {
+            let region = dma.allocate((geometry.block_bytes() * u64::from(blocks)) as usize).unwrap();
+            let layout = crate::KvLayout::BlockMajor { base: region.iova(), block_stride_bytes: geometry.block_bytes() };
+            return (dma.clone(), KvRegistration::new(geometry, blocks, layout, mode).unwrap(), vec![region]);
+        }
+        // Per-layer tensors at one stride (the PRP path needs it; SGL takes it as irregular).
+        let tensor = object * u64::from(blocks);
+        let region = dma.allocate((tensor * 2 * u64::from(geometry.layers)) as usize).unwrap();
+        let base = region.iova().0;
+        let key_bases = (0..u64::from(geometry.layers)).map(|l| Iova(base + 2 * l * tensor)).collect();
+        let value_bases = (0..u64::from(geometry.layers)).map(|l| Iova(base + (2 * l + 1) * tensor)).collect();
+        let layout = crate::KvLayout::SeparateKv { key_bases, value_bases, block_stride_bytes: object };
+        (dma.clone(), KvRegistration::new(geometry, blocks, layout, mode).unwrap(), vec![region])
+    }
+
+    #[test]
+    fn units_split_into_the_fewest_equal_parts_within_mdts() {
+        assert_eq!(split_unit(65536, 512, 1 << 20).unwrap(), (1, 65536), "fits: one command, as before");
+        assert_eq!(split_unit(65536, 512, 16384).unwrap(), (4, 16384));
+        assert_eq!(split_unit(65536, 4096, 49152).unwrap(), (2, 32768), "equal parts, not 48 + 16 KiB");
+        assert_eq!(split_unit(3 * 4096, 4096, 8192).unwrap(), (3, 4096), "3 pages cannot halve");
+        assert!(split_unit(4096, 65536 / 8, 4096).unwrap_err().to_string().contains("MDTS"));
+        assert!(split_unit(6000, 512, 1 << 20).is_err(), "not whole LBAs");
+    }
+
+    #[test]
+    fn pieces_tile_every_layer_of_a_run_within_mdts() {
+        // Goal: for every form, with a large and a small MDTS, the pieces of a run cover its
+        // bytes on disk exactly once, in order, each within MDTS, each a whole number of LBAs;
+        // their memory is the objects' bytes in the same order (SGL: through the table's
+        // descriptors; PRP: PRP1 and the list entries it points at); and the large-MDTS case
+        // keeps one command per block-layer (per run on the SGL table path).
+        let cases = [
+            (DataPointerMode::Sgl, false, MappingForm::SglTable),
+            (DataPointerMode::Sgl, true, MappingForm::Collapsed),
+            (DataPointerMode::Prp, true, MappingForm::Collapsed),
+            (DataPointerMode::Prp, false, MappingForm::StridedPair),
+        ];
+        for (mode, major, form) in cases {
+            for (max_transfer, run) in [(1u64 << 20, 4u32), (16384, 4), (16384, 1), (8192, 2), (49152, 3)] {
+                let (dma, registration, _memory) = engine(mode, major, 8);
+                let geometry = *registration.geometry();
+                let object = geometry.object_bytes();
+                let run = if form == MappingForm::SglTable { run } else { 1 };
+                let limits = CommandLimits { max_transfer_bytes: max_transfer, lba_bytes: 512 };
+                let table = MappingTable::build(registration.clone(), &dma, 4, limits).unwrap();
+                assert_eq!(table.form(), form);
+                let context = format!("{form:?} {mode:?} MDTS {max_transfer} run {run}");
+                let mut pieces = Vec::new();
+                table.for_each_piece(3, run, |piece| pieces.push(piece));
+                assert_eq!(pieces.len() as u64, table.commands_per_run(run), "{context}");
+                if max_transfer == 1 << 20 {
+                    let per_block = if form == MappingForm::StridedPair { 2 } else { 1 };
+                    let expected = if form == MappingForm::SglTable { 1 } else { per_block };
+                    assert_eq!(pieces.len(), expected, "{context}: the common case is not split");
+                }
+                // Memory of the run in disk order: for block j, K then V.
+                let expected_memory: Vec<(u64, u64)> = (0..run)
+                    .flat_map(|j| [KvKind::Key, KvKind::Value].map(|kind| (registration.address_unchecked(0, kind, 3 + j).0, object)))
+                    .collect();
+                let mut disk = 0;
+                let mut memory: Vec<(u64, u64)> = Vec::new();
+                for piece in &pieces {
+                    assert_eq!(piece.disk_offset_bytes, disk, "{context}: pieces in disk order, no gap");
+                    assert!(piece.len_bytes <= max_transfer && piece.len_bytes % 512 == 0, "{context}: {piece:?}");
+                    disk += piece.len_bytes;
+                    let mut push = |address: u64, len: u64| match memory.last_mut() {
+                        Some(last) if last.0 + last.1 == address => last.1 += len,
+                        _ => memory.push((address, len)),
+                    };
+                    match piece.descriptor {
+                        Descriptor::SglSegment { segment } => {
+                            let region = dma.translate(Iova(segment.start.0), segment.len_bytes as usize).unwrap();
+                            let mut bytes = vec![0u8; segment.len_bytes as usize];
+                            region.read(0, &mut bytes).unwrap();
+                            let mut total = 0;
+                            for descriptor in bytes.chunks_exact(16) {
+                                let address = u64::from_le_bytes(descriptor[..8].try_into().unwrap());
+                                let len = u64::from(u32::from_le_bytes(descriptor[8..12].try_into().unwrap()));
+                                push(address, len);
+                                total += len;
+                            }
+                            assert_eq!(total, piece.len_bytes, "{context}");
+                        }
+                        Descriptor::SglInline => push(piece.data.0, piece.len_bytes),
+                        Descriptor::Prp { prp2 } => {
+                            let pages = piece.len_bytes / PAGE_BYTES;
+                            push(piece.data.0, PAGE_BYTES.min(piece.len_bytes));
+                            match (pages, prp2) {
+                                (1, None) => {}
+                                (2, Some(second)) => push(second.start.0, PAGE_BYTES),
+                                (_, Some(list)) => {
+                                    assert_eq!(list.len_bytes, (pages - 1) * PRP_ENTRY_BYTES, "{context}");
+                                    let region = dma.translate(Iova(list.start.0), list.len_bytes as usize).unwrap();
+                                    let mut bytes = vec![0u8; list.len_bytes as usize];
+                                    region.read(0, &mut bytes).unwrap();
+                                    for entry in bytes.chunks_exact(8) {
+                                        push(u64::from_le_bytes(entry.try_into().unwrap()), PAGE_BYTES);
+                                    }
+                                }
+                                other => panic!("{context}: {other:?}"),
+                            }
+                        }
+                    }
+                }
+                assert_eq!(disk, u64::from(run) * 2 * object, "{context}: the run's bytes, all of them");
+                let mut expected = Vec::new();
+                for (address, len) in expected_memory {
+                    match expected.last_mut() {
+                        Some((a, l)) if *a + *l == address => *l += len,
+                        _ => expected.push((address, len)),
+                    }
+                }
+                assert_eq!(memory, expected, "{context}: memory in disk order");
+            }
+        }
     }
 }

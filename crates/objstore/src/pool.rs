@@ -1,19 +1,31 @@
 //! A pool on its devices: format, open with recovery, the slot-header mirror and its durable
 //! writes, and the offline check.
 //!
-//! Metadata goes through one NVMe queue pair per device owned here (data goes through gio_uring).
-//! Each device's header region is mirrored in DMA memory: the mirror only ever holds Valid entries
-//! whose data is already durable, and Empty entries, so writing any range of it is always safe —
-//! a torn or lost header write leaves each LBA either old or new, both consistent.
+//! Metadata goes through one NVMe queue pair per device owned here (data goes through gio_uring),
+//! or, on a controller that granted too few I/O queue pairs for that (fewer than two per pool
+//! device on it), through the executor's queue pair, lent between commands (`QueueLender`).
+//! Each device's header region is mirrored in DMA memory ([`mirror`]): the mirror only ever holds
+//! Valid entries whose data is already durable, and Empty entries, so writing any of its sectors
+//! is always safe, and a sync writes only the sectors that changed.
+
+mod metadata_io;
+mod mirror;
+#[cfg(test)]
+mod tests;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use nvme_driver::{Controller, DataSegment, DmaRegion, IoQueuePair, Lba, NamespaceId};
+use nvme_driver::{Controller, DmaRegion, IoQueuePair, NamespaceId};
+
+pub use metadata_io::METADATA_QUEUE_DEPTH;
+use metadata_io::{transfer_region, Transfer, METADATA_CHUNK_BYTES};
+use mirror::HeaderMirror;
 
 use crate::error::{ObjstoreError, Result};
 use crate::format::{
-    encode_entry, header_entry_bytes, pool_tag, HeaderVerdict, SlotHeader, SlotState, Superblock, FLAG_PAYLOAD_CRC, SUPERBLOCK_REGION_BYTES,
+    encode_empty_entry, encode_entry, header_entry_bytes, pool_tag, HeaderVerdict, SlotHeader, SlotState, Superblock, FLAG_PAYLOAD_CRC,
+    HEADER_FLAG_PAYLOAD_CRC, SUPERBLOCK_REGION_BYTES,
 };
 use crate::geometry::ModelGeometry;
 use crate::hash::chain_hash;
@@ -21,10 +33,6 @@ use crate::index::Index;
 
 /// Deadline of each metadata command batch.
 pub const METADATA_TIMEOUT: Duration = Duration::from_secs(10);
-/// Depth of the metadata queue pair of each device.
-const METADATA_QUEUE_DEPTH: u32 = 64;
-/// Metadata moves in pieces of at most this size (each piece is one submit + wait).
-const METADATA_CHUNK_BYTES: u64 = 1 << 20;
 
 /// One namespace offered to a pool.
 #[derive(Clone)]
@@ -37,6 +45,45 @@ impl std::fmt::Debug for PoolTarget {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{} {}", self.controller.backend().name(), self.namespace)
     }
+}
+
+/// Lends an executor's NVMe queue pair for the metadata commands of a pool device whose
+/// controller granted too few I/O queue pairs for the pool to keep its own (see
+/// `gio_uring::Executor::lend_queue_pair`): the queue pair serving pool device `device`, idle,
+/// or `None` if the executor cannot lend.
+pub(crate) trait QueueLender {
+    fn lend(&mut self, device: usize, deadline: Instant) -> Result<Option<&mut IoQueuePair>>;
+}
+
+/// No executor to borrow from (offline use): the pool creates a temporary queue pair.
+pub(crate) struct NoLender;
+
+impl QueueLender for NoLender {
+    fn lend(&mut self, _device: usize, _deadline: Instant) -> Result<Option<&mut IoQueuePair>> {
+        Ok(None)
+    }
+}
+
+/// The queue pair device `device`'s metadata goes through: its own, else the lender's, else a
+/// temporary one created in `temporary` (dropped, and so deleted, by the caller).
+fn metadata_queue<'a>(
+    own: &'a mut Option<IoQueuePair>,
+    temporary: &'a mut Option<IoQueuePair>,
+    lender: &'a mut dyn QueueLender,
+    target: &PoolTarget,
+    device: usize,
+    timeout: Duration,
+) -> Result<&'a mut IoQueuePair> {
+    if let Some(queue) = own {
+        return Ok(queue);
+    }
+    if let Some(queue) = lender.lend(device, Instant::now() + timeout)? {
+        return Ok(queue);
+    }
+    if temporary.is_none() {
+        *temporary = Some(target.controller.create_io_queue_pair(METADATA_QUEUE_DEPTH)?);
+    }
+    Ok(temporary.as_mut().expect("set above"))
 }
 
 /// Parameters of `format`.
@@ -62,7 +109,12 @@ pub struct RecoveryReport {
     pub valid_slots: u64,
     pub empty_slots: u64,
     /// Headers whose CRC, pool tag, slot number or contents were wrong: their slots are free.
+    /// Includes the zeroed ones.
     pub corrupt_headers: u64,
+    /// Of the corrupt headers, those that were all zeroes: a zeroed (or deallocated) header
+    /// region. Every slot has a tagged entry from format on, so these are damage, and the
+    /// blocks they recorded, if any, are lost.
+    pub zeroed_headers: u64,
     /// Slots holding a key another, newer slot also holds: freed.
     pub duplicate_slots: u64,
     pub cached_blocks: u64,
@@ -71,16 +123,14 @@ pub struct RecoveryReport {
 /// Fields drop in order: the queue pair must be deleted while its controller (kept alive by
 /// `target`) still runs, or the drop waits out the admin timeout.
 pub(crate) struct PoolDevice {
-    pub(crate) queue: IoQueuePair,
+    /// The device's own metadata queue pair; `None` when its controller granted too few and
+    /// metadata borrows the executor's (`QueueLender`).
+    pub(crate) queue: Option<IoQueuePair>,
     pub(crate) target: PoolTarget,
     pub(crate) superblock: Superblock,
-    mirror: DmaRegion,
-    /// Header-region LBA range (relative) not yet written: [first, end).
-    dirty: Option<(u64, u64)>,
+    mirror: HeaderMirror,
     /// A DMA buffer for payload checks and superblock I/O.
     scratch: DmaRegion,
-    /// Per slot: whether its mirror entry is not all zeroes (so reuse must stage Empty first).
-    header_nonzero: Vec<bool>,
 }
 
 /// An open pool: devices in pool order (device index i at position i) and the index.
@@ -112,46 +162,6 @@ pub fn format_uuid(uuid: &[u8; 16]) -> String {
     format!("{}-{}-{}-{}-{}", &hex[..8], &hex[8..12], &hex[12..16], &hex[16..20], &hex[20..])
 }
 
-fn deadline_error(error: nvme_driver::NvmeError) -> ObjstoreError {
-    ObjstoreError::Nvme(error)
-}
-
-/// Which way `transfer_region` moves data.
-#[derive(Debug, Clone, Copy)]
-enum Transfer {
-    Read,
-    Write { force_unit_access: bool },
-}
-
-/// Moves `len` bytes between `region` (from `offset`) and the namespace at `lba` (relative LBAs
-/// computed by the caller), in pieces of at most `METADATA_CHUNK_BYTES`.
-#[allow(clippy::too_many_arguments)]
-fn transfer_region(
-    queue: &mut IoQueuePair,
-    namespace: NamespaceId,
-    lba: u64,
-    region: &DmaRegion,
-    offset: u64,
-    len: u64,
-    lba_bytes: u64,
-    transfer: Transfer,
-    timeout: Duration,
-) -> Result<()> {
-    let mut done = 0;
-    while done < len {
-        let piece = (len - done).min(METADATA_CHUNK_BYTES);
-        let segment = [DataSegment::new(nvme_driver::Iova(region.iova().0 + offset + done), piece as u32)];
-        let start = Lba(lba + done / lba_bytes);
-        match transfer {
-            Transfer::Read => queue.read(namespace, start, &segment, timeout),
-            Transfer::Write { force_unit_access } => queue.write(namespace, start, &segment, force_unit_access, timeout),
-        }
-        .map_err(deadline_error)?;
-        done += piece;
-    }
-    Ok(())
-}
-
 fn namespace_of(target: &PoolTarget) -> Result<nvme_driver::Namespace> {
     Ok(target.controller.namespace(target.namespace)?)
 }
@@ -178,9 +188,9 @@ pub fn read_superblock(target: &PoolTarget, device: usize) -> Result<Superblock>
     Superblock::decode(&raw, device, namespace.block_size_bytes, namespace.size_blocks)
 }
 
-/// Formats `targets` as one pool (target i becomes device i): zeroes each header region, makes
-/// it durable, then writes the superblock with FUA — a format interrupted before the last step
-/// leaves no pool, never a pool with stale headers.
+/// Formats `targets` as one pool (target i becomes device i): writes an Empty entry for every
+/// slot, makes the header region durable, then writes the superblock with FUA — a format
+/// interrupted before the last step leaves no pool, never a pool with stale headers.
 pub fn format_pool(targets: &[PoolTarget], params: &FormatParams) -> Result<Vec<Superblock>> {
     if targets.is_empty() || targets.len() > usize::from(u16::MAX) {
         return Err(ObjstoreError::InvalidFormat { reason: format!("{} devices, expected 1..={}", targets.len(), u16::MAX) });
@@ -217,16 +227,30 @@ pub fn format_pool(targets: &[PoolTarget], params: &FormatParams) -> Result<Vec<
     for (target, superblock) in targets.iter().zip(&planned) {
         let lba = u64::from(superblock.lba_bytes);
         let mut queue = target.controller.create_io_queue_pair(METADATA_QUEUE_DEPTH)?;
-        let zeros = target.controller.dma().allocate(METADATA_CHUNK_BYTES as usize)?;
+        let buffer = target.controller.dma().allocate(METADATA_CHUNK_BYTES as usize)?;
         let region_bytes = superblock.header_region_bytes();
+        let entry_bytes = u64::from(superblock.header_entry_bytes);
+        let tag = pool_tag(&superblock.pool_uuid);
+        let mut entries = vec![0u8; METADATA_CHUNK_BYTES as usize];
         let mut done = 0;
         while done < region_bytes {
+            // Every slot gets a tagged, checksummed Empty entry (a zeroed one is damage); the
+            // region's tail past the last slot stays zero. Chunks are whole LBAs, and entries
+            // never straddle an LBA, so a chunk holds whole entries.
             let piece = (region_bytes - done).min(METADATA_CHUNK_BYTES);
+            let chunk = &mut entries[..piece as usize];
+            chunk.fill(0);
+            let first_slot = done / entry_bytes;
+            let slots = (piece / entry_bytes).min(superblock.slot_count.saturating_sub(first_slot));
+            for (index, entry) in chunk.chunks_exact_mut(entry_bytes as usize).take(slots as usize).enumerate() {
+                encode_empty_entry(entry, 0, tag, (first_slot + index as u64) as u32);
+            }
+            buffer.write(0, chunk)?;
             transfer_region(
                 &mut queue,
                 target.namespace,
                 superblock.header_lba + done / lba,
-                &zeros,
+                &buffer,
                 0,
                 piece,
                 lba,
@@ -235,9 +259,10 @@ pub fn format_pool(targets: &[PoolTarget], params: &FormatParams) -> Result<Vec<
             )?;
             done += piece;
         }
-        queue.flush(target.namespace, METADATA_TIMEOUT)?;
+        metadata_io::flush(&mut queue, target.namespace, METADATA_TIMEOUT)?;
         let encoded = superblock.encode();
-        let block = zeros.subregion(0, SUPERBLOCK_REGION_BYTES.max(lba) as usize)?;
+        let block = buffer.subregion(0, SUPERBLOCK_REGION_BYTES.max(lba) as usize)?;
+        block.fill(0, block.len(), 0)?;
         block.write(0, &encoded)?;
         transfer_region(
             &mut queue,
@@ -315,7 +340,14 @@ impl Pool {
             timeout: METADATA_TIMEOUT,
         };
         let mut report = RecoveryReport { devices: found.len(), ..RecoveryReport::default() };
-        for (superblock, target) in found {
+        // A controller serving n pool devices needs n queue pairs for the executor; the pool
+        // keeps n more for metadata only if it granted 2n, and otherwise borrows the executor's.
+        let devices_on = |controller: &Arc<Controller>| found.iter().filter(|(_, t)| Arc::ptr_eq(&t.controller, controller)).count();
+        let own_queue: Vec<bool> = found
+            .iter()
+            .map(|(_, target)| usize::from(target.controller.granted_queue_pairs()) >= 2 * devices_on(&target.controller))
+            .collect();
+        for ((superblock, target), own_queue) in found.into_iter().zip(own_queue) {
             let mut queue = target.controller.create_io_queue_pair(METADATA_QUEUE_DEPTH)?;
             let mirror = target.controller.dma().allocate(superblock.header_region_bytes() as usize)?;
             transfer_region(
@@ -331,15 +363,16 @@ impl Pool {
             )?;
             let scratch =
                 target.controller.dma().allocate((2 * superblock.geometry.object_bytes()).max(SUPERBLOCK_REGION_BYTES) as usize)?;
-            pool.devices.push(PoolDevice {
-                queue,
-                target,
-                superblock,
-                mirror,
-                dirty: None,
-                scratch,
-                header_nonzero: vec![false; superblock.slot_count as usize],
-            });
+            if !own_queue {
+                tracing::info!(
+                    device = superblock.device_index,
+                    granted = target.controller.granted_queue_pairs(),
+                    "the controller granted too few I/O queue pairs for a metadata queue of the pool's own: metadata will \
+                     borrow the executor's queue pair"
+                );
+            }
+            let queue = own_queue.then_some(queue); // a shared one is deleted here, freeing its id
+            pool.devices.push(PoolDevice { queue, target, superblock, mirror: HeaderMirror::new(mirror, superblock), scratch });
         }
         pool.recover(&mut report)?;
         Ok((pool, report))
@@ -353,9 +386,10 @@ impl Pool {
             entry.resize(superblock.header_entry_bytes as usize, 0);
             for slot in 0..superblock.slot_count as u32 {
                 report.slots += 1;
-                self.devices[device].mirror.read(superblock.header_offset(slot) as usize, &mut entry)?;
-                self.devices[device].header_nonzero[slot as usize] = entry.iter().any(|&byte| byte != 0);
-                match SlotHeader::decode(&entry, slot, &superblock) {
+                self.devices[device].mirror.read_entry(slot, &mut entry)?;
+                let verdict = SlotHeader::decode(&entry, slot, &superblock);
+                self.devices[device].mirror.set_empty(slot, verdict == Err(HeaderVerdict::Empty));
+                match verdict {
                     Ok(header) => {
                         self.generation = self.generation.max(header.generation);
                         if let Err(loser) = self.index.recover(device as u16, slot, &header.blocks, header.generation) {
@@ -363,12 +397,22 @@ impl Pool {
                         }
                     }
                     Err(HeaderVerdict::Empty) => report.empty_slots += 1,
+                    Err(HeaderVerdict::Zeroed) => {
+                        report.corrupt_headers += 1;
+                        report.zeroed_headers += 1;
+                    }
                     Err(HeaderVerdict::Corrupt) => {
                         report.corrupt_headers += 1;
                         tracing::warn!(device, slot, "slot header failed its checks; slot returned to the free list");
                     }
                 }
             }
+        }
+        if report.zeroed_headers > 0 {
+            tracing::warn!(
+                zeroed = report.zeroed_headers,
+                "slot headers are all zeroes: the header region was zeroed or deallocated; blocks recorded there are lost"
+            );
         }
         // A duplicate key's older copy is freed in memory; its header is rewritten Empty lazily,
         // when the slot is next allocated (the newer copy wins again on every recovery until then).
@@ -410,98 +454,109 @@ impl Pool {
     }
 
     /// Records a slot header in the mirror; it reaches the device at the next `sync_headers`.
-    pub(crate) fn stage_header(
-        &mut self,
-        device: u16,
-        slot: u32,
-        state: SlotState,
-        blocks: &[crate::format::BlockRecord],
-        payload_crc: Option<u32>,
-    ) -> Result<u64> {
+    /// `blocks` carry their payload CRCs when the pool records them; an Empty entry lists none.
+    pub(crate) fn stage_header(&mut self, device: u16, slot: u32, state: SlotState, blocks: &[crate::format::BlockRecord]) -> Result<u64> {
         self.generation += 1;
         let generation = self.generation;
         let d = &mut self.devices[usize::from(device)];
         let superblock = d.superblock;
         let mut entry = [0u8; 4096];
         let entry = &mut entry[..header_entry_bytes(superblock.blocks_per_slot) as usize];
-        if state != SlotState::Empty {
-            // An evicted slot stays all zeroes: it reads as never written.
-            encode_entry(entry, generation, pool_tag(&superblock.pool_uuid), slot, state, payload_crc, blocks);
+        let tag = pool_tag(&superblock.pool_uuid);
+        match state {
+            SlotState::Empty => encode_empty_entry(entry, generation, tag, slot),
+            SlotState::Valid => {
+                let payload_crcs = superblock.flags & FLAG_PAYLOAD_CRC != 0;
+                encode_entry(entry, generation, tag, slot, state, payload_crcs, blocks);
+            }
         }
-        let offset = superblock.header_offset(slot);
-        d.mirror.write(offset as usize, entry)?;
-        d.header_nonzero[slot as usize] = state != SlotState::Empty;
-        let lba = u64::from(superblock.lba_bytes);
-        let (first, end) = (offset / lba, (offset + entry.len() as u64).div_ceil(lba));
-        d.dirty = Some(d.dirty.map_or((first, end), |(a, b)| (a.min(first), b.max(end))));
+        d.mirror.stage(slot, entry, state == SlotState::Empty)?;
         Ok(generation)
     }
 
-    /// Whether slot `slot`'s header in the mirror is all zeroes (never written, or made Empty).
-    pub(crate) fn header_is_zero(&self, device: u16, slot: u32) -> bool {
-        !self.devices[usize::from(device)].header_nonzero[slot as usize]
+    /// The payload CRC recorded for a committed block: 4 bytes at `offset` (see
+    /// `format::payload_crc_offset`) in slot `slot`'s entry in the mirror.
+    pub(crate) fn recorded_payload_crc(&self, device: u16, slot: u32, offset: usize) -> Result<u32> {
+        self.devices[usize::from(device)].mirror.read_entry_u32(slot, offset)
     }
 
-    /// Writes every staged header range with FUA and waits: on return they are durable.
-    pub(crate) fn sync_headers(&mut self) -> Result<()> {
-        for d in &mut self.devices {
-            let Some((first, end)) = d.dirty else { continue };
-            let lba = u64::from(d.superblock.lba_bytes);
-            transfer_region(
-                &mut d.queue,
-                d.target.namespace,
-                d.superblock.header_lba + first,
-                &d.mirror,
-                first * lba,
-                (end - first) * lba,
-                lba,
-                Transfer::Write { force_unit_access: true },
-                self.timeout,
-            )?;
-            d.dirty = None;
+    /// Whether slot `slot`'s header in the mirror is a clean Empty entry (as formatted, or made
+    /// Empty since).
+    pub(crate) fn header_is_empty(&self, device: u16, slot: u32) -> bool {
+        self.devices[usize::from(device)].mirror.is_empty(slot)
+    }
+
+    /// Whether device `device`'s metadata borrows the executor's queue pair (its controller
+    /// granted fewer than two I/O queue pairs per pool device on it).
+    pub fn metadata_queue_shared(&self, device: usize) -> bool {
+        self.devices[device].queue.is_none()
+    }
+
+    /// Writes every staged header sector with FUA and waits: on return they are durable.
+    pub(crate) fn sync_headers(&mut self, lender: &mut dyn QueueLender) -> Result<()> {
+        let timeout = self.timeout;
+        for (index, d) in self.devices.iter_mut().enumerate() {
+            if !d.mirror.has_dirty() {
+                continue;
+            }
+            let mut temporary = None;
+            let queue = metadata_queue(&mut d.queue, &mut temporary, lender, &d.target, index, timeout)?;
+            d.mirror.sync(queue, d.target.namespace, timeout)?;
         }
         Ok(())
     }
 
     /// Flushes the volatile write cache of the devices in `devices` (a bitmap by index).
-    pub(crate) fn flush(&mut self, devices: &[bool]) -> Result<()> {
-        for (d, &used) in self.devices.iter_mut().zip(devices) {
+    pub(crate) fn flush(&mut self, devices: &[bool], lender: &mut dyn QueueLender) -> Result<()> {
+        let timeout = self.timeout;
+        for (index, (d, &used)) in self.devices.iter_mut().zip(devices).enumerate() {
             if used {
-                d.queue.flush(d.target.namespace, self.timeout)?;
+                let mut temporary = None;
+                let queue = metadata_queue(&mut d.queue, &mut temporary, lender, &d.target, index, timeout)?;
+                metadata_io::flush(queue, d.target.namespace, timeout)?;
             }
         }
         Ok(())
     }
 
     /// The offline check of `tutti pool check`: every header was verified by `open` (counted in
-    /// the report); with `payload`, every valid slot whose header records a payload CRC is read
-    /// back and compared. Returns (slots verified, payload mismatches as (device, slot)).
+    /// the report); with `payload`, every block of every valid slot whose header records payload
+    /// CRCs is read back and compared. Returns (slots verified, slots with a mismatching block,
+    /// as (device, slot)).
     pub fn check_payloads(&mut self, deadline: Instant) -> Result<(u64, Vec<(usize, u32)>)> {
         let mut verified = 0;
         let mut bad = Vec::new();
         let mut entry = Vec::new();
         let mut bytes = Vec::new();
+        let mut hashers = Vec::new();
+        let mut no_lender = NoLender;
         for device in 0..self.devices.len() {
+            // A device without a metadata queue of its own gets one for the check (no store,
+            // so no executor holds the controller's queue pairs).
+            let mut temporary = None;
             let superblock = self.devices[device].superblock;
             entry.resize(superblock.header_entry_bytes as usize, 0);
             for slot in 0..superblock.slot_count as u32 {
                 if Instant::now() > deadline {
                     return Err(ObjstoreError::DeadlinePassed { what: "payload check", done: verified });
                 }
-                self.devices[device].mirror.read(superblock.header_offset(slot) as usize, &mut entry)?;
+                self.devices[device].mirror.read_entry(slot, &mut entry)?;
                 let Ok(header) = SlotHeader::decode(&entry, slot, &superblock) else { continue };
-                if header.flags & 1 == 0 {
+                if header.flags & HEADER_FLAG_PAYLOAD_CRC == 0 {
                     continue;
                 }
-                let mut crc = crc32fast::Hasher::new();
+                // One CRC per block, each over `for l: K then V` of that block.
+                hashers.clear();
+                hashers.resize(header.blocks.len(), crc32fast::Hasher::new());
                 let pair = 2 * superblock.geometry.object_bytes();
                 bytes.resize(pair as usize, 0);
                 for layer in 0..superblock.geometry.layers {
-                    for j in 0..header.blocks.len() as u32 {
-                        let lba = superblock.block_lba(slot, j) + u64::from(layer) * superblock.layer_stride_blocks();
+                    for (j, hasher) in hashers.iter_mut().enumerate() {
+                        let lba = superblock.block_lba(slot, j as u32) + u64::from(layer) * superblock.layer_stride_blocks();
                         let d = &mut self.devices[device];
+                        let queue = metadata_queue(&mut d.queue, &mut temporary, &mut no_lender, &d.target, device, self.timeout)?;
                         transfer_region(
-                            &mut d.queue,
+                            queue,
                             d.target.namespace,
                             lba,
                             &d.scratch,
@@ -512,11 +567,11 @@ impl Pool {
                             self.timeout,
                         )?;
                         d.scratch.read(0, &mut bytes)?;
-                        crc.update(&bytes);
+                        hasher.update(&bytes);
                     }
                 }
                 verified += 1;
-                if crc.finalize() != header.payload_crc {
+                if hashers.iter_mut().zip(&header.blocks).any(|(hasher, block)| std::mem::take(hasher).finalize() != block.payload_crc) {
                     bad.push((device, slot));
                 }
             }

@@ -14,9 +14,20 @@ use gio_uring::SmBudget;
 use nvme_driver::{Controller, DataPointerMode, DmaAllocator, DmaRegion};
 
 use crate::{
-    cpu_executor_for, format_pool, FormatParams, KvLayout, KvRegistration, KvRequest, KvStore, ModelGeometry, ObjstoreError, Pool,
+    cpu_executor_for, format_pool, FormatParams, KvKind, KvLayout, KvRegistration, KvRequest, KvStore, ModelGeometry, ObjstoreError, Pool,
     PoolTarget, RecoveryReport, StoreConfig,
 };
+
+/// How the round trip lays out the engine's KV memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EngineLayout {
+    /// Separate per-layer K and V tensors: separate allocations on SGL controllers (the SGL
+    /// descriptor table), equally spaced in one allocation on PRP ones (K and V as separate
+    /// commands).
+    SeparateKv,
+    /// All layers of a block contiguous (one command per block-layer, K and V together).
+    BlockMajor,
+}
 
 /// What the round trip does.
 #[derive(Debug, Clone, Copy)]
@@ -28,6 +39,7 @@ pub struct RoundTripConfig {
     pub blocks_per_request: u32,
     /// k, engine blocks per slot.
     pub blocks_per_slot: u32,
+    pub layout: EngineLayout,
     /// Deadline for each layer.
     pub layer_timeout: Duration,
 }
@@ -39,6 +51,7 @@ impl Default for RoundTripConfig {
             requests: 3,
             blocks_per_request: 8,
             blocks_per_slot: 1,
+            layout: EngineLayout::SeparateKv,
             layer_timeout: Duration::from_secs(60),
         }
     }
@@ -116,27 +129,43 @@ pub fn round_trip(targets: Vec<PoolTarget>, config: &RoundTripConfig) -> Result<
     let object_bytes = geometry.object_bytes() as usize;
     let dma: Arc<dyn DmaAllocator> = Arc::clone(controller.dma());
     let tensor_bytes = object_bytes * engine_blocks as usize;
-    let tensors = if mode == DataPointerMode::Sgl {
-        // Separate allocations: irregular layer bases, so the SGL descriptor table is used.
-        (0..2 * geometry.layers).map(|_| dma.allocate(tensor_bytes)).collect::<Result<Vec<DmaRegion>, _>>()?
-    } else {
-        // PRP follows `data + layer x stride`: the tensors at equal spacing in one region.
-        let region = dma.allocate(tensor_bytes * 2 * geometry.layers as usize)?;
-        (0..2 * geometry.layers as usize)
-            .map(|i| region.subregion(i * tensor_bytes, tensor_bytes))
-            .collect::<Result<Vec<DmaRegion>, _>>()?
+    let (_memory, layout) = match config.layout {
+        EngineLayout::BlockMajor => {
+            let region = dma.allocate(geometry.block_bytes() as usize * engine_blocks as usize)?;
+            let layout = KvLayout::BlockMajor { base: region.iova(), block_stride_bytes: geometry.block_bytes() };
+            (vec![region], layout)
+        }
+        EngineLayout::SeparateKv => {
+            let tensors = if mode == DataPointerMode::Sgl {
+                // Separate allocations: irregular layer bases, so the SGL descriptor table is used.
+                (0..2 * geometry.layers).map(|_| dma.allocate(tensor_bytes)).collect::<Result<Vec<DmaRegion>, _>>()?
+            } else {
+                // PRP follows `data + layer x stride`: the tensors at equal spacing in one region.
+                let region = dma.allocate(tensor_bytes * 2 * geometry.layers as usize)?;
+                (0..2 * geometry.layers as usize)
+                    .map(|i| region.subregion(i * tensor_bytes, tensor_bytes))
+                    .collect::<Result<Vec<DmaRegion>, _>>()?
+            };
+            let layout = KvLayout::SeparateKv {
+                key_bases: tensors.iter().step_by(2).map(DmaRegion::iova).collect(),
+                value_bases: tensors.iter().skip(1).step_by(2).map(DmaRegion::iova).collect(),
+                block_stride_bytes: geometry.object_bytes(),
+            };
+            (tensors, layout)
+        }
     };
-    let layout = || KvLayout::SeparateKv {
-        key_bases: tensors.iter().step_by(2).map(DmaRegion::iova).collect(),
-        value_bases: tensors.iter().skip(1).step_by(2).map(DmaRegion::iova).collect(),
-        block_stride_bytes: geometry.object_bytes(),
+    let registration = KvRegistration::new(geometry, engine_blocks, layout, mode)?;
+    // The engine's view of object (layer, K/V, block): host-visible here (the round trip's
+    // memory is the controllers' DMA memory).
+    let object_region = |layer: u32, kind: KvKind, block: u32| -> Result<DmaRegion, RoundTripError> {
+        let address = registration.object_address(layer, kind, block)?;
+        Ok(dma.translate(address, object_bytes)?)
     };
     let open_store = || -> Result<(KvStore<gio_uring::CpuExecutor>, RecoveryReport), RoundTripError> {
         let (pool, recovery) = Pool::open(targets.clone(), Some(&geometry))?;
-        let registration = KvRegistration::new(geometry, engine_blocks, layout(), mode)?;
         let store_config = StoreConfig::default();
         let executor = cpu_executor_for(&pool, 256, &store_config)?;
-        Ok((KvStore::new(pool, registration, Arc::clone(&dma), executor, store_config)?, recovery))
+        Ok((KvStore::new(pool, registration.clone(), Arc::clone(&dma), executor, store_config)?, recovery))
     };
     let mut object = vec![0u8; object_bytes];
     let store_ids: Vec<u32> = (0..config.blocks_per_request).collect();
@@ -149,7 +178,8 @@ pub fn round_trip(targets: Vec<PoolTarget>, config: &RoundTripConfig) -> Result<
                 for layer in 0..geometry.layers {
                     for value in [false, true] {
                         object_pattern(&tokens, block as u32, geometry.block_tokens, layer, value, &mut object);
-                        tensors[(2 * layer + u32::from(value)) as usize].write(engine_block as usize * object_bytes, &object)?;
+                        let kind = if value { KvKind::Value } else { KvKind::Key };
+                        object_region(layer, kind, engine_block)?.write(0, &object)?;
                     }
                 }
             }
@@ -174,8 +204,12 @@ pub fn round_trip(targets: Vec<PoolTarget>, config: &RoundTripConfig) -> Result<
         if found != config.blocks_per_request as usize {
             return Err(RoundTripError::Missing { request, found, expected: config.blocks_per_request });
         }
-        for tensor in &tensors {
-            tensor.fill(0, tensor.len(), 0)?;
+        for &engine_block in &retrieve_ids {
+            for layer in 0..geometry.layers {
+                for kind in [KvKind::Key, KvKind::Value] {
+                    object_region(layer, kind, engine_block)?.fill(0, object_bytes, 0)?;
+                }
+            }
         }
         let handle = store.prepare_retrieve(&KvRequest { tokens: &tokens, block_ids: &retrieve_ids })?;
         for layer in 0..geometry.layers {
@@ -187,7 +221,8 @@ pub fn round_trip(targets: Vec<PoolTarget>, config: &RoundTripConfig) -> Result<
             for layer in 0..geometry.layers {
                 for value in [false, true] {
                     object_pattern(&tokens, block as u32, geometry.block_tokens, layer, value, &mut object);
-                    tensors[(2 * layer + u32::from(value)) as usize].read(engine_block as usize * object_bytes, &mut actual)?;
+                    let kind = if value { KvKind::Value } else { KvKind::Key };
+                    object_region(layer, kind, engine_block)?.read(0, &mut actual)?;
                     if let Some(offset) = actual.iter().zip(&object).position(|(a, b)| a != b) {
                         let kind = if value { "V" } else { "K" };
                         return Err(RoundTripError::Mismatch {

@@ -14,6 +14,8 @@
 //! seam an engine integration implements with it.
 
 mod abandon;
+mod commit;
+mod verify;
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -25,13 +27,17 @@ use gio_uring::{
 };
 use nvme_driver::{DataPointerMode, DmaAllocator};
 
-use crate::error::{KvKind, ObjstoreError, Result};
-use crate::format::{BlockRecord, SlotAddressing, SlotState, FLAG_PAYLOAD_CRC};
+use crate::error::{ObjstoreError, Result};
+use crate::format::{BlockRecord, SlotAddressing, SlotState};
 use crate::hash::block_keys;
-use crate::index::{BlockLocation, IndexCounts};
-use crate::mapping::{MappingForm, MappingTable};
-use crate::pool::Pool;
+use crate::index::{BlockLocation, Claim, IndexCounts};
+use crate::mapping::{CommandLimits, MappingForm, MappingTable};
+use crate::pool::{Pool, QueueLender};
 use crate::registration::KvRegistration;
+
+/// Bounds the check, in `KvStore::new`, that the executor can lend its queue pairs (nothing is
+/// in flight yet, so it answers at once).
+const LEND_CHECK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Direction of a prepared request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -64,11 +70,17 @@ pub struct StoreConfig {
     pub ioctx_per_iocb_max: u32,
     /// Requests that may be prepared at once.
     pub requests_max: usize,
+    /// Verify every retrieve against the payload CRCs recorded at commit (the pool must record
+    /// them, and the KV memory must be host-visible through the store's DMA allocator): the
+    /// last layer's `wait` succeeds only once every block's CRC matched; a block that does
+    /// not is named in [`ObjstoreError::PayloadMismatch`] and evicted. Costs one CPU pass over
+    /// the retrieved bytes (docs/objstore.md gives the figures).
+    pub verify_retrieves: bool,
 }
 
 impl Default for StoreConfig {
     fn default() -> Self {
-        Self { iocbs: 64, ioctx_per_iocb_max: 2048, requests_max: 32 }
+        Self { iocbs: 64, ioctx_per_iocb_max: 2048, requests_max: 32, verify_retrieves: false }
     }
 }
 
@@ -110,10 +122,17 @@ struct Request {
     iocbs: Vec<IocbId>,
     /// (device, slot, position, engine block, key) of every block the request moves.
     blocks: Vec<(BlockLocation, u32, u64)>,
-    /// (device, slot, blocks used) of every slot the request pinned or allocated.
+    /// (device, slot, blocks used) of every slot the request pinned (retrieve) or allocated
+    /// (store).
     slots: Vec<(u16, u32, u16)>,
+    /// A store's pins on the slots of the cached blocks it shares, one per block.
+    shared_pins: Vec<(u16, u32)>,
     layer_in_flight: Option<u32>,
     layers_done: Vec<bool>,
+    /// Verified retrieves: one running CRC per block, and how many layers (from 0, in order)
+    /// are folded into them.
+    crcs: Vec<crc32fast::Hasher>,
+    crc_layers: u32,
 }
 
 /// The layer-wise KV store over one pool, one registration and one gio_uring queue.
@@ -138,12 +157,41 @@ pub struct KvStore<E: Executor> {
 }
 
 /// A CPU executor with one I/O queue pair per pool device (device index i = pool device i).
+/// On a controller that granted fewer than two queue pairs per pool device, the pool's
+/// metadata borrows these (the CPU executor lends them between commands).
 pub fn cpu_executor_for(pool: &Pool, nvme_queue_depth: u32, config: &StoreConfig) -> Result<CpuExecutor> {
     let mut queues = Vec::with_capacity(pool.device_count());
     for device in 0..pool.device_count() {
-        queues.push(pool.target(device).controller.create_io_queue_pair(nvme_queue_depth)?);
+        let controller = &pool.target(device).controller;
+        match controller.create_io_queue_pair(nvme_queue_depth) {
+            Ok(queue) => queues.push(queue),
+            Err(nvme_driver::NvmeError::NoQueueAvailable { granted }) => {
+                let needed = (0..pool.device_count()).filter(|&d| Arc::ptr_eq(&pool.target(d).controller, controller)).count();
+                let own = (0..pool.device_count()).filter(|&d| !pool.metadata_queue_shared(d)).count();
+                return Err(ObjstoreError::QueuePairs {
+                    device,
+                    granted,
+                    needed,
+                    reason: format!(
+                        "the CPU executor needs one per pool device on this controller (pool metadata borrows them when the controller \
+                         grants fewer than two per device; {own} pool device(s) keep a metadata queue pair of their own, and other \
+                         users of the controller may hold some)"
+                    ),
+                });
+            }
+            Err(error) => return Err(error.into()),
+        }
     }
     Ok(CpuExecutor::new(queues, config.iocbs))
+}
+
+/// The executor lends its queue pair of pool device `device` for the pool's metadata when the
+/// pool has none of its own there (see `Executor::lend_queue_pair`).
+impl<E: Executor> QueueLender for GioQueue<E> {
+    fn lend(&mut self, device: usize, deadline: Instant) -> Result<Option<&mut nvme_driver::IoQueuePair>> {
+        let (executor, memory) = self.executor_and_memory();
+        Ok(executor.lend_queue_pair(memory, device, deadline)?)
+    }
 }
 
 /// The KV tensors as gio_uring ranges, touching ones merged: tensors allocated back to back are
@@ -175,8 +223,15 @@ impl<E: Executor> KvStore<E> {
                 reason: format!("store config {config:?}: requests_max and ioctx_per_iocb_max must be positive"),
             });
         }
+        if config.verify_retrieves {
+            verify::check_verifiable(&pool, &registration, &dma)?;
+        }
         let k = pool.blocks_per_slot();
-        let table = MappingTable::build(registration, &dma, k)?;
+        // Every command must fit every pool device: the table cuts transfers to the smallest MDTS.
+        let max_transfer_bytes =
+            (0..pool.device_count()).map(|device| pool.target(device).controller.max_transfer_bytes()).min().unwrap_or(0);
+        let limits = CommandLimits { max_transfer_bytes, lba_bytes: pool.superblock(0).lba_bytes };
+        let table = MappingTable::build(registration, &dma, k, limits)?;
         let mut devices = Vec::with_capacity(pool.device_count());
         for device in 0..pool.device_count() {
             let target = pool.target(device);
@@ -195,15 +250,6 @@ impl<E: Executor> KvStore<E> {
             if table.registration().mode() == DataPointerMode::Sgl && !sgl {
                 return Err(ObjstoreError::InvalidRegistration {
                     reason: format!("registered for SGL, but pool device {device} ({target:?}) has no SGL support: register for PRP"),
-                });
-            }
-            let largest = if table.form() == MappingForm::SglTable { u64::from(k) } else { 1 } * 2 * pool.geometry().object_bytes();
-            if largest > target.controller.max_transfer_bytes() {
-                return Err(ObjstoreError::InvalidRegistration {
-                    reason: format!(
-                        "one command would move {largest} bytes; pool device {device} takes at most {} (MDTS)",
-                        target.controller.max_transfer_bytes()
-                    ),
                 });
             }
             devices.push(DeviceInfo {
@@ -227,6 +273,24 @@ impl<E: Executor> KvStore<E> {
             registered,
             executor,
         )?;
+        let mut queue = queue;
+        for device in (0..pool.device_count()).filter(|&device| pool.metadata_queue_shared(device)) {
+            // The pool's metadata (header writes, flushes) borrows the executor's queue pair here.
+            if queue.lend(device, Instant::now() + LEND_CHECK_TIMEOUT)?.is_none() {
+                let controller = &pool.target(device).controller;
+                let on_controller = (0..pool.device_count()).filter(|&d| Arc::ptr_eq(&pool.target(d).controller, controller)).count();
+                return Err(ObjstoreError::QueuePairs {
+                    device,
+                    granted: controller.granted_queue_pairs(),
+                    needed: 2 * on_controller,
+                    reason: format!(
+                        "one per pool device on it for the executor and one for the pool's metadata; executor `{}` cannot lend its \
+                         queue pairs for metadata (the CPU executor of `cpu_executor_for` can: with it, one per pool device is enough)",
+                        queue.executor().name()
+                    ),
+                });
+            }
+        }
         let addressing = pool.devices.iter().map(|device| (device.target.namespace.0, device.superblock.addressing())).collect();
         let layers = pool.geometry().layers as usize;
         let requests = (0..config.requests_max).map(|_| Request { layers_done: vec![false; layers], ..Request::default() }).collect();
@@ -306,8 +370,11 @@ impl<E: Executor> KvStore<E> {
         request.iocbs.clear();
         request.blocks.clear();
         request.slots.clear();
+        request.shared_pins.clear();
         request.layer_in_flight = None;
         request.layers_done.fill(false);
+        request.crcs.clear();
+        request.crc_layers = 0;
         Ok(index)
     }
 
@@ -345,6 +412,9 @@ impl<E: Executor> KvStore<E> {
         }
         self.requests[index].blocks = blocks;
         self.requests[index].slots = slots;
+        if self.config.verify_retrieves {
+            self.requests[index].crcs.resize(n, crc32fast::Hasher::new());
+        }
         if let Err(error) = self.build_iocbs(index, Opcode::Read) {
             self.release(index);
             return Err(error);
@@ -354,57 +424,62 @@ impl<E: Executor> KvStore<E> {
 
     /// Prepares storing `request`'s blocks: blocks already cached or in flight elsewhere are
     /// shared, the rest get slots (k consecutive new blocks per slot, slots round-robin across
-    /// devices, LRU eviction when full) and prepared IOCTXs.
+    /// devices, LRU eviction when full) and prepared IOCTXs. The slots of shared cached blocks
+    /// are pinned until the store commits or is finished, so no allocation (this one's or
+    /// another store's) evicts a block this request counts on.
     pub fn prepare_store(&mut self, request: &KvRequest<'_>) -> Result<StorePlan> {
         let n = self.check_request(request)?;
         let k = self.pool.blocks_per_slot() as usize;
-        // Refuse before evicting anything: a store that cannot fit must not cost the cache.
-        // The bound assumes every block is new; only when it fails are the new ones counted.
-        let available = self.pool.index.available();
-        if (n.div_ceil(k) as u64) > available {
-            let mut needed = 0;
-            let mut run = 0;
-            for &key in &self.keys[..n] {
-                if self.pool.index.get(key).is_none() && !self.pool.index.is_claimed(key) {
-                    if run % k == 0 {
-                        needed += 1;
-                    }
-                    run += 1;
-                }
-            }
-            if needed as u64 > available {
-                return Err(ObjstoreError::PoolFull { needed, evictable: available as usize });
-            }
-        }
         let index = self.take_request(Direction::Store)?;
         let mut blocks = std::mem::take(&mut self.requests[index].blocks);
-        let mut slots = std::mem::take(&mut self.requests[index].slots);
+        let mut pins = std::mem::take(&mut self.requests[index].shared_pins);
         let mut shared = 0;
+        // Pass 1, one map probe per block: claim the new keys, pin the slots of cached ones
+        // before any allocation can evict them.
+        let unplaced = BlockLocation { device: 0, slot: 0, index: 0 };
+        for (&key, &engine_block) in self.keys[..n].iter().zip(request.block_ids) {
+            match self.pool.index.claim(key) {
+                Claim::New => blocks.push((unplaced, engine_block, key)),
+                Claim::Cached(location) => {
+                    self.pool.index.pin(location.device, location.slot);
+                    pins.push((location.device, location.slot));
+                    shared += 1;
+                }
+                Claim::Pending => shared += 1,
+            }
+        }
+        self.requests[index].blocks = blocks;
+        self.requests[index].shared_pins = pins;
+        // Refuse before evicting anything: a store that cannot fit must not cost the cache.
+        // New blocks fill slots k at a time (shared ones do not break a slot), so this is exact.
+        let needed = self.requests[index].blocks.len().div_ceil(k);
+        let available = self.pool.index.available();
+        if needed as u64 > available {
+            self.release(index);
+            return Err(ObjstoreError::PoolFull { needed, evictable: available as usize });
+        }
+        // Pass 2: slots for the new blocks.
+        let mut blocks = std::mem::take(&mut self.requests[index].blocks);
+        let mut slots = std::mem::take(&mut self.requests[index].slots);
         let mut evicted = 0;
         let mut failure = None;
         // The slot being filled: (device, slot, blocks used); `None` until the first new block
         // and whenever it is full (k blocks).
         let mut open: Option<(u16, u32, u16)> = None;
-        let keys = std::mem::take(&mut self.keys);
-        for (i, (&key, &engine_block)) in keys[..n].iter().zip(request.block_ids).enumerate() {
-            if !self.pool.index.claim(key) {
-                shared += 1;
-                continue;
-            }
+        for i in 0..blocks.len() {
             let (device, slot, used) = match open {
                 Some(slot) => slot,
                 None => match self.allocate_slot() {
                     Some(allocation) => {
                         evicted += usize::from(allocation.evicted);
-                        // A slot whose header is not all zeroes (evicted, or left by a failed
-                        // commit or a duplicate found at recovery) must read Empty on disk
-                        // before its data is overwritten.
+                        // A slot whose header is not a clean Empty entry (evicted, or left by a
+                        // failed commit or a duplicate found at recovery) must read Empty on
+                        // disk before its data is overwritten.
                         // Listed first, so that a failure below still returns it to the free list.
                         slots.push((allocation.device, allocation.slot, 0));
-                        let stale = allocation.evicted || !self.pool.header_is_zero(allocation.device, allocation.slot);
+                        let stale = allocation.evicted || !self.pool.header_is_empty(allocation.device, allocation.slot);
                         if stale {
-                            if let Err(error) = self.pool.stage_header(allocation.device, allocation.slot, SlotState::Empty, &[], None) {
-                                self.pool.index.remove_pending(key);
+                            if let Err(error) = self.pool.stage_header(allocation.device, allocation.slot, SlotState::Empty, &[]) {
                                 failure = Some(error);
                                 break;
                             }
@@ -412,8 +487,8 @@ impl<E: Executor> KvStore<E> {
                         (allocation.device, allocation.slot, 0)
                     }
                     None => {
-                        self.pool.index.remove_pending(key);
-                        failure = Some(ObjstoreError::PoolFull { needed: (n - i).div_ceil(k), evictable: 0 });
+                        // Unreachable after the check above unless the index is inconsistent.
+                        failure = Some(ObjstoreError::PoolFull { needed: (blocks.len() - i).div_ceil(k), evictable: 0 });
                         break;
                     }
                 },
@@ -423,15 +498,14 @@ impl<E: Executor> KvStore<E> {
                 last.2 = used_now; // the open slot is always the last one listed
             }
             open = (usize::from(used_now) < k).then_some((device, slot, used_now));
-            blocks.push((BlockLocation { device, slot, index: used }, engine_block, key));
+            blocks[i].0 = BlockLocation { device, slot, index: used };
         }
-        self.keys = keys;
         self.requests[index].blocks = blocks;
         self.requests[index].slots = slots;
         // Evicted slots must read Empty on disk before new data can land in them.
         let result = match failure {
             Some(error) => Err(error),
-            None => self.pool.sync_headers().and_then(|()| {
+            None => self.pool.sync_headers(&mut self.queue).and_then(|()| {
                 if self.requests[index].blocks.is_empty() {
                     Ok(())
                 } else {
@@ -489,15 +563,18 @@ impl<E: Executor> KvStore<E> {
                 }
                 run += 1;
             }
-            let (nsid, addressing) = self.addressing[usize::from(first.device)];
+            // By reference: a copy of the tuple went through the stack as wide stores read back
+            // narrower (a store-forwarding stall once the closure had to live in memory).
+            let (nsid, addressing) = &self.addressing[usize::from(first.device)];
+            let (nsid, lba_shift) = (*nsid, addressing.lba_shift);
             let start = addressing.block_lba(first.slot, u32::from(first.index));
             let ioctxs = &mut self.ioctxs;
-            self.table.for_each_piece(engine_block, run as u32, |piece| {
+            self.table.for_each_piece(engine_block, run as u32, move |piece| {
                 ioctxs.push(IoctxSpec {
                     device: DeviceIndex(first.device),
                     nsid,
-                    start_lba: Lba(start + addressing.blocks_of(piece.disk_offset_bytes)),
-                    block_count: addressing.blocks_of(piece.len_bytes) as u32,
+                    start_lba: Lba(start + (piece.disk_offset_bytes >> lba_shift)),
+                    block_count: (piece.len_bytes >> lba_shift) as u32,
                     data: gio_uring::Iova(piece.data.0),
                     descriptor: piece.descriptor,
                     force_unit_access: false,
@@ -590,6 +667,9 @@ impl<E: Executor> KvStore<E> {
             return Err(error);
         }
         self.requests[index].layers_done[layer as usize] = true;
+        if self.config.verify_retrieves && self.requests[index].direction == Some(Direction::Retrieve) {
+            self.verify_layers(index, handle)?;
+        }
         Ok(Some(layer))
     }
 
@@ -605,102 +685,6 @@ impl<E: Executor> KvStore<E> {
             Err(ObjstoreError::Gio(GioError::WaitTimeout { .. })) => Ok(false),
             Err(error) => Err(error),
         }
-    }
-
-    /// Makes a store durable and visible: every layer must have completed. Flushes the devices
-    /// written, records payload CRCs if the pool keeps them, writes the slot headers with FUA,
-    /// then enters the blocks into the index. Finishes the handle.
-    pub fn commit_store(&mut self, handle: RequestHandle) -> Result<usize> {
-        let index = self.request_index(handle)?;
-        let request = &self.requests[index];
-        if request.direction != Some(Direction::Store) {
-            return Err(ObjstoreError::HandleState { handle: handle.0, reason: "not a store".into() });
-        }
-        if request.layer_in_flight.is_some() || request.layers_done.iter().any(|done| !done) {
-            let missing = request.layers_done.iter().filter(|done| !**done).count();
-            return Err(ObjstoreError::HandleState {
-                handle: handle.0,
-                reason: format!("{missing} layers not stored yet (in flight: {:?})", request.layer_in_flight),
-            });
-        }
-        let mut used = vec![false; self.pool.device_count()];
-        for &(device, _, _) in &request.slots {
-            used[usize::from(device)] = true;
-        }
-        let result = self.pool.flush(&used).and_then(|()| self.stage_valid_headers(index)).and_then(|()| self.pool.sync_headers());
-        if let Err(error) = result {
-            // Headers staged Valid must not reach the disk for slots that go back to the free
-            // list (their data may not be durable): stage them Empty again; the next
-            // `sync_headers` (always before new data is issued) writes them.
-            for s in 0..self.requests[index].slots.len() {
-                let (device, slot, _) = self.requests[index].slots[s];
-                let _ = self.pool.stage_header(device, slot, SlotState::Empty, &[], None);
-            }
-            self.release(index);
-            return Err(error);
-        }
-        let stored = self.requests[index].blocks.len();
-        let slots = std::mem::take(&mut self.requests[index].slots);
-        let blocks = std::mem::take(&mut self.requests[index].blocks);
-        let mut start = 0;
-        for &(device, slot, used) in &slots {
-            // A slot's blocks are contiguous in `blocks` (prepare_store fills one slot at a time).
-            let range = start..start + usize::from(used);
-            start = range.end;
-            self.keys.clear();
-            self.keys.extend(blocks[range].iter().map(|(_, _, key)| *key));
-            let generation = self.pool.generation;
-            self.pool.index.commit(device, slot, &self.keys, generation);
-        }
-        self.requests[index].slots = slots;
-        self.requests[index].blocks = blocks;
-        self.requests[index].slots.clear(); // committed: nothing left to release
-        self.release(index);
-        Ok(stored)
-    }
-
-    fn stage_valid_headers(&mut self, index: usize) -> Result<()> {
-        let slots = std::mem::take(&mut self.requests[index].slots);
-        let blocks = std::mem::take(&mut self.requests[index].blocks);
-        let result = self.stage_valid_headers_of(&slots, &blocks);
-        self.requests[index].slots = slots;
-        self.requests[index].blocks = blocks;
-        result
-    }
-
-    fn stage_valid_headers_of(&mut self, slots: &[(u16, u32, u16)], blocks: &[(BlockLocation, u32, u64)]) -> Result<()> {
-        let block_tokens = self.pool.geometry().block_tokens;
-        let crc = self.pool.superblock(0).flags & FLAG_PAYLOAD_CRC != 0;
-        let mut start = 0;
-        for &(device, slot, used) in slots {
-            let range = start..start + usize::from(used);
-            start = range.end;
-            self.records.clear();
-            self.records.extend(blocks[range.clone()].iter().map(|(_, _, key)| BlockRecord { key: *key, token_count: block_tokens }));
-            let payload_crc = if crc { Some(self.payload_crc(&blocks[range])?) } else { None };
-            self.pool.stage_header(device, slot, SlotState::Valid, &self.records, payload_crc)?;
-        }
-        Ok(())
-    }
-
-    /// CRC32 of a slot's payload in disk order ([layer][block][K, V]), read from the engine's
-    /// memory (which must be host-visible through `dma`).
-    fn payload_crc(&mut self, blocks: &[(BlockLocation, u32, u64)]) -> Result<u32> {
-        let geometry = *self.pool.geometry();
-        let object = geometry.object_bytes() as usize;
-        self.crc_scratch.resize(object, 0);
-        let mut crc = crc32fast::Hasher::new();
-        for layer in 0..geometry.layers {
-            for &(_, block, _) in blocks {
-                for kind in [KvKind::Key, KvKind::Value] {
-                    let address = self.table.registration().object_address(layer, kind, block)?;
-                    let region = self.dma.translate(address, object)?;
-                    region.read(0, &mut self.crc_scratch)?;
-                    crc.update(&self.crc_scratch);
-                }
-            }
-        }
-        Ok(crc.finalize())
     }
 
     /// Ends a request without committing: a retrieve's pins are dropped; a store's slots go back
@@ -727,6 +711,9 @@ impl<E: Executor> KvStore<E> {
                 _ => self.pool.index.release_unwritten(device, slot),
             }
         }
+        for &(device, slot) in &request.shared_pins {
+            self.pool.index.unpin(device, slot);
+        }
         if direction == Some(Direction::Store) {
             for (_, _, key) in &request.blocks {
                 self.pool.index.remove_pending(*key);
@@ -741,6 +728,7 @@ impl<E: Executor> KvStore<E> {
         let request = &mut self.requests[index];
         request.iocbs.clear();
         request.slots.clear();
+        request.shared_pins.clear();
         request.blocks.clear();
         request.active = false;
         request.layer_in_flight = None;

@@ -142,6 +142,116 @@ fn pinned_slots_are_not_evicted_under_concurrent_retrieves() {
 }
 
 #[test]
+fn a_store_pins_the_cached_blocks_it_shares() {
+    // Goal: a store that shares a cached block pins that block's slot from prepare_store until
+    // it commits or is finished. With the pool full and the shared slot the least recently
+    // used, allocating the store's new block evicts another slot, not the shared one (which
+    // left a gap: the committed prefix was unreachable). Pins end on commit and on finish.
+    let mut rig = rig(4);
+    let mut rng = Rng(12);
+    let singles: Vec<Vec<u32>> = (0..4).map(|_| rng.tokens(16)).collect();
+    for (i, tokens) in singles.iter().enumerate() {
+        store(&mut rig.store, &rig.engine, tokens, &[i as u32]);
+    }
+    assert_eq!(rig.store.counts().free_slots, 0);
+    // Request 0's slot is the least recently used; extend request 0 by one new block.
+    let extended: Vec<u32> = singles[0].iter().copied().chain(rng.tokens(16)).collect();
+    let keys = keys_of(&extended);
+    rig.engine.fill(4, keys[0]);
+    rig.engine.fill(5, keys[1]);
+    let plan = rig.store.prepare_store(&KvRequest { tokens: &extended, block_ids: &[4, 5] }).unwrap();
+    assert_eq!((plan.new_blocks, plan.shared_blocks, plan.evicted_slots), (1, 1, 1));
+    assert_eq!(rig.store.lookup(&singles[0]), 1, "the shared block was not evicted");
+    assert_eq!(rig.store.lookup(&singles[1]), 0, "the next least recently used slot was");
+    assert_eq!(rig.store.counts().pinned_slots, 2, "the shared slot and the slot being written");
+    // While the store is in flight, another store cannot evict the shared block either.
+    let other = rng.tokens(48);
+    let refused = rig.store.prepare_store(&KvRequest { tokens: &other, block_ids: &[6, 7, 12] }).unwrap_err();
+    assert!(matches!(refused, ObjstoreError::PoolFull { needed: 3, evictable: 2 }), "{refused}");
+    assert_eq!(rig.store.lookup(&singles[2]), 1, "a refused store evicts nothing");
+    for layer in 0..4 {
+        rig.store.store_layer(plan.handle, layer, BUDGET).unwrap();
+        rig.store.wait(plan.handle, deadline()).unwrap();
+    }
+    rig.store.commit_store(plan.handle).unwrap();
+    assert_eq!(rig.store.lookup(&extended), 2, "the whole prefix is cached");
+    assert_eq!(rig.store.counts().pinned_slots, 0, "commit unpinned the shared slot");
+    retrieve(&mut rig.store, &rig.engine, &extended, &[8, 9]);
+    assert!(rig.engine.holds(8, keys[0], 4) && rig.engine.holds(9, keys[1], 4));
+    // An abandoned store unpins too.
+    let sharing: Vec<u32> = singles[2].iter().copied().chain(rng.tokens(16)).collect();
+    let plan = rig.store.prepare_store(&KvRequest { tokens: &sharing, block_ids: &[10, 11] }).unwrap();
+    assert_eq!(plan.shared_blocks, 1);
+    assert_eq!(rig.store.counts().pinned_slots, 2);
+    rig.store.finish(plan.handle).unwrap();
+    assert_eq!(rig.store.counts().pinned_slots, 0);
+}
+
+#[test]
+fn a_verified_retrieve_names_and_evicts_blocks_whose_bytes_changed_on_disk() {
+    // Goal: with `verify_retrieves`, a block whose bytes on disk no longer match the payload CRC
+    // recorded at commit fails the retrieve's last layer with PayloadMismatch naming that block;
+    // the request's other blocks are delivered intact; the bad block's slot is evicted (lookup
+    // stops before it, and after a reopen too, since its header was made Empty on disk).
+    let device = start_device(vec![NamespaceConfig::new(512, None)], 8 << 20, true);
+    let controller = bring_up(&device, Duration::from_secs(5));
+    format(&targets(&controller, &[1]), 1, Some(16)); // records payload CRCs
+    let engine = separate_kv(controller.dma(), 32, DataPointerMode::Sgl);
+    let verified = StoreConfig { verify_retrieves: true, ..StoreConfig::default() };
+    let mut kv = open_store(targets(&controller, &[1]), &engine, verified);
+    let mut rng = Rng(14);
+    let tokens = rng.tokens(48);
+    let keys = keys_of(&tokens);
+    store(&mut kv, &engine, &tokens, &[0, 1, 2]);
+    retrieve(&mut kv, &engine, &tokens, &[3, 4, 5]); // intact: verified without complaint
+                                                     // Flip one byte of block 1's layer-2 V object on disk, behind the store's back.
+    let location = kv.pool().index().get(keys[1]).unwrap();
+    let superblock = *kv.pool().superblock(0);
+    let object_blocks = geometry().object_bytes() / 512;
+    let lba = superblock.block_lba(location.slot, u32::from(location.index)) + 2 * superblock.layer_stride_blocks() + object_blocks;
+    let mut sector = raw_read(&controller, 1, lba, 512);
+    sector[100] ^= 0x01;
+    raw_write(&controller, 1, lba, &sector);
+    for block in [20, 21, 22] {
+        engine.scribble(block);
+    }
+    let handle = kv.prepare_retrieve(&KvRequest { tokens: &tokens, block_ids: &[20, 21, 22] }).unwrap();
+    for layer in 0..3 {
+        kv.retrieve_layer(handle, layer, BUDGET).unwrap();
+        assert_eq!(kv.wait(handle, deadline()).unwrap(), Some(layer), "layers before the last are not judged yet");
+    }
+    kv.retrieve_layer(handle, 3, BUDGET).unwrap();
+    match kv.wait(handle, deadline()) {
+        Err(ObjstoreError::PayloadMismatch { blocks, .. }) => {
+            assert_eq!(blocks.len(), 1, "{blocks:?}");
+            assert_eq!((blocks[0].prefix_index, blocks[0].engine_block, blocks[0].slot), (1, 21, location.slot), "{blocks:?}");
+        }
+        other => panic!("expected a payload mismatch, got {other:?}"),
+    }
+    assert!(engine.holds(20, keys[0], 4) && engine.holds(22, keys[2], 4), "the good blocks were delivered");
+    assert!(!engine.holds(21, keys[1], 4));
+    kv.finish(handle).unwrap();
+    assert_eq!(kv.lookup(&tokens), 1, "block 1 was evicted: the prefix stops there");
+    assert_eq!((kv.counts().valid_slots, kv.counts().pinned_slots), (2, 0));
+    retrieve(&mut kv, &engine, &tokens[..16], &[23]);
+    assert!(engine.holds(23, keys[0], 4));
+    drop(kv);
+    let (pool, report) = Pool::open(targets(&controller, &[1]), None).unwrap();
+    assert_eq!((report.valid_slots, report.corrupt_headers), (2, 0), "the evicted slot's header is Empty on disk");
+    drop(pool);
+    // Verification needs the CRCs: a pool formatted without them is refused.
+    let plain =
+        objstore::FormatParams { geometry: geometry(), blocks_per_slot: 1, slot_count_max: Some(16), pool_uuid: None, payload_crc: false };
+    objstore::format_pool(&targets(&controller, &[1]), &plain).unwrap();
+    let (pool, _) = Pool::open(targets(&controller, &[1]), None).unwrap();
+    let executor = objstore::cpu_executor_for(&pool, 64, &verified).unwrap();
+    let Err(refused) = KvStore::new(pool, engine.registration.clone(), engine.dma.clone(), executor, verified) else {
+        panic!("verification without recorded CRCs")
+    };
+    assert!(refused.to_string().contains("payload CRCs"), "{refused}");
+}
+
+#[test]
 fn api_misuse_and_bad_requests_are_typed_errors() {
     let mut rig = rig(16);
     let mut rng = Rng(4);
@@ -214,14 +324,17 @@ fn open_refuses_other_geometries_versions_and_damaged_superblocks() {
         Pool::open(targets(&controller, &[1]), None),
         Err(ObjstoreError::NewerFormatVersion { found, supported: FORMAT_VERSION, .. }) if found == FORMAT_VERSION + 1
     ));
-    // Version 1 had this layout with keys of the first hash scheme: refused, with the fix.
-    raw_write(&controller, 1, 0, &with_version(1)[..512]);
-    match Pool::open(targets(&controller, &[1]), None) {
-        Err(error @ ObjstoreError::OlderFormatVersion { found: 1, .. }) => {
-            assert!(error.to_string().contains("tutti pool format"), "{error}")
+    // Version 1 had this layout with keys of the first hash scheme, version 2 all-zero Empty
+    // headers: both refused, with the fix.
+    for older in [1, 2] {
+        raw_write(&controller, 1, 0, &with_version(older)[..512]);
+        match Pool::open(targets(&controller, &[1]), None) {
+            Err(error @ ObjstoreError::OlderFormatVersion { found, .. }) if found == older => {
+                assert!(error.to_string().contains("tutti pool format"), "{error}")
+            }
+            Err(other) => panic!("expected OlderFormatVersion, got {other}"),
+            Ok(_) => panic!("a version {older} pool was opened"),
         }
-        Err(other) => panic!("expected OlderFormatVersion, got {other}"),
-        Ok(_) => panic!("a version 1 pool was opened"),
     }
     let mut flipped = superblock.clone();
     flipped[100] ^= 1;
@@ -230,6 +343,103 @@ fn open_refuses_other_geometries_versions_and_damaged_superblocks() {
     raw_write(&controller, 1, 0, &vec![0u8; 512]);
     let Err(error) = Pool::open(targets(&controller, &[1]), None) else { panic!("opened an unformatted namespace") };
     assert!(error.to_string().contains("magic"), "{error}");
+}
+
+#[test]
+fn a_zeroed_header_region_is_reported_as_damage() {
+    // Goal: wiping the slot-header region (zeroed or deallocated LBAs) is not "an empty pool":
+    // open counts every slot's header as corrupt and zeroed, so the loss of the committed
+    // blocks is visible (`tutti pool check` fails on it). A freshly formatted pool has none.
+    let mut rig = rig(16);
+    let (_, fresh) = Pool::open(targets(&rig.controller, &[1]), None).unwrap();
+    assert_eq!((fresh.empty_slots, fresh.corrupt_headers, fresh.zeroed_headers), (16, 0, 0), "format writes tagged Empty entries");
+    let mut rng = Rng(11);
+    let tokens = rng.tokens(32);
+    store(&mut rig.store, &rig.engine, &tokens, &[0, 1]);
+    drop(rig.store);
+    let superblock = Superblock::decode(&raw_read(&rig.controller, 1, 0, 512), 0, 512, rig.controller.namespaces()[0].size_blocks).unwrap();
+    let zeros = vec![0u8; superblock.header_region_bytes() as usize];
+    raw_write(&rig.controller, 1, superblock.header_lba, &zeros);
+    let (pool, report) = Pool::open(targets(&rig.controller, &[1]), None).unwrap();
+    assert_eq!((report.valid_slots, report.empty_slots, report.corrupt_headers, report.zeroed_headers), (0, 0, 16, 16), "{report:?}");
+    // The pool stays usable: damaged slots are free, and each is made Empty before reuse.
+    let executor = objstore::cpu_executor_for(&pool, 64, &StoreConfig::default()).unwrap();
+    let mut kv = KvStore::new(pool, rig.engine.registration.clone(), rig.engine.dma.clone(), executor, StoreConfig::default()).unwrap();
+    assert_eq!(kv.lookup(&tokens), 0);
+    store(&mut kv, &rig.engine, &tokens, &[0, 1]);
+    drop(kv);
+    let (_, report) = Pool::open(targets(&rig.controller, &[1]), None).unwrap();
+    assert_eq!((report.valid_slots, report.zeroed_headers), (2, 14), "{report:?}");
+}
+
+#[test]
+fn one_granted_queue_pair_serves_data_and_metadata() {
+    // Goal: on a controller that grants a single I/O queue pair, the pool's metadata (header
+    // writes, flushes) borrows the CPU executor's queue pair between its commands. A commit
+    // while another request's layer is in flight on that queue first lets those reads finish
+    // (their completion is kept for that request's wait), and every byte is right. Executors
+    // that cannot lend, and pools needing more queue pairs than granted, are refused at setup
+    // with the counts and the reason.
+    let config = device_config(vec![NamespaceConfig::new(512, Some(4 << 20)), NamespaceConfig::new(512, Some(4 << 20))], 8 << 20, true)
+        .with_io_queue_pairs_max(1);
+    let device = nvme_emu::EmuDevice::start(config).unwrap();
+    let controller = bring_up(&device, Duration::from_secs(5));
+    format(&targets(&controller, &[1]), 1, Some(16));
+    let engine = separate_kv(controller.dma(), 32, DataPointerMode::Sgl);
+    let mut kv = open_store(targets(&controller, &[1]), &engine, StoreConfig::default());
+    assert!(kv.pool().metadata_queue_shared(0));
+    let mut rng = Rng(13);
+    let first = rng.tokens(32);
+    store(&mut kv, &engine, &first, &[0, 1]);
+    let second = rng.tokens(48);
+    let keys = keys_of(&second);
+    for (i, key) in keys.iter().enumerate() {
+        engine.fill(4 + i as u32, *key);
+    }
+    let plan = kv.prepare_store(&KvRequest { tokens: &second, block_ids: &[4, 5, 6] }).unwrap();
+    for layer in 0..4 {
+        kv.store_layer(plan.handle, layer, BUDGET).unwrap();
+        kv.wait(plan.handle, deadline()).unwrap();
+    }
+    engine.scribble(8);
+    engine.scribble(9);
+    let reading = kv.prepare_retrieve(&KvRequest { tokens: &first, block_ids: &[8, 9] }).unwrap();
+    kv.retrieve_layer(reading, 0, BUDGET).unwrap();
+    kv.commit_store(plan.handle).unwrap(); // borrows the queue the reads are on
+    assert_eq!(kv.wait(reading, deadline()).unwrap(), Some(0));
+    for layer in 1..4 {
+        kv.retrieve_layer(reading, layer, BUDGET).unwrap();
+        kv.wait(reading, deadline()).unwrap();
+    }
+    kv.finish(reading).unwrap();
+    let first_keys = keys_of(&first);
+    assert!(engine.holds(8, first_keys[0], 4) && engine.holds(9, first_keys[1], 4));
+    drop(kv);
+    let mut kv = open_store(targets(&controller, &[1]), &engine, StoreConfig::default());
+    assert_eq!(kv.lookup(&second), 3, "the commit's headers are durable");
+    retrieve(&mut kv, &engine, &second, &[10, 11, 12]);
+    for (i, key) in keys.iter().enumerate() {
+        assert!(engine.holds(10 + i as u32, *key, 4), "block {i}");
+    }
+    drop(kv);
+
+    // The threaded executor owns its queue pairs on worker threads: it cannot lend them.
+    let (pool, _) = Pool::open(targets(&controller, &[1]), None).unwrap();
+    let workers = vec![vec![(gio_uring::DeviceIndex(0), controller.create_io_queue_pair(64).unwrap())]];
+    let executor = gio_uring::CpuWorkers::new(1, workers, 64).unwrap();
+    let Err(refused) = KvStore::new(pool, engine.registration.clone(), engine.dma.clone(), executor, StoreConfig::default()) else {
+        panic!("a store whose metadata has no queue pair was built")
+    };
+    assert!(
+        matches!(&refused, ObjstoreError::QueuePairs { device: 0, granted: 1, needed: 2, reason } if reason.contains("cannot lend")),
+        "{refused}"
+    );
+    // Two pool devices on one controller need two queue pairs for the executor alone.
+    let both = targets(&controller, &[1, 2]);
+    format(&both, 1, Some(8));
+    let (pool, _) = Pool::open(both, None).unwrap();
+    let Err(refused) = objstore::cpu_executor_for(&pool, 64, &StoreConfig::default()) else { panic!("two queue pairs from one") };
+    assert!(matches!(&refused, ObjstoreError::QueuePairs { granted: 1, needed: 2, .. }), "{refused}");
 }
 
 #[test]

@@ -5,6 +5,8 @@
 //! - a reopened pool never returns a block whose bytes differ from what was stored for its key;
 //! - every block visible before the crash (committed, not evicted) is still there;
 //! - interrupted blocks are absent (they fail the first invariant otherwise).
+//!
+//! A second test cuts the power between the two header sectors one commit writes.
 
 mod common;
 
@@ -39,7 +41,7 @@ fn bring_up_fast(device: &Arc<EmuDevice>) -> Arc<Controller> {
 fn open(controller: &Arc<Controller>, engine: &Engine, metadata_timeout: Duration) -> objstore::Result<KvStore<gio_uring::CpuExecutor>> {
     let (mut pool, _) = Pool::open(targets(controller, &[1]), Some(&geometry()))?;
     pool.set_metadata_timeout(metadata_timeout);
-    let config = StoreConfig { iocbs: 16, ioctx_per_iocb_max: 64, requests_max: 4 };
+    let config = StoreConfig { iocbs: 16, ioctx_per_iocb_max: 64, requests_max: 4, ..StoreConfig::default() };
     let executor = cpu_executor_for(&pool, 256, &config)?;
     KvStore::new(pool, engine.registration.clone(), engine.dma.clone(), executor, config)
 }
@@ -82,7 +84,10 @@ fn power_loss_during_stores_never_returns_wrong_bytes() {
     let device = start_device(vec![NamespaceConfig::new(512, None)], 2 << 20, true);
     {
         let controller = bring_up(&device, Duration::from_secs(5));
-        format(&targets(&controller, &[1]), 1, Some(12)); // small: evictions happen all the time
+        // Small, so evictions happen all the time; 24 slots of 64-byte headers span three
+        // 512-byte LBAs, so a commit or an eviction often writes several header sectors, and a
+        // cut can fall between them.
+        format(&targets(&controller, &[1]), 1, Some(24));
     }
     let mut known: Vec<Vec<u32>> = Vec::new();
     let mut phases = [Duration::ZERO; 3];
@@ -175,4 +180,67 @@ fn power_loss_during_stores_never_returns_wrong_bytes() {
     eprintln!("{ITERATIONS} iterations ({crashes_by_fault} at a random I/O command, {crashes_between_calls} between calls, {skipped} before any I/O), {verified_blocks} blocks verified, {:.1} s", started.elapsed().as_secs_f64());
     assert!(crashes_by_fault > 0 && crashes_between_calls > 0 && verified_blocks > 0);
     assert!(skipped < ITERATIONS / 4, "{skipped} iterations could not even open the pool");
+}
+
+#[test]
+fn power_loss_between_the_header_sectors_of_one_commit() {
+    // Goal: a commit whose two slots' headers lie in distant LBAs writes them as separate FUA
+    // commands (only the dirty sectors); the power going after the first leaves that block
+    // visible and the other absent (its slot reads Empty, made so before its data was
+    // written), never a Valid header over other bytes; every other committed block survives.
+    let device = start_device(vec![NamespaceConfig::new(512, None)], 2 << 20, true);
+    {
+        let controller = bring_up(&device, Duration::from_secs(5));
+        format(&targets(&controller, &[1]), 1, Some(24)); // header LBAs: slots 0-7, 8-15, 16-23
+    }
+    let controller = bring_up_fast(&device);
+    let engine = separate_kv(controller.dma(), ENGINE_BLOCKS, DataPointerMode::Sgl);
+    let mut store = open(&controller, &engine, CRASH_TIMEOUT).expect("open");
+    let mut rng = Rng(0x5EC7_0125);
+    let requests: Vec<Vec<u32>> = (0..24).map(|_| rng.tokens(16)).collect();
+    for (r, tokens) in requests.iter().enumerate() {
+        let mut steps = u64::MAX;
+        try_store(&mut store, &engine, tokens, &[r as u32 % ENGINE_BLOCKS], &mut steps).expect("store");
+    }
+    // Every slot is full, in order. Use all but requests 1 and 20: their slots (header LBAs 0
+    // and 2) become the least recently used, the two a new 2-block store evicts.
+    for (r, tokens) in requests.iter().enumerate().filter(|(r, _)| *r != 1 && *r != 20) {
+        assert_eq!(store.lookup(tokens), 1, "request {r}");
+        retrieve(&mut store, &engine, tokens, &[ENGINE_BLOCKS - 1]);
+    }
+    let new = rng.tokens(32);
+    let keys = keys_of(&new);
+    engine.fill(0, keys[0]);
+    engine.fill(1, keys[1]);
+    let plan = store.prepare_store(&KvRequest { tokens: &new, block_ids: &[0, 1] }).expect("prepare_store");
+    assert_eq!(plan.evicted_slots, 2);
+    for layer in 0..geometry().layers {
+        store.store_layer(plan.handle, layer, BUDGET).unwrap();
+        store.wait(plan.handle, Instant::now() + Duration::from_secs(5)).unwrap();
+    }
+    // The commit flushes, then writes header LBA 0 (block 0, slot 1) and LBA 2 (block 1,
+    // slot 20): the controller dies on the second header write.
+    let second_write = FaultRule::on_nth_io(2, FaultAction::ControllerFatal).with_opcode(nvme_driver::spec::NvmOpcode::Write as u8);
+    device.set_faults(FaultPlan::none().with_rule(second_write));
+    assert!(store.commit_store(plan.handle).is_err(), "the controller died during the commit");
+    device.power_loss();
+    drop(store);
+    device.set_faults(FaultPlan::none());
+    drop(engine);
+    drop(controller);
+    let controller = bring_up(&device, Duration::from_secs(5));
+    let engine = separate_kv(controller.dma(), ENGINE_BLOCKS, DataPointerMode::Sgl);
+    let mut store = open(&controller, &engine, Duration::from_secs(5)).expect("open after the cut");
+    assert_eq!(store.lookup(&new), 1, "block 0's header reached the disk, block 1's did not");
+    retrieve(&mut store, &engine, &new, &[2]);
+    assert!(engine.holds(2, keys[0], geometry().layers), "block 0 came back with other bytes");
+    for (r, tokens) in requests.iter().enumerate() {
+        let expected = usize::from(r != 1 && r != 20);
+        assert_eq!(store.lookup(tokens), expected, "request {r}");
+        if expected == 1 {
+            retrieve(&mut store, &engine, tokens, &[3]);
+            assert!(engine.holds(3, keys_of(tokens)[0], geometry().layers), "request {r} came back with other bytes");
+        }
+    }
+    assert_eq!(store.pool().index().counts().valid_slots, 23);
 }

@@ -1,5 +1,6 @@
 //! Round trip on the software controller with the CPU executor: store random KV for many
-//! requests layer by layer, reopen the pool, retrieve into different engine blocks, compare.
+//! requests layer by layer, reopen the pool, retrieve (verified against the payload CRCs) into
+//! different engine blocks, compare.
 
 mod common;
 
@@ -46,8 +47,10 @@ fn round_trip_with(k: u32, sgl: bool, major: bool, namespaces: &[u32], workers: 
         }
         assert_eq!(kv.counts().cached_blocks, requests.iter().map(|t| (t.len() / 16) as u64).sum::<u64>());
     }
-    // Reopen: the index comes back from the slot headers alone.
-    let mut kv = open_store(targets(&controller, namespaces), &engine, StoreConfig::default());
+    // Reopen: the index comes back from the slot headers alone. Every retrieve is verified
+    // against the per-block payload CRCs recorded at commit.
+    let verified = StoreConfig { verify_retrieves: true, ..StoreConfig::default() };
+    let mut kv = open_store(targets(&controller, namespaces), &engine, verified);
     for tokens in &requests {
         let n = tokens.len() / 16;
         assert_eq!(kv.lookup(tokens), n);

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use nvme_driver::hw::DeviceBackend;
 use nvme_driver::{Controller, ControllerConfig, NamespaceId};
 use nvme_emu::{Backing, EmuConfig, EmuDevice};
-use objstore::selfcheck::{round_trip, RoundTripConfig};
+use objstore::selfcheck::{round_trip, EngineLayout, RoundTripConfig};
 use objstore::{ModelGeometry, PoolTarget};
 
 fn controller() -> Arc<Controller> {
@@ -52,4 +52,26 @@ fn round_trip_passes_across_two_controllers_in_one_dma_space() {
     let report = round_trip(targets, &small()).expect("round trip");
     assert_eq!(report.recovery.devices, 2);
     assert_eq!(report.bytes_verified, 3 * 8 * 2 * 4 * small().geometry.object_bytes());
+}
+
+#[test]
+fn round_trip_passes_on_a_controller_with_a_small_mdts_and_one_queue_pair() {
+    // Goal: a controller like a cheap or busy SSD (QEMU's `mdts=2,max_ioqpairs=1`): at most
+    // 16 KiB per command and one I/O queue pair. A pool of 32 KiB objects (64 KiB per
+    // block-layer, 256 KiB per k = 4 slot layer) formats, stores, reopens and retrieves byte
+    // for byte: every transfer is cut into commands the controller accepts, and the pool's
+    // metadata borrows the executor's queue pair. For SGL and PRP-only controllers, both engine
+    // layouts, k = 1 and 4. It used to refuse the pool ("one command would move 65536 bytes;
+    // pool device 0 takes at most 16384"), then fail with "no free I/O queue identifier".
+    for sgl in [true, false] {
+        for layout in [EngineLayout::SeparateKv, EngineLayout::BlockMajor] {
+            for k in [1, 4] {
+                let device = EmuDevice::start(config().with_mdts(2).with_sgl(sgl).with_io_queue_pairs_max(1)).expect("software controller");
+                let targets = vec![PoolTarget { controller: bring_up(device), namespace: NamespaceId(1) }];
+                let context = format!("sgl={sgl} {layout:?} k={k}");
+                let report = round_trip(targets, &RoundTripConfig { blocks_per_slot: k, layout, ..small() }).expect(&context);
+                assert_eq!(report.bytes_verified, 3 * 8 * 2 * 4 * small().geometry.object_bytes(), "{context}");
+            }
+        }
+    }
 }

@@ -188,13 +188,17 @@ pub fn run(command: &PoolCommand) -> Result<()> {
         PoolCommand::Check(args) => {
             let (mut pool, report) = Pool::open(open_targets(&args.devices)?, None).map_err(|error| classify(error, "opening the pool"))?;
             outln!(
-                "{} slots checked: {} valid, {} empty, {} corrupt headers, {} duplicates",
+                "{} slots checked: {} valid, {} empty, {} corrupt headers ({} all zeroes), {} duplicates",
                 report.slots,
                 report.valid_slots,
                 report.empty_slots,
                 report.corrupt_headers,
+                report.zeroed_headers,
                 report.duplicate_slots
             )?;
+            if report.zeroed_headers > 0 {
+                outln!("  the slot-header region was zeroed or deallocated: the blocks recorded there are lost")?;
+            }
             let mut damaged = report.corrupt_headers + report.duplicate_slots;
             if args.payload {
                 let (verified, bad) = pool.check_payloads(Instant::now() + Duration::from_secs(24 * 3600))?;

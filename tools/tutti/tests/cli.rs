@@ -55,7 +55,18 @@ fn format_inspect_check_then_damage_is_status_1() {
     let output = tutti(&["pool", "check", "--device", &device, "--payload"]);
     assert_status(&output, 0, &[]);
     assert!(stdout(&output).contains("31 slots checked: 0 valid, 31 empty, 0 corrupt headers"), "{}", stdout(&output));
+    // Zero the slot-header region (byte 4096 on, one 4 KiB LBA here): check reports damage (every
+    // empty slot carries a tagged, checksummed entry), not an empty pool.
     let mut bytes = std::fs::read(&path).unwrap();
+    let pristine = bytes.clone();
+    bytes[4096..8192].fill(0);
+    std::fs::write(&path, &bytes).unwrap();
+    let output = tutti(&["pool", "check", "--device", &device]);
+    assert_status(&output, 1, &[]);
+    assert!(stdout(&output).contains("31 all zeroes") && stdout(&output).contains("zeroed or deallocated"), "{}", stdout(&output));
+    std::fs::write(&path, &pristine).unwrap();
+    assert_status(&tutti(&["pool", "check", "--device", &device]), 0, &[]);
+    let mut bytes = pristine;
     bytes[100] ^= 1;
     std::fs::write(&path, &bytes).unwrap();
     assert_status(&tutti(&["pool", "check", "--device", &device]), 1, &["superblock", "CRC32"]);

@@ -1,10 +1,13 @@
-//! `objstore-roundtrip --device vfio:BDF [--device vfio:BDF ...] [--requests N] [--blocks N] [--k N]`
+//! `objstore-roundtrip --device vfio:BDF [--device vfio:BDF ...] [--requests N] [--blocks N] [--k N]
+//! [--layout separate|block-major]`
 //!
 //! Formats one pool over the first namespace of every device given (their data is lost),
 //! stores KV for several requests layer by layer, reopens the pool, retrieves every request
 //! into different engine blocks and compares every byte. Several devices are opened in one
 //! VFIO container (one IOVA space), and the pool's blocks are striped across them. Prints
-//! OBJSTORE_ROUNDTRIP_OK on success. The VM harness runs it against QEMU's NVMe controllers.
+//! OBJSTORE_ROUNDTRIP_OK on success. The VM harness runs it against QEMU's NVMe controllers,
+//! including one with `mdts=2,max_ioqpairs=1` (commands are cut to MDTS; with one I/O queue pair
+//! the pool's metadata borrows the executor's).
 //!
 //! Exit status, as for every tutti tool: 0 the round trip passed, 1 it failed, 2 bad usage, 141
 //! standard output was closed by its reader (`| head`).
@@ -14,11 +17,12 @@ use std::sync::Arc;
 
 use nvme_driver::hw::vfio::{PciAddress, VfioDevice, VfioOptions};
 use nvme_driver::{Controller, ControllerConfig, DeviceBackend};
-use objstore::selfcheck::{round_trip, RoundTripConfig};
+use objstore::selfcheck::{round_trip, EngineLayout, RoundTripConfig};
 use objstore::PoolTarget;
 
 const USAGE: &str =
-    "usage: objstore-roundtrip --device vfio:DOMAIN:BUS:DEVICE.FUNCTION [--device vfio:BDF ...] [--requests N] [--blocks N] [--k N]";
+    "usage: objstore-roundtrip --device vfio:DOMAIN:BUS:DEVICE.FUNCTION [--device vfio:BDF ...] [--requests N] [--blocks N] \
+                     [--k N] [--layout separate|block-major]";
 const EXIT_STATUS: &str = "exit status: 0 the round trip passed; 1 it failed; 2 bad usage; 141 standard output was closed by its reader";
 
 /// The exit statuses of every tutti tool (tutti-cli's `exit`; this binary lives in objstore,
@@ -64,6 +68,13 @@ fn parse() -> Result<Request, String> {
             "--requests" => config.requests = number(value()?)?,
             "--blocks" => config.blocks_per_request = number(value()?)?,
             "--k" => config.blocks_per_slot = number(value()?)?,
+            "--layout" => {
+                config.layout = match value()?.as_str() {
+                    "separate" => EngineLayout::SeparateKv,
+                    "block-major" => EngineLayout::BlockMajor,
+                    other => return Err(format!("layout '{other}': expected separate or block-major")),
+                }
+            }
             other => return Err(format!("unknown argument '{other}'")),
         }
     }

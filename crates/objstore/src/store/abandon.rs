@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use gio_uring::QueuePairReset;
 
 use super::KvStore;
-use crate::error::Result;
+use crate::error::{ObjstoreError, Result};
 
 /// Every IOCB the executor reset ended has its completion posted already; this only bounds
 /// the reaping of them.
@@ -29,7 +29,21 @@ impl<E: QueuePairReset> KvStore<E> {
         let served = self.queue.executor().served_queue_depths();
         let mut fresh = Vec::with_capacity(served.len());
         for (device, depth) in served {
-            fresh.push(self.pool.target(device).controller.create_io_queue_pair(depth)?);
+            let controller = &self.pool.target(device).controller;
+            match controller.create_io_queue_pair(depth) {
+                Ok(queue) => fresh.push(queue),
+                Err(nvme_driver::NvmeError::NoQueueAvailable { granted }) => {
+                    return Err(ObjstoreError::QueuePairs {
+                        device,
+                        granted,
+                        needed: usize::from(granted) + 1,
+                        reason: "abandon_in_flight creates each replacement queue pair before it deletes the old one (whose commands \
+                                 must end first), so it needs a free queue pair per device served: reset the controller instead"
+                            .into(),
+                    })
+                }
+                Err(error) => return Err(error.into()),
+            }
         }
         let (executor, memory) = self.queue.executor_and_memory();
         let ended = executor.reset(memory, fresh)?;
