@@ -31,9 +31,6 @@
 #   TUTTI_VM_SMALL_NVME_ARGS `-device nvme` properties of the small guest's controller (default
 #                            max_ioqpairs=1,mdts=2); TUTTI_VM_SMALL_NS_ARGS its namespace's
 #   TUTTI_VM_SMALL_INTEGRITY_MIB  data-integrity run on it (default 64)
-#   TUTTI_VM_SMALL_ROUNDTRIP optional (default): the object-store round trip on the small
-#                            controller is run and its outcome reported, but a failure does not
-#                            fail the run; required: it must pass
 #   TUTTI_VM_INTEGRITY_MIB   size of the data-integrity run (default 256)
 #   TUTTI_VM_CONFORMANCE_ARGS  extra nvme-conformance arguments (e.g. --quick, --queue-pairs 8)
 #   TUTTI_VM_NVME_COUNT      number of NVMe controllers (default 1; slots 00:04.0, 00:05.0, ...)
@@ -92,8 +89,6 @@ fi
 INTEGRITY_MIB=${TUTTI_VM_INTEGRITY_MIB:-256}
 SMALL_NVME_ARGS=${TUTTI_VM_SMALL_NVME_ARGS:-max_ioqpairs=1,mdts=2}
 SMALL_INTEGRITY_MIB=${TUTTI_VM_SMALL_INTEGRITY_MIB:-64}
-SMALL_ROUNDTRIP=${TUTTI_VM_SMALL_ROUNDTRIP:-optional}
-case $SMALL_ROUNDTRIP in optional | required) ;; *) vm_die "TUTTI_VM_SMALL_ROUNDTRIP=$SMALL_ROUNDTRIP: optional or required" ;; esac
 BINARIES=()
 GUESTS=() # in boot order: main, small, probe, shell, smoke
 case $MODE in
@@ -122,12 +117,14 @@ case $MODE in
         if [ "$MODE" = small ] || [ "${TUTTI_VM_SMALL:-1}" = 1 ]; then
             GUESTS+=(small)
             # A controller that grants one I/O queue pair and a 16 KiB MDTS: the suite asks for
-            # 4 pairs and must pass with the one it gets; then the object store on it.
-            roundtrip_prefix=""
-            [ "$SMALL_ROUNDTRIP" = optional ] && roundtrip_prefix="optional "
+            # 4 pairs and must pass with the one it gets; then the object store on it, whose layer
+            # commands are cut to the MDTS and whose metadata borrows the executor's one queue
+            # pair: one block per slot with separate K/V tensors, and four blocks per slot with
+            # block-major tensors (other run lengths, other cuts).
             # shellcheck disable=SC2016 # $TUTTI_BDF0 is expanded by the guest's shell
             printf '%s\n' "nvme-conformance --device vfio:\$TUTTI_BDF0 ${TUTTI_VM_CONFORMANCE_ARGS:-} --integrity-mib $SMALL_INTEGRITY_MIB" \
-                "${roundtrip_prefix}objstore-roundtrip --device vfio:\$TUTTI_BDF0" > "$VM_DIR/commands.small"
+                "objstore-roundtrip --device vfio:\$TUTTI_BDF0" \
+                "objstore-roundtrip --device vfio:\$TUTTI_BDF0 --k 4 --layout block-major" > "$VM_DIR/commands.small"
         fi
         ;;
     probe | shell)
