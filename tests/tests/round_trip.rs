@@ -2,14 +2,12 @@
 //! requests layer by layer, reopen the pool, retrieve (verified against the payload CRCs) into
 //! different engine blocks, compare.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
 use nvme_driver::DataPointerMode;
 use nvme_emu::NamespaceConfig;
 use objstore::StoreConfig;
+use tutti_tests::*;
 
 fn round_trip(k: u32, sgl: bool, major: bool, namespaces: &[u32]) {
     round_trip_with(k, sgl, major, namespaces, false);

@@ -8,15 +8,13 @@
 //!
 //! A second test cuts the power between the two header sectors one commit writes.
 
-mod common;
-
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::*;
 use nvme_driver::{Controller, DataPointerMode};
 use nvme_emu::{EmuDevice, FaultAction, FaultPlan, FaultRule, NamespaceConfig};
 use objstore::{cpu_executor_for, KvRequest, KvStore, Pool, StoreConfig};
+use tutti_tests::*;
 
 const ITERATIONS: u64 = 150;
 const ENGINE_BLOCKS: u32 = 16;

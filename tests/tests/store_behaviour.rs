@@ -1,15 +1,13 @@
 //! Eviction, deduplication of shared prefixes, pinning under concurrent retrieves, pools across
 //! several controllers, and bad input — on the software controller with the CPU executor.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
 use nvme_driver::DataPointerMode;
 use nvme_emu::NamespaceConfig;
 use objstore::format::{Superblock, FORMAT_VERSION};
 use objstore::{KvRequest, KvStore, ModelGeometry, ObjstoreError, Pool, StoreConfig};
+use tutti_tests::*;
 
 struct Rig {
     store: KvStore<gio_uring::CpuExecutor>,

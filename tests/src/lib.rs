@@ -1,6 +1,11 @@
-//! A pool on the software controller, the engine's KV memory in that controller's DMA space, and
-//! helpers to fill and check KV blocks with bytes derived from their key.
-#![allow(dead_code)]
+//! The fixture of tutti's cross-crate integration tests (each file in `tests/tests/` is one test
+//! binary): a pool on the software controller, the engine's KV memory in that controller's DMA
+//! space, and helpers to fill and check KV blocks with bytes derived from their key.
+//!
+//! What lives here: tests whose subject is the stack (driver, software controller, gio_uring
+//! executors and object store together) — store/retrieve behaviour, round trips, crash loops;
+//! later the multi-process daemon and cluster tests. A crate's tests of itself against the
+//! software controller as a fixture stay in that crate.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
