@@ -35,7 +35,7 @@ pub fn deadline() -> Instant {
 pub struct Rng(pub u64);
 
 impl Rng {
-    pub fn next(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -43,10 +43,10 @@ impl Rng {
         z ^ (z >> 31)
     }
     pub fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
+        self.next_u64() % n
     }
     pub fn tokens(&mut self, count: usize) -> Vec<u32> {
-        (0..count).map(|_| self.next() as u32).collect()
+        (0..count).map(|_| self.next_u64() as u32).collect()
     }
 }
 
@@ -104,7 +104,7 @@ pub fn block_major(dma: &Arc<dyn DmaAllocator>, num_blocks: u32, mode: DataPoint
 pub fn pattern(key: u64, layer: u32, kind: KvKind, out: &mut [u8]) {
     let mut rng = Rng(key ^ (u64::from(layer) << 1 | u64::from(kind == KvKind::Value)).wrapping_mul(0x1000_0000_01B3));
     for chunk in out.chunks_mut(8) {
-        let word = rng.next().to_le_bytes();
+        let word = rng.next_u64().to_le_bytes();
         chunk.copy_from_slice(&word[..chunk.len()]);
     }
 }
