@@ -3,7 +3,8 @@
 //! - [`size`]: sizes like fio's (`4k` = `4KiB` = 4096, k/m/g/t powers of 1024) and their display;
 //! - [`spec`]: `vfio:BDF`, `emu:PATH`, `emu:mem:SIZE`, `emu:null:SIZE`, `uring:PATH` as a typed
 //!   [`DeviceSpec`], each tool naming the kinds it accepts;
-//! - [`memory`]: the check that `emu:mem:`/`emu:null:` devices fit the memory the machine has
+//! - [`memory`]: the check that `emu:mem:` devices fit the memory the machine has (`emu:null:`
+//!   allocates none)
 //!   available (`MemAvailable` less a reserve), before anything is allocated;
 //! - [`open`]: opening a list of specs in one DMA space (every `vfio:` function in one VFIO
 //!   container, every software controller in one DMA pool), as an object-store pool needs.

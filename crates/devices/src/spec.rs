@@ -109,10 +109,11 @@ impl DeviceSpec {
         }
     }
 
-    /// Bytes of process memory the device takes (its backing store), if any.
+    /// Bytes of process memory the device takes (its backing store), if any. A no-storage
+    /// device (`emu:null:`) has a size but no store, so it takes none.
     pub fn memory_bytes(&self) -> Option<u64> {
         match self {
-            DeviceSpec::EmuMemory(bytes) | DeviceSpec::EmuNull(bytes) => Some(*bytes),
+            DeviceSpec::EmuMemory(bytes) => Some(*bytes),
             _ => None,
         }
     }

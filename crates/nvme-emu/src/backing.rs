@@ -28,6 +28,12 @@ pub(crate) enum Store {
     /// An anonymous private mapping: zeroed, committed page by page as it is written.
     Memory(memmap2::MmapMut),
     File(FileStore),
+    /// No storage at all, for the no-storage mode (commands are validated and completed
+    /// without moving data): only a size, so `emu:null:1T` costs no memory. Every access is an
+    /// error; the no-storage mode never makes one.
+    Null {
+        size_bytes: u64,
+    },
 }
 
 pub(crate) struct FileStore {
@@ -42,8 +48,11 @@ fn open_error(path: &Path) -> impl FnOnce(io::Error) -> EmuError + '_ {
 }
 
 impl Store {
-    pub(crate) fn open(backing: &Backing) -> Result<Self, EmuError> {
+    /// Opens the backing store; with `no_storage` a memory backing is only a size (nothing is
+    /// allocated), a file backing is still opened (its size is the namespaces' capacity).
+    pub(crate) fn open(backing: &Backing, no_storage: bool) -> Result<Self, EmuError> {
         match backing {
+            Backing::Memory { bytes } if no_storage => Ok(Store::Null { size_bytes: *bytes }),
             Backing::Memory { bytes } => {
                 let len = usize::try_from(*bytes)
                     .map_err(|_| EmuError::InvalidConfig { reason: format!("{bytes} bytes of memory do not fit usize") })?;
@@ -57,6 +66,7 @@ impl Store {
         match self {
             Store::Memory(bytes) => bytes.len() as u64,
             Store::File(file) => file.size_bytes,
+            Store::Null { size_bytes } => *size_bytes,
         }
     }
 
@@ -64,7 +74,7 @@ impl Store {
     /// file stores (the direct one when the transfer is aligned).
     pub(crate) fn file_descriptor(&self, offset: u64, len: usize) -> Option<RawFd> {
         match self {
-            Store::Memory(_) => None,
+            Store::Memory(_) | Store::Null { .. } => None,
             Store::File(file) => Some(file.choose(offset, 0, len).as_raw_fd()),
         }
     }
@@ -77,6 +87,7 @@ impl Store {
         match self {
             Store::Memory(bytes) => format!("memory:{}", bytes.len()),
             Store::File(file) => file.path.display().to_string(),
+            Store::Null { size_bytes } => format!("null:{size_bytes}"),
         }
     }
 
@@ -94,6 +105,7 @@ impl Store {
                 Ok(())
             }
             Store::File(file) => file.choose(offset, destination.as_ptr() as usize, destination.len()).read_exact_at(destination, offset),
+            Store::Null { .. } => Err(Self::null_access()),
         }
     }
 
@@ -105,6 +117,7 @@ impl Store {
                 Ok(())
             }
             Store::File(file) => file.choose(offset, source.as_ptr() as usize, source.len()).write_all_at(source, offset),
+            Store::Null { .. } => Err(Self::null_access()),
         }
     }
 
@@ -128,14 +141,19 @@ impl Store {
                 }
                 Ok(())
             }
+            Store::Null { .. } => Err(Self::null_access()),
         }
     }
 
     pub(crate) fn sync(&mut self) -> io::Result<()> {
         match self {
-            Store::Memory(_) => Ok(()),
+            Store::Memory(_) | Store::Null { .. } => Ok(()),
             Store::File(file) => file.buffered.sync_data(),
         }
+    }
+
+    fn null_access() -> io::Error {
+        io::Error::new(io::ErrorKind::Unsupported, "a no-storage controller has no backing store to access")
     }
 }
 
@@ -193,7 +211,7 @@ mod tests {
         // Goal: both descriptors (direct and buffered) see the same bytes.
         let path = std::env::temp_dir().join(format!("nvme-emu-backing-{}", std::process::id()));
         let _ = std::fs::remove_file(&path);
-        let mut store = Store::open(&Backing::File { path: path.clone(), create_bytes: Some(1 << 20) }).unwrap();
+        let mut store = Store::open(&Backing::File { path: path.clone(), create_bytes: Some(1 << 20) }, false).unwrap();
         assert_eq!(store.size_bytes(), 1 << 20);
         let mut buffer = AlignedBuffer::default();
         let data = buffer.slice(8192);
@@ -218,15 +236,24 @@ mod tests {
     fn memory_the_machine_cannot_hold_is_an_error_not_an_abort() {
         // Goal: a memory backing far beyond any machine (2^62 bytes) is refused with a typed
         // error naming the size; a small one is zeroed and round-trips.
-        let error = Store::open(&Backing::Memory { bytes: 1 << 62 }).err().expect("2^62 bytes cannot be mapped");
+        let error = Store::open(&Backing::Memory { bytes: 1 << 62 }, false).err().expect("2^62 bytes cannot be mapped");
         assert!(matches!(error, EmuError::Memory { bytes, .. } if bytes == 1 << 62), "{error}");
         assert!(error.to_string().contains("4611686018427387904 bytes"), "{error}");
-        let mut store = Store::open(&Backing::Memory { bytes: 1 << 20 }).unwrap();
+        let mut store = Store::open(&Backing::Memory { bytes: 1 << 20 }, false).unwrap();
         let mut read = [0xFFu8; 8];
         store.read(4096, &mut read).unwrap();
         assert_eq!(read, [0; 8]);
         store.write(4096, &[1, 2, 3]).unwrap();
         store.read(4096, &mut read[..3]).unwrap();
         assert_eq!(&read[..3], &[1, 2, 3]);
+    }
+
+    #[test]
+    fn a_no_storage_store_is_a_size_without_memory() {
+        // Goal: no-storage mode allocates nothing, so a size far beyond the machine (2^62 bytes,
+        // refused above when it must be backed) opens, reports its size, and refuses access.
+        let mut store = Store::open(&Backing::Memory { bytes: 1 << 62 }, true).expect("no memory is allocated");
+        assert_eq!(store.size_bytes(), 1 << 62);
+        assert!(store.read(0, &mut [0u8; 8]).is_err() && store.write(0, &[0u8; 8]).is_err());
     }
 }

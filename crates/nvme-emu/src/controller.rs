@@ -168,7 +168,7 @@ pub(crate) struct ControllerCore {
 impl ControllerCore {
     pub(crate) fn new(config: EmuConfig, registers: Arc<RegisterFile>, dma: DmaPool) -> Result<Self, EmuError> {
         config.validate()?;
-        let store = Store::open(&config.backing)?;
+        let store = Store::open(&config.backing, config.no_storage)?;
         let namespaces = layout_namespaces(&config, store.size_bytes())?;
         let queue_slots = usize::from(config.io_queue_pairs_max) + 1;
         let features = Self::default_features(&config);

@@ -74,7 +74,7 @@ pub struct Cli {
 
     /// emu:PATH (software controller over a file, created when missing), emu:mem:SIZE (refused
     /// when larger than the memory this machine can spare), emu:null:SIZE (no-storage mode:
-    /// commands complete without moving data), vfio:BDF (e.g. vfio:0000:00:04.0), uring:PATH
+    /// commands complete without moving data; no memory is allocated), vfio:BDF (e.g. vfio:0000:00:04.0), uring:PATH
     /// (io_uring + O_DIRECT). Repeat to stripe.
     #[arg(long = "device", value_parser = parse_device_arg)]
     pub devices: Vec<DeviceSpec>,
