@@ -376,6 +376,10 @@ impl RegisterIo for FakeRegisters {
             // for its whole CAP.TO by forcing it.
             registers::CSTS => state.csts | state.script.status_bits & !CSTS_READY,
             registers::AQA => state.aqa,
+            registers::ASQ => state.asq as u32,
+            0x2C => (state.asq >> 32) as u32,
+            registers::ACQ => state.acq as u32,
+            0x34 => (state.acq >> 32) as u32,
             _ => 0,
         }
     }

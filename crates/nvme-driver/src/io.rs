@@ -76,6 +76,16 @@ impl IoQueuePair {
         self.queue.free_slots()
     }
 
+    /// Device address of the submission ring (diagnostics, tests).
+    pub fn submission_iova(&self) -> crate::types::Iova {
+        self.queue.submission_iova()
+    }
+
+    /// Device address of the completion ring (diagnostics, tests).
+    pub fn completion_iova(&self) -> crate::types::Iova {
+        self.queue.completion_iova()
+    }
+
     pub fn data_pointer_mode(&self) -> DataPointerMode {
         self.mode
     }

@@ -319,6 +319,9 @@ impl QueuePair {
     /// Fails with [`NvmeError::QueueStale`], writing nothing, once the controller was reset since
     /// this pair was created.
     pub fn ring_doorbell(&mut self) -> Result<(), NvmeError> {
+        if self.is_stale_hint() {
+            return Err(NvmeError::QueueStale { queue: self.id });
+        }
         if self.doorbell_pending {
             // Entries were written with plain copies; the store fence makes them complete
             // before the doorbell store (see the module documentation).
