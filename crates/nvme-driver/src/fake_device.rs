@@ -363,7 +363,11 @@ impl RegisterIo for FakeRegisters {
     }
 
     fn read32(&self, offset: usize) -> u32 {
-        let state = self.lock();
+        let mut state = self.lock();
+        if state.cc & 1 == 0 && state.script.disable_completes {
+            // A disable the script held back completes once the script allows it.
+            state.csts &= !CSTS_READY;
+        }
         if state.script.status_bits == u32::MAX {
             return u32::MAX;
         }

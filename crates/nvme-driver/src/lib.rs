@@ -18,6 +18,8 @@ mod error;
 #[cfg(any(test, feature = "fake-device"))]
 pub mod fake_device;
 mod gate;
+#[cfg(test)]
+mod hardening_tests;
 pub mod hw;
 mod io;
 mod namespace;
