@@ -425,6 +425,8 @@ impl RegisterIo for FakeRegisters {
 
 /// Header bytes of a fuzz input (see [`FakeScript::from_fuzz_input`]).
 pub const FUZZ_HEADER_BYTES: usize = 32;
+/// Header byte 28 with this value scripts a controller whose disable never completes.
+pub const FUZZ_DISABLE_HANGS: u8 = 0xA5;
 
 /// What [`run_fuzz_input`] does besides bring-up, from the header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -439,10 +441,12 @@ pub struct FuzzPlan {
 
 impl FakeScript {
     /// Decodes a fuzz input: a [`FUZZ_HEADER_BYTES`]-byte header — CAP (8), VS (4), CSTS bits
-    /// (4), Number of Queues dw0 (4), flags (1: bit 0 raw I/O phase, bit 1 reset afterwards,
-    /// bit 2 disable never completes), admin depth (1), I/O depth (1), commands (1), a failing
-    /// admin opcode (1, 0xFF none) and its status field (2), an unanswered admin opcode (1, 0xFF
-    /// none), 3 spare — then sections, each a 2-byte little-endian length and that many bytes
+    /// (4), Number of Queues dw0 (4), flags (1: bit 0 raw I/O phase, bit 1 reset afterwards),
+    /// admin depth (1), I/O depth (1), commands (1), a failing admin opcode (1, 0xFF none) and
+    /// its status field (2), an unanswered admin opcode (1, 0xFF none), a byte that makes every
+    /// disable hang when it is [`FUZZ_DISABLE_HANGS`] (1; a hang costs the driver a CAP.TO wait,
+    /// so random inputs should rarely pay it, and CAP.TO is then forced to 1, 500 ms), 3 spare —
+    /// then sections, each a 2-byte little-endian length and that many bytes
     /// (cut short by the end of the input): Identify Controller, Active Namespace List, raw I/O
     /// completions (16 bytes each), then Identify Namespace data for NSID 1, 2, ...
     pub fn from_fuzz_input(data: &[u8]) -> Option<(FakeScript, FuzzPlan)> {
@@ -461,7 +465,7 @@ impl FakeScript {
             capabilities: u64::from(u32_at(0)) | u64::from(u32_at(4)) << 32,
             version: u32_at(8),
             status_bits: u32_at(12),
-            disable_completes: flags & 4 == 0,
+            disable_completes: header[28] != FUZZ_DISABLE_HANGS,
             identify_controller: sections.next().unwrap_or_default(),
             namespace_list: sections.next().unwrap_or_default(),
             identify_namespaces: Vec::new(),
@@ -481,6 +485,11 @@ impl FakeScript {
         if header[27] != 0xFF {
             script.admin_unanswered.push(header[27]);
         }
+        if !script.disable_completes {
+            // The driver waits CAP.TO (up to 127 s) for a disable; with one that never
+            // completes, the wait is the whole run. CAP.TO = 1 (500 ms) takes the same paths.
+            script.capabilities = script.capabilities & !(0xFF << 24) | 1 << 24;
+        }
         let plan = FuzzPlan {
             admin_queue_depth: u32::from(header[21]),
             io_queue_depth: u32::from(header[22]),
@@ -499,7 +508,7 @@ impl FakeScript {
         data[8..12].copy_from_slice(&self.version.to_le_bytes());
         data[12..16].copy_from_slice(&self.status_bits.to_le_bytes());
         data[16..20].copy_from_slice(&self.number_of_queues_dw0.to_le_bytes());
-        data[20] = u8::from(self.io_phase_from_script) | u8::from(plan.reset) << 1 | u8::from(!self.disable_completes) << 2;
+        data[20] = u8::from(self.io_phase_from_script) | u8::from(plan.reset) << 1;
         data[21] = plan.admin_queue_depth.min(255) as u8;
         data[22] = plan.io_queue_depth.min(255) as u8;
         data[23] = plan.commands.min(255) as u8;
@@ -507,6 +516,7 @@ impl FakeScript {
         let status = self.admin_failures.first().map_or(0, |(_, status)| status.to_status_field());
         data[25..27].copy_from_slice(&status.to_le_bytes());
         data[27] = self.admin_unanswered.first().copied().unwrap_or(0xFF);
+        data[28] = if self.disable_completes { 0 } else { FUZZ_DISABLE_HANGS };
         let raw: Vec<u8> = self.io_completions.iter().flatten().copied().collect();
         let mut sections = vec![&self.identify_controller, &self.namespace_list, &raw];
         sections.extend(self.identify_namespaces.iter());
@@ -622,6 +632,8 @@ mod tests {
             ("version_1_0_without_namespace_list", seed(&version_1_0, plan)),
             ("create_sq_fails", seed(&failing_create, plan)),
             ("delete_sq_unanswered", seed(&unanswered_delete, FuzzPlan { reset: false, ..plan })),
+            // No seed with a disable that hangs: each run would cost two CAP.TO waits (1 s), and
+            // every mutation of it would too; the unit tests in `hardening_tests` cover that path.
         ]
     }
 
