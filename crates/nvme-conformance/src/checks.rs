@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 use nvme_driver::spec::status::codes;
 use nvme_driver::spec::{SglDescriptor, StatusCodeType, SubmissionEntry};
 use nvme_driver::{
-    BlockCount, Controller, ControllerConfig, DataPointerMode, DataPointerPreference, DataSegment, DeviceBackend, DmaAllocator, DmaRegion, HwError,
-    IoQueuePair, Lba, Namespace, NvmeError,
+    BlockCount, Controller, ControllerConfig, DataPointerMode, DataPointerPreference, DataSegment, DeviceBackend, DmaAllocator, DmaRegion,
+    HwError, IoQueuePair, Lba, Namespace, NvmeError,
 };
 
 use crate::pattern::{fill_pattern, verify_pattern};
@@ -370,7 +370,12 @@ fn error_lba_out_of_range(context: &Context) -> Outcome {
     let mut queue = queue(&controller, 16)?;
     let buffer = controller.dma().allocate(namespace.block_size_bytes as usize)?;
     let segment = DataSegment::new(buffer.iova(), namespace.block_size_bytes);
-    let error = raw_status(context, &mut queue, SubmissionEntry::read(namespace.id, Lba(namespace.size_blocks), BlockCount::ONE), Some(&[segment]))?;
+    let error = raw_status(
+        context,
+        &mut queue,
+        SubmissionEntry::read(namespace.id, Lba(namespace.size_blocks), BlockCount::ONE),
+        Some(&[segment]),
+    )?;
     expect_status(&error, StatusCodeType::Generic, codes::LBA_OUT_OF_RANGE, "read past the end")?;
     let refused = queue.submit_read(namespace.id, Lba(namespace.size_blocks), &[segment], 0);
     ensure!(matches!(refused, Err(NvmeError::LbaOutOfRange { .. })), "driver range check gave {refused:?}");

@@ -314,7 +314,13 @@ impl Controller {
     pub fn create_io_queue_pair(&self, depth: u32) -> Result<IoQueuePair, NvmeError> {
         self.check_queue_depth(depth)?;
         let id = self.admin.reserve_queue_id(self.granted_queue_pairs)?;
-        let mut queue = match QueuePair::allocate(id, depth, self.dma.as_ref(), Arc::clone(&self.registers), self.capabilities.doorbell_stride_log2()) {
+        let mut queue = match QueuePair::allocate(
+            id,
+            depth,
+            self.dma.as_ref(),
+            Arc::clone(&self.registers),
+            self.capabilities.doorbell_stride_log2(),
+        ) {
             Ok(queue) => queue,
             Err(error) => {
                 self.admin.release_queue_id(id);

@@ -110,15 +110,23 @@ impl DetachedQueuePair {
     /// Deletes the queues now and reports the outcome (dropping does the same, but can only
     /// log). `Ok` means the controller no longer uses the rings: their memory may be reused.
     /// On an error the pair comes back; dropping it then leaks its rings.
-    pub fn delete(mut self) -> Result<(), (NvmeError, DetachedQueuePair)> {
+    pub fn delete(mut self) -> Result<(), UndeletedDetachedQueuePair> {
         match self.admin.retire_queue_pair(self.layout.id, self.generation, &mut self.sq_deleted) {
             Ok(()) => {
                 self.deleted = true;
                 Ok(())
             }
-            Err(error) => Err((error, self)),
+            Err(source) => Err(UndeletedDetachedQueuePair { source, pair: Box::new(self) }),
         }
     }
+}
+
+/// A detached queue pair whose deletion failed: the controller may still use its rings.
+#[derive(Debug, thiserror::Error)]
+#[error("deleting detached {} failed: {source}", pair.layout.id)]
+pub struct UndeletedDetachedQueuePair {
+    pub source: NvmeError,
+    pub pair: Box<DetachedQueuePair>,
 }
 
 impl Drop for DetachedQueuePair {

@@ -1,7 +1,7 @@
 //! The driver's error type: every failure names the queue, command and status it concerns.
 
-use crate::namespace::RefusedNamespace;
 use crate::hw::HwError;
+use crate::namespace::RefusedNamespace;
 use crate::spec::identify::IdentifyError;
 use crate::spec::NvmeStatus;
 use crate::types::{CommandId, NamespaceId, QueueId};

@@ -23,7 +23,9 @@ use crate::controller::{Controller, ControllerConfig};
 use crate::hw::{DeviceBackend, DmaAllocator, DmaPool, HwError, RegisterIo};
 use crate::spec::registers::{self, Capabilities, ControllerConfiguration};
 use crate::spec::status::codes;
-use crate::spec::{AdminOpcode, CompletionEntry, NvmeStatus, SubmissionEntry, COMPLETION_ENTRY_BYTES, IDENTIFY_BYTES, SUBMISSION_ENTRY_BYTES};
+use crate::spec::{
+    AdminOpcode, CompletionEntry, NvmeStatus, SubmissionEntry, COMPLETION_ENTRY_BYTES, IDENTIFY_BYTES, SUBMISSION_ENTRY_BYTES,
+};
 use crate::types::{Iova, NamespaceId};
 
 /// Bytes of BAR0 the fake exposes: registers and the doorbells of queues 0..=63 at stride 0.
@@ -294,7 +296,14 @@ impl FakeState {
     fn completion_for(&self, queue_id: u16, entry: &SubmissionEntry, dw0: u32, status: Option<NvmeStatus>) -> CompletionEntry {
         let head = self.submission.get(&queue_id).map_or(0, |ring| ring.head) as u16;
         let status_field = status.map_or(0, |status| status.to_status_field());
-        CompletionEntry { dw0, dw1: 0, sq_head: head, sq_id: queue_id, command_id: entry.command_id().0, status_and_phase: status_field << 1 }
+        CompletionEntry {
+            dw0,
+            dw1: 0,
+            sq_head: head,
+            sq_id: queue_id,
+            command_id: entry.command_id().0,
+            status_and_phase: status_field << 1,
+        }
     }
 
     fn to_host(pool: &DmaPool, address: u64, data: &[u8]) -> Option<NvmeStatus> {
@@ -395,9 +404,9 @@ impl RegisterIo for FakeRegisters {
             registers::AQA => state.aqa = value,
             registers::ASQ => state.asq = state.asq & !0xFFFF_FFFF | u64::from(value),
             registers::ACQ => state.acq = state.acq & !0xFFFF_FFFF | u64::from(value),
-            offset if offset >= registers::DOORBELL_BASE && offset < BAR_BYTES => {
+            offset if (registers::DOORBELL_BASE..BAR_BYTES).contains(&offset) => {
                 let index = (offset - registers::DOORBELL_BASE) / 4;
-                if index % 2 == 0 {
+                if index.is_multiple_of(2) {
                     state.ring_submission(&self.pool, (index / 2) as u16, value);
                 }
                 // CQ head doorbells: the fake never runs ahead of the host (one completion per

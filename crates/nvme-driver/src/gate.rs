@@ -195,10 +195,7 @@ mod tests {
         gate.mark_quiesced(second);
         assert_eq!((gate.fate(0), gate.fate(first), gate.fate(second)), (QueueFate::Gone, QueueFate::Gone, QueueFate::Live));
         let registers = SlowRegisters::default();
-        assert!(matches!(
-            gate.ring(0, QueueId(1), &registers, 0x1008, 7, || {}),
-            Err(NvmeError::QueueStale { queue: QueueId(1) })
-        ));
+        assert!(matches!(gate.ring(0, QueueId(1), &registers, 0x1008, 7, || {}), Err(NvmeError::QueueStale { queue: QueueId(1) })));
         assert_eq!(registers.last.load(Ordering::SeqCst), 0, "a stale pair's doorbell is never written");
     }
 

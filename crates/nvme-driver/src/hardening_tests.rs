@@ -106,10 +106,8 @@ fn submission_stops_one_short_of_the_head_the_controller_reported() {
     // Goal: a controller that completes three commands while reporting that it consumed none
     // (SQ head still 0) must not get a fourth entry in a ring of four: the tail would meet the
     // head and the ring would read as empty, losing the three entries it still has to fetch.
-    let script = FakeScript {
-        io_completions: VecDeque::from([completion(0, 0), completion(1, 0), completion(2, 0)]),
-        ..FakeScript::default()
-    };
+    let script =
+        FakeScript { io_completions: VecDeque::from([completion(0, 0), completion(1, 0), completion(2, 0)]), ..FakeScript::default() };
     let (_device, controller) = bring_up(script);
     let mut queue = controller.create_io_queue_pair(4).expect("queue pair");
     for tag in 0..3 {

@@ -86,11 +86,7 @@ pub(crate) fn find(usable: &[Namespace], refused: &[RefusedNamespace], id: Names
 }
 
 /// Decides whether the driver can do I/O on namespace `id` as Identify describes it.
-pub(crate) fn classify(
-    id: NamespaceId,
-    identify: &IdentifyNamespace,
-    max_transfer_bytes: u64,
-) -> Result<Namespace, RefusedNamespace> {
+pub(crate) fn classify(id: NamespaceId, identify: &IdentifyNamespace, max_transfer_bytes: u64) -> Result<Namespace, RefusedNamespace> {
     // `parse` guarantees the format in use exists; a missing one reads as 0 bytes and is refused.
     let format = identify.format();
     let block_size_bytes = format.map_or(0, |format| format.block_size_bytes());

@@ -46,7 +46,9 @@ pub(crate) fn may_have_executed(error: &NvmeError) -> bool {
 
 /// Whether a delete failed only because the queue does not exist (Invalid Queue Identifier).
 fn queue_absent(error: &NvmeError) -> bool {
-    error.status().is_some_and(|status| status.code_type == StatusCodeType::CommandSpecific && status.code == codes::INVALID_QUEUE_IDENTIFIER)
+    error
+        .status()
+        .is_some_and(|status| status.code_type == StatusCodeType::CommandSpecific && status.code == codes::INVALID_QUEUE_IDENTIFIER)
 }
 
 impl AdminShared {

@@ -114,16 +114,32 @@ fn malformed_commands_get_their_statuses() {
     let mut unknown = SubmissionEntry::read(NS_4K, Lba(0), block_count(1));
     unknown.cdw0 = unknown.cdw0 & !0xFF | 0x7C;
     let cases: Vec<(&str, SubmissionEntry, Result<(), NvmeStatus>)> = vec![
-        ("past the end", with_sgl(SubmissionEntry::read(NS_4K, Lba(blocks_4k), block_count(1)), &buffer, 4096), generic(codes::LBA_OUT_OF_RANGE)),
+        (
+            "past the end",
+            with_sgl(SubmissionEntry::read(NS_4K, Lba(blocks_4k), block_count(1)), &buffer, 4096),
+            generic(codes::LBA_OUT_OF_RANGE),
+        ),
         (
             "straddles the end",
             with_sgl(SubmissionEntry::read(NS_4K, Lba(blocks_4k - 1), block_count(2)), &buffer, 8192),
             generic(codes::LBA_OUT_OF_RANGE),
         ),
-        ("LBA overflow", with_sgl(SubmissionEntry::write(NS_4K, Lba(u64::MAX), block_count(2), false), &buffer, 8192), generic(codes::LBA_OUT_OF_RANGE)),
+        (
+            "LBA overflow",
+            with_sgl(SubmissionEntry::write(NS_4K, Lba(u64::MAX), block_count(2), false), &buffer, 8192),
+            generic(codes::LBA_OUT_OF_RANGE),
+        ),
         ("above MDTS", with_sgl(SubmissionEntry::read(NS_4K, Lba(0), block_count(5)), &buffer, 5 * 4096), generic(codes::INVALID_FIELD)),
-        ("namespace 0", with_sgl(SubmissionEntry::read(NamespaceId(0), Lba(0), block_count(1)), &buffer, 4096), generic(codes::INVALID_NAMESPACE)),
-        ("namespace 9", with_sgl(SubmissionEntry::read(NamespaceId(9), Lba(0), block_count(1)), &buffer, 4096), generic(codes::INVALID_NAMESPACE)),
+        (
+            "namespace 0",
+            with_sgl(SubmissionEntry::read(NamespaceId(0), Lba(0), block_count(1)), &buffer, 4096),
+            generic(codes::INVALID_NAMESPACE),
+        ),
+        (
+            "namespace 9",
+            with_sgl(SubmissionEntry::read(NamespaceId(9), Lba(0), block_count(1)), &buffer, 4096),
+            generic(codes::INVALID_NAMESPACE),
+        ),
         ("unknown opcode", unknown, generic(codes::INVALID_OPCODE)),
         ("PSDT 3", psdt3, generic(codes::INVALID_FIELD)),
         ("SGL too short", sgl_read(SglDescriptor::data_block(buffer.iova().0, 4095)), generic(codes::DATA_SGL_LENGTH_INVALID)),

@@ -141,7 +141,10 @@ fn file_backed_512_byte_blocks_at_unaligned_offsets() {
     }
     let targets: Vec<DmaRegion> = (0..8).map(|_| host.buffer(4096)).collect();
     for (index, target) in targets.iter().enumerate() {
-        TestHost::push(&mut queue, with_sgl(SubmissionEntry::read(NamespaceId(2), Lba(1 + 7 * index as u64), block_count(3)), target, 1536));
+        TestHost::push(
+            &mut queue,
+            with_sgl(SubmissionEntry::read(NamespaceId(2), Lba(1 + 7 * index as u64), block_count(3)), target, 1536),
+        );
     }
     host.ring_submission(&queue);
     let deadline = Instant::now() + DEADLINE;
