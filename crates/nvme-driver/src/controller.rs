@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use crate::datapath::{DataPointerMode, PAGE_BYTES, PRP_LIST_ENTRIES_MAX};
 use crate::detached::{DetachedQueueLayout, DetachedQueuePair};
 use crate::error::NvmeError;
+use crate::gate::ResetGuard;
 use crate::hw::{DeviceBackend, DmaAllocator, DmaRegion, RegisterIo};
 use crate::io::IoQueuePair;
 use crate::namespace::{classify, Namespace, RefusedNamespace};
@@ -178,12 +179,14 @@ impl Controller {
             max_transfer_bytes: PAGE_BYTES,
             scratch,
         };
-        controller.bring_up()?;
+        controller.bring_up(None)?;
         Ok(controller)
     }
 
-    /// Runs the bring-up state machine from `Disable` to `Ready`.
-    fn bring_up(&mut self) -> Result<(), NvmeError> {
+    /// Runs the bring-up state machine from `Disable` to `Ready`. `ending` is the doorbell gate
+    /// held by a reset: released once CSTS.RDY = 0 was seen (marking the old generations'
+    /// queues gone) or bring-up failed before that (leaving them possibly live).
+    fn bring_up(&mut self, mut ending: Option<ResetGuard<'_>>) -> Result<(), NvmeError> {
         let timeout_ms = self.capabilities.ready_timeout_ms();
         let mut stage = BringUpStage::Disable;
         loop {
@@ -200,7 +203,9 @@ impl Controller {
                     wait_ready(self.registers.as_ref(), false, timeout_ms)?;
                     // CSTS.RDY = 0 after CC.EN = 0: the controller reset completed and deleted
                     // every I/O queue (§3.7.2), so older queue pairs' rings are free to go.
-                    self.admin.gate.mark_quiesced(self.admin.gate.generation());
+                    if let Some(ending) = ending.take() {
+                        ending.mark_quiesced();
+                    }
                     self.admin.forget_queue_ids();
                     BringUpStage::ConfigureAdminQueues
                 }
@@ -423,11 +428,14 @@ impl Controller {
     /// may still be live: their pairs keep (leak) their rings when dropped, until a later reset
     /// succeeds.
     pub fn reset(&mut self, function_reset: bool) -> Result<(), NvmeError> {
-        self.admin.gate.begin_reset();
+        // The gate stays exclusive until bring-up saw RDY = 0 (or failed before): a pair
+        // dropped on another thread meanwhile waits to learn whether its rings may go.
+        let gate = Arc::clone(&self.admin.gate);
+        let ending = gate.begin_reset();
         if function_reset {
             self.backend.function_reset()?;
         }
-        self.bring_up()
+        self.bring_up(Some(ending))
     }
 
     /// Stops the controller for teardown: a normal shutdown (so a real SSD commits its cache
@@ -560,10 +568,12 @@ impl Drop for Controller {
     fn drop(&mut self) {
         // Stale first: from here no queue pair of this controller can ring a doorbell or delete
         // itself, so nothing races with the disable below.
-        let generation = self.admin.gate.begin_reset();
+        let gate = Arc::clone(&self.admin.gate);
+        let ending = gate.begin_reset();
         match self.stop() {
-            Ok(()) => self.admin.gate.mark_quiesced(generation),
+            Ok(()) => ending.mark_quiesced(),
             Err(error) => {
+                drop(ending);
                 // Still enabled as far as we know: it may write its admin CQ and any I/O queue,
                 // and an Identify that timed out may still land in the scratch page.
                 let kept: usize = self.admin.lock_admin().regions().into_iter().chain([self.scratch.clone()]).map(DmaRegion::leak).sum();

@@ -18,10 +18,12 @@
 //! a reset that saw CSTS.RDY = 0 after clearing CC.EN deleted every I/O queue (§3.7.2), one that
 //! did not (a timeout, a device that vanished) leaves them possibly live, and a pair of such a
 //! generation must keep its rings allocated forever rather than free memory the controller may
-//! still write.
+//! still write. A reset keeps the exclusive side until it knows which ([`ResetGuard`]), so a
+//! pair dropped on another thread in the meantime waits for the answer instead of leaking its
+//! rings on a reset that is about to succeed. That wait is bounded by CAP.TO.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{RwLock, RwLockReadGuard};
+use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::error::NvmeError;
 use crate::hw::RegisterIo;
@@ -135,19 +137,29 @@ impl DoorbellGate {
 
     /// Ends the current generation: waits for every doorbell write and queue deletion in
     /// progress, then makes every pair of this and older generations stale. Called before a
-    /// reset or teardown touches CC. Returns the new generation.
-    pub(crate) fn begin_reset(&self) -> u64 {
+    /// reset or teardown touches CC. The returned guard keeps the exclusive side until the
+    /// caller knows whether the controller stopped, so that no pair decides its rings' fate
+    /// (free or leak) from a reset still in progress.
+    pub(crate) fn begin_reset(&self) -> ResetGuard<'_> {
         let mut state = self.state.write().unwrap_or_else(|poisoned| poisoned.into_inner());
         state.generation += 1;
         self.generation_hint.store(state.generation, Ordering::Release);
-        state.generation
+        ResetGuard { state }
     }
+}
 
-    /// Records that the controller reached CSTS.RDY = 0 after CC.EN was cleared in `generation`:
+/// The exclusive side of the gate, held by a reset or teardown from the generation bump until
+/// the controller was seen to stop (or the attempt failed). Dropping it without
+/// [`ResetGuard::mark_quiesced`] leaves the older generations' queues possibly live.
+pub(crate) struct ResetGuard<'a> {
+    state: RwLockWriteGuard<'a, GateState>,
+}
+
+impl ResetGuard<'_> {
+    /// Records that the controller reached CSTS.RDY = 0 after CC.EN was cleared in this reset:
     /// every queue of an older generation is gone.
-    pub(crate) fn mark_quiesced(&self, generation: u64) {
-        let mut state = self.state.write().unwrap_or_else(|poisoned| poisoned.into_inner());
-        state.quiesced_below = state.quiesced_below.max(generation);
+    pub(crate) fn mark_quiesced(mut self) {
+        self.state.quiesced_below = self.state.generation;
     }
 }
 
@@ -188,12 +200,11 @@ mod tests {
         // controller, and possibly live after one that did not.
         let gate = DoorbellGate::new();
         assert_eq!(gate.fate(0), QueueFate::Live);
-        let first = gate.begin_reset();
-        assert_eq!(gate.fate(0), QueueFate::MaybeLive, "the reset has not disabled the controller yet");
+        drop(gate.begin_reset()); // a reset that never saw RDY = 0
+        assert_eq!(gate.fate(0), QueueFate::MaybeLive);
         assert!(!gate.is_current_hint(0));
-        let second = gate.begin_reset(); // the first reset failed before RDY = 0; a retry
-        gate.mark_quiesced(second);
-        assert_eq!((gate.fate(0), gate.fate(first), gate.fate(second)), (QueueFate::Gone, QueueFate::Gone, QueueFate::Live));
+        gate.begin_reset().mark_quiesced(); // a retry that did
+        assert_eq!((gate.fate(0), gate.fate(1), gate.fate(2)), (QueueFate::Gone, QueueFate::Gone, QueueFate::Live));
         let registers = SlowRegisters::default();
         assert!(matches!(gate.ring(0, QueueId(1), &registers, 0x1008, 7, || {}), Err(NvmeError::QueueStale { queue: QueueId(1) })));
         assert_eq!(registers.last.load(Ordering::SeqCst), 0, "a stale pair's doorbell is never written");
@@ -216,7 +227,7 @@ mod tests {
             })
         };
         started.wait();
-        gate.begin_reset();
+        drop(gate.begin_reset());
         let landed_before_reset = registers.last.load(Ordering::SeqCst);
         let result = ringer.join().expect("ringer thread");
         match result {

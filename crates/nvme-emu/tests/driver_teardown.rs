@@ -225,17 +225,7 @@ fn a_reset_waits_for_a_doorbell_write_in_progress_on_another_thread() {
     // new pair creates with the same id. Without the gate, the store lands after the new pair
     // was created and the controller fetches the new pair's zeroed slot 0.
     let device = device();
-    let (entered_sender, entered) = mpsc::channel();
-    let registers = Arc::new(PausingRegisters {
-        inner: device.registers(),
-        armed_offset: AtomicUsize::new(usize::MAX),
-        entered: std::sync::Mutex::new(Some(entered_sender)),
-        pause: Duration::from_millis(200),
-        paused: AtomicBool::new(false),
-    });
-    let backend: Arc<dyn DeviceBackend> = Arc::new(PausingBackend { device: Arc::clone(&device), registers: Arc::clone(&registers) });
-    let config = ControllerConfig { admin_timeout: Duration::from_secs(2), ..ControllerConfig::default() };
-    let mut controller = Controller::init(backend, config).expect("bring-up");
+    let (mut controller, registers, entered) = pausing_controller(&device, Duration::from_millis(200));
     let namespace = controller.namespaces()[0];
     let mut old = controller.create_io_queue_pair(16).expect("queue pair");
     let stride = controller.capabilities().doorbell_stride_log2();
@@ -257,6 +247,39 @@ fn a_reset_waits_for_a_doorbell_write_in_progress_on_another_thread() {
     write_and_read(&controller, &mut fresh, 5, 0xC3);
     drop(old);
     assert_eq!(controller.leaked_queue_pairs(), 0);
+}
+
+/// A controller on a [`PausingBackend`] and the registers wrapper to arm.
+fn pausing_controller(device: &Arc<EmuDevice>, pause: Duration) -> (Controller, Arc<PausingRegisters>, mpsc::Receiver<()>) {
+    let (entered_sender, entered) = mpsc::channel();
+    let registers = Arc::new(PausingRegisters {
+        inner: device.registers(),
+        armed_offset: AtomicUsize::new(usize::MAX),
+        entered: std::sync::Mutex::new(Some(entered_sender)),
+        pause,
+        paused: AtomicBool::new(false),
+    });
+    let backend: Arc<dyn DeviceBackend> = Arc::new(PausingBackend { device: Arc::clone(device), registers: Arc::clone(&registers) });
+    let config = ControllerConfig { admin_timeout: Duration::from_secs(2), ..ControllerConfig::default() };
+    (Controller::init(backend, config).expect("bring-up"), registers, entered)
+}
+
+#[test]
+fn a_pair_dropped_while_a_reset_disables_the_controller_waits_for_the_outcome() {
+    // Goal: a pair dropped on another thread while a reset is between clearing CC.EN and seeing
+    // CSTS.RDY = 0 must not decide its rings' fate from the half-done reset: it waits, learns
+    // the queues are gone, and frees them (no leak). Deciding early would leak them for nothing.
+    let device = device();
+    let (mut controller, registers, entered) = pausing_controller(&device, Duration::from_millis(200));
+    let pair = controller.create_io_queue_pair(16).expect("queue pair");
+    registers.armed_offset.store(registers::CC, Ordering::SeqCst);
+    let dropper = std::thread::spawn(move || {
+        entered.recv_timeout(TIMEOUT).expect("the reset reached its CC write");
+        drop(pair);
+    });
+    controller.reset(false).expect("reset");
+    dropper.join().expect("dropper thread");
+    assert_eq!(controller.leaked_queue_pairs(), 0, "the pair leaked its rings although the reset stopped the controller");
 }
 
 #[test]
