@@ -179,3 +179,34 @@ fn the_active_namespace_list_is_read_only_while_it_is_well_formed() {
     // Bring-up identified the controller, the list and NSID 1 once: the duplicate stopped it.
     assert_eq!(device.counters().commands_by_queue.get(&0).copied(), Some(4), "Identify ×3 and Set Features");
 }
+
+#[test]
+fn a_failed_creation_is_undone_or_its_rings_are_kept() {
+    // Goal: when Create I/O SQ fails after the CQ was created, the driver deletes the CQ and
+    // releases the id; if that delete fails too, the CQ stays on the controller, so the rings are
+    // leaked and the id kept. A Create I/O CQ that never completes may have created the queue:
+    // the same rule applies (here the cleanup cannot even run: the admin queue still holds the
+    // lost command).
+    use crate::spec::status::codes;
+    use crate::spec::{AdminOpcode, NvmeStatus};
+    let internal = NvmeStatus::generic(codes::INTERNAL_ERROR);
+    let (device, controller) = bring_up(FakeScript::default());
+    device.update_script(|script| script.admin_failures = vec![(AdminOpcode::CreateIoSubmissionQueue as u8, internal)]);
+    let failed = controller.create_io_queue_pair(8);
+    assert_eq!(failed.map(|_| ()).expect_err("create SQ fails").status(), Some(internal));
+    assert_eq!(controller.leaked_queue_pairs(), 0, "the CQ was deleted again");
+    device.update_script(|script| {
+        script.admin_failures =
+            vec![(AdminOpcode::CreateIoSubmissionQueue as u8, internal), (AdminOpcode::DeleteIoCompletionQueue as u8, internal)]
+    });
+    assert!(controller.create_io_queue_pair(8).is_err());
+    assert_eq!(controller.leaked_queue_pairs(), 1, "the CQ could not be deleted: its ring is kept");
+    device.update_script(|script| script.admin_failures.clear());
+    let pair = controller.create_io_queue_pair(8).expect("queue pair");
+    assert_eq!(pair.id(), QueueId(2), "queue id 1 still has a CQ on the controller");
+    drop(pair);
+    device.update_script(|script| script.admin_unanswered = vec![AdminOpcode::CreateIoCompletionQueue as u8]);
+    let timed_out = controller.create_io_queue_pair(8);
+    assert!(matches!(timed_out, Err(NvmeError::Timeout { .. })), "{timed_out:?}");
+    assert_eq!(controller.leaked_queue_pairs(), 2, "a CQ that may exist keeps its ring");
+}
