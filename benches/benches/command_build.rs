@@ -7,7 +7,7 @@
 use criterion::{black_box, criterion_group, criterion_main, Criterion, Throughput};
 use nvme_driver::datapath::{build_data_pointer, plan_command, Cursor, DataPointerMode, DataSegment, ScratchPage};
 use nvme_driver::spec::SubmissionEntry;
-use nvme_driver::{DmaAllocator, DmaPool, Iova, Lba, NamespaceId};
+use nvme_driver::{BlockCount, DmaAllocator, DmaPool, Iova, Lba, NamespaceId};
 
 fn segments(count: usize) -> Vec<DataSegment> {
     // 4 KiB pieces 64 KiB apart: scattered like KV blocks in a paged pool.
@@ -25,7 +25,8 @@ fn bench(c: &mut Criterion) {
             group.bench_function(format!("{}_{}x4KiB", mode.name(), count), |b| {
                 b.iter(|| {
                     let plan = plan_command(black_box(&list), Cursor::default(), 1 << 21, 512, mode).expect("plan").expect("non-empty");
-                    let mut entry = SubmissionEntry::read(NamespaceId(1), Lba(0), (plan.bytes / 512) as u32);
+                    let blocks = BlockCount::new((plan.bytes / 512) as u32).expect("at most 2 MiB of 512 B blocks");
+                    let mut entry = SubmissionEntry::read(NamespaceId(1), Lba(0), blocks);
                     build_data_pointer(&mut entry, &list, &plan, mode, ScratchPage::new(&scratch, 0)).expect("build");
                     black_box(entry)
                 })

@@ -44,7 +44,7 @@ fn bench(c: &mut Criterion) {
                     queue.submit_read(namespace.id, Lba(lba % blocks), segment, 0).expect("submit");
                     lba += 1;
                 }
-                queue.ring_doorbell();
+                queue.ring_doorbell().expect("doorbell");
                 driver_time += started.elapsed();
                 let deadline = Instant::now() + Duration::from_secs(5);
                 while device.stats().completions_posted < posted_before + BATCH as u64 {

@@ -61,7 +61,7 @@ fuzz_target!(|data: &[u8]| {
             break;
         }
     }
-    queue.ring_doorbell();
+    let _ = queue.ring_doorbell();
     // The device "writes" the completion ring with whatever the input says.
     let ring_bytes = depth as usize * 16;
     let Ok(ring) = pool.translate(queue.completion_iova(), ring_bytes) else { return };

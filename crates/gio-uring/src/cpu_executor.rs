@@ -119,9 +119,10 @@ impl CpuExecutor {
         let namespace = NamespaceId(ioctx.nsid);
         let start = nvme_driver::Lba(lba);
         let fua = u32::from(ioctx.flags) & abi::GIO_IOCTX_FLAG_FUA != 0;
+        let blocks = nvme_driver::BlockCount::new(ioctx.block_count)?;
         let mut entry = match Opcode::from_abi(header.opcode)? {
-            Opcode::Read => SubmissionEntry::read(namespace, start, ioctx.block_count),
-            Opcode::Write => SubmissionEntry::write(namespace, start, ioctx.block_count, fua),
+            Opcode::Read => SubmissionEntry::read(namespace, start, blocks),
+            Opcode::Write => SubmissionEntry::write(namespace, start, blocks, fua),
         };
         match u32::from(ioctx.descriptor_kind) {
             abi::GIO_DESCRIPTOR_SGL => {
@@ -182,9 +183,12 @@ impl CpuExecutor {
             }
             self.pending.pop_front();
         }
-        for (queue, due) in self.queues.iter_mut().zip(&mut self.doorbell_due) {
+        for (device, (queue, due)) in self.queues.iter_mut().zip(&mut self.doorbell_due).enumerate() {
             if let (true, Some(queue)) = (std::mem::take(due), queue) {
-                queue.ring_doorbell();
+                // Fails only for a pair whose controller was reset: its commands never reach it.
+                queue
+                    .ring_doorbell()
+                    .map_err(|error| GioError::Executor { executor: "cpu", reason: format!("device {device}: {error}") })?;
             }
         }
         Ok(())

@@ -281,7 +281,7 @@ fn a_lent_queue_pair_is_emptied_first_and_serves_the_borrowers_commands() {
         assert!(back.iter().all(|&byte| byte == 0xA5), "the borrower's write reached the disk");
         // A borrower that breaks the contract: a command left in flight.
         queue.submit_read(namespace.id, far, &segment, gio_uring::LENT_COMMAND_TAG).unwrap();
-        queue.ring_doorbell();
+        queue.ring_doorbell().unwrap();
     }
     std::thread::sleep(Duration::from_millis(50));
     rig.queue.issue_io(&[id], LayerIndex(1), SmBudget(1)).unwrap();

@@ -67,7 +67,7 @@ fn the_state_image_drives_a_detached_queue_pair_of_the_software_controller() {
         "slot 0 is free for ticket 0"
     );
     let buffer = controller.dma().allocate(512).unwrap();
-    let mut read = SubmissionEntry::read(namespace.id, Lba(3), 1);
+    let mut read = SubmissionEntry::read(namespace.id, Lba(3), nvme_driver::BlockCount::ONE);
     read.set_command_id(CommandId((ticket & 0xFFFF) as u16));
     read.dptr = [buffer.iova().0, 0];
     let slot = (ticket & (sq_depth - 1)) as usize;

@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 use nvme_driver::spec::status::codes;
 use nvme_driver::spec::{SglDescriptor, StatusCodeType, SubmissionEntry};
 use nvme_driver::{
-    Controller, ControllerConfig, DataPointerMode, DataPointerPreference, DataSegment, DeviceBackend, DmaAllocator, DmaRegion, HwError,
-    IoQueuePair, Lba, Namespace, NvmeError,
+    BlockCount, Controller, ControllerConfig, DataPointerMode, DataPointerPreference, DataSegment, DeviceBackend, DmaAllocator, DmaRegion,
+    HwError, IoQueuePair, Lba, Namespace, NvmeError,
 };
 
 use crate::pattern::{fill_pattern, verify_pattern};
@@ -179,7 +179,7 @@ fn queue_pairs_at_full_depth(context: &Context) -> Outcome {
         // One more must be back-pressure, not an error or an overwrite.
         let extra = queue.submit_read(namespace.id, Lba(0), &[DataSegment::new(buffer.iova(), block as u32)], 0);
         ensure!(extra.as_ref().is_err_and(NvmeError::is_backpressure), "submitting past full depth gave {extra:?}");
-        queue.ring_doorbell();
+        queue.ring_doorbell()?;
     }
     for queue in &mut queues {
         let mut completed = 0usize;
@@ -388,7 +388,12 @@ fn error_lba_out_of_range(context: &Context) -> Outcome {
     let mut queue = queue(&controller, 16)?;
     let buffer = controller.dma().allocate(namespace.block_size_bytes as usize)?;
     let segment = DataSegment::new(buffer.iova(), namespace.block_size_bytes);
-    let error = raw_status(context, &mut queue, SubmissionEntry::read(namespace.id, Lba(namespace.size_blocks), 1), Some(&[segment]))?;
+    let error = raw_status(
+        context,
+        &mut queue,
+        SubmissionEntry::read(namespace.id, Lba(namespace.size_blocks), BlockCount::ONE),
+        Some(&[segment]),
+    )?;
     expect_status(&error, StatusCodeType::Generic, codes::LBA_OUT_OF_RANGE, "read past the end")?;
     let refused = queue.submit_read(namespace.id, Lba(namespace.size_blocks), &[segment], 0);
     ensure!(matches!(refused, Err(NvmeError::LbaOutOfRange { .. })), "driver range check gave {refused:?}");
@@ -407,7 +412,10 @@ fn error_invalid_field(context: &Context) -> Outcome {
     let mut queue = queue(&controller, 16)?;
     let bytes = 2 * controller.max_transfer_bytes();
     let buffer = controller.dma().allocate(bytes as usize)?;
-    let blocks = (bytes / u64::from(namespace.block_size_bytes)) as u32;
+    let blocks = u32::try_from(bytes / u64::from(namespace.block_size_bytes))
+        .ok()
+        .and_then(BlockCount::new)
+        .ok_or_else(|| Failure(format!("{bytes} bytes are more blocks than one command carries")))?;
     let error = raw_status(
         context,
         &mut queue,
@@ -432,7 +440,7 @@ fn error_invalid_opcode_and_namespace(context: &Context) -> Outcome {
     let error = raw_status(
         context,
         &mut queue,
-        SubmissionEntry::read(inactive, Lba(0), 1),
+        SubmissionEntry::read(inactive, Lba(0), BlockCount::ONE),
         Some(&[DataSegment::new(buffer.iova(), namespace.block_size_bytes)]),
     )?;
     expect_status(&error, StatusCodeType::Generic, codes::INVALID_NAMESPACE, "read from an inactive namespace")?;
@@ -448,7 +456,7 @@ fn error_invalid_sgl(context: &Context) -> Outcome {
     let namespace = first_namespace(&controller)?;
     let mut queue = queue(&controller, 16)?;
     let buffer = controller.dma().allocate(4096)?;
-    let mut entry = SubmissionEntry::read(namespace.id, Lba(0), 1);
+    let mut entry = SubmissionEntry::read(namespace.id, Lba(0), BlockCount::ONE);
     entry.set_data_pointer_kind(nvme_driver::spec::command::DataPointerKind::Sgl);
     let mut descriptor = SglDescriptor::data_block(buffer.iova().0, namespace.block_size_bytes);
     descriptor.identifier = 0xE0; // type 0xE is reserved
@@ -477,7 +485,7 @@ fn bounded_timeout(context: &Context) -> Outcome {
     let mut queue = queue(&controller, 16)?;
     faults.drop_next_completion();
     queue.submit_flush(namespace.id, 5)?;
-    queue.ring_doorbell();
+    queue.ring_doorbell()?;
     let started = Instant::now();
     let result = queue.wait_idle(Instant::now() + Duration::from_millis(300), |_| {});
     let waited = started.elapsed();
@@ -496,7 +504,7 @@ fn corrupted_command_id_detected(context: &Context) -> Outcome {
     let mut queue = queue(&controller, 16)?;
     faults.corrupt_next_command_id();
     queue.submit_flush(namespace.id, 5)?;
-    queue.ring_doorbell();
+    queue.ring_doorbell()?;
     let result = queue.wait_idle(Instant::now() + Duration::from_millis(500), |_| {});
     ensure!(matches!(result, Err(NvmeError::UnexpectedCompletion { .. })), "expected an unexpected-completion error, got {result:?}");
     Ok(Verdict::Passed)
@@ -512,7 +520,7 @@ fn fatal_status_then_reset(context: &Context) -> Outcome {
     let mut queue = queue(&controller, 16)?;
     faults.raise_fatal_status();
     let _ = queue.submit_flush(namespace.id, 1);
-    queue.ring_doorbell();
+    queue.ring_doorbell()?;
     let result = queue.wait_idle(Instant::now() + Duration::from_millis(500), |_| {});
     ensure!(matches!(result, Err(NvmeError::ControllerFatal { .. })), "expected ControllerFatal, got {result:?}");
     faults.clear_faults();
@@ -610,10 +618,10 @@ fn detached_queue_pair(context: &Context) -> Outcome {
     fill_pattern(&buffer, 0, block as usize, 41, 0)?;
     // Write one block with PRP1, then read it back into a second buffer.
     let sink = controller.dma().allocate(block as usize)?;
-    let mut write = SubmissionEntry::write(namespace.id, Lba(5), 1, false);
+    let mut write = SubmissionEntry::write(namespace.id, Lba(5), BlockCount::ONE, false);
     write.set_command_id(nvme_driver::CommandId(1));
     write.dptr = [buffer.iova().0, 0];
-    let mut read = SubmissionEntry::read(namespace.id, Lba(5), 1);
+    let mut read = SubmissionEntry::read(namespace.id, Lba(5), BlockCount::ONE);
     read.set_command_id(nvme_driver::CommandId(2));
     read.dptr = [sink.iova().0, 0];
     submission.write(0, &write.to_bytes())?;

@@ -1,21 +1,32 @@
 //! Controller bring-up (§3.5.1) as a state machine with deadlines from CAP.TO, Identify, queue
-//! creation and deletion, features, log pages and reset.
+//! creation and deletion, features, log pages, reset and teardown.
+//!
+//! Teardown. A controller is disabled before its memory goes: `Drop` makes every queue pair
+//! stale (the doorbell gate), requests a normal shutdown, clears CC.EN and waits for
+//! CSTS.RDY = 0, each within CAP.TO. Only a controller seen to stop gets its admin rings and
+//! scratch page freed (and lets stale queue pairs free theirs); otherwise they are leaked and
+//! counted, because a controller that is still enabled may still write them.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::datapath::{DataPointerMode, PAGE_BYTES, PRP_LIST_ENTRIES_MAX};
 use crate::detached::{DetachedQueueLayout, DetachedQueuePair};
 use crate::error::NvmeError;
+use crate::gate::ResetGuard;
 use crate::hw::{DeviceBackend, DmaAllocator, DmaRegion, RegisterIo};
 use crate::io::IoQueuePair;
-use crate::queue::{Completion, QueuePair};
+use crate::namespace::{classify, Namespace, RefusedNamespace};
+use crate::queue::{Completion, QueuePair, QUEUE_DEPTH_MAX};
 use crate::spec::command::{FeatureId, IdentifyCns, LogPageId};
-use crate::spec::identify::{parse_active_namespaces, IdentifyError};
+use crate::spec::identify::parse_active_namespaces;
 use crate::spec::registers::{self, Capabilities, ControllerConfiguration, ControllerStatus, Version};
 use crate::spec::{IdentifyController, IdentifyNamespace, SubmissionEntry, COMPLETION_ENTRY_BYTES, IDENTIFY_BYTES, SUBMISSION_ENTRY_BYTES};
+use crate::teardown::{may_have_executed, AdminShared};
 use crate::types::{NamespaceId, QueueId};
+
+/// Most namespaces bring-up identifies (each costs one admin command).
+const NAMESPACES_MAX: usize = 1024;
 
 /// Which data pointer the driver uses for I/O.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -52,20 +63,6 @@ impl Default for ControllerConfig {
     }
 }
 
-/// One active namespace: what I/O needs to know about it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Namespace {
-    pub id: NamespaceId,
-    pub block_size_bytes: u32,
-    pub size_blocks: u64,
-}
-
-impl Namespace {
-    pub fn size_bytes(&self) -> u64 {
-        self.size_blocks * u64::from(self.block_size_bytes)
-    }
-}
-
 /// The bring-up stages (§3.5.1), in order; each waiting stage has a CAP.TO deadline.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BringUpStage {
@@ -79,55 +76,6 @@ pub enum BringUpStage {
     Ready,
 }
 
-/// State shared with I/O queue pairs, so that they can delete themselves on drop and notice a
-/// reset.
-pub(crate) struct AdminShared {
-    pub(crate) admin: Mutex<QueuePair>,
-    pub(crate) epoch: AtomicU64,
-    pub(crate) queue_ids_in_use: Mutex<Vec<bool>>,
-    pub(crate) timeout: Duration,
-}
-
-impl AdminShared {
-    pub(crate) fn lock_admin(&self) -> MutexGuard<'_, QueuePair> {
-        self.admin.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-
-    /// Deletes an I/O SQ and its CQ (bounded by the admin timeout) and frees the queue id. On
-    /// failure the id stays reserved: reusing it while the controller still has the queue would
-    /// fail.
-    /// Deletes an I/O queue pair: the submission queue first (unless `sq_deleted` says an
-    /// earlier try already did), which makes the controller abort or finish its commands, so
-    /// none of them moves data once that step succeeded; then the completion queue, and the id
-    /// is released. On an error the id stays reserved; `sq_deleted` tells a retry where to
-    /// resume.
-    pub(crate) fn try_delete_io_queue_pair(&self, id: QueueId, sq_deleted: &mut bool) -> Result<(), NvmeError> {
-        let mut admin = self.lock_admin();
-        if !*sq_deleted {
-            admin.execute(SubmissionEntry::delete_io_submission_queue(id.0), self.timeout)?;
-            *sq_deleted = true;
-        }
-        admin.execute(SubmissionEntry::delete_io_completion_queue(id.0), self.timeout)?;
-        drop(admin);
-        self.release_queue_id(id);
-        Ok(())
-    }
-
-    /// [`AdminShared::try_delete_io_queue_pair`] for drop paths: a failure is logged.
-    pub(crate) fn delete_io_queue_pair(&self, id: QueueId) {
-        if let Err(error) = self.try_delete_io_queue_pair(id, &mut false) {
-            tracing::warn!(queue = %id, %error, "deleting I/O queue pair failed");
-        }
-    }
-
-    pub(crate) fn release_queue_id(&self, id: QueueId) {
-        let mut ids = self.queue_ids_in_use.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        if let Some(slot) = ids.get_mut(usize::from(id.0)) {
-            *slot = false;
-        }
-    }
-}
-
 /// A controller that completed bring-up.
 pub struct Controller {
     backend: Arc<dyn DeviceBackend>,
@@ -139,6 +87,7 @@ pub struct Controller {
     admin: Arc<AdminShared>,
     identify: IdentifyController,
     namespaces: Vec<Namespace>,
+    refused_namespaces: Vec<RefusedNamespace>,
     granted_queue_pairs: u16,
     mode: DataPointerMode,
     max_transfer_bytes: u64,
@@ -203,15 +152,16 @@ impl Controller {
             });
         }
         let max_entries = capabilities.max_queue_entries();
+        if max_entries < 2 {
+            // MQES is 0's based and a queue needs two entries (one always stays empty): 0 is
+            // reserved by the spec, and would leave no legal depth at all.
+            return Err(NvmeError::Unsupported { reason: "CAP.MQES = 0: queues of one entry cannot hold a command".into() });
+        }
+        // AQA holds 12-bit sizes: admin queues have at most 4096 entries.
         let admin_depth = config.admin_queue_depth.clamp(2, max_entries.min(4096));
         let admin_queue =
             QueuePair::allocate(QueueId(0), admin_depth, dma.as_ref(), Arc::clone(&registers), capabilities.doorbell_stride_log2())?;
-        let admin = Arc::new(AdminShared {
-            admin: Mutex::new(admin_queue),
-            epoch: AtomicU64::new(0),
-            queue_ids_in_use: Mutex::new(Vec::new()),
-            timeout: config.admin_timeout,
-        });
+        let admin = Arc::new(AdminShared::new(admin_queue, config.admin_timeout));
         let scratch = dma.allocate(IDENTIFY_BYTES)?;
         let mut controller = Self {
             backend,
@@ -223,17 +173,20 @@ impl Controller {
             admin,
             identify: IdentifyController::default(),
             namespaces: Vec::new(),
+            refused_namespaces: Vec::new(),
             granted_queue_pairs: 0,
             mode: DataPointerMode::Prp,
             max_transfer_bytes: PAGE_BYTES,
             scratch,
         };
-        controller.bring_up()?;
+        controller.bring_up(None)?;
         Ok(controller)
     }
 
-    /// Runs the bring-up state machine from `Disable` to `Ready`.
-    fn bring_up(&mut self) -> Result<(), NvmeError> {
+    /// Runs the bring-up state machine from `Disable` to `Ready`. `ending` is the doorbell gate
+    /// held by a reset: released once CSTS.RDY = 0 was seen (marking the old generations'
+    /// queues gone) or bring-up failed before that (leaving them possibly live).
+    fn bring_up(&mut self, mut ending: Option<ResetGuard<'_>>) -> Result<(), NvmeError> {
         let timeout_ms = self.capabilities.ready_timeout_ms();
         let mut stage = BringUpStage::Disable;
         loop {
@@ -248,6 +201,12 @@ impl Controller {
                 }
                 BringUpStage::WaitNotReady => {
                     wait_ready(self.registers.as_ref(), false, timeout_ms)?;
+                    // CSTS.RDY = 0 after CC.EN = 0: the controller reset completed and deleted
+                    // every I/O queue (§3.7.2), so older queue pairs' rings are free to go.
+                    if let Some(ending) = ending.take() {
+                        ending.mark_quiesced();
+                    }
+                    self.admin.forget_queue_ids();
                     BringUpStage::ConfigureAdminQueues
                 }
                 BringUpStage::ConfigureAdminQueues => {
@@ -278,9 +237,7 @@ impl Controller {
                     let completion_queues = (completion.dw0 >> 16) as u16;
                     // dw0 is 0's based; the controller may grant more than asked (we use what we asked).
                     self.granted_queue_pairs = submission_queues.min(completion_queues).saturating_add(1).min(requested);
-                    let mut ids = self.admin.queue_ids_in_use.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-                    *ids = vec![false; usize::from(self.granted_queue_pairs) + 1];
-                    ids[0] = true;
+                    self.admin.grant_queue_ids(self.granted_queue_pairs);
                     BringUpStage::Ready
                 }
                 BringUpStage::Ready => return Ok(()),
@@ -303,25 +260,30 @@ impl Controller {
         self.max_transfer_bytes = identify.max_transfer_bytes(self.capabilities.min_page_size_bytes()).unwrap_or(prp_limit).min(prp_limit);
         // CNS 02h exists from NVMe 1.1; older controllers: every NSID up to NN.
         let namespace_ids = if self.version.0 >= 0x0001_0100 {
-            parse_active_namespaces(&self.identify_raw(IdentifyCns::ActiveNamespaceList, 0)?)
+            valid_namespace_ids(parse_active_namespaces(&self.identify_raw(IdentifyCns::ActiveNamespaceList, 0)?))
         } else {
-            (1..=identify.namespace_count.min(1024)).collect()
+            (1..=identify.namespace_count.min(NAMESPACES_MAX as u32)).collect()
         };
         let mut namespaces = Vec::with_capacity(namespace_ids.len());
-        for nsid in namespace_ids.into_iter().take(1024) {
+        let mut refused = Vec::new();
+        for nsid in namespace_ids.into_iter().take(NAMESPACES_MAX) {
             let bytes = self.identify_raw(IdentifyCns::Namespace, nsid)?;
             // An inactive namespace returns zeroes; skip rather than fail the whole controller.
             if bytes.iter().all(|&byte| byte == 0) {
                 continue;
             }
             let namespace = IdentifyNamespace::parse(&bytes)?;
-            let block_size_bytes = namespace
-                .block_size_bytes()
-                .ok_or(IdentifyError::FormatIndexOutOfRange { index: namespace.format_index, count: namespace.formats.len() as u8 })?;
-            namespaces.push(Namespace { id: NamespaceId(nsid), block_size_bytes, size_blocks: namespace.size_blocks });
+            match classify(NamespaceId(nsid), &namespace, self.max_transfer_bytes) {
+                Ok(namespace) => namespaces.push(namespace),
+                Err(refusal) => {
+                    tracing::warn!(device = %self.backend.name(), %refusal, "namespace refused");
+                    refused.push(refusal);
+                }
+            }
         }
         self.identify = identify;
         self.namespaces = namespaces;
+        self.refused_namespaces = refused;
         Ok(())
     }
 
@@ -335,33 +297,94 @@ impl Controller {
 
     /// Runs one admin command and waits for it (bounded by the configured admin timeout).
     pub fn admin_command(&self, entry: SubmissionEntry) -> Result<Completion, NvmeError> {
-        self.admin.lock_admin().execute(entry, self.admin.timeout)
+        self.admin.execute(entry)
     }
 
-    /// Creates an I/O completion queue and submission queue with `depth` entries each, at the
-    /// lowest free queue id. Depth is bounded by CAP.MQES.
-    pub fn create_io_queue_pair(&self, depth: u32) -> Result<IoQueuePair, NvmeError> {
-        let max = self.capabilities.max_queue_entries();
+    /// The deepest I/O queue this controller gets: CAP.MQES, and at most [`QUEUE_DEPTH_MAX`] so
+    /// that command ids keep generation bits.
+    pub fn max_queue_depth(&self) -> u32 {
+        self.capabilities.max_queue_entries().min(QUEUE_DEPTH_MAX)
+    }
+
+    fn check_queue_depth(&self, depth: u32) -> Result<(), NvmeError> {
+        let max = self.max_queue_depth();
         if !(2..=max).contains(&depth) {
             return Err(NvmeError::InvalidQueueDepth { requested: depth, max });
         }
-        let id = self.reserve_queue_id()?;
-        let result = self.create_queue_with_id(id, depth);
-        if result.is_err() {
-            self.admin.release_queue_id(id);
+        Ok(())
+    }
+
+    /// Creates an I/O completion queue and submission queue with `depth` entries each, at the
+    /// lowest free queue id. Depth is bounded by [`Controller::max_queue_depth`].
+    pub fn create_io_queue_pair(&self, depth: u32) -> Result<IoQueuePair, NvmeError> {
+        self.check_queue_depth(depth)?;
+        let id = self.admin.reserve_queue_id(self.granted_queue_pairs)?;
+        let mut queue = match QueuePair::allocate(
+            id,
+            depth,
+            self.dma.as_ref(),
+            Arc::clone(&self.registers),
+            self.capabilities.doorbell_stride_log2(),
+        ) {
+            Ok(queue) => queue,
+            Err(error) => {
+                self.admin.release_queue_id(id);
+                return Err(error);
+            }
+        };
+        let generation = self.admin.gate.generation();
+        queue.attach_gate(Arc::clone(&self.admin.gate), generation);
+        self.create_queues_on_controller(id, depth, queue.submission_iova().0, queue.completion_iova().0, || queue.regions().to_vec())?;
+        Ok(IoQueuePair::new(
+            queue,
+            Arc::clone(&self.admin),
+            generation,
+            self.mode,
+            self.max_transfer_bytes,
+            self.namespaces.clone(),
+            self.refused_namespaces.clone(),
+        ))
+    }
+
+    /// Sends Create I/O CQ then Create I/O SQ for queue pair `id`. On failure, removes whatever
+    /// the controller may have created and releases the id; if that cleanup fails too, the
+    /// rings (`regions`) are leaked and the id stays reserved, since the controller may still
+    /// write them.
+    fn create_queues_on_controller(
+        &self,
+        id: QueueId,
+        depth: u32,
+        submission_iova: u64,
+        completion_iova: u64,
+        regions: impl FnOnce() -> Vec<DmaRegion>,
+    ) -> Result<(), NvmeError> {
+        let (error, sq_may_exist, cq_may_exist) =
+            match self.admin_command(SubmissionEntry::create_io_completion_queue(id.0, depth, completion_iova)) {
+                Err(error) => {
+                    let cq_may_exist = may_have_executed(&error);
+                    (error, false, cq_may_exist)
+                }
+                Ok(_) => match self.admin_command(SubmissionEntry::create_io_submission_queue(id.0, depth, submission_iova, id.0)) {
+                    Ok(_) => return Ok(()),
+                    Err(error) => {
+                        let sq_may_exist = may_have_executed(&error);
+                        (error, sq_may_exist, true)
+                    }
+                },
+            };
+        if let Err(cleanup) = self.admin.abandon_queue_pair(id, sq_may_exist, cq_may_exist) {
+            self.admin.leak_queue_pair(id, regions(), &cleanup);
         }
-        result
+        Err(error)
     }
 
     /// Creates an I/O queue pair that another agent (a GPU kernel) drives: the host programs the
     /// controller with `submission`/`completion` (or freshly allocated DMA memory when `None`),
     /// then never touches the rings. The returned layout has the ring addresses and doorbell
-    /// offsets that agent needs.
+    /// offsets that agent needs. The host cannot stop that agent's doorbell writes: see
+    /// [`DetachedQueuePair`] for the contract around drop and reset.
     pub fn create_detached_queue_pair(&self, depth: u32, rings: Option<(DmaRegion, DmaRegion)>) -> Result<DetachedQueuePair, NvmeError> {
-        let max = self.capabilities.max_queue_entries();
-        if !(2..=max).contains(&depth) {
-            return Err(NvmeError::InvalidQueueDepth { requested: depth, max });
-        }
+        self.check_queue_depth(depth)?;
         let (submission, completion) = match rings {
             Some(rings) => rings,
             None => {
@@ -370,7 +393,7 @@ impl Controller {
         };
         DetachedQueuePair::validate_rings(depth, &submission, &completion)?;
         completion.fill(0, depth as usize * COMPLETION_ENTRY_BYTES, 0)?;
-        let id = self.reserve_queue_id()?;
+        let id = self.admin.reserve_queue_id(self.granted_queue_pairs)?;
         let stride = self.capabilities.doorbell_stride_log2();
         let layout = DetachedQueueLayout {
             id,
@@ -382,24 +405,11 @@ impl Controller {
             submission_doorbell_offset: registers::doorbell_offset(id.0, false, stride),
             completion_doorbell_offset: registers::doorbell_offset(id.0, true, stride),
         };
-        let created = self.admin_command(SubmissionEntry::create_io_completion_queue(id.0, depth, completion.iova().0)).and_then(|_| {
-            self.admin_command(SubmissionEntry::create_io_submission_queue(id.0, depth, submission.iova().0, id.0)).inspect_err(|_| {
-                let _ = self.admin_command(SubmissionEntry::delete_io_completion_queue(id.0));
-            })
-        });
-        if let Err(error) = created {
-            self.admin.release_queue_id(id);
-            return Err(error);
-        }
-        let epoch = self.admin.epoch.load(Ordering::Acquire);
-        Ok(DetachedQueuePair::new(layout, submission, completion, Arc::clone(&self.admin), epoch))
-    }
-
-    fn reserve_queue_id(&self) -> Result<QueueId, NvmeError> {
-        let mut ids = self.admin.queue_ids_in_use.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let free = ids.iter().position(|used| !used).ok_or(NvmeError::NoQueueAvailable { granted: self.granted_queue_pairs })?;
-        ids[free] = true;
-        Ok(QueueId(free as u16))
+        let generation = self.admin.gate.generation();
+        self.create_queues_on_controller(id, depth, submission.iova().0, completion.iova().0, || {
+            vec![submission.clone(), completion.clone()]
+        })?;
+        Ok(DetachedQueuePair::new(layout, submission, completion, Arc::clone(&self.admin), generation))
     }
 
     /// The controller's register space (for mapping doorbells into another agent).
@@ -407,27 +417,43 @@ impl Controller {
         &self.registers
     }
 
-    fn create_queue_with_id(&self, id: QueueId, depth: u32) -> Result<IoQueuePair, NvmeError> {
-        let queue =
-            QueuePair::allocate(id, depth, self.dma.as_ref(), Arc::clone(&self.registers), self.capabilities.doorbell_stride_log2())?;
-        self.admin_command(SubmissionEntry::create_io_completion_queue(id.0, depth, queue.completion_iova().0))?;
-        if let Err(error) = self.admin_command(SubmissionEntry::create_io_submission_queue(id.0, depth, queue.submission_iova().0, id.0)) {
-            let _ = self.admin_command(SubmissionEntry::delete_io_completion_queue(id.0));
-            return Err(error);
-        }
-        let epoch = self.admin.epoch.load(Ordering::Acquire);
-        Ok(IoQueuePair::new(queue, Arc::clone(&self.admin), epoch, self.mode, self.max_transfer_bytes, self.namespaces.clone()))
-    }
-
     /// Disables and re-enables the controller (function-level reset first when `function_reset`),
-    /// then repeats Identify and Number of Queues. Existing I/O queue pairs become stale: their
-    /// operations fail with [`NvmeError::QueueStale`]; create new ones.
+    /// then repeats Identify and Number of Queues. Existing queue pairs become stale first:
+    /// from the moment this is called, none of them can write a doorbell (their operations fail
+    /// with [`NvmeError::QueueStale`]); create new ones. This waits for any doorbell write or
+    /// queue deletion already in progress on another thread (the latter bounded by the admin
+    /// timeout).
+    ///
+    /// If the controller never reaches CSTS.RDY = 0 (an error from this call), the old queues
+    /// may still be live: their pairs keep (leak) their rings when dropped, until a later reset
+    /// succeeds.
     pub fn reset(&mut self, function_reset: bool) -> Result<(), NvmeError> {
-        self.admin.epoch.fetch_add(1, Ordering::AcqRel);
+        // The gate stays exclusive until bring-up saw RDY = 0 (or failed before): a pair
+        // dropped on another thread meanwhile waits to learn whether its rings may go.
+        let gate = Arc::clone(&self.admin.gate);
+        let ending = gate.begin_reset();
         if function_reset {
             self.backend.function_reset()?;
         }
-        self.bring_up()
+        self.bring_up(Some(ending))
+    }
+
+    /// Stops the controller for teardown: a normal shutdown (so a real SSD commits its cache
+    /// and records a clean shutdown) unless it is disabled or fatal, then CC.EN = 0 and a wait
+    /// for CSTS.RDY = 0, each within CAP.TO. `Ok` means the controller was seen to stop, so it no
+    /// longer touches any queue memory.
+    fn stop(&self) -> Result<(), NvmeError> {
+        let status = read_status(self.registers.as_ref())?;
+        let configuration = ControllerConfiguration(self.registers.read32(registers::CC));
+        if configuration.enabled() && status.ready() && !status.fatal() {
+            if let Err(error) = self.shutdown() {
+                // Not fatal for teardown: the disable below is what decides whether memory may go.
+                tracing::warn!(device = %self.backend.name(), %error, "normal shutdown before teardown failed");
+            }
+        }
+        let configuration = ControllerConfiguration(self.registers.read32(registers::CC));
+        self.registers.write32(registers::CC, configuration.0 & !1);
+        wait_ready(self.registers.as_ref(), false, self.capabilities.ready_timeout_ms())
     }
 
     /// Normal shutdown (§3.6.1): CC.SHN = 01b, wait for CSTS.SHST = complete within CAP.TO.
@@ -480,12 +506,31 @@ impl Controller {
         &self.identify
     }
 
+    /// The namespaces I/O can use.
     pub fn namespaces(&self) -> &[Namespace] {
         &self.namespaces
     }
 
+    /// Active namespaces the driver refuses (metadata, protection information, ...), and why.
+    pub fn refused_namespaces(&self) -> &[RefusedNamespace] {
+        &self.refused_namespaces
+    }
+
+    /// A usable namespace; [`NvmeError::UnsupportedNamespaceFormat`] for a refused one.
     pub fn namespace(&self, id: NamespaceId) -> Result<Namespace, NvmeError> {
-        self.namespaces.iter().copied().find(|namespace| namespace.id == id).ok_or(NvmeError::UnknownNamespace { namespace: id })
+        crate::namespace::find(&self.namespaces, &self.refused_namespaces, id)
+    }
+
+    /// Queue pairs whose rings were kept (leaked) because the controller might still write
+    /// them: a failed Delete I/O SQ/CQ, a failed creation that could not be undone, or a pair
+    /// dropped after a reset that never saw the controller stop. Each is logged at error level.
+    pub fn leaked_queue_pairs(&self) -> u64 {
+        self.admin.leaked().0
+    }
+
+    /// Bytes of DMA memory those leaked queue pairs hold.
+    pub fn leaked_bytes(&self) -> u64 {
+        self.admin.leaked().1
     }
 
     pub fn capabilities(&self) -> Capabilities {
@@ -517,4 +562,45 @@ impl Controller {
     pub fn backend(&self) -> &Arc<dyn DeviceBackend> {
         &self.backend
     }
+}
+
+impl Drop for Controller {
+    fn drop(&mut self) {
+        // Stale first: from here no queue pair of this controller can ring a doorbell or delete
+        // itself, so nothing races with the disable below.
+        let gate = Arc::clone(&self.admin.gate);
+        let ending = gate.begin_reset();
+        match self.stop() {
+            Ok(()) => ending.mark_quiesced(),
+            Err(error) => {
+                drop(ending);
+                // Still enabled as far as we know: it may write its admin CQ and any I/O queue,
+                // and an Identify that timed out may still land in the scratch page.
+                let kept: usize = self.admin.lock_admin().regions().into_iter().chain([self.scratch.clone()]).map(DmaRegion::leak).sum();
+                tracing::error!(
+                    device = %self.backend.name(),
+                    %error,
+                    bytes = kept,
+                    "controller could not be disabled at teardown: its admin queue and scratch memory are kept (leaked), and queue pairs \
+                     still alive will keep theirs"
+                );
+            }
+        }
+    }
+}
+
+/// The active namespace list as the driver will use it: NSIDs in 1..=FFFFFFFEh, strictly
+/// ascending as the spec requires (§5.17.2.2), at most [`NAMESPACES_MAX`]. A list that breaks
+/// the order is read up to the break: the device is not trusted to terminate it properly.
+fn valid_namespace_ids(listed: Vec<u32>) -> Vec<u32> {
+    let mut previous = 0u32;
+    listed
+        .into_iter()
+        .take_while(|&nsid| {
+            let valid = nsid > previous && nsid != u32::MAX;
+            previous = nsid;
+            valid
+        })
+        .take(NAMESPACES_MAX)
+        .collect()
 }

@@ -1,6 +1,7 @@
 //! The driver's error type: every failure names the queue, command and status it concerns.
 
 use crate::hw::HwError;
+use crate::namespace::RefusedNamespace;
 use crate::spec::identify::IdentifyError;
 use crate::spec::NvmeStatus;
 use crate::types::{CommandId, NamespaceId, QueueId};
@@ -38,11 +39,17 @@ pub enum NvmeError {
     #[error("{queue}: completion names submission queue {reported}, expected {expected}")]
     WrongSubmissionQueue { queue: QueueId, reported: u16, expected: u16 },
 
+    #[error("{queue}: completion reports SQ head {reported}, outside {head}..={tail} (the last head reported up to the tail published), modulo the depth")]
+    InvalidSubmissionQueueHead { queue: QueueId, reported: u32, head: u32, tail: u32 },
+
     #[error("{queue} is full ({depth} entries): back-pressure, reap completions and retry")]
     QueueFull { queue: QueueId, depth: u32 },
 
     #[error("{queue} belongs to a controller generation that was reset; create a new queue pair")]
     QueueStale { queue: QueueId },
+
+    #[error("{queue}: the controller was reset but never confirmed it stopped (CSTS.RDY stayed 1): the queues may still be live, so their rings are kept; reset the controller successfully first")]
+    QueueMaybeLive { queue: QueueId },
 
     #[error("no free I/O queue identifier: the controller granted {granted} I/O queue pairs")]
     NoQueueAvailable { granted: u16 },
@@ -52,6 +59,12 @@ pub enum NvmeError {
 
     #[error("{namespace} does not exist on this controller")]
     UnknownNamespace { namespace: NamespaceId },
+
+    #[error("{0}")]
+    UnsupportedNamespaceFormat(RefusedNamespace),
+
+    #[error("{blocks} blocks in one command: NLB is 16 bits, so one command moves 1..=65536 blocks")]
+    InvalidBlockCount { blocks: u64 },
 
     #[error("{namespace}: LBA range {start}+{blocks} outside the namespace's {size_blocks} blocks")]
     LbaOutOfRange { namespace: NamespaceId, start: u64, blocks: u64, size_blocks: u64 },

@@ -2,32 +2,39 @@
 //! from one or many DMA segments, flushes, writes zeroes and deallocates — submitted in batches
 //! with one doorbell and reaped in batches, with nothing allocated per command.
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::controller::{AdminShared, Namespace};
 use crate::datapath::{build_data_pointer, plan_command, Cursor, DataPointerMode, DataSegment};
 use crate::error::NvmeError;
+use crate::gate::QueueFate;
+use crate::namespace::{Namespace, RefusedNamespace};
 use crate::queue::{Completion, QueuePair};
 use crate::spec::command::DatasetRange;
 use crate::spec::SubmissionEntry;
-use crate::types::{Lba, NamespaceId, QueueId};
+use crate::teardown::AdminShared;
+use crate::types::{BlockCount, Lba, NamespaceId, QueueId};
 
 /// Most ranges in one Dataset Management command that fit its scratch page (256, the spec's max).
 pub const DEALLOCATE_RANGES_MAX: usize = 256;
 
-/// An I/O submission/completion queue pair, owned by one thread (no locks on the hot path).
+/// An I/O submission/completion queue pair, owned by one thread (no lock held between calls;
+/// one uncontended shared lock per doorbell write, see `gate.rs`).
 ///
-/// Deleting the queues on the controller happens on drop (best effort, bounded by the admin
-/// timeout), unless the controller was reset since the queue was created.
+/// Dropping it deletes its queues on the controller (bounded by the admin timeout) and frees its
+/// rings. Its rings are freed only when the queues are known to be gone: if the deletion fails,
+/// or the controller was reset since and never confirmed it stopped, the rings and the queue id
+/// are kept for good (leaked, counted in [`crate::Controller::leaked_queue_pairs`], logged at
+/// error level), because the controller may still write them.
 pub struct IoQueuePair {
     queue: QueuePair,
     admin: Arc<AdminShared>,
-    epoch: u64,
+    /// The controller generation this pair was created in (see `gate.rs`).
+    generation: u64,
     mode: DataPointerMode,
     max_transfer_bytes: u64,
     namespaces: Vec<Namespace>,
+    refused_namespaces: Vec<RefusedNamespace>,
     /// Set by [`IoQueuePair::delete`], so that drop does not delete twice.
     deleted: bool,
     /// The submission queue is gone on the controller (a deletion got that far).
@@ -44,12 +51,13 @@ impl IoQueuePair {
     pub(crate) fn new(
         queue: QueuePair,
         admin: Arc<AdminShared>,
-        epoch: u64,
+        generation: u64,
         mode: DataPointerMode,
         max_transfer_bytes: u64,
         namespaces: Vec<Namespace>,
+        refused_namespaces: Vec<RefusedNamespace>,
     ) -> Self {
-        Self { queue, admin, epoch, mode, max_transfer_bytes, namespaces, deleted: false, sq_deleted: false }
+        Self { queue, admin, generation, mode, max_transfer_bytes, namespaces, refused_namespaces, deleted: false, sq_deleted: false }
     }
 
     pub fn id(&self) -> QueueId {
@@ -68,6 +76,16 @@ impl IoQueuePair {
         self.queue.free_slots()
     }
 
+    /// Device address of the submission ring (diagnostics, tests).
+    pub fn submission_iova(&self) -> crate::types::Iova {
+        self.queue.submission_iova()
+    }
+
+    /// Device address of the completion ring (diagnostics, tests).
+    pub fn completion_iova(&self) -> crate::types::Iova {
+        self.queue.completion_iova()
+    }
+
     pub fn data_pointer_mode(&self) -> DataPointerMode {
         self.mode
     }
@@ -83,12 +101,15 @@ impl IoQueuePair {
         self.max_transfer_bytes
     }
 
+    /// A namespace this pair can do I/O on; [`NvmeError::UnsupportedNamespaceFormat`] for one the
+    /// driver refused at bring-up.
     pub fn namespace(&self, id: NamespaceId) -> Result<Namespace, NvmeError> {
-        self.namespaces.iter().copied().find(|namespace| namespace.id == id).ok_or(NvmeError::UnknownNamespace { namespace: id })
+        crate::namespace::find(&self.namespaces, &self.refused_namespaces, id)
     }
 
+    /// Early refusal of work on a stale pair (the doorbell write checks again, authoritatively).
     fn check_epoch(&self) -> Result<(), NvmeError> {
-        if self.admin.epoch.load(Ordering::Acquire) != self.epoch {
+        if self.queue.is_stale_hint() {
             return Err(NvmeError::QueueStale { queue: self.queue.id() });
         }
         Ok(())
@@ -133,7 +154,7 @@ impl IoQueuePair {
         start: Lba,
         segments: &[DataSegment],
         tag: u64,
-        make: impl Fn(Lba, u32) -> SubmissionEntry,
+        make: impl Fn(Lba, BlockCount) -> SubmissionEntry,
     ) -> Result<usize, NvmeError> {
         self.check_epoch()?;
         let block = u64::from(namespace.block_size_bytes);
@@ -145,10 +166,12 @@ impl IoQueuePair {
         let mut cursor = Cursor::default();
         let mut lba = start;
         while let Some(plan) = plan_command(segments, cursor, self.max_transfer_bytes, namespace.block_size_bytes, self.mode)? {
-            let blocks = (plan.bytes / block) as u32;
+            let blocks = plan.bytes / block;
+            // The plan is bounded by MDTS; a count past NLB's 16 bits is a typed error, never masked.
+            let count = u32::try_from(blocks).ok().and_then(BlockCount::new).ok_or(NvmeError::InvalidBlockCount { blocks })?;
             let mode = self.mode;
-            self.queue.submit_with(make(lba, blocks), tag, |entry, scratch| build_data_pointer(entry, segments, &plan, mode, scratch))?;
-            lba = Lba(lba.0 + u64::from(blocks));
+            self.queue.submit_with(make(lba, count), tag, |entry, scratch| build_data_pointer(entry, segments, &plan, mode, scratch))?;
+            lba = Lba(lba.0 + blocks);
             cursor = plan.end;
         }
         Ok(commands)
@@ -186,7 +209,8 @@ impl IoQueuePair {
         Ok(1)
     }
 
-    /// Queues Write Zeroes over `blocks` blocks from `start` (split at 65536 blocks per command).
+    /// Queues Write Zeroes over `blocks` blocks from `start` (split at [`BlockCount::MAX`] blocks
+    /// per command).
     pub fn submit_write_zeroes(
         &mut self,
         namespace: NamespaceId,
@@ -198,18 +222,20 @@ impl IoQueuePair {
         self.check_epoch()?;
         let namespace = self.namespace(namespace)?;
         Self::check_range(&namespace, start, blocks)?;
-        let commands = blocks.div_ceil(65536) as usize;
-        if commands > self.queue.free_slots() {
+        let per_command = u64::from(BlockCount::MAX);
+        let commands = blocks.div_ceil(per_command);
+        if commands > self.queue.free_slots() as u64 {
             return Err(NvmeError::QueueFull { queue: self.queue.id(), depth: self.queue.depth() });
         }
         let mut lba = start.0;
-        let end = start.0 + blocks;
+        let end = start.0 + blocks; // check_range proved this does not overflow
         while lba < end {
-            let count = (end - lba).min(65536) as u32;
+            let count = (end - lba).min(per_command);
+            let count = u32::try_from(count).ok().and_then(BlockCount::new).ok_or(NvmeError::InvalidBlockCount { blocks: count })?;
             self.queue.submit(SubmissionEntry::write_zeroes(namespace.id, Lba(lba), count, deallocate), tag)?;
-            lba += u64::from(count);
+            lba += u64::from(count.get());
         }
-        Ok(commands)
+        Ok(commands as usize)
     }
 
     /// Queues one Dataset Management / Deallocate command over up to 256 ranges (start, blocks).
@@ -252,9 +278,11 @@ impl IoQueuePair {
         Ok(())
     }
 
-    /// Makes every queued command visible to the controller with one doorbell write.
-    pub fn ring_doorbell(&mut self) {
-        self.queue.ring_doorbell();
+    /// Makes every queued command visible to the controller with one doorbell write. Fails with
+    /// [`NvmeError::QueueStale`], writing nothing, once the controller was reset since this pair
+    /// was created (its queue id may belong to a new pair by then).
+    pub fn ring_doorbell(&mut self) -> Result<(), NvmeError> {
+        self.queue.ring_doorbell()
     }
 
     /// Reaps up to `max` completions without waiting; one CQ doorbell write.
@@ -285,7 +313,7 @@ impl IoQueuePair {
 
     /// Rings, waits for everything in flight and turns the first failed completion into an error.
     pub fn complete_all(&mut self, timeout: Duration) -> Result<(), NvmeError> {
-        self.ring_doorbell();
+        self.ring_doorbell()?;
         let queue = self.queue.id();
         let mut first_failure = None;
         self.wait_idle(Instant::now() + timeout, |completion| {
@@ -325,18 +353,14 @@ impl IoQueuePair {
 impl IoQueuePair {
     /// Deletes the queue pair on the controller and reports how that went (dropping it does the
     /// same, but can only log a failure). After `Ok`, none of its commands moves data any more:
-    /// the controller aborted or finished them, and their completions are discarded.
+    /// the controller aborted or finished them (or a reset since then deleted the queues), and
+    /// their completions are discarded; the rings are freed.
     ///
-    /// On an error that is not guaranteed, and the pair comes back inside the error: keep it
-    /// (its rings stay allocated, so late completions cannot land in reused memory) and call
-    /// `delete` again, or reset the controller ([`IoQueuePair::controller_was_reset`] then says
-    /// so, and dropping it is safe).
+    /// On an error that is not guaranteed, and the pair comes back inside the error: keep it and
+    /// call `delete` again (after a reset that succeeded, it returns `Ok` at once), or drop it,
+    /// which tries once more and, failing that, leaks its rings.
     pub fn delete(mut self) -> Result<(), UndeletedQueuePair> {
-        if self.controller_was_reset() {
-            self.deleted = true;
-            return Ok(()); // The controller was reset: these queues no longer exist there.
-        }
-        match self.admin.try_delete_io_queue_pair(self.queue.id(), &mut self.sq_deleted) {
+        match self.admin.retire_queue_pair(self.queue.id(), self.generation, &mut self.sq_deleted) {
             Ok(()) => {
                 self.deleted = true;
                 Ok(())
@@ -345,9 +369,11 @@ impl IoQueuePair {
         }
     }
 
-    /// Whether the controller was reset since this pair was created (its queues are gone).
+    /// Whether the controller was reset (or dropped) since this pair was created: it can no
+    /// longer ring its doorbells. Its queues are gone from the controller if that reset saw it
+    /// stop; otherwise dropping the pair leaks its rings.
     pub fn controller_was_reset(&self) -> bool {
-        self.admin.epoch.load(Ordering::Acquire) != self.epoch
+        self.admin.gate.fate(self.generation) != QueueFate::Live
     }
 }
 
@@ -361,11 +387,11 @@ pub struct UndeletedQueuePair {
 
 impl Drop for IoQueuePair {
     fn drop(&mut self) {
-        if self.deleted || self.controller_was_reset() {
-            return; // Deleted explicitly, or the controller was reset (the queues are gone).
+        if self.deleted {
+            return;
         }
-        if let Err(error) = self.admin.try_delete_io_queue_pair(self.queue.id(), &mut self.sq_deleted) {
-            tracing::warn!(queue = %self.queue.id(), %error, "deleting I/O queue pair failed");
+        if let Err(error) = self.admin.retire_queue_pair(self.queue.id(), self.generation, &mut self.sq_deleted) {
+            self.admin.leak_queue_pair(self.queue.id(), self.queue.regions(), &error);
         }
     }
 }

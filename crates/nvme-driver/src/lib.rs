@@ -15,17 +15,25 @@ mod controller;
 pub mod datapath;
 mod detached;
 mod error;
+#[cfg(any(test, feature = "fake-device"))]
+pub mod fake_device;
+mod gate;
+#[cfg(test)]
+mod hardening_tests;
 pub mod hw;
 mod io;
+mod namespace;
 mod queue;
 pub mod spec;
+mod teardown;
 pub mod types;
 
-pub use controller::{BringUpStage, Controller, ControllerConfig, DataPointerPreference, Namespace};
+pub use controller::{BringUpStage, Controller, ControllerConfig, DataPointerPreference};
 pub use datapath::{DataPointerMode, DataSegment};
-pub use detached::{DetachedQueueLayout, DetachedQueuePair};
+pub use detached::{DetachedQueueLayout, DetachedQueuePair, UndeletedDetachedQueuePair};
 pub use error::NvmeError;
 pub use hw::{AddressSpaceId, DeviceBackend, DmaAllocator, DmaPool, DmaRegion, HwError, RegisterIo};
 pub use io::{IoQueuePair, UndeletedQueuePair, DEALLOCATE_RANGES_MAX};
-pub use queue::{Completion, QueuePair};
-pub use types::{CommandId, Iova, Lba, NamespaceId, QueueId};
+pub use namespace::{Namespace, NamespaceRefusal, RefusedNamespace};
+pub use queue::{Completion, QueuePair, QUEUE_DEPTH_MAX};
+pub use types::{BlockCount, CommandId, Iova, Lba, NamespaceId, QueueId};

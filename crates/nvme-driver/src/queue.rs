@@ -1,20 +1,34 @@
 //! A submission/completion queue pair (§3.3.1): the SQ tail, the CQ head and phase tag, command
 //! slots with generation-tagged command ids, batched doorbells and bounded polling.
 //!
-//! Memory ordering. Submission: entries are copied into the SQ, then a Release fence, then one
-//! doorbell write for the whole batch, so the controller never sees a tail that covers an
-//! unwritten entry. Completion: dword 3 of the entry at the head (command id, status, phase) is
-//! loaded with Acquire; only when its phase matches the expected one is the rest of the entry read,
-//! so the read cannot observe an entry older than the phase it carries. The CQ head doorbell is
-//! written once per reap batch, after the entries were consumed.
+//! Memory ordering. Submission: entries are copied into the SQ, then a store fence
+//! ([`crate::hw::fence_before_submission_doorbell`]: `sfence` / `dsb st`, not a Release fence,
+//! which does not order stores against a PCIe device on Arm), then one doorbell write for the
+//! whole batch, so the controller never sees a tail that covers an unwritten entry. Completion:
+//! dword 3 of the entry at the head (command id, status, phase) is loaded with Acquire; only when
+//! its phase matches the expected one is the rest of the entry read, so the read cannot observe
+//! an entry older than the phase it carries. The CQ head doorbell is written once per reap batch,
+//! after the entries were consumed and a fence ([`crate::hw::fence_before_completion_doorbell`])
+//! made those loads complete, so the controller cannot reuse a slot still being read.
+//!
+//! Doorbells of I/O queue pairs go through the controller's [`DoorbellGate`]: a pair whose
+//! controller was reset since it was created cannot ring (see `gate.rs`).
+//!
+//! Untrusted completions. Every completion is checked before it is believed: its SQ id names
+//! this queue, its SQ head names a slot the controller could have consumed (from the last head
+//! it reported up to the tail we published), and its command id names a slot in flight with the
+//! current generation. Submission also stops one short of the SQ head the controller reported,
+//! not only at depth − 1 commands in flight, so a controller that completes commands it never
+//! fetched still cannot make us overwrite an entry it has yet to read.
 
-use std::sync::atomic::{fence, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::datapath::{ScratchPage, SCRATCH_BYTES};
 use crate::error::NvmeError;
-use crate::hw::{DmaAllocator, DmaRegion, RegisterIo};
+use crate::gate::DoorbellGate;
+use crate::hw::{self, DmaAllocator, DmaRegion, RegisterIo};
 use crate::spec::registers::{self, ControllerStatus};
 use crate::spec::{CompletionEntry, NvmeStatus, SubmissionEntry, COMPLETION_ENTRY_BYTES, SUBMISSION_ENTRY_BYTES};
 use crate::types::{CommandId, QueueId};
@@ -52,6 +66,18 @@ struct Slot {
 /// Polls between deadline checks and before the poller starts yielding the CPU.
 const POLLS_PER_CHECK: u32 = 64;
 
+/// The deepest queue this driver creates. A command id is the slot index in the low bits and a
+/// generation in the rest; at depth 32768 the slot index takes 15 of the 16 bits, and deeper
+/// queues would leave no generation bit at all (a late completion for a slot's previous command
+/// would then be taken for the current one). So deeper queues are refused, whatever CAP.MQES says.
+pub const QUEUE_DEPTH_MAX: u32 = 32768;
+
+/// The controller's generation a queue pair was created in, to check before each doorbell.
+struct GateTicket {
+    gate: Arc<DoorbellGate>,
+    generation: u64,
+}
+
 /// An SQ/CQ pair in DMA memory with its doorbells.
 pub struct QueuePair {
     id: QueueId,
@@ -60,9 +86,16 @@ pub struct QueuePair {
     completion: DmaRegion,
     scratch: DmaRegion,
     registers: Arc<dyn RegisterIo>,
+    /// `None` for the admin queue (the controller owns it and clears it on reset) and for
+    /// queues built by hand in tests.
+    gate: Option<GateTicket>,
     sq_doorbell: usize,
     cq_doorbell: usize,
     sq_tail: u32,
+    /// The tail the controller was last told (the last SQ doorbell value written).
+    sq_tail_published: u32,
+    /// The SQ head the controller last reported in a completion.
+    sq_head: u32,
     cq_head: u32,
     phase: bool,
     doorbell_pending: bool,
@@ -88,8 +121,8 @@ impl QueuePair {
         registers: Arc<dyn RegisterIo>,
         doorbell_stride_log2: u8,
     ) -> Result<Self, NvmeError> {
-        if !(2..=65536).contains(&depth) {
-            return Err(NvmeError::InvalidQueueDepth { requested: depth, max: 65536 });
+        if !(2..=QUEUE_DEPTH_MAX).contains(&depth) {
+            return Err(NvmeError::InvalidQueueDepth { requested: depth, max: QUEUE_DEPTH_MAX });
         }
         let submission = dma.allocate(depth as usize * SUBMISSION_ENTRY_BYTES)?;
         let completion = dma.allocate(depth as usize * COMPLETION_ENTRY_BYTES)?;
@@ -110,9 +143,12 @@ impl QueuePair {
             completion,
             scratch,
             registers,
+            gate: None,
             sq_doorbell,
             cq_doorbell,
             sq_tail: 0,
+            sq_tail_published: 0,
+            sq_head: 0,
             cq_head: 0,
             phase: true,
             doorbell_pending: false,
@@ -123,10 +159,18 @@ impl QueuePair {
         })
     }
 
+    /// Makes every doorbell of this pair go through `gate`, valid while `generation` is the
+    /// controller's current one.
+    pub(crate) fn attach_gate(&mut self, gate: Arc<DoorbellGate>, generation: u64) {
+        self.gate = Some(GateTicket { gate, generation });
+    }
+
     /// Returns the queue to its just-created state (after a controller reset).
     pub fn clear(&mut self) -> Result<(), NvmeError> {
         self.completion.fill(0, self.completion.len(), 0)?;
         self.sq_tail = 0;
+        self.sq_tail_published = 0;
+        self.sq_head = 0;
         self.cq_head = 0;
         self.phase = true;
         self.doorbell_pending = false;
@@ -153,9 +197,22 @@ impl QueuePair {
         self.in_flight
     }
 
-    /// Commands that can still be submitted before back-pressure.
+    /// Commands that can still be submitted before back-pressure: free command slots, and free
+    /// SQ entries up to one short of the head the controller reported.
     pub fn free_slots(&self) -> usize {
-        self.free.len()
+        self.free.len().min(self.submission_room() as usize)
+    }
+
+    /// SQ entries we may still fill: the ring holds depth − 1 unconsumed entries at most.
+    fn submission_room(&self) -> u32 {
+        let unconsumed = (self.sq_tail + self.depth - self.sq_head) % self.depth;
+        self.depth - 1 - unconsumed
+    }
+
+    /// Handles to the rings and scratch pages, for leaking them when the controller may still
+    /// use them (a leaked handle keeps the memory for good, whatever happens to this pair).
+    pub(crate) fn regions(&self) -> [DmaRegion; 3] {
+        [self.submission.clone(), self.completion.clone(), self.scratch.clone()]
     }
 
     pub fn submission_iova(&self) -> crate::types::Iova {
@@ -203,6 +260,11 @@ impl QueuePair {
 
     /// Copies a prepared entry into the SQ at the tail. No doorbell: see [`QueuePair::ring_doorbell`].
     fn push(&mut self, entry: &SubmissionEntry) -> Result<(), NvmeError> {
+        if self.submission_room() == 0 {
+            // Only reachable if the controller completed commands it has not fetched yet (it
+            // reported an SQ head behind them): wait for it to move the head on.
+            return Err(NvmeError::QueueFull { queue: self.id, depth: self.depth });
+        }
         let offset = self.sq_tail as usize * SUBMISSION_ENTRY_BYTES;
         self.submission.write(offset, &entry.to_bytes())?;
         self.sq_tail = (self.sq_tail + 1) % self.depth;
@@ -234,20 +296,68 @@ impl QueuePair {
         Ok(command_id)
     }
 
+    /// Writes one doorbell: through the gate for an I/O queue (refused with `QueueStale` once
+    /// the controller was reset), directly for the admin queue. `fence` runs just before the write.
+    fn write_doorbell(&self, offset: usize, value: u32, fence: fn()) -> Result<(), NvmeError> {
+        match &self.gate {
+            Some(ticket) => ticket.gate.ring(ticket.generation, self.id, self.registers.as_ref(), offset, value, fence),
+            None => {
+                fence();
+                self.registers.write32(offset, value);
+                Ok(())
+            }
+        }
+    }
+
+    /// Whether the controller was reset since this pair was created (cheap, not authoritative:
+    /// the doorbell write checks again under the gate).
+    pub(crate) fn is_stale_hint(&self) -> bool {
+        self.gate.as_ref().is_some_and(|ticket| !ticket.gate.is_current_hint(ticket.generation))
+    }
+
     /// Publishes every entry pushed since the last call with one SQ tail doorbell write.
-    pub fn ring_doorbell(&mut self) {
+    /// Fails with [`NvmeError::QueueStale`], writing nothing, once the controller was reset since
+    /// this pair was created.
+    pub fn ring_doorbell(&mut self) -> Result<(), NvmeError> {
+        if self.is_stale_hint() {
+            return Err(NvmeError::QueueStale { queue: self.id });
+        }
         if self.doorbell_pending {
-            // Entries were written with plain copies; order them before the doorbell store.
-            fence(Ordering::Release);
-            self.registers.write32(self.sq_doorbell, self.sq_tail);
+            // Entries were written with plain copies; the store fence makes them complete
+            // before the doorbell store (see the module documentation).
+            self.write_doorbell(self.sq_doorbell, self.sq_tail, hw::fence_before_submission_doorbell)?;
+            self.sq_tail_published = self.sq_tail;
             self.doorbell_pending = false;
         }
+        Ok(())
+    }
+
+    /// Checks a completion's SQ head (§4.6: where the controller's fetching had got to) and
+    /// records it: it must lie between the head last reported and the tail we published,
+    /// modulo the depth; anything else names a slot the controller cannot have consumed.
+    fn accept_submission_head(&mut self, reported: u16) -> Result<(), NvmeError> {
+        let reported = u32::from(reported);
+        let published = (self.sq_tail_published + self.depth - self.sq_head) % self.depth;
+        let advanced = (reported + self.depth - self.sq_head) % self.depth;
+        if reported >= self.depth || advanced > published {
+            return Err(NvmeError::InvalidSubmissionQueueHead {
+                queue: self.id,
+                reported,
+                head: self.sq_head,
+                tail: self.sq_tail_published,
+            });
+        }
+        self.sq_head = reported;
+        Ok(())
     }
 
     /// Consumes up to `max` completions, calling `on_completion` for each, and writes the CQ head
     /// doorbell once. A completion that matches no command in flight is consumed and reported as
     /// an error (after the completions before it were delivered).
     pub fn reap(&mut self, max: usize, mut on_completion: impl FnMut(Completion)) -> Result<usize, NvmeError> {
+        if self.is_stale_hint() {
+            return Err(NvmeError::QueueStale { queue: self.id });
+        }
         let mut reaped = 0;
         let mut failure = None;
         while reaped < max {
@@ -268,6 +378,10 @@ impl QueuePair {
             reaped += 1;
             if entry.sq_id != self.id.0 {
                 failure = Some(NvmeError::WrongSubmissionQueue { queue: self.id, reported: entry.sq_id, expected: self.id.0 });
+                break;
+            }
+            if let Err(error) = self.accept_submission_head(entry.sq_head) {
+                failure = Some(error);
                 break;
             }
             let slot_index = command_id.0 & ((1 << self.slot_bits) - 1) as u16;
@@ -292,7 +406,9 @@ impl QueuePair {
             on_completion(completion);
         }
         if reaped > 0 {
-            self.registers.write32(self.cq_doorbell, self.cq_head);
+            // Stale: the consumed entries were still delivered (or reported in `failure`), and the
+            // doorbell is not written; staleness wins over any other failure.
+            self.write_doorbell(self.cq_doorbell, self.cq_head, hw::fence_before_completion_doorbell)?;
         }
         match failure {
             Some(error) => Err(error),
@@ -359,7 +475,7 @@ impl QueuePair {
             });
         }
         let command_id = self.submit(entry, 0)?;
-        self.ring_doorbell();
+        self.ring_doorbell()?;
         let mut result = None;
         self.poll_until(
             Instant::now() + timeout,

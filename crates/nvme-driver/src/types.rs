@@ -85,6 +85,45 @@ impl fmt::Display for Lba {
     }
 }
 
+/// How many logical blocks one Read, Write or Write Zeroes moves: 1..=65536, because NLB
+/// (CDW12 bits 15:0, NVM §3.2.4) is a 16-bit 0's based field. The only way to build one is
+/// [`BlockCount::new`], so a command constructor can never mask a larger count into a smaller
+/// one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct BlockCount(u32);
+
+impl BlockCount {
+    /// The largest count one command carries.
+    pub const MAX: u32 = 65536;
+    /// One block.
+    pub const ONE: BlockCount = BlockCount(1);
+
+    /// `blocks` if it is in 1..=[`BlockCount::MAX`], `None` otherwise.
+    pub const fn new(blocks: u32) -> Option<Self> {
+        if blocks >= 1 && blocks <= Self::MAX {
+            Some(Self(blocks))
+        } else {
+            None
+        }
+    }
+
+    /// The count (1..=65536).
+    pub const fn get(self) -> u32 {
+        self.0
+    }
+
+    /// NLB as the command carries it: the count minus one, which always fits 16 bits.
+    pub const fn zero_based(self) -> u16 {
+        (self.0 - 1) as u16
+    }
+}
+
+impl fmt::Display for BlockCount {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} blocks", self.0)
+    }
+}
+
 /// A queue identifier (0 is the admin queue pair).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct QueueId(pub u16);
@@ -150,5 +189,15 @@ mod tests {
         assert_eq!(Lba::from_byte_offset(512, 0), None);
         assert_eq!(Lba(3).checked_byte_offset(512), Some(1536));
         assert_eq!(Lba(u64::MAX / 2).checked_byte_offset(4), None);
+    }
+
+    #[test]
+    fn block_counts_outside_one_to_65536_do_not_exist() {
+        // Goal: NLB cannot be masked: 0 and 65537 have no BlockCount, the ends of the range do.
+        assert_eq!(BlockCount::new(0), None);
+        assert_eq!(BlockCount::new(65537), None);
+        assert_eq!(BlockCount::new(u32::MAX), None);
+        assert_eq!(BlockCount::new(1).map(BlockCount::zero_based), Some(0));
+        assert_eq!(BlockCount::new(65536).map(BlockCount::zero_based), Some(0xFFFF));
     }
 }

@@ -127,6 +127,9 @@ impl ControllerCore {
             capacity_blocks: namespace.blocks,
             utilization_blocks: namespace.blocks,
             format_index: format_index as u8,
+            // Data only: no metadata, no end-to-end protection (see the crate's limits).
+            extended_lba: false,
+            protection_settings: 0,
             formats,
         };
         let mut bytes = identify.to_bytes();

@@ -461,7 +461,7 @@ impl ControllerCore {
                 // A fatal fault stopped the controller: the rest get no completion.
                 break;
             }
-            self.counters.count_command(admin, entry.opcode());
+            self.counters.count_command(queue_id, entry);
             let fault = self.faults.on_command(admin, entry.opcode());
             if fault.is_some() {
                 self.counters.totals.faults_injected += 1;

@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use nvme_driver::spec::status::codes;
-use nvme_driver::spec::{NvmeStatus, StatusCodeType};
+use nvme_driver::spec::{AdminOpcode, NvmeStatus, StatusCodeType};
 
 /// Which submission queues a rule counts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,6 +52,10 @@ impl FaultRule {
     /// `action` on every `every`-th I/O command (e.g. every 10th completion delayed).
     pub fn every_nth_io(every: u64, action: FaultAction) -> Self {
         Self { repeat: true, ..Self::on_nth_io(every, action) }
+    }
+    /// `action` on the `nth` admin command with `opcode` (e.g. make Delete I/O SQ fail).
+    pub fn on_nth_admin(nth: u64, opcode: AdminOpcode, action: FaultAction) -> Self {
+        Self { nth, queue: QueueFilter::Admin, opcode: Some(opcode as u8), action, repeat: false }
     }
     /// Restricts the rule to one opcode.
     pub fn with_opcode(mut self, opcode: u8) -> Self {

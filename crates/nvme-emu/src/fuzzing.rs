@@ -93,7 +93,7 @@ mod tests {
     #[test]
     fn memory_is_mapped_where_documented() {
         // Goal: the documented IOVA really reaches the fuzzer's memory (else fuzzing is blind).
-        let mut write = SubmissionEntry::write(NamespaceId(2), Lba(0), 1, false);
+        let mut write = SubmissionEntry::write(NamespaceId(2), Lba(0), nvme_driver::BlockCount::ONE, false);
         write.set_data_pointer_kind(nvme_driver::spec::command::DataPointerKind::Sgl);
         write.dptr = SglDescriptor::data_block(FUZZ_MEMORY_IOVA, 4096).to_dptr();
         let outcome = process_raw(false, &write.to_bytes(), &[0xAB; 4096]).unwrap();

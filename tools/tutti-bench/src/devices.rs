@@ -359,7 +359,7 @@ impl IoQueue for NvmeQueue {
         on_done: &mut dyn FnMut(u32, Result<(), DeviceError>),
     ) -> Result<usize, DeviceError> {
         let Self { name, pair, remaining_commands, failure, directions, offsets_bytes, .. } = self;
-        pair.ring_doorbell();
+        pair.ring_doorbell().map_err(|source| DeviceError::Nvme { device: name.clone(), source })?;
         let mut done = 0usize;
         let mut unexpected = None;
         let mut on_completion = |completion: nvme_driver::Completion| {

@@ -1,9 +1,31 @@
 //! DMA memory: host pages, their device-visible addresses, and the only accessors allowed on them.
 //!
 //! A device writes DMA memory concurrently with the CPU, so no `&T` or `&[u8]` ever points into it.
-//! Data moves by copying (`read`/`write`, whose callers own the range by protocol: a buffer is read
-//! only after the completion that ends the device's access was observed with Acquire ordering) or
-//! through atomic loads and stores (queue entries, phase tags, ring indices).
+//! Data moves by copying (`read`/`write`/`fill`/`copy_from`, whose callers own the range by
+//! protocol: a buffer is read only after the completion that ends the device's access was
+//! observed with Acquire ordering) or through atomic loads and stores (queue entries, phase tags,
+//! ring indices).
+//!
+//! # The hazard the copies carry
+//!
+//! The copies are plain, non-atomic `memcpy`s, and they are safe functions: nothing in their
+//! types stops a caller from copying a range while the other party is writing it (reading a
+//! read buffer before its completion was reaped, refilling a write buffer while the command is
+//! in flight, two clones of one region used from two threads). What such a caller gets depends
+//! on who the other party is:
+//!
+//! - a PCIe device (VFIO): its DMA is outside the Rust abstract machine; the copy returns a mix
+//!   of old and new bytes (torn data), which is wrong data but not undefined behaviour;
+//! - the software controller (`nvme-emu`), or another thread of this process through a clone
+//!   or [`DmaAllocator::translate`]: the other party is a Rust thread doing its own non-atomic
+//!   copy, and two unsynchronised non-atomic accesses to the same bytes, one of them a write, are
+//!   a data race — undefined behaviour in Rust's memory model, reachable from safe code.
+//!
+//! We accept that hole rather than hide it (openvmm's `MemoryBlock` makes the same trade):
+//! making every copy atomic would forbid `memcpy`'s wide loads on the bulk data path, and the
+//! protocol that prevents the race — the queue pair owns a buffer from submission until its
+//! completion is reaped, the caller owns it otherwise — is kept by the driver's own paths and
+//! checked by the conformance suite. Callers outside the driver must keep it too.
 
 use std::collections::BTreeMap;
 use std::ptr::NonNull;
@@ -145,7 +167,9 @@ impl Drop for RegionInner {
 
 /// A window onto DMA memory: device-visible address, length, and copying/atomic accessors.
 ///
-/// Cloning is cheap and shares the memory; the mapping is removed when the last clone drops.
+/// Cloning is cheap and shares the memory; the mapping is removed when the last clone drops
+/// (unless a clone was [leaked](DmaRegion::leak)). The copying accessors carry a hazard that
+/// their safe signatures do not show: see the module documentation.
 #[derive(Clone)]
 pub struct DmaRegion {
     inner: Arc<RegionInner>,
@@ -208,37 +232,44 @@ impl DmaRegion {
         unsafe { self.inner.ptr.as_ptr().add(self.offset + offset) }
     }
 
-    /// Copies `destination.len()` bytes out of the region.
+    /// Copies `destination.len()` bytes out of the region with a plain (non-atomic) copy.
     ///
-    /// The caller owns the range by protocol (the device is not writing it now): e.g. a read
-    /// buffer after its completion was observed, or a queue entry after its phase tag was loaded
-    /// with Acquire ordering.
+    /// Correct only while nobody else writes the range: e.g. a read buffer after its completion
+    /// was reaped, or a completion entry after its phase tag was loaded with Acquire ordering.
+    /// Nothing enforces that; a caller that breaks it races with the device — torn bytes from
+    /// hardware, undefined behaviour against the software controller. See the module
+    /// documentation, "The hazard the copies carry".
     pub fn read(&self, offset: usize, destination: &mut [u8]) -> Result<(), HwError> {
         self.check(offset, destination.len(), 1)?;
-        // SAFETY: the range is inside the region (checked above) and cannot overlap
-        // `destination`, which is ordinary Rust memory; concurrent device writes to this range are
-        // excluded by the protocol stated in this method's contract.
+        // SAFETY: the range is inside the live allocation (checked above) and cannot overlap
+        // `destination`, which is ordinary Rust memory. This does NOT exclude a concurrent
+        // writer of the range: that is the caller's protocol, not a guarantee (module docs).
         unsafe {
             std::ptr::copy_nonoverlapping(self.pointer(offset), destination.as_mut_ptr(), destination.len());
         }
         Ok(())
     }
 
-    /// Copies `source` into the region (same ownership contract as [`DmaRegion::read`]).
+    /// Copies `source` into the region with a plain copy. Correct only while nobody else reads
+    /// or writes the range (a buffer not referenced by any command in flight, an SQ slot the
+    /// controller has not been told about); the same unenforced hazard as [`DmaRegion::read`].
     pub fn write(&self, offset: usize, source: &[u8]) -> Result<(), HwError> {
         self.check(offset, source.len(), 1)?;
-        // SAFETY: in bounds (checked above), non-overlapping with `source`; the device is not
-        // reading or writing this range concurrently by the caller's protocol.
+        // SAFETY: in bounds of the live allocation (checked above), non-overlapping with
+        // `source`. A concurrent reader or writer of the range is excluded only by the caller's
+        // protocol (module docs), not by this function.
         unsafe {
             std::ptr::copy_nonoverlapping(source.as_ptr(), self.pointer(offset), source.len());
         }
         Ok(())
     }
 
-    /// Sets `len` bytes at `offset` to `byte`.
+    /// Sets `len` bytes at `offset` to `byte` with plain stores; the same unenforced hazard as
+    /// [`DmaRegion::write`].
     pub fn fill(&self, offset: usize, len: usize, byte: u8) -> Result<(), HwError> {
         self.check(offset, len, 1)?;
-        // SAFETY: in bounds (checked above); same ownership contract as `write`.
+        // SAFETY: in bounds of the live allocation (checked above). A concurrent access to the
+        // range is excluded only by the caller's protocol (module docs).
         unsafe {
             std::ptr::write_bytes(self.pointer(offset), byte, len);
         }
@@ -246,16 +277,31 @@ impl DmaRegion {
     }
 
     /// Copies `len` bytes from `source` at `source_offset` into this region at `offset`
-    /// (the software controller's DMA between two regions, without a bounce buffer).
+    /// (the software controller's DMA between two regions, without a bounce buffer). Plain
+    /// copies on both sides: the hazard of [`DmaRegion::read`] and [`DmaRegion::write`] at once.
     pub fn copy_from(&self, offset: usize, source: &DmaRegion, source_offset: usize, len: usize) -> Result<(), HwError> {
         self.check(offset, len, 1)?;
         source.check(source_offset, len, 1)?;
-        // SAFETY: both ranges are in bounds (checked above); `copy` tolerates overlap in case both
-        // windows view the same memory; ownership of both ranges follows the DMA protocol.
+        // SAFETY: both ranges are in bounds of live allocations (checked above); `copy`
+        // tolerates overlap in case both windows view the same memory. Concurrent access to
+        // either range is excluded only by the DMA protocol (module docs).
         unsafe {
             std::ptr::copy(source.pointer(source_offset), self.pointer(offset), len);
         }
         Ok(())
+    }
+
+    /// Gives up this handle without ever freeing what it refers to: the memory stays mapped
+    /// and its IOVA range stays reserved for the rest of the process, even after every other
+    /// clone is dropped. For memory a device may still write (a queue whose deletion failed, a
+    /// controller that could not be disabled): freeing it would let the device write into
+    /// whatever reuses the memory or the IOVA. For an external mapping ([`DmaAllocator::map_external`])
+    /// only the mapping is kept; the caller still owns the memory behind it and must keep it
+    /// too. Returns the bytes leaked, for the caller's accounting.
+    pub fn leak(self) -> usize {
+        let len = self.len;
+        std::mem::forget(self);
+        len
     }
 
     pub fn load_u16(&self, offset: usize, order: Ordering) -> Result<u16, HwError> {

@@ -86,6 +86,64 @@ pub trait DmaAllocator: Send + Sync {
     fn address_space(&self) -> AddressSpaceId;
 }
 
+/// Makes every store this thread made to DMA memory (SQ entries, PRP lists, SGL segments,
+/// DSM ranges) complete before the next store — the SQ tail doorbell write to BAR0 — is issued.
+///
+/// Why not `fence(Release)`: a Release fence orders memory for other *threads* that synchronise
+/// through atomics. It compiles to nothing on x86 and to `dmb ish` on Arm, and "inner
+/// shareable" does not reach a PCIe device, whose doorbell is Device memory: on an Arm host
+/// (Grace-Hopper is the natural host for the GPU path) the entry stores may still sit in the
+/// CPU's write buffer when the doorbell write reaches the controller, which then fetches a
+/// stale entry. `dsb st` waits until all earlier stores are complete for every observer,
+/// devices included, before any later store issues. On x86 ordinary (write-back) stores are
+/// already seen in program order by a device before an uncached MMIO store; `sfence` also
+/// drains write-combining and non-temporal stores (a memcpy may use them), so the argument does
+/// not depend on how the copy into the ring was compiled. The cost is paid once per doorbell,
+/// i.e. once per batch. The `asm!` blocks leave out `nomem` on purpose: the compiler must also
+/// treat them as a barrier and keep the ring stores before them.
+#[inline]
+pub fn fence_before_submission_doorbell() {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `sfence` only orders stores; it reads and writes no memory, touches no register
+    // and no flag, and needs no stack.
+    unsafe {
+        std::arch::asm!("sfence", options(nostack, preserves_flags));
+    }
+    #[cfg(target_arch = "aarch64")]
+    // SAFETY: `dsb st` only waits for earlier stores to complete; it reads and writes no memory
+    // and no register, and needs no stack.
+    unsafe {
+        std::arch::asm!("dsb st", options(nostack, preserves_flags));
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+}
+
+/// Makes this thread's loads of the completion entries it consumed complete before the next
+/// store — the CQ head doorbell write, which hands those slots back to the controller — is
+/// issued, so the controller cannot overwrite an entry that is still being read.
+///
+/// Here the earlier accesses are *loads*. x86 never lets a later store pass an earlier load
+/// (TSO), so `sfence` (kept for its effect on write-combining stores, as above) suffices. Arm
+/// does let a store become visible before an earlier load is satisfied, and `dsb st` waits for
+/// stores only; `dsb sy` waits for every earlier access, loads included. Once per reap batch.
+#[inline]
+pub fn fence_before_completion_doorbell() {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: as in `fence_before_submission_doorbell`: an ordering instruction only.
+    unsafe {
+        std::arch::asm!("sfence", options(nostack, preserves_flags));
+    }
+    #[cfg(target_arch = "aarch64")]
+    // SAFETY: `dsb sy` only waits for earlier memory accesses to complete; it reads and writes
+    // no memory and no register, and needs no stack.
+    unsafe {
+        std::arch::asm!("dsb sy", options(nostack, preserves_flags));
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+}
+
 /// Identifies a device address space (see [`DmaAllocator::address_space`]). Only equality is
 /// meaningful.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -1,6 +1,6 @@
 //! The 64-byte submission queue entry (§4.2) and the admin and NVM commands the driver issues.
 
-use crate::types::{CommandId, Lba, NamespaceId};
+use crate::types::{BlockCount, CommandId, Lba, NamespaceId};
 
 /// Admin command opcodes (§5, Figure 28).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -290,26 +290,25 @@ impl SubmissionEntry {
 
     // ---- NVM commands ---------------------------------------------------------------------
 
-    fn read_write(opcode: NvmOpcode, nsid: NamespaceId, start: Lba, blocks: u32, force_unit_access: bool) -> Self {
+    fn read_write(opcode: NvmOpcode, nsid: NamespaceId, start: Lba, blocks: BlockCount, force_unit_access: bool) -> Self {
         let mut entry = Self::with_opcode(opcode as u8, nsid.0);
         entry.cdw10 = start.0 as u32;
         entry.cdw11 = (start.0 >> 32) as u32;
-        entry.cdw12 = blocks.saturating_sub(1) & 0xFFFF;
+        entry.cdw12 = u32::from(blocks.zero_based());
         if force_unit_access {
             entry.cdw12 |= FORCE_UNIT_ACCESS;
         }
         entry
     }
 
-    /// Read (NVM §3.2.4): `blocks` is a count (1..=65536; 0 encodes as 1, the smallest legal
-    /// transfer — callers validate counts before building commands); the data pointer is set
-    /// separately.
-    pub fn read(nsid: NamespaceId, start: Lba, blocks: u32) -> Self {
+    /// Read (NVM §3.2.4) of `blocks` (a [`BlockCount`]: 1..=65536 by construction); the data
+    /// pointer is set separately.
+    pub fn read(nsid: NamespaceId, start: Lba, blocks: BlockCount) -> Self {
         Self::read_write(NvmOpcode::Read, nsid, start, blocks, false)
     }
 
     /// Write (NVM §3.2.6), optionally with Force Unit Access.
-    pub fn write(nsid: NamespaceId, start: Lba, blocks: u32, force_unit_access: bool) -> Self {
+    pub fn write(nsid: NamespaceId, start: Lba, blocks: BlockCount, force_unit_access: bool) -> Self {
         Self::read_write(NvmOpcode::Write, nsid, start, blocks, force_unit_access)
     }
 
@@ -319,7 +318,7 @@ impl SubmissionEntry {
     }
 
     /// Write Zeroes (NVM §3.2.8).
-    pub fn write_zeroes(nsid: NamespaceId, start: Lba, blocks: u32, deallocate: bool) -> Self {
+    pub fn write_zeroes(nsid: NamespaceId, start: Lba, blocks: BlockCount, deallocate: bool) -> Self {
         let mut entry = Self::read_write(NvmOpcode::WriteZeroes, nsid, start, blocks, false);
         if deallocate {
             entry.cdw12 |= WRITE_ZEROES_DEALLOCATE;
@@ -386,9 +385,23 @@ impl DatasetRange {
 mod tests {
     use super::*;
 
+    fn blocks(count: u32) -> BlockCount {
+        BlockCount::new(count).expect("a valid block count")
+    }
+
+    #[test]
+    fn the_largest_block_count_is_encoded_whole() {
+        // Goal: 65536 blocks encode as NLB 0xFFFF and decode back (nothing is masked).
+        let entry = SubmissionEntry::read(NamespaceId(1), Lba(0), blocks(65536));
+        assert_eq!(entry.cdw12 & 0xFFFF, 0xFFFF);
+        assert_eq!(entry.block_count(), 65536);
+        let zeroes = SubmissionEntry::write_zeroes(NamespaceId(1), Lba(0), blocks(65536), true);
+        assert_eq!(zeroes.block_count(), 65536);
+    }
+
     #[test]
     fn read_encodes_lba_count_and_round_trips() {
-        let mut entry = SubmissionEntry::read(NamespaceId(1), Lba(0x1_2345_6789), 8);
+        let mut entry = SubmissionEntry::read(NamespaceId(1), Lba(0x1_2345_6789), blocks(8));
         entry.set_command_id(CommandId(0xBEEF));
         entry.set_data_pointer_kind(DataPointerKind::Sgl);
         assert_eq!(entry.opcode(), 0x02);
@@ -404,8 +417,8 @@ mod tests {
 
     #[test]
     fn write_sets_fua_and_queue_commands_are_zero_based() {
-        assert!(SubmissionEntry::write(NamespaceId(1), Lba(0), 1, true).force_unit_access());
-        assert!(!SubmissionEntry::write(NamespaceId(1), Lba(0), 1, false).force_unit_access());
+        assert!(SubmissionEntry::write(NamespaceId(1), Lba(0), blocks(1), true).force_unit_access());
+        assert!(!SubmissionEntry::write(NamespaceId(1), Lba(0), blocks(1), false).force_unit_access());
         let create = SubmissionEntry::create_io_submission_queue(3, 1024, 0x1000, 3);
         assert_eq!(create.cdw10, 3 | 1023 << 16);
         assert_eq!(create.cdw11 >> 16, 3);

@@ -183,6 +183,11 @@ pub struct IdentifyNamespace {
     pub utilization_blocks: u64,
     /// flbas bits 3:0 (and 6:5): the LBA format in use.
     pub format_index: u8,
+    /// flbas bit 4: metadata is transferred at the end of each LBA's data (an extended LBA)
+    /// rather than in a separate buffer at MPTR. Only meaningful when the format has metadata.
+    pub extended_lba: bool,
+    /// dps: end-to-end data protection settings; bits 2:0 are the protection type (0 = off).
+    pub protection_settings: u8,
     /// lbaf0..: the defined formats (nlbaf + 1 of them).
     pub formats: Vec<LbaFormat>,
 }
@@ -212,7 +217,20 @@ impl IdentifyNamespace {
         if size_blocks == 0 || capacity_blocks > size_blocks {
             return Err(IdentifyError::BadNamespaceSize { size_blocks });
         }
-        Ok(Self { size_blocks, capacity_blocks, utilization_blocks: u64_at(bytes, 16), format_index, formats })
+        Ok(Self {
+            size_blocks,
+            capacity_blocks,
+            utilization_blocks: u64_at(bytes, 16),
+            format_index,
+            extended_lba: flbas >> 4 & 1 == 1,
+            protection_settings: bytes[29],
+            formats,
+        })
+    }
+
+    /// dps bits 2:0: the end-to-end protection type enabled (0 = protection information off).
+    pub fn protection_type(&self) -> u8 {
+        self.protection_settings & 0x7
     }
 
     /// The LBA format in use (always present in parsed data; `None` only for a hand-built
@@ -233,7 +251,8 @@ impl IdentifyNamespace {
         bytes[8..16].copy_from_slice(&self.capacity_blocks.to_le_bytes());
         bytes[16..24].copy_from_slice(&self.utilization_blocks.to_le_bytes());
         bytes[25] = (self.formats.len().clamp(1, 64) - 1) as u8;
-        bytes[26] = self.format_index & 0xF | (self.format_index >> 4 & 0x3) << 5;
+        bytes[26] = self.format_index & 0xF | u8::from(self.extended_lba) << 4 | (self.format_index >> 4 & 0x3) << 5;
+        bytes[29] = self.protection_settings;
         for (index, format) in self.formats.iter().take(64).enumerate() {
             let raw = u32::from(format.metadata_bytes) | u32::from(format.lbads) << 16 | u32::from(format.relative_performance & 0x3) << 24;
             bytes[128 + 4 * index..132 + 4 * index].copy_from_slice(&raw.to_le_bytes());
@@ -291,6 +310,23 @@ mod tests {
         assert!(matches!(IdentifyNamespace::parse(&namespace), Err(IdentifyError::UnsupportedLbaSize { .. })));
         namespace[128 + 2] = 12;
         assert_eq!(IdentifyNamespace::parse(&namespace).unwrap().block_size_bytes(), Some(4096));
+    }
+
+    #[test]
+    fn metadata_settings_are_parsed_and_round_trip() {
+        // Goal: FLBAS bit 4 (extended LBA), DPS and the format's metadata size reach the driver,
+        // which refuses such namespaces; serialising keeps them.
+        let mut bytes = vec![0u8; 4096];
+        bytes[0] = 64; // nsze
+        bytes[25] = 1; // two formats
+        bytes[26] = 1 | 1 << 4; // format 1, extended LBA
+        bytes[29] = 0x9; // protection type 1, first eight bytes
+        bytes[128 + 4..128 + 8].copy_from_slice(&(8u32 | 12 << 16).to_le_bytes()); // 4096 + 8
+        let namespace = IdentifyNamespace::parse(&bytes).unwrap();
+        assert!(namespace.extended_lba);
+        assert_eq!(namespace.protection_type(), 1);
+        assert_eq!(namespace.format().map(|format| format.metadata_bytes), Some(8));
+        assert_eq!(IdentifyNamespace::parse(&namespace.to_bytes()).unwrap(), namespace);
     }
 
     #[test]

@@ -10,11 +10,16 @@ use nvme_driver::spec::command::DataPointerKind;
 use nvme_driver::spec::data_pointer::SglDescriptor;
 use nvme_driver::spec::registers::{self, ControllerConfiguration, ControllerStatus};
 use nvme_driver::spec::{CompletionEntry, NvmeStatus, SubmissionEntry};
-use nvme_driver::CommandId;
+use nvme_driver::{BlockCount, CommandId};
 
 use crate::{EmuConfig, EmuDevice};
 
 pub(crate) const DEADLINE: Duration = Duration::from_secs(5);
+
+/// A block count for a test command (1..=65536, or the test is wrong).
+pub(crate) fn block_count(blocks: u32) -> BlockCount {
+    BlockCount::new(blocks).expect("1..=65536 blocks")
+}
 
 #[derive(Clone)]
 pub(crate) struct HostQueue {

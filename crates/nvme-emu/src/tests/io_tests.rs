@@ -10,7 +10,7 @@ use nvme_driver::spec::status::codes;
 use nvme_driver::spec::{NvmOpcode, NvmeStatus, StatusCodeType, SubmissionEntry};
 use nvme_driver::{Lba, NamespaceId};
 
-use super::harness::{status_of, with_prp, with_sgl, HostQueue, TestHost};
+use super::harness::{block_count, status_of, with_prp, with_sgl, HostQueue, TestHost};
 use crate::{Backing, EmuConfig, FaultAction, FaultPlan, FaultRule, NamespaceConfig};
 
 const NS_512: NamespaceId = NamespaceId(1);
@@ -35,12 +35,12 @@ fn write_then_read(host: &TestHost, queue: &mut HostQueue, nsid: NamespaceId, bl
     let blocks = (data.len() / block) as u32;
     let source = host.buffer(data.len());
     source.write(0, data).unwrap();
-    let write = with_sgl(SubmissionEntry::write(nsid, Lba(lba), blocks, false), &source, data.len() as u32);
+    let write = with_sgl(SubmissionEntry::write(nsid, Lba(lba), block_count(blocks), false), &source, data.len() as u32);
     assert_eq!(status_of(&host.execute_on(queue, write)), Ok(()));
     // Read into a buffer at an offset of 512 bytes into its first page (PRP1 offset).
     let target = host.buffer(data.len() + 4096);
     let list = host.buffer(4096);
-    let read = with_prp(SubmissionEntry::read(nsid, Lba(lba), blocks), &target, 512, data.len(), &list);
+    let read = with_prp(SubmissionEntry::read(nsid, Lba(lba), block_count(blocks)), &target, 512, data.len(), &list);
     assert_eq!(status_of(&host.execute_on(queue, read)), Ok(()));
     let mut out = vec![0u8; data.len()];
     target.read(512, &mut out).unwrap();
@@ -73,7 +73,7 @@ fn sgl_segment_chain_scatters_into_many_buffers() {
     let data = pattern(4 * 4096, 3);
     let source = host.buffer(data.len());
     source.write(0, &data).unwrap();
-    let write = with_sgl(SubmissionEntry::write(NS_4K, Lba(3), 4, false), &source, data.len() as u32);
+    let write = with_sgl(SubmissionEntry::write(NS_4K, Lba(3), block_count(4), false), &source, data.len() as u32);
     assert_eq!(status_of(&host.execute_on(&mut queue, write)), Ok(()));
     let pieces: Vec<_> = (0..4).map(|_| host.buffer(4096)).collect();
     let segments = host.buffer(4096);
@@ -83,7 +83,7 @@ fn sgl_segment_chain_scatters_into_many_buffers() {
     put(32, SglDescriptor::last_segment(segments.iova().checked_add(1024).unwrap().0, 2));
     put(1024, SglDescriptor::data_block(pieces[2].iova().0, 4096));
     put(1040, SglDescriptor::data_block(pieces[3].iova().0, 4096));
-    let mut read = SubmissionEntry::read(NS_4K, Lba(3), 4);
+    let mut read = SubmissionEntry::read(NS_4K, Lba(3), block_count(4));
     read.set_data_pointer_kind(DataPointerKind::Sgl);
     read.dptr = SglDescriptor::segment(segments.iova().0, 3).to_dptr();
     assert_eq!(status_of(&host.execute_on(&mut queue, read)), Ok(()));
@@ -103,27 +103,43 @@ fn malformed_commands_get_their_statuses() {
     let segments = host.buffer(4096);
     let blocks_4k = (6 << 20) / 4096u64;
     let sgl_read = |descriptor: SglDescriptor| {
-        let mut entry = SubmissionEntry::read(NS_4K, Lba(0), 1);
+        let mut entry = SubmissionEntry::read(NS_4K, Lba(0), block_count(1));
         entry.set_data_pointer_kind(DataPointerKind::Sgl);
         entry.dptr = descriptor.to_dptr();
         entry
     };
     segments.write(0, &SglDescriptor::segment(segments.iova().0, 1).to_bytes()).unwrap();
-    let mut psdt3 = with_sgl(SubmissionEntry::read(NS_4K, Lba(0), 1), &buffer, 4096);
+    let mut psdt3 = with_sgl(SubmissionEntry::read(NS_4K, Lba(0), block_count(1)), &buffer, 4096);
     psdt3.cdw0 |= 3 << 14;
-    let mut unknown = SubmissionEntry::read(NS_4K, Lba(0), 1);
+    let mut unknown = SubmissionEntry::read(NS_4K, Lba(0), block_count(1));
     unknown.cdw0 = unknown.cdw0 & !0xFF | 0x7C;
     let cases: Vec<(&str, SubmissionEntry, Result<(), NvmeStatus>)> = vec![
-        ("past the end", with_sgl(SubmissionEntry::read(NS_4K, Lba(blocks_4k), 1), &buffer, 4096), generic(codes::LBA_OUT_OF_RANGE)),
         (
-            "straddles the end",
-            with_sgl(SubmissionEntry::read(NS_4K, Lba(blocks_4k - 1), 2), &buffer, 8192),
+            "past the end",
+            with_sgl(SubmissionEntry::read(NS_4K, Lba(blocks_4k), block_count(1)), &buffer, 4096),
             generic(codes::LBA_OUT_OF_RANGE),
         ),
-        ("LBA overflow", with_sgl(SubmissionEntry::write(NS_4K, Lba(u64::MAX), 2, false), &buffer, 8192), generic(codes::LBA_OUT_OF_RANGE)),
-        ("above MDTS", with_sgl(SubmissionEntry::read(NS_4K, Lba(0), 5), &buffer, 5 * 4096), generic(codes::INVALID_FIELD)),
-        ("namespace 0", with_sgl(SubmissionEntry::read(NamespaceId(0), Lba(0), 1), &buffer, 4096), generic(codes::INVALID_NAMESPACE)),
-        ("namespace 9", with_sgl(SubmissionEntry::read(NamespaceId(9), Lba(0), 1), &buffer, 4096), generic(codes::INVALID_NAMESPACE)),
+        (
+            "straddles the end",
+            with_sgl(SubmissionEntry::read(NS_4K, Lba(blocks_4k - 1), block_count(2)), &buffer, 8192),
+            generic(codes::LBA_OUT_OF_RANGE),
+        ),
+        (
+            "LBA overflow",
+            with_sgl(SubmissionEntry::write(NS_4K, Lba(u64::MAX), block_count(2), false), &buffer, 8192),
+            generic(codes::LBA_OUT_OF_RANGE),
+        ),
+        ("above MDTS", with_sgl(SubmissionEntry::read(NS_4K, Lba(0), block_count(5)), &buffer, 5 * 4096), generic(codes::INVALID_FIELD)),
+        (
+            "namespace 0",
+            with_sgl(SubmissionEntry::read(NamespaceId(0), Lba(0), block_count(1)), &buffer, 4096),
+            generic(codes::INVALID_NAMESPACE),
+        ),
+        (
+            "namespace 9",
+            with_sgl(SubmissionEntry::read(NamespaceId(9), Lba(0), block_count(1)), &buffer, 4096),
+            generic(codes::INVALID_NAMESPACE),
+        ),
         ("unknown opcode", unknown, generic(codes::INVALID_OPCODE)),
         ("PSDT 3", psdt3, generic(codes::INVALID_FIELD)),
         ("SGL too short", sgl_read(SglDescriptor::data_block(buffer.iova().0, 4095)), generic(codes::DATA_SGL_LENGTH_INVALID)),
@@ -136,19 +152,19 @@ fn malformed_commands_get_their_statuses() {
         ),
         ("segment loop", sgl_read(SglDescriptor::segment(segments.iova().0, 1)), generic(codes::INVALID_SGL_SEGMENT_DESCRIPTOR)),
         ("unmapped buffer", sgl_read(SglDescriptor::data_block(0x10_0000, 4096)), generic(codes::DATA_TRANSFER_ERROR)),
-        ("unmapped PRP", SubmissionEntry::read(NS_4K, Lba(0), 1), generic(codes::DATA_TRANSFER_ERROR)),
+        ("unmapped PRP", SubmissionEntry::read(NS_4K, Lba(0), block_count(1)), generic(codes::DATA_TRANSFER_ERROR)),
     ];
     for (name, entry, expected) in cases {
         assert_eq!(status_of(&host.execute_on(&mut queue, entry)), expected, "{name}");
     }
-    let mut misaligned_prp = SubmissionEntry::read(NS_4K, Lba(0), 2);
+    let mut misaligned_prp = SubmissionEntry::read(NS_4K, Lba(0), block_count(2));
     misaligned_prp.dptr = [buffer.iova().0, buffer.iova().checked_add(4096 + 8).unwrap().0];
     assert_eq!(status_of(&host.execute_on(&mut queue, misaligned_prp)), generic(codes::INVALID_PRP_OFFSET));
     // With SGLs turned off, an SGL command is an invalid field.
     drop(host);
     let mut host = TestHost::start(two_namespaces().with_sgl(false));
     let mut queue = host.create_io_pair(1, 8);
-    let sgl = with_sgl(SubmissionEntry::read(NS_4K, Lba(0), 1), &buffer, 4096);
+    let sgl = with_sgl(SubmissionEntry::read(NS_4K, Lba(0), block_count(1)), &buffer, 4096);
     assert_eq!(status_of(&host.execute_on(&mut queue, sgl)), generic(codes::INVALID_FIELD));
 }
 
@@ -160,14 +176,14 @@ fn write_zeroes_and_deallocate_read_back_as_zeroes() {
     let data = pattern(8 * 512, 9);
     let back = write_then_read(&host, &mut queue, NS_512, 512, 100, &data);
     assert!(back == data);
-    assert_eq!(status_of(&host.execute_on(&mut queue, SubmissionEntry::write_zeroes(NS_512, Lba(100), 2, false))), Ok(()));
+    assert_eq!(status_of(&host.execute_on(&mut queue, SubmissionEntry::write_zeroes(NS_512, Lba(100), block_count(2), false))), Ok(()));
     let ranges = host.buffer(4096);
     ranges.write(0, &DatasetRange { context_attributes: 0, blocks: 2, start: Lba(104) }.to_bytes()).unwrap();
     let mut deallocate = SubmissionEntry::deallocate(NS_512, 1);
     deallocate.dptr[0] = ranges.iova().0;
     assert_eq!(status_of(&host.execute_on(&mut queue, deallocate)), Ok(()));
     let target = host.buffer(4096);
-    let mut read = SubmissionEntry::read(NS_512, Lba(100), 8);
+    let mut read = SubmissionEntry::read(NS_512, Lba(100), block_count(8));
     read.dptr[0] = target.iova().0;
     assert_eq!(status_of(&host.execute_on(&mut queue, read)), Ok(()));
     let mut out = vec![0u8; 8 * 512];
@@ -180,7 +196,7 @@ fn write_zeroes_and_deallocate_read_back_as_zeroes() {
     let mut bad = SubmissionEntry::deallocate(NS_512, 1);
     bad.dptr[0] = ranges.iova().0;
     assert_eq!(status_of(&host.execute_on(&mut queue, bad)), generic(codes::LBA_OUT_OF_RANGE));
-    let past_end = SubmissionEntry::write_zeroes(NS_512, Lba(4096), 1, false);
+    let past_end = SubmissionEntry::write_zeroes(NS_512, Lba(4096), block_count(1), false);
     assert_eq!(status_of(&host.execute_on(&mut queue, past_end)), generic(codes::LBA_OUT_OF_RANGE));
 }
 
@@ -241,7 +257,7 @@ fn power_loss_discards_unflushed_writes_only() {
     let write = |host: &TestHost, queue: &mut HostQueue, lba: u64, seed: u8, fua: bool| {
         let source = host.buffer(4096);
         source.write(0, &pattern(4096, seed)).unwrap();
-        let entry = with_sgl(SubmissionEntry::write(NS_4K, Lba(lba), 1, fua), &source, 4096);
+        let entry = with_sgl(SubmissionEntry::write(NS_4K, Lba(lba), block_count(1), fua), &source, 4096);
         assert_eq!(status_of(&host.execute_on(queue, entry)), Ok(()));
     };
     write(&host, &mut queue, 0, 1, false);
@@ -255,7 +271,7 @@ fn power_loss_discards_unflushed_writes_only() {
     host.enable();
     let mut queue = host.create_io_pair(1, 16);
     let target = host.buffer(3 * 4096);
-    let read = with_sgl(SubmissionEntry::read(NS_4K, Lba(0), 3), &target, 3 * 4096);
+    let read = with_sgl(SubmissionEntry::read(NS_4K, Lba(0), block_count(3)), &target, 3 * 4096);
     assert_eq!(status_of(&host.execute_on(&mut queue, read)), Ok(()));
     let mut out = vec![0u8; 3 * 4096];
     target.read(0, &mut out).unwrap();
@@ -272,7 +288,7 @@ fn power_loss_discards_unflushed_writes_only() {
     host.enable();
     let mut queue = host.create_io_pair(1, 16);
     let target = host.buffer(4096);
-    let read = with_sgl(SubmissionEntry::read(NS_4K, Lba(5), 1), &target, 4096);
+    let read = with_sgl(SubmissionEntry::read(NS_4K, Lba(5), block_count(1)), &target, 4096);
     assert_eq!(status_of(&host.execute_on(&mut queue, read)), Ok(()));
     let mut out = vec![0u8; 4096];
     target.read(0, &mut out).unwrap();
@@ -296,7 +312,7 @@ fn file_backing_persists_across_device_restarts() {
     let mut host = TestHost::start(config());
     let mut queue = host.create_io_pair(1, 8);
     let target = host.buffer(data.len());
-    let read = with_sgl(SubmissionEntry::read(NamespaceId(1), Lba(10), 16), &target, data.len() as u32);
+    let read = with_sgl(SubmissionEntry::read(NamespaceId(1), Lba(10), block_count(16)), &target, data.len() as u32);
     assert_eq!(status_of(&host.execute_on(&mut queue, read)), Ok(()));
     let mut out = vec![0u8; data.len()];
     target.read(0, &mut out).unwrap();
@@ -357,16 +373,16 @@ fn no_storage_mode_validates_but_moves_nothing() {
     let mut queue = host.create_io_pair(1, 16);
     let source = host.buffer(4096);
     source.write(0, &pattern(4096, 1)).unwrap();
-    let write = with_sgl(SubmissionEntry::write(NS_4K, Lba(0), 1, false), &source, 4096);
+    let write = with_sgl(SubmissionEntry::write(NS_4K, Lba(0), block_count(1), false), &source, 4096);
     assert_eq!(status_of(&host.execute_on(&mut queue, write)), Ok(()));
     let target = host.buffer(4096);
     target.fill(0, 4096, 0xEE).unwrap();
-    let read = with_sgl(SubmissionEntry::read(NS_4K, Lba(0), 1), &target, 4096);
+    let read = with_sgl(SubmissionEntry::read(NS_4K, Lba(0), block_count(1)), &target, 4096);
     assert_eq!(status_of(&host.execute_on(&mut queue, read)), Ok(()));
     let mut out = [0u8; 16];
     target.read(0, &mut out).unwrap();
     assert_eq!(out, [0xEE; 16], "no data moved");
-    let past_end = with_sgl(SubmissionEntry::read(NS_4K, Lba(1 << 40), 1), &target, 4096);
+    let past_end = with_sgl(SubmissionEntry::read(NS_4K, Lba(1 << 40), block_count(1)), &target, 4096);
     assert_eq!(status_of(&host.execute_on(&mut queue, past_end)), generic(codes::LBA_OUT_OF_RANGE));
 }
 
@@ -407,14 +423,14 @@ fn batched_file_reads_keep_command_order_and_see_the_cache() {
     let data = pattern(blocks * 4096, 11);
     let source = host.buffer(data.len());
     source.write(0, &data).unwrap();
-    let write = with_sgl(SubmissionEntry::write(NamespaceId(1), Lba(0), blocks as u32, false), &source, data.len() as u32);
+    let write = with_sgl(SubmissionEntry::write(NamespaceId(1), Lba(0), block_count(blocks as u32), false), &source, data.len() as u32);
     assert_eq!(status_of(&host.execute_on(&mut queue, write)), Ok(()));
     assert_eq!(status_of(&host.execute_on(&mut queue, SubmissionEntry::flush(NamespaceId(1)))), Ok(()));
     // Block 3 rewritten but not flushed: reads must see the cached version.
     let cached = pattern(4096, 99);
     let cached_source = host.buffer(4096);
     cached_source.write(0, &cached).unwrap();
-    let write = with_sgl(SubmissionEntry::write(NamespaceId(1), Lba(3), 1, false), &cached_source, 4096);
+    let write = with_sgl(SubmissionEntry::write(NamespaceId(1), Lba(3), block_count(1), false), &cached_source, 4096);
     assert_eq!(status_of(&host.execute_on(&mut queue, write)), Ok(()));
     let newer = pattern(4096, 200);
     let newer_source = host.buffer(4096);
@@ -422,10 +438,10 @@ fn batched_file_reads_keep_command_order_and_see_the_cache() {
     // One doorbell: 16 reads, a write of block 5, a read of block 5.
     let targets: Vec<_> = (0..blocks + 1).map(|_| host.buffer(4096)).collect();
     for (block, target) in targets.iter().take(blocks).enumerate() {
-        TestHost::push(&mut queue, with_sgl(SubmissionEntry::read(NamespaceId(1), Lba(block as u64), 1), target, 4096));
+        TestHost::push(&mut queue, with_sgl(SubmissionEntry::read(NamespaceId(1), Lba(block as u64), block_count(1)), target, 4096));
     }
-    TestHost::push(&mut queue, with_sgl(SubmissionEntry::write(NamespaceId(1), Lba(5), 1, false), &newer_source, 4096));
-    TestHost::push(&mut queue, with_sgl(SubmissionEntry::read(NamespaceId(1), Lba(5), 1), &targets[blocks], 4096));
+    TestHost::push(&mut queue, with_sgl(SubmissionEntry::write(NamespaceId(1), Lba(5), block_count(1), false), &newer_source, 4096));
+    TestHost::push(&mut queue, with_sgl(SubmissionEntry::read(NamespaceId(1), Lba(5), block_count(1)), &targets[blocks], 4096));
     host.ring_submission(&queue);
     for _ in 0..blocks + 2 {
         assert_eq!(status_of(&host.reap(&mut queue)), Ok(()));
@@ -468,7 +484,7 @@ fn batched_file_writes_keep_overlapping_commands_in_order() {
     // Block 40 cached (not flushed) before the doorbell; a FUA write of it follows in the batch.
     let cached_source = host.buffer(4096);
     cached_source.write(0, &pattern(4096, 7)).unwrap();
-    let write = with_sgl(SubmissionEntry::write(NamespaceId(1), Lba(40), 1, false), &cached_source, 4096);
+    let write = with_sgl(SubmissionEntry::write(NamespaceId(1), Lba(40), block_count(1), false), &cached_source, 4096);
     assert_eq!(status_of(&host.execute_on(&mut queue, write)), Ok(()));
     // One doorbell: reads of 0..8, FUA writes of 0..8, reads of 0..8, two FUA writes of block
     // 20 (first A, then B), a read of 20, a FUA write of 40, a read of 40.
@@ -479,28 +495,28 @@ fn batched_file_writes_keep_overlapping_commands_in_order() {
     let before: Vec<_> = (0..blocks).map(|_| host.buffer(4096)).collect();
     let after: Vec<_> = (0..blocks).map(|_| host.buffer(4096)).collect();
     for (block, target) in before.iter().enumerate() {
-        TestHost::push(&mut queue, with_sgl(SubmissionEntry::read(NamespaceId(1), Lba(block as u64), 1), target, 4096));
+        TestHost::push(&mut queue, with_sgl(SubmissionEntry::read(NamespaceId(1), Lba(block as u64), block_count(1)), target, 4096));
     }
     for (block, (source, _)) in sources.iter().enumerate() {
-        TestHost::push(&mut queue, with_sgl(SubmissionEntry::write(NamespaceId(1), Lba(block as u64), 1, true), source, 4096));
+        TestHost::push(&mut queue, with_sgl(SubmissionEntry::write(NamespaceId(1), Lba(block as u64), block_count(1), true), source, 4096));
     }
     for (block, target) in after.iter().enumerate() {
-        TestHost::push(&mut queue, with_sgl(SubmissionEntry::read(NamespaceId(1), Lba(block as u64), 1), target, 4096));
+        TestHost::push(&mut queue, with_sgl(SubmissionEntry::read(NamespaceId(1), Lba(block as u64), block_count(1)), target, 4096));
     }
     let (first, second) = (pattern(4096, 101), pattern(4096, 102));
     let (first_source, second_source) = (host.buffer(4096), host.buffer(4096));
     first_source.write(0, &first).unwrap();
     second_source.write(0, &second).unwrap();
-    TestHost::push(&mut queue, with_sgl(SubmissionEntry::write(NamespaceId(1), Lba(20), 1, true), &first_source, 4096));
-    TestHost::push(&mut queue, with_sgl(SubmissionEntry::write(NamespaceId(1), Lba(20), 1, true), &second_source, 4096));
+    TestHost::push(&mut queue, with_sgl(SubmissionEntry::write(NamespaceId(1), Lba(20), block_count(1), true), &first_source, 4096));
+    TestHost::push(&mut queue, with_sgl(SubmissionEntry::write(NamespaceId(1), Lba(20), block_count(1), true), &second_source, 4096));
     let target_20 = host.buffer(4096);
-    TestHost::push(&mut queue, with_sgl(SubmissionEntry::read(NamespaceId(1), Lba(20), 1), &target_20, 4096));
+    TestHost::push(&mut queue, with_sgl(SubmissionEntry::read(NamespaceId(1), Lba(20), block_count(1)), &target_20, 4096));
     let fua = pattern(4096, 103);
     let fua_source = host.buffer(4096);
     fua_source.write(0, &fua).unwrap();
-    TestHost::push(&mut queue, with_sgl(SubmissionEntry::write(NamespaceId(1), Lba(40), 1, true), &fua_source, 4096));
+    TestHost::push(&mut queue, with_sgl(SubmissionEntry::write(NamespaceId(1), Lba(40), block_count(1), true), &fua_source, 4096));
     let target_40 = host.buffer(4096);
-    TestHost::push(&mut queue, with_sgl(SubmissionEntry::read(NamespaceId(1), Lba(40), 1), &target_40, 4096));
+    TestHost::push(&mut queue, with_sgl(SubmissionEntry::read(NamespaceId(1), Lba(40), block_count(1)), &target_40, 4096));
     host.ring_submission(&queue);
     for _ in 0..3 * blocks + 5 {
         assert_eq!(status_of(&host.reap(&mut queue)), Ok(()));

@@ -9,7 +9,7 @@ use nvme_driver::spec::status::codes;
 use nvme_driver::spec::{AdminOpcode, NvmOpcode, NvmeStatus, SubmissionEntry};
 use nvme_driver::{Lba, NamespaceId};
 
-use super::harness::{status_of, with_sgl, HostQueue, TestHost, DEADLINE};
+use super::harness::{block_count, status_of, with_sgl, HostQueue, TestHost, DEADLINE};
 use crate::{Backing, EmuConfig, FaultAction, FaultPlan, FaultRule, NamespaceConfig, QueueFilter};
 
 fn memory_config() -> EmuConfig {
@@ -19,13 +19,13 @@ fn memory_config() -> EmuConfig {
 fn write_block(host: &TestHost, queue: &mut HostQueue, lba: u64, byte: u8) {
     let source = host.buffer(4096);
     source.fill(0, 4096, byte).unwrap();
-    let entry = with_sgl(SubmissionEntry::write(NamespaceId(1), Lba(lba), 1, false), &source, 4096);
+    let entry = with_sgl(SubmissionEntry::write(NamespaceId(1), Lba(lba), block_count(1), false), &source, 4096);
     assert_eq!(status_of(&host.execute_on(queue, entry)), Ok(()));
 }
 
 fn read_block(host: &TestHost, queue: &mut HostQueue, lba: u64) -> Vec<u8> {
     let target = host.buffer(4096);
-    let entry = with_sgl(SubmissionEntry::read(NamespaceId(1), Lba(lba), 1), &target, 4096);
+    let entry = with_sgl(SubmissionEntry::read(NamespaceId(1), Lba(lba), block_count(1)), &target, 4096);
     assert_eq!(status_of(&host.execute_on(queue, entry)), Ok(()));
     let mut out = vec![0u8; 4096];
     target.read(0, &mut out).unwrap();
@@ -93,7 +93,7 @@ fn fault_rules_filter_by_queue_and_opcode() {
     write_block(&host, &mut queue, 0, 5); // not a Read: not counted
     read_block(&host, &mut queue, 0); // first Read
     let target = host.buffer(4096);
-    let second = with_sgl(SubmissionEntry::read(NamespaceId(1), Lba(0), 1), &target, 4096);
+    let second = with_sgl(SubmissionEntry::read(NamespaceId(1), Lba(0), block_count(1)), &target, 4096);
     assert_eq!(status_of(&host.execute_on(&mut queue, second)), Err(internal), "second Read fails");
     read_block(&host, &mut queue, 0);
     let features = host.admin(SubmissionEntry::get_features(nvme_driver::spec::FeatureId::NumberOfQueues));
@@ -136,12 +136,15 @@ fn file_backed_512_byte_blocks_at_unaligned_offsets() {
     let sources: Vec<DmaRegion> = (0..8).map(|_| host.buffer(4096)).collect();
     for (index, source) in sources.iter().enumerate() {
         source.fill(0, 1536, 0x30 + index as u8).unwrap();
-        let entry = with_sgl(SubmissionEntry::write(NamespaceId(2), Lba(1 + 7 * index as u64), 3, true), source, 1536);
+        let entry = with_sgl(SubmissionEntry::write(NamespaceId(2), Lba(1 + 7 * index as u64), block_count(3), true), source, 1536);
         assert_eq!(status_of(&host.execute_on(&mut queue, entry)), Ok(()));
     }
     let targets: Vec<DmaRegion> = (0..8).map(|_| host.buffer(4096)).collect();
     for (index, target) in targets.iter().enumerate() {
-        TestHost::push(&mut queue, with_sgl(SubmissionEntry::read(NamespaceId(2), Lba(1 + 7 * index as u64), 3), target, 1536));
+        TestHost::push(
+            &mut queue,
+            with_sgl(SubmissionEntry::read(NamespaceId(2), Lba(1 + 7 * index as u64), block_count(3)), target, 1536),
+        );
     }
     host.ring_submission(&queue);
     let deadline = Instant::now() + DEADLINE;

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use nvme_driver::spec::SubmissionEntry;
 use nvme_driver::{Lba, NamespaceId};
 
-use super::harness::{status_of, with_sgl, TestHost};
+use super::harness::{block_count, status_of, with_sgl, TestHost};
 use crate::{Backing, EmuConfig};
 
 fn measure(label: &str, config: EmuConfig, write: bool, block_bytes: usize, queue_depth: usize) {
@@ -20,9 +20,9 @@ fn measure(label: &str, config: EmuConfig, write: bool, block_bytes: usize, queu
         let lba = Lba((next % span_blocks) * u64::from(blocks));
         next += 1;
         let entry = if write {
-            SubmissionEntry::write(NamespaceId(1), lba, blocks, false)
+            SubmissionEntry::write(NamespaceId(1), lba, block_count(blocks), false)
         } else {
-            SubmissionEntry::read(NamespaceId(1), lba, blocks)
+            SubmissionEntry::read(NamespaceId(1), lba, block_count(blocks))
         };
         with_sgl(entry, &buffers[index], block_bytes as u32)
     };

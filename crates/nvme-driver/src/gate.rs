@@ -1,0 +1,242 @@
+//! The doorbell gate: how a controller reset and the queue pairs it makes stale agree on who may
+//! still ring a doorbell, and on whether a stale pair's rings may be freed.
+//!
+//! Queue ids are handed out again from 1 after a reset, so a doorbell write from a pair created
+//! before the reset lands on the doorbell of whichever new pair got its id: the controller then
+//! runs that pair's SQ slots (zeroed entries, or stale commands). An epoch check before the
+//! write does not close this: the check can pass, the reset run to completion on another thread
+//! and a new pair take the id, all before the write. So the check and the write happen under the
+//! shared side of a lock, and a reset takes the exclusive side to bump the generation before it
+//! touches CC: once `begin_reset` returned, every doorbell write of an older generation has
+//! landed (on queues the reset is about to delete) and no later one can start.
+//!
+//! The cost on the hot path is one uncontended shared acquisition per doorbell write (one per
+//! submission batch and one per reap batch); queue pairs are owned by one thread each, so the
+//! lock is only contended while a reset waits for it.
+//!
+//! The gate also records which generations' queues are known to be gone from the controller:
+//! a reset that saw CSTS.RDY = 0 after clearing CC.EN deleted every I/O queue (§3.7.2), one that
+//! did not (a timeout, a device that vanished) leaves them possibly live, and a pair of such a
+//! generation must keep its rings allocated forever rather than free memory the controller may
+//! still write. A reset keeps the exclusive side until it knows which ([`ResetGuard`]), so a
+//! pair dropped on another thread in the meantime waits for the answer instead of leaking its
+//! rings on a reset that is about to succeed. That wait is bounded by CAP.TO.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use crate::error::NvmeError;
+use crate::hw::RegisterIo;
+use crate::types::QueueId;
+
+#[derive(Debug, Clone, Copy)]
+struct GateState {
+    /// Bumped by every reset (and by the controller's drop) before it touches CC.
+    generation: u64,
+    /// Every queue created in a generation below this one is gone from the controller: a
+    /// disable that began in this generation reached CSTS.RDY = 0.
+    quiesced_below: u64,
+}
+
+/// Where a queue pair of some generation stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum QueueFate {
+    /// Created in the current generation: the queues exist on the controller.
+    Live,
+    /// A reset since then disabled the controller: the queues are gone, the rings are ours again.
+    Gone,
+    /// A reset since then could not confirm the controller stopped: the queues may still be
+    /// live there, and their rings must never be freed.
+    MaybeLive,
+}
+
+/// Shared by a controller and its queue pairs (see the module documentation).
+#[derive(Debug)]
+pub(crate) struct DoorbellGate {
+    state: RwLock<GateState>,
+    /// A copy of `state.generation` for cheap early checks on submit paths. Never the deciding
+    /// check: that is made under the lock, at the doorbell.
+    generation_hint: AtomicU64,
+}
+
+/// The shared side of the gate, held while a pair deletes its queues, so that a reset cannot
+/// disable the controller under an admin command of a generation it is about to end.
+pub(crate) struct GateHold<'a> {
+    state: RwLockReadGuard<'a, GateState>,
+}
+
+impl GateHold<'_> {
+    pub(crate) fn fate(&self, generation: u64) -> QueueFate {
+        fate(&self.state, generation)
+    }
+}
+
+fn fate(state: &GateState, generation: u64) -> QueueFate {
+    if generation == state.generation {
+        QueueFate::Live
+    } else if generation < state.quiesced_below {
+        QueueFate::Gone
+    } else {
+        QueueFate::MaybeLive
+    }
+}
+
+impl DoorbellGate {
+    pub(crate) fn new() -> Self {
+        Self { state: RwLock::new(GateState { generation: 0, quiesced_below: 0 }), generation_hint: AtomicU64::new(0) }
+    }
+
+    fn read(&self) -> RwLockReadGuard<'_, GateState> {
+        // The state is two integers written together under the lock: a panic elsewhere cannot
+        // leave it torn, so a poisoned lock is still good.
+        self.state.read().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// The current generation (new queue pairs are created in it).
+    pub(crate) fn generation(&self) -> u64 {
+        self.read().generation
+    }
+
+    /// Cheap check for submit paths: false once a reset began after `generation`. A pair that
+    /// passes may still be stale by the time it rings; the doorbell write checks again.
+    pub(crate) fn is_current_hint(&self, generation: u64) -> bool {
+        self.generation_hint.load(Ordering::Acquire) == generation
+    }
+
+    /// Writes `value` to the doorbell at `offset` if `generation` is still current, with the
+    /// check and the write under the shared side of the lock. `fence` runs just before the write
+    /// (the store or full fence the doorbell needs, see `crate::hw`).
+    pub(crate) fn ring(
+        &self,
+        generation: u64,
+        queue: QueueId,
+        registers: &dyn RegisterIo,
+        offset: usize,
+        value: u32,
+        fence: fn(),
+    ) -> Result<(), NvmeError> {
+        let state = self.read();
+        if state.generation != generation {
+            return Err(NvmeError::QueueStale { queue });
+        }
+        fence();
+        registers.write32(offset, value);
+        drop(state);
+        Ok(())
+    }
+
+    /// Holds the shared side (see [`GateHold`]).
+    pub(crate) fn hold(&self) -> GateHold<'_> {
+        GateHold { state: self.read() }
+    }
+
+    /// Where a pair created in `generation` stands now.
+    pub(crate) fn fate(&self, generation: u64) -> QueueFate {
+        fate(&self.read(), generation)
+    }
+
+    /// Ends the current generation: waits for every doorbell write and queue deletion in
+    /// progress, then makes every pair of this and older generations stale. Called before a
+    /// reset or teardown touches CC. The returned guard keeps the exclusive side until the
+    /// caller knows whether the controller stopped, so that no pair decides its rings' fate
+    /// (free or leak) from a reset still in progress.
+    pub(crate) fn begin_reset(&self) -> ResetGuard<'_> {
+        let mut state = self.state.write().unwrap_or_else(|poisoned| poisoned.into_inner());
+        state.generation += 1;
+        self.generation_hint.store(state.generation, Ordering::Release);
+        ResetGuard { state }
+    }
+}
+
+/// The exclusive side of the gate, held by a reset or teardown from the generation bump until
+/// the controller was seen to stop (or the attempt failed). Dropping it without
+/// [`ResetGuard::mark_quiesced`] leaves the older generations' queues possibly live.
+pub(crate) struct ResetGuard<'a> {
+    state: RwLockWriteGuard<'a, GateState>,
+}
+
+impl ResetGuard<'_> {
+    /// Records that the controller reached CSTS.RDY = 0 after CC.EN was cleared in this reset:
+    /// every queue of an older generation is gone.
+    pub(crate) fn mark_quiesced(mut self) {
+        self.state.quiesced_below = self.state.generation;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicU32;
+    use std::sync::{Arc, Barrier};
+    use std::time::Duration;
+
+    /// Registers that record the last doorbell value and sleep inside the write, to widen the
+    /// window between the generation check and the store.
+    #[derive(Default)]
+    struct SlowRegisters {
+        last: AtomicU32,
+    }
+
+    impl RegisterIo for SlowRegisters {
+        fn len(&self) -> usize {
+            0x2000
+        }
+        fn read32(&self, _offset: usize) -> u32 {
+            self.last.load(Ordering::SeqCst)
+        }
+        fn write32(&self, _offset: usize, value: u32) {
+            std::thread::sleep(Duration::from_millis(50));
+            self.last.store(value, Ordering::SeqCst);
+        }
+        fn read64(&self, _offset: usize) -> u64 {
+            0
+        }
+        fn write64(&self, _offset: usize, _value: u64) {}
+    }
+
+    #[test]
+    fn fates_follow_resets_and_quiesce() {
+        // Goal: a pair is live in its generation, gone after a reset that quiesced the
+        // controller, and possibly live after one that did not.
+        let gate = DoorbellGate::new();
+        assert_eq!(gate.fate(0), QueueFate::Live);
+        drop(gate.begin_reset()); // a reset that never saw RDY = 0
+        assert_eq!(gate.fate(0), QueueFate::MaybeLive);
+        assert!(!gate.is_current_hint(0));
+        gate.begin_reset().mark_quiesced(); // a retry that did
+        assert_eq!((gate.fate(0), gate.fate(1), gate.fate(2)), (QueueFate::Gone, QueueFate::Gone, QueueFate::Live));
+        let registers = SlowRegisters::default();
+        assert!(matches!(gate.ring(0, QueueId(1), &registers, 0x1008, 7, || {}), Err(NvmeError::QueueStale { queue: QueueId(1) })));
+        assert_eq!(registers.last.load(Ordering::SeqCst), 0, "a stale pair's doorbell is never written");
+    }
+
+    #[test]
+    fn a_reset_waits_for_a_doorbell_write_in_progress() {
+        // Goal: once begin_reset returns, no doorbell write of the old generation can land.
+        let gate = Arc::new(DoorbellGate::new());
+        let registers = Arc::new(SlowRegisters::default());
+        let started = Arc::new(Barrier::new(2));
+        let ringer = {
+            let (gate, registers, started) = (Arc::clone(&gate), Arc::clone(&registers), Arc::clone(&started));
+            std::thread::spawn(move || {
+                let hold = gate.hold(); // keep the shared side taken until the reset is waiting
+                started.wait();
+                std::thread::sleep(Duration::from_millis(20));
+                drop(hold);
+                gate.ring(0, QueueId(1), &*registers, 0x1008, 9, || {})
+            })
+        };
+        started.wait();
+        drop(gate.begin_reset());
+        let landed_before_reset = registers.last.load(Ordering::SeqCst);
+        let result = ringer.join().expect("ringer thread");
+        match result {
+            // Rang before the reset took the lock: the write had landed when begin_reset returned.
+            Ok(()) => assert_eq!(landed_before_reset, 9),
+            Err(error) => {
+                assert!(matches!(error, NvmeError::QueueStale { .. }));
+                assert_eq!(registers.last.load(Ordering::SeqCst), 0, "no write after the reset");
+            }
+        }
+    }
+}

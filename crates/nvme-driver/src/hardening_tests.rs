@@ -1,0 +1,212 @@
+//! The driver against the scripted fake controller: device data it must not trust (CAP,
+//! Identify Namespace formats, completion SQ heads) and teardown when the controller will not
+//! stop. Each test opens with its goal.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::fake_device::{identify_namespace_bytes, FakeDevice, FakeScript};
+use crate::hw::{DeviceBackend, DmaAllocator};
+use crate::spec::registers::{self, Capabilities};
+use crate::spec::{CompletionEntry, SubmissionEntry};
+use crate::{Controller, ControllerConfig, DataSegment, Lba, NamespaceRefusal, NvmeError, QueueId};
+
+fn config() -> ControllerConfig {
+    ControllerConfig { admin_timeout: Duration::from_millis(200), ..ControllerConfig::default() }
+}
+
+fn bring_up(script: FakeScript) -> (Arc<FakeDevice>, Controller) {
+    let device = FakeDevice::new(script);
+    let controller = Controller::init(device.clone(), config()).expect("bring-up");
+    (device, controller)
+}
+
+/// A raw completion for I/O queue 1.
+fn completion(command_id: u16, sq_head: u16) -> [u8; 16] {
+    CompletionEntry { dw0: 0, dw1: 0, sq_head, sq_id: 1, command_id, status_and_phase: 0 }.to_bytes()
+}
+
+#[test]
+fn cap_mqes_zero_is_refused_instead_of_panicking() {
+    // Goal: MQES = 0 (one-entry queues, reserved by the spec) is an Unsupported error; it used
+    // to panic bring-up (`clamp` with min > max).
+    let capabilities = Capabilities::build(256, 1, 0, 0, 0).0 & !0xFFFF;
+    let device = FakeDevice::new(FakeScript { capabilities, ..FakeScript::default() });
+    let result = Controller::init(device, config());
+    assert!(matches!(result, Err(NvmeError::Unsupported { .. })), "{result:?}");
+}
+
+#[test]
+fn deep_queues_are_capped_so_command_ids_keep_generation_bits() {
+    // Goal: a controller offering 65536 entries gets queues of at most 32768 (beyond that a
+    // command id has no generation bits left); asking for more is a typed error.
+    let script = FakeScript { capabilities: Capabilities::build(65536, 1, 0, 0, 0).0, ..FakeScript::default() };
+    let (_device, controller) = bring_up(script);
+    assert_eq!(controller.max_queue_depth(), 32768);
+    let refused = controller.create_io_queue_pair(32769);
+    assert!(matches!(refused, Err(NvmeError::InvalidQueueDepth { requested: 32769, max: 32768 })), "{refused:?}");
+}
+
+#[test]
+fn namespaces_with_metadata_or_protection_are_refused_with_their_format() {
+    // Goal: a namespace whose format moves metadata (extended LBA here) is not offered for I/O;
+    // asking for it names the format. A data-only namespace next to it is used normally.
+    let mut list = vec![0u8; 4096];
+    list[0..4].copy_from_slice(&1u32.to_le_bytes());
+    list[4..8].copy_from_slice(&2u32.to_le_bytes());
+    list[8..12].copy_from_slice(&3u32.to_le_bytes());
+    let mut protected = identify_namespace_bytes(512, 1024, 0, false);
+    protected[29] = 1; // DPS: protection type 1
+    let script = FakeScript {
+        namespace_list: list,
+        identify_namespaces: vec![identify_namespace_bytes(4096, 1024, 8, true), identify_namespace_bytes(512, 2048, 0, false), protected],
+        ..FakeScript::default()
+    };
+    let (_device, controller) = bring_up(script);
+    assert_eq!(controller.namespaces().len(), 1);
+    assert_eq!(controller.namespaces()[0].id.0, 2);
+    let refused: Vec<_> = controller.refused_namespaces().iter().map(|refused| (refused.id.0, refused.refusal)).collect();
+    assert_eq!(
+        refused,
+        [
+            (1, NamespaceRefusal::Metadata { metadata_bytes: 8, extended_lba: true }),
+            (3, NamespaceRefusal::ProtectionInformation { protection_type: 1 })
+        ]
+    );
+    let error = controller.namespace(crate::NamespaceId(1)).expect_err("refused");
+    assert!(error.to_string().contains("LBA format 0 (4096-byte blocks) with 8 metadata bytes per block interleaved"), "{error}");
+    let mut queue = controller.create_io_queue_pair(8).expect("queue pair");
+    let buffer = controller.dma().allocate(4096).expect("buffer");
+    let read = queue.submit_read(crate::NamespaceId(1), Lba(0), &[DataSegment::new(buffer.iova(), 4096)], 0);
+    assert!(matches!(read, Err(NvmeError::UnsupportedNamespaceFormat(_))), "{read:?}");
+    assert_eq!(queue.in_flight(), 0, "nothing reached the queue");
+}
+
+#[test]
+fn a_completion_naming_an_sq_head_the_controller_cannot_have_reached_is_an_error() {
+    // Goal: after one command was published (tail 1), a completion may report head 0 or 1;
+    // head 5 (inside the ring but past our tail) or 100 (outside it) is a typed error.
+    for bad_head in [5u16, 100] {
+        let script = FakeScript { io_completions: VecDeque::from([completion(0, bad_head)]), ..FakeScript::default() };
+        let (_device, controller) = bring_up(script);
+        let mut queue = controller.create_io_queue_pair(8).expect("queue pair");
+        queue.submit_raw(SubmissionEntry::flush(crate::NamespaceId(1)), 0).expect("submit");
+        queue.ring_doorbell().expect("ring");
+        let reaped = queue.reap(8, |_| {});
+        assert!(
+            matches!(reaped, Err(NvmeError::InvalidSubmissionQueueHead { queue: QueueId(1), reported, head: 0, tail: 1 }) if reported == u32::from(bad_head)),
+            "head {bad_head}: {reaped:?}"
+        );
+    }
+}
+
+#[test]
+fn submission_stops_one_short_of_the_head_the_controller_reported() {
+    // Goal: a controller that completes three commands while reporting that it consumed none
+    // (SQ head still 0) must not get a fourth entry in a ring of four: the tail would meet the
+    // head and the ring would read as empty, losing the three entries it still has to fetch.
+    let script =
+        FakeScript { io_completions: VecDeque::from([completion(0, 0), completion(1, 0), completion(2, 0)]), ..FakeScript::default() };
+    let (_device, controller) = bring_up(script);
+    let mut queue = controller.create_io_queue_pair(4).expect("queue pair");
+    for tag in 0..3 {
+        queue.submit_raw(SubmissionEntry::flush(crate::NamespaceId(1)), tag).expect("submit");
+    }
+    queue.ring_doorbell().expect("ring");
+    assert_eq!(queue.reap(8, |_| {}).expect("reap"), 3);
+    assert_eq!(queue.in_flight(), 0);
+    assert_eq!(queue.free_slots(), 0, "every command slot is free, but the SQ is not");
+    let fourth = queue.submit_raw(SubmissionEntry::flush(crate::NamespaceId(1)), 3);
+    assert!(matches!(fourth, Err(NvmeError::QueueFull { .. })), "{fourth:?}");
+}
+
+#[test]
+fn pairs_of_a_reset_that_never_saw_the_controller_stop_keep_their_rings() {
+    // Goal: if a reset times out waiting for CSTS.RDY = 0, the old queues may still be live:
+    // their pairs become stale, refuse to delete, and leak their rings when dropped. A later
+    // reset that succeeds makes the remaining ones free to go.
+    let (device, mut controller) = bring_up(FakeScript::default());
+    let first = controller.create_io_queue_pair(8).expect("queue pair");
+    let second = controller.create_io_queue_pair(8).expect("queue pair");
+    let rings = [first.submission_iova(), first.completion_iova()];
+    device.update_script(|script| script.disable_completes = false);
+    let reset = controller.reset(false);
+    assert!(matches!(reset, Err(NvmeError::ReadyTimeout { .. })), "{reset:?}");
+    let undeleted = first.delete().expect_err("the queues may still be live");
+    assert!(matches!(undeleted.source, NvmeError::QueueMaybeLive { .. }), "{}", undeleted.source);
+    drop(undeleted);
+    assert_eq!(controller.leaked_queue_pairs(), 1);
+    let pool = device.pool();
+    assert!(rings.iter().all(|iova| pool.translate(*iova, 16).is_ok()), "a ring of a possibly live queue was freed");
+    device.update_script(|script| script.disable_completes = true);
+    controller.reset(false).expect("the second reset sees the controller stop");
+    second.delete().expect("gone with the successful reset");
+    assert_eq!(controller.leaked_queue_pairs(), 1);
+}
+
+#[test]
+fn a_controller_that_cannot_be_disabled_keeps_its_admin_memory() {
+    // Goal: Controller's drop disables the controller; if CSTS.RDY never drops, the admin rings
+    // are leaked rather than freed under a controller that may still write them.
+    let (device, controller) = bring_up(FakeScript::default());
+    let registers = device.registers();
+    let admin_rings = [registers.read64(registers::ASQ), registers.read64(registers::ACQ)];
+    device.update_script(|script| script.disable_completes = false);
+    drop(controller);
+    assert_eq!(registers.read32(registers::CC) & 1, 0, "teardown cleared CC.EN");
+    let pool = device.pool();
+    for iova in admin_rings {
+        assert!(pool.translate(crate::Iova(iova), 16).is_ok(), "admin ring at {iova:#x} was freed while the controller may run");
+    }
+}
+
+#[test]
+fn the_active_namespace_list_is_read_only_while_it_is_well_formed() {
+    // Goal: the list from the device is untrusted: only strictly ascending NSIDs below
+    // FFFFFFFFh are used, up to the first one that breaks the rule.
+    let mut list = vec![0u8; 4096];
+    for (index, nsid) in [1u32, 1, 2].iter().enumerate() {
+        list[index * 4..index * 4 + 4].copy_from_slice(&nsid.to_le_bytes());
+    }
+    let script = FakeScript {
+        namespace_list: list,
+        identify_namespaces: vec![identify_namespace_bytes(4096, 1024, 0, false), identify_namespace_bytes(512, 1024, 0, false)],
+        ..FakeScript::default()
+    };
+    let (device, controller) = bring_up(script);
+    assert_eq!(controller.namespaces().iter().map(|namespace| namespace.id.0).collect::<Vec<_>>(), [1]);
+    // Bring-up identified the controller, the list and NSID 1 once: the duplicate stopped it.
+    assert_eq!(device.counters().commands_by_queue.get(&0).copied(), Some(4), "Identify ×3 and Set Features");
+}
+
+#[test]
+fn a_failed_creation_is_undone_or_its_rings_are_kept() {
+    // Goal: when Create I/O SQ fails after the CQ was created, the driver deletes the CQ and
+    // releases the id; if that delete fails too, the CQ stays on the controller, so the rings are
+    // leaked and the id kept. A Create I/O CQ that never completes may have created the queue:
+    // the same rule applies (here the cleanup cannot even run: the admin queue still holds the
+    // lost command).
+    use crate::spec::status::codes;
+    use crate::spec::{AdminOpcode, NvmeStatus};
+    let internal = NvmeStatus::generic(codes::INTERNAL_ERROR);
+    let (device, controller) = bring_up(FakeScript::default());
+    device.update_script(|script| script.admin_failures = vec![(AdminOpcode::CreateIoSubmissionQueue as u8, internal)]);
+    let failed = controller.create_io_queue_pair(8);
+    assert_eq!(failed.map(|_| ()).expect_err("create SQ fails").status(), Some(internal));
+    assert_eq!(controller.leaked_queue_pairs(), 0, "the CQ was deleted again");
+    device.update_script(|script| {
+        script.admin_failures =
+            vec![(AdminOpcode::CreateIoSubmissionQueue as u8, internal), (AdminOpcode::DeleteIoCompletionQueue as u8, internal)]
+    });
+    assert!(controller.create_io_queue_pair(8).is_err());
+    assert_eq!(controller.leaked_queue_pairs(), 1, "the CQ could not be deleted: its ring is kept");
+    device.update_script(|script| script.admin_failures.clear());
+    let pair = controller.create_io_queue_pair(8).expect("queue pair");
+    assert_eq!(pair.id(), QueueId(2), "queue id 1 still has a CQ on the controller");
+    drop(pair);
+    device.update_script(|script| script.admin_unanswered = vec![AdminOpcode::CreateIoCompletionQueue as u8]);
+    let timed_out = controller.create_io_queue_pair(8);
+    assert!(matches!(timed_out, Err(NvmeError::Timeout { .. })), "{timed_out:?}");
+    assert_eq!(controller.leaked_queue_pairs(), 2, "a CQ that may exist keeps its ring");
+}
