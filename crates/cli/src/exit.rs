@@ -22,3 +22,50 @@ pub fn help_text(checker: bool) -> String {
          {STDOUT_CLOSED} standard output was closed by its reader (e.g. `| head`)."
     )
 }
+
+/// Input the command cannot use: the error a tool returns (through `anyhow` or not) for exit
+/// status [`UNUSABLE_INPUT`]; its text is the whole message, in words.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct Unusable(pub String);
+
+/// Whether an error chain says the input was unusable (an [`Unusable`] anywhere in it).
+pub fn is_unusable(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cause = Some(error);
+    while let Some(current) = cause {
+        if current.is::<Unusable>() {
+            return true;
+        }
+        cause = current.source();
+    }
+    false
+}
+
+/// Prints a command-line parse error the way clap renders it and returns the exit status: help
+/// and version are [`SUCCESS`] (a closed pipe while printing them is not a failure either),
+/// anything else is [`UNUSABLE_INPUT`].
+pub fn report_parse_error(error: &clap::Error) -> u8 {
+    let _ = error.print();
+    if error.use_stderr() {
+        UNUSABLE_INPUT
+    } else {
+        SUCCESS
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("opening the pool")]
+    struct Context(#[source] Unusable);
+
+    #[test]
+    fn unusable_is_found_anywhere_in_a_chain() {
+        // Goal: a tool that wraps an Unusable in context still exits 2; other errors do not.
+        assert!(is_unusable(&Unusable("bad size".into())));
+        assert!(is_unusable(&Context(Unusable("bad size".into()))));
+        assert!(!is_unusable(&std::io::Error::other("disk on fire")));
+    }
+}

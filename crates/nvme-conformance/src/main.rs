@@ -60,10 +60,7 @@ fn parse_device(text: &str) -> Result<DeviceSpec, String> {
 fn main() -> ExitCode {
     let arguments = match Arguments::try_parse() {
         Ok(arguments) => arguments,
-        Err(error) => {
-            let _ = error.print();
-            return ExitCode::from(if error.use_stderr() { exit::UNUSABLE_INPUT } else { exit::SUCCESS });
-        }
+        Err(error) => return ExitCode::from(exit::report_parse_error(&error)),
     };
     match run(arguments).and_then(|passed| Ok(tutti_cli::stdout::flush().map(|()| passed)?)) {
         Ok(true) => ExitCode::SUCCESS,

@@ -275,10 +275,24 @@ impl Index {
     /// joins the free list when its last pin goes (a retrieve may still be reading it). The
     /// caller makes its header Empty on disk. Does nothing to a slot that is not committed.
     pub fn condemn(&mut self, device: u16, slot: u32) {
+        let Some(unpinned) = self.forget_valid(device, slot) else { return };
+        let d = &mut self.devices[usize::from(device)];
+        if unpinned {
+            d.meta[slot as usize].state = SlotUse::Free;
+            d.free.push(slot);
+        } else {
+            d.meta[slot as usize].state = SlotUse::Condemned;
+        }
+    }
+
+    /// Takes a committed slot's blocks out of the map and the LRU list, so no lookup finds them
+    /// again, and stops counting it as valid. Returns whether it was unpinned, or `None` (and
+    /// does nothing) when the slot is not committed; the caller sets its new state.
+    fn forget_valid(&mut self, device: u16, slot: u32) -> Option<bool> {
         let k = self.blocks_per_slot as usize;
         let d = &mut self.devices[usize::from(device)];
         if d.meta[slot as usize].state != SlotUse::Valid {
-            return;
+            return None;
         }
         Self::unlink(d, slot);
         let base = slot as usize * k;
@@ -289,14 +303,11 @@ impl Index {
             }
         }
         d.valid -= 1;
-        let meta = &mut d.meta[slot as usize];
-        if meta.pins == 0 {
+        let unpinned = d.meta[slot as usize].pins == 0;
+        if unpinned {
             d.unpinned_valid -= 1;
-            meta.state = SlotUse::Free;
-            d.free.push(slot);
-        } else {
-            meta.state = SlotUse::Condemned;
         }
+        Some(unpinned)
     }
 
     /// Free or evictable slots on all devices (evictable = committed and not pinned), O(devices).
@@ -405,25 +416,11 @@ impl Index {
     }
 
     fn drop_valid(&mut self, device: u16, slot: u32) {
-        let k = self.blocks_per_slot as usize;
-        let d = &mut self.devices[usize::from(device)];
-        if d.meta[slot as usize].state != SlotUse::Valid {
-            return;
+        if self.forget_valid(device, slot).is_some() {
+            let d = &mut self.devices[usize::from(device)];
+            d.meta[slot as usize].state = SlotUse::Free;
+            d.free.push(slot);
         }
-        Self::unlink(d, slot);
-        let base = slot as usize * k;
-        for key in &mut d.keys[base..base + k] {
-            if *key != 0 {
-                self.map.remove(key);
-                *key = 0;
-            }
-        }
-        d.valid -= 1;
-        if d.meta[slot as usize].pins == 0 {
-            d.unpinned_valid -= 1;
-        }
-        d.meta[slot as usize].state = SlotUse::Free;
-        d.free.push(slot);
     }
 
     pub fn generation_of(&self, device: u16, slot: u32) -> u64 {

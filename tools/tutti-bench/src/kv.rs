@@ -32,7 +32,7 @@ use crate::args::{format_size, Cli, DeviceSpec, OutputFormat};
 use crate::devices::{self, CreatedFiles, DeviceError, KvController, OpenOptions2};
 use crate::report::{CpuTime, ProcessCpu};
 use crate::workloads::{fill_pattern, find_mismatch};
-use crate::{usage, UsageError};
+use crate::{usage, Unusable};
 
 /// How long one layer may take before the run fails.
 const LAYER_TIMEOUT: Duration = Duration::from_secs(60);
@@ -76,7 +76,7 @@ pub struct KvPlan {
 
 impl KvPlan {
     pub fn from_cli(cli: &Cli) -> anyhow::Result<Self> {
-        let model = cli.geometry.resolve(Some(tutti_cli::geometry::DEFAULT_MODEL)).map_err(|error| UsageError(error.to_string()))?;
+        let model = cli.geometry.resolve(Some(tutti_cli::geometry::DEFAULT_MODEL)).map_err(|error| Unusable(error.to_string()))?;
         let pool = match (cli.retrieve_only, cli.keep_pool) {
             (true, _) => PoolMode::RetrieveOnly,
             (false, true) => PoolMode::Keep,
@@ -368,8 +368,8 @@ pub fn run_plan(specs: &[DeviceSpec], plan: &KvPlan, output: OutputFormat, creat
     };
     let listed = specs.iter().map(ToString::to_string).collect::<Vec<_>>().join(",");
     let devices = devices::open_controllers(specs, options, created).map_err(|error| match error {
-        DeviceError::Setup(message) => UsageError(message).into(),
-        DeviceError::Spec(error) => UsageError(error.to_string()).into(),
+        DeviceError::Setup(message) => Unusable(message).into(),
+        DeviceError::Spec(error) => Unusable(error.to_string()).into(),
         error => anyhow::Error::new(error).context(format!("opening {listed}")),
     })?;
     let rig = Rig::build(&devices, &geometry, plan)?;
@@ -471,14 +471,14 @@ fn mapping_form_name(form: MappingForm) -> &'static str {
 /// Words (and an exit status) for a pool the devices hold that this run cannot use.
 fn pool_open_error(error: ObjstoreError, plan: &KvPlan) -> anyhow::Error {
     match error {
-        ObjstoreError::GeometryMismatch { on_disk, registered } => UsageError(format!(
+        ObjstoreError::GeometryMismatch { on_disk, registered } => Unusable(format!(
             "the pool on the devices was formatted for {on_disk}; this run asks for {registered} ({}): give the model options of the run that stored it",
             plan.model.name
         ))
         .into(),
         error @ (ObjstoreError::PoolMembership { .. }
         | ObjstoreError::NewerFormatVersion { .. }
-        | ObjstoreError::OlderFormatVersion { .. }) => UsageError(format!("the devices do not hold one usable pool: {error}")).into(),
+        | ObjstoreError::OlderFormatVersion { .. }) => Unusable(format!("the devices do not hold one usable pool: {error}")).into(),
         error => anyhow::Error::new(error).context("opening the pool on the devices (it is damaged or was never formatted)"),
     }
 }
@@ -505,7 +505,7 @@ impl Rig {
             let params = FormatParams { geometry: *geometry, blocks_per_slot: 1, slot_count_max: None, pool_uuid: None, payload_crc: true };
             format_pool(&targets, &params).map_err(|error| match error {
                 error @ (ObjstoreError::NamespaceTooSmall { .. } | ObjstoreError::InvalidFormat { .. }) => {
-                    UsageError(format!("cannot format a pool on {}: {error}", plan.model.name)).into()
+                    Unusable(format!("cannot format a pool on {}: {error}", plan.model.name)).into()
                 }
                 error => anyhow::Error::new(error).context("formatting the pool"),
             })?;

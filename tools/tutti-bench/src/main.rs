@@ -24,20 +24,11 @@ use tutti_cli::exit;
 use crate::args::Cli;
 
 /// Input the run cannot accept: printed as one line, exit status 2.
-#[derive(Debug)]
-pub struct UsageError(pub String);
-
-impl std::fmt::Display for UsageError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for UsageError {}
+pub use tutti_cli::exit::Unusable;
 
 /// Shorthand for returning a usage error.
 pub fn usage<T>(message: impl Into<String>) -> anyhow::Result<T> {
-    Err(UsageError(message.into()).into())
+    Err(Unusable(message.into()).into())
 }
 
 fn main() -> ExitCode {
@@ -52,7 +43,7 @@ fn main() -> ExitCode {
         Err(error) if tutti_cli::is_stdout_closed(error.as_ref()) => ExitCode::from(exit::STDOUT_CLOSED),
         Err(error) => {
             let _ = tutti_cli::stdout::flush();
-            if let Some(usage) = error.downcast_ref::<UsageError>() {
+            if let Some(usage) = error.downcast_ref::<Unusable>() {
                 eprintln!("tutti-bench: {usage}");
                 ExitCode::from(exit::UNUSABLE_INPUT)
             } else {

@@ -1,4 +1,4 @@
-//! Turning a command line into phases: validation (every refusal is a [`UsageError`]), device
+//! Turning a command line into phases: validation (every refusal is a [`Unusable`]), device
 //! opening, the phases themselves, and the printed configuration and results. Also the
 //! no-argument default run.
 
@@ -15,7 +15,7 @@ use crate::devices::{self, CreatedFiles, Device, DeviceError, OpenOptions2};
 use crate::progress::with_progress;
 use crate::report::{phase_json, phase_text, PhaseResult};
 use crate::workloads::{run_phase, PhasePlan, Progress, VerifyMode};
-use crate::{usage, UsageError};
+use crate::{usage, Unusable};
 
 /// Largest pool file the default run creates, and the share of the free space it may take.
 const DEFAULT_POOL_BYTES_MAX: u64 = 1 << 30;
@@ -151,12 +151,12 @@ fn run_raw(cli: &Cli, specs: &[DeviceSpec], created: &mut CreatedFiles) -> anyho
     let per_device_bytes = cli.size.map(|size| (size + cli.offset).div_ceil(specs.len() as u64));
     let options = OpenOptions2 { writes, create_bytes: per_device_bytes, io_bytes_max: cli.bs, queues: cli.numjobs, lay_out: !writes };
     // Memory devices are checked together: two emu:mem devices may fit one by one, not both.
-    tutti_devices::check_memory(specs).map_err(|error| UsageError(error.to_string()))?;
+    tutti_devices::check_memory(specs).map_err(|error| Unusable(error.to_string()))?;
     let mut devices: Vec<Arc<dyn Device>> = Vec::with_capacity(specs.len());
     for spec in specs {
         let device = devices::open(spec, options, created).map_err(|error| match error {
-            DeviceError::Setup(message) => UsageError(message).into(),
-            DeviceError::Spec(error) => UsageError(error.to_string()).into(),
+            DeviceError::Setup(message) => Unusable(message).into(),
+            DeviceError::Spec(error) => Unusable(error.to_string()).into(),
             error => anyhow::Error::new(error).context(format!("opening {spec}")),
         })?;
         if u64::from(device.block_size_bytes()) > cli.bs || !cli.bs.is_multiple_of(u64::from(device.block_size_bytes())) {
@@ -285,7 +285,7 @@ fn free_bytes(directory: &Path) -> anyhow::Result<u64> {
     // statvfs through std's metadata is not available; ask the filesystem via libc (safe wrapper
     // in the uring module, which holds this binary's unsafe code).
     crate::uring::statvfs_free_bytes(directory)
-        .map_err(|error| UsageError(format!("{}: cannot read free space: {error}", directory.display())).into())
+        .map_err(|error| Unusable(format!("{}: cannot read free space: {error}", directory.display())).into())
 }
 
 fn temporary_pool(directory: Option<&Path>, wanted_bytes: Option<u64>) -> anyhow::Result<TemporaryPool> {
@@ -315,7 +315,7 @@ fn temporary_pool(directory: Option<&Path>, wanted_bytes: Option<u64>) -> anyhow
         None => fitting,
     };
     let file = tempfile::Builder::new().prefix("tutti-bench-pool-").suffix(".img").tempfile_in(&directory).map_err(|error| {
-        UsageError(format!("cannot create a pool file in {}: {error}; pass --directory DIR with a writable directory", directory.display()))
+        Unusable(format!("cannot create a pool file in {}: {error}; pass --directory DIR with a writable directory", directory.display()))
     })?;
     let (file, path) = file.keep().map_err(|error| anyhow::anyhow!("cannot keep the pool file: {error}"))?;
     crate::uring::remove_on_interrupt(&path);

@@ -116,16 +116,7 @@ impl TargetArgs {
 }
 
 /// Input the command cannot use: exit status 2.
-#[derive(Debug)]
-pub(crate) struct Unusable(pub String);
-
-impl std::fmt::Display for Unusable {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for Unusable {}
+pub(crate) use tutti_cli::exit::Unusable;
 
 pub(crate) fn unusable(message: impl Into<String>) -> anyhow::Error {
     Unusable(message.into()).into()
@@ -258,11 +249,7 @@ fn main() -> std::process::ExitCode {
     use std::process::ExitCode;
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
-        Err(error) => {
-            // Help and version go to stdout (a closed pipe is not a failure); usage errors are 2.
-            let _ = error.print();
-            return ExitCode::from(if error.use_stderr() { exit::UNUSABLE_INPUT } else { exit::SUCCESS });
-        }
+        Err(error) => return ExitCode::from(exit::report_parse_error(&error)),
     };
     // Print the error chain ourselves: a user error is not a crash and needs no backtrace.
     match run(cli).and_then(|()| Ok(tutti_cli::stdout::flush()?)) {
@@ -271,13 +258,13 @@ fn main() -> std::process::ExitCode {
         Err(error) => {
             let _ = tutti_cli::stdout::flush();
             eprintln!("error: {error:#}");
-            let unusable = error.chain().any(|cause| {
-                cause.is::<Unusable>()
-                    || matches!(
+            let unusable = exit::is_unusable(error.as_ref())
+                || error.chain().any(|cause| {
+                    matches!(
                         cause.downcast_ref::<scheduler::SchedulerError>(),
                         Some(scheduler::SchedulerError::InvalidConfig { .. } | scheduler::SchedulerError::Timeline { .. })
                     )
-            });
+                });
             ExitCode::from(if unusable { exit::UNUSABLE_INPUT } else { exit::FAILURE })
         }
     }

@@ -46,25 +46,12 @@ enum Command {
 }
 
 /// Input the command cannot use: one line, exit status 2.
-#[derive(Debug)]
-pub struct Unusable(pub String);
-
-impl std::fmt::Display for Unusable {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for Unusable {}
+pub use tutti_cli::exit::Unusable;
 
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
-        Err(error) => {
-            // Help and version go to stdout (a closed pipe is not a failure); usage errors are 2.
-            let _ = error.print();
-            return ExitCode::from(if error.use_stderr() { exit::UNUSABLE_INPUT } else { exit::SUCCESS });
-        }
+        Err(error) => return ExitCode::from(exit::report_parse_error(&error)),
     };
     let system = System::new(cli.sysfs_root, cli.proc_root);
     let result = match cli.command {
@@ -80,7 +67,7 @@ fn main() -> ExitCode {
         Err(error) => {
             let _ = tutti_cli::stdout::flush();
             eprintln!("tutti: {error:#}");
-            let unusable = error.chain().any(|cause| cause.is::<Unusable>());
+            let unusable = exit::is_unusable(error.as_ref());
             ExitCode::from(if unusable { exit::UNUSABLE_INPUT } else { exit::FAILURE })
         }
     }
