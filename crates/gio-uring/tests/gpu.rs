@@ -129,7 +129,7 @@ mod cuda {
             sgl_supported: false,
         };
         let registered = RegisteredMemory::new(
-            [&source_staging, &target_staging].iter().map(|region| IovaRange::new(Iova(region.iova().0), region.len() as u64)).collect(),
+            [&source_staging, &target_staging].iter().map(|region| IovaRange::new(region.iova(), region.len() as u64)).collect(),
         )
         .unwrap();
         let mut queue =

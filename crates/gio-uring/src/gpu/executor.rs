@@ -235,12 +235,7 @@ impl GpuExecutor {
             let host = buffer.host.host_address() as u64;
             let len_bytes = buffer.host.len() as u64;
             register(&mut registrations, MemoryOwner::Dma(buffer.host.clone()), host, len_bytes)?;
-            staging.push(StagingPair {
-                iova: crate::types::Iova(buffer.host.iova().0),
-                host_address: host,
-                gpu_address: buffer.gpu_address,
-                len_bytes,
-            });
+            staging.push(StagingPair { iova: buffer.host.iova(), host_address: host, gpu_address: buffer.gpu_address, len_bytes });
         }
         let mut device_queues = Vec::with_capacity(queues.len());
         let mut addresses = Vec::with_capacity(queues.len());
