@@ -53,7 +53,7 @@ mod cuda {
         BarMapping, DeviceMemory, DmaMode, GpuConfig, GpuExecutor, GpuExecutorConfig, GpuQueueSpec, GpuRuntime, StagingBuffer,
     };
     use gio_uring::{
-        Dependency, Descriptor, DeviceIndex, DeviceInfo, DeviceTable, GioQueue, IocbFailure, IoctxSpec, Iova, IovaRange, LayerIndex, Lba,
+        Dependency, Descriptor, DeviceIndex, DeviceInfo, DeviceTable, GioQueue, IocbFailure, IoctxSpec, IovaRange, LayerIndex, Lba,
         QueueConfig, RegisteredMemory, SmBudget,
     };
     use nvme_driver::hw::{DeviceBackend, DmaRegion};
