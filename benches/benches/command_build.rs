@@ -27,7 +27,8 @@ fn bench(c: &mut Criterion) {
                     let plan = plan_command(black_box(&list), Cursor::default(), 1 << 21, 512, mode).expect("plan").expect("non-empty");
                     let blocks = BlockCount::new((plan.bytes / 512) as u32).expect("at most 2 MiB of 512 B blocks");
                     let mut entry = SubmissionEntry::read(NamespaceId(1), Lba(0), blocks);
-                    build_data_pointer(&mut entry, &list, &plan, mode, ScratchPage::new(&scratch, 0)).expect("build");
+                    build_data_pointer(&mut entry, &list, &plan, mode, ScratchPage::new(&scratch, 0).expect("scratch page"))
+                        .expect("build");
                     black_box(entry)
                 })
             });

@@ -110,6 +110,7 @@ pub fn pattern(key: u64, layer: u32, kind: KvKind, out: &mut [u8]) {
 }
 
 impl Engine {
+    /// Object (layer, kind, block) of the engine's memory: a window that starts at its first byte.
     fn object(&self, layer: u32, kind: KvKind, block: u32) -> DmaRegion {
         let address: Iova = self.registration.object_address(layer, kind, block).unwrap();
         self.dma.translate(address, self.registration.geometry().object_bytes() as usize).unwrap()
@@ -122,9 +123,7 @@ impl Engine {
         for layer in 0..g.layers {
             for kind in [KvKind::Key, KvKind::Value] {
                 pattern(key, layer, kind, &mut bytes);
-                let region = self.object(layer, kind, block);
-                let offset = (self.registration.object_address(layer, kind, block).unwrap().0 - region.iova().0) as usize;
-                region.write(offset, &bytes).unwrap();
+                self.object(layer, kind, block).write(0, &bytes).unwrap();
             }
         }
     }
@@ -133,9 +132,7 @@ impl Engine {
         let g = self.registration.geometry();
         for layer in 0..g.layers {
             for kind in [KvKind::Key, KvKind::Value] {
-                let address = self.registration.object_address(layer, kind, block).unwrap();
-                let region = self.object(layer, kind, block);
-                region.fill((address.0 - region.iova().0) as usize, g.object_bytes() as usize, 0xEE).unwrap();
+                self.object(layer, kind, block).fill(0, g.object_bytes() as usize, 0xEE).unwrap();
             }
         }
     }
@@ -148,9 +145,7 @@ impl Engine {
         for layer in 0..layers {
             for kind in [KvKind::Key, KvKind::Value] {
                 pattern(key, layer, kind, &mut expected);
-                let address = self.registration.object_address(layer, kind, block).unwrap();
-                let region = self.object(layer, kind, block);
-                region.read((address.0 - region.iova().0) as usize, &mut found).unwrap();
+                self.object(layer, kind, block).read(0, &mut found).unwrap();
                 if found != expected {
                     return false;
                 }

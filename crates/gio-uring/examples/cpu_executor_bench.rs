@@ -49,7 +49,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         sgl_supported: true,
     };
     let devices = DeviceTable::new(vec![info; device_count]);
-    let registered = RegisteredMemory::new(vec![IovaRange::new(Iova(buffer.iova().0), buffer.len() as u64)]).ok_or("registration")?;
+    let registered = RegisteredMemory::new(vec![IovaRange::new(buffer.iova(), buffer.len() as u64)]).ok_or("registration")?;
     let queue_config = QueueConfig { depth: 4, ioctx_per_iocb_max: 2048 };
     let executor = if workers == 0 { "CpuExecutor (caller-driven)".to_string() } else { format!("CpuWorkers ({workers} threads)") };
     println!(
@@ -58,7 +58,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         RUN_TIME.as_millis(),
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
-    let run = Run { nsid: namespace.id.0, buffer_iova: buffer.iova().0, device_count };
+    let run = Run { nsid: namespace.id.0, buffer: buffer.iova(), device_count };
     if workers == 0 {
         let queue = GioQueue::init_queue(queue_config, devices, registered, CpuExecutor::new(queue_pairs, 4))?;
         run.measure(queue)?;
@@ -74,7 +74,7 @@ const IOCTX_BYTES: u64 = (BLOCKS_PER_IOCTX * BLOCK_BYTES) as u64;
 
 struct Run {
     nsid: u32,
-    buffer_iova: u64,
+    buffer: Iova,
     device_count: usize,
 }
 
@@ -86,17 +86,20 @@ impl Run {
         let id = queue.get_iocb(1, Dependency::None)?[0];
         let layer_blocks = 2048 * u64::from(BLOCKS_PER_IOCTX);
         for ioctx_count in [1u32, 16, 64, 512, 2048] {
-            let ioctxs: Vec<IoctxSpec> = (0..ioctx_count)
-                .map(|i| IoctxSpec {
-                    device: DeviceIndex((i as usize % self.device_count) as u16),
-                    nsid: self.nsid,
-                    start_lba: Lba(u64::from(i * BLOCKS_PER_IOCTX)),
-                    block_count: BLOCKS_PER_IOCTX,
-                    data: Iova(self.buffer_iova + u64::from(i) * IOCTX_BYTES),
-                    descriptor: Descriptor::SglInline,
-                    force_unit_access: false,
+            let ioctxs = (0..ioctx_count)
+                .map(|i| {
+                    let data = self.buffer.checked_add(u64::from(i) * IOCTX_BYTES).ok_or("IOCTX address overflows")?;
+                    Ok(IoctxSpec {
+                        device: DeviceIndex((i as usize % self.device_count) as u16),
+                        nsid: self.nsid,
+                        start_lba: Lba(u64::from(i * BLOCKS_PER_IOCTX)),
+                        block_count: BLOCKS_PER_IOCTX,
+                        data,
+                        descriptor: Descriptor::SglInline,
+                        force_unit_access: false,
+                    })
                 })
-                .collect();
+                .collect::<Result<Vec<_>, &str>>()?;
             let spec = IocbSpec {
                 opcode: Opcode::Read,
                 user_data: 0,

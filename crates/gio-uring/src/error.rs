@@ -86,6 +86,13 @@ pub enum GioError {
     UnknownEvent { token: crate::types::EventToken },
     #[error("NVMe driver: {context}: {source}")]
     Nvme { context: String, source: nvme_driver::NvmeError },
+    /// The CUDA executor's reset could not delete a detached queue pair: the controller may still
+    /// use its rings, so they are kept (never reused or freed) and no work runs until a later
+    /// reset deletes the pair (or the controller was reset).
+    #[error(
+        "gio device {device}: deleting detached NVMe {queue} failed: {source}; its rings are kept, never reused or freed, and the next          reset retries the deletion"
+    )]
+    UndeletedQueuePair { device: usize, queue: nvme_driver::QueueId, source: nvme_driver::NvmeError },
     /// A feature that needs a component that does not exist yet; never reported as success.
     #[error("unsupported: {what}")]
     Unsupported { what: &'static str },

@@ -12,7 +12,9 @@
 //! - [`cpu_executor`]: the executor that runs IOCBs on the CPU over nvme-driver's queue pairs;
 //! - [`cpu_workers`]: the same on worker threads, each owning the queue pairs of some devices;
 //! - `gpu` (feature `cuda`): CUDA driver detection, kernel loading, green contexts, DMA modes, and
-//!   the CUDA executor over nvme-driver's detached queue pairs.
+//!   the CUDA executor over nvme-driver's detached queue pairs;
+//! - `detached_rings` (feature `cuda`, and tests): one device's detached pair across the CUDA
+//!   executor's resets: an undeleted pair is kept and its rings never reused.
 //!
 //! Status: the CPU executor works over nvme-driver's queue pairs (tested end to end on the
 //! software controller); the CUDA executor is implemented, compiled and unit-tested in its pure
@@ -24,6 +26,8 @@
 pub mod abi;
 pub mod cpu_executor;
 pub mod cpu_workers;
+#[cfg(any(test, feature = "cuda"))]
+mod detached_rings;
 pub mod error;
 pub mod executor;
 #[cfg(feature = "cuda")]

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use gio_uring::abi::Opcode;
 use gio_uring::{
     CpuExecutor, CpuWorkers, Dependency, Descriptor, DeviceIndex, DeviceInfo, DeviceTable, Executor, GioError, GioQueue, IocbFailure,
-    IocbId, IoctxSpec, Iova, IovaRange, LayerIndex, Lba, QueueConfig, RegisteredMemory, SmBudget,
+    IocbId, IoctxSpec, IovaRange, LayerIndex, Lba, QueueConfig, RegisteredMemory, SmBudget,
 };
 use nvme_driver::hw::{DeviceBackend, DmaRegion};
 use nvme_driver::spec::{NvmeStatus as DriverStatus, StatusCodeType};
@@ -60,7 +60,7 @@ fn rig_with<E: Executor>(sgl: bool, queue_pairs: u16, nvme_depth: u32, executor:
     };
     let devices = DeviceTable::new(vec![info; usize::from(queue_pairs)]);
     let registered =
-        RegisteredMemory::new([&source, &target].iter().map(|region| IovaRange::new(Iova(region.iova().0), region.len() as u64)).collect())
+        RegisteredMemory::new([&source, &target].iter().map(|region| IovaRange::new(region.iova(), region.len() as u64)).collect())
             .unwrap();
     let executor = executor(queues);
     let queue = GioQueue::init_queue(QueueConfig { depth: 16, ioctx_per_iocb_max: 2048 }, devices, registered, executor).unwrap();

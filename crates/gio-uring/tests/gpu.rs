@@ -53,7 +53,7 @@ mod cuda {
         BarMapping, DeviceMemory, DmaMode, GpuConfig, GpuExecutor, GpuExecutorConfig, GpuQueueSpec, GpuRuntime, StagingBuffer,
     };
     use gio_uring::{
-        Dependency, Descriptor, DeviceIndex, DeviceInfo, DeviceTable, GioQueue, IocbFailure, IoctxSpec, Iova, IovaRange, LayerIndex, Lba,
+        Dependency, Descriptor, DeviceIndex, DeviceInfo, DeviceTable, GioQueue, IocbFailure, IoctxSpec, IovaRange, LayerIndex, Lba,
         QueueConfig, RegisteredMemory, SmBudget,
     };
     use nvme_driver::hw::{DeviceBackend, DmaRegion};
@@ -129,7 +129,7 @@ mod cuda {
             sgl_supported: false,
         };
         let registered = RegisteredMemory::new(
-            [&source_staging, &target_staging].iter().map(|region| IovaRange::new(Iova(region.iova().0), region.len() as u64)).collect(),
+            [&source_staging, &target_staging].iter().map(|region| IovaRange::new(region.iova(), region.len() as u64)).collect(),
         )
         .unwrap();
         let mut queue =

@@ -22,23 +22,36 @@ pub const PRP_LIST_ENTRIES_MAX: usize = SCRATCH_BYTES / PRP_ENTRY_BYTES;
 /// Most SGL Data Block descriptors in one command's Last Segment.
 pub const SGL_DESCRIPTORS_MAX: usize = SCRATCH_BYTES / SGL_DESCRIPTOR_BYTES;
 
+/// [`NvmeError::UnsupportedLayout`]'s reason for a segment whose bytes would run past the last
+/// device address (untrusted input: the sum must not wrap to a low address).
+const ADDRESS_WRAPS: &str = "segment runs past the end of the device address space";
+
 /// One command's scratch page: a borrowed window of its queue's scratch region (no reference
 /// count is touched per command).
 #[derive(Debug, Clone, Copy)]
 pub struct ScratchPage<'a> {
     region: &'a DmaRegion,
     offset: usize,
+    /// `region.iova() + offset`, computed (checked) when the page is made.
+    iova: Iova,
 }
 
 impl<'a> ScratchPage<'a> {
-    /// The page at `offset` of `region` (which must hold `offset + SCRATCH_BYTES` bytes).
-    pub fn new(region: &'a DmaRegion, offset: usize) -> Self {
-        Self { region, offset }
+    /// The page at `offset` of `region`; [`HwError::OutOfRange`] unless `region` holds
+    /// `offset + SCRATCH_BYTES` bytes (a page past the region would hand the controller an
+    /// address of memory nobody reserved for this command).
+    pub fn new(region: &'a DmaRegion, offset: usize) -> Result<Self, HwError> {
+        let out_of_range = || HwError::OutOfRange { offset, access_len: SCRATCH_BYTES, region_len: region.len() };
+        if offset.checked_add(SCRATCH_BYTES).is_none_or(|end| end > region.len()) {
+            return Err(out_of_range());
+        }
+        let iova = region.iova().checked_add_usize(offset).ok_or_else(out_of_range)?;
+        Ok(Self { region, offset, iova })
     }
 
     /// Device address of the page.
-    pub fn iova(&self) -> u64 {
-        self.region.iova().0 + self.offset as u64
+    pub fn iova(&self) -> Iova {
+        self.iova
     }
 
     /// Copies `bytes` into the page at `at`; never past the page.
@@ -133,7 +146,14 @@ pub fn plan_command(
     // Pages touched, for PRP (PRP1 + list entries).
     let mut prp_pages = 0usize;
     while let Some(segment) = segments.get(cursor.segment) {
-        let address = segment.iova.0 + u64::from(cursor.offset);
+        // A segment that wraps past the last address is no memory at all. Once its end is known
+        // to be an address, every sum below (address + bytes taken from it) stays at or under it.
+        let (Some(address), Some(_end)) =
+            (segment.iova.checked_add(u64::from(cursor.offset)), segment.iova.checked_end(u64::from(segment.len)))
+        else {
+            return Err(NvmeError::UnsupportedLayout { index: cursor.segment, reason: ADDRESS_WRAPS, mode: mode.name() });
+        };
+        let address = address.0;
         let available = u64::from(segment.len - cursor.offset);
         let first = bytes == 0;
         if address % 4 != 0 {
@@ -171,7 +191,8 @@ pub fn plan_command(
                 // PRP1 + one list page of entries (a two-page transfer uses PRP2 directly).
                 if prp_pages + pages > PRP_LIST_ENTRIES_MAX + 1 {
                     let room = PRP_LIST_ENTRIES_MAX + 1 - prp_pages;
-                    take = ((address / PAGE_BYTES + room as u64) * PAGE_BYTES).saturating_sub(address).min(take);
+                    // Up to the end of the room-th page from the one holding `address`.
+                    take = (room as u64 * PAGE_BYTES).saturating_sub(address % PAGE_BYTES).min(take);
                 }
                 if take > 0 {
                     prp_pages += ((address + take).div_ceil(PAGE_BYTES) - address / PAGE_BYTES) as usize;
@@ -223,19 +244,29 @@ fn back_off(segments: &[DataSegment], mut cursor: Cursor, mut bytes: u64) -> Cur
     cursor
 }
 
-/// Visits the (address, length) pieces of a plan in order.
-fn for_each_piece(segments: &[DataSegment], plan: &CommandPlan, mut visit: impl FnMut(u64, u64)) {
+/// Visits the (address, length) pieces of a plan in order; `address + length` never overflows
+/// (a piece that would is [`NvmeError::UnsupportedLayout`], as [`plan_command`] reports it).
+fn for_each_piece(
+    segments: &[DataSegment],
+    plan: &CommandPlan,
+    mode: DataPointerMode,
+    mut visit: impl FnMut(u64, u64),
+) -> Result<(), NvmeError> {
     let mut cursor = plan.start;
     let mut remaining = plan.bytes;
     while remaining > 0 {
-        let Some(segment) = segments.get(cursor.segment) else { return };
-        let available = u64::from(segment.len - cursor.offset).min(remaining);
+        let Some(segment) = segments.get(cursor.segment) else { return Ok(()) };
+        let available = u64::from(segment.len.saturating_sub(cursor.offset)).min(remaining);
         if available > 0 {
-            visit(segment.iova.0 + u64::from(cursor.offset), available);
+            let address = segment.iova.checked_add(u64::from(cursor.offset)).filter(|start| start.checked_end(available).is_some());
+            let address =
+                address.ok_or(NvmeError::UnsupportedLayout { index: cursor.segment, reason: ADDRESS_WRAPS, mode: mode.name() })?;
+            visit(address.0, available);
         }
         remaining -= available;
         cursor = Cursor { segment: cursor.segment + 1, offset: 0 };
     }
+    Ok(())
 }
 
 /// Writes DPTR (and the scratch page when needed) for `plan`; `scratch` is the command slot's page.
@@ -258,7 +289,7 @@ pub fn build_data_pointer(
             entry.set_data_pointer_kind(DataPointerKind::Sgl);
             let mut count = 0usize;
             let mut first = SglDescriptor::default();
-            for_each_piece(segments, plan, |address, len| {
+            for_each_piece(segments, plan, mode, |address, len| {
                 let descriptor = SglDescriptor::data_block(address, len as u32);
                 match count {
                     0 => first = descriptor,
@@ -269,17 +300,17 @@ pub fn build_data_pointer(
                     _ => record(scratch.write(count * SGL_DESCRIPTOR_BYTES, &descriptor.to_bytes())),
                 }
                 count += 1;
-            });
-            entry.dptr = if count <= 1 { first.to_dptr() } else { SglDescriptor::last_segment(scratch.iova(), count as u32).to_dptr() };
+            })?;
+            entry.dptr = if count <= 1 { first.to_dptr() } else { SglDescriptor::last_segment(scratch.iova().0, count as u32).to_dptr() };
         }
         DataPointerMode::Prp => {
             entry.set_data_pointer_kind(DataPointerKind::Prp);
             let mut count = 0usize;
             let mut first_two = [0u64; 2];
-            for_each_piece(segments, plan, |address, len| {
+            for_each_piece(segments, plan, mode, |address, len| {
                 // The first entry may carry an offset; every later one is a page start.
                 let mut page = if count == 0 { address } else { address / PAGE_BYTES * PAGE_BYTES };
-                let end = address + len;
+                let end = address + len; // for_each_piece checked that this is an address
                 while page < end && count <= PRP_LIST_ENTRIES_MAX {
                     match count {
                         0 | 1 => first_two[count] = page,
@@ -290,14 +321,16 @@ pub fn build_data_pointer(
                         _ => record(scratch.write((count - 1) * PRP_ENTRY_BYTES, &page.to_le_bytes())),
                     }
                     count += 1;
-                    page = (page / PAGE_BYTES + 1) * PAGE_BYTES;
+                    // No page starts past the last address, so none is left below `end` either.
+                    let Some(next) = (page / PAGE_BYTES + 1).checked_mul(PAGE_BYTES) else { break };
+                    page = next;
                 }
-            });
+            })?;
             entry.dptr[0] = first_two[0];
             entry.dptr[1] = match count {
                 0 | 1 => 0,
                 2 => first_two[1],
-                _ => scratch.iova(),
+                _ => scratch.iova().0,
             };
         }
     }
@@ -375,12 +408,58 @@ mod tests {
         let pool = crate::hw::DmaPool::identity();
         let scratch = crate::hw::DmaAllocator::allocate(&pool, 4096).unwrap();
         let mut entry = SubmissionEntry::default();
-        build_data_pointer(&mut entry, &segments, &plans[0], DataPointerMode::Prp, ScratchPage::new(&scratch, 0)).unwrap();
+        build_data_pointer(&mut entry, &segments, &plans[0], DataPointerMode::Prp, ScratchPage::new(&scratch, 0).unwrap()).unwrap();
         assert_eq!(entry.dptr[0], 0x10_0200);
         assert_eq!(entry.dptr[1], scratch.iova().0);
         let mut list = [0u8; 16];
         scratch.read(0, &mut list).unwrap();
         assert_eq!(u64::from_le_bytes(list[0..8].try_into().unwrap()), 0x10_1000);
         assert_eq!(u64::from_le_bytes(list[8..16].try_into().unwrap()), 0x10_2000);
+    }
+
+    #[test]
+    fn a_segment_that_wraps_past_the_last_address_is_refused_in_both_modes() {
+        // Goal: a segment whose bytes would run past the last device address (addresses come
+        // from callers, ultimately from IOCTXs) is a typed error, never a command whose data
+        // pointer wrapped around to a low address; a plan made for other segments cannot
+        // smuggle such a segment into build_data_pointer either.
+        let wrapping = [segment(u64::MAX - 4095, 8192)];
+        let pool = crate::hw::DmaPool::identity();
+        let scratch = crate::hw::DmaAllocator::allocate(&pool, 4096).unwrap();
+        for mode in [DataPointerMode::Prp, DataPointerMode::Sgl] {
+            assert!(matches!(plans(&wrapping, 1 << 20, 512, mode), Err(NvmeError::UnsupportedLayout { index: 0, .. })), "{}", mode.name());
+            let plan = plans(&[segment(0x10_0000, 8192)], 1 << 20, 512, mode).unwrap()[0];
+            let mut entry = SubmissionEntry::default();
+            let built = build_data_pointer(&mut entry, &wrapping, &plan, mode, ScratchPage::new(&scratch, 0).unwrap());
+            assert!(matches!(built, Err(NvmeError::UnsupportedLayout { index: 0, .. })), "{}: {built:?}", mode.name());
+        }
+    }
+
+    #[test]
+    fn a_prp_transfer_in_the_last_page_of_the_address_space_ends_without_wrapping() {
+        // Goal: the PRP builder stops at the transfer's end in the topmost page instead of
+        // computing a next page start past the last address.
+        let top_page = u64::MAX - 4095;
+        let segments = [segment(top_page - 4096, 7680)];
+        let plans = plans(&segments, 1 << 20, 512, DataPointerMode::Prp).unwrap();
+        assert_eq!(plans.len(), 1);
+        let pool = crate::hw::DmaPool::identity();
+        let scratch = crate::hw::DmaAllocator::allocate(&pool, 4096).unwrap();
+        let mut entry = SubmissionEntry::default();
+        build_data_pointer(&mut entry, &segments, &plans[0], DataPointerMode::Prp, ScratchPage::new(&scratch, 0).unwrap()).unwrap();
+        assert_eq!(entry.dptr, [top_page - 4096, top_page]);
+    }
+
+    #[test]
+    fn a_scratch_page_must_lie_inside_its_region() {
+        // Goal: a scratch page past the end of its region (which the controller would be
+        // told to read a list from) is refused when it is made, at any offset.
+        let pool = crate::hw::DmaPool::identity();
+        let region = crate::hw::DmaAllocator::allocate(&pool, 2 * SCRATCH_BYTES).unwrap();
+        let second = ScratchPage::new(&region, SCRATCH_BYTES).unwrap();
+        assert_eq!(second.iova(), region.iova().checked_add_usize(SCRATCH_BYTES).unwrap());
+        for offset in [SCRATCH_BYTES + 1, 2 * SCRATCH_BYTES, usize::MAX] {
+            assert!(matches!(ScratchPage::new(&region, offset), Err(HwError::OutOfRange { .. })), "offset {offset}");
+        }
     }
 }

@@ -258,8 +258,9 @@ impl FakeState {
             ring.head = (ring.head + 1) % ring.entries;
             self.submission.insert(queue_id, ring);
             let mut bytes = [0u8; SUBMISSION_ENTRY_BYTES];
-            let fetched = pool.translate(Iova(ring.iova + offset), SUBMISSION_ENTRY_BYTES).and_then(|region| region.read(0, &mut bytes));
-            if fetched.is_err() {
+            let entry_address = Iova(ring.iova).checked_add(offset);
+            let fetched = entry_address.map(|at| pool.translate(at, SUBMISSION_ENTRY_BYTES).and_then(|region| region.read(0, &mut bytes)));
+            if !matches!(fetched, Some(Ok(()))) {
                 return; // a real controller would set CFS; the test sees no completion
             }
             *self.counters.commands_by_queue.entry(queue_id).or_default() += 1;
@@ -280,7 +281,7 @@ impl FakeState {
             entry.status_and_phase = entry.status_and_phase & !1 | u16::from(ring.phase);
         }
         let offset = u64::from(ring.tail) * COMPLETION_ENTRY_BYTES as u64;
-        if let Ok(region) = pool.translate(Iova(ring.iova + offset), COMPLETION_ENTRY_BYTES) {
+        if let Some(Ok(region)) = Iova(ring.iova).checked_add(offset).map(|at| pool.translate(at, COMPLETION_ENTRY_BYTES)) {
             let bytes = entry.to_bytes();
             let dword3 = u32::from_le_bytes([bytes[12], bytes[13], bytes[14], bytes[15]]);
             let _ = region.write(0, &bytes[..CompletionEntry::DWORD3_OFFSET]);

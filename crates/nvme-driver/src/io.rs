@@ -115,12 +115,13 @@ impl IoQueuePair {
         Ok(())
     }
 
-    fn check_range(namespace: &Namespace, start: Lba, blocks: u64) -> Result<(), NvmeError> {
-        let end = start.0.checked_add(blocks);
-        if blocks == 0 || end.is_none_or(|end| end > namespace.size_blocks) {
-            return Err(NvmeError::LbaOutOfRange { namespace: namespace.id, start: start.0, blocks, size_blocks: namespace.size_blocks });
+    /// The end (one past the last block) of `blocks` blocks from `start`, when they are at least
+    /// one and all inside the namespace.
+    fn check_range(namespace: &Namespace, start: Lba, blocks: u64) -> Result<Lba, NvmeError> {
+        match start.checked_add(blocks) {
+            Some(end) if blocks > 0 && end.0 <= namespace.size_blocks => Ok(end),
+            _ => Err(NvmeError::LbaOutOfRange { namespace: namespace.id, start: start.0, blocks, size_blocks: namespace.size_blocks }),
         }
-        Ok(())
     }
 
     /// Counts the commands a transfer needs, validating its layout (no side effects).
@@ -171,7 +172,13 @@ impl IoQueuePair {
             let count = u32::try_from(blocks).ok().and_then(BlockCount::new).ok_or(NvmeError::InvalidBlockCount { blocks })?;
             let mode = self.mode;
             self.queue.submit_with(make(lba, count), tag, |entry, scratch| build_data_pointer(entry, segments, &plan, mode, scratch))?;
-            lba = Lba(lba.0 + blocks);
+            // Inside the range check_range accepted, so this cannot fail; checked all the same.
+            lba = lba.checked_add(blocks).ok_or(NvmeError::LbaOutOfRange {
+                namespace: namespace.id,
+                start: lba.0,
+                blocks,
+                size_blocks: namespace.size_blocks,
+            })?;
             cursor = plan.end;
         }
         Ok(commands)
@@ -221,19 +228,19 @@ impl IoQueuePair {
     ) -> Result<usize, NvmeError> {
         self.check_epoch()?;
         let namespace = self.namespace(namespace)?;
-        Self::check_range(&namespace, start, blocks)?;
+        let end = Self::check_range(&namespace, start, blocks)?;
         let per_command = u64::from(BlockCount::MAX);
         let commands = blocks.div_ceil(per_command);
         if commands > self.queue.free_slots() as u64 {
             return Err(NvmeError::QueueFull { queue: self.queue.id(), depth: self.queue.depth() });
         }
-        let mut lba = start.0;
-        let end = start.0 + blocks; // check_range proved this does not overflow
-        while lba < end {
-            let count = (end - lba).min(per_command);
+        let mut lba = start;
+        // Every step stays below `end`, which check_range proved is a block number.
+        while let Some(left) = end.checked_blocks_from(lba).filter(|&left| left > 0) {
+            let count = left.min(per_command);
             let count = u32::try_from(count).ok().and_then(BlockCount::new).ok_or(NvmeError::InvalidBlockCount { blocks: count })?;
-            self.queue.submit(SubmissionEntry::write_zeroes(namespace.id, Lba(lba), count, deallocate), tag)?;
-            lba += u64::from(count.get());
+            self.queue.submit(SubmissionEntry::write_zeroes(namespace.id, lba, count, deallocate), tag)?;
+            lba = lba.checked_add(u64::from(count.get())).unwrap_or(end);
         }
         Ok(commands as usize)
     }
@@ -256,7 +263,7 @@ impl IoQueuePair {
                 let range = DatasetRange { context_attributes: 0, blocks, start };
                 scratch.write(index * DatasetRange::BYTES, &range.to_bytes())?;
             }
-            entry.dptr = [scratch.iova(), 0];
+            entry.dptr = [scratch.iova().0, 0];
             Ok(())
         })?;
         Ok(1)

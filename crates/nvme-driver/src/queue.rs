@@ -223,10 +223,11 @@ impl QueuePair {
         self.completion.iova()
     }
 
-    /// The scratch page that belongs to `command_id`'s slot.
-    fn scratch_for(&self, command_id: CommandId) -> ScratchPage<'_> {
+    /// The scratch page that belongs to `command_id`'s slot (the scratch region holds one page
+    /// per slot, so this fails only if that allocation was cut short).
+    fn scratch_for(&self, command_id: CommandId) -> Result<ScratchPage<'_>, NvmeError> {
         let slot = usize::from(command_id.0) & ((1 << self.slot_bits) - 1);
-        ScratchPage::new(&self.scratch, slot * SCRATCH_BYTES)
+        Ok(ScratchPage::new(&self.scratch, slot * SCRATCH_BYTES)?)
     }
 
     fn command_id(&self, slot: u16) -> CommandId {
@@ -288,7 +289,7 @@ impl QueuePair {
     ) -> Result<CommandId, NvmeError> {
         let command_id = self.reserve(entry.opcode(), tag)?;
         entry.set_command_id(command_id);
-        let filled = fill(&mut entry, self.scratch_for(command_id));
+        let filled = self.scratch_for(command_id).and_then(|scratch| fill(&mut entry, scratch));
         if let Err(error) = filled.and_then(|()| self.push(&entry)) {
             self.unreserve(command_id);
             return Err(error);

@@ -55,6 +55,8 @@ pub enum ObjstoreError {
     OverlappingRegistration { first: String, second: String },
     #[error("KV registration: {what} at {address:#x} is not aligned to {align_bytes} bytes ({mode} needs it)")]
     MisalignedRegistration { what: String, address: u64, align_bytes: u64, mode: &'static str },
+    #[error("device address arithmetic overflows: {what}")]
+    AddressOverflow { what: String },
     #[error("block id {block} outside the registered pool of {num_blocks} blocks")]
     BlockOutOfRange { block: u32, num_blocks: u32 },
     #[error("layer {layer} past the model's {layers} layers")]

@@ -16,7 +16,7 @@
 
 use std::sync::Arc;
 
-use gio_uring::{Descriptor, Iova as GioIova, IovaRange};
+use gio_uring::{Descriptor, IovaRange};
 use nvme_driver::{DataPointerMode, DmaAllocator, DmaRegion, Iova};
 
 use crate::error::{KvKind, ObjstoreError, Result};
@@ -117,10 +117,12 @@ pub struct MappingTable {
     object_bytes: u64,
     sgl_block_bytes: u64,
     sgl_blocks_per_command: u64,
+    /// SGL table path: the table's first address (the region's), read per block.
+    sgl_table: Iova,
 }
 
-fn gio(iova: Iova) -> GioIova {
-    GioIova(iova.0)
+fn overflow(what: &str) -> ObjstoreError {
+    ObjstoreError::AddressOverflow { what: what.into() }
 }
 
 impl MappingTable {
@@ -150,6 +152,7 @@ impl MappingTable {
             object_bytes: object,
             sgl_block_bytes: 0,
             sgl_blocks_per_command: 0,
+            sgl_table: Iova(0),
             registration,
         };
         match (table.registration.mode(), stride, adjacent) {
@@ -168,25 +171,30 @@ impl MappingTable {
                 table.sgl_blocks_per_command = table.descriptors_per_command / per_block;
                 let pair = per_block * SGL_DESCRIPTOR_BYTES;
                 table.sgl_block_bytes = pair;
-                table.desc_stride_bytes = n * pair;
+                table.desc_stride_bytes = n.checked_mul(pair).ok_or_else(|| too_big("SGL table"))?;
                 // The IOCTX's data field points into the table too (only the segment is read for
                 // an SGL segment, but gio_uring checks data ranges): pad by the longest command.
                 let pad = table.descriptors_per_command * part;
-                let bytes = (layers * n * pair).checked_add(pad).ok_or_else(|| too_big("SGL table"))?;
+                let bytes = layers
+                    .checked_mul(table.desc_stride_bytes)
+                    .and_then(|bytes| bytes.checked_add(pad))
+                    .ok_or_else(|| too_big("SGL table"))?;
                 let region = dma.allocate(usize::try_from(bytes).map_err(|_| too_big("SGL table"))?)?;
                 let mut scratch = Vec::with_capacity((n * pair) as usize);
                 for layer in 0..geometry.layers {
                     scratch.clear();
                     for block in 0..table.registration.num_blocks() {
                         for kind in [KvKind::Key, KvKind::Value] {
-                            let address = table.registration.address_unchecked(layer, kind, block);
+                            let address = table.registration.address(layer, kind, block).ok_or_else(|| overflow("a KV object"))?;
                             for index in 0..parts {
-                                scratch.extend_from_slice(&sgl_data_block(Iova(address.0 + index * part), part as u32));
+                                let piece = address.checked_add(index * part).ok_or_else(|| overflow("a part of a KV object"))?;
+                                scratch.extend_from_slice(&sgl_data_block(piece, part as u32));
                             }
                         }
                     }
                     region.write((u64::from(layer) * table.desc_stride_bytes) as usize, &scratch)?;
                 }
+                table.sgl_table = region.iova();
                 table.region = Some(region);
             }
             (DataPointerMode::Prp, None, _) => {
@@ -214,7 +222,8 @@ impl MappingTable {
                 if part_pages > 2 {
                     let pieces = if adjacent { 1 } else { 2 };
                     table.prp_list_stride_bytes = (entries * PRP_ENTRY_BYTES).next_power_of_two();
-                    table.desc_stride_bytes = n * pieces * table.prp_list_stride_bytes;
+                    table.desc_stride_bytes =
+                        (n * pieces).checked_mul(table.prp_list_stride_bytes).ok_or_else(|| too_big("PRP lists"))?;
                     let bytes = layers.checked_mul(table.desc_stride_bytes).ok_or_else(|| too_big("PRP lists"))?;
                     let region = dma.allocate(usize::try_from(bytes).map_err(|_| too_big("PRP lists"))?)?;
                     let mut scratch = Vec::with_capacity(table.desc_stride_bytes as usize);
@@ -223,10 +232,11 @@ impl MappingTable {
                         for block in 0..table.registration.num_blocks() {
                             let kinds: &[KvKind] = if adjacent { &[KvKind::Key] } else { &[KvKind::Key, KvKind::Value] };
                             for &kind in kinds {
-                                let address = table.registration.address_unchecked(layer, kind, block).0;
+                                let address = table.registration.address(layer, kind, block).ok_or_else(|| overflow("a KV object"))?;
                                 let start = scratch.len();
                                 for page in 1..pages {
-                                    scratch.extend_from_slice(&(address + page * PAGE_BYTES).to_le_bytes());
+                                    let entry = address.checked_add(page * PAGE_BYTES).ok_or_else(|| overflow("a page of a KV object"))?;
+                                    scratch.extend_from_slice(&entry.0.to_le_bytes());
                                 }
                                 scratch.resize(start + table.prp_list_stride_bytes as usize, 0);
                             }
@@ -263,7 +273,7 @@ impl MappingTable {
 
     /// The table's memory range, to register with gio_uring next to the KV tensors.
     pub fn region_range(&self) -> Option<IovaRange> {
-        self.region.as_ref().map(|region| IovaRange::new(gio(region.iova()), region.len() as u64))
+        self.region.as_ref().map(|region| IovaRange::new(region.iova(), region.len() as u64))
     }
 
     /// Commands (IOCTXs) that move one layer of a run of `run` consecutive blocks of one slot
@@ -290,46 +300,61 @@ impl MappingTable {
     /// SGL table path. Allocation-free: the hot path of `prepare_*` calls it per block. A
     /// callback rather than an out-array: writing the pieces to memory and reading them back
     /// in wider loads stalled store forwarding.
+    ///
+    /// Blocks outside the registration are [`ObjstoreError::BlockOutOfRange`]. Inside it, every
+    /// address lies in memory `build` checked (the KV extents, the table), so the checked sums
+    /// here never fail; if one did, it would be [`ObjstoreError::AddressOverflow`], never a
+    /// wrapped address. `emit`'s error ends the walk and is returned.
     #[inline]
-    pub fn for_each_piece(&self, first_block: u32, run: u32, mut emit: impl FnMut(Piece)) {
+    pub fn for_each_piece(&self, first_block: u32, run: u32, mut emit: impl FnMut(Piece) -> Result<()>) -> Result<()> {
+        let num_blocks = self.registration.num_blocks();
+        if u64::from(first_block) + u64::from(run) > u64::from(num_blocks) {
+            return Err(ObjstoreError::BlockOutOfRange { block: first_block.max(num_blocks), num_blocks });
+        }
         let b = u64::from(first_block);
         match self.form {
             MappingForm::SglTable => {
-                let table = self.region.as_ref().map_or(0, |region| region.iova().0);
-                let first = table + b * self.sgl_block_bytes;
+                // b < num_blocks: the offset lies inside the table `build` allocated.
+                let first = self.sgl_table.checked_add(b * self.sgl_block_bytes).ok_or_else(|| overflow("the SGL table"))?;
                 if u64::from(run) <= self.sgl_blocks_per_command {
                     // The common case (MDTS holds the run): one command, as before the split.
-                    let segment = IovaRange::new(gio(Iova(first)), u64::from(run) * self.sgl_block_bytes);
+                    let segment = IovaRange::new(first, u64::from(run) * self.sgl_block_bytes);
                     let descriptor = Descriptor::SglSegment { segment };
-                    emit(Piece { disk_offset_bytes: 0, len_bytes: u64::from(run) * 2 * self.object_bytes, data: Iova(first), descriptor });
-                    return;
+                    return emit(Piece {
+                        disk_offset_bytes: 0,
+                        len_bytes: u64::from(run) * 2 * self.object_bytes,
+                        data: first,
+                        descriptor,
+                    });
                 }
-                self.split_sgl_pieces(first, run, &mut emit);
+                self.split_sgl_pieces(first, run, &mut emit)
             }
             MappingForm::Collapsed => {
-                let base = self.registration.address_unchecked(0, KvKind::Key, first_block);
+                let base = self.registration.address(0, KvKind::Key, first_block).ok_or_else(|| overflow("a KV object"))?;
                 for part in 0..self.parts_per_unit {
                     let offset = part * self.part_bytes;
-                    let data = Iova(base.0 + offset);
-                    let descriptor = self.prp_descriptor(data, first_block, 0, offset);
-                    emit(Piece { disk_offset_bytes: offset, len_bytes: self.part_bytes, data, descriptor });
+                    let data = base.checked_add(offset).ok_or_else(|| overflow("a part of a KV object"))?;
+                    let descriptor = self.prp_descriptor(data, first_block, 0, offset)?;
+                    emit(Piece { disk_offset_bytes: offset, len_bytes: self.part_bytes, data, descriptor })?;
                 }
+                Ok(())
             }
             MappingForm::StridedPair => {
                 let object = self.object_bytes;
                 for (index, kind) in [KvKind::Key, KvKind::Value].into_iter().enumerate() {
-                    let base = self.registration.address_unchecked(0, kind, first_block);
+                    let base = self.registration.address(0, kind, first_block).ok_or_else(|| overflow("a KV object"))?;
                     for part in 0..self.parts_per_unit {
                         let offset = part * self.part_bytes;
-                        let data = Iova(base.0 + offset);
+                        let data = base.checked_add(offset).ok_or_else(|| overflow("a part of a KV object"))?;
                         emit(Piece {
                             disk_offset_bytes: index as u64 * object + offset,
                             len_bytes: self.part_bytes,
                             data,
-                            descriptor: self.prp_descriptor(data, first_block, index as u64, offset),
-                        });
+                            descriptor: self.prp_descriptor(data, first_block, index as u64, offset)?,
+                        })?;
                     }
                 }
+                Ok(())
             }
         }
     }
@@ -339,44 +364,47 @@ impl MappingTable {
     /// common path stays small enough to inline into the per-block loop.
     #[cold]
     #[inline(never)]
-    fn split_sgl_pieces(&self, first: u64, run: u32, emit: &mut dyn FnMut(Piece)) {
+    fn split_sgl_pieces(&self, first: Iova, run: u32, emit: &mut dyn FnMut(Piece) -> Result<()>) -> Result<()> {
         let total = u64::from(run) * 2 * self.parts_per_unit;
         let mut done = 0;
         while done < total {
             let count = (total - done).min(self.descriptors_per_command);
-            let at = Iova(first + done * SGL_DESCRIPTOR_BYTES);
-            let segment = IovaRange::new(gio(at), count * SGL_DESCRIPTOR_BYTES);
+            let at = first.checked_add(done * SGL_DESCRIPTOR_BYTES).ok_or_else(|| overflow("the SGL table"))?;
+            let segment = IovaRange::new(at, count * SGL_DESCRIPTOR_BYTES);
             emit(Piece {
                 disk_offset_bytes: done * self.part_bytes,
                 len_bytes: count * self.part_bytes,
                 data: at,
                 descriptor: Descriptor::SglSegment { segment },
-            });
+            })?;
             done += count;
         }
+        Ok(())
     }
 
     /// The descriptor for a piece on the non-table paths: SGL inline, or PRP (second page or
     /// the piece's entries in its unit's list). `list` is the unit's list index in its block
     /// (0 for K or a K+V pair, 1 for V); `offset` the piece's byte offset inside the unit.
-    fn prp_descriptor(&self, data: Iova, block: u32, list: u64, offset: u64) -> Descriptor {
+    fn prp_descriptor(&self, data: Iova, block: u32, list: u64, offset: u64) -> Result<Descriptor> {
         if self.registration.mode() == DataPointerMode::Sgl {
-            return Descriptor::SglInline;
+            return Ok(Descriptor::SglInline);
         }
         let pages = self.part_bytes / PAGE_BYTES;
         let prp2 = match (pages, &self.region) {
             (0 | 1, _) => None,
-            (2, _) => Some(IovaRange::new(gio(Iova(data.0 + PAGE_BYTES)), PAGE_BYTES)),
+            (2, _) => Some(IovaRange::new(data.checked_add(PAGE_BYTES).ok_or_else(|| overflow("a part of a KV object"))?, PAGE_BYTES)),
             (_, Some(region)) => {
                 let lists = if self.form == MappingForm::Collapsed { 1 } else { 2 };
                 // Entry i of a unit's list names its page i + 1: a piece from page s takes s..
+                // Inside the list memory `build` allocated for every block of the registration.
                 let first_entry = offset / PAGE_BYTES;
                 let at = (u64::from(block) * lists + list) * self.prp_list_stride_bytes + first_entry * PRP_ENTRY_BYTES;
-                Some(IovaRange::new(gio(Iova(region.iova().0 + at)), (pages - 1) * PRP_ENTRY_BYTES))
+                let entries = region.iova().checked_add(at).ok_or_else(|| overflow("the PRP lists"))?;
+                Some(IovaRange::new(entries, (pages - 1) * PRP_ENTRY_BYTES))
             }
             (_, None) => None,
         };
-        Descriptor::Prp { prp2 }
+        Ok(Descriptor::Prp { prp2 })
     }
 }
 
@@ -454,11 +482,37 @@ mod tests {
         // Per-layer tensors at one stride (the PRP path needs it; SGL takes it as irregular).
         let tensor = object * u64::from(blocks);
         let region = dma.allocate((tensor * 2 * u64::from(geometry.layers)) as usize).unwrap();
-        let base = region.iova().0;
-        let key_bases = (0..u64::from(geometry.layers)).map(|l| Iova(base + 2 * l * tensor)).collect();
-        let value_bases = (0..u64::from(geometry.layers)).map(|l| Iova(base + (2 * l + 1) * tensor)).collect();
+        let base = region.iova();
+        let key_bases = (0..u64::from(geometry.layers)).map(|l| base.checked_add(2 * l * tensor).unwrap()).collect();
+        let value_bases = (0..u64::from(geometry.layers)).map(|l| base.checked_add((2 * l + 1) * tensor).unwrap()).collect();
         let layout = crate::KvLayout::SeparateKv { key_bases, value_bases, block_stride_bytes: object };
         (dma.clone(), KvRegistration::new(geometry, blocks, layout, mode).unwrap(), vec![region])
+    }
+
+    #[test]
+    fn pieces_of_blocks_outside_the_registration_are_an_error_not_an_address() {
+        // Goal: in every form, a run reaching past the registered blocks is refused before
+        // anything is emitted (the SGL table path handed out descriptor addresses past the
+        // table, the other forms addresses past the KV tensors), and an error from `emit`
+        // ends the walk and comes back.
+        for (mode, major) in
+            [(DataPointerMode::Sgl, false), (DataPointerMode::Sgl, true), (DataPointerMode::Prp, true), (DataPointerMode::Prp, false)]
+        {
+            let (dma, registration, _memory) = engine(mode, major, 8);
+            let table = MappingTable::build(registration, &dma, 4, CommandLimits::unlimited(512)).unwrap();
+            let form = table.form();
+            for (first, run) in [(8, 1), (7, 2), (u32::MAX, 1), (u32::MAX, u32::MAX)] {
+                let mut emitted = 0;
+                let result = table.for_each_piece(first, run, |_| {
+                    emitted += 1;
+                    Ok(())
+                });
+                assert!(matches!(result, Err(ObjstoreError::BlockOutOfRange { num_blocks: 8, .. })), "{form:?} {first}+{run}: {result:?}");
+                assert_eq!(emitted, 0, "{form:?} {first}+{run}");
+            }
+            let stopped = table.for_each_piece(6, 2, |_| Err(ObjstoreError::BadRequest { reason: "stop".into() }));
+            assert!(matches!(stopped, Err(ObjstoreError::BadRequest { .. })), "{form:?}: {stopped:?}");
+        }
     }
 
     #[test]
@@ -495,7 +549,12 @@ mod tests {
                 assert_eq!(table.form(), form);
                 let context = format!("{form:?} {mode:?} MDTS {max_transfer} run {run}");
                 let mut pieces = Vec::new();
-                table.for_each_piece(3, run, |piece| pieces.push(piece));
+                table
+                    .for_each_piece(3, run, |piece| {
+                        pieces.push(piece);
+                        Ok(())
+                    })
+                    .unwrap();
                 assert_eq!(pieces.len() as u64, table.commands_per_run(run), "{context}");
                 if max_transfer == 1 << 20 {
                     let per_block = if form == MappingForm::StridedPair { 2 } else { 1 };
@@ -504,7 +563,7 @@ mod tests {
                 }
                 // Memory of the run in disk order: for block j, K then V.
                 let expected_memory: Vec<(u64, u64)> = (0..run)
-                    .flat_map(|j| [KvKind::Key, KvKind::Value].map(|kind| (registration.address_unchecked(0, kind, 3 + j).0, object)))
+                    .flat_map(|j| [KvKind::Key, KvKind::Value].map(|kind| (registration.address(0, kind, 3 + j).unwrap().0, object)))
                     .collect();
                 let mut disk = 0;
                 let mut memory: Vec<(u64, u64)> = Vec::new();
@@ -518,7 +577,7 @@ mod tests {
                     };
                     match piece.descriptor {
                         Descriptor::SglSegment { segment } => {
-                            let region = dma.translate(Iova(segment.start.0), segment.len_bytes as usize).unwrap();
+                            let region = dma.translate(segment.start, segment.len_bytes as usize).unwrap();
                             let mut bytes = vec![0u8; segment.len_bytes as usize];
                             region.read(0, &mut bytes).unwrap();
                             let mut total = 0;
@@ -539,7 +598,7 @@ mod tests {
                                 (2, Some(second)) => push(second.start.0, PAGE_BYTES),
                                 (_, Some(list)) => {
                                     assert_eq!(list.len_bytes, (pages - 1) * PRP_ENTRY_BYTES, "{context}");
-                                    let region = dma.translate(Iova(list.start.0), list.len_bytes as usize).unwrap();
+                                    let region = dma.translate(list.start, list.len_bytes as usize).unwrap();
                                     let mut bytes = vec![0u8; list.len_bytes as usize];
                                     region.read(0, &mut bytes).unwrap();
                                     for entry in bytes.chunks_exact(8) {

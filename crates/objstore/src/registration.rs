@@ -37,7 +37,7 @@ pub struct KvRegistration {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Extent {
     pub name: String,
-    pub start: u64,
+    pub start: Iova,
     pub len_bytes: u64,
 }
 
@@ -135,8 +135,8 @@ impl KvRegistration {
         let overflow = |name: &str| ObjstoreError::InvalidRegistration { reason: format!("{name} runs past the end of the address space") };
         let extent = |name: String, start: Iova, len: Option<u64>| -> Result<Extent> {
             let len_bytes = len.ok_or_else(|| overflow(&name))?;
-            start.0.checked_add(len_bytes).ok_or_else(|| overflow(&name))?;
-            Ok(Extent { name, start: start.0, len_bytes })
+            start.checked_end(len_bytes).ok_or_else(|| overflow(&name))?;
+            Ok(Extent { name, start, len_bytes })
         };
         let tensor_len = |stride: u64, count: u64| stride.checked_mul(count - 1).and_then(|v| v.checked_add(object));
         match &self.layout {
@@ -192,29 +192,37 @@ impl KvRegistration {
         Ok(())
     }
 
-    /// Device address of object (layer, kind, block). Cannot overflow: `new` checked every extent.
+    /// Device address of object (layer, kind, block). Inside the registration it cannot
+    /// overflow (`new` checked every extent); the sums are checked all the same.
     pub fn object_address(&self, layer: u32, kind: KvKind, block: u32) -> Result<Iova> {
         self.check_layer(layer)?;
         self.check_block(block)?;
-        Ok(self.address_unchecked(layer, kind, block))
+        self.address(layer, kind, block)
+            .ok_or_else(|| ObjstoreError::AddressOverflow { what: format!("object (layer {layer}, {kind}, block {block})") })
     }
 
-    pub(crate) fn address_unchecked(&self, layer: u32, kind: KvKind, block: u32) -> Iova {
+    /// Device address of object (layer, kind, block) with checked sums, for callers that
+    /// checked the block themselves (the mapping table's per-block path): `None` for a layer the
+    /// model does not have or an address past the last one (a block far outside the pool).
+    pub(crate) fn address(&self, layer: u32, kind: KvKind, block: u32) -> Option<Iova> {
         let b = u64::from(block);
         let l = layer as usize;
-        let object = self.geometry.object_bytes();
         match &self.layout {
             KvLayout::SeparateKv { key_bases, value_bases, block_stride_bytes } => {
-                let base = if kind == KvKind::Key { key_bases[l] } else { value_bases[l] };
-                Iova(base.0 + b * block_stride_bytes)
+                let bases = if kind == KvKind::Key { key_bases } else { value_bases };
+                bases.get(l)?.checked_add(b.checked_mul(*block_stride_bytes)?)
             }
             KvLayout::FusedPerLayer { layer_bases, block_stride_bytes } => {
-                let slot = if kind == KvKind::Key { b } else { u64::from(self.num_blocks) + b };
-                Iova(layer_bases[l].0 + slot * block_stride_bytes)
+                let slot = if kind == KvKind::Key { b } else { u64::from(self.num_blocks).checked_add(b)? };
+                layer_bases.get(l)?.checked_add(slot.checked_mul(*block_stride_bytes)?)
             }
             KvLayout::BlockMajor { base, block_stride_bytes } => {
+                if layer >= self.geometry.layers {
+                    return None;
+                }
                 let index = 2 * u64::from(layer) + u64::from(kind == KvKind::Value);
-                Iova(base.0 + b * block_stride_bytes + index * object)
+                let offset = b.checked_mul(*block_stride_bytes)?.checked_add(index.checked_mul(self.geometry.object_bytes())?)?;
+                base.checked_add(offset)
             }
         }
     }
@@ -251,8 +259,9 @@ fn check_overlap(extents: &[Extent]) -> Result<()> {
     let mut sorted: Vec<&Extent> = extents.iter().collect();
     sorted.sort_by_key(|extent| extent.start);
     for pair in sorted.windows(2) {
-        if pair[0].start + pair[0].len_bytes > pair[1].start {
-            let describe = |e: &Extent| format!("{} [{:#x}, +{:#x})", e.name, e.start, e.len_bytes);
+        // `extents` checked every end; one that overflowed would overlap everything above it.
+        if pair[0].start.checked_end(pair[0].len_bytes).is_none_or(|end| end > pair[1].start) {
+            let describe = |e: &Extent| format!("{} [{:#x}, +{:#x})", e.name, e.start.0, e.len_bytes);
             return Err(ObjstoreError::OverlappingRegistration { first: describe(pair[0]), second: describe(pair[1]) });
         }
     }
@@ -328,5 +337,27 @@ mod tests {
         assert!(matches!(ok.object_address(0, KvKind::Key, 8), Err(ObjstoreError::BlockOutOfRange { block: 8, num_blocks: 8 })));
         assert!(matches!(ok.object_address(4, KvKind::Key, 0), Err(ObjstoreError::LayerOutOfRange { layer: 4, layers: 4 })));
         assert!(KvRegistration::new(geometry(), 0, separate(0x10_0000, 0x20_0000, 0x1_0000), DataPointerMode::Sgl).is_err());
+    }
+
+    #[test]
+    fn addresses_outside_the_registration_are_none_not_a_panic_or_a_wrapped_address() {
+        // Goal: the per-block address has no unchecked step: a layer the model lacks is `None`
+        // (it indexed the base list, a panic, or for block-major pools gave an address in the
+        // next block), and so is a block whose offset runs past the last address (it wrapped).
+        let sep = KvRegistration::new(geometry(), 8, separate(0x10_0000, 0x20_0000, 0x1_0000), DataPointerMode::Sgl).unwrap();
+        assert_eq!(sep.address(4, KvKind::Value, 0), None);
+        assert_eq!(sep.address(3, KvKind::Value, 7), Some(Iova(0x20_0000 + 3 * 0x1_0000 + 7 * 4096)));
+        let major = KvLayout::BlockMajor { base: Iova(0x100_0000), block_stride_bytes: 8 * 4096 };
+        let major = KvRegistration::new(geometry(), 8, major, DataPointerMode::Sgl).unwrap();
+        assert_eq!(major.address(4, KvKind::Key, 0), None);
+        // One block at a 2^40-byte stride is a valid registration; block 2^32 - 1 lies 2^72 bytes on.
+        let wide = KvLayout::SeparateKv {
+            key_bases: (0..4).map(|l| Iova(0x10_0000 + l * 0x1_0000)).collect(),
+            value_bases: (0..4).map(|l| Iova(0x20_0000 + l * 0x1_0000)).collect(),
+            block_stride_bytes: 1 << 40,
+        };
+        let wide = KvRegistration::new(geometry(), 1, wide, DataPointerMode::Sgl).unwrap();
+        assert_eq!(wide.address(0, KvKind::Key, u32::MAX), None);
+        assert!(matches!(wide.object_address(0, KvKind::Key, u32::MAX), Err(ObjstoreError::BlockOutOfRange { .. })));
     }
 }

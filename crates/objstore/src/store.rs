@@ -198,7 +198,7 @@ impl<E: Executor> QueueLender for GioQueue<E> {
 /// one buffer to the per-layer rule (a PRP layout at one layer stride spans several). Only KV
 /// extents are merged, so no request can run from the KV memory into the mapping table.
 fn kv_ranges(extents: &[crate::registration::Extent]) -> Vec<IovaRange> {
-    let mut sorted: Vec<IovaRange> = extents.iter().map(|e| IovaRange::new(gio_uring::Iova(e.start), e.len_bytes)).collect();
+    let mut sorted: Vec<IovaRange> = extents.iter().map(|e| IovaRange::new(e.start, e.len_bytes)).collect();
     sorted.sort_by_key(|range| range.start);
     let mut merged: Vec<IovaRange> = Vec::with_capacity(sorted.len());
     for range in sorted {
@@ -567,19 +567,24 @@ impl<E: Executor> KvStore<E> {
             // narrower (a store-forwarding stall once the closure had to live in memory).
             let (nsid, addressing) = &self.addressing[usize::from(first.device)];
             let (nsid, lba_shift) = (*nsid, addressing.lba_shift);
-            let start = addressing.block_lba(first.slot, u32::from(first.index));
+            let start = Lba(addressing.block_lba(first.slot, u32::from(first.index)));
             let ioctxs = &mut self.ioctxs;
             self.table.for_each_piece(engine_block, run as u32, move |piece| {
+                // Inside the slot, which the superblock check at open placed in the namespace.
+                let start_lba = start
+                    .checked_add(piece.disk_offset_bytes >> lba_shift)
+                    .ok_or_else(|| ObjstoreError::AddressOverflow { what: format!("the LBA of a piece of slot {}", first.slot) })?;
                 ioctxs.push(IoctxSpec {
                     device: DeviceIndex(first.device),
                     nsid,
-                    start_lba: Lba(start + (piece.disk_offset_bytes >> lba_shift)),
+                    start_lba,
                     block_count: (piece.len_bytes >> lba_shift) as u32,
-                    data: gio_uring::Iova(piece.data.0),
+                    data: piece.data,
                     descriptor: piece.descriptor,
                     force_unit_access: false,
-                })
-            });
+                });
+                Ok(())
+            })?;
             i += run;
         }
         let per_iocb = self.config.ioctx_per_iocb_max as usize;

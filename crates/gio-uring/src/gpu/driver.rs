@@ -242,7 +242,7 @@ impl HostRegistration {
     pub fn register(owner: MemoryOwner, host_start: u64, len_bytes: u64) -> Result<Self, GioError> {
         let (owned_start, owned_len) =
             owner.page_span().ok_or_else(|| GioError::InvalidConfig { reason: "host memory wraps the address space".into() })?;
-        let inside = host_start % super::plan::PAGE_BYTES == 0
+        let inside = host_start.is_multiple_of(super::plan::PAGE_BYTES)
             && host_start >= owned_start
             && host_start.checked_add(len_bytes).is_some_and(|end| end <= owned_start + owned_len);
         if !inside || len_bytes == 0 {
@@ -395,7 +395,7 @@ impl DeviceMemory {
     }
 
     fn check_range(&self, offset: usize, len: usize) -> Result<(), GioError> {
-        if offset.checked_add(len).map_or(true, |end| end > self.len_bytes) {
+        if offset.checked_add(len).is_none_or(|end| end > self.len_bytes) {
             return Err(GioError::InvalidConfig {
                 reason: format!("copy of {len} bytes at {offset} outside a {}-byte GPU allocation", self.len_bytes),
             });

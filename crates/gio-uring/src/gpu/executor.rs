@@ -29,6 +29,9 @@
 //! hold commands the kernel no longer tracks. The executor waits (bounded) for the stream to
 //! drain, deletes and recreates every detached queue pair on the same rings, rewrites the kernel
 //! state, and only then posts the CQEs, so that nothing can be issued onto a dirty queue pair.
+//! A pair whose deletion fails is kept with its rings, which are not reused
+//! ([`GioError::UndeletedQueuePair`], see `detached_rings.rs`); the launch then stays unretired,
+//! so every later `poll` or `submit` retries the reset and no kernel runs until it succeeds.
 
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
@@ -36,13 +39,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use nvme_driver::spec::{COMPLETION_ENTRY_BYTES, SUBMISSION_ENTRY_BYTES};
-use nvme_driver::{Controller, DetachedQueuePair, DmaRegion};
+use nvme_driver::{Controller, DmaRegion};
 
 use super::driver::{self, BarMapping, CallerEvent, CopyDirection, DeviceMemory, Event, HostRegistration, MemoryOwner};
 use super::plan::{self, CopyRun, GridLimits, LaunchAddresses, SpanLookup, StagedIoctx, StagingPair, StateLayout};
 use super::retire::{self, sq_entry};
 use super::{DmaMode, GpuRuntime};
 use crate::abi::{self, gio_ring_header};
+use crate::detached_rings::DetachedRings;
 use crate::error::GioError;
 use crate::executor::{Executor, IssueBatch};
 use crate::layout::{QueueMemory, RingLayout};
@@ -99,14 +103,11 @@ impl Default for GpuExecutorConfig {
 
 #[derive(Debug)]
 struct DeviceQueue {
-    controller: Arc<Controller>,
-    pair: Option<DetachedQueuePair>,
-    submission: DmaRegion,
-    completion: DmaRegion,
+    /// The rings and the detached pair on them, kept across resets.
+    rings: DetachedRings,
     rings_gpu: (u64, u64),
     bar_gpu: u64,
     bar_len_bytes: usize,
-    depth: u32,
 }
 
 /// An event issues may depend on.
@@ -235,12 +236,7 @@ impl GpuExecutor {
             let host = buffer.host.host_address() as u64;
             let len_bytes = buffer.host.len() as u64;
             register(&mut registrations, MemoryOwner::Dma(buffer.host.clone()), host, len_bytes)?;
-            staging.push(StagingPair {
-                iova: crate::types::Iova(buffer.host.iova().0),
-                host_address: host,
-                gpu_address: buffer.gpu_address,
-                len_bytes,
-            });
+            staging.push(StagingPair { iova: buffer.host.iova(), host_address: host, gpu_address: buffer.gpu_address, len_bytes });
         }
         let mut device_queues = Vec::with_capacity(queues.len());
         let mut addresses = Vec::with_capacity(queues.len());
@@ -268,23 +264,12 @@ impl GpuExecutor {
             )?;
             let bar = &spec.bar;
             let bar_gpu = register(&mut registrations, MemoryOwner::Bar(bar.clone()), bar.host_address() as u64, bar.len_bytes() as u64)?;
-            let pair = spec
-                .controller
-                .create_detached_queue_pair(spec.depth, Some((submission.clone(), completion.clone())))
+            let (rings, layout) = DetachedRings::create(spec.controller, submission, completion, spec.depth)
                 .map_err(nvme_error(context("create detached queue pair")))?;
-            addresses.push(plan::queue_pair_addresses(&pair.layout(), (sq_gpu, cq_gpu), bar_gpu, bar.len_bytes())?);
-            device_queues.push(DeviceQueue {
-                controller: spec.controller,
-                pair: Some(pair),
-                submission,
-                completion,
-                rings_gpu: (sq_gpu, cq_gpu),
-                bar_gpu,
-                bar_len_bytes: bar.len_bytes(),
-                depth: spec.depth,
-            });
+            addresses.push(plan::queue_pair_addresses(&layout, (sq_gpu, cq_gpu), bar_gpu, bar.len_bytes())?);
+            device_queues.push(DeviceQueue { rings, rings_gpu: (sq_gpu, cq_gpu), bar_gpu, bar_len_bytes: bar.len_bytes() });
         }
-        let depths: Vec<u32> = device_queues.iter().map(|queue| queue.depth).collect();
+        let depths: Vec<u32> = device_queues.iter().map(|queue| queue.rings.depth()).collect();
         let state_layout = StateLayout::new(&depths);
         let state = DeviceMemory::allocate(state_layout.total_bytes)?;
         let state_image = plan::state_image(&state_layout, &addresses, state.address());
@@ -372,20 +357,33 @@ impl GpuExecutor {
 
     /// Deletes and recreates every detached queue pair on its rings and rewrites the kernel state,
     /// once the stream has drained (no kernel may be using a queue pair while it is replaced).
+    ///
+    /// A pair whose deletion fails is kept and its rings are left alone
+    /// ([`GioError::UndeletedQueuePair`]); the other pairs are still replaced. The state reaches
+    /// the GPU, and the reset counts as done, only once every pair was replaced: until then the
+    /// caller's launch stays unretired, so the next `poll` or `submit` calls this again, which
+    /// retries the kept deletions and leaves the pairs already replaced for this reset alone.
     fn reset_queue_pairs(&mut self) -> Result<(), GioError> {
         self.drain_stream()?;
+        let generation = self.reset_generation + 1;
+        let mut failure = None;
         for (index, queue) in self.queues.iter_mut().enumerate() {
-            drop(queue.pair.take()); // deletes the SQ and CQ; outstanding commands are aborted
-            let pair = queue
-                .controller
-                .create_detached_queue_pair(queue.depth, Some((queue.submission.clone(), queue.completion.clone())))
-                .map_err(nvme_error(format!("gio device {index}: recreate detached queue pair")))?;
-            let addresses = plan::queue_pair_addresses(&pair.layout(), queue.rings_gpu, queue.bar_gpu, queue.bar_len_bytes)?;
-            plan::write_queue_pair_state(&mut self.state_image, &self.state_layout, index, &addresses, self.state.address());
-            queue.pair = Some(pair);
+            match queue.rings.replace(index, generation) {
+                Ok(layout) => {
+                    let addresses = plan::queue_pair_addresses(&layout, queue.rings_gpu, queue.bar_gpu, queue.bar_len_bytes)?;
+                    plan::write_queue_pair_state(&mut self.state_image, &self.state_layout, index, &addresses, self.state.address());
+                }
+                Err(error) => {
+                    tracing::error!(device = index, %error, "gio-uring: the GPU's NVMe queue pair was not replaced; no kernel runs until it is");
+                    failure.get_or_insert(error);
+                }
+            }
+        }
+        if let Some(error) = failure {
+            return Err(error);
         }
         self.state.copy_from_host(0, &self.state_image)?;
-        self.reset_generation += 1;
+        self.reset_generation = generation;
         tracing::warn!(resets = self.reset_generation, "gio-uring: reset the GPU's NVMe queue pairs after a kernel timeout");
         Ok(())
     }
@@ -556,8 +554,22 @@ impl Executor for GpuExecutor {
     }
 
     fn submit(&mut self, memory: &QueueMemory, batch: &IssueBatch) -> Result<(), GioError> {
-        self.runtime.make_current()?;
-        self.retire(memory)?;
+        if let Err(error) = self.runtime.make_current().and_then(|()| self.retire(memory)) {
+            // The batch is on the SQ already: recorded as a launch that never ran, its IOCBs
+            // still complete exactly once, in SQ order (as timed out), once the launches ahead
+            // of it retire (e.g. after a reset that failed here succeeds).
+            let reset_generation = self.reset_generation;
+            if let Some(attached) = self.attached.as_mut() {
+                attached.launches.push_back(Launch {
+                    sq_first: batch.sq_first,
+                    count: batch.count,
+                    event: None,
+                    ran: false,
+                    reset_generation,
+                });
+            }
+            return Err(error);
+        }
         let attached = self.attached.as_mut().ok_or_else(|| executor_error("not attached to a queue".into()))?;
         let event_index = attached
             .free_events

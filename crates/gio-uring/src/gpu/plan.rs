@@ -47,7 +47,7 @@ pub fn queue_pair_addresses(
         });
     }
     let doorbell = |offset: usize, what: &str| -> Result<u64, GioError> {
-        if offset.checked_add(4).map_or(true, |end| end > bar_len_bytes) || offset % 4 != 0 {
+        if offset.checked_add(4).is_none_or(|end| end > bar_len_bytes) || !offset.is_multiple_of(4) {
             return Err(GioError::InvalidConfig {
                 reason: format!("queue {} {what} doorbell at {offset:#x} is outside the {bar_len_bytes}-byte BAR mapping", layout.id.0),
             });
@@ -147,7 +147,10 @@ pub struct GridLimits {
 
 impl GridLimits {
     pub fn validate(&self) -> Result<(), GioError> {
-        if self.threads_per_block == 0 || self.threads_per_block % WARP_LANES != 0 || self.threads_per_block > THREADS_PER_BLOCK_MAX {
+        if self.threads_per_block == 0
+            || !self.threads_per_block.is_multiple_of(WARP_LANES)
+            || self.threads_per_block > THREADS_PER_BLOCK_MAX
+        {
             return Err(GioError::InvalidConfig {
                 reason: format!("{} threads per block is not a multiple of 32 in 32..=1024", self.threads_per_block),
             });

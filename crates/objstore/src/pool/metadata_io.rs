@@ -4,9 +4,9 @@
 use std::time::Duration;
 
 use gio_uring::LENT_COMMAND_TAG;
-use nvme_driver::{DataSegment, DmaRegion, IoQueuePair, Iova, Lba, NamespaceId, NvmeError};
+use nvme_driver::{DataSegment, DmaRegion, HwError, IoQueuePair, Lba, NamespaceId, NvmeError};
 
-use crate::error::Result;
+use crate::error::{ObjstoreError, Result};
 
 /// The tag of every metadata command: it names no IOCB, so on a queue pair lent by an executor
 /// a late completion of ours can never be counted for an IOCTX.
@@ -34,8 +34,26 @@ fn piece_bytes_max(queue: &IoQueuePair, lba_bytes: u64) -> u64 {
     (by_commands.min(METADATA_CHUNK_BYTES) / lba_bytes).max(1) * lba_bytes
 }
 
+/// The segment of `len_bytes` at `offset_bytes` of `region`, bounds-checked: a metadata
+/// transfer never points the controller at memory outside the region it was given.
+fn segment_of(region: &DmaRegion, offset_bytes: u64, len_bytes: u64) -> Result<[DataSegment; 1]> {
+    // A value past usize lies past any region: clamped, subregion refuses it.
+    let offset = usize::try_from(offset_bytes).unwrap_or(usize::MAX);
+    let len = usize::try_from(len_bytes).unwrap_or(usize::MAX);
+    let window = region.subregion(offset, len)?;
+    // Pieces are at most METADATA_CHUNK_BYTES; a segment carries at most u32::MAX bytes.
+    let len = u32::try_from(len_bytes).map_err(|_| HwError::OutOfRange { offset, access_len: len, region_len: region.len() })?;
+    Ok([DataSegment::new(window.iova(), len)])
+}
+
+/// `first + blocks`, or [`ObjstoreError::AddressOverflow`] naming the metadata transfer.
+fn lba_after(first: u64, blocks: u64) -> Result<Lba> {
+    Lba(first).checked_add(blocks).ok_or_else(|| ObjstoreError::AddressOverflow { what: format!("metadata LBA {first} + {blocks} blocks") })
+}
+
 /// Moves `len` bytes between `region` (from `offset`) and the namespace at `lba` (relative LBAs
-/// computed by the caller), piece by piece.
+/// computed by the caller), piece by piece; a range outside `region` is refused
+/// ([`HwError::OutOfRange`]) before anything is submitted.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn transfer_region(
     queue: &mut IoQueuePair,
@@ -52,8 +70,11 @@ pub(crate) fn transfer_region(
     let mut done = 0;
     while done < len {
         let piece = (len - done).min(piece_max);
-        let segment = [DataSegment::new(Iova(region.iova().0 + offset + done), piece as u32)];
-        let start = Lba(lba + done / lba_bytes);
+        let at = offset
+            .checked_add(done)
+            .ok_or_else(|| ObjstoreError::AddressOverflow { what: format!("metadata offset {offset} + {done}") })?;
+        let segment = segment_of(region, at, piece)?;
+        let start = lba_after(lba, done / lba_bytes)?;
         match transfer {
             Transfer::Read => queue.submit_read(namespace, start, &segment, METADATA_TAG),
             Transfer::Write { force_unit_access } => queue.submit_write(namespace, start, &segment, force_unit_access, METADATA_TAG),
@@ -82,8 +103,11 @@ pub(crate) fn write_runs_durably(
         let mut at = first;
         while at < end {
             let blocks = (end - at).min(piece_max);
-            let segment = [DataSegment::new(Iova(region.iova().0 + at * lba_bytes), (blocks * lba_bytes) as u32)];
-            let start = Lba(base_lba + at);
+            let offset = at
+                .checked_mul(lba_bytes)
+                .ok_or_else(|| ObjstoreError::AddressOverflow { what: format!("metadata LBA {at} of {lba_bytes} bytes") })?;
+            let segment = segment_of(region, offset, blocks * lba_bytes)?;
+            let start = lba_after(base_lba, at)?;
             // A full queue refuses before submitting anything: drain it, then submit again.
             match queue.submit_write(namespace, start, &segment, true, METADATA_TAG) {
                 Err(NvmeError::QueueFull { .. }) => {

@@ -80,3 +80,36 @@ fn metadata_transfers_fit_a_small_mdts_and_a_shallow_queue() {
     assert!(region > 63 * 8192, "{region} bytes of headers");
     assert_eq!((report.empty_slots, report.corrupt_headers), (report.slots, 0));
 }
+
+#[test]
+fn a_metadata_transfer_never_reaches_past_its_region() {
+    // Goal: a metadata read or write whose range runs past its DMA region is refused before
+    // anything is submitted. The segment used to be the region's IOVA plus the offset, unchecked,
+    // so the controller moved the bytes into (or out of) whatever memory follows the region:
+    // here the next allocation, which must come through untouched.
+    let config =
+        EmuConfig::default().with_backing(Backing::Memory { bytes: 16 << 20 }).with_namespaces(vec![NamespaceConfig::new(512, None)]);
+    let (device, targets) = start(config);
+    let controller = &targets[0].controller;
+    let mut queue = controller.create_io_queue_pair(METADATA_QUEUE_DEPTH).unwrap();
+    let region = controller.dma().allocate(4096).unwrap();
+    let neighbour = controller.dma().allocate(4096).unwrap();
+    assert_eq!(region.iova().checked_add(4096), Some(neighbour.iova()), "the test needs the two allocations adjacent");
+    neighbour.fill(0, 4096, 0xAB).unwrap();
+    let before = device.stats();
+    let timeout = Duration::from_secs(5);
+    let read = transfer_region(&mut queue, NamespaceId(1), 0, &region, 0, 8192, 512, Transfer::Read, timeout);
+    assert!(matches!(read, Err(ObjstoreError::Dma(nvme_driver::HwError::OutOfRange { .. }))), "{read:?}");
+    let read = transfer_region(&mut queue, NamespaceId(1), 0, &region, 4096, 512, 512, Transfer::Read, timeout);
+    assert!(matches!(read, Err(ObjstoreError::Dma(nvme_driver::HwError::OutOfRange { .. }))), "{read:?}");
+    let write = super::metadata_io::write_runs_durably(&mut queue, NamespaceId(1), 0, &region, [(4, 12)].into_iter(), 512, timeout);
+    assert!(matches!(write, Err(ObjstoreError::Dma(nvme_driver::HwError::OutOfRange { .. }))), "{write:?}");
+    let mut bytes = vec![0u8; 4096];
+    neighbour.read(0, &mut bytes).unwrap();
+    assert!(bytes.iter().all(|&byte| byte == 0xAB), "the neighbouring allocation was overwritten");
+    let after = device.stats();
+    assert_eq!((after.io(NvmOpcode::Read), after.io(NvmOpcode::Write)), (before.io(NvmOpcode::Read), before.io(NvmOpcode::Write)));
+    // Inside the region, the same calls work.
+    transfer_region(&mut queue, NamespaceId(1), 0, &region, 0, 4096, 512, Transfer::Read, timeout).unwrap();
+    super::metadata_io::write_runs_durably(&mut queue, NamespaceId(1), 0, &region, [(4, 8)].into_iter(), 512, timeout).unwrap();
+}

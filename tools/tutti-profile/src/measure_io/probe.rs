@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 
 use gio_uring::abi::Opcode;
 use gio_uring::{
-    CpuWorkers, Dependency, Descriptor, DeviceIndex, DeviceInfo, DeviceTable, GioQueue, IocbId, IocbSpec, IoctxSpec, Iova, IovaRange,
-    LayerIndex, Lba, QueueConfig, RegisteredMemory, SmBudget,
+    CpuWorkers, Dependency, Descriptor, DeviceIndex, DeviceInfo, DeviceTable, GioQueue, IocbId, IocbSpec, IoctxSpec, IovaRange, LayerIndex,
+    Lba, QueueConfig, RegisteredMemory, SmBudget,
 };
 use nvme_driver::datapath::PAGE_BYTES;
 use nvme_driver::DmaRegion;
@@ -176,22 +176,32 @@ impl CpuProbe {
         Ok(Duration::from_secs_f64(sample.duration_us / 1e6))
     }
 
-    fn ioctx(&self, global: u64, workers: u32) -> IoctxSpec {
+    /// IOCTX `global` of the grid: buffer slot `global % buffer_slots`, its addresses taken from
+    /// bounds-checked windows of the buffer and the PRP lists.
+    fn ioctx(&self, global: u64, workers: u32) -> std::result::Result<IoctxSpec, String> {
         let slot = global % self.buffer_slots;
-        let data = Iova(self.buffer.iova().0 + slot * u64::from(self.shape.ioctx_bytes));
+        let window = |region: &DmaRegion, stride_bytes: u64, what: &str| {
+            let offset = slot.checked_mul(stride_bytes).and_then(|offset| usize::try_from(offset).ok()).unwrap_or(usize::MAX);
+            let len = usize::try_from(stride_bytes).unwrap_or(usize::MAX);
+            region.subregion(offset, len).map(|window| window.iova()).map_err(|error| format!("{what} of buffer slot {slot}: {error}"))
+        };
+        let data = window(&self.buffer, u64::from(self.shape.ioctx_bytes), "data")?;
         let descriptor = if self.sgl {
             Descriptor::SglInline
         } else {
             match (&self.prp_lists, u64::from(self.shape.ioctx_bytes).div_ceil(PAGE_BYTES)) {
                 (_, 0 | 1) => Descriptor::Prp { prp2: None },
-                (None, _) => Descriptor::Prp { prp2: Some(IovaRange::new(Iova(data.0 + PAGE_BYTES), PAGE_BYTES)) },
+                (None, _) => {
+                    let second = data.checked_add(PAGE_BYTES).ok_or_else(|| format!("buffer slot {slot}: its second page overflows"))?;
+                    Descriptor::Prp { prp2: Some(IovaRange::new(second, PAGE_BYTES)) }
+                }
                 (Some(lists), _) => {
-                    let start = lists.iova().0 + slot * self.prp_list_bytes;
-                    Descriptor::Prp { prp2: Some(IovaRange::new(Iova(start), self.prp_list_bytes)) }
+                    let start = window(lists, self.prp_list_bytes, "PRP list")?;
+                    Descriptor::Prp { prp2: Some(IovaRange::new(start, self.prp_list_bytes)) }
                 }
             }
         };
-        IoctxSpec {
+        Ok(IoctxSpec {
             device: DeviceIndex((global % u64::from(workers)) as u16),
             nsid: self.backend.namespace.id.0,
             start_lba: Lba((global % self.lba_slots) * u64::from(self.blocks_per_ioctx)),
@@ -199,7 +209,7 @@ impl CpuProbe {
             data,
             descriptor,
             force_unit_access: false,
-        }
+        })
     }
 
     /// Builds the worker threads, queue pairs and filled IOCBs of one (direction, budget).
@@ -223,9 +233,9 @@ impl CpuProbe {
             sgl_supported: self.sgl,
         };
         let devices = DeviceTable::new(vec![info; usize::from(worker_count)]);
-        let mut ranges = vec![IovaRange::new(Iova(self.buffer.iova().0), self.buffer.len() as u64)];
+        let mut ranges = vec![IovaRange::new(self.buffer.iova(), self.buffer.len() as u64)];
         if let Some(lists) = &self.prp_lists {
-            ranges.push(IovaRange::new(Iova(lists.iova().0), lists.len() as u64));
+            ranges.push(IovaRange::new(lists.iova(), lists.len() as u64));
         }
         let registered = RegisteredMemory::new(ranges).ok_or("DMA regions overlap")?;
         let depth = self.shape.iocb_count_max.next_power_of_two().max(2);
@@ -241,7 +251,7 @@ impl CpuProbe {
         let per_iocb = u64::from(self.shape.ioctxs_per_iocb);
         for (index, &id) in ids.iter().enumerate() {
             let first = index as u64 * per_iocb;
-            let ioctxs: Vec<IoctxSpec> = (first..first + per_iocb).map(|global| self.ioctx(global, workers)).collect();
+            let ioctxs = (first..first + per_iocb).map(|global| self.ioctx(global, workers)).collect::<std::result::Result<Vec<_>, _>>()?;
             queue
                 .fill_iocb(id, &IocbSpec::single(opcode, index as u64), &ioctxs)
                 .map_err(|error| format!("filling IOCB {index}: {error}"))?;
@@ -355,11 +365,16 @@ fn write_prp_lists(
     ioctx_bytes: u32,
 ) -> std::result::Result<(), String> {
     let mut entries = Vec::with_capacity((pages as usize - 1) * 8);
+    let ioctx_len = ioctx_bytes as usize;
     for slot in 0..slots {
-        let data = buffer.iova().0 + slot * u64::from(ioctx_bytes);
+        let offset = usize::try_from(slot).ok().and_then(|slot| slot.checked_mul(ioctx_len)).unwrap_or(usize::MAX);
+        let data = buffer.subregion(offset, ioctx_len).map_err(|error| format!("buffer slot {slot}: {error}"))?;
         entries.clear();
         for page in 1..pages {
-            entries.extend_from_slice(&(data + page * PAGE_BYTES).to_le_bytes());
+            // Inside the slot's window: `pages` pages of it exist.
+            let entry =
+                data.subregion((page * PAGE_BYTES) as usize, 1).map_err(|error| format!("buffer slot {slot}, page {page}: {error}"))?;
+            entries.extend_from_slice(&entry.iova().0.to_le_bytes());
         }
         lists.write((slot * list_bytes) as usize, &entries).map_err(|error| error.to_string())?;
     }
