@@ -17,7 +17,7 @@ use crate::gate::ResetGuard;
 use crate::hw::{DeviceBackend, DmaAllocator, DmaRegion, RegisterIo};
 use crate::io::IoQueuePair;
 use crate::namespace::{classify, Namespace, RefusedNamespace};
-use crate::queue::{Completion, QueuePair, QUEUE_DEPTH_MAX};
+use crate::queue::{doorbell_offsets, Completion, QueuePair, QUEUE_DEPTH_MAX};
 use crate::spec::command::{FeatureId, IdentifyCns, LogPageId};
 use crate::spec::identify::parse_active_namespaces;
 use crate::spec::registers::{self, Capabilities, ControllerConfiguration, ControllerStatus, Version};
@@ -288,14 +288,15 @@ impl Controller {
     }
 
     fn identify_raw(&self, cns: IdentifyCns, nsid: u32) -> Result<Vec<u8>, NvmeError> {
-        self.scratch.fill(0, IDENTIFY_BYTES, 0)?;
-        self.admin_command(SubmissionEntry::identify(cns, nsid, self.scratch.iova().0))?;
         let mut bytes = vec![0u8; IDENTIFY_BYTES];
-        self.scratch.read(0, &mut bytes)?;
+        self.admin.execute_with_buffer(SubmissionEntry::identify(cns, nsid, self.scratch.iova().0), &self.scratch, &mut bytes)?;
         Ok(bytes)
     }
 
-    /// Runs one admin command and waits for it (bounded by the configured admin timeout).
+    /// Runs one admin command and waits for it (bounded by the configured admin timeout). A
+    /// command that times out keeps the admin queue: later ones fail with
+    /// [`NvmeError::QueueBusy`] until its late completion arrives or a reset succeeds. A caller
+    /// passing its own data buffer must likewise leave it alone after a timeout.
     pub fn admin_command(&self, entry: SubmissionEntry) -> Result<Completion, NvmeError> {
         self.admin.execute(entry)
     }
@@ -394,7 +395,16 @@ impl Controller {
         DetachedQueuePair::validate_rings(depth, &submission, &completion)?;
         completion.fill(0, depth as usize * COMPLETION_ENTRY_BYTES, 0)?;
         let id = self.admin.reserve_queue_id(self.granted_queue_pairs)?;
-        let stride = self.capabilities.doorbell_stride_log2();
+        // The agent writes these offsets of BAR0 itself: check them as QueuePair::allocate does
+        // for host-driven pairs, before the controller creates anything.
+        let (submission_doorbell_offset, completion_doorbell_offset) =
+            match doorbell_offsets(id, self.capabilities.doorbell_stride_log2(), self.registers.len()) {
+                Ok(offsets) => offsets,
+                Err(error) => {
+                    self.admin.release_queue_id(id);
+                    return Err(error);
+                }
+            };
         let layout = DetachedQueueLayout {
             id,
             depth,
@@ -402,8 +412,8 @@ impl Controller {
             completion_iova: completion.iova(),
             submission_host_address: submission.host_address(),
             completion_host_address: completion.host_address(),
-            submission_doorbell_offset: registers::doorbell_offset(id.0, false, stride),
-            completion_doorbell_offset: registers::doorbell_offset(id.0, true, stride),
+            submission_doorbell_offset,
+            completion_doorbell_offset,
         };
         let generation = self.admin.gate.generation();
         self.create_queues_on_controller(id, depth, submission.iova().0, completion.iova().0, || {
@@ -492,13 +502,13 @@ impl Controller {
         Ok(self.admin_command(SubmissionEntry::get_features(FeatureId::VolatileWriteCache))?.dw0 & 1 == 1)
     }
 
-    /// Reads a log page (at most 4096 bytes) into a new buffer.
+    /// Reads a log page (at most 4096 bytes) into a new buffer. Refused with
+    /// [`NvmeError::QueueBusy`] while an admin command that timed out is still outstanding.
     pub fn log_page(&self, log: LogPageId, bytes: usize) -> Result<Vec<u8>, NvmeError> {
         let bytes = bytes.clamp(4, IDENTIFY_BYTES);
-        self.scratch.fill(0, IDENTIFY_BYTES, 0)?;
-        self.admin_command(SubmissionEntry::get_log_page(log, 0xFFFF_FFFF, (bytes / 4) as u32, self.scratch.iova().0))?;
         let mut data = vec![0u8; bytes];
-        self.scratch.read(0, &mut data)?;
+        let entry = SubmissionEntry::get_log_page(log, 0xFFFF_FFFF, (bytes / 4) as u32, self.scratch.iova().0);
+        self.admin.execute_with_buffer(entry, &self.scratch, &mut data)?;
         Ok(data)
     }
 

@@ -45,6 +45,12 @@ pub enum NvmeError {
     #[error("{queue} is full ({depth} entries): back-pressure, reap completions and retry")]
     QueueFull { queue: QueueId, depth: u32 },
 
+    #[error("{queue} still has {outstanding} command(s) in flight (an earlier command timed out and has not completed): nothing was submitted, and the late command's buffer is left alone; retry once it completes, or reset the controller")]
+    QueueBusy { queue: QueueId, outstanding: usize },
+
+    #[error("the doorbells of {queue} would lie at {offset:#x}, outside BAR0 ({bar_bytes} bytes): CAP.DSTRD is too large for this BAR")]
+    DoorbellOutsideBar { queue: QueueId, offset: usize, bar_bytes: usize },
+
     #[error("{queue} belongs to a controller generation that was reset; create a new queue pair")]
     QueueStale { queue: QueueId },
 

@@ -7,8 +7,8 @@
 //! or clears CSTS.RDY, CC.SHN completes the shutdown, and an SQ tail doorbell fetches the new
 //! entries and posts their completions at once. What it answers comes from a [`FakeScript`]:
 //! CAP, VS, extra CSTS bits, the Identify Controller / Namespace / Active Namespace List data,
-//! Set Features Number of Queues dw0, admin opcodes to fail or leave unanswered, and raw I/O
-//! completion entries. So a test (or a fuzzer, through [`run_fuzz_input`]) can hand the driver
+//! Set Features Number of Queues dw0, admin opcodes to fail or leave unanswered (a test can
+//! answer them later, [`FakeDevice::answer_withheld`]), and raw I/O completion entries. So a test (or a fuzzer, through [`run_fuzz_input`]) can hand the driver
 //! any register file and Identify data a broken or hostile device could produce, deterministically.
 //!
 //! It trusts the driver no more than a device would: unmapped addresses and out-of-range queue
@@ -145,6 +145,9 @@ struct FakeState {
     submission: BTreeMap<u16, SubmissionRing>,
     completion: BTreeMap<u16, CompletionRing>,
     counters: FakeCounters,
+    /// Admin commands fetched and left unanswered (`admin_unanswered`), oldest first, until
+    /// [`FakeDevice::answer_withheld`] or a disable.
+    withheld: Vec<SubmissionEntry>,
 }
 
 /// The scripted controller (see the module documentation).
@@ -171,6 +174,7 @@ impl FakeDevice {
             submission: BTreeMap::new(),
             completion: BTreeMap::new(),
             counters: FakeCounters::default(),
+            withheld: Vec::new(),
         };
         let registers = Arc::new(FakeRegisters { state: Mutex::new(state), pool: Arc::clone(&pool) });
         Arc::new(Self { registers, pool })
@@ -179,6 +183,25 @@ impl FakeDevice {
     /// Changes the script (e.g. makes the next disable hang, queues more raw completions).
     pub fn update_script(&self, change: impl FnOnce(&mut FakeScript)) {
         change(&mut self.registers.lock().script);
+    }
+
+    /// The admin commands the fake fetched and has not answered (their data pointers are where
+    /// a late answer would write), oldest first.
+    pub fn withheld_admin_commands(&self) -> Vec<SubmissionEntry> {
+        self.registers.lock().withheld.clone()
+    }
+
+    /// Answers the withheld admin commands now, as a slow controller finally would: each is
+    /// completed successfully, without data (write the data pointer first to model a late
+    /// transfer). Returns how many were answered.
+    pub fn answer_withheld(&self) -> usize {
+        let mut state = self.registers.lock();
+        let withheld = std::mem::take(&mut state.withheld);
+        for entry in &withheld {
+            let completion = state.completion_for(0, entry, 0, None);
+            state.post(&self.pool, 0, completion, false);
+        }
+        withheld.len()
     }
 
     pub fn counters(&self) -> FakeCounters {
@@ -220,6 +243,7 @@ impl FakeState {
         self.counters.disables += 1;
         self.submission.clear();
         self.completion.clear();
+        self.withheld.clear();
         if self.script.disable_completes {
             self.csts &= !CSTS_READY;
         }
@@ -319,6 +343,9 @@ impl FakeState {
     fn execute_admin(&mut self, pool: &DmaPool, entry: &SubmissionEntry) -> Option<CompletionEntry> {
         let opcode = entry.opcode();
         if self.script.admin_unanswered.contains(&opcode) {
+            // Bounded by the admin queue: a command stays here while its slot stays busy in the
+            // driver, and a disable clears them all.
+            self.withheld.push(*entry);
             return None;
         }
         if let Some(&(_, status)) = self.script.admin_failures.iter().find(|(failing, _)| *failing == opcode) {

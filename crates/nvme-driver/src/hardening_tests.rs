@@ -210,3 +210,56 @@ fn a_failed_creation_is_undone_or_its_rings_are_kept() {
     assert!(matches!(timed_out, Err(NvmeError::Timeout { .. })), "{timed_out:?}");
     assert_eq!(controller.leaked_queue_pairs(), 2, "a CQ that may exist keeps its ring");
 }
+
+#[test]
+fn a_timed_out_admin_command_keeps_its_buffer_until_it_completes() {
+    // Goal: after Get Log Page times out, the controller may still write the page it named. The
+    // next log page must not refill that page (it would race with the late transfer: torn bytes
+    // on hardware, a data race against the software controller); it is refused before anything
+    // is written or submitted, as is any other admin command. Once the late completion
+    // arrives, the admin queue is usable again and the page is the driver's to reuse.
+    use crate::spec::{AdminOpcode, LogPageId};
+    let (device, controller) = bring_up(FakeScript::default());
+    device.update_script(|script| script.admin_unanswered = vec![AdminOpcode::GetLogPage as u8]);
+    let timed_out = controller.log_page(LogPageId::SmartHealth, 512);
+    assert!(matches!(timed_out, Err(NvmeError::Timeout { queue: QueueId(0), .. })), "{timed_out:?}");
+    let withheld = device.withheld_admin_commands();
+    assert_eq!(withheld.len(), 1);
+    // The late transfer lands (or is landing) in the page the command named.
+    let page = device.pool().translate(crate::Iova(withheld[0].dptr[0]), 4096).expect("the log page buffer is mapped");
+    page.fill(0, 4096, 0xA5).unwrap();
+    let fetched = device.counters().commands_by_queue.get(&0).copied();
+    let again = controller.log_page(LogPageId::SmartHealth, 512);
+    assert!(matches!(again, Err(NvmeError::QueueBusy { queue: QueueId(0), outstanding: 1 })), "{again:?}");
+    let mut bytes = vec![0u8; 4096];
+    page.read(0, &mut bytes).unwrap();
+    assert!(bytes.iter().all(|&byte| byte == 0xA5), "the driver wrote the page while the device still owned it");
+    let refused = controller.set_volatile_write_cache(true);
+    assert!(matches!(refused, Err(NvmeError::QueueBusy { .. })), "{refused:?}");
+    assert_eq!(device.counters().commands_by_queue.get(&0).copied(), fetched, "nothing reached the admin queue");
+    // The controller finally answers: the late completion is consumed and the page reused.
+    device.update_script(|script| script.admin_unanswered.clear());
+    assert_eq!(device.answer_withheld(), 1);
+    let log = controller.log_page(LogPageId::SmartHealth, 512).expect("the admin queue is idle again");
+    assert_eq!(log, vec![0u8; 512], "the fake sends no log data: the driver's zeroing shows");
+}
+
+#[test]
+fn a_detached_pair_whose_doorbells_lie_outside_bar0_is_refused() {
+    // Goal: CAP.DSTRD is device data. With a stride of 2 KiB (DSTRD 9) the fake's 8 KiB BAR0
+    // holds the admin doorbells but not queue 1's: a detached pair, whose doorbells another
+    // agent (a GPU kernel) writes with no check of its own, is refused with a typed error
+    // before the controller creates any queue, exactly like a host-driven pair.
+    let script = FakeScript { capabilities: Capabilities::build(256, 1, 9, 0, 0).0, ..FakeScript::default() };
+    let (device, controller) = bring_up(script);
+    let fetched = device.counters().commands_by_queue.get(&0).copied();
+    let detached = controller.create_detached_queue_pair(8, None);
+    assert!(
+        matches!(detached, Err(NvmeError::DoorbellOutsideBar { queue: QueueId(1), offset: 0x2800, bar_bytes: 0x2000 })),
+        "{detached:?}"
+    );
+    let host_driven = controller.create_io_queue_pair(8);
+    assert!(matches!(host_driven, Err(NvmeError::DoorbellOutsideBar { queue: QueueId(1), .. })), "{host_driven:?}");
+    assert_eq!(device.counters().commands_by_queue.get(&0).copied(), fetched, "no Create I/O CQ/SQ was sent");
+    assert_eq!(controller.leaked_queue_pairs(), 0);
+}

@@ -72,6 +72,24 @@ const POLLS_PER_CHECK: u32 = 64;
 /// would then be taken for the current one). So deeper queues are refused, whatever CAP.MQES says.
 pub const QUEUE_DEPTH_MAX: u32 = 32768;
 
+/// The SQ tail and CQ head doorbell offsets of queue `id`, checked to lie inside a BAR0 of
+/// `bar_bytes`: CAP.DSTRD comes from the device, and a stride too large for the BAR would send
+/// doorbell writes (ours, or another agent's for a detached pair) outside the mapping.
+pub(crate) fn doorbell_offsets(id: QueueId, doorbell_stride_log2: u8, bar_bytes: usize) -> Result<(usize, usize), NvmeError> {
+    let stride_bytes = 4usize.checked_shl(u32::from(doorbell_stride_log2)).filter(|&stride| stride >= 4);
+    let offset = |completion: bool| {
+        let index = 2 * usize::from(id.0) + usize::from(completion);
+        stride_bytes.and_then(|stride| index.checked_mul(stride)).and_then(|offset| offset.checked_add(registers::DOORBELL_BASE))
+    };
+    match (offset(false), offset(true)) {
+        // The CQ head doorbell is the higher of the two.
+        (Some(submission), Some(completion)) if completion.checked_add(4).is_some_and(|end| end <= bar_bytes) => {
+            Ok((submission, completion))
+        }
+        (_, completion) => Err(NvmeError::DoorbellOutsideBar { queue: id, offset: completion.unwrap_or(usize::MAX), bar_bytes }),
+    }
+}
+
 /// The controller's generation a queue pair was created in, to check before each doorbell.
 struct GateTicket {
     gate: Arc<DoorbellGate>,
@@ -129,13 +147,7 @@ impl QueuePair {
         let slot_count = depth as usize - 1;
         let scratch = dma.allocate(slot_count * SCRATCH_BYTES)?;
         let slot_bits = usize::BITS - (slot_count - 1).max(1).leading_zeros();
-        let sq_doorbell = registers::doorbell_offset(id.0, false, doorbell_stride_log2);
-        let cq_doorbell = registers::doorbell_offset(id.0, true, doorbell_stride_log2);
-        if cq_doorbell + 4 > registers.len() {
-            return Err(NvmeError::Unsupported {
-                reason: format!("doorbell for {id} at {cq_doorbell:#x} lies outside BAR0 ({} bytes)", registers.len()),
-            });
-        }
+        let (sq_doorbell, cq_doorbell) = doorbell_offsets(id, doorbell_stride_log2, registers.len())?;
         Ok(Self {
             id,
             depth,
@@ -469,11 +481,11 @@ impl QueuePair {
     }
 
     /// Submits one entry on an idle queue, rings, and waits for it: the admin path and tests.
+    /// A queue with a command in flight (one that timed out and never completed, on the admin
+    /// queue) is refused with [`NvmeError::QueueBusy`] before anything is submitted.
     pub fn execute(&mut self, entry: SubmissionEntry, timeout: Duration) -> Result<Completion, NvmeError> {
         if self.in_flight != 0 {
-            return Err(NvmeError::Unsupported {
-                reason: format!("execute() needs an idle queue; {} has {} commands in flight", self.id, self.in_flight),
-            });
+            return Err(NvmeError::QueueBusy { queue: self.id, outstanding: self.in_flight });
         }
         let command_id = self.submit(entry, 0)?;
         self.ring_doorbell()?;

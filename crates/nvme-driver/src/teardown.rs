@@ -39,9 +39,10 @@ pub(crate) struct AdminShared {
 }
 
 /// Whether a failed Create I/O CQ/SQ may nevertheless have created the queue: only an error
-/// status proves the controller did not execute it; a timeout or a lost controller says nothing.
+/// status, or a refusal before submission (a busy admin queue), proves the controller did not
+/// execute it; a timeout or a lost controller says nothing.
 pub(crate) fn may_have_executed(error: &NvmeError) -> bool {
-    !matches!(error, NvmeError::Command { .. })
+    !matches!(error, NvmeError::Command { .. } | NvmeError::QueueBusy { .. })
 }
 
 /// Whether a delete failed only because the queue does not exist (Invalid Queue Identifier).
@@ -70,8 +71,45 @@ impl AdminShared {
         self.queue_ids_in_use.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
+    /// The admin queue, idle: completions that arrived late for commands that timed out are
+    /// consumed first (the controller has finished with their buffers once it posts them). If a
+    /// command is still outstanding, [`NvmeError::QueueBusy`]: its buffer may still be written,
+    /// so no admin command may be submitted, nor its buffer refilled, until it completes or a
+    /// reset confirms the controller stopped (bring-up then clears the queue).
+    pub(crate) fn lock_idle_admin(&self) -> Result<MutexGuard<'_, QueuePair>, NvmeError> {
+        let mut admin = self.lock_admin();
+        if admin.in_flight() > 0 {
+            // Every admin command goes through `execute` under this lock, so whatever is in
+            // flight here is a command whose caller gave up on it.
+            admin.reap(usize::MAX, |late| {
+                tracing::warn!(command_id = %late.command_id, opcode = late.opcode, status = ?late.status, "late admin completion consumed");
+            })?;
+        }
+        if admin.in_flight() > 0 {
+            return Err(NvmeError::QueueBusy { queue: admin.id(), outstanding: admin.in_flight() });
+        }
+        Ok(admin)
+    }
+
     pub(crate) fn execute(&self, entry: SubmissionEntry) -> Result<crate::queue::Completion, NvmeError> {
-        self.lock_admin().execute(entry, self.timeout)
+        self.lock_idle_admin()?.execute(entry, self.timeout)
+    }
+
+    /// Runs an admin command whose data buffer is `buffer` (Identify, Get Log Page) and copies
+    /// the first `data.len()` bytes of the result out. The buffer is zeroed and read only while
+    /// the admin queue is held idle: after a timeout, the late command may still write it, and
+    /// refilling it then would race with the device (see [`AdminShared::lock_idle_admin`]).
+    pub(crate) fn execute_with_buffer(
+        &self,
+        entry: SubmissionEntry,
+        buffer: &DmaRegion,
+        data: &mut [u8],
+    ) -> Result<crate::queue::Completion, NvmeError> {
+        let mut admin = self.lock_idle_admin()?;
+        buffer.fill(0, data.len(), 0)?;
+        let completion = admin.execute(entry, self.timeout)?;
+        buffer.read(0, data)?;
+        Ok(completion)
     }
 
     /// Reserves the lowest free I/O queue id.
@@ -117,7 +155,7 @@ impl AdminShared {
             QueueFate::MaybeLive => return Err(NvmeError::QueueMaybeLive { queue: id }),
             QueueFate::Live => {}
         }
-        let mut admin = self.lock_admin();
+        let mut admin = self.lock_idle_admin()?;
         if !*sq_deleted {
             // Deleting the SQ makes the controller abort or finish its commands (§5.7), so none
             // moves data after this succeeded.

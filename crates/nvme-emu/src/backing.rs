@@ -6,6 +6,10 @@
 //! aligned go through an `O_DIRECT` descriptor when the filesystem accepts one; the rest go
 //! through a buffered descriptor of the same file. Linux keeps the two coherent (direct I/O
 //! writes back and invalidates the page-cache range it touches).
+//!
+//! A file store can be fenced: while an io_uring write that a failed batch gave up on may still
+//! land, every access fails (an I/O error, so the command reports a media status) instead of
+//! letting a newer write be overtaken by the old one, or a read see data that is about to change.
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Seek, SeekFrom};
@@ -41,6 +45,8 @@ pub(crate) struct FileStore {
     buffered: File,
     direct: Option<File>,
     size_bytes: u64,
+    /// Why every access is refused, while it is (see the module documentation).
+    fence: Option<String>,
 }
 
 fn open_error(path: &Path) -> impl FnOnce(io::Error) -> EmuError + '_ {
@@ -91,6 +97,23 @@ impl Store {
         }
     }
 
+    /// Refuses every later access to a file store, for `reason`, until [`Store::lift_fence`].
+    pub(crate) fn fence(&mut self, reason: String) {
+        if let Store::File(file) = self {
+            file.fence = Some(reason);
+        }
+    }
+
+    pub(crate) fn lift_fence(&mut self) {
+        if let Store::File(file) = self {
+            file.fence = None;
+        }
+    }
+
+    pub(crate) fn is_fenced(&self) -> bool {
+        matches!(self, Store::File(FileStore { fence: Some(_), .. }))
+    }
+
     fn memory_range(bytes: &[u8], offset: u64, len: usize) -> io::Result<std::ops::Range<usize>> {
         let start = usize::try_from(offset).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
         let end = start.checked_add(len).filter(|&end| end <= bytes.len());
@@ -104,7 +127,10 @@ impl Store {
                 destination.copy_from_slice(&bytes[range]);
                 Ok(())
             }
-            Store::File(file) => file.choose(offset, destination.as_ptr() as usize, destination.len()).read_exact_at(destination, offset),
+            Store::File(file) => {
+                file.check_fence()?;
+                file.choose(offset, destination.as_ptr() as usize, destination.len()).read_exact_at(destination, offset)
+            }
             Store::Null { .. } => Err(Self::null_access()),
         }
     }
@@ -116,7 +142,10 @@ impl Store {
                 bytes[range].copy_from_slice(source);
                 Ok(())
             }
-            Store::File(file) => file.choose(offset, source.as_ptr() as usize, source.len()).write_all_at(source, offset),
+            Store::File(file) => {
+                file.check_fence()?;
+                file.choose(offset, source.as_ptr() as usize, source.len()).write_all_at(source, offset)
+            }
             Store::Null { .. } => Err(Self::null_access()),
         }
     }
@@ -130,6 +159,7 @@ impl Store {
                 Ok(())
             }
             Store::File(file) => {
+                file.check_fence()?;
                 let zeroes = vec![0u8; ZERO_CHUNK_BYTES];
                 let mut done = 0u64;
                 // Bounded: each pass advances by at least one byte of `len`.
@@ -148,7 +178,10 @@ impl Store {
     pub(crate) fn sync(&mut self) -> io::Result<()> {
         match self {
             Store::Memory(_) | Store::Null { .. } => Ok(()),
-            Store::File(file) => file.buffered.sync_data(),
+            Store::File(file) => {
+                file.check_fence()?;
+                file.buffered.sync_data()
+            }
         }
     }
 
@@ -188,7 +221,14 @@ impl FileStore {
                 None
             }
         };
-        Ok(Self { path: path.to_path_buf(), buffered, direct, size_bytes })
+        Ok(Self { path: path.to_path_buf(), buffered, direct, size_bytes, fence: None })
+    }
+
+    fn check_fence(&self) -> io::Result<()> {
+        match &self.fence {
+            Some(reason) => Err(io::Error::other(format!("backing store access refused: {reason}"))),
+            None => Ok(()),
+        }
     }
 
     fn choose(&self, offset: u64, buffer_address: usize, len: usize) -> &File {
@@ -230,6 +270,33 @@ mod tests {
         assert!(check[..4096].iter().all(|&b| b == 0));
         assert!(store.read((1 << 20) - 1, &mut small).is_err(), "reads past the end fail");
         let _ = std::fs::remove_file(&path);
+    }
+
+    #[test]
+    fn a_fenced_file_store_refuses_every_access_until_the_fence_lifts() {
+        // Goal: while fenced (an abandoned write may still land), reads, writes, zeroing and
+        // sync all fail with the reason, and nothing reaches the file; lifting restores access.
+        let file = tempfile_path("fence");
+        let mut store = Store::open(&Backing::File { path: file.clone(), create_bytes: Some(1 << 20) }, false).unwrap();
+        store.write(0, &[7u8; 4096]).unwrap();
+        store.fence("a write may still land".into());
+        assert!(store.is_fenced());
+        let refused = store.write(0, &[9u8; 4096]).unwrap_err();
+        assert!(refused.to_string().contains("a write may still land"), "{refused}");
+        let mut read = [0u8; 4096];
+        assert!(store.read(0, &mut read).is_err());
+        assert!(store.write_zeroes(0, 4096).is_err());
+        assert!(store.sync().is_err());
+        store.lift_fence();
+        store.read(0, &mut read).unwrap();
+        assert_eq!(read, [7u8; 4096], "nothing written while fenced");
+        let _ = std::fs::remove_file(&file);
+    }
+
+    fn tempfile_path(name: &str) -> std::path::PathBuf {
+        let path = std::env::temp_dir().join(format!("nvme-emu-backing-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        path
     }
 
     #[test]

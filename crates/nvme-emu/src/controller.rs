@@ -1,6 +1,9 @@
 //! The controller proper: state machine (disabled, ready, fatal), doorbell scanning, command
 //! dispatch and completion posting. Admin and NVM command handlers live in `admin` and `io`.
 //!
+//! Batched backing-store I/O (io_uring groups, their cancellation and the store fence) is in
+//! `controller/batch.rs`.
+//!
 //! `ControllerCore` is plain single-threaded state; the device thread owns it behind a mutex and
 //! calls [`ControllerCore::poll`] in a loop, and the fuzz entry point drives
 //! [`ControllerCore::execute`] directly.
@@ -12,22 +15,20 @@ use std::time::{Duration, Instant};
 use nvme_driver::hw::{DmaAllocator, DmaPool};
 use nvme_driver::spec::registers::{self, ControllerConfiguration, ShutdownNotification};
 use nvme_driver::spec::status::codes;
-use nvme_driver::spec::{
-    CompletionEntry, NvmOpcode, NvmeStatus, StatusCodeType, SubmissionEntry, COMPLETION_ENTRY_BYTES, SUBMISSION_ENTRY_BYTES,
-};
+use nvme_driver::spec::{CompletionEntry, NvmeStatus, StatusCodeType, SubmissionEntry, COMPLETION_ENTRY_BYTES, SUBMISSION_ENTRY_BYTES};
 use nvme_driver::Iova;
 
 use crate::backing::{AlignedBuffer, Store};
 use crate::cache::WriteCache;
 use crate::config::EmuConfig;
-use crate::data_pointer::DataBuffers;
 use crate::faults::{FaultAction, FaultPlan, FaultState};
 use crate::queues::{CompletionQueue, SubmissionQueue};
 use crate::registers::RegisterFile;
 use crate::stats::{Counters, EmuStats};
 use crate::uring::UringReader;
 use crate::EmuError;
-use tutti_uring::{Direction, Job, Transfer};
+
+mod batch;
 
 /// Commands fetched from one SQ per scan, so one busy queue cannot starve the others.
 const COMMANDS_PER_QUEUE_PER_SCAN: usize = 64;
@@ -37,12 +38,6 @@ const DISABLED_SLEEP: Duration = Duration::from_millis(2);
 const MAX_FAULT_DELAY: Duration = Duration::from_secs(3600);
 /// Transfers in flight at once in an io_uring batch.
 const URING_DEPTH: u32 = 64;
-/// Bytes a batch gathers before it goes to the ring: larger batches leave the disk idle while
-/// the controller copies their data, and the host idle until all of it completes.
-const GROUP_BYTES_MAX: u64 = 4 << 20;
-/// Transfer buffers kept for reuse, and the largest one worth keeping.
-const IO_BUFFERS_KEPT: usize = 64;
-const IO_BUFFER_KEPT_MAX_BYTES: usize = (1 << 20) + 4096;
 /// Largest single backing-store write during a cache write-back.
 const WRITE_BACK_CHUNK_BYTES: usize = 1 << 20;
 /// Error Information log entries kept (Identify ELPE + 1).
@@ -91,21 +86,6 @@ pub(crate) struct Features {
     pub completion_queues_granted: u16,
     /// Volatile Write Cache enable (only meaningful when the cache is present).
     pub write_cache_enabled: bool,
-}
-
-/// A Read or Write validated and waiting for its backing-store I/O in a batch.
-struct PreparedIo {
-    entry: SubmissionEntry,
-    sq_head: u32,
-    namespace_index: usize,
-    namespace: Namespace,
-    /// Host memory: where a Read's data goes (a Write's was gathered into `buffer` already).
-    buffers: DataBuffers,
-    write: bool,
-    start_lba: u64,
-    blocks: u64,
-    /// A Write's data; a Read's destination once the group runs.
-    buffer: AlignedBuffer,
 }
 
 struct PendingCompletion {
@@ -163,6 +143,9 @@ pub(crate) struct ControllerCore {
     /// Unsafe shutdowns (power losses) and power cycles, for the SMART log.
     pub(crate) power_cycles: u64,
     pub(crate) unsafe_shutdowns: u64,
+    /// Where batched transfers go instead of the store's file (a stalled socket, in tests).
+    #[cfg(test)]
+    batch_descriptor_override: Option<std::os::fd::RawFd>,
 }
 
 impl ControllerCore {
@@ -199,6 +182,8 @@ impl ControllerCore {
             fetched: Vec::new(),
             power_cycles: 1,
             unsafe_shutdowns: 0,
+            #[cfg(test)]
+            batch_descriptor_override: None,
             config,
         })
     }
@@ -265,6 +250,7 @@ impl ControllerCore {
     fn enable(&mut self, cc: ControllerConfiguration) {
         match self.admin_queues(cc) {
             Ok((submission, completion)) => {
+                self.refresh_store_fence();
                 self.registers.clear_doorbells();
                 self.submission_queues[0] = Some(submission);
                 self.completion_queues[0] = Some(completion);
@@ -447,186 +433,6 @@ impl ControllerCore {
         worked
     }
 
-    /// Runs fetched commands in order. Consecutive Reads of a file-backed device, and Writes
-    /// that go straight to the backing store (write cache off, FUA, or larger than the cache),
-    /// are validated first and their backing-store I/O issued together (io_uring). A command
-    /// whose LBAs overlap a Write of the group (or a Write overlapping any of it) first completes
-    /// the group, as does any other command, so no read can observe a later write or miss an
-    /// earlier one and overlapping writes land in submission order.
-    fn run_batch(&mut self, queue_id: u16, completion_queue_id: u16, fetched: &[(SubmissionEntry, u32)], now: Instant) {
-        let admin = queue_id == 0;
-        let mut group: Vec<PreparedIo> = Vec::new();
-        for (entry, sq_head) in fetched {
-            if self.state != State::Ready {
-                // A fatal fault stopped the controller: the rest get no completion.
-                break;
-            }
-            self.counters.count_command(queue_id, entry);
-            let fault = self.faults.on_command(admin, entry.opcode());
-            if fault.is_some() {
-                self.counters.totals.faults_injected += 1;
-            }
-            let read = entry.opcode() == NvmOpcode::Read as u8;
-            let batchable = fault.is_none()
-                && !admin
-                && self.reader.is_some()
-                && entry.fuse() == 0
-                && (read || (entry.opcode() == NvmOpcode::Write as u8 && self.write_goes_to_store(entry)));
-            if batchable {
-                self.prepare_io(queue_id, completion_queue_id, &mut group, entry, *sq_head, !read, now);
-                continue;
-            }
-            self.run_group(queue_id, completion_queue_id, &mut group, now);
-            let result = match fault {
-                Some(FaultAction::Status(status)) => Err(status),
-                Some(FaultAction::ControllerFatal) => {
-                    self.set_fatal();
-                    break;
-                }
-                _ => self.execute(queue_id, entry),
-            };
-            self.complete(queue_id, completion_queue_id, *sq_head, entry, result, fault, now);
-        }
-        self.run_group(queue_id, completion_queue_id, &mut group, now);
-    }
-
-    /// Validates a batchable Read or Write and adds it to `group` (a Write's data is gathered
-    /// from the host now, and older cached copies of its blocks are dropped now, in command
-    /// order, as the synchronous path does). A command that overlaps a Write of the group, or
-    /// a Write that overlaps any command of it, first completes the group. An invalid command
-    /// completes at once with its status.
-    #[allow(clippy::too_many_arguments)]
-    fn prepare_io(
-        &mut self,
-        queue_id: u16,
-        completion_queue_id: u16,
-        group: &mut Vec<PreparedIo>,
-        entry: &SubmissionEntry,
-        sq_head: u32,
-        write: bool,
-        now: Instant,
-    ) {
-        let (namespace_index, namespace, buffers) = match self.prepare_transfer(entry) {
-            Ok(prepared) => prepared,
-            Err(status) => return self.complete(queue_id, completion_queue_id, sq_head, entry, Err(status), None, now),
-        };
-        let start_lba = entry.starting_lba().0;
-        let blocks = u64::from(entry.block_count());
-        let conflicts = group.iter().any(|other| {
-            (write || other.write)
-                && other.namespace_index == namespace_index
-                && other.start_lba < start_lba + blocks
-                && start_lba < other.start_lba + other.blocks
-        });
-        if conflicts {
-            self.run_group(queue_id, completion_queue_id, group, now);
-        }
-        let len = (blocks * u64::from(namespace.block_size_bytes)) as usize;
-        let mut buffer = self.io_buffers.pop().unwrap_or_default();
-        if write {
-            if let Err(status) = buffers.gather(buffer.slice(len)) {
-                self.recycle_buffer(buffer);
-                return self.complete(queue_id, completion_queue_id, sq_head, entry, Err(status), None, now);
-            }
-            // Older cached copies of these blocks must not be written back over the new data.
-            self.cache.discard_range(namespace_index, start_lba, blocks);
-        }
-        group.push(PreparedIo { entry: *entry, sq_head, namespace_index, namespace, buffers, write, start_lba, blocks, buffer });
-        let bytes: u64 = group.iter().map(|io| io.blocks * u64::from(io.namespace.block_size_bytes)).sum();
-        if bytes >= GROUP_BYTES_MAX {
-            self.run_group(queue_id, completion_queue_id, group, now);
-        }
-    }
-
-    /// Whether a Write bypasses the volatile write cache (the rule of `store_blocks`). A Write
-    /// naming no valid namespace answers false: the synchronous path reports its error.
-    fn write_goes_to_store(&self, entry: &SubmissionEntry) -> bool {
-        let Ok(index) = self.namespace_index(entry.nsid) else { return false };
-        let Some(namespace) = self.namespaces.get(index) else { return false };
-        let length = u64::from(entry.block_count()) * u64::from(namespace.block_size_bytes);
-        let cache_on = self.config.volatile_write_cache && self.features.write_cache_enabled;
-        !cache_on || entry.force_unit_access() || length > self.config.write_cache_bytes
-    }
-
-    fn recycle_buffer(&mut self, buffer: AlignedBuffer) {
-        if self.io_buffers.len() < IO_BUFFERS_KEPT && buffer.capacity_bytes() <= IO_BUFFER_KEPT_MAX_BYTES {
-            self.io_buffers.push(buffer);
-        }
-    }
-
-    /// Performs the backing-store I/O of a group (in flight together when there are several),
-    /// then finishes each command in order: a Read gets the cache overlay and its DMA to the
-    /// host, and each gets its completion. Returns only when all of the group's I/O is done.
-    fn run_group(&mut self, queue_id: u16, completion_queue_id: u16, group: &mut Vec<PreparedIo>, now: Instant) {
-        if group.is_empty() {
-            return;
-        }
-        let mut jobs: Vec<Job> = Vec::with_capacity(group.len());
-        for io in group.iter_mut() {
-            let block_size = u64::from(io.namespace.block_size_bytes);
-            let offset = io.namespace.base_offset_bytes + io.start_lba * block_size;
-            let len = (io.blocks * block_size) as usize;
-            let fd = self.store.file_descriptor(offset, len).unwrap_or(-1);
-            let mut buffer = std::mem::take(&mut io.buffer);
-            // A read's buffer comes from the pool at any size: grow it now (the ring refuses a
-            // buffer smaller than its transfer; that job would then run synchronously).
-            if let Err(error) = buffer.try_reserve(len) {
-                tracing::warn!(%error, "no memory for a batched read's buffer; it runs synchronously");
-            }
-            let direction = if io.write { Direction::Write } else { Direction::Read };
-            jobs.push(Job::new(Transfer { fd, direction, offset_bytes: offset, len_bytes: len }, buffer));
-        }
-        if jobs.len() > 1 {
-            if let Some(reader) = self.reader.as_mut() {
-                reader.run(&mut jobs);
-            }
-        }
-        for (io, mut job) in group.drain(..).zip(jobs) {
-            let (offset, len) = (job.transfer.offset_bytes, job.transfer.len_bytes);
-            let data = job.buffer.slice(len);
-            // A single transfer, or one the ring could not do (short transfer, O_DIRECT
-            // refusal), is a synchronous pread/pwrite of the same buffer.
-            let done = match job.result {
-                Ok(()) => {
-                    if io.write {
-                        self.counters.totals.batched_writes += 1;
-                    } else {
-                        self.counters.totals.batched_reads += 1;
-                    }
-                    Ok(())
-                }
-                Err(_) if io.write => self.store.write(offset, data),
-                Err(_) => self.store.read(offset, data),
-            };
-            let result = match done {
-                Err(error) if io.write => {
-                    tracing::error!(%error, offset, "backing store write failed");
-                    Err(media(codes::WRITE_FAULT))
-                }
-                Err(error) => {
-                    tracing::error!(%error, offset, "backing store read failed");
-                    Err(media(codes::UNRECOVERED_READ_ERROR))
-                }
-                Ok(()) if io.write => Ok(0),
-                Ok(()) => {
-                    self.cache.overlay(io.namespace_index, io.start_lba, io.namespace.block_size_bytes as usize, data);
-                    io.buffers.scatter(data).map(|()| 0)
-                }
-            };
-            if result.is_ok() {
-                if io.write {
-                    self.counters.totals.bytes_written += len as u64;
-                    self.counters.host_writes += 1;
-                } else {
-                    self.counters.totals.bytes_read += len as u64;
-                    self.counters.host_reads += 1;
-                }
-            }
-            self.recycle_buffer(job.buffer);
-            self.complete(queue_id, completion_queue_id, io.sq_head, &io.entry, result, None, now);
-        }
-    }
-
     /// Records the outcome and posts (or, per the fault, delays, drops or corrupts) the completion.
     #[allow(clippy::too_many_arguments)]
     fn complete(
@@ -730,6 +536,11 @@ impl ControllerCore {
     pub(crate) fn write_back(&mut self, only_namespace: Option<usize>) -> Result<(), NvmeStatus> {
         if self.cache.is_empty() {
             return Ok(());
+        }
+        if self.store.is_fenced() {
+            // Keep the blocks cached (still served to reads): the store takes nothing now.
+            tracing::error!("cache write-back refused: the backing store is fenced");
+            return Err(media(codes::WRITE_FAULT));
         }
         let blocks = self.cache.take(only_namespace);
         let mut pending: Vec<u8> = Vec::with_capacity(WRITE_BACK_CHUNK_BYTES);

@@ -127,6 +127,12 @@ impl EmuDevice {
         Arc::clone(&self.dma)
     }
 
+    /// Runs `change` on the controller under its lock (tests that reach into its state).
+    #[cfg(test)]
+    pub(crate) fn with_core<R>(&self, change: impl FnOnce(&mut ControllerCore) -> R) -> R {
+        change(&mut self.shared.core())
+    }
+
     fn stop_thread(&self) {
         self.shared.stop.store(true, Ordering::Release);
         if let Some(thread) = self.shared.thread.get() {

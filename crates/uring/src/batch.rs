@@ -1,11 +1,11 @@
 //! Running a list of transfers together: the software controller's backing-store batches.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::buffer::AlignedBuffer;
 use crate::error::UringError;
-use crate::sys::{Refused, Ring};
-use crate::{Direction, Transfer};
+use crate::sys::{Completion, Refused, Ring};
+use crate::Transfer;
 
 /// One transfer of a batch, with its buffer (filled by the caller for a write) and, after
 /// [`Ring::run_batch`], its outcome.
@@ -28,12 +28,15 @@ impl Ring {
     /// returns when all are done or at `deadline`. Each job's `result` says how it went; its
     /// buffer is back in the job (a read's holds the data).
     ///
-    /// On a ring failure or the deadline, the ring is abandoned and the error returned: jobs
-    /// that completed keep their result; the others fail with [`UringError::Abandoned`], and a
-    /// job whose buffer was still lent to the kernel gets a fresh one (holding a copy of the data
-    /// for a write), so that the caller can retry synchronously. The lent buffers are leaked with
-    /// the ring.
-    pub fn run_batch(&mut self, jobs: &mut [Job], deadline: Instant) -> Result<(), UringError> {
+    /// On a ring failure or the deadline, the ring is abandoned, the transfers still in flight
+    /// are cancelled ([`Ring::cancel_in_flight`], waiting until `cancel_timeout` from then), and
+    /// the error is returned. Jobs the kernel gave back keep their result and buffer (completed,
+    /// or failed with `ECANCELED` or another error); jobs never pushed fail with
+    /// [`UringError::Abandoned`]: none of these can land later, so the caller may retry them
+    /// synchronously. A job the kernel still holds fails with [`UringError::StillInFlight`] and an
+    /// empty buffer (its own is leaked with the ring): it may still complete at any time, so a
+    /// write among them must not be retried, nor its place written again, while it may land.
+    pub fn run_batch(&mut self, jobs: &mut [Job], deadline: Instant, cancel_timeout: Duration) -> Result<(), UringError> {
         let mut next = 0usize;
         // Bounded: each pass pushes or reaps at least one job, or returns.
         while next < jobs.len() || self.in_flight() > 0 {
@@ -58,49 +61,124 @@ impl Ring {
                     // Nothing in flight and still refused: leave the rest to the caller's
                     // synchronous fallback rather than spin.
                     let error = UringError::Full { capacity: self.capacity() };
-                    self.fail_rest(jobs, next, &error);
+                    fail_rest(jobs, next, &error);
                     return Err(error);
                 }
                 break;
             }
-            let reaped = self.wait(deadline).and_then(|()| {
-                self.reap(|completion| {
-                    let Some(job) = usize::try_from(completion.tag).ok().and_then(|index| jobs.get_mut(index)) else { return };
-                    job.result = completion.check();
-                    job.buffer = completion.buffer;
-                })
-            });
+            let reaped = self.wait(deadline).and_then(|()| self.reap(|completion| hand_back(jobs, completion)));
             if let Err(error) = reaped {
-                tracing::error!(%error, in_flight = self.in_flight(), "io_uring batch failed; the ring is abandoned");
+                tracing::error!(%error, in_flight = self.in_flight(), "io_uring batch failed; the ring is abandoned and its transfers cancelled");
                 self.abandon(&error);
-                self.recover_lent(jobs);
-                self.fail_rest(jobs, next, &error);
+                let kept = self.cancel_in_flight(Instant::now() + cancel_timeout, |completion| hand_back(jobs, completion));
+                if kept > 0 {
+                    tracing::error!(kept, "io_uring transfers still in flight after cancellation: they may complete at any time");
+                }
+                self.mark_still_in_flight(jobs, &error);
+                fail_rest(jobs, next, &error);
                 return Err(error);
             }
         }
         Ok(())
     }
 
-    /// Gives every job whose buffer is still lent to the kernel a fresh buffer (a copy of the
-    /// data for a write) and an `Abandoned` result.
-    fn recover_lent(&self, jobs: &mut [Job]) {
-        let cause = self.abandon_cause().unwrap_or_else(|| "the ring failed".into());
-        let tags: Vec<u64> = self.in_flight_tags().collect();
-        for tag in tags {
+    /// Jobs whose transfer the kernel still holds: [`UringError::StillInFlight`], empty buffer.
+    fn mark_still_in_flight(&self, jobs: &mut [Job], cause: &UringError) {
+        for (tag, _) in self.in_flight_transfers() {
             let Some(job) = usize::try_from(tag).ok().and_then(|index| jobs.get_mut(index)) else { continue };
-            let mut fresh = AlignedBuffer::default();
-            if job.transfer.direction == Direction::Write {
-                self.copy_in_flight_write(tag, fresh.slice(job.transfer.len_bytes));
-            }
-            job.buffer = fresh;
-            job.result = Err(UringError::Abandoned { cause: cause.clone() });
+            job.buffer = AlignedBuffer::default();
+            job.result = Err(UringError::StillInFlight { cause: cause.to_string() });
         }
     }
+}
 
-    /// Jobs from `first` on were never pushed: they fail with the cause, buffers untouched.
-    fn fail_rest(&self, jobs: &mut [Job], first: usize, cause: &UringError) {
-        for job in jobs.iter_mut().skip(first) {
-            job.result = Err(UringError::Abandoned { cause: cause.to_string() });
+/// Puts a reaped transfer's result and buffer back into the job it was pushed for.
+fn hand_back(jobs: &mut [Job], completion: Completion) {
+    let Some(job) = usize::try_from(completion.tag).ok().and_then(|index| jobs.get_mut(index)) else { return };
+    job.result = completion.check();
+    job.buffer = completion.buffer;
+}
+
+/// Jobs from `first` on were never pushed: they fail with the cause, buffers untouched.
+fn fail_rest(jobs: &mut [Job], first: usize, cause: &UringError) {
+    for job in jobs.iter_mut().skip(first) {
+        job.result = Err(UringError::Abandoned { cause: cause.to_string() });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Read, Write};
+    use std::os::fd::AsRawFd;
+    use std::os::unix::net::UnixStream;
+
+    use super::*;
+    use crate::{leaked_buffers_total, Direction};
+
+    fn data(seed: u8) -> AlignedBuffer {
+        let mut buffer = AlignedBuffer::with_capacity(4096).unwrap();
+        buffer.slice(4096).fill(seed);
+        buffer
+    }
+
+    /// Fills the socket's send side until a write would block; returns the bytes it holds. The
+    /// flag is on the shared open file, but io_uring still waits for room rather than failing.
+    fn fill(socket: &mut UnixStream) -> usize {
+        socket.set_nonblocking(true).unwrap();
+        let mut total = 0usize;
+        while let Ok(written) = socket.write(&[0u8; 4096]) {
+            total += written;
         }
+        total
+    }
+
+    #[test]
+    fn a_transfer_the_kernel_keeps_is_reported_as_still_in_flight() {
+        // Goal: when cancellation cannot take a stuck write back (disabled here, as for a write
+        // blocked in a hung filesystem), run_batch says so (StillInFlight, no buffer, so no
+        // retry), and the write really is still pending: it lands once the socket drains, and a
+        // later cancel_in_flight reaps it. A ring dropped while it holds a transfer leaks the
+        // buffer instead of freeing memory the kernel may still read.
+        let Ok(mut ring) = Ring::new(4) else {
+            eprintln!("io_uring with bounded waits is unavailable here: test skipped");
+            return;
+        };
+        ring.disable_cancellation();
+        let file = tempfile::tempfile().unwrap();
+        let (mut sender, mut receiver) = UnixStream::pair().unwrap();
+        let queued_bytes = fill(&mut sender);
+        let mut jobs = vec![
+            Job::new(Transfer { fd: file.as_raw_fd(), direction: Direction::Write, offset_bytes: 0, len_bytes: 4096 }, data(1)),
+            Job::new(Transfer { fd: sender.as_raw_fd(), direction: Direction::Write, offset_bytes: 0, len_bytes: 4096 }, data(2)),
+        ];
+        let error = ring.run_batch(&mut jobs, Instant::now() + Duration::from_millis(200), Duration::from_millis(100)).unwrap_err();
+        assert!(matches!(error, UringError::Timeout { in_flight: 1, .. }), "{error}");
+        assert!(jobs[0].result.is_ok(), "{:?}", jobs[0].result);
+        assert!(matches!(jobs[1].result, Err(UringError::StillInFlight { .. })), "{:?}", jobs[1].result);
+        assert_eq!(jobs[1].buffer.capacity_bytes(), 0, "the kernel still has the buffer: the job gets none");
+        let held: Vec<_> = ring.in_flight_transfers().map(|(tag, transfer)| (tag, transfer.direction)).collect();
+        assert_eq!(held, [(1, Direction::Write)]);
+        assert_eq!(ring.cancel_in_flight(Instant::now(), |_| {}), 1, "still held");
+        // Drain the socket: the write the batch gave up on lands now.
+        let mut received = vec![0u8; queued_bytes + 4096];
+        receiver.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        receiver.read_exact(&mut received).unwrap();
+        assert!(received[queued_bytes..].iter().all(|&byte| byte == 2), "the late write's bytes");
+        let mut landed = None;
+        let left = ring.cancel_in_flight(Instant::now() + Duration::from_secs(5), |completion| landed = Some(completion.check()));
+        assert_eq!(left, 0);
+        assert!(matches!(landed, Some(Ok(()))), "{landed:?}");
+        // Held again, and the ring dropped: the buffer is leaked and counted, not freed.
+        fill(&mut sender);
+        let mut ring = Ring::new(2).unwrap();
+        ring.disable_cancellation();
+        let mut stuck = vec![
+            Job::new(Transfer { fd: sender.as_raw_fd(), direction: Direction::Write, offset_bytes: 0, len_bytes: 4096 }, data(3)),
+            Job::new(Transfer { fd: file.as_raw_fd(), direction: Direction::Write, offset_bytes: 4096, len_bytes: 4096 }, data(4)),
+        ];
+        let leaked_before = leaked_buffers_total();
+        assert!(ring.run_batch(&mut stuck, Instant::now() + Duration::from_millis(100), Duration::ZERO).is_err());
+        drop(ring);
+        assert_eq!(leaked_buffers_total(), leaked_before + 1, "only the held buffer is leaked");
     }
 }

@@ -19,8 +19,15 @@ pub enum UringError {
     BufferTooSmall { len_bytes: usize, capacity_bytes: usize },
     #[error("a transfer of {len_bytes} bytes is larger than io_uring's 4 GiB limit")]
     TransferTooLarge { len_bytes: usize },
-    #[error("the ring was abandoned after an earlier failure ({cause}); its transfers never ran or never completed")]
+    /// The transfer was not run (or the ring was already abandoned): it will not run later.
+    #[error("the ring was abandoned after an earlier failure ({cause}); this transfer was not run")]
     Abandoned { cause: String },
+    /// The ring was abandoned and the kernel did not give this transfer back when asked to cancel
+    /// it: it may still complete at any time (a write may still land).
+    #[error(
+        "the ring was abandoned after an earlier failure ({cause}) and the kernel still holds this transfer: it may complete at any time"
+    )]
+    StillInFlight { cause: String },
     #[error("a completion names slot {user_data}, which has no transfer in flight")]
     UnexpectedCompletion { user_data: u64 },
     #[error("{direction:?} of {len_bytes} bytes at offset {offset_bytes} failed: {source}")]

@@ -13,7 +13,11 @@
 //!   [`UringError::Timeout`]. A kernel without that feature is refused at [`Ring::new`] rather
 //!   than waited on without a bound.
 //! - [`Ring::run_batch`]: a list of transfers with at most the ring's capacity in flight, used by
-//!   the software controller to overlap the backing-store I/O of consecutive commands.
+//!   the software controller to overlap the backing-store I/O of consecutive commands. A batch
+//!   that fails or runs past its deadline abandons the ring and cancels what the kernel still
+//!   holds ([`Ring::cancel_in_flight`], bounded): each job then says whether it can still land
+//!   ([`UringError::StillInFlight`]) or not, so a caller never retries a write that the kernel
+//!   may still complete after the retry.
 //!
 //! All unsafe code is in the `sys` module.
 #![deny(unsafe_code)]

@@ -8,6 +8,13 @@
 //! exists while the kernel may write it, and it cannot be freed: a ring abandoned after a failure,
 //! or dropped with transfers still in flight after a bounded drain, leaks those buffers (logged,
 //! and counted in [`leaked_buffers_total`]) rather than free memory the kernel may still use.
+//!
+//! Cancellation. Abandoning a ring does not stop the kernel: a write it still holds can land at
+//! any later time, after newer data went to the same place. [`Ring::cancel_in_flight`] asks the
+//! kernel to cancel every transfer still in flight (`IORING_OP_ASYNC_CANCEL`, one per transfer)
+//! and reaps until each is given back or a deadline passes; a transfer reaped that way (cancelled,
+//! failed or completed) can no longer land, one still in flight afterwards can. Its cancel
+//! entries carry [`CANCEL_USER_DATA`], which no transfer slot uses, and reference no memory.
 #![allow(unsafe_code)]
 
 use std::alloc::Layout;
@@ -24,6 +31,9 @@ use crate::{Direction, Transfer};
 
 /// How long dropping a ring waits for transfers still in flight before it leaks their buffers.
 const DROP_DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The `user_data` of cancel entries: never a slot index (those are below the capacity, a u32).
+const CANCEL_USER_DATA: u64 = u64::MAX;
 
 /// Buffers leaked by every ring of the process (see the module documentation).
 static LEAKED_BUFFERS: AtomicU64 = AtomicU64::new(0);
@@ -136,6 +146,9 @@ pub struct Ring {
     free: Vec<u32>,
     /// Why the ring was abandoned, once it was: it is never used again.
     abandoned: Option<String>,
+    /// Whether [`Ring::cancel_in_flight`] submits cancel entries (false only for tests that need
+    /// a transfer the kernel keeps, as a write stuck in a hung filesystem is kept).
+    cancellation_enabled: bool,
 }
 
 impl std::fmt::Debug for Ring {
@@ -161,7 +174,13 @@ impl Ring {
             });
         }
         let capacity = entries as usize;
-        Ok(Self { ring, in_flight: (0..capacity).map(|_| None).collect(), free: (0..entries).rev().collect(), abandoned: None })
+        Ok(Self {
+            ring,
+            in_flight: (0..capacity).map(|_| None).collect(),
+            free: (0..entries).rev().collect(),
+            abandoned: None,
+            cancellation_enabled: true,
+        })
     }
 
     /// Transfers that can be in flight at once.
@@ -177,11 +196,6 @@ impl Ring {
     /// Whether [`Ring::abandon`] was called (every later call fails).
     pub fn is_abandoned(&self) -> bool {
         self.abandoned.is_some()
-    }
-
-    /// Why the ring was abandoned, if it was.
-    pub(crate) fn abandon_cause(&self) -> Option<String> {
-        self.abandoned.clone()
     }
 
     fn abandoned_error(&self) -> Option<UringError> {
@@ -236,6 +250,11 @@ impl Ring {
         if let Some(error) = self.abandoned_error() {
             return Err(error);
         }
+        self.submit_queued()
+    }
+
+    /// [`Ring::submit`] without the abandonment check (cancellation runs on abandoned rings).
+    fn submit_queued(&mut self) -> Result<(), UringError> {
         if self.ring.submission().is_empty() {
             return Ok(());
         }
@@ -253,12 +272,17 @@ impl Ring {
         if let Some(error) = self.abandoned_error() {
             return Err(error);
         }
+        self.wait_for_completion(deadline)
+    }
+
+    /// [`Ring::wait`] without the abandonment check (cancellation runs on abandoned rings).
+    fn wait_for_completion(&mut self, deadline: Instant) -> Result<(), UringError> {
         let started = Instant::now();
         // Bounded by the deadline: every pass either returns or sleeps in the kernel until it.
         loop {
             if !self.ring.completion().is_empty() || self.in_flight() == 0 {
                 // Entries queued since the last call still go to the kernel now.
-                return self.submit();
+                return self.submit_queued();
             }
             let now = Instant::now();
             if now >= deadline {
@@ -284,6 +308,11 @@ impl Ring {
         let mut unexpected = None;
         for entry in self.ring.completion() {
             let user_data = entry.user_data();
+            if user_data == CANCEL_USER_DATA {
+                // A cancel request's own answer (found, not found, already running): what
+                // matters is whether the transfer it named comes back, which its own entry says.
+                continue;
+            }
             let Some(in_flight) = usize::try_from(user_data).ok().and_then(|slot| self.in_flight.get_mut(slot)).and_then(Option::take)
             else {
                 unexpected = Some(user_data);
@@ -308,25 +337,67 @@ impl Ring {
         self.abandoned.get_or_insert_with(|| cause.to_string());
     }
 
-    /// The data of an in-flight write tagged `tag`, copied into `destination` (so a caller that
-    /// abandoned the ring can retry the write synchronously). `false` if there is no such write.
-    pub fn copy_in_flight_write(&self, tag: u64, destination: &mut [u8]) -> bool {
-        let Some(in_flight) =
-            self.in_flight.iter().flatten().find(|in_flight| in_flight.tag == tag && in_flight.transfer.direction == Direction::Write)
-        else {
-            return false;
-        };
-        // The kernel only reads a write's buffer, so reading it here too is a shared read of
-        // memory nobody writes.
-        let source = in_flight.buffer.bytes(in_flight.transfer.len_bytes);
-        let len = source.len().min(destination.len());
-        destination[..len].copy_from_slice(&source[..len]);
-        true
+    /// The transfers still in flight, with the tags they were pushed with.
+    pub fn in_flight_transfers(&self) -> impl Iterator<Item = (u64, Transfer)> + '_ {
+        self.in_flight.iter().flatten().map(|in_flight| (in_flight.tag, in_flight.transfer))
     }
 
-    /// Tags of the transfers in flight.
-    pub fn in_flight_tags(&self) -> impl Iterator<Item = u64> + '_ {
-        self.in_flight.iter().flatten().map(|in_flight| in_flight.tag)
+    /// Asks the kernel to cancel every transfer still in flight and reaps until none is left or
+    /// `deadline` passes, handing each one reaped to `on_done` with its buffer (its result says
+    /// whether it was cancelled, failed or completed before the cancel reached it). Returns how
+    /// many stay in flight: those may still complete, and a write among them may still land, at
+    /// any time. Works on an abandoned ring (that is what it is for) and may be called again
+    /// later, with a deadline of now, to learn whether the kernel has given them back since.
+    pub fn cancel_in_flight(&mut self, deadline: Instant, mut on_done: impl FnMut(Completion)) -> usize {
+        if self.cancellation_enabled {
+            // Bounded: one cancel entry per slot in flight, at most the capacity.
+            for slot in 0..self.in_flight.len() {
+                if self.in_flight[slot].is_none() {
+                    continue;
+                }
+                let entry = opcode::AsyncCancel::new(slot as u64).build().user_data(CANCEL_USER_DATA);
+                // SAFETY: a cancel entry names its target by `user_data` and references no memory.
+                let pushed = unsafe { self.ring.submission().push(&entry) }.is_ok()
+                    || (self.submit_queued().is_ok()
+                        // SAFETY: as above.
+                        && unsafe { self.ring.submission().push(&entry) }.is_ok());
+                if !pushed {
+                    tracing::error!(slot, "io_uring cancel could not be queued; that transfer is left to finish on its own");
+                }
+            }
+        }
+        // Enter the kernel even with nothing to submit: completions it owes this thread are
+        // posted on the way back (task work), so a transfer given back since the last call is
+        // seen by the reap below even with a deadline of now.
+        match self.ring.submit() {
+            Ok(_) => {}
+            Err(error) if retryable(&error) => {}
+            Err(error) => tracing::error!(%error, "io_uring_enter during cancellation failed"),
+        }
+        // Bounded by the deadline: each pass reaps, or waits in the kernel until the deadline.
+        loop {
+            if let Err(error) = self.reap(&mut on_done) {
+                tracing::error!(%error, "io_uring reaping during cancellation");
+            }
+            if self.in_flight() == 0 || Instant::now() >= deadline {
+                return self.in_flight();
+            }
+            match self.wait_for_completion(deadline) {
+                Ok(()) | Err(UringError::Timeout { .. }) => {}
+                Err(error) => {
+                    tracing::error!(%error, "io_uring wait during cancellation failed");
+                    return self.in_flight();
+                }
+            }
+        }
+    }
+
+    /// Makes [`Ring::cancel_in_flight`] submit no cancel requests, so that a transfer stuck in
+    /// the kernel stays in flight as one the kernel cannot cancel would (a write blocked in a
+    /// hung filesystem): for tests of what callers do with such transfers.
+    #[cfg(any(test, feature = "fault-injection"))]
+    pub fn disable_cancellation(&mut self) {
+        self.cancellation_enabled = false;
     }
 }
 

@@ -5,7 +5,7 @@ use std::os::fd::AsRawFd;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use tutti_uring::{available, leaked_buffers_total, AlignedBuffer, Direction, Job, Ring, Transfer, UringError};
+use tutti_uring::{available, AlignedBuffer, Direction, Job, Ring, Transfer, UringError};
 
 fn skip() -> bool {
     if available() {
@@ -129,16 +129,16 @@ fn a_batch_larger_than_the_ring_runs_every_job() {
         |index: usize, direction| Transfer { fd: file.as_raw_fd(), direction, offset_bytes: index as u64 * 4096, len_bytes: 4096 };
     let mut writes: Vec<Job> =
         (0..jobs_count).map(|index| Job::new(transfer(index, Direction::Write), patterned(4096, index as u8))).collect();
-    ring.run_batch(&mut writes, Instant::now() + Duration::from_secs(20)).unwrap();
+    ring.run_batch(&mut writes, Instant::now() + Duration::from_secs(20), Duration::from_secs(5)).unwrap();
     assert!(writes.iter().all(|job| job.result.is_ok()));
     let mut reads: Vec<Job> = (0..jobs_count).map(|index| Job::new(transfer(index, Direction::Read), AlignedBuffer::default())).collect();
     // Buffers too small are refused per job, not for the batch.
-    ring.run_batch(&mut reads, Instant::now() + Duration::from_secs(20)).unwrap();
+    ring.run_batch(&mut reads, Instant::now() + Duration::from_secs(20), Duration::from_secs(5)).unwrap();
     assert!(reads.iter().all(|job| matches!(job.result, Err(UringError::BufferTooSmall { .. }))));
     for job in &mut reads {
         job.buffer = AlignedBuffer::with_capacity(4096).unwrap();
     }
-    ring.run_batch(&mut reads, Instant::now() + Duration::from_secs(20)).unwrap();
+    ring.run_batch(&mut reads, Instant::now() + Duration::from_secs(20), Duration::from_secs(5)).unwrap();
     for (index, job) in reads.iter().enumerate() {
         assert!(job.result.is_ok(), "{:?}", job.result);
         assert_eq!(job.buffer.bytes(4096), patterned(4096, index as u8).bytes(4096), "job {index}");
@@ -146,32 +146,21 @@ fn a_batch_larger_than_the_ring_runs_every_job() {
 }
 
 #[test]
-fn a_stuck_batch_times_out_keeps_write_data_and_leaks_only_lent_buffers() {
-    // Goal: a batch with a transfer that never completes (a write into a full pipe nobody reads,
+fn a_stuck_batch_times_out_and_its_cancelled_write_never_lands() {
+    // Goal: a batch with transfers that never complete (a write into a full pipe nobody reads,
     // a read of an empty pipe) returns Timeout by its deadline instead of hanging; the finished
-    // job keeps its result; the stuck write gets a fresh buffer holding its data (for a
-    // synchronous retry); the lent buffers are leaked, and counted, when the ring is dropped.
+    // job keeps its result; the stuck ones are cancelled and given back (buffers and data
+    // included, nothing left in flight to leak), so a synchronous retry is safe: once the pipe
+    // drains, the abandoned write does not land after all. Without the cancellation it did:
+    // the kernel kept the write and completed it whenever the pipe had room.
     if skip() {
         return;
     }
     let file = tempfile::tempfile().unwrap();
     let (empty_reader, _empty_writer) = std::io::pipe().unwrap();
-    let (mut full_reader, full_writer) = std::io::pipe().unwrap();
-    // Fill the pipe so that a further write blocks.
+    let (full_reader, full_writer) = std::io::pipe().unwrap();
     let fd = full_writer.as_raw_fd();
-    let pipe_bytes = {
-        let mut filler = std::fs::File::from(std::os::fd::OwnedFd::from(full_writer.try_clone().unwrap()));
-        // SAFETY-free alternative to fcntl(F_GETPIPE_SZ): write nonblocking until it would block.
-        set_nonblocking(&filler);
-        let chunk = [0u8; 4096];
-        let mut total = 0usize;
-        while let Ok(written) = filler.write(&chunk) {
-            total += written;
-        }
-        total
-    };
-    assert!(pipe_bytes > 0);
-    let leaked_before = leaked_buffers_total();
+    let pipe_bytes = fill_pipe(&full_writer);
     let jobs = within(Duration::from_secs(30), move || {
         let mut ring = Ring::new(4).unwrap();
         let mut jobs = vec![
@@ -183,23 +172,60 @@ fn a_stuck_batch_times_out_keeps_write_data_and_leaks_only_lent_buffers() {
             ),
         ];
         let started = Instant::now();
-        let error = ring.run_batch(&mut jobs, Instant::now() + Duration::from_millis(300)).unwrap_err();
+        let error = ring.run_batch(&mut jobs, Instant::now() + Duration::from_millis(300), Duration::from_secs(5)).unwrap_err();
         assert!(matches!(error, UringError::Timeout { in_flight: 2, .. }), "{error}");
         assert!(started.elapsed() < Duration::from_secs(10));
         assert!(ring.is_abandoned());
+        assert_eq!(ring.in_flight(), 0, "every stuck transfer was given back");
         assert!(matches!(ring.wait(Instant::now()), Err(UringError::Abandoned { .. })), "an abandoned ring is never used again");
+        // The ring (and this thread) stay alive while the pipe drains: a write the kernel still
+        // held would land now.
+        let drained = drain(&full_reader);
+        std::thread::sleep(Duration::from_millis(200));
+        let late = drain(&full_reader);
         drop(ring);
         drop(empty_reader);
         drop(full_writer);
-        jobs
+        (jobs, drained, late)
     });
+    let (jobs, drained, late) = jobs;
     assert!(jobs[0].result.is_ok(), "{:?}", jobs[0].result);
-    assert!(matches!(jobs[1].result, Err(UringError::Abandoned { .. })));
-    assert_eq!(jobs[1].buffer.bytes(4096), patterned(4096, 2).bytes(4096), "the stuck write's data is kept for a retry");
-    assert!(matches!(jobs[2].result, Err(UringError::Abandoned { .. })));
-    assert!(leaked_buffers_total() >= leaked_before + 2, "both lent buffers leaked and counted");
-    let mut drained = vec![0u8; pipe_bytes];
-    let _ = full_reader.read(&mut drained);
+    let cancelled = |result: &Result<(), UringError>| matches!(result, Err(UringError::Transfer { source, .. }) if source.raw_os_error() == Some(libc::ECANCELED));
+    assert!(cancelled(&jobs[1].result), "{:?}", jobs[1].result);
+    assert_eq!(jobs[1].buffer.bytes(4096), patterned(4096, 2).bytes(4096), "the cancelled write's buffer is back, for a retry");
+    assert!(cancelled(&jobs[2].result), "{:?}", jobs[2].result);
+    assert_eq!(drained, pipe_bytes, "the pipe held only what filled it");
+    assert_eq!(late, 0, "the abandoned write landed after its batch had returned");
+}
+
+/// Writes into the pipe until it is full (non-blocking, so the filling itself cannot block);
+/// returns the bytes it holds. The flag is on the shared open file, so the ring's writes see
+/// a full pipe too (io_uring waits for room rather than failing with EAGAIN).
+fn fill_pipe(writer: &std::io::PipeWriter) -> usize {
+    let mut filler = std::fs::File::from(std::os::fd::OwnedFd::from(writer.try_clone().unwrap()));
+    set_nonblocking(&filler);
+    let chunk = [0u8; 4096];
+    let mut total = 0usize;
+    while let Ok(written) = filler.write(&chunk) {
+        total += written;
+    }
+    assert!(total > 0);
+    total
+}
+
+/// Reads whatever the pipe holds now, without blocking; returns the byte count.
+fn drain(reader: &std::io::PipeReader) -> usize {
+    let mut reader = std::fs::File::from(std::os::fd::OwnedFd::from(reader.try_clone().unwrap()));
+    set_nonblocking(&reader);
+    let mut chunk = [0u8; 4096];
+    let mut total = 0usize;
+    while let Ok(read) = reader.read(&mut chunk) {
+        if read == 0 {
+            break;
+        }
+        total += read;
+    }
+    total
 }
 
 fn set_nonblocking(file: &std::fs::File) {

@@ -25,7 +25,13 @@
 //! making every copy atomic would forbid `memcpy`'s wide loads on the bulk data path, and the
 //! protocol that prevents the race — the queue pair owns a buffer from submission until its
 //! completion is reaped, the caller owns it otherwise — is kept by the driver's own paths and
-//! checked by the conformance suite. Callers outside the driver must keep it too.
+//! checked by the conformance suite. That includes a command that timed out: its slot, and the
+//! slot's scratch page (PRP list, SGL segment, DSM ranges), stay busy until its late completion
+//! is reaped or a reset saw the controller stop; and the controller's Identify / log page
+//! buffer is zeroed and read only while the admin queue is held with nothing in flight, so after
+//! an admin timeout every admin command is refused (`NvmeError::QueueBusy`) until the late one
+//! completes. Callers outside the driver must keep the protocol too, for the data buffers they
+//! pass: after a timeout, the device may still read or write them.
 
 use std::collections::BTreeMap;
 use std::ptr::NonNull;

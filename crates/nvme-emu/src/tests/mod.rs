@@ -4,4 +4,5 @@ mod admin_tests;
 mod harness;
 mod io_tests;
 mod lifecycle_tests;
+mod stall_tests;
 mod throughput;

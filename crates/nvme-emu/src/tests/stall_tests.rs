@@ -1,0 +1,173 @@
+//! A backing file whose io_uring transfers stall (a socket nobody reads stands in for a hung
+//! disk or NFS server): a batch that runs past its deadline must never report success for a
+//! write that the kernel may still complete later, over newer data.
+
+use std::io::{ErrorKind, Read, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use nvme_driver::hw::DmaRegion;
+use nvme_driver::spec::status::codes;
+use nvme_driver::spec::{NvmeStatus, StatusCodeType, SubmissionEntry};
+use nvme_driver::{Lba, NamespaceId};
+
+use super::harness::{block_count, status_of, with_sgl, HostQueue, TestHost, DEADLINE};
+use crate::{Backing, EmuConfig};
+
+/// The batch deadline the stalled controller gets (the real one is 30 s).
+const STALL_TIMEOUT: Duration = Duration::from_millis(200);
+
+fn media(code: u8) -> Result<(), NvmeStatus> {
+    Err(NvmeStatus::new(StatusCodeType::MediaAndDataIntegrity, code))
+}
+
+fn block(seed: u8) -> Vec<u8> {
+    (0..4096).map(|index| (index as u8).wrapping_mul(13) ^ seed).collect()
+}
+
+/// A file-backed controller, brought up, whose batches go to a full socket.
+struct Stalled {
+    host: TestHost,
+    queue: HostQueue,
+    path: PathBuf,
+    /// Kept open until the device is gone: its batches write to it.
+    _sender: UnixStream,
+    receiver: UnixStream,
+    /// Bytes the socket held before any batch wrote to it.
+    filler_bytes: usize,
+}
+
+impl Stalled {
+    /// `None` where io_uring is unavailable (the batches it needs never run).
+    fn start(name: &str, cancellation: bool) -> Option<Self> {
+        if !tutti_uring::available() {
+            eprintln!("io_uring with bounded waits is unavailable here: test skipped");
+            return None;
+        }
+        let path = std::env::temp_dir().join(format!("nvme-emu-test-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        let mut host =
+            TestHost::start(EmuConfig::default().with_backing(Backing::File { path: path.clone(), create_bytes: Some(4 << 20) }));
+        let (mut sender, receiver) = UnixStream::pair().unwrap();
+        // Full, so every write to it waits for room; io_uring waits too despite O_NONBLOCK.
+        sender.set_nonblocking(true).unwrap();
+        let mut filler_bytes = 0usize;
+        while let Ok(written) = sender.write(&[0u8; 4096]) {
+            filler_bytes += written;
+        }
+        let fd = sender.as_raw_fd();
+        host.device.with_core(|core| core.stall_batches_for_tests(fd, STALL_TIMEOUT, cancellation));
+        let queue = host.create_io_pair(1, 16);
+        Some(Self { host, queue, path, _sender: sender, receiver, filler_bytes })
+    }
+
+    /// Two FUA writes (blocks 0 and 1) in one doorbell: one batch of two through the ring.
+    fn write_two_blocks(&mut self) -> [Result<(), NvmeStatus>; 2] {
+        let sources: Vec<DmaRegion> = (0..2).map(|_| self.host.buffer(4096)).collect();
+        for (seed, source) in sources.iter().enumerate() {
+            source.write(0, &block(seed as u8)).unwrap();
+            let write = SubmissionEntry::write(NamespaceId(1), Lba(seed as u64), block_count(1), true);
+            TestHost::push(&mut self.queue, with_sgl(write, source, 4096));
+        }
+        self.host.ring_submission(&self.queue);
+        [status_of(&self.host.reap(&mut self.queue)), status_of(&self.host.reap(&mut self.queue))]
+    }
+
+    /// One FUA write of `data` at `lba` (a single command: the synchronous path).
+    fn write(&mut self, lba: u64, data: &[u8]) -> Result<(), NvmeStatus> {
+        let source = self.host.buffer(4096);
+        source.write(0, data).unwrap();
+        let write = with_sgl(SubmissionEntry::write(NamespaceId(1), Lba(lba), block_count(1), true), &source, 4096);
+        status_of(&self.host.execute_on(&mut self.queue, write))
+    }
+
+    fn read(&mut self, lba: u64) -> (Result<(), NvmeStatus>, Vec<u8>) {
+        let target = self.host.buffer(4096);
+        let read = with_sgl(SubmissionEntry::read(NamespaceId(1), Lba(lba), block_count(1)), &target, 4096);
+        let status = status_of(&self.host.execute_on(&mut self.queue, read));
+        let mut data = vec![0u8; 4096];
+        target.read(0, &mut data).unwrap();
+        (status, data)
+    }
+
+    /// Everything the socket receives until it has been quiet for `quiet`.
+    fn drain(&mut self, quiet: Duration) -> usize {
+        self.receiver.set_read_timeout(Some(quiet)).unwrap();
+        let mut chunk = [0u8; 4096];
+        let mut total = 0usize;
+        loop {
+            match self.receiver.read(&mut chunk) {
+                Ok(0) => return total,
+                Ok(read) => total += read,
+                Err(error) if matches!(error.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => return total,
+                Err(error) => panic!("reading the socket: {error}"),
+            }
+        }
+    }
+
+    fn media_blocks(&self, blocks: usize) -> Vec<u8> {
+        let mut media = vec![0u8; blocks * 4096];
+        std::fs::File::open(&self.path).unwrap().read_exact(&mut media).unwrap();
+        media
+    }
+}
+
+impl Drop for Stalled {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+#[test]
+fn a_stalled_batched_write_is_cancelled_before_it_is_rewritten_and_never_lands_late() {
+    // Goal: when a batch of write-through Writes stalls past its deadline, the controller gets
+    // the kernel to cancel them before it rewrites them synchronously and reports success, so
+    // the abandoned copies can never land after newer data: once the stalled file (a full
+    // socket here) has room again, nothing more arrives. Before cancellation existed, the
+    // kernel kept the writes and completed them whenever it could.
+    let Some(mut stalled) = Stalled::start("stall-cancelled", true) else { return };
+    let started = Instant::now();
+    assert_eq!(stalled.write_two_blocks(), [Ok(()), Ok(())]);
+    let elapsed = started.elapsed();
+    assert!(elapsed >= STALL_TIMEOUT && elapsed < DEADLINE, "the batch stalled, then gave up after a bounded cancel: {elapsed:?}");
+    assert_eq!(stalled.host.device.stats().batched_writes, 0, "neither write completed through the ring");
+    let received = stalled.drain(Duration::from_millis(300));
+    assert_eq!(received, stalled.filler_bytes, "an abandoned write landed after its command completed");
+    let media = stalled.media_blocks(2);
+    assert!(media[..4096] == block(0)[..] && media[4096..] == block(1)[..], "the synchronous rewrite is on media");
+    assert!(!stalled.host.csts().fatal());
+    // Later commands are served (synchronously, the ring being abandoned).
+    assert_eq!(stalled.write(0, &block(7)), Ok(()));
+    assert_eq!(stalled.read(0), (Ok(()), block(7)));
+}
+
+#[test]
+fn a_batched_write_the_kernel_keeps_fails_and_fences_the_store_until_it_is_given_back() {
+    // Goal: when the kernel will not give a stalled write back (cancellation disabled, as for a
+    // write blocked in a hung filesystem), the Write fails (Write Fault), the controller
+    // reports a fatal status, and after a reset every access to the store fails, since the
+    // old write could land over anything written now. The writes really were still pending:
+    // they arrive once the socket has room; from then on the store serves I/O again.
+    let Some(mut stalled) = Stalled::start("stall-kept", false) else { return };
+    assert_eq!(stalled.write_two_blocks(), [media(codes::WRITE_FAULT), media(codes::WRITE_FAULT)]);
+    let deadline = Instant::now() + DEADLINE;
+    while !stalled.host.csts().fatal() {
+        assert!(Instant::now() < deadline, "CSTS.CFS was never set");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    stalled.host.enable();
+    stalled.queue = stalled.host.create_io_pair(1, 16);
+    assert_eq!(stalled.write(5, &block(5)), media(codes::WRITE_FAULT), "a write while the old ones may land");
+    assert_eq!(stalled.read(5).0, media(codes::UNRECOVERED_READ_ERROR), "a read while the old writes may land");
+    assert_eq!(stalled.media_blocks(6), vec![0u8; 6 * 4096], "nothing reached the file");
+    // Room in the socket: the kept writes complete now (both blocks' bytes arrive).
+    stalled.receiver.set_read_timeout(Some(DEADLINE)).unwrap();
+    let mut received = vec![0u8; stalled.filler_bytes + 2 * 4096];
+    stalled.receiver.read_exact(&mut received).unwrap();
+    let late = &received[stalled.filler_bytes..];
+    assert!(late == [block(0), block(1)].concat() || late == [block(1), block(0)].concat(), "the kept writes' data");
+    assert_eq!(stalled.write(5, &block(5)), Ok(()), "the kernel gave the writes back: the fence lifted");
+    assert_eq!(stalled.read(5), (Ok(()), block(5)));
+}
