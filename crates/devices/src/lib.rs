@@ -3,6 +3,8 @@
 //! - [`size`]: sizes like fio's (`4k` = `4KiB` = 4096, k/m/g/t powers of 1024) and their display;
 //! - [`spec`]: `vfio:BDF`, `emu:PATH`, `emu:mem:SIZE`, `emu:null:SIZE`, `uring:PATH` as a typed
 //!   [`DeviceSpec`], each tool naming the kinds it accepts;
+//! - [`duration`]: durations (`10`, `500ms`, `50us`);
+//! - [`timing`]: the software controller's timing model (`--emu-timing`);
 //! - [`memory`]: the check that `emu:mem:` devices fit the memory the machine has (`emu:null:`
 //!   allocates none)
 //!   available (`MemAvailable` less a reserve), before anything is allocated;
@@ -13,21 +15,29 @@
 //! accepted; the tools print it as one line and exit with status 2 (unusable input).
 #![forbid(unsafe_code)]
 
+pub mod duration;
 pub mod memory;
 pub mod open;
 pub mod size;
 pub mod spec;
+pub mod timing;
 
+pub use duration::parse_duration;
 pub use memory::{check_memory, check_memory_with, memory_reserve_bytes};
 pub use open::{open_in_one_space, OpenedDevice};
 pub use size::{format_size, parse_size};
 pub use spec::{DeviceKind, DeviceSpec};
+pub use timing::parse_timing;
 
 /// What a device string or a device set cannot be used for, in words.
 #[derive(Debug, thiserror::Error)]
 pub enum DeviceError {
     #[error("malformed size '{text}'{detail}; {}", size::ACCEPTED)]
     MalformedSize { text: String, detail: String },
+    #[error("malformed duration '{text}'{detail}; {}", duration::ACCEPTED)]
+    MalformedDuration { text: String, detail: String },
+    #[error("timing model '{text}': {reason}; {}", timing::ACCEPTED)]
+    MalformedTiming { text: String, reason: String },
     #[error("size '{text}' is too large (over 2^64 bytes)")]
     SizeTooLarge { text: String },
     #[error("device '{text}' {reason}; accepted: {accepted}")]

@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use crate::timing::TimingModel;
 use crate::EmuError;
 
 /// The per-command transfer cap applied when `mdts` is 0 ("no limit" in Identify).
@@ -71,6 +72,10 @@ pub struct EmuConfig {
     /// (several in flight); off, or when io_uring is unavailable, every transfer is one
     /// synchronous `pread`/`pwrite`.
     pub io_uring: bool,
+    /// Hold Read/Write completions back as an SSD of this bandwidth, latency and mixed-traffic
+    /// collapse would (see [`crate::timing`]); `None` (the default) completes as fast as this
+    /// machine can.
+    pub timing: Option<TimingModel>,
 }
 
 impl Default for EmuConfig {
@@ -91,6 +96,7 @@ impl Default for EmuConfig {
             idle_sleep_max: Duration::from_micros(100),
             sync_file_on_flush: false,
             io_uring: true,
+            timing: None,
         }
     }
 }
@@ -136,6 +142,10 @@ impl EmuConfig {
         self.io_uring = enabled;
         self
     }
+    pub fn with_timing(mut self, timing: Option<TimingModel>) -> Self {
+        self.timing = timing;
+        self
+    }
     pub fn with_no_storage(mut self, no_storage: bool) -> Self {
         self.no_storage = no_storage;
         self
@@ -178,6 +188,9 @@ impl EmuConfig {
         }
         if self.mdts > 20 {
             return invalid(format!("mdts {} above 20", self.mdts));
+        }
+        if let Some(timing) = &self.timing {
+            timing.validate()?;
         }
         Ok(())
     }

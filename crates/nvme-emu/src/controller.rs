@@ -15,7 +15,9 @@ use std::time::{Duration, Instant};
 use nvme_driver::hw::{DmaAllocator, DmaPool};
 use nvme_driver::spec::registers::{self, ControllerConfiguration, ShutdownNotification};
 use nvme_driver::spec::status::codes;
-use nvme_driver::spec::{CompletionEntry, NvmeStatus, StatusCodeType, SubmissionEntry, COMPLETION_ENTRY_BYTES, SUBMISSION_ENTRY_BYTES};
+use nvme_driver::spec::{
+    CompletionEntry, NvmOpcode, NvmeStatus, StatusCodeType, SubmissionEntry, COMPLETION_ENTRY_BYTES, SUBMISSION_ENTRY_BYTES,
+};
 use nvme_driver::Iova;
 
 use crate::backing::{AlignedBuffer, Store};
@@ -25,6 +27,7 @@ use crate::faults::{FaultAction, FaultPlan, FaultState};
 use crate::queues::{CompletionQueue, SubmissionQueue};
 use crate::registers::RegisterFile;
 use crate::stats::{Counters, EmuStats};
+use crate::timing::{FinishedCommand, TimingState};
 use crate::uring::UringReader;
 use crate::EmuError;
 
@@ -140,6 +143,10 @@ pub(crate) struct ControllerCore {
     io_buffers: Vec<AlignedBuffer>,
     /// Reused per scan: commands fetched from one SQ.
     fetched: Vec<(SubmissionEntry, u32)>,
+    /// The timing model, when configured: Read/Write completions it holds back.
+    timing: Option<TimingState>,
+    /// Reused per poll: completions the timing model released.
+    finished: Vec<FinishedCommand>,
     /// Unsafe shutdowns (power losses) and power cycles, for the SMART log.
     pub(crate) power_cycles: u64,
     pub(crate) unsafe_shutdowns: u64,
@@ -180,6 +187,8 @@ impl ControllerCore {
             reader,
             io_buffers: Vec::new(),
             fetched: Vec::new(),
+            timing: config.timing.map(TimingState::new),
+            finished: Vec::new(),
             power_cycles: 1,
             unsafe_shutdowns: 0,
             #[cfg(test)]
@@ -201,7 +210,7 @@ impl ControllerCore {
     }
 
     pub(crate) fn stats(&self) -> EmuStats {
-        self.counters.snapshot()
+        EmuStats { timing: self.timing.as_ref().map(TimingState::stats), ..self.counters.snapshot() }
     }
 
     pub(crate) fn set_faults(&mut self, plan: FaultPlan) {
@@ -210,7 +219,12 @@ impl ControllerCore {
 
     /// The earliest time a delayed completion is due, so the poller does not oversleep.
     pub(crate) fn next_due(&self) -> Option<Instant> {
-        self.pending.iter().map(|pending| pending.due).min()
+        let delayed = self.pending.iter().map(|pending| pending.due).min();
+        let modelled = self.timing.as_ref().and_then(TimingState::next_due);
+        match (delayed, modelled) {
+            (Some(delayed), Some(modelled)) => Some(delayed.min(modelled)),
+            (one, other) => one.or(other),
+        }
     }
 
     /// One scan: reacts to CC, posts due delayed completions, consumes doorbells. Returns whether
@@ -220,6 +234,7 @@ impl ControllerCore {
         if self.state != State::Ready {
             return worked;
         }
+        self.advance_timing(now);
         worked |= self.post_due(now);
         worked |= self.scan_queues(now);
         worked
@@ -304,6 +319,10 @@ impl ControllerCore {
         self.submission_queues.iter_mut().for_each(|queue| *queue = None);
         self.completion_queues.iter_mut().for_each(|queue| *queue = None);
         self.pending.clear();
+        if let Some(timing) = self.timing.as_mut() {
+            // The completion queues are gone, and their reservations with them.
+            timing.clear(|_| {});
+        }
     }
 
     /// CC.EN 1 to 0 (§3.7.2): queues are deleted, features return to defaults, RDY and CFS clear.
@@ -470,7 +489,50 @@ impl ControllerCore {
                 completion.command_id ^= 0x8001;
                 self.post(completion_queue_id, completion);
             }
+            _ if queue_id != 0 && self.timing.is_some() => self.complete_modelled(completion_queue_id, entry, completion, now),
             _ => self.post(completion_queue_id, completion),
+        }
+    }
+
+    /// Hands an I/O command's completion to the timing model: a successful Read or Write waits
+    /// for its bytes to flow through the model's pipe, anything else for the command latency.
+    fn complete_modelled(&mut self, completion_queue_id: u16, entry: &SubmissionEntry, completion: CompletionEntry, now: Instant) {
+        let opcode = entry.opcode();
+        let transfer = opcode == NvmOpcode::Read as u8 || opcode == NvmOpcode::Write as u8;
+        let bytes = self
+            .namespace_index(entry.nsid)
+            .ok()
+            .and_then(|index| self.namespaces.get(index))
+            .map(|namespace| u64::from(entry.block_count()) * u64::from(namespace.block_size_bytes));
+        let succeeded = completion.status_and_phase >> 1 == 0;
+        let Some(timing) = self.timing.as_mut() else { return self.post(completion_queue_id, completion) };
+        match bytes {
+            Some(bytes) if transfer && succeeded => {
+                let Some(Some(queue)) = self.completion_queues.get_mut(usize::from(completion_queue_id)) else { return };
+                queue.reserved += 1;
+                let write = opcode == NvmOpcode::Write as u8;
+                timing.admit(now, write, bytes, (completion_queue_id, completion), &mut self.finished);
+                self.collect_finished();
+            }
+            _ => {
+                let due = timing.due_without_transfer(now);
+                self.delay_completion(completion_queue_id, completion, due);
+            }
+        }
+    }
+
+    /// Lets the timing model's pipes flow up to `now`; what finished waits in `pending`.
+    fn advance_timing(&mut self, now: Instant) {
+        if let Some(timing) = self.timing.as_mut() {
+            timing.advance(now, &mut self.finished);
+            self.collect_finished();
+        }
+    }
+
+    /// Moves completions the model released into `pending` (their slots are reserved already).
+    fn collect_finished(&mut self) {
+        for done in self.finished.drain(..) {
+            self.pending.push(PendingCompletion { due: done.due, completion_queue_id: done.completion_queue_id, entry: done.entry });
         }
     }
 
@@ -623,6 +685,13 @@ impl ControllerCore {
     /// Forgets delayed completions of a deleted submission queue (they would name a dead queue).
     pub(crate) fn drop_pending_for(&mut self, submission_queue_id: u16) {
         let completion_queues = &mut self.completion_queues;
+        if let Some(timing) = self.timing.as_mut() {
+            timing.drop_for(submission_queue_id, |completion_queue_id| {
+                if let Some(Some(queue)) = completion_queues.get_mut(usize::from(completion_queue_id)) {
+                    queue.reserved = queue.reserved.saturating_sub(1);
+                }
+            });
+        }
         self.pending.retain(|pending| {
             let keep = pending.entry.sq_id != submission_queue_id;
             if !keep {

@@ -13,7 +13,8 @@
 //! - NVM commands: Read, Write (FUA), Flush, Write Zeroes, Dataset Management (deallocate);
 //! - PRP (with chained lists) and SGL (Data Block, Segment, Last Segment) data pointers;
 //! - a volatile write cache with [`EmuDevice::power_loss`], fault injection ([`FaultPlan`]),
-//!   a no-storage mode, and counters ([`EmuStats`]).
+//!   a no-storage mode, counters ([`EmuStats`]), and an optional [`TimingModel`] that holds
+//!   completions back as an SSD of given bandwidth, latency and mixed-traffic collapse would.
 //!
 //! Nothing a host writes can make it panic: every malformed command gets the NVMe status a
 //! real controller would return (see `docs/nvme-emu.md` for the table). It has no unsafe code:
@@ -64,6 +65,7 @@ mod io;
 mod queues;
 mod registers;
 pub mod stats;
+pub mod timing;
 mod uring;
 
 #[cfg(test)]
@@ -76,6 +78,7 @@ pub use device::EmuDevice;
 pub use faults::{FaultAction, FaultPlan, FaultRule, QueueFilter};
 pub use registers::RegisterFile;
 pub use stats::EmuStats;
+pub use timing::{TimingModel, TimingStats};
 
 /// Errors starting or configuring the software controller (command errors are NVMe statuses in
 /// completions, never Rust errors).

@@ -39,6 +39,8 @@ pub struct EmuStats {
     pub power_losses: u64,
     /// Controller enables (CC.EN 0 to 1 that reached CSTS.RDY = 1).
     pub enables: u64,
+    /// What the timing model did, when one is configured.
+    pub timing: Option<crate::TimingStats>,
 }
 
 impl EmuStats {

@@ -79,6 +79,13 @@ pub struct Cli {
     #[arg(long = "device", value_parser = parse_device_arg)]
     pub devices: Vec<DeviceSpec>,
 
+    /// Make the software controller (emu: devices) complete I/O no sooner than a modelled SSD
+    /// would: `tutti-ssd` (one of Tutti's evaluation SSDs in 32x slow motion), `tutti-ssd:xN`, or
+    /// `read=SIZE,write=SIZE,mixed=FRACTION,latency=DURATION` (bandwidths per second). Every
+    /// figure of such a run is the model's, not hardware's; the output says so.
+    #[arg(long = "emu-timing", value_parser = parse_timing_arg)]
+    pub emu_timing: Option<nvme_emu::TimingModel>,
+
     /// Who issues the NVMe commands.
     #[arg(long, value_enum, default_value_t = Executor::Cpu)]
     pub executor: Executor,
@@ -221,24 +228,17 @@ pub enum Executor {
 }
 
 /// Parses a duration like fio's runtime: plain seconds, or with us/ms/s/m/h.
+/// Parses a duration like fio's runtime (plain seconds, or with us/ms/s/m/h); zero is refused.
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
-    let accepted = "accepted: a whole number with an optional unit us/ms/s/m/h (default seconds), e.g. 10, 500ms, 2m";
-    let trimmed = text.trim();
-    let digits_end = trimmed.find(|c: char| !c.is_ascii_digit()).unwrap_or(trimmed.len());
-    let (digits, unit) = trimmed.split_at(digits_end);
-    let number: u64 = digits.parse().map_err(|_| format!("malformed duration '{text}'; {accepted}"))?;
-    let duration = match unit.to_ascii_lowercase().as_str() {
-        "us" => Duration::from_micros(number),
-        "ms" => Duration::from_millis(number),
-        "" | "s" => Duration::from_secs(number),
-        "m" => Duration::from_secs(number.saturating_mul(60)),
-        "h" => Duration::from_secs(number.saturating_mul(3600)),
-        _ => return Err(format!("malformed duration '{text}' (unknown unit '{unit}'); {accepted}")),
-    };
+    let duration = tutti_devices::parse_duration(text).map_err(|error| error.to_string())?;
     if duration.is_zero() {
-        return Err(format!("duration '{text}' is zero; {accepted}"));
+        return Err(format!("duration '{text}' is zero; {}", tutti_devices::duration::ACCEPTED));
     }
     Ok(duration)
+}
+
+fn parse_timing_arg(text: &str) -> Result<nvme_emu::TimingModel, String> {
+    tutti_devices::parse_timing(text).map_err(|error| error.to_string())
 }
 
 fn parse_duration_arg(text: &str) -> Result<Duration, String> {

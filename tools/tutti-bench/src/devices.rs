@@ -98,6 +98,8 @@ pub struct OpenOptions2 {
     pub io_bytes_max: u64,
     /// Queue pairs the run needs (one per job).
     pub queues: u32,
+    /// The software controller's timing model (emu: devices only).
+    pub timing: Option<nvme_emu::TimingModel>,
     /// Write the created file's contents so that reads hit real blocks, like fio's layout step.
     pub lay_out: bool,
 }
@@ -165,6 +167,28 @@ fn emu_config(options: OpenOptions2) -> EmuConfig {
         .with_mdts(mdts)
         .with_volatile_write_cache(false)
         .with_io_queue_pairs_max(u16::try_from(options.queues.max(1)).unwrap_or(64))
+        .with_timing(options.timing)
+}
+
+/// The timing model in JSON (`null` without one): the figures of such a run are the model's.
+pub fn timing_json(timing: Option<nvme_emu::TimingModel>) -> serde_json::Value {
+    timing.map_or(serde_json::Value::Null, |timing| {
+        serde_json::json!({
+            "read_bytes_per_s": timing.read_bytes_per_s,
+            "write_bytes_per_s": timing.write_bytes_per_s,
+            "mixed_share": f64::from(timing.mixed_share_permille) / 1000.0,
+            "command_latency_us": timing.command_latency.as_micros() as u64,
+        })
+    })
+}
+
+/// What a device description adds when the software controller runs a timing model: the
+/// figures are the model's, not hardware's.
+fn timing_note(spec: &DeviceSpec, options: OpenOptions2) -> String {
+    match options.timing {
+        Some(timing) if spec.is_emulated() => format!("; EMULATED {timing}"),
+        _ => String::new(),
+    }
 }
 
 /// Checks a file can be opened as the run needs, creating it (and laying it out) when missing
@@ -238,13 +262,14 @@ impl NvmeDevice {
             .first()
             .ok_or_else(|| DeviceError::Setup(format!("{name}: the controller has no active namespace")))?;
         let description = format!(
-            "{}: namespace {} of {} ({}-byte LBAs), {} data pointers, max transfer {}",
+            "{}: namespace {} of {} ({}-byte LBAs), {} data pointers, max transfer {}{}",
             device.spec.describe(),
             namespace.id.0,
             format_size(namespace.size_bytes()),
             namespace.block_size_bytes,
             controller.data_pointer_mode().name(),
             format_size(controller.max_transfer_bytes()),
+            timing_note(&device.spec, options),
         );
         Ok(Arc::new(Self { controller, _emu: device.emulator, namespace, description }))
     }
@@ -480,10 +505,11 @@ pub fn open_controllers(specs: &[DeviceSpec], options: OpenOptions2, created: &m
         let controller =
             Controller::init(device.backend, ControllerConfig::default()).map_err(|source| DeviceError::Nvme { device: name, source })?;
         let description = format!(
-            "{}: {} data pointers, max transfer {}",
+            "{}: {} data pointers, max transfer {}{}",
             device.spec.describe(),
             controller.data_pointer_mode().name(),
-            format_size(controller.max_transfer_bytes())
+            format_size(controller.max_transfer_bytes()),
+            timing_note(&device.spec, options)
         );
         controllers.push(KvController { controller: Arc::new(controller), _emu: device.emulator, description });
     }

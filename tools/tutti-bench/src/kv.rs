@@ -72,6 +72,8 @@ pub struct KvPlan {
     pub pool: PoolMode,
     /// Seed of the tokens and the data pattern.
     pub seed: u64,
+    /// The software controller's timing model.
+    pub emu_timing: Option<nvme_emu::TimingModel>,
 }
 
 impl KvPlan {
@@ -89,6 +91,7 @@ impl KvPlan {
             verify: cli.verify || pool == PoolMode::RetrieveOnly,
             pool,
             seed: cli.seed,
+            emu_timing: cli.emu_timing,
         })
     }
 
@@ -365,6 +368,7 @@ pub fn run_plan(specs: &[DeviceSpec], plan: &KvPlan, output: OutputFormat, creat
         io_bytes_max: 2 * geometry.object_bytes(),
         queues: 4,
         lay_out: false,
+        timing: plan.emu_timing,
     };
     let listed = specs.iter().map(ToString::to_string).collect::<Vec<_>>().join(",");
     let devices = devices::open_controllers(specs, options, created).map_err(|error| match error {
@@ -396,6 +400,7 @@ pub fn run_plan(specs: &[DeviceSpec], plan: &KvPlan, output: OutputFormat, creat
         "executor": "cpu",
         "device": listed,
         "device_description": devices.iter().map(|device| device.description.as_str()).collect::<Vec<_>>().join("; "),
+        "emu_timing": devices::timing_json(plan.emu_timing),
         "pool_slots": rig.slots,
         "pool_valid_slots_at_open": rig.valid_slots_at_open,
         "payload_crc": rig.payload_crc,

@@ -49,6 +49,11 @@ pub fn with_devices(
     bytes: Option<u64>,
     body: impl FnOnce(&[DeviceSpec], &mut CreatedFiles) -> anyhow::Result<()>,
 ) -> anyhow::Result<()> {
+    if let Some(spec) = cli.emu_timing.and(cli.devices.iter().find(|spec| !spec.is_emulated())) {
+        return usage(format!(
+            "--emu-timing models the software controller; {spec} is not one (accepted: emu:PATH, emu:mem:SIZE, emu:null:SIZE)"
+        ));
+    }
     let mut created = CreatedFiles::default();
     let devices = if cli.devices.is_empty() {
         let path = temporary_pool(cli.directory.as_deref(), bytes)?.path;
@@ -149,7 +154,14 @@ fn run_raw(cli: &Cli, specs: &[DeviceSpec], created: &mut CreatedFiles) -> anyho
     }
     let writes = cli.verify || matches!(cli.rw, Pattern::Write | Pattern::Randwrite | Pattern::Randrw);
     let per_device_bytes = cli.size.map(|size| (size + cli.offset).div_ceil(specs.len() as u64));
-    let options = OpenOptions2 { writes, create_bytes: per_device_bytes, io_bytes_max: cli.bs, queues: cli.numjobs, lay_out: !writes };
+    let options = OpenOptions2 {
+        writes,
+        create_bytes: per_device_bytes,
+        io_bytes_max: cli.bs,
+        queues: cli.numjobs,
+        lay_out: !writes,
+        timing: cli.emu_timing,
+    };
     // Memory devices are checked together: two emu:mem devices may fit one by one, not both.
     tutti_devices::check_memory(specs).map_err(|error| Unusable(error.to_string()))?;
     let mut devices: Vec<Arc<dyn Device>> = Vec::with_capacity(specs.len());
@@ -245,6 +257,7 @@ fn configuration(cli: &Cli, devices: &[Arc<dyn Device>], region_bytes: u64) -> s
         "rwmixread": (cli.rw == Pattern::Randrw).then_some(cli.rwmixread),
         "verify": cli.verify,
         "executor": "cpu",
+        "emu_timing": devices::timing_json(cli.emu_timing),
         "devices": devices.iter().map(|device| json!({"name": device.name(), "description": device.describe(), "capacity_bytes": device.capacity_bytes()})).collect::<Vec<_>>(),
         "striping": if devices.len() > 1 { format!("round-robin in units of bs across {} devices", devices.len()) } else { "none".into() },
     })
@@ -384,6 +397,7 @@ fn default_kv(
         verify: true,
         pool: crate::kv::PoolMode::Format,
         seed: cli.seed,
+        emu_timing: cli.emu_timing,
     };
     while plan.pool_bytes_per_device(1) > pool.bytes && plan.prompt_tokens > plan.block_tokens() {
         plan.prompt_tokens -= plan.block_tokens();

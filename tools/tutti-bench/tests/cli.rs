@@ -389,3 +389,24 @@ fn any_model_geometry_is_accepted_by_flags_or_config_file_and_reports_its_mappin
     assert_refused(&["--model-config", "/nonexistent/config.json"], &["cannot read it"]);
     assert_refused(&["--device", "emu:mem:16m", "--rw=read", "--layers=4"], &["--layers", "--workload=kv"]);
 }
+
+#[test]
+fn an_emulated_timing_model_slows_the_run_and_says_so() {
+    // Goal (issue 13 item 2): --emu-timing holds completions back as the modelled SSD would,
+    // and every output names the model; it is refused where there is no software controller.
+    let mut args = small_kv_run(&["emu:mem:128m"]);
+    args.push("--emu-timing=read=16m,write=32m,mixed=0.5,latency=1ms");
+    let output = bench(&args);
+    assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
+    let json: serde_json::Value = serde_json::from_slice(&output.stdout).expect("JSON output parses");
+    let options = &json["global options"];
+    assert_eq!(options["emu_timing"]["read_bytes_per_s"], 16 << 20, "{json}");
+    assert_eq!(options["emu_timing"]["command_latency_us"], 1000);
+    assert!(options["device_description"].as_str().unwrap().contains("EMULATED timing model: read 17 MB/s"), "{json}");
+    // Retrieving 6 blocks x 32 layers x 64 KiB = 12 MiB at 16 MiB/s takes at least 0.75 s.
+    let retrieve = &json["phases"][1];
+    let layer_ns: u64 = retrieve["layers"].as_array().unwrap().iter().map(|layer| layer["lat_ns"].as_u64().unwrap()).sum();
+    assert!(layer_ns >= 740_000_000, "retrieve took {layer_ns} ns of layer time");
+    assert_refused(&["--device", "uring:/dev/null", "--emu-timing=tutti-ssd"], &["--emu-timing models the software controller"]);
+    assert_refused(&["--emu-timing=fast"], &["timing model 'fast'", "accepted: tutti-ssd"]);
+}

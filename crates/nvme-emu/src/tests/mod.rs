@@ -6,3 +6,4 @@ mod io_tests;
 mod lifecycle_tests;
 mod stall_tests;
 mod throughput;
+mod timing_tests;

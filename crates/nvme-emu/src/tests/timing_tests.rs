@@ -1,0 +1,147 @@
+//! The timing model seen from a host: completions come no sooner than the modelled SSD allows,
+//! mixed traffic collapses both directions, and deleting a queue frees what the model held.
+//! Only lower bounds are tight (a loaded machine can only be slower); upper bounds are loose.
+
+use std::time::{Duration, Instant};
+
+use nvme_driver::spec::SubmissionEntry;
+use nvme_driver::{Lba, NamespaceId};
+
+use super::harness::{block_count, status_of, with_sgl, HostQueue, TestHost};
+use crate::{Backing, EmuConfig, TimingModel};
+
+const MIB: u64 = 1 << 20;
+const CHUNK_BYTES: usize = 128 << 10;
+
+fn model(read_mib_per_s: u64, write_mib_per_s: u64, share_permille: u16, latency: Duration) -> TimingModel {
+    TimingModel {
+        read_bytes_per_s: read_mib_per_s * MIB,
+        write_bytes_per_s: write_mib_per_s * MIB,
+        mixed_share_permille: share_permille,
+        command_latency: latency,
+    }
+}
+
+fn start(timing: Option<TimingModel>) -> TestHost {
+    TestHost::start(EmuConfig::default().with_backing(Backing::Memory { bytes: 16 << 20 }).with_timing(timing))
+}
+
+/// Submits `reads` Reads and `writes` Writes of 128 KiB at once and waits for all of them;
+/// returns the seconds it took.
+fn burst(host: &TestHost, queue: &mut HostQueue, reads: usize, writes: usize) -> f64 {
+    let buffers: Vec<_> = (0..reads + writes).map(|_| host.buffer(CHUNK_BYTES)).collect();
+    let blocks = (CHUNK_BYTES / 4096) as u32;
+    let started = Instant::now();
+    for (index, buffer) in buffers.iter().enumerate() {
+        let lba = Lba(index as u64 * u64::from(blocks));
+        let entry = if index < reads {
+            SubmissionEntry::read(NamespaceId(1), lba, block_count(blocks))
+        } else {
+            SubmissionEntry::write(NamespaceId(1), lba, block_count(blocks), false)
+        };
+        TestHost::push(queue, with_sgl(entry, buffer, CHUNK_BYTES as u32));
+    }
+    host.ring_submission(queue);
+    for _ in 0..reads + writes {
+        let completion = host.reap(queue);
+        assert_eq!(status_of(&completion), Ok(()));
+    }
+    started.elapsed().as_secs_f64()
+}
+
+#[test]
+fn reads_complete_no_sooner_than_the_modelled_bandwidth_allows() {
+    // Goal: 32 x 128 KiB (4 MiB) at 32 MiB/s take at least 125 ms; without the model a memory
+    // device moves them in a few milliseconds.
+    let mut host = start(Some(model(32, 32, 500, Duration::ZERO)));
+    let mut queue = host.create_io_pair(1, 64);
+    let seconds = burst(&host, &mut queue, 32, 0);
+    assert!((0.124..1.5).contains(&seconds), "4 MiB at 32 MiB/s took {seconds:.3} s");
+    let timing = host.device.stats().timing.expect("timing statistics with a model configured");
+    assert_eq!((timing.modelled_reads, timing.modelled_writes), (32, 0));
+    assert_eq!(timing.mixed_busy, Duration::ZERO);
+    // The same burst without a model is at least 4x faster (it is ~100x on an idle machine).
+    let mut unmodelled = start(None);
+    let mut queue = unmodelled.create_io_pair(1, 64);
+    let fast = burst(&unmodelled, &mut queue, 32, 0);
+    assert!(fast * 4.0 < seconds, "unmodelled {fast:.3} s against modelled {seconds:.3} s");
+    assert_eq!(unmodelled.device.stats().timing, None);
+}
+
+#[test]
+fn reads_and_writes_together_collapse_to_their_mixed_share() {
+    // Goal: 2 MiB of reads and 2 MiB of writes together, each direction 32 MiB/s solo and 25%
+    // of it mixed: both flow at 8 MiB/s, 250 ms, where either alone takes 62.5 ms.
+    let mut host = start(Some(model(32, 32, 250, Duration::ZERO)));
+    let mut queue = host.create_io_pair(1, 64);
+    let seconds = burst(&host, &mut queue, 16, 16);
+    assert!((0.245..2.0).contains(&seconds), "mixed 2+2 MiB took {seconds:.3} s");
+    let timing = host.device.stats().timing.unwrap();
+    assert_eq!((timing.modelled_reads, timing.modelled_writes), (16, 16));
+    assert!(timing.mixed_busy >= Duration::from_millis(240), "{timing:?}");
+}
+
+#[test]
+fn each_command_waits_at_least_the_command_latency() {
+    // Goal: 20 dependent 4 KiB reads with 3 ms latency take at least 60 ms; a Flush (no data)
+    // waits the latency too.
+    let mut host = start(Some(model(1024, 1024, 1000, Duration::from_millis(3))));
+    let mut queue = host.create_io_pair(1, 8);
+    let buffer = host.buffer(4096);
+    let started = Instant::now();
+    for index in 0..20u64 {
+        let entry = with_sgl(SubmissionEntry::read(NamespaceId(1), Lba(index), block_count(1)), &buffer, 4096);
+        assert_eq!(status_of(&host.execute_on(&mut queue, entry)), Ok(()));
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    assert!((0.059..2.0).contains(&seconds), "20 reads at 3 ms each took {seconds:.3} s");
+    let flushed = Instant::now();
+    assert_eq!(status_of(&host.execute_on(&mut queue, SubmissionEntry::flush(NamespaceId(1)))), Ok(()));
+    assert!(flushed.elapsed() >= Duration::from_millis(3));
+}
+
+#[test]
+fn deleting_a_queue_drops_what_the_model_held_and_frees_its_completion_slots() {
+    // Goal: three reads held for seconds on a 4-entry queue (3 usable slots) are dropped with
+    // their SQ; the SQ recreated on the same CQ runs new commands at once, and they do not wait
+    // behind the dropped transfers in the model's pipe.
+    let mut host = start(Some(model(1, 1024, 1000, Duration::ZERO)));
+    let mut queue = host.create_io_pair(1, 4);
+    let buffers: Vec<_> = (0..3).map(|_| host.buffer(CHUNK_BYTES)).collect();
+    for (index, buffer) in buffers.iter().enumerate() {
+        let entry = SubmissionEntry::read(NamespaceId(1), Lba(index as u64 * 32), block_count(32));
+        TestHost::push(&mut queue, with_sgl(entry, buffer, CHUNK_BYTES as u32));
+    }
+    host.ring_submission(&queue);
+    // Let the controller fetch them (its scan is sub-millisecond), then delete the SQ.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while host.device.stats().timing.unwrap().modelled_reads < 3 {
+        assert!(Instant::now() < deadline, "the reads were never fetched");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(TestHost::try_reap(&mut queue).is_none(), "held for ~375 ms by the model");
+    assert_eq!(status_of(&host.admin(SubmissionEntry::delete_io_submission_queue(1))), Ok(()));
+    let submission = host.buffer(4 * 64);
+    let create = SubmissionEntry::create_io_submission_queue(1, 4, submission.iova().0, 1);
+    assert_eq!(status_of(&host.admin(create)), Ok(()));
+    queue.submission = submission;
+    queue.tail = 0;
+    // Writes flow at 1 GiB/s; had the dropped reads kept their slots, nothing would be fetched.
+    let started = Instant::now();
+    for (index, buffer) in buffers.iter().enumerate() {
+        let entry = SubmissionEntry::write(NamespaceId(1), Lba(index as u64 * 32), block_count(32), false);
+        TestHost::push(&mut queue, with_sgl(entry, buffer, CHUNK_BYTES as u32));
+    }
+    host.ring_submission(&queue);
+    for _ in 0..3 {
+        let completion = host.reap_within(&mut queue, Duration::from_secs(2)).expect("a completion: slots were freed");
+        assert_eq!(status_of(&completion), Ok(()));
+    }
+    assert!(started.elapsed() < Duration::from_millis(300), "new commands waited {:?}", started.elapsed());
+}
+
+#[test]
+fn a_model_that_cannot_run_is_refused_at_start() {
+    let error = crate::EmuDevice::start(EmuConfig::default().with_timing(Some(model(0, 1, 500, Duration::ZERO)))).err().unwrap();
+    assert!(error.to_string().contains("timing model: read and write bandwidth must be above 0"), "{error}");
+}
