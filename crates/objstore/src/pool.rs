@@ -24,7 +24,7 @@ use mirror::HeaderMirror;
 
 use crate::error::{ObjstoreError, Result};
 use crate::format::{
-    encode_empty_entry, encode_entry, header_entry_bytes, pool_tag, HeaderVerdict, SlotHeader, SlotState, Superblock, FLAG_PAYLOAD_CRC,
+    encode_empty_entry, encode_entry, pool_tag, HeaderVerdict, SlotHeader, SlotState, Superblock, FLAG_PAYLOAD_CRC,
     HEADER_FLAG_PAYLOAD_CRC, SUPERBLOCK_REGION_BYTES,
 };
 use crate::geometry::ModelGeometry;
@@ -131,6 +131,10 @@ pub(crate) struct PoolDevice {
     mirror: HeaderMirror,
     /// A DMA buffer for payload checks and superblock I/O.
     scratch: DmaRegion,
+    /// One header entry (`superblock.header_entry_bytes`, up to one LBA), encoded here before
+    /// it is staged in the mirror: sized from the superblock at open, so no entry the format
+    /// allows is too big for it, and no store allocates one.
+    entry: Vec<u8>,
 }
 
 /// An open pool: devices in pool order (device index i at position i) and the index.
@@ -372,7 +376,8 @@ impl Pool {
                 );
             }
             let queue = own_queue.then_some(queue); // a shared one is deleted here, freeing its id
-            pool.devices.push(PoolDevice { queue, target, superblock, mirror: HeaderMirror::new(mirror, superblock), scratch });
+            let entry = vec![0u8; superblock.header_entry_bytes as usize];
+            pool.devices.push(PoolDevice { queue, target, superblock, mirror: HeaderMirror::new(mirror, superblock), scratch, entry });
         }
         pool.recover(&mut report)?;
         Ok((pool, report))
@@ -460,8 +465,7 @@ impl Pool {
         let generation = self.generation;
         let d = &mut self.devices[usize::from(device)];
         let superblock = d.superblock;
-        let mut entry = [0u8; 4096];
-        let entry = &mut entry[..header_entry_bytes(superblock.blocks_per_slot) as usize];
+        let entry = &mut d.entry[..];
         let tag = pool_tag(&superblock.pool_uuid);
         match state {
             SlotState::Empty => encode_empty_entry(entry, generation, tag, slot),
@@ -470,7 +474,7 @@ impl Pool {
                 encode_entry(entry, generation, tag, slot, state, payload_crcs, blocks);
             }
         }
-        d.mirror.stage(slot, entry, state == SlotState::Empty)?;
+        d.mirror.stage(slot, &d.entry, state == SlotState::Empty)?;
         Ok(generation)
     }
 

@@ -113,3 +113,28 @@ fn a_metadata_transfer_never_reaches_past_its_region() {
     transfer_region(&mut queue, NamespaceId(1), 0, &region, 0, 4096, 512, Transfer::Read, timeout).unwrap();
     super::metadata_io::write_runs_durably(&mut queue, NamespaceId(1), 0, &region, [(4, 8)].into_iter(), 512, timeout).unwrap();
 }
+
+#[test]
+fn a_header_entry_larger_than_4_kib_is_staged_and_recovered() {
+    // Goal: with 8 KiB LBAs and k = 254 a header entry is 8 KiB, which the format allows (an
+    // entry up to one LBA). Staging one used to slice a fixed 4 KiB buffer and panic on the
+    // first store; it must be written, and a reopen must find the slot Valid with its keys.
+    let config =
+        EmuConfig::default().with_backing(Backing::Memory { bytes: 24 << 20 }).with_namespaces(vec![NamespaceConfig::new(8192, None)]);
+    let (_device, targets) = start(config);
+    // 8 KiB objects: one LBA each.
+    let geometry = ModelGeometry { layers: 1, kv_heads: 1, head_dim: 128, dtype_bytes: 2, block_tokens: 32 };
+    let k = 254;
+    let params = FormatParams { geometry, blocks_per_slot: k, slot_count_max: Some(2), pool_uuid: None, payload_crc: true };
+    format_pool(&targets, &params).unwrap();
+    let (mut pool, _) = Pool::open(targets.clone(), Some(&geometry)).unwrap();
+    assert_eq!(pool.superblock(0).header_entry_bytes, 8192);
+    let records: Vec<crate::format::BlockRecord> =
+        (0..u64::from(k)).map(|i| crate::format::BlockRecord { key: 1000 + i, token_count: 32, payload_crc: i as u32 }).collect();
+    pool.stage_header(0, 1, SlotState::Valid, &records).unwrap();
+    pool.sync_headers(&mut NoLender).unwrap();
+    drop(pool);
+    let (pool, report) = Pool::open(targets, Some(&geometry)).unwrap();
+    assert_eq!((report.valid_slots, report.cached_blocks, report.corrupt_headers), (1, u64::from(k), 0));
+    assert!(pool.index().get(1000 + 253).is_some());
+}
