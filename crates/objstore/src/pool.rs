@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use nvme_driver::{Controller, DmaRegion, IoQueuePair, NamespaceId};
 
 pub use metadata_io::METADATA_QUEUE_DEPTH;
-use metadata_io::{transfer_region, Transfer, METADATA_CHUNK_BYTES};
+use metadata_io::{create_metadata_queue, transfer_region, Transfer, METADATA_CHUNK_BYTES};
 use mirror::HeaderMirror;
 
 use crate::error::{ObjstoreError, Result};
@@ -81,7 +81,7 @@ fn metadata_queue<'a>(
         return Ok(queue);
     }
     if temporary.is_none() {
-        *temporary = Some(target.controller.create_io_queue_pair(METADATA_QUEUE_DEPTH)?);
+        *temporary = Some(create_metadata_queue(&target.controller)?);
     }
     Ok(temporary.as_mut().expect("set above"))
 }
@@ -173,7 +173,7 @@ fn namespace_of(target: &PoolTarget) -> Result<nvme_driver::Namespace> {
 /// Reads and decodes the superblock of one target (for `open` and `tutti pool inspect`).
 pub fn read_superblock(target: &PoolTarget, device: usize) -> Result<Superblock> {
     let namespace = namespace_of(target)?;
-    let mut queue = target.controller.create_io_queue_pair(METADATA_QUEUE_DEPTH)?;
+    let mut queue = create_metadata_queue(&target.controller)?;
     let bytes = SUPERBLOCK_REGION_BYTES.max(u64::from(namespace.block_size_bytes));
     let region = target.controller.dma().allocate(bytes as usize)?;
     transfer_region(
@@ -230,7 +230,7 @@ pub fn format_pool(targets: &[PoolTarget], params: &FormatParams) -> Result<Vec<
     }
     for (target, superblock) in targets.iter().zip(&planned) {
         let lba = u64::from(superblock.lba_bytes);
-        let mut queue = target.controller.create_io_queue_pair(METADATA_QUEUE_DEPTH)?;
+        let mut queue = create_metadata_queue(&target.controller)?;
         let buffer = target.controller.dma().allocate(METADATA_CHUNK_BYTES as usize)?;
         let region_bytes = superblock.header_region_bytes();
         let entry_bytes = u64::from(superblock.header_entry_bytes);
@@ -352,7 +352,7 @@ impl Pool {
             .map(|(_, target)| usize::from(target.controller.granted_queue_pairs()) >= 2 * devices_on(&target.controller))
             .collect();
         for ((superblock, target), own_queue) in found.into_iter().zip(own_queue) {
-            let mut queue = target.controller.create_io_queue_pair(METADATA_QUEUE_DEPTH)?;
+            let mut queue = create_metadata_queue(&target.controller)?;
             let mirror = target.controller.dma().allocate(superblock.header_region_bytes() as usize)?;
             transfer_region(
                 &mut queue,

@@ -156,14 +156,15 @@ pub struct KvStore<E: Executor> {
     addressing: Vec<(u32, SlotAddressing)>,
 }
 
-/// A CPU executor with one I/O queue pair per pool device (device index i = pool device i).
-/// On a controller that granted fewer than two queue pairs per pool device, the pool's
+/// A CPU executor with one I/O queue pair per pool device (device index i = pool device i),
+/// each `nvme_queue_depth` deep, or as deep as its controller's CAP.MQES allows if that is
+/// less. On a controller that granted fewer than two queue pairs per pool device, the pool's
 /// metadata borrows these (the CPU executor lends them between commands).
 pub fn cpu_executor_for(pool: &Pool, nvme_queue_depth: u32, config: &StoreConfig) -> Result<CpuExecutor> {
     let mut queues = Vec::with_capacity(pool.device_count());
     for device in 0..pool.device_count() {
         let controller = &pool.target(device).controller;
-        match controller.create_io_queue_pair(nvme_queue_depth) {
+        match controller.create_io_queue_pair(nvme_queue_depth.min(controller.max_queue_depth())) {
             Ok(queue) => queues.push(queue),
             Err(nvme_driver::NvmeError::NoQueueAvailable { granted }) => {
                 let needed = (0..pool.device_count()).filter(|&d| Arc::ptr_eq(&pool.target(d).controller, controller)).count();

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use gio_uring::LENT_COMMAND_TAG;
-use nvme_driver::{DataSegment, DmaRegion, HwError, IoQueuePair, Lba, NamespaceId, NvmeError};
+use nvme_driver::{Controller, DataSegment, DmaRegion, HwError, IoQueuePair, Lba, NamespaceId, NvmeError};
 
 use crate::error::{ObjstoreError, Result};
 
@@ -12,13 +12,20 @@ use crate::error::{ObjstoreError, Result};
 /// a late completion of ours can never be counted for an IOCTX.
 const METADATA_TAG: u64 = LENT_COMMAND_TAG;
 
-/// Depth of a metadata queue pair (a pool device's own, or a temporary one).
+/// Depth of a metadata queue pair (a pool device's own, or a temporary one), on a controller
+/// whose CAP.MQES allows it (see [`create_metadata_queue`]).
 pub const METADATA_QUEUE_DEPTH: u32 = 64;
 /// Metadata moves in pieces of at most this size (each piece is one submit + wait).
 pub(crate) const METADATA_CHUNK_BYTES: u64 = 1 << 20;
 /// Commands one piece may need: well below any queue depth the pool uses (the driver refuses a
 /// transfer that needs more commands than the queue has free slots, it does not wait).
 const COMMANDS_PER_PIECE_MAX: u64 = 16;
+
+/// A metadata queue pair on `controller`: [`METADATA_QUEUE_DEPTH`] deep, or as deep as its
+/// CAP.MQES allows if that is less (a fixed depth would refuse such a controller outright).
+pub(crate) fn create_metadata_queue(controller: &Controller) -> Result<IoQueuePair> {
+    Ok(controller.create_io_queue_pair(METADATA_QUEUE_DEPTH.min(controller.max_queue_depth()))?)
+}
 
 /// Which way `transfer_region` moves data.
 #[derive(Debug, Clone, Copy)]
