@@ -17,8 +17,9 @@ const METADATA_TAG: u64 = LENT_COMMAND_TAG;
 pub const METADATA_QUEUE_DEPTH: u32 = 64;
 /// Metadata moves in pieces of at most this size (each piece is one submit + wait).
 pub(crate) const METADATA_CHUNK_BYTES: u64 = 1 << 20;
-/// Commands one piece may need: well below any queue depth the pool uses (the driver refuses a
-/// transfer that needs more commands than the queue has free slots, it does not wait).
+/// Commands one piece may need, at most: the driver refuses a transfer that needs more commands
+/// than the queue has free slots (it does not wait), so a piece is also capped at what an idle
+/// queue of the given depth takes (depth − 1: a lent executor queue may be as shallow as 2).
 const COMMANDS_PER_PIECE_MAX: u64 = 16;
 
 /// A metadata queue pair on `controller`: [`METADATA_QUEUE_DEPTH`] deep, or as deep as its
@@ -35,9 +36,11 @@ pub(crate) enum Transfer {
 }
 
 /// Bytes one piece of a metadata transfer moves on `queue`: at most [`METADATA_CHUNK_BYTES`],
-/// and few enough commands under the controller's MDTS, in whole LBAs.
+/// and few enough commands under the controller's MDTS for the idle queue to take them all, in
+/// whole LBAs.
 fn piece_bytes_max(queue: &IoQueuePair, lba_bytes: u64) -> u64 {
-    let by_commands = queue.max_transfer_bytes().saturating_mul(COMMANDS_PER_PIECE_MAX);
+    let commands = COMMANDS_PER_PIECE_MAX.min(u64::from(queue.depth().saturating_sub(1)).max(1));
+    let by_commands = queue.max_transfer_bytes().saturating_mul(commands);
     (by_commands.min(METADATA_CHUNK_BYTES) / lba_bytes).max(1) * lba_bytes
 }
 

@@ -138,3 +138,46 @@ fn a_header_entry_larger_than_4_kib_is_staged_and_recovered() {
     assert_eq!((report.valid_slots, report.cached_blocks, report.corrupt_headers), (1, u64::from(k), 0));
     assert!(pool.index().get(1000 + 253).is_some());
 }
+
+/// Lends one queue pair of its own, as an executor would lend its queue pair of pool device 0.
+struct OneQueueLender(IoQueuePair);
+
+impl QueueLender for OneQueueLender {
+    fn lend(&mut self, _device: usize, _deadline: Instant) -> Result<Option<&mut IoQueuePair>> {
+        Ok(Some(&mut self.0))
+    }
+}
+
+#[test]
+fn a_header_sync_fits_a_lent_queue_of_depth_4() {
+    // Goal: a header sync through a lent queue of depth 4 (3 commands at once) writes a
+    // contiguous dirty run that takes 4 commands under the controller's MDTS. Pieces used to
+    // take up to 16 commands whatever the queue's depth: the driver refused the 4th with
+    // QueueFull, the retry after draining failed the same way, and so did every store.
+    let config = EmuConfig::default()
+        .with_backing(Backing::Memory { bytes: 16 << 20 })
+        .with_namespaces(vec![NamespaceConfig::new(512, None)])
+        .with_mdts(1) // 8 KiB (16 LBAs) per command
+        .with_io_queue_pairs_max(1);
+    let (device, targets) = start(config);
+    // 1 KiB slots, 64-byte header entries: 8 per LBA.
+    let tiny = ModelGeometry { layers: 1, kv_heads: 1, head_dim: 128, dtype_bytes: 2, block_tokens: 2 };
+    format(&targets, tiny);
+    let (mut pool, report) = Pool::open(targets.clone(), Some(&tiny)).unwrap();
+    assert!(pool.metadata_queue_shared(0), "one queue pair granted: metadata borrows the executor's");
+    let mut lender = OneQueueLender(targets[0].controller.create_io_queue_pair(4).unwrap());
+    let slots = 64 * 8; // 64 LBAs: 4 commands of 16
+    assert!(report.slots >= slots);
+    let records = [crate::format::BlockRecord { key: 0, token_count: 2, payload_crc: 0 }];
+    for slot in 0..slots as u32 {
+        let records = [crate::format::BlockRecord { key: 7000 + u64::from(slot), ..records[0] }];
+        pool.stage_header(0, slot, SlotState::Valid, &records).unwrap();
+    }
+    let before = device.stats();
+    pool.sync_headers(&mut lender).unwrap();
+    assert_eq!(device.stats().io(NvmOpcode::Write) - before.io(NvmOpcode::Write), 4, "64 LBAs, 16 per command");
+    drop(lender);
+    drop(pool);
+    let (_, reopened) = Pool::open(targets, Some(&tiny)).unwrap();
+    assert_eq!((reopened.valid_slots, reopened.corrupt_headers), (slots, 0));
+}
