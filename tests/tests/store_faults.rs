@@ -27,3 +27,58 @@ fn a_controller_with_a_small_mqes_is_served() {
     let keys = keys_of(&tokens);
     assert!(engine.holds(2, keys[0], 4) && engine.holds(3, keys[1], 4));
 }
+
+#[test]
+fn a_failed_verification_is_sticky_and_spares_good_blocks_of_its_slot() {
+    // Goal (k = 2, blocks A and B in one slot, B's bytes changed on disk): R1 retrieves A and B
+    // and fails with PayloadMismatch naming B; a second `wait` and a `poll` on R1 fail the same
+    // way (they used to report the request complete), and no layer can be issued; R2, pinned on
+    // the same slot before R1 condemned it, retrieves A and verifies it against the CRC recorded
+    // at its prepare (it used to compare with the Empty entry R1 left in the mirror).
+    use objstore::{KvRequest, ObjstoreError};
+    let device = start_device(vec![NamespaceConfig::new(512, None)], 8 << 20, true);
+    let controller = bring_up(&device, Duration::from_secs(5));
+    format(&targets(&controller, &[1]), 2, Some(8));
+    let engine = separate_kv(controller.dma(), 32, DataPointerMode::Sgl);
+    let verified = StoreConfig { verify_retrieves: true, ..StoreConfig::default() };
+    let mut kv = open_store(targets(&controller, &[1]), &engine, verified);
+    let tokens = Rng(21).tokens(32);
+    let keys = keys_of(&tokens);
+    store(&mut kv, &engine, &tokens, &[0, 1]);
+    let (a, b) = (kv.pool().index().get(keys[0]).unwrap(), kv.pool().index().get(keys[1]).unwrap());
+    assert_eq!((a.slot, a.index, b.slot, b.index), (a.slot, 0, a.slot, 1), "A and B share a slot");
+    let superblock = *kv.pool().superblock(0);
+    let lba = superblock.block_lba(b.slot, 1) + superblock.layer_stride_blocks();
+    let mut sector = raw_read(&controller, 1, lba, 512);
+    sector[7] ^= 0x10;
+    raw_write(&controller, 1, lba, &sector);
+    for block in [10, 11, 12] {
+        engine.scribble(block);
+    }
+    let r2 = kv.prepare_retrieve(&KvRequest { tokens: &tokens, block_ids: &[12] }).unwrap();
+    let r1 = kv.prepare_retrieve(&KvRequest { tokens: &tokens, block_ids: &[10, 11] }).unwrap();
+    for layer in 0..3 {
+        kv.retrieve_layer(r1, layer, BUDGET).unwrap();
+        assert_eq!(kv.wait(r1, deadline()).unwrap(), Some(layer));
+    }
+    kv.retrieve_layer(r1, 3, BUDGET).unwrap();
+    fn mismatch<T>(result: &objstore::Result<T>) -> bool {
+        matches!(result, Err(ObjstoreError::PayloadMismatch { blocks, .. }) if blocks.len() == 1 && blocks[0].prefix_index == 1)
+    }
+    let first = kv.wait(r1, deadline());
+    assert!(mismatch(&first), "{first:?}");
+    let again = kv.wait(r1, deadline());
+    assert!(mismatch(&again), "a second wait must not report the failed request complete: {again:?}");
+    let polled = kv.poll(r1);
+    assert!(mismatch(&polled), "poll must not report the failed request complete: {polled:?}");
+    assert!(mismatch(&kv.retrieve_layer(r1, 0, BUDGET)), "no layer of a failed request is issued");
+    kv.finish(r1).unwrap();
+    assert_eq!(kv.lookup(&tokens), 0, "the slot holding A and B is evicted");
+    for layer in 0..4 {
+        kv.retrieve_layer(r2, layer, BUDGET).unwrap();
+        assert_eq!(kv.wait(r2, deadline()).unwrap(), Some(layer), "A is good: layer {layer}");
+    }
+    assert!(kv.poll(r2).unwrap());
+    kv.finish(r2).unwrap();
+    assert!(engine.holds(12, keys[0], 4));
+}

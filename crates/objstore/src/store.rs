@@ -133,6 +133,14 @@ struct Request {
     /// are folded into them.
     crcs: Vec<crc32fast::Hasher>,
     crc_layers: u32,
+    /// Verified retrieves: each block's payload CRC as recorded when the request was prepared
+    /// (its slot is pinned from then on, so it cannot change; a later eviction of the slot by
+    /// another request's mismatch rewrites the mirror entry, not these).
+    expected_crcs: Vec<u32>,
+    /// Verified retrieves: the verification failed. Sticky until `finish`: `wait` and `poll`
+    /// return it again, and no layer is issued, so a poll-driven engine never sees the request
+    /// complete.
+    verify_failure: Option<verify::VerifyFailure>,
 }
 
 /// The layer-wise KV store over one pool, one registration and one gio_uring queue.
@@ -376,6 +384,8 @@ impl<E: Executor> KvStore<E> {
         request.layers_done.fill(false);
         request.crcs.clear();
         request.crc_layers = 0;
+        request.expected_crcs.clear();
+        request.verify_failure = None;
         Ok(index)
     }
 
@@ -415,6 +425,10 @@ impl<E: Executor> KvStore<E> {
         self.requests[index].slots = slots;
         if self.config.verify_retrieves {
             self.requests[index].crcs.resize(n, crc32fast::Hasher::new());
+            if let Err(error) = self.snapshot_expected_crcs(index) {
+                self.release(index);
+                return Err(error);
+            }
         }
         if let Err(error) = self.build_iocbs(index, Opcode::Read) {
             self.release(index);
@@ -618,6 +632,9 @@ impl<E: Executor> KvStore<E> {
                 reason: format!("prepared for {:?}, not {direction:?}", request.direction),
             });
         }
+        if let Some(failure) = &request.verify_failure {
+            return Err(failure.to_error(handle));
+        }
         if let Some(previous) = request.layer_in_flight {
             return Err(ObjstoreError::HandleState {
                 handle: handle.0,
@@ -654,8 +671,14 @@ impl<E: Executor> KvStore<E> {
     /// Waits (until `deadline`) for the layer in flight; returns it, or `None` if none was.
     /// After a timeout the layer is still in flight: wait again, or (CPU executor) end it with
     /// `abandon_in_flight`.
+    ///
+    /// On a verified retrieve whose verification failed, this and every later `wait` and `poll`
+    /// return that failure until `finish`.
     pub fn wait(&mut self, handle: RequestHandle, deadline: Instant) -> Result<Option<u32>> {
         let index = self.request_index(handle)?;
+        if let Some(failure) = &self.requests[index].verify_failure {
+            return Err(failure.to_error(handle));
+        }
         let Some(layer) = self.requests[index].layer_in_flight else { return Ok(None) };
         // Every IOCB of the layer is waited for, even after a failure: until all completed, the
         // device may still be moving bytes of this request. A timeout leaves the layer in flight
@@ -683,6 +706,9 @@ impl<E: Executor> KvStore<E> {
     /// is then complete, or its failure is returned).
     pub fn poll(&mut self, handle: RequestHandle) -> Result<bool> {
         let index = self.request_index(handle)?;
+        if let Some(failure) = &self.requests[index].verify_failure {
+            return Err(failure.to_error(handle));
+        }
         if self.requests[index].layer_in_flight.is_none() {
             return Ok(true);
         }
