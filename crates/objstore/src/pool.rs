@@ -120,8 +120,9 @@ pub struct RecoveryReport {
     pub cached_blocks: u64,
 }
 
-/// Fields drop in order: the queue pair must be deleted while its controller (kept alive by
-/// `target`) still runs, or the drop waits out the admin timeout.
+/// Dropping it deletes the queue pair first, while its controller (kept alive by `target`) still
+/// runs; if that fails with a command in flight, the mirror and scratch buffer that command may
+/// use are leaked with the pair's rings ([`crate::leak`]) instead of freed.
 pub(crate) struct PoolDevice {
     /// The device's own metadata queue pair; `None` when its controller granted too few and
     /// metadata borrows the executor's (`QueueLender`).
@@ -135,6 +136,14 @@ pub(crate) struct PoolDevice {
     /// it is staged in the mirror: sized from the superblock at open, so no entry the format
     /// allows is too big for it, and no store allocates one.
     entry: Vec<u8>,
+}
+
+impl Drop for PoolDevice {
+    fn drop(&mut self) {
+        if let Some(queue) = self.queue.take() {
+            let _ = crate::leak::retire_queue_pair(queue, &[self.mirror.region(), &self.scratch]);
+        }
+    }
 }
 
 /// An open pool: devices in pool order (device index i at position i) and the index.
@@ -172,21 +181,19 @@ fn namespace_of(target: &PoolTarget) -> Result<nvme_driver::Namespace> {
 
 /// Reads and decodes the superblock of one target (for `open` and `tutti pool inspect`).
 pub fn read_superblock(target: &PoolTarget, device: usize) -> Result<Superblock> {
+    read_superblock_within(target, device, METADATA_TIMEOUT)
+}
+
+/// `read_superblock` with its deadline (tests use short ones).
+pub(crate) fn read_superblock_within(target: &PoolTarget, device: usize, timeout: Duration) -> Result<Superblock> {
     let namespace = namespace_of(target)?;
-    let mut queue = create_metadata_queue(&target.controller)?;
+    let queue = create_metadata_queue(&target.controller)?;
     let bytes = SUPERBLOCK_REGION_BYTES.max(u64::from(namespace.block_size_bytes));
     let region = target.controller.dma().allocate(bytes as usize)?;
-    transfer_region(
-        &mut queue,
-        target.namespace,
-        0,
-        &region,
-        0,
-        bytes,
-        u64::from(namespace.block_size_bytes),
-        Transfer::Read,
-        METADATA_TIMEOUT,
-    )?;
+    let lba_bytes = u64::from(namespace.block_size_bytes);
+    with_metadata_queue(queue, &[&region], |queue| {
+        transfer_region(queue, target.namespace, 0, &region, 0, bytes, lba_bytes, Transfer::Read, timeout)
+    })?;
     let mut raw = vec![0u8; bytes as usize];
     region.read(0, &mut raw)?;
     Superblock::decode(&raw, device, namespace.block_size_bytes, namespace.size_blocks)
@@ -229,58 +236,77 @@ pub fn format_pool(targets: &[PoolTarget], params: &FormatParams) -> Result<Vec<
         planned.push(superblock);
     }
     for (target, superblock) in targets.iter().zip(&planned) {
-        let lba = u64::from(superblock.lba_bytes);
-        let mut queue = create_metadata_queue(&target.controller)?;
+        let queue = create_metadata_queue(&target.controller)?;
         let buffer = target.controller.dma().allocate(METADATA_CHUNK_BYTES as usize)?;
-        let region_bytes = superblock.header_region_bytes();
-        let entry_bytes = u64::from(superblock.header_entry_bytes);
-        let tag = pool_tag(&superblock.pool_uuid);
-        let mut entries = vec![0u8; METADATA_CHUNK_BYTES as usize];
-        let mut done = 0;
-        while done < region_bytes {
-            // Every slot gets a tagged, checksummed Empty entry (a zeroed one is damage); the
-            // region's tail past the last slot stays zero. Chunks are whole LBAs, and entries
-            // never straddle an LBA, so a chunk holds whole entries.
-            let piece = (region_bytes - done).min(METADATA_CHUNK_BYTES);
-            let chunk = &mut entries[..piece as usize];
-            chunk.fill(0);
-            let first_slot = done / entry_bytes;
-            let slots = (piece / entry_bytes).min(superblock.slot_count.saturating_sub(first_slot));
-            for (index, entry) in chunk.chunks_exact_mut(entry_bytes as usize).take(slots as usize).enumerate() {
-                encode_empty_entry(entry, 0, tag, (first_slot + index as u64) as u32);
-            }
-            buffer.write(0, chunk)?;
-            transfer_region(
-                &mut queue,
-                target.namespace,
-                superblock.header_lba + done / lba,
-                &buffer,
-                0,
-                piece,
-                lba,
-                Transfer::Write { force_unit_access: false },
-                METADATA_TIMEOUT,
-            )?;
-            done += piece;
-        }
-        metadata_io::flush(&mut queue, target.namespace, METADATA_TIMEOUT)?;
-        let encoded = superblock.encode();
-        let block = buffer.subregion(0, SUPERBLOCK_REGION_BYTES.max(lba) as usize)?;
-        block.fill(0, block.len(), 0)?;
-        block.write(0, &encoded)?;
-        transfer_region(
-            &mut queue,
-            target.namespace,
-            0,
-            &block,
-            0,
-            SUPERBLOCK_REGION_BYTES.max(lba),
-            lba,
-            Transfer::Write { force_unit_access: true },
-            METADATA_TIMEOUT,
-        )?;
+        with_metadata_queue(queue, &[&buffer], |queue| format_device(queue, &buffer, target, superblock))?;
     }
     Ok(planned)
+}
+
+/// Runs `work` on a metadata queue pair whose commands name `buffers`, then deletes the pair.
+/// After an error the deletion decides what becomes of the buffers: if the controller does not
+/// confirm it while a command was still in flight (a timeout), they are leaked with the pair's
+/// rings ([`crate::leak`]), never freed under a command that may still move their bytes.
+fn with_metadata_queue(mut queue: IoQueuePair, buffers: &[&DmaRegion], work: impl FnOnce(&mut IoQueuePair) -> Result<()>) -> Result<()> {
+    let result = work(&mut queue);
+    if let Err(error) = crate::leak::retire_queue_pair(queue, buffers) {
+        tracing::warn!(%error, "deleting a metadata queue pair failed");
+    }
+    result
+}
+
+/// Writes one device's header region (every slot Empty), flushes, then writes its superblock
+/// with FUA, through `queue` and its chunk buffer `buffer`.
+fn format_device(queue: &mut IoQueuePair, buffer: &DmaRegion, target: &PoolTarget, superblock: &Superblock) -> Result<()> {
+    let lba = u64::from(superblock.lba_bytes);
+    let region_bytes = superblock.header_region_bytes();
+    let entry_bytes = u64::from(superblock.header_entry_bytes);
+    let tag = pool_tag(&superblock.pool_uuid);
+    let mut entries = vec![0u8; METADATA_CHUNK_BYTES as usize];
+    let mut done = 0;
+    while done < region_bytes {
+        // Every slot gets a tagged, checksummed Empty entry (a zeroed one is damage); the
+        // region's tail past the last slot stays zero. Chunks are whole LBAs, and entries
+        // never straddle an LBA, so a chunk holds whole entries.
+        let piece = (region_bytes - done).min(METADATA_CHUNK_BYTES);
+        let chunk = &mut entries[..piece as usize];
+        chunk.fill(0);
+        let first_slot = done / entry_bytes;
+        let slots = (piece / entry_bytes).min(superblock.slot_count.saturating_sub(first_slot));
+        for (index, entry) in chunk.chunks_exact_mut(entry_bytes as usize).take(slots as usize).enumerate() {
+            encode_empty_entry(entry, 0, tag, (first_slot + index as u64) as u32);
+        }
+        buffer.write(0, chunk)?;
+        transfer_region(
+            queue,
+            target.namespace,
+            superblock.header_lba + done / lba,
+            &buffer,
+            0,
+            piece,
+            lba,
+            Transfer::Write { force_unit_access: false },
+            METADATA_TIMEOUT,
+        )?;
+        done += piece;
+    }
+    metadata_io::flush(queue, target.namespace, METADATA_TIMEOUT)?;
+    let encoded = superblock.encode();
+    let block = buffer.subregion(0, SUPERBLOCK_REGION_BYTES.max(lba) as usize)?;
+    block.fill(0, block.len(), 0)?;
+    block.write(0, &encoded)?;
+    transfer_region(
+        queue,
+        target.namespace,
+        0,
+        &block,
+        0,
+        SUPERBLOCK_REGION_BYTES.max(lba),
+        lba,
+        Transfer::Write { force_unit_access: true },
+        METADATA_TIMEOUT,
+    )?;
+    Ok(())
 }
 
 impl Pool {
@@ -354,7 +380,7 @@ impl Pool {
         for ((superblock, target), own_queue) in found.into_iter().zip(own_queue) {
             let mut queue = create_metadata_queue(&target.controller)?;
             let mirror = target.controller.dma().allocate(superblock.header_region_bytes() as usize)?;
-            transfer_region(
+            let read = transfer_region(
                 &mut queue,
                 target.namespace,
                 superblock.header_lba,
@@ -364,7 +390,13 @@ impl Pool {
                 u64::from(superblock.lba_bytes),
                 Transfer::Read,
                 METADATA_TIMEOUT,
-            )?;
+            );
+            if let Err(error) = read {
+                // A timed-out read may still land in the mirror: it is freed only once the
+                // queue pair is known deleted, and leaked otherwise.
+                let _ = crate::leak::retire_queue_pair(queue, &[&mirror]);
+                return Err(error);
+            }
             let scratch =
                 target.controller.dma().allocate((2 * superblock.geometry.object_bytes()).max(SUPERBLOCK_REGION_BYTES) as usize)?;
             if !own_queue {

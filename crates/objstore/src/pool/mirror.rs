@@ -40,6 +40,11 @@ impl HeaderMirror {
         }
     }
 
+    /// The DMA memory the header writes read from (to keep it when a write may be in flight).
+    pub(crate) fn region(&self) -> &DmaRegion {
+        &self.region
+    }
+
     /// Copies slot `slot`'s entry out of the mirror (`out` is one entry long).
     pub(crate) fn read_entry(&self, slot: u32, out: &mut [u8]) -> Result<()> {
         self.region.read(self.superblock.header_offset(slot) as usize, out)?;

@@ -181,3 +181,75 @@ fn a_header_sync_fits_a_lent_queue_of_depth_4() {
     let (_, reopened) = Pool::open(targets, Some(&tiny)).unwrap();
     assert_eq!((reopened.valid_slots, reopened.corrupt_headers), (slots, 0));
 }
+
+/// Bytes of the controller's DMA space mapped now, page by page from the identity pool's base
+/// (the software controller's IOVAs start at 4 GiB and grow): what was freed is unmapped.
+fn mapped_bytes(controller: &Controller) -> u64 {
+    let base = 1u64 << 32;
+    (0..(256u64 << 20) / 4096).filter(|page| controller.dma().translate(nvme_driver::Iova(base + page * 4096), 1).is_ok()).count() as u64
+        * 4096
+}
+
+/// A metadata I/O command that never completes, and every Delete I/O SQ failing: a timed-out
+/// command stays with the controller, which keeps the queue.
+fn lose_the_next_io_and_the_queue(device: &EmuDevice) {
+    use nvme_driver::spec::status::codes;
+    use nvme_driver::spec::{AdminOpcode, NvmeStatus};
+    use nvme_emu::{FaultAction, FaultPlan, FaultRule};
+    let internal = NvmeStatus::generic(codes::INTERNAL_ERROR);
+    device.set_faults(
+        FaultPlan::none()
+            .with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion))
+            .with_rule(FaultRule {
+                repeat: true,
+                ..FaultRule::on_nth_admin(1, AdminOpcode::DeleteIoSubmissionQueue, FaultAction::Status(internal))
+            }),
+    );
+}
+
+#[test]
+fn a_timed_out_superblock_read_keeps_its_buffer_when_the_queue_cannot_be_deleted() {
+    // Goal: the superblock read times out and its queue pair cannot be deleted: the controller
+    // may still write the read's buffer, so that buffer must stay allocated with the rings. It
+    // used to be freed first (locals drop in reverse order), its IOVA handed to the next
+    // allocation while the Read stayed queued.
+    let config =
+        EmuConfig::default().with_backing(Backing::Memory { bytes: 16 << 20 }).with_namespaces(vec![NamespaceConfig::new(512, None)]);
+    let (device, targets) = start(config);
+    format(&targets, geometry());
+    let controller = &targets[0].controller;
+    let (leaked_rings_before, mapped_before) = (controller.leaked_bytes(), mapped_bytes(controller));
+    lose_the_next_io_and_the_queue(&device);
+    let read = super::read_superblock_within(&targets[0], 0, Duration::from_millis(200));
+    assert!(matches!(read, Err(ObjstoreError::Nvme(nvme_driver::NvmeError::Timeout { .. }))), "{read:?}");
+    device.set_faults(nvme_emu::FaultPlan::none());
+    let rings = controller.leaked_bytes() - leaked_rings_before;
+    assert!(rings > 0, "the queue pair was leaked");
+    assert_eq!(mapped_bytes(controller) - mapped_before, rings + 4096, "the rings and the 4 KiB read buffer stay mapped");
+}
+
+#[test]
+fn a_pool_dropped_after_a_timed_out_header_write_keeps_its_mirror() {
+    // Goal: a header write on the pool's own metadata queue times out and that queue pair
+    // cannot be deleted: dropping the pool must keep the mirror the write reads from (and the
+    // scratch buffer) with the rings; it used to free them after the queue pair leaked.
+    let config =
+        EmuConfig::default().with_backing(Backing::Memory { bytes: 16 << 20 }).with_namespaces(vec![NamespaceConfig::new(512, None)]);
+    let (device, targets) = start(config);
+    format(&targets, geometry());
+    let controller = targets[0].controller.clone();
+    let (leaked_rings_before, mapped_before) = (controller.leaked_bytes(), mapped_bytes(&controller));
+    let (mut pool, _) = Pool::open(targets, Some(&geometry())).unwrap();
+    assert!(!pool.metadata_queue_shared(0));
+    pool.set_metadata_timeout(Duration::from_millis(200));
+    let kept = pool.devices[0].mirror.region().len() as u64 + pool.devices[0].scratch.len() as u64;
+    pool.stage_header(0, 3, SlotState::Empty, &[]).unwrap();
+    lose_the_next_io_and_the_queue(&device);
+    let sync = pool.sync_headers(&mut NoLender);
+    assert!(sync.is_err(), "{sync:?}");
+    drop(pool);
+    device.set_faults(nvme_emu::FaultPlan::none());
+    let rings = controller.leaked_bytes() - leaked_rings_before;
+    assert!(rings > 0, "the queue pair was leaked");
+    assert_eq!(mapped_bytes(&controller) - mapped_before, rings + kept, "the rings, the mirror and the scratch buffer stay mapped");
+}
