@@ -9,6 +9,7 @@
 //! is always safe, and a sync writes only the sectors that changed.
 
 mod metadata_io;
+mod metadata_queue;
 mod mirror;
 #[cfg(test)]
 mod tests;
@@ -64,28 +65,6 @@ impl QueueLender for NoLender {
     }
 }
 
-/// The queue pair device `device`'s metadata goes through: its own, else the lender's, else a
-/// temporary one created in `temporary` (dropped, and so deleted, by the caller).
-fn metadata_queue<'a>(
-    own: &'a mut Option<IoQueuePair>,
-    temporary: &'a mut Option<IoQueuePair>,
-    lender: &'a mut dyn QueueLender,
-    target: &PoolTarget,
-    device: usize,
-    timeout: Duration,
-) -> Result<&'a mut IoQueuePair> {
-    if let Some(queue) = own {
-        return Ok(queue);
-    }
-    if let Some(queue) = lender.lend(device, Instant::now() + timeout)? {
-        return Ok(queue);
-    }
-    if temporary.is_none() {
-        *temporary = Some(create_metadata_queue(&target.controller)?);
-    }
-    Ok(temporary.as_mut().expect("set above"))
-}
-
 /// Parameters of `format`.
 #[derive(Debug, Clone)]
 pub struct FormatParams {
@@ -121,12 +100,19 @@ pub struct RecoveryReport {
 }
 
 /// Dropping it deletes the queue pair first, while its controller (kept alive by `target`) still
-/// runs; if that fails with a command in flight, the mirror and scratch buffer that command may
-/// use are leaked with the pair's rings ([`crate::leak`]) instead of freed.
+/// runs; if that fails with a command in flight, or the device was fenced, the mirror and
+/// scratch buffer a command may still use are leaked ([`crate::leak`]) instead of freed.
 pub(crate) struct PoolDevice {
-    /// The device's own metadata queue pair; `None` when its controller granted too few and
-    /// metadata borrows the executor's (`QueueLender`).
+    /// The device's own metadata queue pair (when `own_queue`; `None` for a moment after a
+    /// failure deleted it, made again at the next use).
     pub(crate) queue: Option<IoQueuePair>,
+    /// Whether the device keeps a metadata queue pair of its own; otherwise its controller
+    /// granted too few and metadata borrows the executor's (`QueueLender`).
+    own_queue: bool,
+    /// Why the device is fenced (see `metadata_queue`): no header writes until reopened.
+    fence: Option<String>,
+    /// The mirror and scratch were leaked already (with a queue pair that was not deleted).
+    buffers_leaked: bool,
     pub(crate) target: PoolTarget,
     pub(crate) superblock: Superblock,
     mirror: HeaderMirror,
@@ -141,7 +127,13 @@ pub(crate) struct PoolDevice {
 impl Drop for PoolDevice {
     fn drop(&mut self) {
         if let Some(queue) = self.queue.take() {
-            let _ = crate::leak::retire_queue_pair(queue, &[self.mirror.region(), &self.scratch]);
+            if crate::leak::retire_queue_pair(queue, &[self.mirror.region(), &self.scratch]).is_err() {
+                self.buffers_leaked = true;
+            }
+        }
+        if self.fence.is_some() && !self.buffers_leaked {
+            // Fenced on a queue pair the pool could not delete: a late command may still read them.
+            crate::leak::leak_regions(&[self.mirror.region(), &self.scratch], "a fenced pool device's header mirror and scratch");
         }
     }
 }
@@ -409,7 +401,17 @@ impl Pool {
             }
             let queue = own_queue.then_some(queue); // a shared one is deleted here, freeing its id
             let entry = vec![0u8; superblock.header_entry_bytes as usize];
-            pool.devices.push(PoolDevice { queue, target, superblock, mirror: HeaderMirror::new(mirror, superblock), scratch, entry });
+            pool.devices.push(PoolDevice {
+                queue,
+                own_queue,
+                fence: None,
+                buffers_leaked: false,
+                target,
+                superblock,
+                mirror: HeaderMirror::new(mirror, superblock),
+                scratch,
+                entry,
+            });
         }
         pool.recover(&mut report)?;
         Ok((pool, report))
@@ -496,6 +498,9 @@ impl Pool {
         self.generation += 1;
         let generation = self.generation;
         let d = &mut self.devices[usize::from(device)];
+        // A fenced device's mirror may still be read by a late header write, and is never
+        // written out again: nothing is staged there.
+        d.check_fence(usize::from(device))?;
         let superblock = d.superblock;
         let entry = &mut d.entry[..];
         let tag = pool_tag(&superblock.pool_uuid);
@@ -525,7 +530,13 @@ impl Pool {
     /// Whether device `device`'s metadata borrows the executor's queue pair (its controller
     /// granted fewer than two I/O queue pairs per pool device on it).
     pub fn metadata_queue_shared(&self, device: usize) -> bool {
-        self.devices[device].queue.is_none()
+        !self.devices[device].own_queue
+    }
+
+    /// Whether device `device` is fenced: a metadata command on it timed out on a queue pair
+    /// that could not be deleted; it takes no header writes and no new slots until reopened.
+    pub fn metadata_fenced(&self, device: usize) -> bool {
+        self.devices[device].fence.is_some()
     }
 
     /// Writes every staged header sector with FUA and waits: on return they are durable.
@@ -535,9 +546,8 @@ impl Pool {
             if !d.mirror.has_dirty() {
                 continue;
             }
-            let mut temporary = None;
-            let queue = metadata_queue(&mut d.queue, &mut temporary, lender, &d.target, index, timeout)?;
-            d.mirror.sync(queue, d.target.namespace, timeout)?;
+            let namespace = d.target.namespace;
+            d.run_metadata(index, lender, &mut None, timeout, |queue, mirror, _| mirror.sync(queue, namespace, timeout))?;
         }
         Ok(())
     }
@@ -547,9 +557,8 @@ impl Pool {
         let timeout = self.timeout;
         for (index, (d, &used)) in self.devices.iter_mut().zip(devices).enumerate() {
             if used {
-                let mut temporary = None;
-                let queue = metadata_queue(&mut d.queue, &mut temporary, lender, &d.target, index, timeout)?;
-                metadata_io::flush(queue, d.target.namespace, timeout)?;
+                let namespace = d.target.namespace;
+                d.run_metadata(index, lender, &mut None, timeout, |queue, _, _| metadata_io::flush(queue, namespace, timeout))?;
             }
         }
         Ok(())
@@ -590,19 +599,13 @@ impl Pool {
                     for (j, hasher) in hashers.iter_mut().enumerate() {
                         let lba = superblock.block_lba(slot, j as u32) + u64::from(layer) * superblock.layer_stride_blocks();
                         let d = &mut self.devices[device];
-                        let queue = metadata_queue(&mut d.queue, &mut temporary, &mut no_lender, &d.target, device, self.timeout)?;
-                        transfer_region(
-                            queue,
-                            d.target.namespace,
-                            lba,
-                            &d.scratch,
-                            0,
-                            pair,
-                            u64::from(superblock.lba_bytes),
-                            Transfer::Read,
-                            self.timeout,
-                        )?;
-                        d.scratch.read(0, &mut bytes)?;
+                        let (namespace, timeout) = (d.target.namespace, self.timeout);
+                        d.run_metadata(device, &mut no_lender, &mut temporary, timeout, |queue, _, scratch| {
+                            let lba_bytes = u64::from(superblock.lba_bytes);
+                            transfer_region(queue, namespace, lba, scratch, 0, pair, lba_bytes, Transfer::Read, timeout)?;
+                            scratch.read(0, &mut bytes)?;
+                            Ok(())
+                        })?;
                         hasher.update(&bytes);
                     }
                 }

@@ -502,8 +502,14 @@ impl<E: Executor> KvStore<E> {
                         (allocation.device, allocation.slot, 0)
                     }
                     None => {
-                        // Unreachable after the check above unless the index is inconsistent.
-                        failure = Some(ObjstoreError::PoolFull { needed: (blocks.len() - i).div_ceil(k), evictable: 0 });
+                        // After the check above: the free slots are on fenced devices (or the
+                        // index is inconsistent).
+                        failure = Some(match (0..self.pool.device_count()).find(|&device| self.pool.metadata_fenced(device)) {
+                            Some(device) => {
+                                ObjstoreError::MetadataFenced { device, reason: "the slots this store needs are on fenced devices".into() }
+                            }
+                            None => ObjstoreError::PoolFull { needed: (blocks.len() - i).div_ceil(k), evictable: 0 },
+                        });
                         break;
                     }
                 },
@@ -548,6 +554,11 @@ impl<E: Executor> KvStore<E> {
         let mut device = self.device_cursor;
         for _ in 0..devices {
             let next = if device + 1 == devices { 0 } else { device + 1 };
+            // A fenced device takes no header writes: none of its slots is reused until reopen.
+            if self.pool.metadata_fenced(device) {
+                device = next;
+                continue;
+            }
             if let Some(allocation) = self.pool.index.allocate_on(device as u16) {
                 self.device_cursor = next;
                 return Some(allocation);

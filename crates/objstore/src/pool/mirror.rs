@@ -81,6 +81,14 @@ impl HeaderMirror {
         Ok(())
     }
 
+    /// Drops the staged LBAs without writing them (a fenced device writes no header again).
+    pub(crate) fn forget_dirty(&mut self) {
+        for &lba in &self.dirty {
+            self.dirty_bits[(lba / 64) as usize] &= !(1u64 << (lba % 64));
+        }
+        self.dirty.clear();
+    }
+
     /// Whether any LBA was staged since the last sync.
     pub(crate) fn has_dirty(&self) -> bool {
         !self.dirty.is_empty()

@@ -197,14 +197,10 @@ fn lose_the_next_io_and_the_queue(device: &EmuDevice) {
     use nvme_driver::spec::{AdminOpcode, NvmeStatus};
     use nvme_emu::{FaultAction, FaultPlan, FaultRule};
     let internal = NvmeStatus::generic(codes::INTERNAL_ERROR);
-    device.set_faults(
-        FaultPlan::none()
-            .with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion))
-            .with_rule(FaultRule {
-                repeat: true,
-                ..FaultRule::on_nth_admin(1, AdminOpcode::DeleteIoSubmissionQueue, FaultAction::Status(internal))
-            }),
-    );
+    device.set_faults(FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion)).with_rule(FaultRule {
+        repeat: true,
+        ..FaultRule::on_nth_admin(1, AdminOpcode::DeleteIoSubmissionQueue, FaultAction::Status(internal))
+    }));
 }
 
 #[test]
@@ -252,4 +248,68 @@ fn a_pool_dropped_after_a_timed_out_header_write_keeps_its_mirror() {
     let rings = controller.leaked_bytes() - leaked_rings_before;
     assert!(rings > 0, "the queue pair was leaked");
     assert_eq!(mapped_bytes(&controller) - mapped_before, rings + kept, "the rings, the mirror and the scratch buffer stay mapped");
+}
+
+fn lose_the_next_io(device: &EmuDevice) {
+    use nvme_emu::{FaultAction, FaultPlan, FaultRule};
+    device.set_faults(FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion)));
+}
+
+#[test]
+fn after_a_timed_out_header_write_the_queue_pair_is_replaced_before_the_next_write() {
+    // Goal: header write W1 (slot 5 Valid) times out on the pool's own queue. W1 must not stay
+    // queued behind later writes of that sector (NVMe does not order them; a late W1 would undo
+    // them): the queue pair is deleted at once, the next sync goes through a fresh one and
+    // succeeds, and after a reopen slot 5 reads as last written (Empty). The pair used to stay:
+    // the next sync waited on W1 again and timed out, and every later store with it.
+    let config =
+        EmuConfig::default().with_backing(Backing::Memory { bytes: 16 << 20 }).with_namespaces(vec![NamespaceConfig::new(512, None)]);
+    let (device, targets) = start(config);
+    format(&targets, geometry());
+    let (mut pool, _) = Pool::open(targets.clone(), Some(&geometry())).unwrap();
+    pool.set_metadata_timeout(Duration::from_millis(200));
+    let records = [crate::format::BlockRecord { key: 77, token_count: 16, payload_crc: 0 }];
+    pool.stage_header(0, 5, SlotState::Valid, &records).unwrap();
+    lose_the_next_io(&device);
+    assert!(pool.sync_headers(&mut NoLender).is_err());
+    device.set_faults(nvme_emu::FaultPlan::none());
+    assert!(pool.devices[0].queue.is_none(), "the queue pair holding W1 was deleted");
+    assert!(!pool.metadata_fenced(0), "the deletion succeeded: nothing to fence");
+    pool.stage_header(0, 5, SlotState::Empty, &[]).unwrap();
+    pool.sync_headers(&mut NoLender).unwrap(); // through a fresh queue pair
+    assert!(pool.devices[0].queue.is_some());
+    drop(pool);
+    let (_, report) = Pool::open(targets, Some(&geometry())).unwrap();
+    assert_eq!((report.valid_slots, report.empty_slots), (0, report.slots));
+}
+
+#[test]
+fn a_timed_out_header_write_on_a_lent_queue_fences_the_device() {
+    // Goal: W1 times out on the executor's queue pair lent for metadata, which the pool cannot
+    // delete: the device is fenced. Staging a header there (which would rewrite mirror bytes
+    // W1 may still be reading, and queue a write W1 may overtake) is refused with
+    // MetadataFenced, as is any later sync or flush on it; dropping the pool keeps the mirror.
+    let config = EmuConfig::default()
+        .with_backing(Backing::Memory { bytes: 16 << 20 })
+        .with_namespaces(vec![NamespaceConfig::new(512, None)])
+        .with_io_queue_pairs_max(1);
+    let (device, targets) = start(config);
+    format(&targets, geometry());
+    let (mut pool, _) = Pool::open(targets.clone(), Some(&geometry())).unwrap();
+    assert!(pool.metadata_queue_shared(0));
+    pool.set_metadata_timeout(Duration::from_millis(200));
+    let mut lender = OneQueueLender(targets[0].controller.create_io_queue_pair(16).unwrap());
+    pool.stage_header(0, 5, SlotState::Empty, &[]).unwrap();
+    lose_the_next_io(&device);
+    assert!(pool.sync_headers(&mut lender).is_err());
+    device.set_faults(nvme_emu::FaultPlan::none());
+    assert!(pool.metadata_fenced(0));
+    let staged = pool.stage_header(0, 5, SlotState::Empty, &[]);
+    assert!(matches!(staged, Err(ObjstoreError::MetadataFenced { device: 0, .. })), "{staged:?}");
+    pool.sync_headers(&mut lender).unwrap(); // nothing of the fenced device is written
+    let flushed = pool.flush(&[true], &mut lender);
+    assert!(matches!(flushed, Err(ObjstoreError::MetadataFenced { device: 0, .. })), "{flushed:?}");
+    let leaked_before = crate::leak::leaked_dma_regions();
+    drop(pool);
+    assert!(crate::leak::leaked_dma_regions() >= leaked_before + 2, "the mirror and scratch are kept");
 }

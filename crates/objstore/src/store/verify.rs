@@ -152,8 +152,11 @@ impl<E: Executor> KvStore<E> {
         for block in &mismatched {
             tracing::warn!(%block, "payload CRC mismatch on retrieve: the slot is evicted");
             self.pool.index.condemn(block.device, block.slot);
-            // Idempotent for a slot with several bad blocks: the entry is already Empty.
-            self.pool.stage_header(block.device, block.slot, SlotState::Empty, &[])?;
+            // Idempotent for a slot with several bad blocks: the entry is already Empty. Refused
+            // on a fenced device, whose slots are not reused before a reopen anyway.
+            if let Err(error) = self.pool.stage_header(block.device, block.slot, SlotState::Empty, &[]) {
+                tracing::warn!(%error, "staging the evicted slot's header Empty failed");
+            }
         }
         if let Err(error) = self.pool.sync_headers(&mut self.queue) {
             // The mismatch is the news: the Empty entries stay dirty and go out with the next
