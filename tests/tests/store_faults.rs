@@ -82,3 +82,54 @@ fn a_failed_verification_is_sticky_and_spares_good_blocks_of_its_slot() {
     kv.finish(r2).unwrap();
     assert!(engine.holds(12, keys[0], 4));
 }
+
+#[test]
+fn a_store_whose_queue_pair_cannot_be_deleted_keeps_its_mapping_table() {
+    // Goal: a retrieve's completion is lost and the controller refuses every Delete I/O SQ, so
+    // neither `abandon_in_flight` nor teardown can delete the executor's queue pair; its Read
+    // may still fetch SGL descriptors from the mapping table and write the engine's memory.
+    // Closing the store must say so (`false`: keep the KV memory) and keep the table mapped; it
+    // used to free the table, handing its IOVA to the next allocation.
+    use nvme_driver::spec::status::codes;
+    use nvme_driver::spec::{AdminOpcode, NvmeStatus};
+    use nvme_emu::{FaultAction, FaultPlan, FaultRule};
+    use objstore::KvRequest;
+    let device = start_device(vec![NamespaceConfig::new(512, None)], 8 << 20, true);
+    let controller = bring_up(&device, Duration::from_secs(1));
+    format(&targets(&controller, &[1]), 1, Some(16));
+    let engine = separate_kv(controller.dma(), 8, DataPointerMode::Sgl);
+    let mut kv = open_store(targets(&controller, &[1]), &engine, StoreConfig::default());
+    let tokens = Rng(22).tokens(16);
+    store(&mut kv, &engine, &tokens, &[0]);
+    let table = kv.table().region_range().expect("an SGL descriptor table").start;
+    let internal = NvmeStatus::generic(codes::INTERNAL_ERROR);
+    device.set_faults(FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion)).with_rule(FaultRule {
+        repeat: true,
+        ..FaultRule::on_nth_admin(1, AdminOpcode::DeleteIoSubmissionQueue, FaultAction::Status(internal))
+    }));
+    let handle = kv.prepare_retrieve(&KvRequest { tokens: &tokens, block_ids: &[1] }).unwrap();
+    kv.retrieve_layer(handle, 0, BUDGET).unwrap();
+    assert!(kv.wait(handle, std::time::Instant::now() + Duration::from_millis(200)).is_err());
+    assert!(kv.abandon_in_flight().is_err(), "the old queue pair cannot be deleted");
+    let leaked_before = objstore::leaked_dma_regions();
+    assert!(!kv.close(), "the engine must keep its KV memory");
+    device.set_faults(FaultPlan::none());
+    assert!(objstore::leaked_dma_regions() > leaked_before);
+    assert!(controller.dma().translate(table, 1).is_ok(), "the mapping table was freed under a live queue pair");
+}
+
+#[test]
+fn a_healthy_store_closes_with_its_memory_free_to_reuse() {
+    // Goal: with every queue pair deleted, `close` says the KV memory may be freed and the
+    // mapping table is freed (nothing leaked).
+    let device = start_device(vec![NamespaceConfig::new(512, None)], 8 << 20, true);
+    let controller = bring_up(&device, Duration::from_secs(5));
+    format(&targets(&controller, &[1]), 1, Some(16));
+    let engine = separate_kv(controller.dma(), 8, DataPointerMode::Sgl);
+    let mut kv = open_store(targets(&controller, &[1]), &engine, StoreConfig::default());
+    store(&mut kv, &engine, &Rng(23).tokens(16), &[0]);
+    let table = kv.table().region_range().expect("an SGL descriptor table").start;
+    assert!(kv.close());
+    assert!(controller.dma().translate(table, 1).is_err(), "the table is freed");
+    assert_eq!(controller.leaked_queue_pairs(), 0);
+}

@@ -417,6 +417,11 @@ impl Pool {
         Ok((pool, report))
     }
 
+    /// A pool of no devices: what a `KvStore` keeps once `into_pool` gave its pool back.
+    pub(crate) fn empty() -> Pool {
+        Pool { devices: Vec::new(), index: Index::new(&[], 1), generation: 0, timeout: METADATA_TIMEOUT }
+    }
+
     fn recover(&mut self, report: &mut RecoveryReport) -> Result<()> {
         let mut entry = Vec::new();
         let mut losers = Vec::new();

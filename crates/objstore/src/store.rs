@@ -145,8 +145,11 @@ struct Request {
 
 /// The layer-wise KV store over one pool, one registration and one gio_uring queue.
 ///
-/// Fields drop in order: the executor's queue pairs (inside `queue`) go before the pool, whose
-/// targets may hold the last references to the controllers.
+/// Dropping it (or [`KvStore::close`]) first deletes the executor's queue pairs (before the
+/// pool, whose targets may hold the last references to the controllers). If the executor
+/// reports that one could not be deleted, its commands may still read the mapping table (SGL
+/// descriptors, PRP lists) and read or write the engine's KV memory: the table is then leaked
+/// ([`crate::leak`]), and `close` returns `false` so that the engine keeps its KV memory too.
 pub struct KvStore<E: Executor> {
     queue: GioQueue<E>,
     pool: Pool,
@@ -162,6 +165,15 @@ pub struct KvStore<E: Executor> {
     records: Vec<BlockRecord>,
     /// Per pool device: its namespace id and slot addressing (the per-block LBA arithmetic).
     addressing: Vec<(u32, SlotAddressing)>,
+    /// Set once the executor's queue pairs were retired (at close, `into_pool` or drop):
+    /// whether the memory their commands name may be freed.
+    retired: Option<bool>,
+}
+
+impl<E: Executor> Drop for KvStore<E> {
+    fn drop(&mut self) {
+        self.retire_queue_pairs();
+    }
 }
 
 /// A CPU executor with one I/O queue pair per pool device (device index i = pool device i),
@@ -317,6 +329,7 @@ impl<E: Executor> KvStore<E> {
             crc_scratch: Vec::new(),
             records: Vec::with_capacity(k as usize),
             addressing,
+            retired: None,
         })
     }
 
@@ -336,9 +349,38 @@ impl<E: Executor> KvStore<E> {
         self.pool.index.counts()
     }
 
-    /// Gives the pool back (every request must be finished).
-    pub fn into_pool(self) -> Pool {
-        self.pool
+    /// Gives the pool back (every request must be finished); the executor's queue pairs are
+    /// retired first, as by [`KvStore::close`].
+    pub fn into_pool(mut self) -> Pool {
+        self.retire_queue_pairs();
+        std::mem::replace(&mut self.pool, Pool::empty())
+    }
+
+    /// Ends the store: deletes the executor's queue pairs and says whether the engine may free
+    /// its registered KV memory. `false` when the executor reports a queue pair it could not
+    /// delete (a controller that stopped answering, after a layer was abandoned or left in
+    /// flight): its commands may still write the KV memory and read the mapping table, so the
+    /// table is leaked and the engine must keep its KV memory registered and allocated for
+    /// good. `true` also for executors that do not report it (see
+    /// `gio_uring::Executor::retire_queue_pairs`). Dropping the store does the same, without
+    /// the answer.
+    pub fn close(mut self) -> bool {
+        self.retire_queue_pairs()
+    }
+
+    fn retire_queue_pairs(&mut self) -> bool {
+        if let Some(safe) = self.retired {
+            return safe;
+        }
+        let safe = self.queue.executor_mut().retire_queue_pairs() != Some(false);
+        if !safe {
+            if let Some(region) = self.table.region() {
+                crate::leak::leak_regions(&[region], "the mapping table: an executor queue pair could not be deleted");
+            }
+            tracing::error!("objstore: an executor queue pair could not be deleted: the engine's KV memory must not be freed");
+        }
+        self.retired = Some(safe);
+        safe
     }
 
     /// The longest cached prefix of `tokens`, in blocks (times block_tokens for tokens).
