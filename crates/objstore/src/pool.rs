@@ -273,7 +273,7 @@ fn format_device(queue: &mut IoQueuePair, buffer: &DmaRegion, target: &PoolTarge
             queue,
             target.namespace,
             superblock.header_lba + done / lba,
-            &buffer,
+            buffer,
             0,
             piece,
             lba,
