@@ -15,6 +15,7 @@
 
 mod abandon;
 mod commit;
+mod teardown;
 mod verify;
 
 use std::sync::Arc;
@@ -168,12 +169,6 @@ pub struct KvStore<E: Executor> {
     /// Set once the executor's queue pairs were retired (at close, `into_pool` or drop):
     /// whether the memory their commands name may be freed.
     retired: Option<bool>,
-}
-
-impl<E: Executor> Drop for KvStore<E> {
-    fn drop(&mut self) {
-        self.retire_queue_pairs();
-    }
 }
 
 /// A CPU executor with one I/O queue pair per pool device (device index i = pool device i),
@@ -354,33 +349,6 @@ impl<E: Executor> KvStore<E> {
     pub fn into_pool(mut self) -> Pool {
         self.retire_queue_pairs();
         std::mem::replace(&mut self.pool, Pool::empty())
-    }
-
-    /// Ends the store: deletes the executor's queue pairs and says whether the engine may free
-    /// its registered KV memory. `false` when the executor reports a queue pair it could not
-    /// delete (a controller that stopped answering, after a layer was abandoned or left in
-    /// flight): its commands may still write the KV memory and read the mapping table, so the
-    /// table is leaked and the engine must keep its KV memory registered and allocated for
-    /// good. `true` also for executors that do not report it (see
-    /// `gio_uring::Executor::retire_queue_pairs`). Dropping the store does the same, without
-    /// the answer.
-    pub fn close(mut self) -> bool {
-        self.retire_queue_pairs()
-    }
-
-    fn retire_queue_pairs(&mut self) -> bool {
-        if let Some(safe) = self.retired {
-            return safe;
-        }
-        let safe = self.queue.executor_mut().retire_queue_pairs() != Some(false);
-        if !safe {
-            if let Some(region) = self.table.region() {
-                crate::leak::leak_regions(&[region], "the mapping table: an executor queue pair could not be deleted");
-            }
-            tracing::error!("objstore: an executor queue pair could not be deleted: the engine's KV memory must not be freed");
-        }
-        self.retired = Some(safe);
-        safe
     }
 
     /// The longest cached prefix of `tokens`, in blocks (times block_tokens for tokens).
