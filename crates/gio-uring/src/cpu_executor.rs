@@ -340,6 +340,19 @@ impl Executor for CpuExecutor {
         self.pump(memory)
     }
 
+    fn retire_queue_pairs(&mut self) -> Option<bool> {
+        let mut retiring = std::mem::take(&mut self.undeleted);
+        retiring.extend(self.queues.iter_mut().enumerate().filter_map(|(device, slot)| slot.take().map(|pair| (device, pair))));
+        for (device, pair) in retiring {
+            if let Err(error) = pair.delete() {
+                tracing::error!(device, source = %error.source, "gio-uring CPU executor teardown: a queue pair could not be deleted");
+                self.undeleted.push((device, *error.pair));
+            }
+        }
+        self.pending.clear();
+        Some(self.undeleted.is_empty())
+    }
+
     fn lend_queue_pair(&mut self, memory: &QueueMemory, device: usize, deadline: Instant) -> Result<Option<&mut IoQueuePair>, GioError> {
         let Some(Some(queue)) = self.queues.get_mut(device) else { return Ok(None) };
         // Everything submitted was announced (`pump` rings before it returns): wait for it.

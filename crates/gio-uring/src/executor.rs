@@ -82,6 +82,18 @@ pub trait Executor: Send {
         let _ = (memory, device, deadline);
         Ok(None)
     }
+
+    /// Teardown: deletes every NVMe queue pair this executor holds now (and retries those kept
+    /// from an earlier failed deletion), and says whether all of them are known gone. `Some(true)`:
+    /// none of its commands moves data any more, so the memory its IOCTXs name (the caller's
+    /// buffers, descriptor tables and PRP lists) may be freed. `Some(false)`: at least one pair
+    /// could not be deleted (its rings are leaked) and its commands may still read or write that
+    /// memory: the caller must keep it for good. Afterwards the executor serves no I/O.
+    /// `None` (the default): this executor does not report it (its queue pairs live on other
+    /// threads or a GPU, and their teardown is its own).
+    fn retire_queue_pairs(&mut self) -> Option<bool> {
+        None
+    }
 }
 
 /// The tag a borrower of a lent queue pair ([`Executor::lend_queue_pair`]) gives its commands:

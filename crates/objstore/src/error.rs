@@ -79,6 +79,10 @@ pub enum ObjstoreError {
     PoolMembership { device: usize, reason: String },
     #[error("pool device {device}: its controller granted {granted} I/O queue pair(s), the store needs {needed}: {reason}")]
     QueuePairs { device: usize, granted: u16, needed: usize, reason: String },
+    #[error(
+        "pool device {device}: metadata fenced until the pool is reopened (after a controller reset if it stopped answering): {reason}"
+    )]
+    MetadataFenced { device: usize, reason: String },
     #[error("pool full: {needed} slots needed, {evictable} free or evictable (the rest are pinned by in-flight I/O)")]
     PoolFull { needed: usize, evictable: usize },
     #[error("unknown or finished request handle {handle}")]

@@ -6,6 +6,7 @@
 //! - [`format`]: superblock and slot headers on each namespace, byte by byte;
 //! - [`hash`], [`index`]: chained prefix keys, slot allocation, LRU eviction, pins;
 //! - [`pool`]: the pool's devices — format, open with recovery, metadata I/O, check;
+//! - [`leak`]: DMA memory kept for good because a controller may still use it;
 //! - [`store`]: the layer-wise API an engine calls (`prepare_*`, `*_layer`, `wait`, `commit`);
 //! - [`selfcheck`]: a persistence round trip for any controller (`objstore-roundtrip`).
 //!
@@ -17,6 +18,7 @@ pub mod format;
 pub mod geometry;
 pub mod hash;
 pub mod index;
+pub mod leak;
 pub mod mapping;
 pub mod pool;
 pub mod registration;
@@ -26,6 +28,7 @@ pub mod store;
 pub use error::{KvKind, MismatchedBlock, ObjstoreError, Result};
 pub use geometry::ModelGeometry;
 pub use index::{BlockLocation, IndexCounts};
+pub use leak::{leaked_dma_bytes, leaked_dma_regions};
 pub use mapping::{mapping_memory, CommandLimits, MappingForm, MappingMemoryReport, MappingTable};
 pub use pool::{format_pool, FormatParams, Pool, PoolTarget, RecoveryReport};
 pub use registration::{KvLayout, KvRegistration};

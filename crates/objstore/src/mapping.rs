@@ -271,6 +271,11 @@ impl MappingTable {
         self.region.as_ref().map_or(0, |region| region.len() as u64)
     }
 
+    /// The table's memory (to leak it when a controller may still read it).
+    pub(crate) fn region(&self) -> Option<&DmaRegion> {
+        self.region.as_ref()
+    }
+
     /// The table's memory range, to register with gio_uring next to the KV tensors.
     pub fn region_range(&self) -> Option<IovaRange> {
         self.region.as_ref().map(|region| IovaRange::new(region.iova(), region.len() as u64))

@@ -9,6 +9,7 @@
 //! is always safe, and a sync writes only the sectors that changed.
 
 mod metadata_io;
+mod metadata_queue;
 mod mirror;
 #[cfg(test)]
 mod tests;
@@ -19,12 +20,12 @@ use std::time::{Duration, Instant};
 use nvme_driver::{Controller, DmaRegion, IoQueuePair, NamespaceId};
 
 pub use metadata_io::METADATA_QUEUE_DEPTH;
-use metadata_io::{transfer_region, Transfer, METADATA_CHUNK_BYTES};
+use metadata_io::{create_metadata_queue, transfer_region, Transfer, METADATA_CHUNK_BYTES};
 use mirror::HeaderMirror;
 
 use crate::error::{ObjstoreError, Result};
 use crate::format::{
-    encode_empty_entry, encode_entry, header_entry_bytes, pool_tag, HeaderVerdict, SlotHeader, SlotState, Superblock, FLAG_PAYLOAD_CRC,
+    encode_empty_entry, encode_entry, pool_tag, HeaderVerdict, SlotHeader, SlotState, Superblock, FLAG_PAYLOAD_CRC,
     HEADER_FLAG_PAYLOAD_CRC, SUPERBLOCK_REGION_BYTES,
 };
 use crate::geometry::ModelGeometry;
@@ -64,28 +65,6 @@ impl QueueLender for NoLender {
     }
 }
 
-/// The queue pair device `device`'s metadata goes through: its own, else the lender's, else a
-/// temporary one created in `temporary` (dropped, and so deleted, by the caller).
-fn metadata_queue<'a>(
-    own: &'a mut Option<IoQueuePair>,
-    temporary: &'a mut Option<IoQueuePair>,
-    lender: &'a mut dyn QueueLender,
-    target: &PoolTarget,
-    device: usize,
-    timeout: Duration,
-) -> Result<&'a mut IoQueuePair> {
-    if let Some(queue) = own {
-        return Ok(queue);
-    }
-    if let Some(queue) = lender.lend(device, Instant::now() + timeout)? {
-        return Ok(queue);
-    }
-    if temporary.is_none() {
-        *temporary = Some(target.controller.create_io_queue_pair(METADATA_QUEUE_DEPTH)?);
-    }
-    Ok(temporary.as_mut().expect("set above"))
-}
-
 /// Parameters of `format`.
 #[derive(Debug, Clone)]
 pub struct FormatParams {
@@ -120,17 +99,43 @@ pub struct RecoveryReport {
     pub cached_blocks: u64,
 }
 
-/// Fields drop in order: the queue pair must be deleted while its controller (kept alive by
-/// `target`) still runs, or the drop waits out the admin timeout.
+/// Dropping it deletes the queue pair first, while its controller (kept alive by `target`) still
+/// runs; if that fails with a command in flight, or the device was fenced, the mirror and
+/// scratch buffer a command may still use are leaked ([`crate::leak`]) instead of freed.
 pub(crate) struct PoolDevice {
-    /// The device's own metadata queue pair; `None` when its controller granted too few and
-    /// metadata borrows the executor's (`QueueLender`).
+    /// The device's own metadata queue pair (when `own_queue`; `None` for a moment after a
+    /// failure deleted it, made again at the next use).
     pub(crate) queue: Option<IoQueuePair>,
+    /// Whether the device keeps a metadata queue pair of its own; otherwise its controller
+    /// granted too few and metadata borrows the executor's (`QueueLender`).
+    own_queue: bool,
+    /// Why the device is fenced (see `metadata_queue`): no header writes until reopened.
+    fence: Option<String>,
+    /// The mirror and scratch were leaked already (with a queue pair that was not deleted).
+    buffers_leaked: bool,
     pub(crate) target: PoolTarget,
     pub(crate) superblock: Superblock,
     mirror: HeaderMirror,
     /// A DMA buffer for payload checks and superblock I/O.
     scratch: DmaRegion,
+    /// One header entry (`superblock.header_entry_bytes`, up to one LBA), encoded here before
+    /// it is staged in the mirror: sized from the superblock at open, so no entry the format
+    /// allows is too big for it, and no store allocates one.
+    entry: Vec<u8>,
+}
+
+impl Drop for PoolDevice {
+    fn drop(&mut self) {
+        if let Some(queue) = self.queue.take() {
+            if crate::leak::retire_queue_pair(queue, &[self.mirror.region(), &self.scratch]).is_err() {
+                self.buffers_leaked = true;
+            }
+        }
+        if self.fence.is_some() && !self.buffers_leaked {
+            // Fenced on a queue pair the pool could not delete: a late command may still read them.
+            crate::leak::leak_regions(&[self.mirror.region(), &self.scratch], "a fenced pool device's header mirror and scratch");
+        }
+    }
 }
 
 /// An open pool: devices in pool order (device index i at position i) and the index.
@@ -168,21 +173,19 @@ fn namespace_of(target: &PoolTarget) -> Result<nvme_driver::Namespace> {
 
 /// Reads and decodes the superblock of one target (for `open` and `tutti pool inspect`).
 pub fn read_superblock(target: &PoolTarget, device: usize) -> Result<Superblock> {
+    read_superblock_within(target, device, METADATA_TIMEOUT)
+}
+
+/// `read_superblock` with its deadline (tests use short ones).
+pub(crate) fn read_superblock_within(target: &PoolTarget, device: usize, timeout: Duration) -> Result<Superblock> {
     let namespace = namespace_of(target)?;
-    let mut queue = target.controller.create_io_queue_pair(METADATA_QUEUE_DEPTH)?;
+    let queue = create_metadata_queue(&target.controller)?;
     let bytes = SUPERBLOCK_REGION_BYTES.max(u64::from(namespace.block_size_bytes));
     let region = target.controller.dma().allocate(bytes as usize)?;
-    transfer_region(
-        &mut queue,
-        target.namespace,
-        0,
-        &region,
-        0,
-        bytes,
-        u64::from(namespace.block_size_bytes),
-        Transfer::Read,
-        METADATA_TIMEOUT,
-    )?;
+    let lba_bytes = u64::from(namespace.block_size_bytes);
+    with_metadata_queue(queue, &[&region], |queue| {
+        transfer_region(queue, target.namespace, 0, &region, 0, bytes, lba_bytes, Transfer::Read, timeout)
+    })?;
     let mut raw = vec![0u8; bytes as usize];
     region.read(0, &mut raw)?;
     Superblock::decode(&raw, device, namespace.block_size_bytes, namespace.size_blocks)
@@ -225,58 +228,77 @@ pub fn format_pool(targets: &[PoolTarget], params: &FormatParams) -> Result<Vec<
         planned.push(superblock);
     }
     for (target, superblock) in targets.iter().zip(&planned) {
-        let lba = u64::from(superblock.lba_bytes);
-        let mut queue = target.controller.create_io_queue_pair(METADATA_QUEUE_DEPTH)?;
+        let queue = create_metadata_queue(&target.controller)?;
         let buffer = target.controller.dma().allocate(METADATA_CHUNK_BYTES as usize)?;
-        let region_bytes = superblock.header_region_bytes();
-        let entry_bytes = u64::from(superblock.header_entry_bytes);
-        let tag = pool_tag(&superblock.pool_uuid);
-        let mut entries = vec![0u8; METADATA_CHUNK_BYTES as usize];
-        let mut done = 0;
-        while done < region_bytes {
-            // Every slot gets a tagged, checksummed Empty entry (a zeroed one is damage); the
-            // region's tail past the last slot stays zero. Chunks are whole LBAs, and entries
-            // never straddle an LBA, so a chunk holds whole entries.
-            let piece = (region_bytes - done).min(METADATA_CHUNK_BYTES);
-            let chunk = &mut entries[..piece as usize];
-            chunk.fill(0);
-            let first_slot = done / entry_bytes;
-            let slots = (piece / entry_bytes).min(superblock.slot_count.saturating_sub(first_slot));
-            for (index, entry) in chunk.chunks_exact_mut(entry_bytes as usize).take(slots as usize).enumerate() {
-                encode_empty_entry(entry, 0, tag, (first_slot + index as u64) as u32);
-            }
-            buffer.write(0, chunk)?;
-            transfer_region(
-                &mut queue,
-                target.namespace,
-                superblock.header_lba + done / lba,
-                &buffer,
-                0,
-                piece,
-                lba,
-                Transfer::Write { force_unit_access: false },
-                METADATA_TIMEOUT,
-            )?;
-            done += piece;
-        }
-        metadata_io::flush(&mut queue, target.namespace, METADATA_TIMEOUT)?;
-        let encoded = superblock.encode();
-        let block = buffer.subregion(0, SUPERBLOCK_REGION_BYTES.max(lba) as usize)?;
-        block.fill(0, block.len(), 0)?;
-        block.write(0, &encoded)?;
-        transfer_region(
-            &mut queue,
-            target.namespace,
-            0,
-            &block,
-            0,
-            SUPERBLOCK_REGION_BYTES.max(lba),
-            lba,
-            Transfer::Write { force_unit_access: true },
-            METADATA_TIMEOUT,
-        )?;
+        with_metadata_queue(queue, &[&buffer], |queue| format_device(queue, &buffer, target, superblock))?;
     }
     Ok(planned)
+}
+
+/// Runs `work` on a metadata queue pair whose commands name `buffers`, then deletes the pair.
+/// After an error the deletion decides what becomes of the buffers: if the controller does not
+/// confirm it while a command was still in flight (a timeout), they are leaked with the pair's
+/// rings ([`crate::leak`]), never freed under a command that may still move their bytes.
+fn with_metadata_queue(mut queue: IoQueuePair, buffers: &[&DmaRegion], work: impl FnOnce(&mut IoQueuePair) -> Result<()>) -> Result<()> {
+    let result = work(&mut queue);
+    if let Err(error) = crate::leak::retire_queue_pair(queue, buffers) {
+        tracing::warn!(%error, "deleting a metadata queue pair failed");
+    }
+    result
+}
+
+/// Writes one device's header region (every slot Empty), flushes, then writes its superblock
+/// with FUA, through `queue` and its chunk buffer `buffer`.
+fn format_device(queue: &mut IoQueuePair, buffer: &DmaRegion, target: &PoolTarget, superblock: &Superblock) -> Result<()> {
+    let lba = u64::from(superblock.lba_bytes);
+    let region_bytes = superblock.header_region_bytes();
+    let entry_bytes = u64::from(superblock.header_entry_bytes);
+    let tag = pool_tag(&superblock.pool_uuid);
+    let mut entries = vec![0u8; METADATA_CHUNK_BYTES as usize];
+    let mut done = 0;
+    while done < region_bytes {
+        // Every slot gets a tagged, checksummed Empty entry (a zeroed one is damage); the
+        // region's tail past the last slot stays zero. Chunks are whole LBAs, and entries
+        // never straddle an LBA, so a chunk holds whole entries.
+        let piece = (region_bytes - done).min(METADATA_CHUNK_BYTES);
+        let chunk = &mut entries[..piece as usize];
+        chunk.fill(0);
+        let first_slot = done / entry_bytes;
+        let slots = (piece / entry_bytes).min(superblock.slot_count.saturating_sub(first_slot));
+        for (index, entry) in chunk.chunks_exact_mut(entry_bytes as usize).take(slots as usize).enumerate() {
+            encode_empty_entry(entry, 0, tag, (first_slot + index as u64) as u32);
+        }
+        buffer.write(0, chunk)?;
+        transfer_region(
+            queue,
+            target.namespace,
+            superblock.header_lba + done / lba,
+            buffer,
+            0,
+            piece,
+            lba,
+            Transfer::Write { force_unit_access: false },
+            METADATA_TIMEOUT,
+        )?;
+        done += piece;
+    }
+    metadata_io::flush(queue, target.namespace, METADATA_TIMEOUT)?;
+    let encoded = superblock.encode();
+    let block = buffer.subregion(0, SUPERBLOCK_REGION_BYTES.max(lba) as usize)?;
+    block.fill(0, block.len(), 0)?;
+    block.write(0, &encoded)?;
+    transfer_region(
+        queue,
+        target.namespace,
+        0,
+        &block,
+        0,
+        SUPERBLOCK_REGION_BYTES.max(lba),
+        lba,
+        Transfer::Write { force_unit_access: true },
+        METADATA_TIMEOUT,
+    )?;
+    Ok(())
 }
 
 impl Pool {
@@ -348,9 +370,9 @@ impl Pool {
             .map(|(_, target)| usize::from(target.controller.granted_queue_pairs()) >= 2 * devices_on(&target.controller))
             .collect();
         for ((superblock, target), own_queue) in found.into_iter().zip(own_queue) {
-            let mut queue = target.controller.create_io_queue_pair(METADATA_QUEUE_DEPTH)?;
+            let mut queue = create_metadata_queue(&target.controller)?;
             let mirror = target.controller.dma().allocate(superblock.header_region_bytes() as usize)?;
-            transfer_region(
+            let read = transfer_region(
                 &mut queue,
                 target.namespace,
                 superblock.header_lba,
@@ -360,7 +382,13 @@ impl Pool {
                 u64::from(superblock.lba_bytes),
                 Transfer::Read,
                 METADATA_TIMEOUT,
-            )?;
+            );
+            if let Err(error) = read {
+                // A timed-out read may still land in the mirror: it is freed only once the
+                // queue pair is known deleted, and leaked otherwise.
+                let _ = crate::leak::retire_queue_pair(queue, &[&mirror]);
+                return Err(error);
+            }
             let scratch =
                 target.controller.dma().allocate((2 * superblock.geometry.object_bytes()).max(SUPERBLOCK_REGION_BYTES) as usize)?;
             if !own_queue {
@@ -372,10 +400,26 @@ impl Pool {
                 );
             }
             let queue = own_queue.then_some(queue); // a shared one is deleted here, freeing its id
-            pool.devices.push(PoolDevice { queue, target, superblock, mirror: HeaderMirror::new(mirror, superblock), scratch });
+            let entry = vec![0u8; superblock.header_entry_bytes as usize];
+            pool.devices.push(PoolDevice {
+                queue,
+                own_queue,
+                fence: None,
+                buffers_leaked: false,
+                target,
+                superblock,
+                mirror: HeaderMirror::new(mirror, superblock),
+                scratch,
+                entry,
+            });
         }
         pool.recover(&mut report)?;
         Ok((pool, report))
+    }
+
+    /// A pool of no devices: what a `KvStore` keeps once `into_pool` gave its pool back.
+    pub(crate) fn empty() -> Pool {
+        Pool { devices: Vec::new(), index: Index::new(&[], 1), generation: 0, timeout: METADATA_TIMEOUT }
     }
 
     fn recover(&mut self, report: &mut RecoveryReport) -> Result<()> {
@@ -459,9 +503,11 @@ impl Pool {
         self.generation += 1;
         let generation = self.generation;
         let d = &mut self.devices[usize::from(device)];
+        // A fenced device's mirror may still be read by a late header write, and is never
+        // written out again: nothing is staged there.
+        d.check_fence(usize::from(device))?;
         let superblock = d.superblock;
-        let mut entry = [0u8; 4096];
-        let entry = &mut entry[..header_entry_bytes(superblock.blocks_per_slot) as usize];
+        let entry = &mut d.entry[..];
         let tag = pool_tag(&superblock.pool_uuid);
         match state {
             SlotState::Empty => encode_empty_entry(entry, generation, tag, slot),
@@ -470,7 +516,7 @@ impl Pool {
                 encode_entry(entry, generation, tag, slot, state, payload_crcs, blocks);
             }
         }
-        d.mirror.stage(slot, entry, state == SlotState::Empty)?;
+        d.mirror.stage(slot, &d.entry, state == SlotState::Empty)?;
         Ok(generation)
     }
 
@@ -489,7 +535,13 @@ impl Pool {
     /// Whether device `device`'s metadata borrows the executor's queue pair (its controller
     /// granted fewer than two I/O queue pairs per pool device on it).
     pub fn metadata_queue_shared(&self, device: usize) -> bool {
-        self.devices[device].queue.is_none()
+        !self.devices[device].own_queue
+    }
+
+    /// Whether device `device` is fenced: a metadata command on it timed out on a queue pair
+    /// that could not be deleted; it takes no header writes and no new slots until reopened.
+    pub fn metadata_fenced(&self, device: usize) -> bool {
+        self.devices[device].fence.is_some()
     }
 
     /// Writes every staged header sector with FUA and waits: on return they are durable.
@@ -499,9 +551,8 @@ impl Pool {
             if !d.mirror.has_dirty() {
                 continue;
             }
-            let mut temporary = None;
-            let queue = metadata_queue(&mut d.queue, &mut temporary, lender, &d.target, index, timeout)?;
-            d.mirror.sync(queue, d.target.namespace, timeout)?;
+            let namespace = d.target.namespace;
+            d.run_metadata(index, lender, &mut None, timeout, |queue, mirror, _| mirror.sync(queue, namespace, timeout))?;
         }
         Ok(())
     }
@@ -511,9 +562,8 @@ impl Pool {
         let timeout = self.timeout;
         for (index, (d, &used)) in self.devices.iter_mut().zip(devices).enumerate() {
             if used {
-                let mut temporary = None;
-                let queue = metadata_queue(&mut d.queue, &mut temporary, lender, &d.target, index, timeout)?;
-                metadata_io::flush(queue, d.target.namespace, timeout)?;
+                let namespace = d.target.namespace;
+                d.run_metadata(index, lender, &mut None, timeout, |queue, _, _| metadata_io::flush(queue, namespace, timeout))?;
             }
         }
         Ok(())
@@ -554,19 +604,13 @@ impl Pool {
                     for (j, hasher) in hashers.iter_mut().enumerate() {
                         let lba = superblock.block_lba(slot, j as u32) + u64::from(layer) * superblock.layer_stride_blocks();
                         let d = &mut self.devices[device];
-                        let queue = metadata_queue(&mut d.queue, &mut temporary, &mut no_lender, &d.target, device, self.timeout)?;
-                        transfer_region(
-                            queue,
-                            d.target.namespace,
-                            lba,
-                            &d.scratch,
-                            0,
-                            pair,
-                            u64::from(superblock.lba_bytes),
-                            Transfer::Read,
-                            self.timeout,
-                        )?;
-                        d.scratch.read(0, &mut bytes)?;
+                        let (namespace, timeout) = (d.target.namespace, self.timeout);
+                        d.run_metadata(device, &mut no_lender, &mut temporary, timeout, |queue, _, scratch| {
+                            let lba_bytes = u64::from(superblock.lba_bytes);
+                            transfer_region(queue, namespace, lba, scratch, 0, pair, lba_bytes, Transfer::Read, timeout)?;
+                            scratch.read(0, &mut bytes)?;
+                            Ok(())
+                        })?;
                         hasher.update(&bytes);
                     }
                 }

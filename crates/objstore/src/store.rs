@@ -15,6 +15,7 @@
 
 mod abandon;
 mod commit;
+mod teardown;
 mod verify;
 
 use std::sync::Arc;
@@ -133,12 +134,23 @@ struct Request {
     /// are folded into them.
     crcs: Vec<crc32fast::Hasher>,
     crc_layers: u32,
+    /// Verified retrieves: each block's payload CRC as recorded when the request was prepared
+    /// (its slot is pinned from then on, so it cannot change; a later eviction of the slot by
+    /// another request's mismatch rewrites the mirror entry, not these).
+    expected_crcs: Vec<u32>,
+    /// Verified retrieves: the verification failed. Sticky until `finish`: `wait` and `poll`
+    /// return it again, and no layer is issued, so a poll-driven engine never sees the request
+    /// complete.
+    verify_failure: Option<verify::VerifyFailure>,
 }
 
 /// The layer-wise KV store over one pool, one registration and one gio_uring queue.
 ///
-/// Fields drop in order: the executor's queue pairs (inside `queue`) go before the pool, whose
-/// targets may hold the last references to the controllers.
+/// Dropping it (or [`KvStore::close`]) first deletes the executor's queue pairs (before the
+/// pool, whose targets may hold the last references to the controllers). If the executor
+/// reports that one could not be deleted, its commands may still read the mapping table (SGL
+/// descriptors, PRP lists) and read or write the engine's KV memory: the table is then leaked
+/// ([`crate::leak`]), and `close` returns `false` so that the engine keeps its KV memory too.
 pub struct KvStore<E: Executor> {
     queue: GioQueue<E>,
     pool: Pool,
@@ -154,16 +166,20 @@ pub struct KvStore<E: Executor> {
     records: Vec<BlockRecord>,
     /// Per pool device: its namespace id and slot addressing (the per-block LBA arithmetic).
     addressing: Vec<(u32, SlotAddressing)>,
+    /// Set once the executor's queue pairs were retired (at close, `into_pool` or drop):
+    /// whether the memory their commands name may be freed.
+    retired: Option<bool>,
 }
 
-/// A CPU executor with one I/O queue pair per pool device (device index i = pool device i).
-/// On a controller that granted fewer than two queue pairs per pool device, the pool's
+/// A CPU executor with one I/O queue pair per pool device (device index i = pool device i),
+/// each `nvme_queue_depth` deep, or as deep as its controller's CAP.MQES allows if that is
+/// less. On a controller that granted fewer than two queue pairs per pool device, the pool's
 /// metadata borrows these (the CPU executor lends them between commands).
 pub fn cpu_executor_for(pool: &Pool, nvme_queue_depth: u32, config: &StoreConfig) -> Result<CpuExecutor> {
     let mut queues = Vec::with_capacity(pool.device_count());
     for device in 0..pool.device_count() {
         let controller = &pool.target(device).controller;
-        match controller.create_io_queue_pair(nvme_queue_depth) {
+        match controller.create_io_queue_pair(nvme_queue_depth.min(controller.max_queue_depth())) {
             Ok(queue) => queues.push(queue),
             Err(nvme_driver::NvmeError::NoQueueAvailable { granted }) => {
                 let needed = (0..pool.device_count()).filter(|&d| Arc::ptr_eq(&pool.target(d).controller, controller)).count();
@@ -308,6 +324,7 @@ impl<E: Executor> KvStore<E> {
             crc_scratch: Vec::new(),
             records: Vec::with_capacity(k as usize),
             addressing,
+            retired: None,
         })
     }
 
@@ -327,9 +344,11 @@ impl<E: Executor> KvStore<E> {
         self.pool.index.counts()
     }
 
-    /// Gives the pool back (every request must be finished).
-    pub fn into_pool(self) -> Pool {
-        self.pool
+    /// Gives the pool back (every request must be finished); the executor's queue pairs are
+    /// retired first, as by [`KvStore::close`].
+    pub fn into_pool(mut self) -> Pool {
+        self.retire_queue_pairs();
+        std::mem::replace(&mut self.pool, Pool::empty())
     }
 
     /// The longest cached prefix of `tokens`, in blocks (times block_tokens for tokens).
@@ -375,6 +394,8 @@ impl<E: Executor> KvStore<E> {
         request.layers_done.fill(false);
         request.crcs.clear();
         request.crc_layers = 0;
+        request.expected_crcs.clear();
+        request.verify_failure = None;
         Ok(index)
     }
 
@@ -414,6 +435,10 @@ impl<E: Executor> KvStore<E> {
         self.requests[index].slots = slots;
         if self.config.verify_retrieves {
             self.requests[index].crcs.resize(n, crc32fast::Hasher::new());
+            if let Err(error) = self.snapshot_expected_crcs(index) {
+                self.release(index);
+                return Err(error);
+            }
         }
         if let Err(error) = self.build_iocbs(index, Opcode::Read) {
             self.release(index);
@@ -487,8 +512,14 @@ impl<E: Executor> KvStore<E> {
                         (allocation.device, allocation.slot, 0)
                     }
                     None => {
-                        // Unreachable after the check above unless the index is inconsistent.
-                        failure = Some(ObjstoreError::PoolFull { needed: (blocks.len() - i).div_ceil(k), evictable: 0 });
+                        // After the check above: the free slots are on fenced devices (or the
+                        // index is inconsistent).
+                        failure = Some(match (0..self.pool.device_count()).find(|&device| self.pool.metadata_fenced(device)) {
+                            Some(device) => {
+                                ObjstoreError::MetadataFenced { device, reason: "the slots this store needs are on fenced devices".into() }
+                            }
+                            None => ObjstoreError::PoolFull { needed: (blocks.len() - i).div_ceil(k), evictable: 0 },
+                        });
                         break;
                     }
                 },
@@ -533,6 +564,11 @@ impl<E: Executor> KvStore<E> {
         let mut device = self.device_cursor;
         for _ in 0..devices {
             let next = if device + 1 == devices { 0 } else { device + 1 };
+            // A fenced device takes no header writes: none of its slots is reused until reopen.
+            if self.pool.metadata_fenced(device) {
+                device = next;
+                continue;
+            }
             if let Some(allocation) = self.pool.index.allocate_on(device as u16) {
                 self.device_cursor = next;
                 return Some(allocation);
@@ -617,6 +653,9 @@ impl<E: Executor> KvStore<E> {
                 reason: format!("prepared for {:?}, not {direction:?}", request.direction),
             });
         }
+        if let Some(failure) = &request.verify_failure {
+            return Err(failure.to_error(handle));
+        }
         if let Some(previous) = request.layer_in_flight {
             return Err(ObjstoreError::HandleState {
                 handle: handle.0,
@@ -653,8 +692,14 @@ impl<E: Executor> KvStore<E> {
     /// Waits (until `deadline`) for the layer in flight; returns it, or `None` if none was.
     /// After a timeout the layer is still in flight: wait again, or (CPU executor) end it with
     /// `abandon_in_flight`.
+    ///
+    /// On a verified retrieve whose verification failed, this and every later `wait` and `poll`
+    /// return that failure until `finish`.
     pub fn wait(&mut self, handle: RequestHandle, deadline: Instant) -> Result<Option<u32>> {
         let index = self.request_index(handle)?;
+        if let Some(failure) = &self.requests[index].verify_failure {
+            return Err(failure.to_error(handle));
+        }
         let Some(layer) = self.requests[index].layer_in_flight else { return Ok(None) };
         // Every IOCB of the layer is waited for, even after a failure: until all completed, the
         // device may still be moving bytes of this request. A timeout leaves the layer in flight
@@ -682,6 +727,9 @@ impl<E: Executor> KvStore<E> {
     /// is then complete, or its failure is returned).
     pub fn poll(&mut self, handle: RequestHandle) -> Result<bool> {
         let index = self.request_index(handle)?;
+        if let Some(failure) = &self.requests[index].verify_failure {
+            return Err(failure.to_error(handle));
+        }
         if self.requests[index].layer_in_flight.is_none() {
             return Ok(true);
         }

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use gio_uring::LENT_COMMAND_TAG;
-use nvme_driver::{DataSegment, DmaRegion, HwError, IoQueuePair, Lba, NamespaceId, NvmeError};
+use nvme_driver::{Controller, DataSegment, DmaRegion, HwError, IoQueuePair, Lba, NamespaceId, NvmeError};
 
 use crate::error::{ObjstoreError, Result};
 
@@ -12,13 +12,21 @@ use crate::error::{ObjstoreError, Result};
 /// a late completion of ours can never be counted for an IOCTX.
 const METADATA_TAG: u64 = LENT_COMMAND_TAG;
 
-/// Depth of a metadata queue pair (a pool device's own, or a temporary one).
+/// Depth of a metadata queue pair (a pool device's own, or a temporary one), on a controller
+/// whose CAP.MQES allows it (see [`create_metadata_queue`]).
 pub const METADATA_QUEUE_DEPTH: u32 = 64;
 /// Metadata moves in pieces of at most this size (each piece is one submit + wait).
 pub(crate) const METADATA_CHUNK_BYTES: u64 = 1 << 20;
-/// Commands one piece may need: well below any queue depth the pool uses (the driver refuses a
-/// transfer that needs more commands than the queue has free slots, it does not wait).
+/// Commands one piece may need, at most: the driver refuses a transfer that needs more commands
+/// than the queue has free slots (it does not wait), so a piece is also capped at what an idle
+/// queue of the given depth takes (depth − 1: a lent executor queue may be as shallow as 2).
 const COMMANDS_PER_PIECE_MAX: u64 = 16;
+
+/// A metadata queue pair on `controller`: [`METADATA_QUEUE_DEPTH`] deep, or as deep as its
+/// CAP.MQES allows if that is less (a fixed depth would refuse such a controller outright).
+pub(crate) fn create_metadata_queue(controller: &Controller) -> Result<IoQueuePair> {
+    Ok(controller.create_io_queue_pair(METADATA_QUEUE_DEPTH.min(controller.max_queue_depth()))?)
+}
 
 /// Which way `transfer_region` moves data.
 #[derive(Debug, Clone, Copy)]
@@ -28,9 +36,11 @@ pub(crate) enum Transfer {
 }
 
 /// Bytes one piece of a metadata transfer moves on `queue`: at most [`METADATA_CHUNK_BYTES`],
-/// and few enough commands under the controller's MDTS, in whole LBAs.
+/// and few enough commands under the controller's MDTS for the idle queue to take them all, in
+/// whole LBAs.
 fn piece_bytes_max(queue: &IoQueuePair, lba_bytes: u64) -> u64 {
-    let by_commands = queue.max_transfer_bytes().saturating_mul(COMMANDS_PER_PIECE_MAX);
+    let commands = COMMANDS_PER_PIECE_MAX.min(u64::from(queue.depth().saturating_sub(1)).max(1));
+    let by_commands = queue.max_transfer_bytes().saturating_mul(commands);
     (by_commands.min(METADATA_CHUNK_BYTES) / lba_bytes).max(1) * lba_bytes
 }
 

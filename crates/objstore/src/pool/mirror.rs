@@ -40,6 +40,11 @@ impl HeaderMirror {
         }
     }
 
+    /// The DMA memory the header writes read from (to keep it when a write may be in flight).
+    pub(crate) fn region(&self) -> &DmaRegion {
+        &self.region
+    }
+
     /// Copies slot `slot`'s entry out of the mirror (`out` is one entry long).
     pub(crate) fn read_entry(&self, slot: u32, out: &mut [u8]) -> Result<()> {
         self.region.read(self.superblock.header_offset(slot) as usize, out)?;
@@ -74,6 +79,14 @@ impl HeaderMirror {
             self.dirty.push(lba);
         }
         Ok(())
+    }
+
+    /// Drops the staged LBAs without writing them (a fenced device writes no header again).
+    pub(crate) fn forget_dirty(&mut self) {
+        for &lba in &self.dirty {
+            self.dirty_bits[(lba / 64) as usize] &= !(1u64 << (lba % 64));
+        }
+        self.dirty.clear();
     }
 
     /// Whether any LBA was staged since the last sync.

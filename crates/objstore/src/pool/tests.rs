@@ -113,3 +113,203 @@ fn a_metadata_transfer_never_reaches_past_its_region() {
     transfer_region(&mut queue, NamespaceId(1), 0, &region, 0, 4096, 512, Transfer::Read, timeout).unwrap();
     super::metadata_io::write_runs_durably(&mut queue, NamespaceId(1), 0, &region, [(4, 8)].into_iter(), 512, timeout).unwrap();
 }
+
+#[test]
+fn a_header_entry_larger_than_4_kib_is_staged_and_recovered() {
+    // Goal: with 8 KiB LBAs and k = 254 a header entry is 8 KiB, which the format allows (an
+    // entry up to one LBA). Staging one used to slice a fixed 4 KiB buffer and panic on the
+    // first store; it must be written, and a reopen must find the slot Valid with its keys.
+    let config =
+        EmuConfig::default().with_backing(Backing::Memory { bytes: 24 << 20 }).with_namespaces(vec![NamespaceConfig::new(8192, None)]);
+    let (_device, targets) = start(config);
+    // 8 KiB objects: one LBA each.
+    let geometry = ModelGeometry { layers: 1, kv_heads: 1, head_dim: 128, dtype_bytes: 2, block_tokens: 32 };
+    let k = 254;
+    let params = FormatParams { geometry, blocks_per_slot: k, slot_count_max: Some(2), pool_uuid: None, payload_crc: true };
+    format_pool(&targets, &params).unwrap();
+    let (mut pool, _) = Pool::open(targets.clone(), Some(&geometry)).unwrap();
+    assert_eq!(pool.superblock(0).header_entry_bytes, 8192);
+    let records: Vec<crate::format::BlockRecord> =
+        (0..u64::from(k)).map(|i| crate::format::BlockRecord { key: 1000 + i, token_count: 32, payload_crc: i as u32 }).collect();
+    pool.stage_header(0, 1, SlotState::Valid, &records).unwrap();
+    pool.sync_headers(&mut NoLender).unwrap();
+    drop(pool);
+    let (pool, report) = Pool::open(targets, Some(&geometry)).unwrap();
+    assert_eq!((report.valid_slots, report.cached_blocks, report.corrupt_headers), (1, u64::from(k), 0));
+    assert!(pool.index().get(1000 + 253).is_some());
+}
+
+/// Lends one queue pair of its own, as an executor would lend its queue pair of pool device 0.
+struct OneQueueLender(IoQueuePair);
+
+impl QueueLender for OneQueueLender {
+    fn lend(&mut self, _device: usize, _deadline: Instant) -> Result<Option<&mut IoQueuePair>> {
+        Ok(Some(&mut self.0))
+    }
+}
+
+#[test]
+fn a_header_sync_fits_a_lent_queue_of_depth_4() {
+    // Goal: a header sync through a lent queue of depth 4 (3 commands at once) writes a
+    // contiguous dirty run that takes 4 commands under the controller's MDTS. Pieces used to
+    // take up to 16 commands whatever the queue's depth: the driver refused the 4th with
+    // QueueFull, the retry after draining failed the same way, and so did every store.
+    let config = EmuConfig::default()
+        .with_backing(Backing::Memory { bytes: 16 << 20 })
+        .with_namespaces(vec![NamespaceConfig::new(512, None)])
+        .with_mdts(1) // 8 KiB (16 LBAs) per command
+        .with_io_queue_pairs_max(1);
+    let (device, targets) = start(config);
+    // 1 KiB slots, 64-byte header entries: 8 per LBA.
+    let tiny = ModelGeometry { layers: 1, kv_heads: 1, head_dim: 128, dtype_bytes: 2, block_tokens: 2 };
+    format(&targets, tiny);
+    let (mut pool, report) = Pool::open(targets.clone(), Some(&tiny)).unwrap();
+    assert!(pool.metadata_queue_shared(0), "one queue pair granted: metadata borrows the executor's");
+    let mut lender = OneQueueLender(targets[0].controller.create_io_queue_pair(4).unwrap());
+    let slots = 64 * 8; // 64 LBAs: 4 commands of 16
+    assert!(report.slots >= slots);
+    let records = [crate::format::BlockRecord { key: 0, token_count: 2, payload_crc: 0 }];
+    for slot in 0..slots as u32 {
+        let records = [crate::format::BlockRecord { key: 7000 + u64::from(slot), ..records[0] }];
+        pool.stage_header(0, slot, SlotState::Valid, &records).unwrap();
+    }
+    let before = device.stats();
+    pool.sync_headers(&mut lender).unwrap();
+    assert_eq!(device.stats().io(NvmOpcode::Write) - before.io(NvmOpcode::Write), 4, "64 LBAs, 16 per command");
+    drop(lender);
+    drop(pool);
+    let (_, reopened) = Pool::open(targets, Some(&tiny)).unwrap();
+    assert_eq!((reopened.valid_slots, reopened.corrupt_headers), (slots, 0));
+}
+
+/// Bytes of the controller's DMA space mapped now, page by page from the identity pool's base
+/// (the software controller's IOVAs start at 4 GiB and grow): what was freed is unmapped.
+fn mapped_bytes(controller: &Controller) -> u64 {
+    let base = 1u64 << 32;
+    (0..(256u64 << 20) / 4096).filter(|page| controller.dma().translate(nvme_driver::Iova(base + page * 4096), 1).is_ok()).count() as u64
+        * 4096
+}
+
+/// A metadata I/O command that never completes, and every Delete I/O SQ failing: a timed-out
+/// command stays with the controller, which keeps the queue.
+fn lose_the_next_io_and_the_queue(device: &EmuDevice) {
+    use nvme_driver::spec::status::codes;
+    use nvme_driver::spec::{AdminOpcode, NvmeStatus};
+    use nvme_emu::{FaultAction, FaultPlan, FaultRule};
+    let internal = NvmeStatus::generic(codes::INTERNAL_ERROR);
+    device.set_faults(FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion)).with_rule(FaultRule {
+        repeat: true,
+        ..FaultRule::on_nth_admin(1, AdminOpcode::DeleteIoSubmissionQueue, FaultAction::Status(internal))
+    }));
+}
+
+#[test]
+fn a_timed_out_superblock_read_keeps_its_buffer_when_the_queue_cannot_be_deleted() {
+    // Goal: the superblock read times out and its queue pair cannot be deleted: the controller
+    // may still write the read's buffer, so that buffer must stay allocated with the rings. It
+    // used to be freed first (locals drop in reverse order), its IOVA handed to the next
+    // allocation while the Read stayed queued.
+    let config =
+        EmuConfig::default().with_backing(Backing::Memory { bytes: 16 << 20 }).with_namespaces(vec![NamespaceConfig::new(512, None)]);
+    let (device, targets) = start(config);
+    format(&targets, geometry());
+    let controller = &targets[0].controller;
+    let (leaked_rings_before, mapped_before) = (controller.leaked_bytes(), mapped_bytes(controller));
+    lose_the_next_io_and_the_queue(&device);
+    let read = super::read_superblock_within(&targets[0], 0, Duration::from_millis(200));
+    assert!(matches!(read, Err(ObjstoreError::Nvme(nvme_driver::NvmeError::Timeout { .. }))), "{read:?}");
+    device.set_faults(nvme_emu::FaultPlan::none());
+    let rings = controller.leaked_bytes() - leaked_rings_before;
+    assert!(rings > 0, "the queue pair was leaked");
+    assert_eq!(mapped_bytes(controller) - mapped_before, rings + 4096, "the rings and the 4 KiB read buffer stay mapped");
+}
+
+#[test]
+fn a_pool_dropped_after_a_timed_out_header_write_keeps_its_mirror() {
+    // Goal: a header write on the pool's own metadata queue times out and that queue pair
+    // cannot be deleted: dropping the pool must keep the mirror the write reads from (and the
+    // scratch buffer) with the rings; it used to free them after the queue pair leaked.
+    let config =
+        EmuConfig::default().with_backing(Backing::Memory { bytes: 16 << 20 }).with_namespaces(vec![NamespaceConfig::new(512, None)]);
+    let (device, targets) = start(config);
+    format(&targets, geometry());
+    let controller = targets[0].controller.clone();
+    let (leaked_rings_before, mapped_before) = (controller.leaked_bytes(), mapped_bytes(&controller));
+    let (mut pool, _) = Pool::open(targets, Some(&geometry())).unwrap();
+    assert!(!pool.metadata_queue_shared(0));
+    pool.set_metadata_timeout(Duration::from_millis(200));
+    let kept = pool.devices[0].mirror.region().len() as u64 + pool.devices[0].scratch.len() as u64;
+    pool.stage_header(0, 3, SlotState::Empty, &[]).unwrap();
+    lose_the_next_io_and_the_queue(&device);
+    let sync = pool.sync_headers(&mut NoLender);
+    assert!(sync.is_err(), "{sync:?}");
+    drop(pool);
+    device.set_faults(nvme_emu::FaultPlan::none());
+    let rings = controller.leaked_bytes() - leaked_rings_before;
+    assert!(rings > 0, "the queue pair was leaked");
+    assert_eq!(mapped_bytes(&controller) - mapped_before, rings + kept, "the rings, the mirror and the scratch buffer stay mapped");
+}
+
+fn lose_the_next_io(device: &EmuDevice) {
+    use nvme_emu::{FaultAction, FaultPlan, FaultRule};
+    device.set_faults(FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion)));
+}
+
+#[test]
+fn after_a_timed_out_header_write_the_queue_pair_is_replaced_before_the_next_write() {
+    // Goal: header write W1 (slot 5 Valid) times out on the pool's own queue. W1 must not stay
+    // queued behind later writes of that sector (NVMe does not order them; a late W1 would undo
+    // them): the queue pair is deleted at once, the next sync goes through a fresh one and
+    // succeeds, and after a reopen slot 5 reads as last written (Empty). The pair used to stay:
+    // the next sync waited on W1 again and timed out, and every later store with it.
+    let config =
+        EmuConfig::default().with_backing(Backing::Memory { bytes: 16 << 20 }).with_namespaces(vec![NamespaceConfig::new(512, None)]);
+    let (device, targets) = start(config);
+    format(&targets, geometry());
+    let (mut pool, _) = Pool::open(targets.clone(), Some(&geometry())).unwrap();
+    pool.set_metadata_timeout(Duration::from_millis(200));
+    let records = [crate::format::BlockRecord { key: 77, token_count: 16, payload_crc: 0 }];
+    pool.stage_header(0, 5, SlotState::Valid, &records).unwrap();
+    lose_the_next_io(&device);
+    assert!(pool.sync_headers(&mut NoLender).is_err());
+    device.set_faults(nvme_emu::FaultPlan::none());
+    assert!(pool.devices[0].queue.is_none(), "the queue pair holding W1 was deleted");
+    assert!(!pool.metadata_fenced(0), "the deletion succeeded: nothing to fence");
+    pool.stage_header(0, 5, SlotState::Empty, &[]).unwrap();
+    pool.sync_headers(&mut NoLender).unwrap(); // through a fresh queue pair
+    assert!(pool.devices[0].queue.is_some());
+    drop(pool);
+    let (_, report) = Pool::open(targets, Some(&geometry())).unwrap();
+    assert_eq!((report.valid_slots, report.empty_slots), (0, report.slots));
+}
+
+#[test]
+fn a_timed_out_header_write_on_a_lent_queue_fences_the_device() {
+    // Goal: W1 times out on the executor's queue pair lent for metadata, which the pool cannot
+    // delete: the device is fenced. Staging a header there (which would rewrite mirror bytes
+    // W1 may still be reading, and queue a write W1 may overtake) is refused with
+    // MetadataFenced, as is any later sync or flush on it; dropping the pool keeps the mirror.
+    let config = EmuConfig::default()
+        .with_backing(Backing::Memory { bytes: 16 << 20 })
+        .with_namespaces(vec![NamespaceConfig::new(512, None)])
+        .with_io_queue_pairs_max(1);
+    let (device, targets) = start(config);
+    format(&targets, geometry());
+    let (mut pool, _) = Pool::open(targets.clone(), Some(&geometry())).unwrap();
+    assert!(pool.metadata_queue_shared(0));
+    pool.set_metadata_timeout(Duration::from_millis(200));
+    let mut lender = OneQueueLender(targets[0].controller.create_io_queue_pair(16).unwrap());
+    pool.stage_header(0, 5, SlotState::Empty, &[]).unwrap();
+    lose_the_next_io(&device);
+    assert!(pool.sync_headers(&mut lender).is_err());
+    device.set_faults(nvme_emu::FaultPlan::none());
+    assert!(pool.metadata_fenced(0));
+    let staged = pool.stage_header(0, 5, SlotState::Empty, &[]);
+    assert!(matches!(staged, Err(ObjstoreError::MetadataFenced { device: 0, .. })), "{staged:?}");
+    pool.sync_headers(&mut lender).unwrap(); // nothing of the fenced device is written
+    let flushed = pool.flush(&[true], &mut lender);
+    assert!(matches!(flushed, Err(ObjstoreError::MetadataFenced { device: 0, .. })), "{flushed:?}");
+    let leaked_before = crate::leak::leaked_dma_regions();
+    drop(pool);
+    assert!(crate::leak::leaked_dma_regions() >= leaked_before + 2, "the mirror and scratch are kept");
+}

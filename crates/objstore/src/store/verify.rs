@@ -11,6 +11,12 @@
 //! at once (no lookup finds it again), its header made Empty on disk (a reopen does not serve
 //! it either), the slot reused once no retrieve pins it. The request's other blocks are
 //! delivered.
+//!
+//! The expected CRCs are copied from the header mirror when the request is prepared (its slots
+//! are pinned from then on): another request's mismatch in a shared slot (k > 1) rewrites that
+//! slot's mirror entry Empty, and comparing against those bytes would condemn good blocks. A
+//! failed verification is sticky: until `finish`, `wait` and `poll` return it again and no
+//! layer is issued, so an engine that polls never sees the request complete.
 
 use std::sync::Arc;
 
@@ -41,10 +47,64 @@ pub(super) fn check_verifiable(pool: &Pool, registration: &KvRegistration, dma: 
     Ok(())
 }
 
+/// Why a verified retrieve failed, kept on the request until `finish`.
+#[derive(Debug)]
+pub(super) enum VerifyFailure {
+    /// Blocks whose bytes did not match (their slots were evicted).
+    Mismatch(Vec<MismatchedBlock>),
+    /// The bytes could not be checked (the first error, as text).
+    Unverified(String),
+}
+
+impl VerifyFailure {
+    /// The error `wait`, `poll` and the issue calls return for the failed request.
+    pub(super) fn to_error(&self, handle: RequestHandle) -> ObjstoreError {
+        match self {
+            VerifyFailure::Mismatch(blocks) => ObjstoreError::PayloadMismatch { handle: handle.0, blocks: blocks.clone() },
+            VerifyFailure::Unverified(reason) => ObjstoreError::HandleState {
+                handle: handle.0,
+                reason: format!("its verification failed, so the retrieved blocks are not to be used (finish it): {reason}"),
+            },
+        }
+    }
+}
+
 impl<E: Executor> KvStore<E> {
+    /// Copies the payload CRC recorded for each of the request's blocks out of the mirror (at
+    /// `prepare_retrieve`, once the slots are pinned).
+    pub(super) fn snapshot_expected_crcs(&mut self, index: usize) -> Result<()> {
+        let mut expected = std::mem::take(&mut self.requests[index].expected_crcs);
+        expected.clear();
+        let mut result = Ok(());
+        for &(location, _, _) in &self.requests[index].blocks {
+            match self.pool.recorded_payload_crc(location.device, location.slot, payload_crc_offset(usize::from(location.index))) {
+                Ok(crc) => expected.push(crc),
+                Err(error) => {
+                    result = Err(error);
+                    break;
+                }
+            }
+        }
+        self.requests[index].expected_crcs = expected;
+        result
+    }
+
+    /// Folds in the layers completed so far and, once all are, compares; a failure is recorded
+    /// on the request (sticky until `finish`) and returned.
+    pub(super) fn verify_layers(&mut self, index: usize, handle: RequestHandle) -> Result<()> {
+        let result = self.fold_and_compare(index, handle);
+        if let Err(error) = &result {
+            self.requests[index].verify_failure = Some(match error {
+                ObjstoreError::PayloadMismatch { blocks, .. } => VerifyFailure::Mismatch(blocks.clone()),
+                other => VerifyFailure::Unverified(other.to_string()),
+            });
+        }
+        result
+    }
+
     /// Folds every completed layer not yet folded (in order from layer 0) into the request's
     /// per-block CRCs, and once all layers are in, compares them with the recorded ones.
-    pub(super) fn verify_layers(&mut self, index: usize, handle: RequestHandle) -> Result<()> {
+    fn fold_and_compare(&mut self, index: usize, handle: RequestHandle) -> Result<()> {
         let layers = self.pool.geometry().layers;
         let before = self.requests[index].crc_layers;
         let mut crcs = std::mem::take(&mut self.requests[index].crcs);
@@ -73,8 +133,7 @@ impl<E: Executor> KvStore<E> {
         let mut mismatched = Vec::new();
         for (i, crc) in self.requests[index].crcs.iter().enumerate() {
             let (location, engine_block, _) = self.requests[index].blocks[i];
-            let expected =
-                self.pool.recorded_payload_crc(location.device, location.slot, payload_crc_offset(usize::from(location.index)))?;
+            let expected = self.requests[index].expected_crcs[i];
             let computed = crc.clone().finalize();
             if computed != expected {
                 mismatched.push(MismatchedBlock {
@@ -93,10 +152,17 @@ impl<E: Executor> KvStore<E> {
         for block in &mismatched {
             tracing::warn!(%block, "payload CRC mismatch on retrieve: the slot is evicted");
             self.pool.index.condemn(block.device, block.slot);
-            // Idempotent for a slot with several bad blocks: the entry is already Empty.
-            self.pool.stage_header(block.device, block.slot, SlotState::Empty, &[])?;
+            // Idempotent for a slot with several bad blocks: the entry is already Empty. Refused
+            // on a fenced device, whose slots are not reused before a reopen anyway.
+            if let Err(error) = self.pool.stage_header(block.device, block.slot, SlotState::Empty, &[]) {
+                tracing::warn!(%error, "staging the evicted slot's header Empty failed");
+            }
         }
-        self.pool.sync_headers(&mut self.queue)?;
+        if let Err(error) = self.pool.sync_headers(&mut self.queue) {
+            // The mismatch is the news: the Empty entries stay dirty and go out with the next
+            // sync, which comes before any data is issued into these slots.
+            tracing::warn!(%error, "writing the evicted slots' headers Empty failed; they stay staged for the next sync");
+        }
         Err(ObjstoreError::PayloadMismatch { handle: handle.0, blocks: mismatched })
     }
 }

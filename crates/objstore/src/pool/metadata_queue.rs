@@ -1,0 +1,98 @@
+//! Which queue pair a pool device's metadata goes through, and what happens to it when a
+//! metadata command fails with commands still in flight (a timeout).
+//!
+//! NVMe does not order commands in flight: a timed-out header write left queued could complete
+//! after a later write of the same sector and undo it (slot X Valid for key A landing after X
+//! was reused for key B), and it may still be reading the mirror while the next stage rewrites
+//! it. So after such a failure the queue pair is deleted before anything else is written (a
+//! fresh one is made at the next use). If the controller does not confirm the deletion, or the
+//! queue pair is the executor's (lent; the pool cannot delete it), the device is fenced: no
+//! header is staged or written on it, no slot on it is allocated, its mirror is never freed
+//! (a late command may still read it), and every metadata call on it fails with
+//! [`ObjstoreError::MetadataFenced`] until the pool is reopened (after a controller reset, if
+//! the controller stopped answering). Nothing on disk is at risk meanwhile: the fenced device's
+//! slots are not reused, so a late header write still describes the bytes in its slot.
+
+use std::time::{Duration, Instant};
+
+use nvme_driver::{DmaRegion, IoQueuePair};
+
+use super::metadata_io::create_metadata_queue;
+use super::mirror::HeaderMirror;
+use super::{PoolDevice, QueueLender};
+use crate::error::{ObjstoreError, Result};
+
+impl PoolDevice {
+    /// Runs `work` on the queue pair device `index`'s metadata goes through: its own (made
+    /// again if a failure deleted it), else the lender's, else a temporary one kept in
+    /// `temporary` (the caller drops it, deleting it). `work` gets the queue, the mirror and
+    /// the scratch buffer. A failure with commands left in flight retires the queue pair or
+    /// fences the device (module docs).
+    pub(super) fn run_metadata<T>(
+        &mut self,
+        index: usize,
+        lender: &mut dyn QueueLender,
+        temporary: &mut Option<IoQueuePair>,
+        timeout: Duration,
+        work: impl FnOnce(&mut IoQueuePair, &mut HeaderMirror, &DmaRegion) -> Result<T>,
+    ) -> Result<T> {
+        self.check_fence(index)?;
+        if self.own_queue && self.queue.is_none() {
+            self.queue = Some(create_metadata_queue(&self.target.controller)?);
+        }
+        let (result, stuck, lent) = {
+            let (queue, lent) = match self.queue.as_mut() {
+                Some(queue) => (queue, false),
+                None => match lender.lend(index, Instant::now() + timeout)? {
+                    Some(queue) => (queue, true),
+                    None => {
+                        if temporary.is_none() {
+                            *temporary = Some(create_metadata_queue(&self.target.controller)?);
+                        }
+                        (temporary.as_mut().expect("set above"), false)
+                    }
+                },
+            };
+            let result = work(queue, &mut self.mirror, &self.scratch);
+            let stuck = result.is_err() && queue.in_flight() > 0;
+            (result, stuck, lent)
+        };
+        if stuck {
+            if lent {
+                self.fence(
+                    index,
+                    "a metadata command timed out on the executor's queue pair the pool borrows for this device, which the pool \
+                     cannot delete"
+                        .into(),
+                );
+            } else {
+                let queue = self.queue.take().or_else(|| temporary.take()).expect("the queue the command ran on");
+                if let Err(error) = crate::leak::retire_queue_pair(queue, &[self.mirror.region(), &self.scratch]) {
+                    self.buffers_leaked = true; // by retire_queue_pair, with the rings
+                    self.fence(index, format!("a metadata command timed out and its queue pair could not be deleted: {error}"));
+                }
+            }
+        }
+        result
+    }
+
+    /// [`ObjstoreError::MetadataFenced`] if the device is fenced.
+    pub(super) fn check_fence(&self, index: usize) -> Result<()> {
+        match &self.fence {
+            Some(reason) => Err(ObjstoreError::MetadataFenced { device: index, reason: reason.clone() }),
+            None => Ok(()),
+        }
+    }
+
+    fn fence(&mut self, index: usize, reason: String) {
+        tracing::error!(
+            device = index,
+            %reason,
+            "objstore: pool device fenced: no further header writes on it, and no slot on it is reused, until the pool is reopened \
+             (after a controller reset if the controller stopped answering)"
+        );
+        // Never written now: the device's headers are re-read from disk at the next open.
+        self.mirror.forget_dirty();
+        self.fence = Some(reason);
+    }
+}

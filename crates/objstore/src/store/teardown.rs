@@ -1,0 +1,42 @@
+//! The end of a store: the executor's queue pairs are deleted before anything their commands
+//! name is freed; if one cannot be, the mapping table is leaked and the engine is told to keep
+//! its KV memory.
+
+use gio_uring::Executor;
+
+use super::KvStore;
+
+impl<E: Executor> Drop for KvStore<E> {
+    fn drop(&mut self) {
+        self.retire_queue_pairs();
+    }
+}
+
+impl<E: Executor> KvStore<E> {
+    /// Ends the store: deletes the executor's queue pairs and says whether the engine may free
+    /// its registered KV memory. `false` when the executor reports a queue pair it could not
+    /// delete (a controller that stopped answering, after a layer was abandoned or left in
+    /// flight): its commands may still write the KV memory and read the mapping table, so the
+    /// table is leaked and the engine must keep its KV memory registered and allocated for
+    /// good. `true` also for executors that do not report it (see
+    /// `gio_uring::Executor::retire_queue_pairs`). Dropping the store does the same, without
+    /// the answer.
+    pub fn close(mut self) -> bool {
+        self.retire_queue_pairs()
+    }
+
+    pub(super) fn retire_queue_pairs(&mut self) -> bool {
+        if let Some(safe) = self.retired {
+            return safe;
+        }
+        let safe = self.queue.executor_mut().retire_queue_pairs() != Some(false);
+        if !safe {
+            if let Some(region) = self.table.region() {
+                crate::leak::leak_regions(&[region], "the mapping table: an executor queue pair could not be deleted");
+            }
+            tracing::error!("objstore: an executor queue pair could not be deleted: the engine's KV memory must not be freed");
+        }
+        self.retired = Some(safe);
+        safe
+    }
+}
