@@ -49,7 +49,7 @@
 #define GIO_IOCB_STATUS_ISSUED 1u        /* owned by the executor */
 #define GIO_IOCB_STATUS_SUCCESS 2u       /* every IOCTX completed with NVMe status 0 */
 #define GIO_IOCB_STATUS_NVME_ERROR 3u    /* failed_ioctx completed with failed_nvme_status */
-#define GIO_IOCB_STATUS_INVALID_IOCTX 4u /* the executor refused failed_ioctx (bad device index) */
+#define GIO_IOCB_STATUS_INVALID_IOCTX 4u /* the executor refused failed_ioctx (bad device index or kind) */
 #define GIO_IOCB_STATUS_TIMEOUT 5u       /* a bounded wait in the executor expired */
 
 /* gio_iocb.failed_ioctx when nothing failed. */
@@ -59,10 +59,31 @@
 #define GIO_DESCRIPTOR_SGL 0u /* desc_iova: 0 = one SGL Data Block (data_iova, data_bytes) inline in
                                * the SQE; else a Last Segment of desc_bytes bytes of descriptors */
 #define GIO_DESCRIPTOR_PRP 1u /* PRP1 = data_iova, PRP2 = desc_iova (second page or PRP list) */
+/* The valid kinds are exactly 0 .. GIO_DESCRIPTOR_KIND_COUNT - 1; see gio_descriptor_kind_is_valid. */
+#define GIO_DESCRIPTOR_KIND_COUNT 2u
 
 /* gio_ioctx.flags. */
 #define GIO_IOCTX_FLAG_FUA 0x01u /* Force Unit Access on the NVMe command */
 #define GIO_IOCTX_FLAGS_KNOWN 0x01u
+
+/* Rules shared by every side, as plain functions: `static inline` in C and C++, also callable from
+ * device code under nvcc. bindgen does not translate them; the Rust side mirrors each one next to
+ * its constants (crates/gio-uring/src/abi/mod.rs) and tests/gpu_rules.rs compiles this header with
+ * the system C compiler and compares the two over the whole input domain. */
+#if defined(__CUDACC__)
+#define GIO_RULE static __host__ __device__ __forceinline__
+#else
+#define GIO_RULE static inline
+#endif
+
+/*
+ * The descriptor-kind rule: an IOCTX whose descriptor_kind is not one of the GIO_DESCRIPTOR_*
+ * values is invalid. Every executor refuses it (the IOCTX fails with GIO_IOCB_STATUS_INVALID_IOCTX
+ * and no command is built): no executor may read an unknown kind as PRP or SGL.
+ */
+GIO_RULE int gio_descriptor_kind_is_valid(uint32_t descriptor_kind) {
+    return descriptor_kind < GIO_DESCRIPTOR_KIND_COUNT;
+}
 
 /*
  * One I/O context = one NVMe read or write, 48 bytes. Written by the CPU when the request is

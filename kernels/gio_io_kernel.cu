@@ -328,7 +328,7 @@ __device__ bool submit_ioctx(const gio_launch_params& params, gio_nvme_qp* qp, u
             sqe.dptr.sgl1.identifier =
                 static_cast<uint8_t>(NVME_SGL_TYPE_LAST_SEGMENT << 4 | NVME_SGL_SUBTYPE_ADDRESS);
         }
-    } else {
+    } else {  // GIO_DESCRIPTOR_PRP: submit_chunk let through only kinds the rule accepts
         sqe.flags = static_cast<uint8_t>(NVME_PSDT_PRP << NVME_PSDT_SHIFT);
         sqe.dptr.prp.prp1 = data;
         sqe.dptr.prp.prp2 = desc;
@@ -370,7 +370,10 @@ __device__ void submit_chunk(const gio_launch_params& params, gio_iocb* iocb, ui
     if (active) {
         if (array_index < params.ioctx_capacity) {
             ioctx = device_pointer<const gio_ioctx>(params.ioctxs)[array_index];
-            valid = ioctx.device_index < params.device_count;
+            // The one descriptor-kind rule of gio_abi.h: an unknown kind is refused here, as the
+            // CPU executor refuses it, and never built into a command as PRP.
+            valid = ioctx.device_index < params.device_count &&
+                    gio_descriptor_kind_is_valid(ioctx.descriptor_kind);
         }
         if (!valid) {
             complete_ioctx(params, iocb, index, GIO_IOCB_STATUS_INVALID_IOCTX, 0);

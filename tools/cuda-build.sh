@@ -63,6 +63,16 @@ g++ -std=c++17 -Wall -Wextra -Werror -pedantic -x c++ -I "$KERNELS" -o "$OUT/abi
 "$OUT/abi_check_cxx"
 "$NVCC" "${NVCC_FLAGS[@]}" -x cu -arch=sm_80 -c -o "$OUT/abi_check_cu.o" \
   "$KERNELS/tests/abi_check.c"
+# The shared rules (GIO_RULE functions) hold when compiled as C and as C++, and compile as CUDA C++
+# host+device code; crates/gio-uring/tests/gpu_rules.rs runs the C build from `cargo test`.
+gcc -std=c11 -Wall -Wextra -Werror -pedantic -I "$KERNELS" -o "$OUT/rules_check_c" \
+  "$KERNELS/tests/rules_check.c"
+"$OUT/rules_check_c"
+g++ -std=c++17 -Wall -Wextra -Werror -pedantic -x c++ -I "$KERNELS" -o "$OUT/rules_check_cxx" \
+  "$KERNELS/tests/rules_check.c"
+"$OUT/rules_check_cxx"
+"$NVCC" "${NVCC_FLAGS[@]}" -x cu -arch=sm_80 -c -o "$OUT/rules_check_cu.o" \
+  "$KERNELS/tests/rules_check.c"
 
 ls -l "$OUT"/*.cubin "$OUT"/*.ptx
 echo "cuda-build: kernels OK -> $OUT"

@@ -31,6 +31,10 @@ pub enum IoctxFault {
     StagedScatteredData,
     #[error("data {range} is not inside one staging buffer at the first and last layer")]
     OutsideStaging { range: IovaRange },
+    /// A record in shared memory names a descriptor kind the ABI does not define
+    /// (`gio_descriptor_kind_is_valid` in kernels/gio_abi.h).
+    #[error("descriptor kind {kind} is not one the ABI defines")]
+    UnknownDescriptorKind { kind: u8 },
 }
 
 /// Errors of gio-uring. Every variant says which queue object it concerns.

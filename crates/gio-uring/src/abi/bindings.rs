@@ -18,6 +18,7 @@ pub const GIO_IOCB_STATUS_TIMEOUT: u32 = 5;
 pub const GIO_NO_FAILED_IOCTX: u32 = 4294967295;
 pub const GIO_DESCRIPTOR_SGL: u32 = 0;
 pub const GIO_DESCRIPTOR_PRP: u32 = 1;
+pub const GIO_DESCRIPTOR_KIND_COUNT: u32 = 2;
 pub const GIO_IOCTX_FLAG_FUA: u32 = 1;
 pub const GIO_IOCTX_FLAGS_KNOWN: u32 = 1;
 #[repr(C)]

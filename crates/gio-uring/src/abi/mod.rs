@@ -63,6 +63,46 @@ impl Opcode {
     }
 }
 
+/// `gio_ioctx.descriptor_kind`: how the controller finds an IOCTX's data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DescriptorKind {
+    /// An SGL Data Block inline in the command, or a Last Segment at `desc_iova`.
+    Sgl,
+    /// PRP1 = `data_iova`, PRP2 = `desc_iova`.
+    Prp,
+}
+
+/// The descriptor-kind rule of `kernels/gio_abi.h` (`gio_descriptor_kind_is_valid`): the valid
+/// kinds are `0..GIO_DESCRIPTOR_KIND_COUNT`. Every executor refuses any other value (the IOCTX
+/// fails as invalid); `tests/gpu_rules.rs` checks that this and the C rule agree on all 256 values.
+pub fn descriptor_kind_is_valid(raw: u8) -> bool {
+    u32::from(raw) < GIO_DESCRIPTOR_KIND_COUNT
+}
+
+impl DescriptorKind {
+    pub fn to_abi(self) -> u8 {
+        match self {
+            DescriptorKind::Sgl => GIO_DESCRIPTOR_SGL as u8,
+            DescriptorKind::Prp => GIO_DESCRIPTOR_PRP as u8,
+        }
+    }
+
+    /// `None` exactly when [`descriptor_kind_is_valid`] is false (untrusted input from shared
+    /// memory): an unknown kind is never read as PRP or SGL.
+    pub fn from_abi(raw: u8) -> Option<Self> {
+        if !descriptor_kind_is_valid(raw) {
+            return None;
+        }
+        match u32::from(raw) {
+            GIO_DESCRIPTOR_SGL => Some(DescriptorKind::Sgl),
+            GIO_DESCRIPTOR_PRP => Some(DescriptorKind::Prp),
+            // The rule admits a kind this enum does not name: the header grew a kind and this
+            // function was not updated; the unit test below catches that.
+            _ => None,
+        }
+    }
+}
+
 /// `gio_iocb.status` / `gio_cqe.status`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum IocbStatus {
@@ -157,6 +197,22 @@ mod tests {
         assert_eq!(Opcode::from_abi(Opcode::Read.to_abi()), Some(Opcode::Read));
         assert_eq!(Opcode::from_abi(Opcode::Write.to_abi()), Some(Opcode::Write));
         assert_eq!(Opcode::from_abi(0x09), None);
+    }
+
+    #[test]
+    fn every_valid_descriptor_kind_has_a_name_and_every_other_value_is_refused() {
+        // Goal: the typed view accepts exactly what the header's rule accepts, and names it.
+        for raw in 0..=u8::MAX {
+            let kind = DescriptorKind::from_abi(raw);
+            assert_eq!(kind.is_some(), descriptor_kind_is_valid(raw), "kind {raw}");
+            if let Some(kind) = kind {
+                assert_eq!(kind.to_abi(), raw);
+            }
+        }
+        assert_eq!(DescriptorKind::from_abi(GIO_DESCRIPTOR_PRP as u8), Some(DescriptorKind::Prp));
+        assert_eq!(DescriptorKind::from_abi(GIO_DESCRIPTOR_SGL as u8), Some(DescriptorKind::Sgl));
+        assert_eq!(DescriptorKind::from_abi(2), None);
+        assert_eq!(DescriptorKind::from_abi(u8::MAX), None);
     }
 
     #[test]
