@@ -31,7 +31,7 @@
 #endif
 
 /* Bumped on any layout change; the Rust side asserts it matches. */
-#define GIO_ABI_VERSION 1u
+#define GIO_ABI_VERSION 2u
 
 /* Upper bound of IOCTXs in one IOCB: two H100 SMs of 64 warps x 32 threads, halved for register
  * pressure (Tutti §3.2). One IOCTX is one NVMe command. */
@@ -51,6 +51,9 @@
 #define GIO_IOCB_STATUS_NVME_ERROR 3u    /* failed_ioctx completed with failed_nvme_status */
 #define GIO_IOCB_STATUS_INVALID_IOCTX 4u /* the executor refused failed_ioctx (bad device index or kind) */
 #define GIO_IOCB_STATUS_TIMEOUT 5u       /* a bounded wait in the executor expired */
+#define GIO_IOCB_STATUS_CONTROLLER_FAULT 6u /* a controller posted a completion naming another SQ:
+                                              * nothing it reports is trusted until the host resets
+                                              * the queue pairs (like TIMEOUT, a reset is required) */
 
 /* gio_iocb.failed_ioctx when nothing failed. */
 #define GIO_NO_FAILED_IOCTX 0xFFFFFFFFu
@@ -191,7 +194,7 @@ typedef struct gio_nvme_qp {
     uint64_t slots;        /* device address of gio_nvme_slot[sq_depth] */
     uint32_t sq_depth;     /* a power of two, 2..=65536 */
     uint32_t cq_depth;     /* a power of two, 2..=65536 */
-    uint32_t qid;          /* NVMe queue id, for diagnostics */
+    uint32_t qid;          /* NVMe SQ id: every completion on this pair must name it (CQE SQID) */
     uint32_t reserved0[3];
     /* line 1: reservation counter, one atomicAdd per warp */
     uint32_t sq_reserved;
@@ -203,7 +206,8 @@ typedef struct gio_nvme_qp {
     /* line 3: controller progress, from the SQHD field of completions */
     uint32_t sq_head;      /* free-running */
     uint32_t unexpected_completions; /* CQEs whose command id matched nothing in flight */
-    uint8_t reserved3[56];
+    uint32_t controller_faults;      /* CQEs naming another SQ; non-zero fails the launch's IOCBs */
+    uint8_t reserved3[52];
     /* line 4: completion polling, guarded by cq_lock */
     uint32_t cq_lock;
     uint32_t cq_head;      /* free-running; phase expected = ((cq_head / cq_depth) & 1) ^ 1 */
@@ -281,6 +285,7 @@ GIO_STATIC_ASSERT(offsetof(gio_nvme_qp, sq_reserved) == 64, "gio_nvme_qp.sq_rese
 GIO_STATIC_ASSERT(offsetof(gio_nvme_qp, sq_lock) == 128, "gio_nvme_qp.sq_lock on line 2");
 GIO_STATIC_ASSERT(offsetof(gio_nvme_qp, sq_tail) == 132, "gio_nvme_qp.sq_tail");
 GIO_STATIC_ASSERT(offsetof(gio_nvme_qp, sq_head) == 192, "gio_nvme_qp.sq_head on line 3");
+GIO_STATIC_ASSERT(offsetof(gio_nvme_qp, controller_faults) == 200, "gio_nvme_qp.controller_faults");
 GIO_STATIC_ASSERT(offsetof(gio_nvme_qp, cq_lock) == 256, "gio_nvme_qp.cq_lock on line 4");
 GIO_STATIC_ASSERT(offsetof(gio_nvme_qp, cq_head) == 260, "gio_nvme_qp.cq_head");
 

@@ -26,10 +26,13 @@
 //
 // Every wait is bounded by params.poll_iterations_max iterations with exponential __nanosleep
 // backoff capped at params.backoff_ns_max. An expired wait fails the IOCB with
-// GIO_IOCB_STATUS_TIMEOUT; it never spins forever. After a timeout the queue pair may hold
-// commands the kernel no longer tracks: the host must reset it before reuse (docs/gio-uring.md).
+// GIO_IOCB_STATUS_TIMEOUT; it never spins forever. A completion naming another SQ is a controller
+// fault (gio_completion_verdict): it completes nothing and fails the launch's unfinished IOCBs with
+// GIO_IOCB_STATUS_CONTROLLER_FAULT. After either, the queue pairs may hold commands the kernel no
+// longer tracks: the host must reset them before reuse (docs/gio-uring.md).
 
 #include "gio_abi.h"
+#include "gio_kernel_rules.h"
 #include "nvme_spec.h"
 
 namespace {
@@ -212,16 +215,26 @@ __device__ void try_publish_sq(const gio_launch_params& params, gio_nvme_qp* qp)
 
 // ---- NVMe queue pair: completion reaping ----
 
-__device__ void process_nvme_completion(const gio_launch_params& params, gio_nvme_qp* qp,
-                                        uint16_t command_id, uint16_t status) {
+// Applies one NVMe completion and returns gio_completion_verdict's verdict on it.
+__device__ uint32_t process_nvme_completion(const gio_launch_params& params, gio_nvme_qp* qp,
+                                            uint16_t sq_id, uint16_t command_id, uint16_t status) {
     gio_nvme_slot* slots = device_pointer<gio_nvme_slot>(qp->slots);
     gio_nvme_slot* slot = &slots[command_id & (qp->sq_depth - 1)];
     const uint32_t ticket = load_volatile(&slot->ticket);
     // The command id carries the ticket's generation bits: a completion whose id does not match
-    // the slot's current ticket, or for a ticket already completed, is not ours to count.
-    if ((ticket & 0xFFFFu) != command_id || load_volatile(&slot->done_ticket) == ticket + 1) {
+    // the slot's current ticket, or for a ticket already completed, is not ours to count. One
+    // naming another SQ is a controller fault (as in nvme-driver's reap): it completes nothing,
+    // its slot stays busy, and the launch's polling threads fail every unfinished IOCB of the
+    // launch with GIO_IOCB_STATUS_CONTROLLER_FAULT, which makes the host reset the queue pairs.
+    const uint32_t verdict = gio_completion_verdict(sq_id, qp->qid, command_id, ticket,
+                                                    load_volatile(&slot->done_ticket));
+    if (verdict == GIO_COMPLETION_WRONG_QUEUE) {
+        atomicAdd(&qp->controller_faults, 1u);
+        return verdict;
+    }
+    if (verdict != GIO_COMPLETION_ACCEPT) {
         atomicAdd(&qp->unexpected_completions, 1u);
-        return;
+        return verdict;
     }
     const uint32_t iocb_id = load_volatile(&slot->iocb_id);
     const uint32_t ioctx_index = load_volatile(&slot->ioctx_index);
@@ -230,15 +243,16 @@ __device__ void process_nvme_completion(const gio_launch_params& params, gio_nvm
     store_volatile(&slot->done_ticket, ticket + 1);  // the slot may now be reused
     if (iocb_id >= params.iocb_capacity) {
         atomicAdd(&qp->unexpected_completions, 1u);
-        return;
+        return verdict;
     }
     gio_iocb* iocb = &device_pointer<gio_iocb>(params.iocbs)[iocb_id];
     // A completion of an issue that already timed out and was reissued must not count.
     if (load_volatile(&iocb->issue_seq) != issue_seq) {
-        return;
+        return verdict;
     }
     const bool failed = (status & NVME_CQE_STATUS_SC_SCT_MASK) != 0;
     complete_ioctx(params, iocb, ioctx_index, failed ? GIO_IOCB_STATUS_NVME_ERROR : 0u, status);
+    return verdict;
 }
 
 // Reaps the completions posted so far (at most one queue's worth per call), then writes the CQ
@@ -262,12 +276,16 @@ __device__ void try_reap_cq(const gio_launch_params& params, gio_nvme_qp* qp) {
         }
         // Acquire: read the rest of the entry only after seeing its phase tag flip.
         __threadfence_system();
+        const uint16_t sq_id = load_volatile(&entry->sq_id);
         const uint16_t command_id = load_volatile(&entry->command_id);
         const uint16_t sq_head_slot = load_volatile(&entry->sq_head);
-        process_nvme_completion(params, qp, command_id, status);
+        const uint32_t verdict = process_nvme_completion(params, qp, sq_id, command_id, status);
+        ++head;  // consumed either way, so the phase tag logic stays in step with the controller
+        if (verdict == GIO_COMPLETION_WRONG_QUEUE) {
+            break;  // its SQ head is not ours to apply; the fault ends the launch (see above)
+        }
         // SQHD is a slot index; advance the free-running head by its distance modulo the depth.
         sq_head += (static_cast<uint32_t>(sq_head_slot) - sq_head) & sq_mask;
-        ++head;
     }
     if (head != first) {
         store_volatile(&qp->cq_head, head);
@@ -289,9 +307,15 @@ __device__ void help_all_queue_pairs(const gio_launch_params& params) {
 
 // ---- submission ----
 
-// Writes the SQE for `ticket` and marks its slot ready. Returns false if the slot did not become
-// free within the bounded wait.
-__device__ bool submit_ioctx(const gio_launch_params& params, gio_nvme_qp* qp, uint32_t ticket,
+// Whether a completion on this queue pair named another SQ: its controller is not trusted.
+__device__ __forceinline__ bool queue_pair_faulted(gio_nvme_qp* qp) {
+    return load_volatile(&qp->controller_faults) != 0;
+}
+
+// Writes the SQE for `ticket` and marks its slot ready. Returns 0, or the status the IOCTX fails
+// with: TIMEOUT if the slot did not become free within the bounded wait, CONTROLLER_FAULT if the
+// queue pair's controller faulted meanwhile (its completions, so the slot's, will never be trusted).
+__device__ uint32_t submit_ioctx(const gio_launch_params& params, gio_nvme_qp* qp, uint32_t ticket,
                              const gio_iocb* iocb, uint32_t ioctx_index, const gio_ioctx& ioctx) {
     gio_nvme_slot* slot = &device_pointer<gio_nvme_slot>(qp->slots)[ticket & (qp->sq_depth - 1)];
     // The slot is free once the previous round's ticket (ticket - depth) was completed.
@@ -299,8 +323,11 @@ __device__ bool submit_ioctx(const gio_launch_params& params, gio_nvme_qp* qp, u
     Backoff backoff(params.backoff_ns_max);
     uint32_t attempt = 0;
     while (load_volatile(&slot->done_ticket) != previous_done) {
+        if (queue_pair_faulted(qp)) {
+            return GIO_IOCB_STATUS_CONTROLLER_FAULT;
+        }
         if (++attempt >= params.poll_iterations_max) {
-            return false;
+            return GIO_IOCB_STATUS_TIMEOUT;
         }
         help_all_queue_pairs(params);  // whoever waits also drives completions: no deadlock
         backoff.pause();
@@ -355,7 +382,7 @@ __device__ bool submit_ioctx(const gio_launch_params& params, gio_nvme_qp* qp, u
     __threadfence_system();
     store_volatile(&slot->ready_ticket, ticket + 1);
     __threadfence();
-    return true;
+    return 0;
 }
 
 // One warp's chunk: up to 32 IOCTXs of one IOCB, one per lane.
@@ -391,8 +418,9 @@ __device__ void submit_chunk(const gio_launch_params& params, gio_iocb* iocb, ui
             base = atomicAdd(&qp->sq_reserved, static_cast<uint32_t>(__popc(group)));
         }
         base = __shfl_sync(group, base, static_cast<int>(leader));
-        if (!submit_ioctx(params, qp, base + rank, iocb, index, ioctx)) {
-            complete_ioctx(params, iocb, index, GIO_IOCB_STATUS_TIMEOUT, 0);
+        const uint32_t failure = submit_ioctx(params, qp, base + rank, iocb, index, ioctx);
+        if (failure != 0) {
+            complete_ioctx(params, iocb, index, failure, 0);
         }
         __syncwarp(group);
         if (lane == leader) {
@@ -414,14 +442,25 @@ __device__ bool launch_finished(const gio_launch_params& params) {
     return true;
 }
 
-// The bounded wait expired: finish every IOCB of the launch that is still ISSUED as TIMEOUT.
-__device__ void time_out_launch(const gio_launch_params& params) {
+__device__ bool any_queue_pair_faulted(const gio_launch_params& params) {
+    gio_nvme_qp* qps = device_pointer<gio_nvme_qp>(params.nvme_qps);
+    for (uint32_t device = 0; device < params.device_count; ++device) {
+        if (queue_pair_faulted(&qps[device])) {
+            return true;
+        }
+    }
+    return false;
+}
+
+// Finishes every IOCB of the launch that is still ISSUED with `status`: TIMEOUT when the bounded
+// wait expired, CONTROLLER_FAULT when a controller posted a completion naming another SQ.
+__device__ void end_launch(const gio_launch_params& params, uint32_t status) {
     const uint32_t* sq = device_pointer<const uint32_t>(params.sq_entries);
     gio_iocb* iocbs = device_pointer<gio_iocb>(params.iocbs);
     for (uint32_t i = 0; i < params.iocb_count; ++i) {
         const uint32_t id = sq[(params.sq_first + i) & params.sq_mask];
         if (id < params.iocb_capacity && load_volatile(&iocbs[id].status) == GIO_IOCB_STATUS_ISSUED) {
-            finalize_iocb(params, &iocbs[id], GIO_IOCB_STATUS_TIMEOUT);
+            finalize_iocb(params, &iocbs[id], status);
         }
     }
 }
@@ -461,7 +500,13 @@ extern "C" __global__ void gio_io_kernel(gio_launch_params params) {
         if (launch_finished(params)) {
             return;
         }
+        // A controller fault ends the launch now rather than at the deadline: the IOCTX whose
+        // completion it garbled would otherwise only end as a timeout.
+        if (any_queue_pair_faulted(params)) {
+            end_launch(params, GIO_IOCB_STATUS_CONTROLLER_FAULT);
+            return;
+        }
         backoff.pause();
     }
-    time_out_launch(params);
+    end_launch(params, GIO_IOCB_STATUS_TIMEOUT);
 }

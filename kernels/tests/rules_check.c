@@ -1,12 +1,13 @@
 /*
  * Host test of the rules the CUDA I/O kernel and the Rust side share: the plain functions of
- * gio_abi.h (GIO_RULE), compiled with the system C compiler (C11; also as C++ and CUDA C++ by
+ * gio_abi.h and gio_kernel_rules.h (GIO_RULE), compiled with the system C compiler (C11; also as C++ and CUDA C++ by
  * tools/cuda-build.sh). main() checks each rule against its specification written out here and
  * exits non-zero on any mismatch; `rules_check descriptor-kinds` also prints the verdict for every
  * descriptor kind 0..=255, one "KIND VALID" line each, which crates/gio-uring/tests/gpu_rules.rs
  * compares with the Rust rule.
  */
 #include "gio_abi.h"
+#include "gio_kernel_rules.h"
 
 #include <stdio.h>
 #include <string.h>
@@ -15,7 +16,9 @@ static int failures = 0;
 
 static void expect(int cond, const char *what, unsigned value) {
     if (!cond) {
-        fprintf(stderr, "rules_check: FAILED: %s (value %u)\n", what, value);
+        if (failures < 20) { /* the sweeps could print 65536 lines */
+            fprintf(stderr, "rules_check: FAILED: %s (value %u)\n", what, value);
+        }
         failures++;
     }
 }
@@ -36,10 +39,47 @@ static void check_descriptor_kinds(int print) {
     expect(!gio_descriptor_kind_is_valid(0xFFFFFFFFu), "kind 0xFFFFFFFF invalid", 0xFFFFFFFFu);
 }
 
+/* Completion acceptance, as nvme-driver's reap: the SQ id first (a fault), then command id and
+ * generation against the slot's ticket, then "not completed yet". */
+static void check_completion_verdicts(void) {
+    const uint32_t queue = 3u;
+    const uint32_t ticket = 0x00012345u; /* command id 0x2345, generation bits from the ticket */
+    const uint32_t not_done = ticket + 1u - 64u; /* the previous round's ticket was completed */
+    uint32_t sq_id;
+    expect(gio_completion_verdict(queue, queue, 0x2345u, ticket, not_done) == GIO_COMPLETION_ACCEPT,
+           "a completion of the live ticket on the right SQ is accepted", ticket);
+    /* Every other SQ id is a fault, even with a command id that matches a live ticket. */
+    for (sq_id = 0; sq_id <= 0xFFFFu; sq_id++) {
+        if (sq_id != queue) {
+            expect(gio_completion_verdict(sq_id, queue, 0x2345u, ticket, not_done) ==
+                       GIO_COMPLETION_WRONG_QUEUE,
+                   "a completion naming another SQ is a controller fault", sq_id);
+        }
+    }
+    expect(gio_completion_verdict(queue, queue, 0x2346u, ticket, not_done) == GIO_COMPLETION_UNEXPECTED,
+           "a command id of another ticket is unexpected", 0x2346u);
+    expect(gio_completion_verdict(queue, queue, 0x2345u ^ 0x8000u, ticket, not_done) ==
+               GIO_COMPLETION_UNEXPECTED,
+           "a stale generation is unexpected", 0x2345u ^ 0x8000u);
+    expect(gio_completion_verdict(queue, queue, 0x2345u, ticket, ticket + 1u) == GIO_COMPLETION_UNEXPECTED,
+           "a second completion of a completed ticket is unexpected", ticket);
+    /* The ticket wraps at 2^32: the rule is modular, like the kernel's counters. */
+    expect(gio_completion_verdict(queue, queue, 0xFFFFu, 0xFFFFFFFFu, 0u - 64u) == GIO_COMPLETION_ACCEPT,
+           "the last ticket before the wrap is accepted", 0xFFFFFFFFu);
+    expect(gio_completion_verdict(queue, queue, 0xFFFFu, 0xFFFFFFFFu, 0u) == GIO_COMPLETION_UNEXPECTED,
+           "the last ticket before the wrap completes once", 0xFFFFFFFFu);
+    /* A wrong SQ id wins over a stale id: nothing in the entry is trusted. */
+    expect(gio_completion_verdict(queue + 1u, queue, 0x2346u, ticket, ticket + 1u) ==
+               GIO_COMPLETION_WRONG_QUEUE,
+           "a wrong SQ id is reported as such even for a stale command id", queue + 1u);
+}
+
 int main(int argc, char **argv) {
     const int print_kinds = argc > 1 && strcmp(argv[1], "descriptor-kinds") == 0;
     check_descriptor_kinds(print_kinds);
+    check_completion_verdicts();
     if (failures != 0) {
+        fprintf(stderr, "rules_check: %d failed checks\n", failures);
         return 1;
     }
     if (!print_kinds) {

@@ -111,4 +111,8 @@ pub enum IocbFailure {
     InvalidIoctx { ioctx_index: u32 },
     #[error("the executor timed out (first unfinished IOCTX {ioctx_index:?})")]
     Timeout { ioctx_index: Option<u32> },
+    /// A controller posted a completion naming another submission queue (the GPU executor's
+    /// kernel checks it as nvme-driver does); the executor resets its queue pairs.
+    #[error("a controller posted a completion for another submission queue (first failed IOCTX {ioctx_index:?})")]
+    ControllerFault { ioctx_index: Option<u32> },
 }

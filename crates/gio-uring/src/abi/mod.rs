@@ -19,7 +19,7 @@ pub const MAX_IOCTX_PER_IOCB: u32 = GIO_MAX_IOCTX_PER_IOCB;
 pub const ABI_VERSION: u32 = GIO_ABI_VERSION;
 
 const _: () = {
-    assert!(ABI_VERSION == 1, "update the Rust side for the new ABI version");
+    assert!(ABI_VERSION == 2, "update the Rust side for the new ABI version");
     assert!(MAX_IOCTX_PER_IOCB == 2048);
     assert!(size_of::<gio_ioctx>() == 48);
     assert!(size_of::<gio_iocb>() == 2 * CACHE_LINE_BYTES);
@@ -112,6 +112,9 @@ pub enum IocbStatus {
     NvmeError,
     InvalidIoctx,
     Timeout,
+    /// A controller posted a completion naming another SQ (GPU executor): nothing it reports is
+    /// trusted until the queue pairs are reset.
+    ControllerFault,
 }
 
 impl IocbStatus {
@@ -123,6 +126,7 @@ impl IocbStatus {
             IocbStatus::NvmeError => GIO_IOCB_STATUS_NVME_ERROR,
             IocbStatus::InvalidIoctx => GIO_IOCB_STATUS_INVALID_IOCTX,
             IocbStatus::Timeout => GIO_IOCB_STATUS_TIMEOUT,
+            IocbStatus::ControllerFault => GIO_IOCB_STATUS_CONTROLLER_FAULT,
         }
     }
 
@@ -135,8 +139,15 @@ impl IocbStatus {
             GIO_IOCB_STATUS_NVME_ERROR => Some(IocbStatus::NvmeError),
             GIO_IOCB_STATUS_INVALID_IOCTX => Some(IocbStatus::InvalidIoctx),
             GIO_IOCB_STATUS_TIMEOUT => Some(IocbStatus::Timeout),
+            GIO_IOCB_STATUS_CONTROLLER_FAULT => Some(IocbStatus::ControllerFault),
             _ => None,
         }
+    }
+
+    /// Whether the executor's queue pairs must be reset before reuse after an IOCB ended so: they
+    /// may hold commands the executor no longer tracks.
+    pub fn requires_queue_pair_reset(self) -> bool {
+        matches!(self, IocbStatus::Timeout | IocbStatus::ControllerFault)
     }
 
     /// Whether this status ends an issue (may appear in a CQE).
@@ -190,10 +201,11 @@ mod tests {
             IocbStatus::NvmeError,
             IocbStatus::InvalidIoctx,
             IocbStatus::Timeout,
+            IocbStatus::ControllerFault,
         ] {
             assert_eq!(IocbStatus::from_abi(status.to_abi()), Some(status));
         }
-        assert_eq!(IocbStatus::from_abi(6), None);
+        assert_eq!(IocbStatus::from_abi(7), None);
         assert_eq!(Opcode::from_abi(Opcode::Read.to_abi()), Some(Opcode::Read));
         assert_eq!(Opcode::from_abi(Opcode::Write.to_abi()), Some(Opcode::Write));
         assert_eq!(Opcode::from_abi(0x09), None);
