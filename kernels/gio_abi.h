@@ -162,7 +162,13 @@ typedef struct gio_ring_header {
     uint32_t entry_count;   /* a power of two, <= GIO_RING_DEPTH_MAX */
     uint8_t reserved2[56];
     uint32_t producer_lock; /* serialises many producers (GPU threads); 0 = free */
-    uint8_t reserved3[60];
+    uint32_t producer_claimed; /* entries published or claimed by GPU producers (free-running);
+                                * a producer claims space before it needs it, so nobody waits for
+                                * space while holding a lock; equals tail when no claim is open */
+    uint32_t overflow_count;   /* CQEs a GPU producer could not post (the ring stayed full past
+                                * its wait): the IOCB's final status is in memory, only the entry
+                                * is missing; the host reads this and must not wait for them */
+    uint8_t reserved3[52];
 } gio_ring_header;
 
 /*
@@ -273,6 +279,8 @@ GIO_STATIC_ASSERT(offsetof(gio_ring_header, tail) == 64, "ring tail on line 1");
 GIO_STATIC_ASSERT(offsetof(gio_ring_header, mask) == 128, "ring mask on line 2");
 GIO_STATIC_ASSERT(offsetof(gio_ring_header, entry_count) == 132, "ring entry_count");
 GIO_STATIC_ASSERT(offsetof(gio_ring_header, producer_lock) == 192, "ring producer lock on line 3");
+GIO_STATIC_ASSERT(offsetof(gio_ring_header, producer_claimed) == 196, "ring producer_claimed");
+GIO_STATIC_ASSERT(offsetof(gio_ring_header, overflow_count) == 200, "ring overflow_count");
 
 GIO_STATIC_ASSERT(sizeof(gio_nvme_slot) == 32, "gio_nvme_slot is 32 bytes");
 GIO_STATIC_ASSERT(offsetof(gio_nvme_slot, ticket) == 8, "gio_nvme_slot.ticket");

@@ -32,4 +32,15 @@ GIO_RULE uint32_t gio_completion_verdict(uint32_t reported_sq_id, uint32_t queue
     return GIO_COMPLETION_ACCEPT;
 }
 
+/*
+ * Whether a GPU producer may claim one more entry of a gio CQ: `claimed` is the ring's
+ * producer_claimed (entries published or claimed, free-running), `head` the consumer's counter.
+ * Claims, not the tail, are counted, so that every open claim is backed by a free entry and
+ * posting into a claimed entry never waits for space. A head past `claimed` (a corrupt consumer
+ * counter) reads as full, never as room to overwrite unconsumed entries.
+ */
+GIO_RULE int gio_cq_may_claim(uint32_t claimed, uint32_t head, uint32_t entry_count) {
+    return (uint32_t)(claimed - head) < entry_count;
+}
+
 #endif /* TUTTI_GIO_KERNEL_RULES_H */

@@ -74,10 +74,63 @@ static void check_completion_verdicts(void) {
            "a wrong SQ id is reported as such even for a stale command id", queue + 1u);
 }
 
+/* gio CQ claims (gio_cq_may_claim): a model of the kernel's protocol, with free-running counters
+ * started just below the 2^32 wrap. Producers claim, then post into the entry at tail or give the
+ * claim back; the consumer frees entries. Invariants: a post never lands on an unconsumed entry
+ * (so posting never needs to wait for space), and a claim is refused only when every entry is
+ * consumed-pending or claimed. */
+static void check_cq_claims(void) {
+    enum { depth = 8, steps = 200000 };
+    const uint32_t start = 0xFFFFFFF0u;
+    uint32_t head = start, tail = start, claimed = start;
+    uint32_t open_claims = 0, rng = 12345u;
+    int step;
+    expect(gio_cq_may_claim(start, start, depth), "an empty ring has room", 0);
+    expect(!gio_cq_may_claim(start + depth, start, depth), "depth claims fill the ring", depth);
+    expect(!gio_cq_may_claim(start, start + 1u, depth), "a head past the claims reads as full", 1);
+    expect(!gio_cq_may_claim(5u, 9u, depth), "a corrupt head never opens room", 9);
+    expect(!gio_cq_may_claim(start, start, 0u), "a zero-entry ring never has room", 0);
+    for (step = 0; step < steps; step++) {
+        rng = rng * 1103515245u + 12345u;
+        switch ((rng >> 16) % 4u) {
+        case 0: /* claim */
+            if (gio_cq_may_claim(claimed, head, depth)) {
+                claimed++;
+                open_claims++;
+            } else {
+                expect(claimed - head == depth, "a claim is refused only when the ring is committed", claimed - head);
+            }
+            break;
+        case 1: /* post into a claimed entry: the entry at tail must be free */
+            if (open_claims > 0) {
+                expect(tail - head < depth, "a post never overwrites an unconsumed entry", tail - head);
+                tail++;
+                open_claims--;
+            }
+            break;
+        case 2: /* a claim given back (the IOCB was finished by someone else) */
+            if (open_claims > 0) {
+                claimed--;
+                open_claims--;
+            }
+            break;
+        default: /* the consumer reaps one entry */
+            if (head != tail) {
+                head++;
+            }
+            break;
+        }
+        expect(claimed - tail == open_claims, "claimed = tail + open claims", claimed - tail);
+        expect(claimed - head <= depth, "claims never exceed the ring", claimed - head);
+    }
+    expect(head - start > 1000u, "the model wrapped and made progress", head - start);
+}
+
 int main(int argc, char **argv) {
     const int print_kinds = argc > 1 && strcmp(argv[1], "descriptor-kinds") == 0;
     check_descriptor_kinds(print_kinds);
     check_completion_verdicts();
+    check_cq_claims();
     if (failures != 0) {
         fprintf(stderr, "rules_check: %d failed checks\n", failures);
         return 1;

@@ -128,7 +128,9 @@ pub struct gio_ring_header {
     pub entry_count: u32,
     pub reserved2: [u8; 56usize],
     pub producer_lock: u32,
-    pub reserved3: [u8; 60usize],
+    pub producer_claimed: u32,
+    pub overflow_count: u32,
+    pub reserved3: [u8; 52usize],
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
@@ -142,7 +144,9 @@ const _: () = {
     ["Offset of field: gio_ring_header::entry_count"][::core::mem::offset_of!(gio_ring_header, entry_count) - 132usize];
     ["Offset of field: gio_ring_header::reserved2"][::core::mem::offset_of!(gio_ring_header, reserved2) - 136usize];
     ["Offset of field: gio_ring_header::producer_lock"][::core::mem::offset_of!(gio_ring_header, producer_lock) - 192usize];
-    ["Offset of field: gio_ring_header::reserved3"][::core::mem::offset_of!(gio_ring_header, reserved3) - 196usize];
+    ["Offset of field: gio_ring_header::producer_claimed"][::core::mem::offset_of!(gio_ring_header, producer_claimed) - 196usize];
+    ["Offset of field: gio_ring_header::overflow_count"][::core::mem::offset_of!(gio_ring_header, overflow_count) - 200usize];
+    ["Offset of field: gio_ring_header::reserved3"][::core::mem::offset_of!(gio_ring_header, reserved3) - 204usize];
 };
 #[repr(C)]
 #[derive(Debug, Copy, Clone, PartialEq, Eq)]

@@ -32,6 +32,9 @@ const _: () = {
     assert!(offset_of!(gio_ring_header, tail) == CACHE_LINE_BYTES);
     assert!(offset_of!(gio_ring_header, mask) == 2 * CACHE_LINE_BYTES);
     assert!(offset_of!(gio_ring_header, producer_lock) == 3 * CACHE_LINE_BYTES);
+    assert!(offset_of!(gio_ring_header, producer_claimed) == 3 * CACHE_LINE_BYTES + 4);
+    assert!(offset_of!(gio_ring_header, overflow_count) == 3 * CACHE_LINE_BYTES + 8);
+    assert!(offset_of!(gio_nvme_qp, controller_faults) == 3 * CACHE_LINE_BYTES + 8);
     assert!(size_of::<gio_nvme_slot>() == 32);
     assert!(size_of::<gio_nvme_qp>() == 5 * CACHE_LINE_BYTES);
     assert!(size_of::<gio_launch_params>() == 80);
