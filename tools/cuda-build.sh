@@ -4,6 +4,7 @@
 #
 # usage: tools/cuda-build.sh [OUT_DIR]        (default: target/kernels)
 #   GIO_SKIP_CARGO=1   skip `cargo build -p gio-uring --features cuda`
+#   GIO_NVCC=PATH      use this nvcc (an installed toolkit) instead of installing the pinned wheels
 #
 # nvcc comes from NVIDIA's CUDA 13 Python wheels, installed once (idempotently) with pip into
 # .tools/cuda-wheels (gitignored). Every wheel is pinned, including the two that nvcc pulls in
@@ -24,7 +25,11 @@ PACKAGES=(
   "nvidia-nvvm==$CUDA_WHEEL_VERSION"
 )
 
-if [[ ! -f "$STAMP" ]]; then
+if [[ -n "${GIO_NVCC:-}" ]]; then
+  # A machine with a CUDA toolkit installed (the GPU test machine, which has no network): use it.
+  NVCC="$GIO_NVCC"
+  CUDA_HOME="$(cd "$(dirname "$NVCC")/.." && pwd)"
+elif [[ ! -f "$STAMP" ]]; then
   echo "cuda-build: installing ${PACKAGES[*]} into $WHEELS_DIR"
   rm -rf "$WHEELS_DIR"
   python3 -m pip install --disable-pip-version-check --quiet --no-deps \
@@ -32,8 +37,10 @@ if [[ ! -f "$STAMP" ]]; then
   touch "$STAMP"
 fi
 
-CUDA_HOME="$WHEELS_DIR/nvidia/cu13"
-NVCC="$CUDA_HOME/bin/nvcc"
+if [[ -z "${GIO_NVCC:-}" ]]; then
+  CUDA_HOME="$WHEELS_DIR/nvidia/cu13"
+  NVCC="$CUDA_HOME/bin/nvcc"
+fi
 [[ -x "$NVCC" ]] || { echo "cuda-build: nvcc not found at $NVCC" >&2; exit 1; }
 export PATH="$CUDA_HOME/bin:$PATH"
 "$NVCC" --version | tail -n 2
