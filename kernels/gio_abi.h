@@ -31,7 +31,7 @@
 #endif
 
 /* Bumped on any layout change; the Rust side asserts it matches. */
-#define GIO_ABI_VERSION 1u
+#define GIO_ABI_VERSION 2u
 
 /* Upper bound of IOCTXs in one IOCB: two H100 SMs of 64 warps x 32 threads, halved for register
  * pressure (Tutti §3.2). One IOCTX is one NVMe command. */
@@ -49,8 +49,11 @@
 #define GIO_IOCB_STATUS_ISSUED 1u        /* owned by the executor */
 #define GIO_IOCB_STATUS_SUCCESS 2u       /* every IOCTX completed with NVMe status 0 */
 #define GIO_IOCB_STATUS_NVME_ERROR 3u    /* failed_ioctx completed with failed_nvme_status */
-#define GIO_IOCB_STATUS_INVALID_IOCTX 4u /* the executor refused failed_ioctx (bad device index) */
+#define GIO_IOCB_STATUS_INVALID_IOCTX 4u /* the executor refused failed_ioctx (bad device index or kind) */
 #define GIO_IOCB_STATUS_TIMEOUT 5u       /* a bounded wait in the executor expired */
+#define GIO_IOCB_STATUS_CONTROLLER_FAULT 6u /* a controller posted a completion naming another SQ:
+                                              * nothing it reports is trusted until the host resets
+                                              * the queue pairs (like TIMEOUT, a reset is required) */
 
 /* gio_iocb.failed_ioctx when nothing failed. */
 #define GIO_NO_FAILED_IOCTX 0xFFFFFFFFu
@@ -59,10 +62,31 @@
 #define GIO_DESCRIPTOR_SGL 0u /* desc_iova: 0 = one SGL Data Block (data_iova, data_bytes) inline in
                                * the SQE; else a Last Segment of desc_bytes bytes of descriptors */
 #define GIO_DESCRIPTOR_PRP 1u /* PRP1 = data_iova, PRP2 = desc_iova (second page or PRP list) */
+/* The valid kinds are exactly 0 .. GIO_DESCRIPTOR_KIND_COUNT - 1; see gio_descriptor_kind_is_valid. */
+#define GIO_DESCRIPTOR_KIND_COUNT 2u
 
 /* gio_ioctx.flags. */
 #define GIO_IOCTX_FLAG_FUA 0x01u /* Force Unit Access on the NVMe command */
 #define GIO_IOCTX_FLAGS_KNOWN 0x01u
+
+/* Rules shared by every side, as plain functions: `static inline` in C and C++, also callable from
+ * device code under nvcc. bindgen does not translate them; the Rust side mirrors each one next to
+ * its constants (crates/gio-uring/src/abi/mod.rs) and tests/gpu_rules.rs compiles this header with
+ * the system C compiler and compares the two over the whole input domain. */
+#if defined(__CUDACC__)
+#define GIO_RULE static __host__ __device__ __forceinline__
+#else
+#define GIO_RULE static inline
+#endif
+
+/*
+ * The descriptor-kind rule: an IOCTX whose descriptor_kind is not one of the GIO_DESCRIPTOR_*
+ * values is invalid. Every executor refuses it (the IOCTX fails with GIO_IOCB_STATUS_INVALID_IOCTX
+ * and no command is built): no executor may read an unknown kind as PRP or SGL.
+ */
+GIO_RULE int gio_descriptor_kind_is_valid(uint32_t descriptor_kind) {
+    return descriptor_kind < GIO_DESCRIPTOR_KIND_COUNT;
+}
 
 /*
  * One I/O context = one NVMe read or write, 48 bytes. Written by the CPU when the request is
@@ -138,7 +162,13 @@ typedef struct gio_ring_header {
     uint32_t entry_count;   /* a power of two, <= GIO_RING_DEPTH_MAX */
     uint8_t reserved2[56];
     uint32_t producer_lock; /* serialises many producers (GPU threads); 0 = free */
-    uint8_t reserved3[60];
+    uint32_t producer_claimed; /* entries published or claimed by GPU producers (free-running);
+                                * a producer claims space before it needs it, so nobody waits for
+                                * space while holding a lock; equals tail when no claim is open */
+    uint32_t overflow_count;   /* CQEs a GPU producer could not post (the ring stayed full past
+                                * its wait): the IOCB's final status is in memory, only the entry
+                                * is missing; the host reads this and must not wait for them */
+    uint8_t reserved3[52];
 } gio_ring_header;
 
 /*
@@ -170,7 +200,7 @@ typedef struct gio_nvme_qp {
     uint64_t slots;        /* device address of gio_nvme_slot[sq_depth] */
     uint32_t sq_depth;     /* a power of two, 2..=65536 */
     uint32_t cq_depth;     /* a power of two, 2..=65536 */
-    uint32_t qid;          /* NVMe queue id, for diagnostics */
+    uint32_t qid;          /* NVMe SQ id: every completion on this pair must name it (CQE SQID) */
     uint32_t reserved0[3];
     /* line 1: reservation counter, one atomicAdd per warp */
     uint32_t sq_reserved;
@@ -182,7 +212,8 @@ typedef struct gio_nvme_qp {
     /* line 3: controller progress, from the SQHD field of completions */
     uint32_t sq_head;      /* free-running */
     uint32_t unexpected_completions; /* CQEs whose command id matched nothing in flight */
-    uint8_t reserved3[56];
+    uint32_t controller_faults;      /* CQEs naming another SQ; non-zero fails the launch's IOCBs */
+    uint8_t reserved3[52];
     /* line 4: completion polling, guarded by cq_lock */
     uint32_t cq_lock;
     uint32_t cq_head;      /* free-running; phase expected = ((cq_head / cq_depth) & 1) ^ 1 */
@@ -248,6 +279,8 @@ GIO_STATIC_ASSERT(offsetof(gio_ring_header, tail) == 64, "ring tail on line 1");
 GIO_STATIC_ASSERT(offsetof(gio_ring_header, mask) == 128, "ring mask on line 2");
 GIO_STATIC_ASSERT(offsetof(gio_ring_header, entry_count) == 132, "ring entry_count");
 GIO_STATIC_ASSERT(offsetof(gio_ring_header, producer_lock) == 192, "ring producer lock on line 3");
+GIO_STATIC_ASSERT(offsetof(gio_ring_header, producer_claimed) == 196, "ring producer_claimed");
+GIO_STATIC_ASSERT(offsetof(gio_ring_header, overflow_count) == 200, "ring overflow_count");
 
 GIO_STATIC_ASSERT(sizeof(gio_nvme_slot) == 32, "gio_nvme_slot is 32 bytes");
 GIO_STATIC_ASSERT(offsetof(gio_nvme_slot, ticket) == 8, "gio_nvme_slot.ticket");
@@ -260,6 +293,7 @@ GIO_STATIC_ASSERT(offsetof(gio_nvme_qp, sq_reserved) == 64, "gio_nvme_qp.sq_rese
 GIO_STATIC_ASSERT(offsetof(gio_nvme_qp, sq_lock) == 128, "gio_nvme_qp.sq_lock on line 2");
 GIO_STATIC_ASSERT(offsetof(gio_nvme_qp, sq_tail) == 132, "gio_nvme_qp.sq_tail");
 GIO_STATIC_ASSERT(offsetof(gio_nvme_qp, sq_head) == 192, "gio_nvme_qp.sq_head on line 3");
+GIO_STATIC_ASSERT(offsetof(gio_nvme_qp, controller_faults) == 200, "gio_nvme_qp.controller_faults");
 GIO_STATIC_ASSERT(offsetof(gio_nvme_qp, cq_lock) == 256, "gio_nvme_qp.cq_lock on line 4");
 GIO_STATIC_ASSERT(offsetof(gio_nvme_qp, cq_head) == 260, "gio_nvme_qp.cq_head");
 

@@ -26,10 +26,13 @@
 //
 // Every wait is bounded by params.poll_iterations_max iterations with exponential __nanosleep
 // backoff capped at params.backoff_ns_max. An expired wait fails the IOCB with
-// GIO_IOCB_STATUS_TIMEOUT; it never spins forever. After a timeout the queue pair may hold
-// commands the kernel no longer tracks: the host must reset it before reuse (docs/gio-uring.md).
+// GIO_IOCB_STATUS_TIMEOUT; it never spins forever. A completion naming another SQ is a controller
+// fault (gio_completion_verdict): it completes nothing and fails the launch's unfinished IOCBs with
+// GIO_IOCB_STATUS_CONTROLLER_FAULT. After either, the queue pairs may hold commands the kernel no
+// longer tracks: the host must reset them before reuse (docs/gio-uring.md).
 
 #include "gio_abi.h"
+#include "gio_kernel_rules.h"
 #include "nvme_spec.h"
 
 namespace {
@@ -85,49 +88,121 @@ __device__ __forceinline__ void unlock(uint32_t* lock) {
     atomicExch(lock, 0u);
 }
 
-// ---- per-IOCB completion accounting (mirrors crates/gio-uring/src/executor.rs) ----
+// ---- gio CQ: claim an entry first, post into it later ----
+//
+// No thread waits for gio CQ space while it holds a lock. A producer first claims an entry
+// (producer_claimed, a lock-free compare-and-swap under gio_cq_may_claim); posting into a claimed
+// entry only takes producer_lock, whose holders never wait while holding it. A reaper, which holds
+// its queue pair's cq_lock, claims one entry before it consumes each NVMe completion and leaves the
+// completion in the NVMe CQ if the gio CQ is full: the next reap (every polling iteration) retries,
+// until the launch's bounded wait ends as TIMEOUT. Threads that hold no lock may wait for space with
+// the usual bound. A CQE that still cannot be posted is counted in overflow_count; the IOCB's final
+// status stays in memory. Nothing is lost silently.
 
-// Posts one gio CQE. Producers are many GPU threads: they serialise on the ring's producer_lock.
+// How finalize_iocb obtains the gio CQ entry for the IOCB's CQE.
+enum class CqeClaim {
+    kHeld,     // the caller (a reaper) claimed it beforehand and holds a lock: never wait
+    kTryOnce,  // the launch's wait already expired: claim if there is room, else overflow
+    kWait,     // no lock held: wait for room with the bounded backoff, then overflow
+};
+
+// Claims one gio CQ entry if the ring has room. Each failed compare-and-swap means another
+// producer claimed meanwhile (lock-free progress); the attempts are bounded all the same.
+__device__ bool try_claim_cqe(const gio_launch_params& params) {
+    gio_ring_header* header = device_pointer<gio_ring_header>(params.cq_header);
+    const uint32_t depth = load_volatile(&header->entry_count);
+    uint32_t claimed = load_volatile(&header->producer_claimed);
+    for (uint32_t attempt = 0; attempt < params.poll_iterations_max; ++attempt) {
+        if (!gio_cq_may_claim(claimed, load_volatile(&header->head), depth)) {
+            return false;
+        }
+        const uint32_t seen = atomicCAS(&header->producer_claimed, claimed, claimed + 1);
+        if (seen == claimed) {
+            return true;
+        }
+        claimed = seen;
+    }
+    return false;
+}
+
+__device__ bool claim_cqe(const gio_launch_params& params, CqeClaim mode) {
+    if (mode == CqeClaim::kHeld) {
+        return true;
+    }
+    Backoff backoff(params.backoff_ns_max);
+    for (uint32_t attempt = 0; attempt < params.poll_iterations_max; ++attempt) {
+        if (try_claim_cqe(params)) {
+            return true;
+        }
+        if (mode == CqeClaim::kTryOnce) {
+            return false;
+        }
+        backoff.pause();  // no lock is held here (kWait callers hold none)
+    }
+    return false;
+}
+
+// Gives back a claimed entry that will not be posted.
+__device__ void release_cqe_claim(const gio_launch_params& params) {
+    atomicSub(&device_pointer<gio_ring_header>(params.cq_header)->producer_claimed, 1u);
+}
+
+__device__ void count_cqe_overflow(const gio_launch_params& params) {
+    atomicAdd(&device_pointer<gio_ring_header>(params.cq_header)->overflow_count, 1u);
+}
+
+// Posts one gio CQE into an entry claimed beforehand: tail < producer_claimed and
+// producer_claimed - head <= depth, so the entry at tail is free and this never waits for space.
+// Producers serialise the in-order tail publication on producer_lock, held for a few stores only.
 // The entry is written, then __threadfence_system() orders it (and the IOCB's final line) before
 // the tail store that makes it visible to the CPU consumer: release at system scope.
-__device__ bool post_gio_cqe(const gio_launch_params& params, const gio_cqe& cqe) {
+__device__ bool post_claimed_cqe(const gio_launch_params& params, const gio_cqe& cqe) {
     gio_ring_header* header = device_pointer<gio_ring_header>(params.cq_header);
     gio_cqe* entries = device_pointer<gio_cqe>(params.cq_entries);
-    Backoff backoff(params.backoff_ns_max);
     for (uint32_t attempt = 0; attempt < params.poll_iterations_max; ++attempt) {
         if (try_lock(&header->producer_lock)) {
             const uint32_t tail = load_volatile(&header->tail);
-            const uint32_t head = load_volatile(&header->head);
             const uint32_t depth = load_volatile(&header->entry_count);
-            if (tail - head < depth) {
-                gio_cqe* slot = &entries[tail & (depth - 1)];
-                store_volatile(&slot->iocb_id, cqe.iocb_id);
-                store_volatile(&slot->issue_seq, cqe.issue_seq);
-                store_volatile(&slot->failed_ioctx, cqe.failed_ioctx);
-                store_volatile(&slot->status, cqe.status);
-                store_volatile(&slot->failed_nvme_status, cqe.failed_nvme_status);
-                __threadfence_system();
-                store_volatile(&header->tail, tail + 1);
-                unlock(&header->producer_lock);
-                return true;
-            }
-            // Full: impossible while the CPU keeps one CQ entry per IOCB, but never spin on it.
+            gio_cqe* slot = &entries[tail & (depth - 1)];
+            store_volatile(&slot->iocb_id, cqe.iocb_id);
+            store_volatile(&slot->issue_seq, cqe.issue_seq);
+            store_volatile(&slot->failed_ioctx, cqe.failed_ioctx);
+            store_volatile(&slot->status, cqe.status);
+            store_volatile(&slot->failed_nvme_status, cqe.failed_nvme_status);
+            __threadfence_system();
+            store_volatile(&header->tail, tail + 1);
             unlock(&header->producer_lock);
+            return true;
         }
-        backoff.pause();
     }
-    return false;  // the IOCB's status is final in memory; the CPU's wait deadline reports it
+    return false;  // only a lock word nobody releases gets here
 }
 
-// Moves an IOCB off ISSUED exactly once (compare-and-swap) and posts its CQE.
-__device__ void finalize_iocb(const gio_launch_params& params, gio_iocb* iocb, uint32_t final_status) {
+// ---- per-IOCB completion accounting (mirrors crates/gio-uring/src/executor.rs) ----
+
+// Moves an IOCB off ISSUED exactly once (compare-and-swap) and posts its CQE into a gio CQ entry
+// obtained as `claim` says. Returns whether it used a held claim (kHeld callers keep it otherwise).
+__device__ bool finalize_iocb(const gio_launch_params& params, gio_iocb* iocb, uint32_t final_status,
+                              CqeClaim claim) {
     __threadfence();
     const uint32_t failed_ioctx = load_volatile(&iocb->failed_ioctx);
     if (final_status == GIO_IOCB_STATUS_SUCCESS && failed_ioctx != GIO_NO_FAILED_IOCTX) {
         final_status = load_volatile(&iocb->failed_status);
     }
+    if (load_volatile(&iocb->status) != GIO_IOCB_STATUS_ISSUED) {
+        return false;  // someone (a timeout) already finished this issue: claim nothing
+    }
+    // Claim before the compare-and-swap: the thread that ends the issue then posts without waiting.
+    const bool claimed = claim_cqe(params, claim);
     if (atomicCAS(&iocb->status, GIO_IOCB_STATUS_ISSUED, final_status) != GIO_IOCB_STATUS_ISSUED) {
-        return;  // someone (a timeout) already finished this issue
+        if (claimed && claim != CqeClaim::kHeld) {
+            release_cqe_claim(params);
+        }
+        return false;
+    }
+    if (!claimed) {
+        count_cqe_overflow(params);  // the status is final in memory; the host reads the counter
+        return false;
     }
     gio_cqe cqe;
     cqe.iocb_id = iocb->id;
@@ -136,14 +211,18 @@ __device__ void finalize_iocb(const gio_launch_params& params, gio_iocb* iocb, u
     cqe.status = static_cast<uint16_t>(final_status);
     cqe.failed_nvme_status =
         failed_ioctx == GIO_NO_FAILED_IOCTX ? 0 : load_volatile(&iocb->failed_nvme_status);
-    post_gio_cqe(params, cqe);
+    if (!post_claimed_cqe(params, cqe)) {
+        release_cqe_claim(params);
+        count_cqe_overflow(params);
+    }
+    return true;
 }
 
 // Counts one finished IOCTX. A failure first claims failed_ioctx (first failure wins) and records
 // its status; the fence orders that record before the counter increment, so whichever thread takes
-// the counter to ioctx_count sees it.
-__device__ void complete_ioctx(const gio_launch_params& params, gio_iocb* iocb, uint32_t ioctx_index,
-                               uint32_t failure_status, uint16_t nvme_status) {
+// the counter to ioctx_count sees it. Returns whether a held gio CQ claim was used.
+__device__ bool complete_ioctx(const gio_launch_params& params, gio_iocb* iocb, uint32_t ioctx_index,
+                               uint32_t failure_status, uint16_t nvme_status, CqeClaim claim) {
     if (failure_status != 0) {
         if (atomicCAS(&iocb->failed_ioctx, GIO_NO_FAILED_IOCTX, ioctx_index) == GIO_NO_FAILED_IOCTX) {
             store_volatile(&iocb->failed_nvme_status,
@@ -154,8 +233,9 @@ __device__ void complete_ioctx(const gio_launch_params& params, gio_iocb* iocb, 
     __threadfence();
     const uint32_t previous = atomicAdd(&iocb->completed_ioctx_count, 1u);
     if (previous + 1 == load_volatile(&iocb->ioctx_count)) {
-        finalize_iocb(params, iocb, GIO_IOCB_STATUS_SUCCESS);
+        return finalize_iocb(params, iocb, GIO_IOCB_STATUS_SUCCESS, claim);
     }
+    return false;
 }
 
 // ---- NVMe queue pair: tail publication ----
@@ -212,16 +292,28 @@ __device__ void try_publish_sq(const gio_launch_params& params, gio_nvme_qp* qp)
 
 // ---- NVMe queue pair: completion reaping ----
 
-__device__ void process_nvme_completion(const gio_launch_params& params, gio_nvme_qp* qp,
-                                        uint16_t command_id, uint16_t status) {
+// Applies one NVMe completion and returns gio_completion_verdict's verdict on it.
+// `claim_held`: the caller holds one claimed gio CQ entry; cleared if this completion used it.
+__device__ uint32_t process_nvme_completion(const gio_launch_params& params, gio_nvme_qp* qp,
+                                            uint16_t sq_id, uint16_t command_id, uint16_t status,
+                                            bool* claim_held) {
     gio_nvme_slot* slots = device_pointer<gio_nvme_slot>(qp->slots);
     gio_nvme_slot* slot = &slots[command_id & (qp->sq_depth - 1)];
     const uint32_t ticket = load_volatile(&slot->ticket);
     // The command id carries the ticket's generation bits: a completion whose id does not match
-    // the slot's current ticket, or for a ticket already completed, is not ours to count.
-    if ((ticket & 0xFFFFu) != command_id || load_volatile(&slot->done_ticket) == ticket + 1) {
+    // the slot's current ticket, or for a ticket already completed, is not ours to count. One
+    // naming another SQ is a controller fault (as in nvme-driver's reap): it completes nothing,
+    // its slot stays busy, and the launch's polling threads fail every unfinished IOCB of the
+    // launch with GIO_IOCB_STATUS_CONTROLLER_FAULT, which makes the host reset the queue pairs.
+    const uint32_t verdict = gio_completion_verdict(sq_id, qp->qid, command_id, ticket,
+                                                    load_volatile(&slot->done_ticket));
+    if (verdict == GIO_COMPLETION_WRONG_QUEUE) {
+        atomicAdd(&qp->controller_faults, 1u);
+        return verdict;
+    }
+    if (verdict != GIO_COMPLETION_ACCEPT) {
         atomicAdd(&qp->unexpected_completions, 1u);
-        return;
+        return verdict;
     }
     const uint32_t iocb_id = load_volatile(&slot->iocb_id);
     const uint32_t ioctx_index = load_volatile(&slot->ioctx_index);
@@ -230,15 +322,19 @@ __device__ void process_nvme_completion(const gio_launch_params& params, gio_nvm
     store_volatile(&slot->done_ticket, ticket + 1);  // the slot may now be reused
     if (iocb_id >= params.iocb_capacity) {
         atomicAdd(&qp->unexpected_completions, 1u);
-        return;
+        return verdict;
     }
     gio_iocb* iocb = &device_pointer<gio_iocb>(params.iocbs)[iocb_id];
     // A completion of an issue that already timed out and was reissued must not count.
     if (load_volatile(&iocb->issue_seq) != issue_seq) {
-        return;
+        return verdict;
     }
     const bool failed = (status & NVME_CQE_STATUS_SC_SCT_MASK) != 0;
-    complete_ioctx(params, iocb, ioctx_index, failed ? GIO_IOCB_STATUS_NVME_ERROR : 0u, status);
+    if (complete_ioctx(params, iocb, ioctx_index, failed ? GIO_IOCB_STATUS_NVME_ERROR : 0u, status,
+                       CqeClaim::kHeld)) {
+        *claim_held = false;
+    }
+    return verdict;
 }
 
 // Reaps the completions posted so far (at most one queue's worth per call), then writes the CQ
@@ -253,6 +349,7 @@ __device__ void try_reap_cq(const gio_launch_params& params, gio_nvme_qp* qp) {
     uint32_t head = load_volatile(&qp->cq_head);
     uint32_t sq_head = load_volatile(&qp->sq_head);
     const uint32_t first = head;
+    bool claim_held = false;
     for (uint32_t reaped = 0; reaped < cq_depth; ++reaped) {
         const nvme_cqe* entry = &entries[head & (cq_depth - 1)];
         const uint16_t status = load_volatile(&entry->status);
@@ -260,14 +357,28 @@ __device__ void try_reap_cq(const gio_launch_params& params, gio_nvme_qp* qp) {
         if ((status & NVME_CQE_STATUS_PHASE) != expected_phase) {
             break;
         }
+        // Any completion may be the one that ends an IOCB: hold a gio CQ entry for it before
+        // consuming it. With the gio CQ full, leave it in the NVMe CQ and let go of cq_lock; the
+        // next reap retries (we never wait for space while holding the lock).
+        if (!claim_held) {
+            claim_held = try_claim_cqe(params);
+            if (!claim_held) {
+                break;
+            }
+        }
         // Acquire: read the rest of the entry only after seeing its phase tag flip.
         __threadfence_system();
+        const uint16_t sq_id = load_volatile(&entry->sq_id);
         const uint16_t command_id = load_volatile(&entry->command_id);
         const uint16_t sq_head_slot = load_volatile(&entry->sq_head);
-        process_nvme_completion(params, qp, command_id, status);
+        const uint32_t verdict =
+            process_nvme_completion(params, qp, sq_id, command_id, status, &claim_held);
+        ++head;  // consumed either way, so the phase tag logic stays in step with the controller
+        if (verdict == GIO_COMPLETION_WRONG_QUEUE) {
+            break;  // its SQ head is not ours to apply; the fault ends the launch (see above)
+        }
         // SQHD is a slot index; advance the free-running head by its distance modulo the depth.
         sq_head += (static_cast<uint32_t>(sq_head_slot) - sq_head) & sq_mask;
-        ++head;
     }
     if (head != first) {
         store_volatile(&qp->cq_head, head);
@@ -277,6 +388,9 @@ __device__ void try_reap_cq(const gio_launch_params& params, gio_nvme_qp* qp) {
         store_volatile(device_pointer<uint32_t>(qp->cq_doorbell), head & (cq_depth - 1));
     }
     unlock(&qp->cq_lock);
+    if (claim_held) {
+        release_cqe_claim(params);
+    }
 }
 
 __device__ void help_all_queue_pairs(const gio_launch_params& params) {
@@ -289,9 +403,15 @@ __device__ void help_all_queue_pairs(const gio_launch_params& params) {
 
 // ---- submission ----
 
-// Writes the SQE for `ticket` and marks its slot ready. Returns false if the slot did not become
-// free within the bounded wait.
-__device__ bool submit_ioctx(const gio_launch_params& params, gio_nvme_qp* qp, uint32_t ticket,
+// Whether a completion on this queue pair named another SQ: its controller is not trusted.
+__device__ __forceinline__ bool queue_pair_faulted(gio_nvme_qp* qp) {
+    return load_volatile(&qp->controller_faults) != 0;
+}
+
+// Writes the SQE for `ticket` and marks its slot ready. Returns 0, or the status the IOCTX fails
+// with: TIMEOUT if the slot did not become free within the bounded wait, CONTROLLER_FAULT if the
+// queue pair's controller faulted meanwhile (its completions, so the slot's, will never be trusted).
+__device__ uint32_t submit_ioctx(const gio_launch_params& params, gio_nvme_qp* qp, uint32_t ticket,
                              const gio_iocb* iocb, uint32_t ioctx_index, const gio_ioctx& ioctx) {
     gio_nvme_slot* slot = &device_pointer<gio_nvme_slot>(qp->slots)[ticket & (qp->sq_depth - 1)];
     // The slot is free once the previous round's ticket (ticket - depth) was completed.
@@ -299,8 +419,11 @@ __device__ bool submit_ioctx(const gio_launch_params& params, gio_nvme_qp* qp, u
     Backoff backoff(params.backoff_ns_max);
     uint32_t attempt = 0;
     while (load_volatile(&slot->done_ticket) != previous_done) {
+        if (queue_pair_faulted(qp)) {
+            return GIO_IOCB_STATUS_CONTROLLER_FAULT;
+        }
         if (++attempt >= params.poll_iterations_max) {
-            return false;
+            return GIO_IOCB_STATUS_TIMEOUT;
         }
         help_all_queue_pairs(params);  // whoever waits also drives completions: no deadlock
         backoff.pause();
@@ -328,7 +451,7 @@ __device__ bool submit_ioctx(const gio_launch_params& params, gio_nvme_qp* qp, u
             sqe.dptr.sgl1.identifier =
                 static_cast<uint8_t>(NVME_SGL_TYPE_LAST_SEGMENT << 4 | NVME_SGL_SUBTYPE_ADDRESS);
         }
-    } else {
+    } else {  // GIO_DESCRIPTOR_PRP: submit_chunk let through only kinds the rule accepts
         sqe.flags = static_cast<uint8_t>(NVME_PSDT_PRP << NVME_PSDT_SHIFT);
         sqe.dptr.prp.prp1 = data;
         sqe.dptr.prp.prp2 = desc;
@@ -355,7 +478,7 @@ __device__ bool submit_ioctx(const gio_launch_params& params, gio_nvme_qp* qp, u
     __threadfence_system();
     store_volatile(&slot->ready_ticket, ticket + 1);
     __threadfence();
-    return true;
+    return 0;
 }
 
 // One warp's chunk: up to 32 IOCTXs of one IOCB, one per lane.
@@ -370,10 +493,13 @@ __device__ void submit_chunk(const gio_launch_params& params, gio_iocb* iocb, ui
     if (active) {
         if (array_index < params.ioctx_capacity) {
             ioctx = device_pointer<const gio_ioctx>(params.ioctxs)[array_index];
-            valid = ioctx.device_index < params.device_count;
+            // The one descriptor-kind rule of gio_abi.h: an unknown kind is refused here, as the
+            // CPU executor refuses it, and never built into a command as PRP.
+            valid = ioctx.device_index < params.device_count &&
+                    gio_descriptor_kind_is_valid(ioctx.descriptor_kind);
         }
         if (!valid) {
-            complete_ioctx(params, iocb, index, GIO_IOCB_STATUS_INVALID_IOCTX, 0);
+            complete_ioctx(params, iocb, index, GIO_IOCB_STATUS_INVALID_IOCTX, 0, CqeClaim::kWait);
         }
     }
     const uint32_t valid_lanes = __ballot_sync(kFullMask, valid);
@@ -388,8 +514,9 @@ __device__ void submit_chunk(const gio_launch_params& params, gio_iocb* iocb, ui
             base = atomicAdd(&qp->sq_reserved, static_cast<uint32_t>(__popc(group)));
         }
         base = __shfl_sync(group, base, static_cast<int>(leader));
-        if (!submit_ioctx(params, qp, base + rank, iocb, index, ioctx)) {
-            complete_ioctx(params, iocb, index, GIO_IOCB_STATUS_TIMEOUT, 0);
+        const uint32_t failure = submit_ioctx(params, qp, base + rank, iocb, index, ioctx);
+        if (failure != 0) {
+            complete_ioctx(params, iocb, index, failure, 0, CqeClaim::kWait);
         }
         __syncwarp(group);
         if (lane == leader) {
@@ -411,14 +538,26 @@ __device__ bool launch_finished(const gio_launch_params& params) {
     return true;
 }
 
-// The bounded wait expired: finish every IOCB of the launch that is still ISSUED as TIMEOUT.
-__device__ void time_out_launch(const gio_launch_params& params) {
+__device__ bool any_queue_pair_faulted(const gio_launch_params& params) {
+    gio_nvme_qp* qps = device_pointer<gio_nvme_qp>(params.nvme_qps);
+    for (uint32_t device = 0; device < params.device_count; ++device) {
+        if (queue_pair_faulted(&qps[device])) {
+            return true;
+        }
+    }
+    return false;
+}
+
+// Finishes every IOCB of the launch that is still ISSUED with `status`: TIMEOUT when the bounded
+// wait expired (its CQEs are posted only if the gio CQ has room now), CONTROLLER_FAULT when a
+// controller posted a completion naming another SQ (they may wait for room, bounded).
+__device__ void end_launch(const gio_launch_params& params, uint32_t status, CqeClaim claim) {
     const uint32_t* sq = device_pointer<const uint32_t>(params.sq_entries);
     gio_iocb* iocbs = device_pointer<gio_iocb>(params.iocbs);
     for (uint32_t i = 0; i < params.iocb_count; ++i) {
         const uint32_t id = sq[(params.sq_first + i) & params.sq_mask];
         if (id < params.iocb_capacity && load_volatile(&iocbs[id].status) == GIO_IOCB_STATUS_ISSUED) {
-            finalize_iocb(params, &iocbs[id], GIO_IOCB_STATUS_TIMEOUT);
+            finalize_iocb(params, &iocbs[id], status, claim);
         }
     }
 }
@@ -458,7 +597,13 @@ extern "C" __global__ void gio_io_kernel(gio_launch_params params) {
         if (launch_finished(params)) {
             return;
         }
+        // A controller fault ends the launch now rather than at the deadline: the IOCTX whose
+        // completion it garbled would otherwise only end as a timeout.
+        if (any_queue_pair_faulted(params)) {
+            end_launch(params, GIO_IOCB_STATUS_CONTROLLER_FAULT, CqeClaim::kWait);
+            return;
+        }
         backoff.pause();
     }
-    time_out_launch(params);
+    end_launch(params, GIO_IOCB_STATUS_TIMEOUT, CqeClaim::kTryOnce);
 }

@@ -4,6 +4,7 @@
 #
 # usage: tools/cuda-build.sh [OUT_DIR]        (default: target/kernels)
 #   GIO_SKIP_CARGO=1   skip `cargo build -p gio-uring --features cuda`
+#   GIO_NVCC=PATH      use this nvcc (an installed toolkit) instead of installing the pinned wheels
 #
 # nvcc comes from NVIDIA's CUDA 13 Python wheels, installed once (idempotently) with pip into
 # .tools/cuda-wheels (gitignored). Every wheel is pinned, including the two that nvcc pulls in
@@ -24,7 +25,11 @@ PACKAGES=(
   "nvidia-nvvm==$CUDA_WHEEL_VERSION"
 )
 
-if [[ ! -f "$STAMP" ]]; then
+if [[ -n "${GIO_NVCC:-}" ]]; then
+  # A machine with a CUDA toolkit installed (the GPU test machine, which has no network): use it.
+  NVCC="$GIO_NVCC"
+  CUDA_HOME="$(cd "$(dirname "$NVCC")/.." && pwd)"
+elif [[ ! -f "$STAMP" ]]; then
   echo "cuda-build: installing ${PACKAGES[*]} into $WHEELS_DIR"
   rm -rf "$WHEELS_DIR"
   python3 -m pip install --disable-pip-version-check --quiet --no-deps \
@@ -32,8 +37,10 @@ if [[ ! -f "$STAMP" ]]; then
   touch "$STAMP"
 fi
 
-CUDA_HOME="$WHEELS_DIR/nvidia/cu13"
-NVCC="$CUDA_HOME/bin/nvcc"
+if [[ -z "${GIO_NVCC:-}" ]]; then
+  CUDA_HOME="$WHEELS_DIR/nvidia/cu13"
+  NVCC="$CUDA_HOME/bin/nvcc"
+fi
 [[ -x "$NVCC" ]] || { echo "cuda-build: nvcc not found at $NVCC" >&2; exit 1; }
 export PATH="$CUDA_HOME/bin:$PATH"
 "$NVCC" --version | tail -n 2
@@ -63,6 +70,16 @@ g++ -std=c++17 -Wall -Wextra -Werror -pedantic -x c++ -I "$KERNELS" -o "$OUT/abi
 "$OUT/abi_check_cxx"
 "$NVCC" "${NVCC_FLAGS[@]}" -x cu -arch=sm_80 -c -o "$OUT/abi_check_cu.o" \
   "$KERNELS/tests/abi_check.c"
+# The shared rules (GIO_RULE functions) hold when compiled as C and as C++, and compile as CUDA C++
+# host+device code; crates/gio-uring/tests/gpu_rules.rs runs the C build from `cargo test`.
+gcc -std=c11 -Wall -Wextra -Werror -pedantic -I "$KERNELS" -o "$OUT/rules_check_c" \
+  "$KERNELS/tests/rules_check.c"
+"$OUT/rules_check_c"
+g++ -std=c++17 -Wall -Wextra -Werror -pedantic -x c++ -I "$KERNELS" -o "$OUT/rules_check_cxx" \
+  "$KERNELS/tests/rules_check.c"
+"$OUT/rules_check_cxx"
+"$NVCC" "${NVCC_FLAGS[@]}" -x cu -arch=sm_80 -c -o "$OUT/rules_check_cu.o" \
+  "$KERNELS/tests/rules_check.c"
 
 ls -l "$OUT"/*.cubin "$OUT"/*.ptx
 echo "cuda-build: kernels OK -> $OUT"

@@ -124,8 +124,8 @@ impl CpuExecutor {
             Opcode::Read => SubmissionEntry::read(namespace, start, blocks),
             Opcode::Write => SubmissionEntry::write(namespace, start, blocks, fua),
         };
-        match u32::from(ioctx.descriptor_kind) {
-            abi::GIO_DESCRIPTOR_SGL => {
+        match abi::DescriptorKind::from_abi(ioctx.descriptor_kind)? {
+            abi::DescriptorKind::Sgl => {
                 entry.set_data_pointer_kind(DataPointerKind::Sgl);
                 // SGL descriptor: address, then length (bits 31:0) and identifier (bits 63:56).
                 let (address, length, identifier) = if desc == 0 {
@@ -135,11 +135,10 @@ impl CpuExecutor {
                 };
                 entry.dptr = [address, u64::from(length) | identifier << 56];
             }
-            abi::GIO_DESCRIPTOR_PRP => {
+            abi::DescriptorKind::Prp => {
                 entry.set_data_pointer_kind(DataPointerKind::Prp);
                 entry.dptr = [data, desc];
             }
-            _ => return None,
         }
         Some(entry)
     }

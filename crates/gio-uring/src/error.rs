@@ -31,6 +31,10 @@ pub enum IoctxFault {
     StagedScatteredData,
     #[error("data {range} is not inside one staging buffer at the first and last layer")]
     OutsideStaging { range: IovaRange },
+    /// A record in shared memory names a descriptor kind the ABI does not define
+    /// (`gio_descriptor_kind_is_valid` in kernels/gio_abi.h).
+    #[error("descriptor kind {kind} is not one the ABI defines")]
+    UnknownDescriptorKind { kind: u8 },
 }
 
 /// Errors of gio-uring. Every variant says which queue object it concerns.
@@ -107,4 +111,8 @@ pub enum IocbFailure {
     InvalidIoctx { ioctx_index: u32 },
     #[error("the executor timed out (first unfinished IOCTX {ioctx_index:?})")]
     Timeout { ioctx_index: Option<u32> },
+    /// A controller posted a completion naming another submission queue (the GPU executor's
+    /// kernel checks it as nvme-driver does); the executor resets its queue pairs.
+    #[error("a controller posted a completion for another submission queue (first failed IOCTX {ioctx_index:?})")]
+    ControllerFault { ioctx_index: Option<u32> },
 }

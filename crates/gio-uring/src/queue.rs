@@ -315,6 +315,7 @@ impl<E: Executor> GioQueue<E> {
             }
             (Some(IocbStatus::InvalidIoctx), Some(ioctx_index)) => Err(IocbFailure::InvalidIoctx { ioctx_index }),
             (Some(IocbStatus::Timeout), ioctx_index) => Err(IocbFailure::Timeout { ioctx_index }),
+            (Some(IocbStatus::ControllerFault), ioctx_index) => Err(IocbFailure::ControllerFault { ioctx_index }),
             _ => return Err(unexpected("status inconsistent with failed IOCTX")),
         };
         Ok(Completion { id, layer: LayerIndex(host.header.layer), user_data: host.header.user_data, result })

@@ -5,7 +5,7 @@
 //! inside one contiguous range, so both ends inside the same range implies every layer in between
 //! is too: a per-layer issue then costs O(1) checks, not O(blocks).
 
-use crate::abi::{self, gio_ioctx, Opcode};
+use crate::abi::{self, gio_ioctx, DescriptorKind, Opcode};
 use crate::error::IoctxFault;
 use crate::layout::IOCTX_WORDS;
 use crate::types::{DeviceIndex, Iova, IovaRange, Lba};
@@ -188,7 +188,7 @@ impl<'a> IoctxEncoder<'a> {
         }
         let data_bytes = count.checked_mul(device.block_bytes)?;
         let (kind, desc, desc_bytes) = descriptor_parts(spec.descriptor).ok()?;
-        if kind == abi::GIO_DESCRIPTOR_SGL && !device.sgl_supported {
+        if kind == DescriptorKind::Sgl && !device.sgl_supported {
             return None;
         }
         let lba_end = spec.start_lba.0.checked_add(self.lba_span?)?.checked_add(u64::from(count))?;
@@ -203,7 +203,7 @@ impl<'a> IoctxEncoder<'a> {
         Some(Checked {
             lengths_word: u64::from(data_bytes) | u64::from(desc_bytes) << 32,
             desc_iova: desc.map_or(0, |range| range.start.0),
-            kind: kind as u8,
+            kind: kind.to_abi(),
         })
     }
 
@@ -241,7 +241,7 @@ impl<'a> IoctxEncoder<'a> {
             }));
         };
         let (kind, desc, desc_bytes) = descriptor_parts(spec.descriptor)?;
-        if kind == abi::GIO_DESCRIPTOR_SGL && !device.sgl_supported {
+        if kind == DescriptorKind::Sgl && !device.sgl_supported {
             return Err(cold_fault(|| IoctxFault::SglUnsupported));
         }
         self.check_lbas(spec, device)?;
@@ -252,7 +252,7 @@ impl<'a> IoctxEncoder<'a> {
         Ok(Checked {
             lengths_word: u64::from(data_bytes) | u64::from(desc_bytes) << 32,
             desc_iova: desc.map_or(0, |range| range.start.0),
-            kind: kind as u8,
+            kind: kind.to_abi(),
         })
     }
 
@@ -337,23 +337,24 @@ impl<'a> IoctxEncoder<'a> {
     }
 }
 
-/// The ABI descriptor kind of `descriptor`, the descriptor range it names and that range's
-/// byte count (saturated for PRP), or the fault of a malformed SGL segment (empty, not a
-/// multiple of 16 bytes, or past `u32`). Shared by the quick and the detailed check.
+/// The descriptor kind of `descriptor` (typed, so every kind written to a record is a valid
+/// one), the descriptor range it names and that range's byte count (saturated for PRP), or the
+/// fault of a malformed SGL segment (empty, not a multiple of 16 bytes, or past `u32`). Shared
+/// by the quick and the detailed check.
 #[inline]
-fn descriptor_parts(descriptor: Descriptor) -> Result<(u32, Option<IovaRange>, u32), IoctxFault> {
+fn descriptor_parts(descriptor: Descriptor) -> Result<(DescriptorKind, Option<IovaRange>, u32), IoctxFault> {
     match descriptor {
-        Descriptor::SglInline => Ok((abi::GIO_DESCRIPTOR_SGL, None, 0)),
+        Descriptor::SglInline => Ok((DescriptorKind::Sgl, None, 0)),
         Descriptor::SglSegment { segment } => {
             let bytes = u32::try_from(segment.len_bytes).unwrap_or(0);
             if bytes == 0 || bytes % 16 != 0 {
                 return Err(IoctxFault::BadSglSegment { desc_bytes: bytes });
             }
-            Ok((abi::GIO_DESCRIPTOR_SGL, Some(segment), bytes))
+            Ok((DescriptorKind::Sgl, Some(segment), bytes))
         }
         Descriptor::Prp { prp2 } => {
             let bytes = prp2.map_or(0, |range| u32::try_from(range.len_bytes).unwrap_or(u32::MAX));
-            Ok((abi::GIO_DESCRIPTOR_PRP, prp2, bytes))
+            Ok((DescriptorKind::Prp, prp2, bytes))
         }
     }
 }

@@ -19,7 +19,7 @@ pub const MAX_IOCTX_PER_IOCB: u32 = GIO_MAX_IOCTX_PER_IOCB;
 pub const ABI_VERSION: u32 = GIO_ABI_VERSION;
 
 const _: () = {
-    assert!(ABI_VERSION == 1, "update the Rust side for the new ABI version");
+    assert!(ABI_VERSION == 2, "update the Rust side for the new ABI version");
     assert!(MAX_IOCTX_PER_IOCB == 2048);
     assert!(size_of::<gio_ioctx>() == 48);
     assert!(size_of::<gio_iocb>() == 2 * CACHE_LINE_BYTES);
@@ -32,6 +32,9 @@ const _: () = {
     assert!(offset_of!(gio_ring_header, tail) == CACHE_LINE_BYTES);
     assert!(offset_of!(gio_ring_header, mask) == 2 * CACHE_LINE_BYTES);
     assert!(offset_of!(gio_ring_header, producer_lock) == 3 * CACHE_LINE_BYTES);
+    assert!(offset_of!(gio_ring_header, producer_claimed) == 3 * CACHE_LINE_BYTES + 4);
+    assert!(offset_of!(gio_ring_header, overflow_count) == 3 * CACHE_LINE_BYTES + 8);
+    assert!(offset_of!(gio_nvme_qp, controller_faults) == 3 * CACHE_LINE_BYTES + 8);
     assert!(size_of::<gio_nvme_slot>() == 32);
     assert!(size_of::<gio_nvme_qp>() == 5 * CACHE_LINE_BYTES);
     assert!(size_of::<gio_launch_params>() == 80);
@@ -63,6 +66,46 @@ impl Opcode {
     }
 }
 
+/// `gio_ioctx.descriptor_kind`: how the controller finds an IOCTX's data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DescriptorKind {
+    /// An SGL Data Block inline in the command, or a Last Segment at `desc_iova`.
+    Sgl,
+    /// PRP1 = `data_iova`, PRP2 = `desc_iova`.
+    Prp,
+}
+
+/// The descriptor-kind rule of `kernels/gio_abi.h` (`gio_descriptor_kind_is_valid`): the valid
+/// kinds are `0..GIO_DESCRIPTOR_KIND_COUNT`. Every executor refuses any other value (the IOCTX
+/// fails as invalid); `tests/gpu_rules.rs` checks that this and the C rule agree on all 256 values.
+pub fn descriptor_kind_is_valid(raw: u8) -> bool {
+    u32::from(raw) < GIO_DESCRIPTOR_KIND_COUNT
+}
+
+impl DescriptorKind {
+    pub fn to_abi(self) -> u8 {
+        match self {
+            DescriptorKind::Sgl => GIO_DESCRIPTOR_SGL as u8,
+            DescriptorKind::Prp => GIO_DESCRIPTOR_PRP as u8,
+        }
+    }
+
+    /// `None` exactly when [`descriptor_kind_is_valid`] is false (untrusted input from shared
+    /// memory): an unknown kind is never read as PRP or SGL.
+    pub fn from_abi(raw: u8) -> Option<Self> {
+        if !descriptor_kind_is_valid(raw) {
+            return None;
+        }
+        match u32::from(raw) {
+            GIO_DESCRIPTOR_SGL => Some(DescriptorKind::Sgl),
+            GIO_DESCRIPTOR_PRP => Some(DescriptorKind::Prp),
+            // The rule admits a kind this enum does not name: the header grew a kind and this
+            // function was not updated; the unit test below catches that.
+            _ => None,
+        }
+    }
+}
+
 /// `gio_iocb.status` / `gio_cqe.status`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum IocbStatus {
@@ -72,6 +115,9 @@ pub enum IocbStatus {
     NvmeError,
     InvalidIoctx,
     Timeout,
+    /// A controller posted a completion naming another SQ (GPU executor): nothing it reports is
+    /// trusted until the queue pairs are reset.
+    ControllerFault,
 }
 
 impl IocbStatus {
@@ -83,6 +129,7 @@ impl IocbStatus {
             IocbStatus::NvmeError => GIO_IOCB_STATUS_NVME_ERROR,
             IocbStatus::InvalidIoctx => GIO_IOCB_STATUS_INVALID_IOCTX,
             IocbStatus::Timeout => GIO_IOCB_STATUS_TIMEOUT,
+            IocbStatus::ControllerFault => GIO_IOCB_STATUS_CONTROLLER_FAULT,
         }
     }
 
@@ -95,8 +142,15 @@ impl IocbStatus {
             GIO_IOCB_STATUS_NVME_ERROR => Some(IocbStatus::NvmeError),
             GIO_IOCB_STATUS_INVALID_IOCTX => Some(IocbStatus::InvalidIoctx),
             GIO_IOCB_STATUS_TIMEOUT => Some(IocbStatus::Timeout),
+            GIO_IOCB_STATUS_CONTROLLER_FAULT => Some(IocbStatus::ControllerFault),
             _ => None,
         }
+    }
+
+    /// Whether the executor's queue pairs must be reset before reuse after an IOCB ended so: they
+    /// may hold commands the executor no longer tracks.
+    pub fn requires_queue_pair_reset(self) -> bool {
+        matches!(self, IocbStatus::Timeout | IocbStatus::ControllerFault)
     }
 
     /// Whether this status ends an issue (may appear in a CQE).
@@ -150,13 +204,30 @@ mod tests {
             IocbStatus::NvmeError,
             IocbStatus::InvalidIoctx,
             IocbStatus::Timeout,
+            IocbStatus::ControllerFault,
         ] {
             assert_eq!(IocbStatus::from_abi(status.to_abi()), Some(status));
         }
-        assert_eq!(IocbStatus::from_abi(6), None);
+        assert_eq!(IocbStatus::from_abi(7), None);
         assert_eq!(Opcode::from_abi(Opcode::Read.to_abi()), Some(Opcode::Read));
         assert_eq!(Opcode::from_abi(Opcode::Write.to_abi()), Some(Opcode::Write));
         assert_eq!(Opcode::from_abi(0x09), None);
+    }
+
+    #[test]
+    fn every_valid_descriptor_kind_has_a_name_and_every_other_value_is_refused() {
+        // Goal: the typed view accepts exactly what the header's rule accepts, and names it.
+        for raw in 0..=u8::MAX {
+            let kind = DescriptorKind::from_abi(raw);
+            assert_eq!(kind.is_some(), descriptor_kind_is_valid(raw), "kind {raw}");
+            if let Some(kind) = kind {
+                assert_eq!(kind.to_abi(), raw);
+            }
+        }
+        assert_eq!(DescriptorKind::from_abi(GIO_DESCRIPTOR_PRP as u8), Some(DescriptorKind::Prp));
+        assert_eq!(DescriptorKind::from_abi(GIO_DESCRIPTOR_SGL as u8), Some(DescriptorKind::Sgl));
+        assert_eq!(DescriptorKind::from_abi(2), None);
+        assert_eq!(DescriptorKind::from_abi(u8::MAX), None);
     }
 
     #[test]

@@ -153,6 +153,8 @@ struct Attached {
     launches: VecDeque<Launch>,
     /// Staged mode: the copies of each IOCB at layer 0, planned when it was filled.
     runs: Vec<Vec<CopyRun>>,
+    /// The sink's `overflow_count` when last retired: CQEs the kernel could not post.
+    sink_overflows: u32,
 }
 
 /// The CUDA executor (see the module documentation). Compiled, never run on a GPU.
@@ -299,6 +301,13 @@ impl GpuExecutor {
 
     pub fn runtime(&self) -> &GpuRuntime {
         &self.runtime
+    }
+
+    /// CQEs the kernel could not post into its completion sink (the sink stayed full past the
+    /// kernel's bounded wait). Zero while the sink is sized to the queue depth, as it is; a rise
+    /// is logged. The CQEs the caller sees are posted from the IOCBs' final lines either way.
+    pub fn kernel_cqe_overflows(&self) -> u32 {
+        self.attached.as_ref().map_or(0, |attached| attached.sink_overflows)
     }
 
     /// Queue-pair resets done after kernel timeouts.
@@ -477,11 +486,19 @@ impl GpuExecutor {
         }
         retire::post_completions(memory, launch.sq_first, launch.count)?;
         retire::advance_sq(memory, launch.sq_first, launch.count)?;
-        if let Some(attached) = self.attached.as_ref() {
+        if let Some(attached) = self.attached.as_mut() {
             // The sink's entries are never read: empty it so the kernel never finds it full.
             let sink = &attached.sink;
             let tail = sink.load_u32(attached.sink_layout.tail_offset(), Ordering::Acquire);
             sink.store_u32(attached.sink_layout.head_offset(), tail, Ordering::Release);
+            let overflows = sink.load_u32(core::mem::offset_of!(gio_ring_header, overflow_count), Ordering::Acquire);
+            if overflows != attached.sink_overflows {
+                tracing::error!(
+                    overflows,
+                    "gio-uring: the I/O kernel could not post CQEs into its sink (full past its wait); the IOCBs' final statuses are used"
+                );
+                attached.sink_overflows = overflows;
+            }
         }
         Ok(())
     }
@@ -521,6 +538,7 @@ impl Executor for GpuExecutor {
             free_events: (0..depth as usize).rev().collect(),
             launches: VecDeque::with_capacity(depth as usize),
             runs: vec![Vec::new(); depth as usize],
+            sink_overflows: 0,
         });
         Ok(())
     }

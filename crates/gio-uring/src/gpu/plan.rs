@@ -275,8 +275,10 @@ pub fn plan_staged_copies(
     runs.clear();
     let last_layer = layer_count.saturating_sub(1);
     for (index, ioctx) in (0u32..).zip(ioctxs) {
-        if ioctx.descriptor_kind == abi::GIO_DESCRIPTOR_SGL as u8 && ioctx.desc_iova != 0 {
-            return Err((index, IoctxFault::StagedScatteredData));
+        match abi::DescriptorKind::from_abi(ioctx.descriptor_kind) {
+            None => return Err((index, IoctxFault::UnknownDescriptorKind { kind: ioctx.descriptor_kind })),
+            Some(abi::DescriptorKind::Sgl) if ioctx.desc_iova != 0 => return Err((index, IoctxFault::StagedScatteredData)),
+            Some(_) => {}
         }
         let len = u64::from(ioctx.data_bytes);
         let shift = u64::from(last_layer)
@@ -500,5 +502,18 @@ mod tests {
         let prp = [StagedIoctx { desc_iova: 0x1_1000, descriptor_kind: abi::GIO_DESCRIPTOR_PRP as u8, ..ioctx(0x1_0000, 8192) }];
         plan_staged_copies(prp.into_iter(), 1, 0, &pairs, &mut runs).unwrap();
         assert_eq!(runs.len(), 1);
+    }
+
+    #[test]
+    fn staged_planning_refuses_a_descriptor_kind_the_abi_does_not_define() {
+        // Goal: the same rule as the kernel and the CPU executor: an unknown kind is an invalid
+        // IOCTX, never read as a contiguous PRP transfer and copied.
+        let pairs = [StagingPair { iova: Iova(0x1_0000), host_address: 0x7000_0000, gpu_address: 0x9000_0000, len_bytes: 0x4000 }];
+        let mut runs = Vec::new();
+        for kind in [abi::GIO_DESCRIPTOR_KIND_COUNT as u8, 9, u8::MAX] {
+            let unknown = [ioctx(0x1_0000, 512), StagedIoctx { descriptor_kind: kind, ..ioctx(0x1_0200, 512) }];
+            let error = plan_staged_copies(unknown.into_iter(), 1, 0, &pairs, &mut runs).unwrap_err();
+            assert_eq!(error, (1, IoctxFault::UnknownDescriptorKind { kind }));
+        }
     }
 }

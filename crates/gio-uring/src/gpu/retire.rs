@@ -32,9 +32,11 @@ pub fn sq_entry(memory: &QueueMemory, position: u32) -> Result<IocbId, GioError>
     Ok(IocbId(id))
 }
 
-/// Finishes IOCBs the kernel left ISSUED as TIMEOUT; true if any IOCB of the launch timed out.
+/// Finishes IOCBs the kernel left ISSUED as TIMEOUT; true if any IOCB of the launch ended with a
+/// status after which the queue pairs must be reset (a timeout, or a controller fault: a
+/// completion that named another SQ).
 pub fn settle(memory: &QueueMemory, sq_first: u32, count: u32) -> Result<bool, GioError> {
-    let mut timed_out = false;
+    let mut reset_needed = false;
     for position in 0..count {
         let id = sq_entry(memory, sq_first.wrapping_add(position))?;
         let status = memory.iocb_field_offset(id, IocbField::Status);
@@ -42,9 +44,10 @@ pub fn settle(memory: &QueueMemory, sq_first: u32, count: u32) -> Result<bool, G
             .region
             .compare_exchange_u32(status, abi::GIO_IOCB_STATUS_ISSUED, abi::GIO_IOCB_STATUS_TIMEOUT, Ordering::AcqRel, Ordering::Acquire)
             .is_ok();
-        timed_out |= abandoned || memory.region.load_u32(status, Ordering::Acquire) == abi::GIO_IOCB_STATUS_TIMEOUT;
+        let ended = abi::IocbStatus::from_abi(memory.region.load_u32(status, Ordering::Acquire));
+        reset_needed |= abandoned || ended.is_some_and(abi::IocbStatus::requires_queue_pair_reset);
     }
-    Ok(timed_out)
+    Ok(reset_needed)
 }
 
 /// Posts one CQE per IOCB of the launch from the IOCB's final line.
@@ -174,5 +177,21 @@ mod tests {
         }
         assert!(!settle(memory, 0, 2).unwrap());
         assert!(advance_sq(memory, 1, 1).is_err(), "retirement must start at the SQ head");
+    }
+
+    #[test]
+    fn a_controller_fault_resets_the_queue_pairs_and_reaches_the_caller_as_such() {
+        // Goal: an IOCB the kernel failed because a completion named another SQ makes the
+        // executor reset its queue pairs (like a timeout), and the caller sees a controller fault.
+        let (mut queue, [a, b]) = queue_with_two_issued();
+        let memory = queue.memory();
+        memory.region.store_u32(memory.iocb_field_offset(a, IocbField::Status), abi::GIO_IOCB_STATUS_SUCCESS, Ordering::Release);
+        memory.region.store_u32(memory.iocb_field_offset(b, IocbField::Status), abi::GIO_IOCB_STATUS_CONTROLLER_FAULT, Ordering::Release);
+        assert!(settle(memory, 0, 2).unwrap(), "a controller fault requires a queue-pair reset");
+        post_completions(memory, 0, 2).unwrap();
+        advance_sq(memory, 0, 2).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(1);
+        assert_eq!(queue.wait_cqe(a, deadline).unwrap().result, Ok(()));
+        assert_eq!(queue.wait_cqe(b, deadline).unwrap().result, Err(IocbFailure::ControllerFault { ioctx_index: None }));
     }
 }

@@ -1,0 +1,142 @@
+/*
+ * Host test of the rules the CUDA I/O kernel and the Rust side share: the plain functions of
+ * gio_abi.h and gio_kernel_rules.h (GIO_RULE), compiled with the system C compiler (C11; also as C++ and CUDA C++ by
+ * tools/cuda-build.sh). main() checks each rule against its specification written out here and
+ * exits non-zero on any mismatch; `rules_check descriptor-kinds` also prints the verdict for every
+ * descriptor kind 0..=255, one "KIND VALID" line each, which crates/gio-uring/tests/gpu_rules.rs
+ * compares with the Rust rule.
+ */
+#include "gio_abi.h"
+#include "gio_kernel_rules.h"
+
+#include <stdio.h>
+#include <string.h>
+
+static int failures = 0;
+
+static void expect(int cond, const char *what, unsigned value) {
+    if (!cond) {
+        if (failures < 20) { /* the sweeps could print 65536 lines */
+            fprintf(stderr, "rules_check: FAILED: %s (value %u)\n", what, value);
+        }
+        failures++;
+    }
+}
+
+/* Only SGL and PRP exist; every other byte is invalid (the kernel once built it as PRP). */
+static void check_descriptor_kinds(int print) {
+    unsigned kind;
+    for (kind = 0; kind <= 255u; kind++) {
+        const int valid = gio_descriptor_kind_is_valid(kind);
+        const int expected = kind == GIO_DESCRIPTOR_SGL || kind == GIO_DESCRIPTOR_PRP;
+        expect(valid == expected, "descriptor kind valid exactly for SGL and PRP", kind);
+        if (print) {
+            printf("%u %d\n", kind, valid ? 1 : 0);
+        }
+    }
+    /* descriptor_kind is a uint8_t; a wider value (a corrupted record read as a word) is invalid. */
+    expect(!gio_descriptor_kind_is_valid(0x100u), "kind 0x100 invalid", 0x100u);
+    expect(!gio_descriptor_kind_is_valid(0xFFFFFFFFu), "kind 0xFFFFFFFF invalid", 0xFFFFFFFFu);
+}
+
+/* Completion acceptance, as nvme-driver's reap: the SQ id first (a fault), then command id and
+ * generation against the slot's ticket, then "not completed yet". */
+static void check_completion_verdicts(void) {
+    const uint32_t queue = 3u;
+    const uint32_t ticket = 0x00012345u; /* command id 0x2345, generation bits from the ticket */
+    const uint32_t not_done = ticket + 1u - 64u; /* the previous round's ticket was completed */
+    uint32_t sq_id;
+    expect(gio_completion_verdict(queue, queue, 0x2345u, ticket, not_done) == GIO_COMPLETION_ACCEPT,
+           "a completion of the live ticket on the right SQ is accepted", ticket);
+    /* Every other SQ id is a fault, even with a command id that matches a live ticket. */
+    for (sq_id = 0; sq_id <= 0xFFFFu; sq_id++) {
+        if (sq_id != queue) {
+            expect(gio_completion_verdict(sq_id, queue, 0x2345u, ticket, not_done) ==
+                       GIO_COMPLETION_WRONG_QUEUE,
+                   "a completion naming another SQ is a controller fault", sq_id);
+        }
+    }
+    expect(gio_completion_verdict(queue, queue, 0x2346u, ticket, not_done) == GIO_COMPLETION_UNEXPECTED,
+           "a command id of another ticket is unexpected", 0x2346u);
+    expect(gio_completion_verdict(queue, queue, 0x2345u ^ 0x8000u, ticket, not_done) ==
+               GIO_COMPLETION_UNEXPECTED,
+           "a stale generation is unexpected", 0x2345u ^ 0x8000u);
+    expect(gio_completion_verdict(queue, queue, 0x2345u, ticket, ticket + 1u) == GIO_COMPLETION_UNEXPECTED,
+           "a second completion of a completed ticket is unexpected", ticket);
+    /* The ticket wraps at 2^32: the rule is modular, like the kernel's counters. */
+    expect(gio_completion_verdict(queue, queue, 0xFFFFu, 0xFFFFFFFFu, 0u - 64u) == GIO_COMPLETION_ACCEPT,
+           "the last ticket before the wrap is accepted", 0xFFFFFFFFu);
+    expect(gio_completion_verdict(queue, queue, 0xFFFFu, 0xFFFFFFFFu, 0u) == GIO_COMPLETION_UNEXPECTED,
+           "the last ticket before the wrap completes once", 0xFFFFFFFFu);
+    /* A wrong SQ id wins over a stale id: nothing in the entry is trusted. */
+    expect(gio_completion_verdict(queue + 1u, queue, 0x2346u, ticket, ticket + 1u) ==
+               GIO_COMPLETION_WRONG_QUEUE,
+           "a wrong SQ id is reported as such even for a stale command id", queue + 1u);
+}
+
+/* gio CQ claims (gio_cq_may_claim): a model of the kernel's protocol, with free-running counters
+ * started just below the 2^32 wrap. Producers claim, then post into the entry at tail or give the
+ * claim back; the consumer frees entries. Invariants: a post never lands on an unconsumed entry
+ * (so posting never needs to wait for space), and a claim is refused only when every entry is
+ * consumed-pending or claimed. */
+static void check_cq_claims(void) {
+    enum { depth = 8, steps = 200000 };
+    const uint32_t start = 0xFFFFFFF0u;
+    uint32_t head = start, tail = start, claimed = start;
+    uint32_t open_claims = 0, rng = 12345u;
+    int step;
+    expect(gio_cq_may_claim(start, start, depth), "an empty ring has room", 0);
+    expect(!gio_cq_may_claim(start + depth, start, depth), "depth claims fill the ring", depth);
+    expect(!gio_cq_may_claim(start, start + 1u, depth), "a head past the claims reads as full", 1);
+    expect(!gio_cq_may_claim(5u, 9u, depth), "a corrupt head never opens room", 9);
+    expect(!gio_cq_may_claim(start, start, 0u), "a zero-entry ring never has room", 0);
+    for (step = 0; step < steps; step++) {
+        rng = rng * 1103515245u + 12345u;
+        switch ((rng >> 16) % 4u) {
+        case 0: /* claim */
+            if (gio_cq_may_claim(claimed, head, depth)) {
+                claimed++;
+                open_claims++;
+            } else {
+                expect(claimed - head == depth, "a claim is refused only when the ring is committed", claimed - head);
+            }
+            break;
+        case 1: /* post into a claimed entry: the entry at tail must be free */
+            if (open_claims > 0) {
+                expect(tail - head < depth, "a post never overwrites an unconsumed entry", tail - head);
+                tail++;
+                open_claims--;
+            }
+            break;
+        case 2: /* a claim given back (the IOCB was finished by someone else) */
+            if (open_claims > 0) {
+                claimed--;
+                open_claims--;
+            }
+            break;
+        default: /* the consumer reaps one entry */
+            if (head != tail) {
+                head++;
+            }
+            break;
+        }
+        expect(claimed - tail == open_claims, "claimed = tail + open claims", claimed - tail);
+        expect(claimed - head <= depth, "claims never exceed the ring", claimed - head);
+    }
+    expect(head - start > 1000u, "the model wrapped and made progress", head - start);
+}
+
+int main(int argc, char **argv) {
+    const int print_kinds = argc > 1 && strcmp(argv[1], "descriptor-kinds") == 0;
+    check_descriptor_kinds(print_kinds);
+    check_completion_verdicts();
+    check_cq_claims();
+    if (failures != 0) {
+        fprintf(stderr, "rules_check: %d failed checks\n", failures);
+        return 1;
+    }
+    if (!print_kinds) {
+        printf("rules_check: OK\n");
+    }
+    return 0;
+}

@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# tools/gpu/run-gpu-tests.sh — the GPU test of gio-uring (crates/gio-uring/tests/gpu.rs) in one call
+# on a machine with a GPU, writing results and versions under $OUT.
+#
+# usage, in the repository root:
+#   tools/gpu/run-gpu-tests.sh --prepare   on the development machine (cargo, network): builds the
+#                                          kernels and the test binary into target/gpu-carry/
+#   tools/gpu/run-gpu-tests.sh             on the GPU machine: versions, kernels, rule checks, then
+#                                          the GPU test once per DMA mode in GIO_GPU_TEST_MODES
+#
+# What it assumes of the GPU machine (the lent device: CUDA toolkit with nvcc, a driver, PyTorch;
+# no network; only the working tree travels, 64 MiB at most): cargo and rustc are NOT there. The
+# test binary is therefore built here by --prepare and carried: target/ is ignored by git, so the
+# remote call must name `target/gpu-carry` in its `carry` list. If cargo does exist there, the
+# binary is built in place instead. The kernels are compiled there with its own nvcc
+# (tools/cuda-build.sh with GIO_NVCC), else the carried target/gpu-carry/kernels are used. The
+# carried binary links glibc dynamically: it needs a glibc no older than the build machine's.
+#
+# DMA modes: GIO_GPU_TEST_MODES (default "staged"), passed to the test as GIO_DMA_MODE. The test
+# exercises staged mode only today; a p2p-style mode (the emulator DMAs straight into host memory
+# mapped into the GPU) is not written yet, and a mode the test does not know fails loudly.
+#
+# Results in $OUT (default target/gpu-results): versions.txt, kernels.log, gpu-MODE.log per mode,
+# summary.txt. Exit status: non-zero if any step failed.
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+cd "$ROOT"
+CARRY="$ROOT/target/gpu-carry"
+
+if [[ "${1:-}" == "--prepare" ]]; then
+  set -e
+  mkdir -p "$CARRY"
+  GIO_SKIP_CARGO=1 tools/cuda-build.sh "$CARRY/kernels"
+  # Release: a debug test binary with its dependencies is tens of MiB; the carry limit is 64 MiB.
+  binary=$(cargo test -p gio-uring --features cuda --release --locked --test gpu --no-run \
+             --message-format=json 2>/dev/null \
+           | python3 -c 'import json,sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "gpu" and m.get("executable"):
+        print(m["executable"])')
+  [[ -n "$binary" ]] || { echo "run-gpu-tests: no gpu test binary was built" >&2; exit 1; }
+  cp "$binary" "$CARRY/gpu-test"
+  strip "$CARRY/gpu-test" || true
+  du -sh "$CARRY"
+  echo "run-gpu-tests: carry target/gpu-carry (and run this script without --prepare there)"
+  exit 0
+fi
+
+OUT="${OUT:-$ROOT/target/gpu-results}"
+mkdir -p "$OUT"
+SUMMARY="$OUT/summary.txt"
+: >"$SUMMARY"
+failed=0
+record() { echo "$1" | tee -a "$SUMMARY"; }
+
+{
+  echo "== date"; date -u
+  echo "== uname"; uname -a
+  echo "== nvidia-smi"; nvidia-smi 2>&1 || echo "nvidia-smi failed"
+  echo "== gpu"; nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total --format=csv 2>&1
+  echo "== nvcc"; command -v nvcc && nvcc --version 2>&1
+  echo "== torch"; python3 -c 'import torch; print(torch.__version__, "cuda", torch.version.cuda)' 2>&1
+  echo "== cargo"; command -v cargo && cargo --version 2>&1 || echo "no cargo"
+  echo "== glibc"; ldd --version 2>&1 | head -n 1
+} >"$OUT/versions.txt" 2>&1
+
+# Kernels and the shared-rule checks (C, C++, CUDA C++), with this machine's nvcc if it has one.
+KERNEL_DIR="$ROOT/target/kernels"
+if NVCC_PATH=$(command -v nvcc); then
+  if GIO_NVCC="$NVCC_PATH" GIO_SKIP_CARGO=1 tools/cuda-build.sh "$KERNEL_DIR" >"$OUT/kernels.log" 2>&1; then
+    record "PASS kernels built here with $NVCC_PATH"
+  else
+    record "FAIL kernels (see kernels.log)"; failed=1
+  fi
+elif [[ -d "$CARRY/kernels" ]]; then
+  KERNEL_DIR="$CARRY/kernels"
+  record "NOTE no nvcc here: using the carried kernels"
+else
+  record "FAIL no nvcc and no carried kernels"; failed=1
+fi
+
+# The test binary: built here if cargo exists, else the carried one.
+BINARY=""
+if command -v cargo >/dev/null 2>&1; then
+  if cargo test -p gio-uring --features cuda --locked --test gpu --no-run >"$OUT/build.log" 2>&1; then
+    BINARY=$(ls -t target/debug/deps/gpu-* 2>/dev/null | grep -v '\.d$' | head -n 1)
+  fi
+elif [[ -x "$CARRY/gpu-test" ]]; then
+  BINARY="$CARRY/gpu-test"
+fi
+if [[ -z "$BINARY" ]]; then
+  record "FAIL no gpu test binary (no cargo here; carry target/gpu-carry made by --prepare)"
+  exit 1
+fi
+
+for mode in ${GIO_GPU_TEST_MODES:-staged}; do
+  started=$SECONDS
+  GIO_DMA_MODE="$mode" GIO_KERNEL_DIR="$KERNEL_DIR" timeout 300 "$BINARY" >"$OUT/gpu-$mode.log" 2>&1
+  rc=$?
+  if [[ $rc -eq 0 ]] && grep -q "gpu test: passed" "$OUT/gpu-$mode.log"; then
+    record "PASS gpu test, DMA mode $mode ($((SECONDS - started)) s)"
+  elif grep -q "gpu test skipped" "$OUT/gpu-$mode.log"; then
+    record "FAIL gpu test skipped on a GPU machine, DMA mode $mode: $(grep 'skipped' "$OUT/gpu-$mode.log")"; failed=1
+  else
+    record "FAIL gpu test, DMA mode $mode (exit $rc; see gpu-$mode.log)"; failed=1
+  fi
+done
+exit $failed
