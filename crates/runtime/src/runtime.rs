@@ -337,7 +337,7 @@ impl<E: Executor> Runtime<E> {
                 reason: format!("layer {open} has not ended (after_layer first)"),
             });
         }
-        if layer != prefill.next_layer {
+        if layer != prefill.next_layer || layer >= layers {
             let expected = if prefill.next_layer == layers {
                 "none: every layer is done, call end_prefill".to_string()
             } else {
