@@ -1,0 +1,115 @@
+//! What the runtime is told at start: which policy, which model and GPU the profile must
+//! describe, how far the write queue may grow and what happens past that.
+
+use std::time::Duration;
+
+use scheduler::policy::PolicyKind;
+use scheduler::table::GpuIdentity;
+
+/// The scheduling policy (a setting; slack-aware is the default).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PolicyChoice {
+    /// Tutti §3.3: reads first, sized to the profile's slack windows; writes only into leftover
+    /// slack and decode steps, never while a read is in flight.
+    #[default]
+    SlackAware,
+    /// Read layer k+1 and write layer k−1 at every boundary, with no ordering between them (the
+    /// baseline Tutti §3.3 argues against; the runtime's read/write barrier is off).
+    Naive,
+    /// Read everything before layer 0, write everything after the last layer.
+    NoOverlap,
+}
+
+impl PolicyChoice {
+    pub const ALL: [PolicyChoice; 3] = [Self::SlackAware, Self::Naive, Self::NoOverlap];
+
+    pub fn kind(self) -> PolicyKind {
+        match self {
+            Self::SlackAware => PolicyKind::SlackAware,
+            Self::Naive => PolicyKind::NaivePipeline,
+            Self::NoOverlap => PolicyKind::NoOverlap,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        self.kind().name()
+    }
+
+    /// Parses `slack-aware`, `naive` (or `naive-pipeline`), `no-overlap`.
+    pub fn parse(name: &str) -> Option<Self> {
+        match name {
+            "slack-aware" => Some(Self::SlackAware),
+            "naive" | "naive-pipeline" => Some(Self::Naive),
+            "no-overlap" => Some(Self::NoOverlap),
+            _ => None,
+        }
+    }
+
+    /// Whether the runtime keeps reads and writes apart on the device: a write is handed to the
+    /// executor only when no read is in flight or waiting, and a read only when no write is in
+    /// flight. Only the naive baseline mixes them (that is what it stands for).
+    pub fn read_write_barrier(self) -> bool {
+        self != Self::Naive
+    }
+}
+
+/// What happens when a new request's store would pass the write-queue limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WriteQueueFullAction {
+    /// At `begin_prefill` (before the new request issues any read), the oldest queued stores are
+    /// written and committed synchronously until the new one fits; counted in
+    /// `RuntimeCounters::stores_forced`. The new request's TTFT pays for it.
+    #[default]
+    ForceOldest,
+    /// `begin_prefill` fails with `RuntimeError::WriteQueueFull` and nothing is prepared;
+    /// counted in `RuntimeCounters::stores_refused`. The engine may run the prefill without the
+    /// runtime (nothing stored) or wait for decode steps to drain the queue.
+    Refuse,
+}
+
+impl WriteQueueFullAction {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::ForceOldest => "oldest writes forced",
+            Self::Refuse => "new store refused",
+        }
+    }
+}
+
+/// See the field docs; `RuntimeConfig::new` gives the defaults.
+#[derive(Debug, Clone)]
+pub struct RuntimeConfig {
+    pub policy: PolicyChoice,
+    /// The model name the profile table must carry (its layer count and KV bytes per token are
+    /// checked against the store's geometry).
+    pub model_name: String,
+    /// The GPU the profile table must have been measured on.
+    pub gpu: GpuIdentity,
+    /// Engine blocks whose new KV may wait in the write queue (stores not yet committed).
+    pub write_queue_limit_blocks: usize,
+    /// Stores that may wait in the write queue. Each holds one of the object store's request
+    /// slots and its IOCBs, so keep it below `StoreConfig::requests_max` (one is needed for the
+    /// running request's retrieve).
+    pub write_queue_limit_stores: usize,
+    pub on_write_queue_full: WriteQueueFullAction,
+    /// Bound on every wait for one layer's I/O.
+    pub io_timeout: Duration,
+    /// Issue/complete events kept for inspection (`Runtime::events`); 0 keeps none. Past the
+    /// capacity, events are counted as dropped, never allocated.
+    pub event_log_capacity: usize,
+}
+
+impl RuntimeConfig {
+    pub fn new(model_name: impl Into<String>, gpu: GpuIdentity) -> Self {
+        Self {
+            policy: PolicyChoice::default(),
+            model_name: model_name.into(),
+            gpu,
+            write_queue_limit_blocks: 4096,
+            write_queue_limit_stores: 16,
+            on_write_queue_full: WriteQueueFullAction::default(),
+            io_timeout: Duration::from_secs(10),
+            event_log_capacity: 0,
+        }
+    }
+}

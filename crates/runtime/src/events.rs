@@ -1,0 +1,90 @@
+//! What the runtime issued and saw complete, for tests and tools: a bounded event log and the
+//! counters a serving loop reports.
+
+use std::time::{Duration, Instant};
+
+/// Direction of one layer's I/O.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IoDirection {
+    Read,
+    Write,
+}
+
+/// What happened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IoEventKind {
+    /// A layer's IOCBs were handed to the executor.
+    Issued,
+    /// The runtime saw all of them complete (successfully or not).
+    Completed,
+}
+
+/// One layer of one request, issued or completed. `request` is the runtime's request id (the
+/// one that prepared the retrieve or the store).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IoEvent {
+    pub at: Instant,
+    pub request: u64,
+    pub direction: IoDirection,
+    pub layer: u32,
+    pub kind: IoEventKind,
+}
+
+/// A log with a fixed capacity, allocated at start.
+#[derive(Debug)]
+pub(crate) struct EventLog {
+    events: Vec<IoEvent>,
+    capacity: usize,
+    pub dropped: u64,
+}
+
+impl EventLog {
+    pub fn new(capacity: usize) -> Self {
+        Self { events: Vec::with_capacity(capacity), capacity, dropped: 0 }
+    }
+
+    pub fn record(&mut self, event: IoEvent) {
+        if self.events.len() < self.capacity {
+            self.events.push(event);
+        } else if self.capacity > 0 {
+            self.dropped += 1;
+        }
+    }
+
+    pub fn events(&self) -> &[IoEvent] {
+        &self.events
+    }
+
+    pub fn clear(&mut self) {
+        self.events.clear();
+        self.dropped = 0;
+    }
+}
+
+/// Counters since the runtime started.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct RuntimeCounters {
+    pub prefills: u64,
+    /// Layers of reads / writes handed to the executor.
+    pub read_layers_issued: u64,
+    pub write_layers_issued: u64,
+    /// Write layers issued after their own request's prefill ended (in later requests' slack,
+    /// decode steps, or forced).
+    pub write_layers_deferred: u64,
+    /// Layers issued while the other direction was in flight (0 under a barrier policy).
+    pub mixed_issues: u64,
+    pub stores_committed: u64,
+    pub blocks_committed: u64,
+    /// Stores dropped after a write or commit failure: their blocks never became visible.
+    pub stores_failed: u64,
+    /// Stores written synchronously because the write queue was full.
+    pub stores_forced: u64,
+    /// Requests whose store was refused because the write queue was full.
+    pub stores_refused: u64,
+    /// Requests stored without a store because the pool had no evictable slot.
+    pub stores_skipped_pool_full: u64,
+    /// Prefills or decode steps the table had no entry for (conservative fallback used).
+    pub table_fallbacks: u64,
+    /// Time `before_layer` waited for a layer's KV (the bubble the runtime saw).
+    pub kv_wait: Duration,
+}

@@ -1,0 +1,829 @@
+//! The runtime an engine drives at layer boundaries. It owns the object store and the policy;
+//! the engine says what it knows (a request begins, a layer begins or ends, prefill ends, a
+//! decode step begins) and the runtime decides and issues every read and write.
+//!
+//! Mapping the policy onto the store: the policy counts IOCBs of the table's size
+//! (`iocb_bytes`, from the read cost rows), exactly as the simulator does for the same request,
+//! so both see the same views and make the same decisions. The store moves a layer whole (it
+//! reissues one request's IOCBs per layer), so a layer's reads are handed over when the policy
+//! first issues any of them, and writes are released in whole layers that fit the IOCB count the
+//! policy chose. Offsets inside a layer are not timed: what the policy issues at a boundary is
+//! handed to the executor at that boundary, FIFO per direction, one layer per request at a time;
+//! later layers wait in the runtime and go when the previous one completed (checked at every
+//! call, and while the engine waits for KV).
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use gio_uring::{Executor, SmBudget};
+use objstore::{KvRequest, KvStore, ObjstoreError, RequestHandle};
+use scheduler::policy::{IoPolicy, Issue, LayerView, QueueView};
+use scheduler::table::{IoKind, ModelIdentity, Profile};
+use scheduler::SchedulerError;
+
+use crate::config::RuntimeConfig;
+use crate::error::{store_error, Result, RuntimeError};
+use crate::events::{EventLog, IoDirection, IoEvent, IoEventKind, RuntimeCounters};
+use crate::writes::{PendingStore, WriteQueue};
+
+/// Names one request from `begin_prefill` to `end_prefill`; refused afterwards.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PrefillId(u64);
+
+impl PrefillId {
+    pub fn get(self) -> u64 {
+        self.0
+    }
+}
+
+/// What `begin_prefill` decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefillStart {
+    pub id: PrefillId,
+    /// Leading blocks whose KV the runtime reads (the engine computes only the rest).
+    pub cached_blocks: usize,
+    /// Engine blocks whose data the write queue holds until committed (see `Runtime::releasable`).
+    pub queued_blocks: usize,
+}
+
+#[derive(Debug)]
+struct Prefill {
+    id: u64,
+    input_tokens: u32,
+    prefix_tokens: u32,
+    retrieve: Option<RequestHandle>,
+    next_layer: u32,
+    in_layer: Option<u32>,
+    /// No table entry for this request: all reads at once, writes left to decode steps.
+    fallback: bool,
+    kv_wait: Duration,
+}
+
+/// The reads of the running prefill.
+#[derive(Debug)]
+struct Reads {
+    /// Per layer, IOCBs (the policy's unit) not issued yet.
+    unissued_iocbs: Vec<u32>,
+    iocbs_per_layer: u32,
+    /// Issued by the policy, waiting for the previous layer (or a write) to complete.
+    waiting: VecDeque<u32>,
+    in_flight: Option<u32>,
+    done: Vec<bool>,
+}
+
+impl Reads {
+    /// Issued by the policy and not completed, in the policy's IOCBs.
+    fn outstanding_iocbs(&self) -> u32 {
+        let layers = self.waiting.len() as u32 + u32::from(self.in_flight.is_some());
+        layers.saturating_mul(self.iocbs_per_layer)
+    }
+}
+
+fn queue_view<'a>(profile: &'a Profile, reads: &Reads, writes: &WriteQueue, context_tokens: u32) -> QueueView<'a> {
+    QueueView {
+        table: profile,
+        context_tokens,
+        outstanding_read_iocbs: reads.outstanding_iocbs(),
+        outstanding_write_iocbs: writes.outstanding_iocbs(),
+        queued_write_iocbs: writes.queued_iocbs(),
+    }
+}
+
+/// See the module documentation.
+pub struct Runtime<E: Executor> {
+    store: KvStore<E>,
+    profile: Profile,
+    config: RuntimeConfig,
+    policy: Box<dyn IoPolicy>,
+    block_tokens: u32,
+    layers: u32,
+    kv_bytes_per_token_per_layer: u64,
+    iocb_bytes: u64,
+    read_budget: SmBudget,
+    write_budget: SmBudget,
+    prefill: Option<Prefill>,
+    reads: Reads,
+    writes: WriteQueue,
+    next_request: u64,
+    counters: RuntimeCounters,
+    log: EventLog,
+}
+
+impl<E: Executor> std::fmt::Debug for Runtime<E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Runtime")
+            .field("policy", &self.config.policy)
+            .field("prefill", &self.prefill)
+            .field("write_queue", &self.writes.stores)
+            .field("counters", &self.counters)
+            .finish()
+    }
+}
+
+/// Policy units for `tokens` tokens of KV per layer.
+fn iocbs_for(tokens: u64, kv_bytes_per_token_per_layer: u64, iocb_bytes: u64) -> u32 {
+    let bytes = tokens.saturating_mul(kv_bytes_per_token_per_layer);
+    u32::try_from(bytes.div_ceil(iocb_bytes)).unwrap_or(u32::MAX)
+}
+
+impl<E: Executor> Runtime<E> {
+    /// Binds a store to a profile table. The table must describe the store's geometry (layer
+    /// count, KV bytes per token) and the model and GPU named in `config`.
+    pub fn new(store: KvStore<E>, profile: Profile, config: RuntimeConfig) -> Result<Self> {
+        if config.write_queue_limit_blocks == 0 || config.write_queue_limit_stores == 0 || config.io_timeout.is_zero() {
+            return Err(RuntimeError::InvalidConfig {
+                reason: format!(
+                    "write_queue_limit_blocks ({}), write_queue_limit_stores ({}) and io_timeout ({:?}) must be positive",
+                    config.write_queue_limit_blocks, config.write_queue_limit_stores, config.io_timeout
+                ),
+            });
+        }
+        let geometry = *store.pool().geometry();
+        // K and V of one token in one layer: two objects of a block, over its tokens.
+        let kv_bytes_per_token_per_layer = 2 * geometry.object_bytes() / u64::from(geometry.block_tokens);
+        let model = ModelIdentity { name: config.model_name.clone(), layer_count: geometry.layers, kv_bytes_per_token_per_layer };
+        profile.check_identity(&model, &config.gpu).map_err(|source| RuntimeError::ProfileMismatch { source })?;
+        let iocb_bytes = profile
+            .table()
+            .io_costs
+            .iter()
+            .find(|row| row.kind == IoKind::Read)
+            .map(|row| row.bytes / u64::from(row.iocb_count))
+            .filter(|&bytes| bytes > 0)
+            .ok_or_else(|| RuntimeError::ProfileMismatch {
+                source: SchedulerError::InvalidConfig {
+                    field: "io_costs".into(),
+                    reason: "no read row with a byte count: the IOCB size the policy counts in is unknown".into(),
+                },
+            })?;
+        let budget = |kind| SmBudget(profile.io_sm_budget_max(kind).max(1));
+        let (read_budget, write_budget) = (budget(IoKind::Read), budget(IoKind::Write));
+        let layers = geometry.layers;
+        let engine_blocks = store.table().registration().num_blocks();
+        Ok(Self {
+            store,
+            profile,
+            policy: config.policy.kind().build(),
+            block_tokens: geometry.block_tokens,
+            layers,
+            kv_bytes_per_token_per_layer,
+            iocb_bytes,
+            read_budget,
+            write_budget,
+            prefill: None,
+            reads: Reads {
+                unissued_iocbs: vec![0; layers as usize],
+                iocbs_per_layer: 0,
+                waiting: VecDeque::with_capacity(layers as usize),
+                in_flight: None,
+                done: vec![true; layers as usize],
+            },
+            writes: WriteQueue::new(engine_blocks, config.write_queue_limit_stores),
+            next_request: 1,
+            counters: RuntimeCounters::default(),
+            log: EventLog::new(config.event_log_capacity),
+            config,
+        })
+    }
+
+    pub fn store(&self) -> &KvStore<E> {
+        &self.store
+    }
+
+    pub fn profile(&self) -> &Profile {
+        &self.profile
+    }
+
+    pub fn config(&self) -> &RuntimeConfig {
+        &self.config
+    }
+
+    pub fn counters(&self) -> RuntimeCounters {
+        self.counters
+    }
+
+    /// Issue/complete events recorded so far (empty unless `event_log_capacity` > 0).
+    pub fn events(&self) -> &[IoEvent] {
+        self.log.events()
+    }
+
+    /// Events that did not fit the log.
+    pub fn events_dropped(&self) -> u64 {
+        self.log.dropped
+    }
+
+    pub fn clear_events(&mut self) {
+        self.log.clear();
+    }
+
+    /// The IOCB size (bytes) the policy counts in, from the table's read cost rows.
+    pub fn iocb_bytes(&self) -> u64 {
+        self.iocb_bytes
+    }
+
+    /// The longest cached prefix of `tokens`, in blocks.
+    pub fn lookup(&mut self, tokens: &[u32]) -> usize {
+        self.store.lookup(tokens)
+    }
+
+    /// Whether the engine may reuse engine block `block`: no queued store still has to write
+    /// its data. A block handed to `begin_prefill` for storing stays held until its store has
+    /// committed (its data is on the device and durable) or failed (it will never be written).
+    pub fn releasable(&self, block: u32) -> bool {
+        self.writes.releasable(block)
+    }
+
+    /// Engine blocks and stores waiting in the write queue.
+    pub fn queued_blocks(&self) -> usize {
+        self.writes.queued_blocks
+    }
+
+    pub fn queued_stores(&self) -> usize {
+        self.writes.stores.len()
+    }
+
+    /// Begins a request's prefill. `request.tokens` is the whole prompt, `request.block_ids` the
+    /// engine blocks of its full blocks in order. The runtime looks up the cached prefix, prepares
+    /// its retrieve into the leading engine blocks and the store of the rest (blocks cached or
+    /// being stored elsewhere are shared, not written twice). Nothing is issued yet.
+    pub fn begin_prefill(&mut self, request: &KvRequest<'_>) -> Result<PrefillStart> {
+        if let Some(active) = &self.prefill {
+            return Err(RuntimeError::OutOfOrder {
+                call: "begin_prefill",
+                reason: format!("request {} is still in prefill (end_prefill or abort_prefill first)", active.id),
+            });
+        }
+        self.progress()?;
+        let blocks = request.block_ids.len();
+        let hit = self.store.lookup(request.tokens).min(blocks);
+        let incoming = blocks - hit;
+        if incoming > 0 {
+            self.make_room(incoming)?;
+        }
+        let id = self.next_request;
+        self.next_request += 1;
+        // The store first: it pins the cached blocks it shares, so no eviction it makes can take
+        // the prefix the retrieve is about to read.
+        if incoming > 0 {
+            match self.store.prepare_store(request) {
+                Ok(plan) if plan.new_blocks == 0 => {
+                    self.store.finish(plan.handle).map_err(store_error("finish a store with no new block"))?
+                }
+                Ok(plan) => {
+                    let mut engine_blocks = self.writes.take_list();
+                    engine_blocks.extend_from_slice(&request.block_ids[hit..]);
+                    let new_tokens = plan.new_blocks as u64 * u64::from(self.block_tokens);
+                    self.writes.push(PendingStore {
+                        request: id,
+                        handle: plan.handle,
+                        engine_blocks,
+                        iocbs_per_layer: iocbs_for(new_tokens, self.kv_bytes_per_token_per_layer, self.iocb_bytes).max(1),
+                        ready_layers: 0,
+                        decided_layers: 0,
+                        written_layers: 0,
+                        in_flight: None,
+                        prefill_ended: false,
+                    });
+                }
+                Err(ObjstoreError::PoolFull { needed, evictable }) => {
+                    tracing::warn!(needed, evictable, "runtime: pool full, the request's new KV is not stored");
+                    self.counters.stores_skipped_pool_full += 1;
+                }
+                Err(source) => return Err(RuntimeError::Store { operation: "prepare_store", source }),
+            }
+        }
+        let retrieve = if hit > 0 {
+            match self.store.prepare_retrieve(&KvRequest { tokens: request.tokens, block_ids: &request.block_ids[..hit] }) {
+                Ok(handle) => Some(handle),
+                Err(source) => {
+                    self.drop_store(id)?;
+                    return Err(RuntimeError::Store { operation: "prepare_retrieve", source });
+                }
+            }
+        } else {
+            None
+        };
+        let input_tokens = u32::try_from(request.tokens.len()).unwrap_or(u32::MAX);
+        let prefix_tokens = u32::try_from(hit as u64 * u64::from(self.block_tokens)).unwrap_or(u32::MAX);
+        let fallback = self.profile.bucket(input_tokens, prefix_tokens).is_err();
+        if fallback {
+            self.counters.table_fallbacks += 1;
+        }
+        let per_layer =
+            if hit > 0 { iocbs_for(u64::from(prefix_tokens), self.kv_bytes_per_token_per_layer, self.iocb_bytes).max(1) } else { 0 };
+        self.reads.iocbs_per_layer = per_layer;
+        self.reads.unissued_iocbs.fill(per_layer);
+        self.reads.done.fill(hit == 0);
+        self.reads.waiting.clear();
+        self.reads.in_flight = None;
+        self.prefill =
+            Some(Prefill { id, input_tokens, prefix_tokens, retrieve, next_layer: 0, in_layer: None, fallback, kv_wait: Duration::ZERO });
+        self.counters.prefills += 1;
+        Ok(PrefillStart {
+            id: PrefillId(id),
+            cached_blocks: hit,
+            queued_blocks: self.writes.index_of(id).map_or(0, |i| self.writes.stores[i].engine_blocks.len()),
+        })
+    }
+
+    /// Before layer `layer` computes: the policy decides what to issue, the runtime issues it,
+    /// then waits until the layer's cached KV is resident. Returns that wait (the bubble).
+    pub fn before_layer(&mut self, id: PrefillId, layer: u32) -> Result<Duration> {
+        let layers = self.layers;
+        let prefill = self.prefill_of("before_layer", id)?;
+        if let Some(open) = prefill.in_layer {
+            return Err(RuntimeError::OutOfOrder {
+                call: "before_layer",
+                reason: format!("layer {open} has not ended (after_layer first)"),
+            });
+        }
+        if layer != prefill.next_layer || layer >= layers {
+            let expected = if prefill.next_layer == layers {
+                "none: every layer is done, call end_prefill".to_string()
+            } else {
+                prefill.next_layer.to_string()
+            };
+            return Err(RuntimeError::OutOfOrder { call: "before_layer", reason: format!("layer {layer}, expected {expected}") });
+        }
+        let (input_tokens, prefix_tokens, fallback) = (prefill.input_tokens, prefill.prefix_tokens, prefill.fallback);
+        self.progress()?;
+        let mut wait_for_all = false;
+        if fallback {
+            for read_layer in 0..self.layers {
+                self.decide_read(read_layer);
+            }
+        } else {
+            let view = LayerView {
+                table: &self.profile,
+                input_tokens,
+                prefix_tokens,
+                layer,
+                unissued_read_iocbs: &self.reads.unissued_iocbs,
+                outstanding_read_iocbs: self.outstanding_read_iocbs(),
+                outstanding_write_iocbs: self.writes.outstanding_iocbs(),
+                queued_write_iocbs: self.writes.queued_iocbs(),
+            };
+            let plan =
+                self.policy.plan_layer(&view).map_err(|source| RuntimeError::Scheduler { policy: self.config.policy.name(), source })?;
+            wait_for_all = plan.wait_for_all_reads;
+            for issue in &plan.issues {
+                self.apply(issue);
+            }
+        }
+        self.pump()?;
+        let started = Instant::now();
+        self.wait_for_reads(if wait_for_all { None } else { Some(layer) })?;
+        let waited = started.elapsed();
+        self.counters.kv_wait += waited;
+        if let Some(prefill) = self.prefill.as_mut() {
+            prefill.kv_wait += waited;
+            prefill.in_layer = Some(layer);
+        }
+        Ok(waited)
+    }
+
+    /// After layer `layer` computed: its new KV is in engine memory and may be written.
+    pub fn after_layer(&mut self, id: PrefillId, layer: u32) -> Result<()> {
+        let prefill = self.prefill_of("after_layer", id)?;
+        if prefill.in_layer != Some(layer) {
+            return Err(RuntimeError::OutOfOrder {
+                call: "after_layer",
+                reason: format!("layer {layer}, but the layer begun is {:?} (before_layer first)", prefill.in_layer),
+            });
+        }
+        prefill.in_layer = None;
+        prefill.next_layer = layer + 1;
+        if let Some(index) = self.writes.index_of(id.0) {
+            self.writes.stores[index].ready_layers = layer + 1;
+        }
+        self.progress()
+    }
+
+    /// After the last layer: the request's reads are over; its writes stay queued for later slack.
+    /// Returns the time this prefill waited for KV.
+    pub fn end_prefill(&mut self, id: PrefillId) -> Result<Duration> {
+        let layers = self.layers;
+        let prefill = self.prefill_of("end_prefill", id)?;
+        if prefill.in_layer.is_some() || prefill.next_layer != layers {
+            return Err(RuntimeError::OutOfOrder {
+                call: "end_prefill",
+                reason: format!("{} of {layers} layers ended (in layer: {:?})", prefill.next_layer, prefill.in_layer),
+            });
+        }
+        let context_tokens = prefill.input_tokens;
+        let kv_wait = prefill.kv_wait;
+        if let Some(handle) = prefill.retrieve.take() {
+            // Every layer waited for its own reads, so none is in flight.
+            self.store.finish(handle).map_err(store_error("finish the retrieve"))?;
+        }
+        self.prefill = None;
+        if let Some(index) = self.writes.index_of(id.0) {
+            self.writes.stores[index].prefill_ended = true;
+        }
+        let view = queue_view(&self.profile, &self.reads, &self.writes, context_tokens);
+        let issues =
+            self.policy.plan_prefill_end(&view).map_err(|source| RuntimeError::Scheduler { policy: self.config.policy.name(), source })?;
+        for issue in &issues {
+            self.apply(issue);
+        }
+        self.progress()?;
+        Ok(kv_wait)
+    }
+
+    /// Ends a prefill early (the engine gave up on the request): waits for its read in flight,
+    /// drops its retrieve and its store (nothing of it becomes visible).
+    pub fn abort_prefill(&mut self, id: PrefillId) -> Result<()> {
+        self.prefill_of("abort_prefill", id)?;
+        if self.reads.in_flight.is_some() {
+            let result = self.wait_read();
+            if let Err(RuntimeError::ReadFailed { .. }) = result {
+                return Ok(()); // the failure already ended the prefill
+            }
+            result?;
+        }
+        self.end_reads()?;
+        self.drop_store(id.0)
+    }
+
+    /// Before a decode step over `context_tokens` tokens: queued writes go into the step's slack
+    /// as the policy decides. Not while a prefill runs.
+    pub fn decode_step(&mut self, context_tokens: u32) -> Result<()> {
+        if let Some(active) = &self.prefill {
+            return Err(RuntimeError::OutOfOrder {
+                call: "decode_step",
+                reason: format!("request {} is in prefill (end_prefill first)", active.id),
+            });
+        }
+        self.progress()?;
+        let view = queue_view(&self.profile, &self.reads, &self.writes, context_tokens);
+        match self.policy.plan_decode_step(&view) {
+            Ok(issues) => {
+                for issue in &issues {
+                    self.apply(issue);
+                }
+            }
+            // A context the table has no step for: no slack is known, nothing is written.
+            Err(SchedulerError::OutOfRange { .. }) => self.counters.table_fallbacks += 1,
+            Err(source) => return Err(RuntimeError::Scheduler { policy: self.config.policy.name(), source }),
+        }
+        self.pump()
+    }
+
+    /// Advances the queues without a decision: reaps completions, commits finished stores,
+    /// issues what waits. Engines may call it at any time (it never blocks).
+    pub fn poll_io(&mut self) -> Result<()> {
+        self.progress()
+    }
+
+    /// Writes and commits every queued store now (not while a prefill runs).
+    pub fn drain(&mut self) -> Result<()> {
+        if let Some(active) = &self.prefill {
+            return Err(RuntimeError::OutOfOrder { call: "drain", reason: format!("request {} is in prefill", active.id) });
+        }
+        self.writes.decide_all();
+        let bound = (self.writes.stores.len() + 1) * (self.layers as usize + 2);
+        for _ in 0..bound {
+            self.progress()?;
+            if self.writes.stores.is_empty() {
+                return Ok(());
+            }
+            self.wait_writes()?;
+        }
+        self.progress()
+    }
+
+    /// Drains the write queue and gives the store back.
+    pub fn finish(mut self) -> Result<(KvStore<E>, RuntimeCounters)> {
+        self.drain()?;
+        Ok((self.store, self.counters))
+    }
+
+    fn prefill_of(&mut self, call: &'static str, id: PrefillId) -> Result<&mut Prefill> {
+        let active = self.prefill.as_ref().map(|p| p.id);
+        match self.prefill.as_mut() {
+            Some(prefill) if prefill.id == id.0 => Ok(prefill),
+            _ => Err(RuntimeError::StaleRequest { call, request: id.0, active }),
+        }
+    }
+
+    fn outstanding_read_iocbs(&self) -> u32 {
+        self.reads.outstanding_iocbs()
+    }
+
+    fn apply(&mut self, issue: &Issue) {
+        match (issue.kind, issue.layer) {
+            (IoKind::Read, Some(layer)) => self.decide_read(layer),
+            (IoKind::Read, None) => {}
+            (IoKind::Write, _) => {
+                self.writes.decide(issue.iocb_count);
+            }
+        }
+    }
+
+    fn decide_read(&mut self, layer: u32) {
+        if let Some(unissued) = self.reads.unissued_iocbs.get_mut(layer as usize).filter(|count| **count > 0) {
+            *unissued = 0;
+            self.reads.waiting.push_back(layer);
+        }
+    }
+
+    fn barrier(&self) -> bool {
+        self.config.policy.read_write_barrier()
+    }
+
+    fn reads_pending(&self) -> bool {
+        self.reads.in_flight.is_some() || !self.reads.waiting.is_empty()
+    }
+
+    fn record(&mut self, request: u64, direction: IoDirection, layer: u32, kind: IoEventKind) {
+        self.log.record(IoEvent { at: Instant::now(), request, direction, layer, kind });
+    }
+
+    /// Reaps completions, commits finished stores, issues what may go.
+    fn progress(&mut self) -> Result<()> {
+        if let (Some(layer), Some(handle)) = (self.reads.in_flight, self.prefill.as_ref().and_then(|p| p.retrieve)) {
+            match self.store.poll(handle) {
+                Ok(true) => self.complete_read(layer),
+                Ok(false) => {}
+                Err(source) => return Err(self.read_failed(layer, source)),
+            }
+        }
+        let mut index = 0;
+        while index < self.writes.stores.len() {
+            let store = &self.writes.stores[index];
+            if store.in_flight.is_none() {
+                index += 1;
+                continue;
+            }
+            match self.store.poll(store.handle) {
+                Ok(true) => {
+                    self.complete_write(index);
+                    index += 1;
+                }
+                Ok(false) => index += 1,
+                Err(source) => self.write_failed(index, &source)?,
+            }
+        }
+        self.commit_written()?;
+        self.pump()
+    }
+
+    fn complete_read(&mut self, layer: u32) {
+        self.reads.in_flight = None;
+        self.reads.done[layer as usize] = true;
+        let request = self.prefill.as_ref().map_or(0, |p| p.id);
+        self.record(request, IoDirection::Read, layer, IoEventKind::Completed);
+    }
+
+    fn complete_write(&mut self, index: usize) {
+        let store = &mut self.writes.stores[index];
+        let layer = store.written_layers;
+        store.in_flight = None;
+        store.written_layers += 1;
+        let request = store.request;
+        self.record(request, IoDirection::Write, layer, IoEventKind::Completed);
+    }
+
+    /// A read failed: the prefill ends (its retrieve and store are dropped) and the error says so.
+    fn read_failed(&mut self, layer: u32, source: ObjstoreError) -> RuntimeError {
+        self.reads.in_flight = None;
+        let request = self.prefill.as_ref().map_or(0, |p| p.id);
+        self.record(request, IoDirection::Read, layer, IoEventKind::Completed);
+        if let Err(error) = self.end_reads().and_then(|()| self.drop_store(request)) {
+            tracing::warn!(%error, "runtime: cleaning up after a failed read");
+        }
+        RuntimeError::ReadFailed { layer, source }
+    }
+
+    /// Finishes the running prefill's retrieve (nothing of it may be in flight) and ends it.
+    fn end_reads(&mut self) -> Result<()> {
+        self.reads.waiting.clear();
+        self.reads.unissued_iocbs.fill(0);
+        if let Some(handle) = self.prefill.take().and_then(|p| p.retrieve) {
+            self.store.finish(handle).map_err(store_error("finish the retrieve"))?;
+        }
+        Ok(())
+    }
+
+    /// A write of the store at `index` failed: the store is dropped (its blocks never become
+    /// visible, its engine blocks are released); the others continue.
+    fn write_failed(&mut self, index: usize, source: &ObjstoreError) -> Result<()> {
+        let Some(store) = self.writes.remove(index) else { return Ok(()) };
+        let layer = store.written_layers;
+        tracing::warn!(request = store.request, layer, error = %source, "runtime: a deferred write failed; the store is dropped");
+        self.record(store.request, IoDirection::Write, layer, IoEventKind::Completed);
+        self.counters.stores_failed += 1;
+        // The failed wait ended the layer: nothing of the store is in flight.
+        let finished = self.store.finish(store.handle).map_err(store_error("finish a failed store"));
+        self.writes.recycle(store.engine_blocks);
+        finished
+    }
+
+    /// Drops the store of `request` if queued (waiting for its write in flight first).
+    fn drop_store(&mut self, request: u64) -> Result<()> {
+        let Some(index) = self.writes.index_of(request) else { return Ok(()) };
+        if self.writes.stores[index].in_flight.is_some() {
+            let handle = self.writes.stores[index].handle;
+            // Its outcome does not matter: the store is dropped either way.
+            let _ = self.store.wait(handle, Instant::now() + self.config.io_timeout);
+        }
+        if let Some(store) = self.writes.remove(index) {
+            self.store.finish(store.handle).map_err(store_error("finish a dropped store"))?;
+            self.writes.recycle(store.engine_blocks);
+        }
+        Ok(())
+    }
+
+    /// Commits every store whose layers are all written, when no read is pending (a commit
+    /// flushes and writes slot headers: writes, under the barrier).
+    fn commit_written(&mut self) -> Result<()> {
+        if self.barrier() && self.reads_pending() {
+            return Ok(());
+        }
+        let mut index = 0;
+        while index < self.writes.stores.len() {
+            let store = &self.writes.stores[index];
+            if store.written_layers < self.layers || store.in_flight.is_some() {
+                index += 1;
+                continue;
+            }
+            let Some(store) = self.writes.remove(index) else { break };
+            match self.store.commit_store(store.handle) {
+                Ok(blocks) => {
+                    self.counters.stores_committed += 1;
+                    self.counters.blocks_committed += blocks as u64;
+                }
+                Err(error) => {
+                    // The store released its slots: the blocks never become visible.
+                    tracing::warn!(request = store.request, %error, "runtime: commit failed; the store is dropped");
+                    self.counters.stores_failed += 1;
+                }
+            }
+            self.writes.recycle(store.engine_blocks);
+        }
+        Ok(())
+    }
+
+    /// Hands waiting layers to the executor: the next read when the previous one completed (and,
+    /// under the barrier, no write is in flight); released writes when no read is pending.
+    fn pump(&mut self) -> Result<()> {
+        let issued_before = self.counters.read_layers_issued + self.counters.write_layers_issued;
+        self.pump_layers()?;
+        if self.counters.read_layers_issued + self.counters.write_layers_issued != issued_before {
+            // A caller-driven executor (the CPU one) turns issued IOCBs into device commands only
+            // when polled: start them now rather than at the next boundary. Peeking consumes no
+            // completion.
+            self.store
+                .queue_mut()
+                .peek_cqe()
+                .map_err(|error| RuntimeError::Store { operation: "start issued I/O", source: error.into() })?;
+        }
+        Ok(())
+    }
+
+    fn pump_layers(&mut self) -> Result<()> {
+        let barrier = self.barrier();
+        if self.reads.in_flight.is_none() && !(barrier && self.writes.any_in_flight()) {
+            if let (Some(&layer), Some(handle)) = (self.reads.waiting.front(), self.prefill.as_ref().and_then(|p| p.retrieve)) {
+                self.store.retrieve_layer(handle, layer, self.read_budget).map_err(store_error("retrieve_layer"))?;
+                self.reads.waiting.pop_front();
+                self.reads.in_flight = Some(layer);
+                self.counters.read_layers_issued += 1;
+                if self.writes.any_in_flight() {
+                    self.counters.mixed_issues += 1;
+                }
+                let request = self.prefill.as_ref().map_or(0, |p| p.id);
+                self.record(request, IoDirection::Read, layer, IoEventKind::Issued);
+            }
+        }
+        if barrier && self.reads_pending() {
+            return Ok(());
+        }
+        for index in 0..self.writes.stores.len() {
+            let store = &self.writes.stores[index];
+            if store.in_flight.is_some() || store.written_layers >= store.decided_layers {
+                continue;
+            }
+            let (handle, layer, request, deferred) = (store.handle, store.written_layers, store.request, store.prefill_ended);
+            self.store.store_layer(handle, layer, self.write_budget).map_err(store_error("store_layer"))?;
+            self.writes.stores[index].in_flight = Some(layer);
+            self.counters.write_layers_issued += 1;
+            if deferred {
+                self.counters.write_layers_deferred += 1;
+            }
+            if self.reads.in_flight.is_some() {
+                self.counters.mixed_issues += 1;
+            }
+            self.record(request, IoDirection::Write, layer, IoEventKind::Issued);
+        }
+        Ok(())
+    }
+
+    fn wait_read(&mut self) -> Result<()> {
+        let (Some(layer), Some(handle)) = (self.reads.in_flight, self.prefill.as_ref().and_then(|p| p.retrieve)) else { return Ok(()) };
+        match self.store.wait(handle, Instant::now() + self.config.io_timeout) {
+            Ok(_) => {
+                self.complete_read(layer);
+                Ok(())
+            }
+            Err(source) => Err(self.read_failed(layer, source)),
+        }
+    }
+
+    fn wait_writes(&mut self) -> Result<()> {
+        let mut index = 0;
+        while index < self.writes.stores.len() {
+            if self.writes.stores[index].in_flight.is_none() {
+                index += 1;
+                continue;
+            }
+            let handle = self.writes.stores[index].handle;
+            match self.store.wait(handle, Instant::now() + self.config.io_timeout) {
+                Ok(_) => {
+                    self.complete_write(index);
+                    index += 1;
+                }
+                Err(ObjstoreError::Gio(timeout @ gio_uring::GioError::WaitTimeout { .. })) => {
+                    return Err(RuntimeError::Store { operation: "wait for a write", source: ObjstoreError::Gio(timeout) })
+                }
+                Err(source) => self.write_failed(index, &source)?,
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits until layer `layer`'s reads (all reads with `None`) completed, issuing waiting
+    /// layers as the ones before them complete.
+    fn wait_for_reads(&mut self, layer: Option<u32>) -> Result<()> {
+        let done = |reads: &Reads| match layer {
+            Some(layer) => reads.done[layer as usize],
+            None => reads.done.iter().all(|&done| done),
+        };
+        // Each pass completes a read or a write, or fails: bounded by the layers in flight.
+        let bound = 2 * (self.layers as usize + self.writes.stores.len()) + 4;
+        for _ in 0..bound {
+            self.progress()?;
+            if done(&self.reads) {
+                return Ok(());
+            }
+            if self.reads.in_flight.is_some() {
+                self.wait_read()?;
+            } else if !self.reads.waiting.is_empty() && self.writes.any_in_flight() {
+                // Under the barrier a read waits for the writes in flight.
+                self.wait_writes()?;
+            } else if self.reads.waiting.is_empty() {
+                break;
+            }
+        }
+        if done(&self.reads) {
+            return Ok(());
+        }
+        Err(RuntimeError::ReadsNeverIssued {
+            policy: self.config.policy.name(),
+            layer: layer.unwrap_or(self.layers),
+            unissued: self.reads.unissued_iocbs.clone(),
+        })
+    }
+
+    /// Makes room for `incoming` blocks in the write queue, as configured.
+    fn make_room(&mut self, incoming: usize) -> Result<()> {
+        let (limit_blocks, limit_stores) = (self.config.write_queue_limit_blocks, self.config.write_queue_limit_stores);
+        let over = |writes: &WriteQueue| writes.queued_blocks + incoming > limit_blocks || writes.stores.len() + 1 > limit_stores;
+        let full = |writes: &WriteQueue, action: &'static str| RuntimeError::WriteQueueFull {
+            queued_blocks: writes.queued_blocks,
+            queued_stores: writes.stores.len(),
+            incoming_blocks: incoming,
+            limit_blocks,
+            limit_stores,
+            action,
+        };
+        if !over(&self.writes) {
+            return Ok(());
+        }
+        let action = self.config.on_write_queue_full;
+        if action == crate::config::WriteQueueFullAction::Refuse || incoming > limit_blocks {
+            self.counters.stores_refused += 1;
+            return Err(full(&self.writes, if incoming > limit_blocks { "larger than the whole queue" } else { action.name() }));
+        }
+        while over(&self.writes) && !self.writes.stores.is_empty() {
+            self.force_oldest()?;
+            self.counters.stores_forced += 1;
+        }
+        Ok(())
+    }
+
+    /// Writes and commits the oldest queued store now (no prefill runs: no read is pending).
+    fn force_oldest(&mut self) -> Result<()> {
+        let Some(oldest) = self.writes.stores.front_mut() else { return Ok(()) };
+        oldest.decided_layers = oldest.ready_layers;
+        let request = oldest.request;
+        for _ in 0..self.layers as usize + 2 {
+            self.progress()?;
+            if self.writes.index_of(request).is_none() {
+                return Ok(());
+            }
+            self.wait_writes()?;
+        }
+        self.progress()
+    }
+}

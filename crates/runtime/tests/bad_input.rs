@@ -1,0 +1,150 @@
+//! Bad input from the engine, the table and the device: typed errors, no panic, no wrong bytes.
+
+mod common;
+
+use common::{config, gpu, parts, prefill, prompt, stack, table, MODEL};
+use nvme_driver::spec::status::codes;
+use nvme_driver::spec::{NvmOpcode, NvmeStatus, StatusCodeType};
+use nvme_emu::{FaultAction, FaultPlan, FaultRule};
+use objstore::KvRequest;
+use scheduler::table::{GpuIdentity, Profile};
+use tutti_runtime::{PolicyChoice, Runtime, RuntimeError, WriteQueueFullAction};
+
+/// Goal: a table for another model (name, layer count) or another GPU is refused at start.
+#[test]
+fn profile_for_another_model_or_gpu_is_refused() {
+    let layers = common::geometry().layers;
+    let cases = [
+        (Profile::from_table(table("llama3-8b", layers)).unwrap(), config(PolicyChoice::SlackAware)),
+        (Profile::from_table(table(MODEL, layers + 1)).unwrap(), config(PolicyChoice::SlackAware)),
+        (Profile::from_table(table(MODEL, layers)).unwrap(), {
+            let mut other = config(PolicyChoice::SlackAware);
+            other.gpu = GpuIdentity { name: "h200".into(), ..gpu() };
+            other
+        }),
+    ];
+    for (profile, config) in cases {
+        let (_device, store, _engine) = parts(None);
+        match Runtime::new(store, profile, config) {
+            Err(RuntimeError::ProfileMismatch { .. }) => {}
+            other => panic!("expected ProfileMismatch, got {other:?}"),
+        }
+    }
+}
+
+/// Goal: boundaries out of order (a layer twice, skipped, ended before begun, decode during
+/// prefill, end before the last layer, calls on a finished request, a second prefill) are typed
+/// errors that leave the runtime usable; the request then completes with the right bytes.
+#[test]
+fn boundaries_out_of_order_are_refused() {
+    let layers = common::geometry().layers;
+    let mut stack = stack(config(PolicyChoice::SlackAware), None);
+    let tokens = prompt(0, 0);
+    let blocks: Vec<u32> = (0..4).collect();
+    prefill(&mut stack, &tokens, &blocks).unwrap();
+    stack.runtime.drain().unwrap();
+    let next = prompt(0, 1);
+    let next_blocks: Vec<u32> = (4..10).collect();
+    let start = stack.runtime.begin_prefill(&KvRequest { tokens: &next, block_ids: &next_blocks }).unwrap();
+    assert_eq!(start.cached_blocks, 4);
+    let id = start.id;
+    let out_of_order = |result: Result<(), RuntimeError>| matches!(result, Err(RuntimeError::OutOfOrder { .. }));
+    assert!(out_of_order(stack.runtime.after_layer(id, 0)), "after_layer before before_layer");
+    assert!(out_of_order(stack.runtime.before_layer(id, 1).map(drop)), "layer 1 before layer 0");
+    assert!(out_of_order(stack.runtime.end_prefill(id).map(drop)), "end before any layer");
+    assert!(out_of_order(stack.runtime.decode_step(100)), "decode during prefill");
+    assert!(out_of_order(stack.runtime.begin_prefill(&KvRequest { tokens: &next, block_ids: &next_blocks }).map(drop)));
+    stack.runtime.before_layer(id, 0).unwrap();
+    assert!(out_of_order(stack.runtime.before_layer(id, 0).map(drop)), "layer 0 twice");
+    stack.runtime.after_layer(id, 0).unwrap();
+    assert!(out_of_order(stack.runtime.before_layer(id, 0).map(drop)), "layer 0 again after it ended");
+    for layer in 1..layers {
+        stack.runtime.before_layer(id, layer).unwrap();
+        stack.engine.compute_layer(&next, 4..6, &next_blocks, layer);
+        stack.runtime.after_layer(id, layer).unwrap();
+    }
+    assert!(out_of_order(stack.runtime.before_layer(id, layers).map(drop)), "a layer past the model");
+    stack.runtime.end_prefill(id).unwrap();
+    assert!(stack.engine.holds(&next, 0..4, &next_blocks, layers));
+    for call in [
+        stack.runtime.before_layer(id, 0).map(drop),
+        stack.runtime.after_layer(id, 0),
+        stack.runtime.end_prefill(id).map(drop),
+        stack.runtime.abort_prefill(id),
+    ] {
+        assert!(matches!(call, Err(RuntimeError::StaleRequest { .. })), "{call:?}");
+    }
+    stack.runtime.decode_step(200).unwrap();
+}
+
+/// Goal: past the write-queue limit, `Refuse` fails the new request with a typed error and
+/// prepares nothing; `ForceOldest` writes and commits the oldest store first. Both are counted.
+#[test]
+fn full_write_queue_refuses_or_forces_as_configured() {
+    for action in [WriteQueueFullAction::Refuse, WriteQueueFullAction::ForceOldest] {
+        let mut config = config(PolicyChoice::SlackAware);
+        config.write_queue_limit_blocks = 4;
+        config.on_write_queue_full = action;
+        let mut stack = stack(config, None);
+        let first = prompt(0, 0);
+        prefill(&mut stack, &first, &[0, 1, 2, 3]).unwrap();
+        assert_eq!(stack.runtime.queued_blocks(), 4, "slack-aware keeps the last layer queued");
+        let second = prompt(1, 0);
+        let result = prefill(&mut stack, &second, &[4, 5, 6, 7]);
+        let counters = stack.runtime.counters();
+        match action {
+            WriteQueueFullAction::Refuse => {
+                assert!(matches!(result, Err(RuntimeError::WriteQueueFull { .. })), "{result:?}");
+                assert_eq!((counters.stores_refused, counters.prefills), (1, 1));
+                // Nothing was prepared: the engine can go on.
+                stack.runtime.drain().unwrap();
+                assert_eq!(stack.runtime.lookup(&first), 4);
+                prefill(&mut stack, &second, &[4, 5, 6, 7]).unwrap();
+            }
+            WriteQueueFullAction::ForceOldest => {
+                result.unwrap();
+                assert_eq!(counters.stores_forced, 1);
+                assert_eq!(stack.runtime.lookup(&first), 4, "the forced store is committed");
+            }
+        }
+        stack.runtime.drain().unwrap();
+        assert_eq!(stack.runtime.lookup(&second), 4);
+    }
+}
+
+/// Goal: a device error on a deferred write drops that store only: its blocks never become
+/// visible (no wrong bytes can be served from them), its engine blocks are released, the other
+/// store commits, and later requests go on.
+#[test]
+fn device_error_in_a_deferred_write_drops_only_that_store() {
+    let layers = common::geometry().layers;
+    let mut stack = stack(config(PolicyChoice::SlackAware), None);
+    let (first, second) = (prompt(0, 0), prompt(1, 0));
+    // Another system prompt for the second session, so the two stores share no block.
+    let second: Vec<u32> = second.iter().map(|token| token + 7_000_000).collect();
+    prefill(&mut stack, &first, &[0, 1, 2, 3]).unwrap();
+    prefill(&mut stack, &second, &[4, 5, 6, 7]).unwrap();
+    let write_fault = NvmeStatus::new(StatusCodeType::MediaAndDataIntegrity, codes::WRITE_FAULT);
+    stack.device.set_faults(
+        FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::Status(write_fault)).with_opcode(NvmOpcode::Write as u8)),
+    );
+    stack.runtime.drain().unwrap();
+    let counters = stack.runtime.counters();
+    assert_eq!(counters.stores_failed, 1, "{counters:?}");
+    assert_eq!(counters.stores_committed, 1, "{counters:?}");
+    let (visible_first, visible_second) = (stack.runtime.lookup(&first), stack.runtime.lookup(&second));
+    assert!(
+        (visible_first, visible_second) == (0, 4) || (visible_first, visible_second) == (4, 0),
+        "exactly one store dropped: {visible_first} {visible_second}"
+    );
+    assert!((0..8).all(|block| stack.runtime.releasable(block)));
+    // The surviving store serves the right bytes.
+    let cached: Vec<u32> = if visible_first == 4 { prompt(0, 1) } else { second.iter().copied().chain(10_000..10_032).collect() };
+    let blocks: Vec<u32> = (10..10 + cached.len() as u32 / common::BLOCK_TOKENS).collect();
+    for block in 0..8 {
+        stack.engine.scribble(block, layers);
+    }
+    assert_eq!(prefill(&mut stack, &cached, &blocks).unwrap(), 4);
+    assert!(stack.engine.holds(&cached, 0..4, &blocks, layers));
+    stack.runtime.drain().unwrap();
+}

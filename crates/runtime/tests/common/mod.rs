@@ -1,0 +1,246 @@
+//! A small stack for the runtime's tests: the software controller (optionally with its SSD
+//! timing model), a one-device pool, a paged engine KV memory, and a hand-made profile table
+//! whose numbers make the policy's decisions easy to follow.
+#![allow(dead_code)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use nvme_driver::hw::DeviceBackend;
+use nvme_driver::{Controller, ControllerConfig, DataPointerMode, DmaRegion, NamespaceId};
+use nvme_emu::{Backing, EmuConfig, EmuDevice, TimingModel};
+use objstore::{
+    cpu_executor_for, format_pool, FormatParams, KvLayout, KvRegistration, KvStore, ModelGeometry, Pool, PoolTarget, StoreConfig,
+};
+use scheduler::table::{
+    Bucket, DecodeStep, GpuIdentity, IoCostEntry, IoKind, LayerProfile, ModelIdentity, Profile, ProfileTable, SlackWindow,
+    PROFILE_FORMAT_VERSION,
+};
+use tutti_runtime::{PolicyChoice, Runtime, RuntimeConfig};
+
+pub const BLOCK_TOKENS: u32 = 16;
+pub const ENGINE_BLOCKS: u32 = 64;
+pub const MODEL: &str = "tiny-4-layer";
+/// 4 layers, 1 KV head of dim 128, bf16: one object (K or V of a block in a layer) is 4 KiB.
+pub fn geometry() -> ModelGeometry {
+    ModelGeometry { layers: 4, kv_heads: 1, head_dim: 128, dtype_bytes: 2, block_tokens: BLOCK_TOKENS }
+}
+
+pub fn gpu() -> GpuIdentity {
+    GpuIdentity { name: "test-gpu".into(), sm_count: 8 }
+}
+
+/// One IOCB of the table moves one block's K and V of one layer (8 KiB).
+pub const IOCB_BYTES: u64 = 8192;
+
+/// Every layer: 1000 µs, attention at 300 µs, one window [0, 900) with 4 free SMs. Reads cost
+/// 20 µs per IOCB, writes 40 µs (4 SMs). Decode steps: 2000 µs, 4 free SMs.
+pub fn table(model: &str, layers: u32) -> ProfileTable {
+    let (step, count) = (16u32, 16u32);
+    let layer = LayerProfile {
+        compute_duration_us: 1000.0,
+        kv_needed_offset_us: 300.0,
+        slack_windows: vec![SlackWindow { offset_us: 0.0, duration_us: 900.0, free_sms: 4 }],
+    };
+    let mut buckets = Vec::new();
+    for k in 1..=count {
+        for j in 0..=k {
+            buckets.push(Bucket { input_tokens: k * step, prefix_tokens: j * step, layers: vec![layer.clone(); layers as usize] });
+        }
+    }
+    let mut io_costs = Vec::new();
+    for (kind, per_iocb_us) in [(IoKind::Read, 20.0), (IoKind::Write, 40.0)] {
+        for n in [1u32, 2, 4, 8, 16, 32, 64] {
+            io_costs.push(IoCostEntry {
+                kind,
+                iocb_count: n,
+                sm_budget: 4,
+                duration_us: per_iocb_us * f64::from(n),
+                bytes: u64::from(n) * IOCB_BYTES,
+            });
+        }
+    }
+    ProfileTable {
+        format_version: PROFILE_FORMAT_VERSION,
+        model: ModelIdentity { name: model.into(), layer_count: layers, kv_bytes_per_token_per_layer: 2 * 4096 / u64::from(BLOCK_TOKENS) },
+        gpu: gpu(),
+        compute_source: "hand-made for tests".into(),
+        io_cost_source: "hand-made for tests".into(),
+        input_step_tokens: step,
+        input_step_count: count,
+        prefix_step_tokens: step,
+        buckets,
+        io_costs,
+        decode_steps: vec![
+            DecodeStep { context_tokens: 16, duration_us: 2000.0, free_sms: 4 },
+            DecodeStep { context_tokens: 4096, duration_us: 2000.0, free_sms: 4 },
+        ],
+    }
+}
+
+pub fn profile() -> Profile {
+    Profile::from_table(table(MODEL, geometry().layers)).expect("hand-made table is valid")
+}
+
+/// An SSD about as fast as the table says (a 4-block layer: 128 µs to read, 256 µs to write),
+/// 40% of each under mixed traffic, 20 µs per command.
+pub fn slow_ssd() -> TimingModel {
+    TimingModel {
+        read_bytes_per_s: 256_000_000,
+        write_bytes_per_s: 128_000_000,
+        mixed_share_permille: 400,
+        command_latency: Duration::from_micros(20),
+    }
+}
+
+pub struct Stack {
+    pub device: Arc<EmuDevice>,
+    pub runtime: Runtime<gio_uring::CpuExecutor>,
+    pub engine: Engine,
+}
+
+/// The engine's paged KV memory: one tensor per (layer, K/V).
+pub struct Engine {
+    pub tensors: Vec<DmaRegion>,
+}
+
+/// The byte standing for block `block` of `tokens` at (layer, K/V): a function of the prefix.
+pub fn kv_byte(tokens: &[u32], block: u32, layer: u32, value: bool) -> u8 {
+    let end = ((block + 1) * BLOCK_TOKENS) as usize;
+    let mut hash = 0xcbf2_9ce4_8422_2325u64;
+    for &token in &tokens[..end] {
+        hash = (hash ^ u64::from(token)).wrapping_mul(0x100_0000_01b3);
+    }
+    (hash ^ u64::from(layer) << 1 ^ u64::from(value)).wrapping_mul(0x9e37_79b9_7f4a_7c15).to_le_bytes()[7]
+}
+
+impl Engine {
+    const OBJECT_BYTES: usize = 4096;
+
+    fn tensor(&self, layer: u32, value: bool) -> &DmaRegion {
+        &self.tensors[(2 * layer + u32::from(value)) as usize]
+    }
+
+    /// "Computes" layer `layer` of blocks `blocks` of `tokens` into `engine_blocks`.
+    pub fn compute_layer(&self, tokens: &[u32], blocks: std::ops::Range<u32>, engine_blocks: &[u32], layer: u32) {
+        for block in blocks {
+            for value in [false, true] {
+                let byte = kv_byte(tokens, block, layer, value);
+                let offset = engine_blocks[block as usize] as usize * Self::OBJECT_BYTES;
+                self.tensor(layer, value).fill(offset, Self::OBJECT_BYTES, byte).expect("fill engine memory");
+            }
+        }
+    }
+
+    /// Overwrites engine block `engine_block` in every layer (the engine reusing it).
+    pub fn scribble(&self, engine_block: u32, layers: u32) {
+        for layer in 0..layers {
+            for value in [false, true] {
+                self.tensor(layer, value).fill(engine_block as usize * Self::OBJECT_BYTES, Self::OBJECT_BYTES, 0xEE).expect("fill");
+            }
+        }
+    }
+
+    /// Whether every byte of every object of blocks `blocks` in `engine_blocks` is right.
+    pub fn holds(&self, tokens: &[u32], blocks: std::ops::Range<u32>, engine_blocks: &[u32], layers: u32) -> bool {
+        let mut buffer = vec![0u8; Self::OBJECT_BYTES];
+        for block in blocks {
+            for layer in 0..layers {
+                for value in [false, true] {
+                    let expected = kv_byte(tokens, block, layer, value);
+                    let offset = engine_blocks[block as usize] as usize * Self::OBJECT_BYTES;
+                    self.tensor(layer, value).read(offset, &mut buffer).expect("read engine memory");
+                    if buffer.iter().any(|&byte| byte != expected) {
+                        return false;
+                    }
+                }
+            }
+        }
+        true
+    }
+}
+
+/// The device, a store over it and the engine memory registered with it.
+pub fn parts(timing: Option<TimingModel>) -> (Arc<EmuDevice>, KvStore<gio_uring::CpuExecutor>, Engine) {
+    let geometry = geometry();
+    let device =
+        EmuDevice::start(EmuConfig::default().with_backing(Backing::Memory { bytes: 64 << 20 }).with_timing(timing)).expect("emulator");
+    let backend: Arc<dyn DeviceBackend> = device.clone();
+    let controller = Arc::new(Controller::init(backend, ControllerConfig::default()).expect("controller"));
+    let targets = vec![PoolTarget { controller: Arc::clone(&controller), namespace: NamespaceId(1) }];
+    format_pool(&targets, &FormatParams { geometry, blocks_per_slot: 1, slot_count_max: None, pool_uuid: None, payload_crc: false })
+        .expect("format");
+    let (pool, _) = Pool::open(targets, Some(&geometry)).expect("open pool");
+    let tensors: Vec<DmaRegion> =
+        (0..2 * geometry.layers).map(|_| controller.dma().allocate(4096 * ENGINE_BLOCKS as usize).expect("allocate")).collect();
+    let layout = KvLayout::SeparateKv {
+        key_bases: tensors.iter().step_by(2).map(DmaRegion::iova).collect(),
+        value_bases: tensors.iter().skip(1).step_by(2).map(DmaRegion::iova).collect(),
+        block_stride_bytes: geometry.object_bytes(),
+    };
+    let registration = KvRegistration::new(geometry, ENGINE_BLOCKS, layout, DataPointerMode::Sgl).expect("registration");
+    let store_config = StoreConfig::default();
+    let executor = cpu_executor_for(&pool, 256, &store_config).expect("executor");
+    let store = KvStore::new(pool, registration, Arc::clone(controller.dma()), executor, store_config).expect("store");
+    (device, store, Engine { tensors })
+}
+
+pub fn stack(config: RuntimeConfig, timing: Option<TimingModel>) -> Stack {
+    let (device, store, engine) = parts(timing);
+    let runtime = Runtime::new(store, profile(), config).expect("runtime");
+    Stack { device, runtime, engine }
+}
+
+pub fn config(policy: PolicyChoice) -> RuntimeConfig {
+    let mut config = RuntimeConfig::new(MODEL, gpu());
+    config.policy = policy;
+    config.event_log_capacity = 4096;
+    config.io_timeout = Duration::from_secs(20);
+    config
+}
+
+/// The prompt of `session` at `turn`: a shared 2-block system prompt, then 2 blocks per turn.
+pub fn prompt(session: u32, turn: u32) -> Vec<u32> {
+    let mut tokens: Vec<u32> = (0..2 * BLOCK_TOKENS).collect();
+    for past in 0..=turn {
+        tokens.extend((0..2 * BLOCK_TOKENS).map(|index| 1_000_000 * (session + 1) + 10_000 * past + index));
+    }
+    tokens
+}
+
+/// The table's compute time of one layer.
+pub const LAYER_COMPUTE_US: u64 = 1000;
+
+/// Busy-waits `duration`: a stand-in for the GPU running a layer.
+pub fn compute_for(duration: Duration) {
+    let started = std::time::Instant::now();
+    while started.elapsed() < duration {
+        std::hint::spin_loop();
+    }
+}
+
+/// Runs one request's prefill through the runtime, computing the uncached blocks' KV into
+/// engine memory layer by layer. Returns the cached block count.
+pub fn prefill(stack: &mut Stack, tokens: &[u32], engine_blocks: &[u32]) -> Result<usize, tutti_runtime::RuntimeError> {
+    let layers = geometry().layers;
+    let blocks = engine_blocks.len() as u32;
+    let start = stack.runtime.begin_prefill(&objstore::KvRequest { tokens, block_ids: engine_blocks })?;
+    for layer in 0..layers {
+        stack.runtime.before_layer(start.id, layer)?;
+        compute_for(Duration::from_micros(LAYER_COMPUTE_US));
+        stack.engine.compute_layer(tokens, start.cached_blocks as u32..blocks, engine_blocks, layer);
+        stack.runtime.after_layer(start.id, layer)?;
+    }
+    stack.runtime.end_prefill(start.id)?;
+    Ok(start.cached_blocks)
+}
+
+/// The table's decode step time.
+pub const DECODE_STEP_US: u64 = 2000;
+
+/// One decode step: the runtime's boundary, then the step's compute.
+pub fn decode(stack: &mut Stack, context_tokens: u32) -> Result<(), tutti_runtime::RuntimeError> {
+    stack.runtime.decode_step(context_tokens)?;
+    compute_for(Duration::from_micros(DECODE_STEP_US));
+    Ok(())
+}

@@ -1,0 +1,144 @@
+//! The runtime over the software controller: the read/write barrier, writes deferred across
+//! requests and into decode steps, visibility only after commit, and the releasable-block
+//! contract. Every retrieved byte is checked.
+
+mod common;
+
+use common::{config, prefill, prompt, stack, Stack, BLOCK_TOKENS, ENGINE_BLOCKS};
+use tutti_runtime::{IoDirection, IoEvent, IoEventKind, PolicyChoice};
+
+/// Layers issued while the other direction was in flight, from the runtime's event log.
+fn mixed_issues(events: &[IoEvent]) -> usize {
+    let (mut reads, mut writes, mut mixed) = (0i64, 0i64, 0);
+    for event in events {
+        match (event.direction, event.kind) {
+            (IoDirection::Read, IoEventKind::Issued) => {
+                mixed += usize::from(writes > 0);
+                reads += 1;
+            }
+            (IoDirection::Write, IoEventKind::Issued) => {
+                mixed += usize::from(reads > 0);
+                writes += 1;
+            }
+            (IoDirection::Read, IoEventKind::Completed) => reads -= 1,
+            (IoDirection::Write, IoEventKind::Completed) => writes -= 1,
+        }
+    }
+    mixed
+}
+
+/// Engine blocks free for a new request: not used by it and releasable by the runtime.
+fn take_blocks(stack: &mut Stack, count: usize) -> Vec<u32> {
+    for _ in 0..64 {
+        let free: Vec<u32> = (0..ENGINE_BLOCKS).filter(|&block| stack.runtime.releasable(block)).take(count).collect();
+        if free.len() == count {
+            return free;
+        }
+        common::decode(stack, 1024).expect("decode step");
+    }
+    panic!("no {count} releasable engine blocks after 64 decode steps");
+}
+
+/// A multi-turn stream of 3 sessions x 3 turns with 2 decode steps between requests; checks the
+/// bytes of every cached block. Returns how many blocks came from the cache.
+fn serve(stack: &mut Stack) -> usize {
+    let mut cached = 0;
+    for turn in 0..3 {
+        for session in 0..3 {
+            let tokens = prompt(session, turn);
+            let engine_blocks = take_blocks(stack, tokens.len() / BLOCK_TOKENS as usize);
+            let hit = prefill(stack, &tokens, &engine_blocks).expect("prefill");
+            assert!(
+                stack.engine.holds(&tokens, 0..hit as u32, &engine_blocks, common::geometry().layers),
+                "session {session} turn {turn}: a cached block came back wrong"
+            );
+            cached += hit;
+            for step in 0..2 {
+                common::decode(stack, tokens.len() as u32 + step).expect("decode step");
+            }
+        }
+    }
+    stack.runtime.drain().expect("drain");
+    cached
+}
+
+/// Goal: under the slack-aware and no-overlap policies no write is handed to the executor while a
+/// read is in flight (nor a read while a write is), and the SSD model saw no mixed traffic; the
+/// naive baseline does mix (so the check can see a mix when there is one).
+#[test]
+fn barrier_keeps_reads_and_writes_apart() {
+    for policy in PolicyChoice::ALL {
+        let mut stack = stack(config(policy), Some(common::slow_ssd()));
+        let cached = serve(&mut stack);
+        assert!(cached > 0, "{policy:?}: the stream must hit the cache");
+        assert_eq!(stack.runtime.events_dropped(), 0);
+        let mixed = mixed_issues(stack.runtime.events());
+        let counters = stack.runtime.counters();
+        let mixed_busy = stack.device.stats().timing.expect("timing model on").mixed_busy;
+        assert_eq!(counters.mixed_issues as usize, mixed, "{policy:?}: counter and event log disagree");
+        if policy != PolicyChoice::Naive {
+            assert_eq!(mixed, 0, "{policy:?}: a layer was issued while the other direction was in flight");
+            assert!(mixed_busy.is_zero(), "{policy:?}: the device saw reads and writes together for {mixed_busy:?}");
+        } else {
+            assert!(mixed > 0, "naive: expected mixed issues on a slow device");
+        }
+        assert!(counters.stores_committed > 0 && counters.stores_failed == 0, "{policy:?}: {counters:?}");
+    }
+}
+
+/// Decode steps until `tokens`' blocks are visible; on the way, checks that they are never visible
+/// (nor their engine blocks releasable) before the store committed. Bounded.
+fn decode_until_visible(stack: &mut Stack, tokens: &[u32], engine_blocks: &[u32]) {
+    let blocks = engine_blocks.len();
+    for step in 0..200 {
+        let committed = stack.runtime.counters().blocks_committed;
+        let visible = stack.runtime.lookup(tokens);
+        if visible == blocks {
+            assert!(engine_blocks.iter().all(|&block| stack.runtime.releasable(block)), "visible but still held");
+            return;
+        }
+        assert!(
+            engine_blocks.iter().all(|&block| !stack.runtime.releasable(block)),
+            "releasable before its data reached the device (committed {committed}, visible {visible})"
+        );
+        common::decode(stack, 64 + step).unwrap();
+    }
+    panic!("not visible after 200 decode steps: {:?}", stack.runtime);
+}
+
+/// Goal: slack-aware keeps the last layer's write out of the request (it goes into the next
+/// request's slack or decode steps: a deferred write); blocks become visible to lookup, and their
+/// engine blocks releasable, only once committed; a later turn reads the right bytes.
+#[test]
+fn writes_are_deferred_across_requests_and_visible_only_when_committed() {
+    let layers = common::geometry().layers;
+    let mut stack = stack(config(PolicyChoice::SlackAware), Some(common::slow_ssd()));
+    let first = prompt(0, 0);
+    let first_blocks: Vec<u32> = (0..4).collect();
+    assert_eq!(prefill(&mut stack, &first, &first_blocks).unwrap(), 0);
+    // The last layer became writable at the end of prefill; slack-aware leaves it queued.
+    assert_eq!(stack.runtime.queued_stores(), 1);
+    assert_eq!(stack.runtime.lookup(&first), 0, "visible before all its layers are durable");
+    assert!(first_blocks.iter().all(|&block| !stack.runtime.releasable(block)), "releasable before the data reached the device");
+
+    // The next request's prefill (another session: nothing cached) takes the deferred layer.
+    let second = prompt(1, 0);
+    let second_blocks: Vec<u32> = (4..8).collect();
+    prefill(&mut stack, &second, &second_blocks).unwrap();
+    decode_until_visible(&mut stack, &first, &first_blocks);
+    decode_until_visible(&mut stack, &second, &second_blocks);
+    let counters = stack.runtime.counters();
+    assert!(counters.write_layers_deferred >= 2, "both last layers are deferred writes: {counters:?}");
+    assert_eq!(counters.mixed_issues, 0);
+
+    // The engine reuses the first request's blocks; the next turn of session 0 reads them back.
+    for &block in &first_blocks {
+        stack.engine.scribble(block, layers);
+    }
+    let next = prompt(0, 1);
+    let next_blocks: Vec<u32> = (8..14).collect();
+    assert_eq!(prefill(&mut stack, &next, &next_blocks).unwrap(), 4);
+    assert!(stack.engine.holds(&next, 0..4, &next_blocks, layers));
+    stack.runtime.drain().unwrap();
+    assert_eq!(stack.runtime.lookup(&next), 6);
+}
