@@ -135,18 +135,23 @@ class Stack:
         return self.F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(new, prefix + new), **kwargs)
 
     def _probe_native_gqa(self, device: str) -> bool:
-        """Whether SDPA takes the KV heads as they are (enable_gqa) with a bottom-right causal mask,
-        giving what the explicit repeat gives; else the heads are repeated before attention."""
+        """Whether SDPA takes the KV heads as they are (enable_gqa) with a bottom-right causal mask
+        and gives what the explicit repeat gives, for every kind of call the grid makes (no prefix,
+        a prefix, a full hit's one token, a decode step; SDPA picks its kernel by shape); else the
+        heads are repeated before attention for the whole run."""
         torch, d = self.torch, self.dims
-        q = torch.randn(1, d.heads, 3, d.head_dim, device=device, dtype=torch.bfloat16)
-        k = torch.randn(1, d.kv_heads, 8, d.head_dim, device=device, dtype=torch.bfloat16)
-        v = torch.randn(1, d.kv_heads, 8, d.head_dim, device=device, dtype=torch.bfloat16)
-        try:
-            native = self._attend(q, k, v, 5, 3, True)
-        except (RuntimeError, TypeError, NotImplementedError, ValueError):
-            return False
-        repeated = self._attend(q, k, v, 5, 3, False)
-        return bool(torch.allclose(native.float(), repeated.float(), atol=2e-2, rtol=2e-2))
+        for prefix, new in ((0, 1024), (1024, 1024), (1023, 1), (1024, 1), (5, 3)):
+            q = torch.randn(1, d.heads, new, d.head_dim, device=device, dtype=torch.bfloat16)
+            k = torch.randn(1, d.kv_heads, prefix + new, d.head_dim, device=device, dtype=torch.bfloat16)
+            v = torch.randn(1, d.kv_heads, prefix + new, d.head_dim, device=device, dtype=torch.bfloat16)
+            try:
+                native = self._attend(q, k, v, prefix, new, True)
+            except (RuntimeError, TypeError, NotImplementedError, ValueError):
+                return False
+            repeated = self._attend(q, k, v, prefix, new, False)
+            if not torch.allclose(native.float(), repeated.float(), atol=2e-2, rtol=2e-2):
+                return False
+        return True
 
     def _rope(self, x, cos, sin):
         half = x.shape[-1] // 2
