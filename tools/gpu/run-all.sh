@@ -25,7 +25,8 @@
 # Results in $OUT (default target/gpu-results), at most 8 files, flat:
 #   summary.txt            one PASS/FAIL/NOT RUN line per step, with versions and times
 #   run.log                every step's output (run-gpu-tests.sh's own files are appended here)
-#   green-contexts.json    item 3 figures          bandwidth.json       item 5 figures
+#   green-contexts.json    item 3 figures          bandwidth.json       item 5 figures (cudaMemcpy & co.)
+#   bandwidth-kernel.json  item 5 through the gio kernel, once its entry point exists
 #   slack-timeline.csv     item 4 kernel timeline (provenance in its '#' lines)
 #   slack-provenance.json  machine, driver, versions, date, grid   slack-table.json  the imported table
 # Exit status: non-zero if any step failed. Every step runs under `timeout`.
@@ -55,6 +56,12 @@ if [[ "${1:-}" == "--prepare" ]]; then
   strip "$CARRY/tutti-profile"
   wheels="$ROOT/.tools/cuda-wheels-13.2.86/nvidia/cu13"  # installed by tools/cuda-build.sh above
   build_programs "$wheels/bin/nvcc" sm_90 "$CARRY" "$wheels/include"
+  # Item 5 through the gio kernel needs a timed staged layer-load entry point; built once it exists.
+  if [[ -f crates/gio-uring/examples/gpu_layer_load.rs ]]; then
+    cargo build --release --locked -p gio-uring --features cuda --example gpu_layer_load
+    cp target/release/examples/gpu_layer_load "$CARRY/gpu-layer-load"
+    strip "$CARRY/gpu-layer-load"
+  fi
   python3 -m unittest discover -s tools/gpu -p 'test_*.py'
   du -sh "$CARRY"
   echo "run-all: carry target/gpu-carry; run tools/gpu/run-all.sh there (see docs/gio-uring.md, Running on a GPU)"
@@ -152,9 +159,18 @@ step_green() {
 step_bandwidth() {
   programs || { echo "no h2d-bandwidth program (no nvcc here and nothing carried)" >>"$LOG"; return 1; }
   timeout "$(budget BANDWIDTH 120)" "$PROGRAMS/h2d-bandwidth" --json "$OUT/bandwidth.json" >>"$LOG" 2>&1 || return 1
-  # KV layer loads through the gio kernel (staged) need a timed Rust entry point that does not
-  # exist yet (docs/gio-uring.md, "Running on a GPU"): say so rather than measure something else.
-  record "NOT RUN bandwidth through the gio kernel: no timed staged layer-load entry point exists (see docs/gio-uring.md)"
+  # KV layer loads through the gio kernel (staged mode, software controller): the example
+  # crates/gio-uring/examples/gpu_layer_load.rs, once written (docs/gio-uring.md, "Running on a
+  # GPU", gives its contract). Until then this says so rather than measure something else.
+  if [[ ! -x "$CARRY/gpu-layer-load" ]]; then
+    record "NOT RUN bandwidth through the gio kernel: no timed staged layer-load entry point (crates/gio-uring/examples/gpu_layer_load.rs) exists"
+    return 0
+  fi
+  local kernels="$ROOT/target/kernels"
+  [[ -f "$kernels/gio_io_kernel.sm_90.cubin" ]] || kernels="$CARRY/kernels"
+  section "gpu-layer-load (kernels from $kernels)"
+  GIO_KERNEL_DIR="$kernels" GIO_DMA_MODE=staged timeout "$(budget LAYER_LOAD 180)" "$CARRY/gpu-layer-load" \
+    --json "$OUT/bandwidth-kernel.json" >>"$LOG" 2>&1
 }
 
 step_slack() {
