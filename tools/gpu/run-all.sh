@@ -181,6 +181,10 @@ step_slack() {
   local device_args
   read -r -a device_args <<<"${RUN_ALL_SLACK_DEVICE_ARGS:---device cuda}"
   local args=("${device_args[@]}" --out-csv "$OUT/slack-timeline.csv" --out-provenance "$OUT/slack-provenance.json")
+  # RUN_ALL_SLACK_ARGS adds options, e.g. "--input-first 7" to finish a PARTIAL grid (docs/gio-uring.md).
+  local extra_args=()
+  read -r -a extra_args <<<"${RUN_ALL_SLACK_ARGS:-}"
+  args+=("${extra_args[@]}")
   PYTHONUNBUFFERED=1 timeout $((budget_s + 90)) python3 tools/gpu/slack-profile.py "${args[@]}" --budget-s "$budget_s" >>"$LOG" 2>&1
   rc=$?
   if [[ $rc -ne 0 && $rc -ne 3 && ! -s "$OUT/slack-timeline.csv" ]]; then

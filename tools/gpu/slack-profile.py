@@ -21,8 +21,11 @@ each group (durations only: every group then counts as holding every SM).
 Input lengths run in increasing order; before each, the time it will take is predicted from the
 previous one, and the run stops before it would pass --budget-s. The CSV is rewritten after each
 completed input length, so what is written is always a complete grid of the lengths done (the
-table then ends at the last one). Provenance (machine, driver, versions, date, grid, choices)
-goes into the CSV's '#' lines and into --out-provenance.
+table then ends at the last one; `tutti-profile simulate` needs the preset's prompt length, 32768,
+in the grid: measure the rest in a second call with --input-first K and append that CSV's rows
+without its '#' and header lines, `grep -v -e '^#' -e '^phase,' second.csv >> first.csv`).
+Provenance (machine, driver, versions, date, grid, choices) goes into the CSV's '#' lines and into
+--out-provenance.
 
   python3 tools/gpu/slack-profile.py --device cuda --out-csv OUT.csv --out-provenance OUT.json
   python3 tools/gpu/slack-profile.py --device cpu --tiny --out-csv t.csv   # format check, no GPU
@@ -73,6 +76,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--input-step", type=int, help="input length step (default 4096; tiny 64)")
     parser.add_argument("--input-count", type=int, help="number of input lengths (default 8; tiny 2)")
     parser.add_argument("--prefix-step", type=int, help="prefix length step (default 1024; tiny 32)")
+    parser.add_argument("--input-first", type=int, default=1,
+                        help="measure input lengths k × step for k >= this only (to finish a PARTIAL grid in a second call)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--timing", choices=("profiler", "events"), default="profiler")
@@ -88,6 +93,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.prefix_step = args.prefix_step or defaults[2]
     if min(args.input_step, args.input_count, args.prefix_step, args.repeats) <= 0 or args.warmup < 0:
         parser.error("steps, counts and repeats must be positive, warm-up not negative")
+    if not 1 <= args.input_first <= args.input_count:
+        parser.error("--input-first must be in 1..input-count")
     if args.device == "cuda" and args.tiny:
         parser.error("--tiny is the CPU format check; the GPU run measures the real shapes")
     return args
@@ -244,7 +251,8 @@ def provenance(torch, args: argparse.Namespace, dims: Dims, sm_count: int, gqa_n
         "device": args.device,
         "sm_count": sm_count,
         "model": {"name": "llama3-8b-shaped (random weights)" if not args.tiny else "tiny (format check)", **dataclasses.asdict(dims)},
-        "grid": {"input_step_tokens": args.input_step, "input_step_count": args.input_count, "prefix_step_tokens": args.prefix_step},
+        "grid": {"input_step_tokens": args.input_step, "input_step_count": args.input_count, "prefix_step_tokens": args.prefix_step,
+                 "input_first": args.input_first},
         "warmup": args.warmup,
         "repeats": args.repeats,
         "timing": args.timing,
@@ -367,6 +375,7 @@ def main(argv: list[str]) -> int:
     buckets = timeline.prefill_grid(args.input_step, args.input_count, args.prefix_step)
     input_lengths = sorted({i for i, _ in buckets})
     stack = Stack(torch, dims, args.device, input_lengths[-1] + 1, args.seed)
+    input_lengths = [i for i in input_lengths if i >= args.input_first * args.input_step]
     info = provenance(torch, args, dims, sm_count, stack.gqa_native)
     print(f"slack-profile: {info.get('gpu', 'cpu')}, {sm_count} SMs, torch {torch.__version__}, {len(buckets)} buckets, "
           f"inputs {input_lengths}, attention: {info['attention']}", flush=True)
