@@ -8,7 +8,8 @@
 #   bindings    gio_abi.h → Rust bindings regenerated with bindgen and diffed (tools/check-bindings.sh,
 #               after tools/check-bindings-test.sh tests its libclang detection)
 #   cuda        CUDA kernels compiled with nvcc from the CUDA 13 wheels, `cuda` feature built
-#               (tools/cuda-build.sh; no GPU needed to compile)
+#               (tools/cuda-build.sh; no GPU needed to compile); the GPU scripts' programs
+#               compiled and their timeline logic tested (tools/gpu/check.sh)
 #   fuzz        the cargo-fuzz targets build (running them needs nightly: see fuzz/README.md)
 #   benches     criterion benchmarks compile (running them is `cargo bench`, not a test)
 #   vm          the conformance suite against two QEMU NVMe controllers through VFIO in a Linux guest,
@@ -56,7 +57,7 @@ stage_lint() {
 }
 
 stage_bindings() { tools/check-bindings-test.sh && tools/check-bindings.sh; }
-stage_cuda() { tools/cuda-build.sh; }
+stage_cuda() { tools/cuda-build.sh && tools/gpu/check.sh; }
 
 stage_fuzz() {
     # The fuzz crate has its own workspace; `cargo fuzz run` needs nightly, building it does not.

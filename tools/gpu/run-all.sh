@@ -1,0 +1,241 @@
+#!/usr/bin/env bash
+# tools/gpu/run-all.sh — issue 15 items 2 to 5 on a GPU machine, in one or two device calls.
+#
+# usage, in the repository root:
+#   tools/gpu/run-all.sh --prepare      on the development machine (cargo, pip, network): what the
+#                                       GPU machine cannot build, into target/gpu-carry/
+#   tools/gpu/run-all.sh [STEP...]      on the GPU machine; STEPs (default: all, in this order):
+#     tests      item 2: tools/gpu/run-gpu-tests.sh (kernels, rule checks, the gio-uring GPU test)
+#     green      item 3: tools/gpu/green-contexts.cu, GEMM slowdown beside a poller
+#     bandwidth  item 5: tools/gpu/h2d-bandwidth.cu, pinned/registered/mapped copies per KV layer
+#     slack      item 4: tools/gpu/slack-profile.py timeline, then `tutti-profile import` to a table
+#
+# The device's 10-minute limit per call does not hold all four: call `tests green bandwidth`
+# (about 2 to 5 minutes), then `slack` (its budget, RUN_ALL_SLACK_BUDGET_S, default 420 s,
+# includes model set-up; the profile stops early rather than overrun, keeping complete input
+# lengths). docs/gio-uring.md ("Running on a GPU") gives the exact calls and the carry list.
+#
+# What the GPU machine has (the lent H100/H200: CUDA with nvcc, a driver, python3 with PyTorch;
+# no cargo, no network; only the working tree and carried paths travel, 64 MiB): the .cu programs
+# are compiled there with its own nvcc (matching its driver), else the copies --prepare built here
+# with the pinned CUDA 13.2 wheels are used. tutti-profile and the GPU test binary come from
+# target/gpu-carry (built here; they link glibc dynamically, so the GPU machine's glibc must be no
+# older than this machine's).
+#
+# Results in $OUT (default target/gpu-results), at most 8 files, flat:
+#   summary.txt            one PASS/FAIL/NOT RUN line per step, with versions and times
+#   run.log                every step's output (run-gpu-tests.sh's own files are appended here)
+#   green-contexts.json    item 3 figures          bandwidth.json       item 5 figures (cudaMemcpy & co.)
+#   bandwidth-kernel.json  item 5 through the gio kernel, once its entry point exists
+#   slack-timeline.csv     item 4 kernel timeline (provenance in its '#' lines)
+#   slack-provenance.json  machine, driver, versions, date, grid   slack-table.json  the imported table
+# Exit status: non-zero if any step failed. Every step runs under `timeout`.
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+cd "$ROOT"
+CARRY="$ROOT/target/gpu-carry"
+CU_PROGRAMS=(green-contexts h2d-bandwidth)
+# Warnings are errors, as for the I/O kernel (tools/cuda-build.sh).
+NVCC_FLAGS=(-std=c++17 -O2 -Werror all-warnings -Xcompiler -Wall,-Wextra,-Werror)
+
+# nvcc NVCC ARCH OUT_DIR [INCLUDE_DIR]: the .cu programs, for one architecture.
+build_programs() {
+  local nvcc=$1 arch=$2 out=$3 include=${4:-}
+  mkdir -p "$out"
+  local extra=()
+  [[ -n "$include" ]] && extra=(-I "$include")
+  "$nvcc" "${NVCC_FLAGS[@]}" "${extra[@]}" -arch="$arch" -o "$out/green-contexts" tools/gpu/green-contexts.cu -ldl &&
+    "$nvcc" "${NVCC_FLAGS[@]}" "${extra[@]}" -arch="$arch" -o "$out/h2d-bandwidth" tools/gpu/h2d-bandwidth.cu
+}
+
+if [[ "${1:-}" == "--prepare" ]]; then
+  set -e
+  tools/gpu/run-gpu-tests.sh --prepare                   # kernels + gio-uring GPU test binary
+  cargo build --release --locked -p tutti-profile
+  cp target/release/tutti-profile "$CARRY/tutti-profile"
+  strip "$CARRY/tutti-profile"
+  wheels="$ROOT/.tools/cuda-wheels-13.2.86/nvidia/cu13"  # installed by tools/cuda-build.sh above
+  build_programs "$wheels/bin/nvcc" sm_90 "$CARRY" "$wheels/include"
+  # Item 5 through the gio kernel needs a timed staged layer-load entry point; built once it exists.
+  if [[ -f crates/gio-uring/examples/gpu_layer_load.rs ]]; then
+    cargo build --release --locked -p gio-uring --features cuda --example gpu_layer_load
+    cp target/release/examples/gpu_layer_load "$CARRY/gpu-layer-load"
+    strip "$CARRY/gpu-layer-load"
+  fi
+  python3 -m unittest discover -s tools/gpu -p 'test_*.py'
+  du -sh "$CARRY"
+  echo "run-all: carry target/gpu-carry; run tools/gpu/run-all.sh there (see docs/gio-uring.md, Running on a GPU)"
+  exit 0
+fi
+
+OUT="${OUT:-$ROOT/target/gpu-results}"
+mkdir -p "$OUT"
+SUMMARY="$OUT/summary.txt"
+LOG="$OUT/run.log"
+: >"$SUMMARY"
+: >"$LOG"
+WORK="$(mktemp -d)"
+trap 'rm -rf "$WORK"' EXIT
+failed=0
+record() { echo "$1" | tee -a "$SUMMARY"; }
+section() { echo "===== $1 ($(date -u +%H:%M:%S))" >>"$LOG"; }
+budget() { local name="RUN_ALL_${1}_BUDGET_S"; echo "${!name:-$2}"; }
+
+STEPS=("$@")
+[[ ${#STEPS[@]} -eq 0 ]] && STEPS=(tests green bandwidth slack)
+for step in "${STEPS[@]}"; do
+  case "$step" in tests | green | bandwidth | slack) ;; *) echo "run-all: unknown step '$step' (tests green bandwidth slack)" >&2; exit 2 ;; esac
+done
+
+{
+  echo "== run-all $(date -u +%Y-%m-%dT%H:%M:%SZ), steps: ${STEPS[*]}"
+  echo "== commit $(git rev-parse HEAD 2>/dev/null || echo unknown)"
+  echo "== uname $(uname -srm)"
+  echo "== gpu $(command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total,clocks.max.sm --format=csv,noheader 2>&1 || echo "no nvidia-smi")"
+  echo "== nvcc $(command -v nvcc >/dev/null && nvcc --version | tail -n 1 || echo 'not found')"
+  echo "== python $(python3 -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1)"
+  echo "== glibc $(ldd --version 2>&1 | head -n 1)"
+} >>"$SUMMARY"
+cat "$SUMMARY"
+
+# The programs: built here with this machine's nvcc for its GPU, else the carried sm_90 builds.
+PROGRAMS=""
+programs() {
+  [[ -n "$PROGRAMS" ]] && return 0
+  local arch
+  arch="sm_$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1 | tr -d '. ')"
+  if command -v nvcc >/dev/null 2>&1 && [[ "$arch" =~ ^sm_[0-9]+$ ]]; then
+    section "build ${CU_PROGRAMS[*]} with $(command -v nvcc) for $arch"
+    if timeout 180 bash -c "$(declare -p NVCC_FLAGS); $(declare -f build_programs); build_programs nvcc $arch $WORK/bin" >>"$LOG" 2>&1; then
+      PROGRAMS="$WORK/bin"
+      return 0
+    fi
+    record "NOTE building ${CU_PROGRAMS[*]} here failed (see run.log); trying the carried builds"
+  fi
+  if [[ -x "$CARRY/green-contexts" && -x "$CARRY/h2d-bandwidth" ]]; then
+    PROGRAMS="$CARRY"
+    return 0
+  fi
+  return 1
+}
+
+# libcublas for green-contexts (it dlopens cuBLAS): the dynamic linker's, a toolkit's, PyTorch's.
+find_cublas() {
+  local found
+  found=$(ldconfig -p 2>/dev/null | awk '/libcublas\.so\.[0-9]+ /{print $NF; exit}')
+  [[ -z "$found" ]] && found=$(ls /usr/local/cuda*/lib64/libcublas.so.[0-9]* 2>/dev/null | head -n 1)
+  [[ -z "$found" ]] && found=$(python3 - <<'PY' 2>/dev/null
+import glob, os, site
+roots = site.getsitepackages() + [site.getusersitepackages()]
+for root in roots:
+    for hit in sorted(glob.glob(os.path.join(root, "nvidia", "*", "lib", "libcublas.so.*"))):
+        print(hit)
+        raise SystemExit
+PY
+)
+  echo "$found"
+}
+
+step_tests() {
+  local out="$WORK/tests" rc
+  mkdir -p "$out"
+  OUT="$out" timeout "$(budget TESTS 240)" tools/gpu/run-gpu-tests.sh >>"$LOG" 2>&1
+  rc=$?
+  for file in "$out"/*; do
+    [[ -f "$file" ]] && { section "run-gpu-tests: $(basename "$file")"; cat "$file" >>"$LOG"; }
+  done
+  sed 's/^/tests: /' "$out/summary.txt" 2>/dev/null >>"$SUMMARY"
+  [[ $rc -eq 0 ]]
+}
+
+step_green() {
+  programs || { echo "no green-contexts program (no nvcc here and nothing carried)" >>"$LOG"; return 1; }
+  local cublas
+  cublas=$(find_cublas)
+  echo "green: cuBLAS ${cublas:-not found}" >>"$SUMMARY"
+  GREEN_CUBLAS_LIBRARY="$cublas" timeout "$(budget GREEN 150)" "$PROGRAMS/green-contexts" --json "$OUT/green-contexts.json" >>"$LOG" 2>&1
+}
+
+step_bandwidth() {
+  programs || { echo "no h2d-bandwidth program (no nvcc here and nothing carried)" >>"$LOG"; return 1; }
+  timeout "$(budget BANDWIDTH 120)" "$PROGRAMS/h2d-bandwidth" --json "$OUT/bandwidth.json" >>"$LOG" 2>&1 || return 1
+  # KV layer loads through the gio kernel (staged mode, software controller): the example
+  # crates/gio-uring/examples/gpu_layer_load.rs, once written (docs/gio-uring.md, "Running on a
+  # GPU", gives its contract). Until then this says so rather than measure something else.
+  if [[ ! -x "$CARRY/gpu-layer-load" ]]; then
+    record "NOT RUN bandwidth through the gio kernel: no timed staged layer-load entry point (crates/gio-uring/examples/gpu_layer_load.rs) exists"
+    return 0
+  fi
+  local kernels="$ROOT/target/kernels"
+  [[ -f "$kernels/gio_io_kernel.sm_90.cubin" ]] || kernels="$CARRY/kernels"
+  section "gpu-layer-load (kernels from $kernels)"
+  GIO_KERNEL_DIR="$kernels" GIO_DMA_MODE=staged timeout "$(budget LAYER_LOAD 180)" "$CARRY/gpu-layer-load" \
+    --json "$OUT/bandwidth-kernel.json" >>"$LOG" 2>&1
+}
+
+step_slack() {
+  local budget_s rc started=$SECONDS
+  budget_s=$(budget SLACK 420)
+  # RUN_ALL_SLACK_DEVICE_ARGS="--device cpu --tiny" and RUN_ALL_GPU_PRESET=h100 rehearse this step
+  # without a GPU (the CSV → import → check path), as docs/gio-uring.md describes.
+  local device_args
+  read -r -a device_args <<<"${RUN_ALL_SLACK_DEVICE_ARGS:---device cuda}"
+  local args=("${device_args[@]}" --out-csv "$OUT/slack-timeline.csv" --out-provenance "$OUT/slack-provenance.json")
+  # RUN_ALL_SLACK_ARGS adds options, e.g. "--input-first 7" to finish a PARTIAL grid (docs/gio-uring.md).
+  local extra_args=()
+  read -r -a extra_args <<<"${RUN_ALL_SLACK_ARGS:-}"
+  args+=("${extra_args[@]}")
+  PYTHONUNBUFFERED=1 timeout $((budget_s + 90)) python3 tools/gpu/slack-profile.py "${args[@]}" --budget-s "$budget_s" >>"$LOG" 2>&1
+  rc=$?
+  if [[ $rc -ne 0 && $rc -ne 3 && ! -s "$OUT/slack-timeline.csv" ]]; then
+    # The profiler path failed outright: CUDA events give group durations (SMs unknown) instead.
+    local left=$((budget_s - (SECONDS - started)))
+    if [[ $left -gt 60 ]]; then
+      record "NOTE slack: the profiler run failed (exit $rc); retrying with --timing events, ${left} s left"
+      PYTHONUNBUFFERED=1 timeout $((left + 60)) python3 tools/gpu/slack-profile.py "${args[@]}" --timing events --budget-s "$left" >>"$LOG" 2>&1
+      rc=$?
+    fi
+  fi
+  [[ $rc -eq 3 ]] && record "NOTE slack: PARTIAL grid (budget reached); the table ends at the last complete input length"
+  [[ -s "$OUT/slack-timeline.csv" ]] || return 1
+  if [[ ! -x "$CARRY/tutti-profile" ]]; then
+    record "NOT RUN tutti-profile import: target/gpu-carry/tutti-profile was not carried (import the CSV afterwards)"
+    return 1
+  fi
+  # The table's GPU identity: the presets are h100 and h200 with 132 SMs; another SM count gets
+  # a spec of its own so that the table says what it was measured on.
+  local name sms target=()
+  name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
+  sms=$(python3 -c 'import torch; print(torch.cuda.get_device_properties(0).multi_processor_count)' 2>/dev/null)
+  case "$name" in *H200*) target=(--gpu h200) ;; *H100*) target=(--gpu h100) ;; esac
+  if [[ -n "${RUN_ALL_GPU_PRESET:-}" ]]; then
+    target=(--gpu "$RUN_ALL_GPU_PRESET")
+  elif [[ ${#target[@]} -eq 0 || "$sms" != "132" ]]; then
+    python3 - "$name" "$sms" >"$WORK/gpu-spec.json" <<'PY'
+import json, re, sys
+name, sms = sys.argv[1], int(sys.argv[2])
+print(json.dumps({"name": re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") + f"-{sms}sm", "sm_count": sms,
+                  "dense_flops_per_s": 989e12, "hbm_bytes_per_s": 3.35e12, "gemm_efficiency": 0.7,
+                  "attention_efficiency": 0.5, "memory_efficiency": 0.8, "kernel_overhead_us": 4.0}))
+PY
+    target=(--gpu-spec "$WORK/gpu-spec.json")
+    record "NOTE slack: GPU '$name' with $sms SMs is not a 132-SM preset; the table uses a spec named after it"
+  fi
+  section "tutti-profile import ${target[*]}"
+  "$CARRY/tutti-profile" import --timeline "$OUT/slack-timeline.csv" --model llama3-8b "${target[@]}" \
+    --out "$OUT/slack-table.json" >>"$LOG" 2>&1 &&
+    "$CARRY/tutti-profile" check "$OUT/slack-table.json" >>"$LOG" 2>&1
+}
+
+for step in "${STEPS[@]}"; do
+  section "step $step"
+  started=$SECONDS
+  if "step_$step"; then
+    record "PASS $step ($((SECONDS - started)) s)"
+  else
+    record "FAIL $step ($((SECONDS - started)) s; see run.log)"
+    failed=1
+  fi
+done
+ls -l "$OUT" >>"$LOG"
+exit $failed

@@ -1,0 +1,194 @@
+"""Tests of tools/gpu/timeline.py (standard library only): run with
+`python3 -m unittest discover -s tools/gpu -p 'test_*.py'` (tools/gpu/check.sh does).
+
+Each test builds a small kineto-style Chrome trace by hand: annotations (`user_annotation`) on the
+CPU thread, launches (`cuda_runtime`) inside them, and device events (`kernel`, `gpu_memcpy`)
+on a GPU stream, tied to their launch by `correlation`, as torch.profiler exports them.
+"""
+
+import io
+import os
+import sys
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import timeline  # noqa: E402
+
+CPU_THREAD = {"pid": 100, "tid": 100}
+GPU_STREAM = {"pid": 0, "tid": 7}
+
+
+class Trace:
+    """Builds events: one annotation per group, launches and kernels in it."""
+
+    def __init__(self):
+        self.events = []
+        self.correlation = 0
+        self.clock_us = 0.0
+
+    def annotate(self, name, duration_us=10.0):
+        event = {"ph": "X", "cat": "user_annotation", "name": name, "ts": self.clock_us, "dur": duration_us, **CPU_THREAD}
+        self.events.append(event)
+        return event
+
+    def launch(self, at_us, kernel_name, start_us, end_us, grid=(264, 1, 1), category="kernel"):
+        self.correlation += 1
+        self.events.append(
+            {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": at_us, "dur": 1.0,
+             "args": {"correlation": self.correlation}, **CPU_THREAD}
+        )
+        args = {"correlation": self.correlation}
+        if grid is not None:
+            args["grid"] = list(grid)
+        self.events.append({"ph": "X", "cat": category, "name": kernel_name, "ts": start_us, "dur": end_us - start_us, "args": args,
+                            **GPU_STREAM})
+
+    def layer(self, input_tokens, prefix_tokens, run, layer, groups=timeline.LAYER_GROUPS, kernel_name=None):
+        """One annotation per group, each launching one kernel that runs 5 µs on the GPU."""
+        for group in groups:
+            start = self.clock_us
+            self.annotate(timeline.annotation_name("prefill", input_tokens, prefix_tokens, run, layer, group))
+            self.launch(start + 2.0, kernel_name or f"{group}_kernel<float, 4>", start + 50.0, start + 55.0)
+            self.clock_us += 20.0
+
+
+class AnnotationNames(unittest.TestCase):
+    def test_round_trip(self):
+        name = timeline.annotation_name("prefill", 4096, 1024, 2, 31, "gate_up_proj")
+        self.assertEqual(timeline.parse_annotation(name), timeline.Annotation("prefill", 4096, 1024, 2, 31, "gate_up_proj"))
+
+    def test_foreign_names_are_ignored(self):
+        for name in ("aten::mm", "tutti:prefill:1:2:3:4", "tutti:prefill:a:0:0:0:qkv_proj", "tutti:train:1:0:0:0:qkv_proj",
+                     "tutti:prefill:1:0:0:0:unknown_group", "ProfilerStep#3"):
+            self.assertIsNone(timeline.parse_annotation(name), name)
+
+
+class KernelLabels(unittest.TestCase):
+    def test_commas_and_templates_become_one_safe_field(self):
+        label = timeline.kernel_label("qkv_proj", "void cutlass::Kernel2<cutlass_80_gemm_bf16, 128x128>(Params, int)")
+        self.assertNotIn(",", label)
+        self.assertRegex(label, r"^qkv_proj:[A-Za-z0-9_.]+$")
+
+    def test_only_the_attention_group_can_mark_the_kv_point(self):
+        # import takes the first kernel whose name holds `attn` or `attention` as the KV point.
+        for group in ("rope_kv_store", "o_proj"):
+            label = timeline.kernel_label(group, "fused_attn_helper_Attention_kernel")
+            self.assertNotIn("attn", label.lower())
+            self.assertNotIn("attention", label.lower())
+        self.assertIn("attn", timeline.kernel_label("attention", "flash_attn_fwd").lower())
+
+    def test_long_and_empty_names_are_bounded(self):
+        self.assertLessEqual(len(timeline.kernel_label("silu_mul", "x" * 5000)), len("silu_mul:") + timeline.KERNEL_NAME_CHARS_MAX)
+        self.assertEqual(timeline.kernel_label("silu_mul", "<<>>"), "silu_mul:kernel")
+
+
+class Grid(unittest.TestCase):
+    def test_matches_the_table_grid(self):
+        self.assertEqual(timeline.prefill_grid(64, 2, 32), [(64, 0), (64, 32), (64, 64), (128, 0), (128, 32), (128, 64), (128, 96), (128, 128)])
+        self.assertEqual(len(timeline.prefill_grid(4096, 8, 1024)), sum(4 * k + 1 for k in range(1, 9)))
+
+    def test_a_full_hit_computes_one_token(self):
+        self.assertEqual(timeline.computed_split(4096, 4096), (4095, 1))
+        self.assertEqual(timeline.computed_split(4096, 1024), (1024, 3072))
+        self.assertEqual(timeline.computed_split(4096, 0), (0, 4096))
+
+    def test_rejects_empty_grids(self):
+        with self.assertRaises(ValueError):
+            timeline.prefill_grid(0, 1, 1)
+
+
+class GpuTrace(unittest.TestCase):
+    def test_kernels_go_to_the_group_that_launched_them(self):
+        trace = Trace()
+        trace.layer(128, 64, 0, 0)
+        trace.layer(128, 64, 0, 1)
+        by_run, unattributed = timeline.rows_from_gpu_trace(trace.events, sm_count=132)
+        self.assertEqual(unattributed, 0)
+        rows = by_run[("prefill", 128, 64, 0)]
+        self.assertEqual(len(rows), 2 * len(timeline.LAYER_GROUPS))
+        first = [r for r in rows if r.layer == 0]
+        self.assertEqual([r.kernel.split(":")[0] for r in first], list(timeline.LAYER_GROUPS))
+        # Annotation k starts at 20k µs; its kernel runs from 20k + 50 to 20k + 55 on the GPU.
+        attention = first[timeline.LAYER_GROUPS.index("attention")]
+        self.assertEqual((attention.start_us, attention.end_us), (110.0, 115.0))
+        self.assertEqual(attention.sms_used, 132)  # 264 blocks: every SM
+
+    def test_sms_come_from_the_grid_and_copies_hold_none(self):
+        trace = Trace()
+        trace.annotate(timeline.annotation_name("prefill", 64, 0, 0, 0, "attention"), duration_us=30.0)
+        trace.launch(1.0, "flash_fwd", 40.0, 50.0, grid=(8, 2, 1))
+        trace.launch(2.0, "Memcpy DtoD", 50.0, 52.0, grid=None, category="gpu_memcpy")
+        trace.launch(3.0, "odd", 52.0, 53.0, grid=None)
+        rows = timeline.rows_from_gpu_trace(trace.events, sm_count=132)[0][("prefill", 64, 0, 0)]
+        self.assertEqual([r.sms_used for r in rows], [16, 0, 132])  # unknown grid: assume all SMs
+
+    def test_kernels_launched_outside_annotations_are_counted_not_kept(self):
+        trace = Trace()
+        trace.launch(500.0, "warmup_gemm", 600.0, 610.0)  # no annotation around it
+        trace.layer(64, 0, 0, 0)
+        by_run, unattributed = timeline.rows_from_gpu_trace(trace.events, sm_count=132)
+        self.assertEqual(unattributed, 1)
+        self.assertNotIn("warmup_gemm", " ".join(r.kernel for r in by_run[("prefill", 64, 0, 0)]))
+
+    def test_annotations_on_another_thread_do_not_claim_a_launch(self):
+        trace = Trace()
+        trace.annotate(timeline.annotation_name("prefill", 64, 0, 0, 0, "qkv_proj"), duration_us=50.0)
+        trace.events[-1]["tid"] = 999
+        trace.launch(5.0, "gemm", 10.0, 20.0)
+        by_run, unattributed = timeline.rows_from_gpu_trace(trace.events, sm_count=132)
+        self.assertEqual((by_run, unattributed), ({}, 1))
+
+    def test_repetitions_keep_the_median_run(self):
+        runs = {}
+        for run, span in enumerate((30.0, 10.0, 20.0)):
+            runs[run] = [timeline.Row("prefill", 64, 0, 0, "attention:k", 100.0, 100.0 + span, 132)]
+        self.assertEqual(timeline.median_run(runs)[0].end_us, 120.0)
+
+
+class Export(unittest.TestCase):
+    def rows_for_bucket(self, layer_count, groups=timeline.LAYER_GROUPS):
+        trace = Trace()
+        for layer in range(layer_count):
+            trace.layer(64, 32, 0, layer, groups=groups)
+        return timeline.normalize(timeline.rows_from_gpu_trace(trace.events, sm_count=132)[0][("prefill", 64, 32, 0)])
+
+    def test_csv_has_the_import_header_and_eight_fields(self):
+        rows = self.rows_for_bucket(2)
+        decode = timeline.Row("decode", 64, None, None, "down_proj:gemm", 0.0, 12.5, 132)
+        out = io.StringIO()
+        count = timeline.write_csv(out, rows + [decode], comments=["provenance: x", "two\nlines"])
+        lines = out.getvalue().splitlines()
+        self.assertEqual(lines[:3], ["# provenance: x", "# two", "# lines"])
+        self.assertEqual(lines[3], "phase,input_tokens,prefix_tokens,layer,kernel,start_us,end_us,sms_used")
+        self.assertEqual(count, len(rows) + 1)
+        self.assertTrue(all(len(line.split(",")) == 8 for line in lines[3:]))
+        self.assertEqual(lines[4], "prefill,64,32,0,input_norm:input_norm_kernel_float_4,0.000,5.000,132")  # normalized
+        self.assertEqual(lines[-1], "decode,64,,,down_proj:gemm,0.000,12.500,132")
+
+    def test_bucket_without_attention_is_refused_before_import_would(self):
+        rows = self.rows_for_bucket(1, groups=("input_norm", "qkv_proj"))
+        with self.assertRaisesRegex(timeline.TimelineError, "no attention kernel"):
+            timeline.check_bucket(rows, layer_count=1)
+
+    def test_bucket_missing_a_layer_is_refused(self):
+        with self.assertRaisesRegex(timeline.TimelineError, "layer 2: no kernels"):
+            timeline.check_bucket(self.rows_for_bucket(2), layer_count=3)
+
+    def test_a_name_with_a_comma_never_reaches_the_file(self):
+        bad = timeline.Row("prefill", 64, 0, 0, "attention:a,b", 0.0, 1.0, 1)
+        with self.assertRaises(timeline.TimelineError):
+            timeline.write_csv(io.StringIO(), [bad])
+
+
+class CpuTrace(unittest.TestCase):
+    def test_each_group_is_one_row_holding_every_sm(self):
+        trace = Trace()
+        trace.layer(64, 0, 0, 0)
+        rows = timeline.rows_from_cpu_trace(trace.events, sm_count=132)[("prefill", 64, 0, 0)]
+        self.assertEqual([r.kernel for r in rows], list(timeline.LAYER_GROUPS))
+        self.assertEqual({r.sms_used for r in rows}, {132})
+        self.assertEqual(rows[0].end_us - rows[0].start_us, 10.0)
+
+
+if __name__ == "__main__":
+    unittest.main()
