@@ -139,9 +139,7 @@ impl ServePlan {
     pub fn from_cli(cli: &Cli, matches: &ArgMatches) -> anyhow::Result<Self> {
         let given = |id: &str| matches.value_source(id) == Some(ValueSource::CommandLine);
         if !cli.devices.is_empty() {
-            return usage(
-                "--workload=serve builds a fresh in-memory software controller per policy; --device is not accepted (drop it)",
-            );
+            return usage("--workload=serve builds a fresh in-memory software controller per policy; --device is not accepted (drop it)");
         }
         if cli.executor != crate::args::Executor::Cpu || cli.keep_pool || cli.retrieve_only || cli.verify {
             return usage("--workload=serve runs the CPU executor on a fresh pool; --keep-pool, --retrieve-only and --verify do not apply");

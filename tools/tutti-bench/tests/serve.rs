@@ -12,8 +12,18 @@ fn bench(arguments: &[&str]) -> Output {
 }
 
 /// A stream small enough for seconds: 256-token prompts, 2 sessions x 2 turns, 8x slow motion.
-const TINY: [&str; 10] =
-    ["--workload=serve", "--prompt-tokens=256", "--sessions=2", "--turns=2", "--system-prompts=1", "--decode-steps=2", "--emu-timing=tutti-ssd:x8", "--seed=3", "--output-format=json", "--policy=all"];
+const TINY: [&str; 10] = [
+    "--workload=serve",
+    "--prompt-tokens=256",
+    "--sessions=2",
+    "--turns=2",
+    "--system-prompts=1",
+    "--decode-steps=2",
+    "--emu-timing=tutti-ssd:x8",
+    "--seed=3",
+    "--output-format=json",
+    "--policy=all",
+];
 
 fn json_of(output: &Output) -> Value {
     assert_eq!(output.status.code(), Some(0), "stderr: {}", String::from_utf8_lossy(&output.stderr));
@@ -27,7 +37,21 @@ fn a_tiny_stream_reports_every_documented_field_for_every_policy() {
     let out = json_of(&bench(&TINY));
     assert_eq!(out["workload"], "serve");
     let options = &out["global options"];
-    for key in ["model", "gpu", "prompt_tokens", "sessions", "turns", "decode_steps", "arrivals", "seed", "emu_timing", "dilation", "ssd_model", "iocb_bytes", "time_unit"] {
+    for key in [
+        "model",
+        "gpu",
+        "prompt_tokens",
+        "sessions",
+        "turns",
+        "decode_steps",
+        "arrivals",
+        "seed",
+        "emu_timing",
+        "dilation",
+        "ssd_model",
+        "iocb_bytes",
+        "time_unit",
+    ] {
         assert!(!options[key].is_null(), "global options.{key} missing: {options}");
     }
     assert_eq!(options["dilation"], 8);
@@ -37,11 +61,34 @@ fn a_tiny_stream_reports_every_documented_field_for_every_policy() {
     for policy in policies {
         let name = policy["name"].as_str().unwrap();
         for path in [
-            "/requests", "/hit_rate_served", "/ttft_us/p50", "/ttft_us/p90", "/ttft_us/p99", "/ttft_us/mean", "/prefill_us", "/compute_us",
-            "/bubble_us", "/bubble_share", "/rw_overlap_us", "/rw_overlap_source", "/mixed_issues", "/deferred_writes",
-            "/write_layers_issued", "/stores_committed", "/stores_forced", "/write_backlog/max_blocks", "/write_backlog/samples/0/at_us",
-            "/write_backlog/samples/0/queued_blocks", "/wall_us", "/predicted/ttft_us/p50", "/predicted/ttft_us/p99", "/predicted/bubble_us",
-            "/predicted/bubble_share", "/predicted/rw_overlap_us", "/deviation/ttft_p50", "/deviation/bubble_share_points",
+            "/requests",
+            "/hit_rate_served",
+            "/ttft_us/p50",
+            "/ttft_us/p90",
+            "/ttft_us/p99",
+            "/ttft_us/mean",
+            "/prefill_us",
+            "/compute_us",
+            "/bubble_us",
+            "/bubble_share",
+            "/rw_overlap_us",
+            "/rw_overlap_source",
+            "/mixed_issues",
+            "/deferred_writes",
+            "/write_layers_issued",
+            "/stores_committed",
+            "/stores_forced",
+            "/write_backlog/max_blocks",
+            "/write_backlog/samples/0/at_us",
+            "/write_backlog/samples/0/queued_blocks",
+            "/wall_us",
+            "/predicted/ttft_us/p50",
+            "/predicted/ttft_us/p99",
+            "/predicted/bubble_us",
+            "/predicted/bubble_share",
+            "/predicted/rw_overlap_us",
+            "/deviation/ttft_p50",
+            "/deviation/bubble_share_points",
         ] {
             assert!(policy.pointer(path).is_some_and(|value| !value.is_null()), "{name}: {path} missing: {policy}");
         }

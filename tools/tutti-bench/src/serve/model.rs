@@ -87,7 +87,9 @@ impl ServeModel {
     pub fn check_prompt(&self, prompt_tokens: u64) -> anyhow::Result<()> {
         let layer_bytes = prompt_tokens * self.compute.kv_bytes_per_token_per_layer();
         if layer_bytes.div_ceil(self.iocb_bytes) > u64::from(IOCB_COUNT_MAX) {
-            return usage(format!("--prompt-tokens={prompt_tokens} is too long for serve's cost table; accepted: up to 65536 tokens of llama3-8b"));
+            return usage(format!(
+                "--prompt-tokens={prompt_tokens} is too long for serve's cost table; accepted: up to 65536 tokens of llama3-8b"
+            ));
         }
         Ok(())
     }

@@ -32,7 +32,13 @@ pub struct Predicted {
 
 /// Runs the simulator on each request the live run served (same prompt, same cached prefix,
 /// same decode steps, same table and undilated SSD model), chaining them like the live stream.
-pub fn predict(plan: &ServePlan, profile: &Profile, policy: PolicyChoice, requests: &[Request], live: &LiveRun) -> anyhow::Result<Predicted> {
+pub fn predict(
+    plan: &ServePlan,
+    profile: &Profile,
+    policy: PolicyChoice,
+    requests: &[Request],
+    live: &LiveRun,
+) -> anyhow::Result<Predicted> {
     let mut predicted = Predicted {
         ttft_us: Vec::with_capacity(requests.len()),
         prefill_us_total: 0.0,

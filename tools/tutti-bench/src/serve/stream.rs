@@ -105,7 +105,8 @@ pub struct Request {
 /// A deterministic token sequence for `(kind, a, b)` under `seed` (an LCG; only determinism and
 /// spread matter). Kinds keep system prompts, session contexts and fresh tokens apart.
 fn tokens(seed: u64, kind: u64, a: u64, b: u64, count: u64, out: &mut Vec<u32>) {
-    let mut state = seed ^ kind.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ a.wrapping_mul(0xc2b2_ae3d_27d4_eb4f) ^ b.wrapping_mul(0x1656_67b1_9e37_79f9);
+    let mut state =
+        seed ^ kind.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ a.wrapping_mul(0xc2b2_ae3d_27d4_eb4f) ^ b.wrapping_mul(0x1656_67b1_9e37_79f9);
     for _ in 0..count {
         state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
         out.push((state >> 33) as u32);
