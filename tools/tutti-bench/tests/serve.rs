@@ -116,8 +116,8 @@ fn a_sweep_writes_its_svg_with_live_beside_predicted() {
     let directory = tempfile::tempdir().unwrap();
     let svg = directory.path().join("sweep.svg");
     let svg_flag = format!("--sweep-svg={}", svg.display());
-    let mut arguments: Vec<&str> = TINY.iter().copied().filter(|flag| *flag != "--policy=all").collect();
-    arguments.extend(["--policy=slack-aware", "--sweep-hit-rates=0.25,0.75", "--turns=1", "--sessions=2", &svg_flag]);
+    let mut arguments: Vec<&str> = TINY.iter().copied().filter(|flag| !["--policy=all", "--turns=2"].contains(flag)).collect();
+    arguments.extend(["--policy=slack-aware", "--sweep-hit-rates=0.25,0.75", "--turns=1", &svg_flag]);
     let out = json_of(&bench(&arguments));
     let sweep = out["sweep"].as_array().expect("sweep[]");
     assert_eq!(sweep.iter().map(|point| point["hit_rate"].as_f64().unwrap()).collect::<Vec<_>>(), [0.25, 0.75]);
