@@ -125,6 +125,10 @@ pub struct Cli {
     /// Where the default run puts its temporary pool file (default: the system temp directory).
     #[arg(long)]
     pub directory: Option<PathBuf>,
+
+    /// Options of `--workload=serve` (docs/tutti-bench.md, "serve").
+    #[command(flatten)]
+    pub serve: crate::serve::ServeArgs,
 }
 
 fn exit_status_help() -> String {
@@ -142,6 +146,7 @@ pub enum Selected {
     Default,
     Raw,
     Kv,
+    Serve,
 }
 
 /// Options that shape only the raw workload, and only the kv workload (by clap id).
@@ -168,6 +173,8 @@ pub fn select_workload(matches: &ArgMatches, cli: &Cli) -> Selected {
     match cli.workload {
         Some(Workload::Raw) => Selected::Raw,
         Some(Workload::Kv) => Selected::Kv,
+        Some(Workload::Serve) => Selected::Serve,
+        None if crate::serve::OPTIONS.iter().any(|id| given(id)) => Selected::Serve,
         None if RAW_OPTIONS.iter().any(|id| given(id)) => Selected::Raw,
         None if KV_OPTIONS.iter().any(|id| given(id)) => Selected::Kv,
         None if !cli.devices.is_empty() || cli.verify => Selected::Raw,
@@ -188,6 +195,9 @@ pub fn kv_options_given(matches: &ArgMatches) -> Vec<String> {
 pub enum Workload {
     Raw,
     Kv,
+    /// A stream of requests served by the runtime (tutti-runtime) on the software controller,
+    /// every policy side by side, next to the simulator's prediction.
+    Serve,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

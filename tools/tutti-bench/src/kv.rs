@@ -38,8 +38,8 @@ use crate::{usage, Unusable};
 const LAYER_TIMEOUT: Duration = Duration::from_secs(60);
 /// Bytes a pool needs beyond its slots' payload: superblock, slot headers, rounding (generous;
 /// the slot count after formatting is checked anyway).
-const POOL_OVERHEAD_BYTES: u64 = 16 << 20;
-const SLOT_OVERHEAD_BYTES: u64 = 64 << 10;
+pub(crate) const POOL_OVERHEAD_BYTES: u64 = 16 << 20;
+pub(crate) const SLOT_OVERHEAD_BYTES: u64 = 64 << 10;
 
 /// What a run does with the pool on its devices.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -163,14 +163,14 @@ fn check_plan(plan: &KvPlan) -> anyhow::Result<()> {
 }
 
 /// The engine's KV memory: per-layer K and V tensors, each `blocks` objects long.
-struct Engine {
+pub(crate) struct Engine {
     regions: Vec<DmaRegion>,
     object_bytes: usize,
     layers: u32,
 }
 
 impl Engine {
-    fn allocate(dma: &Arc<dyn DmaAllocator>, geometry: &ModelGeometry, blocks: u32) -> anyhow::Result<(Self, KvLayout)> {
+    pub(crate) fn allocate(dma: &Arc<dyn DmaAllocator>, geometry: &ModelGeometry, blocks: u32) -> anyhow::Result<(Self, KvLayout)> {
         let object_bytes = geometry.object_bytes() as usize;
         let tensor_bytes = object_bytes.checked_mul(blocks as usize).ok_or_else(|| anyhow!("KV tensor size overflows"))?;
         let regions: Vec<DmaRegion> =

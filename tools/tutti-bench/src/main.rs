@@ -13,6 +13,7 @@ mod kv;
 mod progress;
 mod report;
 mod run;
+mod serve;
 mod uring;
 mod workloads;
 

@@ -28,6 +28,7 @@ pub fn run(cli: &Cli, selected: Selected, matches: &ArgMatches) -> anyhow::Resul
     match selected {
         Selected::Default => default_run(cli),
         Selected::Kv => crate::kv::run(cli),
+        Selected::Serve => crate::serve::run(cli, matches),
         Selected::Raw => {
             let kv_options = crate::args::kv_options_given(matches);
             if !kv_options.is_empty() {

@@ -1,0 +1,225 @@
+//! `--workload=serve`: a stream of requests served by the live runtime (`tutti-runtime` over the
+//! object store on the software controller), one policy after another on the same stream, each
+//! next to the simulator's prediction for the requests it served.
+//!
+//! - [`stream`]: the deterministic request stream (sessions, shared system prompts, arrivals);
+//! - [`model`]: the profile table (analytic roofline + the undilated SSD model's cost rows) and
+//!   the slow-motion factor taken from `--emu-timing`;
+//! - [`live`]: one policy on a fresh stack, compute stood in for by dilated sleeps;
+//! - [`report`]: figures per policy, the prediction, text, JSON and the sweep's SVG.
+
+mod live;
+mod model;
+mod report;
+mod stream;
+
+use std::path::PathBuf;
+
+use clap::parser::ValueSource;
+use clap::{ArgMatches, Args};
+use tutti_cli::outln;
+use tutti_runtime::PolicyChoice;
+
+use crate::args::{Cli, OutputFormat};
+use crate::{usage, Unusable};
+
+/// Serve-only options (clap ids): any of them selects the serve workload.
+pub const OPTIONS: [&str; 11] = [
+    "policy",
+    "sessions",
+    "turns",
+    "system_prompts",
+    "system_prompt_tokens",
+    "decode_steps",
+    "arrivals",
+    "arrival_rate",
+    "sweep_hit_rates",
+    "sweep_svg",
+    "gpu",
+];
+
+/// Prompt length and hit rate of serve when `--prompt-tokens` / `--hit-rate` are not given
+/// (the kv workload's defaults, 8192 and 1, would take minutes per policy in slow motion).
+pub const PROMPT_TOKENS_DEFAULT: u64 = 2048;
+pub const HIT_RATE_DEFAULT: f64 = 0.5;
+
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    /// serve: slack-aware, naive, no-overlap, or all (side by side on the same stream, a fresh
+    /// pool each).
+    #[arg(long, default_value = "all")]
+    pub policy: String,
+
+    /// serve: conversations; each turn's prompt starts with its session's earlier context.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=256))]
+    pub sessions: u32,
+
+    /// serve: turns per session (requests = sessions × turns, round-robin over sessions).
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=256))]
+    pub turns: u32,
+
+    /// serve: distinct system prompts the sessions share (session s uses prompt s mod N).
+    #[arg(long = "system-prompts", default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=256))]
+    pub system_prompts: u32,
+
+    /// serve: tokens of a system prompt (default: a quarter of the prompt; never more than the
+    /// cached part, --hit-rate × --prompt-tokens).
+    #[arg(long = "system-prompt-tokens", value_parser = clap::value_parser!(u64).range(1..=1_048_576))]
+    pub system_prompt_tokens: Option<u64>,
+
+    /// serve: decode steps after each prefill (their slack takes deferred writes).
+    #[arg(long = "decode-steps", default_value_t = 4, value_parser = clap::value_parser!(u32).range(0..=4096))]
+    pub decode_steps: u32,
+
+    /// serve: closed (the next request arrives when the previous one finished decoding) or
+    /// poisson (exponential gaps at --arrival-rate; requests queue behind the one running).
+    #[arg(long, value_enum, default_value_t = Arrivals::Closed)]
+    pub arrivals: Arrivals,
+
+    /// serve: requests per second of the modelled (real-speed) system, for --arrivals=poisson.
+    #[arg(long = "arrival-rate", default_value_t = 10.0, value_parser = parse_rate)]
+    pub arrival_rate: f64,
+
+    /// serve: run the stream at each of these hit rates (e.g. 0.25,0.5,0.75,0.9) and write an
+    /// SVG of compute and bubble per policy, live beside predicted (--sweep-svg).
+    #[arg(long = "sweep-hit-rates", value_delimiter = ',', value_parser = parse_hit_rate)]
+    pub sweep_hit_rates: Vec<f64>,
+
+    /// serve: where the sweep's SVG goes.
+    #[arg(long = "sweep-svg", default_value = "serve-sweep.svg")]
+    pub sweep_svg: PathBuf,
+
+    /// serve: the GPU whose roofline stands in for compute (h100, h200).
+    #[arg(long, default_value = "h100")]
+    pub gpu: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Arrivals {
+    Closed,
+    Poisson,
+}
+
+fn parse_rate(text: &str) -> Result<f64, String> {
+    match text.trim().parse::<f64>() {
+        Ok(rate) if rate.is_finite() && rate > 0.0 && rate <= 1e6 => Ok(rate),
+        _ => Err(format!("'{text}' is not a rate; accepted: requests per second, a number in (0, 1e6]")),
+    }
+}
+
+fn parse_hit_rate(text: &str) -> Result<f64, String> {
+    match text.trim().parse::<f64>() {
+        Ok(rate) if (0.0..1.0).contains(&rate) => Ok(rate),
+        _ => Err(format!("'{text}' is not a hit rate; accepted: numbers in 0..1 separated by commas, e.g. 0.25,0.5,0.75,0.9")),
+    }
+}
+
+/// Everything one serve run needs, checked.
+#[derive(Debug, Clone)]
+pub struct ServePlan {
+    pub policies: Vec<PolicyChoice>,
+    pub model: model::ServeModel,
+    pub stream: stream::StreamShape,
+    pub hit_rates: Vec<f64>,
+    pub sweep_svg: Option<PathBuf>,
+    pub seed: u64,
+}
+
+fn policies(text: &str) -> anyhow::Result<Vec<PolicyChoice>> {
+    if text == "all" {
+        return Ok(PolicyChoice::ALL.to_vec());
+    }
+    match PolicyChoice::parse(text) {
+        Some(policy) => Ok(vec![policy]),
+        None => usage(format!("--policy={text} is not a policy; accepted: slack-aware, naive, no-overlap, all")),
+    }
+}
+
+impl ServePlan {
+    pub fn from_cli(cli: &Cli, matches: &ArgMatches) -> anyhow::Result<Self> {
+        let given = |id: &str| matches.value_source(id) == Some(ValueSource::CommandLine);
+        if !cli.devices.is_empty() {
+            return usage("--workload=serve builds a fresh in-memory software controller per policy; --device is not accepted (drop it)");
+        }
+        if cli.executor != crate::args::Executor::Cpu || cli.keep_pool || cli.retrieve_only || cli.verify {
+            return usage("--workload=serve runs the CPU executor on a fresh pool; --keep-pool, --retrieve-only and --verify do not apply");
+        }
+        let args = &cli.serve;
+        let policies = policies(&args.policy)?;
+        let model = model::ServeModel::from_cli(cli)?;
+        let prompt_tokens = if given("prompt_tokens") { cli.prompt_tokens } else { PROMPT_TOKENS_DEFAULT };
+        let hit_rate = if given("hit_rate") { cli.hit_rate } else { HIT_RATE_DEFAULT };
+        if given("hit_rate") && !args.sweep_hit_rates.is_empty() {
+            return usage("--hit-rate and --sweep-hit-rates exclude each other: give one");
+        }
+        let hit_rates = if args.sweep_hit_rates.is_empty() { vec![hit_rate] } else { args.sweep_hit_rates.clone() };
+        if hit_rates.iter().any(|rate| !(0.0..1.0).contains(rate)) {
+            return usage(format!("--hit-rate={hit_rate}: serve needs new tokens to compute; accepted: 0 <= hit rate < 1"));
+        }
+        let stream = stream::StreamShape::new(
+            prompt_tokens,
+            u64::from(model.choice.geometry.block_tokens),
+            args.sessions,
+            args.turns,
+            args.system_prompts,
+            args.system_prompt_tokens,
+            args.decode_steps,
+            args.arrivals,
+            args.arrival_rate,
+        )?;
+        model.check_prompt(stream.prompt_tokens)?;
+        Ok(Self {
+            policies,
+            model,
+            stream,
+            sweep_svg: (!args.sweep_hit_rates.is_empty()).then(|| args.sweep_svg.clone()),
+            hit_rates,
+            seed: cli.seed,
+        })
+    }
+}
+
+/// `--workload=serve` from the command line.
+pub fn run(cli: &Cli, matches: &ArgMatches) -> anyhow::Result<()> {
+    let plan = ServePlan::from_cli(cli, matches)?;
+    let json = cli.output_format == OutputFormat::Json;
+    let say = |text: String| -> anyhow::Result<()> {
+        if json {
+            eprintln!("{text}");
+        } else {
+            outln!("{text}")?;
+        }
+        Ok(())
+    };
+    say(report::header(&plan))?;
+    let profile = plan.model.profile(plan.stream.prompt_tokens)?;
+    let mut points = Vec::with_capacity(plan.hit_rates.len());
+    for &hit_rate in &plan.hit_rates {
+        let requests = stream::build(&plan.stream, hit_rate, plan.seed);
+        let mut results = Vec::with_capacity(plan.policies.len());
+        for &policy in &plan.policies {
+            if !json {
+                outln!("serve: hit rate {hit_rate}, policy {} ({} requests) ...", policy.name(), requests.len())?;
+            }
+            let live = live::serve(&plan, &profile, policy, &requests, hit_rate)?;
+            let predicted = report::predict(&plan, &profile, policy, &requests, &live)?;
+            results.push(report::PolicyResult::new(policy, live, predicted));
+        }
+        let point = report::SweepPoint { hit_rate, requests: requests.len(), policies: results };
+        if !json {
+            outln!("{}", report::text(&plan, &point))?;
+        }
+        points.push(point);
+    }
+    if let Some(path) = &plan.sweep_svg {
+        let svg = report::sweep_svg(&plan, &points);
+        std::fs::write(path, svg).map_err(|error| Unusable(format!("cannot write the sweep SVG {}: {error}", path.display())))?;
+        say(format!("serve: sweep SVG written to {}", path.display()))?;
+    }
+    if json {
+        outln!("{}", serde_json::to_string_pretty(&report::json(&plan, &points))?)?;
+    } else if points.len() > 1 {
+        outln!("{}", report::sweep_table(&points))?;
+    }
+    Ok(())
+}

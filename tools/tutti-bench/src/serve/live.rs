@@ -1,0 +1,243 @@
+//! One policy serving the stream on a fresh stack: an in-memory software controller with the
+//! timing model, a pool, the object store and the runtime. The "engine" here is this thread: it
+//! calls the runtime at every layer boundary exactly as an engine would, and between them
+//! sleeps the layer's table duration × N (polling the runtime's I/O every
+//! [`POLL_INTERVAL`], as a GPU executor would progress on its own), then the decode steps.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, Context};
+use nvme_driver::{DataPointerMode, NamespaceId};
+use objstore::{cpu_executor_for, format_pool, FormatParams, KvRegistration, KvRequest, KvStore, Pool, PoolTarget, StoreConfig};
+use scheduler::table::Profile;
+use tutti_runtime::{PolicyChoice, Runtime, RuntimeConfig, RuntimeCounters};
+
+use super::stream::Request;
+use super::ServePlan;
+use crate::args::DeviceSpec;
+use crate::devices::{self, CreatedFiles, DeviceError, OpenOptions2};
+use crate::kv::{Engine, POOL_OVERHEAD_BYTES, SLOT_OVERHEAD_BYTES};
+use crate::Unusable;
+
+/// How often the sleeping compute thread lets the runtime reap and issue (wall time).
+const POLL_INTERVAL: Duration = Duration::from_micros(250);
+/// Engine blocks, in prompts: one for the running request, the rest for the write queue.
+const ENGINE_PROMPTS: u64 = 4;
+/// Stores that may wait in the write queue (each holds engine blocks until committed).
+const WRITE_QUEUE_STORES: usize = 3;
+/// Samples of the write backlog kept per run (one per prefill end and decode step).
+const BACKLOG_SAMPLES_MAX: usize = 65_536;
+
+/// One request as the live stack served it. Times are µs of the modelled system (wall ÷ N).
+#[derive(Debug, Clone)]
+pub struct ServedRequest {
+    pub cached_tokens: u64,
+    /// Arrival to the end of prefill (includes queueing behind earlier requests).
+    pub ttft_us: f64,
+    /// `begin_prefill` to `end_prefill`.
+    pub prefill_us: f64,
+    pub bubble_us: f64,
+    /// The table's compute for this request (what the thread slept, ÷ N).
+    pub compute_us: f64,
+}
+
+/// The write queue at one moment.
+#[derive(Debug, Clone, Copy)]
+pub struct BacklogSample {
+    pub at_us: f64,
+    pub queued_blocks: usize,
+    pub queued_stores: usize,
+}
+
+#[derive(Debug, Clone)]
+pub struct LiveRun {
+    pub requests: Vec<ServedRequest>,
+    pub backlog: Vec<BacklogSample>,
+    pub counters: RuntimeCounters,
+    /// Model time during which the emulated SSD moved reads and writes at once (÷ N).
+    pub rw_overlap_us: f64,
+    pub read_busy_us: f64,
+    pub write_busy_us: f64,
+    /// Wall time of the whole run, µs ÷ N.
+    pub wall_us: f64,
+    pub block_bytes: u64,
+}
+
+/// Pool bytes the stream can fill: every turn 1 stores its whole prompt, later turns their new
+/// blocks (more than the live run stores when prefixes are shared).
+fn pool_bytes(plan: &ServePlan, hit_rate: f64) -> u64 {
+    let shape = &plan.stream;
+    let blocks = shape.blocks();
+    let cached = shape.cached_tokens(hit_rate) / shape.block_tokens;
+    let stored = u64::from(shape.sessions) * blocks + u64::from(shape.sessions) * u64::from(shape.turns - 1) * (blocks - cached);
+    let block_bytes = plan.model.choice.geometry.block_bytes();
+    (stored + 2) * (block_bytes + SLOT_OVERHEAD_BYTES) + POOL_OVERHEAD_BYTES
+}
+
+/// Serves `requests` under `policy` on a fresh stack.
+pub fn serve(plan: &ServePlan, profile: &Profile, policy: PolicyChoice, requests: &[Request], hit_rate: f64) -> anyhow::Result<LiveRun> {
+    let geometry = plan.model.choice.geometry;
+    let spec = DeviceSpec::EmuMemory(pool_bytes(plan, hit_rate).div_ceil(1 << 20) << 20);
+    let options = OpenOptions2 {
+        writes: true,
+        create_bytes: None,
+        io_bytes_max: 2 * geometry.object_bytes(),
+        queues: 4,
+        timing: Some(plan.model.timing),
+        lay_out: false,
+    };
+    let mut created = CreatedFiles::default();
+    let devices = devices::open_controllers(std::slice::from_ref(&spec), options, &mut created).map_err(|error| match error {
+        DeviceError::Setup(message) => Unusable(message).into(),
+        DeviceError::Spec(error) => Unusable(error.to_string()).into(),
+        error => anyhow::Error::new(error).context(format!("opening {spec}")),
+    })?;
+    let emulator = devices[0]._emu.clone().ok_or_else(|| anyhow!("{spec} did not start a software controller"))?;
+    let targets = vec![PoolTarget { controller: Arc::clone(&devices[0].controller), namespace: NamespaceId(1) }];
+    let params = FormatParams { geometry, blocks_per_slot: 1, slot_count_max: None, pool_uuid: None, payload_crc: false };
+    format_pool(&targets, &params).context("formatting the pool")?;
+    let (pool, _) = Pool::open(targets, Some(&geometry)).context("opening the pool")?;
+    let request_blocks = plan.stream.blocks();
+    let engine_blocks = u32::try_from(ENGINE_PROMPTS * request_blocks).map_err(|_| anyhow!("too many engine blocks"))?;
+    let dma = Arc::clone(devices[0].controller.dma());
+    let (engine, layout) = Engine::allocate(&dma, &geometry, engine_blocks)?;
+    let mode = if devices[0].controller.data_pointer_mode() == DataPointerMode::Sgl { DataPointerMode::Sgl } else { DataPointerMode::Prp };
+    let registration = KvRegistration::new(geometry, engine_blocks, layout, mode).context("registering the engine's KV memory")?;
+    let store_config = StoreConfig::default();
+    let executor = cpu_executor_for(&pool, 1024, &store_config).context("creating the CPU executor")?;
+    let store = KvStore::new(pool, registration, dma, executor, store_config).context("building the KV store")?;
+    let mut config = RuntimeConfig::new(plan.model.compute.name.clone(), plan.model.gpu.identity());
+    config.policy = policy;
+    config.write_queue_limit_blocks = (u64::from(engine_blocks) - request_blocks) as usize;
+    config.write_queue_limit_stores = WRITE_QUEUE_STORES;
+    config.io_timeout = Duration::from_secs(60);
+    let runtime = Runtime::new(store, profile.clone(), config).context("starting the runtime")?;
+    let mut driver = Driver {
+        runtime,
+        profile,
+        dilation: f64::from(plan.model.dilation),
+        started: Instant::now(),
+        engine_blocks,
+        backlog: Vec::with_capacity((requests.len() * (plan.stream.decode_steps as usize + 1)).min(BACKLOG_SAMPLES_MAX)),
+    };
+    let before = emulator.stats().timing.unwrap_or_default();
+    let mut served = Vec::with_capacity(requests.len());
+    for request in requests {
+        let closed = plan.stream.arrivals == super::Arrivals::Closed;
+        served.push(driver.request(request, closed, plan.stream.decode_steps, request_blocks as usize)?);
+    }
+    let Driver { runtime, backlog, started, dilation, .. } = driver;
+    let (store, counters) = runtime.finish().context("draining the write queue")?;
+    let wall_us = started.elapsed().as_secs_f64() * 1e6 / dilation;
+    let after = emulator.stats().timing.ok_or_else(|| anyhow!("the software controller ran without its timing model"))?;
+    drop(store);
+    drop(engine);
+    let model_us = |later: Duration, earlier: Duration| later.saturating_sub(earlier).as_secs_f64() * 1e6 / dilation;
+    Ok(LiveRun {
+        requests: served,
+        backlog,
+        counters,
+        rw_overlap_us: model_us(after.mixed_busy, before.mixed_busy),
+        read_busy_us: model_us(after.read_busy, before.read_busy),
+        write_busy_us: model_us(after.write_busy, before.write_busy),
+        wall_us,
+        block_bytes: geometry.block_bytes(),
+    })
+}
+
+struct Driver<'a> {
+    runtime: Runtime<gio_uring::CpuExecutor>,
+    profile: &'a Profile,
+    dilation: f64,
+    started: Instant,
+    engine_blocks: u32,
+    backlog: Vec<BacklogSample>,
+}
+
+impl Driver<'_> {
+    fn model_us(&self, at: Instant) -> f64 {
+        at.saturating_duration_since(self.started).as_secs_f64() * 1e6 / self.dilation
+    }
+
+    /// Sleeps `table_us` × N of wall time, letting the runtime progress its I/O meanwhile.
+    fn compute(&mut self, table_us: f64) -> anyhow::Result<()> {
+        let end = Instant::now() + Duration::from_secs_f64(table_us * self.dilation / 1e6);
+        loop {
+            self.runtime.poll_io()?;
+            let now = Instant::now();
+            if now >= end {
+                return Ok(());
+            }
+            std::thread::sleep((end - now).min(POLL_INTERVAL));
+        }
+    }
+
+    fn sample(&mut self) {
+        if self.backlog.len() < BACKLOG_SAMPLES_MAX {
+            let at_us = self.model_us(Instant::now());
+            self.backlog.push(BacklogSample {
+                at_us,
+                queued_blocks: self.runtime.queued_blocks(),
+                queued_stores: self.runtime.queued_stores(),
+            });
+        }
+    }
+
+    /// Engine blocks the write queue does not hold, first ones first.
+    fn free_blocks(&self, count: usize) -> anyhow::Result<Vec<u32>> {
+        let blocks: Vec<u32> = (0..self.engine_blocks).filter(|&block| self.runtime.releasable(block)).take(count).collect();
+        if blocks.len() < count {
+            return Err(anyhow!(
+                "only {} of {} engine blocks are releasable for a request of {count} (the write queue holds {})",
+                blocks.len(),
+                self.engine_blocks,
+                self.runtime.queued_blocks()
+            ));
+        }
+        Ok(blocks)
+    }
+
+    /// Serves one request. Closed loop: it arrives now (the previous one finished decoding);
+    /// Poisson: at its arrival time, waiting for it if the stack is idle before.
+    fn request(&mut self, request: &Request, closed: bool, decode_steps: u32, blocks: usize) -> anyhow::Result<ServedRequest> {
+        let arrival =
+            if closed { Instant::now() } else { self.started + Duration::from_secs_f64(request.arrival_us * self.dilation / 1e6) };
+        while Instant::now() < arrival {
+            self.runtime.poll_io()?;
+            std::thread::sleep(arrival.saturating_duration_since(Instant::now()).min(POLL_INTERVAL));
+        }
+        let arrived_us = self.model_us(arrival.max(self.started));
+        let block_ids = self.free_blocks(blocks)?;
+        let begun = Instant::now();
+        let start = self.runtime.begin_prefill(&KvRequest { tokens: &request.tokens, block_ids: &block_ids })?;
+        let block_tokens = request.tokens.len() as u64 / blocks as u64;
+        let cached_tokens = start.cached_blocks as u64 * block_tokens;
+        let input_tokens = request.tokens.len() as u32;
+        let layers = self.profile.bucket(input_tokens, cached_tokens as u32)?.layers.clone();
+        let mut compute_us = 0.0;
+        for (layer, profile) in layers.iter().enumerate() {
+            self.runtime.before_layer(start.id, layer as u32)?;
+            self.compute(profile.compute_duration_us)?;
+            compute_us += profile.compute_duration_us;
+            self.runtime.after_layer(start.id, layer as u32)?;
+        }
+        let bubble = self.runtime.end_prefill(start.id)?;
+        let ended = Instant::now();
+        self.sample();
+        for step in 0..decode_steps {
+            let context_tokens = input_tokens.saturating_add(step);
+            self.runtime.decode_step(context_tokens)?;
+            let duration_us = self.profile.decode_step(context_tokens)?.duration_us;
+            self.compute(duration_us)?;
+            self.sample();
+        }
+        Ok(ServedRequest {
+            cached_tokens,
+            ttft_us: self.model_us(ended) - arrived_us,
+            prefill_us: (ended - begun).as_secs_f64() * 1e6 / self.dilation,
+            bubble_us: bubble.as_secs_f64() * 1e6 / self.dilation,
+            compute_us,
+        })
+    }
+}

@@ -1,0 +1,151 @@
+//! `--workload=serve` as a user runs it: a tiny stream (seconds) whose JSON has every documented
+//! field with every policy side by side, slack-aware never putting reads and writes on the
+//! emulated SSD at once; a two-point sweep writes its SVG; bad input is refused with one line
+//! and exit status 2.
+
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn bench(arguments: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tutti-bench")).args(arguments).output().expect("the built binary runs")
+}
+
+/// A stream small enough for seconds: 256-token prompts, 2 sessions x 2 turns, 8x slow motion.
+const TINY: [&str; 10] = [
+    "--workload=serve",
+    "--prompt-tokens=256",
+    "--sessions=2",
+    "--turns=2",
+    "--system-prompts=1",
+    "--decode-steps=2",
+    "--emu-timing=tutti-ssd:x8",
+    "--seed=3",
+    "--output-format=json",
+    "--policy=all",
+];
+
+fn json_of(output: &Output) -> Value {
+    assert_eq!(output.status.code(), Some(0), "stderr: {}", String::from_utf8_lossy(&output.stderr));
+    serde_json::from_slice(&output.stdout).expect("standard output is one JSON document")
+}
+
+#[test]
+fn a_tiny_stream_reports_every_documented_field_for_every_policy() {
+    // Goal: the JSON names of docs/tutti-bench.md are all there, per policy, live beside
+    // predicted; slack-aware (and no-overlap) keep reads and writes apart on the device.
+    let out = json_of(&bench(&TINY));
+    assert_eq!(out["workload"], "serve");
+    let options = &out["global options"];
+    for key in [
+        "model",
+        "gpu",
+        "prompt_tokens",
+        "sessions",
+        "turns",
+        "decode_steps",
+        "arrivals",
+        "seed",
+        "emu_timing",
+        "dilation",
+        "ssd_model",
+        "iocb_bytes",
+        "time_unit",
+    ] {
+        assert!(!options[key].is_null(), "global options.{key} missing: {options}");
+    }
+    assert_eq!(options["dilation"], 8);
+    let policies = out["policies"].as_array().expect("policies[]");
+    let names: Vec<&str> = policies.iter().map(|policy| policy["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["slack-aware", "naive-pipeline", "no-overlap"]);
+    for policy in policies {
+        let name = policy["name"].as_str().unwrap();
+        for path in [
+            "/requests",
+            "/hit_rate_served",
+            "/ttft_us/p50",
+            "/ttft_us/p90",
+            "/ttft_us/p99",
+            "/ttft_us/mean",
+            "/prefill_us",
+            "/compute_us",
+            "/bubble_us",
+            "/bubble_share",
+            "/rw_overlap_us",
+            "/rw_overlap_source",
+            "/mixed_issues",
+            "/deferred_writes",
+            "/write_layers_issued",
+            "/stores_committed",
+            "/stores_forced",
+            "/write_backlog/max_blocks",
+            "/write_backlog/samples/0/at_us",
+            "/write_backlog/samples/0/queued_blocks",
+            "/wall_us",
+            "/predicted/ttft_us/p50",
+            "/predicted/ttft_us/p99",
+            "/predicted/bubble_us",
+            "/predicted/bubble_share",
+            "/predicted/rw_overlap_us",
+            "/deviation/ttft_p50",
+            "/deviation/bubble_share_points",
+        ] {
+            assert!(policy.pointer(path).is_some_and(|value| !value.is_null()), "{name}: {path} missing: {policy}");
+        }
+        assert_eq!(policy["requests"], 4);
+        let ttft = &policy["ttft_us"];
+        assert!(ttft["p50"].as_f64().unwrap() > 0.0 && ttft["p50"].as_f64() <= ttft["p99"].as_f64(), "{name}: {ttft}");
+        let share = policy["bubble_share"].as_f64().unwrap();
+        assert!((0.0..1.0).contains(&share), "{name}: bubble_share {share}");
+        // Every store of the stream was written and committed by the end (drained).
+        assert_eq!(policy["stores_committed"], 4, "{name}: {policy}");
+        if name != "naive-pipeline" {
+            assert_eq!(policy["rw_overlap_us"].as_f64(), Some(0.0), "{name} mixed reads and writes on the device: {policy}");
+            assert_eq!(policy["mixed_issues"], 0, "{name}: {policy}");
+        }
+    }
+    // Later turns find their session's prefix (written and committed before they arrive).
+    assert!(policies[0]["hit_rate_served"].as_f64().unwrap() > 0.2, "{}", policies[0]);
+    // Deferral happens: slack-aware writes layers after their request's prefill ended.
+    assert!(policies[0]["deferred_writes"].as_u64().unwrap() > 0, "{}", policies[0]);
+    assert_eq!(out["sweep"].as_array().map(Vec::len), Some(1));
+}
+
+#[test]
+fn a_sweep_writes_its_svg_with_live_beside_predicted() {
+    let directory = tempfile::tempdir().unwrap();
+    let svg = directory.path().join("sweep.svg");
+    let svg_flag = format!("--sweep-svg={}", svg.display());
+    let mut arguments: Vec<&str> = TINY.iter().copied().filter(|flag| !["--policy=all", "--turns=2"].contains(flag)).collect();
+    arguments.extend(["--policy=slack-aware", "--sweep-hit-rates=0.25,0.75", "--turns=1", &svg_flag]);
+    let out = json_of(&bench(&arguments));
+    let sweep = out["sweep"].as_array().expect("sweep[]");
+    assert_eq!(sweep.iter().map(|point| point["hit_rate"].as_f64().unwrap()).collect::<Vec<_>>(), [0.25, 0.75]);
+    assert!(sweep.iter().all(|point| point["policies"].as_array().map(Vec::len) == Some(1)));
+    let text = std::fs::read_to_string(&svg).expect("the SVG was written");
+    assert!(text.starts_with("<svg") && text.contains("LIVE") && text.contains("PREDICTED") && text.contains("slack-aware"), "{text}");
+}
+
+#[test]
+fn bad_serve_input_is_one_line_and_status_2() {
+    for (arguments, needle) in [
+        (vec!["--workload=serve", "--policy=fastest"], "slack-aware, naive, no-overlap, all"),
+        (vec!["--workload=serve", "--emu-timing=read=900m,write=375m,mixed=0.4,latency=800us"], "tutti-ssd"),
+        (vec!["--workload=serve", "--prompt-tokens=100"], "multiples of 16"),
+        (vec!["--workload=serve", "--hit-rate=1"], "hit rate < 1"),
+        (vec!["--workload=serve", "--hit-rate=0.5", "--sweep-hit-rates=0.25,0.5"], "exclude each other"),
+        (vec!["--sweep-hit-rates=0.25,1.5"], "0..1"),
+        (vec!["--workload=serve", "--device", "emu:mem:64m"], "--device is not accepted"),
+        (vec!["--workload=serve", "--model=llama3-70b"], "llama3-8b|qwen3-32b"),
+        (vec!["--workload=serve", "--gpu=a100"], "h100, h200"),
+        (vec!["--workload=serve", "--arrivals=poisson", "--arrival-rate=0"], "requests per second"),
+        (vec!["--workload=serve", "--sessions=0"], "sessions"),
+    ] {
+        let output = bench(&arguments);
+        let text = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{arguments:?}: status {:?}, stderr: {text}", output.status);
+        assert_eq!(text.trim_end().lines().count(), 1, "{arguments:?}: not one line: {text}");
+        assert!(text.contains(needle), "{arguments:?}: '{needle}' missing from: {text}");
+        assert!(output.stdout.is_empty(), "{arguments:?}: printed on stdout");
+    }
+}
