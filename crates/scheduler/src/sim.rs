@@ -18,7 +18,9 @@
 //!
 //! I/O kernels run on the reserved I/O SMs and never slow compute (Tutti's green contexts); the
 //! SSD has no internal state beyond the mixed-traffic penalty (no garbage collection, no cache
-//! warm-up); one request at a time. Numbers from this simulator are model outputs, never
+//! warm-up); one request at a time. Writes queued by earlier requests can be carried in
+//! ([`simulate_with_backlog`]): the policy sees them as queued from time 0 and writes them, oldest
+//! first, before this request's own. Numbers from this simulator are model outputs, never
 //! measurements.
 
 use std::collections::VecDeque;
@@ -141,6 +143,20 @@ pub fn simulate(
     config: &SimConfig,
     policy: &mut dyn IoPolicy,
 ) -> Result<SimResult> {
+    simulate_with_backlog(truth, scheduler_table, ssd, config, policy, 0)
+}
+
+/// Runs one request that finds `write_backlog_bytes` of earlier requests' KV still queued for
+/// writing (a runtime's write queue outlives its requests). The backlog counts in
+/// `write_backlog_bytes_at_ttft` / `_at_end`, not in `write_bytes` (this request's new KV).
+pub fn simulate_with_backlog(
+    truth: &Profile,
+    scheduler_table: &Profile,
+    ssd: &SsdModel,
+    config: &SimConfig,
+    policy: &mut dyn IoPolicy,
+    write_backlog_bytes: u64,
+) -> Result<SimResult> {
     ssd.validate()?;
     if config.iocb_bytes == 0 {
         return Err(SchedulerError::InvalidConfig { field: "iocb_bytes".into(), reason: "must be > 0".into() });
@@ -168,7 +184,7 @@ pub fn simulate(
         unissued_read_iocbs: vec![read_iocbs; layer_count],
         unissued_read_bytes: vec![read_bytes_per_layer; layer_count],
         pending_read_bytes: vec![read_bytes_per_layer as f64; layer_count],
-        queued_write_bytes: 0,
+        queued_write_bytes: write_backlog_bytes,
         new_kv_bytes_per_layer,
         bubble_us: 0.0,
         mixed_io_us: 0.0,

@@ -7,7 +7,7 @@ use scheduler::analytic::{build_table, layer_kernels, AnalyticGrid, GpuSpec, Mod
 use scheduler::import::import_timeline;
 use scheduler::policy::{IoPolicy, Issue, LayerPlan, LayerView, QueueView};
 use scheduler::probe::{measure_io_costs, IoCostProbe, IoGrid, ProbeSample};
-use scheduler::sim::{simulate, SimConfig};
+use scheduler::sim::{simulate, simulate_with_backlog, SimConfig};
 use scheduler::ssd::SsdModel;
 use scheduler::table::{IoKind, Profile};
 use scheduler::SchedulerError;
@@ -164,6 +164,49 @@ fn simulator_matches_a_hand_worked_schedule() {
     // Layers 1..3's new KV was never issued.
     assert_eq!(r.write_backlog_bytes_at_ttft, 3 << 20);
     assert_eq!(r.write_backlog_bytes_at_end, 3 << 20);
+}
+
+/// Goal: writes queued by earlier requests are carried in: the policy sees them from time 0, they
+/// are written oldest first, and what is left at the end includes them (a runtime's write queue
+/// outlives its requests; the live serve workload carries it from request to request).
+#[test]
+fn a_carried_write_backlog_is_queued_from_the_start_and_counted() {
+    let table = Profile::from_table(common::table()).unwrap();
+    let config = SimConfig { input_tokens: 2048, prefix_tokens: 1024, iocb_bytes: 1 << 20, decode_step_count: 0 };
+    let r = simulate_with_backlog(&table, &table, &toy_ssd(), &config, &mut WritesOneIocb, 2 << 20).unwrap();
+    // The one write IOCB issued before layer 1 takes 1 MiB of the 2 MiB backlog; this request's
+    // own 4 MiB of new KV (1 MiB per layer) all stays queued: 2 + 4 - 1 = 5 MiB.
+    assert_eq!(r.write_bytes, 4 << 20, "write_bytes is this request's new KV only");
+    assert_eq!(r.write_backlog_bytes_at_ttft, 5 << 20, "{r:?}");
+    assert_eq!(r.write_backlog_bytes_at_end, 5 << 20, "{r:?}");
+    // No backlog: the same as `simulate` (4 - 1 = 3 MiB left).
+    let plain = simulate(&table, &table, &toy_ssd(), &config, &mut WritesOneIocb).unwrap();
+    assert_eq!(plain.write_backlog_bytes_at_end, 3 << 20);
+    assert_eq!(simulate_with_backlog(&table, &table, &toy_ssd(), &config, &mut WritesOneIocb, 0).unwrap(), plain);
+}
+
+/// Reads every layer up front; before layer 1 writes one IOCB of whatever is queued.
+struct WritesOneIocb;
+
+impl IoPolicy for WritesOneIocb {
+    fn name(&self) -> &'static str {
+        "writes-one-iocb"
+    }
+    fn plan_layer(&mut self, view: &LayerView<'_>) -> scheduler::Result<LayerPlan> {
+        let issue = |kind, layer, iocb_count| Issue { kind, layer, iocb_count, sm_budget: 4, offset_us: 0.0, after_reads: false };
+        let issues = match view.layer {
+            0 => (0..view.unissued_read_iocbs.len() as u32).map(|layer| issue(IoKind::Read, Some(layer), 1)).collect(),
+            1 if view.queued_write_iocbs > 0 => vec![issue(IoKind::Write, None, 1)],
+            _ => vec![],
+        };
+        Ok(LayerPlan { wait_for_all_reads: false, issues })
+    }
+    fn plan_prefill_end(&mut self, _: &QueueView<'_>) -> scheduler::Result<Vec<Issue>> {
+        Ok(vec![])
+    }
+    fn plan_decode_step(&mut self, _: &QueueView<'_>) -> scheduler::Result<Vec<Issue>> {
+        Ok(vec![])
+    }
 }
 
 #[test]

@@ -87,6 +87,7 @@ fn a_tiny_stream_reports_every_documented_field_for_every_policy() {
             "/predicted/bubble_us",
             "/predicted/bubble_share",
             "/predicted/rw_overlap_us",
+            "/predicted/forced_write_us",
             "/deviation/ttft_p50",
             "/deviation/bubble_share_points",
         ] {

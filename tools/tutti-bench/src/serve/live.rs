@@ -64,6 +64,13 @@ pub struct LiveRun {
     pub block_bytes: u64,
 }
 
+/// The runtime's write-queue bounds for this plan, (blocks, stores): engine blocks not needed by
+/// the running request, and [`WRITE_QUEUE_STORES`]. The prediction models the same bounds.
+pub fn write_queue_limits(plan: &ServePlan) -> (u64, usize) {
+    let request_blocks = plan.stream.blocks();
+    ((ENGINE_PROMPTS - 1) * request_blocks, WRITE_QUEUE_STORES)
+}
+
 /// Pool bytes the stream can fill: every turn 1 stores its whole prompt, later turns their new
 /// blocks (more than the live run stores when prefixes are shared).
 fn pool_bytes(plan: &ServePlan, hit_rate: f64) -> u64 {
@@ -109,8 +116,10 @@ pub fn serve(plan: &ServePlan, profile: &Profile, policy: PolicyChoice, requests
     let store = KvStore::new(pool, registration, dma, executor, store_config).context("building the KV store")?;
     let mut config = RuntimeConfig::new(plan.model.compute.name.clone(), plan.model.gpu.identity());
     config.policy = policy;
-    config.write_queue_limit_blocks = (u64::from(engine_blocks) - request_blocks) as usize;
-    config.write_queue_limit_stores = WRITE_QUEUE_STORES;
+    let (limit_blocks, limit_stores) = write_queue_limits(plan);
+    debug_assert_eq!(limit_blocks, u64::from(engine_blocks) - request_blocks);
+    config.write_queue_limit_blocks = usize::try_from(limit_blocks).map_err(|_| anyhow!("write queue limit too large"))?;
+    config.write_queue_limit_stores = limit_stores;
     config.io_timeout = Duration::from_secs(60);
     let runtime = Runtime::new(store, profile.clone(), config).context("starting the runtime")?;
     let mut driver = Driver {

@@ -3,9 +3,11 @@
 //! wall times divided by the slow-motion factor N, simulator times as they are.
 
 use scheduler::plot::render_svg;
-use scheduler::sim::{simulate, SimConfig, SimResult};
+use std::collections::VecDeque;
+
+use scheduler::sim::{simulate_with_backlog, SimConfig, SimResult};
 use scheduler::sweep::PolicySummary;
-use scheduler::table::Profile;
+use scheduler::table::{IoKind, Profile};
 use serde_json::{json, Value};
 use tutti_runtime::PolicyChoice;
 
@@ -28,10 +30,17 @@ pub struct Predicted {
     pub bubble_us_total: f64,
     pub rw_overlap_us: f64,
     pub write_backlog_bytes_at_end_max: u64,
+    /// Time spent writing the oldest stores before a prefill, to stay within the write queue's
+    /// bounds (part of TTFT).
+    pub forced_write_us: f64,
 }
 
 /// Runs the simulator on each request the live run served (same prompt, same cached prefix,
-/// same decode steps, same table and undilated SSD model), chaining them like the live stream.
+/// same decode steps, same table and undilated SSD model), chaining them like the live stream:
+/// the write backlog one request leaves is carried into the next (the runtime's write queue
+/// outlives its requests), and the runtime's write-queue bounds are applied as it applies them
+/// (`ForceOldest`: before a prefill that would overflow them, the oldest queued stores are
+/// written at solo write bandwidth, on the request's critical path).
 pub fn predict(
     plan: &ServePlan,
     profile: &Profile,
@@ -46,9 +55,29 @@ pub fn predict(
         bubble_us_total: 0.0,
         rw_overlap_us: 0.0,
         write_backlog_bytes_at_end_max: 0,
+        forced_write_us: 0.0,
     };
+    let (limit_blocks, limit_stores) = super::live::write_queue_limits(plan);
+    let write_budget = profile.io_sm_budget_max(IoKind::Write);
+    // Queued stores, oldest first: (blocks, bytes not yet written).
+    let mut queue: VecDeque<(u64, u64)> = VecDeque::new();
     let mut free_at_us = 0.0_f64;
     for (request, served) in requests.iter().zip(&live.requests) {
+        let blocks = request.tokens.len() as u64 / plan.stream.block_tokens;
+        let incoming_blocks = blocks.saturating_sub(served.cached_tokens / plan.stream.block_tokens);
+        let mut forced_us = 0.0;
+        if incoming_blocks > 0 {
+            let over = |queue: &VecDeque<(u64, u64)>| {
+                queue.iter().map(|(blocks, _)| blocks).sum::<u64>() + incoming_blocks > limit_blocks || queue.len() + 1 > limit_stores
+            };
+            while over(&queue) {
+                let Some((_, bytes)) = queue.pop_front() else { break };
+                if bytes > 0 {
+                    forced_us += plan.model.ssd.kernel_duration_us(IoKind::Write, bytes, write_budget);
+                }
+            }
+        }
+        let backlog_bytes: u64 = queue.iter().map(|(_, bytes)| bytes).sum();
         let config = SimConfig {
             input_tokens: request.tokens.len() as u32,
             prefix_tokens: served.cached_tokens as u32,
@@ -56,11 +85,26 @@ pub fn predict(
             decode_step_count: plan.stream.decode_steps,
         };
         let mut policy = policy.kind().build();
-        let result = simulate(profile, profile, &plan.model.ssd, &config, policy.as_mut())?;
+        let result = simulate_with_backlog(profile, profile, &plan.model.ssd, &config, policy.as_mut(), backlog_bytes)?;
+        if result.write_bytes > 0 {
+            queue.push_back((incoming_blocks, result.write_bytes));
+        }
+        // Writes go oldest first: retire what the run wrote from the front of the queue.
+        let mut written = (backlog_bytes + result.write_bytes).saturating_sub(result.write_backlog_bytes_at_end);
+        while let Some(front) = queue.front_mut() {
+            let taken = written.min(front.1);
+            front.1 -= taken;
+            written -= taken;
+            if front.1 > 0 {
+                break;
+            }
+            queue.pop_front();
+        }
         let arrival_us = if plan.stream.arrivals == Arrivals::Closed { free_at_us } else { request.arrival_us };
         let start_us = arrival_us.max(free_at_us);
-        predicted.ttft_us.push(start_us - arrival_us + result.ttft_us);
-        free_at_us = start_us + result.ttft_us + result.decode_us;
+        predicted.ttft_us.push(start_us - arrival_us + forced_us + result.ttft_us);
+        predicted.forced_write_us += forced_us;
+        free_at_us = start_us + forced_us + result.ttft_us + result.decode_us;
         predicted.prefill_us_total += result.ttft_us;
         predicted.compute_us_total += result.compute_us;
         predicted.bubble_us_total += result.bubble_us;
@@ -191,6 +235,7 @@ impl PolicyResult {
                 "bubble_share": self.predicted_bubble_share(),
                 "rw_overlap_us": self.predicted.rw_overlap_us,
                 "write_backlog_bytes_at_end_max": self.predicted.write_backlog_bytes_at_end_max,
+                "forced_write_us": self.predicted.forced_write_us,
             },
             "deviation": {
                 "ttft_p50": share(self.ttft.p50, self.predicted_ttft.p50) - 1.0,
