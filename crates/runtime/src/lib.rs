@@ -14,7 +14,8 @@
 //! ```
 //!
 //! - [`config`]: the policy setting, the write-queue bound and what happens past it;
-//! - [`runtime`]: the calls above, the read/write barrier, the mapping onto the store;
+//! - [`runtime`]: the calls above and the mapping onto the store; its `progress` submodule reaps,
+//!   commits, keeps the read/write barrier and issues what may go;
 //! - `writes`: the write queue that outlives its request, and the releasable-block contract;
 //! - [`events`]: counters and an optional bounded log of issue/complete events.
 //!
