@@ -345,19 +345,24 @@ fn temporary_pool(directory: Option<&Path>, wanted_bytes: Option<u64>) -> anyhow
 const DEFAULT_PROMPT_TOKENS_MAX: u64 = 4096;
 
 /// The embedded default: what `cargo run --release --bin tutti-bench` does on a fresh machine.
-/// With `--output-format=json` standard output holds only the JSON; what the run is about goes
-/// to standard error.
-pub fn default_run(cli: &Cli) -> anyhow::Result<()> {
-    let started = Instant::now();
-    let json = cli.output_format == OutputFormat::Json;
-    let say = |text: String| -> anyhow::Result<()> {
-        if json {
+/// Where a run says what it is about: standard output, or standard error when standard output
+/// holds only the JSON.
+pub fn narrator(format: OutputFormat) -> impl Fn(String) -> anyhow::Result<()> {
+    move |text: String| {
+        if format == OutputFormat::Json {
             eprintln!("{text}");
         } else {
             outln!("{text}")?;
         }
         Ok(())
-    };
+    }
+}
+
+/// With `--output-format=json` standard output holds only the JSON; what the run is about goes
+/// to standard error.
+pub fn default_run(cli: &Cli) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let say = narrator(cli.output_format);
     let pool = temporary_pool(cli.directory.as_deref(), None)?;
     let mut created = CreatedFiles::default();
     created.push(pool.path.clone());

@@ -183,14 +183,7 @@ impl ServePlan {
 pub fn run(cli: &Cli, matches: &ArgMatches) -> anyhow::Result<()> {
     let plan = ServePlan::from_cli(cli, matches)?;
     let json = cli.output_format == OutputFormat::Json;
-    let say = |text: String| -> anyhow::Result<()> {
-        if json {
-            eprintln!("{text}");
-        } else {
-            outln!("{text}")?;
-        }
-        Ok(())
-    };
+    let say = crate::run::narrator(cli.output_format);
     say(report::header(&plan))?;
     let profile = plan.model.profile(plan.stream.prompt_tokens)?;
     let mut points = Vec::with_capacity(plan.hit_rates.len());
