@@ -6,8 +6,8 @@
 //! (`iocb_bytes`, from the read cost rows), exactly as the simulator does for the same request,
 //! so both see the same views and make the same decisions. The store moves a layer whole (it
 //! reissues one request's IOCBs per layer), so a layer's reads are handed over when the policy
-//! first issues any of them, and writes are released in whole layers that fit the IOCB count the
-//! policy chose. Offsets inside a layer are not timed: what the policy issues at a boundary is
+//! first issues any of them, and writes are released in whole layers once the policy's write grants
+//! (carried forward while smaller than the oldest layer) cover them. Offsets inside a layer are not timed: what the policy issues at a boundary is
 //! handed to the executor at that boundary, FIFO per direction, one layer per request at a time;
 //! later layers wait in the runtime and go when the previous one completed (checked at every
 //! call, and while the engine waits for KV).

@@ -38,6 +38,9 @@ pub(crate) struct WriteQueue {
     pub queued_blocks: usize,
     /// Block lists of finished stores, reused (no allocation per request once warm).
     spare_lists: Vec<Vec<u32>>,
+    /// Write IOCBs the policy granted that no whole layer has used yet, at most one head layer's
+    /// worth (see [`WriteQueue::decide`]).
+    granted_iocbs: u32,
 }
 
 impl WriteQueue {
@@ -47,6 +50,7 @@ impl WriteQueue {
             holds: vec![0; engine_blocks as usize],
             queued_blocks: 0,
             spare_lists: Vec::with_capacity(stores_max),
+            granted_iocbs: 0,
         }
     }
 
@@ -110,21 +114,30 @@ impl WriteQueue {
         self.stores.iter().any(|store| store.in_flight.is_some())
     }
 
-    /// Releases the oldest ready layers for writing, as many whole layers as fit in
-    /// `iocb_count` (a layer moves whole: a partial layer is not written early, so the write
-    /// never overruns the window the policy sized). Returns the layers released.
-    pub fn decide(&mut self, mut iocb_count: u32) -> u32 {
+    /// Releases the oldest ready layers for writing, as many whole layers as the policy's grants
+    /// cover: `iocb_count` now, plus what earlier grants left unused. A layer moves whole (the
+    /// store issues a layer's IOCBs together), so a grant smaller than the oldest layer is kept,
+    /// up to that layer's size, and the layer goes once the grants add up to it: the simulator
+    /// writes the granted bytes of a layer, and without the carry a layer larger than every
+    /// window would wait for the queue limit (then be forced onto a prefill's critical path).
+    /// The price: the layer may overrun the window it goes in by what that window's grant lacks.
+    /// Returns the layers released.
+    pub fn decide(&mut self, iocb_count: u32) -> u32 {
+        let mut available = self.granted_iocbs.saturating_add(iocb_count);
         let mut released = 0;
         'stores: for store in self.stores.iter_mut() {
             while store.decided_layers < store.ready_layers {
-                if store.iocbs_per_layer > iocb_count {
+                if store.iocbs_per_layer > available {
                     break 'stores; // oldest first: no younger write jumps ahead
                 }
-                iocb_count -= store.iocbs_per_layer;
+                available -= store.iocbs_per_layer;
                 store.decided_layers += 1;
                 released += 1;
             }
         }
+        let head_layer_iocbs =
+            self.stores.iter().find(|store| store.decided_layers < store.ready_layers).map_or(0, |store| store.iocbs_per_layer);
+        self.granted_iocbs = available.min(head_layer_iocbs);
         released
     }
 

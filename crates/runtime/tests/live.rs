@@ -142,3 +142,30 @@ fn writes_are_deferred_across_requests_and_visible_only_when_committed() {
     stack.runtime.drain().unwrap();
     assert_eq!(stack.runtime.lookup(&next), 6);
 }
+
+/// Goal: a layer larger than any one decode step's write grant is still written once the
+/// policy's grants add up to it, instead of waiting for the queue limit to force it onto a
+/// prefill's critical path. The table leaves no slack in prefill and 100 µs decode steps: two
+/// write IOCBs of 40 µs per step, where a layer of this 4-block store needs four.
+#[test]
+fn small_write_grants_add_up_to_a_whole_layer() {
+    let mut table = common::table(common::MODEL, common::geometry().layers);
+    for bucket in &mut table.buckets {
+        for layer in &mut bucket.layers {
+            layer.slack_windows.clear();
+        }
+    }
+    for step in &mut table.decode_steps {
+        step.duration_us = 100.0;
+    }
+    let profile = scheduler::table::Profile::from_table(table).expect("valid table");
+    let mut stack = common::stack_with_profile(config(PolicyChoice::SlackAware), None, profile);
+    let tokens = prompt(0, 0);
+    let engine_blocks: Vec<u32> = (0..4).collect();
+    prefill(&mut stack, &tokens, &engine_blocks).unwrap();
+    assert_eq!(stack.runtime.queued_stores(), 1);
+    decode_until_visible(&mut stack, &tokens, &engine_blocks);
+    let counters = stack.runtime.counters();
+    assert_eq!(counters.stores_forced, 0, "{counters:?}");
+    assert_eq!(counters.stores_committed, 1, "{counters:?}");
+}

@@ -186,8 +186,13 @@ pub fn parts(timing: Option<TimingModel>) -> (Arc<EmuDevice>, KvStore<gio_uring:
 }
 
 pub fn stack(config: RuntimeConfig, timing: Option<TimingModel>) -> Stack {
+    stack_with_profile(config, timing, profile())
+}
+
+/// The same stack, with another table (of the same model and GPU).
+pub fn stack_with_profile(config: RuntimeConfig, timing: Option<TimingModel>, profile: Profile) -> Stack {
     let (device, store, engine) = parts(timing);
-    let runtime = Runtime::new(store, profile(), config).expect("runtime");
+    let runtime = Runtime::new(store, profile, config).expect("runtime");
     Stack { device, runtime, engine }
 }
 
