@@ -35,14 +35,17 @@ impl DeviceLocks {
             let path = match spec {
                 DeviceSpec::EmuFile(path) => path.clone(),
                 DeviceSpec::Vfio(address) => {
-                    std::fs::create_dir_all(lock_dir)
-                        .map_err(|source| DaemonError::Io { context: format!("creating the lock directory {}", lock_dir.display()), source })?;
+                    std::fs::create_dir_all(lock_dir).map_err(|source| DaemonError::Io {
+                        context: format!("creating the lock directory {}", lock_dir.display()),
+                        source,
+                    })?;
                     lock_dir.join(format!("vfio-{address}.lock"))
                 }
                 _ => continue,
             };
             let is_file = matches!(spec, DeviceSpec::EmuFile(_));
-            let opened = OpenOptions::new().read(true).write(!is_file).create(!is_file || create_files).truncate(false).open(&path);
+            let opened =
+                OpenOptions::new().read(true).write(!is_file || create_files).create(!is_file || create_files).truncate(false).open(&path);
             let file = match opened {
                 Ok(file) => file,
                 Err(error) if is_file && error.kind() == std::io::ErrorKind::NotFound => continue,
@@ -62,9 +65,10 @@ impl DeviceLocks {
             Err((file, Errno::EWOULDBLOCK)) => {
                 Err(DaemonError::DeviceInUse { spec: spec.to_string(), lock: path.clone(), holder: holder_of(&file, Path::new("/proc")) })
             }
-            Err((_, errno)) => {
-                Err(DaemonError::Io { context: format!("locking {}", path.display()), source: std::io::Error::from_raw_os_error(errno as i32) })
-            }
+            Err((_, errno)) => Err(DaemonError::Io {
+                context: format!("locking {}", path.display()),
+                source: std::io::Error::from_raw_os_error(errno as i32),
+            }),
         }
     }
 
@@ -158,10 +162,7 @@ mod tests {
     fn vfio_devices_lock_a_file_in_the_lock_directory_and_memory_devices_none() {
         let directory = tempfile::tempdir().unwrap();
         let lock_dir = directory.path().join("run");
-        let specs = [
-            DeviceSpec::parse("vfio:0000:00:04.0", &tutti_devices::DeviceKind::ALL).unwrap(),
-            DeviceSpec::EmuMemory(1 << 20),
-        ];
+        let specs = [DeviceSpec::parse("vfio:0000:00:04.0", &tutti_devices::DeviceKind::ALL).unwrap(), DeviceSpec::EmuMemory(1 << 20)];
         let locks = DeviceLocks::acquire(&specs, &lock_dir, false).unwrap();
         let paths: Vec<_> = locks.paths().collect();
         assert_eq!(paths, [lock_dir.join("vfio-0000:00:04.0.lock").as_path()]);

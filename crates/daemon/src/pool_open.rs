@@ -42,8 +42,7 @@ pub struct OpenedPool {
 
 pub fn open_pool(options: &PoolOptions) -> Result<OpenedPool, DaemonError> {
     let locks = DeviceLocks::acquire(&options.specs, &options.lock_dir, options.emu_create_bytes.is_some())?;
-    let mut config =
-        EmuConfig::default().with_namespaces(vec![NamespaceConfig::new(options.emu_lba_bytes, None)]).with_mdts(8);
+    let mut config = EmuConfig::default().with_namespaces(vec![NamespaceConfig::new(options.emu_lba_bytes, None)]).with_mdts(8);
     // The pool's durability promises hold across host crashes too (as `tutti pool`).
     config.sync_file_on_flush = true;
     let emu = EmuOptions { config, create_bytes: options.emu_create_bytes };

@@ -298,7 +298,9 @@ pub struct StatusReply {
 pub enum Request {
     Hello(Hello),
     /// The longest cached prefix of `tokens` in the session's key space.
-    Lookup { tokens: Vec<u32> },
+    Lookup {
+        tokens: Vec<u32>,
+    },
     Status,
     /// Keeps the lease alive.
     Ping,
@@ -355,7 +357,8 @@ impl Request {
                 if reader.remaining() != count.saturating_mul(4) {
                     return Err(reader.malformed(format!("token_count {count} but {} bytes of tokens", reader.remaining())));
                 }
-                let tokens = reader.bytes(count * 4, "tokens")?.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+                let tokens =
+                    reader.bytes(count * 4, "tokens")?.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
                 Request::Lookup { tokens }
             }
             Kind::Status => Request::Status,
@@ -405,9 +408,15 @@ impl Reply {
                     put_str(out, &device.description);
                 }
                 let pool = &status.pool;
-                for value in
-                    [pool.slots, pool.free_slots, pool.valid_slots, pool.writing_slots, pool.pinned_slots, pool.cached_blocks, pool.evictions]
-                {
+                for value in [
+                    pool.slots,
+                    pool.free_slots,
+                    pool.valid_slots,
+                    pool.writing_slots,
+                    pool.pinned_slots,
+                    pool.cached_blocks,
+                    pool.evictions,
+                ] {
                     put_u64(out, value);
                 }
                 put_u32(out, status.connections);

@@ -28,9 +28,7 @@ use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
 use crate::frame_io::{read_frame, write_frame, ReadOutcome};
 use crate::keys::KeySpace;
 use crate::pool_open::OpenedPool;
-use crate::protocol::{
-    encode_frame, ClientStatus, ErrorCode, HelloReply, PoolShape, PoolStatus, Reply, Request, StatusReply,
-};
+use crate::protocol::{encode_frame, ClientStatus, ErrorCode, HelloReply, PoolShape, PoolStatus, Reply, Request, StatusReply};
 use crate::DaemonError;
 
 /// How the server runs.
@@ -187,9 +185,7 @@ impl Server {
             let mut fds = [PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
             match poll(&mut fds, PollTimeout::from(tick_ms)) {
                 Ok(_) | Err(nix::errno::Errno::EINTR) => {}
-                Err(errno) => {
-                    return Err(DaemonError::Io { context: "polling the listener".into(), source: std::io::Error::from(errno) })
-                }
+                Err(errno) => return Err(DaemonError::Io { context: "polling the listener".into(), source: std::io::Error::from(errno) }),
             }
             // Accept everything pending (bounded: each accepted connection either gets a
             // thread, up to clients_max, or a Busy answer and is closed).

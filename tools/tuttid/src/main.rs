@@ -108,7 +108,13 @@ fn serve(cli: &Cli) -> Result<()> {
     signals.thread_block().context("blocking SIGTERM and SIGINT")?;
     let format = if cli.format {
         let model = cli.geometry.resolve(None).map_err(|error| Unusable(error.to_string()))?;
-        Some(FormatParams { geometry: model.geometry, blocks_per_slot: cli.blocks_per_slot, slot_count_max: cli.slots, pool_uuid: None, payload_crc: false })
+        Some(FormatParams {
+            geometry: model.geometry,
+            blocks_per_slot: cli.blocks_per_slot,
+            slot_count_max: cli.slots,
+            pool_uuid: None,
+            payload_crc: false,
+        })
     } else {
         None
     };
@@ -159,7 +165,8 @@ fn serve(cli: &Cli) -> Result<()> {
 /// a pool is unusable input (exit 2); a device that fails is a failure (exit 1).
 fn classify(error: DaemonError) -> anyhow::Error {
     match error {
-        error @ (DaemonError::DeviceInUse { .. } | DaemonError::SocketInUse { .. } | DaemonError::Devices(_) | DaemonError::Pool { .. }) => {
+        error
+        @ (DaemonError::DeviceInUse { .. } | DaemonError::SocketInUse { .. } | DaemonError::Devices(_) | DaemonError::Pool { .. }) => {
             Unusable(error.to_string()).into()
         }
         error => error.into(),
@@ -191,7 +198,12 @@ fn print_report(status: &StatusReply) -> Result<()> {
     let pool = &status.pool;
     let used = pool.slots - pool.free_slots;
     let percent = if pool.slots == 0 { 0.0 } else { 100.0 * used as f64 / pool.slots as f64 };
-    let block_bytes = 2 * u64::from(shape.layers) * u64::from(shape.kv_heads) * u64::from(shape.head_dim) * u64::from(shape.dtype_bytes) * u64::from(shape.block_tokens);
+    let block_bytes = 2
+        * u64::from(shape.layers)
+        * u64::from(shape.kv_heads)
+        * u64::from(shape.head_dim)
+        * u64::from(shape.dtype_bytes)
+        * u64::from(shape.block_tokens);
     outln!(
         "pool: {used} of {} slots used ({percent:.1}%): {} valid, {} being written, {} pinned; {} cached blocks ({}); {} evictions",
         pool.slots,
