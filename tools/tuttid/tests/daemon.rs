@@ -94,6 +94,22 @@ fn wait_bounded(child: &mut Child) -> std::process::ExitStatus {
     }
 }
 
+/// Runs `command` to its end, killing it (and failing) if it runs past [`WAIT`]: a daemon
+/// that should have been refused would otherwise serve forever.
+fn output_bounded(command: &mut Command) -> std::process::Output {
+    let mut child = command.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let deadline = Instant::now() + WAIT;
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let output = child.wait_with_output().unwrap();
+            panic!("still running after {WAIT:?} (killed): {}", String::from_utf8_lossy(&output.stderr));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().unwrap()
+}
+
 /// Sends raw bytes and reads the daemon's answer: the error frame's code, then whether the
 /// daemon closed the connection after it.
 fn raw_exchange(socket: &Path, bytes: &[u8], close_after_send: bool) -> (Option<(ErrorCode, String)>, bool) {
@@ -223,12 +239,12 @@ fn a_second_daemon_on_the_same_pool_is_refused_naming_the_holder() {
     let other = directory.path().join("other");
     std::fs::create_dir(&other).unwrap();
     let before = std::fs::read(&image).unwrap();
-    let output = Command::new(TUTTID)
+    let mut second = Command::new(TUTTID);
+    second
         .args(["--device", &device, "--socket"])
         .arg(other.join("tuttid.sock"))
-        .args(["--format", "--layers", "2", "--kv-heads", "2", "--head-dim", "64"])
-        .output()
-        .unwrap();
+        .args(["--format", "--layers", "2", "--kv-heads", "2", "--head-dim", "64"]);
+    let output = output_bounded(&mut second);
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains(&format!("is held by pid {} (", first.pid())), "{stderr}");
@@ -391,13 +407,13 @@ fn status_prints_devices_pool_fill_and_clients() {
     let daemon = memory_daemon(directory.path(), &[]);
     let mut client = daemon.client();
     client.hello(&hello(1, 2, "worker-1")).unwrap();
-    let output = Command::new(TUTTID).arg("--status").arg(&daemon.socket).output().unwrap();
+    let output = output_bounded(Command::new(TUTTID).arg("--status").arg(&daemon.socket));
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(output.status.success(), "{stdout}");
     assert!(stdout.contains("emu:mem:64MiB: software NVMe controller"), "{stdout}");
     assert!(stdout.contains("pool: 0 of ") && stdout.contains("slots used (0.0%)"), "{stdout}");
     assert!(stdout.contains("'worker-1': TP rank 1/2"), "{stdout}");
-    let missing = Command::new(TUTTID).arg("--status").arg(directory.path().join("none.sock")).output().unwrap();
+    let missing = output_bounded(Command::new(TUTTID).arg("--status").arg(directory.path().join("none.sock")));
     assert_eq!(missing.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&missing.stderr).contains("connecting to tuttid"));
 }
