@@ -240,10 +240,15 @@ fn a_second_daemon_on_the_same_pool_is_refused_naming_the_holder() {
     std::fs::create_dir(&other).unwrap();
     let before = std::fs::read(&image).unwrap();
     let mut second = Command::new(TUTTID);
-    second
-        .args(["--device", &device, "--socket"])
-        .arg(other.join("tuttid.sock"))
-        .args(["--format", "--layers", "2", "--kv-heads", "2", "--head-dim", "64"]);
+    second.args(["--device", &device, "--socket"]).arg(other.join("tuttid.sock")).args([
+        "--format",
+        "--layers",
+        "2",
+        "--kv-heads",
+        "2",
+        "--head-dim",
+        "64",
+    ]);
     let output = output_bounded(&mut second);
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(2), "{stderr}");
