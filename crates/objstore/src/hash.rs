@@ -47,8 +47,16 @@ pub fn chain_hash(previous: u64, tokens: &[u32]) -> u64 {
 
 /// Keys of every full block of `tokens` (a partial last block has no key: it is not stored).
 pub fn block_keys(tokens: &[u32], block_tokens: u32, out: &mut Vec<u64>) {
+    block_keys_seeded(0, tokens, block_tokens, out);
+}
+
+/// Keys of every full block of `tokens` in the key space `seed`: the chain starts from `seed`
+/// instead of 0, so the same tokens under another seed (tuttid's model fingerprint and
+/// tensor-parallel rank/world size) give unrelated keys, and a lookup in one space never finds a
+/// block stored in another. Seed 0 is the in-process store's space ([`block_keys`]).
+pub fn block_keys_seeded(seed: u64, tokens: &[u32], block_tokens: u32, out: &mut Vec<u64>) {
     out.clear();
-    let mut previous = 0;
+    let mut previous = seed;
     for block in tokens.chunks_exact(block_tokens as usize) {
         previous = chain_hash(previous, block);
         out.push(previous);
@@ -81,6 +89,20 @@ mod tests {
         assert_ne!(chain_hash(0, &[1]), chain_hash(0, &[1, 0]));
         assert_ne!(chain_hash(1, &[7; 16]), chain_hash(2, &[7; 16]));
         assert_ne!(chain_hash(1 << 32, &[7; 16]), chain_hash(1, &[7; 16]));
+    }
+
+    #[test]
+    fn seeded_keys_start_their_chain_from_the_seed() {
+        // Goal: seed 0 is the plain chain; another seed changes every key of the same tokens,
+        // and the seeded chain is chain_hash from the seed (what tuttid's key spaces rely on).
+        let tokens: Vec<u32> = (0..48).collect();
+        let (mut plain, mut zero, mut seeded) = (Vec::new(), Vec::new(), Vec::new());
+        block_keys(&tokens, 16, &mut plain);
+        block_keys_seeded(0, &tokens, 16, &mut zero);
+        assert_eq!(plain, zero);
+        block_keys_seeded(0xfeed, &tokens, 16, &mut seeded);
+        assert_eq!(seeded[0], chain_hash(0xfeed, &tokens[..16]));
+        assert!(plain.iter().zip(&seeded).all(|(a, b)| a != b));
     }
 
     const GOLDEN_FIRST: u64 = 0x1b0e_9a34_61a6_1443;

@@ -1,0 +1,107 @@
+//! The client library: one connection to tuttid, one request at a time, every wait bounded.
+//!
+//! ```no_run
+//! # use std::time::Duration;
+//! # use tutti_daemon::{Client, protocol::Hello};
+//! let mut client = Client::connect("/run/tutti/tuttid.sock".as_ref(), Duration::from_secs(5))?;
+//! let attached = client.hello(&Hello { model_fingerprint: [7; 32], tp_rank: 0, tp_world: 1, client_name: "worker-0".into() })?;
+//! let tokens: Vec<u32> = (0..1024).collect();
+//! let cached_blocks = client.lookup(&tokens)?; // × attached.shape.block_tokens tokens
+//! # Ok::<(), tutti_daemon::DaemonError>(())
+//! ```
+//! A session idle for its lease (`HelloReply::lease_ms`) is ended by the daemon: an engine
+//! that may idle longer calls [`Client::ping`] in between.
+
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use crate::frame_io::{read_frame, write_frame, ReadOutcome};
+use crate::protocol::{encode_frame, encode_lookup_body, Hello, HelloReply, Kind, Reply, Request, StatusReply};
+use crate::DaemonError;
+
+/// Granularity of the client's waits (the socket's read timeout).
+const TICK: Duration = Duration::from_millis(50);
+
+pub struct Client {
+    stream: UnixStream,
+    frame: Vec<u8>,
+    body: Vec<u8>,
+    next_request_id: u32,
+    timeout: Duration,
+}
+
+impl Client {
+    /// Connects; every later call waits at most `timeout` for its answer.
+    pub fn connect(socket: &Path, timeout: Duration) -> Result<Client, DaemonError> {
+        let stream = UnixStream::connect(socket)
+            .map_err(|source| DaemonError::Io { context: format!("connecting to tuttid at {}", socket.display()), source })?;
+        let io = |context: &'static str| move |source| DaemonError::Io { context: context.into(), source };
+        stream.set_read_timeout(Some(TICK)).map_err(io("setting the read tick"))?;
+        stream.set_write_timeout(Some(timeout)).map_err(io("setting the write timeout"))?;
+        Ok(Client { stream, frame: Vec::new(), body: Vec::new(), next_request_id: 1, timeout })
+    }
+
+    /// Attaches: declares the model and the tensor-parallel rank/world size this session's keys
+    /// belong to. Once per connection.
+    pub fn hello(&mut self, hello: &Hello) -> Result<HelloReply, DaemonError> {
+        match self.call(&Request::Hello(hello.clone()))? {
+            Reply::Hello(reply) => Ok(reply),
+            other => Err(DaemonError::UnexpectedReply { asked: Kind::Hello, got: other.kind() }),
+        }
+    }
+
+    /// The longest cached prefix of `tokens`, in blocks, in this session's key space.
+    pub fn lookup(&mut self, tokens: &[u32]) -> Result<u32, DaemonError> {
+        match self.exchange(Kind::Lookup, |out| encode_lookup_body(tokens, out))? {
+            Reply::Lookup { cached_blocks, .. } => Ok(cached_blocks),
+            other => Err(DaemonError::UnexpectedReply { asked: Kind::Lookup, got: other.kind() }),
+        }
+    }
+
+    /// Devices, pool fill and clients (allowed before `hello`).
+    pub fn status(&mut self) -> Result<StatusReply, DaemonError> {
+        match self.call(&Request::Status)? {
+            Reply::Status(status) => Ok(status),
+            other => Err(DaemonError::UnexpectedReply { asked: Kind::Status, got: other.kind() }),
+        }
+    }
+
+    /// Renews the lease.
+    pub fn ping(&mut self) -> Result<(), DaemonError> {
+        match self.call(&Request::Ping)? {
+            Reply::Pong => Ok(()),
+            other => Err(DaemonError::UnexpectedReply { asked: Kind::Ping, got: other.kind() }),
+        }
+    }
+
+    /// Sends `request` and waits for its reply; an `Error` reply is [`DaemonError::Remote`].
+    pub fn call(&mut self, request: &Request) -> Result<Reply, DaemonError> {
+        self.exchange(request.kind(), |out| request.encode_body(out))
+    }
+
+    fn exchange(&mut self, kind: Kind, encode: impl FnOnce(&mut Vec<u8>)) -> Result<Reply, DaemonError> {
+        let request_id = self.next_request_id;
+        self.next_request_id = self.next_request_id.wrapping_add(1).max(1);
+        encode_frame(&mut self.frame, kind, request_id, encode)?;
+        write_frame(&mut self.stream, &self.frame)?;
+        let started = Instant::now();
+        let never = || false;
+        let header = match read_frame(&mut self.stream, &mut self.body, started + self.timeout, self.timeout, &never)? {
+            ReadOutcome::Frame(header) => header,
+            ReadOutcome::Closed => return Err(DaemonError::Closed),
+            ReadOutcome::Idle | ReadOutcome::Stopped => {
+                return Err(DaemonError::Timeout { what: format!("{kind:?} request"), after_ms: self.timeout.as_millis() as u64 })
+            }
+        };
+        let reply = Reply::decode(header.kind, &self.body)?;
+        if let Reply::Error { code, message } = reply {
+            // Request id 0: the daemon ended the connection (lease, shutdown, a broken frame).
+            return Err(DaemonError::Remote { code, message });
+        }
+        if header.request_id != request_id {
+            return Err(DaemonError::UnexpectedReply { asked: kind, got: header.kind });
+        }
+        Ok(reply)
+    }
+}

@@ -1,0 +1,126 @@
+//! Key spaces: the model fingerprint and tensor-parallel (rank, world size) a session declared
+//! in `Hello` select the chain of block keys it stores and looks up. The chain of a prompt's
+//! block keys starts from the space's seed instead of 0 (`objstore::hash::block_keys_seeded`),
+//! so ranks never find each other's blocks and a change of model or TP size never serves stale
+//! KV. The pool format does not change: a key is still one 64-bit chained hash.
+
+use objstore::hash::{block_keys_seeded, chain_hash};
+use objstore::index::Index;
+
+use crate::protocol::{FINGERPRINT_BYTES, TP_WORLD_MAX};
+
+/// Domain tag mixed into every seed ("tuttid keys v1"): a seed is never the in-process store's
+/// seed 0 (`chain_hash` never returns 0) and changes if this derivation ever does.
+const SEED_DOMAIN: u32 = 0x7464_6b31;
+
+/// A session's key space.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeySpace {
+    seed: u64,
+    pub tp_rank: u32,
+    pub tp_world: u32,
+}
+
+impl KeySpace {
+    /// Checks the declared identity: a fingerprint that is not all zeroes (zero names no model),
+    /// 1 ≤ world ≤ [`TP_WORLD_MAX`], rank < world. The error is a sentence for the client.
+    pub fn new(fingerprint: &[u8; FINGERPRINT_BYTES], tp_rank: u32, tp_world: u32) -> Result<KeySpace, String> {
+        if fingerprint.iter().all(|&byte| byte == 0) {
+            return Err("the model fingerprint is all zeroes; give the model's identity (e.g. a SHA-256 of its config)".into());
+        }
+        if tp_world == 0 || tp_world > TP_WORLD_MAX {
+            return Err(format!("tensor-parallel world size {tp_world} is outside 1..={TP_WORLD_MAX}"));
+        }
+        if tp_rank >= tp_world {
+            return Err(format!("tensor-parallel rank {tp_rank} is not below the world size {tp_world}"));
+        }
+        let mut words = [0u32; FINGERPRINT_BYTES / 4 + 3];
+        for (word, bytes) in words.iter_mut().zip(fingerprint.chunks_exact(4)) {
+            *word = u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
+        }
+        let tail = FINGERPRINT_BYTES / 4;
+        words[tail] = tp_rank;
+        words[tail + 1] = tp_world;
+        words[tail + 2] = SEED_DOMAIN;
+        Ok(KeySpace { seed: chain_hash(0, &words), tp_rank, tp_world })
+    }
+
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// The keys of `tokens`' full blocks in this space, into `keys` (cleared first).
+    pub fn keys(&self, tokens: &[u32], block_tokens: u32, keys: &mut Vec<u64>) {
+        block_keys_seeded(self.seed, tokens, block_tokens, keys);
+    }
+
+    /// The longest prefix of `tokens` (in blocks of `block_tokens`) whose blocks are committed in
+    /// `index` in this key space. `keys` is the caller's reused buffer.
+    pub fn cached_prefix(&self, index: &Index, tokens: &[u32], block_tokens: u32, keys: &mut Vec<u64>) -> usize {
+        self.keys(tokens, block_tokens, keys);
+        index.cached_prefix(keys)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fingerprint(byte: u8) -> [u8; FINGERPRINT_BYTES] {
+        [byte; FINGERPRINT_BYTES]
+    }
+
+    #[test]
+    fn spaces_differ_by_model_rank_and_world() {
+        // Goal: each part of the identity changes the seed; equal identities give equal seeds.
+        let base = KeySpace::new(&fingerprint(1), 0, 2).unwrap();
+        assert_eq!(base, KeySpace::new(&fingerprint(1), 0, 2).unwrap());
+        let others = [
+            KeySpace::new(&fingerprint(2), 0, 2).unwrap(),
+            KeySpace::new(&fingerprint(1), 1, 2).unwrap(),
+            KeySpace::new(&fingerprint(1), 0, 4).unwrap(),
+            KeySpace::new(&fingerprint(1), 0, 1).unwrap(),
+        ];
+        for other in others {
+            assert_ne!(other.seed(), base.seed(), "{other:?}");
+            assert_ne!(other.seed(), 0);
+        }
+    }
+
+    #[test]
+    fn bad_identities_are_refused_in_words() {
+        assert!(KeySpace::new(&[0; FINGERPRINT_BYTES], 0, 1).unwrap_err().contains("all zeroes"));
+        assert!(KeySpace::new(&fingerprint(1), 0, 0).unwrap_err().contains("outside 1..=1024"));
+        assert!(KeySpace::new(&fingerprint(1), 0, 2048).unwrap_err().contains("outside"));
+        assert!(KeySpace::new(&fingerprint(1), 2, 2).unwrap_err().contains("rank 2 is not below the world size 2"));
+    }
+
+    #[test]
+    fn a_lookup_finds_only_its_own_space() {
+        // Goal: blocks committed under rank 0's keys are found by rank 0 (longest prefix), not
+        // by rank 1, another world size, another model, or the in-process store's space.
+        let tokens: Vec<u32> = (0..64).collect();
+        let rank0 = KeySpace::new(&fingerprint(7), 0, 2).unwrap();
+        let mut index = Index::new(&[8], 1);
+        let mut keys = Vec::new();
+        block_keys_seeded(rank0.seed(), &tokens, 16, &mut keys);
+        // Commit the first three of four blocks.
+        for &key in &keys[..3] {
+            let allocation = index.allocate_on(0).unwrap();
+            index.commit(0, allocation.slot, &[key], 1);
+        }
+        let mut scratch = Vec::new();
+        assert_eq!(rank0.cached_prefix(&index, &tokens, 16, &mut scratch), 3);
+        assert_eq!(rank0.cached_prefix(&index, &tokens[..40], 16, &mut scratch), 2);
+        for other in [
+            KeySpace::new(&fingerprint(7), 1, 2).unwrap(),
+            KeySpace::new(&fingerprint(7), 0, 4).unwrap(),
+            KeySpace::new(&fingerprint(8), 0, 2).unwrap(),
+        ] {
+            assert_eq!(other.cached_prefix(&index, &tokens, 16, &mut scratch), 0, "{other:?}");
+        }
+        let mut plain = Vec::new();
+        objstore::hash::block_keys(&tokens, 16, &mut plain);
+        assert_eq!(index.cached_prefix(&plain), 0, "seed 0 (in-process keys) must not see a session's blocks");
+    }
+}

@@ -1,0 +1,54 @@
+//! tuttid's control plane (docs/tuttid.md): one daemon owns the devices, the pool and its index;
+//! engine processes attach over a Unix socket.
+//!
+//! - [`protocol`]: the frames and messages, pure encode/decode with typed errors;
+//! - [`frame_io`]: reading and writing frames on a socket with deadlines and bounded buffers;
+//! - [`keys`]: key spaces (model fingerprint + tensor-parallel rank/world size);
+//! - [`lock`]: one daemon per pool (advisory locks that name their holder);
+//! - [`pool_open`]: opening the daemon's devices and pool from device strings;
+//! - [`server`]: the socket server (owner-only socket, peer credentials, leases, drain);
+//! - [`client`]: the client library.
+#![forbid(unsafe_code)]
+
+pub mod client;
+pub mod frame_io;
+pub mod keys;
+pub mod lock;
+pub mod pool_open;
+pub mod protocol;
+pub mod server;
+
+use std::path::PathBuf;
+
+pub use client::Client;
+pub use protocol::{ErrorCode, ProtocolError};
+pub use server::{Server, ServerConfig, StopHandle};
+
+/// Everything the daemon library reports.
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    #[error("{context}: {source}")]
+    Io { context: String, source: std::io::Error },
+    #[error(transparent)]
+    Protocol(#[from] ProtocolError),
+    #[error("the peer closed the connection in the middle of a frame ({received} of {expected} bytes)")]
+    Truncated { received: usize, expected: usize },
+    #[error("the connection was closed")]
+    Closed,
+    #[error("{what}: no answer within {after_ms} ms")]
+    Timeout { what: String, after_ms: u64 },
+    #[error("tuttid refused the request ({code}): {message}")]
+    Remote { code: ErrorCode, message: String },
+    #[error("tuttid answered {got:?} to a {asked:?} request")]
+    UnexpectedReply { asked: protocol::Kind, got: protocol::Kind },
+    #[error("{spec} is in use by another daemon: {lock} is held by {holder}")]
+    DeviceInUse { spec: String, lock: PathBuf, holder: String },
+    #[error("{socket} is served by a live daemon already")]
+    SocketInUse { socket: PathBuf },
+    #[error(transparent)]
+    Devices(#[from] tutti_devices::DeviceError),
+    #[error("bringing up {spec}: {source}")]
+    Controller { spec: String, source: nvme_driver::NvmeError },
+    #[error("{context}: {source}")]
+    Pool { context: String, source: objstore::ObjstoreError },
+}

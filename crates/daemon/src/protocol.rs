@@ -1,0 +1,628 @@
+//! The wire protocol between tuttid and its clients: hand-written, length-prefixed frames.
+//!
+//! Every frame is a 16-byte header and a body of at most [`BODY_BYTES_MAX`] bytes, all integers
+//! little-endian:
+//!
+//! | offset | size | field |
+//! |---|---|---|
+//! | 0 | 4 | magic `b"TUTD"` |
+//! | 4 | 2 | protocol version ([`PROTOCOL_VERSION`]) |
+//! | 6 | 2 | message kind ([`Kind`]) |
+//! | 8 | 4 | request id: chosen by the client, echoed in the reply |
+//! | 12 | 4 | body length in bytes |
+//!
+//! The header is checked before a byte of the body is read: a wrong magic, another version, an
+//! unknown kind or a body over the cap is refused without reading (or allocating for) the body.
+//! Bodies are decoded field by field with a bounds-checked reader; a body that is short, long,
+//! or carries an out-of-range count is [`ProtocolError::MalformedBody`], never a panic.
+//! docs/tuttid.md explains why hand-written frames rather than serde + a codec.
+
+use std::fmt;
+
+/// Frame magic, the bytes `TUTD`.
+pub const MAGIC: [u8; 4] = *b"TUTD";
+/// The one protocol version this build speaks. A frame of another version is refused with
+/// [`ErrorCode::UnsupportedVersion`], naming both.
+pub const PROTOCOL_VERSION: u16 = 1;
+/// Bytes of a frame header.
+pub const HEADER_BYTES: usize = 16;
+/// Largest body: 1 MiB, a lookup of 262,143 tokens (vLLM's longest contexts are 128k–1M tokens:
+/// a longer prompt is looked up in pieces, continuing the chain is the next slice's work).
+pub const BODY_BYTES_MAX: u32 = 1 << 20;
+/// Longest string field (device descriptions, error messages).
+pub const STRING_BYTES_MAX: usize = 4096;
+/// Longest client name given in `Hello`.
+pub const CLIENT_NAME_BYTES_MAX: usize = 64;
+/// Largest tensor-parallel world size accepted.
+pub const TP_WORLD_MAX: u32 = 1024;
+/// Bytes of a model fingerprint (e.g. SHA-256 of the model's config and weights' identity,
+/// computed by the client; opaque to the daemon).
+pub const FINGERPRINT_BYTES: usize = 32;
+
+/// What a frame carries. Replies have the high bit set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u16)]
+pub enum Kind {
+    Hello = 1,
+    Lookup = 2,
+    Status = 3,
+    Ping = 4,
+    HelloReply = 0x8001,
+    LookupReply = 0x8002,
+    StatusReply = 0x8003,
+    Pong = 0x8004,
+    Error = 0x80FF,
+}
+
+impl Kind {
+    pub fn from_u16(value: u16) -> Option<Kind> {
+        Some(match value {
+            1 => Kind::Hello,
+            2 => Kind::Lookup,
+            3 => Kind::Status,
+            4 => Kind::Ping,
+            0x8001 => Kind::HelloReply,
+            0x8002 => Kind::LookupReply,
+            0x8003 => Kind::StatusReply,
+            0x8004 => Kind::Pong,
+            0x80FF => Kind::Error,
+            _ => return None,
+        })
+    }
+
+    pub fn is_request(self) -> bool {
+        (self as u16) & 0x8000 == 0
+    }
+}
+
+/// Why the daemon refused a frame or a request (the `Error` reply's code).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorCode {
+    BadMagic,
+    UnsupportedVersion,
+    FrameTooLarge,
+    MalformedBody,
+    UnknownKind,
+    /// A request other than Hello, Status or Ping before Hello.
+    NotAttached,
+    AlreadyAttached,
+    /// A frame started but did not complete within the frame timeout.
+    FrameTimeout,
+    /// No frame within the lease: the session is ended and everything it held released.
+    LeaseExpired,
+    /// The daemon serves its maximum number of connections.
+    Busy,
+    ShuttingDown,
+    /// A well-formed request with values the daemon cannot accept.
+    BadRequest,
+    /// The peer's user id is not allowed.
+    PermissionDenied,
+    /// A code this build does not know (a newer daemon).
+    Unknown(u16),
+}
+
+impl ErrorCode {
+    pub fn to_u16(self) -> u16 {
+        match self {
+            ErrorCode::BadMagic => 1,
+            ErrorCode::UnsupportedVersion => 2,
+            ErrorCode::FrameTooLarge => 3,
+            ErrorCode::MalformedBody => 4,
+            ErrorCode::UnknownKind => 5,
+            ErrorCode::NotAttached => 6,
+            ErrorCode::AlreadyAttached => 7,
+            ErrorCode::FrameTimeout => 8,
+            ErrorCode::LeaseExpired => 9,
+            ErrorCode::Busy => 10,
+            ErrorCode::ShuttingDown => 11,
+            ErrorCode::BadRequest => 12,
+            ErrorCode::PermissionDenied => 13,
+            ErrorCode::Unknown(code) => code,
+        }
+    }
+
+    pub fn from_u16(code: u16) -> ErrorCode {
+        match code {
+            1 => ErrorCode::BadMagic,
+            2 => ErrorCode::UnsupportedVersion,
+            3 => ErrorCode::FrameTooLarge,
+            4 => ErrorCode::MalformedBody,
+            5 => ErrorCode::UnknownKind,
+            6 => ErrorCode::NotAttached,
+            7 => ErrorCode::AlreadyAttached,
+            8 => ErrorCode::FrameTimeout,
+            9 => ErrorCode::LeaseExpired,
+            10 => ErrorCode::Busy,
+            11 => ErrorCode::ShuttingDown,
+            12 => ErrorCode::BadRequest,
+            13 => ErrorCode::PermissionDenied,
+            other => ErrorCode::Unknown(other),
+        }
+    }
+}
+
+impl fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ErrorCode::Unknown(code) => write!(f, "unknown error code {code}"),
+            other => write!(f, "{other:?}"),
+        }
+    }
+}
+
+/// A frame or body that does not follow this protocol.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ProtocolError {
+    #[error("bad frame magic {found:02x?} (expected {MAGIC:02x?} 'TUTD'): not a tuttid client or daemon")]
+    BadMagic { found: [u8; 4] },
+    #[error("protocol version {found}; this build speaks version {PROTOCOL_VERSION} only")]
+    UnsupportedVersion { found: u16 },
+    #[error("frame body of {body_bytes} bytes is over the cap of {BODY_BYTES_MAX}")]
+    FrameTooLarge { body_bytes: u32 },
+    #[error("unknown message kind {kind:#06x}")]
+    UnknownKind { kind: u16 },
+    #[error("malformed {kind:?} body: {reason}")]
+    MalformedBody { kind: Kind, reason: String },
+}
+
+impl ProtocolError {
+    /// The code the daemon answers this with.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            ProtocolError::BadMagic { .. } => ErrorCode::BadMagic,
+            ProtocolError::UnsupportedVersion { .. } => ErrorCode::UnsupportedVersion,
+            ProtocolError::FrameTooLarge { .. } => ErrorCode::FrameTooLarge,
+            ProtocolError::UnknownKind { .. } => ErrorCode::UnknownKind,
+            ProtocolError::MalformedBody { .. } => ErrorCode::MalformedBody,
+        }
+    }
+}
+
+/// A checked frame header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FrameHeader {
+    pub kind: Kind,
+    pub request_id: u32,
+    pub body_bytes: u32,
+}
+
+impl FrameHeader {
+    pub fn encode(&self) -> [u8; HEADER_BYTES] {
+        let mut out = [0u8; HEADER_BYTES];
+        out[0..4].copy_from_slice(&MAGIC);
+        out[4..6].copy_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+        out[6..8].copy_from_slice(&(self.kind as u16).to_le_bytes());
+        out[8..12].copy_from_slice(&self.request_id.to_le_bytes());
+        out[12..16].copy_from_slice(&self.body_bytes.to_le_bytes());
+        out
+    }
+
+    /// Checks magic, version, kind and the body cap, in that order (so a peer speaking another
+    /// version is told that, not that its kind is unknown).
+    pub fn decode(bytes: &[u8; HEADER_BYTES]) -> Result<FrameHeader, ProtocolError> {
+        let magic = [bytes[0], bytes[1], bytes[2], bytes[3]];
+        if magic != MAGIC {
+            return Err(ProtocolError::BadMagic { found: magic });
+        }
+        let version = u16::from_le_bytes([bytes[4], bytes[5]]);
+        if version != PROTOCOL_VERSION {
+            return Err(ProtocolError::UnsupportedVersion { found: version });
+        }
+        let raw_kind = u16::from_le_bytes([bytes[6], bytes[7]]);
+        let kind = Kind::from_u16(raw_kind).ok_or(ProtocolError::UnknownKind { kind: raw_kind })?;
+        let request_id = u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]);
+        let body_bytes = u32::from_le_bytes([bytes[12], bytes[13], bytes[14], bytes[15]]);
+        if body_bytes > BODY_BYTES_MAX {
+            return Err(ProtocolError::FrameTooLarge { body_bytes });
+        }
+        Ok(FrameHeader { kind, request_id, body_bytes })
+    }
+}
+
+/// A client's identity and key space, sent once per connection.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hello {
+    /// The model's identity (opaque, computed by the client); part of every key.
+    pub model_fingerprint: [u8; FINGERPRINT_BYTES],
+    /// Tensor-parallel rank (0-based) and world size; part of every key.
+    pub tp_rank: u32,
+    pub tp_world: u32,
+    /// For `status` (e.g. "vllm-worker-3"), at most [`CLIENT_NAME_BYTES_MAX`] bytes.
+    pub client_name: String,
+}
+
+/// The model shape the pool was formatted for, so a client can check it against its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolShape {
+    pub layers: u32,
+    pub kv_heads: u32,
+    pub head_dim: u32,
+    pub dtype_bytes: u32,
+    pub block_tokens: u32,
+    pub blocks_per_slot: u32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HelloReply {
+    pub session: u64,
+    /// A session that sends no frame for this long is ended (send `Ping` when idle).
+    pub lease_ms: u32,
+    pub shape: PoolShape,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceStatus {
+    pub spec: String,
+    pub description: String,
+}
+
+/// Pool fill, from the index's counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PoolStatus {
+    pub slots: u64,
+    pub free_slots: u64,
+    pub valid_slots: u64,
+    pub writing_slots: u64,
+    pub pinned_slots: u64,
+    pub cached_blocks: u64,
+    pub evictions: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientStatus {
+    pub session: u64,
+    pub pid: u32,
+    pub uid: u32,
+    pub name: String,
+    pub tp_rank: u32,
+    pub tp_world: u32,
+    pub requests: u64,
+    pub idle_ms: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StatusReply {
+    pub daemon_pid: u32,
+    pub uptime_ms: u64,
+    pub shape: PoolShape,
+    pub devices: Vec<DeviceStatus>,
+    pub pool: PoolStatus,
+    /// Open connections, attached or not (a status query is one).
+    pub connections: u32,
+    /// Attached sessions.
+    pub clients: Vec<ClientStatus>,
+}
+
+/// What a client asks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Request {
+    Hello(Hello),
+    /// The longest cached prefix of `tokens` in the session's key space.
+    Lookup {
+        tokens: Vec<u32>,
+    },
+    Status,
+    /// Keeps the lease alive.
+    Ping,
+}
+
+/// What the daemon answers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reply {
+    Hello(HelloReply),
+    Lookup { cached_blocks: u32, block_tokens: u32 },
+    Status(StatusReply),
+    Pong,
+    Error { code: ErrorCode, message: String },
+}
+
+impl Request {
+    pub fn kind(&self) -> Kind {
+        match self {
+            Request::Hello(_) => Kind::Hello,
+            Request::Lookup { .. } => Kind::Lookup,
+            Request::Status => Kind::Status,
+            Request::Ping => Kind::Ping,
+        }
+    }
+
+    /// Appends the body to `out`.
+    pub fn encode_body(&self, out: &mut Vec<u8>) {
+        match self {
+            Request::Hello(hello) => {
+                out.extend_from_slice(&hello.model_fingerprint);
+                put_u32(out, hello.tp_rank);
+                put_u32(out, hello.tp_world);
+                put_str(out, &hello.client_name);
+            }
+            Request::Lookup { tokens } => encode_lookup_body(tokens, out),
+            Request::Status | Request::Ping => {}
+        }
+    }
+
+    pub fn decode(kind: Kind, body: &[u8]) -> Result<Request, ProtocolError> {
+        let mut reader = BodyReader { kind, body, at: 0 };
+        let request = match kind {
+            Kind::Hello => {
+                let mut model_fingerprint = [0u8; FINGERPRINT_BYTES];
+                model_fingerprint.copy_from_slice(reader.bytes(FINGERPRINT_BYTES, "model_fingerprint")?);
+                let tp_rank = reader.u32("tp_rank")?;
+                let tp_world = reader.u32("tp_world")?;
+                let client_name = reader.string("client_name", CLIENT_NAME_BYTES_MAX)?;
+                Request::Hello(Hello { model_fingerprint, tp_rank, tp_world, client_name })
+            }
+            Kind::Lookup => {
+                let count = reader.u32("token_count")? as usize;
+                // The count must match the body exactly: checked before anything is allocated.
+                if reader.remaining() != count.saturating_mul(4) {
+                    return Err(reader.malformed(format!("token_count {count} but {} bytes of tokens", reader.remaining())));
+                }
+                let tokens =
+                    reader.bytes(count * 4, "tokens")?.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+                Request::Lookup { tokens }
+            }
+            Kind::Status => Request::Status,
+            Kind::Ping => Request::Ping,
+            other => return Err(ProtocolError::MalformedBody { kind: other, reason: "a reply kind sent as a request".into() }),
+        };
+        reader.finish()?;
+        Ok(request)
+    }
+}
+
+impl Reply {
+    pub fn kind(&self) -> Kind {
+        match self {
+            Reply::Hello(_) => Kind::HelloReply,
+            Reply::Lookup { .. } => Kind::LookupReply,
+            Reply::Status(_) => Kind::StatusReply,
+            Reply::Pong => Kind::Pong,
+            Reply::Error { .. } => Kind::Error,
+        }
+    }
+
+    pub fn error(code: ErrorCode, message: impl Into<String>) -> Reply {
+        let mut message = message.into();
+        truncate_to(&mut message, STRING_BYTES_MAX);
+        Reply::Error { code, message }
+    }
+
+    pub fn encode_body(&self, out: &mut Vec<u8>) {
+        match self {
+            Reply::Hello(reply) => {
+                put_u64(out, reply.session);
+                put_u32(out, reply.lease_ms);
+                put_shape(out, &reply.shape);
+            }
+            Reply::Lookup { cached_blocks, block_tokens } => {
+                put_u32(out, *cached_blocks);
+                put_u32(out, *block_tokens);
+            }
+            Reply::Status(status) => {
+                put_u32(out, status.daemon_pid);
+                put_u64(out, status.uptime_ms);
+                put_shape(out, &status.shape);
+                put_u16(out, status.devices.len() as u16);
+                for device in &status.devices {
+                    put_str(out, &device.spec);
+                    put_str(out, &device.description);
+                }
+                let pool = &status.pool;
+                for value in [
+                    pool.slots,
+                    pool.free_slots,
+                    pool.valid_slots,
+                    pool.writing_slots,
+                    pool.pinned_slots,
+                    pool.cached_blocks,
+                    pool.evictions,
+                ] {
+                    put_u64(out, value);
+                }
+                put_u32(out, status.connections);
+                put_u16(out, status.clients.len() as u16);
+                for client in &status.clients {
+                    put_u64(out, client.session);
+                    put_u32(out, client.pid);
+                    put_u32(out, client.uid);
+                    put_str(out, &client.name);
+                    put_u32(out, client.tp_rank);
+                    put_u32(out, client.tp_world);
+                    put_u64(out, client.requests);
+                    put_u64(out, client.idle_ms);
+                }
+            }
+            Reply::Pong => {}
+            Reply::Error { code, message } => {
+                put_u16(out, code.to_u16());
+                put_str(out, message);
+            }
+        }
+    }
+
+    pub fn decode(kind: Kind, body: &[u8]) -> Result<Reply, ProtocolError> {
+        let mut r = BodyReader { kind, body, at: 0 };
+        let reply = match kind {
+            Kind::HelloReply => Reply::Hello(HelloReply { session: r.u64("session")?, lease_ms: r.u32("lease_ms")?, shape: r.shape()? }),
+            Kind::LookupReply => Reply::Lookup { cached_blocks: r.u32("cached_blocks")?, block_tokens: r.u32("block_tokens")? },
+            Kind::StatusReply => {
+                let daemon_pid = r.u32("daemon_pid")?;
+                let uptime_ms = r.u64("uptime_ms")?;
+                let shape = r.shape()?;
+                let device_count = r.u16("device_count")?;
+                let mut devices = Vec::new();
+                for _ in 0..device_count {
+                    devices.push(DeviceStatus {
+                        spec: r.string("device spec", STRING_BYTES_MAX)?,
+                        description: r.string("device description", STRING_BYTES_MAX)?,
+                    });
+                }
+                let pool = PoolStatus {
+                    slots: r.u64("slots")?,
+                    free_slots: r.u64("free_slots")?,
+                    valid_slots: r.u64("valid_slots")?,
+                    writing_slots: r.u64("writing_slots")?,
+                    pinned_slots: r.u64("pinned_slots")?,
+                    cached_blocks: r.u64("cached_blocks")?,
+                    evictions: r.u64("evictions")?,
+                };
+                let connections = r.u32("connections")?;
+                let client_count = r.u16("client_count")?;
+                let mut clients = Vec::new();
+                for _ in 0..client_count {
+                    clients.push(ClientStatus {
+                        session: r.u64("session")?,
+                        pid: r.u32("pid")?,
+                        uid: r.u32("uid")?,
+                        name: r.string("client name", CLIENT_NAME_BYTES_MAX)?,
+                        tp_rank: r.u32("tp_rank")?,
+                        tp_world: r.u32("tp_world")?,
+                        requests: r.u64("requests")?,
+                        idle_ms: r.u64("idle_ms")?,
+                    });
+                }
+                Reply::Status(StatusReply { daemon_pid, uptime_ms, shape, devices, pool, connections, clients })
+            }
+            Kind::Pong => Reply::Pong,
+            Kind::Error => Reply::Error { code: ErrorCode::from_u16(r.u16("code")?), message: r.string("message", STRING_BYTES_MAX)? },
+            other => return Err(ProtocolError::MalformedBody { kind: other, reason: "a request kind sent as a reply".into() }),
+        };
+        r.finish()?;
+        Ok(reply)
+    }
+}
+
+/// Appends a whole frame (header and body) for `kind` to `out`, whose body `encode` appends.
+/// Returns an error instead of a frame the peer would refuse.
+pub fn encode_frame(out: &mut Vec<u8>, kind: Kind, request_id: u32, encode: impl FnOnce(&mut Vec<u8>)) -> Result<(), ProtocolError> {
+    out.clear();
+    out.extend_from_slice(&[0u8; HEADER_BYTES]);
+    encode(out);
+    let body_bytes = out.len() - HEADER_BYTES;
+    if body_bytes > BODY_BYTES_MAX as usize {
+        return Err(ProtocolError::FrameTooLarge { body_bytes: u32::try_from(body_bytes).unwrap_or(u32::MAX) });
+    }
+    let header = FrameHeader { kind, request_id, body_bytes: body_bytes as u32 };
+    out[..HEADER_BYTES].copy_from_slice(&header.encode());
+    Ok(())
+}
+
+/// A `Lookup` body for `tokens` (the client encodes from a slice, without building a
+/// [`Request`]).
+pub fn encode_lookup_body(tokens: &[u32], out: &mut Vec<u8>) {
+    put_u32(out, tokens.len() as u32);
+    for &token in tokens {
+        put_u32(out, token);
+    }
+}
+
+fn put_u16(out: &mut Vec<u8>, value: u16) {
+    out.extend_from_slice(&value.to_le_bytes());
+}
+
+fn put_u32(out: &mut Vec<u8>, value: u32) {
+    out.extend_from_slice(&value.to_le_bytes());
+}
+
+fn put_u64(out: &mut Vec<u8>, value: u64) {
+    out.extend_from_slice(&value.to_le_bytes());
+}
+
+/// A string as u16 length + UTF-8, cut (on a character boundary) to [`STRING_BYTES_MAX`].
+fn put_str(out: &mut Vec<u8>, text: &str) {
+    let mut end = text.len().min(STRING_BYTES_MAX);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    put_u16(out, end as u16);
+    out.extend_from_slice(&text.as_bytes()[..end]);
+}
+
+fn put_shape(out: &mut Vec<u8>, shape: &PoolShape) {
+    for value in [shape.layers, shape.kv_heads, shape.head_dim, shape.dtype_bytes, shape.block_tokens, shape.blocks_per_slot] {
+        put_u32(out, value);
+    }
+}
+
+fn truncate_to(text: &mut String, bytes: usize) {
+    if text.len() > bytes {
+        let mut end = bytes;
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        text.truncate(end);
+    }
+}
+
+/// Bounds-checked reading of one body; every failure names the field.
+struct BodyReader<'a> {
+    kind: Kind,
+    body: &'a [u8],
+    at: usize,
+}
+
+impl<'a> BodyReader<'a> {
+    fn malformed(&self, reason: String) -> ProtocolError {
+        ProtocolError::MalformedBody { kind: self.kind, reason }
+    }
+
+    fn remaining(&self) -> usize {
+        self.body.len() - self.at
+    }
+
+    fn bytes(&mut self, count: usize, field: &str) -> Result<&'a [u8], ProtocolError> {
+        if self.remaining() < count {
+            return Err(self.malformed(format!("{field} needs {count} bytes at offset {}, {} left", self.at, self.remaining())));
+        }
+        let slice = &self.body[self.at..self.at + count];
+        self.at += count;
+        Ok(slice)
+    }
+
+    fn u16(&mut self, field: &str) -> Result<u16, ProtocolError> {
+        let b = self.bytes(2, field)?;
+        Ok(u16::from_le_bytes([b[0], b[1]]))
+    }
+
+    fn u32(&mut self, field: &str) -> Result<u32, ProtocolError> {
+        let b = self.bytes(4, field)?;
+        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+
+    fn u64(&mut self, field: &str) -> Result<u64, ProtocolError> {
+        let b = self.bytes(8, field)?;
+        let mut word = [0u8; 8];
+        word.copy_from_slice(b);
+        Ok(u64::from_le_bytes(word))
+    }
+
+    fn string(&mut self, field: &str, bytes_max: usize) -> Result<String, ProtocolError> {
+        let length = usize::from(self.u16(field)?);
+        if length > bytes_max {
+            return Err(self.malformed(format!("{field} of {length} bytes is over its cap of {bytes_max}")));
+        }
+        let raw = self.bytes(length, field)?;
+        std::str::from_utf8(raw).map(str::to_string).map_err(|error| self.malformed(format!("{field} is not UTF-8: {error}")))
+    }
+
+    fn shape(&mut self) -> Result<PoolShape, ProtocolError> {
+        Ok(PoolShape {
+            layers: self.u32("layers")?,
+            kv_heads: self.u32("kv_heads")?,
+            head_dim: self.u32("head_dim")?,
+            dtype_bytes: self.u32("dtype_bytes")?,
+            block_tokens: self.u32("block_tokens")?,
+            blocks_per_slot: self.u32("blocks_per_slot")?,
+        })
+    }
+
+    fn finish(&self) -> Result<(), ProtocolError> {
+        if self.remaining() != 0 {
+            return Err(self.malformed(format!("{} trailing bytes after the last field", self.remaining())));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests;

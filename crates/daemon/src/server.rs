@@ -1,0 +1,424 @@
+//! The daemon's socket server: one listening Unix socket (mode 0600), one thread per connection
+//! up to `clients_max`, every read bounded by a tick, every frame by `frame_timeout`, every
+//! session by its lease.
+//!
+//! Why threads and not an async runtime: a node has a handful of clients (one per GPU worker,
+//! one scheduler, a status query now and then; `clients_max` 64 by default), each sending a few
+//! control requests per inference request, microseconds of work each. A bounded thread per
+//! connection keeps each client's state on its own stack, blocks only that client on a slow
+//! peer, and needs no dependency; 64 threads × a 1 MiB body buffer at most is the whole cost.
+//!
+//! Locking: the pool (index) behind one mutex, the session table behind another; neither is
+//! held across socket I/O, and the pool lock is held only for the index probe (keys are hashed
+//! before it is taken).
+
+use std::collections::BTreeMap;
+use std::os::fd::AsFd;
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
+
+use crate::frame_io::{read_frame, write_frame, ReadOutcome};
+use crate::keys::KeySpace;
+use crate::pool_open::OpenedPool;
+use crate::protocol::{encode_frame, ClientStatus, ErrorCode, HelloReply, PoolShape, PoolStatus, Reply, Request, StatusReply};
+use crate::DaemonError;
+
+/// How the server runs.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub socket: PathBuf,
+    /// A session (or a connection that never attached) that sends no frame for this long is
+    /// ended, and everything it held released.
+    pub lease: Duration,
+    /// A frame must arrive whole within this of its first byte; a reply must be taken by the
+    /// peer within it.
+    pub frame_timeout: Duration,
+    /// Connections served at once; one more is answered `Busy` and closed.
+    pub clients_max: usize,
+    /// User ids allowed to connect (the socket is 0600 as well; this is checked with
+    /// SO_PEERCRED for a socket whose mode an operator widened).
+    pub allowed_uids: Vec<u32>,
+    /// Granularity of stop and deadline checks.
+    pub tick: Duration,
+}
+
+impl ServerConfig {
+    /// Defaults: lease 10 s, frame timeout 2 s, 64 clients, only this process's user, 50 ms tick.
+    pub fn new(socket: PathBuf) -> ServerConfig {
+        ServerConfig {
+            socket,
+            lease: Duration::from_secs(10),
+            frame_timeout: Duration::from_secs(2),
+            clients_max: 64,
+            allowed_uids: vec![nix::unistd::geteuid().as_raw()],
+            tick: Duration::from_millis(50),
+        }
+    }
+}
+
+/// Asks a running server to stop (drain): no new connections, each connection ends after the
+/// request it is serving.
+#[derive(Debug, Clone, Default)]
+pub struct StopHandle(Arc<AtomicBool>);
+
+impl StopHandle {
+    pub fn stop(&self) {
+        self.0.store(true, Ordering::Release);
+    }
+
+    pub fn is_stopped(&self) -> bool {
+        self.0.load(Ordering::Acquire)
+    }
+}
+
+/// A session's record in the table `status` reports.
+#[derive(Debug, Clone)]
+struct SessionRecord {
+    pid: u32,
+    uid: u32,
+    name: String,
+    space: KeySpace,
+    requests: u64,
+    last_active: Instant,
+}
+
+struct Shared {
+    config: ServerConfig,
+    opened: Mutex<OpenedPool>,
+    shape: PoolShape,
+    sessions: Mutex<BTreeMap<u64, SessionRecord>>,
+    connections: AtomicU32,
+    next_session: AtomicU64,
+    stop: StopHandle,
+    started: Instant,
+}
+
+/// What `serve` hands back after a drain: the pool, for the caller to close.
+pub struct ServeReport {
+    pub opened: OpenedPool,
+    /// Connections served in total.
+    pub connections_served: u64,
+}
+
+pub struct Server {
+    listener: UnixListener,
+    shared: Arc<Shared>,
+}
+
+/// Locks a mutex whose holder may have panicked: the data under it is plain counters and a
+/// read-only index probe in this slice, which a panic cannot leave half-changed.
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl Server {
+    /// Binds the socket (owner-only) for `opened`. A socket file left by a dead daemon is
+    /// replaced; one a live daemon answers on is [`DaemonError::SocketInUse`]; any other file
+    /// there is left alone and refused.
+    pub fn bind(config: ServerConfig, opened: OpenedPool) -> Result<Server, DaemonError> {
+        let socket = &config.socket;
+        let io = |context: String| move |source| DaemonError::Io { context, source };
+        match std::fs::symlink_metadata(socket) {
+            Ok(metadata) if metadata.file_type().is_socket() => {
+                if UnixStream::connect(socket).is_ok() {
+                    return Err(DaemonError::SocketInUse { socket: socket.clone() });
+                }
+                std::fs::remove_file(socket).map_err(io(format!("removing the stale socket {}", socket.display())))?;
+            }
+            Ok(_) => {
+                return Err(DaemonError::Io {
+                    context: format!("{} exists and is not a socket", socket.display()),
+                    source: std::io::Error::from(std::io::ErrorKind::AlreadyExists),
+                })
+            }
+            Err(_) => {}
+        }
+        let listener = UnixListener::bind(socket).map_err(io(format!("binding {}", socket.display())))?;
+        // Owner-only. Between bind and chmod the socket has the umask's mode; the peer
+        // credential check below refuses other users in that window too.
+        std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))
+            .map_err(io(format!("making {} owner-only", socket.display())))?;
+        listener.set_nonblocking(true).map_err(io("making the listener non-blocking".into()))?;
+        let geometry = *opened.pool.geometry();
+        let shape = PoolShape {
+            layers: geometry.layers,
+            kv_heads: geometry.kv_heads,
+            head_dim: geometry.head_dim,
+            dtype_bytes: geometry.dtype_bytes,
+            block_tokens: geometry.block_tokens,
+            blocks_per_slot: opened.pool.blocks_per_slot(),
+        };
+        let shared = Arc::new(Shared {
+            config,
+            opened: Mutex::new(opened),
+            shape,
+            sessions: Mutex::new(BTreeMap::new()),
+            connections: AtomicU32::new(0),
+            next_session: AtomicU64::new(1),
+            stop: StopHandle::default(),
+            started: Instant::now(),
+        });
+        Ok(Server { listener, shared })
+    }
+
+    pub fn stop_handle(&self) -> StopHandle {
+        self.shared.stop.clone()
+    }
+
+    /// Serves until stopped, then drains: stops accepting, lets every connection finish the
+    /// request it is serving (each tells its client `ShuttingDown`), joins them, removes the
+    /// socket and hands the pool back.
+    pub fn serve(self) -> Result<ServeReport, DaemonError> {
+        let Server { listener, shared } = self;
+        let mut workers: Vec<JoinHandle<()>> = Vec::new();
+        let mut connections_served = 0u64;
+        let tick_ms = u16::try_from(shared.config.tick.as_millis()).unwrap_or(u16::MAX);
+        while !shared.stop.is_stopped() {
+            let mut fds = [PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
+            match poll(&mut fds, PollTimeout::from(tick_ms)) {
+                Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+                Err(errno) => return Err(DaemonError::Io { context: "polling the listener".into(), source: std::io::Error::from(errno) }),
+            }
+            // Accept everything pending (bounded: each accepted connection either gets a
+            // thread, up to clients_max, or a Busy answer and is closed).
+            loop {
+                match listener.accept() {
+                    Ok((stream, _)) => {
+                        connections_served += 1;
+                        workers.retain(|worker| !worker.is_finished());
+                        if workers.len() >= shared.config.clients_max {
+                            refuse(stream, &shared.config, ErrorCode::Busy, "tuttid serves its maximum number of connections; retry later");
+                            continue;
+                        }
+                        shared.connections.fetch_add(1, Ordering::AcqRel);
+                        let connection_shared = Arc::clone(&shared);
+                        let spawned = std::thread::Builder::new()
+                            .name("tuttid-client".into())
+                            .spawn(move || serve_connection(stream, &connection_shared));
+                        match spawned {
+                            Ok(worker) => workers.push(worker),
+                            Err(error) => {
+                                shared.connections.fetch_sub(1, Ordering::AcqRel);
+                                tracing::error!("cannot start a connection thread: {error}");
+                            }
+                        }
+                    }
+                    Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => break,
+                    Err(error) if error.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(error) => {
+                        // ECONNABORTED, EMFILE...: this connection is lost, the server goes on.
+                        tracing::warn!("accept failed: {error}");
+                        break;
+                    }
+                }
+            }
+        }
+        drop(listener);
+        for worker in workers {
+            // A connection thread ends within a tick plus one request plus a frame timeout.
+            if worker.join().is_err() {
+                tracing::error!("a connection thread panicked");
+            }
+        }
+        if let Err(error) = std::fs::remove_file(&shared.config.socket) {
+            tracing::warn!("removing {}: {error}", shared.config.socket.display());
+        }
+        let shared = Arc::try_unwrap(shared).map_err(|_| DaemonError::Io {
+            context: "draining: a connection still holds the daemon state".into(),
+            source: std::io::Error::from(std::io::ErrorKind::ResourceBusy),
+        })?;
+        let opened = shared.opened.into_inner().unwrap_or_else(|poisoned| poisoned.into_inner());
+        Ok(ServeReport { opened, connections_served })
+    }
+}
+
+/// Answers one error frame (best effort, bounded by the frame timeout) and closes.
+fn refuse(mut stream: UnixStream, config: &ServerConfig, code: ErrorCode, message: &str) {
+    let _ = stream.set_write_timeout(Some(config.frame_timeout));
+    let mut frame = Vec::new();
+    let reply = Reply::error(code, message);
+    if encode_frame(&mut frame, reply.kind(), 0, |out| reply.encode_body(out)).is_ok() {
+        let _ = write_frame(&mut stream, &frame);
+    }
+}
+
+/// One connection's life: credentials, then frames until it closes, its lease runs out, it
+/// breaks the protocol, or the server stops. Its session is released on every path out.
+fn serve_connection(mut stream: UnixStream, shared: &Shared) {
+    let mut connection = Connection { session: None, peer_pid: 0, peer_uid: 0, keys: Vec::new() };
+    let outcome = connection.run(&mut stream, shared);
+    if let Some(session) = connection.session.take() {
+        release_session(shared, session);
+    }
+    shared.connections.fetch_sub(1, Ordering::AcqRel);
+    if let Err(error) = outcome {
+        tracing::info!("connection of pid {} ended: {error}", connection.peer_pid);
+    }
+}
+
+/// Ends a session: its record goes, and with it everything it held. In this slice a session
+/// holds only its record; pins and allocations of its unfinished requests are released here
+/// when the store path moves into the daemon (docs/tuttid.md, "Leases and crashes").
+fn release_session(shared: &Shared, session: u64) {
+    lock(&shared.sessions).remove(&session);
+}
+
+struct Connection {
+    session: Option<u64>,
+    peer_pid: u32,
+    peer_uid: u32,
+    /// Block keys of the request being served (reused).
+    keys: Vec<u64>,
+}
+
+impl Connection {
+    fn run(&mut self, stream: &mut UnixStream, shared: &Shared) -> Result<(), DaemonError> {
+        let config = &shared.config;
+        let io = |context: &'static str| move |source| DaemonError::Io { context: context.into(), source };
+        stream.set_nonblocking(false).map_err(io("making the connection blocking"))?;
+        stream.set_read_timeout(Some(config.tick)).map_err(io("setting the read tick"))?;
+        stream.set_write_timeout(Some(config.frame_timeout)).map_err(io("setting the write timeout"))?;
+        let credentials = getsockopt(&*stream, PeerCredentials)
+            .map_err(|errno| DaemonError::Io { context: "reading the peer's credentials".into(), source: errno.into() })?;
+        self.peer_pid = u32::try_from(credentials.pid()).unwrap_or(0);
+        self.peer_uid = credentials.uid();
+        let mut body = Vec::new();
+        let mut frame = Vec::new();
+        if !config.allowed_uids.contains(&self.peer_uid) {
+            let message = format!("user id {} may not use this daemon", self.peer_uid);
+            return self.answer(stream, &mut frame, 0, Reply::error(ErrorCode::PermissionDenied, message));
+        }
+        let mut last_frame = Instant::now();
+        loop {
+            let stop = || shared.stop.is_stopped();
+            let header = match read_frame(stream, &mut body, last_frame + config.lease, config.frame_timeout, &stop) {
+                Ok(ReadOutcome::Frame(header)) => header,
+                Ok(ReadOutcome::Closed) => return Ok(()),
+                Ok(ReadOutcome::Idle) => {
+                    let message = format!("no frame for {} ms; the session is ended", config.lease.as_millis());
+                    return self.answer(stream, &mut frame, 0, Reply::error(ErrorCode::LeaseExpired, message));
+                }
+                Ok(ReadOutcome::Stopped) => {
+                    return self.answer(stream, &mut frame, 0, Reply::error(ErrorCode::ShuttingDown, "tuttid is shutting down"));
+                }
+                Err(DaemonError::Protocol(error)) => {
+                    // The body was not read: the stream cannot be resynchronised.
+                    self.answer(stream, &mut frame, 0, Reply::error(error.code(), error.to_string()))?;
+                    return Err(error.into());
+                }
+                Err(error @ DaemonError::Timeout { .. }) => {
+                    self.answer(stream, &mut frame, 0, Reply::error(ErrorCode::FrameTimeout, error.to_string()))?;
+                    return Err(error);
+                }
+                Err(error) => return Err(error),
+            };
+            last_frame = Instant::now();
+            let reply = match Request::decode(header.kind, &body) {
+                // A malformed body was read whole: the stream is still in step, serve on.
+                Err(error) => Reply::error(error.code(), error.to_string()),
+                Ok(request) => self.handle(request, shared),
+            };
+            self.answer(stream, &mut frame, header.request_id, reply)?;
+        }
+    }
+
+    fn answer(&self, stream: &mut UnixStream, frame: &mut Vec<u8>, request_id: u32, reply: Reply) -> Result<(), DaemonError> {
+        if let Err(error) = encode_frame(frame, reply.kind(), request_id, |out| reply.encode_body(out)) {
+            // Only a status listing past the body cap could do this; say so instead.
+            let fallback = Reply::error(ErrorCode::BadRequest, format!("the reply does not fit a frame: {error}"));
+            encode_frame(frame, fallback.kind(), request_id, |out| fallback.encode_body(out))?;
+        }
+        write_frame(stream, frame)
+    }
+
+    fn handle(&mut self, request: Request, shared: &Shared) -> Reply {
+        if let Some(session) = self.session {
+            if let Some(record) = lock(&shared.sessions).get_mut(&session) {
+                record.requests += 1;
+                record.last_active = Instant::now();
+            }
+        }
+        match request {
+            Request::Hello(hello) => {
+                if self.session.is_some() {
+                    return Reply::error(ErrorCode::AlreadyAttached, "this connection is attached already (one Hello per connection)");
+                }
+                let space = match KeySpace::new(&hello.model_fingerprint, hello.tp_rank, hello.tp_world) {
+                    Ok(space) => space,
+                    Err(reason) => return Reply::error(ErrorCode::BadRequest, reason),
+                };
+                let session = shared.next_session.fetch_add(1, Ordering::Relaxed);
+                let record = SessionRecord {
+                    pid: self.peer_pid,
+                    uid: self.peer_uid,
+                    name: hello.client_name,
+                    space,
+                    requests: 1,
+                    last_active: Instant::now(),
+                };
+                lock(&shared.sessions).insert(session, record);
+                self.session = Some(session);
+                let lease_ms = u32::try_from(shared.config.lease.as_millis()).unwrap_or(u32::MAX);
+                Reply::Hello(HelloReply { session, lease_ms, shape: shared.shape })
+            }
+            Request::Lookup { tokens } => {
+                let Some(space) = self.session.and_then(|session| lock(&shared.sessions).get(&session).map(|record| record.space)) else {
+                    return Reply::error(ErrorCode::NotAttached, "send Hello (model fingerprint, TP rank and world size) before Lookup");
+                };
+                let block_tokens = shared.shape.block_tokens;
+                space.keys(&tokens, block_tokens, &mut self.keys);
+                let cached = lock(&shared.opened).pool.index().cached_prefix(&self.keys);
+                Reply::Lookup { cached_blocks: cached as u32, block_tokens }
+            }
+            Request::Status => Reply::Status(status(shared)),
+            Request::Ping => Reply::Pong,
+        }
+    }
+}
+
+fn status(shared: &Shared) -> StatusReply {
+    let (devices, pool) = {
+        let opened = lock(&shared.opened);
+        let counts = opened.pool.index().counts();
+        let pool = PoolStatus {
+            slots: counts.slots,
+            free_slots: counts.free_slots,
+            valid_slots: counts.valid_slots,
+            writing_slots: counts.writing_slots,
+            pinned_slots: counts.pinned_slots,
+            cached_blocks: counts.cached_blocks,
+            evictions: counts.evictions,
+        };
+        (opened.devices.clone(), pool)
+    };
+    let clients = lock(&shared.sessions)
+        .iter()
+        .map(|(&session, record)| ClientStatus {
+            session,
+            pid: record.pid,
+            uid: record.uid,
+            name: record.name.clone(),
+            tp_rank: record.space.tp_rank,
+            tp_world: record.space.tp_world,
+            requests: record.requests,
+            idle_ms: record.last_active.elapsed().as_millis() as u64,
+        })
+        .collect();
+    StatusReply {
+        daemon_pid: std::process::id(),
+        uptime_ms: shared.started.elapsed().as_millis() as u64,
+        shape: shared.shape,
+        devices,
+        pool,
+        connections: shared.connections.load(Ordering::Acquire),
+        clients,
+    }
+}

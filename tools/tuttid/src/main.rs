@@ -1,0 +1,232 @@
+//! `tuttid`: the daemon that owns a node's NVMe devices and KV pool (docs/tuttid.md).
+//!
+//! `tuttid --device SPEC... --socket PATH [--format ...]` opens the devices (one VFIO container,
+//! or software controllers running inside the daemon), opens (or formats, then opens) the pool,
+//! and serves clients until SIGTERM or SIGINT, then drains and exits 0.
+//! `tuttid --status SOCKET` prints a running daemon's devices, pool fill and clients.
+//!
+//! Exit status (`tutti_cli::exit`): 0 done; 1 failed (a device error, the daemon unreachable);
+//! 2 unusable input (a bad flag or device string, a device another daemon holds, a device with no
+//! pool); 141 standard output closed.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use clap::Parser;
+use nix::sys::signal::{SigSet, Signal};
+use objstore::FormatParams;
+use tutti_cli::exit::{self, Unusable};
+use tutti_cli::{outln, GeometryArgs};
+use tutti_daemon::pool_open::{open_pool, PoolOptions};
+use tutti_daemon::protocol::StatusReply;
+use tutti_daemon::{Client, DaemonError, Server, ServerConfig};
+use tutti_devices::{format_size, parse_duration, parse_size, DeviceKind, DeviceSpec};
+
+/// Device kinds a daemon's pool can live on.
+const DEVICE_KINDS: [DeviceKind; 3] = [DeviceKind::Vfio, DeviceKind::EmuFile, DeviceKind::EmuMemory];
+
+/// tuttid: one process owns the SSDs and the KV pool; engine processes attach to it.
+#[derive(Parser, Debug)]
+#[command(version, about, after_long_help = tutti_cli::exit::help_text(false))]
+struct Cli {
+    /// Print a running daemon's devices, pool fill and clients, then exit.
+    #[arg(long, value_name = "SOCKET", conflicts_with_all = ["devices", "socket", "format"])]
+    status: Option<PathBuf>,
+    /// A pool device: vfio:BDF, emu:PATH or emu:mem:SIZE (the software controller runs inside
+    /// the daemon). Repeat for several; all in one DMA space.
+    #[arg(long = "device", value_name = "SPEC", required_unless_present = "status", value_parser = parse_device)]
+    devices: Vec<DeviceSpec>,
+    /// The Unix socket to serve on (created mode 0600).
+    #[arg(long, value_name = "PATH", required_unless_present = "status")]
+    socket: Option<PathBuf>,
+    /// Format a fresh pool on the devices before serving (needed for emu:mem:); the geometry
+    /// options below say for which model.
+    #[arg(long)]
+    format: bool,
+    #[command(flatten)]
+    geometry: GeometryArgs,
+    /// Engine blocks per slot (k), with --format.
+    #[arg(long, default_value_t = 1)]
+    blocks_per_slot: u32,
+    /// At most this many slots per device, with --format.
+    #[arg(long)]
+    slots: Option<u64>,
+    /// Namespace id on every device.
+    #[arg(long, default_value_t = 1)]
+    namespace: u32,
+    /// Create (or grow) emu: files to this size (e.g. 256m).
+    #[arg(long, value_parser = parse_size)]
+    emu_create_bytes: Option<u64>,
+    /// A session that sends nothing for this long is ended and its holdings released.
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    lease: Duration,
+    /// A frame must arrive whole within this of its first byte.
+    #[arg(long, default_value = "2s", value_parser = parse_duration)]
+    frame_timeout: Duration,
+    /// Connections served at once.
+    #[arg(long, default_value_t = 64)]
+    clients_max: usize,
+    /// Where vfio: devices' lock files live.
+    #[arg(long, default_value = "/run/tutti")]
+    lock_dir: PathBuf,
+}
+
+fn parse_device(text: &str) -> Result<DeviceSpec, String> {
+    DeviceSpec::parse(text, &DEVICE_KINDS).map_err(|error| error.to_string())
+}
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(error) => return ExitCode::from(exit::report_parse_error(&error)),
+    };
+    let result = match &cli.status {
+        Some(socket) => print_status(socket),
+        None => serve(&cli),
+    }
+    .and_then(|()| Ok(tutti_cli::stdout::flush()?));
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) if tutti_cli::is_stdout_closed(error.as_ref()) => ExitCode::from(exit::STDOUT_CLOSED),
+        Err(error) => {
+            let _ = tutti_cli::stdout::flush();
+            eprintln!("tuttid: {error:#}");
+            ExitCode::from(if exit::is_unusable(error.as_ref()) { exit::UNUSABLE_INPUT } else { exit::FAILURE })
+        }
+    }
+}
+
+fn serve(cli: &Cli) -> Result<()> {
+    // SIGTERM and SIGINT are taken by one thread with sigwait; they are blocked before any
+    // other thread exists (the software controllers start in open_pool) so that every thread
+    // inherits the mask and none is killed by them.
+    let mut signals = SigSet::empty();
+    signals.add(Signal::SIGTERM);
+    signals.add(Signal::SIGINT);
+    signals.thread_block().context("blocking SIGTERM and SIGINT")?;
+    let format = if cli.format {
+        let model = cli.geometry.resolve(None).map_err(|error| Unusable(error.to_string()))?;
+        Some(FormatParams {
+            geometry: model.geometry,
+            blocks_per_slot: cli.blocks_per_slot,
+            slot_count_max: cli.slots,
+            pool_uuid: None,
+            payload_crc: false,
+        })
+    } else {
+        None
+    };
+    let options = PoolOptions {
+        specs: cli.devices.clone(),
+        namespace: cli.namespace,
+        emu_lba_bytes: 4096,
+        emu_create_bytes: cli.emu_create_bytes,
+        format,
+        lock_dir: cli.lock_dir.clone(),
+    };
+    let opened = open_pool(&options).map_err(classify)?;
+    let report = opened.report;
+    let socket = cli.socket.clone().context("--socket is required")?;
+    let mut config = ServerConfig::new(socket.clone());
+    config.lease = cli.lease;
+    config.frame_timeout = cli.frame_timeout;
+    config.clients_max = cli.clients_max;
+    let server = Server::bind(config, opened).map_err(classify)?;
+    let stop = server.stop_handle();
+    std::thread::Builder::new()
+        .name("tuttid-signals".into())
+        .spawn(move || {
+            if let Ok(signal) = signals.wait() {
+                eprintln!("tuttid: {signal}, draining");
+            }
+            stop.stop();
+        })
+        .context("starting the signal thread")?;
+    eprintln!(
+        "tuttid: serving {} (pid {}): {} slots, {} valid, {} cached blocks, {} corrupt headers",
+        socket.display(),
+        std::process::id(),
+        report.slots,
+        report.valid_slots,
+        report.cached_blocks,
+        report.corrupt_headers
+    );
+    let served = server.serve()?;
+    let counts = served.opened.pool.index().counts();
+    // Dropping the pool deletes its queue pairs and stops the controllers, then the locks go.
+    drop(served.opened);
+    eprintln!("tuttid: stopped after {} connections; {} cached blocks", served.connections_served, counts.cached_blocks);
+    Ok(())
+}
+
+/// A device another daemon holds, a device string that cannot be opened, or a device without
+/// a pool is unusable input (exit 2); a device that fails is a failure (exit 1).
+fn classify(error: DaemonError) -> anyhow::Error {
+    match error {
+        error
+        @ (DaemonError::DeviceInUse { .. } | DaemonError::SocketInUse { .. } | DaemonError::Devices(_) | DaemonError::Pool { .. }) => {
+            Unusable(error.to_string()).into()
+        }
+        error => error.into(),
+    }
+}
+
+fn print_status(socket: &std::path::Path) -> Result<()> {
+    let mut client = Client::connect(socket, Duration::from_secs(5))?;
+    let status = client.status()?;
+    print_report(&status)
+}
+
+fn print_report(status: &StatusReply) -> Result<()> {
+    let shape = &status.shape;
+    outln!("tuttid pid {}, up {} s", status.daemon_pid, status.uptime_ms / 1000)?;
+    outln!(
+        "model: {} layers, {} KV heads × {} × {} B, {} tokens per block, {} block(s) per slot",
+        shape.layers,
+        shape.kv_heads,
+        shape.head_dim,
+        shape.dtype_bytes,
+        shape.block_tokens,
+        shape.blocks_per_slot
+    )?;
+    outln!("devices:")?;
+    for device in &status.devices {
+        outln!("  {}: {}", device.spec, device.description)?;
+    }
+    let pool = &status.pool;
+    let used = pool.slots - pool.free_slots;
+    let percent = if pool.slots == 0 { 0.0 } else { 100.0 * used as f64 / pool.slots as f64 };
+    let block_bytes = 2
+        * u64::from(shape.layers)
+        * u64::from(shape.kv_heads)
+        * u64::from(shape.head_dim)
+        * u64::from(shape.dtype_bytes)
+        * u64::from(shape.block_tokens);
+    outln!(
+        "pool: {used} of {} slots used ({percent:.1}%): {} valid, {} being written, {} pinned; {} cached blocks ({}); {} evictions",
+        pool.slots,
+        pool.valid_slots,
+        pool.writing_slots,
+        pool.pinned_slots,
+        pool.cached_blocks,
+        format_size(pool.cached_blocks.saturating_mul(block_bytes)),
+        pool.evictions
+    )?;
+    outln!("connections: {}; clients: {}", status.connections, status.clients.len())?;
+    for client in &status.clients {
+        outln!(
+            "  session {} pid {} uid {} '{}': TP rank {}/{}, {} requests, idle {} ms",
+            client.session,
+            client.pid,
+            client.uid,
+            client.name,
+            client.tp_rank,
+            client.tp_world,
+            client.requests,
+            client.idle_ms
+        )?;
+    }
+    Ok(())
+}

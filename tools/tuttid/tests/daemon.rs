@@ -1,0 +1,424 @@
+//! tuttid as a process: bad frames, a second daemon, concurrent client processes, SIGTERM, a
+//! killed client, an expired lease. Each test starts the `tuttid` binary on a socket in its own
+//! temporary directory, over a software controller running inside the daemon, and bounds every
+//! wait. Client processes are this test binary run again with `TUTTID_TEST_CHILD` set (see
+//! `child_process_entry`), so they are separate processes with their own pids and credentials.
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+use tutti_daemon::protocol::{encode_frame, FrameHeader, Hello, Kind, Reply, BODY_BYTES_MAX, HEADER_BYTES};
+use tutti_daemon::{Client, DaemonError, ErrorCode};
+
+const TUTTID: &str = env!("CARGO_BIN_EXE_tuttid");
+const WAIT: Duration = Duration::from_secs(30);
+const CHILD_ENV: &str = "TUTTID_TEST_CHILD";
+
+fn hello(rank: u32, world: u32, name: &str) -> Hello {
+    Hello { model_fingerprint: [0x5a; 32], tp_rank: rank, tp_world: world, client_name: name.into() }
+}
+
+/// A running tuttid; killed (SIGKILL) if a test ends without stopping it.
+struct Daemon {
+    child: Option<Child>,
+    socket: PathBuf,
+}
+
+impl Daemon {
+    fn start(directory: &Path, device: &str, extra: &[&str]) -> Daemon {
+        let socket = directory.join("tuttid.sock");
+        let mut command = Command::new(TUTTID);
+        command.args(["--device", device, "--socket"]).arg(&socket).args(["--lock-dir"]).arg(directory.join("locks"));
+        command.args(["--layers", "2", "--kv-heads", "2", "--head-dim", "64"]).args(extra);
+        let child = command.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().expect("start tuttid");
+        let mut daemon = Daemon { child: Some(child), socket };
+        let deadline = Instant::now() + WAIT;
+        while UnixStream::connect(&daemon.socket).is_err() {
+            if let Some(status) = daemon.child.as_mut().unwrap().try_wait().unwrap() {
+                panic!("tuttid exited with {status}: {}", daemon.stderr());
+            }
+            assert!(Instant::now() < deadline, "tuttid did not listen within {WAIT:?}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        daemon
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.as_ref().unwrap().id()
+    }
+
+    fn client(&self) -> Client {
+        Client::connect(&self.socket, Duration::from_secs(5)).unwrap()
+    }
+
+    fn stderr(&mut self) -> String {
+        let mut text = String::new();
+        if let Some(stderr) = self.child.as_mut().and_then(|child| child.stderr.as_mut()) {
+            let _ = stderr.read_to_string(&mut text);
+        }
+        text
+    }
+
+    /// Sends SIGTERM and waits (bounded) for the exit status and standard error.
+    fn terminate(mut self) -> (std::process::ExitStatus, String) {
+        kill(Pid::from_raw(self.pid() as i32), Signal::SIGTERM).unwrap();
+        let status = wait_bounded(self.child.as_mut().unwrap());
+        let stderr = self.stderr();
+        self.child = None;
+        (status, stderr)
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+fn wait_bounded(child: &mut Child) -> std::process::ExitStatus {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        assert!(Instant::now() < deadline, "process {} did not exit within {WAIT:?}", child.id());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Runs `command` to its end, killing it (and failing) if it runs past [`WAIT`]: a daemon
+/// that should have been refused would otherwise serve forever.
+fn output_bounded(command: &mut Command) -> std::process::Output {
+    let mut child = command.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let deadline = Instant::now() + WAIT;
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let output = child.wait_with_output().unwrap();
+            panic!("still running after {WAIT:?} (killed): {}", String::from_utf8_lossy(&output.stderr));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().unwrap()
+}
+
+/// Sends raw bytes and reads the daemon's answer: the error frame's code, then whether the
+/// daemon closed the connection after it.
+fn raw_exchange(socket: &Path, bytes: &[u8], close_after_send: bool) -> (Option<(ErrorCode, String)>, bool) {
+    let mut stream = UnixStream::connect(socket).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    stream.write_all(bytes).unwrap();
+    if close_after_send {
+        stream.shutdown(std::net::Shutdown::Write).unwrap();
+    }
+    let mut header = [0u8; HEADER_BYTES];
+    if stream.read_exact(&mut header).is_err() {
+        return (None, true);
+    }
+    let header = FrameHeader::decode(&header).unwrap();
+    let mut body = vec![0u8; header.body_bytes as usize];
+    stream.read_exact(&mut body).unwrap();
+    let Reply::Error { code, message } = Reply::decode(header.kind, &body).unwrap() else { panic!("not an error reply") };
+    let mut rest = [0u8; 1];
+    // Closed: end of file, or a reset when the daemon closed with our extra bytes unread.
+    let closed = match stream.read(&mut rest) {
+        Ok(count) => count == 0,
+        Err(error) => error.kind() == std::io::ErrorKind::ConnectionReset,
+    };
+    (Some((code, message)), closed)
+}
+
+fn memory_daemon(directory: &Path, extra: &[&str]) -> Daemon {
+    let mut args = vec!["--format"];
+    args.extend_from_slice(extra);
+    Daemon::start(directory, "emu:mem:64m", &args)
+}
+
+#[test]
+fn bad_frames_get_typed_errors_and_the_daemon_serves_others() {
+    // Goal: garbage, a frame of another version, an oversized frame, a truncated frame and a
+    // stalled frame each get their typed error (and the connection closed), a malformed body
+    // gets its error with the connection still usable, and an attached client is served
+    // throughout.
+    let directory = tempfile::tempdir().unwrap();
+    let daemon = memory_daemon(directory.path(), &["--frame-timeout", "300ms"]);
+    let mut attached = daemon.client();
+    attached.hello(&hello(0, 1, "steady")).unwrap();
+    assert_eq!(attached.lookup(&[1; 64]).unwrap(), 0);
+
+    let (answer, closed) = raw_exchange(&daemon.socket, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", false);
+    assert_eq!(answer.as_ref().map(|a| a.0), Some(ErrorCode::BadMagic), "{answer:?}");
+    assert!(closed);
+
+    let mut frame = Vec::new();
+    encode_frame(&mut frame, Kind::Ping, 1, |_| {}).unwrap();
+    let mut version = frame.clone();
+    version[4..6].copy_from_slice(&9u16.to_le_bytes());
+    let (answer, closed) = raw_exchange(&daemon.socket, &version, false);
+    let (code, message) = answer.unwrap();
+    assert_eq!(code, ErrorCode::UnsupportedVersion);
+    assert!(message.contains("protocol version 9; this build speaks version 1"), "{message}");
+    assert!(closed);
+
+    let mut oversized = frame.clone();
+    oversized[12..16].copy_from_slice(&(BODY_BYTES_MAX + 1).to_le_bytes());
+    let (answer, closed) = raw_exchange(&daemon.socket, &oversized, false);
+    assert_eq!(answer.map(|a| a.0), Some(ErrorCode::FrameTooLarge));
+    assert!(closed);
+
+    // Truncated: half a header, then the client closes. No answer is owed; nothing breaks.
+    let (answer, _) = raw_exchange(&daemon.socket, &frame[..7], true);
+    assert!(answer.is_none(), "{answer:?}");
+
+    // Stalled: a header that promises a body that never comes.
+    let mut lookup = Vec::new();
+    encode_frame(&mut lookup, Kind::Lookup, 2, |out| tutti_daemon::protocol::encode_lookup_body(&[1, 2, 3], out)).unwrap();
+    let started = Instant::now();
+    let (answer, closed) = raw_exchange(&daemon.socket, &lookup[..HEADER_BYTES + 2], false);
+    assert_eq!(answer.map(|a| a.0), Some(ErrorCode::FrameTimeout));
+    assert!(closed && started.elapsed() < Duration::from_secs(5));
+
+    // Malformed body, read whole: an error, and the same connection still answers.
+    let mut stream = UnixStream::connect(&daemon.socket).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut lying = Vec::new();
+    encode_frame(&mut lying, Kind::Lookup, 3, |out| out.extend_from_slice(&[0xff, 0xff, 0xff, 0x7f, 0, 0])).unwrap();
+    stream.write_all(&lying).unwrap();
+    stream.write_all(&frame).unwrap();
+    let mut replies = Vec::new();
+    for _ in 0..2 {
+        let mut header = [0u8; HEADER_BYTES];
+        stream.read_exact(&mut header).unwrap();
+        let header = FrameHeader::decode(&header).unwrap();
+        let mut body = vec![0u8; header.body_bytes as usize];
+        stream.read_exact(&mut body).unwrap();
+        replies.push((header.request_id, Reply::decode(header.kind, &body).unwrap()));
+    }
+    assert!(matches!(&replies[0], (3, Reply::Error { code: ErrorCode::MalformedBody, .. })), "{replies:?}");
+    assert_eq!(replies[1], (1, Reply::Pong));
+
+    // The attached client never noticed, and the daemon lists it.
+    assert_eq!(attached.lookup(&[1; 64]).unwrap(), 0);
+    let status = daemon.client().status().unwrap();
+    assert_eq!(status.clients.len(), 1);
+    assert_eq!(status.clients[0].name, "steady");
+}
+
+#[test]
+fn requests_out_of_order_and_bad_identities_are_refused() {
+    // Goal: lookup before hello, a second hello, and an impossible TP rank are typed refusals.
+    let directory = tempfile::tempdir().unwrap();
+    let daemon = memory_daemon(directory.path(), &[]);
+    let mut client = daemon.client();
+    let error = client.lookup(&[1; 16]).unwrap_err();
+    assert!(matches!(error, DaemonError::Remote { code: ErrorCode::NotAttached, .. }), "{error}");
+    let error = client.hello(&hello(2, 2, "x")).unwrap_err();
+    assert!(matches!(&error, DaemonError::Remote { code: ErrorCode::BadRequest, message } if message.contains("rank 2")), "{error}");
+    let attached = client.hello(&hello(1, 2, "x")).unwrap();
+    assert_eq!((attached.shape.layers, attached.shape.block_tokens), (2, 16));
+    let error = client.hello(&hello(1, 2, "x")).unwrap_err();
+    assert!(matches!(error, DaemonError::Remote { code: ErrorCode::AlreadyAttached, .. }), "{error}");
+}
+
+#[test]
+fn a_second_daemon_on_the_same_pool_is_refused_naming_the_holder() {
+    // Goal: the pool file is locked by the first daemon; a second one exits with status 2 and
+    // names the first's pid, writes nothing, and the first keeps serving.
+    let directory = tempfile::tempdir().unwrap();
+    let image = directory.path().join("pool.img");
+    let device = format!("emu:{}", image.display());
+    let first = Daemon::start(directory.path(), &device, &["--format", "--emu-create-bytes", "64m"]);
+    let other = directory.path().join("other");
+    std::fs::create_dir(&other).unwrap();
+    let before = std::fs::read(&image).unwrap();
+    let mut second = Command::new(TUTTID);
+    second.args(["--device", &device, "--socket"]).arg(other.join("tuttid.sock")).args([
+        "--format",
+        "--layers",
+        "2",
+        "--kv-heads",
+        "2",
+        "--head-dim",
+        "64",
+    ]);
+    let output = output_bounded(&mut second);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains(&format!("is held by pid {} (", first.pid())), "{stderr}");
+    assert!(stderr.contains(&image.display().to_string()), "{stderr}");
+    assert!(std::fs::read(&image).unwrap() == before, "the refused daemon wrote to the pool");
+    assert!(!other.join("tuttid.sock").exists());
+    first.client().status().unwrap();
+}
+
+/// Runs as a client process when `TUTTID_TEST_CHILD` is set (`lookup SOCKET RANK COUNT` or
+/// `attach SOCKET`); as an ordinary test it does nothing. The parent tests check its exit
+/// status and output.
+#[test]
+fn child_process_entry() {
+    let Ok(role) = std::env::var(CHILD_ENV) else { return };
+    let words: Vec<&str> = role.split(' ').collect();
+    let socket = Path::new(words[1]);
+    let mut client = Client::connect(socket, Duration::from_secs(10)).unwrap();
+    match words[0] {
+        "lookup" => {
+            let rank: u32 = words[2].parse().unwrap();
+            let count: usize = words[3].parse().unwrap();
+            client.hello(&hello(rank, 2, &format!("child-{rank}"))).unwrap();
+            let tokens: Vec<u32> = (0..4096).collect();
+            for _ in 0..count {
+                assert_eq!(client.lookup(&tokens).unwrap(), 0);
+            }
+            println!("CHILD-DONE {count}");
+        }
+        "attach" => {
+            client.hello(&hello(0, 1, "doomed")).unwrap();
+            println!("CHILD-ATTACHED");
+            std::io::stdout().flush().unwrap();
+            // Parked until the parent kills it; bounded so a lost parent cannot leave it behind.
+            std::thread::sleep(WAIT);
+        }
+        other => panic!("unknown child role {other}"),
+    }
+}
+
+fn spawn_child(role: &str) -> Child {
+    Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child_process_entry", "--nocapture", "--test-threads", "1"])
+        .env(CHILD_ENV, role)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
+#[test]
+fn two_client_processes_look_up_concurrently() {
+    // Goal: two processes (TP ranks 0 and 1) attach and run 300 lookups each at the same time;
+    // both finish, each answer is right (an empty pool: 0 blocks), and both sessions are gone
+    // after they exit.
+    let directory = tempfile::tempdir().unwrap();
+    let daemon = memory_daemon(directory.path(), &[]);
+    let socket = daemon.socket.display().to_string();
+    let children: Vec<Child> = (0..2).map(|rank| spawn_child(&format!("lookup {socket} {rank} 300"))).collect();
+    for child in children {
+        let output = child.wait_with_output().unwrap();
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        assert!(output.status.success() && stdout.contains("CHILD-DONE 300"), "{stdout}");
+    }
+    assert!(wait_for_clients(&daemon, 0).is_empty());
+}
+
+/// Polls `status` until it lists `count` clients (bounded); returns their pids.
+fn wait_for_clients(daemon: &Daemon, count: usize) -> Vec<u32> {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let status = daemon.client().status().unwrap();
+        if status.clients.len() == count {
+            return status.clients.iter().map(|client| client.pid).collect();
+        }
+        assert!(Instant::now() < deadline, "expected {count} clients, status lists {:?}", status.clients);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_client_killed_mid_session_leaves_nothing_behind() {
+    // Goal: a client process attached and then killed with SIGKILL: its session (and, from the
+    // next slice on, its pins and allocations) is released; the daemon keeps serving.
+    let directory = tempfile::tempdir().unwrap();
+    let daemon = memory_daemon(directory.path(), &[]);
+    let mut child = spawn_child(&format!("attach {}", daemon.socket.display()));
+    // The harness prints its own lines first; wait for the child's.
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(child.stdout.take().unwrap()));
+    assert!(lines.any(|line| line.unwrap().contains("CHILD-ATTACHED")), "the child did not attach");
+    assert_eq!(wait_for_clients(&daemon, 1), [child.id()], "the daemon names the client's pid (SO_PEERCRED)");
+    child.kill().unwrap();
+    child.wait().unwrap();
+    wait_for_clients(&daemon, 0);
+    // Earlier status connections end within a tick of their close: wait for them too.
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let status = daemon.client().status().unwrap();
+        assert_eq!(status.pool.pinned_slots, 0);
+        if status.connections == 1 {
+            break; // only this status query
+        }
+        assert!(Instant::now() < deadline, "connections left behind: {}", status.connections);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn an_idle_session_loses_its_lease() {
+    // Goal: a client that sends nothing for the lease is ended: status drops it, and its next
+    // call is refused with LeaseExpired (or finds the connection closed).
+    let directory = tempfile::tempdir().unwrap();
+    let daemon = memory_daemon(directory.path(), &["--lease", "400ms"]);
+    let mut idle = daemon.client();
+    idle.hello(&hello(0, 1, "idle")).unwrap();
+    let mut busy = daemon.client();
+    busy.hello(&hello(0, 1, "busy")).unwrap();
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_millis(1200) {
+        busy.ping().unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let pids = wait_for_clients(&daemon, 1);
+    assert_eq!(pids, [std::process::id()]);
+    let error = idle.ping().unwrap_err();
+    assert!(matches!(error, DaemonError::Remote { code: ErrorCode::LeaseExpired, .. } | DaemonError::Closed), "{error}");
+}
+
+#[test]
+fn sigterm_drains_and_the_pool_reopens_clean() {
+    // Goal: SIGTERM ends the daemon with status 0, its socket removed and its lock released;
+    // an attached client is told ShuttingDown (or sees the connection closed), and a new daemon
+    // opens the same pool without formatting, finding no damaged header.
+    let directory = tempfile::tempdir().unwrap();
+    let image = directory.path().join("pool.img");
+    let device = format!("emu:{}", image.display());
+    let daemon = Daemon::start(directory.path(), &device, &["--format", "--emu-create-bytes", "64m"]);
+    let socket = daemon.socket.clone();
+    let mut client = daemon.client();
+    client.hello(&hello(0, 1, "engine")).unwrap();
+    let (status, stderr) = daemon.terminate();
+    assert!(status.success(), "{status}: {stderr}");
+    assert!(stderr.contains("SIGTERM, draining") && stderr.contains("stopped after"), "{stderr}");
+    assert!(!socket.exists(), "the socket file is removed");
+    let error = client.ping().unwrap_err();
+    assert!(matches!(error, DaemonError::Remote { code: ErrorCode::ShuttingDown, .. } | DaemonError::Closed), "{error}");
+
+    let mut again = Daemon::start(directory.path(), &device, &[]);
+    let status = again.client().status().unwrap();
+    assert_eq!(status.pool.slots, status.pool.free_slots);
+    let (exit, stderr) = std::mem::replace(&mut again, Daemon { child: None, socket: PathBuf::new() }).terminate();
+    assert!(exit.success(), "{stderr}");
+    assert!(stderr.contains("0 corrupt headers"), "{stderr}");
+}
+
+#[test]
+fn status_prints_devices_pool_fill_and_clients() {
+    // Goal: `tuttid --status SOCKET` names the device, the pool's slots and the attached client.
+    let directory = tempfile::tempdir().unwrap();
+    let daemon = memory_daemon(directory.path(), &[]);
+    let mut client = daemon.client();
+    client.hello(&hello(1, 2, "worker-1")).unwrap();
+    let output = output_bounded(Command::new(TUTTID).arg("--status").arg(&daemon.socket));
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{stdout}");
+    assert!(stdout.contains("emu:mem:64MiB: software NVMe controller"), "{stdout}");
+    assert!(stdout.contains("pool: 0 of ") && stdout.contains("slots used (0.0%)"), "{stdout}");
+    assert!(stdout.contains("'worker-1': TP rank 1/2"), "{stdout}");
+    let missing = output_bounded(Command::new(TUTTID).arg("--status").arg(directory.path().join("none.sock")));
+    assert_eq!(missing.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("connecting to tuttid"));
+}
