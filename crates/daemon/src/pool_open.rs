@@ -5,11 +5,9 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use nvme_driver::{Controller, ControllerConfig, NamespaceId};
-use nvme_emu::{EmuConfig, NamespaceConfig};
+use nvme_driver::NamespaceId;
 use objstore::{format_pool, FormatParams, Pool, PoolTarget, RecoveryReport};
-use tutti_devices::open::EmuOptions;
-use tutti_devices::{open_in_one_space, DeviceSpec};
+use tutti_devices::{open_pool_devices, DeviceError, DeviceSpec};
 
 use crate::lock::DeviceLocks;
 use crate::protocol::DeviceStatus;
@@ -42,19 +40,15 @@ pub struct OpenedPool {
 
 pub fn open_pool(options: &PoolOptions) -> Result<OpenedPool, DaemonError> {
     let locks = DeviceLocks::acquire(&options.specs, &options.lock_dir, options.emu_create_bytes.is_some())?;
-    let mut config = EmuConfig::default().with_namespaces(vec![NamespaceConfig::new(options.emu_lba_bytes, None)]).with_mdts(8);
-    // The pool's durability promises hold across host crashes too (as `tutti pool`).
-    config.sync_file_on_flush = true;
-    let emu = EmuOptions { config, create_bytes: options.emu_create_bytes };
-    let opened = open_in_one_space(&options.specs, &emu)?;
+    let opened = open_pool_devices(&options.specs, options.emu_lba_bytes, options.emu_create_bytes).map_err(|error| match error {
+        DeviceError::BringUp { spec, source } => DaemonError::Controller { spec, source },
+        error => DaemonError::Devices(error),
+    })?;
     let mut targets = Vec::with_capacity(opened.len());
     let mut devices = Vec::with_capacity(opened.len());
     for device in opened {
-        let spec = device.spec.to_string();
-        let controller = Controller::init(device.backend, ControllerConfig::default())
-            .map_err(|source| DaemonError::Controller { spec: spec.clone(), source })?;
-        devices.push(DeviceStatus { spec, description: device.spec.describe() });
-        targets.push(PoolTarget { controller: Arc::new(controller), namespace: NamespaceId(options.namespace) });
+        devices.push(DeviceStatus { spec: device.spec.to_string(), description: device.spec.describe() });
+        targets.push(PoolTarget { controller: Arc::clone(&device.controller), namespace: NamespaceId(options.namespace) });
     }
     if let Some(params) = &options.format {
         format_pool(&targets, params).map_err(|source| DaemonError::Pool { context: "formatting the pool".into(), source })?;

@@ -24,7 +24,7 @@ pub mod timing;
 
 pub use duration::parse_duration;
 pub use memory::{check_memory, check_memory_with, memory_reserve_bytes};
-pub use open::{open_in_one_space, OpenedDevice};
+pub use open::{open_in_one_space, open_pool_devices, OpenedDevice, PoolDevice};
 pub use size::{format_size, parse_size};
 pub use spec::{DeviceKind, DeviceSpec};
 pub use timing::parse_timing;
@@ -59,6 +59,8 @@ pub enum DeviceError {
     MixedSpaces,
     #[error("{spec}: cannot start the software NVMe controller: {source}")]
     Emulator { spec: String, source: nvme_emu::EmuError },
+    #[error("bringing up {spec}: {source}")]
+    BringUp { spec: String, source: nvme_driver::NvmeError },
     #[error("{listed}: {source} (needs the device bound to vfio-pci, e.g. `tutti bind BDF`, and access to /dev/vfio)")]
     Vfio { listed: String, source: nvme_driver::HwError },
 }

@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use nvme_driver::hw::vfio::{PciAddress, VfioOptions};
 use nvme_driver::hw::VfioDevice;
-use nvme_driver::{DeviceBackend, DmaPool};
-use nvme_emu::{Backing, EmuConfig, EmuDevice};
+use nvme_driver::{Controller, ControllerConfig, DeviceBackend, DmaPool};
+use nvme_emu::{Backing, EmuConfig, EmuDevice, NamespaceConfig};
 
 use crate::memory::check_memory;
 use crate::spec::{DeviceKind, DeviceSpec};
@@ -90,6 +90,34 @@ pub fn open_in_one_space(specs: &[DeviceSpec], emu: &EmuOptions) -> Result<Vec<O
         opened.push(OpenedDevice { spec: spec.clone(), backend, emulator });
     }
     Ok(opened)
+}
+
+/// The software controller as a KV pool's device runs it (`tutti pool`, `tuttid`): one namespace
+/// of `lba_bytes` LBAs, MDTS 8 (1 MiB), and Flush reaching the file with `fdatasync`, so the
+/// pool's durability promises hold across host crashes too.
+pub fn pool_emu_options(lba_bytes: u32, create_bytes: Option<u64>) -> EmuOptions {
+    let mut config = EmuConfig::default().with_namespaces(vec![NamespaceConfig::new(lba_bytes, None)]).with_mdts(8);
+    config.sync_file_on_flush = true;
+    EmuOptions { config, create_bytes }
+}
+
+/// A device of a pool, brought up: its spec and its controller.
+pub struct PoolDevice {
+    pub spec: DeviceSpec,
+    pub controller: Arc<Controller>,
+}
+
+/// Opens `specs` in one DMA space ([`open_in_one_space`]) with [`pool_emu_options`] and brings
+/// each controller up, in order: the devices of one KV pool.
+pub fn open_pool_devices(specs: &[DeviceSpec], lba_bytes: u32, create_bytes: Option<u64>) -> Result<Vec<PoolDevice>, DeviceError> {
+    let opened = open_in_one_space(specs, &pool_emu_options(lba_bytes, create_bytes))?;
+    let mut devices = Vec::with_capacity(opened.len());
+    for device in opened {
+        let controller = Controller::init(device.backend, ControllerConfig::default())
+            .map_err(|source| DeviceError::BringUp { spec: device.spec.to_string(), source })?;
+        devices.push(PoolDevice { spec: device.spec, controller: Arc::new(controller) });
+    }
+    Ok(devices)
 }
 
 /// A file the software controller is to open as it is: it must exist and, when it is a regular

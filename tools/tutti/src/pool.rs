@@ -9,19 +9,16 @@
 //! Exit status: 2 when the devices or options cannot be used (nothing is written), 1 when the
 //! pool is damaged (`check`, `inspect`) or a device fails, 0 otherwise.
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use clap::Args;
-use nvme_driver::{Controller, ControllerConfig, NamespaceId};
-use nvme_emu::{EmuConfig, NamespaceConfig};
+use nvme_driver::NamespaceId;
 use objstore::format::Superblock;
 use objstore::pool::{format_uuid, read_superblock};
 use objstore::{format_pool, mapping_memory, FormatParams, ObjstoreError, Pool, PoolTarget};
 use tutti_cli::{outln, GeometryArgs};
-use tutti_devices::open::EmuOptions;
-use tutti_devices::{format_size, open_in_one_space, parse_size, DeviceKind, DeviceSpec};
+use tutti_devices::{format_size, open_pool_devices, parse_size, DeviceError, DeviceKind, DeviceSpec};
 
 use crate::Unusable;
 
@@ -90,17 +87,12 @@ pub struct CheckArgs {
 /// in one VFIO container (which also lets two functions of one IOMMU group be used), every
 /// `emu:` controller in one DMA pool.
 fn open_targets(args: &DeviceArgs) -> Result<Vec<PoolTarget>> {
-    let mut config = EmuConfig::default().with_namespaces(vec![NamespaceConfig::new(args.emu_lba_bytes, None)]).with_mdts(8);
-    config.sync_file_on_flush = true; // the pool's durability promises hold across host crashes too
-    let emu = EmuOptions { config, create_bytes: args.emu_create_bytes };
-    let opened = open_in_one_space(&args.devices, &emu).map_err(|error| Unusable(error.to_string()))?;
-    let mut targets = Vec::with_capacity(opened.len());
-    for device in opened {
-        let spec = device.spec.to_string();
-        let controller = Controller::init(device.backend, ControllerConfig::default()).with_context(|| format!("bringing up {spec}"))?;
-        targets.push(PoolTarget { controller: Arc::new(controller), namespace: NamespaceId(args.namespace) });
-    }
-    Ok(targets)
+    let opened = open_pool_devices(&args.devices, args.emu_lba_bytes, args.emu_create_bytes).map_err(|error| match error {
+        // A controller that does not come up is a device failure (status 1), not bad input.
+        error @ DeviceError::BringUp { .. } => anyhow::Error::new(error),
+        error => Unusable(error.to_string()).into(),
+    })?;
+    Ok(opened.into_iter().map(|device| PoolTarget { controller: device.controller, namespace: NamespaceId(args.namespace) }).collect())
 }
 
 /// Exit status 2 for what the devices given cannot be (a set that is not one pool, a format this
