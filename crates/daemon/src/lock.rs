@@ -113,8 +113,11 @@ fn split_device(dev: u64) -> (u64, u64) {
 /// The pid of the FLOCK WRITE lock on (major:minor:inode) in `/proc/locks` text, e.g.
 /// `3: FLOCK  ADVISORY  WRITE 1234 fd:01:5678 0 EOF`. Waiters (`->`) and malformed lines are
 /// skipped: the file is the kernel's, but nothing here trusts its shape.
+/// When no line names this exact device (a stacked filesystem can report another device number
+/// to `stat` than the one its locks are listed under), a single FLOCK WRITE line on the same
+/// inode is taken: the name is a diagnostic, and one candidate is the likely holder.
 fn find_flock_holder(locks: &str, major: u64, minor: u64, inode: u64) -> Option<u32> {
-    locks.lines().find_map(|line| {
+    let parse = |line: &str| -> Option<(u32, u64, u64, u64)> {
         let fields: Vec<&str> = line.split_whitespace().collect();
         if fields.get(1) != Some(&"FLOCK") || fields.get(3) != Some(&"WRITE") {
             return None;
@@ -124,8 +127,20 @@ fn find_flock_holder(locks: &str, major: u64, minor: u64, inode: u64) -> Option<
         let found_major = u64::from_str_radix(location.next()?, 16).ok()?;
         let found_minor = u64::from_str_radix(location.next()?, 16).ok()?;
         let found_inode = location.next()?.parse::<u64>().ok()?;
-        (found_major == major && found_minor == minor && found_inode == inode).then_some(pid)
-    })
+        Some((pid, found_major, found_minor, found_inode))
+    };
+    let same_inode: Vec<(u32, u64, u64)> = locks
+        .lines()
+        .filter_map(parse)
+        .filter(|&(_, _, _, found_inode)| found_inode == inode)
+        .map(|(pid, found_major, found_minor, _)| (pid, found_major, found_minor))
+        .collect();
+    let exact = same_inode.iter().find(|&&(_, found_major, found_minor)| found_major == major && found_minor == minor);
+    match (exact, same_inode.as_slice()) {
+        (Some(&(pid, _, _)), _) => Some(pid),
+        (None, [(pid, _, _)]) => Some(*pid),
+        _ => None,
+    }
 }
 
 #[cfg(test)]
@@ -138,7 +153,12 @@ mod tests {
                     3: FLOCK  ADVISORY  WRITE 12 fd:01:42 0 EOF\ngarbage\n4: FLOCK ADVISORY WRITE x 00:zz:1 0 EOF\n";
         assert_eq!(find_flock_holder(text, 0xfd, 1, 42), Some(12));
         assert_eq!(find_flock_holder(text, 0xfd, 1, 99), None, "a POSIX lock is not ours");
-        assert_eq!(find_flock_holder(text, 0xfd, 2, 42), None);
+        // Another device number, one lock on the inode: that one (stacked filesystems).
+        assert_eq!(find_flock_holder(text, 0xfd, 2, 42), Some(12));
+        // Two candidates on other devices: none is named.
+        let two = "1: FLOCK  ADVISORY  WRITE 12 fd:01:42 0 EOF\n2: FLOCK  ADVISORY  WRITE 13 fd:03:42 0 EOF\n";
+        assert_eq!(find_flock_holder(two, 0xfd, 2, 42), None);
+        assert_eq!(find_flock_holder(two, 0xfd, 3, 42), Some(13));
     }
 
     #[test]
