@@ -9,9 +9,10 @@
 //! and write from the profile table:
 //! 1. `begin_prefill`: the runtime looks up the longest cached prefix and prepares its retrieve
 //!    into the leading engine blocks and the store of the rest;
-//! 2. for each layer, `before_layer` (returns once the layer's cached KV is resident: any wait is
-//!    bubble), the layer computes (here: its table time, busy-waited, and its new KV written into
-//!    engine memory), `after_layer` (that KV may now be written);
+//! 2. for each layer, `begin_layer` (the runtime issues what the policy decides), the layer's
+//!    work before attention, `wait_layer_kv` (returns once the layer's cached KV is resident: any
+//!    wait is bubble), the rest of the layer (here: table times, busy-waited, and its new KV
+//!    written into engine memory), `after_layer` (that KV may now be written);
 //! 3. `end_prefill`; then decode steps (`decode_step`), into whose slack queued writes go;
 //! 4. a new request takes only engine blocks the runtime says are `releasable`: a block holding
 //!    KV that is queued for writing is not.
@@ -225,11 +226,16 @@ fn main() -> Result<(), Failure> {
         let layer_profiles = &profile.bucket(tokens.len() as u32, hit * BLOCK_TOKENS)?.layers;
         let (mut bubble, mut compute) = (Duration::ZERO, Duration::ZERO);
         for layer in 0..geometry.layers {
-            bubble += runtime.before_layer(start.id, layer)?;
-            let layer_compute = dilated_us(layer_profiles[layer as usize].compute_duration_us);
-            compute_for(&mut runtime, layer_compute)?;
+            // The layer's work before attention (norm, QKV projection) needs no cached KV: only
+            // attention waits for it.
+            let profile = &layer_profiles[layer as usize];
+            let before_attention_us = profile.kv_needed_offset_us.clamp(0.0, profile.compute_duration_us);
+            runtime.begin_layer(start.id, layer)?;
+            compute_for(&mut runtime, dilated_us(before_attention_us))?;
+            bubble += runtime.wait_layer_kv(start.id, layer)?;
+            compute_for(&mut runtime, dilated_us(profile.compute_duration_us - before_attention_us))?;
             engine.compute_layer(&tokens, hit..blocks, &engine_blocks, layer)?;
-            compute += layer_compute;
+            compute += dilated_us(profile.compute_duration_us);
             runtime.after_layer(start.id, layer)?;
         }
         runtime.end_prefill(start.id)?;

@@ -4,8 +4,10 @@
 //! ```text
 //! let start = runtime.begin_prefill(&KvRequest { tokens, block_ids })?; // lookup, prepare
 //! for layer in 0..layers {
-//!     runtime.before_layer(start.id, layer)?; // issue what the policy says; wait for this layer's KV
-//!     /* compute the layer */
+//!     runtime.begin_layer(start.id, layer)?;   // issue what the policy says
+//!     /* the layer's work before attention */
+//!     runtime.wait_layer_kv(start.id, layer)?; // wait for this layer's cached KV (the bubble)
+//!     /* attention and the rest of the layer */
 //!     runtime.after_layer(start.id, layer)?;  // its new KV may be written
 //! }
 //! runtime.end_prefill(start.id)?;

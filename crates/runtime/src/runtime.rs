@@ -56,6 +56,10 @@ struct Prefill {
     retrieve: Option<RequestHandle>,
     next_layer: u32,
     in_layer: Option<u32>,
+    /// The policy asked, at the layer begun, that every read land before it goes on.
+    wait_for_all: bool,
+    /// The layer begun has had its KV waited for (`wait_layer_kv`).
+    kv_resident: bool,
     /// No table entry for this request: all reads at once, writes left to decode steps.
     fallback: bool,
     kv_wait: Duration,
@@ -318,8 +322,18 @@ impl<E: Executor> Runtime<E> {
         self.reads.done.fill(hit == 0);
         self.reads.waiting.clear();
         self.reads.in_flight = None;
-        self.prefill =
-            Some(Prefill { id, input_tokens, prefix_tokens, retrieve, next_layer: 0, in_layer: None, fallback, kv_wait: Duration::ZERO });
+        self.prefill = Some(Prefill {
+            id,
+            input_tokens,
+            prefix_tokens,
+            retrieve,
+            next_layer: 0,
+            in_layer: None,
+            wait_for_all: false,
+            kv_resident: false,
+            fallback,
+            kv_wait: Duration::ZERO,
+        });
         self.counters.prefills += 1;
         Ok(PrefillStart {
             id: PrefillId(id),
@@ -329,15 +343,26 @@ impl<E: Executor> Runtime<E> {
     }
 
     /// Before layer `layer` computes: the policy decides what to issue, the runtime issues it,
-    /// then waits until the layer's cached KV is resident. Returns that wait (the bubble).
+    /// then waits until the layer's cached KV is resident. Returns that wait (the bubble). The
+    /// same as [`Runtime::begin_layer`] then [`Runtime::wait_layer_kv`], for an engine that does
+    /// not run the layer's work before attention separately.
     pub fn before_layer(&mut self, id: PrefillId, layer: u32) -> Result<Duration> {
+        self.begin_layer_as("before_layer", id, layer)?;
+        self.wait_layer_kv(id, layer)
+    }
+
+    /// Layer `layer` begins: the policy decides what to issue and the runtime issues it; nothing
+    /// is waited for. The engine may run the layer's work that needs no cached KV (norm, QKV
+    /// projection), then calls [`Runtime::wait_layer_kv`] before attention.
+    pub fn begin_layer(&mut self, id: PrefillId, layer: u32) -> Result<()> {
+        self.begin_layer_as("begin_layer", id, layer)
+    }
+
+    fn begin_layer_as(&mut self, call: &'static str, id: PrefillId, layer: u32) -> Result<()> {
         let layers = self.layers;
-        let prefill = self.prefill_of("before_layer", id)?;
+        let prefill = self.prefill_of(call, id)?;
         if let Some(open) = prefill.in_layer {
-            return Err(RuntimeError::OutOfOrder {
-                call: "before_layer",
-                reason: format!("layer {open} has not ended (after_layer first)"),
-            });
+            return Err(RuntimeError::OutOfOrder { call, reason: format!("layer {open} has not ended (after_layer first)") });
         }
         if layer != prefill.next_layer || layer >= layers {
             let expected = if prefill.next_layer == layers {
@@ -345,7 +370,7 @@ impl<E: Executor> Runtime<E> {
             } else {
                 prefill.next_layer.to_string()
             };
-            return Err(RuntimeError::OutOfOrder { call: "before_layer", reason: format!("layer {layer}, expected {expected}") });
+            return Err(RuntimeError::OutOfOrder { call, reason: format!("layer {layer}, expected {expected}") });
         }
         let (input_tokens, prefix_tokens, fallback) = (prefill.input_tokens, prefill.prefix_tokens, prefill.fallback);
         self.progress()?;
@@ -373,13 +398,36 @@ impl<E: Executor> Runtime<E> {
             }
         }
         self.pump()?;
+        if let Some(prefill) = self.prefill.as_mut() {
+            prefill.in_layer = Some(layer);
+            prefill.wait_for_all = wait_for_all;
+            prefill.kv_resident = false;
+        }
+        Ok(())
+    }
+
+    /// Before layer `layer`'s attention: returns once its cached KV is resident (every layer's,
+    /// where the policy asked for that), and how long that took (the bubble). A second call in
+    /// the same layer returns at once.
+    pub fn wait_layer_kv(&mut self, id: PrefillId, layer: u32) -> Result<Duration> {
+        let prefill = self.prefill_of("wait_layer_kv", id)?;
+        if prefill.in_layer != Some(layer) {
+            return Err(RuntimeError::OutOfOrder {
+                call: "wait_layer_kv",
+                reason: format!("layer {layer}, but the layer begun is {:?} (begin_layer first)", prefill.in_layer),
+            });
+        }
+        if prefill.kv_resident {
+            return Ok(Duration::ZERO);
+        }
+        let wait_for_all = prefill.wait_for_all;
         let started = Instant::now();
         self.wait_for_reads(if wait_for_all { None } else { Some(layer) })?;
         let waited = started.elapsed();
         self.counters.kv_wait += waited;
         if let Some(prefill) = self.prefill.as_mut() {
             prefill.kv_wait += waited;
-            prefill.in_layer = Some(layer);
+            prefill.kv_resident = true;
         }
         Ok(waited)
     }
@@ -391,6 +439,13 @@ impl<E: Executor> Runtime<E> {
             return Err(RuntimeError::OutOfOrder {
                 call: "after_layer",
                 reason: format!("layer {layer}, but the layer begun is {:?} (before_layer first)", prefill.in_layer),
+            });
+        }
+        if !prefill.kv_resident && prefill.retrieve.is_some() {
+            // Attention ran on KV that may not have landed: the engine skipped the wait.
+            return Err(RuntimeError::OutOfOrder {
+                call: "after_layer",
+                reason: format!("layer {layer}'s cached KV was never waited for (wait_layer_kv before attention)"),
             });
         }
         prefill.in_layer = None;

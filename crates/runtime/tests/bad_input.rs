@@ -58,7 +58,16 @@ fn boundaries_out_of_order_are_refused() {
     assert!(out_of_order(stack.runtime.before_layer(id, 0).map(drop)), "layer 0 twice");
     stack.runtime.after_layer(id, 0).unwrap();
     assert!(out_of_order(stack.runtime.before_layer(id, 0).map(drop)), "layer 0 again after it ended");
-    for layer in 1..layers {
+    // The split form: begin the layer, (pre-attention work), wait for its KV, end it.
+    assert!(out_of_order(stack.runtime.wait_layer_kv(id, 1).map(drop)), "waiting for a layer not begun");
+    stack.runtime.begin_layer(id, 1).unwrap();
+    assert!(out_of_order(stack.runtime.after_layer(id, 1)), "attention without waiting for the cached KV");
+    assert!(out_of_order(stack.runtime.wait_layer_kv(id, 2).map(drop)), "waiting for another layer");
+    stack.runtime.wait_layer_kv(id, 1).unwrap();
+    assert_eq!(stack.runtime.wait_layer_kv(id, 1).unwrap(), std::time::Duration::ZERO, "a second wait returns at once");
+    stack.engine.compute_layer(&next, 4..6, &next_blocks, 1);
+    stack.runtime.after_layer(id, 1).unwrap();
+    for layer in 2..layers {
         stack.runtime.before_layer(id, layer).unwrap();
         stack.engine.compute_layer(&next, 4..6, &next_blocks, layer);
         stack.runtime.after_layer(id, layer).unwrap();
@@ -68,6 +77,8 @@ fn boundaries_out_of_order_are_refused() {
     assert!(stack.engine.holds(&next, 0..4, &next_blocks, layers));
     for call in [
         stack.runtime.before_layer(id, 0).map(drop),
+        stack.runtime.begin_layer(id, 0),
+        stack.runtime.wait_layer_kv(id, 0).map(drop),
         stack.runtime.after_layer(id, 0),
         stack.runtime.end_prefill(id).map(drop),
         stack.runtime.abort_prefill(id),

@@ -226,8 +226,13 @@ impl Driver<'_> {
         let layers = self.profile.bucket(input_tokens, cached_tokens as u32)?.layers.clone();
         let mut compute_us = 0.0;
         for (layer, profile) in layers.iter().enumerate() {
-            self.runtime.before_layer(start.id, layer as u32)?;
-            self.compute(profile.compute_duration_us)?;
+            // As an engine does: the layer's work before attention needs no cached KV (the
+            // table's `kv_needed_offset_us`); only attention waits for it.
+            let before_attention_us = profile.kv_needed_offset_us.clamp(0.0, profile.compute_duration_us);
+            self.runtime.begin_layer(start.id, layer as u32)?;
+            self.compute(before_attention_us)?;
+            self.runtime.wait_layer_kv(start.id, layer as u32)?;
+            self.compute(profile.compute_duration_us - before_attention_us)?;
             compute_us += profile.compute_duration_us;
             self.runtime.after_layer(start.id, layer as u32)?;
         }
