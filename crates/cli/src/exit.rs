@@ -41,6 +41,29 @@ pub fn is_unusable(error: &(dyn std::error::Error + 'static)) -> bool {
     false
 }
 
+/// The exit status of a run that returned `result` (then flushed standard output): success; a
+/// closed standard output, quietly; otherwise the error chain (`{:#}`) on one line after
+/// `tool: `, and [`UNUSABLE_INPUT`] or [`FAILURE`] by [`is_unusable`].
+pub fn status_of<E>(tool: &str, result: Result<(), E>) -> std::process::ExitCode
+where
+    E: std::fmt::Display + AsRef<dyn std::error::Error + 'static>,
+{
+    let code = match result {
+        Ok(()) => SUCCESS,
+        Err(error) if crate::is_stdout_closed(error.as_ref()) => STDOUT_CLOSED,
+        Err(error) => {
+            let _ = crate::stdout::flush();
+            eprintln!("{tool}: {error:#}");
+            if is_unusable(error.as_ref()) {
+                UNUSABLE_INPUT
+            } else {
+                FAILURE
+            }
+        }
+    };
+    std::process::ExitCode::from(code)
+}
+
 /// Prints a command-line parse error the way clap renders it and returns the exit status: help
 /// and version are [`SUCCESS`] (a closed pipe while printing them is not a failure either),
 /// anything else is [`UNUSABLE_INPUT`].

@@ -256,17 +256,8 @@ pub struct DeviceStatus {
     pub description: String,
 }
 
-/// Pool fill, from the index's counts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct PoolStatus {
-    pub slots: u64,
-    pub free_slots: u64,
-    pub valid_slots: u64,
-    pub writing_slots: u64,
-    pub pinned_slots: u64,
-    pub cached_blocks: u64,
-    pub evictions: u64,
-}
+/// Pool fill: the index's counts, sent field by field (see `encode`/`decode`).
+pub type PoolStatus = objstore::IndexCounts;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ClientStatus {

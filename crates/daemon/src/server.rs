@@ -28,7 +28,7 @@ use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
 use crate::frame_io::{read_frame, write_frame, ReadOutcome};
 use crate::keys::KeySpace;
 use crate::pool_open::OpenedPool;
-use crate::protocol::{encode_frame, ClientStatus, ErrorCode, HelloReply, PoolShape, PoolStatus, Reply, Request, StatusReply};
+use crate::protocol::{encode_frame, ClientStatus, ErrorCode, HelloReply, PoolShape, Reply, Request, StatusReply};
 use crate::DaemonError;
 
 /// How the server runs.
@@ -387,17 +387,7 @@ impl Connection {
 fn status(shared: &Shared) -> StatusReply {
     let (devices, pool) = {
         let opened = lock(&shared.opened);
-        let counts = opened.pool.index().counts();
-        let pool = PoolStatus {
-            slots: counts.slots,
-            free_slots: counts.free_slots,
-            valid_slots: counts.valid_slots,
-            writing_slots: counts.writing_slots,
-            pinned_slots: counts.pinned_slots,
-            cached_blocks: counts.cached_blocks,
-            evictions: counts.evictions,
-        };
-        (opened.devices.clone(), pool)
+        (opened.devices.clone(), opened.pool.index().counts())
     };
     let clients = lock(&shared.sessions)
         .iter()

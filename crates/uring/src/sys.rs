@@ -337,6 +337,13 @@ impl Ring {
         self.abandoned.get_or_insert_with(|| cause.to_string());
     }
 
+    /// Queues one `IORING_OP_ASYNC_CANCEL` entry; false when the submission queue is full.
+    fn push_cancel(&mut self, entry: &io_uring::squeue::Entry) -> bool {
+        // SAFETY: a cancel entry names the transfer it cancels by `user_data` and references no
+        // memory, so nothing it points to can be freed or reused while the kernel holds it.
+        unsafe { self.ring.submission().push(entry) }.is_ok()
+    }
+
     /// The transfers still in flight, with the tags they were pushed with.
     pub fn in_flight_transfers(&self) -> impl Iterator<Item = (u64, Transfer)> + '_ {
         self.in_flight.iter().flatten().map(|in_flight| (in_flight.tag, in_flight.transfer))
@@ -356,11 +363,8 @@ impl Ring {
                     continue;
                 }
                 let entry = opcode::AsyncCancel::new(slot as u64).build().user_data(CANCEL_USER_DATA);
-                // SAFETY: a cancel entry names its target by `user_data` and references no memory.
-                let pushed = unsafe { self.ring.submission().push(&entry) }.is_ok()
-                    || (self.submit_queued().is_ok()
-                        // SAFETY: as above.
-                        && unsafe { self.ring.submission().push(&entry) }.is_ok());
+                // A full submission queue is submitted once to make room.
+                let pushed = self.push_cancel(&entry) || (self.submit_queued().is_ok() && self.push_cancel(&entry));
                 if !pushed {
                     tracing::error!(slot, "io_uring cancel could not be queued; that transfer is left to finish on its own");
                 }

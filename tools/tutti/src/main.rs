@@ -61,14 +61,5 @@ fn main() -> ExitCode {
         Command::Pool(command) => pool::run(&command),
     }
     .and_then(|()| Ok(tutti_cli::stdout::flush()?));
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(error) if tutti_cli::is_stdout_closed(error.as_ref()) => ExitCode::from(exit::STDOUT_CLOSED),
-        Err(error) => {
-            let _ = tutti_cli::stdout::flush();
-            eprintln!("tutti: {error:#}");
-            let unusable = exit::is_unusable(error.as_ref());
-            ExitCode::from(if unusable { exit::UNUSABLE_INPUT } else { exit::FAILURE })
-        }
-    }
+    exit::status_of("tutti", result)
 }

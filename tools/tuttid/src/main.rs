@@ -87,15 +87,7 @@ fn main() -> ExitCode {
         None => serve(&cli),
     }
     .and_then(|()| Ok(tutti_cli::stdout::flush()?));
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(error) if tutti_cli::is_stdout_closed(error.as_ref()) => ExitCode::from(exit::STDOUT_CLOSED),
-        Err(error) => {
-            let _ = tutti_cli::stdout::flush();
-            eprintln!("tuttid: {error:#}");
-            ExitCode::from(if exit::is_unusable(error.as_ref()) { exit::UNUSABLE_INPUT } else { exit::FAILURE })
-        }
-    }
+    exit::status_of("tuttid", result)
 }
 
 fn serve(cli: &Cli) -> Result<()> {
