@@ -59,6 +59,16 @@ impl Client {
         }
     }
 
+    /// The longest prefix of `tokens`, in blocks, cached on every tensor-parallel rank of this
+    /// session's model and world size (what an engine's scheduler process asks before planning a
+    /// prefill; attach with any rank of that world).
+    pub fn lookup_all_ranks(&mut self, tokens: &[u32]) -> Result<u32, DaemonError> {
+        match self.exchange(Kind::LookupAllRanks, |out| encode_lookup_body(tokens, out))? {
+            Reply::Lookup { cached_blocks, .. } => Ok(cached_blocks),
+            other => Err(DaemonError::UnexpectedReply { asked: Kind::LookupAllRanks, got: other.kind() }),
+        }
+    }
+
     /// Devices, pool fill and clients (allowed before `hello`).
     pub fn status(&mut self) -> Result<StatusReply, DaemonError> {
         match self.call(&Request::Status)? {

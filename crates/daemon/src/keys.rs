@@ -17,6 +17,7 @@ const SEED_DOMAIN: u32 = 0x7464_6b31;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KeySpace {
     seed: u64,
+    fingerprint: [u8; FINGERPRINT_BYTES],
     pub tp_rank: u32,
     pub tp_world: u32,
 }
@@ -42,7 +43,7 @@ impl KeySpace {
         words[tail] = tp_rank;
         words[tail + 1] = tp_world;
         words[tail + 2] = SEED_DOMAIN;
-        Ok(KeySpace { seed: chain_hash(0, &words), tp_rank, tp_world })
+        Ok(KeySpace { seed: chain_hash(0, &words), fingerprint: *fingerprint, tp_rank, tp_world })
     }
 
     pub fn seed(&self) -> u64 {
@@ -59,6 +60,28 @@ impl KeySpace {
     pub fn cached_prefix(&self, index: &Index, tokens: &[u32], block_tokens: u32, keys: &mut Vec<u64>) -> usize {
         self.keys(tokens, block_tokens, keys);
         index.cached_prefix(keys)
+    }
+
+    /// The longest prefix of `tokens` committed in every rank's space of this model and world
+    /// size: what an engine's scheduler process needs before it plans a prefill over all ranks
+    /// (a block missing on one rank must be recomputed on all of them). Each rank after the
+    /// first hashes only the prefix the ranks before it still share, so the cost is one chain
+    /// over `tokens` plus at most `tp_world - 1` chains over the shrinking common prefix, and it
+    /// stops at the first rank with nothing cached.
+    pub fn cached_prefix_on_all_ranks(&self, index: &Index, tokens: &[u32], block_tokens: u32, keys: &mut Vec<u64>) -> usize {
+        let mut common = tokens.len() / block_tokens.max(1) as usize;
+        for rank in 0..self.tp_world {
+            if common == 0 {
+                break;
+            }
+            let space = match KeySpace::new(&self.fingerprint, rank, self.tp_world) {
+                Ok(space) => space,
+                // Unreachable: every rank below a world this space was built with is valid.
+                Err(_) => return 0,
+            };
+            common = common.min(space.cached_prefix(index, &tokens[..common * block_tokens as usize], block_tokens, keys));
+        }
+        common
     }
 }
 
@@ -122,5 +145,45 @@ mod tests {
         let mut plain = Vec::new();
         objstore::hash::block_keys(&tokens, 16, &mut plain);
         assert_eq!(index.cached_prefix(&plain), 0, "seed 0 (in-process keys) must not see a session's blocks");
+    }
+
+    #[test]
+    fn all_ranks_lookup_is_the_shortest_prefix_any_rank_has() {
+        // Goal: for TP 1, 2 and 4, each rank having committed its own number of blocks (5, 7,
+        // 3, 6), the scheduler's lookup answers the minimum over the ranks of this world only;
+        // any rank's session (and only this model's) gets the same answer.
+        let tokens: Vec<u32> = (0..128).collect();
+        for world in [1u32, 2, 4] {
+            let mut index = Index::new(&[64], 1);
+            let committed: Vec<usize> = (0..world).map(|rank| [5, 7, 3, 6][rank as usize]).collect();
+            for rank in 0..world {
+                let space = KeySpace::new(&fingerprint(9), rank, world).unwrap();
+                let mut keys = Vec::new();
+                space.keys(&tokens, 16, &mut keys);
+                for &key in &keys[..committed[rank as usize]] {
+                    let allocation = index.allocate_on(0).unwrap();
+                    index.commit(0, allocation.slot, &[key], 1);
+                }
+            }
+            // Another world size's blocks must not count: all 8 blocks for world * 2, rank 0.
+            let wider = KeySpace::new(&fingerprint(9), 0, world * 2).unwrap();
+            let mut keys = Vec::new();
+            wider.keys(&tokens, 16, &mut keys);
+            for &key in &keys {
+                let allocation = index.allocate_on(0).unwrap();
+                index.commit(0, allocation.slot, &[key], 1);
+            }
+            let expected = *committed.iter().min().unwrap();
+            let mut scratch = Vec::new();
+            for rank in 0..world {
+                let space = KeySpace::new(&fingerprint(9), rank, world).unwrap();
+                assert_eq!(space.cached_prefix_on_all_ranks(&index, &tokens, 16, &mut scratch), expected, "world {world} rank {rank}");
+            }
+            // A shorter prompt caps the answer; another model sees nothing.
+            let first = KeySpace::new(&fingerprint(9), 0, world).unwrap();
+            assert_eq!(first.cached_prefix_on_all_ranks(&index, &tokens[..40], 16, &mut scratch), expected.min(2));
+            let other_model = KeySpace::new(&fingerprint(10), 0, world).unwrap();
+            assert_eq!(other_model.cached_prefix_on_all_ranks(&index, &tokens, 16, &mut scratch), 0);
+        }
     }
 }

@@ -47,6 +47,7 @@ pub enum Kind {
     Lookup = 2,
     Status = 3,
     Ping = 4,
+    LookupAllRanks = 5,
     HelloReply = 0x8001,
     LookupReply = 0x8002,
     StatusReply = 0x8003,
@@ -61,6 +62,7 @@ impl Kind {
             2 => Kind::Lookup,
             3 => Kind::Status,
             4 => Kind::Ping,
+            5 => Kind::LookupAllRanks,
             0x8001 => Kind::HelloReply,
             0x8002 => Kind::LookupReply,
             0x8003 => Kind::StatusReply,
@@ -295,6 +297,11 @@ pub enum Request {
     Status,
     /// Keeps the lease alive.
     Ping,
+    /// The longest prefix of `tokens` cached on every rank of the session's model and world
+    /// size (for an engine's scheduler process; answered with [`Reply::Lookup`]).
+    LookupAllRanks {
+        tokens: Vec<u32>,
+    },
 }
 
 /// What the daemon answers.
@@ -314,6 +321,7 @@ impl Request {
             Request::Lookup { .. } => Kind::Lookup,
             Request::Status => Kind::Status,
             Request::Ping => Kind::Ping,
+            Request::LookupAllRanks { .. } => Kind::LookupAllRanks,
         }
     }
 
@@ -326,7 +334,7 @@ impl Request {
                 put_u32(out, hello.tp_world);
                 put_str(out, &hello.client_name);
             }
-            Request::Lookup { tokens } => encode_lookup_body(tokens, out),
+            Request::Lookup { tokens } | Request::LookupAllRanks { tokens } => encode_lookup_body(tokens, out),
             Request::Status | Request::Ping => {}
         }
     }
@@ -342,7 +350,7 @@ impl Request {
                 let client_name = reader.string("client_name", CLIENT_NAME_BYTES_MAX)?;
                 Request::Hello(Hello { model_fingerprint, tp_rank, tp_world, client_name })
             }
-            Kind::Lookup => {
+            Kind::Lookup | Kind::LookupAllRanks => {
                 let count = reader.u32("token_count")? as usize;
                 // The count must match the body exactly: checked before anything is allocated.
                 if reader.remaining() != count.saturating_mul(4) {
@@ -350,7 +358,11 @@ impl Request {
                 }
                 let tokens =
                     reader.bytes(count * 4, "tokens")?.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-                Request::Lookup { tokens }
+                if kind == Kind::Lookup {
+                    Request::Lookup { tokens }
+                } else {
+                    Request::LookupAllRanks { tokens }
+                }
             }
             Kind::Status => Request::Status,
             Kind::Ping => Request::Ping,

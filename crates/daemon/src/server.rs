@@ -369,18 +369,30 @@ impl Connection {
                 let lease_ms = u32::try_from(shared.config.lease.as_millis()).unwrap_or(u32::MAX);
                 Reply::Hello(HelloReply { session, lease_ms, shape: shared.shape })
             }
-            Request::Lookup { tokens } => {
-                let Some(space) = self.session.and_then(|session| lock(&shared.sessions).get(&session).map(|record| record.space)) else {
-                    return Reply::error(ErrorCode::NotAttached, "send Hello (model fingerprint, TP rank and world size) before Lookup");
-                };
-                let block_tokens = shared.shape.block_tokens;
-                space.keys(&tokens, block_tokens, &mut self.keys);
-                let cached = lock(&shared.opened).pool.index().cached_prefix(&self.keys);
-                Reply::Lookup { cached_blocks: cached as u32, block_tokens }
-            }
+            Request::Lookup { tokens } => self.lookup(shared, &tokens, false),
+            Request::LookupAllRanks { tokens } => self.lookup(shared, &tokens, true),
             Request::Status => Reply::Status(status(shared)),
             Request::Ping => Reply::Pong,
         }
+    }
+
+    /// `Lookup` (the session's own key space) or `LookupAllRanks` (every rank of its world).
+    fn lookup(&mut self, shared: &Shared, tokens: &[u32], all_ranks: bool) -> Reply {
+        let Some(space) = self.session.and_then(|session| lock(&shared.sessions).get(&session).map(|record| record.space)) else {
+            return Reply::error(ErrorCode::NotAttached, "send Hello (model fingerprint, TP rank and world size) before a lookup");
+        };
+        let block_tokens = shared.shape.block_tokens;
+        let cached = if all_ranks {
+            // Keys are hashed under the pool lock here (one chain per rank over the shrinking
+            // common prefix): a scheduler's lookup is once per request, and the index must not
+            // change between ranks' probes for the minimum to mean anything.
+            let opened = lock(&shared.opened);
+            space.cached_prefix_on_all_ranks(opened.pool.index(), tokens, block_tokens, &mut self.keys)
+        } else {
+            space.keys(tokens, block_tokens, &mut self.keys);
+            lock(&shared.opened).pool.index().cached_prefix(&self.keys)
+        };
+        Reply::Lookup { cached_blocks: cached as u32, block_tokens }
     }
 }
 

@@ -220,12 +220,17 @@ fn requests_out_of_order_and_bad_identities_are_refused() {
     let mut client = daemon.client();
     let error = client.lookup(&[1; 16]).unwrap_err();
     assert!(matches!(error, DaemonError::Remote { code: ErrorCode::NotAttached, .. }), "{error}");
+    let error = client.lookup_all_ranks(&[1; 16]).unwrap_err();
+    assert!(matches!(error, DaemonError::Remote { code: ErrorCode::NotAttached, .. }), "{error}");
     let error = client.hello(&hello(2, 2, "x")).unwrap_err();
     assert!(matches!(&error, DaemonError::Remote { code: ErrorCode::BadRequest, message } if message.contains("rank 2")), "{error}");
     let attached = client.hello(&hello(1, 2, "x")).unwrap();
     assert_eq!((attached.shape.layers, attached.shape.block_tokens), (2, 16));
     let error = client.hello(&hello(1, 2, "x")).unwrap_err();
     assert!(matches!(error, DaemonError::Remote { code: ErrorCode::AlreadyAttached, .. }), "{error}");
+    // Once attached, the all-ranks lookup is served (nothing is stored through the daemon yet,
+    // so 0; the minimum over ranks is covered by tutti-daemon's keys tests).
+    assert_eq!(client.lookup_all_ranks(&[1; 64]).unwrap(), 0);
 }
 
 #[test]

@@ -40,6 +40,7 @@ fn every_message_round_trips() {
         Request::Hello(Hello { model_fingerprint: [3; 32], tp_rank: 1, tp_world: 4, client_name: "rank-1".into() }),
         Request::Lookup { tokens: (0..100).collect() },
         Request::Lookup { tokens: Vec::new() },
+        Request::LookupAllRanks { tokens: (7..70).collect() },
         Request::Status,
         Request::Ping,
     ];
