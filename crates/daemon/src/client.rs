@@ -27,6 +27,8 @@ pub struct Client {
     stream: UnixStream,
     frame: Vec<u8>,
     body: Vec<u8>,
+    /// Descriptors that came with the last reply (none in this version: they are closed).
+    fds: Vec<std::os::fd::OwnedFd>,
     next_request_id: u32,
     timeout: Duration,
 }
@@ -39,7 +41,7 @@ impl Client {
         let io = |context: &'static str| move |source| DaemonError::Io { context: context.into(), source };
         stream.set_read_timeout(Some(TICK)).map_err(io("setting the read tick"))?;
         stream.set_write_timeout(Some(timeout)).map_err(io("setting the write timeout"))?;
-        Ok(Client { stream, frame: Vec::new(), body: Vec::new(), next_request_id: 1, timeout })
+        Ok(Client { stream, frame: Vec::new(), body: Vec::new(), fds: Vec::new(), next_request_id: 1, timeout })
     }
 
     /// Attaches: declares the model and the tensor-parallel rank/world size this session's keys
@@ -94,10 +96,10 @@ impl Client {
         let request_id = self.next_request_id;
         self.next_request_id = self.next_request_id.wrapping_add(1).max(1);
         encode_frame(&mut self.frame, kind, request_id, encode)?;
-        write_frame(&mut self.stream, &self.frame)?;
+        write_frame(&self.stream, &self.frame)?;
         let started = Instant::now();
         let never = || false;
-        let header = match read_frame(&mut self.stream, &mut self.body, started + self.timeout, self.timeout, &never)? {
+        let header = match read_frame(&self.stream, &mut self.body, &mut self.fds, started + self.timeout, self.timeout, &never)? {
             ReadOutcome::Frame(header) => header,
             ReadOutcome::Closed => return Err(DaemonError::Closed),
             ReadOutcome::Idle | ReadOutcome::Stopped => {

@@ -5,8 +5,11 @@
 //! to check the deadlines and the caller's stop flag.
 
 use std::io::{ErrorKind, Read, Write};
+use std::os::fd::{BorrowedFd, OwnedFd};
+use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
+use crate::fd_passing::{recv_with_fds, send_with_fds};
 use crate::protocol::{FrameHeader, HEADER_BYTES};
 use crate::DaemonError;
 
@@ -23,12 +26,14 @@ pub enum ReadOutcome {
 }
 
 /// Reads one frame: its header into `header` and its body into `body` (cleared, resized to the
-/// body). A frame must complete within `frame_timeout` of its first byte; a peer that closes
+/// body), and the descriptors sent with it into `fds` (cleared first; see [`crate::fd_passing`]).
+/// A frame must complete within `frame_timeout` of its first byte; a peer that closes
 /// mid-frame is [`DaemonError::Truncated`]; a header this protocol refuses is
 /// [`DaemonError::Protocol`] (the body is then not read).
 pub fn read_frame(
-    stream: &mut impl Read,
+    stream: &UnixStream,
     body: &mut Vec<u8>,
+    fds: &mut Vec<OwnedFd>,
     idle_until: Instant,
     frame_timeout: Duration,
     stop: &dyn Fn() -> bool,
@@ -36,8 +41,9 @@ pub fn read_frame(
     let mut header = [0u8; HEADER_BYTES];
     let mut filled = 0;
     let mut frame_deadline = None;
+    fds.clear();
     while filled < HEADER_BYTES {
-        match stream.read(&mut header[filled..]) {
+        match recv_with_fds(stream, &mut header[filled..], fds) {
             Ok(0) if filled == 0 => return Ok(ReadOutcome::Closed),
             Ok(0) => return Err(DaemonError::Truncated { received: filled, expected: HEADER_BYTES }),
             Ok(count) => {
@@ -52,6 +58,10 @@ pub fn read_frame(
                 Some(_) => {}
             },
             Err(error) if error.kind() == ErrorKind::Interrupted => {}
+            Err(source) if source.kind() == ErrorKind::InvalidData => {
+                // Descriptors refused: the frame's bytes may have been taken; out of step.
+                return Err(DaemonError::Io { context: "receiving a frame's descriptors".into(), source });
+            }
             Err(source) => return Err(DaemonError::Io { context: "reading a frame header".into(), source }),
         }
     }
@@ -60,8 +70,9 @@ pub fn read_frame(
     body.clear();
     body.resize(header.body_bytes as usize, 0);
     let mut filled = 0;
+    let mut reader = stream;
     while filled < body.len() {
-        match stream.read(&mut body[filled..]) {
+        match reader.read(&mut body[filled..]) {
             Ok(0) => return Err(DaemonError::Truncated { received: HEADER_BYTES + filled, expected: HEADER_BYTES + body.len() }),
             Ok(count) => filled += count,
             Err(error) if is_tick(&error) => {
@@ -78,8 +89,25 @@ pub fn read_frame(
 
 /// Writes a whole encoded frame. The socket's write timeout bounds it: a peer that does not
 /// read is a [`DaemonError::Timeout`].
-pub fn write_frame(stream: &mut impl Write, frame: &[u8]) -> Result<(), DaemonError> {
-    match stream.write_all(frame) {
+pub fn write_frame(stream: &UnixStream, frame: &[u8]) -> Result<(), DaemonError> {
+    write_frame_with_fds(stream, frame, &[])
+}
+
+/// Writes a whole encoded frame with `fds` attached to its first byte (at most
+/// [`crate::fd_passing::FDS_PER_FRAME_MAX`]).
+pub fn write_frame_with_fds(stream: &UnixStream, frame: &[u8], fds: &[BorrowedFd<'_>]) -> Result<(), DaemonError> {
+    let written = if fds.is_empty() || frame.is_empty() {
+        Ok(0)
+    } else {
+        loop {
+            match send_with_fds(stream, frame, fds) {
+                Err(error) if error.kind() == ErrorKind::Interrupted => continue,
+                other => break other,
+            }
+        }
+    };
+    let mut writer = stream;
+    match written.and_then(|sent| writer.write_all(&frame[sent..])) {
         Ok(()) => Ok(()),
         Err(error) if is_tick(&error) => Err(DaemonError::Timeout { what: "writing a frame (the peer does not read)".into(), after_ms: 0 }),
         Err(error) if matches!(error.kind(), ErrorKind::BrokenPipe | ErrorKind::ConnectionReset) => Err(DaemonError::Closed),

@@ -3,14 +3,16 @@
 //!
 //! - [`protocol`]: the frames and messages, pure encode/decode with typed errors;
 //! - [`frame_io`]: reading and writing frames on a socket with deadlines and bounded buffers;
+//! - [`fd_passing`]: descriptors with a frame (SCM_RIGHTS), the crate's only unsafe code;
 //! - [`keys`]: key spaces (model fingerprint + tensor-parallel rank/world size);
 //! - [`lock`]: one daemon per pool (advisory locks that name their holder);
 //! - [`pool_open`]: opening the daemon's devices and pool from device strings;
 //! - [`server`]: the socket server (owner-only socket, peer credentials, leases, drain);
 //! - [`client`]: the client library.
-#![forbid(unsafe_code)]
+#![deny(unsafe_code)]
 
 pub mod client;
+pub mod fd_passing;
 pub mod frame_io;
 pub mod keys;
 pub mod lock;

@@ -241,12 +241,12 @@ impl Server {
 }
 
 /// Answers one error frame (best effort, bounded by the frame timeout) and closes.
-fn refuse(mut stream: UnixStream, config: &ServerConfig, code: ErrorCode, message: &str) {
+fn refuse(stream: UnixStream, config: &ServerConfig, code: ErrorCode, message: &str) {
     let _ = stream.set_write_timeout(Some(config.frame_timeout));
     let mut frame = Vec::new();
     let reply = Reply::error(code, message);
     if encode_frame(&mut frame, reply.kind(), 0, |out| reply.encode_body(out)).is_ok() {
-        let _ = write_frame(&mut stream, &frame);
+        let _ = write_frame(&stream, &frame);
     }
 }
 
@@ -291,6 +291,7 @@ impl Connection {
         self.peer_pid = u32::try_from(credentials.pid()).unwrap_or(0);
         self.peer_uid = credentials.uid();
         let mut body = Vec::new();
+        let mut fds = Vec::new();
         let mut frame = Vec::new();
         if !config.allowed_uids.contains(&self.peer_uid) {
             let message = format!("user id {} may not use this daemon", self.peer_uid);
@@ -299,7 +300,7 @@ impl Connection {
         let mut last_frame = Instant::now();
         loop {
             let stop = || shared.stop.is_stopped();
-            let header = match read_frame(stream, &mut body, last_frame + config.lease, config.frame_timeout, &stop) {
+            let header = match read_frame(stream, &mut body, &mut fds, last_frame + config.lease, config.frame_timeout, &stop) {
                 Ok(ReadOutcome::Frame(header)) => header,
                 Ok(ReadOutcome::Closed) => return Ok(()),
                 Ok(ReadOutcome::Idle) => {
@@ -324,8 +325,14 @@ impl Connection {
             let reply = match Request::decode(header.kind, &body) {
                 // A malformed body was read whole: the stream is still in step, serve on.
                 Err(error) => Reply::error(error.code(), error.to_string()),
+                // No request of this version takes descriptors: they are closed, not kept.
+                Ok(request) if !fds.is_empty() => Reply::error(
+                    ErrorCode::BadRequest,
+                    format!("{} descriptor(s) sent with a {:?} request, which takes none", fds.len(), request.kind()),
+                ),
                 Ok(request) => self.handle(request, shared),
             };
+            fds.clear();
             self.answer(stream, &mut frame, header.request_id, reply)?;
         }
     }

@@ -5,6 +5,7 @@
 //! `child_process_entry`), so they are separate processes with their own pids and credentials.
 
 use std::io::{Read, Write};
+use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -204,6 +205,32 @@ fn bad_frames_get_typed_errors_and_the_daemon_serves_others() {
     }
     assert!(matches!(&replies[0], (3, Reply::Error { code: ErrorCode::MalformedBody, .. })), "{replies:?}");
     assert_eq!(replies[1], (1, Reply::Pong));
+
+    // Descriptors sent with a request that takes none: refused, closed by the daemon (the
+    // receiving end of our pipe sees end of file once the daemon's copy is gone), and the
+    // connection serves on.
+    let (mut pipe_read, pipe_write) = std::io::pipe().unwrap();
+    tutti_daemon::frame_io::write_frame_with_fds(&stream, &frame, &[pipe_write.as_fd()]).unwrap();
+    drop(pipe_write);
+    stream.write_all(&frame).unwrap();
+    let mut replies = Vec::new();
+    for _ in 0..2 {
+        let mut header = [0u8; HEADER_BYTES];
+        stream.read_exact(&mut header).unwrap();
+        let header = FrameHeader::decode(&header).unwrap();
+        let mut body = vec![0u8; header.body_bytes as usize];
+        stream.read_exact(&mut body).unwrap();
+        replies.push(Reply::decode(header.kind, &body).unwrap());
+    }
+    assert!(
+        matches!(&replies[0], Reply::Error { code: ErrorCode::BadRequest, message } if message.contains("1 descriptor(s) sent with a Ping")),
+        "{replies:?}"
+    );
+    assert_eq!(replies[1], Reply::Pong);
+    let (eof_sender, eof) = std::sync::mpsc::channel();
+    std::thread::spawn(move || eof_sender.send(pipe_read.read(&mut [0u8; 1]).ok()));
+    // Bounded: a daemon that kept the descriptor would leave this read blocked for good.
+    assert_eq!(eof.recv_timeout(Duration::from_secs(10)), Ok(Some(0)), "the daemon kept a descriptor it refused");
 
     // The attached client never noticed, and the daemon lists it.
     assert_eq!(attached.lookup(&[1; 64]).unwrap(), 0);
