@@ -6,6 +6,7 @@
 //! - [`fd_passing`]: descriptors with a frame (SCM_RIGHTS), the crate's only unsafe code;
 //! - [`keys`]: key spaces (model fingerprint + tensor-parallel rank/world size);
 //! - [`lock`]: one daemon per pool (advisory locks that name their holder);
+//! - [`metrics`]: Prometheus metrics and their HTTP endpoint;
 //! - [`pool_open`]: opening the daemon's devices and pool from device strings;
 //! - [`server`]: the socket server (owner-only socket, peer credentials, leases, drain);
 //! - [`client`]: the client library.
@@ -16,6 +17,7 @@ pub mod fd_passing;
 pub mod frame_io;
 pub mod keys;
 pub mod lock;
+pub mod metrics;
 pub mod pool_open;
 pub mod protocol;
 pub mod server;

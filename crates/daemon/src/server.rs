@@ -13,6 +13,7 @@
 //! before it is taken).
 
 use std::collections::BTreeMap;
+use std::net::SocketAddr;
 use std::os::fd::AsFd;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -27,6 +28,7 @@ use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
 
 use crate::frame_io::{read_frame, write_frame, ReadOutcome};
 use crate::keys::KeySpace;
+use crate::metrics::{Metrics, MetricsEndpoint, RequestLabel, Snapshot};
 use crate::pool_open::OpenedPool;
 use crate::protocol::{encode_frame, ClientStatus, ErrorCode, HelloReply, PoolShape, Reply, Request, StatusReply};
 use crate::DaemonError;
@@ -48,6 +50,8 @@ pub struct ServerConfig {
     pub allowed_uids: Vec<u32>,
     /// Granularity of stop and deadline checks.
     pub tick: Duration,
+    /// Where `GET /metrics` is served (Prometheus text format); `None`: not served.
+    pub metrics: Option<SocketAddr>,
 }
 
 impl ServerConfig {
@@ -60,6 +64,7 @@ impl ServerConfig {
             clients_max: 64,
             allowed_uids: vec![nix::unistd::geteuid().as_raw()],
             tick: Duration::from_millis(50),
+            metrics: None,
         }
     }
 }
@@ -99,6 +104,7 @@ struct Shared {
     next_session: AtomicU64,
     stop: StopHandle,
     started: Instant,
+    metrics: Metrics,
 }
 
 /// What `serve` hands back after a drain: the pool, for the caller to close.
@@ -111,6 +117,7 @@ pub struct ServeReport {
 pub struct Server {
     listener: UnixListener,
     shared: Arc<Shared>,
+    metrics_endpoint: Option<MetricsEndpoint>,
 }
 
 /// Locks a mutex whose holder may have panicked: the data under it is plain counters and a
@@ -147,6 +154,7 @@ impl Server {
         std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))
             .map_err(io(format!("making {} owner-only", socket.display())))?;
         listener.set_nonblocking(true).map_err(io("making the listener non-blocking".into()))?;
+        let metrics_endpoint = config.metrics.map(MetricsEndpoint::bind).transpose()?;
         let geometry = *opened.pool.geometry();
         let shape = PoolShape {
             layers: geometry.layers,
@@ -165,8 +173,14 @@ impl Server {
             next_session: AtomicU64::new(1),
             stop: StopHandle::default(),
             started: Instant::now(),
+            metrics: Metrics::new(),
         });
-        Ok(Server { listener, shared })
+        Ok(Server { listener, shared, metrics_endpoint })
+    }
+
+    /// The address `GET /metrics` is served on (with its port when the configuration said 0).
+    pub fn metrics_address(&self) -> Option<SocketAddr> {
+        self.metrics_endpoint.as_ref().map(MetricsEndpoint::address)
     }
 
     pub fn stop_handle(&self) -> StopHandle {
@@ -177,7 +191,19 @@ impl Server {
     /// request it is serving (each tells its client `ShuttingDown`), joins them, removes the
     /// socket and hands the pool back.
     pub fn serve(self) -> Result<ServeReport, DaemonError> {
-        let Server { listener, shared } = self;
+        let Server { listener, shared, metrics_endpoint } = self;
+        let metrics_thread = match metrics_endpoint {
+            None => None,
+            Some(endpoint) => {
+                let metrics_shared = Arc::clone(&shared);
+                let spawned = std::thread::Builder::new().name("tuttid-metrics".into()).spawn(move || {
+                    let stopped = || metrics_shared.stop.is_stopped();
+                    let snapshot = || metrics_snapshot(&metrics_shared);
+                    endpoint.serve(&metrics_shared.metrics, metrics_shared.config.tick, &stopped, &snapshot);
+                });
+                Some(spawned.map_err(|source| DaemonError::Io { context: "starting the metrics thread".into(), source })?)
+            }
+        };
         let mut workers: Vec<JoinHandle<()>> = Vec::new();
         let mut connections_served = 0u64;
         let tick_ms = u16::try_from(shared.config.tick.as_millis()).unwrap_or(u16::MAX);
@@ -222,6 +248,10 @@ impl Server {
             }
         }
         drop(listener);
+        // The metrics thread checks the stop flag every tick (a scrape in progress finishes).
+        if metrics_thread.is_some_and(|thread| thread.join().is_err()) {
+            tracing::error!("the metrics thread panicked");
+        }
         for worker in workers {
             // A connection thread ends within a tick plus one request plus a frame timeout.
             if worker.join().is_err() {
@@ -295,7 +325,7 @@ impl Connection {
         let mut frame = Vec::new();
         if !config.allowed_uids.contains(&self.peer_uid) {
             let message = format!("user id {} may not use this daemon", self.peer_uid);
-            return self.answer(stream, &mut frame, 0, Reply::error(ErrorCode::PermissionDenied, message));
+            return self.end_with(shared, stream, &mut frame, Reply::error(ErrorCode::PermissionDenied, message));
         }
         let mut last_frame = Instant::now();
         loop {
@@ -305,24 +335,26 @@ impl Connection {
                 Ok(ReadOutcome::Closed) => return Ok(()),
                 Ok(ReadOutcome::Idle) => {
                     let message = format!("no frame for {} ms; the session is ended", config.lease.as_millis());
-                    return self.answer(stream, &mut frame, 0, Reply::error(ErrorCode::LeaseExpired, message));
+                    return self.end_with(shared, stream, &mut frame, Reply::error(ErrorCode::LeaseExpired, message));
                 }
                 Ok(ReadOutcome::Stopped) => {
-                    return self.answer(stream, &mut frame, 0, Reply::error(ErrorCode::ShuttingDown, "tuttid is shutting down"));
+                    return self.end_with(shared, stream, &mut frame, Reply::error(ErrorCode::ShuttingDown, "tuttid is shutting down"));
                 }
                 Err(DaemonError::Protocol(error)) => {
                     // The body was not read: the stream cannot be resynchronised.
-                    self.answer(stream, &mut frame, 0, Reply::error(error.code(), error.to_string()))?;
+                    self.end_with(shared, stream, &mut frame, Reply::error(error.code(), error.to_string()))?;
                     return Err(error.into());
                 }
                 Err(error @ DaemonError::Timeout { .. }) => {
-                    self.answer(stream, &mut frame, 0, Reply::error(ErrorCode::FrameTimeout, error.to_string()))?;
+                    self.end_with(shared, stream, &mut frame, Reply::error(ErrorCode::FrameTimeout, error.to_string()))?;
                     return Err(error);
                 }
                 Err(error) => return Err(error),
             };
             last_frame = Instant::now();
-            let reply = match Request::decode(header.kind, &body) {
+            let decoded = Request::decode(header.kind, &body);
+            let label = if decoded.is_ok() { RequestLabel::of(header.kind) } else { RequestLabel::Malformed };
+            let reply = match decoded {
                 // A malformed body was read whole: the stream is still in step, serve on.
                 Err(error) => Reply::error(error.code(), error.to_string()),
                 // No request of this version takes descriptors: they are closed, not kept.
@@ -333,8 +365,21 @@ impl Connection {
                 Ok(request) => self.handle(request, shared),
             };
             fds.clear();
+            let error = match &reply {
+                Reply::Error { code, .. } => Some(*code),
+                _ => None,
+            };
+            shared.metrics.request(label, last_frame.elapsed(), error);
             self.answer(stream, &mut frame, header.request_id, reply)?;
         }
+    }
+
+    /// Answers an error outside any request (a refused frame, a lease, shutdown), counted.
+    fn end_with(&self, shared: &Shared, stream: &mut UnixStream, frame: &mut Vec<u8>, reply: Reply) -> Result<(), DaemonError> {
+        if let Reply::Error { code, .. } = &reply {
+            shared.metrics.error(*code);
+        }
+        self.answer(stream, frame, 0, reply)
     }
 
     fn answer(&self, stream: &mut UnixStream, frame: &mut Vec<u8>, request_id: u32, reply: Reply) -> Result<(), DaemonError> {
@@ -399,7 +444,17 @@ impl Connection {
             space.keys(tokens, block_tokens, &mut self.keys);
             lock(&shared.opened).pool.index().cached_prefix(&self.keys)
         };
+        shared.metrics.lookup((tokens.len() / block_tokens.max(1) as usize) as u64, cached as u64);
         Reply::Lookup { cached_blocks: cached as u32, block_tokens }
+    }
+}
+
+/// What a scrape reads from the daemon's state.
+fn metrics_snapshot(shared: &Shared) -> Snapshot {
+    Snapshot {
+        pool: lock(&shared.opened).pool.index().counts(),
+        clients: lock(&shared.sessions).len() as u64,
+        connections: u64::from(shared.connections.load(Ordering::Acquire)),
     }
 }
 

@@ -71,6 +71,20 @@ struct Cli {
     /// Where vfio: devices' lock files live.
     #[arg(long, default_value = "/run/tutti")]
     lock_dir: PathBuf,
+    /// Serve Prometheus metrics at http://ADDRESS/metrics (loopback by default; port 0 picks a
+    /// free one, printed at start), or `off`.
+    #[arg(long, value_name = "ADDRESS|off", default_value = "127.0.0.1:9464", value_parser = parse_metrics_address)]
+    metrics: MetricsAddress,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct MetricsAddress(Option<std::net::SocketAddr>);
+
+fn parse_metrics_address(text: &str) -> Result<MetricsAddress, String> {
+    if text == "off" {
+        return Ok(MetricsAddress(None));
+    }
+    text.parse().map(|address| MetricsAddress(Some(address))).map_err(|error| format!("{text:?} is not IP:PORT or `off`: {error}"))
 }
 
 fn parse_device(text: &str) -> Result<DeviceSpec, String> {
@@ -125,7 +139,11 @@ fn serve(cli: &Cli) -> Result<()> {
     config.lease = cli.lease;
     config.frame_timeout = cli.frame_timeout;
     config.clients_max = cli.clients_max;
+    config.metrics = cli.metrics.0;
     let server = Server::bind(config, opened).map_err(classify)?;
+    if let Some(address) = server.metrics_address() {
+        eprintln!("tuttid: metrics on http://{address}/metrics");
+    }
     let stop = server.stop_handle();
     std::thread::Builder::new()
         .name("tuttid-signals".into())

@@ -4,7 +4,7 @@
 //! wait. Client processes are this test binary run again with `TUTTID_TEST_CHILD` set (see
 //! `child_process_entry`), so they are separate processes with their own pids and credentials.
 
-use std::io::{Read, Write};
+use std::io::{BufRead, Read, Write};
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -36,6 +36,10 @@ impl Daemon {
         let mut command = Command::new(TUTTID);
         command.args(["--device", device, "--socket"]).arg(&socket).args(["--lock-dir"]).arg(directory.join("locks"));
         command.args(["--layers", "2", "--kv-heads", "2", "--head-dim", "64"]).args(extra);
+        if !extra.contains(&"--metrics") {
+            // Tests run daemons side by side: none takes the default port.
+            command.args(["--metrics", "off"]);
+        }
         let child = command.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().expect("start tuttid");
         let mut daemon = Daemon { child: Some(child), socket };
         let deadline = Instant::now() + WAIT;
@@ -47,6 +51,21 @@ impl Daemon {
             std::thread::sleep(Duration::from_millis(20));
         }
         daemon
+    }
+
+    /// The metrics URL the daemon printed at start (started with `--metrics IP:0`).
+    fn metrics_url(&mut self) -> String {
+        let stderr = self.child.as_mut().unwrap().stderr.take().unwrap();
+        let (sender, receiver) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                if let Some(url) = line.strip_prefix("tuttid: metrics on ") {
+                    let _ = sender.send(url.to_string());
+                }
+            }
+        });
+        receiver.recv_timeout(WAIT).expect("tuttid printed no metrics address")
     }
 
     fn pid(&self) -> u32 {
@@ -339,20 +358,43 @@ fn spawn_child(role: &str) -> Child {
 }
 
 #[test]
-fn two_client_processes_look_up_concurrently() {
+fn two_client_processes_look_up_concurrently_and_metrics_count_them() {
     // Goal: two processes (TP ranks 0 and 1) attach and run 300 lookups each at the same time;
     // both finish, each answer is right (an empty pool: 0 blocks), and both sessions are gone
-    // after they exit.
+    // after they exit. A real HTTP client scrapes /metrics while they run and after: the
+    // counts are exact (600 lookups of 4096 tokens = 256 blocks each, all misses).
     let directory = tempfile::tempdir().unwrap();
-    let daemon = memory_daemon(directory.path(), &[]);
+    let mut daemon = memory_daemon(directory.path(), &["--metrics", "127.0.0.1:0"]);
+    let metrics = daemon.metrics_url();
     let socket = daemon.socket.display().to_string();
     let children: Vec<Child> = (0..2).map(|rank| spawn_child(&format!("lookup {socket} {rank} 300"))).collect();
+    let during = scrape(&metrics);
+    assert!(during.contains("tuttid_pool_slots{state=\"Free\"}"), "{during}");
     for child in children {
         let output = child.wait_with_output().unwrap();
         let stdout = String::from_utf8_lossy(&output.stdout);
         assert!(output.status.success() && stdout.contains("CHILD-DONE 300"), "{stdout}");
     }
     assert!(wait_for_clients(&daemon, 0).is_empty());
+    let after = scrape(&metrics);
+    for line in [
+        "tuttid_requests_total{request=\"Lookup\"} 600",
+        "tuttid_requests_total{request=\"Hello\"} 2",
+        "tuttid_lookup_blocks_total{result=\"Miss\"} 153600",
+        "tuttid_lookup_blocks_total{result=\"Hit\"} 0",
+        "tuttid_request_seconds_count{request=\"Lookup\"} 600",
+        "tuttid_clients 0",
+    ] {
+        assert!(after.contains(line), "missing {line:?} in\n{after}");
+    }
+    let not_found = ureq::get(metrics.replace("/metrics", "/other")).call();
+    assert!(matches!(not_found, Err(ureq::Error::StatusCode(404))), "{not_found:?}");
+}
+
+/// `GET url` with a real HTTP client, bounded.
+fn scrape(url: &str) -> String {
+    let agent: ureq::Agent = ureq::Agent::config_builder().timeout_global(Some(Duration::from_secs(10))).build().into();
+    agent.get(url).call().unwrap().body_mut().read_to_string().unwrap()
 }
 
 /// Polls `status` until it lists `count` clients (bounded); returns their pids.

@@ -1,0 +1,307 @@
+//! What operators scrape: tuttid's counters in the Prometheus text format (OpenMetrics), served
+//! over HTTP on a loopback address by default.
+//!
+//! Encoding is `prometheus-client` (the Prometheus project's Rust client); the HTTP side is
+//! `tiny_http` on one thread that wakes every tick to check the stop flag, so the endpoint ends
+//! with the daemon's drain. Request-path counters are updated by the connection threads with
+//! atomics (no lock on the request path beyond the family's map, whose label sets are a fixed
+//! enum); pool fill, clients and connections are read from the daemon's state at scrape time.
+//!
+//! Not here yet, because the daemon does not see them: bytes and commands per direction are
+//! issued by the clients' own queue pairs (docs/tuttid.md, "Process model"); they will be
+//! reported with each request's commit or release when the store path moves into the daemon.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+use crate::protocol::{ErrorCode, Kind};
+use crate::DaemonError;
+
+/// A request kind, as a label value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, EncodeLabelValue)]
+pub enum RequestLabel {
+    Hello,
+    Lookup,
+    LookupAllRanks,
+    Status,
+    Ping,
+    /// A frame whose body did not decode (no kind to name).
+    Malformed,
+}
+
+impl RequestLabel {
+    pub fn of(kind: Kind) -> RequestLabel {
+        match kind {
+            Kind::Hello => RequestLabel::Hello,
+            Kind::Lookup => RequestLabel::Lookup,
+            Kind::LookupAllRanks => RequestLabel::LookupAllRanks,
+            Kind::Status => RequestLabel::Status,
+            Kind::Ping => RequestLabel::Ping,
+            _ => RequestLabel::Malformed,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct RequestLabels {
+    request: RequestLabel,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ErrorLabels {
+    /// The error code's number (a fixed, small set; `Unknown(n)` cannot be produced here).
+    code: u16,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, EncodeLabelValue)]
+enum LookupResult {
+    Hit,
+    Miss,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct LookupLabels {
+    result: LookupResult,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, EncodeLabelValue)]
+enum SlotState {
+    Free,
+    Valid,
+    Writing,
+    Pinned,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct SlotLabels {
+    state: SlotState,
+}
+
+/// The daemon's metrics. Cheap to share (`Arc`); every update is lock-free or a short map probe.
+pub struct Metrics {
+    registry: Registry,
+    requests: Family<RequestLabels, Counter>,
+    request_seconds: Family<RequestLabels, Histogram>,
+    errors: Family<ErrorLabels, Counter>,
+    lookup_blocks: Family<LookupLabels, Counter>,
+    slots: Family<SlotLabels, Gauge>,
+    cached_blocks: Gauge,
+    evictions: Counter,
+    /// The index's eviction count at the last scrape (the index counts; the counter follows).
+    evictions_seen: AtomicU64,
+    clients: Gauge,
+    connections: Gauge,
+    leases_expired: Counter,
+}
+
+/// What a scrape reads from the daemon's state.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Snapshot {
+    pub pool: objstore::IndexCounts,
+    pub clients: u64,
+    pub connections: u64,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let mut registry = Registry::with_prefix("tuttid");
+        let requests = Family::<RequestLabels, Counter>::default();
+        // 1 µs to ~8 s in powers of two: lookups are µs, a commit (flush + FUA headers) ms.
+        let request_seconds =
+            Family::<RequestLabels, Histogram>::new_with_constructor(|| Histogram::new(exponential_buckets(1e-6, 2.0, 24)));
+        let errors = Family::<ErrorLabels, Counter>::default();
+        let lookup_blocks = Family::<LookupLabels, Counter>::default();
+        let slots = Family::<SlotLabels, Gauge>::default();
+        let (cached_blocks, evictions, clients, connections, leases_expired) =
+            (Gauge::default(), Counter::default(), Gauge::default(), Gauge::default(), Counter::default());
+        registry.register("requests", "Requests served, by kind", requests.clone());
+        registry.register("request_seconds", "Time from a request's decode to its reply, by kind", request_seconds.clone());
+        registry.register("errors", "Error replies, by code (protocol.rs ErrorCode numbers)", errors.clone());
+        registry.register(
+            "lookup_blocks",
+            "Full blocks of looked-up prompts, cached (hit) or not (miss); hit rate = hit / (hit + miss)",
+            lookup_blocks.clone(),
+        );
+        registry.register("pool_slots", "Pool slots by state (pinned slots are also valid)", slots.clone());
+        registry.register("pool_cached_blocks", "Blocks committed and visible to lookups", cached_blocks.clone());
+        registry.register("pool_evictions", "Slots evicted since the pool was opened", evictions.clone());
+        registry.register("clients", "Attached sessions", clients.clone());
+        registry.register("connections", "Open connections, attached or not", connections.clone());
+        registry.register("leases_expired", "Sessions ended because they sent nothing for a lease", leases_expired.clone());
+        Metrics {
+            registry,
+            requests,
+            request_seconds,
+            errors,
+            lookup_blocks,
+            slots,
+            cached_blocks,
+            evictions,
+            evictions_seen: AtomicU64::new(0),
+            clients,
+            connections,
+            leases_expired,
+        }
+    }
+
+    /// One request served: its kind, how long it took, and its error code if it failed.
+    pub fn request(&self, request: RequestLabel, elapsed: Duration, error: Option<ErrorCode>) {
+        let labels = RequestLabels { request };
+        self.requests.get_or_create(&labels).inc();
+        self.request_seconds.get_or_create(&labels).observe(elapsed.as_secs_f64());
+        if let Some(code) = error {
+            self.error(code);
+        }
+    }
+
+    /// An error reply outside a request (a refused frame, a lease, shutdown).
+    pub fn error(&self, code: ErrorCode) {
+        self.errors.get_or_create(&ErrorLabels { code: code.to_u16() }).inc();
+        if code == ErrorCode::LeaseExpired {
+            self.leases_expired.inc();
+        }
+    }
+
+    /// A lookup over `full_blocks` blocks found `cached` of them.
+    pub fn lookup(&self, full_blocks: u64, cached: u64) {
+        self.lookup_blocks.get_or_create(&LookupLabels { result: LookupResult::Hit }).inc_by(cached);
+        self.lookup_blocks.get_or_create(&LookupLabels { result: LookupResult::Miss }).inc_by(full_blocks.saturating_sub(cached));
+    }
+
+    /// The text a scrape returns, after refreshing what is read from the daemon's state.
+    pub fn encode(&self, snapshot: &Snapshot) -> Result<String, std::fmt::Error> {
+        let pool = &snapshot.pool;
+        for (state, value) in [
+            (SlotState::Free, pool.free_slots),
+            (SlotState::Valid, pool.valid_slots),
+            (SlotState::Writing, pool.writing_slots),
+            (SlotState::Pinned, pool.pinned_slots),
+        ] {
+            self.slots.get_or_create(&SlotLabels { state }).set(gauge_value(value));
+        }
+        self.cached_blocks.set(gauge_value(pool.cached_blocks));
+        let seen = self.evictions_seen.swap(pool.evictions, Ordering::AcqRel);
+        self.evictions.inc_by(pool.evictions.saturating_sub(seen));
+        self.clients.set(gauge_value(snapshot.clients));
+        self.connections.set(gauge_value(snapshot.connections));
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &self.registry)?;
+        Ok(text)
+    }
+}
+
+fn gauge_value(value: u64) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
+}
+
+/// The HTTP endpoint: `GET /metrics` answers the registry's text; anything else 404.
+pub struct MetricsEndpoint {
+    server: tiny_http::Server,
+    address: SocketAddr,
+}
+
+impl MetricsEndpoint {
+    /// Binds `address` (port 0 picks a free one; see [`MetricsEndpoint::address`]).
+    pub fn bind(address: SocketAddr) -> Result<MetricsEndpoint, DaemonError> {
+        let server = tiny_http::Server::http(address).map_err(|error| DaemonError::Io {
+            context: format!("binding the metrics endpoint on {address}"),
+            source: std::io::Error::other(error.to_string()),
+        })?;
+        let address = server.server_addr().to_ip().ok_or_else(|| DaemonError::Io {
+            context: "the metrics endpoint has no IP address".into(),
+            source: std::io::Error::from(std::io::ErrorKind::AddrNotAvailable),
+        })?;
+        Ok(MetricsEndpoint { server, address })
+    }
+
+    pub fn address(&self) -> SocketAddr {
+        self.address
+    }
+
+    /// Serves scrapes until `stopped` says so, checking it every `tick`. `snapshot` reads the
+    /// daemon's state for each scrape. One scrape at a time: a scraper is one Prometheus.
+    pub fn serve(&self, metrics: &Metrics, tick: Duration, stopped: &dyn Fn() -> bool, snapshot: &dyn Fn() -> Snapshot) {
+        while !stopped() {
+            let request = match self.server.recv_timeout(tick) {
+                Ok(Some(request)) => request,
+                Ok(None) => continue,
+                Err(error) => {
+                    tracing::warn!("metrics endpoint: {error}");
+                    continue;
+                }
+            };
+            let path = request.url().split('?').next().unwrap_or("");
+            let response = if request.method() != &tiny_http::Method::Get || path != "/metrics" {
+                tiny_http::Response::from_string("tuttid serves GET /metrics only\n").with_status_code(404)
+            } else {
+                match metrics.encode(&snapshot()) {
+                    Ok(text) => {
+                        let content_type = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+                        let response = tiny_http::Response::from_string(text);
+                        // Only non-ASCII bytes make a header fail; these are ASCII.
+                        match tiny_http::Header::from_bytes("Content-Type", content_type) {
+                            Ok(header) => response.with_header(header),
+                            Err(()) => response,
+                        }
+                    }
+                    Err(error) => tiny_http::Response::from_string(format!("encoding failed: {error}\n")).with_status_code(500),
+                }
+            };
+            if let Err(error) = request.respond(response) {
+                tracing::info!("metrics endpoint: answering a scrape: {error}");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counters_and_state_appear_in_the_text() {
+        // Goal: what the connection threads record and what a scrape reads both show, with the
+        // names and labels docs/tuttid.md lists.
+        let metrics = Metrics::new();
+        metrics.request(RequestLabel::Lookup, Duration::from_micros(30), None);
+        metrics.request(RequestLabel::Hello, Duration::from_micros(5), Some(ErrorCode::BadRequest));
+        metrics.lookup(10, 4);
+        metrics.error(ErrorCode::LeaseExpired);
+        let mut snapshot = Snapshot { clients: 2, connections: 3, ..Snapshot::default() };
+        snapshot.pool.free_slots = 7;
+        snapshot.pool.evictions = 5;
+        let text = metrics.encode(&snapshot).unwrap();
+        for line in [
+            "tuttid_requests_total{request=\"Lookup\"} 1",
+            "tuttid_errors_total{code=\"12\"} 1",
+            "tuttid_errors_total{code=\"9\"} 1",
+            "tuttid_lookup_blocks_total{result=\"Hit\"} 4",
+            "tuttid_lookup_blocks_total{result=\"Miss\"} 6",
+            "tuttid_pool_slots{state=\"Free\"} 7",
+            "tuttid_pool_evictions_total 5",
+            "tuttid_clients 2",
+            "tuttid_connections 3",
+            "tuttid_leases_expired_total 1",
+            "tuttid_request_seconds_count{request=\"Lookup\"} 1",
+        ] {
+            assert!(text.contains(line), "missing {line:?} in\n{text}");
+        }
+        // The eviction counter follows the index: a later scrape adds only the difference.
+        snapshot.pool.evictions = 8;
+        assert!(metrics.encode(&snapshot).unwrap().contains("tuttid_pool_evictions_total 8"));
+    }
+}
