@@ -381,7 +381,8 @@ impl IoQueuePair {
     /// them does): `delete` fails with [`NvmeError::Unsupported`] and hands the pair back.
     pub fn delete(mut self) -> Result<(), UndeletedQueuePair> {
         let PairOwner::Controller { admin, generation } = &self.owner else {
-            let source = NvmeError::Unsupported { reason: format!("{} is attached: the process that created it deletes it", self.queue.id()) };
+            let source =
+                NvmeError::Unsupported { reason: format!("{} is attached: the process that created it deletes it", self.queue.id()) };
             return Err(UndeletedQueuePair { source, pair: Box::new(self) });
         };
         match admin.retire_queue_pair(self.queue.id(), *generation, &mut self.sq_deleted) {

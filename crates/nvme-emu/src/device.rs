@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::thread::{JoinHandle, Thread};
 use std::time::{Duration, Instant};
 
-use nvme_driver::hw::{DeviceBackend, DmaAllocator, DmaPool, DmaRegion, HwError, RegisterIo};
+use nvme_driver::hw::{DeviceBackend, DmaAllocator, DmaPool, DmaRegion, HwError, RegisterIo, SharedMemory};
 use nvme_driver::spec::registers::Capabilities;
 
 use crate::config::EmuConfig;
@@ -63,7 +63,8 @@ impl EmuDevice {
         config.validate()?;
         let capabilities =
             Capabilities::build(config.max_queue_entries, config.ready_timeout_500ms_units, config.doorbell_stride_log2, 0, 0);
-        let registers = Arc::new(RegisterFile::new(capabilities.0, config.doorbell_stride_log2, config.io_queue_pairs_max)?);
+        let registers =
+            Arc::new(RegisterFile::new(capabilities.0, config.doorbell_stride_log2, config.io_queue_pairs_max, config.shared_registers)?);
         let dma = Arc::new(dma.clone());
         let core = ControllerCore::new(config, Arc::clone(&registers), (*dma).clone())?;
         let name = format!("emu:{}", core.describe_store());
@@ -120,6 +121,15 @@ impl EmuDevice {
     /// The emulated BAR0 memory (to map for a GPU that rings doorbells itself).
     pub fn register_region(&self) -> DmaRegion {
         self.registers.region().clone()
+    }
+
+    /// The memfd holding BAR0 when [`EmuConfig::shared_registers`] is on, `None` otherwise: pass
+    /// its fd and length to a client, which maps it with `SharedMemory::from_fd` and rings
+    /// doorbells through `SharedRegisters`. Its doorbell writes are found by the controller's
+    /// polling (no wake-up crosses the process boundary): within `idle_sleep_max` (100 µs by
+    /// default) plus one scan after an idle period, at once while the controller is busy.
+    pub fn shared_register_memory(&self) -> Option<Arc<SharedMemory>> {
+        self.registers.shared_memory().cloned()
     }
 
     /// The DMA pool whose table the controller translates through (same as [`DeviceBackend::dma`]).

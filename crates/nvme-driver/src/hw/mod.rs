@@ -21,8 +21,8 @@ use std::sync::Arc;
 
 pub use memory::{DmaPool, DmaRegion, HostMemory, IdentityMapper, IommuMapper, PageKind};
 pub use shared::{SharedMemory, SharedMemoryError, SharedRegisters};
-pub use window::DmaWindow;
 pub use vfio::{VfioDevice, VfioError};
+pub use window::DmaWindow;
 
 use crate::types::Iova;
 

@@ -131,13 +131,12 @@ impl SharedMemory {
         // SAFETY: a shared mapping of an fd we own, with a null hint; the file is at least `len`
         // bytes and cannot shrink (checked or sealed by the callers), so no access inside the
         // mapping can fault. The result is checked for MAP_FAILED before use.
-        let ptr = unsafe {
-            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd.as_raw_fd(), 0)
-        };
+        let ptr = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd.as_raw_fd(), 0) };
         if ptr == libc::MAP_FAILED {
             return Err(SharedMemoryError::Map { len, source: std::io::Error::last_os_error() });
         }
-        let ptr = NonNull::new(ptr.cast::<u8>()).ok_or(SharedMemoryError::Map { len, source: std::io::Error::other("mmap returned null") })?;
+        let ptr =
+            NonNull::new(ptr.cast::<u8>()).ok_or(SharedMemoryError::Map { len, source: std::io::Error::other("mmap returned null") })?;
         Ok(Arc::new(Self { ptr, len, fd }))
     }
 
