@@ -13,6 +13,7 @@ use crate::config::EmuConfig;
 use crate::controller::ControllerCore;
 use crate::faults::FaultPlan;
 use crate::registers::RegisterFile;
+use crate::restriction::QueueRestriction;
 use crate::stats::EmuStats;
 use crate::EmuError;
 
@@ -130,6 +131,19 @@ impl EmuDevice {
     /// default) plus one scan after an idle period, at once while the controller is busy.
     pub fn shared_register_memory(&self) -> Option<Arc<SharedMemory>> {
         self.registers.shared_memory().cloned()
+    }
+
+    /// Restricts I/O submission queue `queue_id` to the memory and LBA ranges of `restriction`
+    /// (tuttid: a client's window and its share of each namespace), or lifts it with `None`.
+    /// A command outside them completes with an error status and moves no data (see
+    /// [`crate::restriction`]); counted in [`EmuStats::restriction_refusals`]. Set it after
+    /// creating the queue and before handing its layout to the client.
+    pub fn restrict_submission_queue(&self, queue_id: u16, restriction: Option<QueueRestriction>) -> Result<(), EmuError> {
+        if self.shared.core().restrict_submission_queue(queue_id, restriction) {
+            Ok(())
+        } else {
+            Err(EmuError::NoSuchQueue { queue_id })
+        }
     }
 
     /// The DMA pool whose table the controller translates through (same as [`DeviceBackend::dma`]).

@@ -11,12 +11,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use nvme_driver::hw::{AddressSpaceId, DeviceBackend, DmaAllocator, DmaRegion, DmaWindow, RegisterIo, SharedMemory, SharedRegisters};
-use nvme_driver::spec::{COMPLETION_ENTRY_BYTES, SUBMISSION_ENTRY_BYTES};
+use nvme_driver::spec::command::DataPointerKind;
+use nvme_driver::spec::data_pointer::SglDescriptor;
+use nvme_driver::spec::status::{codes, StatusCodeType};
+use nvme_driver::spec::{NvmeStatus, SubmissionEntry, COMPLETION_ENTRY_BYTES, SUBMISSION_ENTRY_BYTES};
 use nvme_driver::{
-    AttachedQueueConfig, Controller, ControllerConfig, DataPointerMode, DataSegment, DetachedQueueLayout, DetachedQueuePair, IoQueuePair,
-    Iova, Lba, Namespace, NvmeError,
+    AttachedQueueConfig, BlockCount, Controller, ControllerConfig, DataPointerMode, DataSegment, DetachedQueueLayout, DetachedQueuePair,
+    IoQueuePair, Iova, Lba, Namespace, NvmeError,
 };
-use nvme_emu::{Backing, EmuConfig, EmuDevice};
+use nvme_emu::{Backing, EmuConfig, EmuDevice, QueueRestriction};
 
 const TIMEOUT: Duration = Duration::from_secs(5);
 const WINDOW_BYTES: usize = 2 << 20;
@@ -224,6 +227,103 @@ fn a_doorbell_from_the_client_is_found_within_the_idle_poll_interval() {
     let median = samples[samples.len() / 2];
     println!("idle-to-completion round trip through the shared register page: median {median:?}, max {:?}", samples.last().unwrap());
     assert!(median < Duration::from_millis(20), "median {median:?}: doorbells are not being found by polling");
+    drop(client);
+    detached.delete().expect("daemon delete");
+}
+
+/// Fills `blocks` 4 KiB blocks from `lba` with `byte` through the daemon's own queue pair.
+fn daemon_fill(daemon: &Daemon, lba: u64, blocks: usize, byte: u8) {
+    let mut queue = daemon.controller.create_io_queue_pair(16).expect("daemon queue");
+    let buffer = daemon.controller.dma().allocate(blocks * 4096).expect("buffer");
+    buffer.fill(0, blocks * 4096, byte).unwrap();
+    let namespace = daemon.controller.namespaces()[0].id;
+    queue.write(namespace, Lba(lba), &[DataSegment::new(buffer.iova(), (blocks * 4096) as u32)], true, TIMEOUT).expect("daemon write");
+}
+
+/// Submits `entry` raw on the client's pair and returns the completion status.
+fn client_raw(client: &mut Client, entry: SubmissionEntry) -> Result<(), NvmeStatus> {
+    let queue = client.pair().id();
+    client.pair().submit_raw(entry, 0).expect("submit");
+    match client.pair().complete_all(TIMEOUT) {
+        Ok(()) => Ok(()),
+        Err(NvmeError::Command { status, .. }) => Err(status),
+        Err(error) => panic!("{queue}: {error}"),
+    }
+}
+
+#[test]
+fn a_restricted_queue_refuses_stray_memory_and_lbas_and_moves_no_data() {
+    // Goal: once the daemon restricts the client's SQ to its window and LBAs 0..1024, a stray
+    // LBA (Access Denied), a data pointer into the daemon's memory, a PRP list there and an SGL
+    // segment there (Data Transfer Error) are all refused; the device and the daemon's memory
+    // keep their bytes; the refusals are counted; commands inside the limits still work.
+    let (daemon, mut client, detached) = set_up(true);
+    let queue_id = detached.layout().id.0;
+    let restriction = QueueRestriction::new().allow_memory(daemon.window.iova(), WINDOW_BYTES as u64).allow_blocks(1, 0, 1024);
+    daemon.device.restrict_submission_queue(queue_id, Some(restriction)).expect("restrict");
+    assert!(matches!(daemon.device.restrict_submission_queue(60, None), Err(nvme_emu::EmuError::NoSuchQueue { queue_id: 60 })));
+    let namespace = client.namespaces[0].id;
+    client.round_trip(0, 16 << 10, 1);
+
+    // The daemon's memory: a page holding 0x5A, a PRP list page and an SGL segment page that
+    // point back into the client's window (so an unrestricted controller would accept them).
+    let secret = daemon.controller.dma().allocate(4 * 4096).expect("daemon memory");
+    secret.fill(0, 4 * 4096, 0x5A).unwrap();
+    let window_pages = client.window.allocate(3 * 4096).expect("client pages");
+    window_pages.fill(0, 3 * 4096, 0xC1).unwrap();
+    let list = daemon.controller.dma().allocate(4096).expect("daemon list page");
+    for (index, page) in [1u64, 2].into_iter().enumerate() {
+        list.write(index * 8, &(window_pages.iova().0 + page * 4096).to_le_bytes()).unwrap();
+    }
+    list.write(2048, &SglDescriptor::data_block(window_pages.iova().0, 4096).to_bytes()).unwrap();
+    daemon_fill(&daemon, 100, 3, 0x77);
+    daemon_fill(&daemon, 2000, 1, 0x66);
+    let before = daemon.device.stats();
+    let transfer_error = NvmeStatus::generic(codes::DATA_TRANSFER_ERROR);
+    let one = BlockCount::new(1).unwrap();
+
+    // A stray LBA, with a data pointer inside the window.
+    let stray_lba = [DataSegment::new(window_pages.iova(), 4096)];
+    let refused = client.pair().write(namespace, Lba(2000), &stray_lba, true, TIMEOUT);
+    assert!(
+        matches!(refused, Err(NvmeError::Command { status, .. }) if status == NvmeStatus::new(StatusCodeType::MediaAndDataIntegrity, codes::ACCESS_DENIED)),
+        "{refused:?}"
+    );
+    // Data pointers into the daemon's memory: a write from it and a read into it.
+    let stray_data = [DataSegment::new(secret.iova(), 4096)];
+    for write in [true, false] {
+        let result = if write {
+            client.pair().write(namespace, Lba(100), &stray_data, true, TIMEOUT)
+        } else {
+            client.pair().read(namespace, Lba(100), &stray_data, TIMEOUT)
+        };
+        assert!(matches!(result, Err(NvmeError::Command { status, .. }) if status == transfer_error), "{result:?}");
+    }
+    // A PRP list in the daemon's memory (PRP1 in the window).
+    let mut entry = SubmissionEntry::write(namespace, Lba(100), BlockCount::new(3).unwrap(), true);
+    entry.set_data_pointer_kind(DataPointerKind::Prp);
+    entry.dptr = [window_pages.iova().0, list.iova().0];
+    assert_eq!(client_raw(&mut client, entry), Err(transfer_error), "PRP list outside the window");
+    // An SGL segment in the daemon's memory.
+    let mut entry = SubmissionEntry::write(namespace, Lba(100), one, true);
+    entry.set_data_pointer_kind(DataPointerKind::Sgl);
+    entry.dptr = SglDescriptor::last_segment(list.iova().0 + 2048, 1).to_dptr();
+    assert_eq!(client_raw(&mut client, entry), Err(transfer_error), "SGL segment outside the window");
+
+    // Nothing moved: the device's blocks and the daemon's memory are as they were.
+    assert!(daemon.read_back(100, 3 * 4096).iter().all(|&byte| byte == 0x77), "LBAs 100.. untouched");
+    assert!(daemon.read_back(2000, 4096).iter().all(|&byte| byte == 0x66), "LBA 2000 untouched");
+    let mut secret_bytes = vec![0u8; 4 * 4096];
+    secret.read(0, &mut secret_bytes).unwrap();
+    assert!(secret_bytes.iter().all(|&byte| byte == 0x5A), "the daemon's memory untouched");
+    let after = daemon.device.stats();
+    assert_eq!(after.restriction_refusals - before.restriction_refusals, 5);
+    assert_eq!(after.bytes_written, before.bytes_written, "no refused command wrote a byte");
+
+    // Inside the limits, the same queue still works; lifting the restriction restores access.
+    client.round_trip(8, 16 << 10, 2);
+    daemon.device.restrict_submission_queue(queue_id, None).expect("lift");
+    client.pair().write(namespace, Lba(2000), &stray_lba, true, TIMEOUT).expect("unrestricted");
     drop(client);
     detached.delete().expect("daemon delete");
 }
