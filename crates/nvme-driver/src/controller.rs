@@ -15,7 +15,7 @@ use crate::detached::{DetachedQueueLayout, DetachedQueuePair};
 use crate::error::NvmeError;
 use crate::gate::ResetGuard;
 use crate::hw::{DeviceBackend, DmaAllocator, DmaRegion, RegisterIo};
-use crate::io::IoQueuePair;
+use crate::io::{IoQueuePair, PairOwner};
 use crate::namespace::{classify, Namespace, RefusedNamespace};
 use crate::queue::{doorbell_offsets, Completion, QueuePair, QUEUE_DEPTH_MAX};
 use crate::spec::command::{FeatureId, IdentifyCns, LogPageId};
@@ -338,8 +338,7 @@ impl Controller {
         self.create_queues_on_controller(id, depth, queue.submission_iova().0, queue.completion_iova().0, || queue.regions().to_vec())?;
         Ok(IoQueuePair::new(
             queue,
-            Arc::clone(&self.admin),
-            generation,
+            PairOwner::Controller { admin: Arc::clone(&self.admin), generation },
             self.mode,
             self.max_transfer_bytes,
             self.namespaces.clone(),

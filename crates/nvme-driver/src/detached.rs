@@ -4,11 +4,21 @@
 //! The host only creates and deletes the queues. It never reads or writes their rings after
 //! creation: the agent that owns them does, through the raw addresses this type exposes.
 
+//!
+//! The other half lives here too: [`IoQueuePair::attach`] turns a detached pair's layout, in
+//! another process that has the rings' memory and the register page mapped, into an ordinary
+//! host-driven [`IoQueuePair`] (what the CPU executor drives).
+
 use std::sync::Arc;
 
+use crate::datapath::{DataPointerMode, SCRATCH_BYTES};
 use crate::error::NvmeError;
 use crate::gate::QueueFate;
-use crate::hw::DmaRegion;
+use crate::hw::{DmaAllocator, DmaRegion, RegisterIo};
+use crate::io::{IoQueuePair, PairOwner};
+use crate::namespace::Namespace;
+use crate::queue::{doorbell_offsets, QueuePair, QUEUE_DEPTH_MAX};
+use crate::spec::registers::{self, Capabilities};
 use crate::spec::{COMPLETION_ENTRY_BYTES, SUBMISSION_ENTRY_BYTES};
 use crate::teardown::AdminShared;
 use crate::types::{Iova, QueueId};
@@ -138,4 +148,100 @@ impl Drop for DetachedQueuePair {
             self.admin.leak_queue_pair(self.layout.id, [self.submission.clone(), self.completion.clone()], &error);
         }
     }
+}
+
+/// Where an attached pair's rings and doorbells are, and what it may do I/O on: everything a
+/// client process gets from the daemon besides the memory itself.
+#[derive(Debug, Clone)]
+pub struct AttachedQueueConfig {
+    pub layout: DetachedQueueLayout,
+    /// Namespaces the daemon lets this client use (id, LBA size, size in blocks).
+    pub namespaces: Vec<Namespace>,
+    pub data_pointer_mode: DataPointerMode,
+    /// The controller's per-command transfer limit (MDTS), as the daemon's controller computed it.
+    pub max_transfer_bytes: u64,
+}
+
+impl IoQueuePair {
+    /// Drives, from this process, an I/O queue pair another process (the daemon) created with
+    /// [`crate::Controller::create_detached_queue_pair`]: `rings` are this process's regions of
+    /// the SQ and CQ (at the layout's IOVAs, e.g. allocated from a [`crate::hw::DmaWindow`]),
+    /// `dma` gives the per-slot scratch pages (PRP lists, SGL segments, DSM ranges) and must be
+    /// in the same device address space, `registers` is the controller's register page mapped
+    /// here ([`crate::hw::SharedRegisters`]). Submit, doorbell and reap then work exactly as for
+    /// a pair this process's own controller made. Attach once per created queue: the pair starts
+    /// from an empty SQ and CQ (head = tail = 0, phase 1), as the controller does.
+    ///
+    /// Checked here: the depth, the ring sizes and alignment, that the rings are at the IOVAs
+    /// the controller was given, and that the doorbell offsets are the ones the register page's
+    /// own CAP.DSTRD gives for the queue id (so a corrupt layout cannot make this pair ring
+    /// another queue's doorbell or write outside the page).
+    ///
+    /// # The attach contract
+    ///
+    /// This pair's doorbell gate cannot see the daemon's controller generation: nothing here
+    /// notices a reset of that controller. So, as for [`DetachedQueuePair`]'s agent, the daemon
+    /// deletes (or lets a reset delete) a client's queues only after the client is gone or was
+    /// told to stop and confirmed it rings no more doorbells, and a controller reset requires
+    /// every client detached first; otherwise a late doorbell from this pair lands on whichever
+    /// queue got its id next. The client never deletes queues: [`IoQueuePair::delete`] on an
+    /// attached pair is refused, and dropping it deletes nothing. Dropping it with commands in
+    /// flight keeps (leaks, logged at error level) its rings and scratch pages, since the
+    /// controller may still read or write them; with nothing in flight they are freed. The
+    /// caller must keep its own clones of the rings until the daemon reports the queues deleted.
+    pub fn attach(
+        config: AttachedQueueConfig,
+        rings: (DmaRegion, DmaRegion),
+        dma: &dyn DmaAllocator,
+        registers: Arc<dyn RegisterIo>,
+    ) -> Result<IoQueuePair, NvmeError> {
+        let AttachedQueueConfig { layout, namespaces, data_pointer_mode, max_transfer_bytes } = config;
+        let depth = layout.depth;
+        if !(2..=QUEUE_DEPTH_MAX).contains(&depth) {
+            return Err(NvmeError::InvalidQueueDepth { requested: depth, max: QUEUE_DEPTH_MAX });
+        }
+        let (submission, completion) = rings;
+        DetachedQueuePair::validate_rings(depth, &submission, &completion)?;
+        if submission.iova() != layout.submission_iova || completion.iova() != layout.completion_iova {
+            return Err(NvmeError::Unsupported {
+                reason: format!(
+                    "rings at {} / {} are not the ones {} was created with ({} / {})",
+                    submission.iova(),
+                    completion.iova(),
+                    layout.id,
+                    layout.submission_iova,
+                    layout.completion_iova
+                ),
+            });
+        }
+        let stride_log2 = Capabilities(registers.read64(registers::CAP)).doorbell_stride_log2();
+        let doorbells = doorbell_offsets(layout.id, stride_log2, registers.len())?;
+        if doorbells != (layout.submission_doorbell_offset, layout.completion_doorbell_offset) {
+            return Err(NvmeError::Unsupported {
+                reason: format!(
+                    "{} doorbells at {:#x} / {:#x}, but CAP.DSTRD puts them at {:#x} / {:#x}",
+                    layout.id, layout.submission_doorbell_offset, layout.completion_doorbell_offset, doorbells.0, doorbells.1
+                ),
+            });
+        }
+        let scratch = dma.allocate((depth as usize - 1) * SCRATCH_BYTES)?;
+        let queue = QueuePair::from_regions(layout.id, depth, [submission, completion, scratch], registers, doorbells);
+        Ok(IoQueuePair::new(queue, PairOwner::Attached, data_pointer_mode, max_transfer_bytes, namespaces, Vec::new()))
+    }
+}
+
+/// Drop of an attached pair: nothing to delete (the daemon does); keep the memory the
+/// controller may still use when commands are in flight.
+pub(crate) fn drop_attached(queue: &QueuePair) {
+    let in_flight = queue.in_flight();
+    if in_flight == 0 {
+        return;
+    }
+    let bytes: usize = queue.regions().into_iter().map(DmaRegion::leak).sum();
+    tracing::error!(
+        queue = %queue.id(),
+        in_flight,
+        bytes,
+        "attached queue pair dropped with commands in flight: its rings and scratch pages are kept (leaked), the controller may still use them"
+    );
 }

@@ -28,9 +28,7 @@ pub const DEALLOCATE_RANGES_MAX: usize = 256;
 /// error level), because the controller may still write them.
 pub struct IoQueuePair {
     queue: QueuePair,
-    admin: Arc<AdminShared>,
-    /// The controller generation this pair was created in (see `gate.rs`).
-    generation: u64,
+    owner: PairOwner,
     mode: DataPointerMode,
     max_transfer_bytes: u64,
     namespaces: Vec<Namespace>,
@@ -39,6 +37,19 @@ pub struct IoQueuePair {
     deleted: bool,
     /// The submission queue is gone on the controller (a deletion got that far).
     sq_deleted: bool,
+}
+
+/// Who created the queues on the controller, and so who deletes them.
+pub(crate) enum PairOwner {
+    /// This process's [`crate::Controller`]: the pair deletes its queues when dropped.
+    Controller {
+        admin: Arc<AdminShared>,
+        /// The controller generation this pair was created in (see `gate.rs`).
+        generation: u64,
+    },
+    /// Another process (the daemon) created the queues and deletes them; this pair only drives
+    /// them (see [`IoQueuePair::attach`]).
+    Attached,
 }
 
 impl std::fmt::Debug for IoQueuePair {
@@ -50,14 +61,13 @@ impl std::fmt::Debug for IoQueuePair {
 impl IoQueuePair {
     pub(crate) fn new(
         queue: QueuePair,
-        admin: Arc<AdminShared>,
-        generation: u64,
+        owner: PairOwner,
         mode: DataPointerMode,
         max_transfer_bytes: u64,
         namespaces: Vec<Namespace>,
         refused_namespaces: Vec<RefusedNamespace>,
     ) -> Self {
-        Self { queue, admin, generation, mode, max_transfer_bytes, namespaces, refused_namespaces, deleted: false, sq_deleted: false }
+        Self { queue, owner, mode, max_transfer_bytes, namespaces, refused_namespaces, deleted: false, sq_deleted: false }
     }
 
     pub fn id(&self) -> QueueId {
@@ -366,8 +376,16 @@ impl IoQueuePair {
     /// On an error that is not guaranteed, and the pair comes back inside the error: keep it and
     /// call `delete` again (after a reset that succeeded, it returns `Ok` at once), or drop it,
     /// which tries once more and, failing that, leaks its rings.
+    ///
+    /// An [attached](IoQueuePair::attach) pair cannot delete its queues (the daemon that created
+    /// them does): `delete` fails with [`NvmeError::Unsupported`] and hands the pair back.
     pub fn delete(mut self) -> Result<(), UndeletedQueuePair> {
-        match self.admin.retire_queue_pair(self.queue.id(), self.generation, &mut self.sq_deleted) {
+        let PairOwner::Controller { admin, generation } = &self.owner else {
+            let source =
+                NvmeError::Unsupported { reason: format!("{} is attached: the process that created it deletes it", self.queue.id()) };
+            return Err(UndeletedQueuePair { source, pair: Box::new(self) });
+        };
+        match admin.retire_queue_pair(self.queue.id(), *generation, &mut self.sq_deleted) {
             Ok(()) => {
                 self.deleted = true;
                 Ok(())
@@ -379,8 +397,14 @@ impl IoQueuePair {
     /// Whether the controller was reset (or dropped) since this pair was created: it can no
     /// longer ring its doorbells. Its queues are gone from the controller if that reset saw it
     /// stop; otherwise dropping the pair leaks its rings.
+    ///
+    /// Always false for an [attached](IoQueuePair::attach) pair: this process cannot see the
+    /// daemon's controller generation (see the attach contract).
     pub fn controller_was_reset(&self) -> bool {
-        self.admin.gate.fate(self.generation) != QueueFate::Live
+        match &self.owner {
+            PairOwner::Controller { admin, generation } => admin.gate.fate(*generation) != QueueFate::Live,
+            PairOwner::Attached => false,
+        }
     }
 }
 
@@ -397,8 +421,13 @@ impl Drop for IoQueuePair {
         if self.deleted {
             return;
         }
-        if let Err(error) = self.admin.retire_queue_pair(self.queue.id(), self.generation, &mut self.sq_deleted) {
-            self.admin.leak_queue_pair(self.queue.id(), self.queue.regions(), &error);
+        match &self.owner {
+            PairOwner::Controller { admin, generation } => {
+                if let Err(error) = admin.retire_queue_pair(self.queue.id(), *generation, &mut self.sq_deleted) {
+                    admin.leak_queue_pair(self.queue.id(), self.queue.regions(), &error);
+                }
+            }
+            PairOwner::Attached => crate::detached::drop_attached(&self.queue),
         }
     }
 }

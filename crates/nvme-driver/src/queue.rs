@@ -144,11 +144,27 @@ impl QueuePair {
         }
         let submission = dma.allocate(depth as usize * SUBMISSION_ENTRY_BYTES)?;
         let completion = dma.allocate(depth as usize * COMPLETION_ENTRY_BYTES)?;
+        let scratch = dma.allocate((depth as usize - 1) * SCRATCH_BYTES)?;
+        let doorbells = doorbell_offsets(id, doorbell_stride_log2, registers.len())?;
+        Ok(Self::from_regions(id, depth, [submission, completion, scratch], registers, doorbells))
+    }
+
+    /// A pair over rings that already exist on the controller (created by another process, see
+    /// [`crate::IoQueuePair::attach`]): `regions` are the SQ, the CQ and one scratch page per
+    /// slot; `doorbells` the SQ tail and CQ head doorbell offsets, already checked against the
+    /// register space. The caller checked the depth and the ring sizes.
+    pub(crate) fn from_regions(
+        id: QueueId,
+        depth: u32,
+        regions: [DmaRegion; 3],
+        registers: Arc<dyn RegisterIo>,
+        doorbells: (usize, usize),
+    ) -> Self {
+        let [submission, completion, scratch] = regions;
+        let (sq_doorbell, cq_doorbell) = doorbells;
         let slot_count = depth as usize - 1;
-        let scratch = dma.allocate(slot_count * SCRATCH_BYTES)?;
         let slot_bits = usize::BITS - (slot_count - 1).max(1).leading_zeros();
-        let (sq_doorbell, cq_doorbell) = doorbell_offsets(id, doorbell_stride_log2, registers.len())?;
-        Ok(Self {
+        Self {
             id,
             depth,
             submission,
@@ -168,7 +184,7 @@ impl QueuePair {
             free: (0..slot_count as u16).rev().collect(),
             slot_bits,
             in_flight: 0,
-        })
+        }
     }
 
     /// Makes every doorbell of this pair go through `gate`, valid while `generation` is the

@@ -10,6 +10,7 @@ use nvme_driver::Iova;
 use crate::controller::{command_specific, generic, CommandResult, ControllerCore, ERROR_LOG_ENTRIES};
 use crate::data_pointer;
 use crate::queues::{CompletionQueue, SubmissionQueue};
+use crate::restriction::HostAccess;
 
 /// PCI vendor id reported in Identify (not a registered vendor: this is an emulator).
 const VENDOR_ID: u16 = 0x7475;
@@ -47,7 +48,7 @@ impl ControllerCore {
     }
 
     fn to_host(&self, entry: &SubmissionEntry, data: &[u8]) -> Result<(), nvme_driver::spec::NvmeStatus> {
-        data_pointer::resolve(&self.dma, entry, data.len() as u64, false)?.scatter(data)
+        data_pointer::resolve(&HostAccess::new(&self.dma, None), entry, data.len() as u64, false)?.scatter(data)
     }
 
     fn identify(&mut self, entry: &SubmissionEntry) -> CommandResult {

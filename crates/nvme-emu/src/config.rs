@@ -76,6 +76,11 @@ pub struct EmuConfig {
     /// collapse would (see [`crate::timing`]); `None` (the default) completes as fast as this
     /// machine can.
     pub timing: Option<TimingModel>,
+    /// Keep the register file (BAR0) in a sealed memfd instead of private memory, so that another
+    /// process can map it ([`crate::EmuDevice::shared_register_memory`]) and ring doorbells
+    /// itself (tuttid's clients). Such doorbells cannot wake the controller thread: they are
+    /// found by its polling, within `idle_sleep_max` after an idle period.
+    pub shared_registers: bool,
 }
 
 impl Default for EmuConfig {
@@ -97,6 +102,7 @@ impl Default for EmuConfig {
             sync_file_on_flush: false,
             io_uring: true,
             timing: None,
+            shared_registers: false,
         }
     }
 }
@@ -144,6 +150,10 @@ impl EmuConfig {
     }
     pub fn with_timing(mut self, timing: Option<TimingModel>) -> Self {
         self.timing = timing;
+        self
+    }
+    pub fn with_shared_registers(mut self, shared: bool) -> Self {
+        self.shared_registers = shared;
         self
     }
     pub fn with_no_storage(mut self, no_storage: bool) -> Self {

@@ -8,6 +8,7 @@
 //! calls [`ControllerCore::poll`] in a loop, and the fuzz entry point drives
 //! [`ControllerCore::execute`] directly.
 
+use std::cell::Cell;
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -26,6 +27,7 @@ use crate::config::EmuConfig;
 use crate::faults::{FaultAction, FaultPlan, FaultState};
 use crate::queues::{CompletionQueue, SubmissionQueue};
 use crate::registers::RegisterFile;
+use crate::restriction::QueueRestriction;
 use crate::stats::{Counters, EmuStats};
 use crate::timing::{FinishedCommand, TimingState};
 use crate::uring::UringReader;
@@ -150,6 +152,11 @@ pub(crate) struct ControllerCore {
     /// Unsafe shutdowns (power losses) and power cycles, for the SMART log.
     pub(crate) power_cycles: u64,
     pub(crate) unsafe_shutdowns: u64,
+    /// The restriction of the I/O queue whose batch is running (see `restriction.rs`); `None`
+    /// for the admin queue and unrestricted queues.
+    pub(crate) current_restriction: Option<Arc<QueueRestriction>>,
+    /// Commands refused by a restriction (a Cell: the refusing paths only borrow the core).
+    pub(crate) restriction_refusals: Cell<u64>,
     /// Where batched transfers go instead of the store's file (a stalled socket, in tests).
     #[cfg(test)]
     batch_descriptor_override: Option<std::os::fd::RawFd>,
@@ -191,6 +198,8 @@ impl ControllerCore {
             finished: Vec::new(),
             power_cycles: 1,
             unsafe_shutdowns: 0,
+            current_restriction: None,
+            restriction_refusals: Cell::new(0),
             #[cfg(test)]
             batch_descriptor_override: None,
             config,
@@ -210,7 +219,23 @@ impl ControllerCore {
     }
 
     pub(crate) fn stats(&self) -> EmuStats {
-        EmuStats { timing: self.timing.as_ref().map(TimingState::stats), ..self.counters.snapshot() }
+        EmuStats {
+            timing: self.timing.as_ref().map(TimingState::stats),
+            restriction_refusals: self.restriction_refusals.get(),
+            ..self.counters.snapshot()
+        }
+    }
+
+    /// Restricts I/O submission queue `queue_id` (or lifts its restriction with `None`). The
+    /// restriction ends with the queue: a queue created again under the id starts unrestricted.
+    pub(crate) fn restrict_submission_queue(&mut self, queue_id: u16, restriction: Option<QueueRestriction>) -> bool {
+        match self.submission_queues.get_mut(usize::from(queue_id)).and_then(Option::as_mut) {
+            Some(queue) if queue_id != 0 => {
+                queue.restriction = restriction.map(Arc::new);
+                true
+            }
+            _ => false,
+        }
     }
 
     pub(crate) fn set_faults(&mut self, plan: FaultPlan) {

@@ -7,11 +7,13 @@
 
 use std::collections::HashSet;
 
-use nvme_driver::hw::{DmaAllocator, DmaPool, DmaRegion};
+use nvme_driver::hw::DmaRegion;
 use nvme_driver::spec::data_pointer::{SglDescriptor, SglDescriptorType, PRP_ENTRY_BYTES, SGL_DESCRIPTOR_BYTES};
 use nvme_driver::spec::status::codes;
 use nvme_driver::spec::{NvmeStatus, SubmissionEntry};
 use nvme_driver::Iova;
+
+use crate::restriction::HostAccess;
 
 /// Memory page size (CC.MPS = 0; CAP.MPSMAX = 0 so it is the only one).
 pub(crate) const PAGE_BYTES: u64 = 4096;
@@ -54,7 +56,12 @@ impl DataBuffers {
 
 /// Resolves the data pointer of `entry` for a transfer of `length_bytes`. `sgl_allowed` is false
 /// for admin commands (PCIe admin commands use PRPs) and when the controller reports no SGLs.
-pub(crate) fn resolve(dma: &DmaPool, entry: &SubmissionEntry, length_bytes: u64, sgl_allowed: bool) -> Result<DataBuffers, NvmeStatus> {
+pub(crate) fn resolve(
+    dma: &HostAccess<'_>,
+    entry: &SubmissionEntry,
+    length_bytes: u64,
+    sgl_allowed: bool,
+) -> Result<DataBuffers, NvmeStatus> {
     if length_bytes == 0 {
         return Ok(DataBuffers::default());
     }
@@ -84,10 +91,10 @@ fn coalesce(ranges: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
 
 /// Translates one range; a merged range that spans two mappings adjacent in IOVA space is
 /// retried page by page.
-fn translate(dma: &DmaPool, iova: u64, len: u64, out: &mut Vec<DmaRegion>) -> Result<(), NvmeStatus> {
+fn translate(dma: &HostAccess<'_>, iova: u64, len: u64, out: &mut Vec<DmaRegion>) -> Result<(), NvmeStatus> {
     let transfer_error = generic(codes::DATA_TRANSFER_ERROR);
     let whole_len = usize::try_from(len).map_err(|_| transfer_error)?;
-    if let Ok(region) = dma.translate(Iova(iova), whole_len) {
+    if let Ok(region) = dma.translate(iova, whole_len) {
         out.push(region);
         return Ok(());
     }
@@ -99,11 +106,11 @@ fn translate(dma: &DmaPool, iova: u64, len: u64, out: &mut Vec<DmaRegion>) -> Re
     while done < len {
         let at = iova.checked_add(done).ok_or(transfer_error)?;
         let chunk = (PAGE_BYTES - at % PAGE_BYTES).min(len - done);
-        let region = dma.translate(Iova(at), chunk as usize).map_err(|_| transfer_error)?;
+        let region = dma.translate(at, chunk as usize)?;
         match out.last_mut() {
             // Keep one region per mapping where possible.
             Some(previous) if previous.iova().checked_add(previous.len() as u64) == Some(Iova(at)) => {
-                if let Ok(longer) = dma.translate(previous.iova(), previous.len() + chunk as usize) {
+                if let Ok(longer) = dma.translate(previous.iova().0, previous.len() + chunk as usize) {
                     *previous = longer;
                 } else {
                     out.push(region);
@@ -117,11 +124,11 @@ fn translate(dma: &DmaPool, iova: u64, len: u64, out: &mut Vec<DmaRegion>) -> Re
 }
 
 /// Reads `count` little-endian u64 values at `iova` (one PRP list stretch, within one page).
-fn read_prp_entries(dma: &DmaPool, iova: u64, count: usize) -> Result<[u64; 512], NvmeStatus> {
+fn read_prp_entries(dma: &HostAccess<'_>, iova: u64, count: usize) -> Result<[u64; 512], NvmeStatus> {
     let transfer_error = generic(codes::DATA_TRANSFER_ERROR);
     let mut raw = [0u8; PAGE_BYTES as usize];
     let bytes = raw.get_mut(..count * PRP_ENTRY_BYTES).ok_or(generic(codes::INTERNAL_ERROR))?;
-    let region = dma.translate(Iova(iova), bytes.len()).map_err(|_| transfer_error)?;
+    let region = dma.translate(iova, bytes.len())?;
     region.read(0, bytes).map_err(|_| transfer_error)?;
     let mut entries = [0u64; 512];
     for (entry, chunk) in entries.iter_mut().zip(bytes.chunks_exact(PRP_ENTRY_BYTES)) {
@@ -133,7 +140,7 @@ fn read_prp_entries(dma: &DmaPool, iova: u64, count: usize) -> Result<[u64; 512]
 }
 
 /// PRP1/PRP2/PRP lists (§4.1.1): the (address, length) pieces of the transfer.
-pub(crate) fn prp_ranges(dma: &DmaPool, prp1: u64, prp2: u64, length_bytes: u64) -> Result<Vec<(u64, u64)>, NvmeStatus> {
+pub(crate) fn prp_ranges(dma: &HostAccess<'_>, prp1: u64, prp2: u64, length_bytes: u64) -> Result<Vec<(u64, u64)>, NvmeStatus> {
     let offset_error = generic(codes::INVALID_PRP_OFFSET);
     // PRP1 may carry an offset into its page, but it must be dword aligned.
     if prp1 & 0x3 != 0 {
@@ -188,7 +195,7 @@ pub(crate) fn prp_ranges(dma: &DmaPool, prp1: u64, prp2: u64, length_bytes: u64)
 }
 
 /// SGLs (§4.1.2): a Data Block in SGL1, or a chain of Segment / Last Segment descriptors.
-pub(crate) fn sgl_ranges(dma: &DmaPool, dptr: [u64; 2], length_bytes: u64) -> Result<Vec<(u64, u64)>, NvmeStatus> {
+pub(crate) fn sgl_ranges(dma: &HostAccess<'_>, dptr: [u64; 2], length_bytes: u64) -> Result<Vec<(u64, u64)>, NvmeStatus> {
     let mut walk = SglWalk { ranges: Vec::new(), total_bytes: 0, expected_bytes: length_bytes };
     let first = SglDescriptor::from_dptr(dptr);
     match first.kind() {
@@ -223,7 +230,7 @@ impl SglWalk {
         Ok(())
     }
 
-    fn follow(&mut self, dma: &DmaPool, mut segment: SglDescriptor) -> Result<(), NvmeStatus> {
+    fn follow(&mut self, dma: &HostAccess<'_>, mut segment: SglDescriptor) -> Result<(), NvmeStatus> {
         let mut visited = HashSet::new();
         let mut descriptors_seen = 0u64;
         // Each hop reads at least one descriptor, so the descriptor bound bounds the hops.
@@ -256,10 +263,10 @@ impl SglWalk {
     }
 
     /// Reads one segment of `count` descriptors; returns the chained segment descriptor, if any.
-    fn read_segment(&mut self, dma: &DmaPool, address: u64, count: u64, last: bool) -> Result<Option<SglDescriptor>, NvmeStatus> {
+    fn read_segment(&mut self, dma: &HostAccess<'_>, address: u64, count: u64, last: bool) -> Result<Option<SglDescriptor>, NvmeStatus> {
         let transfer_error = generic(codes::DATA_TRANSFER_ERROR);
         let bytes = usize::try_from(count * SGL_DESCRIPTOR_BYTES as u64).map_err(|_| transfer_error)?;
-        let region = dma.translate(Iova(address), bytes).map_err(|_| transfer_error)?;
+        let region = dma.translate(address, bytes)?;
         let mut chunk = [0u8; 4096];
         let per_chunk = (chunk.len() / SGL_DESCRIPTOR_BYTES) as u64;
         let mut next = None;
@@ -297,7 +304,7 @@ impl SglWalk {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use nvme_driver::hw::DmaAllocator;
+    use nvme_driver::hw::{DmaAllocator, DmaPool};
 
     fn put_u64s(region: &DmaRegion, offset: usize, values: &[u64]) {
         for (index, value) in values.iter().enumerate() {
@@ -316,17 +323,20 @@ mod tests {
         let list_start = lists.iova().checked_add(4096 - 16).unwrap().0;
         put_u64s(&lists, 4096 - 16, &[base + 4096, lists.iova().checked_add(4096).unwrap().0]);
         put_u64s(&lists, 4096, &[base + 2 * 4096, base + 3 * 4096]);
-        let ranges = prp_ranges(&dma, base + 512, list_start, 4096 - 512 + 3 * 4096).unwrap();
+        let ranges = prp_ranges(&HostAccess::new(&dma, None), base + 512, list_start, 4096 - 512 + 3 * 4096).unwrap();
         assert_eq!(ranges, vec![(base + 512, 3584), (base + 4096, 4096), (base + 8192, 4096), (base + 12288, 4096)]);
         assert_eq!(coalesce(ranges), vec![(base + 512, 3584 + 3 * 4096)]);
         // Offsets: PRP2 as a page pointer must be aligned; PRP1 must be dword aligned.
-        assert_eq!(prp_ranges(&dma, base, base + 8, 8192), Err(NvmeStatus::generic(codes::INVALID_PRP_OFFSET)));
-        assert_eq!(prp_ranges(&dma, base + 2, base, 8192), Err(NvmeStatus::generic(codes::INVALID_PRP_OFFSET)));
+        assert_eq!(prp_ranges(&HostAccess::new(&dma, None), base, base + 8, 8192), Err(NvmeStatus::generic(codes::INVALID_PRP_OFFSET)));
+        assert_eq!(prp_ranges(&HostAccess::new(&dma, None), base + 2, base, 8192), Err(NvmeStatus::generic(codes::INVALID_PRP_OFFSET)));
         // A list entry with an offset.
         put_u64s(&lists, 0, &[base + 100, base + 8192]);
-        assert_eq!(prp_ranges(&dma, base, lists.iova().0, 3 * 4096), Err(NvmeStatus::generic(codes::INVALID_PRP_OFFSET)));
+        assert_eq!(
+            prp_ranges(&HostAccess::new(&dma, None), base, lists.iova().0, 3 * 4096),
+            Err(NvmeStatus::generic(codes::INVALID_PRP_OFFSET))
+        );
         // A list in unmapped memory.
-        assert_eq!(prp_ranges(&dma, base, 0x1000, 3 * 4096), Err(NvmeStatus::generic(codes::DATA_TRANSFER_ERROR)));
+        assert_eq!(prp_ranges(&HostAccess::new(&dma, None), base, 0x1000, 3 * 4096), Err(NvmeStatus::generic(codes::DATA_TRANSFER_ERROR)));
     }
 
     #[test]
@@ -346,26 +356,29 @@ mod tests {
         write_descriptors(0, &[SglDescriptor::data_block(base, 100), SglDescriptor::last_segment(seg + 256, 1)]);
         write_descriptors(256, &[SglDescriptor::data_block(base + 4096, 28)]);
         let head = SglDescriptor::segment(seg, 2).to_dptr();
-        assert_eq!(sgl_ranges(&dma, head, 128).unwrap(), vec![(base, 100), (base + 4096, 28)]);
-        assert_eq!(sgl_ranges(&dma, head, 129), Err(NvmeStatus::generic(codes::DATA_SGL_LENGTH_INVALID)));
-        assert_eq!(sgl_ranges(&dma, head, 127), Err(NvmeStatus::generic(codes::DATA_SGL_LENGTH_INVALID)));
+        assert_eq!(sgl_ranges(&HostAccess::new(&dma, None), head, 128).unwrap(), vec![(base, 100), (base + 4096, 28)]);
+        assert_eq!(sgl_ranges(&HostAccess::new(&dma, None), head, 129), Err(NvmeStatus::generic(codes::DATA_SGL_LENGTH_INVALID)));
+        assert_eq!(sgl_ranges(&HostAccess::new(&dma, None), head, 127), Err(NvmeStatus::generic(codes::DATA_SGL_LENGTH_INVALID)));
         // A loop: Segment -> itself.
         write_descriptors(512, &[SglDescriptor::data_block(base, 1), SglDescriptor::segment(seg + 512, 2)]);
         let looped = SglDescriptor::segment(seg + 512, 2).to_dptr();
-        assert_eq!(sgl_ranges(&dma, looped, 1 << 20), Err(NvmeStatus::generic(codes::INVALID_SGL_SEGMENT_DESCRIPTOR)));
+        assert_eq!(
+            sgl_ranges(&HostAccess::new(&dma, None), looped, 1 << 20),
+            Err(NvmeStatus::generic(codes::INVALID_SGL_SEGMENT_DESCRIPTOR))
+        );
         // Bit bucket and unknown types.
         let bucket = SglDescriptor::new(SglDescriptorType::BitBucket, 0, 10).to_dptr();
-        assert_eq!(sgl_ranges(&dma, bucket, 10), Err(NvmeStatus::generic(codes::SGL_DESCRIPTOR_TYPE_INVALID)));
+        assert_eq!(sgl_ranges(&HostAccess::new(&dma, None), bucket, 10), Err(NvmeStatus::generic(codes::SGL_DESCRIPTOR_TYPE_INVALID)));
         let other = SglDescriptor::new(SglDescriptorType::Other(0xE), base, 10).to_dptr();
-        assert_eq!(sgl_ranges(&dma, other, 10), Err(NvmeStatus::generic(codes::SGL_DESCRIPTOR_TYPE_INVALID)));
+        assert_eq!(sgl_ranges(&HostAccess::new(&dma, None), other, 10), Err(NvmeStatus::generic(codes::SGL_DESCRIPTOR_TYPE_INVALID)));
         // Segment length not a multiple of 16; segment in unmapped memory.
         let ragged = SglDescriptor::new(SglDescriptorType::LastSegment, seg, 17).to_dptr();
-        assert_eq!(sgl_ranges(&dma, ragged, 10), Err(NvmeStatus::generic(codes::INVALID_SGL_DESCRIPTOR_COUNT)));
+        assert_eq!(sgl_ranges(&HostAccess::new(&dma, None), ragged, 10), Err(NvmeStatus::generic(codes::INVALID_SGL_DESCRIPTOR_COUNT)));
         let nowhere = SglDescriptor::last_segment(0x2000, 1).to_dptr();
-        assert_eq!(sgl_ranges(&dma, nowhere, 10), Err(NvmeStatus::generic(codes::DATA_TRANSFER_ERROR)));
+        assert_eq!(sgl_ranges(&HostAccess::new(&dma, None), nowhere, 10), Err(NvmeStatus::generic(codes::DATA_TRANSFER_ERROR)));
         // A segment descriptor inside a last segment.
         write_descriptors(768, &[SglDescriptor::last_segment(seg, 1)]);
         let nested = SglDescriptor::last_segment(seg + 768, 1).to_dptr();
-        assert_eq!(sgl_ranges(&dma, nested, 10), Err(NvmeStatus::generic(codes::INVALID_SGL_SEGMENT_DESCRIPTOR)));
+        assert_eq!(sgl_ranges(&HostAccess::new(&dma, None), nested, 10), Err(NvmeStatus::generic(codes::INVALID_SGL_SEGMENT_DESCRIPTOR)));
     }
 }

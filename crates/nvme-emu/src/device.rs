@@ -6,13 +6,14 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::thread::{JoinHandle, Thread};
 use std::time::{Duration, Instant};
 
-use nvme_driver::hw::{DeviceBackend, DmaAllocator, DmaPool, DmaRegion, HwError, RegisterIo};
+use nvme_driver::hw::{DeviceBackend, DmaAllocator, DmaPool, DmaRegion, HwError, RegisterIo, SharedMemory};
 use nvme_driver::spec::registers::Capabilities;
 
 use crate::config::EmuConfig;
 use crate::controller::ControllerCore;
 use crate::faults::FaultPlan;
 use crate::registers::RegisterFile;
+use crate::restriction::QueueRestriction;
 use crate::stats::EmuStats;
 use crate::EmuError;
 
@@ -63,7 +64,8 @@ impl EmuDevice {
         config.validate()?;
         let capabilities =
             Capabilities::build(config.max_queue_entries, config.ready_timeout_500ms_units, config.doorbell_stride_log2, 0, 0);
-        let registers = Arc::new(RegisterFile::new(capabilities.0, config.doorbell_stride_log2, config.io_queue_pairs_max)?);
+        let registers =
+            Arc::new(RegisterFile::new(capabilities.0, config.doorbell_stride_log2, config.io_queue_pairs_max, config.shared_registers)?);
         let dma = Arc::new(dma.clone());
         let core = ControllerCore::new(config, Arc::clone(&registers), (*dma).clone())?;
         let name = format!("emu:{}", core.describe_store());
@@ -120,6 +122,28 @@ impl EmuDevice {
     /// The emulated BAR0 memory (to map for a GPU that rings doorbells itself).
     pub fn register_region(&self) -> DmaRegion {
         self.registers.region().clone()
+    }
+
+    /// The memfd holding BAR0 when [`EmuConfig::shared_registers`] is on, `None` otherwise: pass
+    /// its fd and length to a client, which maps it with `SharedMemory::from_fd` and rings
+    /// doorbells through `SharedRegisters`. Its doorbell writes are found by the controller's
+    /// polling (no wake-up crosses the process boundary): within `idle_sleep_max` (100 µs by
+    /// default) plus one scan after an idle period, at once while the controller is busy.
+    pub fn shared_register_memory(&self) -> Option<Arc<SharedMemory>> {
+        self.registers.shared_memory().cloned()
+    }
+
+    /// Restricts I/O submission queue `queue_id` to the memory and LBA ranges of `restriction`
+    /// (tuttid: a client's window and its share of each namespace), or lifts it with `None`.
+    /// A command outside them completes with an error status and moves no data (see
+    /// [`crate::restriction`]); counted in [`EmuStats::restriction_refusals`]. Set it after
+    /// creating the queue and before handing its layout to the client.
+    pub fn restrict_submission_queue(&self, queue_id: u16, restriction: Option<QueueRestriction>) -> Result<(), EmuError> {
+        if self.shared.core().restrict_submission_queue(queue_id, restriction) {
+            Ok(())
+        } else {
+            Err(EmuError::NoSuchQueue { queue_id })
+        }
     }
 
     /// The DMA pool whose table the controller translates through (same as [`DeviceBackend::dma`]).

@@ -42,7 +42,7 @@ pub fn process_raw(admin: bool, entry: &[u8; 64], memory: &[u8]) -> Result<RawOu
         .with_io_queue_pairs_max(4)
         .with_write_cache_bytes(64 << 10);
     let capabilities = Capabilities::build(config.max_queue_entries, 1, 0, 0, 0);
-    let registers = Arc::new(RegisterFile::new(capabilities.0, 0, config.io_queue_pairs_max)?);
+    let registers = Arc::new(RegisterFile::new(capabilities.0, 0, config.io_queue_pairs_max, false)?);
     // Queue creation checks the entry sizes the host configured.
     nvme_driver::hw::RegisterIo::write32(&*registers, registers::CC, ControllerConfiguration::for_enable().0 & !1);
     let dma = DmaPool::identity();

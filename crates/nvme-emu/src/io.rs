@@ -6,6 +6,7 @@ use nvme_driver::spec::{NvmOpcode, NvmeStatus, SubmissionEntry};
 
 use crate::controller::{generic, media, CommandResult, ControllerCore, Namespace};
 use crate::data_pointer::{self, DataBuffers};
+use crate::restriction::{access_denied, HostAccess};
 
 /// NSID that names every namespace (Flush only, as Identify VWC bits 2:1 report).
 const ALL_NAMESPACES: u32 = 0xFFFF_FFFF;
@@ -36,8 +37,30 @@ impl ControllerCore {
         Ok((index, namespace))
     }
 
+    /// Resolves a data pointer through the submitting queue's restriction (every PRP list page,
+    /// SGL segment and data range is checked before anything is read or written).
     fn resolve(&self, entry: &SubmissionEntry, length_bytes: u64) -> Result<DataBuffers, NvmeStatus> {
-        data_pointer::resolve(&self.dma, entry, length_bytes, self.config.sgl_supported)
+        let access = HostAccess::new(&self.dma, self.current_restriction.as_deref());
+        let result = data_pointer::resolve(&access, entry, length_bytes, self.config.sgl_supported);
+        if access.refused() {
+            self.count_refusal();
+        }
+        result
+    }
+
+    fn count_refusal(&self) {
+        self.restriction_refusals.set(self.restriction_refusals.get() + 1);
+    }
+
+    /// Access Denied when the submitting queue may not address these blocks of `nsid`.
+    fn check_allowed_blocks(&self, nsid: u32, start_lba: u64, blocks: u64) -> Result<(), NvmeStatus> {
+        match self.current_restriction.as_deref() {
+            Some(restriction) if !restriction.allows_blocks(nsid, start_lba, blocks) => {
+                self.count_refusal();
+                Err(access_denied())
+            }
+            _ => Ok(()),
+        }
     }
 
     /// Checks a Read/Write and resolves its data pointer: (namespace index, geometry, buffers).
@@ -49,6 +72,7 @@ impl ControllerCore {
             return Err(generic(codes::INVALID_FIELD));
         }
         check_range(&namespace, entry.starting_lba().0, blocks)?;
+        self.check_allowed_blocks(entry.nsid, entry.starting_lba().0, blocks)?;
         let buffers = self.resolve(entry, length_bytes)?;
         Ok((index, namespace, buffers))
     }
@@ -152,6 +176,7 @@ impl ControllerCore {
         let blocks = u64::from(entry.block_count());
         let start_lba = entry.starting_lba().0;
         check_range(&namespace, start_lba, blocks)?;
+        self.check_allowed_blocks(entry.nsid, start_lba, blocks)?;
         if !self.config.no_storage {
             self.zero_blocks(index, &namespace, start_lba, blocks)?;
         }
@@ -177,6 +202,7 @@ impl ControllerCore {
             array.copy_from_slice(chunk);
             let range = DatasetRange::from_bytes(&array);
             check_range(&namespace, range.start.0, u64::from(range.blocks))?;
+            self.check_allowed_blocks(entry.nsid, range.start.0, u64::from(range.blocks))?;
             ranges.push(range);
         }
         if self.config.no_storage {

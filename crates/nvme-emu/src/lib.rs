@@ -64,6 +64,7 @@ pub mod fuzzing;
 mod io;
 mod queues;
 mod registers;
+pub mod restriction;
 pub mod stats;
 pub mod timing;
 mod uring;
@@ -77,6 +78,7 @@ pub use config::{Backing, EmuConfig, NamespaceConfig};
 pub use device::EmuDevice;
 pub use faults::{FaultAction, FaultPlan, FaultRule, QueueFilter};
 pub use registers::RegisterFile;
+pub use restriction::QueueRestriction;
 pub use stats::EmuStats;
 pub use timing::{TimingModel, TimingStats};
 
@@ -92,6 +94,8 @@ pub enum EmuError {
     Memory { bytes: u64, source: std::io::Error },
     #[error("DMA memory for the emulator: {0}")]
     Hw(#[from] nvme_driver::hw::HwError),
+    #[error("no I/O submission queue {queue_id} exists to restrict")]
+    NoSuchQueue { queue_id: u16 },
     #[error("cannot start the controller thread: {0}")]
     Thread(std::io::Error),
 }

@@ -1,7 +1,9 @@
 //! Controller-side queue state: where each queue lives, its head/tail, the CQ phase.
 
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
+use crate::restriction::QueueRestriction;
 use nvme_driver::hw::DmaRegion;
 use nvme_driver::spec::{CompletionEntry, SubmissionEntry, COMPLETION_ENTRY_BYTES, SUBMISSION_ENTRY_BYTES};
 
@@ -16,11 +18,14 @@ pub(crate) struct SubmissionQueue {
     pub memory: DmaRegion,
     /// The last out-of-range doorbell value seen, so one bad write is counted once.
     pub last_invalid_doorbell: Option<u32>,
+    /// What this queue's commands may reach (set by the host after creating it; see
+    /// `restriction.rs`). `None`: the whole DMA space and every namespace.
+    pub restriction: Option<Arc<QueueRestriction>>,
 }
 
 impl SubmissionQueue {
     pub(crate) fn new(memory: DmaRegion, entries: u32, completion_queue_id: u16) -> Self {
-        Self { completion_queue_id, entries, head: 0, tail: 0, memory, last_invalid_doorbell: None }
+        Self { completion_queue_id, entries, head: 0, tail: 0, memory, last_invalid_doorbell: None, restriction: None }
     }
 
     pub(crate) fn is_empty(&self) -> bool {

@@ -9,7 +9,9 @@
 use std::sync::atomic::Ordering;
 use std::sync::OnceLock;
 
-use nvme_driver::hw::{DmaAllocator, DmaPool, DmaRegion, HwError, RegisterIo};
+use std::sync::Arc;
+
+use nvme_driver::hw::{DmaAllocator, DmaPool, DmaRegion, HwError, RegisterIo, SharedMemory};
 use nvme_driver::spec::registers::{self, Version};
 
 /// The register file. Cheap to share (`Arc`) between the device handle and the controller.
@@ -18,6 +20,8 @@ pub struct RegisterFile {
     /// Keeps the pool (and so the mapping) alive; a private pool, so the register file is not
     /// reachable through the device's own DMA translation.
     _pool: DmaPool,
+    /// The memfd behind the registers when they are shared with another process.
+    shared: Option<Arc<SharedMemory>>,
     capabilities: u64,
     doorbell_stride_log2: u8,
     /// Runs after every host write of CC through [`RegisterIo`], so that enable, disable and
@@ -31,15 +35,22 @@ pub struct RegisterFile {
 }
 
 impl RegisterFile {
-    /// A register file with room for the admin queue pair and `io_queue_pairs` I/O pairs.
-    pub(crate) fn new(capabilities: u64, doorbell_stride_log2: u8, io_queue_pairs: u16) -> Result<Self, HwError> {
+    /// A register file with room for the admin queue pair and `io_queue_pairs` I/O pairs; in a
+    /// sealed memfd another process can map when `shared`.
+    pub(crate) fn new(capabilities: u64, doorbell_stride_log2: u8, io_queue_pairs: u16, shared: bool) -> Result<Self, HwError> {
         let pool = DmaPool::identity();
         let doorbells = (usize::from(io_queue_pairs) + 1) * 2;
         let len = registers::DOORBELL_BASE + doorbells * (4usize << doorbell_stride_log2);
-        let region = pool.allocate(len)?;
+        let (region, shared) = if shared {
+            let memory = SharedMemory::create("nvme-emu-registers", len.div_ceil(4096) * 4096)?;
+            (pool.map_shared(&memory)?, Some(memory))
+        } else {
+            (pool.allocate(len)?, None)
+        };
         let file = Self {
             region,
             _pool: pool,
+            shared,
             capabilities,
             doorbell_stride_log2,
             configuration_hook: OnceLock::new(),
@@ -62,6 +73,12 @@ impl RegisterFile {
     /// The memory holding the registers, for mapping into another agent's address space.
     pub fn region(&self) -> &DmaRegion {
         &self.region
+    }
+
+    /// The memfd holding the registers when they are shared ([`crate::EmuConfig::shared_registers`]):
+    /// its fd and length are what another process needs to map them.
+    pub fn shared_memory(&self) -> Option<&Arc<SharedMemory>> {
+        self.shared.as_ref()
     }
 
     /// Every register to its reset value: CAP and VS, zero elsewhere (CC, CSTS, AQA, doorbells).
@@ -163,7 +180,7 @@ mod tests {
     fn read_only_registers_ignore_writes_and_out_of_range_reads_all_ones() {
         // Goal: the host cannot change CAP/VS/CSTS, and bad offsets behave like a missing device.
         let cap = Capabilities::build(2048, 20, 0, 0, 0).0;
-        let file = RegisterFile::new(cap, 0, 4).unwrap();
+        let file = RegisterFile::new(cap, 0, 4, false).unwrap();
         file.write64(registers::CAP, 0);
         file.write32(registers::VS, 0);
         file.write32(registers::CSTS, 1);

@@ -25,6 +25,9 @@ pub struct EmuStats {
     pub completions_posted: u64,
     /// Completions with a non-success status.
     pub error_completions: u64,
+    /// Commands refused because they named memory or LBAs outside their submission queue's
+    /// restriction (`EmuDevice::restrict_submission_queue`); none of them moved data.
+    pub restriction_refusals: u64,
     /// Doorbell values beyond the queue size, ignored.
     pub invalid_doorbell_writes: u64,
     /// Bytes written back from the volatile write cache to the backing store.

@@ -38,6 +38,7 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU16, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
 
+use super::shared::SharedMemory;
 use super::{AddressSpaceId, DmaAllocator, HwError};
 use crate::types::Iova;
 
@@ -144,12 +145,14 @@ impl IommuMapper for IdentityMapper {
     }
 }
 
-enum Backing {
+pub(super) enum Backing {
     Owned(#[allow(dead_code)] HostMemory),
     External,
+    /// A shared-memory mapping: the region keeps it mapped (see `shared.rs`, "Who unmaps").
+    Shared(#[allow(dead_code)] Arc<SharedMemory>),
 }
 
-struct RegionInner {
+pub(super) struct RegionInner {
     ptr: NonNull<u8>,
     len: usize,
     iova: Iova,
@@ -357,12 +360,12 @@ impl DmaRegion {
     }
 }
 
-fn round_up(value: usize, to: usize) -> usize {
+pub(super) fn round_up(value: usize, to: usize) -> usize {
     value.div_ceil(to) * to
 }
 
 /// IOVA bookkeeping shared by a pool and its regions (regions release their range on drop).
-struct PoolShared {
+pub(super) struct PoolShared {
     mapper: Arc<dyn IommuMapper>,
     state: Mutex<IovaState>,
     /// Every live mapping by start IOVA: the translation table devices without an IOMMU of their
@@ -378,7 +381,7 @@ struct IovaState {
 }
 
 impl PoolShared {
-    fn reserve(&self, len: u64, align: u64) -> Result<u64, HwError> {
+    pub(super) fn reserve(&self, len: u64, align: u64) -> Result<u64, HwError> {
         let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         if let Some(index) = state.free.iter().position(|&(start, free_len)| free_len >= len && start % align == 0) {
             let (start, free_len) = state.free[index];
@@ -396,6 +399,69 @@ impl PoolShared {
         };
         state.next = end;
         Ok(start)
+    }
+
+    /// Reserves exactly `start..start+len` (a fixed mapping, e.g. memory inside a client's DMA
+    /// window whose IOVA follows from its place in the window). Refused with
+    /// [`HwError::Overlap`] when any part of it is already reserved; a range that straddles
+    /// the end of a freed range and untouched space is refused too (conservative, never aliased).
+    pub(super) fn reserve_exact(&self, start: u64, len: u64) -> Result<(), HwError> {
+        let overlap = HwError::Overlap { iova: Iova(start), len: len as usize };
+        let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let end = start.checked_add(len).filter(|&end| end <= state.limit).ok_or(HwError::IovaExhausted { len: len as usize })?;
+        if start >= state.next {
+            let gap = (state.next, start - state.next);
+            if gap.1 > 0 {
+                state.free.push(gap);
+            }
+            state.next = end;
+            return Ok(());
+        }
+        let index = state.free.iter().position(|&(free_start, free_len)| free_start <= start && end <= free_start + free_len);
+        let Some(index) = index else { return Err(overlap) };
+        let (free_start, free_len) = state.free.swap_remove(index);
+        if start > free_start {
+            state.free.push((free_start, start - free_start));
+        }
+        if free_start + free_len > end {
+            state.free.push((end, free_start + free_len - end));
+        }
+        Ok(())
+    }
+
+    /// Makes a region of `ptr..ptr+len` at an `iova` already reserved, and enters it in the table.
+    pub(super) fn insert(self: &Arc<Self>, ptr: NonNull<u8>, len: usize, iova: Iova, backing: Backing) -> DmaRegion {
+        let inner = Arc::new(RegionInner { ptr, len, iova, _backing: backing, pool: Arc::downgrade(self) });
+        self.table.write().unwrap_or_else(|poisoned| poisoned.into_inner()).insert(iova.0, Arc::downgrade(&inner));
+        DmaRegion { inner, offset: 0, len, iova }
+    }
+
+    /// Gives back a reserved range that never became a region.
+    pub(super) fn unreserve(&self, iova: u64, len: u64) {
+        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).free.push((iova, len));
+    }
+
+    pub(super) fn translate(&self, iova: Iova, len: usize) -> Result<DmaRegion, HwError> {
+        let unmapped = HwError::Unmapped { iova, len };
+        let table = self.table.read().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let (_, weak) = table.range(..=iova.0).next_back().ok_or(unmapped)?;
+        let inner = weak.upgrade().ok_or(HwError::Unmapped { iova, len })?;
+        let offset =
+            iova.checked_offset_from(inner.iova).and_then(|offset| usize::try_from(offset).ok()).ok_or(HwError::Unmapped { iova, len })?;
+        let end = offset.checked_add(len).ok_or(HwError::Unmapped { iova, len })?;
+        if end > inner.len {
+            return Err(HwError::Unmapped { iova, len });
+        }
+        let (region_len, region_iova) = (inner.len, inner.iova);
+        DmaRegion { inner, offset: 0, len: region_len, iova: region_iova }.subregion(offset, len)
+    }
+
+    pub(super) fn new(mapper: Arc<dyn IommuMapper>, iova_base: Iova, iova_limit: Iova) -> Self {
+        PoolShared {
+            mapper,
+            state: Mutex::new(IovaState { next: iova_base.0, limit: iova_limit.0, free: Vec::new() }),
+            table: RwLock::new(BTreeMap::new()),
+        }
     }
 
     fn release(&self, iova: Iova, len: usize) {
@@ -424,12 +490,7 @@ pub struct DmaPool {
 impl DmaPool {
     /// A pool handing out IOVAs in `[iova_base, iova_limit)`.
     pub fn new(mapper: Arc<dyn IommuMapper>, iova_base: Iova, iova_limit: Iova, prefer_huge: bool) -> Self {
-        let shared = PoolShared {
-            mapper,
-            state: Mutex::new(IovaState { next: iova_base.0, limit: iova_limit.0, free: Vec::new() }),
-            table: RwLock::new(BTreeMap::new()),
-        };
-        Self { shared: Arc::new(shared), prefer_huge }
+        Self { shared: Arc::new(PoolShared::new(mapper, iova_base, iova_limit)), prefer_huge }
     }
 
     /// A pool for a device that translates through [`DmaAllocator::translate`] itself.
@@ -445,14 +506,10 @@ impl DmaPool {
         // until after unmap in RegionInner::drop) or external memory whose lifetime the caller of
         // `map_external` guaranteed.
         if let Err(error) = unsafe { self.shared.mapper.map(ptr.as_ptr(), len, iova) } {
-            let mut state = self.shared.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-            state.free.push((iova.0, len as u64));
+            self.shared.unreserve(iova.0, len as u64);
             return Err(error);
         }
-        let inner = Arc::new(RegionInner { ptr, len, iova, _backing: backing, pool: Arc::downgrade(&self.shared) });
-        self.shared.table.write().unwrap_or_else(|poisoned| poisoned.into_inner()).insert(iova.0, Arc::downgrade(&inner));
-        let iova = inner.iova;
-        Ok(DmaRegion { inner, offset: 0, len, iova })
+        Ok(self.shared.insert(ptr, len, iova, backing))
     }
 }
 
@@ -482,18 +539,12 @@ impl DmaAllocator for DmaPool {
     }
 
     fn translate(&self, iova: Iova, len: usize) -> Result<DmaRegion, HwError> {
-        let unmapped = HwError::Unmapped { iova, len };
-        let table = self.shared.table.read().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let (_, weak) = table.range(..=iova.0).next_back().ok_or(unmapped)?;
-        let inner = weak.upgrade().ok_or(HwError::Unmapped { iova, len })?;
-        let offset =
-            iova.checked_offset_from(inner.iova).and_then(|offset| usize::try_from(offset).ok()).ok_or(HwError::Unmapped { iova, len })?;
-        let end = offset.checked_add(len).ok_or(HwError::Unmapped { iova, len })?;
-        if end > inner.len {
-            return Err(HwError::Unmapped { iova, len });
-        }
-        let (region_len, region_iova) = (inner.len, inner.iova);
-        DmaRegion { inner, offset: 0, len: region_len, iova: region_iova }.subregion(offset, len)
+        self.shared.translate(iova, len)
+    }
+
+    fn map_shared(&self, memory: &Arc<SharedMemory>) -> Result<DmaRegion, HwError> {
+        // The region holds an Arc to the mapping, so it stays mapped while the device may use it.
+        self.register(memory.pointer(), memory.len(), Backing::Shared(Arc::clone(memory)))
     }
 }
 

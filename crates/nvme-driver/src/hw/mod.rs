@@ -12,13 +12,17 @@
 #![allow(unsafe_code)]
 
 mod memory;
+mod shared;
 pub mod vfio;
+mod window;
 
 use std::io;
 use std::sync::Arc;
 
 pub use memory::{DmaPool, DmaRegion, HostMemory, IdentityMapper, IommuMapper, PageKind};
+pub use shared::{SharedMemory, SharedMemoryError, SharedRegisters};
 pub use vfio::{VfioDevice, VfioError};
+pub use window::DmaWindow;
 
 use crate::types::Iova;
 
@@ -41,6 +45,14 @@ pub enum HwError {
     Unmapped { iova: Iova, len: usize },
     #[error("device backend '{backend}': {message}")]
     Backend { backend: &'static str, message: String },
+    #[error("IOVA range {iova} (+{len} bytes) overlaps memory already mapped")]
+    Overlap { iova: Iova, len: usize },
+    #[error("host range {host:#x} (+{len} bytes) is not inside the DMA window")]
+    OutsideWindow { host: usize, len: usize },
+    #[error("shared memory: {0}")]
+    Shared(Box<SharedMemoryError>),
+    #[error("{allocator} cannot map shared memory")]
+    SharedUnsupported { allocator: &'static str },
     #[error(transparent)]
     Vfio(#[from] vfio::VfioError),
 }
@@ -84,6 +96,14 @@ pub trait DmaAllocator: Send + Sync {
     /// same id resolve every IOVA to the same memory (one VFIO container, one emulator DMA
     /// pool); an IOVA from another space names unrelated memory, or none, on this device.
     fn address_space(&self) -> AddressSpaceId;
+
+    /// Maps a whole shared-memory mapping (a client's DMA window the daemon received) for the
+    /// device. Safe, unlike [`DmaAllocator::map_external`]: the returned region (and every clone
+    /// or subregion) keeps the mapping alive, so it outlives every use the device can make of it.
+    fn map_shared(&self, memory: &Arc<SharedMemory>) -> Result<DmaRegion, HwError> {
+        let _ = memory;
+        Err(HwError::SharedUnsupported { allocator: std::any::type_name::<Self>() })
+    }
 }
 
 /// Makes every store this thread made to DMA memory (SQ entries, PRP lists, SGL segments,

@@ -81,6 +81,7 @@ pub mod codes {
     // Media and Data Integrity Errors (Figure 97).
     pub const WRITE_FAULT: u8 = 0x80;
     pub const UNRECOVERED_READ_ERROR: u8 = 0x81;
+    pub const ACCESS_DENIED: u8 = 0x86;
 }
 
 impl NvmeStatus {
@@ -150,6 +151,7 @@ impl NvmeStatus {
             (StatusCodeType::CommandSpecific, FEATURE_NOT_CHANGEABLE) => "Feature Not Changeable",
             (StatusCodeType::CommandSpecific, FEATURE_NOT_SAVEABLE) => "Feature Identifier Not Saveable",
             (StatusCodeType::MediaAndDataIntegrity, WRITE_FAULT) => "Write Fault",
+            (StatusCodeType::MediaAndDataIntegrity, ACCESS_DENIED) => "Access Denied",
             (StatusCodeType::MediaAndDataIntegrity, UNRECOVERED_READ_ERROR) => "Unrecovered Read Error",
             _ => "unnamed status",
         }

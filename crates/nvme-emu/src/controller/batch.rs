@@ -48,6 +48,12 @@ impl ControllerCore {
     pub(super) fn run_batch(&mut self, queue_id: u16, completion_queue_id: u16, fetched: &[(SubmissionEntry, u32)], now: Instant) {
         let admin = queue_id == 0;
         self.refresh_store_fence();
+        // Every command of this batch comes from one SQ: its restriction applies to all of them.
+        self.current_restriction = if admin {
+            None
+        } else {
+            self.submission_queues.get(usize::from(queue_id)).and_then(Option::as_ref).and_then(|queue| queue.restriction.clone())
+        };
         let mut group: Vec<PreparedIo> = Vec::new();
         for (entry, sq_head) in fetched {
             if self.state != State::Ready {
@@ -81,6 +87,7 @@ impl ControllerCore {
             self.complete(queue_id, completion_queue_id, *sq_head, entry, result, fault, now);
         }
         self.run_group(queue_id, completion_queue_id, &mut group, now);
+        self.current_restriction = None;
     }
 
     /// Validates a batchable Read or Write and adds it to `group` (a Write's data is gathered
