@@ -306,7 +306,8 @@ impl<E: Executor> KvStore<E> {
         } else {
             None
         };
-        let prepared = self.control.placements(handle).and_then(|placements| self.data.prepare(handle, Direction::Retrieve, placements, expected));
+        let prepared =
+            self.control.placements(handle).and_then(|placements| self.data.prepare(handle, Direction::Retrieve, placements, expected));
         if let Err(error) = prepared {
             let _ = self.control.release(handle);
             return Err(error);

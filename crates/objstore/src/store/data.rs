@@ -98,7 +98,13 @@ impl<E: Executor> StoreData<E> {
     /// reaches the KV memory in), and the gio_uring queue with `executor`, whose queue pair i
     /// must serve pool device i. Every device must reach `dma`'s address space: the caller
     /// knows the controllers (`KvStore::new` checks it), this half does not.
-    pub fn new(shape: PoolShape, registration: KvRegistration, dma: Arc<dyn DmaAllocator>, executor: E, config: StoreConfig) -> Result<Self> {
+    pub fn new(
+        shape: PoolShape,
+        registration: KvRegistration,
+        dma: Arc<dyn DmaAllocator>,
+        executor: E,
+        config: StoreConfig,
+    ) -> Result<Self> {
         shape.check()?;
         if registration.geometry() != &shape.geometry {
             return Err(ObjstoreError::GeometryMismatch { on_disk: shape.geometry, registered: *registration.geometry() });
@@ -119,7 +125,10 @@ impl<E: Executor> StoreData<E> {
         for (index, device) in shape.devices.iter().enumerate() {
             if table.registration().mode() == DataPointerMode::Sgl && !device.sgl_supported {
                 return Err(ObjstoreError::InvalidRegistration {
-                    reason: format!("registered for SGL, but pool device {index} (nsid {}) has no SGL support: register for PRP", device.nsid),
+                    reason: format!(
+                        "registered for SGL, but pool device {index} (nsid {}) has no SGL support: register for PRP",
+                        device.nsid
+                    ),
                 });
             }
             devices.push(DeviceInfo {
@@ -198,7 +207,13 @@ impl<E: Executor> StoreData<E> {
     /// runs of consecutive positions and engine blocks on the SGL table path) into IOCBs. A
     /// verified retrieve (`StoreConfig::verify_retrieves`) needs the CRCs recorded for its
     /// blocks (`expected_crcs`, one per placement). On failure nothing stays prepared.
-    pub fn prepare(&mut self, handle: RequestHandle, direction: Direction, placements: &[Placement], expected_crcs: Option<&[u32]>) -> Result<()> {
+    pub fn prepare(
+        &mut self,
+        handle: RequestHandle,
+        direction: Direction,
+        placements: &[Placement],
+        expected_crcs: Option<&[u32]>,
+    ) -> Result<()> {
         let index = handle.index();
         let Some(request) = self.requests.get(index) else { return Err(ObjstoreError::UnknownHandle { handle: handle.0 }) };
         if request.active {

@@ -101,14 +101,18 @@ impl PoolShape {
                 return Err(bad_shape(format!("device {index}: LBA size {} with shift {}", device.lba_bytes, a.lba_shift)));
             }
             let pair_bytes = 2 * self.geometry.object_bytes();
-            if pair_bytes % u64::from(device.lba_bytes) != 0 || a.pair_blocks != pair_bytes >> a.lba_shift {
+            if !pair_bytes.is_multiple_of(u64::from(device.lba_bytes)) || a.pair_blocks != pair_bytes >> a.lba_shift {
                 return Err(bad_shape(format!(
                     "device {index}: {} LBAs per K+V pair, the geometry needs {pair_bytes} bytes",
                     a.pair_blocks
                 )));
             }
             if self.layer_stride_blocks != a.pair_blocks * k {
-                return Err(bad_shape(format!("device {index}: layer stride {} LBAs, k pairs are {}", self.layer_stride_blocks, a.pair_blocks * k)));
+                return Err(bad_shape(format!(
+                    "device {index}: layer stride {} LBAs, k pairs are {}",
+                    self.layer_stride_blocks,
+                    a.pair_blocks * k
+                )));
             }
             let slot_needs = self.layer_stride_blocks.checked_mul(layers);
             if slot_needs.is_none_or(|needs| needs > a.slot_blocks) {

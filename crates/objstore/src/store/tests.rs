@@ -283,3 +283,41 @@ fn a_reservation_released_without_commit_leaves_nothing_visible_and_frees_its_sl
     assert_eq!((report.cached_blocks, report.valid_slots), (0, 0), "nothing durable either");
     drop(fixture.region);
 }
+
+/// Stores then retrieves `tokens` through the layer-wise trait alone.
+fn round_trip_through(store: &mut dyn LayerKvStore, tokens: &[u32], sources: &[u32], targets: &[u32]) -> Result<usize> {
+    let plan = store.prepare_store(&KvRequest { tokens, block_ids: sources })?;
+    for layer in 0..geometry().layers {
+        store.store_layer(plan.handle, layer, BUDGET)?;
+        store.wait(plan.handle, deadline())?;
+    }
+    store.commit_store(plan.handle)?;
+    let cached = store.lookup(tokens);
+    let handle = store.prepare_retrieve(&KvRequest { tokens, block_ids: &targets[..cached] })?;
+    for layer in 0..geometry().layers {
+        store.retrieve_layer(handle, layer, BUDGET)?;
+        while !store.poll(handle)? {
+            std::thread::yield_now();
+        }
+    }
+    store.finish(handle)?;
+    Ok(cached)
+}
+
+#[test]
+fn an_in_process_store_serves_the_layer_wise_trait() {
+    // Goal: `KvStore` behind `dyn LayerKvStore` (how an engine integration will hold either
+    // it or the daemon's client) stores, commits, looks up and retrieves byte-exact.
+    let fixture = fixture(1, None);
+    let config = StoreConfig::default();
+    let (pool, _) = Pool::open(fixture.targets.clone(), Some(&geometry())).expect("open");
+    let executor = cpu_executor_for(&pool, 64, &config).expect("executor");
+    let mut store = KvStore::new(pool, fixture.registration.clone(), fixture.dma.clone(), executor, config).expect("store");
+    let tokens = tokens(5, 2);
+    let mut keys = Vec::new();
+    crate::hash::block_keys(&tokens, geometry().block_tokens, &mut keys);
+    fill(&fixture, 0, keys[0]);
+    fill(&fixture, 1, keys[1]);
+    assert_eq!(round_trip_through(&mut store, &tokens, &[0, 1], &[10, 11]).expect("round trip"), 2);
+    assert!(holds(&fixture, 10, keys[0]) && holds(&fixture, 11, keys[1]));
+}
