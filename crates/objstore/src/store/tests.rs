@@ -180,8 +180,9 @@ fn the_data_half_refuses_placements_outside_its_shape_and_registration() {
     // Goal: placements come over a socket in the daemon design, so each bad field is a typed
     // error naming the placement, nothing is left prepared by a refusal (the same handle is
     // then prepared fine), and a shape whose slots reach past the namespace is refused before
-    // anything is built. The control half likewise refuses an eviction report for a slot its
-    // retrieve did not reserve.
+    // anything is built. The control half likewise refuses a commit without one CRC per new
+    // block (keeping the reservation) and an eviction report for a slot its retrieve did not
+    // reserve.
     let fixture = fixture(2, Some(8));
     let config = StoreConfig { requests_max: 2, ..StoreConfig::default() };
     let (mut control, mut data) = halves(&fixture, config);
@@ -231,7 +232,14 @@ fn the_data_half_refuses_placements_outside_its_shape_and_registration() {
     let stored = store_layers(&mut control, &mut data, &keys, &[0]);
     let mut crcs = Vec::new();
     data.payload_crcs(stored, &mut crcs).unwrap();
-    control.commit_store(stored, Some(&crcs), &mut NoLender).unwrap();
+    for wrong in [None, Some(&crcs[..0])] {
+        match control.commit_store(stored, wrong, &mut NoLender) {
+            Err(ObjstoreError::BadRequest { reason }) => eprintln!("refused: {reason}"),
+            other => panic!("a commit with {wrong:?} CRCs on a pool that records them: expected BadRequest, got {other:?}"),
+        }
+    }
+    assert_eq!(control.lookup(&keys), 0, "a refused commit makes nothing visible");
+    control.commit_store(stored, Some(&crcs), &mut NoLender).expect("the refusals left the reservation to commit");
     data.finish(stored).unwrap();
     let retrieve = control.reserve_retrieve(&keys, &[1]).unwrap();
     let placed = control.placements(retrieve).unwrap()[0].location;
