@@ -111,9 +111,19 @@ pub struct KvRequest<'a> {
 pub struct RequestHandle(u64);
 
 impl RequestHandle {
-    /// The request slot it names (the high half; the low half is the slot's generation).
+    /// The handle of request slot `index` in its `generation` (the low half).
+    fn new(index: usize, generation: u32) -> Self {
+        Self((index as u64) << 32 | u64::from(generation))
+    }
+
+    /// The request slot it names (the high half).
     fn index(self) -> usize {
         (self.0 >> 32) as usize
+    }
+
+    /// The generation of its slot it names: a slot reused since gives a different one.
+    fn generation(self) -> u32 {
+        self.0 as u32
     }
 
     /// The handle's value, as it travels between processes.

@@ -106,7 +106,7 @@ impl StoreControl {
     }
 
     fn handle_of(&self, index: usize) -> RequestHandle {
-        RequestHandle((index as u64) << 32 | u64::from(self.reservations[index].generation))
+        RequestHandle::new(index, self.reservations[index].generation)
     }
 
     /// The reservation `handle` names (handles may come from another process: any value is
@@ -114,7 +114,7 @@ impl StoreControl {
     fn index_of(&self, handle: RequestHandle) -> Result<usize> {
         let index = handle.index();
         match self.reservations.get(index) {
-            Some(reservation) if reservation.active && u64::from(reservation.generation) == handle.0 & 0xFFFF_FFFF => Ok(index),
+            Some(reservation) if reservation.active && reservation.generation == handle.generation() => Ok(index),
             _ => Err(ObjstoreError::UnknownHandle { handle: handle.0 }),
         }
     }

@@ -197,7 +197,7 @@ impl<E: Executor> StoreData<E> {
     pub(super) fn index_of(&self, handle: RequestHandle) -> Result<usize> {
         let index = handle.index();
         match self.requests.get(index) {
-            Some(request) if request.active && u64::from(request.generation) == handle.0 & 0xFFFF_FFFF => Ok(index),
+            Some(request) if request.active && request.generation == handle.generation() => Ok(index),
             _ => Err(ObjstoreError::UnknownHandle { handle: handle.0 }),
         }
     }
@@ -235,7 +235,7 @@ impl<E: Executor> StoreData<E> {
             });
         }
         let request = &mut self.requests[index];
-        request.generation = handle.0 as u32;
+        request.generation = handle.generation();
         request.active = true;
         request.direction = Some(direction);
         request.placements.clear();
