@@ -101,6 +101,10 @@ pub enum ObjstoreError {
         first = blocks.first().map_or(String::new(), ToString::to_string)
     )]
     PayloadMismatch { handle: u64, blocks: Vec<MismatchedBlock> },
+    #[error("pool shape: {reason}")]
+    InvalidPoolShape { reason: String },
+    #[error("placement {position} of the request: {reason} (outside the pool's shape)")]
+    BadPlacement { position: usize, reason: String },
     #[error("gio_uring: {0}")]
     Gio(#[from] GioError),
     #[error("NVMe: {0}")]

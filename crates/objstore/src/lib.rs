@@ -7,7 +7,8 @@
 //! - [`hash`], [`index`]: chained prefix keys, slot allocation, LRU eviction, pins;
 //! - [`pool`]: the pool's devices — format, open with recovery, metadata I/O, check;
 //! - [`leak`]: DMA memory kept for good because a controller may still use it;
-//! - [`store`]: the layer-wise API an engine calls (`prepare_*`, `*_layer`, `wait`, `commit`);
+//! - [`store`]: the layer-wise API an engine calls (`prepare_*`, `*_layer`, `wait`, `commit`),
+//!   as a control half (the pool: `StoreControl`) and a data half (the I/O: `StoreData`);
 //! - [`selfcheck`]: a persistence round trip for any controller (`objstore-roundtrip`).
 //!
 //! No unsafe code: device memory is touched only through `DmaRegion` accessors.
@@ -30,6 +31,9 @@ pub use geometry::ModelGeometry;
 pub use index::{BlockLocation, IndexCounts};
 pub use leak::{leaked_dma_bytes, leaked_dma_regions};
 pub use mapping::{mapping_memory, CommandLimits, MappingForm, MappingMemoryReport, MappingTable};
-pub use pool::{format_pool, FormatParams, Pool, PoolTarget, RecoveryReport};
+pub use pool::{format_pool, FormatParams, NoLender, Pool, PoolTarget, QueueLender, RecoveryReport};
 pub use registration::{KvLayout, KvRegistration};
-pub use store::{cpu_executor_for, Direction, FixedBudget, KvRequest, KvStore, LayerIssuePolicy, RequestHandle, StoreConfig, StorePlan};
+pub use store::{
+    cpu_executor_for, DeviceLayout, Direction, FixedBudget, KvRequest, KvStore, LayerIssuePolicy, LayerKvStore, Placement, PoolShape,
+    RequestHandle, StoreConfig, StoreControl, StoreData, StorePlan,
+};

@@ -52,12 +52,16 @@ impl std::fmt::Debug for PoolTarget {
 /// controller granted too few I/O queue pairs for the pool to keep its own (see
 /// `gio_uring::Executor::lend_queue_pair`): the queue pair serving pool device `device`, idle,
 /// or `None` if the executor cannot lend.
-pub(crate) trait QueueLender {
+///
+/// The in-process store's gio_uring queue implements it; a caller with no executor (tuttid,
+/// offline tools) passes [`NoLender`].
+pub trait QueueLender {
     fn lend(&mut self, device: usize, deadline: Instant) -> Result<Option<&mut IoQueuePair>>;
 }
 
-/// No executor to borrow from (offline use): the pool creates a temporary queue pair.
-pub(crate) struct NoLender;
+/// No executor to borrow from (offline use, a daemon): on a device without a metadata queue
+/// pair of its own, the pool creates a temporary one per metadata call.
+pub struct NoLender;
 
 impl QueueLender for NoLender {
     fn lend(&mut self, _device: usize, _deadline: Instant) -> Result<Option<&mut IoQueuePair>> {
@@ -415,11 +419,6 @@ impl Pool {
         }
         pool.recover(&mut report)?;
         Ok((pool, report))
-    }
-
-    /// A pool of no devices: what a `KvStore` keeps once `into_pool` gave its pool back.
-    pub(crate) fn empty() -> Pool {
-        Pool { devices: Vec::new(), index: Index::new(&[], 1), generation: 0, timeout: METADATA_TIMEOUT }
     }
 
     fn recover(&mut self, report: &mut RecoveryReport) -> Result<()> {

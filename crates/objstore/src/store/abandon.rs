@@ -6,7 +6,9 @@
 use std::time::{Duration, Instant};
 
 use gio_uring::QueuePairReset;
+use nvme_driver::IoQueuePair;
 
+use super::data::StoreData;
 use super::KvStore;
 use crate::error::{ObjstoreError, Result};
 
@@ -26,10 +28,10 @@ impl<E: QueuePairReset> KvStore<E> {
     /// GPU executor needs none of this: it resets its queue pairs itself when a kernel times
     /// out, and its layers then complete with a timeout failure.
     pub fn abandon_in_flight(&mut self) -> Result<usize> {
-        let served = self.queue.executor().served_queue_depths();
+        let served = self.data.queue().executor().served_queue_depths();
         let mut fresh = Vec::with_capacity(served.len());
         for (device, depth) in served {
-            let controller = &self.pool.target(device).controller;
+            let controller = &self.control.pool().target(device).controller;
             match controller.create_io_queue_pair(depth) {
                 Ok(queue) => fresh.push(queue),
                 Err(nvme_driver::NvmeError::NoQueueAvailable { granted }) => {
@@ -45,6 +47,16 @@ impl<E: QueuePairReset> KvStore<E> {
                 Err(error) => return Err(error.into()),
             }
         }
+        self.data.abandon_in_flight(fresh)
+    }
+}
+
+impl<E: QueuePairReset> StoreData<E> {
+    /// Ends every layer in flight by replacing the executor's queue pairs with `fresh` ones
+    /// (one per queue pair it serves, in `served_queue_depths` order, made by whoever holds
+    /// the controllers), and reaps the completions the reset posted. Returns how many layers
+    /// were abandoned; see [`KvStore::abandon_in_flight`].
+    pub fn abandon_in_flight(&mut self, fresh: Vec<IoQueuePair>) -> Result<usize> {
         let (executor, memory) = self.queue.executor_and_memory();
         let ended = executor.reset(memory, fresh)?;
         let mut abandoned = 0;

@@ -4,23 +4,24 @@
 
 use gio_uring::Executor;
 
+use super::data::StoreData;
 use super::KvStore;
 
-impl<E: Executor> Drop for KvStore<E> {
+impl<E: Executor> Drop for StoreData<E> {
     fn drop(&mut self) {
         self.retire_queue_pairs();
     }
 }
 
-impl<E: Executor> KvStore<E> {
-    /// Ends the store: deletes the executor's queue pairs and says whether the engine may free
-    /// its registered KV memory. `false` when the executor reports a queue pair it could not
-    /// delete (a controller that stopped answering, after a layer was abandoned or left in
+impl<E: Executor> StoreData<E> {
+    /// Ends the data half: deletes the executor's queue pairs and says whether the engine may
+    /// free its registered KV memory. `false` when the executor reports a queue pair it could
+    /// not delete (a controller that stopped answering, after a layer was abandoned or left in
     /// flight): its commands may still write the KV memory and read the mapping table, so the
     /// table is leaked and the engine must keep its KV memory registered and allocated for
     /// good. `true` also for executors that do not report it (see
-    /// `gio_uring::Executor::retire_queue_pairs`). Dropping the store does the same, without
-    /// the answer.
+    /// `gio_uring::Executor::retire_queue_pairs`). Dropping it does the same, without the
+    /// answer.
     pub fn close(mut self) -> bool {
         self.retire_queue_pairs()
     }
@@ -37,6 +38,19 @@ impl<E: Executor> KvStore<E> {
             tracing::error!("objstore: an executor queue pair could not be deleted: the engine's KV memory must not be freed");
         }
         self.retired = Some(safe);
+        safe
+    }
+}
+
+impl<E: Executor> KvStore<E> {
+    /// Ends the store: deletes the executor's queue pairs (before the pool, whose targets may
+    /// hold the last references to the controllers) and says whether the engine may free its
+    /// registered KV memory (see [`StoreData::close`]). Dropping the store does the same,
+    /// without the answer.
+    pub fn close(self) -> bool {
+        let KvStore { data, control, .. } = self;
+        let safe = data.close();
+        drop(control);
         safe
     }
 }

@@ -7,10 +7,13 @@
 //! early waits for the ones before it), and the comparison happens in the `wait` that completes
 //! the last missing layer. Earlier layers are reported complete before their block is verified;
 //! an engine that must not compute on unverified KV waits for the last layer. A mismatching
-//! block is named in `ObjstoreError::PayloadMismatch` and its slot is evicted: out of the index
-//! at once (no lookup finds it again), its header made Empty on disk (a reopen does not serve
-//! it either), the slot reused once no retrieve pins it. The request's other blocks are
-//! delivered.
+//! block is named in `ObjstoreError::PayloadMismatch` and its slot is evicted by the control
+//! half (`StoreControl::evict_mismatched`): out of the index at once (no lookup finds it
+//! again), its header made Empty on disk (a reopen does not serve it either), the slot reused
+//! once no retrieve pins it. The request's other blocks are delivered.
+//!
+//! The data half (here) folds and compares: it holds the memory. The control half supplies the
+//! recorded CRCs (`StoreControl::recorded_payload_crcs`) and evicts.
 //!
 //! The expected CRCs are copied from the header mirror when the request is prepared (its slots
 //! are pinned from then on): another request's mismatch in a shared slot (k > 1) rewrites that
@@ -23,16 +26,16 @@ use std::sync::Arc;
 use gio_uring::Executor;
 use nvme_driver::DmaAllocator;
 
-use super::{KvStore, RequestHandle};
+use super::data::StoreData;
+use super::shape::PoolShape;
+use super::RequestHandle;
 use crate::error::{KvKind, MismatchedBlock, ObjstoreError, Result};
-use crate::format::{payload_crc_offset, SlotState, FLAG_PAYLOAD_CRC};
-use crate::pool::Pool;
 use crate::registration::KvRegistration;
 
-/// `KvStore::new`'s check for `verify_retrieves`: the pool records payload CRCs, and the KV
-/// memory is host-visible through `dma` (GPU memory is not).
-pub(super) fn check_verifiable(pool: &Pool, registration: &KvRegistration, dma: &Arc<dyn DmaAllocator>) -> Result<()> {
-    if pool.superblock(0).flags & FLAG_PAYLOAD_CRC == 0 {
+/// The check, at construction, for `verify_retrieves`: the pool records payload CRCs, and the
+/// KV memory is host-visible through `dma` (GPU memory is not).
+pub(super) fn check_verifiable(shape: &PoolShape, registration: &KvRegistration, dma: &Arc<dyn DmaAllocator>) -> Result<()> {
+    if !shape.payload_crcs {
         return Err(ObjstoreError::BadRequest {
             reason: "verify_retrieves needs a pool that records payload CRCs: format it with FormatParams::payload_crc (`tutti pool \
                      format --payload-crc`)"
@@ -50,7 +53,7 @@ pub(super) fn check_verifiable(pool: &Pool, registration: &KvRegistration, dma: 
 /// Why a verified retrieve failed, kept on the request until `finish`.
 #[derive(Debug)]
 pub(super) enum VerifyFailure {
-    /// Blocks whose bytes did not match (their slots were evicted).
+    /// Blocks whose bytes did not match (their slots are to be evicted).
     Mismatch(Vec<MismatchedBlock>),
     /// The bytes could not be checked (the first error, as text).
     Unverified(String),
@@ -69,26 +72,7 @@ impl VerifyFailure {
     }
 }
 
-impl<E: Executor> KvStore<E> {
-    /// Copies the payload CRC recorded for each of the request's blocks out of the mirror (at
-    /// `prepare_retrieve`, once the slots are pinned).
-    pub(super) fn snapshot_expected_crcs(&mut self, index: usize) -> Result<()> {
-        let mut expected = std::mem::take(&mut self.requests[index].expected_crcs);
-        expected.clear();
-        let mut result = Ok(());
-        for &(location, _, _) in &self.requests[index].blocks {
-            match self.pool.recorded_payload_crc(location.device, location.slot, payload_crc_offset(usize::from(location.index))) {
-                Ok(crc) => expected.push(crc),
-                Err(error) => {
-                    result = Err(error);
-                    break;
-                }
-            }
-        }
-        self.requests[index].expected_crcs = expected;
-        result
-    }
-
+impl<E: Executor> StoreData<E> {
     /// Folds in the layers completed so far and, once all are, compares; a failure is recorded
     /// on the request (sticky until `finish`) and returned.
     pub(super) fn verify_layers(&mut self, index: usize, handle: RequestHandle) -> Result<()> {
@@ -105,14 +89,14 @@ impl<E: Executor> KvStore<E> {
     /// Folds every completed layer not yet folded (in order from layer 0) into the request's
     /// per-block CRCs, and once all layers are in, compares them with the recorded ones.
     fn fold_and_compare(&mut self, index: usize, handle: RequestHandle) -> Result<()> {
-        let layers = self.pool.geometry().layers;
+        let layers = self.shape.geometry.layers;
         let before = self.requests[index].crc_layers;
         let mut crcs = std::mem::take(&mut self.requests[index].crcs);
         let mut folded = Ok(());
         let mut layer = before;
         while layer < layers && self.requests[index].layers_done[layer as usize] && folded.is_ok() {
             for (i, crc) in crcs.iter_mut().enumerate() {
-                let engine_block = self.requests[index].blocks[i].1;
+                let engine_block = self.requests[index].placements[i].engine_block;
                 folded = self.fold_layer(crc, layer, engine_block);
                 if folded.is_err() {
                     break;
@@ -129,18 +113,19 @@ impl<E: Executor> KvStore<E> {
         self.compare_crcs(index, handle)
     }
 
-    fn compare_crcs(&mut self, index: usize, handle: RequestHandle) -> Result<()> {
+    fn compare_crcs(&self, index: usize, handle: RequestHandle) -> Result<()> {
+        let request = &self.requests[index];
         let mut mismatched = Vec::new();
-        for (i, crc) in self.requests[index].crcs.iter().enumerate() {
-            let (location, engine_block, _) = self.requests[index].blocks[i];
-            let expected = self.requests[index].expected_crcs[i];
+        for (i, crc) in request.crcs.iter().enumerate() {
+            let placement = request.placements[i];
+            let expected = request.expected_crcs[i];
             let computed = crc.clone().finalize();
             if computed != expected {
                 mismatched.push(MismatchedBlock {
                     prefix_index: i,
-                    engine_block,
-                    device: location.device,
-                    slot: location.slot,
+                    engine_block: placement.engine_block,
+                    device: placement.location.device,
+                    slot: placement.location.slot,
                     expected_crc: expected,
                     computed_crc: computed,
                 });
@@ -148,20 +133,6 @@ impl<E: Executor> KvStore<E> {
         }
         if mismatched.is_empty() {
             return Ok(());
-        }
-        for block in &mismatched {
-            tracing::warn!(%block, "payload CRC mismatch on retrieve: the slot is evicted");
-            self.pool.index.condemn(block.device, block.slot);
-            // Idempotent for a slot with several bad blocks: the entry is already Empty. Refused
-            // on a fenced device, whose slots are not reused before a reopen anyway.
-            if let Err(error) = self.pool.stage_header(block.device, block.slot, SlotState::Empty, &[]) {
-                tracing::warn!(%error, "staging the evicted slot's header Empty failed");
-            }
-        }
-        if let Err(error) = self.pool.sync_headers(&mut self.queue) {
-            // The mismatch is the news: the Empty entries stay dirty and go out with the next
-            // sync, which comes before any data is issued into these slots.
-            tracing::warn!(%error, "writing the evicted slots' headers Empty failed; they stay staged for the next sync");
         }
         Err(ObjstoreError::PayloadMismatch { handle: handle.0, blocks: mismatched })
     }

@@ -1,0 +1,455 @@
+//! The control half of the store: the pool, its index, slot allocation, pins, eviction and
+//! the durable commit. No executor, no mapping table: it hands out placements (which slot
+//! position holds which engine block) and takes back, at commit, the payload CRCs computed by
+//! whoever holds the KV memory. tuttid runs this half; [`super::KvStore`] runs it next to its
+//! data half in one process.
+//!
+//! Header writes and flushes go through the pool's own metadata queue pairs, or, on a
+//! controller that granted fewer than two queue pairs per pool device, through `lender` (the
+//! in-process store's executor). A caller without an executor passes [`NoLender`]: the pool
+//! then makes a temporary queue pair per metadata call on such a device, so a daemon needs one
+//! free queue pair per pool device beyond those it gives its clients.
+
+use crate::error::{MismatchedBlock, ObjstoreError, Result};
+use crate::format::{payload_crc_offset, BlockRecord, SlotState};
+use crate::index::{BlockLocation, Claim, IndexCounts};
+use crate::pool::{Pool, QueueLender};
+
+use super::shape::Placement;
+use super::{Direction, RequestHandle, StorePlan};
+
+#[cfg(doc)]
+use crate::pool::NoLender;
+
+/// The control state of one reserved request.
+#[derive(Debug, Default)]
+struct Reservation {
+    generation: u32,
+    active: bool,
+    direction: Option<Direction>,
+    /// Every block the request moves: where it lives and which engine block holds it. A
+    /// store's blocks fill its slots in order, k at a time, so a slot's blocks are contiguous.
+    placements: Vec<Placement>,
+    /// The key of each placement.
+    keys: Vec<u64>,
+    /// (device, slot, blocks used) of every slot the request pinned (retrieve) or allocated
+    /// (store).
+    slots: Vec<(u16, u32, u16)>,
+    /// A store's pins on the slots of the cached blocks it shares, one per block.
+    shared_pins: Vec<(u16, u32)>,
+}
+
+/// The pool and the index side of every request (see the module docs).
+pub struct StoreControl {
+    pool: Pool,
+    reservations: Vec<Reservation>,
+    free: Vec<usize>,
+    device_cursor: usize,
+    /// Scratch: one slot's header records, and the devices a commit wrote.
+    records: Vec<BlockRecord>,
+    used_devices: Vec<bool>,
+}
+
+impl StoreControl {
+    /// At most `requests_max` requests reserved at once.
+    pub fn new(pool: Pool, requests_max: usize) -> Result<Self> {
+        if requests_max == 0 || requests_max > u32::MAX as usize {
+            return Err(ObjstoreError::BadRequest { reason: format!("requests_max {requests_max}: expected 1..={}", u32::MAX) });
+        }
+        let k = pool.blocks_per_slot() as usize;
+        let devices = pool.device_count();
+        Ok(Self {
+            pool,
+            reservations: (0..requests_max).map(|_| Reservation::default()).collect(),
+            free: (0..requests_max).rev().collect(),
+            device_cursor: 0,
+            records: Vec::with_capacity(k),
+            used_devices: vec![false; devices],
+        })
+    }
+
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    pub fn counts(&self) -> IndexCounts {
+        self.pool.index.counts()
+    }
+
+    /// Gives the pool back (every request must be released).
+    pub fn into_pool(self) -> Pool {
+        self.pool
+    }
+
+    /// Whether the pool records a payload CRC per block ([`StoreControl::commit_store`] then
+    /// needs them).
+    pub fn records_payload_crcs(&self) -> bool {
+        self.pool.superblock(0).flags & crate::format::FLAG_PAYLOAD_CRC != 0
+    }
+
+    /// The longest cached prefix of `keys`, in blocks.
+    pub fn lookup(&self, keys: &[u64]) -> usize {
+        self.pool.index.cached_prefix(keys)
+    }
+
+    fn take(&mut self, direction: Direction) -> Result<usize> {
+        let index = self.free.pop().ok_or(ObjstoreError::TooManyRequests { max: self.reservations.len() })?;
+        let reservation = &mut self.reservations[index];
+        reservation.generation = reservation.generation.wrapping_add(1);
+        reservation.active = true;
+        reservation.direction = Some(direction);
+        reservation.placements.clear();
+        reservation.keys.clear();
+        reservation.slots.clear();
+        reservation.shared_pins.clear();
+        Ok(index)
+    }
+
+    fn handle_of(&self, index: usize) -> RequestHandle {
+        RequestHandle::new(index, self.reservations[index].generation)
+    }
+
+    /// The reservation `handle` names (handles may come from another process: any value is
+    /// answered, a stale or foreign one with `UnknownHandle`).
+    fn index_of(&self, handle: RequestHandle) -> Result<usize> {
+        let index = handle.index();
+        match self.reservations.get(index) {
+            Some(reservation) if reservation.active && reservation.generation == handle.generation() => Ok(index),
+            _ => Err(ObjstoreError::UnknownHandle { handle: handle.0 }),
+        }
+    }
+
+    /// What `handle` was reserved for.
+    pub fn direction(&self, handle: RequestHandle) -> Result<Direction> {
+        let index = self.index_of(handle)?;
+        self.reservations[index].direction.ok_or(ObjstoreError::UnknownHandle { handle: handle.0 })
+    }
+
+    /// The placements of a reserved request, in prefix order (a store's: its new blocks only).
+    pub fn placements(&self, handle: RequestHandle) -> Result<&[Placement]> {
+        let index = self.index_of(handle)?;
+        Ok(&self.reservations[index].placements)
+    }
+
+    fn check_lengths(keys: &[u64], engine_blocks: &[u32]) -> Result<()> {
+        if keys.is_empty() || keys.len() != engine_blocks.len() {
+            return Err(ObjstoreError::BadRequest {
+                reason: format!("{} keys and {} engine blocks: expected as many, at least one", keys.len(), engine_blocks.len()),
+            });
+        }
+        Ok(())
+    }
+
+    /// Reserves reading blocks `keys` (all cached: `lookup` first) into `engine_blocks`: pins
+    /// their slots until [`StoreControl::release`]. The placements are then
+    /// [`StoreControl::placements`].
+    pub fn reserve_retrieve(&mut self, keys: &[u64], engine_blocks: &[u32]) -> Result<RequestHandle> {
+        Self::check_lengths(keys, engine_blocks)?;
+        let index = self.take(Direction::Retrieve)?;
+        let mut reservation = std::mem::take(&mut self.reservations[index]);
+        let mut missing = None;
+        for (i, (&key, &engine_block)) in keys.iter().zip(engine_blocks).enumerate() {
+            let Some(location) = self.pool.index.get(key) else {
+                missing = Some(i);
+                break;
+            };
+            self.pool.index.pin_and_touch(location.device, location.slot);
+            reservation.slots.push((location.device, location.slot, 0));
+            reservation.placements.push(Placement { location, engine_block });
+            reservation.keys.push(key);
+        }
+        self.reservations[index] = reservation;
+        if let Some(i) = missing {
+            self.release_index(index);
+            return Err(ObjstoreError::BadRequest {
+                reason: format!("block {i} of the prefix is not cached (lookup found {i} of {})", keys.len()),
+            });
+        }
+        Ok(self.handle_of(index))
+    }
+
+    /// The payload CRC recorded for each of a retrieve's blocks, in placement order, into
+    /// `out` (its slots are pinned, so these cannot change before it is released).
+    pub fn recorded_payload_crcs(&self, handle: RequestHandle, out: &mut Vec<u32>) -> Result<()> {
+        let index = self.index_of(handle)?;
+        out.clear();
+        for placement in &self.reservations[index].placements {
+            let location = placement.location;
+            out.push(self.pool.recorded_payload_crc(location.device, location.slot, payload_crc_offset(usize::from(location.index)))?);
+        }
+        Ok(())
+    }
+
+    /// Reserves storing blocks `keys` from `engine_blocks`: blocks already cached or in flight
+    /// elsewhere are shared, the rest get slots (k consecutive new blocks per slot, slots
+    /// round-robin across devices, LRU eviction when full) whose headers read Empty on disk
+    /// before this returns. The slots of shared cached blocks stay pinned until the store is
+    /// committed or released, so no allocation evicts a block this request counts on.
+    pub fn reserve_store(&mut self, keys: &[u64], engine_blocks: &[u32], lender: &mut dyn QueueLender) -> Result<StorePlan> {
+        Self::check_lengths(keys, engine_blocks)?;
+        let k = self.pool.blocks_per_slot() as usize;
+        let index = self.take(Direction::Store)?;
+        let mut reservation = std::mem::take(&mut self.reservations[index]);
+        let mut shared = 0;
+        // Pass 1, one map probe per block: claim the new keys, pin the slots of cached ones
+        // before any allocation can evict them.
+        let unplaced = BlockLocation { device: 0, slot: 0, index: 0 };
+        for (&key, &engine_block) in keys.iter().zip(engine_blocks) {
+            match self.pool.index.claim(key) {
+                Claim::New => {
+                    reservation.placements.push(Placement { location: unplaced, engine_block });
+                    reservation.keys.push(key);
+                }
+                Claim::Cached(location) => {
+                    self.pool.index.pin(location.device, location.slot);
+                    reservation.shared_pins.push((location.device, location.slot));
+                    shared += 1;
+                }
+                Claim::Pending => shared += 1,
+            }
+        }
+        // Refuse before evicting anything: a store that cannot fit must not cost the cache.
+        // New blocks fill slots k at a time (shared ones do not break a slot), so this is exact.
+        let needed = reservation.placements.len().div_ceil(k);
+        let available = self.pool.index.available();
+        if needed as u64 > available {
+            self.reservations[index] = reservation;
+            self.release_index(index);
+            return Err(ObjstoreError::PoolFull { needed, evictable: available as usize });
+        }
+        let placed = self.place_new_blocks(&mut reservation, k);
+        self.reservations[index] = reservation;
+        // Evicted slots must read Empty on disk before new data can land in them.
+        let result = placed.and_then(|evicted| self.pool.sync_headers(lender).map(|()| evicted));
+        match result {
+            Ok(evicted) => Ok(StorePlan {
+                handle: self.handle_of(index),
+                new_blocks: self.reservations[index].placements.len(),
+                shared_blocks: shared,
+                evicted_slots: evicted,
+            }),
+            Err(error) => {
+                self.release_index(index);
+                Err(error)
+            }
+        }
+    }
+
+    /// Pass 2 of `reserve_store`: slots for the new blocks, and Empty headers staged for the
+    /// stale ones among them. Returns how many committed slots were evicted.
+    fn place_new_blocks(&mut self, reservation: &mut Reservation, k: usize) -> Result<usize> {
+        let mut evicted = 0;
+        // The slot being filled: (device, slot, blocks used); `None` until the first new block
+        // and whenever it is full (k blocks).
+        let mut open: Option<(u16, u32, u16)> = None;
+        let total = reservation.placements.len();
+        for i in 0..total {
+            let (device, slot, used) = match open {
+                Some(slot) => slot,
+                None => match self.allocate_slot() {
+                    Some(allocation) => {
+                        evicted += usize::from(allocation.evicted);
+                        // Listed first, so that a failure below still returns it to the free list.
+                        reservation.slots.push((allocation.device, allocation.slot, 0));
+                        // A slot whose header is not a clean Empty entry (evicted, or left by a
+                        // failed commit or a duplicate found at recovery) must read Empty on
+                        // disk before its data is overwritten.
+                        if allocation.evicted || !self.pool.header_is_empty(allocation.device, allocation.slot) {
+                            self.pool.stage_header(allocation.device, allocation.slot, SlotState::Empty, &[])?;
+                        }
+                        (allocation.device, allocation.slot, 0)
+                    }
+                    None => {
+                        // After the check of `reserve_store`: the free slots are on fenced
+                        // devices (or the index is inconsistent).
+                        return Err(match (0..self.pool.device_count()).find(|&device| self.pool.metadata_fenced(device)) {
+                            Some(device) => {
+                                ObjstoreError::MetadataFenced { device, reason: "the slots this store needs are on fenced devices".into() }
+                            }
+                            None => ObjstoreError::PoolFull { needed: (total - i).div_ceil(k), evictable: 0 },
+                        });
+                    }
+                },
+            };
+            let used_now = used + 1;
+            if let Some(last) = reservation.slots.last_mut() {
+                last.2 = used_now; // the open slot is always the last one listed
+            }
+            open = (usize::from(used_now) < k).then_some((device, slot, used_now));
+            reservation.placements[i].location = BlockLocation { device, slot, index: used };
+        }
+        Ok(evicted)
+    }
+
+    /// A slot on the next device round-robin that has one (wrapping by compare, not `%`: this
+    /// runs once per slot of a store).
+    #[inline]
+    fn allocate_slot(&mut self) -> Option<crate::index::Allocation> {
+        let devices = self.pool.device_count();
+        let mut device = self.device_cursor;
+        for _ in 0..devices {
+            let next = if device + 1 == devices { 0 } else { device + 1 };
+            // A fenced device takes no header writes: none of its slots is reused until reopen.
+            if self.pool.metadata_fenced(device) {
+                device = next;
+                continue;
+            }
+            if let Some(allocation) = self.pool.index.allocate_on(device as u16) {
+                self.device_cursor = next;
+                return Some(allocation);
+            }
+            device = next;
+        }
+        None
+    }
+
+    /// Makes a store durable and visible once the data half reports every layer written:
+    /// flushes the devices written, stages the slot headers Valid (with `payload_crcs`, one per
+    /// placement, when the pool records them; ignored otherwise), writes them with FUA, then
+    /// enters the blocks into the index and releases the handle. Returns the blocks stored.
+    ///
+    /// CRCs of the wrong count, on a pool that records them, are refused before anything is
+    /// written (the handle stays reserved). A failed flush or header write releases the
+    /// handle: its slots go back free and nothing of it becomes visible.
+    pub fn commit_store(&mut self, handle: RequestHandle, payload_crcs: Option<&[u32]>, lender: &mut dyn QueueLender) -> Result<usize> {
+        let index = self.index_of(handle)?;
+        if self.reservations[index].direction != Some(Direction::Store) {
+            return Err(ObjstoreError::HandleState { handle: handle.0, reason: "not a store".into() });
+        }
+        let blocks = self.reservations[index].placements.len();
+        let crcs = if self.records_payload_crcs() {
+            match payload_crcs {
+                Some(crcs) if crcs.len() == blocks => Some(crcs),
+                other => {
+                    return Err(ObjstoreError::BadRequest {
+                        reason: format!(
+                            "the pool records payload CRCs: commit needs one per new block ({blocks}), got {:?}",
+                            other.map(<[u32]>::len)
+                        ),
+                    })
+                }
+            }
+        } else {
+            None
+        };
+        self.used_devices.fill(false);
+        for &(device, _, _) in &self.reservations[index].slots {
+            self.used_devices[usize::from(device)] = true;
+        }
+        let reservation = std::mem::take(&mut self.reservations[index]);
+        let result = self
+            .pool
+            .flush(&self.used_devices, lender)
+            .and_then(|()| self.stage_valid_headers(&reservation, crcs))
+            .and_then(|()| self.pool.sync_headers(lender));
+        self.reservations[index] = reservation;
+        if let Err(error) = result {
+            // Headers staged Valid must not reach the disk for slots that go back to the free
+            // list (their data may not be durable): stage them Empty again; the next
+            // `sync_headers` (always before new data is issued) writes them.
+            for s in 0..self.reservations[index].slots.len() {
+                let (device, slot, _) = self.reservations[index].slots[s];
+                let _ = self.pool.stage_header(device, slot, SlotState::Empty, &[]);
+            }
+            self.release_index(index);
+            return Err(error);
+        }
+        let reservation = &mut self.reservations[index];
+        let mut start = 0;
+        for &(device, slot, used) in &reservation.slots {
+            // A slot's blocks are contiguous (`place_new_blocks` fills one slot at a time).
+            let range = start..start + usize::from(used);
+            start = range.end;
+            let generation = self.pool.generation;
+            self.pool.index.commit(device, slot, &reservation.keys[range], generation);
+        }
+        reservation.slots.clear(); // committed: nothing left to release
+        self.release_index(index);
+        Ok(blocks)
+    }
+
+    fn stage_valid_headers(&mut self, reservation: &Reservation, crcs: Option<&[u32]>) -> Result<()> {
+        let block_tokens = self.pool.geometry().block_tokens;
+        let mut start = 0;
+        for &(device, slot, used) in &reservation.slots {
+            let range = start..start + usize::from(used);
+            start = range.end;
+            self.records.clear();
+            for i in range {
+                let payload_crc = crcs.map_or(0, |crcs| crcs[i]);
+                self.records.push(BlockRecord { key: reservation.keys[i], token_count: block_tokens, payload_crc });
+            }
+            self.pool.stage_header(device, slot, SlotState::Valid, &self.records)?;
+        }
+        Ok(())
+    }
+
+    /// Ends a request without committing: a retrieve's pins are dropped; a store's slots go
+    /// back to the free list (their headers already read Empty) and none of its blocks becomes
+    /// visible. The caller must know that no command of the request is still in flight.
+    pub fn release(&mut self, handle: RequestHandle) -> Result<()> {
+        let index = self.index_of(handle)?;
+        self.release_index(index);
+        Ok(())
+    }
+
+    fn release_index(&mut self, index: usize) {
+        let reservation = &mut self.reservations[index];
+        let direction = reservation.direction;
+        for &(device, slot, _) in &reservation.slots {
+            match direction {
+                Some(Direction::Retrieve) => self.pool.index.unpin(device, slot),
+                _ => self.pool.index.release_unwritten(device, slot),
+            }
+        }
+        for &(device, slot) in &reservation.shared_pins {
+            self.pool.index.unpin(device, slot);
+        }
+        if direction == Some(Direction::Store) {
+            for &key in &reservation.keys {
+                self.pool.index.remove_pending(key);
+            }
+        }
+        reservation.slots.clear();
+        reservation.shared_pins.clear();
+        reservation.placements.clear();
+        reservation.keys.clear();
+        reservation.active = false;
+        self.free.push(index);
+    }
+
+    /// Evicts the slots of blocks a verified retrieve found damaged: out of the index at once,
+    /// their headers made Empty on disk (best effort: an entry that cannot be written now stays
+    /// staged for the next sync, which precedes any data issued into the slot). Every block
+    /// must be one of the retrieve's own placements (the report may come from another process).
+    pub fn evict_mismatched(&mut self, handle: RequestHandle, blocks: &[MismatchedBlock], lender: &mut dyn QueueLender) -> Result<()> {
+        let index = self.index_of(handle)?;
+        let reservation = &self.reservations[index];
+        for block in blocks {
+            let placement = reservation.placements.get(block.prefix_index);
+            if reservation.direction != Some(Direction::Retrieve)
+                || placement.is_none_or(|p| (p.location.device, p.location.slot) != (block.device, block.slot))
+            {
+                return Err(ObjstoreError::BadPlacement {
+                    position: block.prefix_index,
+                    reason: format!("device {} slot {} is not a block this retrieve reserved", block.device, block.slot),
+                });
+            }
+        }
+        for block in blocks {
+            tracing::warn!(%block, "payload CRC mismatch on retrieve: the slot is evicted");
+            self.pool.index.condemn(block.device, block.slot);
+            // Idempotent for a slot with several bad blocks: the entry is already Empty. Refused
+            // on a fenced device, whose slots are not reused before a reopen anyway.
+            if let Err(error) = self.pool.stage_header(block.device, block.slot, SlotState::Empty, &[]) {
+                tracing::warn!(%error, "staging the evicted slot's header Empty failed");
+            }
+        }
+        if let Err(error) = self.pool.sync_headers(lender) {
+            // The mismatch is the news: the Empty entries stay dirty and go out with the next
+            // sync, which comes before any data is issued into these slots.
+            tracing::warn!(%error, "writing the evicted slots' headers Empty failed; they stay staged for the next sync");
+        }
+        Ok(())
+    }
+}

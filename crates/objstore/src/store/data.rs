@@ -1,0 +1,457 @@
+//! The data half of the store: the engine's registration, the mapping table, the gio_uring
+//! queue and the pool's shape — no pool, no index. It turns placements (from
+//! [`super::StoreControl`], in this process or, with tuttid, another) into IOCTXs and IOCBs
+//! once per request, issues them layer by layer (O(IOCBs), no allocation), waits, verifies
+//! retrieves and computes the payload CRCs a commit records.
+//!
+//! Placements are untrusted: each must name a block position of a slot of the shape
+//! ([`ObjstoreError::BadPlacement`]) and an engine block of the registration
+//! ([`ObjstoreError::BlockOutOfRange`]); the shape itself is checked once, at construction, to
+//! keep every slot inside its namespace. A request here is keyed by its control handle (the
+//! same value names it in both halves).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use gio_uring::abi::Opcode;
+use gio_uring::{
+    Dependency, DeviceIndex, DeviceInfo, DeviceTable, Executor, GioError, GioQueue, IocbId, IocbSpec, IoctxSpec, IovaRange, LayerIndex,
+    Lba, QueueConfig, RegisteredMemory, SmBudget,
+};
+use nvme_driver::{DataPointerMode, DmaAllocator};
+
+use super::shape::{Placement, PoolShape};
+use super::verify::{self, VerifyFailure};
+use super::{Direction, LayerIssuePolicy, RequestHandle, StoreConfig};
+use crate::error::{ObjstoreError, Result};
+use crate::format::SlotAddressing;
+use crate::mapping::{CommandLimits, MappingForm, MappingTable};
+use crate::pool::QueueLender;
+use crate::registration::KvRegistration;
+
+/// The data state of one prepared request.
+#[derive(Debug, Default)]
+pub(super) struct Transfer {
+    generation: u32,
+    active: bool,
+    pub(super) direction: Option<Direction>,
+    /// The blocks the request moves, as the control half placed them.
+    pub(super) placements: Vec<Placement>,
+    pub(super) iocbs: Vec<IocbId>,
+    pub(super) layer_in_flight: Option<u32>,
+    pub(super) layers_done: Vec<bool>,
+    /// Verified retrieves: one running CRC per block, and how many layers (from 0, in order)
+    /// are folded into them.
+    pub(super) crcs: Vec<crc32fast::Hasher>,
+    pub(super) crc_layers: u32,
+    /// Verified retrieves: each block's payload CRC as recorded when the request was prepared
+    /// (its slot is pinned from then on, so it cannot change; a later eviction of the slot by
+    /// another request's mismatch rewrites the control half's mirror entry, not these).
+    pub(super) expected_crcs: Vec<u32>,
+    /// Verified retrieves: the verification failed. Sticky until `finish`: `wait` and `poll`
+    /// return it again, and no layer is issued, so a poll-driven engine never sees the request
+    /// complete.
+    pub(super) verify_failure: Option<VerifyFailure>,
+}
+
+/// The per-request data path over one registration and one gio_uring queue (module docs).
+///
+/// Dropping it (or [`StoreData::close`]) deletes the executor's queue pairs; if the executor
+/// reports that one could not be deleted, its commands may still read the mapping table and
+/// read or write the engine's KV memory: the table is then leaked ([`crate::leak`]), and
+/// `close` returns `false` so that the engine keeps its KV memory too.
+pub struct StoreData<E: Executor> {
+    pub(super) queue: GioQueue<E>,
+    pub(super) table: MappingTable,
+    pub(super) dma: Arc<dyn DmaAllocator>,
+    pub(super) config: StoreConfig,
+    pub(super) shape: PoolShape,
+    pub(super) requests: Vec<Transfer>,
+    ioctxs: Vec<IoctxSpec>,
+    pub(super) crc_scratch: Vec<u8>,
+    /// Per pool device: its namespace id and slot addressing (the per-block LBA arithmetic).
+    addressing: Vec<(u32, SlotAddressing)>,
+    /// Set once the executor's queue pairs were retired (at close or drop): whether the memory
+    /// their commands name may be freed.
+    pub(super) retired: Option<bool>,
+}
+
+/// The KV tensors as gio_uring ranges, touching ones merged: tensors allocated back to back are
+/// one buffer to the per-layer rule (a PRP layout at one layer stride spans several). Only KV
+/// extents are merged, so no request can run from the KV memory into the mapping table.
+fn kv_ranges(extents: &[crate::registration::Extent]) -> Vec<IovaRange> {
+    let mut sorted: Vec<IovaRange> = extents.iter().map(|e| IovaRange::new(e.start, e.len_bytes)).collect();
+    sorted.sort_by_key(|range| range.start);
+    let mut merged: Vec<IovaRange> = Vec::with_capacity(sorted.len());
+    for range in sorted {
+        match merged.last_mut() {
+            Some(last) if last.end() == Some(range.start.0) => last.len_bytes += range.len_bytes,
+            _ => merged.push(range),
+        }
+    }
+    merged
+}
+
+impl<E: Executor> StoreData<E> {
+    /// Binds the engine's registration to a pool of shape `shape`: checks the shape and the
+    /// geometry, builds the mapping table in `dma` (the device address space every pool device
+    /// reaches the KV memory in), and the gio_uring queue with `executor`, whose queue pair i
+    /// must serve pool device i. Every device must reach `dma`'s address space: the caller
+    /// knows the controllers (`KvStore::new` checks it), this half does not.
+    pub fn new(
+        shape: PoolShape,
+        registration: KvRegistration,
+        dma: Arc<dyn DmaAllocator>,
+        executor: E,
+        config: StoreConfig,
+    ) -> Result<Self> {
+        shape.check()?;
+        if registration.geometry() != &shape.geometry {
+            return Err(ObjstoreError::GeometryMismatch { on_disk: shape.geometry, registered: *registration.geometry() });
+        }
+        if config.requests_max == 0 || config.requests_max > u32::MAX as usize || config.ioctx_per_iocb_max == 0 {
+            return Err(ObjstoreError::BadRequest {
+                reason: format!("store config {config:?}: requests_max and ioctx_per_iocb_max must be positive"),
+            });
+        }
+        if config.verify_retrieves {
+            verify::check_verifiable(&shape, &registration, &dma)?;
+        }
+        // Every command must fit every pool device: the table cuts transfers to the smallest MDTS.
+        let max_transfer_bytes = shape.devices.iter().map(|device| device.max_transfer_bytes).min().unwrap_or(0);
+        let limits = CommandLimits { max_transfer_bytes, lba_bytes: shape.devices[0].lba_bytes };
+        let table = MappingTable::build(registration, &dma, shape.blocks_per_slot, limits)?;
+        let mut devices = Vec::with_capacity(shape.devices.len());
+        for (index, device) in shape.devices.iter().enumerate() {
+            if table.registration().mode() == DataPointerMode::Sgl && !device.sgl_supported {
+                return Err(ObjstoreError::InvalidRegistration {
+                    reason: format!(
+                        "registered for SGL, but pool device {index} (nsid {}) has no SGL support: register for PRP",
+                        device.nsid
+                    ),
+                });
+            }
+            devices.push(DeviceInfo {
+                nsid: device.nsid,
+                capacity_blocks: device.capacity_blocks,
+                block_bytes: device.lba_bytes,
+                sgl_supported: device.sgl_supported,
+            });
+        }
+        // On the SGL-table path IOCTXs point only into the table (the KV addresses are in the
+        // descriptors, checked at registration): registering just the table keeps gio_uring's
+        // per-IOCTX range lookup to one range.
+        let mut ranges: Vec<IovaRange> =
+            if table.form() == MappingForm::SglTable { Vec::new() } else { kv_ranges(&table.registration().extents()?) };
+        ranges.extend(table.region_range());
+        let registered = RegisteredMemory::new(ranges)
+            .ok_or_else(|| ObjstoreError::InvalidRegistration { reason: "the mapping table overlaps the registered KV memory".into() })?;
+        let queue = GioQueue::init_queue(
+            QueueConfig { depth: config.iocbs, ioctx_per_iocb_max: config.ioctx_per_iocb_max },
+            DeviceTable::new(devices),
+            registered,
+            executor,
+        )?;
+        let addressing = shape.devices.iter().map(|device| (device.nsid, device.addressing)).collect();
+        let layers = shape.geometry.layers as usize;
+        let requests = (0..config.requests_max).map(|_| Transfer { layers_done: vec![false; layers], ..Transfer::default() }).collect();
+        Ok(Self {
+            queue,
+            table,
+            dma,
+            config,
+            shape,
+            requests,
+            ioctxs: Vec::with_capacity(config.ioctx_per_iocb_max as usize),
+            crc_scratch: Vec::new(),
+            addressing,
+            retired: None,
+        })
+    }
+
+    pub fn table(&self) -> &MappingTable {
+        &self.table
+    }
+
+    pub fn shape(&self) -> &PoolShape {
+        &self.shape
+    }
+
+    pub fn config(&self) -> &StoreConfig {
+        &self.config
+    }
+
+    pub fn queue(&self) -> &GioQueue<E> {
+        &self.queue
+    }
+
+    pub fn queue_mut(&mut self) -> &mut GioQueue<E> {
+        &mut self.queue
+    }
+
+    /// The executor, as the lender of queue pairs for the pool's metadata (see `QueueLender`).
+    pub fn lender(&mut self) -> &mut dyn QueueLender {
+        &mut self.queue
+    }
+
+    pub(super) fn index_of(&self, handle: RequestHandle) -> Result<usize> {
+        let index = handle.index();
+        match self.requests.get(index) {
+            Some(request) if request.active && request.generation == handle.generation() => Ok(index),
+            _ => Err(ObjstoreError::UnknownHandle { handle: handle.0 }),
+        }
+    }
+
+    /// Prepares moving `placements` for the request the control half named `handle`: checks
+    /// every placement against the shape and the registration, then builds its IOCTXs (merging
+    /// runs of consecutive positions and engine blocks on the SGL table path) into IOCBs. A
+    /// verified retrieve (`StoreConfig::verify_retrieves`) needs the CRCs recorded for its
+    /// blocks (`expected_crcs`, one per placement). On failure nothing stays prepared.
+    pub fn prepare(
+        &mut self,
+        handle: RequestHandle,
+        direction: Direction,
+        placements: &[Placement],
+        expected_crcs: Option<&[u32]>,
+    ) -> Result<()> {
+        let index = handle.index();
+        let Some(request) = self.requests.get(index) else { return Err(ObjstoreError::UnknownHandle { handle: handle.0 }) };
+        if request.active {
+            return Err(ObjstoreError::HandleState { handle: handle.0, reason: "already prepared: finish it first".into() });
+        }
+        let registration = self.table.registration();
+        for (position, placement) in placements.iter().enumerate() {
+            self.shape.check_placement(position, placement)?;
+            registration.check_block(placement.engine_block)?;
+        }
+        let verified = self.config.verify_retrieves && direction == Direction::Retrieve;
+        if verified && expected_crcs.is_none_or(|crcs| crcs.len() != placements.len()) {
+            return Err(ObjstoreError::BadRequest {
+                reason: format!(
+                    "a verified retrieve of {} blocks needs as many recorded CRCs, got {:?}",
+                    placements.len(),
+                    expected_crcs.map(<[u32]>::len)
+                ),
+            });
+        }
+        let request = &mut self.requests[index];
+        request.generation = handle.generation();
+        request.active = true;
+        request.direction = Some(direction);
+        request.placements.clear();
+        request.placements.extend_from_slice(placements);
+        request.iocbs.clear();
+        request.layer_in_flight = None;
+        request.layers_done.fill(false);
+        request.crcs.clear();
+        request.crc_layers = 0;
+        request.expected_crcs.clear();
+        request.verify_failure = None;
+        if let (true, Some(crcs)) = (verified, expected_crcs) {
+            request.crcs.resize(placements.len(), crc32fast::Hasher::new());
+            request.expected_crcs.extend_from_slice(crcs);
+        }
+        if placements.is_empty() {
+            return Ok(()); // nothing to move (a store whose blocks are all shared)
+        }
+        let opcode = if direction == Direction::Retrieve { Opcode::Read } else { Opcode::Write };
+        if let Err(error) = self.build_iocbs(index, handle, opcode) {
+            self.release_index(index);
+            return Err(error);
+        }
+        Ok(())
+    }
+
+    /// Turns the request's placements into IOCTXs and fills IOCBs with them.
+    fn build_iocbs(&mut self, index: usize, handle: RequestHandle, opcode: Opcode) -> Result<()> {
+        self.ioctxs.clear();
+        let mergeable = self.table.form() == MappingForm::SglTable;
+        let blocks = &self.requests[index].placements;
+        let mut i = 0;
+        while i < blocks.len() {
+            let Placement { location: first, engine_block } = blocks[i];
+            let mut run = 1;
+            while mergeable && i + run < blocks.len() {
+                let Placement { location: next, engine_block: next_block } = blocks[i + run];
+                let follows = next.device == first.device
+                    && next.slot == first.slot
+                    && usize::from(next.index) == usize::from(first.index) + run
+                    && next_block as usize == engine_block as usize + run;
+                if !follows {
+                    break;
+                }
+                run += 1;
+            }
+            // By reference: a copy of the tuple went through the stack as wide stores read back
+            // narrower (a store-forwarding stall once the closure had to live in memory).
+            let (nsid, addressing) = &self.addressing[usize::from(first.device)];
+            let (nsid, lba_shift) = (*nsid, addressing.lba_shift);
+            let start = Lba(addressing.block_lba(first.slot, u32::from(first.index)));
+            let ioctxs = &mut self.ioctxs;
+            self.table.for_each_piece(engine_block, run as u32, move |piece| {
+                // Inside the slot, which the shape check placed in the namespace.
+                let start_lba = start
+                    .checked_add(piece.disk_offset_bytes >> lba_shift)
+                    .ok_or_else(|| ObjstoreError::AddressOverflow { what: format!("the LBA of a piece of slot {}", first.slot) })?;
+                ioctxs.push(IoctxSpec {
+                    device: DeviceIndex(first.device),
+                    nsid,
+                    start_lba,
+                    block_count: (piece.len_bytes >> lba_shift) as u32,
+                    data: piece.data,
+                    descriptor: piece.descriptor,
+                    force_unit_access: false,
+                });
+                Ok(())
+            })?;
+            i += run;
+        }
+        let per_iocb = self.config.ioctx_per_iocb_max as usize;
+        let iocb_count = self.ioctxs.len().div_ceil(per_iocb);
+        // The request's id list keeps its capacity across requests: no allocation here.
+        let first_iocb = self.requests[index].iocbs.len();
+        self.queue.get_iocb_into(iocb_count, Dependency::None, &mut self.requests[index].iocbs)?;
+        let spec = IocbSpec {
+            opcode,
+            user_data: handle.0,
+            layer_count: self.shape.geometry.layers,
+            lba_stride_blocks: self.shape.layer_stride_blocks,
+            mem_stride_bytes: self.table.mem_stride_bytes(),
+            desc_stride_bytes: self.table.desc_stride_bytes(),
+        };
+        for (n, chunk) in self.ioctxs.chunks(per_iocb).enumerate() {
+            self.queue.fill_iocb(self.requests[index].iocbs[first_iocb + n], &spec, chunk)?;
+        }
+        Ok(())
+    }
+
+    fn issue(&mut self, handle: RequestHandle, layer: u32, budget: SmBudget, direction: Direction) -> Result<()> {
+        let index = self.index_of(handle)?;
+        self.table.registration().check_layer(layer)?;
+        let request = &self.requests[index];
+        if request.direction != Some(direction) {
+            return Err(ObjstoreError::HandleState {
+                handle: handle.0,
+                reason: format!("prepared for {:?}, not {direction:?}", request.direction),
+            });
+        }
+        if let Some(failure) = &request.verify_failure {
+            return Err(failure.to_error(handle));
+        }
+        if let Some(previous) = request.layer_in_flight {
+            return Err(ObjstoreError::HandleState {
+                handle: handle.0,
+                reason: format!("layer {previous} is still in flight: wait for it before issuing layer {layer}"),
+            });
+        }
+        if request.iocbs.is_empty() {
+            self.requests[index].layers_done[layer as usize] = true; // nothing to move (all shared)
+            return Ok(());
+        }
+        self.queue.issue_io(&self.requests[index].iocbs, LayerIndex(layer), budget)?;
+        self.requests[index].layer_in_flight = Some(layer);
+        Ok(())
+    }
+
+    /// Issues the prepared reads of one layer (O(IOCBs)). Wait with [`StoreData::wait`].
+    pub fn retrieve_layer(&mut self, handle: RequestHandle, layer: u32, budget: SmBudget) -> Result<()> {
+        self.issue(handle, layer, budget, Direction::Retrieve)
+    }
+
+    /// Issues the prepared writes of one layer (O(IOCBs)). Wait with [`StoreData::wait`].
+    pub fn store_layer(&mut self, handle: RequestHandle, layer: u32, budget: SmBudget) -> Result<()> {
+        self.issue(handle, layer, budget, Direction::Store)
+    }
+
+    /// Issues one layer with the budget `policy` gives it (the scheduler integration point).
+    pub fn issue_layer_with(&mut self, handle: RequestHandle, layer: u32, policy: &mut dyn LayerIssuePolicy) -> Result<()> {
+        let index = self.index_of(handle)?;
+        let direction = self.requests[index].direction.ok_or(ObjstoreError::UnknownHandle { handle: handle.0 })?;
+        let budget = policy.budget(direction, layer, self.requests[index].iocbs.len());
+        self.issue(handle, layer, budget, direction)
+    }
+
+    /// Whether `handle` names a verified retrieve whose verification already failed.
+    pub fn verify_failed(&self, handle: RequestHandle) -> bool {
+        self.index_of(handle).is_ok_and(|index| self.requests[index].verify_failure.is_some())
+    }
+
+    /// Waits (until `deadline`) for the layer in flight; returns it, or `None` if none was.
+    /// After a timeout the layer is still in flight: wait again, or (CPU executor) end it with
+    /// `abandon_in_flight`. On a verified retrieve, the `wait` that completes the last layer
+    /// compares the blocks' CRCs; a mismatch (`PayloadMismatch`, naming the blocks, whose
+    /// slots the control half must evict) is returned by this and every later `wait` and
+    /// `poll` until `finish`.
+    pub fn wait(&mut self, handle: RequestHandle, deadline: Instant) -> Result<Option<u32>> {
+        let index = self.index_of(handle)?;
+        if let Some(failure) = &self.requests[index].verify_failure {
+            return Err(failure.to_error(handle));
+        }
+        let Some(layer) = self.requests[index].layer_in_flight else { return Ok(None) };
+        // Every IOCB of the layer is waited for, even after a failure: until all completed, the
+        // device may still be moving bytes of this request. A timeout leaves the layer in flight
+        // (wait again, or `abandon_in_flight`).
+        let mut failure = None;
+        for i in 0..self.requests[index].iocbs.len() {
+            let id = self.requests[index].iocbs[i];
+            let completion = self.queue.wait_cqe(id, deadline)?;
+            if let (None, Err(error)) = (&failure, completion.result) {
+                failure = Some(ObjstoreError::LayerIo { layer, iocb: id.to_string(), failure: error });
+            }
+        }
+        self.requests[index].layer_in_flight = None;
+        if let Some(error) = failure {
+            return Err(error);
+        }
+        self.requests[index].layers_done[layer as usize] = true;
+        if self.config.verify_retrieves && self.requests[index].direction == Some(Direction::Retrieve) {
+            self.verify_layers(index, handle)?;
+        }
+        Ok(Some(layer))
+    }
+
+    /// Non-blocking: `Ok(true)` once nothing is in flight for the request (the layer that was
+    /// is then complete, or its failure is returned).
+    pub fn poll(&mut self, handle: RequestHandle) -> Result<bool> {
+        let index = self.index_of(handle)?;
+        if let Some(failure) = &self.requests[index].verify_failure {
+            return Err(failure.to_error(handle));
+        }
+        if self.requests[index].layer_in_flight.is_none() {
+            return Ok(true);
+        }
+        match self.wait(handle, Instant::now()) {
+            Ok(_) => Ok(true),
+            Err(ObjstoreError::Gio(GioError::WaitTimeout { .. })) => Ok(false),
+            Err(error) => Err(error),
+        }
+    }
+
+    /// Ends a request's data path: its IOCBs go back to the queue. Not while a layer is in
+    /// flight: the device may still be moving its bytes.
+    pub fn finish(&mut self, handle: RequestHandle) -> Result<()> {
+        let index = self.index_of(handle)?;
+        if let Some(layer) = self.requests[index].layer_in_flight {
+            return Err(ObjstoreError::HandleState {
+                handle: handle.0,
+                reason: format!("layer {layer} in flight: wait for it first (after a timed-out wait, `abandon_in_flight`)"),
+            });
+        }
+        self.release_index(index);
+        Ok(())
+    }
+
+    fn release_index(&mut self, index: usize) {
+        for &id in &self.requests[index].iocbs {
+            // Only fails for an IOCB in flight, which `finish` refuses before getting here.
+            if let Err(error) = self.queue.put_iocb(id) {
+                tracing::warn!(%error, "returning an IOCB");
+            }
+        }
+        let request = &mut self.requests[index];
+        request.iocbs.clear();
+        request.placements.clear();
+        request.active = false;
+        request.layer_in_flight = None;
+    }
+}

@@ -1,0 +1,71 @@
+//! The layer-wise API as a trait, so that an engine integration can drive an in-process
+//! [`KvStore`] or (with tuttid) a store whose control half lives in the daemon through the same
+//! calls. Shaped after `KvStore`'s own methods, which keep their meaning here.
+
+use std::time::Instant;
+
+use gio_uring::{Executor, SmBudget};
+
+use super::{KvRequest, KvStore, RequestHandle, StorePlan};
+use crate::error::Result;
+
+/// A layer-wise KV store: per request, `lookup`, one `prepare_*`, then per layer an issue and a
+/// `wait` (or `poll`), then `commit_store` (a store) or `finish`.
+pub trait LayerKvStore {
+    /// The longest cached prefix of `tokens`, in blocks.
+    fn lookup(&mut self, tokens: &[u32]) -> usize;
+    /// Prepares reading the cached blocks 0..block_ids.len() of the prefix into `block_ids`.
+    fn prepare_retrieve(&mut self, request: &KvRequest<'_>) -> Result<RequestHandle>;
+    /// Prepares storing the prefix's blocks from `block_ids` (shared blocks are stored once).
+    fn prepare_store(&mut self, request: &KvRequest<'_>) -> Result<StorePlan>;
+    /// Issues the prepared reads of one layer.
+    fn retrieve_layer(&mut self, handle: RequestHandle, layer: u32, budget: SmBudget) -> Result<()>;
+    /// Issues the prepared writes of one layer.
+    fn store_layer(&mut self, handle: RequestHandle, layer: u32, budget: SmBudget) -> Result<()>;
+    /// Waits until `deadline` for the layer in flight; returns it, or `None` if none was.
+    fn wait(&mut self, handle: RequestHandle, deadline: Instant) -> Result<Option<u32>>;
+    /// Non-blocking: whether nothing is in flight for the request any more.
+    fn poll(&mut self, handle: RequestHandle) -> Result<bool>;
+    /// Makes a completed store durable and visible; finishes the handle. Returns blocks stored.
+    fn commit_store(&mut self, handle: RequestHandle) -> Result<usize>;
+    /// Ends a request without committing (nothing of a store becomes visible).
+    fn finish(&mut self, handle: RequestHandle) -> Result<()>;
+}
+
+impl<E: Executor> LayerKvStore for KvStore<E> {
+    fn lookup(&mut self, tokens: &[u32]) -> usize {
+        KvStore::lookup(self, tokens)
+    }
+
+    fn prepare_retrieve(&mut self, request: &KvRequest<'_>) -> Result<RequestHandle> {
+        KvStore::prepare_retrieve(self, request)
+    }
+
+    fn prepare_store(&mut self, request: &KvRequest<'_>) -> Result<StorePlan> {
+        KvStore::prepare_store(self, request)
+    }
+
+    fn retrieve_layer(&mut self, handle: RequestHandle, layer: u32, budget: SmBudget) -> Result<()> {
+        KvStore::retrieve_layer(self, handle, layer, budget)
+    }
+
+    fn store_layer(&mut self, handle: RequestHandle, layer: u32, budget: SmBudget) -> Result<()> {
+        KvStore::store_layer(self, handle, layer, budget)
+    }
+
+    fn wait(&mut self, handle: RequestHandle, deadline: Instant) -> Result<Option<u32>> {
+        KvStore::wait(self, handle, deadline)
+    }
+
+    fn poll(&mut self, handle: RequestHandle) -> Result<bool> {
+        KvStore::poll(self, handle)
+    }
+
+    fn commit_store(&mut self, handle: RequestHandle) -> Result<usize> {
+        KvStore::commit_store(self, handle)
+    }
+
+    fn finish(&mut self, handle: RequestHandle) -> Result<()> {
+        KvStore::finish(self, handle)
+    }
+}

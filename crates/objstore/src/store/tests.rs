@@ -1,0 +1,331 @@
+//! The control and data halves used apart, in one process, on the software controller: the
+//! way tuttid (control) and an engine process (data) will use them, minus the socket.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use gio_uring::{CpuExecutor, SmBudget};
+use nvme_driver::hw::DeviceBackend;
+use nvme_driver::{Controller, ControllerConfig, DataPointerMode, DmaAllocator, DmaRegion, NamespaceId};
+use nvme_emu::{Backing, EmuConfig, EmuDevice, NamespaceConfig};
+
+use super::*;
+use crate::error::KvKind;
+use crate::hash::block_keys_seeded;
+use crate::index::BlockLocation;
+use crate::pool::{format_pool, FormatParams, NoLender, PoolTarget};
+use crate::registration::KvLayout;
+use crate::ModelGeometry;
+
+/// 4 layers, 4 KiB objects: 32 KiB per block.
+fn geometry() -> ModelGeometry {
+    ModelGeometry { layers: 4, kv_heads: 2, head_dim: 64, dtype_bytes: 2, block_tokens: 16 }
+}
+
+const BUDGET: SmBudget = SmBudget(1);
+const ENGINE_BLOCKS: u32 = 16;
+/// A key space other than the in-process store's (tuttid seeds one per session).
+const SEED: u64 = 0x5EED;
+
+fn deadline() -> Instant {
+    Instant::now() + Duration::from_secs(10)
+}
+
+struct Fixture {
+    _device: Arc<EmuDevice>,
+    targets: Vec<PoolTarget>,
+    /// Engine memory: one block-major region in the controller's DMA space.
+    region: DmaRegion,
+    registration: KvRegistration,
+    dma: Arc<dyn DmaAllocator>,
+}
+
+/// A formatted pool (k blocks per slot, at most `slots` slots) on one software controller,
+/// and engine memory in its DMA space.
+fn fixture(k: u32, slots: Option<u64>) -> Fixture {
+    let config =
+        EmuConfig::default().with_backing(Backing::Memory { bytes: 64 << 20 }).with_namespaces(vec![NamespaceConfig::new(512, None)]);
+    let device = EmuDevice::start(config).expect("software controller");
+    let backend: Arc<dyn DeviceBackend> = device.clone();
+    let controller = Arc::new(Controller::init(backend, ControllerConfig::default()).expect("bring-up"));
+    let targets = vec![PoolTarget { controller: controller.clone(), namespace: NamespaceId(1) }];
+    let params = FormatParams { geometry: geometry(), blocks_per_slot: k, slot_count_max: slots, pool_uuid: None, payload_crc: true };
+    format_pool(&targets, &params).expect("format");
+    let dma = controller.dma().clone();
+    let g = geometry();
+    let region = dma.allocate((g.block_bytes() * u64::from(ENGINE_BLOCKS)) as usize).expect("engine memory");
+    let layout = KvLayout::BlockMajor { base: region.iova(), block_stride_bytes: g.block_bytes() };
+    let registration = KvRegistration::new(g, ENGINE_BLOCKS, layout, DataPointerMode::Prp).expect("registration");
+    Fixture { _device: device, targets, region, registration, dma }
+}
+
+/// Opens the pool and builds the two halves apart: the control half gets the pool, the data
+/// half only the pool's shape (as tuttid would send it).
+fn halves(fixture: &Fixture, config: StoreConfig) -> (StoreControl, StoreData<CpuExecutor>) {
+    let (pool, _) = Pool::open(fixture.targets.clone(), Some(&geometry())).expect("open");
+    assert!(!pool.metadata_queue_shared(0), "the pool keeps its own metadata queue pair: the control half needs no lender");
+    let shape = pool.shape().expect("shape");
+    let executor = cpu_executor_for(&pool, 64, &config).expect("executor");
+    let control = StoreControl::new(pool, config.requests_max).expect("control");
+    let data = StoreData::new(shape, fixture.registration.clone(), fixture.dma.clone(), executor, config).expect("data");
+    (control, data)
+}
+
+/// The bytes of object (layer, kind) of the block with `key`.
+fn pattern(key: u64, layer: u32, kind: KvKind) -> Vec<u8> {
+    let object = geometry().object_bytes() as usize;
+    let salt = key ^ (u64::from(layer) << 8) ^ u64::from(kind == KvKind::Value);
+    (0..object).map(|i| (salt.wrapping_mul(0x9E37_79B9_7F4A_7C15).rotate_left((i % 61) as u32) >> 7) as u8 ^ i as u8).collect()
+}
+
+fn object(fixture: &Fixture, layer: u32, kind: KvKind, block: u32) -> DmaRegion {
+    let address = fixture.registration.object_address(layer, kind, block).unwrap();
+    fixture.dma.translate(address, geometry().object_bytes() as usize).unwrap()
+}
+
+fn fill(fixture: &Fixture, block: u32, key: u64) {
+    for layer in 0..geometry().layers {
+        for kind in [KvKind::Key, KvKind::Value] {
+            object(fixture, layer, kind, block).write(0, &pattern(key, layer, kind)).unwrap();
+        }
+    }
+}
+
+fn holds(fixture: &Fixture, block: u32, key: u64) -> bool {
+    let mut found = vec![0u8; geometry().object_bytes() as usize];
+    (0..geometry().layers).all(|layer| {
+        [KvKind::Key, KvKind::Value].into_iter().all(|kind| {
+            object(fixture, layer, kind, block).read(0, &mut found).unwrap();
+            found == pattern(key, layer, kind)
+        })
+    })
+}
+
+fn keys_of(tokens: &[u32]) -> Vec<u64> {
+    let mut keys = Vec::new();
+    block_keys_seeded(SEED, tokens, geometry().block_tokens, &mut keys);
+    keys
+}
+
+fn tokens(first: u32, blocks: usize) -> Vec<u32> {
+    (0..blocks as u32 * geometry().block_tokens).map(|i| first.wrapping_mul(7919).wrapping_add(i)).collect()
+}
+
+/// Stores `keys` from `blocks` through both halves, all layers; returns the handle, ready to
+/// commit.
+fn store_layers(control: &mut StoreControl, data: &mut StoreData<CpuExecutor>, keys: &[u64], blocks: &[u32]) -> RequestHandle {
+    let plan = control.reserve_store(keys, blocks, &mut NoLender).expect("reserve_store");
+    data.prepare(plan.handle, Direction::Store, control.placements(plan.handle).unwrap(), None).expect("prepare store");
+    for layer in 0..geometry().layers {
+        data.store_layer(plan.handle, layer, BUDGET).expect("store_layer");
+        assert_eq!(data.wait(plan.handle, deadline()).expect("wait"), Some(layer));
+    }
+    plan.handle
+}
+
+#[test]
+fn the_halves_apart_store_commit_look_up_and_retrieve_byte_exact() {
+    // Goal: a control half that never sees engine memory and a data half that never sees the
+    // pool, meeting only in handles, placements, the pool shape and CRCs, store three blocks
+    // (k = 2: one slot and a half), commit them durably with the CRCs the data half computed,
+    // find them by their seeded keys, and bring them back byte for byte into other engine
+    // blocks, verified against those CRCs; after a reopen the blocks are still there.
+    let fixture = fixture(2, None);
+    let config = StoreConfig { verify_retrieves: true, requests_max: 4, ..StoreConfig::default() };
+    let (mut control, mut data) = halves(&fixture, config);
+    let tokens = tokens(1, 3);
+    let keys = keys_of(&tokens);
+    let sources = [3, 4, 9];
+    for (&block, &key) in sources.iter().zip(&keys) {
+        fill(&fixture, block, key);
+    }
+    assert_eq!(control.lookup(&keys), 0);
+    let handle = store_layers(&mut control, &mut data, &keys, &sources);
+    assert_eq!(control.lookup(&keys), 0, "nothing is visible before commit");
+    let mut crcs = Vec::new();
+    data.payload_crcs(handle, &mut crcs).expect("payload CRCs");
+    assert_eq!(control.commit_store(handle, Some(&crcs), &mut NoLender).expect("commit"), 3);
+    data.finish(handle).expect("finish the data path");
+    assert_eq!(control.lookup(&keys), 3);
+    let mut unseeded = Vec::new();
+    crate::hash::block_keys(&tokens, geometry().block_tokens, &mut unseeded);
+    assert_eq!(control.lookup(&unseeded), 0, "another key space does not see them");
+
+    let targets = [12, 1, 7];
+    for &block in &targets {
+        object(&fixture, 0, KvKind::Key, block).fill(0, geometry().object_bytes() as usize, 0xEE).unwrap();
+    }
+    let handle = control.reserve_retrieve(&keys, &targets).expect("reserve_retrieve");
+    let mut expected = Vec::new();
+    control.recorded_payload_crcs(handle, &mut expected).expect("recorded CRCs");
+    assert_eq!(expected, crcs, "the CRCs recorded are the ones the data half computed");
+    data.prepare(handle, Direction::Retrieve, control.placements(handle).unwrap(), Some(&expected)).expect("prepare retrieve");
+    for layer in 0..geometry().layers {
+        data.retrieve_layer(handle, layer, BUDGET).expect("retrieve_layer");
+        assert_eq!(data.wait(handle, deadline()).expect("wait, verified at the last layer"), Some(layer));
+    }
+    for (&block, &key) in targets.iter().zip(&keys) {
+        assert!(holds(&fixture, block, key), "engine block {block} holds its key's bytes");
+    }
+    data.finish(handle).unwrap();
+    control.release(handle).unwrap();
+    assert!(data.close(), "every queue pair deleted");
+    drop(control.into_pool());
+    let (reopened, report) = Pool::open(fixture.targets.clone(), Some(&geometry())).expect("reopen");
+    assert_eq!((report.cached_blocks, reopened.index().cached_prefix(&keys)), (3, 3), "durable across a reopen");
+}
+
+#[test]
+fn the_data_half_refuses_placements_outside_its_shape_and_registration() {
+    // Goal: placements come over a socket in the daemon design, so each bad field is a typed
+    // error naming the placement, nothing is left prepared by a refusal (the same handle is
+    // then prepared fine), and a shape whose slots reach past the namespace is refused before
+    // anything is built. The control half likewise refuses a commit without one CRC per new
+    // block (keeping the reservation) and an eviction report for a slot its retrieve did not
+    // reserve.
+    let fixture = fixture(2, Some(8));
+    let config = StoreConfig { requests_max: 2, ..StoreConfig::default() };
+    let (mut control, mut data) = halves(&fixture, config);
+    let good = Placement { location: BlockLocation { device: 0, slot: 7, index: 1 }, engine_block: ENGINE_BLOCKS - 1 };
+    let handle = RequestHandle::from_bits(1);
+    let bad = [
+        Placement { location: BlockLocation { device: 1, ..good.location }, ..good },
+        Placement { location: BlockLocation { slot: 8, ..good.location }, ..good },
+        Placement { location: BlockLocation { index: 2, ..good.location }, ..good },
+    ];
+    for placement in bad {
+        match data.prepare(handle, Direction::Store, &[good, placement], None) {
+            Err(ObjstoreError::BadPlacement { position: 1, reason }) => eprintln!("refused: {reason}"),
+            other => panic!("{placement:?}: expected BadPlacement at position 1, got {other:?}"),
+        }
+    }
+    match data.prepare(handle, Direction::Store, &[Placement { engine_block: ENGINE_BLOCKS, ..good }], None) {
+        Err(ObjstoreError::BlockOutOfRange { block: ENGINE_BLOCKS, num_blocks: ENGINE_BLOCKS }) => {}
+        other => panic!("expected BlockOutOfRange, got {other:?}"),
+    }
+    match data.prepare(RequestHandle::from_bits(2 << 32 | 1), Direction::Store, &[good], None) {
+        Err(ObjstoreError::UnknownHandle { .. }) => {}
+        other => panic!("a handle past requests_max: expected UnknownHandle, got {other:?}"),
+    }
+    match data.store_layer(handle, 0, BUDGET) {
+        Err(ObjstoreError::UnknownHandle { .. }) => {}
+        other => panic!("nothing was prepared by the refusals, got {other:?}"),
+    }
+    data.prepare(handle, Direction::Store, &[good], None).expect("the same handle, a good placement");
+    match data.prepare(handle, Direction::Store, &[good], None) {
+        Err(ObjstoreError::HandleState { .. }) => {}
+        other => panic!("a second prepare of a live handle: expected HandleState, got {other:?}"),
+    }
+    data.finish(handle).unwrap();
+
+    let mut shape = control.pool().shape().unwrap();
+    shape.devices[0].slot_count += 1_000_000;
+    let executor = cpu_executor_for(control.pool(), 64, &config).expect("executor");
+    match StoreData::new(shape, fixture.registration.clone(), fixture.dma.clone(), executor, config) {
+        Err(ObjstoreError::InvalidPoolShape { reason }) => eprintln!("refused: {reason}"),
+        Err(other) => panic!("expected InvalidPoolShape, got {other:?}"),
+        Ok(_) => panic!("a shape past the namespace was accepted"),
+    }
+
+    let keys = keys_of(&tokens(2, 1));
+    fill(&fixture, 0, keys[0]);
+    let stored = store_layers(&mut control, &mut data, &keys, &[0]);
+    let mut crcs = Vec::new();
+    data.payload_crcs(stored, &mut crcs).unwrap();
+    for wrong in [None, Some(&crcs[..0])] {
+        match control.commit_store(stored, wrong, &mut NoLender) {
+            Err(ObjstoreError::BadRequest { reason }) => eprintln!("refused: {reason}"),
+            other => panic!("a commit with {wrong:?} CRCs on a pool that records them: expected BadRequest, got {other:?}"),
+        }
+    }
+    assert_eq!(control.lookup(&keys), 0, "a refused commit makes nothing visible");
+    control.commit_store(stored, Some(&crcs), &mut NoLender).expect("the refusals left the reservation to commit");
+    data.finish(stored).unwrap();
+    let retrieve = control.reserve_retrieve(&keys, &[1]).unwrap();
+    let placed = control.placements(retrieve).unwrap()[0].location;
+    let lie = crate::MismatchedBlock {
+        prefix_index: 0,
+        engine_block: 1,
+        device: placed.device,
+        slot: placed.slot + 1,
+        expected_crc: 0,
+        computed_crc: 1,
+    };
+    match control.evict_mismatched(retrieve, &[lie], &mut NoLender) {
+        Err(ObjstoreError::BadPlacement { position: 0, .. }) => {}
+        other => panic!("an eviction of a slot the retrieve did not reserve: expected BadPlacement, got {other:?}"),
+    }
+    control.release(retrieve).unwrap();
+    assert_eq!(control.lookup(&keys), 1, "the refused report evicted nothing");
+}
+
+#[test]
+fn a_reservation_released_without_commit_leaves_nothing_visible_and_frees_its_slots() {
+    // Goal: a store whose data was written but never committed (its engine process went
+    // away: tuttid releases its session) makes none of its blocks visible, now or after a
+    // reopen, and gives its slots back free — not committed, so reusing them evicts nothing.
+    let fixture = fixture(1, Some(4));
+    let config = StoreConfig { requests_max: 2, ..StoreConfig::default() };
+    let (mut control, mut data) = halves(&fixture, config);
+    let keys = keys_of(&tokens(3, 4));
+    for (block, &key) in keys.iter().enumerate() {
+        fill(&fixture, block as u32, key);
+    }
+    let handle = store_layers(&mut control, &mut data, &keys, &[0, 1, 2, 3]);
+    let other = keys_of(&tokens(4, 4));
+    match control.reserve_store(&other[..1], &[4], &mut NoLender) {
+        Err(ObjstoreError::PoolFull { .. }) => {}
+        other => panic!("the four slots are reserved: expected PoolFull, got {other:?}"),
+    }
+    data.finish(handle).unwrap();
+    control.release(handle).unwrap();
+    assert!(matches!(control.commit_store(handle, None, &mut NoLender), Err(ObjstoreError::UnknownHandle { .. })), "released is gone");
+    assert_eq!(control.lookup(&keys), 0, "nothing of the released store is visible");
+    assert_eq!(control.counts().cached_blocks, 0);
+    let plan = control.reserve_store(&other, &[4, 5, 6, 7], &mut NoLender).expect("the released slots are free again");
+    assert_eq!((plan.new_blocks, plan.evicted_slots), (4, 0), "free, not evicted");
+    control.release(plan.handle).unwrap();
+    drop(data);
+    drop(control.into_pool());
+    let (_, report) = Pool::open(fixture.targets.clone(), Some(&geometry())).expect("reopen");
+    assert_eq!((report.cached_blocks, report.valid_slots), (0, 0), "nothing durable either");
+    drop(fixture.region);
+}
+
+/// Stores then retrieves `tokens` through the layer-wise trait alone.
+fn round_trip_through(store: &mut dyn LayerKvStore, tokens: &[u32], sources: &[u32], targets: &[u32]) -> Result<usize> {
+    let plan = store.prepare_store(&KvRequest { tokens, block_ids: sources })?;
+    for layer in 0..geometry().layers {
+        store.store_layer(plan.handle, layer, BUDGET)?;
+        store.wait(plan.handle, deadline())?;
+    }
+    store.commit_store(plan.handle)?;
+    let cached = store.lookup(tokens);
+    let handle = store.prepare_retrieve(&KvRequest { tokens, block_ids: &targets[..cached] })?;
+    for layer in 0..geometry().layers {
+        store.retrieve_layer(handle, layer, BUDGET)?;
+        while !store.poll(handle)? {
+            std::thread::yield_now();
+        }
+    }
+    store.finish(handle)?;
+    Ok(cached)
+}
+
+#[test]
+fn an_in_process_store_serves_the_layer_wise_trait() {
+    // Goal: `KvStore` behind `dyn LayerKvStore` (how an engine integration will hold either
+    // it or the daemon's client) stores, commits, looks up and retrieves byte-exact.
+    let fixture = fixture(1, None);
+    let config = StoreConfig::default();
+    let (pool, _) = Pool::open(fixture.targets.clone(), Some(&geometry())).expect("open");
+    let executor = cpu_executor_for(&pool, 64, &config).expect("executor");
+    let mut store = KvStore::new(pool, fixture.registration.clone(), fixture.dma.clone(), executor, config).expect("store");
+    let tokens = tokens(5, 2);
+    let mut keys = Vec::new();
+    crate::hash::block_keys(&tokens, geometry().block_tokens, &mut keys);
+    fill(&fixture, 0, keys[0]);
+    fill(&fixture, 1, keys[1]);
+    assert_eq!(round_trip_through(&mut store, &tokens, &[0, 1], &[10, 11]).expect("round trip"), 2);
+    assert!(holds(&fixture, 10, keys[0]) && holds(&fixture, 11, keys[1]));
+}
