@@ -279,11 +279,13 @@ impl<E: Executor> Runtime<E> {
                     let mut engine_blocks = self.writes.take_list();
                     engine_blocks.extend_from_slice(&request.block_ids[hit..]);
                     let new_tokens = plan.new_blocks as u64 * u64::from(self.block_tokens);
+                    let iocbs_per_layer = iocbs_for(new_tokens, self.kv_bytes_per_token_per_layer, self.iocb_bytes).max(1);
                     self.writes.push(PendingStore {
                         request: id,
                         handle: plan.handle,
                         engine_blocks,
-                        iocbs_per_layer: iocbs_for(new_tokens, self.kv_bytes_per_token_per_layer, self.iocb_bytes).max(1),
+                        iocbs_per_layer,
+                        layer_cost_us: self.write_cost_us(iocbs_per_layer),
                         ready_layers: 0,
                         decided_layers: 0,
                         written_layers: 0,
@@ -394,7 +396,7 @@ impl<E: Executor> Runtime<E> {
                 self.policy.plan_layer(&view).map_err(|source| RuntimeError::Scheduler { policy: self.config.policy.name(), source })?;
             wait_for_all = plan.wait_for_all_reads;
             for issue in &plan.issues {
-                self.apply(issue);
+                self.apply(issue, None);
             }
         }
         self.pump()?;
@@ -481,7 +483,7 @@ impl<E: Executor> Runtime<E> {
         let issues =
             self.policy.plan_prefill_end(&view).map_err(|source| RuntimeError::Scheduler { policy: self.config.policy.name(), source })?;
         for issue in &issues {
-            self.apply(issue);
+            self.apply(issue, None);
         }
         self.progress()?;
         Ok(kv_wait)
@@ -515,8 +517,10 @@ impl<E: Executor> Runtime<E> {
         let view = queue_view(&self.profile, &self.reads, &self.writes, context_tokens);
         match self.policy.plan_decode_step(&view) {
             Ok(issues) => {
+                // The policy planned this step, so the table has it.
+                let window_us = self.profile.decode_step(context_tokens).map_or(0.0, |step| step.duration_us);
                 for issue in &issues {
-                    self.apply(issue);
+                    self.apply(issue, Some(window_us));
                 }
             }
             // A context the table has no step for: no slack is known, nothing is written.

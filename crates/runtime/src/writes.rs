@@ -21,6 +21,9 @@ pub(crate) struct PendingStore {
     pub engine_blocks: Vec<u32>,
     /// The policy's unit for one layer of this store.
     pub iocbs_per_layer: u32,
+    /// What writing one layer takes by the table's cost rows, as a kernel of its own: the store
+    /// hands a layer over only once the one before it completed, so each pays the latency.
+    pub layer_cost_us: f64,
     pub ready_layers: u32,
     pub decided_layers: u32,
     pub written_layers: u32,
@@ -38,9 +41,9 @@ pub(crate) struct WriteQueue {
     pub queued_blocks: usize,
     /// Block lists of finished stores, reused (no allocation per request once warm).
     spare_lists: Vec<Vec<u32>>,
-    /// Write IOCBs the policy granted that no whole layer has used yet, at most one head layer's
+    /// Write time the policy granted that no whole layer has used yet, at most one head layer's
     /// worth (see [`WriteQueue::decide`]).
-    granted_iocbs: u32,
+    granted_us: f64,
 }
 
 impl WriteQueue {
@@ -50,7 +53,7 @@ impl WriteQueue {
             holds: vec![0; engine_blocks as usize],
             queued_blocks: 0,
             spare_lists: Vec::with_capacity(stores_max),
-            granted_iocbs: 0,
+            granted_us: 0.0,
         }
     }
 
@@ -115,30 +118,33 @@ impl WriteQueue {
     }
 
     /// Releases the oldest ready layers for writing, as many whole layers as the policy's grants
-    /// cover: `iocb_count` now, plus what earlier grants left unused. A layer moves whole (the
-    /// store issues a layer's IOCBs together), so a grant smaller than the oldest layer is kept,
-    /// up to that layer's size, and the layer goes once the grants add up to it: the simulator
-    /// writes the granted bytes of a layer, and without the carry a layer larger than every
-    /// window would wait for the queue limit (then be forced onto a prefill's critical path).
-    /// The price: the layer may overrun the window it goes in by what that window's grant lacks.
-    /// Returns the layers released.
-    pub fn decide(&mut self, iocb_count: u32) -> u32 {
-        let mut available = self.granted_iocbs.saturating_add(iocb_count);
-        let mut released = 0;
-        'stores: for store in self.stores.iter_mut() {
-            while store.decided_layers < store.ready_layers {
-                if store.iocbs_per_layer > available {
-                    break 'stores; // oldest first: no younger write jumps ahead
-                }
-                available -= store.iocbs_per_layer;
-                store.decided_layers += 1;
-                released += 1;
-            }
+    /// cover. A grant is `grant_iocbs` IOCBs that take `grant_us` by the table as one kernel; a
+    /// layer costs its own [`PendingStore::layer_cost_us`] (latency included: layers go one
+    /// after another), so a window granted for k layers' bytes as one kernel releases fewer when
+    /// the k latencies do not fit. Outside decode steps, a grant covering every queued IOCB
+    /// releases everything queued (the policy asked for all of it, as naive and no-overlap do).
+    ///
+    /// A layer moves whole (the store issues a layer's IOCBs together), so time granted and not
+    /// used is kept, up to the oldest waiting layer's cost, and adds to the next grants: the
+    /// simulator writes the granted bytes of a layer, and without the carry a layer larger than
+    /// every window would wait for the queue limit (then be forced onto a prefill's critical
+    /// path). The price: such a layer overruns the window it goes in by what that window's grant
+    /// lacks. In a decode step (`decode_window_us`: the step's window) the carry only lets a layer
+    /// go that is larger than the whole window; a layer that a step could hold goes only into
+    /// room left by this step's own grant. Otherwise a layer released at the end of the last step, on carried
+    /// time, would still be in flight when the next request begins, and that request's first
+    /// read would wait behind it (the barrier). In a prefill window an overrun delays no read:
+    /// writes go once the request's reads are done. Returns the layers released.
+    pub fn decide(&mut self, grant_iocbs: u32, grant_us: f64, decode_window_us: Option<f64>) -> u32 {
+        if decode_window_us.is_none() && grant_iocbs >= self.queued_iocbs() {
+            let released = self.stores.iter().map(|store| store.ready_layers - store.decided_layers).sum();
+            self.decide_all();
+            self.granted_us = 0.0;
+            return released;
         }
-        let head_layer_iocbs =
-            self.stores.iter().find(|store| store.decided_layers < store.ready_layers).map_or(0, |store| store.iocbs_per_layer);
-        self.granted_iocbs = available.min(head_layer_iocbs);
-        released
+        let grant_us = if grant_us.is_finite() { grant_us.max(0.0) } else { 0.0 };
+        let stores = self.stores.iter_mut().map(|store| (&mut store.decided_layers, store.ready_layers, store.layer_cost_us));
+        release_layers(&mut self.granted_us, grant_us, decode_window_us, stores)
     }
 
     /// Releases every ready layer (forced drains, `finish`).
@@ -146,5 +152,68 @@ impl WriteQueue {
         for store in self.stores.iter_mut() {
             store.decided_layers = store.ready_layers;
         }
+    }
+}
+
+/// The release rule of [`WriteQueue::decide`] over each store's (decided layers, ready layers,
+/// cost of one layer), oldest first; `carried_us` is the time granted and not used yet.
+fn release_layers<'a>(
+    carried_us: &mut f64,
+    grant_us: f64,
+    decode_window_us: Option<f64>,
+    stores: impl Iterator<Item = (&'a mut u32, u32, f64)>,
+) -> u32 {
+    let mut available_us = *carried_us + grant_us;
+    let mut window_left_us = grant_us;
+    let mut released = 0;
+    let mut head_layer_cost_us = 0.0;
+    'stores: for (decided_layers, ready_layers, cost_us) in stores {
+        while *decided_layers < ready_layers {
+            let may_overrun = decode_window_us.is_none_or(|window_us| released == 0 && cost_us > window_us);
+            if cost_us > available_us || (cost_us > window_left_us && !may_overrun) {
+                head_layer_cost_us = cost_us;
+                break 'stores; // oldest first: no younger write jumps ahead
+            }
+            available_us -= cost_us;
+            window_left_us -= cost_us;
+            *decided_layers += 1;
+            released += 1;
+        }
+    }
+    *carried_us = available_us.min(head_layer_cost_us);
+    released
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One store of `ready` layers costing `cost_us` each; returns what each grant released.
+    fn releases(cost_us: f64, ready: u32, grants: &[(f64, Option<f64>)]) -> Vec<u32> {
+        let (mut carried_us, mut decided) = (0.0, 0);
+        grants
+            .iter()
+            .map(|&(grant_us, window_us)| {
+                release_layers(&mut carried_us, grant_us, window_us, std::iter::once((&mut decided, ready, cost_us)))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_decode_step_releases_only_layers_that_fit_its_own_grant() {
+        // Goal: 300 µs layers, 200 µs carried from a prefill window. A 1000 µs decode step takes
+        // 3 layers (900 µs), not a 4th on carried time, which would still be writing when the
+        // step ends (and the next request's first read would wait behind it); a prefill window
+        // of the same grant takes the 4th (its overrun delays no read).
+        assert_eq!(releases(300.0, 8, &[(200.0, None), (1000.0, Some(1000.0))]), vec![0, 3]);
+        assert_eq!(releases(300.0, 8, &[(200.0, None), (1000.0, None)]), vec![0, 4]);
+    }
+
+    #[test]
+    fn a_layer_larger_than_a_decode_window_goes_once_the_grants_add_up() {
+        // Goal: a 400 µs layer never fits a 300 µs decode step: the second step's grant plus the
+        // first's carry release it (overrunning), rather than leaving it to be forced; the next
+        // one goes on the 200 µs left plus the third grant.
+        assert_eq!(releases(400.0, 2, &[(300.0, Some(300.0)); 3]), vec![0, 1, 1]);
     }
 }

@@ -27,14 +27,23 @@ impl<E: Executor> Runtime<E> {
         self.reads.outstanding_iocbs()
     }
 
-    pub(super) fn apply(&mut self, issue: &Issue) {
+    /// Applies one decision of the policy. `decode_window_us`: the decode step's window, when
+    /// the decision is for one (a carried write may not overrun it: [`WriteQueue::decide`]).
+    pub(super) fn apply(&mut self, issue: &Issue, decode_window_us: Option<f64>) {
         match (issue.kind, issue.layer) {
             (IoKind::Read, Some(layer)) => self.decide_read(layer),
             (IoKind::Read, None) => {}
             (IoKind::Write, _) => {
-                self.writes.decide(issue.iocb_count);
+                let grant_us = self.write_cost_us(issue.iocb_count);
+                self.writes.decide(issue.iocb_count, grant_us, decode_window_us);
             }
         }
+    }
+
+    /// What `iocb_count` write IOCBs take as one kernel by the table's cost rows. A table without
+    /// write rows for the budget gives the count itself, for grants and layers alike.
+    pub(super) fn write_cost_us(&self, iocb_count: u32) -> f64 {
+        self.profile.io_duration_us(IoKind::Write, iocb_count, self.write_budget.0).unwrap_or(f64::from(iocb_count))
     }
 
     pub(super) fn decide_read(&mut self, layer: u32) {
