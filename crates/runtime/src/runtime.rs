@@ -285,7 +285,6 @@ impl<E: Executor> Runtime<E> {
                         handle: plan.handle,
                         engine_blocks,
                         iocbs_per_layer,
-                        layer_cost_us: self.write_cost_us(iocbs_per_layer),
                         ready_layers: 0,
                         decided_layers: 0,
                         written_layers: 0,
@@ -396,7 +395,7 @@ impl<E: Executor> Runtime<E> {
                 self.policy.plan_layer(&view).map_err(|source| RuntimeError::Scheduler { policy: self.config.policy.name(), source })?;
             wait_for_all = plan.wait_for_all_reads;
             for issue in &plan.issues {
-                self.apply(issue, None);
+                self.apply(issue);
             }
         }
         self.pump()?;
@@ -483,7 +482,7 @@ impl<E: Executor> Runtime<E> {
         let issues =
             self.policy.plan_prefill_end(&view).map_err(|source| RuntimeError::Scheduler { policy: self.config.policy.name(), source })?;
         for issue in &issues {
-            self.apply(issue, None);
+            self.apply(issue);
         }
         self.progress()?;
         Ok(kv_wait)
@@ -517,10 +516,8 @@ impl<E: Executor> Runtime<E> {
         let view = queue_view(&self.profile, &self.reads, &self.writes, context_tokens);
         match self.policy.plan_decode_step(&view) {
             Ok(issues) => {
-                // The policy planned this step, so the table has it.
-                let window_us = self.profile.decode_step(context_tokens).map_or(0.0, |step| step.duration_us);
                 for issue in &issues {
-                    self.apply(issue, Some(window_us));
+                    self.apply(issue);
                 }
             }
             // A context the table has no step for: no slack is known, nothing is written.

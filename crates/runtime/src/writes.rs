@@ -21,9 +21,6 @@ pub(crate) struct PendingStore {
     pub engine_blocks: Vec<u32>,
     /// The policy's unit for one layer of this store.
     pub iocbs_per_layer: u32,
-    /// What writing one layer takes by the table's cost rows, as a kernel of its own: the store
-    /// hands a layer over only once the one before it completed, so each pays the latency.
-    pub layer_cost_us: f64,
     pub ready_layers: u32,
     pub decided_layers: u32,
     pub written_layers: u32,
@@ -118,33 +115,30 @@ impl WriteQueue {
     }
 
     /// Releases the oldest ready layers for writing, as many whole layers as the policy's grants
-    /// cover. A grant is `grant_iocbs` IOCBs that take `grant_us` by the table as one kernel; a
-    /// layer costs its own [`PendingStore::layer_cost_us`] (latency included: layers go one
-    /// after another), so a window granted for k layers' bytes as one kernel releases fewer when
-    /// the k latencies do not fit. Outside decode steps, a grant covering every queued IOCB
-    /// releases everything queued (the policy asked for all of it, as naive and no-overlap do).
+    /// cover. `cost_us(n)` is what `n` write IOCBs take as one kernel by the table: a grant of
+    /// `grant_iocbs` is worth `cost_us(grant_iocbs)`, and each layer costs `cost_us` of its own
+    /// IOCBs, latency included, because the store hands a layer over only once the one before it
+    /// completed. So a window granted k layers' bytes as one kernel releases fewer layers when
+    /// their k latencies do not fit (before, they overran it: in the last decode step of a
+    /// request, into the next request, whose first read then waited behind them). A grant
+    /// covering every queued IOCB releases everything queued (the policy asked for all of it, as
+    /// naive and no-overlap do).
     ///
     /// A layer moves whole (the store issues a layer's IOCBs together), so time granted and not
     /// used is kept, up to the oldest waiting layer's cost, and adds to the next grants: the
     /// simulator writes the granted bytes of a layer, and without the carry a layer larger than
     /// every window would wait for the queue limit (then be forced onto a prefill's critical
     /// path). The price: such a layer overruns the window it goes in by what that window's grant
-    /// lacks. In a decode step (`decode_window_us`: the step's window) the carry only lets a layer
-    /// go that is larger than the whole window; a layer that a step could hold goes only into
-    /// room left by this step's own grant. Otherwise a layer released at the end of the last step, on carried
-    /// time, would still be in flight when the next request begins, and that request's first
-    /// read would wait behind it (the barrier). In a prefill window an overrun delays no read:
-    /// writes go once the request's reads are done. Returns the layers released.
-    pub fn decide(&mut self, grant_iocbs: u32, grant_us: f64, decode_window_us: Option<f64>) -> u32 {
-        if decode_window_us.is_none() && grant_iocbs >= self.queued_iocbs() {
+    /// lacks. Returns the layers released.
+    pub fn decide(&mut self, grant_iocbs: u32, cost_us: impl Fn(u32) -> f64) -> u32 {
+        if grant_iocbs >= self.queued_iocbs() {
             let released = self.stores.iter().map(|store| store.ready_layers - store.decided_layers).sum();
             self.decide_all();
             self.granted_us = 0.0;
             return released;
         }
-        let grant_us = if grant_us.is_finite() { grant_us.max(0.0) } else { 0.0 };
-        let stores = self.stores.iter_mut().map(|store| (&mut store.decided_layers, store.ready_layers, store.layer_cost_us));
-        release_layers(&mut self.granted_us, grant_us, decode_window_us, stores)
+        let stores = self.stores.iter_mut().map(|store| (&mut store.decided_layers, store.ready_layers, store.iocbs_per_layer));
+        release_layers(&mut self.granted_us, grant_iocbs, stores, cost_us)
     }
 
     /// Releases every ready layer (forced drains, `finish`).
@@ -156,26 +150,25 @@ impl WriteQueue {
 }
 
 /// The release rule of [`WriteQueue::decide`] over each store's (decided layers, ready layers,
-/// cost of one layer), oldest first; `carried_us` is the time granted and not used yet.
+/// IOCBs per layer), oldest first; `carried_us` is the time granted and not used yet.
 fn release_layers<'a>(
     carried_us: &mut f64,
-    grant_us: f64,
-    decode_window_us: Option<f64>,
-    stores: impl Iterator<Item = (&'a mut u32, u32, f64)>,
+    grant_iocbs: u32,
+    stores: impl Iterator<Item = (&'a mut u32, u32, u32)>,
+    cost_us: impl Fn(u32) -> f64,
 ) -> u32 {
-    let mut available_us = *carried_us + grant_us;
-    let mut window_left_us = grant_us;
+    let finite = |us: f64| if us.is_finite() { us.max(0.0) } else { 0.0 };
+    let mut available_us = *carried_us + finite(cost_us(grant_iocbs));
     let mut released = 0;
     let mut head_layer_cost_us = 0.0;
-    'stores: for (decided_layers, ready_layers, cost_us) in stores {
+    'stores: for (decided_layers, ready_layers, iocbs_per_layer) in stores {
+        let layer_cost_us = finite(cost_us(iocbs_per_layer));
         while *decided_layers < ready_layers {
-            let may_overrun = decode_window_us.is_none_or(|window_us| released == 0 && cost_us > window_us);
-            if cost_us > available_us || (cost_us > window_left_us && !may_overrun) {
-                head_layer_cost_us = cost_us;
+            if layer_cost_us > available_us {
+                head_layer_cost_us = layer_cost_us;
                 break 'stores; // oldest first: no younger write jumps ahead
             }
-            available_us -= cost_us;
-            window_left_us -= cost_us;
+            available_us -= layer_cost_us;
             *decided_layers += 1;
             released += 1;
         }
@@ -188,32 +181,21 @@ fn release_layers<'a>(
 mod tests {
     use super::*;
 
-    /// One store of `ready` layers costing `cost_us` each; returns what each grant released.
-    fn releases(cost_us: f64, ready: u32, grants: &[(f64, Option<f64>)]) -> Vec<u32> {
+    /// One store of `ready` layers of 2 IOCBs; `cost_us(n)` = 50 µs latency + 175 µs per IOCB.
+    /// Returns what each grant (in IOCBs) released.
+    fn releases(ready: u32, grants: &[u32]) -> Vec<u32> {
+        let cost_us = |iocbs: u32| 50.0 + 175.0 * f64::from(iocbs);
         let (mut carried_us, mut decided) = (0.0, 0);
-        grants
-            .iter()
-            .map(|&(grant_us, window_us)| {
-                release_layers(&mut carried_us, grant_us, window_us, std::iter::once((&mut decided, ready, cost_us)))
-            })
-            .collect()
+        grants.iter().map(|&grant| release_layers(&mut carried_us, grant, std::iter::once((&mut decided, ready, 2)), cost_us)).collect()
     }
 
     #[test]
-    fn a_decode_step_releases_only_layers_that_fit_its_own_grant() {
-        // Goal: 300 µs layers, 200 µs carried from a prefill window. A 1000 µs decode step takes
-        // 3 layers (900 µs), not a 4th on carried time, which would still be writing when the
-        // step ends (and the next request's first read would wait behind it); a prefill window
-        // of the same grant takes the 4th (its overrun delays no read).
-        assert_eq!(releases(300.0, 8, &[(200.0, None), (1000.0, Some(1000.0))]), vec![0, 3]);
-        assert_eq!(releases(300.0, 8, &[(200.0, None), (1000.0, None)]), vec![0, 4]);
-    }
-
-    #[test]
-    fn a_layer_larger_than_a_decode_window_goes_once_the_grants_add_up() {
-        // Goal: a 400 µs layer never fits a 300 µs decode step: the second step's grant plus the
-        // first's carry release it (overrunning), rather than leaving it to be forced; the next
-        // one goes on the 200 µs left plus the third grant.
-        assert_eq!(releases(400.0, 2, &[(300.0, Some(300.0)); 3]), vec![0, 1, 1]);
+    fn each_layer_pays_its_own_latency() {
+        // Goal: a grant of 8 IOCBs as one kernel (1450 µs) holds 3 layers of 2 IOCBs (400 µs
+        // each, latency included), not 4 (1600 µs: 150 µs past the window). The 250 µs left
+        // carry over: with the next 2-IOCB grant (400 µs) they release one layer, and the
+        // 250 µs left then are kept for the next.
+        assert_eq!(releases(8, &[8, 2, 0]), vec![3, 1, 0]);
+        assert_eq!(releases(8, &[1, 1]), vec![0, 1], "225 + 225 µs add up to a 400 µs layer");
     }
 }

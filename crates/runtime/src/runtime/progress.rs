@@ -27,23 +27,18 @@ impl<E: Executor> Runtime<E> {
         self.reads.outstanding_iocbs()
     }
 
-    /// Applies one decision of the policy. `decode_window_us`: the decode step's window, when
-    /// the decision is for one (a carried write may not overrun it: [`WriteQueue::decide`]).
-    pub(super) fn apply(&mut self, issue: &Issue, decode_window_us: Option<f64>) {
+    pub(super) fn apply(&mut self, issue: &Issue) {
         match (issue.kind, issue.layer) {
             (IoKind::Read, Some(layer)) => self.decide_read(layer),
             (IoKind::Read, None) => {}
             (IoKind::Write, _) => {
-                let grant_us = self.write_cost_us(issue.iocb_count);
-                self.writes.decide(issue.iocb_count, grant_us, decode_window_us);
+                let (profile, budget) = (&self.profile, self.write_budget.0);
+                // A table without write rows for the budget: the count itself, for grants and
+                // layers alike (the IOCB-counting rule, latency not included).
+                self.writes
+                    .decide(issue.iocb_count, |iocbs| profile.io_duration_us(IoKind::Write, iocbs, budget).unwrap_or(f64::from(iocbs)));
             }
         }
-    }
-
-    /// What `iocb_count` write IOCBs take as one kernel by the table's cost rows. A table without
-    /// write rows for the budget gives the count itself, for grants and layers alike.
-    pub(super) fn write_cost_us(&self, iocb_count: u32) -> f64 {
-        self.profile.io_duration_us(IoKind::Write, iocb_count, self.write_budget.0).unwrap_or(f64::from(iocb_count))
     }
 
     pub(super) fn decide_read(&mut self, layer: u32) {
