@@ -305,7 +305,7 @@ impl Executor for CpuWorkers {
             }
             for (index, worker) in self.workers.iter().enumerate() {
                 if ioctx_index.range(id, index).1 == 0 {
-                    continue; // owns none of this IOCB's IOCTXs
+                    continue; // dealt none of this IOCB's IOCTXs
                 }
                 worker.sender.try_send(Message::Iocb(header)).map_err(|error| GioError::Executor {
                     executor: "cpu-workers",
