@@ -1,10 +1,20 @@
-//! The CPU executor with worker threads: each worker owns the NVMe queue pairs of some devices
-//! (no locks between workers on the I/O path) and plays the part of a thread block.
+//! The CPU executor with worker threads: each worker owns its NVMe queue pairs, at most one per
+//! device (no locks between workers on the I/O path), and plays the part of a thread block.
 //!
-//! When an IOCB is filled, its IOCTXs are grouped by the worker owning their device
-//! ([`crate::ioctx_index`]). `submit` (on the caller's thread) takes the IOCB ids off the gio SQ
-//! and hands each IOCB, over a bounded channel allocated at start-up, to the workers that own at
-//! least one of its IOCTXs. A worker submits exactly its group of IOCTXs, without scanning the
+//! **The SM budget is the number of workers.** A device may be served by several workers, each
+//! through a queue pair of its own. When `submit` (on the caller's thread) takes a batch's IOCB
+//! ids off the gio SQ, each IOCB's IOCTXs are dealt to workers: those of device `d` go
+//! round-robin (starting at the IOCB id, so that one-IOCTX IOCBs of a batch spread too) over the
+//! first `min(budget, n)` of the `n` workers serving `d`, in worker order. So with every worker
+//! serving every device, budget `b` puts exactly `min(b, workers)` threads on the batch and the
+//! rest idle, as a GPU kernel of `b` blocks would; with each device served by one worker (a
+//! partition), the budget cannot go below the workers owning the devices touched: no queue pair
+//! moves between threads. The grouping per worker ([`crate::ioctx_index`]) is built at the first
+//! issue of a filled IOCB and rebuilt only when an issue brings another budget, so reissuing
+//! with the same budget does no per-IOCTX work.
+//!
+//! Each IOCB goes, over a bounded channel allocated at start-up, to the workers dealt at least
+//! one of its IOCTXs. A worker submits exactly its group of IOCTXs, without scanning the
 //! others, and reaps its own queues. IOCTXs of one IOCB may be spread over several workers:
 //! completion counting is the shared-memory protocol of [`crate::executor::complete_ioctx`] (atomic
 //! counter, compare-and-swap on the first failure and on the final status), so whichever worker
@@ -52,14 +62,21 @@ struct Worker {
 pub struct CpuWorkers {
     /// Queue pairs per worker until `attach` moves them into the worker threads.
     assignments: Vec<Vec<Option<IoQueuePair>>>,
-    /// The worker owning each device index.
-    owner: Vec<usize>,
-    /// The NVMe queue depth of each device's queue pair (fresh ones for `reset` match it).
-    queue_depths: Vec<u32>,
-    /// Built by `attach`; each IOCB's group per worker is written by `prepared`.
+    /// Per device index, the workers holding a queue pair on it, in increasing order.
+    servers: Vec<Vec<usize>>,
+    /// Every queue pair as (worker, device, NVMe queue depth), by worker then device: the order
+    /// of `served_queue_depths` and of `reset`'s fresh pairs (which match the depth).
+    served: Vec<(usize, usize, u32)>,
+    /// Built by `attach`; each IOCB's group per worker is written by `submit`.
     index: Option<Arc<IoctxIndex>>,
     /// Scratch of one counter per worker for building the index.
     counts: Vec<u32>,
+    /// Per IOCB, the SM budget its index group was built for (0: not built since it was filled).
+    built_for_budget: Vec<u32>,
+    /// Scratch: the worker each IOCTX of the IOCB being dealt goes to (sized by `attach`).
+    dealt_to: Vec<usize>,
+    /// Scratch: per device, IOCTXs of the IOCB being dealt so far.
+    dealt: Vec<u32>,
     workers: Vec<Worker>,
     depth: u32,
     /// The first error a worker hit, reported by `poll`. `poll` reads only the flag; the lock
@@ -99,33 +116,75 @@ impl std::fmt::Debug for CpuWorkers {
 }
 
 impl CpuWorkers {
-    /// `workers[w]` lists the (device index, queue pair) that worker `w` owns. Every device index
-    /// of `0..device_count` must be owned by exactly one worker. `depth` is the gio queue depth.
+    /// `workers[w]` lists the (device index, queue pair) that worker `w` owns: at most one
+    /// queue pair per device and worker; every device index of `0..device_count` needs at least
+    /// one worker. Give every worker a queue pair on every device for the SM budget to set the
+    /// number of threads exactly (module documentation). `depth` is the gio queue depth.
     pub fn new(device_count: usize, workers: Vec<Vec<(DeviceIndex, IoQueuePair)>>, depth: u32) -> Result<Self, GioError> {
-        let mut owner: Vec<Option<usize>> = vec![None; device_count];
-        let mut queue_depths = vec![0; device_count];
+        let mut servers: Vec<Vec<usize>> = vec![Vec::new(); device_count];
+        let mut served = Vec::new();
         let mut assignments = Vec::with_capacity(workers.len());
         for (worker, queues) in workers.into_iter().enumerate() {
             let mut slots: Vec<Option<IoQueuePair>> = (0..device_count).map(|_| None).collect();
             for (device, queue) in queues {
                 let index = usize::from(device.0);
-                let slot = owner.get_mut(index).ok_or_else(|| GioError::InvalidConfig {
+                let slot = slots.get_mut(index).ok_or_else(|| GioError::InvalidConfig {
                     reason: format!("worker {worker} owns {device}, outside the {device_count} devices"),
                 })?;
-                if let Some(other) = slot.replace(worker) {
-                    return Err(GioError::InvalidConfig { reason: format!("{device} owned by workers {other} and {worker}") });
+                if slot.is_some() {
+                    return Err(GioError::InvalidConfig { reason: format!("worker {worker} has two queue pairs on {device}") });
                 }
-                queue_depths[index] = queue.depth();
-                slots[index] = Some(queue);
+                servers[index].push(worker);
+                *slot = Some(queue);
             }
+            served.extend(slots.iter().enumerate().filter_map(|(device, slot)| slot.as_ref().map(|queue| (worker, device, queue.depth()))));
             assignments.push(slots);
         }
-        if let Some(device) = owner.iter().position(Option::is_none) {
+        if let Some(device) = servers.iter().position(Vec::is_empty) {
             return Err(GioError::InvalidConfig { reason: format!("device {device} has no worker") });
         }
-        let owner = owner.into_iter().flatten().collect();
         let counts = vec![0; assignments.len()];
-        Ok(Self { assignments, owner, queue_depths, index: None, counts, workers: Vec::new(), depth, failure: Arc::default() })
+        Ok(Self {
+            assignments,
+            servers,
+            served,
+            index: None,
+            counts,
+            built_for_budget: Vec::new(),
+            dealt_to: Vec::new(),
+            dealt: vec![0; device_count],
+            workers: Vec::new(),
+            depth,
+            failure: Arc::default(),
+        })
+    }
+
+    /// Deals IOCB `header`'s IOCTXs to workers for an issue on `budget` SMs (module
+    /// documentation) into `dealt_to`. An IOCTX naming a device outside the table goes to
+    /// worker 0, which fails it as invalid.
+    fn deal(&mut self, memory: &QueueMemory, header: &IocbHeader, budget: usize) -> Result<(), GioError> {
+        let count = header.ioctx_count as usize;
+        if count > self.dealt_to.len() {
+            return Err(GioError::Executor {
+                executor: "cpu-workers",
+                reason: format!("IOCB {} holds {count} IOCTXs, above the queue's maximum {}", header.id, self.dealt_to.len()),
+            });
+        }
+        self.dealt.fill(header.id);
+        for (index, slot) in self.dealt_to[..count].iter_mut().enumerate() {
+            let device = usize::from(memory.read_ioctx(header.ioctx_first + index as u32).device_index);
+            *slot = match (self.servers.get(device), self.dealt.get_mut(device)) {
+                (Some(servers), Some(dealt)) => {
+                    // `servers` is never empty (checked by `new`) and the budget is at least 1.
+                    let sharing = servers.len().min(budget).max(1);
+                    let worker = servers[*dealt as usize % sharing];
+                    *dealt = dealt.wrapping_add(1);
+                    worker
+                }
+                _ => 0,
+            };
+        }
+        Ok(())
     }
 
     /// Acts on one message; `false` when the worker must stop.
@@ -190,6 +249,8 @@ impl Executor for CpuWorkers {
         let config = memory.layout.config;
         let ioctx_index = Arc::new(IoctxIndex::new(config.depth, config.ioctx_per_iocb_max, self.counts.len()));
         self.index = Some(Arc::clone(&ioctx_index));
+        self.dealt_to = vec![0; config.ioctx_per_iocb_max as usize];
+        self.built_for_budget = vec![0; config.depth as usize];
         for (index, queues) in std::mem::take(&mut self.assignments).into_iter().enumerate() {
             let (sender, receiver) = mpsc::sync_channel(capacity);
             let core = CpuExecutor::for_devices(queues, self.depth, Some((Arc::clone(&ioctx_index), index)));
@@ -204,10 +265,13 @@ impl Executor for CpuWorkers {
         Ok(())
     }
 
-    fn prepared(&mut self, memory: &QueueMemory, id: IocbId) -> Result<(), GioError> {
-        let index =
-            self.index.as_ref().ok_or_else(|| GioError::Executor { executor: "cpu-workers", reason: "not attached to a queue".into() })?;
-        index.build(memory, id, &self.owner, &mut self.counts);
+    fn prepared(&mut self, _memory: &QueueMemory, id: IocbId) -> Result<(), GioError> {
+        // Refilled: its IOCTXs (and their devices) may have changed; deal them at the next issue.
+        let built = self
+            .built_for_budget
+            .get_mut(id.0 as usize)
+            .ok_or_else(|| GioError::Executor { executor: "cpu-workers", reason: format!("{id} is outside the pool (not attached?)") })?;
+        *built = 0;
         Ok(())
     }
 
@@ -223,18 +287,25 @@ impl Executor for CpuWorkers {
                 reason: format!("SQ at {} with {} entries does not hold batch {batch:?}", consumer.head(), consumer.len()),
             });
         }
+        let Some(ioctx_index) = self.index.clone() else {
+            return Err(GioError::Executor { executor: "cpu-workers", reason: "not attached to a queue".into() });
+        };
+        let budget = batch.sm_budget.0;
         for _ in 0..batch.count {
             let Some(id) = consumer.next() else { break };
             if id.0 >= memory.layout.config.depth {
                 return Err(GioError::Executor { executor: "cpu-workers", reason: format!("SQ names {id}, outside the pool") });
             }
             let header = memory.read_iocb_header(id);
-            let Some(ioctx_index) = &self.index else {
-                return Err(GioError::Executor { executor: "cpu-workers", reason: "not attached to a queue".into() });
-            };
+            if self.built_for_budget[id.0 as usize] != budget {
+                // The IOCB's previous issue has completed: no worker reads its group any more.
+                self.deal(memory, &header, budget as usize)?;
+                ioctx_index.build(id, &self.dealt_to[..header.ioctx_count as usize], &mut self.counts);
+                self.built_for_budget[id.0 as usize] = budget;
+            }
             for (index, worker) in self.workers.iter().enumerate() {
                 if ioctx_index.range(id, index).1 == 0 {
-                    continue; // owns none of this IOCB's IOCTXs
+                    continue; // dealt none of this IOCB's IOCTXs
                 }
                 worker.sender.try_send(Message::Iocb(header)).map_err(|error| GioError::Executor {
                     executor: "cpu-workers",
@@ -257,24 +328,27 @@ impl Executor for CpuWorkers {
 }
 
 impl crate::executor::QueuePairReset for CpuWorkers {
+    /// One entry per queue pair, by worker then device (a device served by several workers
+    /// appears once for each).
     fn served_queue_depths(&self) -> Vec<(usize, u32)> {
-        self.queue_depths.iter().copied().enumerate().collect()
+        self.served.iter().map(|&(_, device, depth)| (device, depth)).collect()
     }
 
     /// Every worker deletes and replaces its own queue pairs (on its thread, between polls);
-    /// only when all have, are the IOCBs still in flight ended. `fresh[d]` serves device `d`.
+    /// only when all have, are the IOCBs still in flight ended. `fresh` follows
+    /// `served_queue_depths`.
     fn reset(&mut self, memory: &QueueMemory, fresh: Vec<IoQueuePair>) -> Result<usize, GioError> {
-        if fresh.len() != self.owner.len() {
+        if fresh.len() != self.served.len() {
             return Err(GioError::InvalidConfig {
-                reason: format!("reset needs {} fresh queue pairs, got {}", self.owner.len(), fresh.len()),
+                reason: format!("reset needs {} fresh queue pairs, got {}", self.served.len(), fresh.len()),
             });
         }
         if self.workers.is_empty() {
             return Err(GioError::Executor { executor: "cpu-workers", reason: "not attached to a queue".into() });
         }
         let mut per_worker: Vec<Vec<IoQueuePair>> = (0..self.workers.len()).map(|_| Vec::new()).collect();
-        for (device, queue) in fresh.into_iter().enumerate() {
-            per_worker[self.owner[device]].push(queue); // increasing device order per worker
+        for (&(worker, _, _), queue) in self.served.iter().zip(fresh) {
+            per_worker[worker].push(queue); // increasing device order per worker
         }
         // Tell every worker, then wait for every one told (even after a failure: a worker that
         // got the message replaces its pairs regardless, and its outcome must be heard).

@@ -1,17 +1,18 @@
-//! Which IOCTXs of an IOCB each CPU worker owns, built once when the IOCB is filled, so that a
-//! worker handed an IOCB goes straight to its own IOCTXs instead of scanning all of them, and a
-//! worker that owns none is not handed the IOCB at all.
+//! Which IOCTXs of an IOCB each CPU worker takes, built when the IOCB is issued (the SM budget of
+//! the issue decides how many workers share it), so that a worker handed an IOCB goes straight
+//! to its own IOCTXs instead of scanning all of them, and a worker dealt none is not handed the
+//! IOCB at all.
 //!
-//! Layout: per IOCB, its IOCTX indices grouped by worker (a counting sort by the owner of each
-//! IOCTX's device) in `order`, and per (IOCB, worker) the group's start and length in `ranges`.
-//! Everything is allocated at start-up. The caller's thread writes an IOCB's entries in
-//! `fill_iocb`, when no worker uses them (an IOCB is refilled only after its completion, and a
-//! worker stops reading its group once its IOCTXs are submitted). The channel that hands the IOCB
-//! to a worker orders those writes before the worker's reads, so Relaxed accesses suffice.
+//! Layout: per IOCB, its IOCTX indices grouped by worker (a counting sort by the worker each
+//! IOCTX was dealt) in `order`, and per (IOCB, worker) the group's start and length in `ranges`.
+//! Everything is allocated at start-up. The caller's thread writes an IOCB's entries when it
+//! issues the IOCB, when no worker uses them (an IOCB is reissued only after its completion, and
+//! a worker stops reading its group once its IOCTXs are submitted, before they can complete).
+//! The channel that hands the IOCB to a worker orders those writes before the worker's reads, so
+//! Relaxed accesses suffice.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use crate::layout::QueueMemory;
 use crate::types::IocbId;
 
 #[derive(Debug)]
@@ -33,18 +34,13 @@ impl IoctxIndex {
         }
     }
 
-    /// Groups IOCB `id`'s IOCTXs by the worker that owns their device (`owner[device]`; an
-    /// out-of-range device goes to worker 0, which fails it as invalid). `counts` is scratch of
-    /// one entry per worker.
-    pub(crate) fn build(&self, memory: &QueueMemory, id: IocbId, owner: &[usize], counts: &mut [u32]) {
-        let header = memory.read_iocb_header(id);
-        let worker_of = |index: u32| {
-            let device = usize::from(memory.read_ioctx(header.ioctx_first + index).device_index);
-            owner.get(device).copied().unwrap_or(0)
-        };
+    /// Groups IOCB `id`'s IOCTXs by the worker each was dealt: `assigned[i]` is IOCTX `i`'s
+    /// worker (`assigned.len()` is the IOCB's IOCTX count; every entry below the worker count).
+    /// `counts` is scratch of one entry per worker.
+    pub(crate) fn build(&self, id: IocbId, assigned: &[usize], counts: &mut [u32]) {
         counts.fill(0);
-        for index in 0..header.ioctx_count {
-            counts[worker_of(index)] += 1;
+        for &worker in assigned {
+            counts[worker] += 1;
         }
         let ranges = id.0 as usize * self.workers * 2;
         let mut start = 0u32;
@@ -56,9 +52,8 @@ impl IoctxIndex {
             start = next;
         }
         let order = id.0 as usize * self.ioctx_per_iocb_max;
-        for index in 0..header.ioctx_count {
-            let worker = worker_of(index);
-            self.order[order + counts[worker] as usize].store(index, Ordering::Relaxed);
+        for (index, &worker) in assigned.iter().enumerate() {
+            self.order[order + counts[worker] as usize].store(index as u32, Ordering::Relaxed);
             counts[worker] += 1;
         }
     }
@@ -78,48 +73,14 @@ impl IoctxIndex {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::abi::gio_ioctx;
-    use crate::layout::{IocbHeader, QueueConfig};
 
     #[test]
-    fn ioctxs_are_grouped_by_the_worker_owning_their_device() {
-        // Goal: devices 0,1,2,0,2 with owners [1, 0, 1] give worker 0 IOCTX 1 and worker 1
-        // IOCTXs 0, 2, 3, 4 in their original order; a worker with no device gets nothing.
-        let memory = QueueMemory::new(QueueConfig { depth: 2, ioctx_per_iocb_max: 8 }).unwrap();
+    fn ioctxs_are_grouped_by_the_worker_they_were_dealt() {
+        // Goal: IOCTXs dealt to workers [1, 0, 1, 1, 1] give worker 0 IOCTX 1 and worker 1
+        // IOCTXs 0, 2, 3, 4 in their original order; a worker dealt nothing gets an empty group.
         let id = IocbId(1);
-        let first = memory.layout.ioctx_first(id);
-        for (index, device) in [0u16, 1, 2, 0, 2].into_iter().enumerate() {
-            let ioctx = gio_ioctx {
-                desc_iova: 0,
-                data_iova: 0,
-                start_lba: 0,
-                nsid: 1,
-                block_count: 1,
-                data_bytes: 512,
-                desc_bytes: 0,
-                device_index: device,
-                descriptor_kind: 0,
-                flags: 0,
-                reserved0: 0,
-            };
-            memory.write_ioctx(first + index as u32, &ioctx);
-        }
-        let header = IocbHeader {
-            id: 1,
-            ioctx_count: 5,
-            ioctx_first: first,
-            layer_count: 1,
-            layer: 0,
-            issue_seq: 0,
-            opcode: 2,
-            user_data: 0,
-            lba_stride_blocks: 0,
-            mem_stride_bytes: 0,
-            desc_stride_bytes: 0,
-        };
-        memory.write_iocb_header(id, &header);
         let index = IoctxIndex::new(2, 8, 3);
-        index.build(&memory, id, &[1, 0, 1], &mut [0; 3]);
+        index.build(id, &[1, 0, 1, 1, 1], &mut [0; 3]);
         let group = |worker| {
             let (start, len) = index.range(id, worker);
             (start..start + len).map(|position| index.ioctx_at(id, position)).collect::<Vec<_>>()
@@ -127,5 +88,8 @@ mod tests {
         assert_eq!(group(0), vec![1]);
         assert_eq!(group(1), vec![0, 2, 3, 4]);
         assert_eq!(group(2), Vec::<u32>::new());
+        // Rebuilt for another issue of the same IOCB (another SM budget), the groups follow.
+        index.build(id, &[0, 0, 2, 0, 2], &mut [0; 3]);
+        assert_eq!((group(0), group(1), group(2)), (vec![0, 1, 3], vec![], vec![2, 4]));
     }
 }

@@ -39,6 +39,18 @@ fn rig(sgl: bool, queue_pairs: u16, nvme_depth: u32) -> Rig {
 }
 
 fn rig_with<E: Executor>(sgl: bool, queue_pairs: u16, nvme_depth: u32, executor: impl FnOnce(Vec<IoQueuePair>) -> E) -> Rig<E> {
+    rig_on_devices(sgl, queue_pairs, queue_pairs, nvme_depth, executor)
+}
+
+/// As [`rig_with`], with `gio_devices` gio device entries (all namespace 1 of the one
+/// controller) instead of one per queue pair.
+fn rig_on_devices<E: Executor>(
+    sgl: bool,
+    gio_devices: u16,
+    queue_pairs: u16,
+    nvme_depth: u32,
+    executor: impl FnOnce(Vec<IoQueuePair>) -> E,
+) -> Rig<E> {
     let config = EmuConfig::default()
         .with_backing(Backing::Memory { bytes: 8 << 20 })
         .with_namespaces(vec![NamespaceConfig::new(BLOCK_BYTES, Some(4 << 20))])
@@ -58,7 +70,7 @@ fn rig_with<E: Executor>(sgl: bool, queue_pairs: u16, nvme_depth: u32, executor:
         block_bytes: namespace.block_size_bytes,
         sgl_supported: sgl,
     };
-    let devices = DeviceTable::new(vec![info; usize::from(queue_pairs)]);
+    let devices = DeviceTable::new(vec![info; usize::from(gio_devices)]);
     let registered =
         RegisteredMemory::new([&source, &target].iter().map(|region| IovaRange::new(region.iova(), region.len() as u64)).collect())
             .unwrap();
@@ -234,6 +246,67 @@ fn two_worker_threads_share_iocbs_and_move_the_same_bytes() {
         CpuWorkers::new(2, workers, 16).unwrap()
     });
     round_trip(&mut rig, true, 2);
+}
+
+#[test]
+fn the_sm_budget_sets_how_many_worker_threads_take_a_layer() {
+    // Goal: four worker threads, each with a queue pair of its own on the one device: a layer
+    // issued on SM budget b goes through exactly min(b, 4) of those queue pairs (one per worker
+    // thread; the others idle), the bytes are right whichever threads moved them, and a reset
+    // replaces every worker's pair.
+    const WORKERS: u16 = 4;
+    let mut rig = rig_on_devices(true, 1, WORKERS, 64, |queues| {
+        let workers = queues.into_iter().map(|queue| vec![(DeviceIndex(0), queue)]).collect();
+        CpuWorkers::new(1, workers, 16).unwrap()
+    });
+    let data = pattern(rig.source.len());
+    rig.source.write(0, &data).unwrap();
+    let ids = rig.queue.get_iocb(2, Dependency::None).unwrap();
+    let (write, read) = (ids[0], ids[1]);
+    rig.queue.fill_iocb(write, &layered(Opcode::Write), &ioctxs(&rig.source, true, 1)).unwrap();
+    rig.queue.fill_iocb(read, &layered(Opcode::Read), &ioctxs(&rig.target, true, 1)).unwrap();
+    // I/O queue ids 1..=WORKERS, one per worker, in creation order.
+    let per_queue = |rig: &Rig<CpuWorkers>| (1..=WORKERS).map(|queue| rig.device.stats().commands_on_queue(queue)).collect::<Vec<_>>();
+    let issue = |rig: &mut Rig<CpuWorkers>, id: IocbId, layer: u32, budget: u32| {
+        let before = per_queue(rig);
+        rig.queue.issue_io(&[id], LayerIndex(layer), SmBudget(budget)).unwrap();
+        assert_eq!(rig.queue.wait_cqe(id, deadline()).unwrap().result, Ok(()), "layer {layer}, budget {budget}");
+        let used: Vec<u64> = per_queue(rig).iter().zip(&before).map(|(after, before)| after - before).collect();
+        assert_eq!(used.iter().sum::<u64>(), u64::from(IOCTXS), "every IOCTX is one command: {used:?}");
+        used.iter().filter(|&&commands| commands > 0).count() as u32
+    };
+    for (layer, budget) in [(0, 1), (1, 2), (2, 3), (3, 8)] {
+        assert_eq!(issue(&mut rig, write, layer, budget), budget.min(u32::from(WORKERS)), "write layer {layer}, budget {budget}");
+    }
+    assert_ssd_layout(&rig.controller, &data);
+    {
+        let served = gio_uring::QueuePairReset::served_queue_depths(rig.queue.executor());
+        assert_eq!(served, vec![(0, 64); usize::from(WORKERS)], "one entry per worker's queue pair");
+        let fresh = (0..WORKERS).map(|_| rig.controller.create_io_queue_pair(64).unwrap()).collect();
+        let (executor, memory) = rig.queue.executor_and_memory();
+        assert_eq!(gio_uring::QueuePairReset::reset(executor, memory, fresh).unwrap(), 0, "nothing was in flight");
+    }
+    let replaced =
+        |rig: &Rig<CpuWorkers>| (WORKERS + 1..=2 * WORKERS).map(|queue| rig.device.stats().commands_on_queue(queue)).sum::<u64>();
+    for (layer, budget) in [(0, 4), (1, 1), (2, 2), (3, 4)] {
+        let before = replaced(&rig);
+        rig.queue.issue_io(&[read], LayerIndex(layer), SmBudget(budget)).unwrap();
+        assert_eq!(rig.queue.wait_cqe(read, deadline()).unwrap().result, Ok(()), "read layer {layer}, budget {budget}");
+        assert_eq!(replaced(&rig) - before, u64::from(IOCTXS), "the reads went through the fresh queue pairs");
+    }
+    let mut back = vec![0u8; data.len()];
+    rig.target.read(0, &mut back).unwrap();
+    assert!(back == data, "bytes read back differ from bytes written");
+}
+
+#[test]
+fn a_worker_with_two_queue_pairs_on_one_device_is_a_configuration_error() {
+    let _rig = rig_on_devices(true, 1, 3, 8, |mut queues| {
+        let kept = queues.pop().expect("three queue pairs");
+        let doubled = vec![queues.into_iter().map(|queue| (DeviceIndex(0), queue)).collect()];
+        assert!(matches!(CpuWorkers::new(1, doubled, 16), Err(GioError::InvalidConfig { .. })));
+        CpuWorkers::new(1, vec![vec![(DeviceIndex(0), kept)]], 16).unwrap()
+    });
 }
 
 #[test]

@@ -279,11 +279,12 @@ impl<E: Executor> Runtime<E> {
                     let mut engine_blocks = self.writes.take_list();
                     engine_blocks.extend_from_slice(&request.block_ids[hit..]);
                     let new_tokens = plan.new_blocks as u64 * u64::from(self.block_tokens);
+                    let iocbs_per_layer = iocbs_for(new_tokens, self.kv_bytes_per_token_per_layer, self.iocb_bytes).max(1);
                     self.writes.push(PendingStore {
                         request: id,
                         handle: plan.handle,
                         engine_blocks,
-                        iocbs_per_layer: iocbs_for(new_tokens, self.kv_bytes_per_token_per_layer, self.iocb_bytes).max(1),
+                        iocbs_per_layer,
                         ready_layers: 0,
                         decided_layers: 0,
                         written_layers: 0,

@@ -38,9 +38,9 @@ pub(crate) struct WriteQueue {
     pub queued_blocks: usize,
     /// Block lists of finished stores, reused (no allocation per request once warm).
     spare_lists: Vec<Vec<u32>>,
-    /// Write IOCBs the policy granted that no whole layer has used yet, at most one head layer's
+    /// Write time the policy granted that no whole layer has used yet, at most one head layer's
     /// worth (see [`WriteQueue::decide`]).
-    granted_iocbs: u32,
+    granted_us: f64,
 }
 
 impl WriteQueue {
@@ -50,7 +50,7 @@ impl WriteQueue {
             holds: vec![0; engine_blocks as usize],
             queued_blocks: 0,
             spare_lists: Vec::with_capacity(stores_max),
-            granted_iocbs: 0,
+            granted_us: 0.0,
         }
     }
 
@@ -115,30 +115,30 @@ impl WriteQueue {
     }
 
     /// Releases the oldest ready layers for writing, as many whole layers as the policy's grants
-    /// cover: `iocb_count` now, plus what earlier grants left unused. A layer moves whole (the
-    /// store issues a layer's IOCBs together), so a grant smaller than the oldest layer is kept,
-    /// up to that layer's size, and the layer goes once the grants add up to it: the simulator
-    /// writes the granted bytes of a layer, and without the carry a layer larger than every
-    /// window would wait for the queue limit (then be forced onto a prefill's critical path).
-    /// The price: the layer may overrun the window it goes in by what that window's grant lacks.
-    /// Returns the layers released.
-    pub fn decide(&mut self, iocb_count: u32) -> u32 {
-        let mut available = self.granted_iocbs.saturating_add(iocb_count);
-        let mut released = 0;
-        'stores: for store in self.stores.iter_mut() {
-            while store.decided_layers < store.ready_layers {
-                if store.iocbs_per_layer > available {
-                    break 'stores; // oldest first: no younger write jumps ahead
-                }
-                available -= store.iocbs_per_layer;
-                store.decided_layers += 1;
-                released += 1;
-            }
+    /// cover. `cost_us(n)` is what `n` write IOCBs take as one kernel by the table: a grant of
+    /// `grant_iocbs` is worth `cost_us(grant_iocbs)`, and each layer costs `cost_us` of its own
+    /// IOCBs, latency included, because the store hands a layer over only once the one before it
+    /// completed. So a window granted k layers' bytes as one kernel releases fewer layers when
+    /// their k latencies do not fit (before, they overran it: in the last decode step of a
+    /// request, into the next request, whose first read then waited behind them). A grant
+    /// covering every queued IOCB releases everything queued (the policy asked for all of it, as
+    /// naive and no-overlap do).
+    ///
+    /// A layer moves whole (the store issues a layer's IOCBs together), so time granted and not
+    /// used is kept, up to the oldest waiting layer's cost, and adds to the next grants: the
+    /// simulator writes the granted bytes of a layer, and without the carry a layer larger than
+    /// every window would wait for the queue limit (then be forced onto a prefill's critical
+    /// path). The price: such a layer overruns the window it goes in by what that window's grant
+    /// lacks. Returns the layers released.
+    pub fn decide(&mut self, grant_iocbs: u32, cost_us: impl Fn(u32) -> f64) -> u32 {
+        if grant_iocbs >= self.queued_iocbs() {
+            let released = self.stores.iter().map(|store| store.ready_layers - store.decided_layers).sum();
+            self.decide_all();
+            self.granted_us = 0.0;
+            return released;
         }
-        let head_layer_iocbs =
-            self.stores.iter().find(|store| store.decided_layers < store.ready_layers).map_or(0, |store| store.iocbs_per_layer);
-        self.granted_iocbs = available.min(head_layer_iocbs);
-        released
+        let stores = self.stores.iter_mut().map(|store| (&mut store.decided_layers, store.ready_layers, store.iocbs_per_layer));
+        release_layers(&mut self.granted_us, grant_iocbs, stores, cost_us)
     }
 
     /// Releases every ready layer (forced drains, `finish`).
@@ -146,5 +146,56 @@ impl WriteQueue {
         for store in self.stores.iter_mut() {
             store.decided_layers = store.ready_layers;
         }
+    }
+}
+
+/// The release rule of [`WriteQueue::decide`] over each store's (decided layers, ready layers,
+/// IOCBs per layer), oldest first; `carried_us` is the time granted and not used yet.
+fn release_layers<'a>(
+    carried_us: &mut f64,
+    grant_iocbs: u32,
+    stores: impl Iterator<Item = (&'a mut u32, u32, u32)>,
+    cost_us: impl Fn(u32) -> f64,
+) -> u32 {
+    let finite = |us: f64| if us.is_finite() { us.max(0.0) } else { 0.0 };
+    let mut available_us = *carried_us + finite(cost_us(grant_iocbs));
+    let mut released = 0;
+    let mut head_layer_cost_us = 0.0;
+    'stores: for (decided_layers, ready_layers, iocbs_per_layer) in stores {
+        let layer_cost_us = finite(cost_us(iocbs_per_layer));
+        while *decided_layers < ready_layers {
+            if layer_cost_us > available_us {
+                head_layer_cost_us = layer_cost_us;
+                break 'stores; // oldest first: no younger write jumps ahead
+            }
+            available_us -= layer_cost_us;
+            *decided_layers += 1;
+            released += 1;
+        }
+    }
+    *carried_us = available_us.min(head_layer_cost_us);
+    released
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One store of `ready` layers of 2 IOCBs; `cost_us(n)` = 50 µs latency + 175 µs per IOCB.
+    /// Returns what each grant (in IOCBs) released.
+    fn releases(ready: u32, grants: &[u32]) -> Vec<u32> {
+        let cost_us = |iocbs: u32| 50.0 + 175.0 * f64::from(iocbs);
+        let (mut carried_us, mut decided) = (0.0, 0);
+        grants.iter().map(|&grant| release_layers(&mut carried_us, grant, std::iter::once((&mut decided, ready, 2)), cost_us)).collect()
+    }
+
+    #[test]
+    fn each_layer_pays_its_own_latency() {
+        // Goal: a grant of 8 IOCBs as one kernel (1450 µs) holds 3 layers of 2 IOCBs (400 µs
+        // each, latency included), not 4 (1600 µs: 150 µs past the window). The 250 µs left
+        // carry over: with the next 2-IOCB grant (400 µs) they release one layer, and the
+        // 250 µs left then are kept for the next.
+        assert_eq!(releases(8, &[8, 2, 0]), vec![3, 1, 0]);
+        assert_eq!(releases(8, &[1, 1]), vec![0, 1], "225 + 225 µs add up to a 400 µs layer");
     }
 }

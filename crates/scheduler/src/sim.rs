@@ -10,7 +10,9 @@
 //! - I/O: each issued kernel is a FIFO job of its direction on the SSD set; its rate is the
 //!   aggregate direction bandwidth, capped by its SM budget, times the mixed-traffic fraction
 //!   whenever the other direction transfers at the same moment. A kernel pays the command latency
-//!   when its direction was idle. A kernel's IOCBs complete together when its last byte lands.
+//!   when its direction was idle, and also behind another one unless
+//!   [`SimConfig::queued_kernels_hide_latency`] says the SSD already holds its commands. A
+//!   kernel's IOCBs complete together when its last byte lands.
 //! - The new tokens' KV of a layer becomes writable when the layer ends; what is not written
 //!   when the run ends is the *write backlog*.
 //!
@@ -48,6 +50,12 @@ pub struct SimConfig {
     pub iocb_bytes: u64,
     /// Decode steps simulated after the first token (their slack takes deferred writes).
     pub decode_step_count: u32,
+    /// Whether a kernel queued behind another of its direction hides its command latency (its
+    /// commands already wait in the SSD's queue while the one ahead transfers). `false` models a
+    /// runtime that hands a direction's next kernel to the device only once the one ahead has
+    /// completed, as `tutti-runtime` over the object store does (one layer per request in
+    /// flight: the store reissues the same IOCBs per layer), so every kernel pays the latency.
+    pub queued_kernels_hide_latency: bool,
 }
 
 /// What one run produced.
@@ -395,9 +403,11 @@ impl<'a> Sim<'a> {
                     break;
                 }
                 let Some(job) = queue.pop_front() else { break };
-                // The next kernel was already queued behind this one: its latency overlapped.
+                // The next kernel was already queued behind this one: its latency overlapped
+                // (unless the runtime hands it over only now).
+                let hide_latency = self.config.queued_kernels_hide_latency;
                 if let Some(next) = queue.front_mut() {
-                    if next.release_us <= until_us {
+                    if hide_latency && next.release_us <= until_us {
                         next.latency_left_us = 0.0;
                     }
                 }

@@ -144,7 +144,7 @@ pub fn hit_rate_sweep(
     let mut results = Vec::new();
     for &kind in policies {
         for prefix_tokens in profile.prefix_lengths(input_tokens) {
-            let config = SimConfig { input_tokens, prefix_tokens, iocb_bytes, decode_step_count };
+            let config = SimConfig { input_tokens, prefix_tokens, iocb_bytes, decode_step_count, queued_kernels_hide_latency: true };
             let mut policy = kind.build();
             results.push(simulate(profile, profile, ssd, &config, policy.as_mut())?);
         }
@@ -170,7 +170,7 @@ pub fn prefix_length_sweep(
     for &kind in policies {
         for input_tokens in profile.input_lengths() {
             let prefix_tokens = ((f64::from(input_tokens) * hit_rate) as u32 / step) * step;
-            let config = SimConfig { input_tokens, prefix_tokens, iocb_bytes, decode_step_count };
+            let config = SimConfig { input_tokens, prefix_tokens, iocb_bytes, decode_step_count, queued_kernels_hide_latency: true };
             let mut policy = kind.build();
             results.push(simulate(profile, profile, ssd, &config, policy.as_mut())?);
         }

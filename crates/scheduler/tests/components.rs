@@ -5,7 +5,7 @@ mod common;
 
 use scheduler::analytic::{build_table, layer_kernels, AnalyticGrid, GpuSpec, ModelConfig};
 use scheduler::import::import_timeline;
-use scheduler::policy::{IoPolicy, Issue, LayerPlan, LayerView, QueueView};
+use scheduler::policy::{IoPolicy, Issue, LayerPlan, LayerView, NoOverlap, QueueView};
 use scheduler::probe::{measure_io_costs, IoCostProbe, IoGrid, ProbeSample};
 use scheduler::sim::{simulate, simulate_with_backlog, SimConfig};
 use scheduler::ssd::SsdModel;
@@ -151,7 +151,8 @@ impl IoPolicy for Scripted {
 fn simulator_matches_a_hand_worked_schedule() {
     let table = Profile::from_table(common::table()).unwrap();
     // 2048 tokens, 1024 cached: 1 MiB to read and 1 MiB to write per layer, 1 IOCB each.
-    let config = SimConfig { input_tokens: 2048, prefix_tokens: 1024, iocb_bytes: 1 << 20, decode_step_count: 0 };
+    let config =
+        SimConfig { input_tokens: 2048, prefix_tokens: 1024, iocb_bytes: 1 << 20, decode_step_count: 0, queued_kernels_hide_latency: true };
     let r = simulate(&table, &table, &toy_ssd(), &config, &mut Scripted).unwrap();
     // Layer 0: read lands at 50 + 200 = 250; attention wanted it at 100 -> 150 µs bubble.
     // Layer 1 starts at 1150: write (0.5 × rate: 800 µs) and reads of layers 2, 3 (0.5 × rate:
@@ -166,13 +167,31 @@ fn simulator_matches_a_hand_worked_schedule() {
     assert_eq!(r.write_backlog_bytes_at_end, 3 << 20);
 }
 
+/// Goal: with `queued_kernels_hide_latency` off (a runtime that hands a direction's next kernel
+/// to the SSD only once the one ahead completed, as tutti-runtime does), every kernel pays the
+/// command latency; on, only the first of a back-to-back run does.
+#[test]
+fn kernels_handed_over_one_at_a_time_each_pay_the_latency() {
+    let table = Profile::from_table(common::table()).unwrap();
+    let hidden =
+        SimConfig { input_tokens: 2048, prefix_tokens: 1024, iocb_bytes: 1 << 20, decode_step_count: 0, queued_kernels_hide_latency: true };
+    let serial = SimConfig { queued_kernels_hide_latency: false, ..hidden };
+    // No-overlap reads all 4 layers (1 MiB, 200 µs each) before layer 0 and waits for them.
+    let queued = simulate(&table, &table, &toy_ssd(), &hidden, &mut NoOverlap).unwrap();
+    let one_at_a_time = simulate(&table, &table, &toy_ssd(), &serial, &mut NoOverlap).unwrap();
+    assert!((queued.bubble_us - (50.0 + 4.0 * 200.0)).abs() < 1e-6, "{queued:?}");
+    assert!((one_at_a_time.bubble_us - 4.0 * (50.0 + 200.0)).abs() < 1e-6, "{one_at_a_time:?}");
+    assert!((one_at_a_time.ttft_us - queued.ttft_us - 3.0 * 50.0).abs() < 1e-6);
+}
+
 /// Goal: writes queued by earlier requests are carried in: the policy sees them from time 0, they
 /// are written oldest first, and what is left at the end includes them (a runtime's write queue
 /// outlives its requests; the live serve workload carries it from request to request).
 #[test]
 fn a_carried_write_backlog_is_queued_from_the_start_and_counted() {
     let table = Profile::from_table(common::table()).unwrap();
-    let config = SimConfig { input_tokens: 2048, prefix_tokens: 1024, iocb_bytes: 1 << 20, decode_step_count: 0 };
+    let config =
+        SimConfig { input_tokens: 2048, prefix_tokens: 1024, iocb_bytes: 1 << 20, decode_step_count: 0, queued_kernels_hide_latency: true };
     let r = simulate_with_backlog(&table, &table, &toy_ssd(), &config, &mut WritesOneIocb, 2 << 20).unwrap();
     // The one write IOCB issued before layer 1 takes 1 MiB of the 2 MiB backlog; this request's
     // own 4 MiB of new KV (1 MiB per layer) all stays queued: 2 + 4 - 1 = 5 MiB.
@@ -213,7 +232,13 @@ impl IoPolicy for WritesOneIocb {
 fn zero_prefix_means_no_reads_and_no_bubble() {
     let table = Profile::from_table(common::table()).unwrap();
     for kind in scheduler::policy::PolicyKind::ALL {
-        let config = SimConfig { input_tokens: 1024, prefix_tokens: 0, iocb_bytes: 1 << 20, decode_step_count: 4 };
+        let config = SimConfig {
+            input_tokens: 1024,
+            prefix_tokens: 0,
+            iocb_bytes: 1 << 20,
+            decode_step_count: 4,
+            queued_kernels_hide_latency: true,
+        };
         let r = simulate(&table, &table, &toy_ssd(), &config, kind.build().as_mut()).unwrap();
         assert_eq!(r.bubble_us, 0.0, "{kind:?}");
         assert_eq!(r.ttft_us, 4000.0, "{kind:?}");
@@ -263,7 +288,8 @@ impl IoPolicy for OverIssues {
 #[test]
 fn broken_policies_are_reported() {
     let table = Profile::from_table(common::table()).unwrap();
-    let config = SimConfig { input_tokens: 2048, prefix_tokens: 1024, iocb_bytes: 1 << 20, decode_step_count: 0 };
+    let config =
+        SimConfig { input_tokens: 2048, prefix_tokens: 1024, iocb_bytes: 1 << 20, decode_step_count: 0, queued_kernels_hide_latency: true };
     let error = simulate(&table, &table, &toy_ssd(), &config, &mut NeverReads).unwrap_err();
     assert!(matches!(error, SchedulerError::InvalidDecision { policy: "never-reads", .. }), "{error}");
     let error = simulate(&table, &table, &toy_ssd(), &config, &mut OverIssues).unwrap_err();

@@ -177,7 +177,13 @@ fn coarse_table_still_reaches_the_bound() {
     let scheduler_table = coarse.build_profile().unwrap();
     let mut results = Vec::new();
     for prefix_tokens in truth.prefix_lengths(fine.input_tokens) {
-        let config = SimConfig { input_tokens: fine.input_tokens, prefix_tokens, iocb_bytes: fine.iocb_bytes, decode_step_count: 0 };
+        let config = SimConfig {
+            input_tokens: fine.input_tokens,
+            prefix_tokens,
+            iocb_bytes: fine.iocb_bytes,
+            decode_step_count: 0,
+            queued_kernels_hide_latency: true,
+        };
         let mut policy = PolicyKind::SlackAware.build();
         let r = simulate(&truth, &scheduler_table, &fine.ssd, &config, policy.as_mut()).unwrap();
         assert_eq!(r.mixed_io_us, 0.0, "{r:?}");
@@ -208,7 +214,13 @@ fn underestimated_slack_is_safe() {
     let truth = Profile::from_table(slower).unwrap();
     let mut results = Vec::new();
     for prefix_tokens in truth.prefix_lengths(p.input_tokens) {
-        let config = SimConfig { input_tokens: p.input_tokens, prefix_tokens, iocb_bytes: p.iocb_bytes, decode_step_count: 0 };
+        let config = SimConfig {
+            input_tokens: p.input_tokens,
+            prefix_tokens,
+            iocb_bytes: p.iocb_bytes,
+            decode_step_count: 0,
+            queued_kernels_hide_latency: true,
+        };
         let mut policy = PolicyKind::SlackAware.build();
         let r = simulate(&truth, &scheduler_table, &p.ssd, &config, policy.as_mut()).unwrap();
         assert_eq!(r.mixed_io_us, 0.0, "{r:?}");

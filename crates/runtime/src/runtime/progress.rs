@@ -32,7 +32,11 @@ impl<E: Executor> Runtime<E> {
             (IoKind::Read, Some(layer)) => self.decide_read(layer),
             (IoKind::Read, None) => {}
             (IoKind::Write, _) => {
-                self.writes.decide(issue.iocb_count);
+                let (profile, budget) = (&self.profile, self.write_budget.0);
+                // A table without write rows for the budget: the count itself, for grants and
+                // layers alike (the IOCB-counting rule, latency not included).
+                self.writes
+                    .decide(issue.iocb_count, |iocbs| profile.io_duration_us(IoKind::Write, iocbs, budget).unwrap_or(f64::from(iocbs)));
             }
         }
     }

@@ -83,6 +83,10 @@ pub fn predict(
             prefix_tokens: served.cached_tokens as u32,
             iocb_bytes: plan.model.iocb_bytes,
             decode_step_count: plan.stream.decode_steps,
+            // The live runtime hands a direction's next layer over only when the one ahead
+            // completed: every layer pays the command latency (docs/scheduler.md, "Live vs
+            // simulated").
+            queued_kernels_hide_latency: false,
         };
         let mut policy = policy.kind().build();
         let result = simulate_with_backlog(profile, profile, &plan.model.ssd, &config, policy.as_mut(), backlog_bytes)?;
