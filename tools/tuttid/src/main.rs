@@ -131,6 +131,10 @@ fn serve(cli: &Cli) -> Result<()> {
         emu_create_bytes: cli.emu_create_bytes,
         format,
         lock_dir: cli.lock_dir.clone(),
+        // One queue pair per client on each software controller (each is one pool device).
+        client_queue_pairs: u16::try_from(cli.clients_max)
+            .map_err(|_| Unusable(format!("--clients-max {} is over 65533", cli.clients_max)))?
+            .min(65533),
     };
     let opened = open_pool(&options).map_err(classify)?;
     let report = opened.report;

@@ -1,0 +1,216 @@
+//! The store path through tuttid, across processes: client processes (this test binary run
+//! again, see `store_child_entry`) store and retrieve KV blocks through their own queue pairs
+//! while the daemon owns the pool; tensor-parallel ranks stay apart and the scheduler's
+//! all-ranks lookup sees a prefix only once every rank has it; a client killed with SIGKILL
+//! loses only its own uncommitted work; bad requests get typed errors; a stray command is
+//! refused by the software controller. Every wait is bounded.
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::Child;
+use std::time::{Duration, Instant};
+
+use gio_uring::SmBudget;
+use objstore::{KvRequest, LayerKvStore};
+use tutti_daemon::client::{RemoteConfig, RemoteKvStore};
+use tutti_daemon::protocol::StatusReply;
+
+mod common;
+use common::{hello, spawn_child, wait_bounded, Daemon, WAIT};
+
+const CHILD_ENV: &str = "TUTTID_STORE_CHILD";
+/// Blocks each test prompt stores.
+const BLOCKS: usize = 6;
+
+fn memory_daemon(directory: &Path) -> Daemon {
+    Daemon::start(directory, "emu:mem:64m", &["--format"])
+}
+
+/// The tokens of prompt `seed`: `BLOCKS` full blocks of `block_tokens` and a partial one.
+fn prompt(seed: u32, block_tokens: u32) -> Vec<u32> {
+    (0..(BLOCKS as u32 * block_tokens + 3)).map(|token| token.wrapping_mul(2_654_435_761) ^ seed).collect()
+}
+
+/// The byte at `offset` of prompt block `block` as rank `rank` stores it: differs per rank,
+/// block, prompt and offset (so per layer and per K/V half too).
+fn pattern_byte(seed: u32, rank: u32, block: usize, offset: usize) -> u8 {
+    let mixed =
+        (offset as u32).wrapping_mul(0x9E37_79B1) ^ (block as u32).wrapping_mul(0x85EB_CA6B) ^ rank.wrapping_mul(0xC2B2_AE35) ^ seed;
+    (mixed >> 13) as u8 ^ (mixed as u8)
+}
+
+fn connect(socket: &Path, rank: u32, world: u32) -> RemoteKvStore {
+    let config = RemoteConfig { kv_blocks: 2 * BLOCKS as u32, ..RemoteConfig::default() };
+    RemoteKvStore::connect(socket, &hello(rank, world, &format!("rank-{rank}-of-{world}")), &config).expect("attach a remote store")
+}
+
+fn layers(store: &mut RemoteKvStore) -> u32 {
+    store.data_mut().shape().geometry.layers
+}
+
+/// Stores prompt `seed`'s blocks from engine blocks 0..BLOCKS with rank `rank`'s pattern,
+/// layer by layer; checks no request went to the daemon per layer. Returns the plan's new
+/// blocks; commits unless `commit` is false (then returns with the store prepared).
+fn store_prompt(store: &mut RemoteKvStore, seed: u32, rank: u32, stop_before: Option<&str>) -> usize {
+    let block_tokens = store.hello_reply().shape.block_tokens;
+    let tokens = prompt(seed, block_tokens);
+    let block_bytes = store.block_bytes() as usize;
+    for block in 0..BLOCKS {
+        let bytes: Vec<u8> = (0..block_bytes).map(|offset| pattern_byte(seed, rank, block, offset)).collect();
+        store.write_block(block as u32, 0, &bytes).unwrap();
+    }
+    let block_ids: Vec<u32> = (0..BLOCKS as u32).collect();
+    let plan = store.prepare_store(&KvRequest { tokens: &tokens, block_ids: &block_ids }).expect("prepare_store");
+    if stop_before == Some("prepared") {
+        return plan.new_blocks;
+    }
+    let sent = store.requests_sent();
+    let deadline = Instant::now() + WAIT;
+    for layer in 0..layers(store) {
+        store.store_layer(plan.handle, layer, SmBudget(1)).expect("store_layer");
+        if stop_before == Some("layer-in-flight") {
+            return plan.new_blocks;
+        }
+        assert_eq!(store.wait(plan.handle, deadline).expect("wait"), Some(layer));
+    }
+    assert_eq!(store.requests_sent(), sent, "the per-layer path sent requests to the daemon");
+    assert_eq!(store.commit_store(plan.handle).expect("commit"), plan.new_blocks);
+    plan.new_blocks
+}
+
+/// Looks prompt `seed` up and retrieves it into engine blocks in reverse order; checks every
+/// byte against rank `rank`'s pattern and that no request went to the daemon per layer.
+fn retrieve_prompt(store: &mut RemoteKvStore, seed: u32, rank: u32) -> usize {
+    let block_tokens = store.hello_reply().shape.block_tokens;
+    let tokens = prompt(seed, block_tokens);
+    let cached = store.lookup(&tokens);
+    assert_eq!(cached, BLOCKS, "rank {rank}: the whole prompt is cached");
+    let block_bytes = store.block_bytes() as usize;
+    // Engine blocks 2B-1 down to B: other blocks than the ones stored from, cleared first.
+    let block_ids: Vec<u32> = (0..BLOCKS as u32).map(|i| 2 * BLOCKS as u32 - 1 - i).collect();
+    for &block in &block_ids {
+        store.write_block(block, 0, &vec![0u8; block_bytes]).unwrap();
+    }
+    let handle = store.prepare_retrieve(&KvRequest { tokens: &tokens, block_ids: &block_ids }).expect("prepare_retrieve");
+    let sent = store.requests_sent();
+    let deadline = Instant::now() + WAIT;
+    for layer in 0..layers(store) {
+        store.retrieve_layer(handle, layer, SmBudget(1)).expect("retrieve_layer");
+        assert_eq!(store.wait(handle, deadline).expect("wait"), Some(layer));
+    }
+    assert_eq!(store.requests_sent(), sent, "the per-layer path sent requests to the daemon");
+    store.finish(handle).expect("finish");
+    let mut wrong = 0usize;
+    let mut bytes = vec![0u8; block_bytes];
+    for (prompt_block, &engine_block) in block_ids.iter().enumerate() {
+        store.read_block(engine_block, 0, &mut bytes).unwrap();
+        wrong += bytes.iter().enumerate().filter(|&(offset, &byte)| byte != pattern_byte(seed, rank, prompt_block, offset)).count();
+    }
+    assert_eq!(wrong, 0, "rank {rank}: {wrong} wrong bytes retrieved");
+    BLOCKS
+}
+
+/// A client process's part, selected by `TUTTID_STORE_CHILD` = "ROLE SOCKET RANK WORLD SEED";
+/// a no-op as an ordinary test. Prints one `CHILD ...` line when done (or parked).
+#[test]
+fn store_child_entry() {
+    let Ok(role) = std::env::var(CHILD_ENV) else { return };
+    let words: Vec<&str> = role.split(' ').collect();
+    let socket = Path::new(words[1]);
+    let (rank, world, seed): (u32, u32, u32) = (words[2].parse().unwrap(), words[3].parse().unwrap(), words[4].parse().unwrap());
+    let mut store = connect(socket, rank, world);
+    match words[0] {
+        "store" => println!("CHILD stored {}", store_prompt(&mut store, seed, rank, None)),
+        "retrieve" => println!("CHILD retrieved {}", retrieve_prompt(&mut store, seed, rank)),
+        "lookup" => {
+            let tokens = prompt(seed, store.hello_reply().shape.block_tokens);
+            println!("CHILD cached {}", store.lookup(&tokens));
+        }
+        "scheduler" => {
+            let tokens = prompt(seed, store.hello_reply().shape.block_tokens);
+            println!("CHILD all-ranks {}", store.lookup_all_ranks(&tokens).unwrap());
+        }
+        stop @ ("prepared" | "layer-in-flight") => {
+            store_prompt(&mut store, seed, rank, Some(stop));
+            println!("CHILD parked");
+            use std::io::Write;
+            std::io::stdout().flush().unwrap();
+            // Parked until the parent kills it; bounded so a lost parent cannot leave it behind.
+            std::thread::sleep(WAIT);
+        }
+        other => panic!("unknown child role {other}"),
+    }
+}
+
+/// Runs a client process to its `CHILD` line and its exit; returns the line's last word.
+fn run_child(socket: &Path, role: &str, rank: u32, world: u32, seed: u32) -> String {
+    let mut child = start_child(socket, role, rank, world, seed);
+    let answer = child_line(&mut child);
+    let status = wait_bounded(&mut child);
+    assert!(status.success(), "child {role} rank {rank}/{world} exited with {status}");
+    answer
+}
+
+fn start_child(socket: &Path, role: &str, rank: u32, world: u32, seed: u32) -> Child {
+    spawn_child("store_child_entry", CHILD_ENV, &format!("{role} {} {rank} {world} {seed}", socket.display()))
+}
+
+/// The last word of the child's `CHILD` line (bounded: a child that dies first fails the test).
+fn child_line(child: &mut Child) -> String {
+    let stdout = child.stdout.take().unwrap();
+    let (sender, receiver) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            // libtest may print "test store_child_entry ... " before it on the same line.
+            match line.find("CHILD ").map(|at| &line[at + "CHILD ".len()..]) {
+                Some(rest) => {
+                    let _ = sender.send(rest.rsplit(' ').next().unwrap_or_default().to_string());
+                }
+                // The child's own test output (a failure's message): shown with the parent's.
+                None => eprintln!("child: {line}"),
+            }
+        }
+    });
+    receiver.recv_timeout(WAIT).expect("the child printed no CHILD line")
+}
+
+fn status(daemon: &Daemon) -> StatusReply {
+    daemon.client().status().unwrap()
+}
+
+/// Polls status until `done` holds (bounded), and returns it.
+fn status_when(daemon: &Daemon, what: &str, done: impl Fn(&StatusReply) -> bool) -> StatusReply {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let status = status(daemon);
+        if done(&status) {
+            return status;
+        }
+        assert!(Instant::now() < deadline, "{what}: not within {WAIT:?}: {status:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Nothing held: no session but the status query's, no pinned or writing slot, no request in
+/// flight, no leaked queue pair.
+fn assert_idle(status: &StatusReply) {
+    assert!(status.clients.is_empty(), "sessions left: {:?}", status.clients);
+    assert_eq!((status.pool.pinned_slots, status.pool.writing_slots), (0, 0), "{:?}", status.pool);
+    assert_eq!(status.leaked_queue_pairs, 0);
+}
+
+#[test]
+fn blocks_stored_by_one_process_are_retrieved_byte_exact_by_another() {
+    // Goal: process A stores a prompt's blocks (a pattern per block, layer and byte) through
+    // its own queue pair and commits; process B (same rank, another process) finds them all
+    // and retrieves them byte-exact into other engine blocks; neither sends a request per
+    // layer; afterwards nothing is pinned or held and both sessions are gone.
+    let directory = tempfile::tempdir().unwrap();
+    let daemon = memory_daemon(directory.path());
+    assert_eq!(run_child(&daemon.socket, "store", 0, 1, 11), BLOCKS.to_string());
+    let after_store = status(&daemon);
+    assert_eq!(after_store.pool.cached_blocks, BLOCKS as u64);
+    assert_eq!(run_child(&daemon.socket, "retrieve", 0, 1, 11), BLOCKS.to_string());
+    assert_idle(&status_when(&daemon, "both sessions gone", |status| status.clients.is_empty()));
+}
