@@ -214,3 +214,58 @@ fn blocks_stored_by_one_process_are_retrieved_byte_exact_by_another() {
     assert_eq!(run_child(&daemon.socket, "retrieve", 0, 1, 11), BLOCKS.to_string());
     assert_idle(&status_when(&daemon, "both sessions gone", |status| status.clients.is_empty()));
 }
+
+#[test]
+fn a_client_killed_before_commit_leaves_nothing_behind() {
+    // Goal: a client killed with SIGKILL after prepare_store (its slots reserved) and one killed
+    // with a layer in flight: the daemon notices (EOF), deletes its queue pairs (none leaked),
+    // releases its reservation (no slot pinned or being written), nothing of its store is
+    // visible, and another client then stores the same prompt in full and reads it back.
+    let directory = tempfile::tempdir().unwrap();
+    let daemon = memory_daemon(directory.path());
+    for (round, stop) in ["prepared", "layer-in-flight"].into_iter().enumerate() {
+        let seed = 20 + round as u32;
+        let mut child = start_child(&daemon.socket, stop, 0, 1, seed);
+        assert_eq!(child_line(&mut child), "parked", "{stop}");
+        let held = status(&daemon);
+        assert_eq!(held.clients.len(), 1, "{stop}: {held:?}");
+        assert_eq!((held.clients[0].queue_pairs, held.clients[0].requests_in_flight), (1, 1), "{stop}");
+        assert!(held.pool.writing_slots > 0, "{stop}: the store's slots are reserved: {:?}", held.pool);
+        child.kill().unwrap();
+        let _ = child.wait();
+        let after = status_when(&daemon, "the killed client's session ends", |status| status.clients.is_empty());
+        assert_idle(&after);
+        assert_eq!(after.pool.cached_blocks, (round * BLOCKS) as u64, "{stop}: nothing of the killed store is visible");
+        assert_eq!(run_child(&daemon.socket, "lookup", 0, 1, seed), "0", "{stop}");
+        assert_eq!(run_child(&daemon.socket, "store", 0, 1, seed), BLOCKS.to_string(), "{stop}: stored again, in full");
+        assert_eq!(run_child(&daemon.socket, "retrieve", 0, 1, seed), BLOCKS.to_string(), "{stop}");
+    }
+    assert_idle(&status_when(&daemon, "all sessions gone", |status| status.clients.is_empty()));
+}
+
+#[test]
+fn ranks_store_apart_and_the_scheduler_sees_a_prefix_only_on_every_rank() {
+    // Goal: for TP 2 and TP 4, each rank's process stores the same prompt (its own slice of
+    // the KV heads, its own pattern); before the last rank has stored, the scheduler process's
+    // all-ranks lookup answers 0 and a rank that has not stored finds nothing of the others'
+    // (rank 1's lookup of rank 0's prompt is 0); after, it answers the whole prompt and each
+    // rank retrieves its own bytes exactly.
+    let directory = tempfile::tempdir().unwrap();
+    let daemon = memory_daemon(directory.path());
+    for world in [2u32, 4] {
+        let seed = 30 + world;
+        for rank in 0..world {
+            assert_eq!(run_child(&daemon.socket, "scheduler", 0, world, seed), "0", "TP {world} before rank {rank} stored");
+            assert_eq!(run_child(&daemon.socket, "lookup", rank, world, seed), "0", "TP {world} rank {rank} sees others' blocks");
+            assert_eq!(run_child(&daemon.socket, "store", rank, world, seed), BLOCKS.to_string());
+        }
+        for rank in 0..world {
+            // The scheduler may attach with any rank of the world.
+            assert_eq!(run_child(&daemon.socket, "scheduler", rank, world, seed), BLOCKS.to_string(), "TP {world}");
+            assert_eq!(run_child(&daemon.socket, "retrieve", rank, world, seed), BLOCKS.to_string(), "TP {world} rank {rank}");
+        }
+        // Another world size of the same model sees none of it.
+        assert_eq!(run_child(&daemon.socket, "lookup", 0, world * 2, seed), "0");
+    }
+    assert_idle(&status_when(&daemon, "all sessions gone", |status| status.clients.is_empty()));
+}
