@@ -10,10 +10,17 @@ use std::path::Path;
 use std::process::Child;
 use std::time::{Duration, Instant};
 
+use std::os::fd::AsFd;
+
 use gio_uring::SmBudget;
+use nvme_driver::hw::SharedMemory;
+use nvme_driver::spec::status::{codes, StatusCodeType};
+use nvme_driver::spec::NvmeStatus;
+use nvme_driver::{DataSegment, DmaAllocator, Iova, Lba, NamespaceId, NvmeError};
 use objstore::{KvRequest, LayerKvStore};
 use tutti_daemon::client::{RemoteConfig, RemoteKvStore};
-use tutti_daemon::protocol::StatusReply;
+use tutti_daemon::protocol::{AttachQueues, Commit, Prepare, RegisterMemory, Reply, Request, RingOffsets, StatusReply};
+use tutti_daemon::{DaemonError, ErrorCode};
 
 mod common;
 use common::{hello, spawn_child, wait_bounded, Daemon, WAIT};
@@ -268,4 +275,121 @@ fn ranks_store_apart_and_the_scheduler_sees_a_prefix_only_on_every_rank() {
         assert_eq!(run_child(&daemon.socket, "lookup", 0, world * 2, seed), "0");
     }
     assert_idle(&status_when(&daemon, "all sessions gone", |status| status.clients.is_empty()));
+}
+
+/// A raw connection attached as rank 0 of 1.
+fn raw_client(daemon: &Daemon) -> tutti_daemon::Client {
+    let mut client = daemon.client();
+    client.hello(&hello(0, 1, "raw")).unwrap();
+    client
+}
+
+/// The code of the daemon's refusal of `request` (sent with `fds`).
+fn refusal(client: &mut tutti_daemon::Client, request: &Request, fds: &[std::os::fd::BorrowedFd<'_>]) -> (ErrorCode, String) {
+    match client.call_with_fds(request, fds) {
+        Err(DaemonError::Remote { code, message }) => (code, message),
+        other => panic!("{:?} was not refused: {other:?}", request.kind()),
+    }
+}
+
+#[test]
+fn requests_naming_what_the_session_does_not_own_are_refused_and_the_daemon_serves_on() {
+    // Goal: another session's handle (release, commit), another session's registration
+    // (attach, prepare), engine blocks outside the session's registration, rings outside its
+    // window, and window descriptors that are not a sealed memfd of the claimed size are each
+    // a typed error; the session that owns the request then completes and commits it.
+    let directory = tempfile::tempdir().unwrap();
+    let daemon = memory_daemon(directory.path());
+    let mut owner = connect(&daemon.socket, 0, 1);
+    let block_tokens = owner.hello_reply().shape.block_tokens;
+    let tokens = prompt(50, block_tokens);
+    let block_ids: Vec<u32> = (0..BLOCKS as u32).collect();
+    let plan = owner.prepare_store(&KvRequest { tokens: &tokens, block_ids: &block_ids }).unwrap();
+    let handle = plan.handle.to_bits();
+    let mut other = raw_client(&daemon);
+    let not_yours = |(code, message): (ErrorCode, String)| assert_eq!(code, ErrorCode::NotYours, "{message}");
+    not_yours(refusal(&mut other, &Request::Release { handle }, &[]));
+    not_yours(refusal(&mut other, &Request::Commit(Commit { handle, payload_crcs: None }), &[]));
+    let rings = vec![RingOffsets { submission_offset: 0, completion_offset: 4096 }];
+    let attach = |registration| Request::AttachQueues(AttachQueues { registration, depth: 64, rings: rings.clone() });
+    not_yours(refusal(&mut other, &attach(owner.registration()), &[]));
+    let prepare = |registration, block_ids: Vec<u32>| Prepare { registration, tokens: tokens.clone(), block_ids };
+    not_yours(refusal(&mut other, &Request::PrepareStore(prepare(owner.registration(), vec![0])), &[]));
+    not_yours(refusal(&mut other, &Request::PrepareRetrieve(prepare(12345, vec![0])), &[]));
+
+    // Window descriptors: none, a regular file, a memfd smaller than claimed.
+    let register = Request::RegisterMemory(RegisterMemory { window_bytes: 1 << 20, kv_blocks: 4 });
+    let bad_request = |(code, message): (ErrorCode, String), expect: &str| {
+        assert_eq!(code, ErrorCode::BadRequest, "{message}");
+        assert!(message.contains(expect), "{message:?} should say {expect:?}");
+    };
+    bad_request(refusal(&mut other, &register, &[]), "takes one descriptor");
+    let file = tempfile::tempfile().unwrap();
+    file.set_len(1 << 20).unwrap();
+    bad_request(refusal(&mut other, &register, &[file.as_fd()]), "the window descriptor");
+    let small = SharedMemory::create("too-small", 64 << 10).unwrap();
+    bad_request(refusal(&mut other, &register, &[small.fd()]), "the window descriptor");
+    // A real window of 4 blocks: block 4 is outside it, rings past its end are refused.
+    let window = SharedMemory::create("raw-window", 1 << 20).unwrap();
+    let Ok((Reply::Registered(registered), _)) = other.call_with_fds(&register, &[window.fd()]) else { panic!("registering") };
+    bad_request(refusal(&mut other, &Request::PrepareStore(prepare(registered.registration, vec![0, 4])), &[]), "outside registration");
+    let past_end = Request::AttachQueues(AttachQueues {
+        registration: registered.registration,
+        depth: 64,
+        rings: vec![RingOffsets { submission_offset: 1 << 20, completion_offset: 0 }],
+    });
+    bad_request(refusal(&mut other, &past_end, &[]), "outside the window");
+    let held = status(&daemon);
+    let other_status = held.clients.iter().find(|client| client.name == "raw").unwrap();
+    assert_eq!((other_status.registrations, other_status.queue_pairs, other_status.requests_in_flight), (1, 0, 0));
+
+    // The owner's request is untouched: it completes and commits.
+    let deadline = Instant::now() + WAIT;
+    for layer in 0..layers(&mut owner) {
+        owner.store_layer(plan.handle, layer, SmBudget(1)).unwrap();
+        owner.wait(plan.handle, deadline).unwrap();
+    }
+    assert_eq!(owner.commit_store(plan.handle).unwrap(), BLOCKS);
+    assert_eq!(other.lookup(&tokens).unwrap() as usize, BLOCKS);
+    drop(owner);
+    drop(other);
+    assert_idle(&status_when(&daemon, "both sessions gone", |status| status.clients.is_empty()));
+}
+
+#[test]
+fn a_stray_command_on_a_client_queue_is_refused_by_the_software_controller() {
+    // Goal: commands hand-written into a client's own queue pair that name memory outside its
+    // window (a read into it, a write from it) or blocks outside the pool's data region (the
+    // superblock at LBA 0) complete with an error, move nothing, and are counted in status; the
+    // queue then serves an ordinary store.
+    let directory = tempfile::tempdir().unwrap();
+    let daemon = memory_daemon(directory.path());
+    let mut store = connect(&daemon.socket, 0, 1);
+    let shape = store.data_mut().shape().clone();
+    let (nsid, data_lba) = (NamespaceId(shape.devices[0].nsid), shape.devices[0].addressing.data_lba);
+    let window = store.window().clone();
+    let inside = window.allocate(4096).unwrap();
+    let outside = Iova(window.iova_base().0 + window.memory().len() as u64 + (1 << 20));
+    let before = status(&daemon).devices[0].refused_commands;
+    {
+        let pair = store.data_mut().lender().lend(0, Instant::now() + WAIT).unwrap().expect("the executor lends its pair");
+        let timeout = Duration::from_secs(5);
+        let transfer_error = NvmeStatus::generic(codes::DATA_TRANSFER_ERROR);
+        let stray = [DataSegment::new(outside, 4096)];
+        let read = pair.read(nsid, Lba(data_lba), &stray, timeout);
+        assert!(matches!(read, Err(NvmeError::Command { status, .. }) if status == transfer_error), "{read:?}");
+        let write = pair.write(nsid, Lba(data_lba), &stray, true, timeout);
+        assert!(matches!(write, Err(NvmeError::Command { status, .. }) if status == transfer_error), "{write:?}");
+        let superblock = [DataSegment::new(inside.iova(), 4096)];
+        let denied = pair.write(nsid, Lba(0), &superblock, true, timeout);
+        let access_denied = NvmeStatus::new(StatusCodeType::MediaAndDataIntegrity, codes::ACCESS_DENIED);
+        assert!(matches!(denied, Err(NvmeError::Command { status, .. }) if status == access_denied), "{denied:?}");
+        pair.read(nsid, Lba(data_lba), &superblock, timeout).expect("inside the window and the pool: allowed");
+    }
+    assert_eq!(status(&daemon).devices[0].refused_commands - before, 3);
+    assert_eq!(store_prompt(&mut store, 60, 0, None), BLOCKS);
+    drop(store);
+    let after = status_when(&daemon, "the session ends", |status| status.clients.is_empty());
+    assert_idle(&after);
+    assert_eq!(after.pool.cached_blocks, BLOCKS as u64);
 }
