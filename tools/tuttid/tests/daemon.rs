@@ -397,6 +397,8 @@ fn status_prints_devices_pool_fill_and_clients() {
     assert!(stdout.contains("emu:mem:64MiB: software NVMe controller"), "{stdout}");
     assert!(stdout.contains("pool: 0 of ") && stdout.contains("slots used (0.0%)"), "{stdout}");
     assert!(stdout.contains("'worker-1': TP rank 1/2"), "{stdout}");
+    assert!(stdout.contains("0 window(s), 0 queue pair(s), 0 request(s) in flight"), "{stdout}");
+    assert!(stdout.contains("(0 commands refused by queue restrictions)"), "{stdout}");
     let missing = output_bounded(Command::new(TUTTID).arg("--status").arg(directory.path().join("none.sock")));
     assert_eq!(missing.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&missing.stderr).contains("connecting to tuttid"));
