@@ -14,7 +14,8 @@
 //! thread, so bandwidth here is the emulator's memcpy rate shared by every queue, not an SSD's.
 //!
 //! Run: `cargo bench -p tuttid --bench daemon_path`. Client processes are this binary run
-//! again with `TUTTID_BENCH_CHILD` set.
+//! again with `TUTTID_BENCH_CHILD` set. Without `--bench` (as `cargo test --all-targets` runs
+//! it) every part runs briefly, as a smoke test of the bench itself.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -36,8 +37,11 @@ use tutti_daemon::protocol::Hello;
 const TUTTID: &str = env!("CARGO_BIN_EXE_tuttid");
 const CHILD_ENV: &str = "TUTTID_BENCH_CHILD";
 const BLOCKS: u32 = 64;
-const REQUESTS: usize = 300;
-const BANDWIDTH_SECONDS: u64 = 3;
+/// Requests per round-trip figure, issue samples per batch, seconds per bandwidth figure:
+/// full (`--bench`) and smoke-test sizes.
+const REQUESTS: [usize; 2] = [300, 10];
+const ISSUES: [usize; 2] = [200, 10];
+const BANDWIDTH_SECONDS: [u64; 2] = [3, 1];
 const WAIT: Duration = Duration::from_secs(30);
 
 fn geometry() -> ModelGeometry {
@@ -195,6 +199,7 @@ fn main() {
     if std::env::args().any(|arg| arg == "--list") {
         return; // `cargo test --benches` lists; nothing to list
     }
+    let size = usize::from(!std::env::args().any(|arg| arg == "--bench"));
     let directory = tempfile::tempdir().unwrap();
     let (mut daemon, socket) = start_daemon(directory.path());
     let mut remote = connect(&socket, "bench");
@@ -212,7 +217,7 @@ fn main() {
     // Per-request round trips.
     let ids: Vec<u32> = (0..BLOCKS).collect();
     let (mut retrieve, mut store, mut commit) = (Vec::new(), Vec::new(), Vec::new());
-    for round in 0..REQUESTS {
+    for round in 0..REQUESTS[size] {
         let started = Instant::now();
         assert_eq!(remote.lookup(&cached), BLOCKS as usize);
         let handle = remote.prepare_retrieve(&KvRequest { tokens: &cached, block_ids: &ids }).unwrap();
@@ -240,17 +245,17 @@ fn main() {
     let (mut through_client, mut in_proc) = (Vec::new(), Vec::new());
     for _ in 0..5 {
         let sent = remote.requests_sent();
-        through_client.extend(issue_samples(&mut remote, &cached, 200));
+        through_client.extend(issue_samples(&mut remote, &cached, ISSUES[size]));
         // prepare_retrieve + finish are the only requests: two per batch, none per layer.
         assert_eq!(remote.requests_sent() - sent, 2, "requests sent per layer");
-        in_proc.extend(issue_samples(&mut local.store, &cached, 200));
+        in_proc.extend(issue_samples(&mut local.store, &cached, ISSUES[size]));
     }
     report("retrieve_layer issue (64 blocks), client", through_client);
     report("retrieve_layer issue (64 blocks), in-process", in_proc);
     drop(remote);
 
     // Aggregate retrieve bandwidth.
-    let seconds = BANDWIDTH_SECONDS;
+    let seconds = BANDWIDTH_SECONDS[size];
     let until = Instant::now() + Duration::from_secs(seconds);
     let bytes = retrieve_loop(&mut local.store, &cached, until);
     println!("retrieve bandwidth, in-process (own device):     {:>8.0} MiB/s", bytes as f64 / seconds as f64 / (1 << 20) as f64);
