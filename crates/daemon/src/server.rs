@@ -472,8 +472,12 @@ impl Connection {
                 return (reply, reply_fds);
             }
             (Request::PoolShape, Some(_)) => Reply::PoolShape(shared.pool_shape.clone()),
-            (Request::PrepareRetrieve(prepare), Some(space)) => self.holdings.prepare_retrieve(prepare, &space, &shared.store, limits),
-            (Request::PrepareStore(prepare), Some(space)) => self.holdings.prepare_store(prepare, &space, &shared.store, limits),
+            (Request::PrepareRetrieve(prepare), Some(space)) => {
+                self.holdings.prepare_retrieve(prepare, &space, shared.shape.block_tokens, &shared.store, limits)
+            }
+            (Request::PrepareStore(prepare), Some(space)) => {
+                self.holdings.prepare_store(prepare, &space, shared.shape.block_tokens, &shared.store, limits)
+            }
             (Request::Commit(commit), Some(_)) => self.holdings.commit(commit, &shared.store),
             (Request::Release { handle }, Some(_)) => self.holdings.release_request(handle, &shared.store),
             (

@@ -363,8 +363,14 @@ impl Holdings {
         Ok(blocks)
     }
 
-    pub fn prepare_retrieve(&mut self, prepare: Prepare, space: &KeySpace, store: &Mutex<StoreState>, limits: &SessionLimits) -> Reply {
-        let block_tokens = lock(store).control.pool().geometry().block_tokens;
+    pub fn prepare_retrieve(
+        &mut self,
+        prepare: Prepare,
+        space: &KeySpace,
+        block_tokens: u32,
+        store: &Mutex<StoreState>,
+        limits: &SessionLimits,
+    ) -> Reply {
         if let Err(refusal) = self.check_prepare(&prepare, space, block_tokens, limits) {
             return refused(refusal);
         }
@@ -391,8 +397,14 @@ impl Holdings {
         Reply::RetrievePrepared(RetrievePrepared { handle: handle.to_bits(), placements, expected_crcs })
     }
 
-    pub fn prepare_store(&mut self, prepare: Prepare, space: &KeySpace, store: &Mutex<StoreState>, limits: &SessionLimits) -> Reply {
-        let block_tokens = lock(store).control.pool().geometry().block_tokens;
+    pub fn prepare_store(
+        &mut self,
+        prepare: Prepare,
+        space: &KeySpace,
+        block_tokens: u32,
+        store: &Mutex<StoreState>,
+        limits: &SessionLimits,
+    ) -> Reply {
         if let Err(refusal) = self.check_prepare(&prepare, space, block_tokens, limits) {
             return refused(refusal);
         }

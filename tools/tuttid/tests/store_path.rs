@@ -227,10 +227,12 @@ fn a_client_killed_before_commit_leaves_nothing_behind() {
     // Goal: a client killed with SIGKILL after prepare_store (its slots reserved) and one killed
     // with a layer in flight: the daemon notices (EOF), deletes its queue pairs (none leaked),
     // releases its reservation (no slot pinned or being written), nothing of its store is
-    // visible, and another client then stores the same prompt in full and reads it back.
+    // visible, and another client then stores the same prompt in full and reads it back. The
+    // daemon serves 3 clients, so its controller has 3 + 2 queue pairs: had the four killed
+    // clients' pairs not been deleted, the later clients could not attach.
     let directory = tempfile::tempdir().unwrap();
-    let daemon = memory_daemon(directory.path());
-    for (round, stop) in ["prepared", "layer-in-flight"].into_iter().enumerate() {
+    let daemon = Daemon::start(directory.path(), "emu:mem:64m", &["--format", "--clients-max", "3"]);
+    for (round, stop) in ["prepared", "layer-in-flight", "prepared", "layer-in-flight"].into_iter().enumerate() {
         let seed = 20 + round as u32;
         let mut child = start_child(&daemon.socket, stop, 0, 1, seed);
         assert_eq!(child_line(&mut child), "parked", "{stop}");
