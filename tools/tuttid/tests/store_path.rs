@@ -395,3 +395,39 @@ fn a_stray_command_on_a_client_queue_is_refused_by_the_software_controller() {
     assert_idle(&after);
     assert_eq!(after.pool.cached_blocks, BLOCKS as u64);
 }
+
+#[test]
+fn a_lease_expiry_and_a_drain_release_a_sessions_store_without_committing_it() {
+    // Goal: the other ways a session ends take the same path as a kill. A client that prepared
+    // a store and then falls silent past the lease loses its session, its queue pair and its
+    // reservation; a client holding a store with a layer in flight when the daemon is told to
+    // stop (SIGTERM) does not stop the drain, and the pool reopened afterwards holds only what
+    // was committed (one committed prompt), with no damaged header.
+    let directory = tempfile::tempdir().unwrap();
+    let image = directory.path().join("pool.img");
+    let device = format!("emu:{}", image.display());
+    let daemon = Daemon::start(directory.path(), &device, &["--format", "--emu-create-bytes", "64m", "--lease", "1s"]);
+    assert_eq!(run_child(&daemon.socket, "store", 0, 1, 70), BLOCKS.to_string());
+    let mut silent = start_child(&daemon.socket, "prepared", 0, 1, 71);
+    assert_eq!(child_line(&mut silent), "parked");
+    assert_eq!(status(&daemon).clients.len(), 1);
+    let after = status_when(&daemon, "the silent session's lease expires", |status| status.clients.is_empty());
+    assert_idle(&after);
+    assert_eq!(after.pool.cached_blocks, BLOCKS as u64);
+    silent.kill().unwrap();
+    let _ = silent.wait();
+
+    let mut in_flight = start_child(&daemon.socket, "layer-in-flight", 0, 1, 72);
+    assert_eq!(child_line(&mut in_flight), "parked");
+    let (exit, stderr) = daemon.terminate();
+    assert!(exit.success(), "{exit}: {stderr}");
+    in_flight.kill().unwrap();
+    let _ = in_flight.wait();
+    let reopened = Daemon::start(directory.path(), &device, &[]);
+    let status = status(&reopened);
+    assert_eq!((status.pool.cached_blocks, status.pool.valid_slots), (BLOCKS as u64, BLOCKS as u64), "{:?}", status.pool);
+    assert_eq!(run_child(&reopened.socket, "retrieve", 0, 1, 70), BLOCKS.to_string(), "the committed prompt survives");
+    assert_eq!(run_child(&reopened.socket, "lookup", 0, 1, 72), "0", "the drained store is not visible");
+    let (exit, stderr) = reopened.terminate();
+    assert!(exit.success() && stderr.contains("0 corrupt headers"), "{exit}: {stderr}");
+}
