@@ -498,3 +498,82 @@ impl Holdings {
         0
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::AsFd;
+
+    use nvme_driver::hw::DeviceBackend;
+    use nvme_driver::{Controller, ControllerConfig};
+    use nvme_emu::{Backing, EmuConfig, NamespaceConfig};
+    use objstore::{format_pool, FormatParams, ModelGeometry, Pool, PoolTarget};
+
+    use super::*;
+    use crate::protocol::RingOffsets;
+
+    /// A one-device pool on a software controller started with or without a shared register
+    /// page, as the daemon's store state.
+    fn store(shared_registers: bool) -> Mutex<StoreState> {
+        let config = EmuConfig::default()
+            .with_backing(Backing::Memory { bytes: 32 << 20 })
+            .with_namespaces(vec![NamespaceConfig::new(4096, None)])
+            .with_shared_registers(shared_registers);
+        let device = EmuDevice::start(config).unwrap();
+        let backend: Arc<dyn DeviceBackend> = device.clone();
+        let controller = Arc::new(Controller::init(backend, ControllerConfig::default()).unwrap());
+        let targets = vec![PoolTarget { controller, namespace: NamespaceId(1) }];
+        let geometry = ModelGeometry { layers: 2, kv_heads: 2, head_dim: 64, dtype_bytes: 2, block_tokens: 16 };
+        let params = FormatParams { geometry, blocks_per_slot: 1, slot_count_max: Some(64), pool_uuid: None, payload_crc: false };
+        format_pool(&targets, &params).unwrap();
+        let (pool, _) = Pool::open(targets, Some(&geometry)).unwrap();
+        let control = StoreControl::new(pool, 8).unwrap();
+        Mutex::new(StoreState { control, emulators: vec![Some(device)] })
+    }
+
+    fn registered(holdings: &mut Holdings, store: &Mutex<StoreState>) -> u64 {
+        let memory = SharedMemory::create("session-test", 1 << 20).unwrap();
+        let mut fds = vec![memory.fd().try_clone_to_owned().unwrap()];
+        let register = RegisterMemory { window_bytes: 1 << 20, kv_blocks: 4 };
+        match holdings.register(register, &mut fds, store, &SessionLimits::default(), 16 << 10, &AtomicU64::new(1)) {
+            Reply::Registered(registered) => registered.registration,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    fn attach(holdings: &mut Holdings, store: &Mutex<StoreState>, registration: u64) -> (Reply, Vec<OwnedFd>) {
+        let rings = vec![RingOffsets { submission_offset: 512 << 10, completion_offset: 768 << 10 }];
+        holdings.attach(AttachQueues { registration, depth: 64, rings }, store, &SessionLimits::default())
+    }
+
+    #[test]
+    fn a_device_without_a_shared_register_page_refuses_client_queues_in_words() {
+        // Goal: the per-layer client path needs doorbells the client can ring; on a device
+        // without a shared register page (VFIO today, or an emulator started without one) the
+        // attach is `Unsupported` with the reason, and nothing is created; the same request on a
+        // device with one gets a queue and the register page's descriptor.
+        let without = store(false);
+        let mut holdings = Holdings::default();
+        let registration = registered(&mut holdings, &without);
+        let (reply, fds) = attach(&mut holdings, &without, registration);
+        let Reply::Error { code, message } = reply else { panic!("{reply:?}") };
+        assert_eq!(code, ErrorCode::Unsupported);
+        assert!(message.contains("no shared register page") && message.contains("software controller"), "{message}");
+        assert!(fds.is_empty());
+        assert_eq!(holdings.queue_pairs(), 0);
+        assert_eq!(holdings.release(&without, &LeakCounters::default()), 0);
+
+        let with = store(true);
+        let mut holdings = Holdings::default();
+        let registration = registered(&mut holdings, &with);
+        let (reply, fds) = attach(&mut holdings, &with, registration);
+        assert!(matches!(&reply, Reply::Attached { queues } if queues.len() == 1), "{reply:?}");
+        assert_eq!(fds.len(), 1);
+        assert!(fds[0].as_fd().try_clone_to_owned().is_ok());
+        assert_eq!(holdings.queue_pairs(), 1);
+        // A second attach on the same window is refused; release deletes the pair.
+        let (again, _) = attach(&mut holdings, &with, registration);
+        assert!(matches!(again, Reply::Error { code: ErrorCode::BadRequest, .. }), "{again:?}");
+        assert_eq!(holdings.release(&with, &LeakCounters::default()), 0);
+        assert_eq!((holdings.registrations(), holdings.queue_pairs()), (0, 0));
+    }
+}
