@@ -9,16 +9,23 @@
 //! let cached_blocks = client.lookup(&tokens)?; // × attached.shape.block_tokens tokens
 //! # Ok::<(), tutti_daemon::DaemonError>(())
 //! ```
+//! [`RemoteKvStore`] is the layer-wise store over such a connection (`objstore::LayerKvStore`).
+//!
 //! A session idle for its lease (`HelloReply::lease_ms`) is ended by the daemon: an engine
 //! that may idle longer calls [`Client::ping`] in between.
 
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use crate::frame_io::{read_frame, write_frame, ReadOutcome};
+use crate::frame_io::{read_frame, write_frame_with_fds, ReadOutcome};
 use crate::protocol::{encode_frame, encode_lookup_body, Hello, HelloReply, Kind, Reply, Request, StatusReply};
 use crate::DaemonError;
+
+mod remote_store;
+
+pub use remote_store::{RemoteConfig, RemoteKvStore};
 
 /// Granularity of the client's waits (the socket's read timeout).
 const TICK: Duration = Duration::from_millis(50);
@@ -27,10 +34,12 @@ pub struct Client {
     stream: UnixStream,
     frame: Vec<u8>,
     body: Vec<u8>,
-    /// Descriptors that came with the last reply (none in this version: they are closed).
-    fds: Vec<std::os::fd::OwnedFd>,
+    /// Descriptors that came with the last reply.
+    fds: Vec<OwnedFd>,
     next_request_id: u32,
     timeout: Duration,
+    /// Requests sent on this connection (what proves the per-layer path sends none).
+    requests_sent: u64,
 }
 
 impl Client {
@@ -41,7 +50,7 @@ impl Client {
         let io = |context: &'static str| move |source| DaemonError::Io { context: context.into(), source };
         stream.set_read_timeout(Some(TICK)).map_err(io("setting the read tick"))?;
         stream.set_write_timeout(Some(timeout)).map_err(io("setting the write timeout"))?;
-        Ok(Client { stream, frame: Vec::new(), body: Vec::new(), fds: Vec::new(), next_request_id: 1, timeout })
+        Ok(Client { stream, frame: Vec::new(), body: Vec::new(), fds: Vec::new(), next_request_id: 1, timeout, requests_sent: 0 })
     }
 
     /// Attaches: declares the model and the tensor-parallel rank/world size this session's keys
@@ -55,7 +64,7 @@ impl Client {
 
     /// The longest cached prefix of `tokens`, in blocks, in this session's key space.
     pub fn lookup(&mut self, tokens: &[u32]) -> Result<u32, DaemonError> {
-        match self.exchange(Kind::Lookup, |out| encode_lookup_body(tokens, out))? {
+        match self.exchange(Kind::Lookup, |out| encode_lookup_body(tokens, out), &[])? {
             Reply::Lookup { cached_blocks, .. } => Ok(cached_blocks),
             other => Err(DaemonError::UnexpectedReply { asked: Kind::Lookup, got: other.kind() }),
         }
@@ -65,7 +74,7 @@ impl Client {
     /// session's model and world size (what an engine's scheduler process asks before planning a
     /// prefill; attach with any rank of that world).
     pub fn lookup_all_ranks(&mut self, tokens: &[u32]) -> Result<u32, DaemonError> {
-        match self.exchange(Kind::LookupAllRanks, |out| encode_lookup_body(tokens, out))? {
+        match self.exchange(Kind::LookupAllRanks, |out| encode_lookup_body(tokens, out), &[])? {
             Reply::Lookup { cached_blocks, .. } => Ok(cached_blocks),
             other => Err(DaemonError::UnexpectedReply { asked: Kind::LookupAllRanks, got: other.kind() }),
         }
@@ -89,14 +98,27 @@ impl Client {
 
     /// Sends `request` and waits for its reply; an `Error` reply is [`DaemonError::Remote`].
     pub fn call(&mut self, request: &Request) -> Result<Reply, DaemonError> {
-        self.exchange(request.kind(), |out| request.encode_body(out))
+        self.exchange(request.kind(), |out| request.encode_body(out), &[])
     }
 
-    fn exchange(&mut self, kind: Kind, encode: impl FnOnce(&mut Vec<u8>)) -> Result<Reply, DaemonError> {
+    /// Sends `request` with `fds` (SCM_RIGHTS) and waits for its reply; returns the reply and
+    /// the descriptors that came with it.
+    pub fn call_with_fds(&mut self, request: &Request, fds: &[BorrowedFd<'_>]) -> Result<(Reply, Vec<OwnedFd>), DaemonError> {
+        let reply = self.exchange(request.kind(), |out| request.encode_body(out), fds)?;
+        Ok((reply, std::mem::take(&mut self.fds)))
+    }
+
+    /// Requests sent on this connection so far.
+    pub fn requests_sent(&self) -> u64 {
+        self.requests_sent
+    }
+
+    fn exchange(&mut self, kind: Kind, encode: impl FnOnce(&mut Vec<u8>), fds: &[BorrowedFd<'_>]) -> Result<Reply, DaemonError> {
         let request_id = self.next_request_id;
         self.next_request_id = self.next_request_id.wrapping_add(1).max(1);
         encode_frame(&mut self.frame, kind, request_id, encode)?;
-        write_frame(&self.stream, &self.frame)?;
+        self.requests_sent += 1;
+        write_frame_with_fds(&self.stream, &self.frame, fds)?;
         let started = Instant::now();
         let never = || false;
         let header = match read_frame(&self.stream, &mut self.body, &mut self.fds, started + self.timeout, self.timeout, &never)? {

@@ -9,6 +9,8 @@
 //! - [`metrics`]: Prometheus metrics and their HTTP endpoint;
 //! - [`pool_open`]: opening the daemon's devices and pool from device strings;
 //! - [`server`]: the socket server (owner-only socket, peer credentials, leases, drain);
+//! - [`session`]: what a session holds on the store path (windows, queue pairs, requests) and
+//!   the safe order in which a session's end gives it back;
 //! - [`client`]: the client library.
 #![deny(unsafe_code)]
 
@@ -21,6 +23,7 @@ pub mod metrics;
 pub mod pool_open;
 pub mod protocol;
 pub mod server;
+pub mod session;
 
 use std::path::PathBuf;
 

@@ -33,6 +33,13 @@ pub enum RequestLabel {
     LookupAllRanks,
     Status,
     Ping,
+    RegisterMemory,
+    AttachQueues,
+    PoolShape,
+    PrepareRetrieve,
+    PrepareStore,
+    Commit,
+    Release,
     /// A frame whose body did not decode (no kind to name).
     Malformed,
 }
@@ -45,6 +52,13 @@ impl RequestLabel {
             Kind::LookupAllRanks => RequestLabel::LookupAllRanks,
             Kind::Status => RequestLabel::Status,
             Kind::Ping => RequestLabel::Ping,
+            Kind::RegisterMemory => RequestLabel::RegisterMemory,
+            Kind::AttachQueues => RequestLabel::AttachQueues,
+            Kind::PoolShape => RequestLabel::PoolShape,
+            Kind::PrepareRetrieve => RequestLabel::PrepareRetrieve,
+            Kind::PrepareStore => RequestLabel::PrepareStore,
+            Kind::Commit => RequestLabel::Commit,
+            Kind::Release => RequestLabel::Release,
             _ => RequestLabel::Malformed,
         }
     }

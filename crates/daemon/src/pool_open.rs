@@ -1,13 +1,22 @@
 //! Opening the daemon's devices and pool from device strings: lock every device (one daemon
 //! per pool), open them in one DMA space (`tutti_devices::open_in_one_space`), bring up each
 //! controller, format the pool if asked, then open it (recovery happens there).
+//!
+//! Software controllers run inside the daemon with their register page in a memfd (so each
+//! client rings its own doorbells) and with `client_queue_pairs + 2` I/O queue pairs: one per
+//! client (each client gets one pair per pool device, and each software controller is one
+//! device), one the pool keeps for its metadata (header writes, flushes: the control half runs
+//! with `NoLender`, objstore's StoreControl docs), and one spare for a temporary metadata pair
+//! should the pool's own be lost.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use nvme_driver::NamespaceId;
+use nvme_driver::{Controller, ControllerConfig, NamespaceId};
+use nvme_emu::EmuDevice;
 use objstore::{format_pool, FormatParams, Pool, PoolTarget, RecoveryReport};
-use tutti_devices::{open_pool_devices, DeviceError, DeviceSpec};
+use tutti_devices::open::pool_emu_options;
+use tutti_devices::{open_in_one_space, DeviceSpec};
 
 use crate::lock::DeviceLocks;
 use crate::protocol::DeviceStatus;
@@ -27,6 +36,8 @@ pub struct PoolOptions {
     pub format: Option<FormatParams>,
     /// Where `vfio:` devices' lock files live.
     pub lock_dir: PathBuf,
+    /// Client queue pairs each software controller must be able to create (one per client).
+    pub client_queue_pairs: u16,
 }
 
 /// The open pool with what keeps it ours. Fields drop in order: the pool (its controllers, the
@@ -35,20 +46,26 @@ pub struct OpenedPool {
     pub pool: Pool,
     pub devices: Vec<DeviceStatus>,
     pub report: RecoveryReport,
+    /// Per pool device, the software controller running it (`None` for VFIO): its register
+    /// page and per-queue restrictions serve the clients' queue pairs.
+    pub emulators: Vec<Option<Arc<EmuDevice>>>,
     pub locks: DeviceLocks,
 }
 
 pub fn open_pool(options: &PoolOptions) -> Result<OpenedPool, DaemonError> {
     let locks = DeviceLocks::acquire(&options.specs, &options.lock_dir, options.emu_create_bytes.is_some())?;
-    let opened = open_pool_devices(&options.specs, options.emu_lba_bytes, options.emu_create_bytes).map_err(|error| match error {
-        DeviceError::BringUp { spec, source } => DaemonError::Controller { spec, source },
-        error => DaemonError::Devices(error),
-    })?;
+    let mut emu = pool_emu_options(options.emu_lba_bytes, options.emu_create_bytes);
+    emu.config = emu.config.with_shared_registers(true).with_io_queue_pairs_max(options.client_queue_pairs.saturating_add(2));
+    let opened = open_in_one_space(&options.specs, &emu)?;
     let mut targets = Vec::with_capacity(opened.len());
     let mut devices = Vec::with_capacity(opened.len());
+    let mut emulators = Vec::with_capacity(opened.len());
     for device in opened {
-        devices.push(DeviceStatus { spec: device.spec.to_string(), description: device.spec.describe() });
-        targets.push(PoolTarget { controller: Arc::clone(&device.controller), namespace: NamespaceId(options.namespace) });
+        let controller = Controller::init(device.backend, ControllerConfig::default())
+            .map_err(|source| DaemonError::Controller { spec: device.spec.to_string(), source })?;
+        devices.push(DeviceStatus { spec: device.spec.to_string(), description: device.spec.describe(), refused_commands: 0 });
+        targets.push(PoolTarget { controller: Arc::new(controller), namespace: NamespaceId(options.namespace) });
+        emulators.push(device.emulator);
     }
     if let Some(params) = &options.format {
         format_pool(&targets, params).map_err(|source| DaemonError::Pool { context: "formatting the pool".into(), source })?;
@@ -57,5 +74,5 @@ pub fn open_pool(options: &PoolOptions) -> Result<OpenedPool, DaemonError> {
         context: "opening the pool (a device that holds none: start with --format, or run `tutti pool format`)".into(),
         source,
     })?;
-    Ok(OpenedPool { pool, devices, report, locks })
+    Ok(OpenedPool { pool, devices, report, emulators, locks })
 }

@@ -19,11 +19,18 @@
 
 use std::fmt;
 
+mod store;
+
+pub use store::{
+    AttachQueues, Commit, NamespaceGrant, Prepare, QueueGrant, RegisterMemory, Registered, RetrievePrepared, RingOffsets, StorePrepared,
+    DEVICES_MAX, NAMESPACES_MAX,
+};
+
 /// Frame magic, the bytes `TUTD`.
 pub const MAGIC: [u8; 4] = *b"TUTD";
 /// The one protocol version this build speaks. A frame of another version is refused with
 /// [`ErrorCode::UnsupportedVersion`], naming both.
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;
 /// Bytes of a frame header.
 pub const HEADER_BYTES: usize = 16;
 /// Largest body: 1 MiB, a lookup of 262,143 tokens (vLLM's longest contexts are 128k–1M tokens:
@@ -48,10 +55,24 @@ pub enum Kind {
     Status = 3,
     Ping = 4,
     LookupAllRanks = 5,
+    RegisterMemory = 6,
+    AttachQueues = 7,
+    PoolShape = 8,
+    PrepareRetrieve = 9,
+    PrepareStore = 10,
+    Commit = 11,
+    Release = 12,
     HelloReply = 0x8001,
     LookupReply = 0x8002,
     StatusReply = 0x8003,
     Pong = 0x8004,
+    Registered = 0x8006,
+    Attached = 0x8007,
+    PoolShapeReply = 0x8008,
+    RetrievePrepared = 0x8009,
+    StorePrepared = 0x800A,
+    Committed = 0x800B,
+    Released = 0x800C,
     Error = 0x80FF,
 }
 
@@ -63,10 +84,24 @@ impl Kind {
             3 => Kind::Status,
             4 => Kind::Ping,
             5 => Kind::LookupAllRanks,
+            6 => Kind::RegisterMemory,
+            7 => Kind::AttachQueues,
+            8 => Kind::PoolShape,
+            9 => Kind::PrepareRetrieve,
+            10 => Kind::PrepareStore,
+            11 => Kind::Commit,
+            12 => Kind::Release,
             0x8001 => Kind::HelloReply,
             0x8002 => Kind::LookupReply,
             0x8003 => Kind::StatusReply,
             0x8004 => Kind::Pong,
+            0x8006 => Kind::Registered,
+            0x8007 => Kind::Attached,
+            0x8008 => Kind::PoolShapeReply,
+            0x8009 => Kind::RetrievePrepared,
+            0x800A => Kind::StorePrepared,
+            0x800B => Kind::Committed,
+            0x800C => Kind::Released,
             0x80FF => Kind::Error,
             _ => return None,
         })
@@ -99,6 +134,14 @@ pub enum ErrorCode {
     BadRequest,
     /// The peer's user id is not allowed.
     PermissionDenied,
+    /// A handle or registration this session did not make (another session's, or none).
+    NotYours,
+    /// A per-session cap (registrations, window bytes, requests in flight) is reached.
+    LimitReached,
+    /// The devices cannot serve this request (e.g. no shared register page: VFIO today).
+    Unsupported,
+    /// The store refused or failed the request (pool full, I/O error, ...).
+    StoreFailed,
     /// A code this build does not know (a newer daemon).
     Unknown(u16),
 }
@@ -119,6 +162,10 @@ impl ErrorCode {
             ErrorCode::ShuttingDown => 11,
             ErrorCode::BadRequest => 12,
             ErrorCode::PermissionDenied => 13,
+            ErrorCode::NotYours => 14,
+            ErrorCode::LimitReached => 15,
+            ErrorCode::Unsupported => 16,
+            ErrorCode::StoreFailed => 17,
             ErrorCode::Unknown(code) => code,
         }
     }
@@ -138,6 +185,10 @@ impl ErrorCode {
             11 => ErrorCode::ShuttingDown,
             12 => ErrorCode::BadRequest,
             13 => ErrorCode::PermissionDenied,
+            14 => ErrorCode::NotYours,
+            15 => ErrorCode::LimitReached,
+            16 => ErrorCode::Unsupported,
+            17 => ErrorCode::StoreFailed,
             other => ErrorCode::Unknown(other),
         }
     }
@@ -256,6 +307,9 @@ pub struct HelloReply {
 pub struct DeviceStatus {
     pub spec: String,
     pub description: String,
+    /// Commands the software controller refused because they named memory or blocks outside
+    /// their queue's restriction (always 0 on other devices).
+    pub refused_commands: u64,
 }
 
 /// Pool fill: the index's counts, sent field by field (see `encode`/`decode`).
@@ -271,6 +325,11 @@ pub struct ClientStatus {
     pub tp_world: u32,
     pub requests: u64,
     pub idle_ms: u64,
+    /// Memory windows registered, queue pairs attached, requests prepared and not yet
+    /// committed or released.
+    pub registrations: u32,
+    pub queue_pairs: u32,
+    pub requests_in_flight: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -284,6 +343,9 @@ pub struct StatusReply {
     pub connections: u32,
     /// Attached sessions.
     pub clients: Vec<ClientStatus>,
+    /// Client queue pairs whose deletion failed since start: their rings, windows and
+    /// reservations are kept for good (docs/tuttid.md, "Leases and crashes").
+    pub leaked_queue_pairs: u64,
 }
 
 /// What a client asks.
@@ -302,16 +364,47 @@ pub enum Request {
     LookupAllRanks {
         tokens: Vec<u32>,
     },
+    /// Registers the client's memory window (its sealed memfd goes with the frame).
+    RegisterMemory(RegisterMemory),
+    /// Creates the client's queue pairs, one per pool device, with rings in its window.
+    AttachQueues(AttachQueues),
+    /// The pool's shape (objstore's `PoolShape`), for the client's data half.
+    PoolShape,
+    PrepareRetrieve(Prepare),
+    PrepareStore(Prepare),
+    Commit(Commit),
+    /// Ends a request without committing (a retrieve's pins, a store's reservation).
+    Release {
+        handle: u64,
+    },
 }
 
 /// What the daemon answers.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Reply {
     Hello(HelloReply),
-    Lookup { cached_blocks: u32, block_tokens: u32 },
+    Lookup {
+        cached_blocks: u32,
+        block_tokens: u32,
+    },
     Status(StatusReply),
     Pong,
-    Error { code: ErrorCode, message: String },
+    Error {
+        code: ErrorCode,
+        message: String,
+    },
+    Registered(Registered),
+    /// One grant per pool device; the register pages' memfds go with the frame.
+    Attached {
+        queues: Vec<QueueGrant>,
+    },
+    PoolShape(objstore::PoolShape),
+    RetrievePrepared(RetrievePrepared),
+    StorePrepared(StorePrepared),
+    Committed {
+        stored: u32,
+    },
+    Released,
 }
 
 impl Request {
@@ -322,6 +415,13 @@ impl Request {
             Request::Status => Kind::Status,
             Request::Ping => Kind::Ping,
             Request::LookupAllRanks { .. } => Kind::LookupAllRanks,
+            Request::RegisterMemory(_) => Kind::RegisterMemory,
+            Request::AttachQueues(_) => Kind::AttachQueues,
+            Request::PoolShape => Kind::PoolShape,
+            Request::PrepareRetrieve(_) => Kind::PrepareRetrieve,
+            Request::PrepareStore(_) => Kind::PrepareStore,
+            Request::Commit(_) => Kind::Commit,
+            Request::Release { .. } => Kind::Release,
         }
     }
 
@@ -336,6 +436,9 @@ impl Request {
             }
             Request::Lookup { tokens } | Request::LookupAllRanks { tokens } => encode_lookup_body(tokens, out),
             Request::Status | Request::Ping => {}
+            other => {
+                store::encode_request(other, out);
+            }
         }
     }
 
@@ -366,7 +469,10 @@ impl Request {
             }
             Kind::Status => Request::Status,
             Kind::Ping => Request::Ping,
-            other => return Err(ProtocolError::MalformedBody { kind: other, reason: "a reply kind sent as a request".into() }),
+            other => match store::decode_request(other, &mut reader)? {
+                Some(request) => request,
+                None => return Err(ProtocolError::MalformedBody { kind: other, reason: "a reply kind sent as a request".into() }),
+            },
         };
         reader.finish()?;
         Ok(request)
@@ -381,6 +487,13 @@ impl Reply {
             Reply::Status(_) => Kind::StatusReply,
             Reply::Pong => Kind::Pong,
             Reply::Error { .. } => Kind::Error,
+            Reply::Registered(_) => Kind::Registered,
+            Reply::Attached { .. } => Kind::Attached,
+            Reply::PoolShape(_) => Kind::PoolShapeReply,
+            Reply::RetrievePrepared(_) => Kind::RetrievePrepared,
+            Reply::StorePrepared(_) => Kind::StorePrepared,
+            Reply::Committed { .. } => Kind::Committed,
+            Reply::Released => Kind::Released,
         }
     }
 
@@ -409,6 +522,7 @@ impl Reply {
                 for device in &status.devices {
                     put_str(out, &device.spec);
                     put_str(out, &device.description);
+                    put_u64(out, device.refused_commands);
                 }
                 let pool = &status.pool;
                 for value in [
@@ -433,12 +547,19 @@ impl Reply {
                     put_u32(out, client.tp_world);
                     put_u64(out, client.requests);
                     put_u64(out, client.idle_ms);
+                    put_u32(out, client.registrations);
+                    put_u32(out, client.queue_pairs);
+                    put_u32(out, client.requests_in_flight);
                 }
+                put_u64(out, status.leaked_queue_pairs);
             }
             Reply::Pong => {}
             Reply::Error { code, message } => {
                 put_u16(out, code.to_u16());
                 put_str(out, message);
+            }
+            other => {
+                store::encode_reply(other, out);
             }
         }
     }
@@ -458,6 +579,7 @@ impl Reply {
                     devices.push(DeviceStatus {
                         spec: r.string("device spec", STRING_BYTES_MAX)?,
                         description: r.string("device description", STRING_BYTES_MAX)?,
+                        refused_commands: r.u64("refused_commands")?,
                     });
                 }
                 let pool = PoolStatus {
@@ -482,13 +604,20 @@ impl Reply {
                         tp_world: r.u32("tp_world")?,
                         requests: r.u64("requests")?,
                         idle_ms: r.u64("idle_ms")?,
+                        registrations: r.u32("registrations")?,
+                        queue_pairs: r.u32("queue_pairs")?,
+                        requests_in_flight: r.u32("requests_in_flight")?,
                     });
                 }
-                Reply::Status(StatusReply { daemon_pid, uptime_ms, shape, devices, pool, connections, clients })
+                let leaked_queue_pairs = r.u64("leaked_queue_pairs")?;
+                Reply::Status(StatusReply { daemon_pid, uptime_ms, shape, devices, pool, connections, clients, leaked_queue_pairs })
             }
             Kind::Pong => Reply::Pong,
             Kind::Error => Reply::Error { code: ErrorCode::from_u16(r.u16("code")?), message: r.string("message", STRING_BYTES_MAX)? },
-            other => return Err(ProtocolError::MalformedBody { kind: other, reason: "a request kind sent as a reply".into() }),
+            other => match store::decode_reply(other, &mut r)? {
+                Some(reply) => reply,
+                None => return Err(ProtocolError::MalformedBody { kind: other, reason: "a request kind sent as a reply".into() }),
+            },
         };
         r.finish()?;
         Ok(reply)

@@ -8,13 +8,14 @@
 //! connection keeps each client's state on its own stack, blocks only that client on a slow
 //! peer, and needs no dependency; 64 threads × a 1 MiB body buffer at most is the whole cost.
 //!
-//! Locking: the pool (index) behind one mutex, the session table behind another; neither is
-//! held across socket I/O, and the pool lock is held only for the index probe (keys are hashed
-//! before it is taken).
+//! Locking: the pool (the store's control half) behind one mutex, the session table behind
+//! another; neither is held across socket I/O. The pool lock is held for an index probe (keys
+//! are hashed before it is taken), a reservation, or a commit (flush + header writes with FUA:
+//! one commit at a time, and lookups wait for it; docs/tuttid.md gives the figures).
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
@@ -26,11 +27,13 @@ use std::time::{Duration, Instant};
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
 
-use crate::frame_io::{read_frame, write_frame, ReadOutcome};
+use crate::frame_io::{read_frame, write_frame, write_frame_with_fds, ReadOutcome};
 use crate::keys::KeySpace;
+use crate::lock::DeviceLocks;
 use crate::metrics::{Metrics, MetricsEndpoint, RequestLabel, Snapshot};
 use crate::pool_open::OpenedPool;
-use crate::protocol::{encode_frame, ClientStatus, ErrorCode, HelloReply, PoolShape, Reply, Request, StatusReply};
+use crate::protocol::{encode_frame, ClientStatus, DeviceStatus, ErrorCode, HelloReply, Kind, PoolShape, Reply, Request, StatusReply};
+use crate::session::{Holdings, LeakCounters, SessionLimits, StoreState};
 use crate::DaemonError;
 
 /// How the server runs.
@@ -52,6 +55,8 @@ pub struct ServerConfig {
     pub tick: Duration,
     /// Where `GET /metrics` is served (Prometheus text format); `None`: not served.
     pub metrics: Option<SocketAddr>,
+    /// What one session may hold on the store path.
+    pub session_limits: SessionLimits,
 }
 
 impl ServerConfig {
@@ -65,6 +70,7 @@ impl ServerConfig {
             allowed_uids: vec![nix::unistd::geteuid().as_raw()],
             tick: Duration::from_millis(50),
             metrics: None,
+            session_limits: SessionLimits::default(),
         }
     }
 }
@@ -93,12 +99,24 @@ struct SessionRecord {
     space: KeySpace,
     requests: u64,
     last_active: Instant,
+    /// Store-path holdings, counted (the holdings themselves live with the connection).
+    registrations: u32,
+    queue_pairs: u32,
+    requests_in_flight: u32,
 }
 
 struct Shared {
     config: ServerConfig,
-    opened: Mutex<OpenedPool>,
+    store: Mutex<StoreState>,
+    devices: Vec<DeviceStatus>,
+    report: objstore::RecoveryReport,
+    locks: Mutex<Option<DeviceLocks>>,
     shape: PoolShape,
+    pool_shape: objstore::PoolShape,
+    /// Bytes of one engine block (all layers, K and V).
+    block_bytes: u64,
+    next_registration: AtomicU64,
+    leaks: LeakCounters,
     sessions: Mutex<BTreeMap<u64, SessionRecord>>,
     connections: AtomicU32,
     next_session: AtomicU64,
@@ -120,8 +138,9 @@ pub struct Server {
     metrics_endpoint: Option<MetricsEndpoint>,
 }
 
-/// Locks a mutex whose holder may have panicked: the data under it is plain counters and a
-/// read-only index probe in this slice, which a panic cannot leave half-changed.
+/// Locks a mutex whose holder may have panicked: the session table is plain records; the
+/// store's control half keeps its index consistent between calls (a panic inside one is a bug
+/// the poisoned pool would not make safer to stop serving on).
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
@@ -156,6 +175,8 @@ impl Server {
         listener.set_nonblocking(true).map_err(io("making the listener non-blocking".into()))?;
         let metrics_endpoint = config.metrics.map(MetricsEndpoint::bind).transpose()?;
         let geometry = *opened.pool.geometry();
+        let pool_shape = opened.pool.shape().map_err(|source| DaemonError::Pool { context: "the pool's shape".into(), source })?;
+        let block_bytes = 2 * u64::from(geometry.layers) * geometry.object_bytes();
         let shape = PoolShape {
             layers: geometry.layers,
             kv_heads: geometry.kv_heads,
@@ -164,10 +185,22 @@ impl Server {
             block_tokens: geometry.block_tokens,
             blocks_per_slot: opened.pool.blocks_per_slot(),
         };
+        let OpenedPool { pool, devices, report, emulators, locks } = opened;
+        // Every session may hold its cap of requests at once.
+        let requests_max = config.clients_max.saturating_mul(config.session_limits.requests_max).max(1);
+        let control = objstore::StoreControl::new(pool, requests_max)
+            .map_err(|source| DaemonError::Pool { context: "the store's control half".into(), source })?;
         let shared = Arc::new(Shared {
             config,
-            opened: Mutex::new(opened),
+            store: Mutex::new(StoreState { control, emulators }),
+            devices,
+            report,
+            locks: Mutex::new(Some(locks)),
             shape,
+            pool_shape,
+            block_bytes,
+            next_registration: AtomicU64::new(1),
+            leaks: LeakCounters::default(),
             sessions: Mutex::new(BTreeMap::new()),
             connections: AtomicU32::new(0),
             next_session: AtomicU64::new(1),
@@ -265,7 +298,13 @@ impl Server {
             context: "draining: a connection still holds the daemon state".into(),
             source: std::io::Error::from(std::io::ErrorKind::ResourceBusy),
         })?;
-        let opened = shared.opened.into_inner().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let StoreState { control, emulators } = shared.store.into_inner().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let locks = shared.locks.into_inner().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let locks = locks.ok_or_else(|| DaemonError::Io {
+            context: "draining: the device locks are gone".into(),
+            source: std::io::Error::from(std::io::ErrorKind::NotFound),
+        })?;
+        let opened = OpenedPool { pool: control.into_pool(), devices: shared.devices, report: shared.report, emulators, locks };
         Ok(ServeReport { opened, connections_served })
     }
 }
@@ -283,10 +322,10 @@ fn refuse(stream: UnixStream, config: &ServerConfig, code: ErrorCode, message: &
 /// One connection's life: credentials, then frames until it closes, its lease runs out, it
 /// breaks the protocol, or the server stops. Its session is released on every path out.
 fn serve_connection(mut stream: UnixStream, shared: &Shared) {
-    let mut connection = Connection { session: None, peer_pid: 0, peer_uid: 0, keys: Vec::new() };
+    let mut connection = Connection { session: None, peer_pid: 0, peer_uid: 0, keys: Vec::new(), holdings: Holdings::default() };
     let outcome = connection.run(&mut stream, shared);
     if let Some(session) = connection.session.take() {
-        release_session(shared, session);
+        release_session(shared, session, &mut connection.holdings);
     }
     shared.connections.fetch_sub(1, Ordering::AcqRel);
     if let Err(error) = outcome {
@@ -294,10 +333,14 @@ fn serve_connection(mut stream: UnixStream, shared: &Shared) {
     }
 }
 
-/// Ends a session: its record goes, and with it everything it held. In this slice a session
-/// holds only its record; pins and allocations of its unfinished requests are released here
-/// when the store path moves into the daemon (docs/tuttid.md, "Leases and crashes").
-fn release_session(shared: &Shared, session: u64) {
+/// Ends a session, on every path out (close, EOF after a kill, lease, protocol error, drain):
+/// its queue pairs deleted, then its reservations released, then its windows unmapped
+/// ([`Holdings::release`]); then its record goes.
+fn release_session(shared: &Shared, session: u64, holdings: &mut Holdings) {
+    let leaked = holdings.release(&shared.store, &shared.leaks);
+    if leaked > 0 {
+        tracing::error!(session, leaked, "session ended with queue pairs that could not be deleted: their memory is kept");
+    }
     lock(&shared.sessions).remove(&session);
 }
 
@@ -307,6 +350,8 @@ struct Connection {
     peer_uid: u32,
     /// Block keys of the request being served (reused).
     keys: Vec<u64>,
+    /// The session's store-path holdings.
+    holdings: Holdings,
 }
 
 impl Connection {
@@ -354,15 +399,18 @@ impl Connection {
             last_frame = Instant::now();
             let decoded = Request::decode(header.kind, &body);
             let label = if decoded.is_ok() { RequestLabel::of(header.kind) } else { RequestLabel::Malformed };
-            let reply = match decoded {
+            let (reply, reply_fds) = match decoded {
                 // A malformed body was read whole: the stream is still in step, serve on.
-                Err(error) => Reply::error(error.code(), error.to_string()),
-                // No request of this version takes descriptors: they are closed, not kept.
-                Ok(request) if !fds.is_empty() => Reply::error(
-                    ErrorCode::BadRequest,
-                    format!("{} descriptor(s) sent with a {:?} request, which takes none", fds.len(), request.kind()),
+                Err(error) => (Reply::error(error.code(), error.to_string()), Vec::new()),
+                // Only RegisterMemory takes a descriptor: others' are closed, not kept.
+                Ok(request) if !fds.is_empty() && request.kind() != Kind::RegisterMemory => (
+                    Reply::error(
+                        ErrorCode::BadRequest,
+                        format!("{} descriptor(s) sent with a {:?} request, which takes none", fds.len(), request.kind()),
+                    ),
+                    Vec::new(),
                 ),
-                Ok(request) => self.handle(request, shared),
+                Ok(request) => self.handle(request, &mut fds, shared),
             };
             fds.clear();
             let error = match &reply {
@@ -370,7 +418,7 @@ impl Connection {
                 _ => None,
             };
             shared.metrics.request(label, last_frame.elapsed(), error);
-            self.answer(stream, &mut frame, header.request_id, reply)?;
+            self.answer_with_fds(stream, &mut frame, header.request_id, reply, &reply_fds)?;
         }
     }
 
@@ -383,21 +431,84 @@ impl Connection {
     }
 
     fn answer(&self, stream: &mut UnixStream, frame: &mut Vec<u8>, request_id: u32, reply: Reply) -> Result<(), DaemonError> {
+        self.answer_with_fds(stream, frame, request_id, reply, &[])
+    }
+
+    fn answer_with_fds(
+        &self,
+        stream: &mut UnixStream,
+        frame: &mut Vec<u8>,
+        request_id: u32,
+        reply: Reply,
+        fds: &[OwnedFd],
+    ) -> Result<(), DaemonError> {
         if let Err(error) = encode_frame(frame, reply.kind(), request_id, |out| reply.encode_body(out)) {
             // Only a status listing past the body cap could do this; say so instead.
             let fallback = Reply::error(ErrorCode::BadRequest, format!("the reply does not fit a frame: {error}"));
             encode_frame(frame, fallback.kind(), request_id, |out| fallback.encode_body(out))?;
+            return write_frame(stream, frame);
         }
-        write_frame(stream, frame)
+        let borrowed: Vec<_> = fds.iter().map(AsFd::as_fd).collect();
+        write_frame_with_fds(stream, frame, &borrowed)
     }
 
-    fn handle(&mut self, request: Request, shared: &Shared) -> Reply {
-        if let Some(session) = self.session {
-            if let Some(record) = lock(&shared.sessions).get_mut(&session) {
+    fn handle(&mut self, request: Request, fds: &mut Vec<OwnedFd>, shared: &Shared) -> (Reply, Vec<OwnedFd>) {
+        let space = self.session.and_then(|session| {
+            lock(&shared.sessions).get_mut(&session).map(|record| {
                 record.requests += 1;
                 record.last_active = Instant::now();
+                record.space
+            })
+        });
+        let limits = &shared.config.session_limits;
+        let not_attached = || Reply::error(ErrorCode::NotAttached, "send Hello (model fingerprint, TP rank and world size) first");
+        let reply = match (request, space) {
+            (Request::RegisterMemory(register), Some(_)) => {
+                self.holdings.register(register, fds, &shared.store, limits, shared.block_bytes, &shared.next_registration)
+            }
+            (Request::AttachQueues(attach), Some(_)) => {
+                let (reply, reply_fds) = self.holdings.attach(attach, &shared.store, limits);
+                self.count_holdings(shared);
+                return (reply, reply_fds);
+            }
+            (Request::PoolShape, Some(_)) => Reply::PoolShape(shared.pool_shape.clone()),
+            (Request::PrepareRetrieve(prepare), Some(space)) => {
+                self.holdings.prepare_retrieve(prepare, &space, shared.shape.block_tokens, &shared.store, limits)
+            }
+            (Request::PrepareStore(prepare), Some(space)) => {
+                self.holdings.prepare_store(prepare, &space, shared.shape.block_tokens, &shared.store, limits)
+            }
+            (Request::Commit(commit), Some(_)) => self.holdings.commit(commit, &shared.store),
+            (Request::Release { handle }, Some(_)) => self.holdings.release_request(handle, &shared.store),
+            (
+                Request::RegisterMemory(_)
+                | Request::AttachQueues(_)
+                | Request::PoolShape
+                | Request::PrepareRetrieve(_)
+                | Request::PrepareStore(_)
+                | Request::Commit(_)
+                | Request::Release { .. },
+                None,
+            ) => not_attached(),
+            (request, _) => self.handle_session(request, shared),
+        };
+        self.count_holdings(shared);
+        (reply, Vec::new())
+    }
+
+    /// Mirrors the holdings' counts into the session's record (for status).
+    fn count_holdings(&self, shared: &Shared) {
+        if let Some(session) = self.session {
+            if let Some(record) = lock(&shared.sessions).get_mut(&session) {
+                record.registrations = self.holdings.registrations();
+                record.queue_pairs = self.holdings.queue_pairs();
+                record.requests_in_flight = self.holdings.requests_in_flight();
             }
         }
+    }
+
+    /// Attach, lookups, status and ping.
+    fn handle_session(&mut self, request: Request, shared: &Shared) -> Reply {
         match request {
             Request::Hello(hello) => {
                 if self.session.is_some() {
@@ -415,6 +526,9 @@ impl Connection {
                     space,
                     requests: 1,
                     last_active: Instant::now(),
+                    registrations: 0,
+                    queue_pairs: 0,
+                    requests_in_flight: 0,
                 };
                 lock(&shared.sessions).insert(session, record);
                 self.session = Some(session);
@@ -425,6 +539,7 @@ impl Connection {
             Request::LookupAllRanks { tokens } => self.lookup(shared, &tokens, true),
             Request::Status => Reply::Status(status(shared)),
             Request::Ping => Reply::Pong,
+            other => Reply::error(ErrorCode::BadRequest, format!("{:?} is not a session request", other.kind())),
         }
     }
 
@@ -438,11 +553,11 @@ impl Connection {
             // Keys are hashed under the pool lock here (one chain per rank over the shrinking
             // common prefix): a scheduler's lookup is once per request, and the index must not
             // change between ranks' probes for the minimum to mean anything.
-            let opened = lock(&shared.opened);
-            space.cached_prefix_on_all_ranks(opened.pool.index(), tokens, block_tokens, &mut self.keys)
+            let store = lock(&shared.store);
+            space.cached_prefix_on_all_ranks(store.control.pool().index(), tokens, block_tokens, &mut self.keys)
         } else {
             space.keys(tokens, block_tokens, &mut self.keys);
-            lock(&shared.opened).pool.index().cached_prefix(&self.keys)
+            lock(&shared.store).control.lookup(&self.keys)
         };
         shared.metrics.lookup((tokens.len() / block_tokens.max(1) as usize) as u64, cached as u64);
         Reply::Lookup { cached_blocks: cached as u32, block_tokens }
@@ -452,7 +567,7 @@ impl Connection {
 /// What a scrape reads from the daemon's state.
 fn metrics_snapshot(shared: &Shared) -> Snapshot {
     Snapshot {
-        pool: lock(&shared.opened).pool.index().counts(),
+        pool: lock(&shared.store).control.counts(),
         clients: lock(&shared.sessions).len() as u64,
         connections: u64::from(shared.connections.load(Ordering::Acquire)),
     }
@@ -460,8 +575,12 @@ fn metrics_snapshot(shared: &Shared) -> Snapshot {
 
 fn status(shared: &Shared) -> StatusReply {
     let (devices, pool) = {
-        let opened = lock(&shared.opened);
-        (opened.devices.clone(), opened.pool.index().counts())
+        let store = lock(&shared.store);
+        let mut devices = shared.devices.clone();
+        for (device, emulator) in devices.iter_mut().zip(&store.emulators) {
+            device.refused_commands = emulator.as_ref().map_or(0, |emulator| emulator.stats().restriction_refusals);
+        }
+        (devices, store.control.counts())
     };
     let clients = lock(&shared.sessions)
         .iter()
@@ -474,6 +593,9 @@ fn status(shared: &Shared) -> StatusReply {
             tp_world: record.space.tp_world,
             requests: record.requests,
             idle_ms: record.last_active.elapsed().as_millis() as u64,
+            registrations: record.registrations,
+            queue_pairs: record.queue_pairs,
+            requests_in_flight: record.requests_in_flight,
         })
         .collect();
     StatusReply {
@@ -484,5 +606,6 @@ fn status(shared: &Shared) -> StatusReply {
         pool,
         connections: shared.connections.load(Ordering::Acquire),
         clients,
+        leaked_queue_pairs: shared.leaks.queue_pairs.load(Ordering::Relaxed),
     }
 }

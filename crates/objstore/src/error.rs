@@ -105,6 +105,10 @@ pub enum ObjstoreError {
     InvalidPoolShape { reason: String },
     #[error("placement {position} of the request: {reason} (outside the pool's shape)")]
     BadPlacement { position: usize, reason: String },
+    /// The store's control half runs in another process (tuttid) and refused or failed the
+    /// request, or could not be reached.
+    #[error("the store's control half (tuttid): {reason}")]
+    Remote { reason: String },
     #[error("gio_uring: {0}")]
     Gio(#[from] GioError),
     #[error("NVMe: {0}")]

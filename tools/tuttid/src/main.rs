@@ -21,6 +21,7 @@ use tutti_cli::exit::{self, Unusable};
 use tutti_cli::{outln, GeometryArgs};
 use tutti_daemon::pool_open::{open_pool, PoolOptions};
 use tutti_daemon::protocol::StatusReply;
+use tutti_daemon::session::SessionLimits;
 use tutti_daemon::{Client, DaemonError, Server, ServerConfig};
 use tutti_devices::{format_size, parse_duration, parse_size, DeviceKind, DeviceSpec};
 
@@ -65,9 +66,19 @@ struct Cli {
     /// A frame must arrive whole within this of its first byte.
     #[arg(long, default_value = "2s", value_parser = parse_duration)]
     frame_timeout: Duration,
-    /// Connections served at once.
+    /// Connections served at once. Each software controller is started with this many I/O
+    /// queue pairs plus two (one per client, one for the pool's metadata, one spare).
     #[arg(long, default_value_t = 64)]
     clients_max: usize,
+    /// Memory windows one session may register.
+    #[arg(long, default_value_t = 4)]
+    windows_per_session: usize,
+    /// Bytes one session's windows may hold together (e.g. 64g).
+    #[arg(long, default_value = "64g", value_parser = parse_size)]
+    window_bytes_per_session: u64,
+    /// Requests one session may hold prepared at once.
+    #[arg(long, default_value_t = 32)]
+    requests_per_session: usize,
     /// Where vfio: devices' lock files live.
     #[arg(long, default_value = "/run/tutti")]
     lock_dir: PathBuf,
@@ -131,6 +142,10 @@ fn serve(cli: &Cli) -> Result<()> {
         emu_create_bytes: cli.emu_create_bytes,
         format,
         lock_dir: cli.lock_dir.clone(),
+        // One queue pair per client on each software controller (each is one pool device).
+        client_queue_pairs: u16::try_from(cli.clients_max)
+            .map_err(|_| Unusable(format!("--clients-max {} is over 65533", cli.clients_max)))?
+            .min(65533),
     };
     let opened = open_pool(&options).map_err(classify)?;
     let report = opened.report;
@@ -140,6 +155,12 @@ fn serve(cli: &Cli) -> Result<()> {
     config.frame_timeout = cli.frame_timeout;
     config.clients_max = cli.clients_max;
     config.metrics = cli.metrics.0;
+    config.session_limits = SessionLimits {
+        registrations_max: cli.windows_per_session,
+        window_bytes_max: cli.window_bytes_per_session,
+        requests_max: cli.requests_per_session.max(1),
+        ..SessionLimits::default()
+    };
     let server = Server::bind(config, opened).map_err(classify)?;
     if let Some(address) = server.metrics_address() {
         eprintln!("tuttid: metrics on http://{address}/metrics");
@@ -203,7 +224,7 @@ fn print_report(status: &StatusReply) -> Result<()> {
     )?;
     outln!("devices:")?;
     for device in &status.devices {
-        outln!("  {}: {}", device.spec, device.description)?;
+        outln!("  {}: {} ({} commands refused by queue restrictions)", device.spec, device.description, device.refused_commands)?;
     }
     let pool = &status.pool;
     let used = pool.slots - pool.free_slots;
@@ -227,7 +248,7 @@ fn print_report(status: &StatusReply) -> Result<()> {
     outln!("connections: {}; clients: {}", status.connections, status.clients.len())?;
     for client in &status.clients {
         outln!(
-            "  session {} pid {} uid {} '{}': TP rank {}/{}, {} requests, idle {} ms",
+            "  session {} pid {} uid {} '{}': TP rank {}/{}, {} requests, idle {} ms; {} window(s), {} queue pair(s), {} request(s) in flight",
             client.session,
             client.pid,
             client.uid,
@@ -235,8 +256,14 @@ fn print_report(status: &StatusReply) -> Result<()> {
             client.tp_rank,
             client.tp_world,
             client.requests,
-            client.idle_ms
+            client.idle_ms,
+            client.registrations,
+            client.queue_pairs,
+            client.requests_in_flight
         )?;
+    }
+    if status.leaked_queue_pairs > 0 {
+        outln!("LEAKED: {} client queue pair(s) could not be deleted; their windows and reservations are kept", status.leaked_queue_pairs)?;
     }
     Ok(())
 }

@@ -4,115 +4,20 @@
 //! wait. Client processes are this test binary run again with `TUTTID_TEST_CHILD` set (see
 //! `child_process_entry`), so they are separate processes with their own pids and credentials.
 
-use std::io::{BufRead, Read, Write};
+use std::io::{Read, Write};
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use nix::sys::signal::{kill, Signal};
-use nix::unistd::Pid;
-use tutti_daemon::protocol::{encode_frame, FrameHeader, Hello, Kind, Reply, BODY_BYTES_MAX, HEADER_BYTES};
+use tutti_daemon::protocol::{encode_frame, FrameHeader, Kind, Reply, BODY_BYTES_MAX, HEADER_BYTES};
 use tutti_daemon::{Client, DaemonError, ErrorCode};
 
-const TUTTID: &str = env!("CARGO_BIN_EXE_tuttid");
-const WAIT: Duration = Duration::from_secs(30);
+mod common;
+use common::{hello, Daemon, TUTTID, WAIT};
+
 const CHILD_ENV: &str = "TUTTID_TEST_CHILD";
-
-fn hello(rank: u32, world: u32, name: &str) -> Hello {
-    Hello { model_fingerprint: [0x5a; 32], tp_rank: rank, tp_world: world, client_name: name.into() }
-}
-
-/// A running tuttid; killed (SIGKILL) if a test ends without stopping it.
-struct Daemon {
-    child: Option<Child>,
-    socket: PathBuf,
-}
-
-impl Daemon {
-    fn start(directory: &Path, device: &str, extra: &[&str]) -> Daemon {
-        let socket = directory.join("tuttid.sock");
-        let mut command = Command::new(TUTTID);
-        command.args(["--device", device, "--socket"]).arg(&socket).args(["--lock-dir"]).arg(directory.join("locks"));
-        command.args(["--layers", "2", "--kv-heads", "2", "--head-dim", "64"]).args(extra);
-        if !extra.contains(&"--metrics") {
-            // Tests run daemons side by side: none takes the default port.
-            command.args(["--metrics", "off"]);
-        }
-        let child = command.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().expect("start tuttid");
-        let mut daemon = Daemon { child: Some(child), socket };
-        let deadline = Instant::now() + WAIT;
-        while UnixStream::connect(&daemon.socket).is_err() {
-            if let Some(status) = daemon.child.as_mut().unwrap().try_wait().unwrap() {
-                panic!("tuttid exited with {status}: {}", daemon.stderr());
-            }
-            assert!(Instant::now() < deadline, "tuttid did not listen within {WAIT:?}");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        daemon
-    }
-
-    /// The metrics URL the daemon printed at start (started with `--metrics IP:0`).
-    fn metrics_url(&mut self) -> String {
-        let stderr = self.child.as_mut().unwrap().stderr.take().unwrap();
-        let (sender, receiver) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in std::io::BufReader::new(stderr).lines() {
-                let Ok(line) = line else { break };
-                if let Some(url) = line.strip_prefix("tuttid: metrics on ") {
-                    let _ = sender.send(url.to_string());
-                }
-            }
-        });
-        receiver.recv_timeout(WAIT).expect("tuttid printed no metrics address")
-    }
-
-    fn pid(&self) -> u32 {
-        self.child.as_ref().unwrap().id()
-    }
-
-    fn client(&self) -> Client {
-        Client::connect(&self.socket, Duration::from_secs(5)).unwrap()
-    }
-
-    fn stderr(&mut self) -> String {
-        let mut text = String::new();
-        if let Some(stderr) = self.child.as_mut().and_then(|child| child.stderr.as_mut()) {
-            let _ = stderr.read_to_string(&mut text);
-        }
-        text
-    }
-
-    /// Sends SIGTERM and waits (bounded) for the exit status and standard error.
-    fn terminate(mut self) -> (std::process::ExitStatus, String) {
-        kill(Pid::from_raw(self.pid() as i32), Signal::SIGTERM).unwrap();
-        let status = wait_bounded(self.child.as_mut().unwrap());
-        let stderr = self.stderr();
-        self.child = None;
-        (status, stderr)
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
-fn wait_bounded(child: &mut Child) -> std::process::ExitStatus {
-    let deadline = Instant::now() + WAIT;
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            return status;
-        }
-        assert!(Instant::now() < deadline, "process {} did not exit within {WAIT:?}", child.id());
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
 
 /// Runs `command` to its end, killing it (and failing) if it runs past [`WAIT`]: a daemon
 /// that should have been refused would otherwise serve forever.
@@ -185,7 +90,7 @@ fn bad_frames_get_typed_errors_and_the_daemon_serves_others() {
     let (answer, closed) = raw_exchange(&daemon.socket, &version, false);
     let (code, message) = answer.unwrap();
     assert_eq!(code, ErrorCode::UnsupportedVersion);
-    assert!(message.contains("protocol version 9; this build speaks version 1"), "{message}");
+    assert!(message.contains("protocol version 9; this build speaks version 2"), "{message}");
     assert!(closed);
 
     let mut oversized = frame.clone();
@@ -348,13 +253,7 @@ fn child_process_entry() {
 }
 
 fn spawn_child(role: &str) -> Child {
-    Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "child_process_entry", "--nocapture", "--test-threads", "1"])
-        .env(CHILD_ENV, role)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap()
+    common::spawn_child("child_process_entry", CHILD_ENV, role)
 }
 
 #[test]
@@ -498,6 +397,8 @@ fn status_prints_devices_pool_fill_and_clients() {
     assert!(stdout.contains("emu:mem:64MiB: software NVMe controller"), "{stdout}");
     assert!(stdout.contains("pool: 0 of ") && stdout.contains("slots used (0.0%)"), "{stdout}");
     assert!(stdout.contains("'worker-1': TP rank 1/2"), "{stdout}");
+    assert!(stdout.contains("0 window(s), 0 queue pair(s), 0 request(s) in flight"), "{stdout}");
+    assert!(stdout.contains("(0 commands refused by queue restrictions)"), "{stdout}");
     let missing = output_bounded(Command::new(TUTTID).arg("--status").arg(directory.path().join("none.sock")));
     assert_eq!(missing.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&missing.stderr).contains("connecting to tuttid"));

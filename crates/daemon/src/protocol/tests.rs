@@ -17,7 +17,7 @@ fn sample_status() -> StatusReply {
         daemon_pid: 42,
         uptime_ms: 1234,
         shape: PoolShape { layers: 32, kv_heads: 8, head_dim: 128, dtype_bytes: 2, block_tokens: 16, blocks_per_slot: 1 },
-        devices: vec![DeviceStatus { spec: "emu:mem:64MiB".into(), description: "software NVMe controller".into() }],
+        devices: vec![DeviceStatus { spec: "emu:mem:64MiB".into(), description: "software NVMe controller".into(), refused_commands: 4 }],
         pool: PoolStatus { slots: 10, free_slots: 7, valid_slots: 3, writing_slots: 0, pinned_slots: 1, cached_blocks: 3, evictions: 2 },
         connections: 2,
         clients: vec![ClientStatus {
@@ -29,7 +29,11 @@ fn sample_status() -> StatusReply {
             tp_world: 2,
             requests: 9,
             idle_ms: 3,
+            registrations: 1,
+            queue_pairs: 2,
+            requests_in_flight: 3,
         }],
+        leaked_queue_pairs: 6,
     }
 }
 
@@ -73,8 +77,8 @@ fn bad_headers_are_refused_before_the_body() {
     garbage[..4].copy_from_slice(b"GET ");
     assert!(matches!(header_of(&garbage), Err(ProtocolError::BadMagic { found }) if &found == b"GET "));
     let mut version = good.clone();
-    version[4..6].copy_from_slice(&2u16.to_le_bytes());
-    assert_eq!(header_of(&version), Err(ProtocolError::UnsupportedVersion { found: 2 }));
+    version[4..6].copy_from_slice(&(PROTOCOL_VERSION + 1).to_le_bytes());
+    assert_eq!(header_of(&version), Err(ProtocolError::UnsupportedVersion { found: PROTOCOL_VERSION + 1 }));
     let mut kind = good.clone();
     kind[6..8].copy_from_slice(&77u16.to_le_bytes());
     assert_eq!(header_of(&kind), Err(ProtocolError::UnknownKind { kind: 77 }));
@@ -155,4 +159,145 @@ fn error_codes_round_trip() {
     for code in 0..=20u16 {
         assert_eq!(ErrorCode::from_u16(code).to_u16(), code);
     }
+}
+
+fn sample_pool_shape() -> objstore::PoolShape {
+    use objstore::format::SlotAddressing;
+    let device = |nsid, sgl| objstore::DeviceLayout {
+        nsid,
+        addressing: SlotAddressing { data_lba: 256, slot_blocks: 8, pair_blocks: 2, lba_shift: 12 },
+        slot_count: 1000,
+        lba_bytes: 4096,
+        capacity_blocks: 16384,
+        max_transfer_bytes: 1 << 20,
+        sgl_supported: sgl,
+    };
+    objstore::PoolShape {
+        geometry: objstore::ModelGeometry { layers: 2, kv_heads: 2, head_dim: 64, dtype_bytes: 2, block_tokens: 16 },
+        blocks_per_slot: 2,
+        layer_stride_blocks: 4,
+        payload_crcs: true,
+        devices: vec![device(1, true), device(3, false)],
+    }
+}
+
+fn sample_placements() -> Vec<objstore::Placement> {
+    (0..3u32)
+        .map(|i| objstore::Placement {
+            location: objstore::BlockLocation { device: i as u16, slot: 1000 + i, index: (i % 2) as u16 },
+            engine_block: 7 * i,
+        })
+        .collect()
+}
+
+fn store_requests() -> Vec<Request> {
+    vec![
+        Request::RegisterMemory(RegisterMemory { window_bytes: 8 << 20, kv_blocks: 64 }),
+        Request::AttachQueues(AttachQueues {
+            registration: 3,
+            depth: 64,
+            rings: vec![
+                RingOffsets { submission_offset: 4096, completion_offset: 8192 },
+                RingOffsets { submission_offset: 0, completion_offset: 1 },
+            ],
+        }),
+        Request::PoolShape,
+        Request::PrepareRetrieve(Prepare { registration: 3, tokens: (0..40).collect(), block_ids: vec![5, 4] }),
+        Request::PrepareStore(Prepare { registration: 9, tokens: vec![1; 33], block_ids: vec![0, 1] }),
+        Request::Commit(Commit { handle: 0x1_0000_0002, payload_crcs: Some(vec![1, 2, 3]) }),
+        Request::Commit(Commit { handle: 5, payload_crcs: None }),
+        Request::Release { handle: u64::MAX },
+    ]
+}
+
+fn store_replies() -> Vec<Reply> {
+    vec![
+        Reply::Registered(Registered { registration: 3, iova_base: 0x10_0000, address_space: 77 }),
+        Reply::Attached {
+            queues: vec![QueueGrant {
+                queue_id: 5,
+                depth: 64,
+                submission_iova: 0x10_1000,
+                completion_iova: 0x10_2000,
+                submission_doorbell_offset: 0x1028,
+                completion_doorbell_offset: 0x102c,
+                namespaces: vec![NamespaceGrant { nsid: 1, lba_bytes: 4096, size_blocks: 16384 }],
+                sgl: true,
+                max_transfer_bytes: 1 << 20,
+                register_fd: 0,
+                register_bytes: 16384,
+            }],
+        },
+        Reply::PoolShape(sample_pool_shape()),
+        Reply::RetrievePrepared(RetrievePrepared { handle: 9, placements: sample_placements(), expected_crcs: Some(vec![4, 5, 6]) }),
+        Reply::RetrievePrepared(RetrievePrepared { handle: 9, placements: Vec::new(), expected_crcs: None }),
+        Reply::StorePrepared(StorePrepared {
+            handle: 1,
+            new_blocks: 3,
+            shared_blocks: 2,
+            evicted_slots: 1,
+            placements: sample_placements(),
+        }),
+        Reply::Committed { stored: 3 },
+        Reply::Released,
+    ]
+}
+
+#[test]
+fn store_path_messages_round_trip_and_every_truncation_is_malformed() {
+    // Goal: each store-path request and reply decodes to itself; every cut of its body and a
+    // trailing byte are MalformedBody, never a panic.
+    let requests = store_requests();
+    let replies = store_replies();
+    for request in &requests {
+        let frame = frame_of(request.kind(), |out| request.encode_body(out));
+        let header = header_of(&frame).unwrap();
+        assert!(header.kind.is_request());
+        let body = &frame[HEADER_BYTES..];
+        assert_eq!(&Request::decode(header.kind, body).unwrap(), request);
+        for cut in 0..body.len() {
+            assert!(
+                matches!(Request::decode(header.kind, &body[..cut]), Err(ProtocolError::MalformedBody { .. })),
+                "{request:?} cut at {cut}"
+            );
+        }
+        let mut long = body.to_vec();
+        long.push(0);
+        assert!(matches!(Request::decode(header.kind, &long), Err(ProtocolError::MalformedBody { .. })), "{request:?} + 1 byte");
+    }
+    for reply in &replies {
+        let frame = frame_of(reply.kind(), |out| reply.encode_body(out));
+        let header = header_of(&frame).unwrap();
+        assert!(!header.kind.is_request());
+        let body = &frame[HEADER_BYTES..];
+        assert_eq!(&Reply::decode(header.kind, body).unwrap(), reply);
+        for cut in 0..body.len() {
+            assert!(matches!(Reply::decode(header.kind, &body[..cut]), Err(ProtocolError::MalformedBody { .. })), "{reply:?} cut at {cut}");
+        }
+        let mut long = body.to_vec();
+        long.push(0);
+        assert!(matches!(Reply::decode(header.kind, &long), Err(ProtocolError::MalformedBody { .. })), "{reply:?} + 1 byte");
+    }
+}
+
+#[test]
+fn store_path_counts_and_flags_are_checked_before_allocating() {
+    // Goal: a count that claims more items than the body holds, and a flag byte other than 0/1,
+    // are refused with the field named (nothing allocated from the count).
+    let mut lying = Vec::new();
+    lying.extend_from_slice(&3u64.to_le_bytes()); // registration
+    lying.extend_from_slice(&u32::MAX.to_le_bytes()); // token count
+    lying.extend_from_slice(&[0; 8]);
+    let error = Request::decode(Kind::PrepareStore, &lying).unwrap_err().to_string();
+    assert!(error.contains("token_count 4294967295 but 8 bytes left"), "{error}");
+    let mut placements = Vec::new();
+    placements.extend_from_slice(&1u64.to_le_bytes());
+    placements.extend_from_slice(&1_000_000u32.to_le_bytes());
+    let error = Reply::decode(Kind::RetrievePrepared, &placements).unwrap_err().to_string();
+    assert!(error.contains("placement_count 1000000"), "{error}");
+    let mut flag = Vec::new();
+    flag.extend_from_slice(&1u64.to_le_bytes());
+    flag.push(2);
+    let error = Request::decode(Kind::Commit, &flag).unwrap_err().to_string();
+    assert!(error.contains("payload_crcs is 2, expected 0 or 1"), "{error}");
 }

@@ -1,0 +1,397 @@
+//! [`RemoteKvStore`]: the layer-wise KV store of an engine process whose pool is tuttid's.
+//!
+//! Per request it asks the daemon (lookup; prepare = reserve + placements; commit; release);
+//! per layer it does not: at connect it creates one memfd window (its KV memory, the mapping
+//! table, one queue pair's rings and scratch pages per pool device), registers it with the
+//! daemon, attaches the queue pairs the daemon created in it (doorbells through the software
+//! controller's shared register page), and runs objstore's own [`StoreData`] over them with a
+//! CPU executor. `retrieve_layer` / `store_layer` / `wait` / `poll` are `StoreData`'s calls and
+//! send nothing on the socket ([`RemoteKvStore::requests_sent`] proves it in the tests).
+//!
+//! The engine reads and writes its KV bytes through copying accessors
+//! ([`RemoteKvStore::write_block`], [`RemoteKvStore::read_block`]): the device writes that
+//! memory, so no Rust reference into it is ever handed out.
+//!
+//! Everything the daemon sends is untrusted: the pool's shape is checked
+//! (`PoolShape::check`), every placement by `StoreData::prepare`, every queue layout by
+//! `IoQueuePair::attach` (doorbells from the register page's own CAP.DSTRD, rings at the IOVAs
+//! this process allocated), every register page by `SharedMemory::from_fd`.
+
+use std::os::fd::AsFd;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use gio_uring::{CpuExecutor, SmBudget};
+use nvme_driver::hw::{AddressSpaceId, DmaAllocator, DmaRegion, DmaWindow, RegisterIo, SharedMemory, SharedRegisters};
+use nvme_driver::spec::{COMPLETION_ENTRY_BYTES, SUBMISSION_ENTRY_BYTES};
+use nvme_driver::{AttachedQueueConfig, DataPointerMode, DetachedQueueLayout, HwError, IoQueuePair, Iova, Namespace, NamespaceId, QueueId};
+use objstore::{
+    Direction, KvLayout, KvRegistration, KvRequest, LayerKvStore, ObjstoreError, RequestHandle, StoreConfig, StoreData, StorePlan,
+};
+
+use super::Client;
+use crate::protocol::{AttachQueues, Commit, Hello, HelloReply, Kind, Prepare, QueueGrant, RegisterMemory, Reply, Request, RingOffsets};
+use crate::DaemonError;
+
+/// Bytes per page of the window (rings and regions are page aligned).
+const PAGE_BYTES: u64 = 4096;
+/// Per-slot scratch page of an attached queue pair (nvme-driver's `SCRATCH_BYTES`).
+const SCRATCH_PAGE_BYTES: u64 = 4096;
+/// Room left in the window for allocator rounding and small regions.
+const WINDOW_SLACK_BYTES: u64 = 1 << 20;
+
+/// How a remote store is set up.
+#[derive(Debug, Clone)]
+pub struct RemoteConfig {
+    /// Engine KV blocks in the window (block ids below it).
+    pub kv_blocks: u32,
+    /// Entries of each queue pair.
+    pub queue_depth: u32,
+    /// The data half's sizes (`verify_retrieves` needs a pool that records CRCs).
+    pub store: StoreConfig,
+    /// The longest wait for a daemon reply.
+    pub timeout: Duration,
+}
+
+impl Default for RemoteConfig {
+    fn default() -> Self {
+        Self { kv_blocks: 64, queue_depth: 64, store: StoreConfig::default(), timeout: Duration::from_secs(5) }
+    }
+}
+
+/// A [`LayerKvStore`] whose control half is tuttid (module docs).
+pub struct RemoteKvStore {
+    /// Declared first, so dropped first: the attached pairs go before the window.
+    data: StoreData<CpuExecutor>,
+    client: Client,
+    hello: HelloReply,
+    registration: u64,
+    kv: DmaRegion,
+    block_bytes: u64,
+    /// The rings of every attached pair: kept until the daemon deleted the queues (the attach
+    /// contract), i.e. for the life of this store (the daemon deletes them when the session ends).
+    _rings: Vec<(DmaRegion, DmaRegion)>,
+    window: DmaWindow,
+    payload_crcs: bool,
+    crcs: Vec<u32>,
+}
+
+fn remote(error: DaemonError) -> ObjstoreError {
+    ObjstoreError::Remote { reason: error.to_string() }
+}
+
+fn unexpected(asked: Kind, got: &Reply) -> ObjstoreError {
+    remote(DaemonError::UnexpectedReply { asked, got: got.kind() })
+}
+
+impl RemoteKvStore {
+    /// Connects to tuttid at `socket`, attaches as `hello`, and sets up the data path (module
+    /// docs). Fails with the daemon's typed refusal (e.g. `Unsupported` on a pool without a
+    /// shared register page), or the local check that refused what it sent.
+    pub fn connect(socket: &Path, hello: &Hello, config: &RemoteConfig) -> Result<RemoteKvStore, ObjstoreError> {
+        let mut client = Client::connect(socket, config.timeout).map_err(remote)?;
+        let attached = client.hello(hello).map_err(remote)?;
+        let shape = match client.call(&Request::PoolShape).map_err(remote)? {
+            Reply::PoolShape(shape) => shape,
+            other => return Err(unexpected(Kind::PoolShape, &other)),
+        };
+        shape.check()?;
+        let geometry = shape.geometry;
+        let block_bytes = 2 * u64::from(geometry.layers) * geometry.object_bytes();
+        let devices = shape.devices.len() as u64;
+        let depth = u64::from(config.queue_depth);
+        let kv_bytes = u64::from(config.kv_blocks)
+            .checked_mul(block_bytes)
+            .ok_or_else(|| ObjstoreError::AddressOverflow { what: format!("{} KV blocks of {block_bytes} bytes", config.kv_blocks) })?;
+        let round = |bytes: u64| bytes.div_ceil(PAGE_BYTES) * PAGE_BYTES;
+        let per_device = round(depth * SUBMISSION_ENTRY_BYTES as u64)
+            + round(depth * COMPLETION_ENTRY_BYTES as u64)
+            + depth.saturating_sub(1) * SCRATCH_PAGE_BYTES;
+        let table = objstore::mapping_memory(&geometry, kv_bytes);
+        let table_bytes = round(table.sgl_bytes.max(table.prp_packed_bytes));
+        let window_bytes = round(kv_bytes) + devices * per_device + table_bytes + WINDOW_SLACK_BYTES;
+        let window_len = usize::try_from(window_bytes).map_err(|_| ObjstoreError::AddressOverflow { what: "the window".into() })?;
+        let memory = SharedMemory::create("tutti-kv-window", window_len).map_err(HwError::from)?;
+        let register = Request::RegisterMemory(RegisterMemory { window_bytes, kv_blocks: config.kv_blocks });
+        let registered = match client.call_with_fds(&register, &[memory.fd()]).map_err(remote)? {
+            (Reply::Registered(registered), _) => registered,
+            (other, _) => return Err(unexpected(Kind::RegisterMemory, &other)),
+        };
+        let window = DmaWindow::new(memory, Iova(registered.iova_base), AddressSpaceId(registered.address_space))?;
+        // The KV memory first (at the window's base), then each device's rings.
+        let kv = window.allocate(kv_bytes as usize)?;
+        let mut rings = Vec::with_capacity(shape.devices.len());
+        let mut offsets = Vec::with_capacity(shape.devices.len());
+        for _ in &shape.devices {
+            let submission = window.allocate(config.queue_depth as usize * SUBMISSION_ENTRY_BYTES)?;
+            let completion = window.allocate(config.queue_depth as usize * COMPLETION_ENTRY_BYTES)?;
+            let offset = |region: &DmaRegion| region.iova().0 - registered.iova_base;
+            offsets.push(RingOffsets { submission_offset: offset(&submission), completion_offset: offset(&completion) });
+            rings.push((submission, completion));
+        }
+        let attach =
+            Request::AttachQueues(AttachQueues { registration: registered.registration, depth: config.queue_depth, rings: offsets });
+        let (grants, register_fds) = match client.call_with_fds(&attach, &[]).map_err(remote)? {
+            (Reply::Attached { queues }, fds) => (queues, fds),
+            (other, _) => return Err(unexpected(Kind::AttachQueues, &other)),
+        };
+        if grants.len() != shape.devices.len() {
+            return Err(ObjstoreError::Remote {
+                reason: format!("{} queue grants for {} pool devices", grants.len(), shape.devices.len()),
+            });
+        }
+        let mut pairs = Vec::with_capacity(grants.len());
+        let mut sgl_everywhere = true;
+        for (device, grant) in grants.iter().enumerate() {
+            sgl_everywhere &= grant.sgl;
+            let fd = register_fds.get(usize::from(grant.register_fd)).ok_or_else(|| ObjstoreError::Remote {
+                reason: format!("queue grant {device} names register page descriptor {} of {}", grant.register_fd, register_fds.len()),
+            })?;
+            let register_bytes =
+                usize::try_from(grant.register_bytes).map_err(|_| ObjstoreError::Remote { reason: "register page size".into() })?;
+            let page = SharedMemory::from_fd(
+                fd.as_fd()
+                    .try_clone_to_owned()
+                    .map_err(|source| ObjstoreError::Remote { reason: format!("duplicating a register page descriptor: {source}") })?,
+                register_bytes,
+            )
+            .map_err(HwError::from)?;
+            let registers: Arc<dyn RegisterIo> = Arc::new(SharedRegisters::new(page));
+            let (submission, completion) = &rings[device];
+            let pair = IoQueuePair::attach(
+                attach_config(grant, submission, completion),
+                (submission.clone(), completion.clone()),
+                &window,
+                registers,
+            )?;
+            pairs.push(pair);
+        }
+        let mode = if sgl_everywhere { DataPointerMode::Sgl } else { DataPointerMode::Prp };
+        let layout = KvLayout::BlockMajor { base: kv.iova(), block_stride_bytes: block_bytes };
+        let registration = KvRegistration::new(geometry, config.kv_blocks, layout, mode)?;
+        let dma: Arc<dyn DmaAllocator> = Arc::new(window.clone());
+        let executor = CpuExecutor::new(pairs, config.store.iocbs);
+        let payload_crcs = shape.payload_crcs;
+        let data = StoreData::new(shape, registration, dma, executor, config.store)?;
+        Ok(RemoteKvStore {
+            data,
+            client,
+            hello: attached,
+            registration: registered.registration,
+            kv,
+            block_bytes,
+            _rings: rings,
+            window,
+            payload_crcs,
+            crcs: Vec::new(),
+        })
+    }
+
+    /// What the daemon answered to `Hello` (session id, lease, pool summary).
+    pub fn hello_reply(&self) -> &HelloReply {
+        &self.hello
+    }
+
+    /// The connection, for requests beyond the store's (status, ping, raw requests in tests).
+    pub fn client(&mut self) -> &mut Client {
+        &mut self.client
+    }
+
+    /// Requests sent to the daemon so far: per-layer calls add none.
+    pub fn requests_sent(&self) -> u64 {
+        self.client.requests_sent()
+    }
+
+    /// This store's registration id at the daemon.
+    pub fn registration(&self) -> u64 {
+        self.registration
+    }
+
+    /// The registered window (for tests that need an address inside or outside it).
+    pub fn window(&self) -> &DmaWindow {
+        &self.window
+    }
+
+    /// The data half (its queue: tests drive a raw command through it).
+    pub fn data_mut(&mut self) -> &mut StoreData<CpuExecutor> {
+        &mut self.data
+    }
+
+    /// Bytes of one engine block: all layers, layer l's K then V (`BlockMajor`).
+    pub fn block_bytes(&self) -> u64 {
+        self.block_bytes
+    }
+
+    fn block_offset(&self, block: u32, offset: usize, len: usize) -> Result<usize, ObjstoreError> {
+        let blocks = self.data.table().registration().num_blocks();
+        if block >= blocks {
+            return Err(ObjstoreError::BlockOutOfRange { block, num_blocks: blocks });
+        }
+        if offset.checked_add(len).is_none_or(|end| end as u64 > self.block_bytes) {
+            return Err(ObjstoreError::BadRequest { reason: format!("{len} bytes at {offset} of a {} byte block", self.block_bytes) });
+        }
+        Ok(block as usize * self.block_bytes as usize + offset)
+    }
+
+    /// Copies `bytes` into engine block `block` at `offset` (the engine's KV tensors).
+    pub fn write_block(&self, block: u32, offset: usize, bytes: &[u8]) -> Result<(), ObjstoreError> {
+        let at = self.block_offset(block, offset, bytes.len())?;
+        Ok(self.kv.write(at, bytes)?)
+    }
+
+    /// Copies engine block `block`'s bytes from `offset` into `out`.
+    pub fn read_block(&self, block: u32, offset: usize, out: &mut [u8]) -> Result<(), ObjstoreError> {
+        let at = self.block_offset(block, offset, out.len())?;
+        Ok(self.kv.read(at, out)?)
+    }
+
+    /// The longest prefix of `tokens`, in blocks, cached on every tensor-parallel rank of this
+    /// session's world (the engine scheduler's question).
+    pub fn lookup_all_ranks(&mut self, tokens: &[u32]) -> Result<usize, ObjstoreError> {
+        self.client.lookup_all_ranks(tokens).map(|blocks| blocks as usize).map_err(remote)
+    }
+
+    fn prepare_request(request: &KvRequest<'_>, registration: u64) -> Prepare {
+        Prepare { registration, tokens: request.tokens.to_vec(), block_ids: request.block_ids.to_vec() }
+    }
+
+    /// Tells the daemon to drop a request the data half could not prepare.
+    fn release_remote(&mut self, handle: RequestHandle) {
+        if let Err(error) = self.client.call(&Request::Release { handle: handle.to_bits() }) {
+            tracing::warn!(%error, "releasing a request at tuttid");
+        }
+    }
+}
+
+/// The attach configuration of one grant, with this process's rings.
+fn attach_config(grant: &QueueGrant, submission: &DmaRegion, completion: &DmaRegion) -> AttachedQueueConfig {
+    AttachedQueueConfig {
+        layout: DetachedQueueLayout {
+            id: QueueId(grant.queue_id),
+            depth: grant.depth,
+            submission_iova: Iova(grant.submission_iova),
+            completion_iova: Iova(grant.completion_iova),
+            submission_host_address: submission.host_address(),
+            completion_host_address: completion.host_address(),
+            submission_doorbell_offset: grant.submission_doorbell_offset as usize,
+            completion_doorbell_offset: grant.completion_doorbell_offset as usize,
+        },
+        namespaces: grant
+            .namespaces
+            .iter()
+            .map(|namespace| Namespace {
+                id: NamespaceId(namespace.nsid),
+                block_size_bytes: namespace.lba_bytes,
+                size_blocks: namespace.size_blocks,
+            })
+            .collect(),
+        data_pointer_mode: if grant.sgl { DataPointerMode::Sgl } else { DataPointerMode::Prp },
+        max_transfer_bytes: grant.max_transfer_bytes,
+    }
+}
+
+impl LayerKvStore for RemoteKvStore {
+    /// A daemon that cannot answer is a miss (0): the safe answer for an engine, which then
+    /// computes the prefix; the error is logged.
+    fn lookup(&mut self, tokens: &[u32]) -> usize {
+        match self.client.lookup(tokens) {
+            Ok(blocks) => blocks as usize,
+            Err(error) => {
+                tracing::warn!(%error, "lookup at tuttid failed: answering 0 cached blocks");
+                0
+            }
+        }
+    }
+
+    fn prepare_retrieve(&mut self, request: &KvRequest<'_>) -> Result<RequestHandle, ObjstoreError> {
+        let prepare = Request::PrepareRetrieve(Self::prepare_request(request, self.registration));
+        let prepared = match self.client.call(&prepare).map_err(remote)? {
+            Reply::RetrievePrepared(prepared) => prepared,
+            other => return Err(unexpected(Kind::PrepareRetrieve, &other)),
+        };
+        let handle = RequestHandle::from_bits(prepared.handle);
+        if let Err(error) = self.data.prepare(handle, Direction::Retrieve, &prepared.placements, prepared.expected_crcs.as_deref()) {
+            self.release_remote(handle);
+            return Err(error);
+        }
+        Ok(handle)
+    }
+
+    fn prepare_store(&mut self, request: &KvRequest<'_>) -> Result<StorePlan, ObjstoreError> {
+        let prepare = Request::PrepareStore(Self::prepare_request(request, self.registration));
+        let prepared = match self.client.call(&prepare).map_err(remote)? {
+            Reply::StorePrepared(prepared) => prepared,
+            other => return Err(unexpected(Kind::PrepareStore, &other)),
+        };
+        let handle = RequestHandle::from_bits(prepared.handle);
+        if prepared.placements.len() != prepared.new_blocks as usize {
+            self.release_remote(handle);
+            return Err(ObjstoreError::Remote {
+                reason: format!("{} placements for {} new blocks", prepared.placements.len(), prepared.new_blocks),
+            });
+        }
+        if let Err(error) = self.data.prepare(handle, Direction::Store, &prepared.placements, None) {
+            self.release_remote(handle);
+            return Err(error);
+        }
+        Ok(StorePlan {
+            handle,
+            new_blocks: prepared.new_blocks as usize,
+            shared_blocks: prepared.shared_blocks as usize,
+            evicted_slots: prepared.evicted_slots as usize,
+        })
+    }
+
+    #[inline]
+    fn retrieve_layer(&mut self, handle: RequestHandle, layer: u32, budget: SmBudget) -> Result<(), ObjstoreError> {
+        self.data.retrieve_layer(handle, layer, budget)
+    }
+
+    #[inline]
+    fn store_layer(&mut self, handle: RequestHandle, layer: u32, budget: SmBudget) -> Result<(), ObjstoreError> {
+        self.data.store_layer(handle, layer, budget)
+    }
+
+    fn wait(&mut self, handle: RequestHandle, deadline: Instant) -> Result<Option<u32>, ObjstoreError> {
+        self.data.wait(handle, deadline)
+    }
+
+    fn poll(&mut self, handle: RequestHandle) -> Result<bool, ObjstoreError> {
+        self.data.poll(handle)
+    }
+
+    /// Every layer must have completed (checked here); the payload CRCs are computed here from
+    /// the KV memory, and the daemon flushes, writes the headers with FUA and makes the blocks
+    /// visible. The handle is finished either way.
+    fn commit_store(&mut self, handle: RequestHandle) -> Result<usize, ObjstoreError> {
+        self.data.check_stored(handle)?;
+        let crcs = if self.payload_crcs {
+            self.data.payload_crcs(handle, &mut self.crcs)?;
+            Some(self.crcs.clone())
+        } else {
+            None
+        };
+        let result = self.client.call(&Request::Commit(Commit { handle: handle.to_bits(), payload_crcs: crcs }));
+        if let Err(error) = self.data.finish(handle) {
+            tracing::warn!(%error, "finishing a committed store's data path");
+        }
+        match result {
+            Ok(Reply::Committed { stored }) => Ok(stored as usize),
+            Ok(other) => Err(unexpected(Kind::Commit, &other)),
+            Err(error) => {
+                // A refusal before anything was written leaves the reservation: release it.
+                self.release_remote(handle);
+                Err(remote(error))
+            }
+        }
+    }
+
+    fn finish(&mut self, handle: RequestHandle) -> Result<(), ObjstoreError> {
+        self.data.finish(handle)?;
+        match self.client.call(&Request::Release { handle: handle.to_bits() }).map_err(remote)? {
+            Reply::Released => Ok(()),
+            other => Err(unexpected(Kind::Release, &other)),
+        }
+    }
+}

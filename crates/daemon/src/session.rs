@@ -1,0 +1,579 @@
+//! What one session holds on the store path, and the requests that change it: registered
+//! memory windows, the queue pairs created in them, and the requests it reserved in the pool.
+//! A session may name only its own registrations and handles (another session's, or a stale
+//! one, is [`ErrorCode::NotYours`]); every holding is capped per session.
+//!
+//! Ending a session ([`Holdings::release`]) goes in the one safe order: delete its queue pairs
+//! (only once the controller confirmed the deletion may anything they could write be reused),
+//! then release its reservations (uncommitted stores never become visible: the commit rule),
+//! then unmap its windows. A queue pair whose deletion fails is kept for good, and with it
+//! the session's windows and reservations (leaked, counted, logged).
+
+use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use nvme_driver::hw::{DmaRegion, SharedMemory};
+use nvme_driver::spec::{COMPLETION_ENTRY_BYTES, SUBMISSION_ENTRY_BYTES};
+use nvme_driver::{DataPointerMode, DetachedQueuePair, NamespaceId};
+use nvme_emu::{EmuDevice, QueueRestriction};
+use objstore::{NoLender, ObjstoreError, RequestHandle, StoreControl};
+
+use crate::keys::KeySpace;
+use crate::protocol::{
+    AttachQueues, Commit, ErrorCode, NamespaceGrant, Prepare, QueueGrant, RegisterMemory, Registered, Reply, RetrievePrepared,
+    StorePrepared,
+};
+
+/// Per-session caps (a `ServerConfig` setting).
+#[derive(Debug, Clone, Copy)]
+pub struct SessionLimits {
+    /// Memory windows a session may register.
+    pub registrations_max: usize,
+    /// Bytes all of a session's windows may hold together.
+    pub window_bytes_max: u64,
+    /// Requests a session may hold prepared (not yet committed or released).
+    pub requests_max: usize,
+    /// Deepest client queue pair.
+    pub queue_depth_max: u32,
+}
+
+impl Default for SessionLimits {
+    /// 4 windows, 64 GiB in all, 32 requests, queues of up to 1024 entries.
+    fn default() -> Self {
+        Self { registrations_max: 4, window_bytes_max: 64 << 30, requests_max: 32, queue_depth_max: 1024 }
+    }
+}
+
+/// The pool's control half and the devices the clients' queue pairs live on.
+pub struct StoreState {
+    pub control: StoreControl,
+    /// Per pool device: the software controller (its register page, its queue restrictions);
+    /// `None` for a VFIO device.
+    pub emulators: Vec<Option<Arc<EmuDevice>>>,
+}
+
+/// Counters of what could not be given back (shown in status).
+#[derive(Debug, Default)]
+pub struct LeakCounters {
+    pub queue_pairs: AtomicU64,
+}
+
+/// One registered window: the daemon's mapping of the client's memfd (every region over it,
+/// the queue rings included, holds the mapping) and the queue pairs in it.
+struct Registration {
+    id: u64,
+    window: DmaRegion,
+    kv_blocks: u32,
+    queues: Vec<DetachedQueuePair>,
+}
+
+/// Everything a session holds beyond its record.
+#[derive(Default)]
+pub struct Holdings {
+    registrations: Vec<Registration>,
+    handles: Vec<RequestHandle>,
+    /// Scratch: a request's block keys and CRCs.
+    keys: Vec<u64>,
+    crcs: Vec<u32>,
+}
+
+/// A refused request: the code and the sentence of its `Error` reply (small, unlike `Reply`).
+type Refusal = (ErrorCode, String);
+
+fn refused((code, message): Refusal) -> Reply {
+    Reply::error(code, message)
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn store_error(context: &str, error: ObjstoreError) -> Reply {
+    let code = match error {
+        ObjstoreError::BadRequest { .. } | ObjstoreError::BadPlacement { .. } | ObjstoreError::BlockOutOfRange { .. } => {
+            ErrorCode::BadRequest
+        }
+        ObjstoreError::TooManyRequests { .. } | ObjstoreError::PoolFull { .. } => ErrorCode::LimitReached,
+        _ => ErrorCode::StoreFailed,
+    };
+    Reply::error(code, format!("{context}: {error}"))
+}
+
+impl Holdings {
+    pub fn registrations(&self) -> u32 {
+        self.registrations.len() as u32
+    }
+
+    pub fn queue_pairs(&self) -> u32 {
+        self.registrations.iter().map(|registration| registration.queues.len() as u32).sum()
+    }
+
+    pub fn requests_in_flight(&self) -> u32 {
+        self.handles.len() as u32
+    }
+
+    fn registration(&self, id: u64) -> Result<usize, Refusal> {
+        self.registrations
+            .iter()
+            .position(|registration| registration.id == id)
+            .ok_or_else(|| (ErrorCode::NotYours, format!("registration {id} is not one this session made")))
+    }
+
+    fn owns(&self, handle: u64) -> Result<usize, Refusal> {
+        self.handles
+            .iter()
+            .position(|own| own.to_bits() == handle)
+            .ok_or_else(|| (ErrorCode::NotYours, format!("request handle {handle:#x} is not one this session holds")))
+    }
+
+    /// `RegisterMemory`: checks the memfd (sealed, as long as claimed), maps it into the pool
+    /// devices' one DMA space.
+    pub fn register(
+        &mut self,
+        request: RegisterMemory,
+        fds: &mut Vec<OwnedFd>,
+        store: &Mutex<StoreState>,
+        limits: &SessionLimits,
+        block_bytes: u64,
+        next_id: &AtomicU64,
+    ) -> Reply {
+        if fds.len() != 1 {
+            return Reply::error(ErrorCode::BadRequest, format!("RegisterMemory takes one descriptor (a sealed memfd), got {}", fds.len()));
+        }
+        if self.registrations.len() >= limits.registrations_max {
+            return Reply::error(ErrorCode::LimitReached, format!("a session registers at most {} windows", limits.registrations_max));
+        }
+        let held: u64 = self.registrations.iter().map(|registration| registration.window.len() as u64).sum();
+        if request.window_bytes == 0 || !request.window_bytes.is_multiple_of(4096) || usize::try_from(request.window_bytes).is_err() {
+            return Reply::error(
+                ErrorCode::BadRequest,
+                format!("window of {} bytes: expected a positive multiple of 4096", request.window_bytes),
+            );
+        }
+        if held.saturating_add(request.window_bytes) > limits.window_bytes_max {
+            return Reply::error(
+                ErrorCode::LimitReached,
+                format!("{} more bytes over the session's {held}: the cap is {}", request.window_bytes, limits.window_bytes_max),
+            );
+        }
+        let kv_bytes = u64::from(request.kv_blocks).checked_mul(block_bytes);
+        if request.kv_blocks == 0 || kv_bytes.is_none_or(|bytes| bytes > request.window_bytes) {
+            return Reply::error(
+                ErrorCode::BadRequest,
+                format!("{} KV blocks of {block_bytes} bytes do not fit a window of {} bytes", request.kv_blocks, request.window_bytes),
+            );
+        }
+        let Some(fd) = fds.pop() else { return Reply::error(ErrorCode::BadRequest, "no descriptor") };
+        let memory = match SharedMemory::from_fd(fd, request.window_bytes as usize) {
+            Ok(memory) => memory,
+            Err(error) => return Reply::error(ErrorCode::BadRequest, format!("the window descriptor: {error}")),
+        };
+        let store = lock(store);
+        let pool = store.control.pool();
+        let dma = Arc::clone(pool.target(0).controller.dma());
+        if (1..pool.device_count()).any(|device| pool.target(device).controller.dma().address_space() != dma.address_space()) {
+            return Reply::error(ErrorCode::Unsupported, "the pool's devices are in several DMA spaces: a window cannot be mapped for all");
+        }
+        let window = match dma.map_shared(&memory) {
+            Ok(window) => window,
+            Err(error) => return Reply::error(ErrorCode::StoreFailed, format!("mapping the window for the devices: {error}")),
+        };
+        let id = next_id.fetch_add(1, Ordering::Relaxed);
+        let reply = Registered { registration: id, iova_base: window.iova().0, address_space: dma.address_space().0 };
+        self.registrations.push(Registration { id, window, kv_blocks: request.kv_blocks, queues: Vec::new() });
+        Reply::Registered(reply)
+    }
+
+    /// `AttachQueues`: one detached pair per pool device on rings in the window, each SQ
+    /// restricted to the window's IOVAs and the pool's LBAs; the register pages' memfds go back
+    /// with the reply.
+    pub fn attach(&mut self, request: AttachQueues, store: &Mutex<StoreState>, limits: &SessionLimits) -> (Reply, Vec<OwnedFd>) {
+        let store = lock(store);
+        let index = match self.registration(request.registration) {
+            Ok(index) => index,
+            Err(refusal) => return (refused(refusal), Vec::new()),
+        };
+        let pool = store.control.pool();
+        let devices = pool.device_count();
+        let refuse = |code, message: String| (Reply::error(code, message), Vec::new());
+        if !self.registrations[index].queues.is_empty() {
+            return refuse(ErrorCode::BadRequest, format!("registration {} has its queue pairs already", request.registration));
+        }
+        if request.rings.len() != devices {
+            return refuse(ErrorCode::BadRequest, format!("{} ring pairs for a pool of {devices} devices", request.rings.len()));
+        }
+        if devices > crate::fd_passing::FDS_PER_FRAME_MAX {
+            return refuse(
+                ErrorCode::Unsupported,
+                format!("{devices} devices: one reply carries {} register pages", crate::fd_passing::FDS_PER_FRAME_MAX),
+            );
+        }
+        let shape = match pool.shape() {
+            Ok(shape) => shape,
+            Err(error) => return (store_error("the pool's shape", error), Vec::new()),
+        };
+        let mut registers = Vec::with_capacity(devices);
+        for device in 0..devices {
+            let memory =
+                store.emulators.get(device).and_then(|emulator| emulator.as_ref()).and_then(|emulator| emulator.shared_register_memory());
+            let Some(memory) = memory else {
+                return refuse(
+                    ErrorCode::Unsupported,
+                    format!(
+                        "pool device {device} has no shared register page: the per-layer client path needs the software controller \
+                         today (a VFIO device's doorbells need the daemon's relay, docs/tuttid.md)"
+                    ),
+                );
+            };
+            let controller = &pool.target(device).controller;
+            if request.depth < 2 || request.depth > limits.queue_depth_max.min(controller.max_queue_depth()) {
+                return refuse(
+                    ErrorCode::BadRequest,
+                    format!("queue depth {}: expected 2..={}", request.depth, limits.queue_depth_max.min(controller.max_queue_depth())),
+                );
+            }
+            registers.push(memory);
+        }
+        let registration = &mut self.registrations[index];
+        let window = registration.window.clone();
+        let mut grants = Vec::with_capacity(devices);
+        let mut created = Vec::with_capacity(devices);
+        let mut failure = None;
+        for (device, rings) in request.rings.iter().enumerate() {
+            let ring = |offset: u64, entry_bytes: usize| {
+                let bytes = request.depth as usize * entry_bytes;
+                usize::try_from(offset).ok().and_then(|offset| window.subregion(offset, bytes).ok()).ok_or_else(|| {
+                    (
+                        ErrorCode::BadRequest,
+                        format!("a ring of {bytes} bytes at offset {offset} is outside the window of {} bytes", window.len()),
+                    )
+                })
+            };
+            let rings = match (ring(rings.submission_offset, SUBMISSION_ENTRY_BYTES), ring(rings.completion_offset, COMPLETION_ENTRY_BYTES))
+            {
+                (Ok(submission), Ok(completion)) => (submission, completion),
+                (Err(refusal), _) | (_, Err(refusal)) => {
+                    failure = Some(refused(refusal));
+                    break;
+                }
+            };
+            let target = pool.target(device);
+            let controller = &target.controller;
+            let pair = match controller.create_detached_queue_pair(request.depth, Some(rings)) {
+                Ok(pair) => pair,
+                Err(error) => {
+                    failure =
+                        Some(Reply::error(ErrorCode::LimitReached, format!("creating a queue pair on pool device {device}: {error}")));
+                    break;
+                }
+            };
+            let layout = pair.layout();
+            let device_layout = &shape.devices[device];
+            let pool_blocks = device_layout.addressing.slot_blocks.saturating_mul(device_layout.slot_count);
+            let restriction = QueueRestriction::new().allow_memory(window.iova(), window.len() as u64).allow_blocks(
+                target.namespace.0,
+                device_layout.addressing.data_lba,
+                pool_blocks,
+            );
+            let restricted =
+                store.emulators[device].as_ref().map(|emulator| emulator.restrict_submission_queue(layout.id.0, Some(restriction)));
+            created.push(pair);
+            if let Some(Err(error)) = restricted {
+                failure =
+                    Some(Reply::error(ErrorCode::StoreFailed, format!("restricting the queue pair on pool device {device}: {error}")));
+                break;
+            }
+            let namespace = match controller.namespace(NamespaceId(target.namespace.0)) {
+                Ok(namespace) => namespace,
+                Err(error) => {
+                    failure = Some(Reply::error(ErrorCode::StoreFailed, format!("pool device {device}'s namespace: {error}")));
+                    break;
+                }
+            };
+            grants.push(QueueGrant {
+                queue_id: layout.id.0,
+                depth: layout.depth,
+                submission_iova: layout.submission_iova.0,
+                completion_iova: layout.completion_iova.0,
+                submission_doorbell_offset: layout.submission_doorbell_offset as u64,
+                completion_doorbell_offset: layout.completion_doorbell_offset as u64,
+                namespaces: vec![NamespaceGrant {
+                    nsid: namespace.id.0,
+                    lba_bytes: namespace.block_size_bytes,
+                    size_blocks: namespace.size_blocks,
+                }],
+                sgl: controller.data_pointer_mode() == DataPointerMode::Sgl,
+                max_transfer_bytes: controller.max_transfer_bytes(),
+                register_fd: device as u8,
+                register_bytes: registers[device].len() as u64,
+            });
+        }
+        registration.queues = created;
+        if let Some(reply) = failure {
+            // The client has no layout yet, so nothing rings these: delete them now (a pair whose
+            // deletion fails stays with the registration and is handled at session end).
+            let mut kept = Vec::new();
+            for pair in std::mem::take(&mut registration.queues) {
+                if let Err(undeleted) = pair.delete() {
+                    tracing::error!(error = %undeleted.source, "deleting a half-attached client queue pair");
+                    kept.push(*undeleted.pair);
+                }
+            }
+            registration.queues = kept;
+            return (reply, Vec::new());
+        }
+        let mut fds = Vec::with_capacity(devices);
+        for memory in &registers {
+            match memory.fd().try_clone_to_owned() {
+                Ok(fd) => fds.push(fd),
+                Err(error) => {
+                    return (Reply::error(ErrorCode::StoreFailed, format!("duplicating a register page descriptor: {error}")), Vec::new())
+                }
+            }
+        }
+        (Reply::Attached { queues: grants }, fds)
+    }
+
+    /// Checks a prepare request against the session and computes its keys into `self.keys`;
+    /// returns the block count.
+    fn check_prepare(&mut self, prepare: &Prepare, space: &KeySpace, block_tokens: u32, limits: &SessionLimits) -> Result<usize, Refusal> {
+        let registration = &self.registrations[self.registration(prepare.registration)?];
+        if self.handles.len() >= limits.requests_max {
+            return Err((ErrorCode::LimitReached, format!("a session holds at most {} prepared requests", limits.requests_max)));
+        }
+        let full = prepare.tokens.len() / block_tokens.max(1) as usize;
+        let blocks = prepare.block_ids.len();
+        if blocks == 0 || blocks > full {
+            return Err((
+                ErrorCode::BadRequest,
+                format!(
+                    "{blocks} block ids for {} tokens ({full} full blocks of {block_tokens}); expected 1..={full}",
+                    prepare.tokens.len()
+                ),
+            ));
+        }
+        if let Some(&block) = prepare.block_ids.iter().find(|&&block| block >= registration.kv_blocks) {
+            return Err((
+                ErrorCode::BadRequest,
+                format!("engine block {block} is outside registration {} of {} blocks", prepare.registration, registration.kv_blocks),
+            ));
+        }
+        space.keys(&prepare.tokens[..blocks * block_tokens as usize], block_tokens, &mut self.keys);
+        Ok(blocks)
+    }
+
+    pub fn prepare_retrieve(
+        &mut self,
+        prepare: Prepare,
+        space: &KeySpace,
+        block_tokens: u32,
+        store: &Mutex<StoreState>,
+        limits: &SessionLimits,
+    ) -> Reply {
+        if let Err(refusal) = self.check_prepare(&prepare, space, block_tokens, limits) {
+            return refused(refusal);
+        }
+        let mut store = lock(store);
+        let control = &mut store.control;
+        let handle = match control.reserve_retrieve(&self.keys, &prepare.block_ids) {
+            Ok(handle) => handle,
+            Err(error) => return store_error("reserving the retrieve", error),
+        };
+        let expected_crcs = if control.records_payload_crcs() {
+            if let Err(error) = control.recorded_payload_crcs(handle, &mut self.crcs) {
+                let _ = control.release(handle);
+                return store_error("reading the recorded CRCs", error);
+            }
+            Some(self.crcs.clone())
+        } else {
+            None
+        };
+        let placements = match control.placements(handle) {
+            Ok(placements) => placements.to_vec(),
+            Err(error) => return store_error("the retrieve's placements", error),
+        };
+        self.handles.push(handle);
+        Reply::RetrievePrepared(RetrievePrepared { handle: handle.to_bits(), placements, expected_crcs })
+    }
+
+    pub fn prepare_store(
+        &mut self,
+        prepare: Prepare,
+        space: &KeySpace,
+        block_tokens: u32,
+        store: &Mutex<StoreState>,
+        limits: &SessionLimits,
+    ) -> Reply {
+        if let Err(refusal) = self.check_prepare(&prepare, space, block_tokens, limits) {
+            return refused(refusal);
+        }
+        let mut store = lock(store);
+        let control = &mut store.control;
+        let plan = match control.reserve_store(&self.keys, &prepare.block_ids, &mut NoLender) {
+            Ok(plan) => plan,
+            Err(error) => return store_error("reserving the store", error),
+        };
+        let placements = match control.placements(plan.handle) {
+            Ok(placements) => placements.to_vec(),
+            Err(error) => return store_error("the store's placements", error),
+        };
+        self.handles.push(plan.handle);
+        Reply::StorePrepared(StorePrepared {
+            handle: plan.handle.to_bits(),
+            new_blocks: plan.new_blocks as u32,
+            shared_blocks: plan.shared_blocks as u32,
+            evicted_slots: plan.evicted_slots as u32,
+            placements,
+        })
+    }
+
+    pub fn commit(&mut self, commit: Commit, store: &Mutex<StoreState>) -> Reply {
+        let position = match self.owns(commit.handle) {
+            Ok(position) => position,
+            Err(refusal) => return refused(refusal),
+        };
+        let handle = self.handles[position];
+        let mut store = lock(store);
+        let result = store.control.commit_store(handle, commit.payload_crcs.as_deref(), &mut NoLender);
+        // A refusal before anything was written keeps the reservation (release it or commit
+        // again); a commit or a failed write ends it.
+        if store.control.direction(handle).is_err() {
+            self.handles.swap_remove(position);
+        }
+        match result {
+            Ok(stored) => Reply::Committed { stored: stored as u32 },
+            Err(error) => store_error("committing the store", error),
+        }
+    }
+
+    pub fn release_request(&mut self, handle: u64, store: &Mutex<StoreState>) -> Reply {
+        let position = match self.owns(handle) {
+            Ok(position) => position,
+            Err(refusal) => return refused(refusal),
+        };
+        let handle = self.handles.swap_remove(position);
+        match lock(store).control.release(handle) {
+            Ok(()) => Reply::Released,
+            Err(error) => store_error("releasing the request", error),
+        }
+    }
+
+    /// Ends the session's holdings in the safe order (module docs). Returns how many queue
+    /// pairs could not be deleted (then nothing else was given back either).
+    pub fn release(&mut self, store: &Mutex<StoreState>, leaks: &LeakCounters) -> u64 {
+        // 1. Queue pairs: the controller must confirm each deletion before anything they could
+        //    write (the window, the slots of the session's reservations) is reused.
+        let mut undeleted = Vec::new();
+        for registration in &mut self.registrations {
+            for pair in registration.queues.drain(..) {
+                if let Err(error) = pair.delete() {
+                    tracing::error!(error = %error.source, "a client queue pair could not be deleted: its window and reservations are kept");
+                    undeleted.push(*error.pair);
+                }
+            }
+        }
+        if !undeleted.is_empty() {
+            let count = undeleted.len() as u64;
+            leaks.queue_pairs.fetch_add(count, Ordering::Relaxed);
+            // Kept for good: the pairs (dropping one would try again and then leak its rings
+            // anyway), the windows they may write, and the reservations whose slots they may
+            // write (never released, so never reused).
+            std::mem::forget(undeleted);
+            std::mem::forget(std::mem::take(&mut self.registrations));
+            self.handles.clear();
+            return count;
+        }
+        // 2. Reservations: an uncommitted store's slots go back free, invisible.
+        {
+            let mut store = lock(store);
+            for handle in self.handles.drain(..) {
+                if let Err(error) = store.control.release(handle) {
+                    tracing::warn!(%error, "releasing a session's request");
+                }
+            }
+        }
+        // 3. Windows: unmapped when their last region (the rings were the other holders) goes.
+        self.registrations.clear();
+        0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::AsFd;
+
+    use nvme_driver::hw::DeviceBackend;
+    use nvme_driver::{Controller, ControllerConfig};
+    use nvme_emu::{Backing, EmuConfig, NamespaceConfig};
+    use objstore::{format_pool, FormatParams, ModelGeometry, Pool, PoolTarget};
+
+    use super::*;
+    use crate::protocol::RingOffsets;
+
+    /// A one-device pool on a software controller started with or without a shared register
+    /// page, as the daemon's store state.
+    fn store(shared_registers: bool) -> Mutex<StoreState> {
+        let config = EmuConfig::default()
+            .with_backing(Backing::Memory { bytes: 32 << 20 })
+            .with_namespaces(vec![NamespaceConfig::new(4096, None)])
+            .with_shared_registers(shared_registers);
+        let device = EmuDevice::start(config).unwrap();
+        let backend: Arc<dyn DeviceBackend> = device.clone();
+        let controller = Arc::new(Controller::init(backend, ControllerConfig::default()).unwrap());
+        let targets = vec![PoolTarget { controller, namespace: NamespaceId(1) }];
+        let geometry = ModelGeometry { layers: 2, kv_heads: 2, head_dim: 64, dtype_bytes: 2, block_tokens: 16 };
+        let params = FormatParams { geometry, blocks_per_slot: 1, slot_count_max: Some(64), pool_uuid: None, payload_crc: false };
+        format_pool(&targets, &params).unwrap();
+        let (pool, _) = Pool::open(targets, Some(&geometry)).unwrap();
+        let control = StoreControl::new(pool, 8).unwrap();
+        Mutex::new(StoreState { control, emulators: vec![Some(device)] })
+    }
+
+    fn registered(holdings: &mut Holdings, store: &Mutex<StoreState>) -> u64 {
+        let memory = SharedMemory::create("session-test", 1 << 20).unwrap();
+        let mut fds = vec![memory.fd().try_clone_to_owned().unwrap()];
+        let register = RegisterMemory { window_bytes: 1 << 20, kv_blocks: 4 };
+        match holdings.register(register, &mut fds, store, &SessionLimits::default(), 16 << 10, &AtomicU64::new(1)) {
+            Reply::Registered(registered) => registered.registration,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    fn attach(holdings: &mut Holdings, store: &Mutex<StoreState>, registration: u64) -> (Reply, Vec<OwnedFd>) {
+        let rings = vec![RingOffsets { submission_offset: 512 << 10, completion_offset: 768 << 10 }];
+        holdings.attach(AttachQueues { registration, depth: 64, rings }, store, &SessionLimits::default())
+    }
+
+    #[test]
+    fn a_device_without_a_shared_register_page_refuses_client_queues_in_words() {
+        // Goal: the per-layer client path needs doorbells the client can ring; on a device
+        // without a shared register page (VFIO today, or an emulator started without one) the
+        // attach is `Unsupported` with the reason, and nothing is created; the same request on a
+        // device with one gets a queue and the register page's descriptor.
+        let without = store(false);
+        let mut holdings = Holdings::default();
+        let registration = registered(&mut holdings, &without);
+        let (reply, fds) = attach(&mut holdings, &without, registration);
+        let Reply::Error { code, message } = reply else { panic!("{reply:?}") };
+        assert_eq!(code, ErrorCode::Unsupported);
+        assert!(message.contains("no shared register page") && message.contains("software controller"), "{message}");
+        assert!(fds.is_empty());
+        assert_eq!(holdings.queue_pairs(), 0);
+        assert_eq!(holdings.release(&without, &LeakCounters::default()), 0);
+
+        let with = store(true);
+        let mut holdings = Holdings::default();
+        let registration = registered(&mut holdings, &with);
+        let (reply, fds) = attach(&mut holdings, &with, registration);
+        assert!(matches!(&reply, Reply::Attached { queues } if queues.len() == 1), "{reply:?}");
+        assert_eq!(fds.len(), 1);
+        assert!(fds[0].as_fd().try_clone_to_owned().is_ok());
+        assert_eq!(holdings.queue_pairs(), 1);
+        // A second attach on the same window is refused; release deletes the pair.
+        let (again, _) = attach(&mut holdings, &with, registration);
+        assert!(matches!(again, Reply::Error { code: ErrorCode::BadRequest, .. }), "{again:?}");
+        assert_eq!(holdings.release(&with, &LeakCounters::default()), 0);
+        assert_eq!((holdings.registrations(), holdings.queue_pairs()), (0, 0));
+    }
+}
