@@ -185,7 +185,8 @@ impl IoQueuePair {
     /// told to stop and confirmed it rings no more doorbells, and a controller reset requires
     /// every client detached first; otherwise a late doorbell from this pair lands on whichever
     /// queue got its id next. The client never deletes queues: [`IoQueuePair::delete`] on an
-    /// attached pair is refused, and dropping it deletes nothing. Dropping it with commands in
+    /// attached pair only says whether a command of its own is still in flight (`Ok` when none
+    /// is), and dropping it deletes nothing. Dropping it with commands in
     /// flight keeps (leaks, logged at error level) its rings and scratch pages, since the
     /// controller may still read or write them; with nothing in flight they are freed. The
     /// caller must keep its own clones of the rings until the daemon reports the queues deleted.

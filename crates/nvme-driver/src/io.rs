@@ -378,11 +378,24 @@ impl IoQueuePair {
     /// which tries once more and, failing that, leaks its rings.
     ///
     /// An [attached](IoQueuePair::attach) pair cannot delete its queues (the daemon that created
-    /// them does): `delete` fails with [`NvmeError::Unsupported`] and hands the pair back.
+    /// them does, when this process's session ends). For it `delete` answers the same question
+    /// from this process's side: `Ok` when none of its commands is in flight (every one it
+    /// submitted completed, so none moves data any more and this process is done with the
+    /// pair); otherwise [`NvmeError::Unsupported`] with the pair handed back, and the memory its
+    /// commands name must not be reused until the daemon has deleted the queues.
     pub fn delete(mut self) -> Result<(), UndeletedQueuePair> {
         let PairOwner::Controller { admin, generation } = &self.owner else {
-            let source =
-                NvmeError::Unsupported { reason: format!("{} is attached: the process that created it deletes it", self.queue.id()) };
+            let in_flight = self.queue.in_flight();
+            if in_flight == 0 {
+                self.deleted = true;
+                return Ok(());
+            }
+            let source = NvmeError::Unsupported {
+                reason: format!(
+                    "{} is attached with {in_flight} commands in flight: the process that created it deletes it",
+                    self.queue.id()
+                ),
+            };
             return Err(UndeletedQueuePair { source, pair: Box::new(self) });
         };
         match admin.retire_queue_pair(self.queue.id(), *generation, &mut self.sq_deleted) {

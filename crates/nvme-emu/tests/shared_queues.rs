@@ -202,8 +202,18 @@ fn a_client_refuses_a_layout_that_does_not_match_the_register_page_or_its_rings(
     bad_ring.completion_iova = bad_ring.submission_iova;
     assert!(matches!(client.attach(regrant(&grant), bad_ring), Err(NvmeError::Unsupported { .. })));
     client.attach(grant, detached.layout()).expect("the true layout attaches");
-    let pair = client.pair.take().unwrap();
-    assert!(matches!(pair.delete(), Err(error) if matches!(error.source, NvmeError::Unsupported { .. })), "a client never deletes");
+    // A client never deletes the queues; its `delete` says whether any command of its own can
+    // still move data: refused with one in flight, done once it completed.
+    let mut pair = client.pair.take().unwrap();
+    let buffer = client.window.allocate(4096).expect("buffer");
+    pair.submit_read(client.namespaces[0].id, Lba(0), &[DataSegment::new(buffer.iova(), 4096)], 7).expect("submit");
+    let error = pair.delete().expect_err("a command in flight");
+    assert!(matches!(error.source, NvmeError::Unsupported { .. }), "{}", error.source);
+    let mut pair = *error.pair;
+    pair.ring_doorbell().expect("doorbell");
+    pair.wait_idle(Instant::now() + TIMEOUT, |completion| assert!(completion.status.is_ok())).expect("the read completes");
+    pair.delete().expect("nothing in flight: this process is done with the pair");
+    assert!(daemon.device.stats().commands_on_queue(detached.layout().id.0) >= 1);
     detached.delete().expect("daemon delete");
 }
 
