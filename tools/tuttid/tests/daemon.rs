@@ -61,6 +61,20 @@ fn raw_exchange(socket: &Path, bytes: &[u8], close_after_send: bool) -> (Option<
     (Some((code, message)), closed)
 }
 
+/// Reads `count` whole reply frames: (request id, reply).
+fn read_replies(stream: &mut UnixStream, count: usize) -> Vec<(u32, Reply)> {
+    (0..count)
+        .map(|_| {
+            let mut header = [0u8; HEADER_BYTES];
+            stream.read_exact(&mut header).unwrap();
+            let header = FrameHeader::decode(&header).unwrap();
+            let mut body = vec![0u8; header.body_bytes as usize];
+            stream.read_exact(&mut body).unwrap();
+            (header.request_id, Reply::decode(header.kind, &body).unwrap())
+        })
+        .collect()
+}
+
 fn memory_daemon(directory: &Path, extra: &[&str]) -> Daemon {
     let mut args = vec!["--format"];
     args.extend_from_slice(extra);
@@ -118,15 +132,7 @@ fn bad_frames_get_typed_errors_and_the_daemon_serves_others() {
     encode_frame(&mut lying, Kind::Lookup, 3, |out| out.extend_from_slice(&[0xff, 0xff, 0xff, 0x7f, 0, 0])).unwrap();
     stream.write_all(&lying).unwrap();
     stream.write_all(&frame).unwrap();
-    let mut replies = Vec::new();
-    for _ in 0..2 {
-        let mut header = [0u8; HEADER_BYTES];
-        stream.read_exact(&mut header).unwrap();
-        let header = FrameHeader::decode(&header).unwrap();
-        let mut body = vec![0u8; header.body_bytes as usize];
-        stream.read_exact(&mut body).unwrap();
-        replies.push((header.request_id, Reply::decode(header.kind, &body).unwrap()));
-    }
+    let replies = read_replies(&mut stream, 2);
     assert!(matches!(&replies[0], (3, Reply::Error { code: ErrorCode::MalformedBody, .. })), "{replies:?}");
     assert_eq!(replies[1], (1, Reply::Pong));
 
@@ -137,15 +143,7 @@ fn bad_frames_get_typed_errors_and_the_daemon_serves_others() {
     tutti_daemon::frame_io::write_frame_with_fds(&stream, &frame, &[pipe_write.as_fd()]).unwrap();
     drop(pipe_write);
     stream.write_all(&frame).unwrap();
-    let mut replies = Vec::new();
-    for _ in 0..2 {
-        let mut header = [0u8; HEADER_BYTES];
-        stream.read_exact(&mut header).unwrap();
-        let header = FrameHeader::decode(&header).unwrap();
-        let mut body = vec![0u8; header.body_bytes as usize];
-        stream.read_exact(&mut body).unwrap();
-        replies.push(Reply::decode(header.kind, &body).unwrap());
-    }
+    let replies: Vec<Reply> = read_replies(&mut stream, 2).into_iter().map(|(_, reply)| reply).collect();
     assert!(
         matches!(&replies[0], Reply::Error { code: ErrorCode::BadRequest, message } if message.contains("1 descriptor(s) sent with a Ping")),
         "{replies:?}"
