@@ -5,7 +5,8 @@
 
 use std::time::{Duration, Instant};
 
-use tutti_uring::{Completion, Direction, Refused, Ring, Transfer, UringError};
+use nvme_driver::hw::DmaRegion;
+use tutti_uring::{Completion, Direction, Refused, RefusedRegions, Ring, Transfer, UringError};
 
 use crate::backing::AlignedBuffer;
 
@@ -45,6 +46,12 @@ impl UringReader {
     /// Queues one transfer (the ring owns `buffer` until its completion is reaped).
     pub(crate) fn push(&mut self, transfer: Transfer, buffer: AlignedBuffer, tag: u64) -> Result<(), Refused> {
         self.ring.push(transfer, buffer, tag)
+    }
+
+    /// Queues one transfer straight between the file and host memory (the ring keeps the
+    /// regions until its completion is reaped; see `tutti_uring::Ring::push_regions`).
+    pub(crate) fn push_regions(&mut self, transfer: Transfer, regions: Vec<DmaRegion>, tag: u64) -> Result<(), RefusedRegions> {
+        self.ring.push_regions(transfer, regions, tag)
     }
 
     /// Hands queued transfers to the kernel without waiting.

@@ -21,10 +21,10 @@ use std::time::{Duration, Instant};
 
 use nvme_driver::spec::status::codes;
 use nvme_driver::spec::{NvmOpcode, SubmissionEntry};
-use tutti_uring::{Completion, Direction, Refused, Transfer, UringError};
+use tutti_uring::{Completion, Direction, Refused, RefusedRegions, Transfer, UringError, REGIONS_MAX};
 
 use super::{media, ControllerCore, Namespace, State};
-use crate::backing::AlignedBuffer;
+use crate::backing::{AlignedBuffer, DIRECT_ALIGNMENT_BYTES};
 use crate::data_pointer::DataBuffers;
 use crate::faults::FaultAction;
 use crate::uring::UringReader;
@@ -52,6 +52,9 @@ pub(super) struct PreparedIo {
     write: bool,
     start_lba: u64,
     blocks: u64,
+    /// The transfer goes straight between the file and `buffers` (no bounce buffer); while it
+    /// is in flight the ring holds the regions (`buffers.regions` is empty).
+    direct: bool,
 }
 
 impl PreparedIo {
@@ -227,6 +230,7 @@ impl ControllerCore {
             write,
             start_lba,
             blocks,
+            direct: false,
         };
         let len = io.len_bytes();
         let capacity = self.reader.as_ref().map_or(0, UringReader::capacity);
@@ -243,6 +247,9 @@ impl ControllerCore {
         if self.state != State::Ready {
             // Waiting made the controller fatal: like the rest, this gets no completion.
             return;
+        }
+        if let Some(fd) = self.direct_target(&io) {
+            return self.start_direct(io, fd);
         }
         let mut buffer = self.io_buffers.pop().unwrap_or_default();
         if let Err(error) = buffer.try_reserve(len) {
@@ -284,6 +291,66 @@ impl ControllerCore {
             Err(Refused { buffer, error }) => {
                 if let Some(io) = self.in_flight.take(tag) {
                     self.finish_io(io, buffer, Err(error));
+                }
+            }
+        }
+    }
+
+    /// The `O_DIRECT` descriptor when `io` may move its data straight between the file and the
+    /// host memory its command points to: the file offers one and the transfer is aligned, every
+    /// host region starts and ends on a 4 KiB boundary, and, for a Read, no block of it is cached
+    /// (the overlay needs the bytes in the controller's hands).
+    fn direct_target(&self, io: &PreparedIo) -> Option<std::os::fd::RawFd> {
+        #[cfg(test)]
+        if self.batch_descriptor_override.is_some() {
+            return None;
+        }
+        let aligned = |value: usize| value.is_multiple_of(DIRECT_ALIGNMENT_BYTES);
+        let regions = &io.buffers.regions;
+        let memory_aligned = !regions.is_empty()
+            && regions.len() <= REGIONS_MAX
+            && regions.iter().all(|region| aligned(region.host_address()) && aligned(region.len()));
+        if !memory_aligned || (!io.write && self.cache.holds_any(io.namespace_index, io.start_lba, io.blocks)) {
+            return None;
+        }
+        self.store.direct_descriptor(io.offset_bytes(), io.len_bytes())
+    }
+
+    /// Pushes a transfer straight between the file and the command's host memory. The kernel
+    /// reads (Write) or writes (Read) that memory until the transfer completes; the command's
+    /// completion, which hands the memory back to the host, is posted only after that, never
+    /// while the kernel may still use it (see `end_held`).
+    fn start_direct(&mut self, mut io: PreparedIo, fd: std::os::fd::RawFd) {
+        let len = io.len_bytes();
+        if io.write {
+            // Older cached copies of these blocks must not be written back over the new data.
+            self.cache.discard_range(io.namespace_index, io.start_lba, io.blocks);
+        }
+        let direction = if io.write { Direction::Write } else { Direction::Read };
+        let transfer = Transfer { fd, direction, offset_bytes: io.offset_bytes(), len_bytes: len };
+        let regions = std::mem::take(&mut io.buffers.regions);
+        io.direct = true;
+        let completion_queue_id = io.completion_queue_id;
+        let Some(slot) = self.in_flight.take_slot() else {
+            // Still `direct`: finishing gathers a Write's data into a bounce buffer.
+            io.buffers.regions = regions;
+            return self.finish_io(io, AlignedBuffer::default(), Err(UringError::NotRun));
+        };
+        self.in_flight.fill(slot, io, Instant::now());
+        let tag = slot as u64;
+        let Some(reader) = self.reader.as_mut() else { return };
+        match reader.push_regions(transfer, regions, tag) {
+            Ok(()) => {
+                self.reserve_completion_slot(completion_queue_id, true);
+                self.in_flight.unsubmitted_bytes += len as u64;
+                if self.in_flight.unsubmitted_bytes >= SUBMIT_BYTES {
+                    self.submit_in_flight();
+                }
+            }
+            Err(RefusedRegions { regions, error }) => {
+                if let Some(mut io) = self.in_flight.take(tag) {
+                    io.buffers.regions = regions;
+                    self.finish_io(io, AlignedBuffer::default(), Err(error));
                 }
             }
         }
@@ -359,8 +426,11 @@ impl ControllerCore {
         };
         for completion in reaped.drain(..) {
             let result = completion.check();
-            if let Some(io) = self.in_flight.take(completion.tag) {
+            if let Some(mut io) = self.in_flight.take(completion.tag) {
                 self.reserve_completion_slot(io.completion_queue_id, false);
+                if io.direct {
+                    io.buffers.regions = completion.regions;
+                }
                 self.end_io(io, completion.buffer, result, settle);
             }
         }
@@ -407,8 +477,11 @@ impl ControllerCore {
         }
         for completion in given_back.drain(..) {
             let result = completion.check();
-            if let Some(io) = self.in_flight.take(completion.tag) {
+            if let Some(mut io) = self.in_flight.take(completion.tag) {
                 self.reserve_completion_slot(io.completion_queue_id, false);
+                if io.direct {
+                    io.buffers.regions = completion.regions;
+                }
                 self.end_io(io, completion.buffer, result, settle);
             }
         }
@@ -420,18 +493,37 @@ impl ControllerCore {
     }
 
     /// Commands whose transfers the kernel kept after cancellation: a kept Write fails (its data
-    /// may land at any time), a kept Read is redone synchronously into a fresh buffer.
+    /// may land at any time), a kept Read is redone synchronously into a fresh buffer. A kept
+    /// direct transfer gets no completion at all, since that would hand the host memory the
+    /// kernel may still read or write back to the host: the controller becomes fatal (CSTS.CFS)
+    /// instead, as a device hung in the middle of its DMA, and the ring keeps the memory's
+    /// regions (leaked with it).
     fn end_held(&mut self, held: &[u64], why: &str, settle: Settle) {
         let mut kept_writes = 0usize;
+        let mut kept_direct = 0usize;
         for &tag in held {
             let Some(io) = self.in_flight.take(tag) else { continue };
             self.reserve_completion_slot(io.completion_queue_id, false);
             kept_writes += usize::from(io.write);
+            if io.direct {
+                kept_direct += 1;
+                continue;
+            }
             let cause = UringError::StillInFlight { cause: why.to_string() };
             self.end_io(io, AlignedBuffer::default(), Err(cause), settle);
         }
         if kept_writes > 0 && !self.store.is_fenced() {
             self.fence_for_kept_writes(kept_writes);
+        }
+        if kept_direct > 0 {
+            tracing::error!(
+                kept_direct,
+                "transfers into host memory are still with the kernel after cancellation: their commands never complete, \
+                 and the controller reports a fatal status"
+            );
+            if settle == Settle::Finish {
+                self.set_fatal();
+            }
         }
     }
 
@@ -461,6 +553,26 @@ impl ControllerCore {
     fn finish_io(&mut self, io: PreparedIo, mut buffer: AlignedBuffer, result: Result<(), UringError>) {
         let len = io.len_bytes();
         let offset = io.offset_bytes();
+        if io.direct && result.is_ok() {
+            // The data is already where it belongs: in the file, or in the host's memory.
+            self.counters.totals.direct_transfers += 1;
+            if io.write {
+                self.counters.totals.batched_writes += 1;
+            } else {
+                self.counters.totals.batched_reads += 1;
+            }
+            return self.finish_counted(io, buffer, Ok(0));
+        }
+        if io.direct {
+            // Given back without completing: redone through a bounce buffer, the host's memory
+            // being the controller's again.
+            buffer = self.io_buffers.pop().unwrap_or_default();
+            if io.write {
+                if let Err(status) = io.buffers.gather(buffer.slice(len)) {
+                    return self.finish_counted(io, buffer, Err(status));
+                }
+            }
+        }
         let data = buffer.slice(len);
         let done = match &result {
             Ok(()) => {
@@ -490,6 +602,12 @@ impl ControllerCore {
                 io.buffers.scatter(data).map(|()| 0)
             }
         };
+        self.finish_counted(io, buffer, result);
+    }
+
+    /// Counts a finished Read or Write, recycles its buffer and posts its completion.
+    fn finish_counted(&mut self, io: PreparedIo, buffer: AlignedBuffer, result: super::CommandResult) {
+        let len = io.len_bytes();
         if result.is_ok() {
             if io.write {
                 self.counters.totals.bytes_written += len as u64;
