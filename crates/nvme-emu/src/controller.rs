@@ -164,6 +164,9 @@ pub(crate) struct ControllerCore {
     /// Where batched transfers go instead of the store's file (a stalled socket, in tests).
     #[cfg(test)]
     batch_descriptor_override: Option<std::os::fd::RawFd>,
+    /// Whether direct transfers go to that descriptor too (otherwise they bounce, in tests).
+    #[cfg(test)]
+    direct_on_override: bool,
 }
 
 impl ControllerCore {
@@ -208,6 +211,8 @@ impl ControllerCore {
             restriction_refusals: Cell::new(0),
             #[cfg(test)]
             batch_descriptor_override: None,
+            #[cfg(test)]
+            direct_on_override: false,
             config,
         })
     }

@@ -248,8 +248,8 @@ impl ControllerCore {
             // Waiting made the controller fatal: like the rest, this gets no completion.
             return;
         }
-        if let Some(fd) = self.direct_target(&io) {
-            return self.start_direct(io, fd);
+        if let Some((fd, offset_bytes)) = self.direct_target(&io) {
+            return self.start_direct(io, fd, offset_bytes);
         }
         let mut buffer = self.io_buffers.pop().unwrap_or_default();
         if let Err(error) = buffer.try_reserve(len) {
@@ -280,14 +280,7 @@ impl ControllerCore {
         let tag = slot as u64;
         let Some(reader) = self.reader.as_mut() else { return };
         match reader.push(transfer, buffer, tag) {
-            Ok(()) => {
-                // Its completion is owed: keep a CQ slot for it, as for a delayed completion.
-                self.reserve_completion_slot(completion_queue_id, true);
-                self.in_flight.unsubmitted_bytes += len as u64;
-                if self.in_flight.unsubmitted_bytes >= SUBMIT_BYTES {
-                    self.submit_in_flight();
-                }
-            }
+            Ok(()) => self.pushed(completion_queue_id, len),
             Err(Refused { buffer, error }) => {
                 if let Some(io) = self.in_flight.take(tag) {
                     self.finish_io(io, buffer, Err(error));
@@ -300,9 +293,9 @@ impl ControllerCore {
     /// host memory its command points to: the file offers one and the transfer is aligned, every
     /// host region starts and ends on a 4 KiB boundary, and, for a Read, no block of it is cached
     /// (the overlay needs the bytes in the controller's hands).
-    fn direct_target(&self, io: &PreparedIo) -> Option<std::os::fd::RawFd> {
+    fn direct_target(&self, io: &PreparedIo) -> Option<(std::os::fd::RawFd, u64)> {
         #[cfg(test)]
-        if self.batch_descriptor_override.is_some() {
+        if self.batch_descriptor_override.is_some() && !self.direct_on_override {
             return None;
         }
         let aligned = |value: usize| value.is_multiple_of(DIRECT_ALIGNMENT_BYTES);
@@ -313,21 +306,22 @@ impl ControllerCore {
         if !memory_aligned || (!io.write && self.cache.holds_any(io.namespace_index, io.start_lba, io.blocks)) {
             return None;
         }
-        self.store.direct_descriptor(io.offset_bytes(), io.len_bytes())
+        self.store.direct_descriptor(io.offset_bytes(), io.len_bytes())?;
+        Some(self.batch_target(io.offset_bytes(), io.len_bytes()))
     }
 
     /// Pushes a transfer straight between the file and the command's host memory. The kernel
     /// reads (Write) or writes (Read) that memory until the transfer completes; the command's
     /// completion, which hands the memory back to the host, is posted only after that, never
     /// while the kernel may still use it (see `end_held`).
-    fn start_direct(&mut self, mut io: PreparedIo, fd: std::os::fd::RawFd) {
+    fn start_direct(&mut self, mut io: PreparedIo, fd: std::os::fd::RawFd, offset_bytes: u64) {
         let len = io.len_bytes();
         if io.write {
             // Older cached copies of these blocks must not be written back over the new data.
             self.cache.discard_range(io.namespace_index, io.start_lba, io.blocks);
         }
         let direction = if io.write { Direction::Write } else { Direction::Read };
-        let transfer = Transfer { fd, direction, offset_bytes: io.offset_bytes(), len_bytes: len };
+        let transfer = Transfer { fd, direction, offset_bytes, len_bytes: len };
         let regions = std::mem::take(&mut io.buffers.regions);
         io.direct = true;
         let completion_queue_id = io.completion_queue_id;
@@ -340,19 +334,23 @@ impl ControllerCore {
         let tag = slot as u64;
         let Some(reader) = self.reader.as_mut() else { return };
         match reader.push_regions(transfer, regions, tag) {
-            Ok(()) => {
-                self.reserve_completion_slot(completion_queue_id, true);
-                self.in_flight.unsubmitted_bytes += len as u64;
-                if self.in_flight.unsubmitted_bytes >= SUBMIT_BYTES {
-                    self.submit_in_flight();
-                }
-            }
+            Ok(()) => self.pushed(completion_queue_id, len),
             Err(RefusedRegions { regions, error }) => {
                 if let Some(mut io) = self.in_flight.take(tag) {
                     io.buffers.regions = regions;
                     self.finish_io(io, AlignedBuffer::default(), Err(error));
                 }
             }
+        }
+    }
+
+    /// Bookkeeping of a transfer the ring took: its completion is owed, so it keeps a CQ slot
+    /// (as a delayed completion does), and enough pushed bytes go to the kernel now.
+    fn pushed(&mut self, completion_queue_id: u16, len: usize) {
+        self.reserve_completion_slot(completion_queue_id, true);
+        self.in_flight.unsubmitted_bytes += len as u64;
+        if self.in_flight.unsubmitted_bytes >= SUBMIT_BYTES {
+            self.submit_in_flight();
         }
     }
 
@@ -425,14 +423,7 @@ impl ControllerCore {
             None => Ok(0),
         };
         for completion in reaped.drain(..) {
-            let result = completion.check();
-            if let Some(mut io) = self.in_flight.take(completion.tag) {
-                self.reserve_completion_slot(io.completion_queue_id, false);
-                if io.direct {
-                    io.buffers.regions = completion.regions;
-                }
-                self.end_io(io, completion.buffer, result, settle);
-            }
+            self.end_given_back(completion, settle);
         }
         self.in_flight.reaped = reaped;
         if let Err(error) = outcome {
@@ -451,9 +442,7 @@ impl ControllerCore {
             let mut given_back = std::mem::take(&mut self.in_flight.reaped);
             let held = self.reader.as_mut().map(|reader| reader.cancel(|completion| given_back.push(completion))).unwrap_or_default();
             for completion in given_back.drain(..) {
-                if let Some(io) = self.in_flight.take(completion.tag) {
-                    self.end_io(io, completion.buffer, Err(UringError::NotRun), settle);
-                }
+                self.end_given_back(completion, settle);
             }
             self.in_flight.reaped = given_back;
             self.end_held(&held, "a power loss", settle);
@@ -476,14 +465,7 @@ impl ControllerCore {
             self.fence_for_kept_writes(kept_writes);
         }
         for completion in given_back.drain(..) {
-            let result = completion.check();
-            if let Some(mut io) = self.in_flight.take(completion.tag) {
-                self.reserve_completion_slot(io.completion_queue_id, false);
-                if io.direct {
-                    io.buffers.regions = completion.regions;
-                }
-                self.end_io(io, completion.buffer, result, settle);
-            }
+            self.end_given_back(completion, settle);
         }
         self.in_flight.reaped = given_back;
         self.end_held(&held, "an abandoned io_uring batch", settle);
@@ -536,6 +518,17 @@ impl ControllerCore {
              refuses all I/O until the kernel gives them back, and the controller reports a fatal status"
         );
         self.store.fence(format!("{kept_writes} abandoned io_uring write(s) may still land"));
+    }
+
+    /// Ends the command of a transfer the kernel gave back (completed, failed or cancelled).
+    fn end_given_back(&mut self, completion: Completion, settle: Settle) {
+        let result = completion.check();
+        let Some(mut io) = self.in_flight.take(completion.tag) else { return };
+        self.reserve_completion_slot(io.completion_queue_id, false);
+        if io.direct {
+            io.buffers.regions = completion.regions;
+        }
+        self.end_io(io, completion.buffer, result, settle);
     }
 
     fn end_io(&mut self, io: PreparedIo, buffer: AlignedBuffer, result: Result<(), UringError>, settle: Settle) {
@@ -667,6 +660,13 @@ impl ControllerCore {
         if let Some(reader) = self.reader.as_mut() {
             reader.stall_for_tests(batch_timeout, batch_timeout, cancellation);
         }
+    }
+
+    /// Lets transfers sent to the test descriptor (see `stall_batches_for_tests`) go straight
+    /// to or from host memory, as they would to the store's file.
+    #[cfg(test)]
+    pub(crate) fn allow_direct_on_override(&mut self) {
+        self.direct_on_override = true;
     }
 
     /// Test view of the commands in flight (see [`InFlight::ranges`]).

@@ -177,3 +177,36 @@ fn a_batched_write_the_kernel_keeps_fails_and_fences_the_store_until_it_is_given
     assert_eq!(stalled.write(5, &block(5)), Ok(()), "the kernel gave the writes back: the fence lifted");
     assert_eq!(stalled.read(5), (Ok(()), block(5)));
 }
+
+#[test]
+fn a_direct_write_the_kernel_keeps_is_never_completed_and_stops_the_controller() {
+    // Goal: a write straight from host memory that the kernel will not give back (cancellation
+    // disabled, as for a write blocked in a hung filesystem) gets no completion, since one would
+    // hand the memory back to the host while the kernel may still read it; the controller
+    // reports a fatal status and the store is fenced. The kernel really still had the writes:
+    // their bytes arrive once the socket has room.
+    let Some(mut stalled) = Stalled::start("direct-kept", false) else { return };
+    stalled.host.device.with_core(|core| core.allow_direct_on_override());
+    let sources: Vec<DmaRegion> = (0..2).map(|_| stalled.host.buffer(4096)).collect();
+    for (seed, source) in sources.iter().enumerate() {
+        source.write(0, &block(seed as u8)).unwrap();
+        let write = SubmissionEntry::write(NamespaceId(1), Lba(seed as u64), block_count(1), true);
+        TestHost::push(&mut stalled.queue, with_sgl(write, source, 4096));
+    }
+    stalled.host.ring_submission(&stalled.queue);
+    let deadline = Instant::now() + DEADLINE;
+    while !stalled.host.csts().fatal() {
+        assert!(Instant::now() < deadline, "CSTS.CFS was never set");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(
+        stalled.host.reap_within(&mut stalled.queue, Duration::from_millis(100)).is_none(),
+        "a write whose host memory the kernel still holds was completed"
+    );
+    assert_eq!(stalled.host.device.stats().direct_transfers, 0);
+    stalled.receiver.set_read_timeout(Some(DEADLINE)).unwrap();
+    let mut received = vec![0u8; stalled.filler_bytes + 2 * 4096];
+    stalled.receiver.read_exact(&mut received).unwrap();
+    let late = &received[stalled.filler_bytes..];
+    assert!(late == [block(0), block(1)].concat() || late == [block(1), block(0)].concat(), "the kept writes' data, from host memory");
+}
