@@ -24,7 +24,9 @@ use crate::EmuError;
 /// project's one such type, from the shared io_uring crate.
 pub(crate) use tutti_uring::AlignedBuffer;
 
-const DIRECT_ALIGNMENT_BYTES: usize = 4096;
+/// Alignment of offset, length and memory that the `O_DIRECT` descriptor is used for (the
+/// largest logical block size of the disks it runs on: conservative for 512-byte ones).
+pub(crate) const DIRECT_ALIGNMENT_BYTES: usize = 4096;
 /// Chunk of zeroes written per syscall by `write_zeroes` on files.
 const ZERO_CHUNK_BYTES: usize = 1 << 20;
 
@@ -82,6 +84,20 @@ impl Store {
         match self {
             Store::Memory(_) | Store::Null { .. } => None,
             Store::File(file) => Some(file.choose(offset, 0, len).as_raw_fd()),
+        }
+    }
+
+    /// The `O_DIRECT` descriptor, when the store has one and `len` bytes at `offset` are
+    /// aligned for it: a transfer may then go straight to or from host memory that is aligned
+    /// too (see [`DIRECT_ALIGNMENT_BYTES`]).
+    pub(crate) fn direct_descriptor(&self, offset: u64, len: usize) -> Option<RawFd> {
+        match self {
+            Store::File(FileStore { direct: Some(direct), fence: None, .. })
+                if offset.is_multiple_of(DIRECT_ALIGNMENT_BYTES as u64) && len.is_multiple_of(DIRECT_ALIGNMENT_BYTES) =>
+            {
+                Some(direct.as_raw_fd())
+            }
+            _ => None,
         }
     }
 

@@ -60,6 +60,13 @@ impl WriteCache {
         }
     }
 
+    /// Whether any block of `start_lba..start_lba+blocks` is cached (a read of them needs the
+    /// overlay).
+    pub(crate) fn holds_any(&self, namespace_index: usize, start_lba: u64, blocks: u64) -> bool {
+        let end = start_lba.saturating_add(blocks);
+        self.blocks.range((namespace_index, start_lba)..(namespace_index, end)).next().is_some()
+    }
+
     /// Forgets cached blocks in `start_lba..start_lba+blocks` (they were overwritten on media).
     pub(crate) fn discard_range(&mut self, namespace_index: usize, start_lba: u64, blocks: u64) {
         let end = start_lba.saturating_add(blocks);

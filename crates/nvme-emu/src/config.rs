@@ -72,6 +72,9 @@ pub struct EmuConfig {
     /// (several in flight); off, or when io_uring is unavailable, every transfer is one
     /// synchronous `pread`/`pwrite`.
     pub io_uring: bool,
+    /// Most bytes of Reads and write-through Writes in flight through io_uring at once (their
+    /// bounce buffers); a command larger than this still runs, alone.
+    pub in_flight_bytes_max: u64,
     /// Hold Read/Write completions back as an SSD of this bandwidth, latency and mixed-traffic
     /// collapse would (see [`crate::timing`]); `None` (the default) completes as fast as this
     /// machine can.
@@ -101,6 +104,7 @@ impl Default for EmuConfig {
             idle_sleep_max: Duration::from_micros(100),
             sync_file_on_flush: false,
             io_uring: true,
+            in_flight_bytes_max: 16 << 20,
             timing: None,
             shared_registers: false,
         }
@@ -144,6 +148,11 @@ impl EmuConfig {
         self.io_queue_pairs_max = pairs;
         self
     }
+    pub fn with_in_flight_bytes_max(mut self, bytes: u64) -> Self {
+        self.in_flight_bytes_max = bytes;
+        self
+    }
+
     pub fn with_io_uring(mut self, enabled: bool) -> Self {
         self.io_uring = enabled;
         self

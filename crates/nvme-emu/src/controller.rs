@@ -35,14 +35,16 @@ use crate::EmuError;
 
 mod batch;
 
+use batch::{InFlight, Settle};
+
 /// Commands fetched from one SQ per scan, so one busy queue cannot starve the others.
 const COMMANDS_PER_QUEUE_PER_SCAN: usize = 64;
 /// Idle sleep of a disabled controller (CC writes through RegisterIo act synchronously).
 const DISABLED_SLEEP: Duration = Duration::from_millis(2);
 /// Longest delay a fault may impose on a completion.
 const MAX_FAULT_DELAY: Duration = Duration::from_secs(3600);
-/// Transfers in flight at once in an io_uring batch.
-const URING_DEPTH: u32 = 64;
+/// Transfers in flight at once through io_uring (also bounded by `in_flight_bytes_max`).
+const URING_DEPTH: u32 = 128;
 /// Largest single backing-store write during a cache write-back.
 const WRITE_BACK_CHUNK_BYTES: usize = 1 << 20;
 /// Error Information log entries kept (Identify ELPE + 1).
@@ -142,6 +144,8 @@ pub(crate) struct ControllerCore {
     pub(crate) scratch: AlignedBuffer,
     /// Batched reads and writes for file stores (None: memory store, disabled, or no io_uring).
     reader: Option<UringReader>,
+    /// Reads and Writes whose transfers the ring holds (see `controller/batch.rs`).
+    in_flight: InFlight,
     io_buffers: Vec<AlignedBuffer>,
     /// Reused per scan: commands fetched from one SQ.
     fetched: Vec<(SubmissionEntry, u32)>,
@@ -160,6 +164,9 @@ pub(crate) struct ControllerCore {
     /// Where batched transfers go instead of the store's file (a stalled socket, in tests).
     #[cfg(test)]
     batch_descriptor_override: Option<std::os::fd::RawFd>,
+    /// Whether direct transfers go to that descriptor too (otherwise they bounce, in tests).
+    #[cfg(test)]
+    direct_on_override: bool,
 }
 
 impl ControllerCore {
@@ -176,6 +183,7 @@ impl ControllerCore {
         } else {
             None
         };
+        let in_flight = InFlight::with_capacity(reader.as_ref().map_or(0, UringReader::capacity));
         Ok(Self {
             registers,
             dma,
@@ -192,6 +200,7 @@ impl ControllerCore {
             error_log: ErrorLog::default(),
             scratch: AlignedBuffer::default(),
             reader,
+            in_flight,
             io_buffers: Vec::new(),
             fetched: Vec::new(),
             timing: config.timing.map(TimingState::new),
@@ -202,6 +211,8 @@ impl ControllerCore {
             restriction_refusals: Cell::new(0),
             #[cfg(test)]
             batch_descriptor_override: None,
+            #[cfg(test)]
+            direct_on_override: false,
             config,
         })
     }
@@ -353,6 +364,9 @@ impl ControllerCore {
     /// CC.EN 1 to 0 (§3.7.2): queues are deleted, features return to defaults, RDY and CFS clear.
     /// The write cache survives a controller reset (it is not a power loss).
     fn reset_controller(&mut self) {
+        // The kernel may still write the buffers of transfers in flight, and their commands'
+        // queues are going away: wait for them, completing none.
+        self.settle_in_flight(Settle::Discard);
         self.drop_queues();
         self.features = Self::default_features(&self.config);
         self.state = State::Disabled;
@@ -371,6 +385,7 @@ impl ControllerCore {
                 true
             }
             ShutdownNotification::Normal | ShutdownNotification::Abrupt if !complete => {
+                self.settle_in_flight(Settle::Finish);
                 if let Err(status) = self.write_back(None) {
                     tracing::error!(%status, "write-back at shutdown failed");
                 }
@@ -384,6 +399,10 @@ impl ControllerCore {
     /// Power is cut: unflushed cache contents are lost, in-flight commands get no completion,
     /// every register returns to its reset value. The backing store is kept.
     pub(crate) fn power_loss(&mut self) {
+        // Transfers in flight are cancelled where the kernel still can (those never land) and
+        // waited for otherwise (those land, as a write already on its way to the media would);
+        // none of their commands completes.
+        self.settle_in_flight(Settle::PowerLoss);
         self.cache.discard_all();
         self.drop_queues();
         self.features = Self::default_features(&self.config);
@@ -397,6 +416,7 @@ impl ControllerCore {
     /// Function-level reset: like a controller reset, plus registers to reset values. The cache
     /// is written back first (an FLR is not a power loss).
     pub(crate) fn function_reset(&mut self) -> Result<(), NvmeStatus> {
+        self.settle_in_flight(Settle::Discard);
         let written = self.write_back(None);
         self.reset_controller();
         self.registers.power_on_reset();
@@ -424,6 +444,9 @@ impl ControllerCore {
     }
 
     fn scan_queues(&mut self, now: Instant) -> bool {
+        // Commands whose transfers completed since the last scan finish first: their CQ slots
+        // free up, and their completions go out as soon as their I/O is done.
+        let had_in_flight = self.poll_in_flight(now, false);
         for (queue_id, slot) in self.completion_queues.iter_mut().enumerate() {
             if let Some(queue) = slot {
                 Self::update_doorbell(
@@ -474,7 +497,13 @@ impl ControllerCore {
             }
         }
         self.fetched = fetched;
-        worked
+        if !worked && had_in_flight && self.state == State::Ready {
+            // Nothing new: wait in the kernel (briefly) for a transfer instead of spinning.
+            self.poll_in_flight(Instant::now(), true);
+        }
+        // While transfers are in flight the poller keeps scanning (each idle scan waits in the
+        // kernel) rather than parking.
+        worked || had_in_flight
     }
 
     /// Records the outcome and posts (or, per the fault, delays, drops or corrupts) the completion.

@@ -18,8 +18,9 @@
 //!
 //! Nothing a host writes can make it panic: every malformed command gets the NVMe status a
 //! real controller would return (see `docs/nvme-emu.md` for the table). It has no unsafe code:
-//! file-backed reads and write-through writes are batched through the shared `tutti-uring`
-//! crate, which owns the buffers the kernel uses.
+//! file-backed reads and write-through writes stay in flight across doorbell scans through the
+//! shared `tutti-uring` crate, which owns the buffers (or host DMA regions, for transfers
+//! straight into host memory) while the kernel uses them.
 //!
 //! # API
 //!

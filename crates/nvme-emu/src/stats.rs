@@ -32,10 +32,13 @@ pub struct EmuStats {
     pub invalid_doorbell_writes: u64,
     /// Bytes written back from the volatile write cache to the backing store.
     pub cache_writeback_bytes: u64,
-    /// Reads whose backing-store I/O went through an io_uring batch (several in flight).
+    /// Reads whose backing-store I/O went through io_uring (several in flight; bounced or direct).
     pub batched_reads: u64,
-    /// Writes whose backing-store I/O went through an io_uring batch (several in flight).
+    /// Writes whose backing-store I/O went through io_uring (several in flight; bounced or direct).
     pub batched_writes: u64,
+    /// Of those, the Reads and Writes whose transfer went straight between the file and host
+    /// memory (no bounce buffer: aligned memory, an `O_DIRECT` file).
+    pub direct_transfers: u64,
     /// Faults the plan injected.
     pub faults_injected: u64,
     /// `power_loss()` calls.

@@ -17,8 +17,10 @@ pub enum UringError {
     Full { capacity: usize },
     #[error("a transfer of {len_bytes} bytes does not fit its {capacity_bytes}-byte buffer")]
     BufferTooSmall { len_bytes: usize, capacity_bytes: usize },
-    #[error("a transfer of {len_bytes} bytes is larger than io_uring's 4 GiB limit")]
+    #[error("a transfer of {len_bytes} bytes is larger than io_uring's 4 GiB limit, or than the memory it names")]
     TransferTooLarge { len_bytes: usize },
+    #[error("a vectored transfer names {count} regions (1..={max} allowed)")]
+    Regions { count: usize, max: usize },
     /// The transfer was not run (or the ring was already abandoned): it will not run later.
     #[error("the ring was abandoned after an earlier failure ({cause}); this transfer was not run")]
     Abandoned { cause: String },

@@ -8,6 +8,9 @@
 //!   kernel may write can exist, and a buffer is never freed while the kernel may still use it:
 //!   a ring that is abandoned or dropped with transfers in flight leaks their buffers, logs it
 //!   and counts it ([`leaked_buffers_total`]).
+//! - [`Ring::push_regions`]: a transfer straight between a file and host DMA memory
+//!   (`nvme_driver::hw::DmaRegion`s, vectored), with no bounce buffer: the ring keeps the
+//!   regions as it keeps buffers.
 //! - One timeout discipline: every wait takes a deadline ([`Ring::wait`] passes it to
 //!   `io_uring_enter` through `IORING_ENTER_EXT_ARG`, Linux 5.11+), and running past it is
 //!   [`UringError::Timeout`]. A kernel without that feature is refused at [`Ring::new`] rather
@@ -30,7 +33,7 @@ mod sys;
 pub use batch::Job;
 pub use buffer::AlignedBuffer;
 pub use error::UringError;
-pub use sys::{leaked_buffers_total, Completion, Refused, Ring};
+pub use sys::{leaked_buffers_total, Completion, Refused, RefusedRegions, Ring, REGIONS_MAX};
 
 use std::os::fd::RawFd;
 

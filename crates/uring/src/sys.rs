@@ -9,6 +9,16 @@
 //! or dropped with transfers still in flight after a bounded drain, leaks those buffers (logged,
 //! and counted in [`leaked_buffers_total`]) rather than free memory the kernel may still use.
 //!
+//! Host DMA memory. [`Ring::push_regions`] moves data straight between a file and
+//! `nvme_driver::hw::DmaRegion`s (`IORING_OP_READV` / `WRITEV`), with no buffer of the ring's
+//! own: the software controller's transfers into the memory its commands point to. A `DmaRegion`
+//! is memory a device may read or write at any time: Rust code never holds a reference into it
+//! (its accessors are raw copies whose exclusion is the DMA protocol's, see its module), and it
+//! stays allocated while a clone lives (pool memory through the clone's `Arc`; an external
+//! mapping by `map_external`'s contract). The ring keeps the clones, and the iovec array naming
+//! them, in its in-flight table until the completion is reaped, and leaks both with the table
+//! otherwise, exactly as it does buffers.
+//!
 //! Cancellation. Abandoning a ring does not stop the kernel: a write it still holds can land at
 //! any later time, after newer data went to the same place. [`Ring::cancel_in_flight`] asks the
 //! kernel to cancel every transfer still in flight (`IORING_OP_ASYNC_CANCEL`, one per transfer)
@@ -24,6 +34,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use io_uring::{opcode, types, IoUring};
+
+use nvme_driver::hw::DmaRegion;
 
 use crate::buffer::AlignedBuffer;
 use crate::error::UringError;
@@ -94,19 +106,41 @@ impl Drop for Allocation {
     }
 }
 
+/// Most regions one vectored transfer may name (the kernel's `UIO_MAXIOV`).
+pub const REGIONS_MAX: usize = 1024;
+
+/// The memory of a transfer in flight: a buffer of the ring's, or host DMA regions.
+enum Memory {
+    Buffer(AlignedBuffer),
+    Regions(Vec<DmaRegion>),
+}
+
 /// A transfer the kernel owns until its completion is reaped.
 struct InFlight {
-    buffer: AlignedBuffer,
+    memory: Memory,
     tag: u64,
     transfer: Transfer,
 }
 
-/// A finished transfer: the caller's tag, its buffer back, and the bytes moved or the errno.
+/// The iovec array of one slot, reused from transfer to transfer (no allocation per transfer
+/// once it has grown). The kernel reads it while it imports the entry.
+#[derive(Default)]
+struct IovecTable(Vec<libc::iovec>);
+
+// SAFETY: the table is plain data (addresses and lengths) that only the kernel dereferences,
+// for a transfer whose memory the ring keeps alive (see the module documentation); moving it
+// to another thread moves no access to that memory.
+unsafe impl Send for IovecTable {}
+
+/// A finished transfer: the caller's tag, its buffer (or regions) back, and the bytes moved or
+/// the errno. A transfer pushed with [`Ring::push`] comes back with its buffer and no regions;
+/// one pushed with [`Ring::push_regions`] with its regions and an empty buffer.
 #[derive(Debug)]
 pub struct Completion {
     pub tag: u64,
     pub transfer: Transfer,
     pub buffer: AlignedBuffer,
+    pub regions: Vec<DmaRegion>,
     pub result: io::Result<usize>,
 }
 
@@ -127,6 +161,13 @@ impl Completion {
     }
 }
 
+/// A [`Ring::push_regions`] the ring refused: the regions come back with the reason.
+#[derive(Debug)]
+pub struct RefusedRegions {
+    pub regions: Vec<DmaRegion>,
+    pub error: UringError,
+}
+
 /// A push the ring refused: the buffer comes back with the reason.
 #[derive(Debug)]
 pub struct Refused {
@@ -142,6 +183,8 @@ pub struct Ring {
     ring: IoUring,
     /// Indexed by the `user_data` of the entry; `capacity` slots, allocated once.
     in_flight: Vec<Option<InFlight>>,
+    /// The iovec array of each slot (see [`IovecTable`]).
+    iovecs: Vec<IovecTable>,
     /// Free slot indices (a stack), allocated once.
     free: Vec<u32>,
     /// Why the ring was abandoned, once it was: it is never used again.
@@ -177,6 +220,7 @@ impl Ring {
         Ok(Self {
             ring,
             in_flight: (0..capacity).map(|_| None).collect(),
+            iovecs: (0..capacity).map(|_| IovecTable::default()).collect(),
             free: (0..entries).rev().collect(),
             abandoned: None,
             cancellation_enabled: true,
@@ -240,7 +284,59 @@ impl Ring {
             return refuse(buffer, UringError::Full { capacity });
         }
         self.free.pop();
-        self.in_flight[slot as usize] = Some(InFlight { buffer, tag, transfer });
+        self.in_flight[slot as usize] = Some(InFlight { memory: Memory::Buffer(buffer), tag, transfer });
+        Ok(())
+    }
+
+    /// Queues `transfer` straight between the file and `regions` (host DMA memory, in order; at
+    /// most [`REGIONS_MAX`], their lengths adding up to the transfer's), with no buffer of the
+    /// ring's: `IORING_OP_READV` / `WRITEV`. The ring keeps the regions until the transfer's
+    /// completion is reaped (see the module documentation); `tag` comes back with them. The
+    /// caller must not touch the regions' memory meanwhile (the DMA protocol), and, for
+    /// `O_DIRECT` descriptors, align them as the file needs (a refusal is the completion's
+    /// `EINVAL`). A refusal hands the regions back.
+    pub fn push_regions(&mut self, transfer: Transfer, regions: Vec<DmaRegion>, tag: u64) -> Result<(), RefusedRegions> {
+        let refuse = |regions, error| Err(RefusedRegions { regions, error });
+        if let Some(error) = self.abandoned_error() {
+            return refuse(regions, error);
+        }
+        let total = regions.iter().try_fold(0usize, |total, region| total.checked_add(region.len()));
+        if u32::try_from(transfer.len_bytes).is_err() || total != Some(transfer.len_bytes) {
+            return refuse(regions, UringError::TransferTooLarge { len_bytes: transfer.len_bytes });
+        }
+        if regions.is_empty() || regions.len() > REGIONS_MAX {
+            let count = regions.len();
+            return refuse(regions, UringError::Regions { count, max: REGIONS_MAX });
+        }
+        let Some(&slot) = self.free.last() else {
+            let capacity = self.capacity();
+            return refuse(regions, UringError::Full { capacity });
+        };
+        let table = &mut self.iovecs[slot as usize].0;
+        table.clear();
+        table.extend(
+            regions.iter().map(|region| libc::iovec { iov_base: region.host_address() as *mut libc::c_void, iov_len: region.len() }),
+        );
+        let fd = types::Fd(transfer.fd);
+        // At most REGIONS_MAX (checked above): fits u32.
+        let count = table.len() as u32;
+        let entry = match transfer.direction {
+            Direction::Read => opcode::Readv::new(fd, table.as_ptr(), count).offset(transfer.offset_bytes).build(),
+            Direction::Write => opcode::Writev::new(fd, table.as_ptr(), count).offset(transfer.offset_bytes).build(),
+        }
+        .user_data(u64::from(slot));
+        // SAFETY: the entry names this slot's iovec table, which is not touched again until the
+        // slot is free (its transfer reaped) and is leaked with the ring otherwise, and through
+        // it exactly the memory of `regions`: DMA memory, never referenced by Rust, that stays
+        // allocated while these clones live (module documentation). The clones move into the
+        // in-flight table below, where they stay until this entry's completion is reaped or the
+        // ring leaks them. The fd is the caller's to keep open (see `Transfer`).
+        if unsafe { self.ring.submission().push(&entry) }.is_err() {
+            let capacity = self.capacity();
+            return refuse(regions, UringError::Full { capacity });
+        }
+        self.free.pop();
+        self.in_flight[slot as usize] = Some(InFlight { memory: Memory::Regions(regions), tag, transfer });
         Ok(())
     }
 
@@ -323,7 +419,11 @@ impl Ring {
             let result = entry.result();
             let result = if result < 0 { Err(io::Error::from_raw_os_error(-result)) } else { Ok(result as usize) };
             done += 1;
-            on_done(Completion { tag: in_flight.tag, transfer: in_flight.transfer, buffer: in_flight.buffer, result });
+            let (buffer, regions) = match in_flight.memory {
+                Memory::Buffer(buffer) => (buffer, Vec::new()),
+                Memory::Regions(regions) => (AlignedBuffer::default(), regions),
+            };
+            on_done(Completion { tag: in_flight.tag, transfer: in_flight.transfer, buffer, regions, result });
         }
         match unexpected {
             Some(user_data) => Err(UringError::UnexpectedCompletion { user_data }),
@@ -416,11 +516,12 @@ impl Drop for Ring {
             }
         }
         let mut leaked = 0u64;
-        for slot in &mut self.in_flight {
+        for (slot, table) in self.in_flight.iter_mut().zip(&mut self.iovecs) {
             if let Some(in_flight) = slot.take() {
                 // The kernel may still read or write it (closing the ring does not wait for
-                // every transfer): never free it.
-                std::mem::forget(in_flight.buffer);
+                // every transfer): never free it, nor the iovec table naming it.
+                std::mem::forget(in_flight.memory);
+                std::mem::forget(std::mem::take(table));
                 leaked += 1;
             }
         }

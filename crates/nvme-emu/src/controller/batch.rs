@@ -1,50 +1,165 @@
-//! Backing-store batches: consecutive Reads, and Writes that go straight to the store, fetched
-//! in one scan are validated first and their I/O issued together through io_uring; commands
-//! complete in order once the whole group's I/O is done. A batch that stalls past its deadline
-//! is cancelled; a write the kernel will not give back fences the store (see `backing`) and
-//! makes the controller fatal, so it can never land over newer data unnoticed.
+//! Backing-store I/O in flight across doorbell scans: Reads, and Writes that go straight to the
+//! store, are validated when fetched and their transfers pushed to io_uring at once; each
+//! command finishes (a Read's cache overlay and DMA to the host) and posts its completion when
+//! its own transfer completes, found by a later scan or by a wait, in whatever order the kernel
+//! completes them (the spec lets I/O commands complete in any order).
+//!
+//! Ordering stays exact. A command whose LBAs overlap an in-flight Write (or a Write that
+//! overlaps any in-flight command) waits for those to finish before its own transfer starts,
+//! so a read never misses an earlier write and overlapping writes land in submission order. Any
+//! other command (Flush, a cached Write, Write Zeroes, DSM, an admin command, one with an
+//! injected fault) first waits for everything in flight, so a Flush or a queue deletion never
+//! finds I/O in flight. A controller reset or power loss waits for (power loss: cancels) what
+//! is in flight and completes none of it.
+//!
+//! Bounded: at most the ring's depth and `EmuConfig::in_flight_bytes_max` in flight; every
+//! transfer has a deadline. A ring that fails or passes a deadline is abandoned and what the
+//! kernel still holds cancelled; a write the kernel will not give back fences the store (see
+//! `backing`) and makes the controller fatal, so it can never land over newer data unnoticed.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use nvme_driver::spec::status::codes;
 use nvme_driver::spec::{NvmOpcode, SubmissionEntry};
-use tutti_uring::{Direction, Job, Transfer, UringError};
+use tutti_uring::{Completion, Direction, Refused, RefusedRegions, Transfer, UringError, REGIONS_MAX};
 
 use super::{media, ControllerCore, Namespace, State};
-use crate::backing::AlignedBuffer;
+use crate::backing::{AlignedBuffer, DIRECT_ALIGNMENT_BYTES};
 use crate::data_pointer::DataBuffers;
 use crate::faults::FaultAction;
 use crate::uring::UringReader;
 
-/// Bytes a batch gathers before it goes to the ring: larger batches leave the disk idle while
-/// the controller copies their data, and the host idle until all of it completes.
-const GROUP_BYTES_MAX: u64 = 4 << 20;
+/// Bytes pushed to the ring before they go to the kernel without waiting for the end of the
+/// scan: large writes then start on the disk while the next ones are gathered.
+const SUBMIT_BYTES: u64 = 1 << 20;
+/// Longest a scan that found nothing else to do waits in the kernel for an in-flight transfer
+/// (it returns at the first completion); doorbells rung meanwhile wait at most this long.
+const IN_FLIGHT_WAIT: Duration = Duration::from_micros(20);
 /// Transfer buffers kept for reuse, and the largest one worth keeping.
 const IO_BUFFERS_KEPT: usize = 64;
 const IO_BUFFER_KEPT_MAX_BYTES: usize = (1 << 20) + 4096;
 
-/// A Read or Write validated and waiting for its backing-store I/O in a batch.
-struct PreparedIo {
+/// A Read or Write validated and waiting for (or doing) its backing-store transfer.
+pub(super) struct PreparedIo {
     entry: SubmissionEntry,
+    queue_id: u16,
+    completion_queue_id: u16,
     sq_head: u32,
     namespace_index: usize,
     namespace: Namespace,
-    /// Host memory: where a Read's data goes (a Write's was gathered into `buffer` already).
+    /// Host memory: where a Read's data goes (a Write's was gathered into its buffer already).
     buffers: DataBuffers,
     write: bool,
     start_lba: u64,
     blocks: u64,
-    /// A Write's data; a Read's destination once the group runs.
-    buffer: AlignedBuffer,
+    /// The transfer goes straight between the file and `buffers` (no bounce buffer); while it
+    /// is in flight the ring holds the regions (`buffers.regions` is empty).
+    direct: bool,
+}
+
+impl PreparedIo {
+    fn len_bytes(&self) -> usize {
+        (self.blocks * u64::from(self.namespace.block_size_bytes)) as usize
+    }
+
+    fn offset_bytes(&self) -> u64 {
+        self.namespace.base_offset_bytes + self.start_lba * u64::from(self.namespace.block_size_bytes)
+    }
+
+    /// Whether this must wait for `other` (or the reverse): same namespace, intersecting LBAs,
+    /// and at least one of them a Write.
+    fn conflicts(&self, write: bool, namespace_index: usize, start_lba: u64, blocks: u64) -> bool {
+        (write || self.write)
+            && self.namespace_index == namespace_index
+            && self.start_lba < start_lba + blocks
+            && start_lba < self.start_lba + self.blocks
+    }
+}
+
+/// What happens to commands whose transfers are given back while settling.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Settle {
+    /// Finish them and post their completions (a Flush, an admin command follows).
+    Finish,
+    /// Drop them without a completion (controller reset: the queues are going away).
+    Discard,
+    /// Cancel what the kernel still allows, then drop everything without a completion.
+    PowerLoss,
+}
+
+/// The commands whose transfers the ring holds, indexed by the tag they were pushed with.
+#[derive(Default)]
+pub(super) struct InFlight {
+    slots: Vec<Option<(PreparedIo, Instant)>>,
+    free: Vec<usize>,
+    bytes: u64,
+    unsubmitted_bytes: u64,
+    /// Reused: completions taken from the ring before their commands finish.
+    reaped: Vec<Completion>,
+}
+
+impl InFlight {
+    pub(super) fn with_capacity(capacity: usize) -> Self {
+        Self {
+            slots: (0..capacity).map(|_| None).collect(),
+            free: (0..capacity).rev().collect(),
+            bytes: 0,
+            unsubmitted_bytes: 0,
+            reaped: Vec::with_capacity(capacity),
+        }
+    }
+
+    pub(super) fn count(&self) -> usize {
+        self.slots.len() - self.free.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.count() == 0
+    }
+
+    fn conflicts(&self, write: bool, namespace_index: usize, start_lba: u64, blocks: u64) -> bool {
+        self.slots.iter().flatten().any(|(io, _)| io.conflicts(write, namespace_index, start_lba, blocks))
+    }
+
+    /// When the oldest transfer in flight was pushed.
+    fn oldest(&self) -> Option<Instant> {
+        self.slots.iter().flatten().map(|(_, pushed)| *pushed).min()
+    }
+
+    /// A free slot, taken (the tag a transfer is pushed with); `None` when the table is full.
+    fn take_slot(&mut self) -> Option<usize> {
+        self.free.pop()
+    }
+
+    /// Puts `io` into a slot from [`InFlight::take_slot`].
+    fn fill(&mut self, slot: usize, io: PreparedIo, now: Instant) {
+        self.bytes += io.len_bytes() as u64;
+        if let Some(entry) = self.slots.get_mut(slot) {
+            *entry = Some((io, now));
+        }
+    }
+
+    fn take(&mut self, tag: u64) -> Option<PreparedIo> {
+        let slot = usize::try_from(tag).ok()?;
+        let (io, _) = self.slots.get_mut(slot)?.take()?;
+        self.free.push(slot);
+        self.bytes = self.bytes.saturating_sub(io.len_bytes() as u64);
+        Some(io)
+    }
+
+    /// Test view: (namespace index, first LBA, blocks, write) of every command in flight.
+    #[cfg(test)]
+    pub(super) fn ranges(&self) -> Vec<(usize, u64, u64, bool)> {
+        self.slots.iter().flatten().map(|(io, _)| (io.namespace_index, io.start_lba, io.blocks, io.write)).collect()
+    }
 }
 
 impl ControllerCore {
-    /// Runs fetched commands in order. Consecutive Reads of a file-backed device, and Writes
+    /// Runs commands fetched from one SQ in order. Reads of a file-backed device, and Writes
     /// that go straight to the backing store (write cache off, FUA, or larger than the cache),
-    /// are validated first and their backing-store I/O issued together (io_uring). A command
-    /// whose LBAs overlap a Write of the group (or a Write overlapping any of it) first completes
-    /// the group, as does any other command, so no read can observe a later write or miss an
-    /// earlier one and overlapping writes land in submission order.
+    /// start their transfers and finish later (see the module documentation); a lone one with
+    /// nothing in flight is a synchronous `pread`/`pwrite` instead (the ring would only add a
+    /// wait). Any other command first waits for everything in flight.
     pub(super) fn run_batch(&mut self, queue_id: u16, completion_queue_id: u16, fetched: &[(SubmissionEntry, u32)], now: Instant) {
         let admin = queue_id == 0;
         self.refresh_store_fence();
@@ -54,8 +169,7 @@ impl ControllerCore {
         } else {
             self.submission_queues.get(usize::from(queue_id)).and_then(Option::as_ref).and_then(|queue| queue.restriction.clone())
         };
-        let mut group: Vec<PreparedIo> = Vec::new();
-        for (entry, sq_head) in fetched {
+        for (position, (entry, sq_head)) in fetched.iter().enumerate() {
             if self.state != State::Ready {
                 // A fatal fault stopped the controller: the rest get no completion.
                 break;
@@ -66,16 +180,20 @@ impl ControllerCore {
                 self.counters.totals.faults_injected += 1;
             }
             let read = entry.opcode() == NvmOpcode::Read as u8;
-            let batchable = fault.is_none()
+            let transfer = fault.is_none()
                 && !admin
-                && self.reader.is_some()
+                && self.reader.as_ref().is_some_and(UringReader::is_usable)
                 && entry.fuse() == 0
                 && (read || (entry.opcode() == NvmOpcode::Write as u8 && self.write_goes_to_store(entry)));
-            if batchable {
-                self.prepare_io(queue_id, completion_queue_id, &mut group, entry, *sq_head, !read, now);
+            let alone = position + 1 == fetched.len() && self.in_flight.is_empty();
+            if transfer && !alone {
+                self.start_io(queue_id, completion_queue_id, entry, *sq_head, !read);
                 continue;
             }
-            self.run_group(queue_id, completion_queue_id, &mut group, now);
+            self.settle_in_flight(Settle::Finish);
+            if self.state != State::Ready {
+                break;
+            }
             let result = match fault {
                 Some(FaultAction::Status(status)) => Err(status),
                 Some(FaultAction::ControllerFatal) => {
@@ -86,60 +204,414 @@ impl ControllerCore {
             };
             self.complete(queue_id, completion_queue_id, *sq_head, entry, result, fault, now);
         }
-        self.run_group(queue_id, completion_queue_id, &mut group, now);
+        self.submit_in_flight();
         self.current_restriction = None;
     }
 
-    /// Validates a batchable Read or Write and adds it to `group` (a Write's data is gathered
-    /// from the host now, and older cached copies of its blocks are dropped now, in command
-    /// order, as the synchronous path does). A command that overlaps a Write of the group, or
-    /// a Write that overlaps any command of it, first completes the group. An invalid command
-    /// completes at once with its status.
-    #[allow(clippy::too_many_arguments)]
-    fn prepare_io(
-        &mut self,
-        queue_id: u16,
-        completion_queue_id: u16,
-        group: &mut Vec<PreparedIo>,
-        entry: &SubmissionEntry,
-        sq_head: u32,
-        write: bool,
-        now: Instant,
-    ) {
+    /// Validates a Read or Write and pushes its transfer (a Write's data is gathered from the
+    /// host now, and older cached copies of its blocks dropped now, in command order, as the
+    /// synchronous path does). It first waits for in-flight commands it conflicts with, and for
+    /// room (ring depth, `in_flight_bytes_max`). An invalid command completes at once.
+    fn start_io(&mut self, queue_id: u16, completion_queue_id: u16, entry: &SubmissionEntry, sq_head: u32, write: bool) {
         let (namespace_index, namespace, buffers) = match self.prepare_transfer(entry) {
             Ok(prepared) => prepared,
-            Err(status) => return self.complete(queue_id, completion_queue_id, sq_head, entry, Err(status), None, now),
+            Err(status) => return self.complete(queue_id, completion_queue_id, sq_head, entry, Err(status), None, Instant::now()),
         };
         let start_lba = entry.starting_lba().0;
         let blocks = u64::from(entry.block_count());
-        let conflicts = group.iter().any(|other| {
-            (write || other.write)
-                && other.namespace_index == namespace_index
-                && other.start_lba < start_lba + blocks
-                && start_lba < other.start_lba + other.blocks
-        });
-        if conflicts {
-            self.run_group(queue_id, completion_queue_id, group, now);
-            if self.state != State::Ready {
-                // The group made the controller fatal: like the rest, this gets no completion.
-                return;
+        let io = PreparedIo {
+            entry: *entry,
+            queue_id,
+            completion_queue_id,
+            sq_head,
+            namespace_index,
+            namespace,
+            buffers,
+            write,
+            start_lba,
+            blocks,
+            direct: false,
+        };
+        let len = io.len_bytes();
+        let capacity = self.reader.as_ref().map_or(0, UringReader::capacity);
+        // Bounded: each pass finishes at least one command in flight, or fails the ring (which
+        // empties the table).
+        while self.in_flight.conflicts(write, namespace_index, start_lba, blocks)
+            || (!self.in_flight.is_empty()
+                && (self.in_flight.count() >= capacity || self.in_flight.bytes + len as u64 > self.config.in_flight_bytes_max))
+        {
+            if !self.wait_in_flight(Settle::Finish) {
+                break;
             }
         }
-        let len = (blocks * u64::from(namespace.block_size_bytes)) as usize;
+        if self.state != State::Ready {
+            // Waiting made the controller fatal: like the rest, this gets no completion.
+            return;
+        }
+        if let Some((fd, offset_bytes)) = self.direct_target(&io) {
+            return self.start_direct(io, fd, offset_bytes);
+        }
         let mut buffer = self.io_buffers.pop().unwrap_or_default();
+        if let Err(error) = buffer.try_reserve(len) {
+            tracing::error!(%error, "no memory for a transfer buffer");
+            self.recycle_buffer(buffer);
+            let status = media(if write { codes::WRITE_FAULT } else { codes::UNRECOVERED_READ_ERROR });
+            return self.complete(queue_id, completion_queue_id, sq_head, entry, Err(status), None, Instant::now());
+        }
         if write {
-            if let Err(status) = buffers.gather(buffer.slice(len)) {
+            if let Err(status) = io.buffers.gather(buffer.slice(len)) {
                 self.recycle_buffer(buffer);
-                return self.complete(queue_id, completion_queue_id, sq_head, entry, Err(status), None, now);
+                return self.complete(queue_id, completion_queue_id, sq_head, entry, Err(status), None, Instant::now());
             }
             // Older cached copies of these blocks must not be written back over the new data.
             self.cache.discard_range(namespace_index, start_lba, blocks);
         }
-        group.push(PreparedIo { entry: *entry, sq_head, namespace_index, namespace, buffers, write, start_lba, blocks, buffer });
-        let bytes: u64 = group.iter().map(|io| io.blocks * u64::from(io.namespace.block_size_bytes)).sum();
-        if bytes >= GROUP_BYTES_MAX {
-            self.run_group(queue_id, completion_queue_id, group, now);
+        if !self.reader.as_ref().is_some_and(UringReader::is_usable) {
+            // The ring failed while this waited: the synchronous path does it.
+            return self.finish_io(io, buffer, Err(UringError::NotRun));
         }
+        let (fd, offset_bytes) = self.batch_target(io.offset_bytes(), len);
+        let direction = if write { Direction::Write } else { Direction::Read };
+        let transfer = Transfer { fd, direction, offset_bytes, len_bytes: len };
+        let Some(slot) = self.in_flight.take_slot() else {
+            return self.finish_io(io, buffer, Err(UringError::NotRun));
+        };
+        self.in_flight.fill(slot, io, Instant::now());
+        let tag = slot as u64;
+        let Some(reader) = self.reader.as_mut() else { return };
+        match reader.push(transfer, buffer, tag) {
+            Ok(()) => self.pushed(completion_queue_id, len),
+            Err(Refused { buffer, error }) => {
+                if let Some(io) = self.in_flight.take(tag) {
+                    self.finish_io(io, buffer, Err(error));
+                }
+            }
+        }
+    }
+
+    /// The `O_DIRECT` descriptor when `io` may move its data straight between the file and the
+    /// host memory its command points to: the file offers one and the transfer is aligned, every
+    /// host region starts and ends on a 4 KiB boundary, and, for a Read, no block of it is cached
+    /// (the overlay needs the bytes in the controller's hands).
+    fn direct_target(&self, io: &PreparedIo) -> Option<(std::os::fd::RawFd, u64)> {
+        #[cfg(test)]
+        if self.batch_descriptor_override.is_some() && !self.direct_on_override {
+            return None;
+        }
+        let aligned = |value: usize| value.is_multiple_of(DIRECT_ALIGNMENT_BYTES);
+        let regions = &io.buffers.regions;
+        let memory_aligned = !regions.is_empty()
+            && regions.len() <= REGIONS_MAX
+            && regions.iter().all(|region| aligned(region.host_address()) && aligned(region.len()));
+        if !memory_aligned || (!io.write && self.cache.holds_any(io.namespace_index, io.start_lba, io.blocks)) {
+            return None;
+        }
+        self.store.direct_descriptor(io.offset_bytes(), io.len_bytes())?;
+        Some(self.batch_target(io.offset_bytes(), io.len_bytes()))
+    }
+
+    /// Pushes a transfer straight between the file and the command's host memory. The kernel
+    /// reads (Write) or writes (Read) that memory until the transfer completes; the command's
+    /// completion, which hands the memory back to the host, is posted only after that, never
+    /// while the kernel may still use it (see `end_held`).
+    fn start_direct(&mut self, mut io: PreparedIo, fd: std::os::fd::RawFd, offset_bytes: u64) {
+        let len = io.len_bytes();
+        if io.write {
+            // Older cached copies of these blocks must not be written back over the new data.
+            self.cache.discard_range(io.namespace_index, io.start_lba, io.blocks);
+        }
+        let direction = if io.write { Direction::Write } else { Direction::Read };
+        let transfer = Transfer { fd, direction, offset_bytes, len_bytes: len };
+        let regions = std::mem::take(&mut io.buffers.regions);
+        io.direct = true;
+        let completion_queue_id = io.completion_queue_id;
+        let Some(slot) = self.in_flight.take_slot() else {
+            // Still `direct`: finishing gathers a Write's data into a bounce buffer.
+            io.buffers.regions = regions;
+            return self.finish_io(io, AlignedBuffer::default(), Err(UringError::NotRun));
+        };
+        self.in_flight.fill(slot, io, Instant::now());
+        let tag = slot as u64;
+        let Some(reader) = self.reader.as_mut() else { return };
+        match reader.push_regions(transfer, regions, tag) {
+            Ok(()) => self.pushed(completion_queue_id, len),
+            Err(RefusedRegions { regions, error }) => {
+                if let Some(mut io) = self.in_flight.take(tag) {
+                    io.buffers.regions = regions;
+                    self.finish_io(io, AlignedBuffer::default(), Err(error));
+                }
+            }
+        }
+    }
+
+    /// Bookkeeping of a transfer the ring took: its completion is owed, so it keeps a CQ slot
+    /// (as a delayed completion does), and enough pushed bytes go to the kernel now.
+    fn pushed(&mut self, completion_queue_id: u16, len: usize) {
+        self.reserve_completion_slot(completion_queue_id, true);
+        self.in_flight.unsubmitted_bytes += len as u64;
+        if self.in_flight.unsubmitted_bytes >= SUBMIT_BYTES {
+            self.submit_in_flight();
+        }
+    }
+
+    fn reserve_completion_slot(&mut self, completion_queue_id: u16, reserve: bool) {
+        if let Some(Some(queue)) = self.completion_queues.get_mut(usize::from(completion_queue_id)) {
+            queue.reserved = if reserve { queue.reserved + 1 } else { queue.reserved.saturating_sub(1) };
+        }
+    }
+
+    /// Hands pushed transfers to the kernel.
+    fn submit_in_flight(&mut self) {
+        if self.in_flight.unsubmitted_bytes == 0 && self.in_flight.is_empty() {
+            return;
+        }
+        self.in_flight.unsubmitted_bytes = 0;
+        let Some(reader) = self.reader.as_mut() else { return };
+        if let Err(error) = reader.submit() {
+            self.fail_ring(&error, Settle::Finish);
+        }
+    }
+
+    /// One scan's look at the transfers in flight: finishes those the kernel completed, fails
+    /// the ring when the oldest is past its deadline, and when `wait` (the scan found nothing
+    /// else to do) waits in the kernel up to [`IN_FLIGHT_WAIT`] for one. Returns whether any
+    /// command is or was in flight (the poller then does not park).
+    pub(super) fn poll_in_flight(&mut self, now: Instant, wait: bool) -> bool {
+        if self.in_flight.is_empty() {
+            return false;
+        }
+        let timeout = self.reader.as_ref().map_or(Duration::ZERO, UringReader::batch_timeout);
+        if self.in_flight.oldest().is_some_and(|oldest| now.saturating_duration_since(oldest) > timeout) {
+            let waited = now.saturating_duration_since(self.in_flight.oldest().unwrap_or(now));
+            self.fail_ring(&UringError::Timeout { waited, in_flight: self.in_flight.count() }, Settle::Finish);
+            return true;
+        }
+        if wait {
+            if let Some(reader) = self.reader.as_mut() {
+                match reader.wait(now + IN_FLIGHT_WAIT) {
+                    Ok(()) | Err(UringError::Timeout { .. }) => {}
+                    Err(error) => {
+                        self.fail_ring(&error, Settle::Finish);
+                        return true;
+                    }
+                }
+            }
+        }
+        self.reap_in_flight(Settle::Finish);
+        true
+    }
+
+    /// Waits (up to the oldest transfer's deadline) for at least one transfer and finishes (or,
+    /// per `settle`, drops) what completed. False when nothing is in flight.
+    fn wait_in_flight(&mut self, settle: Settle) -> bool {
+        let Some(oldest) = self.in_flight.oldest() else { return false };
+        let Some(reader) = self.reader.as_mut() else { return false };
+        self.in_flight.unsubmitted_bytes = 0;
+        if let Err(error) = reader.wait(oldest + reader.batch_timeout()) {
+            self.fail_ring(&error, settle);
+            return true;
+        }
+        self.reap_in_flight(settle);
+        true
+    }
+
+    /// Finishes (or, settling for a reset, drops) every command whose transfer is ready.
+    fn reap_in_flight(&mut self, settle: Settle) {
+        let mut reaped = std::mem::take(&mut self.in_flight.reaped);
+        let outcome = match self.reader.as_mut() {
+            Some(reader) => reader.reap(|completion| reaped.push(completion)),
+            None => Ok(0),
+        };
+        for completion in reaped.drain(..) {
+            self.end_given_back(completion, settle);
+        }
+        self.in_flight.reaped = reaped;
+        if let Err(error) = outcome {
+            self.fail_ring(&error, settle);
+        }
+    }
+
+    /// Ends every transfer in flight: waits for each (up to its deadline), finishing or dropping
+    /// its command per `settle`. Returns with nothing in flight.
+    pub(super) fn settle_in_flight(&mut self, settle: Settle) {
+        if self.in_flight.is_empty() {
+            return;
+        }
+        if settle == Settle::PowerLoss {
+            // The cut stops the drive: what the kernel can still take back never lands.
+            let mut given_back = std::mem::take(&mut self.in_flight.reaped);
+            let held = self.reader.as_mut().map(|reader| reader.cancel(|completion| given_back.push(completion))).unwrap_or_default();
+            for completion in given_back.drain(..) {
+                self.end_given_back(completion, settle);
+            }
+            self.in_flight.reaped = given_back;
+            self.end_held(&held, "a power loss", settle);
+        }
+        // Bounded: each pass finishes at least one transfer, or fails the ring (which empties it).
+        while self.wait_in_flight(settle) {}
+    }
+
+    /// Abandons the ring after `cause`: what the kernel gives back when cancelled finishes (a
+    /// transfer that did not complete is redone synchronously from its own buffer); a write it
+    /// keeps fails with Write Fault, fences the store and makes the controller fatal.
+    fn fail_ring(&mut self, cause: &UringError, settle: Settle) {
+        let mut given_back = std::mem::take(&mut self.in_flight.reaped);
+        let held = self.reader.as_mut().map(|reader| reader.abandon(cause, |completion| given_back.push(completion))).unwrap_or_default();
+        let kept_writes = held
+            .iter()
+            .filter(|&&tag| self.in_flight.slots.get(tag as usize).is_some_and(|slot| slot.as_ref().is_some_and(|(io, _)| io.write)))
+            .count();
+        if kept_writes > 0 {
+            self.fence_for_kept_writes(kept_writes);
+        }
+        for completion in given_back.drain(..) {
+            self.end_given_back(completion, settle);
+        }
+        self.in_flight.reaped = given_back;
+        self.end_held(&held, "an abandoned io_uring batch", settle);
+        if kept_writes > 0 && settle == Settle::Finish {
+            self.set_fatal();
+        }
+    }
+
+    /// Commands whose transfers the kernel kept after cancellation: a kept Write fails (its data
+    /// may land at any time), a kept Read is redone synchronously into a fresh buffer. A kept
+    /// direct transfer gets no completion at all, since that would hand the host memory the
+    /// kernel may still read or write back to the host: the controller becomes fatal (CSTS.CFS)
+    /// instead, as a device hung in the middle of its DMA, and the ring keeps the memory's
+    /// regions (leaked with it).
+    fn end_held(&mut self, held: &[u64], why: &str, settle: Settle) {
+        let mut kept_writes = 0usize;
+        let mut kept_direct = 0usize;
+        for &tag in held {
+            let Some(io) = self.in_flight.take(tag) else { continue };
+            self.reserve_completion_slot(io.completion_queue_id, false);
+            kept_writes += usize::from(io.write);
+            if io.direct {
+                kept_direct += 1;
+                continue;
+            }
+            let cause = UringError::StillInFlight { cause: why.to_string() };
+            self.end_io(io, AlignedBuffer::default(), Err(cause), settle);
+        }
+        if kept_writes > 0 && !self.store.is_fenced() {
+            self.fence_for_kept_writes(kept_writes);
+        }
+        if kept_direct > 0 {
+            tracing::error!(
+                kept_direct,
+                "transfers into host memory are still with the kernel after cancellation: their commands never complete, \
+                 and the controller reports a fatal status"
+            );
+            if settle == Settle::Finish {
+                self.set_fatal();
+            }
+        }
+    }
+
+    fn fence_for_kept_writes(&mut self, kept_writes: usize) {
+        // The kernel may complete these writes at any time, over whatever is written to their
+        // blocks after them: nothing may touch the store until they are given back.
+        tracing::error!(
+            kept_writes,
+            "backing-store writes of an abandoned io_uring ring are still in flight after cancellation: they fail, the store \
+             refuses all I/O until the kernel gives them back, and the controller reports a fatal status"
+        );
+        self.store.fence(format!("{kept_writes} abandoned io_uring write(s) may still land"));
+    }
+
+    /// Ends the command of a transfer the kernel gave back (completed, failed or cancelled).
+    fn end_given_back(&mut self, completion: Completion, settle: Settle) {
+        let result = completion.check();
+        let Some(mut io) = self.in_flight.take(completion.tag) else { return };
+        self.reserve_completion_slot(io.completion_queue_id, false);
+        if io.direct {
+            io.buffers.regions = completion.regions;
+        }
+        self.end_io(io, completion.buffer, result, settle);
+    }
+
+    fn end_io(&mut self, io: PreparedIo, buffer: AlignedBuffer, result: Result<(), UringError>, settle: Settle) {
+        if settle == Settle::Finish {
+            self.finish_io(io, buffer, result);
+        } else {
+            self.recycle_buffer(buffer);
+        }
+    }
+
+    /// Finishes one command after its transfer: a transfer that did not complete (short, refused,
+    /// cancelled, never pushed) is redone synchronously from the same buffer, never a write the
+    /// kernel may still complete; a Read gets the cache overlay and its DMA to the host; then
+    /// the completion is posted.
+    fn finish_io(&mut self, io: PreparedIo, mut buffer: AlignedBuffer, result: Result<(), UringError>) {
+        let len = io.len_bytes();
+        let offset = io.offset_bytes();
+        if io.direct && result.is_ok() {
+            // The data is already where it belongs: in the file, or in the host's memory.
+            self.counters.totals.direct_transfers += 1;
+            if io.write {
+                self.counters.totals.batched_writes += 1;
+            } else {
+                self.counters.totals.batched_reads += 1;
+            }
+            return self.finish_counted(io, buffer, Ok(0));
+        }
+        if io.direct {
+            // Given back without completing: redone through a bounce buffer, the host's memory
+            // being the controller's again.
+            buffer = self.io_buffers.pop().unwrap_or_default();
+            if io.write {
+                if let Err(status) = io.buffers.gather(buffer.slice(len)) {
+                    return self.finish_counted(io, buffer, Err(status));
+                }
+            }
+        }
+        let data = buffer.slice(len);
+        let done = match &result {
+            Ok(()) => {
+                if io.write {
+                    self.counters.totals.batched_writes += 1;
+                } else {
+                    self.counters.totals.batched_reads += 1;
+                }
+                Ok(())
+            }
+            Err(error @ UringError::StillInFlight { .. }) if io.write => Err(std::io::Error::other(error.to_string())),
+            Err(_) if io.write => self.store.write(offset, data),
+            Err(_) => self.store.read(offset, data),
+        };
+        let result = match done {
+            Err(error) if io.write => {
+                tracing::error!(%error, offset, "backing store write failed");
+                Err(media(codes::WRITE_FAULT))
+            }
+            Err(error) => {
+                tracing::error!(%error, offset, "backing store read failed");
+                Err(media(codes::UNRECOVERED_READ_ERROR))
+            }
+            Ok(()) if io.write => Ok(0),
+            Ok(()) => {
+                self.cache.overlay(io.namespace_index, io.start_lba, io.namespace.block_size_bytes as usize, data);
+                io.buffers.scatter(data).map(|()| 0)
+            }
+        };
+        self.finish_counted(io, buffer, result);
+    }
+
+    /// Counts a finished Read or Write, recycles its buffer and posts its completion.
+    fn finish_counted(&mut self, io: PreparedIo, buffer: AlignedBuffer, result: super::CommandResult) {
+        let len = io.len_bytes();
+        if result.is_ok() {
+            if io.write {
+                self.counters.totals.bytes_written += len as u64;
+                self.counters.host_writes += 1;
+            } else {
+                self.counters.totals.bytes_read += len as u64;
+                self.counters.host_reads += 1;
+            }
+        }
+        self.recycle_buffer(buffer);
+        self.complete(io.queue_id, io.completion_queue_id, io.sq_head, &io.entry, result, None, Instant::now());
     }
 
     /// Whether a Write bypasses the volatile write cache (the rule of `store_blocks`). A Write
@@ -158,107 +630,8 @@ impl ControllerCore {
         }
     }
 
-    /// Performs the backing-store I/O of a group (in flight together when there are several),
-    /// then finishes each command in order: a Read gets the cache overlay and its DMA to the
-    /// host, and each gets its completion. Returns only when all of the group's I/O is done, or
-    /// is known to be with a kernel that would not give it back: then the store is fenced, the
-    /// Writes the kernel kept fail with Write Fault, and the controller becomes fatal (CSTS.CFS)
-    /// after completing the group. A group of a controller no longer ready is dropped unrun.
-    fn run_group(&mut self, queue_id: u16, completion_queue_id: u16, group: &mut Vec<PreparedIo>, now: Instant) {
-        if group.is_empty() {
-            return;
-        }
-        if self.state != State::Ready {
-            for io in group.drain(..) {
-                self.recycle_buffer(io.buffer);
-            }
-            return;
-        }
-        let mut jobs: Vec<Job> = Vec::with_capacity(group.len());
-        for io in group.iter_mut() {
-            let block_size = u64::from(io.namespace.block_size_bytes);
-            let offset = io.namespace.base_offset_bytes + io.start_lba * block_size;
-            let len = (io.blocks * block_size) as usize;
-            let (fd, offset_bytes) = self.batch_target(offset, len);
-            let mut buffer = std::mem::take(&mut io.buffer);
-            // A read's buffer comes from the pool at any size: grow it now (the ring refuses a
-            // buffer smaller than its transfer; that job would then run synchronously).
-            if let Err(error) = buffer.try_reserve(len) {
-                tracing::warn!(%error, "no memory for a batched read's buffer; it runs synchronously");
-            }
-            let direction = if io.write { Direction::Write } else { Direction::Read };
-            jobs.push(Job::new(Transfer { fd, direction, offset_bytes, len_bytes: len }, buffer));
-        }
-        if jobs.len() > 1 {
-            if let Some(reader) = self.reader.as_mut() {
-                reader.run(&mut jobs);
-            }
-        }
-        let kept_writes = jobs.iter().filter(|job| job.transfer.direction == Direction::Write && still_in_flight(&job.result)).count();
-        if kept_writes > 0 {
-            // The kernel may complete these writes at any time, over whatever is written to
-            // their blocks after them: nothing may touch the store until they are given back.
-            tracing::error!(
-                kept_writes,
-                "backing-store writes of an abandoned io_uring batch are still in flight after cancellation: they fail, the store \
-                 refuses all I/O until the kernel gives them back, and the controller reports a fatal status"
-            );
-            self.store.fence(format!("{kept_writes} abandoned io_uring write(s) may still land"));
-        }
-        for (io, mut job) in group.drain(..).zip(jobs) {
-            let len = job.transfer.len_bytes;
-            let offset = io.namespace.base_offset_bytes + io.start_lba * u64::from(io.namespace.block_size_bytes);
-            let data = job.buffer.slice(len);
-            // A single transfer, or one the ring could not do (short transfer, O_DIRECT
-            // refusal), or one it cancelled, is a synchronous pread/pwrite of the same buffer;
-            // never a write the kernel may still complete.
-            let done = match &job.result {
-                Ok(()) => {
-                    if io.write {
-                        self.counters.totals.batched_writes += 1;
-                    } else {
-                        self.counters.totals.batched_reads += 1;
-                    }
-                    Ok(())
-                }
-                Err(error) if io.write && still_in_flight(&job.result) => Err(std::io::Error::other(error.to_string())),
-                Err(_) if io.write => self.store.write(offset, data),
-                Err(_) => self.store.read(offset, data),
-            };
-            let result = match done {
-                Err(error) if io.write => {
-                    tracing::error!(%error, offset, "backing store write failed");
-                    Err(media(codes::WRITE_FAULT))
-                }
-                Err(error) => {
-                    tracing::error!(%error, offset, "backing store read failed");
-                    Err(media(codes::UNRECOVERED_READ_ERROR))
-                }
-                Ok(()) if io.write => Ok(0),
-                Ok(()) => {
-                    self.cache.overlay(io.namespace_index, io.start_lba, io.namespace.block_size_bytes as usize, data);
-                    io.buffers.scatter(data).map(|()| 0)
-                }
-            };
-            if result.is_ok() {
-                if io.write {
-                    self.counters.totals.bytes_written += len as u64;
-                    self.counters.host_writes += 1;
-                } else {
-                    self.counters.totals.bytes_read += len as u64;
-                    self.counters.host_reads += 1;
-                }
-            }
-            self.recycle_buffer(job.buffer);
-            self.complete(queue_id, completion_queue_id, io.sq_head, &io.entry, result, None, now);
-        }
-        if kept_writes > 0 {
-            self.set_fatal();
-        }
-    }
-
-    /// Where a batched transfer of the store's bytes at `offset` goes: the store's descriptor
-    /// (see `Store::file_descriptor`) at that offset.
+    /// Where a transfer of the store's bytes at `offset` goes: the store's descriptor (see
+    /// `Store::file_descriptor`) at that offset.
     fn batch_target(&self, offset: u64, len: usize) -> (std::os::fd::RawFd, u64) {
         #[cfg(test)]
         if let Some(fd) = self.batch_descriptor_override {
@@ -269,7 +642,7 @@ impl ControllerCore {
     }
 
     /// Lifts the store's fence once the kernel has given back every write that an abandoned
-    /// batch left with it (they can no longer land over newer data). Checked when the
+    /// ring left with it (they can no longer land over newer data). Checked when the
     /// controller is enabled and before it runs fetched commands, only while fenced.
     pub(super) fn refresh_store_fence(&mut self) {
         if !self.store.is_fenced() || self.reader.as_mut().is_some_and(UringReader::holds_writes) {
@@ -279,18 +652,26 @@ impl ControllerCore {
         tracing::warn!("the kernel gave back every abandoned io_uring write: backing-store I/O resumes (synchronously)");
     }
 
-    /// Sends batched transfers to `fd` instead of the store's file, with short deadlines and
-    /// optionally no cancellation: a backing file that stalls, for tests.
+    /// Sends transfers to `fd` instead of the store's file, with short deadlines and optionally
+    /// no cancellation: a backing file that stalls, for tests.
     #[cfg(test)]
-    pub(crate) fn stall_batches_for_tests(&mut self, fd: std::os::fd::RawFd, batch_timeout: std::time::Duration, cancellation: bool) {
+    pub(crate) fn stall_batches_for_tests(&mut self, fd: std::os::fd::RawFd, batch_timeout: Duration, cancellation: bool) {
         self.batch_descriptor_override = Some(fd);
         if let Some(reader) = self.reader.as_mut() {
             reader.stall_for_tests(batch_timeout, batch_timeout, cancellation);
         }
     }
-}
 
-/// Whether a batch's job failed because the kernel still holds its transfer.
-fn still_in_flight(result: &Result<(), UringError>) -> bool {
-    matches!(result, Err(UringError::StillInFlight { .. }))
+    /// Lets transfers sent to the test descriptor (see `stall_batches_for_tests`) go straight
+    /// to or from host memory, as they would to the store's file.
+    #[cfg(test)]
+    pub(crate) fn allow_direct_on_override(&mut self) {
+        self.direct_on_override = true;
+    }
+
+    /// Test view of the commands in flight (see [`InFlight::ranges`]).
+    #[cfg(test)]
+    pub(crate) fn in_flight_ranges(&self) -> Vec<(usize, u64, u64, bool)> {
+        self.in_flight.ranges()
+    }
 }

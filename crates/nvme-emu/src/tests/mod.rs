@@ -2,6 +2,7 @@
 
 mod admin_tests;
 mod harness;
+mod in_flight_tests;
 mod io_tests;
 mod lifecycle_tests;
 mod stall_tests;

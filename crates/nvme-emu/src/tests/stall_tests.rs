@@ -23,25 +23,30 @@ fn media(code: u8) -> Result<(), NvmeStatus> {
     Err(NvmeStatus::new(StatusCodeType::MediaAndDataIntegrity, code))
 }
 
-fn block(seed: u8) -> Vec<u8> {
+pub(super) fn block(seed: u8) -> Vec<u8> {
     (0..4096).map(|index| (index as u8).wrapping_mul(13) ^ seed).collect()
 }
 
 /// A file-backed controller, brought up, whose batches go to a full socket.
-struct Stalled {
-    host: TestHost,
-    queue: HostQueue,
-    path: PathBuf,
+pub(super) struct Stalled {
+    pub host: TestHost,
+    pub queue: HostQueue,
+    pub path: PathBuf,
     /// Kept open until the device is gone: its batches write to it.
     _sender: UnixStream,
-    receiver: UnixStream,
+    pub receiver: UnixStream,
     /// Bytes the socket held before any batch wrote to it.
-    filler_bytes: usize,
+    pub filler_bytes: usize,
 }
 
 impl Stalled {
     /// `None` where io_uring is unavailable (the batches it needs never run).
     fn start(name: &str, cancellation: bool) -> Option<Self> {
+        Self::start_with(name, cancellation, STALL_TIMEOUT)
+    }
+
+    /// As `start`, with transfers failing after `timeout` in flight.
+    pub(super) fn start_with(name: &str, cancellation: bool, timeout: Duration) -> Option<Self> {
         if !tutti_uring::available() {
             eprintln!("io_uring with bounded waits is unavailable here: test skipped");
             return None;
@@ -58,7 +63,7 @@ impl Stalled {
             filler_bytes += written;
         }
         let fd = sender.as_raw_fd();
-        host.device.with_core(|core| core.stall_batches_for_tests(fd, STALL_TIMEOUT, cancellation));
+        host.device.with_core(|core| core.stall_batches_for_tests(fd, timeout, cancellation));
         let queue = host.create_io_pair(1, 16);
         Some(Self { host, queue, path, _sender: sender, receiver, filler_bytes })
     }
@@ -76,14 +81,14 @@ impl Stalled {
     }
 
     /// One FUA write of `data` at `lba` (a single command: the synchronous path).
-    fn write(&mut self, lba: u64, data: &[u8]) -> Result<(), NvmeStatus> {
+    pub(super) fn write(&mut self, lba: u64, data: &[u8]) -> Result<(), NvmeStatus> {
         let source = self.host.buffer(4096);
         source.write(0, data).unwrap();
         let write = with_sgl(SubmissionEntry::write(NamespaceId(1), Lba(lba), block_count(1), true), &source, 4096);
         status_of(&self.host.execute_on(&mut self.queue, write))
     }
 
-    fn read(&mut self, lba: u64) -> (Result<(), NvmeStatus>, Vec<u8>) {
+    pub(super) fn read(&mut self, lba: u64) -> (Result<(), NvmeStatus>, Vec<u8>) {
         let target = self.host.buffer(4096);
         let read = with_sgl(SubmissionEntry::read(NamespaceId(1), Lba(lba), block_count(1)), &target, 4096);
         let status = status_of(&self.host.execute_on(&mut self.queue, read));
@@ -93,7 +98,7 @@ impl Stalled {
     }
 
     /// Everything the socket receives until it has been quiet for `quiet`.
-    fn drain(&mut self, quiet: Duration) -> usize {
+    pub(super) fn drain(&mut self, quiet: Duration) -> usize {
         self.receiver.set_read_timeout(Some(quiet)).unwrap();
         let mut chunk = [0u8; 4096];
         let mut total = 0usize;
@@ -101,13 +106,14 @@ impl Stalled {
             match self.receiver.read(&mut chunk) {
                 Ok(0) => return total,
                 Ok(read) => total += read,
+                Err(error) if error.kind() == ErrorKind::Interrupted => {}
                 Err(error) if matches!(error.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => return total,
                 Err(error) => panic!("reading the socket: {error}"),
             }
         }
     }
 
-    fn media_blocks(&self, blocks: usize) -> Vec<u8> {
+    pub(super) fn media_blocks(&self, blocks: usize) -> Vec<u8> {
         let mut media = vec![0u8; blocks * 4096];
         std::fs::File::open(&self.path).unwrap().read_exact(&mut media).unwrap();
         media
@@ -170,4 +176,37 @@ fn a_batched_write_the_kernel_keeps_fails_and_fences_the_store_until_it_is_given
     assert!(late == [block(0), block(1)].concat() || late == [block(1), block(0)].concat(), "the kept writes' data");
     assert_eq!(stalled.write(5, &block(5)), Ok(()), "the kernel gave the writes back: the fence lifted");
     assert_eq!(stalled.read(5), (Ok(()), block(5)));
+}
+
+#[test]
+fn a_direct_write_the_kernel_keeps_is_never_completed_and_stops_the_controller() {
+    // Goal: a write straight from host memory that the kernel will not give back (cancellation
+    // disabled, as for a write blocked in a hung filesystem) gets no completion, since one would
+    // hand the memory back to the host while the kernel may still read it; the controller
+    // reports a fatal status and the store is fenced. The kernel really still had the writes:
+    // their bytes arrive once the socket has room.
+    let Some(mut stalled) = Stalled::start("direct-kept", false) else { return };
+    stalled.host.device.with_core(|core| core.allow_direct_on_override());
+    let sources: Vec<DmaRegion> = (0..2).map(|_| stalled.host.buffer(4096)).collect();
+    for (seed, source) in sources.iter().enumerate() {
+        source.write(0, &block(seed as u8)).unwrap();
+        let write = SubmissionEntry::write(NamespaceId(1), Lba(seed as u64), block_count(1), true);
+        TestHost::push(&mut stalled.queue, with_sgl(write, source, 4096));
+    }
+    stalled.host.ring_submission(&stalled.queue);
+    let deadline = Instant::now() + DEADLINE;
+    while !stalled.host.csts().fatal() {
+        assert!(Instant::now() < deadline, "CSTS.CFS was never set");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(
+        stalled.host.reap_within(&mut stalled.queue, Duration::from_millis(100)).is_none(),
+        "a write whose host memory the kernel still holds was completed"
+    );
+    assert_eq!(stalled.host.device.stats().direct_transfers, 0);
+    stalled.receiver.set_read_timeout(Some(DEADLINE)).unwrap();
+    let mut received = vec![0u8; stalled.filler_bytes + 2 * 4096];
+    stalled.receiver.read_exact(&mut received).unwrap();
+    let late = &received[stalled.filler_bytes..];
+    assert!(late == [block(0), block(1)].concat() || late == [block(1), block(0)].concat(), "the kept writes' data, from host memory");
 }
