@@ -77,6 +77,9 @@ impl DeviceLocks {
     }
 }
 
+/// Reads of `/proc/locks` before the holder is given up as not found.
+const PROC_LOCKS_READS: usize = 5;
+
 /// "pid N (command line)" of the process holding a flock on `file`, from `proc/locks`; a
 /// sentence saying it could not be found otherwise (the holder may have just exited).
 pub fn holder_of(file: &File, proc_root: &Path) -> String {
@@ -84,8 +87,13 @@ pub fn holder_of(file: &File, proc_root: &Path) -> String {
         return "another process (the lock file cannot be examined)".into();
     };
     let (major, minor) = split_device(metadata.dev());
-    let locks = std::fs::read_to_string(proc_root.join("locks")).unwrap_or_default();
-    match find_flock_holder(&locks, major, minor, metadata.ino()) {
+    // The kernel produces /proc/locks page by page from lists other processes change meanwhile,
+    // so one read can miss a line that was there all along (seen under load in CI): read again.
+    let holder = (0..PROC_LOCKS_READS).find_map(|_| {
+        let locks = std::fs::read_to_string(proc_root.join("locks")).unwrap_or_default();
+        find_flock_holder(&locks, major, minor, metadata.ino())
+    });
+    match holder {
         Some(pid) => {
             let command = std::fs::read(proc_root.join(pid.to_string()).join("cmdline"))
                 .map(|raw| {
