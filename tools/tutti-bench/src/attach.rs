@@ -20,11 +20,11 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Context};
-use objstore::{KvKind, LayerKvStore, ObjstoreError, StoreConfig};
+use objstore::{KvKind, LayerKvStore, StoreConfig};
 use serde_json::{json, Value};
 use tutti_cli::outln;
 use tutti_daemon::client::{RemoteConfig, RemoteKvStore};
-use tutti_daemon::protocol::{Hello, StatusReply};
+use tutti_daemon::protocol::{Hello, StatusReply, BODY_BYTES_MAX};
 use tutti_daemon::Client;
 
 use crate::args::{format_size, Cli, OutputFormat};
@@ -39,6 +39,8 @@ const STEP_TIMEOUT: Duration = Duration::from_secs(600);
 const REPLY_TIMEOUT: Duration = Duration::from_secs(10);
 /// Entries of each client queue pair: the in-process run's executor depth.
 const QUEUE_DEPTH: u32 = 1024;
+/// A prepare's fields besides its tokens and block ids (registration, counts), generously.
+const PREPARE_HEADER_BYTES: u64 = 64;
 /// What a client's protocol lines start with.
 const LINE_PREFIX: &str = "tutti-bench-client ";
 
@@ -57,7 +59,7 @@ pub fn run(cli: &Cli, plan: &KvPlan) -> anyhow::Result<()> {
         return usage("--emu-timing configures a software controller the bench starts; with --attach it runs inside tuttid: drop it");
     }
     match cli.attach_client {
-        Some(index) => run_client(socket, plan, index, cli.clients),
+        Some(index) => run_client(socket, plan, index),
         None => run_parent(socket, plan, cli.clients, cli.output_format),
     }
 }
@@ -138,16 +140,14 @@ fn barrier(name: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn run_client(socket: &Path, plan: &KvPlan, index: u32, clients: u32) -> anyhow::Result<()> {
+fn run_client(socket: &Path, plan: &KvPlan, index: u32) -> anyhow::Result<()> {
     let mut plan = plan.clone();
     plan.seed = plan.seed.wrapping_add(u64::from(index));
     let blocks = u32::try_from(plan.blocks()).map_err(|_| anyhow!("too many blocks"))?;
     let hello = Hello { model_fingerprint: model_fingerprint(&plan), tp_rank: 0, tp_world: 1, client_name: format!("tutti-bench-{index}") };
     let config = RemoteConfig { kv_blocks: blocks, queue_depth: QUEUE_DEPTH, store: StoreConfig::default(), timeout: REPLY_TIMEOUT };
-    let mut store = RemoteKvStore::connect(socket, &hello, &config).map_err(|error| match error {
-        ObjstoreError::Remote { reason } if reason.contains("connect") => unreachable_daemon(socket, reason),
-        error => anyhow::Error::new(error).context(format!("attaching to tuttid at {}", socket.display())),
-    })?;
+    let mut store =
+        RemoteKvStore::connect(socket, &hello, &config).with_context(|| format!("attaching to tuttid at {}", socket.display()))?;
     let shape = store.data_mut().shape().clone();
     if shape.geometry != plan.geometry() {
         return usage(format!(
@@ -155,14 +155,6 @@ fn run_client(socket: &Path, plan: &KvPlan, index: u32, clients: u32) -> anyhow:
             shape.geometry,
             plan.geometry(),
             plan.model.name
-        ));
-    }
-    let slots: u64 = shape.devices.iter().map(|device| device.slot_count).sum();
-    let needed = plan.blocks() * u64::from(clients) * u64::from(shape.blocks_per_slot.max(1));
-    if slots < needed {
-        return usage(format!(
-            "{clients} client(s) x {} blocks need {needed} slots; the daemon's pool has {slots}: fewer --clients or --prompt-tokens, or a larger pool",
-            plan.blocks()
         ));
     }
     let mut target = Attached { layers: plan.geometry().layers, object_bytes: plan.geometry().object_bytes() as usize, store };
@@ -317,6 +309,25 @@ fn wait_bounded(child: &mut Child) -> anyhow::Result<std::process::ExitStatus> {
 fn run_parent(socket: &Path, plan: &KvPlan, clients: u32, output: OutputFormat) -> anyhow::Result<()> {
     let status =
         Client::connect(socket, REPLY_TIMEOUT).and_then(|mut client| client.status()).map_err(|error| unreachable_daemon(socket, error))?;
+    // A prepare carries the prompt's tokens and block ids (4 bytes each) in one frame.
+    let prepare_bytes = (plan.blocks() * plan.block_tokens() + plan.blocks()).saturating_mul(4).saturating_add(PREPARE_HEADER_BYTES);
+    if prepare_bytes > u64::from(BODY_BYTES_MAX) {
+        let tokens_max = (u64::from(BODY_BYTES_MAX) - PREPARE_HEADER_BYTES) / 4 * plan.block_tokens() / (plan.block_tokens() + 1);
+        return usage(format!(
+            "--prompt-tokens={} does not fit one request to tuttid (a frame body is at most {} bytes); accepted with --attach: up to {tokens_max} tokens",
+            plan.prompt_tokens,
+            BODY_BYTES_MAX
+        ));
+    }
+    // Each client stores its own prompt (tuttid formats one block per slot).
+    let needed = plan.blocks().saturating_mul(u64::from(clients));
+    if status.pool.slots < needed {
+        return usage(format!(
+            "{clients} client(s) x {} blocks need {needed} slots; the daemon's pool has {}: fewer --clients or --prompt-tokens, or a larger pool",
+            plan.blocks(),
+            status.pool.slots
+        ));
+    }
     let mut processes = Clients::start(clients)?;
     let mut results = Vec::new();
     loop {
