@@ -307,8 +307,17 @@ impl Drop for Clientele {
     }
 }
 
+/// The daemon's status. A connection of a client just ended may still count against
+/// `--clients-max` for a moment (the daemon has not read its end yet): `Busy` is retried, bounded.
 fn status(daemon: &Daemon) -> StatusReply {
-    daemon.client().status().unwrap()
+    let deadline = Instant::now() + WAIT;
+    loop {
+        match daemon.client().status() {
+            Ok(status) => return status,
+            Err(error) => assert!(Instant::now() < deadline, "status: {error}"),
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
 }
 
 /// Polls status until no session is left (bounded), and returns it.
@@ -369,7 +378,15 @@ impl Counts {
 /// A verifying client's pass over prompts `ids`: committed ones must be whole, nothing of
 /// abandoned or never-attempted ones visible, every visible byte the pattern's.
 fn verify_pool(socket: &Path, ids: impl Iterator<Item = u32>, ledger: &Ledger, counts: &mut Counts) {
-    let mut verifier = connect(socket, "verifier").expect("the verifying client attaches");
+    // Retried, bounded, for the same reason as `status`.
+    let deadline = Instant::now() + WAIT;
+    let mut verifier = loop {
+        match connect(socket, "verifier") {
+            Ok(verifier) => break verifier,
+            Err(error) => assert!(Instant::now() < deadline, "the verifying client attaches: {error}"),
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
     let block_tokens = verifier.hello_reply().shape.block_tokens;
     for id in ids {
         let cached = verifier.lookup(&prompt(id, block_tokens)) as u32;
