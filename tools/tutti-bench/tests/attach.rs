@@ -150,6 +150,8 @@ fn attach_refuses_what_it_cannot_run_with_one_line() {
     );
     refused(bench(&daemon.socket, &["--prompt-tokens", "128", "--device", "emu:mem:16m"]), "owns the devices");
     refused(bench(&daemon.socket, &["--prompt-tokens", "128", "--keep-pool"]), "the pool is the daemon's");
+    refused(bench(&daemon.socket, &["--workload=serve"]), "drop one of them");
+    refused(bench(&daemon.socket, &["--workload=raw"]), "apply to --workload=kv");
     refused(bench(&daemon.socket, &["--prompt-tokens", "1048576"]), "does not fit one request to tuttid");
     refused(bench(&daemon.socket, &["--prompt-tokens", "32768", "--clients", "4"]), "the daemon's pool has");
     assert_eq!(daemon.client().status().unwrap().pool.cached_blocks, 0);
