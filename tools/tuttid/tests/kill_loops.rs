@@ -117,8 +117,9 @@ fn say(line: &str) {
     let _ = stdout.flush();
 }
 
-/// A client process, selected by `TUTTID_KILL_CHILD` = "SOCKET CLIENT SEED"; a no-op as an
-/// ordinary test. It loops (bounded by `WAIT`) over a seeded mix of its prompts: a prompt
+/// A client process, selected by `TUTTID_KILL_CHILD` = "SOCKET CLIENT SEED LIFETIME_S"; a no-op
+/// as an ordinary test. It loops (for at most LIFETIME_S, so a lost parent cannot leave it
+/// behind) over a seeded mix of its prompts: a prompt
 /// found whole is retrieved and checked, one not found is stored and committed. It reports
 /// each step on standard output, so the loop knows what was committed and what was in flight
 /// when the kill came; on an error it reports it and reconnects (bounded).
@@ -129,7 +130,7 @@ fn kill_loop_child_entry() {
     let socket = Path::new(words[0]);
     let client: u32 = words[1].parse().unwrap();
     let mut random: u64 = words[2].parse().unwrap();
-    let ends = Instant::now() + WAIT;
+    let ends = Instant::now() + Duration::from_secs(words[3].parse().unwrap());
     let mut store: Option<RemoteKvStore> = None;
     while Instant::now() < ends {
         let Some(attached) = store.as_mut() else {
@@ -243,8 +244,9 @@ struct Clientele {
 }
 
 impl Clientele {
-    fn start(socket: &Path, client: u32, seed: u64) -> Clientele {
-        let mut child = spawn_child("kill_loop_child_entry", CHILD_ENV, &format!("{} {client} {seed}", socket.display()));
+    fn start(socket: &Path, client: u32, seed: u64, lifetime: Duration) -> Clientele {
+        let role = format!("{} {client} {seed} {}", socket.display(), lifetime.as_secs().max(1));
+        let mut child = spawn_child("kill_loop_child_entry", CHILD_ENV, &role);
         let stdout = child.stdout.take().unwrap();
         let (sender, lines) = mpsc::channel();
         std::thread::spawn(move || {
@@ -426,7 +428,7 @@ fn client_kill_loop(iterations: u64, seed: u64) -> Counts {
     // retrieve what earlier, killed ones committed.
     let mut ledger = Ledger::default();
     for _ in 0..iterations {
-        let mut client = Clientele::start(&daemon.socket, 0, next_random(&mut random));
+        let mut client = Clientele::start(&daemon.socket, 0, next_random(&mut random), WAIT);
         client.until("the client attaches", |ledger| ledger.connects > 0);
         std::thread::sleep(Duration::from_millis(next_random(&mut random) % 400));
         let in_flight = client.ledger.storing.map(|(id, _)| id);
@@ -458,7 +460,10 @@ fn daemon_kill_loop(iterations: u64, seed: u64) -> Counts {
     let device = format!("emu:{}", directory.path().join("pool.img").display());
     let mut daemon = Daemon::start(directory.path(), &device, &["--format", "--emu-create-bytes", POOL_SIZE]);
     let mut random = seed;
-    let mut clients: Vec<Clientele> = (0..2).map(|client| Clientele::start(&daemon.socket, client, next_random(&mut random))).collect();
+    // The clients live through the whole loop: at most ~1 s of mix and a restart per iteration.
+    let lifetime = WAIT + Duration::from_secs(5) * iterations as u32;
+    let mut clients: Vec<Clientele> =
+        (0..2).map(|client| Clientele::start(&daemon.socket, client, next_random(&mut random), lifetime)).collect();
     for client in &mut clients {
         client.until("the client attaches", |ledger| ledger.connects > 0);
     }
