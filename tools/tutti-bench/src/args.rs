@@ -118,6 +118,22 @@ pub struct Cli {
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
 
+    /// Run the kv workload through tuttid listening on SOCKET instead of opening devices: the
+    /// daemon owns the pool, each client process attaches with its own queue pairs (tuttid's
+    /// client library, `RemoteKvStore`). The pool geometry is the daemon's: give the same model
+    /// options it was started with.
+    #[arg(long, value_name = "SOCKET")]
+    pub attach: Option<PathBuf>,
+
+    /// Client processes of an --attach run (each its own connection, queue pairs and KV memory,
+    /// its prompt seeded --seed + its index); phases start together, figures are aggregated.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64), requires = "attach")]
+    pub clients: u32,
+
+    /// Internal: this process is client INDEX of an --attach run (the bench runs itself).
+    #[arg(long = "attach-client", hide = true, requires = "attach")]
+    pub attach_client: Option<u32>,
+
     /// Keep the temporary pool file of the default run.
     #[arg(long)]
     pub keep: bool,
@@ -151,7 +167,7 @@ pub enum Selected {
 
 /// Options that shape only the raw workload, and only the kv workload (by clap id).
 const RAW_OPTIONS: [&str; 9] = ["rw", "bs", "iodepth", "numjobs", "size", "runtime", "time_based", "rwmixread", "offset"];
-const KV_OPTIONS: [&str; 12] = [
+const KV_OPTIONS: [&str; 14] = [
     "model",
     "model_config",
     "layers",
@@ -164,6 +180,8 @@ const KV_OPTIONS: [&str; 12] = [
     "keep_pool",
     "retrieve_only",
     "seed",
+    "attach",
+    "clients",
 ];
 
 /// The workload a command line selects. Presentation options (--output-format, --keep,
@@ -298,5 +316,7 @@ mod tests {
         assert_eq!(selected(&["--layers", "4", "--kv-heads", "1", "--head-dim", "64"]), Selected::Kv);
         assert_eq!(selected(&["--retrieve-only", "--device", "emu:/x"]), Selected::Kv);
         assert_eq!(selected(&["--workload=raw"]), Selected::Raw);
+        assert_eq!(selected(&["--attach", "/run/tuttid.sock"]), Selected::Kv);
+        assert_eq!(selected(&["--attach", "/run/tuttid.sock", "--clients", "4"]), Selected::Kv);
     }
 }

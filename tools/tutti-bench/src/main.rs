@@ -8,8 +8,10 @@
 //! closed by its reader.
 
 mod args;
+mod attach;
 mod devices;
 mod kv;
+mod kv_workload;
 mod progress;
 mod report;
 mod run;

@@ -28,6 +28,9 @@ pub fn run(cli: &Cli, selected: Selected, matches: &ArgMatches) -> anyhow::Resul
     match selected {
         Selected::Default => default_run(cli),
         Selected::Kv => crate::kv::run(cli),
+        Selected::Serve if cli.attach.is_some() => {
+            usage("--attach runs the kv workload through tuttid; --workload=serve runs its own software controller: drop one of them")
+        }
         Selected::Serve => crate::serve::run(cli, matches),
         Selected::Raw => {
             let kv_options = crate::args::kv_options_given(matches);

@@ -1,0 +1,340 @@
+//! The KV workload's phases, written once over objstore's [`LayerKvStore`]: the in-process
+//! `KvStore` (kv.rs) and tuttid's `RemoteKvStore` (attach.rs) run the same code, so the daemon
+//! path is measured, and its bytes checked, exactly as the in-process path is.
+//!
+//! Phases, for a prompt of n blocks of which a fraction `hit_rate` (h blocks) is a cached prefix:
+//! 1. store: an earlier request populates the cache with the first h blocks, layer by layer;
+//! 2. retrieve: the request looks its prefix up (must find h blocks) and reads them into the
+//!    engine's KV memory layer by layer; with --verify every byte is compared;
+//! 3. store: the request's n − h new blocks are written layer by layer and committed.
+//!
+//! Each layer is timed from its issue (`store_layer`/`retrieve_layer`) to the end of its `wait`.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, Context};
+use gio_uring::SmBudget;
+use objstore::{KvKind, KvRequest, LayerKvStore};
+use serde_json::{json, Value};
+
+use crate::args::format_size;
+use crate::kv::{KvPlan, PoolMode};
+use crate::report::{CpuTime, ProcessCpu};
+use crate::workloads::{fill_pattern, find_mismatch};
+
+/// How long one layer may take before the run fails.
+const LAYER_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A store and the engine KV memory it moves bytes in and out of. The memory is reached only
+/// through copies (the device writes it: no reference into it is handed out).
+pub(crate) trait KvTarget {
+    type Store: LayerKvStore;
+    fn store(&mut self) -> &mut Self::Store;
+    fn layers(&self) -> u32;
+    /// Bytes of one object: one layer's K (or V) of one engine block.
+    fn object_bytes(&self) -> usize;
+    /// Copies `bytes` into object (`layer`, `kind`) of engine block `block`.
+    fn write_object(&self, layer: u32, kind: KvKind, block: u32, bytes: &[u8]) -> anyhow::Result<()>;
+    /// Copies object (`layer`, `kind`) of engine block `block` into `out`.
+    fn read_object(&self, layer: u32, kind: KvKind, block: u32, out: &mut [u8]) -> anyhow::Result<()>;
+}
+
+/// A logical offset unique to each byte of each object, so the verify pattern tells apart
+/// layers, K from V, and blocks.
+fn pattern_offset(object_bytes: usize, layer: u32, kind: KvKind, block: u32) -> u64 {
+    ((u64::from(layer) * 2 + u64::from(kind == KvKind::Value)) << 40) + u64::from(block) * object_bytes as u64
+}
+
+/// Every object of every layer of `blocks`, in the order the pattern is written and checked.
+fn objects(layers: u32, blocks: std::ops::Range<u32>) -> impl Iterator<Item = (u32, KvKind, u32)> {
+    (0..layers).flat_map(move |layer| {
+        let blocks = blocks.clone();
+        [KvKind::Key, KvKind::Value].into_iter().flat_map(move |kind| blocks.clone().map(move |block| (layer, kind, block)))
+    })
+}
+
+fn fill<T: KvTarget>(target: &T, blocks: std::ops::Range<u32>, seed: u64, scratch: &mut [u8]) -> anyhow::Result<()> {
+    for (layer, kind, block) in objects(target.layers(), blocks) {
+        fill_pattern(scratch, pattern_offset(target.object_bytes(), layer, kind, block), seed);
+        target.write_object(layer, kind, block, scratch)?;
+    }
+    Ok(())
+}
+
+fn clear<T: KvTarget>(target: &T, blocks: std::ops::Range<u32>, scratch: &mut [u8]) -> anyhow::Result<()> {
+    scratch.fill(0);
+    for (layer, kind, block) in objects(target.layers(), blocks) {
+        target.write_object(layer, kind, block, scratch)?;
+    }
+    Ok(())
+}
+
+/// Names the first byte that differs from the pattern, if any.
+fn check<T: KvTarget>(target: &T, blocks: std::ops::Range<u32>, seed: u64, scratch: &mut [u8]) -> anyhow::Result<Option<String>> {
+    for (layer, kind, block) in objects(target.layers(), blocks) {
+        target.read_object(layer, kind, block, scratch)?;
+        if let Some((byte, expected, actual)) = find_mismatch(scratch, pattern_offset(target.object_bytes(), layer, kind, block), seed) {
+            return Ok(Some(format!("layer {layer} {kind:?} block {block} byte {byte}: expected {expected:#04x}, read {actual:#04x}")));
+        }
+    }
+    Ok(None)
+}
+
+/// The prompt's tokens: a function of `seed` alone, so a later run finds what an earlier one
+/// stored (an LCG; only its determinism and spread matter).
+pub(crate) fn prompt_tokens(seed: u64, count: u64) -> Vec<u32> {
+    let mut state = seed;
+    (0..count)
+        .map(|_| {
+            state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+            (state >> 33) as u32
+        })
+        .collect()
+}
+
+/// Per-layer measurements of one phase.
+pub(crate) struct LayerPhase {
+    pub(crate) label: String,
+    pub(crate) blocks: u64,
+    pub(crate) bytes_per_layer: u64,
+    pub(crate) layer_latencies: Vec<Duration>,
+    /// Wall time of the phase including prepare and commit.
+    pub(crate) wall: Duration,
+    pub(crate) cpu: CpuTime,
+    pub(crate) verified: Option<u64>,
+}
+
+impl LayerPhase {
+    pub(crate) fn sorted(&self) -> Vec<Duration> {
+        let mut sorted = self.layer_latencies.clone();
+        sorted.sort();
+        sorted
+    }
+
+    pub(crate) fn quantile(sorted: &[Duration], quantile: f64) -> Duration {
+        let index = ((sorted.len() as f64 - 1.0) * quantile).round() as usize;
+        sorted.get(index).copied().unwrap_or_default()
+    }
+
+    pub(crate) fn layer_time(&self) -> Duration {
+        self.layer_latencies.iter().sum()
+    }
+
+    pub(crate) fn gb_per_second(&self) -> f64 {
+        let seconds = self.layer_time().as_secs_f64();
+        if seconds > 0.0 {
+            (self.bytes_per_layer * self.layer_latencies.len() as u64) as f64 / seconds / 1e9
+        } else {
+            0.0
+        }
+    }
+
+    pub(crate) fn text(&self) -> String {
+        let sorted = self.sorted();
+        let ms = |duration: Duration| duration.as_secs_f64() * 1e3;
+        let mut lines = vec![
+            format!(
+                "{}: {} blocks, {} layers x {} = {}, {:.2} GB/s over the layers' time ({:.3}s), wall {:.3}s with prepare/commit",
+                self.label,
+                self.blocks,
+                self.layer_latencies.len(),
+                format_size(self.bytes_per_layer),
+                format_size(self.bytes_per_layer * self.layer_latencies.len() as u64),
+                self.gb_per_second(),
+                self.layer_time().as_secs_f64(),
+                self.wall.as_secs_f64()
+            ),
+            format!(
+                "  per-layer latency (ms): min={:.3}, avg={:.3}, max={:.3}, p50={:.3}, p90={:.3}, p99={:.3}",
+                ms(sorted.first().copied().unwrap_or_default()),
+                ms(self.layer_time()) / self.layer_latencies.len().max(1) as f64,
+                ms(sorted.last().copied().unwrap_or_default()),
+                ms(Self::quantile(&sorted, 0.5)),
+                ms(Self::quantile(&sorted, 0.9)),
+                ms(Self::quantile(&sorted, 0.99)),
+            ),
+        ];
+        let per_layer: Vec<String> = self
+            .layer_latencies
+            .iter()
+            .enumerate()
+            .map(|(layer, latency)| {
+                format!("{layer}:{:.2}ms/{:.2}GB/s", ms(*latency), self.bytes_per_layer as f64 / latency.as_secs_f64().max(1e-9) / 1e9)
+            })
+            .collect();
+        for chunk in per_layer.chunks(6) {
+            lines.push(format!("  layers {}", chunk.join("  ")));
+        }
+        let seconds = self.wall.as_secs_f64().max(1e-9);
+        lines.push(format!(
+            "  cpu (process): usr={:.2}%, sys={:.2}%",
+            100.0 * self.cpu.user.as_secs_f64() / seconds,
+            100.0 * self.cpu.system.as_secs_f64() / seconds
+        ));
+        if let Some(bytes) = self.verified {
+            lines.push(format!("  verify: {} compared byte for byte, no mismatch", format_size(bytes)));
+        }
+        lines.join("\n")
+    }
+
+    pub(crate) fn json(&self) -> Value {
+        let sorted = self.sorted();
+        let ns = |duration: Duration| duration.as_nanos() as u64;
+        let seconds = self.wall.as_secs_f64().max(1e-9);
+        json!({
+            "phase": self.label,
+            "blocks": self.blocks,
+            "bytes_per_layer": self.bytes_per_layer,
+            "io_bytes": self.bytes_per_layer * self.layer_latencies.len() as u64,
+            "bw_bytes": (self.gb_per_second() * 1e9).round() as u64,
+            "wall_ns": ns(self.wall),
+            "lat_ns": {
+                "min": ns(sorted.first().copied().unwrap_or_default()),
+                "max": ns(sorted.last().copied().unwrap_or_default()),
+                "mean": ns(self.layer_time()) as f64 / self.layer_latencies.len().max(1) as f64,
+                "percentile": {
+                    "50.000000": ns(Self::quantile(&sorted, 0.5)),
+                    "90.000000": ns(Self::quantile(&sorted, 0.9)),
+                    "99.000000": ns(Self::quantile(&sorted, 0.99)),
+                },
+            },
+            "layers": self.layer_latencies.iter().enumerate().map(|(layer, latency)| json!({"layer": layer, "lat_ns": ns(*latency), "bw_bytes": (self.bytes_per_layer as f64 / latency.as_secs_f64().max(1e-9)).round() as u64})).collect::<Vec<_>>(),
+            "usr_cpu": 100.0 * self.cpu.user.as_secs_f64() / seconds,
+            "sys_cpu": 100.0 * self.cpu.system.as_secs_f64() / seconds,
+            "cpu_user_ns": ns(self.cpu.user),
+            "cpu_system_ns": ns(self.cpu.system),
+            "verified_bytes": self.verified,
+        })
+    }
+
+    /// A phase back from its [`Self::json`] (a client process's report in attach mode); `None`
+    /// when a field is missing or of the wrong type.
+    pub(crate) fn from_json(value: &Value) -> Option<LayerPhase> {
+        let nanos = |value: &Value| value.as_u64().map(Duration::from_nanos);
+        let layer_latencies = value["layers"].as_array()?.iter().map(|layer| nanos(&layer["lat_ns"])).collect::<Option<Vec<_>>>()?;
+        Some(LayerPhase {
+            label: value["phase"].as_str()?.to_string(),
+            blocks: value["blocks"].as_u64()?,
+            bytes_per_layer: value["bytes_per_layer"].as_u64()?,
+            layer_latencies,
+            wall: nanos(&value["wall_ns"])?,
+            cpu: CpuTime { user: nanos(&value["cpu_user_ns"])?, system: nanos(&value["cpu_system_ns"])? },
+            verified: match &value["verified_bytes"] {
+                Value::Null => None,
+                verified => Some(verified.as_u64()?),
+            },
+        })
+    }
+}
+
+/// Runs the plan's phases on `target`; `before_phase` is called before each (attach mode lines
+/// the client processes up there, so their phases overlap). A kept pool may hold more of the
+/// prompt than the plan's hit rate; any other mismatch of the lookup is an error.
+pub(crate) fn run_phases<T: KvTarget>(
+    target: &mut T,
+    plan: &KvPlan,
+    before_phase: &mut dyn FnMut(&str) -> anyhow::Result<()>,
+) -> anyhow::Result<Vec<LayerPhase>> {
+    let blocks = u32::try_from(plan.blocks()).map_err(|_| anyhow!("too many blocks"))?;
+    let cached = plan.cached_blocks() as u32;
+    let block_tokens = plan.block_tokens() as usize;
+    let ids: Vec<u32> = (0..blocks).collect();
+    let tokens = prompt_tokens(plan.seed, plan.blocks() * plan.block_tokens());
+    let mut scratch = vec![0u8; target.object_bytes()];
+    let mut phases = Vec::new();
+    if plan.pool != PoolMode::RetrieveOnly {
+        fill(target, 0..blocks, plan.seed, &mut scratch)?;
+    }
+    if cached > 0 && plan.pool != PoolMode::RetrieveOnly {
+        before_phase("populate")?;
+        let request = KvRequest { tokens: &tokens[..cached as usize * block_tokens], block_ids: &ids[..cached as usize] };
+        phases.push(store_phase(target, "store (populate: the cached prefix, written by an earlier request)", &request)?);
+    }
+    if cached > 0 {
+        let found = target.store().lookup(&tokens);
+        match plan.pool {
+            PoolMode::RetrieveOnly if found < cached as usize => {
+                return Err(anyhow!(
+                    "the pool holds {found} of the prompt's {cached} blocks (lookup stops at the first block it lacks): blocks were lost, \
+                     or the run that stored them used another --seed, model or --prompt-tokens"
+                ));
+            }
+            // A kept pool may hold more of the prompt than this run's hit rate (an earlier run
+            // with the same seed stored it); the retrieve below moves the first `cached` blocks.
+            PoolMode::Keep if found >= cached as usize => {}
+            _ if found != cached as usize => {
+                return Err(anyhow!("lookup found {found} cached blocks of the prompt, expected {cached}"));
+            }
+            _ => {}
+        }
+        if plan.verify {
+            clear(target, 0..cached, &mut scratch)?;
+        }
+        before_phase("retrieve")?;
+        let layers = target.layers();
+        let cpu_before = ProcessCpu::now();
+        let started = Instant::now();
+        let request = KvRequest { tokens: &tokens[..cached as usize * block_tokens], block_ids: &ids[..cached as usize] };
+        let store = target.store();
+        let handle = store.prepare_retrieve(&request).context("prepare_retrieve")?;
+        let mut latencies = Vec::with_capacity(layers as usize);
+        for layer in 0..layers {
+            let issued = Instant::now();
+            store.retrieve_layer(handle, layer, SmBudget(1)).with_context(|| format!("retrieve_layer {layer}"))?;
+            store.wait(handle, Instant::now() + LAYER_TIMEOUT).with_context(|| format!("waiting for retrieved layer {layer}"))?;
+            latencies.push(issued.elapsed());
+        }
+        store.finish(handle).context("finishing the retrieve")?;
+        let wall = started.elapsed();
+        let cpu = ProcessCpu::now().since(&cpu_before);
+        let verified = if plan.verify {
+            if let Some(mismatch) = check(target, 0..cached, plan.seed, &mut scratch)? {
+                return Err(anyhow!("verify failed after retrieve (pattern of --seed={}): {mismatch}", plan.seed));
+            }
+            Some(u64::from(cached) * 2 * u64::from(layers) * target.object_bytes() as u64)
+        } else {
+            None
+        };
+        phases.push(LayerPhase {
+            label: "retrieve (the request's cached prefix, read into the engine's KV memory)".to_string(),
+            blocks: u64::from(cached),
+            bytes_per_layer: u64::from(cached) * 2 * target.object_bytes() as u64,
+            layer_latencies: latencies,
+            wall,
+            cpu,
+            verified,
+        });
+    }
+    if cached < blocks && plan.pool != PoolMode::RetrieveOnly {
+        before_phase("store")?;
+        let request = KvRequest { tokens: &tokens, block_ids: &ids };
+        phases.push(store_phase(target, "store (the request's new blocks after prefill)", &request)?);
+    }
+    Ok(phases)
+}
+
+fn store_phase<T: KvTarget>(target: &mut T, label: &str, request: &KvRequest<'_>) -> anyhow::Result<LayerPhase> {
+    let layers = target.layers();
+    let object_bytes = target.object_bytes() as u64;
+    let store = target.store();
+    let cpu_before = ProcessCpu::now();
+    let started = Instant::now();
+    let plan = store.prepare_store(request).context("prepare_store")?;
+    let mut latencies = Vec::with_capacity(layers as usize);
+    for layer in 0..layers {
+        let issued = Instant::now();
+        store.store_layer(plan.handle, layer, SmBudget(1)).with_context(|| format!("store_layer {layer}"))?;
+        store.wait(plan.handle, Instant::now() + LAYER_TIMEOUT).with_context(|| format!("waiting for stored layer {layer}"))?;
+        latencies.push(issued.elapsed());
+    }
+    store.commit_store(plan.handle).context("commit_store")?;
+    Ok(LayerPhase {
+        label: label.to_string(),
+        blocks: plan.new_blocks as u64,
+        bytes_per_layer: plan.new_blocks as u64 * 2 * object_bytes,
+        layer_latencies: latencies,
+        wall: started.elapsed(),
+        cpu: ProcessCpu::now().since(&cpu_before),
+        verified: None,
+    })
+}
