@@ -27,6 +27,12 @@
 //! forwarded, then sleeps `idle_sleep` between passes; docs/tuttid.md has the measured figure.
 //! The trust boundary is unchanged: IOVA access is still shared by every client in the one
 //! IOMMU domain (the relay guards doorbells, not DMA).
+//!
+//! Not covered: the relay writes the BAR directly, not through the controller's doorbell gate,
+//! so like an attached pair itself it cannot see a controller reset (the attach contract in
+//! `IoQueuePair::attach`: every client detached first). A relay page's CSTS reads 0, so a
+//! client's timeout names its oldest command rather than a fatal controller (the daemon sees
+//! CSTS).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
