@@ -25,6 +25,8 @@
 //!
 //! Latency: the thread polls without sleeping for `busy_window` after the last doorbell it
 //! forwarded, then sleeps `idle_sleep` between passes; docs/tuttid.md has the measured figure.
+//! With no pair relayed it parks (a daemon whose clients use a shared register page, or has
+//! none, pays nothing); `add` and `stop` wake it.
 //! The trust boundary is unchanged: IOVA access is still shared by every client in the one
 //! IOMMU domain (the relay guards doorbells, not DMA).
 //!
@@ -168,6 +170,8 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 pub struct DoorbellRelay {
     shared: Arc<RelayShared>,
     thread: Mutex<Option<JoinHandle<()>>>,
+    /// To wake the thread from its park (`add`, `stop`).
+    waker: std::thread::Thread,
 }
 
 impl DoorbellRelay {
@@ -184,7 +188,8 @@ impl DoorbellRelay {
             .name("tuttid-relay".into())
             .spawn(move || relay_loop(&thread_shared, config))
             .map_err(|source| DaemonError::Io { context: "starting the doorbell relay thread".into(), source })?;
-        Ok(DoorbellRelay { shared, thread: Mutex::new(Some(thread)) })
+        let waker = thread.thread().clone();
+        Ok(DoorbellRelay { shared, thread: Mutex::new(Some(thread)), waker })
     }
 
     /// Makes the relay page for a pair created on the controller behind `bar`: BAR0's layout,
@@ -217,6 +222,7 @@ impl DoorbellRelay {
             completion: slot(layout.completion_doorbell_offset),
         };
         lock(&self.shared.queues).push(queue);
+        self.waker.unpark();
         ticket
     }
 
@@ -242,6 +248,7 @@ impl DoorbellRelay {
     /// `idle_sleep`. Nothing is forwarded afterwards. Idempotent.
     pub fn stop(&self) {
         self.shared.stop.store(true, Ordering::Release);
+        self.waker.unpark();
         if let Some(thread) = lock(&self.thread).take() {
             if thread.join().is_err() {
                 tracing::error!("the doorbell relay thread panicked");
@@ -259,10 +266,16 @@ impl Drop for DoorbellRelay {
 fn relay_loop(shared: &RelayShared, config: RelayConfig) {
     let mut last_forward = Instant::now();
     while !shared.stop.load(Ordering::Acquire) {
-        let moved: u64 = {
+        let (moved, relayed) = {
             let mut queues = lock(&shared.queues);
-            queues.iter_mut().map(|queue| queue.forward(&shared.dropped)).sum()
+            (queues.iter_mut().map(|queue| queue.forward(&shared.dropped)).sum::<u64>(), queues.len())
         };
+        if relayed == 0 {
+            // Nothing to poll: park until `add` or `stop` unparks (a token left by an unpark
+            // that came first makes this return at once); the timeout only bounds a lost wake.
+            std::thread::park_timeout(Duration::from_secs(1));
+            continue;
+        }
         if moved > 0 {
             shared.forwarded.fetch_add(moved, Ordering::Relaxed);
             last_forward = Instant::now();
