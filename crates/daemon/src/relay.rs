@@ -160,6 +160,8 @@ struct RelayShared {
     forwarded: AtomicU64,
     dropped: AtomicU64,
     next_ticket: AtomicU64,
+    /// Polling passes made (the cost of the relay while nothing is relayed: none).
+    passes: AtomicU64,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -182,6 +184,7 @@ impl DoorbellRelay {
             forwarded: AtomicU64::new(0),
             dropped: AtomicU64::new(0),
             next_ticket: AtomicU64::new(1),
+            passes: AtomicU64::new(0),
         });
         let thread_shared = Arc::clone(&shared);
         let thread = std::thread::Builder::new()
@@ -266,6 +269,7 @@ impl Drop for DoorbellRelay {
 fn relay_loop(shared: &RelayShared, config: RelayConfig) {
     let mut last_forward = Instant::now();
     while !shared.stop.load(Ordering::Acquire) {
+        shared.passes.fetch_add(1, Ordering::Relaxed);
         let (moved, relayed) = {
             let mut queues = lock(&shared.queues);
             (queues.iter_mut().map(|queue| queue.forward(&shared.dropped)).sum::<u64>(), queues.len())
@@ -465,6 +469,22 @@ mod tests {
             println!("relay latency ({name}): median {median:?}, p99 {p99:?}, max {:?}", latencies[latencies.len() - 1]);
             assert!(median < Duration::from_millis(100), "{name} median {median:?}");
         }
+    }
+
+    #[test]
+    fn an_idle_relay_parks() {
+        // Goal: with no pair relayed the thread does not poll (a daemon whose clients all use a
+        // shared register page pays nothing); an added pair wakes it at once.
+        let relay = DoorbellRelay::start(fast()).unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        let passes = relay.shared.passes.load(Ordering::Relaxed);
+        assert!(passes <= 2, "{passes} passes with nothing relayed");
+        let bar = Arc::new(RecordingBar::default());
+        let own = layout(1, 8);
+        let page = DoorbellRelay::make_page(bar.as_ref(), &own).unwrap();
+        SharedRegisters::new(Arc::clone(&page)).write32(own.submission_doorbell_offset, 1);
+        relay.add(page, bar.clone(), &own);
+        wait_for(&bar, 1);
     }
 
     #[test]
