@@ -8,7 +8,10 @@
 #                               --device vfio:<each BDF> --integrity-mib N, then a second short
 #                               run in the same guest (proves nothing leaked), then
 #                               objstore-roundtrip on a pool over every controller (store,
-#                               reopen, compare);
+#                               reopen, compare); then tuttid over every controller with four
+#                               tuttid-client processes (TP 2: each rank stores, then each
+#                               retrieves and checks byte-exact; doorbells through the relay),
+#                               SIGTERM, exit 0 (tools/vm/tuttid-stage.sh);
 #                            2. the small one (--small below), unless TUTTI_VM_SMALL=0
 #   --small                  only the small guest: one controller that grants a single I/O queue
 #                            pair and a small MDTS (TUTTI_VM_SMALL_NVME_ARGS, default
@@ -97,11 +100,12 @@ case $MODE in
         if ! [ -f "$CONFORMANCE/src/main.rs" ] && ! [ -d "$CONFORMANCE/src/bin" ] && ! grep -q '^\[\[bin\]\]' "$CONFORMANCE/Cargo.toml"; then
             vm_die "the nvme-conformance binary does not exist yet (crates/nvme-conformance has no main.rs or src/bin); use --probe to test the VFIO backend"
         fi
-        vm_log "building static guest binaries (nvme-conformance, objstore-roundtrip, tutti) into $VM_TARGET_DIR"
+        vm_log "building static guest binaries (nvme-conformance, objstore-roundtrip, tutti, tuttid, tuttid-client) into $VM_TARGET_DIR"
         vm_cargo_static -p nvme-conformance --bin nvme-conformance -p objstore --bin objstore-roundtrip -p tutti --bin tutti \
-            > "$VM_DIR/logs/build.log" 2>&1 ||
+            -p tuttid --bin tuttid --bin tuttid-client > "$VM_DIR/logs/build.log" 2>&1 ||
             { tail -n 30 "$VM_DIR/logs/build.log" >&2; vm_die "static build of the guest binaries failed (log: $VM_DIR/logs/build.log)"; }
-        BINARIES=("$VM_BIN_DIR/nvme-conformance" "$VM_BIN_DIR/objstore-roundtrip" "$VM_BIN_DIR/tutti")
+        BINARIES=("$VM_BIN_DIR/nvme-conformance" "$VM_BIN_DIR/objstore-roundtrip" "$VM_BIN_DIR/tutti" "$VM_BIN_DIR/tuttid"
+            "$VM_BIN_DIR/tuttid-client" "$VM_REPO/tools/vm/tuttid-stage.sh")
         # shellcheck disable=SC2016 # $TUTTI_BDFS is expanded by the guest's shell
         DEVICES='$(for b in $TUTTI_BDFS; do printf -- "--device vfio:%s " "$b"; done)'
         if [ "$MODE" = conformance ]; then
@@ -109,10 +113,11 @@ case $MODE in
             # The full suite with the data-integrity run on every controller; then a second
             # process in the same guest, which only passes if the first released its groups and
             # mappings; then the object store's persistence round trip (store, reopen, scatter
-            # retrieve, compare) on one pool striped over every controller (one VFIO container).
+            # retrieve, compare) on one pool striped over every controller (one VFIO container);
+            # then tuttid on the same controllers and its client processes (tuttid-stage.sh).
             printf '%s\n' "nvme-conformance $DEVICES ${TUTTI_VM_CONFORMANCE_ARGS:-} --integrity-mib $INTEGRITY_MIB" \
                 "nvme-conformance $DEVICES --quick --filter bring_up_and_identify" \
-                "objstore-roundtrip $DEVICES" > "$VM_DIR/commands.main"
+                "objstore-roundtrip $DEVICES" "tuttid-stage.sh $DEVICES" > "$VM_DIR/commands.main"
         fi
         if [ "$MODE" = small ] || [ "${TUTTI_VM_SMALL:-1}" = 1 ]; then
             GUESTS+=(small)

@@ -154,7 +154,8 @@ vm_build_initramfs() {
     cp "$conf" "$root/etc/tutti-vm.conf"
     for binary in "$@"; do
         install -m 755 "$binary" "$root/bin/$(basename "$binary")"
-        strip --strip-debug "$root/bin/$(basename "$binary")"
+        # Scripts (tools/vm/tuttid-stage.sh) go in as they are.
+        case $binary in *.sh) ;; *) strip --strip-debug "$root/bin/$(basename "$binary")" ;; esac
     done
     for module in vfio vfio_iommu_type1 vfio-pci nvme; do
         vm_copy_module "$root" "$module"

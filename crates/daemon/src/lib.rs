@@ -8,6 +8,8 @@
 //! - [`lock`]: one daemon per pool (advisory locks that name their holder);
 //! - [`metrics`]: Prometheus metrics and their HTTP endpoint;
 //! - [`pool_open`]: opening the daemon's devices and pool from device strings;
+//! - [`relay`]: the doorbell relay (a client's doorbells on a device whose BAR0 the daemon
+//!   keeps: VFIO, or a software controller in relay mode);
 //! - [`server`]: the socket server (owner-only socket, peer credentials, leases, drain);
 //! - [`session`]: what a session holds on the store path (windows, queue pairs, requests) and
 //!   the safe order in which a session's end gives it back;
@@ -22,6 +24,7 @@ pub mod lock;
 pub mod metrics;
 pub mod pool_open;
 pub mod protocol;
+pub mod relay;
 pub mod server;
 pub mod session;
 

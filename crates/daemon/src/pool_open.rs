@@ -3,7 +3,8 @@
 //! controller, format the pool if asked, then open it (recovery happens there).
 //!
 //! Software controllers run inside the daemon with their register page in a memfd (so each
-//! client rings its own doorbells) and with `client_queue_pairs + 2` I/O queue pairs: one per
+//! client rings its own doorbells; with `emu_doorbell_relay`, without it: clients' doorbells then
+//! go through the daemon's relay, as on a VFIO device) and with `client_queue_pairs + 2` I/O queue pairs: one per
 //! client (each client gets one pair per pool device, and each software controller is one
 //! device), one the pool keeps for its metadata (header writes, flushes: the control half runs
 //! with `NoLender`, objstore's StoreControl docs), and one spare for a temporary metadata pair
@@ -38,6 +39,10 @@ pub struct PoolOptions {
     pub lock_dir: PathBuf,
     /// Client queue pairs each software controller must be able to create (one per client).
     pub client_queue_pairs: u16,
+    /// Run software controllers without a shared register page, so clients ring their
+    /// doorbells through the daemon's relay (`crate::relay`), the VFIO path: for tests of it
+    /// without VFIO. Off by default.
+    pub emu_doorbell_relay: bool,
 }
 
 /// The open pool with what keeps it ours. Fields drop in order: the pool (its controllers, the
@@ -55,7 +60,8 @@ pub struct OpenedPool {
 pub fn open_pool(options: &PoolOptions) -> Result<OpenedPool, DaemonError> {
     let locks = DeviceLocks::acquire(&options.specs, &options.lock_dir, options.emu_create_bytes.is_some())?;
     let mut emu = pool_emu_options(options.emu_lba_bytes, options.emu_create_bytes);
-    emu.config = emu.config.with_shared_registers(true).with_io_queue_pairs_max(options.client_queue_pairs.saturating_add(2));
+    emu.config =
+        emu.config.with_shared_registers(!options.emu_doorbell_relay).with_io_queue_pairs_max(options.client_queue_pairs.saturating_add(2));
     let opened = open_in_one_space(&options.specs, &emu)?;
     let mut targets = Vec::with_capacity(opened.len());
     let mut devices = Vec::with_capacity(opened.len());

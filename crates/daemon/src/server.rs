@@ -33,6 +33,7 @@ use crate::lock::DeviceLocks;
 use crate::metrics::{Metrics, MetricsEndpoint, RequestLabel, Snapshot};
 use crate::pool_open::OpenedPool;
 use crate::protocol::{encode_frame, ClientStatus, DeviceStatus, ErrorCode, HelloReply, Kind, PoolShape, Reply, Request, StatusReply};
+use crate::relay::{DoorbellRelay, RelayConfig};
 use crate::session::{Holdings, LeakCounters, SessionLimits, StoreState};
 use crate::DaemonError;
 
@@ -190,9 +191,10 @@ impl Server {
         let requests_max = config.clients_max.saturating_mul(config.session_limits.requests_max).max(1);
         let control = objstore::StoreControl::new(pool, requests_max)
             .map_err(|source| DaemonError::Pool { context: "the store's control half".into(), source })?;
+        let relay = DoorbellRelay::start(RelayConfig::default())?;
         let shared = Arc::new(Shared {
             config,
-            store: Mutex::new(StoreState { control, emulators }),
+            store: Mutex::new(StoreState { control, emulators, relay }),
             devices,
             report,
             locks: Mutex::new(Some(locks)),
@@ -298,7 +300,10 @@ impl Server {
             context: "draining: a connection still holds the daemon state".into(),
             source: std::io::Error::from(std::io::ErrorKind::ResourceBusy),
         })?;
-        let StoreState { control, emulators } = shared.store.into_inner().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let StoreState { control, emulators, relay } = shared.store.into_inner().unwrap_or_else(|poisoned| poisoned.into_inner());
+        // Every session ended above (and took its pairs off the relay); the thread ends before
+        // the controllers go back to the caller.
+        relay.stop();
         let locks = shared.locks.into_inner().unwrap_or_else(|poisoned| poisoned.into_inner());
         let locks = locks.ok_or_else(|| DaemonError::Io {
             context: "draining: the device locks are gone".into(),

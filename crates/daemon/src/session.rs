@@ -3,8 +3,12 @@
 //! A session may name only its own registrations and handles (another session's, or a stale
 //! one, is [`ErrorCode::NotYours`]); every holding is capped per session.
 //!
-//! Ending a session ([`Holdings::release`]) goes in the one safe order: delete its queue pairs
-//! (only once the controller confirmed the deletion may anything they could write be reused),
+//! A client rings its pairs' doorbells through the software controller's shared register page
+//! where there is one, and through the daemon's doorbell relay otherwise (a VFIO device, whose
+//! BAR0 stays here; a software controller in relay mode): see [`crate::relay`].
+//!
+//! Ending a session ([`Holdings::release`]) goes in the one safe order: stop relaying its
+//! doorbells, delete its queue pairs (only once the controller confirmed the deletion may anything they could write be reused),
 //! then release its reservations (uncommitted stores never become visible: the commit rule),
 //! then unmap its windows. A queue pair whose deletion fails is kept for good, and with it
 //! the session's windows and reservations (leaked, counted, logged).
@@ -24,6 +28,7 @@ use crate::protocol::{
     AttachQueues, Commit, ErrorCode, NamespaceGrant, Prepare, QueueGrant, RegisterMemory, Registered, Reply, RetrievePrepared,
     StorePrepared,
 };
+use crate::relay::{DoorbellRelay, RelayTicket};
 
 /// Per-session caps (a `ServerConfig` setting).
 #[derive(Debug, Clone, Copy)]
@@ -51,6 +56,8 @@ pub struct StoreState {
     /// Per pool device: the software controller (its register page, its queue restrictions);
     /// `None` for a VFIO device.
     pub emulators: Vec<Option<Arc<EmuDevice>>>,
+    /// Forwards clients' doorbells on devices without a shared register page.
+    pub relay: DoorbellRelay,
 }
 
 /// Counters of what could not be given back (shown in status).
@@ -66,6 +73,8 @@ struct Registration {
     window: DmaRegion,
     kv_blocks: u32,
     queues: Vec<DetachedQueuePair>,
+    /// The relay's tickets for those of `queues` whose doorbells it forwards.
+    relayed: Vec<RelayTicket>,
 }
 
 /// Everything a session holds beyond its record.
@@ -181,13 +190,14 @@ impl Holdings {
         };
         let id = next_id.fetch_add(1, Ordering::Relaxed);
         let reply = Registered { registration: id, iova_base: window.iova().0, address_space: dma.address_space().0 };
-        self.registrations.push(Registration { id, window, kv_blocks: request.kv_blocks, queues: Vec::new() });
+        self.registrations.push(Registration { id, window, kv_blocks: request.kv_blocks, queues: Vec::new(), relayed: Vec::new() });
         Reply::Registered(reply)
     }
 
     /// `AttachQueues`: one detached pair per pool device on rings in the window, each SQ
-    /// restricted to the window's IOVAs and the pool's LBAs; the register pages' memfds go back
-    /// with the reply.
+    /// restricted to the window's IOVAs and the pool's LBAs (on a software controller); the
+    /// doorbell pages' memfds go back with the reply: a software controller's shared register
+    /// page, or else a relay page of the pair's own (relayed from here on).
     pub fn attach(&mut self, request: AttachQueues, store: &Mutex<StoreState>, limits: &SessionLimits) -> (Reply, Vec<OwnedFd>) {
         let store = lock(store);
         let index = match self.registration(request.registration) {
@@ -213,19 +223,11 @@ impl Holdings {
             Ok(shape) => shape,
             Err(error) => return (store_error("the pool's shape", error), Vec::new()),
         };
+        // Per device, the software controller's shared register page; `None`: relayed.
         let mut registers = Vec::with_capacity(devices);
         for device in 0..devices {
             let memory =
                 store.emulators.get(device).and_then(|emulator| emulator.as_ref()).and_then(|emulator| emulator.shared_register_memory());
-            let Some(memory) = memory else {
-                return refuse(
-                    ErrorCode::Unsupported,
-                    format!(
-                        "pool device {device} has no shared register page: the per-layer client path needs the software controller \
-                         today (a VFIO device's doorbells need the daemon's relay, docs/tuttid.md)"
-                    ),
-                );
-            };
             let controller = &pool.target(device).controller;
             if request.depth < 2 || request.depth > limits.queue_depth_max.min(controller.max_queue_depth()) {
                 return refuse(
@@ -239,6 +241,7 @@ impl Holdings {
         let window = registration.window.clone();
         let mut grants = Vec::with_capacity(devices);
         let mut created = Vec::with_capacity(devices);
+        let mut relayed = Vec::new();
         let mut failure = None;
         for (device, rings) in request.rings.iter().enumerate() {
             let ring = |offset: u64, entry_bytes: usize| {
@@ -284,6 +287,20 @@ impl Holdings {
                     Some(Reply::error(ErrorCode::StoreFailed, format!("restricting the queue pair on pool device {device}: {error}")));
                 break;
             }
+            if registers[device].is_none() {
+                // Relayed from here on: the client gets its page with the reply, after this.
+                match DoorbellRelay::make_page(controller.registers().as_ref(), &layout) {
+                    Ok(page) => {
+                        relayed.push(store.relay.add(Arc::clone(&page), Arc::clone(controller.registers()), &layout));
+                        registers[device] = Some(page);
+                    }
+                    Err(error) => {
+                        failure = Some(Reply::error(ErrorCode::StoreFailed, format!("pool device {device}'s relay page: {error}")));
+                        break;
+                    }
+                }
+            }
+            let register_bytes = registers[device].as_ref().map_or(0, |page| page.len() as u64);
             let namespace = match controller.namespace(NamespaceId(target.namespace.0)) {
                 Ok(namespace) => namespace,
                 Err(error) => {
@@ -306,13 +323,18 @@ impl Holdings {
                 sgl: controller.data_pointer_mode() == DataPointerMode::Sgl,
                 max_transfer_bytes: controller.max_transfer_bytes(),
                 register_fd: device as u8,
-                register_bytes: registers[device].len() as u64,
+                register_bytes,
             });
         }
         registration.queues = created;
+        registration.relayed = relayed;
         if let Some(reply) = failure {
             // The client has no layout yet, so nothing rings these: delete them now (a pair whose
-            // deletion fails stays with the registration and is handled at session end).
+            // deletion fails stays with the registration and is handled at session end), after
+            // the relay stopped forwarding for them.
+            for ticket in registration.relayed.drain(..) {
+                store.relay.remove(ticket);
+            }
             let mut kept = Vec::new();
             for pair in std::mem::take(&mut registration.queues) {
                 if let Err(undeleted) = pair.delete() {
@@ -324,7 +346,7 @@ impl Holdings {
             return (reply, Vec::new());
         }
         let mut fds = Vec::with_capacity(devices);
-        for memory in &registers {
+        for memory in registers.iter().flatten() {
             match memory.fd().try_clone_to_owned() {
                 Ok(fd) => fds.push(fd),
                 Err(error) => {
@@ -462,7 +484,17 @@ impl Holdings {
     /// Ends the session's holdings in the safe order (module docs). Returns how many queue
     /// pairs could not be deleted (then nothing else was given back either).
     pub fn release(&mut self, store: &Mutex<StoreState>, leaks: &LeakCounters) -> u64 {
-        // 1. Queue pairs: the controller must confirm each deletion before anything they could
+        // 1. The relay forwards nothing more for the session's pairs: a doorbell forwarded after
+        //    a deletion would land on whichever queue gets the id next.
+        {
+            let store = lock(store);
+            for registration in &mut self.registrations {
+                for ticket in registration.relayed.drain(..) {
+                    store.relay.remove(ticket);
+                }
+            }
+        }
+        // 2. Queue pairs: the controller must confirm each deletion before anything they could
         //    write (the window, the slots of the session's reservations) is reused.
         let mut undeleted = Vec::new();
         for registration in &mut self.registrations {
@@ -484,7 +516,7 @@ impl Holdings {
             self.handles.clear();
             return count;
         }
-        // 2. Reservations: an uncommitted store's slots go back free, invisible.
+        // 3. Reservations: an uncommitted store's slots go back free, invisible.
         {
             let mut store = lock(store);
             for handle in self.handles.drain(..) {
@@ -493,7 +525,7 @@ impl Holdings {
                 }
             }
         }
-        // 3. Windows: unmapped when their last region (the rings were the other holders) goes.
+        // 4. Windows: unmapped when their last region (the rings were the other holders) goes.
         self.registrations.clear();
         0
     }
@@ -503,7 +535,10 @@ impl Holdings {
 mod tests {
     use std::os::fd::AsFd;
 
-    use nvme_driver::hw::DeviceBackend;
+    use std::time::Duration;
+
+    use nvme_driver::hw::{DeviceBackend, RegisterIo};
+    use nvme_driver::spec::registers;
     use nvme_driver::{Controller, ControllerConfig};
     use nvme_emu::{Backing, EmuConfig, NamespaceConfig};
     use objstore::{format_pool, FormatParams, ModelGeometry, Pool, PoolTarget};
@@ -527,7 +562,8 @@ mod tests {
         format_pool(&targets, &params).unwrap();
         let (pool, _) = Pool::open(targets, Some(&geometry)).unwrap();
         let control = StoreControl::new(pool, 8).unwrap();
-        Mutex::new(StoreState { control, emulators: vec![Some(device)] })
+        let relay = DoorbellRelay::start(crate::relay::RelayConfig::default()).unwrap();
+        Mutex::new(StoreState { control, emulators: vec![Some(device)], relay })
     }
 
     fn registered(holdings: &mut Holdings, store: &Mutex<StoreState>) -> u64 {
@@ -546,21 +582,33 @@ mod tests {
     }
 
     #[test]
-    fn a_device_without_a_shared_register_page_refuses_client_queues_in_words() {
-        // Goal: the per-layer client path needs doorbells the client can ring; on a device
-        // without a shared register page (VFIO today, or an emulator started without one) the
-        // attach is `Unsupported` with the reason, and nothing is created; the same request on a
-        // device with one gets a queue and the register page's descriptor.
+    fn a_device_without_a_shared_register_page_attaches_through_the_relay() {
+        // Goal: on a device without a shared register page (VFIO, or an emulator in relay mode)
+        // the attach gets the pair's own relay page (BAR0's layout, CAP for the client's stride
+        // check) and the relay forwards that pair's doorbells; a bad tail is dropped and counted;
+        // session end takes the pair off the relay before deleting it. With a shared register
+        // page the attach hands out that page and relays nothing.
         let without = store(false);
         let mut holdings = Holdings::default();
         let registration = registered(&mut holdings, &without);
         let (reply, fds) = attach(&mut holdings, &without, registration);
-        let Reply::Error { code, message } = reply else { panic!("{reply:?}") };
-        assert_eq!(code, ErrorCode::Unsupported);
-        assert!(message.contains("no shared register page") && message.contains("software controller"), "{message}");
-        assert!(fds.is_empty());
-        assert_eq!(holdings.queue_pairs(), 0);
+        let Reply::Attached { queues } = reply else { panic!("{reply:?}") };
+        assert_eq!((queues.len(), fds.len()), (1, 1));
+        let grant = &queues[0];
+        let page = SharedMemory::from_fd(fds[0].as_fd().try_clone_to_owned().unwrap(), grant.register_bytes as usize).unwrap();
+        let client = nvme_driver::hw::SharedRegisters::new(page);
+        let bar_capabilities = lock(&without).control.pool().target(0).controller.registers().read64(registers::CAP);
+        assert_eq!(client.read64(registers::CAP), bar_capabilities);
+        assert_eq!(grant.register_bytes, 8192, "queue {} fits one page past the doorbell base", grant.queue_id);
+        assert_eq!(lock(&without).relay.counts().queues, 1);
+        client.write32(grant.submission_doorbell_offset as usize, grant.depth);
+        wait_until(|| lock(&without).relay.counts().dropped == 1);
+
         assert_eq!(holdings.release(&without, &LeakCounters::default()), 0);
+        assert_eq!(lock(&without).relay.counts().queues, 0, "session end leaves the pair relayed");
+        client.write32(grant.submission_doorbell_offset as usize, grant.depth + 1);
+        std::thread::sleep(Duration::from_millis(20));
+        assert_eq!(lock(&without).relay.counts().dropped, 1, "a released pair's page is still read");
 
         let with = store(true);
         let mut holdings = Holdings::default();
@@ -568,12 +616,21 @@ mod tests {
         let (reply, fds) = attach(&mut holdings, &with, registration);
         assert!(matches!(&reply, Reply::Attached { queues } if queues.len() == 1), "{reply:?}");
         assert_eq!(fds.len(), 1);
-        assert!(fds[0].as_fd().try_clone_to_owned().is_ok());
+        assert_eq!(lock(&with).relay.counts().queues, 0, "a shared register page needs no relay");
         assert_eq!(holdings.queue_pairs(), 1);
         // A second attach on the same window is refused; release deletes the pair.
         let (again, _) = attach(&mut holdings, &with, registration);
         assert!(matches!(again, Reply::Error { code: ErrorCode::BadRequest, .. }), "{again:?}");
         assert_eq!(holdings.release(&with, &LeakCounters::default()), 0);
         assert_eq!((holdings.registrations(), holdings.queue_pairs()), (0, 0));
+    }
+
+    /// Polls `done` for up to 10 s.
+    fn wait_until(done: impl Fn() -> bool) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !done() {
+            assert!(std::time::Instant::now() < deadline, "not within 10 s");
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 }

@@ -57,6 +57,10 @@ struct Cli {
     /// Namespace id on every device.
     #[arg(long, default_value_t = 1)]
     namespace: u32,
+    /// Software controllers without a shared register page: clients ring their doorbells
+    /// through the daemon's relay, as on vfio: devices (a test of that path without VFIO).
+    #[arg(long)]
+    emu_doorbell_relay: bool,
     /// Create (or grow) emu: files to this size (e.g. 256m).
     #[arg(long, value_parser = parse_size)]
     emu_create_bytes: Option<u64>,
@@ -146,6 +150,7 @@ fn serve(cli: &Cli) -> Result<()> {
         client_queue_pairs: u16::try_from(cli.clients_max)
             .map_err(|_| Unusable(format!("--clients-max {} is over 65533", cli.clients_max)))?
             .min(65533),
+        emu_doorbell_relay: cli.emu_doorbell_relay,
     };
     let opened = open_pool(&options).map_err(classify)?;
     let report = opened.report;

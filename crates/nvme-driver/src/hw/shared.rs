@@ -222,6 +222,18 @@ impl SharedRegisters {
     pub fn new(memory: Arc<SharedMemory>) -> Self {
         Self { memory }
     }
+
+    /// The page owner's side (tuttid making a doorbell relay page, which mirrors BAR0's
+    /// layout): publishes CAP, the one register below the doorbells a client reads (for
+    /// CAP.DSTRD, to check its doorbell offsets). Not part of [`RegisterIo`]: a client's own
+    /// writes below the doorbells stay dropped, and the value only steers that client's own
+    /// checks, never the controller.
+    pub fn publish_capabilities(&self, capabilities: u64) {
+        if let Some(pointer) = self.memory.word(registers::CAP, 8) {
+            // SAFETY: in bounds and 8-aligned (checked by `word`); atomic access to shared memory.
+            unsafe { AtomicU64::from_ptr(pointer.cast()) }.store(capabilities, Ordering::Release);
+        }
+    }
 }
 
 impl RegisterIo for SharedRegisters {
@@ -283,6 +295,10 @@ mod tests {
         assert_eq!(registers.read64(8192), u64::MAX, "out of range reads as all ones");
         registers.write32(registers::CC, 1);
         assert_eq!(registers.read32(registers::CC), 0, "a client cannot write below the doorbells");
+        registers.write64(registers::CAP, 7);
+        assert_eq!(registers.read64(registers::CAP), 0, "nor CAP");
+        registers.publish_capabilities(0x0000_0020_0000_00ff);
+        assert_eq!(registers.read64(registers::CAP), 0x0000_0020_0000_00ff, "the page's owner publishes CAP");
     }
 
     #[test]

@@ -1,0 +1,38 @@
+#!/bin/sh
+# tuttid-stage.sh --device vfio:BDF [--device ...] — the VM stage's tuttid step, run inside the
+# guest (busybox sh) by tools/vm-test.sh: tuttid formats a small pool over the controllers
+# (through VFIO; clients' doorbells go through its relay, as BAR0 stays with it), then four
+# tuttid-client processes, one after another: ranks 0 and 1 of TP 2 each store a prompt of 4
+# blocks of 256 KiB, then each retrieves it into other blocks and checks every byte (2 MiB
+# stored, 2 MiB checked); then SIGTERM, and the daemon must drain and exit 0. Every wait is
+# bounded; any failure kills the daemon and exits non-zero.
+set -eu
+socket=/tmp/tuttid.sock
+tuttid "$@" --socket "$socket" --lock-dir /tmp/tuttid-locks --metrics off --format \
+    --layers 4 --kv-heads 8 --head-dim 128 --slots 64 &
+daemon=$!
+fail() {
+    echo "tuttid-stage: $*" >&2
+    kill -KILL "$daemon" 2> /dev/null || true
+    exit 1
+}
+tries=0
+while [ ! -S "$socket" ]; do
+    kill -0 "$daemon" 2> /dev/null || fail "tuttid exited before listening"
+    tries=$((tries + 1))
+    [ "$tries" -le 1200 ] || fail "tuttid did not listen within 120 s"
+    sleep 0.1
+done
+for role in store retrieve; do
+    for rank in 0 1; do
+        tuttid-client "$role" --socket "$socket" --seed 11 --blocks 4 --rank "$rank" --world 2 --timeout-seconds 120 ||
+            fail "tuttid-client $role rank $rank of 2 failed"
+    done
+done
+tuttid --status "$socket" || fail "tuttid --status failed"
+kill -TERM "$daemon"
+status=0
+wait "$daemon" || status=$?
+[ "$status" = 0 ] || fail "tuttid exited with status $status after SIGTERM"
+[ ! -e "$socket" ] || fail "tuttid left its socket behind"
+echo "tuttid-stage: PASS"
