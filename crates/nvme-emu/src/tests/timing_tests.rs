@@ -60,12 +60,13 @@ fn reads_complete_no_sooner_than_the_modelled_bandwidth_allows() {
     let timing = host.device.stats().timing.expect("timing statistics with a model configured");
     assert_eq!((timing.modelled_reads, timing.modelled_writes), (32, 0));
     assert_eq!(timing.mixed_busy, Duration::ZERO);
-    // The same burst without a model is at least 2x faster (it is ~100x on an idle machine; a
-    // 4x bound failed once on a VM loaded by parallel builds, where 4 MiB of copies took > 31 ms).
+    // The same burst without a model is faster: ~100x on an idle machine, but 4 MiB of copies
+    // took 69 ms against the model's 130 ms on a VM at load 9, so only the order is asserted;
+    // the model's own floor is the lower bound above.
     let mut unmodelled = start(None);
     let mut queue = unmodelled.create_io_pair(1, 64);
     let fast = burst(&unmodelled, &mut queue, 32, 0);
-    assert!(fast * 2.0 < seconds, "unmodelled {fast:.3} s against modelled {seconds:.3} s");
+    assert!(fast < seconds, "unmodelled {fast:.3} s against modelled {seconds:.3} s");
     assert_eq!(unmodelled.device.stats().timing, None);
 }
 
