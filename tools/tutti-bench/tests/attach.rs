@@ -38,6 +38,7 @@ impl Daemon {
             format: Some(FormatParams { geometry, blocks_per_slot: 1, slot_count_max: None, pool_uuid: None, payload_crc: false }),
             lock_dir: directory.join("locks"),
             client_queue_pairs: 8,
+            emu_doorbell_relay: false,
         };
         let opened = open_pool(&options).expect("open the daemon's pool");
         let socket = directory.join("tuttid.sock");
