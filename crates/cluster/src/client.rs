@@ -25,7 +25,9 @@ pub struct ClusterConfig {
     pub cluster: ClusterId,
     /// Blocks per segment; the same on every node of the cluster.
     pub segment_blocks: SegmentBlocks,
-    /// The longest any call waits for etcd, retries included (then `Unavailable`).
+    /// The longest any call waits for etcd, retries included (then `Unavailable`). To ride out
+    /// the loss of etcd's leader without an error it must exceed twice etcd's election timeout
+    /// (default 1 s: an election takes one to two timeouts).
     pub request_timeout: Duration,
     /// A member's lease: it and its segments vanish this long after its last renewal. Whole
     /// seconds (etcd's unit); renewed every third of it.
@@ -38,13 +40,13 @@ pub struct ClusterConfig {
 }
 
 impl ClusterConfig {
-    /// The defaults: 2 s per request, a 10 s lease, 128 operations per transaction, 16 holders.
+    /// The defaults: 3 s per request (etcd's default election timeout is 1 s), a 10 s lease, 128 operations per transaction, 16 holders.
     pub fn new(endpoints: Vec<String>, cluster: ClusterId, segment_blocks: SegmentBlocks) -> ClusterConfig {
         ClusterConfig {
             endpoints,
             cluster,
             segment_blocks,
-            request_timeout: Duration::from_secs(2),
+            request_timeout: Duration::from_secs(3),
             lease_ttl: Duration::from_secs(10),
             txn_ops_max: ETCD_TXN_OPS_DEFAULT,
             holders_max: 16,

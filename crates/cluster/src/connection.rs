@@ -13,8 +13,14 @@ use tokio::runtime::{Builder, Runtime};
 use crate::error::{ClusterError, Result};
 
 /// First pause between attempts after a transport error; doubles up to [`RETRY_PAUSE_MAX`].
-const RETRY_PAUSE_FIRST: Duration = Duration::from_millis(20);
-const RETRY_PAUSE_MAX: Duration = Duration::from_millis(250);
+pub(crate) const RETRY_PAUSE_FIRST: Duration = Duration::from_millis(20);
+pub(crate) const RETRY_PAUSE_MAX: Duration = Duration::from_millis(250);
+/// The longest one attempt may take: a third of the request timeout, so that an attempt stuck
+/// on a member that died leaves time for two more through the others.
+pub(crate) fn attempt_timeout(request_timeout: Duration) -> Duration {
+    request_timeout / 3
+}
+
 /// How long dropping a connection waits for its runtime's tasks to end.
 const SHUTDOWN_WAIT: Duration = Duration::from_secs(1);
 
@@ -59,7 +65,7 @@ impl Connection {
         // the request; the per-request gRPC timeout keeps each attempt inside the deadline.
         let options = ConnectOptions::new()
             .with_connect_timeout(request_timeout)
-            .with_timeout(request_timeout)
+            .with_timeout(attempt_timeout(request_timeout))
             .with_keep_alive(Duration::from_secs(1), request_timeout)
             .with_require_leader(true);
         let connect = Client::connect(endpoints, Some(options));
@@ -106,7 +112,7 @@ impl Connection {
                     return Err(ClusterError::Unavailable { operation, waited: started.elapsed(), last_error });
                 }
                 requests_sent.fetch_add(1, Ordering::Relaxed);
-                match tokio::time::timeout(left, attempt(client.clone())).await {
+                match tokio::time::timeout(left.min(attempt_timeout(self.request_timeout)), attempt(client.clone())).await {
                     Ok(Ok(answer)) => return Ok(answer),
                     Ok(Err(error)) if is_transient(&error) => last_error = error.to_string(),
                     Ok(Err(source)) => return Err(ClusterError::Etcd { operation, source }),

@@ -10,6 +10,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::client::{ClusterClient, ClusterConfig, Lookup, Members};
+use crate::connection::{attempt_timeout, RETRY_PAUSE_FIRST, RETRY_PAUSE_MAX};
 use crate::error::{ClusterError, Result};
 use crate::layout::{MemberRecord, SegmentRecord, ADDRESS_BYTES_MAX, FINGERPRINTS_MAX};
 use crate::names::ModelSpace;
@@ -306,27 +307,37 @@ struct RenewalLoop {
 impl RenewalLoop {
     async fn run(mut self, mut stopped: watch::Receiver<bool>) {
         let mut stream: Option<(LeaseKeeper, LeaseKeepAliveStream)> = None;
+        // After a failure the next attempt comes soon (another member may answer), not a whole
+        // interval later: the lease must be renewed before it runs out.
+        let mut wait = self.interval;
+        let mut retry_pause = RETRY_PAUSE_FIRST;
         loop {
-            // Ok: told to stop (or the owner is gone); Err: the interval passed.
-            if tokio::time::timeout(self.interval, stopped.changed()).await.is_ok() {
+            // Ok: told to stop (or the owner is gone); Err: the wait passed.
+            if tokio::time::timeout(wait, stopped.changed()).await.is_ok() {
                 return;
             }
-            match tokio::time::timeout(self.request_timeout, self.renew(&mut stream)).await {
-                Ok(Ok(ttl_s)) if ttl_s > 0 => self.lease.mark_renewed(),
+            let outcome = match tokio::time::timeout(attempt_timeout(self.request_timeout), self.renew(&mut stream)).await {
+                Ok(Ok(ttl_s)) if ttl_s > 0 => Ok(()),
                 Ok(Ok(_)) => {
                     tracing::error!(lease_id = self.lease_id, "etcd says the node's lease expired");
                     self.lease.lost.store(true, Ordering::Relaxed);
                     return;
                 }
-                Ok(Err(error)) => {
+                Ok(Err(error)) => Err(error.to_string()),
+                Err(_) => Err("timed out".to_owned()),
+            };
+            match outcome {
+                Ok(()) => {
+                    self.lease.mark_renewed();
+                    wait = self.interval;
+                    retry_pause = RETRY_PAUSE_FIRST;
+                }
+                Err(error) => {
                     tracing::warn!(lease_id = self.lease_id, %error, "lease renewal failed; retrying");
                     self.lease.renewal_failures.fetch_add(1, Ordering::Relaxed);
                     stream = None;
-                }
-                Err(_) => {
-                    tracing::warn!(lease_id = self.lease_id, "lease renewal timed out; retrying");
-                    self.lease.renewal_failures.fetch_add(1, Ordering::Relaxed);
-                    stream = None;
+                    wait = retry_pause;
+                    retry_pause = (retry_pause * 2).min(RETRY_PAUSE_MAX);
                 }
             }
         }
