@@ -40,10 +40,9 @@ fn is_transient(error: &etcd_client::Error) -> bool {
     use tonic::Code;
     match error {
         etcd_client::Error::TransportError(_) | etcd_client::Error::IoError(_) => true,
-        etcd_client::Error::GRpcStatus(status) => matches!(
-            status.code(),
-            Code::Unavailable | Code::DeadlineExceeded | Code::Unknown | Code::Aborted | Code::Cancelled
-        ),
+        etcd_client::Error::GRpcStatus(status) => {
+            matches!(status.code(), Code::Unavailable | Code::DeadlineExceeded | Code::Unknown | Code::Aborted | Code::Cancelled)
+        }
         _ => false,
     }
 }
@@ -71,11 +70,7 @@ impl Connection {
         let connect = Client::connect(endpoints, Some(options));
         let client = runtime
             .block_on(async { tokio::time::timeout(request_timeout, connect).await })
-            .map_err(|_| ClusterError::Unavailable {
-                operation: "connect",
-                waited: request_timeout,
-                last_error: "timed out".into(),
-            })?
+            .map_err(|_| ClusterError::Unavailable { operation: "connect", waited: request_timeout, last_error: "timed out".into() })?
             .map_err(|source| ClusterError::Etcd { operation: "connect", source })?;
         Ok(Connection { runtime: Some(runtime), client, request_timeout, requests_sent: AtomicU64::new(0) })
     }

@@ -317,10 +317,7 @@ mod tests {
         let layout = layout();
         let record = segment();
         let key = layout.segment_key(&record.space, record.key, &record.node);
-        assert_eq!(
-            layout.parse_segment_key(key.as_bytes()),
-            Some((record.space, record.key, record.node.clone()))
-        );
+        assert_eq!(layout.parse_segment_key(key.as_bytes()), Some((record.space, record.key, record.node.clone())));
         for bad in [
             key.replace("/v1/", "/v2/"),
             key.replace("/fleet/", "/other/"),

@@ -51,9 +51,7 @@ fn free_ports(count: usize) -> Result<Vec<u16>> {
         .collect::<Result<Vec<_>>>()?;
     listeners
         .iter()
-        .map(|listener| {
-            listener.local_addr().map(|address| address.port()).map_err(|error| io_error("read a bound port", error))
-        })
+        .map(|listener| listener.local_addr().map(|address| address.port()).map_err(|error| io_error("read a bound port", error)))
         .collect()
 }
 
@@ -78,18 +76,11 @@ impl LocalEtcd {
         let binary = etcd_binary().ok_or_else(|| {
             io_error("find the etcd binary", std::io::Error::new(std::io::ErrorKind::NotFound, "install etcd-server or set TUTTI_ETCD"))
         })?;
-        let directory = tempfile::Builder::new()
-            .prefix("tutti-etcd-")
-            .tempdir()
-            .map_err(|error| io_error("create the data directory", error))?;
+        let directory =
+            tempfile::Builder::new().prefix("tutti-etcd-").tempdir().map_err(|error| io_error("create the data directory", error))?;
         let ports = free_ports(2 * members)?;
         let members = (0..members)
-            .map(|index| Member {
-                name: format!("m{index}"),
-                client_port: ports[2 * index],
-                peer_port: ports[2 * index + 1],
-                child: None,
-            })
+            .map(|index| Member { name: format!("m{index}"), client_port: ports[2 * index], peer_port: ports[2 * index + 1], child: None })
             .collect();
         let token = format!("tutti-{}-{}", std::process::id(), directory.path().display()).replace('/', "-");
         let mut etcd = LocalEtcd { binary, members, directory, token };

@@ -81,14 +81,10 @@ impl ModelSpace {
             return Err(ClusterError::InvalidSetting("the model fingerprint is all zeroes".into()));
         }
         if tp_world == 0 || tp_world > TP_WORLD_MAX {
-            return Err(ClusterError::InvalidSetting(format!(
-                "tensor-parallel world size {tp_world} is outside 1..={TP_WORLD_MAX}"
-            )));
+            return Err(ClusterError::InvalidSetting(format!("tensor-parallel world size {tp_world} is outside 1..={TP_WORLD_MAX}")));
         }
         if tp_rank >= tp_world {
-            return Err(ClusterError::InvalidSetting(format!(
-                "tensor-parallel rank {tp_rank} is not below the world size {tp_world}"
-            )));
+            return Err(ClusterError::InvalidSetting(format!("tensor-parallel rank {tp_rank} is not below the world size {tp_world}")));
         }
         Ok(ModelSpace { fingerprint, tp_rank, tp_world })
     }

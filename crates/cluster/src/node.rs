@@ -91,10 +91,7 @@ impl ClusterNode {
     /// Grants a lease, puts the member record under it if the id is free, starts the keep-alive.
     fn establish(&mut self) -> Result<()> {
         let ttl_s = self.client.config.lease_ttl.as_secs() as i64;
-        let granted = self
-            .client
-            .connection
-            .call("grant a lease", |mut client| async move { client.lease_grant(ttl_s, None).await })?;
+        let granted = self.client.connection.call("grant a lease", |mut client| async move { client.lease_grant(ttl_s, None).await })?;
         let lease_id = granted.id();
         let key = self.client.layout.member_key(&self.record.node);
         let value = self.record.encode(self.client.layout.cluster());
@@ -146,8 +143,7 @@ impl ClusterNode {
 
     /// Revokes `lease_id`, bounded; a failure leaves the lease to expire by itself.
     fn revoke(&self, lease_id: i64) {
-        let result =
-            self.client.connection.call("revoke the lease", |mut client| async move { client.lease_revoke(lease_id).await });
+        let result = self.client.connection.call("revoke the lease", |mut client| async move { client.lease_revoke(lease_id).await });
         if let Err(error) = result {
             tracing::warn!(lease_id, %error, "could not revoke the lease; it expires by itself");
         }
@@ -265,10 +261,8 @@ impl ClusterNode {
         let layout = &self.client.layout;
         let mut transactions = 0;
         for chunk in segments.chunks(self.client.config.txn_ops_max) {
-            let deletes: Vec<TxnOp> = chunk
-                .iter()
-                .map(|segment| TxnOp::delete(layout.segment_key(space, segment.key, &self.record.node), None))
-                .collect();
+            let deletes: Vec<TxnOp> =
+                chunk.iter().map(|segment| TxnOp::delete(layout.segment_key(space, segment.key, &self.record.node), None)).collect();
             self.client.connection.call("unregister segments", |mut client| {
                 let transaction = Txn::new().and_then(deletes.clone());
                 async move { client.txn(transaction).await }
@@ -345,10 +339,7 @@ impl RenewalLoop {
 
     /// One renewal over the keep-alive stream (opened again after a failure): the TTL etcd
     /// granted, 0 when the lease no longer exists.
-    async fn renew(
-        &mut self,
-        stream: &mut Option<(LeaseKeeper, LeaseKeepAliveStream)>,
-    ) -> std::result::Result<i64, etcd_client::Error> {
+    async fn renew(&mut self, stream: &mut Option<(LeaseKeeper, LeaseKeepAliveStream)>) -> std::result::Result<i64, etcd_client::Error> {
         if stream.is_none() {
             *stream = Some(self.client.lease_keep_alive(self.lease_id).await?);
         }

@@ -18,11 +18,7 @@ impl SegmentBlocks {
 
     pub fn new(blocks: u16) -> Result<SegmentBlocks> {
         if !(Self::MIN..=Self::MAX).contains(&blocks) {
-            return Err(ClusterError::InvalidSetting(format!(
-                "segment size {blocks} blocks is outside {}..={}",
-                Self::MIN,
-                Self::MAX
-            )));
+            return Err(ClusterError::InvalidSetting(format!("segment size {blocks} blocks is outside {}..={}", Self::MIN, Self::MAX)));
         }
         Ok(SegmentBlocks(blocks))
     }
@@ -47,8 +43,7 @@ pub fn segments_of(block_keys: &[u64], blocks: SegmentBlocks, out: &mut Vec<Segm
     out.clear();
     let per_segment = usize::from(blocks.get());
     for (index, run) in block_keys.chunks_exact(per_segment).enumerate() {
-        let index = u32::try_from(index)
-            .map_err(|_| ClusterError::InvalidSetting("a prompt of more than 2^32 segments".into()))?;
+        let index = u32::try_from(index).map_err(|_| ClusterError::InvalidSetting("a prompt of more than 2^32 segments".into()))?;
         out.push(Segment { index, key: SegmentKey::new(run[per_segment - 1])? });
     }
     Ok(())

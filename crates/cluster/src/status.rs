@@ -126,12 +126,7 @@ impl ClusterClient {
                 .call("lease time to live", |mut client| async move { client.lease_time_to_live(lease_id, None).await })?
                 .ttl();
             let segments = per_node.remove(&record.node).unwrap_or(0);
-            status.members.push(MemberStatus {
-                record,
-                lease_id,
-                ttl_left_s: (ttl_left_s >= 0).then_some(ttl_left_s),
-                segments,
-            });
+            status.members.push(MemberStatus { record, lease_id, ttl_left_s: (ttl_left_s >= 0).then_some(ttl_left_s), segments });
         }
         status.holders_without_member = per_node.values().sum();
         status.members.sort_by(|a, b| a.record.node.cmp(&b.record.node));

@@ -19,11 +19,8 @@ const CHILD_ENV: &str = "TUTTI_CLUSTER_CHILD_ENDPOINT";
 #[test]
 fn child_node_entry() {
     let Ok(endpoint) = std::env::var(CHILD_ENV) else { return };
-    let mut config = tutti_cluster::ClusterConfig::new(
-        vec![endpoint],
-        ClusterId::new("dying").unwrap(),
-        SegmentBlocks::new(SEGMENT_BLOCKS).unwrap(),
-    );
+    let mut config =
+        tutti_cluster::ClusterConfig::new(vec![endpoint], ClusterId::new("dying").unwrap(), SegmentBlocks::new(SEGMENT_BLOCKS).unwrap());
     config.lease_ttl = LEASE_TTL;
     config.request_timeout = REQUEST_TIMEOUT;
     let node = ClusterNode::join(config, record("doomed")).expect("child joins");
@@ -227,10 +224,7 @@ fn foreign_malformed_and_other_version_records_are_refused() {
         (layout.segment_key(&space(), segments[1].key, &node("g")), garbage),
         (format!("{}/x", layout.segment_key(&space(), segments[1].key, &node("k"))), good(1, "k").encode(&cluster)),
         (layout.member_key(&node("m")), b"not a member".to_vec()),
-        (
-            layout.segment_key(&space(), segments[1].key, &node("v")).replace("/v1/", "/v2/"),
-            good(1, "v").encode(&cluster),
-        ),
+        (layout.segment_key(&space(), segments[1].key, &node("v")).replace("/v1/", "/v2/"), good(1, "v").encode(&cluster)),
     ];
     put_raw(&etcd, &plants);
 

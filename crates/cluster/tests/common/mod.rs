@@ -5,9 +5,7 @@ use std::time::Duration;
 
 use objstore::hash::block_keys_seeded;
 use tutti_cluster::local_etcd::{etcd_binary, LocalEtcd};
-use tutti_cluster::{
-    segments_of, ClusterConfig, ClusterId, MemberRecord, ModelSpace, NodeId, Segment, SegmentBlocks,
-};
+use tutti_cluster::{segments_of, ClusterConfig, ClusterId, MemberRecord, ModelSpace, NodeId, Segment, SegmentBlocks};
 
 pub const BLOCK_TOKENS: u32 = 16;
 pub const SEGMENT_BLOCKS: u16 = 16;
@@ -29,11 +27,7 @@ pub fn start_etcd(members: usize) -> Option<LocalEtcd> {
 }
 
 pub fn config(etcd: &LocalEtcd, cluster: &str) -> ClusterConfig {
-    let mut config = ClusterConfig::new(
-        etcd.endpoints(),
-        ClusterId::new(cluster).unwrap(),
-        SegmentBlocks::new(SEGMENT_BLOCKS).unwrap(),
-    );
+    let mut config = ClusterConfig::new(etcd.endpoints(), ClusterId::new(cluster).unwrap(), SegmentBlocks::new(SEGMENT_BLOCKS).unwrap());
     config.lease_ttl = LEASE_TTL;
     config.request_timeout = REQUEST_TIMEOUT;
     config
