@@ -74,7 +74,8 @@ ensure_protoc() { ensure_installed "protoc --version" protobuf-compiler; }
 ensure_etcd() {
     local installed_here=0
     command -v etcd > /dev/null 2>&1 || installed_here=1
-    ensure_installed "etcd --version | grep -q '^etcd Version: 3\\.'" etcd-server || return 1
+    # Not `etcd --version | grep -q`: grep leaving early kills etcd with SIGPIPE, which pipefail reports.
+    ensure_installed '[[ "$(etcd --version 2> /dev/null)" == "etcd Version: 3."* ]]' etcd-server || return 1
     if [ "$installed_here" = 1 ] && command -v systemctl > /dev/null 2>&1 && systemctl is-active -q etcd 2> /dev/null; then
         systemctl disable --now etcd > /dev/null 2>&1 || true
     fi
