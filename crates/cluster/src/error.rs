@@ -32,6 +32,9 @@ pub enum ClusterError {
     /// A record read from etcd (or about to be written) does not decode; never trusted.
     #[error("malformed cluster record at {key}: {reason}")]
     MalformedRecord { key: String, reason: &'static str },
+    /// The private runtime that runs the etcd client could not start.
+    #[error("cannot start the cluster client's runtime: {0}")]
+    Runtime(#[source] std::io::Error),
     /// The local etcd test server could not be started or stopped (tests, `LocalEtcd`).
     #[error("local etcd: {context}: {source}")]
     LocalEtcd {

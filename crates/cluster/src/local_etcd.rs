@@ -194,6 +194,35 @@ impl LocalEtcd {
         self.wait_healthy(START_TIMEOUT)
     }
 
+    /// SIGSTOP (`pause`) or SIGCONT (`resume`) to member `index`: a member that stalls with its
+    /// sockets open, accepting connections and answering nothing.
+    pub fn pause(&self, index: usize) -> Result<()> {
+        self.signal(index, "-STOP")
+    }
+
+    pub fn resume(&self, index: usize) -> Result<()> {
+        self.signal(index, "-CONT")
+    }
+
+    fn signal(&self, index: usize, signal: &str) -> Result<()> {
+        let Some(child) = self.members[index].child.as_ref() else {
+            return Err(io_error("signal an etcd member", std::io::Error::other("the member is not running")));
+        };
+        let status = Command::new("kill")
+            .args([signal, &child.id().to_string()])
+            .status()
+            .map_err(|error| io_error("run kill(1)", error))?;
+        if !status.success() {
+            return Err(io_error(format!("kill {signal}"), std::io::Error::other(status.to_string())));
+        }
+        Ok(())
+    }
+
+    /// Whether member `index` is the raft leader now (its `etcd_server_is_leader` metric).
+    pub fn is_leader(&self, index: usize) -> Result<bool> {
+        Ok(self.metrics(index)?.lines().any(|line| line.trim() == "etcd_server_is_leader 1"))
+    }
+
     /// The Prometheus metrics of member `index` (one HTTP GET).
     pub fn metrics(&self, index: usize) -> Result<String> {
         http_get(self.members[index].client_port, "/metrics", Duration::from_secs(2))
@@ -205,7 +234,8 @@ impl Drop for LocalEtcd {
     fn drop(&mut self) {
         for member in &mut self.members {
             if let Some(mut child) = member.child.take() {
-                // SIGKILL cannot be ignored: the wait below returns at once.
+                // SIGKILL cannot be ignored, not even by a stopped process: the wait below
+                // returns at once.
                 let _ = child.kill();
                 let _ = child.wait();
             }

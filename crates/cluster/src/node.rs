@@ -5,12 +5,12 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use etcd_client::{Client, Compare, CompareOp, LeaseKeepAliveStream, LeaseKeeper, PutOptions, Txn, TxnOp};
+use etcd_client::{Compare, CompareOp, LeaseKeepAliveStream, LeaseKeeper, PutOptions, Txn, TxnOp};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::client::{ClusterClient, ClusterConfig, Lookup, Members};
-use crate::connection::{attempt_timeout, RETRY_PAUSE_FIRST, RETRY_PAUSE_MAX};
+use crate::connection::{attempt_timeout, Members as EtcdMembers, RETRY_PAUSE_FIRST, RETRY_PAUSE_MAX};
 use crate::error::{ClusterError, Result};
 use crate::layout::{MemberRecord, SegmentRecord, ADDRESS_BYTES_MAX, FINGERPRINTS_MAX};
 use crate::names::ModelSpace;
@@ -130,7 +130,8 @@ impl ClusterNode {
         self.lease.renewed_at_ms.store(self.lease.origin.elapsed().as_millis() as u64, Ordering::Relaxed);
         let (stop, stopped) = watch::channel(false);
         let renewal = RenewalLoop {
-            client: self.client.connection.client(),
+            members: self.client.connection.members(),
+            member: 0,
             lease: self.lease.clone(),
             lease_id,
             interval: self.client.config.lease_ttl / 3,
@@ -291,7 +292,11 @@ impl Drop for ClusterNode {
 
 /// Renews one lease every `interval` until told to stop or etcd says the lease is gone.
 struct RenewalLoop {
-    client: Client,
+    /// The etcd members; the stream is opened on the preferred one, and a failure on it moves
+    /// the preference on (as every other request's does).
+    members: Arc<EtcdMembers>,
+    /// The member the current stream is open on.
+    member: usize,
     lease: Arc<LeaseState>,
     lease_id: i64,
     interval: Duration,
@@ -330,6 +335,7 @@ impl RenewalLoop {
                     tracing::warn!(lease_id = self.lease_id, %error, "lease renewal failed; retrying");
                     self.lease.renewal_failures.fetch_add(1, Ordering::Relaxed);
                     stream = None;
+                    self.members.failed(self.member);
                     wait = retry_pause;
                     retry_pause = (retry_pause * 2).min(RETRY_PAUSE_MAX);
                 }
@@ -341,7 +347,9 @@ impl RenewalLoop {
     /// granted, 0 when the lease no longer exists.
     async fn renew(&mut self, stream: &mut Option<(LeaseKeeper, LeaseKeepAliveStream)>) -> std::result::Result<i64, etcd_client::Error> {
         if stream.is_none() {
-            *stream = Some(self.client.lease_keep_alive(self.lease_id).await?);
+            let (member, mut client) = self.members.current();
+            self.member = member;
+            *stream = Some(client.lease_keep_alive(self.lease_id).await?);
         }
         let Some((keeper, responses)) = stream.as_mut() else {
             return Err(etcd_client::Error::LeaseKeepAliveError("no keep-alive stream".into()));

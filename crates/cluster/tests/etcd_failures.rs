@@ -79,3 +79,36 @@ fn with_every_etcd_member_down_each_call_is_unavailable_within_its_deadline() {
     drop(node_a);
     assert!(started.elapsed() <= REQUEST_TIMEOUT * 2 + Duration::from_secs(2), "drop took {:?}", started.elapsed());
 }
+
+#[test]
+fn a_stalled_etcd_member_costs_no_call_its_deadline() {
+    // Goal: a follower that stalls (SIGSTOP: its sockets accept, nothing answers) for longer
+    // than the lease TTL: every lookup and registration still succeeds — an attempt stuck on it
+    // gives up after a third of the request timeout and the retry goes to another member — and
+    // the lease survives, renewed through the others.
+    let Some(etcd) = start_etcd(3) else { return };
+    let node_a = ClusterNode::join(config(&etcd, "stall"), record("a")).unwrap();
+    let reader = ClusterClient::connect(config(&etcd, "stall")).unwrap();
+    let segments = prompt(13, 40);
+    node_a.register(&space(), &segments[..1]).unwrap();
+    let follower = (0..3).find(|&member| !etcd.is_leader(member).unwrap()).unwrap();
+    etcd.pause(follower).unwrap();
+    let started = Instant::now();
+    let mut slowest = Duration::ZERO;
+    for index in 1..segments.len() {
+        let call = Instant::now();
+        node_a.register(&space(), &segments[index..=index]).unwrap_or_else(|error| panic!("register {index}: {error}"));
+        let found = reader.lookup(&space(), &segments).unwrap_or_else(|error| panic!("lookup {index}: {error}"));
+        assert_eq!(found.prefix_segments(), index + 1);
+        slowest = slowest.max(call.elapsed());
+        if started.elapsed() > LEASE_TTL + Duration::from_secs(1) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    eprintln!("member {follower} stalled: slowest register + lookup {slowest:?}");
+    let health = node_a.health();
+    etcd.resume(follower).unwrap();
+    assert!(!health.lost && health.since_renewal < LEASE_TTL, "{health:?}");
+    assert_eq!(reader.members().unwrap().nodes, vec![record("a")]);
+}
