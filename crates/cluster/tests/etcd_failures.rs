@@ -87,11 +87,14 @@ fn a_stalled_etcd_member_costs_no_call_its_deadline() {
     // gives up after a third of the request timeout and the retry goes to another member — and
     // the lease survives, renewed through the others.
     let Some(etcd) = start_etcd(3) else { return };
-    let node_a = ClusterNode::join(config(&etcd, "stall"), record("a")).unwrap();
-    let reader = ClusterClient::connect(config(&etcd, "stall")).unwrap();
+    // The follower to stall is listed first: the member clients try first.
+    let follower = (0..3).find(|&member| !etcd.is_leader(member).unwrap()).unwrap();
+    let mut settings = config(&etcd, "stall");
+    settings.endpoints.rotate_left(follower);
+    let node_a = ClusterNode::join(settings.clone(), record("a")).unwrap();
+    let reader = ClusterClient::connect(settings).unwrap();
     let segments = prompt(13, 40);
     node_a.register(&space(), &segments[..1]).unwrap();
-    let follower = (0..3).find(|&member| !etcd.is_leader(member).unwrap()).unwrap();
     etcd.pause(follower).unwrap();
     let started = Instant::now();
     let mut slowest = Duration::ZERO;
