@@ -12,8 +12,7 @@ use std::time::{Duration, Instant};
 use tutti_cluster::layout::{KeyLayout, SegmentRecord};
 use tutti_cluster::local_etcd::LocalEtcd;
 use tutti_cluster::{
-    ClusterClient, ClusterConfig, ClusterId, ClusterNode, MemberRecord, ModelSpace, NodeId, Segment, SegmentBlocks,
-    SegmentKey,
+    ClusterClient, ClusterConfig, ClusterId, ClusterNode, MemberRecord, ModelSpace, NodeId, Segment, SegmentBlocks, SegmentKey,
 };
 
 const REQUESTS: u32 = 300;
@@ -37,19 +36,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let node = ClusterNode::join(config.clone(), record)?;
     let reader = ClusterClient::connect(config)?;
     let space = ModelSpace::new([5; 32], 0, 1)?;
-    println!(
-        "registry_costs: etcd 1 member on loopback, data dir {} ; {REQUESTS} requests per row",
-        etcd.data_directory().display()
-    );
+    println!("registry_costs: etcd 1 member on loopback, data dir {} ; {REQUESTS} requests per row", etcd.data_directory().display());
 
     let layout = KeyLayout::new(cluster.clone());
-    let sample = SegmentRecord {
-        node: NodeId::new("node-00")?,
-        space,
-        key: SegmentKey::new(u64::MAX)?,
-        index: 0,
-        segment_blocks,
-    };
+    let sample = SegmentRecord { node: NodeId::new("node-00")?, space, key: SegmentKey::new(u64::MAX)?, index: 0, segment_blocks };
     let key_bytes = layout.segment_key(&space, sample.key, &sample.node).len();
     let value_bytes = sample.encode(&cluster).len();
     println!("one holder entry: key {key_bytes} B + value {value_bytes} B (node id 7 B, cluster id 5 B)");
@@ -84,18 +74,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // A lookup that misses at once (a new prompt): one range read, nothing to decode.
     let mut miss = Vec::with_capacity(REQUESTS as usize);
     for round in 0..REQUESTS {
-        let segments: Vec<Segment> = (0..16u32)
-            .map(|index| Segment { index, key: SegmentKey::new(u64::MAX - u64::from(round * 16 + index)).unwrap() })
-            .collect();
+        let segments: Vec<Segment> =
+            (0..16u32).map(|index| Segment { index, key: SegmentKey::new(u64::MAX - u64::from(round * 16 + index)).unwrap() }).collect();
         let started = Instant::now();
         assert_eq!(reader.lookup(&space, &segments)?.prefix_segments(), 0);
         miss.push(started.elapsed());
     }
-    println!(
-        "lookup of 16 segments, all missing: p50 {:.3?} p99 {:.3?}",
-        percentile(&mut miss, 0.5),
-        percentile(&mut miss, 0.99)
-    );
+    println!("lookup of 16 segments, all missing: p50 {:.3?} p99 {:.3?}", percentile(&mut miss, 0.5), percentile(&mut miss, 0.99));
     println!("etcd requests sent by the reader: {}", reader.requests_sent());
     Ok(())
 }

@@ -208,10 +208,8 @@ impl LocalEtcd {
         let Some(child) = self.members[index].child.as_ref() else {
             return Err(io_error("signal an etcd member", std::io::Error::other("the member is not running")));
         };
-        let status = Command::new("kill")
-            .args([signal, &child.id().to_string()])
-            .status()
-            .map_err(|error| io_error("run kill(1)", error))?;
+        let status =
+            Command::new("kill").args([signal, &child.id().to_string()]).status().map_err(|error| io_error("run kill(1)", error))?;
         if !status.success() {
             return Err(io_error(format!("kill {signal}"), std::io::Error::other(status.to_string())));
         }
