@@ -349,7 +349,20 @@ impl RenewalLoop {
         if stream.is_none() {
             let (member, mut client) = self.members.current();
             self.member = member;
-            *stream = Some(client.lease_keep_alive(self.lease_id).await?);
+            match client.lease_keep_alive(self.lease_id).await {
+                Ok(opened) => *stream = Some(opened),
+                // etcd-client refuses to open the stream when etcd's first answer has TTL 0
+                // (the lease is gone) and says so only in words: ask etcd itself (TTL −1 for a
+                // lease it does not know).
+                Err(etcd_client::Error::LeaseKeepAliveError(words)) => {
+                    let ttl_s = client.lease_time_to_live(self.lease_id, None).await?.ttl();
+                    if ttl_s > 0 {
+                        return Err(etcd_client::Error::LeaseKeepAliveError(words));
+                    }
+                    return Ok(0);
+                }
+                Err(error) => return Err(error),
+            }
         }
         let Some((keeper, responses)) = stream.as_mut() else {
             return Err(etcd_client::Error::LeaseKeepAliveError("no keep-alive stream".into()));

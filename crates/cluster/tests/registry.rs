@@ -253,3 +253,33 @@ fn put_raw(etcd: &tutti_cluster::local_etcd::LocalEtcd, pairs: &[(String, Vec<u8
         }
     });
 }
+
+#[test]
+fn a_lost_lease_is_reported_and_rejoin_restores_the_node() {
+    // Goal: when etcd drops the node's lease (here revoked behind its back, as an expiry during
+    // a long partition would), the keep-alive notices, registrations answer `LeaseLost` instead
+    // of writing keys nobody keeps alive, and `rejoin` gives a new lease under which the node
+    // and its re-registered segments are back.
+    let Some(etcd) = start_etcd(1) else { return };
+    let mut node_a = ClusterNode::join(config(&etcd, "relapse"), record("a")).unwrap();
+    let segments = prompt(21, 3);
+    node_a.register(&space(), &segments).unwrap();
+    let old_lease = node_a.health().lease_id;
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    runtime.block_on(async {
+        let mut client = etcd_client::Client::connect(etcd.endpoints(), None).await.unwrap();
+        client.lease_revoke(old_lease).await.unwrap();
+    });
+    assert!(node_a.members().unwrap().nodes.is_empty());
+    assert!(wait_until(LEASE_TTL, || node_a.health().lost).is_some(), "{:?}", node_a.health());
+    match node_a.register(&space(), &segments) {
+        Err(ClusterError::LeaseLost { lease_id }) => assert_eq!(lease_id, old_lease),
+        other => panic!("register under a lost lease: {other:?}"),
+    }
+    node_a.rejoin().unwrap();
+    assert_ne!(node_a.health().lease_id, old_lease);
+    assert!(!node_a.health().lost);
+    node_a.register(&space(), &segments).unwrap();
+    assert_eq!(node_a.members().unwrap().nodes, vec![record("a")]);
+    assert_eq!(node_a.lookup(&space(), &segments).unwrap().prefix_segments(), 3);
+}
