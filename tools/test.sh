@@ -12,15 +12,22 @@
 #               compiled and their timeline logic tested (tools/gpu/check.sh)
 #   fuzz        the cargo-fuzz targets build (running them needs nightly: see fuzz/README.md)
 #   benches     criterion benchmarks compile (running them is `cargo bench`, not a test)
+#   cluster     the cluster registry (crates/cluster) and `tutti cluster status` against real etcd
+#               servers (Debian's etcd-server, installed here) that the tests start on loopback
+#               ports: one member, and three where members are killed; every process stopped
 #   vm          the conformance suite against two QEMU NVMe controllers through VFIO in a Linux guest,
 #               and the object-store round trip over both (tools/vm-test.sh)
+#
+# Building the workspace needs `protoc` (etcd-client's build script generates etcd's gRPC API):
+# stages that build it install Debian's protobuf-compiler first. tutti-bench does not depend on
+# the cluster crate, so `cargo run --release --bin tutti-bench` builds without it.
 #
 # Stages run in that order; a failing stage does not stop the later ones, and the script exits
 # non-zero if any failed. Select stages with TUTTI_STAGES="rust lint" (default: all).
 set -uo pipefail
 cd "$(dirname "$(readlink -f "$0")")/.."
 
-STAGES=${TUTTI_STAGES:-"rust lint bindings cuda fuzz benches vm"}
+STAGES=${TUTTI_STAGES:-"rust lint bindings cuda fuzz benches cluster vm"}
 export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
 export DEBIAN_FRONTEND=noninteractive
 
@@ -45,15 +52,45 @@ run_stage() {
     fi
 }
 
+# Installs Debian packages unless `check` already succeeds; then `check` must succeed.
+ensure_installed() {
+    local check=$1
+    shift
+    if ! eval "$check" > /dev/null 2>&1; then
+        if [ "$(id -u)" -ne 0 ]; then
+            echo "tools/test.sh: needs $* (run as root to install them, or install them)" >&2
+            return 1
+        fi
+        apt-get update -q > /dev/null && apt-get install -y -q --no-install-recommends "$@" > /dev/null || return 1
+    fi
+    eval "$check" > /dev/null 2>&1 || { echo "tools/test.sh: '$check' still fails after installing $*" >&2; return 1; }
+}
+
+ensure_protoc() { ensure_installed "protoc --version" protobuf-compiler; }
+
+# The etcd binary the cluster tests run (by PATH), checked by running it, not by dpkg's state.
+# Installing etcd-server on a machine with systemd also enables its service on port 2379: the
+# tests never use it (they start their own members on free ports), so it is stopped again.
+ensure_etcd() {
+    local installed_here=0
+    command -v etcd > /dev/null 2>&1 || installed_here=1
+    # Not `etcd --version | grep -q`: grep leaving early kills etcd with SIGPIPE, which pipefail reports.
+    ensure_installed '[[ "$(etcd --version 2> /dev/null)" == "etcd Version: 3."* ]]' etcd-server || return 1
+    if [ "$installed_here" = 1 ] && command -v systemctl > /dev/null 2>&1 && systemctl is-active -q etcd 2> /dev/null; then
+        systemctl disable --now etcd > /dev/null 2>&1 || true
+    fi
+    echo "etcd: $(command -v etcd) ($(etcd --version | head -1))"
+}
+
 stage_rust() {
-    cargo test --workspace --all-targets --locked 2>&1
+    ensure_protoc && cargo test --workspace --all-targets --locked 2>&1
 }
 
 stage_lint() {
     rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy rustfmt
     # clippy's incompatible_msrv lint checks std APIs against rust-version; check-msrv.sh checks
     # that every package declares it and that no locked dependency needs a newer compiler.
-    tools/check-msrv.sh && cargo clippy --workspace --all-targets --locked -- -D warnings && cargo fmt --all -- --check
+    ensure_protoc && tools/check-msrv.sh && cargo clippy --workspace --all-targets --locked -- -D warnings && cargo fmt --all -- --check
 }
 
 stage_bindings() { tools/check-bindings-test.sh && tools/check-bindings.sh; }
@@ -65,18 +102,26 @@ stage_fuzz() {
 }
 
 stage_benches() {
-    cargo bench --workspace --no-run --locked 2>&1
+    ensure_protoc && cargo bench --workspace --no-run --locked 2>&1
+}
+
+# TUTTI_REQUIRE_ETCD=1: a test that finds no etcd fails instead of skipping. Each test bounds
+# its own waits; `timeout` bounds the whole stage should one hang regardless.
+stage_cluster() {
+    ensure_protoc && ensure_etcd || return 1
+    TUTTI_REQUIRE_ETCD=1 timeout 900 cargo test --locked -p tutti-cluster --all-targets 2>&1 &&
+        TUTTI_REQUIRE_ETCD=1 timeout 600 cargo test --locked -p tutti --test cluster 2>&1
 }
 
 # Two controllers: the suite runs on each, and the object-store round trip stripes one pool over
 # both through one VFIO container (VfioDevice::open_many).
-stage_vm() { TUTTI_VM_NVME_COUNT=${TUTTI_VM_NVME_COUNT:-2} tools/vm-test.sh; }
+stage_vm() { ensure_protoc && TUTTI_VM_NVME_COUNT=${TUTTI_VM_NVME_COUNT:-2} tools/vm-test.sh; }
 
 for stage in $STAGES; do
     case $stage in
-        rust | lint | bindings | cuda | fuzz | benches | vm) run_stage "$stage" "stage_$stage" ;;
+        rust | lint | bindings | cuda | fuzz | benches | cluster | vm) run_stage "$stage" "stage_$stage" ;;
         *)
-            echo "tools/test.sh: unknown stage '$stage' (known: rust lint bindings cuda fuzz benches vm)" >&2
+            echo "tools/test.sh: unknown stage '$stage' (known: rust lint bindings cuda fuzz benches cluster vm)" >&2
             exit 2
             ;;
     esac

@@ -1,4 +1,4 @@
-//! `tutti`: administration of NVMe devices and pools.
+//! `tutti`: administration of NVMe devices, pools and the cluster registry.
 //!
 //! One module per subcommand group; each owns its clap arguments and a `run` function taking the
 //! [`System`] paths, so a new group (`tutti pool ...`) is a module plus one enum variant here.
@@ -12,6 +12,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use tutti_cli::exit;
 
+mod cluster;
 mod devices;
 mod pool;
 mod system;
@@ -43,6 +44,9 @@ enum Command {
     /// Format, inspect or check an object-store pool on NVMe namespaces.
     #[command(subcommand)]
     Pool(pool::PoolCommand),
+    /// The cluster tier in etcd: members, leases, segments per node, replica counts.
+    #[command(subcommand)]
+    Cluster(cluster::ClusterCommand),
 }
 
 /// Input the command cannot use: one line, exit status 2.
@@ -59,6 +63,7 @@ fn main() -> ExitCode {
         Command::Bind(args) => devices::run_bind(&system, &args),
         Command::Unbind(args) => devices::run_unbind(&system, &args),
         Command::Pool(command) => pool::run(&command),
+        Command::Cluster(command) => cluster::run(&command),
     }
     .and_then(|()| Ok(tutti_cli::stdout::flush()?));
     exit::status_of("tutti", result)

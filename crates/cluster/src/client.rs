@@ -1,0 +1,237 @@
+//! Settings and the read side of the registry: lookups and the member list. A `ClusterClient`
+//! holds no lease; `ClusterNode` (node.rs) adds membership and registration.
+
+use std::time::Duration;
+
+use etcd_client::{GetOptions, Txn, TxnOp, TxnOpResponse};
+
+use crate::connection::Connection;
+use crate::error::{ClusterError, Result};
+use crate::layout::{KeyLayout, MemberRecord, SegmentRecord};
+use crate::names::{ClusterId, ModelSpace, NodeId};
+use crate::segments::{Segment, SegmentBlocks};
+
+/// etcd's default `--max-txn-ops`: the most operations one transaction may carry.
+pub const ETCD_TXN_OPS_DEFAULT: usize = 128;
+/// Most members one `members()` call returns (a fleet of this many nodes is far past the
+/// 1,000 the design is sized for, docs/cluster.md).
+pub const MEMBERS_MAX: usize = 4096;
+
+/// How a node or client talks to the registry.
+#[derive(Debug, Clone)]
+pub struct ClusterConfig {
+    /// etcd client URLs (`http://host:port`), every member of the etcd cluster.
+    pub endpoints: Vec<String>,
+    pub cluster: ClusterId,
+    /// Blocks per segment; the same on every node of the cluster.
+    pub segment_blocks: SegmentBlocks,
+    /// The longest any call waits for etcd, retries included (then `Unavailable`). To ride out
+    /// the loss of etcd's leader without an error it must exceed twice etcd's election timeout
+    /// (default 1 s: an election takes one to two timeouts).
+    pub request_timeout: Duration,
+    /// A member's lease: it and its segments vanish this long after its last renewal. Whole
+    /// seconds (etcd's unit); renewed every third of it.
+    pub lease_ttl: Duration,
+    /// Operations per etcd transaction: at most the server's `--max-txn-ops`. A lookup of more
+    /// segments than this costs one round trip per this many (stopping at the first miss).
+    pub txn_ops_max: usize,
+    /// Most holders a lookup returns per segment (the rest exist but are not listed).
+    pub holders_max: usize,
+}
+
+impl ClusterConfig {
+    /// The defaults: 3 s per request (etcd's default election timeout is 1 s), a 10 s lease, 128 operations per transaction, 16 holders.
+    pub fn new(endpoints: Vec<String>, cluster: ClusterId, segment_blocks: SegmentBlocks) -> ClusterConfig {
+        ClusterConfig {
+            endpoints,
+            cluster,
+            segment_blocks,
+            request_timeout: Duration::from_secs(3),
+            lease_ttl: Duration::from_secs(10),
+            txn_ops_max: ETCD_TXN_OPS_DEFAULT,
+            holders_max: 16,
+        }
+    }
+
+    fn validate(&self) -> Result<()> {
+        let bad = |text: String| Err(ClusterError::InvalidSetting(text));
+        if !(Duration::from_millis(10)..=Duration::from_secs(60)).contains(&self.request_timeout) {
+            return bad(format!("request timeout {:?} is outside 10 ms..=60 s", self.request_timeout));
+        }
+        let ttl_s = self.lease_ttl.as_secs();
+        if self.lease_ttl.subsec_nanos() != 0 || !(2..=3600).contains(&ttl_s) {
+            return bad(format!("lease TTL {:?} is not a whole number of seconds in 2..=3600", self.lease_ttl));
+        }
+        // A renewal is sent every TTL/3 and may take the whole request timeout: it must still
+        // land before the lease runs out.
+        if self.request_timeout * 3 > self.lease_ttl * 2 {
+            return bad(format!(
+                "request timeout {:?} leaves no room to renew a {ttl_s} s lease (at most 2/3 of the TTL)",
+                self.request_timeout
+            ));
+        }
+        if !(1..=ETCD_TXN_OPS_DEFAULT).contains(&self.txn_ops_max) {
+            return bad(format!("{} operations per transaction is outside 1..={ETCD_TXN_OPS_DEFAULT}", self.txn_ops_max));
+        }
+        if !(1..=1024).contains(&self.holders_max) {
+            return bad(format!("{} holders per segment is outside 1..=1024", self.holders_max));
+        }
+        Ok(())
+    }
+}
+
+/// A lookup's answer: the longest prefix of the asked segments that some node holds.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Lookup {
+    /// One entry per segment of the prefix, in order: the nodes registered as holding it
+    /// (sorted, at most `holders_max`). Empty when the first segment is held nowhere.
+    pub holders: Vec<Vec<NodeId>>,
+    /// Registry entries met and refused (malformed, another cluster's, another version or
+    /// segment size, a value that disagrees with its key).
+    pub skipped_entries: u64,
+    /// etcd requests the lookup sent (1 for up to `txn_ops_max` segments, retries aside).
+    pub requests: u64,
+}
+
+impl Lookup {
+    /// Segments in the longest registered prefix.
+    pub fn prefix_segments(&self) -> usize {
+        self.holders.len()
+    }
+
+    /// For each node met, how many leading segments it holds without a gap, longest first (ties
+    /// by node id): where to fetch the most of the prefix from one holder.
+    pub fn holder_prefixes(&self) -> Vec<(NodeId, usize)> {
+        let mut prefixes: Vec<(NodeId, usize)> = Vec::new();
+        if let Some(first) = self.holders.first() {
+            for node in first {
+                let run = self.holders.iter().take_while(|holders| holders.contains(node)).count();
+                prefixes.push((node.clone(), run));
+            }
+        }
+        prefixes.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        prefixes
+    }
+}
+
+/// The live members, as registered.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Members {
+    pub nodes: Vec<MemberRecord>,
+    /// Entries under the members prefix that were refused.
+    pub skipped_entries: u64,
+}
+
+/// A connection to the registry without membership: lookups, the member list, status.
+pub struct ClusterClient {
+    pub(crate) connection: Connection,
+    pub(crate) config: ClusterConfig,
+    pub(crate) layout: KeyLayout,
+}
+
+impl ClusterClient {
+    /// Checks the settings and prepares the connection (no request is sent yet).
+    pub fn connect(config: ClusterConfig) -> Result<ClusterClient> {
+        config.validate()?;
+        let connection = Connection::open(&config.endpoints, config.request_timeout)?;
+        let layout = KeyLayout::new(config.cluster.clone());
+        Ok(ClusterClient { connection, config, layout })
+    }
+
+    pub fn config(&self) -> &ClusterConfig {
+        &self.config
+    }
+
+    /// etcd requests sent so far by this client (attempts, retries included).
+    pub fn requests_sent(&self) -> u64 {
+        self.connection.requests_sent()
+    }
+
+    /// The longest prefix of `segments` (a prompt's segments in order, `segments[i].index == i`)
+    /// registered by some node, with its holders. One etcd transaction of range reads per
+    /// `txn_ops_max` segments, stopping at the first chunk with a miss.
+    pub fn lookup(&self, space: &ModelSpace, segments: &[Segment]) -> Result<Lookup> {
+        let mut lookup = Lookup::default();
+        let requests_before = self.connection.requests_sent();
+        for chunk in segments.chunks(self.config.txn_ops_max) {
+            let reads: Vec<TxnOp> = chunk
+                .iter()
+                .map(|segment| {
+                    let prefix = self.layout.holders_prefix(space, segment.key);
+                    let options = GetOptions::new().with_prefix().with_limit(self.config.holders_max as i64);
+                    TxnOp::get(prefix, Some(options))
+                })
+                .collect();
+            let answer = self.connection.call("lookup", |mut client| {
+                let transaction = Txn::new().and_then(reads.clone());
+                async move { client.txn(transaction).await }
+            })?;
+            let responses = answer.op_responses();
+            if responses.len() != chunk.len() {
+                return Err(ClusterError::MalformedRecord {
+                    key: self.layout.segments_prefix(),
+                    reason: "etcd answered a lookup with another number of results than asked",
+                });
+            }
+            for (segment, response) in chunk.iter().zip(responses) {
+                let TxnOpResponse::Get(range) = response else {
+                    return Err(ClusterError::MalformedRecord {
+                        key: self.layout.segments_prefix(),
+                        reason: "etcd answered a range read with another kind of result",
+                    });
+                };
+                let mut holders = Vec::new();
+                for entry in range.kvs() {
+                    match self.check_holder(space, segment, entry.key(), entry.value()) {
+                        Some(node) => holders.push(node),
+                        None => lookup.skipped_entries += 1,
+                    }
+                }
+                if holders.is_empty() {
+                    lookup.requests = self.connection.requests_sent() - requests_before;
+                    return Ok(lookup);
+                }
+                holders.sort();
+                lookup.holders.push(holders);
+            }
+        }
+        lookup.requests = self.connection.requests_sent() - requests_before;
+        Ok(lookup)
+    }
+
+    /// The holder a registry entry names, if the entry is sound for `segment` at its position.
+    fn check_holder(&self, space: &ModelSpace, segment: &Segment, key: &[u8], value: &[u8]) -> Option<NodeId> {
+        let (key_space, key_segment, node) = self.layout.parse_segment_key(key)?;
+        if key_space != *space || key_segment != segment.key {
+            return None;
+        }
+        let record = SegmentRecord::decode(value, self.layout.cluster(), space, segment.key, &node).ok()?;
+        // Same chain position and segment size: otherwise the key names other blocks.
+        if record.index != segment.index || record.segment_blocks != self.config.segment_blocks {
+            return None;
+        }
+        Some(node)
+    }
+
+    /// The live members (one range read).
+    pub fn members(&self) -> Result<Members> {
+        let prefix = self.layout.members_prefix();
+        let answer = self.connection.call("members", |mut client| {
+            let options = GetOptions::new().with_prefix().with_limit(MEMBERS_MAX as i64);
+            let prefix = prefix.clone();
+            async move { client.get(prefix, Some(options)).await }
+        })?;
+        let mut members = Members::default();
+        for entry in answer.kvs() {
+            let record = self
+                .layout
+                .parse_member_key(entry.key())
+                .and_then(|node| MemberRecord::decode(entry.value(), self.layout.cluster(), &node).ok());
+            match record {
+                Some(record) => members.nodes.push(record),
+                None => members.skipped_entries += 1,
+            }
+        }
+        Ok(members)
+    }
+}

@@ -1,0 +1,170 @@
+//! The synchronous facade over etcd's asynchronous client: a private tokio runtime (one worker
+//! thread) runs the clients and the lease keep-alive; callers block on one request at a time,
+//! each bounded by the request timeout. Callers must not be tokio tasks themselves (tuttid's
+//! threads are plain threads).
+//!
+//! One client per etcd member, and a preferred member that every request goes to: a request
+//! that fails for a reason that may pass (connection refused, no leader) or takes longer than a
+//! third of the request timeout moves the preference to the next member and is retried there.
+//! So a member that died, or one that stalls with its sockets open, costs at most one attempt
+//! per call — a balancer that picks at random would go back to the stalled member again.
+
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use etcd_client::{Client, ConnectOptions};
+use tokio::runtime::{Builder, Runtime};
+
+use crate::error::{ClusterError, Result};
+
+/// First pause between attempts after a transient error; doubles up to [`RETRY_PAUSE_MAX`].
+pub(crate) const RETRY_PAUSE_FIRST: Duration = Duration::from_millis(20);
+pub(crate) const RETRY_PAUSE_MAX: Duration = Duration::from_millis(250);
+/// How long dropping a connection waits for its runtime's tasks to end.
+const SHUTDOWN_WAIT: Duration = Duration::from_secs(1);
+
+/// The longest one attempt may take: a third of the request timeout, so that an attempt stuck
+/// on a member that stalls leaves time for two more through the others.
+pub(crate) fn attempt_timeout(request_timeout: Duration) -> Duration {
+    request_timeout / 3
+}
+
+/// One client per etcd member and the member requests go to now. Shared with the keep-alive.
+pub(crate) struct Members {
+    clients: Vec<Client>,
+    preferred: AtomicUsize,
+}
+
+impl Members {
+    /// The preferred member's index and client.
+    pub(crate) fn current(&self) -> (usize, Client) {
+        let index = self.preferred.load(Ordering::Relaxed) % self.clients.len();
+        (index, self.clients[index].clone())
+    }
+
+    /// After a failed attempt on member `index`: prefer the next one, unless another caller
+    /// already moved on from `index`.
+    pub(crate) fn failed(&self, index: usize) {
+        let next = (index + 1) % self.clients.len();
+        let _ = self.preferred.compare_exchange(index, next, Ordering::Relaxed, Ordering::Relaxed);
+    }
+}
+
+pub(crate) struct Connection {
+    runtime: Option<Runtime>,
+    members: Arc<Members>,
+    request_timeout: Duration,
+    /// Requests sent to etcd (every attempt, retries included): what a caller's operation cost.
+    requests_sent: AtomicU64,
+}
+
+/// Whether an etcd error may go away by itself (a member down, a leader election, a broken
+/// connection), so that the call is retried within its deadline. Every operation of this crate
+/// is idempotent (puts of the same record under the same lease, deletes, reads), so a retry after
+/// an answer that was lost on the way back changes nothing.
+pub(crate) fn is_transient(error: &etcd_client::Error) -> bool {
+    use tonic::Code;
+    match error {
+        etcd_client::Error::TransportError(_) | etcd_client::Error::IoError(_) => true,
+        etcd_client::Error::GRpcStatus(status) => {
+            matches!(status.code(), Code::Unavailable | Code::DeadlineExceeded | Code::Unknown | Code::Aborted | Code::Cancelled)
+        }
+        _ => false,
+    }
+}
+
+impl Connection {
+    /// Builds the runtime and one client per endpoint. Connecting is lazy (the first request
+    /// connects), so this never waits on a member.
+    pub(crate) fn open(endpoints: &[String], request_timeout: Duration) -> Result<Connection> {
+        if endpoints.is_empty() {
+            return Err(ClusterError::InvalidSetting("no etcd endpoint given".into()));
+        }
+        let runtime = Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("tutti-cluster")
+            .enable_all()
+            .build()
+            .map_err(ClusterError::Runtime)?;
+        // require_leader: a member cut off from the quorum answers at once instead of holding
+        // the request. The attempt bound is enforced in `call` (the gRPC timeout would only
+        // repeat it).
+        let options = ConnectOptions::new()
+            .with_connect_timeout(attempt_timeout(request_timeout))
+            .with_keep_alive(Duration::from_secs(1), request_timeout)
+            .with_require_leader(true);
+        let mut clients = Vec::with_capacity(endpoints.len());
+        for endpoint in endpoints {
+            let connect = Client::connect([endpoint], Some(options.clone()));
+            let client = runtime
+                .block_on(async { tokio::time::timeout(request_timeout, connect).await })
+                .map_err(|_| ClusterError::Unavailable {
+                    operation: "connect",
+                    waited: request_timeout,
+                    last_error: format!("{endpoint}: timed out"),
+                })?
+                .map_err(|source| ClusterError::Etcd { operation: "connect", source })?;
+            clients.push(client);
+        }
+        let members = Arc::new(Members { clients, preferred: AtomicUsize::new(0) });
+        Ok(Connection { runtime: Some(runtime), members, request_timeout, requests_sent: AtomicU64::new(0) })
+    }
+
+    pub(crate) fn requests_sent(&self) -> u64 {
+        self.requests_sent.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn members(&self) -> Arc<Members> {
+        self.members.clone()
+    }
+
+    pub(crate) fn runtime(&self) -> &Runtime {
+        self.runtime.as_ref().expect("the runtime lives until drop")
+    }
+
+    /// Runs `attempt` until it succeeds, fails for good, or the request timeout passes (then
+    /// [`ClusterError::Unavailable`]). Each attempt is one etcd request to the preferred member.
+    pub(crate) fn call<T, F, Fut>(&self, operation: &'static str, mut attempt: F) -> Result<T>
+    where
+        F: FnMut(Client) -> Fut,
+        Fut: Future<Output = std::result::Result<T, etcd_client::Error>>,
+    {
+        let started = Instant::now();
+        let deadline = started + self.request_timeout;
+        let requests_sent = &self.requests_sent;
+        let members = &self.members;
+        let attempt_bound = attempt_timeout(self.request_timeout);
+        self.runtime().block_on(async move {
+            let mut pause = RETRY_PAUSE_FIRST;
+            let mut last_error = String::from("no attempt finished");
+            loop {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(ClusterError::Unavailable { operation, waited: started.elapsed(), last_error });
+                }
+                requests_sent.fetch_add(1, Ordering::Relaxed);
+                let (member, client) = members.current();
+                match tokio::time::timeout(left.min(attempt_bound), attempt(client)).await {
+                    Ok(Ok(answer)) => return Ok(answer),
+                    Ok(Err(error)) if is_transient(&error) => last_error = format!("member {member}: {error}"),
+                    Ok(Err(source)) => return Err(ClusterError::Etcd { operation, source }),
+                    Err(_) => last_error = format!("member {member}: the attempt timed out"),
+                }
+                members.failed(member);
+                let left = deadline.saturating_duration_since(Instant::now());
+                tokio::time::sleep(pause.min(left)).await;
+                pause = (pause * 2).min(RETRY_PAUSE_MAX);
+            }
+        })
+    }
+}
+
+impl Drop for Connection {
+    fn drop(&mut self) {
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_timeout(SHUTDOWN_WAIT);
+        }
+    }
+}

@@ -1,0 +1,47 @@
+//! The crate's one error type. Every call that reaches etcd is bounded by the configured
+//! request timeout; past it the caller gets [`ClusterError::Unavailable`] and keeps serving from
+//! its local cache.
+
+use std::time::Duration;
+
+/// Everything the cluster tier can report.
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    /// A setting or an argument is out of range; the text says which and why.
+    #[error("invalid cluster setting: {0}")]
+    InvalidSetting(String),
+    /// etcd did not answer `operation` within the deadline (every member down, partitioned, or
+    /// without a leader). Nothing is known to have changed; local caches stay valid.
+    #[error("the cluster registry is unavailable: {operation} got no answer from etcd within {waited:?} ({last_error})")]
+    Unavailable { operation: &'static str, waited: Duration, last_error: String },
+    /// etcd answered `operation` with an error that retrying will not cure.
+    #[error("etcd refused {operation}: {source}")]
+    Etcd {
+        operation: &'static str,
+        #[source]
+        source: etcd_client::Error,
+    },
+    /// The node's lease is gone (expired while etcd could not be reached, or revoked): its
+    /// membership and every segment it registered have vanished. `ClusterNode::rejoin` grants a
+    /// new lease; the owner then registers its segments again.
+    #[error("the node's etcd lease {lease_id:#x} is lost; rejoin and register the segments again")]
+    LeaseLost { lease_id: i64 },
+    /// Another live process holds this node id in this cluster.
+    #[error("node id {node} is already registered in cluster {cluster} (lease {lease_id:#x}); is another tuttid running with this id?")]
+    NodeIdTaken { cluster: String, node: String, lease_id: i64 },
+    /// A record read from etcd (or about to be written) does not decode; never trusted.
+    #[error("malformed cluster record at {key}: {reason}")]
+    MalformedRecord { key: String, reason: &'static str },
+    /// The private runtime that runs the etcd client could not start.
+    #[error("cannot start the cluster client's runtime: {0}")]
+    Runtime(#[source] std::io::Error),
+    /// The local etcd test server could not be started or stopped (tests, `LocalEtcd`).
+    #[error("local etcd: {context}: {source}")]
+    LocalEtcd {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+pub type Result<T> = std::result::Result<T, ClusterError>;

@@ -1,0 +1,371 @@
+//! Where records live in etcd and what their bytes are.
+//!
+//! Keys (all under the cluster's prefix, so fleets sharing an etcd never meet):
+//!
+//! ```text
+//! /tutti/<cluster>/v1/node/<node>                                          a member (MemberRecord)
+//! /tutti/<cluster>/v1/seg/<fingerprint hex>/<rank>.<world>/<key hex>/<node>  a holder (SegmentRecord)
+//! ```
+//!
+//! The format version is the third component: a reader of v1 reads only under `/v1/`, and
+//! `tutti cluster status` counts keys of other versions instead of decoding them. Values are
+//! binary records with a magic, the format version, every field of the key again (cluster, node,
+//! space, segment key — a value copied under another key is refused) and a CRC-32 (crc32fast) of
+//! the bytes before it. A record that fails any check is skipped and
+//! counted by readers, never trusted.
+
+use crate::names::{ClusterId, ModelSpace, NodeId, SegmentKey, FINGERPRINT_BYTES, NAME_BYTES_MAX};
+use crate::segments::SegmentBlocks;
+
+/// The version of the key layout and record formats below.
+pub const FORMAT_VERSION: u16 = 1;
+const MEMBER_MAGIC: &[u8; 4] = b"TNOD";
+const SEGMENT_MAGIC: &[u8; 4] = b"TSEG";
+/// Longest node address (host:port or a URL) a member record carries.
+pub const ADDRESS_BYTES_MAX: usize = 256;
+/// Most model fingerprints one member record lists.
+pub const FINGERPRINTS_MAX: usize = 64;
+
+/// The key names of one cluster.
+#[derive(Debug, Clone)]
+pub struct KeyLayout {
+    cluster: ClusterId,
+    version_prefix: String,
+}
+
+impl KeyLayout {
+    pub fn new(cluster: ClusterId) -> KeyLayout {
+        let version_prefix = format!("/tutti/{cluster}/v{FORMAT_VERSION}/");
+        KeyLayout { cluster, version_prefix }
+    }
+    pub fn cluster(&self) -> &ClusterId {
+        &self.cluster
+    }
+    /// Every key of the cluster, of any format version.
+    pub fn cluster_prefix(&self) -> String {
+        format!("/tutti/{}/", self.cluster)
+    }
+    /// Every key of this format version.
+    pub fn version_prefix(&self) -> &str {
+        &self.version_prefix
+    }
+    pub fn members_prefix(&self) -> String {
+        format!("{}node/", self.version_prefix)
+    }
+    pub fn member_key(&self, node: &NodeId) -> String {
+        format!("{}node/{node}", self.version_prefix)
+    }
+    pub fn segments_prefix(&self) -> String {
+        format!("{}seg/", self.version_prefix)
+    }
+    /// The prefix under which every holder of `key` in `space` registers (one range read).
+    pub fn holders_prefix(&self, space: &ModelSpace, key: SegmentKey) -> String {
+        let mut text = format!("{}seg/", self.version_prefix);
+        for byte in space.fingerprint() {
+            text.push_str(&format!("{byte:02x}"));
+        }
+        text.push_str(&format!("/{}.{}/{key}/", space.tp_rank(), space.tp_world()));
+        text
+    }
+    pub fn segment_key(&self, space: &ModelSpace, key: SegmentKey, node: &NodeId) -> String {
+        let mut text = self.holders_prefix(space, key);
+        text.push_str(node.as_str());
+        text
+    }
+
+    /// The node a member key names, or None for a key that is not one of this layout's.
+    pub fn parse_member_key(&self, key: &[u8]) -> Option<NodeId> {
+        let text = std::str::from_utf8(key).ok()?;
+        NodeId::new(text.strip_prefix(&self.members_prefix())?).ok()
+    }
+
+    /// The space, segment key and node a holder key names, or None.
+    pub fn parse_segment_key(&self, key: &[u8]) -> Option<(ModelSpace, SegmentKey, NodeId)> {
+        let text = std::str::from_utf8(key).ok()?;
+        let rest = text.strip_prefix(&self.segments_prefix())?;
+        let mut parts = rest.split('/');
+        let (fingerprint_hex, shape, key_hex, node) = (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
+        if parts.next().is_some() || fingerprint_hex.len() != 2 * FINGERPRINT_BYTES || key_hex.len() != 16 {
+            return None;
+        }
+        let mut fingerprint = [0u8; FINGERPRINT_BYTES];
+        for (byte, pair) in fingerprint.iter_mut().zip(fingerprint_hex.as_bytes().chunks_exact(2)) {
+            *byte = u8::from_str_radix(std::str::from_utf8(pair).ok()?, 16).ok()?;
+        }
+        let (rank, world) = shape.split_once('.')?;
+        let space = ModelSpace::new(fingerprint, rank.parse().ok()?, world.parse().ok()?).ok()?;
+        let segment = SegmentKey::new(u64::from_str_radix(key_hex, 16).ok()?).ok()?;
+        // The canonical spelling only: "+1" or upper-case hex would name the same record twice.
+        if self.segment_key(&space, segment, &NodeId::new(node).ok()?) != text {
+            return None;
+        }
+        Some((space, segment, NodeId::new(node).ok()?))
+    }
+}
+
+/// A member's registration: where it serves and what.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemberRecord {
+    pub node: NodeId,
+    /// Where the node's data plane listens (host:port); carried, not interpreted, here.
+    pub address: String,
+    pub capacity_bytes: u64,
+    pub fingerprints: Vec<[u8; FINGERPRINT_BYTES]>,
+}
+
+/// A holder's registration of one segment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SegmentRecord {
+    pub node: NodeId,
+    pub space: ModelSpace,
+    pub key: SegmentKey,
+    /// Position of the segment in its prompt's chain (0-based).
+    pub index: u32,
+    pub segment_blocks: SegmentBlocks,
+}
+
+struct Writer(Vec<u8>);
+
+impl Writer {
+    fn new(magic: &[u8; 4]) -> Writer {
+        let mut bytes = Vec::with_capacity(128);
+        bytes.extend_from_slice(magic);
+        bytes.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+        Writer(bytes)
+    }
+    fn bytes(&mut self, data: &[u8]) {
+        self.0.extend_from_slice(data);
+    }
+    /// A name of at most [`NAME_BYTES_MAX`] bytes (checked by its type) behind one length byte.
+    fn name(&mut self, text: &str) {
+        debug_assert!(text.len() <= NAME_BYTES_MAX);
+        self.0.push(text.len() as u8);
+        self.0.extend_from_slice(text.as_bytes());
+    }
+    fn finish(mut self) -> Vec<u8> {
+        let crc = crc32fast::hash(&self.0);
+        self.0.extend_from_slice(&crc.to_le_bytes());
+        self.0
+    }
+}
+
+struct Reader<'a> {
+    rest: &'a [u8],
+}
+
+impl<'a> Reader<'a> {
+    /// Checks the trailing CRC, the magic and the version; the reader then walks the fields.
+    fn open(bytes: &'a [u8], magic: &[u8; 4]) -> Result<Reader<'a>, &'static str> {
+        if bytes.len() < 4 + 2 + 4 {
+            return Err("shorter than a record header");
+        }
+        let (body, crc) = bytes.split_at(bytes.len() - 4);
+        if crc32fast::hash(body).to_le_bytes() != crc {
+            return Err("checksum mismatch");
+        }
+        if &body[..4] != magic {
+            return Err("wrong magic");
+        }
+        if body[4..6] != FORMAT_VERSION.to_le_bytes() {
+            return Err("another format version");
+        }
+        Ok(Reader { rest: &body[6..] })
+    }
+    fn take(&mut self, count: usize) -> Result<&'a [u8], &'static str> {
+        if self.rest.len() < count {
+            return Err("truncated");
+        }
+        let (head, tail) = self.rest.split_at(count);
+        self.rest = tail;
+        Ok(head)
+    }
+    fn u16(&mut self) -> Result<u16, &'static str> {
+        Ok(u16::from_le_bytes(self.take(2)?.try_into().map_err(|_| "truncated")?))
+    }
+    fn u32(&mut self) -> Result<u32, &'static str> {
+        Ok(u32::from_le_bytes(self.take(4)?.try_into().map_err(|_| "truncated")?))
+    }
+    fn u64(&mut self) -> Result<u64, &'static str> {
+        Ok(u64::from_le_bytes(self.take(8)?.try_into().map_err(|_| "truncated")?))
+    }
+    fn fingerprint(&mut self) -> Result<[u8; FINGERPRINT_BYTES], &'static str> {
+        self.take(FINGERPRINT_BYTES)?.try_into().map_err(|_| "truncated")
+    }
+    fn name(&mut self) -> Result<&'a str, &'static str> {
+        let length = usize::from(self.take(1)?[0]);
+        std::str::from_utf8(self.take(length)?).map_err(|_| "a name is not UTF-8")
+    }
+    fn end(&self) -> Result<(), &'static str> {
+        if self.rest.is_empty() {
+            Ok(())
+        } else {
+            Err("trailing bytes")
+        }
+    }
+}
+
+impl MemberRecord {
+    pub fn encode(&self, cluster: &ClusterId) -> Vec<u8> {
+        let mut writer = Writer::new(MEMBER_MAGIC);
+        writer.name(cluster.as_str());
+        writer.name(self.node.as_str());
+        writer.bytes(&self.capacity_bytes.to_le_bytes());
+        writer.bytes(&(self.address.len() as u16).to_le_bytes());
+        writer.bytes(self.address.as_bytes());
+        writer.bytes(&(self.fingerprints.len() as u16).to_le_bytes());
+        for fingerprint in &self.fingerprints {
+            writer.bytes(fingerprint);
+        }
+        writer.finish()
+    }
+
+    /// Decodes a member value read at the key that names `node` in `cluster`; every field of
+    /// the key must agree with the value.
+    pub fn decode(bytes: &[u8], cluster: &ClusterId, node: &NodeId) -> Result<MemberRecord, &'static str> {
+        let mut reader = Reader::open(bytes, MEMBER_MAGIC)?;
+        if reader.name()? != cluster.as_str() {
+            return Err("another cluster's record");
+        }
+        if reader.name()? != node.as_str() {
+            return Err("the record names another node than its key");
+        }
+        let capacity_bytes = reader.u64()?;
+        let address_bytes = usize::from(reader.u16()?);
+        if address_bytes > ADDRESS_BYTES_MAX {
+            return Err("address too long");
+        }
+        let address = std::str::from_utf8(reader.take(address_bytes)?).map_err(|_| "address is not UTF-8")?;
+        let count = usize::from(reader.u16()?);
+        if count > FINGERPRINTS_MAX {
+            return Err("too many fingerprints");
+        }
+        let mut fingerprints = Vec::with_capacity(count);
+        for _ in 0..count {
+            fingerprints.push(reader.fingerprint()?);
+        }
+        reader.end()?;
+        Ok(MemberRecord { node: node.clone(), address: address.to_owned(), capacity_bytes, fingerprints })
+    }
+}
+
+impl SegmentRecord {
+    pub fn encode(&self, cluster: &ClusterId) -> Vec<u8> {
+        let mut writer = Writer::new(SEGMENT_MAGIC);
+        writer.name(cluster.as_str());
+        writer.name(self.node.as_str());
+        writer.bytes(self.space.fingerprint());
+        writer.bytes(&self.space.tp_rank().to_le_bytes());
+        writer.bytes(&self.space.tp_world().to_le_bytes());
+        writer.bytes(&self.key.get().to_le_bytes());
+        writer.bytes(&self.index.to_le_bytes());
+        writer.bytes(&self.segment_blocks.get().to_le_bytes());
+        writer.finish()
+    }
+
+    /// Decodes a holder value read at the key naming (`space`, `key`, `node`) in `cluster`.
+    pub fn decode(
+        bytes: &[u8],
+        cluster: &ClusterId,
+        space: &ModelSpace,
+        key: SegmentKey,
+        node: &NodeId,
+    ) -> Result<SegmentRecord, &'static str> {
+        let mut reader = Reader::open(bytes, SEGMENT_MAGIC)?;
+        if reader.name()? != cluster.as_str() {
+            return Err("another cluster's record");
+        }
+        if reader.name()? != node.as_str() {
+            return Err("the record names another node than its key");
+        }
+        let fingerprint = reader.fingerprint()?;
+        let (rank, world) = (reader.u32()?, reader.u32()?);
+        if fingerprint != *space.fingerprint() || rank != space.tp_rank() || world != space.tp_world() {
+            return Err("the record names another model space than its key");
+        }
+        if reader.u64()? != key.get() {
+            return Err("the record names another segment than its key");
+        }
+        let index = reader.u32()?;
+        let segment_blocks = SegmentBlocks::new(reader.u16()?).map_err(|_| "segment size out of range")?;
+        reader.end()?;
+        Ok(SegmentRecord { node: node.clone(), space: *space, key, index, segment_blocks })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layout() -> KeyLayout {
+        KeyLayout::new(ClusterId::new("fleet").unwrap())
+    }
+
+    fn segment() -> SegmentRecord {
+        SegmentRecord {
+            node: NodeId::new("a").unwrap(),
+            space: ModelSpace::new([7; 32], 1, 2).unwrap(),
+            key: SegmentKey::new(0xabc).unwrap(),
+            index: 3,
+            segment_blocks: SegmentBlocks::new(32).unwrap(),
+        }
+    }
+
+    #[test]
+    fn keys_round_trip_and_refuse_other_spellings() {
+        // Goal: a holder key parses back to what built it; any other spelling (another version,
+        // cluster, upper-case hex, extra component) parses to None.
+        let layout = layout();
+        let record = segment();
+        let key = layout.segment_key(&record.space, record.key, &record.node);
+        assert_eq!(layout.parse_segment_key(key.as_bytes()), Some((record.space, record.key, record.node.clone())));
+        for bad in [
+            key.replace("/v1/", "/v2/"),
+            key.replace("/fleet/", "/other/"),
+            key.replace("0000000000000abc", "0000000000000ABC"),
+            format!("{key}/x"),
+            key.replace("/1.2/", "/2.2/"),
+        ] {
+            assert_eq!(layout.parse_segment_key(bad.as_bytes()), None, "{bad}");
+        }
+        let node = NodeId::new("n1").unwrap();
+        assert_eq!(layout.parse_member_key(layout.member_key(&node).as_bytes()), Some(node));
+    }
+
+    #[test]
+    fn records_round_trip_and_every_corruption_is_refused() {
+        // Goal: a flipped byte anywhere, a truncation, another cluster, node, space or key are
+        // refused; the record itself decodes to what was encoded.
+        let cluster = ClusterId::new("fleet").unwrap();
+        let record = segment();
+        let bytes = record.encode(&cluster);
+        let decode = |bytes: &[u8]| SegmentRecord::decode(bytes, &cluster, &record.space, record.key, &record.node);
+        assert_eq!(decode(&bytes), Ok(record.clone()));
+        for position in 0..bytes.len() {
+            let mut flipped = bytes.clone();
+            flipped[position] ^= 0x10;
+            assert!(decode(&flipped).is_err(), "byte {position}");
+        }
+        for length in 0..bytes.len() {
+            assert!(decode(&bytes[..length]).is_err(), "length {length}");
+        }
+        let other = ClusterId::new("other").unwrap();
+        assert_eq!(decode(&record.encode(&other)), Err("another cluster's record"));
+        let other_node = NodeId::new("b").unwrap();
+        assert!(SegmentRecord::decode(&bytes, &cluster, &record.space, record.key, &other_node).is_err());
+        let other_key = SegmentKey::new(0xabd).unwrap();
+        assert!(SegmentRecord::decode(&bytes, &cluster, &record.space, other_key, &record.node).is_err());
+
+        let member = MemberRecord {
+            node: NodeId::new("a").unwrap(),
+            address: "10.0.0.1:7000".into(),
+            capacity_bytes: 1 << 40,
+            fingerprints: vec![[1; 32], [2; 32]],
+        };
+        let bytes = member.encode(&cluster);
+        assert_eq!(MemberRecord::decode(&bytes, &cluster, &member.node), Ok(member.clone()));
+        for length in 0..bytes.len() {
+            assert!(MemberRecord::decode(&bytes[..length], &cluster, &member.node).is_err());
+        }
+        assert!(MemberRecord::decode(&bytes, &other, &member.node).is_err());
+    }
+}

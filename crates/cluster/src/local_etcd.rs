@@ -1,0 +1,242 @@
+//! A real etcd on loopback for tests and measurements: one or three members started from
+//! Debian's `etcd-server` binary on ports picked here, data in a temporary directory, every
+//! process killed and reaped on drop. Not for production (no TLS, no auth).
+
+use std::io::{Read, Write};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::error::{ClusterError, Result};
+
+/// How long a fresh cluster may take to answer its health check.
+const START_TIMEOUT: Duration = Duration::from_secs(30);
+/// Most bytes an HTTP answer from a member may have (metrics are ~100 KiB).
+const HTTP_ANSWER_BYTES_MAX: u64 = 8 << 20;
+
+fn io_error(context: impl Into<String>, source: std::io::Error) -> ClusterError {
+    ClusterError::LocalEtcd { context: context.into(), source }
+}
+
+/// The etcd binary to run: `$TUTTI_ETCD`, else `etcd` found in PATH; None when neither exists.
+pub fn etcd_binary() -> Option<PathBuf> {
+    if let Some(path) = std::env::var_os("TUTTI_ETCD") {
+        return Some(PathBuf::from(path));
+    }
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path).map(|directory| directory.join("etcd")).find(|candidate| candidate.is_file())
+}
+
+struct Member {
+    name: String,
+    client_port: u16,
+    peer_port: u16,
+    child: Option<Child>,
+}
+
+/// A running local etcd cluster.
+pub struct LocalEtcd {
+    binary: PathBuf,
+    members: Vec<Member>,
+    directory: tempfile::TempDir,
+    token: String,
+}
+
+/// Free loopback ports: bound, noted, released (another process could take one in between;
+/// a member that fails to start names its port in the error).
+fn free_ports(count: usize) -> Result<Vec<u16>> {
+    let listeners = (0..count)
+        .map(|_| TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).map_err(|error| io_error("bind a free port", error)))
+        .collect::<Result<Vec<_>>>()?;
+    listeners
+        .iter()
+        .map(|listener| listener.local_addr().map(|address| address.port()).map_err(|error| io_error("read a bound port", error)))
+        .collect()
+}
+
+/// A GET on a member's client port (HTTP/1.0, bounded in time and size): the body.
+pub fn http_get(port: u16, path: &str, timeout: Duration) -> std::io::Result<String> {
+    let address = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+    let mut stream = TcpStream::connect_timeout(&address, timeout)?;
+    stream.set_read_timeout(Some(timeout))?;
+    stream.set_write_timeout(Some(timeout))?;
+    stream.write_all(format!("GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").as_bytes())?;
+    let mut answer = String::new();
+    stream.take(HTTP_ANSWER_BYTES_MAX).read_to_string(&mut answer)?;
+    match answer.split_once("\r\n\r\n") {
+        Some((head, body)) if head.starts_with("HTTP/1.") && head.contains(" 200 ") => Ok(body.to_owned()),
+        _ => Err(std::io::Error::other(format!("unexpected answer to GET {path}"))),
+    }
+}
+
+impl LocalEtcd {
+    /// Starts `members` members (1 or 3 in the tests) and waits until each answers healthy.
+    pub fn start(members: usize) -> Result<LocalEtcd> {
+        let binary = etcd_binary().ok_or_else(|| {
+            io_error("find the etcd binary", std::io::Error::new(std::io::ErrorKind::NotFound, "install etcd-server or set TUTTI_ETCD"))
+        })?;
+        let directory =
+            tempfile::Builder::new().prefix("tutti-etcd-").tempdir().map_err(|error| io_error("create the data directory", error))?;
+        let ports = free_ports(2 * members)?;
+        let members = (0..members)
+            .map(|index| Member { name: format!("m{index}"), client_port: ports[2 * index], peer_port: ports[2 * index + 1], child: None })
+            .collect();
+        let token = format!("tutti-{}-{}", std::process::id(), directory.path().display()).replace('/', "-");
+        let mut etcd = LocalEtcd { binary, members, directory, token };
+        for index in 0..etcd.members.len() {
+            etcd.spawn(index)?;
+        }
+        etcd.wait_healthy(START_TIMEOUT)?;
+        Ok(etcd)
+    }
+
+    fn spawn(&mut self, index: usize) -> Result<()> {
+        let initial_cluster = self
+            .members
+            .iter()
+            .map(|member| format!("{}=http://127.0.0.1:{}", member.name, member.peer_port))
+            .collect::<Vec<_>>()
+            .join(",");
+        let member = &self.members[index];
+        let log_path = self.directory.path().join(format!("{}.log", member.name));
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)
+            .map_err(|error| io_error(format!("open {}", log_path.display()), error))?;
+        let client_url = format!("http://127.0.0.1:{}", member.client_port);
+        let peer_url = format!("http://127.0.0.1:{}", member.peer_port);
+        let data_dir = self.directory.path().join(&member.name);
+        // Short heartbeat and election timeouts: a lost leader is replaced within ~1 s, and
+        // the minimum lease TTL etcd grants drops to 1 s (1.5 election timeouts).
+        let child = Command::new(&self.binary)
+            .arg("--name")
+            .arg(&member.name)
+            .arg("--data-dir")
+            .arg(&data_dir)
+            .args(["--listen-client-urls", &client_url, "--advertise-client-urls", &client_url])
+            .args(["--listen-peer-urls", &peer_url, "--initial-advertise-peer-urls", &peer_url])
+            .args(["--initial-cluster", &initial_cluster, "--initial-cluster-state", "new"])
+            .args(["--initial-cluster-token", &self.token])
+            .args(["--heartbeat-interval", "50", "--election-timeout", "500"])
+            .args(["--logger", "zap", "--log-outputs", "stderr", "--log-level", "warn"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .map_err(|error| io_error(format!("start {}", self.binary.display()), error))?;
+        self.members[index].child = Some(child);
+        Ok(())
+    }
+
+    fn wait_healthy(&mut self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        for index in 0..self.members.len() {
+            loop {
+                let port = self.members[index].client_port;
+                match http_get(port, "/health", Duration::from_millis(500)) {
+                    Ok(body) if body.contains("\"health\":\"true\"") => break,
+                    _ => {}
+                }
+                let exited = match self.members[index].child.as_mut().map(|child| child.try_wait()) {
+                    Some(Ok(Some(status))) => Some(status.to_string()),
+                    _ => None,
+                };
+                if exited.is_some() || Instant::now() > deadline {
+                    let log = self.log_tail(index);
+                    let why = exited.map_or_else(|| format!("not healthy in {timeout:?}"), |status| format!("exited ({status})"));
+                    return Err(io_error(
+                        format!("etcd member {} on port {port} {why}; log:\n{log}", self.members[index].name),
+                        std::io::Error::other("etcd did not start"),
+                    ));
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        Ok(())
+    }
+
+    fn log_tail(&self, index: usize) -> String {
+        let path = self.directory.path().join(format!("{}.log", self.members[index].name));
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(20)..].join("\n")
+    }
+
+    /// Client URLs of every member (including stopped ones: a client is given all of them).
+    pub fn endpoints(&self) -> Vec<String> {
+        self.members.iter().map(|member| format!("http://127.0.0.1:{}", member.client_port)).collect()
+    }
+
+    pub fn client_port(&self, index: usize) -> u16 {
+        self.members[index].client_port
+    }
+
+    pub fn data_directory(&self) -> &Path {
+        self.directory.path()
+    }
+
+    /// SIGKILL to member `index` and reaps it (a crash, not a shutdown).
+    pub fn kill(&mut self, index: usize) -> Result<()> {
+        if let Some(mut child) = self.members[index].child.take() {
+            child.kill().map_err(|error| io_error("kill an etcd member", error))?;
+            child.wait().map_err(|error| io_error("reap an etcd member", error))?;
+        }
+        Ok(())
+    }
+
+    /// Starts a killed member again on its ports and data, and waits for the cluster's health.
+    pub fn restart(&mut self, index: usize) -> Result<()> {
+        if self.members[index].child.is_none() {
+            self.spawn(index)?;
+        }
+        self.wait_healthy(START_TIMEOUT)
+    }
+
+    /// SIGSTOP (`pause`) or SIGCONT (`resume`) to member `index`: a member that stalls with its
+    /// sockets open, accepting connections and answering nothing.
+    pub fn pause(&self, index: usize) -> Result<()> {
+        self.signal(index, "-STOP")
+    }
+
+    pub fn resume(&self, index: usize) -> Result<()> {
+        self.signal(index, "-CONT")
+    }
+
+    fn signal(&self, index: usize, signal: &str) -> Result<()> {
+        let Some(child) = self.members[index].child.as_ref() else {
+            return Err(io_error("signal an etcd member", std::io::Error::other("the member is not running")));
+        };
+        let status =
+            Command::new("kill").args([signal, &child.id().to_string()]).status().map_err(|error| io_error("run kill(1)", error))?;
+        if !status.success() {
+            return Err(io_error(format!("kill {signal}"), std::io::Error::other(status.to_string())));
+        }
+        Ok(())
+    }
+
+    /// Whether member `index` is the raft leader now (its `etcd_server_is_leader` metric).
+    pub fn is_leader(&self, index: usize) -> Result<bool> {
+        Ok(self.metrics(index)?.lines().any(|line| line.trim() == "etcd_server_is_leader 1"))
+    }
+
+    /// The Prometheus metrics of member `index` (one HTTP GET).
+    pub fn metrics(&self, index: usize) -> Result<String> {
+        http_get(self.members[index].client_port, "/metrics", Duration::from_secs(2))
+            .map_err(|error| io_error("read etcd's metrics", error))
+    }
+}
+
+impl Drop for LocalEtcd {
+    fn drop(&mut self) {
+        for member in &mut self.members {
+            if let Some(mut child) = member.child.take() {
+                // SIGKILL cannot be ignored, not even by a stopped process: the wait below
+                // returns at once.
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+    }
+}

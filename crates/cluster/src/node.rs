@@ -1,0 +1,376 @@
+//! A node's membership: its record under a lease it keeps alive, and the registration of the
+//! segments it stores (attached to the same lease, so a dead node's segments vanish with it).
+
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use etcd_client::{Compare, CompareOp, LeaseKeepAliveStream, LeaseKeeper, PutOptions, Txn, TxnOp};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::client::{ClusterClient, ClusterConfig, Lookup, Members};
+use crate::connection::{attempt_timeout, Members as EtcdMembers, RETRY_PAUSE_FIRST, RETRY_PAUSE_MAX};
+use crate::error::{ClusterError, Result};
+use crate::layout::{MemberRecord, SegmentRecord, ADDRESS_BYTES_MAX, FINGERPRINTS_MAX};
+use crate::names::ModelSpace;
+use crate::segments::Segment;
+
+/// The lease as the keep-alive loop last saw it; read by every registration.
+#[derive(Debug)]
+struct LeaseState {
+    lease_id: AtomicI64,
+    /// Set when etcd said the lease is gone (a renewal answered with TTL 0, or a registration
+    /// refused for an unknown lease). Cleared only by `rejoin`.
+    lost: AtomicBool,
+    renewals: AtomicU64,
+    renewal_failures: AtomicU64,
+    /// Milliseconds since `origin` of the last renewal etcd confirmed.
+    renewed_at_ms: AtomicU64,
+    origin: Instant,
+}
+
+impl LeaseState {
+    fn mark_renewed(&self) {
+        self.renewals.fetch_add(1, Ordering::Relaxed);
+        self.renewed_at_ms.store(self.origin.elapsed().as_millis() as u64, Ordering::Relaxed);
+    }
+}
+
+/// What the keep-alive loop has seen, for health reports and tests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseHealth {
+    pub lease_id: i64,
+    pub lost: bool,
+    pub renewals: u64,
+    pub renewal_failures: u64,
+    /// Time since etcd last confirmed the lease (or since it was granted).
+    pub since_renewal: Duration,
+}
+
+struct KeepAlive {
+    stop: watch::Sender<bool>,
+    task: JoinHandle<()>,
+}
+
+/// A live member of the cluster. Dropping it stops the keep-alive and revokes the lease (bounded
+/// by the request timeout), so its record and segments vanish at once; a node that dies without
+/// dropping it vanishes when the lease expires.
+pub struct ClusterNode {
+    client: ClusterClient,
+    record: MemberRecord,
+    lease: Arc<LeaseState>,
+    keep_alive: Option<KeepAlive>,
+}
+
+impl ClusterNode {
+    /// Connects, grants a lease and registers `record` under it, refusing a node id another
+    /// live lease holds ([`ClusterError::NodeIdTaken`]: after a crash, the restarted node waits
+    /// for the old lease to expire). Then starts the keep-alive.
+    pub fn join(config: ClusterConfig, record: MemberRecord) -> Result<ClusterNode> {
+        if record.address.len() > ADDRESS_BYTES_MAX {
+            return Err(ClusterError::InvalidSetting(format!("node address longer than {ADDRESS_BYTES_MAX} bytes")));
+        }
+        if record.fingerprints.len() > FINGERPRINTS_MAX {
+            return Err(ClusterError::InvalidSetting(format!("more than {FINGERPRINTS_MAX} model fingerprints")));
+        }
+        let client = ClusterClient::connect(config)?;
+        let lease = Arc::new(LeaseState {
+            lease_id: AtomicI64::new(0),
+            lost: AtomicBool::new(true),
+            renewals: AtomicU64::new(0),
+            renewal_failures: AtomicU64::new(0),
+            renewed_at_ms: AtomicU64::new(0),
+            origin: Instant::now(),
+        });
+        let mut node = ClusterNode { client, record, lease, keep_alive: None };
+        node.establish()?;
+        Ok(node)
+    }
+
+    /// Grants a lease, puts the member record under it if the id is free, starts the keep-alive.
+    fn establish(&mut self) -> Result<()> {
+        let ttl_s = self.client.config.lease_ttl.as_secs() as i64;
+        let granted = self.client.connection.call("grant a lease", |mut client| async move { client.lease_grant(ttl_s, None).await })?;
+        let lease_id = granted.id();
+        let key = self.client.layout.member_key(&self.record.node);
+        let value = self.record.encode(self.client.layout.cluster());
+        let answer = self.client.connection.call("register the member", |mut client| {
+            let transaction = Txn::new()
+                .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
+                .and_then([TxnOp::put(key.clone(), value.clone(), Some(PutOptions::new().with_lease(lease_id)))])
+                .or_else([TxnOp::get(key.clone(), None)]);
+            async move { client.txn(transaction).await }
+        });
+        let answer = match answer {
+            Ok(answer) => answer,
+            Err(error) => {
+                self.revoke(lease_id);
+                return Err(error);
+            }
+        };
+        if !answer.succeeded() {
+            // The id is taken, unless the holder is this very lease (an answer lost on the way
+            // back and the retry found our own put).
+            let holder = answer.op_responses().into_iter().find_map(|response| match response {
+                etcd_client::TxnOpResponse::Get(range) => range.kvs().first().map(|entry| entry.lease()),
+                _ => None,
+            });
+            if holder != Some(lease_id) {
+                self.revoke(lease_id);
+                return Err(ClusterError::NodeIdTaken {
+                    cluster: self.client.layout.cluster().to_string(),
+                    node: self.record.node.to_string(),
+                    lease_id: holder.unwrap_or(0),
+                });
+            }
+        }
+        self.lease.lease_id.store(lease_id, Ordering::Relaxed);
+        self.lease.lost.store(false, Ordering::Relaxed);
+        self.lease.renewed_at_ms.store(self.lease.origin.elapsed().as_millis() as u64, Ordering::Relaxed);
+        let (stop, stopped) = watch::channel(false);
+        let renewal = RenewalLoop {
+            members: self.client.connection.members(),
+            member: 0,
+            lease: self.lease.clone(),
+            lease_id,
+            interval: self.client.config.lease_ttl / 3,
+            request_timeout: self.client.config.request_timeout,
+        };
+        let task = self.client.connection.runtime().spawn(renewal.run(stopped));
+        self.keep_alive = Some(KeepAlive { stop, task });
+        Ok(())
+    }
+
+    /// Revokes `lease_id`, bounded; a failure leaves the lease to expire by itself.
+    fn revoke(&self, lease_id: i64) {
+        let result = self.client.connection.call("revoke the lease", |mut client| async move { client.lease_revoke(lease_id).await });
+        if let Err(error) = result {
+            tracing::warn!(lease_id, %error, "could not revoke the lease; it expires by itself");
+        }
+    }
+
+    /// Stops the keep-alive loop (bounded by the request timeout).
+    fn stop_keep_alive(&mut self) {
+        if let Some(keep_alive) = self.keep_alive.take() {
+            let _ = keep_alive.stop.send(true);
+            let wait = self.client.config.request_timeout;
+            let task = keep_alive.task;
+            let finished = self.client.connection.runtime().block_on(async { tokio::time::timeout(wait, task).await });
+            if finished.is_err() {
+                tracing::warn!("the lease keep-alive did not stop in {wait:?}");
+            }
+        }
+    }
+
+    /// After [`ClusterError::LeaseLost`]: a new lease and member record. The node's segments
+    /// vanished with the old lease; the owner registers what it still holds again.
+    pub fn rejoin(&mut self) -> Result<()> {
+        self.stop_keep_alive();
+        let old = self.lease.lease_id.load(Ordering::Relaxed);
+        self.revoke(old);
+        self.establish()
+    }
+
+    /// Leaves the cluster now: the member record and every segment vanish.
+    pub fn leave(mut self) {
+        self.shut_down();
+    }
+
+    fn shut_down(&mut self) {
+        if self.keep_alive.is_some() {
+            self.stop_keep_alive();
+            self.revoke(self.lease.lease_id.load(Ordering::Relaxed));
+        }
+    }
+
+    pub fn record(&self) -> &MemberRecord {
+        &self.record
+    }
+
+    pub fn client(&self) -> &ClusterClient {
+        &self.client
+    }
+
+    pub fn health(&self) -> LeaseHealth {
+        let renewed_at = Duration::from_millis(self.lease.renewed_at_ms.load(Ordering::Relaxed));
+        LeaseHealth {
+            lease_id: self.lease.lease_id.load(Ordering::Relaxed),
+            lost: self.lease.lost.load(Ordering::Relaxed),
+            renewals: self.lease.renewals.load(Ordering::Relaxed),
+            renewal_failures: self.lease.renewal_failures.load(Ordering::Relaxed),
+            since_renewal: self.lease.origin.elapsed().saturating_sub(renewed_at),
+        }
+    }
+
+    fn live_lease(&self) -> Result<i64> {
+        let lease_id = self.lease.lease_id.load(Ordering::Relaxed);
+        if self.lease.lost.load(Ordering::Relaxed) {
+            return Err(ClusterError::LeaseLost { lease_id });
+        }
+        Ok(lease_id)
+    }
+
+    /// A refusal naming an unknown lease means etcd expired it.
+    fn lease_refused(&self, error: ClusterError, lease_id: i64) -> ClusterError {
+        if let ClusterError::Etcd { source: etcd_client::Error::GRpcStatus(status), .. } = &error {
+            if status.code() == tonic::Code::NotFound {
+                self.lease.lost.store(true, Ordering::Relaxed);
+                return ClusterError::LeaseLost { lease_id };
+            }
+        }
+        error
+    }
+
+    /// Registers `segments` (newly committed, in `space`) as held by this node: one etcd
+    /// transaction per `txn_ops_max` segments, every key attached to the node's lease. Returns
+    /// the number of transactions.
+    pub fn register(&self, space: &ModelSpace, segments: &[Segment]) -> Result<usize> {
+        let lease_id = self.live_lease()?;
+        let layout = &self.client.layout;
+        let mut transactions = 0;
+        for chunk in segments.chunks(self.client.config.txn_ops_max) {
+            let puts: Vec<TxnOp> = chunk
+                .iter()
+                .map(|segment| {
+                    let record = SegmentRecord {
+                        node: self.record.node.clone(),
+                        space: *space,
+                        key: segment.key,
+                        index: segment.index,
+                        segment_blocks: self.client.config.segment_blocks,
+                    };
+                    let key = layout.segment_key(space, segment.key, &self.record.node);
+                    TxnOp::put(key, record.encode(layout.cluster()), Some(PutOptions::new().with_lease(lease_id)))
+                })
+                .collect();
+            self.client
+                .connection
+                .call("register segments", |mut client| {
+                    let transaction = Txn::new().and_then(puts.clone());
+                    async move { client.txn(transaction).await }
+                })
+                .map_err(|error| self.lease_refused(error, lease_id))?;
+            transactions += 1;
+        }
+        Ok(transactions)
+    }
+
+    /// Removes this node's registration of `segments` (evicted locally). Deleting a segment that
+    /// was not registered is not an error.
+    pub fn unregister(&self, space: &ModelSpace, segments: &[Segment]) -> Result<usize> {
+        let layout = &self.client.layout;
+        let mut transactions = 0;
+        for chunk in segments.chunks(self.client.config.txn_ops_max) {
+            let deletes: Vec<TxnOp> =
+                chunk.iter().map(|segment| TxnOp::delete(layout.segment_key(space, segment.key, &self.record.node), None)).collect();
+            self.client.connection.call("unregister segments", |mut client| {
+                let transaction = Txn::new().and_then(deletes.clone());
+                async move { client.txn(transaction).await }
+            })?;
+            transactions += 1;
+        }
+        Ok(transactions)
+    }
+
+    /// See [`ClusterClient::lookup`].
+    pub fn lookup(&self, space: &ModelSpace, segments: &[Segment]) -> Result<Lookup> {
+        self.client.lookup(space, segments)
+    }
+
+    /// See [`ClusterClient::members`].
+    pub fn members(&self) -> Result<Members> {
+        self.client.members()
+    }
+}
+
+impl Drop for ClusterNode {
+    fn drop(&mut self) {
+        self.shut_down();
+    }
+}
+
+/// Renews one lease every `interval` until told to stop or etcd says the lease is gone.
+struct RenewalLoop {
+    /// The etcd members; the stream is opened on the preferred one, and a failure on it moves
+    /// the preference on (as every other request's does).
+    members: Arc<EtcdMembers>,
+    /// The member the current stream is open on.
+    member: usize,
+    lease: Arc<LeaseState>,
+    lease_id: i64,
+    interval: Duration,
+    request_timeout: Duration,
+}
+
+impl RenewalLoop {
+    async fn run(mut self, mut stopped: watch::Receiver<bool>) {
+        let mut stream: Option<(LeaseKeeper, LeaseKeepAliveStream)> = None;
+        // After a failure the next attempt comes soon (another member may answer), not a whole
+        // interval later: the lease must be renewed before it runs out.
+        let mut wait = self.interval;
+        let mut retry_pause = RETRY_PAUSE_FIRST;
+        loop {
+            // Ok: told to stop (or the owner is gone); Err: the wait passed.
+            if tokio::time::timeout(wait, stopped.changed()).await.is_ok() {
+                return;
+            }
+            let outcome = match tokio::time::timeout(attempt_timeout(self.request_timeout), self.renew(&mut stream)).await {
+                Ok(Ok(ttl_s)) if ttl_s > 0 => Ok(()),
+                Ok(Ok(_)) => {
+                    tracing::error!(lease_id = self.lease_id, "etcd says the node's lease expired");
+                    self.lease.lost.store(true, Ordering::Relaxed);
+                    return;
+                }
+                Ok(Err(error)) => Err(error.to_string()),
+                Err(_) => Err("timed out".to_owned()),
+            };
+            match outcome {
+                Ok(()) => {
+                    self.lease.mark_renewed();
+                    wait = self.interval;
+                    retry_pause = RETRY_PAUSE_FIRST;
+                }
+                Err(error) => {
+                    tracing::warn!(lease_id = self.lease_id, %error, "lease renewal failed; retrying");
+                    self.lease.renewal_failures.fetch_add(1, Ordering::Relaxed);
+                    stream = None;
+                    self.members.failed(self.member);
+                    wait = retry_pause;
+                    retry_pause = (retry_pause * 2).min(RETRY_PAUSE_MAX);
+                }
+            }
+        }
+    }
+
+    /// One renewal over the keep-alive stream (opened again after a failure): the TTL etcd
+    /// granted, 0 when the lease no longer exists.
+    async fn renew(&mut self, stream: &mut Option<(LeaseKeeper, LeaseKeepAliveStream)>) -> std::result::Result<i64, etcd_client::Error> {
+        if stream.is_none() {
+            let (member, mut client) = self.members.current();
+            self.member = member;
+            match client.lease_keep_alive(self.lease_id).await {
+                Ok(opened) => *stream = Some(opened),
+                // etcd-client refuses to open the stream when etcd's first answer has TTL 0
+                // (the lease is gone) and says so only in words: ask etcd itself (TTL −1 for a
+                // lease it does not know).
+                Err(etcd_client::Error::LeaseKeepAliveError(words)) => {
+                    let ttl_s = client.lease_time_to_live(self.lease_id, None).await?.ttl();
+                    if ttl_s > 0 {
+                        return Err(etcd_client::Error::LeaseKeepAliveError(words));
+                    }
+                    return Ok(0);
+                }
+                Err(error) => return Err(error),
+            }
+        }
+        let Some((keeper, responses)) = stream.as_mut() else {
+            return Err(etcd_client::Error::LeaseKeepAliveError("no keep-alive stream".into()));
+        };
+        keeper.keep_alive().await?;
+        match responses.message().await? {
+            Some(response) => Ok(response.ttl()),
+            None => Err(etcd_client::Error::LeaseKeepAliveError("the keep-alive stream ended".into())),
+        }
+    }
+}

@@ -1,0 +1,135 @@
+//! The cluster as `tutti cluster status` shows it: members with their leases, segments per node,
+//! replica counts, and what was refused on the way.
+
+use std::collections::{BTreeMap, HashMap};
+
+use etcd_client::GetOptions;
+
+use crate::client::ClusterClient;
+use crate::error::Result;
+use crate::layout::{MemberRecord, SegmentRecord};
+use crate::names::{ModelSpace, NodeId, SegmentKey};
+
+/// Keys read per request while scanning.
+const PAGE_KEYS: i64 = 1000;
+/// Most keys one status scan reads (then `truncated`): 1,000 nodes × 1,000 segments.
+const SCAN_KEYS_MAX: u64 = 1_000_000;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemberStatus {
+    pub record: MemberRecord,
+    pub lease_id: i64,
+    /// Seconds the lease has left as etcd reports it; None when etcd no longer knows it.
+    pub ttl_left_s: Option<i64>,
+    /// Segments this node has registered.
+    pub segments: u64,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ClusterStatus {
+    pub members: Vec<MemberStatus>,
+    /// Holder entries (one per node per segment).
+    pub holder_entries: u64,
+    /// Distinct segments (model space + segment key) held somewhere.
+    pub distinct_segments: u64,
+    /// Replica count → how many segments have that many holders.
+    pub replicas: BTreeMap<u64, u64>,
+    /// Holder entries of nodes without a member record (should not last: they share its lease).
+    pub holders_without_member: u64,
+    /// Entries of this format version refused (malformed key or value, foreign content).
+    pub skipped_entries: u64,
+    /// Keys of the cluster in another format version (not read).
+    pub other_version_keys: u64,
+    /// The scan stopped at its bound before the end of the cluster's keys.
+    pub truncated: bool,
+}
+
+/// The first key after every key that starts with `prefix`.
+fn prefix_end(prefix: &str) -> Vec<u8> {
+    let mut end = prefix.as_bytes().to_vec();
+    // Prefixes here end in '/', never 0xff: incrementing the last byte is the range end.
+    if let Some(last) = end.last_mut() {
+        *last += 1;
+    }
+    end
+}
+
+impl ClusterClient {
+    /// Scans the cluster's keys (pages of 1,000, bounded at 1,000,000) and asks etcd each
+    /// member lease's time to live. Each request is bounded by the request timeout.
+    pub fn status(&self) -> Result<ClusterStatus> {
+        let mut status = ClusterStatus::default();
+        let cluster_prefix = self.layout.cluster_prefix();
+        let version_prefix = self.layout.version_prefix().to_owned();
+        let members_prefix = self.layout.members_prefix();
+        let segments_prefix = self.layout.segments_prefix();
+        let end = prefix_end(&cluster_prefix);
+        let mut start = cluster_prefix.clone().into_bytes();
+        let mut scanned = 0u64;
+        let mut members: Vec<(MemberRecord, i64)> = Vec::new();
+        let mut holders: HashMap<(ModelSpace, SegmentKey), u64> = HashMap::new();
+        let mut per_node: HashMap<NodeId, u64> = HashMap::new();
+        loop {
+            let page = self.connection.call("status scan", |mut client| {
+                let options = GetOptions::new().with_range(end.clone()).with_limit(PAGE_KEYS);
+                let start = start.clone();
+                async move { client.get(start, Some(options)).await }
+            })?;
+            for entry in page.kvs() {
+                scanned += 1;
+                let key = entry.key();
+                if !key.starts_with(version_prefix.as_bytes()) {
+                    status.other_version_keys += 1;
+                } else if key.starts_with(members_prefix.as_bytes()) {
+                    let record = self
+                        .layout
+                        .parse_member_key(key)
+                        .and_then(|node| MemberRecord::decode(entry.value(), self.layout.cluster(), &node).ok());
+                    match record {
+                        Some(record) => members.push((record, entry.lease())),
+                        None => status.skipped_entries += 1,
+                    }
+                } else if key.starts_with(segments_prefix.as_bytes()) {
+                    let record = self.layout.parse_segment_key(key).and_then(|(space, segment, node)| {
+                        SegmentRecord::decode(entry.value(), self.layout.cluster(), &space, segment, &node).ok()
+                    });
+                    match record {
+                        Some(record) if record.segment_blocks == self.config.segment_blocks => {
+                            status.holder_entries += 1;
+                            *holders.entry((record.space, record.key)).or_default() += 1;
+                            *per_node.entry(record.node).or_default() += 1;
+                        }
+                        _ => status.skipped_entries += 1,
+                    }
+                } else {
+                    status.skipped_entries += 1;
+                }
+            }
+            match page.kvs().last() {
+                Some(last) if page.more() && scanned < SCAN_KEYS_MAX => {
+                    start = last.key().to_vec();
+                    start.push(0);
+                }
+                _ => {
+                    status.truncated = page.more();
+                    break;
+                }
+            }
+        }
+        status.distinct_segments = holders.len() as u64;
+        for count in holders.values() {
+            *status.replicas.entry(*count).or_default() += 1;
+        }
+        for (record, lease_id) in members {
+            let ttl_left_s = self
+                .connection
+                .call("lease time to live", |mut client| async move { client.lease_time_to_live(lease_id, None).await })?
+                .ttl();
+            let segments = per_node.remove(&record.node).unwrap_or(0);
+            status.members.push(MemberStatus { record, lease_id, ttl_left_s: (ttl_left_s >= 0).then_some(ttl_left_s), segments });
+        }
+        status.holders_without_member = per_node.values().sum();
+        status.members.sort_by(|a, b| a.record.node.cmp(&b.record.node));
+        Ok(status)
+    }
+}

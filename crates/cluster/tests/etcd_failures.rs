@@ -1,0 +1,117 @@
+//! The registry against a three-member etcd that loses members: one member down, the registry
+//! keeps working; every member down, each call answers "unavailable" within its deadline.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use tutti_cluster::{ClusterClient, ClusterError, ClusterNode};
+
+/// Three times the longest leader election of the local etcd (election timeout 500 ms,
+/// randomised up to twice that; the slowest seen here took 1.5 s on a loaded machine).
+const ELECTION_PROOF_REQUEST_TIMEOUT: Duration = Duration::from_secs(3);
+const ELECTION_PROOF_LEASE_TTL: Duration = Duration::from_secs(5);
+
+#[test]
+fn the_registry_survives_the_loss_of_one_etcd_member_of_three() {
+    // Goal: with any one member killed (each in turn, the leader among them), lookups,
+    // registrations and the member list keep answering, and the node's lease keeps being
+    // renewed past its TTL. The request timeout covers a leader election (the members' election
+    // timeout is 500 ms, randomised up to 1 s), so that killing the leader costs time, not errors.
+    let Some(mut etcd) = start_etcd(3) else { return };
+    let mut settings = config(&etcd, "quorum");
+    settings.request_timeout = ELECTION_PROOF_REQUEST_TIMEOUT;
+    settings.lease_ttl = ELECTION_PROOF_LEASE_TTL;
+    let node_a = ClusterNode::join(settings.clone(), record("a")).unwrap();
+    let reader = ClusterClient::connect(settings).unwrap();
+    let segments = prompt(11, 12);
+    node_a.register(&space(), &segments[..4]).unwrap();
+    for member in 0..3 {
+        etcd.kill(member).unwrap();
+        let started = Instant::now();
+        let registered = 4 * (member + 2);
+        node_a.register(&space(), &segments[4 * (member + 1)..registered.min(12)]).unwrap();
+        assert_eq!(reader.lookup(&space(), &segments).unwrap().prefix_segments(), registered.min(12));
+        assert_eq!(reader.members().unwrap().nodes, vec![record("a")]);
+        eprintln!("member {member} down: register + lookup + members in {:?}", started.elapsed());
+        // Longer than the TTL with a member down: renewals must have gone through the others.
+        std::thread::sleep(ELECTION_PROOF_LEASE_TTL + Duration::from_millis(500));
+        let health = node_a.health();
+        assert!(!health.lost && health.since_renewal < ELECTION_PROOF_LEASE_TTL, "{health:?}");
+        assert_eq!(reader.members().unwrap().nodes, vec![record("a")]);
+        etcd.restart(member).unwrap();
+    }
+    assert_eq!(reader.lookup(&space(), &segments).unwrap().prefix_segments(), 12);
+}
+
+#[test]
+fn with_every_etcd_member_down_each_call_is_unavailable_within_its_deadline() {
+    // Goal: all three members killed: lookup, members, register and status each return
+    // `Unavailable` within the request timeout (plus scheduling slack), never hang; leaving the
+    // cluster (drop) is bounded too.
+    let Some(mut etcd) = start_etcd(3) else { return };
+    let node_a = ClusterNode::join(config(&etcd, "dark"), record("a")).unwrap();
+    let segments = prompt(12, 4);
+    node_a.register(&space(), &segments).unwrap();
+    for member in 0..3 {
+        etcd.kill(member).unwrap();
+    }
+    let slack = Duration::from_millis(750);
+    let bounded = |what: &str, call: &dyn Fn() -> Result<(), ClusterError>| {
+        let started = Instant::now();
+        let error = call().expect_err(what);
+        let waited = started.elapsed();
+        assert!(matches!(error, ClusterError::Unavailable { .. }), "{what}: {error}");
+        assert!(waited <= REQUEST_TIMEOUT + slack, "{what} waited {waited:?}");
+        eprintln!("{what}: {error} after {waited:?}");
+    };
+    bounded("lookup", &|| node_a.lookup(&space(), &segments).map(|_| ()));
+    bounded("members", &|| node_a.members().map(|_| ()));
+    bounded("register", &|| node_a.register(&space(), &segments).map(|_| ()));
+    bounded("unregister", &|| node_a.unregister(&space(), &segments).map(|_| ()));
+    bounded("status", &|| node_a.client().status().map(|_| ()));
+    let fresh = ClusterClient::connect(config(&etcd, "dark")).unwrap();
+    bounded("a fresh client's lookup", &|| fresh.lookup(&space(), &segments).map(|_| ()));
+
+    // Leaving: the keep-alive stop and the revoke are each bounded by the request timeout.
+    let started = Instant::now();
+    drop(node_a);
+    assert!(started.elapsed() <= REQUEST_TIMEOUT * 2 + Duration::from_secs(2), "drop took {:?}", started.elapsed());
+}
+
+#[test]
+fn a_stalled_etcd_member_costs_no_call_its_deadline() {
+    // Goal: a follower that stalls (SIGSTOP: its sockets accept, nothing answers) for longer
+    // than the lease TTL: every lookup and registration still succeeds — an attempt stuck on it
+    // gives up after a third of the request timeout and the retry goes to another member — and
+    // the lease survives, renewed through the others.
+    let Some(etcd) = start_etcd(3) else { return };
+    // The follower to stall is listed first: the member clients try first.
+    let follower = (0..3).find(|&member| !etcd.is_leader(member).unwrap()).unwrap();
+    let mut settings = config(&etcd, "stall");
+    settings.endpoints.rotate_left(follower);
+    let node_a = ClusterNode::join(settings.clone(), record("a")).unwrap();
+    let reader = ClusterClient::connect(settings).unwrap();
+    let segments = prompt(13, 40);
+    node_a.register(&space(), &segments[..1]).unwrap();
+    etcd.pause(follower).unwrap();
+    let started = Instant::now();
+    let mut slowest = Duration::ZERO;
+    for index in 1..segments.len() {
+        let call = Instant::now();
+        node_a.register(&space(), &segments[index..=index]).unwrap_or_else(|error| panic!("register {index}: {error}"));
+        let found = reader.lookup(&space(), &segments).unwrap_or_else(|error| panic!("lookup {index}: {error}"));
+        assert_eq!(found.prefix_segments(), index + 1);
+        slowest = slowest.max(call.elapsed());
+        if started.elapsed() > LEASE_TTL + Duration::from_secs(1) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    eprintln!("member {follower} stalled: slowest register + lookup {slowest:?}");
+    let health = node_a.health();
+    etcd.resume(follower).unwrap();
+    assert!(!health.lost && health.since_renewal < LEASE_TTL, "{health:?}");
+    assert_eq!(reader.members().unwrap().nodes, vec![record("a")]);
+}

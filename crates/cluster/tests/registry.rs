@@ -1,0 +1,285 @@
+//! The registry against one real etcd member: membership with its lease, registration and
+//! lookup of segments, eviction, a dead node's segments vanishing, refused foreign records, and
+//! the round-trip count of a lookup.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use tutti_cluster::layout::KeyLayout;
+use tutti_cluster::{ClusterClient, ClusterError, ClusterId, ClusterNode, ModelSpace, SegmentBlocks, SegmentRecord};
+
+const CHILD_ENV: &str = "TUTTI_CLUSTER_CHILD_ENDPOINT";
+
+/// Not a test on its own: the node process `a_dead_nodes_membership_and_segments_vanish` starts
+/// (this binary run again) joins, registers, says READY and waits to be killed.
+#[test]
+fn child_node_entry() {
+    let Ok(endpoint) = std::env::var(CHILD_ENV) else { return };
+    let mut config =
+        tutti_cluster::ClusterConfig::new(vec![endpoint], ClusterId::new("dying").unwrap(), SegmentBlocks::new(SEGMENT_BLOCKS).unwrap());
+    config.lease_ttl = LEASE_TTL;
+    config.request_timeout = REQUEST_TIMEOUT;
+    let node = ClusterNode::join(config, record("doomed")).expect("child joins");
+    node.register(&space(), &prompt(1, 4)).expect("child registers");
+    println!("READY");
+    // Bounded: the parent kills it long before this.
+    std::thread::sleep(Duration::from_secs(60));
+}
+
+#[test]
+fn membership_appears_and_leaves_with_the_node() {
+    // Goal: a joined node is listed with its record; its lease is renewed past the TTL; a
+    // second node with the same id is refused; dropping the node removes it at once (revoke).
+    let Some(etcd) = start_etcd(1) else { return };
+    let node_a = ClusterNode::join(config(&etcd, "members"), record("a")).unwrap();
+    let node_b = ClusterNode::join(config(&etcd, "members"), record("b")).unwrap();
+    let members = node_a.members().unwrap();
+    assert_eq!(members.nodes, vec![record("a"), record("b")]);
+    assert_eq!(members.skipped_entries, 0);
+
+    match ClusterNode::join(config(&etcd, "members"), record("a")) {
+        Err(ClusterError::NodeIdTaken { node, lease_id, .. }) => {
+            assert_eq!(node, "a");
+            assert_eq!(lease_id, node_a.health().lease_id);
+        }
+        other => panic!("a second node 'a' joined: {:?}", other.map(|_| ())),
+    }
+
+    // Twice the TTL: only renewals keep it listed.
+    std::thread::sleep(LEASE_TTL * 2);
+    let health = node_a.health();
+    assert!(!health.lost && health.renewals >= 3, "{health:?}");
+    assert_eq!(node_b.members().unwrap().nodes.len(), 2);
+
+    drop(node_a);
+    assert_eq!(node_b.members().unwrap().nodes, vec![record("b")]);
+}
+
+#[test]
+fn a_dead_nodes_membership_and_segments_vanish_when_its_lease_expires() {
+    // Goal: a node process killed with SIGKILL (no revoke) is listed until its lease expires,
+    // then its member record and its segments vanish within the TTL plus etcd's expiry tick.
+    let Some(etcd) = start_etcd(1) else { return };
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child_node_entry", "--nocapture", "--test-threads=1"])
+        .env(CHILD_ENV, &etcd.endpoints()[0])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    while !line.contains("READY") {
+        line.clear();
+        assert!(stdout.read_line(&mut line).unwrap() > 0, "the child node exited before READY");
+    }
+    let reader = ClusterClient::connect(config(&etcd, "dying")).unwrap();
+    assert_eq!(reader.members().unwrap().nodes, vec![record("doomed")]);
+    assert_eq!(reader.lookup(&space(), &prompt(1, 4)).unwrap().prefix_segments(), 4);
+
+    child.kill().unwrap();
+    let killed = Instant::now();
+    child.wait().unwrap();
+    let gone = wait_until(LEASE_TTL + Duration::from_secs(4), || {
+        reader.members().unwrap().nodes.is_empty() && reader.lookup(&space(), &prompt(1, 4)).unwrap().holders.is_empty()
+    });
+    let gone = gone.expect("the dead node is still registered");
+    eprintln!("dead node gone {:?} after SIGKILL (TTL {LEASE_TTL:?})", killed.elapsed());
+    assert!(gone <= LEASE_TTL + Duration::from_secs(4));
+}
+
+#[test]
+fn lookup_finds_the_longest_prefix_and_its_holders() {
+    // Goal: node A holds 2 segments of a prompt, node B 5; a lookup of 8 finds 5, A and B on
+    // the first 2, B alone after; a prompt that diverges after segment 3 finds 3; another model
+    // space finds nothing; eviction shortens the prefix; unregistering all of A leaves B.
+    let Some(etcd) = start_etcd(1) else { return };
+    let node_a = ClusterNode::join(config(&etcd, "prefixes"), record("a")).unwrap();
+    let node_b = ClusterNode::join(config(&etcd, "prefixes"), record("b")).unwrap();
+    let whole = prompt(9, 8);
+    assert_eq!(node_a.register(&space(), &whole[..2]).unwrap(), 1);
+    assert_eq!(node_b.register(&space(), &whole[..5]).unwrap(), 1);
+
+    let lookup = node_a.lookup(&space(), &whole).unwrap();
+    assert_eq!(lookup.prefix_segments(), 5);
+    assert_eq!(lookup.holders[0], vec![node("a"), node("b")]);
+    assert_eq!(lookup.holders[1], vec![node("a"), node("b")]);
+    assert_eq!(lookup.holders[4], vec![node("b")]);
+    assert_eq!(lookup.holder_prefixes(), vec![(node("b"), 5), (node("a"), 2)]);
+    assert_eq!(lookup.skipped_entries, 0);
+
+    assert_eq!(node_a.lookup(&space(), &diverging_prompt(9, 3, 8)).unwrap().prefix_segments(), 3);
+    let other_rank = ModelSpace::new([7; 32], 1, 2).unwrap();
+    assert_eq!(node_a.lookup(&other_rank, &whole).unwrap().prefix_segments(), 0);
+    let other_model = ModelSpace::new([8; 32], 0, 1).unwrap();
+    assert_eq!(node_a.lookup(&other_model, &whole).unwrap().prefix_segments(), 0);
+
+    // B evicts its segments 3 and 4: the prefix is 3 long.
+    node_b.unregister(&space(), &whole[3..5]).unwrap();
+    assert_eq!(node_a.lookup(&space(), &whole).unwrap().prefix_segments(), 3);
+    // A evicts all it had: B alone holds the first segment.
+    node_a.unregister(&space(), &whole[..2]).unwrap();
+    let lookup = node_a.lookup(&space(), &whole).unwrap();
+    assert_eq!(lookup.prefix_segments(), 3);
+    assert_eq!(lookup.holders[0], vec![node("b")]);
+    // Evicting what was never registered is no error.
+    node_a.unregister(&space(), &whole[6..]).unwrap();
+
+    let status = node_a.client().status().unwrap();
+    assert_eq!(status.members.len(), 2);
+    assert_eq!(status.members.iter().map(|member| member.segments).collect::<Vec<_>>(), vec![0, 3]);
+    assert!(status.members.iter().all(|member| member.ttl_left_s.is_some_and(|ttl| ttl <= 2)));
+    assert_eq!(status.replicas.get(&1), Some(&3));
+}
+
+#[test]
+fn a_lookup_is_one_round_trip_and_a_registration_one_transaction() {
+    // Goal: registering 100 segments is one etcd Txn; looking up 128 segments (etcd's default
+    // --max-txn-ops) is one request — counted by etcd itself (its gRPC metrics) and by the client.
+    let Some(etcd) = start_etcd(1) else { return };
+    let node_a = ClusterNode::join(config(&etcd, "trips"), record("a")).unwrap();
+    let reader = ClusterClient::connect(config(&etcd, "trips")).unwrap();
+    let segments = prompt(3, 128);
+
+    let before = started_requests(&etcd);
+    assert_eq!(node_a.register(&space(), &segments[..100]).unwrap(), 1);
+    let after_register = started_requests(&etcd);
+    assert_eq!(after_register.txn - before.txn, 1, "register: {before:?} → {after_register:?}");
+
+    let lookup = reader.lookup(&space(), &segments).unwrap();
+    let after_lookup = started_requests(&etcd);
+    assert_eq!(lookup.prefix_segments(), 100);
+    assert_eq!(lookup.requests, 1);
+    assert_eq!(after_lookup.txn - after_register.txn, 1, "lookup: {after_register:?} → {after_lookup:?}");
+    assert_eq!(after_lookup.unary - after_register.unary, 1, "lookup sent other requests too");
+
+    // 129 segments need a second transaction — but only if the first 128 all hit.
+    let longer = prompt(3, 129);
+    assert_eq!(reader.lookup(&space(), &longer).unwrap().requests, 1, "stops at the first chunk with a miss");
+    node_a.register(&space(), &longer[100..]).unwrap();
+    let lookup = reader.lookup(&space(), &longer).unwrap();
+    assert_eq!((lookup.prefix_segments(), lookup.requests), (129, 2));
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Started {
+    txn: u64,
+    unary: u64,
+}
+
+/// Unary gRPC requests etcd has started, from its Prometheus metrics.
+fn started_requests(etcd: &tutti_cluster::local_etcd::LocalEtcd) -> Started {
+    let metrics = etcd.metrics(0).unwrap();
+    let mut started = Started { txn: 0, unary: 0 };
+    for line in metrics.lines().filter(|line| line.starts_with("grpc_server_started_total{")) {
+        let count: u64 = line.rsplit(' ').next().unwrap().parse::<f64>().unwrap() as u64;
+        if line.contains("grpc_type=\"unary\"") {
+            started.unary += count;
+        }
+        if line.contains("grpc_method=\"Txn\"") {
+            started.txn += count;
+        }
+    }
+    started
+}
+
+#[test]
+fn foreign_malformed_and_other_version_records_are_refused() {
+    // Goal: entries planted under the registry's keys are never trusted: garbage, another
+    // cluster's record, a record copied under another segment's key, a record of another chain
+    // position or segment size — all skipped and counted; a segment held only through such an
+    // entry ends the prefix. Keys of another format version are not read by lookups and are
+    // counted by status; a garbage member entry is skipped by members().
+    let Some(etcd) = start_etcd(1) else { return };
+    let cluster = ClusterId::new("guarded").unwrap();
+    let layout = KeyLayout::new(cluster.clone());
+    let node_a = ClusterNode::join(config(&etcd, "guarded"), record("a")).unwrap();
+    let segments = prompt(5, 4);
+    node_a.register(&space(), &segments[..1]).unwrap();
+
+    let good = |index: usize, name: &str| SegmentRecord {
+        node: node(name),
+        space: space(),
+        key: segments[index].key,
+        index: segments[index].index,
+        segment_blocks: SegmentBlocks::new(SEGMENT_BLOCKS).unwrap(),
+    };
+    let foreign = good(0, "f").encode(&ClusterId::new("other").unwrap());
+    let copied = good(0, "c").encode(&cluster);
+    let mut wrong_position = good(1, "p");
+    wrong_position.index = 7;
+    let mut wrong_size = good(1, "s");
+    wrong_size.segment_blocks = SegmentBlocks::new(32).unwrap();
+    let mut garbage = good(1, "g").encode(&cluster);
+    garbage[10] ^= 1;
+    let plants: Vec<(String, Vec<u8>)> = vec![
+        (layout.segment_key(&space(), segments[0].key, &node("f")), foreign),
+        (layout.segment_key(&space(), segments[1].key, &node("c")), copied),
+        (layout.segment_key(&space(), segments[1].key, &node("p")), wrong_position.encode(&cluster)),
+        (layout.segment_key(&space(), segments[1].key, &node("s")), wrong_size.encode(&cluster)),
+        (layout.segment_key(&space(), segments[1].key, &node("g")), garbage),
+        (format!("{}/x", layout.segment_key(&space(), segments[1].key, &node("k"))), good(1, "k").encode(&cluster)),
+        (layout.member_key(&node("m")), b"not a member".to_vec()),
+        (layout.segment_key(&space(), segments[1].key, &node("v")).replace("/v1/", "/v2/"), good(1, "v").encode(&cluster)),
+    ];
+    put_raw(&etcd, &plants);
+
+    let lookup = node_a.lookup(&space(), &segments).unwrap();
+    assert_eq!(lookup.holders, vec![vec![node("a")]], "only the sound registration counts");
+    assert_eq!(lookup.skipped_entries, 1 + 5);
+
+    let members = node_a.members().unwrap();
+    assert_eq!((members.nodes, members.skipped_entries), (vec![record("a")], 1));
+
+    let status = node_a.client().status().unwrap();
+    assert_eq!(status.other_version_keys, 1);
+    // Status cannot tell a record's chain position is wrong (it sees no prompt): it counts the
+    // wrong-position record as a holder, and the other six as refused.
+    assert_eq!(status.skipped_entries, 6);
+    assert_eq!(status.holder_entries, 2);
+}
+
+/// Writes raw key/value pairs into etcd, as a buggy or hostile writer would.
+fn put_raw(etcd: &tutti_cluster::local_etcd::LocalEtcd, pairs: &[(String, Vec<u8>)]) {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    runtime.block_on(async {
+        let mut client = etcd_client::Client::connect(etcd.endpoints(), None).await.unwrap();
+        for (key, value) in pairs {
+            client.put(key.as_str(), value.clone(), None).await.unwrap();
+        }
+    });
+}
+
+#[test]
+fn a_lost_lease_is_reported_and_rejoin_restores_the_node() {
+    // Goal: when etcd drops the node's lease (here revoked behind its back, as an expiry during
+    // a long partition would), the keep-alive notices, registrations answer `LeaseLost` instead
+    // of writing keys nobody keeps alive, and `rejoin` gives a new lease under which the node
+    // and its re-registered segments are back.
+    let Some(etcd) = start_etcd(1) else { return };
+    let mut node_a = ClusterNode::join(config(&etcd, "relapse"), record("a")).unwrap();
+    let segments = prompt(21, 3);
+    node_a.register(&space(), &segments).unwrap();
+    let old_lease = node_a.health().lease_id;
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    runtime.block_on(async {
+        let mut client = etcd_client::Client::connect(etcd.endpoints(), None).await.unwrap();
+        client.lease_revoke(old_lease).await.unwrap();
+    });
+    assert!(node_a.members().unwrap().nodes.is_empty());
+    assert!(wait_until(LEASE_TTL, || node_a.health().lost).is_some(), "{:?}", node_a.health());
+    match node_a.register(&space(), &segments) {
+        Err(ClusterError::LeaseLost { lease_id }) => assert_eq!(lease_id, old_lease),
+        other => panic!("register under a lost lease: {other:?}"),
+    }
+    node_a.rejoin().unwrap();
+    assert_ne!(node_a.health().lease_id, old_lease);
+    assert!(!node_a.health().lost);
+    node_a.register(&space(), &segments).unwrap();
+    assert_eq!(node_a.members().unwrap().nodes, vec![record("a")]);
+    assert_eq!(node_a.lookup(&space(), &segments).unwrap().prefix_segments(), 3);
+}

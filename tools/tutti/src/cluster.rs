@@ -1,0 +1,104 @@
+//! `tutti cluster status`: the cluster tier as etcd holds it (crates/cluster, docs/cluster.md):
+//! members and their leases, segments per node, replica counts, refused entries.
+//!
+//! Exit status: 2 for unusable options (a bad cluster id, segment size or timeout), 1 when etcd
+//! does not answer within the timeout, 0 otherwise.
+
+use std::time::Duration;
+
+use anyhow::Result;
+use clap::Args;
+use tutti_cli::outln;
+use tutti_cluster::{ClusterClient, ClusterConfig, ClusterError, ClusterId, ClusterStatus, SegmentBlocks, FORMAT_VERSION};
+use tutti_devices::format_size;
+
+use crate::Unusable;
+
+#[derive(clap::Subcommand, Debug)]
+pub enum ClusterCommand {
+    /// Members (address, capacity, lease and its TTL left), segments per node, replica counts.
+    Status(StatusArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct StatusArgs {
+    /// An etcd client URL (http://host:2379); repeat for every member.
+    #[arg(long = "etcd", required = true)]
+    endpoints: Vec<String>,
+    /// The cluster id the nodes joined with.
+    #[arg(long, default_value = "tutti")]
+    cluster: String,
+    /// Blocks per segment in this cluster (registrations of another size are counted as refused).
+    #[arg(long, default_value_t = 32)]
+    segment_blocks: u16,
+    /// The longest each request to etcd may wait.
+    #[arg(long, default_value_t = 3000)]
+    timeout_ms: u64,
+}
+
+pub fn run(command: &ClusterCommand) -> Result<()> {
+    match command {
+        ClusterCommand::Status(args) => status(args),
+    }
+}
+
+fn unusable(error: ClusterError) -> anyhow::Error {
+    match error {
+        ClusterError::InvalidSetting(_) => Unusable(error.to_string()).into(),
+        error => error.into(),
+    }
+}
+
+fn status(args: &StatusArgs) -> Result<()> {
+    let cluster = ClusterId::new(&args.cluster).map_err(unusable)?;
+    let segment_blocks = SegmentBlocks::new(args.segment_blocks).map_err(unusable)?;
+    let mut config = ClusterConfig::new(args.endpoints.clone(), cluster, segment_blocks);
+    config.request_timeout = Duration::from_millis(args.timeout_ms);
+    let client = ClusterClient::connect(config).map_err(unusable)?;
+    let status = client.status()?;
+    print_status(&args.cluster, &status)
+}
+
+fn print_status(cluster: &str, status: &ClusterStatus) -> Result<()> {
+    outln!("cluster {cluster} (registry format v{FORMAT_VERSION}): {} members", status.members.len())?;
+    if !status.members.is_empty() {
+        outln!(
+            "  {:<20} {:<24} {:>10} {:>18} {:>8} {:>10} {:>6}",
+            "node",
+            "address",
+            "capacity",
+            "lease",
+            "ttl left",
+            "segments",
+            "models"
+        )?;
+    }
+    for member in &status.members {
+        let ttl = member.ttl_left_s.map_or_else(|| "expired".to_owned(), |ttl| format!("{ttl} s"));
+        outln!(
+            "  {:<20} {:<24} {:>10} {:>18} {:>8} {:>10} {:>6}",
+            member.record.node.as_str(),
+            member.record.address,
+            format_size(member.record.capacity_bytes),
+            format!("{:#x}", member.lease_id),
+            ttl,
+            member.segments,
+            member.record.fingerprints.len()
+        )?;
+    }
+    outln!("segments: {} distinct, {} holder entries", status.distinct_segments, status.holder_entries)?;
+    let replicas: Vec<String> = status.replicas.iter().map(|(count, segments)| format!("{count}x: {segments}")).collect();
+    outln!("replicas: {}", if replicas.is_empty() { "none".to_owned() } else { replicas.join(", ") })?;
+    if status.holders_without_member > 0 {
+        outln!("holder entries of nodes that are not members: {}", status.holders_without_member)?;
+    }
+    outln!(
+        "refused entries: {} (malformed or foreign); keys of another format version: {}",
+        status.skipped_entries,
+        status.other_version_keys
+    )?;
+    if status.truncated {
+        outln!("(the scan stopped at its bound; counts are partial)")?;
+    }
+    Ok(())
+}

@@ -1,0 +1,80 @@
+//! `tutti cluster status` against a real etcd: what two nodes registered, as a user reads it;
+//! exit status 1 when etcd does not answer (within the timeout), 2 for unusable options.
+
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+use tutti_cluster::local_etcd::{etcd_binary, LocalEtcd};
+use tutti_cluster::{ClusterConfig, ClusterId, ClusterNode, MemberRecord, ModelSpace, NodeId, Segment, SegmentBlocks, SegmentKey};
+
+fn tutti(arguments: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tutti")).args(arguments).output().expect("the built binary runs")
+}
+
+fn start_etcd() -> Option<LocalEtcd> {
+    if etcd_binary().is_none() {
+        assert!(std::env::var_os("TUTTI_REQUIRE_ETCD").is_none_or(|value| value != "1"), "TUTTI_REQUIRE_ETCD=1 but no etcd binary");
+        eprintln!("SKIPPED: no etcd binary (install Debian's etcd-server, or run tools/test.sh cluster)");
+        return None;
+    }
+    Some(LocalEtcd::start(1).expect("start a local etcd"))
+}
+
+fn join(etcd: &LocalEtcd, node: &str) -> ClusterNode {
+    let mut config = ClusterConfig::new(etcd.endpoints(), ClusterId::new("fleet").unwrap(), SegmentBlocks::new(16).unwrap());
+    config.request_timeout = Duration::from_secs(1);
+    config.lease_ttl = Duration::from_secs(5);
+    let record = MemberRecord {
+        node: NodeId::new(node).unwrap(),
+        address: format!("10.0.0.{}:7070", node.len()),
+        capacity_bytes: 1 << 40,
+        fingerprints: vec![[3; 32]],
+    };
+    ClusterNode::join(config, record).unwrap()
+}
+
+fn segments(count: u32) -> Vec<Segment> {
+    (0..count).map(|index| Segment { index, key: SegmentKey::new(u64::from(index) + 100).unwrap() }).collect()
+}
+
+#[test]
+fn status_shows_members_leases_segments_and_replicas() {
+    // Goal: node a holds 3 segments, node bb holds the first 5: status lists both with their
+    // address, a live lease and segment counts, 5 distinct segments, 3 with 2 replicas.
+    let Some(etcd) = start_etcd() else { return };
+    let space = ModelSpace::new([3; 32], 0, 1).unwrap();
+    let node_a = join(&etcd, "a");
+    let node_b = join(&etcd, "bb");
+    node_a.register(&space, &segments(3)).unwrap();
+    node_b.register(&space, &segments(5)).unwrap();
+    let endpoint = &etcd.endpoints()[0];
+    let output = tutti(&["cluster", "status", "--etcd", endpoint, "--cluster", "fleet", "--segment-blocks", "16"]);
+    let text = String::from_utf8_lossy(&output.stdout);
+    assert_eq!(output.status.code(), Some(0), "{text}{}", String::from_utf8_lossy(&output.stderr));
+    assert!(text.contains("cluster fleet (registry format v1): 2 members"), "{text}");
+    let line_a = text.lines().find(|line| line.trim_start().starts_with("a ")).expect(&text);
+    assert!(line_a.contains("10.0.0.1:7070") && line_a.contains(" 3 ") && line_a.contains(" s "), "{line_a}");
+    let line_b = text.lines().find(|line| line.trim_start().starts_with("bb ")).expect(&text);
+    assert!(line_b.contains(" 5 "), "{line_b}");
+    assert!(text.contains("segments: 5 distinct, 8 holder entries"), "{text}");
+    assert!(text.contains("replicas: 1x: 2, 2x: 3"), "{text}");
+    assert!(text.contains("refused entries: 0"), "{text}");
+}
+
+#[test]
+fn status_exits_1_when_etcd_does_not_answer_and_2_for_bad_options() {
+    // Goal: a port nobody listens on is "unavailable" (exit 1) within the timeout asked; a
+    // cluster id that cannot be a key, or a segment size out of range, is unusable input (2).
+    let started = Instant::now();
+    let output = tutti(&["cluster", "status", "--etcd", "http://127.0.0.1:9", "--timeout-ms", "500"]);
+    let text = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{text}");
+    assert!(text.contains("unavailable"), "{text}");
+    assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
+    for bad in [["--cluster", "Bad/Id"], ["--segment-blocks", "8"]] {
+        let mut arguments = vec!["cluster", "status", "--etcd", "http://127.0.0.1:9"];
+        arguments.extend_from_slice(&bad);
+        let output = tutti(&arguments);
+        assert_eq!(output.status.code(), Some(2), "{}", String::from_utf8_lossy(&output.stderr));
+    }
+}
