@@ -413,7 +413,11 @@ impl Holdings {
         };
         let placements = match control.placements(handle) {
             Ok(placements) => placements.to_vec(),
-            Err(error) => return store_error("the retrieve's placements", error),
+            Err(error) => {
+                // Not yet the session's: give the reservation back rather than leave it pinned.
+                let _ = control.release(handle);
+                return store_error("the retrieve's placements", error);
+            }
         };
         self.handles.push(handle);
         Reply::RetrievePrepared(RetrievePrepared { handle: handle.to_bits(), placements, expected_crcs })
@@ -438,7 +442,10 @@ impl Holdings {
         };
         let placements = match control.placements(plan.handle) {
             Ok(placements) => placements.to_vec(),
-            Err(error) => return store_error("the store's placements", error),
+            Err(error) => {
+                let _ = control.release(plan.handle);
+                return store_error("the store's placements", error);
+            }
         };
         self.handles.push(plan.handle);
         Reply::StorePrepared(StorePrepared {
