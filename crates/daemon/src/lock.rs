@@ -121,15 +121,24 @@ pub fn lists_flock_exactly(path: &Path, pid: u32) -> bool {
         return false;
     };
     let (major, minor) = split_device(metadata.dev());
-    let location = format!("{major:02x}:{minor:02x}:{}", metadata.ino());
-    let pid = pid.to_string();
-    std::fs::read_to_string("/proc/locks").unwrap_or_default().lines().any(|line| {
-        let fields: Vec<&str> = line.split_whitespace().collect();
-        fields.get(1) == Some(&"FLOCK")
-            && fields.get(3) == Some(&"WRITE")
-            && fields.get(4) == Some(&pid.as_str())
-            && fields.get(5) == Some(&location.as_str())
-    })
+    let ours = (pid, major, minor, metadata.ino());
+    std::fs::read_to_string("/proc/locks").unwrap_or_default().lines().filter_map(parse_flock_write).any(|lock| lock == ours)
+}
+
+/// (pid, major, minor, inode) of a `/proc/locks` FLOCK WRITE line, e.g.
+/// `3: FLOCK  ADVISORY  WRITE 1234 fd:01:5678 0 EOF`; `None` for any other line (waiters `->`,
+/// POSIX locks, malformed text: the file is the kernel's, but nothing here trusts its shape).
+fn parse_flock_write(line: &str) -> Option<(u32, u64, u64, u64)> {
+    let fields: Vec<&str> = line.split_whitespace().collect();
+    if fields.get(1) != Some(&"FLOCK") || fields.get(3) != Some(&"WRITE") {
+        return None;
+    }
+    let pid = fields.get(4)?.parse::<u32>().ok()?;
+    let mut location = fields.get(5)?.split(':');
+    let major = u64::from_str_radix(location.next()?, 16).ok()?;
+    let minor = u64::from_str_radix(location.next()?, 16).ok()?;
+    let inode = location.next()?.parse::<u64>().ok()?;
+    Some((pid, major, minor, inode))
 }
 
 /// Linux's encoding of a `dev_t` (glibc's `gnu_dev_major`/`minor`).
@@ -139,28 +148,14 @@ fn split_device(dev: u64) -> (u64, u64) {
     (major, minor)
 }
 
-/// The pid of the FLOCK WRITE lock on (major:minor:inode) in `/proc/locks` text, e.g.
-/// `3: FLOCK  ADVISORY  WRITE 1234 fd:01:5678 0 EOF`. Waiters (`->`) and malformed lines are
-/// skipped: the file is the kernel's, but nothing here trusts its shape.
-/// When no line names this exact device (a stacked filesystem can report another device number
+/// The pid of the FLOCK WRITE lock on (major:minor:inode) in `/proc/locks` text (lines read by
+/// [`parse_flock_write`]). When no line names this exact device (a stacked filesystem can report another device number
 /// to `stat` than the one its locks are listed under), a single FLOCK WRITE line on the same
 /// inode is taken: the name is a diagnostic, and one candidate is the likely holder.
 fn find_flock_holder(locks: &str, major: u64, minor: u64, inode: u64) -> Option<u32> {
-    let parse = |line: &str| -> Option<(u32, u64, u64, u64)> {
-        let fields: Vec<&str> = line.split_whitespace().collect();
-        if fields.get(1) != Some(&"FLOCK") || fields.get(3) != Some(&"WRITE") {
-            return None;
-        }
-        let pid = fields.get(4)?.parse::<u32>().ok()?;
-        let mut location = fields.get(5)?.split(':');
-        let found_major = u64::from_str_radix(location.next()?, 16).ok()?;
-        let found_minor = u64::from_str_radix(location.next()?, 16).ok()?;
-        let found_inode = location.next()?.parse::<u64>().ok()?;
-        Some((pid, found_major, found_minor, found_inode))
-    };
     let same_inode: Vec<(u32, u64, u64)> = locks
         .lines()
-        .filter_map(parse)
+        .filter_map(parse_flock_write)
         .filter(|&(_, _, _, found_inode)| found_inode == inode)
         .map(|(pid, found_major, found_minor, _)| (pid, found_major, found_minor))
         .collect();

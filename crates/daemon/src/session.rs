@@ -21,7 +21,7 @@ use nvme_driver::hw::{DmaRegion, SharedMemory};
 use nvme_driver::spec::{COMPLETION_ENTRY_BYTES, SUBMISSION_ENTRY_BYTES};
 use nvme_driver::{DataPointerMode, DetachedQueuePair, NamespaceId};
 use nvme_emu::{EmuDevice, QueueRestriction};
-use objstore::{NoLender, ObjstoreError, RequestHandle, StoreControl};
+use objstore::{NoLender, ObjstoreError, Placement, RequestHandle, StoreControl};
 
 use crate::keys::KeySpace;
 use crate::protocol::{
@@ -411,13 +411,9 @@ impl Holdings {
         } else {
             None
         };
-        let placements = match control.placements(handle) {
-            Ok(placements) => placements.to_vec(),
-            Err(error) => {
-                // Not yet the session's: give the reservation back rather than leave it pinned.
-                let _ = control.release(handle);
-                return store_error("the retrieve's placements", error);
-            }
+        let placements = match placements_or_release(control, handle) {
+            Ok(placements) => placements,
+            Err(reply) => return reply,
         };
         self.handles.push(handle);
         Reply::RetrievePrepared(RetrievePrepared { handle: handle.to_bits(), placements, expected_crcs })
@@ -440,12 +436,9 @@ impl Holdings {
             Ok(plan) => plan,
             Err(error) => return store_error("reserving the store", error),
         };
-        let placements = match control.placements(plan.handle) {
-            Ok(placements) => placements.to_vec(),
-            Err(error) => {
-                let _ = control.release(plan.handle);
-                return store_error("the store's placements", error);
-            }
+        let placements = match placements_or_release(control, plan.handle) {
+            Ok(placements) => placements,
+            Err(reply) => return reply,
         };
         self.handles.push(plan.handle);
         Reply::StorePrepared(StorePrepared {
@@ -535,6 +528,18 @@ impl Holdings {
         // 4. Windows: unmapped when their last region (the rings were the other holders) goes.
         self.registrations.clear();
         0
+    }
+}
+
+/// A just-reserved request's placements, for its reply. On an error the reservation is not yet
+/// the session's: it is given back rather than left pinned.
+fn placements_or_release(control: &mut StoreControl, handle: RequestHandle) -> Result<Vec<Placement>, Reply> {
+    match control.placements(handle) {
+        Ok(placements) => Ok(placements.to_vec()),
+        Err(error) => {
+            let _ = control.release(handle);
+            Err(store_error("the reservation's placements", error))
+        }
     }
 }
 

@@ -29,7 +29,7 @@ use tutti_daemon::Client;
 
 use crate::args::{format_size, Cli, OutputFormat};
 use crate::kv::{KvPlan, PoolMode};
-use crate::kv_workload::{prompt_tokens, run_phases, KvTarget, LayerPhase};
+use crate::kv_workload::{json_report, prompt_tokens, run_phases, KvTarget, LayerPhase};
 use crate::{usage, Unusable};
 
 /// The longest the parent waits for every client to reach the next barrier (a phase of a
@@ -526,14 +526,7 @@ fn report(
             }
         }
         OutputFormat::Json => {
-            let out = json!({
-                "tutti-bench version": env!("CARGO_PKG_VERSION"),
-                "workload": "kv",
-                "mode": "attach",
-                "clients": clients,
-                "global options": config,
-                "phases": phases.iter().map(AttachedPhase::json).collect::<Vec<_>>(),
-            });
+            let out = json_report("attach", Some(clients), config, phases.iter().map(AttachedPhase::json).collect());
             outln!("{}", serde_json::to_string_pretty(&out)?)?;
         }
     }

@@ -23,7 +23,7 @@ use tutti_cli::{outln, ModelChoice};
 
 use crate::args::{format_size, Cli, DeviceSpec, OutputFormat};
 use crate::devices::{self, CreatedFiles, DeviceError, KvController, OpenOptions2};
-use crate::kv_workload::{run_phases, KvTarget, LayerPhase};
+use crate::kv_workload::{json_report, run_phases, KvTarget, LayerPhase};
 use crate::{usage, Unusable};
 
 /// Bytes a pool needs beyond its slots' payload: superblock, slot headers, rounding (generous;
@@ -277,13 +277,7 @@ pub fn run_plan(specs: &[DeviceSpec], plan: &KvPlan, output: OutputFormat, creat
             }
         }
         OutputFormat::Json => {
-            let out = json!({
-                "tutti-bench version": env!("CARGO_PKG_VERSION"),
-                "workload": "kv",
-                "mode": "in-process",
-                "global options": config,
-                "phases": phases.iter().map(LayerPhase::json).collect::<Vec<_>>(),
-            });
+            let out = json_report("in-process", None, config, phases.iter().map(LayerPhase::json).collect());
             outln!("{}", serde_json::to_string_pretty(&out)?)?;
         }
     }

@@ -338,3 +338,19 @@ fn store_phase<T: KvTarget>(target: &mut T, label: &str, request: &KvRequest<'_>
         verified: None,
     })
 }
+
+/// The kv workload's JSON report, one shape for both paths: `mode` is `in-process` or `attach`
+/// (then with the number of client processes).
+pub fn json_report(mode: &str, clients: Option<u32>, config: Value, phases: Vec<Value>) -> Value {
+    let mut out = json!({
+        "tutti-bench version": env!("CARGO_PKG_VERSION"),
+        "workload": "kv",
+        "mode": mode,
+        "global options": config,
+        "phases": phases,
+    });
+    if let Some(clients) = clients {
+        out["clients"] = json!(clients);
+    }
+    out
+}

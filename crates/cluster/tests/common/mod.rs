@@ -53,14 +53,7 @@ pub fn space() -> ModelSpace {
 /// `segments` full segments of a prompt whose tokens start with `tokens_seed` then count up
 /// (two prompts with the same seed share every segment up to the shorter one's end).
 pub fn prompt(tokens_seed: u32, segments: usize) -> Vec<Segment> {
-    let tokens: Vec<u32> = (0..segments as u32 * u32::from(SEGMENT_BLOCKS) * BLOCK_TOKENS)
-        .map(|position| tokens_seed.wrapping_mul(1_000_003).wrapping_add(position))
-        .collect();
-    let mut keys = Vec::new();
-    block_keys_seeded(0x5eed, &tokens, BLOCK_TOKENS, &mut keys);
-    let mut out = Vec::new();
-    segments_of(&keys, SegmentBlocks::new(SEGMENT_BLOCKS).unwrap(), &mut out).unwrap();
-    out
+    diverging_prompt(tokens_seed, segments, segments)
 }
 
 /// A prompt sharing `shared` leading segments with `prompt(tokens_seed, ..)`, then diverging.
