@@ -413,7 +413,7 @@ impl Holdings {
         };
         let placements = match placements_or_release(control, handle) {
             Ok(placements) => placements,
-            Err(reply) => return reply,
+            Err(error) => return store_error("the retrieve's placements", error),
         };
         self.handles.push(handle);
         Reply::RetrievePrepared(RetrievePrepared { handle: handle.to_bits(), placements, expected_crcs })
@@ -438,7 +438,7 @@ impl Holdings {
         };
         let placements = match placements_or_release(control, plan.handle) {
             Ok(placements) => placements,
-            Err(reply) => return reply,
+            Err(error) => return store_error("the store's placements", error),
         };
         self.handles.push(plan.handle);
         Reply::StorePrepared(StorePrepared {
@@ -533,14 +533,12 @@ impl Holdings {
 
 /// A just-reserved request's placements, for its reply. On an error the reservation is not yet
 /// the session's: it is given back rather than left pinned.
-fn placements_or_release(control: &mut StoreControl, handle: RequestHandle) -> Result<Vec<Placement>, Reply> {
-    match control.placements(handle) {
-        Ok(placements) => Ok(placements.to_vec()),
-        Err(error) => {
-            let _ = control.release(handle);
-            Err(store_error("the reservation's placements", error))
-        }
+fn placements_or_release(control: &mut StoreControl, handle: RequestHandle) -> Result<Vec<Placement>, ObjstoreError> {
+    let placements = control.placements(handle).map(<[Placement]>::to_vec);
+    if placements.is_err() {
+        let _ = control.release(handle);
     }
+    placements
 }
 
 #[cfg(test)]
