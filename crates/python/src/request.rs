@@ -32,6 +32,8 @@ pub struct Request {
     new_block_ids: Vec<u32>,
     plan: Option<StorePlan>,
     phase: Mutex<Phase>,
+    /// The layers completed, kept when the request ends (the store forgets it then).
+    completed_at_end: Mutex<Vec<u32>>,
 }
 
 fn timeout_of(seconds: f64) -> Result<Duration, Failure> {
@@ -48,7 +50,16 @@ impl Request {
         new_block_ids: Vec<u32>,
         plan: Option<StorePlan>,
     ) -> Request {
-        Request { shared, handle, direction, block_ids, new_block_ids, plan, phase: Mutex::new(Phase::Prepared) }
+        Request {
+            shared,
+            handle,
+            direction,
+            block_ids,
+            new_block_ids,
+            plan,
+            phase: Mutex::new(Phase::Prepared),
+            completed_at_end: Mutex::new(Vec::new()),
+        }
     }
 
     fn phase(&self) -> Phase {
@@ -57,6 +68,17 @@ impl Request {
 
     fn set_phase(&self, phase: Phase) {
         *self.phase.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = phase;
+    }
+
+    /// Runs `end` (commit or finish) under the store's lock, keeping the layers completed.
+    fn end<T>(&self, end: impl FnOnce(&mut crate::backend::StoreState, u64) -> Result<T, Failure>) -> Result<T, Failure> {
+        let mut state = self.shared.lock();
+        let completed = state.request(self.handle).map(|request| request.completed.clone()).unwrap_or_default();
+        let result = end(&mut state, self.handle);
+        if state.request(self.handle).is_err() {
+            *self.completed_at_end.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = completed;
+        }
+        result
     }
 
     fn stale(&self) -> Failure {
@@ -211,9 +233,11 @@ impl Request {
 
     #[getter]
     fn layers_completed<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let completed = {
+        let completed = if self.phase() == Phase::Prepared {
             let mut state = self.shared.lock();
             state.request(self.handle).map(|request| request.completed.clone()).unwrap_or_default()
+        } else {
+            self.completed_at_end.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone()
         };
         id_list(py, &completed)
     }
@@ -265,8 +289,7 @@ impl Request {
 
     fn commit(&self, py: Python<'_>) -> PyResult<usize> {
         self.check_live().map_err(|failure| failure.to_pyerr(py))?;
-        let handle = self.handle;
-        let committed = py.detach(|| self.shared.lock().commit(handle));
+        let committed = py.detach(|| self.end(|state, handle| state.commit(handle)));
         match committed {
             Ok(stored) => {
                 self.set_phase(Phase::Committed);
@@ -286,8 +309,7 @@ impl Request {
         if self.phase() != Phase::Prepared {
             return Ok(()); // idempotent after commit or finish
         }
-        let handle = self.handle;
-        match py.detach(|| self.shared.lock().finish(handle)) {
+        match py.detach(|| self.end(|state, handle| state.finish(handle))) {
             Ok(()) => {
                 self.set_phase(Phase::Finished);
                 Ok(())
