@@ -350,7 +350,7 @@ pub fn map_caller_memory<K>(dma: &Arc<dyn DmaAllocator>, address: u64, len: u64,
         .and_then(|end| end.checked_next_multiple_of(PAGE_BYTES))
         .ok_or(HwError::Misaligned { offset: 0, align: PAGE_BYTES as usize })?;
     let mapped = usize::try_from(end - start).map_err(|_| HwError::ZeroLength)?;
-    // SAFETY (map_external's contract): `start..end` is memory of this process, readable and
+    // SAFETY: map_external's contract holds: `start..end` is memory of this process, readable and
     // writable: it covers the pages of a live, writable allocation the producer described (a
     // DLPack tensor we consumed, a writable buffer export, or a RawMemory whose caller promised
     // it), and a page holding a byte of a live allocation stays mapped while it lives (allocators

@@ -1,14 +1,14 @@
 //! `tutti._tutti`: the compiled half of the `tutti` Python package (python/tutti; the API is
 //! typed and documented in python/tutti/_tutti.pyi, docs/python.md says what runs where).
 //!
-//! - [`store`]: `Store` (in-process over the pool's devices, or attached to tuttid) and its
-//!   completion thread; [`backend`]: what it holds under its lock;
-//! - [`request`]: `Request` and `LayerIo`, waits with the GIL released, eventfds;
-//! - [`memory`]: `RawMemory`, `KvBuffer`, `KvLayout`, tensors from DLPack / the buffer protocol;
-//! - [`tensor`]: the checks a registered tensor must pass (no Python);
-//! - [`errors`]: the exception classes and the mapping from the Rust errors;
-//! - [`lookup`]: `LookupClient`;
-//! - [`ffi`]: the crate's only unsafe code (DLPack capsules, mapping caller memory).
+//! - [`store`] — `Store` (in-process over the pool's devices, or attached to tuttid) and its
+//!   completion thread; [`backend`] — what it holds under its lock;
+//! - [`request`] — `Request` and `LayerIo`, waits with the GIL released, eventfds;
+//! - [`memory`] — `RawMemory`, `KvBuffer`, `KvLayout`, tensors from DLPack / the buffer protocol;
+//! - [`tensor`] — the checks a registered tensor must pass (no Python);
+//! - [`errors`] — the exception classes and the mapping from the Rust errors;
+//! - [`lookup`] — `LookupClient`;
+//! - [`ffi`] — the crate's only unsafe code (DLPack capsules, mapping caller memory).
 #![deny(unsafe_code)]
 
 pub mod backend;

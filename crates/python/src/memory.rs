@@ -53,7 +53,7 @@ impl RawMemory {
         if address.checked_add(nbytes).is_none() {
             return Err(invalid(format!("RawMemory at {address:#x} of {nbytes} bytes runs past the address space")).into());
         }
-        if itemsize == 0 || nbytes % itemsize != 0 {
+        if itemsize == 0 || !nbytes.is_multiple_of(itemsize) {
             return Err(invalid(format!("RawMemory of {nbytes} bytes is not a whole number of {itemsize}-byte elements")).into());
         }
         if let (Some(shape), Some(strides)) = (&shape, &strides_bytes) {

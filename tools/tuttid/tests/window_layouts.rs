@@ -119,11 +119,9 @@ fn daemon_failures_reach_the_store_classified() {
     client.hello(&hello(0, 1, "other")).unwrap();
     let (status, _) = daemon.terminate();
     assert!(status.success());
-    let failure = loop {
-        match store.prepare_store(&KvRequest { tokens: &tokens[..block_tokens as usize], block_ids: &[0] }) {
-            Err(ObjstoreError::RemoteFailed { failure, .. }) => break failure,
-            other => panic!("expected the daemon gone, got {other:?}"),
-        }
+    let failure = match store.prepare_store(&KvRequest { tokens: &tokens[..block_tokens as usize], block_ids: &[0] }) {
+        Err(ObjstoreError::RemoteFailed { failure, .. }) => failure,
+        other => panic!("expected the daemon gone, got {other:?}"),
     };
     assert_eq!(failure, RemoteFailure::Disconnected);
 }

@@ -352,7 +352,7 @@ impl RemoteKvStore {
         let (mut at, end) = (offset, offset + len);
         while at < end {
             let index = at / object;
-            let kind = if index % 2 == 0 { KvKind::Key } else { KvKind::Value };
+            let kind = if index.is_multiple_of(2) { KvKind::Key } else { KvKind::Value };
             let address = registration.object_address((index / 2) as u32, kind, block)?;
             let within = at % object;
             let piece = (object - within).min(end - at);
