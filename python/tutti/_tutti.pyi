@@ -219,9 +219,11 @@ class KvBuffer:
         dl_device: Optional[tuple[int, int]] = None,
         copy: Optional[bool] = None,
     ) -> Any:
-        """A DLPack capsule ("dltensor", unversioned) of a 1-D uint8 tensor over the buffer,
-        holding a reference to it. `copy=True` and a dl_device other than the CPU raise
-        BufferError (nothing is ever copied)."""
+        """A DLPack capsule of a 1-D uint8 tensor over the buffer, holding a reference to it:
+        "dltensor_versioned" (DLPack 1.0, flagged writable) when `max_version` >= (1, 0) is
+        given (numpy 2 and torch ask for it; numpy imports legacy capsules read-only), else
+        the legacy "dltensor". `copy=True` and a dl_device other than the CPU raise BufferError
+        (nothing is ever copied)."""
     def __dlpack_device__(self) -> tuple[int, int]:
         """(1, 0): the CPU."""
     def numpy(self) -> Any:
@@ -519,7 +521,7 @@ class Request:
         becomes readable each time a layer of this request completes, whoever observed it (a
         wait, a poll, or the store's completion thread). The first call starts the store's
         completion thread if not running (one per store, at most): while a request with an
-        eventfd has a layer in flight, it drives the store's I/O in slices of at most 1 ms
+        eventfd has a layer in flight, it drives the store's I/O in slices of at most 200 us
         under the store's lock, and stops when the store closes. Reading the eventfd (8 bytes)
         resets it; then call `wait(0)` / `poll()` / `layers_completed` for the result."""
     def commit(self) -> int:
