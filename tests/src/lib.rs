@@ -100,6 +100,27 @@ pub fn block_major(dma: &Arc<dyn DmaAllocator>, num_blocks: u32, mode: DataPoint
     Engine { regions: vec![region], registration, dma: dma.clone() }
 }
 
+/// One tensor per layer whose block holds that layer's K and V in one run (vLLM 0.32's paged
+/// view, FlashInfer): the layers' tensors allocated separately, so their bases are irregular
+/// unless `equal_spacing` carves them from one region (the collapsed mapping form then).
+pub fn paged_per_layer(dma: &Arc<dyn DmaAllocator>, num_blocks: u32, mode: DataPointerMode, equal_spacing: bool) -> Engine {
+    let g = geometry();
+    let bytes = (2 * g.object_bytes() * u64::from(num_blocks)) as usize;
+    let (regions, layer_bases) = if equal_spacing {
+        let region = dma.allocate(bytes * g.layers as usize).unwrap();
+        let bases = (0..u64::from(g.layers)).map(|l| region.iova().checked_add(l * bytes as u64).unwrap()).collect();
+        (vec![region], bases)
+    } else {
+        let regions: Vec<DmaRegion> = (0..g.layers).map(|_| dma.allocate(bytes).unwrap()).collect();
+        // Reversed, so the bases do not progress by one stride.
+        let bases = regions.iter().rev().map(DmaRegion::iova).collect();
+        (regions, bases)
+    };
+    let layout = KvLayout::PagedPerLayer { layer_bases, block_stride_bytes: 2 * g.object_bytes() };
+    let registration = KvRegistration::new(g, num_blocks, layout, mode).expect("registration");
+    Engine { regions, registration, dma: dma.clone() }
+}
+
 /// The bytes object (layer, kind) of the block with `key` must hold.
 pub fn pattern(key: u64, layer: u32, kind: KvKind, out: &mut [u8]) {
     let mut rng = Rng(key ^ (u64::from(layer) << 1 | u64::from(kind == KvKind::Value)).wrapping_mul(0x1000_0000_01B3));

@@ -9,17 +9,33 @@ use nvme_emu::NamespaceConfig;
 use objstore::StoreConfig;
 use tutti_tests::*;
 
-fn round_trip(k: u32, sgl: bool, major: bool, namespaces: &[u32]) {
-    round_trip_with(k, sgl, major, namespaces, false);
+/// How the engine's KV memory is laid out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Layout {
+    SeparateKv,
+    BlockMajor,
+    /// One tensor per layer, K and V of a block in one run; irregular or equally spaced bases.
+    PagedPerLayer {
+        equal_spacing: bool,
+    },
 }
 
-fn round_trip_with(k: u32, sgl: bool, major: bool, namespaces: &[u32], workers: bool) {
+fn round_trip(k: u32, sgl: bool, layout: Layout, namespaces: &[u32]) {
+    round_trip_with(k, sgl, layout, namespaces, false);
+}
+
+fn round_trip_with(k: u32, sgl: bool, layout: Layout, namespaces: &[u32], workers: bool) {
     let ns_configs = namespaces.iter().map(|_| NamespaceConfig::new(512, Some(8 << 20))).collect();
     let device = start_device(ns_configs, (8 << 20) * namespaces.len() as u64, sgl);
     let controller = bring_up(&device, Duration::from_secs(5));
     format(&targets(&controller, namespaces), k, None);
     let mode = if sgl { DataPointerMode::Sgl } else { DataPointerMode::Prp };
-    let engine = if major { block_major(controller.dma(), 64, mode) } else { separate_kv(controller.dma(), 64, mode) };
+    let engine = match layout {
+        Layout::SeparateKv => separate_kv(controller.dma(), 64, mode),
+        Layout::BlockMajor => block_major(controller.dma(), 64, mode),
+        Layout::PagedPerLayer { equal_spacing } => paged_per_layer(controller.dma(), 64, mode, equal_spacing),
+    };
+    let major = layout != Layout::SeparateKv;
     let mut rng = Rng(u64::from(k) * 7 + u64::from(sgl) + 31 * u64::from(major));
     let requests: Vec<Vec<u32>> = (0..12).map(|r| rng.tokens(16 * (1 + r % 5) + 5)).collect();
     {
@@ -56,7 +72,7 @@ fn round_trip_with(k: u32, sgl: bool, major: bool, namespaces: &[u32], workers: 
         retrieve(&mut kv, &engine, tokens, &blocks);
         let keys = keys_of(tokens);
         for (i, &block) in blocks.iter().enumerate() {
-            assert!(engine.holds(block, keys[i], geometry().layers), "request block {i} (k={k}, sgl={sgl}, major={major}) differs");
+            assert!(engine.holds(block, keys[i], geometry().layers), "request block {i} (k={k}, sgl={sgl}, {layout:?}) differs");
         }
     }
     // Payload CRCs recorded at commit match what is on disk.
@@ -68,33 +84,48 @@ fn round_trip_with(k: u32, sgl: bool, major: bool, namespaces: &[u32], workers: 
 
 #[test]
 fn separate_kv_sgl_one_block_per_slot() {
-    round_trip(1, true, false, &[1]);
+    round_trip(1, true, Layout::SeparateKv, &[1]);
 }
 
 #[test]
 fn separate_kv_sgl_four_blocks_per_slot() {
-    round_trip(4, true, false, &[1]);
+    round_trip(4, true, Layout::SeparateKv, &[1]);
 }
 
 #[test]
 fn block_major_sgl_inline() {
-    round_trip(1, true, true, &[1]);
+    round_trip(1, true, Layout::BlockMajor, &[1]);
 }
 
 #[test]
 fn block_major_prp_lists() {
-    round_trip(2, false, true, &[1]);
+    round_trip(2, false, Layout::BlockMajor, &[1]);
+}
+
+#[test]
+fn paged_per_layer_sgl_table() {
+    // Goal: vLLM 0.32's layout (a layer's block is one run holding K and V) round-trips with
+    // layers allocated apart (irregular bases: one SGL descriptor per half-block).
+    round_trip(1, true, Layout::PagedPerLayer { equal_spacing: false }, &[1]);
+}
+
+#[test]
+fn paged_per_layer_collapsed() {
+    // Goal: the same with the layers equally spaced in one allocation: the mapping collapses
+    // to base + strides and one command moves a layer's K and V together (SGL, then PRP lists).
+    round_trip(2, true, Layout::PagedPerLayer { equal_spacing: true }, &[1]);
+    round_trip(1, false, Layout::PagedPerLayer { equal_spacing: true }, &[1]);
 }
 
 #[test]
 fn several_devices_round_robin() {
     // Goal: three namespaces form one pool; blocks spread over all of them; order of the
     // targets at open does not matter (devices are ordered by their recorded index).
-    round_trip(1, true, false, &[1, 2, 3]);
+    round_trip(1, true, Layout::SeparateKv, &[1, 2, 3]);
 }
 
 #[test]
 fn several_devices_with_worker_threads() {
     // Goal: the same pool format and API under the threaded CPU executor (one worker per device).
-    round_trip_with(1, true, false, &[1, 2], true);
+    round_trip_with(1, true, Layout::SeparateKv, &[1, 2], true);
 }

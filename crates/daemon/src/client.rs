@@ -25,7 +25,7 @@ use crate::DaemonError;
 
 mod remote_store;
 
-pub use remote_store::{RemoteConfig, RemoteKvStore};
+pub use remote_store::{RemoteConfig, RemoteKvStore, WindowKvLayout};
 
 /// Granularity of the client's waits (the socket's read timeout).
 const TICK: Duration = Duration::from_millis(50);

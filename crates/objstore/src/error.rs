@@ -45,6 +45,17 @@ impl std::fmt::Display for MismatchedBlock {
     }
 }
 
+/// How a request to the store's control half in another process (tuttid) failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RemoteFailure {
+    /// The daemon refused it with this error code (tutti-daemon's `ErrorCode::to_u16`).
+    Refused { code: u16 },
+    /// The connection is gone (closed by the daemon, a socket error, no daemon at the socket).
+    Disconnected,
+    /// No answer within the client's timeout.
+    TimedOut,
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum ObjstoreError {
     #[error("invalid model geometry: {reason}")]
@@ -109,6 +120,11 @@ pub enum ObjstoreError {
     /// request, or could not be reached.
     #[error("the store's control half (tuttid): {reason}")]
     Remote { reason: String },
+    /// As [`ObjstoreError::Remote`], classified, so that callers (the Python package) can
+    /// react by kind: the daemon's typed refusal, a closed connection, or no answer in time.
+    /// `reason` is the daemon client's message, as in `Remote`.
+    #[error("the store's control half (tuttid): {reason}")]
+    RemoteFailed { failure: RemoteFailure, reason: String },
     #[error("gio_uring: {0}")]
     Gio(#[from] GioError),
     #[error("NVMe: {0}")]

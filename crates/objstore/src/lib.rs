@@ -26,7 +26,7 @@ pub mod registration;
 pub mod selfcheck;
 pub mod store;
 
-pub use error::{KvKind, MismatchedBlock, ObjstoreError, Result};
+pub use error::{KvKind, MismatchedBlock, ObjstoreError, RemoteFailure, Result};
 pub use geometry::ModelGeometry;
 pub use index::{BlockLocation, IndexCounts};
 pub use leak::{leaked_dma_bytes, leaked_dma_regions};

@@ -22,6 +22,15 @@ pub enum KvLayout {
     /// All layers of a block contiguous `[num_blocks, layers, 2, block_tokens, heads, dim]`:
     /// object (l, kv, b) at `base + b * block_stride_bytes + (2l + kv) * object_bytes`.
     BlockMajor { base: Iova, block_stride_bytes: u64 },
+    /// One tensor per layer whose block b is one contiguous run of `2 * object_bytes` holding
+    /// that layer's K and V in whatever arrangement the engine uses: vLLM 0.32's `[blocks,
+    /// heads, slots, content]` view with K and V together in each slot's content, FlashInfer's
+    /// `[num_blocks, 2, block_tokens, heads, dim]`. The store only moves bytes, so the run's
+    /// first half is stored as object (l, K, b) and its second half as (l, V, b):
+    /// `layer_bases[l] + b * block_stride_bytes`, V `object_bytes` further. A pool written in
+    /// this layout reads back byte-exact in this layout (not in another, where the halves would
+    /// mean K and V).
+    PagedPerLayer { layer_bases: Vec<Iova>, block_stride_bytes: u64 },
 }
 
 /// A validated registration of the engine's KV pool.
@@ -84,6 +93,18 @@ impl KvRegistration {
                     return bad(format!("block stride {block_stride_bytes} B is smaller than a block's {block} B (all layers)"));
                 }
             }
+            KvLayout::PagedPerLayer { layer_bases, block_stride_bytes } => {
+                if layer_bases.len() != layers {
+                    return bad(format!("{} layer bases, expected {layers}", layer_bases.len()));
+                }
+                // `object` is at most 1 GiB once the geometry validated: no overflow.
+                if *block_stride_bytes < 2 * object {
+                    return bad(format!(
+                        "block stride {block_stride_bytes} B is smaller than a layer's K and V of one block ({} B)",
+                        2 * object
+                    ));
+                }
+            }
         }
         Ok(())
     }
@@ -102,7 +123,8 @@ impl KvRegistration {
         let stride = match &self.layout {
             KvLayout::SeparateKv { block_stride_bytes, .. }
             | KvLayout::FusedPerLayer { block_stride_bytes, .. }
-            | KvLayout::BlockMajor { block_stride_bytes, .. } => *block_stride_bytes,
+            | KvLayout::BlockMajor { block_stride_bytes, .. }
+            | KvLayout::PagedPerLayer { block_stride_bytes, .. } => *block_stride_bytes,
         };
         if stride % align != 0 {
             return misaligned("block stride".into(), stride);
@@ -121,7 +143,7 @@ impl KvRegistration {
                 let keys = key_bases.iter().enumerate().map(|(l, b)| (format!("layer {l} K base"), *b));
                 keys.chain(value_bases.iter().enumerate().map(|(l, b)| (format!("layer {l} V base"), *b))).collect()
             }
-            KvLayout::FusedPerLayer { layer_bases, .. } => {
+            KvLayout::FusedPerLayer { layer_bases, .. } | KvLayout::PagedPerLayer { layer_bases, .. } => {
                 layer_bases.iter().enumerate().map(|(l, b)| (format!("layer {l} base"), *b)).collect()
             }
             KvLayout::BlockMajor { base, .. } => vec![("pool base".into(), *base)],
@@ -158,6 +180,10 @@ impl KvRegistration {
             KvLayout::BlockMajor { base, block_stride_bytes } => {
                 let len = block_stride_bytes.checked_mul(n - 1).and_then(|v| v.checked_add(self.geometry.block_bytes()));
                 Ok(vec![extent("block-major pool".into(), *base, len)?])
+            }
+            KvLayout::PagedPerLayer { layer_bases, block_stride_bytes } => {
+                let len = block_stride_bytes.checked_mul(n - 1).and_then(|v| v.checked_add(2 * object));
+                layer_bases.iter().enumerate().map(|(l, base)| extent(format!("layer {l} KV tensor"), *base, len)).collect()
             }
         }
     }
@@ -224,6 +250,10 @@ impl KvRegistration {
                 let offset = b.checked_mul(*block_stride_bytes)?.checked_add(index.checked_mul(self.geometry.object_bytes())?)?;
                 base.checked_add(offset)
             }
+            KvLayout::PagedPerLayer { layer_bases, block_stride_bytes } => {
+                let half = if kind == KvKind::Key { 0 } else { self.geometry.object_bytes() };
+                layer_bases.get(l)?.checked_add(b.checked_mul(*block_stride_bytes)?.checked_add(half)?)
+            }
         }
     }
 
@@ -243,15 +273,15 @@ impl KvRegistration {
                 let stride = progression(key_bases)?;
                 (progression(value_bases)? == stride).then_some(stride)
             }
-            KvLayout::FusedPerLayer { layer_bases, .. } => progression(layer_bases),
+            KvLayout::FusedPerLayer { layer_bases, .. } | KvLayout::PagedPerLayer { layer_bases, .. } => progression(layer_bases),
             KvLayout::BlockMajor { .. } => Some(2 * self.geometry.object_bytes()),
         }
     }
 
-    /// Whether V follows K directly for every (layer, block), so one command moves both. Only
-    /// the block-major layout promises it.
+    /// Whether V follows K directly for every (layer, block), so one command moves both: the
+    /// block-major and paged-per-layer layouts promise it.
     pub fn key_value_adjacent(&self) -> bool {
-        matches!(self.layout, KvLayout::BlockMajor { .. })
+        matches!(self.layout, KvLayout::BlockMajor { .. } | KvLayout::PagedPerLayer { .. })
     }
 }
 
@@ -309,6 +339,45 @@ mod tests {
         assert_eq!(major.object_address(3, KvKind::Value, 1).unwrap(), Iova(0x100_0000 + 8 * 4096 + 7 * 4096));
         assert_eq!(major.layer_stride_bytes(), Some(8192));
         assert!(major.key_value_adjacent());
+    }
+
+    #[test]
+    fn paged_per_layer_stores_each_layer_block_as_its_two_halves() {
+        // Goal: vLLM 0.32's layout (a layer's block is one run holding K and V together):
+        // K is the run's first half, V its second, the block stride may exceed the run, the
+        // layer stride is found when the layers are equally spaced, K and V are adjacent (one
+        // command moves both), and a stride shorter than K + V or a base per layer missing is
+        // refused, as are two layers' tensors that overlap.
+        let object = 4096;
+        let bases = |step: u64| (0..4).map(|l| Iova(0x100_0000 + l * step)).collect::<Vec<_>>();
+        let layout = KvLayout::PagedPerLayer { layer_bases: bases(0x10_0000), block_stride_bytes: 3 * object };
+        let paged = KvRegistration::new(geometry(), 8, layout, DataPointerMode::Sgl).unwrap();
+        assert_eq!(paged.object_address(2, KvKind::Key, 5).unwrap(), Iova(0x100_0000 + 2 * 0x10_0000 + 5 * 3 * object));
+        assert_eq!(paged.object_address(2, KvKind::Value, 5).unwrap(), Iova(0x100_0000 + 2 * 0x10_0000 + 5 * 3 * object + object));
+        assert_eq!(paged.layer_stride_bytes(), Some(0x10_0000));
+        assert!(paged.key_value_adjacent());
+        let extents = paged.extents().unwrap();
+        assert_eq!(extents.len(), 4);
+        assert_eq!(extents[3].len_bytes, 7 * 3 * object + 2 * object, "the last block's run ends the tensor");
+        let mut irregular = bases(0x10_0000);
+        irregular.swap(1, 2);
+        let layout = KvLayout::PagedPerLayer { layer_bases: irregular, block_stride_bytes: 2 * object };
+        assert_eq!(KvRegistration::new(geometry(), 8, layout, DataPointerMode::Sgl).unwrap().layer_stride_bytes(), None);
+        let short = KvLayout::PagedPerLayer { layer_bases: bases(0x10_0000), block_stride_bytes: 2 * object - 4 };
+        let error = KvRegistration::new(geometry(), 8, short, DataPointerMode::Sgl).unwrap_err().to_string();
+        assert!(error.contains("smaller than a layer's K and V of one block (8192 B)"), "{error}");
+        let few = KvLayout::PagedPerLayer { layer_bases: bases(0x10_0000)[..3].to_vec(), block_stride_bytes: 2 * object };
+        assert!(KvRegistration::new(geometry(), 8, few, DataPointerMode::Sgl).unwrap_err().to_string().contains("expected 4"));
+        // 8 blocks of 8 KiB are 64 KiB: layers 32 KiB apart overlap.
+        let overlapping = KvLayout::PagedPerLayer { layer_bases: bases(0x8000), block_stride_bytes: 2 * object };
+        let error = KvRegistration::new(geometry(), 8, overlapping, DataPointerMode::Sgl).unwrap_err();
+        assert!(matches!(error, ObjstoreError::OverlappingRegistration { .. }), "{error}");
+        let misaligned = KvLayout::PagedPerLayer { layer_bases: bases(0x10_0200), block_stride_bytes: 2 * object };
+        assert!(matches!(
+            KvRegistration::new(geometry(), 8, misaligned, DataPointerMode::Prp),
+            Err(ObjstoreError::MisalignedRegistration { align_bytes: 4096, .. })
+        ));
+        assert_eq!(paged.address(4, KvKind::Key, 0), None);
     }
 
     #[test]

@@ -43,7 +43,7 @@ pub use layer_kv::LayerKvStore;
 pub use shape::{DeviceLayout, Placement, PoolShape};
 
 use crate::error::{ObjstoreError, Result};
-use crate::hash::block_keys;
+use crate::hash::block_keys_seeded;
 use crate::index::IndexCounts;
 use crate::mapping::MappingTable;
 use crate::pool::{Pool, QueueLender};
@@ -164,6 +164,9 @@ pub struct KvStore<E: Executor> {
     /// Scratch: a request's block keys, and its payload CRCs (recorded or computed).
     keys: Vec<u64>,
     crcs: Vec<u32>,
+    /// The key space of lookups and prepares (`objstore::hash::block_keys_seeded`): 0, the
+    /// in-process space, unless set (tuttid's key space of a model, rank and world).
+    key_seed: u64,
 }
 
 /// A CPU executor with one I/O queue pair per pool device (device index i = pool device i),
@@ -245,7 +248,7 @@ impl<E: Executor> KvStore<E> {
             }
         }
         let control = StoreControl::new(pool, config.requests_max)?;
-        Ok(Self { data, control, keys: Vec::new(), crcs: Vec::new() })
+        Ok(Self { data, control, keys: Vec::new(), crcs: Vec::new(), key_seed: 0 })
     }
 
     pub fn pool(&self) -> &Pool {
@@ -272,9 +275,27 @@ impl<E: Executor> KvStore<E> {
         control.into_pool()
     }
 
+    /// Sets the key space of every later lookup and prepare: block keys chain from `seed`
+    /// (`objstore::hash::block_keys_seeded`). 0 (the default) is the in-process space; tuttid
+    /// derives one per model fingerprint, TP rank and world, and an in-process store given the
+    /// same seed finds what sessions of that space stored in the pool (and the reverse).
+    pub fn set_key_seed(&mut self, seed: u64) {
+        self.key_seed = seed;
+    }
+
+    pub fn key_seed(&self) -> u64 {
+        self.key_seed
+    }
+
+    /// The blocks a prepared request moves, as placed: for a store, its new blocks only (the
+    /// shared ones are not written), each naming its engine block.
+    pub fn placements(&self, handle: RequestHandle) -> Result<&[Placement]> {
+        self.data.placements(handle)
+    }
+
     /// The longest cached prefix of `tokens`, in blocks (times block_tokens for tokens).
     pub fn lookup(&mut self, tokens: &[u32]) -> usize {
-        block_keys(tokens, self.control.pool().geometry().block_tokens, &mut self.keys);
+        block_keys_seeded(self.key_seed, tokens, self.control.pool().geometry().block_tokens, &mut self.keys);
         self.control.lookup(&self.keys)
     }
 
@@ -298,7 +319,7 @@ impl<E: Executor> KvStore<E> {
                 registration.check_block(block)?;
             }
         }
-        block_keys(&request.tokens[..n * block_tokens], block_tokens as u32, &mut self.keys);
+        block_keys_seeded(self.key_seed, &request.tokens[..n * block_tokens], block_tokens as u32, &mut self.keys);
         Ok(n)
     }
 

@@ -8,9 +8,13 @@
 //! CPU executor. `retrieve_layer` / `store_layer` / `wait` / `poll` are `StoreData`'s calls and
 //! send nothing on the socket ([`RemoteKvStore::requests_sent`] proves it in the tests).
 //!
-//! The engine reads and writes its KV bytes through copying accessors
-//! ([`RemoteKvStore::write_block`], [`RemoteKvStore::read_block`]): the device writes that
-//! memory, so no Rust reference into it is ever handed out.
+//! The KV memory lies in the window in the layout the engine asks for ([`WindowKvLayout`]:
+//! block-major by default, or per-layer tensors as engines allocate them), so that an engine
+//! can use it as its KV cache in place ([`RemoteKvStore::kv_regions`], what the Python package
+//! hands out as tensors): memory this process allocated elsewhere cannot be reached by the
+//! daemon's devices, only the shared window can. Rust callers read and write the KV bytes
+//! through copying accessors ([`RemoteKvStore::write_block`], [`RemoteKvStore::read_block`]):
+//! the device writes that memory, so no Rust reference into it is ever handed out.
 //!
 //! Everything the daemon sends is untrusted: the pool's shape is checked
 //! (`PoolShape::check`), every placement by `StoreData::prepare`, every queue layout by
@@ -27,7 +31,8 @@ use nvme_driver::hw::{AddressSpaceId, DmaAllocator, DmaRegion, DmaWindow, Regist
 use nvme_driver::spec::{COMPLETION_ENTRY_BYTES, SUBMISSION_ENTRY_BYTES};
 use nvme_driver::{AttachedQueueConfig, DataPointerMode, DetachedQueueLayout, HwError, IoQueuePair, Iova, Namespace, NamespaceId, QueueId};
 use objstore::{
-    Direction, KvLayout, KvRegistration, KvRequest, LayerKvStore, ObjstoreError, RequestHandle, StoreConfig, StoreData, StorePlan,
+    Direction, KvKind, KvLayout, KvRegistration, KvRequest, LayerKvStore, ModelGeometry, ObjstoreError, Placement, RemoteFailure,
+    RequestHandle, StoreConfig, StoreData, StorePlan,
 };
 
 use super::Client;
@@ -60,6 +65,60 @@ impl Default for RemoteConfig {
     }
 }
 
+/// How the engine's KV memory is laid out in the window: objstore's [`KvLayout`] kinds, each
+/// tensor a page-aligned region of the window, allocated in the order
+/// [`RemoteKvStore::kv_regions`] lists them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WindowKvLayout {
+    /// One region `[blocks, layers, 2, object]` (`KvLayout::BlockMajor`).
+    #[default]
+    BlockMajor,
+    /// Per layer a K region and a V region of `blocks` objects: all K regions (layer order),
+    /// then all V regions (`KvLayout::SeparateKv`).
+    SeparateKv,
+    /// Per layer one region `[2, blocks, object]` (`KvLayout::FusedPerLayer`).
+    FusedPerLayer,
+    /// Per layer one region of `blocks` runs of `2 * object` bytes, K and V together in each
+    /// (`KvLayout::PagedPerLayer`: vLLM 0.32's paged view).
+    PagedPerLayer,
+}
+
+impl WindowKvLayout {
+    /// The size of each region, in `kv_regions` order.
+    fn region_bytes(self, geometry: &ModelGeometry, kv_blocks: u32) -> Result<Vec<u64>, ObjstoreError> {
+        let layers = geometry.layers as usize;
+        let object = geometry.object_bytes();
+        let overflow = || ObjstoreError::AddressOverflow { what: format!("{kv_blocks} KV blocks of {geometry}") };
+        let blocks = u64::from(kv_blocks);
+        Ok(match self {
+            WindowKvLayout::BlockMajor => vec![blocks.checked_mul(geometry.block_bytes()).ok_or_else(overflow)?],
+            WindowKvLayout::SeparateKv => vec![blocks.checked_mul(object).ok_or_else(overflow)?; 2 * layers],
+            WindowKvLayout::FusedPerLayer | WindowKvLayout::PagedPerLayer => {
+                vec![blocks.checked_mul(2 * object).ok_or_else(overflow)?; layers]
+            }
+        })
+    }
+
+    /// The registration's layout over `regions` (as `region_bytes` sized them).
+    fn layout(self, geometry: &ModelGeometry, regions: &[DmaRegion]) -> KvLayout {
+        let object = geometry.object_bytes();
+        let bases = || regions.iter().map(DmaRegion::iova).collect::<Vec<_>>();
+        match self {
+            WindowKvLayout::BlockMajor => KvLayout::BlockMajor { base: regions[0].iova(), block_stride_bytes: geometry.block_bytes() },
+            WindowKvLayout::SeparateKv => {
+                let (keys, values) = regions.split_at(regions.len() / 2);
+                KvLayout::SeparateKv {
+                    key_bases: keys.iter().map(DmaRegion::iova).collect(),
+                    value_bases: values.iter().map(DmaRegion::iova).collect(),
+                    block_stride_bytes: object,
+                }
+            }
+            WindowKvLayout::FusedPerLayer => KvLayout::FusedPerLayer { layer_bases: bases(), block_stride_bytes: object },
+            WindowKvLayout::PagedPerLayer => KvLayout::PagedPerLayer { layer_bases: bases(), block_stride_bytes: 2 * object },
+        }
+    }
+}
+
 /// A [`LayerKvStore`] whose control half is tuttid (module docs).
 pub struct RemoteKvStore {
     /// Declared first, so dropped first: the attached pairs go before the window.
@@ -67,7 +126,9 @@ pub struct RemoteKvStore {
     client: Client,
     hello: HelloReply,
     registration: u64,
-    kv: DmaRegion,
+    /// The KV memory's regions (`WindowKvLayout` order).
+    kv: Vec<DmaRegion>,
+    kv_layout: WindowKvLayout,
     block_bytes: u64,
     /// The rings of every attached pair: kept until the daemon deleted the queues (the attach
     /// contract), i.e. for the life of this store (the daemon deletes them when the session ends).
@@ -77,8 +138,16 @@ pub struct RemoteKvStore {
     crcs: Vec<u32>,
 }
 
+/// The daemon client's error as the store's, classified where it can be (a refusal's code, a
+/// lost connection, a timeout) so that callers can react by kind.
 fn remote(error: DaemonError) -> ObjstoreError {
-    ObjstoreError::Remote { reason: error.to_string() }
+    let failure = match &error {
+        DaemonError::Remote { code, .. } => RemoteFailure::Refused { code: code.to_u16() },
+        DaemonError::Closed | DaemonError::Truncated { .. } | DaemonError::Io { .. } => RemoteFailure::Disconnected,
+        DaemonError::Timeout { .. } => RemoteFailure::TimedOut,
+        _ => return ObjstoreError::Remote { reason: error.to_string() },
+    };
+    ObjstoreError::RemoteFailed { failure, reason: error.to_string() }
 }
 
 fn unexpected(asked: Kind, got: &Reply) -> ObjstoreError {
@@ -87,11 +156,35 @@ fn unexpected(asked: Kind, got: &Reply) -> ObjstoreError {
 
 impl RemoteKvStore {
     /// Connects to tuttid at `socket`, attaches as `hello`, and sets up the data path (module
-    /// docs). Fails with the daemon's typed refusal (e.g. `Unsupported` on a pool without a
-    /// shared register page), or the local check that refused what it sent.
+    /// docs) with block-major KV memory. Fails with the daemon's typed refusal (e.g.
+    /// `Unsupported` on a pool without a shared register page), or the local check that refused
+    /// what it sent.
     pub fn connect(socket: &Path, hello: &Hello, config: &RemoteConfig) -> Result<RemoteKvStore, ObjstoreError> {
+        Self::connect_with_layout(socket, hello, config, WindowKvLayout::BlockMajor)
+    }
+
+    /// [`RemoteKvStore::connect`] with the KV memory laid out as `kv_layout`.
+    pub fn connect_with_layout(
+        socket: &Path,
+        hello: &Hello,
+        config: &RemoteConfig,
+        kv_layout: WindowKvLayout,
+    ) -> Result<RemoteKvStore, ObjstoreError> {
         let mut client = Client::connect(socket, config.timeout).map_err(remote)?;
         let attached = client.hello(hello).map_err(remote)?;
+        Self::with_client(client, attached, config, kv_layout)
+    }
+
+    /// Sets up the data path on a connection already attached (`Client::hello` answered
+    /// `attached`): asks the pool's shape, creates and registers the window with the KV memory
+    /// laid out as `kv_layout`, attaches the queue pairs. A client that only looked up so far
+    /// (the engine's scheduler side, turned worker) becomes a store this way.
+    pub fn with_client(
+        mut client: Client,
+        attached: HelloReply,
+        config: &RemoteConfig,
+        kv_layout: WindowKvLayout,
+    ) -> Result<RemoteKvStore, ObjstoreError> {
         let shape = match client.call(&Request::PoolShape).map_err(remote)? {
             Reply::PoolShape(shape) => shape,
             other => return Err(unexpected(Kind::PoolShape, &other)),
@@ -101,16 +194,20 @@ impl RemoteKvStore {
         let block_bytes = 2 * u64::from(geometry.layers) * geometry.object_bytes();
         let devices = shape.devices.len() as u64;
         let depth = u64::from(config.queue_depth);
-        let kv_bytes = u64::from(config.kv_blocks)
-            .checked_mul(block_bytes)
-            .ok_or_else(|| ObjstoreError::AddressOverflow { what: format!("{} KV blocks of {block_bytes} bytes", config.kv_blocks) })?;
         let round = |bytes: u64| bytes.div_ceil(PAGE_BYTES) * PAGE_BYTES;
+        let region_bytes = kv_layout.region_bytes(&geometry, config.kv_blocks)?;
+        let kv_bytes = region_bytes
+            .iter()
+            .try_fold(0u64, |sum, &bytes| sum.checked_add(round(bytes)))
+            .ok_or_else(|| ObjstoreError::AddressOverflow { what: format!("{} KV blocks of {block_bytes} bytes", config.kv_blocks) })?;
         let per_device = round(depth * SUBMISSION_ENTRY_BYTES as u64)
             + round(depth * COMPLETION_ENTRY_BYTES as u64)
             + depth.saturating_sub(1) * SCRATCH_PAGE_BYTES;
         let table = objstore::mapping_memory(&geometry, kv_bytes);
         let table_bytes = round(table.sgl_bytes.max(table.prp_packed_bytes));
-        let window_bytes = round(kv_bytes) + devices * per_device + table_bytes + WINDOW_SLACK_BYTES;
+        let window_bytes = kv_bytes
+            .checked_add(devices * per_device + table_bytes + WINDOW_SLACK_BYTES)
+            .ok_or_else(|| ObjstoreError::AddressOverflow { what: "the window".into() })?;
         let window_len = usize::try_from(window_bytes).map_err(|_| ObjstoreError::AddressOverflow { what: "the window".into() })?;
         let memory = SharedMemory::create("tutti-kv-window", window_len).map_err(HwError::from)?;
         let register = Request::RegisterMemory(RegisterMemory { window_bytes, kv_blocks: config.kv_blocks });
@@ -119,8 +216,9 @@ impl RemoteKvStore {
             (other, _) => return Err(unexpected(Kind::RegisterMemory, &other)),
         };
         let window = DmaWindow::new(memory, Iova(registered.iova_base), AddressSpaceId(registered.address_space))?;
-        // The KV memory first (at the window's base), then each device's rings.
-        let kv = window.allocate(kv_bytes as usize)?;
+        // The KV memory first (at the window's base, its regions back to back), then each
+        // device's rings.
+        let kv = region_bytes.iter().map(|&bytes| window.allocate(bytes as usize)).collect::<Result<Vec<_>, _>>()?;
         let mut rings = Vec::with_capacity(shape.devices.len());
         let mut offsets = Vec::with_capacity(shape.devices.len());
         for _ in &shape.devices {
@@ -168,7 +266,7 @@ impl RemoteKvStore {
             pairs.push(pair);
         }
         let mode = if sgl_everywhere { DataPointerMode::Sgl } else { DataPointerMode::Prp };
-        let layout = KvLayout::BlockMajor { base: kv.iova(), block_stride_bytes: block_bytes };
+        let layout = kv_layout.layout(&geometry, &kv);
         let registration = KvRegistration::new(geometry, config.kv_blocks, layout, mode)?;
         let dma: Arc<dyn DmaAllocator> = Arc::new(window.clone());
         let executor = CpuExecutor::new(pairs, config.store.iocbs);
@@ -180,6 +278,7 @@ impl RemoteKvStore {
             hello: attached,
             registration: registered.registration,
             kv,
+            kv_layout,
             block_bytes,
             _rings: rings,
             window,
@@ -218,32 +317,73 @@ impl RemoteKvStore {
         &mut self.data
     }
 
-    /// Bytes of one engine block: all layers, layer l's K then V (`BlockMajor`).
+    /// Bytes of one engine block: all layers, layer l's K then V (as `write_block` and
+    /// `read_block` see a block, whatever the layout).
     pub fn block_bytes(&self) -> u64 {
         self.block_bytes
     }
 
-    fn block_offset(&self, block: u32, offset: usize, len: usize) -> Result<usize, ObjstoreError> {
-        let blocks = self.data.table().registration().num_blocks();
-        if block >= blocks {
-            return Err(ObjstoreError::BlockOutOfRange { block, num_blocks: blocks });
-        }
+    /// The KV memory's regions in the window, in [`WindowKvLayout`] order (one block-major
+    /// region; or per layer, K regions then V regions; or one region per layer).
+    pub fn kv_regions(&self) -> &[DmaRegion] {
+        &self.kv
+    }
+
+    pub fn kv_layout(&self) -> WindowKvLayout {
+        self.kv_layout
+    }
+
+    /// Calls `each(region, offset in it, offset in `len`, length)` for the pieces of bytes
+    /// `offset..offset + len` of engine block `block` (layer l's K, then its V, for every l):
+    /// one piece per object touched, found through the registration.
+    fn for_each_block_piece(
+        &self,
+        block: u32,
+        offset: usize,
+        len: usize,
+        mut each: impl FnMut(&DmaRegion, usize, usize, usize) -> Result<(), ObjstoreError>,
+    ) -> Result<(), ObjstoreError> {
+        let registration = self.data.table().registration();
+        registration.check_block(block)?;
         if offset.checked_add(len).is_none_or(|end| end as u64 > self.block_bytes) {
             return Err(ObjstoreError::BadRequest { reason: format!("{len} bytes at {offset} of a {} byte block", self.block_bytes) });
         }
-        Ok(block as usize * self.block_bytes as usize + offset)
+        let object = registration.geometry().object_bytes() as usize;
+        let (mut at, end) = (offset, offset + len);
+        while at < end {
+            let index = at / object;
+            let kind = if index.is_multiple_of(2) { KvKind::Key } else { KvKind::Value };
+            let address = registration.object_address((index / 2) as u32, kind, block)?;
+            let within = at % object;
+            let piece = (object - within).min(end - at);
+            let start = address.checked_add(within as u64).ok_or_else(|| ObjstoreError::AddressOverflow { what: "a KV object".into() })?;
+            let region = self
+                .kv
+                .iter()
+                .find(|region| region.iova() <= start && start.0 - region.iova().0 + piece as u64 <= region.len() as u64)
+                .ok_or_else(|| ObjstoreError::InvalidRegistration {
+                    reason: format!("object address {:#x} outside the KV memory", start.0),
+                })?;
+            each(region, (start.0 - region.iova().0) as usize, at - offset, piece)?;
+            at += piece;
+        }
+        Ok(())
     }
 
     /// Copies `bytes` into engine block `block` at `offset` (the engine's KV tensors).
     pub fn write_block(&self, block: u32, offset: usize, bytes: &[u8]) -> Result<(), ObjstoreError> {
-        let at = self.block_offset(block, offset, bytes.len())?;
-        Ok(self.kv.write(at, bytes)?)
+        self.for_each_block_piece(block, offset, bytes.len(), |region, at, from, len| Ok(region.write(at, &bytes[from..from + len])?))
     }
 
     /// Copies engine block `block`'s bytes from `offset` into `out`.
     pub fn read_block(&self, block: u32, offset: usize, out: &mut [u8]) -> Result<(), ObjstoreError> {
-        let at = self.block_offset(block, offset, out.len())?;
-        Ok(self.kv.read(at, out)?)
+        self.for_each_block_piece(block, offset, out.len(), |region, at, from, len| Ok(region.read(at, &mut out[from..from + len])?))
+    }
+
+    /// The blocks a prepared request moves as the daemon placed them (a store's new blocks
+    /// only, each naming its engine block).
+    pub fn placements(&self, handle: RequestHandle) -> Result<&[Placement], ObjstoreError> {
+        self.data.placements(handle)
     }
 
     /// The longest prefix of `tokens`, in blocks, cached on every tensor-parallel rank of this

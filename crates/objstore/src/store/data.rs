@@ -371,6 +371,13 @@ impl<E: Executor> StoreData<E> {
         self.issue(handle, layer, budget, direction)
     }
 
+    /// The blocks the prepared request `handle` moves, as the control half placed them (a
+    /// store's new blocks only).
+    pub fn placements(&self, handle: RequestHandle) -> Result<&[Placement]> {
+        let index = self.index_of(handle)?;
+        Ok(&self.requests[index].placements)
+    }
+
     /// Whether `handle` names a verified retrieve whose verification already failed.
     pub fn verify_failed(&self, handle: RequestHandle) -> bool {
         self.index_of(handle).is_ok_and(|index| self.requests[index].verify_failure.is_some())

@@ -329,3 +329,49 @@ fn an_in_process_store_serves_the_layer_wise_trait() {
     assert_eq!(round_trip_through(&mut store, &tokens, &[0, 1], &[10, 11]).expect("round trip"), 2);
     assert!(holds(&fixture, 10, keys[0]) && holds(&fixture, 11, keys[1]));
 }
+
+#[test]
+fn a_key_seed_puts_the_whole_store_in_that_key_space() {
+    // Goal: an in-process store given tuttid's seed of a session stores, finds and retrieves
+    // under exactly the keys that session uses (`block_keys_seeded`), so a pool written by one
+    // is found by the other; seed 0 (the default) does not see them. `placements` names the
+    // engine blocks a store writes: only the new ones.
+    let fixture = fixture(1, None);
+    let (pool, _) = Pool::open(fixture.targets.clone(), Some(&geometry())).expect("open");
+    let executor = cpu_executor_for(&pool, 64, &StoreConfig::default()).expect("executor");
+    let mut store = KvStore::new(pool, fixture.registration.clone(), fixture.dma.clone(), executor, StoreConfig::default()).expect("store");
+    assert_eq!(store.key_seed(), 0);
+    store.set_key_seed(SEED);
+    let tokens = tokens(9, 3);
+    let keys = keys_of(&tokens);
+    for (block, &key) in [2u32, 5].iter().zip(&keys) {
+        fill(&fixture, *block, key);
+    }
+    let store_two = |store: &mut KvStore<CpuExecutor>, blocks: &[u32]| {
+        let plan = store.prepare_store(&KvRequest { tokens: &tokens, block_ids: blocks }).expect("prepare_store");
+        let written: Vec<u32> = store.placements(plan.handle).unwrap().iter().map(|placement| placement.engine_block).collect();
+        for layer in 0..geometry().layers {
+            store.store_layer(plan.handle, layer, BUDGET).unwrap();
+            store.wait(plan.handle, deadline()).unwrap();
+        }
+        store.commit_store(plan.handle).expect("commit");
+        written
+    };
+    assert_eq!(store_two(&mut store, &[2, 5]), vec![2, 5]);
+    assert_eq!(store.lookup(&tokens), 2);
+    assert_eq!(store.control.lookup(&keys), 2, "stored under the seeded keys");
+    fill(&fixture, 6, keys[2]);
+    assert_eq!(store_two(&mut store, &[2, 5, 6]), vec![6], "the first two blocks are shared, only the third is written");
+    store.set_key_seed(0);
+    assert_eq!(store.lookup(&tokens), 0, "the in-process space does not see them");
+    store.set_key_seed(SEED);
+    let handle = store.prepare_retrieve(&KvRequest { tokens: &tokens, block_ids: &[10, 11, 12] }).expect("prepare_retrieve");
+    for layer in 0..geometry().layers {
+        store.retrieve_layer(handle, layer, BUDGET).unwrap();
+        store.wait(handle, deadline()).unwrap();
+    }
+    store.finish(handle).unwrap();
+    for (block, &key) in [10u32, 11, 12].iter().zip(&keys) {
+        assert!(holds(&fixture, *block, key), "engine block {block}");
+    }
+}

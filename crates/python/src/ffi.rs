@@ -1,0 +1,365 @@
+//! The crate's only unsafe code: reading a DLPack capsule a producer gave us, handing one out
+//! over memory tutti allocated, and mapping a caller's memory for the store's devices.
+//!
+//! DLPack (dlpack.h, the unversioned `DLManagedTensor` every producer offers through
+//! `__dlpack__()` without `max_version`): a capsule named "dltensor" holds a pointer to a
+//! `DLManagedTensor`; the consumer renames it "used_dltensor" and owns the tensor from then on,
+//! calling its `deleter` when done (the producer's memory lives until then). The deleter may be
+//! called from any thread, with or without the GIL (the spec requires producers to take the GIL
+//! themselves where they need it: numpy does).
+
+use std::ffi::{c_void, CStr};
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use nvme_driver::{DmaAllocator, DmaRegion, HwError, Iova};
+use pyo3::ffi;
+use pyo3::prelude::*;
+
+/// The unused-capsule name and the consumed one (DLPack's Python specification), and the
+/// versioned capsule's (DLPack 1.0: `DLManagedTensorVersioned`, which can say "writable").
+const DLTENSOR: &CStr = c"dltensor";
+const USED_DLTENSOR: &CStr = c"used_dltensor";
+const DLTENSOR_VERSIONED: &CStr = c"dltensor_versioned";
+/// More dimensions than any KV tensor has: a larger `ndim` is refused as garbage.
+const NDIM_MAX: i32 = 32;
+/// Pages of the devices' DMA mappings.
+const PAGE_BYTES: u64 = 4096;
+
+/// dlpack.h `DLDevice`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct DlDevice {
+    device_type: i32,
+    device_id: i32,
+}
+
+/// dlpack.h `DLDataType`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct DlDataType {
+    code: u8,
+    bits: u8,
+    lanes: u16,
+}
+
+/// dlpack.h `DLTensor`.
+#[repr(C)]
+struct DlTensor {
+    data: *mut c_void,
+    device: DlDevice,
+    ndim: i32,
+    dtype: DlDataType,
+    shape: *mut i64,
+    strides: *mut i64,
+    byte_offset: u64,
+}
+
+/// dlpack.h `DLManagedTensor`.
+#[repr(C)]
+struct DlManagedTensor {
+    dl_tensor: DlTensor,
+    manager_ctx: *mut c_void,
+    deleter: Option<unsafe extern "C" fn(*mut DlManagedTensor)>,
+}
+
+/// dlpack.h `DLPackVersion`.
+#[repr(C)]
+struct DlPackVersion {
+    major: u32,
+    minor: u32,
+}
+
+/// dlpack.h `DLManagedTensorVersioned` (DLPack 1.0).
+#[repr(C)]
+struct DlManagedTensorVersioned {
+    version: DlPackVersion,
+    manager_ctx: *mut c_void,
+    deleter: Option<unsafe extern "C" fn(*mut DlManagedTensorVersioned)>,
+    /// Bit 0: read-only; bit 1: a copy. 0: the producer's own, writable memory.
+    flags: u64,
+    dl_tensor: DlTensor,
+}
+
+/// DLPack device types (dlpack.h `DLDeviceType`): the CPU and CUDA host-pinned memory are
+/// host memory this process can address.
+pub const DLPACK_CPU: i32 = 1;
+pub const DLPACK_CUDA_HOST: i32 = 3;
+/// DLPack type codes: unsigned and signed integers (8-bit ones are raw bytes).
+const DLPACK_INT: u8 = 0;
+const DLPACK_UINT: u8 = 1;
+
+/// A DLPack tensor's description, copied out of the producer's struct.
+#[derive(Debug, Clone)]
+pub struct DlpackTensor {
+    /// `data + byte_offset`.
+    pub address: u64,
+    pub device_type: i32,
+    pub device_id: i32,
+    pub itemsize: u64,
+    pub raw_bytes: bool,
+    pub shape: Vec<i64>,
+    /// In elements, as DLPack gives them; `None`: compact (C order).
+    pub strides: Option<Vec<i64>>,
+}
+
+/// A consumed DLPack tensor: the producer's memory lives until this is dropped, which calls
+/// the producer's deleter (once).
+pub struct ImportedDlpack {
+    managed: NonNull<DlManagedTensor>,
+}
+
+// SAFETY: the pointer is only used to call the producer's deleter, which the DLPack
+// specification requires to be callable from any thread (taking the GIL itself if it needs it);
+// nothing else reads or writes through it after import.
+unsafe impl Send for ImportedDlpack {}
+// SAFETY: no method reads through the pointer; `&ImportedDlpack` gives no access to it.
+unsafe impl Sync for ImportedDlpack {}
+
+impl Drop for ImportedDlpack {
+    fn drop(&mut self) {
+        // SAFETY: `managed` came from a capsule named "dltensor" that we renamed, so we own it
+        // (DLPack's protocol) and call its deleter exactly once, here; the struct is valid until
+        // then (the producer frees it only in the deleter).
+        unsafe {
+            if let Some(deleter) = (*self.managed.as_ptr()).deleter {
+                deleter(self.managed.as_ptr());
+            }
+        }
+    }
+}
+
+/// Consumes the capsule `producer.__dlpack__()` returned: checks its name, copies the tensor's
+/// description, renames it "used_dltensor" (so that its destructor leaves the tensor to us).
+pub fn import_dlpack(capsule: &Bound<'_, PyAny>) -> PyResult<(DlpackTensor, ImportedDlpack)> {
+    let object = capsule.as_ptr();
+    // SAFETY: `object` is a live object (borrowed for this call); PyCapsule_IsValid accepts any
+    // object and only reads its type and name.
+    let valid = unsafe { ffi::PyCapsule_IsValid(object, DLTENSOR.as_ptr()) };
+    if valid != 1 {
+        return Err(pyo3::exceptions::PyTypeError::new_err(
+            "__dlpack__() did not return an unused \"dltensor\" capsule (already consumed, or a versioned capsule)",
+        ));
+    }
+    // SAFETY: the capsule is valid under this name (checked above); its pointer is non-null by
+    // the capsule API's definition of valid.
+    let pointer = unsafe { ffi::PyCapsule_GetPointer(object, DLTENSOR.as_ptr()) } as *mut DlManagedTensor;
+    let managed = NonNull::new(pointer).ok_or_else(|| PyErr::fetch(capsule.py()))?;
+    // SAFETY: a "dltensor" capsule points to a DLManagedTensor that stays valid until its deleter
+    // is called (not yet: the capsule is unconsumed). We read it by value; `shape` and `strides`
+    // point to `ndim` int64s each (strides may be null: compact), checked before reading.
+    let description = unsafe {
+        let tensor = &(*managed.as_ptr()).dl_tensor;
+        if !(0..=NDIM_MAX).contains(&tensor.ndim) {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!("a DLPack tensor with {} dimensions", tensor.ndim)));
+        }
+        let ndim = tensor.ndim as usize;
+        if ndim > 0 && tensor.shape.is_null() {
+            return Err(pyo3::exceptions::PyValueError::new_err("a DLPack tensor without a shape"));
+        }
+        let shape = if ndim == 0 { Vec::new() } else { std::slice::from_raw_parts(tensor.shape, ndim).to_vec() };
+        let strides = (!tensor.strides.is_null() && ndim > 0).then(|| std::slice::from_raw_parts(tensor.strides, ndim).to_vec());
+        let bits = u64::from(tensor.dtype.bits) * u64::from(tensor.dtype.lanes);
+        DlpackTensor {
+            address: (tensor.data as u64).wrapping_add(tensor.byte_offset),
+            device_type: tensor.device.device_type,
+            device_id: tensor.device.device_id,
+            itemsize: bits / 8,
+            raw_bytes: matches!(tensor.dtype.code, DLPACK_INT | DLPACK_UINT) && tensor.dtype.bits == 8 && tensor.dtype.lanes == 1,
+            shape,
+            strides,
+        }
+    };
+    // SAFETY: renaming a valid capsule; the name is a static C string that outlives it.
+    if unsafe { ffi::PyCapsule_SetName(object, USED_DLTENSOR.as_ptr()) } != 0 {
+        return Err(PyErr::fetch(capsule.py()));
+    }
+    Ok((description, ImportedDlpack { managed }))
+}
+
+/// What a capsule we hand out keeps alive: the memory (a clone of its region holds the
+/// allocation and its mapping) and the shape DLPack points to.
+struct ExportContext {
+    _region: DmaRegion,
+    shape: [i64; 1],
+}
+
+/// DLPack deleter of the tensors we hand out: frees the struct and the context (dropping the
+/// region clone). Needs no GIL.
+unsafe extern "C" fn export_deleter(managed: *mut DlManagedTensor) {
+    if managed.is_null() {
+        return;
+    }
+    // SAFETY: `managed` and its context were made by `Box::into_raw` in `export_dlpack`, and
+    // DLPack calls the deleter once (the consumer after renaming, or our capsule destructor if
+    // never consumed, never both).
+    unsafe {
+        let managed = Box::from_raw(managed);
+        drop(Box::from_raw(managed.manager_ctx as *mut ExportContext));
+    }
+}
+
+/// Destructor of the capsules we hand out: an unconsumed capsule still owns its tensor.
+unsafe extern "C" fn export_capsule_destructor(capsule: *mut ffi::PyObject) {
+    // SAFETY: CPython calls this with the GIL held and `capsule` alive. Under the name
+    // "dltensor" nobody consumed it, so the tensor is still ours to delete; a consumer renamed
+    // it and calls the deleter itself.
+    unsafe {
+        if ffi::PyCapsule_IsValid(capsule, DLTENSOR.as_ptr()) == 1 {
+            let managed = ffi::PyCapsule_GetPointer(capsule, DLTENSOR.as_ptr()) as *mut DlManagedTensor;
+            export_deleter(managed);
+        } else {
+            // The consumer's: not ours. A failed name check leaves an error set: clear it.
+            ffi::PyErr_Clear();
+        }
+    }
+}
+
+/// DLPack deleter of the versioned tensors we hand out (as `export_deleter`).
+unsafe extern "C" fn export_versioned_deleter(managed: *mut DlManagedTensorVersioned) {
+    if managed.is_null() {
+        return;
+    }
+    // SAFETY: as in `export_deleter`: made by `Box::into_raw` in `export_dlpack`, deleted once.
+    unsafe {
+        let managed = Box::from_raw(managed);
+        drop(Box::from_raw(managed.manager_ctx as *mut ExportContext));
+    }
+}
+
+/// Destructor of the versioned capsules we hand out (as `export_capsule_destructor`).
+unsafe extern "C" fn export_versioned_capsule_destructor(capsule: *mut ffi::PyObject) {
+    // SAFETY: as in `export_capsule_destructor`, under the versioned name.
+    unsafe {
+        if ffi::PyCapsule_IsValid(capsule, DLTENSOR_VERSIONED.as_ptr()) == 1 {
+            let managed = ffi::PyCapsule_GetPointer(capsule, DLTENSOR_VERSIONED.as_ptr()) as *mut DlManagedTensorVersioned;
+            export_versioned_deleter(managed);
+        } else {
+            ffi::PyErr_Clear();
+        }
+    }
+}
+
+/// A capsule of a 1-D uint8 CPU tensor over `region`, which it keeps alive: "dltensor_versioned"
+/// (DLPack 1.0, flagged writable) when the consumer accepts `versioned`, else the legacy
+/// "dltensor" (which some consumers, numpy among them, import read-only).
+pub fn export_dlpack<'py>(py: Python<'py>, region: &DmaRegion, versioned: bool) -> PyResult<Bound<'py, PyAny>> {
+    let len = i64::try_from(region.len()).map_err(|_| pyo3::exceptions::PyOverflowError::new_err("a region too large for DLPack"))?;
+    let context = Box::into_raw(Box::new(ExportContext { _region: region.clone(), shape: [len] }));
+    let tensor = DlTensor {
+        data: region.host_address() as *mut c_void,
+        device: DlDevice { device_type: DLPACK_CPU, device_id: 0 },
+        ndim: 1,
+        dtype: DlDataType { code: DLPACK_UINT, bits: 8, lanes: 1 },
+        // SAFETY: `context` is a live Box (just made); the field's address stays valid until
+        // the deleter frees it.
+        shape: unsafe { (*context).shape.as_mut_ptr() },
+        strides: std::ptr::null_mut(),
+        byte_offset: 0,
+    };
+    if versioned {
+        let managed = Box::into_raw(Box::new(DlManagedTensorVersioned {
+            version: DlPackVersion { major: 1, minor: 0 },
+            manager_ctx: context as *mut c_void,
+            deleter: Some(export_versioned_deleter),
+            flags: 0,
+            dl_tensor: tensor,
+        }));
+        // SAFETY: as below, for the versioned struct and name.
+        let capsule =
+            unsafe { ffi::PyCapsule_New(managed as *mut c_void, DLTENSOR_VERSIONED.as_ptr(), Some(export_versioned_capsule_destructor)) };
+        if capsule.is_null() {
+            // SAFETY: the capsule was not made, so the struct is still only ours.
+            unsafe { export_versioned_deleter(managed) };
+            return Err(PyErr::fetch(py));
+        }
+        // SAFETY: PyCapsule_New returned a new (owned) reference.
+        return Ok(unsafe { Bound::from_owned_ptr(py, capsule) });
+    }
+    let managed =
+        Box::into_raw(Box::new(DlManagedTensor { dl_tensor: tensor, manager_ctx: context as *mut c_void, deleter: Some(export_deleter) }));
+    // SAFETY: a capsule over our Box pointer with a static name and a destructor that frees it
+    // only if unconsumed (see `export_capsule_destructor`).
+    let capsule = unsafe { ffi::PyCapsule_New(managed as *mut c_void, DLTENSOR.as_ptr(), Some(export_capsule_destructor)) };
+    if capsule.is_null() {
+        // SAFETY: the capsule was not made, so the struct is still only ours.
+        unsafe { export_deleter(managed) };
+        return Err(PyErr::fetch(py));
+    }
+    // SAFETY: PyCapsule_New returned a new (owned) reference.
+    Ok(unsafe { Bound::from_owned_ptr(py, capsule) })
+}
+
+/// Proof that no queue pair of a store can use memory registered with it any more: its
+/// executor's pairs were deleted (`KvStore::close` answered true), or it never had one.
+pub struct QueuesGone(());
+
+impl QueuesGone {
+    /// `KvStore::close`'s answer: `Some` when every queue pair was deleted.
+    pub fn after_close(deleted: bool) -> Option<QueuesGone> {
+        deleted.then_some(QueuesGone(()))
+    }
+
+    /// The memory was mapped but no store was built over it (registration refused).
+    pub fn never_used() -> QueuesGone {
+        QueuesGone(())
+    }
+}
+
+/// A caller's memory mapped for the store's devices, with what keeps it alive (`keep`: the
+/// DLPack tensor, the buffer export, the owner object). Dropped without [`CallerMemory::release`]
+/// it is leaked, mapping and owner both: the safe default while a queue pair may still write it.
+pub struct CallerMemory<K> {
+    region: Option<DmaRegion>,
+    keep: Option<K>,
+    /// The IOVA of the tensor's first byte (inside the page-rounded mapping).
+    iova: Iova,
+}
+
+impl<K> CallerMemory<K> {
+    pub fn iova(&self) -> Iova {
+        self.iova
+    }
+
+    /// Unmaps, then lets go of the owner: only once no queue pair can still move its bytes.
+    pub fn release(mut self, _proof: &QueuesGone) {
+        drop(self.region.take());
+        drop(self.keep.take());
+    }
+}
+
+impl<K> Drop for CallerMemory<K> {
+    fn drop(&mut self) {
+        if let Some(region) = self.region.take() {
+            let bytes = region.leak();
+            tracing::error!(bytes, "tutti: registered KV memory leaked (mapped and kept for good): a queue pair may still use it");
+            std::mem::forget(self.keep.take());
+        }
+    }
+}
+
+/// Maps `len` bytes of the caller's memory at `address` for `dma`'s devices, keeping `keep` (what
+/// keeps the memory alive) with the mapping. The mapping covers the whole pages the range
+/// touches (the devices map pages); only bytes inside `address..address + len` are ever named
+/// in a command, because every address the store issues comes from the registration, whose
+/// tensors `tensor::check_layout` placed inside their ranges.
+pub fn map_caller_memory<K>(dma: &Arc<dyn DmaAllocator>, address: u64, len: u64, keep: K) -> Result<CallerMemory<K>, HwError> {
+    let start = address & !(PAGE_BYTES - 1);
+    let end = address
+        .checked_add(len)
+        .and_then(|end| end.checked_next_multiple_of(PAGE_BYTES))
+        .ok_or(HwError::Misaligned { offset: 0, align: PAGE_BYTES as usize })?;
+    let mapped = usize::try_from(end - start).map_err(|_| HwError::ZeroLength)?;
+    // SAFETY: map_external's contract holds: `start..end` is memory of this process, readable and
+    // writable: it covers the pages of a live, writable allocation the producer described (a
+    // DLPack tensor we consumed, a writable buffer export, or a RawMemory whose caller promised
+    // it), and a page holding a byte of a live allocation stays mapped while it lives (allocators
+    // unmap whole pages only). It stays valid as long as the region: `keep`, which keeps the
+    // allocation alive, is dropped only after the region and every use a device can make of it
+    // (`CallerMemory::release` takes the QueuesGone proof; otherwise both are leaked). The start
+    // is page aligned by construction. No Rust reference into it exists: the store reads and
+    // writes it only through DMA (the software controller's copies).
+    let region = unsafe { dma.map_external(start as *mut u8, mapped)? };
+    let iova = region.iova().checked_add(address - start).ok_or(HwError::ZeroLength)?;
+    Ok(CallerMemory { region: Some(region), keep: Some(keep), iova })
+}

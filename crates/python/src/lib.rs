@@ -1,0 +1,40 @@
+//! `tutti._tutti`: the compiled half of the `tutti` Python package (python/tutti; the API is
+//! typed and documented in python/tutti/_tutti.pyi, docs/python.md says what runs where).
+//!
+//! - [`store`] — `Store` (in-process over the pool's devices, or attached to tuttid) and its
+//!   completion thread; [`backend`] — what it holds under its lock;
+//! - [`request`] — `Request` and `LayerIo`, waits with the GIL released, eventfds;
+//! - [`memory`] — `RawMemory`, `KvBuffer`, `KvLayout`, tensors from DLPack / the buffer protocol;
+//! - [`tensor`] — the checks a registered tensor must pass (no Python);
+//! - [`errors`] — the exception classes and the mapping from the Rust errors;
+//! - [`lookup`] — `LookupClient`;
+//! - [`ffi`] — the crate's only unsafe code (DLPack capsules, mapping caller memory).
+#![deny(unsafe_code)]
+
+pub mod backend;
+pub mod errors;
+#[allow(unsafe_code)]
+pub mod ffi;
+pub mod geometry;
+pub mod lookup;
+pub mod memory;
+pub mod request;
+pub mod store;
+pub mod tensor;
+
+use pyo3::prelude::*;
+
+#[pymodule]
+fn _tutti(module: &Bound<'_, PyModule>) -> PyResult<()> {
+    module.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    errors::register(module)?;
+    module.add_class::<geometry::ModelGeometry>()?;
+    module.add_class::<memory::RawMemory>()?;
+    module.add_class::<memory::KvBuffer>()?;
+    module.add_class::<memory::KvLayout>()?;
+    module.add_class::<store::Store>()?;
+    module.add_class::<request::Request>()?;
+    module.add_class::<request::LayerIo>()?;
+    module.add_class::<lookup::LookupClient>()?;
+    Ok(())
+}

@@ -1,0 +1,163 @@
+//! `LookupClient`: a tuttid session that only looks up (an engine's scheduler process).
+
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+use tutti_daemon::protocol::Hello;
+use tutti_daemon::{Client, DaemonError};
+
+use crate::errors::{ErrorClass, Failure};
+use crate::geometry::ModelGeometry;
+
+/// A lookup-only session (module stub: `LookupClient`).
+#[pyclass(frozen, module = "tutti")]
+pub struct LookupClient {
+    client: Mutex<Option<Client>>,
+    session: u64,
+    geometry: objstore::ModelGeometry,
+    lease_ms: u32,
+}
+
+impl LookupClient {
+    fn call<T: Send>(&self, py: Python<'_>, call: impl FnOnce(&mut Client) -> Result<T, DaemonError> + Send) -> PyResult<T> {
+        py.detach(|| {
+            let mut client = self.client.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            let client = client.as_mut().ok_or_else(|| Failure::new(ErrorClass::Disconnected, "the client is closed"))?;
+            call(client).map_err(Failure::from)
+        })
+        .map_err(|failure| failure.to_pyerr(py))
+    }
+}
+
+#[pymethods]
+impl LookupClient {
+    #[staticmethod]
+    #[pyo3(signature = (socket, *, model_fingerprint, tp_rank = 0, tp_world = 1, client_name = "python-scheduler".to_string(), timeout_s = 5.0))]
+    fn connect(
+        py: Python<'_>,
+        socket: PathBuf,
+        model_fingerprint: Vec<u8>,
+        tp_rank: u32,
+        tp_world: u32,
+        client_name: String,
+        timeout_s: f64,
+    ) -> PyResult<LookupClient> {
+        let fingerprint = <[u8; 32]>::try_from(model_fingerprint.as_slice()).map_err(|_| {
+            Failure::new(ErrorClass::InvalidArgument, format!("model_fingerprint is {} bytes, expected 32", model_fingerprint.len()))
+        })?;
+        let timeout = Duration::try_from_secs_f64(timeout_s)
+            .map_err(|_| Failure::new(ErrorClass::InvalidArgument, format!("timeout_s = {timeout_s}: expected seconds >= 0")))?;
+        let hello = Hello { model_fingerprint: fingerprint, tp_rank, tp_world, client_name };
+        let (client, reply) = py
+            .detach(|| {
+                let mut client = Client::connect(&socket, timeout)?;
+                let reply = client.hello(&hello)?;
+                Ok::<_, DaemonError>((client, reply))
+            })
+            .map_err(|error| Failure::from(error).to_pyerr(py))?;
+        Ok(LookupClient {
+            client: Mutex::new(Some(client)),
+            session: reply.session,
+            geometry: crate::geometry::of_hello(&reply.shape),
+            lease_ms: reply.lease_ms,
+        })
+    }
+
+    #[getter]
+    fn session(&self) -> u64 {
+        self.session
+    }
+
+    #[getter]
+    fn geometry(&self) -> ModelGeometry {
+        ModelGeometry::from_inner(self.geometry)
+    }
+
+    #[getter]
+    fn block_tokens(&self) -> u32 {
+        self.geometry.block_tokens
+    }
+
+    #[getter]
+    fn lease_s(&self) -> f64 {
+        f64::from(self.lease_ms) / 1000.0
+    }
+
+    fn lookup(&self, py: Python<'_>, tokens: Vec<u32>) -> PyResult<u32> {
+        self.call(py, move |client| client.lookup(&tokens))
+    }
+
+    fn lookup_all_ranks(&self, py: Python<'_>, tokens: Vec<u32>) -> PyResult<u32> {
+        self.call(py, move |client| client.lookup_all_ranks(&tokens))
+    }
+
+    fn ping(&self, py: Python<'_>) -> PyResult<()> {
+        self.call(py, Client::ping)
+    }
+
+    fn status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let status = self.call(py, Client::status)?;
+        let out = PyDict::new(py);
+        out.set_item("daemon_pid", status.daemon_pid)?;
+        out.set_item("uptime_ms", status.uptime_ms)?;
+        out.set_item("connections", status.connections)?;
+        out.set_item("leaked_queue_pairs", status.leaked_queue_pairs)?;
+        let devices = PyList::empty(py);
+        for device in &status.devices {
+            let entry = PyDict::new(py);
+            entry.set_item("spec", &device.spec)?;
+            entry.set_item("description", &device.description)?;
+            entry.set_item("refused_commands", device.refused_commands)?;
+            devices.append(entry)?;
+        }
+        out.set_item("devices", devices)?;
+        let pool = PyDict::new(py);
+        let counts = &status.pool;
+        for (name, value) in [
+            ("slots", counts.slots),
+            ("free_slots", counts.free_slots),
+            ("valid_slots", counts.valid_slots),
+            ("writing_slots", counts.writing_slots),
+            ("pinned_slots", counts.pinned_slots),
+            ("cached_blocks", counts.cached_blocks),
+            ("evictions", counts.evictions),
+        ] {
+            pool.set_item(name, value)?;
+        }
+        out.set_item("pool", pool)?;
+        let clients = PyList::empty(py);
+        for client in &status.clients {
+            let entry = PyDict::new(py);
+            entry.set_item("session", client.session)?;
+            entry.set_item("pid", client.pid)?;
+            entry.set_item("uid", client.uid)?;
+            entry.set_item("name", &client.name)?;
+            entry.set_item("tp_rank", client.tp_rank)?;
+            entry.set_item("tp_world", client.tp_world)?;
+            entry.set_item("requests", client.requests)?;
+            entry.set_item("idle_ms", client.idle_ms)?;
+            entry.set_item("registrations", client.registrations)?;
+            entry.set_item("queue_pairs", client.queue_pairs)?;
+            entry.set_item("requests_in_flight", client.requests_in_flight)?;
+            clients.append(entry)?;
+        }
+        out.set_item("clients", clients)?;
+        Ok(out)
+    }
+
+    fn close(&self, py: Python<'_>) {
+        py.detach(|| drop(self.client.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take()));
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, pyo3::types::PyTuple>) {
+        self.close(py);
+    }
+}

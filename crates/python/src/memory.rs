@@ -1,0 +1,418 @@
+//! The Python side of KV memory: `RawMemory`, `KvBuffer` (memory tutti allocated, handed out
+//! through DLPack), `KvLayout` (a layout kind and its tensors), and turning any tensor-like
+//! object into a [`TensorDescription`] plus what keeps its memory alive.
+
+use nvme_driver::DmaRegion;
+use pyo3::exceptions::{PyBufferError, PyTypeError};
+use pyo3::prelude::*;
+use pyo3::types::PyList;
+
+use crate::errors::{ErrorClass, Failure};
+use crate::ffi::{self, ImportedDlpack, DLPACK_CPU, DLPACK_CUDA_HOST};
+use crate::tensor::{CheckedLayout, Device, LayoutKind, TensorDescription};
+
+/// What keeps a registered tensor's memory alive while the store may use it.
+pub enum Keep {
+    /// A consumed DLPack tensor (its deleter runs on drop) and the producer object.
+    Dlpack(ImportedDlpack, Py<PyAny>),
+    /// Python objects: a buffer export (memoryview and the ctypes view over it) or an owner.
+    Objects(Vec<Py<PyAny>>),
+    /// Memory tutti allocated (a clone of its region).
+    Region(DmaRegion),
+}
+
+/// Memory named by address and size (module stub: `RawMemory`).
+#[pyclass(frozen, module = "tutti")]
+pub struct RawMemory {
+    address: u64,
+    nbytes: u64,
+    owner: Py<PyAny>,
+    device: String,
+    itemsize: u64,
+    shape: Option<Vec<u64>>,
+    strides_bytes: Option<Vec<i64>>,
+}
+
+#[pymethods]
+impl RawMemory {
+    #[new]
+    #[pyo3(signature = (address, nbytes, *, owner, device = "cpu".to_string(), itemsize = 1, shape = None, strides_bytes = None))]
+    fn new(
+        address: u64,
+        nbytes: u64,
+        owner: Py<PyAny>,
+        device: String,
+        itemsize: u64,
+        shape: Option<Vec<u64>>,
+        strides_bytes: Option<Vec<i64>>,
+    ) -> PyResult<RawMemory> {
+        let invalid = |message: String| Failure::new(ErrorClass::InvalidArgument, message);
+        if address == 0 || nbytes == 0 {
+            return Err(invalid(format!("RawMemory at {address:#x} of {nbytes} bytes: expected a non-null address and a size")).into());
+        }
+        if address.checked_add(nbytes).is_none() {
+            return Err(invalid(format!("RawMemory at {address:#x} of {nbytes} bytes runs past the address space")).into());
+        }
+        if itemsize == 0 || !nbytes.is_multiple_of(itemsize) {
+            return Err(invalid(format!("RawMemory of {nbytes} bytes is not a whole number of {itemsize}-byte elements")).into());
+        }
+        if let (Some(shape), Some(strides)) = (&shape, &strides_bytes) {
+            if shape.len() != strides.len() {
+                return Err(invalid(format!("RawMemory: {} strides for {} dimensions", strides.len(), shape.len())).into());
+            }
+        }
+        if strides_bytes.is_some() && shape.is_none() {
+            return Err(invalid("RawMemory: strides_bytes without a shape".into()).into());
+        }
+        Ok(RawMemory { address, nbytes, owner, device, itemsize, shape, strides_bytes })
+    }
+
+    #[getter]
+    fn address(&self) -> u64 {
+        self.address
+    }
+
+    #[getter]
+    fn nbytes(&self) -> u64 {
+        self.nbytes
+    }
+
+    #[getter]
+    fn device(&self) -> String {
+        self.device.clone()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("RawMemory(address={:#x}, nbytes={}, device={:?})", self.address, self.nbytes, self.device)
+    }
+}
+
+/// A piece of KV memory tutti allocated (module stub: `KvBuffer`).
+#[pyclass(frozen, module = "tutti")]
+pub struct KvBuffer {
+    pub(crate) region: DmaRegion,
+}
+
+#[pymethods]
+impl KvBuffer {
+    #[getter]
+    fn address(&self) -> u64 {
+        self.region.host_address() as u64
+    }
+
+    #[getter]
+    fn nbytes(&self) -> u64 {
+        self.region.len() as u64
+    }
+
+    #[getter]
+    fn device(&self) -> &'static str {
+        "cpu"
+    }
+
+    #[pyo3(signature = (*, stream = None, max_version = None, dl_device = None, copy = None))]
+    fn __dlpack__<'py>(
+        &self,
+        py: Python<'py>,
+        stream: Option<Py<PyAny>>,
+        max_version: Option<Py<PyAny>>,
+        dl_device: Option<(i32, i32)>,
+        copy: Option<bool>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        // A CPU tensor has no stream. A consumer that accepts DLPack 1.0 gets the versioned
+        // capsule, which can say the memory is writable.
+        let _ = stream;
+        let versioned = match max_version {
+            Some(version) => version.bind(py).extract::<(u32, u32)>().is_ok_and(|(major, _)| major >= 1),
+            None => false,
+        };
+        if copy == Some(true) {
+            return Err(PyBufferError::new_err("a KvBuffer is never copied: it is the KV memory itself"));
+        }
+        if let Some((device_type, _)) = dl_device {
+            if device_type != DLPACK_CPU {
+                return Err(PyBufferError::new_err(format!("a KvBuffer is CPU memory, not DLPack device type {device_type}")));
+            }
+        }
+        ffi::export_dlpack(py, &self.region, versioned)
+    }
+
+    fn __dlpack_device__(&self) -> (i32, i32) {
+        (DLPACK_CPU, 0)
+    }
+
+    /// `numpy.from_dlpack(self)`.
+    fn numpy<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        slf.py().import("numpy")?.call_method1("from_dlpack", (slf,))
+    }
+
+    fn __repr__(&self) -> String {
+        format!("KvBuffer(address={:#x}, nbytes={})", self.region.host_address(), self.region.len())
+    }
+}
+
+/// A layout kind and its tensors (module stub: `KvLayout`).
+#[pyclass(frozen, module = "tutti")]
+pub struct KvLayout {
+    pub(crate) kind: LayoutKind,
+    pub(crate) tensors: Vec<Py<PyAny>>,
+    /// Set once a store checked it.
+    pub(crate) checked: std::sync::Mutex<Option<CheckedLayout>>,
+}
+
+impl KvLayout {
+    pub fn new_checked(kind: LayoutKind, tensors: Vec<Py<PyAny>>, checked: Option<CheckedLayout>) -> KvLayout {
+        KvLayout { kind, tensors, checked: std::sync::Mutex::new(checked) }
+    }
+
+    pub fn checked(&self) -> Option<CheckedLayout> {
+        self.checked.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone()
+    }
+
+    pub fn set_checked(&self, checked: CheckedLayout) {
+        *self.checked.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(checked);
+    }
+
+    fn pick(&self, py: Python<'_>, kind: &[LayoutKind], index: usize, what: &str) -> PyResult<Py<PyAny>> {
+        if !kind.contains(&self.kind) {
+            return Err(Failure::new(ErrorClass::InvalidArgument, format!("{what} of a {} layout", self.kind.name())).into());
+        }
+        self.tensors
+            .get(index)
+            .map(|tensor| tensor.clone_ref(py))
+            .ok_or_else(|| Failure::new(ErrorClass::InvalidArgument, format!("{what}: no such layer")).into())
+    }
+}
+
+fn list(objects: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<Py<PyAny>>> {
+    if objects.is_instance_of::<pyo3::types::PyString>() || objects.is_instance_of::<pyo3::types::PyBytes>() {
+        return Err(PyTypeError::new_err(format!("{what}: expected a sequence of tensors")));
+    }
+    objects.try_iter()?.map(|item| item.map(Bound::unbind)).collect()
+}
+
+#[pymethods]
+impl KvLayout {
+    #[staticmethod]
+    fn separate(keys: &Bound<'_, PyAny>, values: &Bound<'_, PyAny>) -> PyResult<KvLayout> {
+        let mut tensors = list(keys, "keys")?;
+        let values = list(values, "values")?;
+        if tensors.len() != values.len() {
+            return Err(Failure::new(
+                ErrorClass::InvalidArgument,
+                format!("{} key tensors and {} value tensors: one of each per layer", tensors.len(), values.len()),
+            )
+            .into());
+        }
+        tensors.extend(values);
+        Ok(KvLayout::new_checked(LayoutKind::Separate, tensors, None))
+    }
+
+    #[staticmethod]
+    fn fused(layers: &Bound<'_, PyAny>) -> PyResult<KvLayout> {
+        Ok(KvLayout::new_checked(LayoutKind::Fused, list(layers, "layers")?, None))
+    }
+
+    #[staticmethod]
+    fn paged(layers: &Bound<'_, PyAny>) -> PyResult<KvLayout> {
+        Ok(KvLayout::new_checked(LayoutKind::Paged, list(layers, "layers")?, None))
+    }
+
+    #[staticmethod]
+    fn block_major(tensor: Py<PyAny>) -> KvLayout {
+        KvLayout::new_checked(LayoutKind::BlockMajor, vec![tensor], None)
+    }
+
+    #[getter]
+    fn kind(&self) -> &'static str {
+        self.kind.name()
+    }
+
+    #[getter]
+    fn tensors<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, self.tensors.iter().map(|tensor| tensor.clone_ref(py)))
+    }
+
+    fn key(&self, py: Python<'_>, layer: usize) -> PyResult<Py<PyAny>> {
+        self.pick(py, &[LayoutKind::Separate], layer, "key(layer)")
+    }
+
+    fn value(&self, py: Python<'_>, layer: usize) -> PyResult<Py<PyAny>> {
+        let layers = self.tensors.len() / 2;
+        if layer >= layers {
+            return Err(Failure::new(ErrorClass::InvalidArgument, format!("value({layer}): the layout has {layers} layers")).into());
+        }
+        self.pick(py, &[LayoutKind::Separate], layers + layer, "value(layer)")
+    }
+
+    fn layer(&self, py: Python<'_>, layer: usize) -> PyResult<Py<PyAny>> {
+        let index = if self.kind == LayoutKind::BlockMajor { 0 } else { layer };
+        self.pick(py, &[LayoutKind::Fused, LayoutKind::Paged, LayoutKind::BlockMajor], index, "layer(layer)")
+    }
+
+    #[getter]
+    fn num_blocks(&self) -> Option<u32> {
+        self.checked().map(|checked| checked.num_blocks)
+    }
+
+    #[getter]
+    fn block_stride_bytes(&self) -> Option<u64> {
+        self.checked().map(|checked| checked.block_stride_bytes)
+    }
+
+    fn __repr__(&self) -> String {
+        match self.checked() {
+            Some(checked) => format!(
+                "KvLayout.{}({} tensors, {} blocks, {} bytes apart)",
+                self.kind.name(),
+                self.tensors.len(),
+                checked.num_blocks,
+                checked.block_stride_bytes
+            ),
+            None => format!("KvLayout.{}({} tensors, unchecked)", self.kind.name(), self.tensors.len()),
+        }
+    }
+}
+
+fn device_name(device_type: i32, device_id: i32) -> String {
+    let name = match device_type {
+        2 => "cuda",
+        4 => "opencl",
+        7 => "vulkan",
+        8 => "metal",
+        10 => "rocm",
+        14 => "oneapi",
+        _ => "device",
+    };
+    format!("{name}:{device_id} (DLPack device type {device_type})")
+}
+
+/// Describes `object` (a tensor-like, see the stub's `TensorLike`) as `name`; returns what keeps
+/// its memory alive. Consumes a DLPack export, takes a buffer export.
+pub fn describe(object: &Bound<'_, PyAny>, name: &str) -> PyResult<(TensorDescription, Keep)> {
+    let py = object.py();
+    if let Ok(buffer) = object.cast::<KvBuffer>() {
+        let buffer = buffer.get();
+        let description = TensorDescription {
+            name: name.into(),
+            address: buffer.region.host_address() as u64,
+            device: Device::Cpu,
+            itemsize: 1,
+            raw_bytes: true,
+            shape: vec![buffer.region.len() as u64],
+            strides_bytes: None,
+            writable: true,
+        };
+        return Ok((description, Keep::Region(buffer.region.clone())));
+    }
+    if let Ok(raw) = object.cast::<RawMemory>() {
+        let raw = raw.get();
+        let device = if raw.device == "cpu" { Device::Cpu } else { Device::Other(raw.device.clone()) };
+        let description = TensorDescription {
+            name: name.into(),
+            address: raw.address,
+            device,
+            itemsize: raw.itemsize,
+            raw_bytes: raw.itemsize == 1,
+            shape: raw.shape.clone().unwrap_or_else(|| vec![raw.nbytes / raw.itemsize]),
+            strides_bytes: raw.strides_bytes.clone(),
+            writable: true,
+        };
+        return Ok((description, Keep::Objects(vec![raw.owner.clone_ref(py)])));
+    }
+    if object.hasattr("__dlpack__")? && object.hasattr("__dlpack_device__")? {
+        let (device_type, device_id): (i32, i32) = object.call_method0("__dlpack_device__")?.extract()?;
+        if device_type != DLPACK_CPU && device_type != DLPACK_CUDA_HOST {
+            let description = TensorDescription {
+                name: name.into(),
+                address: 0,
+                device: Device::Other(device_name(device_type, device_id)),
+                itemsize: 1,
+                raw_bytes: true,
+                shape: vec![0],
+                strides_bytes: None,
+                writable: true,
+            };
+            return Ok((description, Keep::Objects(Vec::new())));
+        }
+        let capsule = object.call_method0("__dlpack__").map_err(|error| {
+            PyErr::from(Failure::new(
+                ErrorClass::InvalidArgument,
+                format!("{name}: its __dlpack__() failed ({error}): register a writable tensor"),
+            ))
+        })?;
+        let (tensor, imported) = ffi::import_dlpack(&capsule)?;
+        let itemsize = tensor.itemsize.max(1);
+        let negative = |what: &str| PyErr::from(Failure::new(ErrorClass::InvalidArgument, format!("{name}: a negative {what}")));
+        let shape =
+            tensor.shape.iter().map(|&size| u64::try_from(size).map_err(|_| negative("dimension"))).collect::<PyResult<Vec<u64>>>()?;
+        let strides_bytes =
+            tensor.strides.as_ref().map(|strides| strides.iter().map(|&stride| stride.saturating_mul(itemsize as i64)).collect());
+        let description = TensorDescription {
+            name: name.into(),
+            address: tensor.address,
+            device: Device::Cpu,
+            itemsize: tensor.itemsize,
+            raw_bytes: tensor.raw_bytes,
+            shape: if shape.is_empty() { vec![1] } else { shape },
+            strides_bytes,
+            writable: true,
+        };
+        return Ok((description, Keep::Dlpack(imported, object.clone().unbind())));
+    }
+    // The buffer protocol, through a memoryview; the address through a ctypes view over it,
+    // which holds the export (so the object cannot be resized or freed while kept).
+    let view = py.import("builtins")?.getattr("memoryview")?.call1((object,)).map_err(|_| {
+        PyErr::from(Failure::new(
+            ErrorClass::InvalidArgument,
+            format!(
+                "{name} ({}) is not a tensor: give an object with __dlpack__ (torch, numpy), a writable buffer (bytearray, mmap, numpy), a KvBuffer or a RawMemory",
+                object.get_type().name().map(|name| name.to_string()).unwrap_or_default()
+            ),
+        ))
+    })?;
+    let readonly: bool = view.getattr("readonly")?.extract()?;
+    let contiguous: bool = view.getattr("c_contiguous")?.extract()?;
+    let nbytes: u64 = view.getattr("nbytes")?.extract()?;
+    let itemsize: u64 = view.getattr("itemsize")?.extract()?;
+    let format: String = view.getattr("format")?.extract()?;
+    let shape: Vec<u64> = view.getattr("shape")?.extract::<Option<Vec<u64>>>()?.unwrap_or_default();
+    let invalid = |message: String| PyErr::from(Failure::new(ErrorClass::InvalidArgument, message));
+    if readonly {
+        return Err(invalid(format!("{name} is read-only: retrieves write into it (register a writable buffer)")));
+    }
+    if !contiguous {
+        return Err(invalid(format!("{name} is not C-contiguous: register a contiguous buffer")));
+    }
+    if nbytes == 0 {
+        return Err(invalid(format!("{name} is empty")));
+    }
+    let ctypes = py.import("ctypes")?;
+    let array_type = ctypes.getattr("c_char")?.call_method1("__mul__", (nbytes,))?;
+    let array = array_type.call_method1("from_buffer", (&view,))?;
+    let address: u64 = ctypes.call_method1("addressof", (&array,))?.extract()?;
+    let description = TensorDescription {
+        name: name.into(),
+        address,
+        device: Device::Cpu,
+        itemsize,
+        raw_bytes: matches!(format.as_str(), "B" | "b" | "c" | "<B" | "=B" | "@B"),
+        shape: if shape.is_empty() { vec![1] } else { shape },
+        strides_bytes: None,
+        writable: true,
+    };
+    let keep = Keep::Objects(vec![view.unbind(), array.unbind()]);
+    Ok((description, keep))
+}
+
+/// The names the error messages give a layout's tensors.
+pub fn tensor_names(kind: LayoutKind, count: usize) -> Vec<String> {
+    match kind {
+        LayoutKind::Separate => {
+            let layers = count / 2;
+            (0..count).map(|i| if i < layers { format!("keys[{i}]") } else { format!("values[{}]", i - layers) }).collect()
+        }
+        LayoutKind::Fused | LayoutKind::Paged => (0..count).map(|i| format!("layers[{i}]")).collect(),
+        LayoutKind::BlockMajor => vec!["tensor".into()],
+    }
+}

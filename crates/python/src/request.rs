@@ -1,0 +1,422 @@
+//! `Request` and `LayerIo`: a prepared retrieve or store and the completion handle of one issued
+//! layer (module stub). Waits release the GIL and hold the store's lock one slice at a time.
+
+use std::os::fd::AsRawFd;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use objstore::{Direction, StorePlan};
+use pyo3::prelude::*;
+use pyo3::types::{PyList, PyTuple};
+
+use crate::backend::WAIT_SLICE;
+use crate::errors::{ErrorClass, Failure};
+use crate::store::{id_list, StoreShared};
+
+/// Where a request is in its life, as Python sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Prepared,
+    Committed,
+    Finished,
+    Failed,
+}
+
+/// A prepared retrieve or store (module stub: `Request`).
+#[pyclass(frozen, module = "tutti")]
+pub struct Request {
+    shared: Arc<StoreShared>,
+    handle: u64,
+    direction: Direction,
+    block_ids: Vec<u32>,
+    new_block_ids: Vec<u32>,
+    plan: Option<StorePlan>,
+    phase: Mutex<Phase>,
+    /// The layers completed, kept when the request ends (the store forgets it then).
+    completed_at_end: Mutex<Vec<u32>>,
+}
+
+fn timeout_of(seconds: f64) -> Result<Duration, Failure> {
+    Duration::try_from_secs_f64(seconds)
+        .map_err(|_| Failure::new(ErrorClass::InvalidArgument, format!("timeout_s = {seconds}: expected a non-negative number of seconds")))
+}
+
+impl Request {
+    pub fn new(
+        shared: Arc<StoreShared>,
+        handle: u64,
+        direction: Direction,
+        block_ids: Vec<u32>,
+        new_block_ids: Vec<u32>,
+        plan: Option<StorePlan>,
+    ) -> Request {
+        Request {
+            shared,
+            handle,
+            direction,
+            block_ids,
+            new_block_ids,
+            plan,
+            phase: Mutex::new(Phase::Prepared),
+            completed_at_end: Mutex::new(Vec::new()),
+        }
+    }
+
+    fn phase(&self) -> Phase {
+        *self.phase.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn set_phase(&self, phase: Phase) {
+        *self.phase.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = phase;
+    }
+
+    /// Runs `end` (commit or finish) under the store's lock, keeping the layers completed.
+    fn end<T>(&self, end: impl FnOnce(&mut crate::backend::StoreState, u64) -> Result<T, Failure>) -> Result<T, Failure> {
+        let mut state = self.shared.lock();
+        let completed = state.request(self.handle).map(|request| request.completed.clone()).unwrap_or_default();
+        let result = end(&mut state, self.handle);
+        if state.request(self.handle).is_err() {
+            *self.completed_at_end.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = completed;
+        }
+        result
+    }
+
+    fn stale(&self) -> Failure {
+        let phase = match self.phase() {
+            Phase::Committed => "committed",
+            Phase::Finished => "finished",
+            Phase::Failed => "failed (its commit did not succeed)",
+            Phase::Prepared => "gone",
+        };
+        Failure::new(ErrorClass::StaleRequest, format!("request {:#x} is {phase}", self.handle))
+    }
+
+    fn check_live(&self) -> Result<(), Failure> {
+        if self.phase() == Phase::Prepared {
+            Ok(())
+        } else {
+            Err(self.stale())
+        }
+    }
+
+    fn issue(slf: &Bound<'_, Self>, layer: u32, budget: u32, direction: Direction) -> PyResult<LayerIo> {
+        let py = slf.py();
+        let this = slf.get();
+        this.check_live().map_err(|failure| failure.to_pyerr(py))?;
+        let handle = this.handle;
+        let armed = this.shared.with_state(py, move |state| {
+            state.issue(handle, layer, budget, direction)?;
+            Ok(state.request(handle)?.eventfd.is_some())
+        })?;
+        if armed {
+            this.shared.wake();
+        }
+        Ok(LayerIo { request: slf.clone().unbind(), layer })
+    }
+
+    /// Waits until the layer in flight completes (or `deadline`); `Ok(None)` if none was.
+    /// A layer whose completion was seen elsewhere (a poll, the completion thread) is returned
+    /// once.
+    fn wait_until(&self, deadline: Instant) -> Result<Option<u32>, Failure> {
+        self.check_live()?;
+        loop {
+            let mut state = self.shared.lock();
+            let request = state.request(self.handle)?;
+            if let Some(failure) = request.failure.take() {
+                return Err(failure);
+            }
+            if request.in_flight.is_none() {
+                return Ok(request.unreported.take());
+            }
+            let slice = deadline.min(Instant::now() + WAIT_SLICE);
+            match state.drive(self.handle, slice) {
+                Ok(_) => {
+                    let request = state.request(self.handle)?;
+                    return Ok(request.unreported.take());
+                }
+                Err(failure) if failure.class == ErrorClass::Timeout && Instant::now() < deadline => continue,
+                Err(failure) if failure.class == ErrorClass::Timeout => {
+                    let layer = state.request(self.handle)?.in_flight;
+                    return Err(Failure::new(
+                        ErrorClass::Timeout,
+                        format!(
+                            "request {:#x}: layer {} did not complete by the deadline; it is still in flight (wait again): {}",
+                            self.handle,
+                            layer.map_or_else(|| "?".to_string(), |layer| layer.to_string()),
+                            failure.message
+                        ),
+                    ));
+                }
+                Err(failure) => return Err(failure),
+            }
+        }
+    }
+
+    /// Non-blocking: drives the request once; true once nothing is in flight.
+    fn poll_once(&self) -> Result<bool, Failure> {
+        self.check_live()?;
+        let mut state = self.shared.lock();
+        let request = state.request(self.handle)?;
+        if let Some(failure) = request.failure.take() {
+            return Err(failure);
+        }
+        if request.in_flight.is_none() {
+            return Ok(true);
+        }
+        match state.drive(self.handle, Instant::now()) {
+            Ok(_) => Ok(true),
+            Err(failure) if failure.class == ErrorClass::Timeout => Ok(false),
+            Err(failure) => Err(failure),
+        }
+    }
+
+    /// Whether `layer` completed (seen by anyone), without driving I/O.
+    fn layer_done(&self, layer: u32) -> bool {
+        if self.phase() != Phase::Prepared {
+            return true;
+        }
+        let mut state = self.shared.lock();
+        state.request(self.handle).is_ok_and(|request| request.completed.contains(&layer) && request.in_flight != Some(layer))
+    }
+}
+
+#[pymethods]
+impl Request {
+    #[getter]
+    fn handle(&self) -> u64 {
+        self.handle
+    }
+
+    #[getter]
+    fn direction(&self) -> &'static str {
+        match self.direction {
+            Direction::Retrieve => "retrieve",
+            Direction::Store => "store",
+        }
+    }
+
+    #[getter]
+    fn num_blocks(&self) -> usize {
+        self.block_ids.len()
+    }
+
+    #[getter]
+    fn block_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        id_list(py, &self.block_ids)
+    }
+
+    #[getter]
+    fn new_blocks(&self) -> usize {
+        self.plan.map_or(self.block_ids.len(), |plan| plan.new_blocks)
+    }
+
+    #[getter]
+    fn shared_blocks(&self) -> usize {
+        self.plan.map_or(0, |plan| plan.shared_blocks)
+    }
+
+    #[getter]
+    fn evicted_slots(&self) -> usize {
+        self.plan.map_or(0, |plan| plan.evicted_slots)
+    }
+
+    #[getter]
+    fn new_block_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        id_list(py, &self.new_block_ids)
+    }
+
+    #[getter]
+    fn layer_in_flight(&self) -> Option<u32> {
+        let mut state = self.shared.lock();
+        state.request(self.handle).ok().and_then(|request| request.in_flight)
+    }
+
+    #[getter]
+    fn layers_completed<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let completed = if self.phase() == Phase::Prepared {
+            let mut state = self.shared.lock();
+            state.request(self.handle).map(|request| request.completed.clone()).unwrap_or_default()
+        } else {
+            self.completed_at_end.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone()
+        };
+        id_list(py, &completed)
+    }
+
+    #[getter]
+    fn state(&self) -> &'static str {
+        match self.phase() {
+            Phase::Prepared => "prepared",
+            Phase::Committed => "committed",
+            Phase::Finished => "finished",
+            Phase::Failed => "failed",
+        }
+    }
+
+    #[pyo3(signature = (layer, *, budget = 1))]
+    fn retrieve_layer(slf: &Bound<'_, Self>, layer: u32, budget: u32) -> PyResult<LayerIo> {
+        Request::issue(slf, layer, budget, Direction::Retrieve)
+    }
+
+    #[pyo3(signature = (layer, *, budget = 1))]
+    fn store_layer(slf: &Bound<'_, Self>, layer: u32, budget: u32) -> PyResult<LayerIo> {
+        Request::issue(slf, layer, budget, Direction::Store)
+    }
+
+    #[pyo3(signature = (timeout_s = 30.0))]
+    fn wait(&self, py: Python<'_>, timeout_s: f64) -> PyResult<Option<u32>> {
+        let timeout = timeout_of(timeout_s).map_err(|failure| failure.to_pyerr(py))?;
+        py.detach(|| self.wait_until(Instant::now() + timeout)).map_err(|failure| failure.to_pyerr(py))
+    }
+
+    fn poll(&self, py: Python<'_>) -> PyResult<bool> {
+        py.detach(|| self.poll_once()).map_err(|failure| failure.to_pyerr(py))
+    }
+
+    fn fileno(&self, py: Python<'_>) -> PyResult<i32> {
+        self.check_live().map_err(|failure| failure.to_pyerr(py))?;
+        let handle = self.handle;
+        let (fd, in_flight) = self.shared.with_state(py, move |state| {
+            let request = state.request(handle)?;
+            let eventfd = request.eventfd()?;
+            Ok((eventfd.as_raw_fd(), request.in_flight.is_some()))
+        })?;
+        self.shared.ensure_service().map_err(|failure| failure.to_pyerr(py))?;
+        if in_flight {
+            self.shared.wake();
+        }
+        Ok(fd)
+    }
+
+    fn commit(&self, py: Python<'_>) -> PyResult<usize> {
+        self.check_live().map_err(|failure| failure.to_pyerr(py))?;
+        let committed = py.detach(|| self.end(|state, handle| state.commit(handle)));
+        match committed {
+            Ok(stored) => {
+                self.set_phase(Phase::Committed);
+                Ok(stored)
+            }
+            Err(failure) => {
+                // A refusal before anything happened leaves the request live (InvalidState).
+                if failure.class != ErrorClass::InvalidState {
+                    self.set_phase(Phase::Failed);
+                }
+                Err(failure.to_pyerr(py))
+            }
+        }
+    }
+
+    fn finish(&self, py: Python<'_>) -> PyResult<()> {
+        if self.phase() != Phase::Prepared {
+            return Ok(()); // idempotent after commit or finish
+        }
+        match py.detach(|| self.end(|state, handle| state.finish(handle))) {
+            Ok(()) => {
+                self.set_phase(Phase::Finished);
+                Ok(())
+            }
+            Err(failure) if failure.class == ErrorClass::InvalidState => Err(failure.to_pyerr(py)),
+            Err(failure) => {
+                // The store let go of it (a daemon that is gone): nothing of it is live here.
+                self.set_phase(Phase::Finished);
+                Err(failure.to_pyerr(py))
+            }
+        }
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, PyTuple>) -> PyResult<()> {
+        if self.phase() != Phase::Prepared {
+            return Ok(());
+        }
+        let timeout = self.shared.timeout;
+        // A layer in flight is waited for first (its failure does not stop the finish).
+        let _ = py.detach(|| self.wait_until(Instant::now() + timeout));
+        self.finish(py)
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Request({:#x}, {}, {} blocks, {})", self.handle, self.direction(), self.block_ids.len(), self.state())
+    }
+}
+
+/// The completion handle of one issued layer (module stub: `LayerIo`).
+#[pyclass(frozen, module = "tutti")]
+pub struct LayerIo {
+    request: Py<Request>,
+    layer: u32,
+}
+
+#[pymethods]
+impl LayerIo {
+    #[getter]
+    fn layer(&self) -> u32 {
+        self.layer
+    }
+
+    #[getter]
+    fn request(&self, py: Python<'_>) -> Py<Request> {
+        self.request.clone_ref(py)
+    }
+
+    #[getter]
+    fn done(&self, py: Python<'_>) -> bool {
+        let request = self.request.get();
+        let layer = self.layer;
+        py.detach(|| request.layer_done(layer))
+    }
+
+    fn poll(&self, py: Python<'_>) -> PyResult<bool> {
+        let request = self.request.get();
+        let layer = self.layer;
+        py.detach(|| {
+            request.poll_once()?;
+            Ok(request.layer_done(layer))
+        })
+        .map_err(|failure: Failure| failure.to_pyerr(py))
+    }
+
+    #[pyo3(signature = (timeout_s = 30.0))]
+    fn wait(&self, py: Python<'_>, timeout_s: f64) -> PyResult<()> {
+        let timeout = timeout_of(timeout_s).map_err(|failure| failure.to_pyerr(py))?;
+        let request = self.request.get();
+        let layer = self.layer;
+        py.detach(|| {
+            if request.layer_done(layer) {
+                return Ok(());
+            }
+            let deadline = Instant::now() + timeout;
+            // Another thread may be waiting on the same request: a completion it takes is seen
+            // in `completed`.
+            loop {
+                let result = request.wait_until(deadline.min(Instant::now() + WAIT_SLICE));
+                if request.layer_done(layer) {
+                    return Ok(());
+                }
+                match result {
+                    Ok(None) if !request.layer_done(layer) => {
+                        return Err(Failure::new(
+                            ErrorClass::InvalidState,
+                            format!("layer {layer} is not in flight and did not complete (was it issued on this request?)"),
+                        ))
+                    }
+                    Err(failure) if failure.class == ErrorClass::Timeout && Instant::now() < deadline => continue,
+                    Err(failure) => return Err(failure),
+                    Ok(_) => {}
+                }
+            }
+        })
+        .map_err(|failure| failure.to_pyerr(py))
+    }
+
+    fn fileno(&self, py: Python<'_>) -> PyResult<i32> {
+        self.request.get().fileno(py)
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> String {
+        format!("LayerIo(layer {}, done={})", self.layer, self.done(py))
+    }
+}

@@ -1,0 +1,502 @@
+//! `Store`: the layer-wise KV store for Python, in-process or attached to tuttid (module stub
+//! `_tutti.pyi` is the contract). Every call takes the store's lock with the GIL released;
+//! waits hold it in slices (`backend::WAIT_SLICE`) so other threads get their turn.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use objstore::{Direction, FormatParams, ModelGeometry as Geometry, ObjstoreError, StoreConfig};
+use pyo3::prelude::*;
+use pyo3::types::PyList;
+use tutti_daemon::client::RemoteConfig;
+use tutti_daemon::pool_open::{open_pool, PoolOptions};
+use tutti_daemon::protocol::Hello;
+use tutti_daemon::{Client, DaemonError};
+use tutti_devices::{DeviceKind, DeviceSpec};
+
+use crate::backend::{key_seed, Backend, StoreState};
+use crate::errors::{ErrorClass, Failure};
+use crate::geometry::ModelGeometry;
+use crate::memory::{describe, tensor_names, KvBuffer, KvLayout};
+use crate::request::Request;
+use crate::tensor::{check_layout, LayoutKind};
+
+/// The devices an in-process store opens.
+const DEVICE_KINDS: [DeviceKind; 4] = [DeviceKind::EmuFile, DeviceKind::EmuMemory, DeviceKind::EmuNull, DeviceKind::Vfio];
+/// One completion-thread pass drives each armed request for at most this long.
+const SERVICE_SLICE: Duration = Duration::from_micros(200);
+/// The longest the completion thread sleeps when nothing is armed (it also wakes on a signal).
+const SERVICE_IDLE_MAX: Duration = Duration::from_millis(500);
+
+/// What a `Store` and its requests share.
+pub struct StoreShared {
+    state: Mutex<StoreState>,
+    /// Wakes the completion thread (a request armed, the store closing).
+    wake: Condvar,
+    stop: AtomicBool,
+    service: Mutex<Option<JoinHandle<()>>>,
+    pub kind: &'static str,
+    pub geometry: Geometry,
+    pub timeout: Duration,
+    pub session: Option<u64>,
+    /// Attached stores with keep-alive: ping when no request went to tuttid for this long.
+    keepalive: Option<Duration>,
+    /// The registered layout's Python object (its tensors).
+    kv_layout: Mutex<Option<Py<KvLayout>>>,
+}
+
+impl StoreShared {
+    pub fn lock(&self) -> MutexGuard<'_, StoreState> {
+        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Runs `call` under the store's lock with the GIL released.
+    pub fn with_state<T: Send>(&self, py: Python<'_>, call: impl FnOnce(&mut StoreState) -> Result<T, Failure> + Send) -> PyResult<T> {
+        py.detach(|| call(&mut self.lock())).map_err(|failure| failure.to_pyerr(py))
+    }
+
+    /// Starts the completion thread if it is not running (one per store).
+    pub fn ensure_service(self: &Arc<Self>) -> Result<(), Failure> {
+        let mut service = self.service.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if service.is_none() && !self.stop.load(Ordering::Acquire) {
+            let weak = Arc::downgrade(self);
+            let handle = std::thread::Builder::new()
+                .name("tutti-completion".into())
+                .spawn(move || run_service(weak))
+                .map_err(|error| Failure::new(ErrorClass::Device, format!("starting the store's completion thread: {error}")))?;
+            *service = Some(handle);
+        }
+        Ok(())
+    }
+
+    pub fn wake(&self) {
+        self.wake.notify_all();
+    }
+
+    /// Stops the completion thread and waits for it (bounded by one slice or idle sleep).
+    fn stop_service(&self) {
+        self.stop.store(true, Ordering::Release);
+        self.wake.notify_all();
+        let handle = self.service.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
+        if let Some(handle) = handle {
+            if handle.thread().id() != std::thread::current().id() {
+                let _ = handle.join();
+            }
+        }
+    }
+}
+
+/// The completion thread: drives the requests that have an eventfd and a layer in flight, and
+/// pings tuttid when the session has been idle a third of its lease. It holds the store only
+/// while it works on it (a weak reference otherwise), so a dropped store ends it.
+fn run_service(weak: Weak<StoreShared>) {
+    loop {
+        let Some(shared) = weak.upgrade() else { return };
+        if shared.stop.load(Ordering::Acquire) {
+            return;
+        }
+        let mut state = shared.lock();
+        if state.is_closed() {
+            return;
+        }
+        let busy = state.drive_armed(SERVICE_SLICE);
+        if let Some(interval) = shared.keepalive {
+            if state.last_daemon_request.elapsed() >= interval {
+                if let Err(failure) = state.ping() {
+                    tracing::warn!(message = %failure.message, "tutti: keep-alive ping to tuttid failed");
+                }
+            }
+        }
+        if busy {
+            drop(state);
+            drop(shared);
+            std::thread::yield_now();
+            continue;
+        }
+        let sleep = match shared.keepalive {
+            Some(interval) => interval.saturating_sub(state.last_daemon_request.elapsed()).min(SERVICE_IDLE_MAX),
+            None => SERVICE_IDLE_MAX,
+        }
+        .max(Duration::from_millis(1));
+        let (state, _) = shared.wake.wait_timeout(state, sleep).unwrap_or_else(|poisoned| poisoned.into_inner());
+        drop(state);
+    }
+}
+
+/// The layer-wise KV store (module stub: `Store`).
+#[pyclass(frozen, module = "tutti")]
+pub struct Store {
+    shared: Arc<StoreShared>,
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        // Garbage-collected without close(): close now, in this (the interpreter's) thread.
+        if !self.shared.lock().is_closed() {
+            self.shared.stop_service();
+            self.shared.lock().close(Instant::now() + self.shared.timeout);
+        }
+    }
+}
+
+fn fingerprint_of(bytes: &[u8]) -> Result<[u8; 32], Failure> {
+    <[u8; 32]>::try_from(bytes).map_err(|_| {
+        Failure::new(
+            ErrorClass::InvalidArgument,
+            format!("model_fingerprint is {} bytes, expected 32 (see tutti.fingerprint)", bytes.len()),
+        )
+    })
+}
+
+fn duration_of(seconds: f64, what: &str) -> Result<Duration, Failure> {
+    Duration::try_from_secs_f64(seconds)
+        .map_err(|_| Failure::new(ErrorClass::InvalidArgument, format!("{what} = {seconds}: expected a non-negative number of seconds")))
+}
+
+fn device_specs(devices: &Bound<'_, PyAny>) -> PyResult<Vec<DeviceSpec>> {
+    let texts: Vec<String> = match devices.extract::<String>() {
+        Ok(text) => vec![text],
+        Err(_) => devices.extract()?,
+    };
+    if texts.is_empty() {
+        return Err(Failure::new(ErrorClass::InvalidArgument, "no devices: give e.g. \"emu:mem:1g\"").into());
+    }
+    texts
+        .iter()
+        .map(|text| {
+            DeviceSpec::parse(text, &DEVICE_KINDS).map_err(|error| Failure::new(ErrorClass::InvalidArgument, error.to_string()).into())
+        })
+        .collect()
+}
+
+/// Opening the devices: every failure there is the devices' or the pool's, not a daemon's.
+fn open_failure(error: DaemonError) -> Failure {
+    match error {
+        DaemonError::Pool { context, source } => {
+            let failure = Failure::from(&source);
+            Failure { message: format!("{context}: {}", failure.message), ..failure }
+        }
+        other => Failure::new(ErrorClass::Device, other.to_string()),
+    }
+}
+
+impl Store {
+    fn new(shared: StoreShared) -> PyResult<Store> {
+        let shared = Arc::new(shared);
+        if shared.keepalive.is_some() {
+            shared.ensure_service()?;
+        }
+        Ok(Store { shared })
+    }
+
+    fn prepare(&self, py: Python<'_>, direction: Direction, tokens: Vec<u32>, block_ids: Vec<u32>) -> PyResult<Request> {
+        let ids = block_ids.clone();
+        let (handle, plan, written) = self.shared.with_state(py, move |state| state.prepare(direction, &tokens, &ids))?;
+        Ok(Request::new(Arc::clone(&self.shared), handle.to_bits(), direction, block_ids, written, plan))
+    }
+}
+
+#[pymethods]
+impl Store {
+    #[staticmethod]
+    #[pyo3(signature = (
+        devices, geometry, *, format = false, create_bytes = None, blocks_per_slot = 1, slots_max = None, payload_crcs = true,
+        verify_retrieves = false, model_fingerprint = None, tp_rank = 0, tp_world = 1, namespace = 1,
+        lock_dir = "/run/tutti".to_string(), queue_depth = 64, iocbs = 64, requests_max = 32, timeout_s = 30.0
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn open(
+        py: Python<'_>,
+        devices: &Bound<'_, PyAny>,
+        geometry: &ModelGeometry,
+        format: bool,
+        create_bytes: Option<u64>,
+        blocks_per_slot: u32,
+        slots_max: Option<u64>,
+        payload_crcs: bool,
+        verify_retrieves: bool,
+        model_fingerprint: Option<Vec<u8>>,
+        tp_rank: u32,
+        tp_world: u32,
+        namespace: u32,
+        lock_dir: String,
+        queue_depth: u32,
+        iocbs: u32,
+        requests_max: usize,
+        timeout_s: f64,
+    ) -> PyResult<Store> {
+        let specs = device_specs(devices)?;
+        let geometry = geometry.inner;
+        let timeout = duration_of(timeout_s, "timeout_s")?;
+        let key_space = match model_fingerprint {
+            Some(bytes) => {
+                let fingerprint = fingerprint_of(&bytes)?;
+                key_seed(&fingerprint, tp_rank, tp_world)?; // checks rank and world now
+                Some((fingerprint, tp_rank, tp_world))
+            }
+            None if tp_rank != 0 || tp_world != 1 => {
+                return Err(Failure::new(
+                    ErrorClass::InvalidArgument,
+                    "tp_rank/tp_world need a model_fingerprint (the key space they select)",
+                )
+                .into())
+            }
+            None => None,
+        };
+        if !iocbs.is_power_of_two() || !(2..=1024).contains(&queue_depth) || requests_max == 0 {
+            return Err(Failure::new(
+                ErrorClass::InvalidArgument,
+                format!("iocbs = {iocbs} (a power of two), queue_depth = {queue_depth} (2..=1024), requests_max = {requests_max} (>= 1)"),
+            )
+            .into());
+        }
+        let options = PoolOptions {
+            specs,
+            namespace,
+            emu_lba_bytes: 4096,
+            emu_create_bytes: create_bytes,
+            format: format.then_some(FormatParams {
+                geometry,
+                blocks_per_slot,
+                slot_count_max: slots_max,
+                pool_uuid: None,
+                payload_crc: payload_crcs,
+            }),
+            lock_dir: PathBuf::from(lock_dir),
+            // The executor's queue pair on each controller (the pool keeps its own for metadata).
+            client_queue_pairs: 1,
+            emu_doorbell_relay: false,
+        };
+        let opened = py.detach(|| open_pool(&options)).map_err(|error| open_failure(error).to_pyerr(py))?;
+        if *opened.pool.geometry() != geometry {
+            let mismatch = ObjstoreError::GeometryMismatch { on_disk: *opened.pool.geometry(), registered: geometry };
+            return Err(Failure::from(mismatch).to_pyerr(py));
+        }
+        let config = StoreConfig { iocbs, ioctx_per_iocb_max: 2048, requests_max, verify_retrieves };
+        let backend = Backend::LocalOpen { pool: opened.pool, emulators: opened.emulators, locks: opened.locks, config, queue_depth };
+        Store::new(StoreShared {
+            state: Mutex::new(StoreState::new(backend, key_space)),
+            wake: Condvar::new(),
+            stop: AtomicBool::new(false),
+            service: Mutex::new(None),
+            kind: "in-process",
+            geometry,
+            timeout,
+            session: None,
+            keepalive: None,
+            kv_layout: Mutex::new(None),
+        })
+    }
+
+    #[staticmethod]
+    #[pyo3(signature = (
+        socket, *, model_fingerprint, tp_rank = 0, tp_world = 1, client_name = "python".to_string(), timeout_s = 5.0,
+        queue_depth = 64, iocbs = 64, requests_max = 32, verify_retrieves = false, keepalive = true
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn attach(
+        py: Python<'_>,
+        socket: PathBuf,
+        model_fingerprint: Vec<u8>,
+        tp_rank: u32,
+        tp_world: u32,
+        client_name: String,
+        timeout_s: f64,
+        queue_depth: u32,
+        iocbs: u32,
+        requests_max: usize,
+        verify_retrieves: bool,
+        keepalive: bool,
+    ) -> PyResult<Store> {
+        let fingerprint = fingerprint_of(&model_fingerprint)?;
+        let timeout = duration_of(timeout_s, "timeout_s")?;
+        let hello = Hello { model_fingerprint: fingerprint, tp_rank, tp_world, client_name };
+        let (client, reply) = py
+            .detach(|| {
+                let mut client = Client::connect(&socket, timeout)?;
+                let reply = client.hello(&hello)?;
+                Ok::<_, DaemonError>((client, reply))
+            })
+            .map_err(|error| Failure::from(error).to_pyerr(py))?;
+        let geometry = crate::geometry::of_hello(&reply.shape);
+        let session = reply.session;
+        let lease = Duration::from_millis(u64::from(reply.lease_ms));
+        let config = RemoteConfig {
+            kv_blocks: 0,
+            queue_depth,
+            store: StoreConfig { iocbs, ioctx_per_iocb_max: 2048, requests_max, verify_retrieves },
+            timeout,
+        };
+        let backend = Backend::RemoteAttached { client, hello: reply, config };
+        Store::new(StoreShared {
+            state: Mutex::new(StoreState::new(backend, None)),
+            wake: Condvar::new(),
+            stop: AtomicBool::new(false),
+            service: Mutex::new(None),
+            kind: "tuttid",
+            geometry,
+            timeout,
+            session: Some(session),
+            keepalive: keepalive.then_some(lease / 3),
+            kv_layout: Mutex::new(None),
+        })
+    }
+
+    #[getter]
+    fn kind(&self) -> &'static str {
+        self.shared.kind
+    }
+
+    #[getter]
+    fn geometry(&self) -> ModelGeometry {
+        ModelGeometry::from_inner(self.shared.geometry)
+    }
+
+    #[getter]
+    fn block_tokens(&self) -> u32 {
+        self.shared.geometry.block_tokens
+    }
+
+    #[getter]
+    fn registered(&self) -> bool {
+        self.shared.lock().registered.is_some()
+    }
+
+    #[getter]
+    fn kv(&self, py: Python<'_>) -> Option<Py<KvLayout>> {
+        self.shared.kv_layout.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).as_ref().map(|layout| layout.clone_ref(py))
+    }
+
+    #[getter]
+    fn closed(&self) -> bool {
+        self.shared.lock().is_closed()
+    }
+
+    #[getter]
+    fn session(&self) -> Option<u64> {
+        self.shared.session
+    }
+
+    #[getter]
+    fn requests_sent(&self) -> u64 {
+        match &mut self.shared.lock().backend {
+            Backend::Remote { store } => store.requests_sent(),
+            Backend::RemoteAttached { client, .. } => client.requests_sent(),
+            _ => 0,
+        }
+    }
+
+    #[pyo3(signature = (num_blocks, kind = "paged"))]
+    fn allocate_kv(&self, py: Python<'_>, num_blocks: u32, kind: &str) -> PyResult<Py<KvLayout>> {
+        let kind = LayoutKind::parse(kind).ok_or_else(|| {
+            Failure::new(ErrorClass::InvalidArgument, format!("layout kind {kind:?}: separate, fused, paged or block_major"))
+        })?;
+        let timeout = self.shared.timeout;
+        let regions = self.shared.with_state(py, move |state| state.allocate(kind, num_blocks, timeout))?;
+        let buffers = regions.into_iter().map(|region| Py::new(py, KvBuffer { region }).map(Py::into_any)).collect::<PyResult<Vec<_>>>()?;
+        let checked = self.shared.lock().registered.clone();
+        let layout = Py::new(py, KvLayout::new_checked(kind, buffers, checked))?;
+        *self.shared.kv_layout.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(layout.clone_ref(py));
+        Ok(layout)
+    }
+
+    fn register_kv(&self, py: Python<'_>, layout: Py<KvLayout>) -> PyResult<()> {
+        let spec = layout.get();
+        let names = tensor_names(spec.kind, spec.tensors.len());
+        let mut descriptions = Vec::with_capacity(spec.tensors.len());
+        let mut keeps = Vec::with_capacity(spec.tensors.len());
+        for (tensor, name) in spec.tensors.iter().zip(&names) {
+            let (description, keep) = describe(tensor.bind(py), name)?;
+            descriptions.push(description);
+            keeps.push(keep);
+        }
+        let geometry = self.shared.geometry;
+        let checked = check_layout(spec.kind, &descriptions, &geometry)
+            .map_err(|message| {
+                let class = if message.contains("only CPU memory") { ErrorClass::UnsupportedMemory } else { ErrorClass::InvalidArgument };
+                Failure::new(class, message)
+            })
+            .map_err(|failure| failure.to_pyerr(py))?;
+        let registered = checked.clone();
+        self.shared.with_state(py, move |state| state.register_caller_memory(registered, keeps))?;
+        spec.set_checked(checked);
+        let mut current = self.shared.kv_layout.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if current.is_none() {
+            *current = Some(layout);
+        }
+        Ok(())
+    }
+
+    fn lookup(&self, py: Python<'_>, tokens: Vec<u32>) -> PyResult<usize> {
+        self.shared.with_state(py, move |state| state.lookup(&tokens))
+    }
+
+    fn lookup_all_ranks(&self, py: Python<'_>, tokens: Vec<u32>) -> PyResult<usize> {
+        self.shared.with_state(py, move |state| state.lookup_all_ranks(&tokens))
+    }
+
+    fn prepare_retrieve(&self, py: Python<'_>, tokens: Vec<u32>, block_ids: Vec<u32>) -> PyResult<Request> {
+        self.prepare(py, Direction::Retrieve, tokens, block_ids)
+    }
+
+    fn prepare_store(&self, py: Python<'_>, tokens: Vec<u32>, block_ids: Vec<u32>) -> PyResult<Request> {
+        self.prepare(py, Direction::Store, tokens, block_ids)
+    }
+
+    fn ping(&self, py: Python<'_>) -> PyResult<()> {
+        self.shared.with_state(py, |state| state.ping())
+    }
+
+    #[pyo3(signature = (timeout_s = None))]
+    fn close(&self, py: Python<'_>, timeout_s: Option<f64>) -> PyResult<()> {
+        let timeout = match timeout_s {
+            Some(seconds) => duration_of(seconds, "timeout_s")?,
+            None => self.shared.timeout,
+        };
+        let shared = Arc::clone(&self.shared);
+        py.detach(move || {
+            shared.stop_service();
+            let mut state = shared.lock();
+            if !state.is_closed() {
+                state.close(Instant::now() + timeout);
+            }
+        });
+        // The registered layout's Python objects go last, after the memory they describe.
+        let layout = self.shared.kv_layout.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
+        drop(layout);
+        Ok(())
+    }
+
+    fn leaked_registrations(&self) -> usize {
+        self.shared.lock().leaked_tensors
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<()> {
+        self.close(py, None)
+    }
+
+    fn __repr__(&self) -> String {
+        let state = self.shared.lock();
+        let status = if state.is_closed() {
+            "closed"
+        } else if state.registered.is_some() {
+            "registered"
+        } else {
+            "no KV memory yet"
+        };
+        format!("Store({}, {}, {status})", self.shared.kind, self.shared.geometry)
+    }
+}
+
+/// The Python list of a request's block ids (for the getters).
+pub fn id_list<'py>(py: Python<'py>, ids: &[u32]) -> PyResult<Bound<'py, PyList>> {
+    PyList::new(py, ids)
+}

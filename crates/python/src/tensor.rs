@@ -1,0 +1,377 @@
+//! What a registered tensor must be, checked without Python: its device, element size, the
+//! density of one block's part, the block count and stride of each layout kind, overlaps. The
+//! tensors come from DLPack, the buffer protocol or raw pointers (`memory.rs`); here they are
+//! plain descriptions ([`TensorDescription`]) so that every rule is unit-tested.
+
+use objstore::ModelGeometry;
+
+/// The four layouts of objstore's `KvLayout`, as the Python API names them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayoutKind {
+    Separate,
+    Fused,
+    Paged,
+    BlockMajor,
+}
+
+impl LayoutKind {
+    pub fn parse(name: &str) -> Option<LayoutKind> {
+        match name {
+            "separate" => Some(LayoutKind::Separate),
+            "fused" => Some(LayoutKind::Fused),
+            "paged" => Some(LayoutKind::Paged),
+            "block_major" => Some(LayoutKind::BlockMajor),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            LayoutKind::Separate => "separate",
+            LayoutKind::Fused => "fused",
+            LayoutKind::Paged => "paged",
+            LayoutKind::BlockMajor => "block_major",
+        }
+    }
+
+    /// Tensors a layout of this kind has for `layers` layers.
+    pub fn tensor_count(self, layers: u32) -> usize {
+        match self {
+            LayoutKind::Separate => 2 * layers as usize,
+            LayoutKind::Fused | LayoutKind::Paged => layers as usize,
+            LayoutKind::BlockMajor => 1,
+        }
+    }
+
+    /// Bytes of one block's dense part in each tensor.
+    pub fn unit_bytes(self, geometry: &ModelGeometry) -> u64 {
+        match self {
+            LayoutKind::Separate | LayoutKind::Fused => geometry.object_bytes(),
+            LayoutKind::Paged => 2 * geometry.object_bytes(),
+            LayoutKind::BlockMajor => geometry.block_bytes(),
+        }
+    }
+}
+
+/// Where a tensor's memory is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Device {
+    Cpu,
+    /// Any other device, as DLPack or the caller named it (e.g. "cuda:0", "DLPack device 2:0").
+    Other(String),
+}
+
+/// One tensor as its producer described it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorDescription {
+    /// How the error messages name it (e.g. "keys[3]").
+    pub name: String,
+    /// Address of element [0, 0, ...].
+    pub address: u64,
+    pub device: Device,
+    /// Bytes per element.
+    pub itemsize: u64,
+    /// Whether the elements are raw bytes (uint8 / int8 / the buffer protocol's "B"): then any
+    /// geometry's dtype_bytes is accepted.
+    pub raw_bytes: bool,
+    pub shape: Vec<u64>,
+    /// Per dimension, in bytes; `None`: C-contiguous.
+    pub strides_bytes: Option<Vec<i64>>,
+    pub writable: bool,
+}
+
+/// A tensor's place in a checked layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlacedTensor {
+    /// First byte of block 0's part.
+    pub address: u64,
+    /// Bytes from the first to one past the last byte the layout names in it.
+    pub extent_bytes: u64,
+}
+
+/// A layout whose tensors passed every check.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CheckedLayout {
+    pub kind: LayoutKind,
+    pub num_blocks: u32,
+    pub block_stride_bytes: u64,
+    /// In the order the kind lists them (separate: keys then values).
+    pub tensors: Vec<PlacedTensor>,
+}
+
+/// The C-contiguous strides of `shape` with `itemsize`-byte elements.
+fn contiguous_strides(shape: &[u64], itemsize: u64) -> Option<Vec<i64>> {
+    let mut strides = vec![0i64; shape.len()];
+    let mut step = itemsize;
+    for (index, &size) in shape.iter().enumerate().rev() {
+        strides[index] = i64::try_from(step).ok()?;
+        step = step.checked_mul(size.max(1))?;
+    }
+    Some(strides)
+}
+
+/// If the dimensions cover one dense run of bytes in some order (a permuted view of a
+/// contiguous tensor; dimensions of size 1 do not count), its length.
+fn dense_bytes(shape: &[u64], strides: &[i64], itemsize: u64) -> Option<u64> {
+    let mut dims: Vec<(u64, i64)> = shape.iter().copied().zip(strides.iter().copied()).filter(|&(size, _)| size != 1).collect();
+    if dims.iter().any(|&(size, _)| size == 0) {
+        return Some(0);
+    }
+    dims.sort_by_key(|&(_, stride)| stride);
+    let mut expected = itemsize;
+    for (size, stride) in dims {
+        if u64::try_from(stride).ok()? != expected {
+            return None;
+        }
+        expected = expected.checked_mul(size)?;
+    }
+    Some(expected)
+}
+
+/// Checks one tensor against the part of `kind` it plays; returns (num_blocks, block stride,
+/// placed tensor).
+fn check_tensor(tensor: &TensorDescription, kind: LayoutKind, geometry: &ModelGeometry) -> Result<(u64, u64, PlacedTensor), String> {
+    let name = &tensor.name;
+    if let Device::Other(device) = &tensor.device {
+        return Err(format!("{name} is on {device}: only CPU memory can be registered"));
+    }
+    if !tensor.writable {
+        return Err(format!("{name} is read-only: retrieves write into it (register a writable tensor)"));
+    }
+    if tensor.itemsize == 0 {
+        return Err(format!("{name} has elements of 0 bytes"));
+    }
+    if tensor.itemsize != u64::from(geometry.dtype_bytes) && !tensor.raw_bytes {
+        return Err(format!(
+            "{name} has {}-byte elements, the model's KV dtype has {} (dtype_bytes): register a tensor of the KV dtype, or its bytes (uint8)",
+            tensor.itemsize, geometry.dtype_bytes
+        ));
+    }
+    let unit = kind.unit_bytes(geometry);
+    let what = match kind {
+        LayoutKind::Separate | LayoutKind::Fused => "one layer's K or V of one block (object_bytes)".to_string(),
+        LayoutKind::Paged => "one layer's K and V of one block (2 x object_bytes)".to_string(),
+        LayoutKind::BlockMajor => "all layers' K and V of one block (block_bytes)".to_string(),
+    };
+    let strides = match &tensor.strides_bytes {
+        Some(strides) if strides.len() != tensor.shape.len() => {
+            return Err(format!("{name}: {} strides for {} dimensions", strides.len(), tensor.shape.len()))
+        }
+        Some(strides) => strides.clone(),
+        None => contiguous_strides(&tensor.shape, tensor.itemsize).ok_or_else(|| format!("{name}: its size overflows"))?,
+    };
+    if strides.iter().any(|&stride| stride < 0) {
+        return Err(format!("{name} has a negative stride {strides:?}: register a view with positive strides"));
+    }
+    // Leading dimensions before the per-block part: [N] or, fused, [2, N].
+    let outer: usize = if kind == LayoutKind::Fused { 2 } else { 1 };
+    let total_bytes = |shape: &[u64]| shape.iter().try_fold(tensor.itemsize, |bytes, &size| bytes.checked_mul(size));
+    let (blocks, block_stride, half_stride) = if tensor.shape.len() == 1 {
+        // A flat run of bytes (a KvBuffer, a bytearray): contiguous, split into whole units.
+        if strides[0] as u64 != tensor.itemsize && tensor.shape[0] > 1 {
+            return Err(format!("{name} is a 1-D view with stride {} B: register a contiguous tensor", strides[0]));
+        }
+        let bytes = total_bytes(&tensor.shape).ok_or_else(|| format!("{name}: its size overflows"))?;
+        let per_block = unit * outer as u64;
+        if bytes == 0 || bytes % per_block != 0 {
+            return Err(format!("{name} is {bytes} bytes, not a whole number of blocks of {per_block} bytes ({what})"));
+        }
+        let blocks = bytes / per_block;
+        (blocks, unit, blocks * unit)
+    } else {
+        if tensor.shape.len() < outer + 1 {
+            return Err(format!("{name} has shape {:?}: expected [{}num_blocks, ...]", tensor.shape, if outer == 2 { "2, " } else { "" }));
+        }
+        if outer == 2 && tensor.shape[0] != 2 {
+            return Err(format!("{name} has shape {:?}: a fused layer tensor is [2, num_blocks, ...] (K then V)", tensor.shape));
+        }
+        let inner = dense_bytes(&tensor.shape[outer..], &strides[outer..], tensor.itemsize).ok_or_else(|| {
+            format!(
+                "{name} (shape {:?}, strides {:?} B) is not dense within a block: a block's part must be one run of bytes (make it contiguous)",
+                tensor.shape, strides
+            )
+        })?;
+        if inner != unit {
+            return Err(format!(
+                "{name} holds {inner} bytes per block (shape {:?} x {} B), expected {unit}: {what} of {}",
+                tensor.shape, tensor.itemsize, geometry
+            ));
+        }
+        let blocks = tensor.shape[outer - 1];
+        let block_stride = strides[outer - 1] as u64;
+        if blocks > 1 && block_stride < unit {
+            return Err(format!("{name}: its blocks are {block_stride} bytes apart, less than a block's {unit} bytes (they overlap)"));
+        }
+        let block_stride = if blocks == 1 { unit } else { block_stride };
+        let half_stride = if outer == 2 { strides[0] as u64 } else { 0 };
+        if outer == 2 && half_stride != blocks * block_stride {
+            return Err(format!(
+                "{name}: V starts {half_stride} bytes after K, expected num_blocks x block stride = {} (a [2, num_blocks, ...] tensor whose halves are packed)",
+                blocks * block_stride
+            ));
+        }
+        (blocks, block_stride, half_stride)
+    };
+    if blocks == 0 || blocks > u64::from(u32::MAX) {
+        return Err(format!("{name} holds {blocks} blocks: expected 1..=2^32-1"));
+    }
+    let last = (blocks - 1).checked_mul(block_stride).and_then(|bytes| bytes.checked_add(unit));
+    let extent = if outer == 2 { last.and_then(|bytes| bytes.checked_add(half_stride)) } else { last };
+    let extent = extent.ok_or_else(|| format!("{name}: its extent overflows"))?;
+    tensor.address.checked_add(extent).ok_or_else(|| format!("{name}: its memory runs past the end of the address space"))?;
+    if tensor.address == 0 {
+        return Err(format!("{name} has a null data pointer"));
+    }
+    Ok((blocks, block_stride, PlacedTensor { address: tensor.address, extent_bytes: extent }))
+}
+
+/// Checks `tensors` as a layout of `kind` for `geometry`: their count, each tensor, one block
+/// count and one block stride across them, no two overlapping in memory.
+pub fn check_layout(kind: LayoutKind, tensors: &[TensorDescription], geometry: &ModelGeometry) -> Result<CheckedLayout, String> {
+    let expected = kind.tensor_count(geometry.layers);
+    if tensors.len() != expected {
+        return Err(format!("a {} layout of {} layers has {expected} tensors, got {}", kind.name(), geometry.layers, tensors.len()));
+    }
+    let mut placed = Vec::with_capacity(tensors.len());
+    let mut shared: Option<(u64, u64, &str)> = None;
+    for tensor in tensors {
+        let (blocks, stride, place) = check_tensor(tensor, kind, geometry)?;
+        match shared {
+            None => shared = Some((blocks, stride, &tensor.name)),
+            Some((first_blocks, first_stride, first)) => {
+                if blocks != first_blocks {
+                    return Err(format!(
+                        "{} holds {blocks} blocks, {first} holds {first_blocks}: every tensor needs the same count",
+                        tensor.name
+                    ));
+                }
+                if stride != first_stride {
+                    return Err(format!(
+                        "{} has blocks {stride} bytes apart, {first} {first_stride}: every tensor needs the same block stride",
+                        tensor.name
+                    ));
+                }
+            }
+        }
+        placed.push(place);
+    }
+    let mut order: Vec<usize> = (0..placed.len()).collect();
+    order.sort_by_key(|&index| placed[index].address);
+    for pair in order.windows(2) {
+        let (a, b) = (&placed[pair[0]], &placed[pair[1]]);
+        if a.address + a.extent_bytes > b.address {
+            return Err(format!(
+                "{} and {} overlap in memory: each tensor needs memory of its own",
+                tensors[pair[0]].name, tensors[pair[1]].name
+            ));
+        }
+    }
+    let (num_blocks, block_stride_bytes, _) = shared.ok_or_else(|| "a layout without tensors".to_string())?;
+    Ok(CheckedLayout { kind, num_blocks: num_blocks as u32, block_stride_bytes, tensors: placed })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// 2 layers, 2 KV heads, dim 8, 2-byte elements, 4-token blocks: 128-byte objects.
+    fn geometry() -> ModelGeometry {
+        ModelGeometry { layers: 2, kv_heads: 2, head_dim: 8, dtype_bytes: 2, block_tokens: 4 }
+    }
+
+    fn tensor(name: &str, address: u64, shape: &[u64], strides: Option<Vec<i64>>) -> TensorDescription {
+        TensorDescription {
+            name: name.into(),
+            address,
+            device: Device::Cpu,
+            itemsize: 2,
+            raw_bytes: false,
+            shape: shape.to_vec(),
+            strides_bytes: strides,
+            writable: true,
+        }
+    }
+
+    #[test]
+    fn each_kind_takes_its_shape_and_finds_blocks_and_stride() {
+        // Goal: the shapes the engines use are accepted with the right N, stride and extent:
+        // separate [N, tokens, heads, dim]; fused [2, N, ...]; paged [N, heads, tokens, 2*dim]
+        // as a permuted view; block-major [N, layers, 2, ...]; 1-D byte runs.
+        let g = geometry();
+        let separate: Vec<_> = (0..4).map(|i| tensor(&format!("t{i}"), 0x10000 * (i + 1), &[6, 4, 2, 8], None)).collect();
+        let checked = check_layout(LayoutKind::Separate, &separate, &g).unwrap();
+        assert_eq!((checked.num_blocks, checked.block_stride_bytes), (6, 128));
+        assert_eq!(checked.tensors[0].extent_bytes, 6 * 128);
+        let fused: Vec<_> = (0..2).map(|i| tensor(&format!("l{i}"), 0x10000 * (i + 1), &[2, 6, 4, 2, 8], None)).collect();
+        let checked = check_layout(LayoutKind::Fused, &fused, &g).unwrap();
+        assert_eq!((checked.num_blocks, checked.block_stride_bytes, checked.tensors[1].extent_bytes), (6, 128, 12 * 128));
+        // [N, heads, tokens, 2*dim] viewed over an [N, tokens, heads, 2*dim] allocation.
+        let permuted = Some(vec![256, 32, 64, 2]);
+        let paged: Vec<_> = (0..2).map(|i| tensor(&format!("p{i}"), 0x10000 * (i + 1), &[6, 2, 4, 16], permuted.clone())).collect();
+        let checked = check_layout(LayoutKind::Paged, &paged, &g).unwrap();
+        assert_eq!((checked.num_blocks, checked.block_stride_bytes), (6, 256));
+        let major = [tensor("pool", 0x10000, &[6, 2, 2, 4, 2, 8], None)];
+        assert_eq!(check_layout(LayoutKind::BlockMajor, &major, &g).unwrap().block_stride_bytes, 512);
+        let bytes = TensorDescription { itemsize: 1, raw_bytes: true, ..tensor("bytes", 0x10000, &[6 * 512], None) };
+        let checked = check_layout(LayoutKind::BlockMajor, &[bytes], &g).unwrap();
+        assert_eq!((checked.num_blocks, checked.block_stride_bytes), (6, 512));
+        // Blocks spaced further apart than their size (padding between blocks) are fine.
+        let padded: Vec<_> = (0..2).map(|i| tensor(&format!("p{i}"), 0x10000 * (i + 1), &[6, 128], Some(vec![512, 2]))).collect();
+        let checked = check_layout(LayoutKind::Paged, &padded, &g).unwrap();
+        assert_eq!((checked.block_stride_bytes, checked.tensors[0].extent_bytes), (512, 5 * 512 + 256));
+    }
+
+    #[test]
+    fn bad_tensors_are_refused_with_what_to_fix() {
+        // Goal: every rule a tensor can break gives a sentence naming the tensor and the fix:
+        // device, read-only, dtype, bytes per block (shape), density within a block, a wrong
+        // tensor count, differing N or stride, overlap, a fused tensor whose halves are not
+        // packed, a 1-D run that is not whole blocks, a negative stride.
+        let g = geometry();
+        let good = |i: u64| tensor(&format!("t{i}"), 0x10000 * (i + 1), &[6, 4, 2, 8], None);
+        let layout = |changed: TensorDescription| {
+            let mut tensors: Vec<_> = (0..4).map(good).collect();
+            tensors[1] = changed;
+            check_layout(LayoutKind::Separate, &tensors, &g).unwrap_err()
+        };
+        let cases = [
+            (TensorDescription { device: Device::Other("cuda:0".into()), ..good(1) }, "is on cuda:0: only CPU memory"),
+            (TensorDescription { writable: false, ..good(1) }, "is read-only"),
+            (TensorDescription { itemsize: 4, ..good(1) }, "has 4-byte elements, the model's KV dtype has 2"),
+            (tensor("t1", 0x20000, &[6, 4, 2, 9], None), "holds 144 bytes per block"),
+            (tensor("t1", 0x20000, &[6, 4, 2, 8], Some(vec![256, 64, 32, 2])), "is not dense within a block"),
+            (tensor("t1", 0x20000, &[5, 4, 2, 8], None), "holds 5 blocks, t0 holds 6"),
+            (tensor("t1", 0x20000, &[6, 4, 2, 8], Some(vec![256, 32, 16, 2])), "blocks 256 bytes apart, t0 128"),
+            (tensor("t1", 0x10000 + 64, &[6, 4, 2, 8], None), "t0 and t1 overlap in memory"),
+            (tensor("t1", 0x20000, &[6, 4, 2, 8], Some(vec![-128, 32, 16, 2])), "negative stride"),
+            (tensor("t1", 0x20000, &[6, 4, 2, 8], Some(vec![64, 32, 16, 2])), "less than a block's 128 bytes"),
+        ];
+        for (tensor, expected) in cases {
+            let error = layout(tensor);
+            assert!(error.contains(expected), "{error:?} lacks {expected:?}");
+            assert!(error.starts_with("t1") || error.starts_with("t0"), "{error}");
+        }
+        let three: Vec<_> = (0..3).map(good).collect();
+        assert!(check_layout(LayoutKind::Separate, &three, &g).unwrap_err().contains("has 4 tensors, got 3"));
+        let unpacked =
+            [tensor("l0", 0x10000, &[2, 6, 4, 2, 8], Some(vec![2048, 128, 32, 16, 2])), tensor("l1", 0x20000, &[2, 6, 4, 2, 8], None)];
+        assert!(check_layout(LayoutKind::Fused, &unpacked, &g).unwrap_err().contains("V starts 2048 bytes after K, expected"));
+        let ragged = TensorDescription { itemsize: 1, raw_bytes: true, ..tensor("bytes", 0x10000, &[6 * 512 + 1], None) };
+        assert!(check_layout(LayoutKind::BlockMajor, &[ragged], &g).unwrap_err().contains("not a whole number of blocks of 512"));
+        let null = tensor("pool", 0, &[6, 2, 2, 4, 2, 8], None);
+        assert!(check_layout(LayoutKind::BlockMajor, &[null], &g).unwrap_err().contains("null data pointer"));
+        // Raw bytes of any element size are accepted only as uint8-like (raw_bytes).
+        let bytes = TensorDescription { itemsize: 1, raw_bytes: false, ..tensor("pool", 0x10000, &[6 * 512], None) };
+        assert!(check_layout(LayoutKind::BlockMajor, &[bytes], &g).unwrap_err().contains("1-byte elements"));
+    }
+
+    #[test]
+    fn density_ignores_unit_dimensions_and_accepts_permutations() {
+        // Goal: the per-block density check is order-free and skips dimensions of size 1.
+        assert_eq!(dense_bytes(&[2, 1, 4], &[8, 1000, 2], 2), Some(16));
+        assert_eq!(dense_bytes(&[4, 2], &[2, 8], 2), Some(16));
+        assert_eq!(dense_bytes(&[4, 2], &[2, 10], 2), None);
+        assert_eq!(dense_bytes(&[], &[], 2), Some(2));
+        assert_eq!(contiguous_strides(&[3, 4, 5], 2), Some(vec![40, 10, 2]));
+    }
+}

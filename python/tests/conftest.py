@@ -1,0 +1,176 @@
+"""Fixtures of the core tests: a tuttid daemon of our own on a software controller in a temporary
+directory (the binary comes from TUTTI_TUTTID, which tools/test.sh's python stage builds), byte
+patterns, and helpers that look at a KV layout's blocks as bytes.
+
+Every wait is bounded: a daemon that does not listen, does not stop, or a child that does not
+exit fails the test with what it printed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tutti
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+WAIT_S = 30.0
+
+# The daemon's model: 4 layers x 2 KV heads x dim 64, 2-byte elements, 16-token blocks:
+# 4 KiB objects, 32 KiB per block.
+DAEMON_MODEL = ["--layers", "4", "--kv-heads", "2", "--head-dim", "64"]
+GEOMETRY = tutti.ModelGeometry(layers=4, kv_heads=2, head_dim=64, dtype_bytes=2, block_tokens=16)
+FINGERPRINT = tutti.fingerprint("tutti core tests", 1)
+
+
+def tuttid_binary() -> str:
+    path = os.environ.get("TUTTI_TUTTID")
+    if not path:
+        for candidate in (REPO / "target" / "release" / "tuttid", REPO / "target" / "debug" / "tuttid"):
+            if candidate.exists():
+                return str(candidate)
+        pytest.fail("TUTTI_TUTTID is not set and no target/*/tuttid exists: build it (cargo build -p tuttid) first")
+    return path
+
+
+class Daemon:
+    """A tuttid process serving a socket in `directory`."""
+
+    def __init__(self, directory: Path, device: str = "emu:mem:64m", extra: tuple[str, ...] = ()):
+        self.directory = directory
+        directory.mkdir(parents=True, exist_ok=True)
+        self.socket = str(directory / "tuttid.sock")
+        self.log = open(directory / "tuttid.log", "w+b")
+        command = [tuttid_binary(), "--device", device, "--socket", self.socket, "--lock-dir", str(directory / "locks"),
+                   "--metrics", "off", *DAEMON_MODEL, *extra]
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + WAIT_S
+        while not os.path.exists(self.socket):
+            if self.process.poll() is not None:
+                pytest.fail(f"tuttid exited with {self.process.returncode}: {self.output()}")
+            if time.monotonic() > deadline:
+                self.kill()
+                pytest.fail(f"tuttid did not listen within {WAIT_S} s: {self.output()}")
+            time.sleep(0.02)
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")
+
+    def stop(self) -> int:
+        """SIGTERM, then a bounded wait; SIGKILL if it does not exit."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(WAIT_S)
+            except subprocess.TimeoutExpired:
+                self.kill()
+                pytest.fail(f"tuttid did not exit within {WAIT_S} s of SIGTERM: {self.output()}")
+        return self.process.returncode
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(WAIT_S)
+
+    def pause(self) -> None:
+        """SIGSTOP: the software controller inside the daemon stops moving bytes."""
+        os.kill(self.process.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self.process.pid, signal.SIGCONT)
+
+
+@pytest.fixture
+def small_daemon(tmp_path):
+    """A daemon whose pool has 8 slots (a store of more blocks is refused) and one connection."""
+    started = Daemon(tmp_path, extra=("--format", "--slots", "8", "--clients-max", "1"))
+    yield started
+    started.stop()
+
+
+def start_daemon(directory: Path, *extra: str) -> Daemon:
+    return Daemon(directory, extra=("--format", *extra))
+
+
+@pytest.fixture
+def formatted_daemon(tmp_path):
+    started = start_daemon(tmp_path)
+    yield started
+    if started.process.poll() is None:
+        started.resume()
+    started.stop()
+
+
+def tokens(seed: int, blocks: int, extra: int = 5) -> list[int]:
+    """A prompt of `blocks` full blocks (and a partial one) that differs per seed."""
+    count = blocks * GEOMETRY.block_tokens + extra
+    return [(i * 2654435761 ^ (seed * 97 + 13)) & 0x7FFFFFFF for i in range(count)]
+
+
+def pattern(seed: int, nbytes: int) -> np.ndarray:
+    """Bytes that differ per seed and offset."""
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def as_bytes(tensor) -> np.ndarray:
+    """A writable flat uint8 view of a layout tensor (a KvBuffer or a C-contiguous array)."""
+    if isinstance(tensor, tutti.KvBuffer):
+        return np.from_dlpack(tensor)
+    array = np.asarray(tensor)
+    assert array.flags.c_contiguous, "the helper needs contiguous tensors"
+    return array.reshape(-1).view(np.uint8)
+
+
+def block_parts(layout: tutti.KvLayout, block: int) -> list[np.ndarray]:
+    """Views of engine block `block`'s bytes in every tensor of `layout` (its blocks must be
+    packed, as allocate_kv makes them)."""
+    n = layout.num_blocks
+    parts = []
+    for tensor in layout.tensors:
+        data = as_bytes(tensor)
+        if layout.kind == "fused":
+            halves = data.reshape(2, n, -1)
+            parts.extend([halves[0, block], halves[1, block]])
+        else:
+            parts.append(data.reshape(n, -1)[block])
+    return parts
+
+
+def fill_block(layout: tutti.KvLayout, block: int, seed: int) -> None:
+    for index, part in enumerate(block_parts(layout, block)):
+        part[:] = pattern(seed * 1000 + index, part.size)
+
+
+def holds(layout: tutti.KvLayout, block: int, seed: int) -> bool:
+    return all((part == pattern(seed * 1000 + index, part.size)).all() for index, part in enumerate(block_parts(layout, block)))
+
+
+def store_prompt(store: tutti.Store, prompt: list[int], blocks: list[int], commit: bool = True) -> tutti.Request:
+    request = store.prepare_store(prompt, blocks)
+    for layer in range(store.geometry.layers):
+        request.store_layer(layer)
+        assert request.wait(WAIT_S) == layer
+    if commit:
+        request.commit()
+    return request
+
+
+def retrieve_prompt(store: tutti.Store, prompt: list[int], blocks: list[int]) -> None:
+    with store.prepare_retrieve(prompt, blocks) as request:
+        for layer in range(store.geometry.layers):
+            request.retrieve_layer(layer)
+            assert request.wait(WAIT_S) == layer
+
+
+def run_child(*args: str, timeout: float = WAIT_S) -> subprocess.CompletedProcess:
+    """Runs python/tests/child.py in a fresh interpreter (bounded)."""
+    return subprocess.run([sys.executable, str(HERE / "child.py"), *args], capture_output=True, text=True, timeout=timeout)

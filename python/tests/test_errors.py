@@ -1,0 +1,289 @@
+"""Bad input and failures: every exception class is raised by some test here (checked at the end
+of the module: `test_every_exception_class_was_raised`), each with a message that says what to
+fix, and none crashes the interpreter."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import tutti
+from conftest import FINGERPRINT, GEOMETRY, WAIT_S, fill_block, start_daemon, store_prompt, tokens
+
+RAISED: set[type] = set()
+
+
+def raises(kind, match=None):
+    """pytest.raises that also records the exact class raised."""
+
+    class Recorder:
+        def __enter__(self):
+            self.context = pytest.raises(kind, match=match)
+            self.info = self.context.__enter__()
+            return self.info
+
+        def __exit__(self, *exc):
+            handled = self.context.__exit__(*exc)
+            RAISED.add(type(self.info.value))
+            return handled
+
+    return Recorder()
+
+
+def open_store(**options) -> tutti.Store:
+    return tutti.Store.open("emu:mem:64m", GEOMETRY, format=True, **options)
+
+
+def test_bad_values_are_invalid_arguments():
+    # Goal: geometry, device strings, fingerprints, options and block ids out of range are
+    # InvalidArgument (also a ValueError), naming the value and what was expected.
+    with raises(tutti.InvalidArgument, match="head_dim = 0"):
+        tutti.ModelGeometry(4, 2, 0, 2, 16)
+    with raises(tutti.InvalidArgument, match="no model preset"):
+        tutti.ModelGeometry.preset("gpt-9", 16)
+    with raises(tutti.InvalidArgument):
+        tutti.Store.open("disk:/dev/sda", GEOMETRY, format=True)
+    with raises(tutti.InvalidArgument, match="expected 32"):
+        tutti.Store.open("emu:mem:64m", GEOMETRY, format=True, model_fingerprint=b"short")
+    with raises(tutti.InvalidArgument, match="rank 2 is not below"):
+        tutti.Store.open("emu:mem:64m", GEOMETRY, format=True, model_fingerprint=FINGERPRINT, tp_rank=2, tp_world=2)
+    assert issubclass(tutti.InvalidArgument, ValueError)
+    with open_store() as store:
+        store.allocate_kv(4, "paged")
+        with raises(tutti.InvalidArgument, match="block id 4 outside the registered pool of 4 blocks"):
+            store.prepare_store(tokens(1, 1), [4])
+        with raises(tutti.InvalidArgument, match="expected 1..=2"):
+            store.prepare_store(tokens(1, 2), [0, 1, 2])
+        request = store.prepare_store(tokens(1, 1), [0])
+        with raises(tutti.InvalidArgument, match="layer 4 past the model's 4 layers"):
+            request.store_layer(4)
+        request.finish()
+        with raises(tutti.InvalidArgument, match="layout kind"):
+            tutti.Store.open("emu:mem:64m", GEOMETRY, format=True).allocate_kv(4, "ragged")
+
+
+def test_bad_tensors_say_what_to_fix():
+    # Goal: the registration refuses (with the fix in the message) non-contiguous blocks, a
+    # dtype of another size, a shape whose blocks are not an object, a read-only buffer,
+    # overlapping K and V, and an object that is no tensor at all; the store stays usable.
+    layers = GEOMETRY.layers
+
+    def separate(make):
+        return tutti.KvLayout.separate([make() for _ in range(layers)], [make() for _ in range(layers)])
+
+    with open_store() as store:
+        cases = [
+            (lambda: np.zeros((4, 64, 2, 16), dtype=np.float16).transpose(0, 3, 2, 1)[:, :, :, ::2].copy()[:, ::2], "not dense within a block"),
+            (lambda: np.zeros((4, 16, 2, 64), dtype=np.float32), "4-byte elements, the model's KV dtype has 2"),
+            (lambda: np.zeros((4, 16, 2, 65), dtype=np.float16), "bytes per block"),
+        ]
+        for make, message in cases:
+            with raises(tutti.InvalidArgument, match=message):
+                store.register_kv(separate(make))
+        readonly = np.zeros(4 * GEOMETRY.block_bytes, dtype=np.uint8)
+        readonly.flags.writeable = False
+        with raises(tutti.InvalidArgument, match="read-only|writable"):
+            store.register_kv(tutti.KvLayout.block_major(readonly))
+        with raises(tutti.InvalidArgument, match="read-only"):
+            store.register_kv(tutti.KvLayout.block_major(memoryview(bytes(4 * GEOMETRY.block_bytes))))
+        shared = np.zeros((4, 16, 2, 64), dtype=np.float16)
+        with raises(tutti.InvalidArgument, match="overlap in memory"):
+            store.register_kv(tutti.KvLayout.separate([shared] * layers, [np.zeros_like(shared) for _ in range(layers)]))
+        with raises(tutti.InvalidArgument, match="is not a tensor"):
+            store.register_kv(tutti.KvLayout.block_major(object()))
+        with raises(tutti.InvalidArgument, match="has 4 tensors, got 2"):
+            store.register_kv(tutti.KvLayout.fused([np.zeros((2, 4, 2048), dtype=np.float16)] * 2))
+        # After every refusal the store registers good memory and works.
+        keys = [np.zeros((4, 16, 2, 64), dtype=np.float16) for _ in range(layers)]
+        values = [np.zeros((4, 16, 2, 64), dtype=np.float16) for _ in range(layers)]
+        store.register_kv(tutti.KvLayout.separate(keys, values))
+        store_prompt(store, tokens(2, 1), [0])
+
+
+class GpuTensor:
+    """A stand-in for a CUDA tensor: DLPack says device type 2 (CUDA)."""
+
+    def __dlpack_device__(self):
+        return (2, 0)
+
+    def __dlpack__(self, **kwargs):
+        raise AssertionError("a GPU tensor must be refused before it is exported")
+
+
+def test_memory_the_store_cannot_reach_is_unsupported(formatted_daemon):
+    # Goal: GPU memory (by DLPack device or RawMemory device) and, for an attached store, the
+    # process's own memory are refused as UnsupportedMemory naming the fix.
+    with open_store() as store:
+        with raises(tutti.UnsupportedMemory, match="cuda:0"):
+            store.register_kv(tutti.KvLayout.block_major(GpuTensor()))
+        owner = bytearray(4 * GEOMETRY.block_bytes)
+        with raises(tutti.UnsupportedMemory, match="only CPU memory"):
+            store.register_kv(tutti.KvLayout.block_major(tutti.RawMemory(0x10000, len(owner), owner=owner, device="cuda:1")))
+    store = tutti.Store.attach(formatted_daemon.socket, model_fingerprint=FINGERPRINT)
+    with raises(tutti.UnsupportedMemory, match="allocate_kv"):
+        store.register_kv(tutti.KvLayout.block_major(np.zeros(4 * GEOMETRY.block_bytes, dtype=np.uint8)))
+    assert issubclass(tutti.UnsupportedMemory, tutti.InvalidArgument)
+    store.close()
+
+
+def test_order_and_state_errors():
+    # Goal: calls out of order are NotRegistered / InvalidState, finished or foreign requests
+    # StaleRequest, too many requests LimitReached, and the request and store stay usable.
+    store = open_store(requests_max=2)
+    with raises(tutti.NotRegistered, match="register_kv"):
+        store.prepare_retrieve(tokens(1, 1), [0])
+    with raises(tutti.NotRegistered):
+        store.lookup(tokens(1, 1))
+    layout = store.allocate_kv(8, "block_major")
+    with raises(tutti.InvalidState, match="once per store"):
+        store.allocate_kv(8, "paged")
+    prompt = tokens(3, 2)
+    fill_block(layout, 0, 1)
+    fill_block(layout, 1, 2)
+    request = store.prepare_store(prompt, [0, 1])
+    request.store_layer(0)
+    with raises(tutti.InvalidState, match="still in flight"):
+        request.store_layer(1)
+    with raises(tutti.InvalidState, match="in flight"):
+        request.finish()
+    with raises(tutti.InvalidState, match="retrieve_layer on a store request"):
+        request.retrieve_layer(1)
+    request.wait(WAIT_S)
+    with raises(tutti.InvalidState):
+        request.commit()  # layers 1..3 not stored yet
+    assert request.state == "prepared", "a refused commit leaves the request live"
+    for layer in range(1, GEOMETRY.layers):
+        request.store_layer(layer)
+        request.wait(WAIT_S)
+    second = store.prepare_store(tokens(4, 1), [2])
+    with raises(tutti.LimitReached, match="too many requests"):
+        store.prepare_store(tokens(5, 1), [3])
+    second.finish()
+    assert request.commit() == 2
+    with raises(tutti.StaleRequest, match="committed"):
+        request.store_layer(0)
+    with raises(tutti.StaleRequest):
+        request.wait()
+    request.finish()  # idempotent after commit
+    retrieve = store.prepare_retrieve(prompt, [4, 5])
+    store.close()
+    with raises(tutti.StaleRequest, match="closed"):
+        retrieve.retrieve_layer(0)
+    with raises(tutti.StaleRequest, match="closed"):
+        store.lookup(prompt)
+
+
+def test_a_full_pool_is_pool_full_in_process_and_through_tuttid(small_daemon):
+    # Goal: more new blocks than the pool has slots: PoolFull (a LimitReached) in-process and
+    # from tuttid (where it comes as the daemon's LimitReached refusal, classified); nothing is
+    # left pinned (a smaller store then succeeds).
+    with tutti.Store.open("emu:mem:64m", GEOMETRY, format=True, slots_max=4) as store:
+        store.allocate_kv(8, "paged")
+        with raises(tutti.PoolFull, match="pool full"):
+            store.prepare_store(tokens(1, 6), list(range(6)))
+        store_prompt(store, tokens(1, 3), [0, 1, 2])
+    remote = tutti.Store.attach(small_daemon.socket, model_fingerprint=FINGERPRINT)
+    remote.allocate_kv(16, "paged")
+    with raises(tutti.PoolFull, match="pool full") as info:
+        remote.prepare_store(tokens(2, 12), list(range(12)))
+    assert info.value.code == "LimitReached"
+    assert issubclass(tutti.PoolFull, tutti.LimitReached)
+    store_prompt(remote, tokens(2, 2), [0, 1])
+    # The daemon serves one connection: a second is refused with the daemon's Busy.
+    with raises(tutti.DaemonError, match="Busy") as info:
+        tutti.LookupClient.connect(small_daemon.socket, model_fingerprint=FINGERPRINT)
+    assert info.value.code == "Busy"
+    remote.close()
+
+
+def test_a_wait_past_its_deadline_is_a_timeout_and_the_layer_stays_in_flight():
+    # Goal: wait(0) right after an issue cannot have seen the completion: TimeoutError (also
+    # the builtin TimeoutError), the layer is still in flight, a later wait completes it.
+    with open_store() as store:
+        store.allocate_kv(8, "paged")
+        request = store.prepare_store(tokens(1, 4), [0, 1, 2, 3])
+        request.store_layer(0)
+        with raises(tutti.TimeoutError, match="still in flight"):
+            request.wait(0)
+        assert request.layer_in_flight == 0
+        assert request.wait(WAIT_S) == 0
+        assert issubclass(tutti.TimeoutError, TimeoutError)
+        request.finish()
+
+
+def test_devices_and_pools_that_cannot_be_used(tmp_path):
+    # Goal: a missing device file is DeviceError; a file without a pool, or a pool of another
+    # geometry, is PoolError naming the fix; a pool file held by another opener is DeviceError
+    # naming the holder.
+    with raises(tutti.DeviceError, match="no such file"):
+        tutti.Store.open(f"emu:{tmp_path}/missing/x.img", GEOMETRY)
+    blank = tmp_path / "blank.img"
+    blank.write_bytes(bytes(64 << 20))
+    with raises(tutti.PoolError, match="--format|format"):
+        tutti.Store.open(f"emu:{blank}", GEOMETRY)
+    pool = tmp_path / "pool.img"
+    first = tutti.Store.open(f"emu:{pool}", GEOMETRY, format=True, create_bytes=64 << 20)
+    with raises(tutti.DeviceError, match=str(os.getpid())):
+        tutti.Store.open(f"emu:{pool}", GEOMETRY)
+    first.close()
+    other = tutti.ModelGeometry(8, 2, 64, 2, 16)
+    with raises(tutti.PoolError, match="formatted for"):
+        tutti.Store.open(f"emu:{pool}", other)
+
+
+def test_corrupted_block_is_an_integrity_error(tmp_path):
+    # Goal: with verify_retrieves, a block whose bytes changed on the device behind the store's
+    # back (the emu file edited) raises IntegrityError at the last layer's wait, naming the
+    # block; it is evicted (no longer found).
+    pool = tmp_path / "pool.img"
+    prompt = tokens(5, 2)
+    with tutti.Store.open(f"emu:{pool}", GEOMETRY, format=True, create_bytes=64 << 20) as store:
+        layout = store.allocate_kv(4, "block_major")
+        block = np.from_dlpack(layout.layer(0)).reshape(4, -1)
+        block[:2] = 0
+        block[1, :16] = np.frombuffer(b"tutti-corruption", dtype=np.uint8)
+        store_prompt(store, prompt, [0, 1])
+    data = bytearray(pool.read_bytes())
+    at = data.find(b"tutti-corruption")
+    assert at > 0, "the stored block is on the device file"
+    data[at] ^= 0xFF
+    pool.write_bytes(bytes(data))
+    with tutti.Store.open(f"emu:{pool}", GEOMETRY, verify_retrieves=True) as store:
+        store.allocate_kv(4, "block_major")
+        assert store.lookup(prompt) == 2
+        request = store.prepare_retrieve(prompt, [2, 3])
+        for layer in range(GEOMETRY.layers - 1):
+            request.retrieve_layer(layer)
+            request.wait(WAIT_S)
+        request.retrieve_layer(GEOMETRY.layers - 1)
+        with raises(tutti.IntegrityError, match="CRC mismatch in 1 block"):
+            request.wait(WAIT_S)
+        request.finish()
+        assert store.lookup(prompt) == 1, "the corrupted block was evicted"
+
+
+def test_no_daemon_and_a_daemon_that_goes_away_are_disconnected(tmp_path):
+    # Goal: a socket nobody serves is Disconnected (a DaemonError); a daemon stopped under an
+    # attached store makes its next request Disconnected, not a crash.
+    with raises(tutti.Disconnected, match="connecting to tuttid"):
+        tutti.Store.attach(str(tmp_path / "nobody.sock"), model_fingerprint=FINGERPRINT)
+    with raises(tutti.Disconnected):
+        tutti.LookupClient.connect(str(tmp_path / "nobody.sock"), model_fingerprint=FINGERPRINT)
+    daemon = start_daemon(tmp_path / "d")
+    store = tutti.Store.attach(daemon.socket, model_fingerprint=FINGERPRINT, keepalive=False)
+    store.allocate_kv(4, "paged")
+    daemon.stop()
+    with raises(tutti.Disconnected):
+        store.prepare_store(tokens(1, 1), [0])
+    store.close()
+    assert issubclass(tutti.Disconnected, tutti.DaemonError)
+
+
+def test_every_exception_class_was_raised():
+    # Goal: the module's other tests raised every class the package defines (run last).
+    classes = {value for value in vars(tutti).values() if isinstance(value, type) and issubclass(value, tutti.Error)}
+    missing = sorted(cls.__name__ for cls in classes - RAISED - {tutti.Error})
+    assert not missing, f"never raised by a test: {missing}"
+    assert all(issubclass(cls, tutti.Error) for cls in RAISED)

@@ -1,0 +1,600 @@
+"""Type stub of `tutti._tutti`, the compiled extension (crates/python). Everything here is
+re-exported by `tutti` (python/tutti/__init__.py): import it from there.
+
+This file is the API contract the engine connectors (tutti.vllm, tutti.sglang) code against.
+Changes after its first commit are additions only, or are announced in
+/work/wt/prompts/py-api-changes.md.
+
+Units: sizes and addresses in bytes (`*_bytes`, `address`), times in seconds (`*_s`, floats),
+layers and engine blocks as 0-based indices, tokens as sequences of non-negative ints (< 2**32).
+
+Where things run (docs/python.md):
+- `Store.open(...)`: the pool's devices (the software NVMe controller `emu:...`, or `vfio:BDF`
+  on a machine with VFIO) are opened in this process; no daemon. One process per pool (the same
+  lock tuttid takes).
+- `Store.attach(...)`: the pool belongs to a `tuttid` daemon; this process moves its own KV bytes
+  over a queue pair the daemon created in its shared memory window; per request it asks the
+  daemon (lookup, prepare, commit, release), per layer it sends nothing.
+- `LookupClient.connect(...)`: a session with tuttid that only looks up (an engine's scheduler
+  process): no memory, no queue pairs.
+
+Threads: every object may be used from any thread; calls on one `Store` (and its requests) are
+serialised by a lock inside it. Blocking calls (`wait`, `commit`, `prepare_*`, `attach`,
+`open`, lookups through the daemon) release the GIL.
+"""
+
+from __future__ import annotations
+
+import builtins
+from typing import Any, Literal, Optional, Sequence, Union
+
+__version__: str
+
+# ---------------------------------------------------------------------------------------------
+# Exceptions. Each carries the Rust error's message (str(e)), which says what was expected, what
+# was found and, where there is one, what to do about it.
+# ---------------------------------------------------------------------------------------------
+
+class Error(Exception):
+    """Base of every error tutti raises (besides TypeError for arguments of the wrong Python
+    type, raised by the bindings before anything runs)."""
+
+class InvalidArgument(Error, ValueError):
+    """A value the store cannot accept: a model geometry out of range, a registration whose
+    tensors do not match the geometry (size, shape, dtype, contiguity, alignment, overlap), block
+    ids outside the registration, a layer past the model's layers, tokens of fewer than one block,
+    a malformed device string, a fingerprint that is not 32 bytes, a daemon's `BadRequest`."""
+
+class UnsupportedMemory(InvalidArgument):
+    """Memory the store cannot reach: a tensor on a device other than the CPU (GPU memory needs
+    the CUDA route, not in this package yet), or, for a store attached to tuttid, memory this
+    process allocated itself (the daemon can only map memory shared with it: allocate the KV cache
+    with `Store.allocate_kv`)."""
+
+class NotRegistered(Error):
+    """A call that needs the engine's KV memory (prepare_*, lookup on an in-process store) before
+    `Store.register_kv` or `Store.allocate_kv`."""
+
+class TimeoutError(Error, builtins.TimeoutError):
+    """A wait's deadline passed (the layer is still in flight: wait again, or close the store),
+    or tuttid did not answer within the store's `timeout_s`."""
+
+class LimitReached(Error):
+    """A bounded resource is exhausted: too many requests prepared at once (`requests_max`), or a
+    per-session cap of tuttid (requests, windows, window bytes). Finish requests, or raise the
+    limit."""
+
+class PoolFull(LimitReached):
+    """The pool has no free or evictable slot for a store's new blocks (the rest are pinned by
+    requests in flight). Finish requests or store fewer blocks."""
+
+class StaleRequest(Error):
+    """A request handle that is finished, committed, of another session, or of a closed store."""
+
+class InvalidState(Error):
+    """A call out of order on a live request: issuing a layer while another is in flight (wait
+    first), a store call on a retrieve (or the reverse), committing before every layer was
+    stored, finishing with a layer in flight."""
+
+class IntegrityError(Error):
+    """A retrieved block's bytes did not match the CRC recorded when it was stored
+    (`verify_retrieves=True`). The block was evicted; the request's other blocks were delivered;
+    do not use the named engine blocks' bytes."""
+
+class PoolError(Error):
+    """The pool on the devices cannot be used as asked: none there (open with `format=True`),
+    a damaged superblock, another format version, formatted for another model geometry, a
+    namespace too small, too few queue pairs on a controller."""
+
+class DeviceError(Error):
+    """A device failed: it could not be opened or brought up (missing `emu:` file, a VFIO
+    error), or an NVMe command, DMA mapping or gio_uring operation failed."""
+
+class DaemonError(Error):
+    """tuttid refused or failed a request in a way no other class describes (`code` names the
+    daemon's error code, e.g. "Busy", "Unsupported", "StoreFailed"), or answered something
+    unexpected."""
+
+    code: Optional[str]
+    """The daemon's error code name, or None when the error is not a daemon refusal."""
+
+class Disconnected(DaemonError):
+    """The connection to tuttid failed or is gone: no daemon at the socket, the daemon closed the
+    connection (it stopped, the session's lease expired), or a socket error. Reconnect with a new
+    `Store.attach` / `LookupClient.connect`; nothing of an uncommitted store survives."""
+
+# ---------------------------------------------------------------------------------------------
+# Model geometry
+# ---------------------------------------------------------------------------------------------
+
+class ModelGeometry:
+    """The shape of a model's KV cache as the store sees it (objstore's `ModelGeometry`).
+
+    An *object* is one layer's K (or V) of one engine block: block_tokens x kv_heads x head_dim x
+    dtype_bytes bytes. Raises InvalidArgument if a field is 0 or above 65536, or an object is over
+    1 GiB."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype_bytes: int, block_tokens: int) -> None: ...
+    @staticmethod
+    def preset(name: str, block_tokens: int) -> ModelGeometry:
+        """`llama3-8b`, `qwen3-32b`, `llama3-70b`. Raises InvalidArgument for another name."""
+    @property
+    def layers(self) -> int: ...
+    @property
+    def kv_heads(self) -> int:
+        """KV heads of this rank (after tensor-parallel sharding)."""
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def dtype_bytes(self) -> int:
+        """Bytes per element (2 for bf16/fp16, 1 for fp8)."""
+    @property
+    def block_tokens(self) -> int:
+        """Tokens per engine block (the engine's block/page size)."""
+    @property
+    def object_bytes(self) -> int:
+        """Bytes of one layer's K (or V) of one block."""
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one engine block over all layers, K and V: 2 x layers x object_bytes."""
+    def __eq__(self, other: object) -> bool: ...
+    def __repr__(self) -> str: ...
+
+# ---------------------------------------------------------------------------------------------
+# Memory
+# ---------------------------------------------------------------------------------------------
+
+TensorLike = Any
+"""What a KV layout accepts as one tensor, tried in this order:
+- a `KvBuffer` (memory tutti allocated) or a `RawMemory` (address + size + device + owner);
+- an object with `__dlpack__` / `__dlpack_device__` (a torch tensor, a numpy array, ...): the
+  DLPack capsule is consumed and kept (so the producer's memory stays alive) until the store is
+  closed;
+- an object with the buffer protocol (bytearray, mmap, array.array, numpy): it must be writable
+  and C-contiguous; the export is held (so it cannot be resized or freed) until the store is
+  closed.
+Its device must be the CPU (DLPack device type 1 or 3, "cpu"); anything else raises
+UnsupportedMemory. Its element size must be the geometry's dtype_bytes, or 1 (raw bytes, e.g.
+uint8); another raises InvalidArgument. torch is never imported by tutti."""
+
+class RawMemory:
+    """Memory named by address and size (a tensor's `data_ptr()` and byte size), for producers
+    without DLPack or the buffer protocol.
+
+    The caller promises that `address .. address + nbytes` is memory of this process, readable
+    and writable, that stays valid as long as `owner` lives: the store keeps a reference to
+    `owner` (not to the memory) until it is closed. A wrong promise is undefined behaviour (the
+    device writes there); prefer DLPack where the producer offers it.
+
+    `device`: "cpu" (the only one a store reaches today) or e.g. "cuda:0" (raises
+    UnsupportedMemory when registered). `itemsize`: bytes per element (checked against the
+    geometry's dtype_bytes; 1 = raw bytes). `shape` / `strides_bytes`: optional, as DLPack gives
+    them (strides in bytes); without them the memory is one dense 1-D run of bytes.
+    Raises InvalidArgument if nbytes is 0, address is 0, or address + nbytes overflows."""
+
+    def __init__(
+        self,
+        address: int,
+        nbytes: int,
+        *,
+        owner: object,
+        device: str = "cpu",
+        itemsize: int = 1,
+        shape: Optional[Sequence[int]] = None,
+        strides_bytes: Optional[Sequence[int]] = None,
+    ) -> None: ...
+    @property
+    def address(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def device(self) -> str: ...
+
+class KvBuffer:
+    """A piece of KV memory that tutti allocated (`Store.allocate_kv`): page aligned, zeroed at
+    allocation, reachable by the store's devices (for a store attached to tuttid: inside the
+    shared window the daemon mapped). It stays valid as long as the store or any consumer of it
+    (a DLPack capsule taken from it, a numpy array or torch tensor made from one) lives.
+
+    Zero-copy views: `numpy.from_dlpack(buffer)` / `torch.from_dlpack(buffer)` give a 1-D uint8
+    array over it; reinterpret and reshape it to the engine's dtype and shape there (e.g.
+    `torch.from_dlpack(b).view(torch.bfloat16).view(num_blocks, ...)`).
+
+    Do not read or write a block while a layer of a request naming it is in flight: the device
+    moves those bytes then (the same rule as for GPU KV memory)."""
+
+    @property
+    def address(self) -> int:
+        """The first byte's address in this process."""
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def device(self) -> str:
+        """Always "cpu" today."""
+    def __dlpack__(
+        self,
+        *,
+        stream: Optional[int] = None,
+        max_version: Optional[tuple[int, int]] = None,
+        dl_device: Optional[tuple[int, int]] = None,
+        copy: Optional[bool] = None,
+    ) -> Any:
+        """A DLPack capsule of a 1-D uint8 tensor over the buffer, holding a reference to it:
+        "dltensor_versioned" (DLPack 1.0, flagged writable) when `max_version` >= (1, 0) is
+        given (numpy 2 and torch ask for it; numpy imports legacy capsules read-only), else
+        the legacy "dltensor". `copy=True` and a dl_device other than the CPU raise BufferError
+        (nothing is ever copied)."""
+    def __dlpack_device__(self) -> tuple[int, int]:
+        """(1, 0): the CPU."""
+    def numpy(self) -> Any:
+        """`numpy.from_dlpack(self)`: a writable 1-D uint8 view (imports numpy)."""
+
+KvLayoutKind = Literal["separate", "fused", "paged", "block_major"]
+
+class KvLayout:
+    """How the engine's KV cache lies in memory, and the tensors that hold it: what
+    `Store.register_kv` takes and `Store.allocate_kv` returns. Built with one of the static
+    methods; the store checks it against its geometry when it is registered (not here), and
+    the tensors' memory is held while the store lives.
+
+    num_blocks N is taken from the tensors (their leading block dimension, or for a 1-D tensor
+    its bytes over the bytes per block); every tensor of a layout must give the same N and the
+    same block stride. In each kind, a block's part of a tensor (one object, or K+V of one
+    layer) must be one dense run of bytes (its dimensions after the block dimension dense in some
+    order: a permuted view is fine, padding inside a block is not); blocks may be spaced further
+    apart than their size (a block stride larger than the block)."""
+
+    @staticmethod
+    def separate(keys: Sequence[TensorLike], values: Sequence[TensorLike]) -> KvLayout:
+        """One K and one V tensor per layer, each `[N, block_tokens, kv_heads, head_dim]` (any
+        shape whose dimensions after the first make one object: object_bytes per block).
+        `keys[l]` / `values[l]` are layer l's. objstore `KvLayout::SeparateKv`."""
+    @staticmethod
+    def fused(layers: Sequence[TensorLike]) -> KvLayout:
+        """One tensor per layer `[2, N, ...]`: K of block b at index [0, b], V at [1, b]
+        (vLLM's FlashAttention layout `(2, num_blocks, block_size, kv_heads, head_size)`).
+        objstore `KvLayout::FusedPerLayer`."""
+    @staticmethod
+    def paged(layers: Sequence[TensorLike]) -> KvLayout:
+        """One tensor per layer `[N, ...]` whose block b is one dense run of 2 x object_bytes
+        holding K and V in any arrangement: vLLM 0.32's `[blocks, heads, slots, content]` view
+        with K and V together in each slot's content, FlashInfer's `(num_blocks, 2, block_size,
+        kv_heads, head_size)`, SGLang's page-first host pool per layer. The store moves the
+        block's bytes as they are: its first half as the layer's "K" object and its second half as
+        "V" (so a pool written in this layout must be read back in this layout). objstore
+        `KvLayout::PagedPerLayer`."""
+    @staticmethod
+    def block_major(tensor: TensorLike) -> KvLayout:
+        """One tensor `[N, layers, 2, ...]`: all layers of a block together, layer l's K then V
+        (tuttid's own window layout, SGLang's page-first host pool over all layers). objstore
+        `KvLayout::BlockMajor`."""
+    @property
+    def kind(self) -> KvLayoutKind: ...
+    @property
+    def tensors(self) -> list[Any]:
+        """The objects given (or, from allocate_kv, the KvBuffers), in the constructor's order:
+        separate: keys then values (2 x layers); fused, paged: one per layer; block_major: one."""
+    def key(self, layer: int) -> Any:
+        """separate only: layer's K tensor. Raises InvalidArgument for another kind."""
+    def value(self, layer: int) -> Any:
+        """separate only: layer's V tensor."""
+    def layer(self, layer: int) -> Any:
+        """fused and paged: layer's tensor; block_major: the one tensor."""
+    @property
+    def num_blocks(self) -> Optional[int]:
+        """N once the layout was checked by a store (registered or allocated), else None."""
+    @property
+    def block_stride_bytes(self) -> Optional[int]:
+        """Bytes from one block to the next in each tensor, once checked by a store."""
+
+# ---------------------------------------------------------------------------------------------
+# The store
+# ---------------------------------------------------------------------------------------------
+
+class Store:
+    """A layer-wise KV store (objstore's `LayerKvStore`): in-process over the pool's devices
+    (`Store.open`) or attached to tuttid (`Store.attach`); the same calls either way.
+
+    Life: open/attach -> register_kv (caller's memory, in-process) or allocate_kv (memory tutti
+    allocates: the only way for an attached store) -> per request: lookup, prepare_retrieve /
+    prepare_store -> per layer retrieve_layer / store_layer and wait (or poll, or select on
+    fileno()) -> commit (a store) or finish -> close.
+
+    A context manager: `with Store.open(...) as store:` closes it at the end. Closing finishes
+    every request still prepared (waiting up to `timeout_s` for a layer in flight), deletes the
+    store's queue pairs, and only then drops the references to the registered tensors. If a
+    queue pair could not be deleted (its commands may still move bytes) the references are
+    kept for the life of the process and counted in `leaked_registrations()`."""
+
+    @staticmethod
+    def open(
+        devices: Union[str, Sequence[str]],
+        geometry: ModelGeometry,
+        *,
+        format: bool = False,
+        create_bytes: Optional[int] = None,
+        blocks_per_slot: int = 1,
+        slots_max: Optional[int] = None,
+        payload_crcs: bool = True,
+        verify_retrieves: bool = False,
+        model_fingerprint: Optional[bytes] = None,
+        tp_rank: int = 0,
+        tp_world: int = 1,
+        namespace: int = 1,
+        lock_dir: str = "/run/tutti",
+        queue_depth: int = 64,
+        iocbs: int = 64,
+        requests_max: int = 32,
+        timeout_s: float = 30.0,
+    ) -> Store:
+        """Opens the pool on `devices` in this process.
+
+        devices: device strings as tuttid and tutti-bench take them: "emu:mem:SIZE" (software
+        controller over memory, e.g. "emu:mem:1g": starts empty, so needs format=True),
+        "emu:PATH" (over a file; `create_bytes` creates or grows it), "vfio:BDF". Several devices
+        make one pool striped across them.
+        format: write a fresh pool for `geometry` first (everything there is lost), with
+        `blocks_per_slot` engine blocks per slot, at most `slots_max` slots per device,
+        `payload_crcs` (record each slot's CRC at commit: needed by verify_retrieves). Without
+        format, the pool on the devices is opened (recovery runs) and must have been formatted
+        for `geometry` (PoolError otherwise).
+        verify_retrieves: check every retrieved block against its recorded CRC (IntegrityError).
+        model_fingerprint, tp_rank, tp_world: the key space, as tuttid's (32 bytes, see
+        `tutti.fingerprint`); a pool written in-process with a fingerprint is found by tuttid
+        sessions of the same model, rank and world. None: the in-process key space (seed 0,
+        what tutti-bench uses).
+        lock_dir: where `vfio:` devices' lock files live (`emu:PATH` files are locked in place),
+        as tuttid's --lock-dir: a second opener (a daemon or another process) gets DeviceError
+        naming the holder.
+        queue_depth: NVMe queue entries; iocbs: gio_uring IOCBs (a power of two); requests_max:
+        requests prepared at once; timeout_s: the default wait of `close`.
+
+        Raises InvalidArgument (a bad device string, geometry or option), DeviceError (a device
+        cannot be opened or brought up, or is locked by another process), PoolError."""
+    @staticmethod
+    def attach(
+        socket: str,
+        *,
+        model_fingerprint: bytes,
+        tp_rank: int = 0,
+        tp_world: int = 1,
+        client_name: str = "python",
+        timeout_s: float = 5.0,
+        queue_depth: int = 64,
+        iocbs: int = 64,
+        requests_max: int = 32,
+        verify_retrieves: bool = False,
+        keepalive: bool = True,
+    ) -> Store:
+        """Attaches to the tuttid serving `socket` as (model_fingerprint, tp_rank, tp_world);
+        the geometry is the daemon's pool's (`store.geometry`). No memory is registered yet:
+        call `allocate_kv` next.
+
+        timeout_s: the longest wait for any daemon answer. keepalive: a background thread of
+        this store pings the daemon every third of its lease (HelloReply's lease) while the
+        store is idle, so an idle engine keeps its session; without it, an engine idle longer
+        than the lease (tuttid --lease, 10 s by default) loses its session (Disconnected on the
+        next call).
+
+        Raises Disconnected (no daemon there), InvalidArgument (the daemon refused the identity:
+        an all-zero fingerprint, rank >= world), DaemonError (e.g. code "Busy": the daemon serves
+        its maximum of clients), TimeoutError."""
+    @property
+    def kind(self) -> Literal["in-process", "tuttid"]: ...
+    @property
+    def geometry(self) -> ModelGeometry: ...
+    @property
+    def block_tokens(self) -> int: ...
+    @property
+    def registered(self) -> bool:
+        """Whether KV memory is registered (register_kv or allocate_kv succeeded)."""
+    @property
+    def kv(self) -> Optional[KvLayout]:
+        """The registered layout (with its tensors), or None."""
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def session(self) -> Optional[int]:
+        """tuttid's session id (attached stores), else None."""
+    @property
+    def requests_sent(self) -> int:
+        """Requests sent to tuttid on this store's connection (0 in-process): per-layer calls
+        add none."""
+    def allocate_kv(self, num_blocks: int, kind: KvLayoutKind = "paged") -> KvLayout:
+        """Allocates KV memory for `num_blocks` engine blocks in layout `kind`, registers it, and
+        returns the layout, whose tensors are KvBuffers the engine uses as its KV cache:
+        separate: 2 x layers buffers of num_blocks x object_bytes (keys then values);
+        fused: one per layer of 2 x num_blocks x object_bytes; paged: one per layer of
+        num_blocks x 2 x object_bytes; block_major: one of num_blocks x block_bytes.
+        Attached stores: the memory lies in a sealed memfd window shared with tuttid (together
+        with this client's queue rings and mapping table), which the daemon maps for its
+        devices: the only memory an attached store can use. In-process: DMA memory of the
+        pool's allocator. Once per store.
+
+        Raises InvalidArgument (num_blocks 0, or the window over tuttid's per-session byte cap),
+        InvalidState (already registered), DaemonError / LimitReached (refused by tuttid)."""
+    def register_kv(self, layout: KvLayout) -> None:
+        """Registers the engine's KV memory, described by `layout`, for the store's devices.
+
+        In-process: the tensors' memory is mapped where it is (no copy; each tensor's pages are
+        mapped whole, and only the bytes of its blocks are ever named in a command). Checks, each
+        an InvalidArgument that names the tensor and what to fix: the device (UnsupportedMemory),
+        writability, element size, the bytes per block against the geometry, the block
+        dimension's density, the same N and stride across tensors, no two tensors overlapping,
+        the alignment the devices need (4 bytes with SGL, 4 KiB with PRP).
+        Attached to tuttid: accepted only when `layout`'s tensors are exactly this store's
+        allocation from allocate_kv (same addresses, kind and N: a no-op that lets an engine hand
+        its tensors back as it would to any store); any other memory raises UnsupportedMemory,
+        naming allocate_kv. Once per store (InvalidState otherwise, except that repeat)."""
+    def lookup(self, tokens: Sequence[int]) -> int:
+        """The longest cached prefix of `tokens`, in blocks (x block_tokens for tokens), in this
+        store's key space. Only full blocks count. Raises NotRegistered (in-process store before
+        registration), Disconnected / TimeoutError (tuttid)."""
+    def lookup_all_ranks(self, tokens: Sequence[int]) -> int:
+        """The longest prefix cached on every tensor-parallel rank 0..tp_world of this store's
+        model (what an engine's scheduler plans with). tp_world 1: lookup."""
+    def prepare_retrieve(self, tokens: Sequence[int], block_ids: Sequence[int]) -> Request:
+        """Prepares reading blocks 0..len(block_ids) of the prefix of `tokens` (all cached: look
+        up first) into engine blocks `block_ids` (block i of the prefix into block_ids[i]). Pins
+        their slots until the request is finished. Then per layer: retrieve_layer, wait.
+
+        Raises InvalidArgument (no block ids, more than the full blocks of tokens, a block id
+        outside the registration, a block no longer cached), NotRegistered, LimitReached
+        (requests_max), DaemonError / Disconnected (tuttid)."""
+    def prepare_store(self, tokens: Sequence[int], block_ids: Sequence[int]) -> Request:
+        """Prepares storing blocks 0..len(block_ids) of the prefix of `tokens` from engine blocks
+        `block_ids`. Blocks already cached or being stored by another request are shared (not
+        written again): `Request.new_block_ids` names the engine blocks this request writes.
+        Then per layer: store_layer, wait; then commit (visible and durable) or finish (nothing
+        becomes visible).
+
+        Raises as prepare_retrieve, and PoolFull."""
+    def ping(self) -> None:
+        """Renews tuttid's lease now (attached stores; a no-op in-process)."""
+    def close(self, timeout_s: Optional[float] = None) -> None:
+        """Finishes every live request (a layer in flight is waited for, up to timeout_s,
+        default the store's timeout_s), deletes the queue pairs, releases the pool (in-process:
+        the devices and the lock; attached: the session, which the daemon ends in its safe
+        order), then drops the tensors' references. Idempotent. Every later call on the store
+        or its requests raises StaleRequest."""
+    def leaked_registrations(self) -> int:
+        """Tensors whose references this store keeps for good because a queue pair that could
+        reach them could not be deleted (0 in a healthy run)."""
+    def __enter__(self) -> Store: ...
+    def __exit__(self, *exc: object) -> None: ...
+
+class Request:
+    """One prepared retrieve or store: a completion handle too. Its layers are issued one at a
+    time (at most one in flight); each completes in order. A context manager: leaving the `with`
+    finishes it unless it was committed or finished (waiting for a layer in flight)."""
+
+    @property
+    def handle(self) -> int:
+        """The store's request handle (objstore's RequestHandle bits)."""
+    @property
+    def direction(self) -> Literal["retrieve", "store"]: ...
+    @property
+    def num_blocks(self) -> int:
+        """len(block_ids) given to prepare."""
+    @property
+    def block_ids(self) -> list[int]: ...
+    @property
+    def new_blocks(self) -> int:
+        """Store: blocks this request writes; retrieve: num_blocks."""
+    @property
+    def shared_blocks(self) -> int:
+        """Store: blocks already cached or being stored by another request (0 for a retrieve)."""
+    @property
+    def evicted_slots(self) -> int:
+        """Store: committed slots evicted to make room (0 for a retrieve)."""
+    @property
+    def new_block_ids(self) -> list[int]:
+        """Store: the engine block ids this request writes, in prefix order (the others of
+        block_ids are shared). Retrieve: block_ids."""
+    @property
+    def layer_in_flight(self) -> Optional[int]: ...
+    @property
+    def layers_completed(self) -> list[int]:
+        """Layers whose I/O completed, in order of completion."""
+    @property
+    def state(self) -> Literal["prepared", "committed", "finished", "failed"]:
+        """"failed": a store whose commit failed (the request is finished; nothing visible)."""
+    def retrieve_layer(self, layer: int, *, budget: int = 1) -> LayerIo:
+        """Issues the reads of one layer (O(IOCBs): the per-block work was done in prepare) and
+        returns its completion handle. `budget`: the SMs (GPU executor) or workers (CPU executor)
+        the layer's I/O may use (objstore's SmBudget; the slack-aware scheduler's per-layer
+        decision; the CPU executor of this package runs on the calling thread and ignores it).
+        Raises InvalidState (a layer in flight, a store request), InvalidArgument (layer past
+        the model's), StaleRequest."""
+    def store_layer(self, layer: int, *, budget: int = 1) -> LayerIo:
+        """Issues the writes of one layer; as retrieve_layer."""
+    def wait(self, timeout_s: float = 30.0) -> Optional[int]:
+        """Waits (GIL released) until the layer in flight completes; returns it, or None if none
+        was in flight. Raises TimeoutError after timeout_s (the layer stays in flight: wait
+        again), IntegrityError (verify_retrieves: the last layer's wait compares CRCs),
+        DeviceError (a command failed), StaleRequest."""
+    def poll(self) -> bool:
+        """Non-blocking: True once nothing is in flight (the layer that was completed, and its
+        completion was taken: a later wait returns None). Raises as wait (except TimeoutError)."""
+    def fileno(self) -> int:
+        """An eventfd (non-blocking, close-on-exec, owned by the request: do not close it) that
+        becomes readable each time a layer of this request completes, whoever observed it (a
+        wait, a poll, or the store's completion thread). The first call starts the store's
+        completion thread if not running (one per store, at most): while a request with an
+        eventfd has a layer in flight, it drives the store's I/O in slices of at most 200 us
+        under the store's lock, and stops when the store closes. Reading the eventfd (8 bytes)
+        resets it; then call `wait(0)` / `poll()` / `layers_completed` for the result."""
+    def commit(self) -> int:
+        """Store: makes the stored blocks durable (flush, headers with FUA) and visible, and
+        finishes the request; every layer must have completed. Returns the blocks stored.
+        Raises InvalidState (a layer not stored, or a retrieve), StaleRequest, DeviceError,
+        DaemonError; after a failure the request is finished and nothing of it is visible."""
+    def finish(self) -> None:
+        """Ends the request without committing (a retrieve's pins released; nothing of a store
+        becomes visible). Raises InvalidState with a layer in flight (wait first). Idempotent
+        after commit/finish."""
+    def __enter__(self) -> Request: ...
+    def __exit__(self, *exc: object) -> None: ...
+
+class LayerIo:
+    """The completion handle of one issued layer (from retrieve_layer / store_layer)."""
+
+    @property
+    def layer(self) -> int: ...
+    @property
+    def request(self) -> Request: ...
+    @property
+    def done(self) -> bool:
+        """Whether this layer's completion was observed (by any wait/poll/the completion
+        thread); does not drive I/O (use poll)."""
+    def poll(self) -> bool:
+        """Non-blocking: drives the request's I/O once; True when this layer completed."""
+    def wait(self, timeout_s: float = 30.0) -> None:
+        """Waits (GIL released) until this layer completed. Raises as Request.wait."""
+    def fileno(self) -> int:
+        """The request's eventfd (Request.fileno)."""
+
+# ---------------------------------------------------------------------------------------------
+# Lookup-only client (an engine's scheduler process)
+# ---------------------------------------------------------------------------------------------
+
+class LookupClient:
+    """A tuttid session that only looks up: no memory registration, no queue pairs (tutti-daemon's
+    `Client`). Cheap: one socket. Thread-safe (calls are serialised)."""
+
+    @staticmethod
+    def connect(
+        socket: str,
+        *,
+        model_fingerprint: bytes,
+        tp_rank: int = 0,
+        tp_world: int = 1,
+        client_name: str = "python-scheduler",
+        timeout_s: float = 5.0,
+    ) -> LookupClient:
+        """Connects and attaches (Hello). Raises as Store.attach."""
+    @property
+    def session(self) -> int: ...
+    @property
+    def geometry(self) -> ModelGeometry:
+        """The daemon's pool geometry."""
+    @property
+    def block_tokens(self) -> int: ...
+    @property
+    def lease_s(self) -> float:
+        """The session's lease: call ping() (or any lookup) at least this often."""
+    def lookup(self, tokens: Sequence[int]) -> int:
+        """Longest cached prefix in blocks in this session's (model, rank, world) key space."""
+    def lookup_all_ranks(self, tokens: Sequence[int]) -> int:
+        """Longest prefix in blocks cached on every rank 0..tp_world of this model and world."""
+    def ping(self) -> None: ...
+    def status(self) -> dict[str, Any]:
+        """The daemon's status (tutti-daemon's StatusReply) as plain data: {"daemon_pid",
+        "uptime_ms", "connections", "leaked_queue_pairs", "devices": [{"spec", "description",
+        "refused_commands"}], "pool": {"slots", "free_slots", "valid_slots", "writing_slots",
+        "pinned_slots", "cached_blocks", "evictions"}, "clients": [{"session", "pid", "uid",
+        "name", "tp_rank", "tp_world", "requests", "idle_ms", "registrations", "queue_pairs",
+        "requests_in_flight"}]}."""
+    def close(self) -> None: ...
+    def __enter__(self) -> LookupClient: ...
+    def __exit__(self, *exc: object) -> None: ...

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The python stage of tools/test.sh: builds and installs the tutti wheel (tools/python/wheel.sh),
+# checks that it installs into a fresh venv and imports there (the issue's "pip install of the
+# built wheel gives a working import tutti"), builds tuttid for the tests' daemons, and runs the
+# core tests (python/tests) against the installed wheel. Each step is bounded by `timeout`.
+set -euo pipefail
+cd "$(dirname "$(readlink -f "$0")")/../.."
+
+venv=$(timeout 1800 tools/python/wheel.sh | tail -n 1)
+wheel=$(ls target/wheels/tutti-*-abi3-*.whl)
+
+fresh=$(mktemp -d)
+trap 'rm -rf "$fresh"' EXIT
+timeout 300 "${TUTTI_PYTHON:-python3}" -m venv "$fresh/venv"
+# No index: the wheel has no dependencies, so nothing but the wheel itself is needed.
+timeout 300 "$fresh/venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-index "$wheel"
+(cd / && timeout 60 "$fresh/venv/bin/python" -c "
+import tutti
+geometry = tutti.ModelGeometry(layers=2, kv_heads=2, head_dim=64, dtype_bytes=2, block_tokens=16)
+with tutti.Store.open('emu:mem:16m', geometry, format=True) as store:
+    store.allocate_kv(4, 'paged')
+    assert store.lookup(list(range(64))) == 0
+print('core-test.sh: import tutti in a fresh venv: ok (', tutti.__file__, ')')
+")
+
+timeout 1800 cargo build --locked -p tuttid --bin tuttid
+export TUTTI_TUTTID="$PWD/target/debug/tuttid"
+timeout 1200 "$venv/bin/python" -m pytest -q -p no:cacheprovider python/tests
