@@ -15,6 +15,10 @@
 #   cluster     the cluster registry (crates/cluster) and `tutti cluster status` against real etcd
 #               servers (Debian's etcd-server, installed here) that the tests start on loopback
 #               ports: one member, and three where members are killed; every process stopped
+#   engines     the vLLM connector and offloading tier and the SGLang HiCache backend against the
+#               pinned engines' real classes (vLLM 0.32.0, SGLang 0.5.23; environments cached under
+#               ~/.cache/tutti, keyed by the pins: tools/python/engine-env.sh), with tuttid daemons
+#               of their own (tools/python/engine-test.sh)
 #   vm          the conformance suite against two QEMU NVMe controllers through VFIO in a Linux guest,
 #               and the object-store round trip over both (tools/vm-test.sh)
 #
@@ -27,7 +31,7 @@
 set -uo pipefail
 cd "$(dirname "$(readlink -f "$0")")/.."
 
-STAGES=${TUTTI_STAGES:-"rust lint bindings cuda fuzz benches cluster vm"}
+STAGES=${TUTTI_STAGES:-"rust lint bindings cuda fuzz benches cluster engines vm"}
 export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
 export DEBIAN_FRONTEND=noninteractive
 
@@ -115,13 +119,16 @@ stage_cluster() {
 
 # Two controllers: the suite runs on each, and the object-store round trip stripes one pool over
 # both through one VFIO container (VfioDevice::open_many).
+# The engines' environments are large (vLLM's ~8 GB): built once per pin set, reused after.
+stage_engines() { ensure_protoc && timeout 5400 tools/python/engine-test.sh; }
+
 stage_vm() { ensure_protoc && TUTTI_VM_NVME_COUNT=${TUTTI_VM_NVME_COUNT:-2} tools/vm-test.sh; }
 
 for stage in $STAGES; do
     case $stage in
-        rust | lint | bindings | cuda | fuzz | benches | cluster | vm) run_stage "$stage" "stage_$stage" ;;
+        rust | lint | bindings | cuda | fuzz | benches | cluster | engines | vm) run_stage "$stage" "stage_$stage" ;;
         *)
-            echo "tools/test.sh: unknown stage '$stage' (known: rust lint bindings cuda fuzz benches cluster vm)" >&2
+            echo "tools/test.sh: unknown stage '$stage' (known: rust lint bindings cuda fuzz benches cluster engines vm)" >&2
             exit 2
             ;;
     esac
