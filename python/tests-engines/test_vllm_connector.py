@@ -248,3 +248,19 @@ def test_import_tutti_imports_no_engine():
     code = "import sys, tutti; print(sorted(m for m in ('torch', 'vllm', 'sglang') if m in sys.modules))"
     output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert output.stdout.strip() == "[]"
+
+
+def test_scheduler_idle_past_the_lease_still_looks_up(tuttid):
+    """Goal: a scheduler idle longer than tuttid's lease (its session ended by the daemon) connects
+    again on its next lookup instead of answering "miss" for good."""
+    daemon = tuttid(harness.TUTTID_GEOMETRY, ["--lease", "1s"])
+    scheduler = harness.make_connector(harness.vllm_config(daemon.socket, 1), KVConnectorRole.SCHEDULER)
+    try:
+        request = harness.request("I", prompt(5, blocks=2, tail=1))
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+        time.sleep(2.5)
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+        assert scheduler.lookup_failures == 0
+        assert scheduler.lookup_reconnects == 1
+    finally:
+        scheduler.shutdown()

@@ -140,14 +140,7 @@ class TuttiConnector(KVConnectorBase_V1):
     # ==============================================================================================
 
     def _init_scheduler(self) -> None:
-        self._lookup = tutti.LookupClient.connect(
-            self._config["socket"],
-            model_fingerprint=self._fingerprint,
-            tp_rank=0,
-            tp_world=self._tp_world,
-            client_name="vllm-scheduler",
-            timeout_s=self._timeout_s,
-        )
+        self._lookup = self._connect_lookup()
         if self._lookup.block_tokens != self._block_size:
             block_tokens = self._lookup.block_tokens
             self._lookup.close()
@@ -158,6 +151,28 @@ class TuttiConnector(KVConnectorBase_V1):
             )
         self._requests: dict[str, _SchedulerRequest] = {}
         self.lookup_failures = 0
+        self.lookup_reconnects = 0
+
+    def _connect_lookup(self) -> Any:
+        return tutti.LookupClient.connect(
+            self._config["socket"],
+            model_fingerprint=self._fingerprint,
+            tp_rank=0,
+            tp_world=self._tp_world,
+            client_name="vllm-scheduler",
+            timeout_s=self._timeout_s,
+        )
+
+    def _lookup_all_ranks(self, tokens: list[int]) -> int:
+        """The cached prefix on every rank, in blocks. A scheduler idle longer than tuttid's lease
+        (no requests for a while) finds its session ended: it connects again, once per call."""
+        try:
+            return self._lookup.lookup_all_ranks(tokens)
+        except tutti.Disconnected:
+            self._lookup.close()
+            self._lookup = self._connect_lookup()
+            self.lookup_reconnects += 1
+            return self._lookup.lookup_all_ranks(tokens)
 
     def _scheduler_request(self, request: "Request") -> _SchedulerRequest:
         state = self._requests.get(request.request_id)
@@ -176,7 +191,7 @@ class TuttiConnector(KVConnectorBase_V1):
         if usable_blocks == 0:
             return 0, False
         try:
-            hit_blocks = self._lookup.lookup_all_ranks(state.prompt[: usable_blocks * self._block_size])
+            hit_blocks = self._lookup_all_ranks(state.prompt[: usable_blocks * self._block_size])
         except tutti.Error as error:
             self.lookup_failures += 1
             logger.warning("tutti lookup for request %s failed, treated as a miss: %s", request.request_id, error)
