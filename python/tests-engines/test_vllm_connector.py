@@ -138,6 +138,11 @@ def test_load_errors_are_reported_per_block(cluster):
     meta = TuttiConnectorMetadata(loads=[LoadSpec("X", missing[: 2 * harness.BLOCK_TOKENS], [40, 41])])
     results = step(workers, meta)
     assert all(result["load_errors"] == {40, 41} for result in results)
+    # The scheduler side receives them in the step's KVConnectorOutput (vLLM then recomputes).
+    from vllm.v1.outputs import KVConnectorOutput
+
+    _, scheduler, _ = cluster
+    scheduler.update_connector_output(KVConnectorOutput(invalid_block_ids={40, 41}))
     # Reported once.
     assert all(result["load_errors"] == set() for result in step(workers, TuttiConnectorMetadata()))
 
