@@ -17,13 +17,12 @@ cd "$(dirname "$(readlink -f "$0")")/../.."
 
 engines=("$@")
 [ ${#engines[@]} -gt 0 ] || engines=(vllm sglang)
-# The test runner, at the python stage's pin (python/requirements-test.txt).
-pytest_pin=$(grep -E '^pytest==' python/requirements-test.txt)
-
-if [ ! -x tools/python/wheel.sh ]; then
-    echo "engine-test.sh: tools/python/wheel.sh (the python stage's wheel builder) is missing" >&2
+if [ ! -x tools/python/wheel.sh ] || [ ! -f python/requirements-test.txt ]; then
+    echo "engine-test.sh: the python stage's wheel builder (tools/python/wheel.sh, python/requirements-test.txt) is missing" >&2
     exit 1
 fi
+# The test runner, at the python stage's pin.
+pytest_pin=$(grep -E '^pytest==' python/requirements-test.txt)
 timeout 1800 tools/python/wheel.sh > /dev/null
 wheel=$(ls target/wheels/tutti-*-abi3-*.whl)
 timeout 1800 cargo build --locked -p tuttid --bin tuttid
