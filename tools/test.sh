@@ -19,6 +19,10 @@
 #               pinned python/requirements-test.txt), installed into a fresh venv and imported, and
 #               the core tests (python/tests, pytest) against it, with daemons of their own
 #               (tools/python/core-test.sh)
+#   engines     the vLLM connector and offloading tier and the SGLang HiCache backend against the
+#               pinned engines' real classes (vLLM 0.32.0, SGLang 0.5.23; environments cached under
+#               ~/.cache/tutti, keyed by the pins: tools/python/engine-env.sh), with tuttid daemons
+#               of their own (tools/python/engine-test.sh)
 #   vm          the conformance suite against two QEMU NVMe controllers through VFIO in a Linux guest,
 #               and the object-store round trip over both (tools/vm-test.sh)
 #
@@ -31,7 +35,7 @@
 set -uo pipefail
 cd "$(dirname "$(readlink -f "$0")")/.."
 
-STAGES=${TUTTI_STAGES:-"rust lint bindings cuda fuzz benches cluster python vm"}
+STAGES=${TUTTI_STAGES:-"rust lint bindings cuda fuzz benches cluster python engines vm"}
 export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
 export DEBIAN_FRONTEND=noninteractive
 
@@ -121,14 +125,17 @@ stage_cluster() {
 # both through one VFIO container (VfioDevice::open_many).
 # The wheel build, the venv (first run: a few pip downloads) and the tests are bounded inside the
 # script; `timeout` bounds the whole stage.
-stage_python() { ensure_protoc && timeout 3600 tools/python/core-test.sh; }
+stage_python() { ensure_protoc && timeout 1500 tools/python/core-test.sh; }
+# The engines' environments are large (vLLM's ~8 GB): built once per pin set, reused after.
+stage_engines() { ensure_protoc && timeout 2700 tools/python/engine-test.sh; }
+
 stage_vm() { ensure_protoc && TUTTI_VM_NVME_COUNT=${TUTTI_VM_NVME_COUNT:-2} tools/vm-test.sh; }
 
 for stage in $STAGES; do
     case $stage in
-        rust | lint | bindings | cuda | fuzz | benches | cluster | python | vm) run_stage "$stage" "stage_$stage" ;;
+        rust | lint | bindings | cuda | fuzz | benches | cluster | python | engines | vm) run_stage "$stage" "stage_$stage" ;;
         *)
-            echo "tools/test.sh: unknown stage '$stage' (known: rust lint bindings cuda fuzz benches cluster python vm)" >&2
+            echo "tools/test.sh: unknown stage '$stage' (known: rust lint bindings cuda fuzz benches cluster python engines vm)" >&2
             exit 2
             ;;
     esac

@@ -1,0 +1,205 @@
+"""tutti.sglang.TuttiHiCacheStorage against SGLang 0.5.23's real classes: built by SGLang's
+StorageBackendFactory from the dynamic backend's extra config, registered on a real MHA host
+pool (`MHATokenToKVPoolHost`, on the CPU) in its layer-first and page-first layouts, and driven as
+SGLang's cache controller drives it (batch_exists for the hit prefix, batch_set_v1 to back pages
+up, batch_get_v1 to prefetch them into other host pages); bytes checked per page."""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import tutti
+from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.storage import StorageBackendFactory
+from tutti.sglang import TESTED_SGLANG_VERSION, TuttiHiCacheStorage, check_sglang_version
+
+LAYERS = 2
+HEADS = 2
+HEAD_DIM = 64
+PAGE = 16
+DEVICE_PAGES = 8
+LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
+
+
+def host_pool(layout: str) -> MHATokenToKVPoolHost:
+    """SGLang's MHA host pool on the CPU, over device buffers that live on the CPU too."""
+    tokens = DEVICE_PAGES * PAGE
+    keys = tuple(torch.zeros(tokens, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(LAYERS))
+    values = tuple(torch.zeros(tokens, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(LAYERS))
+    info = MHABufferInfo(
+        buffers=KVBuffers(
+            k=keys,
+            v=values,
+            k_data_ptrs=torch.tensor([t.data_ptr() for t in keys], dtype=torch.uint64),
+            v_data_ptrs=torch.tensor([t.data_ptr() for t in values], dtype=torch.uint64),
+            layout=KVBufferLayout.NHD,
+        ),
+        page_size=PAGE,
+        head_num=HEADS,
+        head_dim=HEAD_DIM,
+        v_head_dim=HEAD_DIM,
+        dtype=torch.bfloat16,
+        device=torch.device("cpu"),
+    )
+    return MHATokenToKVPoolHost(
+        info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
+        device_capacity_tokens=tokens, start_layer=0, end_layer=LAYERS - 1,
+    )  # fmt: skip
+
+
+def storage_config(layout: str, extra: dict) -> HiCacheStorageConfig:
+    return HiCacheStorageConfig(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=layout != "layer_first",
+        model_name="tutti-test-model", extra_config=extra,
+    )  # fmt: skip
+
+
+def extra_config(pool_file: Path, format_pool: bool, **changes) -> dict:
+    config = {
+        "backend_name": "tutti",
+        "module_path": "tutti.sglang",
+        "class_name": "TuttiHiCacheStorage",
+        "interface_v1": 1,
+        "devices": f"emu:{pool_file}",
+        "format": format_pool,
+        "create_bytes": 64 << 20,
+        "lock_dir": str(pool_file.parent / "locks"),
+    }
+    config.update(changes)
+    return {key: value for key, value in config.items() if value is not None}
+
+
+def backend(layout: str, pool: MHATokenToKVPoolHost, extra: dict) -> HiCacheStorage:
+    """As SGLang's cache controller attaches storage: the factory, then register_mem_pool_host."""
+    created = StorageBackendFactory.create_backend("dynamic", storage_config(layout, extra), pool)
+    created.register_mem_pool_host(pool)
+    return created
+
+
+def page_keys(seed: int, count: int) -> list[str]:
+    """Page hashes chained over the prefix, hex strings as SGLang's get_hash_str returns (its native
+    hash extension is built on first use by a JIT compiler this machine lacks)."""
+    keys, prior = [], b""
+    for page in range(count):
+        prior = hashlib.sha256(prior + f"{seed}:{page}".encode()).digest()
+        keys.append(prior.hex())
+    return keys
+
+
+def page_view(pool: MHATokenToKVPoolHost, page: int) -> torch.Tensor:
+    """The host pool's bytes of one page (K and V, every layer), as a view."""
+    buffer = pool.kv_buffer
+    if pool.layout == "layer_first":
+        return buffer[:, :, page * PAGE : (page + 1) * PAGE]
+    if pool.layout == "page_first":
+        return buffer[:, page * PAGE : (page + 1) * PAGE]
+    return buffer[:, page]
+
+
+def indices(pages: list[int]) -> torch.Tensor:
+    return torch.cat([torch.arange(page * PAGE, (page + 1) * PAGE, dtype=torch.int64) for page in pages])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_backup_then_prefetch_byte_exact(tmp_path: Path, layout: str):
+    """Goal: pages backed up with batch_set_v1 are the hit prefix of batch_exists, come back
+    byte-exact into other host pages with batch_get_v1, and are still there after the pool is
+    reopened by a new backend (a restarted server)."""
+    pool = host_pool(layout)
+    storage = backend(layout, pool, extra_config(tmp_path / "pool.img", True))
+    assert isinstance(storage, TuttiHiCacheStorage)
+    keys = page_keys(1, 3)
+    sources, targets = [2, 5, 7], [10, 11, 13]
+    generator = torch.Generator().manual_seed(7)
+    for page in sources:
+        view = page_view(pool, page)
+        view.copy_(torch.randn(view.shape, generator=generator).to(view.dtype))
+    expected = [page_view(pool, page).clone() for page in sources]
+
+    assert storage.batch_exists(keys) == 0
+    assert storage.batch_set_v1(keys, indices(sources)) == [True, True, True]
+    assert storage.batch_exists(keys) == 3
+    assert storage.batch_exists(keys[:2] + page_keys(2, 1)) == 2
+    assert storage.exists(keys[1]) and not storage.exists(page_keys(3, 1)[0])
+    # Backing up the same pages again shares them (nothing rewritten), still a success.
+    assert storage.batch_set_v1(keys, indices(sources)) == [True, True, True]
+
+    for page in targets:
+        page_view(pool, page).zero_()
+    assert storage.batch_get_v1(keys, indices(targets)) == [True, True, True]
+    for page, want in zip(targets, expected):
+        assert torch.equal(page_view(pool, page), want), f"host page {page} differs"
+    # A page not in the pool fails alone; the others of the batch are read.
+    assert storage.batch_get_v1([keys[0], page_keys(4, 1)[0]], indices([12, 14])) == [True, False]
+    # SGLang's cache flush leaves the pool's pages (named by content hashes, still valid).
+    storage.clear()
+    assert storage.batch_exists(keys) == 3
+    storage.close()
+
+    reopened = backend(layout, pool, extra_config(tmp_path / "pool.img", False))
+    assert reopened.batch_exists(keys) == 3
+    reopened.close()
+
+
+def test_every_abstract_method_of_the_base_class_is_implemented():
+    """Goal: an SGLang upgrade that adds an abstract method to HiCacheStorage fails here."""
+    assert not TuttiHiCacheStorage.__abstractmethods__
+    for name in HiCacheStorage.__abstractmethods__:
+        assert name in TuttiHiCacheStorage.__dict__, f"{name} is abstract in SGLang and not implemented"
+
+
+def test_copying_interface_says_to_use_interface_v1(tmp_path: Path):
+    """Goal: SGLang's copying calls (used only without interface_v1) raise an error naming it."""
+    storage = backend("page_first", host_pool("page_first"), extra_config(tmp_path / "pool.img", True))
+    try:
+        for call in (lambda: storage.get("k"), lambda: storage.set("k"), lambda: storage.batch_get(["k"]), lambda: storage.batch_set(["k"])):
+            with pytest.raises(tutti.InvalidState, match="interface_v1"):
+                call()
+    finally:
+        storage.close()
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"devices": None}, "missing required field 'devices'"),
+        ({"interface_v1": 0}, "interface_v1"),
+        ({"interface_v1": None}, "missing required field 'interface_v1'"),
+        ({"device": "emu:x"}, "unknown field"),
+        ({"timeout_s": -1}, "must be positive"),
+        ({"format": "yes"}, "field 'format' must be bool"),
+    ],
+)
+def test_bad_extra_config_says_what_to_fix(tmp_path: Path, changes: dict, message: str):
+    """Goal: a missing, unknown or mistyped field of the extra config is an exception naming it,
+    raised when SGLang's factory builds the backend."""
+    with pytest.raises(tutti.InvalidArgument, match=message):
+        StorageBackendFactory.create_backend(
+            "dynamic", storage_config("page_first", extra_config(tmp_path / "pool.img", True, **changes)), None
+        )
+
+
+def test_mla_models_are_refused(tmp_path: Path):
+    config = storage_config("page_first", extra_config(tmp_path / "pool.img", True))
+    config.is_mla_model = True
+    with pytest.raises(tutti.InvalidArgument, match="MLA"):
+        StorageBackendFactory.create_backend("dynamic", config, None)
+
+
+def test_version_check_names_the_tested_version(monkeypatch):
+    import sglang.version
+
+    assert check_sglang_version() is True
+    monkeypatch.setattr(sglang.version, "__version__", "0.5.22")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert check_sglang_version() is False
+    assert any(TESTED_SGLANG_VERSION in str(warning.message) for warning in caught)

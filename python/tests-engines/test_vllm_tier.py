@@ -1,0 +1,157 @@
+"""tutti.vllm.TuttiTier inside vLLM 0.32's real tiering: vLLM's TieringOffloadingSpec builds its
+CPU primary tier (a shared-memory region of chunk rows) and, through its SecondaryTierFactory, our
+tier from the "secondary_tiers" config, exactly as for `--kv-transfer-config`. Chunks stored into
+the primary tier cascade to tutti; a second engine (new primary tier, same pool) finds them,
+promotes them into its rows, and the bytes match."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tutti
+from tutti.vllm import TuttiTier
+from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
+from vllm.v1.kv_offload.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+WORLD = 2
+# One worker's bytes of one block: 2 layers x 16 tokens x 2 heads x (64 + 64) x 2 bytes.
+WORKER_BLOCK_BYTES = 2 * 16 * 2 * 128 * 2
+CHUNKS = 32
+DEADLINE_S = 60.0
+
+
+def offloading_spec(pool_file: Path, format_pool: bool, **tier_changes) -> TieringOffloadingSpec:
+    tier = {
+        "type": "TuttiTier",
+        "module_path": "tutti.vllm",
+        "devices": f"emu:{pool_file}",
+        "format": format_pool,
+        "create_bytes": 64 << 20,
+        "lock_dir": str(pool_file.parent / "locks"),
+    }
+    tier.update(tier_changes)
+    config = OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0", "l1"), group_id=0),),
+        worker_kv_bytes_per_block=WORKER_BLOCK_BYTES,
+        enable_kv_cache_events=False,
+        extra_config={
+            "spec_name": "TieringOffloadingSpec",
+            "cpu_bytes_to_use": CHUNKS * WORKER_BLOCK_BYTES * WORLD,
+            "secondary_tiers": [{key: value for key, value in tier.items() if value is not None}],
+        },
+        engine_id=f"tutti-test-{uuid.uuid4().hex[:8]}",
+        model=OffloadingModelConfig(name="tutti-test-model", dtype="bfloat16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(
+            rank=0, world_size=WORLD, tp_size=WORLD, pp_size=1, pcp_size=1, dcp_size=1,
+            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+            is_parallelism_agnostic=False,
+        ),  # fmt: skip
+    )
+    return TieringOffloadingSpec(config)
+
+
+def keys(count: int, seed: int) -> list[bytes]:
+    return [make_offload_key(hashlib.sha256(f"{seed}:{index}".encode()).digest(), 0) for index in range(count)]
+
+
+def rows(tier: TuttiTier) -> np.ndarray:
+    """The primary tier's chunk rows (the memoryview vLLM hands the tier), as numpy."""
+    return np.asarray(tier._primary_kv_view).view(np.uint8)
+
+
+def step_until(manager, done, what: str) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not done():
+        manager.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
+        assert time.monotonic() < deadline, f"{what} within {DEADLINE_S} s"
+        time.sleep(0.01)
+
+
+def test_cascade_then_promotion_in_a_new_engine_byte_exact(tmp_path: Path):
+    """Goal: chunks stored into vLLM's CPU tier are cascaded to tutti (submit_store on the tier's
+    thread, results through get_finished_jobs), and a restarted engine's tiering manager finds
+    them through the tier's lookup and promotes them (submit_load) byte-exact."""
+    pool = tmp_path / "pool.img"
+    chunk_keys = keys(4, 1)
+    spec = offloading_spec(pool, True)
+    manager = spec.get_manager()
+    try:
+        tier = manager.secondary_tiers[0]
+        assert isinstance(tier, TuttiTier)
+        context = ReqContext(req_id="store")
+        manager.on_new_request(context)
+        output = manager.prepare_store(chunk_keys, context)
+        assert output is not None and list(output.keys_to_store) == chunk_keys
+        chunks = [int(chunk) for chunk in output.store_spec.chunk_ids]
+        generator = np.random.default_rng(5)
+        view = rows(tier)
+        for chunk in chunks:  # the workers' GPU → CPU copy
+            view[chunk] = generator.integers(0, 256, view.shape[1], dtype=np.uint8)
+        expected = [view[chunk].copy() for chunk in chunks]
+        manager.complete_store(chunk_keys, context)
+        step_until(manager, lambda: all(tier.lookup(key, context) is LookupResult.HIT for key in chunk_keys), "cascaded to tutti")
+        step_until(manager, lambda: not manager.has_pending_work(), "cascade jobs reported")
+        manager.on_request_finished(context)
+        # vLLM's cache reset drains every tier's jobs (TuttiTier.drain_jobs) before it frees rows.
+        manager.reset_cache()
+    finally:
+        manager.shutdown()
+
+    restarted = offloading_spec(pool, False).get_manager()
+    try:
+        tier = restarted.secondary_tiers[0]
+        context = ReqContext(req_id="load")
+        restarted.on_new_request(context)
+        assert restarted.lookup(chunk_keys[0], context) is not LookupResult.HIT  # not in its CPU tier
+        step_until(
+            restarted,
+            lambda: all(restarted.lookup(key, context) is LookupResult.HIT for key in chunk_keys),
+            "promoted from tutti",
+        )
+        spec_load = restarted.prepare_load(chunk_keys, context)
+        view = rows(tier)
+        for chunk, want in zip(spec_load.chunk_ids, expected):
+            assert np.array_equal(view[int(chunk)], want), f"promoted chunk row {chunk} differs"
+        restarted.complete_load(chunk_keys, context)
+        assert tier.lookup(keys(1, 2)[0], context) is LookupResult.MISS
+        restarted.on_request_finished(context)
+    finally:
+        restarted.shutdown()
+
+
+def test_every_abstract_method_of_the_base_class_is_implemented():
+    """Goal: a vLLM upgrade that adds an abstract method to SecondaryTierManager fails here."""
+    assert not TuttiTier.__abstractmethods__
+    for name in SecondaryTierManager.__abstractmethods__:
+        assert name in TuttiTier.__dict__, f"{name} is abstract in vLLM and not implemented"
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"devices": None}, "missing required field 'devices'"),
+        ({"device": "emu:x"}, "unknown field"),
+        ({"format": 1}, "field 'format' must be bool"),
+        ({"requests_max": 0}, "must be positive"),
+    ],
+)
+def test_bad_tier_config_says_what_to_fix(tmp_path: Path, changes: dict, message: str):
+    """Goal: a wrong secondary-tier config is an exception naming the field, raised when vLLM
+    builds the tier."""
+    with pytest.raises(tutti.InvalidArgument, match=message):
+        offloading_spec(tmp_path / "pool.img", True, **changes).get_manager()

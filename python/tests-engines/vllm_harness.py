@@ -1,0 +1,265 @@
+"""Plays vLLM around `tutti.vllm.TuttiConnector`: its config objects, its scheduler's calls (in the
+test's process) and its workers' calls (one process per tensor-parallel rank, as in vLLM), with
+vLLM's own classes for everything the connector receives (VllmConfig, KVCacheConfig, Request,
+KVCacheBlocks, SchedulerOutput, the KV cache views).
+
+A worker process owns a connector built by vLLM's KVConnectorFactory, its KV caches (allocated in
+tuttid's shared memory, viewed the way vLLM's model runner views them) and answers commands sent
+over a pipe. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing
+import traceback
+from typing import Any, Optional
+
+import torch
+
+LAYERS = 2
+KV_HEADS = 2
+HEAD_DIM = 64
+BLOCK_TOKENS = 16
+NUM_BLOCKS = 64
+DTYPE = torch.bfloat16
+# tuttid's pool formatted for the same per-rank geometry.
+TUTTID_GEOMETRY = [
+    "--layers", str(LAYERS), "--kv-heads", str(KV_HEADS), "--head-dim", str(HEAD_DIM),
+    "--dtype", "bf16", "--tokens-per-block", str(BLOCK_TOKENS),
+]  # fmt: skip
+REPLY_TIMEOUT_S = 120.0
+
+
+def layer_names() -> list[str]:
+    return [f"model.layers.{layer}.self_attn.attn" for layer in range(LAYERS)]
+
+
+def vllm_config(socket: str, tp_world: int, rank: int = 0, extra: Optional[dict] = None) -> Any:
+    """vLLM's own config objects, with the connector named as on vLLM's command line."""
+    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ParallelConfig, VllmConfig
+
+    transfer = KVTransferConfig(
+        kv_connector="TuttiConnector",
+        kv_connector_module_path="tutti.vllm",
+        kv_role="kv_both",
+        kv_connector_extra_config={"socket": socket, "timeout_s": 20} if extra is None else extra,
+    )
+    parallel = ParallelConfig(tensor_parallel_size=tp_world)
+    parallel.rank = rank
+    return VllmConfig(
+        kv_transfer_config=transfer,
+        cache_config=CacheConfig(block_size=BLOCK_TOKENS),
+        parallel_config=parallel,
+        device_config=DeviceConfig(device="cpu"),
+    )
+
+
+def kv_cache_config(num_blocks: int = NUM_BLOCKS) -> Any:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+
+    spec = FullAttentionSpec(block_size=BLOCK_TOKENS, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=DTYPE)
+    page = spec.page_size_bytes
+    tensors = [
+        KVCacheTensor(size=page * num_blocks, layers=[name], layer_stride=page * num_blocks, block_stride=page)
+        for name in layer_names()
+    ]
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=tensors,
+        kv_cache_groups=[KVCacheGroupSpec(layer_names=layer_names(), kv_cache_spec=spec)],
+    )
+
+
+def make_connector(config: Any, role: Any) -> Any:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    return KVConnectorFactory.create_connector(config, role, kv_cache_config())
+
+
+def request(req_id: str, prompt: list[int]) -> Any:
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(req_id, prompt, SamplingParams(max_tokens=4), None)
+
+
+def blocks(block_ids: list[int]) -> Any:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    return KVCacheBlocks(([KVCacheBlock(block_id) for block_id in block_ids],))
+
+
+def scheduler_output(
+    new: list[tuple[str, list[int], list[int], int, int]] = (),
+    cached: list[tuple[str, Optional[list[int]], int, int, bool]] = (),
+    finished: set[str] = frozenset(),
+    preempted: Optional[set[str]] = None,
+) -> Any:
+    """vLLM's SchedulerOutput. new: (req_id, prompt, block_ids, num_computed, num_scheduled);
+    cached: (req_id, new_block_ids or None, num_computed, num_scheduled, resumed)."""
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+    new_requests = [
+        NewRequestData(
+            req_id=req_id,
+            prompt_token_ids=prompt,
+            mm_features=[],
+            sampling_params=None,
+            pooling_params=None,
+            block_ids=(block_ids,),
+            num_computed_tokens=num_computed,
+            lora_request=None,
+        )
+        for req_id, prompt, block_ids, num_computed, _ in new
+    ]
+    cached_data = CachedRequestData(
+        req_ids=[entry[0] for entry in cached],
+        resumed_req_ids={entry[0] for entry in cached if entry[4]},
+        new_token_ids=[[] for _ in cached],
+        all_token_ids={},
+        new_block_ids=[None if entry[1] is None else (entry[1],) for entry in cached],
+        num_computed_tokens=[entry[2] for entry in cached],
+        num_output_tokens=[0 for _ in cached],
+    )
+    scheduled = {entry[0]: entry[4] for entry in new}
+    scheduled.update({entry[0]: entry[3] for entry in cached})
+    return SchedulerOutput(
+        scheduled_new_reqs=new_requests,
+        scheduled_cached_reqs=cached_data,
+        num_scheduled_tokens=scheduled,
+        total_num_scheduled_tokens=sum(scheduled.values()),
+        scheduled_spec_decode_tokens={},
+        scheduled_encoder_inputs={},
+        finished_req_ids=set(finished),
+        free_encoder_mm_hashes=[],
+        preempted_req_ids=preempted,
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# Worker processes
+# ------------------------------------------------------------------------------------------------
+
+
+class Worker:
+    """The test's handle on one worker process (one TP rank)."""
+
+    def __init__(self, socket: str, tp_world: int, rank: int) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._pipe, child = context.Pipe()
+        self.process = context.Process(target=_worker_main, args=(child, socket, tp_world, rank), daemon=True)
+        self.process.start()
+        self.rank = rank
+        self._expect_ready()
+
+    def _expect_ready(self) -> None:
+        self.call("ping")
+
+    def call(self, command: str, *args: Any) -> Any:
+        self._pipe.send((command, args))
+        if not self._pipe.poll(REPLY_TIMEOUT_S):
+            raise AssertionError(f"worker {self.rank} did not answer {command} within {REPLY_TIMEOUT_S} s")
+        status, value = self._pipe.recv()
+        if status == "error":
+            raise AssertionError(f"worker {self.rank} failed in {command}:\n{value}")
+        return value
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            try:
+                self.call("shutdown")
+            except (AssertionError, OSError, EOFError):
+                pass
+            self.process.join(timeout=30)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout=10)
+
+
+def _worker_main(pipe: Any, socket: str, tp_world: int, rank: int) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    state: dict[str, Any] = {}
+    while True:
+        command, args = pipe.recv()
+        try:
+            if command == "ping":
+                if "connector" not in state:
+                    connector = make_connector(vllm_config(socket, tp_world, rank), KVConnectorRole.WORKER)
+                    caches = connector.allocate_kv_caches(kv_cache_config())
+                    connector.register_kv_caches(caches)
+                    state.update(connector=connector, caches=caches)
+                value: Any = rank
+            elif command == "shutdown":
+                state["connector"].shutdown()
+                pipe.send(("ok", None))
+                return
+            else:
+                value = globals()[f"_do_{command}"](state, rank, *args)
+            pipe.send(("ok", value))
+        except BaseException:
+            pipe.send(("error", traceback.format_exc()))
+
+
+def _block_bytes(caches: dict[str, torch.Tensor], name: str, block: int) -> torch.Tensor:
+    return caches[name][block].view(torch.uint8).reshape(-1)
+
+
+def _do_fill(state: dict, rank: int, block_ids: list[int], seed: int) -> None:
+    """Writes the bytes a forward pass would have produced: different per rank, layer and block."""
+    for layer, name in enumerate(layer_names()):
+        for position, block in enumerate(block_ids):
+            generator = torch.Generator().manual_seed(seed * 1_000_003 + rank * 1009 + layer * 101 + position)
+            target = _block_bytes(state["caches"], name, block)
+            target.copy_(torch.randint(0, 256, target.shape, dtype=torch.uint8, generator=generator))
+
+
+def _do_zero(state: dict, rank: int, block_ids: list[int]) -> None:
+    for name in layer_names():
+        for block in block_ids:
+            _block_bytes(state["caches"], name, block).zero_()
+
+
+def _do_digest(state: dict, rank: int, block_ids: list[int]) -> list[str]:
+    """SHA-256 of each (layer, block)'s bytes, layer-major."""
+    return [
+        hashlib.sha256(_block_bytes(state["caches"], name, block).numpy().tobytes()).hexdigest()
+        for name in layer_names()
+        for block in block_ids
+    ]
+
+
+def _do_step(state: dict, rank: int, metadata: Any, finished: set[str], layerwise: bool) -> dict:
+    """One engine step of a worker, in the model runner's order: handle_preemptions,
+    bind_connector_metadata, start_load_kv, per layer wait_for_layer_load / save_kv_layer (inside
+    the forward), wait_for_save, get_transfer_results (→ get_finished),
+    get_block_ids_with_load_errors, clear_connector_metadata."""
+    connector = state["connector"]
+    calls: list[str] = []
+    connector.handle_preemptions(metadata)
+    connector.bind_connector_metadata(metadata)
+    connector.start_load_kv(None)
+    if layerwise:
+        for name in layer_names():
+            connector.wait_for_layer_load(name)
+            calls.append(f"wait_for_layer_load:{name}")
+            connector.save_kv_layer(name, state["caches"][name], None)
+            calls.append(f"save_kv_layer:{name}")
+    connector.wait_for_save()
+    results = connector.get_transfer_results(set(finished))
+    errors = connector.get_block_ids_with_load_errors()
+    connector.clear_connector_metadata()
+    return {
+        "finished_sending": set(results.finished_sending),
+        "finished_recving": set(results.finished_recving),
+        "load_errors": set(errors),
+        "calls": calls,
+    }
+
+
+def _do_finished(state: dict, rank: int, finished: set[str]) -> set[str]:
+    """An empty step's get_finished (vLLM calls it every step)."""
+    sending, _ = state["connector"].get_finished(set(finished))
+    return set(sending or ())

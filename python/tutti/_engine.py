@@ -1,0 +1,175 @@
+"""What the engine connectors (tutti.vllm, tutti.sglang) share: the version check, checking a
+connector's configuration dict, keys derived from an engine's own block hashes, and the
+"byte geometry" of a pool whose blocks are opaque runs of bytes.
+
+Imports neither torch nor an engine: the connectors import those themselves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import tutti
+
+logger = logging.getLogger("tutti")
+
+# The smallest number of 32-bit words a key derived from a hash may have: tutti's block keys are
+# 64-bit chained hashes of the tokens, so a block of one word would carry only 32 bits of the
+# engine's hash and two different prefixes would meet after ~65,000 blocks (birthday bound).
+HASH_TOKENS_MIN = 2
+# Words of a SHA-256 digest.
+_DIGEST_WORDS = 8
+
+
+class ConfigError(tutti.InvalidArgument):
+    """A connector's configuration (the engine's extra-config JSON) is missing a field, has one of
+    the wrong type or value, or names one the connector does not know. The message names the
+    field, what was found and what to write instead."""
+
+
+@dataclass(frozen=True)
+class Field:
+    """One field of a connector configuration: its type(s), whether it is required, its default,
+    an optional check returning an error sentence (or None), and a one-line description for the
+    error messages."""
+
+    kind: type | tuple[type, ...]
+    description: str
+    required: bool = False
+    default: Any = None
+    check: Optional[Callable[[Any], Optional[str]]] = None
+
+
+def parse_config(where: str, given: Optional[Mapping[str, Any]], fields: Mapping[str, Field]) -> dict[str, Any]:
+    """Checks `given` (a JSON object from the engine's command line) against `fields` and returns
+    it with defaults filled in. Raises ConfigError naming `where` (e.g. "kv_connector_extra_config")
+    and the field, for a missing required field, an unknown field (a typo must not silently fall
+    back to a default), a wrong type, or a value its check refuses."""
+    if given is None:
+        given = {}
+    if not isinstance(given, Mapping):
+        raise ConfigError(f"{where} must be a JSON object, got {type(given).__name__}")
+    unknown = sorted(set(given) - set(fields))
+    if unknown:
+        known = ", ".join(sorted(fields))
+        raise ConfigError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))}; the fields are: {known}")
+    parsed: dict[str, Any] = {}
+    for name, spec in fields.items():
+        if name not in given or given[name] is None:
+            if spec.required:
+                raise ConfigError(f"{where}: missing required field {name!r} ({spec.description})")
+            parsed[name] = spec.default
+            continue
+        value = given[name]
+        kinds = spec.kind if isinstance(spec.kind, tuple) else (spec.kind,)
+        # bool is an int in Python: refuse True where a number is meant, and 1 where a bool is.
+        type_ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
+        if float in kinds and isinstance(value, int) and not isinstance(value, bool):
+            type_ok = True
+            value = float(value)
+        if not type_ok:
+            expected = " or ".join(kind.__name__ for kind in kinds)
+            raise ConfigError(f"{where}: field {name!r} must be {expected} ({spec.description}), got {value!r}")
+        if spec.check is not None:
+            problem = spec.check(value)
+            if problem is not None:
+                raise ConfigError(f"{where}: field {name!r} = {value!r}: {problem}")
+        parsed[name] = value
+    return parsed
+
+
+def positive(value: Any) -> Optional[str]:
+    return None if value > 0 else "must be positive"
+
+
+def non_empty(value: Any) -> Optional[str]:
+    return None if len(value) > 0 else "must not be empty"
+
+
+def check_engine_version(engine: str, installed: str, tested: str) -> bool:
+    """Warns (warnings.warn, UserWarning, and the "tutti" logger) when the installed engine's
+    version is not the one the connector was tested with. Returns whether it was."""
+    if installed == tested:
+        return True
+    message = (
+        f"tutti's {engine} connector was tested with {engine} {tested}; the installed {engine} is "
+        f"{installed}. Its connector interfaces change between releases: run tutti's engine tests "
+        f"against this version (tools/test.sh engines) or install {engine}=={tested}."
+    )
+    warnings.warn(message, UserWarning, stacklevel=3)
+    logger.warning("%s", message)
+    return False
+
+
+def fingerprint_from_config(explicit: Optional[str], *parts: Any) -> bytes:
+    """The model fingerprint: the configuration's explicit one (64 hex digits), or tutti.fingerprint
+    over `parts` (the engine's model identity and everything that changes the KV bytes)."""
+    if explicit is not None:
+        try:
+            raw = bytes.fromhex(explicit)
+        except ValueError:
+            raw = b""
+        if len(raw) != 32:
+            raise ConfigError(f"model_fingerprint must be 64 hexadecimal digits (32 bytes), got {explicit!r}")
+        return raw
+    return tutti.fingerprint(*[part if isinstance(part, (str, bytes, int)) else str(part) for part in parts])
+
+
+def hash_tokens(key: bytes, block_tokens: int) -> list[int]:
+    """The token sequence of one block standing for an engine's block key.
+
+    Engines that hand a storage tier a hash per block (vLLM's offloading tiers, SGLang's HiCache)
+    already chain it over the whole prefix, so each block is stored as a prefix of one block of
+    its own: its "tokens" are the first words of SHA-256(key), then zeroes. tutti then chains
+    those words into its 64-bit block key in the store's key space (model fingerprint and TP rank
+    for a store attached to tuttid). Needs block_tokens >= HASH_TOKENS_MIN (the caller checks, with
+    a message about its own configuration)."""
+    if block_tokens < HASH_TOKENS_MIN:
+        raise ValueError(f"block_tokens {block_tokens} < {HASH_TOKENS_MIN}")
+    digest = hashlib.sha256(b"tutti engine block key v1\0" + key).digest()
+    words = [int.from_bytes(digest[4 * index : 4 * index + 4], "little") for index in range(_DIGEST_WORDS)]
+    if block_tokens <= _DIGEST_WORDS:
+        return words[:block_tokens]
+    return words + [0] * (block_tokens - _DIGEST_WORDS)
+
+
+# Tokens per block of a byte geometry: the key words (hash_tokens) of one engine block.
+BYTE_GEOMETRY_BLOCK_TOKENS = _DIGEST_WORDS
+_GEOMETRY_FIELD_MAX = 65536
+
+
+def byte_geometry(layer_block_bytes: int, layers: int = 1) -> tutti.ModelGeometry:
+    """A geometry of `layers` layers whose block holds, per layer, `layer_block_bytes` opaque bytes
+    (its "K" object the first half, its "V" the second), for pools that store an engine's blocks
+    as they lie in host memory (vLLM's CPU tier rows, SGLang's host pages). block_tokens is
+    BYTE_GEOMETRY_BLOCK_TOKENS (the words of a hash key), dtype_bytes 1: register such memory as
+    raw bytes (uint8 views). Raises ConfigError when the bytes cannot be cut that way (not a
+    multiple of 2 x block_tokens, or too large for the geometry's fields)."""
+    per_token_half = layer_block_bytes // (2 * BYTE_GEOMETRY_BLOCK_TOKENS)
+    if layer_block_bytes <= 0 or per_token_half * 2 * BYTE_GEOMETRY_BLOCK_TOKENS != layer_block_bytes:
+        raise ConfigError(
+            f"a block of {layer_block_bytes} bytes per layer cannot be stored as {BYTE_GEOMETRY_BLOCK_TOKENS} "
+            f"key words x 2 halves: it must be a positive multiple of {2 * BYTE_GEOMETRY_BLOCK_TOKENS} bytes"
+        )
+    # kv_heads x head_dim = per_token_half, each at most 65536: the smallest kv_heads that divides.
+    for kv_heads in range(max(1, -(-per_token_half // _GEOMETRY_FIELD_MAX)), _GEOMETRY_FIELD_MAX + 1):
+        if per_token_half % kv_heads == 0 and per_token_half // kv_heads <= _GEOMETRY_FIELD_MAX:
+            return tutti.ModelGeometry(
+                layers=layers,
+                kv_heads=kv_heads,
+                head_dim=per_token_half // kv_heads,
+                dtype_bytes=1,
+                block_tokens=BYTE_GEOMETRY_BLOCK_TOKENS,
+            )
+    raise ConfigError(f"a block of {layer_block_bytes} bytes per layer is too large for one pool block")
+
+
+def format_devices(devices: Sequence[str] | str, tp_rank: int) -> list[str]:
+    """Device strings with "{tp_rank}" replaced: one pool per rank where each rank opens its own
+    devices in-process (one process per pool)."""
+    listed = [devices] if isinstance(devices, str) else list(devices)
+    return [device.replace("{tp_rank}", str(tp_rank)) for device in listed]

@@ -1,0 +1,325 @@
+"""`TuttiHiCacheStorage`: an SGLang HiCache storage backend (its "L3" tier) on a tutti pool
+(docs/sglang.md).
+
+Loaded by SGLang with
+    --enable-hierarchical-cache --hicache-storage-backend dynamic
+    --hicache-storage-backend-extra-config '{"backend_name": "tutti", "module_path": "tutti.sglang",
+        "class_name": "TuttiHiCacheStorage", "interface_v1": 1, "devices": "vfio:0000:01:00.0"}'
+
+SGLang's HiCache moves pages between its host memory pool and the storage backend, whole pages
+(every layer) at a time, naming each page by a hash string chained over the prefix. Each
+scheduler process (one per tensor-parallel rank) builds its own backend, so each opens its own
+tutti pool in-process (`tutti.Store.open`; "{tp_rank}" in a device string is replaced by the rank)
+and registers SGLang's host pool where it lies: `batch_get_v1` / `batch_set_v1` move bytes between
+the devices and the host pool's pages with no copy ("zero copy", `interface_v1`).
+
+Host pool layouts (SGLang's `--hicache-mem-layout`):
+- layer_first `[2, layers, tokens, heads, dim]`: a page of one layer's K (or V) is one run; the pool
+  has the model's layers, and a page moves layer by layer.
+- page_first `[2, tokens, layers, heads, dim]` (and page_first_direct, page_head): a page's K (or V)
+  over all layers is one run; the pool has one layer of that size, and a page moves in one
+  command pair.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, List, Optional
+
+import torch
+
+import tutti
+from tutti._engine import (
+    BYTE_GEOMETRY_BLOCK_TOKENS,
+    ConfigError,
+    Field,
+    byte_geometry,
+    check_engine_version,
+    fingerprint_from_config,
+    format_devices,
+    hash_tokens,
+    parse_config,
+    positive,
+)
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+
+logger = logging.getLogger("tutti.sglang")
+
+# The SGLang release this backend was tested against (tools/python/engine-env.sh pins the same).
+TESTED_SGLANG_VERSION = "0.5.23"
+
+EXTRA_CONFIG_FIELDS = {
+    # SGLang's own fields of the dynamic backend's extra config.
+    "backend_name": Field(str, "SGLang's name for the backend, e.g. \"tutti\""),
+    "module_path": Field(str, "\"tutti.sglang\""),
+    "class_name": Field(str, "\"TuttiHiCacheStorage\""),
+    "interface_v1": Field((int, bool), "must be 1: SGLang then calls the zero-copy batch_get_v1/batch_set_v1", required=True),
+    "allocator": Field(str, "SGLang's host pool allocator (\"shm\" or absent)"),
+    # tutti's.
+    "devices": Field((str, list), "the pool's devices, e.g. \"vfio:0000:01:00.0\" or \"emu:/var/tutti/rank{tp_rank}.img\"", required=True),
+    "format": Field(bool, "format a fresh pool for this host pool's page first (everything on it is lost)", default=False),
+    "create_bytes": Field(int, "create or grow an emu:PATH file to this size", check=positive),
+    "slots_max": Field(int, "at most this many pool slots per device when formatting", check=positive),
+    "model_fingerprint": Field(str, "64 hex digits naming the model's KV bytes; default: from SGLang's model name and pool shape"),
+    "lock_dir": Field(str, "where vfio: devices' lock files live (as tuttid's --lock-dir)", default="/run/tutti"),
+    "timeout_s": Field(float, "the longest wait for one page's I/O, seconds", default=30.0, check=positive),
+    "requests_max": Field(int, "pages moved at once", default=32, check=positive),
+}
+
+_PAGE_LAYOUTS = ("page_first", "page_first_direct", "page_head")
+
+
+def check_sglang_version() -> bool:
+    """Warns (naming the tested version) when the installed SGLang is another release."""
+    from sglang.version import __version__
+
+    return check_engine_version("SGLang", __version__, TESTED_SGLANG_VERSION)
+
+
+class TuttiHiCacheStorage(HiCacheStorage):
+    """SGLang's HiCache storage backend on a tutti pool opened in this scheduler process."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None) -> None:
+        check_sglang_version()
+        self._config = parse_config("--hicache-storage-backend-extra-config", storage_config.extra_config, EXTRA_CONFIG_FIELDS)
+        if not self._config["interface_v1"]:
+            raise ConfigError(
+                "--hicache-storage-backend-extra-config: set \"interface_v1\": 1; tutti moves pages straight "
+                "into SGLang's host pool (batch_get_v1/batch_set_v1) and has no copying interface"
+            )
+        if storage_config.is_mla_model:
+            raise ConfigError("tutti's SGLang backend stores MHA models; this model uses MLA (not supported)")
+        self._storage_config = storage_config
+        self._timeout_s = float(self._config["timeout_s"])
+        self._requests_max = int(self._config["requests_max"])
+        self._store: Any = None
+        self._layers = 0
+        self._page_size = 0
+
+    # -- host pool registration -----------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Opens the pool for this host pool's page shape and registers the host pool's memory
+        in place (SGLang calls this once, right after building the backend)."""
+        super().register_mem_pool_host(mem_pool_host)
+        keys, values, layers, layer_block_bytes = host_pool_layout(mem_pool_host)
+        config = self._config
+        storage = self._storage_config
+        fingerprint = fingerprint_from_config(
+            config["model_fingerprint"],
+            "sglang hicache",
+            str(storage.model_name),
+            mem_pool_host.layout,
+            mem_pool_host.layer_num,
+            mem_pool_host.head_num,
+            mem_pool_host.head_dim,
+            str(mem_pool_host.dtype),
+            mem_pool_host.page_size,
+        )
+        self._store = tutti.Store.open(
+            format_devices(config["devices"], storage.tp_rank),
+            byte_geometry(layer_block_bytes, layers),
+            format=config["format"],
+            create_bytes=config["create_bytes"],
+            slots_max=config["slots_max"],
+            model_fingerprint=fingerprint,
+            tp_rank=storage.tp_rank,
+            tp_world=storage.tp_size,
+            lock_dir=config["lock_dir"],
+            requests_max=self._requests_max,
+            timeout_s=self._timeout_s,
+        )
+        try:
+            self._store.register_kv(tutti.KvLayout.separate(keys, values))
+        except BaseException:
+            self._store.close()
+            raise
+        self._layers = layers
+        self._page_size = mem_pool_host.page_size
+
+    # -- the zero-copy interface ----------------------------------------------------------------
+
+    def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+        """How many pages from the first are in the pool (the hit prefix, in pages)."""
+        store = self._registered_store()
+        for index, key in enumerate(keys):
+            if store.lookup(_key_tokens(key)) < 1:
+                return index
+        return len(keys)
+
+    def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        """Reads page i (key i) into the host pool's page at host_indices[i * page_size];
+        per page whether it was read."""
+        return self._move(keys, host_indices, store=False)
+
+    def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        """Writes the host pool's page at host_indices[i * page_size] as key i (already stored:
+        shared, not written again); per page whether it is in the pool afterwards."""
+        return self._move(keys, host_indices, store=True)
+
+    def exists(self, key: str) -> bool:
+        return self._registered_store().lookup(_key_tokens(key)) >= 1
+
+    # -- SGLang's copying interface: not offered ------------------------------------------------
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
+        raise _copying_interface("get")
+
+    def batch_get(self, keys: List[str], target_locations: Any = None, target_sizes: Any = None) -> Any:
+        raise _copying_interface("batch_get")
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        raise _copying_interface("set")
+
+    def batch_set(self, keys: List[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None) -> bool:
+        raise _copying_interface("batch_set")
+
+    def clear(self) -> None:
+        """SGLang's cache flush: the pool is left as it is (its pages are named by content hashes,
+        so they stay valid; tutti has no bulk delete). Logged so a user who expects it emptied
+        knows."""
+        logger.warning("tutti: SGLang asked to clear the storage tier; the tutti pool keeps its pages (still valid)")
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+
+    # -----------------------------------------------------------------------------------------
+
+    def _registered_store(self) -> Any:
+        if self._store is None:
+            raise tutti.NotRegistered("TuttiHiCacheStorage: SGLang has not registered its host pool yet (register_mem_pool_host)")
+        return self._store
+
+    def _move(self, keys: List[str], host_indices: torch.Tensor, store: bool) -> List[bool]:
+        pool = self._registered_store()
+        pages = _pages(host_indices, len(keys), self._page_size)
+        results = [False] * len(keys)
+        for start in range(0, len(keys), self._requests_max):
+            wave: list[tuple[int, Any]] = []
+            for index in range(start, min(start + self._requests_max, len(keys))):
+                if pages[index] is None:
+                    continue
+                tokens = _key_tokens(keys[index])
+                try:
+                    if store:
+                        request = pool.prepare_store(tokens, [pages[index]])
+                        if request.new_blocks == 0:
+                            request.finish()
+                            results[index] = True
+                            continue
+                    else:
+                        request = pool.prepare_retrieve(tokens, [pages[index]])
+                except tutti.Error as error:
+                    logger.warning("tutti: page %s not %s: %s", keys[index], "stored" if store else "read", error)
+                    continue
+                wave.append((index, request))
+            self._run_layers(wave, store)
+            for index, request in wave:
+                if request is None:
+                    continue
+                try:
+                    if store:
+                        request.commit()
+                    else:
+                        request.finish()
+                    results[index] = True
+                except tutti.Error as error:
+                    logger.warning("tutti: page %s not %s: %s", keys[index], "stored" if store else "read", error)
+        return results
+
+    def _run_layers(self, wave: list[tuple[int, Any]], store: bool) -> None:
+        """Every layer of every request of the wave, one layer in flight per request; a request
+        that fails is finished and replaced by None in `wave`."""
+        for layer in range(self._layers):
+            for position, (index, request) in enumerate(wave):
+                if request is None:
+                    continue
+                try:
+                    (request.store_layer if store else request.retrieve_layer)(layer)
+                except tutti.Error as error:
+                    logger.warning("tutti: layer %d of a page failed to issue: %s", layer, error)
+                    _abandon(request, self._timeout_s)
+                    wave[position] = (index, None)
+            for position, (index, request) in enumerate(wave):
+                if request is None:
+                    continue
+                try:
+                    request.wait(self._timeout_s)
+                except tutti.Error as error:
+                    logger.warning("tutti: layer %d of a page failed: %s", layer, error)
+                    _abandon(request, self._timeout_s)
+                    wave[position] = (index, None)
+
+
+def host_pool_layout(host_pool: Any) -> tuple[list[torch.Tensor], list[torch.Tensor], int, int]:
+    """SGLang's MHA host pool as tutti's "separate" layout over raw bytes: (keys, values, layers,
+    bytes of one layer's K+V of a page). Raises ConfigError for a pool tutti cannot register."""
+    layout = getattr(host_pool, "layout", None)
+    buffer = getattr(host_pool, "kv_buffer", None)
+    if not isinstance(buffer, torch.Tensor) or buffer.dim() < 5 or buffer.shape[0] != 2:
+        raise ConfigError(
+            f"tutti stores SGLang's MHA host pools (a [2, ...] K/V buffer); {type(host_pool).__name__} is not one"
+        )
+    if getattr(host_pool, "head_dim", None) != getattr(host_pool, "v_head_dim", host_pool.head_dim):
+        raise ConfigError("tutti needs K and V of the same head dimension (v_head_dim differs)")
+    page_size = int(host_pool.page_size)
+    page_num = int(host_pool.size) // page_size
+    if page_num * page_size != int(host_pool.size) and layout == "layer_first":
+        raise ConfigError(f"the host pool's {host_pool.size} tokens are not whole pages of {page_size}")
+    raw = buffer.view(torch.uint8)
+    if layout == "layer_first":
+        layers = int(host_pool.layer_num)
+        # view, never reshape: a copy would register memory SGLang never reads.
+        keys = [raw[0, layer].view(page_num, -1) for layer in range(layers)]
+        values = [raw[1, layer].view(page_num, -1) for layer in range(layers)]
+    elif layout in _PAGE_LAYOUTS:
+        layers = 1
+        pages = raw.shape[1] if layout != "page_first" else raw.shape[1] // page_size
+        keys = [raw[0].view(pages, -1)]
+        values = [raw[1].view(pages, -1)]
+    else:
+        raise ConfigError(
+            f"SGLang host pool layout {layout!r} is not supported by tutti: use --hicache-mem-layout "
+            f"layer_first or one of {', '.join(_PAGE_LAYOUTS)}"
+        )
+    return keys, values, layers, 2 * keys[0].shape[1]
+
+
+def _pages(host_indices: torch.Tensor, count: int, page_size: int) -> list[Optional[int]]:
+    """The host pool page of each of `count` pages: host_indices[i * page_size] // page_size, or
+    None for a page whose indices are not one aligned page (logged; that page fails)."""
+    if host_indices.numel() < count * page_size:
+        raise tutti.InvalidArgument(f"{count} keys need {count * page_size} host indices, got {host_indices.numel()}")
+    starts = host_indices[: count * page_size : page_size].tolist()
+    pages: list[Optional[int]] = []
+    for start in starts:
+        if start % page_size != 0:
+            logger.warning("tutti: host index %d does not start a page of %d tokens", start, page_size)
+            pages.append(None)
+        else:
+            pages.append(start // page_size)
+    return pages
+
+
+def _key_tokens(key: str) -> list[int]:
+    return hash_tokens(key.encode("utf-8"), BYTE_GEOMETRY_BLOCK_TOKENS)
+
+
+def _abandon(request: Any, timeout_s: float) -> None:
+    try:
+        if request.layer_in_flight is not None:
+            request.wait(timeout_s)
+        request.finish()
+    except tutti.Error as error:
+        logger.error("tutti: a failed request could not be finished: %s", error)
+
+
+def _copying_interface(name: str) -> tutti.InvalidState:
+    return tutti.InvalidState(
+        f"TuttiHiCacheStorage.{name}: tutti offers only SGLang's zero-copy interface; set \"interface_v1\": 1 "
+        "in --hicache-storage-backend-extra-config (the backend refuses to start without it)"
+    )
+
+
+__all__ = ["TESTED_SGLANG_VERSION", "TuttiHiCacheStorage", "check_sglang_version", "host_pool_layout"]

@@ -1,0 +1,263 @@
+"""`TuttiTier`: a secondary tier for vLLM's offloading connector (CPU tier ↔ tutti), the smallest
+way to put tutti behind vLLM's own CPU offloading (docs/vllm.md).
+
+vLLM's `TieringOffloadingSpec` keeps a CPU primary tier (a shared-memory region of chunk rows,
+one row per offloaded chunk, every worker's bytes of that chunk side by side) and hands each
+secondary tier a memoryview over it, in the scheduler process. This tier opens a tutti pool in
+that process (`tutti.Store.open` on the configured devices) and registers the memoryview where it
+lies: a chunk row is one pool block (the pool's "byte geometry": one layer, the row's first half
+its K object, the second half its V), so moving a chunk is one command pair with no copy.
+
+vLLM calls every method on the scheduler's thread and wants them non-blocking: jobs go to one
+worker thread through a bounded queue; their results come back through `get_finished_jobs`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, ClassVar, Optional
+
+import tutti
+from tutti._engine import (
+    BYTE_GEOMETRY_BLOCK_TOKENS,
+    Field,
+    byte_geometry,
+    fingerprint_from_config,
+    format_devices,
+    hash_tokens,
+    parse_config,
+    positive,
+)
+from vllm.v1.kv_offload.base import LookupResult, Medium, OffloadKey, ReqContext, RequestOffloadingContext
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import OffloadingSpec
+    from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
+
+logger = logging.getLogger("tutti.vllm")
+
+TIER_CONFIG_FIELDS = {
+    "devices": Field((str, list), "the pool's devices, e.g. \"vfio:0000:01:00.0\" or [\"emu:/var/tutti/pool.img\"]", required=True),
+    "format": Field(bool, "format a fresh pool for this engine's chunk size first (everything on it is lost)", default=False),
+    "create_bytes": Field(int, "create or grow an emu:PATH file to this size", check=positive),
+    "slots_max": Field(int, "at most this many pool slots per device when formatting", check=positive),
+    "model_fingerprint": Field(str, "64 hex digits naming the model's KV bytes; default: derived from vLLM's offloading config"),
+    "lock_dir": Field(str, "where vfio: devices' lock files live (as tuttid's --lock-dir)", default="/run/tutti"),
+    "timeout_s": Field(float, "the longest wait for one chunk's I/O, seconds", default=30.0, check=positive),
+    "requests_max": Field(int, "chunks moved at once", default=16, check=positive),
+    "queue_max": Field(int, "jobs waiting for the tier's thread; a store job beyond it is dropped (a future miss)", default=1024, check=positive),
+    "locality": Field(str, "vLLM's tier locality (LOCAL or REMOTE)", default="LOCAL"),
+}
+
+
+class TuttiTier(SecondaryTierManager):
+    """A vLLM secondary offloading tier on a tutti pool opened in the scheduler process."""
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+
+    def __init__(
+        self,
+        offloading_spec: "OffloadingSpec",
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector: Optional["BackpressureDetector"] = None,
+        **tier_config: Any,
+    ) -> None:
+        super().__init__(
+            offloading_spec=offloading_spec,
+            primary_kv_view=primary_kv_view,
+            tier_type=tier_type,
+            backpressure_detector=backpressure_detector,
+        )
+        from tutti.vllm import check_vllm_version
+
+        check_vllm_version()
+        config = parse_config(f"secondary tier {tier_type!r}", tier_config, TIER_CONFIG_FIELDS)
+        self._timeout_s = float(config["timeout_s"])
+        self._requests_max = int(config["requests_max"])
+        geometry = byte_geometry(self.block_size_bytes)
+        spec_config = offloading_spec.config
+        fingerprint = fingerprint_from_config(
+            config["model_fingerprint"],
+            "vllm offloading tier",
+            spec_config.model.name,
+            spec_config.model.dtype,
+            spec_config.worker_kv_bytes_per_block,
+            spec_config.parallel.world_size,
+            spec_config.cache.tokens_per_hash,
+            spec_config.cache.blocks_per_chunk,
+            self.block_size_bytes,
+            str(spec_config.kv_cache_layout),
+        )
+        self._store = tutti.Store.open(
+            format_devices(config["devices"], 0),
+            geometry,
+            format=config["format"],
+            create_bytes=config["create_bytes"],
+            slots_max=config["slots_max"],
+            model_fingerprint=fingerprint,
+            lock_dir=config["lock_dir"],
+            requests_max=self._requests_max,
+            timeout_s=self._timeout_s,
+        )
+        try:
+            self._store.register_kv(tutti.KvLayout.paged([primary_kv_view]))
+        except BaseException:
+            self._store.close()
+            raise
+        self._jobs: queue.Queue = queue.Queue(maxsize=config["queue_max"])
+        self._results: list[JobResult] = []
+        self._results_lock = threading.Lock()
+        self._idle = threading.Condition(self._results_lock)
+        self._in_progress = 0
+        self.dropped_store_jobs = 0
+        self._thread = threading.Thread(target=self._run, name="tutti-vllm-tier", daemon=True)
+        self._thread.start()
+
+    # -- vLLM's calls (scheduler thread) ---------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        """HIT when the chunk is committed in the pool (a chunk being stored is not yet)."""
+        try:
+            found = self._store.lookup(hash_tokens(key, BYTE_GEOMETRY_BLOCK_TOKENS))
+        except tutti.Error as error:
+            logger.warning("tutti tier lookup failed, treated as a miss: %s", error)
+            return LookupResult.MISS
+        return LookupResult.HIT if found >= 1 else LookupResult.MISS
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        self._submit(job_metadata, store=True)
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        self._submit(job_metadata, store=False)
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        with self._results_lock:
+            results, self._results = self._results, []
+        return results
+
+    def has_pending_work(self) -> bool:
+        with self._results_lock:
+            return self._in_progress > 0 or bool(self._results)
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def drain_jobs(self) -> None:
+        """Waits until every submitted job finished (bounded: timeout_s per chunk outstanding)."""
+        with self._idle:
+            while self._in_progress > 0:
+                if not self._idle.wait(timeout=self._timeout_s):
+                    logger.error("tutti tier: %d jobs still running after %.1f s", self._in_progress, self._timeout_s)
+
+    def shutdown(self) -> None:
+        """Finishes the queued jobs, stops the thread, closes the pool."""
+        self._jobs.put(None)
+        self._thread.join(timeout=self._timeout_s * 4)
+        self._store.close()
+
+    # -- the tier's thread -----------------------------------------------------------------------
+
+    def _submit(self, job: TransferJob, store: bool) -> None:
+        keys = list(job.keys)
+        chunks = [int(chunk) for chunk in job.chunk_ids]
+        if len(keys) != len(chunks):
+            raise tutti.InvalidArgument(f"transfer job {job.job_id}: {len(keys)} keys but {len(chunks)} chunk ids")
+        with self._results_lock:
+            self._in_progress += 1
+        try:
+            self._jobs.put_nowait((job.job_id, store, keys, chunks))
+        except queue.Full:
+            with self._idle:
+                self._in_progress -= 1
+                self._results.append(JobResult(job_id=job.job_id, success=False))
+                self._idle.notify_all()
+            if store:
+                self.dropped_store_jobs += 1
+            logger.warning("tutti tier: job queue full, job %d dropped", job.job_id)
+
+    def _run(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            job_id, store, keys, chunks = item
+            try:
+                succeeded = self._store_chunks(keys, chunks) if store else self._load_chunks(keys, chunks)
+            except Exception as error:  # the thread must report every job, whatever failed
+                logger.error("tutti tier: job %d failed: %s", job_id, error)
+                succeeded = []
+            result = JobResult(
+                job_id=job_id,
+                success=len(succeeded) == len(keys),
+                successful_keys=None if store or len(succeeded) == len(keys) else succeeded,
+                transfer_bytes=len(succeeded) * self.block_size_bytes,
+            )
+            with self._idle:
+                self._results.append(result)
+                self._in_progress -= 1
+                self._idle.notify_all()
+
+    def _store_chunks(self, keys: list[OffloadKey], chunks: list[int]) -> list[OffloadKey]:
+        """Stores each chunk not in the pool yet, `requests_max` at a time; returns the keys that
+        are in the pool afterwards."""
+        done: list[OffloadKey] = []
+        for start in range(0, len(keys), self._requests_max):
+            wave = []
+            for key, chunk in zip(keys[start : start + self._requests_max], chunks[start : start + self._requests_max]):
+                tokens = hash_tokens(key, BYTE_GEOMETRY_BLOCK_TOKENS)
+                try:
+                    request = self._store.prepare_store(tokens, [chunk])
+                    if request.new_blocks == 0:
+                        request.finish()
+                        done.append(key)
+                        continue
+                    request.store_layer(0)
+                    wave.append((key, request))
+                except tutti.Error as error:
+                    logger.warning("tutti tier: chunk %d not stored: %s", chunk, error)
+            for key, request in wave:
+                try:
+                    request.wait(self._timeout_s)
+                    request.commit()
+                    done.append(key)
+                except tutti.Error as error:
+                    logger.warning("tutti tier: a chunk was not stored: %s", error)
+                    _abandon(request, self._timeout_s)
+        return done
+
+    def _load_chunks(self, keys: list[OffloadKey], chunks: list[int]) -> list[OffloadKey]:
+        """Reads each chunk into its primary-tier row; returns the keys read."""
+        done: list[OffloadKey] = []
+        for start in range(0, len(keys), self._requests_max):
+            wave = []
+            for key, chunk in zip(keys[start : start + self._requests_max], chunks[start : start + self._requests_max]):
+                try:
+                    request = self._store.prepare_retrieve(hash_tokens(key, BYTE_GEOMETRY_BLOCK_TOKENS), [chunk])
+                    request.retrieve_layer(0)
+                    wave.append((key, request))
+                except tutti.Error as error:
+                    logger.warning("tutti tier: chunk %d not loaded: %s", chunk, error)
+            for key, request in wave:
+                try:
+                    request.wait(self._timeout_s)
+                    request.finish()
+                    done.append(key)
+                except tutti.Error as error:
+                    logger.warning("tutti tier: a chunk was not loaded: %s", error)
+                    _abandon(request, self._timeout_s)
+        return done
+
+
+def _abandon(request: Any, timeout_s: float) -> None:
+    """Finishes a failed request once its layer is no longer in flight."""
+    try:
+        if request.layer_in_flight is not None:
+            request.wait(timeout_s)
+        request.finish()
+    except tutti.Error as error:
+        logger.error("tutti tier: a failed request could not be finished: %s", error)

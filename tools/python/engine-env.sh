@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Creates (or reuses) the Python environment for one inference engine's tests and prints its
+# directory on stdout.
+#
+#   tools/python/engine-env.sh vllm|sglang
+#
+# The environments are large (vLLM's is ~8 GB), so they live OUTSIDE the clone, under
+# ${TUTTI_ENV_CACHE:-~/.cache/tutti}/engines/, in a folder named after the pinned versions and a
+# hash of the whole pin list: every clone (a CI run's fresh one too) reuses one copy, and a change
+# of pins builds a new folder instead of mutating the old one. Whether an environment is complete
+# is decided by importing what the tests load (the engine's base classes, at the pinned version),
+# never by a stamp alone: a half-finished install (an interrupted pip, a full disk) is detected and
+# finished on the next call. Concurrent callers serialise on a lock file.
+set -euo pipefail
+
+engine="${1:-}"
+python="${TUTTI_ENGINE_PYTHON:-python3}"
+cache_root="${TUTTI_ENV_CACHE:-$HOME/.cache/tutti}/engines"
+
+# Pins. The engine's own version is the one the connectors are tested with (python/tutti/vllm.py
+# and python/tutti/sglang.py name the same versions in their version check).
+case "$engine" in
+vllm)
+    version="0.32.0"
+    # vLLM brings its full dependency set (torch with CUDA libraries included: no CPU-only torch
+    # wheel exists for Linux on the registry, and the CUDA build imports on a CPU machine).
+    pins=("vllm==$version")
+    no_deps=()
+    check="import vllm, torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
+assert vllm.__version__ == '$version', vllm.__version__"
+    ;;
+sglang)
+    version="0.5.23"
+    # SGLang's full dependency set is its GPU serving stack (flashinfer, deep-gemm, ...); its
+    # HiCache storage interface and MHA host memory pool need torch and the small packages below
+    # (found by importing `sglang.srt.mem_cache.hicache_storage` and
+    # `sglang.srt.mem_cache.pool_host.mha` until nothing was missing). So SGLang is installed
+    # without dependencies and these are pinned here: torch, transformers, tokenizers,
+    # sentencepiece, compressed-tensors and apache-tvm-ffi at SGLang 0.5.23's own pins, the
+    # others at the versions that resolved on 2026-11-24.
+    pins=(
+        torch==2.14.1 torchvision==0.29.1 numpy==2.4.6 orjson==3.13.0 psutil==7.2.2 pybase64==1.5.1
+        requests==2.34.2 packaging==26.3 pillow==13.0.0 starlette==1.10.0 msgspec==0.22.0
+        pydantic==2.14.3 pyzmq==27.3.0 tqdm==4.70.1 ipython==9.18.1 aiohttp==3.14.5 dill==0.4.1
+        transformers==5.19.0 tokenizers==0.23.2 sentencepiece==0.2.1 compressed-tensors==0.18.0
+        apache-tvm-ffi==0.1.11 gguf==0.19.0
+    )
+    no_deps=("sglang==$version")
+    check="import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.version import __version__
+assert __version__ == '$version', __version__
+assert torch.__version__.startswith('2.14.1'), torch.__version__"
+    ;;
+*)
+    echo "usage: $0 vllm|sglang" >&2
+    exit 2
+    ;;
+esac
+
+key_text="$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])') ${pins[*]} --no-deps ${no_deps[*]}"
+key_hash="$(printf '%s' "$key_text" | sha256sum | cut -c1-12)"
+env_dir="$cache_root/$engine-$version-$key_hash"
+
+complete() {
+    [[ -x "$env_dir/bin/python" ]] && "$env_dir/bin/python" -c "$check" >/dev/null 2>&1
+}
+
+mkdir -p "$cache_root"
+exec 9>"$cache_root/.$engine.lock"
+flock 9
+
+if complete; then
+    echo "$env_dir"
+    exit 0
+fi
+
+echo "engine-env: building $env_dir ($key_text)" >&2
+if [[ ! -x "$env_dir/bin/python" ]]; then
+    rm -rf "$env_dir"
+    "$python" -m venv "$env_dir"
+fi
+"$env_dir/bin/python" -m pip install --quiet --upgrade pip >&2
+if ((${#pins[@]})); then
+    "$env_dir/bin/python" -m pip install --quiet "${pins[@]}" >&2
+fi
+if ((${#no_deps[@]})); then
+    "$env_dir/bin/python" -m pip install --quiet --no-deps "${no_deps[@]}" >&2
+fi
+printf '%s\n' "$key_text" >"$env_dir/tutti-env-pins.txt"
+
+if ! "$env_dir/bin/python" -c "$check" >&2; then
+    echo "engine-env: $env_dir was installed but does not load what the tests need (see above)" >&2
+    exit 1
+fi
+echo "$env_dir"

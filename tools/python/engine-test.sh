@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The engines stage of tools/test.sh: the vLLM connector and tier and the SGLang backend against
+# the pinned engines' real classes (python/tests-engines, pytest).
+#
+# 1. builds the tutti wheel with the python stage's builder (tools/python/wheel.sh: maturin,
+#    abi3, into target/wheels);
+# 2. builds tuttid (the tests start their own daemons on emu: devices and stop them);
+# 3. per engine, creates or reuses its environment under ~/.cache/tutti (tools/python/engine-env.sh:
+#    keyed by the pins, checked by importing the engine's base classes), installs the wheel into a
+#    per-run directory on PYTHONPATH (the shared environment is never given this clone's tutti),
+#    and runs that engine's tests with the environment's interpreter.
+# Every step is bounded by `timeout`.
+#
+# usage: tools/python/engine-test.sh [vllm] [sglang]   (default: both)
+set -euo pipefail
+cd "$(dirname "$(readlink -f "$0")")/../.."
+
+engines=("$@")
+[ ${#engines[@]} -gt 0 ] || engines=(vllm sglang)
+if [ ! -x tools/python/wheel.sh ] || [ ! -f python/requirements-test.txt ]; then
+    echo "engine-test.sh: the python stage's wheel builder (tools/python/wheel.sh, python/requirements-test.txt) is missing" >&2
+    exit 1
+fi
+# The test runner, at the python stage's pin.
+pytest_pin=$(grep -E '^pytest==' python/requirements-test.txt)
+timeout 1800 tools/python/wheel.sh > /dev/null
+wheel=$(ls target/wheels/tutti-*-abi3-*.whl)
+timeout 1800 cargo build --locked -p tuttid --bin tuttid
+export TUTTI_TUTTID="$PWD/target/debug/tuttid"
+
+scratch=$(mktemp -d)
+trap 'rm -rf "$scratch"' EXIT
+
+for engine in "${engines[@]}"; do
+    case $engine in
+    vllm) tests=(python/tests-engines/test_vllm_connector.py python/tests-engines/test_vllm_tier.py) ;;
+    sglang) tests=(python/tests-engines/test_sglang_backend.py) ;;
+    *)
+        echo "engine-test.sh: unknown engine '$engine' (known: vllm sglang)" >&2
+        exit 2
+        ;;
+    esac
+    env_dir=$(timeout 3600 tools/python/engine-env.sh "$engine" | tail -n 1)
+    python="$env_dir/bin/python"
+    # pytest is the one package added to the engine's environment besides its pins (the test
+    # runner, at the python stage's version); checked by its version, installed if different.
+    if [ "$("$python" -c 'import pytest; print("pytest==" + pytest.__version__)' 2>/dev/null)" != "$pytest_pin" ]; then
+        timeout 600 "$python" -m pip install --quiet --disable-pip-version-check "$pytest_pin"
+    fi
+    site="$scratch/$engine-site"
+    timeout 300 "$python" -m pip install --quiet --disable-pip-version-check --no-deps --target "$site" "$wheel"
+    # What the tests import is the wheel just installed, with the engine of the environment.
+    (cd / && PYTHONPATH="$site" timeout 300 "$python" -c "
+import sys, tutti, tutti.$engine
+assert tutti.__file__.startswith('$site/'), tutti.__file__
+print('engine-test.sh: $engine: tutti from', tutti.__file__, file=sys.stderr)
+")
+    echo "engine-test.sh: $engine tests in $env_dir" >&2
+    PYTHONPATH="$site" timeout 2400 "$python" -m pytest -q -p no:cacheprovider "${tests[@]}"
+done
