@@ -50,6 +50,50 @@ pub struct Placement {
     pub engine_block: u32,
 }
 
+/// What a request moved between the devices and the engine's memory (in its one direction):
+/// bytes and NVMe commands of the layers that completed, each layer counted once. The data
+/// half counts it ([`super::StoreData::transferred`]); with tuttid the client reports it to the
+/// daemon, which checks it against [`PoolShape::transfer_bound`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Transferred {
+    pub bytes: u64,
+    pub commands: u64,
+}
+
+impl Transferred {
+    /// Whether a report of `self` is possible for a request whose whole transfer is `bound`:
+    /// at most the bound's bytes and commands, and at least one LBA (`lba_bytes_min`, the
+    /// smallest of the pool's devices) per command.
+    pub fn fits(&self, bound: Transferred, lba_bytes_min: u32) -> bool {
+        self.bytes <= bound.bytes
+            && self.commands <= bound.commands
+            && self.commands.checked_mul(u64::from(lba_bytes_min)).is_some_and(|least| least <= self.bytes)
+    }
+}
+
+impl PoolShape {
+    /// The most a request over `placements` can move: every layer of every block once (each
+    /// block's layer is its K and V objects, `pair_blocks` LBAs, so at most that many commands
+    /// of one LBA each). Saturates instead of wrapping (placements are checked elsewhere; a
+    /// placement naming no device of the shape adds nothing).
+    pub fn transfer_bound(&self, placements: &[Placement]) -> Transferred {
+        let layers = u64::from(self.geometry.layers);
+        let mut bound = Transferred::default();
+        for placement in placements {
+            let Some(device) = self.devices.get(usize::from(placement.location.device)) else { continue };
+            let lbas = device.addressing.pair_blocks.saturating_mul(layers);
+            bound.commands = bound.commands.saturating_add(lbas);
+            bound.bytes = bound.bytes.saturating_add(lbas.saturating_mul(u64::from(device.lba_bytes)));
+        }
+        bound
+    }
+
+    /// The smallest LBA of the pool's devices (the least one command moves).
+    pub fn lba_bytes_min(&self) -> u32 {
+        self.devices.iter().map(|device| device.lba_bytes).min().unwrap_or(1)
+    }
+}
+
 impl Pool {
     /// The pool's shape, for a data half in this process or another.
     pub fn shape(&self) -> Result<PoolShape> {
