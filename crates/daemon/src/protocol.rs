@@ -30,7 +30,7 @@ pub use store::{
 pub const MAGIC: [u8; 4] = *b"TUTD";
 /// The one protocol version this build speaks. A frame of another version is refused with
 /// [`ErrorCode::UnsupportedVersion`], naming both.
-pub const PROTOCOL_VERSION: u16 = 2;
+pub const PROTOCOL_VERSION: u16 = 3;
 /// Bytes of a frame header.
 pub const HEADER_BYTES: usize = 16;
 /// Largest body: 1 MiB, a lookup of 262,143 tokens (vLLM's longest contexts are 128k–1M tokens:
@@ -142,6 +142,9 @@ pub enum ErrorCode {
     Unsupported,
     /// The store refused or failed the request (pool full, I/O error, ...).
     StoreFailed,
+    /// A client's report on its own request (what its data path moved, blocks it found
+    /// corrupt) that the request's grant does not cover: refused, nothing counted or evicted.
+    BadReport,
     /// A code this build does not know (a newer daemon).
     Unknown(u16),
 }
@@ -166,6 +169,7 @@ impl ErrorCode {
             ErrorCode::LimitReached => 15,
             ErrorCode::Unsupported => 16,
             ErrorCode::StoreFailed => 17,
+            ErrorCode::BadReport => 18,
             ErrorCode::Unknown(code) => code,
         }
     }
@@ -189,6 +193,7 @@ impl ErrorCode {
             15 => ErrorCode::LimitReached,
             16 => ErrorCode::Unsupported,
             17 => ErrorCode::StoreFailed,
+            18 => ErrorCode::BadReport,
             other => ErrorCode::Unknown(other),
         }
     }
@@ -330,7 +335,14 @@ pub struct ClientStatus {
     pub registrations: u32,
     pub queue_pairs: u32,
     pub requests_in_flight: u32,
+    /// Doorbell values the relay forwarded for this session's queue pairs, and values it
+    /// dropped (outside the queue's depth); 0 on devices with a shared register page.
+    pub doorbells_relayed: u64,
+    pub doorbells_dropped: u64,
 }
+
+/// The doorbell relay's counters (`crate::relay`), sent field by field.
+pub type RelayStatus = crate::relay::RelayCounts;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StatusReply {
@@ -346,6 +358,12 @@ pub struct StatusReply {
     /// Client queue pairs whose deletion failed since start: their rings, windows and
     /// reservations are kept for good (docs/tuttid.md, "Leases and crashes").
     pub leaked_queue_pairs: u64,
+    /// What those sessions kept with them: windows (and their bytes), still mapped for the
+    /// devices, and requests whose slots stay reserved (protocol version 3).
+    pub leaked_windows: u64,
+    pub leaked_window_bytes: u64,
+    pub leaked_requests: u64,
+    pub relay: RelayStatus,
 }
 
 /// What a client asks.
@@ -373,9 +391,13 @@ pub enum Request {
     PrepareRetrieve(Prepare),
     PrepareStore(Prepare),
     Commit(Commit),
-    /// Ends a request without committing (a retrieve's pins, a store's reservation).
+    /// Ends a request without committing (a retrieve's pins, a store's reservation), with the
+    /// client's report: what its data path moved, and the blocks its verification found
+    /// corrupt (the daemon evicts them; protocol version 3).
     Release {
         handle: u64,
+        transferred: objstore::Transferred,
+        corrupt_blocks: Vec<objstore::MismatchedBlock>,
     },
 }
 
@@ -550,8 +572,17 @@ impl Reply {
                     put_u32(out, client.registrations);
                     put_u32(out, client.queue_pairs);
                     put_u32(out, client.requests_in_flight);
+                    put_u64(out, client.doorbells_relayed);
+                    put_u64(out, client.doorbells_dropped);
                 }
                 put_u64(out, status.leaked_queue_pairs);
+                let relay = &status.relay;
+                for value in [status.leaked_windows, status.leaked_window_bytes, status.leaked_requests] {
+                    put_u64(out, value);
+                }
+                for value in [relay.passes, relay.forwarded, relay.dropped, relay.queues] {
+                    put_u64(out, value);
+                }
             }
             Reply::Pong => {}
             Reply::Error { code, message } => {
@@ -607,10 +638,34 @@ impl Reply {
                         registrations: r.u32("registrations")?,
                         queue_pairs: r.u32("queue_pairs")?,
                         requests_in_flight: r.u32("requests_in_flight")?,
+                        doorbells_relayed: r.u64("doorbells_relayed")?,
+                        doorbells_dropped: r.u64("doorbells_dropped")?,
                     });
                 }
                 let leaked_queue_pairs = r.u64("leaked_queue_pairs")?;
-                Reply::Status(StatusReply { daemon_pid, uptime_ms, shape, devices, pool, connections, clients, leaked_queue_pairs })
+                let leaked_windows = r.u64("leaked_windows")?;
+                let leaked_window_bytes = r.u64("leaked_window_bytes")?;
+                let leaked_requests = r.u64("leaked_requests")?;
+                let relay = RelayStatus {
+                    passes: r.u64("relay passes")?,
+                    forwarded: r.u64("relay forwarded")?,
+                    dropped: r.u64("relay dropped")?,
+                    queues: r.u64("relay queues")?,
+                };
+                Reply::Status(StatusReply {
+                    daemon_pid,
+                    uptime_ms,
+                    shape,
+                    devices,
+                    pool,
+                    connections,
+                    clients,
+                    leaked_queue_pairs,
+                    leaked_windows,
+                    leaked_window_bytes,
+                    leaked_requests,
+                    relay,
+                })
             }
             Kind::Pong => Reply::Pong,
             Kind::Error => Reply::Error { code: ErrorCode::from_u16(r.u16("code")?), message: r.string("message", STRING_BYTES_MAX)? },

@@ -104,7 +104,10 @@ fn bad_frames_get_typed_errors_and_the_daemon_serves_others() {
     let (answer, closed) = raw_exchange(&daemon.socket, &version, false);
     let (code, message) = answer.unwrap();
     assert_eq!(code, ErrorCode::UnsupportedVersion);
-    assert!(message.contains("protocol version 9; this build speaks version 2"), "{message}");
+    assert!(
+        message.contains(&format!("protocol version 9; this build speaks version {}", tutti_daemon::protocol::PROTOCOL_VERSION)),
+        "{message}"
+    );
     assert!(closed);
 
     let mut oversized = frame.clone();

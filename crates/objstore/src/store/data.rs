@@ -385,6 +385,12 @@ impl<E: Executor> StoreData<E> {
         self.issue(handle, layer, budget, direction)
     }
 
+    /// The direction the request was prepared for.
+    pub fn direction(&self, handle: RequestHandle) -> Result<Direction> {
+        let index = self.index_of(handle)?;
+        self.requests[index].direction.ok_or(ObjstoreError::UnknownHandle { handle: handle.0 })
+    }
+
     /// What the request moved so far: the bytes and NVMe commands of its completed layers,
     /// each layer once (a failed layer adds nothing: its bytes are not to be used). O(1).
     pub fn transferred(&self, handle: RequestHandle) -> Result<Transferred> {
