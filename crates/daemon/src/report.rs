@@ -7,8 +7,9 @@
 //! Both are untrusted. A report the request's grant does not cover is refused with
 //! [`ErrorCode::BadReport`] before anything changes (nothing counted, nothing evicted, the
 //! request kept), so the refusal is counted in `tuttid_errors_total` like any other:
-//! - what it moved: at most every layer of the request's placements once, and at least one
-//!   LBA per command ([`objstore::Transferred::fits`] against `PoolShape::transfer_bound`);
+//! - what it moved: at most every layer of the request's placements once, and per command
+//!   at least one LBA and at most one MDTS ([`objstore::Transferred::fits`] against
+//!   `PoolShape::transfer_bound` and `PoolShape::command_bytes`);
 //! - corrupt blocks: only of a retrieve, on a pool that records payload CRCs (else nothing
 //!   could have been verified), each one of that retrieve's own placements (position, device,
 //!   slot and engine block as granted), with a computed CRC other than the expected one.
@@ -40,17 +41,19 @@ pub(crate) fn check_transferred(
     let direction = control.direction(handle).map_err(unknown)?;
     let placements = control.placements(handle).map_err(unknown)?;
     let bound = shape.transfer_bound(placements);
-    if !transferred.fits(bound, shape.lba_bytes_min()) {
+    let per_command = shape.command_bytes();
+    if !transferred.fits(bound, per_command.clone()) {
         return Err(bad_report(format!(
             "request {:#x} ({direction:?} of {} blocks) reported {} bytes in {} commands: its placements cover at most {} bytes \
-             in {} commands of at least {} bytes each",
+             in {} commands, each moving {}..={} bytes",
             handle.to_bits(),
             placements.len(),
             transferred.bytes,
             transferred.commands,
             bound.bytes,
             bound.commands,
-            shape.lba_bytes_min()
+            per_command.start(),
+            per_command.end()
         )));
     }
     Ok(direction)

@@ -61,13 +61,16 @@ pub struct Transferred {
 }
 
 impl Transferred {
-    /// Whether a report of `self` is possible for a request whose whole transfer is `bound`:
-    /// at most the bound's bytes and commands, and at least one LBA (`lba_bytes_min`, the
-    /// smallest of the pool's devices) per command.
-    pub fn fits(&self, bound: Transferred, lba_bytes_min: u32) -> bool {
+    /// Whether a report of `self` is possible for a request whose whole transfer is `bound`
+    /// on a pool whose commands move `command_bytes` (`PoolShape::command_bytes`): at most the
+    /// bound's bytes and commands, and between the least and the most one command moves per
+    /// command (so no bytes without commands, no commands without bytes).
+    pub fn fits(&self, bound: Transferred, command_bytes: std::ops::RangeInclusive<u64>) -> bool {
+        let within = |per_command: u64| self.commands.checked_mul(per_command);
         self.bytes <= bound.bytes
             && self.commands <= bound.commands
-            && self.commands.checked_mul(u64::from(lba_bytes_min)).is_some_and(|least| least <= self.bytes)
+            && within(*command_bytes.start()).is_some_and(|least| least <= self.bytes)
+            && within(*command_bytes.end()).is_none_or(|most| self.bytes <= most)
     }
 }
 
@@ -88,9 +91,12 @@ impl PoolShape {
         bound
     }
 
-    /// The smallest LBA of the pool's devices (the least one command moves).
-    pub fn lba_bytes_min(&self) -> u32 {
-        self.devices.iter().map(|device| device.lba_bytes).min().unwrap_or(1)
+    /// What one data command of the pool moves: at least the smallest LBA of its devices, at
+    /// most the largest MDTS.
+    pub fn command_bytes(&self) -> std::ops::RangeInclusive<u64> {
+        let least = self.devices.iter().map(|device| u64::from(device.lba_bytes)).min().unwrap_or(1);
+        let most = self.devices.iter().map(|device| device.max_transfer_bytes).max().unwrap_or(u64::MAX);
+        least..=most
     }
 }
 

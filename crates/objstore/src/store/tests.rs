@@ -213,7 +213,7 @@ fn the_data_half_counts_what_each_request_moved_as_the_controller_saw_it() {
     assert!(stored.commands >= u64::from(geometry().layers), "at least one command per layer");
     let bound = shape.transfer_bound(&placements);
     assert_eq!(stored.bytes, bound.bytes, "every layer once: the bound's bytes (its commands are one per LBA, the most possible)");
-    assert!(stored.fits(bound, shape.lba_bytes_min()));
+    assert!(stored.fits(bound, shape.command_bytes()));
     data.store_layer(plan.handle, 0, BUDGET).unwrap();
     data.wait(plan.handle, deadline()).unwrap();
     assert_eq!(data.transferred(plan.handle).unwrap(), stored, "a layer issued again is counted once");
@@ -234,10 +234,12 @@ fn the_data_half_counts_what_each_request_moved_as_the_controller_saw_it() {
     assert_eq!(one_layer.commands, after.io(NvmOpcode::Read) - before.io(NvmOpcode::Read));
     assert_eq!(one_layer.bytes, 2 * 2 * geometry().object_bytes(), "one layer: K and V of two blocks");
     let bound = shape.transfer_bound(&placements);
-    assert!(one_layer.fits(bound, shape.lba_bytes_min()));
-    assert!(!Transferred { bytes: bound.bytes + 1, ..one_layer }.fits(bound, shape.lba_bytes_min()), "more bytes than the grant");
-    assert!(!Transferred { commands: bound.commands + 1, bytes: bound.bytes }.fits(bound, shape.lba_bytes_min()));
-    assert!(!Transferred { bytes: 0, commands: 1 }.fits(bound, shape.lba_bytes_min()), "a command moves at least one LBA");
+    let per_command = shape.command_bytes();
+    assert!(one_layer.fits(bound, per_command.clone()));
+    assert!(!Transferred { bytes: bound.bytes + 1, ..one_layer }.fits(bound, per_command.clone()), "more bytes than the grant");
+    assert!(!Transferred { commands: bound.commands + 1, bytes: bound.bytes }.fits(bound, per_command.clone()));
+    assert!(!Transferred { bytes: 0, commands: 1 }.fits(bound, per_command.clone()), "a command moves at least one LBA");
+    assert!(!Transferred { bytes: 4096, commands: 0 }.fits(bound, per_command), "no bytes without a command");
     data.finish(handle).unwrap();
     control.release(handle).unwrap();
     assert!(matches!(data.transferred(handle), Err(ObjstoreError::UnknownHandle { .. })), "a finished request is gone");
