@@ -306,7 +306,7 @@ fn client_processes_look_up_and_move_kv_concurrently_and_metrics_count_them() {
     let mut during = Vec::new();
     // try_wait keeps the status for wait_with_output below.
     while !movers.iter_mut().all(|child| child.try_wait().unwrap().is_some()) && during.len() < 1000 {
-        let text = scrape(&metrics);
+        let text = common::scrape(&metrics);
         assert!(text.contains("tuttid_pool_slots{state=\"Free\"}"), "{text}");
         during.push(counter(&text, "tuttid_bytes_total{direction=\"Store\"}"));
     }
@@ -328,7 +328,7 @@ fn client_processes_look_up_and_move_kv_concurrently_and_metrics_count_them() {
         }
     }
     assert!(wait_for_clients(&daemon, 0).is_empty());
-    let after = scrape(&metrics);
+    let after = common::scrape(&metrics);
     let block_bytes = 2 * 2 * 16 * 2 * 64 * 2; // 2 layers × K, V × 16 tokens × 2 heads × 64 dims × bf16
     let moved = 2 * u64::from(IO_ROUNDS) * IO_BLOCKS as u64 * block_bytes;
     assert_eq!((reported[0].bytes, reported[1].bytes), (moved, moved), "every block's every layer once, each way");
@@ -375,7 +375,7 @@ fn client_processes_look_up_and_move_kv_concurrently_and_metrics_count_them() {
     }
     let release = Request::Release { handle: prepared.handle, transferred: Transferred::default(), corrupt_blocks: Vec::new() };
     assert!(matches!(liar.client().call(&release), Ok(Reply::Released)), "the request stayed the liar's, released honestly");
-    let after_lies = scrape(&metrics);
+    let after_lies = common::scrape(&metrics);
     for line in [
         "tuttid_errors_total{code=\"18\"} 2".to_string(),
         format!("tuttid_bytes_total{{direction=\"Retrieve\"}} {}", reported[0].bytes),
@@ -390,12 +390,6 @@ fn client_processes_look_up_and_move_kv_concurrently_and_metrics_count_them() {
 /// The value of the sample line starting with `name` (0 when absent).
 fn counter(text: &str, name: &str) -> u64 {
     text.lines().find_map(|line| line.strip_prefix(name)).map_or(0, |value| value.trim().parse().unwrap())
-}
-
-/// `GET url` with a real HTTP client, bounded.
-fn scrape(url: &str) -> String {
-    let agent: ureq::Agent = ureq::Agent::config_builder().timeout_global(Some(Duration::from_secs(10))).build().into();
-    agent.get(url).call().unwrap().body_mut().read_to_string().unwrap()
 }
 
 /// Polls `status` until it lists `count` clients (bounded); returns their pids.

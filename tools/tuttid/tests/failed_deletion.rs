@@ -92,12 +92,6 @@ impl Drop for InProcessDaemon {
     }
 }
 
-/// `GET url` with a real HTTP client, bounded.
-fn scrape(url: &str) -> String {
-    let agent: ureq::Agent = ureq::Agent::config_builder().timeout_global(Some(Duration::from_secs(10))).build().into();
-    agent.get(url).call().unwrap().body_mut().read_to_string().unwrap()
-}
-
 #[test]
 fn a_queue_pair_the_controller_will_not_delete_keeps_its_window_and_reservation_for_good() {
     // Goal: a client holding a store (one layer written, its slots reserved) ends its session
@@ -137,7 +131,7 @@ fn a_queue_pair_the_controller_will_not_delete_keeps_its_window_and_reservation_
     assert_eq!(leaked.pool.writing_slots, BLOCKS as u64, "the reservation is kept: its slots are not free: {:?}", leaked.pool);
     daemon.emulator.dma_pool().translate(window.0, window.1).expect("the leaked window is still mapped for the devices");
 
-    let text = scrape(&daemon.metrics);
+    let text = common::scrape(&daemon.metrics);
     for line in [
         "tuttid_leaked_queue_pairs 1".to_string(),
         "tuttid_leaked_windows 1".to_string(),

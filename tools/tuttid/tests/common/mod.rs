@@ -189,3 +189,9 @@ pub fn retrieve_prompt(store: &mut RemoteKvStore, seed: u32, rank: u32, blocks: 
     }
     Ok(wrong)
 }
+
+/// `GET url` with a real HTTP client, bounded.
+pub fn scrape(url: &str) -> String {
+    let agent: ureq::Agent = ureq::Agent::config_builder().timeout_global(Some(Duration::from_secs(10))).build().into();
+    agent.get(url).call().unwrap().body_mut().read_to_string().unwrap()
+}
