@@ -101,7 +101,7 @@ fn clients_store_and_retrieve_through_the_relay_across_processes() {
     let output = Command::new(TUTTID).arg("--status").arg(&daemon.socket).output().unwrap();
     let printed = String::from_utf8_lossy(&output.stdout);
     assert!(
-        printed.contains(&format!("'relayed'")) && printed.contains(&format!("{} doorbell(s) relayed, 0 dropped", own.doorbells_relayed)),
+        printed.contains("'relayed'") && printed.contains(&format!("{} doorbell(s) relayed, 0 dropped", own.doorbells_relayed)),
         "{printed}"
     );
     assert!(printed.contains("doorbell relay: 1 queue pair(s) relayed"), "{printed}");
