@@ -7,6 +7,10 @@
 //! where there is one, and through the daemon's doorbell relay otherwise (a VFIO device, whose
 //! BAR0 stays here; a software controller in relay mode): see [`crate::relay`].
 //!
+//! `Commit` and `Release` carry the client's report on its request (what its data path moved,
+//! the blocks its verification found corrupt): checked against the request's grant
+//! (`crate::report`) before it is counted in `/metrics` or blocks are evicted.
+//!
 //! Ending a session ([`Holdings::release`]) goes in the one safe order: stop relaying its
 //! doorbells, delete its queue pairs (only once the controller confirmed the deletion may anything they could write be reused),
 //! then release its reservations (uncommitted stores never become visible: the commit rule),
