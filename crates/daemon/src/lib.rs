@@ -10,6 +10,8 @@
 //! - [`pool_open`]: opening the daemon's devices and pool from device strings;
 //! - [`relay`]: the doorbell relay (a client's doorbells on a device whose BAR0 the daemon
 //!   keeps: VFIO, or a software controller in relay mode);
+//! - `report`: a client's report on its own request (what it moved, blocks it found corrupt),
+//!   checked against the request's grant before it is counted or acted on;
 //! - [`server`]: the socket server (owner-only socket, peer credentials, leases, drain);
 //! - [`session`]: what a session holds on the store path (windows, queue pairs, requests) and
 //!   the safe order in which a session's end gives it back;
@@ -25,6 +27,7 @@ pub mod metrics;
 pub mod pool_open;
 pub mod protocol;
 pub mod relay;
+mod report;
 pub mod server;
 pub mod session;
 

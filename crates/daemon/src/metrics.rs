@@ -5,11 +5,13 @@
 //! `tiny_http` on one thread that wakes every tick to check the stop flag, so the endpoint ends
 //! with the daemon's drain. Request-path counters are updated by the connection threads with
 //! atomics (no lock on the request path beyond the family's map, whose label sets are a fixed
-//! enum); pool fill, clients and connections are read from the daemon's state at scrape time.
+//! enum); pool fill, clients, connections, leaks and the doorbell relay are read from the
+//! daemon's state at scrape time.
 //!
-//! Not here yet, because the daemon does not see them: bytes and commands per direction are
-//! issued by the clients' own queue pairs (docs/tuttid.md, "Process model"); they will be
-//! reported with each request's commit or release when the store path moves into the daemon.
+//! Bytes and commands per direction are issued by the clients' own queue pairs (docs/tuttid.md,
+//! "Process model"), so they are what each client reported at its request's commit or release,
+//! once the daemon checked the report against the request's grant (`crate::report`): a client
+//! killed before it reported is not counted.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -99,6 +101,45 @@ struct SlotLabels {
     state: SlotState,
 }
 
+/// A request's direction, as a label value: retrieves read the devices, stores write them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, EncodeLabelValue)]
+enum DirectionLabel {
+    Retrieve,
+    Store,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct DirectionLabels {
+    direction: DirectionLabel,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, EncodeLabelValue)]
+enum DoorbellResult {
+    Forwarded,
+    Dropped,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct DoorbellLabels {
+    result: DoorbellResult,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ClientDoorbellLabels {
+    session: u64,
+    client: String,
+    result: DoorbellResult,
+}
+
+/// One attached session's relay counters, as a scrape reads them.
+#[derive(Debug, Clone, Default)]
+pub struct ClientRelay {
+    pub session: u64,
+    pub name: String,
+    pub forwarded: u64,
+    pub dropped: u64,
+}
+
 /// The daemon's metrics. Cheap to share (`Arc`); every update is lock-free or a short map probe.
 pub struct Metrics {
     registry: Registry,
@@ -114,14 +155,34 @@ pub struct Metrics {
     clients: Gauge,
     connections: Gauge,
     leases_expired: Counter,
+    bytes: Family<DirectionLabels, Counter>,
+    commands: Family<DirectionLabels, Counter>,
+    leaked_queue_pairs: Gauge,
+    leaked_windows: Gauge,
+    leaked_window_bytes: Gauge,
+    leaked_requests: Gauge,
+    relay_passes: Counter,
+    relay_doorbells: Family<DoorbellLabels, Counter>,
+    relay_queues: Gauge,
+    client_doorbells: Family<ClientDoorbellLabels, Counter>,
+    /// The relay's counts at the last scrape (the relay counts; the counters follow).
+    relay_seen: std::sync::Mutex<crate::relay::RelayCounts>,
 }
 
 /// What a scrape reads from the daemon's state.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct Snapshot {
     pub pool: objstore::IndexCounts,
     pub clients: u64,
     pub connections: u64,
+    /// Queue pairs, windows (and bytes) and requests kept for good since start.
+    pub leaked_queue_pairs: u64,
+    pub leaked_windows: u64,
+    pub leaked_window_bytes: u64,
+    pub leaked_requests: u64,
+    pub relay: crate::relay::RelayCounts,
+    /// Per attached session with relayed pairs.
+    pub client_relay: Vec<ClientRelay>,
 }
 
 impl Default for Metrics {
@@ -156,6 +217,38 @@ impl Metrics {
         registry.register("clients", "Attached sessions", clients.clone());
         registry.register("connections", "Open connections, attached or not", connections.clone());
         registry.register("leases_expired", "Sessions ended because they sent nothing for a lease", leases_expired.clone());
+        let (bytes, commands) = (Family::<DirectionLabels, Counter>::default(), Family::<DirectionLabels, Counter>::default());
+        registry.register(
+            "bytes",
+            "Bytes clients' queue pairs moved, by direction (Retrieve: device to engine memory), as reported at commit or release",
+            bytes.clone(),
+        );
+        registry.register("commands", "NVMe commands clients' queue pairs executed, by direction, as reported", commands.clone());
+        let (leaked_queue_pairs, leaked_windows, leaked_window_bytes, leaked_requests) =
+            (Gauge::default(), Gauge::default(), Gauge::default(), Gauge::default());
+        registry.register("leaked_queue_pairs", "Client queue pairs whose deletion failed, kept for good", leaked_queue_pairs.clone());
+        registry.register(
+            "leaked_windows",
+            "Client windows kept mapped for good (a queue that may write them lives)",
+            leaked_windows.clone(),
+        );
+        registry.register("leaked_window_bytes", "Bytes of those windows", leaked_window_bytes.clone());
+        registry.register("leaked_requests", "Requests whose reserved slots are kept for good", leaked_requests.clone());
+        let (relay_passes, relay_doorbells, relay_queues) =
+            (Counter::default(), Family::<DoorbellLabels, Counter>::default(), Gauge::default());
+        let client_doorbells = Family::<ClientDoorbellLabels, Counter>::default();
+        registry.register(
+            "relay_passes",
+            "Polling passes of the doorbell relay thread (none while nothing is relayed)",
+            relay_passes.clone(),
+        );
+        registry.register(
+            "relay_doorbells",
+            "Doorbell values the relay forwarded to a BAR, or dropped (outside the queue's depth)",
+            relay_doorbells.clone(),
+        );
+        registry.register("relay_queues", "Client queue pairs relayed now", relay_queues.clone());
+        registry.register("client_relay_doorbells", "The relay's doorbells per attached session", client_doorbells.clone());
         Metrics {
             registry,
             requests,
@@ -169,7 +262,29 @@ impl Metrics {
             clients,
             connections,
             leases_expired,
+            bytes,
+            commands,
+            leaked_queue_pairs,
+            leaked_windows,
+            leaked_window_bytes,
+            leaked_requests,
+            relay_passes,
+            relay_doorbells,
+            relay_queues,
+            client_doorbells,
+            relay_seen: std::sync::Mutex::new(crate::relay::RelayCounts::default()),
         }
+    }
+
+    /// A client's accepted report: what its request moved.
+    pub fn transferred(&self, direction: objstore::Direction, transferred: objstore::Transferred) {
+        let direction = match direction {
+            objstore::Direction::Retrieve => DirectionLabel::Retrieve,
+            objstore::Direction::Store => DirectionLabel::Store,
+        };
+        let labels = DirectionLabels { direction };
+        self.bytes.get_or_create(&labels).inc_by(transferred.bytes);
+        self.commands.get_or_create(&labels).inc_by(transferred.commands);
     }
 
     /// One request served: its kind, how long it took, and its error code if it failed.
@@ -212,6 +327,28 @@ impl Metrics {
         self.evictions.inc_by(pool.evictions.saturating_sub(seen));
         self.clients.set(gauge_value(snapshot.clients));
         self.connections.set(gauge_value(snapshot.connections));
+        self.leaked_queue_pairs.set(gauge_value(snapshot.leaked_queue_pairs));
+        self.leaked_windows.set(gauge_value(snapshot.leaked_windows));
+        self.leaked_window_bytes.set(gauge_value(snapshot.leaked_window_bytes));
+        self.leaked_requests.set(gauge_value(snapshot.leaked_requests));
+        {
+            let relay = &snapshot.relay;
+            let mut seen = self.relay_seen.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            self.relay_passes.inc_by(relay.passes.saturating_sub(seen.passes));
+            let doorbells = |result| self.relay_doorbells.get_or_create(&DoorbellLabels { result });
+            doorbells(DoorbellResult::Forwarded).inc_by(relay.forwarded.saturating_sub(seen.forwarded));
+            doorbells(DoorbellResult::Dropped).inc_by(relay.dropped.saturating_sub(seen.dropped));
+            *seen = *relay;
+            self.relay_queues.set(gauge_value(relay.queues));
+        }
+        // Per session: only the sessions attached now (a session's series goes with it).
+        self.client_doorbells.clear();
+        for client in &snapshot.client_relay {
+            for (result, value) in [(DoorbellResult::Forwarded, client.forwarded), (DoorbellResult::Dropped, client.dropped)] {
+                let labels = ClientDoorbellLabels { session: client.session, client: client.name.clone(), result };
+                self.client_doorbells.get_or_create(&labels).inc_by(value);
+            }
+        }
         let mut text = String::new();
         prometheus_client::encoding::text::encode(&mut text, &self.registry)?;
         Ok(text)
@@ -295,9 +432,14 @@ mod tests {
         metrics.request(RequestLabel::Hello, Duration::from_micros(5), Some(ErrorCode::BadRequest));
         metrics.lookup(10, 4);
         metrics.error(ErrorCode::LeaseExpired);
-        let mut snapshot = Snapshot { clients: 2, connections: 3, ..Snapshot::default() };
+        metrics.transferred(objstore::Direction::Retrieve, objstore::Transferred { bytes: 8192, commands: 2 });
+        metrics.transferred(objstore::Direction::Retrieve, objstore::Transferred { bytes: 4096, commands: 1 });
+        metrics.transferred(objstore::Direction::Store, objstore::Transferred { bytes: 512, commands: 1 });
+        let mut snapshot = Snapshot { clients: 2, connections: 3, leaked_queue_pairs: 1, leaked_window_bytes: 4096, ..Snapshot::default() };
         snapshot.pool.free_slots = 7;
         snapshot.pool.evictions = 5;
+        snapshot.relay = crate::relay::RelayCounts { passes: 40, forwarded: 12, dropped: 1, queues: 2 };
+        snapshot.client_relay = vec![ClientRelay { session: 4, name: "rank-0".into(), forwarded: 12, dropped: 1 }];
         let text = metrics.encode(&snapshot).unwrap();
         for line in [
             "tuttid_requests_total{request=\"Lookup\"} 1",
@@ -311,11 +453,29 @@ mod tests {
             "tuttid_connections 3",
             "tuttid_leases_expired_total 1",
             "tuttid_request_seconds_count{request=\"Lookup\"} 1",
+            "tuttid_bytes_total{direction=\"Retrieve\"} 12288",
+            "tuttid_commands_total{direction=\"Retrieve\"} 3",
+            "tuttid_bytes_total{direction=\"Store\"} 512",
+            "tuttid_commands_total{direction=\"Store\"} 1",
+            "tuttid_leaked_queue_pairs 1",
+            "tuttid_leaked_window_bytes 4096",
+            "tuttid_leaked_windows 0",
+            "tuttid_relay_passes_total 40",
+            "tuttid_relay_doorbells_total{result=\"Forwarded\"} 12",
+            "tuttid_relay_doorbells_total{result=\"Dropped\"} 1",
+            "tuttid_relay_queues 2",
+            "tuttid_client_relay_doorbells_total{session=\"4\",client=\"rank-0\",result=\"Forwarded\"} 12",
         ] {
             assert!(text.contains(line), "missing {line:?} in\n{text}");
         }
-        // The eviction counter follows the index: a later scrape adds only the difference.
+        // The eviction and relay counters follow their sources: a later scrape adds only the
+        // difference; a session that ended leaves no series.
         snapshot.pool.evictions = 8;
-        assert!(metrics.encode(&snapshot).unwrap().contains("tuttid_pool_evictions_total 8"));
+        snapshot.relay.forwarded = 20;
+        snapshot.client_relay.clear();
+        let text = metrics.encode(&snapshot).unwrap();
+        assert!(text.contains("tuttid_pool_evictions_total 8"), "{text}");
+        assert!(text.contains("tuttid_relay_doorbells_total{result=\"Forwarded\"} 20"), "{text}");
+        assert!(!text.contains("tuttid_client_relay_doorbells_total{"), "{text}");
     }
 }

@@ -19,8 +19,10 @@
 
 use std::fmt;
 
+mod status;
 mod store;
 
+pub use status::{ClientStatus, DeviceStatus, PoolStatus, RelayStatus, StatusReply};
 pub use store::{
     AttachQueues, Commit, NamespaceGrant, Prepare, QueueGrant, RegisterMemory, Registered, RetrievePrepared, RingOffsets, StorePrepared,
     DEVICES_MAX, NAMESPACES_MAX,
@@ -30,7 +32,7 @@ pub use store::{
 pub const MAGIC: [u8; 4] = *b"TUTD";
 /// The one protocol version this build speaks. A frame of another version is refused with
 /// [`ErrorCode::UnsupportedVersion`], naming both.
-pub const PROTOCOL_VERSION: u16 = 2;
+pub const PROTOCOL_VERSION: u16 = 3;
 /// Bytes of a frame header.
 pub const HEADER_BYTES: usize = 16;
 /// Largest body: 1 MiB, a lookup of 262,143 tokens (vLLM's longest contexts are 128k–1M tokens:
@@ -142,6 +144,9 @@ pub enum ErrorCode {
     Unsupported,
     /// The store refused or failed the request (pool full, I/O error, ...).
     StoreFailed,
+    /// A client's report on its own request (what its data path moved, blocks it found
+    /// corrupt) that the request's grant does not cover: refused, nothing counted or evicted.
+    BadReport,
     /// A code this build does not know (a newer daemon).
     Unknown(u16),
 }
@@ -166,6 +171,7 @@ impl ErrorCode {
             ErrorCode::LimitReached => 15,
             ErrorCode::Unsupported => 16,
             ErrorCode::StoreFailed => 17,
+            ErrorCode::BadReport => 18,
             ErrorCode::Unknown(code) => code,
         }
     }
@@ -189,6 +195,7 @@ impl ErrorCode {
             15 => ErrorCode::LimitReached,
             16 => ErrorCode::Unsupported,
             17 => ErrorCode::StoreFailed,
+            18 => ErrorCode::BadReport,
             other => ErrorCode::Unknown(other),
         }
     }
@@ -303,51 +310,6 @@ pub struct HelloReply {
     pub shape: PoolShape,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DeviceStatus {
-    pub spec: String,
-    pub description: String,
-    /// Commands the software controller refused because they named memory or blocks outside
-    /// their queue's restriction (always 0 on other devices).
-    pub refused_commands: u64,
-}
-
-/// Pool fill: the index's counts, sent field by field (see `encode`/`decode`).
-pub type PoolStatus = objstore::IndexCounts;
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ClientStatus {
-    pub session: u64,
-    pub pid: u32,
-    pub uid: u32,
-    pub name: String,
-    pub tp_rank: u32,
-    pub tp_world: u32,
-    pub requests: u64,
-    pub idle_ms: u64,
-    /// Memory windows registered, queue pairs attached, requests prepared and not yet
-    /// committed or released.
-    pub registrations: u32,
-    pub queue_pairs: u32,
-    pub requests_in_flight: u32,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StatusReply {
-    pub daemon_pid: u32,
-    pub uptime_ms: u64,
-    pub shape: PoolShape,
-    pub devices: Vec<DeviceStatus>,
-    pub pool: PoolStatus,
-    /// Open connections, attached or not (a status query is one).
-    pub connections: u32,
-    /// Attached sessions.
-    pub clients: Vec<ClientStatus>,
-    /// Client queue pairs whose deletion failed since start: their rings, windows and
-    /// reservations are kept for good (docs/tuttid.md, "Leases and crashes").
-    pub leaked_queue_pairs: u64,
-}
-
 /// What a client asks.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Request {
@@ -373,9 +335,13 @@ pub enum Request {
     PrepareRetrieve(Prepare),
     PrepareStore(Prepare),
     Commit(Commit),
-    /// Ends a request without committing (a retrieve's pins, a store's reservation).
+    /// Ends a request without committing (a retrieve's pins, a store's reservation), with the
+    /// client's report: what its data path moved, and the blocks its verification found
+    /// corrupt (the daemon evicts them; protocol version 3).
     Release {
         handle: u64,
+        transferred: objstore::Transferred,
+        corrupt_blocks: Vec<objstore::MismatchedBlock>,
     },
 }
 
@@ -514,45 +480,7 @@ impl Reply {
                 put_u32(out, *cached_blocks);
                 put_u32(out, *block_tokens);
             }
-            Reply::Status(status) => {
-                put_u32(out, status.daemon_pid);
-                put_u64(out, status.uptime_ms);
-                put_shape(out, &status.shape);
-                put_u16(out, status.devices.len() as u16);
-                for device in &status.devices {
-                    put_str(out, &device.spec);
-                    put_str(out, &device.description);
-                    put_u64(out, device.refused_commands);
-                }
-                let pool = &status.pool;
-                for value in [
-                    pool.slots,
-                    pool.free_slots,
-                    pool.valid_slots,
-                    pool.writing_slots,
-                    pool.pinned_slots,
-                    pool.cached_blocks,
-                    pool.evictions,
-                ] {
-                    put_u64(out, value);
-                }
-                put_u32(out, status.connections);
-                put_u16(out, status.clients.len() as u16);
-                for client in &status.clients {
-                    put_u64(out, client.session);
-                    put_u32(out, client.pid);
-                    put_u32(out, client.uid);
-                    put_str(out, &client.name);
-                    put_u32(out, client.tp_rank);
-                    put_u32(out, client.tp_world);
-                    put_u64(out, client.requests);
-                    put_u64(out, client.idle_ms);
-                    put_u32(out, client.registrations);
-                    put_u32(out, client.queue_pairs);
-                    put_u32(out, client.requests_in_flight);
-                }
-                put_u64(out, status.leaked_queue_pairs);
-            }
+            Reply::Status(status) => status::put_status(out, status),
             Reply::Pong => {}
             Reply::Error { code, message } => {
                 put_u16(out, code.to_u16());
@@ -569,49 +497,7 @@ impl Reply {
         let reply = match kind {
             Kind::HelloReply => Reply::Hello(HelloReply { session: r.u64("session")?, lease_ms: r.u32("lease_ms")?, shape: r.shape()? }),
             Kind::LookupReply => Reply::Lookup { cached_blocks: r.u32("cached_blocks")?, block_tokens: r.u32("block_tokens")? },
-            Kind::StatusReply => {
-                let daemon_pid = r.u32("daemon_pid")?;
-                let uptime_ms = r.u64("uptime_ms")?;
-                let shape = r.shape()?;
-                let device_count = r.u16("device_count")?;
-                let mut devices = Vec::new();
-                for _ in 0..device_count {
-                    devices.push(DeviceStatus {
-                        spec: r.string("device spec", STRING_BYTES_MAX)?,
-                        description: r.string("device description", STRING_BYTES_MAX)?,
-                        refused_commands: r.u64("refused_commands")?,
-                    });
-                }
-                let pool = PoolStatus {
-                    slots: r.u64("slots")?,
-                    free_slots: r.u64("free_slots")?,
-                    valid_slots: r.u64("valid_slots")?,
-                    writing_slots: r.u64("writing_slots")?,
-                    pinned_slots: r.u64("pinned_slots")?,
-                    cached_blocks: r.u64("cached_blocks")?,
-                    evictions: r.u64("evictions")?,
-                };
-                let connections = r.u32("connections")?;
-                let client_count = r.u16("client_count")?;
-                let mut clients = Vec::new();
-                for _ in 0..client_count {
-                    clients.push(ClientStatus {
-                        session: r.u64("session")?,
-                        pid: r.u32("pid")?,
-                        uid: r.u32("uid")?,
-                        name: r.string("client name", CLIENT_NAME_BYTES_MAX)?,
-                        tp_rank: r.u32("tp_rank")?,
-                        tp_world: r.u32("tp_world")?,
-                        requests: r.u64("requests")?,
-                        idle_ms: r.u64("idle_ms")?,
-                        registrations: r.u32("registrations")?,
-                        queue_pairs: r.u32("queue_pairs")?,
-                        requests_in_flight: r.u32("requests_in_flight")?,
-                    });
-                }
-                let leaked_queue_pairs = r.u64("leaked_queue_pairs")?;
-                Reply::Status(StatusReply { daemon_pid, uptime_ms, shape, devices, pool, connections, clients, leaked_queue_pairs })
-            }
+            Kind::StatusReply => Reply::Status(r.status()?),
             Kind::Pong => Reply::Pong,
             Kind::Error => Reply::Error { code: ErrorCode::from_u16(r.u16("code")?), message: r.string("message", STRING_BYTES_MAX)? },
             other => match store::decode_reply(other, &mut r)? {

@@ -63,13 +63,34 @@ impl Default for RelayConfig {
     }
 }
 
-/// Names one relayed pair, to remove it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RelayTicket(u64);
+/// One relayed pair's counters, shared with the session that owns the pair (status and
+/// `/metrics` show them per client). Updated by the relay thread only when a value moves.
+#[derive(Debug, Default)]
+pub struct PairCounters {
+    /// Doorbell values of this pair written to the BAR.
+    pub forwarded: AtomicU64,
+    /// Values outside the queue's depth, dropped.
+    pub dropped: AtomicU64,
+}
+
+/// Names one relayed pair, to remove it, and holds its counters.
+#[derive(Debug, Clone)]
+pub struct RelayTicket {
+    id: u64,
+    counters: Arc<PairCounters>,
+}
+
+impl RelayTicket {
+    pub fn counters(&self) -> &Arc<PairCounters> {
+        &self.counters
+    }
+}
 
 /// The relay's counters.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct RelayCounts {
+    /// Polling passes made (wake-ups of the relay thread; none while nothing is relayed).
+    pub passes: u64,
     /// Doorbell values written to a BAR.
     pub forwarded: u64,
     /// Values outside their queue's depth, dropped.
@@ -88,7 +109,8 @@ struct Slot {
 }
 
 struct RelayedQueue {
-    ticket: RelayTicket,
+    ticket: u64,
+    counters: Arc<PairCounters>,
     page: SharedRegisters,
     bar: Arc<dyn RegisterIo>,
     queue_id: u16,
@@ -123,6 +145,7 @@ impl RelayedQueue {
         slot.seen = value;
         if value >= self.depth {
             dropped.fetch_add(1, Ordering::Relaxed);
+            self.counters.dropped.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(
                 queue = self.queue_id,
                 value,
@@ -141,6 +164,7 @@ impl RelayedQueue {
         }
         self.bar.write32(slot.offset, value);
         slot.forwarded = value;
+        self.counters.forwarded.fetch_add(1, Ordering::Relaxed);
         1
     }
 }
@@ -213,10 +237,11 @@ impl DoorbellRelay {
     /// Starts relaying `layout`'s two doorbells from `page` (made by [`Self::make_page`]) to
     /// `bar`. Only those two offsets of the page are ever read.
     pub fn add(&self, page: Arc<SharedMemory>, bar: Arc<dyn RegisterIo>, layout: &DetachedQueueLayout) -> RelayTicket {
-        let ticket = RelayTicket(self.shared.next_ticket.fetch_add(1, Ordering::Relaxed));
+        let ticket = RelayTicket { id: self.shared.next_ticket.fetch_add(1, Ordering::Relaxed), counters: Arc::default() };
         let slot = |offset| Slot { offset, forwarded: 0, seen: 0 };
         let queue = RelayedQueue {
-            ticket,
+            ticket: ticket.id,
+            counters: Arc::clone(&ticket.counters),
             page: SharedRegisters::new(page),
             bar,
             queue_id: layout.id.0,
@@ -232,15 +257,16 @@ impl DoorbellRelay {
     /// Stops relaying one pair. When this returns, the thread forwards nothing more for it (a
     /// pass holds the queue list's lock for its whole length), so its queues may be deleted.
     /// Returns whether the ticket was relayed.
-    pub fn remove(&self, ticket: RelayTicket) -> bool {
+    pub fn remove(&self, ticket: &RelayTicket) -> bool {
         let mut queues = lock(&self.shared.queues);
         let before = queues.len();
-        queues.retain(|queue| queue.ticket != ticket);
+        queues.retain(|queue| queue.ticket != ticket.id);
         queues.len() != before
     }
 
     pub fn counts(&self) -> RelayCounts {
         RelayCounts {
+            passes: self.shared.passes.load(Ordering::Relaxed),
             forwarded: self.shared.forwarded.load(Ordering::Relaxed),
             dropped: self.shared.dropped.load(Ordering::Relaxed),
             queues: lock(&self.shared.queues).len() as u64,
@@ -353,7 +379,7 @@ mod tests {
         // Two passes: a pass that started before the caller's write may have missed it.
         for _ in 0..2 {
             let ticket = relay.add(SharedMemory::create("probe", 8192).unwrap(), Arc::new(RecordingBar::default()), &layout(1, 2));
-            relay.remove(ticket);
+            relay.remove(&ticket);
             std::thread::sleep(Duration::from_millis(5));
         }
     }
@@ -376,7 +402,7 @@ mod tests {
         let page = DoorbellRelay::make_page(bar.as_ref(), &own).unwrap();
         let client = SharedRegisters::new(Arc::clone(&page));
         assert_eq!(client.read64(registers::CAP), 0x1234, "CAP copied for the client's stride check");
-        relay.add(Arc::clone(&page), bar.clone(), &own);
+        let ticket = relay.add(Arc::clone(&page), bar.clone(), &own);
 
         let other = layout(2, 16);
         client.write32(other.submission_doorbell_offset, 5);
@@ -388,7 +414,11 @@ mod tests {
         wait_for(&bar, 2);
         settle(&relay);
         assert_eq!(*lock(&bar.writes), vec![(own.submission_doorbell_offset, 7), (own.completion_doorbell_offset, 4)]);
-        assert_eq!(relay.counts(), RelayCounts { forwarded: 2, dropped: 0, queues: 1 });
+        let counts = relay.counts();
+        assert_eq!((counts.forwarded, counts.dropped, counts.queues), (2, 0, 1));
+        assert!(counts.passes >= 2, "{counts:?}");
+        let pair = ticket.counters();
+        assert_eq!((pair.forwarded.load(Ordering::Relaxed), pair.dropped.load(Ordering::Relaxed)), (2, 0), "the pair's own counters");
     }
 
     #[test]
@@ -400,7 +430,7 @@ mod tests {
         let own = layout(1, 8);
         let page = DoorbellRelay::make_page(bar.as_ref(), &own).unwrap();
         let client = SharedRegisters::new(Arc::clone(&page));
-        relay.add(page, bar.clone(), &own);
+        let ticket = relay.add(page, bar.clone(), &own);
         client.write32(own.submission_doorbell_offset, 8);
         client.write32(own.completion_doorbell_offset, u32::MAX);
         settle(&relay);
@@ -410,6 +440,8 @@ mod tests {
         wait_for(&bar, 1);
         assert_eq!(*lock(&bar.writes), vec![(own.submission_doorbell_offset, 3)]);
         assert_eq!(relay.counts().dropped, 2);
+        let pair = ticket.counters();
+        assert_eq!((pair.forwarded.load(Ordering::Relaxed), pair.dropped.load(Ordering::Relaxed)), (1, 2), "the pair's own counters");
     }
 
     /// A BAR that stamps the time of each doorbell it receives.
@@ -477,7 +509,7 @@ mod tests {
         // shared register page pays nothing); an added pair wakes it at once.
         let relay = DoorbellRelay::start(fast()).unwrap();
         std::thread::sleep(Duration::from_millis(50));
-        let passes = relay.shared.passes.load(Ordering::Relaxed);
+        let passes = relay.counts().passes;
         assert!(passes <= 2, "{passes} passes with nothing relayed");
         let bar = Arc::new(RecordingBar::default());
         let own = layout(1, 8);
@@ -501,8 +533,8 @@ mod tests {
         let (first_client, second_client) = (SharedRegisters::new(first_page), SharedRegisters::new(second_page));
         first_client.write32(first.submission_doorbell_offset, 1);
         wait_for(&bar, 1);
-        assert!(relay.remove(first_ticket));
-        assert!(!relay.remove(first_ticket));
+        assert!(relay.remove(&first_ticket));
+        assert!(!relay.remove(&first_ticket));
         first_client.write32(first.submission_doorbell_offset, 2);
         second_client.write32(second.submission_doorbell_offset, 1);
         wait_for(&bar, 2);

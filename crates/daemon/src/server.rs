@@ -30,10 +30,10 @@ use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
 use crate::frame_io::{read_frame, write_frame, write_frame_with_fds, ReadOutcome};
 use crate::keys::KeySpace;
 use crate::lock::DeviceLocks;
-use crate::metrics::{Metrics, MetricsEndpoint, RequestLabel, Snapshot};
+use crate::metrics::{ClientRelay, Metrics, MetricsEndpoint, RequestLabel, Snapshot};
 use crate::pool_open::OpenedPool;
 use crate::protocol::{encode_frame, ClientStatus, DeviceStatus, ErrorCode, HelloReply, Kind, PoolShape, Reply, Request, StatusReply};
-use crate::relay::{DoorbellRelay, RelayConfig};
+use crate::relay::{DoorbellRelay, PairCounters, RelayConfig};
 use crate::session::{Holdings, LeakCounters, SessionLimits, StoreState};
 use crate::DaemonError;
 
@@ -104,6 +104,17 @@ struct SessionRecord {
     registrations: u32,
     queue_pairs: u32,
     requests_in_flight: u32,
+    /// The relay's counters of the session's relayed pairs (set when it attaches queues).
+    relay: Vec<Arc<PairCounters>>,
+}
+
+impl SessionRecord {
+    /// Doorbells the relay forwarded and dropped for this session's pairs.
+    fn relay_counts(&self) -> (u64, u64) {
+        self.relay.iter().fold((0, 0), |(forwarded, dropped), pair| {
+            (forwarded + pair.forwarded.load(Ordering::Relaxed), dropped + pair.dropped.load(Ordering::Relaxed))
+        })
+    }
 }
 
 struct Shared {
@@ -474,6 +485,13 @@ impl Connection {
             (Request::AttachQueues(attach), Some(_)) => {
                 let (reply, reply_fds) = self.holdings.attach(attach, &shared.store, limits);
                 self.count_holdings(shared);
+                // The relayed pairs change only here: their counters go to the record once.
+                let relay = self.holdings.relay_counters();
+                if let Some(session) = self.session {
+                    if let Some(record) = lock(&shared.sessions).get_mut(&session) {
+                        record.relay = relay;
+                    }
+                }
                 return (reply, reply_fds);
             }
             (Request::PoolShape, Some(_)) => Reply::PoolShape(shared.pool_shape.clone()),
@@ -483,8 +501,10 @@ impl Connection {
             (Request::PrepareStore(prepare), Some(space)) => {
                 self.holdings.prepare_store(prepare, &space, shared.shape.block_tokens, &shared.store, limits)
             }
-            (Request::Commit(commit), Some(_)) => self.holdings.commit(commit, &shared.store),
-            (Request::Release { handle }, Some(_)) => self.holdings.release_request(handle, &shared.store),
+            (Request::Commit(commit), Some(_)) => self.holdings.commit(commit, &shared.store, &shared.pool_shape, &shared.metrics),
+            (Request::Release { handle, transferred, corrupt_blocks }, Some(_)) => {
+                self.holdings.release_request(handle, transferred, &corrupt_blocks, &shared.store, &shared.pool_shape, &shared.metrics)
+            }
             (
                 Request::RegisterMemory(_)
                 | Request::AttachQueues(_)
@@ -534,6 +554,7 @@ impl Connection {
                     registrations: 0,
                     queue_pairs: 0,
                     requests_in_flight: 0,
+                    relay: Vec::new(),
                 };
                 lock(&shared.sessions).insert(session, record);
                 self.session = Some(session);
@@ -571,21 +592,43 @@ impl Connection {
 
 /// What a scrape reads from the daemon's state.
 fn metrics_snapshot(shared: &Shared) -> Snapshot {
+    let (pool, relay) = {
+        let store = lock(&shared.store);
+        (store.control.counts(), store.relay.counts())
+    };
+    let (clients, client_relay) = {
+        let sessions = lock(&shared.sessions);
+        let relayed = sessions.iter().filter(|(_, record)| !record.relay.is_empty());
+        let client_relay = relayed
+            .map(|(&session, record)| {
+                let (forwarded, dropped) = record.relay_counts();
+                ClientRelay { session, name: record.name.clone(), forwarded, dropped }
+            })
+            .collect();
+        (sessions.len() as u64, client_relay)
+    };
+    let leaks = &shared.leaks;
     Snapshot {
-        pool: lock(&shared.store).control.counts(),
-        clients: lock(&shared.sessions).len() as u64,
+        pool,
+        clients,
         connections: u64::from(shared.connections.load(Ordering::Acquire)),
+        leaked_queue_pairs: leaks.queue_pairs.load(Ordering::Relaxed),
+        leaked_windows: leaks.windows.load(Ordering::Relaxed),
+        leaked_window_bytes: leaks.window_bytes.load(Ordering::Relaxed),
+        leaked_requests: leaks.requests.load(Ordering::Relaxed),
+        relay,
+        client_relay,
     }
 }
 
 fn status(shared: &Shared) -> StatusReply {
-    let (devices, pool) = {
+    let (devices, pool, relay) = {
         let store = lock(&shared.store);
         let mut devices = shared.devices.clone();
         for (device, emulator) in devices.iter_mut().zip(&store.emulators) {
             device.refused_commands = emulator.as_ref().map_or(0, |emulator| emulator.stats().restriction_refusals);
         }
-        (devices, store.control.counts())
+        (devices, store.control.counts(), store.relay.counts())
     };
     let clients = lock(&shared.sessions)
         .iter()
@@ -601,8 +644,11 @@ fn status(shared: &Shared) -> StatusReply {
             registrations: record.registrations,
             queue_pairs: record.queue_pairs,
             requests_in_flight: record.requests_in_flight,
+            doorbells_relayed: record.relay_counts().0,
+            doorbells_dropped: record.relay_counts().1,
         })
         .collect();
+    let leaks = &shared.leaks;
     StatusReply {
         daemon_pid: std::process::id(),
         uptime_ms: shared.started.elapsed().as_millis() as u64,
@@ -611,6 +657,10 @@ fn status(shared: &Shared) -> StatusReply {
         pool,
         connections: shared.connections.load(Ordering::Acquire),
         clients,
-        leaked_queue_pairs: shared.leaks.queue_pairs.load(Ordering::Relaxed),
+        leaked_queue_pairs: leaks.queue_pairs.load(Ordering::Relaxed),
+        leaked_windows: leaks.windows.load(Ordering::Relaxed),
+        leaked_window_bytes: leaks.window_bytes.load(Ordering::Relaxed),
+        leaked_requests: leaks.requests.load(Ordering::Relaxed),
+        relay,
     }
 }

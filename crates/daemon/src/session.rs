@@ -7,6 +7,10 @@
 //! where there is one, and through the daemon's doorbell relay otherwise (a VFIO device, whose
 //! BAR0 stays here; a software controller in relay mode): see [`crate::relay`].
 //!
+//! `Commit` and `Release` carry the client's report on its request (what its data path moved,
+//! the blocks its verification found corrupt): checked against the request's grant
+//! (`crate::report`) before it is counted in `/metrics` or blocks are evicted.
+//!
 //! Ending a session ([`Holdings::release`]) goes in the one safe order: stop relaying its
 //! doorbells, delete its queue pairs (only once the controller confirmed the deletion may anything they could write be reused),
 //! then release its reservations (uncommitted stores never become visible: the commit rule),
@@ -21,14 +25,16 @@ use nvme_driver::hw::{DmaRegion, SharedMemory};
 use nvme_driver::spec::{COMPLETION_ENTRY_BYTES, SUBMISSION_ENTRY_BYTES};
 use nvme_driver::{DataPointerMode, DetachedQueuePair, NamespaceId};
 use nvme_emu::{EmuDevice, QueueRestriction};
-use objstore::{NoLender, ObjstoreError, Placement, RequestHandle, StoreControl};
+use objstore::{MismatchedBlock, NoLender, ObjstoreError, Placement, PoolShape, RequestHandle, StoreControl, Transferred};
 
 use crate::keys::KeySpace;
+use crate::metrics::Metrics;
 use crate::protocol::{
     AttachQueues, Commit, ErrorCode, NamespaceGrant, Prepare, QueueGrant, RegisterMemory, Registered, Reply, RetrievePrepared,
     StorePrepared,
 };
-use crate::relay::{DoorbellRelay, RelayTicket};
+use crate::relay::{DoorbellRelay, PairCounters, RelayTicket};
+use crate::report::{self, Refusal};
 
 /// Per-session caps (a `ServerConfig` setting).
 #[derive(Debug, Clone, Copy)]
@@ -60,10 +66,16 @@ pub struct StoreState {
     pub relay: DoorbellRelay,
 }
 
-/// Counters of what could not be given back (shown in status).
+/// Counters of what could not be given back (shown in status and `/metrics`).
 #[derive(Debug, Default)]
 pub struct LeakCounters {
     pub queue_pairs: AtomicU64,
+    /// Windows kept mapped for good (a queue pair that may still write them was not deleted),
+    /// and their bytes.
+    pub windows: AtomicU64,
+    pub window_bytes: AtomicU64,
+    /// Requests whose reservations are kept for good (their slots never reused).
+    pub requests: AtomicU64,
 }
 
 /// One registered window: the daemon's mapping of the client's memfd (every region over it,
@@ -86,9 +98,6 @@ pub struct Holdings {
     keys: Vec<u64>,
     crcs: Vec<u32>,
 }
-
-/// A refused request: the code and the sentence of its `Error` reply (small, unlike `Reply`).
-type Refusal = (ErrorCode, String);
 
 fn refused((code, message): Refusal) -> Reply {
     Reply::error(code, message)
@@ -120,6 +129,12 @@ impl Holdings {
 
     pub fn requests_in_flight(&self) -> u32 {
         self.handles.len() as u32
+    }
+
+    /// The relay's counters of every relayed pair of the session (none on devices with a
+    /// shared register page).
+    pub fn relay_counters(&self) -> Vec<Arc<PairCounters>> {
+        self.registrations.iter().flat_map(|registration| registration.relayed.iter().map(|ticket| Arc::clone(ticket.counters()))).collect()
     }
 
     fn registration(&self, id: u64) -> Result<usize, Refusal> {
@@ -333,7 +348,7 @@ impl Holdings {
             // deletion fails stays with the registration and is handled at session end), after
             // the relay stopped forwarding for them.
             for ticket in registration.relayed.drain(..) {
-                store.relay.remove(ticket);
+                store.relay.remove(&ticket);
             }
             let mut kept = Vec::new();
             for pair in std::mem::take(&mut registration.queues) {
@@ -450,18 +465,26 @@ impl Holdings {
         })
     }
 
-    pub fn commit(&mut self, commit: Commit, store: &Mutex<StoreState>) -> Reply {
+    /// `Commit`: the client's report of what it moved is checked first (a refusal keeps the
+    /// reservation); it is counted once the request ended (committed, or failed while writing),
+    /// not when a refusal left it to a later `Release` (which reports it then).
+    pub fn commit(&mut self, commit: Commit, store: &Mutex<StoreState>, shape: &PoolShape, metrics: &Metrics) -> Reply {
         let position = match self.owns(commit.handle) {
             Ok(position) => position,
             Err(refusal) => return refused(refusal),
         };
         let handle = self.handles[position];
         let mut store = lock(store);
+        let direction = match report::check_transferred(&store.control, shape, handle, commit.transferred) {
+            Ok(direction) => direction,
+            Err(refusal) => return refused(refusal),
+        };
         let result = store.control.commit_store(handle, commit.payload_crcs.as_deref(), &mut NoLender);
         // A refusal before anything was written keeps the reservation (release it or commit
         // again); a commit or a failed write ends it.
         if store.control.direction(handle).is_err() {
             self.handles.swap_remove(position);
+            metrics.transferred(direction, commit.transferred);
         }
         match result {
             Ok(stored) => Reply::Committed { stored: stored as u32 },
@@ -469,13 +492,37 @@ impl Holdings {
         }
     }
 
-    pub fn release_request(&mut self, handle: u64, store: &Mutex<StoreState>) -> Reply {
+    /// `Release`: the client's report is checked (what it moved; the blocks its verification
+    /// found corrupt, evicted here), then the request ends and what it moved is counted. A
+    /// refused report changes nothing: the request stays the session's.
+    pub fn release_request(
+        &mut self,
+        handle: u64,
+        transferred: Transferred,
+        corrupt_blocks: &[MismatchedBlock],
+        store: &Mutex<StoreState>,
+        shape: &PoolShape,
+        metrics: &Metrics,
+    ) -> Reply {
         let position = match self.owns(handle) {
             Ok(position) => position,
             Err(refusal) => return refused(refusal),
         };
-        let handle = self.handles.swap_remove(position);
-        match lock(store).control.release(handle) {
+        let handle = self.handles[position];
+        let mut store = lock(store);
+        let direction = match report::check_transferred(&store.control, shape, handle, transferred) {
+            Ok(direction) => direction,
+            Err(refusal) => return refused(refusal),
+        };
+        if !corrupt_blocks.is_empty() {
+            if let Err(refusal) = report::evict_corrupt(&mut store.control, handle, corrupt_blocks) {
+                return refused(refusal);
+            }
+        }
+        self.handles.swap_remove(position);
+        let released = store.control.release(handle);
+        metrics.transferred(direction, transferred);
+        match released {
             Ok(()) => Reply::Released,
             Err(error) => store_error("releasing the request", error),
         }
@@ -490,7 +537,7 @@ impl Holdings {
             let store = lock(store);
             for registration in &mut self.registrations {
                 for ticket in registration.relayed.drain(..) {
-                    store.relay.remove(ticket);
+                    store.relay.remove(&ticket);
                 }
             }
         }
@@ -508,6 +555,17 @@ impl Holdings {
         if !undeleted.is_empty() {
             let count = undeleted.len() as u64;
             leaks.queue_pairs.fetch_add(count, Ordering::Relaxed);
+            let window_bytes: u64 = self.registrations.iter().map(|registration| registration.window.len() as u64).sum();
+            leaks.windows.fetch_add(self.registrations.len() as u64, Ordering::Relaxed);
+            leaks.window_bytes.fetch_add(window_bytes, Ordering::Relaxed);
+            leaks.requests.fetch_add(self.handles.len() as u64, Ordering::Relaxed);
+            tracing::error!(
+                queue_pairs = count,
+                windows = self.registrations.len(),
+                window_bytes,
+                requests = self.handles.len(),
+                "a session ended with queue pairs that could not be deleted: its windows stay mapped and its reservations held, for good"
+            );
             // Kept for good: the pairs (dropping one would try again and then leak its rings
             // anyway), the windows they may write, and the reservations whose slots they may
             // write (never released, so never reused).

@@ -40,7 +40,7 @@ use nvme_driver::DmaAllocator;
 pub use control::StoreControl;
 pub use data::StoreData;
 pub use layer_kv::LayerKvStore;
-pub use shape::{DeviceLayout, Placement, PoolShape};
+pub use shape::{DeviceLayout, Placement, PoolShape, Transferred};
 
 use crate::error::{ObjstoreError, Result};
 use crate::hash::block_keys_seeded;

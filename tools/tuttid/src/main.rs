@@ -54,6 +54,10 @@ struct Cli {
     /// At most this many slots per device, with --format.
     #[arg(long)]
     slots: Option<u64>,
+    /// With --format: record a CRC of every block's payload at commit, so that clients
+    /// configured to verify retrieves can (a mismatching block is then evicted).
+    #[arg(long)]
+    payload_crc: bool,
     /// Namespace id on every device.
     #[arg(long, default_value_t = 1)]
     namespace: u32,
@@ -134,7 +138,7 @@ fn serve(cli: &Cli) -> Result<()> {
             blocks_per_slot: cli.blocks_per_slot,
             slot_count_max: cli.slots,
             pool_uuid: None,
-            payload_crc: false,
+            payload_crc: cli.payload_crc,
         })
     } else {
         None
@@ -253,7 +257,8 @@ fn print_report(status: &StatusReply) -> Result<()> {
     outln!("connections: {}; clients: {}", status.connections, status.clients.len())?;
     for client in &status.clients {
         outln!(
-            "  session {} pid {} uid {} '{}': TP rank {}/{}, {} requests, idle {} ms; {} window(s), {} queue pair(s), {} request(s) in flight",
+            "  session {} pid {} uid {} '{}': TP rank {}/{}, {} requests, idle {} ms; {} window(s), {} queue pair(s), {} request(s) in flight; \
+             {} doorbell(s) relayed, {} dropped",
             client.session,
             client.pid,
             client.uid,
@@ -264,11 +269,28 @@ fn print_report(status: &StatusReply) -> Result<()> {
             client.idle_ms,
             client.registrations,
             client.queue_pairs,
-            client.requests_in_flight
+            client.requests_in_flight,
+            client.doorbells_relayed,
+            client.doorbells_dropped
         )?;
     }
+    let relay = &status.relay;
+    outln!(
+        "doorbell relay: {} queue pair(s) relayed; {} doorbell(s) forwarded, {} dropped; {} polling passes",
+        relay.queues,
+        relay.forwarded,
+        relay.dropped,
+        relay.passes
+    )?;
     if status.leaked_queue_pairs > 0 {
-        outln!("LEAKED: {} client queue pair(s) could not be deleted; their windows and reservations are kept", status.leaked_queue_pairs)?;
+        outln!(
+            "LEAKED: {} client queue pair(s) could not be deleted; kept with them for good: {} window(s) ({}) still mapped, {} \
+             request(s) still reserved",
+            status.leaked_queue_pairs,
+            status.leaked_windows,
+            format_size(status.leaked_window_bytes),
+            status.leaked_requests
+        )?;
     }
     Ok(())
 }

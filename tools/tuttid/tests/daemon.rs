@@ -11,13 +11,24 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use tutti_daemon::protocol::{encode_frame, FrameHeader, Kind, Reply, BODY_BYTES_MAX, HEADER_BYTES};
+use objstore::{Direction, LayerKvStore, Transferred};
+use tutti_daemon::client::{RemoteConfig, RemoteKvStore};
+use tutti_daemon::protocol::{encode_frame, FrameHeader, Kind, Prepare, Reply, Request, BODY_BYTES_MAX, HEADER_BYTES};
 use tutti_daemon::{Client, DaemonError, ErrorCode};
 
 mod common;
-use common::{hello, Daemon, TUTTID, WAIT};
+use common::{hello, prompt, retrieve_prompt, store_prompt, Daemon, TUTTID, WAIT};
 
 const CHILD_ENV: &str = "TUTTID_TEST_CHILD";
+/// Blocks of each prompt an `io` client stores and retrieves.
+const IO_BLOCKS: usize = 4;
+/// Prompts each `io` client stores, looks up and retrieves.
+const IO_ROUNDS: u32 = 10;
+
+fn remote_store(socket: &Path, name: &str) -> RemoteKvStore {
+    let config = RemoteConfig { kv_blocks: 2 * IO_BLOCKS as u32, ..RemoteConfig::default() };
+    RemoteKvStore::connect(socket, &hello(0, 1, name), &config).expect("attach a remote store")
+}
 
 /// Runs `command` to its end, killing it (and failing) if it runs past [`WAIT`]: a daemon
 /// that should have been refused would otherwise serve forever.
@@ -104,7 +115,10 @@ fn bad_frames_get_typed_errors_and_the_daemon_serves_others() {
     let (answer, closed) = raw_exchange(&daemon.socket, &version, false);
     let (code, message) = answer.unwrap();
     assert_eq!(code, ErrorCode::UnsupportedVersion);
-    assert!(message.contains("protocol version 9; this build speaks version 2"), "{message}");
+    assert!(
+        message.contains(&format!("protocol version 9; this build speaks version {}", tutti_daemon::protocol::PROTOCOL_VERSION)),
+        "{message}"
+    );
     assert!(closed);
 
     let mut oversized = frame.clone();
@@ -219,14 +233,31 @@ fn a_second_daemon_on_the_same_pool_is_refused_naming_the_holder() {
     first.client().status().unwrap();
 }
 
-/// Runs as a client process when `TUTTID_TEST_CHILD` is set (`lookup SOCKET RANK COUNT` or
-/// `attach SOCKET`); as an ordinary test it does nothing. The parent tests check its exit
-/// status and output.
+/// Runs as a client process when `TUTTID_TEST_CHILD` is set (`lookup SOCKET RANK COUNT`,
+/// `io SOCKET RANK` or `attach SOCKET`); as an ordinary test it does nothing. The parent tests
+/// check its exit status and output.
 #[test]
 fn child_process_entry() {
     let Ok(role) = std::env::var(CHILD_ENV) else { return };
     let words: Vec<&str> = role.split(' ').collect();
     let socket = Path::new(words[1]);
+    if words[0] == "io" {
+        // Stores, looks up and retrieves (byte-exact) IO_ROUNDS prompts through its own queue
+        // pair, then prints what it reported moving: retrieve bytes, commands, store bytes,
+        // commands.
+        let rank: u32 = words[2].parse().unwrap();
+        let mut store = remote_store(socket, &format!("io-{rank}"));
+        let block_tokens = store.hello_reply().shape.block_tokens;
+        for round in 0..IO_ROUNDS {
+            let seed = 1000 * (rank + 1) + round;
+            assert_eq!(store_prompt(&mut store, seed, 0, IO_BLOCKS).unwrap(), IO_BLOCKS);
+            assert_eq!(store.lookup(&prompt(seed, IO_BLOCKS, block_tokens)), IO_BLOCKS);
+            assert_eq!(retrieve_prompt(&mut store, seed, 0, IO_BLOCKS).unwrap(), 0, "wrong bytes retrieved");
+        }
+        let (read, write) = (store.reported(Direction::Retrieve), store.reported(Direction::Store));
+        println!("CHILD-IO {} {} {} {}", read.bytes, read.commands, write.bytes, write.commands);
+        return;
+    }
     let mut client = Client::connect(socket, Duration::from_secs(10)).unwrap();
     match words[0] {
         "lookup" => {
@@ -255,43 +286,110 @@ fn spawn_child(role: &str) -> Child {
 }
 
 #[test]
-fn two_client_processes_look_up_concurrently_and_metrics_count_them() {
-    // Goal: two processes (TP ranks 0 and 1) attach and run 300 lookups each at the same time;
-    // both finish, each answer is right (an empty pool: 0 blocks), and both sessions are gone
-    // after they exit. A real HTTP client scrapes /metrics while they run and after: the
-    // counts are exact (600 lookups of 4096 tokens = 256 blocks each, all misses).
+fn client_processes_look_up_and_move_kv_concurrently_and_metrics_count_them() {
+    // Goal: two processes (TP ranks 0 and 1) run 300 lookups each while two more store, look
+    // up and retrieve 10 prompts each through their own queue pairs, all at the same time;
+    // every answer is right (lookups of an empty key space: 0 blocks; retrieves byte-exact)
+    // and the sessions are gone after they exit. A real HTTP client scrapes /metrics while
+    // they run (the data-path counters only grow, never past their final value) and after:
+    // the counts are exact — bytes and commands per direction are what the clients reported
+    // moving (bytes: every block's every layer once, 2 × 10 × 4 blocks each way), lookups
+    // (600 × 256 misses, 2 × 10 × 4 hits), requests per phase, no pin left. Then a client that
+    // reports moving more than its request's blocks cover is refused (BadReport, counted under
+    // errors) and nothing of its report is counted.
     let directory = tempfile::tempdir().unwrap();
     let mut daemon = memory_daemon(directory.path(), &["--metrics", "127.0.0.1:0"]);
     let metrics = daemon.metrics_url();
     let socket = daemon.socket.display().to_string();
-    let children: Vec<Child> = (0..2).map(|rank| spawn_child(&format!("lookup {socket} {rank} 300"))).collect();
-    let during = scrape(&metrics);
-    assert!(during.contains("tuttid_pool_slots{state=\"Free\"}"), "{during}");
-    for child in children {
+    let lookups: Vec<Child> = (0..2).map(|rank| spawn_child(&format!("lookup {socket} {rank} 300"))).collect();
+    let mut movers: Vec<Child> = (0..2).map(|rank| spawn_child(&format!("io {socket} {rank}"))).collect();
+    let mut during = Vec::new();
+    // try_wait keeps the status for wait_with_output below.
+    while !movers.iter_mut().all(|child| child.try_wait().unwrap().is_some()) && during.len() < 1000 {
+        let text = common::scrape(&metrics);
+        assert!(text.contains("tuttid_pool_slots{state=\"Free\"}"), "{text}");
+        during.push(counter(&text, "tuttid_bytes_total{direction=\"Store\"}"));
+    }
+    for child in lookups {
         let output = child.wait_with_output().unwrap();
         let stdout = String::from_utf8_lossy(&output.stdout);
         assert!(output.status.success() && stdout.contains("CHILD-DONE 300"), "{stdout}");
     }
+    let mut reported = [Transferred::default(); 2];
+    for child in movers {
+        let output = child.wait_with_output().unwrap();
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        assert!(output.status.success(), "{stdout}");
+        let line = stdout.lines().find_map(|line| line.split("CHILD-IO ").nth(1)).unwrap_or_else(|| panic!("no CHILD-IO in {stdout}"));
+        let numbers: Vec<u64> = line.split(' ').map(|word| word.trim().parse().unwrap()).collect();
+        for (direction, total) in reported.iter_mut().enumerate() {
+            total.bytes += numbers[2 * direction];
+            total.commands += numbers[2 * direction + 1];
+        }
+    }
     assert!(wait_for_clients(&daemon, 0).is_empty());
-    let after = scrape(&metrics);
+    let after = common::scrape(&metrics);
+    let block_bytes = 2 * 2 * 16 * 2 * 64 * 2; // 2 layers × K, V × 16 tokens × 2 heads × 64 dims × bf16
+    let moved = 2 * u64::from(IO_ROUNDS) * IO_BLOCKS as u64 * block_bytes;
+    assert_eq!((reported[0].bytes, reported[1].bytes), (moved, moved), "every block's every layer once, each way");
+    assert!(reported[0].commands > 0 && reported[1].commands > 0, "{reported:?}");
+    assert!(during.windows(2).all(|pair| pair[0] <= pair[1]), "the counter went back: {during:?}");
+    assert!(during.iter().all(|&bytes| bytes <= moved), "{during:?}");
+    let prepared = 2 * IO_ROUNDS;
     for line in [
-        "tuttid_requests_total{request=\"Lookup\"} 600",
-        "tuttid_requests_total{request=\"Hello\"} 2",
-        "tuttid_lookup_blocks_total{result=\"Miss\"} 153600",
-        "tuttid_lookup_blocks_total{result=\"Hit\"} 0",
-        "tuttid_request_seconds_count{request=\"Lookup\"} 600",
-        "tuttid_clients 0",
+        "tuttid_requests_total{request=\"Lookup\"} 620".to_string(),
+        "tuttid_requests_total{request=\"Hello\"} 4".to_string(),
+        format!("tuttid_bytes_total{{direction=\"Retrieve\"}} {}", reported[0].bytes),
+        format!("tuttid_commands_total{{direction=\"Retrieve\"}} {}", reported[0].commands),
+        format!("tuttid_bytes_total{{direction=\"Store\"}} {}", reported[1].bytes),
+        format!("tuttid_commands_total{{direction=\"Store\"}} {}", reported[1].commands),
+        "tuttid_lookup_blocks_total{result=\"Miss\"} 153600".to_string(),
+        format!("tuttid_lookup_blocks_total{{result=\"Hit\"}} {}", prepared as usize * IO_BLOCKS),
+        "tuttid_request_seconds_count{request=\"Lookup\"} 620".to_string(),
+        format!("tuttid_request_seconds_count{{request=\"PrepareStore\"}} {prepared}"),
+        format!("tuttid_request_seconds_count{{request=\"Commit\"}} {prepared}"),
+        format!("tuttid_request_seconds_count{{request=\"PrepareRetrieve\"}} {prepared}"),
+        format!("tuttid_request_seconds_count{{request=\"Release\"}} {prepared}"),
+        format!("tuttid_pool_cached_blocks {}", prepared as usize * IO_BLOCKS),
+        "tuttid_pool_slots{state=\"Pinned\"} 0".to_string(),
+        "tuttid_pool_slots{state=\"Writing\"} 0".to_string(),
+        "tuttid_clients 0".to_string(),
+        "tuttid_leaked_queue_pairs 0".to_string(),
     ] {
-        assert!(after.contains(line), "missing {line:?} in\n{after}");
+        assert!(after.contains(&line), "missing {line:?} in\n{after}");
+    }
+    assert!(!after.contains("tuttid_errors_total{"), "{after}");
+
+    // A report over the request's grant: refused, counted as an error, not as bytes.
+    let mut liar = remote_store(&daemon.socket, "liar");
+    let block_tokens = liar.hello_reply().shape.block_tokens;
+    let tokens = prompt(1000, IO_BLOCKS, block_tokens);
+    let prepare = Prepare { registration: liar.registration(), tokens, block_ids: (0..IO_BLOCKS as u32).collect() };
+    let Reply::RetrievePrepared(prepared) = liar.client().call(&Request::PrepareRetrieve(prepare)).unwrap() else { panic!("prepare") };
+    for lie in [Transferred { bytes: IO_BLOCKS as u64 * block_bytes + 4096, commands: 64 }, Transferred { bytes: 4096, commands: 0 }] {
+        let release = Request::Release { handle: prepared.handle, transferred: lie, corrupt_blocks: Vec::new() };
+        match liar.client().call(&release) {
+            Err(DaemonError::Remote { code: ErrorCode::BadReport, message }) => assert!(message.contains("placements cover"), "{message}"),
+            other => panic!("{lie:?} was not refused: {other:?}"),
+        }
+    }
+    let release = Request::Release { handle: prepared.handle, transferred: Transferred::default(), corrupt_blocks: Vec::new() };
+    assert!(matches!(liar.client().call(&release), Ok(Reply::Released)), "the request stayed the liar's, released honestly");
+    let after_lies = common::scrape(&metrics);
+    for line in [
+        "tuttid_errors_total{code=\"18\"} 2".to_string(),
+        format!("tuttid_bytes_total{{direction=\"Retrieve\"}} {}", reported[0].bytes),
+        "tuttid_pool_slots{state=\"Pinned\"} 0".to_string(),
+    ] {
+        assert!(after_lies.contains(&line), "missing {line:?} in\n{after_lies}");
     }
     let not_found = ureq::get(metrics.replace("/metrics", "/other")).call();
     assert!(matches!(not_found, Err(ureq::Error::StatusCode(404))), "{not_found:?}");
 }
 
-/// `GET url` with a real HTTP client, bounded.
-fn scrape(url: &str) -> String {
-    let agent: ureq::Agent = ureq::Agent::config_builder().timeout_global(Some(Duration::from_secs(10))).build().into();
-    agent.get(url).call().unwrap().body_mut().read_to_string().unwrap()
+/// The value of the sample line starting with `name` (0 when absent).
+fn counter(text: &str, name: &str) -> u64 {
+    text.lines().find_map(|line| line.strip_prefix(name)).map_or(0, |value| value.trim().parse().unwrap())
 }
 
 /// Polls `status` until it lists `count` clients (bounded); returns their pids.

@@ -1,14 +1,18 @@
 //! The doorbell relay across processes: tuttid serves a software controller in relay mode
 //! (`--emu-doorbell-relay`: no shared register page, so clients' doorbells go through the
 //! daemon's relay thread, the path a `vfio:` device takes), and `tuttid-client` processes store
-//! and retrieve byte-exact through it, two tensor-parallel ranks apart; then SIGTERM drains the
-//! daemon (the relay thread included) to a clean exit. Every wait is bounded.
+//! and retrieve byte-exact through it, two tensor-parallel ranks apart, and the relay's counters
+//! (per client and in all) show in status, `tuttid --status` and `/metrics`; then SIGTERM drains
+//! the daemon (the relay thread included) to a clean exit. Every wait is bounded.
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use tutti_daemon::client::{RemoteConfig, RemoteKvStore};
+use tutti_daemon::protocol::StatusReply;
+
 mod common;
-use common::{wait_bounded, Daemon};
+use common::{hello, retrieve_prompt, store_prompt, wait_bounded, Daemon, TUTTID, WAIT};
 
 const CLIENT: &str = env!("CARGO_BIN_EXE_tuttid-client");
 
@@ -31,21 +35,77 @@ fn client(daemon: &Daemon, role: &str, rank: u32, world: u32) -> String {
     stdout
 }
 
+/// Status once the relay forwarded nothing new for three reads in a row (a client's last CQ
+/// head may still be on its way right after its wait returned).
+fn settled_status(daemon: &Daemon) -> StatusReply {
+    let deadline = Instant::now() + WAIT;
+    let mut last = daemon.client().status().unwrap();
+    let mut same = 0;
+    while same < 3 {
+        std::thread::sleep(Duration::from_millis(20));
+        let status = daemon.client().status().unwrap();
+        same = if status.relay.forwarded == last.relay.forwarded { same + 1 } else { 0 };
+        last = status;
+        assert!(Instant::now() < deadline, "the relay did not settle: {:?}", last.relay);
+    }
+    last
+}
+
 #[test]
 fn clients_store_and_retrieve_through_the_relay_across_processes() {
     // Goal: with the emulator's register page withheld, the per-layer client path still works
-    // end to end (every doorbell relayed by the daemon), byte-exact, per TP rank; the daemon
-    // drains to a clean exit.
+    // end to end (every doorbell relayed by the daemon), byte-exact, per TP rank; the relay's
+    // counters show what it did: in all (passes, doorbells forwarded, none dropped, no pair
+    // left relayed once the clients are gone), and per attached client in status, `tuttid
+    // --status` and /metrics (the client's own doorbells are all the relay forwarded while it
+    // was the only one); the daemon drains to a clean exit.
     let directory = tempfile::tempdir().unwrap();
-    let daemon = Daemon::start(directory.path(), "emu:mem:64m", &["--format", "--emu-doorbell-relay"]);
+    let mut daemon = Daemon::start(directory.path(), "emu:mem:64m", &["--format", "--emu-doorbell-relay", "--metrics", "127.0.0.1:0"]);
+    let metrics = daemon.metrics_url();
     for rank in 0..2 {
         assert_eq!(client(&daemon, "store", rank, 2), "stored 4 blocks");
     }
     for rank in 0..2 {
         assert_eq!(client(&daemon, "retrieve", rank, 2), "retrieved 4 blocks, 65536 bytes checked");
     }
-    let status = daemon.client().status().unwrap();
+    let status = settled_status(&daemon);
     assert_eq!((status.clients.len(), status.leaked_queue_pairs), (0, 0), "{status:?}");
+    let relay = status.relay;
+    // Every layer's commands reach the controller only through a forwarded SQ tail (CQ heads
+    // may be coalesced): at least four clients × two layers.
+    assert!(relay.forwarded >= 4 * 2 && relay.passes > 0, "{relay:?}");
+    assert_eq!((relay.dropped, relay.queues), (0, 0), "{relay:?}");
+
+    // One client attached here: its doorbells are the relay's only ones meanwhile.
+    let config = RemoteConfig { kv_blocks: 8, ..RemoteConfig::default() };
+    let mut store = RemoteKvStore::connect(&daemon.socket, &hello(0, 1, "relayed"), &config).unwrap();
+    assert_eq!(store_prompt(&mut store, 9, 0, 4).unwrap(), 4);
+    assert_eq!(retrieve_prompt(&mut store, 9, 0, 4).unwrap(), 0);
+    let attached = settled_status(&daemon);
+    let own = attached.clients.iter().find(|client| client.name == "relayed").expect("the attached client");
+    assert_eq!(own.doorbells_relayed, attached.relay.forwarded - relay.forwarded, "{attached:?}");
+    assert!(own.doorbells_relayed >= 2 * 2, "a store and a retrieve, two layers each: {own:?}");
+    assert_eq!((own.doorbells_dropped, attached.relay.queues), (0, 1));
+    let text = common::scrape(&metrics);
+    for line in [
+        format!(
+            "tuttid_client_relay_doorbells_total{{session=\"{}\",client=\"relayed\",result=\"Forwarded\"}} {}",
+            own.session, own.doorbells_relayed
+        ),
+        format!("tuttid_relay_doorbells_total{{result=\"Forwarded\"}} {}", attached.relay.forwarded),
+        "tuttid_relay_doorbells_total{result=\"Dropped\"} 0".to_string(),
+        "tuttid_relay_queues 1".to_string(),
+    ] {
+        assert!(text.contains(&line), "missing {line:?} in\n{text}");
+    }
+    let output = Command::new(TUTTID).arg("--status").arg(&daemon.socket).output().unwrap();
+    let printed = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        printed.contains("'relayed'") && printed.contains(&format!("{} doorbell(s) relayed, 0 dropped", own.doorbells_relayed)),
+        "{printed}"
+    );
+    assert!(printed.contains("doorbell relay: 1 queue pair(s) relayed"), "{printed}");
+    drop(store);
     let started = Instant::now();
     let (exit, stderr) = daemon.terminate();
     assert!(exit.success(), "tuttid exited with {exit}: {stderr}");

@@ -17,13 +17,13 @@ use nvme_driver::hw::SharedMemory;
 use nvme_driver::spec::status::{codes, StatusCodeType};
 use nvme_driver::spec::NvmeStatus;
 use nvme_driver::{DataSegment, DmaAllocator, Iova, Lba, NamespaceId, NvmeError};
-use objstore::{KvRequest, LayerKvStore};
+use objstore::{KvRequest, LayerKvStore, Transferred};
 use tutti_daemon::client::{RemoteConfig, RemoteKvStore};
 use tutti_daemon::protocol::{AttachQueues, Commit, Prepare, RegisterMemory, Reply, Request, RingOffsets, StatusReply};
 use tutti_daemon::{DaemonError, ErrorCode};
 
 mod common;
-use common::{hello, spawn_child, wait_bounded, Daemon, WAIT};
+use common::{hello, pattern_byte, spawn_child, wait_bounded, Daemon, WAIT};
 
 const CHILD_ENV: &str = "TUTTID_STORE_CHILD";
 /// Blocks each test prompt stores.
@@ -35,15 +35,7 @@ fn memory_daemon(directory: &Path) -> Daemon {
 
 /// The tokens of prompt `seed`: `BLOCKS` full blocks of `block_tokens` and a partial one.
 fn prompt(seed: u32, block_tokens: u32) -> Vec<u32> {
-    (0..(BLOCKS as u32 * block_tokens + 3)).map(|token| token.wrapping_mul(2_654_435_761) ^ seed).collect()
-}
-
-/// The byte at `offset` of prompt block `block` as rank `rank` stores it: differs per rank,
-/// block, prompt and offset (so per layer and per K/V half too).
-fn pattern_byte(seed: u32, rank: u32, block: usize, offset: usize) -> u8 {
-    let mixed =
-        (offset as u32).wrapping_mul(0x9E37_79B1) ^ (block as u32).wrapping_mul(0x85EB_CA6B) ^ rank.wrapping_mul(0xC2B2_AE35) ^ seed;
-    (mixed >> 13) as u8 ^ (mixed as u8)
+    common::prompt(seed, BLOCKS, block_tokens)
 }
 
 fn connect(socket: &Path, rank: u32, world: u32) -> RemoteKvStore {
@@ -312,8 +304,9 @@ fn requests_naming_what_the_session_does_not_own_are_refused_and_the_daemon_serv
     let handle = plan.handle.to_bits();
     let mut other = raw_client(&daemon);
     let not_yours = |(code, message): (ErrorCode, String)| assert_eq!(code, ErrorCode::NotYours, "{message}");
-    not_yours(refusal(&mut other, &Request::Release { handle }, &[]));
-    not_yours(refusal(&mut other, &Request::Commit(Commit { handle, payload_crcs: None }), &[]));
+    let release = Request::Release { handle, transferred: Transferred::default(), corrupt_blocks: Vec::new() };
+    not_yours(refusal(&mut other, &release, &[]));
+    not_yours(refusal(&mut other, &Request::Commit(Commit { handle, payload_crcs: None, transferred: Transferred::default() }), &[]));
     let rings = vec![RingOffsets { submission_offset: 0, completion_offset: 4096 }];
     let attach = |registration| Request::AttachQueues(AttachQueues { registration, depth: 64, rings: rings.clone() });
     not_yours(refusal(&mut other, &attach(owner.registration()), &[]));

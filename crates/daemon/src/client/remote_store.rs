@@ -32,7 +32,7 @@ use nvme_driver::spec::{COMPLETION_ENTRY_BYTES, SUBMISSION_ENTRY_BYTES};
 use nvme_driver::{AttachedQueueConfig, DataPointerMode, DetachedQueueLayout, HwError, IoQueuePair, Iova, Namespace, NamespaceId, QueueId};
 use objstore::{
     Direction, KvKind, KvLayout, KvRegistration, KvRequest, LayerKvStore, ModelGeometry, ObjstoreError, Placement, RemoteFailure,
-    RequestHandle, StoreConfig, StoreData, StorePlan,
+    RequestHandle, StoreConfig, StoreData, StorePlan, Transferred,
 };
 
 use super::Client;
@@ -136,6 +136,8 @@ pub struct RemoteKvStore {
     window: DmaWindow,
     payload_crcs: bool,
     crcs: Vec<u32>,
+    /// What the daemon accepted of this store's reports, per direction (retrieve, store).
+    reported: [Transferred; 2],
 }
 
 /// The daemon client's error as the store's, classified where it can be (a refusal's code, a
@@ -284,7 +286,21 @@ impl RemoteKvStore {
             window,
             payload_crcs,
             crcs: Vec::new(),
+            reported: [Transferred::default(); 2],
         })
+    }
+
+    /// What this store reported moving in `direction` and the daemon accepted (at commit and
+    /// release): the same figures the daemon adds to `tuttid_bytes_total` and
+    /// `tuttid_commands_total`.
+    pub fn reported(&self, direction: Direction) -> Transferred {
+        self.reported[direction_index(direction)]
+    }
+
+    fn count_reported(&mut self, direction: Direction, transferred: Transferred) {
+        let total = &mut self.reported[direction_index(direction)];
+        total.bytes += transferred.bytes;
+        total.commands += transferred.commands;
     }
 
     /// What the daemon answered to `Hello` (session id, lease, pool summary).
@@ -396,11 +412,20 @@ impl RemoteKvStore {
         Prepare { registration, tokens: request.tokens.to_vec(), block_ids: request.block_ids.to_vec() }
     }
 
-    /// Tells the daemon to drop a request the data half could not prepare.
-    fn release_remote(&mut self, handle: RequestHandle) {
-        if let Err(error) = self.client.call(&Request::Release { handle: handle.to_bits() }) {
+    /// Tells the daemon to drop a request whose data path ended (or never began), with what
+    /// that moved.
+    fn release_remote(&mut self, handle: RequestHandle, transferred: Transferred) {
+        let release = Request::Release { handle: handle.to_bits(), transferred, corrupt_blocks: Vec::new() };
+        if let Err(error) = self.client.call(&release) {
             tracing::warn!(%error, "releasing a request at tuttid");
         }
+    }
+}
+
+fn direction_index(direction: Direction) -> usize {
+    match direction {
+        Direction::Retrieve => 0,
+        Direction::Store => 1,
     }
 }
 
@@ -452,7 +477,7 @@ impl LayerKvStore for RemoteKvStore {
         };
         let handle = RequestHandle::from_bits(prepared.handle);
         if let Err(error) = self.data.prepare(handle, Direction::Retrieve, &prepared.placements, prepared.expected_crcs.as_deref()) {
-            self.release_remote(handle);
+            self.release_remote(handle, Transferred::default());
             return Err(error);
         }
         Ok(handle)
@@ -466,13 +491,13 @@ impl LayerKvStore for RemoteKvStore {
         };
         let handle = RequestHandle::from_bits(prepared.handle);
         if prepared.placements.len() != prepared.new_blocks as usize {
-            self.release_remote(handle);
+            self.release_remote(handle, Transferred::default());
             return Err(ObjstoreError::Remote {
                 reason: format!("{} placements for {} new blocks", prepared.placements.len(), prepared.new_blocks),
             });
         }
         if let Err(error) = self.data.prepare(handle, Direction::Store, &prepared.placements, None) {
-            self.release_remote(handle);
+            self.release_remote(handle, Transferred::default());
             return Err(error);
         }
         Ok(StorePlan {
@@ -503,7 +528,7 @@ impl LayerKvStore for RemoteKvStore {
 
     /// Every layer must have completed (checked here); the payload CRCs are computed here from
     /// the KV memory, and the daemon flushes, writes the headers with FUA and makes the blocks
-    /// visible. The handle is finished either way.
+    /// visible. The handle is finished either way. What the layers moved goes with the commit.
     fn commit_store(&mut self, handle: RequestHandle) -> Result<usize, ObjstoreError> {
         self.data.check_stored(handle)?;
         let crcs = if self.payload_crcs {
@@ -512,25 +537,40 @@ impl LayerKvStore for RemoteKvStore {
         } else {
             None
         };
-        let result = self.client.call(&Request::Commit(Commit { handle: handle.to_bits(), payload_crcs: crcs }));
+        let transferred = self.data.transferred(handle)?;
+        let commit = Commit { handle: handle.to_bits(), payload_crcs: crcs, transferred };
+        let result = self.client.call(&Request::Commit(commit));
         if let Err(error) = self.data.finish(handle) {
             tracing::warn!(%error, "finishing a committed store's data path");
         }
         match result {
-            Ok(Reply::Committed { stored }) => Ok(stored as usize),
+            Ok(Reply::Committed { stored }) => {
+                self.count_reported(Direction::Store, transferred);
+                Ok(stored as usize)
+            }
             Ok(other) => Err(unexpected(Kind::Commit, &other)),
             Err(error) => {
                 // A refusal before anything was written leaves the reservation: release it.
-                self.release_remote(handle);
+                self.release_remote(handle, transferred);
                 Err(remote(error))
             }
         }
     }
 
+    /// Ends the request here, then at the daemon with what it moved and, for a verified
+    /// retrieve that found blocks corrupt, those blocks: the daemon evicts them (in one
+    /// process `KvStore::wait` evicts at once; here the index is the daemon's).
     fn finish(&mut self, handle: RequestHandle) -> Result<(), ObjstoreError> {
+        let direction = self.data.direction(handle)?;
+        let transferred = self.data.transferred(handle)?;
+        let corrupt_blocks = self.data.mismatched_blocks(handle).to_vec();
         self.data.finish(handle)?;
-        match self.client.call(&Request::Release { handle: handle.to_bits() }).map_err(remote)? {
-            Reply::Released => Ok(()),
+        let release = Request::Release { handle: handle.to_bits(), transferred, corrupt_blocks };
+        match self.client.call(&release).map_err(remote)? {
+            Reply::Released => {
+                self.count_reported(direction, transferred);
+                Ok(())
+            }
             other => Err(unexpected(Kind::Release, &other)),
         }
     }

@@ -4,7 +4,7 @@
 //! every count is checked against the bytes left before anything is allocated from it.
 
 use objstore::format::SlotAddressing;
-use objstore::{BlockLocation, DeviceLayout, ModelGeometry, Placement};
+use objstore::{BlockLocation, DeviceLayout, MismatchedBlock, ModelGeometry, Placement, Transferred};
 
 use super::{put_u16, put_u32, put_u64, BodyReader, Kind, ProtocolError, Reply, Request};
 
@@ -107,6 +107,9 @@ pub struct StorePrepared {
 pub struct Commit {
     pub handle: u64,
     pub payload_crcs: Option<Vec<u32>>,
+    /// What the client's data path moved for the request (`StoreData::transferred`), checked
+    /// against the request's placements and counted in `/metrics` (protocol version 3).
+    pub transferred: Transferred,
 }
 
 fn put_u32s(out: &mut Vec<u8>, values: &[u32]) {
@@ -128,6 +131,26 @@ fn put_optional_u32s(out: &mut Vec<u8>, values: Option<&[u32]>) {
 
 /// Bytes of one placement on the wire: device u16, slot u32, index u16, engine block u32.
 const PLACEMENT_BYTES: usize = 12;
+/// Bytes of one mismatched block on the wire: prefix index u32, engine block u32, device u16,
+/// slot u32, expected and computed CRC u32.
+const MISMATCHED_BLOCK_BYTES: usize = 22;
+
+fn put_transferred(out: &mut Vec<u8>, transferred: &Transferred) {
+    put_u64(out, transferred.bytes);
+    put_u64(out, transferred.commands);
+}
+
+fn put_mismatched_blocks(out: &mut Vec<u8>, blocks: &[MismatchedBlock]) {
+    put_u32(out, blocks.len() as u32);
+    for block in blocks {
+        put_u32(out, u32::try_from(block.prefix_index).unwrap_or(u32::MAX));
+        put_u32(out, block.engine_block);
+        put_u16(out, block.device);
+        put_u32(out, block.slot);
+        put_u32(out, block.expected_crc);
+        put_u32(out, block.computed_crc);
+    }
+}
 
 fn put_placements(out: &mut Vec<u8>, placements: &[Placement]) {
     put_u32(out, placements.len() as u32);
@@ -182,6 +205,26 @@ impl BodyReader<'_> {
             placements.push(Placement { location: BlockLocation { device, slot, index }, engine_block });
         }
         Ok(placements)
+    }
+
+    fn transferred(&mut self) -> Result<Transferred, ProtocolError> {
+        Ok(Transferred { bytes: self.u64("transferred bytes")?, commands: self.u64("transferred commands")? })
+    }
+
+    fn mismatched_blocks(&mut self) -> Result<Vec<MismatchedBlock>, ProtocolError> {
+        let count = self.count("corrupt_block_count", MISMATCHED_BLOCK_BYTES)?;
+        let mut blocks = Vec::with_capacity(count);
+        for _ in 0..count {
+            blocks.push(MismatchedBlock {
+                prefix_index: self.u32("corrupt prefix_index")? as usize,
+                engine_block: self.u32("corrupt engine_block")?,
+                device: self.u16("corrupt device")?,
+                slot: self.u32("corrupt slot")?,
+                expected_crc: self.u32("corrupt expected_crc")?,
+                computed_crc: self.u32("corrupt computed_crc")?,
+            });
+        }
+        Ok(blocks)
     }
 
     fn prepare(&mut self) -> Result<Prepare, ProtocolError> {
@@ -325,8 +368,13 @@ pub(super) fn encode_request(request: &Request, out: &mut Vec<u8>) -> bool {
         Request::Commit(commit) => {
             put_u64(out, commit.handle);
             put_optional_u32s(out, commit.payload_crcs.as_deref());
+            put_transferred(out, &commit.transferred);
         }
-        Request::Release { handle } => put_u64(out, *handle),
+        Request::Release { handle, transferred, corrupt_blocks } => {
+            put_u64(out, *handle);
+            put_transferred(out, transferred);
+            put_mismatched_blocks(out, corrupt_blocks);
+        }
         _ => return false,
     }
     true
@@ -354,8 +402,14 @@ pub(super) fn decode_request(kind: Kind, r: &mut BodyReader<'_>) -> Result<Optio
         Kind::PoolShape => Request::PoolShape,
         Kind::PrepareRetrieve => Request::PrepareRetrieve(r.prepare()?),
         Kind::PrepareStore => Request::PrepareStore(r.prepare()?),
-        Kind::Commit => Request::Commit(Commit { handle: r.u64("handle")?, payload_crcs: r.optional_u32s("payload_crcs")? }),
-        Kind::Release => Request::Release { handle: r.u64("handle")? },
+        Kind::Commit => Request::Commit(Commit {
+            handle: r.u64("handle")?,
+            payload_crcs: r.optional_u32s("payload_crcs")?,
+            transferred: r.transferred()?,
+        }),
+        Kind::Release => {
+            Request::Release { handle: r.u64("handle")?, transferred: r.transferred()?, corrupt_blocks: r.mismatched_blocks()? }
+        }
         _ => return Ok(None),
     }))
 }

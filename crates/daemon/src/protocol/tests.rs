@@ -32,8 +32,14 @@ fn sample_status() -> StatusReply {
             registrations: 1,
             queue_pairs: 2,
             requests_in_flight: 3,
+            doorbells_relayed: 11,
+            doorbells_dropped: 1,
         }],
         leaked_queue_pairs: 6,
+        leaked_windows: 2,
+        leaked_window_bytes: 8 << 20,
+        leaked_requests: 3,
+        relay: RelayStatus { passes: 1000, forwarded: 11, dropped: 1, queues: 1 },
     }
 }
 
@@ -204,9 +210,21 @@ fn store_requests() -> Vec<Request> {
         Request::PoolShape,
         Request::PrepareRetrieve(Prepare { registration: 3, tokens: (0..40).collect(), block_ids: vec![5, 4] }),
         Request::PrepareStore(Prepare { registration: 9, tokens: vec![1; 33], block_ids: vec![0, 1] }),
-        Request::Commit(Commit { handle: 0x1_0000_0002, payload_crcs: Some(vec![1, 2, 3]) }),
-        Request::Commit(Commit { handle: 5, payload_crcs: None }),
-        Request::Release { handle: u64::MAX },
+        Request::Commit(Commit {
+            handle: 0x1_0000_0002,
+            payload_crcs: Some(vec![1, 2, 3]),
+            transferred: objstore::Transferred { bytes: 3 << 16, commands: 6 },
+        }),
+        Request::Commit(Commit { handle: 5, payload_crcs: None, transferred: objstore::Transferred::default() }),
+        Request::Release { handle: u64::MAX, transferred: objstore::Transferred::default(), corrupt_blocks: Vec::new() },
+        Request::Release {
+            handle: 7,
+            transferred: objstore::Transferred { bytes: 1 << 20, commands: 16 },
+            corrupt_blocks: vec![
+                objstore::MismatchedBlock { prefix_index: 2, engine_block: 9, device: 1, slot: 300, expected_crc: 0xdead, computed_crc: 7 },
+                objstore::MismatchedBlock { prefix_index: 0, engine_block: 0, device: 0, slot: 0, expected_crc: 1, computed_crc: 2 },
+            ],
+        },
     ]
 }
 
@@ -300,4 +318,11 @@ fn store_path_counts_and_flags_are_checked_before_allocating() {
     flag.push(2);
     let error = Request::decode(Kind::Commit, &flag).unwrap_err().to_string();
     assert!(error.contains("payload_crcs is 2, expected 0 or 1"), "{error}");
+    let mut corrupt = Vec::new();
+    corrupt.extend_from_slice(&1u64.to_le_bytes()); // handle
+    corrupt.extend_from_slice(&[0; 16]); // transferred
+    corrupt.extend_from_slice(&1_000_000u32.to_le_bytes());
+    corrupt.extend_from_slice(&[0; 22]);
+    let error = Request::decode(Kind::Release, &corrupt).unwrap_err().to_string();
+    assert!(error.contains("corrupt_block_count 1000000 but 22 bytes left"), "{error}");
 }

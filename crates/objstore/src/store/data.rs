@@ -20,7 +20,7 @@ use gio_uring::{
 };
 use nvme_driver::{DataPointerMode, DmaAllocator};
 
-use super::shape::{Placement, PoolShape};
+use super::shape::{Placement, PoolShape, Transferred};
 use super::verify::{self, VerifyFailure};
 use super::{Direction, LayerIssuePolicy, RequestHandle, StoreConfig};
 use crate::error::{ObjstoreError, Result};
@@ -38,6 +38,12 @@ pub(super) struct Transfer {
     /// The blocks the request moves, as the control half placed them.
     pub(super) placements: Vec<Placement>,
     pub(super) iocbs: Vec<IocbId>,
+    /// What one layer of the request moves (its IOCTXs: one NVMe command each, at every
+    /// layer), counted once when the IOCBs are built.
+    layer: Transferred,
+    /// What the layers completed so far moved (each layer once: a layer issued again adds
+    /// nothing, so the total stays within `PoolShape::transfer_bound`).
+    transferred: Transferred,
     pub(super) layer_in_flight: Option<u32>,
     pub(super) layers_done: Vec<bool>,
     /// Verified retrieves: one running CRC per block, and how many layers (from 0, in order)
@@ -241,6 +247,8 @@ impl<E: Executor> StoreData<E> {
         request.placements.clear();
         request.placements.extend_from_slice(placements);
         request.iocbs.clear();
+        request.layer = Transferred::default();
+        request.transferred = Transferred::default();
         request.layer_in_flight = None;
         request.layers_done.fill(false);
         request.crcs.clear();
@@ -306,6 +314,12 @@ impl<E: Executor> StoreData<E> {
             })?;
             i += run;
         }
+        let mut layer = Transferred { bytes: 0, commands: self.ioctxs.len() as u64 };
+        for ioctx in &self.ioctxs {
+            let lba_shift = self.addressing[usize::from(ioctx.device.0)].1.lba_shift;
+            layer.bytes += u64::from(ioctx.block_count) << lba_shift;
+        }
+        self.requests[index].layer = layer;
         let per_iocb = self.config.ioctx_per_iocb_max as usize;
         let iocb_count = self.ioctxs.len().div_ceil(per_iocb);
         // The request's id list keeps its capacity across requests: no allocation here.
@@ -378,6 +392,18 @@ impl<E: Executor> StoreData<E> {
         Ok(&self.requests[index].placements)
     }
 
+    /// The direction the request was prepared for.
+    pub fn direction(&self, handle: RequestHandle) -> Result<Direction> {
+        let index = self.index_of(handle)?;
+        self.requests[index].direction.ok_or(ObjstoreError::UnknownHandle { handle: handle.0 })
+    }
+
+    /// What the request moved so far: the bytes and NVMe commands of its completed layers,
+    /// each layer once (a failed layer adds nothing: its bytes are not to be used). O(1).
+    pub fn transferred(&self, handle: RequestHandle) -> Result<Transferred> {
+        Ok(self.requests[self.index_of(handle)?].transferred)
+    }
+
     /// Whether `handle` names a verified retrieve whose verification already failed.
     pub fn verify_failed(&self, handle: RequestHandle) -> bool {
         self.index_of(handle).is_ok_and(|index| self.requests[index].verify_failure.is_some())
@@ -410,7 +436,12 @@ impl<E: Executor> StoreData<E> {
         if let Some(error) = failure {
             return Err(error);
         }
-        self.requests[index].layers_done[layer as usize] = true;
+        let request = &mut self.requests[index];
+        if !request.layers_done[layer as usize] {
+            request.layers_done[layer as usize] = true;
+            request.transferred.bytes += request.layer.bytes;
+            request.transferred.commands += request.layer.commands;
+        }
         if self.config.verify_retrieves && self.requests[index].direction == Some(Direction::Retrieve) {
             self.verify_layers(index, handle)?;
         }

@@ -50,6 +50,56 @@ pub struct Placement {
     pub engine_block: u32,
 }
 
+/// What a request moved between the devices and the engine's memory (in its one direction):
+/// bytes and NVMe commands of the layers that completed, each layer counted once. The data
+/// half counts it ([`super::StoreData::transferred`]); with tuttid the client reports it to the
+/// daemon, which checks it against [`PoolShape::transfer_bound`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Transferred {
+    pub bytes: u64,
+    pub commands: u64,
+}
+
+impl Transferred {
+    /// Whether a report of `self` is possible for a request whose whole transfer is `bound`
+    /// on a pool whose commands move `command_bytes` (`PoolShape::command_bytes`): at most the
+    /// bound's bytes and commands, and between the least and the most one command moves per
+    /// command (so no bytes without commands, no commands without bytes).
+    pub fn fits(&self, bound: Transferred, command_bytes: std::ops::RangeInclusive<u64>) -> bool {
+        let within = |per_command: u64| self.commands.checked_mul(per_command);
+        self.bytes <= bound.bytes
+            && self.commands <= bound.commands
+            && within(*command_bytes.start()).is_some_and(|least| least <= self.bytes)
+            && within(*command_bytes.end()).is_none_or(|most| self.bytes <= most)
+    }
+}
+
+impl PoolShape {
+    /// The most a request over `placements` can move: every layer of every block once (each
+    /// block's layer is its K and V objects, `pair_blocks` LBAs, so at most that many commands
+    /// of one LBA each). Saturates instead of wrapping (placements are checked elsewhere; a
+    /// placement naming no device of the shape adds nothing).
+    pub fn transfer_bound(&self, placements: &[Placement]) -> Transferred {
+        let layers = u64::from(self.geometry.layers);
+        let mut bound = Transferred::default();
+        for placement in placements {
+            let Some(device) = self.devices.get(usize::from(placement.location.device)) else { continue };
+            let lbas = device.addressing.pair_blocks.saturating_mul(layers);
+            bound.commands = bound.commands.saturating_add(lbas);
+            bound.bytes = bound.bytes.saturating_add(lbas.saturating_mul(u64::from(device.lba_bytes)));
+        }
+        bound
+    }
+
+    /// What one data command of the pool moves: at least the smallest LBA of its devices, at
+    /// most the largest MDTS.
+    pub fn command_bytes(&self) -> std::ops::RangeInclusive<u64> {
+        let least = self.devices.iter().map(|device| u64::from(device.lba_bytes)).min().unwrap_or(1);
+        let most = self.devices.iter().map(|device| device.max_transfer_bytes).max().unwrap_or(u64::MAX);
+        least..=most
+    }
+}
+
 impl Pool {
     /// The pool's shape, for a data half in this process or another.
     pub fn shape(&self) -> Result<PoolShape> {

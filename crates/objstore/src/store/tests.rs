@@ -32,7 +32,7 @@ fn deadline() -> Instant {
 }
 
 struct Fixture {
-    _device: Arc<EmuDevice>,
+    device: Arc<EmuDevice>,
     targets: Vec<PoolTarget>,
     /// Engine memory: one block-major region in the controller's DMA space.
     region: DmaRegion,
@@ -56,7 +56,7 @@ fn fixture(k: u32, slots: Option<u64>) -> Fixture {
     let region = dma.allocate((g.block_bytes() * u64::from(ENGINE_BLOCKS)) as usize).expect("engine memory");
     let layout = KvLayout::BlockMajor { base: region.iova(), block_stride_bytes: g.block_bytes() };
     let registration = KvRegistration::new(g, ENGINE_BLOCKS, layout, DataPointerMode::Prp).expect("registration");
-    Fixture { _device: device, targets, region, registration, dma }
+    Fixture { device, targets, region, registration, dma }
 }
 
 /// Opens the pool and builds the two halves apart: the control half gets the pool, the data
@@ -173,6 +173,76 @@ fn the_halves_apart_store_commit_look_up_and_retrieve_byte_exact() {
     drop(control.into_pool());
     let (reopened, report) = Pool::open(fixture.targets.clone(), Some(&geometry())).expect("reopen");
     assert_eq!((report.cached_blocks, reopened.index().cached_prefix(&keys)), (3, 3), "durable across a reopen");
+}
+
+#[test]
+fn the_data_half_counts_what_each_request_moved_as_the_controller_saw_it() {
+    // Goal: `StoreData::transferred` (what a tuttid client reports at commit and release) is
+    // exactly the bytes and NVMe commands the controller executed for the request's layers,
+    // counts each layer once (a layer
+    // issued again adds nothing, though the controller runs it again), reaches the bytes of
+    // the shape's `transfer_bound` for the request when every layer completed, and starts from zero at
+    // every prepare; a report over the bound, or claiming commands without their bytes, does
+    // not fit.
+    use nvme_driver::spec::NvmOpcode;
+    let fixture = fixture(2, None);
+    let config = StoreConfig { requests_max: 2, ..StoreConfig::default() };
+    let (mut control, mut data) = halves(&fixture, config);
+    let shape = control.pool().shape().unwrap();
+    let keys = keys_of(&tokens(6, 3));
+    for (block, &key) in keys.iter().enumerate() {
+        fill(&fixture, block as u32, key);
+    }
+    let before = fixture.device.stats();
+    let plan = control.reserve_store(&keys, &[0, 1, 2], &mut NoLender).unwrap();
+    let placements = control.placements(plan.handle).unwrap().to_vec();
+    data.prepare(plan.handle, Direction::Store, &placements, None).unwrap();
+    assert_eq!(data.transferred(plan.handle).unwrap(), Transferred::default(), "nothing moved before a layer");
+    for layer in 0..geometry().layers {
+        data.store_layer(plan.handle, layer, BUDGET).unwrap();
+        data.wait(plan.handle, deadline()).unwrap();
+    }
+    let stored = data.transferred(plan.handle).unwrap();
+    let after = fixture.device.stats();
+    let executed = Transferred {
+        bytes: after.bytes_written - before.bytes_written,
+        commands: after.io(NvmOpcode::Write) - before.io(NvmOpcode::Write),
+    };
+    assert_eq!(stored, executed, "the count is what the controller executed");
+    assert_eq!(stored.bytes, 3 * geometry().block_bytes());
+    assert!(stored.commands >= u64::from(geometry().layers), "at least one command per layer");
+    let bound = shape.transfer_bound(&placements);
+    assert_eq!(stored.bytes, bound.bytes, "every layer once: the bound's bytes (its commands are one per LBA, the most possible)");
+    assert!(stored.fits(bound, shape.command_bytes()));
+    data.store_layer(plan.handle, 0, BUDGET).unwrap();
+    data.wait(plan.handle, deadline()).unwrap();
+    assert_eq!(data.transferred(plan.handle).unwrap(), stored, "a layer issued again is counted once");
+    let mut crcs = Vec::new();
+    data.payload_crcs(plan.handle, &mut crcs).unwrap();
+    control.commit_store(plan.handle, Some(&crcs), &mut NoLender).unwrap();
+    data.finish(plan.handle).unwrap();
+
+    let handle = control.reserve_retrieve(&keys[..2], &[5, 6]).unwrap();
+    let placements = control.placements(handle).unwrap().to_vec();
+    data.prepare(handle, Direction::Retrieve, &placements, None).unwrap();
+    let before = fixture.device.stats();
+    data.retrieve_layer(handle, 0, BUDGET).unwrap();
+    data.wait(handle, deadline()).unwrap();
+    let after = fixture.device.stats();
+    let one_layer = data.transferred(handle).unwrap();
+    assert_eq!(one_layer.bytes, after.bytes_read - before.bytes_read);
+    assert_eq!(one_layer.commands, after.io(NvmOpcode::Read) - before.io(NvmOpcode::Read));
+    assert_eq!(one_layer.bytes, 2 * 2 * geometry().object_bytes(), "one layer: K and V of two blocks");
+    let bound = shape.transfer_bound(&placements);
+    let per_command = shape.command_bytes();
+    assert!(one_layer.fits(bound, per_command.clone()));
+    assert!(!Transferred { bytes: bound.bytes + 1, ..one_layer }.fits(bound, per_command.clone()), "more bytes than the grant");
+    assert!(!Transferred { commands: bound.commands + 1, bytes: bound.bytes }.fits(bound, per_command.clone()));
+    assert!(!Transferred { bytes: 0, commands: 1 }.fits(bound, per_command.clone()), "a command moves at least one LBA");
+    assert!(!Transferred { bytes: 4096, commands: 0 }.fits(bound, per_command), "no bytes without a command");
+    data.finish(handle).unwrap();
+    control.release(handle).unwrap();
+    assert!(matches!(data.transferred(handle), Err(ObjstoreError::UnknownHandle { .. })), "a finished request is gone");
 }
 
 #[test]

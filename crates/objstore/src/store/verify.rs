@@ -73,6 +73,16 @@ impl VerifyFailure {
 }
 
 impl<E: Executor> StoreData<E> {
+    /// The blocks a verified retrieve found damaged (empty when none did, or for an unknown
+    /// handle): what a client of tuttid reports at release, so that the daemon, which holds
+    /// the index, evicts their slots (in one process, `KvStore::wait` does it at once).
+    pub fn mismatched_blocks(&self, handle: RequestHandle) -> &[MismatchedBlock] {
+        match self.index_of(handle).ok().and_then(|index| self.requests[index].verify_failure.as_ref()) {
+            Some(VerifyFailure::Mismatch(blocks)) => blocks,
+            _ => &[],
+        }
+    }
+
     /// Folds in the layers completed so far and, once all are, compares; a failure is recorded
     /// on the request (sticky until `finish`) and returned.
     pub(super) fn verify_layers(&mut self, index: usize, handle: RequestHandle) -> Result<()> {

@@ -9,8 +9,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use gio_uring::SmBudget;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
+use objstore::{KvRequest, LayerKvStore, ObjstoreError};
+use tutti_daemon::client::RemoteKvStore;
 use tutti_daemon::protocol::Hello;
 use tutti_daemon::Client;
 
@@ -120,4 +123,75 @@ pub fn spawn_child(entry: &str, env: &str, role: &str) -> Child {
         .stderr(Stdio::inherit())
         .spawn()
         .unwrap()
+}
+
+/// The tokens of prompt `seed`: `blocks` full blocks of `block_tokens` and a partial one.
+pub fn prompt(seed: u32, blocks: usize, block_tokens: u32) -> Vec<u32> {
+    (0..(blocks as u32 * block_tokens + 3)).map(|token| token.wrapping_mul(2_654_435_761) ^ seed).collect()
+}
+
+/// The byte at `offset` of prompt block `block` as rank `rank` stores it: differs per rank,
+/// block, prompt and offset (so per layer and per K/V half too).
+pub fn pattern_byte(seed: u32, rank: u32, block: usize, offset: usize) -> u8 {
+    let mixed =
+        (offset as u32).wrapping_mul(0x9E37_79B1) ^ (block as u32).wrapping_mul(0x85EB_CA6B) ^ rank.wrapping_mul(0xC2B2_AE35) ^ seed;
+    (mixed >> 13) as u8 ^ (mixed as u8)
+}
+
+/// Stores prompt `seed`'s `blocks` blocks from engine blocks 0..blocks with rank `rank`'s
+/// pattern, every layer, and commits; returns the blocks stored.
+pub fn store_prompt(store: &mut RemoteKvStore, seed: u32, rank: u32, blocks: usize) -> Result<usize, ObjstoreError> {
+    let tokens = prompt(seed, blocks, store.hello_reply().shape.block_tokens);
+    let block_bytes = store.block_bytes() as usize;
+    for block in 0..blocks {
+        let bytes: Vec<u8> = (0..block_bytes).map(|offset| pattern_byte(seed, rank, block, offset)).collect();
+        store.write_block(block as u32, 0, &bytes)?;
+    }
+    let block_ids: Vec<u32> = (0..blocks as u32).collect();
+    let plan = store.prepare_store(&KvRequest { tokens: &tokens, block_ids: &block_ids })?;
+    let deadline = Instant::now() + WAIT;
+    for layer in 0..store.hello_reply().shape.layers {
+        store.store_layer(plan.handle, layer, SmBudget(1))?;
+        store.wait(plan.handle, deadline)?;
+    }
+    store.commit_store(plan.handle)
+}
+
+/// Retrieves the first `blocks` blocks of prompt `seed` into engine blocks blocks..2·blocks
+/// (cleared first), every layer, and finishes the request (also after a failed wait, so the
+/// daemon hears of it); returns the first error, or how many bytes differ from rank `rank`'s
+/// pattern.
+pub fn retrieve_prompt(store: &mut RemoteKvStore, seed: u32, rank: u32, blocks: usize) -> Result<usize, ObjstoreError> {
+    let tokens = prompt(seed, blocks, store.hello_reply().shape.block_tokens);
+    let block_bytes = store.block_bytes() as usize;
+    let block_ids: Vec<u32> = (blocks as u32..2 * blocks as u32).collect();
+    for &block in &block_ids {
+        store.write_block(block, 0, &vec![0u8; block_bytes])?;
+    }
+    let handle = store.prepare_retrieve(&KvRequest { tokens: &tokens, block_ids: &block_ids })?;
+    let deadline = Instant::now() + WAIT;
+    let mut failure = None;
+    for layer in 0..store.hello_reply().shape.layers {
+        if let Err(error) = store.retrieve_layer(handle, layer, SmBudget(1)).and_then(|()| store.wait(handle, deadline)) {
+            failure = Some(error);
+            break;
+        }
+    }
+    store.finish(handle)?;
+    if let Some(error) = failure {
+        return Err(error);
+    }
+    let mut wrong = 0usize;
+    let mut bytes = vec![0u8; block_bytes];
+    for (prompt_block, &engine_block) in block_ids.iter().enumerate() {
+        store.read_block(engine_block, 0, &mut bytes)?;
+        wrong += bytes.iter().enumerate().filter(|&(offset, &byte)| byte != pattern_byte(seed, rank, prompt_block, offset)).count();
+    }
+    Ok(wrong)
+}
+
+/// `GET url` with a real HTTP client, bounded.
+pub fn scrape(url: &str) -> String {
+    let agent: ureq::Agent = ureq::Agent::config_builder().timeout_global(Some(Duration::from_secs(10))).build().into();
+    agent.get(url).call().unwrap().body_mut().read_to_string().unwrap()
 }
