@@ -19,8 +19,10 @@
 
 use std::fmt;
 
+mod device_memory;
 mod store;
 
+pub use device_memory::{DeviceMemoryKind, RegisterDeviceMemory, DEVICE_MEMORY_HANDLE_BYTES, DEVICE_UUID_BYTES};
 pub use store::{
     AttachQueues, Commit, NamespaceGrant, Prepare, QueueGrant, RegisterMemory, Registered, RetrievePrepared, RingOffsets, StorePrepared,
     DEVICES_MAX, NAMESPACES_MAX,
@@ -62,6 +64,7 @@ pub enum Kind {
     PrepareStore = 10,
     Commit = 11,
     Release = 12,
+    RegisterDeviceMemory = 13,
     HelloReply = 0x8001,
     LookupReply = 0x8002,
     StatusReply = 0x8003,
@@ -91,6 +94,7 @@ impl Kind {
             10 => Kind::PrepareStore,
             11 => Kind::Commit,
             12 => Kind::Release,
+            13 => Kind::RegisterDeviceMemory,
             0x8001 => Kind::HelloReply,
             0x8002 => Kind::LookupReply,
             0x8003 => Kind::StatusReply,
@@ -377,6 +381,10 @@ pub enum Request {
     Release {
         handle: u64,
     },
+    /// Registers KV memory the daemon reaches only by copies (GPU memory through CUDA IPC; a
+    /// memfd stand-in); answered with [`Reply::Registered`]. Descriptors: see
+    /// [`RegisterDeviceMemory`].
+    RegisterDeviceMemory(RegisterDeviceMemory),
 }
 
 /// What the daemon answers.
@@ -422,6 +430,7 @@ impl Request {
             Request::PrepareStore(_) => Kind::PrepareStore,
             Request::Commit(_) => Kind::Commit,
             Request::Release { .. } => Kind::Release,
+            Request::RegisterDeviceMemory(_) => Kind::RegisterDeviceMemory,
         }
     }
 
@@ -437,7 +446,9 @@ impl Request {
             Request::Lookup { tokens } | Request::LookupAllRanks { tokens } => encode_lookup_body(tokens, out),
             Request::Status | Request::Ping => {}
             other => {
-                store::encode_request(other, out);
+                if !store::encode_request(other, out) {
+                    device_memory::encode_request(other, out);
+                }
             }
         }
     }
@@ -471,7 +482,10 @@ impl Request {
             Kind::Ping => Request::Ping,
             other => match store::decode_request(other, &mut reader)? {
                 Some(request) => request,
-                None => return Err(ProtocolError::MalformedBody { kind: other, reason: "a reply kind sent as a request".into() }),
+                None => match device_memory::decode_request(other, &mut reader)? {
+                    Some(request) => request,
+                    None => return Err(ProtocolError::MalformedBody { kind: other, reason: "a reply kind sent as a request".into() }),
+                },
             },
         };
         reader.finish()?;

@@ -17,16 +17,17 @@ use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use nvme_driver::hw::{DmaRegion, SharedMemory};
+use nvme_driver::hw::{CopiedRegion, DmaRegion, HwError, SharedMemory};
 use nvme_driver::spec::{COMPLETION_ENTRY_BYTES, SUBMISSION_ENTRY_BYTES};
 use nvme_driver::{DataPointerMode, DetachedQueuePair, NamespaceId};
 use nvme_emu::{EmuDevice, QueueRestriction};
 use objstore::{NoLender, ObjstoreError, Placement, RequestHandle, StoreControl};
 
+use crate::gpu_memory::{Claim, DeviceMemoryService, VFIO_REFUSAL};
 use crate::keys::KeySpace;
 use crate::protocol::{
-    AttachQueues, Commit, ErrorCode, NamespaceGrant, Prepare, QueueGrant, RegisterMemory, Registered, Reply, RetrievePrepared,
-    StorePrepared,
+    AttachQueues, Commit, ErrorCode, NamespaceGrant, Prepare, QueueGrant, RegisterDeviceMemory, RegisterMemory, Registered, Reply,
+    RetrievePrepared, StorePrepared,
 };
 use crate::relay::{DoorbellRelay, RelayTicket};
 
@@ -77,10 +78,23 @@ struct Registration {
     relayed: Vec<RelayTicket>,
 }
 
+/// One registered range of device memory (`crate::gpu_memory`: GPU memory through CUDA IPC, a
+/// memfd stand-in): its mapping in the devices' DMA space (every translation a controller made
+/// holds it too), its claim on the allocation, the dma-buf the client sent. Dropped with the
+/// windows, after the session's queue pairs were deleted.
+struct DeviceRegistration {
+    id: u64,
+    region: CopiedRegion,
+    kv_blocks: u32,
+    _claim: Claim,
+    _dma_buf: Option<OwnedFd>,
+}
+
 /// Everything a session holds beyond its record.
 #[derive(Default)]
 pub struct Holdings {
     registrations: Vec<Registration>,
+    device_memory: Vec<DeviceRegistration>,
     handles: Vec<RequestHandle>,
     /// Scratch: a request's block keys and CRCs.
     keys: Vec<u64>,
@@ -110,8 +124,9 @@ fn store_error(context: &str, error: ObjstoreError) -> Reply {
 }
 
 impl Holdings {
+    /// Windows and device-memory registrations.
     pub fn registrations(&self) -> u32 {
-        self.registrations.len() as u32
+        (self.registrations.len() + self.device_memory.len()) as u32
     }
 
     pub fn queue_pairs(&self) -> u32 {
@@ -150,7 +165,7 @@ impl Holdings {
         if fds.len() != 1 {
             return Reply::error(ErrorCode::BadRequest, format!("RegisterMemory takes one descriptor (a sealed memfd), got {}", fds.len()));
         }
-        if self.registrations.len() >= limits.registrations_max {
+        if self.registrations() as usize >= limits.registrations_max {
             return Reply::error(ErrorCode::LimitReached, format!("a session registers at most {} windows", limits.registrations_max));
         }
         let held: u64 = self.registrations.iter().map(|registration| registration.window.len() as u64).sum();
@@ -166,8 +181,10 @@ impl Holdings {
                 format!("{} more bytes over the session's {held}: the cap is {}", request.window_bytes, limits.window_bytes_max),
             );
         }
+        // No KV blocks: a window of rings and tables only, for KV memory registered as device
+        // memory (`RegisterDeviceMemory`).
         let kv_bytes = u64::from(request.kv_blocks).checked_mul(block_bytes);
-        if request.kv_blocks == 0 || kv_bytes.is_none_or(|bytes| bytes > request.window_bytes) {
+        if kv_bytes.is_none_or(|bytes| bytes > request.window_bytes) {
             return Reply::error(
                 ErrorCode::BadRequest,
                 format!("{} KV blocks of {block_bytes} bytes do not fit a window of {} bytes", request.kv_blocks, request.window_bytes),
@@ -191,6 +208,82 @@ impl Holdings {
         let id = next_id.fetch_add(1, Ordering::Relaxed);
         let reply = Registered { registration: id, iova_base: window.iova().0, address_space: dma.address_space().0 };
         self.registrations.push(Registration { id, window, kv_blocks: request.kv_blocks, queues: Vec::new(), relayed: Vec::new() });
+        Reply::Registered(reply)
+    }
+
+    /// `RegisterDeviceMemory`: imports the memory (`crate::gpu_memory`), claims its range, and
+    /// gives it an IOVA in the pool devices' one DMA space, which only software controllers can
+    /// take ([`VFIO_REFUSAL`] otherwise). Before `AttachQueues`: each queue pair's restriction
+    /// covers the device memory registered when it was created.
+    #[allow(clippy::too_many_arguments)] // the session's context, as for `register`
+    pub fn register_device_memory(
+        &mut self,
+        request: RegisterDeviceMemory,
+        fds: &mut Vec<OwnedFd>,
+        store: &Mutex<StoreState>,
+        limits: &SessionLimits,
+        block_bytes: u64,
+        next_id: &AtomicU64,
+        service: &DeviceMemoryService,
+        session: u64,
+    ) -> Reply {
+        if let Err(refusal) = service.check_kind(request.kind) {
+            return refused(refusal);
+        }
+        if self.queue_pairs() > 0 {
+            return Reply::error(
+                ErrorCode::BadRequest,
+                "register device memory before AttachQueues: a queue pair reaches the memory registered when it was created",
+            );
+        }
+        if self.registrations() as usize >= limits.registrations_max {
+            return Reply::error(ErrorCode::LimitReached, format!("a session registers at most {} windows", limits.registrations_max));
+        }
+        let kv_bytes = u64::from(request.kv_blocks).checked_mul(block_bytes);
+        if request.kv_blocks == 0 || kv_bytes.is_none_or(|bytes| bytes > request.length_bytes) {
+            return Reply::error(
+                ErrorCode::BadRequest,
+                format!(
+                    "{} KV blocks of {block_bytes} bytes do not fit {} bytes of device memory",
+                    request.kv_blocks, request.length_bytes
+                ),
+            );
+        }
+        let dma = {
+            let store = lock(store);
+            if store.emulators.iter().any(Option::is_none) {
+                return Reply::error(ErrorCode::Unsupported, VFIO_REFUSAL);
+            }
+            let pool = store.control.pool();
+            let dma = Arc::clone(pool.target(0).controller.dma());
+            if (1..pool.device_count()).any(|device| pool.target(device).controller.dma().address_space() != dma.address_space()) {
+                return Reply::error(
+                    ErrorCode::Unsupported,
+                    "the pool's devices are in several DMA spaces: memory cannot be mapped for all",
+                );
+            }
+            dma
+        };
+        // Imported outside the pool lock: opening a CUDA IPC handle may take milliseconds.
+        let imported = match service.import(&request, fds) {
+            Ok(imported) => imported,
+            Err(refusal) => return refused(refusal),
+        };
+        let id = next_id.fetch_add(1, Ordering::Relaxed);
+        let claim = match service.claim(&imported, session, id) {
+            Ok(claim) => claim,
+            Err(refusal) => return refused(refusal),
+        };
+        let region = match dma.map_copied(Arc::clone(&imported.memory)) {
+            Ok(region) => region,
+            Err(error @ HwError::CopiedUnsupported { .. }) => {
+                return Reply::error(ErrorCode::Unsupported, format!("{error}: {VFIO_REFUSAL}"))
+            }
+            Err(error) => return Reply::error(ErrorCode::StoreFailed, format!("mapping the device memory for the devices: {error}")),
+        };
+        tracing::info!(registration = id, session, iova = %region.iova(), memory = %region.describe(), "device memory registered");
+        let reply = Registered { registration: id, iova_base: region.iova().0, address_space: dma.address_space().0 };
+        self.device_memory.push(DeviceRegistration { id, region, kv_blocks: request.kv_blocks, _claim: claim, _dma_buf: imported.dma_buf });
         Reply::Registered(reply)
     }
 
@@ -237,6 +330,8 @@ impl Holdings {
             }
             registers.push(memory);
         }
+        // Every queue of the session may reach the session's device memory too.
+        let device_ranges: Vec<_> = self.device_memory.iter().map(|device| (device.region.iova(), device.region.len() as u64)).collect();
         let registration = &mut self.registrations[index];
         let window = registration.window.clone();
         let mut grants = Vec::with_capacity(devices);
@@ -274,11 +369,12 @@ impl Holdings {
             let layout = pair.layout();
             let device_layout = &shape.devices[device];
             let pool_blocks = device_layout.addressing.slot_blocks.saturating_mul(device_layout.slot_count);
-            let restriction = QueueRestriction::new().allow_memory(window.iova(), window.len() as u64).allow_blocks(
-                target.namespace.0,
-                device_layout.addressing.data_lba,
-                pool_blocks,
-            );
+            let restriction = device_ranges
+                .iter()
+                .fold(QueueRestriction::new().allow_memory(window.iova(), window.len() as u64), |restriction, &(iova, len)| {
+                    restriction.allow_memory(iova, len)
+                })
+                .allow_blocks(target.namespace.0, device_layout.addressing.data_lba, pool_blocks);
             let restricted =
                 store.emulators[device].as_ref().map(|emulator| emulator.restrict_submission_queue(layout.id.0, Some(restriction)));
             created.push(pair);
@@ -360,7 +456,10 @@ impl Holdings {
     /// Checks a prepare request against the session and computes its keys into `self.keys`;
     /// returns the block count.
     fn check_prepare(&mut self, prepare: &Prepare, space: &KeySpace, block_tokens: u32, limits: &SessionLimits) -> Result<usize, Refusal> {
-        let registration = &self.registrations[self.registration(prepare.registration)?];
+        let kv_blocks = match self.device_memory.iter().find(|device| device.id == prepare.registration) {
+            Some(device) => device.kv_blocks,
+            None => self.registrations[self.registration(prepare.registration)?].kv_blocks,
+        };
         if self.handles.len() >= limits.requests_max {
             return Err((ErrorCode::LimitReached, format!("a session holds at most {} prepared requests", limits.requests_max)));
         }
@@ -375,10 +474,10 @@ impl Holdings {
                 ),
             ));
         }
-        if let Some(&block) = prepare.block_ids.iter().find(|&&block| block >= registration.kv_blocks) {
+        if let Some(&block) = prepare.block_ids.iter().find(|&&block| block >= kv_blocks) {
             return Err((
                 ErrorCode::BadRequest,
-                format!("engine block {block} is outside registration {} of {} blocks", prepare.registration, registration.kv_blocks),
+                format!("engine block {block} is outside registration {} of {kv_blocks} blocks", prepare.registration),
             ));
         }
         space.keys(&prepare.tokens[..blocks * block_tokens as usize], block_tokens, &mut self.keys);
@@ -513,6 +612,7 @@ impl Holdings {
             // write (never released, so never reused).
             std::mem::forget(undeleted);
             std::mem::forget(std::mem::take(&mut self.registrations));
+            std::mem::forget(std::mem::take(&mut self.device_memory));
             self.handles.clear();
             return count;
         }
@@ -525,8 +625,10 @@ impl Holdings {
                 }
             }
         }
-        // 4. Windows: unmapped when their last region (the rings were the other holders) goes.
+        // 4. Windows: unmapped when their last region (the rings were the other holders) goes;
+        //    device memory: unmapped, closed (cuIpcCloseMemHandle) and its claim given back.
         self.registrations.clear();
+        self.device_memory.clear();
         0
     }
 }
@@ -633,6 +735,43 @@ mod tests {
         assert!(matches!(again, Reply::Error { code: ErrorCode::BadRequest, .. }), "{again:?}");
         assert_eq!(holdings.release(&with, &LeakCounters::default()), 0);
         assert_eq!((holdings.registrations(), holdings.queue_pairs()), (0, 0));
+    }
+
+    #[test]
+    fn device_memory_is_refused_on_a_pool_with_a_vfio_device() {
+        // Goal: a pool device without a software controller (a vfio: device) cannot take memory
+        // reached only by copies: the registration is Unsupported, naming what the IOMMU route
+        // would need, and nothing is held; the same request on software controllers registers.
+        let service = DeviceMemoryService::new(crate::gpu_memory::DeviceMemoryImport::Memfd).unwrap();
+        let memory = SharedMemory::create("device-kv", 1 << 20).unwrap();
+        let request = RegisterDeviceMemory {
+            kind: crate::protocol::DeviceMemoryKind::Memfd,
+            handle: [0; 64],
+            device_uuid: [0; 16],
+            allocation_bytes: 1 << 20,
+            offset_bytes: 0,
+            length_bytes: 1 << 20,
+            kv_blocks: 4,
+        };
+        let register = |holdings: &mut Holdings, store: &Mutex<StoreState>| {
+            let mut fds = vec![memory.fd().try_clone_to_owned().unwrap()];
+            holdings.register_device_memory(request, &mut fds, store, &SessionLimits::default(), 16 << 10, &AtomicU64::new(1), &service, 1)
+        };
+        let vfio = store(false);
+        lock(&vfio).emulators = vec![None];
+        let mut holdings = Holdings::default();
+        let reply = register(&mut holdings, &vfio);
+        match &reply {
+            Reply::Error { code: ErrorCode::Unsupported, message } => {
+                assert!(message.contains("vfio") && message.contains("IOMMU_IOAS_MAP_FILE"), "{message}")
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(holdings.registrations(), 0);
+        let emulated = store(false);
+        assert!(matches!(register(&mut holdings, &emulated), Reply::Registered(_)));
+        assert_eq!(holdings.registrations(), 1);
+        assert_eq!(holdings.release(&emulated, &LeakCounters::default()), 0);
     }
 
     /// Polls `done` for up to 10 s.

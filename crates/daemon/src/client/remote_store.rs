@@ -30,7 +30,7 @@ use objstore::{
     Direction, KvLayout, KvRegistration, KvRequest, LayerKvStore, ObjstoreError, RequestHandle, StoreConfig, StoreData, StorePlan,
 };
 
-use super::Client;
+use super::{Client, DeviceKvMemory};
 use crate::protocol::{AttachQueues, Commit, Hello, HelloReply, Kind, Prepare, QueueGrant, RegisterMemory, Reply, Request, RingOffsets};
 use crate::DaemonError;
 
@@ -66,8 +66,10 @@ pub struct RemoteKvStore {
     data: StoreData<CpuExecutor>,
     client: Client,
     hello: HelloReply,
+    /// The registration the KV blocks live in: the window, or the device memory.
     registration: u64,
-    kv: DmaRegion,
+    /// The KV memory in the window; `None` when it is the engine's device memory.
+    kv: Option<DmaRegion>,
     block_bytes: u64,
     /// The rings of every attached pair: kept until the daemon deleted the queues (the attach
     /// contract), i.e. for the life of this store (the daemon deletes them when the session ends).
@@ -90,6 +92,29 @@ impl RemoteKvStore {
     /// docs). Fails with the daemon's typed refusal (e.g. `Unsupported` on a pool without a
     /// shared register page), or the local check that refused what it sent.
     pub fn connect(socket: &Path, hello: &Hello, config: &RemoteConfig) -> Result<RemoteKvStore, ObjstoreError> {
+        Self::connect_inner(socket, hello, config, None)
+    }
+
+    /// As [`RemoteKvStore::connect`], with the KV blocks in the engine's device memory (GPU
+    /// memory through CUDA IPC, or a memfd stand-in: [`DeviceKvMemory`]), which the daemon's
+    /// software controllers reach by copies; the window holds only rings and the mapping table.
+    /// The engine moves its KV bytes itself (`write_block` / `read_block` refuse). A pool that
+    /// records payload CRCs is refused: the CRCs are computed on the CPU from the KV memory.
+    pub fn connect_with_device_memory(
+        socket: &Path,
+        hello: &Hello,
+        config: &RemoteConfig,
+        kv: &DeviceKvMemory,
+    ) -> Result<RemoteKvStore, ObjstoreError> {
+        Self::connect_inner(socket, hello, config, Some(kv))
+    }
+
+    fn connect_inner(
+        socket: &Path,
+        hello: &Hello,
+        config: &RemoteConfig,
+        device: Option<&DeviceKvMemory>,
+    ) -> Result<RemoteKvStore, ObjstoreError> {
         let mut client = Client::connect(socket, config.timeout).map_err(remote)?;
         let attached = client.hello(hello).map_err(remote)?;
         let shape = match client.call(&Request::PoolShape).map_err(remote)? {
@@ -97,6 +122,12 @@ impl RemoteKvStore {
             other => return Err(unexpected(Kind::PoolShape, &other)),
         };
         shape.check()?;
+        if device.is_some() && shape.payload_crcs {
+            return Err(ObjstoreError::BadRequest {
+                reason: "the pool records payload CRCs, which the client computes on the CPU from its KV memory: not from device memory"
+                    .into(),
+            });
+        }
         let geometry = shape.geometry;
         let block_bytes = 2 * u64::from(geometry.layers) * geometry.object_bytes();
         let devices = shape.devices.len() as u64;
@@ -110,17 +141,33 @@ impl RemoteKvStore {
             + depth.saturating_sub(1) * SCRATCH_PAGE_BYTES;
         let table = objstore::mapping_memory(&geometry, kv_bytes);
         let table_bytes = round(table.sgl_bytes.max(table.prp_packed_bytes));
-        let window_bytes = round(kv_bytes) + devices * per_device + table_bytes + WINDOW_SLACK_BYTES;
+        let window_kv_bytes = if device.is_some() { 0 } else { round(kv_bytes) };
+        let window_bytes = window_kv_bytes + devices * per_device + table_bytes + WINDOW_SLACK_BYTES;
         let window_len = usize::try_from(window_bytes).map_err(|_| ObjstoreError::AddressOverflow { what: "the window".into() })?;
         let memory = SharedMemory::create("tutti-kv-window", window_len).map_err(HwError::from)?;
-        let register = Request::RegisterMemory(RegisterMemory { window_bytes, kv_blocks: config.kv_blocks });
+        let window_kv_blocks = if device.is_some() { 0 } else { config.kv_blocks };
+        let register = Request::RegisterMemory(RegisterMemory { window_bytes, kv_blocks: window_kv_blocks });
         let registered = match client.call_with_fds(&register, &[memory.fd()]).map_err(remote)? {
             (Reply::Registered(registered), _) => registered,
             (other, _) => return Err(unexpected(Kind::RegisterMemory, &other)),
         };
         let window = DmaWindow::new(memory, Iova(registered.iova_base), AddressSpaceId(registered.address_space))?;
-        // The KV memory first (at the window's base), then each device's rings.
-        let kv = window.allocate(kv_bytes as usize)?;
+        // The KV memory first (at the window's base, or the device memory's own registration),
+        // then each device's rings.
+        let (kv, kv_registration, kv_base) = match device {
+            None => {
+                let kv = window.allocate(kv_bytes as usize)?;
+                let base = kv.iova();
+                (Some(kv), registered.registration, base)
+            }
+            Some(device) => {
+                let request = Request::RegisterDeviceMemory(device.request(config.kv_blocks));
+                match client.call_with_fds(&request, &device.descriptors()).map_err(remote)? {
+                    (Reply::Registered(memory), _) => (None, memory.registration, Iova(memory.iova_base)),
+                    (other, _) => return Err(unexpected(Kind::RegisterDeviceMemory, &other)),
+                }
+            }
+        };
         let mut rings = Vec::with_capacity(shape.devices.len());
         let mut offsets = Vec::with_capacity(shape.devices.len());
         for _ in &shape.devices {
@@ -168,7 +215,7 @@ impl RemoteKvStore {
             pairs.push(pair);
         }
         let mode = if sgl_everywhere { DataPointerMode::Sgl } else { DataPointerMode::Prp };
-        let layout = KvLayout::BlockMajor { base: kv.iova(), block_stride_bytes: block_bytes };
+        let layout = KvLayout::BlockMajor { base: kv_base, block_stride_bytes: block_bytes };
         let registration = KvRegistration::new(geometry, config.kv_blocks, layout, mode)?;
         let dma: Arc<dyn DmaAllocator> = Arc::new(window.clone());
         let executor = CpuExecutor::new(pairs, config.store.iocbs);
@@ -178,7 +225,7 @@ impl RemoteKvStore {
             data,
             client,
             hello: attached,
-            registration: registered.registration,
+            registration: kv_registration,
             kv,
             block_bytes,
             _rings: rings,
@@ -234,16 +281,23 @@ impl RemoteKvStore {
         Ok(block as usize * self.block_bytes as usize + offset)
     }
 
+    /// The KV memory in the window (not the engine's device memory).
+    fn window_kv(&self) -> Result<&DmaRegion, ObjstoreError> {
+        self.kv.as_ref().ok_or_else(|| ObjstoreError::BadRequest {
+            reason: "the KV blocks are the engine's device memory: the engine copies them itself".into(),
+        })
+    }
+
     /// Copies `bytes` into engine block `block` at `offset` (the engine's KV tensors).
     pub fn write_block(&self, block: u32, offset: usize, bytes: &[u8]) -> Result<(), ObjstoreError> {
         let at = self.block_offset(block, offset, bytes.len())?;
-        Ok(self.kv.write(at, bytes)?)
+        Ok(self.window_kv()?.write(at, bytes)?)
     }
 
     /// Copies engine block `block`'s bytes from `offset` into `out`.
     pub fn read_block(&self, block: u32, offset: usize, out: &mut [u8]) -> Result<(), ObjstoreError> {
         let at = self.block_offset(block, offset, out.len())?;
-        Ok(self.kv.read(at, out)?)
+        Ok(self.window_kv()?.read(at, out)?)
     }
 
     /// The longest prefix of `tokens`, in blocks, cached on every tensor-parallel rank of this
