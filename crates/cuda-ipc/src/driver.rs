@@ -20,6 +20,8 @@ use nvme_driver::hw::{CopiedMemory, HwError};
 
 use crate::{format_uuid, CudaIpcError, IPC_HANDLE_BYTES, UUID_BYTES};
 
+/// The first driver with `CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE`, CUDA 11.3.
+const IPC_CAPABLE_ATTRIBUTE_MIN_DRIVER_VERSION: i32 = 11030;
 /// The first driver with `cuMemGetHandleForAddressRange` (dma-buf export), CUDA 11.7.
 const DMA_BUF_MIN_DRIVER_VERSION: i32 = 11070;
 /// dma-buf ranges must start and end on host pages; 4 KiB here (x86-64, and Arm kernels with
@@ -345,6 +347,21 @@ pub fn export_range(gpu: &Gpu, device_pointer: u64, length_bytes: u64) -> Result
     let offset_bytes = device_pointer - base;
     if offset_bytes.checked_add(length_bytes).is_none_or(|end| end > allocation_bytes) {
         return Err(CudaIpcError::OutsideAllocation { offset_bytes, length_bytes, allocation_bytes });
+    }
+    if gpu.driver_version >= IPC_CAPABLE_ATTRIBUTE_MIN_DRIVER_VERSION {
+        let mut capable: u32 = 0;
+        // SAFETY: the attribute's value is a 32-bit boolean and `capable` a live u32; the driver
+        // validates `base`; the attribute exists in drivers of this version (checked above).
+        check("cuPointerGetAttribute(IS_LEGACY_CUDA_IPC_CAPABLE)", unsafe {
+            sys::cuPointerGetAttribute(
+                (&mut capable as *mut u32).cast::<c_void>(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
+                base,
+            )
+        })?;
+        if capable == 0 {
+            return Err(CudaIpcError::NotIpcCapable);
+        }
     }
     let sync_memops: u32 = 1;
     // SAFETY: `sync_memops` is a live u32, the attribute's documented value type; the driver

@@ -47,6 +47,12 @@ pub enum CudaIpcError {
     OutsideAllocation { offset_bytes: u64, length_bytes: u64, allocation_bytes: u64 },
     #[error("a zero-length range")]
     ZeroLength,
+    #[error(
+        "the allocation cannot be shared through CUDA IPC (cuIpcGetMemHandle): it comes from a stream-ordered memory pool \
+         (cuMemAllocAsync) or the virtual memory API (cuMemCreate, e.g. PyTorch's expandable segments); allocate the KV pool \
+         with cuMemAlloc / cudaMalloc"
+    )]
+    NotIpcCapable,
     #[error("the CUDA driver {found} is older than {needed} ({what})")]
     DriverTooOld { what: &'static str, found: i32, needed: i32 },
 }

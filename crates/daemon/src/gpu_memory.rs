@@ -226,7 +226,7 @@ impl DeviceMemoryService {
                 CudaIpcError::Cuda { .. } | CudaIpcError::NoDeviceWithUuid { .. } | CudaIpcError::OutsideAllocation { .. } => {
                     ErrorCode::BadRequest
                 }
-                CudaIpcError::NoSuchDevice { .. } | CudaIpcError::ZeroLength => ErrorCode::BadRequest,
+                CudaIpcError::NoSuchDevice { .. } | CudaIpcError::ZeroLength | CudaIpcError::NotIpcCapable => ErrorCode::BadRequest,
             };
             (code, format!("{context}: {error}"))
         };
