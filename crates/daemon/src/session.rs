@@ -26,8 +26,8 @@ use objstore::{NoLender, ObjstoreError, Placement, RequestHandle, StoreControl};
 use crate::gpu_memory::{Claim, DeviceMemoryService, VFIO_REFUSAL};
 use crate::keys::KeySpace;
 use crate::protocol::{
-    AttachQueues, Commit, ErrorCode, NamespaceGrant, Prepare, QueueGrant, RegisterDeviceMemory, RegisterMemory, Registered, Reply,
-    RetrievePrepared, StorePrepared,
+    AttachQueues, Commit, DeviceMemoryKind, ErrorCode, NamespaceGrant, Prepare, QueueGrant, RegisterDeviceMemory, RegisterMemory,
+    Registered, Reply, RetrievePrepared, StorePrepared,
 };
 use crate::relay::{DoorbellRelay, RelayTicket};
 
@@ -86,6 +86,9 @@ struct DeviceRegistration {
     id: u64,
     region: CopiedRegion,
     kv_blocks: u32,
+    /// Host memory the daemon mapped for it (a memfd stand-in's size; 0 for GPU memory): counted
+    /// with the windows against `window_bytes_max`.
+    host_bytes: u64,
     _claim: Claim,
     _dma_buf: Option<OwnedFd>,
 }
@@ -129,6 +132,12 @@ impl Holdings {
         (self.registrations.len() + self.device_memory.len()) as u32
     }
 
+    /// Host memory the session's registrations keep mapped in the daemon.
+    fn host_bytes_held(&self) -> u64 {
+        let windows: u64 = self.registrations.iter().map(|registration| registration.window.len() as u64).sum();
+        windows + self.device_memory.iter().map(|device| device.host_bytes).sum::<u64>()
+    }
+
     pub fn queue_pairs(&self) -> u32 {
         self.registrations.iter().map(|registration| registration.queues.len() as u32).sum()
     }
@@ -168,7 +177,7 @@ impl Holdings {
         if self.registrations() as usize >= limits.registrations_max {
             return Reply::error(ErrorCode::LimitReached, format!("a session registers at most {} windows", limits.registrations_max));
         }
-        let held: u64 = self.registrations.iter().map(|registration| registration.window.len() as u64).sum();
+        let held = self.host_bytes_held();
         if request.window_bytes == 0 || !request.window_bytes.is_multiple_of(4096) || usize::try_from(request.window_bytes).is_err() {
             return Reply::error(
                 ErrorCode::BadRequest,
@@ -239,6 +248,15 @@ impl Holdings {
         if self.registrations() as usize >= limits.registrations_max {
             return Reply::error(ErrorCode::LimitReached, format!("a session registers at most {} windows", limits.registrations_max));
         }
+        // A memfd stand-in is host memory the daemon maps: capped with the windows.
+        let host_bytes = if request.kind == DeviceMemoryKind::Memfd { request.allocation_bytes } else { 0 };
+        let held = self.host_bytes_held();
+        if held.saturating_add(host_bytes) > limits.window_bytes_max {
+            return Reply::error(
+                ErrorCode::LimitReached,
+                format!("{host_bytes} more bytes over the session's {held}: the cap is {}", limits.window_bytes_max),
+            );
+        }
         let kv_bytes = u64::from(request.kv_blocks).checked_mul(block_bytes);
         if request.kv_blocks == 0 || kv_bytes.is_none_or(|bytes| bytes > request.length_bytes) {
             return Reply::error(
@@ -283,7 +301,14 @@ impl Holdings {
         };
         tracing::info!(registration = id, session, iova = %region.iova(), memory = %region.describe(), "device memory registered");
         let reply = Registered { registration: id, iova_base: region.iova().0, address_space: dma.address_space().0 };
-        self.device_memory.push(DeviceRegistration { id, region, kv_blocks: request.kv_blocks, _claim: claim, _dma_buf: imported.dma_buf });
+        self.device_memory.push(DeviceRegistration {
+            id,
+            region,
+            kv_blocks: request.kv_blocks,
+            host_bytes,
+            _claim: claim,
+            _dma_buf: imported.dma_buf,
+        });
         Reply::Registered(reply)
     }
 
@@ -771,6 +796,41 @@ mod tests {
         let emulated = store(false);
         assert!(matches!(register(&mut holdings, &emulated), Reply::Registered(_)));
         assert_eq!(holdings.registrations(), 1);
+        assert_eq!(holdings.release(&emulated, &LeakCounters::default()), 0);
+    }
+
+    #[test]
+    fn a_memfd_stand_in_counts_against_the_sessions_window_bytes() {
+        // Goal: host memory the daemon maps for a memfd stand-in is capped with the windows: with
+        // a 2 MiB cap, a 1 MiB window leaves room for one 1 MiB memfd registration, not two, and
+        // a window after them is refused too.
+        let service = DeviceMemoryService::new(crate::gpu_memory::DeviceMemoryImport::Memfd).unwrap();
+        let limits = SessionLimits { window_bytes_max: 2 << 20, ..SessionLimits::default() };
+        let emulated = store(false);
+        let mut holdings = Holdings::default();
+        registered(&mut holdings, &emulated);
+        let next_id = AtomicU64::new(100);
+        let mut register = |holdings: &mut Holdings| {
+            let memory = SharedMemory::create("device-kv", 1 << 20).unwrap();
+            let request = RegisterDeviceMemory {
+                kind: DeviceMemoryKind::Memfd,
+                handle: [0; 64],
+                device_uuid: [0; 16],
+                allocation_bytes: 1 << 20,
+                offset_bytes: 0,
+                length_bytes: 1 << 20,
+                kv_blocks: 4,
+            };
+            let mut fds = vec![memory.fd().try_clone_to_owned().unwrap()];
+            holdings.register_device_memory(request, &mut fds, &emulated, &limits, 16 << 10, &next_id, &service, 1)
+        };
+        assert!(matches!(register(&mut holdings), Reply::Registered(_)));
+        assert!(matches!(register(&mut holdings), Reply::Error { code: ErrorCode::LimitReached, .. }));
+        let window = SharedMemory::create("window", 1 << 20).unwrap();
+        let mut fds = vec![window.fd().try_clone_to_owned().unwrap()];
+        let request = RegisterMemory { window_bytes: 1 << 20, kv_blocks: 4 };
+        let reply = holdings.register(request, &mut fds, &emulated, &limits, 16 << 10, &next_id);
+        assert!(matches!(reply, Reply::Error { code: ErrorCode::LimitReached, .. }), "{reply:?}");
         assert_eq!(holdings.release(&emulated, &LeakCounters::default()), 0);
     }
 
