@@ -93,6 +93,7 @@ if [[ "${GIO_SKIP_CARGO:-0}" != "1" ]]; then
   CUDA_IPC_FEATURES=(-p tutti-cuda-ipc -p tutti-daemon -p tuttid --features tutti-cuda-ipc/cuda,tutti-daemon/cuda,tuttid/cuda)
   (cd "$ROOT" && cargo clippy --locked "${CUDA_IPC_FEATURES[@]}" --all-targets -- -D warnings)
   (cd "$ROOT" && cargo test --locked -p tutti-cuda-ipc --features cuda)
+  (cd "$ROOT" && cargo test --locked -p tutti-daemon --features cuda --lib gpu_memory)
   (cd "$ROOT" && cargo test --locked -p tuttid --features cuda --test gpu_check)
   echo "cuda-build: tutti-cuda-ipc, tutti-daemon and tuttid with the cuda feature: built, linted, tested (no GPU) OK"
 fi

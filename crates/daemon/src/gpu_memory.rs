@@ -253,16 +253,26 @@ impl DeviceMemoryService {
     }
 }
 
-/// A dma-buf of the registered range: its size (`lseek(SEEK_END)`, which dma-bufs answer) must
-/// be the range's.
+/// A dma-buf of the registered range: `/proc/self/fdinfo` must call it a dma-buf (an `exp_name:`
+/// line, the exporting driver) of at least the range's size (a `size:` line; exporters may round
+/// up to their granularity). Logged with its exporter.
 #[cfg(feature = "cuda")]
 fn check_dma_buf(fd: OwnedFd, length_bytes: u64) -> Result<OwnedFd, Refusal> {
-    use std::io::{Seek, SeekFrom};
-    let mut file = File::from(fd);
-    match file.seek(SeekFrom::End(0)) {
-        Ok(bytes) if bytes == length_bytes => Ok(OwnedFd::from(file)),
-        Ok(bytes) => Err((ErrorCode::BadRequest, format!("the dma-buf holds {bytes} bytes, the registration {length_bytes}"))),
-        Err(error) => Err((ErrorCode::BadRequest, format!("the descriptor sent as a dma-buf: {error}"))),
+    use std::os::fd::AsRawFd;
+    let bad = |message: String| (ErrorCode::BadRequest, message);
+    let path = format!("/proc/self/fdinfo/{}", fd.as_raw_fd());
+    let info = std::fs::read_to_string(&path).map_err(|error| bad(format!("the descriptor sent as a dma-buf ({path}): {error}")))?;
+    let field = |name: &str| info.lines().find_map(|line| line.strip_prefix(name).map(str::trim));
+    let Some(exporter) = field("exp_name:") else {
+        return Err(bad("the descriptor sent as a dma-buf is not one (no exp_name in its fdinfo)".into()));
+    };
+    let size = field("size:").and_then(|size| size.parse::<u64>().ok());
+    match size {
+        Some(size) if size >= length_bytes => {
+            tracing::info!(exporter, size, length_bytes, "a registration's dma-buf");
+            Ok(fd)
+        }
+        _ => Err(bad(format!("the dma-buf ({exporter}) holds {size:?} bytes, the registration {length_bytes}"))),
     }
 }
 
@@ -301,5 +311,21 @@ impl CopiedMemory for MemfdMemory {
 
     fn describe(&self) -> String {
         format!("{} bytes of a client's memfd, reached by copies", self.view.len())
+    }
+}
+
+#[cfg(all(test, feature = "cuda"))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_descriptor_that_is_not_a_dma_buf_is_refused() {
+        // Goal: what a client sends as its range's dma-buf is checked: a memfd (or any file
+        // without a dma-buf exporter) is refused, naming why. (No dma-buf exporter exists on a
+        // machine without a GPU or /dev/udmabuf, so the accepting side runs on the GPU machine.)
+        let memory = SharedMemory::create("not-a-dma-buf", 1 << 20).unwrap();
+        let refused = check_dma_buf(memory.fd().try_clone_to_owned().unwrap(), 1 << 20).err().expect("refused");
+        assert_eq!(refused.0, ErrorCode::BadRequest);
+        assert!(refused.1.contains("is not one"), "{}", refused.1);
     }
 }

@@ -810,7 +810,7 @@ mod tests {
         let mut holdings = Holdings::default();
         registered(&mut holdings, &emulated);
         let next_id = AtomicU64::new(100);
-        let mut register = |holdings: &mut Holdings| {
+        let register = |holdings: &mut Holdings| {
             let memory = SharedMemory::create("device-kv", 1 << 20).unwrap();
             let request = RegisterDeviceMemory {
                 kind: DeviceMemoryKind::Memfd,

@@ -8,6 +8,10 @@
 //! CPU executor. `retrieve_layer` / `store_layer` / `wait` / `poll` are `StoreData`'s calls and
 //! send nothing on the socket ([`RemoteKvStore::requests_sent`] proves it in the tests).
 //!
+//! With [`RemoteKvStore::connect_with_device_memory`] the KV blocks stay in the engine's device
+//! memory (GPU memory through CUDA IPC, registered with `RegisterDeviceMemory`; `gpu_export.rs`)
+//! and the window holds only the rings and the mapping table.
+//!
 //! The engine reads and writes its KV bytes through copying accessors
 //! ([`RemoteKvStore::write_block`], [`RemoteKvStore::read_block`]): the device writes that
 //! memory, so no Rust reference into it is ever handed out.
