@@ -17,17 +17,16 @@ use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use nvme_driver::hw::{CopiedRegion, DmaRegion, HwError, SharedMemory};
+use nvme_driver::hw::{DmaRegion, SharedMemory};
 use nvme_driver::spec::{COMPLETION_ENTRY_BYTES, SUBMISSION_ENTRY_BYTES};
 use nvme_driver::{DataPointerMode, DetachedQueuePair, NamespaceId};
 use nvme_emu::{EmuDevice, QueueRestriction};
 use objstore::{NoLender, ObjstoreError, Placement, RequestHandle, StoreControl};
 
-use crate::gpu_memory::{Claim, DeviceMemoryService, VFIO_REFUSAL};
 use crate::keys::KeySpace;
 use crate::protocol::{
-    AttachQueues, Commit, DeviceMemoryKind, ErrorCode, NamespaceGrant, Prepare, QueueGrant, RegisterDeviceMemory, RegisterMemory,
-    Registered, Reply, RetrievePrepared, StorePrepared,
+    AttachQueues, Commit, ErrorCode, NamespaceGrant, Prepare, QueueGrant, RegisterMemory, Registered, Reply, RetrievePrepared,
+    StorePrepared,
 };
 use crate::relay::{DoorbellRelay, RelayTicket};
 
@@ -78,31 +77,18 @@ struct Registration {
     relayed: Vec<RelayTicket>,
 }
 
-/// One registered range of device memory (`crate::gpu_memory`: GPU memory through CUDA IPC, a
-/// memfd stand-in): its mapping in the devices' DMA space (every translation a controller made
-/// holds it too), its claim on the allocation, the dma-buf the client sent. Dropped with the
-/// windows, after the session's queue pairs were deleted.
-struct DeviceRegistration {
-    id: u64,
-    region: CopiedRegion,
-    kv_blocks: u32,
-    /// Host memory the daemon mapped for it (a memfd stand-in's size; 0 for GPU memory): counted
-    /// with the windows against `window_bytes_max`.
-    host_bytes: u64,
-    _claim: Claim,
-    _dma_buf: Option<OwnedFd>,
-}
-
 /// Everything a session holds beyond its record.
 #[derive(Default)]
 pub struct Holdings {
     registrations: Vec<Registration>,
-    device_memory: Vec<DeviceRegistration>,
+    device_memory: Vec<device_memory::DeviceRegistration>,
     handles: Vec<RequestHandle>,
     /// Scratch: a request's block keys and CRCs.
     keys: Vec<u64>,
     crcs: Vec<u32>,
 }
+
+mod device_memory;
 
 /// A refused request: the code and the sentence of its `Error` reply (small, unlike `Reply`).
 type Refusal = (ErrorCode, String);
@@ -217,98 +203,6 @@ impl Holdings {
         let id = next_id.fetch_add(1, Ordering::Relaxed);
         let reply = Registered { registration: id, iova_base: window.iova().0, address_space: dma.address_space().0 };
         self.registrations.push(Registration { id, window, kv_blocks: request.kv_blocks, queues: Vec::new(), relayed: Vec::new() });
-        Reply::Registered(reply)
-    }
-
-    /// `RegisterDeviceMemory`: imports the memory (`crate::gpu_memory`), claims its range, and
-    /// gives it an IOVA in the pool devices' one DMA space, which only software controllers can
-    /// take ([`VFIO_REFUSAL`] otherwise). Before `AttachQueues`: each queue pair's restriction
-    /// covers the device memory registered when it was created.
-    #[allow(clippy::too_many_arguments)] // the session's context, as for `register`
-    pub fn register_device_memory(
-        &mut self,
-        request: RegisterDeviceMemory,
-        fds: &mut Vec<OwnedFd>,
-        store: &Mutex<StoreState>,
-        limits: &SessionLimits,
-        block_bytes: u64,
-        next_id: &AtomicU64,
-        service: &DeviceMemoryService,
-        session: u64,
-    ) -> Reply {
-        if let Err(refusal) = service.check_kind(request.kind) {
-            return refused(refusal);
-        }
-        if self.queue_pairs() > 0 {
-            return Reply::error(
-                ErrorCode::BadRequest,
-                "register device memory before AttachQueues: a queue pair reaches the memory registered when it was created",
-            );
-        }
-        if self.registrations() as usize >= limits.registrations_max {
-            return Reply::error(ErrorCode::LimitReached, format!("a session registers at most {} windows", limits.registrations_max));
-        }
-        // A memfd stand-in is host memory the daemon maps: capped with the windows.
-        let host_bytes = if request.kind == DeviceMemoryKind::Memfd { request.allocation_bytes } else { 0 };
-        let held = self.host_bytes_held();
-        if held.saturating_add(host_bytes) > limits.window_bytes_max {
-            return Reply::error(
-                ErrorCode::LimitReached,
-                format!("{host_bytes} more bytes over the session's {held}: the cap is {}", limits.window_bytes_max),
-            );
-        }
-        let kv_bytes = u64::from(request.kv_blocks).checked_mul(block_bytes);
-        if request.kv_blocks == 0 || kv_bytes.is_none_or(|bytes| bytes > request.length_bytes) {
-            return Reply::error(
-                ErrorCode::BadRequest,
-                format!(
-                    "{} KV blocks of {block_bytes} bytes do not fit {} bytes of device memory",
-                    request.kv_blocks, request.length_bytes
-                ),
-            );
-        }
-        let dma = {
-            let store = lock(store);
-            if store.emulators.iter().any(Option::is_none) {
-                return Reply::error(ErrorCode::Unsupported, VFIO_REFUSAL);
-            }
-            let pool = store.control.pool();
-            let dma = Arc::clone(pool.target(0).controller.dma());
-            if (1..pool.device_count()).any(|device| pool.target(device).controller.dma().address_space() != dma.address_space()) {
-                return Reply::error(
-                    ErrorCode::Unsupported,
-                    "the pool's devices are in several DMA spaces: memory cannot be mapped for all",
-                );
-            }
-            dma
-        };
-        // Imported outside the pool lock: opening a CUDA IPC handle may take milliseconds.
-        let imported = match service.import(&request, fds) {
-            Ok(imported) => imported,
-            Err(refusal) => return refused(refusal),
-        };
-        let id = next_id.fetch_add(1, Ordering::Relaxed);
-        let claim = match service.claim(&imported, session, id) {
-            Ok(claim) => claim,
-            Err(refusal) => return refused(refusal),
-        };
-        let region = match dma.map_copied(Arc::clone(&imported.memory)) {
-            Ok(region) => region,
-            Err(error @ HwError::CopiedUnsupported { .. }) => {
-                return Reply::error(ErrorCode::Unsupported, format!("{error}: {VFIO_REFUSAL}"))
-            }
-            Err(error) => return Reply::error(ErrorCode::StoreFailed, format!("mapping the device memory for the devices: {error}")),
-        };
-        tracing::info!(registration = id, session, iova = %region.iova(), memory = %region.describe(), "device memory registered");
-        let reply = Registered { registration: id, iova_base: region.iova().0, address_space: dma.address_space().0 };
-        self.device_memory.push(DeviceRegistration {
-            id,
-            region,
-            kv_blocks: request.kv_blocks,
-            host_bytes,
-            _claim: claim,
-            _dma_buf: imported.dma_buf,
-        });
         Reply::Registered(reply)
     }
 
@@ -681,7 +575,8 @@ mod tests {
     use objstore::{format_pool, FormatParams, ModelGeometry, Pool, PoolTarget};
 
     use super::*;
-    use crate::protocol::RingOffsets;
+    use crate::gpu_memory::DeviceMemoryService;
+    use crate::protocol::{DeviceMemoryKind, RegisterDeviceMemory, RingOffsets};
 
     /// A one-device pool on a software controller started with or without a shared register
     /// page, as the daemon's store state.
@@ -770,7 +665,7 @@ mod tests {
         let service = DeviceMemoryService::new(crate::gpu_memory::DeviceMemoryImport::Memfd).unwrap();
         let memory = SharedMemory::create("device-kv", 1 << 20).unwrap();
         let request = RegisterDeviceMemory {
-            kind: crate::protocol::DeviceMemoryKind::Memfd,
+            kind: DeviceMemoryKind::Memfd,
             handle: [0; 64],
             device_uuid: [0; 16],
             allocation_bytes: 1 << 20,
