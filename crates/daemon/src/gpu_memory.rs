@@ -324,7 +324,7 @@ mod tests {
         // without a dma-buf exporter) is refused, naming why. (No dma-buf exporter exists on a
         // machine without a GPU or /dev/udmabuf, so the accepting side runs on the GPU machine.)
         let memory = SharedMemory::create("not-a-dma-buf", 1 << 20).unwrap();
-        let refused = check_dma_buf(memory.fd().try_clone_to_owned().unwrap(), 1 << 20).err().expect("refused");
+        let refused = check_dma_buf(memory.fd().try_clone_to_owned().unwrap(), 1 << 20).expect_err("refused");
         assert_eq!(refused.0, ErrorCode::BadRequest);
         assert!(refused.1.contains("is not one"), "{}", refused.1);
     }
