@@ -1,8 +1,8 @@
 //! KV memory the daemon reaches only by copies: GPU memory an engine registers through CUDA IPC,
 //! or its software stand-in, a client's memfd (docs/tuttid.md, "GPU memory").
 //!
-//! A client names an allocation (`RegisterDeviceMemory`); the [`DeviceMemoryService`] opens it in the daemon
-//! (`cuIpcOpenMemHandle` in the daemon's own context, or mapping the memfd) as a
+//! A client names an allocation (`RegisterDeviceMemory`); the [`DeviceMemoryService`] opens it
+//! in the daemon (`cuIpcOpenMemHandle` in the daemon's own context, or mapping the memfd) as a
 //! [`CopiedMemory`]; the pool's DMA space gives it an IOVA (`DmaAllocator::map_copied`); the
 //! software controllers inside the daemon then move the client's commands' data with the
 //! memory's own copies (`cuMemcpyDtoH` / `cuMemcpyHtoD`; `memcpy` for the stand-in). The
