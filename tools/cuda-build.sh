@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Compile the gio_uring CUDA kernels without a GPU, check the shared ABI header from C, C++ and CUDA,
-# and build the `cuda` feature of gio-uring.
+# and build the `cuda` feature of gio-uring and of tuttid (GPU memory through CUDA IPC: the
+# tutti-cuda-ipc crate, the daemon's import, tuttid-gpu-check), lint it, and run its tests that
+# need no GPU (no driver -> typed errors; tuttid-gpu-check's processes with the memfd stand-in).
 #
 # usage: tools/cuda-build.sh [OUT_DIR]        (default: target/kernels)
-#   GIO_SKIP_CARGO=1   skip `cargo build -p gio-uring --features cuda`
+#   GIO_SKIP_CARGO=1   skip the cargo builds, lints and tests
 #   GIO_NVCC=PATH      use this nvcc (an installed toolkit) instead of installing the pinned wheels
 #
 # nvcc comes from NVIDIA's CUDA 13 Python wheels, installed once (idempotently) with pip into
@@ -87,4 +89,11 @@ echo "cuda-build: kernels OK -> $OUT"
 if [[ "${GIO_SKIP_CARGO:-0}" != "1" ]]; then
   (cd "$ROOT" && cargo build -p gio-uring --features cuda)
   echo "cuda-build: cargo build -p gio-uring --features cuda OK"
+  # The lint stage builds without features: the CUDA IPC code is linted here.
+  CUDA_IPC_FEATURES=(-p tutti-cuda-ipc -p tutti-daemon -p tuttid --features tutti-cuda-ipc/cuda,tutti-daemon/cuda,tuttid/cuda)
+  (cd "$ROOT" && cargo clippy --locked "${CUDA_IPC_FEATURES[@]}" --all-targets -- -D warnings)
+  (cd "$ROOT" && cargo test --locked -p tutti-cuda-ipc --features cuda)
+  (cd "$ROOT" && cargo test --locked -p tutti-daemon --features cuda --lib gpu_memory)
+  (cd "$ROOT" && cargo test --locked -p tuttid --features cuda --test gpu_check)
+  echo "cuda-build: tutti-cuda-ipc, tutti-daemon and tuttid with the cuda feature: built, linted, tested (no GPU) OK"
 fi

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# tools/gpu/run-all.sh — issue 15 items 2 to 5 on a GPU machine, in one or two device calls.
+# tools/gpu/run-all.sh — issue 15 items 2 to 5, and issue 14's GPU memory through tuttid, on a GPU
+# machine, in one or two device calls.
 #
 # usage, in the repository root:
 #   tools/gpu/run-all.sh --prepare      on the development machine (cargo, pip, network): what the
@@ -9,9 +10,12 @@
 #     green      item 3: tools/gpu/green-contexts.cu, GEMM slowdown beside a poller
 #     bandwidth  item 5: tools/gpu/h2d-bandwidth.cu, pinned/registered/mapped copies per KV layer
 #     slack      item 4: tools/gpu/slack-profile.py timeline, then `tutti-profile import` to a table
+#     ipc        issue 14 item 3: tuttid-gpu-check — tuttid on emu:mem with --device-memory cuda, a
+#                client process stores from its cuMemAlloc'd KV memory registered through CUDA IPC,
+#                another retrieves into its own and compares every byte (docs/tuttid.md, GPU memory)
 #
-# The device's 10-minute limit per call does not hold all four: call `tests green bandwidth`
-# (about 2 to 5 minutes), then `slack` (its budget, RUN_ALL_SLACK_BUDGET_S, default 420 s,
+# The device's 10-minute limit per call does not hold all five: call `tests green bandwidth ipc`
+# (about 2 to 5 minutes; ipc well under one), then `slack` (its budget, RUN_ALL_SLACK_BUDGET_S, default 420 s,
 # includes model set-up; the profile stops early rather than overrun, keeping complete input
 # lengths). docs/gio-uring.md ("Running on a GPU") gives the exact calls and the carry list.
 #
@@ -20,7 +24,8 @@
 # are compiled there with its own nvcc (matching its driver), else the copies --prepare built here
 # with the pinned CUDA 13.2 wheels are used. tutti-profile and the GPU test binary come from
 # target/gpu-carry (built here; they link glibc dynamically, so the GPU machine's glibc must be no
-# older than this machine's).
+# older than this machine's), as do tuttid and tuttid-gpu-check (the `cuda` feature; libcuda is
+# loaded at run time).
 #
 # Results in $OUT (default target/gpu-results), at most 8 files, flat:
 #   summary.txt            one PASS/FAIL/NOT RUN line per step, with versions and times
@@ -62,6 +67,12 @@ if [[ "${1:-}" == "--prepare" ]]; then
     cp target/release/examples/gpu_layer_load "$CARRY/gpu-layer-load"
     strip "$CARRY/gpu-layer-load"
   fi
+  # Issue 14: GPU memory through tuttid (the ipc step).
+  cargo build --release --locked -p tuttid --features cuda --bin tuttid --bin tuttid-gpu-check
+  for binary in tuttid tuttid-gpu-check; do
+    cp "target/release/$binary" "$CARRY/$binary"
+    strip "$CARRY/$binary"
+  done
   python3 -m unittest discover -s tools/gpu -p 'test_*.py'
   du -sh "$CARRY"
   echo "run-all: carry target/gpu-carry; run tools/gpu/run-all.sh there (see docs/gio-uring.md, Running on a GPU)"
@@ -82,9 +93,9 @@ section() { echo "===== $1 ($(date -u +%H:%M:%S))" >>"$LOG"; }
 budget() { local name="RUN_ALL_${1}_BUDGET_S"; echo "${!name:-$2}"; }
 
 STEPS=("$@")
-[[ ${#STEPS[@]} -eq 0 ]] && STEPS=(tests green bandwidth slack)
+[[ ${#STEPS[@]} -eq 0 ]] && STEPS=(tests green bandwidth ipc slack)
 for step in "${STEPS[@]}"; do
-  case "$step" in tests | green | bandwidth | slack) ;; *) echo "run-all: unknown step '$step' (tests green bandwidth slack)" >&2; exit 2 ;; esac
+  case "$step" in tests | green | bandwidth | ipc | slack) ;; *) echo "run-all: unknown step '$step' (tests green bandwidth ipc slack)" >&2; exit 2 ;; esac
 done
 
 {
@@ -171,6 +182,22 @@ step_bandwidth() {
   section "gpu-layer-load (kernels from $kernels)"
   GIO_KERNEL_DIR="$kernels" GIO_DMA_MODE=staged timeout "$(budget LAYER_LOAD 180)" "$CARRY/gpu-layer-load" \
     --json "$OUT/bandwidth-kernel.json" >>"$LOG" 2>&1
+}
+
+step_ipc() {
+  if [[ ! -x "$CARRY/tuttid-gpu-check" || ! -x "$CARRY/tuttid" ]]; then
+    record "NOT RUN ipc: target/gpu-carry/tuttid and tuttid-gpu-check were not carried (tools/gpu/run-all.sh --prepare)"
+    return 1
+  fi
+  local rc line
+  timeout "$(budget IPC 180)" "$CARRY/tuttid-gpu-check" --tuttid "$CARRY/tuttid" --timeout-seconds 60 >"$WORK/ipc.log" 2>&1
+  rc=$?
+  cat "$WORK/ipc.log" >>"$LOG"
+  # Its last line says PASS or FAIL and why (the CUDA call or the daemon's refusal that failed).
+  line=$(grep -E '^(PASS|FAIL) ' "$WORK/ipc.log" | tail -n 1)
+  echo "ipc: ${line:-no PASS/FAIL line (exit $rc; see run.log)}" >>"$SUMMARY"
+  grep -E '^(gpu |Store: |Retrieve: |store: |retrieve: )' "$WORK/ipc.log" | sed 's/^/ipc: /' >>"$SUMMARY"
+  [[ $rc -eq 0 ]]
 }
 
 step_slack() {

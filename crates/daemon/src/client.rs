@@ -23,8 +23,10 @@ use crate::frame_io::{read_frame, write_frame_with_fds, ReadOutcome};
 use crate::protocol::{encode_frame, encode_lookup_body, Hello, HelloReply, Kind, Reply, Request, StatusReply};
 use crate::DaemonError;
 
+mod gpu_export;
 mod remote_store;
 
+pub use gpu_export::DeviceKvMemory;
 pub use remote_store::{RemoteConfig, RemoteKvStore, WindowKvLayout};
 
 /// Granularity of the client's waits (the socket's read timeout).

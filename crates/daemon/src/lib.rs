@@ -4,6 +4,8 @@
 //! - [`protocol`]: the frames and messages, pure encode/decode with typed errors;
 //! - [`frame_io`]: reading and writing frames on a socket with deadlines and bounded buffers;
 //! - [`fd_passing`]: descriptors with a frame (SCM_RIGHTS), the crate's only unsafe code;
+//! - [`gpu_memory`]: KV memory reached only by copies (GPU memory through CUDA IPC, a memfd
+//!   stand-in): importing it, the overlap check, why `vfio:` pools refuse it;
 //! - [`keys`]: key spaces (model fingerprint + tensor-parallel rank/world size);
 //! - [`lock`]: one daemon per pool (advisory locks that name their holder);
 //! - [`metrics`]: Prometheus metrics and their HTTP endpoint;
@@ -21,6 +23,7 @@
 pub mod client;
 pub mod fd_passing;
 pub mod frame_io;
+pub mod gpu_memory;
 pub mod keys;
 pub mod lock;
 pub mod metrics;
@@ -64,4 +67,6 @@ pub enum DaemonError {
     Controller { spec: String, source: nvme_driver::NvmeError },
     #[error("{context}: {source}")]
     Pool { context: String, source: objstore::ObjstoreError },
+    #[error("device memory: {0}")]
+    DeviceMemory(String),
 }

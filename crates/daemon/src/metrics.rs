@@ -42,6 +42,7 @@ pub enum RequestLabel {
     PrepareStore,
     Commit,
     Release,
+    RegisterDeviceMemory,
     /// A frame whose body did not decode (no kind to name).
     Malformed,
 }
@@ -61,6 +62,7 @@ impl RequestLabel {
             Kind::PrepareStore => RequestLabel::PrepareStore,
             Kind::Commit => RequestLabel::Commit,
             Kind::Release => RequestLabel::Release,
+            Kind::RegisterDeviceMemory => RequestLabel::RegisterDeviceMemory,
             _ => RequestLabel::Malformed,
         }
     }

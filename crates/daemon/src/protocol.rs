@@ -19,9 +19,11 @@
 
 use std::fmt;
 
+mod device_memory;
 mod status;
 mod store;
 
+pub use device_memory::{DeviceMemoryKind, RegisterDeviceMemory, DEVICE_MEMORY_HANDLE_BYTES, DEVICE_UUID_BYTES};
 pub use status::{ClientStatus, DeviceStatus, PoolStatus, RelayStatus, StatusReply};
 pub use store::{
     AttachQueues, Commit, NamespaceGrant, Prepare, QueueGrant, RegisterMemory, Registered, RetrievePrepared, RingOffsets, StorePrepared,
@@ -64,6 +66,7 @@ pub enum Kind {
     PrepareStore = 10,
     Commit = 11,
     Release = 12,
+    RegisterDeviceMemory = 13,
     HelloReply = 0x8001,
     LookupReply = 0x8002,
     StatusReply = 0x8003,
@@ -93,6 +96,7 @@ impl Kind {
             10 => Kind::PrepareStore,
             11 => Kind::Commit,
             12 => Kind::Release,
+            13 => Kind::RegisterDeviceMemory,
             0x8001 => Kind::HelloReply,
             0x8002 => Kind::LookupReply,
             0x8003 => Kind::StatusReply,
@@ -343,6 +347,10 @@ pub enum Request {
         transferred: objstore::Transferred,
         corrupt_blocks: Vec<objstore::MismatchedBlock>,
     },
+    /// Registers KV memory the daemon reaches only by copies (GPU memory through CUDA IPC; a
+    /// memfd stand-in); answered with [`Reply::Registered`]. Descriptors: see
+    /// [`RegisterDeviceMemory`].
+    RegisterDeviceMemory(RegisterDeviceMemory),
 }
 
 /// What the daemon answers.
@@ -388,6 +396,7 @@ impl Request {
             Request::PrepareStore(_) => Kind::PrepareStore,
             Request::Commit(_) => Kind::Commit,
             Request::Release { .. } => Kind::Release,
+            Request::RegisterDeviceMemory(_) => Kind::RegisterDeviceMemory,
         }
     }
 
@@ -403,7 +412,9 @@ impl Request {
             Request::Lookup { tokens } | Request::LookupAllRanks { tokens } => encode_lookup_body(tokens, out),
             Request::Status | Request::Ping => {}
             other => {
-                store::encode_request(other, out);
+                if !store::encode_request(other, out) {
+                    device_memory::encode_request(other, out);
+                }
             }
         }
     }
@@ -437,7 +448,10 @@ impl Request {
             Kind::Ping => Request::Ping,
             other => match store::decode_request(other, &mut reader)? {
                 Some(request) => request,
-                None => return Err(ProtocolError::MalformedBody { kind: other, reason: "a reply kind sent as a request".into() }),
+                None => match device_memory::decode_request(other, &mut reader)? {
+                    Some(request) => request,
+                    None => return Err(ProtocolError::MalformedBody { kind: other, reason: "a reply kind sent as a request".into() }),
+                },
             },
         };
         reader.finish()?;

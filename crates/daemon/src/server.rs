@@ -28,6 +28,7 @@ use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
 
 use crate::frame_io::{read_frame, write_frame, write_frame_with_fds, ReadOutcome};
+use crate::gpu_memory::{DeviceMemoryImport, DeviceMemoryService};
 use crate::keys::KeySpace;
 use crate::lock::DeviceLocks;
 use crate::metrics::{ClientRelay, Metrics, MetricsEndpoint, RequestLabel, Snapshot};
@@ -58,6 +59,8 @@ pub struct ServerConfig {
     pub metrics: Option<SocketAddr>,
     /// What one session may hold on the store path.
     pub session_limits: SessionLimits,
+    /// Which device memory `RegisterDeviceMemory` imports (`crate::gpu_memory`); off by default.
+    pub device_memory: DeviceMemoryImport,
 }
 
 impl ServerConfig {
@@ -72,6 +75,7 @@ impl ServerConfig {
             tick: Duration::from_millis(50),
             metrics: None,
             session_limits: SessionLimits::default(),
+            device_memory: DeviceMemoryImport::Off,
         }
     }
 }
@@ -128,6 +132,7 @@ struct Shared {
     /// Bytes of one engine block (all layers, K and V).
     block_bytes: u64,
     next_registration: AtomicU64,
+    device_memory: DeviceMemoryService,
     leaks: LeakCounters,
     sessions: Mutex<BTreeMap<u64, SessionRecord>>,
     connections: AtomicU32,
@@ -203,6 +208,7 @@ impl Server {
         let control = objstore::StoreControl::new(pool, requests_max)
             .map_err(|source| DaemonError::Pool { context: "the store's control half".into(), source })?;
         let relay = DoorbellRelay::start(RelayConfig::default())?;
+        let device_memory = DeviceMemoryService::new(config.device_memory).map_err(DaemonError::DeviceMemory)?;
         let shared = Arc::new(Shared {
             config,
             store: Mutex::new(StoreState { control, emulators, relay }),
@@ -213,6 +219,7 @@ impl Server {
             pool_shape,
             block_bytes,
             next_registration: AtomicU64::new(1),
+            device_memory,
             leaks: LeakCounters::default(),
             sessions: Mutex::new(BTreeMap::new()),
             connections: AtomicU32::new(0),
@@ -418,8 +425,8 @@ impl Connection {
             let (reply, reply_fds) = match decoded {
                 // A malformed body was read whole: the stream is still in step, serve on.
                 Err(error) => (Reply::error(error.code(), error.to_string()), Vec::new()),
-                // Only RegisterMemory takes a descriptor: others' are closed, not kept.
-                Ok(request) if !fds.is_empty() && request.kind() != Kind::RegisterMemory => (
+                // Only the registrations take descriptors: others' are closed, not kept.
+                Ok(request) if !fds.is_empty() && !matches!(request.kind(), Kind::RegisterMemory | Kind::RegisterDeviceMemory) => (
                     Reply::error(
                         ErrorCode::BadRequest,
                         format!("{} descriptor(s) sent with a {:?} request, which takes none", fds.len(), request.kind()),
@@ -505,6 +512,16 @@ impl Connection {
             (Request::Release { handle, transferred, corrupt_blocks }, Some(_)) => {
                 self.holdings.release_request(handle, transferred, &corrupt_blocks, &shared.store, &shared.pool_shape, &shared.metrics)
             }
+            (Request::RegisterDeviceMemory(register), Some(_)) => self.holdings.register_device_memory(
+                register,
+                fds,
+                &shared.store,
+                limits,
+                shared.block_bytes,
+                &shared.next_registration,
+                &shared.device_memory,
+                self.session.unwrap_or(0),
+            ),
             (
                 Request::RegisterMemory(_)
                 | Request::AttachQueues(_)
@@ -512,7 +529,8 @@ impl Connection {
                 | Request::PrepareRetrieve(_)
                 | Request::PrepareStore(_)
                 | Request::Commit(_)
-                | Request::Release { .. },
+                | Request::Release { .. }
+                | Request::RegisterDeviceMemory(_),
                 None,
             ) => not_attached(),
             (request, _) => self.handle_session(request, shared),

@@ -93,11 +93,14 @@ struct Registration {
 #[derive(Default)]
 pub struct Holdings {
     registrations: Vec<Registration>,
+    device_memory: Vec<device_memory::DeviceRegistration>,
     handles: Vec<RequestHandle>,
     /// Scratch: a request's block keys and CRCs.
     keys: Vec<u64>,
     crcs: Vec<u32>,
 }
+
+mod device_memory;
 
 fn refused((code, message): Refusal) -> Reply {
     Reply::error(code, message)
@@ -119,8 +122,15 @@ fn store_error(context: &str, error: ObjstoreError) -> Reply {
 }
 
 impl Holdings {
+    /// Windows and device-memory registrations.
     pub fn registrations(&self) -> u32 {
-        self.registrations.len() as u32
+        (self.registrations.len() + self.device_memory.len()) as u32
+    }
+
+    /// Host memory the session's registrations keep mapped in the daemon.
+    fn host_bytes_held(&self) -> u64 {
+        let windows: u64 = self.registrations.iter().map(|registration| registration.window.len() as u64).sum();
+        windows + self.device_memory.iter().map(|device| device.host_bytes).sum::<u64>()
     }
 
     pub fn queue_pairs(&self) -> u32 {
@@ -165,10 +175,10 @@ impl Holdings {
         if fds.len() != 1 {
             return Reply::error(ErrorCode::BadRequest, format!("RegisterMemory takes one descriptor (a sealed memfd), got {}", fds.len()));
         }
-        if self.registrations.len() >= limits.registrations_max {
+        if self.registrations() as usize >= limits.registrations_max {
             return Reply::error(ErrorCode::LimitReached, format!("a session registers at most {} windows", limits.registrations_max));
         }
-        let held: u64 = self.registrations.iter().map(|registration| registration.window.len() as u64).sum();
+        let held = self.host_bytes_held();
         if request.window_bytes == 0 || !request.window_bytes.is_multiple_of(4096) || usize::try_from(request.window_bytes).is_err() {
             return Reply::error(
                 ErrorCode::BadRequest,
@@ -181,8 +191,10 @@ impl Holdings {
                 format!("{} more bytes over the session's {held}: the cap is {}", request.window_bytes, limits.window_bytes_max),
             );
         }
+        // No KV blocks: a window of rings and tables only, for KV memory registered as device
+        // memory (`RegisterDeviceMemory`).
         let kv_bytes = u64::from(request.kv_blocks).checked_mul(block_bytes);
-        if request.kv_blocks == 0 || kv_bytes.is_none_or(|bytes| bytes > request.window_bytes) {
+        if kv_bytes.is_none_or(|bytes| bytes > request.window_bytes) {
             return Reply::error(
                 ErrorCode::BadRequest,
                 format!("{} KV blocks of {block_bytes} bytes do not fit a window of {} bytes", request.kv_blocks, request.window_bytes),
@@ -252,6 +264,8 @@ impl Holdings {
             }
             registers.push(memory);
         }
+        // Every queue of the session may reach the session's device memory too.
+        let device_ranges: Vec<_> = self.device_memory.iter().map(|device| (device.region.iova(), device.region.len() as u64)).collect();
         let registration = &mut self.registrations[index];
         let window = registration.window.clone();
         let mut grants = Vec::with_capacity(devices);
@@ -289,11 +303,12 @@ impl Holdings {
             let layout = pair.layout();
             let device_layout = &shape.devices[device];
             let pool_blocks = device_layout.addressing.slot_blocks.saturating_mul(device_layout.slot_count);
-            let restriction = QueueRestriction::new().allow_memory(window.iova(), window.len() as u64).allow_blocks(
-                target.namespace.0,
-                device_layout.addressing.data_lba,
-                pool_blocks,
-            );
+            let restriction = device_ranges
+                .iter()
+                .fold(QueueRestriction::new().allow_memory(window.iova(), window.len() as u64), |restriction, &(iova, len)| {
+                    restriction.allow_memory(iova, len)
+                })
+                .allow_blocks(target.namespace.0, device_layout.addressing.data_lba, pool_blocks);
             let restricted =
                 store.emulators[device].as_ref().map(|emulator| emulator.restrict_submission_queue(layout.id.0, Some(restriction)));
             created.push(pair);
@@ -375,7 +390,10 @@ impl Holdings {
     /// Checks a prepare request against the session and computes its keys into `self.keys`;
     /// returns the block count.
     fn check_prepare(&mut self, prepare: &Prepare, space: &KeySpace, block_tokens: u32, limits: &SessionLimits) -> Result<usize, Refusal> {
-        let registration = &self.registrations[self.registration(prepare.registration)?];
+        let kv_blocks = match self.device_memory.iter().find(|device| device.id == prepare.registration) {
+            Some(device) => device.kv_blocks,
+            None => self.registrations[self.registration(prepare.registration)?].kv_blocks,
+        };
         if self.handles.len() >= limits.requests_max {
             return Err((ErrorCode::LimitReached, format!("a session holds at most {} prepared requests", limits.requests_max)));
         }
@@ -390,10 +408,10 @@ impl Holdings {
                 ),
             ));
         }
-        if let Some(&block) = prepare.block_ids.iter().find(|&&block| block >= registration.kv_blocks) {
+        if let Some(&block) = prepare.block_ids.iter().find(|&&block| block >= kv_blocks) {
             return Err((
                 ErrorCode::BadRequest,
-                format!("engine block {block} is outside registration {} of {} blocks", prepare.registration, registration.kv_blocks),
+                format!("engine block {block} is outside registration {} of {kv_blocks} blocks", prepare.registration),
             ));
         }
         space.keys(&prepare.tokens[..blocks * block_tokens as usize], block_tokens, &mut self.keys);
@@ -571,6 +589,7 @@ impl Holdings {
             // write (never released, so never reused).
             std::mem::forget(undeleted);
             std::mem::forget(std::mem::take(&mut self.registrations));
+            std::mem::forget(std::mem::take(&mut self.device_memory));
             self.handles.clear();
             return count;
         }
@@ -583,8 +602,10 @@ impl Holdings {
                 }
             }
         }
-        // 4. Windows: unmapped when their last region (the rings were the other holders) goes.
+        // 4. Windows: unmapped when their last region (the rings were the other holders) goes;
+        //    device memory: unmapped, closed (cuIpcCloseMemHandle) and its claim given back.
         self.registrations.clear();
+        self.device_memory.clear();
         0
     }
 }
@@ -612,7 +633,8 @@ mod tests {
     use objstore::{format_pool, FormatParams, ModelGeometry, Pool, PoolTarget};
 
     use super::*;
-    use crate::protocol::RingOffsets;
+    use crate::gpu_memory::DeviceMemoryService;
+    use crate::protocol::{DeviceMemoryKind, RegisterDeviceMemory, RingOffsets};
 
     /// A one-device pool on a software controller started with or without a shared register
     /// page, as the daemon's store state.
@@ -691,6 +713,78 @@ mod tests {
         assert!(matches!(again, Reply::Error { code: ErrorCode::BadRequest, .. }), "{again:?}");
         assert_eq!(holdings.release(&with, &LeakCounters::default()), 0);
         assert_eq!((holdings.registrations(), holdings.queue_pairs()), (0, 0));
+    }
+
+    #[test]
+    fn device_memory_is_refused_on_a_pool_with_a_vfio_device() {
+        // Goal: a pool device without a software controller (a vfio: device) cannot take memory
+        // reached only by copies: the registration is Unsupported, naming what the IOMMU route
+        // would need, and nothing is held; the same request on software controllers registers.
+        let service = DeviceMemoryService::new(crate::gpu_memory::DeviceMemoryImport::Memfd).unwrap();
+        let memory = SharedMemory::create("device-kv", 1 << 20).unwrap();
+        let request = RegisterDeviceMemory {
+            kind: DeviceMemoryKind::Memfd,
+            handle: [0; 64],
+            device_uuid: [0; 16],
+            allocation_bytes: 1 << 20,
+            offset_bytes: 0,
+            length_bytes: 1 << 20,
+            kv_blocks: 4,
+        };
+        let register = |holdings: &mut Holdings, store: &Mutex<StoreState>| {
+            let mut fds = vec![memory.fd().try_clone_to_owned().unwrap()];
+            holdings.register_device_memory(request, &mut fds, store, &SessionLimits::default(), 16 << 10, &AtomicU64::new(1), &service, 1)
+        };
+        let vfio = store(false);
+        lock(&vfio).emulators = vec![None];
+        let mut holdings = Holdings::default();
+        let reply = register(&mut holdings, &vfio);
+        match &reply {
+            Reply::Error { code: ErrorCode::Unsupported, message } => {
+                assert!(message.contains("vfio") && message.contains("IOMMU_IOAS_MAP_FILE"), "{message}")
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(holdings.registrations(), 0);
+        let emulated = store(false);
+        assert!(matches!(register(&mut holdings, &emulated), Reply::Registered(_)));
+        assert_eq!(holdings.registrations(), 1);
+        assert_eq!(holdings.release(&emulated, &LeakCounters::default()), 0);
+    }
+
+    #[test]
+    fn a_memfd_stand_in_counts_against_the_sessions_window_bytes() {
+        // Goal: host memory the daemon maps for a memfd stand-in is capped with the windows: with
+        // a 2 MiB cap, a 1 MiB window leaves room for one 1 MiB memfd registration, not two, and
+        // a window after them is refused too.
+        let service = DeviceMemoryService::new(crate::gpu_memory::DeviceMemoryImport::Memfd).unwrap();
+        let limits = SessionLimits { window_bytes_max: 2 << 20, ..SessionLimits::default() };
+        let emulated = store(false);
+        let mut holdings = Holdings::default();
+        registered(&mut holdings, &emulated);
+        let next_id = AtomicU64::new(100);
+        let register = |holdings: &mut Holdings| {
+            let memory = SharedMemory::create("device-kv", 1 << 20).unwrap();
+            let request = RegisterDeviceMemory {
+                kind: DeviceMemoryKind::Memfd,
+                handle: [0; 64],
+                device_uuid: [0; 16],
+                allocation_bytes: 1 << 20,
+                offset_bytes: 0,
+                length_bytes: 1 << 20,
+                kv_blocks: 4,
+            };
+            let mut fds = vec![memory.fd().try_clone_to_owned().unwrap()];
+            holdings.register_device_memory(request, &mut fds, &emulated, &limits, 16 << 10, &next_id, &service, 1)
+        };
+        assert!(matches!(register(&mut holdings), Reply::Registered(_)));
+        assert!(matches!(register(&mut holdings), Reply::Error { code: ErrorCode::LimitReached, .. }));
+        let window = SharedMemory::create("window", 1 << 20).unwrap();
+        let mut fds = vec![window.fd().try_clone_to_owned().unwrap()];
+        let request = RegisterMemory { window_bytes: 1 << 20, kv_blocks: 4 };
+        let reply = holdings.register(request, &mut fds, &emulated, &limits, 16 << 10, &next_id);
+        assert!(matches!(reply, Reply::Error { code: ErrorCode::LimitReached, .. }), "{reply:?}");
+        assert_eq!(holdings.release(&emulated, &LeakCounters::default()), 0);
     }
 
     /// Polls `done` for up to 10 s.

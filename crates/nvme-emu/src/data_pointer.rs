@@ -7,7 +7,7 @@
 
 use std::collections::HashSet;
 
-use nvme_driver::hw::DmaRegion;
+use nvme_driver::hw::{DataRegion, DmaRegion};
 use nvme_driver::spec::data_pointer::{SglDescriptor, SglDescriptorType, PRP_ENTRY_BYTES, SGL_DESCRIPTOR_BYTES};
 use nvme_driver::spec::status::codes;
 use nvme_driver::spec::{NvmeStatus, SubmissionEntry};
@@ -24,14 +24,21 @@ fn generic(code: u8) -> NvmeStatus {
     NvmeStatus::generic(code)
 }
 
-/// The host memory a command transfers to or from, in order.
+/// The memory a command transfers to or from, in order.
+///
+/// Host DMA memory is the common case and the only one the file backing may move straight to or
+/// from (`batch.rs`, by host address): then every piece is in `regions`. A command with any piece
+/// in memory reached only by copies (GPU memory a daemon imported: `nvme_driver::hw::CopiedMemory`)
+/// has all its pieces, in order, in `copied` instead, and `regions` is empty, so it always moves
+/// through the controller's bounce buffer and each piece copies itself.
 #[derive(Debug, Default)]
 pub(crate) struct DataBuffers {
     pub regions: Vec<DmaRegion>,
+    pub copied: Vec<DataRegion>,
 }
 
 impl DataBuffers {
-    /// Copies `data` into the host buffers in order (device to host).
+    /// Copies `data` into the buffers in order (device to host).
     pub(crate) fn scatter(&self, data: &[u8]) -> Result<(), NvmeStatus> {
         let mut done = 0usize;
         for region in &self.regions {
@@ -39,10 +46,15 @@ impl DataBuffers {
             region.write(0, chunk).map_err(|_| generic(codes::DATA_TRANSFER_ERROR))?;
             done += region.len();
         }
+        for region in &self.copied {
+            let chunk = data.get(done..done + region.len()).ok_or(generic(codes::INTERNAL_ERROR))?;
+            region.write(0, chunk).map_err(|error| copy_failed(region, &error))?;
+            done += region.len();
+        }
         Ok(())
     }
 
-    /// Copies the host buffers into `data` in order (host to device).
+    /// Copies the buffers into `data` in order (host to device).
     pub(crate) fn gather(&self, data: &mut [u8]) -> Result<(), NvmeStatus> {
         let mut done = 0usize;
         for region in &self.regions {
@@ -50,8 +62,20 @@ impl DataBuffers {
             region.read(0, chunk).map_err(|_| generic(codes::DATA_TRANSFER_ERROR))?;
             done += region.len();
         }
+        for region in &self.copied {
+            let chunk = data.get_mut(done..done + region.len()).ok_or(generic(codes::INTERNAL_ERROR))?;
+            region.read(0, chunk).map_err(|error| copy_failed(region, &error))?;
+            done += region.len();
+        }
         Ok(())
     }
+}
+
+/// A copy into or out of memory reached by copies failed (a CUDA error, say): Data Transfer
+/// Error, as a device whose DMA faulted reports; the cause goes to the log, once per command.
+fn copy_failed(region: &DataRegion, error: &nvme_driver::HwError) -> NvmeStatus {
+    tracing::error!(iova = %region.iova(), len = region.len(), %error, "a copy through copied device memory failed");
+    generic(codes::DATA_TRANSFER_ERROR)
 }
 
 /// Resolves the data pointer of `entry` for a transfer of `length_bytes`. `sgl_allowed` is false
@@ -70,11 +94,21 @@ pub(crate) fn resolve(
         1 | 2 if sgl_allowed => sgl_ranges(dma, entry.dptr, length_bytes)?,
         _ => return Err(generic(codes::INVALID_FIELD)),
     };
-    let mut regions = Vec::with_capacity(ranges.len());
+    let mut pieces = Vec::with_capacity(ranges.len());
     for (iova, len) in coalesce(ranges) {
-        translate(dma, iova, len, &mut regions)?;
+        translate(dma, iova, len, &mut pieces)?;
     }
-    Ok(DataBuffers { regions })
+    if pieces.iter().all(|piece| matches!(piece, DataRegion::Host(_))) {
+        let regions = pieces
+            .into_iter()
+            .filter_map(|piece| match piece {
+                DataRegion::Host(region) => Some(region),
+                DataRegion::Copied(_) => None,
+            })
+            .collect();
+        return Ok(DataBuffers { regions, copied: Vec::new() });
+    }
+    Ok(DataBuffers { regions: Vec::new(), copied: pieces })
 }
 
 /// Merges ranges that continue each other, so that one translation covers several pages.
@@ -89,12 +123,12 @@ fn coalesce(ranges: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
     merged
 }
 
-/// Translates one range; a merged range that spans two mappings adjacent in IOVA space is
-/// retried page by page.
-fn translate(dma: &HostAccess<'_>, iova: u64, len: u64, out: &mut Vec<DmaRegion>) -> Result<(), NvmeStatus> {
+/// Translates one data range (host memory or memory reached by copies); a merged range that
+/// spans two mappings adjacent in IOVA space is retried page by page.
+fn translate(dma: &HostAccess<'_>, iova: u64, len: u64, out: &mut Vec<DataRegion>) -> Result<(), NvmeStatus> {
     let transfer_error = generic(codes::DATA_TRANSFER_ERROR);
     let whole_len = usize::try_from(len).map_err(|_| transfer_error)?;
-    if let Ok(region) = dma.translate(iova, whole_len) {
+    if let Ok(region) = dma.translate_data(iova, whole_len) {
         out.push(region);
         return Ok(());
     }
@@ -106,11 +140,11 @@ fn translate(dma: &HostAccess<'_>, iova: u64, len: u64, out: &mut Vec<DmaRegion>
     while done < len {
         let at = iova.checked_add(done).ok_or(transfer_error)?;
         let chunk = (PAGE_BYTES - at % PAGE_BYTES).min(len - done);
-        let region = dma.translate(at, chunk as usize)?;
+        let region = dma.translate_data(at, chunk as usize)?;
         match out.last_mut() {
             // Keep one region per mapping where possible.
             Some(previous) if previous.iova().checked_add(previous.len() as u64) == Some(Iova(at)) => {
-                if let Ok(longer) = dma.translate(previous.iova().0, previous.len() + chunk as usize) {
+                if let Ok(longer) = dma.translate_data(previous.iova().0, previous.len() + chunk as usize) {
                     *previous = longer;
                 } else {
                     out.push(region);

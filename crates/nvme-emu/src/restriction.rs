@@ -17,7 +17,7 @@
 use std::cell::Cell;
 use std::collections::BTreeMap;
 
-use nvme_driver::hw::{DmaAllocator, DmaPool, DmaRegion};
+use nvme_driver::hw::{DataRegion, DmaAllocator, DmaPool, DmaRegion};
 use nvme_driver::spec::status::codes;
 use nvme_driver::spec::NvmeStatus;
 use nvme_driver::Iova;
@@ -106,6 +106,19 @@ impl<'a> HostAccess<'a> {
             }
         }
         self.dma.translate(Iova(iova), len).map_err(|_| transfer_error)
+    }
+
+    /// As [`HostAccess::translate`], for a data buffer: host memory or memory reached by copies
+    /// (`nvme_driver::hw::CopiedMemory`), under the same restriction.
+    pub(crate) fn translate_data(&self, iova: u64, len: usize) -> Result<DataRegion, NvmeStatus> {
+        let transfer_error = NvmeStatus::generic(codes::DATA_TRANSFER_ERROR);
+        if let Some(restriction) = self.restriction {
+            if !restriction.allows_memory(iova, len as u64) {
+                self.refused.set(true);
+                return Err(transfer_error);
+            }
+        }
+        self.dma.translate_data(Iova(iova), len).map_err(|_| transfer_error)
     }
 
     pub(crate) fn refused(&self) -> bool {

@@ -19,6 +19,7 @@ use nix::sys::signal::{SigSet, Signal};
 use objstore::FormatParams;
 use tutti_cli::exit::{self, Unusable};
 use tutti_cli::{outln, GeometryArgs};
+use tutti_daemon::gpu_memory::DeviceMemoryImport;
 use tutti_daemon::pool_open::{open_pool, PoolOptions};
 use tutti_daemon::protocol::StatusReply;
 use tutti_daemon::session::SessionLimits;
@@ -90,10 +91,23 @@ struct Cli {
     /// Where vfio: devices' lock files live.
     #[arg(long, default_value = "/run/tutti")]
     lock_dir: PathBuf,
+    /// KV memory clients may register outside their windows, which the software controllers
+    /// reach by copies: `cuda` (GPU memory through CUDA IPC; needs a build with the `cuda`
+    /// feature and a CUDA driver), `memfd` (a client's sealed memfd: the software stand-in, for
+    /// tests), or `off`. Refused on vfio: devices (docs/tuttid.md, GPU memory).
+    #[arg(long, value_enum, default_value = "off")]
+    device_memory: DeviceMemoryArg,
     /// Serve Prometheus metrics at http://ADDRESS/metrics (loopback by default; port 0 picks a
     /// free one, printed at start), or `off`.
     #[arg(long, value_name = "ADDRESS|off", default_value = "127.0.0.1:9464", value_parser = parse_metrics_address)]
     metrics: MetricsAddress,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum DeviceMemoryArg {
+    Off,
+    Memfd,
+    Cuda,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -164,6 +178,11 @@ fn serve(cli: &Cli) -> Result<()> {
     config.frame_timeout = cli.frame_timeout;
     config.clients_max = cli.clients_max;
     config.metrics = cli.metrics.0;
+    config.device_memory = match cli.device_memory {
+        DeviceMemoryArg::Off => DeviceMemoryImport::Off,
+        DeviceMemoryArg::Memfd => DeviceMemoryImport::Memfd,
+        DeviceMemoryArg::Cuda => DeviceMemoryImport::Cuda,
+    };
     config.session_limits = SessionLimits {
         registrations_max: cli.windows_per_session,
         window_bytes_max: cli.window_bytes_per_session,
@@ -205,10 +224,11 @@ fn serve(cli: &Cli) -> Result<()> {
 /// a pool is unusable input (exit 2); a device that fails is a failure (exit 1).
 fn classify(error: DaemonError) -> anyhow::Error {
     match error {
-        error
-        @ (DaemonError::DeviceInUse { .. } | DaemonError::SocketInUse { .. } | DaemonError::Devices(_) | DaemonError::Pool { .. }) => {
-            Unusable(error.to_string()).into()
-        }
+        error @ (DaemonError::DeviceInUse { .. }
+        | DaemonError::SocketInUse { .. }
+        | DaemonError::Devices(_)
+        | DaemonError::Pool { .. }
+        | DaemonError::DeviceMemory(_)) => Unusable(error.to_string()).into(),
         error => error.into(),
     }
 }

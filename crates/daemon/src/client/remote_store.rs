@@ -16,6 +16,10 @@
 //! through copying accessors ([`RemoteKvStore::write_block`], [`RemoteKvStore::read_block`]):
 //! the device writes that memory, so no Rust reference into it is ever handed out.
 //!
+//! With [`RemoteKvStore::connect_with_device_memory`] the KV blocks stay in the engine's device
+//! memory (GPU memory through CUDA IPC, registered with `RegisterDeviceMemory`; `gpu_export.rs`)
+//! and the window holds only the rings and the mapping table.
+//!
 //! Everything the daemon sends is untrusted: the pool's shape is checked
 //! (`PoolShape::check`), every placement by `StoreData::prepare`, every queue layout by
 //! `IoQueuePair::attach` (doorbells from the register page's own CAP.DSTRD, rings at the IOVAs
@@ -35,7 +39,7 @@ use objstore::{
     RequestHandle, StoreConfig, StoreData, StorePlan, Transferred,
 };
 
-use super::Client;
+use super::{Client, DeviceKvMemory};
 use crate::protocol::{AttachQueues, Commit, Hello, HelloReply, Kind, Prepare, QueueGrant, RegisterMemory, Reply, Request, RingOffsets};
 use crate::DaemonError;
 
@@ -126,7 +130,7 @@ pub struct RemoteKvStore {
     client: Client,
     hello: HelloReply,
     registration: u64,
-    /// The KV memory's regions (`WindowKvLayout` order).
+    /// The KV memory's regions (`WindowKvLayout` order); none when it is the engine's device memory.
     kv: Vec<DmaRegion>,
     kv_layout: WindowKvLayout,
     block_bytes: u64,
@@ -177,21 +181,55 @@ impl RemoteKvStore {
         Self::with_client(client, attached, config, kv_layout)
     }
 
+    /// As [`RemoteKvStore::connect`], with the KV blocks in the engine's device memory (GPU
+    /// memory through CUDA IPC, or a memfd stand-in: [`DeviceKvMemory`]), which the daemon's
+    /// software controllers reach by copies; the window holds only rings and the mapping table.
+    /// The engine moves its KV bytes itself (`write_block` / `read_block` refuse). A pool that
+    /// records payload CRCs is refused: the CRCs are computed on the CPU from the KV memory.
+    pub fn connect_with_device_memory(
+        socket: &Path,
+        hello: &Hello,
+        config: &RemoteConfig,
+        kv: &DeviceKvMemory,
+    ) -> Result<RemoteKvStore, ObjstoreError> {
+        let mut client = Client::connect(socket, config.timeout).map_err(remote)?;
+        let attached = client.hello(hello).map_err(remote)?;
+        Self::set_up(client, attached, config, WindowKvLayout::BlockMajor, Some(kv))
+    }
+
     /// Sets up the data path on a connection already attached (`Client::hello` answered
     /// `attached`): asks the pool's shape, creates and registers the window with the KV memory
     /// laid out as `kv_layout`, attaches the queue pairs. A client that only looked up so far
     /// (the engine's scheduler side, turned worker) becomes a store this way.
     pub fn with_client(
+        client: Client,
+        attached: HelloReply,
+        config: &RemoteConfig,
+        kv_layout: WindowKvLayout,
+    ) -> Result<RemoteKvStore, ObjstoreError> {
+        Self::set_up(client, attached, config, kv_layout, None)
+    }
+
+    /// The data path on an attached connection, with the KV memory in the window (laid out as
+    /// `kv_layout`) or, given `device`, in the engine's device memory (block-major).
+    fn set_up(
         mut client: Client,
         attached: HelloReply,
         config: &RemoteConfig,
         kv_layout: WindowKvLayout,
+        device: Option<&DeviceKvMemory>,
     ) -> Result<RemoteKvStore, ObjstoreError> {
         let shape = match client.call(&Request::PoolShape).map_err(remote)? {
             Reply::PoolShape(shape) => shape,
             other => return Err(unexpected(Kind::PoolShape, &other)),
         };
         shape.check()?;
+        if device.is_some() && shape.payload_crcs {
+            return Err(ObjstoreError::BadRequest {
+                reason: "the pool records payload CRCs, which the client computes on the CPU from its KV memory: not from device memory"
+                    .into(),
+            });
+        }
         let geometry = shape.geometry;
         let block_bytes = 2 * u64::from(geometry.layers) * geometry.object_bytes();
         let devices = shape.devices.len() as u64;
@@ -207,20 +245,34 @@ impl RemoteKvStore {
             + depth.saturating_sub(1) * SCRATCH_PAGE_BYTES;
         let table = objstore::mapping_memory(&geometry, kv_bytes);
         let table_bytes = round(table.sgl_bytes.max(table.prp_packed_bytes));
-        let window_bytes = kv_bytes
+        let window_kv_bytes = if device.is_some() { 0 } else { kv_bytes };
+        let window_bytes = window_kv_bytes
             .checked_add(devices * per_device + table_bytes + WINDOW_SLACK_BYTES)
             .ok_or_else(|| ObjstoreError::AddressOverflow { what: "the window".into() })?;
         let window_len = usize::try_from(window_bytes).map_err(|_| ObjstoreError::AddressOverflow { what: "the window".into() })?;
         let memory = SharedMemory::create("tutti-kv-window", window_len).map_err(HwError::from)?;
-        let register = Request::RegisterMemory(RegisterMemory { window_bytes, kv_blocks: config.kv_blocks });
+        let window_kv_blocks = if device.is_some() { 0 } else { config.kv_blocks };
+        let register = Request::RegisterMemory(RegisterMemory { window_bytes, kv_blocks: window_kv_blocks });
         let registered = match client.call_with_fds(&register, &[memory.fd()]).map_err(remote)? {
             (Reply::Registered(registered), _) => registered,
             (other, _) => return Err(unexpected(Kind::RegisterMemory, &other)),
         };
         let window = DmaWindow::new(memory, Iova(registered.iova_base), AddressSpaceId(registered.address_space))?;
-        // The KV memory first (at the window's base, its regions back to back), then each
-        // device's rings.
-        let kv = region_bytes.iter().map(|&bytes| window.allocate(bytes as usize)).collect::<Result<Vec<_>, _>>()?;
+        // The KV memory first (at the window's base, its regions back to back; or the device
+        // memory's own registration), then each device's rings.
+        let (kv, kv_registration, device_base) = match device {
+            None => {
+                let kv = region_bytes.iter().map(|&bytes| window.allocate(bytes as usize)).collect::<Result<Vec<_>, _>>()?;
+                (kv, registered.registration, None)
+            }
+            Some(device) => {
+                let request = Request::RegisterDeviceMemory(device.request(config.kv_blocks));
+                match client.call_with_fds(&request, &device.descriptors()).map_err(remote)? {
+                    (Reply::Registered(memory), _) => (Vec::new(), memory.registration, Some(Iova(memory.iova_base))),
+                    (other, _) => return Err(unexpected(Kind::RegisterDeviceMemory, &other)),
+                }
+            }
+        };
         let mut rings = Vec::with_capacity(shape.devices.len());
         let mut offsets = Vec::with_capacity(shape.devices.len());
         for _ in &shape.devices {
@@ -268,7 +320,10 @@ impl RemoteKvStore {
             pairs.push(pair);
         }
         let mode = if sgl_everywhere { DataPointerMode::Sgl } else { DataPointerMode::Prp };
-        let layout = kv_layout.layout(&geometry, &kv);
+        let layout = match device_base {
+            None => kv_layout.layout(&geometry, &kv),
+            Some(base) => KvLayout::BlockMajor { base, block_stride_bytes: block_bytes },
+        };
         let registration = KvRegistration::new(geometry, config.kv_blocks, layout, mode)?;
         let dma: Arc<dyn DmaAllocator> = Arc::new(window.clone());
         let executor = CpuExecutor::new(pairs, config.store.iocbs);
@@ -278,7 +333,7 @@ impl RemoteKvStore {
             data,
             client,
             hello: attached,
-            registration: registered.registration,
+            registration: kv_registration,
             kv,
             kv_layout,
             block_bytes,
@@ -359,6 +414,11 @@ impl RemoteKvStore {
         len: usize,
         mut each: impl FnMut(&DmaRegion, usize, usize, usize) -> Result<(), ObjstoreError>,
     ) -> Result<(), ObjstoreError> {
+        if self.kv.is_empty() {
+            return Err(ObjstoreError::BadRequest {
+                reason: "the KV blocks are the engine's device memory: the engine copies them itself".into(),
+            });
+        }
         let registration = self.data.table().registration();
         registration.check_block(block)?;
         if offset.checked_add(len).is_none_or(|end| end as u64 > self.block_bytes) {

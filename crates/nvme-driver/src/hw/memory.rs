@@ -38,6 +38,7 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU16, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
 
+use super::copied::{CopiedInner, CopiedMemory, CopiedRegion, DataRegion};
 use super::shared::SharedMemory;
 use super::{AddressSpaceId, DmaAllocator, HwError};
 use crate::types::Iova;
@@ -129,6 +130,13 @@ pub trait IommuMapper: Send + Sync {
     /// `host..host+len` must stay valid until `unmap(iova, len)` has returned.
     unsafe fn map(&self, host: *mut u8, len: usize, iova: Iova) -> Result<(), HwError>;
     fn unmap(&self, iova: Iova, len: usize) -> Result<(), HwError>;
+
+    /// Whether the device translates IOVAs itself through the pool's table (the software
+    /// controller), so that memory reached only by copies can be given an IOVA
+    /// ([`DmaAllocator::map_copied`]). An IOMMU maps host pages, not copy functions: false.
+    fn device_translates(&self) -> bool {
+        false
+    }
 }
 
 /// A mapper for devices that translate IOVAs themselves through [`DmaPool::translate`] (the
@@ -142,6 +150,9 @@ impl IommuMapper for IdentityMapper {
     }
     fn unmap(&self, _iova: Iova, _len: usize) -> Result<(), HwError> {
         Ok(())
+    }
+    fn device_translates(&self) -> bool {
+        true
     }
 }
 
@@ -371,6 +382,9 @@ pub(super) struct PoolShared {
     /// Every live mapping by start IOVA: the translation table devices without an IOMMU of their
     /// own (the software controller) use, and how upper layers validate descriptors.
     table: RwLock<BTreeMap<u64, Weak<RegionInner>>>,
+    /// Memory reached only by copies, by start IOVA (IOVAs from the same allocator as the
+    /// table's, so the two never overlap); see `copied.rs`.
+    copied: RwLock<BTreeMap<u64, Weak<CopiedInner>>>,
 }
 
 struct IovaState {
@@ -461,7 +475,46 @@ impl PoolShared {
             mapper,
             state: Mutex::new(IovaState { next: iova_base.0, limit: iova_limit.0, free: Vec::new() }),
             table: RwLock::new(BTreeMap::new()),
+            copied: RwLock::new(BTreeMap::new()),
         }
+    }
+
+    /// Gives `memory` a fresh IOVA range and enters it in the copied table.
+    pub(super) fn insert_copied(self: &Arc<Self>, memory: Arc<dyn CopiedMemory>) -> Result<CopiedRegion, HwError> {
+        let len = memory.len();
+        if len == 0 {
+            return Err(HwError::ZeroLength);
+        }
+        let align = if len >= HUGE_PAGE_SIZE_BYTES { HUGE_PAGE_SIZE_BYTES } else { PAGE_SIZE_BYTES };
+        let iova = Iova(self.reserve(round_up(len, PAGE_SIZE_BYTES) as u64, align as u64)?);
+        let inner = Arc::new(CopiedInner { memory, iova, len, pool: Arc::downgrade(self) });
+        self.copied.write().unwrap_or_else(|poisoned| poisoned.into_inner()).insert(iova.0, Arc::downgrade(&inner));
+        Ok(CopiedRegion { inner, offset: 0, len, iova })
+    }
+
+    /// The copied mapping that contains `iova..iova+len`, as a window of exactly that range.
+    pub(super) fn translate_copied(&self, iova: Iova, len: usize) -> Result<CopiedRegion, HwError> {
+        let unmapped = || HwError::Unmapped { iova, len };
+        let table = self.copied.read().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let (_, weak) = table.range(..=iova.0).next_back().ok_or_else(unmapped)?;
+        let inner = weak.upgrade().ok_or_else(unmapped)?;
+        let offset = iova.checked_offset_from(inner.iova).and_then(|offset| usize::try_from(offset).ok()).ok_or_else(unmapped)?;
+        if offset.checked_add(len).is_none_or(|end| end > inner.len) {
+            return Err(unmapped());
+        }
+        let (whole_len, whole_iova) = (inner.len, inner.iova);
+        CopiedRegion { inner, offset: 0, len: whole_len, iova: whole_iova }.subregion(offset, len)
+    }
+
+    /// A copied mapping's last holder dropped: its IOVA range goes back (nothing was
+    /// programmed anywhere, so there is nothing to unmap).
+    pub(super) fn release_copied(&self, iova: Iova, len: usize) {
+        let mut table = self.copied.write().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if table.get(&iova.0).is_some_and(|weak| weak.strong_count() == 0) {
+            table.remove(&iova.0);
+        }
+        drop(table);
+        self.unreserve(iova.0, round_up(len, PAGE_SIZE_BYTES) as u64);
     }
 
     fn release(&self, iova: Iova, len: usize) {
@@ -545,6 +598,20 @@ impl DmaAllocator for DmaPool {
     fn map_shared(&self, memory: &Arc<SharedMemory>) -> Result<DmaRegion, HwError> {
         // The region holds an Arc to the mapping, so it stays mapped while the device may use it.
         self.register(memory.pointer(), memory.len(), Backing::Shared(Arc::clone(memory)))
+    }
+
+    fn map_copied(&self, memory: Arc<dyn CopiedMemory>) -> Result<CopiedRegion, HwError> {
+        if !self.shared.mapper.device_translates() {
+            return Err(HwError::CopiedUnsupported { allocator: "a DMA pool programmed through an IOMMU (VFIO)" });
+        }
+        self.shared.insert_copied(memory)
+    }
+
+    fn translate_data(&self, iova: Iova, len: usize) -> Result<DataRegion, HwError> {
+        match self.shared.translate(iova, len) {
+            Ok(region) => Ok(DataRegion::Host(region)),
+            Err(host_error) => self.shared.translate_copied(iova, len).map(DataRegion::Copied).map_err(|_| host_error),
+        }
     }
 }
 

@@ -7,10 +7,15 @@
 //!   memory a device writes);
 //! - [`DeviceBackend`]: one PCI function — its registers, its DMA allocator and function reset.
 //!
+//! Data buffers may also lie in memory the host has no pointer to ([`CopiedMemory`], `copied.rs`:
+//! GPU memory a daemon imported), which only a device translating IOVAs in software reaches, by
+//! asking that memory to copy ([`DmaAllocator::map_copied`], [`DmaAllocator::translate_data`]).
+//!
 //! VFIO implements them for real hardware; the software controller (`nvme-emu`) implements the
 //! device side of the same seam for tests and the embedded default device.
 #![allow(unsafe_code)]
 
+mod copied;
 mod memory;
 mod shared;
 pub mod vfio;
@@ -19,6 +24,7 @@ mod window;
 use std::io;
 use std::sync::Arc;
 
+pub use copied::{CopiedMemory, CopiedRegion, DataRegion};
 pub use memory::{DmaPool, DmaRegion, HostMemory, IdentityMapper, IommuMapper, PageKind};
 pub use shared::{SharedMemory, SharedMemoryError, SharedRegisters};
 pub use vfio::{VfioDevice, VfioError};
@@ -53,6 +59,11 @@ pub enum HwError {
     Shared(Box<SharedMemoryError>),
     #[error("{allocator} cannot map shared memory")]
     SharedUnsupported { allocator: &'static str },
+    #[error(
+        "{allocator} cannot map memory reached only by copies (GPU memory imported from another process): an IOMMU maps host \
+         pages; only a device that translates IOVAs in software (the software controller) copies through such memory"
+    )]
+    CopiedUnsupported { allocator: &'static str },
     #[error(transparent)]
     Vfio(#[from] vfio::VfioError),
 }
@@ -103,6 +114,21 @@ pub trait DmaAllocator: Send + Sync {
     fn map_shared(&self, memory: &Arc<SharedMemory>) -> Result<DmaRegion, HwError> {
         let _ = memory;
         Err(HwError::SharedUnsupported { allocator: std::any::type_name::<Self>() })
+    }
+
+    /// Gives memory reached only by copies (`copied.rs`: GPU memory imported from another
+    /// process) an IOVA in this space. Only where the device translates IOVAs itself (the
+    /// software controller); an IOMMU cannot map it: [`HwError::CopiedUnsupported`].
+    fn map_copied(&self, memory: Arc<dyn CopiedMemory>) -> Result<CopiedRegion, HwError> {
+        let _ = memory;
+        Err(HwError::CopiedUnsupported { allocator: std::any::type_name::<Self>() })
+    }
+
+    /// [`DmaAllocator::translate`] for a data buffer, which may also lie in memory reached by
+    /// copies ([`DmaAllocator::map_copied`]). Rings, PRP lists and SGL segments are host
+    /// memory and use `translate`.
+    fn translate_data(&self, iova: Iova, len: usize) -> Result<DataRegion, HwError> {
+        self.translate(iova, len).map(DataRegion::Host)
     }
 }
 

@@ -1,0 +1,330 @@
+//! KV memory the daemon reaches only by copies: GPU memory an engine registers through CUDA IPC,
+//! or its software stand-in, a client's memfd (docs/tuttid.md, "GPU memory").
+//!
+//! A client names an allocation (`RegisterDeviceMemory`); the [`DeviceMemoryService`] opens it
+//! in the daemon (`cuIpcOpenMemHandle` in the daemon's own context, or mapping the memfd) as a
+//! [`CopiedMemory`]; the pool's DMA space gives it an IOVA (`DmaAllocator::map_copied`); the
+//! software controllers inside the daemon then move the client's commands' data with the
+//! memory's own copies (`cuMemcpyDtoH` / `cuMemcpyHtoD`; `memcpy` for the stand-in). The
+//! emulator's data path is the same for both: nothing in it knows CUDA.
+//!
+//! What the daemon checks (the client is untrusted): the kind is one this daemon imports; every
+//! pool device is a software controller ([`VFIO_REFUSAL`] otherwise); the range lies in the
+//! allocation as the daemon itself sees it once imported (the driver's size, the memfd's size),
+//! not as the client claims; no two registrations overlap, in this session ([`ErrorCode::BadRequest`])
+//! or another ([`ErrorCode::NotYours`]: memory someone else registered). What it cannot check: a
+//! CUDA IPC handle is a bearer capability, and the driver does not say which process exported
+//! it, so a client holding another process's handle bytes can register that memory if nobody
+//! registered it first. The socket's owner-only mode and peer-credential check are the boundary
+//! (every client of one daemon is trusted as much as the daemon, as for the IOMMU).
+
+use std::fs::File;
+use std::os::fd::OwnedFd;
+use std::os::unix::fs::MetadataExt;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use nvme_driver::hw::{CopiedMemory, DmaAllocator, DmaPool, DmaRegion, HwError, SharedMemory};
+
+use crate::protocol::{DeviceMemoryKind, ErrorCode, RegisterDeviceMemory};
+
+/// Why GPU memory cannot be registered on a pool with a `vfio:` device, as the daemon answers it.
+pub const VFIO_REFUSAL: &str = "GPU memory on a vfio: device needs its IOMMU domain to map GPU memory for the SSD's \
+     peer-to-peer DMA, and no kernel interface this daemon can use does: VFIO type1 (VFIO_IOMMU_MAP_DMA) maps a \
+     process's virtual addresses of host pages, iommufd's IOMMU_IOAS_MAP_FILE takes memfds and only VFIO's own \
+     dma-bufs, not a GPU's (cuMemGetHandleForAddressRange); the routes that exist leave VFIO (GPUDirect Storage: \
+     nvidia-fs.ko with the kernel NVMe driver; BaM: its own kernel module over nvidia_p2p_get_pages). Register \
+     host memory (RegisterMemory) on this pool, or run the pool on emu: devices (docs/tuttid.md, GPU memory)";
+
+/// Which device memory this daemon imports (`tuttid --device-memory`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DeviceMemoryImport {
+    /// None: `RegisterDeviceMemory` is `Unsupported`.
+    #[default]
+    Off,
+    /// Clients' sealed memfds, reached by copies (the stand-in for GPU memory; tests).
+    Memfd,
+    /// GPU memory through CUDA IPC (needs the `cuda` feature and a CUDA driver).
+    Cuda,
+}
+
+impl DeviceMemoryImport {
+    fn kind(self) -> Option<DeviceMemoryKind> {
+        match self {
+            DeviceMemoryImport::Off => None,
+            DeviceMemoryImport::Memfd => Some(DeviceMemoryKind::Memfd),
+            DeviceMemoryImport::Cuda => Some(DeviceMemoryKind::CudaIpc),
+        }
+    }
+}
+
+pub(crate) use crate::report::Refusal;
+
+/// Identifies an allocation across registrations: two registrations of one allocation carry the
+/// same key (the memfd's device and inode; the GPU and the imported allocation's base, which the
+/// driver returns again for a handle this context opened already).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AllocationKey {
+    pub space: u64,
+    pub id: u64,
+}
+
+/// One imported registration, before it is mapped.
+pub struct Imported {
+    pub memory: Arc<dyn CopiedMemory>,
+    pub key: AllocationKey,
+    /// The registered bytes, as offsets in the allocation.
+    pub start: u64,
+    pub end: u64,
+    /// The range's dma-buf, where the client sent one: kept with the registration (the handle an
+    /// IOMMU import would take; the software controller does not need it).
+    pub dma_buf: Option<OwnedFd>,
+}
+
+struct ClaimEntry {
+    key: AllocationKey,
+    start: u64,
+    end: u64,
+    session: u64,
+    registration: u64,
+}
+
+/// A registration's hold on its range of an allocation; released when dropped (with the
+/// registration, after its session's queue pairs were deleted).
+pub struct Claim {
+    claims: Arc<Mutex<Vec<ClaimEntry>>>,
+    registration: u64,
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        lock(&self.claims).retain(|entry| entry.registration != self.registration);
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// The daemon's device-memory import: which kind it takes, the GPUs it opened, and every
+/// registered range (for the overlap check).
+pub struct DeviceMemoryService {
+    import: DeviceMemoryImport,
+    claims: Arc<Mutex<Vec<ClaimEntry>>>,
+    /// Memfds are mapped here, a DMA space no device uses: the controllers reach them only
+    /// through the copies, never by translating into host memory.
+    private_space: DmaPool,
+    #[cfg(feature = "cuda")]
+    gpus: Mutex<Vec<Arc<tutti_cuda_ipc::Gpu>>>,
+}
+
+impl DeviceMemoryService {
+    /// A service importing `import`. `Cuda` needs this build's `cuda` feature and a loadable
+    /// driver (checked here, so a daemon that cannot import says so at start).
+    pub fn new(import: DeviceMemoryImport) -> Result<DeviceMemoryService, String> {
+        if import == DeviceMemoryImport::Cuda {
+            #[cfg(not(feature = "cuda"))]
+            return Err("--device-memory cuda: this tuttid was built without the `cuda` feature (tools/cuda-build.sh builds it)".into());
+            #[cfg(feature = "cuda")]
+            if !tutti_cuda_ipc::driver_available() {
+                return Err(tutti_cuda_ipc::CudaIpcError::NoDriver.to_string());
+            }
+        }
+        Ok(DeviceMemoryService {
+            import,
+            claims: Arc::new(Mutex::new(Vec::new())),
+            private_space: DmaPool::identity(),
+            #[cfg(feature = "cuda")]
+            gpus: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// Checks that this daemon takes `kind`.
+    pub fn check_kind(&self, kind: DeviceMemoryKind) -> Result<(), Refusal> {
+        match self.import.kind() {
+            Some(taken) if taken == kind => Ok(()),
+            Some(taken) => Err((ErrorCode::Unsupported, format!("this daemon imports {taken:?} device memory, not {kind:?}"))),
+            None => Err((
+                ErrorCode::Unsupported,
+                "this daemon imports no device memory: start it with --device-memory cuda (GPU memory through CUDA IPC)".into(),
+            )),
+        }
+    }
+
+    /// Opens the memory a request names (its descriptors in `fds`), checked against the
+    /// allocation as the daemon sees it.
+    pub fn import(&self, request: &RegisterDeviceMemory, fds: &mut Vec<OwnedFd>) -> Result<Imported, Refusal> {
+        self.check_kind(request.kind)?;
+        match request.kind {
+            DeviceMemoryKind::Memfd => self.import_memfd(request, fds),
+            DeviceMemoryKind::CudaIpc => self.import_cuda(request, fds),
+        }
+    }
+
+    /// Enters `imported`'s range for `registration` of `session`, unless it overlaps a range
+    /// registered before.
+    pub fn claim(&self, imported: &Imported, session: u64, registration: u64) -> Result<Claim, Refusal> {
+        let mut claims = lock(&self.claims);
+        if let Some(other) =
+            claims.iter().find(|entry| entry.key == imported.key && entry.start < imported.end && imported.start < entry.end)
+        {
+            let what = format!(
+                "bytes {}..{} of this allocation overlap bytes {}..{} of registration {}",
+                imported.start, imported.end, other.start, other.end, other.registration
+            );
+            return Err(if other.session == session {
+                (ErrorCode::BadRequest, format!("{what} of this session"))
+            } else {
+                (ErrorCode::NotYours, format!("{what}, another session's: memory another client registered"))
+            });
+        }
+        claims.push(ClaimEntry { key: imported.key, start: imported.start, end: imported.end, session, registration });
+        Ok(Claim { claims: Arc::clone(&self.claims), registration })
+    }
+
+    fn import_memfd(&self, request: &RegisterDeviceMemory, fds: &mut Vec<OwnedFd>) -> Result<Imported, Refusal> {
+        if fds.len() != 1 {
+            return Err((ErrorCode::BadRequest, format!("a memfd registration takes one descriptor (the memfd), got {}", fds.len())));
+        }
+        let bad = |message: String| (ErrorCode::BadRequest, message);
+        let allocation_bytes =
+            usize::try_from(request.allocation_bytes).map_err(|_| bad(format!("an allocation of {} bytes", request.allocation_bytes)))?;
+        let file = File::from(fds.remove(0));
+        let metadata = file.metadata().map_err(|error| bad(format!("the memfd's metadata: {error}")))?;
+        let key = AllocationKey { space: metadata.dev(), id: metadata.ino() };
+        let memory = SharedMemory::from_fd(OwnedFd::from(file), allocation_bytes)
+            .map_err(|error| bad(format!("the device memory descriptor: {error}")))?;
+        // The memfd's real size bounds the range: `from_fd` checked it holds the claimed size.
+        let (start, end) = range_in(request, request.allocation_bytes)?;
+        let window = self
+            .private_space
+            .map_shared(&memory)
+            .map_err(|error| (ErrorCode::StoreFailed, format!("mapping the memfd in the daemon: {error}")))?;
+        let view = window.subregion(start as usize, (end - start) as usize).map_err(|error| bad(error.to_string()))?;
+        Ok(Imported { memory: Arc::new(MemfdMemory { view }), key, start, end, dma_buf: None })
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn import_cuda(&self, _request: &RegisterDeviceMemory, _fds: &mut Vec<OwnedFd>) -> Result<Imported, Refusal> {
+        // `new` refuses DeviceMemoryImport::Cuda in this build, so check_kind refused already.
+        Err((ErrorCode::Unsupported, "this tuttid was built without the `cuda` feature".into()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn import_cuda(&self, request: &RegisterDeviceMemory, fds: &mut Vec<OwnedFd>) -> Result<Imported, Refusal> {
+        use tutti_cuda_ipc::{CudaIpcError, Gpu, ImportedMemory};
+        if fds.len() > 1 {
+            return Err((
+                ErrorCode::BadRequest,
+                format!("a CUDA IPC registration takes at most one descriptor (its dma-buf), got {}", fds.len()),
+            ));
+        }
+        let (start, end) = range_in(request, request.allocation_bytes)?;
+        let refuse = |context: &str, error: CudaIpcError| {
+            let code = match error {
+                CudaIpcError::NoDriver | CudaIpcError::DriverTooOld { .. } => ErrorCode::Unsupported,
+                CudaIpcError::Cuda { .. } | CudaIpcError::NoDeviceWithUuid { .. } | CudaIpcError::OutsideAllocation { .. } => {
+                    ErrorCode::BadRequest
+                }
+                CudaIpcError::NoSuchDevice { .. } | CudaIpcError::ZeroLength | CudaIpcError::NotIpcCapable => ErrorCode::BadRequest,
+            };
+            (code, format!("{context}: {error}"))
+        };
+        let gpu = {
+            let mut gpus = lock(&self.gpus);
+            match gpus.iter().find(|gpu| gpu.uuid() == request.device_uuid) {
+                Some(gpu) => Arc::clone(gpu),
+                None => {
+                    let gpu = Gpu::open_by_uuid(&request.device_uuid).map_err(|error| refuse("the registration's GPU", error))?;
+                    tracing::info!(ordinal = gpu.ordinal(), name = gpu.name(), "opened a GPU for CUDA IPC imports");
+                    gpus.push(Arc::clone(&gpu));
+                    gpu
+                }
+            }
+        };
+        let imported = ImportedMemory::open(&gpu, &request.handle, start, end - start)
+            .map_err(|error| refuse("the CUDA IPC handle (another process's allocation, still alive?)", error))?;
+        let dma_buf = match fds.pop() {
+            None => None,
+            Some(fd) => Some(check_dma_buf(fd, end - start)?),
+        };
+        let key = AllocationKey { space: gpu.ordinal() as u64, id: imported.imported_base() };
+        Ok(Imported { memory: Arc::new(imported), key, start, end, dma_buf })
+    }
+}
+
+/// A dma-buf of the registered range: `/proc/self/fdinfo` must call it a dma-buf (an `exp_name:`
+/// line, the exporting driver) of at least the range's size (a `size:` line; exporters may round
+/// up to their granularity). Logged with its exporter.
+#[cfg(feature = "cuda")]
+fn check_dma_buf(fd: OwnedFd, length_bytes: u64) -> Result<OwnedFd, Refusal> {
+    use std::os::fd::AsRawFd;
+    let bad = |message: String| (ErrorCode::BadRequest, message);
+    let path = format!("/proc/self/fdinfo/{}", fd.as_raw_fd());
+    let info = std::fs::read_to_string(&path).map_err(|error| bad(format!("the descriptor sent as a dma-buf ({path}): {error}")))?;
+    let field = |name: &str| info.lines().find_map(|line| line.strip_prefix(name).map(str::trim));
+    let Some(exporter) = field("exp_name:") else {
+        return Err(bad("the descriptor sent as a dma-buf is not one (no exp_name in its fdinfo)".into()));
+    };
+    let size = field("size:").and_then(|size| size.parse::<u64>().ok());
+    match size {
+        Some(size) if size >= length_bytes => {
+            tracing::info!(exporter, size, length_bytes, "a registration's dma-buf");
+            Ok(fd)
+        }
+        _ => Err(bad(format!("the dma-buf ({exporter}) holds {size:?} bytes, the registration {length_bytes}"))),
+    }
+}
+
+/// The request's range in an allocation of `allocation_bytes`: `(start, end)`, non-empty.
+fn range_in(request: &RegisterDeviceMemory, allocation_bytes: u64) -> Result<(u64, u64), Refusal> {
+    let end = request.offset_bytes.checked_add(request.length_bytes);
+    match end {
+        Some(end) if request.length_bytes > 0 && end <= allocation_bytes => Ok((request.offset_bytes, end)),
+        _ => Err((
+            ErrorCode::BadRequest,
+            format!(
+                "{} bytes at offset {} do not lie in the allocation of {allocation_bytes} bytes",
+                request.length_bytes, request.offset_bytes
+            ),
+        )),
+    }
+}
+
+/// A client's memfd range, reached only by copies (the host-backed [`CopiedMemory`]).
+struct MemfdMemory {
+    view: DmaRegion,
+}
+
+impl CopiedMemory for MemfdMemory {
+    fn len(&self) -> usize {
+        self.view.len()
+    }
+
+    fn read(&self, offset: usize, destination: &mut [u8]) -> Result<(), HwError> {
+        self.view.read(offset, destination)
+    }
+
+    fn write(&self, offset: usize, source: &[u8]) -> Result<(), HwError> {
+        self.view.write(offset, source)
+    }
+
+    fn describe(&self) -> String {
+        format!("{} bytes of a client's memfd, reached by copies", self.view.len())
+    }
+}
+
+#[cfg(all(test, feature = "cuda"))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_descriptor_that_is_not_a_dma_buf_is_refused() {
+        // Goal: what a client sends as its range's dma-buf is checked: a memfd (or any file
+        // without a dma-buf exporter) is refused, naming why. (No dma-buf exporter exists on a
+        // machine without a GPU or /dev/udmabuf, so the accepting side runs on the GPU machine.)
+        let memory = SharedMemory::create("not-a-dma-buf", 1 << 20).unwrap();
+        let refused = check_dma_buf(memory.fd().try_clone_to_owned().unwrap(), 1 << 20).expect_err("refused");
+        assert_eq!(refused.0, ErrorCode::BadRequest);
+        assert!(refused.1.contains("is not one"), "{}", refused.1);
+    }
+}
