@@ -82,8 +82,28 @@ class Daemon:
             self.process.wait(WAIT_S)
 
     def pause(self) -> None:
-        """SIGSTOP: the software controller inside the daemon stops moving bytes."""
+        """SIGSTOP: the software controller inside the daemon stops moving bytes.
+
+        Returns once every thread of the daemon is stopped: the signal is delivered
+        asynchronously, and a controller thread still running could complete I/O issued after
+        `kill` returned (seen under load)."""
         os.kill(self.process.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5.0
+        tasks = f"/proc/{self.process.pid}/task"
+        while True:
+            states = []
+            for task in os.listdir(tasks):
+                try:
+                    with open(f"{tasks}/{task}/stat") as stat:
+                        # The state follows the command name, which is in parentheses.
+                        states.append(stat.read().rsplit(")", 1)[1].split()[0])
+                except FileNotFoundError:
+                    continue
+            if states and all(state in ("T", "t") for state in states):
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"tuttid did not stop within 5 s of SIGSTOP (thread states {states})")
+            time.sleep(0.001)
 
     def resume(self) -> None:
         os.kill(self.process.pid, signal.SIGCONT)

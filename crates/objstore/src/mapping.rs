@@ -135,7 +135,10 @@ impl MappingTable {
         let object = geometry.object_bytes();
         let layers = u64::from(geometry.layers);
         let n = u64::from(registration.num_blocks());
-        let stride = registration.layer_stride_bytes();
+        let stride = match registration.layer_stride_bytes() {
+            Some(stride) if registration.stride_within_one_range(stride)? => Some(stride),
+            _ => None,
+        };
         let adjacent = registration.key_value_adjacent();
         let lba = u64::from(limits.lba_bytes);
         let max_transfer = limits.max_transfer_bytes;

@@ -150,6 +150,46 @@ impl KvRegistration {
         }
     }
 
+    /// The tensors' extents merged where one ends exactly where the next starts, as
+    /// `(start, end)` device addresses, sorted: the ranges gio_uring checks commands against.
+    pub fn merged_ranges(&self) -> Result<Vec<(u64, u64)>> {
+        let mut ranges: Vec<(u64, u64)> = self.extents()?.iter().map(|e| (e.start.0, e.start.0 + e.len_bytes)).collect();
+        ranges.sort_unstable();
+        let mut merged: Vec<(u64, u64)> = Vec::with_capacity(ranges.len());
+        for (start, end) in ranges {
+            match merged.last_mut() {
+                Some(last) if last.1 == start => last.1 = end,
+                _ => merged.push((start, end)),
+            }
+        }
+        Ok(merged)
+    }
+
+    /// Whether one command may move a block's object at every layer with `stride` (gio_uring's
+    /// strided IOCTX): only if, for every block and kind, the first layer's object through the
+    /// last layer's lies inside one merged range. Equidistant layer bases in separate tensors
+    /// (each tensor mapped on its own, with gaps between) do not qualify, whatever their spacing.
+    pub fn stride_within_one_range(&self, stride: u64) -> Result<bool> {
+        let ranges = self.merged_ranges()?;
+        let last_layer = u64::from(self.geometry.layers.saturating_sub(1));
+        let object = self.geometry.object_bytes();
+        for kind in [KvKind::Key, KvKind::Value] {
+            for block in 0..self.num_blocks {
+                let Some(first) = self.address(0, kind, block) else { return Ok(false) };
+                let Some(end) =
+                    last_layer.checked_mul(stride).and_then(|span| first.0.checked_add(span)).and_then(|v| v.checked_add(object))
+                else {
+                    return Ok(false);
+                };
+                let index = ranges.partition_point(|range| range.0 <= first.0);
+                if index == 0 || ranges[index - 1].1 < end {
+                    return Ok(false);
+                }
+            }
+        }
+        Ok(true)
+    }
+
     /// The tensors' extents in device address space (checked for overflow).
     pub fn extents(&self) -> Result<Vec<Extent>> {
         let n = u64::from(self.num_blocks);
@@ -378,6 +418,15 @@ mod tests {
             Err(ObjstoreError::MisalignedRegistration { align_bytes: 4096, .. })
         ));
         assert_eq!(paged.address(4, KvKind::Key, 0), None);
+        // Equidistant layers in separate tensors with gaps between them (engine tensors each
+        // mapped on their own): no command may span layers, whatever the spacing. Back to back
+        // (one merged range), it may.
+        assert!(!paged.stride_within_one_range(0x10_0000).unwrap(), "gaps between the layer tensors");
+        let tensor_bytes = 7 * 3 * object + 2 * object;
+        let packed = KvLayout::PagedPerLayer { layer_bases: bases(tensor_bytes), block_stride_bytes: 3 * object };
+        let packed = KvRegistration::new(geometry(), 8, packed, DataPointerMode::Sgl).unwrap();
+        assert_eq!(packed.merged_ranges().unwrap().len(), 1);
+        assert!(packed.stride_within_one_range(tensor_bytes).unwrap());
     }
 
     #[test]

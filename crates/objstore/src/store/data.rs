@@ -18,7 +18,7 @@ use gio_uring::{
     Dependency, DeviceIndex, DeviceInfo, DeviceTable, Executor, GioError, GioQueue, IocbId, IocbSpec, IoctxSpec, IovaRange, LayerIndex,
     Lba, QueueConfig, RegisteredMemory, SmBudget,
 };
-use nvme_driver::{DataPointerMode, DmaAllocator};
+use nvme_driver::{DataPointerMode, DmaAllocator, Iova};
 
 use super::shape::{Placement, PoolShape, Transferred};
 use super::verify::{self, VerifyFailure};
@@ -85,17 +85,8 @@ pub struct StoreData<E: Executor> {
 /// The KV tensors as gio_uring ranges, touching ones merged: tensors allocated back to back are
 /// one buffer to the per-layer rule (a PRP layout at one layer stride spans several). Only KV
 /// extents are merged, so no request can run from the KV memory into the mapping table.
-fn kv_ranges(extents: &[crate::registration::Extent]) -> Vec<IovaRange> {
-    let mut sorted: Vec<IovaRange> = extents.iter().map(|e| IovaRange::new(e.start, e.len_bytes)).collect();
-    sorted.sort_by_key(|range| range.start);
-    let mut merged: Vec<IovaRange> = Vec::with_capacity(sorted.len());
-    for range in sorted {
-        match merged.last_mut() {
-            Some(last) if last.end() == Some(range.start.0) => last.len_bytes += range.len_bytes,
-            _ => merged.push(range),
-        }
-    }
-    merged
+fn kv_ranges(registration: &crate::registration::KvRegistration) -> Result<Vec<IovaRange>> {
+    Ok(registration.merged_ranges()?.into_iter().map(|(start, end)| IovaRange::new(Iova(start), end - start)).collect())
 }
 
 impl<E: Executor> StoreData<E> {
@@ -147,8 +138,7 @@ impl<E: Executor> StoreData<E> {
         // On the SGL-table path IOCTXs point only into the table (the KV addresses are in the
         // descriptors, checked at registration): registering just the table keeps gio_uring's
         // per-IOCTX range lookup to one range.
-        let mut ranges: Vec<IovaRange> =
-            if table.form() == MappingForm::SglTable { Vec::new() } else { kv_ranges(&table.registration().extents()?) };
+        let mut ranges: Vec<IovaRange> = if table.form() == MappingForm::SglTable { Vec::new() } else { kv_ranges(table.registration())? };
         ranges.extend(table.region_range());
         let registered = RegisteredMemory::new(ranges)
             .ok_or_else(|| ObjstoreError::InvalidRegistration { reason: "the mapping table overlaps the registered KV memory".into() })?;
