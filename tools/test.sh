@@ -44,6 +44,15 @@ failed=0
 failed_names=()
 summary=()
 
+# Free space on the file system the builds go to, in GiB. A full run from a fresh clone writes
+# about 14 GiB (the cargo target directory, the VM images, the wheels); running out shows up as
+# a confusing failure in whichever stage is writing, so the figure is printed with every stage.
+free_gibibytes() { df --output=avail -B1G "${CARGO_TARGET_DIR:-target}" 2> /dev/null | tail -1 | tr -d ' ' || true; }
+mkdir -p "${CARGO_TARGET_DIR:-target}"
+if [ -n "$(free_gibibytes)" ] && [ "$(free_gibibytes)" -lt 16 ]; then
+    echo "tools/test.sh: warning: only $(free_gibibytes) GiB free here; a full run needs about 14 GiB" >&2
+fi
+
 run_stage() {
     local name=$1
     shift
@@ -52,11 +61,11 @@ run_stage() {
     echo "===== stage: $name ====="
     if "$@"; then
         passed=$((passed + 1))
-        summary+=("PASS $name ($((SECONDS - started)) s)")
+        summary+=("PASS $name ($((SECONDS - started)) s, $(free_gibibytes) GiB free after)")
     else
         failed=$((failed + 1))
         failed_names+=("$name")
-        summary+=("FAIL $name ($((SECONDS - started)) s)")
+        summary+=("FAIL $name ($((SECONDS - started)) s, $(free_gibibytes) GiB free after)")
     fi
 }
 

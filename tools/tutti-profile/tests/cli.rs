@@ -3,18 +3,41 @@
 //! writes a table the scheduler loads, and refuses what it cannot measure; bad tables and bad
 //! arguments fail with a message, not a panic.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 fn bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_tutti-profile"))
 }
 
-fn scratch(name: &str) -> PathBuf {
+/// A test's own directory under the temporary directory, removed when the test ends (pass or
+/// fail), so repeated runs do not fill the disk.
+struct Scratch(PathBuf);
+
+impl std::ops::Deref for Scratch {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<std::ffi::OsStr> for Scratch {
+    fn as_ref(&self) -> &std::ffi::OsStr {
+        self.0.as_os_str()
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn scratch(name: &str) -> Scratch {
     let dir = std::env::temp_dir().join(format!("tutti-profile-test-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    dir
+    Scratch(dir)
 }
 
 /// Taken by every test: the `io` tests time real work, and on a small machine a simulator sweep
