@@ -90,6 +90,14 @@ impl Client {
         }
     }
 
+    /// The daemon's part in the cluster (allowed before `hello`; `enabled` false outside one).
+    pub fn cluster_status(&mut self) -> Result<crate::protocol::ClusterStatusReply, DaemonError> {
+        match self.call(&Request::ClusterStatus)? {
+            Reply::ClusterStatus(status) => Ok(status),
+            other => Err(DaemonError::UnexpectedReply { asked: Kind::ClusterStatus, got: other.kind() }),
+        }
+    }
+
     /// Renews the lease.
     pub fn ping(&mut self) -> Result<(), DaemonError> {
         match self.call(&Request::Ping)? {

@@ -43,6 +43,7 @@ pub enum RequestLabel {
     Commit,
     Release,
     RegisterDeviceMemory,
+    ClusterStatus,
     /// A frame whose body did not decode (no kind to name).
     Malformed,
 }
@@ -63,6 +64,7 @@ impl RequestLabel {
             Kind::Commit => RequestLabel::Commit,
             Kind::Release => RequestLabel::Release,
             Kind::RegisterDeviceMemory => RequestLabel::RegisterDeviceMemory,
+            Kind::ClusterStatus => RequestLabel::ClusterStatus,
             _ => RequestLabel::Malformed,
         }
     }
@@ -276,6 +278,11 @@ impl Metrics {
             client_doorbells,
             relay_seen: std::sync::Mutex::new(crate::relay::RelayCounts::default()),
         }
+    }
+
+    /// Adds the cluster tier's metrics (a daemon in a cluster: `crate::cluster`).
+    pub fn register_cluster(&mut self, cluster: &crate::cluster::ClusterMetrics) {
+        cluster.register(&mut self.registry);
     }
 
     /// A client's accepted report: what its request moved.

@@ -19,10 +19,12 @@
 
 use std::fmt;
 
+mod cluster;
 mod device_memory;
 mod status;
 mod store;
 
+pub use cluster::ClusterStatusReply;
 pub use device_memory::{DeviceMemoryKind, RegisterDeviceMemory, DEVICE_MEMORY_HANDLE_BYTES, DEVICE_UUID_BYTES};
 pub use status::{ClientStatus, DeviceStatus, PoolStatus, RelayStatus, StatusReply};
 pub use store::{
@@ -44,11 +46,10 @@ pub const BODY_BYTES_MAX: u32 = 1 << 20;
 pub const STRING_BYTES_MAX: usize = 4096;
 /// Longest client name given in `Hello`.
 pub const CLIENT_NAME_BYTES_MAX: usize = 64;
-/// Largest tensor-parallel world size accepted.
-pub const TP_WORLD_MAX: u32 = 1024;
-/// Bytes of a model fingerprint (e.g. SHA-256 of the model's config and weights' identity,
-/// computed by the client; opaque to the daemon).
-pub const FINGERPRINT_BYTES: usize = 32;
+/// Largest tensor-parallel world size accepted, and bytes of a model fingerprint (e.g. SHA-256
+/// of the model's config and weights' identity, computed by the client; opaque to the daemon):
+/// the cluster tier's, which checks a model space for the whole workspace.
+pub use tutti_cluster::{FINGERPRINT_BYTES, TP_WORLD_MAX};
 
 /// What a frame carries. Replies have the high bit set.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,6 +68,7 @@ pub enum Kind {
     Commit = 11,
     Release = 12,
     RegisterDeviceMemory = 13,
+    ClusterStatus = 14,
     HelloReply = 0x8001,
     LookupReply = 0x8002,
     StatusReply = 0x8003,
@@ -78,6 +80,7 @@ pub enum Kind {
     StorePrepared = 0x800A,
     Committed = 0x800B,
     Released = 0x800C,
+    ClusterStatusReply = 0x800E,
     Error = 0x80FF,
 }
 
@@ -97,6 +100,7 @@ impl Kind {
             11 => Kind::Commit,
             12 => Kind::Release,
             13 => Kind::RegisterDeviceMemory,
+            14 => Kind::ClusterStatus,
             0x8001 => Kind::HelloReply,
             0x8002 => Kind::LookupReply,
             0x8003 => Kind::StatusReply,
@@ -108,6 +112,7 @@ impl Kind {
             0x800A => Kind::StorePrepared,
             0x800B => Kind::Committed,
             0x800C => Kind::Released,
+            0x800E => Kind::ClusterStatusReply,
             0x80FF => Kind::Error,
             _ => return None,
         })
@@ -351,6 +356,9 @@ pub enum Request {
     /// memfd stand-in); answered with [`Reply::Registered`]. Descriptors: see
     /// [`RegisterDeviceMemory`].
     RegisterDeviceMemory(RegisterDeviceMemory),
+    /// The node's part in the cluster (answered with [`Reply::ClusterStatus`]; allowed before
+    /// `Hello`).
+    ClusterStatus,
 }
 
 /// What the daemon answers.
@@ -379,6 +387,7 @@ pub enum Reply {
         stored: u32,
     },
     Released,
+    ClusterStatus(ClusterStatusReply),
 }
 
 impl Request {
@@ -397,6 +406,7 @@ impl Request {
             Request::Commit(_) => Kind::Commit,
             Request::Release { .. } => Kind::Release,
             Request::RegisterDeviceMemory(_) => Kind::RegisterDeviceMemory,
+            Request::ClusterStatus => Kind::ClusterStatus,
         }
     }
 
@@ -410,7 +420,7 @@ impl Request {
                 put_str(out, &hello.client_name);
             }
             Request::Lookup { tokens } | Request::LookupAllRanks { tokens } => encode_lookup_body(tokens, out),
-            Request::Status | Request::Ping => {}
+            Request::Status | Request::Ping | Request::ClusterStatus => {}
             other => {
                 if !store::encode_request(other, out) {
                     device_memory::encode_request(other, out);
@@ -446,6 +456,7 @@ impl Request {
             }
             Kind::Status => Request::Status,
             Kind::Ping => Request::Ping,
+            Kind::ClusterStatus => Request::ClusterStatus,
             other => match store::decode_request(other, &mut reader)? {
                 Some(request) => request,
                 None => match device_memory::decode_request(other, &mut reader)? {
@@ -474,6 +485,7 @@ impl Reply {
             Reply::StorePrepared(_) => Kind::StorePrepared,
             Reply::Committed { .. } => Kind::Committed,
             Reply::Released => Kind::Released,
+            Reply::ClusterStatus(_) => Kind::ClusterStatusReply,
         }
     }
 
@@ -495,6 +507,7 @@ impl Reply {
                 put_u32(out, *block_tokens);
             }
             Reply::Status(status) => status::put_status(out, status),
+            Reply::ClusterStatus(status) => cluster::put_cluster_status(out, status),
             Reply::Pong => {}
             Reply::Error { code, message } => {
                 put_u16(out, code.to_u16());
@@ -512,6 +525,7 @@ impl Reply {
             Kind::HelloReply => Reply::Hello(HelloReply { session: r.u64("session")?, lease_ms: r.u32("lease_ms")?, shape: r.shape()? }),
             Kind::LookupReply => Reply::Lookup { cached_blocks: r.u32("cached_blocks")?, block_tokens: r.u32("block_tokens")? },
             Kind::StatusReply => Reply::Status(r.status()?),
+            Kind::ClusterStatusReply => Reply::ClusterStatus(r.cluster_status()?),
             Kind::Pong => Reply::Pong,
             Kind::Error => Reply::Error { code: ErrorCode::from_u16(r.u16("code")?), message: r.string("message", STRING_BYTES_MAX)? },
             other => match store::decode_reply(other, &mut r)? {

@@ -326,3 +326,51 @@ fn store_path_counts_and_flags_are_checked_before_allocating() {
     let error = Request::decode(Kind::Release, &corrupt).unwrap_err().to_string();
     assert!(error.contains("corrupt_block_count 1000000 but 22 bytes left"), "{error}");
 }
+
+fn sample_cluster_status() -> ClusterStatusReply {
+    ClusterStatusReply {
+        enabled: true,
+        cluster: "fleet".into(),
+        node: "node-a".into(),
+        data_address: "127.0.0.1:7400".into(),
+        segment_blocks: 32,
+        joined: true,
+        lease_id: 0x7f00_0000_0000_0001,
+        joins: 2,
+        lease_losses: 1,
+        segments_held: 40,
+        segments_registered: 38,
+        registered_segments: 90,
+        registration_transactions: 12,
+        unregistered_segments: 50,
+        registry_errors: 3,
+        commits_dropped: 0,
+        manifest_errors: 0,
+        last_error: "the cluster registry is unavailable".into(),
+    }
+}
+
+#[test]
+fn cluster_messages_round_trip_and_every_truncation_is_malformed() {
+    // Goal: ClusterStatus and its reply (enabled or not) decode to themselves; every cut of the
+    // reply's body, a trailing byte, and a flag other than 0/1 are MalformedBody.
+    let frame = frame_of(Kind::ClusterStatus, |out| Request::ClusterStatus.encode_body(out));
+    let header = header_of(&frame).unwrap();
+    assert_eq!(Request::decode(header.kind, &frame[HEADER_BYTES..]).unwrap(), Request::ClusterStatus);
+    for reply in [Reply::ClusterStatus(sample_cluster_status()), Reply::ClusterStatus(ClusterStatusReply::default())] {
+        let frame = frame_of(reply.kind(), |out| reply.encode_body(out));
+        let header = header_of(&frame).unwrap();
+        assert_eq!(header.kind, Kind::ClusterStatusReply);
+        let body = &frame[HEADER_BYTES..];
+        assert_eq!(Reply::decode(header.kind, body).unwrap(), reply);
+        for cut in 0..body.len() {
+            assert!(matches!(Reply::decode(header.kind, &body[..cut]), Err(ProtocolError::MalformedBody { .. })), "cut at {cut}");
+        }
+        let mut long = body.to_vec();
+        long.push(0);
+        assert!(matches!(Reply::decode(header.kind, &long), Err(ProtocolError::MalformedBody { .. })));
+        let mut flag = body.to_vec();
+        flag[0] = 2;
+        assert!(matches!(Reply::decode(header.kind, &flag), Err(ProtocolError::MalformedBody { .. })));
+    }
+}

@@ -1,0 +1,302 @@
+//! tuttid as a node of a cluster (docs/cluster.md, "tuttid in a cluster"): it joins the
+//! registry at start (its member record: data address, capacity, the model fingerprints it holds
+//! segments of), registers the segments each commit completes, unregisters those an eviction
+//! breaks, and leaves on SIGTERM.
+//!
+//! **The registry never holds local work up.** A commit hands its block keys to a bounded queue
+//! ([`ClusterAgent::committed`], after the commit is durable) and returns; one thread, the
+//! registrar (`registrar.rs`), does everything that talks to etcd. When etcd is slow or away the
+//! queue fills and further commits are dropped from registration (counted), segments wait to be
+//! registered (retried with a bounded backoff), and clients are served from the local pool as
+//! ever.
+//!
+//! - `held.rs`: the segments this node holds whole, by segment and by block;
+//! - `manifest.rs`: that list journalled to a file, so a restarted node registers what survived;
+//! - `registrar.rs`: the thread: local bookkeeping under the pool lock, then etcd without it.
+//!
+//! These three need the crate's `cluster` feature (etcd's client); without it
+//! [`ClusterAgent::start`] refuses cluster settings with the reason.
+
+#[cfg(feature = "cluster")]
+mod held;
+#[cfg(feature = "cluster")]
+mod manifest;
+#[cfg(feature = "cluster")]
+mod registrar;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex};
+
+use objstore::StoreControl;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use tutti_cluster::{ClusterConfig, ModelSpace, NodeId};
+
+use crate::protocol::ClusterStatusReply;
+use crate::DaemonError;
+
+#[cfg(feature = "cluster")]
+pub(crate) use registrar::Registrar;
+
+/// Without the `cluster` feature there is no registrar (`ClusterAgent::start` refuses), so no
+/// value of this type exists.
+#[cfg(not(feature = "cluster"))]
+pub(crate) enum Registrar {}
+
+#[cfg(not(feature = "cluster"))]
+impl Registrar {
+    pub(crate) fn run(self, _store: &Mutex<crate::session::StoreState>, _stop: &crate::server::StopHandle, _tick: std::time::Duration) {
+        match self {}
+    }
+}
+
+/// Committed requests the registrar may be behind by; more are dropped from registration.
+pub const COMMITS_QUEUED_MAX: usize = 1024;
+/// Most departed block keys kept between two registrar passes (50 ms apart): far more than any
+/// pool evicts in that time; past it every held segment is checked instead.
+#[cfg(feature = "cluster")]
+const DEPARTURES_MAX: usize = 1 << 20;
+
+/// How a daemon takes part in a cluster (`tuttid --cluster-etcd …`).
+#[derive(Debug, Clone)]
+pub struct ClusterSettings {
+    /// etcd endpoints, cluster id, segment size, timeouts, lease.
+    pub registry: ClusterConfig,
+    pub node: NodeId,
+    /// Where this node's data plane listens, as other nodes reach it (its member record).
+    pub data_address: SocketAddr,
+    /// The segment manifest (`manifest.rs`): what this node holds, across restarts.
+    pub manifest: PathBuf,
+    /// Committed requests the registrar may be behind by (default [`COMMITS_QUEUED_MAX`]).
+    pub commits_queued_max: usize,
+}
+
+impl ClusterSettings {
+    pub fn new(registry: ClusterConfig, node: NodeId, data_address: SocketAddr, manifest: PathBuf) -> ClusterSettings {
+        ClusterSettings { registry, node, data_address, manifest, commits_queued_max: COMMITS_QUEUED_MAX }
+    }
+}
+
+/// The cluster tier's metrics (`/metrics`, prefixed `tuttid_cluster_`), also read by the
+/// `ClusterStatus` reply. Each is a shared atomic: the registrar updates, scrapes read.
+#[derive(Debug, Clone, Default)]
+pub struct ClusterMetrics {
+    /// 1 while a member under a live lease.
+    pub joined: Gauge,
+    /// Joins and rejoins that succeeded (each a new lease).
+    pub joins: Counter,
+    /// Leases found lost (expired or revoked while the node lived).
+    pub lease_losses: Counter,
+    /// Segments held whole, and of them registered under the current lease.
+    pub segments_held: Gauge,
+    pub segments_registered: Gauge,
+    /// Segment registrations written, and the etcd transactions that carried them.
+    pub registered_segments: Counter,
+    pub registration_transactions: Counter,
+    /// Segments taken out of the registry (their blocks evicted).
+    pub unregistered_segments: Counter,
+    /// Failed registry calls (join, register, unregister, record update): retried later.
+    pub registry_errors: Counter,
+    /// Committed requests not handed to the registrar (its queue was full): their segments
+    /// are not registered.
+    pub commits_dropped: Counter,
+    /// Manifest writes that failed (the manifest is then no longer written until restart).
+    pub manifest_errors: Counter,
+}
+
+impl ClusterMetrics {
+    pub(crate) fn register(&self, registry: &mut Registry) {
+        registry.register("cluster_joined", "1 while this node is a cluster member under a live lease", self.joined.clone());
+        registry.register("cluster_joins", "Joins and rejoins of the cluster (each a new lease)", self.joins.clone());
+        registry.register("cluster_lease_losses", "Leases found lost while the node lived", self.lease_losses.clone());
+        registry.register("cluster_segments_held", "Segments whose blocks are all in the local pool", self.segments_held.clone());
+        registry.register(
+            "cluster_segments_registered",
+            "Held segments registered under the current lease",
+            self.segments_registered.clone(),
+        );
+        registry.register("cluster_registered_segments", "Segment registrations written to etcd", self.registered_segments.clone());
+        registry.register(
+            "cluster_registration_transactions",
+            "etcd transactions that carried segment registrations",
+            self.registration_transactions.clone(),
+        );
+        registry.register(
+            "cluster_unregistered_segments",
+            "Segments taken out of etcd after an eviction",
+            self.unregistered_segments.clone(),
+        );
+        registry.register("cluster_registry_errors", "Failed registry calls, retried with a bounded backoff", self.registry_errors.clone());
+        registry.register(
+            "cluster_commits_dropped",
+            "Committed requests whose segments were not registered (the registrar's queue was full)",
+            self.commits_dropped.clone(),
+        );
+        registry.register("cluster_manifest_errors", "Segment manifest writes that failed", self.manifest_errors.clone());
+    }
+}
+
+/// What the registrar publishes besides metrics.
+#[derive(Debug, Default)]
+struct AgentState {
+    lease_id: AtomicI64,
+    last_error: Mutex<String>,
+}
+
+/// A committed store, for the registrar: its model space and every block key of its prefix.
+#[cfg_attr(not(feature = "cluster"), allow(dead_code))]
+struct Committed {
+    space: ModelSpace,
+    keys: Vec<u64>,
+}
+
+/// The daemon's side of the cluster: the queue to the registrar, its metrics and state.
+pub(crate) struct ClusterAgent {
+    settings: ClusterSettings,
+    inbox: SyncSender<Committed>,
+    /// Taken by the server when it starts serving.
+    registrar: Mutex<Option<Registrar>>,
+    metrics: ClusterMetrics,
+    state: Arc<AgentState>,
+}
+
+impl ClusterAgent {
+    /// Without the `cluster` feature: refuses, naming it.
+    #[cfg(not(feature = "cluster"))]
+    pub(crate) fn start(
+        _settings: ClusterSettings,
+        _control: &mut StoreControl,
+        _block_bytes: u64,
+        _metrics: ClusterMetrics,
+    ) -> Result<ClusterAgent, DaemonError> {
+        Err(DaemonError::Cluster("this tuttid was built without the `cluster` feature (etcd's client)".into()))
+    }
+
+    /// At bind, before any client: reads the manifest, keeps the segments whose blocks the
+    /// recovered index holds whole, rewrites it with those, starts recording the index's
+    /// departures, and prepares the registrar (it joins when the server starts serving).
+    #[cfg(feature = "cluster")]
+    pub(crate) fn start(
+        settings: ClusterSettings,
+        control: &mut StoreControl,
+        block_bytes: u64,
+        metrics: ClusterMetrics,
+    ) -> Result<ClusterAgent, DaemonError> {
+        use held::HeldSegments;
+
+        let segment_blocks = settings.registry.segment_blocks;
+        let io = |source| DaemonError::Io { context: "the cluster's segment manifest".into(), source };
+        let loaded = manifest::load(&settings.manifest, segment_blocks).map_err(io)?;
+        if let Some(reason) = &loaded.discarded {
+            tracing::warn!(path = %settings.manifest.display(), reason, "segment manifest discarded");
+        }
+        if loaded.dropped_bytes > 0 {
+            tracing::warn!(bytes = loaded.dropped_bytes, "the segment manifest's tail did not check (a crash mid-write?); ignored");
+        }
+        // Departures are recorded from here on, before the check below: an eviction after the
+        // check is always seen.
+        let counts = control.counts();
+        let blocks_per_slot = u64::from(control.pool().blocks_per_slot());
+        let pool_blocks = counts.slots.saturating_mul(blocks_per_slot);
+        control.track_departures(usize::try_from(pool_blocks).unwrap_or(usize::MAX).clamp(1, DEPARTURES_MAX));
+        let index = control.pool().index();
+        let mut held = HeldSegments::default();
+        let mut gone = 0usize;
+        for segment in &loaded.segments {
+            if segment.keys.iter().all(|&key| index.get(key).is_some()) {
+                held.insert(segment.space, segment.index, &segment.keys);
+            } else {
+                gone += 1;
+            }
+        }
+        tracing::info!(held = held.len(), gone, "segments from the manifest checked against the pool");
+        let manifest = manifest::Manifest::rewrite(&settings.manifest, segment_blocks, held.iter()).map_err(io)?;
+        let (inbox, receiver) = std::sync::mpsc::sync_channel(settings.commits_queued_max.max(1));
+        let state = Arc::new(AgentState::default());
+        let record = tutti_cluster::MemberRecord {
+            node: settings.node.clone(),
+            address: settings.data_address.to_string(),
+            capacity_bytes: pool_blocks.saturating_mul(block_bytes),
+            fingerprints: Vec::new(),
+        };
+        let registrar = Registrar::new(settings.registry.clone(), record, receiver, metrics.clone(), Arc::clone(&state), held, manifest);
+        Ok(ClusterAgent { settings, inbox, registrar: Mutex::new(Some(registrar)), metrics, state })
+    }
+
+    /// A store committed (durable): its segments are registered soon, off this thread. Never
+    /// blocks: with the registrar's queue full the request is dropped from registration and
+    /// counted.
+    pub(crate) fn committed(&self, space: &ModelSpace, keys: Vec<u64>) {
+        match self.inbox.try_send(Committed { space: *space, keys }) {
+            Ok(()) => {}
+            Err(TrySendError::Full(_)) => {
+                self.metrics.commits_dropped.inc();
+            }
+            // The registrar ended (the daemon is draining): nothing more is registered.
+            Err(TrySendError::Disconnected(_)) => {}
+        }
+    }
+
+    /// The registrar, for the server to run on its own thread (once).
+    pub(crate) fn take_registrar(&self) -> Option<Registrar> {
+        self.registrar.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take()
+    }
+
+    pub(crate) fn status(&self) -> ClusterStatusReply {
+        let metrics = &self.metrics;
+        let gauge = |gauge: &Gauge| u64::try_from(gauge.get()).unwrap_or(0);
+        ClusterStatusReply {
+            enabled: true,
+            cluster: self.settings.registry.cluster.to_string(),
+            node: self.settings.node.to_string(),
+            data_address: self.settings.data_address.to_string(),
+            segment_blocks: self.settings.registry.segment_blocks.get(),
+            joined: metrics.joined.get() == 1,
+            lease_id: self.state.lease_id.load(Ordering::Relaxed) as u64,
+            joins: metrics.joins.get(),
+            lease_losses: metrics.lease_losses.get(),
+            segments_held: gauge(&metrics.segments_held),
+            segments_registered: gauge(&metrics.segments_registered),
+            registered_segments: metrics.registered_segments.get(),
+            registration_transactions: metrics.registration_transactions.get(),
+            unregistered_segments: metrics.unregistered_segments.get(),
+            registry_errors: metrics.registry_errors.get(),
+            commits_dropped: metrics.commits_dropped.get(),
+            manifest_errors: metrics.manifest_errors.get(),
+            last_error: self.state.last_error.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone(),
+        }
+    }
+}
+
+/// A session's prepared stores' block keys, kept until the store commits (then they go to the
+/// registrar) or ends otherwise. At most one entry per request the session holds.
+#[derive(Debug, Default)]
+pub(crate) struct PreparedStores {
+    stores: Vec<(u64, Vec<u64>)>,
+}
+
+impl PreparedStores {
+    pub(crate) fn prepared(&mut self, handle: u64, keys: &[u64]) {
+        self.stores.retain(|(held, _)| *held != handle);
+        self.stores.push((handle, keys.to_vec()));
+    }
+
+    pub(crate) fn take(&mut self, handle: u64) -> Option<Vec<u64>> {
+        let position = self.stores.iter().position(|(held, _)| *held == handle)?;
+        Some(self.stores.swap_remove(position).1)
+    }
+
+    /// Forgets the stores whose requests ended (`live` answers whether the session still holds
+    /// a handle).
+    pub(crate) fn retain(&mut self, live: impl Fn(u64) -> bool) {
+        self.stores.retain(|(handle, _)| live(*handle));
+    }
+}
+
+/// Receives what a committed store hands the registrar (for `registrar.rs`).
+#[cfg_attr(not(feature = "cluster"), allow(dead_code))]
+type Inbox = Receiver<Committed>;

@@ -1,0 +1,355 @@
+//! tuttid as a cluster node against a real etcd (`LocalEtcd`, loopback): a node joins at start,
+//! registers the segments its commits complete (after the commit), unregisters what eviction
+//! breaks, leaves on SIGTERM, vanishes within its lease after SIGKILL, and registers again what
+//! survived after a restart and after a lost lease; etcd's absence never fails or slows a commit.
+//! Every wait is bounded. Skipped (with a note) where no etcd is installed, unless
+//! TUTTI_REQUIRE_ETCD=1 (the cluster stage of tools/test.sh).
+
+use std::path::{Path, PathBuf};
+
+use gio_uring::SmBudget;
+use objstore::{KvRequest, LayerKvStore};
+use std::time::{Duration, Instant};
+
+use tutti_cluster::local_etcd::LocalEtcd;
+use tutti_cluster::{segments_of, ClusterClient, ClusterConfig, ClusterId, ModelSpace, Segment, SegmentBlocks};
+use tutti_daemon::client::{RemoteConfig, RemoteKvStore};
+use tutti_daemon::keys::KeySpace;
+use tutti_daemon::protocol::ClusterStatusReply;
+
+mod common;
+use common::{hello, store_prompt, Daemon};
+
+const CLUSTER: &str = "wire";
+const SEGMENT_BLOCKS: u16 = 16;
+const BLOCK_TOKENS: u32 = 16;
+/// Blocks each prompt stores: two full segments and a partial one (never registered).
+const PROMPT_BLOCKS: usize = 40;
+const LEASE: Duration = Duration::from_secs(2);
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(1);
+/// Pool slots (one block each): room for one prompt and 8 blocks more, so a second prompt
+/// evicts most of the first.
+const SLOTS: &str = "48";
+/// Longest wait for something the registrar does within a pass or a few (a tick is 50 ms; a
+/// failed call backs off at most half the lease).
+const SOON: Duration = Duration::from_secs(10);
+
+/// One node's directory (socket, pool file, segment manifest) and its daemon.
+struct Node {
+    name: &'static str,
+    directory: PathBuf,
+    daemon: Option<Daemon>,
+    /// `--cluster-lease` and `--cluster-timeout`.
+    lease: &'static str,
+    timeout: &'static str,
+}
+
+impl Node {
+    fn new(root: &Path, name: &'static str) -> Node {
+        let directory = root.join(name);
+        std::fs::create_dir_all(&directory).unwrap();
+        Node { name, directory, daemon: None, lease: "2s", timeout: "1s" }
+    }
+
+    fn device(&self) -> String {
+        format!("emu:{}", self.directory.join("pool").display())
+    }
+
+    /// Starts the daemon (formatting a fresh pool when `format`) as node `name` of `etcd`.
+    fn start(&mut self, etcd: &LocalEtcd, format: bool) {
+        let endpoints = etcd.endpoints().join(",");
+        let manifest = self.directory.join("segments").display().to_string();
+        let address = format!("127.0.0.1:{}", 7100 + self.name.len());
+        let mut args = vec![
+            "--cluster-etcd",
+            &endpoints,
+            "--cluster-id",
+            CLUSTER,
+            "--node-id",
+            self.name,
+            "--data-address",
+            &address,
+            "--cluster-state",
+            &manifest,
+            "--segment-blocks",
+            "16",
+            "--cluster-lease",
+            self.lease,
+            "--cluster-timeout",
+            self.timeout,
+        ];
+        if format {
+            args.extend(["--format", "--emu-create-bytes", "64m", "--slots", SLOTS]);
+        }
+        self.daemon = Some(Daemon::start(&self.directory, &self.device(), &args));
+    }
+
+    fn daemon(&self) -> &Daemon {
+        self.daemon.as_ref().expect("the node's daemon runs")
+    }
+
+    fn status(&self) -> ClusterStatusReply {
+        self.daemon().client().cluster_status().expect("cluster status")
+    }
+
+    fn connect(&self) -> RemoteKvStore {
+        let config = RemoteConfig { kv_blocks: 2 * PROMPT_BLOCKS as u32, ..RemoteConfig::default() };
+        RemoteKvStore::connect(&self.daemon().socket, &hello(0, 1, "cluster-test"), &config).expect("attach a remote store")
+    }
+
+    fn kill(&mut self) {
+        let mut daemon = self.daemon.take().expect("the node's daemon runs");
+        let mut child = daemon.child.take().unwrap();
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+}
+
+fn reader(etcd: &LocalEtcd) -> ClusterClient {
+    let mut config = ClusterConfig::new(etcd.endpoints(), ClusterId::new(CLUSTER).unwrap(), SegmentBlocks::new(SEGMENT_BLOCKS).unwrap());
+    config.lease_ttl = LEASE;
+    config.request_timeout = REQUEST_TIMEOUT;
+    ClusterClient::connect(config).unwrap()
+}
+
+/// The key space the test clients attach with (`common::hello(0, 1, …)`).
+fn space() -> KeySpace {
+    KeySpace::new(&hello(0, 1, "").model_fingerprint, 0, 1).unwrap()
+}
+
+fn model() -> ModelSpace {
+    *space().model()
+}
+
+/// The full segments of prompt `seed` (as `common::store_prompt` stores it).
+fn segments(seed: u32) -> Vec<Segment> {
+    let tokens = common::prompt(seed, PROMPT_BLOCKS, BLOCK_TOKENS);
+    let mut keys = Vec::new();
+    space().keys(&tokens, BLOCK_TOKENS, &mut keys);
+    let mut segments = Vec::new();
+    segments_of(&keys, SegmentBlocks::new(SEGMENT_BLOCKS).unwrap(), &mut segments).unwrap();
+    assert_eq!(segments.len(), PROMPT_BLOCKS / usize::from(SEGMENT_BLOCKS));
+    segments
+}
+
+/// The nodes the registry lists for each segment of prompt `seed` (up to the first miss).
+fn holders(reader: &ClusterClient, seed: u32) -> Vec<Vec<String>> {
+    let lookup = reader.lookup(&model(), &segments(seed)).expect("lookup");
+    lookup.holders.iter().map(|nodes| nodes.iter().map(|node| node.to_string()).collect()).collect()
+}
+
+fn members(reader: &ClusterClient) -> Vec<String> {
+    reader.members().expect("members").nodes.iter().map(|record| record.node.to_string()).collect()
+}
+
+/// Polls `condition` every 20 ms for up to `timeout`; the time it took, or a panic naming `what`.
+fn wait_for(what: &str, timeout: Duration, mut condition: impl FnMut() -> bool) -> Duration {
+    let started = Instant::now();
+    while !condition() {
+        assert!(started.elapsed() < timeout, "{what}: not within {timeout:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    started.elapsed()
+}
+
+fn store(node: &Node, seed: u32) {
+    let mut store = node.connect();
+    assert_eq!(store_prompt(&mut store, seed, 0, PROMPT_BLOCKS).expect("store and commit"), PROMPT_BLOCKS);
+}
+
+#[test]
+fn a_node_registers_commits_unregisters_evictions_leaves_and_comes_back() {
+    // Goal: the whole life of one node in the registry. Joined at start (its record: the data
+    // address, the pool's capacity); a commit's two full segments registered (the partial tail
+    // not), and the model's fingerprint added to its record; a second prompt that evicts most
+    // of the first unregisters the first's segments; SIGTERM removes the node and its segments
+    // at once; a restart registers again, from the manifest, the segments whose blocks
+    // survived (only the second prompt's); SIGKILL: gone within the lease; a restart right
+    // after a SIGKILL waits out the dead lease (the id is taken) and then registers again.
+    let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
+    let root = tempfile::tempdir().unwrap();
+    let reader = reader(&etcd);
+    let mut node = Node::new(root.path(), "a");
+    node.start(&etcd, true);
+    wait_for("node a joins", SOON, || members(&reader) == ["a"]);
+    let record = reader.members().unwrap().nodes.remove(0);
+    assert_eq!(record.address, "127.0.0.1:7101");
+    // 48 slots of one block of 2 layers × K and V × 2 heads × 64 dims × 16 tokens × 2 bytes.
+    assert_eq!(record.capacity_bytes, 48 * 16 * 1024);
+    assert!(record.fingerprints.is_empty(), "no segments held yet: {record:?}");
+
+    store(&node, 1);
+    wait_for("prompt 1's segments are registered", SOON, || holders(&reader, 1) == [["a"], ["a"]]);
+    let status = node.status();
+    assert!(status.enabled && status.joined, "{status:?}");
+    assert_eq!((status.segments_held, status.segments_registered, status.registered_segments), (2, 2, 2));
+    assert_eq!(status.registration_transactions, 1, "one committed request, one transaction");
+    wait_for("the record lists the model", SOON, || reader.members().unwrap().nodes[0].fingerprints == [*model().fingerprint()]);
+
+    store(&node, 2);
+    wait_for("prompt 2 registered, prompt 1 (evicted) unregistered", SOON, || {
+        holders(&reader, 2) == [["a"], ["a"]] && holders(&reader, 1).is_empty()
+    });
+    let status = node.status();
+    assert_eq!((status.segments_held, status.unregistered_segments), (2, 2), "{status:?}");
+
+    let (exit, stderr) = node.daemon.take().unwrap().terminate();
+    assert!(exit.success(), "{exit}: {stderr}");
+    assert!(members(&reader).is_empty(), "a node that left is still listed");
+    assert!(holders(&reader, 2).is_empty(), "a node that left still holds segments");
+
+    node.start(&etcd, false);
+    wait_for("the restarted node registers what survived", SOON, || holders(&reader, 2) == [["a"], ["a"]]);
+    assert!(holders(&reader, 1).is_empty(), "evicted before the restart: never registered again");
+    assert_eq!(node.status().segments_held, 2);
+
+    node.kill();
+    let vanished = wait_for("a killed node vanishes within its lease", LEASE + Duration::from_secs(4), || {
+        members(&reader).is_empty() && holders(&reader, 2).is_empty()
+    });
+    eprintln!("a SIGKILLed node vanished after {vanished:?} (lease {LEASE:?})");
+
+    node.start(&etcd, false);
+    wait_for("registered again", SOON, || holders(&reader, 2) == [["a"], ["a"]]);
+    node.kill();
+    // At once: the dead process's lease still holds the id.
+    node.start(&etcd, false);
+    wait_for("registered again after the dead lease expired", LEASE + SOON, || {
+        holders(&reader, 2) == [["a"], ["a"]] && node.status().joined
+    });
+    let status = node.status();
+    assert!(status.registry_errors >= 1 && status.last_error.contains("already registered"), "{status:?}");
+    let (exit, stderr) = node.daemon.take().unwrap().terminate();
+    assert!(exit.success(), "{exit}: {stderr}");
+}
+
+#[test]
+fn a_store_is_registered_only_once_committed() {
+    // Goal: a store whose every layer is written but which is not committed is never
+    // registered (its blocks are not in the index: nothing to serve), nor one that is
+    // released; the same store committed is registered.
+    let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
+    let root = tempfile::tempdir().unwrap();
+    let reader = reader(&etcd);
+    let mut node = Node::new(root.path(), "d");
+    node.start(&etcd, true);
+    wait_for("node d joins", SOON, || members(&reader) == ["d"]);
+    let mut store = node.connect();
+    let tokens = common::prompt(7, PROMPT_BLOCKS, BLOCK_TOKENS);
+    let block_ids: Vec<u32> = (0..PROMPT_BLOCKS as u32).collect();
+    let deadline = Instant::now() + common::WAIT;
+    let written = |store: &mut RemoteKvStore| {
+        let plan = store.prepare_store(&KvRequest { tokens: &tokens, block_ids: &block_ids }).unwrap();
+        for layer in 0..2 {
+            store.store_layer(plan.handle, layer, SmBudget(1)).unwrap();
+            store.wait(plan.handle, deadline).unwrap();
+        }
+        plan.handle
+    };
+    let released = written(&mut store);
+    store.finish(released).unwrap();
+    let handle = written(&mut store);
+    // Ten registrar passes.
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(holders(&reader, 7).is_empty(), "registered before the commit");
+    assert_eq!(node.status().segments_held, 0);
+    store.commit_store(handle).unwrap();
+    wait_for("registered after the commit", SOON, || holders(&reader, 7) == [["d"], ["d"]]);
+}
+
+#[test]
+fn the_registry_being_away_never_fails_or_slows_a_commit() {
+    // Goal: with etcd killed, stores commit as fast as ever, also while the registrar is stuck
+    // in a registry call (here 3 s, its request timeout: the second store commits during the
+    // first one's registration attempt); their segments are held and wait; the failures are
+    // counted and shown in status; once etcd is back (with its data: the node's lease survived,
+    // or expired and the node rejoins) they are registered. Prompt 6 evicts most of prompt 5
+    // meanwhile: only prompt 6 is registered.
+    let Some(mut etcd) = LocalEtcd::start_or_skip(1) else { return };
+    let root = tempfile::tempdir().unwrap();
+    let reader = reader(&etcd);
+    let mut node = Node::new(root.path(), "b");
+    (node.lease, node.timeout) = ("6s", "3s");
+    node.start(&etcd, true);
+    wait_for("node b joins", SOON, || members(&reader) == ["b"]);
+    etcd.kill(0).unwrap();
+    for seed in [5, 6] {
+        let started = Instant::now();
+        store(&node, seed);
+        let took = started.elapsed();
+        eprintln!("store and commit of prompt {seed} with etcd down: {took:?}");
+        assert!(took < Duration::from_secs(1), "a commit waited on the registry: {took:?}");
+    }
+    wait_for("the failures are counted", SOON, || node.status().registry_errors >= 1);
+    let status = node.status();
+    assert_eq!((status.segments_held, status.segments_registered), (2, 0), "{status:?}");
+    assert!(!status.last_error.is_empty());
+    etcd.restart(0).unwrap();
+    wait_for("registered once etcd is back", Duration::from_secs(6) + SOON, || holders(&reader, 6) == [["b"], ["b"]]);
+    assert!(holders(&reader, 5).is_empty());
+    let status = node.status();
+    assert!(status.joined && status.segments_registered == 2, "{status:?}");
+}
+
+#[test]
+fn a_lost_lease_is_rejoined_and_every_held_segment_registered_again() {
+    // Goal: when etcd drops the node's lease behind its back (revoked here, as an expiry during
+    // a partition would), the node notices, rejoins under a new lease and registers again
+    // every segment it holds; status counts the loss and the second join.
+    let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
+    let root = tempfile::tempdir().unwrap();
+    let reader = reader(&etcd);
+    let mut node = Node::new(root.path(), "c");
+    node.start(&etcd, true);
+    store(&node, 4);
+    wait_for("registered", SOON, || holders(&reader, 4) == [["c"], ["c"]]);
+    let old_lease = node.status().lease_id;
+    etcd.revoke_lease(old_lease as i64).unwrap();
+    assert!(holders(&reader, 4).is_empty(), "revoking the lease removes the node's segments");
+    wait_for("rejoined and registered again", LEASE + SOON, || holders(&reader, 4) == [["c"], ["c"]]);
+    let status = node.status();
+    assert_ne!(status.lease_id, old_lease);
+    assert_eq!((status.joins, status.lease_losses, status.segments_registered), (2, 1, 2), "{status:?}");
+    assert_eq!(members(&reader), ["c"]);
+}
+
+#[test]
+fn cluster_options_are_checked_at_start() {
+    // Goal: a bad node id, a segment size outside 16..=64 and a timeout the lease cannot hold
+    // are refused before the daemon opens anything (exit 2, the reason named); cluster options
+    // without --cluster-etcd are refused too.
+    let directory = tempfile::tempdir().unwrap();
+    let socket = directory.path().join("t.sock");
+    let base = ["--device", "emu:mem:64m", "--format", "--metrics", "off", "--layers", "2", "--kv-heads", "2", "--head-dim", "64"];
+    let cluster = |node: &str, blocks: &str, timeout: &str| {
+        let manifest = directory.path().join("m").display().to_string();
+        vec![
+            "--cluster-etcd".to_string(),
+            "http://127.0.0.1:1".into(),
+            "--cluster-id".into(),
+            "x".into(),
+            "--node-id".into(),
+            node.into(),
+            "--data-address".into(),
+            "127.0.0.1:7000".into(),
+            "--cluster-state".into(),
+            manifest,
+            "--segment-blocks".into(),
+            blocks.into(),
+            "--cluster-timeout".into(),
+            timeout.into(),
+        ]
+    };
+    for (arguments, reason) in [
+        (cluster("Node/A", "32", "3s"), "node id"),
+        (cluster("a", "8", "3s"), "segment size 8"),
+        (cluster("a", "32", "9s"), "leaves no room to renew"),
+        (vec!["--node-id".to_string(), "a".into()], "--cluster-etcd"),
+    ] {
+        let output = std::process::Command::new(common::TUTTID).args(base).arg("--socket").arg(&socket).args(&arguments).output().unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{arguments:?}: {stderr}");
+        assert!(stderr.contains(reason), "{arguments:?}: {stderr}");
+        assert!(!socket.exists());
+    }
+}
