@@ -247,6 +247,20 @@ impl LocalEtcd {
             .map_err(|source| ClusterError::Etcd { operation: "revoke a lease", source })
     }
 
+    /// Unary gRPC requests member `index` has started for `method` (e.g. "Txn"; "" for every
+    /// method), from its metrics: what a client really sent, retries included.
+    pub fn requests_started(&self, index: usize, method: &str) -> Result<u64> {
+        let metrics = self.metrics(index)?;
+        let method = format!("grpc_method=\"{method}\"");
+        let count = metrics
+            .lines()
+            .filter(|line| line.starts_with("grpc_server_started_total{") && line.contains("grpc_type=\"unary\""))
+            .filter(|line| method == "grpc_method=\"\"" || line.contains(&method))
+            .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>();
+        Ok(count as u64)
+    }
+
     /// Whether member `index` is the raft leader now (its `etcd_server_is_leader` metric).
     pub fn is_leader(&self, index: usize) -> Result<bool> {
         Ok(self.metrics(index)?.lines().any(|line| line.trim() == "etcd_server_is_leader 1"))

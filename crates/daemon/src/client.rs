@@ -90,6 +90,15 @@ impl Client {
         }
     }
 
+    /// The longest prefix of `tokens` cached on this node (as [`Client::lookup`]) and what other
+    /// nodes of the cluster hold past it, by whom.
+    pub fn lookup_cluster(&mut self, tokens: &[u32]) -> Result<crate::protocol::ClusterLookupReply, DaemonError> {
+        match self.exchange(Kind::LookupCluster, |out| encode_lookup_body(tokens, out), &[])? {
+            Reply::ClusterLookup(reply) => Ok(reply),
+            other => Err(DaemonError::UnexpectedReply { asked: Kind::LookupCluster, got: other.kind() }),
+        }
+    }
+
     /// The daemon's part in the cluster (allowed before `hello`; `enabled` false outside one).
     pub fn cluster_status(&mut self) -> Result<crate::protocol::ClusterStatusReply, DaemonError> {
         match self.call(&Request::ClusterStatus)? {

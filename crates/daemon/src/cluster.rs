@@ -12,13 +12,16 @@
 //!
 //! - `held.rs`: the segments this node holds whole, by segment and by block;
 //! - `manifest.rs`: that list journalled to a file, so a restarted node registers what survived;
-//! - `registrar.rs`: the thread: local bookkeeping under the pool lock, then etcd without it.
+//! - `registrar.rs`: the thread: local bookkeeping under the pool lock, then etcd without it;
+//! - `lookup.rs`: `LookupCluster`, the local prefix and then one registry round trip.
 //!
 //! These three need the crate's `cluster` feature (etcd's client); without it
 //! [`ClusterAgent::start`] refuses cluster settings with the reason.
 
 #[cfg(feature = "cluster")]
 mod held;
+#[cfg(feature = "cluster")]
+mod lookup;
 #[cfg(feature = "cluster")]
 mod manifest;
 #[cfg(feature = "cluster")]
@@ -33,6 +36,7 @@ use std::sync::{Arc, Mutex};
 use objstore::StoreControl;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 use tutti_cluster::{ClusterConfig, ModelSpace, NodeId};
 
@@ -56,6 +60,8 @@ impl Registrar {
 
 /// Committed requests the registrar may be behind by; more are dropped from registration.
 pub const COMMITS_QUEUED_MAX: usize = 1024;
+/// The longest a `LookupCluster` waits for the registry by default.
+pub const LOOKUP_TIMEOUT_DEFAULT: std::time::Duration = std::time::Duration::from_secs(1);
 /// Most departed block keys kept between two registrar passes (50 ms apart): far more than any
 /// pool evicts in that time; past it every held segment is checked instead.
 #[cfg(feature = "cluster")]
@@ -73,17 +79,27 @@ pub struct ClusterSettings {
     pub manifest: PathBuf,
     /// Committed requests the registrar may be behind by (default [`COMMITS_QUEUED_MAX`]).
     pub commits_queued_max: usize,
+    /// The longest a `LookupCluster` waits for the registry (default
+    /// [`LOOKUP_TIMEOUT_DEFAULT`]; a client waits for it, so shorter than the registrar's).
+    pub lookup_timeout: std::time::Duration,
 }
 
 impl ClusterSettings {
     pub fn new(registry: ClusterConfig, node: NodeId, data_address: SocketAddr, manifest: PathBuf) -> ClusterSettings {
-        ClusterSettings { registry, node, data_address, manifest, commits_queued_max: COMMITS_QUEUED_MAX }
+        ClusterSettings {
+            registry,
+            node,
+            data_address,
+            manifest,
+            commits_queued_max: COMMITS_QUEUED_MAX,
+            lookup_timeout: LOOKUP_TIMEOUT_DEFAULT,
+        }
     }
 }
 
 /// The cluster tier's metrics (`/metrics`, prefixed `tuttid_cluster_`), also read by the
-/// `ClusterStatus` reply. Each is a shared atomic: the registrar updates, scrapes read.
-#[derive(Debug, Clone, Default)]
+/// `ClusterStatus` reply. Each is a shared atomic: the registrar and lookups update, scrapes read.
+#[derive(Debug, Clone)]
 pub struct ClusterMetrics {
     /// 1 while a member under a live lease.
     pub joined: Gauge,
@@ -106,6 +122,37 @@ pub struct ClusterMetrics {
     pub commits_dropped: Counter,
     /// Manifest writes that failed (the manifest is then no longer written until restart).
     pub manifest_errors: Counter,
+    /// `LookupCluster`: registry lookups sent, failed, not sent (the registry failed just
+    /// before), blocks found held elsewhere past the local prefix, and each lookup's time.
+    pub lookups: Counter,
+    pub lookup_failures: Counter,
+    pub lookups_skipped: Counter,
+    pub remote_blocks_found: Counter,
+    pub lookup_seconds: Histogram,
+}
+
+impl Default for ClusterMetrics {
+    fn default() -> Self {
+        ClusterMetrics {
+            joined: Gauge::default(),
+            joins: Counter::default(),
+            lease_losses: Counter::default(),
+            segments_held: Gauge::default(),
+            segments_registered: Gauge::default(),
+            registered_segments: Counter::default(),
+            registration_transactions: Counter::default(),
+            unregistered_segments: Counter::default(),
+            registry_errors: Counter::default(),
+            commits_dropped: Counter::default(),
+            manifest_errors: Counter::default(),
+            lookups: Counter::default(),
+            lookup_failures: Counter::default(),
+            lookups_skipped: Counter::default(),
+            remote_blocks_found: Counter::default(),
+            // 16 µs to ~8 s in powers of two: a loopback lookup is ~0.5 ms, a timeout seconds.
+            lookup_seconds: Histogram::new(exponential_buckets(16e-6, 2.0, 20)),
+        }
+    }
 }
 
 impl ClusterMetrics {
@@ -137,6 +184,19 @@ impl ClusterMetrics {
             self.commits_dropped.clone(),
         );
         registry.register("cluster_manifest_errors", "Segment manifest writes that failed", self.manifest_errors.clone());
+        registry.register("cluster_lookups", "LookupCluster requests that asked the registry", self.lookups.clone());
+        registry.register("cluster_lookup_failures", "Registry lookups that failed or timed out", self.lookup_failures.clone());
+        registry.register(
+            "cluster_lookups_skipped",
+            "LookupCluster requests answered without the registry (it failed just before)",
+            self.lookups_skipped.clone(),
+        );
+        registry.register(
+            "cluster_remote_blocks_found",
+            "Blocks past the local prefix found held by other nodes",
+            self.remote_blocks_found.clone(),
+        );
+        registry.register("cluster_lookup_seconds", "Time of one registry lookup (one etcd round trip)", self.lookup_seconds.clone());
     }
 }
 
@@ -162,6 +222,23 @@ pub(crate) struct ClusterAgent {
     registrar: Mutex<Option<Registrar>>,
     metrics: ClusterMetrics,
     state: Arc<AgentState>,
+    #[cfg(feature = "cluster")]
+    lookups: lookup::RemoteLookups,
+}
+
+/// What a `LookupCluster` found past the local prefix.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct RemotePart {
+    pub registry: crate::protocol::RegistryAnswer,
+    pub remote_blocks: u32,
+    pub holders: Vec<crate::protocol::RemoteHolder>,
+}
+
+impl RemotePart {
+    /// The local part only: this daemon is not a cluster node.
+    pub(crate) fn not_clustered() -> RemotePart {
+        RemotePart { registry: crate::protocol::RegistryAnswer::NotClustered, remote_blocks: 0, holders: Vec::new() }
+    }
 }
 
 impl ClusterAgent {
@@ -224,7 +301,21 @@ impl ClusterAgent {
             fingerprints: Vec::new(),
         };
         let registrar = Registrar::new(settings.registry.clone(), record, receiver, metrics.clone(), Arc::clone(&state), held, manifest);
-        Ok(ClusterAgent { settings, inbox, registrar: Mutex::new(Some(registrar)), metrics, state })
+        let lookups = lookup::RemoteLookups::new(settings.registry.clone(), settings.node.clone(), settings.lookup_timeout)
+            .map_err(|error| DaemonError::Cluster(error.to_string()))?;
+        Ok(ClusterAgent { settings, inbox, registrar: Mutex::new(Some(registrar)), metrics, state, lookups })
+    }
+
+    /// What other nodes hold of a prompt (its block keys in `space`) past the `local_blocks`
+    /// this node holds: one registry round trip, bounded by the lookup timeout.
+    #[cfg(feature = "cluster")]
+    pub(crate) fn beyond(&self, space: &ModelSpace, keys: &[u64], local_blocks: usize) -> RemotePart {
+        self.lookups.beyond(space, keys, local_blocks, &self.metrics)
+    }
+
+    #[cfg(not(feature = "cluster"))]
+    pub(crate) fn beyond(&self, _space: &ModelSpace, _keys: &[u64], _local_blocks: usize) -> RemotePart {
+        RemotePart::not_clustered()
     }
 
     /// A store committed (durable): its segments are registered soon, off this thread. Never
@@ -267,6 +358,10 @@ impl ClusterAgent {
             registry_errors: metrics.registry_errors.get(),
             commits_dropped: metrics.commits_dropped.get(),
             manifest_errors: metrics.manifest_errors.get(),
+            lookups: metrics.lookups.get(),
+            lookup_failures: metrics.lookup_failures.get(),
+            lookups_skipped: metrics.lookups_skipped.get(),
+            remote_blocks_found: metrics.remote_blocks_found.get(),
             last_error: self.state.last_error.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone(),
         }
     }

@@ -44,6 +44,7 @@ pub enum RequestLabel {
     Release,
     RegisterDeviceMemory,
     ClusterStatus,
+    LookupCluster,
     /// A frame whose body did not decode (no kind to name).
     Malformed,
 }
@@ -65,6 +66,7 @@ impl RequestLabel {
             Kind::Release => RequestLabel::Release,
             Kind::RegisterDeviceMemory => RequestLabel::RegisterDeviceMemory,
             Kind::ClusterStatus => RequestLabel::ClusterStatus,
+            Kind::LookupCluster => RequestLabel::LookupCluster,
             _ => RequestLabel::Malformed,
         }
     }

@@ -24,7 +24,7 @@ mod device_memory;
 mod status;
 mod store;
 
-pub use cluster::ClusterStatusReply;
+pub use cluster::{ClusterLookupReply, ClusterStatusReply, RegistryAnswer, RemoteHolder, REMOTE_HOLDERS_MAX};
 pub use device_memory::{DeviceMemoryKind, RegisterDeviceMemory, DEVICE_MEMORY_HANDLE_BYTES, DEVICE_UUID_BYTES};
 pub use status::{ClientStatus, DeviceStatus, PoolStatus, RelayStatus, StatusReply};
 pub use store::{
@@ -69,6 +69,7 @@ pub enum Kind {
     Release = 12,
     RegisterDeviceMemory = 13,
     ClusterStatus = 14,
+    LookupCluster = 15,
     HelloReply = 0x8001,
     LookupReply = 0x8002,
     StatusReply = 0x8003,
@@ -81,6 +82,7 @@ pub enum Kind {
     Committed = 0x800B,
     Released = 0x800C,
     ClusterStatusReply = 0x800E,
+    ClusterLookupReply = 0x800F,
     Error = 0x80FF,
 }
 
@@ -101,6 +103,7 @@ impl Kind {
             12 => Kind::Release,
             13 => Kind::RegisterDeviceMemory,
             14 => Kind::ClusterStatus,
+            15 => Kind::LookupCluster,
             0x8001 => Kind::HelloReply,
             0x8002 => Kind::LookupReply,
             0x8003 => Kind::StatusReply,
@@ -113,6 +116,7 @@ impl Kind {
             0x800B => Kind::Committed,
             0x800C => Kind::Released,
             0x800E => Kind::ClusterStatusReply,
+            0x800F => Kind::ClusterLookupReply,
             0x80FF => Kind::Error,
             _ => return None,
         })
@@ -359,6 +363,11 @@ pub enum Request {
     /// The node's part in the cluster (answered with [`Reply::ClusterStatus`]; allowed before
     /// `Hello`).
     ClusterStatus,
+    /// The longest prefix of `tokens` cached here, as `Lookup` answers it, and how many further
+    /// blocks other nodes of the cluster hold, by whom (answered with [`Reply::ClusterLookup`]).
+    LookupCluster {
+        tokens: Vec<u32>,
+    },
 }
 
 /// What the daemon answers.
@@ -388,6 +397,7 @@ pub enum Reply {
     },
     Released,
     ClusterStatus(ClusterStatusReply),
+    ClusterLookup(ClusterLookupReply),
 }
 
 impl Request {
@@ -407,6 +417,7 @@ impl Request {
             Request::Release { .. } => Kind::Release,
             Request::RegisterDeviceMemory(_) => Kind::RegisterDeviceMemory,
             Request::ClusterStatus => Kind::ClusterStatus,
+            Request::LookupCluster { .. } => Kind::LookupCluster,
         }
     }
 
@@ -419,7 +430,9 @@ impl Request {
                 put_u32(out, hello.tp_world);
                 put_str(out, &hello.client_name);
             }
-            Request::Lookup { tokens } | Request::LookupAllRanks { tokens } => encode_lookup_body(tokens, out),
+            Request::Lookup { tokens } | Request::LookupAllRanks { tokens } | Request::LookupCluster { tokens } => {
+                encode_lookup_body(tokens, out)
+            }
             Request::Status | Request::Ping | Request::ClusterStatus => {}
             other => {
                 if !store::encode_request(other, out) {
@@ -440,7 +453,7 @@ impl Request {
                 let client_name = reader.string("client_name", CLIENT_NAME_BYTES_MAX)?;
                 Request::Hello(Hello { model_fingerprint, tp_rank, tp_world, client_name })
             }
-            Kind::Lookup | Kind::LookupAllRanks => {
+            Kind::Lookup | Kind::LookupAllRanks | Kind::LookupCluster => {
                 let count = reader.u32("token_count")? as usize;
                 // The count must match the body exactly: checked before anything is allocated.
                 if reader.remaining() != count.saturating_mul(4) {
@@ -448,10 +461,10 @@ impl Request {
                 }
                 let tokens =
                     reader.bytes(count * 4, "tokens")?.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-                if kind == Kind::Lookup {
-                    Request::Lookup { tokens }
-                } else {
-                    Request::LookupAllRanks { tokens }
+                match kind {
+                    Kind::Lookup => Request::Lookup { tokens },
+                    Kind::LookupAllRanks => Request::LookupAllRanks { tokens },
+                    _ => Request::LookupCluster { tokens },
                 }
             }
             Kind::Status => Request::Status,
@@ -486,6 +499,7 @@ impl Reply {
             Reply::Committed { .. } => Kind::Committed,
             Reply::Released => Kind::Released,
             Reply::ClusterStatus(_) => Kind::ClusterStatusReply,
+            Reply::ClusterLookup(_) => Kind::ClusterLookupReply,
         }
     }
 
@@ -508,6 +522,7 @@ impl Reply {
             }
             Reply::Status(status) => status::put_status(out, status),
             Reply::ClusterStatus(status) => cluster::put_cluster_status(out, status),
+            Reply::ClusterLookup(lookup) => cluster::put_cluster_lookup(out, lookup),
             Reply::Pong => {}
             Reply::Error { code, message } => {
                 put_u16(out, code.to_u16());
@@ -526,6 +541,7 @@ impl Reply {
             Kind::LookupReply => Reply::Lookup { cached_blocks: r.u32("cached_blocks")?, block_tokens: r.u32("block_tokens")? },
             Kind::StatusReply => Reply::Status(r.status()?),
             Kind::ClusterStatusReply => Reply::ClusterStatus(r.cluster_status()?),
+            Kind::ClusterLookupReply => Reply::ClusterLookup(r.cluster_lookup()?),
             Kind::Pong => Reply::Pong,
             Kind::Error => Reply::Error { code: ErrorCode::from_u16(r.u16("code")?), message: r.string("message", STRING_BYTES_MAX)? },
             other => match store::decode_reply(other, &mut r)? {

@@ -35,7 +35,8 @@ use crate::lock::DeviceLocks;
 use crate::metrics::{ClientRelay, Metrics, MetricsEndpoint, RequestLabel, Snapshot};
 use crate::pool_open::OpenedPool;
 use crate::protocol::{
-    encode_frame, ClientStatus, ClusterStatusReply, DeviceStatus, ErrorCode, HelloReply, Kind, PoolShape, Reply, Request, StatusReply,
+    encode_frame, ClientStatus, ClusterLookupReply, ClusterStatusReply, DeviceStatus, ErrorCode, HelloReply, Kind, PoolShape, Reply,
+    Request, StatusReply,
 };
 use crate::relay::{DoorbellRelay, PairCounters, RelayConfig};
 use crate::session::{Holdings, LeakCounters, SessionLimits, StoreState};
@@ -648,6 +649,7 @@ impl Connection {
             }
             Request::Lookup { tokens } => self.lookup(shared, &tokens, false),
             Request::LookupAllRanks { tokens } => self.lookup(shared, &tokens, true),
+            Request::LookupCluster { tokens } => self.lookup_cluster(shared, &tokens),
             Request::Status => Reply::Status(status(shared)),
             Request::ClusterStatus => {
                 Reply::ClusterStatus(shared.cluster.as_ref().map_or_else(ClusterStatusReply::default, ClusterAgent::status))
@@ -675,6 +677,32 @@ impl Connection {
         };
         shared.metrics.lookup((tokens.len() / block_tokens.max(1) as usize) as u64, cached as u64);
         Reply::Lookup { cached_blocks: cached as u32, block_tokens }
+    }
+}
+
+impl Connection {
+    /// `LookupCluster`: the local prefix as `Lookup` answers it (counted the same way), then,
+    /// on a cluster node, what other nodes hold past it (`crate::cluster`, one registry round
+    /// trip, bounded by the lookup timeout; no lock is held meanwhile).
+    fn lookup_cluster(&mut self, shared: &Shared, tokens: &[u32]) -> Reply {
+        let Some(space) = self.session.and_then(|session| lock(&shared.sessions).get(&session).map(|record| record.space)) else {
+            return Reply::error(ErrorCode::NotAttached, "send Hello (model fingerprint, TP rank and world size) before a lookup");
+        };
+        let block_tokens = shared.shape.block_tokens;
+        space.keys(tokens, block_tokens, &mut self.keys);
+        let cached = lock(&shared.store).control.lookup(&self.keys);
+        shared.metrics.lookup((tokens.len() / block_tokens.max(1) as usize) as u64, cached as u64);
+        let remote = match &shared.cluster {
+            Some(cluster) => cluster.beyond(space.model(), &self.keys, cached),
+            None => crate::cluster::RemotePart::not_clustered(),
+        };
+        Reply::ClusterLookup(ClusterLookupReply {
+            cached_blocks: cached as u32,
+            block_tokens,
+            registry: remote.registry,
+            remote_blocks: remote.remote_blocks,
+            holders: remote.holders,
+        })
     }
 }
 

@@ -137,6 +137,10 @@ struct Cli {
     /// The longest any registry call waits for etcd, retries included (at most 2/3 of the lease).
     #[arg(long, default_value = "3s", value_parser = parse_duration, requires = "cluster_etcd")]
     cluster_timeout: Duration,
+    /// The longest a client's cluster lookup waits for etcd (the local part is answered either
+    /// way; after a failure the registry is not asked for a second).
+    #[arg(long, default_value = "1s", value_parser = parse_duration, requires = "cluster_etcd")]
+    cluster_lookup_timeout: Duration,
 }
 
 /// The cluster settings the command line asks for, checked (exit 2 on a bad one).
@@ -155,7 +159,11 @@ fn cluster_settings(cli: &Cli) -> Result<Option<ClusterSettings>> {
     registry.validate().map_err(unusable)?;
     let data_address = cli.data_address.ok_or_else(|| Unusable("--data-address is required with --cluster-etcd".into()))?;
     let manifest = cli.cluster_state.clone().ok_or_else(|| Unusable("--cluster-state is required with --cluster-etcd".into()))?;
-    Ok(Some(ClusterSettings::new(registry, node, data_address, manifest)))
+    let lookups = ClusterConfig { request_timeout: cli.cluster_lookup_timeout, ..registry.clone() };
+    lookups.validate().map_err(|error| Unusable(format!("--cluster-lookup-timeout: {error}")))?;
+    let mut settings = ClusterSettings::new(registry, node, data_address, manifest);
+    settings.lookup_timeout = cli.cluster_lookup_timeout;
+    Ok(Some(settings))
 }
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
@@ -326,6 +334,13 @@ fn print_cluster(cluster: &ClusterStatusReply) -> Result<()> {
         cluster.registry_errors,
         cluster.commits_dropped,
         cluster.manifest_errors
+    )?;
+    outln!(
+        "  lookups: {} asked the registry ({} failed, {} not asked after a failure); {} block(s) found on other nodes",
+        cluster.lookups,
+        cluster.lookup_failures,
+        cluster.lookups_skipped,
+        cluster.remote_blocks_found
     )?;
     if !cluster.last_error.is_empty() {
         outln!("  last registry error: {}", cluster.last_error)?;

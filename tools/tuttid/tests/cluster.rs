@@ -15,7 +15,7 @@ use tutti_cluster::local_etcd::LocalEtcd;
 use tutti_cluster::{segments_of, ClusterClient, ClusterConfig, ClusterId, ModelSpace, Segment, SegmentBlocks};
 use tutti_daemon::client::{RemoteConfig, RemoteKvStore};
 use tutti_daemon::keys::KeySpace;
-use tutti_daemon::protocol::ClusterStatusReply;
+use tutti_daemon::protocol::{ClusterStatusReply, RegistryAnswer, RemoteHolder};
 
 mod common;
 use common::{hello, store_prompt, Daemon};
@@ -311,6 +311,66 @@ fn a_lost_lease_is_rejoined_and_every_held_segment_registered_again() {
     assert_ne!(status.lease_id, old_lease);
     assert_eq!((status.joins, status.lease_losses, status.segments_registered), (2, 1, 2), "{status:?}");
     assert_eq!(members(&reader), ["c"]);
+}
+
+#[test]
+fn a_cluster_lookup_finds_what_other_nodes_hold_past_the_local_prefix_in_one_round_trip() {
+    // Goal: node a holds a prompt's two segments. On node b, `LookupCluster` answers the local
+    // prefix exactly as `Lookup` does, and the 32 blocks a holds; once b holds 20 blocks
+    // itself, the 12 past them (segment 1, fetched whole); on a, nothing is asked (no full
+    // segment past its prefix). Each lookup that asks is one etcd request, counted by etcd.
+    // With etcd killed: the local part within the lookup timeout, then the registry is not
+    // asked again for a second (answered at once).
+    let Some(mut etcd) = LocalEtcd::start_or_skip(1) else { return };
+    let root = tempfile::tempdir().unwrap();
+    let reader = reader(&etcd);
+    let (mut a, mut b) = (Node::new(root.path(), "a"), Node::new(root.path(), "b"));
+    a.start(&etcd, true);
+    b.start(&etcd, true);
+    wait_for("both nodes join", SOON, || members(&reader) == ["a", "b"]);
+    store(&a, 8);
+    wait_for("a's segments registered", SOON, || holders(&reader, 8) == [["a"], ["a"]]);
+    let tokens = common::prompt(8, PROMPT_BLOCKS, BLOCK_TOKENS);
+    let mut on_b = b.daemon().client();
+    on_b.hello(&hello(0, 1, "lookup-b")).unwrap();
+    let answer = on_b.lookup_cluster(&tokens).unwrap();
+    assert_eq!((answer.cached_blocks, answer.block_tokens, answer.registry), (0, 16, RegistryAnswer::Answered));
+    assert_eq!((answer.remote_blocks, answer.holders.clone()), (32, vec![RemoteHolder { node: "a".into(), blocks: 32 }]));
+    assert_eq!(on_b.lookup(&tokens).unwrap(), 0, "Lookup's answer is unchanged");
+
+    let mut on_a = a.daemon().client();
+    on_a.hello(&hello(0, 1, "lookup-a")).unwrap();
+    let before = etcd.requests_started(0, "").unwrap();
+    let answer = on_a.lookup_cluster(&tokens).unwrap();
+    assert_eq!((answer.cached_blocks, answer.registry, answer.remote_blocks), (40, RegistryAnswer::Answered, 0));
+    assert!(answer.holders.is_empty());
+    assert_eq!(etcd.requests_started(0, "").unwrap(), before, "a's lookup asked the registry for nothing");
+
+    let mut store_b = b.connect();
+    assert_eq!(store_prompt(&mut store_b, 8, 0, 20).unwrap(), 20);
+    wait_for("b's first segment registered", SOON, || holders(&reader, 8) == [vec!["a", "b"], vec!["a"]]);
+    let before = etcd.requests_started(0, "").unwrap();
+    for _ in 0..10 {
+        let answer = on_b.lookup_cluster(&tokens).unwrap();
+        assert_eq!((answer.cached_blocks, answer.remote_blocks), (20, 12));
+        assert_eq!(answer.holders, [RemoteHolder { node: "a".into(), blocks: 12 }]);
+    }
+    assert_eq!(etcd.requests_started(0, "").unwrap() - before, 10, "one etcd request per lookup");
+    let status = b.status();
+    assert!(status.lookups >= 11 && status.remote_blocks_found >= 32 + 120, "{status:?}");
+
+    etcd.kill(0).unwrap();
+    let started = Instant::now();
+    let answer = on_b.lookup_cluster(&tokens).unwrap();
+    let took = started.elapsed();
+    assert_eq!((answer.cached_blocks, answer.registry, answer.remote_blocks), (20, RegistryAnswer::Unavailable, 0));
+    assert!(took < Duration::from_millis(1500), "the lookup timeout is 1 s: {took:?}");
+    let started = Instant::now();
+    let answer = on_b.lookup_cluster(&tokens).unwrap();
+    assert_eq!((answer.cached_blocks, answer.registry), (20, RegistryAnswer::Unavailable));
+    assert!(started.elapsed() < Duration::from_millis(200), "asked the registry again at once: {:?}", started.elapsed());
+    let status = b.status();
+    assert!(status.lookup_failures >= 1 && status.lookups_skipped >= 1, "{status:?}");
 }
 
 #[test]

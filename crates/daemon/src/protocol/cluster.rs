@@ -1,9 +1,74 @@
 //! The cluster messages (added after version 3's kinds: new kinds, no new version):
-//! `ClusterStatus` (kind 14) → `ClusterStatusReply` (0x800E): the node's part in the cluster
-//! (docs/cluster.md), for `tuttid --status` and tests. Allowed before `Hello`. A daemon outside
-//! any cluster answers with `enabled` false and every other field empty.
+//! - `ClusterStatus` (kind 14) → `ClusterStatusReply` (0x800E): the node's part in the cluster
+//!   (docs/cluster.md), for `tuttid --status` and tests. Allowed before `Hello`. A daemon outside
+//!   any cluster answers with `enabled` false and every other field empty.
+//! - `LookupCluster {tokens}` (kind 15, the `Lookup` body) → `ClusterLookupReply` (0x800F): the
+//!   local prefix exactly as `Lookup` answers it, then what the registry says lies beyond it.
 
-use super::{put_str, put_u16, put_u64, BodyReader, ProtocolError, STRING_BYTES_MAX};
+use super::{put_str, put_u16, put_u32, put_u64, BodyReader, ProtocolError, STRING_BYTES_MAX};
+
+/// Most holders one `ClusterLookupReply` lists (the registry's `holders_max` is at most this).
+pub const REMOTE_HOLDERS_MAX: usize = 1024;
+/// Longest node id (the cluster crate's bound).
+const NODE_BYTES_MAX: usize = 64;
+
+/// Where the remote part of a [`ClusterLookupReply`] comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RegistryAnswer {
+    /// The registry answered (`remote_blocks` may be 0: nobody else holds more).
+    Answered,
+    /// This daemon is not a cluster node: the local part only.
+    NotClustered,
+    /// The registry did not answer within the lookup timeout, or failed so recently that it
+    /// was not asked: the local part only (recompute the rest, or ask again later).
+    Unavailable,
+}
+
+impl RegistryAnswer {
+    fn to_u8(self) -> u8 {
+        match self {
+            RegistryAnswer::Answered => 0,
+            RegistryAnswer::NotClustered => 1,
+            RegistryAnswer::Unavailable => 2,
+        }
+    }
+}
+
+/// A node holding blocks past the local prefix.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RemoteHolder {
+    pub node: String,
+    /// Blocks past the local prefix this node holds without a gap (whole segments: its run ends
+    /// at a segment boundary).
+    pub blocks: u32,
+}
+
+/// The answer to `LookupCluster`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClusterLookupReply {
+    /// The longest prefix cached on this node, in blocks: what `Lookup` answers.
+    pub cached_blocks: u32,
+    pub block_tokens: u32,
+    pub registry: RegistryAnswer,
+    /// Blocks past `cached_blocks` that other nodes hold (the longest registered run, which
+    /// may take more than one holder: each holder's own run is in `holders`).
+    pub remote_blocks: u32,
+    /// Other nodes holding blocks past the local prefix, most blocks first.
+    pub holders: Vec<RemoteHolder>,
+}
+
+pub(super) fn put_cluster_lookup(out: &mut Vec<u8>, lookup: &ClusterLookupReply) {
+    put_u32(out, lookup.cached_blocks);
+    put_u32(out, lookup.block_tokens);
+    out.push(lookup.registry.to_u8());
+    put_u32(out, lookup.remote_blocks);
+    let count = lookup.holders.len().min(REMOTE_HOLDERS_MAX);
+    put_u16(out, count as u16);
+    for holder in &lookup.holders[..count] {
+        put_str(out, &holder.node);
+        put_u32(out, holder.blocks);
+    }
+}
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ClusterStatusReply {
@@ -32,6 +97,12 @@ pub struct ClusterStatusReply {
     pub registry_errors: u64,
     pub commits_dropped: u64,
     pub manifest_errors: u64,
+    /// `LookupCluster` requests: the registry asked, failed (or timed out), not asked because
+    /// it failed just before, and the blocks past the local prefix found held elsewhere.
+    pub lookups: u64,
+    pub lookup_failures: u64,
+    pub lookups_skipped: u64,
+    pub remote_blocks_found: u64,
     /// The last registry error, if any.
     pub last_error: String,
 }
@@ -55,6 +126,10 @@ pub(super) fn put_cluster_status(out: &mut Vec<u8>, status: &ClusterStatusReply)
         status.registry_errors,
         status.commits_dropped,
         status.manifest_errors,
+        status.lookups,
+        status.lookup_failures,
+        status.lookups_skipped,
+        status.remote_blocks_found,
     ] {
         put_u64(out, value);
     }
@@ -81,7 +156,33 @@ impl BodyReader<'_> {
             registry_errors: self.u64("registry_errors")?,
             commits_dropped: self.u64("commits_dropped")?,
             manifest_errors: self.u64("manifest_errors")?,
+            lookups: self.u64("lookups")?,
+            lookup_failures: self.u64("lookup_failures")?,
+            lookups_skipped: self.u64("lookups_skipped")?,
+            remote_blocks_found: self.u64("remote_blocks_found")?,
             last_error: self.string("last_error", STRING_BYTES_MAX)?,
         })
+    }
+
+    pub(super) fn cluster_lookup(&mut self) -> Result<ClusterLookupReply, ProtocolError> {
+        let cached_blocks = self.u32("cached_blocks")?;
+        let block_tokens = self.u32("block_tokens")?;
+        let registry = match self.bytes(1, "registry")?[0] {
+            0 => RegistryAnswer::Answered,
+            1 => RegistryAnswer::NotClustered,
+            2 => RegistryAnswer::Unavailable,
+            other => return Err(self.malformed(format!("registry answer {other} is not 0, 1 or 2"))),
+        };
+        let remote_blocks = self.u32("remote_blocks")?;
+        let count = usize::from(self.u16("holder_count")?);
+        // Each holder takes at least 6 bytes: checked before anything is allocated.
+        if count > REMOTE_HOLDERS_MAX || count.saturating_mul(6) > self.remaining() {
+            return Err(self.malformed(format!("{count} holders in {} bytes (at most {REMOTE_HOLDERS_MAX})", self.remaining())));
+        }
+        let mut holders = Vec::with_capacity(count);
+        for _ in 0..count {
+            holders.push(RemoteHolder { node: self.string("holder node", NODE_BYTES_MAX)?, blocks: self.u32("holder blocks")? });
+        }
+        Ok(ClusterLookupReply { cached_blocks, block_tokens, registry, remote_blocks, holders })
     }
 }

@@ -346,21 +346,47 @@ fn sample_cluster_status() -> ClusterStatusReply {
         registry_errors: 3,
         commits_dropped: 0,
         manifest_errors: 0,
+        lookups: 17,
+        lookup_failures: 2,
+        lookups_skipped: 5,
+        remote_blocks_found: 640,
         last_error: "the cluster registry is unavailable".into(),
     }
 }
 
 #[test]
 fn cluster_messages_round_trip_and_every_truncation_is_malformed() {
-    // Goal: ClusterStatus and its reply (enabled or not) decode to themselves; every cut of the
-    // reply's body, a trailing byte, and a flag other than 0/1 are MalformedBody.
+    // Goal: ClusterStatus, LookupCluster and their replies decode to themselves; every cut of a
+    // reply's body, a trailing byte, and a flag or answer out of range are MalformedBody.
     let frame = frame_of(Kind::ClusterStatus, |out| Request::ClusterStatus.encode_body(out));
     let header = header_of(&frame).unwrap();
     assert_eq!(Request::decode(header.kind, &frame[HEADER_BYTES..]).unwrap(), Request::ClusterStatus);
-    for reply in [Reply::ClusterStatus(sample_cluster_status()), Reply::ClusterStatus(ClusterStatusReply::default())] {
+    let frame = frame_of(Kind::LookupCluster, |out| Request::LookupCluster { tokens: (5..90).collect() }.encode_body(out));
+    let header = header_of(&frame).unwrap();
+    assert_eq!(Request::decode(header.kind, &frame[HEADER_BYTES..]).unwrap(), Request::LookupCluster { tokens: (5..90).collect() });
+    let lookup = ClusterLookupReply {
+        cached_blocks: 20,
+        block_tokens: 16,
+        registry: RegistryAnswer::Answered,
+        remote_blocks: 44,
+        holders: vec![RemoteHolder { node: "node-b".into(), blocks: 44 }, RemoteHolder { node: "c".into(), blocks: 12 }],
+    };
+    let not_clustered = ClusterLookupReply {
+        cached_blocks: 3,
+        block_tokens: 16,
+        registry: RegistryAnswer::NotClustered,
+        remote_blocks: 0,
+        holders: Vec::new(),
+    };
+    for reply in [
+        Reply::ClusterStatus(sample_cluster_status()),
+        Reply::ClusterStatus(ClusterStatusReply::default()),
+        Reply::ClusterLookup(lookup),
+        Reply::ClusterLookup(not_clustered),
+    ] {
         let frame = frame_of(reply.kind(), |out| reply.encode_body(out));
         let header = header_of(&frame).unwrap();
-        assert_eq!(header.kind, Kind::ClusterStatusReply);
+        assert_eq!(header.kind, reply.kind());
         let body = &frame[HEADER_BYTES..];
         assert_eq!(Reply::decode(header.kind, body).unwrap(), reply);
         for cut in 0..body.len() {
@@ -369,8 +395,9 @@ fn cluster_messages_round_trip_and_every_truncation_is_malformed() {
         let mut long = body.to_vec();
         long.push(0);
         assert!(matches!(Reply::decode(header.kind, &long), Err(ProtocolError::MalformedBody { .. })));
+        // The status's first flag, the lookup's registry answer: 3 is neither.
         let mut flag = body.to_vec();
-        flag[0] = 2;
+        flag[if header.kind == Kind::ClusterStatusReply { 0 } else { 8 }] = 3;
         assert!(matches!(Reply::decode(header.kind, &flag), Err(ProtocolError::MalformedBody { .. })));
     }
 }
