@@ -13,11 +13,15 @@
 //! - `held.rs`: the segments this node holds whole, by segment and by block;
 //! - `manifest.rs`: that list journalled to a file, so a restarted node registers what survived;
 //! - `registrar.rs`: the thread: local bookkeeping under the pool lock, then etcd without it;
-//! - `lookup.rs`: `LookupCluster`, the local prefix and then one registry round trip.
+//! - `lookup.rs`: `LookupCluster`, the local prefix and then one registry round trip;
+//! - `data_plane.rs` (+ `peer.rs`, the wire format, `staging.rs`, the daemon's own data half):
+//!   remote reads, a holder serving its segments over TCP and an asker storing them locally.
 //!
 //! These three need the crate's `cluster` feature (etcd's client); without it
 //! [`ClusterAgent::start`] refuses cluster settings with the reason.
 
+#[cfg(feature = "cluster")]
+mod data_plane;
 #[cfg(feature = "cluster")]
 mod held;
 #[cfg(feature = "cluster")]
@@ -25,7 +29,11 @@ mod lookup;
 #[cfg(feature = "cluster")]
 mod manifest;
 #[cfg(feature = "cluster")]
+mod peer;
+#[cfg(feature = "cluster")]
 mod registrar;
+#[cfg(feature = "cluster")]
+mod staging;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -73,7 +81,8 @@ pub struct ClusterSettings {
     /// etcd endpoints, cluster id, segment size, timeouts, lease.
     pub registry: ClusterConfig,
     pub node: NodeId,
-    /// Where this node's data plane listens, as other nodes reach it (its member record).
+    /// Where this node's data plane listens (TCP), as other nodes reach it (its member record);
+    /// port 0 picks a free port, and the record carries the one bound.
     pub data_address: SocketAddr,
     /// The segment manifest (`manifest.rs`): what this node holds, across restarts.
     pub manifest: PathBuf,
@@ -129,6 +138,13 @@ pub struct ClusterMetrics {
     pub lookups_skipped: Counter,
     pub remote_blocks_found: Counter,
     pub lookup_seconds: Histogram,
+    /// `FetchRemote`: fetches asked for, failed, and blocks stored here from other nodes.
+    pub remote_reads: Counter,
+    pub remote_read_failures: Counter,
+    pub fetched_blocks: Counter,
+    /// Segments this node sent to others, and reads it refused (not held, a failed read, bad).
+    pub served_segments: Counter,
+    pub serve_refusals: Counter,
 }
 
 impl Default for ClusterMetrics {
@@ -151,6 +167,11 @@ impl Default for ClusterMetrics {
             remote_blocks_found: Counter::default(),
             // 16 µs to ~8 s in powers of two: a loopback lookup is ~0.5 ms, a timeout seconds.
             lookup_seconds: Histogram::new(exponential_buckets(16e-6, 2.0, 20)),
+            remote_reads: Counter::default(),
+            remote_read_failures: Counter::default(),
+            fetched_blocks: Counter::default(),
+            served_segments: Counter::default(),
+            serve_refusals: Counter::default(),
         }
     }
 }
@@ -197,6 +218,19 @@ impl ClusterMetrics {
             self.remote_blocks_found.clone(),
         );
         registry.register("cluster_lookup_seconds", "Time of one registry lookup (one etcd round trip)", self.lookup_seconds.clone());
+        registry.register("cluster_remote_reads", "FetchRemote requests that went to a holder", self.remote_reads.clone());
+        registry.register(
+            "cluster_remote_read_failures",
+            "Remote reads that failed (typed errors to the client)",
+            self.remote_read_failures.clone(),
+        );
+        registry.register("cluster_fetched_blocks", "Blocks fetched from other nodes and stored here", self.fetched_blocks.clone());
+        registry.register("cluster_served_segments", "Segments sent to other nodes", self.served_segments.clone());
+        registry.register(
+            "cluster_serve_refusals",
+            "Reads from other nodes refused (not held, failed, malformed)",
+            self.serve_refusals.clone(),
+        );
     }
 }
 
@@ -224,6 +258,10 @@ pub(crate) struct ClusterAgent {
     state: Arc<AgentState>,
     #[cfg(feature = "cluster")]
     lookups: lookup::RemoteLookups,
+    #[cfg(feature = "cluster")]
+    data_plane: data_plane::DataPlane,
+    /// The data plane's bound address.
+    data_address: SocketAddr,
 }
 
 /// What a `LookupCluster` found past the local prefix.
@@ -248,6 +286,7 @@ impl ClusterAgent {
         _settings: ClusterSettings,
         _control: &mut StoreControl,
         _block_bytes: u64,
+        _requests_max: usize,
         _metrics: ClusterMetrics,
     ) -> Result<ClusterAgent, DaemonError> {
         Err(DaemonError::Cluster("this tuttid was built without the `cluster` feature (etcd's client)".into()))
@@ -261,6 +300,7 @@ impl ClusterAgent {
         settings: ClusterSettings,
         control: &mut StoreControl,
         block_bytes: u64,
+        requests_max: usize,
         metrics: ClusterMetrics,
     ) -> Result<ClusterAgent, DaemonError> {
         use held::HeldSegments;
@@ -292,18 +332,90 @@ impl ClusterAgent {
         }
         tracing::info!(held = held.len(), gone, "segments from the manifest checked against the pool");
         let manifest = manifest::Manifest::rewrite(&settings.manifest, segment_blocks, held.iter()).map_err(io)?;
+        let data_plane = data_plane::DataPlane::bind(settings.data_address, control, segment_blocks, requests_max)
+            .map_err(|source| DaemonError::Io { context: format!("the data plane on {}", settings.data_address), source })?;
+        let data_address = data_plane.address();
         let (inbox, receiver) = std::sync::mpsc::sync_channel(settings.commits_queued_max.max(1));
         let state = Arc::new(AgentState::default());
         let record = tutti_cluster::MemberRecord {
             node: settings.node.clone(),
-            address: settings.data_address.to_string(),
+            address: data_address.to_string(),
             capacity_bytes: pool_blocks.saturating_mul(block_bytes),
             fingerprints: Vec::new(),
         };
         let registrar = Registrar::new(settings.registry.clone(), record, receiver, metrics.clone(), Arc::clone(&state), held, manifest);
         let lookups = lookup::RemoteLookups::new(settings.registry.clone(), settings.node.clone(), settings.lookup_timeout)
             .map_err(|error| DaemonError::Cluster(error.to_string()))?;
-        Ok(ClusterAgent { settings, inbox, registrar: Mutex::new(Some(registrar)), metrics, state, lookups })
+        Ok(ClusterAgent { settings, inbox, registrar: Mutex::new(Some(registrar)), metrics, state, lookups, data_plane, data_address })
+    }
+
+    /// Serves other nodes' reads until `stop` (the server runs this on a thread of its own).
+    #[cfg(feature = "cluster")]
+    pub(crate) fn serve_data_plane(
+        &self,
+        store: &Mutex<crate::session::StoreState>,
+        stop: &crate::server::StopHandle,
+        tick: std::time::Duration,
+    ) {
+        self.data_plane.serve(store, stop, tick, &self.metrics);
+    }
+
+    #[cfg(not(feature = "cluster"))]
+    pub(crate) fn serve_data_plane(
+        &self,
+        _store: &Mutex<crate::session::StoreState>,
+        _stop: &crate::server::StopHandle,
+        _tick: std::time::Duration,
+    ) {
+    }
+
+    /// `FetchRemote`: what other nodes hold of a prompt past the `local_blocks` here is read
+    /// from the holder with the longest run and stored in this pool. Returns the blocks stored;
+    /// a failure is a sentence for the client (segments stored before it stay).
+    #[cfg(feature = "cluster")]
+    pub(crate) fn fetch(
+        &self,
+        store: &Mutex<crate::session::StoreState>,
+        space: &ModelSpace,
+        keys: &[u64],
+        local_blocks: usize,
+    ) -> Result<usize, String> {
+        let part = self.beyond(space, keys, local_blocks);
+        if part.registry != crate::protocol::RegistryAnswer::Answered {
+            self.metrics.remote_read_failures.inc();
+            return Err("the cluster registry did not answer: nothing fetched".into());
+        }
+        let Some(holder) = part.holders.first() else { return Ok(0) };
+        self.metrics.remote_reads.inc();
+        let per_segment = usize::from(self.settings.registry.segment_blocks.get());
+        let segments = local_blocks / per_segment..(local_blocks + holder.blocks as usize) / per_segment;
+        let result = self.lookups.address_of(&holder.node).and_then(|address| {
+            self.data_plane
+                .fetch(store, space, keys, segments.clone(), &holder.node, address)
+                .map_err(|(stored, error)| (stored, error.to_string()))
+        });
+        match result {
+            Ok(stored) => {
+                self.metrics.fetched_blocks.inc_by(stored as u64);
+                Ok(stored)
+            }
+            Err((stored, error)) => {
+                self.metrics.fetched_blocks.inc_by(stored as u64);
+                self.metrics.remote_read_failures.inc();
+                Err(format!("{error} ({stored} block(s) of segments {segments:?} stored before it)"))
+            }
+        }
+    }
+
+    #[cfg(not(feature = "cluster"))]
+    pub(crate) fn fetch(
+        &self,
+        _store: &Mutex<crate::session::StoreState>,
+        _space: &ModelSpace,
+        _keys: &[u64],
+        _local_blocks: usize,
+    ) -> Result<usize, String> {
+        Err("this tuttid was built without the `cluster` feature".into())
     }
 
     /// What other nodes hold of a prompt (its block keys in `space`) past the `local_blocks`
@@ -344,7 +456,7 @@ impl ClusterAgent {
             enabled: true,
             cluster: self.settings.registry.cluster.to_string(),
             node: self.settings.node.to_string(),
-            data_address: self.settings.data_address.to_string(),
+            data_address: self.data_address.to_string(),
             segment_blocks: self.settings.registry.segment_blocks.get(),
             joined: metrics.joined.get() == 1,
             lease_id: self.state.lease_id.load(Ordering::Relaxed) as u64,
@@ -362,6 +474,11 @@ impl ClusterAgent {
             lookup_failures: metrics.lookup_failures.get(),
             lookups_skipped: metrics.lookups_skipped.get(),
             remote_blocks_found: metrics.remote_blocks_found.get(),
+            remote_reads: metrics.remote_reads.get(),
+            remote_read_failures: metrics.remote_read_failures.get(),
+            fetched_blocks: metrics.fetched_blocks.get(),
+            served_segments: metrics.served_segments.get(),
+            serve_refusals: metrics.serve_refusals.get(),
             last_error: self.state.last_error.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone(),
         }
     }

@@ -45,6 +45,7 @@ pub enum RequestLabel {
     RegisterDeviceMemory,
     ClusterStatus,
     LookupCluster,
+    FetchRemote,
     /// A frame whose body did not decode (no kind to name).
     Malformed,
 }
@@ -67,6 +68,7 @@ impl RequestLabel {
             Kind::RegisterDeviceMemory => RequestLabel::RegisterDeviceMemory,
             Kind::ClusterStatus => RequestLabel::ClusterStatus,
             Kind::LookupCluster => RequestLabel::LookupCluster,
+            Kind::FetchRemote => RequestLabel::FetchRemote,
             _ => RequestLabel::Malformed,
         }
     }

@@ -70,6 +70,7 @@ pub enum Kind {
     RegisterDeviceMemory = 13,
     ClusterStatus = 14,
     LookupCluster = 15,
+    FetchRemote = 16,
     HelloReply = 0x8001,
     LookupReply = 0x8002,
     StatusReply = 0x8003,
@@ -83,6 +84,7 @@ pub enum Kind {
     Released = 0x800C,
     ClusterStatusReply = 0x800E,
     ClusterLookupReply = 0x800F,
+    Fetched = 0x8010,
     Error = 0x80FF,
 }
 
@@ -104,6 +106,7 @@ impl Kind {
             13 => Kind::RegisterDeviceMemory,
             14 => Kind::ClusterStatus,
             15 => Kind::LookupCluster,
+            16 => Kind::FetchRemote,
             0x8001 => Kind::HelloReply,
             0x8002 => Kind::LookupReply,
             0x8003 => Kind::StatusReply,
@@ -117,6 +120,7 @@ impl Kind {
             0x800C => Kind::Released,
             0x800E => Kind::ClusterStatusReply,
             0x800F => Kind::ClusterLookupReply,
+            0x8010 => Kind::Fetched,
             0x80FF => Kind::Error,
             _ => return None,
         })
@@ -160,6 +164,9 @@ pub enum ErrorCode {
     /// A client's report on its own request (what its data path moved, blocks it found
     /// corrupt) that the request's grant does not cover: refused, nothing counted or evicted.
     BadReport,
+    /// A remote read failed (the registry, the holder, the network, a checksum, or storing the
+    /// segment here): those blocks are not here; recompute them. Never wrong bytes.
+    RemoteReadFailed,
     /// A code this build does not know (a newer daemon).
     Unknown(u16),
 }
@@ -185,6 +192,7 @@ impl ErrorCode {
             ErrorCode::Unsupported => 16,
             ErrorCode::StoreFailed => 17,
             ErrorCode::BadReport => 18,
+            ErrorCode::RemoteReadFailed => 19,
             ErrorCode::Unknown(code) => code,
         }
     }
@@ -209,6 +217,7 @@ impl ErrorCode {
             16 => ErrorCode::Unsupported,
             17 => ErrorCode::StoreFailed,
             18 => ErrorCode::BadReport,
+            19 => ErrorCode::RemoteReadFailed,
             other => ErrorCode::Unknown(other),
         }
     }
@@ -368,6 +377,12 @@ pub enum Request {
     LookupCluster {
         tokens: Vec<u32>,
     },
+    /// Reads what other nodes hold of `tokens` past the local prefix from a holder and stores
+    /// it here, so a `PrepareRetrieve` then finds it (answered with [`Reply::Fetched`], or
+    /// `RemoteReadFailed`).
+    FetchRemote {
+        tokens: Vec<u32>,
+    },
 }
 
 /// What the daemon answers.
@@ -398,6 +413,11 @@ pub enum Reply {
     Released,
     ClusterStatus(ClusterStatusReply),
     ClusterLookup(ClusterLookupReply),
+    /// After a `FetchRemote`: the local prefix now, and the blocks stored from other nodes.
+    Fetched {
+        cached_blocks: u32,
+        fetched_blocks: u32,
+    },
 }
 
 impl Request {
@@ -418,6 +438,7 @@ impl Request {
             Request::RegisterDeviceMemory(_) => Kind::RegisterDeviceMemory,
             Request::ClusterStatus => Kind::ClusterStatus,
             Request::LookupCluster { .. } => Kind::LookupCluster,
+            Request::FetchRemote { .. } => Kind::FetchRemote,
         }
     }
 
@@ -430,9 +451,10 @@ impl Request {
                 put_u32(out, hello.tp_world);
                 put_str(out, &hello.client_name);
             }
-            Request::Lookup { tokens } | Request::LookupAllRanks { tokens } | Request::LookupCluster { tokens } => {
-                encode_lookup_body(tokens, out)
-            }
+            Request::Lookup { tokens }
+            | Request::LookupAllRanks { tokens }
+            | Request::LookupCluster { tokens }
+            | Request::FetchRemote { tokens } => encode_lookup_body(tokens, out),
             Request::Status | Request::Ping | Request::ClusterStatus => {}
             other => {
                 if !store::encode_request(other, out) {
@@ -453,7 +475,7 @@ impl Request {
                 let client_name = reader.string("client_name", CLIENT_NAME_BYTES_MAX)?;
                 Request::Hello(Hello { model_fingerprint, tp_rank, tp_world, client_name })
             }
-            Kind::Lookup | Kind::LookupAllRanks | Kind::LookupCluster => {
+            Kind::Lookup | Kind::LookupAllRanks | Kind::LookupCluster | Kind::FetchRemote => {
                 let count = reader.u32("token_count")? as usize;
                 // The count must match the body exactly: checked before anything is allocated.
                 if reader.remaining() != count.saturating_mul(4) {
@@ -464,7 +486,8 @@ impl Request {
                 match kind {
                     Kind::Lookup => Request::Lookup { tokens },
                     Kind::LookupAllRanks => Request::LookupAllRanks { tokens },
-                    _ => Request::LookupCluster { tokens },
+                    Kind::LookupCluster => Request::LookupCluster { tokens },
+                    _ => Request::FetchRemote { tokens },
                 }
             }
             Kind::Status => Request::Status,
@@ -500,6 +523,7 @@ impl Reply {
             Reply::Released => Kind::Released,
             Reply::ClusterStatus(_) => Kind::ClusterStatusReply,
             Reply::ClusterLookup(_) => Kind::ClusterLookupReply,
+            Reply::Fetched { .. } => Kind::Fetched,
         }
     }
 
@@ -520,6 +544,10 @@ impl Reply {
                 put_u32(out, *cached_blocks);
                 put_u32(out, *block_tokens);
             }
+            Reply::Fetched { cached_blocks, fetched_blocks } => {
+                put_u32(out, *cached_blocks);
+                put_u32(out, *fetched_blocks);
+            }
             Reply::Status(status) => status::put_status(out, status),
             Reply::ClusterStatus(status) => cluster::put_cluster_status(out, status),
             Reply::ClusterLookup(lookup) => cluster::put_cluster_lookup(out, lookup),
@@ -539,6 +567,7 @@ impl Reply {
         let reply = match kind {
             Kind::HelloReply => Reply::Hello(HelloReply { session: r.u64("session")?, lease_ms: r.u32("lease_ms")?, shape: r.shape()? }),
             Kind::LookupReply => Reply::Lookup { cached_blocks: r.u32("cached_blocks")?, block_tokens: r.u32("block_tokens")? },
+            Kind::Fetched => Reply::Fetched { cached_blocks: r.u32("cached_blocks")?, fetched_blocks: r.u32("fetched_blocks")? },
             Kind::StatusReply => Reply::Status(r.status()?),
             Kind::ClusterStatusReply => Reply::ClusterStatus(r.cluster_status()?),
             Kind::ClusterLookupReply => Reply::ClusterLookup(r.cluster_lookup()?),

@@ -35,12 +35,13 @@ use crate::lock::DeviceLocks;
 use crate::metrics::{ClientRelay, Metrics, MetricsEndpoint, RequestLabel, Snapshot};
 use crate::pool_open::OpenedPool;
 use crate::protocol::{
-    encode_frame, ClientStatus, ClusterLookupReply, ClusterStatusReply, DeviceStatus, ErrorCode, HelloReply, Kind, PoolShape, Reply,
-    Request, StatusReply,
+    encode_frame, ClientStatus, ClusterStatusReply, DeviceStatus, ErrorCode, HelloReply, Kind, PoolShape, Reply, Request, StatusReply,
 };
 use crate::relay::{DoorbellRelay, PairCounters, RelayConfig};
 use crate::session::{Holdings, LeakCounters, SessionLimits, StoreState};
 use crate::DaemonError;
+
+mod cluster_requests;
 
 /// How the server runs.
 #[derive(Debug, Clone)]
@@ -221,7 +222,7 @@ impl Server {
             Some(settings) => {
                 let cluster_metrics = crate::cluster::ClusterMetrics::default();
                 metrics.register_cluster(&cluster_metrics);
-                Some(ClusterAgent::start(settings, &mut control, block_bytes, cluster_metrics)?)
+                Some(ClusterAgent::start(settings, &mut control, block_bytes, requests_max, cluster_metrics)?)
             }
             None => None,
         };
@@ -286,6 +287,18 @@ impl Server {
                 Some(spawned.map_err(|source| DaemonError::Io { context: "starting the cluster registrar".into(), source })?)
             }
         };
+        let data_plane_thread = match &shared.cluster {
+            None => None,
+            Some(_) => {
+                let data_shared = Arc::clone(&shared);
+                let spawned = std::thread::Builder::new().name("tuttid-data-plane".into()).spawn(move || {
+                    if let Some(cluster) = &data_shared.cluster {
+                        cluster.serve_data_plane(&data_shared.store, &data_shared.stop, data_shared.config.tick);
+                    }
+                });
+                Some(spawned.map_err(|source| DaemonError::Io { context: "starting the data plane".into(), source })?)
+            }
+        };
         let mut workers: Vec<JoinHandle<()>> = Vec::new();
         let mut connections_served = 0u64;
         let tick_ms = u16::try_from(shared.config.tick.as_millis()).unwrap_or(u16::MAX);
@@ -338,6 +351,11 @@ impl Server {
         // cluster (bounded by the registry's request timeout).
         if registrar_thread.is_some_and(|thread| thread.join().is_err()) {
             tracing::error!("the cluster registrar panicked");
+        }
+        // Peer threads check the stop between reads (a send in progress is bounded by the
+        // peer stall timeout).
+        if data_plane_thread.is_some_and(|thread| thread.join().is_err()) {
+            tracing::error!("the data plane panicked");
         }
         for worker in workers {
             // A connection thread ends within a tick plus one request plus a frame timeout.
@@ -589,24 +607,6 @@ impl Connection {
         (reply, Vec::new())
     }
 
-    /// In a cluster: a prepared store's keys are kept until it commits, then handed to the
-    /// registrar (the commit is durable by then); a store that ended otherwise is forgotten.
-    fn track_stores(&mut self, cluster: &ClusterAgent, space: &KeySpace, kind: Kind, commit_handle: Option<u64>, reply: &Reply) {
-        match reply {
-            Reply::StorePrepared(prepared) => self.prepared_stores.prepared(prepared.handle, self.holdings.request_keys()),
-            Reply::Committed { .. } => {
-                if let Some(keys) = commit_handle.and_then(|handle| self.prepared_stores.take(handle)) {
-                    cluster.committed(space.model(), keys);
-                }
-            }
-            _ => {}
-        }
-        if matches!(kind, Kind::Commit | Kind::Release) {
-            let holdings = &self.holdings;
-            self.prepared_stores.retain(|handle| holdings.holds(handle));
-        }
-    }
-
     /// Mirrors the holdings' counts into the session's record (for status).
     fn count_holdings(&self, shared: &Shared) {
         if let Some(session) = self.session {
@@ -650,6 +650,7 @@ impl Connection {
             Request::Lookup { tokens } => self.lookup(shared, &tokens, false),
             Request::LookupAllRanks { tokens } => self.lookup(shared, &tokens, true),
             Request::LookupCluster { tokens } => self.lookup_cluster(shared, &tokens),
+            Request::FetchRemote { tokens } => self.fetch_remote(shared, &tokens),
             Request::Status => Reply::Status(status(shared)),
             Request::ClusterStatus => {
                 Reply::ClusterStatus(shared.cluster.as_ref().map_or_else(ClusterStatusReply::default, ClusterAgent::status))
@@ -677,32 +678,6 @@ impl Connection {
         };
         shared.metrics.lookup((tokens.len() / block_tokens.max(1) as usize) as u64, cached as u64);
         Reply::Lookup { cached_blocks: cached as u32, block_tokens }
-    }
-}
-
-impl Connection {
-    /// `LookupCluster`: the local prefix as `Lookup` answers it (counted the same way), then,
-    /// on a cluster node, what other nodes hold past it (`crate::cluster`, one registry round
-    /// trip, bounded by the lookup timeout; no lock is held meanwhile).
-    fn lookup_cluster(&mut self, shared: &Shared, tokens: &[u32]) -> Reply {
-        let Some(space) = self.session.and_then(|session| lock(&shared.sessions).get(&session).map(|record| record.space)) else {
-            return Reply::error(ErrorCode::NotAttached, "send Hello (model fingerprint, TP rank and world size) before a lookup");
-        };
-        let block_tokens = shared.shape.block_tokens;
-        space.keys(tokens, block_tokens, &mut self.keys);
-        let cached = lock(&shared.store).control.lookup(&self.keys);
-        shared.metrics.lookup((tokens.len() / block_tokens.max(1) as usize) as u64, cached as u64);
-        let remote = match &shared.cluster {
-            Some(cluster) => cluster.beyond(space.model(), &self.keys, cached),
-            None => crate::cluster::RemotePart::not_clustered(),
-        };
-        Reply::ClusterLookup(ClusterLookupReply {
-            cached_blocks: cached as u32,
-            block_tokens,
-            registry: remote.registry,
-            remote_blocks: remote.remote_blocks,
-            holders: remote.holders,
-        })
     }
 }
 

@@ -228,9 +228,10 @@ fn serve(cli: &Cli) -> Result<()> {
         emu_create_bytes: cli.emu_create_bytes,
         format,
         lock_dir: cli.lock_dir.clone(),
-        // One queue pair per client on each software controller (each is one pool device).
-        client_queue_pairs: u16::try_from(cli.clients_max)
-            .map_err(|_| Unusable(format!("--clients-max {} is over 65533", cli.clients_max)))?
+        // One queue pair per client on each software controller (each is one pool device), and
+        // in a cluster one for the data plane's staging area.
+        client_queue_pairs: u16::try_from(cli.clients_max + usize::from(cluster.is_some()))
+            .map_err(|_| Unusable(format!("--clients-max {} is over 65532", cli.clients_max)))?
             .min(65533),
         emu_doorbell_relay: cli.emu_doorbell_relay,
     };
@@ -341,6 +342,14 @@ fn print_cluster(cluster: &ClusterStatusReply) -> Result<()> {
         cluster.lookup_failures,
         cluster.lookups_skipped,
         cluster.remote_blocks_found
+    )?;
+    outln!(
+        "  remote reads: {} ({} failed), {} block(s) fetched and stored here; {} segment(s) served to other nodes, {} read(s) refused",
+        cluster.remote_reads,
+        cluster.remote_read_failures,
+        cluster.fetched_blocks,
+        cluster.served_segments,
+        cluster.serve_refusals
     )?;
     if !cluster.last_error.is_empty() {
         outln!("  last registry error: {}", cluster.last_error)?;

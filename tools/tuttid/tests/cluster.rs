@@ -12,10 +12,13 @@ use objstore::{KvRequest, LayerKvStore};
 use std::time::{Duration, Instant};
 
 use tutti_cluster::local_etcd::LocalEtcd;
-use tutti_cluster::{segments_of, ClusterClient, ClusterConfig, ClusterId, ModelSpace, Segment, SegmentBlocks};
+use tutti_cluster::{
+    segments_of, ClusterClient, ClusterConfig, ClusterId, ClusterNode, MemberRecord, ModelSpace, NodeId, Segment, SegmentBlocks,
+};
 use tutti_daemon::client::{RemoteConfig, RemoteKvStore};
 use tutti_daemon::keys::KeySpace;
 use tutti_daemon::protocol::{ClusterStatusReply, RegistryAnswer, RemoteHolder};
+use tutti_daemon::{DaemonError, ErrorCode};
 
 mod common;
 use common::{hello, store_prompt, Daemon};
@@ -42,13 +45,15 @@ struct Node {
     /// `--cluster-lease` and `--cluster-timeout`.
     lease: &'static str,
     timeout: &'static str,
+    /// More options for `--format` (e.g. `--payload-crc`).
+    format_extra: Vec<&'static str>,
 }
 
 impl Node {
     fn new(root: &Path, name: &'static str) -> Node {
         let directory = root.join(name);
         std::fs::create_dir_all(&directory).unwrap();
-        Node { name, directory, daemon: None, lease: "2s", timeout: "1s" }
+        Node { name, directory, daemon: None, lease: "2s", timeout: "1s", format_extra: Vec::new() }
     }
 
     fn device(&self) -> String {
@@ -59,7 +64,6 @@ impl Node {
     fn start(&mut self, etcd: &LocalEtcd, format: bool) {
         let endpoints = etcd.endpoints().join(",");
         let manifest = self.directory.join("segments").display().to_string();
-        let address = format!("127.0.0.1:{}", 7100 + self.name.len());
         let mut args = vec![
             "--cluster-etcd",
             &endpoints,
@@ -68,7 +72,7 @@ impl Node {
             "--node-id",
             self.name,
             "--data-address",
-            &address,
+            "127.0.0.1:0",
             "--cluster-state",
             &manifest,
             "--segment-blocks",
@@ -80,6 +84,7 @@ impl Node {
         ];
         if format {
             args.extend(["--format", "--emu-create-bytes", "64m", "--slots", SLOTS]);
+            args.extend(self.format_extra.iter().copied());
         }
         self.daemon = Some(Daemon::start(&self.directory, &self.device(), &args));
     }
@@ -173,7 +178,8 @@ fn a_node_registers_commits_unregisters_evictions_leaves_and_comes_back() {
     node.start(&etcd, true);
     wait_for("node a joins", SOON, || members(&reader) == ["a"]);
     let record = reader.members().unwrap().nodes.remove(0);
-    assert_eq!(record.address, "127.0.0.1:7101");
+    assert_eq!(record.address, node.status().data_address, "the record carries the bound data address");
+    assert!(!record.address.ends_with(":0"), "{record:?}");
     // 48 slots of one block of 2 layers × K and V × 2 heads × 64 dims × 16 tokens × 2 bytes.
     assert_eq!(record.capacity_bytes, 48 * 16 * 1024);
     assert!(record.fingerprints.is_empty(), "no segments held yet: {record:?}");
@@ -371,6 +377,213 @@ fn a_cluster_lookup_finds_what_other_nodes_hold_past_the_local_prefix_in_one_rou
     assert!(started.elapsed() < Duration::from_millis(200), "asked the registry again at once: {:?}", started.elapsed());
     let status = b.status();
     assert!(status.lookup_failures >= 1 && status.lookups_skipped >= 1, "{status:?}");
+}
+
+#[test]
+fn a_node_reads_another_nodes_segments_byte_exact_and_serves_them_locally_after() {
+    // Goal: node a holds prompt 9 (two segments). Node b's client asks b to fetch what lies
+    // past b's (empty) prefix: b reads both segments from a over the data plane, stores them
+    // in its own pool, and the client retrieves the 32 blocks from b byte-exact (a's bytes,
+    // a's pattern). b's lookup then finds them locally, a counts two segments served.
+    let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
+    let root = tempfile::tempdir().unwrap();
+    let reader = reader(&etcd);
+    let (mut a, mut b) = (Node::new(root.path(), "a"), Node::new(root.path(), "b"));
+    a.start(&etcd, true);
+    b.start(&etcd, true);
+    wait_for("both nodes join", SOON, || members(&reader) == ["a", "b"]);
+    store(&a, 9);
+    wait_for("a's segments registered", SOON, || holders(&reader, 9) == [["a"], ["a"]]);
+    let tokens = common::prompt(9, PROMPT_BLOCKS, BLOCK_TOKENS);
+    let mut on_b = b.daemon().client();
+    on_b.hello(&hello(0, 1, "fetch-b")).unwrap();
+    assert_eq!(on_b.fetch_remote(&tokens).unwrap(), (32, 32));
+    let mut store_b = b.connect();
+    assert_eq!(common::retrieve_prompt(&mut store_b, 9, 0, 32).expect("retrieve on b"), 0, "wrong bytes on b");
+    let answer = on_b.lookup_cluster(&tokens).unwrap();
+    assert_eq!((answer.cached_blocks, answer.remote_blocks), (32, 0));
+    assert_eq!(on_b.fetch_remote(&tokens).unwrap(), (32, 0), "nothing more to fetch");
+    let (status_a, status_b) = (a.status(), b.status());
+    assert_eq!((status_a.served_segments, status_a.serve_refusals), (2, 0), "{status_a:?}");
+    assert_eq!((status_b.remote_reads, status_b.remote_read_failures, status_b.fetched_blocks), (1, 0, 32), "{status_b:?}");
+}
+
+#[test]
+fn a_holder_never_sends_a_block_its_own_pool_says_is_damaged() {
+    // Goal: a holder that records payload CRCs (`--payload-crc`) reads a block whose bytes
+    // were changed on its disk behind its back: it refuses the read of that segment rather
+    // than send them (the CRC it would send is computed from the bad bytes, so the asker could
+    // not tell). The asker keeps the sound segment before it and gets RemoteReadFailed for the
+    // rest; none of the damaged bytes reaches its pool.
+    let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
+    let root = tempfile::tempdir().unwrap();
+    let reader = reader(&etcd);
+    let (mut a, mut b) = (Node::new(root.path(), "a"), Node::new(root.path(), "b"));
+    a.format_extra = vec!["--payload-crc"];
+    a.start(&etcd, true);
+    b.start(&etcd, true);
+    wait_for("both nodes join", SOON, || members(&reader) == ["a", "b"]);
+    store(&a, 12);
+    wait_for("a's segments registered", SOON, || holders(&reader, 12) == [["a"], ["a"]]);
+    // Block 20 (in segment 1): found on a's pool file by its pattern, its first bytes flipped.
+    let image = a.directory.join("pool");
+    let pattern: Vec<u8> = (0..64).map(|at| common::pattern_byte(12, 0, 20, at)).collect();
+    let contents = std::fs::read(&image).unwrap();
+    let offset = contents.windows(pattern.len()).position(|window| window == &pattern[..]).expect("block 20 on a's pool file");
+    drop(contents);
+    let flipped: Vec<u8> = pattern.iter().map(|byte| byte ^ 0xFF).collect();
+    std::os::unix::fs::FileExt::write_all_at(&std::fs::OpenOptions::new().write(true).open(&image).unwrap(), &flipped, offset as u64)
+        .unwrap();
+
+    let tokens = common::prompt(12, PROMPT_BLOCKS, BLOCK_TOKENS);
+    let mut on_b = b.daemon().client();
+    on_b.hello(&hello(0, 1, "fetch-b")).unwrap();
+    match on_b.fetch_remote(&tokens) {
+        Err(DaemonError::Remote { code: ErrorCode::RemoteReadFailed, message }) => {
+            assert!(message.contains("recorded at commit") && message.contains("16 block(s)"), "{message}")
+        }
+        other => panic!("a damaged block was fetched: {other:?}"),
+    }
+    assert_eq!(on_b.lookup(&tokens).unwrap(), 16, "the sound segment stays, nothing of the damaged one");
+    let mut store_b = b.connect();
+    assert_eq!(common::retrieve_prompt(&mut store_b, 12, 0, 16).unwrap(), 0);
+    assert_eq!(a.status().serve_refusals, 1);
+}
+
+/// How a fake holder misbehaves.
+#[derive(Debug, Clone, Copy)]
+enum Misbehaviour {
+    /// Answers with bytes that are no frame.
+    Garbage,
+    /// Sends the segment header and half a block, then nothing.
+    Stall,
+    /// Sends a segment one of whose blocks' CRC does not match its bytes.
+    WrongChecksum,
+    /// Sends one good block, then closes the connection (a holder that died mid-stream).
+    Dies,
+}
+
+/// Bytes of one block of the test geometry (2 layers × K and V × 2 heads × 64 × 16 × 2 bytes).
+const BLOCK_BYTES: usize = 2 * 2 * 2 * 64 * 16 * 2;
+
+fn frame(kind: u16, body: &[u8]) -> Vec<u8> {
+    let mut out = b"TPDP".to_vec();
+    out.extend_from_slice(&1u16.to_le_bytes());
+    out.extend_from_slice(&kind.to_le_bytes());
+    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    out.extend_from_slice(body);
+    out
+}
+
+fn block_frame(index: u16, bytes: &[u8], crc: u32) -> Vec<u8> {
+    let mut body = index.to_le_bytes().to_vec();
+    body.extend_from_slice(&crc.to_le_bytes());
+    body.extend_from_slice(bytes);
+    frame(0x8002, &body)
+}
+
+/// A holder that reads one request and misbehaves as told (each connection), until dropped.
+fn fake_holder(misbehaviour: Misbehaviour) -> (std::net::SocketAddr, std::thread::JoinHandle<()>) {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let address = listener.local_addr().unwrap();
+    let thread = std::thread::spawn(move || {
+        // One connection is all a fetch makes; bounded, should none come.
+        listener.set_nonblocking(true).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut stream = loop {
+            match listener.accept() {
+                Ok((stream, _)) => break stream,
+                Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(10)),
+                Err(_) => return,
+            }
+        };
+        stream.set_nonblocking(false).unwrap();
+        stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut header = [0u8; 12];
+        if stream.read_exact(&mut header).is_err() {
+            return;
+        }
+        let mut body = vec![0u8; u32::from_le_bytes(header[8..12].try_into().unwrap()) as usize];
+        let _ = stream.read_exact(&mut body);
+        let mut segment_header = 16u16.to_le_bytes().to_vec();
+        segment_header.extend_from_slice(&(BLOCK_BYTES as u64).to_le_bytes());
+        let bytes = vec![0x5au8; BLOCK_BYTES];
+        let _ = match misbehaviour {
+            Misbehaviour::Garbage => stream.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello"),
+            Misbehaviour::Stall => {
+                let _ = stream.write_all(&frame(0x8001, &segment_header));
+                let half = block_frame(0, &bytes, crc32fast::hash(&bytes));
+                let _ = stream.write_all(&half[..half.len() / 2]);
+                std::thread::sleep(Duration::from_secs(8));
+                Ok(())
+            }
+            Misbehaviour::WrongChecksum => {
+                // A whole segment, sound but for block 7's CRC: taken without the check, it
+                // would be stored.
+                let _ = stream.write_all(&frame(0x8001, &segment_header));
+                for index in 0..16u16 {
+                    let crc = crc32fast::hash(&bytes) ^ u32::from(index == 7);
+                    let _ = stream.write_all(&block_frame(index, &bytes, crc));
+                }
+                Ok(())
+            }
+            Misbehaviour::Dies => {
+                let _ = stream.write_all(&frame(0x8001, &segment_header));
+                stream.write_all(&block_frame(0, &bytes, crc32fast::hash(&bytes)))
+            }
+        };
+    });
+    (address, thread)
+}
+
+#[test]
+fn a_holder_that_sends_garbage_stalls_lies_or_dies_is_a_typed_error_and_nothing_is_stored() {
+    // Goal: a fake node, registered as the only holder of prompt 10's segments, misbehaves in
+    // each way in turn; node b's fetch answers RemoteReadFailed (within the 2 s stall bound
+    // plus slack for the stall), b stores nothing of prompt 10, and b serves on.
+    let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
+    let root = tempfile::tempdir().unwrap();
+    let reader = reader(&etcd);
+    let mut b = Node::new(root.path(), "b");
+    b.start(&etcd, true);
+    wait_for("b joins", SOON, || members(&reader) == ["b"]);
+    let mut on_b = b.daemon().client();
+    on_b.hello(&hello(0, 1, "fetch-b")).unwrap();
+    let tokens = common::prompt(10, PROMPT_BLOCKS, BLOCK_TOKENS);
+    for misbehaviour in [Misbehaviour::Garbage, Misbehaviour::Stall, Misbehaviour::WrongChecksum, Misbehaviour::Dies] {
+        let (address, thread) = fake_holder(misbehaviour);
+        let mut config =
+            ClusterConfig::new(etcd.endpoints(), ClusterId::new(CLUSTER).unwrap(), SegmentBlocks::new(SEGMENT_BLOCKS).unwrap());
+        config.lease_ttl = LEASE;
+        config.request_timeout = REQUEST_TIMEOUT;
+        let record = MemberRecord {
+            node: NodeId::new("evil").unwrap(),
+            address: address.to_string(),
+            capacity_bytes: 1 << 30,
+            fingerprints: vec![],
+        };
+        let evil = ClusterNode::join(config, record).unwrap();
+        evil.register(&model(), &segments(10)).unwrap();
+        let started = Instant::now();
+        let failure = on_b.fetch_remote(&tokens).expect_err("a fetch from a misbehaving holder");
+        let took = started.elapsed();
+        match &failure {
+            DaemonError::Remote { code: ErrorCode::RemoteReadFailed, message } => {
+                eprintln!("{misbehaviour:?}: {message} ({took:?})");
+                assert!(message.contains("evil"), "{message}");
+            }
+            other => panic!("{misbehaviour:?}: {other:?}"),
+        }
+        assert!(took < Duration::from_secs(5), "{misbehaviour:?} took {took:?}");
+        assert_eq!(on_b.lookup(&tokens).unwrap(), 0, "{misbehaviour:?}: b stored something");
+        drop(evil);
+        thread.join().unwrap();
+    }
+    let status = b.status();
+    assert_eq!((status.remote_reads, status.remote_read_failures, status.fetched_blocks), (4, 4, 0), "{status:?}");
+    store(&b, 11);
+    assert_eq!(on_b.lookup(&common::prompt(11, PROMPT_BLOCKS, BLOCK_TOKENS)).unwrap(), PROMPT_BLOCKS as u32, "b serves on");
 }
 
 #[test]

@@ -11,6 +11,7 @@
 //! for [`LOOKUP_PAUSE`] afterwards lookups do not ask (answered `Unavailable` at once, counted
 //! as skipped), so a registry that is down costs one timeout per pause, not one per lookup.
 
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -45,6 +46,18 @@ impl RemoteLookups {
         let segment_blocks = config.segment_blocks;
         let client = ClusterClient::connect(config)?;
         Ok(RemoteLookups { client, node, segment_blocks, origin: Instant::now(), paused_until_ms: AtomicU64::new(0) })
+    }
+
+    /// The data address node `node`'s member record gives now (one etcd request: read at each
+    /// fetch, so a node that restarted on another port is found there). The error is (blocks
+    /// stored: 0, a sentence).
+    pub fn address_of(&self, node: &str) -> Result<SocketAddr, (usize, String)> {
+        let members = self.client.members().map_err(|error| (0, format!("reading the member list: {error}")))?;
+        let address = members.nodes.into_iter().find(|record| record.node.as_str() == node).map(|record| record.address);
+        address
+            .as_deref()
+            .and_then(|text| text.parse().ok())
+            .ok_or_else(|| (0, format!("node {node} has no usable data address in its member record ({address:?})")))
     }
 
     /// What other nodes hold of `keys` (a prompt's block keys in `space`) past the first

@@ -103,6 +103,13 @@ pub struct ClusterStatusReply {
     pub lookup_failures: u64,
     pub lookups_skipped: u64,
     pub remote_blocks_found: u64,
+    /// `FetchRemote`: reads sent to a holder, failed, blocks stored here from other nodes;
+    /// segments this node sent to others, reads it refused.
+    pub remote_reads: u64,
+    pub remote_read_failures: u64,
+    pub fetched_blocks: u64,
+    pub served_segments: u64,
+    pub serve_refusals: u64,
     /// The last registry error, if any.
     pub last_error: String,
 }
@@ -130,6 +137,11 @@ pub(super) fn put_cluster_status(out: &mut Vec<u8>, status: &ClusterStatusReply)
         status.lookup_failures,
         status.lookups_skipped,
         status.remote_blocks_found,
+        status.remote_reads,
+        status.remote_read_failures,
+        status.fetched_blocks,
+        status.served_segments,
+        status.serve_refusals,
     ] {
         put_u64(out, value);
     }
@@ -160,6 +172,11 @@ impl BodyReader<'_> {
             lookup_failures: self.u64("lookup_failures")?,
             lookups_skipped: self.u64("lookups_skipped")?,
             remote_blocks_found: self.u64("remote_blocks_found")?,
+            remote_reads: self.u64("remote_reads")?,
+            remote_read_failures: self.u64("remote_read_failures")?,
+            fetched_blocks: self.u64("fetched_blocks")?,
+            served_segments: self.u64("served_segments")?,
+            serve_refusals: self.u64("serve_refusals")?,
             last_error: self.string("last_error", STRING_BYTES_MAX)?,
         })
     }
