@@ -450,6 +450,65 @@ fn a_holder_never_sends_a_block_its_own_pool_says_is_damaged() {
     assert_eq!(a.status().serve_refusals, 1);
 }
 
+#[test]
+fn three_nodes_share_a_prompt_survive_a_holders_death_and_its_return() {
+    // Goal (issue 11's node-loss test on three tuttid processes): a stores prompt 13; b sees a's
+    // segments, fetches them and retrieves byte-exact (a too, locally). a is killed with
+    // SIGKILL: a read racing its death (the registry still names a) fails cleanly on c with
+    // nothing stored; within the lease a's segments vanish from c's lookups, while b and c
+    // serve on (b's fetched copy byte-exact). a restarts on its pool — on a new data port —
+    // and registers what survived; c then fetches from it byte-exact. Wrong bytes: 0.
+    let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
+    let root = tempfile::tempdir().unwrap();
+    let reader = reader(&etcd);
+    let mut nodes: Vec<Node> = ["a", "b", "c"].into_iter().map(|name| Node::new(root.path(), name)).collect();
+    for node in &mut nodes {
+        node.start(&etcd, true);
+    }
+    wait_for("three nodes join", SOON, || members(&reader) == ["a", "b", "c"]);
+    let [a, b, c] = &mut nodes[..] else { unreachable!("three nodes") };
+    store(a, 13);
+    wait_for("a's segments registered", SOON, || holders(&reader, 13) == [["a"], ["a"]]);
+    let tokens = common::prompt(13, PROMPT_BLOCKS, BLOCK_TOKENS);
+    let client = |node: &Node, name: &str| {
+        let mut client = node.daemon().client();
+        client.hello(&hello(0, 1, name)).unwrap();
+        client
+    };
+    let mut on_b = client(b, "b");
+    let seen = on_b.lookup_cluster(&tokens).unwrap();
+    assert_eq!((seen.cached_blocks, seen.remote_blocks, seen.holders[0].node.as_str()), (0, 32, "a"));
+    assert_eq!(on_b.fetch_remote(&tokens).unwrap(), (32, 32));
+    let mut wrong = common::retrieve_prompt(&mut b.connect(), 13, 0, 32).unwrap();
+    wrong += common::retrieve_prompt(&mut a.connect(), 13, 0, PROMPT_BLOCKS).unwrap();
+    let old_address = a.status().data_address;
+
+    a.kill();
+    let mut on_c = client(c, "c");
+    let started = Instant::now();
+    match on_c.fetch_remote(&tokens) {
+        Err(DaemonError::Remote { code: ErrorCode::RemoteReadFailed, message }) => assert!(message.contains("node a"), "{message}"),
+        other => panic!("a read from a dead holder: {other:?}"),
+    }
+    assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
+    assert_eq!(on_c.lookup(&tokens).unwrap(), 0, "c stored something from a dead holder");
+    let vanished = wait_for("a's segments vanish from c's lookups", LEASE + Duration::from_secs(4), || {
+        on_c.lookup_cluster(&tokens).unwrap().remote_blocks == 0
+    });
+    eprintln!("a's segments vanished from c's lookups {vanished:?} after the kill's read (lease {LEASE:?})");
+    assert_eq!(on_c.fetch_remote(&tokens).unwrap(), (0, 0), "nothing left to fetch");
+    wrong += common::retrieve_prompt(&mut b.connect(), 13, 0, 32).unwrap();
+    store(c, 14);
+
+    a.start(&etcd, false);
+    wait_for("a registers what survived", LEASE + SOON, || holders(&reader, 13) == [["a"], ["a"]]);
+    assert_ne!(a.status().data_address, old_address, "a serves on a new port");
+    assert_eq!(on_c.fetch_remote(&tokens).unwrap(), (32, 32));
+    wrong += common::retrieve_prompt(&mut c.connect(), 13, 0, 32).unwrap();
+    eprintln!("three-node test: wrong bytes {wrong}");
+    assert_eq!(wrong, 0);
+}
+
 /// How a fake holder misbehaves.
 #[derive(Debug, Clone, Copy)]
 enum Misbehaviour {
