@@ -12,8 +12,9 @@
 #               compiled and their timeline logic tested (tools/gpu/check.sh)
 #   fuzz        the cargo-fuzz targets build (running them needs nightly: see fuzz/README.md)
 #   benches     criterion benchmarks compile (running them is `cargo bench`, not a test)
-#   cluster     the cluster registry (crates/cluster) and `tutti cluster status` against real etcd
-#               servers (Debian's etcd-server, installed here) that the tests start on loopback
+#   cluster     the cluster registry (crates/cluster), `tutti cluster status` and tuttid processes as
+#               cluster nodes against real etcd servers (Debian's etcd-server, installed here)
+#               that the tests start on loopback
 #               ports: one member, and three where members are killed; every process stopped
 #   python      the tutti wheel built (maturin, abi3) into a venv under ~/.cache/tutti (keyed by the
 #               pinned python/requirements-test.txt), installed into a fresh venv and imported, and
@@ -27,8 +28,9 @@
 #               and the object-store round trip over both (tools/vm-test.sh)
 #
 # Building the workspace needs `protoc` (etcd-client's build script generates etcd's gRPC API):
-# stages that build it install Debian's protobuf-compiler first. tutti-bench does not depend on
-# the cluster crate, so `cargo run --release --bin tutti-bench` builds without it.
+# stages that build it install Debian's protobuf-compiler first. tutti-bench (and the Python
+# package) use tutti-daemon without its `cluster` feature, so `cargo run --release --bin
+# tutti-bench` builds without it; tuttid needs it.
 #
 # Stages run in that order; a failing stage does not stop the later ones, and the script exits
 # non-zero if any failed. Select stages with TUTTI_STAGES="rust lint" (default: all).
@@ -127,7 +129,9 @@ stage_benches() {
 stage_cluster() {
     ensure_protoc && ensure_etcd || return 1
     TUTTI_REQUIRE_ETCD=1 timeout 900 cargo test --locked -p tutti-cluster --all-targets 2>&1 &&
-        TUTTI_REQUIRE_ETCD=1 timeout 600 cargo test --locked -p tutti --test cluster 2>&1
+        TUTTI_REQUIRE_ETCD=1 timeout 600 cargo test --locked -p tutti --test cluster 2>&1 &&
+        timeout 600 cargo test --locked -p tutti-daemon --features cluster --lib cluster 2>&1 &&
+        TUTTI_REQUIRE_ETCD=1 timeout 600 cargo test --locked -p tuttid --test cluster 2>&1
 }
 
 # Two controllers: the suite runs on each, and the object-store round trip stripes one pool over

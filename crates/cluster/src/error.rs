@@ -15,6 +15,7 @@ pub enum ClusterError {
     #[error("the cluster registry is unavailable: {operation} got no answer from etcd within {waited:?} ({last_error})")]
     Unavailable { operation: &'static str, waited: Duration, last_error: String },
     /// etcd answered `operation` with an error that retrying will not cure.
+    #[cfg(feature = "etcd")]
     #[error("etcd refused {operation}: {source}")]
     Etcd {
         operation: &'static str,

@@ -12,20 +12,35 @@
 //! request timeout and answers [`ClusterError::Unavailable`] past it, so a node never waits on
 //! etcd longer than that and keeps serving its local cache.
 
+//!
+//! Feature `etcd` (default): everything that talks to etcd. Without it the crate is the names,
+//! segments and record formats (what tuttid's key spaces and the client library need), and
+//! builds without `protoc`.
+
+#[cfg(feature = "etcd")]
 mod client;
+mod config;
+#[cfg(feature = "etcd")]
 mod connection;
 mod error;
 pub mod layout;
+#[cfg(feature = "etcd")]
 pub mod local_etcd;
 mod names;
+#[cfg(feature = "etcd")]
 mod node;
 mod segments;
+#[cfg(feature = "etcd")]
 mod status;
 
-pub use client::{ClusterClient, ClusterConfig, Lookup, Members, ETCD_TXN_OPS_DEFAULT, MEMBERS_MAX};
+#[cfg(feature = "etcd")]
+pub use client::{ClusterClient, Lookup, Members, MEMBERS_MAX};
+pub use config::{ClusterConfig, ETCD_TXN_OPS_DEFAULT};
 pub use error::{ClusterError, Result};
 pub use layout::{MemberRecord, SegmentRecord, FORMAT_VERSION};
 pub use names::{ClusterId, ModelSpace, NodeId, SegmentKey, FINGERPRINT_BYTES, TP_WORLD_MAX};
+#[cfg(feature = "etcd")]
 pub use node::{ClusterNode, LeaseHealth};
 pub use segments::{segments_of, Segment, SegmentBlocks};
+#[cfg(feature = "etcd")]
 pub use status::{ClusterStatus, MemberStatus};

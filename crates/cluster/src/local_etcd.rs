@@ -71,6 +71,21 @@ pub fn http_get(port: u16, path: &str, timeout: Duration) -> std::io::Result<Str
 }
 
 impl LocalEtcd {
+    /// For tests: [`LocalEtcd::start`], or `None` (with a `SKIPPED` note on stderr) where no etcd
+    /// binary is installed — unless `TUTTI_REQUIRE_ETCD=1` (tools/test.sh's cluster stage), where
+    /// that panics. A binary that is there but fails to start panics too.
+    pub fn start_or_skip(members: usize) -> Option<LocalEtcd> {
+        if etcd_binary().is_none() {
+            assert!(
+                std::env::var_os("TUTTI_REQUIRE_ETCD").is_none_or(|value| value != "1"),
+                "TUTTI_REQUIRE_ETCD=1 but no etcd binary (install etcd-server or set TUTTI_ETCD)"
+            );
+            eprintln!("SKIPPED: no etcd binary (install Debian's etcd-server, or run tools/test.sh cluster)");
+            return None;
+        }
+        Some(LocalEtcd::start(members).expect("start a local etcd"))
+    }
+
     /// Starts `members` members (1 or 3 in the tests) and waits until each answers healthy.
     pub fn start(members: usize) -> Result<LocalEtcd> {
         let binary = etcd_binary().ok_or_else(|| {
@@ -214,6 +229,36 @@ impl LocalEtcd {
             return Err(io_error(format!("kill {signal}"), std::io::Error::other(status.to_string())));
         }
         Ok(())
+    }
+
+    /// Revokes lease `lease_id` behind its holder's back, as an expiry during a partition
+    /// would end it: every key under it vanishes at once.
+    pub fn revoke_lease(&self, lease_id: i64) -> Result<()> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|error| io_error("start a runtime to revoke a lease", error))?;
+        let endpoints = self.endpoints();
+        runtime
+            .block_on(async move {
+                let mut client = etcd_client::Client::connect(endpoints, None).await?;
+                client.lease_revoke(lease_id).await.map(|_| ())
+            })
+            .map_err(|source| ClusterError::Etcd { operation: "revoke a lease", source })
+    }
+
+    /// Unary gRPC requests member `index` has started for `method` (e.g. "Txn"; "" for every
+    /// method), from its metrics: what a client really sent, retries included.
+    pub fn requests_started(&self, index: usize, method: &str) -> Result<u64> {
+        let metrics = self.metrics(index)?;
+        let method = format!("grpc_method=\"{method}\"");
+        let count = metrics
+            .lines()
+            .filter(|line| line.starts_with("grpc_server_started_total{") && line.contains("grpc_type=\"unary\""))
+            .filter(|line| method == "grpc_method=\"\"" || line.contains(&method))
+            .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>();
+        Ok(count as u64)
     }
 
     /// Whether member `index` is the raft leader now (its `etcd_server_is_leader` metric).

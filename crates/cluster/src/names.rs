@@ -63,9 +63,10 @@ impl fmt::Display for NodeId {
     }
 }
 
-/// The key space of a model's blocks: its fingerprint and tensor-parallel shape. tuttid seeds
-/// the block-key chain with these already; the registry also puts them in every segment's etcd
-/// key, so a 64-bit hash collision between two models (or two ranks) cannot join their prefixes.
+/// The key space of a model's blocks: its fingerprint and tensor-parallel shape, checked here
+/// once for the whole workspace (tuttid's `KeySpace` is built on it). tuttid seeds the block-key
+/// chain with these; the registry also puts them in every segment's etcd key, so a 64-bit hash
+/// collision between two models (or two ranks) cannot join their prefixes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct ModelSpace {
     fingerprint: [u8; FINGERPRINT_BYTES],
@@ -78,7 +79,9 @@ impl ModelSpace {
     /// and a rank not below the world.
     pub fn new(fingerprint: [u8; FINGERPRINT_BYTES], tp_rank: u32, tp_world: u32) -> Result<ModelSpace> {
         if fingerprint.iter().all(|&byte| byte == 0) {
-            return Err(ClusterError::InvalidSetting("the model fingerprint is all zeroes".into()));
+            return Err(ClusterError::InvalidSetting(
+                "the model fingerprint is all zeroes; give the model's identity (e.g. a SHA-256 of its config)".into(),
+            ));
         }
         if tp_world == 0 || tp_world > TP_WORLD_MAX {
             return Err(ClusterError::InvalidSetting(format!("tensor-parallel world size {tp_world} is outside 1..={TP_WORLD_MAX}")));

@@ -9,7 +9,8 @@ use etcd_client::{Compare, CompareOp, LeaseKeepAliveStream, LeaseKeeper, PutOpti
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::client::{ClusterClient, ClusterConfig, Lookup, Members};
+use crate::client::{ClusterClient, Lookup, Members};
+use crate::config::ClusterConfig;
 use crate::connection::{attempt_timeout, Members as EtcdMembers, RETRY_PAUSE_FIRST, RETRY_PAUSE_MAX};
 use crate::error::{ClusterError, Result};
 use crate::layout::{MemberRecord, SegmentRecord, ADDRESS_BYTES_MAX, FINGERPRINTS_MAX};
@@ -182,6 +183,41 @@ impl ClusterNode {
             self.stop_keep_alive();
             self.revoke(self.lease.lease_id.load(Ordering::Relaxed));
         }
+    }
+
+    /// Replaces the member record (e.g. a model fingerprint the node now serves), under the
+    /// node's lease and only while the key is still this lease's: otherwise the lease is gone
+    /// ([`ClusterError::LeaseLost`]; `rejoin` puts the record again). The node id stays.
+    pub fn update_record(&mut self, record: MemberRecord) -> Result<()> {
+        if record.node != self.record.node {
+            return Err(ClusterError::InvalidSetting(format!("a member record of node {} for node {}", record.node, self.record.node)));
+        }
+        if record.address.len() > ADDRESS_BYTES_MAX || record.fingerprints.len() > FINGERPRINTS_MAX {
+            return Err(ClusterError::InvalidSetting(format!(
+                "a member record with an address over {ADDRESS_BYTES_MAX} bytes or over {FINGERPRINTS_MAX} fingerprints"
+            )));
+        }
+        let lease_id = self.live_lease()?;
+        let key = self.client.layout.member_key(&record.node);
+        let value = record.encode(self.client.layout.cluster());
+        let answer = self
+            .client
+            .connection
+            .call("update the member record", |mut client| {
+                let transaction = Txn::new().when([Compare::lease(key.clone(), CompareOp::Equal, lease_id)]).and_then([TxnOp::put(
+                    key.clone(),
+                    value.clone(),
+                    Some(PutOptions::new().with_lease(lease_id)),
+                )]);
+                async move { client.txn(transaction).await }
+            })
+            .map_err(|error| self.lease_refused(error, lease_id))?;
+        if !answer.succeeded() {
+            self.lease.lost.store(true, Ordering::Relaxed);
+            return Err(ClusterError::LeaseLost { lease_id });
+        }
+        self.record = record;
+        Ok(())
     }
 
     pub fn record(&self) -> &MemberRecord {

@@ -265,11 +265,7 @@ fn a_lost_lease_is_reported_and_rejoin_restores_the_node() {
     let segments = prompt(21, 3);
     node_a.register(&space(), &segments).unwrap();
     let old_lease = node_a.health().lease_id;
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    runtime.block_on(async {
-        let mut client = etcd_client::Client::connect(etcd.endpoints(), None).await.unwrap();
-        client.lease_revoke(old_lease).await.unwrap();
-    });
+    etcd.revoke_lease(old_lease).unwrap();
     assert!(node_a.members().unwrap().nodes.is_empty());
     assert!(wait_until(LEASE_TTL, || node_a.health().lost).is_some(), "{:?}", node_a.health());
     match node_a.register(&space(), &segments) {
@@ -282,4 +278,31 @@ fn a_lost_lease_is_reported_and_rejoin_restores_the_node() {
     node_a.register(&space(), &segments).unwrap();
     assert_eq!(node_a.members().unwrap().nodes, vec![record("a")]);
     assert_eq!(node_a.lookup(&space(), &segments).unwrap().prefix_segments(), 3);
+}
+
+#[test]
+fn a_member_record_is_updated_only_under_its_own_lease() {
+    // Goal: a live node replaces its record (a model it now serves) in place; once its lease
+    // is gone (revoked behind its back), the update is refused as `LeaseLost` and writes
+    // nothing, so a dead lease's record is never brought back by an update.
+    let Some(etcd) = start_etcd(1) else { return };
+    let mut node_a = ClusterNode::join(config(&etcd, "update"), record("a")).unwrap();
+    let mut updated = record("a");
+    updated.fingerprints.push([8; 32]);
+    node_a.update_record(updated.clone()).unwrap();
+    assert_eq!(node_a.members().unwrap().nodes, vec![updated.clone()]);
+    assert_eq!(node_a.record(), &updated);
+    let mut other = record("b");
+    other.fingerprints.clear();
+    assert!(matches!(node_a.update_record(other), Err(ClusterError::InvalidSetting(_))));
+
+    let old_lease = node_a.health().lease_id;
+    etcd.revoke_lease(old_lease).unwrap();
+    match node_a.update_record(record("a")) {
+        Err(ClusterError::LeaseLost { lease_id }) => assert_eq!(lease_id, old_lease),
+        other => panic!("update under a revoked lease: {other:?}"),
+    }
+    assert!(node_a.members().unwrap().nodes.is_empty(), "the update wrote a record without a lease");
+    node_a.rejoin().unwrap();
+    assert_eq!(node_a.members().unwrap().nodes, vec![updated]);
 }

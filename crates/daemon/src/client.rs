@@ -90,6 +90,34 @@ impl Client {
         }
     }
 
+    /// The longest prefix of `tokens` cached on this node (as [`Client::lookup`]) and what other
+    /// nodes of the cluster hold past it, by whom.
+    pub fn lookup_cluster(&mut self, tokens: &[u32]) -> Result<crate::protocol::ClusterLookupReply, DaemonError> {
+        match self.exchange(Kind::LookupCluster, |out| encode_lookup_body(tokens, out), &[])? {
+            Reply::ClusterLookup(reply) => Ok(reply),
+            other => Err(DaemonError::UnexpectedReply { asked: Kind::LookupCluster, got: other.kind() }),
+        }
+    }
+
+    /// Reads what other nodes hold of `tokens` past this node's prefix and stores it here (a
+    /// `PrepareRetrieve` then finds it): (the local prefix now, blocks fetched), in blocks. A
+    /// failure is `Remote { code: RemoteReadFailed, .. }`: recompute those blocks. The client's
+    /// timeout must cover the fetch (a segment's read and local store per segment).
+    pub fn fetch_remote(&mut self, tokens: &[u32]) -> Result<(u32, u32), DaemonError> {
+        match self.exchange(Kind::FetchRemote, |out| encode_lookup_body(tokens, out), &[])? {
+            Reply::Fetched { cached_blocks, fetched_blocks } => Ok((cached_blocks, fetched_blocks)),
+            other => Err(DaemonError::UnexpectedReply { asked: Kind::FetchRemote, got: other.kind() }),
+        }
+    }
+
+    /// The daemon's part in the cluster (allowed before `hello`; `enabled` false outside one).
+    pub fn cluster_status(&mut self) -> Result<crate::protocol::ClusterStatusReply, DaemonError> {
+        match self.call(&Request::ClusterStatus)? {
+            Reply::ClusterStatus(status) => Ok(status),
+            other => Err(DaemonError::UnexpectedReply { asked: Kind::ClusterStatus, got: other.kind() }),
+        }
+    }
+
     /// Renews the lease.
     pub fn ping(&mut self) -> Result<(), DaemonError> {
         match self.call(&Request::Ping)? {

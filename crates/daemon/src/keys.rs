@@ -6,44 +6,58 @@
 
 use objstore::hash::{block_keys_seeded, chain_hash};
 use objstore::index::Index;
+use tutti_cluster::{ClusterError, ModelSpace};
 
-use crate::protocol::{FINGERPRINT_BYTES, TP_WORLD_MAX};
+use crate::protocol::FINGERPRINT_BYTES;
 
 /// Domain tag mixed into every seed ("tuttid keys v1"): a seed is never the in-process store's
 /// seed 0 (`chain_hash` never returns 0) and changes if this derivation ever does.
 const SEED_DOMAIN: u32 = 0x7464_6b31;
 
-/// A session's key space.
+/// A session's key space: the cluster tier's [`ModelSpace`] (which checks the identity, one
+/// place for the whole workspace) and the seed of its block-key chain.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KeySpace {
     seed: u64,
-    fingerprint: [u8; FINGERPRINT_BYTES],
-    pub tp_rank: u32,
-    pub tp_world: u32,
+    model: ModelSpace,
 }
 
 impl KeySpace {
-    /// Checks the declared identity: a fingerprint that is not all zeroes (zero names no model),
-    /// 1 ≤ world ≤ [`TP_WORLD_MAX`], rank < world. The error is a sentence for the client.
+    /// Checks the declared identity ([`ModelSpace::new`]: a fingerprint that is not all zeroes,
+    /// 1 ≤ world ≤ `TP_WORLD_MAX`, rank < world). The error is a sentence for the client.
     pub fn new(fingerprint: &[u8; FINGERPRINT_BYTES], tp_rank: u32, tp_world: u32) -> Result<KeySpace, String> {
-        if fingerprint.iter().all(|&byte| byte == 0) {
-            return Err("the model fingerprint is all zeroes; give the model's identity (e.g. a SHA-256 of its config)".into());
+        match ModelSpace::new(*fingerprint, tp_rank, tp_world) {
+            Ok(model) => Ok(KeySpace::of(model)),
+            Err(ClusterError::InvalidSetting(reason)) => Err(reason),
+            Err(other) => Err(other.to_string()),
         }
-        if tp_world == 0 || tp_world > TP_WORLD_MAX {
-            return Err(format!("tensor-parallel world size {tp_world} is outside 1..={TP_WORLD_MAX}"));
-        }
-        if tp_rank >= tp_world {
-            return Err(format!("tensor-parallel rank {tp_rank} is not below the world size {tp_world}"));
-        }
+    }
+
+    /// The key space of a checked identity.
+    pub fn of(model: ModelSpace) -> KeySpace {
+        let fingerprint = model.fingerprint();
         let mut words = [0u32; FINGERPRINT_BYTES / 4 + 3];
         for (word, bytes) in words.iter_mut().zip(fingerprint.chunks_exact(4)) {
             *word = u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
         }
         let tail = FINGERPRINT_BYTES / 4;
-        words[tail] = tp_rank;
-        words[tail + 1] = tp_world;
+        words[tail] = model.tp_rank();
+        words[tail + 1] = model.tp_world();
         words[tail + 2] = SEED_DOMAIN;
-        Ok(KeySpace { seed: chain_hash(0, &words), fingerprint: *fingerprint, tp_rank, tp_world })
+        KeySpace { seed: chain_hash(0, &words), model }
+    }
+
+    /// The identity: model fingerprint and tensor-parallel shape.
+    pub fn model(&self) -> &ModelSpace {
+        &self.model
+    }
+
+    pub fn tp_rank(&self) -> u32 {
+        self.model.tp_rank()
+    }
+
+    pub fn tp_world(&self) -> u32 {
+        self.model.tp_world()
     }
 
     pub fn seed(&self) -> u64 {
@@ -70,11 +84,12 @@ impl KeySpace {
     /// stops at the first rank with nothing cached.
     pub fn cached_prefix_on_all_ranks(&self, index: &Index, tokens: &[u32], block_tokens: u32, keys: &mut Vec<u64>) -> usize {
         let mut common = tokens.len() / block_tokens.max(1) as usize;
-        for rank in 0..self.tp_world {
+        let world = self.tp_world();
+        for rank in 0..world {
             if common == 0 {
                 break;
             }
-            let space = match KeySpace::new(&self.fingerprint, rank, self.tp_world) {
+            let space = match KeySpace::new(self.model.fingerprint(), rank, world) {
                 Ok(space) => space,
                 // Unreachable: every rank below a world this space was built with is valid.
                 Err(_) => return 0,

@@ -4,6 +4,8 @@
 //! - [`protocol`]: the frames and messages, pure encode/decode with typed errors;
 //! - [`frame_io`]: reading and writing frames on a socket with deadlines and bounded buffers;
 //! - [`fd_passing`]: descriptors with a frame (SCM_RIGHTS), the crate's only unsafe code;
+//! - [`cluster`]: the daemon as a cluster node (docs/cluster.md): joins the registry, registers
+//!   what each commit completes, unregisters what eviction breaks, leaves on SIGTERM;
 //! - [`gpu_memory`]: KV memory reached only by copies (GPU memory through CUDA IPC, a memfd
 //!   stand-in): importing it, the overlap check, why `vfio:` pools refuse it;
 //! - [`keys`]: key spaces (model fingerprint + tensor-parallel rank/world size);
@@ -21,6 +23,7 @@
 #![deny(unsafe_code)]
 
 pub mod client;
+pub mod cluster;
 pub mod fd_passing;
 pub mod frame_io;
 pub mod gpu_memory;
@@ -69,4 +72,6 @@ pub enum DaemonError {
     Pool { context: String, source: objstore::ObjstoreError },
     #[error("device memory: {0}")]
     DeviceMemory(String),
+    #[error("cluster: {0}")]
+    Cluster(String),
 }

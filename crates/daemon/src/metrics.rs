@@ -43,6 +43,9 @@ pub enum RequestLabel {
     Commit,
     Release,
     RegisterDeviceMemory,
+    ClusterStatus,
+    LookupCluster,
+    FetchRemote,
     /// A frame whose body did not decode (no kind to name).
     Malformed,
 }
@@ -63,6 +66,9 @@ impl RequestLabel {
             Kind::Commit => RequestLabel::Commit,
             Kind::Release => RequestLabel::Release,
             Kind::RegisterDeviceMemory => RequestLabel::RegisterDeviceMemory,
+            Kind::ClusterStatus => RequestLabel::ClusterStatus,
+            Kind::LookupCluster => RequestLabel::LookupCluster,
+            Kind::FetchRemote => RequestLabel::FetchRemote,
             _ => RequestLabel::Malformed,
         }
     }
@@ -276,6 +282,11 @@ impl Metrics {
             client_doorbells,
             relay_seen: std::sync::Mutex::new(crate::relay::RelayCounts::default()),
         }
+    }
+
+    /// Adds the cluster tier's metrics (a daemon in a cluster: `crate::cluster`).
+    pub fn register_cluster(&mut self, cluster: &crate::cluster::ClusterMetrics) {
+        cluster.register(&mut self.registry);
     }
 
     /// A client's accepted report: what its request moved.

@@ -19,10 +19,12 @@
 
 use std::fmt;
 
+mod cluster;
 mod device_memory;
 mod status;
 mod store;
 
+pub use cluster::{ClusterLookupReply, ClusterStatusReply, RegistryAnswer, RemoteHolder, REMOTE_HOLDERS_MAX};
 pub use device_memory::{DeviceMemoryKind, RegisterDeviceMemory, DEVICE_MEMORY_HANDLE_BYTES, DEVICE_UUID_BYTES};
 pub use status::{ClientStatus, DeviceStatus, PoolStatus, RelayStatus, StatusReply};
 pub use store::{
@@ -44,11 +46,10 @@ pub const BODY_BYTES_MAX: u32 = 1 << 20;
 pub const STRING_BYTES_MAX: usize = 4096;
 /// Longest client name given in `Hello`.
 pub const CLIENT_NAME_BYTES_MAX: usize = 64;
-/// Largest tensor-parallel world size accepted.
-pub const TP_WORLD_MAX: u32 = 1024;
-/// Bytes of a model fingerprint (e.g. SHA-256 of the model's config and weights' identity,
-/// computed by the client; opaque to the daemon).
-pub const FINGERPRINT_BYTES: usize = 32;
+/// Largest tensor-parallel world size accepted, and bytes of a model fingerprint (e.g. SHA-256
+/// of the model's config and weights' identity, computed by the client; opaque to the daemon):
+/// the cluster tier's, which checks a model space for the whole workspace.
+pub use tutti_cluster::{FINGERPRINT_BYTES, TP_WORLD_MAX};
 
 /// What a frame carries. Replies have the high bit set.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,6 +68,9 @@ pub enum Kind {
     Commit = 11,
     Release = 12,
     RegisterDeviceMemory = 13,
+    ClusterStatus = 14,
+    LookupCluster = 15,
+    FetchRemote = 16,
     HelloReply = 0x8001,
     LookupReply = 0x8002,
     StatusReply = 0x8003,
@@ -78,6 +82,9 @@ pub enum Kind {
     StorePrepared = 0x800A,
     Committed = 0x800B,
     Released = 0x800C,
+    ClusterStatusReply = 0x800E,
+    ClusterLookupReply = 0x800F,
+    Fetched = 0x8010,
     Error = 0x80FF,
 }
 
@@ -97,6 +104,9 @@ impl Kind {
             11 => Kind::Commit,
             12 => Kind::Release,
             13 => Kind::RegisterDeviceMemory,
+            14 => Kind::ClusterStatus,
+            15 => Kind::LookupCluster,
+            16 => Kind::FetchRemote,
             0x8001 => Kind::HelloReply,
             0x8002 => Kind::LookupReply,
             0x8003 => Kind::StatusReply,
@@ -108,6 +118,9 @@ impl Kind {
             0x800A => Kind::StorePrepared,
             0x800B => Kind::Committed,
             0x800C => Kind::Released,
+            0x800E => Kind::ClusterStatusReply,
+            0x800F => Kind::ClusterLookupReply,
+            0x8010 => Kind::Fetched,
             0x80FF => Kind::Error,
             _ => return None,
         })
@@ -151,6 +164,9 @@ pub enum ErrorCode {
     /// A client's report on its own request (what its data path moved, blocks it found
     /// corrupt) that the request's grant does not cover: refused, nothing counted or evicted.
     BadReport,
+    /// A remote read failed (the registry, the holder, the network, a checksum, or storing the
+    /// segment here): those blocks are not here; recompute them. Never wrong bytes.
+    RemoteReadFailed,
     /// A code this build does not know (a newer daemon).
     Unknown(u16),
 }
@@ -176,6 +192,7 @@ impl ErrorCode {
             ErrorCode::Unsupported => 16,
             ErrorCode::StoreFailed => 17,
             ErrorCode::BadReport => 18,
+            ErrorCode::RemoteReadFailed => 19,
             ErrorCode::Unknown(code) => code,
         }
     }
@@ -200,6 +217,7 @@ impl ErrorCode {
             16 => ErrorCode::Unsupported,
             17 => ErrorCode::StoreFailed,
             18 => ErrorCode::BadReport,
+            19 => ErrorCode::RemoteReadFailed,
             other => ErrorCode::Unknown(other),
         }
     }
@@ -351,6 +369,20 @@ pub enum Request {
     /// memfd stand-in); answered with [`Reply::Registered`]. Descriptors: see
     /// [`RegisterDeviceMemory`].
     RegisterDeviceMemory(RegisterDeviceMemory),
+    /// The node's part in the cluster (answered with [`Reply::ClusterStatus`]; allowed before
+    /// `Hello`).
+    ClusterStatus,
+    /// The longest prefix of `tokens` cached here, as `Lookup` answers it, and how many further
+    /// blocks other nodes of the cluster hold, by whom (answered with [`Reply::ClusterLookup`]).
+    LookupCluster {
+        tokens: Vec<u32>,
+    },
+    /// Reads what other nodes hold of `tokens` past the local prefix from a holder and stores
+    /// it here, so a `PrepareRetrieve` then finds it (answered with [`Reply::Fetched`], or
+    /// `RemoteReadFailed`).
+    FetchRemote {
+        tokens: Vec<u32>,
+    },
 }
 
 /// What the daemon answers.
@@ -379,6 +411,13 @@ pub enum Reply {
         stored: u32,
     },
     Released,
+    ClusterStatus(ClusterStatusReply),
+    ClusterLookup(ClusterLookupReply),
+    /// After a `FetchRemote`: the local prefix now, and the blocks stored from other nodes.
+    Fetched {
+        cached_blocks: u32,
+        fetched_blocks: u32,
+    },
 }
 
 impl Request {
@@ -397,6 +436,9 @@ impl Request {
             Request::Commit(_) => Kind::Commit,
             Request::Release { .. } => Kind::Release,
             Request::RegisterDeviceMemory(_) => Kind::RegisterDeviceMemory,
+            Request::ClusterStatus => Kind::ClusterStatus,
+            Request::LookupCluster { .. } => Kind::LookupCluster,
+            Request::FetchRemote { .. } => Kind::FetchRemote,
         }
     }
 
@@ -409,8 +451,11 @@ impl Request {
                 put_u32(out, hello.tp_world);
                 put_str(out, &hello.client_name);
             }
-            Request::Lookup { tokens } | Request::LookupAllRanks { tokens } => encode_lookup_body(tokens, out),
-            Request::Status | Request::Ping => {}
+            Request::Lookup { tokens }
+            | Request::LookupAllRanks { tokens }
+            | Request::LookupCluster { tokens }
+            | Request::FetchRemote { tokens } => encode_lookup_body(tokens, out),
+            Request::Status | Request::Ping | Request::ClusterStatus => {}
             other => {
                 if !store::encode_request(other, out) {
                     device_memory::encode_request(other, out);
@@ -430,7 +475,7 @@ impl Request {
                 let client_name = reader.string("client_name", CLIENT_NAME_BYTES_MAX)?;
                 Request::Hello(Hello { model_fingerprint, tp_rank, tp_world, client_name })
             }
-            Kind::Lookup | Kind::LookupAllRanks => {
+            Kind::Lookup | Kind::LookupAllRanks | Kind::LookupCluster | Kind::FetchRemote => {
                 let count = reader.u32("token_count")? as usize;
                 // The count must match the body exactly: checked before anything is allocated.
                 if reader.remaining() != count.saturating_mul(4) {
@@ -438,14 +483,16 @@ impl Request {
                 }
                 let tokens =
                     reader.bytes(count * 4, "tokens")?.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-                if kind == Kind::Lookup {
-                    Request::Lookup { tokens }
-                } else {
-                    Request::LookupAllRanks { tokens }
+                match kind {
+                    Kind::Lookup => Request::Lookup { tokens },
+                    Kind::LookupAllRanks => Request::LookupAllRanks { tokens },
+                    Kind::LookupCluster => Request::LookupCluster { tokens },
+                    _ => Request::FetchRemote { tokens },
                 }
             }
             Kind::Status => Request::Status,
             Kind::Ping => Request::Ping,
+            Kind::ClusterStatus => Request::ClusterStatus,
             other => match store::decode_request(other, &mut reader)? {
                 Some(request) => request,
                 None => match device_memory::decode_request(other, &mut reader)? {
@@ -474,6 +521,9 @@ impl Reply {
             Reply::StorePrepared(_) => Kind::StorePrepared,
             Reply::Committed { .. } => Kind::Committed,
             Reply::Released => Kind::Released,
+            Reply::ClusterStatus(_) => Kind::ClusterStatusReply,
+            Reply::ClusterLookup(_) => Kind::ClusterLookupReply,
+            Reply::Fetched { .. } => Kind::Fetched,
         }
     }
 
@@ -494,7 +544,13 @@ impl Reply {
                 put_u32(out, *cached_blocks);
                 put_u32(out, *block_tokens);
             }
+            Reply::Fetched { cached_blocks, fetched_blocks } => {
+                put_u32(out, *cached_blocks);
+                put_u32(out, *fetched_blocks);
+            }
             Reply::Status(status) => status::put_status(out, status),
+            Reply::ClusterStatus(status) => cluster::put_cluster_status(out, status),
+            Reply::ClusterLookup(lookup) => cluster::put_cluster_lookup(out, lookup),
             Reply::Pong => {}
             Reply::Error { code, message } => {
                 put_u16(out, code.to_u16());
@@ -511,7 +567,10 @@ impl Reply {
         let reply = match kind {
             Kind::HelloReply => Reply::Hello(HelloReply { session: r.u64("session")?, lease_ms: r.u32("lease_ms")?, shape: r.shape()? }),
             Kind::LookupReply => Reply::Lookup { cached_blocks: r.u32("cached_blocks")?, block_tokens: r.u32("block_tokens")? },
+            Kind::Fetched => Reply::Fetched { cached_blocks: r.u32("cached_blocks")?, fetched_blocks: r.u32("fetched_blocks")? },
             Kind::StatusReply => Reply::Status(r.status()?),
+            Kind::ClusterStatusReply => Reply::ClusterStatus(r.cluster_status()?),
+            Kind::ClusterLookupReply => Reply::ClusterLookup(r.cluster_lookup()?),
             Kind::Pong => Reply::Pong,
             Kind::Error => Reply::Error { code: ErrorCode::from_u16(r.u16("code")?), message: r.string("message", STRING_BYTES_MAX)? },
             other => match store::decode_reply(other, &mut r)? {

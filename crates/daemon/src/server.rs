@@ -27,16 +27,21 @@ use std::time::{Duration, Instant};
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
 
+use crate::cluster::{ClusterAgent, ClusterSettings, PreparedStores};
 use crate::frame_io::{read_frame, write_frame, write_frame_with_fds, ReadOutcome};
 use crate::gpu_memory::{DeviceMemoryImport, DeviceMemoryService};
 use crate::keys::KeySpace;
 use crate::lock::DeviceLocks;
 use crate::metrics::{ClientRelay, Metrics, MetricsEndpoint, RequestLabel, Snapshot};
 use crate::pool_open::OpenedPool;
-use crate::protocol::{encode_frame, ClientStatus, DeviceStatus, ErrorCode, HelloReply, Kind, PoolShape, Reply, Request, StatusReply};
+use crate::protocol::{
+    encode_frame, ClientStatus, ClusterStatusReply, DeviceStatus, ErrorCode, HelloReply, Kind, PoolShape, Reply, Request, StatusReply,
+};
 use crate::relay::{DoorbellRelay, PairCounters, RelayConfig};
 use crate::session::{Holdings, LeakCounters, SessionLimits, StoreState};
 use crate::DaemonError;
+
+mod cluster_requests;
 
 /// How the server runs.
 #[derive(Debug, Clone)]
@@ -61,6 +66,8 @@ pub struct ServerConfig {
     pub session_limits: SessionLimits,
     /// Which device memory `RegisterDeviceMemory` imports (`crate::gpu_memory`); off by default.
     pub device_memory: DeviceMemoryImport,
+    /// Run as a node of a cluster (`crate::cluster`); `None` by default.
+    pub cluster: Option<ClusterSettings>,
 }
 
 impl ServerConfig {
@@ -76,6 +83,7 @@ impl ServerConfig {
             metrics: None,
             session_limits: SessionLimits::default(),
             device_memory: DeviceMemoryImport::Off,
+            cluster: None,
         }
     }
 }
@@ -140,6 +148,8 @@ struct Shared {
     stop: StopHandle,
     started: Instant,
     metrics: Metrics,
+    /// The daemon as a cluster node (`ServerConfig::cluster`).
+    cluster: Option<ClusterAgent>,
 }
 
 /// What `serve` hands back after a drain: the pool, for the caller to close.
@@ -205,8 +215,17 @@ impl Server {
         let OpenedPool { pool, devices, report, emulators, locks } = opened;
         // Every session may hold its cap of requests at once.
         let requests_max = config.clients_max.saturating_mul(config.session_limits.requests_max).max(1);
-        let control = objstore::StoreControl::new(pool, requests_max)
+        let mut control = objstore::StoreControl::new(pool, requests_max)
             .map_err(|source| DaemonError::Pool { context: "the store's control half".into(), source })?;
+        let mut metrics = Metrics::new();
+        let cluster = match config.cluster.clone() {
+            Some(settings) => {
+                let cluster_metrics = crate::cluster::ClusterMetrics::default();
+                metrics.register_cluster(&cluster_metrics);
+                Some(ClusterAgent::start(settings, &mut control, block_bytes, requests_max, cluster_metrics)?)
+            }
+            None => None,
+        };
         let relay = DoorbellRelay::start(RelayConfig::default())?;
         let device_memory = DeviceMemoryService::new(config.device_memory).map_err(DaemonError::DeviceMemory)?;
         let shared = Arc::new(Shared {
@@ -226,7 +245,8 @@ impl Server {
             next_session: AtomicU64::new(1),
             stop: StopHandle::default(),
             started: Instant::now(),
-            metrics: Metrics::new(),
+            metrics,
+            cluster,
         });
         Ok(Server { listener, shared, metrics_endpoint })
     }
@@ -255,6 +275,28 @@ impl Server {
                     endpoint.serve(&metrics_shared.metrics, metrics_shared.config.tick, &stopped, &snapshot);
                 });
                 Some(spawned.map_err(|source| DaemonError::Io { context: "starting the metrics thread".into(), source })?)
+            }
+        };
+        let registrar_thread = match shared.cluster.as_ref().and_then(ClusterAgent::take_registrar) {
+            None => None,
+            Some(registrar) => {
+                let registrar_shared = Arc::clone(&shared);
+                let spawned = std::thread::Builder::new().name("tuttid-registrar".into()).spawn(move || {
+                    registrar.run(&registrar_shared.store, &registrar_shared.stop, registrar_shared.config.tick);
+                });
+                Some(spawned.map_err(|source| DaemonError::Io { context: "starting the cluster registrar".into(), source })?)
+            }
+        };
+        let data_plane_thread = match &shared.cluster {
+            None => None,
+            Some(_) => {
+                let data_shared = Arc::clone(&shared);
+                let spawned = std::thread::Builder::new().name("tuttid-data-plane".into()).spawn(move || {
+                    if let Some(cluster) = &data_shared.cluster {
+                        cluster.serve_data_plane(&data_shared.store, &data_shared.stop, data_shared.config.tick);
+                    }
+                });
+                Some(spawned.map_err(|source| DaemonError::Io { context: "starting the data plane".into(), source })?)
             }
         };
         let mut workers: Vec<JoinHandle<()>> = Vec::new();
@@ -305,6 +347,16 @@ impl Server {
         if metrics_thread.is_some_and(|thread| thread.join().is_err()) {
             tracing::error!("the metrics thread panicked");
         }
+        // The registrar sees the stop within a tick plus one registry call, then leaves the
+        // cluster (bounded by the registry's request timeout).
+        if registrar_thread.is_some_and(|thread| thread.join().is_err()) {
+            tracing::error!("the cluster registrar panicked");
+        }
+        // Peer threads check the stop between reads (a send in progress is bounded by the
+        // peer stall timeout).
+        if data_plane_thread.is_some_and(|thread| thread.join().is_err()) {
+            tracing::error!("the data plane panicked");
+        }
         for worker in workers {
             // A connection thread ends within a tick plus one request plus a frame timeout.
             if worker.join().is_err() {
@@ -345,7 +397,14 @@ fn refuse(stream: UnixStream, config: &ServerConfig, code: ErrorCode, message: &
 /// One connection's life: credentials, then frames until it closes, its lease runs out, it
 /// breaks the protocol, or the server stops. Its session is released on every path out.
 fn serve_connection(mut stream: UnixStream, shared: &Shared) {
-    let mut connection = Connection { session: None, peer_pid: 0, peer_uid: 0, keys: Vec::new(), holdings: Holdings::default() };
+    let mut connection = Connection {
+        session: None,
+        peer_pid: 0,
+        peer_uid: 0,
+        keys: Vec::new(),
+        holdings: Holdings::default(),
+        prepared_stores: PreparedStores::default(),
+    };
     let outcome = connection.run(&mut stream, shared);
     if let Some(session) = connection.session.take() {
         release_session(shared, session, &mut connection.holdings);
@@ -375,6 +434,8 @@ struct Connection {
     keys: Vec<u64>,
     /// The session's store-path holdings.
     holdings: Holdings,
+    /// In a cluster: the block keys of the session's prepared stores, for the registrar.
+    prepared_stores: PreparedStores,
 }
 
 impl Connection {
@@ -484,6 +545,10 @@ impl Connection {
             })
         });
         let limits = &shared.config.session_limits;
+        let (kind, commit_handle) = match &request {
+            Request::Commit(commit) => (Kind::Commit, Some(commit.handle)),
+            other => (other.kind(), None),
+        };
         let not_attached = || Reply::error(ErrorCode::NotAttached, "send Hello (model fingerprint, TP rank and world size) first");
         let reply = match (request, space) {
             (Request::RegisterMemory(register), Some(_)) => {
@@ -535,6 +600,9 @@ impl Connection {
             ) => not_attached(),
             (request, _) => self.handle_session(request, shared),
         };
+        if let (Some(cluster), Some(space)) = (&shared.cluster, space) {
+            self.track_stores(cluster, &space, kind, commit_handle, &reply);
+        }
         self.count_holdings(shared);
         (reply, Vec::new())
     }
@@ -581,7 +649,12 @@ impl Connection {
             }
             Request::Lookup { tokens } => self.lookup(shared, &tokens, false),
             Request::LookupAllRanks { tokens } => self.lookup(shared, &tokens, true),
+            Request::LookupCluster { tokens } => self.lookup_cluster(shared, &tokens),
+            Request::FetchRemote { tokens } => self.fetch_remote(shared, &tokens),
             Request::Status => Reply::Status(status(shared)),
+            Request::ClusterStatus => {
+                Reply::ClusterStatus(shared.cluster.as_ref().map_or_else(ClusterStatusReply::default, ClusterAgent::status))
+            }
             Request::Ping => Reply::Pong,
             other => Reply::error(ErrorCode::BadRequest, format!("{:?} is not a session request", other.kind())),
         }
@@ -655,8 +728,8 @@ fn status(shared: &Shared) -> StatusReply {
             pid: record.pid,
             uid: record.uid,
             name: record.name.clone(),
-            tp_rank: record.space.tp_rank,
-            tp_world: record.space.tp_world,
+            tp_rank: record.space.tp_rank(),
+            tp_world: record.space.tp_world(),
             requests: record.requests,
             idle_ms: record.last_active.elapsed().as_millis() as u64,
             registrations: record.registrations,

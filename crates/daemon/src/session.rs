@@ -147,6 +147,16 @@ impl Holdings {
         self.registrations.iter().flat_map(|registration| registration.relayed.iter().map(|ticket| Arc::clone(ticket.counters()))).collect()
     }
 
+    /// The block keys of the last prepared request (its whole prefix, from block 0).
+    pub fn request_keys(&self) -> &[u64] {
+        &self.keys
+    }
+
+    /// Whether the session holds request `handle` (prepared, not yet committed or released).
+    pub fn holds(&self, handle: u64) -> bool {
+        self.handles.iter().any(|own| own.to_bits() == handle)
+    }
+
     fn registration(&self, id: u64) -> Result<usize, Refusal> {
         self.registrations
             .iter()

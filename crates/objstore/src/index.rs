@@ -127,6 +127,33 @@ pub struct Index {
     devices: Vec<DeviceSlots>,
     map: HashMap<u64, Entry, KeyBuild>,
     evictions: u64,
+    /// Keys of committed blocks that left the map, kept only once asked for
+    /// ([`Index::track_departures`]).
+    departures: Option<Departures>,
+}
+
+/// The keys of committed blocks that left the index (evicted for room, condemned after a CRC
+/// mismatch) since their owner last took them: a cluster node unregisters the segments it no
+/// longer holds whole. Bounded: past `keys_max` keys the rest are not kept and `overflowed` is
+/// set, so the owner checks everything it relies on instead.
+#[derive(Debug)]
+struct Departures {
+    keys: Vec<u64>,
+    keys_max: usize,
+    overflowed: bool,
+}
+
+impl Departures {
+    #[inline]
+    fn record(departures: &mut Option<Departures>, key: u64) {
+        if let Some(departures) = departures {
+            if departures.keys.len() < departures.keys_max {
+                departures.keys.push(key);
+            } else {
+                departures.overflowed = true;
+            }
+        }
+    }
 }
 
 impl Index {
@@ -146,7 +173,34 @@ impl Index {
             })
             .collect();
         let total: usize = slot_counts.iter().map(|&c| c as usize * blocks_per_slot as usize).sum();
-        Self { blocks_per_slot, devices, map: HashMap::with_capacity_and_hasher(total, KeyBuild::default()), evictions: 0 }
+        Self {
+            blocks_per_slot,
+            devices,
+            map: HashMap::with_capacity_and_hasher(total, KeyBuild::default()),
+            evictions: 0,
+            departures: None,
+        }
+    }
+
+    /// From now on, keeps the keys of committed blocks that leave the index (eviction,
+    /// [`Index::condemn`]), at most `keys_max` between two [`Index::take_departures`].
+    pub fn track_departures(&mut self, keys_max: usize) {
+        self.departures = Some(Departures { keys: Vec::with_capacity(keys_max.min(1 << 16)), keys_max, overflowed: false });
+    }
+
+    /// Moves the keys that left since the last call into `out` (cleared first). Returns `false`
+    /// when some were not kept (more than `keys_max` left, or tracking is off): the caller must
+    /// then check what it relies on against the index itself.
+    pub fn take_departures(&mut self, out: &mut Vec<u64>) -> bool {
+        out.clear();
+        match &mut self.departures {
+            Some(departures) => {
+                std::mem::swap(out, &mut departures.keys);
+                departures.keys.clear();
+                !std::mem::replace(&mut departures.overflowed, false)
+            }
+            None => false,
+        }
     }
 
     pub fn blocks_per_slot(&self) -> u32 {
@@ -299,6 +353,7 @@ impl Index {
         for key in &mut d.keys[base..base + k] {
             if *key != 0 {
                 self.map.remove(key);
+                Departures::record(&mut self.departures, *key);
                 *key = 0;
             }
         }
@@ -337,6 +392,7 @@ impl Index {
             for key in &mut d.keys[base..base + k] {
                 if *key != 0 {
                     self.map.remove(key);
+                    Departures::record(&mut self.departures, *key);
                     *key = 0;
                 }
             }
@@ -474,6 +530,42 @@ mod tests {
             separate.commit(0, b.unwrap().slot, &[key], key);
         }
         assert!(fused.get(20).is_none() && fused.get(40).is_none() && fused.get(10).is_some());
+    }
+
+    #[test]
+    fn departures_list_every_committed_key_that_left_and_say_when_some_were_not_kept() {
+        // Goal: with tracking on, an eviction and a condemnation each report exactly the keys of
+        // the slot that left (k = 2 blocks per slot); nothing is kept before tracking starts;
+        // past the bound the call says the list is incomplete, once.
+        let mut index = Index::new(&[2], 2);
+        let mut out = vec![99];
+        assert!(!index.take_departures(&mut out), "untracked: nothing is kept");
+        assert!(out.is_empty());
+        for keys in [[1u64, 2], [3, 4]] {
+            let allocation = index.allocate_on(0).unwrap();
+            index.commit(0, allocation.slot, &keys, 1);
+        }
+        index.track_departures(3);
+        let slot_of_3 = index.get(3).unwrap().slot;
+        index.touch(0, slot_of_3);
+        let allocation = index.allocate_on(0).unwrap();
+        assert!(allocation.evicted);
+        index.commit(0, allocation.slot, &[5, 6], 2);
+        assert!(index.take_departures(&mut out));
+        assert_eq!(out, [1, 2], "the least recently used slot's keys");
+        index.condemn(0, index.get(3).unwrap().slot);
+        assert!(index.take_departures(&mut out));
+        assert_eq!(out, [3, 4]);
+        assert!(index.take_departures(&mut out) && out.is_empty());
+        // Over the bound: 3 kept, the fourth lost and said so.
+        let allocation = index.allocate_on(0).unwrap();
+        index.commit(0, allocation.slot, &[7, 8], 3);
+        for slot in [index.get(5).unwrap().slot, index.get(7).unwrap().slot] {
+            index.condemn(0, slot);
+        }
+        assert!(!index.take_departures(&mut out));
+        assert_eq!(out, [5, 6, 7]);
+        assert!(index.take_departures(&mut out) && out.is_empty(), "the overflow is reported once");
     }
 
     #[test]

@@ -4,7 +4,7 @@
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-use tutti_cluster::local_etcd::{etcd_binary, LocalEtcd};
+use tutti_cluster::local_etcd::LocalEtcd;
 use tutti_cluster::{ClusterConfig, ClusterId, ClusterNode, MemberRecord, ModelSpace, NodeId, Segment, SegmentBlocks, SegmentKey};
 
 fn tutti(arguments: &[&str]) -> Output {
@@ -12,12 +12,7 @@ fn tutti(arguments: &[&str]) -> Output {
 }
 
 fn start_etcd() -> Option<LocalEtcd> {
-    if etcd_binary().is_none() {
-        assert!(std::env::var_os("TUTTI_REQUIRE_ETCD").is_none_or(|value| value != "1"), "TUTTI_REQUIRE_ETCD=1 but no etcd binary");
-        eprintln!("SKIPPED: no etcd binary (install Debian's etcd-server, or run tools/test.sh cluster)");
-        return None;
-    }
-    Some(LocalEtcd::start(1).expect("start a local etcd"))
+    LocalEtcd::start_or_skip(1)
 }
 
 fn join(etcd: &LocalEtcd, node: &str) -> ClusterNode {

@@ -4,6 +4,8 @@
 //! or software controllers running inside the daemon), opens (or formats, then opens) the pool,
 //! and serves clients until SIGTERM or SIGINT, then drains and exits 0.
 //! `tuttid --status SOCKET` prints a running daemon's devices, pool fill and clients.
+//! With `--cluster-etcd URL… --cluster-id ID --node-id ID --data-address IP:PORT
+//! --cluster-state FILE` the daemon is a node of a cluster (docs/cluster.md).
 //!
 //! Exit status (`tutti_cli::exit`): 0 done; 1 failed (a device error, the daemon unreachable);
 //! 2 unusable input (a bad flag or device string, a device another daemon holds, a device with no
@@ -19,9 +21,11 @@ use nix::sys::signal::{SigSet, Signal};
 use objstore::FormatParams;
 use tutti_cli::exit::{self, Unusable};
 use tutti_cli::{outln, GeometryArgs};
+use tutti_cluster::{ClusterConfig, ClusterId, NodeId, SegmentBlocks};
+use tutti_daemon::cluster::ClusterSettings;
 use tutti_daemon::gpu_memory::DeviceMemoryImport;
 use tutti_daemon::pool_open::{open_pool, PoolOptions};
-use tutti_daemon::protocol::StatusReply;
+use tutti_daemon::protocol::{ClusterStatusReply, StatusReply};
 use tutti_daemon::session::SessionLimits;
 use tutti_daemon::{Client, DaemonError, Server, ServerConfig};
 use tutti_devices::{format_size, parse_duration, parse_size, DeviceKind, DeviceSpec};
@@ -101,6 +105,65 @@ struct Cli {
     /// free one, printed at start), or `off`.
     #[arg(long, value_name = "ADDRESS|off", default_value = "127.0.0.1:9464", value_parser = parse_metrics_address)]
     metrics: MetricsAddress,
+    /// Join a cluster (docs/cluster.md) through these etcd endpoints (http://HOST:PORT, every
+    /// member of the etcd cluster; comma-separated or repeated).
+    #[arg(
+        long = "cluster-etcd",
+        value_name = "URL[,URL…]",
+        value_delimiter = ',',
+        requires_all = ["cluster_id", "node_id", "data_address", "cluster_state"]
+    )]
+    cluster_etcd: Vec<String>,
+    /// The cluster's id (1..=64 of a-z 0-9 - _), the same on every node of the fleet.
+    #[arg(long, value_name = "ID", requires = "cluster_etcd")]
+    cluster_id: Option<String>,
+    /// This node's id in the cluster (1..=64 of a-z 0-9 - _), stable across restarts.
+    #[arg(long, value_name = "ID", requires = "cluster_etcd")]
+    node_id: Option<String>,
+    /// Where other nodes reach this node's data plane, as its member record says.
+    #[arg(long, value_name = "IP:PORT", requires = "cluster_etcd")]
+    data_address: Option<std::net::SocketAddr>,
+    /// Blocks per segment (16..=64), the same on every node of the cluster.
+    #[arg(long, default_value_t = 32, requires = "cluster_etcd")]
+    segment_blocks: u16,
+    /// The segment manifest: which segments this node holds, kept across restarts so a
+    /// restarted node registers what survived (a file beside the pool's, one per pool).
+    #[arg(long, value_name = "FILE", requires = "cluster_etcd")]
+    cluster_state: Option<PathBuf>,
+    /// The node's etcd lease: a node that dies vanishes from the cluster this long after its
+    /// last renewal (whole seconds, 2..=3600).
+    #[arg(long, default_value = "10s", value_parser = parse_duration, requires = "cluster_etcd")]
+    cluster_lease: Duration,
+    /// The longest any registry call waits for etcd, retries included (at most 2/3 of the lease).
+    #[arg(long, default_value = "3s", value_parser = parse_duration, requires = "cluster_etcd")]
+    cluster_timeout: Duration,
+    /// The longest a client's cluster lookup waits for etcd (the local part is answered either
+    /// way; after a failure the registry is not asked for a second).
+    #[arg(long, default_value = "1s", value_parser = parse_duration, requires = "cluster_etcd")]
+    cluster_lookup_timeout: Duration,
+}
+
+/// The cluster settings the command line asks for, checked (exit 2 on a bad one).
+fn cluster_settings(cli: &Cli) -> Result<Option<ClusterSettings>> {
+    if cli.cluster_etcd.is_empty() {
+        return Ok(None);
+    }
+    let unusable = |error: tutti_cluster::ClusterError| Unusable(error.to_string());
+    let required = |value: Option<String>, flag: &str| value.ok_or_else(|| Unusable(format!("{flag} is required with --cluster-etcd")));
+    let cluster = ClusterId::new(&required(cli.cluster_id.clone(), "--cluster-id")?).map_err(unusable)?;
+    let node = NodeId::new(&required(cli.node_id.clone(), "--node-id")?).map_err(unusable)?;
+    let segment_blocks = SegmentBlocks::new(cli.segment_blocks).map_err(unusable)?;
+    let mut registry = ClusterConfig::new(cli.cluster_etcd.clone(), cluster, segment_blocks);
+    registry.lease_ttl = cli.cluster_lease;
+    registry.request_timeout = cli.cluster_timeout;
+    registry.validate().map_err(unusable)?;
+    let data_address = cli.data_address.ok_or_else(|| Unusable("--data-address is required with --cluster-etcd".into()))?;
+    let manifest = cli.cluster_state.clone().ok_or_else(|| Unusable("--cluster-state is required with --cluster-etcd".into()))?;
+    let lookups = ClusterConfig { request_timeout: cli.cluster_lookup_timeout, ..registry.clone() };
+    lookups.validate().map_err(|error| Unusable(format!("--cluster-lookup-timeout: {error}")))?;
+    let mut settings = ClusterSettings::new(registry, node, data_address, manifest);
+    settings.lookup_timeout = cli.cluster_lookup_timeout;
+    Ok(Some(settings))
 }
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
@@ -145,6 +208,7 @@ fn serve(cli: &Cli) -> Result<()> {
     signals.add(Signal::SIGTERM);
     signals.add(Signal::SIGINT);
     signals.thread_block().context("blocking SIGTERM and SIGINT")?;
+    let cluster = cluster_settings(cli)?;
     let format = if cli.format {
         let model = cli.geometry.resolve(None).map_err(|error| Unusable(error.to_string()))?;
         Some(FormatParams {
@@ -164,9 +228,10 @@ fn serve(cli: &Cli) -> Result<()> {
         emu_create_bytes: cli.emu_create_bytes,
         format,
         lock_dir: cli.lock_dir.clone(),
-        // One queue pair per client on each software controller (each is one pool device).
-        client_queue_pairs: u16::try_from(cli.clients_max)
-            .map_err(|_| Unusable(format!("--clients-max {} is over 65533", cli.clients_max)))?
+        // One queue pair per client on each software controller (each is one pool device), and
+        // in a cluster one for the data plane's staging area.
+        client_queue_pairs: u16::try_from(cli.clients_max + usize::from(cluster.is_some()))
+            .map_err(|_| Unusable(format!("--clients-max {} is over 65532", cli.clients_max)))?
             .min(65533),
         emu_doorbell_relay: cli.emu_doorbell_relay,
     };
@@ -183,6 +248,7 @@ fn serve(cli: &Cli) -> Result<()> {
         DeviceMemoryArg::Memfd => DeviceMemoryImport::Memfd,
         DeviceMemoryArg::Cuda => DeviceMemoryImport::Cuda,
     };
+    config.cluster = cluster;
     config.session_limits = SessionLimits {
         registrations_max: cli.windows_per_session,
         window_bytes_max: cli.window_bytes_per_session,
@@ -236,7 +302,59 @@ fn classify(error: DaemonError) -> anyhow::Error {
 fn print_status(socket: &std::path::Path) -> Result<()> {
     let mut client = Client::connect(socket, Duration::from_secs(5))?;
     let status = client.status()?;
-    print_report(&status)
+    print_report(&status)?;
+    print_cluster(&client.cluster_status()?)
+}
+
+fn print_cluster(cluster: &ClusterStatusReply) -> Result<()> {
+    if !cluster.enabled {
+        outln!("cluster: not a cluster node")?;
+        return Ok(());
+    }
+    outln!(
+        "cluster {}: node {} (data address {}), {}, lease {:#x}; {} join(s), {} lease(s) lost",
+        cluster.cluster,
+        cluster.node,
+        cluster.data_address,
+        if cluster.joined { "joined" } else { "NOT JOINED" },
+        cluster.lease_id,
+        cluster.joins,
+        cluster.lease_losses
+    )?;
+    outln!(
+        "  segments of {} blocks: {} held, {} registered; {} registration(s) in {} transaction(s), {} unregistered",
+        cluster.segment_blocks,
+        cluster.segments_held,
+        cluster.segments_registered,
+        cluster.registered_segments,
+        cluster.registration_transactions,
+        cluster.unregistered_segments
+    )?;
+    outln!(
+        "  {} registry error(s), {} commit(s) not registered (queue full), {} manifest error(s)",
+        cluster.registry_errors,
+        cluster.commits_dropped,
+        cluster.manifest_errors
+    )?;
+    outln!(
+        "  lookups: {} asked the registry ({} failed, {} not asked after a failure); {} block(s) found on other nodes",
+        cluster.lookups,
+        cluster.lookup_failures,
+        cluster.lookups_skipped,
+        cluster.remote_blocks_found
+    )?;
+    outln!(
+        "  remote reads: {} ({} failed), {} block(s) fetched and stored here; {} segment(s) served to other nodes, {} read(s) refused",
+        cluster.remote_reads,
+        cluster.remote_read_failures,
+        cluster.fetched_blocks,
+        cluster.served_segments,
+        cluster.serve_refusals
+    )?;
+    if !cluster.last_error.is_empty() {
+        outln!("  last registry error: {}", cluster.last_error)?;
+    }
+    Ok(())
 }
 
 fn print_report(status: &StatusReply) -> Result<()> {

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use objstore::hash::block_keys_seeded;
-use tutti_cluster::local_etcd::{etcd_binary, LocalEtcd};
+use tutti_cluster::local_etcd::LocalEtcd;
 use tutti_cluster::{segments_of, ClusterConfig, ClusterId, MemberRecord, ModelSpace, NodeId, Segment, SegmentBlocks};
 
 pub const BLOCK_TOKENS: u32 = 16;
@@ -12,18 +12,10 @@ pub const SEGMENT_BLOCKS: u16 = 16;
 pub const LEASE_TTL: Duration = Duration::from_secs(2);
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(1);
 
-/// A real etcd of `members` members, or None (with a note on stderr) where etcd is not
-/// installed — unless TUTTI_REQUIRE_ETCD=1 (tools/test.sh's cluster stage), where that fails.
+/// A real etcd of `members` members, or None where etcd is not installed (see
+/// [`LocalEtcd::start_or_skip`]).
 pub fn start_etcd(members: usize) -> Option<LocalEtcd> {
-    if etcd_binary().is_none() {
-        assert!(
-            std::env::var_os("TUTTI_REQUIRE_ETCD").is_none_or(|value| value != "1"),
-            "TUTTI_REQUIRE_ETCD=1 but no etcd binary (install etcd-server or set TUTTI_ETCD)"
-        );
-        eprintln!("SKIPPED: no etcd binary (install Debian's etcd-server, or run tools/test.sh cluster)");
-        return None;
-    }
-    Some(LocalEtcd::start(members).expect("start a local etcd"))
+    LocalEtcd::start_or_skip(members)
 }
 
 pub fn config(etcd: &LocalEtcd, cluster: &str) -> ClusterConfig {

@@ -178,7 +178,7 @@ impl BodyReader<'_> {
         (0..count).map(|_| self.u32(field)).collect()
     }
 
-    fn flag(&mut self, field: &str) -> Result<bool, ProtocolError> {
+    pub(super) fn flag(&mut self, field: &str) -> Result<bool, ProtocolError> {
         match self.bytes(1, field)?[0] {
             0 => Ok(false),
             1 => Ok(true),

@@ -326,3 +326,88 @@ fn store_path_counts_and_flags_are_checked_before_allocating() {
     let error = Request::decode(Kind::Release, &corrupt).unwrap_err().to_string();
     assert!(error.contains("corrupt_block_count 1000000 but 22 bytes left"), "{error}");
 }
+
+fn sample_cluster_status() -> ClusterStatusReply {
+    ClusterStatusReply {
+        enabled: true,
+        cluster: "fleet".into(),
+        node: "node-a".into(),
+        data_address: "127.0.0.1:7400".into(),
+        segment_blocks: 32,
+        joined: true,
+        lease_id: 0x7f00_0000_0000_0001,
+        joins: 2,
+        lease_losses: 1,
+        segments_held: 40,
+        segments_registered: 38,
+        registered_segments: 90,
+        registration_transactions: 12,
+        unregistered_segments: 50,
+        registry_errors: 3,
+        commits_dropped: 0,
+        manifest_errors: 0,
+        lookups: 17,
+        lookup_failures: 2,
+        lookups_skipped: 5,
+        remote_blocks_found: 640,
+        remote_reads: 4,
+        remote_read_failures: 1,
+        fetched_blocks: 96,
+        served_segments: 9,
+        serve_refusals: 2,
+        last_error: "the cluster registry is unavailable".into(),
+    }
+}
+
+#[test]
+fn cluster_messages_round_trip_and_every_truncation_is_malformed() {
+    // Goal: ClusterStatus, LookupCluster and their replies decode to themselves; every cut of a
+    // reply's body, a trailing byte, and a flag or answer out of range are MalformedBody.
+    let frame = frame_of(Kind::ClusterStatus, |out| Request::ClusterStatus.encode_body(out));
+    let header = header_of(&frame).unwrap();
+    assert_eq!(Request::decode(header.kind, &frame[HEADER_BYTES..]).unwrap(), Request::ClusterStatus);
+    for request in [Request::LookupCluster { tokens: (5..90).collect() }, Request::FetchRemote { tokens: (7..9).collect() }] {
+        let frame = frame_of(request.kind(), |out| request.encode_body(out));
+        let header = header_of(&frame).unwrap();
+        assert_eq!(Request::decode(header.kind, &frame[HEADER_BYTES..]).unwrap(), request);
+    }
+    let lookup = ClusterLookupReply {
+        cached_blocks: 20,
+        block_tokens: 16,
+        registry: RegistryAnswer::Answered,
+        remote_blocks: 44,
+        holders: vec![RemoteHolder { node: "node-b".into(), blocks: 44 }, RemoteHolder { node: "c".into(), blocks: 12 }],
+    };
+    let not_clustered = ClusterLookupReply {
+        cached_blocks: 3,
+        block_tokens: 16,
+        registry: RegistryAnswer::NotClustered,
+        remote_blocks: 0,
+        holders: Vec::new(),
+    };
+    for reply in [
+        Reply::ClusterStatus(sample_cluster_status()),
+        Reply::ClusterStatus(ClusterStatusReply::default()),
+        Reply::ClusterLookup(lookup),
+        Reply::ClusterLookup(not_clustered),
+        Reply::Fetched { cached_blocks: 32, fetched_blocks: 12 },
+    ] {
+        let frame = frame_of(reply.kind(), |out| reply.encode_body(out));
+        let header = header_of(&frame).unwrap();
+        assert_eq!(header.kind, reply.kind());
+        let body = &frame[HEADER_BYTES..];
+        assert_eq!(Reply::decode(header.kind, body).unwrap(), reply);
+        for cut in 0..body.len() {
+            assert!(matches!(Reply::decode(header.kind, &body[..cut]), Err(ProtocolError::MalformedBody { .. })), "cut at {cut}");
+        }
+        let mut long = body.to_vec();
+        long.push(0);
+        assert!(matches!(Reply::decode(header.kind, &long), Err(ProtocolError::MalformedBody { .. })));
+        // The status's first flag, the lookup's registry answer: 3 is neither.
+        if header.kind != Kind::Fetched {
+            let mut flag = body.to_vec();
+            flag[if header.kind == Kind::ClusterStatusReply { 0 } else { 8 }] = 3;
+            assert!(matches!(Reply::decode(header.kind, &flag), Err(ProtocolError::MalformedBody { .. })));
+        }
+    }
+}

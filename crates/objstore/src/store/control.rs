@@ -87,6 +87,17 @@ impl StoreControl {
         self.pool.superblock(0).flags & crate::format::FLAG_PAYLOAD_CRC != 0
     }
 
+    /// See [`crate::index::Index::track_departures`]: from now on the keys of committed blocks
+    /// that leave the index (evicted, condemned) are kept for [`StoreControl::take_departures`].
+    pub fn track_departures(&mut self, keys_max: usize) {
+        self.pool.index.track_departures(keys_max);
+    }
+
+    /// See [`crate::index::Index::take_departures`].
+    pub fn take_departures(&mut self, out: &mut Vec<u64>) -> bool {
+        self.pool.index.take_departures(out)
+    }
+
     /// The longest cached prefix of `keys`, in blocks.
     pub fn lookup(&self, keys: &[u64]) -> usize {
         self.pool.index.cached_prefix(keys)

@@ -1,0 +1,514 @@
+//! tuttid as a node of a cluster (docs/cluster.md, "tuttid in a cluster"): it joins the
+//! registry at start (its member record: data address, capacity, the model fingerprints it holds
+//! segments of), registers the segments each commit completes, unregisters those an eviction
+//! breaks, and leaves on SIGTERM.
+//!
+//! **The registry never holds local work up.** A commit hands its block keys to a bounded queue
+//! ([`ClusterAgent::committed`], after the commit is durable) and returns; one thread, the
+//! registrar (`registrar.rs`), does everything that talks to etcd. When etcd is slow or away the
+//! queue fills and further commits are dropped from registration (counted), segments wait to be
+//! registered (retried with a bounded backoff), and clients are served from the local pool as
+//! ever.
+//!
+//! - `held.rs`: the segments this node holds whole, by segment and by block;
+//! - `manifest.rs`: that list journalled to a file, so a restarted node registers what survived;
+//! - `registrar.rs`: the thread: local bookkeeping under the pool lock, then etcd without it;
+//! - `lookup.rs`: `LookupCluster`, the local prefix and then one registry round trip;
+//! - `data_plane.rs` (+ `peer.rs`, the wire format, `staging.rs`, the daemon's own data half):
+//!   remote reads, a holder serving its segments over TCP and an asker storing them locally.
+//!
+//! These three need the crate's `cluster` feature (etcd's client); without it
+//! [`ClusterAgent::start`] refuses cluster settings with the reason.
+
+#[cfg(feature = "cluster")]
+mod data_plane;
+#[cfg(feature = "cluster")]
+mod held;
+#[cfg(feature = "cluster")]
+mod lookup;
+#[cfg(feature = "cluster")]
+mod manifest;
+#[cfg(feature = "cluster")]
+mod peer;
+#[cfg(feature = "cluster")]
+mod registrar;
+#[cfg(feature = "cluster")]
+mod staging;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex};
+
+use objstore::StoreControl;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+use tutti_cluster::{ClusterConfig, ModelSpace, NodeId};
+
+use crate::protocol::ClusterStatusReply;
+use crate::DaemonError;
+
+#[cfg(feature = "cluster")]
+pub(crate) use registrar::Registrar;
+
+/// Without the `cluster` feature there is no registrar (`ClusterAgent::start` refuses), so no
+/// value of this type exists.
+#[cfg(not(feature = "cluster"))]
+pub(crate) enum Registrar {}
+
+#[cfg(not(feature = "cluster"))]
+impl Registrar {
+    pub(crate) fn run(self, _store: &Mutex<crate::session::StoreState>, _stop: &crate::server::StopHandle, _tick: std::time::Duration) {
+        match self {}
+    }
+}
+
+/// Committed requests the registrar may be behind by; more are dropped from registration.
+pub const COMMITS_QUEUED_MAX: usize = 1024;
+/// The longest a `LookupCluster` waits for the registry by default.
+pub const LOOKUP_TIMEOUT_DEFAULT: std::time::Duration = std::time::Duration::from_secs(1);
+/// Most departed block keys kept between two registrar passes (50 ms apart): far more than any
+/// pool evicts in that time; past it every held segment is checked instead.
+#[cfg(feature = "cluster")]
+const DEPARTURES_MAX: usize = 1 << 20;
+
+/// How a daemon takes part in a cluster (`tuttid --cluster-etcd …`).
+#[derive(Debug, Clone)]
+pub struct ClusterSettings {
+    /// etcd endpoints, cluster id, segment size, timeouts, lease.
+    pub registry: ClusterConfig,
+    pub node: NodeId,
+    /// Where this node's data plane listens (TCP), as other nodes reach it (its member record);
+    /// port 0 picks a free port, and the record carries the one bound.
+    pub data_address: SocketAddr,
+    /// The segment manifest (`manifest.rs`): what this node holds, across restarts.
+    pub manifest: PathBuf,
+    /// Committed requests the registrar may be behind by (default [`COMMITS_QUEUED_MAX`]).
+    pub commits_queued_max: usize,
+    /// The longest a `LookupCluster` waits for the registry (default
+    /// [`LOOKUP_TIMEOUT_DEFAULT`]; a client waits for it, so shorter than the registrar's).
+    pub lookup_timeout: std::time::Duration,
+}
+
+impl ClusterSettings {
+    pub fn new(registry: ClusterConfig, node: NodeId, data_address: SocketAddr, manifest: PathBuf) -> ClusterSettings {
+        ClusterSettings {
+            registry,
+            node,
+            data_address,
+            manifest,
+            commits_queued_max: COMMITS_QUEUED_MAX,
+            lookup_timeout: LOOKUP_TIMEOUT_DEFAULT,
+        }
+    }
+}
+
+/// The cluster tier's metrics (`/metrics`, prefixed `tuttid_cluster_`), also read by the
+/// `ClusterStatus` reply. Each is a shared atomic: the registrar and lookups update, scrapes read.
+#[derive(Debug, Clone)]
+pub struct ClusterMetrics {
+    /// 1 while a member under a live lease.
+    pub joined: Gauge,
+    /// Joins and rejoins that succeeded (each a new lease).
+    pub joins: Counter,
+    /// Leases found lost (expired or revoked while the node lived).
+    pub lease_losses: Counter,
+    /// Segments held whole, and of them registered under the current lease.
+    pub segments_held: Gauge,
+    pub segments_registered: Gauge,
+    /// Segment registrations written, and the etcd transactions that carried them.
+    pub registered_segments: Counter,
+    pub registration_transactions: Counter,
+    /// Segments taken out of the registry (their blocks evicted).
+    pub unregistered_segments: Counter,
+    /// Failed registry calls (join, register, unregister, record update): retried later.
+    pub registry_errors: Counter,
+    /// Committed requests not handed to the registrar (its queue was full): their segments
+    /// are not registered.
+    pub commits_dropped: Counter,
+    /// Manifest writes that failed (the manifest is then no longer written until restart).
+    pub manifest_errors: Counter,
+    /// `LookupCluster`: registry lookups sent, failed, not sent (the registry failed just
+    /// before), blocks found held elsewhere past the local prefix, and each lookup's time.
+    pub lookups: Counter,
+    pub lookup_failures: Counter,
+    pub lookups_skipped: Counter,
+    pub remote_blocks_found: Counter,
+    pub lookup_seconds: Histogram,
+    /// `FetchRemote`: fetches asked for, failed, and blocks stored here from other nodes.
+    pub remote_reads: Counter,
+    pub remote_read_failures: Counter,
+    pub fetched_blocks: Counter,
+    /// Segments this node sent to others, and reads it refused (not held, a failed read, bad).
+    pub served_segments: Counter,
+    pub serve_refusals: Counter,
+}
+
+impl Default for ClusterMetrics {
+    fn default() -> Self {
+        ClusterMetrics {
+            joined: Gauge::default(),
+            joins: Counter::default(),
+            lease_losses: Counter::default(),
+            segments_held: Gauge::default(),
+            segments_registered: Gauge::default(),
+            registered_segments: Counter::default(),
+            registration_transactions: Counter::default(),
+            unregistered_segments: Counter::default(),
+            registry_errors: Counter::default(),
+            commits_dropped: Counter::default(),
+            manifest_errors: Counter::default(),
+            lookups: Counter::default(),
+            lookup_failures: Counter::default(),
+            lookups_skipped: Counter::default(),
+            remote_blocks_found: Counter::default(),
+            // 16 µs to ~8 s in powers of two: a loopback lookup is ~0.5 ms, a timeout seconds.
+            lookup_seconds: Histogram::new(exponential_buckets(16e-6, 2.0, 20)),
+            remote_reads: Counter::default(),
+            remote_read_failures: Counter::default(),
+            fetched_blocks: Counter::default(),
+            served_segments: Counter::default(),
+            serve_refusals: Counter::default(),
+        }
+    }
+}
+
+impl ClusterMetrics {
+    pub(crate) fn register(&self, registry: &mut Registry) {
+        registry.register("cluster_joined", "1 while this node is a cluster member under a live lease", self.joined.clone());
+        registry.register("cluster_joins", "Joins and rejoins of the cluster (each a new lease)", self.joins.clone());
+        registry.register("cluster_lease_losses", "Leases found lost while the node lived", self.lease_losses.clone());
+        registry.register("cluster_segments_held", "Segments whose blocks are all in the local pool", self.segments_held.clone());
+        registry.register(
+            "cluster_segments_registered",
+            "Held segments registered under the current lease",
+            self.segments_registered.clone(),
+        );
+        registry.register("cluster_registered_segments", "Segment registrations written to etcd", self.registered_segments.clone());
+        registry.register(
+            "cluster_registration_transactions",
+            "etcd transactions that carried segment registrations",
+            self.registration_transactions.clone(),
+        );
+        registry.register(
+            "cluster_unregistered_segments",
+            "Segments taken out of etcd after an eviction",
+            self.unregistered_segments.clone(),
+        );
+        registry.register("cluster_registry_errors", "Failed registry calls, retried with a bounded backoff", self.registry_errors.clone());
+        registry.register(
+            "cluster_commits_dropped",
+            "Committed requests whose segments were not registered (the registrar's queue was full)",
+            self.commits_dropped.clone(),
+        );
+        registry.register("cluster_manifest_errors", "Segment manifest writes that failed", self.manifest_errors.clone());
+        registry.register("cluster_lookups", "LookupCluster requests that asked the registry", self.lookups.clone());
+        registry.register("cluster_lookup_failures", "Registry lookups that failed or timed out", self.lookup_failures.clone());
+        registry.register(
+            "cluster_lookups_skipped",
+            "LookupCluster requests answered without the registry (it failed just before)",
+            self.lookups_skipped.clone(),
+        );
+        registry.register(
+            "cluster_remote_blocks_found",
+            "Blocks past the local prefix found held by other nodes",
+            self.remote_blocks_found.clone(),
+        );
+        registry.register("cluster_lookup_seconds", "Time of one registry lookup (one etcd round trip)", self.lookup_seconds.clone());
+        registry.register("cluster_remote_reads", "FetchRemote requests that went to a holder", self.remote_reads.clone());
+        registry.register(
+            "cluster_remote_read_failures",
+            "Remote reads that failed (typed errors to the client)",
+            self.remote_read_failures.clone(),
+        );
+        registry.register("cluster_fetched_blocks", "Blocks fetched from other nodes and stored here", self.fetched_blocks.clone());
+        registry.register("cluster_served_segments", "Segments sent to other nodes", self.served_segments.clone());
+        registry.register(
+            "cluster_serve_refusals",
+            "Reads from other nodes refused (not held, failed, malformed)",
+            self.serve_refusals.clone(),
+        );
+    }
+}
+
+/// What the registrar publishes besides metrics.
+#[derive(Debug, Default)]
+struct AgentState {
+    lease_id: AtomicI64,
+    last_error: Mutex<String>,
+}
+
+/// A committed store, for the registrar: its model space and every block key of its prefix.
+#[cfg_attr(not(feature = "cluster"), allow(dead_code))]
+struct Committed {
+    space: ModelSpace,
+    keys: Vec<u64>,
+}
+
+/// The daemon's side of the cluster: the queue to the registrar, its metrics and state.
+pub(crate) struct ClusterAgent {
+    settings: ClusterSettings,
+    inbox: SyncSender<Committed>,
+    /// Taken by the server when it starts serving.
+    registrar: Mutex<Option<Registrar>>,
+    metrics: ClusterMetrics,
+    state: Arc<AgentState>,
+    #[cfg(feature = "cluster")]
+    lookups: lookup::RemoteLookups,
+    #[cfg(feature = "cluster")]
+    data_plane: data_plane::DataPlane,
+    /// The data plane's bound address.
+    data_address: SocketAddr,
+}
+
+/// What a `LookupCluster` found past the local prefix.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct RemotePart {
+    pub registry: crate::protocol::RegistryAnswer,
+    pub remote_blocks: u32,
+    pub holders: Vec<crate::protocol::RemoteHolder>,
+}
+
+impl RemotePart {
+    /// The local part only: this daemon is not a cluster node.
+    pub(crate) fn not_clustered() -> RemotePart {
+        RemotePart { registry: crate::protocol::RegistryAnswer::NotClustered, remote_blocks: 0, holders: Vec::new() }
+    }
+}
+
+impl ClusterAgent {
+    /// Without the `cluster` feature: refuses, naming it.
+    #[cfg(not(feature = "cluster"))]
+    pub(crate) fn start(
+        _settings: ClusterSettings,
+        _control: &mut StoreControl,
+        _block_bytes: u64,
+        _requests_max: usize,
+        _metrics: ClusterMetrics,
+    ) -> Result<ClusterAgent, DaemonError> {
+        Err(DaemonError::Cluster("this tuttid was built without the `cluster` feature (etcd's client)".into()))
+    }
+
+    /// At bind, before any client: reads the manifest, keeps the segments whose blocks the
+    /// recovered index holds whole, rewrites it with those, starts recording the index's
+    /// departures, and prepares the registrar (it joins when the server starts serving).
+    #[cfg(feature = "cluster")]
+    pub(crate) fn start(
+        settings: ClusterSettings,
+        control: &mut StoreControl,
+        block_bytes: u64,
+        requests_max: usize,
+        metrics: ClusterMetrics,
+    ) -> Result<ClusterAgent, DaemonError> {
+        use held::HeldSegments;
+
+        let segment_blocks = settings.registry.segment_blocks;
+        let io = |source| DaemonError::Io { context: "the cluster's segment manifest".into(), source };
+        let loaded = manifest::load(&settings.manifest, segment_blocks).map_err(io)?;
+        if let Some(reason) = &loaded.discarded {
+            tracing::warn!(path = %settings.manifest.display(), reason, "segment manifest discarded");
+        }
+        if loaded.dropped_bytes > 0 {
+            tracing::warn!(bytes = loaded.dropped_bytes, "the segment manifest's tail did not check (a crash mid-write?); ignored");
+        }
+        // Departures are recorded from here on, before the check below: an eviction after the
+        // check is always seen.
+        let counts = control.counts();
+        let blocks_per_slot = u64::from(control.pool().blocks_per_slot());
+        let pool_blocks = counts.slots.saturating_mul(blocks_per_slot);
+        control.track_departures(usize::try_from(pool_blocks).unwrap_or(usize::MAX).clamp(1, DEPARTURES_MAX));
+        let index = control.pool().index();
+        let mut held = HeldSegments::default();
+        let mut gone = 0usize;
+        for segment in &loaded.segments {
+            if segment.keys.iter().all(|&key| index.get(key).is_some()) {
+                held.insert(segment.space, segment.index, &segment.keys);
+            } else {
+                gone += 1;
+            }
+        }
+        tracing::info!(held = held.len(), gone, "segments from the manifest checked against the pool");
+        let manifest = manifest::Manifest::rewrite(&settings.manifest, segment_blocks, held.iter()).map_err(io)?;
+        let data_plane = data_plane::DataPlane::bind(settings.data_address, control, segment_blocks, requests_max)
+            .map_err(|source| DaemonError::Io { context: format!("the data plane on {}", settings.data_address), source })?;
+        let data_address = data_plane.address();
+        let (inbox, receiver) = std::sync::mpsc::sync_channel(settings.commits_queued_max.max(1));
+        let state = Arc::new(AgentState::default());
+        let record = tutti_cluster::MemberRecord {
+            node: settings.node.clone(),
+            address: data_address.to_string(),
+            capacity_bytes: pool_blocks.saturating_mul(block_bytes),
+            fingerprints: Vec::new(),
+        };
+        let registrar = Registrar::new(settings.registry.clone(), record, receiver, metrics.clone(), Arc::clone(&state), held, manifest);
+        let lookups = lookup::RemoteLookups::new(settings.registry.clone(), settings.node.clone(), settings.lookup_timeout)
+            .map_err(|error| DaemonError::Cluster(error.to_string()))?;
+        Ok(ClusterAgent { settings, inbox, registrar: Mutex::new(Some(registrar)), metrics, state, lookups, data_plane, data_address })
+    }
+
+    /// Serves other nodes' reads until `stop` (the server runs this on a thread of its own).
+    #[cfg(feature = "cluster")]
+    pub(crate) fn serve_data_plane(
+        &self,
+        store: &Mutex<crate::session::StoreState>,
+        stop: &crate::server::StopHandle,
+        tick: std::time::Duration,
+    ) {
+        self.data_plane.serve(store, stop, tick, &self.metrics);
+    }
+
+    #[cfg(not(feature = "cluster"))]
+    pub(crate) fn serve_data_plane(
+        &self,
+        _store: &Mutex<crate::session::StoreState>,
+        _stop: &crate::server::StopHandle,
+        _tick: std::time::Duration,
+    ) {
+    }
+
+    /// `FetchRemote`: what other nodes hold of a prompt past the `local_blocks` here is read
+    /// from the holder with the longest run and stored in this pool. Returns the blocks stored;
+    /// a failure is a sentence for the client (segments stored before it stay).
+    #[cfg(feature = "cluster")]
+    pub(crate) fn fetch(
+        &self,
+        store: &Mutex<crate::session::StoreState>,
+        space: &ModelSpace,
+        keys: &[u64],
+        local_blocks: usize,
+    ) -> Result<usize, String> {
+        let part = self.beyond(space, keys, local_blocks);
+        if part.registry != crate::protocol::RegistryAnswer::Answered {
+            self.metrics.remote_read_failures.inc();
+            return Err("the cluster registry did not answer: nothing fetched".into());
+        }
+        let Some(holder) = part.holders.first() else { return Ok(0) };
+        self.metrics.remote_reads.inc();
+        let per_segment = usize::from(self.settings.registry.segment_blocks.get());
+        let segments = local_blocks / per_segment..(local_blocks + holder.blocks as usize) / per_segment;
+        let result = self.lookups.address_of(&holder.node).and_then(|address| {
+            self.data_plane
+                .fetch(store, space, keys, segments.clone(), &holder.node, address)
+                .map_err(|(stored, error)| (stored, error.to_string()))
+        });
+        match result {
+            Ok(stored) => {
+                self.metrics.fetched_blocks.inc_by(stored as u64);
+                Ok(stored)
+            }
+            Err((stored, error)) => {
+                self.metrics.fetched_blocks.inc_by(stored as u64);
+                self.metrics.remote_read_failures.inc();
+                Err(format!("{error} ({stored} block(s) of segments {segments:?} stored before it)"))
+            }
+        }
+    }
+
+    #[cfg(not(feature = "cluster"))]
+    pub(crate) fn fetch(
+        &self,
+        _store: &Mutex<crate::session::StoreState>,
+        _space: &ModelSpace,
+        _keys: &[u64],
+        _local_blocks: usize,
+    ) -> Result<usize, String> {
+        Err("this tuttid was built without the `cluster` feature".into())
+    }
+
+    /// What other nodes hold of a prompt (its block keys in `space`) past the `local_blocks`
+    /// this node holds: one registry round trip, bounded by the lookup timeout.
+    #[cfg(feature = "cluster")]
+    pub(crate) fn beyond(&self, space: &ModelSpace, keys: &[u64], local_blocks: usize) -> RemotePart {
+        self.lookups.beyond(space, keys, local_blocks, &self.metrics)
+    }
+
+    #[cfg(not(feature = "cluster"))]
+    pub(crate) fn beyond(&self, _space: &ModelSpace, _keys: &[u64], _local_blocks: usize) -> RemotePart {
+        RemotePart::not_clustered()
+    }
+
+    /// A store committed (durable): its segments are registered soon, off this thread. Never
+    /// blocks: with the registrar's queue full the request is dropped from registration and
+    /// counted.
+    pub(crate) fn committed(&self, space: &ModelSpace, keys: Vec<u64>) {
+        match self.inbox.try_send(Committed { space: *space, keys }) {
+            Ok(()) => {}
+            Err(TrySendError::Full(_)) => {
+                self.metrics.commits_dropped.inc();
+            }
+            // The registrar ended (the daemon is draining): nothing more is registered.
+            Err(TrySendError::Disconnected(_)) => {}
+        }
+    }
+
+    /// The registrar, for the server to run on its own thread (once).
+    pub(crate) fn take_registrar(&self) -> Option<Registrar> {
+        self.registrar.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take()
+    }
+
+    pub(crate) fn status(&self) -> ClusterStatusReply {
+        let metrics = &self.metrics;
+        let gauge = |gauge: &Gauge| u64::try_from(gauge.get()).unwrap_or(0);
+        ClusterStatusReply {
+            enabled: true,
+            cluster: self.settings.registry.cluster.to_string(),
+            node: self.settings.node.to_string(),
+            data_address: self.data_address.to_string(),
+            segment_blocks: self.settings.registry.segment_blocks.get(),
+            joined: metrics.joined.get() == 1,
+            lease_id: self.state.lease_id.load(Ordering::Relaxed) as u64,
+            joins: metrics.joins.get(),
+            lease_losses: metrics.lease_losses.get(),
+            segments_held: gauge(&metrics.segments_held),
+            segments_registered: gauge(&metrics.segments_registered),
+            registered_segments: metrics.registered_segments.get(),
+            registration_transactions: metrics.registration_transactions.get(),
+            unregistered_segments: metrics.unregistered_segments.get(),
+            registry_errors: metrics.registry_errors.get(),
+            commits_dropped: metrics.commits_dropped.get(),
+            manifest_errors: metrics.manifest_errors.get(),
+            lookups: metrics.lookups.get(),
+            lookup_failures: metrics.lookup_failures.get(),
+            lookups_skipped: metrics.lookups_skipped.get(),
+            remote_blocks_found: metrics.remote_blocks_found.get(),
+            remote_reads: metrics.remote_reads.get(),
+            remote_read_failures: metrics.remote_read_failures.get(),
+            fetched_blocks: metrics.fetched_blocks.get(),
+            served_segments: metrics.served_segments.get(),
+            serve_refusals: metrics.serve_refusals.get(),
+            last_error: self.state.last_error.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone(),
+        }
+    }
+}
+
+/// A session's prepared stores' block keys, kept until the store commits (then they go to the
+/// registrar) or ends otherwise. At most one entry per request the session holds.
+#[derive(Debug, Default)]
+pub(crate) struct PreparedStores {
+    stores: Vec<(u64, Vec<u64>)>,
+}
+
+impl PreparedStores {
+    pub(crate) fn prepared(&mut self, handle: u64, keys: &[u64]) {
+        self.stores.retain(|(held, _)| *held != handle);
+        self.stores.push((handle, keys.to_vec()));
+    }
+
+    pub(crate) fn take(&mut self, handle: u64) -> Option<Vec<u64>> {
+        let position = self.stores.iter().position(|(held, _)| *held == handle)?;
+        Some(self.stores.swap_remove(position).1)
+    }
+
+    /// Forgets the stores whose requests ended (`live` answers whether the session still holds
+    /// a handle).
+    pub(crate) fn retain(&mut self, live: impl Fn(u64) -> bool) {
+        self.stores.retain(|(handle, _)| live(*handle));
+    }
+}
+
+/// Receives what a committed store hands the registrar (for `registrar.rs`).
+#[cfg_attr(not(feature = "cluster"), allow(dead_code))]
+type Inbox = Receiver<Committed>;

@@ -1,0 +1,455 @@
+//! Remote reads (docs/cluster.md, "Remote reads"): a node serves the segments it holds to other
+//! nodes over TCP at its data address, and fetches segments it lacks from their holders,
+//! storing them in its own pool so its client retrieves them locally.
+//!
+//! **Holder.** One thread accepts; each peer connection (at most [`PEERS_MAX`] at once) has a
+//! thread that serves `ReadSegment`s in turn: the blocks are reserved in the index (pinned, so
+//! no eviction reuses their slots) until the last byte is sent; read from the SSDs through the
+//! daemon's staging data half (`staging.rs`); each block's CRC computed (and, when the pool
+//! records payload CRCs, checked against the one recorded at commit: a holder never sends bytes
+//! its own pool says are damaged); then streamed, a frame per block with its CRC.
+//!
+//! **Asker.** `FetchRemote` (a client's request): the registry says who holds what lies past the
+//! local prefix (`lookup.rs`); the holder's data address comes from its member record; each
+//! segment is read in turn (every frame bounded by [`PEER_STALL`]; a block out of order, of
+//! another size or whose CRC does not match fails the read), then stored in the local pool as
+//! a store of its own (reserve, write through the staging half, flush, headers with FUA): the
+//! client then retrieves it through the normal path. Segments stored before a failure stay (each
+//! is whole and checked); the failure is the client's typed error for the rest. The replica is
+//! not registered (a replica in waiting: registering second replicas of hot segments is the
+//! heavy-hitter rule, not built).
+//!
+//! The staging area is one segment, behind a mutex: one segment moves at a time per node, in
+//! either direction. Lock order: staging, then the pool (never the reverse).
+
+use std::io::Write;
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use objstore::{Direction, NoLender, ObjstoreError, RequestHandle, StoreControl};
+use tutti_cluster::{ModelSpace, SegmentBlocks};
+
+use super::peer::{self, FailureCode, PeerError, PeerKind, ReadSegment};
+use super::staging::{Staging, StagingError};
+use super::ClusterMetrics;
+use crate::server::StopHandle;
+use crate::session::StoreState;
+
+/// Peer connections a holder serves at once; more are closed at accept.
+pub const PEERS_MAX: usize = 8;
+/// The longest a peer may leave a frame half sent (or an asker wait between a holder's frames).
+pub const PEER_STALL: Duration = Duration::from_secs(2);
+/// The longest a holder keeps an idle peer connection.
+pub const PEER_IDLE: Duration = Duration::from_secs(30);
+/// The longest one segment's read may take in all, once the holder answers.
+pub const SEGMENT_DEADLINE: Duration = Duration::from_secs(60);
+/// Connecting to a holder.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// A remote read that failed: what the client is told (with how much was stored before).
+#[derive(Debug, thiserror::Error)]
+pub enum FetchError {
+    #[error("reading segment {segment} from node {node} ({address}): {source}")]
+    Peer { node: String, address: SocketAddr, segment: u32, source: Box<PeerError> },
+    #[error("storing segment {segment} locally: {source}")]
+    Store { segment: u32, source: Box<ObjstoreError> },
+    #[error("the staging area is unavailable (retired after a device timeout; restart tuttid)")]
+    NoStaging,
+}
+
+/// The data plane: the bound listener (taken by the server's thread) and the staging area.
+pub struct DataPlane {
+    listener: Mutex<Option<TcpListener>>,
+    address: SocketAddr,
+    staging: Mutex<Option<Staging>>,
+    segment_blocks: SegmentBlocks,
+    block_bytes: usize,
+    /// Peer connections being served now.
+    peers: AtomicUsize,
+}
+
+impl DataPlane {
+    /// Binds `address` (port 0: a free one, see [`DataPlane::address`]) and builds the staging
+    /// area over the pool.
+    pub fn bind(
+        address: SocketAddr,
+        control: &StoreControl,
+        segment_blocks: SegmentBlocks,
+        requests_max: usize,
+    ) -> std::io::Result<DataPlane> {
+        let listener = TcpListener::bind(address)?;
+        listener.set_nonblocking(true)?;
+        let address = listener.local_addr()?;
+        let staging = Staging::new(control.pool(), u32::from(segment_blocks.get()), requests_max)
+            .map_err(|error| std::io::Error::other(format!("the data plane's staging area: {error}")))?;
+        let block_bytes = staging.block_bytes();
+        if block_bytes as u64 > peer::BLOCK_BYTES_MAX {
+            return Err(std::io::Error::other(format!(
+                "blocks of {block_bytes} bytes: the data plane moves blocks of at most {} bytes",
+                peer::BLOCK_BYTES_MAX
+            )));
+        }
+        Ok(DataPlane {
+            listener: Mutex::new(Some(listener)),
+            address,
+            staging: Mutex::new(Some(staging)),
+            segment_blocks,
+            block_bytes,
+            peers: AtomicUsize::new(0),
+        })
+    }
+
+    /// The address peers reach this node at (the member record's).
+    pub fn address(&self) -> SocketAddr {
+        self.address
+    }
+
+    /// Serves peers until `stop` (holder side; module docs). Returns once every peer thread
+    /// ended (each checks the stop between reads).
+    pub fn serve(&self, store: &Mutex<StoreState>, stop: &StopHandle, tick: Duration, metrics: &ClusterMetrics) {
+        let Some(listener) = lock(&self.listener).take() else { return };
+        std::thread::scope(|scope| {
+            while !stop.is_stopped() {
+                match listener.accept() {
+                    Ok((stream, peer)) => {
+                        if self.peers.load(Ordering::Acquire) >= PEERS_MAX {
+                            tracing::warn!(%peer, "a data-plane connection over the limit of {PEERS_MAX} is closed");
+                            continue;
+                        }
+                        self.peers.fetch_add(1, Ordering::AcqRel);
+                        scope.spawn(move || {
+                            if let Err(error) = self.serve_peer(stream, store, stop, tick, metrics) {
+                                tracing::info!(%peer, %error, "a data-plane connection ended");
+                            }
+                            self.peers.fetch_sub(1, Ordering::AcqRel);
+                        });
+                    }
+                    Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(tick),
+                    Err(error) => {
+                        tracing::warn!(%error, "accepting a data-plane connection");
+                        std::thread::sleep(tick);
+                    }
+                }
+            }
+        });
+    }
+
+    fn serve_peer(
+        &self,
+        mut stream: TcpStream,
+        store: &Mutex<StoreState>,
+        stop: &StopHandle,
+        tick: Duration,
+        metrics: &ClusterMetrics,
+    ) -> Result<(), PeerError> {
+        let io = |context| move |source| PeerError::Io { context, source };
+        stream.set_nonblocking(false).map_err(io("configuring a peer connection"))?;
+        stream.set_read_timeout(Some(tick)).map_err(io("configuring a peer connection"))?;
+        stream.set_write_timeout(Some(PEER_STALL)).map_err(io("configuring a peer connection"))?;
+        stream.set_nodelay(true).map_err(io("configuring a peer connection"))?;
+        let stopped = || stop.is_stopped();
+        let (mut body, mut frame, mut bytes) = (Vec::new(), Vec::new(), Vec::new());
+        loop {
+            let deadline = Instant::now() + PEER_IDLE;
+            let kind = match peer::read_frame(
+                &mut stream,
+                &mut body,
+                peer::request_body_max,
+                PEER_IDLE,
+                deadline,
+                &stopped,
+                "waiting for a request",
+            ) {
+                Ok(kind) => kind,
+                Err(PeerError::Closed { .. }) => return Ok(()),
+                Err(error @ PeerError::Garbage(_)) => {
+                    metrics.serve_refusals.inc();
+                    peer::encode_failure(&mut frame, FailureCode::BadRequest, &error.to_string());
+                    let _ = stream.write_all(&frame);
+                    return Err(error);
+                }
+                Err(error) => return Err(error),
+            };
+            if kind != PeerKind::ReadSegment {
+                metrics.serve_refusals.inc();
+                peer::encode_failure(&mut frame, FailureCode::BadRequest, &format!("a {kind:?} frame is not a request"));
+                peer::write_all(&mut stream, &frame, "refusing a frame")?;
+                continue;
+            }
+            let request = match ReadSegment::decode(&body) {
+                Ok(request) => request,
+                Err(reason) => {
+                    metrics.serve_refusals.inc();
+                    peer::encode_failure(&mut frame, FailureCode::BadRequest, &reason);
+                    peer::write_all(&mut stream, &frame, "refusing a request")?;
+                    continue;
+                }
+            };
+            match self.read_segment(&request, store, &mut bytes) {
+                Ok((handle, crcs)) => {
+                    // The blocks stay pinned until the last byte is sent.
+                    let sent = self.send_segment(&mut stream, &mut frame, &bytes, &crcs);
+                    release(store, handle);
+                    sent?;
+                    metrics.served_segments.inc();
+                }
+                Err((code, message)) => {
+                    metrics.serve_refusals.inc();
+                    peer::encode_failure(&mut frame, code, &message);
+                    peer::write_all(&mut stream, &frame, "refusing a read")?;
+                }
+            }
+        }
+    }
+
+    /// Holder: pins the segment's blocks and reads them into `bytes` (block after block, each
+    /// in disk order); returns the reservation (still pinned) and each block's CRC.
+    fn read_segment(
+        &self,
+        request: &ReadSegment,
+        store: &Mutex<StoreState>,
+        bytes: &mut Vec<u8>,
+    ) -> Result<(RequestHandle, Vec<u32>), (FailureCode, String)> {
+        let blocks = request.keys.len();
+        if blocks != usize::from(self.segment_blocks.get()) {
+            return Err((
+                FailureCode::BadRequest,
+                format!("a segment of {blocks} blocks; this cluster's segments have {}", self.segment_blocks.get()),
+            ));
+        }
+        let engine_blocks: Vec<u32> = (0..blocks as u32).collect();
+        let (handle, placements, recorded) = {
+            let mut store = lock(store);
+            let control = &mut store.control;
+            let handle =
+                control.reserve_retrieve(&request.keys, &engine_blocks).map_err(|error| (FailureCode::NotHeld, error.to_string()))?;
+            let placements = control.placements(handle).map(<[_]>::to_vec);
+            let mut recorded = Vec::new();
+            let recorded = if control.records_payload_crcs() {
+                control.recorded_payload_crcs(handle, &mut recorded).map(|()| Some(recorded))
+            } else {
+                Ok(None)
+            };
+            match (placements, recorded) {
+                (Ok(placements), Ok(recorded)) => (handle, placements, recorded),
+                (Err(error), _) | (_, Err(error)) => {
+                    let _ = control.release(handle);
+                    return Err((FailureCode::ReadFailed, error.to_string()));
+                }
+            }
+        };
+        let read = self.with_staging(handle, |staging| {
+            staging.transfer(handle, Direction::Retrieve, &placements)?;
+            bytes.resize(blocks * self.block_bytes, 0);
+            for (block, chunk) in bytes.chunks_exact_mut(self.block_bytes).enumerate() {
+                staging.read_block(block as u32, chunk).map_err(|error| StagingError { error, retire: false })?;
+            }
+            Ok(())
+        });
+        if let Err(failed) = read {
+            // Reads only: a read still in flight cannot damage a slot, so the pins go.
+            release(store, handle);
+            return Err((FailureCode::ReadFailed, failed.error.to_string()));
+        }
+        let crcs: Vec<u32> = bytes.chunks_exact(self.block_bytes).map(crc32fast::hash).collect();
+        if let Some(recorded) = recorded {
+            if let Some(block) = (0..blocks).find(|&block| recorded[block] != crcs[block]) {
+                release(store, handle);
+                return Err((
+                    FailureCode::ReadFailed,
+                    format!("block {block} of the segment does not match the CRC its holder recorded at commit: not sent"),
+                ));
+            }
+        }
+        Ok((handle, crcs))
+    }
+
+    fn send_segment(&self, stream: &mut TcpStream, frame: &mut Vec<u8>, bytes: &[u8], crcs: &[u32]) -> Result<(), PeerError> {
+        peer::encode_segment_header(frame, crcs.len() as u16, self.block_bytes as u64);
+        peer::write_all(stream, frame, "sending a segment header")?;
+        for (index, (block, &crc)) in bytes.chunks_exact(self.block_bytes).zip(crcs).enumerate() {
+            peer::encode_block_prefix(frame, index as u16, crc, self.block_bytes);
+            peer::write_all(stream, frame, "sending a block")?;
+            peer::write_all(stream, block, "sending a block")?;
+        }
+        Ok(())
+    }
+
+    /// Runs `work` on the staging area. After a layer that may still be in flight the area is
+    /// retired (its queue pairs deleted, which ends their commands). If a deletion failed, a
+    /// command may still move the request's slots: the error says to keep its reservation for
+    /// good (never released, so the slots are never reused).
+    fn with_staging(&self, handle: RequestHandle, work: impl FnOnce(&mut Staging) -> Result<(), StagingError>) -> Result<(), Staged> {
+        let mut staging = lock(&self.staging);
+        let Some(area) = staging.as_mut() else { return Err(Staged { error: FetchError::NoStaging, keep_reservation: false }) };
+        match work(area) {
+            Ok(()) => Ok(()),
+            Err(StagingError { error, retire }) => {
+                let mut keep_reservation = false;
+                if retire {
+                    let freed = staging.take().is_some_and(Staging::retire);
+                    if !freed {
+                        tracing::error!(
+                            handle = handle.to_bits(),
+                            "a data-plane request's slots are kept for good: a command may still move them"
+                        );
+                        keep_reservation = true;
+                    }
+                }
+                Err(Staged { error: FetchError::Store { segment: 0, source: Box::new(error) }, keep_reservation })
+            }
+        }
+    }
+
+    /// Asker: reads segments `first..first + count` of a prompt (`keys`, its block keys) from
+    /// the holder at `address` and stores each locally. Returns the blocks stored (new to this
+    /// pool); a failure says which segment and why (those stored before it stay).
+    pub fn fetch(
+        &self,
+        store: &Mutex<StoreState>,
+        space: &ModelSpace,
+        keys: &[u64],
+        segments: std::ops::Range<usize>,
+        node: &str,
+        address: SocketAddr,
+    ) -> Result<usize, (usize, FetchError)> {
+        let per_segment = usize::from(self.segment_blocks.get());
+        let peer_error =
+            |segment: usize, source| FetchError::Peer { node: node.to_owned(), address, segment: segment as u32, source: Box::new(source) };
+        let mut stream = TcpStream::connect_timeout(&address, CONNECT_TIMEOUT)
+            .map_err(|source| (0, peer_error(segments.start, PeerError::Io { context: "connecting", source })))?;
+        let configure = |stream: &TcpStream| {
+            stream.set_read_timeout(Some(Duration::from_millis(50)))?;
+            stream.set_write_timeout(Some(PEER_STALL))?;
+            stream.set_nodelay(true)
+        };
+        configure(&stream).map_err(|source| (0, peer_error(segments.start, PeerError::Io { context: "configuring", source })))?;
+        let (mut frame, mut body, mut bytes) = (Vec::new(), Vec::new(), Vec::new());
+        let mut stored = 0;
+        for segment in segments {
+            let segment_keys = &keys[segment * per_segment..(segment + 1) * per_segment];
+            let request = ReadSegment { space: *space, index: segment as u32, keys: segment_keys.to_vec() };
+            self.receive_segment(&mut stream, &request, &mut frame, &mut body, &mut bytes)
+                .map_err(|source| (stored, peer_error(segment, source)))?;
+            stored += self.store_segment(store, segment_keys, &bytes).map_err(|error| {
+                (
+                    stored,
+                    match error {
+                        FetchError::Store { source, .. } => FetchError::Store { segment: segment as u32, source },
+                        other => other,
+                    },
+                )
+            })?;
+        }
+        Ok(stored)
+    }
+
+    /// Asker: one segment's request and answer; its blocks' bytes into `bytes`, each checked.
+    fn receive_segment(
+        &self,
+        stream: &mut TcpStream,
+        request: &ReadSegment,
+        frame: &mut Vec<u8>,
+        body: &mut Vec<u8>,
+        bytes: &mut Vec<u8>,
+    ) -> Result<(), PeerError> {
+        request.encode(frame);
+        peer::write_all(stream, frame, "sending a read")?;
+        let deadline = Instant::now() + SEGMENT_DEADLINE;
+        let never = || false;
+        let block_bytes = self.block_bytes as u64;
+        let body_max = |kind| peer::answer_body_max(kind, block_bytes);
+        match peer::read_frame(stream, body, body_max, PEER_STALL, deadline, &never, "waiting for the segment header")? {
+            PeerKind::SegmentHeader => {}
+            PeerKind::Failure => return Err(peer::decode_failure(body)),
+            other => return Err(PeerError::Garbage(format!("a {other:?} frame where a segment header was due"))),
+        }
+        let (blocks, sent_bytes) = peer::decode_segment_header(body)?;
+        if usize::from(blocks) != request.keys.len() || sent_bytes != block_bytes {
+            return Err(PeerError::Garbage(format!(
+                "a segment of {blocks} blocks of {sent_bytes} bytes; asked for {} of {block_bytes}",
+                request.keys.len()
+            )));
+        }
+        bytes.clear();
+        for expected in 0..usize::from(blocks) {
+            match peer::read_frame(stream, body, body_max, PEER_STALL, deadline, &never, "receiving a block")? {
+                PeerKind::Block => {}
+                PeerKind::Failure => return Err(peer::decode_failure(body)),
+                other => return Err(PeerError::Garbage(format!("a {other:?} frame where block {expected} was due"))),
+            }
+            let (index, _, block) = peer::decode_block(body, self.block_bytes)?;
+            if usize::from(index) != expected {
+                return Err(PeerError::Garbage(format!("block {index} where block {expected} was due")));
+            }
+            bytes.extend_from_slice(block);
+        }
+        Ok(())
+    }
+
+    /// Asker: stores a fetched segment (`bytes`: its blocks in order) in the local pool; its
+    /// blocks already here are shared, not written. Returns the blocks written.
+    fn store_segment(&self, store: &Mutex<StoreState>, keys: &[u64], bytes: &[u8]) -> Result<usize, FetchError> {
+        let engine_blocks: Vec<u32> = (0..keys.len() as u32).collect();
+        let store_error = |source| FetchError::Store { segment: 0, source: Box::new(source) };
+        let (handle, placements, records_crcs) = {
+            let mut store = lock(store);
+            let control = &mut store.control;
+            let plan = control.reserve_store(keys, &engine_blocks, &mut NoLender).map_err(store_error)?;
+            match control.placements(plan.handle).map(<[_]>::to_vec) {
+                Ok(placements) => (plan.handle, placements, control.records_payload_crcs()),
+                Err(error) => {
+                    let _ = control.release(plan.handle);
+                    return Err(store_error(error));
+                }
+            }
+        };
+        if placements.is_empty() {
+            release(store, handle);
+            return Ok(0);
+        }
+        let mut crcs = Vec::new();
+        let written = self.with_staging(handle, |staging| {
+            let keep = |error| StagingError { error, retire: false };
+            for placement in &placements {
+                let block = placement.engine_block as usize;
+                staging
+                    .write_block(placement.engine_block, &bytes[block * self.block_bytes..(block + 1) * self.block_bytes])
+                    .map_err(keep)?;
+            }
+            staging.transfer(handle, Direction::Store, &placements)?;
+            staging.finish_store(handle, records_crcs, &mut crcs).map_err(keep)?;
+            // The staging lock is held until the commit: lock order staging, then pool.
+            let mut store = lock(store);
+            store.control.commit_store(handle, records_crcs.then_some(&crcs[..]), &mut NoLender).map_err(keep)?;
+            Ok(())
+        });
+        match written {
+            Ok(()) => Ok(placements.len()),
+            Err(Staged { error, keep_reservation: true }) => Err(error),
+            Err(Staged { error, keep_reservation: false }) => {
+                // A refused commit keeps the reservation, a failed one ended it (release is a
+                // no-op then); anything else left it reserved: nothing of it becomes visible.
+                release(store, handle);
+                Err(error)
+            }
+        }
+    }
+}
+
+/// A staging failure, and whether the request's reservation must be kept for good.
+struct Staged {
+    error: FetchError,
+    keep_reservation: bool,
+}
+
+fn release(store: &Mutex<StoreState>, handle: RequestHandle) {
+    // Ended already (committed, or failed while writing) is fine.
+    let _ = lock(store).control.release(handle);
+}

@@ -1,0 +1,369 @@
+//! The segment manifest: which segments this node holds, kept in a file across restarts.
+//!
+//! The pool's headers record block keys, not prompts: after a restart the index knows which
+//! blocks survived but not which runs of them form a segment (the chain runs forward over the
+//! tokens, which no header keeps). So the daemon journals each segment it starts to hold (its
+//! model space, position and block keys) and each it stops holding, and at start replays the
+//! journal, keeps the segments whose blocks are all still in the recovered index, registers
+//! them again, and rewrites the file with only those.
+//!
+//! Untrusted input (a file anyone could have changed, or a crash could have cut): a header of
+//! another format or segment size discards the file; records are read up to the first that is
+//! truncated or fails its CRC (a torn tail after a crash: later records are not trusted either);
+//! every segment is checked against the index before it is registered. Losing the tail loses
+//! only registrations (a miss for other nodes), never serves a wrong byte. No fsync per record:
+//! the journal is a hint the index confirms, so a lost write costs a registration, not data.
+//!
+//! Format (little-endian): header `TSMF`, version u16, segment blocks u16, CRC-32 of those 8
+//! bytes; then records: tag u8 (1 held, 2 dropped), body length u16, body, CRC-32 of tag,
+//! length and body. A held body: fingerprint[32], TP rank u32, TP world u32, segment index u32,
+//! then the S block keys u64. A dropped body: fingerprint[32], rank u32, world u32, segment key
+//! u64.
+
+use std::collections::HashMap;
+use std::fs::{File, OpenOptions};
+use std::io::{BufWriter, Read, Write};
+use std::path::{Path, PathBuf};
+
+use tutti_cluster::{ModelSpace, SegmentBlocks, SegmentKey, FINGERPRINT_BYTES};
+
+use super::held::HeldSegment;
+
+const MAGIC: &[u8; 4] = b"TSMF";
+const VERSION: u16 = 1;
+const HEADER_BYTES: usize = 12;
+const TAG_HELD: u8 = 1;
+const TAG_DROPPED: u8 = 2;
+/// A manifest larger than this is not read (a live one is ~8 bytes per pool block, compacted at
+/// every start and when it doubles): a file that big was not written by tuttid.
+const FILE_BYTES_MAX: u64 = 8 << 30;
+/// Bytes of a space in a record.
+const SPACE_BYTES: usize = FINGERPRINT_BYTES + 8;
+
+/// A segment as the manifest lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ManifestSegment {
+    pub space: ModelSpace,
+    pub index: u32,
+    pub keys: Vec<u64>,
+}
+
+/// What reading the manifest found.
+#[derive(Debug, Default)]
+pub struct Loaded {
+    /// The segments the journal says are held, in the order they were first recorded.
+    pub segments: Vec<ManifestSegment>,
+    /// Bytes after the last sound record (a torn tail, or damage), not trusted.
+    pub dropped_bytes: u64,
+    /// Why the whole file was discarded (another format or segment size), if it was.
+    pub discarded: Option<String>,
+}
+
+/// The open journal.
+pub struct Manifest {
+    path: PathBuf,
+    segment_blocks: SegmentBlocks,
+    file: BufWriter<File>,
+    /// Records written since the file was last rewritten (compaction is due when they outgrow
+    /// the live segments).
+    records: u64,
+    /// Scratch for one record.
+    record: Vec<u8>,
+}
+
+fn io_context(path: &Path, doing: &str) -> impl FnOnce(std::io::Error) -> std::io::Error {
+    let text = format!("{doing} the segment manifest {}", path.display());
+    move |error| std::io::Error::new(error.kind(), format!("{text}: {error}"))
+}
+
+fn header(segment_blocks: SegmentBlocks) -> [u8; HEADER_BYTES] {
+    let mut bytes = [0u8; HEADER_BYTES];
+    bytes[..4].copy_from_slice(MAGIC);
+    bytes[4..6].copy_from_slice(&VERSION.to_le_bytes());
+    bytes[6..8].copy_from_slice(&segment_blocks.get().to_le_bytes());
+    let crc = crc32fast::hash(&bytes[..8]);
+    bytes[8..].copy_from_slice(&crc.to_le_bytes());
+    bytes
+}
+
+fn put_space(out: &mut Vec<u8>, space: &ModelSpace) {
+    out.extend_from_slice(space.fingerprint());
+    out.extend_from_slice(&space.tp_rank().to_le_bytes());
+    out.extend_from_slice(&space.tp_world().to_le_bytes());
+}
+
+fn get_space(body: &[u8]) -> Option<ModelSpace> {
+    let fingerprint: [u8; FINGERPRINT_BYTES] = body.get(..FINGERPRINT_BYTES)?.try_into().ok()?;
+    let rank = u32::from_le_bytes(body.get(FINGERPRINT_BYTES..FINGERPRINT_BYTES + 4)?.try_into().ok()?);
+    let world = u32::from_le_bytes(body.get(FINGERPRINT_BYTES + 4..SPACE_BYTES)?.try_into().ok()?);
+    ModelSpace::new(fingerprint, rank, world).ok()
+}
+
+fn u64_at(body: &[u8], offset: usize) -> Option<u64> {
+    Some(u64::from_le_bytes(body.get(offset..offset + 8)?.try_into().ok()?))
+}
+
+/// Frames one record: tag, length, body, CRC.
+fn frame(out: &mut Vec<u8>, tag: u8, body: impl FnOnce(&mut Vec<u8>)) {
+    out.clear();
+    out.push(tag);
+    out.extend_from_slice(&[0, 0]);
+    body(out);
+    let length = (out.len() - 3) as u16;
+    out[1..3].copy_from_slice(&length.to_le_bytes());
+    let crc = crc32fast::hash(out);
+    out.extend_from_slice(&crc.to_le_bytes());
+}
+
+/// Reads the journal at `path` (a missing file is an empty one).
+pub fn load(path: &Path, segment_blocks: SegmentBlocks) -> std::io::Result<Loaded> {
+    let mut file = match File::open(path) {
+        Ok(file) => file,
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(Loaded::default()),
+        Err(error) => return Err(io_context(path, "opening")(error)),
+    };
+    let length = file.metadata().map_err(io_context(path, "reading"))?.len();
+    if length > FILE_BYTES_MAX {
+        return Ok(Loaded { discarded: Some(format!("{length} bytes is over the {FILE_BYTES_MAX}-byte bound")), ..Loaded::default() });
+    }
+    let mut bytes = Vec::with_capacity(length as usize);
+    file.read_to_end(&mut bytes).map_err(io_context(path, "reading"))?;
+    Ok(parse(&bytes, segment_blocks))
+}
+
+fn parse(bytes: &[u8], segment_blocks: SegmentBlocks) -> Loaded {
+    let mut loaded = Loaded::default();
+    if bytes.is_empty() {
+        return loaded;
+    }
+    if bytes.len() < HEADER_BYTES || bytes[..HEADER_BYTES] != header(segment_blocks) {
+        loaded.discarded = Some(if bytes.len() >= 8 && bytes[..4] == *MAGIC && bytes[4..6] == VERSION.to_le_bytes() {
+            format!("written for segments of {} blocks, not {}", u16::from_le_bytes([bytes[6], bytes[7]]), segment_blocks.get())
+        } else {
+            "not a segment manifest of this version".into()
+        });
+        return loaded;
+    }
+    let per_segment = usize::from(segment_blocks.get());
+    let held_bytes = SPACE_BYTES + 4 + 8 * per_segment;
+    // (space, segment key) -> position in `loaded.segments` (None once dropped).
+    let mut positions: HashMap<(ModelSpace, SegmentKey), usize> = HashMap::new();
+    let mut slots: Vec<Option<ManifestSegment>> = Vec::new();
+    let mut at = HEADER_BYTES;
+    while at < bytes.len() {
+        let Some(record) = read_record(&bytes[at..]) else { break };
+        let (tag, body, record_bytes) = record;
+        let entry = match tag {
+            TAG_HELD if body.len() == held_bytes => {
+                let keys: Option<Vec<u64>> =
+                    (0..per_segment).map(|i| u64_at(body, SPACE_BYTES + 4 + 8 * i).filter(|&key| key != 0)).collect();
+                let index = u32::from_le_bytes([body[SPACE_BYTES], body[SPACE_BYTES + 1], body[SPACE_BYTES + 2], body[SPACE_BYTES + 3]]);
+                match (get_space(body), keys) {
+                    (Some(space), Some(keys)) => Some((true, space, index, keys)),
+                    _ => None,
+                }
+            }
+            TAG_DROPPED if body.len() == SPACE_BYTES + 8 => match (get_space(body), u64_at(body, SPACE_BYTES)) {
+                (Some(space), Some(key)) if key != 0 => Some((false, space, 0, vec![key])),
+                _ => None,
+            },
+            _ => None,
+        };
+        // A record that frames and checks but does not decode is damage too: stop here.
+        let Some((held, space, index, keys)) = entry else { break };
+        let Some(&last) = keys.last() else { break };
+        let Ok(key) = SegmentKey::new(last) else { break };
+        if held {
+            if let std::collections::hash_map::Entry::Vacant(vacant) = positions.entry((space, key)) {
+                vacant.insert(slots.len());
+                slots.push(Some(ManifestSegment { space, index, keys }));
+            }
+        } else if let Some(position) = positions.remove(&(space, key)) {
+            slots[position] = None;
+        }
+        at += record_bytes;
+    }
+    loaded.dropped_bytes = (bytes.len() - at) as u64;
+    loaded.segments = slots.into_iter().flatten().collect();
+    loaded
+}
+
+/// One record at the start of `bytes`: (tag, body, bytes it takes), or None when truncated or
+/// its CRC does not match.
+fn read_record(bytes: &[u8]) -> Option<(u8, &[u8], usize)> {
+    let length = usize::from(u16::from_le_bytes([*bytes.get(1)?, *bytes.get(2)?]));
+    let end = 3 + length;
+    let crc = u32::from_le_bytes(bytes.get(end..end + 4)?.try_into().ok()?);
+    if crc32fast::hash(&bytes[..end]) != crc {
+        return None;
+    }
+    Some((bytes[0], &bytes[3..end], end + 4))
+}
+
+impl Manifest {
+    /// Rewrites the file with exactly `segments` (a new file, then renamed over the old one, so
+    /// a crash leaves one or the other whole) and opens it for appending.
+    pub fn rewrite<'a>(
+        path: &Path,
+        segment_blocks: SegmentBlocks,
+        segments: impl Iterator<Item = &'a HeldSegment>,
+    ) -> std::io::Result<Manifest> {
+        let mut temporary = path.as_os_str().to_owned();
+        temporary.push(".new");
+        let temporary = PathBuf::from(temporary);
+        let mut record = Vec::new();
+        let mut records = 0;
+        {
+            let file = File::create(&temporary).map_err(io_context(&temporary, "creating"))?;
+            let mut writer = BufWriter::new(file);
+            writer.write_all(&header(segment_blocks)).map_err(io_context(&temporary, "writing"))?;
+            for held in segments {
+                held_record(&mut record, &held.space, held.segment.index, &held.keys);
+                writer.write_all(&record).map_err(io_context(&temporary, "writing"))?;
+                records += 1;
+            }
+            let file = writer.into_inner().map_err(|error| io_context(&temporary, "writing")(error.into_error()))?;
+            file.sync_all().map_err(io_context(&temporary, "syncing"))?;
+        }
+        std::fs::rename(&temporary, path).map_err(io_context(path, "replacing"))?;
+        if let Some(directory) = path.parent().filter(|parent| !parent.as_os_str().is_empty()) {
+            // The rename is durable once the directory is; a failure leaves the old file, whose
+            // segments the index checks again at the next start.
+            if let Err(error) = File::open(directory).and_then(|directory| directory.sync_all()) {
+                tracing::warn!(%error, "syncing the segment manifest's directory");
+            }
+        }
+        let file = OpenOptions::new().append(true).open(path).map_err(io_context(path, "opening"))?;
+        Ok(Manifest { path: path.to_owned(), segment_blocks, file: BufWriter::new(file), records, record })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn segment_blocks(&self) -> SegmentBlocks {
+        self.segment_blocks
+    }
+
+    /// Records written since the last rewrite.
+    pub fn records(&self) -> u64 {
+        self.records
+    }
+
+    /// Appends "this node holds segment `index` of `space`, made of `keys`" (buffered until
+    /// [`Manifest::flush`]).
+    pub fn held(&mut self, space: &ModelSpace, index: u32, keys: &[u64]) -> std::io::Result<()> {
+        held_record(&mut self.record, space, index, keys);
+        self.records += 1;
+        self.file.write_all(&self.record).map_err(io_context(&self.path, "appending to"))
+    }
+
+    /// Appends "this node no longer holds the segment `key` of `space`".
+    pub fn dropped(&mut self, space: &ModelSpace, key: SegmentKey) -> std::io::Result<()> {
+        frame(&mut self.record, TAG_DROPPED, |out| {
+            put_space(out, space);
+            out.extend_from_slice(&key.get().to_le_bytes());
+        });
+        self.records += 1;
+        self.file.write_all(&self.record).map_err(io_context(&self.path, "appending to"))
+    }
+
+    /// Hands the buffered records to the kernel (no fsync: see the module docs).
+    pub fn flush(&mut self) -> std::io::Result<()> {
+        self.file.flush().map_err(io_context(&self.path, "writing"))
+    }
+}
+
+fn held_record(out: &mut Vec<u8>, space: &ModelSpace, index: u32, keys: &[u64]) {
+    frame(out, TAG_HELD, |out| {
+        put_space(out, space);
+        out.extend_from_slice(&index.to_le_bytes());
+        for key in keys {
+            out.extend_from_slice(&key.to_le_bytes());
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::held::HeldSegments;
+    use super::*;
+
+    fn space(byte: u8) -> ModelSpace {
+        ModelSpace::new([byte; FINGERPRINT_BYTES], 1, 2).unwrap()
+    }
+
+    fn keys(first: u64) -> Vec<u64> {
+        (first..first + 16).collect()
+    }
+
+    fn blocks() -> SegmentBlocks {
+        SegmentBlocks::new(16).unwrap()
+    }
+
+    #[test]
+    fn the_journal_replays_held_and_dropped_segments_and_compacts() {
+        // Goal: appended records replay to the segments still held, in order; a rewrite keeps
+        // exactly those, and appending goes on after it.
+        let directory = tempfile::tempdir().unwrap();
+        let path = directory.path().join("manifest");
+        assert!(load(&path, blocks()).unwrap().segments.is_empty(), "a missing file is empty");
+        let mut manifest = Manifest::rewrite(&path, blocks(), std::iter::empty()).unwrap();
+        manifest.held(&space(1), 0, &keys(1)).unwrap();
+        manifest.held(&space(1), 1, &keys(17)).unwrap();
+        manifest.held(&space(2), 0, &keys(1)).unwrap();
+        manifest.dropped(&space(1), SegmentKey::new(16).unwrap()).unwrap();
+        manifest.flush().unwrap();
+        let loaded = load(&path, blocks()).unwrap();
+        assert_eq!((loaded.dropped_bytes, loaded.discarded.as_deref()), (0, None));
+        let expected = vec![
+            ManifestSegment { space: space(1), index: 1, keys: keys(17) },
+            ManifestSegment { space: space(2), index: 0, keys: keys(1) },
+        ];
+        assert_eq!(loaded.segments, expected);
+
+        let mut held = HeldSegments::default();
+        for segment in &loaded.segments {
+            held.insert(segment.space, segment.index, &segment.keys);
+        }
+        let mut manifest = Manifest::rewrite(&path, blocks(), held.iter()).unwrap();
+        assert_eq!(manifest.records(), 2);
+        manifest.held(&space(3), 2, &keys(40)).unwrap();
+        manifest.flush().unwrap();
+        let loaded = load(&path, blocks()).unwrap();
+        assert_eq!(loaded.segments.len(), 3);
+        assert_eq!(std::fs::metadata(&path).unwrap().len() as usize, HEADER_BYTES + 3 * (3 + SPACE_BYTES + 4 + 128 + 4));
+    }
+
+    #[test]
+    fn a_torn_or_damaged_journal_is_trusted_only_up_to_its_last_sound_record() {
+        // Goal: every truncation and every flipped byte of a two-record journal yields a prefix
+        // of its records (never a record that was not written, never a panic); a header of
+        // another segment size or format discards the file.
+        let directory = tempfile::tempdir().unwrap();
+        let path = directory.path().join("manifest");
+        let mut manifest = Manifest::rewrite(&path, blocks(), std::iter::empty()).unwrap();
+        manifest.held(&space(1), 0, &keys(1)).unwrap();
+        manifest.held(&space(1), 1, &keys(17)).unwrap();
+        manifest.flush().unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        let whole = parse(&bytes, blocks()).segments;
+        assert_eq!(whole.len(), 2);
+        for length in HEADER_BYTES..bytes.len() {
+            let loaded = parse(&bytes[..length], blocks());
+            assert!(whole.starts_with(&loaded.segments), "truncated to {length}");
+            assert_eq!(loaded.dropped_bytes as usize + HEADER_BYTES + loaded.segments.len() * (bytes.len() - HEADER_BYTES) / 2, length);
+        }
+        for position in 0..bytes.len() {
+            let mut damaged = bytes.clone();
+            damaged[position] ^= 0x40;
+            let loaded = parse(&damaged, blocks());
+            assert!(whole.starts_with(&loaded.segments), "byte {position} flipped: {:?}", loaded.segments);
+            assert!(loaded.segments.len() < 2, "byte {position} flipped went unnoticed");
+        }
+        let other = parse(&bytes, SegmentBlocks::new(32).unwrap());
+        assert!(other.segments.is_empty() && other.discarded.as_deref().unwrap().contains("16 blocks, not 32"), "{other:?}");
+        let foreign = parse(b"something else entirely", blocks());
+        assert!(foreign.segments.is_empty() && foreign.discarded.is_some());
+    }
+}

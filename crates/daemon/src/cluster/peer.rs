@@ -1,0 +1,405 @@
+//! The data plane's wire format: what one tuttid asks another over TCP, and the segment bytes
+//! it streams back. Hand-written length-prefixed frames, like the client protocol (and for
+//! the same reasons, docs/tuttid.md): a 12-byte header — magic `TPDP`, version u16, kind u16,
+//! body length u32 — checked before a byte of the body is read, and bodies decoded with bounds
+//! checks. Everything read from a peer is untrusted: a malformed frame, a body over its kind's
+//! cap, a block that is not the one expected or whose CRC does not match is a typed
+//! [`PeerError`], never a panic and never bytes passed on.
+//!
+//! A read: the asker sends `ReadSegment` (model space, segment position, the segment's block
+//! keys); the holder answers `SegmentHeader` (blocks, bytes per block) then one `Block` per
+//! block in order (its index, its payload CRC, its bytes), or `Failure` (code, text) instead.
+//! Every read has a deadline per frame ([`read_frame`]): a peer that stalls mid-stream costs
+//! that long, then the read fails.
+
+use std::io::{ErrorKind, Read, Write};
+use std::time::{Duration, Instant};
+
+use tutti_cluster::{ModelSpace, FINGERPRINT_BYTES};
+
+const MAGIC: [u8; 4] = *b"TPDP";
+pub const VERSION: u16 = 1;
+pub const HEADER_BYTES: usize = 12;
+/// Most blocks one segment has (`SegmentBlocks::MAX`).
+pub const SEGMENT_BLOCKS_MAX: usize = 64;
+/// Longest failure text.
+const MESSAGE_BYTES_MAX: usize = 1024;
+/// Largest block the data plane moves (a 70B-class model's 16-token block is ~5 MiB).
+pub const BLOCK_BYTES_MAX: u64 = 256 << 20;
+
+/// Frame kinds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PeerKind {
+    ReadSegment = 1,
+    SegmentHeader = 0x8001,
+    Block = 0x8002,
+    Failure = 0x80FF,
+}
+
+impl PeerKind {
+    fn from_u16(value: u16) -> Option<PeerKind> {
+        Some(match value {
+            1 => PeerKind::ReadSegment,
+            0x8001 => PeerKind::SegmentHeader,
+            0x8002 => PeerKind::Block,
+            0x80FF => PeerKind::Failure,
+            _ => return None,
+        })
+    }
+}
+
+/// Why a holder refused a read (the `Failure` frame's code).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureCode {
+    /// The request did not decode or did not fit this node (another segment size, a bad key).
+    BadRequest,
+    /// A block of the segment is not (or no longer) held here.
+    NotHeld,
+    /// Reading the blocks from the holder's SSDs failed (I/O, a timeout, a recorded CRC that the
+    /// bytes do not match).
+    ReadFailed,
+    /// The holder is busy or shutting down.
+    Unavailable,
+    Unknown(u16),
+}
+
+impl FailureCode {
+    fn to_u16(self) -> u16 {
+        match self {
+            FailureCode::BadRequest => 1,
+            FailureCode::NotHeld => 2,
+            FailureCode::ReadFailed => 3,
+            FailureCode::Unavailable => 4,
+            FailureCode::Unknown(code) => code,
+        }
+    }
+
+    fn from_u16(code: u16) -> FailureCode {
+        match code {
+            1 => FailureCode::BadRequest,
+            2 => FailureCode::NotHeld,
+            3 => FailureCode::ReadFailed,
+            4 => FailureCode::Unavailable,
+            other => FailureCode::Unknown(other),
+        }
+    }
+}
+
+/// What can go wrong on the data plane, on either side.
+#[derive(Debug, thiserror::Error)]
+pub enum PeerError {
+    #[error("{context}: {source}")]
+    Io { context: &'static str, source: std::io::Error },
+    #[error("the peer sent nothing for {waited:?} while {context}")]
+    Stalled { context: &'static str, waited: Duration },
+    #[error("the peer closed the connection while {context}")]
+    Closed { context: &'static str },
+    #[error("the peer does not speak the data plane: {0}")]
+    Garbage(String),
+    #[error("the holder refused the read ({code:?}): {message}")]
+    Refused { code: FailureCode, message: String },
+    #[error("block {index} of the segment failed its CRC: sent {sent:#010x}, received bytes give {computed:#010x}")]
+    Checksum { index: usize, sent: u32, computed: u32 },
+}
+
+/// A checked frame header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerHeader {
+    pub kind: PeerKind,
+    pub body_bytes: u32,
+}
+
+pub fn encode_header(out: &mut Vec<u8>, kind: PeerKind, body_bytes: u32) {
+    out.extend_from_slice(&MAGIC);
+    out.extend_from_slice(&VERSION.to_le_bytes());
+    out.extend_from_slice(&(kind as u16).to_le_bytes());
+    out.extend_from_slice(&body_bytes.to_le_bytes());
+}
+
+/// Checks magic, version, kind, and the body against `body_max` for that kind.
+pub fn decode_header(bytes: &[u8; HEADER_BYTES], body_max: impl Fn(PeerKind) -> u64) -> Result<PeerHeader, PeerError> {
+    if bytes[..4] != MAGIC {
+        return Err(PeerError::Garbage(format!("frame magic {:02x?}", &bytes[..4])));
+    }
+    let version = u16::from_le_bytes([bytes[4], bytes[5]]);
+    if version != VERSION {
+        return Err(PeerError::Garbage(format!("data plane version {version}, this build speaks {VERSION}")));
+    }
+    let raw = u16::from_le_bytes([bytes[6], bytes[7]]);
+    let kind = PeerKind::from_u16(raw).ok_or_else(|| PeerError::Garbage(format!("frame kind {raw:#06x}")))?;
+    let body_bytes = u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]);
+    if u64::from(body_bytes) > body_max(kind) {
+        return Err(PeerError::Garbage(format!("a {kind:?} body of {body_bytes} bytes is over its cap of {}", body_max(kind))));
+    }
+    Ok(PeerHeader { kind, body_bytes })
+}
+
+/// Reads exactly `out.len()` bytes, each read bounded by `stall` and the whole by `deadline`;
+/// `stopped` is asked between reads (the daemon's drain). The stream must have a read timeout
+/// set (the caller's tick); each timeout re-checks all three.
+pub fn read_exact_bounded(
+    stream: &mut impl Read,
+    out: &mut [u8],
+    stall: Duration,
+    deadline: Instant,
+    stopped: &dyn Fn() -> bool,
+    context: &'static str,
+) -> Result<(), PeerError> {
+    let mut filled = 0;
+    let mut last_progress = Instant::now();
+    while filled < out.len() {
+        if stopped() {
+            return Err(PeerError::Closed { context });
+        }
+        match stream.read(&mut out[filled..]) {
+            Ok(0) => return Err(PeerError::Closed { context }),
+            Ok(count) => {
+                filled += count;
+                last_progress = Instant::now();
+            }
+            Err(error) if matches!(error.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted) => {}
+            Err(source) => return Err(PeerError::Io { context, source }),
+        }
+        let now = Instant::now();
+        if filled < out.len() && (now >= deadline || now.duration_since(last_progress) >= stall) {
+            return Err(PeerError::Stalled { context, waited: now.duration_since(last_progress) });
+        }
+    }
+    Ok(())
+}
+
+/// Reads one frame (header, then its body into `body`, resized), bounded as
+/// [`read_exact_bounded`].
+pub fn read_frame(
+    stream: &mut impl Read,
+    body: &mut Vec<u8>,
+    body_max: impl Fn(PeerKind) -> u64,
+    stall: Duration,
+    deadline: Instant,
+    stopped: &dyn Fn() -> bool,
+    context: &'static str,
+) -> Result<PeerKind, PeerError> {
+    let mut header = [0u8; HEADER_BYTES];
+    read_exact_bounded(stream, &mut header, stall, deadline, stopped, context)?;
+    let header = decode_header(&header, body_max)?;
+    body.clear();
+    body.resize(header.body_bytes as usize, 0);
+    read_exact_bounded(stream, body, stall, deadline, stopped, context)?;
+    Ok(header.kind)
+}
+
+pub fn write_all(stream: &mut impl Write, bytes: &[u8], context: &'static str) -> Result<(), PeerError> {
+    stream.write_all(bytes).map_err(|source| match source.kind() {
+        ErrorKind::WouldBlock | ErrorKind::TimedOut => PeerError::Stalled { context, waited: Duration::ZERO },
+        _ => PeerError::Io { context, source },
+    })
+}
+
+/// A read of one segment: its model space, position and block keys (the last is its key).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReadSegment {
+    pub space: ModelSpace,
+    pub index: u32,
+    pub keys: Vec<u64>,
+}
+
+impl ReadSegment {
+    pub fn body_max() -> u64 {
+        (FINGERPRINT_BYTES + 4 + 4 + 4 + 2 + 8 * SEGMENT_BLOCKS_MAX) as u64
+    }
+
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        out.clear();
+        let body = FINGERPRINT_BYTES + 14 + 8 * self.keys.len();
+        encode_header(out, PeerKind::ReadSegment, body as u32);
+        out.extend_from_slice(self.space.fingerprint());
+        out.extend_from_slice(&self.space.tp_rank().to_le_bytes());
+        out.extend_from_slice(&self.space.tp_world().to_le_bytes());
+        out.extend_from_slice(&self.index.to_le_bytes());
+        out.extend_from_slice(&(self.keys.len() as u16).to_le_bytes());
+        for key in &self.keys {
+            out.extend_from_slice(&key.to_le_bytes());
+        }
+    }
+
+    pub fn decode(body: &[u8]) -> Result<ReadSegment, String> {
+        let fixed = FINGERPRINT_BYTES + 14;
+        if body.len() < fixed {
+            return Err(format!("a ReadSegment body of {} bytes, at least {fixed} expected", body.len()));
+        }
+        let fingerprint: [u8; FINGERPRINT_BYTES] = body[..FINGERPRINT_BYTES].try_into().map_err(|_| "fingerprint")?;
+        let word = |at: usize| u32::from_le_bytes([body[at], body[at + 1], body[at + 2], body[at + 3]]);
+        let (rank, world, index) = (word(FINGERPRINT_BYTES), word(FINGERPRINT_BYTES + 4), word(FINGERPRINT_BYTES + 8));
+        let count = usize::from(u16::from_le_bytes([body[FINGERPRINT_BYTES + 12], body[FINGERPRINT_BYTES + 13]]));
+        if count == 0 || count > SEGMENT_BLOCKS_MAX || body.len() != fixed + 8 * count {
+            return Err(format!("{count} keys in a body of {} bytes", body.len()));
+        }
+        let space = ModelSpace::new(fingerprint, rank, world).map_err(|error| error.to_string())?;
+        let keys: Vec<u64> = body[fixed..].chunks_exact(8).map(|chunk| u64::from_le_bytes(chunk.try_into().unwrap_or([0; 8]))).collect();
+        if keys.contains(&0) {
+            return Err("a block key of 0".into());
+        }
+        Ok(ReadSegment { space, index, keys })
+    }
+}
+
+/// The holder's answer before the blocks: how many, of how many bytes each.
+pub fn encode_segment_header(out: &mut Vec<u8>, blocks: u16, block_bytes: u64) {
+    out.clear();
+    encode_header(out, PeerKind::SegmentHeader, 10);
+    out.extend_from_slice(&blocks.to_le_bytes());
+    out.extend_from_slice(&block_bytes.to_le_bytes());
+}
+
+pub fn decode_segment_header(body: &[u8]) -> Result<(u16, u64), PeerError> {
+    if body.len() != 10 {
+        return Err(PeerError::Garbage(format!("a SegmentHeader body of {} bytes, 10 expected", body.len())));
+    }
+    Ok((u16::from_le_bytes([body[0], body[1]]), u64::from_le_bytes(body[2..10].try_into().unwrap_or([0; 8]))))
+}
+
+/// One block's frame header and prefix (index, CRC); its bytes follow as the rest of the body.
+pub fn encode_block_prefix(out: &mut Vec<u8>, index: u16, crc: u32, block_bytes: usize) {
+    out.clear();
+    encode_header(out, PeerKind::Block, (6 + block_bytes) as u32);
+    out.extend_from_slice(&index.to_le_bytes());
+    out.extend_from_slice(&crc.to_le_bytes());
+}
+
+/// A block frame's body: (index, sent CRC, bytes), the bytes checked against the CRC.
+pub fn decode_block(body: &[u8], block_bytes: usize) -> Result<(u16, u32, &[u8]), PeerError> {
+    if body.len() != 6 + block_bytes {
+        return Err(PeerError::Garbage(format!("a Block body of {} bytes, {} expected", body.len(), 6 + block_bytes)));
+    }
+    let index = u16::from_le_bytes([body[0], body[1]]);
+    let sent = u32::from_le_bytes([body[2], body[3], body[4], body[5]]);
+    let bytes = &body[6..];
+    let computed = crc32fast::hash(bytes);
+    if computed != sent {
+        return Err(PeerError::Checksum { index: usize::from(index), sent, computed });
+    }
+    Ok((index, sent, bytes))
+}
+
+pub fn encode_failure(out: &mut Vec<u8>, code: FailureCode, message: &str) {
+    let mut end = message.len().min(MESSAGE_BYTES_MAX);
+    while !message.is_char_boundary(end) {
+        end -= 1;
+    }
+    out.clear();
+    encode_header(out, PeerKind::Failure, (4 + end) as u32);
+    out.extend_from_slice(&code.to_u16().to_le_bytes());
+    out.extend_from_slice(&(end as u16).to_le_bytes());
+    out.extend_from_slice(&message.as_bytes()[..end]);
+}
+
+pub fn decode_failure(body: &[u8]) -> PeerError {
+    if body.len() < 4 || body.len() != 4 + usize::from(u16::from_le_bytes([body[2], body[3]])) {
+        return PeerError::Garbage(format!("a Failure body of {} bytes that does not frame", body.len()));
+    }
+    PeerError::Refused {
+        code: FailureCode::from_u16(u16::from_le_bytes([body[0], body[1]])),
+        message: String::from_utf8_lossy(&body[4..]).into_owned(),
+    }
+}
+
+/// The largest body the holder's answers may have, for an asker expecting `block_bytes`.
+pub fn answer_body_max(kind: PeerKind, block_bytes: u64) -> u64 {
+    match kind {
+        PeerKind::SegmentHeader => 10,
+        PeerKind::Block => 6 + block_bytes,
+        PeerKind::Failure => 4 + MESSAGE_BYTES_MAX as u64,
+        PeerKind::ReadSegment => 0,
+    }
+}
+
+/// The largest body a holder accepts from an asker.
+pub fn request_body_max(kind: PeerKind) -> u64 {
+    match kind {
+        PeerKind::ReadSegment => ReadSegment::body_max(),
+        _ => 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request() -> ReadSegment {
+        ReadSegment { space: ModelSpace::new([9; FINGERPRINT_BYTES], 1, 2).unwrap(), index: 3, keys: (1..=16).collect() }
+    }
+
+    fn body(frame: &[u8]) -> &[u8] {
+        &frame[HEADER_BYTES..]
+    }
+
+    #[test]
+    fn frames_round_trip_and_every_cut_or_flip_is_refused() {
+        // Goal: each frame decodes to what was encoded; a request cut anywhere or with a count
+        // that lies is refused in words; a block whose bytes or CRC changed fails its CRC; a
+        // header with another magic, version, kind or an oversized body is refused before the body.
+        let mut frame = Vec::new();
+        request().encode(&mut frame);
+        let header = decode_header(frame[..HEADER_BYTES].try_into().unwrap(), request_body_max).unwrap();
+        assert_eq!((header.kind, header.body_bytes as usize), (PeerKind::ReadSegment, frame.len() - HEADER_BYTES));
+        assert_eq!(ReadSegment::decode(body(&frame)).unwrap(), request());
+        for cut in 0..body(&frame).len() {
+            assert!(ReadSegment::decode(&body(&frame)[..cut]).is_err(), "cut at {cut}");
+        }
+        let mut zero_key = frame.clone();
+        let at = zero_key.len() - 8;
+        zero_key[at..].fill(0);
+        assert!(ReadSegment::decode(body(&zero_key)).unwrap_err().contains("key of 0"));
+
+        let bytes: Vec<u8> = (0..4096u32).map(|i| (i * 7) as u8).collect();
+        encode_block_prefix(&mut frame, 5, crc32fast::hash(&bytes), bytes.len());
+        frame.extend_from_slice(&bytes);
+        let (index, _, received) = decode_block(body(&frame), bytes.len()).unwrap();
+        assert_eq!((index, received), (5, &bytes[..]));
+        for position in [HEADER_BYTES + 2, HEADER_BYTES + 6, frame.len() - 1] {
+            let mut flipped = frame.clone();
+            flipped[position] ^= 1;
+            assert!(matches!(decode_block(body(&flipped), bytes.len()), Err(PeerError::Checksum { index: 5, .. })), "byte {position}");
+        }
+        assert!(matches!(decode_block(&body(&frame)[1..], bytes.len()), Err(PeerError::Garbage(_))));
+
+        encode_failure(&mut frame, FailureCode::NotHeld, "block 3 is gone");
+        match decode_failure(body(&frame)) {
+            PeerError::Refused { code: FailureCode::NotHeld, message } => assert_eq!(message, "block 3 is gone"),
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(decode_failure(&body(&frame)[..5]), PeerError::Garbage(_)));
+
+        encode_segment_header(&mut frame, 16, 4096);
+        assert_eq!(decode_segment_header(body(&frame)).unwrap(), (16, 4096));
+        let header: [u8; HEADER_BYTES] = frame[..HEADER_BYTES].try_into().unwrap();
+        for (position, value) in [(0, b'X'), (4, 9), (6, 0x77)] {
+            let mut bad = header;
+            bad[position] = value;
+            assert!(matches!(decode_header(&bad, |kind| answer_body_max(kind, 4096)), Err(PeerError::Garbage(_))), "byte {position}");
+        }
+        let mut big = Vec::new();
+        encode_header(&mut big, PeerKind::Block, 4096 + 7);
+        assert!(matches!(decode_header(big[..].try_into().unwrap(), |kind| answer_body_max(kind, 4096)), Err(PeerError::Garbage(_))));
+    }
+
+    #[test]
+    fn a_stalled_or_closed_stream_is_a_bounded_typed_error() {
+        // Goal: a peer that sends part of a frame and then nothing fails the read after the
+        // stall bound (not the whole deadline); one that closes fails at once.
+        let (mut near, mut far) = std::os::unix::net::UnixStream::pair().unwrap();
+        near.set_read_timeout(Some(Duration::from_millis(10))).unwrap();
+        far.write_all(&MAGIC).unwrap();
+        let started = Instant::now();
+        let mut body = Vec::new();
+        let stall = Duration::from_millis(200);
+        let never = || false;
+        let result =
+            read_frame(&mut near, &mut body, request_body_max, stall, started + Duration::from_secs(30), &never, "reading a test frame");
+        assert!(matches!(result, Err(PeerError::Stalled { .. })), "{result:?}");
+        assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
+        drop(far);
+        let result = read_frame(&mut near, &mut body, request_body_max, stall, Instant::now() + stall, &never, "reading a test frame");
+        assert!(matches!(result, Err(PeerError::Closed { .. })), "{result:?}");
+    }
+}

@@ -1,0 +1,309 @@
+//! The registrar: the one thread of a cluster node that talks to etcd.
+//!
+//! Each pass (woken by a committed store, or every tick):
+//! 1. **Local, under the pool lock** (microseconds): the index's departed block keys drop the
+//!    held segments they broke; each committed store's full segments whose blocks are all still
+//!    committed become held. Then, without the lock, the manifest records both.
+//! 2. **etcd, without any lock**, when no backoff is pending: join (or rejoin after a lost lease:
+//!    a new lease has no registrations, so every held segment is registered again); update the
+//!    member record when the set of models changed; unregister broken segments; register held
+//!    ones, one transaction per `txn_ops_max` segments of one model space, at most
+//!    [`TRANSACTIONS_PER_PASS`] per pass so departures are not kept waiting.
+//!
+//! A failed call is counted, remembered for status, and retried after a backoff (100 ms
+//! doubling to at most 5 s or half the lease); segments wait meanwhile. Each call is bounded by
+//! the registry's request timeout, so the thread sees the daemon's stop within a tick plus one
+//! such timeout, then leaves the cluster (revoking the lease: its segments vanish at once).
+
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::RecvTimeoutError;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use tutti_cluster::layout::FINGERPRINTS_MAX;
+use tutti_cluster::{segments_of, ClusterConfig, ClusterError, ClusterNode, MemberRecord, ModelSpace, Segment};
+
+use super::held::{HeldSegment, HeldSegments};
+use super::manifest::Manifest;
+use super::{AgentState, ClusterMetrics, Committed, Inbox};
+use crate::server::StopHandle;
+use crate::session::StoreState;
+
+/// Committed requests taken per pass (the rest wait in the queue for the next).
+const COMMITS_PER_PASS: usize = 256;
+/// etcd transactions of (un)registration per pass.
+pub const TRANSACTIONS_PER_PASS: usize = 32;
+/// Broken segments waiting to be unregistered at most; past it the node rejoins instead (a
+/// new lease: the old one's registrations vanish with it when it is revoked or expires).
+const UNREGISTER_QUEUE_MAX: usize = 1 << 16;
+const BACKOFF_FIRST: Duration = Duration::from_millis(100);
+const BACKOFF_MAX: Duration = Duration::from_secs(5);
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// See the module docs.
+pub(crate) struct Registrar {
+    config: ClusterConfig,
+    record: MemberRecord,
+    inbox: Inbox,
+    metrics: ClusterMetrics,
+    state: Arc<AgentState>,
+    held: HeldSegments,
+    /// `None` once a write failed (logged and counted; the next start rewrites it).
+    manifest: Option<Manifest>,
+    node: Option<ClusterNode>,
+    /// Broken segments still registered under the current lease.
+    to_unregister: Vec<(ModelSpace, Segment)>,
+    /// The unregister queue overflowed: rejoin rather than unregister one by one.
+    rejoin_needed: bool,
+    backoff: Duration,
+    next_attempt: Instant,
+    /// Scratch.
+    departed: Vec<u64>,
+    removed: Vec<HeldSegment>,
+    segments: Vec<Segment>,
+    ids: Vec<u32>,
+}
+
+impl Registrar {
+    pub(super) fn new(
+        config: ClusterConfig,
+        record: MemberRecord,
+        inbox: Inbox,
+        metrics: ClusterMetrics,
+        state: Arc<AgentState>,
+        held: HeldSegments,
+        manifest: Manifest,
+    ) -> Registrar {
+        Registrar {
+            config,
+            record,
+            inbox,
+            metrics,
+            state,
+            held,
+            manifest: Some(manifest),
+            node: None,
+            to_unregister: Vec::new(),
+            rejoin_needed: false,
+            backoff: BACKOFF_FIRST,
+            next_attempt: Instant::now(),
+            departed: Vec::new(),
+            removed: Vec::new(),
+            segments: Vec::new(),
+            ids: Vec::new(),
+        }
+    }
+
+    /// Runs until `stop`, then leaves the cluster.
+    pub(crate) fn run(mut self, store: &Mutex<StoreState>, stop: &StopHandle, tick: Duration) {
+        let mut commits = Vec::with_capacity(COMMITS_PER_PASS);
+        loop {
+            match self.inbox.recv_timeout(tick) {
+                Ok(commit) => commits.push(commit),
+                Err(RecvTimeoutError::Timeout) => {}
+                // Every sender is gone: the daemon is going away.
+                Err(RecvTimeoutError::Disconnected) => break,
+            }
+            if stop.is_stopped() {
+                break;
+            }
+            while commits.len() < COMMITS_PER_PASS {
+                match self.inbox.try_recv() {
+                    Ok(commit) => commits.push(commit),
+                    Err(_) => break,
+                }
+            }
+            self.update_local(store, &commits);
+            commits.clear();
+            if Instant::now() >= self.next_attempt {
+                match self.talk_to_etcd(stop) {
+                    Ok(()) => self.backoff = BACKOFF_FIRST,
+                    Err(error) => self.failed(error),
+                }
+            }
+            self.publish();
+        }
+        self.leave();
+    }
+
+    /// Step 1 (module docs).
+    fn update_local(&mut self, store: &Mutex<StoreState>, commits: &[Committed]) {
+        let per_segment = usize::from(self.config.segment_blocks.get());
+        let mut added: Vec<(ModelSpace, u32, usize, usize)> = Vec::new();
+        {
+            let mut store = lock(store);
+            let complete = store.control.take_departures(&mut self.departed);
+            let index = store.control.pool().index();
+            let mut whole = |keys: &[u64]| keys.iter().all(|&key| index.get(key).is_some());
+            if complete {
+                for &key in &self.departed {
+                    self.held.block_departed(key, &mut whole, &mut self.removed);
+                }
+            } else {
+                tracing::warn!("more blocks left the pool than were recorded: checking every held segment");
+                self.held.recheck_all(&mut whole, &mut self.removed);
+            }
+            for (position, commit) in commits.iter().enumerate() {
+                if segments_of(&commit.keys, self.config.segment_blocks, &mut self.segments).is_err() {
+                    continue;
+                }
+                for segment in &self.segments {
+                    let start = segment.index as usize * per_segment;
+                    let keys = &commit.keys[start..start + per_segment];
+                    if !self.held.contains(&commit.space, segment.key) && whole(keys) && self.held.insert(commit.space, segment.index, keys)
+                    {
+                        added.push((commit.space, segment.index, position, start));
+                    }
+                }
+            }
+        }
+        let joined = self.node.is_some();
+        for removed in self.removed.drain(..) {
+            if let Some(manifest) = self.manifest.as_mut() {
+                if let Err(error) = manifest.dropped(&removed.space, removed.segment.key) {
+                    manifest_failed(&mut self.manifest, &self.metrics, error);
+                }
+            }
+            if joined {
+                if self.to_unregister.len() < UNREGISTER_QUEUE_MAX {
+                    self.to_unregister.push((removed.space, removed.segment));
+                } else {
+                    self.rejoin_needed = true;
+                }
+            }
+        }
+        for (space, index, position, start) in added {
+            if let Some(manifest) = self.manifest.as_mut() {
+                if let Err(error) = manifest.held(&space, index, &commits[position].keys[start..start + per_segment]) {
+                    manifest_failed(&mut self.manifest, &self.metrics, error);
+                }
+            }
+        }
+        if let Some(manifest) = self.manifest.as_mut() {
+            let result = if manifest.records() > 2 * self.held.len() as u64 + 4096 {
+                // Compaction: the journal outgrew what it describes.
+                Manifest::rewrite(manifest.path(), manifest.segment_blocks(), self.held.iter()).map(|fresh| *manifest = fresh)
+            } else {
+                manifest.flush()
+            };
+            if let Err(error) = result {
+                manifest_failed(&mut self.manifest, &self.metrics, error);
+            }
+        }
+    }
+
+    /// Step 2 (module docs).
+    fn talk_to_etcd(&mut self, stop: &StopHandle) -> Result<(), ClusterError> {
+        let fingerprints: Vec<[u8; 32]> = self.held.fingerprints().take(FINGERPRINTS_MAX).copied().collect();
+        if self.node.is_none() {
+            let record = MemberRecord { fingerprints: fingerprints.clone(), ..self.record.clone() };
+            let node = ClusterNode::join(self.config.clone(), record)?;
+            tracing::info!(node = %self.record.node, lease_id = node.health().lease_id, "joined the cluster");
+            self.joined_anew();
+            self.node = Some(node);
+        }
+        let Some(node) = self.node.as_mut() else { return Ok(()) };
+        if node.health().lost || self.rejoin_needed {
+            if node.health().lost {
+                self.metrics.lease_losses.inc();
+                tracing::warn!(lease_id = node.health().lease_id, "the cluster lease is lost; rejoining");
+            }
+            node.rejoin()?;
+            tracing::info!(lease_id = node.health().lease_id, "rejoined the cluster");
+            self.rejoin_needed = false;
+            self.held.unregister_all();
+            self.to_unregister.clear();
+            self.metrics.joins.inc();
+        }
+        self.state.lease_id.store(node.health().lease_id, Ordering::Relaxed);
+        if node.record().fingerprints != fingerprints {
+            let record = MemberRecord { fingerprints, ..node.record().clone() };
+            node.update_record(record)?;
+        }
+        let batch_max = self.config.txn_ops_max;
+        let mut transactions = 0;
+        while !self.to_unregister.is_empty() && transactions < TRANSACTIONS_PER_PASS && !stop.is_stopped() {
+            let space = self.to_unregister[0].0;
+            let mut batch = Vec::with_capacity(batch_max.min(self.to_unregister.len()));
+            self.to_unregister.retain(|&(other, segment)| {
+                if other == space && batch.len() < batch_max {
+                    batch.push(segment);
+                    false
+                } else {
+                    true
+                }
+            });
+            if let Err(error) = node.unregister(&space, &batch) {
+                self.to_unregister.extend(batch.into_iter().map(|segment| (space, segment)));
+                return Err(error);
+            }
+            self.metrics.unregistered_segments.inc_by(batch.len() as u64);
+            transactions += 1;
+        }
+        while transactions < TRANSACTIONS_PER_PASS && !stop.is_stopped() {
+            let Some(space) = self.held.next_to_register(batch_max, &mut self.ids, &mut self.segments) else { break };
+            match node.register(&space, &self.segments) {
+                Ok(sent) => {
+                    self.held.registered_now(&self.ids);
+                    self.metrics.registered_segments.inc_by(self.segments.len() as u64);
+                    self.metrics.registration_transactions.inc_by(sent as u64);
+                    transactions += sent;
+                }
+                Err(error) => {
+                    self.held.register_later(&self.ids);
+                    return Err(error);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A new lease: nothing of this node is registered under it.
+    fn joined_anew(&mut self) {
+        self.held.unregister_all();
+        self.to_unregister.clear();
+        self.rejoin_needed = false;
+        self.metrics.joins.inc();
+    }
+
+    fn failed(&mut self, error: ClusterError) {
+        self.metrics.registry_errors.inc();
+        tracing::warn!(%error, retry_in = ?self.backoff, "cluster registry call failed");
+        *lock(&self.state.last_error) = error.to_string();
+        self.next_attempt = Instant::now() + self.backoff;
+        let most = BACKOFF_MAX.min(self.config.lease_ttl / 2);
+        self.backoff = (self.backoff * 2).min(most);
+    }
+
+    fn publish(&self) {
+        let joined = self.node.as_ref().is_some_and(|node| !node.health().lost);
+        self.metrics.joined.set(i64::from(joined));
+        self.metrics.segments_held.set(self.held.len() as i64);
+        self.metrics.segments_registered.set(self.held.registered() as i64);
+    }
+
+    /// Leaves the cluster: the lease is revoked, so this node's record and segments vanish now
+    /// rather than a TTL later (bounded by the request timeout).
+    fn leave(&mut self) {
+        if let Some(manifest) = self.manifest.as_mut() {
+            if let Err(error) = manifest.flush() {
+                manifest_failed(&mut self.manifest, &self.metrics, error);
+            }
+        }
+        if let Some(node) = self.node.take() {
+            node.leave();
+            tracing::info!("left the cluster");
+        }
+        self.metrics.joined.set(0);
+        self.metrics.segments_registered.set(0);
+    }
+}
+
+fn manifest_failed(manifest: &mut Option<Manifest>, metrics: &ClusterMetrics, error: std::io::Error) {
+    metrics.manifest_errors.inc();
+    tracing::error!(%error, "writing the segment manifest failed; it is not written again until restart");
+    *manifest = None;
+}
