@@ -22,6 +22,20 @@
 
 #[cfg(feature = "cluster")]
 mod data_plane;
+
+/// Store requests a cluster node's data plane may hold at once, beyond its clients' own: one
+/// read per peer connection served, and one store per client's `FetchRemote` in progress.
+pub(crate) fn data_plane_requests_max(clients_max: usize) -> usize {
+    #[cfg(feature = "cluster")]
+    {
+        data_plane::PEERS_MAX.saturating_add(clients_max)
+    }
+    #[cfg(not(feature = "cluster"))]
+    {
+        let _ = clients_max;
+        0
+    }
+}
 #[cfg(feature = "cluster")]
 mod held;
 #[cfg(feature = "cluster")]
@@ -371,7 +385,8 @@ impl ClusterAgent {
 
     /// `FetchRemote`: what other nodes hold of a prompt past the `local_blocks` here is read
     /// from the holder with the longest run and stored in this pool. Returns the blocks stored;
-    /// a failure is a sentence for the client (segments stored before it stay).
+    /// a failure is a sentence for the client (segments stored before it stay). Bounded by
+    /// [`data_plane::FETCH_DEADLINE`] in all; ends early when `stopped` (the daemon's drain).
     #[cfg(feature = "cluster")]
     pub(crate) fn fetch(
         &self,
@@ -379,7 +394,9 @@ impl ClusterAgent {
         space: &ModelSpace,
         keys: &[u64],
         local_blocks: usize,
+        stopped: &dyn Fn() -> bool,
     ) -> Result<usize, String> {
+        let deadline = std::time::Instant::now() + data_plane::FETCH_DEADLINE;
         let part = self.beyond(space, keys, local_blocks);
         if part.registry != crate::protocol::RegistryAnswer::Answered {
             self.metrics.remote_read_failures.inc();
@@ -391,7 +408,7 @@ impl ClusterAgent {
         let segments = local_blocks / per_segment..(local_blocks + holder.blocks as usize) / per_segment;
         let result = self.lookups.address_of(&holder.node).and_then(|address| {
             self.data_plane
-                .fetch(store, space, keys, segments.clone(), &holder.node, address)
+                .fetch(store, space, keys, segments.clone(), &holder.node, address, deadline, stopped)
                 .map_err(|(stored, error)| (stored, error.to_string()))
         });
         match result {
@@ -414,6 +431,7 @@ impl ClusterAgent {
         _space: &ModelSpace,
         _keys: &[u64],
         _local_blocks: usize,
+        _stopped: &dyn Fn() -> bool,
     ) -> Result<usize, String> {
         Err("this tuttid was built without the `cluster` feature".into())
     }

@@ -165,7 +165,8 @@ pub enum ErrorCode {
     /// corrupt) that the request's grant does not cover: refused, nothing counted or evicted.
     BadReport,
     /// A remote read failed (the registry, the holder, the network, a checksum, or storing the
-    /// segment here): those blocks are not here; recompute them. Never wrong bytes.
+    /// segment here): those blocks are not here; recompute them. Nothing of a segment that
+    /// failed its checks is stored.
     RemoteReadFailed,
     /// A code this build does not know (a newer daemon).
     Unknown(u16),

@@ -88,6 +88,17 @@ impl ServerConfig {
     }
 }
 
+/// A later thread failed to start: stops and joins the ones already started, so that none
+/// outlives a failed `serve` (the registrar leaves the cluster on its way out).
+fn stop_started<const N: usize>(shared: &Shared, threads: [Option<JoinHandle<()>>; N]) {
+    shared.stop.stop();
+    for thread in threads.into_iter().flatten() {
+        if thread.join().is_err() {
+            tracing::error!("a daemon thread panicked while stopping after a failed start");
+        }
+    }
+}
+
 /// Asks a running server to stop (drain): no new connections, each connection ends after the
 /// request it is serving.
 #[derive(Debug, Clone, Default)]
@@ -213,8 +224,13 @@ impl Server {
             blocks_per_slot: opened.pool.blocks_per_slot(),
         };
         let OpenedPool { pool, devices, report, emulators, locks } = opened;
-        // Every session may hold its cap of requests at once.
-        let requests_max = config.clients_max.saturating_mul(config.session_limits.requests_max).max(1);
+        // Every session may hold its cap of requests at once; a cluster node's data plane holds
+        // its own on top (peers' reads, clients' fetches), so peers never take clients' slots.
+        let requests_max = config
+            .clients_max
+            .saturating_mul(config.session_limits.requests_max)
+            .saturating_add(if config.cluster.is_some() { crate::cluster::data_plane_requests_max(config.clients_max) } else { 0 })
+            .max(1);
         let mut control = objstore::StoreControl::new(pool, requests_max)
             .map_err(|source| DaemonError::Pool { context: "the store's control half".into(), source })?;
         let mut metrics = Metrics::new();
@@ -284,7 +300,13 @@ impl Server {
                 let spawned = std::thread::Builder::new().name("tuttid-registrar".into()).spawn(move || {
                     registrar.run(&registrar_shared.store, &registrar_shared.stop, registrar_shared.config.tick);
                 });
-                Some(spawned.map_err(|source| DaemonError::Io { context: "starting the cluster registrar".into(), source })?)
+                match spawned {
+                    Ok(thread) => Some(thread),
+                    Err(source) => {
+                        stop_started(&shared, [metrics_thread]);
+                        return Err(DaemonError::Io { context: "starting the cluster registrar".into(), source });
+                    }
+                }
             }
         };
         let data_plane_thread = match &shared.cluster {
@@ -296,7 +318,13 @@ impl Server {
                         cluster.serve_data_plane(&data_shared.store, &data_shared.stop, data_shared.config.tick);
                     }
                 });
-                Some(spawned.map_err(|source| DaemonError::Io { context: "starting the data plane".into(), source })?)
+                match spawned {
+                    Ok(thread) => Some(thread),
+                    Err(source) => {
+                        stop_started(&shared, [metrics_thread, registrar_thread]);
+                        return Err(DaemonError::Io { context: "starting the data plane".into(), source });
+                    }
+                }
             }
         };
         let mut workers: Vec<JoinHandle<()>> = Vec::new();
@@ -503,6 +531,9 @@ impl Connection {
             };
             shared.metrics.request(label, last_frame.elapsed(), error);
             self.answer_with_fds(stream, &mut frame, header.request_id, reply, &reply_fds)?;
+            // The lease counts from the answer: a long request (a remote fetch) is not the
+            // client's silence.
+            last_frame = Instant::now();
         }
     }
 

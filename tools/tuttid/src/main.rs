@@ -120,7 +120,8 @@ struct Cli {
     /// This node's id in the cluster (1..=64 of a-z 0-9 - _), stable across restarts.
     #[arg(long, value_name = "ID", requires = "cluster_etcd")]
     node_id: Option<String>,
-    /// Where other nodes reach this node's data plane, as its member record says.
+    /// Where other nodes reach this node's data plane, as its member record says (an address
+    /// they can route to: an unspecified one such as 0.0.0.0 is refused).
     #[arg(long, value_name = "IP:PORT", requires = "cluster_etcd")]
     data_address: Option<std::net::SocketAddr>,
     /// Blocks per segment (16..=64), the same on every node of the cluster.
@@ -158,6 +159,14 @@ fn cluster_settings(cli: &Cli) -> Result<Option<ClusterSettings>> {
     registry.request_timeout = cli.cluster_timeout;
     registry.validate().map_err(unusable)?;
     let data_address = cli.data_address.ok_or_else(|| Unusable("--data-address is required with --cluster-etcd".into()))?;
+    if data_address.ip().is_unspecified() {
+        // The address is advertised to other nodes as it is: 0.0.0.0 would send them to
+        // their own host.
+        return Err(Unusable(format!(
+            "--data-address {data_address}: other nodes connect to this address as given; name this host's own IP, not an unspecified one"
+        ))
+        .into());
+    }
     let manifest = cli.cluster_state.clone().ok_or_else(|| Unusable("--cluster-state is required with --cluster-etcd".into()))?;
     let lookups = ClusterConfig { request_timeout: cli.cluster_lookup_timeout, ..registry.clone() };
     lookups.validate().map_err(|error| Unusable(format!("--cluster-lookup-timeout: {error}")))?;

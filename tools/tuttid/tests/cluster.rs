@@ -47,13 +47,15 @@ struct Node {
     timeout: &'static str,
     /// More options for `--format` (e.g. `--payload-crc`).
     format_extra: Vec<&'static str>,
+    /// More daemon options, on every start (e.g. a short client `--lease`).
+    extra: Vec<&'static str>,
 }
 
 impl Node {
     fn new(root: &Path, name: &'static str) -> Node {
         let directory = root.join(name);
         std::fs::create_dir_all(&directory).unwrap();
-        Node { name, directory, daemon: None, lease: "2s", timeout: "1s", format_extra: Vec::new() }
+        Node { name, directory, daemon: None, lease: "2s", timeout: "1s", format_extra: Vec::new(), extra: Vec::new() }
     }
 
     fn device(&self) -> String {
@@ -86,6 +88,7 @@ impl Node {
             args.extend(["--format", "--emu-create-bytes", "64m", "--slots", SLOTS]);
             args.extend(self.format_extra.iter().copied());
         }
+        args.extend(self.extra.iter().copied());
         self.daemon = Some(Daemon::start(&self.directory, &self.device(), &args));
     }
 
@@ -448,6 +451,13 @@ fn a_holder_never_sends_a_block_its_own_pool_says_is_damaged() {
     let mut store_b = b.connect();
     assert_eq!(common::retrieve_prompt(&mut store_b, 12, 0, 16).unwrap(), 0);
     assert_eq!(a.status().serve_refusals, 1);
+    // The holder evicted the damaged block, so its segment leaves the registry (no one is sent
+    // to it again) and a's own prefix stops before it.
+    wait_for("a's damaged segment unregistered", SOON, || holders(&reader, 12).len() == 1);
+    assert_eq!(holders(&reader, 12)[0], ["a"]);
+    let mut on_a = a.daemon().client();
+    on_a.hello(&hello(0, 1, "check-a")).unwrap();
+    assert_eq!(on_a.lookup(&tokens).unwrap(), 20, "a's prefix ends at the damaged block 20");
 }
 
 #[test]
@@ -520,6 +530,9 @@ enum Misbehaviour {
     WrongChecksum,
     /// Sends one good block, then closes the connection (a holder that died mid-stream).
     Dies,
+    /// Sends a sound segment slowly (each block inside the stall bound, the whole longer than
+    /// the asking client's lease), then closes.
+    Slow,
 }
 
 /// Bytes of one block of the test geometry (2 layers × K and V × 2 heads × 64 × 16 × 2 bytes).
@@ -591,6 +604,14 @@ fn fake_holder(misbehaviour: Misbehaviour) -> (std::net::SocketAddr, std::thread
                 let _ = stream.write_all(&frame(0x8001, &segment_header));
                 stream.write_all(&block_frame(0, &bytes, crc32fast::hash(&bytes)))
             }
+            Misbehaviour::Slow => {
+                let _ = stream.write_all(&frame(0x8001, &segment_header));
+                for index in 0..16u16 {
+                    std::thread::sleep(Duration::from_millis(250));
+                    let _ = stream.write_all(&block_frame(index, &bytes, crc32fast::hash(&bytes)));
+                }
+                Ok(())
+            }
         };
     });
     (address, thread)
@@ -646,14 +667,50 @@ fn a_holder_that_sends_garbage_stalls_lies_or_dies_is_a_typed_error_and_nothing_
 }
 
 #[test]
+fn a_fetch_longer_than_the_clients_lease_keeps_its_session() {
+    // Goal: the client lease counts from the daemon's answer, not from the request: a slow
+    // holder (every block inside the stall bound, the segment longer than b's 1 s client lease)
+    // makes a long FetchRemote, and the same client's next request is still served.
+    let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
+    let root = tempfile::tempdir().unwrap();
+    let reader = reader(&etcd);
+    let mut b = Node::new(root.path(), "b");
+    b.extra = vec!["--lease", "1s"];
+    b.start(&etcd, true);
+    wait_for("b joins", SOON, || members(&reader) == ["b"]);
+    let mut on_b = b.daemon().client();
+    on_b.hello(&hello(0, 1, "fetch-slow")).unwrap();
+    let tokens = common::prompt(12, PROMPT_BLOCKS, BLOCK_TOKENS);
+    let (address, thread) = fake_holder(Misbehaviour::Slow);
+    let mut config = ClusterConfig::new(etcd.endpoints(), ClusterId::new(CLUSTER).unwrap(), SegmentBlocks::new(SEGMENT_BLOCKS).unwrap());
+    config.lease_ttl = LEASE;
+    config.request_timeout = REQUEST_TIMEOUT;
+    let record =
+        MemberRecord { node: NodeId::new("slow").unwrap(), address: address.to_string(), capacity_bytes: 1 << 30, fingerprints: vec![] };
+    let slow = ClusterNode::join(config, record).unwrap();
+    slow.register(&model(), &segments(12)).unwrap();
+    let started = Instant::now();
+    // The fake serves one segment and closes: the first is stored, the second read fails.
+    let failure = on_b.fetch_remote(&tokens).expect_err("the fake holder serves one segment only");
+    assert!(started.elapsed() > Duration::from_millis(1500), "the fetch outlasted the lease: {:?}", started.elapsed());
+    assert!(matches!(failure, DaemonError::Remote { code: ErrorCode::RemoteReadFailed, .. }), "{failure:?}");
+    // The session lives on: the same client, silent for less than its lease since the answer,
+    // is answered and sees the segment stored.
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(on_b.lookup(&tokens).unwrap(), u32::from(SEGMENT_BLOCKS), "b stored the slow segment and still serves this client");
+    drop(slow);
+    thread.join().unwrap();
+}
+
+#[test]
 fn cluster_options_are_checked_at_start() {
-    // Goal: a bad node id, a segment size outside 16..=64 and a timeout the lease cannot hold
-    // are refused before the daemon opens anything (exit 2, the reason named); cluster options
+    // Goal: a bad node id, a segment size outside 16..=64, a timeout the lease cannot hold and
+    // an unspecified data address (other nodes would dial themselves) are refused before the daemon opens anything (exit 2, the reason named); cluster options
     // without --cluster-etcd are refused too.
     let directory = tempfile::tempdir().unwrap();
     let socket = directory.path().join("t.sock");
     let base = ["--device", "emu:mem:64m", "--format", "--metrics", "off", "--layers", "2", "--kv-heads", "2", "--head-dim", "64"];
-    let cluster = |node: &str, blocks: &str, timeout: &str| {
+    let cluster_at = |node: &str, blocks: &str, timeout: &str, data_address: &str| {
         let manifest = directory.path().join("m").display().to_string();
         vec![
             "--cluster-etcd".to_string(),
@@ -663,7 +720,7 @@ fn cluster_options_are_checked_at_start() {
             "--node-id".into(),
             node.into(),
             "--data-address".into(),
-            "127.0.0.1:7000".into(),
+            data_address.into(),
             "--cluster-state".into(),
             manifest,
             "--segment-blocks".into(),
@@ -672,8 +729,10 @@ fn cluster_options_are_checked_at_start() {
             timeout.into(),
         ]
     };
+    let cluster = |node: &str, blocks: &str, timeout: &str| cluster_at(node, blocks, timeout, "127.0.0.1:7000");
     for (arguments, reason) in [
         (cluster("Node/A", "32", "3s"), "node id"),
+        (cluster_at("a", "32", "3s", "0.0.0.0:7000"), "not an unspecified one"),
         (cluster("a", "8", "3s"), "segment size 8"),
         (cluster("a", "32", "9s"), "leaves no room to renew"),
         (vec!["--node-id".to_string(), "a".into()], "--cluster-etcd"),

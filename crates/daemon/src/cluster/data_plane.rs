@@ -22,13 +22,12 @@
 //! The staging area is one segment, behind a mutex: one segment moves at a time per node, in
 //! either direction. Lock order: staging, then the pool (never the reverse).
 
-use std::io::Write;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use objstore::{Direction, NoLender, ObjstoreError, RequestHandle, StoreControl};
+use objstore::{Direction, MismatchedBlock, NoLender, ObjstoreError, RequestHandle, StoreControl};
 use tutti_cluster::{ModelSpace, SegmentBlocks};
 
 use super::peer::{self, FailureCode, PeerError, PeerKind, ReadSegment};
@@ -43,8 +42,10 @@ pub const PEERS_MAX: usize = 8;
 pub const PEER_STALL: Duration = Duration::from_secs(2);
 /// The longest a holder keeps an idle peer connection.
 pub const PEER_IDLE: Duration = Duration::from_secs(30);
-/// The longest one segment's read may take in all, once the holder answers.
+/// The longest one segment's read (asker) or send (holder) may take in all.
 pub const SEGMENT_DEADLINE: Duration = Duration::from_secs(60);
+/// The longest one `FetchRemote` may take in all, however many segments it reads.
+pub const FETCH_DEADLINE: Duration = Duration::from_secs(120);
 /// Connecting to a holder.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -162,6 +163,7 @@ impl DataPlane {
                 &mut body,
                 peer::request_body_max,
                 PEER_IDLE,
+                PEER_STALL,
                 deadline,
                 &stopped,
                 "waiting for a request",
@@ -171,7 +173,7 @@ impl DataPlane {
                 Err(error @ PeerError::Garbage(_)) => {
                     metrics.serve_refusals.inc();
                     peer::encode_failure(&mut frame, FailureCode::BadRequest, &error.to_string());
-                    let _ = stream.write_all(&frame);
+                    let _ = peer::write_all(&mut stream, &frame, Instant::now() + PEER_STALL, &stopped, "refusing garbage");
                     return Err(error);
                 }
                 Err(error) => return Err(error),
@@ -179,7 +181,7 @@ impl DataPlane {
             if kind != PeerKind::ReadSegment {
                 metrics.serve_refusals.inc();
                 peer::encode_failure(&mut frame, FailureCode::BadRequest, &format!("a {kind:?} frame is not a request"));
-                peer::write_all(&mut stream, &frame, "refusing a frame")?;
+                peer::write_all(&mut stream, &frame, Instant::now() + PEER_STALL, &stopped, "refusing a frame")?;
                 continue;
             }
             let request = match ReadSegment::decode(&body) {
@@ -187,14 +189,14 @@ impl DataPlane {
                 Err(reason) => {
                     metrics.serve_refusals.inc();
                     peer::encode_failure(&mut frame, FailureCode::BadRequest, &reason);
-                    peer::write_all(&mut stream, &frame, "refusing a request")?;
+                    peer::write_all(&mut stream, &frame, Instant::now() + PEER_STALL, &stopped, "refusing a request")?;
                     continue;
                 }
             };
             match self.read_segment(&request, store, &mut bytes) {
                 Ok((handle, crcs)) => {
                     // The blocks stay pinned until the last byte is sent.
-                    let sent = self.send_segment(&mut stream, &mut frame, &bytes, &crcs);
+                    let sent = self.send_segment(&mut stream, &mut frame, &bytes, &crcs, &stopped);
                     release(store, handle);
                     sent?;
                     metrics.served_segments.inc();
@@ -202,7 +204,7 @@ impl DataPlane {
                 Err((code, message)) => {
                     metrics.serve_refusals.inc();
                     peer::encode_failure(&mut frame, code, &message);
-                    peer::write_all(&mut stream, &frame, "refusing a read")?;
+                    peer::write_all(&mut stream, &frame, Instant::now() + PEER_STALL, &stopped, "refusing a read")?;
                 }
             }
         }
@@ -227,8 +229,11 @@ impl DataPlane {
         let (handle, placements, recorded) = {
             let mut store = lock(store);
             let control = &mut store.control;
-            let handle =
-                control.reserve_retrieve(&request.keys, &engine_blocks).map_err(|error| (FailureCode::NotHeld, error.to_string()))?;
+            let handle = control.reserve_retrieve(&request.keys, &engine_blocks).map_err(|error| match error {
+                // Every request slot is taken: busy, not a sign the blocks are gone.
+                ObjstoreError::TooManyRequests { .. } => (FailureCode::Unavailable, error.to_string()),
+                _ => (FailureCode::NotHeld, error.to_string()),
+            })?;
             let placements = control.placements(handle).map(<[_]>::to_vec);
             let mut recorded = Vec::new();
             let recorded = if control.records_payload_crcs() {
@@ -259,24 +264,58 @@ impl DataPlane {
         }
         let crcs: Vec<u32> = bytes.chunks_exact(self.block_bytes).map(crc32fast::hash).collect();
         if let Some(recorded) = recorded {
-            if let Some(block) = (0..blocks).find(|&block| recorded[block] != crcs[block]) {
-                release(store, handle);
+            // Engine block i is the segment's block i (prefix order), so placement i holds it.
+            let damaged: Vec<MismatchedBlock> = placements
+                .iter()
+                .enumerate()
+                .filter(|&(position, _)| recorded[position] != crcs[position])
+                .map(|(position, placement)| MismatchedBlock {
+                    prefix_index: position,
+                    engine_block: placement.engine_block,
+                    device: placement.location.device,
+                    slot: placement.location.slot,
+                    expected_crc: recorded[position],
+                    computed_crc: crcs[position],
+                })
+                .collect();
+            if let Some(first) = damaged.first() {
+                // Out of the index (and so out of the registry on the registrar's next pass,
+                // through the departure log): a damaged block is not offered again.
+                let mut state = lock(store);
+                if let Err(error) = state.control.evict_mismatched(handle, &damaged, &mut NoLender) {
+                    tracing::warn!(%error, "evicting a segment's damaged blocks");
+                }
+                let _ = state.control.release(handle);
                 return Err((
                     FailureCode::ReadFailed,
-                    format!("block {block} of the segment does not match the CRC its holder recorded at commit: not sent"),
+                    format!(
+                        "block {} of the segment ({} damaged) does not match the CRC its holder recorded at commit: not sent, evicted here",
+                        first.prefix_index,
+                        damaged.len()
+                    ),
                 ));
             }
         }
         Ok((handle, crcs))
     }
 
-    fn send_segment(&self, stream: &mut TcpStream, frame: &mut Vec<u8>, bytes: &[u8], crcs: &[u32]) -> Result<(), PeerError> {
+    /// Holder: streams a segment, the whole bounded by [`SEGMENT_DEADLINE`] (its blocks stay
+    /// pinned meanwhile, so a slow reader must not hold them longer).
+    fn send_segment(
+        &self,
+        stream: &mut TcpStream,
+        frame: &mut Vec<u8>,
+        bytes: &[u8],
+        crcs: &[u32],
+        stopped: &dyn Fn() -> bool,
+    ) -> Result<(), PeerError> {
+        let deadline = Instant::now() + SEGMENT_DEADLINE;
         peer::encode_segment_header(frame, crcs.len() as u16, self.block_bytes as u64);
-        peer::write_all(stream, frame, "sending a segment header")?;
+        peer::write_all(stream, frame, deadline, stopped, "sending a segment header")?;
         for (index, (block, &crc)) in bytes.chunks_exact(self.block_bytes).zip(crcs).enumerate() {
             peer::encode_block_prefix(frame, index as u16, crc, self.block_bytes);
-            peer::write_all(stream, frame, "sending a block")?;
-            peer::write_all(stream, block, "sending a block")?;
+            peer::write_all(stream, frame, deadline, stopped, "sending a block")?;
+            peer::write_all(stream, block, deadline, stopped, "sending a block")?;
         }
         Ok(())
     }
@@ -309,7 +348,9 @@ impl DataPlane {
 
     /// Asker: reads segments `first..first + count` of a prompt (`keys`, its block keys) from
     /// the holder at `address` and stores each locally. Returns the blocks stored (new to this
-    /// pool); a failure says which segment and why (those stored before it stay).
+    /// pool); a failure says which segment and why (those stored before it stay). The whole
+    /// fetch is bounded by `deadline` and ends early when `stopped` (the daemon's drain).
+    #[allow(clippy::too_many_arguments)]
     pub fn fetch(
         &self,
         store: &Mutex<StoreState>,
@@ -318,6 +359,8 @@ impl DataPlane {
         segments: std::ops::Range<usize>,
         node: &str,
         address: SocketAddr,
+        deadline: Instant,
+        stopped: &dyn Fn() -> bool,
     ) -> Result<usize, (usize, FetchError)> {
         let per_segment = usize::from(self.segment_blocks.get());
         let peer_error =
@@ -335,7 +378,8 @@ impl DataPlane {
         for segment in segments {
             let segment_keys = &keys[segment * per_segment..(segment + 1) * per_segment];
             let request = ReadSegment { space: *space, index: segment as u32, keys: segment_keys.to_vec() };
-            self.receive_segment(&mut stream, &request, &mut frame, &mut body, &mut bytes)
+            let segment_deadline = deadline.min(Instant::now() + SEGMENT_DEADLINE);
+            self.receive_segment(&mut stream, &request, &mut frame, &mut body, &mut bytes, segment_deadline, stopped)
                 .map_err(|source| (stored, peer_error(segment, source)))?;
             stored += self.store_segment(store, segment_keys, &bytes).map_err(|error| {
                 (
@@ -351,6 +395,7 @@ impl DataPlane {
     }
 
     /// Asker: one segment's request and answer; its blocks' bytes into `bytes`, each checked.
+    #[allow(clippy::too_many_arguments)]
     fn receive_segment(
         &self,
         stream: &mut TcpStream,
@@ -358,14 +403,14 @@ impl DataPlane {
         frame: &mut Vec<u8>,
         body: &mut Vec<u8>,
         bytes: &mut Vec<u8>,
+        deadline: Instant,
+        stopped: &dyn Fn() -> bool,
     ) -> Result<(), PeerError> {
         request.encode(frame);
-        peer::write_all(stream, frame, "sending a read")?;
-        let deadline = Instant::now() + SEGMENT_DEADLINE;
-        let never = || false;
+        peer::write_all(stream, frame, deadline, stopped, "sending a read")?;
         let block_bytes = self.block_bytes as u64;
         let body_max = |kind| peer::answer_body_max(kind, block_bytes);
-        match peer::read_frame(stream, body, body_max, PEER_STALL, deadline, &never, "waiting for the segment header")? {
+        match peer::read_frame(stream, body, body_max, PEER_STALL, PEER_STALL, deadline, stopped, "waiting for the segment header")? {
             PeerKind::SegmentHeader => {}
             PeerKind::Failure => return Err(peer::decode_failure(body)),
             other => return Err(PeerError::Garbage(format!("a {other:?} frame where a segment header was due"))),
@@ -379,7 +424,7 @@ impl DataPlane {
         }
         bytes.clear();
         for expected in 0..usize::from(blocks) {
-            match peer::read_frame(stream, body, body_max, PEER_STALL, deadline, &never, "receiving a block")? {
+            match peer::read_frame(stream, body, body_max, PEER_STALL, PEER_STALL, deadline, stopped, "receiving a block")? {
                 PeerKind::Block => {}
                 PeerKind::Failure => return Err(peer::decode_failure(body)),
                 other => return Err(PeerError::Garbage(format!("a {other:?} frame where block {expected} was due"))),

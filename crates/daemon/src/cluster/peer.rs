@@ -169,18 +169,23 @@ pub fn read_exact_bounded(
 }
 
 /// Reads one frame (header, then its body into `body`, resized), bounded as
-/// [`read_exact_bounded`].
+/// [`read_exact_bounded`]: the header's first byte may take up to `idle` (a connection waiting
+/// for its next request), every byte after it at most `stall` (a frame left half sent).
+#[allow(clippy::too_many_arguments)]
 pub fn read_frame(
     stream: &mut impl Read,
     body: &mut Vec<u8>,
     body_max: impl Fn(PeerKind) -> u64,
+    idle: Duration,
     stall: Duration,
     deadline: Instant,
     stopped: &dyn Fn() -> bool,
     context: &'static str,
 ) -> Result<PeerKind, PeerError> {
     let mut header = [0u8; HEADER_BYTES];
-    read_exact_bounded(stream, &mut header, stall, deadline, stopped, context)?;
+    let (first, rest) = header.split_at_mut(1);
+    read_exact_bounded(stream, first, idle, deadline, stopped, context)?;
+    read_exact_bounded(stream, rest, stall, deadline, stopped, context)?;
     let header = decode_header(&header, body_max)?;
     body.clear();
     body.resize(header.body_bytes as usize, 0);
@@ -188,11 +193,36 @@ pub fn read_frame(
     Ok(header.kind)
 }
 
-pub fn write_all(stream: &mut impl Write, bytes: &[u8], context: &'static str) -> Result<(), PeerError> {
-    stream.write_all(bytes).map_err(|source| match source.kind() {
-        ErrorKind::WouldBlock | ErrorKind::TimedOut => PeerError::Stalled { context, waited: Duration::ZERO },
-        _ => PeerError::Io { context, source },
-    })
+/// Writes all of `bytes`, the whole bounded by `deadline` and each write by the stream's write
+/// timeout (a write that moves nothing for that long is a stall); `stopped` is asked between
+/// writes. A peer that reads a byte at a time therefore cannot hold the writer past `deadline`.
+pub fn write_all(
+    stream: &mut impl Write,
+    bytes: &[u8],
+    deadline: Instant,
+    stopped: &dyn Fn() -> bool,
+    context: &'static str,
+) -> Result<(), PeerError> {
+    let started = Instant::now();
+    let mut written = 0;
+    while written < bytes.len() {
+        if stopped() {
+            return Err(PeerError::Closed { context });
+        }
+        if Instant::now() >= deadline {
+            return Err(PeerError::Stalled { context, waited: started.elapsed() });
+        }
+        match stream.write(&bytes[written..]) {
+            Ok(0) => return Err(PeerError::Closed { context }),
+            Ok(count) => written += count,
+            Err(error) if error.kind() == ErrorKind::Interrupted => {}
+            Err(error) if matches!(error.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                return Err(PeerError::Stalled { context, waited: started.elapsed() });
+            }
+            Err(source) => return Err(PeerError::Io { context, source }),
+        }
+    }
+    Ok(())
 }
 
 /// A read of one segment: its model space, position and block keys (the last is its key).
@@ -394,12 +424,61 @@ mod tests {
         let mut body = Vec::new();
         let stall = Duration::from_millis(200);
         let never = || false;
-        let result =
-            read_frame(&mut near, &mut body, request_body_max, stall, started + Duration::from_secs(30), &never, "reading a test frame");
+        // A long idle wait for the first byte does not stretch the stall bound after it.
+        let idle = Duration::from_secs(30);
+        let result = read_frame(
+            &mut near,
+            &mut body,
+            request_body_max,
+            idle,
+            stall,
+            started + Duration::from_secs(30),
+            &never,
+            "reading a test frame",
+        );
         assert!(matches!(result, Err(PeerError::Stalled { .. })), "{result:?}");
         assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
         drop(far);
-        let result = read_frame(&mut near, &mut body, request_body_max, stall, Instant::now() + stall, &never, "reading a test frame");
+        let result =
+            read_frame(&mut near, &mut body, request_body_max, stall, stall, Instant::now() + stall, &never, "reading a test frame");
         assert!(matches!(result, Err(PeerError::Closed { .. })), "{result:?}");
+    }
+
+    #[test]
+    fn a_peer_reading_a_trickle_cannot_hold_a_writer_past_its_deadline() {
+        // Goal: a reader that takes a few bytes at a time keeps every single write moving, so
+        // only the whole write's deadline ends it, with a stall error, well before the bytes
+        // are all taken.
+        // TCP on loopback: a reader's small reads free the sender's window as they go (a Unix
+        // socket frees space per whole message, which makes every write stall instead).
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut near = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (mut far, _) = listener.accept().unwrap();
+        near.set_write_timeout(Some(Duration::from_millis(500))).unwrap();
+        let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let reader_done = std::sync::Arc::clone(&done);
+        let reader = std::thread::spawn(move || {
+            let mut buffer = [0u8; 4096];
+            far.set_read_timeout(Some(Duration::from_millis(500))).unwrap();
+            let started = Instant::now();
+            while started.elapsed() < Duration::from_secs(5) && !reader_done.load(std::sync::atomic::Ordering::Acquire) {
+                match far.read(&mut buffer) {
+                    Ok(0) => return,
+                    Ok(_) | Err(_) => std::thread::sleep(Duration::from_millis(5)),
+                }
+            }
+        });
+        let bytes = vec![7u8; 64 << 20];
+        let never = || false;
+        let started = Instant::now();
+        let result = write_all(&mut near, &bytes, started + Duration::from_millis(400), &never, "writing a test frame");
+        assert!(matches!(result, Err(PeerError::Stalled { .. })), "{result:?}");
+        assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
+        let stopped = || true;
+        let result = write_all(&mut near, &bytes, Instant::now() + Duration::from_secs(30), &stopped, "writing a test frame");
+        assert!(matches!(result, Err(PeerError::Closed { .. })), "{result:?}");
+        done.store(true, std::sync::atomic::Ordering::Release);
+        drop(near);
+        reader.join().unwrap();
     }
 }

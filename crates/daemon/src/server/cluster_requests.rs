@@ -62,7 +62,8 @@ impl Connection {
         let block_tokens = shared.shape.block_tokens;
         space.keys(tokens, block_tokens, &mut self.keys);
         let cached = lock(&shared.store).control.lookup(&self.keys);
-        match cluster.fetch(&shared.store, space.model(), &self.keys, cached) {
+        let stopped = || shared.stop.is_stopped();
+        match cluster.fetch(&shared.store, space.model(), &self.keys, cached, &stopped) {
             Ok(fetched) => {
                 let cached = lock(&shared.store).control.lookup(&self.keys);
                 Reply::Fetched { cached_blocks: cached as u32, fetched_blocks: fetched as u32 }
