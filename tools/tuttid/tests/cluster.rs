@@ -703,6 +703,57 @@ fn a_fetch_longer_than_the_clients_lease_keeps_its_session() {
 }
 
 #[test]
+fn fetches_past_the_nodes_limit_are_refused_at_once() {
+    // Goal: each fetch buffers up to a segment in memory, so a node runs at most 4 at once: with
+    // 4 in progress (a slow holder), a fifth is refused at once, naming the limit, and a fetch
+    // after they end is served again.
+    let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
+    let root = tempfile::tempdir().unwrap();
+    let reader = reader(&etcd);
+    let mut b = Node::new(root.path(), "b");
+    b.start(&etcd, true);
+    wait_for("b joins", SOON, || members(&reader) == ["b"]);
+    let tokens = common::prompt(13, PROMPT_BLOCKS, BLOCK_TOKENS);
+    let (address, thread) = fake_holder(Misbehaviour::Slow);
+    let mut config = ClusterConfig::new(etcd.endpoints(), ClusterId::new(CLUSTER).unwrap(), SegmentBlocks::new(SEGMENT_BLOCKS).unwrap());
+    config.lease_ttl = LEASE;
+    config.request_timeout = REQUEST_TIMEOUT;
+    let record =
+        MemberRecord { node: NodeId::new("slow").unwrap(), address: address.to_string(), capacity_bytes: 1 << 30, fingerprints: vec![] };
+    let slow = ClusterNode::join(config, record).unwrap();
+    slow.register(&model(), &segments(13)).unwrap();
+    // The slow holder serves the first connection; the others wait unanswered (stall, 2 s).
+    let fetchers: Vec<_> = (0..4)
+        .map(|index| {
+            let mut client = b.daemon().client();
+            client.hello(&hello(0, 1, &format!("fetch-{index}"))).unwrap();
+            let tokens = tokens.clone();
+            std::thread::spawn(move || client.fetch_remote(&tokens))
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    let mut fifth = b.daemon().client();
+    fifth.hello(&hello(0, 1, "fetch-5")).unwrap();
+    let started = Instant::now();
+    match fifth.fetch_remote(&tokens) {
+        Err(DaemonError::Remote { code: ErrorCode::RemoteReadFailed, message }) => {
+            assert!(message.contains("4 remote fetches are in progress"), "{message}")
+        }
+        other => panic!("a fifth fetch at once: {other:?}"),
+    }
+    assert!(started.elapsed() < Duration::from_millis(500), "refused at once, not after {:?}", started.elapsed());
+    for fetcher in fetchers {
+        let _ = fetcher.join().unwrap();
+    }
+    thread.join().unwrap();
+    drop(slow);
+    // The limit is a count, not a latch: with none in progress, a fetch runs (and finds nothing
+    // to fetch, the slow node's lease being gone or its segment stored already).
+    let again = fifth.fetch_remote(&tokens);
+    assert!(!matches!(&again, Err(DaemonError::Remote { message, .. }) if message.contains("in progress")), "{again:?}");
+}
+
+#[test]
 fn cluster_options_are_checked_at_start() {
     // Goal: a bad node id, a segment size outside 16..=64, a timeout the lease cannot hold and
     // an unspecified data address (other nodes would dial themselves) are refused before the daemon opens anything (exit 2, the reason named); cluster options

@@ -48,6 +48,9 @@ pub const SEGMENT_DEADLINE: Duration = Duration::from_secs(60);
 pub const FETCH_DEADLINE: Duration = Duration::from_secs(120);
 /// Connecting to a holder.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// `FetchRemote`s in progress at once on this node; more are refused at once (each buffers up
+/// to a whole segment in memory before the staging area takes it).
+pub const FETCHES_MAX: usize = 4;
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -62,6 +65,8 @@ pub enum FetchError {
     Store { segment: u32, source: Box<ObjstoreError> },
     #[error("the staging area is unavailable (retired after a device timeout; restart tuttid)")]
     NoStaging,
+    #[error("{max} remote fetches are in progress on this node already; retry")]
+    Busy { max: usize },
 }
 
 /// The data plane: the bound listener (taken by the server's thread) and the staging area.
@@ -73,6 +78,8 @@ pub struct DataPlane {
     block_bytes: usize,
     /// Peer connections being served now.
     peers: AtomicUsize,
+    /// `FetchRemote`s in progress now.
+    fetches: AtomicUsize,
 }
 
 impl DataPlane {
@@ -103,6 +110,7 @@ impl DataPlane {
             segment_blocks,
             block_bytes,
             peers: AtomicUsize::new(0),
+            fetches: AtomicUsize::new(0),
         })
     }
 
@@ -124,12 +132,17 @@ impl DataPlane {
                             continue;
                         }
                         self.peers.fetch_add(1, Ordering::AcqRel);
-                        scope.spawn(move || {
+                        let spawned = std::thread::Builder::new().name("tuttid-peer".into()).spawn_scoped(scope, move || {
                             if let Err(error) = self.serve_peer(stream, store, stop, tick, metrics) {
                                 tracing::info!(%peer, %error, "a data-plane connection ended");
                             }
                             self.peers.fetch_sub(1, Ordering::AcqRel);
                         });
+                        if let Err(error) = spawned {
+                            // The connection (moved into the closure) is closed; serve on.
+                            tracing::warn!(%peer, %error, "no thread for a data-plane connection: it is closed");
+                            self.peers.fetch_sub(1, Ordering::AcqRel);
+                        }
                     }
                     Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(tick),
                     Err(error) => {
@@ -352,6 +365,27 @@ impl DataPlane {
     /// fetch is bounded by `deadline` and ends early when `stopped` (the daemon's drain).
     #[allow(clippy::too_many_arguments)]
     pub fn fetch(
+        &self,
+        store: &Mutex<StoreState>,
+        space: &ModelSpace,
+        keys: &[u64],
+        segments: std::ops::Range<usize>,
+        node: &str,
+        address: SocketAddr,
+        deadline: Instant,
+        stopped: &dyn Fn() -> bool,
+    ) -> Result<usize, (usize, FetchError)> {
+        let taken = self.fetches.fetch_update(Ordering::AcqRel, Ordering::Acquire, |now| (now < FETCHES_MAX).then_some(now + 1));
+        if taken.is_err() {
+            return Err((0, FetchError::Busy { max: FETCHES_MAX }));
+        }
+        let result = self.fetch_segments(store, space, keys, segments, node, address, deadline, stopped);
+        self.fetches.fetch_sub(1, Ordering::AcqRel);
+        result
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn fetch_segments(
         &self,
         store: &Mutex<StoreState>,
         space: &ModelSpace,
