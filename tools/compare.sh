@@ -3,6 +3,19 @@
 # path (uring:) and on the software NVMe controller (emu:), identical parameters, same file.
 # A benchmark, not a test: it prints figures and ratios to fio; goals (issue 7):
 #   uring: >= 0.95x fio on every row;  emu: >= 0.9x fio on the 128 KiB and 1 MiB rows.
+# KV rows (issue 16 item 4): tutti-bench's KV workload (llama3-8b, 16-token blocks, one block
+# per slot) on the software controller over the same file, against fio moving the same bytes
+# with the same I/O size and queue depth; goals: retrieve >= 0.95x fio, store >= 0.9x.
+#   kv-retrieve  tutti-bench --device emu:FILE --workload=kv --prompt-tokens=$COMPARE_KV_TOKENS
+#                --hit-rate=1 --verify: the retrieve phase's GB/s over its layers' time
+#   kv-store     the same run's populate phase (store_layer + wait per layer, before commit)
+#   fio          --rw=randread (randwrite) --bs=64k --iodepth=$COMPARE_KV_IODEPTH --offset=1m
+#                --size=<prompt's KV bytes> --ioengine=io_uring --direct=1, one pass (not time
+#                based): exactly the pool's slots that run uses (blocks 0..n-1 in slots
+#                0..n-1, the data region starting at 1 MiB), each 64 KiB once, in random order.
+#                A layer of a block (K and V, 32 KiB each) is one 64 KiB command on the pool;
+#                the software controller keeps at most 128 transfers in flight to the file,
+#                so tutti's depth at the file is min(commands queued, 128): fio at 128.
 #
 # Environment (all optional):
 #   COMPARE_FILE     test file on the local disk   (default /var/tmp/tutti-compare.img)
@@ -15,6 +28,12 @@
 #   COMPARE_ROWS     subset of rows, e.g. "randread-4k read-1m"
 #   COMPARE_QD1      1 adds fio at queue depth 1 as a reference column: the software controller
 #                    (emu:) serialises backing-store writes, so its writes are compared with this
+#   COMPARE_BENCH    a tutti-bench binary to use instead of building one (e.g. an older build
+#                    for a before/after comparison in one sitting)
+#   COMPARE_KV_TOKENS   prompt of the KV rows, tokens (default 4096: 256 blocks, 512 MiB)
+#   COMPARE_KV_IODEPTH  fio's queue depth on the KV rows (default 128, see above)
+#   COMPARE_KV_REPEAT   KV rows: passes per measurement, the median kept (default 3: one pass
+#                       of 512 MiB takes ~0.5 s, which this disk's swings dominate)
 set -euo pipefail
 
 FILE=${COMPARE_FILE:-/var/tmp/tutti-compare.img}
@@ -23,12 +42,17 @@ RUNTIME=${COMPARE_RUNTIME:-10}
 RUNS=${COMPARE_RUNS:-3}
 IODEPTH=${COMPARE_IODEPTH:-32}
 SETTLE=${COMPARE_SETTLE:-2}
-ROWS=${COMPARE_ROWS:-"randread-4k read-128k read-1m write-128k write-1m"}
+ROWS=${COMPARE_ROWS:-"randread-4k read-128k read-1m write-128k write-1m kv-retrieve kv-store"}
+KV_TOKENS=${COMPARE_KV_TOKENS:-4096}
+KV_IODEPTH=${COMPARE_KV_IODEPTH:-128}
+KV_REPEAT=${COMPARE_KV_REPEAT:-3}
+# llama3-8b: 128 KiB of KV per token; 16-token blocks.
+KV_BYTES=$((KV_TOKENS / 16 * 16 * 131072))
 TOOLS="fio uring emu"
 [ "${COMPARE_QD1:-0}" = 1 ] && TOOLS="fio uring emu fioqd1"
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$ROOT/target-bench}
-BENCH=$CARGO_TARGET_DIR/release/tutti-bench
+BENCH=${COMPARE_BENCH:-$CARGO_TARGET_DIR/release/tutti-bench}
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"; [ "${COMPARE_KEEP:-0}" = 1 ] || rm -f "$FILE"' EXIT
 
@@ -42,8 +66,10 @@ if ! command -v fio >/dev/null 2>&1; then
 fi
 command -v python3 >/dev/null || { say "python3 is needed to read the JSON results"; exit 1; }
 
-say "building tutti-bench (release)"
-(cd "$ROOT" && cargo build --release --bin tutti-bench --quiet)
+if [ -z "${COMPARE_BENCH:-}" ]; then
+    say "building tutti-bench (release)"
+    (cd "$ROOT" && cargo build --release --bin tutti-bench --quiet)
+fi
 
 # One file for everyone, written in full so that every read hits allocated blocks.
 say "laying out $FILE ($SIZE)"
@@ -58,6 +84,8 @@ row_params() { # name -> "rw bs"
         read-1m) echo "read 1m" ;;
         write-128k) echo "write 128k" ;;
         write-1m) echo "write 1m" ;;
+        kv-retrieve) echo "randread 64k" ;;
+        kv-store) echo "randwrite 64k" ;;
         *) say "unknown row $1"; exit 2 ;;
     esac
 }
@@ -67,6 +95,7 @@ run() {
     local tool=$1 row=$2 index=$3 rw bs out
     read -r rw bs <<<"$(row_params "$row")"
     out=$WORK/$tool-$row-$index.json
+    case $row in kv-*) run_kv "$tool" "$row" "$index" "$rw" "$bs" "$out"; return ;; esac
     case $tool in
         fio|fioqd1)
             local depth=$IODEPTH
@@ -81,6 +110,27 @@ run() {
     esac
 }
 
+# run_kv TOOL ROW RUN RW BS OUT: a KV row. fio moves the pool's bytes (see the top); tutti-bench
+# runs the KV workload once for both KV rows (store, then retrieve) and each row reads its phase.
+# KV_REPEAT passes each, their JSON kept as OUT.1, OUT.2, ...
+run_kv() {
+    local tool=$1 row=$2 index=$3 rw=$4 bs=$5 out=$6 pass
+    for pass in $(seq 1 "$KV_REPEAT"); do
+        case $tool in
+            fio|fioqd1)
+                local depth=$KV_IODEPTH
+                [ "$tool" = fioqd1 ] && depth=1
+                fio --name=job --filename="$FILE" --offset=1m --size="$KV_BYTES" --rw="$rw" --bs="$bs" --iodepth="$depth" \
+                    --numjobs=1 --ioengine=io_uring --direct=1 --output-format=json --output="$out.$pass" ;;
+            emu)
+                "$BENCH" --device "emu:$FILE" --workload=kv --prompt-tokens="$KV_TOKENS" --hit-rate=1 --verify \
+                    --output-format=json >"$out.$pass" 2>"$WORK/stderr" \
+                    || { say "tutti-bench kv failed: $(cat "$WORK/stderr")"; echo '{}' >"$out.$pass"; } ;;
+        esac
+        [ "$pass" = "$KV_REPEAT" ] || { sync; sleep "$SETTLE"; }
+    done
+}
+
 load_start=$(cut -d' ' -f1-3 /proc/loadavg)
 for index in $(seq 1 "$RUNS"); do
     for row in $ROWS; do
@@ -90,6 +140,9 @@ for index in $(seq 1 "$RUNS"); do
         read -r -a order <<<"$TOOLS"
         for ((k = 0; k < ${#order[@]}; k++)); do
             tool=${order[$(((k + index - 1) % ${#order[@]}))]}
+            # One KV run of tutti-bench measures both KV rows (its store, then its retrieve).
+            [ "$row" = kv-store ] && [ "$tool" = emu ] && continue
+            case $row in kv-*) [ "$tool" = uring ] && continue ;; esac # no KV workload on the kernel path
             say "run $index/$RUNS: $row $tool"
             sync
             sleep "$SETTLE"
@@ -100,19 +153,34 @@ done
 
 load_end=$(cut -d' ' -f1-3 /proc/loadavg)
 uname_line="$(nproc) cores, $(uname -r), $(df -T "$(dirname "$FILE")" | awk 'NR==2 {print $2" on "$1}'), fio $(fio --version)"
-python3 - "$WORK" "$RUNS" "$ROWS" "$IODEPTH" "$RUNTIME" "$SIZE" "$uname_line" "$load_start" "$load_end" "$TOOLS" <<'EOF'
+python3 - "$WORK" "$RUNS" "$ROWS" "$IODEPTH" "$RUNTIME" "$SIZE" "$uname_line" "$load_start" "$load_end" "$TOOLS" "$KV_REPEAT" "$KV_IODEPTH" "$KV_TOKENS" <<'EOF'
 import json, statistics, sys
-work, runs, rows, iodepth, runtime, size, machine, load_start, load_end, tools = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(), *sys.argv[4:]
+work, runs, rows, iodepth, runtime, size, machine, load_start, load_end, tools, kv_repeat, kv_iodepth, kv_tokens = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(), *sys.argv[4:]
 tools = tools.split()
+kv_repeat = int(kv_repeat)
+
+def one_figure(tool, row, path):
+    try:
+        report = json.load(open(path))
+        if row.startswith("kv-") and tool == "emu":
+            # tutti-bench's KV JSON: the phase's bytes over its layers' time.
+            wanted = "retrieve" if row == "kv-retrieve" else "store"
+            return next(p for p in report["phases"] if p["phase"].startswith(wanted))["bw_bytes"] / 1e6
+        job = report["jobs"][0]
+    except (OSError, ValueError, KeyError, IndexError, StopIteration):
+        return None
+    side = job["write"] if row.startswith("write") or row == "kv-store" else job["read"]
+    return side["iops"] if row.endswith("4k") else side["bw_bytes"] / 1e6
 
 def figure(tool, row, index):
-    """IOPS for the 4 KiB row, MB/s for the others; None when the run produced nothing."""
-    try:
-        job = json.load(open(f"{work}/{tool}-{row}-{index}.json"))["jobs"][0]
-    except (OSError, ValueError, KeyError, IndexError):
-        return None
-    side = job["write"] if row.startswith("write") else job["read"]
-    return side["iops"] if row.endswith("4k") else side["bw_bytes"] / 1e6
+    """IOPS for the 4 KiB row, MB/s for the others (KV rows: the median of the passes); None
+    when the run produced nothing."""
+    if not row.startswith("kv-"):
+        return one_figure(tool, row, f"{work}/{tool}-{row}-{index}.json")
+    source = "kv-retrieve" if tool == "emu" else row  # one tutti-bench run gives both KV rows
+    values = [one_figure(tool, row, f"{work}/{tool}-{source}-{index}.json.{p}") for p in range(1, kv_repeat + 1)]
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
 
 def median(values):
     values = [v for v in values if v is not None]
@@ -123,6 +191,8 @@ def show(value, digits=0):
 
 print(f"machine: {machine}; load average {load_start} at start, {load_end} at end")
 print(f"parameters: iodepth={iodepth} numjobs=1 runtime={runtime}s size={size} direct I/O; medians of {runs} runs; ratio = median of per-run ratios to fio")
+if any(row.startswith("kv-") for row in rows):
+    print(f"kv rows: llama3-8b, {kv_tokens} tokens, 64 KiB per command; fio randread/randwrite bs=64k iodepth={kv_iodepth} over the same bytes, one pass; each run's figure the median of {kv_repeat} passes")
 qd1 = "fioqd1" in tools
 print(f"{'row':<12} {'unit':<5} {'fio':>10} {'uring':>10} {'ratio':>6} {'emu':>10} {'ratio':>6}" + (f" {'fio qd1':>10}" if qd1 else "") + "  goals")
 for row in rows:
@@ -134,7 +204,10 @@ for row in rows:
         cells.append((median(values), median(ratios)))
     (uring, uring_ratio), (emu, emu_ratio) = cells
     goals = ["uring>=0.95 " + ("met" if uring_ratio is not None and uring_ratio >= 0.95 else "MISSED")]
-    if not row.endswith("4k"):
+    if row.startswith("kv-"):
+        goal = 0.95 if row == "kv-retrieve" else 0.9
+        goals = [f"emu>={goal} " + ("met" if emu_ratio is not None and emu_ratio >= goal else "MISSED")]
+    elif not row.endswith("4k"):
         goals.append("emu>=0.9 " + ("met" if emu_ratio is not None and emu_ratio >= 0.9 else "MISSED"))
     unit = "IOPS" if row.endswith("4k") else "MB/s"
     print(f"{row:<12} {unit:<5} {show(median(fio)):>10} {show(uring):>10} {show(uring_ratio, 2):>6} {show(emu):>10} {show(emu_ratio, 2):>6}" + (f" {show(median([figure('fioqd1', row, i) for i in range(1, runs + 1)])):>10}" if qd1 else "") + f"  {', '.join(goals)}")

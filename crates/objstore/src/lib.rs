@@ -35,5 +35,5 @@ pub use pool::{format_pool, FormatParams, NoLender, Pool, PoolTarget, QueueLende
 pub use registration::{KvLayout, KvRegistration};
 pub use store::{
     cpu_executor_for, DeviceLayout, Direction, FixedBudget, KvRequest, KvStore, LayerIssuePolicy, LayerKvStore, Placement, PoolShape,
-    RequestHandle, StoreConfig, StoreControl, StoreData, StorePlan, Transferred,
+    RequestHandle, StoreConfig, StoreControl, StoreData, StorePlan, Transferred, LAYERS_IN_FLIGHT_LIMIT,
 };

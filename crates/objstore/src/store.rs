@@ -38,7 +38,7 @@ use gio_uring::{CpuExecutor, Executor, GioQueue, SmBudget};
 use nvme_driver::DmaAllocator;
 
 pub use control::StoreControl;
-pub use data::StoreData;
+pub use data::{StoreData, LAYERS_IN_FLIGHT_LIMIT};
 pub use layer_kv::LayerKvStore;
 pub use shape::{DeviceLayout, Placement, PoolShape, Transferred};
 
@@ -380,9 +380,26 @@ impl<E: Executor> KvStore<E> {
         self.data.issue_layer_with(handle, layer, policy)
     }
 
-    /// Waits (until `deadline`) for the layer in flight; returns it, or `None` if none was.
-    /// After a timeout the layer is still in flight: wait again, or (CPU executor) end it with
-    /// `abandon_in_flight`.
+    /// How many layers of one request may be in flight at once (1 unless set).
+    pub fn layers_in_flight_max(&self) -> u32 {
+        self.data.layers_in_flight_max()
+    }
+
+    /// Lets each request keep up to `layers` layers in flight: see
+    /// [`StoreData::set_layers_in_flight_max`]. Only while no request is prepared.
+    pub fn set_layers_in_flight_max(&mut self, layers: u32) -> Result<()> {
+        self.data.set_layers_in_flight_max(layers)
+    }
+
+    /// The layers of `handle` in flight, oldest first.
+    pub fn layers_in_flight(&self, handle: RequestHandle) -> Result<impl Iterator<Item = u32> + '_> {
+        self.data.layers_in_flight(handle)
+    }
+
+    /// Waits (until `deadline`) for the oldest layer in flight; returns it, or `None` if none
+    /// was. After a timeout the layer is still in flight: wait again, or (CPU executor) end it
+    /// with `abandon_in_flight`. With several layers in flight
+    /// ([`KvStore::set_layers_in_flight_max`]) each `wait` completes one, in issue order.
     ///
     /// On a verified retrieve whose verification failed, this and every later `wait` and `poll`
     /// return that failure until `finish`; the bad blocks' slots are evicted when it is first
@@ -394,8 +411,8 @@ impl<E: Executor> KvStore<E> {
         result
     }
 
-    /// Non-blocking: `Ok(true)` once nothing is in flight for the request (the layer that was
-    /// is then complete, or its failure is returned).
+    /// Non-blocking: `Ok(true)` once nothing is in flight for the request (the layers that
+    /// were are then complete, or the first failure is returned).
     pub fn poll(&mut self, handle: RequestHandle) -> Result<bool> {
         let failed_before = self.data.verify_failed(handle);
         let result = self.data.poll(handle);

@@ -118,6 +118,12 @@ pub struct Cli {
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
 
+    /// Layers of a request the kv workload keeps in flight (in-process store): with 2 (the
+    /// default) layer l + 1 is issued before layer l is waited for, so the device's queue does
+    /// not drain at every layer boundary; 1 issues and waits one layer at a time. 1..=4.
+    #[arg(long = "layers-in-flight", default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=i64::from(objstore::LAYERS_IN_FLIGHT_LIMIT)))]
+    pub layers_in_flight: u32,
+
     /// Run the kv workload through tuttid listening on SOCKET instead of opening devices: the
     /// daemon owns the pool, each client process attaches with its own queue pairs (tuttid's
     /// client library, `RemoteKvStore`). The pool geometry is the daemon's: give the same model
@@ -167,7 +173,7 @@ pub enum Selected {
 
 /// Options that shape only the raw workload, and only the kv workload (by clap id).
 const RAW_OPTIONS: [&str; 9] = ["rw", "bs", "iodepth", "numjobs", "size", "runtime", "time_based", "rwmixread", "offset"];
-const KV_OPTIONS: [&str; 14] = [
+const KV_OPTIONS: [&str; 15] = [
     "model",
     "model_config",
     "layers",
@@ -180,6 +186,7 @@ const KV_OPTIONS: [&str; 14] = [
     "keep_pool",
     "retrieve_only",
     "seed",
+    "layers_in_flight",
     "attach",
     "clients",
 ];

@@ -64,6 +64,8 @@ pub struct KvPlan {
     pub seed: u64,
     /// The software controller's timing model.
     pub emu_timing: Option<nvme_emu::TimingModel>,
+    /// Layers of a request kept in flight by the in-process store (`--layers-in-flight`).
+    pub layers_in_flight: u32,
 }
 
 impl KvPlan {
@@ -82,6 +84,7 @@ impl KvPlan {
             pool,
             seed: cli.seed,
             emu_timing: cli.emu_timing,
+            layers_in_flight: cli.layers_in_flight,
         })
     }
 
@@ -221,6 +224,7 @@ pub fn run_plan(specs: &[DeviceSpec], plan: &KvPlan, output: OutputFormat, creat
         "verify": plan.verify,
         "pool_mode": plan.pool.name(),
         "seed": plan.seed,
+        "layers_in_flight": plan.layers_in_flight,
         "executor": "cpu",
         "device": listed,
         "device_description": devices.iter().map(|device| device.description.as_str()).collect::<Vec<_>>().join("; "),
@@ -236,7 +240,7 @@ pub fn run_plan(specs: &[DeviceSpec], plan: &KvPlan, output: OutputFormat, creat
     });
     if output == OutputFormat::Normal {
         outln!(
-            "tutti-bench: workload=kv model={} ({}) prompt={} tokens = {} blocks ({} of KV), hit-rate={} ({} cached blocks), verify={}, pool={}, seed={}, executor=cpu",
+            "tutti-bench: workload=kv model={} ({}) prompt={} tokens = {} blocks ({} of KV), hit-rate={} ({} cached blocks), verify={}, pool={}, seed={}, layers-in-flight={}, executor=cpu",
             plan.model.name,
             geometry,
             plan.prompt_tokens,
@@ -246,7 +250,8 @@ pub fn run_plan(specs: &[DeviceSpec], plan: &KvPlan, output: OutputFormat, creat
             plan.cached_blocks(),
             plan.verify,
             plan.pool.name(),
-            plan.seed
+            plan.seed,
+            plan.layers_in_flight
         )?;
         for (spec, device) in specs.iter().zip(&devices) {
             outln!("  device {spec}: {}", device.description)?;
@@ -353,7 +358,8 @@ impl Rig {
         let registration = KvRegistration::new(*geometry, blocks, layout, mode).context("registering the engine's KV memory")?;
         let config = StoreConfig::default();
         let executor = cpu_executor_for(&pool, 1024, &config).context("creating the CPU executor")?;
-        let store = KvStore::new(pool, registration, dma, executor, config).context("building the KV store")?;
+        let mut store = KvStore::new(pool, registration, dma, executor, config).context("building the KV store")?;
+        store.set_layers_in_flight_max(plan.layers_in_flight).context("setting the layers in flight")?;
         Ok(Self { store, engine, slots: report.slots, valid_slots_at_open: report.valid_slots, payload_crc })
     }
 }

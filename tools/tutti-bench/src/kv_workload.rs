@@ -8,13 +8,17 @@
 //!    engine's KV memory layer by layer; with --verify every byte is compared;
 //! 3. store: the request's n − h new blocks are written layer by layer and committed.
 //!
-//! Each layer is timed from its issue (`store_layer`/`retrieve_layer`) to the end of its `wait`.
+//! Layers are issued ahead, up to the store's `layers_in_flight_max` (the in-process store: 2
+//! by default, `--layers-in-flight`), and waited for in order, so the next layer's commands are
+//! queued while the current one drains. Each layer is timed from the later of its issue and the
+//! previous layer's completion to the end of its `wait`: the layers' times add up to the time
+//! from the first issue to the last completion, however many overlap.
 
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Context};
 use gio_uring::SmBudget;
-use objstore::{KvKind, KvRequest, LayerKvStore};
+use objstore::{KvKind, KvRequest, LayerKvStore, RequestHandle};
 use serde_json::{json, Value};
 
 use crate::args::format_size;
@@ -277,13 +281,7 @@ pub(crate) fn run_phases<T: KvTarget>(
         let request = KvRequest { tokens: &tokens[..cached as usize * block_tokens], block_ids: &ids[..cached as usize] };
         let store = target.store();
         let handle = store.prepare_retrieve(&request).context("prepare_retrieve")?;
-        let mut latencies = Vec::with_capacity(layers as usize);
-        for layer in 0..layers {
-            let issued = Instant::now();
-            store.retrieve_layer(handle, layer, SmBudget(1)).with_context(|| format!("retrieve_layer {layer}"))?;
-            store.wait(handle, Instant::now() + LAYER_TIMEOUT).with_context(|| format!("waiting for retrieved layer {layer}"))?;
-            latencies.push(issued.elapsed());
-        }
+        let latencies = move_layers(store, handle, layers, Direction::Retrieve)?;
         store.finish(handle).context("finishing the retrieve")?;
         let wall = started.elapsed();
         let cpu = ProcessCpu::now().since(&cpu_before);
@@ -313,6 +311,68 @@ pub(crate) fn run_phases<T: KvTarget>(
     Ok(phases)
 }
 
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Direction {
+    Retrieve,
+    Store,
+}
+
+/// Moves every layer of a prepared request: up to the store's `layers_in_flight_max` layers
+/// issued ahead, each waited for in order. Returns each layer's time (module docs). A failed
+/// layer ends the run, after the layers issued behind it are waited for (the device may still
+/// be moving their bytes).
+fn move_layers<S: LayerKvStore>(store: &mut S, handle: RequestHandle, layers: u32, direction: Direction) -> anyhow::Result<Vec<Duration>> {
+    let ahead = store.layers_in_flight_max().max(1);
+    let verb = if direction == Direction::Retrieve { "retrieve" } else { "store" };
+    let mut latencies = Vec::with_capacity(layers as usize);
+    let mut issued_at = Vec::with_capacity(layers as usize);
+    let mut next = 0u32;
+    let mut previous_done: Option<Instant> = None;
+    for layer in 0..layers {
+        while next < layers && next < layer + ahead {
+            issued_at.push(Instant::now());
+            let issued = match direction {
+                Direction::Retrieve => store.retrieve_layer(handle, next, SmBudget(1)),
+                Direction::Store => store.store_layer(handle, next, SmBudget(1)),
+            };
+            if let Err(error) = issued {
+                drain(store, handle, layer..next);
+                return Err(error).with_context(|| format!("{verb}_layer {next}"));
+            }
+            next += 1;
+        }
+        let waited = store.wait(handle, Instant::now() + LAYER_TIMEOUT);
+        let done = Instant::now();
+        match waited {
+            Ok(Some(completed)) if completed == layer => {}
+            // Nothing was in flight: the request moves no bytes (a store whose blocks are all
+            // cached already), so its issues completed at once.
+            Ok(None) => {}
+            other => {
+                drain(store, handle, layer + 1..next);
+                let error = match other {
+                    Err(error) => anyhow::Error::new(error),
+                    Ok(completed) => anyhow!("the store completed layer {completed:?}, expected layer {layer} (issue order)"),
+                };
+                return Err(error).with_context(|| format!("waiting for {verb} layer {layer}"));
+            }
+        }
+        let started = previous_done.map_or(issued_at[layer as usize], |previous| previous.max(issued_at[layer as usize]));
+        latencies.push(done - started);
+        previous_done = Some(done);
+    }
+    Ok(latencies)
+}
+
+/// After a failure: waits for the layers still in flight (bounded by the layer timeout each),
+/// so that the request can be finished; their own errors are dropped (the first one is what
+/// the run reports).
+fn drain<S: LayerKvStore>(store: &mut S, handle: RequestHandle, layers: std::ops::Range<u32>) {
+    for _ in layers {
+        let _ = store.wait(handle, Instant::now() + LAYER_TIMEOUT);
+    }
+}
+
 fn store_phase<T: KvTarget>(target: &mut T, label: &str, request: &KvRequest<'_>) -> anyhow::Result<LayerPhase> {
     let layers = target.layers();
     let object_bytes = target.object_bytes() as u64;
@@ -320,13 +380,7 @@ fn store_phase<T: KvTarget>(target: &mut T, label: &str, request: &KvRequest<'_>
     let cpu_before = ProcessCpu::now();
     let started = Instant::now();
     let plan = store.prepare_store(request).context("prepare_store")?;
-    let mut latencies = Vec::with_capacity(layers as usize);
-    for layer in 0..layers {
-        let issued = Instant::now();
-        store.store_layer(plan.handle, layer, SmBudget(1)).with_context(|| format!("store_layer {layer}"))?;
-        store.wait(plan.handle, Instant::now() + LAYER_TIMEOUT).with_context(|| format!("waiting for stored layer {layer}"))?;
-        latencies.push(issued.elapsed());
-    }
+    let latencies = move_layers(store, plan.handle, layers, Direction::Store)?;
     store.commit_store(plan.handle).context("commit_store")?;
     Ok(LayerPhase {
         label: label.to_string(),

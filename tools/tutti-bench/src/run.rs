@@ -407,6 +407,7 @@ fn default_kv(
         pool: crate::kv::PoolMode::Format,
         seed: cli.seed,
         emu_timing: cli.emu_timing,
+        layers_in_flight: cli.layers_in_flight,
     };
     while plan.pool_bytes_per_device(1) > pool.bytes && plan.prompt_tokens > plan.block_tokens() {
         plan.prompt_tokens -= plan.block_tokens();

@@ -182,6 +182,28 @@ fn kv_store_retrieve_verify_reports_every_layer() {
 }
 
 #[test]
+fn kv_layers_in_flight_one_and_two_move_the_same_bytes() {
+    // Goal (issue 16 item 4): the KV loop with the next layer issued ahead (the default, 2) and
+    // one layer at a time (1) both verify every byte and time every layer; JSON says which.
+    for (flag, expected) in [(None, 2), (Some("--layers-in-flight=1"), 1)] {
+        let mut arguments = small_kv_run(&["emu:mem:128m"]);
+        arguments.extend(flag);
+        let output = bench(&arguments);
+        assert_eq!(output.status.code(), Some(0), "{flag:?}: {}", stderr(&output));
+        let json: serde_json::Value = serde_json::from_slice(&output.stdout).expect("JSON output parses");
+        assert_eq!(json["global options"]["layers_in_flight"], expected);
+        let phases = json["phases"].as_array().unwrap();
+        assert_eq!(phases[1]["verified_bytes"], 6 * 32 * 2 * (32 << 10));
+        for phase in phases {
+            let layers = phase["layers"].as_array().unwrap();
+            assert_eq!(layers.len(), 32, "{phase}");
+            let summed: u64 = layers.iter().map(|layer| layer["lat_ns"].as_u64().unwrap()).sum();
+            assert!(summed > 0 && summed <= phase["wall_ns"].as_u64().unwrap(), "layer times overlap: {phase}");
+        }
+    }
+}
+
+#[test]
 fn kv_pool_striped_over_two_software_controllers() {
     // Goal: a KV pool over two controllers (one DMA space) stores, retrieves and verifies; the
     // report names both devices.
@@ -207,6 +229,8 @@ fn kv_bad_input_is_refused_without_leaving_files() {
     assert_refused(&["--workload=kv", "--device", "emu:mem:64m", "--device", "vfio:0000:00:04.0"], &["one DMA space"]);
     assert_refused(&["--workload=kv", "--device", "emu:mem:64m", "--prompt-tokens=8"], &["less than one block"]);
     assert_refused(&["--workload=kv", "--hit-rate=1.5"], &["fraction"]);
+    assert_refused(&["--workload=kv", "--layers-in-flight=0"], &["layers-in-flight"]);
+    assert_refused(&["--workload=kv", "--layers-in-flight=5"], &["layers-in-flight"]);
 }
 
 #[test]

@@ -61,17 +61,18 @@ impl<E: QueuePairReset> StoreData<E> {
         let ended = executor.reset(memory, fresh)?;
         let mut abandoned = 0;
         for index in 0..self.requests.len() {
-            if self.requests[index].layer_in_flight.is_none() {
-                continue;
+            // Consume each in-flight lane's IOCB completions (a timeout posted by the reset, or
+            // the result it had before), so that the IOCBs can be issued again. Lanes not in
+            // flight were never issued or already reaped.
+            while let Some(&(_, lane)) = self.requests[index].in_flight.front() {
+                let per_lane = self.requests[index].iocbs_per_lane;
+                for i in lane * per_lane..(lane + 1) * per_lane {
+                    let id = self.requests[index].iocbs[i];
+                    self.queue.wait_cqe(id, Instant::now() + REAP_TIMEOUT)?;
+                }
+                self.requests[index].in_flight.pop_front();
+                abandoned += 1;
             }
-            // Consume each IOCB's completion (a timeout posted by the reset, or the result it
-            // had before), so that the IOCBs can be issued again.
-            for i in 0..self.requests[index].iocbs.len() {
-                let id = self.requests[index].iocbs[i];
-                self.queue.wait_cqe(id, Instant::now() + REAP_TIMEOUT)?;
-            }
-            self.requests[index].layer_in_flight = None;
-            abandoned += 1;
         }
         tracing::warn!(abandoned, iocbs_ended = ended, "objstore: abandoned the layers in flight and replaced the NVMe queue pairs");
         Ok(abandoned)

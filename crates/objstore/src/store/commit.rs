@@ -49,11 +49,14 @@ impl<E: Executor> StoreData<E> {
         if request.direction != Some(Direction::Store) {
             return Err(ObjstoreError::HandleState { handle: handle.0, reason: "not a store".into() });
         }
-        if request.layer_in_flight.is_some() || request.layers_done.iter().any(|done| !done) {
+        // The commit rule: a block becomes visible only once every layer is durable, so a layer
+        // still queued or in flight (even one issued again after it completed) refuses it.
+        if !request.in_flight.is_empty() || request.layers_done.iter().any(|done| !done) {
             let missing = request.layers_done.iter().filter(|done| !**done).count();
+            let in_flight: Vec<u32> = request.in_flight.iter().map(|&(layer, _)| layer).collect();
             return Err(ObjstoreError::HandleState {
                 handle: handle.0,
-                reason: format!("{missing} layers not stored yet (in flight: {:?})", request.layer_in_flight),
+                reason: format!("{missing} layers not stored yet (in flight: {in_flight:?})"),
             });
         }
         Ok(())

@@ -4,12 +4,21 @@
 //! once per request, issues them layer by layer (O(IOCBs), no allocation), waits, verifies
 //! retrieves and computes the payload CRCs a commit records.
 //!
+//! **Layers in flight.** An IOCB carries one layer at a time, so a request that may keep up to
+//! `n` layers in flight ([`StoreData::set_layers_in_flight_max`], default 1) gets `n` *lanes*:
+//! `n` sets of IOCBs holding the same IOCTXs, filled once at prepare. Layer issues take the
+//! lanes round-robin; `wait` completes layers in issue order (the oldest first), so the next
+//! layer's commands sit queued at the device while the current one drains, and the disk's
+//! queue does not fall to zero at every layer boundary. Each layer still completes (and is
+//! reported by `wait`) on its own: the boundary the runtime hands kernels over at is kept.
+//!
 //! Placements are untrusted: each must name a block position of a slot of the shape
 //! ([`ObjstoreError::BadPlacement`]) and an engine block of the registration
 //! ([`ObjstoreError::BlockOutOfRange`]); the shape itself is checked once, at construction, to
 //! keep every slot inside its namespace. A request here is keyed by its control handle (the
 //! same value names it in both halves).
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -37,14 +46,23 @@ pub(super) struct Transfer {
     pub(super) direction: Option<Direction>,
     /// The blocks the request moves, as the control half placed them.
     pub(super) placements: Vec<Placement>,
+    /// `lanes` sets of `iocbs_per_lane` IOCBs, lane after lane: each set moves the whole
+    /// request at one layer (module docs, "Layers in flight").
     pub(super) iocbs: Vec<IocbId>,
+    pub(super) iocbs_per_lane: usize,
+    lanes: usize,
+    /// The lane the next issue takes (lanes are taken round-robin and completed in order, so
+    /// it is always free when fewer than `lanes` layers are in flight).
+    next_lane: usize,
     /// What one layer of the request moves (its IOCTXs: one NVMe command each, at every
     /// layer), counted once when the IOCBs are built.
     layer: Transferred,
     /// What the layers completed so far moved (each layer once: a layer issued again adds
     /// nothing, so the total stays within `PoolShape::transfer_bound`).
     transferred: Transferred,
-    pub(super) layer_in_flight: Option<u32>,
+    /// The layers in flight and their lanes, oldest first (capacity reserved at construction:
+    /// at most `lanes` entries, no allocation per issue).
+    pub(super) in_flight: VecDeque<(u32, usize)>,
     pub(super) layers_done: Vec<bool>,
     /// Verified retrieves: one running CRC per block, and how many layers (from 0, in order)
     /// are folded into them.
@@ -73,6 +91,8 @@ pub struct StoreData<E: Executor> {
     pub(super) config: StoreConfig,
     pub(super) shape: PoolShape,
     pub(super) requests: Vec<Transfer>,
+    /// Layers a request may keep in flight at once (its IOCB lanes), 1..=LAYERS_IN_FLIGHT_LIMIT.
+    layers_in_flight_max: usize,
     ioctxs: Vec<IoctxSpec>,
     pub(super) crc_scratch: Vec<u8>,
     /// Per pool device: its namespace id and slot addressing (the per-block LBA arithmetic).
@@ -80,6 +100,17 @@ pub struct StoreData<E: Executor> {
     /// Set once the executor's queue pairs were retired (at close or drop): whether the memory
     /// their commands name may be freed.
     pub(super) retired: Option<bool>,
+}
+
+/// The most layers one request may keep in flight: each one is a full set of the request's
+/// IOCBs (their IOCTX records filled once per lane at prepare), and two already keep the device
+/// busy across a layer boundary.
+pub const LAYERS_IN_FLIGHT_LIMIT: u32 = 4;
+
+/// The in-flight layers of `transfer` as text, oldest first (for error messages).
+fn layers_text(in_flight: &VecDeque<(u32, usize)>) -> String {
+    let layers: Vec<String> = in_flight.iter().map(|(layer, _)| layer.to_string()).collect();
+    layers.join(", ")
 }
 
 /// The KV tensors as gio_uring ranges, touching ones merged: tensors allocated back to back are
@@ -150,7 +181,9 @@ impl<E: Executor> StoreData<E> {
         )?;
         let addressing = shape.devices.iter().map(|device| (device.nsid, device.addressing)).collect();
         let layers = shape.geometry.layers as usize;
-        let requests = (0..config.requests_max).map(|_| Transfer { layers_done: vec![false; layers], ..Transfer::default() }).collect();
+        let requests = (0..config.requests_max)
+            .map(|_| Transfer { layers_done: vec![false; layers], in_flight: VecDeque::with_capacity(1), ..Transfer::default() })
+            .collect();
         Ok(Self {
             queue,
             table,
@@ -158,6 +191,7 @@ impl<E: Executor> StoreData<E> {
             config,
             shape,
             requests,
+            layers_in_flight_max: 1,
             ioctxs: Vec::with_capacity(config.ioctx_per_iocb_max as usize),
             crc_scratch: Vec::new(),
             addressing,
@@ -175,6 +209,38 @@ impl<E: Executor> StoreData<E> {
 
     pub fn config(&self) -> &StoreConfig {
         &self.config
+    }
+
+    /// How many layers of one request may be in flight at once (1 unless set).
+    pub fn layers_in_flight_max(&self) -> u32 {
+        self.layers_in_flight_max as u32
+    }
+
+    /// Lets each request keep up to `layers` layers in flight (1..=[`LAYERS_IN_FLIGHT_LIMIT`]):
+    /// with 2, an engine issues layer l + 1 before it waits for layer l, so the next layer's
+    /// commands are queued at the device while the current one drains. Costs `layers` sets of
+    /// IOCBs per request (filled at prepare: the queue must hold `StoreConfig::iocbs` for them).
+    /// Only while no request is prepared (every request's lanes are decided at its prepare;
+    /// changing them under a prepared one would mix two layouts).
+    pub fn set_layers_in_flight_max(&mut self, layers: u32) -> Result<()> {
+        if layers == 0 || layers > LAYERS_IN_FLIGHT_LIMIT {
+            return Err(ObjstoreError::BadRequest {
+                reason: format!("layers in flight per request: {layers}, accepted 1..={LAYERS_IN_FLIGHT_LIMIT}"),
+            });
+        }
+        if let Some(index) = self.requests.iter().position(|request| request.active) {
+            return Err(ObjstoreError::BadRequest {
+                reason: format!(
+                    "layers in flight per request cannot change while request slot {index} is prepared: finish every request first"
+                ),
+            });
+        }
+        self.layers_in_flight_max = layers as usize;
+        for request in &mut self.requests {
+            // Off the per-layer path: reserved here so that issuing never allocates.
+            request.in_flight = VecDeque::with_capacity(layers as usize);
+        }
+        Ok(())
     }
 
     pub fn queue(&self) -> &GioQueue<E> {
@@ -237,9 +303,12 @@ impl<E: Executor> StoreData<E> {
         request.placements.clear();
         request.placements.extend_from_slice(placements);
         request.iocbs.clear();
+        request.iocbs_per_lane = 0;
+        request.lanes = self.layers_in_flight_max;
+        request.next_lane = 0;
         request.layer = Transferred::default();
         request.transferred = Transferred::default();
-        request.layer_in_flight = None;
+        request.in_flight.clear();
         request.layers_done.fill(false);
         request.crcs.clear();
         request.crc_layers = 0;
@@ -312,9 +381,11 @@ impl<E: Executor> StoreData<E> {
         self.requests[index].layer = layer;
         let per_iocb = self.config.ioctx_per_iocb_max as usize;
         let iocb_count = self.ioctxs.len().div_ceil(per_iocb);
+        let lanes = self.requests[index].lanes;
         // The request's id list keeps its capacity across requests: no allocation here.
         let first_iocb = self.requests[index].iocbs.len();
-        self.queue.get_iocb_into(iocb_count, Dependency::None, &mut self.requests[index].iocbs)?;
+        self.queue.get_iocb_into(iocb_count * lanes, Dependency::None, &mut self.requests[index].iocbs)?;
+        self.requests[index].iocbs_per_lane = iocb_count;
         let spec = IocbSpec {
             opcode,
             user_data: handle.0,
@@ -323,10 +394,18 @@ impl<E: Executor> StoreData<E> {
             mem_stride_bytes: self.table.mem_stride_bytes(),
             desc_stride_bytes: self.table.desc_stride_bytes(),
         };
-        for (n, chunk) in self.ioctxs.chunks(per_iocb).enumerate() {
-            self.queue.fill_iocb(self.requests[index].iocbs[first_iocb + n], &spec, chunk)?;
+        for lane in 0..lanes {
+            for (n, chunk) in self.ioctxs.chunks(per_iocb).enumerate() {
+                self.queue.fill_iocb(self.requests[index].iocbs[first_iocb + lane * iocb_count + n], &spec, chunk)?;
+            }
         }
         Ok(())
+    }
+
+    /// The IOCBs of lane `lane` of request `index`.
+    fn lane(&self, index: usize, lane: usize) -> &[IocbId] {
+        let request = &self.requests[index];
+        &request.iocbs[lane * request.iocbs_per_lane..(lane + 1) * request.iocbs_per_lane]
     }
 
     fn issue(&mut self, handle: RequestHandle, layer: u32, budget: SmBudget, direction: Direction) -> Result<()> {
@@ -342,18 +421,33 @@ impl<E: Executor> StoreData<E> {
         if let Some(failure) = &request.verify_failure {
             return Err(failure.to_error(handle));
         }
-        if let Some(previous) = request.layer_in_flight {
+        if request.in_flight.iter().any(|&(in_flight, _)| in_flight == layer) {
             return Err(ObjstoreError::HandleState {
                 handle: handle.0,
-                reason: format!("layer {previous} is still in flight: wait for it before issuing layer {layer}"),
+                reason: format!("layer {layer} is already in flight: wait for it before issuing it again"),
+            });
+        }
+        if request.in_flight.len() >= request.lanes.max(1) {
+            return Err(ObjstoreError::HandleState {
+                handle: handle.0,
+                reason: format!(
+                    "layer {} still in flight (at most {} per request): wait for the oldest before issuing layer {layer}",
+                    layers_text(&request.in_flight),
+                    request.lanes.max(1)
+                ),
             });
         }
         if request.iocbs.is_empty() {
             self.requests[index].layers_done[layer as usize] = true; // nothing to move (all shared)
             return Ok(());
         }
-        self.queue.issue_io(&self.requests[index].iocbs, LayerIndex(layer), budget)?;
-        self.requests[index].layer_in_flight = Some(layer);
+        let lane = request.next_lane;
+        let request = &self.requests[index];
+        let ids = &request.iocbs[lane * request.iocbs_per_lane..(lane + 1) * request.iocbs_per_lane];
+        self.queue.issue_io(ids, LayerIndex(layer), budget)?;
+        let request = &mut self.requests[index];
+        request.in_flight.push_back((layer, lane));
+        request.next_lane = (lane + 1) % request.lanes;
         Ok(())
     }
 
@@ -399,7 +493,9 @@ impl<E: Executor> StoreData<E> {
         self.index_of(handle).is_ok_and(|index| self.requests[index].verify_failure.is_some())
     }
 
-    /// Waits (until `deadline`) for the layer in flight; returns it, or `None` if none was.
+    /// Waits (until `deadline`) for the oldest layer in flight; returns it, or `None` if none
+    /// was. With several layers in flight, each `wait` completes one, in issue order; a failed
+    /// layer leaves the later ones in flight (wait for them too before `finish`).
     /// After a timeout the layer is still in flight: wait again, or (CPU executor) end it with
     /// `abandon_in_flight`. On a verified retrieve, the `wait` that completes the last layer
     /// compares the blocks' CRCs; a mismatch (`PayloadMismatch`, naming the blocks, whose
@@ -410,19 +506,19 @@ impl<E: Executor> StoreData<E> {
         if let Some(failure) = &self.requests[index].verify_failure {
             return Err(failure.to_error(handle));
         }
-        let Some(layer) = self.requests[index].layer_in_flight else { return Ok(None) };
+        let Some(&(layer, lane)) = self.requests[index].in_flight.front() else { return Ok(None) };
         // Every IOCB of the layer is waited for, even after a failure: until all completed, the
         // device may still be moving bytes of this request. A timeout leaves the layer in flight
         // (wait again, or `abandon_in_flight`).
         let mut failure = None;
-        for i in 0..self.requests[index].iocbs.len() {
-            let id = self.requests[index].iocbs[i];
+        for i in 0..self.requests[index].iocbs_per_lane {
+            let id = self.lane(index, lane)[i];
             let completion = self.queue.wait_cqe(id, deadline)?;
             if let (None, Err(error)) = (&failure, completion.result) {
                 failure = Some(ObjstoreError::LayerIo { layer, iocb: id.to_string(), failure: error });
             }
         }
-        self.requests[index].layer_in_flight = None;
+        self.requests[index].in_flight.pop_front();
         if let Some(error) = failure {
             return Err(error);
         }
@@ -438,31 +534,42 @@ impl<E: Executor> StoreData<E> {
         Ok(Some(layer))
     }
 
-    /// Non-blocking: `Ok(true)` once nothing is in flight for the request (the layer that was
-    /// is then complete, or its failure is returned).
+    /// Non-blocking: `Ok(true)` once nothing is in flight for the request (the layers that
+    /// were are then complete, or the first failure is returned). Completes the layers in
+    /// flight that are done, oldest first, as `wait` would.
     pub fn poll(&mut self, handle: RequestHandle) -> Result<bool> {
         let index = self.index_of(handle)?;
         if let Some(failure) = &self.requests[index].verify_failure {
             return Err(failure.to_error(handle));
         }
-        if self.requests[index].layer_in_flight.is_none() {
-            return Ok(true);
+        // Bounded: each round retires one layer in flight, of which there are at most `lanes`.
+        while !self.requests[index].in_flight.is_empty() {
+            match self.wait(handle, Instant::now()) {
+                Ok(_) => {}
+                Err(ObjstoreError::Gio(GioError::WaitTimeout { .. })) => return Ok(false),
+                Err(error) => return Err(error),
+            }
         }
-        match self.wait(handle, Instant::now()) {
-            Ok(_) => Ok(true),
-            Err(ObjstoreError::Gio(GioError::WaitTimeout { .. })) => Ok(false),
-            Err(error) => Err(error),
-        }
+        Ok(true)
+    }
+
+    /// The layers of `handle` in flight, oldest first (issued, not yet returned by `wait`).
+    pub fn layers_in_flight(&self, handle: RequestHandle) -> Result<impl Iterator<Item = u32> + '_> {
+        let index = self.index_of(handle)?;
+        Ok(self.requests[index].in_flight.iter().map(|&(layer, _)| layer))
     }
 
     /// Ends a request's data path: its IOCBs go back to the queue. Not while a layer is in
     /// flight: the device may still be moving its bytes.
     pub fn finish(&mut self, handle: RequestHandle) -> Result<()> {
         let index = self.index_of(handle)?;
-        if let Some(layer) = self.requests[index].layer_in_flight {
+        if !self.requests[index].in_flight.is_empty() {
             return Err(ObjstoreError::HandleState {
                 handle: handle.0,
-                reason: format!("layer {layer} in flight: wait for it first (after a timed-out wait, `abandon_in_flight`)"),
+                reason: format!(
+                    "layer {} in flight: wait for it first (after a timed-out wait, `abandon_in_flight`)",
+                    layers_text(&self.requests[index].in_flight)
+                ),
             });
         }
         self.release_index(index);
@@ -478,8 +585,9 @@ impl<E: Executor> StoreData<E> {
         }
         let request = &mut self.requests[index];
         request.iocbs.clear();
+        request.iocbs_per_lane = 0;
         request.placements.clear();
         request.active = false;
-        request.layer_in_flight = None;
+        request.in_flight.clear();
     }
 }

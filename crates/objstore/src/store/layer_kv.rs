@@ -22,7 +22,13 @@ pub trait LayerKvStore {
     fn retrieve_layer(&mut self, handle: RequestHandle, layer: u32, budget: SmBudget) -> Result<()>;
     /// Issues the prepared writes of one layer.
     fn store_layer(&mut self, handle: RequestHandle, layer: u32, budget: SmBudget) -> Result<()>;
-    /// Waits until `deadline` for the layer in flight; returns it, or `None` if none was.
+    /// How many layers of one request may be in flight at once: an engine may issue up to this
+    /// many layers before it waits for the oldest (each `wait` completes one, in issue order).
+    /// 1 for a store that does not say otherwise.
+    fn layers_in_flight_max(&self) -> u32 {
+        1
+    }
+    /// Waits until `deadline` for the oldest layer in flight; returns it, or `None` if none was.
     fn wait(&mut self, handle: RequestHandle, deadline: Instant) -> Result<Option<u32>>;
     /// Non-blocking: whether nothing is in flight for the request any more.
     fn poll(&mut self, handle: RequestHandle) -> Result<bool>;
@@ -51,6 +57,10 @@ impl<E: Executor> LayerKvStore for KvStore<E> {
 
     fn store_layer(&mut self, handle: RequestHandle, layer: u32, budget: SmBudget) -> Result<()> {
         KvStore::store_layer(self, handle, layer, budget)
+    }
+
+    fn layers_in_flight_max(&self) -> u32 {
+        KvStore::layers_in_flight_max(self)
     }
 
     fn wait(&mut self, handle: RequestHandle, deadline: Instant) -> Result<Option<u32>> {
