@@ -25,6 +25,10 @@ pub const RW_OVERLAP_SOURCE: &str =
 pub struct Predicted {
     /// Per request, arrival to first token (queueing behind the previous request included).
     pub ttft_us: Vec<f64>,
+    /// Per request, the GPU's wait for KV.
+    pub bubble_us: Vec<f64>,
+    /// Per request, the write backlog it started with (bytes).
+    pub backlog_bytes_at_start: Vec<u64>,
     pub prefill_us_total: f64,
     pub compute_us_total: f64,
     pub bubble_us_total: f64,
@@ -50,6 +54,8 @@ pub fn predict(
 ) -> anyhow::Result<Predicted> {
     let mut predicted = Predicted {
         ttft_us: Vec::with_capacity(requests.len()),
+        bubble_us: Vec::with_capacity(requests.len()),
+        backlog_bytes_at_start: Vec::with_capacity(requests.len()),
         prefill_us_total: 0.0,
         compute_us_total: 0.0,
         bubble_us_total: 0.0,
@@ -107,6 +113,8 @@ pub fn predict(
         let arrival_us = if plan.stream.arrivals == Arrivals::Closed { free_at_us } else { request.arrival_us };
         let start_us = arrival_us.max(free_at_us);
         predicted.ttft_us.push(start_us - arrival_us + forced_us + result.ttft_us);
+        predicted.bubble_us.push(result.bubble_us);
+        predicted.backlog_bytes_at_start.push(backlog_bytes);
         predicted.forced_write_us += forced_us;
         free_at_us = start_us + forced_us + result.ttft_us + result.decode_us;
         predicted.prefill_us_total += result.ttft_us;
@@ -202,6 +210,31 @@ impl PolicyResult {
         self.live.backlog.iter().map(|sample| sample.queued_blocks).max().unwrap_or(0)
     }
 
+    /// Each request live beside its prediction, in stream order.
+    fn per_request_json(&self) -> Vec<Value> {
+        let predicted = &self.predicted;
+        self.live
+            .requests
+            .iter()
+            .enumerate()
+            .map(|(index, served)| {
+                json!({
+                    "cached_tokens": served.cached_tokens,
+                    "ttft_us": served.ttft_us,
+                    "admission_us": served.admission_us,
+                    "prefill_us": served.prefill_us,
+                    "bubble_us": served.bubble_us,
+                    "compute_us": served.compute_us,
+                    "predicted": {
+                        "ttft_us": predicted.ttft_us.get(index),
+                        "bubble_us": predicted.bubble_us.get(index),
+                        "write_backlog_bytes_at_start": predicted.backlog_bytes_at_start.get(index),
+                    },
+                })
+            })
+            .collect()
+    }
+
     fn json(&self, prompt_tokens: u64) -> Value {
         let counters = self.live.counters;
         json!({
@@ -231,6 +264,7 @@ impl PolicyResult {
                 "samples": self.live.backlog.iter().map(|sample| json!({"at_us": sample.at_us, "queued_blocks": sample.queued_blocks, "queued_stores": sample.queued_stores})).collect::<Vec<_>>(),
             },
             "wall_us": self.live.wall_us,
+            "per_request": self.per_request_json(),
             "predicted": {
                 "ttft_us": self.predicted_ttft.json(),
                 "prefill_us": self.predicted.prefill_us_total,
