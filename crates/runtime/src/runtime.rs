@@ -8,9 +8,10 @@
 //! reissues one request's IOCBs per layer), so a layer's reads are handed over when the policy
 //! first issues any of them, and writes are released in whole layers once the policy's write grants
 //! (carried forward while smaller than the oldest layer) cover them. Offsets inside a layer are not timed: what the policy issues at a boundary is
-//! handed to the executor at that boundary, FIFO per direction, one layer per request at a time;
-//! later layers wait in the runtime and go when the previous one completed (checked at every
-//! call, and while the engine waits for KV).
+//! handed to the executor at that boundary, FIFO per direction, one layer of each direction at a
+//! time (one write layer across all queued stores, oldest first); later layers wait in the
+//! runtime and go when the previous one completed (checked at every call, and while the engine
+//! waits for KV). Each goes on the SM budget the policy chose for it.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
