@@ -3,6 +3,8 @@
 
 use std::time::{Duration, Instant};
 
+use gio_uring::SmBudget;
+
 /// Direction of one layer's I/O.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum IoDirection {
@@ -28,6 +30,9 @@ pub struct IoEvent {
     pub direction: IoDirection,
     pub layer: u32,
     pub kind: IoEventKind,
+    /// Issued: the SM budget handed to the executor with the layer (the policy's decision).
+    /// Completed: `None`.
+    pub sm_budget: Option<SmBudget>,
 }
 
 /// A log with a fixed capacity, allocated at start.

@@ -8,9 +8,10 @@
 //! reissues one request's IOCBs per layer), so a layer's reads are handed over when the policy
 //! first issues any of them, and writes are released in whole layers once the policy's write grants
 //! (carried forward while smaller than the oldest layer) cover them. Offsets inside a layer are not timed: what the policy issues at a boundary is
-//! handed to the executor at that boundary, FIFO per direction, one layer per request at a time;
-//! later layers wait in the runtime and go when the previous one completed (checked at every
-//! call, and while the engine waits for KV).
+//! handed to the executor at that boundary, FIFO per direction, one layer of each direction at a
+//! time (one write layer across all queued stores, oldest first); later layers wait in the
+//! runtime and go when the previous one completed (checked at every call, and while the engine
+//! waits for KV). Each goes on the SM budget the policy chose for it.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -75,6 +76,9 @@ struct Reads {
     waiting: VecDeque<u32>,
     in_flight: Option<u32>,
     done: Vec<bool>,
+    /// Per layer, the SM budget the policy issued it with (the largest, when several of its
+    /// issues came before the layer was handed over); the table's largest until decided.
+    budgets: Vec<u32>,
 }
 
 impl Reads {
@@ -183,6 +187,7 @@ impl<E: Executor> Runtime<E> {
                 waiting: VecDeque::with_capacity(layers as usize),
                 in_flight: None,
                 done: vec![true; layers as usize],
+                budgets: vec![read_budget.0; layers as usize],
             },
             writes: WriteQueue::new(engine_blocks, config.write_queue_limit_stores),
             next_request: 1,
@@ -285,6 +290,7 @@ impl<E: Executor> Runtime<E> {
                         handle: plan.handle,
                         engine_blocks,
                         iocbs_per_layer,
+                        sm_budget: self.write_budget.0,
                         ready_layers: 0,
                         decided_layers: 0,
                         written_layers: 0,
@@ -321,6 +327,7 @@ impl<E: Executor> Runtime<E> {
         self.reads.iocbs_per_layer = per_layer;
         self.reads.unissued_iocbs.fill(per_layer);
         self.reads.done.fill(hit == 0);
+        self.reads.budgets.fill(self.read_budget.0);
         self.reads.waiting.clear();
         self.reads.in_flight = None;
         self.prefill = Some(Prefill {
@@ -378,7 +385,7 @@ impl<E: Executor> Runtime<E> {
         let mut wait_for_all = false;
         if fallback {
             for read_layer in 0..self.layers {
-                self.decide_read(read_layer);
+                self.decide_read(read_layer, self.read_budget.0);
             }
         } else {
             let view = LayerView {
@@ -538,7 +545,7 @@ impl<E: Executor> Runtime<E> {
         if let Some(active) = &self.prefill {
             return Err(RuntimeError::OutOfOrder { call: "drain", reason: format!("request {} is in prefill", active.id) });
         }
-        self.writes.decide_all();
+        self.writes.decide_all(self.write_budget.0);
         let bound = (self.writes.stores.len() + 1) * (self.layers as usize + 2);
         for _ in 0..bound {
             self.progress()?;

@@ -21,6 +21,9 @@ pub(crate) struct PendingStore {
     pub engine_blocks: Vec<u32>,
     /// The policy's unit for one layer of this store.
     pub iocbs_per_layer: u32,
+    /// The SM budget of the latest grant that released layers of this store: what the executor
+    /// gets with each of its layers (the table's largest for forced writes and drains).
+    pub sm_budget: u32,
     pub ready_layers: u32,
     pub decided_layers: u32,
     pub written_layers: u32,
@@ -130,46 +133,66 @@ impl WriteQueue {
     /// every window would wait for the queue limit (then be forced onto a prefill's critical
     /// path). The price: such a layer overruns the window it goes in by what that window's grant
     /// lacks. Returns the layers released.
-    pub fn decide(&mut self, grant_iocbs: u32, cost_us: impl Fn(u32) -> f64) -> u32 {
+    /// The grant's `sm_budget` goes with every layer it releases.
+    pub fn decide(&mut self, grant_iocbs: u32, sm_budget: u32, cost_us: impl Fn(u32) -> f64) -> u32 {
         if grant_iocbs >= self.queued_iocbs() {
             let released = self.stores.iter().map(|store| store.ready_layers - store.decided_layers).sum();
-            self.decide_all();
+            self.decide_all(sm_budget);
             self.granted_us = 0.0;
             return released;
         }
-        let stores = self.stores.iter_mut().map(|store| (&mut store.decided_layers, store.ready_layers, store.iocbs_per_layer));
-        release_layers(&mut self.granted_us, grant_iocbs, stores, cost_us)
+        let stores = self.stores.iter_mut().map(|store| {
+            (
+                Released { decided_layers: &mut store.decided_layers, sm_budget: &mut store.sm_budget },
+                store.ready_layers,
+                store.iocbs_per_layer,
+            )
+        });
+        release_layers(&mut self.granted_us, grant_iocbs, sm_budget, stores, cost_us)
     }
 
-    /// Releases every ready layer (forced drains, `finish`).
-    pub fn decide_all(&mut self) {
+    /// Releases every ready layer on `sm_budget` SMs (a grant of everything, forced drains,
+    /// `finish`).
+    pub fn decide_all(&mut self, sm_budget: u32) {
         for store in self.stores.iter_mut() {
-            store.decided_layers = store.ready_layers;
+            if store.decided_layers < store.ready_layers {
+                store.decided_layers = store.ready_layers;
+                store.sm_budget = sm_budget;
+            }
         }
     }
 }
 
-/// The release rule of [`WriteQueue::decide`] over each store's (decided layers, ready layers,
-/// IOCBs per layer), oldest first; `carried_us` is the time granted and not used yet.
+/// What [`release_layers`] updates in a store when it releases a layer.
+struct Released<'a> {
+    decided_layers: &'a mut u32,
+    sm_budget: &'a mut u32,
+}
+
+/// The release rule of [`WriteQueue::decide`] over each store's (decided layers and budget,
+/// ready layers, IOCBs per layer), oldest first; `carried_us` is the time granted and not used
+/// yet; a released layer's store takes the grant's `sm_budget`.
 fn release_layers<'a>(
     carried_us: &mut f64,
     grant_iocbs: u32,
-    stores: impl Iterator<Item = (&'a mut u32, u32, u32)>,
+    sm_budget: u32,
+    stores: impl Iterator<Item = (Released<'a>, u32, u32)>,
     cost_us: impl Fn(u32) -> f64,
 ) -> u32 {
     let finite = |us: f64| if us.is_finite() { us.max(0.0) } else { 0.0 };
     let mut available_us = *carried_us + finite(cost_us(grant_iocbs));
     let mut released = 0;
     let mut head_layer_cost_us = 0.0;
-    'stores: for (decided_layers, ready_layers, iocbs_per_layer) in stores {
+    'stores: for (store, ready_layers, iocbs_per_layer) in stores {
         let layer_cost_us = finite(cost_us(iocbs_per_layer));
-        while *decided_layers < ready_layers {
+        while *store.decided_layers < ready_layers {
             if layer_cost_us > available_us {
                 head_layer_cost_us = layer_cost_us;
                 break 'stores; // oldest first: no younger write jumps ahead
             }
             available_us -= layer_cost_us;
-            *decided_layers += 1;
+            *store.decided_layers += 1;
+            *store.sm_budget = sm_budget;
             released += 1;
         }
     }
@@ -185,8 +208,14 @@ mod tests {
     /// Returns what each grant (in IOCBs) released.
     fn releases(ready: u32, grants: &[u32]) -> Vec<u32> {
         let cost_us = |iocbs: u32| 50.0 + 175.0 * f64::from(iocbs);
-        let (mut carried_us, mut decided) = (0.0, 0);
-        grants.iter().map(|&grant| release_layers(&mut carried_us, grant, std::iter::once((&mut decided, ready, 2)), cost_us)).collect()
+        let (mut carried_us, mut decided, mut budget) = (0.0, 0, 4);
+        grants
+            .iter()
+            .map(|&grant| {
+                let store = Released { decided_layers: &mut decided, sm_budget: &mut budget };
+                release_layers(&mut carried_us, grant, 4, std::iter::once((store, ready, 2)), cost_us)
+            })
+            .collect()
     }
 
     #[test]

@@ -169,3 +169,47 @@ fn small_write_grants_add_up_to_a_whole_layer() {
     assert_eq!(counters.stores_forced, 0, "{counters:?}");
     assert_eq!(counters.stores_committed, 1, "{counters:?}");
 }
+
+/// The most layers of `direction` in flight at once, from the runtime's event log.
+fn in_flight_max(events: &[IoEvent], direction: IoDirection) -> usize {
+    let (mut in_flight, mut most) = (0usize, 0usize);
+    for event in events.iter().filter(|event| event.direction == direction) {
+        match event.kind {
+            IoEventKind::Issued => {
+                in_flight += 1;
+                most = most.max(in_flight);
+            }
+            IoEventKind::Completed => in_flight = in_flight.saturating_sub(1),
+        }
+    }
+    most
+}
+
+/// Goal: with several stores queued, one write layer is in flight at a time (oldest store
+/// first), so a read that arrives waits under the barrier for at most one layer, not for one
+/// layer of every queued store. No-overlap writes every layer at the end of each prefill; with
+/// no decode step between requests, three stores queue up. Before, every store had a layer in
+/// flight and the next request's first read waited for all of them.
+#[test]
+fn one_write_layer_in_flight_across_queued_stores() {
+    let mut stack = stack(config(PolicyChoice::NoOverlap), Some(common::slow_ssd()));
+    let mut first = None;
+    for session in 0..3 {
+        let tokens = prompt(session + 10, 0);
+        let engine_blocks = take_blocks(&mut stack, tokens.len() / BLOCK_TOKENS as usize);
+        prefill(&mut stack, &tokens, &engine_blocks).expect("prefill");
+        first.get_or_insert((tokens, engine_blocks));
+    }
+    assert!(stack.runtime.queued_stores() >= 2, "the test needs stores queued together: {:?}", stack.runtime);
+    // A turn that reads once its session's store is visible (others may still be queued).
+    let (first_tokens, first_blocks) = first.expect("three prefills");
+    decode_until_visible(&mut stack, &first_tokens, &first_blocks);
+    let tokens = prompt(10, 1);
+    let engine_blocks = take_blocks(&mut stack, tokens.len() / BLOCK_TOKENS as usize);
+    assert!(prefill(&mut stack, &tokens, &engine_blocks).expect("prefill") > 0, "the turn hits its session's blocks");
+    stack.runtime.drain().expect("drain");
+    let events = stack.runtime.events();
+    assert_eq!(stack.runtime.events_dropped(), 0);
+    assert_eq!(in_flight_max(events, IoDirection::Write), 1, "write layers in flight together");
+    assert_eq!(mixed_issues(events), 0);
+}

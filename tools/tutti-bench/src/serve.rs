@@ -24,8 +24,9 @@ use crate::args::{Cli, OutputFormat};
 use crate::{usage, Unusable};
 
 /// Serve-only options (clap ids): any of them selects the serve workload.
-pub const OPTIONS: [&str; 11] = [
+pub const OPTIONS: [&str; 12] = [
     "policy",
+    "repeat",
     "sessions",
     "turns",
     "system_prompts",
@@ -49,6 +50,12 @@ pub struct ServeArgs {
     /// pool each).
     #[arg(long, default_value = "all")]
     pub policy: String,
+
+    /// serve: runs of each policy on the same stream at each hit rate, interleaved (all
+    /// policies once, then again), each on a fresh stack; figures are reported as medians over
+    /// the runs, with every run's value in the JSON.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=32))]
+    pub repeat: u32,
 
     /// serve: conversations; each turn's prompt starts with its session's earlier context.
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=256))]
@@ -123,6 +130,7 @@ pub struct ServePlan {
     pub hit_rates: Vec<f64>,
     pub sweep_svg: Option<PathBuf>,
     pub seed: u64,
+    pub repeat: u32,
 }
 
 fn policies(text: &str) -> anyhow::Result<Vec<PolicyChoice>> {
@@ -175,6 +183,7 @@ impl ServePlan {
             sweep_svg: (!args.sweep_hit_rates.is_empty()).then(|| args.sweep_svg.clone()),
             hit_rates,
             seed: cli.seed,
+            repeat: args.repeat,
         })
     }
 }
@@ -189,15 +198,23 @@ pub fn run(cli: &Cli, matches: &ArgMatches) -> anyhow::Result<()> {
     let mut points = Vec::with_capacity(plan.hit_rates.len());
     for &hit_rate in &plan.hit_rates {
         let requests = stream::build(&plan.stream, hit_rate, plan.seed);
-        let mut results = Vec::with_capacity(plan.policies.len());
-        for &policy in &plan.policies {
-            if !json {
-                outln!("serve: hit rate {hit_rate}, policy {} ({} requests) ...", policy.name(), requests.len())?;
+        let mut runs: Vec<Vec<report::PolicyResult>> = plan.policies.iter().map(|_| Vec::with_capacity(plan.repeat as usize)).collect();
+        for run in 1..=plan.repeat {
+            for (&policy, policy_runs) in plan.policies.iter().zip(&mut runs) {
+                if !json {
+                    outln!(
+                        "serve: hit rate {hit_rate}, policy {} ({} requests), run {run} of {} ...",
+                        policy.name(),
+                        requests.len(),
+                        plan.repeat
+                    )?;
+                }
+                let live = live::serve(&plan, &profile, policy, &requests, hit_rate)?;
+                let predicted = report::predict(&plan, &profile, policy, &requests, &live)?;
+                policy_runs.push(report::PolicyResult::new(policy, live, predicted));
             }
-            let live = live::serve(&plan, &profile, policy, &requests, hit_rate)?;
-            let predicted = report::predict(&plan, &profile, policy, &requests, &live)?;
-            results.push(report::PolicyResult::new(policy, live, predicted));
         }
+        let results = runs.into_iter().map(report::PolicyRuns::new).collect();
         let point = report::SweepPoint { hit_rate, requests: requests.len(), policies: results };
         if !json {
             outln!("{}", report::text(&plan, &point))?;

@@ -90,6 +90,14 @@ fn a_tiny_stream_reports_every_documented_field_for_every_policy() {
             "/predicted/forced_write_us",
             "/deviation/ttft_p50",
             "/deviation/bubble_share_points",
+            "/per_request/0/ttft_us",
+            "/per_request/0/admission_us",
+            "/per_request/0/bubble_us",
+            "/per_request/0/predicted/ttft_us",
+            "/per_request/0/predicted/bubble_us",
+            "/repeat/runs",
+            "/repeat/median/ttft_p50_us",
+            "/repeat/median/bubble_share",
         ] {
             assert!(policy.pointer(path).is_some_and(|value| !value.is_null()), "{name}: {path} missing: {policy}");
         }
@@ -118,11 +126,19 @@ fn a_sweep_writes_its_svg_with_live_beside_predicted() {
     let svg = directory.path().join("sweep.svg");
     let svg_flag = format!("--sweep-svg={}", svg.display());
     let mut arguments: Vec<&str> = TINY.iter().copied().filter(|flag| !["--policy=all", "--turns=2"].contains(flag)).collect();
-    arguments.extend(["--policy=slack-aware", "--sweep-hit-rates=0.25,0.75", "--turns=1", &svg_flag]);
+    arguments.extend(["--policy=slack-aware", "--sweep-hit-rates=0.25,0.75", "--turns=1", "--repeat=2", &svg_flag]);
     let out = json_of(&bench(&arguments));
     let sweep = out["sweep"].as_array().expect("sweep[]");
     assert_eq!(sweep.iter().map(|point| point["hit_rate"].as_f64().unwrap()).collect::<Vec<_>>(), [0.25, 0.75]);
     assert!(sweep.iter().all(|point| point["policies"].as_array().map(Vec::len) == Some(1)));
+    // --repeat=2: every run's figures, and their median (the lower of two), per policy.
+    for point in sweep {
+        let repeat = &point["policies"][0]["repeat"];
+        assert_eq!(repeat["runs"], 2, "{repeat}");
+        let ttfts: Vec<f64> = repeat["ttft_p50_us"].as_array().expect("runs").iter().map(|v| v.as_f64().unwrap()).collect();
+        assert_eq!(ttfts.len(), 2, "{repeat}");
+        assert_eq!(repeat["median"]["ttft_p50_us"].as_f64(), Some(ttfts[0].min(ttfts[1])), "{repeat}");
+    }
     let text = std::fs::read_to_string(&svg).expect("the SVG was written");
     assert!(text.starts_with("<svg") && text.contains("LIVE") && text.contains("PREDICTED") && text.contains("slack-aware"), "{text}");
 }

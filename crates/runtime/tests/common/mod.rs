@@ -162,6 +162,14 @@ impl Engine {
 
 /// The device, a store over it and the engine memory registered with it.
 pub fn parts(timing: Option<TimingModel>) -> (Arc<EmuDevice>, KvStore<gio_uring::CpuExecutor>, Engine) {
+    parts_with(timing, |pool, config| cpu_executor_for(pool, 256, config).expect("executor"))
+}
+
+/// The same, with the executor `executor` builds over the open pool.
+pub fn parts_with<E: gio_uring::Executor>(
+    timing: Option<TimingModel>,
+    executor: impl FnOnce(&Pool, &StoreConfig) -> E,
+) -> (Arc<EmuDevice>, KvStore<E>, Engine) {
     let geometry = geometry();
     let device =
         EmuDevice::start(EmuConfig::default().with_backing(Backing::Memory { bytes: 64 << 20 }).with_timing(timing)).expect("emulator");
@@ -180,7 +188,7 @@ pub fn parts(timing: Option<TimingModel>) -> (Arc<EmuDevice>, KvStore<gio_uring:
     };
     let registration = KvRegistration::new(geometry, ENGINE_BLOCKS, layout, DataPointerMode::Sgl).expect("registration");
     let store_config = StoreConfig::default();
-    let executor = cpu_executor_for(&pool, 256, &store_config).expect("executor");
+    let executor = executor(&pool, &store_config);
     let store = KvStore::new(pool, registration, Arc::clone(controller.dma()), executor, store_config).expect("store");
     (device, store, Engine { tensors })
 }

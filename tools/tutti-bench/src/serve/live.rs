@@ -35,6 +35,9 @@ pub struct ServedRequest {
     pub cached_tokens: u64,
     /// Arrival to the end of prefill (includes queueing behind earlier requests).
     pub ttft_us: f64,
+    /// Arrival to the return of `begin_prefill` (engine blocks found, lookup, stores prepared,
+    /// oldest stores forced when the write queue is full).
+    pub admission_us: f64,
     /// `begin_prefill` to `end_prefill`.
     pub prefill_us: f64,
     pub bubble_us: f64,
@@ -220,6 +223,7 @@ impl Driver<'_> {
         let block_ids = self.free_blocks(blocks)?;
         let begun = Instant::now();
         let start = self.runtime.begin_prefill(&KvRequest { tokens: &request.tokens, block_ids: &block_ids })?;
+        let admitted = Instant::now();
         let block_tokens = request.tokens.len() as u64 / blocks as u64;
         let cached_tokens = start.cached_blocks as u64 * block_tokens;
         let input_tokens = request.tokens.len() as u32;
@@ -249,6 +253,7 @@ impl Driver<'_> {
         Ok(ServedRequest {
             cached_tokens,
             ttft_us: self.model_us(ended) - arrived_us,
+            admission_us: self.model_us(admitted) - arrived_us,
             prefill_us: (ended - begun).as_secs_f64() * 1e6 / self.dilation,
             bubble_us: bubble.as_secs_f64() * 1e6 / self.dilation,
             compute_us,

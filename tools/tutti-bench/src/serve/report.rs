@@ -25,6 +25,10 @@ pub const RW_OVERLAP_SOURCE: &str =
 pub struct Predicted {
     /// Per request, arrival to first token (queueing behind the previous request included).
     pub ttft_us: Vec<f64>,
+    /// Per request, the GPU's wait for KV.
+    pub bubble_us: Vec<f64>,
+    /// Per request, the write backlog it started with (bytes).
+    pub backlog_bytes_at_start: Vec<u64>,
     pub prefill_us_total: f64,
     pub compute_us_total: f64,
     pub bubble_us_total: f64,
@@ -50,6 +54,8 @@ pub fn predict(
 ) -> anyhow::Result<Predicted> {
     let mut predicted = Predicted {
         ttft_us: Vec::with_capacity(requests.len()),
+        bubble_us: Vec::with_capacity(requests.len()),
+        backlog_bytes_at_start: Vec::with_capacity(requests.len()),
         prefill_us_total: 0.0,
         compute_us_total: 0.0,
         bubble_us_total: 0.0,
@@ -107,6 +113,8 @@ pub fn predict(
         let arrival_us = if plan.stream.arrivals == Arrivals::Closed { free_at_us } else { request.arrival_us };
         let start_us = arrival_us.max(free_at_us);
         predicted.ttft_us.push(start_us - arrival_us + forced_us + result.ttft_us);
+        predicted.bubble_us.push(result.bubble_us);
+        predicted.backlog_bytes_at_start.push(backlog_bytes);
         predicted.forced_write_us += forced_us;
         free_at_us = start_us + forced_us + result.ttft_us + result.decode_us;
         predicted.prefill_us_total += result.ttft_us;
@@ -202,6 +210,31 @@ impl PolicyResult {
         self.live.backlog.iter().map(|sample| sample.queued_blocks).max().unwrap_or(0)
     }
 
+    /// Each request live beside its prediction, in stream order.
+    fn per_request_json(&self) -> Vec<Value> {
+        let predicted = &self.predicted;
+        self.live
+            .requests
+            .iter()
+            .enumerate()
+            .map(|(index, served)| {
+                json!({
+                    "cached_tokens": served.cached_tokens,
+                    "ttft_us": served.ttft_us,
+                    "admission_us": served.admission_us,
+                    "prefill_us": served.prefill_us,
+                    "bubble_us": served.bubble_us,
+                    "compute_us": served.compute_us,
+                    "predicted": {
+                        "ttft_us": predicted.ttft_us.get(index),
+                        "bubble_us": predicted.bubble_us.get(index),
+                        "write_backlog_bytes_at_start": predicted.backlog_bytes_at_start.get(index),
+                    },
+                })
+            })
+            .collect()
+    }
+
     fn json(&self, prompt_tokens: u64) -> Value {
         let counters = self.live.counters;
         json!({
@@ -231,6 +264,7 @@ impl PolicyResult {
                 "samples": self.live.backlog.iter().map(|sample| json!({"at_us": sample.at_us, "queued_blocks": sample.queued_blocks, "queued_stores": sample.queued_stores})).collect::<Vec<_>>(),
             },
             "wall_us": self.live.wall_us,
+            "per_request": self.per_request_json(),
             "predicted": {
                 "ttft_us": self.predicted_ttft.json(),
                 "prefill_us": self.predicted.prefill_us_total,
@@ -249,12 +283,78 @@ impl PolicyResult {
     }
 }
 
+/// One policy's runs on the same stream at one hit rate (`--repeat`).
+#[derive(Debug, Clone)]
+pub struct PolicyRuns {
+    pub runs: Vec<PolicyResult>,
+    /// The run whose TTFT p50 is the median of the runs' (the lower middle for an even count):
+    /// the one whose details the text and the SVG show.
+    median_index: usize,
+}
+
+/// The median of `values` (the lower middle for an even count); 0 for none.
+fn median(values: &[f64]) -> f64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    sorted.get(sorted.len().saturating_sub(1) / 2).copied().unwrap_or(0.0)
+}
+
+impl PolicyRuns {
+    /// `runs` must not be empty (`--repeat` is at least 1).
+    pub fn new(runs: Vec<PolicyResult>) -> Self {
+        let ttfts: Vec<f64> = runs.iter().map(|run| run.ttft.p50).collect();
+        let middle = median(&ttfts);
+        let median_index = ttfts.iter().position(|&ttft| ttft == middle).unwrap_or(0);
+        Self { runs, median_index }
+    }
+
+    pub fn median_run(&self) -> &PolicyResult {
+        &self.runs[self.median_index]
+    }
+
+    /// Every run's value of `figure`, in run order.
+    pub fn each(&self, figure: impl Fn(&PolicyResult) -> f64) -> Vec<f64> {
+        self.runs.iter().map(figure).collect()
+    }
+
+    /// The median over runs of `figure`.
+    pub fn median(&self, figure: impl Fn(&PolicyResult) -> f64) -> f64 {
+        median(&self.each(figure))
+    }
+
+    pub fn ttft_deviation(&self) -> f64 {
+        share(self.median(|run| run.ttft.p50), self.median(|run| run.predicted_ttft.p50)) - 1.0
+    }
+
+    fn json(&self, prompt_tokens: u64) -> Value {
+        let mut value = self.median_run().json(prompt_tokens);
+        value["repeat"] = json!({
+            "runs": self.runs.len(),
+            "shown_run": self.median_index + 1,
+            "ttft_p50_us": self.each(|run| run.ttft.p50),
+            "bubble_share": self.each(PolicyResult::bubble_share),
+            "rw_overlap_us": self.each(|run| run.live.rw_overlap_us),
+            "predicted_ttft_p50_us": self.each(|run| run.predicted_ttft.p50),
+            "predicted_bubble_share": self.each(PolicyResult::predicted_bubble_share),
+            "median": {
+                "ttft_p50_us": self.median(|run| run.ttft.p50),
+                "bubble_share": self.median(PolicyResult::bubble_share),
+                "rw_overlap_us": self.median(|run| run.live.rw_overlap_us),
+                "predicted_ttft_p50_us": self.median(|run| run.predicted_ttft.p50),
+                "predicted_bubble_share": self.median(PolicyResult::predicted_bubble_share),
+                "ttft_p50_deviation": self.ttft_deviation(),
+            },
+        });
+        value
+    }
+}
+
 /// Every policy at one hit rate.
 #[derive(Debug, Clone)]
 pub struct SweepPoint {
     pub hit_rate: f64,
     pub requests: usize,
-    pub policies: Vec<PolicyResult>,
+    pub policies: Vec<PolicyRuns>,
 }
 
 fn configuration(plan: &ServePlan) -> Value {
@@ -275,6 +375,7 @@ fn configuration(plan: &ServePlan) -> Value {
         "arrivals": match shape.arrivals { Arrivals::Closed => "closed", Arrivals::Poisson => "poisson" },
         "arrival_rate_per_s": (shape.arrivals == Arrivals::Poisson).then_some(shape.arrival_rate),
         "seed": plan.seed,
+        "repeat": plan.repeat,
         "executor": "cpu",
         "emu_timing": crate::devices::timing_json(Some(model.timing)),
         "dilation": model.dilation,
@@ -308,7 +409,7 @@ pub fn header(plan: &ServePlan) -> String {
     let model = &plan.model;
     let shape = &plan.stream;
     format!(
-        "tutti-bench: workload=serve model={} ({}) gpu={} prompt={} tokens, {} sessions x {} turns, {} system prompts, {} decode steps, arrivals={}, seed={}\n  \
+        "tutti-bench: workload=serve model={} ({}) gpu={} prompt={} tokens, {} sessions x {} turns, {} system prompts, {} decode steps, arrivals={}, seed={}, {} run(s) per policy (medians)\n  \
          device: a fresh in-memory software controller per policy, EMULATED {} (--emu-timing=tutti-ssd:x{} {}): every figure is the model's, not hardware's\n  \
          compute: the analytic roofline table (not measured), slept x{} by the engine thread; all times below are us of the modelled system (wall / {})\n  \
          predicted: the scheduler's simulator on the same requests, table and SSD model (one SSD of tutti_two_ssds, undilated)",
@@ -325,6 +426,7 @@ pub fn header(plan: &ServePlan) -> String {
             Arrivals::Poisson => format!("poisson at {}/s", shape.arrival_rate),
         },
         plan.seed,
+        plan.repeat,
         model.timing,
         model.dilation,
         if plan.model.dilation == tutti_devices::timing::DEFAULT_DILATION { "implied for serve" } else { "given" },
@@ -336,7 +438,8 @@ pub fn header(plan: &ServePlan) -> String {
 pub fn text(plan: &ServePlan, point: &SweepPoint) -> String {
     let ms = |us: f64| us / 1e3;
     let mut lines = vec![format!("hit rate {} ({} requests):", point.hit_rate, point.requests)];
-    for result in &point.policies {
+    for runs in &point.policies {
+        let result = runs.median_run();
         let counters = result.live.counters;
         lines.push(format!(
             "{}: served hit rate {:.3}, wall {:.1} ms",
@@ -344,6 +447,19 @@ pub fn text(plan: &ServePlan, point: &SweepPoint) -> String {
             result.hit_rate_served(plan.stream.prompt_tokens),
             ms(result.live.wall_us)
         ));
+        if runs.runs.len() > 1 {
+            let listed = |values: Vec<f64>, scale: f64, digits: usize| {
+                values.iter().map(|value| format!("{:.digits$}", value * scale)).collect::<Vec<_>>().join(", ")
+            };
+            lines.push(format!(
+                "  {} runs (details below: run {}, the median TTFT p50): ttft p50 (ms) [{}], bubble share (%) [{}], rw_overlap (ms) [{}]",
+                runs.runs.len(),
+                runs.median_index + 1,
+                listed(runs.each(|run| run.ttft.p50), 1e-3, 3),
+                listed(runs.each(PolicyResult::bubble_share), 100.0, 2),
+                listed(runs.each(|run| run.live.rw_overlap_us), 1e-3, 3)
+            ));
+        }
         lines.push(format!(
             "  ttft (ms):   p50={:.3}, p90={:.3}, p99={:.3}  | predicted p50={:.3}, p90={:.3}, p99={:.3}",
             ms(result.ttft.p50),
@@ -391,24 +507,26 @@ pub fn text(plan: &ServePlan, point: &SweepPoint) -> String {
     lines.join("\n")
 }
 
-/// The sweep as a table: live vs predicted bubble share and TTFT p50 per policy and hit rate.
+/// The sweep as a table: live vs predicted bubble share and TTFT p50 per policy and hit rate,
+/// each the median over `--repeat` runs.
 pub fn sweep_table(points: &[SweepPoint]) -> String {
     let mut lines = vec![
-        "hit rate | policy | bubble share live | predicted | TTFT p50 live (ms) | predicted (ms) | TTFT deviation | rw_overlap (ms) | deferred writes".to_string(),
+        "hit rate | policy | bubble share live | predicted | TTFT p50 live (ms) | predicted (ms) | TTFT deviation | rw_overlap (ms) | deferred writes | runs".to_string(),
     ];
     for point in points {
-        for result in &point.policies {
+        for runs in &point.policies {
             lines.push(format!(
-                "{:.2} | {} | {:.2}% | {:.2}% | {:.3} | {:.3} | {:+.1}% | {:.3} | {}",
+                "{:.2} | {} | {:.2}% | {:.2}% | {:.3} | {:.3} | {:+.1}% | {:.3} | {} | {}",
                 point.hit_rate,
-                result.policy.name(),
-                100.0 * result.bubble_share(),
-                100.0 * result.predicted_bubble_share(),
-                result.ttft.p50 / 1e3,
-                result.predicted_ttft.p50 / 1e3,
-                100.0 * (share(result.ttft.p50, result.predicted_ttft.p50) - 1.0),
-                result.live.rw_overlap_us / 1e3,
-                result.live.counters.write_layers_deferred
+                runs.median_run().policy.name(),
+                100.0 * runs.median(PolicyResult::bubble_share),
+                100.0 * runs.median(PolicyResult::predicted_bubble_share),
+                runs.median(|run| run.ttft.p50) / 1e3,
+                runs.median(|run| run.predicted_ttft.p50) / 1e3,
+                100.0 * runs.ttft_deviation(),
+                runs.median(|run| run.live.rw_overlap_us) / 1e3,
+                runs.median(|run| run.live.counters.write_layers_deferred as f64),
+                runs.runs.len()
             ));
         }
     }
@@ -421,7 +539,8 @@ pub fn sweep_svg(plan: &ServePlan, points: &[SweepPoint]) -> String {
     let series = |live: bool| -> (Vec<SimResult>, Vec<PolicySummary>) {
         let mut results = Vec::new();
         for point in points {
-            for result in &point.policies {
+            for runs in &point.policies {
+                let result = runs.median_run();
                 let count = result.live.requests.len().max(1) as f64;
                 let (compute, bubble, prefill, overlap) = if live {
                     (result.compute_us(), result.bubble_us(), result.prefill_us(), result.live.rw_overlap_us)
