@@ -193,9 +193,10 @@ fn power_loss_between_the_header_sectors_of_one_commit() {
     }
     let controller = bring_up_fast(&device);
     let engine = separate_kv(controller.dma(), ENGINE_BLOCKS, DataPointerMode::Sgl);
-    // One second, not CRASH_TIMEOUT: the 24 stores below must not time out on a loaded machine
-    // (a 40 ms header write did once); only the dying commit waits it out.
-    let mut store = open(&controller, &engine, Duration::from_secs(1)).expect("open");
+    // Three seconds, not CRASH_TIMEOUT: the 24 stores below must not time out on a loaded
+    // machine (a 40 ms header write did once, and with 1 s a store failed at load average 8);
+    // only the dying commit waits it out.
+    let mut store = open(&controller, &engine, Duration::from_secs(3)).expect("open");
     let mut rng = Rng(0x5EC7_0125);
     let requests: Vec<Vec<u32>> = (0..24).map(|_| rng.tokens(16)).collect();
     for (r, tokens) in requests.iter().enumerate() {
