@@ -40,6 +40,7 @@ impl<'a> ScratchPage<'a> {
     /// The page at `offset` of `region`; [`HwError::OutOfRange`] unless `region` holds
     /// `offset + SCRATCH_BYTES` bytes (a page past the region would hand the controller an
     /// address of memory nobody reserved for this command).
+    #[inline]
     pub fn new(region: &'a DmaRegion, offset: usize) -> Result<Self, HwError> {
         let out_of_range = || HwError::OutOfRange { offset, access_len: SCRATCH_BYTES, region_len: region.len() };
         if offset.checked_add(SCRATCH_BYTES).is_none_or(|end| end > region.len()) {
@@ -50,11 +51,13 @@ impl<'a> ScratchPage<'a> {
     }
 
     /// Device address of the page.
+    #[inline]
     pub fn iova(&self) -> Iova {
         self.iova
     }
 
     /// Copies `bytes` into the page at `at`; never past the page.
+    #[inline]
     pub fn write(&self, at: usize, bytes: &[u8]) -> Result<(), HwError> {
         if at.checked_add(bytes.len()).is_none_or(|end| end > SCRATCH_BYTES) {
             return Err(HwError::OutOfRange { offset: at, access_len: bytes.len(), region_len: SCRATCH_BYTES });
@@ -71,6 +74,7 @@ pub struct DataSegment {
 }
 
 impl DataSegment {
+    #[inline]
     pub fn new(iova: Iova, len: u32) -> Self {
         Self { iova, len }
     }

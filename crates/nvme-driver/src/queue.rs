@@ -60,6 +60,9 @@ struct Slot {
     generation: u16,
     busy: bool,
     opcode: u8,
+    /// The id the slot's command in flight carries (set when reserved): a completion must name
+    /// exactly this one.
+    command_id: u16,
     tag: u64,
 }
 
@@ -142,6 +145,10 @@ pub struct QueuePair {
     slots: Vec<Slot>,
     free: Vec<u16>,
     slot_bits: u32,
+    /// The low `slot_bits` bits of a command id (the slot index), and what is left of a
+    /// generation above them: computed once, used on every submission and completion.
+    slot_mask: u16,
+    generation_mask: u16,
     in_flight: usize,
 }
 
@@ -205,6 +212,8 @@ impl QueuePair {
             slots: vec![Slot::default(); slot_count],
             free: (0..slot_count as u16).rev().collect(),
             slot_bits,
+            slot_mask: ((1u32 << slot_bits) - 1) as u16,
+            generation_mask: ((1u32 << (16 - slot_bits)) - 1) as u16,
             in_flight: 0,
         }
     }
@@ -276,13 +285,12 @@ impl QueuePair {
     /// The scratch page that belongs to `command_id`'s slot (the scratch region holds one page
     /// per slot, so this fails only if that allocation was cut short).
     fn scratch_for(&self, command_id: CommandId) -> Result<ScratchPage<'_>, NvmeError> {
-        let slot = usize::from(command_id.0) & ((1 << self.slot_bits) - 1);
+        let slot = usize::from(command_id.0 & self.slot_mask);
         Ok(ScratchPage::new(&self.scratch, slot * SCRATCH_BYTES)?)
     }
 
     fn command_id(&self, slot: u16) -> CommandId {
-        let generation_bits = 16 - self.slot_bits;
-        let generation = self.slots[usize::from(slot)].generation & ((1u32 << generation_bits) - 1) as u16;
+        let generation = self.slots[usize::from(slot)].generation & self.generation_mask;
         CommandId(slot | (u32::from(generation) << self.slot_bits) as u16)
     }
 
@@ -292,17 +300,19 @@ impl QueuePair {
         let Some(slot) = self.free.pop() else {
             return Err(NvmeError::QueueFull { queue: self.id, depth: self.depth });
         };
+        let command_id = self.command_id(slot);
         let entry = &mut self.slots[usize::from(slot)];
         entry.busy = true;
         entry.opcode = opcode;
+        entry.command_id = command_id.0;
         entry.tag = tag;
         self.in_flight += 1;
-        Ok(self.command_id(slot))
+        Ok(command_id)
     }
 
     /// Gives back a reserved slot whose command was never pushed.
     fn unreserve(&mut self, command_id: CommandId) {
-        let slot = command_id.0 & ((1 << self.slot_bits) - 1) as u16;
+        let slot = command_id.0 & self.slot_mask;
         if let Some(entry) = self.slots.get_mut(usize::from(slot)) {
             if entry.busy {
                 entry.busy = false;
@@ -439,14 +449,13 @@ impl QueuePair {
                 failure = Some(error);
                 break;
             }
-            let slot_index = command_id.0 & ((1 << self.slot_bits) - 1) as u16;
-            let matches =
-                self.slots.get(usize::from(slot_index)).is_some_and(|slot| slot.busy) && self.command_id(slot_index) == command_id;
-            if !matches {
+            let slot_index = command_id.0 & self.slot_mask;
+            // The slot's own record of the id it issued: a late completion for the slot's
+            // previous command (older generation) or for an idle slot matches nothing.
+            let Some(slot) = self.slots.get_mut(usize::from(slot_index)).filter(|slot| slot.busy && slot.command_id == command_id.0) else {
                 failure = Some(NvmeError::UnexpectedCompletion { queue: self.id, command_id });
                 break;
-            }
-            let slot = &mut self.slots[usize::from(slot_index)];
+            };
             slot.busy = false;
             slot.generation = slot.generation.wrapping_add(1);
             let completion = Completion {
