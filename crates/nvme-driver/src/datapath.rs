@@ -40,6 +40,7 @@ impl<'a> ScratchPage<'a> {
     /// The page at `offset` of `region`; [`HwError::OutOfRange`] unless `region` holds
     /// `offset + SCRATCH_BYTES` bytes (a page past the region would hand the controller an
     /// address of memory nobody reserved for this command).
+    #[inline]
     pub fn new(region: &'a DmaRegion, offset: usize) -> Result<Self, HwError> {
         let out_of_range = || HwError::OutOfRange { offset, access_len: SCRATCH_BYTES, region_len: region.len() };
         if offset.checked_add(SCRATCH_BYTES).is_none_or(|end| end > region.len()) {
@@ -50,11 +51,13 @@ impl<'a> ScratchPage<'a> {
     }
 
     /// Device address of the page.
+    #[inline]
     pub fn iova(&self) -> Iova {
         self.iova
     }
 
     /// Copies `bytes` into the page at `at`; never past the page.
+    #[inline]
     pub fn write(&self, at: usize, bytes: &[u8]) -> Result<(), HwError> {
         if at.checked_add(bytes.len()).is_none_or(|end| end > SCRATCH_BYTES) {
             return Err(HwError::OutOfRange { offset: at, access_len: bytes.len(), region_len: SCRATCH_BYTES });
@@ -71,6 +74,7 @@ pub struct DataSegment {
 }
 
 impl DataSegment {
+    #[inline]
     pub fn new(iova: Iova, len: u32) -> Self {
         Self { iova, len }
     }
@@ -117,6 +121,25 @@ pub struct CommandPlan {
 
 fn is_page_aligned(address: u64) -> bool {
     address.is_multiple_of(PAGE_BYTES)
+}
+
+/// The plan of a transfer that is one command as it stands — one segment of whole blocks, at
+/// most `max_bytes`, dword aligned, not running past the last address and, for PRP, within one
+/// list page — without [`plan_command`]'s general walk: the common case of the hot path. `None`
+/// means "not that case": ask [`plan_command`], which then decides (and reports any error).
+/// Whenever this returns a plan, it is the one [`plan_command`] returns from the start.
+pub fn plan_single_command(segments: &[DataSegment], max_bytes: u64, block_bytes: u32, mode: DataPointerMode) -> Option<CommandPlan> {
+    let [segment] = segments else { return None };
+    let bytes = u64::from(segment.len);
+    let address = segment.iova.0;
+    if bytes == 0 || bytes > max_bytes || !bytes.is_multiple_of(u64::from(block_bytes)) || !address.is_multiple_of(4) {
+        return None;
+    }
+    let end = segment.iova.checked_end(bytes)?.0;
+    if mode == DataPointerMode::Prp && end.div_ceil(PAGE_BYTES) - address / PAGE_BYTES > PRP_LIST_ENTRIES_MAX as u64 + 1 {
+        return None;
+    }
+    Some(CommandPlan { start: Cursor::default(), end: Cursor { segment: 1, offset: 0 }, bytes })
 }
 
 /// Plans the next command from `start`: at most `max_bytes`, a multiple of `block_bytes`, within
@@ -260,7 +283,7 @@ fn for_each_piece(
         if available > 0 {
             let address = segment.iova.checked_add(u64::from(cursor.offset)).filter(|start| start.checked_end(available).is_some());
             let address =
-                address.ok_or(NvmeError::UnsupportedLayout { index: cursor.segment, reason: ADDRESS_WRAPS, mode: mode.name() })?;
+                address.ok_or_else(|| NvmeError::UnsupportedLayout { index: cursor.segment, reason: ADDRESS_WRAPS, mode: mode.name() })?;
             visit(address.0, available);
         }
         remaining -= available;
@@ -271,6 +294,64 @@ fn for_each_piece(
 
 /// Writes DPTR (and the scratch page when needed) for `plan`; `scratch` is the command slot's page.
 pub fn build_data_pointer(
+    entry: &mut SubmissionEntry,
+    segments: &[DataSegment],
+    plan: &CommandPlan,
+    mode: DataPointerMode,
+    scratch: ScratchPage<'_>,
+) -> Result<(), NvmeError> {
+    if build_single_piece_data_pointer(entry, segments, plan, mode) {
+        return Ok(());
+    }
+    build_data_pointer_from_pieces(entry, segments, plan, mode, scratch)
+}
+
+/// The common case of [`build_data_pointer`] without its piece walk: a plan that lies inside one
+/// segment and needs no list (one SGL Data Block descriptor, or at most two PRP entries). Writes
+/// exactly what the walk would and returns true; returns false, writing nothing, otherwise.
+fn build_single_piece_data_pointer(
+    entry: &mut SubmissionEntry,
+    segments: &[DataSegment],
+    plan: &CommandPlan,
+    mode: DataPointerMode,
+) -> bool {
+    let Some(segment) = segments.get(plan.start.segment) else { return false };
+    if u64::from(segment.len.saturating_sub(plan.start.offset)) < plan.bytes || plan.bytes == 0 {
+        return false;
+    }
+    // The same address checks as the walk: a piece whose end is no address takes the walk,
+    // which reports it.
+    let Some(address) = segment.iova.checked_add(u64::from(plan.start.offset)) else { return false };
+    let Some(end) = address.checked_end(plan.bytes) else { return false };
+    let (address, end) = (address.0, end.0);
+    match mode {
+        DataPointerMode::Sgl => {
+            let Ok(len) = u32::try_from(plan.bytes) else { return false };
+            entry.set_data_pointer_kind(DataPointerKind::Sgl);
+            entry.dptr = SglDescriptor::data_block(address, len).to_dptr();
+        }
+        DataPointerMode::Prp => {
+            // The page after the first, when the transfer reaches into it; more pages need a
+            // list. No page starts past the last address: a transfer in the top page ends there.
+            let second = match (address / PAGE_BYTES + 1).checked_mul(PAGE_BYTES) {
+                Some(second_page) if end > second_page => {
+                    if end - second_page > PAGE_BYTES {
+                        return false;
+                    }
+                    second_page
+                }
+                _ => 0,
+            };
+            entry.set_data_pointer_kind(DataPointerKind::Prp);
+            entry.dptr = [address, second];
+        }
+    }
+    true
+}
+
+/// [`build_data_pointer`]'s general case: walks the plan's pieces, writing a PRP list or SGL
+/// segment into the scratch page when one descriptor does not do.
+fn build_data_pointer_from_pieces(
     entry: &mut SubmissionEntry,
     segments: &[DataSegment],
     plan: &CommandPlan,
@@ -448,6 +529,67 @@ mod tests {
         let mut entry = SubmissionEntry::default();
         build_data_pointer(&mut entry, &segments, &plans[0], DataPointerMode::Prp, ScratchPage::new(&scratch, 0).unwrap()).unwrap();
         assert_eq!(entry.dptr, [top_page - 4096, top_page]);
+    }
+
+    /// Addresses near page boundaries and near the top of the address space, where the fast
+    /// paths' arithmetic could differ from the walk's.
+    fn interesting_address() -> impl proptest::strategy::Strategy<Value = u64> {
+        use proptest::prelude::*;
+        prop_oneof![
+            (0x10_0000u64..0x20_0000).prop_map(|address| address & !3),
+            (0u64..4).prop_map(|page| 0x10_0000 + page * PAGE_BYTES),
+            (0u64..64).prop_map(|back| (u64::MAX - 3 * PAGE_BYTES + 1 + back * 192) & !3),
+            any::<u64>(),
+        ]
+    }
+
+    use proptest::strategy::Strategy as _;
+
+    proptest::proptest! {
+        #[test]
+        fn the_single_command_plan_is_the_walks_plan(
+            address in interesting_address(),
+            len in proptest::prop_oneof![0u32..20_000, (1u32..600).prop_map(|pages| pages * 4096), (511u32..515).prop_map(|pages| pages * 4096)],
+            max_bytes in proptest::prop_oneof![proptest::strategy::Just(u64::MAX), 512u64..4 << 20],
+            block in proptest::prop_oneof![proptest::strategy::Just(512u32), proptest::strategy::Just(4096u32)],
+            sgl in proptest::bool::ANY,
+        ) {
+            // Goal: the one-command fast path of submit_transfer never plans differently from
+            // plan_command, and takes over wherever the walk yields exactly one command.
+            let mode = if sgl { DataPointerMode::Sgl } else { DataPointerMode::Prp };
+            let segments = [segment(address, len)];
+            let walked = plans(&segments, max_bytes, block, mode).ok().filter(|plans| plans.len() == 1);
+            proptest::prop_assert_eq!(plan_single_command(&segments, max_bytes, block, mode).map(|fast| vec![fast]), walked);
+        }
+
+        #[test]
+        fn the_single_piece_data_pointer_is_the_walks(
+            address in interesting_address(),
+            offset_blocks in 0u32..4,
+            blocks in proptest::prop_oneof![1u32..20, 1u32..600],
+            sgl in proptest::bool::ANY,
+        ) {
+            // Goal: where the one-descriptor fast path of build_data_pointer applies, DPTR and
+            // the entry's PSDT are exactly what the piece walk writes (and where the walk fails,
+            // on a piece that wraps, the fast path does not apply).
+            let mode = if sgl { DataPointerMode::Sgl } else { DataPointerMode::Prp };
+            let segments = [segment(address, (offset_blocks + blocks) * 512)];
+            let plan = CommandPlan { start: Cursor { segment: 0, offset: offset_blocks * 512 }, end: Cursor { segment: 1, offset: 0 }, bytes: u64::from(blocks) * 512 };
+            let pool = crate::hw::DmaPool::identity();
+            let scratch = crate::hw::DmaAllocator::allocate(&pool, SCRATCH_BYTES).unwrap();
+            let mut fast = SubmissionEntry::default();
+            let mut walked = SubmissionEntry::default();
+            let walk = build_data_pointer_from_pieces(&mut walked, &segments, &plan, mode, ScratchPage::new(&scratch, 0).unwrap());
+            // The walk needs no list page: one SGL descriptor in DPTR, or PRP2 naming no list.
+            let walk_without_list = walk.is_ok() && if sgl { walked.dptr[1] >> 56 == 0 } else { walked.dptr[1] != scratch.iova().0 };
+            if build_single_piece_data_pointer(&mut fast, &segments, &plan, mode) {
+                proptest::prop_assert!(walk_without_list, "the fast path took a plan that needs a list: {walk:?}");
+                proptest::prop_assert_eq!(fast.to_bytes(), walked.to_bytes());
+            } else {
+                proptest::prop_assert!(!walk_without_list, "the fast path declined a plan that needs no list");
+                proptest::prop_assert_eq!(fast.to_bytes(), SubmissionEntry::default().to_bytes(), "a declined fast path wrote the entry");
+            }
+        }
     }
 
     #[test]

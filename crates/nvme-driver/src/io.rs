@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::datapath::{build_data_pointer, plan_command, Cursor, DataPointerMode, DataSegment};
+use crate::datapath::{build_data_pointer, plan_command, plan_single_command, Cursor, DataPointerMode, DataSegment};
 use crate::error::NvmeError;
 use crate::gate::QueueFate;
 use crate::namespace::{Namespace, RefusedNamespace};
@@ -14,6 +14,15 @@ use crate::spec::command::DatasetRange;
 use crate::spec::SubmissionEntry;
 use crate::teardown::AdminShared;
 use crate::types::{BlockCount, Lba, NamespaceId, QueueId};
+
+/// `blocks` as a command's NLB, or [`NvmeError::InvalidBlockCount`] past its 16 bits. (Built
+/// only on failure: an error made eagerly and dropped costs the hot path a destructor call.)
+fn block_count(blocks: u64) -> Result<BlockCount, NvmeError> {
+    match u32::try_from(blocks).ok().and_then(BlockCount::new) {
+        Some(count) => Ok(count),
+        None => Err(NvmeError::InvalidBlockCount { blocks }),
+    }
+}
 
 /// Most ranges in one Dataset Management command that fit its scratch page (256, the spec's max).
 pub const DEALLOCATE_RANGES_MAX: usize = 256;
@@ -136,15 +145,7 @@ impl IoQueuePair {
 
     /// Counts the commands a transfer needs, validating its layout (no side effects).
     fn count_commands(&self, segments: &[DataSegment], block_size_bytes: u32) -> Result<(usize, u64), NvmeError> {
-        // The common case — one dword-aligned buffer of whole blocks within MDTS — is exactly one
-        // command (PRP or SGL); planning it twice would be waste. Anything else takes the planner.
-        if let [segment] = segments {
-            let bytes = u64::from(segment.len);
-            let whole_blocks = bytes > 0 && bytes.is_multiple_of(u64::from(block_size_bytes));
-            if whole_blocks && bytes <= self.max_transfer_bytes && segment.iova.0.is_multiple_of(4) {
-                return Ok((1, bytes));
-            }
-        }
+        // (The one-command case does not come here: see plan_single_command in submit_transfer.)
         let mut cursor = Cursor::default();
         let mut commands = 0;
         let mut bytes = 0;
@@ -169,6 +170,16 @@ impl IoQueuePair {
     ) -> Result<usize, NvmeError> {
         self.check_epoch()?;
         let block = u64::from(namespace.block_size_bytes);
+        let mode = self.mode;
+        if let Some(plan) = plan_single_command(segments, self.max_transfer_bytes, namespace.block_size_bytes, mode) {
+            // One command: no planning walk, and no room check beyond the slot and SQ entry that
+            // submit_with reserves (it gives both back on any error, so nothing is half queued).
+            let blocks = plan.bytes / block;
+            Self::check_range(&namespace, start, blocks)?;
+            let count = block_count(blocks)?;
+            self.queue.submit_with(make(start, count), tag, |entry, scratch| build_data_pointer(entry, segments, &plan, mode, scratch))?;
+            return Ok(1);
+        }
         let (commands, bytes) = self.count_commands(segments, namespace.block_size_bytes)?;
         Self::check_range(&namespace, start, bytes / block)?;
         if commands > self.queue.free_slots() {
@@ -179,16 +190,13 @@ impl IoQueuePair {
         while let Some(plan) = plan_command(segments, cursor, self.max_transfer_bytes, namespace.block_size_bytes, self.mode)? {
             let blocks = plan.bytes / block;
             // The plan is bounded by MDTS; a count past NLB's 16 bits is a typed error, never masked.
-            let count = u32::try_from(blocks).ok().and_then(BlockCount::new).ok_or(NvmeError::InvalidBlockCount { blocks })?;
-            let mode = self.mode;
+            let count = block_count(blocks)?;
             self.queue.submit_with(make(lba, count), tag, |entry, scratch| build_data_pointer(entry, segments, &plan, mode, scratch))?;
             // Inside the range check_range accepted, so this cannot fail; checked all the same.
-            lba = lba.checked_add(blocks).ok_or(NvmeError::LbaOutOfRange {
-                namespace: namespace.id,
-                start: lba.0,
-                blocks,
-                size_blocks: namespace.size_blocks,
-            })?;
+            let Some(next) = lba.checked_add(blocks) else {
+                return Err(NvmeError::LbaOutOfRange { namespace: namespace.id, start: lba.0, blocks, size_blocks: namespace.size_blocks });
+            };
+            lba = next;
             cursor = plan.end;
         }
         Ok(commands)
@@ -248,7 +256,7 @@ impl IoQueuePair {
         // Every step stays below `end`, which check_range proved is a block number.
         while let Some(left) = end.checked_blocks_from(lba).filter(|&left| left > 0) {
             let count = left.min(per_command);
-            let count = u32::try_from(count).ok().and_then(BlockCount::new).ok_or(NvmeError::InvalidBlockCount { blocks: count })?;
+            let count = block_count(count)?;
             self.queue.submit(SubmissionEntry::write_zeroes(namespace.id, lba, count, deallocate), tag)?;
             lba = lba.checked_add(u64::from(count.get())).unwrap_or(end);
         }

@@ -13,11 +13,13 @@ pub struct Iova(pub u64);
 
 impl Iova {
     /// `self + bytes`, or `None` on overflow (addresses never wrap).
+    #[inline]
     pub fn checked_add(self, bytes: u64) -> Option<Iova> {
         self.0.checked_add(bytes).map(Iova)
     }
 
     /// `self + bytes` for an in-memory offset or length, or `None` on overflow.
+    #[inline]
     pub fn checked_add_usize(self, bytes: usize) -> Option<Iova> {
         self.checked_add(u64::try_from(bytes).ok()?)
     }
@@ -33,6 +35,7 @@ impl Iova {
     }
 
     /// The end of `len_bytes` starting here (one past the last byte), or `None` on overflow.
+    #[inline]
     pub fn checked_end(self, len_bytes: u64) -> Option<Iova> {
         self.checked_add(len_bytes)
     }
@@ -50,6 +53,7 @@ pub struct Lba(pub u64);
 
 impl Lba {
     /// `self + blocks`, or `None` on overflow.
+    #[inline]
     pub fn checked_add(self, blocks: u64) -> Option<Lba> {
         self.0.checked_add(blocks).map(Lba)
     }

@@ -101,6 +101,7 @@ impl HostMemory {
         Ok(Self { ptr, len, kind })
     }
 
+    #[inline]
     pub fn len(&self) -> usize {
         self.len
     }
@@ -207,10 +208,12 @@ impl std::fmt::Debug for DmaRegion {
 
 impl DmaRegion {
     /// Device-visible address of the first byte of this window.
+    #[inline]
     pub fn iova(&self) -> Iova {
         self.iova
     }
 
+    #[inline]
     pub fn len(&self) -> usize {
         self.len
     }
@@ -221,6 +224,7 @@ impl DmaRegion {
 
     /// The host virtual address of the first byte, as an integer: for registering the memory
     /// with another agent (e.g. `cuMemHostRegister`). Never dereference it in Rust.
+    #[inline]
     pub fn host_address(&self) -> usize {
         self.inner.ptr.as_ptr() as usize + self.offset
     }
@@ -235,6 +239,7 @@ impl DmaRegion {
         Ok(DmaRegion { inner: Arc::clone(&self.inner), offset: inner_offset, len, iova })
     }
 
+    #[inline]
     fn check(&self, offset: usize, len: usize, align: usize) -> Result<(), HwError> {
         let end = offset.checked_add(len);
         if end.is_none_or(|end| end > self.len) {
@@ -246,6 +251,7 @@ impl DmaRegion {
         Ok(())
     }
 
+    #[inline]
     fn pointer(&self, offset: usize) -> *mut u8 {
         // SAFETY: callers have checked `offset + access <= len` with `check`, so the result stays
         // inside the allocation this region refers to.
@@ -259,6 +265,7 @@ impl DmaRegion {
     /// Nothing enforces that; a caller that breaks it races with the device — torn bytes from
     /// hardware, undefined behaviour against the software controller. See the module
     /// documentation, "The hazard the copies carry".
+    #[inline]
     pub fn read(&self, offset: usize, destination: &mut [u8]) -> Result<(), HwError> {
         self.check(offset, destination.len(), 1)?;
         // SAFETY: the range is inside the live allocation (checked above) and cannot overlap
@@ -273,6 +280,7 @@ impl DmaRegion {
     /// Copies `source` into the region with a plain copy. Correct only while nobody else reads
     /// or writes the range (a buffer not referenced by any command in flight, an SQ slot the
     /// controller has not been told about); the same unenforced hazard as [`DmaRegion::read`].
+    #[inline]
     pub fn write(&self, offset: usize, source: &[u8]) -> Result<(), HwError> {
         self.check(offset, source.len(), 1)?;
         // SAFETY: in bounds of the live allocation (checked above), non-overlapping with
@@ -338,12 +346,14 @@ impl DmaRegion {
         Ok(())
     }
 
+    #[inline]
     pub fn load_u32(&self, offset: usize, order: Ordering) -> Result<u32, HwError> {
         self.check(offset, 4, 4)?;
         // SAFETY: in bounds and 4-byte aligned (checked); atomic access to shared memory.
         Ok(unsafe { AtomicU32::from_ptr(self.pointer(offset).cast()) }.load(order))
     }
 
+    #[inline]
     pub fn store_u32(&self, offset: usize, value: u32, order: Ordering) -> Result<(), HwError> {
         self.check(offset, 4, 4)?;
         // SAFETY: as in `load_u32`.

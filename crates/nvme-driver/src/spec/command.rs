@@ -131,10 +131,12 @@ pub struct SubmissionEntry {
 const _: () = assert!(std::mem::size_of::<SubmissionEntry>() == 64);
 
 impl SubmissionEntry {
+    #[inline]
     fn with_opcode(opcode: u8, nsid: u32) -> Self {
         Self { cdw0: u32::from(opcode), nsid, ..Self::default() }
     }
 
+    #[inline]
     pub fn opcode(&self) -> u8 {
         self.cdw0 as u8
     }
@@ -153,10 +155,12 @@ impl SubmissionEntry {
         CommandId((self.cdw0 >> 16) as u16)
     }
 
+    #[inline]
     pub fn set_command_id(&mut self, id: CommandId) {
         self.cdw0 = self.cdw0 & 0xFFFF | u32::from(id.0) << 16;
     }
 
+    #[inline]
     pub fn set_data_pointer_kind(&mut self, kind: DataPointerKind) {
         let psdt = match kind {
             DataPointerKind::Prp => 0,
@@ -166,6 +170,7 @@ impl SubmissionEntry {
     }
 
     /// Serialises to the wire format (little endian, §1.5 conventions).
+    #[inline]
     pub fn to_bytes(&self) -> [u8; 64] {
         let mut bytes = [0u8; 64];
         let dwords = [
@@ -290,6 +295,7 @@ impl SubmissionEntry {
 
     // ---- NVM commands ---------------------------------------------------------------------
 
+    #[inline]
     fn read_write(opcode: NvmOpcode, nsid: NamespaceId, start: Lba, blocks: BlockCount, force_unit_access: bool) -> Self {
         let mut entry = Self::with_opcode(opcode as u8, nsid.0);
         entry.cdw10 = start.0 as u32;
@@ -303,11 +309,13 @@ impl SubmissionEntry {
 
     /// Read (NVM §3.2.4) of `blocks` (a [`BlockCount`]: 1..=65536 by construction); the data
     /// pointer is set separately.
+    #[inline]
     pub fn read(nsid: NamespaceId, start: Lba, blocks: BlockCount) -> Self {
         Self::read_write(NvmOpcode::Read, nsid, start, blocks, false)
     }
 
     /// Write (NVM §3.2.6), optionally with Force Unit Access.
+    #[inline]
     pub fn write(nsid: NamespaceId, start: Lba, blocks: BlockCount, force_unit_access: bool) -> Self {
         Self::read_write(NvmOpcode::Write, nsid, start, blocks, force_unit_access)
     }
@@ -361,6 +369,7 @@ pub struct DatasetRange {
 impl DatasetRange {
     pub const BYTES: usize = 16;
 
+    #[inline]
     pub fn to_bytes(&self) -> [u8; 16] {
         let mut bytes = [0u8; 16];
         bytes[0..4].copy_from_slice(&self.context_attributes.to_le_bytes());

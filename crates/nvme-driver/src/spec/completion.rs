@@ -60,6 +60,7 @@ impl CompletionEntry {
         bytes
     }
 
+    #[inline]
     pub fn from_bytes(bytes: &[u8; 16]) -> Self {
         let u16_at = |start: usize| u16::from_le_bytes([bytes[start], bytes[start + 1]]);
         let u32_at = |start: usize| u32::from_le_bytes([bytes[start], bytes[start + 1], bytes[start + 2], bytes[start + 3]]);
@@ -67,6 +68,7 @@ impl CompletionEntry {
     }
 
     /// Decodes dword 3 as loaded atomically: (command id, status field, phase).
+    #[inline]
     pub fn decode_dword3(dword3: u32) -> (CommandId, u16, bool) {
         let status_and_phase = (dword3 >> 16) as u16;
         (CommandId(dword3 as u16), status_and_phase >> 1, status_and_phase & 1 == 1)

@@ -57,11 +57,13 @@ pub struct SglDescriptor {
 const _: () = assert!(std::mem::size_of::<SglDescriptor>() == SGL_DESCRIPTOR_BYTES);
 
 impl SglDescriptor {
+    #[inline]
     pub fn new(kind: SglDescriptorType, address: u64, length: u32) -> Self {
         Self { address, length, reserved: [0; 3], identifier: kind.as_u8() << 4 }
     }
 
     /// A Data Block descriptor: `length` bytes at `address`.
+    #[inline]
     pub fn data_block(address: u64, length: u32) -> Self {
         Self::new(SglDescriptorType::DataBlock, address, length)
     }
@@ -84,6 +86,7 @@ impl SglDescriptor {
         self.identifier & 0xF
     }
 
+    #[inline]
     pub fn to_bytes(&self) -> [u8; 16] {
         let mut bytes = [0u8; 16];
         bytes[0..8].copy_from_slice(&self.address.to_le_bytes());
@@ -106,6 +109,7 @@ impl SglDescriptor {
     }
 
     /// The two dwords pairs as they sit in DPTR (SGL1).
+    #[inline]
     pub fn to_dptr(&self) -> [u64; 2] {
         let bytes = self.to_bytes();
         let mut low = [0u8; 8];

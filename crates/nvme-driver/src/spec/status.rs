@@ -86,6 +86,7 @@ pub mod codes {
 
 impl NvmeStatus {
     /// Decodes the 15-bit status field (completion dword 3 bits 31:17): `Ok(())` on success.
+    #[inline]
     pub fn from_status_field(field: u16) -> Result<(), NvmeStatus> {
         let code = field as u8;
         let code_type = StatusCodeType::from_u8((field >> 8 & 0x7) as u8);
