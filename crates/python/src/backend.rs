@@ -18,7 +18,7 @@ use tutti_daemon::lock::DeviceLocks;
 use tutti_daemon::protocol::HelloReply;
 use tutti_daemon::Client;
 
-use crate::device_memory::{self, Holder};
+use crate::device_memory::{self, DeviceHold};
 use crate::errors::{ErrorClass, Failure};
 use crate::ffi::{CallerMemory, QueuesGone};
 use crate::memory::Keep;
@@ -63,6 +63,9 @@ pub struct Allocation {
     pub regions: Vec<DmaRegion>,
     pub checked: CheckedLayout,
 }
+
+/// How long `close` waits at least for tuttid to end a session that registered device memory.
+const DEVICE_RELEASE_WAIT: Duration = Duration::from_secs(5);
 
 /// A live request's state, beyond the store's own.
 pub struct RequestState {
@@ -123,7 +126,9 @@ pub struct StoreState {
     pub caller_memory: Vec<CallerMemory<Keep>>,
     /// Device memory registered with tuttid (CUDA tensors, a stand-in): the tensors and what
     /// holds the exported allocation, kept until no command can move their bytes.
-    pub device_memory: Option<(Vec<Keep>, Holder)>,
+    pub device_memory: Option<DeviceHold>,
+    /// tuttid's socket (attached stores): where `close` asks whether the session ended.
+    pub daemon_socket: Option<std::path::PathBuf>,
     pub allocation: Option<Allocation>,
     /// The registered layout as checked (set by register_kv or allocate_kv).
     pub registered: Option<CheckedLayout>,
@@ -155,6 +160,7 @@ impl StoreState {
             requests: HashMap::new(),
             caller_memory: Vec::new(),
             device_memory: None,
+            daemon_socket: None,
             allocation: None,
             registered: None,
             leaked_tensors: 0,
@@ -501,6 +507,7 @@ impl StoreState {
         };
         config.kv_blocks = checked.num_blocks;
         config.timeout = timeout;
+        let session = hello.session;
         let layout = store_layout(&checked, &device_memory::offsets(&checked, range.start));
         let connected = RemoteKvStore::with_client_and_device_memory(client, hello, &config, &range.memory, layout);
         self.touch_daemon();
@@ -508,7 +515,8 @@ impl StoreState {
             Ok(store) => {
                 self.backend = Backend::Remote { store: Box::new(store) };
                 // No command was issued before the store existed: on failure the keeps go now.
-                self.device_memory = Some((keeps, range.holder));
+                let socket = self.daemon_socket.clone().unwrap_or_default();
+                self.device_memory = Some(DeviceHold { keeps, holder: range.holder, socket, session });
                 self.registered = Some(checked);
                 Ok(())
             }
@@ -680,20 +688,9 @@ impl StoreState {
             }
         }
         self.allocation = None;
-        if let Some((keeps, holder)) = self.device_memory.take() {
-            if settled {
-                drop(keeps);
-                drop(holder);
-            } else {
-                // A layer still in flight: tuttid may still copy into these tensors.
-                tracing::error!(
-                    tensors = keeps.len(),
-                    "tutti: registered device memory kept for good: a layer was still in flight at close"
-                );
-                leaked += keeps.len();
-                std::mem::forget(keeps);
-                std::mem::forget(holder);
-            }
+        if let Some(hold) = self.device_memory.take() {
+            // The connection is closed (the store dropped above): tuttid ends the session.
+            leaked += hold.release(settled, deadline.max(Instant::now() + DEVICE_RELEASE_WAIT));
         }
         self.leaked_tensors += leaked;
         leaked

@@ -9,13 +9,16 @@
 //! opens once; the layout's tensors are offsets in it (`RemoteKvStore::with_client_and_device_memory`).
 //! Nothing here holds unsafe code: the CUDA calls are `tutti_cuda_ipc`'s.
 
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
 
 use nvme_driver::hw::{AddressSpaceId, DmaWindow, SharedMemory};
 use nvme_driver::{DmaAllocator, DmaRegion, Iova};
 use pyo3::exceptions::PyBufferError;
 use pyo3::prelude::*;
 use tutti_daemon::client::DeviceKvMemory;
+use tutti_daemon::Client;
 
 use crate::errors::{ErrorClass, Failure};
 use crate::ffi::{self, DLPACK_CPU};
@@ -196,6 +199,55 @@ fn export_cuda(ordinal: i32, _start: u64, _len: u64) -> Result<DeviceRange, Fail
         ErrorClass::UnsupportedMemory,
         format!("memory on cuda:{ordinal}: this build of tutti has no CUDA support (the wheel builds it with the `cuda` feature)"),
     ))
+}
+
+/// What a registration of device memory holds until tuttid can no longer reach the memory.
+pub struct DeviceHold {
+    pub keeps: Vec<crate::memory::Keep>,
+    pub holder: Holder,
+    pub socket: PathBuf,
+    pub session: u64,
+}
+
+impl DeviceHold {
+    /// Lets go of the tensors once tuttid ended the session (it closes its import of the
+    /// allocation then: CUDA leaves freeing memory another process still has open undefined),
+    /// polling its status until `deadline`; kept for good (and logged) if it did not, or if
+    /// `settled` is false (a layer was still in flight). Returns the tensors kept.
+    pub fn release(self, settled: bool, deadline: Instant) -> usize {
+        let gone = settled && session_gone(&self.socket, self.session, deadline);
+        if gone {
+            return 0;
+        }
+        let kept = self.keeps.len();
+        tracing::error!(tensors = kept, session = self.session, "tutti: registered device memory kept for good: tuttid may still reach it");
+        std::mem::forget(self.keeps);
+        std::mem::forget(self.holder);
+        kept
+    }
+}
+
+/// Whether tuttid at `socket` no longer lists `session`, asked until `deadline` (every 10 ms).
+fn session_gone(socket: &Path, session: u64, deadline: Instant) -> bool {
+    let timeout = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(100));
+    let Ok(mut client) = Client::connect(socket, timeout) else {
+        // No daemon to ask: it is gone, and its imports with it.
+        return true;
+    };
+    loop {
+        match client.status() {
+            Ok(status) if !status.clients.iter().any(|client| client.session == session) => return true,
+            Ok(_) => {}
+            Err(error) => {
+                tracing::warn!(%error, "tutti: asking tuttid whether the session ended");
+                return false;
+            }
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
 }
 
 /// The tensors' addresses as offsets from the range's start (what the daemon client moves to

@@ -331,8 +331,10 @@ impl Store {
             timeout,
         };
         let backend = Backend::RemoteAttached { client, hello: reply, config };
+        let mut state = StoreState::new(backend, None);
+        state.daemon_socket = Some(socket);
         Store::new(StoreShared {
-            state: Mutex::new(StoreState::new(backend, None)),
+            state: Mutex::new(state),
             wake: Condvar::new(),
             stop: AtomicBool::new(false),
             service: Mutex::new(None),
