@@ -5,6 +5,10 @@
                                              then sleep (to be killed mid-store)
     child.py retrieve SOCKET SEED BLOCKS     look prompt SEED up, retrieve what is found, print
                                              "found N" and "wrong K" (bytes differing)
+    child.py device-retrieve SOCKET SEED BLOCKS
+                                             as retrieve, into a DeviceMemoryStandIn registered
+                                             as device memory (test_device_memory.py), whose
+                                             blocks 0..BLOCKS the parent filled with seeds 50..
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ from conftest import FINGERPRINT, GEOMETRY, WAIT_S, block_parts, fill_block, pat
 
 def main() -> None:
     mode, socket, seed, blocks = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    if mode == "device-retrieve":
+        device_retrieve(socket, seed, blocks)
+        return
     store = tutti.Store.attach(socket, model_fingerprint=FINGERPRINT, client_name=f"child-{mode}-{seed}")
     layout = store.allocate_kv(2 * blocks, "paged")
     prompt = tokens(seed, blocks)
@@ -50,6 +57,29 @@ def main() -> None:
             for part_index, part in enumerate(block_parts(layout, target)):
                 wrong += int(np.count_nonzero(part != pattern((seed * 100 + index) * 1000 + part_index, part.size)))
         print("wrong", wrong, flush=True)
+    store.close()
+
+
+def device_retrieve(socket: str, seed: int, blocks: int) -> None:
+    from test_device_memory import BLOCKS, GEOMETRY as DEVICE_GEOMETRY, LAYER_BYTES, LEAD_BYTES, stand_in_layout
+
+    stand_in = tutti.DeviceMemoryStandIn(LEAD_BYTES + DEVICE_GEOMETRY.layers * LAYER_BYTES)
+    layout = stand_in_layout(stand_in)
+    store = tutti.Store.attach(socket, model_fingerprint=FINGERPRINT, client_name="child-device-retrieve")
+    store.register_kv(layout)
+    prompt = tokens(seed, blocks)
+    found = store.lookup(prompt)
+    print("found", found, flush=True)
+    targets = list(range(BLOCKS - found, BLOCKS))
+    with store.prepare_retrieve(prompt, targets) as request:
+        for layer in range(GEOMETRY.layers):
+            request.retrieve_layer(layer)
+            request.wait(WAIT_S)
+    wrong = 0
+    for index, target in enumerate(targets):
+        for part_index, part in enumerate(block_parts(layout, target)):
+            wrong += int(np.count_nonzero(part != pattern((50 + index) * 1000 + part_index, part.size)))
+    print("wrong", wrong, flush=True)
     store.close()
 
 

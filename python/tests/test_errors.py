@@ -4,6 +4,8 @@ fix, and none crashes the interpreter."""
 
 from __future__ import annotations
 
+import ctypes
+
 import os
 
 import numpy as np
@@ -102,24 +104,67 @@ def test_bad_tensors_say_what_to_fix():
         store_prompt(store, tokens(2, 1), [0])
 
 
-class GpuTensor:
-    """A stand-in for a CUDA tensor: DLPack says device type 2 (CUDA)."""
+class OtherDeviceTensor:
+    """A tensor on a device tutti never registers: DLPack says device type 4 (OpenCL)."""
 
     def __dlpack_device__(self):
-        return (2, 0)
+        return (4, 0)
 
     def __dlpack__(self, **kwargs):
-        raise AssertionError("a GPU tensor must be refused before it is exported")
+        raise AssertionError("a tensor of another device must be refused before it is exported")
+
+
+class _DlTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device_type", ctypes.c_int32),
+        ("device_id", ctypes.c_int32),
+        ("ndim", ctypes.c_int32),
+        ("code", ctypes.c_uint8),
+        ("bits", ctypes.c_uint8),
+        ("lanes", ctypes.c_uint16),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+class _DlManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DlTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
+
+
+class CudaTensor:
+    """A DLPack producer that says CUDA (device type 2) and hands out a real "dltensor" capsule
+    (uint8, 1-D, at a made-up device address; no deleter): what torch gives for a CUDA tensor,
+    without a GPU. The struct and shape live as long as this object."""
+
+    def __init__(self, device_id: int, nbytes: int):
+        self.shape = (ctypes.c_int64 * 1)(nbytes)
+        tensor = _DlTensor(0x7F00_0000_0000, 2, device_id, 1, 1, 8, 1, self.shape, None, 0)
+        self.managed = _DlManagedTensor(tensor, None, None)
+        self.device_id = device_id
+
+    def __dlpack_device__(self):
+        return (2, self.device_id)
+
+    def __dlpack__(self, **kwargs):
+        new = ctypes.pythonapi.PyCapsule_New
+        new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+        return new(ctypes.addressof(self.managed), b"dltensor", None)
 
 
 def test_memory_the_store_cannot_reach_is_unsupported(formatted_daemon):
-    # Goal: GPU memory (by DLPack device or RawMemory device) and, for an attached store, the
-    # process's own memory are refused as UnsupportedMemory naming the fix.
+    # Goal: GPU memory (a DLPack CUDA tensor, a RawMemory on cuda:N) with an in-process store, a
+    # tensor of another device anywhere, and, for an attached store, CPU memory the process
+    # allocated itself are refused as UnsupportedMemory naming the fix.
     with open_store() as store:
-        with raises(tutti.UnsupportedMemory, match="cuda:0"):
-            store.register_kv(tutti.KvLayout.block_major(GpuTensor()))
+        cuda = CudaTensor(3, 4 * GEOMETRY.block_bytes)
+        with raises(tutti.UnsupportedMemory, match="on cuda:3: an in-process store reaches only CPU memory; attach to tuttid"):
+            store.register_kv(tutti.KvLayout.block_major(cuda))
+        with raises(tutti.UnsupportedMemory, match="opencl:0 .*tutti registers CPU memory, and CUDA memory"):
+            store.register_kv(tutti.KvLayout.block_major(OtherDeviceTensor()))
         owner = bytearray(4 * GEOMETRY.block_bytes)
-        with raises(tutti.UnsupportedMemory, match="only CPU memory"):
+        with raises(tutti.UnsupportedMemory, match="on cuda:1: an in-process store"):
             store.register_kv(tutti.KvLayout.block_major(tutti.RawMemory(0x10000, len(owner), owner=owner, device="cuda:1")))
     store = tutti.Store.attach(formatted_daemon.socket, model_fingerprint=FINGERPRINT)
     with raises(tutti.UnsupportedMemory, match="allocate_kv"):

@@ -16,6 +16,7 @@ from typing import Union
 from tutti._tutti import (
     DaemonError,
     DeviceError,
+    DeviceMemoryStandIn,
     Disconnected,
     Error,
     IntegrityError,
@@ -42,6 +43,7 @@ from tutti._tutti import (
 __all__ = [
     "DaemonError",
     "DeviceError",
+    "DeviceMemoryStandIn",
     "Disconnected",
     "Error",
     "IntegrityError",

@@ -166,8 +166,9 @@ class RawMemory:
     `owner` (not to the memory) until it is closed. A wrong promise is undefined behaviour (the
     device writes there); prefer DLPack where the producer offers it.
 
-    `device`: "cpu" (the only one a store reaches today) or e.g. "cuda:0" (raises
-    UnsupportedMemory when registered). `itemsize`: bytes per element (checked against the
+    `device`: "cpu", or "cuda" / "cuda:N" (GPU memory: `address` is a device pointer, e.g. a
+    CUDA tensor's `data_ptr()`, registered through tuttid as for a DLPack CUDA tensor; see
+    Store.register_kv), or another name (raises UnsupportedMemory when registered). `itemsize`: bytes per element (checked against the
     geometry's dtype_bytes; 1 = raw bytes). `shape` / `strides_bytes`: optional, as DLPack gives
     them (strides in bytes); without them the memory is one dense 1-D run of bytes.
     Raises InvalidArgument if nbytes is 0, address is 0, or address + nbytes overflows."""
@@ -189,6 +190,31 @@ class RawMemory:
     def nbytes(self) -> int: ...
     @property
     def device(self) -> str: ...
+
+class DeviceMemoryStandIn:
+    """The CPU stand-in for GPU memory: `nbytes` of a sealed memfd mapped in this process,
+    handed out in place as CPU memory (`__dlpack__`, `numpy()`). Tensors over it registered
+    with a store attached to tuttid go the GPU route (one allocation, exported as device
+    memory; tuttid started with --device-memory memfd maps the memfd and reaches it only by
+    copies, as it reaches GPU memory), so that route runs on machines without a GPU (tests).
+    With an in-process store it is plain CPU memory. Raises InvalidArgument (nbytes 0 or over
+    1 TiB), DeviceError (the memfd could not be made)."""
+
+    def __init__(self, nbytes: int) -> None: ...
+    @property
+    def address(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+    def __dlpack__(
+        self,
+        *,
+        stream: Optional[object] = None,
+        max_version: Optional[tuple] = None,
+        dl_device: Optional[tuple] = None,
+        copy: Optional[bool] = None,
+    ) -> object: ...
+    def __dlpack_device__(self) -> tuple: ...
+    def numpy(self) -> Any: ...
 
 class KvBuffer:
     """A piece of KV memory that tutti allocated (`Store.allocate_kv`): page aligned, zeroed at
@@ -422,10 +448,24 @@ class Store:
         writability, element size, the bytes per block against the geometry, the block
         dimension's density, the same N and stride across tensors, no two tensors overlapping,
         the alignment the devices need (4 bytes with SGL, 4 KiB with PRP).
-        Attached to tuttid: accepted only when `layout`'s tensors are exactly this store's
-        allocation from allocate_kv (same addresses, kind and N: a no-op that lets an engine hand
-        its tensors back as it would to any store); any other memory raises UnsupportedMemory,
-        naming allocate_kv. Once per store (InvalidState otherwise, except that repeat)."""
+        Attached to tuttid, CPU memory: accepted when `layout`'s tensors are exactly this
+        store's allocation from allocate_kv (same addresses, kind and N: a no-op that lets an
+        engine hand its tensors back as it would to any store), or lie in one
+        DeviceMemoryStandIn (below); other CPU memory raises UnsupportedMemory, naming
+        allocate_kv.
+        Attached to tuttid, GPU memory (CUDA tensors through DLPack, or RawMemory on "cuda:N"):
+        the same checks, then the range from the lowest tensor's first byte to the highest
+        one's end must lie in one CUDA allocation (one cudaMalloc: vLLM 0.32's KV cache is one;
+        UnsupportedMemory naming the fix otherwise); it is exported through CUDA IPC and
+        registered with tuttid as device memory, which tuttid's software controllers reach by
+        CUDA copies (tuttid must run with --device-memory cuda on emu: devices; its refusal is
+        raised as UnsupportedMemory with its reason, and ends the session: the store is closed).
+        The tensors are kept until the store is closed and tuttid ended the session. Before
+        store_layer, the layer's GPU writes must be complete (synchronize the stream that made
+        them): tuttid copies from the memory as it is. Without a CUDA driver (libcuda): an
+        UnsupportedMemory saying so. An in-process store refuses GPU memory (UnsupportedMemory:
+        attach to tuttid).
+        Once per store (InvalidState otherwise, except that repeat)."""
     def lookup(self, tokens: Sequence[int]) -> int:
         """The longest cached prefix of `tokens`, in blocks (x block_tokens for tokens), in this
         store's key space. Only full blocks count. Raises NotRegistered (in-process store before

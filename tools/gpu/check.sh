@@ -5,7 +5,9 @@
 #   2. the timeline logic's unit tests (tools/gpu/test_timeline.py, standard library only);
 #   3. with GPU_CHECK_PYTHON=PATH (a python with PyTorch, e.g. target/gpu-venv/bin/python; never
 #      installed by this script): the slack step of run-all.sh rehearsed on the CPU,
-#      slack-profile.py --device cpu --tiny → CSV → `tutti-profile import` → `check`.
+#      slack-profile.py --device cpu --tiny → CSV → `tutti-profile import` → `check`;
+#   4. the python step of run-all.sh rehearsed without a GPU (the wheel, tuttid --device-memory
+#      memfd, tools/gpu/python-cuda-check.py --device stand-in).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
@@ -36,4 +38,14 @@ if [[ -n "${GPU_CHECK_PYTHON:-}" ]]; then
     tools/gpu/run-all.sh slack
   echo "gpu-check: slack step rehearsed on the CPU: $OUT/rehearsal"
 fi
+# The python step rehearsed without a GPU: the wheel and a tuttid built here, the stand-in for GPU
+# memory (tuttid --device-memory memfd), the python stage's venv (numpy) as the interpreter.
+venv=$(tools/python/wheel.sh | tail -n 1)
+cargo build --locked -p tuttid --bin tuttid
+rm -rf "$OUT/python-rehearsal"
+OUT="$OUT/python-rehearsal" RUN_ALL_PYTHON_DEVICE=stand-in RUN_ALL_PYTHON="$venv/bin/python" \
+  RUN_ALL_TUTTID="$ROOT/target/debug/tuttid" RUN_ALL_WHEEL="$(ls "$ROOT"/target/wheels/tutti-*-abi3-*.whl)" \
+  tools/gpu/run-all.sh python
+grep -q '^python: PASS' "$OUT/python-rehearsal/summary.txt"
+echo "gpu-check: python step rehearsed with the stand-in: $OUT/python-rehearsal"
 echo "gpu-check: OK"

@@ -13,9 +13,13 @@
 #     ipc        issue 14 item 3: tuttid-gpu-check — tuttid on emu:mem with --device-memory cuda, a
 #                client process stores from its cuMemAlloc'd KV memory registered through CUDA IPC,
 #                another retrieves into its own and compares every byte (docs/tuttid.md, GPU memory)
+#     python     issue 12: the tutti wheel (carried) installed beside the machine's PyTorch, tuttid
+#                (carried) on emu:mem with --device-memory cuda; tools/gpu/python-cuda-check.py
+#                stores from one process's torch CUDA KV tensors and retrieves into another's,
+#                comparing every byte, and prints GiB/s (docs/python.md, GPU memory)
 #
-# The device's 10-minute limit per call does not hold all five: call `tests green bandwidth ipc`
-# (about 2 to 5 minutes; ipc well under one), then `slack` (its budget, RUN_ALL_SLACK_BUDGET_S, default 420 s,
+# The device's 10-minute limit per call does not hold all six: call `tests green bandwidth ipc python`
+# (about 2 to 5 minutes; ipc and python well under one each), then `slack` (its budget, RUN_ALL_SLACK_BUDGET_S, default 420 s,
 # includes model set-up; the profile stops early rather than overrun, keeping complete input
 # lengths). docs/gio-uring.md ("Running on a GPU") gives the exact calls and the carry list.
 #
@@ -73,6 +77,11 @@ if [[ "${1:-}" == "--prepare" ]]; then
     cp "target/release/$binary" "$CARRY/$binary"
     strip "$CARRY/$binary"
   done
+  # Issue 12: the tutti wheel (abi3, the `cuda` feature: libcuda is loaded at run time) for the
+  # python step, which installs it beside the GPU machine's PyTorch.
+  tools/python/wheel.sh >/dev/null
+  rm -f "$CARRY"/tutti-*.whl
+  cp target/wheels/tutti-*-abi3-*.whl "$CARRY/"
   python3 -m unittest discover -s tools/gpu -p 'test_*.py'
   du -sh "$CARRY"
   echo "run-all: carry target/gpu-carry; run tools/gpu/run-all.sh there (see docs/gio-uring.md, Running on a GPU)"
@@ -93,9 +102,9 @@ section() { echo "===== $1 ($(date -u +%H:%M:%S))" >>"$LOG"; }
 budget() { local name="RUN_ALL_${1}_BUDGET_S"; echo "${!name:-$2}"; }
 
 STEPS=("$@")
-[[ ${#STEPS[@]} -eq 0 ]] && STEPS=(tests green bandwidth ipc slack)
+[[ ${#STEPS[@]} -eq 0 ]] && STEPS=(tests green bandwidth ipc python slack)
 for step in "${STEPS[@]}"; do
-  case "$step" in tests | green | bandwidth | ipc | slack) ;; *) echo "run-all: unknown step '$step' (tests green bandwidth ipc slack)" >&2; exit 2 ;; esac
+  case "$step" in tests | green | bandwidth | ipc | python | slack) ;; *) echo "run-all: unknown step '$step' (tests green bandwidth ipc python slack)" >&2; exit 2 ;; esac
 done
 
 {
@@ -197,6 +206,55 @@ step_ipc() {
   line=$(grep -E '^(PASS|FAIL) ' "$WORK/ipc.log" | tail -n 1)
   echo "ipc: ${line:-no PASS/FAIL line (exit $rc; see run.log)}" >>"$SUMMARY"
   grep -E '^(gpu |Store: |Retrieve: |store: |retrieve: )' "$WORK/ipc.log" | sed 's/^/ipc: /' >>"$SUMMARY"
+  [[ $rc -eq 0 ]]
+}
+
+# RUN_ALL_PYTHON_DEVICE=stand-in (with RUN_ALL_TUTTID, RUN_ALL_WHEEL, RUN_ALL_PYTHON) rehearses this
+# step without a GPU: tutti.DeviceMemoryStandIn and tuttid --device-memory memfd (tools/gpu/check.sh).
+step_python() {
+  local device=${RUN_ALL_PYTHON_DEVICE:-cuda} python=${RUN_ALL_PYTHON:-python3}
+  local tuttid=${RUN_ALL_TUTTID:-$CARRY/tuttid} wheel=${RUN_ALL_WHEEL:-}
+  [[ -n "$wheel" ]] || wheel=$(ls "$CARRY"/tutti-*-abi3-*.whl 2>/dev/null | head -n 1)
+  if [[ ! -x "$tuttid" || ! -f "$wheel" ]]; then
+    record "NOT RUN python: no tuttid ($tuttid) or no tutti wheel in target/gpu-carry (tools/gpu/run-all.sh --prepare)"
+    return 1
+  fi
+  local import=numpy memory=memfd
+  [[ "$device" == cuda ]] && import=torch memory=cuda
+  if ! "$python" -c "import $import" >>"$LOG" 2>&1; then
+    record "NOT RUN python: $python cannot import $import"
+    return 1
+  fi
+  # The wheel goes into a directory of its own on PYTHONPATH: the machine's torch stays the one
+  # its python3 has (no network here; the wheel has no dependencies).
+  local site="$WORK/python-site" dir="$WORK/python-tuttid" rc pid
+  if ! timeout 120 "$python" -m pip install --quiet --disable-pip-version-check --no-index --no-deps --target "$site" "$wheel" >>"$LOG" 2>&1; then
+    record "NOT RUN python: installing $wheel failed (see run.log)"
+    return 1
+  fi
+  mkdir -p "$dir"
+  section "tuttid --device-memory $memory"
+  "$tuttid" --device emu:mem:1g --socket "$dir/tuttid.sock" --lock-dir "$dir/locks" --metrics off --format \
+    --layers 8 --kv-heads 8 --head-dim 128 --device-memory "$memory" >>"$LOG" 2>&1 &
+  pid=$!
+  for _ in $(seq 300); do [[ -S "$dir/tuttid.sock" ]] && break; kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+  if [[ ! -S "$dir/tuttid.sock" ]]; then
+    kill "$pid" 2>/dev/null
+    wait "$pid" 2>/dev/null
+    record "FAIL python: tuttid did not listen (see run.log)"
+    return 1
+  fi
+  (cd "$WORK" && PYTHONPATH="$site" timeout "$(budget PYTHON 240)" "$python" "$ROOT/tools/gpu/python-cuda-check.py" \
+    --socket "$dir/tuttid.sock" --device "$device") >"$WORK/python.log" 2>&1
+  rc=$?
+  kill -TERM "$pid" 2>/dev/null
+  timeout 30 tail --pid="$pid" -f /dev/null 2>/dev/null || kill -KILL "$pid" 2>/dev/null
+  wait "$pid" 2>/dev/null
+  cat "$WORK/python.log" >>"$LOG"
+  local line
+  line=$(grep -E '^(PASS|FAIL) ' "$WORK/python.log" | tail -n 1)
+  echo "python: ${line:-no PASS/FAIL line (exit $rc; see run.log)}" >>"$SUMMARY"
+  grep -E '^(store|retrieve): [0-9]' "$WORK/python.log" | sed 's/^/python: /' >>"$SUMMARY"
   [[ $rc -eq 0 ]]
 }
 

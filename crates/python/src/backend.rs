@@ -18,10 +18,11 @@ use tutti_daemon::lock::DeviceLocks;
 use tutti_daemon::protocol::HelloReply;
 use tutti_daemon::Client;
 
+use crate::device_memory::{self, DeviceHold};
 use crate::errors::{ErrorClass, Failure};
 use crate::ffi::{CallerMemory, QueuesGone};
 use crate::memory::Keep;
-use crate::tensor::{CheckedLayout, LayoutKind};
+use crate::tensor::{CheckedLayout, Device, LayoutKind};
 
 /// The longest a `wait` holds the store's lock in one go: other threads' calls (and the
 /// completion thread) get the lock between slices.
@@ -62,6 +63,9 @@ pub struct Allocation {
     pub regions: Vec<DmaRegion>,
     pub checked: CheckedLayout,
 }
+
+/// How long `close` waits at least for tuttid to end a session that registered device memory.
+const DEVICE_RELEASE_WAIT: Duration = Duration::from_secs(5);
 
 /// A live request's state, beyond the store's own.
 pub struct RequestState {
@@ -120,6 +124,11 @@ pub struct StoreState {
     pub requests: HashMap<u64, RequestState>,
     /// Caller memory mapped for the devices (in-process register_kv).
     pub caller_memory: Vec<CallerMemory<Keep>>,
+    /// Device memory registered with tuttid (CUDA tensors, a stand-in): the tensors and what
+    /// holds the exported allocation, kept until no command can move their bytes.
+    pub device_memory: Option<DeviceHold>,
+    /// tuttid's socket (attached stores): where `close` asks whether the session ended.
+    pub daemon_socket: Option<std::path::PathBuf>,
     pub allocation: Option<Allocation>,
     /// The registered layout as checked (set by register_kv or allocate_kv).
     pub registered: Option<CheckedLayout>,
@@ -150,6 +159,8 @@ impl StoreState {
             backend,
             requests: HashMap::new(),
             caller_memory: Vec::new(),
+            device_memory: None,
+            daemon_socket: None,
             allocation: None,
             registered: None,
             leaked_tensors: 0,
@@ -447,8 +458,9 @@ impl StoreState {
         }
     }
 
-    /// `register_kv` with caller memory (in-process): maps each tensor, registers the layout.
-    pub fn register_caller_memory(&mut self, checked: CheckedLayout, keeps: Vec<Keep>) -> Result<(), Failure> {
+    /// `register_kv`: caller memory mapped for the pool's devices (in-process), or device
+    /// memory registered with tuttid (CUDA tensors, a stand-in; `device_memory`).
+    pub fn register(&mut self, checked: CheckedLayout, keeps: Vec<Keep>, timeout: Duration) -> Result<(), Failure> {
         if let Some(registered) = &self.registered {
             return if *registered == checked {
                 Ok(()) // the same memory again (an engine handing back an allocation)
@@ -456,16 +468,77 @@ impl StoreState {
                 Err(Failure::new(ErrorClass::InvalidState, "KV memory is registered already (once per store), and it is other memory"))
             };
         }
+        match &self.backend {
+            Backend::LocalOpen { .. } if checked.device != Device::Cpu => Err(Failure::new(
+                ErrorClass::UnsupportedMemory,
+                format!(
+                    "the tensors are on {}: an in-process store reaches only CPU memory; attach to tuttid started with \
+                     --device-memory cuda (Store.attach) to register GPU memory",
+                    checked.device
+                ),
+            )),
+            Backend::LocalOpen { .. } => self.register_caller_memory(checked, keeps),
+            Backend::RemoteAttached { .. } => match device_memory::export(&checked)? {
+                Some(range) => self.register_device_memory(checked, keeps, range, timeout),
+                None => Err(Failure::new(
+                    ErrorClass::UnsupportedMemory,
+                    "tuttid cannot map CPU memory this process allocated: allocate the KV cache with store.allocate_kv(num_blocks, kind) \
+                     and build the engine's tensors over its buffers, or register CUDA tensors (tuttid started with --device-memory cuda)",
+                )),
+            },
+            Backend::Closed => Err(closed()),
+            Backend::Local { .. } | Backend::Remote { .. } => unreachable!("a registered store has `registered` set"),
+        }
+    }
+
+    /// Device memory (`device_memory::export` made `range` of `checked`'s span) registered with
+    /// tuttid, the layout as offsets in it; the session's data path set up over it. A refusal
+    /// (tuttid started without --device-memory, a pool with a vfio: device) is raised as
+    /// UnsupportedMemory with tuttid's reason; it ends the session (the store is closed then).
+    fn register_device_memory(
+        &mut self,
+        checked: CheckedLayout,
+        keeps: Vec<Keep>,
+        range: device_memory::DeviceRange,
+        timeout: Duration,
+    ) -> Result<(), Failure> {
+        let Backend::RemoteAttached { client, hello, mut config } = std::mem::replace(&mut self.backend, Backend::Closed) else {
+            unreachable!("register matched RemoteAttached")
+        };
+        config.kv_blocks = checked.num_blocks;
+        config.timeout = timeout;
+        let session = hello.session;
+        let layout = store_layout(&checked, &device_memory::offsets(&checked, range.start));
+        let connected = RemoteKvStore::with_client_and_device_memory(client, hello, &config, &range.memory, layout);
+        self.touch_daemon();
+        match connected {
+            Ok(store) => {
+                self.backend = Backend::Remote { store: Box::new(store) };
+                // No command was issued before the store existed: on failure the keeps go now.
+                let socket = self.daemon_socket.clone().unwrap_or_default();
+                self.device_memory = Some(DeviceHold { keeps, holder: range.holder, socket, session });
+                self.registered = Some(checked);
+                Ok(())
+            }
+            Err(error) => {
+                let failure = Failure::from(&error);
+                if failure.code.as_deref() == Some("Unsupported") {
+                    return Err(Failure {
+                        class: ErrorClass::UnsupportedMemory,
+                        message: format!("tuttid refused the KV memory as device memory: {}", failure.message),
+                        ..failure
+                    });
+                }
+                Err(failure)
+            }
+        }
+    }
+
+    /// `register_kv` with caller memory (in-process): maps each tensor, registers the layout.
+    fn register_caller_memory(&mut self, checked: CheckedLayout, keeps: Vec<Keep>) -> Result<(), Failure> {
         let dma = match &self.backend {
             Backend::LocalOpen { pool, .. } => Self::local_dma(pool).0,
-            Backend::RemoteAttached { .. } | Backend::Remote { .. } => {
-                return Err(Failure::new(
-                    ErrorClass::UnsupportedMemory,
-                    "tuttid cannot map memory this process allocated: allocate the KV cache with store.allocate_kv(num_blocks, kind) and build the engine's tensors over its buffers",
-                ))
-            }
-            Backend::Closed => return Err(closed()),
-            Backend::Local { .. } => unreachable!("a registered store has `registered` set"),
+            _ => unreachable!("register matched LocalOpen"),
         };
         let mut mapped = Vec::with_capacity(keeps.len());
         for (tensor, keep) in checked.tensors.iter().zip(keeps) {
@@ -558,10 +631,17 @@ impl StoreState {
     /// not be. Returns how many tensors were kept for good.
     pub fn close(&mut self, deadline: Instant) -> usize {
         let handles: Vec<u64> = self.requests.keys().copied().collect();
+        // Whether every layer in flight completed: device memory's bytes are moved by tuttid's
+        // copies, which only a command in flight makes.
+        let mut settled = true;
         for handle in handles {
             loop {
                 match self.drive(handle, Instant::now() + WAIT_SLICE) {
                     Err(failure) if failure.class == ErrorClass::Timeout && Instant::now() < deadline => continue,
+                    Err(failure) if failure.class == ErrorClass::Timeout => {
+                        settled = false;
+                        break;
+                    }
                     _ => break,
                 }
             }
@@ -608,6 +688,10 @@ impl StoreState {
             }
         }
         self.allocation = None;
+        if let Some(hold) = self.device_memory.take() {
+            // The connection is closed (the store dropped above): tuttid ends the session.
+            leaked += hold.release(settled, deadline.max(Instant::now() + DEVICE_RELEASE_WAIT));
+        }
         self.leaked_tensors += leaked;
         leaked
     }
@@ -650,6 +734,7 @@ fn allocation_layout(kind: LayoutKind, geometry: &objstore::ModelGeometry, num_b
         kind,
         num_blocks,
         block_stride_bytes: unit,
+        device: crate::tensor::Device::Cpu,
         tensors: regions
             .iter()
             .map(|region| crate::tensor::PlacedTensor { address: region.host_address() as u64, extent_bytes: extent })

@@ -82,9 +82,11 @@ struct DlManagedTensorVersioned {
 }
 
 /// DLPack device types (dlpack.h `DLDeviceType`): the CPU and CUDA host-pinned memory are
-/// host memory this process can address.
+/// host memory this process can address; CUDA device memory is not.
 pub const DLPACK_CPU: i32 = 1;
 pub const DLPACK_CUDA_HOST: i32 = 3;
+/// GPU memory (kDLCUDA): never read or written here, only exported to tuttid (CUDA IPC).
+pub const DLPACK_CUDA: i32 = 2;
 /// DLPack type codes: unsigned and signed integers (8-bit ones are raw bytes).
 const DLPACK_INT: u8 = 0;
 const DLPACK_UINT: u8 = 1;

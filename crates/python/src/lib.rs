@@ -5,6 +5,8 @@
 //!   completion thread; [`backend`] — what it holds under its lock;
 //! - [`request`] — `Request` and `LayerIo`, waits with the GIL released, eventfds;
 //! - [`memory`] — `RawMemory`, `KvBuffer`, `KvLayout`, tensors from DLPack / the buffer protocol;
+//! - [`device_memory`] — CUDA tensors and their CPU stand-in registered with tuttid as device
+//!   memory;
 //! - [`tensor`] — the checks a registered tensor must pass (no Python);
 //! - [`errors`] — the exception classes and the mapping from the Rust errors;
 //! - [`lookup`] — `LookupClient`;
@@ -12,6 +14,7 @@
 #![deny(unsafe_code)]
 
 pub mod backend;
+pub mod device_memory;
 pub mod errors;
 #[allow(unsafe_code)]
 pub mod ffi;
@@ -32,6 +35,7 @@ fn _tutti(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<memory::RawMemory>()?;
     module.add_class::<memory::KvBuffer>()?;
     module.add_class::<memory::KvLayout>()?;
+    module.add_class::<device_memory::DeviceMemoryStandIn>()?;
     module.add_class::<store::Store>()?;
     module.add_class::<request::Request>()?;
     module.add_class::<request::LayerIo>()?;

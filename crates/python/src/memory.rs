@@ -8,7 +8,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyList;
 
 use crate::errors::{ErrorClass, Failure};
-use crate::ffi::{self, ImportedDlpack, DLPACK_CPU, DLPACK_CUDA_HOST};
+use crate::ffi::{self, ImportedDlpack, DLPACK_CPU, DLPACK_CUDA, DLPACK_CUDA_HOST};
 use crate::tensor::{CheckedLayout, Device, LayoutKind, TensorDescription};
 
 /// What keeps a registered tensor's memory alive while the store may use it.
@@ -274,6 +274,18 @@ impl KvLayout {
     }
 }
 
+/// A RawMemory's device: "cpu", "cuda" / "cuda:N" (torch's `str(tensor.device)`), or another.
+fn raw_device(name: &str) -> Device {
+    match name {
+        "cpu" => Device::Cpu,
+        "cuda" => Device::Cuda(0),
+        _ => match name.strip_prefix("cuda:").and_then(|ordinal| ordinal.parse::<i32>().ok()) {
+            Some(ordinal) if ordinal >= 0 => Device::Cuda(ordinal),
+            _ => Device::Other(name.to_string()),
+        },
+    }
+}
+
 fn device_name(device_type: i32, device_id: i32) -> String {
     let name = match device_type {
         2 => "cuda",
@@ -307,7 +319,7 @@ pub fn describe(object: &Bound<'_, PyAny>, name: &str) -> PyResult<(TensorDescri
     }
     if let Ok(raw) = object.cast::<RawMemory>() {
         let raw = raw.get();
-        let device = if raw.device == "cpu" { Device::Cpu } else { Device::Other(raw.device.clone()) };
+        let device = raw_device(&raw.device);
         let description = TensorDescription {
             name: name.into(),
             address: raw.address,
@@ -322,7 +334,7 @@ pub fn describe(object: &Bound<'_, PyAny>, name: &str) -> PyResult<(TensorDescri
     }
     if object.hasattr("__dlpack__")? && object.hasattr("__dlpack_device__")? {
         let (device_type, device_id): (i32, i32) = object.call_method0("__dlpack_device__")?.extract()?;
-        if device_type != DLPACK_CPU && device_type != DLPACK_CUDA_HOST {
+        if device_type != DLPACK_CPU && device_type != DLPACK_CUDA_HOST && device_type != DLPACK_CUDA {
             let description = TensorDescription {
                 name: name.into(),
                 address: 0,
@@ -348,10 +360,11 @@ pub fn describe(object: &Bound<'_, PyAny>, name: &str) -> PyResult<(TensorDescri
             tensor.shape.iter().map(|&size| u64::try_from(size).map_err(|_| negative("dimension"))).collect::<PyResult<Vec<u64>>>()?;
         let strides_bytes =
             tensor.strides.as_ref().map(|strides| strides.iter().map(|&stride| stride.saturating_mul(itemsize as i64)).collect());
+        let device = if tensor.device_type == DLPACK_CUDA { Device::Cuda(tensor.device_id) } else { Device::Cpu };
         let description = TensorDescription {
             name: name.into(),
             address: tensor.address,
-            device: Device::Cpu,
+            device,
             itemsize: tensor.itemsize,
             raw_bytes: tensor.raw_bytes,
             shape: if shape.is_empty() { vec![1] } else { shape },

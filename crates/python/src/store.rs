@@ -22,7 +22,7 @@ use crate::errors::{ErrorClass, Failure};
 use crate::geometry::ModelGeometry;
 use crate::memory::{describe, tensor_names, KvBuffer, KvLayout};
 use crate::request::Request;
-use crate::tensor::{check_layout, LayoutKind};
+use crate::tensor::{check_layout, LayoutKind, UNSUPPORTED_DEVICE};
 
 /// The devices an in-process store opens.
 const DEVICE_KINDS: [DeviceKind; 4] = [DeviceKind::EmuFile, DeviceKind::EmuMemory, DeviceKind::EmuNull, DeviceKind::Vfio];
@@ -331,8 +331,10 @@ impl Store {
             timeout,
         };
         let backend = Backend::RemoteAttached { client, hello: reply, config };
+        let mut state = StoreState::new(backend, None);
+        state.daemon_socket = Some(socket);
         Store::new(StoreShared {
-            state: Mutex::new(StoreState::new(backend, None)),
+            state: Mutex::new(state),
             wake: Condvar::new(),
             stop: AtomicBool::new(false),
             service: Mutex::new(None),
@@ -416,12 +418,13 @@ impl Store {
         let geometry = self.shared.geometry;
         let checked = check_layout(spec.kind, &descriptions, &geometry)
             .map_err(|message| {
-                let class = if message.contains("only CPU memory") { ErrorClass::UnsupportedMemory } else { ErrorClass::InvalidArgument };
+                let class = if message.contains(UNSUPPORTED_DEVICE) { ErrorClass::UnsupportedMemory } else { ErrorClass::InvalidArgument };
                 Failure::new(class, message)
             })
             .map_err(|failure| failure.to_pyerr(py))?;
         let registered = checked.clone();
-        self.shared.with_state(py, move |state| state.register_caller_memory(registered, keeps))?;
+        let timeout = self.shared.timeout;
+        self.shared.with_state(py, move |state| state.register(registered, keeps, timeout))?;
         spec.set_checked(checked);
         let mut current = self.shared.kv_layout.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         if current.is_none() {

@@ -57,9 +57,26 @@ impl LayoutKind {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Device {
     Cpu,
-    /// Any other device, as DLPack or the caller named it (e.g. "cuda:0", "DLPack device 2:0").
+    /// GPU memory of CUDA device `ordinal` (DLPack's kDLCUDA, or a RawMemory on "cuda:N"):
+    /// reachable only through tuttid (`backend::device_memory`).
+    Cuda(i32),
+    /// Any other device, as DLPack or the caller named it (e.g. "opencl:0 (DLPack device type 4)").
     Other(String),
 }
+
+impl std::fmt::Display for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Device::Cpu => write!(f, "cpu"),
+            Device::Cuda(ordinal) => write!(f, "cuda:{ordinal}"),
+            Device::Other(name) => write!(f, "{name}"),
+        }
+    }
+}
+
+/// The words of the refusal of a device tutti cannot register at all (register_kv raises it
+/// as UnsupportedMemory).
+pub const UNSUPPORTED_DEVICE: &str = "tutti registers CPU memory, and CUDA memory with a store attached to tuttid";
 
 /// One tensor as its producer described it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -97,6 +114,18 @@ pub struct CheckedLayout {
     pub block_stride_bytes: u64,
     /// In the order the kind lists them (separate: keys then values).
     pub tensors: Vec<PlacedTensor>,
+    /// Where every tensor is (one device per layout).
+    pub device: Device,
+}
+
+impl CheckedLayout {
+    /// The bytes from the lowest tensor's first byte to the highest one's end: the range a
+    /// device-memory registration exports (one allocation must hold it).
+    pub fn span(&self) -> Option<(u64, u64)> {
+        let start = self.tensors.iter().map(|tensor| tensor.address).min()?;
+        let end = self.tensors.iter().map(|tensor| tensor.address + tensor.extent_bytes).max()?;
+        Some((start, end - start))
+    }
 }
 
 /// The C-contiguous strides of `shape` with `itemsize`-byte elements.
@@ -133,7 +162,7 @@ fn dense_bytes(shape: &[u64], strides: &[i64], itemsize: u64) -> Option<u64> {
 fn check_tensor(tensor: &TensorDescription, kind: LayoutKind, geometry: &ModelGeometry) -> Result<(u64, u64, PlacedTensor), String> {
     let name = &tensor.name;
     if let Device::Other(device) = &tensor.device {
-        return Err(format!("{name} is on {device}: only CPU memory can be registered"));
+        return Err(format!("{name} is on {device}: {UNSUPPORTED_DEVICE}"));
     }
     if !tensor.writable {
         return Err(format!("{name} is read-only: retrieves write into it (register a writable tensor)"));
@@ -236,6 +265,12 @@ pub fn check_layout(kind: LayoutKind, tensors: &[TensorDescription], geometry: &
     let mut shared: Option<(u64, u64, &str)> = None;
     for tensor in tensors {
         let (blocks, stride, place) = check_tensor(tensor, kind, geometry)?;
+        if let Some(first) = tensors.first().filter(|first| first.device != tensor.device) {
+            return Err(format!(
+                "{} is on {}, {} on {}: every tensor of a layout must be on one device",
+                tensor.name, tensor.device, first.name, first.device
+            ));
+        }
         match shared {
             None => shared = Some((blocks, stride, &tensor.name)),
             Some((first_blocks, first_stride, first)) => {
@@ -267,7 +302,8 @@ pub fn check_layout(kind: LayoutKind, tensors: &[TensorDescription], geometry: &
         }
     }
     let (num_blocks, block_stride_bytes, _) = shared.ok_or_else(|| "a layout without tensors".to_string())?;
-    Ok(CheckedLayout { kind, num_blocks: num_blocks as u32, block_stride_bytes, tensors: placed })
+    let device = tensors.first().map(|tensor| tensor.device.clone()).unwrap_or(Device::Cpu);
+    Ok(CheckedLayout { kind, num_blocks: num_blocks as u32, block_stride_bytes, tensors: placed, device })
 }
 
 #[cfg(test)]
@@ -335,7 +371,11 @@ mod tests {
             check_layout(LayoutKind::Separate, &tensors, &g).unwrap_err()
         };
         let cases = [
-            (TensorDescription { device: Device::Other("cuda:0".into()), ..good(1) }, "is on cuda:0: only CPU memory"),
+            (TensorDescription { device: Device::Other("opencl:0".into()), ..good(1) }, "is on opencl:0: tutti registers CPU memory"),
+            (
+                TensorDescription { device: Device::Cuda(0), ..good(1) },
+                "t1 is on cuda:0, t0 on cpu: every tensor of a layout must be on one",
+            ),
             (TensorDescription { writable: false, ..good(1) }, "is read-only"),
             (TensorDescription { itemsize: 4, ..good(1) }, "has 4-byte elements, the model's KV dtype has 2"),
             (tensor("t1", 0x20000, &[6, 4, 2, 9], None), "holds 144 bytes per block"),
@@ -363,6 +403,21 @@ mod tests {
         // Raw bytes of any element size are accepted only as uint8-like (raw_bytes).
         let bytes = TensorDescription { itemsize: 1, raw_bytes: false, ..tensor("pool", 0x10000, &[6 * 512], None) };
         assert!(check_layout(LayoutKind::BlockMajor, &[bytes], &g).unwrap_err().contains("1-byte elements"));
+    }
+
+    #[test]
+    fn cuda_tensors_pass_the_same_checks_and_give_their_span() {
+        // Goal: a layout on one CUDA device is checked like a CPU one (shape, stride, overlap)
+        // and says its device; its span runs from the lowest tensor to the end of the highest,
+        // whatever the order the kind lists them in.
+        let g = geometry();
+        let cuda =
+            |i: u64, address: u64| TensorDescription { device: Device::Cuda(1), ..tensor(&format!("p{i}"), address, &[6, 2, 4, 16], None) };
+        let checked = check_layout(LayoutKind::Paged, &[cuda(0, 0x7000_2000), cuda(1, 0x7000_0000)], &g).unwrap();
+        assert_eq!(checked.device, Device::Cuda(1));
+        assert_eq!(checked.span(), Some((0x7000_0000, 0x2000 + 6 * 256)));
+        let overlapping = [cuda(0, 0x7000_0000), cuda(1, 0x7000_0100)];
+        assert!(check_layout(LayoutKind::Paged, &overlapping, &g).unwrap_err().contains("overlap in memory"));
     }
 
     #[test]

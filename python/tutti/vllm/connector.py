@@ -297,6 +297,7 @@ class TuttiConnector(KVConnectorBase_V1):
                 f"{self._block_size}: start vLLM with --block-size {block_tokens}"
             )
         self._layer_index: dict[str, int] = {}
+        self._cuda_device: Optional[torch.device] = None
         self._layer_names: list[str] = []
         self._layers = 0
         self._loads: dict[str, _WorkerLoad] = {}
@@ -315,8 +316,9 @@ class TuttiConnector(KVConnectorBase_V1):
         """KV caches in tuttid's shared memory, in vLLM's own per-layer view (`[blocks, heads,
         slots, content]` built by vLLM's `create_kv_cache_views`, layout LBHNC), for
         `register_kv_caches`. This is what a CPU deployment (and the tests) hand to vLLM as its
-        KV caches: tuttid can map only memory shared with it. vLLM's GPU KV caches need GPU
-        registration through CUDA IPC, not in this package yet (docs/vllm.md)."""
+        KV caches: tuttid can map only memory shared with it. On a GPU vLLM allocates its KV
+        caches itself (one CUDA allocation) and `register_kv_caches` registers them through
+        CUDA IPC (docs/vllm.md)."""
         from vllm.v1.kv_cache_interface import KVCacheTensor, create_kv_cache_views
         from vllm.v1.kv_cache_layout import KVCacheLayout
 
@@ -333,7 +335,9 @@ class TuttiConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Registers vLLM's per-layer KV caches, in model layer order, as tutti's "paged" layout
-        (a layer's block is one dense run holding its K and V)."""
+        (a layer's block is one dense run holding its K and V). CUDA caches (vLLM 0.32 allocates
+        every layer in one allocation) go to tuttid as device memory (CUDA IPC; tuttid started
+        with --device-memory cuda); CPU caches must be this connector's allocate_kv_caches."""
         from vllm.model_executor.models.utils import extract_layer_index
 
         ordered = sorted(kv_caches, key=extract_layer_index)
@@ -343,14 +347,24 @@ class TuttiConnector(KVConnectorBase_V1):
                 f"vLLM registered {len(ordered)} attention layers but tuttid's pool is formatted for "
                 f"{geometry.layers}: format the pool for this model (tuttid --format with its geometry)"
             )
+        first = kv_caches[ordered[0]]
+        # GPU KV: a save's layer must be complete on the GPU before tuttid copies it out.
+        self._cuda_device = first.device if first.device.type == "cuda" else None
         try:
             self._store.register_kv(tutti.KvLayout.paged([kv_caches[name] for name in ordered]))
         except tutti.UnsupportedMemory as error:
-            raise tutti.UnsupportedMemory(
-                f"{error}. vLLM's own KV caches (GPU memory, or CPU memory vLLM allocated) cannot be "
-                "mapped by tuttid: GPU registration (CUDA IPC) is not in tutti yet; on a CPU setup "
-                "allocate them with TuttiConnector.allocate_kv_caches"
-            ) from error
+            if self._cuda_device is not None:
+                hint = (
+                    "vLLM's GPU KV caches go to tuttid through CUDA IPC: start tuttid with --device-memory cuda "
+                    "on emu: devices, and keep vLLM's KV cache in one cudaMalloc allocation (not PyTorch's "
+                    "expandable segments)"
+                )
+            else:
+                hint = (
+                    "CPU KV caches vLLM allocated itself cannot be mapped by tuttid: allocate them with "
+                    "TuttiConnector.allocate_kv_caches"
+                )
+            raise tutti.UnsupportedMemory(f"{error}. {hint}") from error
         self._layer_index = {name: index for index, name in enumerate(ordered)}
         self._layer_names = ordered
         self._layers = len(ordered)
@@ -426,6 +440,8 @@ class TuttiConnector(KVConnectorBase_V1):
         layer = self._layer_index.get(layer_name)
         if layer is None:
             return
+        if self._saves:
+            self._gpu_writes_done()
         for req_id, state in list(self._saves.items()):
             try:
                 while state.issued <= layer:
@@ -439,6 +455,8 @@ class TuttiConnector(KVConnectorBase_V1):
         # Loads are synchronous: one whose later layers vLLM did not wait for ends in this step.
         if self._layers:
             self.wait_for_layer_load(self._layer_names[-1])
+        if self._saves:
+            self._gpu_writes_done()
         for req_id, state in list(self._saves.items()):
             try:
                 while state.issued < self._layers:
@@ -489,6 +507,13 @@ class TuttiConnector(KVConnectorBase_V1):
         return True
 
     # ----------------------------------------------------------------------------------------------
+
+    def _gpu_writes_done(self) -> None:
+        """With GPU KV: waits until the work queued on the current CUDA stream (the layers'
+        attention, which wrote the KV a save moves) has completed, since tuttid copies the
+        bytes as they are in GPU memory. A no-op for CPU KV."""
+        if self._cuda_device is not None:
+            torch.cuda.current_stream(self._cuda_device).synchronize()
 
     def _issue_load(self, req_id: str, state: _WorkerLoad) -> None:
         if state.issued < self._layers:

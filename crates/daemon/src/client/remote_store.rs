@@ -144,6 +144,31 @@ pub struct RemoteKvStore {
     reported: [Transferred; 2],
 }
 
+/// `layout` with its offsets (from the device memory's start) moved to `base`, the IOVA the
+/// daemon gave the range; a block-major stride of 0 becomes the pool's `block_bytes`.
+fn offset_layout(layout: KvLayout, base: Iova, block_bytes: u64) -> Result<KvLayout, ObjstoreError> {
+    let at = |offset: Iova| {
+        base.checked_add(offset.0)
+            .ok_or_else(|| ObjstoreError::AddressOverflow { what: format!("device memory offset {:#x} from {base}", offset.0) })
+    };
+    let each = |offsets: Vec<Iova>| offsets.into_iter().map(at).collect::<Result<Vec<_>, _>>();
+    Ok(match layout {
+        KvLayout::BlockMajor { base: offset, block_stride_bytes } => KvLayout::BlockMajor {
+            base: at(offset)?,
+            block_stride_bytes: if block_stride_bytes == 0 { block_bytes } else { block_stride_bytes },
+        },
+        KvLayout::SeparateKv { key_bases, value_bases, block_stride_bytes } => {
+            KvLayout::SeparateKv { key_bases: each(key_bases)?, value_bases: each(value_bases)?, block_stride_bytes }
+        }
+        KvLayout::FusedPerLayer { layer_bases, block_stride_bytes } => {
+            KvLayout::FusedPerLayer { layer_bases: each(layer_bases)?, block_stride_bytes }
+        }
+        KvLayout::PagedPerLayer { layer_bases, block_stride_bytes } => {
+            KvLayout::PagedPerLayer { layer_bases: each(layer_bases)?, block_stride_bytes }
+        }
+    })
+}
+
 /// The daemon client's error as the store's, classified where it can be (a refusal's code, a
 /// lost connection, a timeout) so that callers can react by kind.
 fn remote(error: DaemonError) -> ObjstoreError {
@@ -194,7 +219,24 @@ impl RemoteKvStore {
     ) -> Result<RemoteKvStore, ObjstoreError> {
         let mut client = Client::connect(socket, config.timeout).map_err(remote)?;
         let attached = client.hello(hello).map_err(remote)?;
-        Self::set_up(client, attached, config, WindowKvLayout::BlockMajor, Some(kv))
+        let block_major = KvLayout::BlockMajor { base: Iova(0), block_stride_bytes: 0 };
+        Self::set_up(client, attached, config, WindowKvLayout::BlockMajor, Some((kv, block_major)))
+    }
+
+    /// As [`RemoteKvStore::connect_with_device_memory`], on a connection already attached, with
+    /// the KV blocks laid out in the device memory as `layout`, whose addresses are byte offsets
+    /// from the registered range's start (a block-major layout's stride 0: the pool's block
+    /// size). What the Python package uses for an engine's CUDA tensors, which lie in one
+    /// allocation in the engine's own layout. `layout` is checked by the registration like any
+    /// other (every object inside `kv`'s range is the caller's promise, as for window memory).
+    pub fn with_client_and_device_memory(
+        client: Client,
+        attached: HelloReply,
+        config: &RemoteConfig,
+        kv: &DeviceKvMemory,
+        layout: KvLayout,
+    ) -> Result<RemoteKvStore, ObjstoreError> {
+        Self::set_up(client, attached, config, WindowKvLayout::BlockMajor, Some((kv, layout)))
     }
 
     /// Sets up the data path on a connection already attached (`Client::hello` answered
@@ -211,14 +253,19 @@ impl RemoteKvStore {
     }
 
     /// The data path on an attached connection, with the KV memory in the window (laid out as
-    /// `kv_layout`) or, given `device`, in the engine's device memory (block-major).
+    /// `kv_layout`) or, given `device`, in the engine's device memory (laid out as its layout,
+    /// offsets from the range's start).
     fn set_up(
         mut client: Client,
         attached: HelloReply,
         config: &RemoteConfig,
         kv_layout: WindowKvLayout,
-        device: Option<&DeviceKvMemory>,
+        device: Option<(&DeviceKvMemory, KvLayout)>,
     ) -> Result<RemoteKvStore, ObjstoreError> {
+        let (device, device_layout) = match device {
+            Some((memory, layout)) => (Some(memory), Some(layout)),
+            None => (None, None),
+        };
         let shape = match client.call(&Request::PoolShape).map_err(remote)? {
             Reply::PoolShape(shape) => shape,
             other => return Err(unexpected(Kind::PoolShape, &other)),
@@ -320,9 +367,9 @@ impl RemoteKvStore {
             pairs.push(pair);
         }
         let mode = if sgl_everywhere { DataPointerMode::Sgl } else { DataPointerMode::Prp };
-        let layout = match device_base {
-            None => kv_layout.layout(&geometry, &kv),
-            Some(base) => KvLayout::BlockMajor { base, block_stride_bytes: block_bytes },
+        let layout = match (device_base, device_layout) {
+            (Some(base), Some(offsets)) => offset_layout(offsets, base, block_bytes)?,
+            _ => kv_layout.layout(&geometry, &kv),
         };
         let registration = KvRegistration::new(geometry, config.kv_blocks, layout, mode)?;
         let dma: Arc<dyn DmaAllocator> = Arc::new(window.clone());
@@ -633,5 +680,27 @@ impl LayerKvStore for RemoteKvStore {
             }
             other => Err(unexpected(Kind::Release, &other)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_layout_offsets_move_to_the_registered_base() {
+        // Goal: a layout given as offsets in the device range lands at the daemon's IOVA for
+        // it (every base moved, strides kept; block-major stride 0 is the pool's block), and
+        // an offset that would overflow the IOVA space is an error, not a wrapped address.
+        let base = Iova(0x10_0000);
+        let paged = KvLayout::PagedPerLayer { layer_bases: vec![Iova(0), Iova(0x2000)], block_stride_bytes: 256 };
+        assert_eq!(
+            offset_layout(paged, base, 4096).unwrap(),
+            KvLayout::PagedPerLayer { layer_bases: vec![Iova(0x10_0000), Iova(0x10_2000)], block_stride_bytes: 256 }
+        );
+        let major = KvLayout::BlockMajor { base: Iova(0x40), block_stride_bytes: 0 };
+        assert_eq!(offset_layout(major, base, 4096).unwrap(), KvLayout::BlockMajor { base: Iova(0x10_0040), block_stride_bytes: 4096 });
+        let separate = KvLayout::SeparateKv { key_bases: vec![Iova(0)], value_bases: vec![Iova(u64::MAX)], block_stride_bytes: 128 };
+        assert!(matches!(offset_layout(separate, base, 4096), Err(ObjstoreError::AddressOverflow { .. })));
     }
 }

@@ -1,0 +1,308 @@
+//! KV memory tuttid reaches only by copies (docs/python.md, "GPU memory"): an engine's CUDA
+//! tensors, exported through CUDA IPC (`tutti_cuda_ipc`, feature `cuda`), or their CPU
+//! stand-in, a [`DeviceMemoryStandIn`] (a sealed memfd mapped here, which tuttid started with
+//! `--device-memory memfd` maps and copies to and from as it copies GPU memory).
+//!
+//! A registered layout becomes one range: from its lowest tensor's first byte to its highest
+//! tensor's end ([`CheckedLayout::span`]). That range must lie in one allocation (one
+//! `cudaMalloc`: vLLM 0.32 allocates all layers' KV as one; or one stand-in), which the daemon
+//! opens once; the layout's tensors are offsets in it (`RemoteKvStore::with_client_and_device_memory`).
+//! Nothing here holds unsafe code: the CUDA calls are `tutti_cuda_ipc`'s.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use nvme_driver::hw::{AddressSpaceId, DmaWindow, SharedMemory};
+use nvme_driver::{DmaAllocator, DmaRegion, Iova};
+use pyo3::exceptions::PyBufferError;
+use pyo3::prelude::*;
+use tutti_daemon::client::DeviceKvMemory;
+use tutti_daemon::Client;
+
+use crate::errors::{ErrorClass, Failure};
+use crate::ffi::{self, DLPACK_CPU};
+use crate::tensor::{CheckedLayout, Device};
+
+/// Bytes of a page: a stand-in's size is rounded up to it (memfds are page sized).
+const PAGE_BYTES: u64 = 4096;
+/// The largest stand-in: host memory tuttid maps too (its per-session cap applies as well).
+const STAND_IN_BYTES_MAX: u64 = 1 << 40;
+
+/// The live stand-ins: (first byte, length, the memfd). Registration finds the one holding a
+/// layout's range here, as the CUDA driver finds the allocation holding a device pointer.
+static STAND_INS: Mutex<Vec<(u64, u64, Weak<SharedMemory>)>> = Mutex::new(Vec::new());
+
+fn stand_ins() -> std::sync::MutexGuard<'static, Vec<(u64, u64, Weak<SharedMemory>)>> {
+    STAND_INS.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// The CPU stand-in for GPU memory (module stub: `DeviceMemoryStandIn`): `nbytes` of a sealed
+/// memfd mapped in this process. Tensors over it (its `__dlpack__`, numpy, torch) registered
+/// with a store attached to tuttid go the GPU route: tuttid (`--device-memory memfd`) maps the
+/// memfd and reaches it only by copies. With an in-process store it is plain CPU memory.
+#[pyclass(frozen, module = "tutti")]
+pub struct DeviceMemoryStandIn {
+    region: DmaRegion,
+}
+
+#[pymethods]
+impl DeviceMemoryStandIn {
+    #[new]
+    fn new(nbytes: u64) -> PyResult<DeviceMemoryStandIn> {
+        if nbytes == 0 || nbytes > STAND_IN_BYTES_MAX {
+            return Err(Failure::new(
+                ErrorClass::InvalidArgument,
+                format!("DeviceMemoryStandIn({nbytes}): expected 1..={STAND_IN_BYTES_MAX} bytes"),
+            )
+            .into());
+        }
+        let rounded = nbytes.div_ceil(PAGE_BYTES) * PAGE_BYTES;
+        let device = |error: String| PyErr::from(Failure::new(ErrorClass::Device, format!("creating a {rounded}-byte stand-in: {error}")));
+        let memory = SharedMemory::create("tutti-device-stand-in", rounded as usize).map_err(|error| device(error.to_string()))?;
+        // A window of this process's own, only to address the mapping (no device uses it).
+        let window = DmaWindow::new(Arc::clone(&memory), Iova(0), AddressSpaceId(0)).map_err(|error| device(error.to_string()))?;
+        let region = window
+            .allocate(rounded as usize)
+            .and_then(|region| region.subregion(0, nbytes as usize))
+            .map_err(|error| device(error.to_string()))?;
+        let mut live = stand_ins();
+        live.retain(|(_, _, memory)| memory.strong_count() > 0);
+        live.push((region.host_address() as u64, nbytes, Arc::downgrade(&memory)));
+        Ok(DeviceMemoryStandIn { region })
+    }
+
+    #[getter]
+    fn address(&self) -> u64 {
+        self.region.host_address() as u64
+    }
+
+    #[getter]
+    fn nbytes(&self) -> u64 {
+        self.region.len() as u64
+    }
+
+    #[pyo3(signature = (*, stream = None, max_version = None, dl_device = None, copy = None))]
+    fn __dlpack__<'py>(
+        &self,
+        py: Python<'py>,
+        stream: Option<Py<PyAny>>,
+        max_version: Option<Py<PyAny>>,
+        dl_device: Option<(i32, i32)>,
+        copy: Option<bool>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let _ = stream; // host memory: no stream
+        let versioned = match max_version {
+            Some(version) => version.bind(py).extract::<(u32, u32)>().is_ok_and(|(major, _)| major >= 1),
+            None => false,
+        };
+        if copy == Some(true) || dl_device.is_some_and(|(device_type, _)| device_type != DLPACK_CPU) {
+            return Err(PyBufferError::new_err("a DeviceMemoryStandIn is handed out in place, as CPU memory"));
+        }
+        ffi::export_dlpack(py, &self.region, versioned)
+    }
+
+    fn __dlpack_device__(&self) -> (i32, i32) {
+        (DLPACK_CPU, 0)
+    }
+
+    /// `numpy.from_dlpack(self)`.
+    fn numpy<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        slf.py().import("numpy")?.call_method1("from_dlpack", (slf,))
+    }
+
+    fn __repr__(&self) -> String {
+        format!("DeviceMemoryStandIn(address={:#x}, nbytes={})", self.region.host_address(), self.region.len())
+    }
+}
+
+/// What keeps the exported allocation's side alive for the registration's life: the
+/// stand-in's memfd, or the GPU's retained context.
+pub enum Holder {
+    StandIn(Arc<SharedMemory>),
+    #[cfg(feature = "cuda")]
+    Gpu(Arc<tutti_cuda_ipc::Gpu>),
+}
+
+/// A layout's range, ready to register with tuttid: the request's fields, where the range
+/// starts (the address its tensors' offsets count from), and what to hold.
+pub struct DeviceRange {
+    pub memory: DeviceKvMemory,
+    pub start: u64,
+    pub holder: Holder,
+}
+
+/// Why the range of `checked` is not one allocation, as the error says it.
+fn not_one_allocation(what: &str, start: u64, len: u64, allocation: String) -> Failure {
+    Failure::new(
+        ErrorClass::UnsupportedMemory,
+        format!(
+            "the registered tensors span {start:#x}..{:#x} ({len} bytes), which is not inside one {what} ({allocation}): \
+             tuttid opens one allocation per registration; allocate the KV cache as one tensor and register views \
+             over it (vLLM 0.32 allocates all layers as one)",
+            start + len
+        ),
+    )
+}
+
+/// The device-memory range of `checked` on a store attached to tuttid: `Ok(None)` for CPU
+/// memory that is no stand-in (the caller refuses it as before: tuttid cannot map it).
+pub fn export(checked: &CheckedLayout) -> Result<Option<DeviceRange>, Failure> {
+    let (start, len) = checked.span().ok_or_else(|| Failure::new(ErrorClass::InvalidArgument, "a layout without tensors"))?;
+    match &checked.device {
+        Device::Cpu => export_stand_in(start, len),
+        Device::Cuda(ordinal) => export_cuda(*ordinal, start, len).map(Some),
+        Device::Other(name) => Err(Failure::new(ErrorClass::UnsupportedMemory, format!("memory on {name} cannot be registered"))),
+    }
+}
+
+fn export_stand_in(start: u64, len: u64) -> Result<Option<DeviceRange>, Failure> {
+    let live = stand_ins();
+    let holding = live.iter().find(|(first, bytes, _)| start < first + bytes && start >= *first);
+    let Some((first, bytes, memory)) = holding else { return Ok(None) };
+    let Some(memory) = memory.upgrade() else { return Ok(None) };
+    if start + len > first + bytes {
+        return Err(not_one_allocation("DeviceMemoryStandIn", start, len, format!("the stand-in at {first:#x} holds {bytes} bytes")));
+    }
+    let kv = DeviceKvMemory::memfd(&memory, start - first, len)
+        .map_err(|error| Failure::new(ErrorClass::Device, format!("duplicating the stand-in's memfd: {error}")))?;
+    Ok(Some(DeviceRange { memory: kv, start, holder: Holder::StandIn(memory) }))
+}
+
+#[cfg(feature = "cuda")]
+fn export_cuda(ordinal: i32, start: u64, len: u64) -> Result<DeviceRange, Failure> {
+    use tutti_cuda_ipc::CudaIpcError;
+    let cuda = |error: CudaIpcError| {
+        let class = match error {
+            CudaIpcError::NoDriver | CudaIpcError::NotIpcCapable | CudaIpcError::NoSuchDevice { .. } => ErrorClass::UnsupportedMemory,
+            _ => ErrorClass::Device,
+        };
+        Failure::new(class, format!("registering CUDA memory of cuda:{ordinal}: {error}"))
+    };
+    let gpu = tutti_cuda_ipc::Gpu::open(ordinal).map_err(cuda)?;
+    let export = match tutti_cuda_ipc::export_range(&gpu, start, len) {
+        Ok(export) => export,
+        Err(CudaIpcError::OutsideAllocation { offset_bytes, allocation_bytes, .. }) => {
+            let allocation = format!(
+                "the cudaMalloc allocation holding its first byte is {allocation_bytes} bytes and it starts {offset_bytes} bytes in"
+            );
+            return Err(not_one_allocation("CUDA allocation", start, len, allocation));
+        }
+        Err(error) => return Err(cuda(error)),
+    };
+    Ok(DeviceRange { memory: DeviceKvMemory::cuda(export), start, holder: Holder::Gpu(gpu) })
+}
+
+#[cfg(not(feature = "cuda"))]
+fn export_cuda(ordinal: i32, _start: u64, _len: u64) -> Result<DeviceRange, Failure> {
+    Err(Failure::new(
+        ErrorClass::UnsupportedMemory,
+        format!("memory on cuda:{ordinal}: this build of tutti has no CUDA support (the wheel builds it with the `cuda` feature)"),
+    ))
+}
+
+/// What a registration of device memory holds until tuttid can no longer reach the memory.
+pub struct DeviceHold {
+    pub keeps: Vec<crate::memory::Keep>,
+    pub holder: Holder,
+    pub socket: PathBuf,
+    pub session: u64,
+}
+
+impl DeviceHold {
+    /// Lets go of the tensors once tuttid ended the session (it closes its import of the
+    /// allocation then: CUDA leaves freeing memory another process still has open undefined),
+    /// polling its status until `deadline`; kept for good (and logged) if it did not, or if
+    /// `settled` is false (a layer was still in flight). Returns the tensors kept.
+    pub fn release(self, settled: bool, deadline: Instant) -> usize {
+        let gone = settled && session_gone(&self.socket, self.session, deadline);
+        if gone {
+            return 0;
+        }
+        let kept = self.keeps.len();
+        tracing::error!(tensors = kept, session = self.session, "tutti: registered device memory kept for good: tuttid may still reach it");
+        std::mem::forget(self.keeps);
+        std::mem::forget(self.holder);
+        kept
+    }
+}
+
+/// Whether tuttid at `socket` no longer lists `session`, asked until `deadline` (every 10 ms).
+fn session_gone(socket: &Path, session: u64, deadline: Instant) -> bool {
+    let timeout = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(100));
+    let Ok(mut client) = Client::connect(socket, timeout) else {
+        // No daemon to ask: it is gone, and its imports with it.
+        return true;
+    };
+    loop {
+        match client.status() {
+            Ok(status) if !status.clients.iter().any(|client| client.session == session) => return true,
+            Ok(_) => {}
+            Err(error) => {
+                tracing::warn!(%error, "tutti: asking tuttid whether the session ended");
+                return false;
+            }
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// The tensors' addresses as offsets from the range's start (what the daemon client moves to
+/// the IOVA the daemon gives the range).
+pub fn offsets(checked: &CheckedLayout, start: u64) -> Vec<Iova> {
+    checked.tensors.iter().map(|tensor| Iova(tensor.address - start)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tensor::{LayoutKind, PlacedTensor};
+
+    fn layout(device: Device, tensors: &[(u64, u64)]) -> CheckedLayout {
+        CheckedLayout {
+            kind: LayoutKind::Paged,
+            num_blocks: 4,
+            block_stride_bytes: 256,
+            tensors: tensors.iter().map(|&(address, extent_bytes)| PlacedTensor { address, extent_bytes }).collect(),
+            device,
+        }
+    }
+
+    #[test]
+    fn a_layout_inside_a_stand_in_exports_its_span_and_one_across_its_end_is_refused() {
+        // Goal: the stand-in is found by address as the CUDA driver finds an allocation; the
+        // range is the layout's span, its offset in the memfd is the span's start; a layout
+        // that runs past the stand-in's end is an UnsupportedMemory naming the fix; CPU memory
+        // that is no stand-in is left to the caller (None).
+        pyo3::Python::initialize();
+        let stand_in = DeviceMemoryStandIn::new(64 << 10).unwrap();
+        let base = stand_in.address();
+        let range = export(&layout(Device::Cpu, &[(base + 0x2000, 0x1000), (base + 0x1000, 0x1000)])).unwrap().unwrap();
+        assert_eq!((range.start, range.memory.offset_bytes, range.memory.length_bytes), (base + 0x1000, 0x1000, 0x2000));
+        assert_eq!(offsets(&layout(Device::Cpu, &[(base + 0x2000, 1), (base + 0x1000, 1)]), base + 0x1000), [Iova(0x1000), Iova(0)]);
+        let across = export(&layout(Device::Cpu, &[(base + 0xf000, 0x2000)])).err().unwrap();
+        assert_eq!(across.class, ErrorClass::UnsupportedMemory);
+        assert!(across.message.contains("not inside one DeviceMemoryStandIn"), "{}", across.message);
+        let elsewhere = vec![0u8; 8192];
+        assert!(export(&layout(Device::Cpu, &[(elsewhere.as_ptr() as u64, 4096)])).unwrap().is_none());
+        drop((stand_in, range));
+        assert!(export(&layout(Device::Cpu, &[(base + 0x1000, 0x1000)])).unwrap().is_none(), "a dropped stand-in is forgotten");
+    }
+
+    #[test]
+    fn cuda_memory_without_a_driver_or_support_is_a_typed_refusal() {
+        // Goal: on a machine without libcuda (or a build without the feature) a CUDA layout is
+        // an UnsupportedMemory that says why, never a panic.
+        let failure = export(&layout(Device::Cuda(0), &[(0x7f00_0000_0000, 4096)])).err().unwrap();
+        assert_eq!(failure.class, ErrorClass::UnsupportedMemory);
+        #[cfg(feature = "cuda")]
+        if !tutti_cuda_ipc::driver_available() {
+            assert!(failure.message.contains("no CUDA driver could be loaded"), "{}", failure.message);
+        }
+        #[cfg(not(feature = "cuda"))]
+        assert!(failure.message.contains("no CUDA support"), "{}", failure.message);
+    }
+}
