@@ -49,13 +49,24 @@ struct Node {
     format_extra: Vec<&'static str>,
     /// More daemon options, on every start (e.g. a short client `--lease`).
     extra: Vec<&'static str>,
+    /// `--data-address` (a free port by default; a fixed one to restart on the same address).
+    data_address: String,
 }
 
 impl Node {
     fn new(root: &Path, name: &'static str) -> Node {
         let directory = root.join(name);
         std::fs::create_dir_all(&directory).unwrap();
-        Node { name, directory, daemon: None, lease: "2s", timeout: "1s", format_extra: Vec::new(), extra: Vec::new() }
+        Node {
+            name,
+            directory,
+            daemon: None,
+            lease: "2s",
+            timeout: "1s",
+            format_extra: Vec::new(),
+            extra: Vec::new(),
+            data_address: "127.0.0.1:0".into(),
+        }
     }
 
     fn device(&self) -> String {
@@ -74,7 +85,7 @@ impl Node {
             "--node-id",
             self.name,
             "--data-address",
-            "127.0.0.1:0",
+            &self.data_address,
             "--cluster-state",
             &manifest,
             "--segment-blocks",
@@ -519,6 +530,70 @@ fn three_nodes_share_a_prompt_survive_a_holders_death_and_its_return() {
     assert_eq!(wrong, 0);
 }
 
+/// A node's client, attached (Hello sent) as `name`.
+fn client_of(node: &Node, name: &str) -> tutti_daemon::Client {
+    let mut client = node.daemon().client();
+    client.hello(&hello(0, 1, name)).unwrap();
+    client
+}
+
+#[test]
+fn a_segment_fetched_more_than_n_times_gets_a_second_replica_that_outlives_its_first_holder() {
+    // Goal (heavy hitters, `--cluster-replicate-after 2`): a holds prompt 30. b fetches it,
+    // loses its copy to eviction, fetches again, and again: a counts each read it serves, and
+    // the third (more than 2) makes b register its freshly stored copy — before that b's copy
+    // is served locally but not registered. The registry then lists a and b for both segments.
+    // a is SIGKILLed: once its lease ends c finds b as the only holder and reads the prompt
+    // from b byte-exact. b's replica is in its manifest: restarted, b registers it again.
+    let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
+    let root = tempfile::tempdir().unwrap();
+    let reader = reader(&etcd);
+    let mut nodes: Vec<Node> = ["a", "b", "c"].into_iter().map(|name| Node::new(root.path(), name)).collect();
+    for node in &mut nodes {
+        node.extra = vec!["--cluster-replicate-after", "2"];
+        node.start(&etcd, true);
+    }
+    wait_for("three nodes join", SOON, || members(&reader) == ["a", "b", "c"]);
+    let [a, b, c] = &mut nodes[..] else { unreachable!("three nodes") };
+    store(a, 30);
+    wait_for("a's segments registered", SOON, || holders(&reader, 30) == [["a"], ["a"]]);
+    let tokens = common::prompt(30, PROMPT_BLOCKS, BLOCK_TOKENS);
+    let mut on_b = client_of(b, "b");
+    for fetch in 1..=3u32 {
+        assert_eq!(on_b.fetch_remote(&tokens).unwrap(), (32, 32), "fetch {fetch}");
+        assert_eq!(common::retrieve_prompt(&mut b.connect(), 30, 0, 32).unwrap(), 0, "fetch {fetch}: wrong bytes on b");
+        if fetch < 3 {
+            // Served 1 and 2 times: not more than 2, so b's copy is not registered (ten
+            // registrar passes to be sure), then two prompts of b's own evict all of it.
+            std::thread::sleep(Duration::from_millis(500));
+            assert_eq!(holders(&reader, 30), [["a"], ["a"]], "b registered a copy served only {fetch} time(s)");
+            store(b, 30 + 2 * fetch);
+            store(b, 31 + 2 * fetch);
+            assert_eq!(on_b.lookup(&tokens).unwrap(), 0, "b's copy of prompt 30 is evicted");
+        }
+    }
+    wait_for("b's copy registered as a second replica", SOON, || holders(&reader, 30) == [["a", "b"], ["a", "b"]]);
+    let status = b.status();
+    assert_eq!((status.replicated_segments, status.fetched_blocks), (2, 96), "{status:?}");
+    assert_eq!(a.status().served_segments, 6);
+
+    a.kill();
+    wait_for("a's entries vanish with its lease", LEASE + Duration::from_secs(4), || holders(&reader, 30) == [["b"], ["b"]]);
+    let mut on_c = client_of(c, "c");
+    let seen = on_c.lookup_cluster(&tokens).unwrap();
+    assert_eq!((seen.remote_blocks, seen.holders.clone()), (32, vec![RemoteHolder { node: "b".into(), blocks: 32 }]));
+    assert_eq!(on_c.fetch_remote(&tokens).unwrap(), (32, 32));
+    let wrong = common::retrieve_prompt(&mut c.connect(), 30, 0, 32).unwrap();
+    eprintln!("heavy hitter read from its second replica: wrong bytes {wrong}");
+    assert_eq!(wrong, 0);
+
+    let (exit, stderr) = b.daemon.take().unwrap().terminate();
+    assert!(exit.success(), "{exit}: {stderr}");
+    assert!(holders(&reader, 30).is_empty(), "b left: its replica leaves with it (c's copy, served once, is not registered)");
+    b.start(&etcd, false);
+    wait_for("b registers its replica again from its manifest", SOON, || holders(&reader, 30) == [["b"], ["b"]]);
+}
+
 /// How a fake holder misbehaves.
 #[derive(Debug, Clone, Copy)]
 enum Misbehaviour {
@@ -540,7 +615,8 @@ const BLOCK_BYTES: usize = 2 * 2 * 2 * 64 * 16 * 2;
 
 fn frame(kind: u16, body: &[u8]) -> Vec<u8> {
     let mut out = b"TPDP".to_vec();
-    out.extend_from_slice(&1u16.to_le_bytes());
+    // The data plane's version 2 (the segment header carries the holder's served count).
+    out.extend_from_slice(&2u16.to_le_bytes());
     out.extend_from_slice(&kind.to_le_bytes());
     out.extend_from_slice(&(body.len() as u32).to_le_bytes());
     out.extend_from_slice(body);
@@ -580,6 +656,8 @@ fn fake_holder(misbehaviour: Misbehaviour) -> (std::net::SocketAddr, std::thread
         let _ = stream.read_exact(&mut body);
         let mut segment_header = 16u16.to_le_bytes().to_vec();
         segment_header.extend_from_slice(&(BLOCK_BYTES as u64).to_le_bytes());
+        // Served once: never a heavy hitter.
+        segment_header.extend_from_slice(&1u32.to_le_bytes());
         let bytes = vec![0x5au8; BLOCK_BYTES];
         let _ = match misbehaviour {
             Misbehaviour::Garbage => stream.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello"),
