@@ -651,10 +651,13 @@ fn tuttid_nodes_ride_out_etcd_losing_one_member_and_serve_locally_while_all_are_
     // A renewal is due every 2 s and each attempt takes at most 3 s: unavailable within 5 s.
     let bound = Duration::from_secs(2) + Duration::from_secs(3) + Duration::from_secs(2);
     for node in [&*a, &*b, &*c] {
+        let mut client = node.daemon().client();
         wait_for(&format!("node {} reports the registry unavailable", node.name), bound.saturating_sub(killed.elapsed()), || {
+            // Answered from local state: well under the 3 s a registry call may take (the
+            // bound leaves room for a machine loaded by parallel tests).
             let asked = Instant::now();
-            let status = node.status();
-            assert!(asked.elapsed() < Duration::from_millis(500), "ClusterStatus waited {:?}", asked.elapsed());
+            let status = client.cluster_status().expect("cluster status");
+            assert!(asked.elapsed() < Duration::from_millis(1500), "ClusterStatus waited {:?}", asked.elapsed());
             status.registry == RegistryAnswer::Unavailable
         });
     }
