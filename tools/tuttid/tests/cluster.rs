@@ -682,9 +682,7 @@ fn tuttid_nodes_ride_out_etcd_losing_one_member_and_serve_locally_while_all_are_
             status.registry == RegistryAnswer::Answered && status.joined
         });
     }
-    wait_for("a's commit made while etcd was down is registered", Duration::from_secs(6) + SOON, || {
-        holders(&reader, 42) == [["a"], ["a"]]
-    });
+    wait_for("a's commit made while etcd was down is registered", Duration::from_secs(6) + SOON, || holders(&reader, 42) == [["a"], ["a"]]);
     assert_eq!(members(&reader), ["a", "b", "c"]);
     wait_for("lookups answer again", SOON, || on_c.lookup_cluster(&tokens_42).unwrap().remote_blocks == 32);
     eprintln!("etcd failure test: wrong bytes {wrong}");
