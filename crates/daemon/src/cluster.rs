@@ -281,6 +281,7 @@ struct AgentState {
 }
 
 impl AgentState {
+    #[cfg_attr(not(feature = "cluster"), allow(dead_code))]
     fn new() -> AgentState {
         AgentState {
             lease_id: AtomicI64::new(0),
@@ -411,8 +412,8 @@ impl ClusterAgent {
             capacity_bytes: pool_blocks.saturating_mul(block_bytes),
             fingerprints: Vec::new(),
         };
-        let registrar =
-            Registrar::new(settings.registry.clone(), record, receiver, metrics.clone(), Arc::clone(&state), held, manifest, stale);
+        let recovered = registrar::Recovered { held, manifest, stale };
+        let registrar = Registrar::new(settings.registry.clone(), record, receiver, metrics.clone(), Arc::clone(&state), recovered);
         let lookups = lookup::RemoteLookups::new(settings.registry.clone(), settings.node.clone(), settings.lookup_timeout)
             .map_err(|error| DaemonError::Cluster(error.to_string()))?;
         Ok(ClusterAgent { settings, inbox, registrar: Mutex::new(Some(registrar)), metrics, state, lookups, data_plane, data_address })

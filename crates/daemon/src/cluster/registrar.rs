@@ -45,6 +45,17 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
+/// What the daemon's start recovered for the registrar (`ClusterAgent::start`).
+pub(super) struct Recovered {
+    /// Segments the manifest listed whose blocks the pool still holds.
+    pub held: HeldSegments,
+    /// The manifest, rewritten with those.
+    pub manifest: Manifest,
+    /// Segments the manifest listed that the pool no longer holds (their registrations, if
+    /// any, are deleted before the first join).
+    pub stale: Vec<(ModelSpace, Segment)>,
+}
+
 /// See the module docs.
 pub(crate) struct Registrar {
     config: ClusterConfig,
@@ -79,10 +90,9 @@ impl Registrar {
         inbox: Inbox,
         metrics: ClusterMetrics,
         state: Arc<AgentState>,
-        held: HeldSegments,
-        manifest: Manifest,
-        stale: Vec<(ModelSpace, Segment)>,
+        recovered: Recovered,
     ) -> Registrar {
+        let Recovered { held, manifest, stale } = recovered;
         Registrar {
             config,
             record,
