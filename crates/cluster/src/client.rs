@@ -76,6 +76,26 @@ impl ClusterClient {
         &self.config
     }
 
+    /// Deletes node `node`'s holder entries of `segments` in `space`, whatever lease they are
+    /// under: one transaction per `txn_ops_max` segments; returns the transactions. Meant for a
+    /// node's own entries: its eviction (`ClusterNode::unregister`), and its successor after a
+    /// crash, which found that its pool no longer holds segments the dead process's lease still
+    /// claims (docs/cluster.md, "A pool wiped while its lease lived"). Deleting an entry that is
+    /// not there is not an error.
+    pub fn forget(&self, node: &NodeId, space: &ModelSpace, segments: &[Segment]) -> Result<usize> {
+        let mut transactions = 0;
+        for chunk in segments.chunks(self.config.txn_ops_max) {
+            let deletes: Vec<TxnOp> =
+                chunk.iter().map(|segment| TxnOp::delete(self.layout.segment_key(space, segment.key, node), None)).collect();
+            self.connection.call("unregister segments", |mut client| {
+                let transaction = Txn::new().and_then(deletes.clone());
+                async move { client.txn(transaction).await }
+            })?;
+            transactions += 1;
+        }
+        Ok(transactions)
+    }
+
     /// etcd requests sent so far by this client (attempts, retries included).
     pub fn requests_sent(&self) -> u64 {
         self.connection.requests_sent()

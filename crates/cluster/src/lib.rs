@@ -43,4 +43,4 @@ pub use names::{ClusterId, ModelSpace, NodeId, SegmentKey, FINGERPRINT_BYTES, TP
 pub use node::{ClusterNode, LeaseHealth};
 pub use segments::{segments_of, Segment, SegmentBlocks};
 #[cfg(feature = "etcd")]
-pub use status::{ClusterStatus, MemberStatus};
+pub use status::{ClusterStatus, HolderSet, MemberStatus, HOLDER_SETS_LISTED};

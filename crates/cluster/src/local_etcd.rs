@@ -209,6 +209,17 @@ impl LocalEtcd {
         self.wait_healthy(START_TIMEOUT)
     }
 
+    /// Starts every killed member again (all at once: one alone has no quorum when the others
+    /// are down too) and waits for the cluster's health.
+    pub fn restart_all(&mut self) -> Result<()> {
+        for index in 0..self.members.len() {
+            if self.members[index].child.is_none() {
+                self.spawn(index)?;
+            }
+        }
+        self.wait_healthy(START_TIMEOUT)
+    }
+
     /// SIGSTOP (`pause`) or SIGCONT (`resume`) to member `index`: a member that stalls with its
     /// sockets open, accepting connections and answering nothing.
     pub fn pause(&self, index: usize) -> Result<()> {

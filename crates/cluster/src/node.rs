@@ -295,18 +295,7 @@ impl ClusterNode {
     /// Removes this node's registration of `segments` (evicted locally). Deleting a segment that
     /// was not registered is not an error.
     pub fn unregister(&self, space: &ModelSpace, segments: &[Segment]) -> Result<usize> {
-        let layout = &self.client.layout;
-        let mut transactions = 0;
-        for chunk in segments.chunks(self.client.config.txn_ops_max) {
-            let deletes: Vec<TxnOp> =
-                chunk.iter().map(|segment| TxnOp::delete(layout.segment_key(space, segment.key, &self.record.node), None)).collect();
-            self.client.connection.call("unregister segments", |mut client| {
-                let transaction = Txn::new().and_then(deletes.clone());
-                async move { client.txn(transaction).await }
-            })?;
-            transactions += 1;
-        }
-        Ok(transactions)
+        self.client.forget(&self.record.node, space, segments)
     }
 
     /// See [`ClusterClient::lookup`].

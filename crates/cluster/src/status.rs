@@ -14,6 +14,16 @@ use crate::names::{ModelSpace, NodeId, SegmentKey};
 const PAGE_KEYS: i64 = 1000;
 /// Most keys one status scan reads (then `truncated`): 1,000 nodes × 1,000 segments.
 const SCAN_KEYS_MAX: u64 = 1_000_000;
+/// Holder sets listed one by one (the most segments first); the rest are summed.
+pub const HOLDER_SETS_LISTED: usize = 32;
+
+/// Segments held by exactly one set of nodes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HolderSet {
+    /// The nodes, sorted: `nodes.len()` is these segments' replica count.
+    pub nodes: Vec<NodeId>,
+    pub segments: u64,
+}
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MemberStatus {
@@ -34,6 +44,10 @@ pub struct ClusterStatus {
     pub distinct_segments: u64,
     /// Replica count → how many segments have that many holders.
     pub replicas: BTreeMap<u64, u64>,
+    /// Segments per holder set (which nodes hold them), the [`HOLDER_SETS_LISTED`] largest,
+    /// most segments first (ties by the nodes); `other_holder_sets` counts the rest.
+    pub holder_sets: Vec<HolderSet>,
+    pub other_holder_sets: u64,
     /// Holder entries of nodes without a member record (should not last: they share its lease).
     pub holders_without_member: u64,
     /// Entries of this format version refused (malformed key or value, foreign content).
@@ -67,7 +81,11 @@ impl ClusterClient {
         let mut start = cluster_prefix.clone().into_bytes();
         let mut scanned = 0u64;
         let mut members: Vec<(MemberRecord, i64)> = Vec::new();
-        let mut holders: HashMap<(ModelSpace, SegmentKey), u64> = HashMap::new();
+        // Each segment's holders, as indexes into `nodes` (interned: a segment costs a few
+        // bytes per holder, not a node id each).
+        let mut holders: HashMap<(ModelSpace, SegmentKey), Vec<u32>> = HashMap::new();
+        let mut nodes: Vec<NodeId> = Vec::new();
+        let mut node_index: HashMap<NodeId, u32> = HashMap::new();
         let mut per_node: HashMap<NodeId, u64> = HashMap::new();
         loop {
             let page = self.connection.call("status scan", |mut client| {
@@ -96,7 +114,11 @@ impl ClusterClient {
                     match record {
                         Some(record) if record.segment_blocks == self.config.segment_blocks => {
                             status.holder_entries += 1;
-                            *holders.entry((record.space, record.key)).or_default() += 1;
+                            let index = *node_index.entry(record.node.clone()).or_insert_with(|| {
+                                nodes.push(record.node.clone());
+                                (nodes.len() - 1) as u32
+                            });
+                            holders.entry((record.space, record.key)).or_default().push(index);
                             *per_node.entry(record.node).or_default() += 1;
                         }
                         _ => status.skipped_entries += 1,
@@ -117,9 +139,24 @@ impl ClusterClient {
             }
         }
         status.distinct_segments = holders.len() as u64;
-        for count in holders.values() {
-            *status.replicas.entry(*count).or_default() += 1;
+        let mut sets: HashMap<Vec<u32>, u64> = HashMap::new();
+        for mut set in holders.into_values() {
+            *status.replicas.entry(set.len() as u64).or_default() += 1;
+            set.sort_unstable();
+            *sets.entry(set).or_default() += 1;
         }
+        let mut sets: Vec<HolderSet> = sets
+            .into_iter()
+            .map(|(set, segments)| {
+                let mut nodes: Vec<NodeId> = set.iter().map(|&index| nodes[index as usize].clone()).collect();
+                nodes.sort();
+                HolderSet { nodes, segments }
+            })
+            .collect();
+        sets.sort_by(|a, b| b.segments.cmp(&a.segments).then_with(|| a.nodes.cmp(&b.nodes)));
+        status.other_holder_sets = sets.len().saturating_sub(HOLDER_SETS_LISTED) as u64;
+        sets.truncate(HOLDER_SETS_LISTED);
+        status.holder_sets = sets;
         for (record, lease_id) in members {
             let ttl_left_s = self
                 .connection

@@ -15,7 +15,9 @@
 //! - `registrar.rs`: the thread: local bookkeeping under the pool lock, then etcd without it;
 //! - `lookup.rs`: `LookupCluster`, the local prefix and then one registry round trip;
 //! - `data_plane.rs` (+ `peer.rs`, the wire format, `staging.rs`, the daemon's own data half):
-//!   remote reads, a holder serving its segments over TCP and an asker storing them locally.
+//!   remote reads, a holder serving its segments over TCP and an asker storing them locally;
+//! - `heavy_hitters.rs`: a holder's bounded count of reads served per segment; an asker
+//!   registers its copy of a segment served more than `replicate_after` times (a second replica).
 //!
 //! These three need the crate's `cluster` feature (etcd's client); without it
 //! [`ClusterAgent::start`] refuses cluster settings with the reason.
@@ -37,6 +39,8 @@ pub(crate) fn data_plane_requests_max(clients_max: usize) -> usize {
     }
 }
 #[cfg(feature = "cluster")]
+mod heavy_hitters;
+#[cfg(feature = "cluster")]
 mod held;
 #[cfg(feature = "cluster")]
 mod lookup;
@@ -51,7 +55,7 @@ mod staging;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
 
@@ -82,6 +86,9 @@ impl Registrar {
 
 /// Committed requests the registrar may be behind by; more are dropped from registration.
 pub const COMMITS_QUEUED_MAX: usize = 1024;
+/// A fetched segment is registered as a second replica once its holder has served it more than
+/// this many times (default of `--cluster-replicate-after`).
+pub const REPLICATE_AFTER_DEFAULT: u32 = 2;
 /// The longest a `LookupCluster` waits for the registry by default.
 pub const LOOKUP_TIMEOUT_DEFAULT: std::time::Duration = std::time::Duration::from_secs(1);
 /// Most departed block keys kept between two registrar passes (50 ms apart): far more than any
@@ -105,6 +112,10 @@ pub struct ClusterSettings {
     /// The longest a `LookupCluster` waits for the registry (default
     /// [`LOOKUP_TIMEOUT_DEFAULT`]; a client waits for it, so shorter than the registrar's).
     pub lookup_timeout: std::time::Duration,
+    /// Heavy hitters: a segment fetched here whose holder has served it more than this many
+    /// times is registered as this node's replica too (default [`REPLICATE_AFTER_DEFAULT`];
+    /// 0: never).
+    pub replicate_after: u32,
 }
 
 impl ClusterSettings {
@@ -116,6 +127,7 @@ impl ClusterSettings {
             manifest,
             commits_queued_max: COMMITS_QUEUED_MAX,
             lookup_timeout: LOOKUP_TIMEOUT_DEFAULT,
+            replicate_after: REPLICATE_AFTER_DEFAULT,
         }
     }
 }
@@ -159,6 +171,8 @@ pub struct ClusterMetrics {
     /// Segments this node sent to others, and reads it refused (not held, a failed read, bad).
     pub served_segments: Counter,
     pub serve_refusals: Counter,
+    /// Fetched segments handed to the registrar as second replicas (heavy hitters).
+    pub replicated_segments: Counter,
 }
 
 impl Default for ClusterMetrics {
@@ -186,6 +200,7 @@ impl Default for ClusterMetrics {
             fetched_blocks: Counter::default(),
             served_segments: Counter::default(),
             serve_refusals: Counter::default(),
+            replicated_segments: Counter::default(),
         }
     }
 }
@@ -245,21 +260,57 @@ impl ClusterMetrics {
             "Reads from other nodes refused (not held, failed, malformed)",
             self.serve_refusals.clone(),
         );
+        registry.register(
+            "cluster_replicated_segments",
+            "Fetched segments registered here as second replicas (their holder served them more than --cluster-replicate-after times)",
+            self.replicated_segments.clone(),
+        );
     }
 }
 
 /// What the registrar publishes besides metrics.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct AgentState {
     lease_id: AtomicI64,
     last_error: Mutex<String>,
+    origin: std::time::Instant,
+    /// Milliseconds after `origin` when etcd last confirmed the lease (the join or a renewal).
+    confirmed_at_ms: AtomicU64,
+    /// The registrar's last etcd attempt failed (cleared by its next success).
+    failing: AtomicBool,
 }
 
-/// A committed store, for the registrar: its model space and every block key of its prefix.
+impl AgentState {
+    #[cfg_attr(not(feature = "cluster"), allow(dead_code))]
+    fn new() -> AgentState {
+        AgentState {
+            lease_id: AtomicI64::new(0),
+            last_error: Mutex::new(String::new()),
+            origin: std::time::Instant::now(),
+            confirmed_at_ms: AtomicU64::new(0),
+            failing: AtomicBool::new(false),
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.origin.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// Milliseconds since etcd last confirmed the lease (since start before the first join).
+    fn silent_ms(&self) -> u64 {
+        self.now_ms().saturating_sub(self.confirmed_at_ms.load(Ordering::Relaxed))
+    }
+}
+
+/// Segments for the registrar to hold (and register) if their blocks are all committed: a
+/// committed store's whole prefix (`first_segment` 0), or one fetched segment that turned out
+/// hot (its own keys, `first_segment` its position in the prompt).
 #[cfg_attr(not(feature = "cluster"), allow(dead_code))]
 struct Committed {
     space: ModelSpace,
+    /// Block keys of whole segments from `first_segment` on (a partial tail is ignored).
     keys: Vec<u64>,
+    first_segment: u32,
 }
 
 /// The daemon's side of the cluster: the queue to the registrar, its metrics and state.
@@ -336,28 +387,33 @@ impl ClusterAgent {
         control.track_departures(usize::try_from(pool_blocks).unwrap_or(usize::MAX).clamp(1, DEPARTURES_MAX));
         let index = control.pool().index();
         let mut held = HeldSegments::default();
-        let mut gone = 0usize;
+        // Segments the previous process held (and so may have registered: it journals a
+        // segment before registering it) whose blocks this pool no longer has — a pool wiped or
+        // replaced while the old lease lived. Their entries are deleted before this node joins,
+        // not left to claim them until that lease expires.
+        let mut stale = Vec::new();
         for segment in &loaded.segments {
             if segment.keys.iter().all(|&key| index.get(key).is_some()) {
                 held.insert(segment.space, segment.index, &segment.keys);
-            } else {
-                gone += 1;
+            } else if let Some(key) = segment.keys.last().and_then(|&last| tutti_cluster::SegmentKey::new(last).ok()) {
+                stale.push((segment.space, tutti_cluster::Segment { index: segment.index, key }));
             }
         }
-        tracing::info!(held = held.len(), gone, "segments from the manifest checked against the pool");
+        tracing::info!(held = held.len(), gone = stale.len(), "segments from the manifest checked against the pool");
         let manifest = manifest::Manifest::rewrite(&settings.manifest, segment_blocks, held.iter()).map_err(io)?;
         let data_plane = data_plane::DataPlane::bind(settings.data_address, control, segment_blocks, requests_max)
             .map_err(|source| DaemonError::Io { context: format!("the data plane on {}", settings.data_address), source })?;
         let data_address = data_plane.address();
         let (inbox, receiver) = std::sync::mpsc::sync_channel(settings.commits_queued_max.max(1));
-        let state = Arc::new(AgentState::default());
+        let state = Arc::new(AgentState::new());
         let record = tutti_cluster::MemberRecord {
             node: settings.node.clone(),
             address: data_address.to_string(),
             capacity_bytes: pool_blocks.saturating_mul(block_bytes),
             fingerprints: Vec::new(),
         };
-        let registrar = Registrar::new(settings.registry.clone(), record, receiver, metrics.clone(), Arc::clone(&state), held, manifest);
+        let recovered = registrar::Recovered { held, manifest, stale };
+        let registrar = Registrar::new(settings.registry.clone(), record, receiver, metrics.clone(), Arc::clone(&state), recovered);
         let lookups = lookup::RemoteLookups::new(settings.registry.clone(), settings.node.clone(), settings.lookup_timeout)
             .map_err(|error| DaemonError::Cluster(error.to_string()))?;
         Ok(ClusterAgent { settings, inbox, registrar: Mutex::new(Some(registrar)), metrics, state, lookups, data_plane, data_address })
@@ -406,9 +462,17 @@ impl ClusterAgent {
         self.metrics.remote_reads.inc();
         let per_segment = usize::from(self.settings.registry.segment_blocks.get());
         let segments = local_blocks / per_segment..(local_blocks + holder.blocks as usize) / per_segment;
+        let replicate_after = self.settings.replicate_after;
+        let mut stored_segment = |segment: usize, segment_keys: &[u64], served: u32| {
+            if replicate_after > 0 && served > replicate_after {
+                // A heavy hitter: the copy just committed here becomes a registered replica.
+                self.metrics.replicated_segments.inc();
+                self.hand_over(Committed { space: *space, keys: segment_keys.to_vec(), first_segment: segment as u32 });
+            }
+        };
         let result = self.lookups.address_of(&holder.node).and_then(|address| {
             self.data_plane
-                .fetch(store, space, keys, segments.clone(), &holder.node, address, deadline, stopped)
+                .fetch(store, space, keys, segments.clone(), &holder.node, address, deadline, stopped, &mut stored_segment)
                 .map_err(|(stored, error)| (stored, error.to_string()))
         });
         match result {
@@ -452,7 +516,12 @@ impl ClusterAgent {
     /// blocks: with the registrar's queue full the request is dropped from registration and
     /// counted.
     pub(crate) fn committed(&self, space: &ModelSpace, keys: Vec<u64>) {
-        match self.inbox.try_send(Committed { space: *space, keys }) {
+        self.hand_over(Committed { space: *space, keys, first_segment: 0 });
+    }
+
+    /// Queues segments for the registrar; never blocks (a full queue drops them, counted).
+    fn hand_over(&self, committed: Committed) {
+        match self.inbox.try_send(committed) {
             Ok(()) => {}
             Err(TrySendError::Full(_)) => {
                 self.metrics.commits_dropped.inc();
@@ -498,6 +567,23 @@ impl ClusterAgent {
             served_segments: metrics.served_segments.get(),
             serve_refusals: metrics.serve_refusals.get(),
             last_error: self.state.last_error.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone(),
+            registry: self.registry_state(),
+            registry_silent_ms: self.state.silent_ms(),
+            replicated_segments: metrics.replicated_segments.get(),
+        }
+    }
+
+    /// Whether the registry answers this node now, from local state only: the lease is renewed
+    /// every third of its TTL, each attempt within the request timeout, so a confirmation older
+    /// than both together means at least one renewal failed; a failing registrar call too.
+    fn registry_state(&self) -> crate::protocol::RegistryAnswer {
+        let registry = &self.settings.registry;
+        let bound = registry.lease_ttl / 3 + registry.request_timeout;
+        let silent = std::time::Duration::from_millis(self.state.silent_ms());
+        if self.state.failing.load(Ordering::Relaxed) || silent > bound {
+            crate::protocol::RegistryAnswer::Unavailable
+        } else {
+            crate::protocol::RegistryAnswer::Answered
         }
     }
 }

@@ -1,5 +1,6 @@
 //! `tutti cluster status`: the cluster tier as etcd holds it (crates/cluster, docs/cluster.md):
-//! members and their leases, segments per node, replica counts, refused entries.
+//! members and their leases, segments per node, replica counts (in all, and per holder set:
+//! which nodes hold how many segments), refused entries.
 //!
 //! Exit status: 2 for unusable options (a bad cluster id, segment size or timeout), 1 when etcd
 //! does not answer within the timeout, 0 otherwise.
@@ -89,6 +90,16 @@ fn print_status(cluster: &str, status: &ClusterStatus) -> Result<()> {
     outln!("segments: {} distinct, {} holder entries", status.distinct_segments, status.holder_entries)?;
     let replicas: Vec<String> = status.replicas.iter().map(|(count, segments)| format!("{count}x: {segments}")).collect();
     outln!("replicas: {}", if replicas.is_empty() { "none".to_owned() } else { replicas.join(", ") })?;
+    if !status.holder_sets.is_empty() {
+        outln!("segments per holder set (replicas = nodes):")?;
+    }
+    for set in &status.holder_sets {
+        let nodes: Vec<&str> = set.nodes.iter().map(|node| node.as_str()).collect();
+        outln!("  {:>8} segment(s), {} replica(s): {}", set.segments, set.nodes.len(), nodes.join(" "))?;
+    }
+    if status.other_holder_sets > 0 {
+        outln!("  … and {} smaller holder set(s)", status.other_holder_sets)?;
+    }
     if status.holders_without_member > 0 {
         outln!("holder entries of nodes that are not members: {}", status.holders_without_member)?;
     }

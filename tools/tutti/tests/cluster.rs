@@ -35,7 +35,8 @@ fn segments(count: u32) -> Vec<Segment> {
 #[test]
 fn status_shows_members_leases_segments_and_replicas() {
     // Goal: node a holds 3 segments, node bb holds the first 5: status lists both with their
-    // address, a live lease and segment counts, 5 distinct segments, 3 with 2 replicas.
+    // address, a live lease and segment counts, 5 distinct segments, 3 with 2 replicas (held
+    // by a and bb), 2 held by bb alone.
     let Some(etcd) = start_etcd() else { return };
     let space = ModelSpace::new([3; 32], 0, 1).unwrap();
     let node_a = join(&etcd, "a");
@@ -53,6 +54,11 @@ fn status_shows_members_leases_segments_and_replicas() {
     assert!(line_b.contains(" 5 "), "{line_b}");
     assert!(text.contains("segments: 5 distinct, 8 holder entries"), "{text}");
     assert!(text.contains("replicas: 1x: 2, 2x: 3"), "{text}");
+    // Per holder set: which nodes hold how many segments, the largest set first.
+    let sets: Vec<&str> = text.lines().skip_while(|line| !line.starts_with("segments per holder set")).skip(1).take(2).collect();
+    assert_eq!(sets.len(), 2, "{text}");
+    assert!(sets[0].contains("3 segment(s), 2 replica(s): a bb"), "{text}");
+    assert!(sets[1].contains("2 segment(s), 1 replica(s): bb"), "{text}");
     assert!(text.contains("refused entries: 0"), "{text}");
 }
 

@@ -25,7 +25,7 @@ use tutti_cluster::{ClusterConfig, ClusterId, NodeId, SegmentBlocks};
 use tutti_daemon::cluster::ClusterSettings;
 use tutti_daemon::gpu_memory::DeviceMemoryImport;
 use tutti_daemon::pool_open::{open_pool, PoolOptions};
-use tutti_daemon::protocol::{ClusterStatusReply, StatusReply};
+use tutti_daemon::protocol::{ClusterStatusReply, RegistryAnswer, StatusReply};
 use tutti_daemon::session::SessionLimits;
 use tutti_daemon::{Client, DaemonError, Server, ServerConfig};
 use tutti_devices::{format_size, parse_duration, parse_size, DeviceKind, DeviceSpec};
@@ -142,6 +142,11 @@ struct Cli {
     /// way; after a failure the registry is not asked for a second).
     #[arg(long, default_value = "1s", value_parser = parse_duration, requires = "cluster_etcd")]
     cluster_lookup_timeout: Duration,
+    /// Heavy hitters: a segment fetched from another node whose holder has served it more than
+    /// N times (to any node, since the holder started) is registered as this node's replica
+    /// too; 0: never (fetched copies are served locally but not registered).
+    #[arg(long, value_name = "N", default_value_t = tutti_daemon::cluster::REPLICATE_AFTER_DEFAULT, requires = "cluster_etcd")]
+    cluster_replicate_after: u32,
 }
 
 /// The cluster settings the command line asks for, checked (exit 2 on a bad one).
@@ -172,6 +177,7 @@ fn cluster_settings(cli: &Cli) -> Result<Option<ClusterSettings>> {
     lookups.validate().map_err(|error| Unusable(format!("--cluster-lookup-timeout: {error}")))?;
     let mut settings = ClusterSettings::new(registry, node, data_address, manifest);
     settings.lookup_timeout = cli.cluster_lookup_timeout;
+    settings.replicate_after = cli.cluster_replicate_after;
     Ok(Some(settings))
 }
 
@@ -331,6 +337,15 @@ fn print_cluster(cluster: &ClusterStatusReply) -> Result<()> {
         cluster.lease_losses
     )?;
     outln!(
+        "  registry: {} (lease last confirmed {} ms ago)",
+        match cluster.registry {
+            RegistryAnswer::Answered => "answering",
+            RegistryAnswer::Unavailable => "UNAVAILABLE (serving the local cache only)",
+            RegistryAnswer::NotClustered => "not clustered",
+        },
+        cluster.registry_silent_ms
+    )?;
+    outln!(
         "  segments of {} blocks: {} held, {} registered; {} registration(s) in {} transaction(s), {} unregistered",
         cluster.segment_blocks,
         cluster.segments_held,
@@ -353,10 +368,11 @@ fn print_cluster(cluster: &ClusterStatusReply) -> Result<()> {
         cluster.remote_blocks_found
     )?;
     outln!(
-        "  remote reads: {} ({} failed), {} block(s) fetched and stored here; {} segment(s) served to other nodes, {} read(s) refused",
+        "  remote reads: {} ({} failed), {} block(s) fetched and stored here, {} registered as replicas (heavy hitters); {} segment(s) served to other nodes, {} read(s) refused",
         cluster.remote_reads,
         cluster.remote_read_failures,
         cluster.fetched_blocks,
+        cluster.replicated_segments,
         cluster.served_segments,
         cluster.serve_refusals
     )?;

@@ -15,9 +15,11 @@
 //! another size or whose CRC does not match fails the read), then stored in the local pool as
 //! a store of its own (reserve, write through the staging half, flush, headers with FUA): the
 //! client then retrieves it through the normal path. Segments stored before a failure stay (each
-//! is whole and checked); the failure is the client's typed error for the rest. The replica is
-//! not registered (a replica in waiting: registering second replicas of hot segments is the
-//! heavy-hitter rule, not built).
+//! is whole and checked); the failure is the client's typed error for the rest. The copy is a
+//! replica in waiting: not registered, unless its holder has served it more than the node's
+//! `--cluster-replicate-after` times (the count in each `SegmentHeader`, `heavy_hitters.rs`):
+//! then it is handed to the registrar as a second replica (registered under this node's lease,
+//! unregistered when evicted, kept in the manifest).
 //!
 //! The staging area is one segment, behind a mutex: one segment moves at a time per node, in
 //! either direction. Lock order: staging, then the pool (never the reverse).
@@ -28,9 +30,10 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use objstore::{Direction, MismatchedBlock, NoLender, ObjstoreError, RequestHandle, StoreControl};
-use tutti_cluster::{ModelSpace, SegmentBlocks};
+use tutti_cluster::{ModelSpace, SegmentBlocks, SegmentKey};
 
-use super::peer::{self, FailureCode, PeerError, PeerKind, ReadSegment};
+use super::heavy_hitters::{ServedCounts, SERVED_COUNTS_MAX};
+use super::peer::{self, FailureCode, PeerError, PeerKind, ReadSegment, SegmentHeader};
 use super::staging::{Staging, StagingError};
 use super::ClusterMetrics;
 use crate::server::StopHandle;
@@ -80,6 +83,8 @@ pub struct DataPlane {
     peers: AtomicUsize,
     /// `FetchRemote`s in progress now.
     fetches: AtomicUsize,
+    /// Holder: reads served per segment (the heavy-hitter count sent with each).
+    served: Mutex<ServedCounts>,
 }
 
 impl DataPlane {
@@ -111,6 +116,7 @@ impl DataPlane {
             block_bytes,
             peers: AtomicUsize::new(0),
             fetches: AtomicUsize::new(0),
+            served: Mutex::new(ServedCounts::new(SERVED_COUNTS_MAX)),
         })
     }
 
@@ -208,8 +214,13 @@ impl DataPlane {
             };
             match self.read_segment(&request, store, &mut bytes) {
                 Ok((handle, crcs)) => {
+                    let served = match request.keys.last().map(|&last| SegmentKey::new(last)) {
+                        Some(Ok(key)) => lock(&self.served).served(&request.space, key),
+                        // `ReadSegment::decode` refuses empty segments and zero keys.
+                        _ => 0,
+                    };
                     // The blocks stay pinned until the last byte is sent.
-                    let sent = self.send_segment(&mut stream, &mut frame, &bytes, &crcs, &stopped);
+                    let sent = self.send_segment(&mut stream, &mut frame, &bytes, &crcs, served, &stopped);
                     release(store, handle);
                     sent?;
                     metrics.served_segments.inc();
@@ -320,10 +331,11 @@ impl DataPlane {
         frame: &mut Vec<u8>,
         bytes: &[u8],
         crcs: &[u32],
+        served: u32,
         stopped: &dyn Fn() -> bool,
     ) -> Result<(), PeerError> {
         let deadline = Instant::now() + SEGMENT_DEADLINE;
-        peer::encode_segment_header(frame, crcs.len() as u16, self.block_bytes as u64);
+        peer::encode_segment_header(frame, SegmentHeader { blocks: crcs.len() as u16, block_bytes: self.block_bytes as u64, served });
         peer::write_all(stream, frame, deadline, stopped, "sending a segment header")?;
         for (index, (block, &crc)) in bytes.chunks_exact(self.block_bytes).zip(crcs).enumerate() {
             peer::encode_block_prefix(frame, index as u16, crc, self.block_bytes);
@@ -362,7 +374,9 @@ impl DataPlane {
     /// Asker: reads segments `first..first + count` of a prompt (`keys`, its block keys) from
     /// the holder at `address` and stores each locally. Returns the blocks stored (new to this
     /// pool); a failure says which segment and why (those stored before it stay). The whole
-    /// fetch is bounded by `deadline` and ends early when `stopped` (the daemon's drain).
+    /// fetch is bounded by `deadline` and ends early when `stopped` (the daemon's drain). Each
+    /// segment stored is passed to `stored_segment` (its index, its keys, how many times its
+    /// holder has served it) right after its commit.
     #[allow(clippy::too_many_arguments)]
     pub fn fetch(
         &self,
@@ -374,12 +388,13 @@ impl DataPlane {
         address: SocketAddr,
         deadline: Instant,
         stopped: &dyn Fn() -> bool,
+        stored_segment: &mut dyn FnMut(usize, &[u64], u32),
     ) -> Result<usize, (usize, FetchError)> {
         let taken = self.fetches.fetch_update(Ordering::AcqRel, Ordering::Acquire, |now| (now < FETCHES_MAX).then_some(now + 1));
         if taken.is_err() {
             return Err((0, FetchError::Busy { max: FETCHES_MAX }));
         }
-        let result = self.fetch_segments(store, space, keys, segments, node, address, deadline, stopped);
+        let result = self.fetch_segments(store, space, keys, segments, node, address, deadline, stopped, stored_segment);
         self.fetches.fetch_sub(1, Ordering::AcqRel);
         result
     }
@@ -395,6 +410,7 @@ impl DataPlane {
         address: SocketAddr,
         deadline: Instant,
         stopped: &dyn Fn() -> bool,
+        stored_segment: &mut dyn FnMut(usize, &[u64], u32),
     ) -> Result<usize, (usize, FetchError)> {
         let per_segment = usize::from(self.segment_blocks.get());
         let peer_error =
@@ -413,7 +429,8 @@ impl DataPlane {
             let segment_keys = &keys[segment * per_segment..(segment + 1) * per_segment];
             let request = ReadSegment { space: *space, index: segment as u32, keys: segment_keys.to_vec() };
             let segment_deadline = deadline.min(Instant::now() + SEGMENT_DEADLINE);
-            self.receive_segment(&mut stream, &request, &mut frame, &mut body, &mut bytes, segment_deadline, stopped)
+            let served = self
+                .receive_segment(&mut stream, &request, &mut frame, &mut body, &mut bytes, segment_deadline, stopped)
                 .map_err(|source| (stored, peer_error(segment, source)))?;
             stored += self.store_segment(store, segment_keys, &bytes).map_err(|error| {
                 (
@@ -424,11 +441,13 @@ impl DataPlane {
                     },
                 )
             })?;
+            stored_segment(segment, segment_keys, served);
         }
         Ok(stored)
     }
 
     /// Asker: one segment's request and answer; its blocks' bytes into `bytes`, each checked.
+    /// Returns how many times the holder has served the segment (its header's count).
     #[allow(clippy::too_many_arguments)]
     fn receive_segment(
         &self,
@@ -439,7 +458,7 @@ impl DataPlane {
         bytes: &mut Vec<u8>,
         deadline: Instant,
         stopped: &dyn Fn() -> bool,
-    ) -> Result<(), PeerError> {
+    ) -> Result<u32, PeerError> {
         request.encode(frame);
         peer::write_all(stream, frame, deadline, stopped, "sending a read")?;
         let block_bytes = self.block_bytes as u64;
@@ -449,7 +468,7 @@ impl DataPlane {
             PeerKind::Failure => return Err(peer::decode_failure(body)),
             other => return Err(PeerError::Garbage(format!("a {other:?} frame where a segment header was due"))),
         }
-        let (blocks, sent_bytes) = peer::decode_segment_header(body)?;
+        let SegmentHeader { blocks, block_bytes: sent_bytes, served } = peer::decode_segment_header(body)?;
         if usize::from(blocks) != request.keys.len() || sent_bytes != block_bytes {
             return Err(PeerError::Garbage(format!(
                 "a segment of {blocks} blocks of {sent_bytes} bytes; asked for {} of {block_bytes}",
@@ -469,7 +488,7 @@ impl DataPlane {
             }
             bytes.extend_from_slice(block);
         }
-        Ok(())
+        Ok(served)
     }
 
     /// Asker: stores a fetched segment (`bytes`: its blocks in order) in the local pool; its

@@ -7,8 +7,10 @@
 //! [`PeerError`], never a panic and never bytes passed on.
 //!
 //! A read: the asker sends `ReadSegment` (model space, segment position, the segment's block
-//! keys); the holder answers `SegmentHeader` (blocks, bytes per block) then one `Block` per
-//! block in order (its index, its payload CRC, its bytes), or `Failure` (code, text) instead.
+//! keys); the holder answers `SegmentHeader` (blocks, bytes per block, how many times it has
+//! served this segment, this read included: the heavy-hitter count, docs/cluster.md) then one
+//! `Block` per block in order (its index, its payload CRC, its bytes), or `Failure` (code, text)
+//! instead. Version 2 added the served count (a version-1 peer's frames are refused by version).
 //! Every read has a deadline per frame ([`read_frame`]): a peer that stalls mid-stream costs
 //! that long, then the read fails.
 
@@ -18,7 +20,7 @@ use std::time::{Duration, Instant};
 use tutti_cluster::{ModelSpace, FINGERPRINT_BYTES};
 
 const MAGIC: [u8; 4] = *b"TPDP";
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
 pub const HEADER_BYTES: usize = 12;
 /// Most blocks one segment has (`SegmentBlocks::MAX`).
 pub const SEGMENT_BLOCKS_MAX: usize = 64;
@@ -273,19 +275,38 @@ impl ReadSegment {
     }
 }
 
-/// The holder's answer before the blocks: how many, of how many bytes each.
-pub fn encode_segment_header(out: &mut Vec<u8>, blocks: u16, block_bytes: u64) {
-    out.clear();
-    encode_header(out, PeerKind::SegmentHeader, 10);
-    out.extend_from_slice(&blocks.to_le_bytes());
-    out.extend_from_slice(&block_bytes.to_le_bytes());
+/// Bytes of a `SegmentHeader` body: blocks u16, bytes per block u64, times served u32.
+const SEGMENT_HEADER_BYTES: usize = 14;
+
+/// The holder's answer before the blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SegmentHeader {
+    pub blocks: u16,
+    pub block_bytes: u64,
+    /// Reads of this segment the holder has answered with its data since it started (this one
+    /// included; its bounded count, `heavy_hitters.rs`): what the asker compares with its
+    /// `--cluster-replicate-after`.
+    pub served: u32,
 }
 
-pub fn decode_segment_header(body: &[u8]) -> Result<(u16, u64), PeerError> {
-    if body.len() != 10 {
-        return Err(PeerError::Garbage(format!("a SegmentHeader body of {} bytes, 10 expected", body.len())));
-    }
-    Ok((u16::from_le_bytes([body[0], body[1]]), u64::from_le_bytes(body[2..10].try_into().unwrap_or([0; 8]))))
+pub fn encode_segment_header(out: &mut Vec<u8>, header: SegmentHeader) {
+    out.clear();
+    encode_header(out, PeerKind::SegmentHeader, SEGMENT_HEADER_BYTES as u32);
+    out.extend_from_slice(&header.blocks.to_le_bytes());
+    out.extend_from_slice(&header.block_bytes.to_le_bytes());
+    out.extend_from_slice(&header.served.to_le_bytes());
+}
+
+pub fn decode_segment_header(body: &[u8]) -> Result<SegmentHeader, PeerError> {
+    let Ok(body) = <&[u8; SEGMENT_HEADER_BYTES]>::try_from(body) else {
+        return Err(PeerError::Garbage(format!("a SegmentHeader body of {} bytes, {SEGMENT_HEADER_BYTES} expected", body.len())));
+    };
+    let [b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11, b12, b13] = *body;
+    Ok(SegmentHeader {
+        blocks: u16::from_le_bytes([b0, b1]),
+        block_bytes: u64::from_le_bytes([b2, b3, b4, b5, b6, b7, b8, b9]),
+        served: u32::from_le_bytes([b10, b11, b12, b13]),
+    })
 }
 
 /// One block's frame header and prefix (index, CRC); its bytes follow as the rest of the body.
@@ -336,7 +357,7 @@ pub fn decode_failure(body: &[u8]) -> PeerError {
 /// The largest body the holder's answers may have, for an asker expecting `block_bytes`.
 pub fn answer_body_max(kind: PeerKind, block_bytes: u64) -> u64 {
     match kind {
-        PeerKind::SegmentHeader => 10,
+        PeerKind::SegmentHeader => SEGMENT_HEADER_BYTES as u64,
         PeerKind::Block => 6 + block_bytes,
         PeerKind::Failure => 4 + MESSAGE_BYTES_MAX as u64,
         PeerKind::ReadSegment => 0,
@@ -400,8 +421,10 @@ mod tests {
         }
         assert!(matches!(decode_failure(&body(&frame)[..5]), PeerError::Garbage(_)));
 
-        encode_segment_header(&mut frame, 16, 4096);
-        assert_eq!(decode_segment_header(body(&frame)).unwrap(), (16, 4096));
+        let sent = SegmentHeader { blocks: 16, block_bytes: 4096, served: 3 };
+        encode_segment_header(&mut frame, sent);
+        assert_eq!(decode_segment_header(body(&frame)).unwrap(), sent);
+        assert!(matches!(decode_segment_header(&body(&frame)[..10]), Err(PeerError::Garbage(_))), "a version-1 header body");
         let header: [u8; HEADER_BYTES] = frame[..HEADER_BYTES].try_into().unwrap();
         for (position, value) in [(0, b'X'), (4, 9), (6, 0x77)] {
             let mut bad = header;

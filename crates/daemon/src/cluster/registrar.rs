@@ -4,7 +4,9 @@
 //! 1. **Local, under the pool lock** (microseconds): the index's departed block keys drop the
 //!    held segments they broke; each committed store's full segments whose blocks are all still
 //!    committed become held. Then, without the lock, the manifest records both.
-//! 2. **etcd, without any lock**, when no backoff is pending: join (or rejoin after a lost lease:
+//! 2. **etcd, without any lock**, when no backoff is pending: before the first join, delete the
+//!    entries of segments the manifest listed but the pool no longer holds (a wiped pool: the
+//!    previous process's lease may still claim them); join (or rejoin after a lost lease:
 //!    a new lease has no registrations, so every held segment is registered again); update the
 //!    member record when the set of models changed; unregister broken segments; register held
 //!    ones, one transaction per `txn_ops_max` segments of one model space, at most
@@ -21,7 +23,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use tutti_cluster::layout::FINGERPRINTS_MAX;
-use tutti_cluster::{segments_of, ClusterConfig, ClusterError, ClusterNode, MemberRecord, ModelSpace, Segment};
+use tutti_cluster::{segments_of, ClusterClient, ClusterConfig, ClusterError, ClusterNode, MemberRecord, ModelSpace, Segment};
 
 use super::held::{HeldSegment, HeldSegments};
 use super::manifest::Manifest;
@@ -43,6 +45,17 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
+/// What the daemon's start recovered for the registrar (`ClusterAgent::start`).
+pub(super) struct Recovered {
+    /// Segments the manifest listed whose blocks the pool still holds.
+    pub held: HeldSegments,
+    /// The manifest, rewritten with those.
+    pub manifest: Manifest,
+    /// Segments the manifest listed that the pool no longer holds (their registrations, if
+    /// any, are deleted before the first join).
+    pub stale: Vec<(ModelSpace, Segment)>,
+}
+
 /// See the module docs.
 pub(crate) struct Registrar {
     config: ClusterConfig,
@@ -56,6 +69,9 @@ pub(crate) struct Registrar {
     node: Option<ClusterNode>,
     /// Broken segments still registered under the current lease.
     to_unregister: Vec<(ModelSpace, Segment)>,
+    /// Before the first join: segments the previous process may have registered that this pool
+    /// no longer holds (from the manifest), to delete first.
+    stale: Vec<(ModelSpace, Segment)>,
     /// The unregister queue overflowed: rejoin rather than unregister one by one.
     rejoin_needed: bool,
     backoff: Duration,
@@ -74,9 +90,9 @@ impl Registrar {
         inbox: Inbox,
         metrics: ClusterMetrics,
         state: Arc<AgentState>,
-        held: HeldSegments,
-        manifest: Manifest,
+        recovered: Recovered,
     ) -> Registrar {
+        let Recovered { held, manifest, stale } = recovered;
         Registrar {
             config,
             record,
@@ -87,6 +103,7 @@ impl Registrar {
             manifest: Some(manifest),
             node: None,
             to_unregister: Vec::new(),
+            stale,
             rejoin_needed: false,
             backoff: BACKOFF_FIRST,
             next_attempt: Instant::now(),
@@ -120,7 +137,10 @@ impl Registrar {
             commits.clear();
             if Instant::now() >= self.next_attempt {
                 match self.talk_to_etcd(stop) {
-                    Ok(()) => self.backoff = BACKOFF_FIRST,
+                    Ok(()) => {
+                        self.backoff = BACKOFF_FIRST;
+                        self.state.failing.store(false, Ordering::Relaxed);
+                    }
                     Err(error) => self.failed(error),
                 }
             }
@@ -151,11 +171,13 @@ impl Registrar {
                     continue;
                 }
                 for segment in &self.segments {
+                    // `segment.index` counts within `commit.keys`; the prompt's starts earlier
+                    // for a fetched segment handed over alone.
                     let start = segment.index as usize * per_segment;
                     let keys = &commit.keys[start..start + per_segment];
-                    if !self.held.contains(&commit.space, segment.key) && whole(keys) && self.held.insert(commit.space, segment.index, keys)
-                    {
-                        added.push((commit.space, segment.index, position, start));
+                    let Some(index) = commit.first_segment.checked_add(segment.index) else { continue };
+                    if !self.held.contains(&commit.space, segment.key) && whole(keys) && self.held.insert(commit.space, index, keys) {
+                        added.push((commit.space, index, position, start));
                     }
                 }
             }
@@ -198,6 +220,13 @@ impl Registrar {
     /// Step 2 (module docs).
     fn talk_to_etcd(&mut self, stop: &StopHandle) -> Result<(), ClusterError> {
         let fingerprints: Vec<[u8; 32]> = self.held.fingerprints().take(FINGERPRINTS_MAX).copied().collect();
+        if self.node.is_none() && !self.stale.is_empty() {
+            self.forget_stale(stop)?;
+            if !self.stale.is_empty() {
+                // More than a pass's share: the next pass goes on before joining.
+                return Ok(());
+            }
+        }
         if self.node.is_none() {
             let record = MemberRecord { fingerprints: fingerprints.clone(), ..self.record.clone() };
             let node = ClusterNode::join(self.config.clone(), record)?;
@@ -261,6 +290,35 @@ impl Registrar {
         Ok(())
     }
 
+    /// Deletes this node id's entries of the stale segments (up to [`TRANSACTIONS_PER_PASS`]
+    /// transactions per pass), before the first join and so before any registration of this
+    /// process: nothing it registers itself is deleted.
+    fn forget_stale(&mut self, stop: &StopHandle) -> Result<(), ClusterError> {
+        let client = ClusterClient::connect(self.config.clone())?;
+        let batch_max = self.config.txn_ops_max;
+        let mut transactions = 0;
+        while !self.stale.is_empty() && transactions < TRANSACTIONS_PER_PASS && !stop.is_stopped() {
+            let space = self.stale[0].0;
+            let mut batch = Vec::with_capacity(batch_max.min(self.stale.len()));
+            self.stale.retain(|&(other, segment)| {
+                if other == space && batch.len() < batch_max {
+                    batch.push(segment);
+                    false
+                } else {
+                    true
+                }
+            });
+            if let Err(error) = client.forget(&self.record.node, &space, &batch) {
+                self.stale.extend(batch.into_iter().map(|segment| (space, segment)));
+                return Err(error);
+            }
+            tracing::info!(segments = batch.len(), "deleted registrations of segments this pool no longer holds");
+            self.metrics.unregistered_segments.inc_by(batch.len() as u64);
+            transactions += 1;
+        }
+        Ok(())
+    }
+
     /// A new lease: nothing of this node is registered under it.
     fn joined_anew(&mut self) {
         self.held.unregister_all();
@@ -271,6 +329,7 @@ impl Registrar {
 
     fn failed(&mut self, error: ClusterError) {
         self.metrics.registry_errors.inc();
+        self.state.failing.store(true, Ordering::Relaxed);
         tracing::warn!(%error, retry_in = ?self.backoff, "cluster registry call failed");
         *lock(&self.state.last_error) = error.to_string();
         self.next_attempt = Instant::now() + self.backoff;
@@ -279,6 +338,11 @@ impl Registrar {
     }
 
     fn publish(&self) {
+        if let Some(node) = self.node.as_ref() {
+            let health = node.health();
+            let since_ms = u64::try_from(health.since_renewal.as_millis()).unwrap_or(u64::MAX);
+            self.state.confirmed_at_ms.store(self.state.now_ms().saturating_sub(since_ms), Ordering::Relaxed);
+        }
         let joined = self.node.as_ref().is_some_and(|node| !node.health().lost);
         self.metrics.joined.set(i64::from(joined));
         self.metrics.segments_held.set(self.held.len() as i64);

@@ -12,12 +12,14 @@ pub const REMOTE_HOLDERS_MAX: usize = 1024;
 /// Longest node id (the cluster crate's bound).
 const NODE_BYTES_MAX: usize = 64;
 
-/// Where the remote part of a [`ClusterLookupReply`] comes from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Where the remote part of a [`ClusterLookupReply`] comes from; in a [`ClusterStatusReply`],
+/// whether the registry answers this node now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum RegistryAnswer {
     /// The registry answered (`remote_blocks` may be 0: nobody else holds more).
     Answered,
     /// This daemon is not a cluster node: the local part only.
+    #[default]
     NotClustered,
     /// The registry did not answer within the lookup timeout, or failed so recently that it
     /// was not asked: the local part only (recompute the rest, or ask again later).
@@ -112,6 +114,15 @@ pub struct ClusterStatusReply {
     pub serve_refusals: u64,
     /// The last registry error, if any.
     pub last_error: String,
+    /// The registry as this node sees it now, answered from local state (never waits on etcd):
+    /// `Answered` while the lease was confirmed within a renewal interval (a third of the lease)
+    /// plus one request timeout and the registrar's last call succeeded, `Unavailable`
+    /// otherwise; `NotClustered` outside a cluster.
+    pub registry: RegistryAnswer,
+    /// Milliseconds since etcd last confirmed this node's lease (or since start, never joined).
+    pub registry_silent_ms: u64,
+    /// Fetched segments registered here as second replicas (heavy hitters).
+    pub replicated_segments: u64,
 }
 
 pub(super) fn put_cluster_status(out: &mut Vec<u8>, status: &ClusterStatusReply) {
@@ -146,6 +157,9 @@ pub(super) fn put_cluster_status(out: &mut Vec<u8>, status: &ClusterStatusReply)
         put_u64(out, value);
     }
     put_str(out, &status.last_error);
+    out.push(status.registry.to_u8());
+    put_u64(out, status.registry_silent_ms);
+    put_u64(out, status.replicated_segments);
 }
 
 impl BodyReader<'_> {
@@ -178,18 +192,25 @@ impl BodyReader<'_> {
             served_segments: self.u64("served_segments")?,
             serve_refusals: self.u64("serve_refusals")?,
             last_error: self.string("last_error", STRING_BYTES_MAX)?,
+            registry: self.registry_answer()?,
+            registry_silent_ms: self.u64("registry_silent_ms")?,
+            replicated_segments: self.u64("replicated_segments")?,
+        })
+    }
+
+    fn registry_answer(&mut self) -> Result<RegistryAnswer, ProtocolError> {
+        Ok(match self.bytes(1, "registry")?[0] {
+            0 => RegistryAnswer::Answered,
+            1 => RegistryAnswer::NotClustered,
+            2 => RegistryAnswer::Unavailable,
+            other => return Err(self.malformed(format!("registry answer {other} is not 0, 1 or 2"))),
         })
     }
 
     pub(super) fn cluster_lookup(&mut self) -> Result<ClusterLookupReply, ProtocolError> {
         let cached_blocks = self.u32("cached_blocks")?;
         let block_tokens = self.u32("block_tokens")?;
-        let registry = match self.bytes(1, "registry")?[0] {
-            0 => RegistryAnswer::Answered,
-            1 => RegistryAnswer::NotClustered,
-            2 => RegistryAnswer::Unavailable,
-            other => return Err(self.malformed(format!("registry answer {other} is not 0, 1 or 2"))),
-        };
+        let registry = self.registry_answer()?;
         let remote_blocks = self.u32("remote_blocks")?;
         let count = usize::from(self.u16("holder_count")?);
         // Each holder takes at least 6 bytes: checked before anything is allocated.

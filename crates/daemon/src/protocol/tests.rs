@@ -356,6 +356,9 @@ fn sample_cluster_status() -> ClusterStatusReply {
         served_segments: 9,
         serve_refusals: 2,
         last_error: "the cluster registry is unavailable".into(),
+        registry: RegistryAnswer::Unavailable,
+        registry_silent_ms: 4_321,
+        replicated_segments: 6,
     }
 }
 
@@ -403,6 +406,13 @@ fn cluster_messages_round_trip_and_every_truncation_is_malformed() {
         let mut long = body.to_vec();
         long.push(0);
         assert!(matches!(Reply::decode(header.kind, &long), Err(ProtocolError::MalformedBody { .. })));
+        if header.kind == Kind::ClusterStatusReply {
+            // The status's registry answer (after its last string, 17 bytes from the end).
+            let mut answer = body.to_vec();
+            let at = answer.len() - 17;
+            answer[at] = 3;
+            assert!(matches!(Reply::decode(header.kind, &answer), Err(ProtocolError::MalformedBody { .. })));
+        }
         // The status's first flag, the lookup's registry answer: 3 is neither.
         if header.kind != Kind::Fetched {
             let mut flag = body.to_vec();
