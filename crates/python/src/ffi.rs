@@ -222,7 +222,8 @@ unsafe extern "C" fn export_versioned_deleter(managed: *mut DlManagedTensorVersi
     if managed.is_null() {
         return;
     }
-    // SAFETY: as in `export_deleter`: made by `Box::into_raw` in `export_dlpack`, deleted once.
+    // SAFETY: `managed` and its context were made by `Box::into_raw` in `export_dlpack`, and
+    // DLPack calls a deleter once (by the consumer, or by our capsule destructor when unconsumed).
     unsafe {
         let managed = Box::from_raw(managed);
         drop(Box::from_raw(managed.manager_ctx as *mut ExportContext));
@@ -231,7 +232,9 @@ unsafe extern "C" fn export_versioned_deleter(managed: *mut DlManagedTensorVersi
 
 /// Destructor of the versioned capsules we hand out (as `export_capsule_destructor`).
 unsafe extern "C" fn export_versioned_capsule_destructor(capsule: *mut ffi::PyObject) {
-    // SAFETY: as in `export_capsule_destructor`, under the versioned name.
+    // SAFETY: CPython calls this with the GIL held and `capsule` alive. Still named
+    // "dltensor_versioned", nobody consumed it, so the tensor is ours to delete; a consumer
+    // renamed it and calls the deleter itself.
     unsafe {
         if ffi::PyCapsule_IsValid(capsule, DLTENSOR_VERSIONED.as_ptr()) == 1 {
             let managed = ffi::PyCapsule_GetPointer(capsule, DLTENSOR_VERSIONED.as_ptr()) as *mut DlManagedTensorVersioned;
@@ -267,7 +270,9 @@ pub fn export_dlpack<'py>(py: Python<'py>, region: &DmaRegion, versioned: bool) 
             flags: 0,
             dl_tensor: tensor,
         }));
-        // SAFETY: as below, for the versioned struct and name.
+        // SAFETY: a capsule over our own Box pointer (just made, owned by nobody else) with a
+        // static C-string name that outlives it and a destructor that frees the struct only if
+        // no consumer took it (see `export_versioned_capsule_destructor`).
         let capsule =
             unsafe { ffi::PyCapsule_New(managed as *mut c_void, DLTENSOR_VERSIONED.as_ptr(), Some(export_versioned_capsule_destructor)) };
         if capsule.is_null() {

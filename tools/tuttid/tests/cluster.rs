@@ -807,6 +807,19 @@ fn block_frame(index: u16, bytes: &[u8], crc: u32) -> Vec<u8> {
     frame(0x8002, &body)
 }
 
+/// Joins `etcd` as node `name` at `address` (a fake holder's) and registers prompt `seed`'s
+/// segments there: the registry then sends fetches of that prompt to the fake.
+fn register_fake_holder(etcd: &LocalEtcd, name: &str, address: std::net::SocketAddr, seed: u32) -> ClusterNode {
+    let mut config = ClusterConfig::new(etcd.endpoints(), ClusterId::new(CLUSTER).unwrap(), SegmentBlocks::new(SEGMENT_BLOCKS).unwrap());
+    config.lease_ttl = LEASE;
+    config.request_timeout = REQUEST_TIMEOUT;
+    let record =
+        MemberRecord { node: NodeId::new(name).unwrap(), address: address.to_string(), capacity_bytes: 1 << 30, fingerprints: vec![] };
+    let node = ClusterNode::join(config, record).unwrap();
+    node.register(&model(), &segments(seed)).unwrap();
+    node
+}
+
 /// A holder that reads one request and misbehaves as told (each connection), until dropped.
 fn fake_holder(misbehaviour: Misbehaviour) -> (std::net::SocketAddr, std::thread::JoinHandle<()>) {
     use std::io::{Read, Write};
@@ -888,18 +901,7 @@ fn a_holder_that_sends_garbage_stalls_lies_or_dies_is_a_typed_error_and_nothing_
     let tokens = common::prompt(10, PROMPT_BLOCKS, BLOCK_TOKENS);
     for misbehaviour in [Misbehaviour::Garbage, Misbehaviour::Stall, Misbehaviour::WrongChecksum, Misbehaviour::Dies] {
         let (address, thread) = fake_holder(misbehaviour);
-        let mut config =
-            ClusterConfig::new(etcd.endpoints(), ClusterId::new(CLUSTER).unwrap(), SegmentBlocks::new(SEGMENT_BLOCKS).unwrap());
-        config.lease_ttl = LEASE;
-        config.request_timeout = REQUEST_TIMEOUT;
-        let record = MemberRecord {
-            node: NodeId::new("evil").unwrap(),
-            address: address.to_string(),
-            capacity_bytes: 1 << 30,
-            fingerprints: vec![],
-        };
-        let evil = ClusterNode::join(config, record).unwrap();
-        evil.register(&model(), &segments(10)).unwrap();
+        let evil = register_fake_holder(&etcd, "evil", address, 10);
         let started = Instant::now();
         let failure = on_b.fetch_remote(&tokens).expect_err("a fetch from a misbehaving holder");
         let took = started.elapsed();
@@ -937,13 +939,7 @@ fn a_fetch_longer_than_the_clients_lease_keeps_its_session() {
     on_b.hello(&hello(0, 1, "fetch-slow")).unwrap();
     let tokens = common::prompt(12, PROMPT_BLOCKS, BLOCK_TOKENS);
     let (address, thread) = fake_holder(Misbehaviour::Slow);
-    let mut config = ClusterConfig::new(etcd.endpoints(), ClusterId::new(CLUSTER).unwrap(), SegmentBlocks::new(SEGMENT_BLOCKS).unwrap());
-    config.lease_ttl = LEASE;
-    config.request_timeout = REQUEST_TIMEOUT;
-    let record =
-        MemberRecord { node: NodeId::new("slow").unwrap(), address: address.to_string(), capacity_bytes: 1 << 30, fingerprints: vec![] };
-    let slow = ClusterNode::join(config, record).unwrap();
-    slow.register(&model(), &segments(12)).unwrap();
+    let slow = register_fake_holder(&etcd, "slow", address, 12);
     let started = Instant::now();
     // The fake serves one segment and closes: the first is stored, the second read fails.
     let failure = on_b.fetch_remote(&tokens).expect_err("the fake holder serves one segment only");
@@ -970,13 +966,7 @@ fn fetches_past_the_nodes_limit_are_refused_at_once() {
     wait_for("b joins", SOON, || members(&reader) == ["b"]);
     let tokens = common::prompt(13, PROMPT_BLOCKS, BLOCK_TOKENS);
     let (address, thread) = fake_holder(Misbehaviour::Slow);
-    let mut config = ClusterConfig::new(etcd.endpoints(), ClusterId::new(CLUSTER).unwrap(), SegmentBlocks::new(SEGMENT_BLOCKS).unwrap());
-    config.lease_ttl = LEASE;
-    config.request_timeout = REQUEST_TIMEOUT;
-    let record =
-        MemberRecord { node: NodeId::new("slow").unwrap(), address: address.to_string(), capacity_bytes: 1 << 30, fingerprints: vec![] };
-    let slow = ClusterNode::join(config, record).unwrap();
-    slow.register(&model(), &segments(13)).unwrap();
+    let slow = register_fake_holder(&etcd, "slow", address, 13);
     // The slow holder serves the first connection; the others wait unanswered (stall, 2 s).
     let fetchers: Vec<_> = (0..4)
         .map(|index| {

@@ -390,28 +390,9 @@ impl DataPlane {
         stopped: &dyn Fn() -> bool,
         stored_segment: &mut dyn FnMut(usize, &[u64], u32),
     ) -> Result<usize, (usize, FetchError)> {
-        let taken = self.fetches.fetch_update(Ordering::AcqRel, Ordering::Acquire, |now| (now < FETCHES_MAX).then_some(now + 1));
-        if taken.is_err() {
+        let Some(_slot) = FetchSlot::take(&self.fetches) else {
             return Err((0, FetchError::Busy { max: FETCHES_MAX }));
-        }
-        let result = self.fetch_segments(store, space, keys, segments, node, address, deadline, stopped, stored_segment);
-        self.fetches.fetch_sub(1, Ordering::AcqRel);
-        result
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn fetch_segments(
-        &self,
-        store: &Mutex<StoreState>,
-        space: &ModelSpace,
-        keys: &[u64],
-        segments: std::ops::Range<usize>,
-        node: &str,
-        address: SocketAddr,
-        deadline: Instant,
-        stopped: &dyn Fn() -> bool,
-        stored_segment: &mut dyn FnMut(usize, &[u64], u32),
-    ) -> Result<usize, (usize, FetchError)> {
+        };
         let per_segment = usize::from(self.segment_blocks.get());
         let peer_error =
             |segment: usize, source| FetchError::Peer { node: node.to_owned(), address, segment: segment as u32, source: Box::new(source) };
@@ -538,6 +519,22 @@ impl DataPlane {
                 Err(error)
             }
         }
+    }
+}
+
+/// One of the node's [`FETCHES_MAX`] fetch slots, given back when dropped (on every path out).
+struct FetchSlot<'a>(&'a AtomicUsize);
+
+impl<'a> FetchSlot<'a> {
+    fn take(fetches: &'a AtomicUsize) -> Option<FetchSlot<'a>> {
+        fetches.fetch_update(Ordering::AcqRel, Ordering::Acquire, |now| (now < FETCHES_MAX).then_some(now + 1)).ok()?;
+        Some(FetchSlot(fetches))
+    }
+}
+
+impl Drop for FetchSlot<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
