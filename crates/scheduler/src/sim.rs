@@ -21,9 +21,11 @@
 //! I/O kernels run on the reserved I/O SMs and never slow compute (Tutti's green contexts); the
 //! SSD has no internal state beyond the mixed-traffic penalty (no garbage collection, no cache
 //! warm-up); one request at a time. Writes queued by earlier requests can be carried in
-//! ([`simulate_with_backlog`]): the policy sees them as queued from time 0 and writes them, oldest
-//! first, before this request's own. Numbers from this simulator are model outputs, never
-//! measurements.
+//! ([`simulate_with_backlog`], [`simulate_carried`]): the policy sees them as queued from time 0
+//! and writes them, oldest first, before this request's own; a write an earlier request already
+//! handed to the SSD ([`WriteCarry::in_flight_bytes`]) runs from time 0 and, for a runtime with a
+//! read/write barrier, holds this request's reads until it completes. Numbers from this
+//! simulator are model outputs, never measurements.
 
 use std::collections::VecDeque;
 
@@ -58,6 +60,21 @@ pub struct SimConfig {
     pub queued_kernels_hide_latency: bool,
 }
 
+/// Writes an earlier request left behind when this one arrives (a runtime's write queue outlives
+/// its requests).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct WriteCarry {
+    /// Bytes queued, not yet handed to the SSD: the policy grants them like this request's own.
+    pub queued_bytes: u64,
+    /// Bytes of a write already handed to the SSD (it cannot be taken back): it runs first, from
+    /// time 0, paying the command latency like any kernel.
+    pub in_flight_bytes: u64,
+    /// Whether this request's reads wait until that write completed (`tutti-runtime` under
+    /// slack-aware and no-overlap issues no read while a write is in flight); otherwise they
+    /// share the SSD with it at the mixed-traffic rate.
+    pub reads_wait_for_in_flight: bool,
+}
+
 /// What one run produced.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct SimResult {
@@ -79,6 +96,9 @@ pub struct SimResult {
     pub mixed_io_us: f64,
     pub write_backlog_bytes_at_ttft: u64,
     pub write_backlog_bytes_at_end: u64,
+    /// Of `write_backlog_bytes_at_end`, the bytes left of the write kernel the SSD was serving
+    /// when the run ended (transferring or paying its latency): 0 when no write was moving.
+    pub write_in_flight_bytes_at_end: u64,
     /// Time decode steps took (writes never slow them in this model).
     pub decode_us: f64,
 }
@@ -91,6 +111,9 @@ struct Job {
     after_reads: bool,
     latency_left_us: f64,
     sm_budget: u32,
+    /// A write already on the SSD when the run began, which reads may not pass (see
+    /// [`WriteCarry::reads_wait_for_in_flight`]).
+    holds_reads: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -165,6 +188,21 @@ pub fn simulate_with_backlog(
     policy: &mut dyn IoPolicy,
     write_backlog_bytes: u64,
 ) -> Result<SimResult> {
+    let carry = WriteCarry { queued_bytes: write_backlog_bytes, ..WriteCarry::default() };
+    simulate_carried(truth, scheduler_table, ssd, config, policy, &carry)
+}
+
+/// Runs one request that finds `carry` of earlier requests' writes: queued bytes, and possibly a
+/// write already on the SSD. Both count in `write_backlog_bytes_at_ttft` / `_at_end`, not in
+/// `write_bytes` (this request's new KV).
+pub fn simulate_carried(
+    truth: &Profile,
+    scheduler_table: &Profile,
+    ssd: &SsdModel,
+    config: &SimConfig,
+    policy: &mut dyn IoPolicy,
+    carry: &WriteCarry,
+) -> Result<SimResult> {
     ssd.validate()?;
     if config.iocb_bytes == 0 {
         return Err(SchedulerError::InvalidConfig { field: "iocb_bytes".into(), reason: "must be > 0".into() });
@@ -178,6 +216,19 @@ pub fn simulate_with_backlog(
         field: "iocb_bytes".into(),
         reason: "too small: more than u32::MAX IOCBs per layer".into(),
     })?;
+    let mut writes = VecDeque::new();
+    if carry.in_flight_bytes > 0 {
+        writes.push_back(Job {
+            layer: None,
+            bytes_total: carry.in_flight_bytes,
+            bytes_left: carry.in_flight_bytes as f64,
+            release_us: 0.0,
+            after_reads: false,
+            latency_left_us: ssd.command_latency_us,
+            sm_budget: scheduler_table.io_sm_budget_max(IoKind::Write).max(1),
+            holds_reads: carry.reads_wait_for_in_flight,
+        });
+    }
     let sim = Sim {
         truth,
         scheduler_table,
@@ -187,12 +238,12 @@ pub fn simulate_with_backlog(
         layers: &bucket.layers,
         now_us: 0.0,
         reads: VecDeque::new(),
-        writes: VecDeque::new(),
+        writes,
         held: Vec::new(),
         unissued_read_iocbs: vec![read_iocbs; layer_count],
         unissued_read_bytes: vec![read_bytes_per_layer; layer_count],
         pending_read_bytes: vec![read_bytes_per_layer as f64; layer_count],
-        queued_write_bytes: write_backlog_bytes,
+        queued_write_bytes: carry.queued_bytes,
         new_kv_bytes_per_layer,
         bubble_us: 0.0,
         mixed_io_us: 0.0,
@@ -251,6 +302,7 @@ impl<'a> Sim<'a> {
             mixed_io_us: self.mixed_io_us,
             write_backlog_bytes_at_ttft,
             write_backlog_bytes_at_end: self.write_backlog_bytes(),
+            write_in_flight_bytes_at_end: self.write_in_flight_bytes(),
             decode_us,
         })
     }
@@ -266,6 +318,14 @@ impl<'a> Sim<'a> {
     fn write_backlog_bytes(&self) -> u64 {
         let in_flight: f64 = self.writes.iter().map(|j| j.bytes_left).sum();
         self.queued_write_bytes + in_flight.round() as u64
+    }
+
+    /// Bytes left of the write kernel the SSD is serving now (0 when none is).
+    fn write_in_flight_bytes(&self) -> u64 {
+        match self.writes.front() {
+            Some(head) if self.head_active(IoKind::Write) => head.bytes_left.round() as u64,
+            _ => 0,
+        }
     }
 
     fn outstanding_iocbs(&self, kind: IoKind) -> u32 {
@@ -301,6 +361,10 @@ impl<'a> Sim<'a> {
             return false;
         };
         if head.release_us > self.now_us {
+            return false;
+        }
+        // Reads wait behind a carried write that holds them.
+        if kind == IoKind::Read && self.writes.iter().any(|w| w.holds_reads) {
             return false;
         }
         // A gated write waits for every released read.
@@ -497,6 +561,7 @@ impl<'a> Sim<'a> {
             after_reads: issue.after_reads,
             latency_left_us: self.ssd.command_latency_us,
             sm_budget: issue.sm_budget.max(1),
+            holds_reads: false,
         };
         let queue = match issue.kind {
             IoKind::Read => &mut self.reads,

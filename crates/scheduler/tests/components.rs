@@ -7,7 +7,7 @@ use scheduler::analytic::{build_table, layer_kernels, AnalyticGrid, GpuSpec, Mod
 use scheduler::import::import_timeline;
 use scheduler::policy::{IoPolicy, Issue, LayerPlan, LayerView, NoOverlap, QueueView};
 use scheduler::probe::{measure_io_costs, IoCostProbe, IoGrid, ProbeSample};
-use scheduler::sim::{simulate, simulate_with_backlog, SimConfig};
+use scheduler::sim::{simulate, simulate_carried, simulate_with_backlog, SimConfig, WriteCarry};
 use scheduler::ssd::SsdModel;
 use scheduler::table::{IoKind, Profile};
 use scheduler::SchedulerError;
@@ -202,6 +202,36 @@ fn a_carried_write_backlog_is_queued_from_the_start_and_counted() {
     let plain = simulate(&table, &table, &toy_ssd(), &config, &mut WritesOneIocb).unwrap();
     assert_eq!(plain.write_backlog_bytes_at_end, 3 << 20);
     assert_eq!(simulate_with_backlog(&table, &table, &toy_ssd(), &config, &mut WritesOneIocb, 0).unwrap(), plain);
+}
+
+/// Goal: a write an earlier request already handed to the SSD runs from time 0 and cannot be
+/// taken back. Under a read/write barrier (tutti-runtime's slack-aware and no-overlap) the reads
+/// wait until it completed; without one they share the SSD with it. No-overlap reads 4 layers of
+/// 1 MiB (200 µs + 50 µs latency each, one after another) before layer 0; the carried write is
+/// 1 MiB (400 µs + 50 µs).
+#[test]
+fn a_write_in_flight_at_arrival_holds_reads_under_a_barrier() {
+    let table = Profile::from_table(common::table()).unwrap();
+    let config = SimConfig {
+        input_tokens: 2048,
+        prefix_tokens: 1024,
+        iocb_bytes: 1 << 20,
+        decode_step_count: 0,
+        queued_kernels_hide_latency: false,
+    };
+    let run = |carry: WriteCarry| simulate_carried(&table, &table, &toy_ssd(), &config, &mut NoOverlap, &carry).unwrap();
+    let none = run(WriteCarry::default());
+    assert!((none.bubble_us - 4.0 * 250.0).abs() < 1e-6, "{none:?}");
+    let held = run(WriteCarry { queued_bytes: 0, in_flight_bytes: 1 << 20, reads_wait_for_in_flight: true });
+    assert!((held.bubble_us - (450.0 + 4.0 * 250.0)).abs() < 1e-6, "the reads start after the write: {held:?}");
+    // Shared at half rate: layer 0's read ends at 450 µs with half the write moved; the write's
+    // last 3/8 MiB share layer 1's read (done at 850 µs); layers 2 and 3 alone: 1350 µs.
+    let shared = run(WriteCarry { queued_bytes: 0, in_flight_bytes: 1 << 20, reads_wait_for_in_flight: false });
+    assert!((shared.bubble_us - 1350.0).abs() < 1e-6, "{shared:?}");
+    assert!(shared.mixed_io_us > 0.0 && held.mixed_io_us == 0.0);
+    // The carried bytes are backlog, not this request's new KV.
+    assert_eq!(held.write_bytes, none.write_bytes);
+    assert_eq!(held.write_backlog_bytes_at_ttft, none.write_backlog_bytes_at_ttft);
 }
 
 /// Reads every layer up front; before layer 1 writes one IOCB of whatever is queued.

@@ -90,7 +90,12 @@ fn a_tiny_stream_reports_every_documented_field_for_every_policy() {
             "/predicted/forced_write_us",
             "/deviation/ttft_p50",
             "/deviation/bubble_share_points",
+            "/deviation/ttft_mean",
+            "/deviation/ttft_per_request_median",
+            "/deviation/ttft_per_request_max_abs",
             "/per_request/0/ttft_us",
+            "/per_request/0/ttft_deviation",
+            "/per_request/0/predicted/write_in_flight_bytes_at_start",
             "/per_request/0/admission_us",
             "/per_request/0/bubble_us",
             "/per_request/0/predicted/ttft_us",
@@ -98,12 +103,30 @@ fn a_tiny_stream_reports_every_documented_field_for_every_policy() {
             "/repeat/runs",
             "/repeat/median/ttft_p50_us",
             "/repeat/median/bubble_share",
+            "/repeat/median/ttft_mean_us",
+            "/repeat/median/predicted_ttft_mean_us",
+            "/repeat/median/ttft_per_request_median_deviation",
         ] {
             assert!(policy.pointer(path).is_some_and(|value| !value.is_null()), "{name}: {path} missing: {policy}");
         }
         assert_eq!(policy["requests"], 4);
         let ttft = &policy["ttft_us"];
         assert!(ttft["p50"].as_f64().unwrap() > 0.0 && ttft["p50"].as_f64() <= ttft["p99"].as_f64(), "{name}: {ttft}");
+        // The per-request deviation is each request against its own prediction, and the figure
+        // judged is their median (the lower middle of an even count).
+        let mut deviations: Vec<f64> = policy["per_request"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|request| {
+                let deviation = request["ttft_us"].as_f64().unwrap() / request["predicted"]["ttft_us"].as_f64().unwrap() - 1.0;
+                assert!((request["ttft_deviation"].as_f64().unwrap() - deviation).abs() < 1e-9, "{name}: {request}");
+                deviation
+            })
+            .collect();
+        deviations.sort_by(f64::total_cmp);
+        let median = policy["deviation"]["ttft_per_request_median"].as_f64().unwrap();
+        assert!((median - deviations[(deviations.len() - 1) / 2]).abs() < 1e-9, "{name}: {median} against {deviations:?}");
         let share = policy["bubble_share"].as_f64().unwrap();
         assert!((0.0..1.0).contains(&share), "{name}: bubble_share {share}");
         // Every store of the stream was written and committed by the end (drained).
