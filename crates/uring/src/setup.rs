@@ -19,7 +19,9 @@ impl SetupFlags {
     pub const NONE: Self = Self(0);
     /// `IORING_SETUP_CQSIZE` with a completion queue exactly as deep as the submission queue (the
     /// kernel's default is twice as deep): fio's choice. A ring never has more transfers in flight
-    /// than its capacity, so the completion queue cannot overflow. Linux 5.5.
+    /// than its capacity; the cancel answers of [`crate::Ring::cancel_in_flight`] may go past it,
+    /// and wait in the kernel (`IORING_FEAT_NODROP`) until an enter with GETEVENTS, which
+    /// cancellation makes. Linux 5.5.
     pub const COMPLETION_QUEUE_SIZE: Self = Self(1 << 0);
     /// `IORING_SETUP_COOP_TASKRUN`: the kernel does not interrupt the ring's thread to post a
     /// completion; it posts them at that thread's next entry into the kernel. Linux 5.19.
