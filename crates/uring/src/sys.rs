@@ -418,6 +418,7 @@ impl Ring {
 
     /// Hands queued entries to the kernel without waiting. A busy or interrupted kernel is not an
     /// error: the entries stay queued for the next call.
+    ///
     /// On a `DEFER_TASKRUN` ring it also posts the completions the kernel holds (it enters with
     /// GETEVENTS whenever a transfer is in flight, even with nothing queued).
     pub fn submit(&mut self) -> Result<(), UringError> {
