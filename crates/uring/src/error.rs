@@ -13,6 +13,12 @@ pub enum UringError {
     Timeout { waited: Duration, in_flight: usize },
     #[error("io_uring_enter failed: {source}")]
     Enter { source: io::Error },
+    /// A single-issuer ring (`IORING_SETUP_SINGLE_ISSUER`) is bound to the first thread that
+    /// entered it; the kernel refuses every other thread, and so does the ring, before entering.
+    #[error("io_uring {operation} refused: the ring is bound to another thread (IORING_SETUP_SINGLE_ISSUER)")]
+    WrongThread { operation: &'static str },
+    #[error("enabling the single-issuer ring failed (IORING_REGISTER_ENABLE_RINGS): {source}")]
+    Enable { source: io::Error },
     #[error("the ring has all {capacity} transfers in flight (or its submission queue is full)")]
     Full { capacity: usize },
     #[error("a transfer of {len_bytes} bytes does not fit its {capacity_bytes}-byte buffer")]

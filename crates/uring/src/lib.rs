@@ -22,17 +22,27 @@
 //!   ([`UringError::StillInFlight`]) or not, so a caller never retries a write that the kernel
 //!   may still complete after the retry.
 //!
+//! - [`SetupFlags`] / [`Ring::with_setup`]: the setup flags fio's io_uring engine uses
+//!   (`CQSIZE`, `COOP_TASKRUN`, `SINGLE_ISSUER`, `DEFER_TASKRUN`), for a comparator set up as fio
+//!   is. A kernel that refuses one (`EINVAL`) gets a ring with fewer ([`Ring::setup_flags`] says
+//!   which are in force). Under `DEFER_TASKRUN` the ring enters the kernel with
+//!   `IORING_ENTER_GETEVENTS` before every look at its completions (submit, reap, cancellation),
+//!   since the kernel posts them only then; under `SINGLE_ISSUER` it is bound to the first thread
+//!   that enters it and refuses others with [`UringError::WrongThread`].
+//!
 //! All unsafe code is in the `sys` module.
 #![deny(unsafe_code)]
 
 mod batch;
 mod buffer;
 mod error;
+mod setup;
 mod sys;
 
 pub use batch::Job;
 pub use buffer::AlignedBuffer;
 pub use error::UringError;
+pub use setup::SetupFlags;
 pub use sys::{leaked_buffers_total, Completion, Refused, RefusedRegions, Ring, REGIONS_MAX};
 
 use std::os::fd::RawFd;

@@ -25,6 +25,17 @@
 //! and reaps until each is given back or a deadline passes; a transfer reaped that way (cancelled,
 //! failed or completed) can no longer land, one still in flight afterwards can. Its cancel
 //! entries carry [`CANCEL_USER_DATA`], which no transfer slot uses, and reference no memory.
+//!
+//! Setup flags ([`SetupFlags`], chosen with [`Ring::with_setup`]). Under `DEFER_TASKRUN` the
+//! kernel posts a completion only while the ring's thread is inside `io_uring_enter` with
+//! `IORING_ENTER_GETEVENTS`: the completion queue looks empty until then, however long ago the
+//! transfer finished. So on such a ring every non-waiting [`Ring::submit`] enters with
+//! GETEVENTS even when nothing is queued, [`Ring::reap`] enters first unless an enter has run
+//! since the last reap, and cancellation enters with it before each look; waits always carry it.
+//! Under `SINGLE_ISSUER` only the thread the ring is bound to (the first to enter it) may enter:
+//! every call that enters checks the calling thread first and refuses another with
+//! [`UringError::WrongThread`]; a ring dropped on another thread cannot drain, so it leaks
+//! (counted) what it holds, as an abandoned ring does.
 #![allow(unsafe_code)]
 
 use std::alloc::Layout;
@@ -33,12 +44,13 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use io_uring::{opcode, types, IoUring};
+use io_uring::{opcode, types, EnterFlags, IoUring};
 
 use nvme_driver::hw::DmaRegion;
 
 use crate::buffer::AlignedBuffer;
 use crate::error::UringError;
+use crate::setup::{current_thread_number, set_up, set_up_in_kernel, SetupFlags};
 use crate::{Direction, Transfer};
 
 /// How long dropping a ring waits for transfers still in flight before it leaks their buffers.
@@ -175,12 +187,32 @@ pub struct Refused {
     pub error: UringError,
 }
 
+/// Which threads may enter a ring (see [`SetupFlags::SINGLE_ISSUER`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Issuer {
+    /// Any thread (no `SINGLE_ISSUER`).
+    Any,
+    /// A single-issuer ring set up disabled, not entered yet: the first thread to enter enables
+    /// it and is bound to it.
+    Unbound,
+    /// The thread (a [`current_thread_number`]) bound to the ring.
+    Bound(u64),
+}
+
 /// See the crate documentation.
 ///
 /// The kernel cancels (`ECANCELED`) the transfers a thread submitted when that thread exits, so
 /// a ring is used from the thread that pushes and waits (it is `Send`, to be moved before use).
+/// A ring set up with [`SetupFlags::SINGLE_ISSUER`] enforces it: it is bound to the first thread
+/// that enters the kernel through it and refuses the others ([`UringError::WrongThread`]).
 pub struct Ring {
     ring: IoUring,
+    /// The setup flags in force (those asked for, less any the kernel refused).
+    setup_flags: SetupFlags,
+    issuer: Issuer,
+    /// On a `DEFER_TASKRUN` ring: whether an enter with GETEVENTS ran since the last reap, so the
+    /// completions the kernel held then are posted and the next reap need not enter again.
+    events_posted: bool,
     /// Indexed by the `user_data` of the entry; `capacity` slots, allocated once.
     in_flight: Vec<Option<InFlight>>,
     /// The iovec array of each slot (see [`IovecTable`]).
@@ -196,20 +228,41 @@ pub struct Ring {
 
 impl std::fmt::Debug for Ring {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Ring").field("capacity", &self.capacity()).field("in_flight", &self.in_flight()).finish()
+        f.debug_struct("Ring")
+            .field("capacity", &self.capacity())
+            .field("in_flight", &self.in_flight())
+            .field("setup_flags", &self.setup_flags)
+            .finish()
     }
 }
 
 impl Ring {
-    /// A ring for up to `entries` transfers in flight (rounded up to a power of two, at least 2).
-    /// Refused where io_uring is missing, forbidden, or too old for bounded waits.
+    /// A plain ring (no setup flags) for up to `entries` transfers in flight (rounded up to a
+    /// power of two, at least 2). Refused where io_uring is missing, forbidden, or too old for
+    /// bounded waits.
     pub fn new(entries: u32) -> Result<Self, UringError> {
+        Self::with_setup(entries, SetupFlags::NONE)
+    }
+
+    /// [`Ring::new`] with setup `flags`. A kernel that refuses one (`EINVAL`, an older kernel)
+    /// gets the ring with fewer, newest dropped first; [`Ring::setup_flags`] says which are in
+    /// force.
+    pub fn with_setup(entries: u32, flags: SetupFlags) -> Result<Self, UringError> {
+        Self::set_up_with(entries, flags, set_up_in_kernel)
+    }
+
+    /// [`Ring::with_setup`] through `setup` in place of the kernel's `io_uring_setup` (tests
+    /// inject refusals there).
+    pub(crate) fn set_up_with(
+        entries: u32,
+        flags: SetupFlags,
+        setup: impl FnMut(u32, SetupFlags) -> io::Result<IoUring>,
+    ) -> Result<Self, UringError> {
         let entries = entries
             .max(2)
             .checked_next_power_of_two()
             .ok_or(UringError::Unsupported { reason: format!("{entries} entries is more than a ring can hold"), source: None })?;
-        let ring = IoUring::new(entries)
-            .map_err(|source| UringError::Unsupported { reason: "io_uring_setup failed".into(), source: Some(source) })?;
+        let (ring, setup_flags) = set_up(entries, flags, setup)?;
         if !ring.params().is_feature_ext_arg() {
             return Err(UringError::Unsupported {
                 reason: "the kernel's io_uring lacks IORING_FEAT_EXT_ARG (Linux 5.11+), needed for waits with a deadline".into(),
@@ -219,12 +272,35 @@ impl Ring {
         let capacity = entries as usize;
         Ok(Self {
             ring,
+            setup_flags,
+            issuer: if setup_flags.contains(SetupFlags::SINGLE_ISSUER) { Issuer::Unbound } else { Issuer::Any },
+            events_posted: false,
             in_flight: (0..capacity).map(|_| None).collect(),
             iovecs: (0..capacity).map(|_| IovecTable::default()).collect(),
             free: (0..entries).rev().collect(),
             abandoned: None,
             cancellation_enabled: true,
         })
+    }
+
+    /// The setup flags in force: those asked for less any the kernel refused.
+    pub fn setup_flags(&self) -> SetupFlags {
+        self.setup_flags
+    }
+
+    /// Checks that the calling thread may enter the kernel through this ring; the first thread to
+    /// enter a single-issuer ring enables it (`IORING_REGISTER_ENABLE_RINGS`) and is bound to it.
+    fn claim_issuer(&mut self, operation: &'static str) -> Result<(), UringError> {
+        match self.issuer {
+            Issuer::Any => Ok(()),
+            Issuer::Bound(thread) if thread == current_thread_number() => Ok(()),
+            Issuer::Bound(_) => Err(UringError::WrongThread { operation }),
+            Issuer::Unbound => {
+                self.ring.submitter().register_enable_rings().map_err(|source| UringError::Enable { source })?;
+                self.issuer = Issuer::Bound(current_thread_number());
+                Ok(())
+            }
+        }
     }
 
     /// Transfers that can be in flight at once.
@@ -342,23 +418,51 @@ impl Ring {
 
     /// Hands queued entries to the kernel without waiting. A busy or interrupted kernel is not an
     /// error: the entries stay queued for the next call.
+    ///
+    /// On a `DEFER_TASKRUN` ring it also posts the completions the kernel holds (it enters with
+    /// GETEVENTS whenever a transfer is in flight, even with nothing queued).
     pub fn submit(&mut self) -> Result<(), UringError> {
         if let Some(error) = self.abandoned_error() {
             return Err(error);
         }
+        self.claim_issuer("submit")?;
         self.submit_queued()
     }
 
-    /// [`Ring::submit`] without the abandonment check (cancellation runs on abandoned rings).
+    /// [`Ring::submit`] without the abandonment and thread checks (cancellation runs on
+    /// abandoned rings; callers check the thread).
     fn submit_queued(&mut self) -> Result<(), UringError> {
-        if self.ring.submission().is_empty() {
-            return Ok(());
-        }
-        match self.ring.submit() {
+        let result = if self.setup_flags.defers_task_run() {
+            if self.ring.submission().is_empty() && self.in_flight() == 0 {
+                return Ok(());
+            }
+            self.enter_for_events()
+        } else {
+            if self.ring.submission().is_empty() {
+                return Ok(());
+            }
+            self.ring.submit()
+        };
+        match result {
             Ok(_) => Ok(()),
             Err(error) if retryable(&error) => Ok(()),
             Err(source) => Err(UringError::Enter { source }),
         }
+    }
+
+    /// One `io_uring_enter` that submits what is queued and, with GETEVENTS and no minimum,
+    /// makes the kernel post the completions it holds for this thread (a `DEFER_TASKRUN` ring's
+    /// only way to see them without waiting). The caller has checked the thread.
+    fn enter_for_events(&mut self) -> io::Result<usize> {
+        let queued = self.ring.submission().len() as u32;
+        // SAFETY: `queued` counts entries pushed by `push`, `push_regions` and `push_cancel`,
+        // whose memory stays valid until their completions are reaped (see their SAFETY
+        // comments); no argument pointer is passed (none is read for these flags).
+        let entered = unsafe { self.ring.submitter().enter::<libc::sigset_t>(queued, 0, EnterFlags::GETEVENTS.bits(), None) };
+        if entered.is_ok() {
+            self.events_posted = true;
+        }
+        entered
     }
 
     /// Submits queued entries and waits until at least one completion is ready or `deadline`
@@ -368,6 +472,7 @@ impl Ring {
         if let Some(error) = self.abandoned_error() {
             return Err(error);
         }
+        self.claim_issuer("wait")?;
         self.wait_for_completion(deadline)
     }
 
@@ -387,8 +492,10 @@ impl Ring {
             let left = deadline.saturating_duration_since(now);
             let timespec = types::Timespec::new().sec(left.as_secs()).nsec(left.subsec_nanos());
             let arguments = types::SubmitArgs::new().timespec(&timespec);
+            // Waiting for one completion always carries GETEVENTS, which on a `DEFER_TASKRUN`
+            // ring also posts every completion held.
             match self.ring.submitter().submit_with_args(1, &arguments) {
-                Ok(_) => {}
+                Ok(_) => self.events_posted = true,
                 // ETIME: the deadline passed in the kernel; the loop reports it (or a completion
                 // that raced it).
                 Err(error) if error.raw_os_error() == Some(libc::ETIME) || retryable(&error) => {}
@@ -398,8 +505,21 @@ impl Ring {
     }
 
     /// Hands every completion that is ready to `on_done`, with its buffer; returns how many. A
-    /// completion naming no transfer in flight is consumed and reported after the others.
+    /// completion naming no transfer in flight is consumed and reported after the others. On a
+    /// `DEFER_TASKRUN` ring, enters the kernel first (GETEVENTS, no wait) unless a submit or wait
+    /// did since the last reap.
     pub fn reap(&mut self, mut on_done: impl FnMut(Completion)) -> Result<usize, UringError> {
+        if self.setup_flags.defers_task_run() {
+            self.claim_issuer("reap")?;
+            if !self.events_posted && self.in_flight() > 0 {
+                match self.enter_for_events() {
+                    Ok(_) => {}
+                    Err(error) if retryable(&error) => {}
+                    Err(source) => return Err(UringError::Enter { source }),
+                }
+            }
+            self.events_posted = false;
+        }
         let mut done = 0;
         let mut unexpected = None;
         for entry in self.ring.completion() {
@@ -456,6 +576,10 @@ impl Ring {
     /// any time. Works on an abandoned ring (that is what it is for) and may be called again
     /// later, with a deadline of now, to learn whether the kernel has given them back since.
     pub fn cancel_in_flight(&mut self, deadline: Instant, mut on_done: impl FnMut(Completion)) -> usize {
+        if let Err(error) = self.claim_issuer("cancel") {
+            tracing::error!(%error, in_flight = self.in_flight(), "io_uring cancellation impossible from this thread");
+            return self.in_flight();
+        }
         if self.cancellation_enabled {
             // Bounded: one cancel entry per slot in flight, at most the capacity.
             for slot in 0..self.in_flight.len() {
@@ -470,10 +594,10 @@ impl Ring {
                 }
             }
         }
-        // Enter the kernel even with nothing to submit: completions it owes this thread are
-        // posted on the way back (task work), so a transfer given back since the last call is
-        // seen by the reap below even with a deadline of now.
-        match self.ring.submit() {
+        // Enter the kernel even with nothing to submit, with GETEVENTS: completions it owes this
+        // thread are posted on the way back (task work, deferred or not), so a transfer given
+        // back since the last call is seen by the reap below even with a deadline of now.
+        match self.enter_for_events() {
             Ok(_) => {}
             Err(error) if retryable(&error) => {}
             Err(error) => tracing::error!(%error, "io_uring_enter during cancellation failed"),
@@ -507,7 +631,9 @@ impl Ring {
 
 impl Drop for Ring {
     fn drop(&mut self) {
-        if self.in_flight() > 0 && self.abandoned.is_none() {
+        // A single-issuer ring dropped on another thread cannot enter the kernel to drain: what
+        // it holds is leaked below, as an abandoned ring's is.
+        if self.in_flight() > 0 && self.abandoned.is_none() && self.claim_issuer("drop").is_ok() {
             let deadline = Instant::now() + DROP_DRAIN_TIMEOUT;
             while self.in_flight() > 0 {
                 if self.wait(deadline).is_err() || self.reap(drop).is_err() {

@@ -64,6 +64,10 @@ pub trait Device: Send + Sync {
     fn block_size_bytes(&self) -> u32;
     /// A queue for one job thread with `depth` buffers of `slot_bytes` each.
     fn open_queue(&self, depth: u32, slot_bytes: usize) -> Result<Box<dyn IoQueue>, DeviceError>;
+    /// The io_uring setup flags in force, for devices that drive a ring of their own (`uring:`).
+    fn ring_setup(&self) -> Option<String> {
+        None
+    }
 }
 
 /// A job's queue on one device. Slots `0..depth` each own one buffer; a slot is queued at most

@@ -262,7 +262,7 @@ fn configuration(cli: &Cli, devices: &[Arc<dyn Device>], region_bytes: u64) -> s
         "verify": cli.verify,
         "executor": "cpu",
         "emu_timing": devices::timing_json(cli.emu_timing),
-        "devices": devices.iter().map(|device| json!({"name": device.name(), "description": device.describe(), "capacity_bytes": device.capacity_bytes()})).collect::<Vec<_>>(),
+        "devices": devices.iter().map(|device| json!({"name": device.name(), "description": device.describe(), "capacity_bytes": device.capacity_bytes(), "io_uring_setup": device.ring_setup()})).collect::<Vec<_>>(),
         "striping": if devices.len() > 1 { format!("round-robin in units of bs across {} devices", devices.len()) } else { "none".into() },
     })
 }

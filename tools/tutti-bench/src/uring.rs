@@ -7,7 +7,10 @@
 //! allocated when the queue opens. A slot's buffer is lent to the ring while its I/O is in flight
 //! and comes back with the completion. Submission and waiting share one `io_uring_enter` per
 //! loop (like fio's io_uring engine without fixed buffers), and every wait carries the run's
-//! deadline, so a stuck device fails the run instead of hanging it.
+//! deadline, so a stuck device fails the run instead of hanging it. The ring is set up with the
+//! flags fio's engine uses (`tutti_uring::SetupFlags::FIO`: CQSIZE, COOP_TASKRUN, SINGLE_ISSUER,
+//! DEFER_TASKRUN), or with those of them the kernel accepts; the device line and the JSON say
+//! which. A queue is opened, driven and dropped on its job's thread (the single issuer).
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
@@ -16,7 +19,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use tutti_uring::{AlignedBuffer, Refused, Ring, Transfer, UringError};
+use tutti_uring::{AlignedBuffer, Refused, Ring, SetupFlags, Transfer, UringError};
 
 use crate::args::format_size;
 use crate::devices::{Device, DeviceError, Direction, IoQueue, IO_TIMEOUT};
@@ -35,6 +38,9 @@ pub struct UringDevice {
     capacity_bytes: u64,
     block_size_bytes: u32,
     block_device: bool,
+    /// The ring setup flags this kernel accepts of fio's, found once at open: every queue asks
+    /// for exactly these.
+    setup_flags: SetupFlags,
 }
 
 impl UringDevice {
@@ -67,7 +73,11 @@ impl UringDevice {
         } else {
             return Err(DeviceError::Setup(format!("uring:{}: not a regular file or block device", path.display())));
         };
-        Ok(Self { path: path.to_path_buf(), file: Arc::new(file), capacity_bytes, block_size_bytes, block_device })
+        // A small ring set up as fio's, to learn (and print) which flags this kernel accepts.
+        let setup_flags = Ring::with_setup(2, SetupFlags::FIO)
+            .map_err(|error| DeviceError::Setup(format!("uring:{}: {error}", path.display())))?
+            .setup_flags();
+        Ok(Self { path: path.to_path_buf(), file: Arc::new(file), capacity_bytes, block_size_bytes, block_device, setup_flags })
     }
 }
 
@@ -78,7 +88,17 @@ impl Device for UringDevice {
 
     fn describe(&self) -> String {
         let kind = if self.block_device { "block device" } else { "file" };
-        format!("kernel io_uring, O_DIRECT, on {kind} {} of {}", self.path.display(), format_size(self.capacity_bytes))
+        format!(
+            "kernel io_uring, O_DIRECT, on {kind} {} of {}, ring setup {}{}",
+            self.path.display(),
+            format_size(self.capacity_bytes),
+            self.setup_flags,
+            if self.setup_flags == SetupFlags::FIO { " (as fio's)" } else { " (fio's less what this kernel refused)" },
+        )
+    }
+
+    fn ring_setup(&self) -> Option<String> {
+        Some(self.setup_flags.to_string())
     }
 
     fn capacity_bytes(&self) -> u64 {
@@ -91,7 +111,7 @@ impl Device for UringDevice {
 
     fn open_queue(&self, depth: u32, slot_bytes: usize) -> Result<Box<dyn IoQueue>, DeviceError> {
         let name = self.name();
-        let ring = Ring::new(depth).map_err(|error| DeviceError::Setup(format!("{name}: {error}")))?;
+        let ring = Ring::with_setup(depth, self.setup_flags).map_err(|error| DeviceError::Setup(format!("{name}: {error}")))?;
         let fill: Vec<u8> = (0..slot_bytes).map(|index| (index as u8).wrapping_mul(31) ^ 0xa5).collect();
         let mut buffers = Vec::with_capacity(depth as usize);
         for _ in 0..depth {

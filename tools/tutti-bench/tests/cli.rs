@@ -132,6 +132,18 @@ fn uring_runs_with_verify_or_skips_without_io_uring() {
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(stdout.contains("randread (verify: read back and compare): 2 job(s)"), "{stdout}");
     assert!(stdout.contains("no mismatch"), "{stdout}");
+    // The ring is set up as fio's where the kernel allows, and the device line says with what.
+    assert!(stdout.contains(", ring setup "), "{stdout}");
+    let output =
+        bench(&["--device", &format!("uring:{}", path.display()), "--size=2m", "--rw=randread", "--bs=4k", "--output-format=json"]);
+    assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
+    let json: serde_json::Value = serde_json::from_slice(&output.stdout).expect("JSON output parses");
+    let flags = json["global options"]["devices"][0]["io_uring_setup"].as_str().expect("the ring's setup flags in the JSON").to_string();
+    assert!(
+        flags == "none" || flags.split('|').all(|flag| ["CQSIZE", "COOP_TASKRUN", "SINGLE_ISSUER", "DEFER_TASKRUN"].contains(&flag)),
+        "{flags}"
+    );
+    assert!(stdout.contains(&format!("ring setup {flags}")), "{stdout}");
 }
 
 #[test]
