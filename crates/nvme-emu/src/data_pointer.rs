@@ -81,16 +81,19 @@ fn copy_failed(region: &DataRegion, error: &nvme_driver::HwError) -> NvmeStatus 
 /// Resolves the data pointer of `entry` for a transfer of `length_bytes`. `sgl_allowed` is false
 /// for admin commands (PCIe admin commands use PRPs) and when the controller reports no SGLs.
 ///
-/// Allocation-free apart from the result's region list: the pointer's ranges are walked, merged
-/// where they continue each other (so one translation covers several pages) and translated as
-/// they come, with no intermediate range lists (this runs once per I/O command).
+/// Allocation-free when `spare` (an empty list, e.g. one a finished command gave back) has room
+/// for the regions: the pointer's ranges are walked, merged where they continue each other (so
+/// one translation covers several pages) and translated as they come, with no intermediate
+/// range lists (this runs once per I/O command).
 pub(crate) fn resolve(
     dma: &HostAccess<'_>,
     entry: &SubmissionEntry,
     length_bytes: u64,
     sgl_allowed: bool,
+    spare: Vec<DmaRegion>,
 ) -> Result<DataBuffers, NvmeStatus> {
-    let mut buffers = DataBuffers::default();
+    debug_assert!(spare.is_empty(), "a spare region list holds no region");
+    let mut buffers = DataBuffers { regions: spare, copied: Vec::new() };
     if length_bytes == 0 {
         return Ok(buffers);
     }
@@ -419,7 +422,7 @@ mod tests {
         // Resolved, the pieces that continue each other are one region.
         let mut entry = SubmissionEntry::default();
         entry.dptr = [base + 512, list_start];
-        let buffers = resolve(&HostAccess::new(&dma, None), &entry, 4096 - 512 + 3 * 4096, false).unwrap();
+        let buffers = resolve(&HostAccess::new(&dma, None), &entry, 4096 - 512 + 3 * 4096, false, Vec::new()).unwrap();
         let regions: Vec<_> = buffers.regions.iter().map(|region| (region.iova().0, region.len())).collect();
         assert_eq!(regions, vec![(base + 512, 3584 + 3 * 4096)]);
         assert!(buffers.copied.is_empty());

@@ -19,6 +19,7 @@
 
 use std::time::{Duration, Instant};
 
+use nvme_driver::hw::DmaRegion;
 use nvme_driver::spec::status::codes;
 use nvme_driver::spec::{NvmOpcode, SubmissionEntry};
 use tutti_uring::{Completion, Direction, Refused, RefusedRegions, Transfer, UringError, REGIONS_MAX};
@@ -38,6 +39,9 @@ const IN_FLIGHT_WAIT: Duration = Duration::from_micros(20);
 /// Transfer buffers kept for reuse, and the largest one worth keeping.
 const IO_BUFFERS_KEPT: usize = 64;
 const IO_BUFFER_KEPT_MAX_BYTES: usize = (1 << 20) + 4096;
+/// Empty region lists kept for reuse (one per transfer the ring can hold), so resolving a data
+/// pointer does not allocate per command.
+const REGION_LISTS_KEPT: usize = 128;
 
 /// A Read or Write validated and waiting for (or doing) its backing-store transfer.
 pub(super) struct PreparedIo {
@@ -249,7 +253,8 @@ impl ControllerCore {
     /// synchronous path does). It first waits for in-flight commands it conflicts with, and for
     /// room (ring depth, `in_flight_bytes_max`). An invalid command completes at once.
     fn start_io(&mut self, queue_id: u16, completion_queue_id: u16, entry: &SubmissionEntry, sq_head: u32, write: bool) {
-        let (namespace_index, namespace, buffers) = match self.prepare_transfer(entry) {
+        let spare = self.spare_region_lists.pop().unwrap_or_default();
+        let (namespace_index, namespace, buffers) = match self.prepare_transfer(entry, spare) {
             Ok(prepared) => prepared,
             Err(status) => return self.complete(queue_id, completion_queue_id, sq_head, entry, Err(status), None, Instant::now()),
         };
@@ -648,6 +653,7 @@ impl ControllerCore {
         }
         self.recycle_buffer(buffer);
         self.complete(io.queue_id, io.completion_queue_id, io.sq_head, &io.entry, result, None, Instant::now());
+        self.recycle_regions(io.buffers.regions);
     }
 
     /// Whether a Write bypasses the volatile write cache (the rule of `store_blocks`). A Write
@@ -658,6 +664,16 @@ impl ControllerCore {
         let length = u64::from(entry.block_count()) * u64::from(namespace.block_size_bytes);
         let cache_on = self.config.volatile_write_cache && self.features.write_cache_enabled;
         !cache_on || entry.force_unit_access() || length > self.config.write_cache_bytes
+    }
+
+    /// Keeps a finished command's region list for the next command, empty: its regions (strong
+    /// references to host memory) are dropped now, so memory the host frees is unmapped as
+    /// before and a later command naming its IOVA gets a Data Transfer Error.
+    pub(crate) fn recycle_regions(&mut self, mut regions: Vec<DmaRegion>) {
+        regions.clear();
+        if self.spare_region_lists.len() < REGION_LISTS_KEPT && regions.capacity() <= REGIONS_MAX {
+            self.spare_region_lists.push(regions);
+        }
     }
 
     fn recycle_buffer(&mut self, buffer: AlignedBuffer) {
