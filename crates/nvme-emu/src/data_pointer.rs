@@ -420,8 +420,7 @@ mod tests {
         let ranges = prp_ranges(&HostAccess::new(&dma, None), base + 512, list_start, 4096 - 512 + 3 * 4096).unwrap();
         assert_eq!(ranges, vec![(base + 512, 3584), (base + 4096, 4096), (base + 8192, 4096), (base + 12288, 4096)]);
         // Resolved, the pieces that continue each other are one region.
-        let mut entry = SubmissionEntry::default();
-        entry.dptr = [base + 512, list_start];
+        let entry = SubmissionEntry { dptr: [base + 512, list_start], ..SubmissionEntry::default() };
         let buffers = resolve(&HostAccess::new(&dma, None), &entry, 4096 - 512 + 3 * 4096, false, Vec::new()).unwrap();
         let regions: Vec<_> = buffers.regions.iter().map(|region| (region.iova().0, region.len())).collect();
         assert_eq!(regions, vec![(base + 512, 3584 + 3 * 4096)]);
