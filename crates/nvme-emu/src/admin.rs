@@ -48,7 +48,7 @@ impl ControllerCore {
     }
 
     fn to_host(&self, entry: &SubmissionEntry, data: &[u8]) -> Result<(), nvme_driver::spec::NvmeStatus> {
-        data_pointer::resolve(&HostAccess::new(&self.dma, None), entry, data.len() as u64, false)?.scatter(data)
+        data_pointer::resolve(&HostAccess::new(&self.dma, None), entry, data.len() as u64, false, Vec::new())?.scatter(data)
     }
 
     fn identify(&mut self, entry: &SubmissionEntry) -> CommandResult {

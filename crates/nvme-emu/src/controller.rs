@@ -147,6 +147,8 @@ pub(crate) struct ControllerCore {
     /// Reads and Writes whose transfers the ring holds (see `controller/batch.rs`).
     in_flight: InFlight,
     io_buffers: Vec<AlignedBuffer>,
+    /// Empty region lists of finished transfers, reused for the next commands' data pointers.
+    pub(crate) spare_region_lists: Vec<Vec<nvme_driver::hw::DmaRegion>>,
     /// Reused per scan: commands fetched from one SQ.
     fetched: Vec<(SubmissionEntry, u32)>,
     /// The timing model, when configured: Read/Write completions it holds back.
@@ -202,6 +204,7 @@ impl ControllerCore {
             reader,
             in_flight,
             io_buffers: Vec::new(),
+            spare_region_lists: Vec::new(),
             fetched: Vec::new(),
             timing: config.timing.map(TimingState::new),
             finished: Vec::new(),

@@ -80,52 +80,78 @@ fn copy_failed(region: &DataRegion, error: &nvme_driver::HwError) -> NvmeStatus 
 
 /// Resolves the data pointer of `entry` for a transfer of `length_bytes`. `sgl_allowed` is false
 /// for admin commands (PCIe admin commands use PRPs) and when the controller reports no SGLs.
+///
+/// Allocation-free when `spare` (an empty list, e.g. one a finished command gave back) has room
+/// for the regions: the pointer's ranges are walked, merged where they continue each other (so
+/// one translation covers several pages) and translated as they come, with no intermediate
+/// range lists (this runs once per I/O command).
 pub(crate) fn resolve(
     dma: &HostAccess<'_>,
     entry: &SubmissionEntry,
     length_bytes: u64,
     sgl_allowed: bool,
+    spare: Vec<DmaRegion>,
 ) -> Result<DataBuffers, NvmeStatus> {
+    debug_assert!(spare.is_empty(), "a spare region list holds no region");
+    let mut buffers = DataBuffers { regions: spare, copied: Vec::new() };
     if length_bytes == 0 {
-        return Ok(DataBuffers::default());
+        return Ok(buffers);
     }
-    let ranges = match entry.psdt() {
-        0 => prp_ranges(dma, entry.dptr[0], entry.dptr[1], length_bytes)?,
-        1 | 2 if sgl_allowed => sgl_ranges(dma, entry.dptr, length_bytes)?,
-        _ => return Err(generic(codes::INVALID_FIELD)),
+    let mut pending: Option<(u64, u64)> = None;
+    let mut sink = |iova: u64, len: u64| -> Result<(), NvmeStatus> {
+        match pending.as_mut() {
+            Some((start, total)) if start.checked_add(*total) == Some(iova) => *total += len,
+            _ => {
+                if let Some((start, total)) = pending.replace((iova, len)) {
+                    translate(dma, start, total, &mut buffers)?;
+                }
+            }
+        }
+        Ok(())
     };
-    let mut pieces = Vec::with_capacity(ranges.len());
-    for (iova, len) in coalesce(ranges) {
-        translate(dma, iova, len, &mut pieces)?;
+    match entry.psdt() {
+        0 => walk_prp(dma, entry.dptr[0], entry.dptr[1], length_bytes, &mut sink)?,
+        1 | 2 if sgl_allowed => walk_sgl(dma, entry.dptr, length_bytes, &mut sink)?,
+        _ => return Err(generic(codes::INVALID_FIELD)),
     }
-    if pieces.iter().all(|piece| matches!(piece, DataRegion::Host(_))) {
-        let regions = pieces
-            .into_iter()
-            .filter_map(|piece| match piece {
-                DataRegion::Host(region) => Some(region),
-                DataRegion::Copied(_) => None,
-            })
-            .collect();
-        return Ok(DataBuffers { regions, copied: Vec::new() });
+    if let Some((start, total)) = pending {
+        translate(dma, start, total, &mut buffers)?;
     }
-    Ok(DataBuffers { regions: Vec::new(), copied: pieces })
+    Ok(buffers)
 }
 
-/// Merges ranges that continue each other, so that one translation covers several pages.
-fn coalesce(ranges: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
-    let mut merged: Vec<(u64, u64)> = Vec::with_capacity(ranges.len());
-    for (iova, len) in ranges {
-        match merged.last_mut() {
-            Some((start, total)) if start.checked_add(*total) == Some(iova) => *total += len,
-            _ => merged.push((iova, len)),
+impl DataBuffers {
+    /// Appends the next piece, keeping the invariant: all pieces in `regions` while every one is
+    /// host memory, all of them (in order) in `copied` once any is not.
+    fn push(&mut self, piece: DataRegion) {
+        match piece {
+            DataRegion::Host(region) if self.copied.is_empty() => self.regions.push(region),
+            DataRegion::Copied(_) if self.copied.is_empty() => {
+                self.copied.extend(self.regions.drain(..).map(DataRegion::Host));
+                self.copied.push(piece);
+            }
+            piece => self.copied.push(piece),
         }
     }
-    merged
+
+    /// (IOVA, length) of the last piece.
+    fn last(&self) -> Option<(Iova, usize)> {
+        match self.copied.last() {
+            Some(piece) => Some((piece.iova(), piece.len())),
+            None => self.regions.last().map(|region| (region.iova(), region.len())),
+        }
+    }
+
+    fn pop(&mut self) {
+        if self.copied.pop().is_none() {
+            self.regions.pop();
+        }
+    }
 }
 
 /// Translates one data range (host memory or memory reached by copies); a merged range that
 /// spans two mappings adjacent in IOVA space is retried page by page.
-fn translate(dma: &HostAccess<'_>, iova: u64, len: u64, out: &mut Vec<DataRegion>) -> Result<(), NvmeStatus> {
+fn translate(dma: &HostAccess<'_>, iova: u64, len: u64, out: &mut DataBuffers) -> Result<(), NvmeStatus> {
     let transfer_error = generic(codes::DATA_TRANSFER_ERROR);
     let whole_len = usize::try_from(len).map_err(|_| transfer_error)?;
     if let Ok(region) = dma.translate_data(iova, whole_len) {
@@ -141,11 +167,12 @@ fn translate(dma: &HostAccess<'_>, iova: u64, len: u64, out: &mut Vec<DataRegion
         let at = iova.checked_add(done).ok_or(transfer_error)?;
         let chunk = (PAGE_BYTES - at % PAGE_BYTES).min(len - done);
         let region = dma.translate_data(at, chunk as usize)?;
-        match out.last_mut() {
+        match out.last() {
             // Keep one region per mapping where possible.
-            Some(previous) if previous.iova().checked_add(previous.len() as u64) == Some(Iova(at)) => {
-                if let Ok(longer) = dma.translate_data(previous.iova().0, previous.len() + chunk as usize) {
-                    *previous = longer;
+            Some((previous, previous_len)) if previous.checked_add(previous_len as u64) == Some(Iova(at)) => {
+                if let Ok(longer) = dma.translate_data(previous.0, previous_len + chunk as usize) {
+                    out.pop();
+                    out.push(longer);
                 } else {
                     out.push(region);
                 }
@@ -173,30 +200,37 @@ fn read_prp_entries(dma: &HostAccess<'_>, iova: u64, count: usize) -> Result<[u6
     Ok(entries)
 }
 
-/// PRP1/PRP2/PRP lists (§4.1.1): the (address, length) pieces of the transfer.
-pub(crate) fn prp_ranges(dma: &HostAccess<'_>, prp1: u64, prp2: u64, length_bytes: u64) -> Result<Vec<(u64, u64)>, NvmeStatus> {
+/// PRP1/PRP2/PRP lists (§4.1.1): hands the (address, length) pieces of the transfer to `sink`,
+/// in order.
+fn walk_prp(
+    dma: &HostAccess<'_>,
+    prp1: u64,
+    prp2: u64,
+    length_bytes: u64,
+    sink: &mut impl FnMut(u64, u64) -> Result<(), NvmeStatus>,
+) -> Result<(), NvmeStatus> {
     let offset_error = generic(codes::INVALID_PRP_OFFSET);
     // PRP1 may carry an offset into its page, but it must be dword aligned.
     if prp1 & 0x3 != 0 {
         return Err(offset_error);
     }
     let first = length_bytes.min(PAGE_BYTES - prp1 % PAGE_BYTES);
-    let mut ranges = vec![(prp1, first)];
     let mut remaining = length_bytes - first;
     if remaining == 0 {
-        return Ok(ranges);
+        return sink(prp1, first);
     }
     if remaining <= PAGE_BYTES {
         if !prp2.is_multiple_of(PAGE_BYTES) {
             return Err(offset_error);
         }
-        ranges.push((prp2, remaining));
-        return Ok(ranges);
+        sink(prp1, first)?;
+        return sink(prp2, remaining);
     }
     // PRP2 points to a list (offset allowed, qword aligned); entries must be page aligned.
     if prp2 & 0x7 != 0 {
         return Err(offset_error);
     }
+    sink(prp1, first)?;
     let mut entries_needed = remaining.div_ceil(PAGE_BYTES);
     let mut list = prp2;
     // Every list page but a degenerate first one yields at least one data entry.
@@ -212,12 +246,12 @@ pub(crate) fn prp_ranges(dma: &HostAccess<'_>, prp1: u64, prp2: u64, length_byte
                 return Err(offset_error);
             }
             let len = remaining.min(PAGE_BYTES);
-            ranges.push((entry, len));
+            sink(entry, len)?;
             remaining -= len;
         }
         entries_needed -= data_entries;
         if entries_needed == 0 {
-            return Ok(ranges);
+            return Ok(());
         }
         let next = entries.get(take as usize - 1).copied().ok_or(generic(codes::INTERNAL_ERROR))?;
         if next % PAGE_BYTES != 0 {
@@ -228,9 +262,15 @@ pub(crate) fn prp_ranges(dma: &HostAccess<'_>, prp1: u64, prp2: u64, length_byte
     Err(generic(codes::INVALID_FIELD))
 }
 
-/// SGLs (§4.1.2): a Data Block in SGL1, or a chain of Segment / Last Segment descriptors.
-pub(crate) fn sgl_ranges(dma: &HostAccess<'_>, dptr: [u64; 2], length_bytes: u64) -> Result<Vec<(u64, u64)>, NvmeStatus> {
-    let mut walk = SglWalk { ranges: Vec::new(), total_bytes: 0, expected_bytes: length_bytes };
+/// SGLs (§4.1.2): a Data Block in SGL1, or a chain of Segment / Last Segment descriptors. Hands
+/// the (address, length) pieces to `sink`, in order.
+fn walk_sgl<F: FnMut(u64, u64) -> Result<(), NvmeStatus>>(
+    dma: &HostAccess<'_>,
+    dptr: [u64; 2],
+    length_bytes: u64,
+    sink: &mut F,
+) -> Result<(), NvmeStatus> {
+    let mut walk = SglWalk { sink, total_bytes: 0, expected_bytes: length_bytes };
     let first = SglDescriptor::from_dptr(dptr);
     match first.kind() {
         SglDescriptorType::DataBlock => walk.data_block(&first)?,
@@ -240,16 +280,16 @@ pub(crate) fn sgl_ranges(dma: &HostAccess<'_>, dptr: [u64; 2], length_bytes: u64
     if walk.total_bytes != length_bytes {
         return Err(generic(codes::DATA_SGL_LENGTH_INVALID));
     }
-    Ok(walk.ranges)
+    Ok(())
 }
 
-struct SglWalk {
-    ranges: Vec<(u64, u64)>,
+struct SglWalk<'a, F> {
+    sink: &'a mut F,
     total_bytes: u64,
     expected_bytes: u64,
 }
 
-impl SglWalk {
+impl<F: FnMut(u64, u64) -> Result<(), NvmeStatus>> SglWalk<'_, F> {
     fn data_block(&mut self, descriptor: &SglDescriptor) -> Result<(), NvmeStatus> {
         // Sub type 1 (offset addressing) is for fabrics; on PCIe only addresses are valid.
         if descriptor.subtype() != 0 {
@@ -259,7 +299,7 @@ impl SglWalk {
         let total = self.total_bytes.checked_add(len).filter(|&total| total <= self.expected_bytes);
         self.total_bytes = total.ok_or(generic(codes::DATA_SGL_LENGTH_INVALID))?;
         if len > 0 {
-            self.ranges.push((descriptor.address, len));
+            (self.sink)(descriptor.address, len)?;
         }
         Ok(())
     }
@@ -340,6 +380,26 @@ mod tests {
     use super::*;
     use nvme_driver::hw::{DmaAllocator, DmaPool};
 
+    /// The (address, length) pieces a PRP walk hands out, collected.
+    fn prp_ranges(dma: &HostAccess<'_>, prp1: u64, prp2: u64, length_bytes: u64) -> Result<Vec<(u64, u64)>, NvmeStatus> {
+        let mut ranges = Vec::new();
+        walk_prp(dma, prp1, prp2, length_bytes, &mut |iova, len| {
+            ranges.push((iova, len));
+            Ok(())
+        })?;
+        Ok(ranges)
+    }
+
+    /// The (address, length) pieces an SGL walk hands out, collected.
+    fn sgl_ranges(dma: &HostAccess<'_>, dptr: [u64; 2], length_bytes: u64) -> Result<Vec<(u64, u64)>, NvmeStatus> {
+        let mut ranges = Vec::new();
+        walk_sgl(dma, dptr, length_bytes, &mut |iova, len| {
+            ranges.push((iova, len));
+            Ok(())
+        })?;
+        Ok(ranges)
+    }
+
     fn put_u64s(region: &DmaRegion, offset: usize, values: &[u64]) {
         for (index, value) in values.iter().enumerate() {
             region.write(offset + index * 8, &value.to_le_bytes()).unwrap();
@@ -359,7 +419,12 @@ mod tests {
         put_u64s(&lists, 4096, &[base + 2 * 4096, base + 3 * 4096]);
         let ranges = prp_ranges(&HostAccess::new(&dma, None), base + 512, list_start, 4096 - 512 + 3 * 4096).unwrap();
         assert_eq!(ranges, vec![(base + 512, 3584), (base + 4096, 4096), (base + 8192, 4096), (base + 12288, 4096)]);
-        assert_eq!(coalesce(ranges), vec![(base + 512, 3584 + 3 * 4096)]);
+        // Resolved, the pieces that continue each other are one region.
+        let entry = SubmissionEntry { dptr: [base + 512, list_start], ..SubmissionEntry::default() };
+        let buffers = resolve(&HostAccess::new(&dma, None), &entry, 4096 - 512 + 3 * 4096, false, Vec::new()).unwrap();
+        let regions: Vec<_> = buffers.regions.iter().map(|region| (region.iova().0, region.len())).collect();
+        assert_eq!(regions, vec![(base + 512, 3584 + 3 * 4096)]);
+        assert!(buffers.copied.is_empty());
         // Offsets: PRP2 as a page pointer must be aligned; PRP1 must be dword aligned.
         assert_eq!(prp_ranges(&HostAccess::new(&dma, None), base, base + 8, 8192), Err(NvmeStatus::generic(codes::INVALID_PRP_OFFSET)));
         assert_eq!(prp_ranges(&HostAccess::new(&dma, None), base + 2, base, 8192), Err(NvmeStatus::generic(codes::INVALID_PRP_OFFSET)));

@@ -1,5 +1,6 @@
 //! NVM command set (NVM §3): Read, Write (FUA), Flush, Write Zeroes, Dataset Management.
 
+use nvme_driver::hw::DmaRegion;
 use nvme_driver::spec::command::{DatasetRange, DSM_DEALLOCATE};
 use nvme_driver::spec::status::codes;
 use nvme_driver::spec::{NvmOpcode, NvmeStatus, SubmissionEntry};
@@ -39,9 +40,9 @@ impl ControllerCore {
 
     /// Resolves a data pointer through the submitting queue's restriction (every PRP list page,
     /// SGL segment and data range is checked before anything is read or written).
-    fn resolve(&self, entry: &SubmissionEntry, length_bytes: u64) -> Result<DataBuffers, NvmeStatus> {
+    fn resolve(&self, entry: &SubmissionEntry, length_bytes: u64, spare: Vec<DmaRegion>) -> Result<DataBuffers, NvmeStatus> {
         let access = HostAccess::new(&self.dma, self.current_restriction.as_deref());
-        let result = data_pointer::resolve(&access, entry, length_bytes, self.config.sgl_supported);
+        let result = data_pointer::resolve(&access, entry, length_bytes, self.config.sgl_supported, spare);
         if access.refused() {
             self.count_refusal();
         }
@@ -63,8 +64,13 @@ impl ControllerCore {
         }
     }
 
-    /// Checks a Read/Write and resolves its data pointer: (namespace index, geometry, buffers).
-    pub(crate) fn prepare_transfer(&self, entry: &SubmissionEntry) -> Result<(usize, Namespace, DataBuffers), NvmeStatus> {
+    /// Checks a Read/Write and resolves its data pointer into `spare` (an empty region list):
+    /// (namespace index, geometry, buffers).
+    pub(crate) fn prepare_transfer(
+        &self,
+        entry: &SubmissionEntry,
+        spare: Vec<DmaRegion>,
+    ) -> Result<(usize, Namespace, DataBuffers), NvmeStatus> {
         let (index, namespace) = self.namespace(entry.nsid)?;
         let blocks = u64::from(entry.block_count());
         let length_bytes = blocks * u64::from(namespace.block_size_bytes);
@@ -73,13 +79,15 @@ impl ControllerCore {
         }
         check_range(&namespace, entry.starting_lba().0, blocks)?;
         self.check_allowed_blocks(entry.nsid, entry.starting_lba().0, blocks)?;
-        let buffers = self.resolve(entry, length_bytes)?;
+        let buffers = self.resolve(entry, length_bytes, spare)?;
         Ok((index, namespace, buffers))
     }
 
     fn read_write(&mut self, entry: &SubmissionEntry, write: bool) -> CommandResult {
-        let (index, namespace, buffers) = self.prepare_transfer(entry)?;
+        let spare = self.spare_region_lists.pop().unwrap_or_default();
+        let (index, namespace, buffers) = self.prepare_transfer(entry, spare)?;
         if self.config.no_storage {
+            self.recycle_regions(buffers.regions);
             return Ok(0);
         }
         let start_lba = entry.starting_lba().0;
@@ -93,6 +101,7 @@ impl ControllerCore {
             self.load_blocks(index, &namespace, start_lba, data).and_then(|()| buffers.scatter(data))
         };
         self.scratch = scratch;
+        self.recycle_regions(buffers.regions);
         result?;
         if write {
             self.counters.totals.bytes_written += length as u64;
@@ -189,7 +198,7 @@ impl ControllerCore {
         let (index, namespace) = self.namespace(entry.nsid)?;
         let range_count = (entry.cdw10 & 0xFF) as usize + 1;
         let length = range_count * DatasetRange::BYTES;
-        let buffers = self.resolve(entry, length as u64)?;
+        let buffers = self.resolve(entry, length as u64, Vec::new())?;
         let mut raw = [0u8; DSM_RANGES_MAX * DatasetRange::BYTES];
         let bytes = raw.get_mut(..length).ok_or(generic(codes::INVALID_FIELD))?;
         buffers.gather(bytes)?;

@@ -19,6 +19,7 @@
 
 use std::time::{Duration, Instant};
 
+use nvme_driver::hw::DmaRegion;
 use nvme_driver::spec::status::codes;
 use nvme_driver::spec::{NvmOpcode, SubmissionEntry};
 use tutti_uring::{Completion, Direction, Refused, RefusedRegions, Transfer, UringError, REGIONS_MAX};
@@ -38,6 +39,9 @@ const IN_FLIGHT_WAIT: Duration = Duration::from_micros(20);
 /// Transfer buffers kept for reuse, and the largest one worth keeping.
 const IO_BUFFERS_KEPT: usize = 64;
 const IO_BUFFER_KEPT_MAX_BYTES: usize = (1 << 20) + 4096;
+/// Empty region lists kept for reuse (one per transfer the ring can hold), so resolving a data
+/// pointer does not allocate per command.
+const REGION_LISTS_KEPT: usize = 128;
 
 /// A Read or Write validated and waiting for (or doing) its backing-store transfer.
 pub(super) struct PreparedIo {
@@ -88,12 +92,22 @@ pub(super) enum Settle {
 }
 
 /// The commands whose transfers the ring holds, indexed by the tag they were pushed with.
+///
+/// The per-command and per-scan questions are answered without walking the table (it has the
+/// ring's 128 slots, and a 4 KiB read costs a few thousand instructions in all): a Read can
+/// conflict only when a Write is in flight (`writes`), and no transfer can be past its deadline
+/// while `pushed_no_earlier_than` (a lower bound of every push time) is not.
 #[derive(Default)]
 pub(super) struct InFlight {
     slots: Vec<Option<(PreparedIo, Instant)>>,
     free: Vec<usize>,
     bytes: u64,
     unsubmitted_bytes: u64,
+    /// Writes among the commands in flight.
+    writes: usize,
+    /// No command in flight was pushed before this (exact after [`InFlight::oldest`]; a
+    /// completion can only make it conservative).
+    pushed_no_earlier_than: Option<Instant>,
     /// Reused: completions taken from the ring before their commands finish.
     reaped: Vec<Completion>,
 }
@@ -105,6 +119,8 @@ impl InFlight {
             free: (0..capacity).rev().collect(),
             bytes: 0,
             unsubmitted_bytes: 0,
+            writes: 0,
+            pushed_no_earlier_than: None,
             reaped: Vec::with_capacity(capacity),
         }
     }
@@ -118,12 +134,30 @@ impl InFlight {
     }
 
     fn conflicts(&self, write: bool, namespace_index: usize, start_lba: u64, blocks: u64) -> bool {
+        // A conflict needs a Write on one side.
+        if !write && self.writes == 0 {
+            return false;
+        }
         self.slots.iter().flatten().any(|(io, _)| io.conflicts(write, namespace_index, start_lba, blocks))
     }
 
-    /// When the oldest transfer in flight was pushed.
-    fn oldest(&self) -> Option<Instant> {
-        self.slots.iter().flatten().map(|(_, pushed)| *pushed).min()
+    /// When the oldest transfer in flight was pushed (a walk of the table; it also makes the
+    /// lower bound exact).
+    fn oldest(&mut self) -> Option<Instant> {
+        let oldest = self.slots.iter().flatten().map(|(_, pushed)| *pushed).min();
+        self.pushed_no_earlier_than = oldest;
+        oldest
+    }
+
+    /// When the oldest transfer in flight was pushed, if it has been in flight longer than
+    /// `timeout` at `now`. Walks the table only when the lower bound is that old (once per
+    /// `timeout` under steady traffic), not at every scan.
+    fn past_deadline(&mut self, now: Instant, timeout: Duration) -> Option<Instant> {
+        let bound = self.pushed_no_earlier_than?;
+        if now.saturating_duration_since(bound) <= timeout {
+            return None;
+        }
+        self.oldest().filter(|&oldest| now.saturating_duration_since(oldest) > timeout)
     }
 
     /// A free slot, taken (the tag a transfer is pushed with); `None` when the table is full.
@@ -133,10 +167,12 @@ impl InFlight {
 
     /// Puts `io` into a slot from [`InFlight::take_slot`].
     fn fill(&mut self, slot: usize, io: PreparedIo, now: Instant) {
+        let Some(entry) = self.slots.get_mut(slot) else { return };
         self.bytes += io.len_bytes() as u64;
-        if let Some(entry) = self.slots.get_mut(slot) {
-            *entry = Some((io, now));
-        }
+        self.writes += usize::from(io.write);
+        // Push times only grow: the bound stays below every one of them.
+        self.pushed_no_earlier_than = Some(self.pushed_no_earlier_than.map_or(now, |bound| bound.min(now)));
+        *entry = Some((io, now));
     }
 
     fn take(&mut self, tag: u64) -> Option<PreparedIo> {
@@ -144,6 +180,10 @@ impl InFlight {
         let (io, _) = self.slots.get_mut(slot)?.take()?;
         self.free.push(slot);
         self.bytes = self.bytes.saturating_sub(io.len_bytes() as u64);
+        self.writes = self.writes.saturating_sub(usize::from(io.write));
+        if self.free.len() == self.slots.len() {
+            self.pushed_no_earlier_than = None;
+        }
         Some(io)
     }
 
@@ -213,7 +253,8 @@ impl ControllerCore {
     /// synchronous path does). It first waits for in-flight commands it conflicts with, and for
     /// room (ring depth, `in_flight_bytes_max`). An invalid command completes at once.
     fn start_io(&mut self, queue_id: u16, completion_queue_id: u16, entry: &SubmissionEntry, sq_head: u32, write: bool) {
-        let (namespace_index, namespace, buffers) = match self.prepare_transfer(entry) {
+        let spare = self.spare_region_lists.pop().unwrap_or_default();
+        let (namespace_index, namespace, buffers) = match self.prepare_transfer(entry, spare) {
             Ok(prepared) => prepared,
             Err(status) => return self.complete(queue_id, completion_queue_id, sq_head, entry, Err(status), None, Instant::now()),
         };
@@ -381,8 +422,8 @@ impl ControllerCore {
             return false;
         }
         let timeout = self.reader.as_ref().map_or(Duration::ZERO, UringReader::batch_timeout);
-        if self.in_flight.oldest().is_some_and(|oldest| now.saturating_duration_since(oldest) > timeout) {
-            let waited = now.saturating_duration_since(self.in_flight.oldest().unwrap_or(now));
+        if let Some(oldest) = self.in_flight.past_deadline(now, timeout) {
+            let waited = now.saturating_duration_since(oldest);
             self.fail_ring(&UringError::Timeout { waited, in_flight: self.in_flight.count() }, Settle::Finish);
             return true;
         }
@@ -612,6 +653,7 @@ impl ControllerCore {
         }
         self.recycle_buffer(buffer);
         self.complete(io.queue_id, io.completion_queue_id, io.sq_head, &io.entry, result, None, Instant::now());
+        self.recycle_regions(io.buffers.regions);
     }
 
     /// Whether a Write bypasses the volatile write cache (the rule of `store_blocks`). A Write
@@ -622,6 +664,16 @@ impl ControllerCore {
         let length = u64::from(entry.block_count()) * u64::from(namespace.block_size_bytes);
         let cache_on = self.config.volatile_write_cache && self.features.write_cache_enabled;
         !cache_on || entry.force_unit_access() || length > self.config.write_cache_bytes
+    }
+
+    /// Keeps a finished command's region list for the next command, empty: its regions (strong
+    /// references to host memory) are dropped now, so memory the host frees is unmapped as
+    /// before and a later command naming its IOVA gets a Data Transfer Error.
+    pub(crate) fn recycle_regions(&mut self, mut regions: Vec<DmaRegion>) {
+        regions.clear();
+        if self.spare_region_lists.len() < REGION_LISTS_KEPT && regions.capacity() <= REGIONS_MAX {
+            self.spare_region_lists.push(regions);
+        }
     }
 
     fn recycle_buffer(&mut self, buffer: AlignedBuffer) {
@@ -673,5 +725,71 @@ impl ControllerCore {
     #[cfg(test)]
     pub(crate) fn in_flight_ranges(&self) -> Vec<(usize, u64, u64, bool)> {
         self.in_flight.ranges()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn prepared(write: bool, start_lba: u64) -> PreparedIo {
+        PreparedIo {
+            entry: SubmissionEntry::default(),
+            queue_id: 1,
+            completion_queue_id: 1,
+            sq_head: 0,
+            namespace_index: 0,
+            namespace: Namespace { block_size_bytes: 4096, blocks: 1 << 20, base_offset_bytes: 0 },
+            buffers: DataBuffers::default(),
+            write,
+            start_lba,
+            blocks: 1,
+            direct: false,
+        }
+    }
+
+    #[test]
+    fn the_deadline_follows_the_oldest_transfer_still_in_flight() {
+        // Goal: the per-scan deadline check, which walks the table only when its lower bound of
+        // the push times is past the timeout, fails exactly the transfers that are: a transfer
+        // that completed long ago does not make a young one look late, and an old one stays late.
+        let timeout = Duration::from_secs(30);
+        let start = Instant::now();
+        let mut in_flight = InFlight::with_capacity(4);
+        let first = in_flight.take_slot().unwrap();
+        in_flight.fill(first, prepared(false, 0), start);
+        let second = in_flight.take_slot().unwrap();
+        in_flight.fill(second, prepared(false, 8), start + Duration::from_secs(20));
+        assert_eq!(in_flight.past_deadline(start + Duration::from_secs(29), timeout), None);
+        in_flight.take(first as u64).unwrap();
+        // The bound still says `start`; the walk finds the second transfer, 15 s old.
+        assert_eq!(in_flight.past_deadline(start + Duration::from_secs(35), timeout), None);
+        assert_eq!(in_flight.past_deadline(start + Duration::from_secs(51), timeout), Some(start + Duration::from_secs(20)));
+        // Emptied, then refilled later: the new transfer's own time counts.
+        in_flight.take(second as u64).unwrap();
+        assert_eq!(in_flight.past_deadline(start + Duration::from_secs(100), timeout), None);
+        let third = in_flight.take_slot().unwrap();
+        in_flight.fill(third, prepared(false, 16), start + Duration::from_secs(90));
+        assert_eq!(in_flight.past_deadline(start + Duration::from_secs(119), timeout), None);
+        assert_eq!(in_flight.past_deadline(start + Duration::from_secs(121), timeout), Some(start + Duration::from_secs(90)));
+    }
+
+    #[test]
+    fn reads_conflict_only_with_writes_in_flight() {
+        // Goal: the shortcut for Reads (no table walk while no Write is in flight) still finds
+        // every overlapping Write, and forgets it once it completed.
+        let now = Instant::now();
+        let mut in_flight = InFlight::with_capacity(4);
+        let read = in_flight.take_slot().unwrap();
+        in_flight.fill(read, prepared(false, 0), now);
+        assert!(!in_flight.conflicts(false, 0, 0, 1), "two reads never conflict");
+        assert!(in_flight.conflicts(true, 0, 0, 1), "a write over a read in flight waits");
+        let write = in_flight.take_slot().unwrap();
+        in_flight.fill(write, prepared(true, 8), now);
+        assert!(in_flight.conflicts(false, 0, 8, 1), "a read over a write in flight waits");
+        assert!(!in_flight.conflicts(false, 0, 9, 1), "a read next to it does not");
+        assert!(!in_flight.conflicts(false, 1, 8, 1), "nor one in another namespace");
+        in_flight.take(write as u64).unwrap();
+        assert!(!in_flight.conflicts(false, 0, 8, 1), "the write completed");
     }
 }

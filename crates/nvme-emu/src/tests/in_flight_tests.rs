@@ -305,3 +305,36 @@ fn direct_and_bounced_transfers_move_identical_bytes() {
         eprintln!("io_uring unavailable here: only the synchronous (bounced) path was checked");
     }
 }
+
+#[test]
+fn finished_transfers_keep_no_host_memory_alive() {
+    // Goal: the region lists the controller keeps for reuse hold no region once their command
+    // finished, so host memory freed after its completion is unmapped, as a device that keeps
+    // no reference to it would leave it: its IOVA no longer translates. Two reads per doorbell
+    // (none is the lone synchronous one), direct where io_uring is there, bounced otherwise.
+    use nvme_driver::hw::DmaAllocator;
+    let path = std::env::temp_dir().join(format!("nvme-emu-test-{}-recycled", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let config = EmuConfig::default().with_backing(Backing::File { path: path.clone(), create_bytes: Some(1 << 20) });
+    let mut host = TestHost::start(config);
+    let mut queue = host.create_io_pair(1, 64);
+    let mut iovas = Vec::new();
+    for round in 0..3u64 {
+        let targets = [host.buffer(4096), host.buffer(4096)];
+        for (index, target) in targets.iter().enumerate() {
+            let read = SubmissionEntry::read(NamespaceId(1), Lba(round * 2 + index as u64), block_count(1));
+            TestHost::push(&mut queue, with_sgl(read, target, 4096));
+        }
+        host.ring_submission(&queue);
+        for completion in reap_all(&host, &mut queue, 2) {
+            assert_eq!(status_of(&completion), Ok(()));
+        }
+        iovas.extend(targets.iter().map(DmaRegion::iova));
+    }
+    let pool = host.device.dma_pool();
+    for iova in iovas {
+        assert!(pool.translate(iova, 4096).is_err(), "the host freed {iova}, yet the controller keeps it mapped");
+    }
+    drop(host);
+    let _ = std::fs::remove_file(&path);
+}
