@@ -82,7 +82,7 @@ if ! lmcache_loads; then
     say "compare-lmcache: installing LMCache $LMCACHE_VERSION into $SITE"
     rm -rf "$SITE.partial"
     "$PYTHON" -m pip install --quiet --no-deps --target "$SITE.partial" "${PINS[@]}" >&2 \
-        || die "LMCache $LMCACHE_VERSION is not installed and pip could not install ${PINS[*]} (see above)"
+        || { rm -rf "$SITE.partial"; die "LMCache $LMCACHE_VERSION is not installed and pip could not install ${PINS[*]} (see above)"; }
     rm -rf "$SITE"
     mv "$SITE.partial" "$SITE"
     lmcache_loads || die "LMCache was installed into $SITE but does not import: $(tail -n 3 "$WORK/check.log")"
