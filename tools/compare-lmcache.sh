@@ -30,8 +30,8 @@
 #   COMPARE_DIRECTORY   filesystem both tools write to                (default /var/tmp)
 #   COMPARE_BENCH       tutti-bench binary                 (default target/release/tutti-bench,
 #                       built with cargo --release --locked when missing)
-#   COMPARE_STRACE      1: one more round of each tool under `strace -c -f` (syscall summary,
-#                       not part of the figures)
+#   COMPARE_STRACE      1: one more round of each tool under `strace -f -C` (syscall summary
+#                       and the read/write calls of >= 1 MiB; not part of the figures)
 #   COMPARE_OUT         keep the per-round JSON reports in this directory
 #   COMPARE_LMCACHE_SITE  LMCache's site directory          (default: under the cache, above)
 #
@@ -138,13 +138,13 @@ if [[ ${COMPARE_STRACE:-0} == 1 ]]; then
     for tool in lmcache tutti; do
         drop_page_cache
         say "strace round: $tool"
+        # -C: every call (to find the data path's big transfers) and the summary at the end.
         case $tool in
-            lmcache) PYTHONPATH=$SITE strace -c -f -o "$WORK/strace-$tool.txt" "$PYTHON" "$DRIVER" --directory "$LMCACHE_DIRECTORY" >/dev/null 2>&1 ;;
-            tutti) strace -c -f -o "$WORK/strace-$tool.txt" "$BENCH" --directory "$DIRECTORY" --output-format=json >/dev/null 2>&1 ;;
+            lmcache) PYTHONPATH=$SITE strace -f -C -o "$WORK/strace-$tool.txt" "$PYTHON" "$DRIVER" --directory "$LMCACHE_DIRECTORY" >/dev/null 2>&1 ;;
+            tutti) strace -f -C -o "$WORK/strace-$tool.txt" "$BENCH" --directory "$DIRECTORY" --output-format=json >/dev/null 2>&1 ;;
         esac || die "the strace round of $tool failed"
         echo
-        echo "strace -c -f, one $tool round (whole process, start-up included), top 12 by time:"
-        head -n 14 "$WORK/strace-$tool.txt"
+        "$PYTHON" "$TABLE" --strace "$tool" "$WORK/strace-$tool.txt"
     done
 fi
 

@@ -1,6 +1,7 @@
 """The table of tools/compare-lmcache.sh: tutti-bench's KV run against LMCache's disk tier.
 
     python3 lmcache_table.py WORK ROUNDS MACHINE LOAD_START LOAD_END
+    python3 lmcache_table.py --strace TOOL LOG     # a `strace -f -C` log: summary, big transfers
 
 WORK holds, per round r, ``tutti-r.json`` (tutti-bench --output-format=json), ``lmcache-r.json``
 (lmcache_disk.py's object) and ``load-r.txt`` (the 1-minute load average before and after the
@@ -9,7 +10,9 @@ when a round's report is missing or does not hold what the comparison needs (a r
 bytes were not all verified is not a figure).
 """
 
+import collections
 import json
+import re
 import statistics
 import sys
 
@@ -92,7 +95,46 @@ def median(values):
     return statistics.median(values)
 
 
+# One traced call: "PID name(args) = result" (strace -f's unfinished/resumed pairs are joined
+# by strace itself only with -o per process; the resumed line carries the result).
+STRACE_CALL = re.compile(r"^\d+\s+(?:<\.\.\. )?(\w+)(?:\(| resumed>).*\)\s+=\s+(-?\d+)")
+BIG_TRANSFER_BYTES = 1 << 20
+
+
+def strace_report(tool, path):
+    """The summary's top rows and every read/write syscall moving >= 1 MiB, by size: the data
+    path's syscalls among the start-up's (imports, page faults of the allocator, ...)."""
+    transfers = collections.Counter()
+    summary = []
+    with open(path, encoding="utf-8", errors="replace") as file:
+        in_summary = False
+        for line in file:
+            if line.startswith("% time"):
+                in_summary = True
+            if in_summary:
+                summary.append(line.rstrip())
+                continue
+            match = STRACE_CALL.match(line)
+            if match and match.group(1) in ("read", "write", "pread64", "pwrite64", "preadv",
+                                            "pwritev", "preadv2", "pwritev2"):
+                result = int(match.group(2))
+                if result >= BIG_TRANSFER_BYTES:
+                    transfers[(match.group(1), result)] += 1
+    print(f"strace -f, one {tool} round (whole process, start-up included), top rows by time:")
+    for line in summary[:14]:
+        print(f"  {line}")
+    if transfers:
+        print("  read/write syscalls of >= 1 MiB: " + ", ".join(
+            f"{count} x {name} {size / (1 << 20):g} MiB"
+            for (name, size), count in sorted(transfers.items())))
+    else:
+        print("  no read/write syscall moved >= 1 MiB (the data moves through io_uring here)")
+
+
 def main():
+    if sys.argv[1] == "--strace":
+        strace_report(sys.argv[2], sys.argv[3])
+        return
     work, rounds, machine, load_start, load_end = sys.argv[1], int(sys.argv[2]), *sys.argv[3:6]
     rows = []
     try:
