@@ -16,8 +16,6 @@ import re
 import statistics
 import sys
 
-GB = 1e9
-
 
 class BadReport(Exception):
     pass
