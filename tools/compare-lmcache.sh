@@ -63,6 +63,8 @@ die() { say "compare-lmcache: $*"; exit 2; }
 WORK=$(mktemp -d)
 cleanup() { rm -rf "$WORK" "$LMCACHE_DIRECTORY"; }
 trap cleanup EXIT
+# LMCache's metrics directory (it defaults to /tmp/lmcache_prometheus and leaves it behind).
+export PROMETHEUS_MULTIPROC_DIR=$WORK/prometheus
 
 # --- LMCache's Python environment (idempotent) -------------------------------------------------
 env_dir=$("$ROOT/tools/python/engine-env.sh" vllm) || die "the vLLM engines environment (tools/python/engine-env.sh vllm) could not be installed"
