@@ -1,0 +1,156 @@
+#!/usr/bin/env bash
+# tutti's KV path against LMCache's local disk tier, same KV, same filesystem (issue 16 item 4).
+# A benchmark, not a test (tools/test.sh does not run it). Goal: tutti >= 1.0x LMCache on store
+# and on retrieve.
+#
+#   tools/compare-lmcache.sh            # 6 rounds
+#   COMPARE_ROUNDS=2 tools/compare-lmcache.sh
+#
+# Each round runs, in an order that alternates from round to round:
+#   lmcache  tools/python/bench/lmcache_disk.py: LMCache 0.5.6's own engine (LMCacheEngine's
+#            store/retrieve, its local disk backend with O_DIRECT, 256-token chunks, its CPU tier
+#            off) storing and retrieving a 4096-token Llama-3.1-8B prompt's KV (512 MiB) held in
+#            CPU tensors shaped like vLLM's paged KV; only the GPU connector is ours (CPU
+#            copies). Page cache dropped before the retrieve; the retrieve must read the bytes
+#            from the block layer and every byte is compared.
+#   tutti    tutti-bench with no workload arguments (the default KV run: the same prompt stored
+#            and retrieved layer by layer through the software NVMe controller over a pool file,
+#            every byte compared), its pool file in the same directory, JSON output.
+# Then prints per-round and median GB/s, ratios tutti/LMCache, load averages and versions
+# (definitions in the output and in docs/tutti-bench.md, "Comparison with LMCache's disk tier").
+#
+# LMCache lives outside the clone: the engines environment of tools/python/engine-env.sh vllm
+# (its torch, numpy and the rest of LMCache's imports) plus LMCache's wheel and the three small
+# packages that environment lacks, installed with `pip --target` into
+# ${TUTTI_ENV_CACHE:-~/.cache/tutti}/lmcache-0.5.6/site. Whether it is there is decided by
+# importing what the driver uses at the pinned version, never by a stamp.
+#
+# Environment (all optional):
+#   COMPARE_ROUNDS      rounds; medians reported                      (default 6)
+#   COMPARE_DIRECTORY   filesystem both tools write to                (default /var/tmp)
+#   COMPARE_BENCH       tutti-bench binary                 (default target/release/tutti-bench,
+#                       built with cargo --release --locked when missing)
+#   COMPARE_STRACE      1: one more round of each tool under `strace -f -C` (syscall summary
+#                       and the read/write calls of >= 1 MiB; not part of the figures)
+#   COMPARE_OUT         keep the per-round JSON reports in this directory
+#   COMPARE_LMCACHE_SITE  LMCache's site directory          (default: under the cache, above)
+#
+# Exit status: 0 done; 2 LMCache missing and not installable, a tool failing, or a check failing
+# (the reason on stderr).
+set -euo pipefail
+
+ROUNDS=${COMPARE_ROUNDS:-6}
+DIRECTORY=${COMPARE_DIRECTORY:-/var/tmp}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+BENCH=${COMPARE_BENCH:-$ROOT/target/release/tutti-bench}
+LMCACHE_VERSION=0.5.6
+LMCACHE_ROOT=${TUTTI_ENV_CACHE:-$HOME/.cache/tutti}/lmcache-$LMCACHE_VERSION
+SITE=${COMPARE_LMCACHE_SITE:-$LMCACHE_ROOT/site}
+# LMCache's wheel and what the vLLM environment lacks of its imports (found by importing
+# lmcache.v1.cache_engine until nothing was missing), at the versions that resolved 2026-11-24.
+PINS=("lmcache==$LMCACHE_VERSION" aiofile==3.12.3 caio==0.12.10 sortedcontainers==2.4.0)
+DRIVER=$ROOT/tools/python/bench/lmcache_disk.py
+TABLE=$ROOT/tools/python/bench/lmcache_table.py
+LMCACHE_DIRECTORY=$DIRECTORY/tutti-compare-lmcache
+
+say() { printf '%s\n' "$*" >&2; }
+die() { say "compare-lmcache: $*"; exit 2; }
+
+[[ $ROUNDS =~ ^[1-9][0-9]*$ ]] || die "COMPARE_ROUNDS must be a positive integer, not '$ROUNDS'"
+[[ -d $DIRECTORY && -w $DIRECTORY ]] || die "COMPARE_DIRECTORY $DIRECTORY is not a writable directory"
+[[ -w /proc/sys/vm/drop_caches ]] || say "compare-lmcache: /proc/sys/vm/drop_caches is not writable: the driver falls back to posix_fadvise(DONTNEED) per file"
+
+WORK=$(mktemp -d)
+cleanup() { rm -rf "$WORK" "$LMCACHE_DIRECTORY"; }
+trap cleanup EXIT
+# LMCache's metrics directory (it defaults to /tmp/lmcache_prometheus and leaves it behind).
+export PROMETHEUS_MULTIPROC_DIR=$WORK/prometheus
+
+# --- LMCache's Python environment (idempotent) -------------------------------------------------
+env_dir=$("$ROOT/tools/python/engine-env.sh" vllm) || die "the vLLM engines environment (tools/python/engine-env.sh vllm) could not be installed"
+PYTHON=$env_dir/bin/python
+export LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1
+CHECK="import lmcache, numpy, torch
+from lmcache.v1.cache_engine import LMCacheEngineBuilder
+from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
+from lmcache.v1.storage_backend.local_disk_backend import LocalDiskBackend
+assert lmcache.__version__ == '$LMCACHE_VERSION', lmcache.__version__"
+lmcache_loads() { PYTHONPATH=$SITE "$PYTHON" -c "$CHECK" >"$WORK/check.log" 2>&1; }
+
+mkdir -p "$(dirname "$SITE")"
+exec 9>"$SITE.lock"
+flock 9
+if ! lmcache_loads; then
+    say "compare-lmcache: installing LMCache $LMCACHE_VERSION into $SITE"
+    rm -rf "$SITE.partial"
+    "$PYTHON" -m pip install --quiet --no-deps --target "$SITE.partial" "${PINS[@]}" >&2 \
+        || { rm -rf "$SITE.partial"; die "LMCache $LMCACHE_VERSION is not installed and pip could not install ${PINS[*]} (see above)"; }
+    rm -rf "$SITE"
+    mv "$SITE.partial" "$SITE"
+    lmcache_loads || die "LMCache was installed into $SITE but does not import: $(tail -n 3 "$WORK/check.log")"
+fi
+flock -u 9
+
+# --- tutti-bench ---------------------------------------------------------------------------------
+if [[ -z ${COMPARE_BENCH:-} && ! -x $BENCH ]]; then
+    say "compare-lmcache: building tutti-bench (release)"
+    (cd "$ROOT" && cargo build --release --locked --bin tutti-bench --quiet) || die "building tutti-bench failed"
+fi
+[[ -x $BENCH ]] || die "no tutti-bench binary at $BENCH"
+
+drop_page_cache() {
+    sync
+    if [[ -w /proc/sys/vm/drop_caches ]]; then echo 1 >/proc/sys/vm/drop_caches; fi
+}
+
+# run_tool TOOL ROUND: one measurement, its JSON report in $WORK/TOOL-ROUND.json.
+run_tool() {
+    local tool=$1 round=$2 out=$WORK/$1-$2.json
+    drop_page_cache
+    case $tool in
+        lmcache)
+            PYTHONPATH=$SITE "$PYTHON" "$DRIVER" --directory "$LMCACHE_DIRECTORY" >"$out" 2>"$WORK/stderr" \
+                || die "LMCache round $round failed: $(grep -v ' LMCache WARNING' "$WORK/stderr" | tail -n 5)" ;;
+        tutti)
+            "$BENCH" --directory "$DIRECTORY" --output-format=json >"$out" 2>"$WORK/stderr" \
+                || die "tutti-bench round $round failed: $(tail -n 5 "$WORK/stderr")" ;;
+    esac
+}
+
+load_start=$(cut -d' ' -f1-3 /proc/loadavg)
+for round in $(seq 1 "$ROUNDS"); do
+    # Interleaved, the order swapped every round: drift on a shared machine and a virtual disk
+    # still writing back the previous tool's bytes do not always fall on the same tool.
+    order=(lmcache tutti)
+    ((round % 2 == 0)) && order=(tutti lmcache)
+    before=$(cut -d' ' -f1 /proc/loadavg)
+    for tool in "${order[@]}"; do
+        say "round $round/$ROUNDS: $tool"
+        run_tool "$tool" "$round"
+    done
+    echo "$before-$(cut -d' ' -f1 /proc/loadavg)" >"$WORK/load-$round.txt"
+done
+load_end=$(cut -d' ' -f1-3 /proc/loadavg)
+
+machine="$(nproc) cores, $(uname -r), $(df -T "$DIRECTORY" | awk 'NR==2 {print $2" on "$1}') at $DIRECTORY"
+"$PYTHON" "$TABLE" "$WORK" "$ROUNDS" "$machine" "$load_start" "$load_end" || exit 2
+
+if [[ ${COMPARE_STRACE:-0} == 1 ]]; then
+    command -v strace >/dev/null || die "COMPARE_STRACE=1 needs strace (apt-get install strace)"
+    for tool in lmcache tutti; do
+        drop_page_cache
+        say "strace round: $tool"
+        # -C: every call (to find the data path's big transfers) and the summary at the end.
+        case $tool in
+            lmcache) PYTHONPATH=$SITE strace -f -C -o "$WORK/strace-$tool.txt" "$PYTHON" "$DRIVER" --directory "$LMCACHE_DIRECTORY" >/dev/null 2>&1 ;;
+            tutti) strace -f -C -o "$WORK/strace-$tool.txt" "$BENCH" --directory "$DIRECTORY" --output-format=json >/dev/null 2>&1 ;;
+        esac || die "the strace round of $tool failed"
+        echo
+        "$PYTHON" "$TABLE" --strace "$tool" "$WORK/strace-$tool.txt"
+    done
+fi
+
+if [[ -n ${COMPARE_OUT:-} ]]; then
+    mkdir -p "$COMPARE_OUT"
+    cp "$WORK"/*.json "$WORK"/*.txt "$COMPARE_OUT"/
+fi
