@@ -310,6 +310,12 @@ impl IoQueuePair {
         self.queue.ring_doorbell()
     }
 
+    /// Whether [`IoQueuePair::reap`] would report something now (a completion, staleness or a
+    /// failure): one load, for spin loops that call `reap` only when this is true.
+    pub fn completion_pending(&self) -> bool {
+        self.queue.completion_pending()
+    }
+
     /// Reaps up to `max` completions without waiting; one CQ doorbell write.
     pub fn reap(&mut self, max: usize, on_completion: impl FnMut(Completion)) -> Result<usize, NvmeError> {
         self.check_epoch()?;
