@@ -422,6 +422,7 @@ impl QueuePair {
     /// loop polls this and calls `reap` only when it is true, so that an empty poll costs a
     /// load and a compare rather than a reap's checks. Every check on what the entry says
     /// (queue, SQ head, command id and generation) stays in `reap`.
+    #[inline]
     pub fn completion_pending(&self) -> bool {
         if self.is_stale_hint() {
             return true;
