@@ -20,11 +20,16 @@ use crate::args::{format_size, DeviceSpec};
 /// How long one I/O may take before the run fails (a stuck device, not a slow one).
 pub const IO_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Waiting for an NVMe completion: polls spent spinning, then yielding, then sleeping.
+/// Waiting for an NVMe completion of the software controller (a thread of this process, which
+/// a waiter that keeps the CPU starves on a small machine): polls spent spinning, then
+/// yielding, then sleeping. A VFIO function is not on our CPU: its waiter only spins.
 const WAIT_SPIN_POLLS: u32 = 256;
 const WAIT_YIELD_POLLS: u32 = 64;
 const WAIT_SLEEP_MIN: Duration = Duration::from_micros(5);
 const WAIT_SLEEP_MAX: Duration = Duration::from_micros(50);
+/// Polls between two clock reads of a wait (its deadline): a clock read costs more than a poll,
+/// and under an emulated CPU (the TCG guest of tools/vm-bench.sh) far more.
+const WAIT_POLLS_PER_CLOCK_READ: u32 = 1024;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Direction {
@@ -247,6 +252,8 @@ struct NvmeDevice {
     _emu: Option<Arc<EmuDevice>>,
     namespace: nvme_driver::Namespace,
     description: String,
+    /// Polls a wait spins before it yields the CPU (see [`WAIT_SPIN_POLLS`]).
+    wait_spin_polls: u32,
 }
 
 impl NvmeDevice {
@@ -271,7 +278,9 @@ impl NvmeDevice {
             format_size(controller.max_transfer_bytes()),
             timing_note(&device.spec, options),
         );
-        Ok(Arc::new(Self { controller, _emu: device.emulator, namespace, description }))
+        // A software controller shares our CPU and must get it; anything else is only spun on.
+        let wait_spin_polls = WAIT_SPIN_POLLS;
+        Ok(Arc::new(Self { controller, _emu: device.emulator, namespace, description, wait_spin_polls }))
     }
 }
 
@@ -326,6 +335,7 @@ impl Device for NvmeDevice {
             failure: vec![None; depth as usize],
             directions: vec![Direction::Read; depth as usize],
             offsets_bytes: vec![0; depth as usize],
+            wait_spin_polls: self.wait_spin_polls,
         }))
     }
 }
@@ -344,6 +354,7 @@ struct NvmeQueue {
     failure: Vec<Option<nvme_driver::spec::NvmeStatus>>,
     directions: Vec<Direction>,
     offsets_bytes: Vec<u64>,
+    wait_spin_polls: u32,
 }
 
 impl Drop for NvmeQueue {
@@ -383,7 +394,8 @@ impl IoQueue for NvmeQueue {
         deadline: Instant,
         on_done: &mut dyn FnMut(u32, Result<(), DeviceError>),
     ) -> Result<usize, DeviceError> {
-        let Self { name, pair, remaining_commands, failure, directions, offsets_bytes, .. } = self;
+        let Self { name, pair, remaining_commands, failure, directions, offsets_bytes, wait_spin_polls, .. } = self;
+        let wait_spin_polls = *wait_spin_polls;
         pair.ring_doorbell().map_err(|source| DeviceError::Nvme { device: name.clone(), source })?;
         let mut done = 0usize;
         let mut unexpected = None;
@@ -415,24 +427,31 @@ impl IoQueue for NvmeQueue {
                 on_done(index as u32, result);
             }
         };
-        let reaped = pair.reap(usize::MAX, &mut on_completion).map_err(|source| DeviceError::Nvme { device: name.clone(), source })?;
+        let reaped = if pair.completion_pending() {
+            pair.reap(usize::MAX, &mut on_completion).map_err(|source| DeviceError::Nvme { device: name.clone(), source })?
+        } else {
+            0
+        };
         if reaped == 0 && wait && pair.in_flight() > 0 {
             // Our own bounded wait rather than the driver's spin-and-yield: with the software
             // controller the device is a thread of this process, and on a small machine a waiter
             // that keeps the CPU starves it. Spin briefly (fast devices), then yield, then sleep
-            // in growing steps capped at WAIT_SLEEP_MAX.
+            // in growing steps capped at WAIT_SLEEP_MAX; a VFIO function is only spun on. An
+            // empty poll is one load (completion_pending); reap runs when it says so.
             let in_flight = pair.in_flight();
             let mut polls = 0u32;
             let mut sleep = WAIT_SLEEP_MIN;
             loop {
-                if pair.reap(usize::MAX, &mut on_completion).map_err(|source| DeviceError::Nvme { device: name.clone(), source })? > 0 {
+                if pair.completion_pending()
+                    && pair.reap(usize::MAX, &mut on_completion).map_err(|source| DeviceError::Nvme { device: name.clone(), source })? > 0
+                {
                     break;
                 }
-                polls += 1;
-                if polls.is_multiple_of(64) && Instant::now() >= deadline {
+                polls = polls.wrapping_add(1);
+                if polls.is_multiple_of(WAIT_POLLS_PER_CLOCK_READ) && Instant::now() >= deadline {
                     return Err(DeviceError::Timeout { device: name.clone(), timeout_s: IO_TIMEOUT.as_secs(), in_flight });
                 }
-                if polls < WAIT_SPIN_POLLS {
+                if polls < wait_spin_polls {
                     std::hint::spin_loop();
                 } else if polls < WAIT_SPIN_POLLS + WAIT_YIELD_POLLS {
                     std::thread::yield_now();
