@@ -279,7 +279,7 @@ impl NvmeDevice {
             timing_note(&device.spec, options),
         );
         // A software controller shares our CPU and must get it; anything else is only spun on.
-        let wait_spin_polls = if device.emulator.is_some() { WAIT_SPIN_POLLS } else { u32::MAX };
+        let wait_spin_polls = WAIT_SPIN_POLLS;
         Ok(Arc::new(Self { controller, _emu: device.emulator, namespace, description, wait_spin_polls }))
     }
 }
