@@ -20,9 +20,9 @@ use crate::args::{format_size, DeviceSpec};
 /// How long one I/O may take before the run fails (a stuck device, not a slow one).
 pub const IO_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Waiting for an NVMe completion of the software controller (a thread of this process, which
-/// a waiter that keeps the CPU starves on a small machine): polls spent spinning, then
-/// yielding, then sleeping. A VFIO function is not on our CPU: its waiter only spins.
+/// Waiting for an NVMe completion: polls spent spinning, then yielding, then sleeping (the
+/// software controller is a thread of this process, which a waiter that keeps the CPU starves
+/// on a small machine).
 const WAIT_SPIN_POLLS: u32 = 256;
 const WAIT_YIELD_POLLS: u32 = 64;
 const WAIT_SLEEP_MIN: Duration = Duration::from_micros(5);
@@ -252,8 +252,6 @@ struct NvmeDevice {
     _emu: Option<Arc<EmuDevice>>,
     namespace: nvme_driver::Namespace,
     description: String,
-    /// Polls a wait spins before it yields the CPU (see [`WAIT_SPIN_POLLS`]).
-    wait_spin_polls: u32,
 }
 
 impl NvmeDevice {
@@ -278,9 +276,7 @@ impl NvmeDevice {
             format_size(controller.max_transfer_bytes()),
             timing_note(&device.spec, options),
         );
-        // A software controller shares our CPU and must get it; anything else is only spun on.
-        let wait_spin_polls = WAIT_SPIN_POLLS;
-        Ok(Arc::new(Self { controller, _emu: device.emulator, namespace, description, wait_spin_polls }))
+        Ok(Arc::new(Self { controller, _emu: device.emulator, namespace, description }))
     }
 }
 
@@ -335,7 +331,6 @@ impl Device for NvmeDevice {
             failure: vec![None; depth as usize],
             directions: vec![Direction::Read; depth as usize],
             offsets_bytes: vec![0; depth as usize],
-            wait_spin_polls: self.wait_spin_polls,
         }))
     }
 }
@@ -354,7 +349,6 @@ struct NvmeQueue {
     failure: Vec<Option<nvme_driver::spec::NvmeStatus>>,
     directions: Vec<Direction>,
     offsets_bytes: Vec<u64>,
-    wait_spin_polls: u32,
 }
 
 impl Drop for NvmeQueue {
@@ -394,8 +388,7 @@ impl IoQueue for NvmeQueue {
         deadline: Instant,
         on_done: &mut dyn FnMut(u32, Result<(), DeviceError>),
     ) -> Result<usize, DeviceError> {
-        let Self { name, pair, remaining_commands, failure, directions, offsets_bytes, wait_spin_polls, .. } = self;
-        let wait_spin_polls = *wait_spin_polls;
+        let Self { name, pair, remaining_commands, failure, directions, offsets_bytes, .. } = self;
         pair.ring_doorbell().map_err(|source| DeviceError::Nvme { device: name.clone(), source })?;
         let mut done = 0usize;
         let mut unexpected = None;
@@ -436,8 +429,10 @@ impl IoQueue for NvmeQueue {
             // Our own bounded wait rather than the driver's spin-and-yield: with the software
             // controller the device is a thread of this process, and on a small machine a waiter
             // that keeps the CPU starves it. Spin briefly (fast devices), then yield, then sleep
-            // in growing steps capped at WAIT_SLEEP_MAX; a VFIO function is only spun on. An
-            // empty poll is one load (completion_pending); reap runs when it says so.
+            // in growing steps capped at WAIT_SLEEP_MAX (also for a VFIO function: in the TCG
+            // guest of tools/vm-bench.sh a spinning vCPU starves the emulated controller of a
+            // small host; measured, see docs/vfio.md). An empty poll is one load
+            // (completion_pending); reap runs when it says so.
             let in_flight = pair.in_flight();
             let mut polls = 0u32;
             let mut sleep = WAIT_SLEEP_MIN;
@@ -451,7 +446,7 @@ impl IoQueue for NvmeQueue {
                 if polls.is_multiple_of(WAIT_POLLS_PER_CLOCK_READ) && Instant::now() >= deadline {
                     return Err(DeviceError::Timeout { device: name.clone(), timeout_s: IO_TIMEOUT.as_secs(), in_flight });
                 }
-                if polls < wait_spin_polls {
+                if polls < WAIT_SPIN_POLLS {
                     std::hint::spin_loop();
                 } else if polls < WAIT_SPIN_POLLS + WAIT_YIELD_POLLS {
                     std::thread::yield_now();
