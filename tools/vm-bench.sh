@@ -18,8 +18,9 @@
 #   TUTTI_BENCH_SIZE_MIB     span of the device each job touches (default 512)
 #   TUTTI_BENCH_OURS=0       kernel rows only (no static tutti-bench build)
 #   TUTTI_BENCH_BEFORE=PATH  also run this tutti-bench binary (static, e.g. built from an older
-#                            commit with the same target: see docs/tutti-bench.md) in the same
-#                            boot, right after ours on each row, and print ours/before per row
+#                            commit with the same target: see docs/vfio.md) in the same boot,
+#                            back to back with ours on each row (order alternating), and print
+#                            ours/before per row
 # The first controller (/dev/nvme0n1, then vfio:0000:00:04.0 in the guest) is benchmarked.
 set -euo pipefail
 # shellcheck source=tools/vm/lib.sh
@@ -100,13 +101,17 @@ done
 if [ "$OURS" = 1 ]; then
     # shellcheck disable=SC2016 # $TUTTI_BDF0 is expanded by the guest's shell
     printf '%s\n' 'tutti bind $TUTTI_BDF0' >> "$COMMANDS"
-    # With a "before" binary, it runs right after ours on each row: the two are compared in
-    # the same boot, minutes apart at most.
+    # With a "before" binary, the two run back to back on each row, in the same boot; which
+    # goes first alternates from row to row, so that neither always follows the other.
     DRIVERS=("ours:tutti-bench")
     [ -n "$BEFORE" ] && DRIVERS+=("before:tutti-bench-before")
+    row_index=0
     for spec in "${ROWS[@]}"; do
         IFS=: read -r name rw block depth <<< "$spec"
-        for driver in "${DRIVERS[@]}"; do
+        order=("${DRIVERS[@]}")
+        [ -n "$BEFORE" ] && [ $((row_index % 2)) = 1 ] && order=("${DRIVERS[1]}" "${DRIVERS[0]}")
+        row_index=$((row_index + 1))
+        for driver in "${order[@]}"; do
             label=${driver%%:*} binary=${driver#*:}
             printf '%s\n' "echo JSON_BEGIN $label $name; $binary --workload=raw --device vfio:\$TUTTI_BDF0 --rw=$rw --bs=$block --iodepth=$depth --numjobs=1 --size=${SIZE_MIB}M --time_based --runtime=${RUNTIME_S}s --output-format=json > /tmp/result.json 2> /tmp/stderr.txt; status=\$?; [ \$status = 0 ] || cat /tmp/stderr.txt; sed 's/^/JSON /' /tmp/result.json; echo JSON_END; exit \$status" >> "$COMMANDS"
         done
@@ -161,7 +166,7 @@ print()
 print("QEMU NVMe under TCG, one controller: kernel = guest nvme driver + fio io_uring O_DIRECT;")
 print("ours = tutti-bench through VFIO (CPU executor, polled). Emulator numbers, not an SSD's.")
 if with_before:
-    print("before = TUTTI_BENCH_BEFORE's tutti-bench, run right after ours on each row (same boot).")
+    print("before = TUTTI_BENCH_BEFORE's tutti-bench, back to back with ours on each row (same boot, order alternating).")
 header = f"{'row':<17} {'driver':<7} {'IOPS':>9} {'MiB/s':>8} {'p50 us':>9} {'p99 us':>9}  {'x/kernel':<14}"
 print(header + ("  ours/before" if with_before else ""))
 missing = 0
