@@ -17,6 +17,10 @@
 #   TUTTI_BENCH_RUNTIME_S    seconds per row and driver (default 8; fio adds a 1 s ramp)
 #   TUTTI_BENCH_SIZE_MIB     span of the device each job touches (default 512)
 #   TUTTI_BENCH_OURS=0       kernel rows only (no static tutti-bench build)
+#   TUTTI_BENCH_BEFORE=PATH  also run this tutti-bench binary (static, e.g. built from an older
+#                            commit with the same target: see docs/vfio.md) in the same boot,
+#                            back to back with ours on each row (order alternating), and print
+#                            ours/before per row
 # The first controller (/dev/nvme0n1, then vfio:0000:00:04.0 in the guest) is benchmarked.
 set -euo pipefail
 # shellcheck source=tools/vm/lib.sh
@@ -25,9 +29,21 @@ set -euo pipefail
 RUNTIME_S=${TUTTI_BENCH_RUNTIME_S:-8}
 SIZE_MIB=${TUTTI_BENCH_SIZE_MIB:-512}
 OURS=${TUTTI_BENCH_OURS:-1}
+BEFORE=${TUTTI_BENCH_BEFORE:-}
+if [ -n "$BEFORE" ]; then
+    [ "$OURS" = 1 ] || vm_die "TUTTI_BENCH_BEFORE compares with our rows: drop TUTTI_BENCH_OURS=0"
+    [ -x "$BEFORE" ] || vm_die "TUTTI_BENCH_BEFORE=$BEFORE is not an executable file"
+    # The guest has no libc: a dynamically linked binary would fail there, after the kernel rows.
+    if ! file -L "$BEFORE" | grep -q 'statically linked\|static-pie linked'; then
+        vm_die "TUTTI_BENCH_BEFORE=$BEFORE is not statically linked (build it with RUSTFLAGS=\"-C target-feature=+crt-static\" --target x86_64-unknown-linux-gnu)"
+    fi
+fi
 export TUTTI_VM_DISK_MIB=${TUTTI_VM_DISK_MIB:-$((SIZE_MIB + 64))}
 export TUTTI_VM_NVME_COUNT=1
-export TUTTI_VM_TIMEOUT_S=${TUTTI_VM_TIMEOUT_S:-$((RUNTIME_S * 40 + 180))}
+# Six rows, each run by two or three drivers (with a 1 s ramp for fio), under TCG.
+SECONDS_PER_RUNTIME_S=40
+[ -n "$BEFORE" ] && SECONDS_PER_RUNTIME_S=60
+export TUTTI_VM_TIMEOUT_S=${TUTTI_VM_TIMEOUT_S:-$((RUNTIME_S * SECONDS_PER_RUNTIME_S + 180))}
 
 mkdir -p "$VM_DIR"/{debs,logs,kernel}
 vm_install_host_tools
@@ -61,6 +77,11 @@ ldd "$(command -v fio)" | awk '/=> \// { print $3 } /^\t\/.*ld-linux/ { print $1
 done
 # The binary names its interpreter /lib64/ld-linux-x86-64.so.2: make sure that path resolves.
 [ -e "$EXTRA/lib64/ld-linux-x86-64.so.2" ] || { mkdir -p "$EXTRA/lib64" && cp -L /lib64/ld-linux-x86-64.so.2 "$EXTRA/lib64/"; }
+if [ -n "$BEFORE" ]; then
+    mkdir -p "$EXTRA/bin"
+    install -m 755 "$BEFORE" "$EXTRA/bin/tutti-bench-before"
+    strip --strip-debug "$EXTRA/bin/tutti-bench-before"
+fi
 
 # One run per row and driver; each JSON document (fio's schema; tutti-bench writes the same) is
 # framed by markers so the host can cut it out of the console. tutti-bench's progress display
@@ -68,8 +89,11 @@ done
 ROWS=(randread-4k-qd1:randread:4k:1 randread-4k-qd32:randread:4k:32 seqread-128k:read:128k:32
     seqread-1m:read:1m:8 seqwrite-128k:write:128k:32 seqwrite-1m:write:1m:8)
 COMMANDS=$VM_DIR/commands.bench
+# The guest's clock source says what a clock read costs there (tsc: no system call).
+# shellcheck disable=SC2016 # expanded by the guest's shell
+printf '%s\n' 'echo "guest clocksource: $(cat /sys/devices/system/clocksource/clocksource0/current_clocksource)"' > "$COMMANDS"
 # Fill the span once so reads return written data rather than the image's holes.
-printf '%s\n' "/usr/bin/fio --name=fill --filename=/dev/nvme0n1 --ioengine=io_uring --direct=1 --rw=write --bs=1M --iodepth=16 --size=${SIZE_MIB}M --output-format=terse > /dev/null" > "$COMMANDS"
+printf '%s\n' "/usr/bin/fio --name=fill --filename=/dev/nvme0n1 --ioengine=io_uring --direct=1 --rw=write --bs=1M --iodepth=16 --size=${SIZE_MIB}M --output-format=terse > /dev/null" >> "$COMMANDS"
 for spec in "${ROWS[@]}"; do
     IFS=: read -r name rw block depth <<< "$spec"
     printf '%s\n' "echo JSON_BEGIN kernel $name; /usr/bin/fio --name=$name --filename=/dev/nvme0n1 --ioengine=io_uring --direct=1 --rw=$rw --bs=$block --iodepth=$depth --numjobs=1 --size=${SIZE_MIB}M --time_based --ramp_time=1 --runtime=$RUNTIME_S --randrepeat=0 --norandommap --output-format=json | sed 's/^/JSON /'; echo JSON_END" >> "$COMMANDS"
@@ -77,9 +101,20 @@ done
 if [ "$OURS" = 1 ]; then
     # shellcheck disable=SC2016 # $TUTTI_BDF0 is expanded by the guest's shell
     printf '%s\n' 'tutti bind $TUTTI_BDF0' >> "$COMMANDS"
+    # With a "before" binary, the two run back to back on each row, in the same boot; which
+    # goes first alternates from row to row, so that neither always follows the other.
+    DRIVERS=("ours:tutti-bench")
+    [ -n "$BEFORE" ] && DRIVERS+=("before:tutti-bench-before")
+    row_index=0
     for spec in "${ROWS[@]}"; do
         IFS=: read -r name rw block depth <<< "$spec"
-        printf '%s\n' "echo JSON_BEGIN ours $name; tutti-bench --workload=raw --device vfio:\$TUTTI_BDF0 --rw=$rw --bs=$block --iodepth=$depth --numjobs=1 --size=${SIZE_MIB}M --time_based --runtime=${RUNTIME_S}s --output-format=json > /tmp/result.json 2> /tmp/stderr.txt; status=\$?; [ \$status = 0 ] || cat /tmp/stderr.txt; sed 's/^/JSON /' /tmp/result.json; echo JSON_END; exit \$status" >> "$COMMANDS"
+        order=("${DRIVERS[@]}")
+        [ -n "$BEFORE" ] && [ $((row_index % 2)) = 1 ] && order=("${DRIVERS[1]}" "${DRIVERS[0]}")
+        row_index=$((row_index + 1))
+        for driver in "${order[@]}"; do
+            label=${driver%%:*} binary=${driver#*:}
+            printf '%s\n' "echo JSON_BEGIN $label $name; $binary --workload=raw --device vfio:\$TUTTI_BDF0 --rw=$rw --bs=$block --iodepth=$depth --numjobs=1 --size=${SIZE_MIB}M --time_based --runtime=${RUNTIME_S}s --output-format=json > /tmp/result.json 2> /tmp/stderr.txt; status=\$?; [ \$status = 0 ] || cat /tmp/stderr.txt; sed 's/^/JSON /' /tmp/result.json; echo JSON_END; exit \$status" >> "$COMMANDS"
+        done
     done
 fi
 
@@ -95,7 +130,7 @@ vm_boot "$INITRD" "$LOG"
 vm_log "guest booted to init in ${VM_BOOT_S:-?}s; VM run ${VM_WALL_S}s; log: $LOG"
 [ "$VM_GUEST_RC" = 0 ] || vm_die "a benchmark run failed in the guest (status $VM_GUEST_RC)"
 
-python3 - "$LOG" "$OURS" << 'SUMMARY'
+python3 - "$LOG" "$OURS" "${BEFORE:+1}" << 'SUMMARY'
 import json, re, sys
 
 results, current, lines = {}, None, []
@@ -125,24 +160,34 @@ def figures(driver, row):
     return side["iops"], side["bw_bytes"] / 2**20, at(50.0), at(99.0)
 
 rows = ["randread-4k-qd1", "randread-4k-qd32", "seqread-128k", "seqread-1m", "seqwrite-128k", "seqwrite-1m"]
+with_before = len(sys.argv) > 3 and sys.argv[3] == "1"
+drivers = ("kernel", "ours", "before") if with_before else ("kernel", "ours")
 print()
 print("QEMU NVMe under TCG, one controller: kernel = guest nvme driver + fio io_uring O_DIRECT;")
 print("ours = tutti-bench through VFIO (CPU executor, polled). Emulator numbers, not an SSD's.")
-print(f"{'row':<17} {'driver':<7} {'IOPS':>9} {'MiB/s':>8} {'p50 us':>9} {'p99 us':>9}  ours/kernel")
+if with_before:
+    print("before = TUTTI_BENCH_BEFORE's tutti-bench, back to back with ours on each row (same boot, order alternating).")
+header = f"{'row':<17} {'driver':<7} {'IOPS':>9} {'MiB/s':>8} {'p50 us':>9} {'p99 us':>9}  {'x/kernel':<14}"
+print(header + ("  ours/before" if with_before else ""))
 missing = 0
 for row in rows:
-    kernel, ours = figures("kernel", row), figures("ours", row)
-    for driver, data in (("kernel", kernel), ("ours", ours)):
+    found = {driver: figures(driver, row) for driver in drivers}
+    kernel = found["kernel"]
+    for driver in drivers:
+        data = found[driver]
         if data is None:
             if driver == "kernel" or sys.argv[2] == "1":
                 missing += 1
             print(f"{row:<17} {driver:<7} {'-':>9} {'-':>8} {'-':>9} {'-':>9}")
             continue
         ratio = ""
-        if driver == "ours" and kernel and kernel[0]:
+        if driver != "kernel" and kernel and kernel[0]:
             value = data[0] / kernel[0]
             ratio = f"{value:.2f} {'met' if value >= 1.0 else 'MISSED'}"
-        print(f"{row:<17} {driver:<7} {data[0]:>9.0f} {data[1]:>8.1f} {data[2]:>9.1f} {data[3]:>9.1f}  {ratio}")
+        versus = ""
+        if driver == "ours" and with_before and found["before"] and found["before"][0]:
+            versus = f"{data[0] / found['before'][0]:.2f}"
+        print(f"{row:<17} {driver:<7} {data[0]:>9.0f} {data[1]:>8.1f} {data[2]:>9.1f} {data[3]:>9.1f}  {ratio:<14}  {versus}".rstrip())
 if missing:
     sys.exit(f"{missing} result(s) missing")
 SUMMARY

@@ -310,9 +310,16 @@ impl IoQueuePair {
         self.queue.ring_doorbell()
     }
 
-    /// Reaps up to `max` completions without waiting; one CQ doorbell write.
+    /// Whether [`IoQueuePair::reap`] would report something now (a completion, staleness or a
+    /// failure): one load, for spin loops that call `reap` only when this is true.
+    #[inline]
+    pub fn completion_pending(&self) -> bool {
+        self.queue.completion_pending()
+    }
+
+    /// Reaps up to `max` completions without waiting; one CQ doorbell write. (A stale pair is
+    /// refused by the queue's own reap, first thing: no second check here.)
     pub fn reap(&mut self, max: usize, on_completion: impl FnMut(Completion)) -> Result<usize, NvmeError> {
-        self.check_epoch()?;
         self.queue.reap(max, on_completion)
     }
 

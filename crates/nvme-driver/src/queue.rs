@@ -416,6 +416,24 @@ impl QueuePair {
         Ok(())
     }
 
+    /// Whether [`QueuePair::reap`] would find something to report now: the entry at the CQ head
+    /// carries the current phase, or the pair is stale (reap then says so), or the head entry
+    /// cannot be read (reap then reports why). One Acquire load and no side effects: a spin
+    /// loop polls this and calls `reap` only when it is true, so that an empty poll costs a
+    /// load and a compare rather than a reap's checks. Every check on what the entry says
+    /// (queue, SQ head, command id and generation) stays in `reap`.
+    #[inline]
+    pub fn completion_pending(&self) -> bool {
+        if self.is_stale_hint() {
+            return true;
+        }
+        let offset = self.cq_head as usize * COMPLETION_ENTRY_BYTES;
+        match self.completion.load_u32(offset + CompletionEntry::DWORD3_OFFSET, Ordering::Acquire) {
+            Ok(dword3) => CompletionEntry::decode_dword3(dword3).2 == self.phase,
+            Err(_) => true,
+        }
+    }
+
     /// Consumes up to `max` completions, calling `on_completion` for each, and writes the CQ head
     /// doorbell once. A completion that matches no command in flight is consumed and reported as
     /// an error (after the completions before it were delivered).

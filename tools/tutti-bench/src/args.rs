@@ -57,6 +57,12 @@ pub struct Cli {
     #[arg(long = "time_based", alias = "time-based")]
     pub time_based: bool,
 
+    /// Stop each job after this many I/Os (fio's number_ios): independent of --size, so a run
+    /// may wrap around the region; --runtime still stops it earlier. Gives a fixed amount of
+    /// work, e.g. for counting instructions per I/O under callgrind.
+    #[arg(long = "number_ios", alias = "number-ios", value_parser = clap::value_parser!(u64).range(1..))]
+    pub number_ios: Option<u64>,
+
     /// Percentage of reads in a randrw mix.
     #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u8).range(0..=100))]
     pub rwmixread: u8,
@@ -172,7 +178,7 @@ pub enum Selected {
 }
 
 /// Options that shape only the raw workload, and only the kv workload (by clap id).
-const RAW_OPTIONS: [&str; 9] = ["rw", "bs", "iodepth", "numjobs", "size", "runtime", "time_based", "rwmixread", "offset"];
+const RAW_OPTIONS: [&str; 10] = ["rw", "bs", "iodepth", "numjobs", "size", "runtime", "time_based", "number_ios", "rwmixread", "offset"];
 const KV_OPTIONS: [&str; 15] = [
     "model",
     "model_config",

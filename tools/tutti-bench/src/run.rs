@@ -36,7 +36,7 @@ pub fn run(cli: &Cli, selected: Selected, matches: &ArgMatches) -> anyhow::Resul
             let kv_options = crate::args::kv_options_given(matches);
             if !kv_options.is_empty() {
                 return usage(format!(
-                    "{} apply to --workload=kv; accepted with --workload=raw: --rw, --bs, --iodepth, --numjobs, --size, --runtime, --offset, --verify",
+                    "{} apply to --workload=kv; accepted with --workload=raw: --rw, --bs, --iodepth, --numjobs, --size, --runtime, --number_ios, --offset, --verify",
                     kv_options.join(", ")
                 ));
             }
@@ -99,6 +99,7 @@ fn plan_phases(cli: &Cli, region_start: u64, region_bytes: u64, seed: u64) -> an
         split_region: false,
         runtime: cli.runtime,
         time_based: cli.time_based,
+        number_ios: cli.number_ios,
         rwmixread: cli.rwmixread,
         verify: VerifyMode::None,
         seed,
@@ -111,6 +112,9 @@ fn plan_phases(cli: &Cli, region_start: u64, region_bytes: u64, seed: u64) -> an
     }
     if cli.time_based {
         return usage("--verify makes one full pass (write, then read back); drop --time_based");
+    }
+    if cli.number_ios.is_some() {
+        return usage("--verify makes one full pass (write, then read back); drop --number_ios");
     }
     // Each job verifies its own slice, so that every block is written once and read back once.
     let write = PhasePlan {
@@ -230,8 +234,10 @@ fn run_phases(devices: &[Arc<dyn Device>], numjobs: u32, phases: &[PhasePlan]) -
     let mut results = Vec::with_capacity(phases.len());
     for plan in phases {
         let progress = Arc::new(Progress::default());
-        let total = (!plan.time_based).then(|| {
-            if plan.split_region {
+        let total = (!plan.time_based || plan.number_ios.is_some()).then(|| {
+            if let Some(ios) = plan.number_ios {
+                ios.saturating_mul(plan.bs).saturating_mul(u64::from(numjobs))
+            } else if plan.split_region {
                 plan.region_bytes / plan.bs / u64::from(numjobs) * plan.bs * u64::from(numjobs)
             } else {
                 plan.region_bytes * u64::from(numjobs)
@@ -258,6 +264,7 @@ fn configuration(cli: &Cli, devices: &[Arc<dyn Device>], region_bytes: u64) -> s
         "offset": cli.offset,
         "runtime_ms": cli.runtime.map(|runtime| runtime.as_millis() as u64),
         "time_based": cli.time_based,
+        "number_ios": cli.number_ios,
         "rwmixread": (cli.rw == Pattern::Randrw).then_some(cli.rwmixread),
         "verify": cli.verify,
         "executor": "cpu",
@@ -270,7 +277,7 @@ fn configuration(cli: &Cli, devices: &[Arc<dyn Device>], region_bytes: u64) -> s
 fn config_text(config: &serde_json::Value) -> String {
     let get = |key: &str| config.get(key).cloned().unwrap_or(serde_json::Value::Null);
     let mut lines = vec![format!(
-        "tutti-bench: rw={} bs={} iodepth={} numjobs={} size={} offset={} runtime={} time_based={} verify={} executor={}{}",
+        "tutti-bench: rw={} bs={} iodepth={} numjobs={} size={} offset={} runtime={} time_based={}{} verify={} executor={}{}",
         get("rw").as_str().unwrap_or("?"),
         format_size(get("bs").as_u64().unwrap_or(0)),
         get("iodepth"),
@@ -279,6 +286,7 @@ fn config_text(config: &serde_json::Value) -> String {
         get("offset"),
         get("runtime_ms").as_u64().map_or("none".to_string(), |ms| format!("{ms}ms")),
         get("time_based"),
+        get("number_ios").as_u64().map(|ios| format!(" number_ios={ios}")).unwrap_or_default(),
         get("verify"),
         get("executor").as_str().unwrap_or("?"),
         get("rwmixread").as_u64().map(|mix| format!(" rwmixread={mix}")).unwrap_or_default(),

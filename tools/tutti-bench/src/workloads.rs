@@ -39,6 +39,8 @@ pub struct PhasePlan {
     pub split_region: bool,
     pub runtime: Option<Duration>,
     pub time_based: bool,
+    /// Stop each job after this many I/Os (wrapping around the region if needed).
+    pub number_ios: Option<u64>,
     pub rwmixread: u8,
     pub verify: VerifyMode,
     pub seed: u64,
@@ -265,7 +267,7 @@ fn run_job(
     };
     let depth = plan.iodepth as usize;
     let device_count = devices.len() as u64;
-    let total_ios = if plan.time_based { u64::MAX } else { blocks };
+    let total_ios = plan.number_ios.unwrap_or(if plan.time_based { u64::MAX } else { blocks });
     let mut free_slots: Vec<u32> = (0..plan.iodepth).rev().collect();
     let now = Instant::now();
     let mut slots: Vec<SlotState> = (0..depth)

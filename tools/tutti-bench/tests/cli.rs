@@ -98,6 +98,31 @@ fn emu_memory_write_verify_json_parses_with_fio_names() {
 }
 
 #[test]
+fn number_ios_runs_exactly_that_many_ios_past_the_region_and_refuses_verify() {
+    // Goal: a fixed amount of work (fio's number_ios): each job stops after N I/Os, even when
+    // that wraps around a region smaller than N blocks, at every depth; --verify (one pass) refuses it.
+    for (depth, ios) in [("1", 1000u64), ("32", 1003)] {
+        let output = bench(&[
+            "--device",
+            "emu:null:1g",
+            "--rw=randread",
+            "--bs=4k",
+            "--size=1m",
+            &format!("--iodepth={depth}"),
+            &format!("--number_ios={ios}"),
+            "--output-format=json",
+        ]);
+        assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
+        let json: serde_json::Value = serde_json::from_slice(&output.stdout).expect("JSON output parses");
+        assert_eq!(json["jobs"][0]["read"]["total_ios"], ios, "iodepth {depth}: {}", json["jobs"][0]);
+        assert_eq!(json["jobs"][0]["read"]["io_bytes"], ios * 4096);
+        assert_eq!(json["global options"]["number_ios"], ios);
+    }
+    assert_refused(&["--device", "emu:mem:16m", "--rw=write", "--number_ios=10", "--verify"], &["--number_ios"]);
+    assert_refused(&["--device", "emu:mem:16m", "--number_ios=0"], &["number_ios"]);
+}
+
+#[test]
 fn emu_file_is_created_sized_and_kept() {
     let directory = tempfile::tempdir().unwrap();
     let path = directory.path().join("pool.img");
