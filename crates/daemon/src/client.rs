@@ -148,7 +148,15 @@ impl Client {
         self.next_request_id = self.next_request_id.wrapping_add(1).max(1);
         encode_frame(&mut self.frame, kind, request_id, encode)?;
         self.requests_sent += 1;
-        write_frame_with_fds(&self.stream, &self.frame, fds)?;
+        if let Err(error) = write_frame_with_fds(&self.stream, &self.frame, fds) {
+            // A daemon that refuses a connection (Busy) answers and closes without reading what
+            // the client sent: a request written after that close fails, while the refusal
+            // still waits in this socket. Report the refusal, not the close.
+            return Err(match error {
+                DaemonError::Closed => self.queued_refusal().unwrap_or(DaemonError::Closed),
+                other => other,
+            });
+        }
         let started = Instant::now();
         let never = || false;
         let header = match read_frame(&self.stream, &mut self.body, &mut self.fds, started + self.timeout, self.timeout, &never)? {
@@ -167,5 +175,54 @@ impl Client {
             return Err(DaemonError::UnexpectedReply { asked: kind, got: header.kind });
         }
         Ok(reply)
+    }
+
+    /// An error reply the daemon queued before closing the connection, if one is there (looked
+    /// for at most one read tick).
+    fn queued_refusal(&mut self) -> Option<DaemonError> {
+        let never = || false;
+        let deadline = Instant::now() + TICK.min(self.timeout);
+        match read_frame(&self.stream, &mut self.body, &mut self.fds, deadline, self.timeout, &never) {
+            Ok(ReadOutcome::Frame(header)) => match Reply::decode(header.kind, &self.body) {
+                Ok(Reply::Error { code, message }) => Some(DaemonError::Remote { code, message }),
+                _ => None,
+            },
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::net::UnixListener;
+
+    use super::*;
+    use crate::frame_io::write_frame_with_fds;
+    use crate::protocol::ErrorCode;
+
+    /// Goal: a daemon that answers Busy and closes before the client's request is written: the
+    /// client reports Busy, not "the connection was closed" (seen as a flaky Python test).
+    #[test]
+    fn a_refusal_queued_before_the_close_is_reported_when_the_write_fails() {
+        let directory = std::env::temp_dir().join(format!("tutti-client-refusal-{}", std::process::id()));
+        std::fs::create_dir_all(&directory).unwrap();
+        let socket = directory.join("socket");
+        let _ = std::fs::remove_file(&socket);
+        let listener = UnixListener::bind(&socket).unwrap();
+        let daemon = std::thread::spawn(move || {
+            let (stream, _) = listener.accept().unwrap();
+            let reply = Reply::error(ErrorCode::Busy, "busy for the test");
+            let mut frame = Vec::new();
+            encode_frame(&mut frame, reply.kind(), 0, |out| reply.encode_body(out)).unwrap();
+            write_frame_with_fds(&stream, &frame, &[]).unwrap();
+        });
+        let mut client = Client::connect(&socket, Duration::from_secs(2)).unwrap();
+        daemon.join().unwrap();
+        let outcome = client.status();
+        std::fs::remove_dir_all(&directory).unwrap();
+        match outcome {
+            Err(DaemonError::Remote { code: ErrorCode::Busy, .. }) => {}
+            other => panic!("expected the daemon's Busy, got {other:?}"),
+        }
     }
 }
