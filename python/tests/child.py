@@ -47,17 +47,23 @@ def main() -> None:
     found = store.lookup(prompt)
     print("found", found, flush=True)
     if found:
-        targets = list(range(blocks, blocks + found))
-        with store.prepare_retrieve(prompt, targets) as request:
-            for layer in range(GEOMETRY.layers):
-                request.retrieve_layer(layer)
-                request.wait(WAIT_S)
-        wrong = 0
-        for index, target in enumerate(targets):
-            for part_index, part in enumerate(block_parts(layout, target)):
-                wrong += int(np.count_nonzero(part != pattern((seed * 100 + index) * 1000 + part_index, part.size)))
+        wrong = retrieve_and_count_wrong(store, layout, prompt, list(range(blocks, blocks + found)), seed * 100)
         print("wrong", wrong, flush=True)
     store.close()
+
+
+def retrieve_and_count_wrong(store, layout, prompt, targets: list[int], first_fill: int) -> int:
+    """Retrieves `prompt`'s cached blocks into `targets`, layer by layer, and counts the bytes
+    that differ from what `fill_block` wrote (fill `first_fill + i` for the i-th block)."""
+    with store.prepare_retrieve(prompt, targets) as request:
+        for layer in range(GEOMETRY.layers):
+            request.retrieve_layer(layer)
+            request.wait(WAIT_S)
+    wrong = 0
+    for index, target in enumerate(targets):
+        for part_index, part in enumerate(block_parts(layout, target)):
+            wrong += int(np.count_nonzero(part != pattern((first_fill + index) * 1000 + part_index, part.size)))
+    return wrong
 
 
 def device_retrieve(socket: str, seed: int, blocks: int) -> None:
@@ -70,15 +76,7 @@ def device_retrieve(socket: str, seed: int, blocks: int) -> None:
     prompt = tokens(seed, blocks)
     found = store.lookup(prompt)
     print("found", found, flush=True)
-    targets = list(range(BLOCKS - found, BLOCKS))
-    with store.prepare_retrieve(prompt, targets) as request:
-        for layer in range(GEOMETRY.layers):
-            request.retrieve_layer(layer)
-            request.wait(WAIT_S)
-    wrong = 0
-    for index, target in enumerate(targets):
-        for part_index, part in enumerate(block_parts(layout, target)):
-            wrong += int(np.count_nonzero(part != pattern((50 + index) * 1000 + part_index, part.size)))
+    wrong = retrieve_and_count_wrong(store, layout, prompt, list(range(BLOCKS - found, BLOCKS)), 50)
     print("wrong", wrong, flush=True)
     store.close()
 

@@ -92,10 +92,7 @@ impl DeviceMemoryStandIn {
         copy: Option<bool>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let _ = stream; // host memory: no stream
-        let versioned = match max_version {
-            Some(version) => version.bind(py).extract::<(u32, u32)>().is_ok_and(|(major, _)| major >= 1),
-            None => false,
-        };
+        let versioned = ffi::accepts_versioned(py, max_version);
         if copy == Some(true) || dl_device.is_some_and(|(device_type, _)| device_type != DLPACK_CPU) {
             return Err(PyBufferError::new_err("a DeviceMemoryStandIn is handed out in place, as CPU memory"));
         }

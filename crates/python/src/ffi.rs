@@ -245,6 +245,12 @@ unsafe extern "C" fn export_versioned_capsule_destructor(capsule: *mut ffi::PyOb
     }
 }
 
+/// Whether a `__dlpack__` caller accepts the versioned capsule: its `max_version` is a
+/// `(major, minor)` of DLPack 1.0 or later.
+pub fn accepts_versioned(py: Python<'_>, max_version: Option<Py<PyAny>>) -> bool {
+    max_version.is_some_and(|version| version.bind(py).extract::<(u32, u32)>().is_ok_and(|(major, _)| major >= 1))
+}
+
 /// A capsule of a 1-D uint8 CPU tensor over `region`, which it keeps alive: "dltensor_versioned"
 /// (DLPack 1.0, flagged writable) when the consumer accepts `versioned`, else the legacy
 /// "dltensor" (which some consumers, numpy among them, import read-only).

@@ -122,10 +122,7 @@ impl KvBuffer {
         // A CPU tensor has no stream. A consumer that accepts DLPack 1.0 gets the versioned
         // capsule, which can say the memory is writable.
         let _ = stream;
-        let versioned = match max_version {
-            Some(version) => version.bind(py).extract::<(u32, u32)>().is_ok_and(|(major, _)| major >= 1),
-            None => false,
-        };
+        let versioned = ffi::accepts_versioned(py, max_version);
         if copy == Some(true) {
             return Err(PyBufferError::new_err("a KvBuffer is never copied: it is the KV memory itself"));
         }

@@ -9,6 +9,10 @@ use io_uring::IoUring;
 
 use crate::error::UringError;
 
+/// `IORING_SETUP_DEFER_TASKRUN`'s own bit (the public [`SetupFlags::DEFERRED_TASK_RUN`] carries
+/// the SINGLE_ISSUER it needs too).
+const DEFER_TASKRUN_BIT: u8 = 1 << 3;
+
 /// A set of io_uring setup flags beyond the plain ring. Combine with [`SetupFlags::union`];
 /// [`SetupFlags::FIO`] is what fio's io_uring engine (3.33) asks for.
 #[derive(Clone, Copy, PartialEq, Eq, Default, Hash)]
@@ -35,7 +39,7 @@ impl SetupFlags {
     /// enters the kernel with `IORING_ENTER_GETEVENTS`; the ring does so before every look at its
     /// completion queue (see the `sys` module). Includes [`SetupFlags::SINGLE_ISSUER`], which the
     /// kernel requires with it. Linux 6.1.
-    pub const DEFERRED_TASK_RUN: Self = Self(1 << 3 | 1 << 2);
+    pub const DEFERRED_TASK_RUN: Self = Self(DEFER_TASKRUN_BIT | Self::SINGLE_ISSUER.0);
     /// What fio 3.33's io_uring engine sets up (checked with `strace`): all four.
     pub const FIO: Self =
         Self(Self::COMPLETION_QUEUE_SIZE.0 | Self::COOPERATIVE_TASK_RUN.0 | Self::SINGLE_ISSUER.0 | Self::DEFERRED_TASK_RUN.0);
@@ -61,7 +65,12 @@ impl SetupFlags {
 
     /// The kernel's names of the flags, in the order the kernel gained them.
     fn names(self) -> impl Iterator<Item = &'static str> {
-        const NAMED: [(u8, &str); 4] = [(1 << 0, "CQSIZE"), (1 << 1, "COOP_TASKRUN"), (1 << 2, "SINGLE_ISSUER"), (1 << 3, "DEFER_TASKRUN")];
+        const NAMED: [(u8, &str); 4] = [
+            (SetupFlags::COMPLETION_QUEUE_SIZE.0, "CQSIZE"),
+            (SetupFlags::COOPERATIVE_TASK_RUN.0, "COOP_TASKRUN"),
+            (SetupFlags::SINGLE_ISSUER.0, "SINGLE_ISSUER"),
+            (DEFER_TASKRUN_BIT, "DEFER_TASKRUN"),
+        ];
         NAMED.into_iter().filter(move |(bit, _)| self.0 & bit != 0).map(|(_, name)| name)
     }
 
@@ -97,7 +106,7 @@ impl std::fmt::Debug for SetupFlags {
 /// Which flag a refused setup gives up next: the newest first (DEFER_TASKRUN before the
 /// SINGLE_ISSUER it needs), so an older kernel keeps every flag it knows.
 const FALLBACK_ORDER: [SetupFlags; 4] = [
-    SetupFlags(1 << 3), // DEFER_TASKRUN alone: SINGLE_ISSUER stays
+    SetupFlags(DEFER_TASKRUN_BIT), // DEFER_TASKRUN alone: SINGLE_ISSUER stays
     SetupFlags::SINGLE_ISSUER,
     SetupFlags::COOPERATIVE_TASK_RUN,
     SetupFlags::COMPLETION_QUEUE_SIZE,

@@ -41,6 +41,15 @@ pub struct Predicted {
     pub forced_write_us: f64,
 }
 
+/// A store the prediction's write queue holds, as the runtime's queue would.
+#[derive(Clone, Copy)]
+struct QueuedStore {
+    blocks: u64,
+    layer_bytes: u64,
+    /// Bytes not yet written.
+    bytes_left: u64,
+}
+
 /// Runs the simulator on each request the live run served (same prompt, same cached prefix,
 /// same decode steps, same table and undilated SSD model), chaining them like the live stream:
 /// the write backlog one request leaves is carried into the next (the runtime's write queue
@@ -70,8 +79,8 @@ pub fn predict(
     let write_budget = profile.io_sm_budget_max(IoKind::Write);
     let layer_count = u64::from(profile.model().layer_count).max(1);
     let barrier = policy.read_write_barrier();
-    // Queued stores, oldest first: (blocks, bytes per layer, bytes not yet written).
-    let mut queue: VecDeque<(u64, u64, u64)> = VecDeque::new();
+    // Queued stores, oldest first.
+    let mut queue: VecDeque<QueuedStore> = VecDeque::new();
     // Bytes left of the write layer the device was moving when the previous request ended.
     let mut in_flight_bytes = 0_u64;
     let mut free_at_us = 0.0_f64;
@@ -80,11 +89,11 @@ pub fn predict(
         let incoming_blocks = blocks.saturating_sub(served.cached_tokens / plan.stream.block_tokens);
         let mut forced_us = 0.0;
         if incoming_blocks > 0 {
-            let over = |queue: &VecDeque<(u64, u64, u64)>| {
-                queue.iter().map(|(blocks, _, _)| blocks).sum::<u64>() + incoming_blocks > limit_blocks || queue.len() + 1 > limit_stores
+            let over = |queue: &VecDeque<QueuedStore>| {
+                queue.iter().map(|store| store.blocks).sum::<u64>() + incoming_blocks > limit_blocks || queue.len() + 1 > limit_stores
             };
             while over(&queue) {
-                let Some((_, _, bytes)) = queue.pop_front() else { break };
+                let Some(QueuedStore { bytes_left: bytes, .. }) = queue.pop_front() else { break };
                 if bytes > 0 {
                     forced_us += plan.model.ssd.kernel_duration_us(IoKind::Write, bytes, write_budget);
                 }
@@ -94,7 +103,7 @@ pub fn predict(
         }
         let arrival_us = if plan.stream.arrivals == Arrivals::Closed { free_at_us } else { request.arrival_us };
         let start_us = arrival_us.max(free_at_us);
-        let backlog_bytes: u64 = queue.iter().map(|(_, _, bytes)| bytes).sum();
+        let backlog_bytes: u64 = queue.iter().map(|store| store.bytes_left).sum();
         // An idle gap before the request (Poisson arrivals) lets the layer in flight finish.
         let idle_us = start_us - free_at_us;
         let in_flight_us = plan.model.ssd.kernel_duration_us(IoKind::Write, in_flight_bytes, write_budget);
@@ -113,15 +122,19 @@ pub fn predict(
         let mut policy = policy.kind().build();
         let result = simulate_carried(profile, profile, &plan.model.ssd, &config, policy.as_mut(), &carry)?;
         if result.write_bytes > 0 {
-            queue.push_back((incoming_blocks, result.write_bytes / layer_count, result.write_bytes));
+            queue.push_back(QueuedStore {
+                blocks: incoming_blocks,
+                layer_bytes: result.write_bytes / layer_count,
+                bytes_left: result.write_bytes,
+            });
         }
         // Writes go oldest first: retire what the run wrote from the front of the queue.
         let mut written = (backlog_bytes + result.write_bytes).saturating_sub(result.write_backlog_bytes_at_end);
         while let Some(front) = queue.front_mut() {
-            let taken = written.min(front.2);
-            front.2 -= taken;
+            let taken = written.min(front.bytes_left);
+            front.bytes_left -= taken;
             written -= taken;
-            if front.2 > 0 {
+            if front.bytes_left > 0 {
                 break;
             }
             queue.pop_front();
@@ -130,7 +143,7 @@ pub fn predict(
         // the SSD was writing when this request's decode ended, the next request finds the rest
         // of that layer (of the oldest store) in flight.
         in_flight_bytes = match queue.front() {
-            Some(&(_, layer_bytes, left)) if result.write_in_flight_bytes_at_end > 0 && layer_bytes > 0 => {
+            Some(&QueuedStore { layer_bytes, bytes_left: left, .. }) if result.write_in_flight_bytes_at_end > 0 && layer_bytes > 0 => {
                 let rest = left % layer_bytes;
                 if rest == 0 {
                     layer_bytes.min(left)
