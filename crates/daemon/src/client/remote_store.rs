@@ -40,7 +40,9 @@ use objstore::{
 };
 
 use super::{Client, DeviceKvMemory};
-use crate::protocol::{AttachQueues, Commit, Hello, HelloReply, Kind, Prepare, QueueGrant, RegisterMemory, Reply, Request, RingOffsets};
+use crate::protocol::{
+    AttachQueues, Commit, ErrorCode, Hello, HelloReply, Kind, Prepare, QueueGrant, RegisterMemory, Reply, Request, RingOffsets,
+};
 use crate::DaemonError;
 
 /// Bytes per page of the window (rings and regions are page aligned).
@@ -170,9 +172,13 @@ fn offset_layout(layout: KvLayout, base: Iova, block_bytes: u64) -> Result<KvLay
 }
 
 /// The daemon client's error as the store's, classified where it can be (a refusal's code, a
-/// lost connection, a timeout) so that callers can react by kind.
+/// lost connection, a timeout) so that callers can react by kind. `ShuttingDown` and
+/// `LeaseExpired` are the daemon saying goodbye before it closes the connection: the caller
+/// sees the session gone (`Disconnected`, as the Python package classifies them) whether the
+/// goodbye or the close reached it first.
 fn remote(error: DaemonError) -> ObjstoreError {
     let failure = match &error {
+        DaemonError::Remote { code: ErrorCode::ShuttingDown | ErrorCode::LeaseExpired, .. } => RemoteFailure::Disconnected,
         DaemonError::Remote { code, .. } => RemoteFailure::Refused { code: code.to_u16() },
         DaemonError::Closed | DaemonError::Truncated { .. } | DaemonError::Io { .. } => RemoteFailure::Disconnected,
         DaemonError::Timeout { .. } => RemoteFailure::TimedOut,
@@ -702,5 +708,24 @@ mod tests {
         assert_eq!(offset_layout(major, base, 4096).unwrap(), KvLayout::BlockMajor { base: Iova(0x10_0040), block_stride_bytes: 4096 });
         let separate = KvLayout::SeparateKv { key_bases: vec![Iova(0)], value_bases: vec![Iova(u64::MAX)], block_stride_bytes: 128 };
         assert!(matches!(offset_layout(separate, base, 4096), Err(ObjstoreError::AddressOverflow { .. })));
+    }
+
+    #[test]
+    fn a_daemon_saying_goodbye_is_the_daemon_gone() {
+        // Goal: a daemon that shuts down queues ShuttingDown and closes; whether the client
+        // reads the goodbye or meets the close first, the store reports `Disconnected` (CI saw
+        // `Refused { code: 11 }` once the client learned to read a refusal queued before a
+        // close). Other refusals keep their code.
+        let classify = |error| match remote(error) {
+            ObjstoreError::RemoteFailed { failure, .. } => failure,
+            other => panic!("expected a classified failure, got {other:?}"),
+        };
+        let goodbye = DaemonError::Remote { code: ErrorCode::ShuttingDown, message: "draining".into() };
+        assert_eq!(classify(goodbye), RemoteFailure::Disconnected);
+        let expired = DaemonError::Remote { code: ErrorCode::LeaseExpired, message: "no frame within the lease".into() };
+        assert_eq!(classify(expired), RemoteFailure::Disconnected);
+        assert_eq!(classify(DaemonError::Closed), RemoteFailure::Disconnected);
+        let full = DaemonError::Remote { code: ErrorCode::LimitReached, message: "pool full".into() };
+        assert_eq!(classify(full), RemoteFailure::Refused { code: ErrorCode::LimitReached.to_u16() });
     }
 }
