@@ -71,6 +71,38 @@ fn reads_complete_no_sooner_than_the_modelled_bandwidth_allows() {
 }
 
 #[test]
+fn a_command_rung_after_a_scan_began_enters_the_pipe_when_it_is_fetched() {
+    // Goal: a scan reads the clock before it reads the doorbells. Reads the host rings between
+    // the two (here: 40 ms between, as a preemption of the controller's thread would make) must
+    // flow from when they were fetched, not from the scan's clock: 1 MiB at 32 MiB/s completes
+    // no sooner than 31 ms after the doorbell. Entering the pipe at the scan's clock, they were
+    // due before they were rung and completed at once (a timing test saw 4 MiB in 123 ms, not 125).
+    let mut host = start(Some(model(32, 32, 1000, Duration::ZERO)));
+    let mut queue = host.create_io_pair(1, 64);
+    let chunks = (MIB as usize) / CHUNK_BYTES;
+    let buffers: Vec<_> = (0..chunks).map(|_| host.buffer(CHUNK_BYTES)).collect();
+    let blocks = (CHUNK_BYTES / 4096) as u32;
+    let device = host.device.clone();
+    let rung = device.with_core(|core| {
+        let scan_began = Instant::now();
+        std::thread::sleep(Duration::from_millis(40));
+        for (index, buffer) in buffers.iter().enumerate() {
+            let read = SubmissionEntry::read(NamespaceId(1), Lba(index as u64 * u64::from(blocks)), block_count(blocks));
+            TestHost::push(&mut queue, with_sgl(read, buffer, CHUNK_BYTES as u32));
+        }
+        host.ring_submission(&queue);
+        let rung = Instant::now();
+        core.poll(scan_began);
+        rung
+    });
+    for _ in 0..chunks {
+        assert_eq!(status_of(&host.reap(&mut queue)), Ok(()));
+    }
+    let waited = rung.elapsed();
+    assert!(waited >= Duration::from_micros(31_250), "1 MiB at 32 MiB/s completed {waited:?} after its doorbell");
+}
+
+#[test]
 fn reads_and_writes_together_collapse_to_their_mixed_share() {
     // Goal: 2 MiB of reads and 2 MiB of writes together, each direction 32 MiB/s solo and 25%
     // of it mixed: both flow at 8 MiB/s, 250 ms, where either alone takes 62.5 ms.
