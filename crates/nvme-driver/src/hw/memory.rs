@@ -71,8 +71,13 @@ unsafe impl Send for HostMemory {}
 unsafe impl Sync for HostMemory {}
 
 impl HostMemory {
-    /// Allocates `len` bytes rounded up to a page, zeroed. With `prefer_huge`, tries 2 MiB pages
-    /// first (they need `vm.nr_hugepages` reserved) and falls back to 4 KiB pages.
+    /// Allocates `len` bytes rounded up to a page, zeroed and resident. With `prefer_huge`, tries
+    /// 2 MiB pages first (they need `vm.nr_hugepages` reserved) and falls back to 4 KiB pages.
+    ///
+    /// Resident (`MAP_POPULATE`): memory a device moves data into must be there before the first
+    /// command, as VFIO's DMA map makes it by pinning. A lazily faulted page would cost its
+    /// first toucher a fault inside the data path: the software controller's copies ran at half
+    /// speed into engine KV blocks touched for the first time (docs/scheduler.md).
     pub fn allocate(len: usize, prefer_huge: bool) -> Result<Self, HwError> {
         if len == 0 {
             return Err(HwError::ZeroLength);
@@ -87,7 +92,7 @@ impl HostMemory {
     }
 
     fn mmap(len: usize, kind: PageKind) -> Result<Self, HwError> {
-        let mut flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS;
+        let mut flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_POPULATE;
         if kind == PageKind::Huge2MiB {
             flags |= libc::MAP_HUGETLB;
         }
@@ -643,6 +648,22 @@ mod tests {
         let mut out = [0u8; 5];
         view.read(0, &mut out).unwrap();
         assert_eq!(&out, b"hello");
+    }
+
+    #[test]
+    fn allocated_memory_is_resident_before_anything_touches_it() {
+        // Goal: DMA memory is populated at allocation (as VFIO's pinning makes it), so no first
+        // touch inside the data path pays a page fault per page. Without MAP_POPULATE, none of
+        // an untouched anonymous mapping's pages is resident.
+        let memory = HostMemory::allocate(8 << 20, false).unwrap();
+        let pages = memory.len() / PAGE_SIZE_BYTES;
+        let mut resident = vec![0u8; pages];
+        // SAFETY: `memory` is a live page-aligned mapping of `memory.len()` bytes, and
+        // `resident` has one byte per page of it, as mincore(2) requires.
+        let status = unsafe { libc::mincore(memory.ptr.as_ptr().cast(), memory.len(), resident.as_mut_ptr()) };
+        assert_eq!(status, 0, "mincore: {}", std::io::Error::last_os_error());
+        let missing = resident.iter().filter(|&&page| page & 1 == 0).count();
+        assert_eq!(missing, 0, "{missing} of {pages} pages not resident");
     }
 
     #[test]
