@@ -499,7 +499,7 @@ impl ControllerCore {
                 // The scan's `now` was read before this doorbell: a command the host rang in
                 // between would enter the timing model's pipe before it was submitted, and
                 // complete early by up to a scan (or a preemption of this thread).
-                let fetched_at = Instant::now().max(now);
+                let fetched_at = Instant::now();
                 self.run_batch(queue_id, completion_queue_id, &fetched, fetched_at);
             }
         }

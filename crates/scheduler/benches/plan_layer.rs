@@ -38,15 +38,15 @@ fn plan_layer(c: &mut Criterion) {
     let model = ModelConfig::llama3_8b();
     let table = profile(&model);
     let layers = model.layer_count as usize;
+    // Mid-prefill: the layers before `layer` issued, the rest not; a store of the new tokens
+    // queued, one write layer in flight.
+    let layer = model.layer_count / 2;
     let mut group = c.benchmark_group("plan_layer");
     for policy in PolicyKind::ALL {
         for blocks in [2u32, 32, 128, 512] {
             let prefix_tokens = blocks * BLOCK_TOKENS;
             let per_layer = u32::try_from((u64::from(prefix_tokens) * model.kv_bytes_per_token_per_layer()).div_ceil(IOCB_BYTES))
                 .expect("IOCBs per layer fit u32");
-            // Mid-prefill: the layers before `layer` issued, the rest not; a store of the new
-            // tokens queued, one write layer in flight.
-            let layer = (layers / 2) as u32;
             let mut unissued = vec![per_layer; layers];
             unissued[..layer as usize].fill(0);
             let mut planner = policy.build();

@@ -363,8 +363,9 @@ impl<'a> Sim<'a> {
         if head.release_us > self.now_us {
             return false;
         }
-        // Reads wait behind a carried write that holds them.
-        if kind == IoKind::Read && self.writes.iter().any(|w| w.holds_reads) {
+        // Reads wait behind a carried write that holds them: it was queued first, so it is the
+        // write queue's head until it completes.
+        if kind == IoKind::Read && self.writes.front().is_some_and(|w| w.holds_reads) {
             return false;
         }
         // A gated write waits for every released read.

@@ -239,7 +239,7 @@ mod tests {
         let file = tempfile::tempfile().unwrap();
         let write = Transfer { fd: file.as_raw_fd(), direction: Direction::Write, offset_bytes: 0, len_bytes: 4096 };
         let cases = [
-            (SetupFlags(1 << 3), "CQSIZE|COOP_TASKRUN|SINGLE_ISSUER"),
+            (SetupFlags(DEFER_TASKRUN_BIT), "CQSIZE|COOP_TASKRUN|SINGLE_ISSUER"),
             (SetupFlags::SINGLE_ISSUER, "CQSIZE|COOP_TASKRUN"),
             (SetupFlags::FIO, "none"),
         ];

@@ -144,9 +144,10 @@ pub fn predict(
         // of that layer (of the oldest store) in flight.
         in_flight_bytes = match queue.front() {
             Some(&QueuedStore { layer_bytes, bytes_left: left, .. }) if result.write_in_flight_bytes_at_end > 0 && layer_bytes > 0 => {
+                // `left` > 0 (an empty store leaves the queue): a whole layer when it divides.
                 let rest = left % layer_bytes;
                 if rest == 0 {
-                    layer_bytes.min(left)
+                    layer_bytes
                 } else {
                     rest
                 }
