@@ -39,6 +39,9 @@ pub struct EmuStats {
     /// Of those, the Reads and Writes whose transfer went straight between the file and host
     /// memory (no bounce buffer: aligned memory, an `O_DIRECT` file).
     pub direct_transfers: u64,
+    /// Submissions that handed pushed transfers to the kernel (`io_uring_enter` calls with
+    /// something new for it): one per transfer, each goes as soon as it is pushed.
+    pub transfer_submissions: u64,
     /// Faults the plan injected.
     pub faults_injected: u64,
     /// `power_loss()` calls.

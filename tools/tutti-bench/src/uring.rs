@@ -5,9 +5,10 @@
 //!
 //! Per job: one ring with `depth` entries and one page-aligned buffer of `bs` bytes per slot,
 //! allocated when the queue opens. A slot's buffer is lent to the ring while its I/O is in flight
-//! and comes back with the completion. Submission and waiting share one `io_uring_enter` per
-//! loop (like fio's io_uring engine without fixed buffers), and every wait carries the run's
-//! deadline, so a stuck device fails the run instead of hanging it. The ring is set up with the
+//! and comes back with the completion. Each I/O is submitted as it is queued and the loop's wait
+//! is one more `io_uring_enter` (like fio's io_uring engine with its defaults: no fixed buffers,
+//! iodepth_batch_submit=1), and every wait carries the run's deadline, so a stuck device fails
+//! the run instead of hanging it. The ring is set up with the
 //! flags fio's engine uses (`tutti_uring::SetupFlags::FIO`: CQSIZE, COOP_TASKRUN, SINGLE_ISSUER,
 //! DEFER_TASKRUN), or with those of them the kernel accepts; the device line and the JSON say
 //! which. A queue is opened, driven and dropped on its job's thread (the single issuer).
@@ -157,6 +158,17 @@ impl UringQueue {
     }
 }
 
+/// A failed submit or wait, as the run reports it.
+fn enter_error(name: &str, error: UringError) -> DeviceError {
+    match error {
+        UringError::Timeout { in_flight, .. } => {
+            DeviceError::Timeout { device: name.to_string(), timeout_s: IO_TIMEOUT.as_secs(), in_flight }
+        }
+        UringError::Enter { source } => DeviceError::Io { device: name.to_string(), context: "io_uring_enter".into(), source },
+        other => DeviceError::Setup(format!("{name}: {other}")),
+    }
+}
+
 impl IoQueue for UringQueue {
     fn queue(&mut self, slot: u32, direction: Direction, offset_bytes: u64) -> Result<(), DeviceError> {
         self.idle_buffer(slot)?;
@@ -171,7 +183,11 @@ impl IoQueue for UringQueue {
             Ok(()) => {
                 self.directions[index] = direction;
                 self.offsets_bytes[index] = offset_bytes;
-                Ok(())
+                // Each I/O goes to the kernel as it is queued, as fio's engine does by default
+                // (iodepth_batch_submit=1): one enter per batch ran the batch's submissions back
+                // to back while its completions waited, and the disk's queue ran short (~0.87 of
+                // fio's 4 KiB random-read IOPS at QD 32; docs/tutti-bench.md).
+                self.ring.submit().map_err(|error| enter_error(&self.name, error))
             }
             Err(Refused { buffer, error }) => {
                 self.buffers[index] = buffer;
@@ -190,13 +206,7 @@ impl IoQueue for UringQueue {
         on_done: &mut dyn FnMut(u32, Result<(), DeviceError>),
     ) -> Result<usize, DeviceError> {
         let submitted = if wait { self.ring.wait(deadline) } else { self.ring.submit() };
-        submitted.map_err(|error| match error {
-            UringError::Timeout { in_flight, .. } => {
-                DeviceError::Timeout { device: self.name.clone(), timeout_s: IO_TIMEOUT.as_secs(), in_flight }
-            }
-            UringError::Enter { source } => DeviceError::Io { device: self.name.clone(), context: "io_uring_enter".into(), source },
-            other => DeviceError::Setup(format!("{}: {other}", self.name)),
-        })?;
+        submitted.map_err(|error| enter_error(&self.name, error))?;
         let Self { ring, buffers, directions, offsets_bytes, name, .. } = self;
         let reaped = ring.reap(|completion| {
             // The tag is a slot index this queue pushed (below the depth).
