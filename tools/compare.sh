@@ -3,19 +3,22 @@
 # path (uring:) and on the software NVMe controller (emu:), identical parameters, same file.
 # A benchmark, not a test: it prints figures and ratios to fio; goals (issue 7):
 #   uring: >= 0.95x fio on every row;  emu: >= 0.9x fio on the 128 KiB and 1 MiB rows.
-# KV rows (issue 16 item 4): tutti-bench's KV workload (llama3-8b, 16-token blocks, one block
-# per slot) on the software controller over the same file, against fio moving the same bytes
-# with the same I/O size and queue depth; goals: retrieve >= 0.95x fio, store >= 0.9x.
+# KV rows (issue 16 item 4): tutti-bench's KV workload (llama3-8b, 16-token blocks, K blocks
+# per slot, 16 by default) on the software controller over the same file, against fio moving the
+# same bytes with the same I/O size and queue depth; goals: retrieve >= 0.95x fio, store >= 0.9x.
 #   kv-retrieve  tutti-bench --device emu:FILE --workload=kv --prompt-tokens=$COMPARE_KV_TOKENS
-#                --hit-rate=1 --verify: the retrieve phase's GB/s over its layers' time
+#                --blocks-per-slot=K --hit-rate=1 --verify: the retrieve phase's GB/s over its
+#                layers' time
 #   kv-store     the same run's populate phase (store_layer + wait per layer, before commit)
-#   fio          --rw=randread (randwrite) --bs=64k --iodepth=$COMPARE_KV_IODEPTH --offset=1m
+#   fio          --rw=randread (randwrite) --bs=K*64k --iodepth=<see below> --offset=1m
 #                --size=<prompt's KV bytes> --ioengine=io_uring --direct=1, one pass (not time
-#                based): exactly the pool's slots that run uses (blocks 0..n-1 in slots
-#                0..n-1, the data region starting at 1 MiB), each 64 KiB once, in random order.
-#                A layer of a block (K and V, 32 KiB each) is one 64 KiB command on the pool;
-#                the software controller keeps at most 128 transfers in flight to the file,
-#                so tutti's depth at the file is min(commands queued, 128): fio at 128.
+#                based): exactly the pool's slots that run uses (slots 0..n/K-1 from the data
+#                region at 1 MiB), each I/O once, in random order. A slot holds its K blocks
+#                layer-major, so a layer of a slot (K and V of K blocks, 32 KiB each) is one
+#                K*64 KiB command on the pool; the software controller keeps at most 128
+#                transfers and 16 MiB in flight to the file, so tutti's depth at the file is
+#                min(commands queued, 128, 16 MiB / command): fio at that depth (16 for K=16,
+#                128 for K=1).
 #
 # Environment (all optional):
 #   COMPARE_FILE     test file on the local disk   (default /var/tmp/tutti-compare.img)
@@ -31,7 +34,8 @@
 #   COMPARE_BENCH    a tutti-bench binary to use instead of building one (e.g. an older build
 #                    for a before/after comparison in one sitting)
 #   COMPARE_KV_TOKENS   prompt of the KV rows, tokens (default 4096: 256 blocks, 512 MiB)
-#   COMPARE_KV_IODEPTH  fio's queue depth on the KV rows (default 128, see above)
+#   COMPARE_KV_BLOCKS_PER_SLOT  K of the KV rows (default 16: a slot of 256 tokens)
+#   COMPARE_KV_IODEPTH  fio's queue depth on the KV rows (default min(128, 16 MiB / command), see above)
 #   COMPARE_KV_REPEAT   KV rows: passes per measurement, the median kept (default 3: one pass
 #                       of 512 MiB takes ~0.5 s, which this disk's swings dominate)
 set -euo pipefail
@@ -44,7 +48,12 @@ IODEPTH=${COMPARE_IODEPTH:-32}
 SETTLE=${COMPARE_SETTLE:-2}
 ROWS=${COMPARE_ROWS:-"randread-4k read-128k read-1m write-128k write-1m kv-retrieve kv-store"}
 KV_TOKENS=${COMPARE_KV_TOKENS:-4096}
-KV_IODEPTH=${COMPARE_KV_IODEPTH:-128}
+KV_K=${COMPARE_KV_BLOCKS_PER_SLOT:-16}
+KV_BS_KIB=$((64 * KV_K))
+KV_DEPTH_DEFAULT=$((16384 / KV_BS_KIB))
+[ "$KV_DEPTH_DEFAULT" -gt 128 ] && KV_DEPTH_DEFAULT=128
+[ "$KV_DEPTH_DEFAULT" -lt 1 ] && KV_DEPTH_DEFAULT=1
+KV_IODEPTH=${COMPARE_KV_IODEPTH:-$KV_DEPTH_DEFAULT}
 KV_REPEAT=${COMPARE_KV_REPEAT:-3}
 # llama3-8b: 128 KiB of KV per token; 16-token blocks.
 KV_BYTES=$((KV_TOKENS / 16 * 16 * 131072))
@@ -84,8 +93,8 @@ row_params() { # name -> "rw bs"
         read-1m) echo "read 1m" ;;
         write-128k) echo "write 128k" ;;
         write-1m) echo "write 1m" ;;
-        kv-retrieve) echo "randread 64k" ;;
-        kv-store) echo "randwrite 64k" ;;
+        kv-retrieve) echo "randread ${KV_BS_KIB}k" ;;
+        kv-store) echo "randwrite ${KV_BS_KIB}k" ;;
         *) say "unknown row $1"; exit 2 ;;
     esac
 }
@@ -123,7 +132,7 @@ run_kv() {
                 fio --name=job --filename="$FILE" --offset=1m --size="$KV_BYTES" --rw="$rw" --bs="$bs" --iodepth="$depth" \
                     --numjobs=1 --ioengine=io_uring --direct=1 --output-format=json --output="$out.$pass" ;;
             emu)
-                "$BENCH" --device "emu:$FILE" --workload=kv --prompt-tokens="$KV_TOKENS" --hit-rate=1 --verify \
+                "$BENCH" --device "emu:$FILE" --workload=kv --prompt-tokens="$KV_TOKENS" --blocks-per-slot="$KV_K" --hit-rate=1 --verify \
                     --output-format=json >"$out.$pass" 2>"$WORK/stderr" \
                     || { say "tutti-bench kv failed: $(cat "$WORK/stderr")"; echo '{}' >"$out.$pass"; } ;;
         esac
@@ -153,9 +162,9 @@ done
 
 load_end=$(cut -d' ' -f1-3 /proc/loadavg)
 uname_line="$(nproc) cores, $(uname -r), $(df -T "$(dirname "$FILE")" | awk 'NR==2 {print $2" on "$1}'), fio $(fio --version)"
-python3 - "$WORK" "$RUNS" "$ROWS" "$IODEPTH" "$RUNTIME" "$SIZE" "$uname_line" "$load_start" "$load_end" "$TOOLS" "$KV_REPEAT" "$KV_IODEPTH" "$KV_TOKENS" <<'EOF'
+python3 - "$WORK" "$RUNS" "$ROWS" "$IODEPTH" "$RUNTIME" "$SIZE" "$uname_line" "$load_start" "$load_end" "$TOOLS" "$KV_REPEAT" "$KV_IODEPTH" "$KV_TOKENS" "$KV_K" "$KV_BS_KIB" <<'EOF'
 import json, statistics, sys
-work, runs, rows, iodepth, runtime, size, machine, load_start, load_end, tools, kv_repeat, kv_iodepth, kv_tokens = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(), *sys.argv[4:]
+work, runs, rows, iodepth, runtime, size, machine, load_start, load_end, tools, kv_repeat, kv_iodepth, kv_tokens, kv_k, kv_bs_kib = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(), *sys.argv[4:]
 tools = tools.split()
 kv_repeat = int(kv_repeat)
 
@@ -192,7 +201,7 @@ def show(value, digits=0):
 print(f"machine: {machine}; load average {load_start} at start, {load_end} at end")
 print(f"parameters: iodepth={iodepth} numjobs=1 runtime={runtime}s size={size} direct I/O; medians of {runs} runs; ratio = median of per-run ratios to fio")
 if any(row.startswith("kv-") for row in rows):
-    print(f"kv rows: llama3-8b, {kv_tokens} tokens, 64 KiB per command; fio randread/randwrite bs=64k iodepth={kv_iodepth} over the same bytes, one pass; each run's figure the median of {kv_repeat} passes")
+    print(f"kv rows: llama3-8b, {kv_tokens} tokens, {kv_k} blocks per slot, {kv_bs_kib} KiB per command; fio randread/randwrite bs={kv_bs_kib}k iodepth={kv_iodepth} over the same bytes, one pass; each run's figure the median of {kv_repeat} passes")
 qd1 = "fioqd1" in tools
 print(f"{'row':<12} {'unit':<5} {'fio':>10} {'uring':>10} {'ratio':>6} {'emu':>10} {'ratio':>6}" + (f" {'fio qd1':>10}" if qd1 else "") + "  goals")
 for row in rows:

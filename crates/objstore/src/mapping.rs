@@ -8,8 +8,9 @@
 //!   IOCTX points at its block's pair, or at a run of pairs when a slot holds consecutive engine
 //!   blocks (one command then moves a layer of several blocks: the scatter list is the table).
 //! - Block-major pools (K then V of a layer adjacent, layers at a fixed stride): the table
-//!   collapses to base + strides. SGL: an inline data block per IOCTX, no table at all. PRP: a
-//!   list per block-layer for the pages after the first.
+//!   collapses to base + strides. SGL: an inline data block per IOCTX, no table at all, when a
+//!   slot holds one block (with more, the table above, so that runs merge). PRP: a list per
+//!   block-layer for the pages after the first.
 //! - PRP, per-layer tensors at a fixed layer stride: K and V are separate commands with a list each.
 //! - PRP with per-layer tensors at irregular addresses cannot be expressed by the per-layer rule
 //!   (PRP1 is `data + layer * stride`): refused at registration.
@@ -159,7 +160,10 @@ impl MappingTable {
             registration,
         };
         match (table.registration.mode(), stride, adjacent) {
-            (DataPointerMode::Sgl, Some(stride), true) => {
+            // Collapsed only with one block per slot: with k > 1 a slot's consecutive engine
+            // blocks can go as one command per layer (a run), which only the table describes
+            // (their K+V pairs are a block stride apart in memory, not adjacent).
+            (DataPointerMode::Sgl, Some(stride), true) if run_blocks_max <= 1 => {
                 table.form = MappingForm::Collapsed;
                 table.mem_stride_bytes = stride;
                 (table.parts_per_unit, table.part_bytes) = split_unit(2 * object, lba, max_transfer)?;
@@ -503,11 +507,15 @@ mod tests {
         // anything is emitted (the SGL table path handed out descriptor addresses past the
         // table, the other forms addresses past the KV tensors), and an error from `emit`
         // ends the walk and comes back.
-        for (mode, major) in
-            [(DataPointerMode::Sgl, false), (DataPointerMode::Sgl, true), (DataPointerMode::Prp, true), (DataPointerMode::Prp, false)]
-        {
+        for (mode, major, blocks_per_slot) in [
+            (DataPointerMode::Sgl, false, 4),
+            (DataPointerMode::Sgl, true, 1),
+            (DataPointerMode::Sgl, true, 4),
+            (DataPointerMode::Prp, true, 4),
+            (DataPointerMode::Prp, false, 4),
+        ] {
             let (dma, registration, _memory) = engine(mode, major, 8);
-            let table = MappingTable::build(registration, &dma, 4, CommandLimits::unlimited(512)).unwrap();
+            let table = MappingTable::build(registration, &dma, blocks_per_slot, CommandLimits::unlimited(512)).unwrap();
             let form = table.form();
             for (first, run) in [(8, 1), (7, 2), (u32::MAX, 1), (u32::MAX, u32::MAX)] {
                 let mut emitted = 0;
@@ -539,21 +547,24 @@ mod tests {
         // bytes on disk exactly once, in order, each within MDTS, each a whole number of LBAs;
         // their memory is the objects' bytes in the same order (SGL: through the table's
         // descriptors; PRP: PRP1 and the list entries it points at); and the large-MDTS case
-        // keeps one command per block-layer (per run on the SGL table path).
+        // keeps one command per block-layer (per run on the SGL table path). A block-major
+        // SGL registration collapses with one block per slot and takes the table with more, so
+        // that a slot's run of blocks is one command per layer.
         let cases = [
-            (DataPointerMode::Sgl, false, MappingForm::SglTable),
-            (DataPointerMode::Sgl, true, MappingForm::Collapsed),
-            (DataPointerMode::Prp, true, MappingForm::Collapsed),
-            (DataPointerMode::Prp, false, MappingForm::StridedPair),
+            (DataPointerMode::Sgl, false, 4, MappingForm::SglTable),
+            (DataPointerMode::Sgl, true, 1, MappingForm::Collapsed),
+            (DataPointerMode::Sgl, true, 4, MappingForm::SglTable),
+            (DataPointerMode::Prp, true, 4, MappingForm::Collapsed),
+            (DataPointerMode::Prp, false, 4, MappingForm::StridedPair),
         ];
-        for (mode, major, form) in cases {
+        for (mode, major, blocks_per_slot, form) in cases {
             for (max_transfer, run) in [(1u64 << 20, 4u32), (16384, 4), (16384, 1), (8192, 2), (49152, 3)] {
                 let (dma, registration, _memory) = engine(mode, major, 8);
                 let geometry = *registration.geometry();
                 let object = geometry.object_bytes();
                 let run = if form == MappingForm::SglTable { run } else { 1 };
                 let limits = CommandLimits { max_transfer_bytes: max_transfer, lba_bytes: 512 };
-                let table = MappingTable::build(registration.clone(), &dma, 4, limits).unwrap();
+                let table = MappingTable::build(registration.clone(), &dma, blocks_per_slot, limits).unwrap();
                 assert_eq!(table.form(), form);
                 let context = format!("{form:?} {mode:?} MDTS {max_transfer} run {run}");
                 let mut pieces = Vec::new();

@@ -130,6 +130,15 @@ pub struct Cli {
     #[arg(long = "layers-in-flight", default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=i64::from(objstore::LAYERS_IN_FLIGHT_LIMIT)))]
     pub layers_in_flight: u32,
 
+    /// Engine blocks per pool slot when the kv workload formats a pool (1..=1024). A slot holds
+    /// its blocks layer-major, so a layer of a request's consecutive blocks in one slot is one
+    /// command of up to K blocks (the software controller's MDTS is raised to hold it) instead
+    /// of K commands of one block; space is allocated K blocks at a time. The default, 16
+    /// blocks of 16 tokens, is a 256-token slot (LMCache's default chunk). A kept pool, or
+    /// tuttid's, has the K it was formatted with.
+    #[arg(long = "blocks-per-slot", default_value_t = 16, conflicts_with_all = ["attach", "keep_pool", "retrieve_only"], value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub blocks_per_slot: u32,
+
     /// Run the kv workload through tuttid listening on SOCKET instead of opening devices: the
     /// daemon owns the pool, each client process attaches with its own queue pairs (tuttid's
     /// client library, `RemoteKvStore`). The pool geometry is the daemon's: give the same model
@@ -179,7 +188,7 @@ pub enum Selected {
 
 /// Options that shape only the raw workload, and only the kv workload (by clap id).
 const RAW_OPTIONS: [&str; 10] = ["rw", "bs", "iodepth", "numjobs", "size", "runtime", "time_based", "number_ios", "rwmixread", "offset"];
-const KV_OPTIONS: [&str; 15] = [
+const KV_OPTIONS: [&str; 16] = [
     "model",
     "model_config",
     "layers",
@@ -193,6 +202,7 @@ const KV_OPTIONS: [&str; 15] = [
     "retrieve_only",
     "seed",
     "layers_in_flight",
+    "blocks_per_slot",
     "attach",
     "clients",
 ];

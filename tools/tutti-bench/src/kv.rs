@@ -66,6 +66,8 @@ pub struct KvPlan {
     pub emu_timing: Option<nvme_emu::TimingModel>,
     /// Layers of a request kept in flight by the in-process store (`--layers-in-flight`).
     pub layers_in_flight: u32,
+    /// Engine blocks per slot of a pool this run formats (`--blocks-per-slot`).
+    pub blocks_per_slot: u32,
 }
 
 impl KvPlan {
@@ -85,6 +87,7 @@ impl KvPlan {
             seed: cli.seed,
             emu_timing: cli.emu_timing,
             layers_in_flight: cli.layers_in_flight,
+            blocks_per_slot: cli.blocks_per_slot,
         })
     }
 
@@ -105,12 +108,17 @@ impl KvPlan {
         ((self.blocks() as f64) * self.hit_rate).round() as u64
     }
 
-    /// Bytes of each of `devices` pool devices: blocks go round-robin across them (one more slot
-    /// each for where the store's round-robin cursor starts).
+    /// Bytes of each of `devices` pool devices: slots of `blocks_per_slot` blocks go round-robin
+    /// across them (one more slot each for where the store's round-robin cursor starts). The
+    /// cached prefix and the rest of the prompt are two stores, and a store never fills the
+    /// slot another one left partly empty: each rounds up to whole slots.
     pub fn pool_bytes_per_device(&self, devices: usize) -> u64 {
-        let block_bytes = self.geometry().block_bytes();
-        let blocks = if devices <= 1 { self.blocks() } else { self.blocks().div_ceil(devices as u64) + 1 };
-        blocks.saturating_mul(block_bytes + SLOT_OVERHEAD_BYTES).saturating_add(POOL_OVERHEAD_BYTES)
+        let k = u64::from(self.blocks_per_slot.max(1));
+        let slot_bytes = self.geometry().block_bytes().saturating_mul(k).saturating_add(SLOT_OVERHEAD_BYTES);
+        let cached = self.cached_blocks().min(self.blocks());
+        let slots = cached.div_ceil(k) + (self.blocks() - cached).div_ceil(k);
+        let slots = if devices <= 1 { slots } else { slots.div_ceil(devices as u64) + 1 };
+        slots.saturating_mul(slot_bytes).saturating_add(POOL_OVERHEAD_BYTES)
     }
 }
 
@@ -192,7 +200,8 @@ pub fn run_plan(specs: &[DeviceSpec], plan: &KvPlan, output: OutputFormat, creat
     let options = OpenOptions2 {
         writes: true,
         create_bytes: (plan.pool == PoolMode::Format).then(|| plan.pool_bytes_per_device(specs.len())),
-        io_bytes_max: 2 * geometry.object_bytes(),
+        // One command moves a layer of a slot's run of blocks (K and V of each).
+        io_bytes_max: 2 * geometry.object_bytes() * u64::from(plan.blocks_per_slot.max(1)),
         queues: 4,
         lay_out: false,
         timing: plan.emu_timing,
@@ -225,6 +234,7 @@ pub fn run_plan(specs: &[DeviceSpec], plan: &KvPlan, output: OutputFormat, creat
         "pool_mode": plan.pool.name(),
         "seed": plan.seed,
         "layers_in_flight": plan.layers_in_flight,
+        "blocks_per_slot": rig.store.pool().blocks_per_slot(),
         "executor": "cpu",
         "device": listed,
         "device_description": devices.iter().map(|device| device.description.as_str()).collect::<Vec<_>>().join("; "),
@@ -257,8 +267,9 @@ pub fn run_plan(specs: &[DeviceSpec], plan: &KvPlan, output: OutputFormat, creat
             outln!("  device {spec}: {}", device.description)?;
         }
         outln!(
-            "  pool of {} slots (1 block per slot) over {} device(s), blocks round-robin, payload CRC {}{}",
+            "  pool of {} slots ({} block(s) per slot) over {} device(s), slots round-robin, payload CRC {}{}",
             rig.slots,
+            rig.store.pool().blocks_per_slot(),
             devices.len(),
             if rig.payload_crc { "on" } else { "off" },
             match plan.pool {
@@ -329,7 +340,13 @@ impl Rig {
             devices.iter().map(|device| PoolTarget { controller: Arc::clone(&device.controller), namespace: NamespaceId(1) }).collect();
         if plan.pool == PoolMode::Format {
             // Payload CRCs on: `tutti pool check --payload` can verify what a bench run left.
-            let params = FormatParams { geometry: *geometry, blocks_per_slot: 1, slot_count_max: None, pool_uuid: None, payload_crc: true };
+            let params = FormatParams {
+                geometry: *geometry,
+                blocks_per_slot: plan.blocks_per_slot,
+                slot_count_max: None,
+                pool_uuid: None,
+                payload_crc: true,
+            };
             format_pool(&targets, &params).map_err(|error| match error {
                 error @ (ObjstoreError::NamespaceTooSmall { .. } | ObjstoreError::InvalidFormat { .. }) => {
                     Unusable(format!("cannot format a pool on {}: {error}", plan.model.name)).into()
@@ -339,15 +356,18 @@ impl Rig {
         }
         let (pool, report) = Pool::open(targets, Some(geometry)).map_err(|error| pool_open_error(error, plan))?;
         let payload_crc = pool.superblock(0).flags & objstore::format::FLAG_PAYLOAD_CRC != 0;
-        if report.slots < plan.blocks() {
-            let tokens = report.slots * plan.block_tokens();
+        let blocks_per_slot = u64::from(pool.blocks_per_slot());
+        let cached = plan.cached_blocks().min(plan.blocks());
+        let slots_needed = cached.div_ceil(blocks_per_slot) + (plan.blocks() - cached).div_ceil(blocks_per_slot);
+        if report.slots < slots_needed {
+            let tokens = report.slots.saturating_mul(blocks_per_slot).saturating_mul(plan.block_tokens());
             return usage(format!(
-                "--prompt-tokens={} needs {} slots of {}; the pool's {} device(s) hold {}; accepted: up to {tokens} tokens on them",
+                "--prompt-tokens={} needs {slots_needed} slots of {blocks_per_slot} block(s) of {} ({} blocks, the cached prefix and the rest in slots of their own); the pool's {} device(s) hold {}; accepted: up to {tokens} tokens on them",
                 plan.prompt_tokens,
-                plan.blocks(),
                 format_size(geometry.block_bytes()),
+                plan.blocks(),
                 devices.len(),
-                report.slots
+                report.slots,
             ));
         }
         // One DMA space for all pool devices (open_controllers): the first one's allocator.

@@ -416,6 +416,7 @@ fn default_kv(
         seed: cli.seed,
         emu_timing: cli.emu_timing,
         layers_in_flight: cli.layers_in_flight,
+        blocks_per_slot: cli.blocks_per_slot,
     };
     while plan.pool_bytes_per_device(1) > pool.bytes && plan.prompt_tokens > plan.block_tokens() {
         plan.prompt_tokens -= plan.block_tokens();

@@ -219,6 +219,27 @@ fn kv_store_retrieve_verify_reports_every_layer() {
 }
 
 #[test]
+fn kv_slots_of_one_four_and_sixteen_blocks_move_the_same_bytes() {
+    // Goal (issue 16 item 4): pools formatted with 1, 4 and 16 blocks per slot (a layer of a
+    // slot's run of blocks is one command) store and retrieve the same blocks, every byte
+    // verified; JSON says which K; a kept pool keeps its own K, so the flag is refused with it.
+    for k in ["1", "4", "16"] {
+        let mut arguments = small_kv_run(&["emu:mem:128m"]);
+        let flag = format!("--blocks-per-slot={k}");
+        arguments.push(&flag);
+        let output = bench(&arguments);
+        assert_eq!(output.status.code(), Some(0), "{flag}: {}", stderr(&output));
+        let json: serde_json::Value = serde_json::from_slice(&output.stdout).expect("JSON output parses");
+        assert_eq!(json["global options"]["blocks_per_slot"].to_string(), k);
+        let phases = json["phases"].as_array().unwrap();
+        let blocks: Vec<u64> = phases.iter().map(|phase| phase["blocks"].as_u64().unwrap()).collect();
+        assert_eq!(blocks, vec![6, 6, 4], "{flag}");
+        assert_eq!(phases[1]["verified_bytes"], 6 * 32 * 2 * (32 << 10), "{flag}");
+    }
+    assert_refused(&["--device", "emu:/nonexistent/pool.img", "--keep-pool", "--blocks-per-slot=4"], &["--blocks-per-slot"]);
+}
+
+#[test]
 fn kv_layers_in_flight_one_and_two_move_the_same_bytes() {
     // Goal (issue 16 item 4): the KV loop with the next layer issued ahead (the default, 2) and
     // one layer at a time (1) both verify every byte and time every layer; JSON says which.
@@ -361,7 +382,8 @@ fn a_kept_pool_is_reopened_and_checked_with_the_deterministic_pattern() {
     let kept = bench(&["--device", &device, "--prompt-tokens=160", "--hit-rate=0.6", "--keep-pool", "--verify", "--output-format=json"]);
     assert_eq!(kept.status.code(), Some(0), "{}", stderr(&kept));
     let json: serde_json::Value = serde_json::from_slice(&kept.stdout).unwrap();
-    assert_eq!(json["global options"]["pool_valid_slots_at_open"], 10, "{}", json["global options"]);
+    // Two slots of 16 blocks (the default): the 6-block prefix's and the 4-block rest's.
+    assert_eq!(json["global options"]["pool_valid_slots_at_open"], 2, "{}", json["global options"]);
     let blocks: Vec<u64> = json["phases"].as_array().unwrap().iter().map(|phase| phase["blocks"].as_u64().unwrap()).collect();
     assert_eq!(blocks, vec![0, 6, 0], "populate finds the 6 blocks, retrieve moves them, no new block is written");
 
@@ -423,9 +445,10 @@ fn any_model_geometry_is_accepted_by_flags_or_config_file_and_reports_its_mappin
     assert_eq!((options["layers"].as_u64(), options["kv_heads"].as_u64(), options["dtype_bytes"].as_u64()), (Some(4), Some(2), Some(1)));
     assert_eq!(options["model"], "custom");
     assert_eq!(options["mapping_table"]["form"], "16-byte SGL descriptors");
-    // 10 blocks x 4 layers x (K, V) x 16 bytes, plus the pad of one transfer (2 objects of 4 KiB),
-    // in whole 4 KiB pages of DMA memory.
-    assert_eq!(options["mapping_table"]["bytes"], (10 * 4 * 2 * 16 + 2 * 4096_u64).div_ceil(4096) * 4096);
+    // 10 blocks x 4 layers x (K, V) x 16 bytes, plus the pad of the longest command (a layer of
+    // a slot: 16 blocks by default, 2 objects of 4 KiB each), in whole 4 KiB pages of DMA memory.
+    assert_eq!(options["blocks_per_slot"], 16);
+    assert_eq!(options["mapping_table"]["bytes"], (10 * 4 * 2 * 16 + 16 * 2 * 4096_u64).div_ceil(4096) * 4096);
     let phases = json["phases"].as_array().unwrap();
     assert_eq!(phases[1]["verified_bytes"], 5 * 4 * 2 * 4096);
     assert!(phases.iter().all(|phase| phase["layers"].as_array().unwrap().len() == 4));
