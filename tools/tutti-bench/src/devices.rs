@@ -20,9 +20,14 @@ use crate::args::{format_size, DeviceSpec};
 /// How long one I/O may take before the run fails (a stuck device, not a slow one).
 pub const IO_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Waiting for an NVMe completion: polls spent spinning, then yielding, then sleeping (the
-/// software controller is a thread of this process, which a waiter that keeps the CPU starves
-/// on a small machine).
+/// Waiting for an NVMe completion: polls spent spinning, then yielding, then (a VFIO function
+/// only) sleeping. The software controller is a thread of this process, which a waiter that
+/// keeps the CPU starves on a small machine: its waiter yields the core instead of sleeping,
+/// because a sleep left completions unreaped for the sleep and the timer slack (50 µs), and the
+/// queue ran short (4 KiB random reads at QD 32: ~0.83 of fio's IOPS sleeping, ~0.93 yielding,
+/// three interleaved 5 s runs on a quiet machine, 2026-11-24). A VFIO function's waiter sleeps:
+/// in the TCG guest of tools/vm-bench.sh a busy vCPU starves the emulated controller of a small
+/// host (docs/vfio.md).
 const WAIT_SPIN_POLLS: u32 = 256;
 const WAIT_YIELD_POLLS: u32 = 64;
 const WAIT_SLEEP_MIN: Duration = Duration::from_micros(5);
@@ -253,7 +258,7 @@ fn lay_out(file: &std::fs::File, bytes: u64) -> std::io::Result<()> {
 struct NvmeDevice {
     controller: Controller,
     /// Keeps the software controller's thread alive as long as the driver uses it.
-    _emu: Option<Arc<EmuDevice>>,
+    emulator: Option<Arc<EmuDevice>>,
     namespace: nvme_driver::Namespace,
     description: String,
 }
@@ -280,7 +285,7 @@ impl NvmeDevice {
             format_size(controller.max_transfer_bytes()),
             timing_note(&device.spec, options),
         );
-        Ok(Arc::new(Self { controller, _emu: device.emulator, namespace, description }))
+        Ok(Arc::new(Self { controller, emulator: device.emulator, namespace, description }))
     }
 }
 
@@ -331,6 +336,7 @@ impl Device for NvmeDevice {
             buffers,
             slot_bytes,
             segments,
+            sleeps_while_waiting: self.emulator.is_none(),
             remaining_commands: vec![0; depth as usize],
             failure: vec![None; depth as usize],
             directions: vec![Direction::Read; depth as usize],
@@ -347,6 +353,9 @@ struct NvmeQueue {
     buffers: DmaRegion,
     slot_bytes: usize,
     segments: Vec<DataSegment>,
+    /// Whether a long wait sleeps (a VFIO function) or keeps yielding (the software controller,
+    /// a thread of this process: see WAIT_SPIN_POLLS).
+    sleeps_while_waiting: bool,
     /// Commands of each slot's I/O still in flight (an I/O over MDTS is several commands).
     remaining_commands: Vec<u32>,
     /// First failed status of each slot's I/O, reported when its last command completes.
@@ -392,7 +401,7 @@ impl IoQueue for NvmeQueue {
         deadline: Instant,
         on_done: &mut dyn FnMut(u32, Result<(), DeviceError>),
     ) -> Result<usize, DeviceError> {
-        let Self { name, pair, remaining_commands, failure, directions, offsets_bytes, .. } = self;
+        let Self { name, pair, remaining_commands, failure, directions, offsets_bytes, sleeps_while_waiting, .. } = self;
         pair.ring_doorbell().map_err(|source| DeviceError::Nvme { device: name.clone(), source })?;
         let mut done = 0usize;
         let mut unexpected = None;
@@ -430,13 +439,10 @@ impl IoQueue for NvmeQueue {
             0
         };
         if reaped == 0 && wait && pair.in_flight() > 0 {
-            // Our own bounded wait rather than the driver's spin-and-yield: with the software
-            // controller the device is a thread of this process, and on a small machine a waiter
-            // that keeps the CPU starves it. Spin briefly (fast devices), then yield, then sleep
-            // in growing steps capped at WAIT_SLEEP_MAX (also for a VFIO function: in the TCG
-            // guest of tools/vm-bench.sh a spinning vCPU starves the emulated controller of a
-            // small host; measured, see docs/vfio.md). An empty poll is one load
-            // (completion_pending); reap runs when it says so.
+            // Our own bounded wait rather than the driver's spin-and-yield: spin briefly (fast
+            // devices), then yield; a VFIO function's waiter then sleeps in growing steps capped
+            // at WAIT_SLEEP_MAX, the software controller's keeps yielding (WAIT_SPIN_POLLS). An
+            // empty poll is one load (completion_pending); reap runs when it says so.
             let in_flight = pair.in_flight();
             let mut polls = 0u32;
             let mut sleep = WAIT_SLEEP_MIN;
@@ -452,7 +458,7 @@ impl IoQueue for NvmeQueue {
                 }
                 if polls < WAIT_SPIN_POLLS {
                     std::hint::spin_loop();
-                } else if polls < WAIT_SPIN_POLLS + WAIT_YIELD_POLLS {
+                } else if polls < WAIT_SPIN_POLLS + WAIT_YIELD_POLLS || !*sleeps_while_waiting {
                     std::thread::yield_now();
                 } else {
                     std::thread::sleep(sleep);
@@ -490,7 +496,7 @@ impl IoQueue for NvmeQueue {
 pub struct KvController {
     pub controller: Arc<Controller>,
     /// Keeps the software controller's thread alive as long as the driver uses it.
-    pub _emu: Option<Arc<EmuDevice>>,
+    pub emulator: Option<Arc<EmuDevice>>,
     pub description: String,
 }
 
@@ -529,7 +535,7 @@ pub fn open_controllers(specs: &[DeviceSpec], options: OpenOptions2, created: &m
             format_size(controller.max_transfer_bytes()),
             timing_note(&device.spec, options)
         );
-        controllers.push(KvController { controller: Arc::new(controller), _emu: device.emulator, description });
+        controllers.push(KvController { controller: Arc::new(controller), emulator: device.emulator, description });
     }
     Ok(controllers)
 }

@@ -103,7 +103,7 @@ pub fn serve(plan: &ServePlan, profile: &Profile, policy: PolicyChoice, requests
         DeviceError::Spec(error) => Unusable(error.to_string()).into(),
         error => anyhow::Error::new(error).context(format!("opening {spec}")),
     })?;
-    let emulator = devices[0]._emu.clone().ok_or_else(|| anyhow!("{spec} did not start a software controller"))?;
+    let emulator = devices[0].emulator.clone().ok_or_else(|| anyhow!("{spec} did not start a software controller"))?;
     let targets = vec![PoolTarget { controller: Arc::clone(&devices[0].controller), namespace: NamespaceId(1) }];
     let params = FormatParams { geometry, blocks_per_slot: 1, slot_count_max: None, pool_uuid: None, payload_crc: false };
     format_pool(&targets, &params).context("formatting the pool")?;
