@@ -108,15 +108,22 @@ impl KvPlan {
         ((self.blocks() as f64) * self.hit_rate).round() as u64
     }
 
-    /// Bytes of each of `devices` pool devices: slots of `blocks_per_slot` blocks go round-robin
-    /// across them (one more slot each for where the store's round-robin cursor starts). The
-    /// cached prefix and the rest of the prompt are two stores, and a store never fills the
-    /// slot another one left partly empty: each rounds up to whole slots.
+    /// Slots of `blocks_per_slot` blocks the run fills: the cached prefix and the rest of the
+    /// prompt are two stores, and a store never fills the slot another one left partly empty,
+    /// so each rounds up to whole slots.
+    pub fn slots_needed(&self, blocks_per_slot: u64) -> u64 {
+        let k = blocks_per_slot.max(1);
+        let cached = self.cached_blocks().min(self.blocks());
+        cached.div_ceil(k) + (self.blocks() - cached).div_ceil(k)
+    }
+
+    /// Bytes of each of `devices` pool devices: slots of `blocks_per_slot` blocks
+    /// ([`KvPlan::slots_needed`]) go round-robin across them (one more slot each for where the
+    /// store's round-robin cursor starts).
     pub fn pool_bytes_per_device(&self, devices: usize) -> u64 {
         let k = u64::from(self.blocks_per_slot.max(1));
         let slot_bytes = self.geometry().block_bytes().saturating_mul(k).saturating_add(SLOT_OVERHEAD_BYTES);
-        let cached = self.cached_blocks().min(self.blocks());
-        let slots = cached.div_ceil(k) + (self.blocks() - cached).div_ceil(k);
+        let slots = self.slots_needed(k);
         let slots = if devices <= 1 { slots } else { slots.div_ceil(devices as u64) + 1 };
         slots.saturating_mul(slot_bytes).saturating_add(POOL_OVERHEAD_BYTES)
     }
@@ -357,8 +364,7 @@ impl Rig {
         let (pool, report) = Pool::open(targets, Some(geometry)).map_err(|error| pool_open_error(error, plan))?;
         let payload_crc = pool.superblock(0).flags & objstore::format::FLAG_PAYLOAD_CRC != 0;
         let blocks_per_slot = u64::from(pool.blocks_per_slot());
-        let cached = plan.cached_blocks().min(plan.blocks());
-        let slots_needed = cached.div_ceil(blocks_per_slot) + (plan.blocks() - cached).div_ceil(blocks_per_slot);
+        let slots_needed = plan.slots_needed(blocks_per_slot);
         if report.slots < slots_needed {
             let tokens = report.slots.saturating_mul(blocks_per_slot).saturating_mul(plan.block_tokens());
             return usage(format!(
