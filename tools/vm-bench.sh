@@ -17,6 +17,15 @@
 #   TUTTI_BENCH_RUNTIME_S    seconds per row and driver (default 8; fio adds a 1 s ramp)
 #   TUTTI_BENCH_SIZE_MIB     span of the device each job touches (default 512)
 #   TUTTI_BENCH_OURS=0       kernel rows only (no static tutti-bench build)
+#   TUTTI_BENCH_ROWS=A,B     only these rows (names as printed: randread-4k-qd1, randread-4k-qd32,
+#                            seqread-128k, seqread-1m, seqwrite-128k, seqwrite-1m; default all)
+#   TUTTI_BENCH_GUEST_CLOCK  tsc (default: the guest kernel is told its TSC is reliable, so a clock
+#                            read is an instruction, not a system call and an emulated HPET access
+#                            under QEMU's big lock) or kernel (the guest kernel's choice: hpet
+#                            under TCG here)
+#   TUTTI_VM_DRIVE_ARGS      the emulated controller's backing file options (default here
+#                            cache=unsafe,aio=io_uring: the host's page cache, no thread-pool hop
+#                            per I/O; tools/vm-test.sh's default is cache=unsafe alone)
 #   TUTTI_BENCH_BEFORE=PATH  also run this tutti-bench binary (static, e.g. built from an older
 #                            commit with the same target: see docs/vfio.md) in the same boot,
 #                            back to back with ours on each row (order alternating), and print
@@ -39,6 +48,14 @@ if [ -n "$BEFORE" ]; then
     fi
 fi
 export TUTTI_VM_DISK_MIB=${TUTTI_VM_DISK_MIB:-$((SIZE_MIB + 64))}
+# Both settings take emulator costs off every driver's rows alike (docs/vfio.md, "vm-bench"): with
+# the guest kernel's own choices a 4 KiB read at QD 32 measured mostly QEMU's HPET and thread pool.
+case ${TUTTI_BENCH_GUEST_CLOCK:-tsc} in
+    tsc) export TUTTI_VM_APPEND="clocksource=tsc tsc=reliable ${TUTTI_VM_APPEND:-}" ;;
+    kernel) ;;
+    *) vm_die "TUTTI_BENCH_GUEST_CLOCK=${TUTTI_BENCH_GUEST_CLOCK}: tsc or kernel" ;;
+esac
+export TUTTI_VM_DRIVE_ARGS=${TUTTI_VM_DRIVE_ARGS:-cache=unsafe,aio=io_uring}
 export TUTTI_VM_NVME_COUNT=1
 # Six rows, each run by two or three drivers (with a 1 s ramp for fio), under TCG.
 SECONDS_PER_RUNTIME_S=40
@@ -88,6 +105,17 @@ fi
 # (stderr) is shown only when a run fails.
 ROWS=(randread-4k-qd1:randread:4k:1 randread-4k-qd32:randread:4k:32 seqread-128k:read:128k:32
     seqread-1m:read:1m:8 seqwrite-128k:write:128k:32 seqwrite-1m:write:1m:8)
+if [ -n "${TUTTI_BENCH_ROWS:-}" ]; then
+    chosen=()
+    IFS=, read -r -a wanted <<< "$TUTTI_BENCH_ROWS"
+    for name in "${wanted[@]}"; do
+        match=
+        for spec in "${ROWS[@]}"; do [ "${spec%%:*}" = "$name" ] && match=$spec; done
+        [ -n "$match" ] || vm_die "TUTTI_BENCH_ROWS: no row named '$name' (rows: $(printf '%s ' "${ROWS[@]%%:*}"))"
+        chosen+=("$match")
+    done
+    ROWS=("${chosen[@]}")
+fi
 COMMANDS=$VM_DIR/commands.bench
 # The guest's clock source says what a clock read costs there (tsc: no system call).
 # shellcheck disable=SC2016 # expanded by the guest's shell
@@ -122,6 +150,7 @@ CONF=$VM_DIR/conf.bench
 printf '%s\n' LOAD_NVME=1 BIND=0 HUGEPAGES=128 "COMMAND_TIMEOUT_S=$((RUNTIME_S * 4 + 120))" SHELL_AFTER=0 > "$CONF"
 INITRD=$VM_DIR/initramfs-bench.cpio
 vm_build_initramfs "$INITRD" "$COMMANDS" "$CONF" "$EXTRA" -- "${BINARIES[@]}"
+vm_log "backing file options: $TUTTI_VM_DRIVE_ARGS; extra guest kernel arguments: ${TUTTI_VM_APPEND:-none}"
 vm_log "initramfs $(du -h "$INITRD" | cut -f1) (fio and its libraries included); guest commands:"
 sed 's/^/    /' "$COMMANDS" >&2
 
@@ -130,7 +159,7 @@ vm_boot "$INITRD" "$LOG"
 vm_log "guest booted to init in ${VM_BOOT_S:-?}s; VM run ${VM_WALL_S}s; log: $LOG"
 [ "$VM_GUEST_RC" = 0 ] || vm_die "a benchmark run failed in the guest (status $VM_GUEST_RC)"
 
-python3 - "$LOG" "$OURS" "${BEFORE:+1}" << 'SUMMARY'
+python3 - "$LOG" "$OURS" "${BEFORE:+1}" "${ROWS[@]%%:*}" << 'SUMMARY'
 import json, re, sys
 
 results, current, lines = {}, None, []
@@ -159,8 +188,8 @@ def figures(driver, row):
         return next((value for key, value in percentiles.items() if float(key) == wanted), 0) / 1000
     return side["iops"], side["bw_bytes"] / 2**20, at(50.0), at(99.0)
 
-rows = ["randread-4k-qd1", "randread-4k-qd32", "seqread-128k", "seqread-1m", "seqwrite-128k", "seqwrite-1m"]
-with_before = len(sys.argv) > 3 and sys.argv[3] == "1"
+rows = sys.argv[4:]
+with_before = sys.argv[3] == "1"
 drivers = ("kernel", "ours", "before") if with_before else ("kernel", "ours")
 print()
 print("QEMU NVMe under TCG, one controller: kernel = guest nvme driver + fio io_uring O_DIRECT;")

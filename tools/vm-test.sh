@@ -43,6 +43,9 @@
 #   TUTTI_VM_NS_ARGS         extra `-device nvme-ns` properties, same convention: e.g.
 #                            "logical_block_size=4096,physical_block_size=4096"
 #   TUTTI_VM_DISK_MIB        size of each controller's backing image (default 1024)
+#   TUTTI_VM_DRIVE_ARGS      its QEMU -drive options (default cache=unsafe; e.g.
+#                            cache=unsafe,aio=io_uring: no thread-pool hop per I/O)
+#   TUTTI_VM_APPEND          extra guest kernel arguments (e.g. no_timer_check)
 #   TUTTI_VM_TIMEOUT_S       watchdog for the whole guest run (default 300)
 #   TUTTI_VM_BOOT_TIMEOUT_S, TUTTI_VM_BOOT_RETRIES  a guest that has not reached /init in 90 s
 #                            is restarted, once by default (rare TCG boot livelocks)

@@ -11,6 +11,8 @@
 #    period, and its reported status still counts.
 # 3. the per-step summary (vm_step_summary) tells passed, failed, optional-failed and unfinished
 #    commands apart.
+# 4. a line the guest prints in two parts, further apart than the console read's 2 s timeout,
+#    is logged as one line.
 set -euo pipefail
 HERE=$(dirname "$(readlink -f "$0")")
 WORK=$(mktemp -d)
@@ -34,6 +36,8 @@ done
 echo "TUTTI_VM: init started at uptime 0.1s"
 sleep "${FAKE_RUN_S:-0}"
 [ -n "${FAKE_LINES:-}" ] && printf '%s\n' "$FAKE_LINES"
+# FAKE_SPLIT="A|B": prints A, pauses past the harness's read timeout, then B and a newline.
+[ -n "${FAKE_SPLIT:-}" ] && { printf '%s' "${FAKE_SPLIT%%|*}"; sleep 3; printf '%s\n' "${FAKE_SPLIT#*|}"; }
 echo "TUTTI_VM_RESULT rc=0"
 # `exec`, so that stopping this pid ends the output as stopping QEMU does.
 [ "${FAKE_HANG_S:-0}" -gt 0 ] && exec sleep "$FAKE_HANG_S"
@@ -82,6 +86,10 @@ check "step 1 passed" 1 "$(grep -c 'step 1: PASS .*nvme-conformance' <<< "$summa
 check "step 2 failed, allowed" 1 "$(grep -c 'step 2: FAIL (optional: allowed) *rc=1 .*objstore-roundtrip' <<< "$summary")"
 check "step 3 failed" 1 "$(grep -c 'step 3: FAIL  *rc=1 .*false' <<< "$summary")"
 check "step 4 never finished" 1 "$(grep -c 'step 4: NO RESULT .*sleep 1000' <<< "$summary")"
+
+# 4. A line split by a pause.
+FAKE_SPLIT='JSON_BEGIN ours rand|read-4k-qd1' vm_boot /dev/null "$WORK/e.log" 2> "$WORK/e.err"
+check "a line printed in two parts is logged whole" 1 "$(grep -c '^\[guest  *[0-9.]*s\] JSON_BEGIN ours randread-4k-qd1$' "$WORK/e.log")"
 
 if [ "$failures" -gt 0 ]; then
     for log in "$WORK"/*.err; do sed "s|^|$(basename "$log"): |" "$log" >&2; done

@@ -170,7 +170,9 @@ vm_build_initramfs() {
 
 # NVMe controllers: TUTTI_VM_NVME_COUNT (default 1) controllers at PCI slots 4, 5, ...; per
 # controller extra properties from TUTTI_VM_NVME_ARGS / TUTTI_VM_NS_ARGS, groups separated by ';'
-# (the last group repeats for further controllers). Each is backed by a fresh sparse image.
+# (the last group repeats for further controllers). Each is backed by a fresh sparse image, opened
+# with TUTTI_VM_DRIVE_ARGS (default cache=unsafe: the host's page cache, QEMU's thread-pool I/O;
+# e.g. cache=unsafe,aio=io_uring serves the emulated controller's I/O without a worker thread).
 vm_nvme_args() {
     local count=${TUTTI_VM_NVME_COUNT:-1} index controller_groups ns_groups controller_extra ns_extra image size_mib
     size_mib=${TUTTI_VM_DISK_MIB:-1024}
@@ -187,7 +189,7 @@ vm_nvme_args() {
         image=$VM_DIR/disks/nvme$index.img
         rm -f "$image"
         truncate -s "${size_mib}M" "$image"
-        VM_NVME_ARGS+=(-drive "file=$image,if=none,id=nvmedisk$index,format=raw,cache=unsafe"
+        VM_NVME_ARGS+=(-drive "file=$image,if=none,id=nvmedisk$index,format=raw,${TUTTI_VM_DRIVE_ARGS:-cache=unsafe}"
             -device "nvme,id=nvme$index,serial=tutti-vm-$index,addr=$(printf '0x%x' $((4 + index)))${controller_extra:+,$controller_extra}"
             -device "nvme-ns,drive=nvmedisk$index,bus=nvme$index,nsid=1${ns_extra:+,$ns_extra}")
         VM_NVME_BDFS+=("$(printf '0000:00:%02x.0' $((4 + index)))")
@@ -285,11 +287,21 @@ vm_boot_once() {
     timeout -k 10 "$timeout_s" "${qemu[@]}" -pidfile "$pidfile" < /dev/null 2>&1 | {
         booted=0
         watchdog=""
+        partial=""
         while :; do
             line=""
             IFS= read -r -t 2 line
             status=$?
-            [ "$status" -ne 0 ] && [ "$status" -le 128 ] && [ -z "$line" ] && break # end of output
+            if [ "$status" -gt 128 ]; then
+                # Timed out mid-line (a slow console): keep the part; the rest comes later.
+                # (Logged as two lines, a JSON document of tools/vm-bench.sh lost a row.)
+                partial+=$line
+                line=""
+            else
+                line=$partial$line
+                partial=""
+                [ "$status" -ne 0 ] && [ -z "$line" ] && break # end of output
+            fi
             if [ -n "$line" ]; then
                 line=${line//$'\r'/}
                 stamp=$(vm_elapsed "$started")
