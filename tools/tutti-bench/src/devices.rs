@@ -20,18 +20,12 @@ use crate::args::{format_size, DeviceSpec};
 /// How long one I/O may take before the run fails (a stuck device, not a slow one).
 pub const IO_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Waiting for an NVMe completion: polls spent spinning, then yielding, then (a VFIO function
-/// only) sleeping. The software controller is a thread of this process, which a waiter that
-/// keeps the CPU starves on a small machine: its waiter yields the core instead of sleeping,
-/// because a sleep left completions unreaped for the sleep and the timer slack (50 µs), and the
-/// queue ran short (4 KiB random reads at QD 32: ~0.83 of fio's IOPS sleeping, ~0.93 yielding,
-/// three interleaved 5 s runs on a quiet machine, 2026-11-24). A VFIO function's waiter sleeps:
-/// in the TCG guest of tools/vm-bench.sh a busy vCPU starves the emulated controller of a small
-/// host (docs/vfio.md).
+/// Waiting on the software controller, a thread of this process, which a waiter that keeps the
+/// CPU starves on a small machine: WAIT_SPIN_POLLS polls with a spin hint between them, then a
+/// yield per poll. Not a sleep: a sleep left completions unreaped for the sleep and the timer
+/// slack (50 µs), and the queue ran short (4 KiB random reads at QD 32: ~0.83 of fio's IOPS
+/// sleeping, ~0.93 yielding, three interleaved 5 s runs on a quiet machine, 2026-11-24).
 const WAIT_SPIN_POLLS: u32 = 256;
-const WAIT_YIELD_POLLS: u32 = 64;
-const WAIT_SLEEP_MIN: Duration = Duration::from_micros(5);
-const WAIT_SLEEP_MAX: Duration = Duration::from_micros(50);
 /// Polls between two clock reads of a wait (its deadline): a clock read costs more than a poll,
 /// and under an emulated CPU (the TCG guest of tools/vm-bench.sh) far more.
 const WAIT_POLLS_PER_CLOCK_READ: u32 = 1024;
@@ -163,7 +157,7 @@ pub fn open(spec: &DeviceSpec, options: OpenOptions2, created: &mut CreatedFiles
             let emu = EmuOptions { config: emu_config(options), create_bytes: None };
             let opened = open_in_one_space(std::slice::from_ref(spec), &emu)?;
             let device = opened.into_iter().next().ok_or_else(|| DeviceError::Setup(format!("{spec}: nothing was opened")))?;
-            NvmeDevice::init(device, options)
+            Ok(Arc::new(NvmeDevice::init(device, options)?))
         }
     }
 }
@@ -264,7 +258,7 @@ struct NvmeDevice {
 }
 
 impl NvmeDevice {
-    fn init(device: OpenedDevice, options: OpenOptions2) -> Result<Arc<dyn Device>, DeviceError> {
+    fn init(device: OpenedDevice, options: OpenOptions2) -> Result<Self, DeviceError> {
         let name = device.backend.name();
         let config = ControllerConfig {
             io_queue_pairs_requested: u16::try_from(options.queues.clamp(1, 1024)).unwrap_or(1024),
@@ -285,7 +279,54 @@ impl NvmeDevice {
             format_size(controller.max_transfer_bytes()),
             timing_note(&device.spec, options),
         );
-        Ok(Arc::new(Self { controller, emulator: device.emulator, namespace, description }))
+        Ok(Self { controller, emulator: device.emulator, namespace, description })
+    }
+
+    /// How a wait on this device spends its polls: see [`Waiter`].
+    fn waiter(&self) -> Waiter {
+        if self.emulator.is_some() {
+            Waiter::SharesOurCores
+        } else {
+            Waiter::Polls
+        }
+    }
+
+    fn open_nvme_queue(&self, depth: u32, slot_bytes: usize, waiter: Waiter) -> Result<NvmeQueue, DeviceError> {
+        let name = self.controller.backend().name();
+        let nvme = |source| DeviceError::Nvme { device: name.clone(), source };
+        let slot_len = u32::try_from(slot_bytes)
+            .map_err(|_| DeviceError::Setup(format!("{name}: block size {slot_bytes} does not fit one segment")))?;
+        // One I/O may take several commands when it exceeds the controller's max transfer size.
+        let commands_per_io = (slot_bytes as u64).div_ceil(self.controller.max_transfer_bytes().max(4096));
+        let max_entries = self.controller.capabilities().max_queue_entries();
+        let entries = (u64::from(depth) * commands_per_io + 1).min(u64::from(max_entries)) as u32;
+        let pair = self.controller.create_io_queue_pair(entries.max(2)).map_err(nvme)?;
+        let total = slot_bytes
+            .checked_mul(depth as usize)
+            .ok_or_else(|| DeviceError::Setup(format!("{name}: {depth} buffers of {slot_bytes} bytes overflow")))?;
+        let buffers = self.controller.dma().allocate(total).map_err(|source| nvme(NvmeError::Hardware(source)))?;
+        // Fill write buffers with non-zero bytes once (some devices shortcut zeroes).
+        let fill: Vec<u8> = (0..slot_bytes).map(|index| (index as u8).wrapping_mul(31) ^ 0xa5).collect();
+        let mut segments = Vec::with_capacity(depth as usize);
+        for slot in 0..depth as usize {
+            let region = buffers.subregion(slot * slot_bytes, slot_bytes).map_err(|source| nvme(NvmeError::Hardware(source)))?;
+            region.write(0, &fill).map_err(|source| nvme(NvmeError::Hardware(source)))?;
+            segments.push(DataSegment::new(region.iova(), slot_len));
+        }
+        Ok(NvmeQueue {
+            name,
+            pair,
+            namespace: self.namespace.id,
+            block_size_bytes: u64::from(self.namespace.block_size_bytes),
+            buffers,
+            slot_bytes,
+            segments,
+            waiter,
+            remaining_commands: vec![0; depth as usize],
+            failure: vec![None; depth as usize],
+            directions: vec![Direction::Read; depth as usize],
+            offsets_bytes: vec![0; depth as usize],
+        })
     }
 }
 
@@ -307,42 +348,22 @@ impl Device for NvmeDevice {
     }
 
     fn open_queue(&self, depth: u32, slot_bytes: usize) -> Result<Box<dyn IoQueue>, DeviceError> {
-        let name = self.name();
-        let nvme = |source| DeviceError::Nvme { device: name.clone(), source };
-        let slot_len = u32::try_from(slot_bytes)
-            .map_err(|_| DeviceError::Setup(format!("{name}: block size {slot_bytes} does not fit one segment")))?;
-        // One I/O may take several commands when it exceeds the controller's max transfer size.
-        let commands_per_io = (slot_bytes as u64).div_ceil(self.controller.max_transfer_bytes().max(4096));
-        let max_entries = self.controller.capabilities().max_queue_entries();
-        let entries = (u64::from(depth) * commands_per_io + 1).min(u64::from(max_entries)) as u32;
-        let pair = self.controller.create_io_queue_pair(entries.max(2)).map_err(nvme)?;
-        let total = slot_bytes
-            .checked_mul(depth as usize)
-            .ok_or_else(|| DeviceError::Setup(format!("{name}: {depth} buffers of {slot_bytes} bytes overflow")))?;
-        let buffers = self.controller.dma().allocate(total).map_err(|source| nvme(NvmeError::Hardware(source)))?;
-        // Fill write buffers with non-zero bytes once (some devices shortcut zeroes).
-        let fill: Vec<u8> = (0..slot_bytes).map(|index| (index as u8).wrapping_mul(31) ^ 0xa5).collect();
-        let mut segments = Vec::with_capacity(depth as usize);
-        for slot in 0..depth as usize {
-            let region = buffers.subregion(slot * slot_bytes, slot_bytes).map_err(|source| nvme(NvmeError::Hardware(source)))?;
-            region.write(0, &fill).map_err(|source| nvme(NvmeError::Hardware(source)))?;
-            segments.push(DataSegment::new(region.iova(), slot_len));
-        }
-        Ok(Box::new(NvmeQueue {
-            name,
-            pair,
-            namespace: self.namespace.id,
-            block_size_bytes: u64::from(self.namespace.block_size_bytes),
-            buffers,
-            slot_bytes,
-            segments,
-            sleeps_while_waiting: self.emulator.is_none(),
-            remaining_commands: vec![0; depth as usize],
-            failure: vec![None; depth as usize],
-            directions: vec![Direction::Read; depth as usize],
-            offsets_bytes: vec![0; depth as usize],
-        }))
+        Ok(Box::new(self.open_nvme_queue(depth, slot_bytes, self.waiter())?))
     }
+}
+
+/// How a wait for a completion spends its polls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Waiter {
+    /// The software controller: spin hints, then yields (WAIT_SPIN_POLLS).
+    SharesOurCores,
+    /// A VFIO function: back-to-back polls, one load each, until a completion or the deadline,
+    /// as SPDK's pollers do. No spin hint (x86 PAUSE): under QEMU's TCG it leaves the vCPU's
+    /// loop and takes the big lock the emulated controller runs under, once per poll, and
+    /// that, not a busy vCPU, was what starved the controller in tools/vm-bench.sh's guest (4
+    /// KiB random reads at QD 1 went from ~12k to ~21-23k IOPS without it; docs/vfio.md). No
+    /// yield or sleep either: a sleeping guest noticed completions a timer tick late.
+    Polls,
 }
 
 struct NvmeQueue {
@@ -353,9 +374,7 @@ struct NvmeQueue {
     buffers: DmaRegion,
     slot_bytes: usize,
     segments: Vec<DataSegment>,
-    /// Whether a long wait sleeps (a VFIO function) or keeps yielding (the software controller,
-    /// a thread of this process: see WAIT_SPIN_POLLS).
-    sleeps_while_waiting: bool,
+    waiter: Waiter,
     /// Commands of each slot's I/O still in flight (an I/O over MDTS is several commands).
     remaining_commands: Vec<u32>,
     /// First failed status of each slot's I/O, reported when its last command completes.
@@ -401,7 +420,7 @@ impl IoQueue for NvmeQueue {
         deadline: Instant,
         on_done: &mut dyn FnMut(u32, Result<(), DeviceError>),
     ) -> Result<usize, DeviceError> {
-        let Self { name, pair, remaining_commands, failure, directions, offsets_bytes, sleeps_while_waiting, .. } = self;
+        let Self { name, pair, remaining_commands, failure, directions, offsets_bytes, waiter, .. } = self;
         pair.ring_doorbell().map_err(|source| DeviceError::Nvme { device: name.clone(), source })?;
         let mut done = 0usize;
         let mut unexpected = None;
@@ -439,13 +458,11 @@ impl IoQueue for NvmeQueue {
             0
         };
         if reaped == 0 && wait && pair.in_flight() > 0 {
-            // Our own bounded wait rather than the driver's spin-and-yield: spin briefly (fast
-            // devices), then yield; a VFIO function's waiter then sleeps in growing steps capped
-            // at WAIT_SLEEP_MAX, the software controller's keeps yielding (WAIT_SPIN_POLLS). An
-            // empty poll is one load (completion_pending); reap runs when it says so.
+            // Our own bounded wait rather than the driver's spin-and-yield (Waiter says how each
+            // device is waited on). An empty poll is one load (completion_pending); reap runs
+            // when it says so.
             let in_flight = pair.in_flight();
             let mut polls = 0u32;
-            let mut sleep = WAIT_SLEEP_MIN;
             loop {
                 if pair.completion_pending()
                     && pair.reap(usize::MAX, &mut on_completion).map_err(|source| DeviceError::Nvme { device: name.clone(), source })? > 0
@@ -456,13 +473,10 @@ impl IoQueue for NvmeQueue {
                 if polls.is_multiple_of(WAIT_POLLS_PER_CLOCK_READ) && Instant::now() >= deadline {
                     return Err(DeviceError::Timeout { device: name.clone(), timeout_s: IO_TIMEOUT.as_secs(), in_flight });
                 }
-                if polls < WAIT_SPIN_POLLS {
-                    std::hint::spin_loop();
-                } else if polls < WAIT_SPIN_POLLS + WAIT_YIELD_POLLS || !*sleeps_while_waiting {
-                    std::thread::yield_now();
-                } else {
-                    std::thread::sleep(sleep);
-                    sleep = (sleep * 2).min(WAIT_SLEEP_MAX);
+                match waiter {
+                    Waiter::Polls => {}
+                    Waiter::SharesOurCores if polls < WAIT_SPIN_POLLS => std::hint::spin_loop(),
+                    Waiter::SharesOurCores => std::thread::yield_now(),
                 }
             }
         }
@@ -538,4 +552,81 @@ pub fn open_controllers(specs: &[DeviceSpec], options: OpenOptions2, created: &m
         controllers.push(KvController { controller: Arc::new(controller), emulator: device.emulator, description });
     }
     Ok(controllers)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::mpsc;
+
+    use nvme_emu::{FaultAction, FaultPlan, FaultRule};
+
+    use super::*;
+
+    fn memory_device() -> NvmeDevice {
+        let options = OpenOptions2 { writes: true, create_bytes: None, io_bytes_max: 4096, queues: 1, timing: None, lay_out: false };
+        let emu = EmuOptions { config: emu_config(options), create_bytes: None };
+        let opened = open_in_one_space(&[DeviceSpec::EmuMemory(16 << 20)], &emu).expect("open emu:mem");
+        NvmeDevice::init(opened.into_iter().next().expect("one device"), options).expect("init")
+    }
+
+    /// Runs `job` on a thread of its own and fails if it has not finished within `limit` (a wait
+    /// that never gives up must fail the test, not hang it).
+    fn finishes_within<T: Send + 'static>(limit: Duration, job: impl FnOnce() -> T + Send + 'static) -> T {
+        let (sender, receiver) = mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = sender.send(job());
+        });
+        receiver.recv_timeout(limit).expect("the wait did not return in time")
+    }
+
+    #[test]
+    fn both_waiters_reap_every_read_into_its_own_slot() {
+        // Goal: the VFIO waiter (polls back to back, no spin hint) and the software
+        // controller's (spins, then yields) hand each completion to its slot, once.
+        for waiter in [Waiter::Polls, Waiter::SharesOurCores] {
+            let counts = finishes_within(Duration::from_secs(60), move || {
+                let device = memory_device();
+                let depth = 4u32;
+                let mut queue = device.open_nvme_queue(depth, 4096, waiter).expect("queue");
+                let mut counts = vec![0u32; depth as usize];
+                let deadline = Instant::now() + IO_TIMEOUT;
+                for round in 0..64u64 {
+                    for slot in 0..depth {
+                        queue.queue(slot, Direction::Read, (round * u64::from(depth) + u64::from(slot)) * 4096).expect("queue read");
+                    }
+                    let mut done = 0;
+                    while done < depth as usize {
+                        done += queue
+                            .submit_and_reap(true, deadline, &mut |slot, result| {
+                                result.expect("read");
+                                counts[slot as usize] += 1;
+                            })
+                            .expect("wait");
+                    }
+                }
+                counts
+            });
+            assert_eq!(counts, vec![64; 4], "{waiter:?}");
+        }
+    }
+
+    #[test]
+    fn the_polling_waiter_gives_up_at_its_deadline() {
+        // Goal: a waiter that never yields is still bounded: a completion held back past the
+        // deadline fails the wait with Timeout, soon after the deadline.
+        let (result, waited) = finishes_within(Duration::from_secs(20), || {
+            let device = memory_device();
+            let delay = FaultAction::Delay(Duration::from_millis(600));
+            device.emulator.as_ref().expect("software controller").set_faults(FaultPlan::none().with_rule(FaultRule::on_nth_io(1, delay)));
+            let mut queue = device.open_nvme_queue(1, 4096, Waiter::Polls).expect("queue");
+            queue.queue(0, Direction::Read, 0).expect("queue read");
+            let started = Instant::now();
+            let result = queue.submit_and_reap(true, started + Duration::from_millis(100), &mut |_, _| {});
+            let waited = started.elapsed();
+            // Dropping the queue drains it: the delayed completion arrives, then the pair goes.
+            (matches!(result, Err(DeviceError::Timeout { in_flight: 1, .. })).then_some(()).ok_or(format!("{result:?}")), waited)
+        });
+        result.expect("a completion 600 ms late must fail a 100 ms wait with Timeout");
+        assert!(waited >= Duration::from_millis(100) && waited < Duration::from_millis(500), "gave up after {waited:?}");
+    }
 }
