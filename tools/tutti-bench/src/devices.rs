@@ -360,9 +360,10 @@ enum Waiter {
     /// A VFIO function: back-to-back polls, one load each, until a completion or the deadline,
     /// as SPDK's pollers do. No spin hint (x86 PAUSE): under QEMU's TCG it leaves the vCPU's
     /// loop and takes the big lock the emulated controller runs under, once per poll, and
-    /// that, not a busy vCPU, was what starved the controller in tools/vm-bench.sh's guest (4
-    /// KiB random reads at QD 1 went from ~12k to ~21-23k IOPS without it; docs/vfio.md). No
-    /// yield or sleep either: a sleeping guest noticed completions a timer tick late.
+    /// that, not a busy vCPU, was what starved the controller in tools/vm-bench.sh's guest. No
+    /// yield or sleep either: without the hint but still yielding and sleeping, 4 KiB random
+    /// reads went from ~12k to ~21-23k IOPS at QD 1 but fell at QD 32; with neither, 38.6-49.0k
+    /// at QD 1 against b18d064's 14.1-16.8k, and 1.24-1.50x at QD 32 (docs/vfio.md).
     Polls,
 }
 
