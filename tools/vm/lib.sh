@@ -294,7 +294,7 @@ vm_boot_once() {
             status=$?
             if [ "$status" -gt 128 ]; then
                 # Timed out mid-line (a slow console): keep the part; the rest comes later.
-                # (Logged as two lines, a JSON document of tools/vm-bench.sh lost a row.)
+                # (Logged as two lines, it would break a JSON document of tools/vm-bench.sh.)
                 partial+=$line
                 line=""
             else
