@@ -114,6 +114,12 @@ vm_extract_vmlinux() {
 # "-p nvme-conformance --bin nvme-conformance". Output lines: paths of the built binaries.
 VM_TARGET_DIR=${TUTTI_VM_TARGET_DIR:-$VM_REPO/target-vm}
 vm_cargo_static() {
+    # `tutti` is built with its cluster support, whose etcd-client build script runs protoc.
+    if [ "${TUTTI_VM_SKIP_APT:-0}" = 1 ]; then
+        "$VM_REPO/tools/ensure-protoc.sh" --check || { echo "protoc is missing (TUTTI_VM_SKIP_APT=1)" >&2; return 1; }
+    else
+        "$VM_REPO/tools/ensure-protoc.sh" || return 1
+    fi
     # Debug info is dropped: the guest loads the whole initramfs into RAM.
     (cd "$VM_REPO" && RUSTFLAGS="-C target-feature=+crt-static" CARGO_PROFILE_RELEASE_DEBUG=0 \
         CARGO_TARGET_DIR=$VM_TARGET_DIR cargo build --release --target x86_64-unknown-linux-gnu "$@")
