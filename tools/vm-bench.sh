@@ -28,8 +28,14 @@
 #                            per I/O; tools/vm-test.sh's default is cache=unsafe alone)
 #   TUTTI_BENCH_BEFORE=PATH  also run this tutti-bench binary (static, e.g. built from an older
 #                            commit with the same target: see docs/vfio.md) in the same boot,
-#                            back to back with ours on each row (order alternating), and print
+#                            back to back with ours on each row (order rotating), and print
 #                            ours/before per row
+#   TUTTI_BENCH_SPDK=DIR     also run SPDK's spdk_nvme_perf (polled, one core) from an SPDK tree
+#                            built outside this repository with shared libraries (DIR/build/bin,
+#                            DIR/build/lib; docs/vfio.md, "Against SPDK"), on the same controller
+#                            after `tutti bind`, in the rotation with ours, and print ours/spdk
+#                            per row. The namespace is then exactly the span (perf reads all of
+#                            it), so both touch the same filled bytes.
 # The first controller (/dev/nvme0n1, then vfio:0000:00:04.0 in the guest) is benchmarked.
 set -euo pipefail
 # shellcheck source=tools/vm/lib.sh
@@ -47,6 +53,13 @@ if [ -n "$BEFORE" ]; then
         vm_die "TUTTI_BENCH_BEFORE=$BEFORE is not statically linked (build it with RUSTFLAGS=\"-C target-feature=+crt-static\" --target x86_64-unknown-linux-gnu)"
     fi
 fi
+SPDK_DIR=${TUTTI_BENCH_SPDK:-}
+if [ -n "$SPDK_DIR" ]; then
+    [ "$OURS" = 1 ] || vm_die "TUTTI_BENCH_SPDK compares with our rows (and needs tutti bind): drop TUTTI_BENCH_OURS=0"
+    [ -x "$SPDK_DIR/build/bin/spdk_nvme_perf" ] || vm_die "TUTTI_BENCH_SPDK=$SPDK_DIR has no build/bin/spdk_nvme_perf"
+    [ -d "$SPDK_DIR/build/lib" ] || vm_die "TUTTI_BENCH_SPDK=$SPDK_DIR has no build/lib (configure SPDK --with-shared)"
+    export TUTTI_VM_DISK_MIB=${TUTTI_VM_DISK_MIB:-$SIZE_MIB}
+fi
 export TUTTI_VM_DISK_MIB=${TUTTI_VM_DISK_MIB:-$((SIZE_MIB + 64))}
 # Both settings take emulator costs off every driver's rows alike (docs/vfio.md, "vm-bench"): with
 # the guest kernel's own choices a 4 KiB read at QD 32 measured mostly QEMU's HPET and thread pool.
@@ -60,6 +73,7 @@ export TUTTI_VM_NVME_COUNT=1
 # Six rows, each run by two or three drivers (with a 1 s ramp for fio), under TCG.
 SECONDS_PER_RUNTIME_S=40
 [ -n "$BEFORE" ] && SECONDS_PER_RUNTIME_S=60
+[ -n "$SPDK_DIR" ] && SECONDS_PER_RUNTIME_S=$((SECONDS_PER_RUNTIME_S + 20))
 export TUTTI_VM_TIMEOUT_S=${TUTTI_VM_TIMEOUT_S:-$((RUNTIME_S * SECONDS_PER_RUNTIME_S + 180))}
 
 mkdir -p "$VM_DIR"/{debs,logs,kernel}
@@ -94,6 +108,21 @@ ldd "$(command -v fio)" | awk '/=> \// { print $3 } /^\t\/.*ld-linux/ { print $1
 done
 # The binary names its interpreter /lib64/ld-linux-x86-64.so.2: make sure that path resolves.
 [ -e "$EXTRA/lib64/ld-linux-x86-64.so.2" ] || { mkdir -p "$EXTRA/lib64" && cp -L /lib64/ld-linux-x86-64.so.2 "$EXTRA/lib64/"; }
+if [ -n "$SPDK_DIR" ]; then
+    # perf, SPDK's own libraries (under /spdk/lib, found through LD_LIBRARY_PATH) and the system
+    # libraries it loads (DPDK, ISA-L, OpenSSL, whose configuration file it reads at start).
+    mkdir -p "$EXTRA/spdk/lib" "$EXTRA/usr/lib/ssl"
+    cp -L "$SPDK_DIR/build/bin/spdk_nvme_perf" "$EXTRA/usr/bin/spdk_nvme_perf"
+    LD_LIBRARY_PATH=$SPDK_DIR/build/lib ldd "$SPDK_DIR/build/bin/spdk_nvme_perf" | awk '/=> \// { print $3 } /=> not found/ { print "MISSING " $1 }' |
+        while read -r library missing; do
+            [ "$library" = MISSING ] && vm_die "spdk_nvme_perf needs $missing, not found"
+            case $library in
+                "$SPDK_DIR"/build/lib/*) cp -L "$library" "$EXTRA/spdk/lib/" ;;
+                *) mkdir -p "$EXTRA$(dirname "$library")" && cp -L "$library" "$EXTRA$library" ;;
+            esac
+        done
+    [ -f /usr/lib/ssl/openssl.cnf ] && cp -L /usr/lib/ssl/openssl.cnf "$EXTRA/usr/lib/ssl/"
+fi
 if [ -n "$BEFORE" ]; then
     mkdir -p "$EXTRA/bin"
     install -m 755 "$BEFORE" "$EXTRA/bin/tutti-bench-before"
@@ -129,25 +158,36 @@ done
 if [ "$OURS" = 1 ]; then
     # shellcheck disable=SC2016 # $TUTTI_BDF0 is expanded by the guest's shell
     printf '%s\n' 'tutti bind $TUTTI_BDF0' >> "$COMMANDS"
-    # With a "before" binary, the two run back to back on each row, in the same boot; which
-    # goes first alternates from row to row, so that neither always follows the other.
+    # SPDK's DPDK environment wants hugetlbfs mounted and a writable /var/run.
+    [ -n "$SPDK_DIR" ] && printf '%s\n' 'mkdir -p /dev/hugepages /var/run /var/tmp && mount -t hugetlbfs nodev /dev/hugepages && mount -t tmpfs tmpfs /var/run' >> "$COMMANDS"
+    # With a "before" binary or SPDK, the drivers run back to back on each row, in the same
+    # boot; the order rotates from row to row, so that none always follows another.
     DRIVERS=("ours:tutti-bench")
     [ -n "$BEFORE" ] && DRIVERS+=("before:tutti-bench-before")
+    [ -n "$SPDK_DIR" ] && DRIVERS+=("spdk:spdk_nvme_perf")
     row_index=0
     for spec in "${ROWS[@]}"; do
         IFS=: read -r name rw block depth <<< "$spec"
-        order=("${DRIVERS[@]}")
-        [ -n "$BEFORE" ] && [ $((row_index % 2)) = 1 ] && order=("${DRIVERS[1]}" "${DRIVERS[0]}")
+        shift_by=$((row_index % ${#DRIVERS[@]}))
+        order=("${DRIVERS[@]:shift_by}" "${DRIVERS[@]:0:shift_by}")
         row_index=$((row_index + 1))
         for driver in "${order[@]}"; do
             label=${driver%%:*} binary=${driver#*:}
+            if [ "$label" = spdk ]; then
+                bytes=$(numfmt --from=iec "${block^^}")
+                # Its report goes to the console as PERF lines; the summary reads the Total line.
+                printf '%s\n' "echo JSON_BEGIN spdk $name; LD_LIBRARY_PATH=/spdk/lib /usr/bin/spdk_nvme_perf -r 'trtype:PCIe traddr:'\$TUTTI_BDF0 -q $depth -o $bytes -w $rw -t $RUNTIME_S -c 0x1 -s 128 --iova-mode pa > /tmp/perf.txt 2>&1; status=\$?; sed 's/^/PERF /' /tmp/perf.txt; echo JSON_END; exit \$status" >> "$COMMANDS"
+                continue
+            fi
             printf '%s\n' "echo JSON_BEGIN $label $name; $binary --workload=raw --device vfio:\$TUTTI_BDF0 --rw=$rw --bs=$block --iodepth=$depth --numjobs=1 --size=${SIZE_MIB}M --time_based --runtime=${RUNTIME_S}s --output-format=json > /tmp/result.json 2> /tmp/stderr.txt; status=\$?; [ \$status = 0 ] || cat /tmp/stderr.txt; sed 's/^/JSON /' /tmp/result.json; echo JSON_END; exit \$status" >> "$COMMANDS"
         done
     done
 fi
 
 CONF=$VM_DIR/conf.bench
-printf '%s\n' LOAD_NVME=1 BIND=0 HUGEPAGES=128 "COMMAND_TIMEOUT_S=$((RUNTIME_S * 4 + 120))" SHELL_AFTER=0 > "$CONF"
+HUGEPAGES=128
+[ -n "$SPDK_DIR" ] && HUGEPAGES=256
+printf '%s\n' LOAD_NVME=1 BIND=0 "HUGEPAGES=$HUGEPAGES" "COMMAND_TIMEOUT_S=$((RUNTIME_S * 4 + 120))" SHELL_AFTER=0 > "$CONF"
 INITRD=$VM_DIR/initramfs-bench.cpio
 vm_build_initramfs "$INITRD" "$COMMANDS" "$CONF" "$EXTRA" -- "${BINARIES[@]}"
 vm_log "backing file options: $TUTTI_VM_DRIVE_ARGS; extra guest kernel arguments: ${TUTTI_VM_APPEND:-none}"
@@ -159,7 +199,7 @@ vm_boot "$INITRD" "$LOG"
 vm_log "guest booted to init in ${VM_BOOT_S:-?}s; VM run ${VM_WALL_S}s; log: $LOG"
 [ "$VM_GUEST_RC" = 0 ] || vm_die "a benchmark run failed in the guest (status $VM_GUEST_RC)"
 
-python3 - "$LOG" "$OURS" "${BEFORE:+1}" "${ROWS[@]%%:*}" << 'SUMMARY'
+python3 - "$LOG" "$OURS" "${BEFORE:+1}" "${SPDK_DIR:+1}" "${ROWS[@]%%:*}" << 'SUMMARY'
 import json, re, sys
 
 results, current, lines = {}, None, []
@@ -168,16 +208,30 @@ for raw in open(sys.argv[1], errors="replace"):
     if text.startswith("JSON_BEGIN "):
         current, lines = tuple(text.split()[1:3]), []
     elif text.startswith("JSON_END") and current:
-        try:
-            results[current] = json.loads("\n".join(lines))
-        except ValueError:
-            print(f"unreadable JSON for {current[0]} {current[1]}", file=sys.stderr)
+        if current[0] == "spdk":
+            # perf's summary: "Total : IOPS MiB/s average min max" (latencies in us).
+            total = [line for line in lines if line.startswith("Total ")]
+            try:
+                iops, mibs, average = (float(value) for value in total[-1].split(":", 1)[1].split()[:3])
+                results[current] = (iops, mibs, average)
+            except (IndexError, ValueError):
+                print(f"no Total line from spdk_nvme_perf for {current[1]}", file=sys.stderr)
+        else:
+            try:
+                results[current] = json.loads("\n".join(lines))
+            except ValueError:
+                print(f"unreadable JSON for {current[0]} {current[1]}", file=sys.stderr)
         current = None
     elif current and text.startswith("JSON "):
         lines.append(text[len("JSON "):])
+    elif current and text.startswith("PERF "):
+        lines.append(text[len("PERF "):])
 
 def figures(driver, row):
-    """(IOPS, MiB/s, p50 us, p99 us) of the row's main direction, or None."""
+    """(IOPS, MiB/s, p50 us, p99 us) of the row's main direction, or None (perf: no percentiles)."""
+    if driver == "spdk":
+        found = results.get((driver, row))
+        return None if found is None else (found[0], found[1], None, None)
     try:
         job = results[(driver, row)]["jobs"][0]
     except (KeyError, IndexError):
@@ -188,16 +242,19 @@ def figures(driver, row):
         return next((value for key, value in percentiles.items() if float(key) == wanted), 0) / 1000
     return side["iops"], side["bw_bytes"] / 2**20, at(50.0), at(99.0)
 
-rows = sys.argv[4:]
+rows = sys.argv[5:]
 with_before = sys.argv[3] == "1"
-drivers = ("kernel", "ours", "before") if with_before else ("kernel", "ours")
+with_spdk = sys.argv[4] == "1"
+drivers = ("kernel", "ours") + (("before",) if with_before else ()) + (("spdk",) if with_spdk else ())
 print()
 print("QEMU NVMe under TCG, one controller: kernel = guest nvme driver + fio io_uring O_DIRECT;")
 print("ours = tutti-bench through VFIO (CPU executor, polled). Emulator numbers, not an SSD's.")
 if with_before:
-    print("before = TUTTI_BENCH_BEFORE's tutti-bench, back to back with ours on each row (same boot, order alternating).")
+    print("before = TUTTI_BENCH_BEFORE's tutti-bench, back to back with ours on each row (same boot, order rotating).")
+if with_spdk:
+    print("spdk = TUTTI_BENCH_SPDK's spdk_nvme_perf (polled, one core; it reports no percentiles), in the same rotation.")
 header = f"{'row':<17} {'driver':<7} {'IOPS':>9} {'MiB/s':>8} {'p50 us':>9} {'p99 us':>9}  {'x/kernel':<14}"
-print(header + ("  ours/before" if with_before else ""))
+print(header + ("  ours/before" if with_before else "") + ("  ours/spdk" if with_spdk else ""))
 missing = 0
 for row in rows:
     found = {driver: figures(driver, row) for driver in drivers}
@@ -213,10 +270,15 @@ for row in rows:
         if driver != "kernel" and kernel and kernel[0]:
             value = data[0] / kernel[0]
             ratio = f"{value:.2f} {'met' if value >= 1.0 else 'MISSED'}"
-        versus = ""
-        if driver == "ours" and with_before and found["before"] and found["before"][0]:
-            versus = f"{data[0] / found['before'][0]:.2f}"
-        print(f"{row:<17} {driver:<7} {data[0]:>9.0f} {data[1]:>8.1f} {data[2]:>9.1f} {data[3]:>9.1f}  {ratio:<14}  {versus}".rstrip())
+        versus = []
+        for other, wanted in (("before", with_before), ("spdk", with_spdk)):
+            if not wanted:
+                continue
+            theirs = found[other]
+            shown = f"{data[0] / theirs[0]:.2f}" if driver == "ours" and theirs and theirs[0] else ""
+            versus.append(f"{shown:<11}")
+        p50, p99 = ("-" if value is None else f"{value:.1f}" for value in data[2:4])
+        print(f"{row:<17} {driver:<7} {data[0]:>9.0f} {data[1]:>8.1f} {p50:>9} {p99:>9}  {ratio:<14}  {' '.join(versus)}".rstrip())
 if missing:
     sys.exit(f"{missing} result(s) missing")
 SUMMARY
