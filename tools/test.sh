@@ -28,9 +28,9 @@
 #               and the object-store round trip over both (tools/vm-test.sh)
 #
 # Building the workspace needs `protoc` (etcd-client's build script generates etcd's gRPC API):
-# stages that build it first run tools/ensure-protoc.sh, which checks by compiling a file that
-# imports protobuf's well-known types, and installs Debian's protobuf-compiler and libprotobuf-dev
-# when that fails. tutti-bench (and the Python package) use tutti-daemon without its `cluster`
+# stages that build it first run tools/check-protoc.sh, which compiles a file that imports
+# protobuf's well-known types, and install Debian's protobuf-compiler and libprotobuf-dev when
+# that fails. tutti-bench (and the Python package) use tutti-daemon without its `cluster`
 # feature, so `cargo run --release --bin tutti-bench` builds without it; tuttid needs it.
 #
 # Stages run in that order; a failing stage does not stop the later ones, and the script exits
@@ -86,7 +86,7 @@ ensure_installed() {
     eval "$check" > /dev/null 2>&1 || { echo "tools/test.sh: '$check' still fails after installing $*" >&2; return 1; }
 }
 
-ensure_protoc() { tools/ensure-protoc.sh; }
+ensure_protoc() { ensure_installed tools/check-protoc.sh protobuf-compiler libprotobuf-dev; }
 
 # The etcd binary the cluster tests run (by PATH), checked by running it, not by dpkg's state.
 # Installing etcd-server on a machine with systemd also enables its service on port 2379: the

@@ -96,32 +96,35 @@ if [ "$OURS" = 1 ]; then
     BINARIES=("$VM_BIN_DIR/tutti-bench" "$VM_BIN_DIR/tutti")
 fi
 
-# fio and every shared library it loads (Debian's fio links librados, libgfapi, ... directly),
-# at their host paths, plus the dynamic loader.
+# copy_with_libraries BINARY DEST [LIBRARY_PATH]: BINARY at $EXTRA/DEST, and every shared library
+# it loads (resolved with LD_LIBRARY_PATH=LIBRARY_PATH) at its host path, plus the dynamic
+# loader; the guest then runs it with the same LD_LIBRARY_PATH.
+copy_with_libraries() {
+    local binary=$1 dest=$2 library_path=${3:-} libraries
+    mkdir -p "$EXTRA$(dirname "$dest")"
+    cp -L "$binary" "$EXTRA$dest"
+    libraries=$(LD_LIBRARY_PATH=$library_path ldd "$binary")
+    if grep -q '=> not found' <<< "$libraries"; then
+        vm_die "$binary needs libraries not found here: $(grep '=> not found' <<< "$libraries" | awk '{ print $1 }' | tr '\n' ' ')"
+    fi
+    awk '/=> \// { print $3 } /^\t\/.*ld-linux/ { print $1 }' <<< "$libraries" | while read -r library; do
+        mkdir -p "$EXTRA$(dirname "$library")"
+        cp -L "$library" "$EXTRA$library"
+    done
+    # The binary names its interpreter /lib64/ld-linux-x86-64.so.2: make sure that path resolves.
+    [ -e "$EXTRA/lib64/ld-linux-x86-64.so.2" ] || { mkdir -p "$EXTRA/lib64" && cp -L /lib64/ld-linux-x86-64.so.2 "$EXTRA/lib64/"; }
+}
 EXTRA=$(mktemp -d "$VM_DIR/fio-root.XXXXXX")
 trap 'rm -rf "$EXTRA"' EXIT
-mkdir -p "$EXTRA/usr/bin"
-cp -L "$(command -v fio)" "$EXTRA/usr/bin/fio"
-ldd "$(command -v fio)" | awk '/=> \// { print $3 } /^\t\/.*ld-linux/ { print $1 }' | while read -r library; do
-    mkdir -p "$EXTRA$(dirname "$library")"
-    cp -L "$library" "$EXTRA$library"
-done
-# The binary names its interpreter /lib64/ld-linux-x86-64.so.2: make sure that path resolves.
-[ -e "$EXTRA/lib64/ld-linux-x86-64.so.2" ] || { mkdir -p "$EXTRA/lib64" && cp -L /lib64/ld-linux-x86-64.so.2 "$EXTRA/lib64/"; }
+# Debian's fio links librados, libgfapi, ... directly.
+copy_with_libraries "$(command -v fio)" /usr/bin/fio
 if [ -n "$SPDK_DIR" ]; then
-    # perf, SPDK's own libraries (under /spdk/lib, found through LD_LIBRARY_PATH) and the system
-    # libraries it loads (DPDK, ISA-L, OpenSSL, whose configuration file it reads at start).
-    mkdir -p "$EXTRA/spdk/lib" "$EXTRA/usr/lib/ssl"
-    cp -L "$SPDK_DIR/build/bin/spdk_nvme_perf" "$EXTRA/usr/bin/spdk_nvme_perf"
-    LD_LIBRARY_PATH=$SPDK_DIR/build/lib ldd "$SPDK_DIR/build/bin/spdk_nvme_perf" | awk '/=> \// { print $3 } /=> not found/ { print "MISSING " $1 }' |
-        while read -r library missing; do
-            [ "$library" = MISSING ] && vm_die "spdk_nvme_perf needs $missing, not found"
-            case $library in
-                "$SPDK_DIR"/build/lib/*) cp -L "$library" "$EXTRA/spdk/lib/" ;;
-                *) mkdir -p "$EXTRA$(dirname "$library")" && cp -L "$library" "$EXTRA$library" ;;
-            esac
-        done
-    [ -f /usr/lib/ssl/openssl.cnf ] && cp -L /usr/lib/ssl/openssl.cnf "$EXTRA/usr/lib/ssl/"
+    # perf with SPDK's own libraries and those it loads (DPDK, ISA-L, OpenSSL, whose
+    # configuration file it reads at start).
+    copy_with_libraries "$SPDK_DIR/build/bin/spdk_nvme_perf" /usr/bin/spdk_nvme_perf "$SPDK_DIR/build/lib"
+    if [ -f /usr/lib/ssl/openssl.cnf ]; then
+        mkdir -p "$EXTRA/usr/lib/ssl" && cp -L /usr/lib/ssl/openssl.cnf "$EXTRA/usr/lib/ssl/"
+    fi
 fi
 if [ -n "$BEFORE" ]; then
     mkdir -p "$EXTRA/bin"
@@ -176,7 +179,7 @@ if [ "$OURS" = 1 ]; then
             if [ "$label" = spdk ]; then
                 bytes=$(numfmt --from=iec "${block^^}")
                 # Its report goes to the console as PERF lines; the summary reads the Total line.
-                printf '%s\n' "echo JSON_BEGIN spdk $name; LD_LIBRARY_PATH=/spdk/lib /usr/bin/spdk_nvme_perf -r 'trtype:PCIe traddr:'\$TUTTI_BDF0 -q $depth -o $bytes -w $rw -t $RUNTIME_S -c 0x1 -s 128 --iova-mode pa > /tmp/perf.txt 2>&1; status=\$?; sed 's/^/PERF /' /tmp/perf.txt; echo JSON_END; exit \$status" >> "$COMMANDS"
+                printf '%s\n' "echo JSON_BEGIN spdk $name; LD_LIBRARY_PATH=$(printf %q "$SPDK_DIR/build/lib") /usr/bin/spdk_nvme_perf -r 'trtype:PCIe traddr:'\$TUTTI_BDF0 -q $depth -o $bytes -w $rw -t $RUNTIME_S -c 0x1 -s 128 --iova-mode pa > /tmp/perf.txt 2>&1; status=\$?; sed 's/^/PERF /' /tmp/perf.txt; echo JSON_END; exit \$status" >> "$COMMANDS"
                 continue
             fi
             printf '%s\n' "echo JSON_BEGIN $label $name; $binary --workload=raw --device vfio:\$TUTTI_BDF0 --rw=$rw --bs=$block --iodepth=$depth --numjobs=1 --size=${SIZE_MIB}M --time_based --runtime=${RUNTIME_S}s --output-format=json > /tmp/result.json 2> /tmp/stderr.txt; status=\$?; [ \$status = 0 ] || cat /tmp/stderr.txt; sed 's/^/JSON /' /tmp/result.json; echo JSON_END; exit \$status" >> "$COMMANDS"

@@ -35,6 +35,9 @@ vm_install_host_tools() {
     command -v xz > /dev/null || missing+=(xz-utils)
     command -v zstd > /dev/null || missing+=(zstd)
     command -v strip > /dev/null || missing+=(binutils)
+    # vm_cargo_static builds `tutti` with its cluster support, whose etcd-client build script runs
+    # protoc on files that import protobuf's well-known types.
+    "$VM_REPO/tools/check-protoc.sh" 2> /dev/null || missing+=(protobuf-compiler libprotobuf-dev)
     if [ ${#missing[@]} -gt 0 ]; then
         [ "${TUTTI_VM_SKIP_APT:-0}" = 1 ] && vm_die "missing host packages: ${missing[*]} (TUTTI_VM_SKIP_APT=1)"
         vm_log "installing ${missing[*]}"
@@ -114,12 +117,6 @@ vm_extract_vmlinux() {
 # "-p nvme-conformance --bin nvme-conformance". Output lines: paths of the built binaries.
 VM_TARGET_DIR=${TUTTI_VM_TARGET_DIR:-$VM_REPO/target-vm}
 vm_cargo_static() {
-    # `tutti` is built with its cluster support, whose etcd-client build script runs protoc.
-    if [ "${TUTTI_VM_SKIP_APT:-0}" = 1 ]; then
-        "$VM_REPO/tools/ensure-protoc.sh" --check || { echo "protoc is missing (TUTTI_VM_SKIP_APT=1)" >&2; return 1; }
-    else
-        "$VM_REPO/tools/ensure-protoc.sh" || return 1
-    fi
     # Debug info is dropped: the guest loads the whole initramfs into RAM.
     (cd "$VM_REPO" && RUSTFLAGS="-C target-feature=+crt-static" CARGO_PROFILE_RELEASE_DEBUG=0 \
         CARGO_TARGET_DIR=$VM_TARGET_DIR cargo build --release --target x86_64-unknown-linux-gnu "$@")
