@@ -36,6 +36,9 @@
 #                            after `tutti bind`, in the rotation with ours, and print ours/spdk
 #                            per row. The namespace is then exactly the span (perf reads all of
 #                            it), so both touch the same filled bytes.
+#   TUTTI_BENCH_SHADOW=1     also run ours with --shadow-doorbells (Doorbell Buffer Config, which
+#                            QEMU's controller offers) as driver "shadow", in the same rotation;
+#                            its rows get the same ratio columns as ours
 # The first controller (/dev/nvme0n1, then vfio:0000:00:04.0 in the guest) is benchmarked.
 set -euo pipefail
 # shellcheck source=tools/vm/lib.sh
@@ -53,6 +56,12 @@ if [ -n "$BEFORE" ]; then
         vm_die "TUTTI_BENCH_BEFORE=$BEFORE is not statically linked (build it with RUSTFLAGS=\"-C target-feature=+crt-static\" --target x86_64-unknown-linux-gnu)"
     fi
 fi
+SHADOW=${TUTTI_BENCH_SHADOW:-0}
+case $SHADOW in
+    0) ;;
+    1) [ "$OURS" = 1 ] || vm_die "TUTTI_BENCH_SHADOW runs ours with shadow doorbells: drop TUTTI_BENCH_OURS=0" ;;
+    *) vm_die "TUTTI_BENCH_SHADOW=$SHADOW: 0 or 1" ;;
+esac
 SPDK_DIR=${TUTTI_BENCH_SPDK:-}
 if [ -n "$SPDK_DIR" ]; then
     [ "$OURS" = 1 ] || vm_die "TUTTI_BENCH_SPDK compares with our rows (and needs tutti bind): drop TUTTI_BENCH_OURS=0"
@@ -74,6 +83,7 @@ export TUTTI_VM_NVME_COUNT=1
 SECONDS_PER_RUNTIME_S=40
 [ -n "$BEFORE" ] && SECONDS_PER_RUNTIME_S=60
 [ -n "$SPDK_DIR" ] && SECONDS_PER_RUNTIME_S=$((SECONDS_PER_RUNTIME_S + 20))
+[ "$SHADOW" = 1 ] && SECONDS_PER_RUNTIME_S=$((SECONDS_PER_RUNTIME_S + 20))
 export TUTTI_VM_TIMEOUT_S=${TUTTI_VM_TIMEOUT_S:-$((RUNTIME_S * SECONDS_PER_RUNTIME_S + 180))}
 
 mkdir -p "$VM_DIR"/{debs,logs,kernel}
@@ -168,6 +178,7 @@ if [ "$OURS" = 1 ]; then
     DRIVERS=("ours:tutti-bench")
     [ -n "$BEFORE" ] && DRIVERS+=("before:tutti-bench-before")
     [ -n "$SPDK_DIR" ] && DRIVERS+=("spdk:spdk_nvme_perf")
+    [ "$SHADOW" = 1 ] && DRIVERS+=("shadow:tutti-bench --shadow-doorbells")
     row_index=0
     for spec in "${ROWS[@]}"; do
         IFS=: read -r name rw block depth <<< "$spec"
@@ -202,7 +213,7 @@ vm_boot "$INITRD" "$LOG"
 vm_log "guest booted to init in ${VM_BOOT_S:-?}s; VM run ${VM_WALL_S}s; log: $LOG"
 [ "$VM_GUEST_RC" = 0 ] || vm_die "a benchmark run failed in the guest (status $VM_GUEST_RC)"
 
-python3 - "$LOG" "$OURS" "${BEFORE:+1}" "${SPDK_DIR:+1}" "${ROWS[@]%%:*}" << 'SUMMARY'
+python3 - "$LOG" "$OURS" "${BEFORE:+1}" "${SPDK_DIR:+1}" "$SHADOW" "${ROWS[@]%%:*}" << 'SUMMARY'
 import json, re, sys
 
 results, current, lines = {}, None, []
@@ -245,10 +256,13 @@ def figures(driver, row):
         return next((value for key, value in percentiles.items() if float(key) == wanted), 0) / 1000
     return side["iops"], side["bw_bytes"] / 2**20, at(50.0), at(99.0)
 
-rows = sys.argv[5:]
+rows = sys.argv[6:]
 with_before = sys.argv[3] == "1"
 with_spdk = sys.argv[4] == "1"
-drivers = ("kernel", "ours") + (("before",) if with_before else ()) + (("spdk",) if with_spdk else ())
+with_shadow = sys.argv[5] == "1"
+drivers = ("kernel", "ours") + (("shadow",) if with_shadow else ()) + (("before",) if with_before else ()) + (("spdk",) if with_spdk else ())
+# Our drivers: their rows carry the ours/before and ours/spdk columns.
+ours_drivers = ("ours", "shadow")
 print()
 print("QEMU NVMe under TCG, one controller: kernel = guest nvme driver + fio io_uring O_DIRECT;")
 print("ours = tutti-bench through VFIO (CPU executor, polled). Emulator numbers, not an SSD's.")
@@ -256,6 +270,8 @@ if with_before:
     print("before = TUTTI_BENCH_BEFORE's tutti-bench, back to back with ours on each row (same boot, order rotating).")
 if with_spdk:
     print("spdk = TUTTI_BENCH_SPDK's spdk_nvme_perf (polled, one core; it reports no percentiles), in the same rotation.")
+if with_shadow:
+    print("shadow = ours with --shadow-doorbells (Doorbell Buffer Config), in the same rotation; its ratio columns are shadow/before, shadow/spdk.")
 header = f"{'row':<17} {'driver':<7} {'IOPS':>9} {'MiB/s':>8} {'p50 us':>9} {'p99 us':>9}  {'x/kernel':<14}"
 print(header + ("  ours/before" if with_before else "") + ("  ours/spdk" if with_spdk else ""))
 missing = 0
@@ -278,7 +294,7 @@ for row in rows:
             if not wanted:
                 continue
             theirs = found[other]
-            shown = f"{data[0] / theirs[0]:.2f}" if driver == "ours" and theirs and theirs[0] else ""
+            shown = f"{data[0] / theirs[0]:.2f}" if driver in ours_drivers and theirs and theirs[0] else ""
             versus.append(f"{shown:<11}")
         p50, p99 = ("-" if value is None else f"{value:.1f}" for value in data[2:4])
         print(f"{row:<17} {driver:<7} {data[0]:>9.0f} {data[1]:>8.1f} {p50:>9} {p99:>9}  {ratio:<14}  {' '.join(versus)}".rstrip())

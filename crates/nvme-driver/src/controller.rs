@@ -18,6 +18,7 @@ use crate::hw::{DeviceBackend, DmaAllocator, DmaRegion, RegisterIo};
 use crate::io::{IoQueuePair, PairOwner};
 use crate::namespace::{classify, Namespace, RefusedNamespace};
 use crate::queue::{doorbell_offsets, Completion, QueuePair, QUEUE_DEPTH_MAX};
+use crate::shadow::DoorbellBuffer;
 use crate::spec::command::{FeatureId, IdentifyCns, LogPageId};
 use crate::spec::identify::parse_active_namespaces;
 use crate::spec::registers::{self, Capabilities, ControllerConfiguration, ControllerStatus, Version};
@@ -50,6 +51,12 @@ pub struct ControllerConfig {
     pub data_pointer: DataPointerPreference,
     /// Deadline for each admin command.
     pub admin_timeout: Duration,
+    /// Use shadow doorbells (Doorbell Buffer Config, §5.7) when Identify Controller OACS says
+    /// the controller supports them: emulated controllers (QEMU's, the software controller),
+    /// where each MMIO doorbell write is a trip out of the guest. A controller using them
+    /// refuses detached queue pairs (their agents write MMIO doorbells only; see `shadow.rs`).
+    /// Real SSDs do not advertise the command, so there this changes nothing.
+    pub shadow_doorbells: bool,
 }
 
 impl Default for ControllerConfig {
@@ -59,6 +66,7 @@ impl Default for ControllerConfig {
             io_queue_pairs_requested: 16,
             data_pointer: DataPointerPreference::Auto,
             admin_timeout: Duration::from_secs(10),
+            shadow_doorbells: false,
         }
     }
 }
@@ -73,6 +81,8 @@ pub enum BringUpStage {
     WaitReady,
     Identify,
     NumberOfQueues,
+    /// Doorbell Buffer Config, when asked for and supported.
+    DoorbellBuffer,
     Ready,
 }
 
@@ -93,6 +103,10 @@ pub struct Controller {
     max_transfer_bytes: u64,
     /// A 4 KiB buffer for Identify and log pages.
     scratch: DmaRegion,
+    /// The shadow doorbell pages, once allocated (kept across resets).
+    doorbell_buffer: Option<DoorbellBuffer>,
+    /// Whether the controller took Doorbell Buffer Config in the current bring-up.
+    shadow_doorbells_active: bool,
 }
 
 impl std::fmt::Debug for Controller {
@@ -178,6 +192,8 @@ impl Controller {
             mode: DataPointerMode::Prp,
             max_transfer_bytes: PAGE_BYTES,
             scratch,
+            doorbell_buffer: None,
+            shadow_doorbells_active: false,
         };
         controller.bring_up(None)?;
         Ok(controller)
@@ -207,6 +223,8 @@ impl Controller {
                         ending.mark_quiesced();
                     }
                     self.admin.forget_queue_ids();
+                    // A controller reset clears the Doorbell Buffer Config too.
+                    self.shadow_doorbells_active = false;
                     BringUpStage::ConfigureAdminQueues
                 }
                 BringUpStage::ConfigureAdminQueues => {
@@ -238,11 +256,41 @@ impl Controller {
                     // dw0 is 0's based; the controller may grant more than asked (we use what we asked).
                     self.granted_queue_pairs = submission_queues.min(completion_queues).saturating_add(1).min(requested);
                     self.admin.grant_queue_ids(self.granted_queue_pairs);
+                    BringUpStage::DoorbellBuffer
+                }
+                BringUpStage::DoorbellBuffer => {
+                    if self.config.shadow_doorbells && self.identify.supports_doorbell_buffer_config() {
+                        self.configure_doorbell_buffer()?;
+                    }
                     BringUpStage::Ready
                 }
                 BringUpStage::Ready => return Ok(()),
             };
         }
+    }
+
+    /// Hands the (zeroed) shadow doorbell pages to the controller. Bring-up fails if it refuses
+    /// them after advertising the command: it may have taken them anyway, and then it would no
+    /// longer see MMIO-only doorbells.
+    fn configure_doorbell_buffer(&mut self) -> Result<(), NvmeError> {
+        let buffer = match self.doorbell_buffer.take() {
+            Some(buffer) => {
+                buffer.clear()?;
+                buffer
+            }
+            None => DoorbellBuffer::allocate(self.dma.as_ref(), self.capabilities.doorbell_stride_log2())?,
+        };
+        let command = buffer.command();
+        self.doorbell_buffer = Some(buffer);
+        self.admin_command(command)?;
+        self.shadow_doorbells_active = true;
+        Ok(())
+    }
+
+    /// Whether this controller's I/O queue pairs use shadow doorbells (asked for in
+    /// [`ControllerConfig::shadow_doorbells`], advertised, and accepted).
+    pub fn shadow_doorbells_active(&self) -> bool {
+        self.shadow_doorbells_active
     }
 
     fn identify_all(&mut self) -> Result<(), NvmeError> {
@@ -335,6 +383,15 @@ impl Controller {
         };
         let generation = self.admin.gate.generation();
         queue.attach_gate(Arc::clone(&self.admin.gate), generation);
+        if let Some(buffer) = self.doorbell_buffer.as_ref().filter(|_| self.shadow_doorbells_active) {
+            match buffer.slots(id) {
+                Ok(slots) => queue.attach_shadow(slots),
+                Err(error) => {
+                    self.admin.release_queue_id(id);
+                    return Err(error);
+                }
+            }
+        }
         self.create_queues_on_controller(id, depth, queue.submission_iova().0, queue.completion_iova().0, || queue.regions().to_vec())?;
         Ok(IoQueuePair::new(
             queue,
@@ -384,6 +441,13 @@ impl Controller {
     /// offsets that agent needs. The host cannot stop that agent's doorbell writes: see
     /// [`DetachedQueuePair`] for the contract around drop and reset.
     pub fn create_detached_queue_pair(&self, depth: u32, rings: Option<(DmaRegion, DmaRegion)>) -> Result<DetachedQueuePair, NvmeError> {
+        if self.shadow_doorbells_active {
+            return Err(NvmeError::Unsupported {
+                reason: "shadow doorbells are on: the controller reads this queue's doorbells from the shadow page, and a detached \
+                         pair's agent writes MMIO doorbells only (bring the controller up without ControllerConfig::shadow_doorbells)"
+                    .into(),
+            });
+        }
         self.check_queue_depth(depth)?;
         let (submission, completion) = match rings {
             Some(rings) => rings,
@@ -585,12 +649,14 @@ impl Drop for Controller {
                 drop(ending);
                 // Still enabled as far as we know: it may write its admin CQ and any I/O queue,
                 // and an Identify that timed out may still land in the scratch page.
-                let kept: usize = self.admin.lock_admin().regions().into_iter().chain([self.scratch.clone()]).map(DmaRegion::leak).sum();
+                let shadow = self.doorbell_buffer.iter().flat_map(DoorbellBuffer::regions);
+                let kept: usize =
+                    self.admin.lock_admin().regions().into_iter().chain([self.scratch.clone()]).chain(shadow).map(DmaRegion::leak).sum();
                 tracing::error!(
                     device = %self.backend.name(),
                     %error,
                     bytes = kept,
-                    "controller could not be disabled at teardown: its admin queue and scratch memory are kept (leaked), and queue pairs \
+                    "controller could not be disabled at teardown: its admin queue, scratch and shadow doorbell memory are kept (leaked), and queue pairs \
                      still alive will keep theirs"
                 );
             }

@@ -26,7 +26,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::error::NvmeError;
-use crate::hw::RegisterIo;
 use crate::types::QueueId;
 
 #[derive(Debug, Clone, Copy)]
@@ -103,26 +102,17 @@ impl DoorbellGate {
         self.generation_hint.load(Ordering::Acquire) == generation
     }
 
-    /// Writes `value` to the doorbell at `offset` if `generation` is still current, with the
-    /// check and the write under the shared side of the lock. `fence` runs just before the write
-    /// (the store or full fence the doorbell needs, see `crate::hw`).
-    pub(crate) fn ring(
-        &self,
-        generation: u64,
-        queue: QueueId,
-        registers: &dyn RegisterIo,
-        offset: usize,
-        value: u32,
-        fence: fn(),
-    ) -> Result<(), NvmeError> {
+    /// Runs `write` — a doorbell write, with its fence and, when shadow doorbells are on, its
+    /// shadow and EventIdx accesses (see `crate::queue`) — if `generation` is still current, with
+    /// the check and the write under the shared side of the lock.
+    pub(crate) fn ring(&self, generation: u64, queue: QueueId, write: impl FnOnce() -> Result<(), NvmeError>) -> Result<(), NvmeError> {
         let state = self.read();
         if state.generation != generation {
             return Err(NvmeError::QueueStale { queue });
         }
-        fence();
-        registers.write32(offset, value);
+        let written = write();
         drop(state);
-        Ok(())
+        written
     }
 
     /// Holds the shared side (see [`GateHold`]).
@@ -166,6 +156,7 @@ impl ResetGuard<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::hw::RegisterIo;
     use std::sync::atomic::AtomicU32;
     use std::sync::{Arc, Barrier};
     use std::time::Duration;
@@ -206,7 +197,13 @@ mod tests {
         gate.begin_reset().mark_quiesced(); // a retry that did
         assert_eq!((gate.fate(0), gate.fate(1), gate.fate(2)), (QueueFate::Gone, QueueFate::Gone, QueueFate::Live));
         let registers = SlowRegisters::default();
-        assert!(matches!(gate.ring(0, QueueId(1), &registers, 0x1008, 7, || {}), Err(NvmeError::QueueStale { queue: QueueId(1) })));
+        assert!(matches!(
+            gate.ring(0, QueueId(1), || {
+                registers.write32(0x1008, 7);
+                Ok(())
+            }),
+            Err(NvmeError::QueueStale { queue: QueueId(1) })
+        ));
         assert_eq!(registers.last.load(Ordering::SeqCst), 0, "a stale pair's doorbell is never written");
     }
 
@@ -223,7 +220,10 @@ mod tests {
                 started.wait();
                 std::thread::sleep(Duration::from_millis(20));
                 drop(hold);
-                gate.ring(0, QueueId(1), &*registers, 0x1008, 9, || {})
+                gate.ring(0, QueueId(1), || {
+                    registers.write32(0x1008, 9);
+                    Ok(())
+                })
             })
         };
         started.wait();

@@ -24,6 +24,7 @@ pub mod hw;
 mod io;
 mod namespace;
 mod queue;
+mod shadow;
 pub mod spec;
 mod teardown;
 pub mod types;

@@ -12,7 +12,9 @@
 //! made those loads complete, so the controller cannot reuse a slot still being read.
 //!
 //! Doorbells of I/O queue pairs go through the controller's [`DoorbellGate`]: a pair whose
-//! controller was reset since it was created cannot ring (see `gate.rs`).
+//! controller was reset since it was created cannot ring (see `gate.rs`). With shadow doorbells
+//! on (`shadow.rs`), each doorbell value goes to the pair's shadow slot first, and the MMIO
+//! write follows only when the controller's EventIdx asks for it.
 //!
 //! Untrusted completions. Every completion is checked before it is believed: its SQ id names
 //! this queue, its SQ head names a slot the controller could have consumed (from the last head
@@ -29,6 +31,7 @@ use crate::datapath::{ScratchPage, SCRATCH_BYTES};
 use crate::error::NvmeError;
 use crate::gate::DoorbellGate;
 use crate::hw::{self, DmaAllocator, DmaRegion, RegisterIo};
+use crate::shadow::ShadowSlots;
 use crate::spec::registers::{self, ControllerStatus};
 use crate::spec::{CompletionEntry, NvmeStatus, SubmissionEntry, COMPLETION_ENTRY_BYTES, SUBMISSION_ENTRY_BYTES};
 use crate::types::{CommandId, QueueId};
@@ -134,12 +137,16 @@ pub struct QueuePair {
     gate: Option<GateTicket>,
     sq_doorbell: usize,
     cq_doorbell: usize,
+    /// This pair's shadow doorbell and EventIdx slots, when the controller uses them.
+    shadow: Option<ShadowSlots>,
     sq_tail: u32,
     /// The tail the controller was last told (the last SQ doorbell value written).
     sq_tail_published: u32,
     /// The SQ head the controller last reported in a completion.
     sq_head: u32,
     cq_head: u32,
+    /// The CQ head the controller was last told.
+    cq_head_published: u32,
     phase: bool,
     doorbell_pending: bool,
     slots: Vec<Slot>,
@@ -203,10 +210,12 @@ impl QueuePair {
             gate: None,
             sq_doorbell,
             cq_doorbell,
+            shadow: None,
             sq_tail: 0,
             sq_tail_published: 0,
             sq_head: 0,
             cq_head: 0,
+            cq_head_published: 0,
             phase: true,
             doorbell_pending: false,
             slots: vec![Slot::default(); slot_count],
@@ -224,6 +233,12 @@ impl QueuePair {
         self.gate = Some(GateTicket { gate, generation });
     }
 
+    /// Makes every doorbell of this pair go through `slots` first (see `shadow.rs`). Set before
+    /// the queue is created on the controller, with the slots zeroed.
+    pub(crate) fn attach_shadow(&mut self, slots: ShadowSlots) {
+        self.shadow = Some(slots);
+    }
+
     /// Returns the queue to its just-created state (after a controller reset).
     pub fn clear(&mut self) -> Result<(), NvmeError> {
         self.completion.fill(0, self.completion.len(), 0)?;
@@ -231,6 +246,7 @@ impl QueuePair {
         self.sq_tail_published = 0;
         self.sq_head = 0;
         self.cq_head = 0;
+        self.cq_head_published = 0;
         self.phase = true;
         self.doorbell_pending = false;
         for slot in &mut self.slots {
@@ -270,8 +286,9 @@ impl QueuePair {
 
     /// Handles to the rings and scratch pages, for leaking them when the controller may still
     /// use them (a leaked handle keeps the memory for good, whatever happens to this pair).
-    pub(crate) fn regions(&self) -> [DmaRegion; 3] {
-        [self.submission.clone(), self.completion.clone(), self.scratch.clone()]
+    pub(crate) fn regions(&self) -> Vec<DmaRegion> {
+        let rings = [self.submission.clone(), self.completion.clone(), self.scratch.clone()];
+        rings.into_iter().chain(self.shadow.iter().flat_map(ShadowSlots::regions)).collect()
     }
 
     pub fn submission_iova(&self) -> crate::types::Iova {
@@ -360,16 +377,26 @@ impl QueuePair {
         Ok(command_id)
     }
 
-    /// Writes one doorbell: through the gate for an I/O queue (refused with `QueueStale` once
-    /// the controller was reset), directly for the admin queue. `fence` runs just before the write.
-    fn write_doorbell(&self, offset: usize, value: u32, fence: fn()) -> Result<(), NvmeError> {
-        match &self.gate {
-            Some(ticket) => ticket.gate.ring(ticket.generation, self.id, self.registers.as_ref(), offset, value, fence),
-            None => {
-                fence();
+    /// Writes one doorbell (the CQ head's when `completion`), moving it from `previous` to
+    /// `value`: through the gate for an I/O queue (refused with `QueueStale` once the controller
+    /// was reset), directly for the admin queue. `fence` runs first. With shadow doorbells the
+    /// value goes to the shadow slot, and the MMIO write only when the EventIdx asks for it.
+    fn write_doorbell(&self, completion: bool, value: u32, previous: u32, fence: fn()) -> Result<(), NvmeError> {
+        let offset = if completion { self.cq_doorbell } else { self.sq_doorbell };
+        let write = || {
+            fence();
+            let needed = match &self.shadow {
+                Some(slots) => slots.publish(completion, value, previous)?,
+                None => true,
+            };
+            if needed {
                 self.registers.write32(offset, value);
-                Ok(())
             }
+            Ok(())
+        };
+        match &self.gate {
+            Some(ticket) => ticket.gate.ring(ticket.generation, self.id, write),
+            None => write(),
         }
     }
 
@@ -389,7 +416,7 @@ impl QueuePair {
         if self.doorbell_pending {
             // Entries were written with plain copies; the store fence makes them complete
             // before the doorbell store (see the module documentation).
-            self.write_doorbell(self.sq_doorbell, self.sq_tail, hw::fence_before_submission_doorbell)?;
+            self.write_doorbell(false, self.sq_tail, self.sq_tail_published, hw::fence_before_submission_doorbell)?;
             self.sq_tail_published = self.sq_tail;
             self.doorbell_pending = false;
         }
@@ -490,7 +517,8 @@ impl QueuePair {
         if reaped > 0 {
             // Stale: the consumed entries were still delivered (or reported in `failure`), and the
             // doorbell is not written; staleness wins over any other failure.
-            self.write_doorbell(self.cq_doorbell, self.cq_head, hw::fence_before_completion_doorbell)?;
+            self.write_doorbell(true, self.cq_head, self.cq_head_published, hw::fence_before_completion_doorbell)?;
+            self.cq_head_published = self.cq_head;
         }
         match failure {
             Some(error) => Err(error),

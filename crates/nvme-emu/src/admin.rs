@@ -41,6 +41,7 @@ impl ControllerCore {
             AdminOpcode::GetFeatures => self.get_features(entry),
             AdminOpcode::SetFeatures => self.set_features(entry),
             AdminOpcode::GetLogPage => self.get_log_page(entry),
+            AdminOpcode::DoorbellBufferConfig => self.doorbell_buffer_config(entry),
             // Abort (§5.1): nothing is ever outstanding long enough to abort; dw0 bit 0 = 1 says
             // "command not aborted".
             AdminOpcode::Abort => Ok(1),
@@ -83,7 +84,7 @@ impl ControllerCore {
             mdts: self.config.mdts,
             controller_id: 1,
             version: Version::V1_4.0,
-            optional_admin_commands: 0,
+            optional_admin_commands: if self.config.shadow_doorbells { IdentifyController::OACS_DOORBELL_BUFFER_CONFIG } else { 0 },
             sqes: 0x66,
             cqes: 0x44,
             namespace_count: self.namespaces.len() as u32,
@@ -176,6 +177,9 @@ impl ControllerCore {
             .map_err(|_| generic(codes::DATA_TRANSFER_ERROR))?;
         let slot = self.completion_queues.get_mut(usize::from(queue_id)).ok_or(command_specific(codes::INVALID_QUEUE_IDENTIFIER))?;
         self.registers.reset_doorbell(queue_id, true);
+        if let Some(shadow) = &self.shadow_doorbells {
+            shadow.initialize(queue_id, true, 0);
+        }
         *slot = Some(CompletionQueue::new(memory, entries));
         Ok(0)
     }
@@ -198,6 +202,9 @@ impl ControllerCore {
             .map_err(|_| generic(codes::DATA_TRANSFER_ERROR))?;
         let slot = self.submission_queues.get_mut(usize::from(queue_id)).ok_or(command_specific(codes::INVALID_QUEUE_IDENTIFIER))?;
         self.registers.reset_doorbell(queue_id, false);
+        if let Some(shadow) = &self.shadow_doorbells {
+            shadow.initialize(queue_id, false, 0);
+        }
         *slot = Some(SubmissionQueue::new(memory, entries, completion_queue_id));
         Ok(0)
     }

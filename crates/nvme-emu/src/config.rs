@@ -84,6 +84,10 @@ pub struct EmuConfig {
     /// itself (tuttid's clients). Such doorbells cannot wake the controller thread: they are
     /// found by its polling, within `idle_sleep_max` after an idle period.
     pub shared_registers: bool,
+    /// Advertise Doorbell Buffer Config (OACS bit 8) and accept it: a host that sends it keeps
+    /// its I/O queues' doorbells in a shadow page and writes the registers only when the
+    /// controller's EventIdx asks (see `shadow.rs`). A host that does not send it sees no change.
+    pub shadow_doorbells: bool,
 }
 
 impl Default for EmuConfig {
@@ -107,6 +111,7 @@ impl Default for EmuConfig {
             in_flight_bytes_max: 16 << 20,
             timing: None,
             shared_registers: false,
+            shadow_doorbells: true,
         }
     }
 }
@@ -126,6 +131,10 @@ impl EmuConfig {
     }
     pub fn with_doorbell_stride_log2(mut self, stride_log2: u8) -> Self {
         self.doorbell_stride_log2 = stride_log2;
+        self
+    }
+    pub fn with_shadow_doorbells(mut self, supported: bool) -> Self {
+        self.shadow_doorbells = supported;
         self
     }
     pub fn with_mdts(mut self, mdts: u8) -> Self {

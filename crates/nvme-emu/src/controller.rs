@@ -28,6 +28,7 @@ use crate::faults::{FaultAction, FaultPlan, FaultState};
 use crate::queues::{CompletionQueue, SubmissionQueue};
 use crate::registers::RegisterFile;
 use crate::restriction::QueueRestriction;
+use crate::shadow::ShadowDoorbells;
 use crate::stats::{Counters, EmuStats};
 use crate::timing::{FinishedCommand, TimingState};
 use crate::uring::UringReader;
@@ -161,6 +162,9 @@ pub(crate) struct ControllerCore {
     /// The restriction of the I/O queue whose batch is running (see `restriction.rs`); `None`
     /// for the admin queue and unrestricted queues.
     pub(crate) current_restriction: Option<Arc<QueueRestriction>>,
+    /// The host's shadow doorbell pages, once it sent Doorbell Buffer Config (cleared with the
+    /// queues by a reset or power loss).
+    pub(crate) shadow_doorbells: Option<ShadowDoorbells>,
     /// Commands refused by a restriction (a Cell: the refusing paths only borrow the core).
     pub(crate) restriction_refusals: Cell<u64>,
     /// Where batched transfers go instead of the store's file (a stalled socket, in tests).
@@ -211,6 +215,7 @@ impl ControllerCore {
             power_cycles: 1,
             unsafe_shutdowns: 0,
             current_restriction: None,
+            shadow_doorbells: None,
             restriction_refusals: Cell::new(0),
             #[cfg(test)]
             batch_descriptor_override: None,
@@ -355,6 +360,7 @@ impl ControllerCore {
     }
 
     fn drop_queues(&mut self) {
+        self.shadow_doorbells = None;
         self.submission_queues.iter_mut().for_each(|queue| *queue = None);
         self.completion_queues.iter_mut().for_each(|queue| *queue = None);
         self.pending.clear();
@@ -426,16 +432,15 @@ impl ControllerCore {
         written
     }
 
-    fn update_doorbell(
-        registers: &RegisterFile,
-        counters: &mut Counters,
-        queue_id: u16,
-        completion: bool,
-        entries: u32,
-        value: &mut u32,
-        last_invalid: &mut Option<u32>,
-    ) {
-        let Some(rung) = registers.doorbell(queue_id, completion) else { return };
+    /// The value of queue `queue_id`'s doorbell: from the host's shadow page for an I/O queue
+    /// once it sent Doorbell Buffer Config, from the register otherwise; `None` if the queue has
+    /// no doorbell in the register file.
+    fn rung(registers: &RegisterFile, shadow: Option<&ShadowDoorbells>, queue_id: u16, completion: bool) -> Option<u32> {
+        shadow.and_then(|shadow| shadow.read(queue_id, completion)).or_else(|| registers.doorbell(queue_id, completion))
+    }
+
+    fn update_doorbell(rung: Option<u32>, counters: &mut Counters, entries: u32, value: &mut u32, last_invalid: &mut Option<u32>) {
+        let Some(rung) = rung else { return };
         if rung < entries {
             *value = rung;
             *last_invalid = None;
@@ -453,10 +458,8 @@ impl ControllerCore {
         for (queue_id, slot) in self.completion_queues.iter_mut().enumerate() {
             if let Some(queue) = slot {
                 Self::update_doorbell(
-                    &self.registers,
+                    Self::rung(&self.registers, self.shadow_doorbells.as_ref(), queue_id as u16, true),
                     &mut self.counters,
-                    queue_id as u16,
-                    true,
                     queue.entries,
                     &mut queue.head,
                     &mut queue.last_invalid_doorbell,
@@ -472,10 +475,8 @@ impl ControllerCore {
             let queue_id = queue_index as u16;
             let Some(Some(queue)) = self.submission_queues.get_mut(queue_index) else { continue };
             Self::update_doorbell(
-                &self.registers,
+                Self::rung(&self.registers, self.shadow_doorbells.as_ref(), queue_id, false),
                 &mut self.counters,
-                queue_id,
-                false,
                 queue.entries,
                 &mut queue.tail,
                 &mut queue.last_invalid_doorbell,

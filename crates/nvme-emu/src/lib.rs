@@ -66,6 +66,7 @@ mod io;
 mod queues;
 mod registers;
 pub mod restriction;
+mod shadow;
 pub mod stats;
 pub mod timing;
 mod uring;

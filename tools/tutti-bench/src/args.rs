@@ -92,6 +92,14 @@ pub struct Cli {
     #[arg(long = "emu-timing", value_parser = parse_timing_arg)]
     pub emu_timing: Option<nvme_emu::TimingModel>,
 
+    /// Use shadow doorbells (NVMe Doorbell Buffer Config) where the controller offers them:
+    /// QEMU's emulated NVMe controller and the software controller (emu:). Each I/O doorbell
+    /// value goes to a page in memory and becomes an MMIO write only when the controller asks
+    /// for one, which in a VM guest saves a trip out of the guest per doorbell. Raw workload;
+    /// a controller that does not offer the command keeps MMIO doorbells (the output says which).
+    #[arg(long = "shadow-doorbells")]
+    pub shadow_doorbells: bool,
+
     /// Who issues the NVMe commands.
     #[arg(long, value_enum, default_value_t = Executor::Cpu)]
     pub executor: Executor,
@@ -187,7 +195,8 @@ pub enum Selected {
 }
 
 /// Options that shape only the raw workload, and only the kv workload (by clap id).
-const RAW_OPTIONS: [&str; 10] = ["rw", "bs", "iodepth", "numjobs", "size", "runtime", "time_based", "number_ios", "rwmixread", "offset"];
+const RAW_OPTIONS: [&str; 11] =
+    ["rw", "bs", "iodepth", "numjobs", "size", "runtime", "time_based", "number_ios", "rwmixread", "offset", "shadow_doorbells"];
 const KV_OPTIONS: [&str; 16] = [
     "model",
     "model_config",

@@ -110,6 +110,8 @@ pub struct OpenOptions2 {
     pub timing: Option<nvme_emu::TimingModel>,
     /// Write the created file's contents so that reads hit real blocks, like fio's layout step.
     pub lay_out: bool,
+    /// Ask NVMe controllers for shadow doorbells (`ControllerConfig::shadow_doorbells`).
+    pub shadow_doorbells: bool,
 }
 
 /// Files this run created, removed on drop unless the run succeeded and keeps them.
@@ -190,6 +192,15 @@ pub fn timing_json(timing: Option<nvme_emu::TimingModel>) -> serde_json::Value {
     })
 }
 
+/// What a device description adds about shadow doorbells: nothing unless they were asked for.
+fn shadow_note(options: OpenOptions2, active: bool) -> &'static str {
+    match (options.shadow_doorbells, active) {
+        (false, _) => "",
+        (true, true) => ", shadow doorbells",
+        (true, false) => ", MMIO doorbells (the controller does not offer shadow doorbells)",
+    }
+}
+
 /// What a device description adds when the software controller runs a timing model: the
 /// figures are the model's, not hardware's.
 fn timing_note(spec: &DeviceSpec, options: OpenOptions2) -> String {
@@ -262,6 +273,7 @@ impl NvmeDevice {
         let name = device.backend.name();
         let config = ControllerConfig {
             io_queue_pairs_requested: u16::try_from(options.queues.clamp(1, 1024)).unwrap_or(1024),
+            shadow_doorbells: options.shadow_doorbells,
             ..ControllerConfig::default()
         };
         let controller = Controller::init(device.backend, config).map_err(|source| DeviceError::Nvme { device: name.clone(), source })?;
@@ -270,13 +282,14 @@ impl NvmeDevice {
             .first()
             .ok_or_else(|| DeviceError::Setup(format!("{name}: the controller has no active namespace")))?;
         let description = format!(
-            "{}: namespace {} of {} ({}-byte LBAs), {} data pointers, max transfer {}{}",
+            "{}: namespace {} of {} ({}-byte LBAs), {} data pointers, max transfer {}{}{}",
             device.spec.describe(),
             namespace.id.0,
             format_size(namespace.size_bytes()),
             namespace.block_size_bytes,
             controller.data_pointer_mode().name(),
             format_size(controller.max_transfer_bytes()),
+            shadow_note(options, controller.shadow_doorbells_active()),
             timing_note(&device.spec, options),
         );
         Ok(Self { controller, emulator: device.emulator, namespace, description })
@@ -564,7 +577,15 @@ mod tests {
     use super::*;
 
     fn memory_device() -> NvmeDevice {
-        let options = OpenOptions2 { writes: true, create_bytes: None, io_bytes_max: 4096, queues: 1, timing: None, lay_out: false };
+        let options = OpenOptions2 {
+            writes: true,
+            create_bytes: None,
+            io_bytes_max: 4096,
+            queues: 1,
+            timing: None,
+            lay_out: false,
+            shadow_doorbells: false,
+        };
         let emu = EmuOptions { config: emu_config(options), create_bytes: None };
         let opened = open_in_one_space(&[DeviceSpec::EmuMemory(16 << 20)], &emu).expect("open emu:mem");
         NvmeDevice::init(opened.into_iter().next().expect("one device"), options).expect("init")

@@ -25,6 +25,9 @@ const DEFAULT_POOL_BYTES_MIN: u64 = 64 << 20;
 
 pub fn run(cli: &Cli, selected: Selected, matches: &ArgMatches) -> anyhow::Result<()> {
     check_executor(cli.executor)?;
+    if cli.shadow_doorbells && selected != Selected::Raw {
+        return usage("--shadow-doorbells applies to --workload=raw (the kv and serve workloads keep MMIO doorbells)");
+    }
     match selected {
         Selected::Default => default_run(cli),
         Selected::Kv => crate::kv::run(cli),
@@ -36,7 +39,7 @@ pub fn run(cli: &Cli, selected: Selected, matches: &ArgMatches) -> anyhow::Resul
             let kv_options = crate::args::kv_options_given(matches);
             if !kv_options.is_empty() {
                 return usage(format!(
-                    "{} apply to --workload=kv; accepted with --workload=raw: --rw, --bs, --iodepth, --numjobs, --size, --runtime, --number_ios, --offset, --verify",
+                    "{} apply to --workload=kv; accepted with --workload=raw: --rw, --bs, --iodepth, --numjobs, --size, --runtime, --number_ios, --offset, --verify, --shadow-doorbells",
                     kv_options.join(", ")
                 ));
             }
@@ -169,6 +172,7 @@ fn run_raw(cli: &Cli, specs: &[DeviceSpec], created: &mut CreatedFiles) -> anyho
         queues: cli.numjobs,
         lay_out: !writes,
         timing: cli.emu_timing,
+        shadow_doorbells: cli.shadow_doorbells,
     };
     // Memory devices are checked together: two emu:mem devices may fit one by one, not both.
     tutti_devices::check_memory(specs).map_err(|error| Unusable(error.to_string()))?;

@@ -98,6 +98,19 @@ fn emu_memory_write_verify_json_parses_with_fio_names() {
 }
 
 #[test]
+fn shadow_doorbells_verify_and_are_named_and_refused_outside_raw() {
+    // Goal: --shadow-doorbells runs the raw workload through the shadow doorbell path of the
+    // software controller with every byte verified, says so in the device line, and is refused
+    // where it does nothing.
+    let output =
+        bench(&["--device", "emu:mem:16m", "--rw=randwrite", "--bs=4k", "--iodepth=16", "--size=4m", "--verify", "--shadow-doorbells"]);
+    assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(stdout.contains(", shadow doorbells"), "{stdout}");
+    assert_refused(&["--workload=kv", "--device", "emu:mem:128m", "--shadow-doorbells"], &["--shadow-doorbells", "--workload=raw"]);
+}
+
+#[test]
 fn number_ios_runs_exactly_that_many_ios_past_the_region_and_refuses_verify() {
     // Goal: a fixed amount of work (fio's number_ios): each job stops after N I/Os, even when
     // that wraps around a region smaller than N blocks, at every depth; --verify (one pass) refuses it.

@@ -190,6 +190,31 @@ pub fn fence_before_completion_doorbell() {
     std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
 }
 
+/// Makes this thread's store of a shadow doorbell (§5.7) visible to the controller before its
+/// next load — the EventIdx the controller writes — is performed. This is the store-then-load
+/// half of a Dekker handshake: the controller stores the EventIdx and then reloads the shadow
+/// doorbell, the host stores the shadow doorbell and then loads the EventIdx, and with a full
+/// barrier on both sides at least one of them sees the other's store, so a doorbell is never
+/// left unseen with the MMIO write skipped. No store barrier is enough: x86 lets a load pass an
+/// earlier store (`mfence` forbids it), and Arm needs `dsb sy` for an observer that is a device.
+/// Once per doorbell, only when shadow doorbells are on.
+#[inline]
+pub fn fence_before_event_index_load() {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `mfence` only orders earlier loads and stores before later ones; it reads and
+    // writes no memory, touches no register and no flag, and needs no stack.
+    unsafe {
+        std::arch::asm!("mfence", options(nostack, preserves_flags));
+    }
+    #[cfg(target_arch = "aarch64")]
+    // SAFETY: as in `fence_before_completion_doorbell`: an ordering instruction only.
+    unsafe {
+        std::arch::asm!("dsb sy", options(nostack, preserves_flags));
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+}
+
 /// Identifies a device address space (see [`DmaAllocator::address_space`]). Only equality is
 /// meaningful.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

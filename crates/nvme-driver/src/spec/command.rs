@@ -15,6 +15,8 @@ pub enum AdminOpcode {
     Abort = 0x08,
     SetFeatures = 0x09,
     GetFeatures = 0x0A,
+    /// Doorbell Buffer Config (§5.7, NVMe 1.3): for emulated controllers only.
+    DoorbellBufferConfig = 0x7C,
 }
 
 impl AdminOpcode {
@@ -29,6 +31,7 @@ impl AdminOpcode {
             0x08 => Self::Abort,
             0x09 => Self::SetFeatures,
             0x0A => Self::GetFeatures,
+            0x7C => Self::DoorbellBufferConfig,
             _ => return None,
         })
     }
@@ -281,6 +284,14 @@ impl SubmissionEntry {
     pub fn set_number_of_queues(submission_queues: u16, completion_queues: u16) -> Self {
         let cdw11 = u32::from(submission_queues.max(1) - 1) | u32::from(completion_queues.max(1) - 1) << 16;
         Self::set_features(FeatureId::NumberOfQueues, cdw11)
+    }
+
+    /// Doorbell Buffer Config (§5.7): PRP1 is the shadow doorbell page, PRP2 the EventIdx page,
+    /// each one memory page, page aligned (see `spec::registers::shadow_doorbell_offset`).
+    pub fn doorbell_buffer_config(shadow_doorbells: u64, event_indexes: u64) -> Self {
+        let mut entry = Self::with_opcode(AdminOpcode::DoorbellBufferConfig as u8, 0);
+        entry.dptr = [shadow_doorbells, event_indexes];
+        entry
     }
 
     /// Get Log Page (§5.16): `dwords` 1-based count of dwords into PRP1 (at most one page here).

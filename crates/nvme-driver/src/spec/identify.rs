@@ -68,7 +68,7 @@ pub struct IdentifyController {
     pub controller_id: u16,
     /// ver: version (may be 0 on 1.0 controllers).
     pub version: u32,
-    /// oacs: optional admin command support.
+    /// oacs: optional admin command support (see [`IdentifyController::OACS_DOORBELL_BUFFER_CONFIG`]).
     pub optional_admin_commands: u16,
     /// sqes / cqes: required and maximum entry sizes.
     pub sqes: u8,
@@ -84,6 +84,14 @@ pub struct IdentifyController {
 }
 
 impl IdentifyController {
+    /// OACS bit 8: the controller supports Doorbell Buffer Config (shadow doorbells).
+    pub const OACS_DOORBELL_BUFFER_CONFIG: u16 = 1 << 8;
+
+    /// Whether Doorbell Buffer Config may be sent.
+    pub fn supports_doorbell_buffer_config(&self) -> bool {
+        self.optional_admin_commands & Self::OACS_DOORBELL_BUFFER_CONFIG != 0
+    }
+
     pub fn parse(bytes: &[u8]) -> Result<Self, IdentifyError> {
         if bytes.len() != IDENTIFY_BYTES {
             return Err(IdentifyError::WrongLength { actual: bytes.len() });

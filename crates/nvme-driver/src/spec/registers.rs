@@ -29,6 +29,21 @@ pub fn doorbell_offset(queue_id: u16, completion: bool, doorbell_stride_log2: u8
     DOORBELL_BASE + index * (4usize << doorbell_stride_log2)
 }
 
+/// Byte offset of a queue's slot in the shadow doorbell and EventIdx pages of Doorbell Buffer
+/// Config (§5.7): the doorbell's own offset less the doorbell base, the same stride.
+pub fn shadow_doorbell_offset(queue_id: u16, completion: bool, doorbell_stride_log2: u8) -> usize {
+    doorbell_offset(queue_id, completion, doorbell_stride_log2) - DOORBELL_BASE
+}
+
+/// Whether a host that moved a shadow doorbell from `old` to `new` must also write the MMIO
+/// doorbell (§5.7): the controller asked, through the EventIdx `event_index`, to be told once
+/// the value passes it, and it did in this step (`event_index` lies in `[old, new)`, that window
+/// taken across the wrap when `new < old`: the 16-bit arithmetic is exact for any queue depth).
+/// A host that skips the write leaves the controller to find `new` in the shadow page itself.
+pub fn doorbell_event_needed(event_index: u16, new: u16, old: u16) -> bool {
+    new.wrapping_sub(event_index).wrapping_sub(1) < new.wrapping_sub(old)
+}
+
 /// CAP (§3.1.3.1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Capabilities(pub u64);
@@ -216,6 +231,27 @@ mod tests {
         assert_eq!(doorbell_offset(0, true, 0), 0x1004);
         assert_eq!(doorbell_offset(3, true, 0), 0x101C);
         assert_eq!(doorbell_offset(1, false, 2), 0x1000 + 2 * 16);
+    }
+
+    #[test]
+    fn shadow_slots_follow_the_doorbells_and_events_fire_once_passed() {
+        assert_eq!(shadow_doorbell_offset(0, false, 0), 0);
+        assert_eq!(shadow_doorbell_offset(2, true, 0), 20);
+        assert_eq!(shadow_doorbell_offset(1, false, 2), 32);
+        // The controller waits at 5: a move from 3 to 6 passes it, 6 to 9 does not, 5 to 6 does.
+        assert!(doorbell_event_needed(5, 6, 3));
+        assert!(!doorbell_event_needed(5, 9, 6));
+        assert!(doorbell_event_needed(5, 6, 5));
+        assert!(!doorbell_event_needed(5, 5, 4));
+        // A controller behind the host (event 2, before old 3) is still reading: no write.
+        assert!(!doorbell_event_needed(2, 6, 3));
+        // Indexes wrap at the queue depth (64 here): the window 63..1 holds 63 and 0, not 62 or 10.
+        assert!(doorbell_event_needed(0, 1, 63));
+        assert!(doorbell_event_needed(63, 1, 63));
+        assert!(!doorbell_event_needed(62, 1, 63));
+        assert!(!doorbell_event_needed(10, 1, 63));
+        // Nothing moved: nothing to tell.
+        assert!(!doorbell_event_needed(7, 7, 7));
     }
 
     #[test]

@@ -135,10 +135,16 @@ impl TestHost {
 
     /// Waits up to `timeout` for the next completion; rings the CQ head doorbell.
     pub(crate) fn reap_within(&self, queue: &mut HostQueue, timeout: Duration) -> Option<CompletionEntry> {
+        let completion = Self::try_reap_within(queue, timeout)?;
+        self.ring_completion(queue);
+        Some(completion)
+    }
+
+    /// Waits up to `timeout` for the next completion without ringing any doorbell.
+    pub(crate) fn try_reap_within(queue: &mut HostQueue, timeout: Duration) -> Option<CompletionEntry> {
         let deadline = Instant::now() + timeout;
         loop {
             if let Some(completion) = Self::try_reap(queue) {
-                self.ring_completion(queue);
                 return Some(completion);
             }
             if Instant::now() >= deadline {

@@ -6,6 +6,7 @@ mod harness;
 mod in_flight_tests;
 mod io_tests;
 mod lifecycle_tests;
+mod shadow_tests;
 mod stall_tests;
 mod throughput;
 mod timing_tests;

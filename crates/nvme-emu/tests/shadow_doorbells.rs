@@ -1,0 +1,189 @@
+//! The real driver with shadow doorbells (Doorbell Buffer Config) against the software
+//! controller: data round-trips through queues that wrap many times, a controller that went to
+//! sleep is still woken when the EventIdx asks, a reset re-arms the pages, and detached pairs
+//! (whose agents ring MMIO doorbells only) are refused.
+//!
+//! Each test opens with its goal; every wait has a deadline.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use nvme_driver::hw::{DeviceBackend, DmaAllocator, HwError, RegisterIo};
+use nvme_driver::spec::registers::doorbell_offset;
+use nvme_driver::{Controller, ControllerConfig, DataSegment, IoQueuePair, Lba, NvmeError};
+use nvme_emu::{Backing, EmuConfig, EmuDevice};
+
+const TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A controller that, once idle, sleeps for up to 30 s between scans: a doorbell whose MMIO
+/// write was skipped wrongly leaves a command unseen past every deadline below.
+fn device(shadow_doorbells: bool) -> Arc<EmuDevice> {
+    let mut config = EmuConfig::default().with_backing(Backing::Memory { bytes: 16 << 20 }).with_shadow_doorbells(shadow_doorbells);
+    config.idle_sleep_max = Duration::from_secs(30);
+    EmuDevice::start(config).expect("software controller")
+}
+
+/// The device's registers, counting MMIO writes to I/O queue doorbells.
+struct CountingRegisters {
+    inner: Arc<dyn RegisterIo>,
+    io_doorbell_writes: AtomicU64,
+}
+
+impl RegisterIo for CountingRegisters {
+    fn len(&self) -> usize {
+        self.inner.len()
+    }
+    fn read32(&self, offset: usize) -> u32 {
+        self.inner.read32(offset)
+    }
+    fn write32(&self, offset: usize, value: u32) {
+        if offset >= doorbell_offset(1, false, 0) {
+            self.io_doorbell_writes.fetch_add(1, Ordering::SeqCst);
+        }
+        self.inner.write32(offset, value);
+    }
+    fn read64(&self, offset: usize) -> u64 {
+        self.inner.read64(offset)
+    }
+    fn write64(&self, offset: usize, value: u64) {
+        self.inner.write64(offset, value);
+    }
+}
+
+/// The software controller seen through [`CountingRegisters`].
+struct CountingBackend {
+    device: Arc<EmuDevice>,
+    registers: Arc<CountingRegisters>,
+}
+
+impl DeviceBackend for CountingBackend {
+    fn name(&self) -> String {
+        self.device.name()
+    }
+    fn registers(&self) -> Arc<dyn RegisterIo> {
+        self.registers.clone()
+    }
+    fn dma(&self) -> Arc<dyn DmaAllocator> {
+        self.device.dma()
+    }
+    fn function_reset(&self) -> Result<(), HwError> {
+        self.device.function_reset()
+    }
+}
+
+fn counted(device: &Arc<EmuDevice>) -> Arc<CountingBackend> {
+    let registers = Arc::new(CountingRegisters { inner: device.registers(), io_doorbell_writes: AtomicU64::new(0) });
+    Arc::new(CountingBackend { device: Arc::clone(device), registers })
+}
+
+fn controller(device: &Arc<EmuDevice>, shadow_doorbells: bool) -> Controller {
+    controller_on(device.clone(), shadow_doorbells)
+}
+
+fn controller_on(backend: Arc<dyn DeviceBackend>, shadow_doorbells: bool) -> Controller {
+    let config = ControllerConfig { admin_timeout: Duration::from_secs(2), shadow_doorbells, ..ControllerConfig::default() };
+    Controller::init(backend, config).expect("bring-up")
+}
+
+/// Writes `batch` blocks with one doorbell, reads them back with one doorbell, and compares.
+fn round_trip(controller: &Controller, queue: &mut IoQueuePair, first_lba: u64, batch: usize, seed: u8) {
+    let namespace = controller.namespaces()[0];
+    let buffer = controller.dma().allocate(batch * 4096).expect("buffer");
+    for index in 0..batch {
+        buffer.fill(index * 4096, 4096, seed.wrapping_add(index as u8)).expect("fill");
+    }
+    let segments: Vec<_> =
+        (0..batch).map(|index| [DataSegment::new(buffer.iova().checked_add(index as u64 * 4096).expect("iova"), 4096)]).collect();
+    for (index, segment) in segments.iter().enumerate() {
+        queue.submit_write(namespace.id, Lba(first_lba + index as u64), segment, false, index as u64).expect("submit write");
+    }
+    queue.ring_doorbell().expect("ring");
+    queue
+        .wait_for(batch, Instant::now() + TIMEOUT, |completion| assert!(completion.status.is_ok(), "write {completion:?}"))
+        .expect("writes");
+    buffer.fill(0, batch * 4096, 0).expect("clear");
+    for (index, segment) in segments.iter().enumerate() {
+        queue.submit_read(namespace.id, Lba(first_lba + index as u64), segment, index as u64).expect("submit read");
+    }
+    queue.ring_doorbell().expect("ring");
+    queue.wait_for(batch, Instant::now() + TIMEOUT, |completion| assert!(completion.status.is_ok(), "read {completion:?}")).expect("reads");
+    let mut data = vec![0u8; 4096];
+    for index in 0..batch {
+        buffer.read(index * 4096, &mut data).expect("copy out");
+        let expected = seed.wrapping_add(index as u8);
+        assert!(data.iter().all(|&byte| byte == expected), "block {} read back", first_lba + index as u64);
+    }
+}
+
+#[test]
+fn data_round_trips_and_a_sleeping_controller_is_woken() {
+    // Goal: with shadow doorbells on, batches of every size up to the queue's depth move the
+    // right bytes through 16-entry queues that wrap dozens of times, and after idle gaps long
+    // enough for the controller to park, the next doorbell is also an MMIO write (the
+    // controller's EventIdx caught up with the shadow page while it went idle), which is what
+    // wakes it.
+    let device = device(true);
+    let backend = counted(&device);
+    let controller = controller_on(backend.clone(), true);
+    assert!(controller.shadow_doorbells_active(), "the software controller offers Doorbell Buffer Config");
+    let mut queue = controller.create_io_queue_pair(16).expect("queue pair");
+    let writes = || backend.registers.io_doorbell_writes.load(Ordering::SeqCst);
+    for round in 0..120u64 {
+        let batch = 1 + (round % 15) as usize;
+        let before = writes();
+        round_trip(&controller, &mut queue, round * 16 % 2048, batch, round as u8);
+        if round % 30 == 0 {
+            // Right after an idle gap (or bring-up): the first doorbell had to be written.
+            assert!(writes() > before, "round {round}: no MMIO doorbell after the controller went idle");
+        }
+        if round % 30 == 29 {
+            // Long enough for the controller to spin, yield and park.
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+#[test]
+fn a_reset_rearms_the_shadow_pages() {
+    // Goal: after a controller reset (which forgets Doorbell Buffer Config) the pages are
+    // cleared and given again, and a new pair's I/O works through them.
+    let device = device(true);
+    let mut controller = controller(&device, true);
+    let mut queue = controller.create_io_queue_pair(16).expect("queue pair");
+    round_trip(&controller, &mut queue, 0, 15, 1);
+    drop(queue);
+    controller.reset(false).expect("reset");
+    assert!(controller.shadow_doorbells_active());
+    let mut queue = controller.create_io_queue_pair(16).expect("queue pair after reset");
+    for round in 0..20u64 {
+        round_trip(&controller, &mut queue, round * 8, 8, 100 + round as u8);
+    }
+}
+
+#[test]
+fn detached_pairs_are_refused_while_shadow_doorbells_are_on() {
+    // Goal: a detached pair's agent writes MMIO doorbells only, which the controller no longer
+    // reads for I/O queues: creating one fails clearly instead of hanging later.
+    let device = device(true);
+    let controller = controller(&device, true);
+    match controller.create_detached_queue_pair(16, None) {
+        Err(NvmeError::Unsupported { reason }) => assert!(reason.contains("shadow doorbells"), "{reason}"),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}
+
+#[test]
+fn shadow_doorbells_stay_off_unless_asked_for_and_offered() {
+    // Goal: the default configuration, or a controller that does not offer the command, keeps
+    // MMIO doorbells, and detached pairs work there.
+    let offered = device(true);
+    let default = controller(&offered, false);
+    assert!(!default.shadow_doorbells_active());
+    let _detached = default.create_detached_queue_pair(16, None).expect("detached pair without shadow doorbells");
+    let not_offered = device(false);
+    let asked = controller(&not_offered, true);
+    assert!(!asked.shadow_doorbells_active());
+    let mut queue = asked.create_io_queue_pair(16).expect("queue pair");
+    round_trip(&asked, &mut queue, 0, 8, 7);
+}
