@@ -54,8 +54,9 @@ pub struct ControllerConfig {
     /// Use shadow doorbells (Doorbell Buffer Config, §5.7) when Identify Controller OACS says
     /// the controller supports them: emulated controllers (QEMU's, the software controller),
     /// where each MMIO doorbell write is a trip out of the guest. A controller using them
-    /// refuses detached queue pairs (their agents write MMIO doorbells only; see `shadow.rs`).
-    /// Real SSDs do not advertise the command, so there this changes nothing.
+    /// refuses detached queue pairs (their agents write MMIO doorbells only; see `shadow.rs`),
+    /// and I/O queue ids whose slots fall outside the one-page buffer (from 512 at the minimum
+    /// doorbell stride). Real SSDs do not advertise the command, so there this changes nothing.
     pub shadow_doorbells: bool,
 }
 
@@ -105,8 +106,20 @@ pub struct Controller {
     scratch: DmaRegion,
     /// The shadow doorbell pages, once allocated (kept across resets).
     doorbell_buffer: Option<DoorbellBuffer>,
-    /// Whether the controller took Doorbell Buffer Config in the current bring-up.
-    shadow_doorbells_active: bool,
+    /// Where Doorbell Buffer Config stands in the current bring-up.
+    shadow_doorbells: ShadowState,
+}
+
+/// Where Doorbell Buffer Config stands in the current bring-up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ShadowState {
+    /// Not sent (not asked for, not offered, or a reset since): MMIO doorbells.
+    Off,
+    /// Accepted: I/O pairs keep their doorbells in the pages.
+    Active,
+    /// Sent, and it timed out or failed in a way that does not say whether it took effect:
+    /// neither kind of pair would be seen for sure, so none is created until a reset succeeds.
+    Unknown,
 }
 
 impl std::fmt::Debug for Controller {
@@ -193,7 +206,7 @@ impl Controller {
             max_transfer_bytes: PAGE_BYTES,
             scratch,
             doorbell_buffer: None,
-            shadow_doorbells_active: false,
+            shadow_doorbells: ShadowState::Off,
         };
         controller.bring_up(None)?;
         Ok(controller)
@@ -224,7 +237,7 @@ impl Controller {
                     }
                     self.admin.forget_queue_ids();
                     // A controller reset clears the Doorbell Buffer Config too.
-                    self.shadow_doorbells_active = false;
+                    self.shadow_doorbells = ShadowState::Off;
                     BringUpStage::ConfigureAdminQueues
                 }
                 BringUpStage::ConfigureAdminQueues => {
@@ -282,15 +295,34 @@ impl Controller {
         };
         let command = buffer.command();
         self.doorbell_buffer = Some(buffer);
-        self.admin_command(command)?;
-        self.shadow_doorbells_active = true;
-        Ok(())
+        match self.admin_command(command) {
+            Ok(_) => {
+                self.shadow_doorbells = ShadowState::Active;
+                Ok(())
+            }
+            Err(error) => {
+                if may_have_executed(&error) {
+                    self.shadow_doorbells = ShadowState::Unknown;
+                }
+                Err(error)
+            }
+        }
+    }
+
+    /// Refuses new queue pairs while Doorbell Buffer Config may or may not have taken effect.
+    fn check_doorbells_known(&self) -> Result<(), NvmeError> {
+        match self.shadow_doorbells {
+            ShadowState::Unknown => {
+                Err(NvmeError::ShadowDoorbellsUnknown { cause: "its admin command timed out or failed unanswered".into() })
+            }
+            ShadowState::Off | ShadowState::Active => Ok(()),
+        }
     }
 
     /// Whether this controller's I/O queue pairs use shadow doorbells (asked for in
     /// [`ControllerConfig::shadow_doorbells`], advertised, and accepted).
     pub fn shadow_doorbells_active(&self) -> bool {
-        self.shadow_doorbells_active
+        self.shadow_doorbells == ShadowState::Active
     }
 
     fn identify_all(&mut self) -> Result<(), NvmeError> {
@@ -366,6 +398,7 @@ impl Controller {
     /// Creates an I/O completion queue and submission queue with `depth` entries each, at the
     /// lowest free queue id. Depth is bounded by [`Controller::max_queue_depth`].
     pub fn create_io_queue_pair(&self, depth: u32) -> Result<IoQueuePair, NvmeError> {
+        self.check_doorbells_known()?;
         self.check_queue_depth(depth)?;
         let id = self.admin.reserve_queue_id(self.granted_queue_pairs)?;
         let mut queue = match QueuePair::allocate(
@@ -383,7 +416,7 @@ impl Controller {
         };
         let generation = self.admin.gate.generation();
         queue.attach_gate(Arc::clone(&self.admin.gate), generation);
-        if let Some(buffer) = self.doorbell_buffer.as_ref().filter(|_| self.shadow_doorbells_active) {
+        if let Some(buffer) = self.doorbell_buffer.as_ref().filter(|_| self.shadow_doorbells_active()) {
             match buffer.slots(id) {
                 Ok(slots) => queue.attach_shadow(slots),
                 Err(error) => {
@@ -441,12 +474,9 @@ impl Controller {
     /// offsets that agent needs. The host cannot stop that agent's doorbell writes: see
     /// [`DetachedQueuePair`] for the contract around drop and reset.
     pub fn create_detached_queue_pair(&self, depth: u32, rings: Option<(DmaRegion, DmaRegion)>) -> Result<DetachedQueuePair, NvmeError> {
-        if self.shadow_doorbells_active {
-            return Err(NvmeError::Unsupported {
-                reason: "shadow doorbells are on: the controller reads this queue's doorbells from the shadow page, and a detached \
-                         pair's agent writes MMIO doorbells only (bring the controller up without ControllerConfig::shadow_doorbells)"
-                    .into(),
-            });
+        self.check_doorbells_known()?;
+        if self.shadow_doorbells_active() {
+            return Err(NvmeError::ShadowDoorbellsActive);
         }
         self.check_queue_depth(depth)?;
         let (submission, completion) = match rings {

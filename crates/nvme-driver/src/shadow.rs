@@ -64,13 +64,10 @@ impl DoorbellBuffer {
         let completion = shadow_doorbell_offset(id.0, true, self.doorbell_stride_log2);
         let span = completion - submission + 4;
         if submission.checked_add(span).is_none_or(|end| end > PAGE_BYTES) {
-            return Err(NvmeError::Unsupported {
-                reason: format!(
-                    "queue {} has no shadow doorbell slot in one page at doorbell stride {} bytes",
-                    id.0,
-                    4usize << self.doorbell_stride_log2
-                ),
-            });
+            let stride_bytes = 4usize << self.doorbell_stride_log2;
+            // Queue q's slots end at (2q + 1)·stride + 4: q fits while that is within the page.
+            let last_queue = u16::try_from((PAGE_BYTES - 4) / stride_bytes).map_or(u16::MAX, |slots| slots.saturating_sub(1) / 2);
+            return Err(NvmeError::NoShadowDoorbellSlot { queue: id, stride_bytes, last_queue });
         }
         let slots = ShadowSlots {
             shadow: self.shadow.subregion(submission, span)?,
@@ -202,6 +199,12 @@ mod tests {
         let dma = DmaPool::identity();
         let buffer = DoorbellBuffer::allocate(&dma, 6).expect("pages"); // 256-byte stride: 8 queues
         assert!(buffer.slots(QueueId(7)).is_ok());
-        assert!(matches!(buffer.slots(QueueId(8)), Err(NvmeError::Unsupported { .. })));
+        assert!(matches!(
+            buffer.slots(QueueId(8)),
+            Err(NvmeError::NoShadowDoorbellSlot { queue: QueueId(8), stride_bytes: 256, last_queue: 7 })
+        ));
+        let narrow = DoorbellBuffer::allocate(&dma, 0).expect("pages"); // 4-byte stride: 511 queues
+        assert!(narrow.slots(QueueId(511)).is_ok());
+        assert!(matches!(narrow.slots(QueueId(512)), Err(NvmeError::NoShadowDoorbellSlot { last_queue: 511, .. })));
     }
 }

@@ -86,7 +86,8 @@ pub struct EmuConfig {
     pub shared_registers: bool,
     /// Advertise Doorbell Buffer Config (OACS bit 8) and accept it: a host that sends it keeps
     /// its I/O queues' doorbells in a shadow page and writes the registers only when the
-    /// controller's EventIdx asks (see `shadow.rs`). A host that does not send it sees no change.
+    /// controller's EventIdx asks (see `shadow.rs`). A host that does not send it sees only the
+    /// OACS bit.
     pub shadow_doorbells: bool,
 }
 

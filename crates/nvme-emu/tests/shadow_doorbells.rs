@@ -1,7 +1,8 @@
 //! The real driver with shadow doorbells (Doorbell Buffer Config) against the software
-//! controller: data round-trips through queues that wrap many times, a controller that went to
-//! sleep is still woken when the EventIdx asks, a reset re-arms the pages, and detached pairs
-//! (whose agents ring MMIO doorbells only) are refused.
+//! controller: data round-trips through queues that wrap many times, the first doorbell after
+//! the controller went idle is an MMIO write (what wakes it), a reset re-arms the pages, an
+//! unanswered command blocks new pairs until a reset, and detached pairs (whose agents ring MMIO
+//! doorbells only) are refused.
 //!
 //! Each test opens with its goal; every wait has a deadline.
 
@@ -11,16 +12,14 @@ use std::time::{Duration, Instant};
 
 use nvme_driver::hw::{DeviceBackend, DmaAllocator, HwError, RegisterIo};
 use nvme_driver::spec::registers::doorbell_offset;
+use nvme_driver::spec::AdminOpcode;
 use nvme_driver::{Controller, ControllerConfig, DataSegment, IoQueuePair, Lba, NvmeError};
-use nvme_emu::{Backing, EmuConfig, EmuDevice};
+use nvme_emu::{Backing, EmuConfig, EmuDevice, FaultAction, FaultPlan, FaultRule};
 
 const TIMEOUT: Duration = Duration::from_secs(5);
 
-/// A controller that, once idle, sleeps for up to 30 s between scans: a doorbell whose MMIO
-/// write was skipped wrongly leaves a command unseen past every deadline below.
 fn device(shadow_doorbells: bool) -> Arc<EmuDevice> {
-    let mut config = EmuConfig::default().with_backing(Backing::Memory { bytes: 16 << 20 }).with_shadow_doorbells(shadow_doorbells);
-    config.idle_sleep_max = Duration::from_secs(30);
+    let config = EmuConfig::default().with_backing(Backing::Memory { bytes: 16 << 20 }).with_shadow_doorbells(shadow_doorbells);
     EmuDevice::start(config).expect("software controller")
 }
 
@@ -82,7 +81,7 @@ fn controller(device: &Arc<EmuDevice>, shadow_doorbells: bool) -> Controller {
 }
 
 fn controller_on(backend: Arc<dyn DeviceBackend>, shadow_doorbells: bool) -> Controller {
-    let config = ControllerConfig { admin_timeout: Duration::from_secs(2), shadow_doorbells, ..ControllerConfig::default() };
+    let config = ControllerConfig { admin_timeout: Duration::from_millis(500), shadow_doorbells, ..ControllerConfig::default() };
     Controller::init(backend, config).expect("bring-up")
 }
 
@@ -129,14 +128,21 @@ fn data_round_trips_and_a_sleeping_controller_is_woken() {
     assert!(controller.shadow_doorbells_active(), "the software controller offers Doorbell Buffer Config");
     let mut queue = controller.create_io_queue_pair(16).expect("queue pair");
     let writes = || backend.registers.io_doorbell_writes.load(Ordering::SeqCst);
+    let namespace = controller.namespaces()[0];
+    let probe = controller.dma().allocate(4096).expect("buffer");
+    let probe_segment = [DataSegment::new(probe.iova(), 4096)];
     for round in 0..120u64 {
-        let batch = 1 + (round % 15) as usize;
-        let before = writes();
-        round_trip(&controller, &mut queue, round * 16 % 2048, batch, round as u8);
         if round % 30 == 0 {
-            // Right after an idle gap (or bring-up): the first doorbell had to be written.
-            assert!(writes() > before, "round {round}: no MMIO doorbell after the controller went idle");
+            // After bring-up or an idle gap the controller has read every doorbell value, so
+            // its EventIdx asks for the next one: this very doorbell must be an MMIO write.
+            let before = writes();
+            queue.submit_read(namespace.id, Lba(0), &probe_segment, 0).expect("submit probe");
+            queue.ring_doorbell().expect("ring probe");
+            assert_eq!(writes(), before + 1, "round {round}: the first doorbell after idle was not written to the register");
+            queue.wait_for(1, Instant::now() + TIMEOUT, |completion| assert!(completion.status.is_ok())).expect("probe completes");
         }
+        let batch = 1 + (round % 15) as usize;
+        round_trip(&controller, &mut queue, round * 16 % 2048, batch, round as u8);
         if round % 30 == 29 {
             // Long enough for the controller to spin, yield and park.
             std::thread::sleep(Duration::from_millis(50));
@@ -162,13 +168,37 @@ fn a_reset_rearms_the_shadow_pages() {
 }
 
 #[test]
+fn an_unanswered_doorbell_buffer_config_blocks_new_pairs_until_a_reset_succeeds() {
+    // Goal: when the command gets no answer the driver cannot know which doorbells the
+    // controller reads (here it took the pages and dropped the completion), so it creates no
+    // pair of either kind until a reset brings the controller back to a known state.
+    let device = device(true);
+    let mut controller = controller(&device, true);
+    device.set_faults(FaultPlan::none().with_rule(FaultRule::on_nth_admin(
+        1,
+        AdminOpcode::DoorbellBufferConfig,
+        FaultAction::DropCompletion,
+    )));
+    let error = controller.reset(false).expect_err("bring-up waits for the answer");
+    assert!(matches!(error, NvmeError::Timeout { .. }), "{error}");
+    assert!(!controller.shadow_doorbells_active());
+    assert!(matches!(controller.create_io_queue_pair(16), Err(NvmeError::ShadowDoorbellsUnknown { .. })));
+    assert!(matches!(controller.create_detached_queue_pair(16, None), Err(NvmeError::ShadowDoorbellsUnknown { .. })));
+    device.set_faults(FaultPlan::none());
+    controller.reset(false).expect("a reset restores a known state");
+    assert!(controller.shadow_doorbells_active());
+    let mut queue = controller.create_io_queue_pair(16).expect("queue pair after the reset");
+    round_trip(&controller, &mut queue, 0, 8, 9);
+}
+
+#[test]
 fn detached_pairs_are_refused_while_shadow_doorbells_are_on() {
     // Goal: a detached pair's agent writes MMIO doorbells only, which the controller no longer
     // reads for I/O queues: creating one fails clearly instead of hanging later.
     let device = device(true);
     let controller = controller(&device, true);
     match controller.create_detached_queue_pair(16, None) {
-        Err(NvmeError::Unsupported { reason }) => assert!(reason.contains("shadow doorbells"), "{reason}"),
+        Err(NvmeError::ShadowDoorbellsActive) => {}
         other => panic!("expected a refusal, got {other:?}"),
     }
 }
