@@ -116,7 +116,7 @@ fn round_trip(controller: &Controller, queue: &mut IoQueuePair, first_lba: u64, 
 }
 
 #[test]
-fn data_round_trips_and_a_sleeping_controller_is_woken() {
+fn data_round_trips_and_the_first_doorbell_after_idle_is_a_register_write() {
     // Goal: with shadow doorbells on, batches of every size up to the queue's depth move the
     // right bytes through 16-entry queues that wrap dozens of times, and after idle gaps long
     // enough for the controller to park, the next doorbell is also an MMIO write (the
