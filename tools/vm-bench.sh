@@ -36,6 +36,9 @@
 #                            after `tutti bind`, in the rotation with ours, and print ours/spdk
 #                            per row. The namespace is then exactly the span (perf reads all of
 #                            it), so both touch the same filled bytes.
+#   TUTTI_BENCH_PIN=CPU      also run ours with --cpus_allowed=CPU (SPDK's perf pins itself to the
+#                            guest's CPU 0 with -c 0x1) as driver "pinned", in the same rotation;
+#                            its rows get the same ratio columns as ours
 #   TUTTI_BENCH_SHADOW=1     also run ours with --shadow-doorbells (Doorbell Buffer Config, which
 #                            QEMU's controller offers) as driver "shadow", in the same rotation;
 #                            its rows get the same ratio columns as ours
@@ -62,6 +65,11 @@ case $SHADOW in
     1) [ "$OURS" = 1 ] || vm_die "TUTTI_BENCH_SHADOW runs ours with shadow doorbells: drop TUTTI_BENCH_OURS=0" ;;
     *) vm_die "TUTTI_BENCH_SHADOW=$SHADOW: 0 or 1" ;;
 esac
+PIN=${TUTTI_BENCH_PIN:-}
+if [ -n "$PIN" ]; then
+    [ "$OURS" = 1 ] || vm_die "TUTTI_BENCH_PIN runs ours pinned: drop TUTTI_BENCH_OURS=0"
+    [[ $PIN =~ ^[0-9]+$ ]] || vm_die "TUTTI_BENCH_PIN=$PIN: one guest CPU number, e.g. 0"
+fi
 SPDK_DIR=${TUTTI_BENCH_SPDK:-}
 if [ -n "$SPDK_DIR" ]; then
     [ "$OURS" = 1 ] || vm_die "TUTTI_BENCH_SPDK compares with our rows (and needs tutti bind): drop TUTTI_BENCH_OURS=0"
@@ -84,6 +92,7 @@ SECONDS_PER_RUNTIME_S=40
 [ -n "$BEFORE" ] && SECONDS_PER_RUNTIME_S=60
 [ -n "$SPDK_DIR" ] && SECONDS_PER_RUNTIME_S=$((SECONDS_PER_RUNTIME_S + 20))
 [ "$SHADOW" = 1 ] && SECONDS_PER_RUNTIME_S=$((SECONDS_PER_RUNTIME_S + 20))
+[ -n "$PIN" ] && SECONDS_PER_RUNTIME_S=$((SECONDS_PER_RUNTIME_S + 20))
 export TUTTI_VM_TIMEOUT_S=${TUTTI_VM_TIMEOUT_S:-$((RUNTIME_S * SECONDS_PER_RUNTIME_S + 180))}
 
 mkdir -p "$VM_DIR"/{debs,logs,kernel}
@@ -179,6 +188,7 @@ if [ "$OURS" = 1 ]; then
     [ -n "$BEFORE" ] && DRIVERS+=("before:tutti-bench-before")
     [ -n "$SPDK_DIR" ] && DRIVERS+=("spdk:spdk_nvme_perf")
     [ "$SHADOW" = 1 ] && DRIVERS+=("shadow:tutti-bench --shadow-doorbells")
+    [ -n "$PIN" ] && DRIVERS+=("pinned:tutti-bench --cpus_allowed=$PIN")
     row_index=0
     for spec in "${ROWS[@]}"; do
         IFS=: read -r name rw block depth <<< "$spec"
@@ -213,7 +223,7 @@ vm_boot "$INITRD" "$LOG"
 vm_log "guest booted to init in ${VM_BOOT_S:-?}s; VM run ${VM_WALL_S}s; log: $LOG"
 [ "$VM_GUEST_RC" = 0 ] || vm_die "a benchmark run failed in the guest (status $VM_GUEST_RC)"
 
-python3 - "$LOG" "$OURS" "${BEFORE:+1}" "${SPDK_DIR:+1}" "$SHADOW" "${ROWS[@]%%:*}" << 'SUMMARY'
+python3 - "$LOG" "$OURS" "${BEFORE:+1}" "${SPDK_DIR:+1}" "$SHADOW" "${PIN:+1}" "${ROWS[@]%%:*}" << 'SUMMARY'
 import json, re, sys
 
 results, current, lines = {}, None, []
@@ -256,13 +266,20 @@ def figures(driver, row):
         return next((value for key, value in percentiles.items() if float(key) == wanted), 0) / 1000
     return side["iops"], side["bw_bytes"] / 2**20, at(50.0), at(99.0)
 
-rows = sys.argv[6:]
+rows = sys.argv[7:]
 with_before = sys.argv[3] == "1"
 with_spdk = sys.argv[4] == "1"
 with_shadow = sys.argv[5] == "1"
-drivers = ("kernel", "ours") + (("shadow",) if with_shadow else ()) + (("before",) if with_before else ()) + (("spdk",) if with_spdk else ())
+with_pinned = sys.argv[6] == "1"
+drivers = (
+    ("kernel", "ours")
+    + (("shadow",) if with_shadow else ())
+    + (("pinned",) if with_pinned else ())
+    + (("before",) if with_before else ())
+    + (("spdk",) if with_spdk else ())
+)
 # Our drivers: their rows carry the ours/before and ours/spdk columns.
-ours_drivers = ("ours", "shadow")
+ours_drivers = ("ours", "shadow", "pinned")
 print()
 print("QEMU NVMe under TCG, one controller: kernel = guest nvme driver + fio io_uring O_DIRECT;")
 print("ours = tutti-bench through VFIO (CPU executor, polled). Emulator numbers, not an SSD's.")
@@ -272,6 +289,8 @@ if with_spdk:
     print("spdk = TUTTI_BENCH_SPDK's spdk_nvme_perf (polled, one core; it reports no percentiles), in the same rotation.")
 if with_shadow:
     print("shadow = ours with --shadow-doorbells (Doorbell Buffer Config), in the same rotation; its ratio columns are shadow/before, shadow/spdk.")
+if with_pinned:
+    print("pinned = ours with --cpus_allowed (one guest CPU, as perf pins itself), in the same rotation; its ratio columns are pinned/before, pinned/spdk.")
 header = f"{'row':<17} {'driver':<7} {'IOPS':>9} {'MiB/s':>8} {'p50 us':>9} {'p99 us':>9}  {'x/kernel':<14}"
 print(header + ("  ours/before" if with_before else "") + ("  ours/spdk" if with_spdk else ""))
 missing = 0

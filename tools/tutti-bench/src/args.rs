@@ -100,6 +100,11 @@ pub struct Cli {
     #[arg(long = "shadow-doorbells")]
     pub shadow_doorbells: bool,
 
+    /// CPUs every job thread may run on (fio's cpus_allowed, shared policy): 0, 0,2, 1-3.
+    /// Raw workload.
+    #[arg(long = "cpus_allowed", alias = "cpus-allowed", value_parser = parse_cpus_arg)]
+    pub cpus_allowed: Option<crate::cpus::CpuList>,
+
     /// Who issues the NVMe commands.
     #[arg(long, value_enum, default_value_t = Executor::Cpu)]
     pub executor: Executor,
@@ -195,8 +200,20 @@ pub enum Selected {
 }
 
 /// Options that shape only the raw workload, and only the kv workload (by clap id).
-const RAW_OPTIONS: [&str; 11] =
-    ["rw", "bs", "iodepth", "numjobs", "size", "runtime", "time_based", "number_ios", "rwmixread", "offset", "shadow_doorbells"];
+const RAW_OPTIONS: [&str; 12] = [
+    "rw",
+    "bs",
+    "iodepth",
+    "numjobs",
+    "size",
+    "runtime",
+    "time_based",
+    "number_ios",
+    "rwmixread",
+    "offset",
+    "shadow_doorbells",
+    "cpus_allowed",
+];
 const KV_OPTIONS: [&str; 16] = [
     "model",
     "model_config",
@@ -303,6 +320,10 @@ fn parse_timing_arg(text: &str) -> Result<nvme_emu::TimingModel, String> {
 
 fn parse_duration_arg(text: &str) -> Result<Duration, String> {
     parse_duration(text)
+}
+
+fn parse_cpus_arg(text: &str) -> Result<crate::cpus::CpuList, String> {
+    crate::cpus::CpuList::parse(text)
 }
 
 fn parse_fraction_arg(text: &str) -> Result<f64, String> {

@@ -9,6 +9,7 @@
 
 mod args;
 mod attach;
+mod cpus;
 mod devices;
 mod kv;
 mod kv_workload;

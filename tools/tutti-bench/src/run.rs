@@ -28,6 +28,9 @@ pub fn run(cli: &Cli, selected: Selected, matches: &ArgMatches) -> anyhow::Resul
     if cli.shadow_doorbells && selected != Selected::Raw {
         return usage("--shadow-doorbells applies to --workload=raw (the kv and serve workloads keep MMIO doorbells)");
     }
+    if cli.cpus_allowed.is_some() && selected != Selected::Raw {
+        return usage("--cpus_allowed applies to --workload=raw");
+    }
     match selected {
         Selected::Default => default_run(cli),
         Selected::Kv => crate::kv::run(cli),
@@ -39,7 +42,7 @@ pub fn run(cli: &Cli, selected: Selected, matches: &ArgMatches) -> anyhow::Resul
             let kv_options = crate::args::kv_options_given(matches);
             if !kv_options.is_empty() {
                 return usage(format!(
-                    "{} apply to --workload=kv; accepted with --workload=raw: --rw, --bs, --iodepth, --numjobs, --size, --runtime, --number_ios, --offset, --verify, --shadow-doorbells",
+                    "{} apply to --workload=kv; accepted with --workload=raw: --rw, --bs, --iodepth, --numjobs, --size, --runtime, --number_ios, --offset, --verify, --shadow-doorbells, --cpus_allowed",
                     kv_options.join(", ")
                 ));
             }
@@ -106,6 +109,7 @@ fn plan_phases(cli: &Cli, region_start: u64, region_bytes: u64, seed: u64) -> an
         rwmixread: cli.rwmixread,
         verify: VerifyMode::None,
         seed,
+        cpus_allowed: cli.cpus_allowed.clone(),
     };
     if !cli.verify {
         return Ok((vec![base], 0));
@@ -271,6 +275,7 @@ fn configuration(cli: &Cli, devices: &[Arc<dyn Device>], region_bytes: u64) -> s
         "number_ios": cli.number_ios,
         "rwmixread": (cli.rw == Pattern::Randrw).then_some(cli.rwmixread),
         "verify": cli.verify,
+        "cpus_allowed": cli.cpus_allowed.as_ref().map(ToString::to_string),
         "executor": "cpu",
         "emu_timing": devices::timing_json(cli.emu_timing),
         "devices": devices.iter().map(|device| json!({"name": device.name(), "description": device.describe(), "capacity_bytes": device.capacity_bytes(), "io_uring_setup": device.ring_setup()})).collect::<Vec<_>>(),

@@ -44,6 +44,8 @@ pub struct PhasePlan {
     pub rwmixread: u8,
     pub verify: VerifyMode,
     pub seed: u64,
+    /// CPUs every job thread is confined to (`--cpus_allowed`).
+    pub cpus_allowed: Option<crate::cpus::CpuList>,
 }
 
 /// A verify mismatch: data came back different from what was written (exit status 1).
@@ -239,10 +241,13 @@ fn run_job(
     barrier: &Barrier,
     progress: &Progress,
 ) -> anyhow::Result<JobStats> {
-    // Open queues first, then meet the other jobs, so that timing starts together.
+    // Pin (when asked) and open queues first, then meet the other jobs, so that timing starts
+    // together; a failure is reported after the barrier, which every job must reach.
+    let pinned = plan.cpus_allowed.as_ref().map_or(Ok(()), |cpus| cpus.pin_current_thread().map_err(|error| (cpus, error)));
     let opened: Result<Vec<Box<dyn IoQueue>>, DeviceError> =
         devices.iter().map(|device| device.open_queue(plan.iodepth, plan.bs as usize)).collect();
     barrier.wait();
+    pinned.map_err(|(cpus, error)| anyhow!("job{job}: --cpus_allowed={cpus}: {error}"))?;
     let mut queues = opened.with_context(|| format!("job{job}: opening queues"))?;
     let (region_start, region_bytes) = if plan.split_region {
         let slice = (plan.region_bytes / plan.bs / u64::from(numjobs)) * plan.bs;

@@ -111,6 +111,28 @@ fn shadow_doorbells_verify_and_are_named_and_refused_outside_raw() {
 }
 
 #[test]
+fn cpus_allowed_pins_the_jobs_and_refuses_bad_lists() {
+    // Goal: a verified run with every job confined to CPU 0 succeeds and JSON records the
+    // list; lists that are not lists, and the option outside the raw workload, exit 2.
+    let output = bench(&[
+        "--device",
+        "emu:mem:16m",
+        "--rw=randwrite",
+        "--size=2m",
+        "--numjobs=2",
+        "--verify",
+        "--cpus_allowed=0",
+        "--output-format=json",
+    ]);
+    assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
+    let json: serde_json::Value = serde_json::from_slice(&output.stdout).expect("JSON output parses");
+    assert_eq!(json["global options"]["cpus_allowed"], "0");
+    assert_refused(&["--device", "emu:mem:16m", "--cpus_allowed=2-1"], &["backwards"]);
+    assert_refused(&["--device", "emu:mem:16m", "--cpus_allowed=any"], &["not a CPU list", "accepted"]);
+    assert_refused(&["--workload=kv", "--device", "emu:mem:128m", "--cpus_allowed=0"], &["--cpus_allowed", "--workload=raw"]);
+}
+
+#[test]
 fn number_ios_runs_exactly_that_many_ios_past_the_region_and_refuses_verify() {
     // Goal: a fixed amount of work (fio's number_ios): each job stops after N I/Os, even when
     // that wraps around a region smaller than N blocks, at every depth; --verify (one pass) refuses it.
