@@ -177,6 +177,8 @@ for spec in "${ROWS[@]}"; do
     IFS=: read -r name rw block depth <<< "$spec"
     printf '%s\n' "echo JSON_BEGIN kernel $name; /usr/bin/fio --name=$name --filename=/dev/nvme0n1 --ioengine=io_uring --direct=1 --rw=$rw --bs=$block --iodepth=$depth --numjobs=1 --size=${SIZE_MIB}M --time_based --ramp_time=1 --runtime=$RUNTIME_S --randrepeat=0 --norandommap --output-format=json | sed 's/^/JSON /'; echo JSON_END" >> "$COMMANDS"
 done
+# label:command of each driver after the kernel's rows (none with TUTTI_BENCH_OURS=0).
+DRIVERS=()
 if [ "$OURS" = 1 ]; then
     # shellcheck disable=SC2016 # $TUTTI_BDF0 is expanded by the guest's shell
     printf '%s\n' 'tutti bind $TUTTI_BDF0' >> "$COMMANDS"
@@ -184,7 +186,7 @@ if [ "$OURS" = 1 ]; then
     [ -n "$SPDK_DIR" ] && printf '%s\n' 'mkdir -p /dev/hugepages /var/run /var/tmp && mount -t hugetlbfs nodev /dev/hugepages && mount -t tmpfs tmpfs /var/run' >> "$COMMANDS"
     # With a "before" binary or SPDK, the drivers run back to back on each row, in the same
     # boot; the order rotates from row to row, so that none always follows another.
-    DRIVERS=("ours:tutti-bench")
+    DRIVERS+=("ours:tutti-bench")
     [ -n "$BEFORE" ] && DRIVERS+=("before:tutti-bench-before")
     [ -n "$SPDK_DIR" ] && DRIVERS+=("spdk:spdk_nvme_perf")
     [ "$SHADOW" = 1 ] && DRIVERS+=("shadow:tutti-bench --shadow-doorbells")
@@ -223,7 +225,8 @@ vm_boot "$INITRD" "$LOG"
 vm_log "guest booted to init in ${VM_BOOT_S:-?}s; VM run ${VM_WALL_S}s; log: $LOG"
 [ "$VM_GUEST_RC" = 0 ] || vm_die "a benchmark run failed in the guest (status $VM_GUEST_RC)"
 
-python3 - "$LOG" "$OURS" "${BEFORE:+1}" "${SPDK_DIR:+1}" "$SHADOW" "${PIN:+1}" "${ROWS[@]%%:*}" << 'SUMMARY'
+LABELS=$(IFS=,; echo "${DRIVERS[*]%%:*}")
+python3 - "$LOG" "$LABELS" "${ROWS[@]%%:*}" << 'SUMMARY'
 import json, re, sys
 
 results, current, lines = {}, None, []
@@ -266,31 +269,25 @@ def figures(driver, row):
         return next((value for key, value in percentiles.items() if float(key) == wanted), 0) / 1000
     return side["iops"], side["bw_bytes"] / 2**20, at(50.0), at(99.0)
 
-rows = sys.argv[7:]
-with_before = sys.argv[3] == "1"
-with_spdk = sys.argv[4] == "1"
-with_shadow = sys.argv[5] == "1"
-with_pinned = sys.argv[6] == "1"
-drivers = (
-    ("kernel", "ours")
-    + (("shadow",) if with_shadow else ())
-    + (("pinned",) if with_pinned else ())
-    + (("before",) if with_before else ())
-    + (("spdk",) if with_spdk else ())
-)
+rows = sys.argv[3:]
+labels = [label for label in sys.argv[2].split(",") if label]
+# Every driver after the kernel's rows, in the order the rows print them.
+order = ("ours", "shadow", "pinned", "before", "spdk")
+drivers = ("kernel",) + tuple(label for label in order if label in labels)
+with_before, with_spdk = "before" in labels, "spdk" in labels
 # Our drivers: their rows carry the ours/before and ours/spdk columns.
 ours_drivers = ("ours", "shadow", "pinned")
+legend = {
+    "ours": "ours = tutti-bench through VFIO (CPU executor, polled). Emulator numbers, not an SSD's.",
+    "before": "before = TUTTI_BENCH_BEFORE's tutti-bench, back to back with ours on each row (same boot, order rotating).",
+    "spdk": "spdk = TUTTI_BENCH_SPDK's spdk_nvme_perf (polled, one core; it reports no percentiles), in the same rotation.",
+    "shadow": "shadow = ours with --shadow-doorbells (Doorbell Buffer Config), in the same rotation; its ratio columns are shadow/before, shadow/spdk.",
+    "pinned": "pinned = ours with --cpus_allowed (one guest CPU, as perf pins itself), in the same rotation; its ratio columns are pinned/before, pinned/spdk.",
+}
 print()
 print("QEMU NVMe under TCG, one controller: kernel = guest nvme driver + fio io_uring O_DIRECT;")
-print("ours = tutti-bench through VFIO (CPU executor, polled). Emulator numbers, not an SSD's.")
-if with_before:
-    print("before = TUTTI_BENCH_BEFORE's tutti-bench, back to back with ours on each row (same boot, order rotating).")
-if with_spdk:
-    print("spdk = TUTTI_BENCH_SPDK's spdk_nvme_perf (polled, one core; it reports no percentiles), in the same rotation.")
-if with_shadow:
-    print("shadow = ours with --shadow-doorbells (Doorbell Buffer Config), in the same rotation; its ratio columns are shadow/before, shadow/spdk.")
-if with_pinned:
-    print("pinned = ours with --cpus_allowed (one guest CPU, as perf pins itself), in the same rotation; its ratio columns are pinned/before, pinned/spdk.")
+for driver in drivers[1:]:
+    print(legend[driver])
 header = f"{'row':<17} {'driver':<7} {'IOPS':>9} {'MiB/s':>8} {'p50 us':>9} {'p99 us':>9}  {'x/kernel':<14}"
 print(header + ("  ours/before" if with_before else "") + ("  ours/spdk" if with_spdk else ""))
 missing = 0
@@ -300,8 +297,7 @@ for row in rows:
     for driver in drivers:
         data = found[driver]
         if data is None:
-            if driver == "kernel" or sys.argv[2] == "1":
-                missing += 1
+            missing += 1
             print(f"{row:<17} {driver:<7} {'-':>9} {'-':>8} {'-':>9} {'-':>9}")
             continue
         ratio = ""

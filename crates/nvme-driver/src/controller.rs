@@ -312,9 +312,7 @@ impl Controller {
     /// Refuses new queue pairs while Doorbell Buffer Config may or may not have taken effect.
     fn check_doorbells_known(&self) -> Result<(), NvmeError> {
         match self.shadow_doorbells {
-            ShadowState::Unknown => {
-                Err(NvmeError::ShadowDoorbellsUnknown { cause: "its admin command timed out or failed unanswered".into() })
-            }
+            ShadowState::Unknown => Err(NvmeError::ShadowDoorbellsUnknown),
             ShadowState::Off | ShadowState::Active => Ok(()),
         }
     }
@@ -401,13 +399,14 @@ impl Controller {
         self.check_doorbells_known()?;
         self.check_queue_depth(depth)?;
         let id = self.admin.reserve_queue_id(self.granted_queue_pairs)?;
-        let mut queue = match QueuePair::allocate(
-            id,
-            depth,
-            self.dma.as_ref(),
-            Arc::clone(&self.registers),
-            self.capabilities.doorbell_stride_log2(),
-        ) {
+        let stride = self.capabilities.doorbell_stride_log2();
+        let allocated = QueuePair::allocate(id, depth, self.dma.as_ref(), Arc::clone(&self.registers), stride).and_then(|mut queue| {
+            if let Some(buffer) = self.doorbell_buffer.as_ref().filter(|_| self.shadow_doorbells_active()) {
+                queue.attach_shadow(buffer.slots(id)?);
+            }
+            Ok(queue)
+        });
+        let mut queue = match allocated {
             Ok(queue) => queue,
             Err(error) => {
                 self.admin.release_queue_id(id);
@@ -416,15 +415,6 @@ impl Controller {
         };
         let generation = self.admin.gate.generation();
         queue.attach_gate(Arc::clone(&self.admin.gate), generation);
-        if let Some(buffer) = self.doorbell_buffer.as_ref().filter(|_| self.shadow_doorbells_active()) {
-            match buffer.slots(id) {
-                Ok(slots) => queue.attach_shadow(slots),
-                Err(error) => {
-                    self.admin.release_queue_id(id);
-                    return Err(error);
-                }
-            }
-        }
         self.create_queues_on_controller(id, depth, queue.submission_iova().0, queue.completion_iova().0, || queue.regions().to_vec())?;
         Ok(IoQueuePair::new(
             queue,

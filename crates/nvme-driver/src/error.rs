@@ -60,8 +60,8 @@ pub enum NvmeError {
     #[error("this controller uses shadow doorbells (ControllerConfig::shadow_doorbells) and reads I/O doorbells from their page, which a detached pair's agent does not write: bring the controller up without them to create detached pairs")]
     ShadowDoorbellsActive,
 
-    #[error("Doorbell Buffer Config got no answer that says whether it took effect ({cause}): no queue pair could ring this controller reliably, so none is created until a reset succeeds")]
-    ShadowDoorbellsUnknown { cause: String },
+    #[error("Doorbell Buffer Config got no answer that says whether it took effect (its admin command timed out or failed unanswered): no queue pair could ring this controller reliably, so none is created until a reset succeeds")]
+    ShadowDoorbellsUnknown,
 
     #[error("{queue} has no slot in the one-page shadow doorbell buffer at a doorbell stride of {stride_bytes} bytes (queues 1..={last_queue} fit): create fewer queue pairs, or bring the controller up without shadow doorbells")]
     NoShadowDoorbellSlot { queue: QueueId, stride_bytes: usize, last_queue: u16 },

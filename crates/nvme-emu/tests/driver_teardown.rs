@@ -9,12 +9,15 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use nvme_driver::hw::{DeviceBackend, DmaAllocator, HwError, RegisterIo};
+use nvme_driver::hw::{DeviceBackend, DmaAllocator};
 use nvme_driver::spec::registers::{self, ControllerStatus};
 use nvme_driver::spec::status::codes;
 use nvme_driver::spec::{AdminOpcode, NvmeStatus};
 use nvme_driver::{Controller, ControllerConfig, DataSegment, IoQueuePair, Iova, Lba, NvmeError, QueueId};
 use nvme_emu::{Backing, EmuConfig, EmuDevice, FaultAction, FaultPlan, FaultRule};
+
+mod common;
+use common::hooked_backend;
 
 const TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -163,57 +166,24 @@ fn a_stale_pair_cannot_ring_the_doorbell_of_the_pair_that_reused_its_id() {
     assert_eq!(controller.leaked_queue_pairs(), 0, "the reset saw the controller stop: the stale rings may go");
 }
 
-/// A backend whose doorbell writes to one armed offset pause inside the write: the window
-/// between a generation check and the store that a reset on another thread must not slip into.
-struct PausingBackend {
-    device: Arc<EmuDevice>,
-    registers: Arc<PausingRegisters>,
-}
-
-struct PausingRegisters {
-    inner: Arc<dyn RegisterIo>,
+/// Where a register write pauses: writes to one armed offset stop inside the write, once, for
+/// `pause` — the window between a generation check and the store that a reset on another thread
+/// must not slip into.
+struct Pause {
     armed_offset: AtomicUsize,
     entered: std::sync::Mutex<Option<mpsc::Sender<()>>>,
     pause: Duration,
     paused: AtomicBool,
 }
 
-impl RegisterIo for PausingRegisters {
-    fn len(&self) -> usize {
-        self.inner.len()
-    }
-    fn read32(&self, offset: usize) -> u32 {
-        self.inner.read32(offset)
-    }
-    fn write32(&self, offset: usize, value: u32) {
+impl Pause {
+    fn before_write32(&self, offset: usize) {
         if offset == self.armed_offset.load(Ordering::SeqCst) && !self.paused.swap(true, Ordering::SeqCst) {
             if let Some(entered) = self.entered.lock().unwrap().take() {
                 let _ = entered.send(());
             }
             std::thread::sleep(self.pause);
         }
-        self.inner.write32(offset, value);
-    }
-    fn read64(&self, offset: usize) -> u64 {
-        self.inner.read64(offset)
-    }
-    fn write64(&self, offset: usize, value: u64) {
-        self.inner.write64(offset, value);
-    }
-}
-
-impl DeviceBackend for PausingBackend {
-    fn name(&self) -> String {
-        "pausing-emu".into()
-    }
-    fn registers(&self) -> Arc<dyn RegisterIo> {
-        Arc::clone(&self.registers) as Arc<dyn RegisterIo>
-    }
-    fn dma(&self) -> Arc<dyn DmaAllocator> {
-        self.device.dma()
-    }
-    fn function_reset(&self) -> Result<(), HwError> {
-        self.device.function_reset()
     }
 }
 
@@ -225,11 +195,11 @@ fn a_reset_waits_for_a_doorbell_write_in_progress_on_another_thread() {
     // new pair creates with the same id. Without the gate, the store lands after the new pair
     // was created and the controller fetches the new pair's zeroed slot 0.
     let device = device();
-    let (mut controller, registers, entered) = pausing_controller(&device, Duration::from_millis(200));
+    let (mut controller, pause, entered) = pausing_controller(&device, Duration::from_millis(200));
     let namespace = controller.namespaces()[0];
     let mut old = controller.create_io_queue_pair(16).expect("queue pair");
     let stride = controller.capabilities().doorbell_stride_log2();
-    registers.armed_offset.store(registers::doorbell_offset(old.id().0, false, stride), Ordering::SeqCst);
+    pause.armed_offset.store(registers::doorbell_offset(old.id().0, false, stride), Ordering::SeqCst);
     old.submit_flush(namespace.id, 7).expect("queued");
     let ringer = std::thread::spawn(move || {
         let rang = old.ring_doorbell();
@@ -249,19 +219,19 @@ fn a_reset_waits_for_a_doorbell_write_in_progress_on_another_thread() {
     assert_eq!(controller.leaked_queue_pairs(), 0);
 }
 
-/// A controller on a [`PausingBackend`] and the registers wrapper to arm.
-fn pausing_controller(device: &Arc<EmuDevice>, pause: Duration) -> (Controller, Arc<PausingRegisters>, mpsc::Receiver<()>) {
+/// A controller whose register writes go through a [`Pause`], and the pause to arm.
+fn pausing_controller(device: &Arc<EmuDevice>, pause: Duration) -> (Controller, Arc<Pause>, mpsc::Receiver<()>) {
     let (entered_sender, entered) = mpsc::channel();
-    let registers = Arc::new(PausingRegisters {
-        inner: device.registers(),
+    let armed = Arc::new(Pause {
         armed_offset: AtomicUsize::new(usize::MAX),
         entered: std::sync::Mutex::new(Some(entered_sender)),
         pause,
         paused: AtomicBool::new(false),
     });
-    let backend: Arc<dyn DeviceBackend> = Arc::new(PausingBackend { device: Arc::clone(device), registers: Arc::clone(&registers) });
+    let hooked = Arc::clone(&armed);
+    let backend = hooked_backend(device, Box::new(move |offset| hooked.before_write32(offset)));
     let config = ControllerConfig { admin_timeout: Duration::from_secs(2), ..ControllerConfig::default() };
-    (Controller::init(backend, config).expect("bring-up"), registers, entered)
+    (Controller::init(backend, config).expect("bring-up"), armed, entered)
 }
 
 #[test]
@@ -270,9 +240,9 @@ fn a_pair_dropped_while_a_reset_disables_the_controller_waits_for_the_outcome() 
     // CSTS.RDY = 0 must not decide its rings' fate from the half-done reset: it waits, learns
     // the queues are gone, and frees them (no leak). Deciding early would leak them for nothing.
     let device = device();
-    let (mut controller, registers, entered) = pausing_controller(&device, Duration::from_millis(200));
+    let (mut controller, pause, entered) = pausing_controller(&device, Duration::from_millis(200));
     let pair = controller.create_io_queue_pair(16).expect("queue pair");
-    registers.armed_offset.store(registers::CC, Ordering::SeqCst);
+    pause.armed_offset.store(registers::CC, Ordering::SeqCst);
     let dropper = std::thread::spawn(move || {
         entered.recv_timeout(TIMEOUT).expect("the reset reached its CC write");
         drop(pair);
