@@ -42,6 +42,10 @@
 #   TUTTI_BENCH_SHADOW=1     also run ours with --shadow-doorbells (Doorbell Buffer Config, which
 #                            QEMU's controller offers) as driver "shadow", in the same rotation;
 #                            its rows get the same ratio columns as ours
+#   TUTTI_BENCH_ROTATE=N     start each row's driver order N places further on (default 0). The
+#                            order rotates from row to row but is the same in every boot, so one
+#                            driver always follows another on a given row; over boots with N =
+#                            0 .. drivers-1 every driver takes every place on every row once
 # The first controller (/dev/nvme0n1, then vfio:0000:00:04.0 in the guest) is benchmarked.
 set -euo pipefail
 # shellcheck source=tools/vm/lib.sh
@@ -49,6 +53,8 @@ set -euo pipefail
 
 RUNTIME_S=${TUTTI_BENCH_RUNTIME_S:-8}
 SIZE_MIB=${TUTTI_BENCH_SIZE_MIB:-512}
+ROTATE=${TUTTI_BENCH_ROTATE:-0}
+[[ "$ROTATE" =~ ^(0|[1-9][0-9]{0,3})$ ]] || vm_die "TUTTI_BENCH_ROTATE=$ROTATE is not a small whole number"
 OURS=${TUTTI_BENCH_OURS:-1}
 BEFORE=${TUTTI_BENCH_BEFORE:-}
 if [ -n "$BEFORE" ]; then
@@ -194,7 +200,7 @@ if [ "$OURS" = 1 ]; then
     row_index=0
     for spec in "${ROWS[@]}"; do
         IFS=: read -r name rw block depth <<< "$spec"
-        shift_by=$((row_index % ${#DRIVERS[@]}))
+        shift_by=$(((row_index + ROTATE) % ${#DRIVERS[@]}))
         order=("${DRIVERS[@]:shift_by}" "${DRIVERS[@]:0:shift_by}")
         row_index=$((row_index + 1))
         for driver in "${order[@]}"; do

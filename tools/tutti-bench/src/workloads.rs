@@ -225,12 +225,20 @@ pub fn run_phase(devices: &[Arc<dyn Device>], numjobs: u32, plan: &PhasePlan, pr
     Ok(PhaseResult { label: plan.label.clone(), pattern: plan.pattern, verify: plan.verify, jobs, elapsed, process_cpu: cpu })
 }
 
+/// Nanoseconds from `start` to `at`: per-I/O latencies are then integer differences of one
+/// clock reading per loop turn. `Instant` arithmetic per I/O (three subtractions) was ~130 of the
+/// job thread's ~1,600 instructions per 4 KiB read at QD 32 (callgrind).
+fn nanos_since(start: Instant, at: Instant) -> u64 {
+    u64::try_from(at.saturating_duration_since(start).as_nanos()).unwrap_or(u64::MAX)
+}
+
 struct SlotState {
     direction: Direction,
     logical_bytes: u64,
     device: usize,
-    queued_at: Instant,
-    submitted_at: Instant,
+    /// Nanoseconds since the job started ([`nanos_since`]).
+    queued_ns: u64,
+    submitted_ns: u64,
 }
 
 fn run_job(
@@ -274,10 +282,8 @@ fn run_job(
     let device_count = devices.len() as u64;
     let total_ios = plan.number_ios.unwrap_or(if plan.time_based { u64::MAX } else { blocks });
     let mut free_slots: Vec<u32> = (0..plan.iodepth).rev().collect();
-    let now = Instant::now();
-    let mut slots: Vec<SlotState> = (0..depth)
-        .map(|_| SlotState { direction: Direction::Read, logical_bytes: 0, device: 0, queued_at: now, submitted_at: now })
-        .collect();
+    let mut slots: Vec<SlotState> =
+        (0..depth).map(|_| SlotState { direction: Direction::Read, logical_bytes: 0, device: 0, queued_ns: 0, submitted_ns: 0 }).collect();
     let mut batch: Vec<u32> = Vec::with_capacity(depth);
     let mut completed: Vec<(u32, Result<(), DeviceError>)> = Vec::with_capacity(depth);
     let mut scratch = vec![0u8; plan.bs as usize];
@@ -295,6 +301,7 @@ fn run_job(
 
     loop {
         let now = Instant::now();
+        let now_ns = nanos_since(started, now);
         if runtime_deadline.is_some_and(|deadline| now >= deadline) || progress.stop.load(Ordering::Relaxed) {
             stop_issuing = true;
         }
@@ -316,7 +323,7 @@ fn run_job(
             }
             match queues[device].queue(slot, direction, device_offset) {
                 Ok(()) => {
-                    slots[slot as usize] = SlotState { direction, logical_bytes: logical, device, queued_at: now, submitted_at: now };
+                    slots[slot as usize] = SlotState { direction, logical_bytes: logical, device, queued_ns: now_ns, submitted_ns: now_ns };
                     batch.push(slot);
                     in_flight += 1;
                 }
@@ -332,9 +339,11 @@ fn run_job(
         if in_flight == 0 && stop_issuing {
             break;
         }
-        let submitted_at = Instant::now();
-        for &slot in &batch {
-            slots[slot as usize].submitted_at = submitted_at;
+        if !batch.is_empty() {
+            let submitted_ns = nanos_since(started, Instant::now());
+            for &slot in &batch {
+                slots[slot as usize].submitted_ns = submitted_ns;
+            }
         }
         batch.clear();
         // Block only when nothing more can be queued; with several devices, poll them in turn.
@@ -360,6 +369,7 @@ fn run_job(
             continue;
         }
         let done_at = Instant::now();
+        let done_ns = nanos_since(started, done_at);
         last_progress = done_at;
         let mut bytes_done = 0u64;
         for (slot, result) in completed.drain(..) {
@@ -380,7 +390,7 @@ fn run_job(
                 }
             }
             let stats = if state.direction == Direction::Read { &mut read } else { &mut write };
-            stats.record(plan.bs, done_at - state.queued_at, done_at - state.submitted_at, state.submitted_at - state.queued_at);
+            stats.record(plan.bs, state.queued_ns, state.submitted_ns, done_ns);
             bytes_done += plan.bs;
             free_slots.push(slot);
             in_flight -= 1;
