@@ -393,24 +393,19 @@ impl Controller {
         Ok(())
     }
 
-    /// Creates an I/O completion queue and submission queue at the lowest free queue id: an SQ
-    /// of `depth` entries, bounded by [`Controller::max_queue_depth`], and a CQ of twice that
-    /// where the controller allows (so the CQ head doorbell is written about once per `depth`
-    /// completions, not once per reap: see `queue.rs`).
+    /// Creates an I/O completion queue and submission queue with `depth` entries each, at the
+    /// lowest free queue id. Depth is bounded by [`Controller::max_queue_depth`].
     pub fn create_io_queue_pair(&self, depth: u32) -> Result<IoQueuePair, NvmeError> {
         self.check_doorbells_known()?;
         self.check_queue_depth(depth)?;
-        let completion_depth = depth.saturating_mul(2).min(self.max_queue_depth());
         let id = self.admin.reserve_queue_id(self.granted_queue_pairs)?;
         let stride = self.capabilities.doorbell_stride_log2();
-        let allocated =
-            QueuePair::allocate_with_completion_depth(id, depth, completion_depth, self.dma.as_ref(), Arc::clone(&self.registers), stride)
-                .and_then(|mut queue| {
-                    if let Some(buffer) = self.doorbell_buffer.as_ref().filter(|_| self.shadow_doorbells_active()) {
-                        queue.attach_shadow(buffer.slots(id)?);
-                    }
-                    Ok(queue)
-                });
+        let allocated = QueuePair::allocate(id, depth, self.dma.as_ref(), Arc::clone(&self.registers), stride).and_then(|mut queue| {
+            if let Some(buffer) = self.doorbell_buffer.as_ref().filter(|_| self.shadow_doorbells_active()) {
+                queue.attach_shadow(buffer.slots(id)?);
+            }
+            Ok(queue)
+        });
         let mut queue = match allocated {
             Ok(queue) => queue,
             Err(error) => {
@@ -420,9 +415,7 @@ impl Controller {
         };
         let generation = self.admin.gate.generation();
         queue.attach_gate(Arc::clone(&self.admin.gate), generation);
-        self.create_queues_on_controller(id, (depth, completion_depth), queue.submission_iova().0, queue.completion_iova().0, || {
-            queue.regions().to_vec()
-        })?;
+        self.create_queues_on_controller(id, depth, queue.submission_iova().0, queue.completion_iova().0, || queue.regions().to_vec())?;
         Ok(IoQueuePair::new(
             queue,
             PairOwner::Controller { admin: Arc::clone(&self.admin), generation },
@@ -433,20 +426,20 @@ impl Controller {
         ))
     }
 
-    /// Sends Create I/O CQ then Create I/O SQ for queue pair `id`, with the SQ and CQ entries
-    /// given. On failure, removes whatever the controller may have created and releases the id;
-    /// if that cleanup fails too, the rings (`regions`) are leaked and the id stays reserved,
-    /// since the controller may still write them.
+    /// Sends Create I/O CQ then Create I/O SQ for queue pair `id`. On failure, removes whatever
+    /// the controller may have created and releases the id; if that cleanup fails too, the
+    /// rings (`regions`) are leaked and the id stays reserved, since the controller may still
+    /// write them.
     fn create_queues_on_controller(
         &self,
         id: QueueId,
-        (depth, completion_depth): (u32, u32),
+        depth: u32,
         submission_iova: u64,
         completion_iova: u64,
         regions: impl FnOnce() -> Vec<DmaRegion>,
     ) -> Result<(), NvmeError> {
         let (error, sq_may_exist, cq_may_exist) =
-            match self.admin_command(SubmissionEntry::create_io_completion_queue(id.0, completion_depth, completion_iova)) {
+            match self.admin_command(SubmissionEntry::create_io_completion_queue(id.0, depth, completion_iova)) {
                 Err(error) => {
                     let cq_may_exist = may_have_executed(&error);
                     (error, false, cq_may_exist)
@@ -506,7 +499,7 @@ impl Controller {
             completion_doorbell_offset,
         };
         let generation = self.admin.gate.generation();
-        self.create_queues_on_controller(id, (depth, depth), submission.iova().0, completion.iova().0, || {
+        self.create_queues_on_controller(id, depth, submission.iova().0, completion.iova().0, || {
             vec![submission.clone(), completion.clone()]
         })?;
         Ok(DetachedQueuePair::new(layout, submission, completion, Arc::clone(&self.admin), generation))

@@ -7,20 +7,9 @@
 //! whole batch, so the controller never sees a tail that covers an unwritten entry. Completion:
 //! dword 3 of the entry at the head (command id, status, phase) is loaded with Acquire; only when
 //! its phase matches the expected one is the rest of the entry read, so the read cannot observe
-//! an entry older than the phase it carries. The CQ head doorbell is written at most once per
-//! reap batch, after the entries were consumed and a fence
-//! ([`crate::hw::fence_before_completion_doorbell`]) made those loads complete, so the controller
-//! cannot reuse a slot still being read.
-//!
-//! Lazy CQ head doorbells. A pair may have a CQ longer than its SQ
-//! ([`QueuePair::allocate_with_completion_depth`]). Then the head can stay unreported for
-//! `completion depth − 1 − command slots` entries: the controller sees those entries as still
-//! occupied, yet every command in flight still finds a free CQ entry, since at most one command
-//! slot's worth of completions can be pending. The doorbell is written only when a reap would
-//! leave more than that unreported. Under TCG each doorbell is an MMIO exit into QEMU's device
-//! model, taken under its big lock, and on hardware a PCIe write; with a CQ twice the SQ, a
-//! pair at full depth writes one CQ doorbell per about `depth` completions instead of one per
-//! reap.
+//! an entry older than the phase it carries. The CQ head doorbell is written once per reap batch,
+//! after the entries were consumed and a fence ([`crate::hw::fence_before_completion_doorbell`])
+//! made those loads complete, so the controller cannot reuse a slot still being read.
 //!
 //! Doorbells of I/O queue pairs go through the controller's [`DoorbellGate`]: a pair whose
 //! controller was reset since it was created cannot ring (see `gate.rs`). With shadow doorbells
@@ -138,13 +127,7 @@ struct GateTicket {
 /// An SQ/CQ pair in DMA memory with its doorbells.
 pub struct QueuePair {
     id: QueueId,
-    /// SQ entries.
     depth: u32,
-    /// CQ entries: `depth` or more.
-    completion_depth: u32,
-    /// CQ entries that may be consumed and not yet reported through the CQ head doorbell:
-    /// `completion_depth − 1 − command slots` (0 when both rings have the same depth).
-    completion_slack: u32,
     submission: DmaRegion,
     completion: DmaRegion,
     scratch: DmaRegion,
@@ -192,33 +175,14 @@ impl QueuePair {
         registers: Arc<dyn RegisterIo>,
         doorbell_stride_log2: u8,
     ) -> Result<Self, NvmeError> {
-        Self::allocate_with_completion_depth(id, depth, depth, dma, registers, doorbell_stride_log2)
-    }
-
-    /// As [`QueuePair::allocate`], with a CQ of `completion_depth` entries (at least `depth`):
-    /// the longer the CQ, the fewer CQ head doorbells (see the module documentation).
-    pub fn allocate_with_completion_depth(
-        id: QueueId,
-        depth: u32,
-        completion_depth: u32,
-        dma: &dyn DmaAllocator,
-        registers: Arc<dyn RegisterIo>,
-        doorbell_stride_log2: u8,
-    ) -> Result<Self, NvmeError> {
         if !(2..=QUEUE_DEPTH_MAX).contains(&depth) {
             return Err(NvmeError::InvalidQueueDepth { requested: depth, max: QUEUE_DEPTH_MAX });
         }
-        if !(depth..=QUEUE_DEPTH_MAX).contains(&completion_depth) {
-            return Err(NvmeError::InvalidQueueDepth { requested: completion_depth, max: QUEUE_DEPTH_MAX });
-        }
         let submission = dma.allocate(depth as usize * SUBMISSION_ENTRY_BYTES)?;
-        let completion = dma.allocate(completion_depth as usize * COMPLETION_ENTRY_BYTES)?;
+        let completion = dma.allocate(depth as usize * COMPLETION_ENTRY_BYTES)?;
         let scratch = dma.allocate((depth as usize - 1) * SCRATCH_BYTES)?;
         let doorbells = doorbell_offsets(id, doorbell_stride_log2, registers.len())?;
-        let mut queue = Self::from_regions(id, depth, [submission, completion, scratch], registers, doorbells);
-        queue.completion_depth = completion_depth;
-        queue.completion_slack = completion_depth - 1 - queue.slots.len() as u32;
-        Ok(queue)
+        Ok(Self::from_regions(id, depth, [submission, completion, scratch], registers, doorbells))
     }
 
     /// A pair over rings that already exist on the controller (created by another process, see
@@ -239,8 +203,6 @@ impl QueuePair {
         Self {
             id,
             depth,
-            completion_depth: depth,
-            completion_slack: 0,
             submission,
             completion,
             scratch,
@@ -300,14 +262,9 @@ impl QueuePair {
         self.id
     }
 
-    /// Entries in the SQ (the CQ has at least as many).
+    /// Entries in each ring.
     pub fn depth(&self) -> u32 {
         self.depth
-    }
-
-    /// Entries in the CQ.
-    pub fn completion_depth(&self) -> u32 {
-        self.completion_depth
     }
 
     /// Commands submitted and not yet reaped.
@@ -524,7 +481,7 @@ impl QueuePair {
             self.completion.read(offset, &mut bytes)?;
             let entry = CompletionEntry::from_bytes(&bytes);
             self.cq_head += 1;
-            if self.cq_head == self.completion_depth {
+            if self.cq_head == self.depth {
                 self.cq_head = 0;
                 self.phase = !self.phase;
             }
@@ -557,9 +514,7 @@ impl QueuePair {
             self.in_flight -= 1;
             on_completion(completion);
         }
-        // At most `completion_slack` entries stay unreported (never a whole ring: the slack and
-        // one reap's worth of entries are below the CQ depth).
-        if reaped > 0 && ring_distance(self.cq_head_published, self.cq_head, self.completion_depth) > self.completion_slack {
+        if reaped > 0 {
             // Stale: the consumed entries were still delivered (or reported in `failure`), and the
             // doorbell is not written; staleness wins over any other failure.
             self.write_doorbell(true, self.cq_head, self.cq_head_published, hw::fence_before_completion_doorbell)?;
@@ -645,9 +600,6 @@ impl QueuePair {
         completion.into_result(self.id)
     }
 }
-
-#[cfg(test)]
-mod lazy_completion_tests;
 
 #[cfg(test)]
 mod ring_index_tests {
