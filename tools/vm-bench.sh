@@ -42,10 +42,13 @@
 #   TUTTI_BENCH_SHADOW=1     also run ours with --shadow-doorbells (Doorbell Buffer Config, which
 #                            QEMU's controller offers) as driver "shadow", in the same rotation;
 #                            its rows get the same ratio columns as ours
-#   TUTTI_BENCH_ROTATE=N     start each row's driver order N places further on (default 0). The
-#                            order rotates from row to row but is the same in every boot, so one
-#                            driver always follows another on a given row; over boots with N =
-#                            0 .. drivers-1 every driver takes every place on every row once
+#   TUTTI_BENCH_ROTATE=N     start each row's driver order N places further on (default 0), and
+#                            run the drivers' cycle backwards when N / drivers is odd. The order
+#                            rotates from row to row but is the same in every boot, so one driver
+#                            always follows another on a given row (which process ran before
+#                            decides, for one, which guest CPU an unpinned job lands on); over
+#                            boots with N = 0 .. 2 × drivers − 1 every driver takes every place
+#                            on every row and follows each of two neighbours
 # The first controller (/dev/nvme0n1, then vfio:0000:00:04.0 in the guest) is benchmarked.
 set -euo pipefail
 # shellcheck source=tools/vm/lib.sh
@@ -197,6 +200,11 @@ if [ "$OURS" = 1 ]; then
     [ -n "$SPDK_DIR" ] && DRIVERS+=("spdk:spdk_nvme_perf")
     [ "$SHADOW" = 1 ] && DRIVERS+=("shadow:tutti-bench --shadow-doorbells")
     [ -n "$PIN" ] && DRIVERS+=("pinned:tutti-bench --cpus_allowed=$PIN")
+    if [ $(((ROTATE / ${#DRIVERS[@]}) % 2)) = 1 ]; then
+        reversed=()
+        for ((index = ${#DRIVERS[@]} - 1; index >= 0; index--)); do reversed+=("${DRIVERS[index]}"); done
+        DRIVERS=("${reversed[@]}")
+    fi
     row_index=0
     for spec in "${ROWS[@]}"; do
         IFS=: read -r name rw block depth <<< "$spec"
