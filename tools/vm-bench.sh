@@ -45,8 +45,8 @@
 #   TUTTI_BENCH_ROTATE=N     start each row's driver order N places further on (default 0), and
 #                            run the drivers' cycle backwards when N / drivers is odd. The order
 #                            rotates from row to row but is the same in every boot, so one driver
-#                            always follows another on a given row (which process ran before
-#                            decides, for one, which guest CPU an unpinned job lands on); over
+#                            always follows another on a given row (an unpinned job's rate
+#                            seemed to depend on which process ran before it); over
 #                            boots with N = 0 .. 2 × drivers − 1 every driver takes every place
 #                            on every row and follows each of two neighbours
 # The first controller (/dev/nvme0n1, then vfio:0000:00:04.0 in the guest) is benchmarked.
