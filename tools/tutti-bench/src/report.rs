@@ -81,7 +81,9 @@ impl LatencySummary {
         self.min_ns = self.min_ns.min(value_ns);
         self.max_ns = self.max_ns.max(value_ns);
         let value = u128::from(value_ns);
-        // u128 sums cannot overflow: 2^64 values of up to (2^64)^2 would be needed.
+        // The sum cannot reach u128::MAX (2^64 values would be needed). The sum of squares can,
+        // but only after ~2^44 latencies of an hour each; it then saturates (no wrap-around,
+        // but the stddev is no longer exact). No run gets near that.
         self.sum_ns = self.sum_ns.saturating_add(value);
         self.sum_squares_ns2 = self.sum_squares_ns2.saturating_add(value * value);
     }
