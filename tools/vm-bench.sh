@@ -42,9 +42,6 @@
 #   TUTTI_BENCH_SHADOW=1     also run ours with --shadow-doorbells (Doorbell Buffer Config, which
 #                            QEMU's controller offers) as driver "shadow", in the same rotation;
 #                            its rows get the same ratio columns as ours
-#   TUTTI_BENCH_HYBRID=1     also run ours with --hybrid-poll (sleep through half the expected wait,
-#                            then poll) as driver "hybrid", in the same rotation, pinned like
-#                            "pinned" when TUTTI_BENCH_PIN is set; its rows get ours' ratio columns
 #   TUTTI_BENCH_ROTATE=N     start each row's driver order N places further on (default 0), and
 #                            run the drivers' cycle backwards when N / drivers is odd. The order
 #                            rotates from row to row but is the same in every boot, so one driver
@@ -77,12 +74,6 @@ case $SHADOW in
     1) [ "$OURS" = 1 ] || vm_die "TUTTI_BENCH_SHADOW runs ours with shadow doorbells: drop TUTTI_BENCH_OURS=0" ;;
     *) vm_die "TUTTI_BENCH_SHADOW=$SHADOW: 0 or 1" ;;
 esac
-HYBRID=${TUTTI_BENCH_HYBRID:-0}
-case $HYBRID in
-    0) ;;
-    1) [ "$OURS" = 1 ] || vm_die "TUTTI_BENCH_HYBRID runs ours with hybrid polling: drop TUTTI_BENCH_OURS=0" ;;
-    *) vm_die "TUTTI_BENCH_HYBRID=$HYBRID: 0 or 1" ;;
-esac
 PIN=${TUTTI_BENCH_PIN:-}
 if [ -n "$PIN" ]; then
     [ "$OURS" = 1 ] || vm_die "TUTTI_BENCH_PIN runs ours pinned: drop TUTTI_BENCH_OURS=0"
@@ -111,7 +102,6 @@ SECONDS_PER_RUNTIME_S=40
 [ -n "$SPDK_DIR" ] && SECONDS_PER_RUNTIME_S=$((SECONDS_PER_RUNTIME_S + 20))
 [ "$SHADOW" = 1 ] && SECONDS_PER_RUNTIME_S=$((SECONDS_PER_RUNTIME_S + 20))
 [ -n "$PIN" ] && SECONDS_PER_RUNTIME_S=$((SECONDS_PER_RUNTIME_S + 20))
-[ "$HYBRID" = 1 ] && SECONDS_PER_RUNTIME_S=$((SECONDS_PER_RUNTIME_S + 20))
 export TUTTI_VM_TIMEOUT_S=${TUTTI_VM_TIMEOUT_S:-$((RUNTIME_S * SECONDS_PER_RUNTIME_S + 180))}
 
 mkdir -p "$VM_DIR"/{debs,logs,kernel}
@@ -210,7 +200,6 @@ if [ "$OURS" = 1 ]; then
     [ -n "$SPDK_DIR" ] && DRIVERS+=("spdk:spdk_nvme_perf")
     [ "$SHADOW" = 1 ] && DRIVERS+=("shadow:tutti-bench --shadow-doorbells")
     [ -n "$PIN" ] && DRIVERS+=("pinned:tutti-bench --cpus_allowed=$PIN")
-    [ "$HYBRID" = 1 ] && DRIVERS+=("hybrid:tutti-bench --hybrid-poll${PIN:+ --cpus_allowed=$PIN}")
     if [ $(((ROTATE / ${#DRIVERS[@]}) % 2)) = 1 ]; then
         reversed=()
         for ((index = ${#DRIVERS[@]} - 1; index >= 0; index--)); do reversed+=("${DRIVERS[index]}"); done
@@ -297,18 +286,17 @@ def figures(driver, row):
 rows = sys.argv[3:]
 labels = [label for label in sys.argv[2].split(",") if label]
 # Every driver after the kernel's rows, in the order the rows print them.
-order = ("ours", "shadow", "pinned", "hybrid", "before", "spdk")
+order = ("ours", "shadow", "pinned", "before", "spdk")
 drivers = ("kernel",) + tuple(label for label in order if label in labels)
 with_before, with_spdk = "before" in labels, "spdk" in labels
 # Our drivers: their rows carry the ours/before and ours/spdk columns.
-ours_drivers = ("ours", "shadow", "pinned", "hybrid")
+ours_drivers = ("ours", "shadow", "pinned")
 legend = {
     "ours": "ours = tutti-bench through VFIO (CPU executor, polled). Emulator numbers, not an SSD's.",
     "before": "before = TUTTI_BENCH_BEFORE's tutti-bench, back to back with ours on each row (same boot, order rotating).",
     "spdk": "spdk = TUTTI_BENCH_SPDK's spdk_nvme_perf (polled, one core; it reports no percentiles), in the same rotation.",
     "shadow": "shadow = ours with --shadow-doorbells (Doorbell Buffer Config), in the same rotation; its ratio columns are shadow/before, shadow/spdk.",
     "pinned": "pinned = ours with --cpus_allowed (one guest CPU, as perf pins itself), in the same rotation; its ratio columns are pinned/before, pinned/spdk.",
-    "hybrid": "hybrid = ours with --hybrid-poll (pinned too when pinned runs), in the same rotation; its ratio columns are hybrid/before, hybrid/spdk.",
 }
 print()
 print("QEMU NVMe under TCG, one controller: kernel = guest nvme driver + fio io_uring O_DIRECT;")

@@ -100,12 +100,6 @@ pub struct Cli {
     #[arg(long = "shadow-doorbells")]
     pub shadow_doorbells: bool,
 
-    /// Wait on vfio: devices by hybrid polling, as Linux's io_poll_delay=0: when half the
-    /// expected wait for a completion is 20 µs or more, sleep that long before polling.
-    /// Saves the polling CPU on large I/O; small I/O keeps plain polling. Raw workload.
-    #[arg(long = "hybrid-poll")]
-    pub hybrid_poll: bool,
-
     /// CPUs every job thread may run on (fio's cpus_allowed, shared policy): 0, 0,2, 1-3.
     /// Raw workload.
     #[arg(long = "cpus_allowed", alias = "cpus-allowed", value_parser = parse_cpus_arg)]
@@ -206,7 +200,7 @@ pub enum Selected {
 }
 
 /// Options that shape only the raw workload, and only the kv workload (by clap id).
-const RAW_OPTIONS: [&str; 13] = [
+const RAW_OPTIONS: [&str; 12] = [
     "rw",
     "bs",
     "iodepth",
@@ -218,7 +212,6 @@ const RAW_OPTIONS: [&str; 13] = [
     "rwmixread",
     "offset",
     "shadow_doorbells",
-    "hybrid_poll",
     "cpus_allowed",
 ];
 const KV_OPTIONS: [&str; 16] = [

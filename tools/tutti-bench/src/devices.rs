@@ -29,18 +29,6 @@ const WAIT_SPIN_POLLS: u32 = 256;
 /// Polls between two clock reads of a wait (its deadline): a clock read costs more than a poll,
 /// and under an emulated CPU (the TCG guest of tools/vm-bench.sh) far more.
 const WAIT_POLLS_PER_CLOCK_READ: u32 = 1024;
-/// Hybrid polling (`--hybrid-poll`): one wait in this many polls without sleeping and is timed;
-/// the others use the estimate those timings keep.
-const HYBRID_SAMPLE_EVERY_WAITS: u32 = 32;
-/// Hybrid polling sleeps only when half the expected wait is at least this long: shorter sleeps
-/// cost more in the timer and the scheduler than the polls they replace.
-const HYBRID_SLEEP_MIN: Duration = Duration::from_micros(20);
-/// Nor longer than this, whatever the estimate (a device that stalled once must not put every
-/// later wait to sleep for long).
-const HYBRID_SLEEP_MAX: Duration = Duration::from_millis(5);
-/// Timer slack of a thread that sleeps in a hybrid wait (the default, 50 µs, would outlast most
-/// of the sleeps).
-const HYBRID_TIMER_SLACK_NS: u64 = 1_000;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Direction {
@@ -124,8 +112,6 @@ pub struct OpenOptions2 {
     pub lay_out: bool,
     /// Ask NVMe controllers for shadow doorbells (`ControllerConfig::shadow_doorbells`).
     pub shadow_doorbells: bool,
-    /// Wait on VFIO functions by hybrid polling (see [`Waiter::Hybrid`]).
-    pub hybrid_poll: bool,
 }
 
 /// Files this run created, removed on drop unless the run succeeded and keeps them.
@@ -280,7 +266,6 @@ struct NvmeDevice {
     emulator: Option<Arc<EmuDevice>>,
     namespace: nvme_driver::Namespace,
     description: String,
-    hybrid_poll: bool,
 }
 
 impl NvmeDevice {
@@ -307,20 +292,13 @@ impl NvmeDevice {
             shadow_note(options, controller.shadow_doorbells_active()),
             timing_note(&device.spec, options),
         );
-        let description = match (options.hybrid_poll, device.emulator.is_some()) {
-            (false, _) => description,
-            (true, false) => format!("{description}, hybrid polling"),
-            (true, true) => format!("{description}, no hybrid polling (the software controller's waiter yields instead)"),
-        };
-        Ok(Self { controller, emulator: device.emulator, namespace, description, hybrid_poll: options.hybrid_poll })
+        Ok(Self { controller, emulator: device.emulator, namespace, description })
     }
 
     /// How a wait on this device spends its polls: see [`Waiter`].
     fn waiter(&self) -> Waiter {
         if self.emulator.is_some() {
             Waiter::SharesOurCores
-        } else if self.hybrid_poll {
-            Waiter::Hybrid
         } else {
             Waiter::Polls
         }
@@ -357,7 +335,6 @@ impl NvmeDevice {
             slot_bytes,
             segments,
             waiter,
-            hybrid: HybridPoll::default(),
             remaining_commands: vec![0; depth as usize],
             failure: vec![None; depth as usize],
             directions: vec![Direction::Read; depth as usize],
@@ -401,68 +378,6 @@ enum Waiter {
     /// reads went from ~12k to ~21-23k IOPS at QD 1 but fell at QD 32; with neither, 38.6-49.0k
     /// at QD 1 against b18d064's 14.1-16.8k, and 1.24-1.50x at QD 32 (docs/vfio.md).
     Polls,
-    /// A VFIO function, hybrid polling as Linux's (`io_poll_delay` 0): when half the expected
-    /// wait is long enough to be worth a sleep, sleep that long, then poll as `Polls` does. The
-    /// expected wait is kept from timed waits without a sleep (see [`HybridPoll`]).
-    Hybrid,
-}
-
-/// The expected wait of a hybrid-polling queue: a moving average of waits that were polled
-/// from start to end (one in HYBRID_SAMPLE_EVERY_WAITS, and every wait until the first), so
-/// that the sleeps themselves never feed the estimate.
-#[derive(Debug, Default)]
-struct HybridPoll {
-    waits: u32,
-    /// Zero until the first timed wait.
-    expected_wait_ns: u64,
-    /// Sleeps taken (tests read it).
-    sleeps: u64,
-    /// This thread's timer slack was tightened (before its first sleep).
-    slack_set: bool,
-}
-
-/// What a hybrid wait does before it polls.
-#[derive(Debug, PartialEq, Eq)]
-enum HybridStep {
-    /// Poll from the start and time the wait.
-    Time,
-    /// Sleep this long, then poll.
-    Sleep(Duration),
-    /// Poll from the start (the expected wait is too short to sleep through half of it).
-    Poll,
-}
-
-impl HybridPoll {
-    fn next_step(&mut self) -> HybridStep {
-        self.waits = self.waits.wrapping_add(1);
-        if self.expected_wait_ns == 0 || self.waits.is_multiple_of(HYBRID_SAMPLE_EVERY_WAITS) {
-            return HybridStep::Time;
-        }
-        let sleep = Duration::from_nanos(self.expected_wait_ns / 2).min(HYBRID_SLEEP_MAX);
-        if sleep >= HYBRID_SLEEP_MIN {
-            HybridStep::Sleep(sleep)
-        } else {
-            HybridStep::Poll
-        }
-    }
-
-    /// Folds a timed wait into the estimate (weight 1/8).
-    fn record(&mut self, waited: Duration) {
-        let waited_ns = u64::try_from(waited.as_nanos()).unwrap_or(u64::MAX).max(1);
-        self.expected_wait_ns =
-            if self.expected_wait_ns == 0 { waited_ns } else { self.expected_wait_ns - self.expected_wait_ns / 8 + waited_ns / 8 }.max(1);
-    }
-
-    /// Sleeps before a hybrid wait's polls, with this thread's timer slack tightened first.
-    fn sleep(&mut self, duration: Duration) {
-        if !self.slack_set {
-            // Best effort: with the default slack the sleep only runs longer.
-            let _ = nix::sys::prctl::set_timerslack(HYBRID_TIMER_SLACK_NS as libc::c_ulong);
-            self.slack_set = true;
-        }
-        self.sleeps += 1;
-        std::thread::sleep(duration);
-    }
 }
 
 struct NvmeQueue {
@@ -474,7 +389,6 @@ struct NvmeQueue {
     slot_bytes: usize,
     segments: Vec<DataSegment>,
     waiter: Waiter,
-    hybrid: HybridPoll,
     /// Commands of each slot's I/O still in flight (an I/O over MDTS is several commands).
     remaining_commands: Vec<u32>,
     /// First failed status of each slot's I/O, reported when its last command completes.
@@ -520,7 +434,7 @@ impl IoQueue for NvmeQueue {
         deadline: Instant,
         on_done: &mut dyn FnMut(u32, Result<(), DeviceError>),
     ) -> Result<usize, DeviceError> {
-        let Self { name, pair, remaining_commands, failure, directions, offsets_bytes, waiter, hybrid, .. } = self;
+        let Self { name, pair, remaining_commands, failure, directions, offsets_bytes, waiter, .. } = self;
         pair.ring_doorbell().map_err(|source| DeviceError::Nvme { device: name.clone(), source })?;
         let mut done = 0usize;
         let mut unexpected = None;
@@ -562,15 +476,6 @@ impl IoQueue for NvmeQueue {
             // device is waited on). An empty poll is one load (completion_pending); reap runs
             // when it says so.
             let in_flight = pair.in_flight();
-            let step = if *waiter == Waiter::Hybrid { hybrid.next_step() } else { HybridStep::Poll };
-            let timed_from = match step {
-                HybridStep::Time => Some(Instant::now()),
-                HybridStep::Sleep(duration) => {
-                    hybrid.sleep(duration);
-                    None
-                }
-                HybridStep::Poll => None,
-            };
             let mut polls = 0u32;
             loop {
                 if pair.completion_pending()
@@ -583,13 +488,10 @@ impl IoQueue for NvmeQueue {
                     return Err(DeviceError::Timeout { device: name.clone(), timeout_s: IO_TIMEOUT.as_secs(), in_flight });
                 }
                 match waiter {
-                    Waiter::Polls | Waiter::Hybrid => {}
+                    Waiter::Polls => {}
                     Waiter::SharesOurCores if polls < WAIT_SPIN_POLLS => std::hint::spin_loop(),
                     Waiter::SharesOurCores => std::thread::yield_now(),
                 }
-            }
-            if let Some(started) = timed_from {
-                hybrid.record(started.elapsed());
             }
         }
         if let Some(slot) = unexpected {
@@ -675,19 +577,14 @@ mod tests {
     use super::*;
 
     fn memory_device() -> NvmeDevice {
-        memory_device_timed(None)
-    }
-
-    fn memory_device_timed(timing: Option<nvme_emu::TimingModel>) -> NvmeDevice {
         let options = OpenOptions2 {
             writes: true,
             create_bytes: None,
             io_bytes_max: 4096,
             queues: 1,
-            timing,
+            timing: None,
             lay_out: false,
             shadow_doorbells: false,
-            hybrid_poll: false,
         };
         let emu = EmuOptions { config: emu_config(options), create_bytes: None };
         let opened = open_in_one_space(&[DeviceSpec::EmuMemory(16 << 20)], &emu).expect("open emu:mem");
@@ -708,7 +605,7 @@ mod tests {
     fn both_waiters_reap_every_read_into_its_own_slot() {
         // Goal: the VFIO waiter (polls back to back, no spin hint) and the software
         // controller's (spins, then yields) hand each completion to its slot, once.
-        for waiter in [Waiter::Polls, Waiter::SharesOurCores, Waiter::Hybrid] {
+        for waiter in [Waiter::Polls, Waiter::SharesOurCores] {
             let counts = finishes_within(Duration::from_secs(60), move || {
                 let device = memory_device();
                 let depth = 4u32;
@@ -753,70 +650,5 @@ mod tests {
         });
         result.expect("a completion 600 ms late must fail a 100 ms wait with Timeout");
         assert!(waited >= Duration::from_millis(100) && waited < Duration::from_millis(500), "gave up after {waited:?}");
-    }
-
-    #[test]
-    fn hybrid_polling_times_then_sleeps_half_the_expected_wait() {
-        // Goal: the first wait is timed; later waits sleep half the estimate, except one in
-        // HYBRID_SAMPLE_EVERY_WAITS, which is timed again (the sleeps never feed the estimate).
-        let mut hybrid = HybridPoll::default();
-        assert_eq!(hybrid.next_step(), HybridStep::Time);
-        hybrid.record(Duration::from_micros(400));
-        let steps: Vec<HybridStep> = (0..2 * HYBRID_SAMPLE_EVERY_WAITS).map(|_| hybrid.next_step()).collect();
-        let timed = steps.iter().filter(|step| **step == HybridStep::Time).count();
-        assert_eq!(timed, 2, "{steps:?}");
-        assert!(steps.iter().all(|step| *step == HybridStep::Time || *step == HybridStep::Sleep(Duration::from_micros(200))), "{steps:?}");
-        // A new timing moves the estimate by an eighth of the difference.
-        hybrid.record(Duration::from_micros(1200));
-        assert_eq!(hybrid.expected_wait_ns, 500_000);
-    }
-
-    #[test]
-    fn hybrid_polling_keeps_short_waits_polled_and_caps_long_sleeps() {
-        // Goal: waits whose half is under HYBRID_SLEEP_MIN are polled from the start (small
-        // I/O keeps plain polling), and a stall never makes later sleeps longer than the cap.
-        let mut short = HybridPoll::default();
-        short.next_step();
-        short.record(HYBRID_SLEEP_MIN * 2 - Duration::from_nanos(2));
-        assert_eq!(short.next_step(), HybridStep::Poll);
-        let mut stalled = HybridPoll::default();
-        stalled.next_step();
-        stalled.record(Duration::from_secs(20));
-        assert_eq!(stalled.next_step(), HybridStep::Sleep(HYBRID_SLEEP_MAX));
-    }
-
-    #[test]
-    fn hybrid_waiter_sleeps_on_a_slow_device_and_reaps_everything() {
-        // Goal: against a device whose every command takes 400 µs, the hybrid waiter learns the
-        // wait, sleeps through part of it, and still hands every completion to its slot.
-        let timing = nvme_emu::TimingModel {
-            read_bytes_per_s: 1 << 40,
-            write_bytes_per_s: 1 << 40,
-            mixed_share_permille: 1000,
-            command_latency: Duration::from_micros(400),
-        };
-        let (counts, sleeps, expected_wait_ns) = finishes_within(Duration::from_secs(60), move || {
-            let device = memory_device_timed(Some(timing));
-            let mut queue = device.open_nvme_queue(1, 4096, Waiter::Hybrid).expect("queue");
-            let mut count = 0u32;
-            let deadline = Instant::now() + IO_TIMEOUT;
-            for round in 0..100u64 {
-                queue.queue(0, Direction::Read, round * 4096).expect("queue read");
-                let mut done = 0;
-                while done == 0 {
-                    done = queue
-                        .submit_and_reap(true, deadline, &mut |slot, result| {
-                            result.expect("read");
-                            assert_eq!(slot, 0);
-                            count += 1;
-                        })
-                        .expect("wait");
-                }
-            }
-            (count, queue.hybrid.sleeps, queue.hybrid.expected_wait_ns)
-        });
-        assert_eq!(counts, 100);
-        assert!(expected_wait_ns >= 400_000, "expected wait {expected_wait_ns} ns, under the device's latency");
-        assert!(sleeps >= 80, "{sleeps} sleeps in 100 waits");
     }
 }

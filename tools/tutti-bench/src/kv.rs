@@ -213,7 +213,6 @@ pub fn run_plan(specs: &[DeviceSpec], plan: &KvPlan, output: OutputFormat, creat
         lay_out: false,
         timing: plan.emu_timing,
         shadow_doorbells: false,
-        hybrid_poll: false,
     };
     let listed = specs.iter().map(ToString::to_string).collect::<Vec<_>>().join(",");
     let devices = devices::open_controllers(specs, options, created).map_err(|error| match error {

@@ -28,9 +28,6 @@ pub fn run(cli: &Cli, selected: Selected, matches: &ArgMatches) -> anyhow::Resul
     if cli.shadow_doorbells && selected != Selected::Raw {
         return usage("--shadow-doorbells applies to --workload=raw (the kv and serve workloads keep MMIO doorbells)");
     }
-    if cli.hybrid_poll && selected != Selected::Raw {
-        return usage("--hybrid-poll applies to --workload=raw");
-    }
     if cli.cpus_allowed.is_some() && selected != Selected::Raw {
         return usage("--cpus_allowed applies to --workload=raw");
     }
@@ -45,7 +42,7 @@ pub fn run(cli: &Cli, selected: Selected, matches: &ArgMatches) -> anyhow::Resul
             let kv_options = crate::args::kv_options_given(matches);
             if !kv_options.is_empty() {
                 return usage(format!(
-                    "{} apply to --workload=kv; accepted with --workload=raw: --rw, --bs, --iodepth, --numjobs, --size, --runtime, --number_ios, --offset, --verify, --shadow-doorbells, --hybrid-poll, --cpus_allowed",
+                    "{} apply to --workload=kv; accepted with --workload=raw: --rw, --bs, --iodepth, --numjobs, --size, --runtime, --number_ios, --offset, --verify, --shadow-doorbells, --cpus_allowed",
                     kv_options.join(", ")
                 ));
             }
@@ -180,7 +177,6 @@ fn run_raw(cli: &Cli, specs: &[DeviceSpec], created: &mut CreatedFiles) -> anyho
         lay_out: !writes,
         timing: cli.emu_timing,
         shadow_doorbells: cli.shadow_doorbells,
-        hybrid_poll: cli.hybrid_poll,
     };
     // Memory devices are checked together: two emu:mem devices may fit one by one, not both.
     tutti_devices::check_memory(specs).map_err(|error| Unusable(error.to_string()))?;
@@ -280,7 +276,6 @@ fn configuration(cli: &Cli, devices: &[Arc<dyn Device>], region_bytes: u64) -> s
         "rwmixread": (cli.rw == Pattern::Randrw).then_some(cli.rwmixread),
         "verify": cli.verify,
         "cpus_allowed": cli.cpus_allowed.as_ref().map(ToString::to_string),
-        "hybrid_poll": cli.hybrid_poll,
         "executor": "cpu",
         "emu_timing": devices::timing_json(cli.emu_timing),
         "devices": devices.iter().map(|device| json!({"name": device.name(), "description": device.describe(), "capacity_bytes": device.capacity_bytes(), "io_uring_setup": device.ring_setup()})).collect::<Vec<_>>(),

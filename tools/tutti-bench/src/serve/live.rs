@@ -97,7 +97,6 @@ pub fn serve(plan: &ServePlan, profile: &Profile, policy: PolicyChoice, requests
         timing: Some(plan.model.timing),
         lay_out: false,
         shadow_doorbells: false,
-        hybrid_poll: false,
     };
     let mut created = CreatedFiles::default();
     let devices = devices::open_controllers(std::slice::from_ref(&spec), options, &mut created).map_err(|error| match error {
