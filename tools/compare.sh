@@ -15,10 +15,12 @@
 #                based): exactly the pool's slots that run uses (slots 0..n/K-1 from the data
 #                region at 1 MiB), each I/O once, in random order. A slot holds its K blocks
 #                layer-major, so a layer of a slot (K and V of K blocks, 32 KiB each) is one
-#                K*64 KiB command on the pool; the software controller keeps at most 128
-#                transfers and 16 MiB in flight to the file, so tutti's depth at the file is
-#                min(commands queued, 128, 16 MiB / command): fio at that depth (16 for K=16,
-#                128 for K=1).
+#                K*64 KiB command on the pool; tutti-bench keeps two layers in flight (each
+#                n/K commands, n blocks) and the software controller at most 128 transfers in
+#                flight to the file (its 16 MiB bound holds bounced transfers only; these go
+#                straight from engine memory), so tutti's depth at the file is
+#                min(2 * n/K, 128): fio at that depth (32 for K=16, 128 for K=1). Before
+#                2026-11-28 the bound held every transfer and the depth was 16 MiB / command.
 #
 # Environment (all optional):
 #   COMPARE_FILE     test file on the local disk   (default /var/tmp/tutti-compare.img)
@@ -35,7 +37,7 @@
 #                    for a before/after comparison in one sitting)
 #   COMPARE_KV_TOKENS   prompt of the KV rows, tokens (default 4096: 256 blocks, 512 MiB)
 #   COMPARE_KV_BLOCKS_PER_SLOT  K of the KV rows (default 16: a slot of 256 tokens)
-#   COMPARE_KV_IODEPTH  fio's queue depth on the KV rows (default min(128, 16 MiB / command), see above)
+#   COMPARE_KV_IODEPTH  fio's queue depth on the KV rows (default min(128, 2 * n/K), see above)
 #   COMPARE_KV_REPEAT   KV rows: passes per measurement, the median kept (default 3: one pass
 #                       of 512 MiB takes ~0.5 s, which this disk's swings dominate)
 set -euo pipefail
@@ -50,7 +52,8 @@ ROWS=${COMPARE_ROWS:-"randread-4k read-128k read-1m write-128k write-1m kv-retri
 KV_TOKENS=${COMPARE_KV_TOKENS:-4096}
 KV_K=${COMPARE_KV_BLOCKS_PER_SLOT:-16}
 KV_BS_KIB=$((64 * KV_K))
-KV_DEPTH_DEFAULT=$((16384 / KV_BS_KIB))
+KV_BLOCKS=$((KV_TOKENS / 16))
+KV_DEPTH_DEFAULT=$((2 * ((KV_BLOCKS + KV_K - 1) / KV_K)))
 [ "$KV_DEPTH_DEFAULT" -gt 128 ] && KV_DEPTH_DEFAULT=128
 [ "$KV_DEPTH_DEFAULT" -lt 1 ] && KV_DEPTH_DEFAULT=1
 KV_IODEPTH=${COMPARE_KV_IODEPTH:-$KV_DEPTH_DEFAULT}

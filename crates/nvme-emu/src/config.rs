@@ -72,8 +72,10 @@ pub struct EmuConfig {
     /// (several in flight); off, or when io_uring is unavailable, every transfer is one
     /// synchronous `pread`/`pwrite`.
     pub io_uring: bool,
-    /// Most bytes of Reads and write-through Writes in flight through io_uring at once (their
-    /// bounce buffers); a command larger than this still runs, alone.
+    /// Most bytes of bounced Reads and write-through Writes in flight through io_uring at once
+    /// (the controller's buffers they hold); a command larger than this still runs, alone.
+    /// Transfers straight between the file and host memory hold no such buffer and are bounded
+    /// by the ring's depth only.
     pub in_flight_bytes_max: u64,
     /// Hold Read/Write completions back as an SSD of this bandwidth, latency and mixed-traffic
     /// collapse would (see [`crate::timing`]); `None` (the default) completes as fast as this

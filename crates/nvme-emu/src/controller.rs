@@ -44,7 +44,7 @@ const COMMANDS_PER_QUEUE_PER_SCAN: usize = 64;
 const DISABLED_SLEEP: Duration = Duration::from_millis(2);
 /// Longest delay a fault may impose on a completion.
 const MAX_FAULT_DELAY: Duration = Duration::from_secs(3600);
-/// Transfers in flight at once through io_uring (also bounded by `in_flight_bytes_max`).
+/// Transfers in flight at once through io_uring (the bounced ones also by `in_flight_bytes_max`).
 const URING_DEPTH: u32 = 128;
 /// Largest single backing-store write during a cache write-back.
 const WRITE_BACK_CHUNK_BYTES: usize = 1 << 20;

@@ -128,6 +128,59 @@ fn overlapping_writes_in_different_scans_are_never_in_flight_together_and_land_i
 }
 
 #[test]
+fn the_byte_bound_holds_bounced_transfers_only() {
+    // Goal: `in_flight_bytes_max` bounds the bytes bounced through the controller's buffers. A
+    // transfer straight from host memory holds none of them, so only the ring's depth bounds
+    // it (at 1 MiB the byte bound kept 16 of a QD 32 host's commands at the file, where fio
+    // keeps 32). Bound: two blocks; one scan of four one-block writes held by the full socket.
+    // Direct, all four are in flight when the scan ends. Bounced, the scan's third write waits
+    // for room, so the scan lasts until the drainer frees the socket and ends with at most two
+    // in flight. The scan is driven by hand under the controller's lock, so its end is exact.
+    for direct in [true, false] {
+        let name = if direct { "bound-direct" } else { "bound-bounced" };
+        let Some(mut stalled) = Stalled::start_with(name, true, HELD_TIMEOUT) else { return };
+        let device = stalled.host.device.clone();
+        device.with_core(|core| {
+            core.set_in_flight_bytes_max_for_tests(2 * 4096);
+            if direct {
+                core.allow_direct_on_override();
+            }
+        });
+        let mut receiver = stalled.receiver.try_clone().unwrap();
+        let expected_bytes = stalled.filler_bytes + 4 * 4096;
+        let drainer = std::thread::spawn(move || {
+            std::thread::sleep(QUIET);
+            receiver.set_read_timeout(Some(DEADLINE)).unwrap();
+            let mut received = vec![0u8; expected_bytes];
+            receiver.read_exact(&mut received).map(|()| received)
+        });
+        let (in_flight_after_scan, scan_time) = device.with_core(|core| {
+            let _sources: Vec<_> = (0..4u8).map(|lba| push_write(&stalled.host, &mut stalled.queue, u64::from(lba), &block(lba))).collect();
+            stalled.host.ring_submission(&stalled.queue);
+            let started = Instant::now();
+            core.poll(started);
+            (core.in_flight_ranges().len(), started.elapsed())
+        });
+        if direct {
+            assert_eq!(in_flight_after_scan, 4, "direct writes are held to the ring's depth only");
+            assert!(scan_time < QUIET, "the scan of direct writes waited for room ({scan_time:?})");
+        } else {
+            assert!(in_flight_after_scan <= 2, "{in_flight_after_scan} bounced one-block writes in flight with a two-block bound");
+            assert!(scan_time >= QUIET, "the third bounced write did not wait for room ({scan_time:?})");
+        }
+        let received = drainer.join().unwrap().expect("every write reached the socket");
+        let mut landed: Vec<u8> = received[stalled.filler_bytes..]
+            .chunks_exact(4096)
+            .map(|chunk| (0..4u8).find(|&seed| chunk == block(seed).as_slice()).expect("a block the test wrote"))
+            .collect();
+        landed.sort_unstable();
+        assert_eq!(landed, [0, 1, 2, 3], "each write landed once");
+        let completions = reap_all(&stalled.host, &mut stalled.queue, 4);
+        assert!(completions.iter().all(|completion| status_of(completion).is_ok()), "{completions:?}");
+    }
+}
+
+#[test]
 fn a_flush_completes_only_after_the_writes_in_flight() {
     // Goal: a Flush fetched while write-through Writes are in flight completes after them.
     let Some(mut stalled) = Stalled::start_with("in-flight-flush", true, HELD_TIMEOUT) else { return };
