@@ -83,6 +83,8 @@ cleanup() {
 trap cleanup EXIT
 
 say() { printf '%s\n' "$*" >&2; }
+# fio's --mem for a fio column: huge pages for "fiohuge", its default otherwise.
+fio_memory() { if [ "$1" = fiohuge ]; then echo shmhuge; else echo malloc; fi; }
 
 if [ "${COMPARE_FIO_HUGE:-0}" = 1 ]; then
     # 64 pages (128 MiB) cover the largest buffer set of any row: 32 x 1 MiB, or 128 x 1 MiB.
@@ -133,11 +135,10 @@ run() {
     case $row in kv-*) run_kv "$tool" "$row" "$index" "$rw" "$bs" "$out"; return ;; esac
     case $tool in
         fio|fioqd1|fiohuge)
-            local depth=$IODEPTH memory=malloc
+            local depth=$IODEPTH
             [ "$tool" = fioqd1 ] && depth=1
-            [ "$tool" = fiohuge ] && memory=shmhuge
             fio --name=job --filename="$FILE" --size="$SIZE" --rw="$rw" --bs="$bs" --iodepth="$depth" \
-                --numjobs=1 --ioengine=io_uring --direct=1 --time_based --runtime="$RUNTIME" --mem="$memory" \
+                --numjobs=1 --ioengine=io_uring --direct=1 --time_based --runtime="$RUNTIME" --mem="$(fio_memory "$tool")" \
                 --output-format=json --output="$out" ;;
         uring|emu)
             "$BENCH" --device "$tool:$FILE" --size="$SIZE" --rw="$rw" --bs="$bs" --iodepth="$IODEPTH" \
@@ -154,11 +155,10 @@ run_kv() {
     for pass in $(seq 1 "$KV_REPEAT"); do
         case $tool in
             fio|fioqd1|fiohuge)
-                local depth=$KV_IODEPTH memory=malloc
+                local depth=$KV_IODEPTH
                 [ "$tool" = fioqd1 ] && depth=1
-                [ "$tool" = fiohuge ] && memory=shmhuge
                 fio --name=job --filename="$FILE" --offset=1m --size="$KV_BYTES" --rw="$rw" --bs="$bs" --iodepth="$depth" \
-                    --numjobs=1 --ioengine=io_uring --direct=1 --mem="$memory" --output-format=json --output="$out.$pass" ;;
+                    --numjobs=1 --ioengine=io_uring --direct=1 --mem="$(fio_memory "$tool")" --output-format=json --output="$out.$pass" ;;
             emu)
                 "$BENCH" --device "emu:$FILE" --workload=kv --prompt-tokens="$KV_TOKENS" --blocks-per-slot="$KV_K" --hit-rate=1 --verify \
                     --output-format=json >"$out.$pass" 2>"$WORK/stderr" \
@@ -241,6 +241,7 @@ for row in rows:
         values = [figure(tool, row, i) for i in range(1, runs + 1)]
         ratios = [v / f for v, f in zip(values, fio) if v is not None and f]
         cells.append((median(values), median(ratios)))
+    emu_values = values
     (uring, uring_ratio), (emu, emu_ratio) = cells
     # Issue 16's bars: uring >= 0.95 everywhere; emu >= 0.9 at 4 KiB, >= 0.95 on large blocks;
     # KV retrieve >= 0.95, store >= 0.9.
@@ -254,7 +255,6 @@ for row in rows:
     huge_cells = ""
     if huge:
         huge_values = [figure("fiohuge", row, i) for i in range(1, runs + 1)]
-        emu_values = [figure("emu", row, i) for i in range(1, runs + 1)]
         huge_ratio = median([e / h for e, h in zip(emu_values, huge_values) if e is not None and h])
         huge_cells = f" {show(median(huge_values)):>10} {show(huge_ratio, 2):>8}"
     unit = "IOPS" if row.endswith("4k") else "MB/s"

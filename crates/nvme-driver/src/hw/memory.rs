@@ -101,14 +101,20 @@ impl HostMemory {
         if kind == PageKind::Huge2MiB {
             flags |= libc::MAP_HUGETLB;
         }
+        let ptr = Self::map_anonymous(len, flags, kind)?;
+        Ok(Self { ptr, len, kind })
+    }
+
+    /// A fresh private read-write anonymous mapping of `len` bytes with `flags`; errors name
+    /// `len` and `kind`.
+    fn map_anonymous(len: usize, flags: libc::c_int, kind: PageKind) -> Result<NonNull<u8>, HwError> {
         // SAFETY: an anonymous mapping with a null hint has no preconditions; the result is
         // checked for MAP_FAILED before use.
         let ptr = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, flags, -1, 0) };
         if ptr == libc::MAP_FAILED {
             return Err(HwError::Mmap { len, kind, source: std::io::Error::last_os_error() });
         }
-        let ptr = NonNull::new(ptr.cast::<u8>()).ok_or(HwError::Mmap { len, kind, source: std::io::Error::other("mmap returned null") })?;
-        Ok(Self { ptr, len, kind })
+        NonNull::new(ptr.cast::<u8>()).ok_or(HwError::Mmap { len, kind, source: std::io::Error::other("mmap returned null") })
     }
 
     /// 4 KiB-page memory of at least 2 MiB that the kernel is asked to back with transparent
@@ -128,29 +134,23 @@ impl HostMemory {
             kind,
             source: std::io::Error::other("length overflows with the 2 MiB alignment slack"),
         })?;
-        let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS;
-        // SAFETY: an anonymous mapping with a null hint has no preconditions; the result is
-        // checked for MAP_FAILED before use.
-        let reserved = unsafe { libc::mmap(std::ptr::null_mut(), reserved_len, libc::PROT_READ | libc::PROT_WRITE, flags, -1, 0) };
-        if reserved == libc::MAP_FAILED {
-            return Err(HwError::Mmap { len, kind, source: std::io::Error::last_os_error() });
-        }
-        let head_len = round_up(reserved as usize, HUGE_PAGE_SIZE_BYTES) - reserved as usize;
+        let reserved = Self::map_anonymous(reserved_len, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, kind)?;
+        let head_len = round_up(reserved.as_ptr() as usize, HUGE_PAGE_SIZE_BYTES) - reserved.as_ptr() as usize;
         let tail_len = reserved_len - head_len - len;
         // SAFETY: `head_len < HUGE_PAGE_SIZE_BYTES = reserved_len - len`, so the start stays
         // inside the mapping just made.
-        let start = unsafe { reserved.cast::<u8>().add(head_len) };
+        let ptr = unsafe { reserved.add(head_len) };
+        let start = ptr.as_ptr();
         // SAFETY: the head and the tail cut away are parts of the mapping just made that nothing
         // uses; what stays is exactly `start..start+len`, which Drop unmaps.
         unsafe {
             if head_len > 0 {
-                libc::munmap(reserved, head_len);
+                libc::munmap(reserved.as_ptr().cast(), head_len);
             }
             if tail_len > 0 {
                 libc::munmap(start.add(len).cast(), tail_len);
             }
         }
-        let ptr = NonNull::new(start).ok_or(HwError::Mmap { len, kind, source: std::io::Error::other("mmap returned null") })?;
         // From here on dropping `memory` unmaps what stays.
         let memory = Self { ptr, len, kind };
         // SAFETY: advice on a mapping this function owns; it changes which pages back it, not
