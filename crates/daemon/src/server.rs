@@ -744,15 +744,10 @@ fn metrics_snapshot(shared: &Shared) -> Snapshot {
 }
 
 fn status(shared: &Shared) -> StatusReply {
-    let (devices, pool, relay) = {
-        let store = lock(&shared.store);
-        let mut devices = shared.devices.clone();
-        for (device, emulator) in devices.iter_mut().zip(&store.emulators) {
-            device.refused_commands = emulator.as_ref().map_or(0, |emulator| emulator.stats().restriction_refusals);
-        }
-        (devices, store.control.counts(), store.relay.counts())
-    };
-    let clients = lock(&shared.sessions)
+    // Sessions first, the pool after: `release_session` releases a session's holdings before it
+    // removes its record, so a session missing here has released what it held by the time the
+    // pool is counted. The other order could report a departed client's slots as still pinned.
+    let clients: Vec<ClientStatus> = lock(&shared.sessions)
         .iter()
         .map(|(&session, record)| ClientStatus {
             session,
@@ -770,6 +765,14 @@ fn status(shared: &Shared) -> StatusReply {
             doorbells_dropped: record.relay_counts().1,
         })
         .collect();
+    let (devices, pool, relay) = {
+        let store = lock(&shared.store);
+        let mut devices = shared.devices.clone();
+        for (device, emulator) in devices.iter_mut().zip(&store.emulators) {
+            device.refused_commands = emulator.as_ref().map_or(0, |emulator| emulator.stats().restriction_refusals);
+        }
+        (devices, store.control.counts(), store.relay.counts())
+    };
     let leaks = &shared.leaks;
     StatusReply {
         daemon_pid: std::process::id(),
