@@ -84,7 +84,16 @@ fn data_round_trips_and_the_first_doorbell_after_idle_is_a_register_write() {
     // enough for the controller to park, the next doorbell is also an MMIO write (the
     // controller's EventIdx caught up with the shadow page while it went idle), which is what
     // wakes it.
-    let device = device(true);
+    //
+    // A parked controller still scans every `idle_sleep_max` (100 µs by default). A scan that
+    // lands between the probe's store to the shadow page and its EventIdx load reads the new
+    // value and answers it in EventIdx, and the host then rightly skips the register write:
+    // the assertion below failed that way about once in a few dozen CI runs. With a parked
+    // controller that sleeps up to a minute, its scans back off to tens of milliseconds apart
+    // by the end of a 50 ms gap, and only a doorbell wakes it sooner.
+    let mut config = EmuConfig::default().with_backing(Backing::Memory { bytes: 16 << 20 }).with_shadow_doorbells(true);
+    config.idle_sleep_max = Duration::from_secs(60);
+    let device = EmuDevice::start(config).expect("software controller");
     let (backend, io_doorbell_writes) = counted(&device);
     let controller = controller_on(backend, true);
     assert!(controller.shadow_doorbells_active(), "the software controller offers Doorbell Buffer Config");
