@@ -90,7 +90,7 @@ fn data_round_trips_and_the_first_doorbell_after_idle_is_a_register_write() {
     // value and answers it in EventIdx, and the host then rightly skips the register write:
     // the assertion below failed that way about once in a few dozen CI runs. With a parked
     // controller that sleeps up to a minute, its scans back off to tens of milliseconds apart
-    // by the end of a 50 ms gap, and only a doorbell wakes it sooner.
+    // by the end of a 50 ms gap, and only a doorbell wakes it sooner (the race becomes rare, not impossible).
     let mut config = EmuConfig::default().with_backing(Backing::Memory { bytes: 16 << 20 }).with_shadow_doorbells(true);
     config.idle_sleep_max = Duration::from_secs(60);
     let device = EmuDevice::start(config).expect("software controller");
