@@ -12,7 +12,7 @@
 #               (tools/cuda-build.sh; no GPU needed to compile); the GPU scripts' programs
 #               compiled and their timeline logic tested (tools/gpu/check.sh)
 #   fuzz        the cargo-fuzz targets build (running them needs nightly: see fuzz/README.md)
-#   benches     criterion benchmarks compile (running them is `cargo bench`, not a test)
+#   benches     criterion benchmarks compile, and the driver's run once each (measuring is `cargo bench`)
 #   cluster     the cluster registry (crates/cluster), `tutti cluster status` and tuttid processes as
 #               cluster nodes against real etcd servers (Debian's etcd-server, installed here)
 #               that the tests start on loopback
@@ -132,7 +132,11 @@ stage_fuzz() {
 }
 
 stage_benches() {
-    ensure_protoc && cargo bench --workspace --no-run --locked 2>&1
+    ensure_protoc && cargo bench --workspace --no-run --locked 2>&1 &&
+        # Criterion's --test runs each benchmark once: the driver benches' set-up (a software
+        # controller, and for the one-CPU placement the pinned threads) and their bounded
+        # waits run on every CI run, not only when someone measures.
+        timeout 300 cargo bench --locked -p tutti-benches --bench driver_overhead --bench command_build -- --test 2>&1
 }
 
 # TUTTI_REQUIRE_ETCD=1: a test that finds no etcd fails instead of skipping. Each test bounds
