@@ -10,8 +10,8 @@
 //! - `read_4KiB_batch32_no_storage`: wherever the scheduler puts it, usually on another CPU. The
 //!   SQ entries the driver writes were last read on that CPU and the CQ entries it reads were
 //!   written there, so the figure includes moving those cache lines between the two CPUs, and
-//!   in a VM that cost follows where the host runs the two vCPUs: on this project's 2-vCPU VMs it
-//!   flips within minutes between ~2.0 and ~6 µs per batch for the same binary
+//!   in a VM that cost appears to follow where the host runs the two vCPUs: on this project's
+//!   2-vCPU VMs it flips within minutes between ~2.0 and ~6 µs per batch for the same binary
 //!   (docs/nvme-emu.md, "The driver's CPU per command, and where the controller runs").
 //! - `read_4KiB_batch32_no_storage_one_cpu`: the bench thread and the controller thread confined
 //!   to the CPU the bench started on, so the lines stay in that CPU's caches: the driver's own
