@@ -1,10 +1,13 @@
 //! A submission/completion queue pair (§3.3.1): the SQ tail, the CQ head and phase tag, command
 //! slots with generation-tagged command ids, batched doorbells and bounded polling.
 //!
-//! Memory ordering. Submission: entries are copied into the SQ, then a store fence
-//! ([`crate::hw::fence_before_submission_doorbell`]: `sfence` / `dsb st`, not a Release fence,
-//! which does not order stores against a PCIe device on Arm), then one doorbell write for the
-//! whole batch, so the controller never sees a tail that covers an unwritten entry. Completion:
+//! Memory ordering. Submission: entries are copied into the SQ (with non-temporal stores on
+//! x86_64, [`crate::DmaRegion::write_entry_streaming`]: the slot's line is not read for
+//! ownership first, which is what a slot the controller read last would wait for), then a store
+//! fence ([`crate::hw::fence_before_submission_doorbell`]: `sfence` / `dsb st`, not a Release
+//! fence, which orders neither those weakly ordered stores on x86 nor stores against a PCIe
+//! device on Arm), then one doorbell write for the whole batch, so the controller never sees a
+//! tail that covers an unwritten entry. Completion:
 //! dword 3 of the entry at the head (command id, status, phase) is loaded with Acquire; only when
 //! its phase matches the expected one is the rest of the entry read, so the read cannot observe
 //! an entry older than the phase it carries. The CQ head doorbell is written once per reap batch,
@@ -347,7 +350,7 @@ impl QueuePair {
             return Err(NvmeError::QueueFull { queue: self.id, depth: self.depth });
         }
         let offset = self.sq_tail as usize * SUBMISSION_ENTRY_BYTES;
-        self.submission.write(offset, &entry.to_bytes())?;
+        self.submission.write_entry_streaming(offset, &entry.to_bytes())?;
         self.sq_tail = ring_next(self.sq_tail, self.depth);
         self.doorbell_pending = true;
         Ok(())
@@ -414,8 +417,8 @@ impl QueuePair {
             return Err(NvmeError::QueueStale { queue: self.id });
         }
         if self.doorbell_pending {
-            // Entries were written with plain copies; the store fence makes them complete
-            // before the doorbell store (see the module documentation).
+            // Entries were written with non-temporal stores (or plain copies); the store fence
+            // makes them complete before the doorbell store (see the module documentation).
             self.write_doorbell(false, self.sq_tail, self.sq_tail_published, hw::fence_before_submission_doorbell)?;
             self.sq_tail_published = self.sq_tail;
             self.doorbell_pending = false;

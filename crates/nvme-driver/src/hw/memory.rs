@@ -367,6 +367,38 @@ impl DmaRegion {
         Ok(())
     }
 
+    /// Copies one 64-byte submission entry into the region at `offset` (16-byte aligned; SQ
+    /// slots are 64) with non-temporal stores where the target has them: the line goes to
+    /// memory without first being read for ownership, so writing a slot the device (or a
+    /// software controller on another CPU) read last does not wait for that line to come back.
+    /// SPDK copies its commands the same way. The stores are weakly ordered: the caller must
+    /// issue [`crate::hw::fence_before_submission_doorbell`] before it tells the device about
+    /// the entry. The same unenforced hazard as [`DmaRegion::write`].
+    #[inline]
+    pub fn write_entry_streaming(&self, offset: usize, entry: &[u8; 64]) -> Result<(), HwError> {
+        self.check(offset, entry.len(), 16)?;
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
+            let destination = self.pointer(offset).cast::<__m128i>();
+            let source = entry.as_ptr().cast::<__m128i>();
+            for index in 0..4 {
+                // SAFETY: `destination` is 16-byte aligned and in bounds of the live allocation
+                // (checked above), so each 16-byte store is aligned and inside it; `source`
+                // points at 64 readable bytes, read unaligned. SSE2 is part of the x86_64
+                // baseline. A concurrent access to the range is excluded only by the caller's
+                // protocol (module docs).
+                unsafe { _mm_stream_si128(destination.add(index), _mm_loadu_si128(source.add(index))) };
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        // SAFETY: as in `write`: in bounds (checked above) and non-overlapping with `entry`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(entry.as_ptr(), self.pointer(offset), entry.len());
+        }
+        Ok(())
+    }
+
     /// Sets `len` bytes at `offset` to `byte` with plain stores; the same unenforced hazard as
     /// [`DmaRegion::write`].
     pub fn fill(&self, offset: usize, len: usize, byte: u8) -> Result<(), HwError> {
@@ -780,6 +812,25 @@ mod tests {
         assert!(matches!(region.subregion(usize::MAX, 2), Err(HwError::OutOfRange { .. })));
         assert!(pool.translate(region.iova().checked_add(4000).unwrap(), 200).is_err());
         assert!(pool.translate(Iova(5), 1).is_err());
+    }
+
+    #[test]
+    fn a_streamed_entry_lands_whole_and_bad_offsets_are_refused() {
+        // Goal: the non-temporal copy writes exactly the 64 bytes, in order, at the offset, and
+        // nothing around them; an offset the instruction cannot take is an error, not a fault.
+        let pool = DmaPool::identity();
+        let region = pool.allocate(4096).unwrap();
+        region.fill(0, 4096, 0xEE).unwrap();
+        let entry: [u8; 64] = std::array::from_fn(|index| index as u8);
+        region.write_entry_streaming(128, &entry).unwrap();
+        crate::hw::fence_before_submission_doorbell();
+        let mut back = [0u8; 192];
+        region.read(64, &mut back).unwrap();
+        assert!(back[..64].iter().all(|&byte| byte == 0xEE), "bytes before the entry changed");
+        assert_eq!(back[64..128], entry, "the entry");
+        assert!(back[128..].iter().all(|&byte| byte == 0xEE), "bytes after the entry changed");
+        assert!(matches!(region.write_entry_streaming(8, &entry), Err(HwError::Misaligned { .. })));
+        assert!(matches!(region.write_entry_streaming(4064, &entry), Err(HwError::OutOfRange { .. })));
     }
 
     #[test]
