@@ -8,15 +8,16 @@
 //!
 //! Two placements of the controller thread, because they answer different questions:
 //! - `read_4KiB_batch32_no_storage`: wherever the scheduler puts it, usually on another CPU. The
-//!   SQ entries the driver writes were last read on that CPU and the CQ entries it reads were
-//!   written there, so the figure includes moving those cache lines between the two CPUs, and
-//!   in a VM that cost appears to follow where the host runs the two vCPUs: on this project's
-//!   2-vCPU VMs it flips within minutes between ~2.0 and ~6 µs per batch for the same binary
+//!   SQ slots the driver writes were last read on that CPU and the CQ entries it reads were
+//!   written there, so the figure includes moving those cache lines between the two CPUs (the
+//!   driver streams SQ entries, so that side no longer waits for a slot's line), and in a VM that
+//!   cost appears to follow where the host runs the two vCPUs: on this project's 2-vCPU VMs the
+//!   same binary flips within minutes between modes (~1.4 and ~2.0–2.8 µs per batch)
 //!   (docs/nvme-emu.md, "The driver's CPU per command, and where the controller runs").
 //! - `read_4KiB_batch32_no_storage_one_cpu`: the bench thread and the controller thread confined
-//!   to the CPU the bench started on, so the lines stay in that CPU's caches: the driver's own
-//!   instructions, and steady from run to run. A real SSD reads the SQ and writes the CQ by DMA,
-//!   with no second CPU holding the lines, so its cost sits between the two.
+//!   to the CPU the bench started on, so nothing waits for another CPU: the driver's own work,
+//!   steady from run to run. A real SSD reads the SQ and writes the CQ by DMA, with no second
+//!   CPU holding the lines, so its cost should sit between the two (unmeasured on hardware).
 //!
 //! What it should reach and why: SPDK spends ~72 ns of CPU per I/O on one core; our target is
 //! ≤ 72 ns per command (issue 16). On a loaded machine criterion's mean takes in every
