@@ -134,8 +134,9 @@ fn the_byte_bound_holds_bounced_transfers_only() {
     // it (at 1 MiB the byte bound kept 16 of a QD 32 host's commands at the file, where fio
     // keeps 32). Bound: two blocks; one scan of four one-block writes held by the full socket.
     // Direct, all four are in flight when the scan ends. Bounced, the scan's third write waits
-    // for room, so the scan lasts until the drainer frees the socket and ends with at most two
-    // in flight. The scan is driven by hand under the controller's lock, so its end is exact.
+    // for room, so the scan lasts until the drainer starts freeing the socket and ends with at
+    // most two in flight. The scan is driven by hand under the controller's lock, so its end is
+    // exact.
     for direct in [true, false] {
         let name = if direct { "bound-direct" } else { "bound-bounced" };
         let Some(mut stalled) = Stalled::start_with(name, true, HELD_TIMEOUT) else { return };
@@ -148,27 +149,29 @@ fn the_byte_bound_holds_bounced_transfers_only() {
         });
         let mut receiver = stalled.receiver.try_clone().unwrap();
         let expected_bytes = stalled.filler_bytes + 4 * 4096;
+        let mut received = vec![0u8; expected_bytes];
         let drainer = std::thread::spawn(move || {
             std::thread::sleep(QUIET);
             receiver.set_read_timeout(Some(DEADLINE)).unwrap();
-            let mut received = vec![0u8; expected_bytes];
-            receiver.read_exact(&mut received).map(|()| received)
+            // The socket frees room only from here on: the scan's end is compared with this
+            // instant, not with QUIET (the drainer's sleep began before the scan did).
+            let draining_from = Instant::now();
+            receiver.read_exact(&mut received).map(|()| (draining_from, received))
         });
-        let (in_flight_after_scan, scan_time) = device.with_core(|core| {
+        let (in_flight_after_scan, scan_ended) = device.with_core(|core| {
             let _sources: Vec<_> = (0..4u8).map(|lba| push_write(&stalled.host, &mut stalled.queue, u64::from(lba), &block(lba))).collect();
             stalled.host.ring_submission(&stalled.queue);
-            let started = Instant::now();
-            core.poll(started);
-            (core.in_flight_ranges().len(), started.elapsed())
+            core.poll(Instant::now());
+            (core.in_flight_ranges().len(), Instant::now())
         });
+        let (draining_from, received) = drainer.join().unwrap().expect("every write reached the socket");
         if direct {
             assert_eq!(in_flight_after_scan, 4, "direct writes are held to the ring's depth only");
-            assert!(scan_time < QUIET, "the scan of direct writes waited for room ({scan_time:?})");
+            assert!(scan_ended < draining_from, "the scan of direct writes waited for the socket to drain");
         } else {
             assert!(in_flight_after_scan <= 2, "{in_flight_after_scan} bounced one-block writes in flight with a two-block bound");
-            assert!(scan_time >= QUIET, "the third bounced write did not wait for room ({scan_time:?})");
+            assert!(scan_ended >= draining_from, "the third bounced write did not wait for room: the scan ended before the socket drained");
         }
-        let received = drainer.join().unwrap().expect("every write reached the socket");
         let mut landed: Vec<u8> = received[stalled.filler_bytes..]
             .chunks_exact(4096)
             .map(|chunk| (0..4u8).find(|&seed| chunk == block(seed).as_slice()).expect("a block the test wrote"))
