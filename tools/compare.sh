@@ -241,7 +241,6 @@ for row in rows:
         values = [figure(tool, row, i) for i in range(1, runs + 1)]
         ratios = [v / f for v, f in zip(values, fio) if v is not None and f]
         cells.append((median(values), median(ratios)))
-    emu_values = values
     (uring, uring_ratio), (emu, emu_ratio) = cells
     # Issue 16's bars: uring >= 0.95 everywhere; emu >= 0.9 at 4 KiB, >= 0.95 on large blocks;
     # KV retrieve >= 0.95, store >= 0.9.
@@ -255,6 +254,7 @@ for row in rows:
     huge_cells = ""
     if huge:
         huge_values = [figure("fiohuge", row, i) for i in range(1, runs + 1)]
+        emu_values = [figure("emu", row, i) for i in range(1, runs + 1)]
         huge_ratio = median([e / h for e, h in zip(emu_values, huge_values) if e is not None and h])
         huge_cells = f" {show(median(huge_values)):>10} {show(huge_ratio, 2):>8}"
     unit = "IOPS" if row.endswith("4k") else "MB/s"

@@ -382,21 +382,20 @@ impl DmaRegion {
             use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
             let destination = self.pointer(offset).cast::<__m128i>();
             let source = entry.as_ptr().cast::<__m128i>();
-            for index in 0..4 {
-                // SAFETY: `destination` is 16-byte aligned and in bounds of the live allocation
-                // (checked above), so each 16-byte store is aligned and inside it; `source`
-                // points at 64 readable bytes, read unaligned. SSE2 is part of the x86_64
-                // baseline. A concurrent access to the range is excluded only by the caller's
-                // protocol (module docs).
-                unsafe { _mm_stream_si128(destination.add(index), _mm_loadu_si128(source.add(index))) };
+            // SAFETY: `destination` is 16-byte aligned and in bounds of the live allocation
+            // (checked above), so each of the four 16-byte stores is aligned and inside it;
+            // `source` points at 64 readable bytes, read unaligned. SSE2 is part of the x86_64
+            // baseline. A concurrent access to the range is excluded only by the caller's
+            // protocol (module docs).
+            unsafe {
+                for index in 0..4 {
+                    _mm_stream_si128(destination.add(index), _mm_loadu_si128(source.add(index)));
+                }
             }
+            Ok(())
         }
         #[cfg(not(target_arch = "x86_64"))]
-        // SAFETY: as in `write`: in bounds (checked above) and non-overlapping with `entry`.
-        unsafe {
-            std::ptr::copy_nonoverlapping(entry.as_ptr(), self.pointer(offset), entry.len());
-        }
-        Ok(())
+        self.write(offset, entry)
     }
 
     /// Sets `len` bytes at `offset` to `byte` with plain stores; the same unenforced hazard as
