@@ -1,7 +1,7 @@
 //! The device: a controller thread polling the register file, and the `DeviceBackend` face the
 //! driver sees.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{compiler_fence, fence, AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::thread::{JoinHandle, Thread};
 use std::time::{Duration, Instant};
@@ -27,9 +27,89 @@ const STOP_TIMEOUT: Duration = Duration::from_secs(5);
 struct Shared {
     core: Mutex<ControllerCore>,
     stop: AtomicBool,
-    /// Set while the controller thread sleeps, so a doorbell write knows to wake it.
+    wake: Arc<Wake>,
+}
+
+/// How the controller thread's announcement that it is going to sleep is ordered against a
+/// doorbell write (a store-then-load on each side: either the thread's last scan sees the
+/// doorbell, or the writer sees `sleeping`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum SleepBarrier {
+    /// The sleeping side runs `membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED)`, a full barrier on
+    /// every CPU running a thread of this process, so a doorbell write needs only a compiler
+    /// fence. The doorbell is the hot side (one per batch, like a posted MMIO write, which
+    /// nothing waits for); falling asleep happens once per idle period.
+    Process,
+    /// Both sides fence (`mfence` on x86): for kernels without expedited membarrier. The
+    /// writer then waits for its doorbell store to reach the controller's CPU.
+    Fence,
+}
+
+impl SleepBarrier {
+    /// `Process` when this kernel has expedited private membarrier and this process could
+    /// register for it (once per process), else `Fence`.
+    pub(crate) fn detect() -> Self {
+        static PROCESS_REGISTERED: OnceLock<bool> = OnceLock::new();
+        let registered = *PROCESS_REGISTERED.get_or_init(|| {
+            use rustix::thread::{membarrier, membarrier_query, MembarrierCommand};
+            membarrier_query().contains_command(MembarrierCommand::PrivateExpedited)
+                && membarrier(MembarrierCommand::RegisterPrivateExpedited).is_ok()
+        });
+        if registered {
+            Self::Process
+        } else {
+            Self::Fence
+        }
+    }
+}
+
+/// What a doorbell write needs to wake the controller thread. The register file's hook holds
+/// it directly (not through `Shared`, which reaches the register file through the core), so
+/// a doorbell write does no atomic read-modify-write: on x86 one would wait for the doorbell's
+/// store to reach the controller's CPU first.
+struct Wake {
+    /// Set from the announcement before the controller's last scan ahead of sleeping until a
+    /// scan finds work, so a doorbell write knows to unpark it.
     sleeping: AtomicBool,
     thread: OnceLock<Thread>,
+    barrier: SleepBarrier,
+}
+
+impl Wake {
+    /// After a doorbell's store: unparks the controller thread if it announced a sleep.
+    fn after_doorbell(&self) {
+        match self.barrier {
+            // The controller's membarrier orders this CPU's accesses for it.
+            SleepBarrier::Process => compiler_fence(Ordering::SeqCst),
+            SleepBarrier::Fence => fence(Ordering::SeqCst),
+        }
+        if self.sleeping.load(Ordering::Relaxed) {
+            if let Some(thread) = self.thread.get() {
+                thread.unpark();
+            }
+        }
+    }
+
+    /// Before the controller's last scan ahead of sleeping.
+    fn announce_sleep(&self) {
+        self.sleeping.store(true, Ordering::Relaxed);
+        match self.barrier {
+            SleepBarrier::Process => {
+                // Registered at detection, so this does not fail on a kernel that has it; if it
+                // ever did, a doorbell rung now could be missed for one bounded sleep
+                // (`idle_sleep_max`), never lost: the thread scans after every sleep.
+                if rustix::thread::membarrier(rustix::thread::MembarrierCommand::PrivateExpedited).is_err() {
+                    fence(Ordering::SeqCst);
+                }
+            }
+            SleepBarrier::Fence => fence(Ordering::SeqCst),
+        }
+    }
+
+    /// A scan found work: doorbell writes need not unpark the thread any more.
+    fn end_sleep(&self) {
+        self.sleeping.store(false, Ordering::Relaxed);
+    }
 }
 
 impl Shared {
@@ -61,6 +141,10 @@ impl EmuDevice {
     /// allocations at the same IOVAs, like SSDs in one VFIO container. A pool striped across
     /// several controllers needs that, because the engine's KV memory is registered once.
     pub fn start_in(config: EmuConfig, dma: &DmaPool) -> Result<Arc<Self>, EmuError> {
+        Self::start_with_barrier(config, dma, SleepBarrier::detect())
+    }
+
+    pub(crate) fn start_with_barrier(config: EmuConfig, dma: &DmaPool, barrier: SleepBarrier) -> Result<Arc<Self>, EmuError> {
         config.validate()?;
         let capabilities =
             Capabilities::build(config.max_queue_entries, config.ready_timeout_500ms_units, config.doorbell_stride_log2, 0, 0);
@@ -72,8 +156,7 @@ impl EmuDevice {
         let shared = Arc::new(Shared {
             core: Mutex::new(core),
             stop: AtomicBool::new(false),
-            sleeping: AtomicBool::new(false),
-            thread: OnceLock::new(),
+            wake: Arc::new(Wake { sleeping: AtomicBool::new(false), thread: OnceLock::new(), barrier }),
         });
         let hook_shared = Arc::downgrade(&shared);
         registers.set_configuration_hook(Box::new(move || {
@@ -81,24 +164,12 @@ impl EmuDevice {
                 shared.core().react_to_configuration();
             }
         }));
-        let wake_shared = Arc::downgrade(&shared);
-        registers.set_doorbell_hook(Box::new(move || {
-            if let Some(shared) = wake_shared.upgrade() {
-                // The fence pairs with the one after the thread's store of `sleeping`: either its
-                // last scan before parking saw this doorbell, or this load sees `sleeping` and
-                // unparks. (A miss would cost at most one bounded sleep anyway.)
-                std::sync::atomic::fence(Ordering::SeqCst);
-                if shared.sleeping.load(Ordering::SeqCst) {
-                    if let Some(thread) = shared.thread.get() {
-                        thread.unpark();
-                    }
-                }
-            }
-        }));
+        let wake = Arc::clone(&shared.wake);
+        registers.set_doorbell_hook(Box::new(move || wake.after_doorbell()));
         let thread_shared = Arc::clone(&shared);
         let thread =
             std::thread::Builder::new().name("nvme-emu".to_string()).spawn(move || run(&thread_shared)).map_err(EmuError::Thread)?;
-        let _ = shared.thread.set(thread.thread().clone());
+        let _ = shared.wake.thread.set(thread.thread().clone());
         Ok(Arc::new(Self { shared, registers, dma, name, thread: Mutex::new(Some(thread)) }))
     }
 
@@ -159,7 +230,7 @@ impl EmuDevice {
 
     fn stop_thread(&self) {
         self.shared.stop.store(true, Ordering::Release);
-        if let Some(thread) = self.shared.thread.get() {
+        if let Some(thread) = self.shared.wake.thread.get() {
             thread.unpark();
         }
         let handle = self.thread.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
@@ -208,6 +279,7 @@ impl DeviceBackend for EmuDevice {
 
 /// The controller thread: scan, and back off while idle.
 fn run(shared: &Shared) {
+    const ANNOUNCE_AT: u32 = SPIN_SCANS + YIELD_SCANS;
     let mut idle_scans: u32 = 0;
     let mut sleep = FIRST_SLEEP;
     while !shared.stop.load(Ordering::Acquire) {
@@ -217,6 +289,9 @@ fn run(shared: &Shared) {
             (core.poll(now), core.sleep_bound(now))
         };
         if worked {
+            if idle_scans >= ANNOUNCE_AT {
+                shared.wake.end_sleep();
+            }
             idle_scans = 0;
             sleep = FIRST_SLEEP;
             continue;
@@ -224,24 +299,16 @@ fn run(shared: &Shared) {
         idle_scans = idle_scans.saturating_add(1);
         if idle_scans < SPIN_SCANS {
             std::hint::spin_loop();
-        } else if idle_scans < SPIN_SCANS + YIELD_SCANS {
+        } else if idle_scans < ANNOUNCE_AT {
             std::thread::yield_now();
+        } else if idle_scans == ANNOUNCE_AT {
+            // Announce the sleep once per idle period; the scan at the top of the loop comes
+            // after the announcement, so a doorbell rung before it is found there and one rung
+            // after it sees `sleeping` and unparks us.
+            shared.wake.announce_sleep();
         } else {
-            // Announce the sleep, then scan once more so a doorbell rung in between is not
-            // missed; a doorbell rung after that scan sees `sleeping` and unparks us.
-            shared.sleeping.store(true, Ordering::SeqCst);
-            std::sync::atomic::fence(Ordering::SeqCst);
-            let worked = shared.core().poll(Instant::now());
-            if !worked {
-                std::thread::park_timeout(sleep.min(sleep_cap));
-            }
-            shared.sleeping.store(false, Ordering::SeqCst);
-            if worked {
-                idle_scans = 0;
-                sleep = FIRST_SLEEP;
-            } else {
-                sleep = (sleep * 2).min(sleep_cap.max(FIRST_SLEEP));
-            }
+            std::thread::park_timeout(sleep.min(sleep_cap));
+            sleep = (sleep * 2).min(sleep_cap.max(FIRST_SLEEP));
         }
     }
 }

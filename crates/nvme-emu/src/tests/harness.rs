@@ -5,13 +5,14 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use nvme_driver::hw::{DeviceBackend, DmaAllocator, DmaRegion, RegisterIo};
+use nvme_driver::hw::{DeviceBackend, DmaAllocator, DmaPool, DmaRegion, RegisterIo};
 use nvme_driver::spec::command::DataPointerKind;
 use nvme_driver::spec::data_pointer::SglDescriptor;
 use nvme_driver::spec::registers::{self, ControllerConfiguration, ControllerStatus};
 use nvme_driver::spec::{CompletionEntry, NvmeStatus, SubmissionEntry};
 use nvme_driver::{BlockCount, CommandId};
 
+use crate::device::SleepBarrier;
 use crate::{EmuConfig, EmuDevice};
 
 pub(crate) const DEADLINE: Duration = Duration::from_secs(5);
@@ -56,8 +57,13 @@ pub(crate) fn status_of(completion: &CompletionEntry) -> Result<(), NvmeStatus> 
 impl TestHost {
     /// Starts a device and brings it up (admin queue of `admin_entries`).
     pub(crate) fn start(config: EmuConfig) -> Self {
+        Self::start_with_barrier(config, SleepBarrier::detect())
+    }
+
+    /// [`TestHost::start`] with the controller thread's sleep handshake chosen by the test.
+    pub(crate) fn start_with_barrier(config: EmuConfig, barrier: SleepBarrier) -> Self {
         let stride_log2 = config.doorbell_stride_log2;
-        let device = EmuDevice::start(config).expect("start emulator");
+        let device = EmuDevice::start_with_barrier(config, &DmaPool::identity(), barrier).expect("start emulator");
         let registers = device.registers();
         let dma = device.dma();
         let admin = HostQueue::new(&*dma, 0, 32);

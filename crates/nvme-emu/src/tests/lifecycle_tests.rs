@@ -10,6 +10,7 @@ use nvme_driver::spec::{AdminOpcode, NvmOpcode, NvmeStatus, SubmissionEntry};
 use nvme_driver::{Lba, NamespaceId};
 
 use super::harness::{block_count, status_of, with_sgl, HostQueue, TestHost, DEADLINE};
+use crate::device::SleepBarrier;
 use crate::{Backing, EmuConfig, FaultAction, FaultPlan, FaultRule, NamespaceConfig, QueueFilter};
 
 fn memory_config() -> EmuConfig {
@@ -52,6 +53,30 @@ fn shutdown_and_function_reset_write_the_cache_back() {
     host.enable();
     let mut queue = host.create_io_pair(1, 8);
     assert!(read_block(&host, &mut queue, 2).iter().all(|&b| b == 0x22), "function reset flushed the cache");
+}
+
+#[test]
+fn a_doorbell_wakes_the_sleeping_controller_with_either_barrier() {
+    // Goal: the sleep handshake loses no doorbell, with the membarrier handshake (where this
+    // kernel has it) and with fences on both sides. After 400 ms idle the controller sleeps in
+    // stretches of ~330 ms (doubling from 5 µs, capped at 10 s here), so a doorbell whose
+    // wake-up was lost would wait that long; one that woke it is served at once.
+    let mut barriers = vec![SleepBarrier::detect()];
+    if barriers[0] != SleepBarrier::Fence {
+        barriers.push(SleepBarrier::Fence);
+    }
+    for barrier in barriers {
+        let config = EmuConfig { idle_sleep_max: Duration::from_secs(10), ..memory_config() };
+        let mut host = TestHost::start_with_barrier(config, barrier);
+        let mut queue = host.create_io_pair(1, 8);
+        for round in 0..3 {
+            std::thread::sleep(Duration::from_millis(400));
+            let started = Instant::now();
+            write_block(&host, &mut queue, round, 0x5a);
+            let waited = started.elapsed();
+            assert!(waited < Duration::from_millis(100), "{barrier:?}, round {round}: a write took {waited:?} after an idle period");
+        }
+    }
 }
 
 #[test]
