@@ -10,9 +10,17 @@
 //! touches CC: once `begin_reset` returned, every doorbell write of an older generation has
 //! landed (on queues the reset is about to delete) and no later one can start.
 //!
-//! The cost on the hot path is one uncontended shared acquisition per doorbell write (one per
-//! submission batch and one per reap batch); queue pairs are owned by one thread each, so the
-//! lock is only contended while a reset waits for it.
+//! The hot path takes no lock, though: a lock's release is an atomic read-modify-write, which on
+//! x86 waits for every earlier store to leave the CPU — the doorbell's own store among them, so
+//! each doorbell write would wait for the device (or the controller thread's CPU, for the
+//! software controller) to take the line. Instead each queue pair has a flag ([`Ringer`]) and
+//! the check is a store-then-load handshake with the reset: the pair raises its flag and reads
+//! the generation; the reset bumps the generation and waits for every raised flag to drop. With
+//! all four accesses sequentially consistent, either the pair reads the new generation (and
+//! writes nothing) or the reset sees its flag (and waits until the write is done). The pair
+//! lowers its flag with a release store after the write, which costs nothing. What remains per
+//! doorbell is one locked swap of a line only its thread writes, before the doorbell's store.
+//! Queue pairs are owned by one thread each, so a flag has one writer.
 //!
 //! The gate also records which generations' queues are known to be gone from the controller:
 //! a reset that saw CSTS.RDY = 0 after clearing CC.EN deleted every I/O queue (§3.7.2), one that
@@ -22,8 +30,8 @@
 //! pair dropped on another thread in the meantime waits for the answer instead of leaking its
 //! rings on a reset that is about to succeed. That wait is bounded by CAP.TO.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard, Weak};
 
 use crate::error::NvmeError;
 use crate::types::QueueId;
@@ -53,9 +61,30 @@ pub(crate) enum QueueFate {
 #[derive(Debug)]
 pub(crate) struct DoorbellGate {
     state: RwLock<GateState>,
-    /// A copy of `state.generation` for cheap early checks on submit paths. Never the deciding
-    /// check: that is made under the lock, at the doorbell.
-    generation_hint: AtomicU64,
+    /// A copy of `state.generation`, written by a reset under the exclusive side: the deciding
+    /// check of a doorbell write (see the module documentation) and the cheap early check of
+    /// submit paths.
+    generation_now: AtomicU64,
+    /// Every live pair's flag, for a reset to wait on. Locked only to register a pair and by a
+    /// reset, never by a doorbell write.
+    ringers: Mutex<Vec<Weak<AtomicBool>>>,
+}
+
+/// A queue pair's flag at the gate: raised while the pair checks the generation and writes a
+/// doorbell (see the module documentation).
+#[derive(Debug)]
+pub(crate) struct Ringer {
+    ringing: Arc<AtomicBool>,
+}
+
+/// Lowers a ringer's flag when the doorbell write is over, however it ended.
+struct Lowered<'a>(&'a AtomicBool);
+
+impl Drop for Lowered<'_> {
+    fn drop(&mut self) {
+        // Release: the doorbell's store is visible before a reset sees the flag down.
+        self.0.store(false, Ordering::Release);
+    }
 }
 
 /// The shared side of the gate, held while a pair deletes its queues, so that a reset cannot
@@ -82,7 +111,21 @@ fn fate(state: &GateState, generation: u64) -> QueueFate {
 
 impl DoorbellGate {
     pub(crate) fn new() -> Self {
-        Self { state: RwLock::new(GateState { generation: 0, quiesced_below: 0 }), generation_hint: AtomicU64::new(0) }
+        Self {
+            state: RwLock::new(GateState { generation: 0, quiesced_below: 0 }),
+            generation_now: AtomicU64::new(0),
+            ringers: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// A flag for a new queue pair, which every reset from now on waits on while it is raised.
+    pub(crate) fn register(&self) -> Ringer {
+        let ringing = Arc::new(AtomicBool::new(false));
+        let mut ringers = self.ringers.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        // Bounded by the live pairs: the flags of dropped pairs go here.
+        ringers.retain(|flag| flag.strong_count() > 0);
+        ringers.push(Arc::downgrade(&ringing));
+        Ringer { ringing }
     }
 
     fn read(&self) -> RwLockReadGuard<'_, GateState> {
@@ -99,20 +142,28 @@ impl DoorbellGate {
     /// Cheap check for submit paths: false once a reset began after `generation`. A pair that
     /// passes may still be stale by the time it rings; the doorbell write checks again.
     pub(crate) fn is_current_hint(&self, generation: u64) -> bool {
-        self.generation_hint.load(Ordering::Acquire) == generation
+        self.generation_now.load(Ordering::Acquire) == generation
     }
 
     /// Runs `write` — a doorbell write, with its fence and, when shadow doorbells are on, its
     /// shadow and EventIdx accesses (see `crate::queue`) — if `generation` is still current, with
-    /// the check and the write under the shared side of the lock.
-    pub(crate) fn ring(&self, generation: u64, queue: QueueId, write: impl FnOnce() -> Result<(), NvmeError>) -> Result<(), NvmeError> {
-        let state = self.read();
-        if state.generation != generation {
+    /// `ringer`'s flag raised from before the check until after the write.
+    pub(crate) fn ring(
+        &self,
+        generation: u64,
+        ringer: &Ringer,
+        queue: QueueId,
+        write: impl FnOnce() -> Result<(), NvmeError>,
+    ) -> Result<(), NvmeError> {
+        // Both sequentially consistent, pairing with the generation's store and the flags'
+        // loads in `begin_reset`: the flag is up before the generation is read. (On x86 the swap
+        // is one locked instruction, cheaper there than a store followed by `mfence`.)
+        ringer.ringing.swap(true, Ordering::SeqCst);
+        let _lowered = Lowered(&ringer.ringing);
+        if self.generation_now.load(Ordering::SeqCst) != generation {
             return Err(NvmeError::QueueStale { queue });
         }
-        let written = write();
-        drop(state);
-        written
+        write()
     }
 
     /// Holds the shared side (see [`GateHold`]).
@@ -133,8 +184,29 @@ impl DoorbellGate {
     pub(crate) fn begin_reset(&self) -> ResetGuard<'_> {
         let mut state = self.state.write().unwrap_or_else(|poisoned| poisoned.into_inner());
         state.generation += 1;
-        self.generation_hint.store(state.generation, Ordering::Release);
+        // Sequentially consistent, like the flags' loads after it and the swap and load in
+        // `ring`: the new generation is out before any flag is read.
+        self.generation_now.store(state.generation, Ordering::SeqCst);
+        self.wait_for_ringers();
         ResetGuard { state }
+    }
+
+    /// Waits until no pair is in the middle of a doorbell write. A write is a few stores (its
+    /// thread may be preempted in it, hence the yields); every pair that raises its flag from
+    /// now on reads the new generation and lowers it without writing.
+    fn wait_for_ringers(&self) {
+        let ringers = self.ringers.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        for flag in ringers.iter().filter_map(Weak::upgrade) {
+            let mut spins = 0u32;
+            while flag.load(Ordering::SeqCst) {
+                spins = spins.saturating_add(1);
+                if spins < 64 {
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::yield_now();
+                }
+            }
+        }
     }
 }
 
@@ -197,8 +269,9 @@ mod tests {
         gate.begin_reset().mark_quiesced(); // a retry that did
         assert_eq!((gate.fate(0), gate.fate(1), gate.fate(2)), (QueueFate::Gone, QueueFate::Gone, QueueFate::Live));
         let registers = SlowRegisters::default();
+        let ringer = gate.register();
         assert!(matches!(
-            gate.ring(0, QueueId(1), || {
+            gate.ring(0, &ringer, QueueId(1), || {
                 registers.write32(0x1008, 7);
                 Ok(())
             }),
@@ -220,7 +293,7 @@ mod tests {
                 started.wait();
                 std::thread::sleep(Duration::from_millis(20));
                 drop(hold);
-                gate.ring(0, QueueId(1), || {
+                gate.ring(0, &gate.register(), QueueId(1), || {
                     registers.write32(0x1008, 9);
                     Ok(())
                 })
@@ -237,6 +310,41 @@ mod tests {
                 assert!(matches!(error, NvmeError::QueueStale { .. }));
                 assert_eq!(registers.last.load(Ordering::SeqCst), 0, "no write after the reset");
             }
+        }
+    }
+
+    #[test]
+    fn begin_reset_returns_only_after_a_write_in_progress_landed() {
+        // Goal: a pair already past the generation check when a reset begins finishes its
+        // write before begin_reset returns (the reset waits on its flag), for each of several
+        // pairs; and a dropped pair's flag is forgotten.
+        let gate = Arc::new(DoorbellGate::new());
+        drop(gate.register());
+        let registers: Vec<Arc<SlowRegisters>> = (0..3).map(|_| Arc::new(SlowRegisters::default())).collect();
+        let inside = Arc::new(Barrier::new(registers.len() + 1));
+        let ringers: Vec<_> = registers
+            .iter()
+            .enumerate()
+            .map(|(index, registers)| {
+                let (gate, registers, inside) = (Arc::clone(&gate), Arc::clone(registers), Arc::clone(&inside));
+                let ringer = gate.register();
+                std::thread::spawn(move || {
+                    gate.ring(0, &ringer, QueueId(1 + index as u16), || {
+                        inside.wait();
+                        registers.write32(0x1008, 11); // sleeps 50 ms, then stores
+                        Ok(())
+                    })
+                })
+            })
+            .collect();
+        assert_eq!(gate.ringers.lock().unwrap().len(), registers.len(), "the dropped pair's flag was pruned");
+        inside.wait();
+        drop(gate.begin_reset());
+        for (index, registers) in registers.iter().enumerate() {
+            assert_eq!(registers.last.load(Ordering::SeqCst), 11, "pair {index}: begin_reset returned before its write landed");
+        }
+        for ringer in ringers {
+            assert!(ringer.join().expect("ringer thread").is_ok());
         }
     }
 }

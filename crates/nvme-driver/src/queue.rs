@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 
 use crate::datapath::{ScratchPage, SCRATCH_BYTES};
 use crate::error::NvmeError;
-use crate::gate::DoorbellGate;
+use crate::gate::{DoorbellGate, Ringer};
 use crate::hw::{self, DmaAllocator, DmaRegion, RegisterIo};
 use crate::shadow::ShadowSlots;
 use crate::spec::registers::{self, ControllerStatus};
@@ -125,6 +125,7 @@ fn ring_next(index: u32, depth: u32) -> u32 {
 struct GateTicket {
     gate: Arc<DoorbellGate>,
     generation: u64,
+    ringer: Ringer,
 }
 
 /// An SQ/CQ pair in DMA memory with its doorbells.
@@ -233,7 +234,8 @@ impl QueuePair {
     /// Makes every doorbell of this pair go through `gate`, valid while `generation` is the
     /// controller's current one.
     pub(crate) fn attach_gate(&mut self, gate: Arc<DoorbellGate>, generation: u64) {
-        self.gate = Some(GateTicket { gate, generation });
+        let ringer = gate.register();
+        self.gate = Some(GateTicket { gate, generation, ringer });
     }
 
     /// Makes every doorbell of this pair go through `slots` first (see `shadow.rs`). Set before
@@ -398,7 +400,7 @@ impl QueuePair {
             Ok(())
         };
         match &self.gate {
-            Some(ticket) => ticket.gate.ring(ticket.generation, self.id, write),
+            Some(ticket) => ticket.gate.ring(ticket.generation, &ticket.ringer, self.id, write),
             None => write(),
         }
     }
