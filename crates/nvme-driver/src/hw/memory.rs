@@ -398,6 +398,30 @@ impl DmaRegion {
         self.write(offset, entry)
     }
 
+    /// Asks the CPU to start bringing the cache lines of `offset..offset + len` toward this core,
+    /// without waiting for them and without reading anything into Rust: a hint, which the CPU may
+    /// drop. The part of the range outside the region is ignored. For completion entries about
+    /// to be read in a row (each miss would otherwise be waited for in turn).
+    #[inline]
+    pub fn prefetch(&self, offset: usize, len: usize) {
+        let end = offset.saturating_add(len).min(self.len);
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            const LINE_BYTES: usize = 64;
+            let mut line = offset;
+            while line < end {
+                // SAFETY: `line < end <= self.len`, so the address is inside the live allocation;
+                // a prefetch reads nothing into the program and cannot fault, so a concurrent
+                // writer of the line is no data race. SSE is part of the x86_64 baseline.
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(self.pointer(line).cast_const().cast()) };
+                line += LINE_BYTES;
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = end;
+    }
+
     /// Sets `len` bytes at `offset` to `byte` with plain stores; the same unenforced hazard as
     /// [`DmaRegion::write`].
     pub fn fill(&self, offset: usize, len: usize, byte: u8) -> Result<(), HwError> {
