@@ -12,7 +12,8 @@
 //!   written there, so the figure includes moving those cache lines between the two CPUs (the
 //!   driver streams SQ entries, so that side no longer waits for a slot's line), and in a VM that
 //!   cost appears to follow where the host runs the two vCPUs: on this project's 2-vCPU VMs the
-//!   same binary flips within minutes between modes (~1.4 and ~2.0–2.8 µs per batch)
+//!   same binary flips within minutes between modes (~1.2 and ~1.85 µs per batch since the
+//!   doorbells stopped waiting for that CPU; ~1.4 and ~2.5 before)
 //!   (docs/nvme-emu.md, "The driver's CPU per command, and where the controller runs").
 //! - `read_4KiB_batch32_no_storage_one_cpu`: the bench thread and the controller thread confined
 //!   to the CPU the bench started on, so nothing waits for another CPU: the driver's own work,
