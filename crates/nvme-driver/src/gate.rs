@@ -5,22 +5,25 @@
 //! before the reset lands on the doorbell of whichever new pair got its id: the controller then
 //! runs that pair's SQ slots (zeroed entries, or stale commands). An epoch check before the
 //! write does not close this: the check can pass, the reset run to completion on another thread
-//! and a new pair take the id, all before the write. So the check and the write happen under the
-//! shared side of a lock, and a reset takes the exclusive side to bump the generation before it
-//! touches CC: once `begin_reset` returned, every doorbell write of an older generation has
-//! landed (on queues the reset is about to delete) and no later one can start.
+//! and a new pair take the id, all before the write. So the check and the write must be one
+//! step as far as a reset is concerned, and a reset bumps the generation before it touches CC:
+//! once `begin_reset` returned, every doorbell write of an older generation has landed (on
+//! queues the reset is about to delete) and no later one can start.
 //!
-//! The hot path takes no lock, though: a lock's release is an atomic read-modify-write, which on
-//! x86 waits for every earlier store to leave the CPU — the doorbell's own store among them, so
+//! A lock around the check and the write would do that (the doorbell path held the shared side
+//! of one until 2026-11-28), but a lock's release is an atomic read-modify-write, which on x86
+//! waits for every earlier store to leave the CPU — the doorbell's own store among them, so
 //! each doorbell write would wait for the device (or the controller thread's CPU, for the
-//! software controller) to take the line. Instead each queue pair has a flag ([`Ringer`]) and
-//! the check is a store-then-load handshake with the reset: the pair raises its flag and reads
+//! software controller) to take the line. Instead each queue pair has a flag ([`Ringer`], on a
+//! cache line of its own) and the check is a store-then-load handshake with the reset: the pair raises its flag and reads
 //! the generation; the reset bumps the generation and waits for every raised flag to drop. With
-//! all four accesses sequentially consistent, either the pair reads the new generation (and
-//! writes nothing) or the reset sees its flag (and waits until the write is done). The pair
-//! lowers its flag with a release store after the write, which costs nothing. What remains per
-//! doorbell is one locked swap of a line only its thread writes, before the doorbell's store.
-//! Queue pairs are owned by one thread each, so a flag has one writer.
+//! the flag's swap, the pair's generation load, the reset's generation store and its flag loads
+//! all sequentially consistent, either the pair reads the new generation (and writes nothing)
+//! or the reset sees its flag (and waits until the write is done). The pair lowers its flag
+//! with a release store after the write, which costs nothing. What remains per doorbell is one
+//! locked swap of a line only its thread writes, before the doorbell's store (it waits for the
+//! stores before it, so a doorbell's store is waited for at the pair's next doorbell, not at
+//! its own). Queue pairs are owned by one thread each, so a flag has one writer.
 //!
 //! The gate also records which generations' queues are known to be gone from the controller:
 //! a reset that saw CSTS.RDY = 0 after clearing CC.EN deleted every I/O queue (§3.7.2), one that
@@ -67,14 +70,29 @@ pub(crate) struct DoorbellGate {
     generation_now: AtomicU64,
     /// Every live pair's flag, for a reset to wait on. Locked only to register a pair and by a
     /// reset, never by a doorbell write.
-    ringers: Mutex<Vec<Weak<AtomicBool>>>,
+    ringers: Mutex<Vec<Weak<RingFlag>>>,
 }
 
 /// A queue pair's flag at the gate: raised while the pair checks the generation and writes a
 /// doorbell (see the module documentation).
 #[derive(Debug)]
 pub(crate) struct Ringer {
-    ringing: Arc<AtomicBool>,
+    ringing: Arc<RingFlag>,
+}
+
+/// A ringer's flag, alone on its cache line: flags of pairs created one after another would
+/// otherwise share a line, and two threads driving two pairs would pass it back and forth on
+/// every doorbell.
+#[derive(Debug, Default)]
+#[repr(align(64))]
+struct RingFlag(AtomicBool);
+
+impl std::ops::Deref for RingFlag {
+    type Target = AtomicBool;
+
+    fn deref(&self) -> &AtomicBool {
+        &self.0
+    }
 }
 
 /// Lowers a ringer's flag when the doorbell write is over, however it ended.
@@ -120,7 +138,7 @@ impl DoorbellGate {
 
     /// A flag for a new queue pair, which every reset from now on waits on while it is raised.
     pub(crate) fn register(&self) -> Ringer {
-        let ringing = Arc::new(AtomicBool::new(false));
+        let ringing = Arc::new(RingFlag::default());
         let mut ringers = self.ringers.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         // Bounded by the live pairs: the flags of dropped pairs go here.
         ringers.retain(|flag| flag.strong_count() > 0);

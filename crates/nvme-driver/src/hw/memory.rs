@@ -328,8 +328,8 @@ impl DmaRegion {
 
     #[inline]
     fn pointer(&self, offset: usize) -> *mut u8 {
-        // SAFETY: callers have checked `offset + access <= len` with `check`, so the result stays
-        // inside the allocation this region refers to.
+        // SAFETY: callers have checked `offset + access <= len` (with `check`, or `prefetch`'s own
+        // bound), so the result stays inside the allocation this region refers to.
         unsafe { self.inner.ptr.as_ptr().add(self.offset + offset) }
     }
 
@@ -401,25 +401,23 @@ impl DmaRegion {
     /// Asks the CPU to start bringing the cache lines of `offset..offset + len` toward this core,
     /// without waiting for them and without reading anything into Rust: a hint, which the CPU may
     /// drop. The part of the range outside the region is ignored. For completion entries about
-    /// to be read in a row (each miss would otherwise be waited for in turn).
+    /// to be read in a row (each miss would otherwise be waited for in turn). x86_64 only; a
+    /// no-op elsewhere.
     #[inline]
     pub fn prefetch(&self, offset: usize, len: usize) {
         let end = offset.saturating_add(len).min(self.len);
-        #[cfg(target_arch = "x86_64")]
-        {
-            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-            const LINE_BYTES: usize = 64;
-            let mut line = offset;
-            while line < end {
-                // SAFETY: `line < end <= self.len`, so the address is inside the live allocation;
-                // a prefetch reads nothing into the program and cannot fault, so a concurrent
-                // writer of the line is no data race. SSE is part of the x86_64 baseline.
-                unsafe { _mm_prefetch::<_MM_HINT_T0>(self.pointer(line).cast_const().cast()) };
-                line += LINE_BYTES;
-            }
+        if offset >= end {
+            return;
         }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = end;
+        #[cfg(target_arch = "x86_64")]
+        for within in prefetch_offsets(self.host_address(), offset, end) {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            // SAFETY: `within < end <= self.len` (`prefetch_offsets`), so the address is inside
+            // the live allocation (the bound `pointer` relies on, established here rather than by
+            // `check`); a prefetch reads nothing into the program and cannot fault, so a
+            // concurrent writer of the line is no data race. SSE is part of the x86_64 baseline.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(self.pointer(within).cast_const().cast()) };
+        }
     }
 
     /// Sets `len` bytes at `offset` to `byte` with plain stores; the same unenforced hazard as
@@ -755,6 +753,17 @@ impl DmaAllocator for DmaPool {
     }
 }
 
+/// The offsets in a region at host address `base` that [`DmaRegion::prefetch`] touches for
+/// `offset..end` (`offset < end`): one in every cache line the range meets, from the start of
+/// the line holding `offset` (the region's first byte standing in for a line start before the
+/// region), so the last line is not missed when the range starts mid-line. Each is `< end`.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+fn prefetch_offsets(base: usize, offset: usize, end: usize) -> impl Iterator<Item = usize> {
+    const LINE_BYTES: usize = 64;
+    let first_line = (base + offset) & !(LINE_BYTES - 1);
+    (first_line..base + end).step_by(LINE_BYTES).map(move |line| line.max(base) - base)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -854,6 +863,21 @@ mod tests {
         assert!(back[128..].iter().all(|&byte| byte == 0xEE), "bytes after the entry changed");
         assert!(matches!(region.write_entry_streaming(8, &entry), Err(HwError::Misaligned { .. })));
         assert!(matches!(region.write_entry_streaming(4064, &entry), Err(HwError::OutOfRange { .. })));
+    }
+
+    #[test]
+    fn prefetch_meets_every_line_of_the_range_and_stays_inside_it() {
+        // Goal: whatever the region's and the range's alignment, the prefetched offsets fall in
+        // exactly the cache lines the range touches, each inside the range's end.
+        for base in [4096usize, 4096 + 8, 4096 + 48] {
+            for (offset, end) in [(0, 1), (0, 64), (32, 544), (16, 17), (60, 70), (64, 512), (5, 4000)] {
+                let offsets: Vec<usize> = super::prefetch_offsets(base, offset, end).collect();
+                assert!(offsets.iter().all(|&within| within < end), "base {base}, {offset}..{end}: {offsets:?}");
+                let lines: Vec<usize> = offsets.iter().map(|within| (base + within) / 64).collect();
+                let expected: Vec<usize> = ((base + offset) / 64..=(base + end - 1) / 64).collect();
+                assert_eq!(lines, expected, "base {base}, {offset}..{end}");
+            }
+        }
     }
 
     #[test]
