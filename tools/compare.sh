@@ -236,11 +236,11 @@ print(f"{'row':<12} {'unit':<5} {'fio':>10} {'uring':>10} {'ratio':>6} {'emu':>1
       + (f" {'fio huge':>10} {'emu/huge':>8}" if huge else "") + "  goals")
 for row in rows:
     fio = [figure("fio", row, i) for i in range(1, runs + 1)]
+    values = {tool: [figure(tool, row, i) for i in range(1, runs + 1)] for tool in ("uring", "emu")}
     cells = []
     for tool in ("uring", "emu"):
-        values = [figure(tool, row, i) for i in range(1, runs + 1)]
-        ratios = [v / f for v, f in zip(values, fio) if v is not None and f]
-        cells.append((median(values), median(ratios)))
+        ratios = [v / f for v, f in zip(values[tool], fio) if v is not None and f]
+        cells.append((median(values[tool]), median(ratios)))
     (uring, uring_ratio), (emu, emu_ratio) = cells
     # Issue 16's bars: uring >= 0.95 everywhere; emu >= 0.9 at 4 KiB, >= 0.95 on large blocks;
     # KV retrieve >= 0.95, store >= 0.9.
@@ -254,8 +254,7 @@ for row in rows:
     huge_cells = ""
     if huge:
         huge_values = [figure("fiohuge", row, i) for i in range(1, runs + 1)]
-        emu_values = [figure("emu", row, i) for i in range(1, runs + 1)]
-        huge_ratio = median([e / h for e, h in zip(emu_values, huge_values) if e is not None and h])
+        huge_ratio = median([e / h for e, h in zip(values["emu"], huge_values) if e is not None and h])
         huge_cells = f" {show(median(huge_values)):>10} {show(huge_ratio, 2):>8}"
     unit = "IOPS" if row.endswith("4k") else "MB/s"
     print(f"{row:<12} {unit:<5} {show(median(fio)):>10} {show(uring):>10} {show(uring_ratio, 2):>6} {show(emu):>10} {show(emu_ratio, 2):>6}" + (f" {show(median([figure('fioqd1', row, i) for i in range(1, runs + 1)])):>10}" if qd1 else "") + huge_cells + f"  {', '.join(goals)}")

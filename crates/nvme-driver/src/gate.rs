@@ -15,8 +15,9 @@
 //! waits for every earlier store to leave the CPU — the doorbell's own store among them, so
 //! each doorbell write would wait for the device (or the controller thread's CPU, for the
 //! software controller) to take the line. Instead each queue pair has a flag ([`Ringer`], on a
-//! cache line of its own) and the check is a store-then-load handshake with the reset: the pair raises its flag and reads
-//! the generation; the reset bumps the generation and waits for every raised flag to drop. With
+//! cache line of its own) and the check is a store-then-load handshake with the reset: the pair
+//! raises its flag and reads the generation; the reset bumps the generation and waits for every
+//! raised flag to drop. With
 //! the flag's swap, the pair's generation load, the reset's generation store and its flag loads
 //! all sequentially consistent, either the pair reads the new generation (and writes nothing)
 //! or the reset sees its flag (and waits until the write is done). The pair lowers its flag
@@ -35,9 +36,14 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard, Weak};
+use std::time::{Duration, Instant};
 
 use crate::error::NvmeError;
 use crate::types::QueueId;
+
+/// How long a reset waits for doorbell writes in progress before it reports the wait. A write
+/// is a few stores, so only a descheduled or stopped thread takes this long.
+const RINGER_WAIT_WARNING: Duration = Duration::from_secs(1);
 
 #[derive(Debug, Clone, Copy)]
 struct GateState {
@@ -211,18 +217,27 @@ impl DoorbellGate {
 
     /// Waits until no pair is in the middle of a doorbell write. A write is a few stores (its
     /// thread may be preempted in it, hence the yields); every pair that raises its flag from
-    /// now on reads the new generation and lowers it without writing.
+    /// now on reads the new generation and lowers it without writing. Past
+    /// [`RINGER_WAIT_WARNING`] it says so, loudly, and keeps waiting: returning early would let
+    /// a stale doorbell land on a queue id a new pair may hold, and the flag drops once its
+    /// thread runs again (it is lowered on every exit from `ring`, panics included).
     fn wait_for_ringers(&self) {
         let ringers = self.ringers.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let started = Instant::now();
+        let mut warned = false;
         for flag in ringers.iter().filter_map(Weak::upgrade) {
             let mut spins = 0u32;
             while flag.load(Ordering::SeqCst) {
                 spins = spins.saturating_add(1);
                 if spins < 64 {
                     std::hint::spin_loop();
-                } else {
-                    std::thread::yield_now();
+                    continue;
                 }
+                if !warned && started.elapsed() > RINGER_WAIT_WARNING {
+                    warned = true;
+                    tracing::error!(waited = ?started.elapsed(), "controller reset still waiting for a doorbell write in progress");
+                }
+                std::thread::yield_now();
             }
         }
     }

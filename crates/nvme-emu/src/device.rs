@@ -144,6 +144,7 @@ impl EmuDevice {
         Self::start_with_barrier(config, dma, SleepBarrier::detect())
     }
 
+    /// [`EmuDevice::start_in`] with the sleep handshake chosen by the caller (tests of both).
     pub(crate) fn start_with_barrier(config: EmuConfig, dma: &DmaPool, barrier: SleepBarrier) -> Result<Arc<Self>, EmuError> {
         config.validate()?;
         let capabilities =

@@ -382,11 +382,10 @@ impl DmaRegion {
             use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
             let destination = self.pointer(offset).cast::<__m128i>();
             let source = entry.as_ptr().cast::<__m128i>();
-            // SAFETY: `destination` is 16-byte aligned and in bounds of the live allocation
-            // (checked above), so each of the four 16-byte stores is aligned and inside it;
-            // `source` points at 64 readable bytes, read unaligned. SSE2 is part of the x86_64
-            // baseline. A concurrent access to the range is excluded only by the caller's
-            // protocol (module docs).
+            // Concurrent access to the range is excluded only by the caller's protocol (module
+            // docs); SSE2 is part of the x86_64 baseline.
+            // SAFETY: `destination` is 16-byte aligned and in bounds (checked above), so the four
+            // 16-byte stores are aligned and inside the live allocation; `source` is 64 bytes.
             unsafe {
                 for index in 0..4 {
                     _mm_stream_si128(destination.add(index), _mm_loadu_si128(source.add(index)));
@@ -412,10 +411,10 @@ impl DmaRegion {
         #[cfg(target_arch = "x86_64")]
         for within in prefetch_offsets(self.host_address(), offset, end) {
             use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-            // SAFETY: `within < end <= self.len` (`prefetch_offsets`), so the address is inside
-            // the live allocation (the bound `pointer` relies on, established here rather than by
-            // `check`); a prefetch reads nothing into the program and cannot fault, so a
-            // concurrent writer of the line is no data race. SSE is part of the x86_64 baseline.
+            // `within < end <= self.len` (`prefetch_offsets`) is the bound `pointer` relies on,
+            // established here rather than by `check`. SSE is part of the x86_64 baseline.
+            // SAFETY: the address is inside the live allocation; a prefetch reads nothing into
+            // the program and cannot fault, so a concurrent writer of the line is no data race.
             unsafe { _mm_prefetch::<_MM_HINT_T0>(self.pointer(within).cast_const().cast()) };
         }
     }
