@@ -49,6 +49,12 @@
 #                            seemed to depend on which process ran before it); over
 #                            boots with N = 0 .. 2 × drivers − 1 every driver takes every place
 #                            on every row and follows each of two neighbours
+#   TUTTI_BENCH_REPEAT=K     run the drivers' rows K times in one boot (default 1; the kernel's
+#                            rows once), pass P as if TUTTI_BENCH_ROTATE were N + P − 1; with
+#                            K > 1 the table shows medians over the passes and the ratio columns
+#                            the median of each pass's ratio, and a second table lists every
+#                            pass's ratio (a row alone, repeated back to back, is then measured
+#                            without the other rows before it)
 # The first controller (/dev/nvme0n1, then vfio:0000:00:04.0 in the guest) is benchmarked.
 set -euo pipefail
 # shellcheck source=tools/vm/lib.sh
@@ -58,6 +64,8 @@ RUNTIME_S=${TUTTI_BENCH_RUNTIME_S:-8}
 SIZE_MIB=${TUTTI_BENCH_SIZE_MIB:-512}
 ROTATE=${TUTTI_BENCH_ROTATE:-0}
 [[ "$ROTATE" =~ ^(0|[1-9][0-9]{0,3})$ ]] || vm_die "TUTTI_BENCH_ROTATE=$ROTATE is not a small whole number"
+REPEAT=${TUTTI_BENCH_REPEAT:-1}
+[[ "$REPEAT" =~ ^[1-9][0-9]?$ ]] || vm_die "TUTTI_BENCH_REPEAT=$REPEAT: a number of passes from 1 to 99"
 OURS=${TUTTI_BENCH_OURS:-1}
 BEFORE=${TUTTI_BENCH_BEFORE:-}
 if [ -n "$BEFORE" ]; then
@@ -102,7 +110,7 @@ SECONDS_PER_RUNTIME_S=40
 [ -n "$SPDK_DIR" ] && SECONDS_PER_RUNTIME_S=$((SECONDS_PER_RUNTIME_S + 20))
 [ "$SHADOW" = 1 ] && SECONDS_PER_RUNTIME_S=$((SECONDS_PER_RUNTIME_S + 20))
 [ -n "$PIN" ] && SECONDS_PER_RUNTIME_S=$((SECONDS_PER_RUNTIME_S + 20))
-export TUTTI_VM_TIMEOUT_S=${TUTTI_VM_TIMEOUT_S:-$((RUNTIME_S * SECONDS_PER_RUNTIME_S + 180))}
+export TUTTI_VM_TIMEOUT_S=${TUTTI_VM_TIMEOUT_S:-$((RUNTIME_S * SECONDS_PER_RUNTIME_S * REPEAT + 180))}
 
 mkdir -p "$VM_DIR"/{debs,logs,kernel}
 vm_install_host_tools
@@ -200,26 +208,29 @@ if [ "$OURS" = 1 ]; then
     [ -n "$SPDK_DIR" ] && DRIVERS+=("spdk:spdk_nvme_perf")
     [ "$SHADOW" = 1 ] && DRIVERS+=("shadow:tutti-bench --shadow-doorbells")
     [ -n "$PIN" ] && DRIVERS+=("pinned:tutti-bench --cpus_allowed=$PIN")
-    if [ $(((ROTATE / ${#DRIVERS[@]}) % 2)) = 1 ]; then
-        reversed=()
-        for ((index = ${#DRIVERS[@]} - 1; index >= 0; index--)); do reversed+=("${DRIVERS[index]}"); done
-        DRIVERS=("${reversed[@]}")
-    fi
-    row_index=0
-    for spec in "${ROWS[@]}"; do
-        IFS=: read -r name rw block depth <<< "$spec"
-        shift_by=$(((row_index + ROTATE) % ${#DRIVERS[@]}))
-        order=("${DRIVERS[@]:shift_by}" "${DRIVERS[@]:0:shift_by}")
-        row_index=$((row_index + 1))
-        for driver in "${order[@]}"; do
-            label=${driver%%:*} binary=${driver#*:}
-            if [ "$label" = spdk ]; then
-                bytes=$(numfmt --from=iec "${block^^}")
-                # Its report goes to the console as PERF lines; the summary reads the Total line.
-                printf '%s\n' "echo JSON_BEGIN spdk $name; LD_LIBRARY_PATH=$(printf %q "$SPDK_DIR/build/lib") /usr/bin/spdk_nvme_perf -r 'trtype:PCIe traddr:'\$TUTTI_BDF0 -q $depth -o $bytes -w $rw -t $RUNTIME_S -c 0x1 -s 128 --iova-mode pa > /tmp/perf.txt 2>&1; status=\$?; sed 's/^/PERF /' /tmp/perf.txt; echo JSON_END; exit \$status" >> "$COMMANDS"
-                continue
-            fi
-            printf '%s\n' "echo JSON_BEGIN $label $name; $binary --workload=raw --device vfio:\$TUTTI_BDF0 --rw=$rw --bs=$block --iodepth=$depth --numjobs=1 --size=${SIZE_MIB}M --time_based --runtime=${RUNTIME_S}s --output-format=json > /tmp/result.json 2> /tmp/stderr.txt; status=\$?; [ \$status = 0 ] || cat /tmp/stderr.txt; sed 's/^/JSON /' /tmp/result.json; echo JSON_END; exit \$status" >> "$COMMANDS"
+    for ((pass = 1; pass <= REPEAT; pass++)); do
+        rotate=$((ROTATE + pass - 1))
+        cycle=("${DRIVERS[@]}")
+        if [ $(((rotate / ${#DRIVERS[@]}) % 2)) = 1 ]; then
+            cycle=()
+            for ((index = ${#DRIVERS[@]} - 1; index >= 0; index--)); do cycle+=("${DRIVERS[index]}"); done
+        fi
+        row_index=0
+        for spec in "${ROWS[@]}"; do
+            IFS=: read -r name rw block depth <<< "$spec"
+            shift_by=$(((row_index + rotate) % ${#cycle[@]}))
+            order=("${cycle[@]:shift_by}" "${cycle[@]:0:shift_by}")
+            row_index=$((row_index + 1))
+            for driver in "${order[@]}"; do
+                label=${driver%%:*} binary=${driver#*:}
+                if [ "$label" = spdk ]; then
+                    bytes=$(numfmt --from=iec "${block^^}")
+                    # Its report goes to the console as PERF lines; the summary reads the Total line.
+                    printf '%s\n' "echo JSON_BEGIN spdk $name $pass; LD_LIBRARY_PATH=$(printf %q "$SPDK_DIR/build/lib") /usr/bin/spdk_nvme_perf -r 'trtype:PCIe traddr:'\$TUTTI_BDF0 -q $depth -o $bytes -w $rw -t $RUNTIME_S -c 0x1 -s 128 --iova-mode pa > /tmp/perf.txt 2>&1; status=\$?; sed 's/^/PERF /' /tmp/perf.txt; echo JSON_END; exit \$status" >> "$COMMANDS"
+                    continue
+                fi
+                printf '%s\n' "echo JSON_BEGIN $label $name $pass; $binary --workload=raw --device vfio:\$TUTTI_BDF0 --rw=$rw --bs=$block --iodepth=$depth --numjobs=1 --size=${SIZE_MIB}M --time_based --runtime=${RUNTIME_S}s --output-format=json > /tmp/result.json 2> /tmp/stderr.txt; status=\$?; [ \$status = 0 ] || cat /tmp/stderr.txt; sed 's/^/JSON /' /tmp/result.json; echo JSON_END; exit \$status" >> "$COMMANDS"
+            done
         done
     done
 fi
@@ -240,14 +251,16 @@ vm_log "guest booted to init in ${VM_BOOT_S:-?}s; VM run ${VM_WALL_S}s; log: $LO
 [ "$VM_GUEST_RC" = 0 ] || vm_die "a benchmark run failed in the guest (status $VM_GUEST_RC)"
 
 LABELS=$(IFS=,; echo "${DRIVERS[*]%%:*}")
-python3 - "$LOG" "$LABELS" "${ROWS[@]%%:*}" << 'SUMMARY'
-import json, re, sys
+python3 - "$LOG" "$LABELS" "$REPEAT" "${ROWS[@]%%:*}" << 'SUMMARY'
+import json, re, statistics, sys
 
 results, current, lines = {}, None, []
 for raw in open(sys.argv[1], errors="replace"):
     text = re.sub(r"^\[guest +[0-9.]+s\] ", "", raw.rstrip("\n"))
     if text.startswith("JSON_BEGIN "):
-        current, lines = tuple(text.split()[1:3]), []
+        # "JSON_BEGIN driver row [pass]": the kernel's rows run once and carry no pass.
+        fields = text.split()[1:4]
+        current, lines = (fields[0], fields[1], int(fields[2]) if len(fields) > 2 else 1), []
     elif text.startswith("JSON_END") and current:
         if current[0] == "spdk":
             # perf's summary: "Total : IOPS MiB/s average min max" (latencies in us).
@@ -256,25 +269,28 @@ for raw in open(sys.argv[1], errors="replace"):
                 iops, mibs, average = (float(value) for value in total[-1].split(":", 1)[1].split()[:3])
                 results[current] = (iops, mibs, average)
             except (IndexError, ValueError):
-                print(f"no Total line from spdk_nvme_perf for {current[1]}", file=sys.stderr)
+                print(f"no Total line from spdk_nvme_perf for {current[1]} (pass {current[2]})", file=sys.stderr)
         else:
             try:
                 results[current] = json.loads("\n".join(lines))
             except ValueError:
-                print(f"unreadable JSON for {current[0]} {current[1]}", file=sys.stderr)
+                print(f"unreadable JSON for {current[0]} {current[1]} (pass {current[2]})", file=sys.stderr)
         current = None
     elif current and text.startswith("JSON "):
         lines.append(text[len("JSON "):])
     elif current and text.startswith("PERF "):
         lines.append(text[len("PERF "):])
 
-def figures(driver, row):
-    """(IOPS, MiB/s, p50 us, p99 us) of the row's main direction, or None (perf: no percentiles)."""
+def figures(driver, row, run):
+    """(IOPS, MiB/s, p50 us, p99 us) of the row's main direction in pass `run`, or None (perf: no
+    percentiles)."""
+    if driver == "kernel":
+        run = 1
     if driver == "spdk":
-        found = results.get((driver, row))
+        found = results.get((driver, row, run))
         return None if found is None else (found[0], found[1], None, None)
     try:
-        job = results[(driver, row)]["jobs"][0]
+        job = results[(driver, row, run)]["jobs"][0]
     except (KeyError, IndexError):
         return None
     side = job["write"] if row.startswith("seqwrite") else job["read"]
@@ -283,7 +299,8 @@ def figures(driver, row):
         return next((value for key, value in percentiles.items() if float(key) == wanted), 0) / 1000
     return side["iops"], side["bw_bytes"] / 2**20, at(50.0), at(99.0)
 
-rows = sys.argv[3:]
+passes = int(sys.argv[3])
+rows = sys.argv[4:]
 labels = [label for label in sys.argv[2].split(",") if label]
 # Every driver after the kernel's rows, in the order the rows print them.
 order = ("ours", "shadow", "pinned", "before", "spdk")
@@ -303,15 +320,36 @@ print("QEMU NVMe under TCG, one controller: kernel = guest nvme driver + fio io_
 for driver in drivers[1:]:
     print(legend[driver])
 header = f"{'row':<17} {'driver':<7} {'IOPS':>9} {'MiB/s':>8} {'p50 us':>9} {'p99 us':>9}  {'x/kernel':<14}"
+if passes > 1:
+    print(f"{passes} passes of every driver's rows (the kernel's once): figures are medians over the passes,")
+    print("ratios the median of each pass's ratio (both drivers in the same pass); every pass's below.")
 print(header + ("  ours/before" if with_before else "") + ("  ours/spdk" if with_spdk else ""))
+
+def median(values):
+    values = [value for value in values if value is not None]
+    return statistics.median(values) if values else None
+
+def pass_ratios(row, driver, other):
+    """driver/other IOPS in each pass where both ran (None where either is missing)."""
+    ratios = []
+    for run in range(1, passes + 1):
+        mine, theirs = figures(driver, row, run), figures(other, row, run)
+        ratios.append(mine[0] / theirs[0] if mine and theirs and theirs[0] else None)
+    return ratios
+
 missing = 0
+comparisons = []
 for row in rows:
-    found = {driver: figures(driver, row) for driver in drivers}
+    found = {}
+    for driver in drivers:
+        runs = [figures(driver, row, run) for run in range(1, 2 if driver == "kernel" else passes + 1)]
+        missing += sum(1 for data in runs if data is None)
+        runs = [data for data in runs if data is not None]
+        found[driver] = tuple(median(data[index] for data in runs) for index in range(4)) if runs else None
     kernel = found["kernel"]
     for driver in drivers:
         data = found[driver]
         if data is None:
-            missing += 1
             print(f"{row:<17} {driver:<7} {'-':>9} {'-':>8} {'-':>9} {'-':>9}")
             continue
         ratio = ""
@@ -322,11 +360,23 @@ for row in rows:
         for other, wanted in (("before", with_before), ("spdk", with_spdk)):
             if not wanted:
                 continue
-            theirs = found[other]
-            shown = f"{data[0] / theirs[0]:.2f}" if driver in ours_drivers and theirs and theirs[0] else ""
+            shown = ""
+            if driver in ours_drivers:
+                ratios = pass_ratios(row, driver, other)
+                if median(ratios) is not None:
+                    shown = f"{median(ratios):.2f}"
+                    comparisons.append((row, f"{driver}/{other}", ratios))
             versus.append(f"{shown:<11}")
         p50, p99 = ("-" if value is None else f"{value:.1f}" for value in data[2:4])
         print(f"{row:<17} {driver:<7} {data[0]:>9.0f} {data[1]:>8.1f} {p50:>9} {p99:>9}  {ratio:<14}  {' '.join(versus)}".rstrip())
+if passes > 1 and comparisons:
+    print()
+    print(f"{'row':<17} {'ratio':<14} per pass (- where a run is missing); passes where the other led")
+    for row, name, ratios in comparisons:
+        shown = " ".join("-" if ratio is None else f"{ratio:.2f}" for ratio in ratios)
+        behind = sum(1 for ratio in ratios if ratio is not None and ratio < 1.0)
+        counted = sum(1 for ratio in ratios if ratio is not None)
+        print(f"{row:<17} {name:<14} {shown}  ({behind} of {counted})")
 if missing:
     sys.exit(f"{missing} result(s) missing")
 SUMMARY
