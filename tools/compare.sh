@@ -235,8 +235,8 @@ huge = "fiohuge" in tools
 print(f"{'row':<12} {'unit':<5} {'fio':>10} {'uring':>10} {'ratio':>6} {'emu':>10} {'ratio':>6}" + (f" {'fio qd1':>10}" if qd1 else "")
       + (f" {'fio huge':>10} {'emu/huge':>8}" if huge else "") + "  goals")
 for row in rows:
-    fio = [figure("fio", row, i) for i in range(1, runs + 1)]
-    values = {tool: [figure(tool, row, i) for i in range(1, runs + 1)] for tool in ("uring", "emu")}
+    values = {tool: [figure(tool, row, i) for i in range(1, runs + 1)] for tool in ("fio", "uring", "emu")}
+    fio = values["fio"]
     cells = []
     for tool in ("uring", "emu"):
         ratios = [v / f for v, f in zip(values[tool], fio) if v is not None and f]

@@ -283,10 +283,8 @@ for raw in open(sys.argv[1], errors="replace"):
         lines.append(text[len("PERF "):])
 
 def figures(driver, row, run):
-    """(IOPS, MiB/s, p50 us, p99 us) of the row's main direction in pass `run`, or None (perf: no
-    percentiles)."""
-    if driver == "kernel":
-        run = 1
+    """(IOPS, MiB/s, p50 us, p99 us) of the row's main direction in pass `run` (the kernel's: 1),
+    or None (perf: no percentiles)."""
     if driver == "spdk":
         found = results.get((driver, row, run))
         return None if found is None else (found[0], found[1], None, None)
@@ -364,8 +362,9 @@ for row in rows:
             shown = ""
             if driver in ours_drivers:
                 ratios = pass_ratios(row, driver, other)
-                if median(ratios) is not None:
-                    shown = f"{median(ratios):.2f}"
+                middle = median(ratios)
+                if middle is not None:
+                    shown = f"{middle:.2f}"
                     comparisons.append((row, f"{driver}/{other}", ratios))
             versus.append(f"{shown:<11}")
         p50, p99 = ("-" if value is None else f"{value:.1f}" for value in data[2:4])
