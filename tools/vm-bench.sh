@@ -66,8 +66,8 @@ ROTATE=${TUTTI_BENCH_ROTATE:-0}
 [[ "$ROTATE" =~ ^(0|[1-9][0-9]{0,3})$ ]] || vm_die "TUTTI_BENCH_ROTATE=$ROTATE is not a small whole number"
 REPEAT=${TUTTI_BENCH_REPEAT:-1}
 [[ "$REPEAT" =~ ^[1-9][0-9]?$ ]] || vm_die "TUTTI_BENCH_REPEAT=$REPEAT: a number of passes from 1 to 99"
-[ "$REPEAT" = 1 ] || [ "${TUTTI_BENCH_OURS:-1}" = 1 ] || vm_die "TUTTI_BENCH_REPEAT repeats our rows (the kernel's run once): drop TUTTI_BENCH_OURS=0"
 OURS=${TUTTI_BENCH_OURS:-1}
+[ "$REPEAT" = 1 ] || [ "$OURS" = 1 ] || vm_die "TUTTI_BENCH_REPEAT repeats our rows (the kernel's run once): drop TUTTI_BENCH_OURS=0"
 BEFORE=${TUTTI_BENCH_BEFORE:-}
 if [ -n "$BEFORE" ]; then
     [ "$OURS" = 1 ] || vm_die "TUTTI_BENCH_BEFORE compares with our rows: drop TUTTI_BENCH_OURS=0"
