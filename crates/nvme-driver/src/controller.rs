@@ -415,6 +415,7 @@ impl Controller {
         };
         let generation = self.admin.gate.generation();
         queue.attach_gate(Arc::clone(&self.admin.gate), generation);
+        queue.defer_completion_doorbell();
         self.create_queues_on_controller(id, depth, queue.submission_iova().0, queue.completion_iova().0, || queue.regions().to_vec())?;
         Ok(IoQueuePair::new(
             queue,

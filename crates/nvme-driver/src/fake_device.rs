@@ -121,7 +121,20 @@ struct CompletionRing {
     iova: u64,
     entries: u32,
     tail: u32,
+    /// The head the host last wrote to this queue's CQ head doorbell.
+    head: u32,
     phase: bool,
+}
+
+impl CompletionRing {
+    fn new(iova: u64, entries: u32) -> Self {
+        Self { iova, entries, tail: 0, head: 0, phase: true }
+    }
+
+    /// Full as the controller sees it (§4.6: one entry always stays empty).
+    fn is_full(&self) -> bool {
+        (self.tail + 1) % self.entries == self.head
+    }
 }
 
 /// Counters a test can read back.
@@ -133,6 +146,11 @@ pub struct FakeCounters {
     pub doorbells_for_missing_queues: u64,
     /// CC writes that cleared EN.
     pub disables: u64,
+    /// CQ head doorbell writes, by completion queue id.
+    pub completion_doorbells_by_queue: BTreeMap<u16, u64>,
+    /// Completions the fake had to hold because their CQ was full by the head the host last
+    /// wrote (a real controller stalls there; a host that never frees the entries hangs).
+    pub completions_held_for_room: u64,
 }
 
 struct FakeState {
@@ -144,6 +162,8 @@ struct FakeState {
     acq: u64,
     submission: BTreeMap<u16, SubmissionRing>,
     completion: BTreeMap<u16, CompletionRing>,
+    /// Completions waiting for room in their CQ, oldest first, with their `keep_phase`.
+    held: BTreeMap<u16, VecDeque<(CompletionEntry, bool)>>,
     counters: FakeCounters,
     /// Admin commands fetched and left unanswered (`admin_unanswered`), oldest first, until
     /// [`FakeDevice::answer_withheld`] or a disable.
@@ -174,6 +194,7 @@ impl FakeDevice {
             submission: BTreeMap::new(),
             completion: BTreeMap::new(),
             counters: FakeCounters::default(),
+            held: BTreeMap::new(),
             withheld: Vec::new(),
         };
         let registers = Arc::new(FakeRegisters { state: Mutex::new(state), pool: Arc::clone(&pool) });
@@ -206,6 +227,11 @@ impl FakeDevice {
 
     pub fn counters(&self) -> FakeCounters {
         self.registers.lock().counters.clone()
+    }
+
+    /// The head the host last wrote to CQ `queue_id`'s doorbell (`None`: no such queue).
+    pub fn completion_queue_head(&self, queue_id: u16) -> Option<u32> {
+        self.registers.lock().completion.get(&queue_id).map(|ring| ring.head)
     }
 
     /// The identity pool the fake translates through (the same as [`DeviceBackend::dma`]).
@@ -243,6 +269,7 @@ impl FakeState {
         self.counters.disables += 1;
         self.submission.clear();
         self.completion.clear();
+        self.held.clear();
         self.withheld.clear();
         if self.script.disable_completes {
             self.csts &= !CSTS_READY;
@@ -256,7 +283,7 @@ impl FakeState {
         if configuration.enabled() && !was_enabled {
             let (sq_entries, cq_entries) = registers::decode_admin_queue_attributes(self.aqa);
             self.submission.insert(0, SubmissionRing { iova: self.asq, entries: sq_entries, head: 0, completion_queue: 0 });
-            self.completion.insert(0, CompletionRing { iova: self.acq, entries: cq_entries, tail: 0, phase: true });
+            self.completion.insert(0, CompletionRing::new(self.acq, cq_entries));
             self.csts |= CSTS_READY;
         } else if !configuration.enabled() && was_enabled {
             self.disable();
@@ -299,8 +326,35 @@ impl FakeState {
         }
     }
 
-    fn post(&mut self, pool: &DmaPool, completion_queue: u16, mut entry: CompletionEntry, keep_phase: bool) {
+    /// Posts `entry`, or holds it (in order) while its CQ is full by the head the host wrote.
+    fn post(&mut self, pool: &DmaPool, completion_queue: u16, entry: CompletionEntry, keep_phase: bool) {
         let Some(ring) = self.completion.get_mut(&completion_queue) else { return };
+        let held = self.held.entry(completion_queue).or_default();
+        if ring.is_full() || !held.is_empty() {
+            self.counters.completions_held_for_room += 1;
+            held.push_back((entry, keep_phase));
+            return;
+        }
+        Self::write_completion(pool, ring, entry, keep_phase);
+    }
+
+    /// A CQ head doorbell write: records the head (a value outside the ring is ignored) and
+    /// posts what was held for the room it frees.
+    fn ring_completion(&mut self, pool: &DmaPool, completion_queue: u16, head: u32) {
+        let Some(ring) = self.completion.get_mut(&completion_queue) else { return };
+        *self.counters.completion_doorbells_by_queue.entry(completion_queue).or_default() += 1;
+        if head >= ring.entries {
+            return;
+        }
+        ring.head = head;
+        let Some(held) = self.held.get_mut(&completion_queue) else { return };
+        while !ring.is_full() {
+            let Some((entry, keep_phase)) = held.pop_front() else { break };
+            Self::write_completion(pool, ring, entry, keep_phase);
+        }
+    }
+
+    fn write_completion(pool: &DmaPool, ring: &mut CompletionRing, mut entry: CompletionEntry, keep_phase: bool) {
         if !keep_phase {
             entry.status_and_phase = entry.status_and_phase & !1 | u16::from(ring.phase);
         }
@@ -369,7 +423,7 @@ impl FakeState {
             }
             Some(AdminOpcode::SetFeatures) if entry.cdw10 & 0xFF == 0x07 => (self.script.number_of_queues_dw0, None),
             Some(AdminOpcode::CreateIoCompletionQueue) if (1..=QUEUE_ID_MAX).contains(&queue_id) => {
-                self.completion.insert(queue_id, CompletionRing { iova: entry.dptr[0], entries, tail: 0, phase: true });
+                self.completion.insert(queue_id, CompletionRing::new(entry.dptr[0], entries));
                 (0, None)
             }
             Some(AdminOpcode::CreateIoSubmissionQueue) if (1..=QUEUE_ID_MAX).contains(&queue_id) => {
@@ -378,7 +432,10 @@ impl FakeState {
                 (0, None)
             }
             Some(AdminOpcode::DeleteIoSubmissionQueue) => (0, self.submission.remove(&queue_id).map_or(invalid_queue, |_| None)),
-            Some(AdminOpcode::DeleteIoCompletionQueue) => (0, self.completion.remove(&queue_id).map_or(invalid_queue, |_| None)),
+            Some(AdminOpcode::DeleteIoCompletionQueue) => {
+                self.held.remove(&queue_id);
+                (0, self.completion.remove(&queue_id).map_or(invalid_queue, |_| None))
+            }
             Some(AdminOpcode::CreateIoCompletionQueue | AdminOpcode::CreateIoSubmissionQueue) => (0, invalid_queue),
             _ => (0, None),
         };
@@ -436,9 +493,9 @@ impl RegisterIo for FakeRegisters {
                 let index = (offset - registers::DOORBELL_BASE) / 4;
                 if index.is_multiple_of(2) {
                     state.ring_submission(&self.pool, (index / 2) as u16, value);
+                } else {
+                    state.ring_completion(&self.pool, (index / 2) as u16, value);
                 }
-                // CQ head doorbells: the fake never runs ahead of the host (one completion per
-                // fetched command), so it has nothing to wait for.
             }
             _ => {}
         }

@@ -264,9 +264,88 @@ fn a_detached_pair_whose_doorbells_lie_outside_bar0_is_refused() {
     assert_eq!(controller.leaked_queue_pairs(), 0);
 }
 
+/// CQ head doorbell writes the fake saw for I/O queue 1.
+fn completion_doorbells(device: &FakeDevice) -> u64 {
+    device.counters().completion_doorbells_by_queue.get(&1).copied().unwrap_or(0)
+}
+
+#[test]
+fn a_deep_queue_with_spare_entries_writes_the_cq_head_once_per_many_completions() {
+    // Goal: with 8 commands kept in flight in a queue of 17 entries, a reap leaves the CQ head
+    // doorbell for later while the controller still has an entry for every command
+    // outstanding, so one write answers about nine completions; the controller never has to
+    // wait for room.
+    let (device, controller) = bring_up(FakeScript::default());
+    let mut queue = controller.create_io_queue_pair(17).expect("queue pair");
+    let flush = || SubmissionEntry::flush(crate::NamespaceId(1));
+    for tag in 0..8 {
+        queue.submit_raw(flush(), tag).expect("submit");
+    }
+    queue.ring_doorbell().expect("ring");
+    for tag in 8..208 {
+        assert_eq!(queue.reap(1, |_| {}).expect("reap"), 1);
+        queue.submit_raw(flush(), tag).expect("submit");
+        queue.ring_doorbell().expect("ring");
+    }
+    let doorbells = completion_doorbells(&device);
+    assert!((20..=25).contains(&doorbells), "{doorbells} CQ head doorbells for 200 completions");
+    assert_eq!(device.counters().completions_held_for_room, 0);
+}
+
+#[test]
+fn at_queue_depth_one_every_completion_is_answered_by_its_doorbell() {
+    // Goal: a queue that goes idle after each reap publishes the head at once, as before the
+    // doorbell could wait: the controller's view of the CQ is exact whenever nothing is in flight.
+    let (device, controller) = bring_up(FakeScript::default());
+    let mut queue = controller.create_io_queue_pair(64).expect("queue pair");
+    for tag in 0..100u64 {
+        queue.submit_raw(SubmissionEntry::flush(crate::NamespaceId(1)), tag).expect("submit");
+        queue.ring_doorbell().expect("ring");
+        assert_eq!(queue.reap(8, |_| {}).expect("reap"), 1);
+        assert_eq!(device.completion_queue_head(1), Some((tag as u32 + 1) % 64));
+    }
+    assert_eq!(completion_doorbells(&device), 100);
+}
+
 proptest::proptest! {
     #![proptest_config(proptest::prelude::ProptestConfig { cases: 64, ..Default::default() })]
     #[test]
+    fn the_cq_head_doorbell_waits_only_while_the_controller_has_room(
+        depth in 2u32..=12,
+        rounds in proptest::collection::vec((0usize..=12, 0usize..=12), 1..40),
+    ) {
+        // Goal: whatever the pattern of submissions and partial reaps, the controller always has
+        // a CQ entry for each command it may complete (the fake counts every completion it had
+        // to hold for room, which on a real controller is a stall), every command completes,
+        // each doorbell write publishes something new, and an idle queue has published its head.
+        let (device, controller) = bring_up(FakeScript::default());
+        let mut queue = controller.create_io_queue_pair(depth).expect("queue pair");
+        let (mut submitted, mut completed) = (0u64, 0u64);
+        for (submit, reap) in rounds {
+            for _ in 0..submit {
+                if queue.submit_raw(SubmissionEntry::flush(crate::NamespaceId(1)), submitted).is_err() {
+                    break;
+                }
+                submitted += 1;
+            }
+            queue.ring_doorbell().expect("ring");
+            for _ in 0..reap {
+                queue.reap(1, |_| completed += 1).expect("reap");
+            }
+        }
+        while queue.in_flight() > 0 {
+            let reaped = queue.reap(usize::MAX, |_| completed += 1).expect("reap");
+            proptest::prop_assert!(reaped > 0, "{} in flight and nothing posted: the controller waits for room", queue.in_flight());
+        }
+        proptest::prop_assert_eq!(device.counters().completions_held_for_room, 0);
+        proptest::prop_assert_eq!(completed, submitted);
+        proptest::prop_assert!(completion_doorbells(&device) <= completed);
+        if submitted > 0 {
+            proptest::prop_assert_eq!(device.completion_queue_head(1), Some((submitted % u64::from(depth)) as u32));
+        }
+    }
+
+    #[test]    #[test]
     fn completion_pending_says_exactly_when_reap_reports_something(
         rounds in proptest::collection::vec((1usize..=3, 1usize..=3), 1..24),
         scripted in proptest::collection::vec((0u16..4, 0u16..4, proptest::bool::ANY, 0u16..3), 0..12),

@@ -155,6 +155,10 @@ pub struct QueuePair {
     cq_head: u32,
     /// The CQ head the controller was last told.
     cq_head_published: u32,
+    /// Whether the CQ head doorbell may wait until the controller could need the entries (see
+    /// [`QueuePair::completion_doorbell_needed`]); otherwise every reap that consumed something
+    /// writes it.
+    defer_completion_doorbell: bool,
     phase: bool,
     doorbell_pending: bool,
     slots: Vec<Slot>,
@@ -224,6 +228,7 @@ impl QueuePair {
             sq_head: 0,
             cq_head: 0,
             cq_head_published: 0,
+            defer_completion_doorbell: false,
             phase: true,
             doorbell_pending: false,
             slots: vec![Slot::default(); slot_count],
@@ -240,6 +245,13 @@ impl QueuePair {
     pub(crate) fn attach_gate(&mut self, gate: Arc<DoorbellGate>, generation: u64) {
         let ringer = gate.register();
         self.gate = Some(GateTicket { gate, generation, ringer });
+    }
+
+    /// Lets the CQ head doorbell wait while the controller has room for every command
+    /// outstanding: for I/O queues, whose CQs are created without interrupts (an interrupt
+    /// stays asserted while the head trails the tail, so the admin queue writes every head).
+    pub(crate) fn defer_completion_doorbell(&mut self) {
+        self.defer_completion_doorbell = true;
     }
 
     /// Makes every doorbell of this pair go through `slots` first (see `shadow.rs`). Set before
@@ -429,7 +441,32 @@ impl QueuePair {
         self.gate.as_ref().is_some_and(|ticket| !ticket.gate.is_current_hint(ticket.generation))
     }
 
-    /// Publishes every entry pushed since the last call with one SQ tail doorbell write.
+    /// Whether the CQ head doorbell must be written now. The controller posts a completion
+    /// only into an entry it knows is free (§4.6: it must not overflow the CQ), so the head it
+    /// last heard must leave room for every command outstanding: entries consumed but not
+    /// published, plus commands in flight (each will take one entry), at most depth − 1. While
+    /// that holds the write can wait, and a deep queue with spare entries writes it once per
+    /// many completions instead of once per reap; under a hypervisor each MMIO write leaves
+    /// the guest (under QEMU's TCG it also takes the big lock). A queue gone idle publishes
+    /// at once, so at queue depth 1 every completion is still answered by its doorbell.
+    fn completion_doorbell_needed(&self) -> bool {
+        let unpublished = ring_distance(self.cq_head_published, self.cq_head, self.depth) as usize;
+        unpublished > 0
+            && (!self.defer_completion_doorbell || self.in_flight == 0 || unpublished + self.in_flight > self.depth as usize - 1)
+    }
+
+    /// Writes the CQ head doorbell if the controller may need it (see
+    /// [`QueuePair::completion_doorbell_needed`]).
+    fn publish_completion_head(&mut self) -> Result<(), NvmeError> {
+        if self.completion_doorbell_needed() {
+            self.write_doorbell(true, self.cq_head, self.cq_head_published, hw::fence_before_completion_doorbell)?;
+            self.cq_head_published = self.cq_head;
+        }
+        Ok(())
+    }
+
+    /// Publishes every entry pushed since the last call with one SQ tail doorbell write, after
+    /// the CQ head if the commands now outstanding need the entries it frees.
     /// Fails with [`NvmeError::QueueStale`], writing nothing, once the controller was reset since
     /// this pair was created.
     pub fn ring_doorbell(&mut self) -> Result<(), NvmeError> {
@@ -437,6 +474,7 @@ impl QueuePair {
             return Err(NvmeError::QueueStale { queue: self.id });
         }
         if self.doorbell_pending {
+            self.publish_completion_head()?;
             // Entries were written with non-temporal stores (or plain copies); the store fence
             // makes them complete before the doorbell store (see the module documentation).
             self.write_doorbell(false, self.sq_tail, self.sq_tail_published, hw::fence_before_submission_doorbell)?;
@@ -485,8 +523,10 @@ impl QueuePair {
     }
 
     /// Consumes up to `max` completions, calling `on_completion` for each, and writes the CQ head
-    /// doorbell once. A completion that matches no command in flight is consumed and reported as
-    /// an error (after the completions before it were delivered).
+    /// doorbell once if the controller may need the entries (always, unless the pair defers it;
+    /// see [`QueuePair::completion_doorbell_needed`]). A completion that matches no command in
+    /// flight is consumed and reported as an error (after the completions before it were
+    /// delivered).
     pub fn reap(&mut self, max: usize, mut on_completion: impl FnMut(Completion)) -> Result<usize, NvmeError> {
         if self.is_stale_hint() {
             return Err(NvmeError::QueueStale { queue: self.id });
@@ -541,10 +581,10 @@ impl QueuePair {
             on_completion(completion);
         }
         if reaped > 0 {
-            // Stale: the consumed entries were still delivered (or reported in `failure`), and the
-            // doorbell is not written; staleness wins over any other failure.
-            self.write_doorbell(true, self.cq_head, self.cq_head_published, hw::fence_before_completion_doorbell)?;
-            self.cq_head_published = self.cq_head;
+            // Stale: the consumed entries were still delivered (or reported in `failure`), and a
+            // doorbell due now is not written; staleness wins over any other failure. (A stale
+            // pair whose doorbell could wait is reported by the next reap or ring.)
+            self.publish_completion_head()?;
         }
         match failure {
             Some(error) => Err(error),
