@@ -312,7 +312,15 @@ impl NvmeDevice {
         // One I/O may take several commands when it exceeds the controller's max transfer size.
         let commands_per_io = (slot_bytes as u64).div_ceil(self.controller.max_transfer_bytes().max(4096));
         let max_entries = self.controller.capabilities().max_queue_entries();
-        let entries = (u64::from(depth) * commands_per_io + 1).min(u64::from(max_entries)) as u32;
+        // Room for twice the commands in flight: the driver writes the CQ head doorbell only
+        // when the controller could run short of entries, so the spare half lets one write
+        // answer many completions (nvme-driver's `QueuePair::completion_doorbell_needed`). One
+        // command at a time gets no spare entries: its queue goes idle after every completion,
+        // which publishes the head at once anyway, and a full CQ of one entry is what QEMU's
+        // controller answers by running its SQ again when the head comes (docs/vfio.md).
+        let commands = u64::from(depth) * commands_per_io;
+        let spare = if commands > 1 { commands } else { 0 };
+        let entries = (commands + spare + 1).min(u64::from(max_entries)) as u32;
         let pair = self.controller.create_io_queue_pair(entries.max(2)).map_err(nvme)?;
         let total = slot_bytes
             .checked_mul(depth as usize)
