@@ -329,10 +329,9 @@ impl FakeState {
     /// Posts `entry`, or holds it (in order) while its CQ is full by the head the host wrote.
     fn post(&mut self, pool: &DmaPool, completion_queue: u16, entry: CompletionEntry, keep_phase: bool) {
         let Some(ring) = self.completion.get_mut(&completion_queue) else { return };
-        let held = self.held.entry(completion_queue).or_default();
-        if ring.is_full() || !held.is_empty() {
+        if ring.is_full() || self.held.get(&completion_queue).is_some_and(|held| !held.is_empty()) {
             self.counters.completions_held_for_room += 1;
-            held.push_back((entry, keep_phase));
+            self.held.entry(completion_queue).or_default().push_back((entry, keep_phase));
             return;
         }
         Self::write_completion(pool, ring, entry, keep_phase);

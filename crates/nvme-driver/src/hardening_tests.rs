@@ -10,7 +10,7 @@ use crate::fake_device::{identify_namespace_bytes, FakeDevice, FakeScript};
 use crate::hw::{DeviceBackend, DmaAllocator};
 use crate::spec::registers::{self, Capabilities};
 use crate::spec::{CompletionEntry, SubmissionEntry};
-use crate::{Controller, ControllerConfig, DataSegment, Lba, NamespaceRefusal, NvmeError, QueueId};
+use crate::{Controller, ControllerConfig, DataSegment, IoQueuePair, Lba, NamespaceRefusal, NvmeError, QueueId};
 
 fn config() -> ControllerConfig {
     ControllerConfig { admin_timeout: Duration::from_millis(200), ..ControllerConfig::default() }
@@ -20,6 +20,23 @@ fn bring_up(script: FakeScript) -> (Arc<FakeDevice>, Controller) {
     let device = FakeDevice::new(script);
     let controller = Controller::init(device.clone(), config()).expect("bring-up");
     (device, controller)
+}
+
+/// A Flush of namespace 1: a command with no data, for tests about queue mechanics.
+fn flush() -> SubmissionEntry {
+    SubmissionEntry::flush(crate::NamespaceId(1))
+}
+
+/// Submits up to `count` flushes tagged from `next_tag` on, stopping at back-pressure; returns
+/// the next tag.
+fn submit_flushes(queue: &mut IoQueuePair, count: usize, mut next_tag: u64) -> u64 {
+    for _ in 0..count {
+        if queue.submit_raw(flush(), next_tag).is_err() {
+            break;
+        }
+        next_tag += 1;
+    }
+    next_tag
 }
 
 /// A raw completion for I/O queue 1.
@@ -91,7 +108,7 @@ fn a_completion_naming_an_sq_head_the_controller_cannot_have_reached_is_an_error
         let script = FakeScript { io_completions: VecDeque::from([completion(0, bad_head)]), ..FakeScript::default() };
         let (_device, controller) = bring_up(script);
         let mut queue = controller.create_io_queue_pair(8).expect("queue pair");
-        queue.submit_raw(SubmissionEntry::flush(crate::NamespaceId(1)), 0).expect("submit");
+        queue.submit_raw(flush(), 0).expect("submit");
         queue.ring_doorbell().expect("ring");
         let reaped = queue.reap(8, |_| {});
         assert!(
@@ -111,13 +128,13 @@ fn submission_stops_one_short_of_the_head_the_controller_reported() {
     let (_device, controller) = bring_up(script);
     let mut queue = controller.create_io_queue_pair(4).expect("queue pair");
     for tag in 0..3 {
-        queue.submit_raw(SubmissionEntry::flush(crate::NamespaceId(1)), tag).expect("submit");
+        queue.submit_raw(flush(), tag).expect("submit");
     }
     queue.ring_doorbell().expect("ring");
     assert_eq!(queue.reap(8, |_| {}).expect("reap"), 3);
     assert_eq!(queue.in_flight(), 0);
     assert_eq!(queue.free_slots(), 0, "every command slot is free, but the SQ is not");
-    let fourth = queue.submit_raw(SubmissionEntry::flush(crate::NamespaceId(1)), 3);
+    let fourth = queue.submit_raw(flush(), 3);
     assert!(matches!(fourth, Err(NvmeError::QueueFull { .. })), "{fourth:?}");
 }
 
@@ -277,7 +294,6 @@ fn a_deep_queue_with_spare_entries_writes_the_cq_head_once_per_many_completions(
     // wait for room.
     let (device, controller) = bring_up(FakeScript::default());
     let mut queue = controller.create_io_queue_pair(17).expect("queue pair");
-    let flush = || SubmissionEntry::flush(crate::NamespaceId(1));
     for tag in 0..8 {
         queue.submit_raw(flush(), tag).expect("submit");
     }
@@ -299,7 +315,7 @@ fn at_queue_depth_one_every_completion_is_answered_by_its_doorbell() {
     let (device, controller) = bring_up(FakeScript::default());
     let mut queue = controller.create_io_queue_pair(64).expect("queue pair");
     for tag in 0..100u64 {
-        queue.submit_raw(SubmissionEntry::flush(crate::NamespaceId(1)), tag).expect("submit");
+        queue.submit_raw(flush(), tag).expect("submit");
         queue.ring_doorbell().expect("ring");
         assert_eq!(queue.reap(8, |_| {}).expect("reap"), 1);
         assert_eq!(device.completion_queue_head(1), Some((tag as u32 + 1) % 64));
@@ -322,12 +338,7 @@ proptest::proptest! {
         let mut queue = controller.create_io_queue_pair(depth).expect("queue pair");
         let (mut submitted, mut completed) = (0u64, 0u64);
         for (submit, reap) in rounds {
-            for _ in 0..submit {
-                if queue.submit_raw(SubmissionEntry::flush(crate::NamespaceId(1)), submitted).is_err() {
-                    break;
-                }
-                submitted += 1;
-            }
+            submitted = submit_flushes(&mut queue, submit, submitted);
             queue.ring_doorbell().expect("ring");
             for _ in 0..reap {
                 queue.reap(1, |_| completed += 1).expect("reap");
@@ -345,7 +356,7 @@ proptest::proptest! {
         }
     }
 
-    #[test]    #[test]
+    #[test]
     fn completion_pending_says_exactly_when_reap_reports_something(
         rounds in proptest::collection::vec((1usize..=3, 1usize..=3), 1..24),
         scripted in proptest::collection::vec((0u16..4, 0u16..4, proptest::bool::ANY, 0u16..3), 0..12),
@@ -371,12 +382,7 @@ proptest::proptest! {
         let mut queue = controller.create_io_queue_pair(4).expect("queue pair");
         let mut tag = 0u64;
         for (submit, reap) in rounds {
-            for _ in 0..submit {
-                if queue.submit_raw(SubmissionEntry::flush(crate::NamespaceId(1)), tag).is_err() {
-                    break;
-                }
-                tag += 1;
-            }
+            tag = submit_flushes(&mut queue, submit, tag);
             queue.ring_doorbell().expect("ring");
             for _ in 0..reap {
                 let pending = queue.completion_pending();
