@@ -93,6 +93,25 @@ pub trait IoQueue: Send {
     fn read_buffer(&self, slot: u32, destination: &mut [u8]) -> Result<(), DeviceError>;
     /// Waits for everything in flight (bounded), discarding results: used before tearing down.
     fn drain(&mut self, deadline: Instant);
+    /// Paces a loop that polls this queue without waiting on it (several devices polled in
+    /// turn), after its `polls`-th poll in a row that completed nothing. By default a spin hint,
+    /// and a yield every [`IDLE_POLLS_PER_YIELD`] polls.
+    fn pace_idle_poll(&self, polls: u32) {
+        spin_then_yield(polls);
+    }
+}
+
+/// Polls between two yields of a loop that polls devices in turn ([`IoQueue::pace_idle_poll`]).
+pub const IDLE_POLLS_PER_YIELD: u32 = 64;
+
+/// The default pacing of an idle poll: a spin hint, and every [`IDLE_POLLS_PER_YIELD`] polls a
+/// yield (a software controller may be a thread of this process, on the same cores).
+fn spin_then_yield(polls: u32) {
+    if polls.is_multiple_of(IDLE_POLLS_PER_YIELD) {
+        std::thread::yield_now();
+    } else {
+        std::hint::spin_loop();
+    }
 }
 
 /// What opening a device needs to know about the run.
@@ -525,6 +544,14 @@ impl IoQueue for NvmeQueue {
 
     fn drain(&mut self, deadline: Instant) {
         let _ = self.pair.wait_idle(deadline, |_| {});
+    }
+
+    fn pace_idle_poll(&self, polls: u32) {
+        match self.waiter {
+            // Polled back to back, as in submit_and_reap's wait (see Waiter::Polls).
+            Waiter::Polls => {}
+            Waiter::SharesOurCores => spin_then_yield(polls),
+        }
     }
 }
 
