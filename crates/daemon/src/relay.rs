@@ -21,7 +21,10 @@
 //! and `fence_before_submission_doorbell` makes them complete before the BAR write (on Arm the
 //! load is `ldar` and `dsb st` follows it; Armv8 is multi-copy atomic, so what this CPU sees,
 //! the device sees). A CQ head likewise, with `fence_before_completion_doorbell` (the client's
-//! loads of the entries it consumed precede its Release store of the head).
+//! loads of the entries it consumed precede its Release store of the head). When both changed
+//! between two passes, the head goes to the BAR first (`RelayedQueue::forward`), the order in
+//! which the client wrote them, so the controller never sees new commands before the CQ
+//! entries given back for their completions.
 //!
 //! Latency: the thread polls without sleeping for `busy_window` after the last doorbell it
 //! forwarded, then sleeps `idle_sleep` between passes; docs/tuttid.md has the measured figure.
@@ -127,23 +130,47 @@ enum Doorbell {
 
 impl RelayedQueue {
     /// Forwards what changed in this pair's two slots; returns how many values moved.
+    ///
+    /// The SQ tail is read before the CQ head, and the head is written to the BAR before the
+    /// tail. A client publishes the CQ head it reaped to before the SQ tail of the commands it
+    /// queues next (`QueuePair::ring_doorbell`), so a tail read here comes with that head
+    /// (both Release stores by the client, both Acquire loads here). Forwarding in the other
+    /// order would let the controller see the new commands while the CQ entries their
+    /// completions need were not yet given back: with the queue full, it would find its CQ full.
     fn forward(&mut self, dropped: &AtomicU64) -> u64 {
-        self.forward_slot(Doorbell::SubmissionTail, dropped) + self.forward_slot(Doorbell::CompletionHead, dropped)
+        let tail = self.take_new_value(Doorbell::SubmissionTail, dropped);
+        let head = self.take_new_value(Doorbell::CompletionHead, dropped);
+        let mut moved = 0;
+        if let Some(head) = head {
+            moved += self.write_doorbell(Doorbell::CompletionHead, head);
+        }
+        if let Some(tail) = tail {
+            moved += self.write_doorbell(Doorbell::SubmissionTail, tail);
+        }
+        moved
     }
 
-    fn forward_slot(&mut self, doorbell: Doorbell, dropped: &AtomicU64) -> u64 {
-        let slot = match doorbell {
+    fn slot(&mut self, doorbell: Doorbell) -> &mut Slot {
+        match doorbell {
             Doorbell::SubmissionTail => &mut self.submission,
             Doorbell::CompletionHead => &mut self.completion,
-        };
+        }
+    }
+
+    /// The slot's value when it changed since the last pass and differs from what the BAR was
+    /// last given; a value outside the queue's depth is dropped (counted once) instead.
+    fn take_new_value(&mut self, doorbell: Doorbell, dropped: &AtomicU64) -> Option<u32> {
+        let offset = self.slot(doorbell).offset;
         // Acquire (SharedRegisters::read32): the client's ring accesses before its Release
         // store of this value happen before everything below.
-        let value = self.page.read32(slot.offset);
+        let value = self.page.read32(offset);
+        let depth = self.depth;
+        let slot = self.slot(doorbell);
         if value == slot.seen {
-            return 0;
+            return None;
         }
         slot.seen = value;
-        if value >= self.depth {
+        if value >= depth {
             dropped.fetch_add(1, Ordering::Relaxed);
             self.counters.dropped.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(
@@ -153,17 +180,20 @@ impl RelayedQueue {
                 ?doorbell,
                 "relay: a doorbell value outside the queue's depth, dropped"
             );
-            return 0;
+            return None;
         }
-        if value == slot.forwarded {
-            return 0;
-        }
+        (value != slot.forwarded).then_some(value)
+    }
+
+    fn write_doorbell(&mut self, doorbell: Doorbell, value: u32) -> u64 {
         match doorbell {
             Doorbell::SubmissionTail => fence_before_submission_doorbell(),
             Doorbell::CompletionHead => fence_before_completion_doorbell(),
         }
-        self.bar.write32(slot.offset, value);
+        let slot = self.slot(doorbell);
         slot.forwarded = value;
+        let offset = slot.offset;
+        self.bar.write32(offset, value);
         self.counters.forwarded.fetch_add(1, Ordering::Relaxed);
         1
     }
@@ -419,6 +449,40 @@ mod tests {
         assert!(counts.passes >= 2, "{counts:?}");
         let pair = ticket.counters();
         assert_eq!((pair.forwarded.load(Ordering::Relaxed), pair.dropped.load(Ordering::Relaxed)), (2, 0), "the pair's own counters");
+    }
+
+    #[test]
+    fn a_pass_forwards_the_completion_head_before_the_submission_tail() {
+        // Goal: when a client gave back CQ entries and queued new commands between two passes,
+        // the controller gets the head first; the tail first would show it commands whose
+        // completions may find the CQ full (a full queue: depth - 1 in flight again).
+        let bar = Arc::new(RecordingBar::default());
+        let own = layout(1, 8);
+        let page = DoorbellRelay::make_page(bar.as_ref(), &own).unwrap();
+        let client = SharedRegisters::new(Arc::clone(&page));
+        let mut queue = RelayedQueue {
+            ticket: 0,
+            counters: Arc::default(),
+            page: SharedRegisters::new(page),
+            bar: bar.clone(),
+            queue_id: 1,
+            depth: 8,
+            submission: Slot { offset: own.submission_doorbell_offset, ..Slot::default() },
+            completion: Slot { offset: own.completion_doorbell_offset, ..Slot::default() },
+        };
+        let dropped = AtomicU64::new(0);
+        client.write32(own.submission_doorbell_offset, 7);
+        assert_eq!(queue.forward(&dropped), 1);
+        // Seven commands in flight; the client reaps five, then queues three more.
+        client.write32(own.completion_doorbell_offset, 5);
+        client.write32(own.submission_doorbell_offset, 2);
+        assert_eq!(queue.forward(&dropped), 2);
+        assert_eq!(
+            *lock(&bar.writes),
+            vec![(own.submission_doorbell_offset, 7), (own.completion_doorbell_offset, 5), (own.submission_doorbell_offset, 2)]
+        );
+        assert_eq!(queue.forward(&dropped), 0, "nothing changed since the last pass");
+        assert_eq!(dropped.load(Ordering::Relaxed), 0);
     }
 
     #[test]
