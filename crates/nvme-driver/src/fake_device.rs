@@ -151,6 +151,8 @@ pub struct FakeCounters {
     /// Completions the fake had to hold because their CQ was full by the head the host last
     /// wrote (a real controller stalls there; a host that never frees the entries hangs).
     pub completions_held_for_room: u64,
+    /// CQ head doorbell writes that repeated the head already written (they give nothing back).
+    pub repeated_completion_heads: u64,
 }
 
 struct FakeState {
@@ -344,6 +346,9 @@ impl FakeState {
         *self.counters.completion_doorbells_by_queue.entry(completion_queue).or_default() += 1;
         if head >= ring.entries {
             return;
+        }
+        if head == ring.head {
+            self.counters.repeated_completion_heads += 1;
         }
         ring.head = head;
         let Some(held) = self.held.get_mut(&completion_queue) else { return };

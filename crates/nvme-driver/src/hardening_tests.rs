@@ -350,6 +350,7 @@ proptest::proptest! {
         }
         proptest::prop_assert_eq!(device.counters().completions_held_for_room, 0);
         proptest::prop_assert_eq!(completed, submitted);
+        proptest::prop_assert_eq!(device.counters().repeated_completion_heads, 0);
         proptest::prop_assert!(completion_doorbells(&device) <= completed);
         if submitted > 0 {
             proptest::prop_assert_eq!(device.completion_queue_head(1), Some((submitted % u64::from(depth)) as u32));

@@ -317,8 +317,10 @@ impl IoQueuePair {
         self.queue.completion_pending()
     }
 
-    /// Reaps up to `max` completions without waiting; one CQ doorbell write. (A stale pair is
-    /// refused by the queue's own reap, first thing: no second check here.)
+    /// Reaps up to `max` completions without waiting; at most one CQ doorbell write (on a pair
+    /// the driver created, none while the controller has room for every command in flight; see
+    /// `QueuePair::completion_doorbell_needed`). (A stale pair is refused by the queue's own
+    /// reap, first thing: no second check here.)
     pub fn reap(&mut self, max: usize, on_completion: impl FnMut(Completion)) -> Result<usize, NvmeError> {
         self.queue.reap(max, on_completion)
     }

@@ -10,9 +10,12 @@
 //! tail that covers an unwritten entry. Completion:
 //! dword 3 of the entry at the head (command id, status, phase) is loaded with Acquire; only when
 //! its phase matches the expected one is the rest of the entry read, so the read cannot observe
-//! an entry older than the phase it carries. The CQ head doorbell is written once per reap batch,
-//! after the entries were consumed and a fence ([`crate::hw::fence_before_completion_doorbell`])
-//! made those loads complete, so the controller cannot reuse a slot still being read.
+//! an entry older than the phase it carries. The CQ head doorbell is written after the entries
+//! were consumed and a fence ([`crate::hw::fence_before_completion_doorbell`]) made those loads
+//! complete, so the controller cannot reuse a slot still being read: once per reap batch on the
+//! admin queue and on attached pairs; on I/O queues the driver created, only when it is needed
+//! (`completion_doorbell_needed`: the controller could otherwise run short of CQ entries, or
+//! the queue went idle).
 //!
 //! Doorbells of I/O queue pairs go through the controller's [`DoorbellGate`]: a pair whose
 //! controller was reset since it was created cannot ring (see `gate.rs`). With shadow doorbells
