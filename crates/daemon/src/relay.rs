@@ -140,14 +140,13 @@ impl RelayedQueue {
     fn forward(&mut self, dropped: &AtomicU64) -> u64 {
         let tail = self.take_new_value(Doorbell::SubmissionTail, dropped);
         let head = self.take_new_value(Doorbell::CompletionHead, dropped);
-        let mut moved = 0;
         if let Some(head) = head {
-            moved += self.write_doorbell(Doorbell::CompletionHead, head);
+            self.write_doorbell(Doorbell::CompletionHead, head);
         }
         if let Some(tail) = tail {
-            moved += self.write_doorbell(Doorbell::SubmissionTail, tail);
+            self.write_doorbell(Doorbell::SubmissionTail, tail);
         }
-        moved
+        u64::from(head.is_some()) + u64::from(tail.is_some())
     }
 
     fn slot(&mut self, doorbell: Doorbell) -> &mut Slot {
@@ -185,7 +184,7 @@ impl RelayedQueue {
         (value != slot.forwarded).then_some(value)
     }
 
-    fn write_doorbell(&mut self, doorbell: Doorbell, value: u32) -> u64 {
+    fn write_doorbell(&mut self, doorbell: Doorbell, value: u32) {
         match doorbell {
             Doorbell::SubmissionTail => fence_before_submission_doorbell(),
             Doorbell::CompletionHead => fence_before_completion_doorbell(),
@@ -195,7 +194,6 @@ impl RelayedQueue {
         let offset = slot.offset;
         self.bar.write32(offset, value);
         self.counters.forwarded.fetch_add(1, Ordering::Relaxed);
-        1
     }
 }
 

@@ -29,6 +29,8 @@ const WAIT_SPIN_POLLS: u32 = 256;
 /// Polls between two clock reads of a wait (its deadline): a clock read costs more than a poll,
 /// and under an emulated CPU (the TCG guest of tools/vm-bench.sh) far more.
 const WAIT_POLLS_PER_CLOCK_READ: u32 = 1024;
+/// Polls between two yields of a loop that polls devices in turn ([`IoQueue::pace_idle_poll`]).
+const IDLE_POLLS_PER_YIELD: u32 = 64;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Direction {
@@ -100,9 +102,6 @@ pub trait IoQueue: Send {
         spin_then_yield(polls);
     }
 }
-
-/// Polls between two yields of a loop that polls devices in turn ([`IoQueue::pace_idle_poll`]).
-pub const IDLE_POLLS_PER_YIELD: u32 = 64;
 
 /// The default pacing of an idle poll: a spin hint, and every [`IDLE_POLLS_PER_YIELD`] polls a
 /// yield (a software controller may be a thread of this process, on the same cores).
