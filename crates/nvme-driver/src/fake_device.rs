@@ -236,6 +236,12 @@ impl FakeDevice {
         self.registers.lock().completion.get(&queue_id).map(|ring| ring.head)
     }
 
+    /// Completions of CQ `queue_id` held now because the CQ is full by the head the host last
+    /// wrote (they are posted as a later head frees room).
+    pub fn completions_waiting_for_room(&self, queue_id: u16) -> usize {
+        self.registers.lock().held.get(&queue_id).map_or(0, VecDeque::len)
+    }
+
     /// The identity pool the fake translates through (the same as [`DeviceBackend::dma`]).
     pub fn pool(&self) -> Arc<DmaPool> {
         Arc::clone(&self.pool)

@@ -333,9 +333,10 @@ impl NvmeDevice {
         // Room for twice the commands in flight: the driver writes the CQ head doorbell only
         // when the controller could run short of entries, so the spare half lets one write
         // answer many completions (nvme-driver's `QueuePair::completion_doorbell_needed`). One
-        // command at a time gets no spare entries: its queue goes idle after every completion,
-        // which publishes the head at once anyway, and a full CQ of one entry is what QEMU's
-        // controller answers by running its SQ again when the head comes (docs/vfio.md).
+        // command at a time gets no spare entries: each completion's head then goes out with
+        // the next command's ring, right after its tail, and QEMU's controller answers a head
+        // that frees a full CQ by running its SQ and CQ again; with spare entries QD 1 lost
+        // its fast mode there (docs/vfio.md).
         let commands = u64::from(depth) * commands_per_io;
         let spare = if commands > 1 { commands } else { 0 };
         let entries = (commands + spare + 1).min(u64::from(max_entries)) as u32;
