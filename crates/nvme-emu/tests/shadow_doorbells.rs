@@ -26,16 +26,18 @@ fn device(shadow_doorbells: bool) -> Arc<EmuDevice> {
     EmuDevice::start(config).expect("software controller")
 }
 
-/// `device` with every MMIO write to an I/O queue doorbell counted in the returned counter.
+/// `device` with every MMIO write to I/O queue 1's SQ tail doorbell counted in the returned
+/// counter. (Its CQ head doorbell is not counted: the driver writes it after the tail in the
+/// same ring when the commands need the room, so after an idle gap both may be MMIO writes.)
 fn counted(device: &Arc<EmuDevice>) -> (Arc<dyn DeviceBackend>, Arc<AtomicU64>) {
-    let io_doorbell_writes = Arc::new(AtomicU64::new(0));
-    let counter = Arc::clone(&io_doorbell_writes);
+    let submission_doorbell_writes = Arc::new(AtomicU64::new(0));
+    let counter = Arc::clone(&submission_doorbell_writes);
     let hook = Box::new(move |offset| {
-        if offset >= doorbell_offset(1, false, 0) {
+        if offset == doorbell_offset(1, false, 0) {
             counter.fetch_add(1, Ordering::SeqCst);
         }
     });
-    (hooked_backend(device, hook), io_doorbell_writes)
+    (hooked_backend(device, hook), submission_doorbell_writes)
 }
 
 fn controller(device: &Arc<EmuDevice>, shadow_doorbells: bool) -> Controller {
@@ -81,7 +83,7 @@ fn round_trip(controller: &Controller, queue: &mut IoQueuePair, first_lba: u64, 
 fn data_round_trips_and_the_first_doorbell_after_idle_is_a_register_write() {
     // Goal: with shadow doorbells on, batches of every size up to the queue's depth move the
     // right bytes through 16-entry queues that wrap dozens of times, and after idle gaps long
-    // enough for the controller to park, the next doorbell is also an MMIO write (the
+    // enough for the controller to park, the next SQ tail doorbell is an MMIO write (the
     // controller's EventIdx caught up with the shadow page while it went idle), which is what
     // wakes it.
     //
@@ -94,11 +96,11 @@ fn data_round_trips_and_the_first_doorbell_after_idle_is_a_register_write() {
     let mut config = EmuConfig::default().with_backing(Backing::Memory { bytes: 16 << 20 }).with_shadow_doorbells(true);
     config.idle_sleep_max = Duration::from_secs(60);
     let device = EmuDevice::start(config).expect("software controller");
-    let (backend, io_doorbell_writes) = counted(&device);
+    let (backend, submission_doorbell_writes) = counted(&device);
     let controller = controller_on(backend, true);
     assert!(controller.shadow_doorbells_active(), "the software controller offers Doorbell Buffer Config");
     let mut queue = controller.create_io_queue_pair(16).expect("queue pair");
-    let writes = || io_doorbell_writes.load(Ordering::SeqCst);
+    let writes = || submission_doorbell_writes.load(Ordering::SeqCst);
     let namespace = controller.namespaces()[0];
     let probe = controller.dma().allocate(4096).expect("buffer");
     let probe_segment = [DataSegment::new(probe.iova(), 4096)];
@@ -110,7 +112,7 @@ fn data_round_trips_and_the_first_doorbell_after_idle_is_a_register_write() {
             // machine) answers the probe before the register write (seen once, 2026-11-28).
             std::thread::sleep(Duration::from_millis(50));
             // After an idle gap the controller has read every doorbell value, so its EventIdx
-            // asks for the next one: this very doorbell must be an MMIO write.
+            // asks for the next one: this very SQ tail doorbell must be an MMIO write.
             let before = writes();
             queue.submit_read(namespace.id, Lba(0), &probe_segment, 0).expect("submit probe");
             queue.ring_doorbell().expect("ring probe");
