@@ -484,11 +484,28 @@ impl ControllerCore {
             let completion_queue_id = queue.completion_queue_id;
             // A full CQ leaves commands in the SQ until the host rings the CQ head; never fetch
             // more than there are free slots for.
-            let free = self
-                .completion_queues
-                .get(usize::from(completion_queue_id))
-                .and_then(Option::as_ref)
-                .map_or(0, CompletionQueue::free_slots);
+            let Some(Some(completion_queue)) = self.completion_queues.get_mut(usize::from(completion_queue_id)) else {
+                continue;
+            };
+            let mut free = completion_queue.free_slots();
+            if free == 0 && !queue.is_empty() {
+                // A host that writes the SQ tail before the CQ head that makes room for it (as
+                // our driver does, so the command starts first) may have written that head after
+                // this scan read it: read it again rather than leave the command a scan.
+                Self::update_doorbell(
+                    Self::rung(&self.registers, self.shadow_doorbells.as_ref(), completion_queue_id, true),
+                    &mut self.counters,
+                    completion_queue.entries,
+                    &mut completion_queue.head,
+                    &mut completion_queue.last_invalid_doorbell,
+                );
+                free = completion_queue.free_slots();
+            }
+            let waiting = free == 0 && !queue.is_empty();
+            if waiting && !queue.waiting_for_completion_room {
+                self.counters.totals.completion_room_waits += 1;
+            }
+            queue.waiting_for_completion_room = waiting;
             let limit = (free as usize).min(COMMANDS_PER_QUEUE_PER_SCAN);
             fetched.clear();
             while fetched.len() < limit && !queue.is_empty() {

@@ -21,11 +21,23 @@ pub(crate) struct SubmissionQueue {
     /// What this queue's commands may reach (set by the host after creating it; see
     /// `restriction.rs`). `None`: the whole DMA space and every namespace.
     pub restriction: Option<Arc<QueueRestriction>>,
+    /// The last scan left commands here for want of a free completion queue entry (so a wait
+    /// is counted once, not once per scan).
+    pub waiting_for_completion_room: bool,
 }
 
 impl SubmissionQueue {
     pub(crate) fn new(memory: DmaRegion, entries: u32, completion_queue_id: u16) -> Self {
-        Self { completion_queue_id, entries, head: 0, tail: 0, memory, last_invalid_doorbell: None, restriction: None }
+        Self {
+            completion_queue_id,
+            entries,
+            head: 0,
+            tail: 0,
+            memory,
+            last_invalid_doorbell: None,
+            restriction: None,
+            waiting_for_completion_room: false,
+        }
     }
 
     pub(crate) fn is_empty(&self) -> bool {

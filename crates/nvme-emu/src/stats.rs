@@ -30,6 +30,10 @@ pub struct EmuStats {
     pub restriction_refusals: u64,
     /// Doorbell values beyond the queue size, ignored.
     pub invalid_doorbell_writes: u64,
+    /// Times a submission queue's commands were left unfetched because its completion queue
+    /// had no free entry, even after reading the CQ head doorbell again (counted once per wait,
+    /// not per scan): each such wait costs the commands at least one more scan.
+    pub completion_room_waits: u64,
     /// Bytes written back from the volatile write cache to the backing store.
     pub cache_writeback_bytes: u64,
     /// Reads whose backing-store I/O went through io_uring (several in flight; bounced or direct).
