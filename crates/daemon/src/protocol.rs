@@ -29,7 +29,7 @@ pub use device_memory::{DeviceMemoryKind, RegisterDeviceMemory, DEVICE_MEMORY_HA
 pub use status::{ClientStatus, DeviceStatus, PoolStatus, RelayStatus, StatusReply};
 pub use store::{
     AttachQueues, Commit, NamespaceGrant, Prepare, QueueGrant, RegisterMemory, Registered, RetrievePrepared, RingOffsets, StorePrepared,
-    DEVICES_MAX, NAMESPACES_MAX,
+    DEVICES_MAX, NAMESPACES_MAX, PREPARE_BLOCKS_MAX,
 };
 
 /// Frame magic, the bytes `TUTD`.

@@ -31,7 +31,7 @@ use crate::keys::KeySpace;
 use crate::metrics::Metrics;
 use crate::protocol::{
     AttachQueues, Commit, ErrorCode, NamespaceGrant, Prepare, QueueGrant, RegisterMemory, Registered, Reply, RetrievePrepared,
-    StorePrepared,
+    StorePrepared, PREPARE_BLOCKS_MAX,
 };
 use crate::relay::{DoorbellRelay, PairCounters, RelayTicket};
 use crate::report::{self, Refusal};
@@ -409,6 +409,14 @@ impl Holdings {
         }
         let full = prepare.tokens.len() / block_tokens.max(1) as usize;
         let blocks = prepare.block_ids.len();
+        if blocks > PREPARE_BLOCKS_MAX {
+            // Refused before anything is reserved: the reply's placements would not fit a frame,
+            // and a reservation whose reply cannot be sent could never be released.
+            return Err((
+                ErrorCode::BadRequest,
+                format!("{blocks} block ids in one request; at most {PREPARE_BLOCKS_MAX} (prepare longer prefixes in pieces)"),
+            ));
+        }
         if blocks == 0 || blocks > full {
             return Err((
                 ErrorCode::BadRequest,

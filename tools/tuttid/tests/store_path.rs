@@ -19,7 +19,7 @@ use nvme_driver::spec::NvmeStatus;
 use nvme_driver::{DataSegment, DmaAllocator, Iova, Lba, NamespaceId, NvmeError};
 use objstore::{KvRequest, LayerKvStore, Transferred};
 use tutti_daemon::client::{RemoteConfig, RemoteKvStore};
-use tutti_daemon::protocol::{AttachQueues, Commit, Prepare, RegisterMemory, Reply, Request, RingOffsets, StatusReply};
+use tutti_daemon::protocol::{AttachQueues, Commit, Prepare, RegisterMemory, Reply, Request, RingOffsets, StatusReply, PREPARE_BLOCKS_MAX};
 use tutti_daemon::{DaemonError, ErrorCode};
 
 mod common;
@@ -330,6 +330,11 @@ fn requests_naming_what_the_session_does_not_own_are_refused_and_the_daemon_serv
     let window = SharedMemory::create("raw-window", 1 << 20).unwrap();
     let Ok((Reply::Registered(registered), _)) = other.call_with_fds(&register, &[window.fd()]) else { panic!("registering") };
     bad_request(refusal(&mut other, &Request::PrepareStore(prepare(registered.registration, vec![0, 4])), &[]), "outside registration");
+    // More blocks than a reply can place: refused before anything is reserved (in a pool of
+    // 1–3 tokens per block such a request is otherwise valid, and its reply would not fit).
+    let too_many = vec![0; PREPARE_BLOCKS_MAX + 1];
+    bad_request(refusal(&mut other, &Request::PrepareStore(prepare(registered.registration, too_many.clone())), &[]), "at most");
+    bad_request(refusal(&mut other, &Request::PrepareRetrieve(prepare(registered.registration, too_many)), &[]), "at most");
     let past_end = Request::AttachQueues(AttachQueues {
         registration: registered.registration,
         depth: 64,

@@ -13,6 +13,11 @@ use super::{put_u16, put_u32, put_u64, BodyReader, Kind, ProtocolError, Reply, R
 pub const DEVICES_MAX: usize = 256;
 /// Most namespaces one queue grant may list.
 pub const NAMESPACES_MAX: usize = 16;
+/// Most blocks one `PrepareRetrieve` / `PrepareStore` may name: its reply carries a placement
+/// (and, for a retrieve in a pool that records them, a CRC) per block, and must fit one frame.
+/// Checked before anything is reserved. Only pools of 1–3 tokens per block reach it: a request
+/// names at least `block_tokens` tokens per block, 4 bytes each, within the same body cap.
+pub const PREPARE_BLOCKS_MAX: usize = (super::BODY_BYTES_MAX as usize - 64) / (PLACEMENT_BYTES + 4);
 
 /// `RegisterMemory`: the client's sealed memfd (one descriptor with the frame) of
 /// `window_bytes`, of which the engine's KV blocks use `kv_blocks` (block ids below it).

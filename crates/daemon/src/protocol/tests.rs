@@ -262,6 +262,45 @@ fn store_replies() -> Vec<Reply> {
 }
 
 #[test]
+fn the_largest_prepare_replies_fit_one_frame() {
+    // Goal: a prepare the daemon accepts (at most PREPARE_BLOCKS_MAX blocks) always gets a
+    // reply that fits a frame, CRCs included: a reply that did not fit would leave its
+    // reservation with no handle to release it by. A few more placements do not fit, so the
+    // cap is not needlessly low.
+    let placements = |count: usize| -> Vec<objstore::Placement> {
+        (0..count as u32)
+            .map(|i| objstore::Placement {
+                location: objstore::BlockLocation { device: u16::MAX, slot: u32::MAX - i, index: u16::MAX },
+                engine_block: i,
+            })
+            .collect()
+    };
+    let replies = |count: usize| {
+        [
+            Reply::RetrievePrepared(RetrievePrepared {
+                handle: u64::MAX,
+                placements: placements(count),
+                expected_crcs: Some(vec![u32::MAX; count]),
+            }),
+            Reply::StorePrepared(StorePrepared {
+                handle: u64::MAX,
+                new_blocks: count as u32,
+                shared_blocks: 0,
+                evicted_slots: count as u32,
+                placements: placements(count),
+            }),
+        ]
+    };
+    let mut out = Vec::new();
+    for reply in replies(PREPARE_BLOCKS_MAX) {
+        encode_frame(&mut out, reply.kind(), 1, |out| reply.encode_body(out)).unwrap();
+        assert_eq!(Reply::decode(reply.kind(), &out[HEADER_BYTES..]).unwrap(), reply);
+    }
+    let [retrieve, _] = replies(PREPARE_BLOCKS_MAX + 8);
+    assert!(encode_frame(&mut out, retrieve.kind(), 1, |out| retrieve.encode_body(out)).is_err());
+}
+
+#[test]
 fn store_path_messages_round_trip_and_every_truncation_is_malformed() {
     // Goal: each store-path request and reply decodes to itself; every cut of its body and a
     // trailing byte are MalformedBody, never a panic.
