@@ -74,4 +74,6 @@ pub enum DaemonError {
     DeviceMemory(String),
     #[error("cluster: {0}")]
     Cluster(String),
+    #[error("server configuration: {0}")]
+    Config(String),
 }

@@ -71,6 +71,33 @@ pub struct ServerConfig {
 }
 
 impl ServerConfig {
+    /// The ranges [`ServerConfig::validate`] accepts: wide enough for any deployment, narrow
+    /// enough that every deadline computed from them (`Instant + Duration`) stays representable
+    /// and every socket timeout is one the kernel takes (not zero).
+    pub const LEASE_RANGE: std::ops::RangeInclusive<Duration> = Duration::from_millis(100)..=Duration::from_secs(86_400);
+    pub const FRAME_TIMEOUT_RANGE: std::ops::RangeInclusive<Duration> = Duration::from_millis(10)..=Duration::from_secs(3_600);
+    pub const TICK_RANGE: std::ops::RangeInclusive<Duration> = Duration::from_millis(1)..=Duration::from_secs(1);
+
+    /// Refuses durations and counts the server cannot run with (a lease of `u64::MAX` seconds
+    /// used to panic every connection thread computing its deadline; a zero frame timeout
+    /// failed every connection's `set_write_timeout`).
+    pub fn validate(&self) -> Result<(), DaemonError> {
+        let check = |name: &str, value: Duration, range: &std::ops::RangeInclusive<Duration>| {
+            if range.contains(&value) {
+                Ok(())
+            } else {
+                Err(DaemonError::Config(format!("{name} {value:?} is outside {:?}..={:?}", range.start(), range.end())))
+            }
+        };
+        check("lease", self.lease, &Self::LEASE_RANGE)?;
+        check("frame timeout", self.frame_timeout, &Self::FRAME_TIMEOUT_RANGE)?;
+        check("tick", self.tick, &Self::TICK_RANGE)?;
+        if self.clients_max == 0 {
+            return Err(DaemonError::Config("clients_max 0 would serve no client".into()));
+        }
+        Ok(())
+    }
+
     /// Defaults: lease 10 s, frame timeout 2 s, 64 clients, only this process's user, 50 ms tick.
     pub fn new(socket: PathBuf) -> ServerConfig {
         ServerConfig {
@@ -188,6 +215,7 @@ impl Server {
     /// replaced; one a live daemon answers on is [`DaemonError::SocketInUse`]; any other file
     /// there is left alone and refused.
     pub fn bind(config: ServerConfig, opened: OpenedPool) -> Result<Server, DaemonError> {
+        config.validate()?;
         let socket = &config.socket;
         let io = |context: String| move |source| DaemonError::Io { context, source };
         match std::fs::symlink_metadata(socket) {

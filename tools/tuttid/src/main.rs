@@ -250,8 +250,6 @@ fn serve(cli: &Cli) -> Result<()> {
             .min(65533),
         emu_doorbell_relay: cli.emu_doorbell_relay,
     };
-    let opened = open_pool(&options).map_err(classify)?;
-    let report = opened.report;
     let socket = cli.socket.clone().context("--socket is required")?;
     let mut config = ServerConfig::new(socket.clone());
     config.lease = cli.lease;
@@ -270,6 +268,10 @@ fn serve(cli: &Cli) -> Result<()> {
         requests_max: cli.requests_per_session.max(1),
         ..SessionLimits::default()
     };
+    // Before the pool is opened (or formatted): a bad option costs nothing.
+    config.validate().map_err(classify)?;
+    let opened = open_pool(&options).map_err(classify)?;
+    let report = opened.report;
     let server = Server::bind(config, opened).map_err(classify)?;
     if let Some(address) = server.metrics_address() {
         eprintln!("tuttid: metrics on http://{address}/metrics");
@@ -309,7 +311,8 @@ fn classify(error: DaemonError) -> anyhow::Error {
         | DaemonError::SocketInUse { .. }
         | DaemonError::Devices(_)
         | DaemonError::Pool { .. }
-        | DaemonError::DeviceMemory(_)) => Unusable(error.to_string()).into(),
+        | DaemonError::DeviceMemory(_)
+        | DaemonError::Config(_)) => Unusable(error.to_string()).into(),
         error => error.into(),
     }
 }

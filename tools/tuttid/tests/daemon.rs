@@ -197,6 +197,37 @@ fn requests_out_of_order_and_bad_identities_are_refused() {
 }
 
 #[test]
+fn out_of_range_lease_and_frame_timeout_are_refused_before_the_pool_is_touched() {
+    // Goal: a lease or frame timeout the server cannot run with (a deadline past what an
+    // Instant holds used to panic every connection thread; zero fails every socket timeout)
+    // exits with status 2 naming the option's range, and neither creates nor formats the image.
+    let directory = tempfile::tempdir().unwrap();
+    let image = directory.path().join("pool.img");
+    let device = format!("emu:{}", image.display());
+    for (flag, value) in [("--lease", "18446744073709551615s"), ("--lease", "0s"), ("--frame-timeout", "0s"), ("--frame-timeout", "2h")] {
+        let mut daemon = Command::new(TUTTID);
+        daemon.args(["--device", &device, "--socket"]).arg(directory.path().join("tuttid.sock")).args([
+            "--format",
+            "--emu-create-bytes",
+            "64m",
+            "--layers",
+            "2",
+            "--kv-heads",
+            "2",
+            "--head-dim",
+            "64",
+            flag,
+            value,
+        ]);
+        let output = output_bounded(&mut daemon);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{flag} {value}: {stderr}");
+        assert!(stderr.contains("is outside"), "{flag} {value}: {stderr}");
+        assert!(!image.exists(), "{flag} {value}: the refused daemon created the pool image");
+    }
+}
+
+#[test]
 fn a_second_daemon_on_the_same_pool_is_refused_naming_the_holder() {
     // Goal: the pool file is locked by the first daemon; a second one exits with status 2 and
     // names the first's pid, writes nothing, and the first keeps serving.
