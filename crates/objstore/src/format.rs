@@ -147,6 +147,12 @@ impl Superblock {
                 available_bytes: size_bytes,
             });
         }
+        // Slots are numbered with u32 everywhere past the superblock (headers, the index,
+        // placements); a superblock read back from disk is re-planned here too, so one that
+        // records more is refused rather than truncated.
+        if slots > u64::from(u32::MAX) {
+            return Err(invalid(format!("device {device_index}: {slots} slots, at most {} supported", u32::MAX)));
+        }
         let (header_bytes, data_start) = layout(slots);
         Ok(Self {
             version: FORMAT_VERSION,
@@ -403,6 +409,12 @@ pub struct SlotHeader {
 /// Header flag: the block records carry payload CRCs.
 pub const HEADER_FLAG_PAYLOAD_CRC: u32 = 1;
 
+/// The largest generation a header may carry. A pool that committed a header every nanosecond
+/// would take 292 years to reach it; a header above it was not written by this format, and
+/// taking it as the newest would leave no room to count on (or wrap the count, inverting which
+/// copy of a key is newer).
+pub const GENERATION_MAX: u64 = 1 << 63;
+
 /// Why a header entry was not accepted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HeaderVerdict {
@@ -485,6 +497,9 @@ impl SlotHeader {
             return Err(HeaderVerdict::Corrupt);
         }
         if u64_at(entry, 8) != pool_tag(&superblock.pool_uuid) || u32_at(entry, 16) != slot {
+            return Err(HeaderVerdict::Corrupt);
+        }
+        if u64_at(entry, 0) > GENERATION_MAX {
             return Err(HeaderVerdict::Corrupt);
         }
         let count = u16::from_le_bytes([entry[22], entry[23]]) as usize;
@@ -638,6 +653,48 @@ mod tests {
             let mut bytes = good;
             put_u64(&mut bytes, offset, u64::MAX);
             assert!(Superblock::decode(&reseal(bytes), 0, 512, u64::MAX).is_err(), "u64 at {offset}");
+        }
+    }
+
+    #[test]
+    fn more_slots_than_u32_numbers_are_refused_in_plan_and_on_disk() {
+        // Goal: slots are numbered with u32 past the superblock, so neither a format nor a
+        // CRC-valid superblock read back may record more: it used to be accepted on disk and
+        // truncated (`slot_count as u32`), the index built for a handful of slots.
+        let huge_namespace = 1u64 << 50;
+        let over = (1u64 << 32) + 10;
+        let error = Superblock::plan(small(), 1, 512, huge_namespace, Some(over), [7; 16], 0, 1, 0).unwrap_err();
+        assert!(matches!(&error, ObjstoreError::InvalidFormat { reason } if reason.contains("at most")), "{error}");
+        let most = Superblock::plan(small(), 1, 512, huge_namespace, Some(u64::from(u32::MAX)), [7; 16], 0, 1, 0).unwrap();
+        assert_eq!(most.slot_count, u64::from(u32::MAX));
+        let mut bytes = most.encode();
+        put_u64(&mut bytes, 80, over);
+        let crc = crc32fast::hash(&bytes[..SUPERBLOCK_CRC_OFFSET]);
+        put_u32(&mut bytes, SUPERBLOCK_CRC_OFFSET, crc);
+        let error = Superblock::decode(&bytes, 0, 512, huge_namespace).unwrap_err();
+        assert!(matches!(&error, ObjstoreError::CorruptSuperblock { reason, .. } if reason.contains("at most")), "{error}");
+    }
+
+    #[test]
+    fn headers_past_the_largest_generation_are_refused() {
+        // Goal: a CRC-valid header claiming a generation above GENERATION_MAX is damage, not
+        // the newest commit: taken as the pool's generation, the next commit would overflow
+        // (or wrap, making every later header lose to older ones).
+        let sb = Superblock::plan(small(), 1, 512, 16 << 11, None, [9; 16], 0, 1, 0).unwrap();
+        let header = |generation| SlotHeader {
+            generation,
+            pool_tag: pool_tag(&sb.pool_uuid),
+            slot: 3,
+            state: SlotState::Valid,
+            flags: 0,
+            blocks: vec![BlockRecord { key: 11, token_count: 16, payload_crc: 0 }],
+        };
+        let mut entry = vec![0u8; sb.header_entry_bytes as usize];
+        header(GENERATION_MAX).encode_into(&mut entry);
+        assert_eq!(SlotHeader::decode(&entry, 3, &sb), Ok(header(GENERATION_MAX)));
+        for generation in [GENERATION_MAX + 1, u64::MAX] {
+            header(generation).encode_into(&mut entry);
+            assert_eq!(SlotHeader::decode(&entry, 3, &sb), Err(HeaderVerdict::Corrupt), "generation {generation}");
         }
     }
 

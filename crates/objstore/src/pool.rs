@@ -224,11 +224,6 @@ pub fn format_pool(targets: &[PoolTarget], params: &FormatParams) -> Result<Vec<
             }
             other => other,
         })?;
-        if superblock.slot_count > u64::from(u32::MAX) {
-            return Err(ObjstoreError::InvalidFormat {
-                reason: format!("device {device}: {} slots, at most {} supported", superblock.slot_count, u32::MAX),
-            });
-        }
         planned.push(superblock);
     }
     for (target, superblock) in targets.iter().zip(&planned) {
@@ -499,8 +494,17 @@ impl Pool {
     /// Records a slot header in the mirror; it reaches the device at the next `sync_headers`.
     /// `blocks` carry their payload CRCs when the pool records them; an Empty entry lists none.
     pub(crate) fn stage_header(&mut self, device: u16, slot: u32, state: SlotState, blocks: &[crate::format::BlockRecord]) -> Result<u64> {
-        self.generation += 1;
-        let generation = self.generation;
+        // Recovery refuses headers above GENERATION_MAX, so this is reached only after 2^63
+        // commits; refused rather than wrapped all the same (a wrapped count would make every
+        // later header lose to the older ones).
+        let generation =
+            self.generation.checked_add(1).filter(|&generation| generation <= crate::format::GENERATION_MAX).ok_or_else(|| {
+                ObjstoreError::PoolMembership {
+                    device: usize::from(device),
+                    reason: "the pool's header generation count is exhausted".into(),
+                }
+            })?;
+        self.generation = generation;
         let d = &mut self.devices[usize::from(device)];
         // A fenced device's mirror may still be read by a late header write, and is never
         // written out again: nothing is staged there.
