@@ -147,6 +147,9 @@ pub struct GpuSpec {
 }
 
 impl GpuSpec {
+    /// The most SMs a spec may claim (today's largest GPUs have under 200).
+    pub const SM_COUNT_MAX: u32 = 1 << 16;
+
     /// H100 SXM: 132 SMs, ~989 TFLOP/s dense bf16, 3.35 TB/s HBM3.
     pub fn h100() -> Self {
         Self {
@@ -179,6 +182,12 @@ impl GpuSpec {
             return Err(SchedulerError::InvalidConfig {
                 field: "gpu.sm_count/gpu.name".into(),
                 reason: "must be non-zero/non-empty".into(),
+            });
+        }
+        if self.sm_count > Self::SM_COUNT_MAX {
+            return Err(SchedulerError::InvalidConfig {
+                field: "gpu.sm_count".into(),
+                reason: format!("{} is past {} (no GPU has that many SMs)", self.sm_count, Self::SM_COUNT_MAX),
             });
         }
         check_positive(self.dense_flops_per_s, "gpu.dense_flops_per_s")?;

@@ -198,8 +198,9 @@ fn free_intervals(kernels: &[Kernel], sm_count: u32) -> Vec<SlackWindow> {
     for pair in bounds.windows(2) {
         let (from, to) = (pair[0], pair[1]);
         let middle = (from + to) / 2.0;
-        let busy: u32 = kernels.iter().filter(|k| k.start_us <= middle && middle < k.end_us).map(|k| k.sms_used).sum();
-        let free_sms = sm_count.saturating_sub(busy);
+        // Summed wide: each kernel is within the GPU, their sum need not be within a u32.
+        let busy: u64 = kernels.iter().filter(|k| k.start_us <= middle && middle < k.end_us).map(|k| u64::from(k.sms_used)).sum();
+        let free_sms = u64::from(sm_count).saturating_sub(busy) as u32;
         match windows.last_mut() {
             Some(last) if last.free_sms == free_sms && (last.end_us() - from).abs() < 1e-9 => {
                 last.duration_us = to - last.offset_us;

@@ -370,6 +370,21 @@ fn timeline_import_derives_windows_and_attention_offset() {
 }
 
 #[test]
+fn overlapping_kernels_whose_sms_sum_past_u32_leave_no_slack() {
+    // Goal: two concurrent kernels of 3e9 SMs each on a GPU of 4e9 (each row within the GPU,
+    // so accepted) occupy the whole GPU: their sum used to overflow a u32 (a panic in debug,
+    // in release a wrapped count and slack that does not exist).
+    let mut lines: Vec<String> = timeline(None).lines().map(str::to_string).collect();
+    assert_eq!(lines[2], "prefill,1024,0,0,qkv_gemm,5000,5100,12");
+    lines[2] = "prefill,1024,0,0,qkv_gemm,5000,5100,3000000000".into();
+    lines.insert(3, "prefill,1024,0,0,side_copy,5000,5100,3000000000".into());
+    let gpu = scheduler::table::GpuIdentity { name: "huge".into(), sm_count: 4_000_000_000 };
+    let profile = import_timeline(&lines.join("\n"), common::model(), gpu, common::io_costs(), "test", "test").unwrap();
+    let layer = &profile.bucket(1024, 0).unwrap().layers[0];
+    assert!(layer.slack_windows.iter().all(|window| window.offset_us >= 100.0), "{:?}", layer.slack_windows);
+}
+
+#[test]
 fn timeline_errors_name_the_line_or_bucket() {
     let error = import(&timeline(Some((2048, 1024)))).unwrap_err();
     assert!(matches!(error, SchedulerError::MissingBucket { input_tokens: 2048, prefix_tokens: 1024 }), "{error}");

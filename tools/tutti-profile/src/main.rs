@@ -109,7 +109,9 @@ impl TargetArgs {
 
     pub(crate) fn gpu(&self) -> Result<GpuSpec> {
         if let Some(path) = &self.gpu_spec {
-            return read_json(path);
+            let spec: GpuSpec = read_json(path)?;
+            spec.validate().map_err(|error| unusable(format!("--gpu-spec {}: {error}", path.display())))?;
+            return Ok(spec);
         }
         GpuSpec::preset(&self.gpu).ok_or_else(|| unusable(format!("unknown GPU preset `{}` (h100, h200)", self.gpu)))
     }

@@ -272,6 +272,20 @@ fn import_builds_a_table_from_a_timeline() {
     let output = run(bin().arg("check").arg(&table));
     assert!(output.status.success(), "{}", stderr(&output));
     assert!(String::from_utf8_lossy(&output.stdout).contains("imported-timeline"));
+
+    // A GPU spec file is input too: one claiming 4e9 SMs is refused on load (status 2), not
+    // used to sum SMs past a u32.
+    let spec = dir.join("huge-gpu.json");
+    std::fs::write(
+        &spec,
+        r#"{"name": "huge", "sm_count": 4000000000, "dense_flops_per_s": 1e15, "hbm_bytes_per_s": 3e12,
+            "gemm_efficiency": 0.7, "attention_efficiency": 0.5, "memory_efficiency": 0.8, "kernel_overhead_us": 5.0}"#,
+    )
+    .unwrap();
+    let arguments = ["import", "--timeline", timeline.to_str().unwrap(), "--model", "llama3-8b", "--gpu-spec", spec.to_str().unwrap()];
+    let (code, text) = status(&[&arguments[..], &["--out", dir.join("huge.json").to_str().unwrap()]].concat());
+    assert_eq!(code, Some(2), "{text}");
+    assert!(text.contains("gpu.sm_count"), "{text}");
 }
 
 /// Exit status and standard error of `arguments`, asserting no panic.
