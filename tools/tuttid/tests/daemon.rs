@@ -196,6 +196,14 @@ fn requests_out_of_order_and_bad_identities_are_refused() {
     assert_eq!(client.lookup_all_ranks(&[1; 64]).unwrap(), 0);
 }
 
+/// A `tuttid` command that would format `device` (a small model) and serve on `socket`.
+fn formatting_daemon(device: &str, socket: &Path) -> Command {
+    let mut command = Command::new(TUTTID);
+    command.args(["--device", device, "--socket"]).arg(socket);
+    command.args(["--format", "--layers", "2", "--kv-heads", "2", "--head-dim", "64"]);
+    command
+}
+
 #[test]
 fn out_of_range_lease_and_frame_timeout_are_refused_before_the_pool_is_touched() {
     // Goal: a lease or frame timeout the server cannot run with (a deadline past what an
@@ -205,21 +213,8 @@ fn out_of_range_lease_and_frame_timeout_are_refused_before_the_pool_is_touched()
     let image = directory.path().join("pool.img");
     let device = format!("emu:{}", image.display());
     for (flag, value) in [("--lease", "18446744073709551615s"), ("--lease", "0s"), ("--frame-timeout", "0s"), ("--frame-timeout", "2h")] {
-        let mut daemon = Command::new(TUTTID);
-        daemon.args(["--device", &device, "--socket"]).arg(directory.path().join("tuttid.sock")).args([
-            "--format",
-            "--emu-create-bytes",
-            "64m",
-            "--layers",
-            "2",
-            "--kv-heads",
-            "2",
-            "--head-dim",
-            "64",
-            flag,
-            value,
-        ]);
-        let output = output_bounded(&mut daemon);
+        let mut daemon = formatting_daemon(&device, &directory.path().join("tuttid.sock"));
+        let output = output_bounded(daemon.args(["--emu-create-bytes", "64m", flag, value]));
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert_eq!(output.status.code(), Some(2), "{flag} {value}: {stderr}");
         assert!(stderr.contains("is outside"), "{flag} {value}: {stderr}");
@@ -238,17 +233,7 @@ fn a_second_daemon_on_the_same_pool_is_refused_naming_the_holder() {
     let other = directory.path().join("other");
     std::fs::create_dir(&other).unwrap();
     let before = std::fs::read(&image).unwrap();
-    let mut second = Command::new(TUTTID);
-    second.args(["--device", &device, "--socket"]).arg(other.join("tuttid.sock")).args([
-        "--format",
-        "--layers",
-        "2",
-        "--kv-heads",
-        "2",
-        "--head-dim",
-        "64",
-    ]);
-    let output = output_bounded(&mut second);
+    let output = output_bounded(&mut formatting_daemon(&device, &other.join("tuttid.sock")));
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(2), "{stderr}");
     // Named when /proc/locks lists the first daemon's lock on the file's own device (see
