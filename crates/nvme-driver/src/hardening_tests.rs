@@ -313,6 +313,24 @@ fn a_deep_queue_with_spare_entries_writes_the_cq_head_once_per_many_completions(
     assert!((20..=25).contains(&doorbells), "{doorbells} CQ head doorbells for 200 completions");
 }
 
+/// Runs `commands` Flushes one at a time through a fresh I/O pair of `depth` entries: after
+/// each ring no completion may wait for room; `check(device, tag, reaped)` runs after the ring
+/// (`reaped` false) and after the reap (true). Returns the CQ head doorbells the fake saw and
+/// the completions it held for room.
+fn one_command_at_a_time(depth: u32, commands: u64, mut check: impl FnMut(&FakeDevice, u64, bool)) -> (u64, u64) {
+    let (device, controller) = bring_up(FakeScript::default());
+    let mut queue = controller.create_io_queue_pair(depth).expect("queue pair");
+    for tag in 0..commands {
+        queue.submit_raw(flush(), tag).expect("submit");
+        queue.ring_doorbell().expect("ring");
+        assert_eq!(waiting_for_room(&device), 0);
+        check(&device, tag, false);
+        assert_eq!(queue.reap(8, |_| {}).expect("reap"), 1);
+        check(&device, tag, true);
+    }
+    (completion_doorbells(&device), device.counters().completions_held_for_room)
+}
+
 #[test]
 fn at_queue_depth_one_the_head_follows_the_next_tail() {
     // Goal: in a queue of two entries (what a job of one command at a time opens), the head
@@ -320,18 +338,12 @@ fn at_queue_depth_one_the_head_follows_the_next_tail() {
     // its SQ tail. The fake executes a command as its tail is written, so it finds the CQ
     // full by the head it was told and holds the completion until the head that follows:
     // one hold per command after the first shows the order, and none is left after a ring.
-    let (device, controller) = bring_up(FakeScript::default());
-    let mut queue = controller.create_io_queue_pair(2).expect("queue pair");
-    for tag in 0..100u64 {
-        queue.submit_raw(flush(), tag).expect("submit");
-        queue.ring_doorbell().expect("ring");
-        assert_eq!(waiting_for_room(&device), 0);
-        assert_eq!(device.completion_queue_head(1), Some(tag as u32 % 2), "the head of the previous command went out with this ring");
-        assert_eq!(queue.reap(8, |_| {}).expect("reap"), 1);
-        assert_eq!(device.completion_queue_head(1), Some(tag as u32 % 2), "an idle queue writes no head");
-    }
-    assert_eq!(completion_doorbells(&device), 99);
-    assert_eq!(device.counters().completions_held_for_room, 99);
+    let (doorbells, held) = one_command_at_a_time(2, 100, |device, tag, reaped| {
+        let why = if reaped { "an idle queue writes no head" } else { "the head of the previous command went out with this ring" };
+        assert_eq!(device.completion_queue_head(1), Some(tag as u32 % 2), "{why}");
+    });
+    assert_eq!(doorbells, 99);
+    assert_eq!(held, 99);
 }
 
 #[test]
@@ -339,16 +351,9 @@ fn at_queue_depth_one_a_queue_with_spare_entries_writes_the_head_once_per_ring_o
     // Goal: one command at a time in a queue of 64 entries writes the CQ head only when the
     // controller could run short: once per 63 completions. The fake, which executes at the
     // tail, holds that ring's completion until the head that follows it, and only then.
-    let (device, controller) = bring_up(FakeScript::default());
-    let mut queue = controller.create_io_queue_pair(64).expect("queue pair");
-    for tag in 0..200u64 {
-        queue.submit_raw(flush(), tag).expect("submit");
-        queue.ring_doorbell().expect("ring");
-        assert_eq!(waiting_for_room(&device), 0);
-        assert_eq!(queue.reap(8, |_| {}).expect("reap"), 1);
-    }
-    assert_eq!(completion_doorbells(&device), 3, "200 completions, a head per 63");
-    assert_eq!(device.counters().completions_held_for_room, 3);
+    let (doorbells, held) = one_command_at_a_time(64, 200, |_, _, _| {});
+    assert_eq!(doorbells, 3, "200 completions, a head per 63");
+    assert_eq!(held, 3);
 }
 
 proptest::proptest! {
