@@ -356,6 +356,27 @@ fn at_queue_depth_one_a_queue_with_spare_entries_writes_the_head_once_per_ring_o
     assert_eq!(held, 3);
 }
 
+#[test]
+fn unpublished_submissions_count_what_the_last_tail_doorbell_left_out() {
+    // Goal: the count a caller uses to decide when to ring covers each entry written since the
+    // last SQ tail doorbell, falls to zero at the ring, and follows the ring's wrap. The fake
+    // executes commands when their tail is written: nothing completes before the ring.
+    let (_device, controller) = bring_up(FakeScript::default());
+    let mut queue = controller.create_io_queue_pair(8).expect("queue pair");
+    let mut tag = 0u64;
+    for round in 0..5 {
+        for pending in 1..=5 {
+            queue.submit_raw(flush(), tag).expect("submit");
+            tag += 1;
+            assert_eq!(queue.unpublished_submissions(), pending, "round {round}");
+        }
+        assert_eq!(queue.reap(8, |_| {}).expect("reap"), 0, "round {round}: unpublished commands ran");
+        queue.ring_doorbell().expect("ring");
+        assert_eq!(queue.unpublished_submissions(), 0, "round {round}");
+        assert_eq!(queue.reap(8, |_| {}).expect("reap"), 5, "round {round}: the ring published all five");
+    }
+}
+
 proptest::proptest! {
     #![proptest_config(proptest::prelude::ProptestConfig { cases: 64, ..Default::default() })]
     #[test]

@@ -95,6 +95,12 @@ impl IoQueuePair {
         self.queue.free_slots()
     }
 
+    /// Commands submitted since the last [`IoQueuePair::ring_doorbell`]: the controller cannot
+    /// see them yet (an I/O over the max transfer size counts each of its commands).
+    pub fn unpublished_submissions(&self) -> usize {
+        self.queue.unpublished_submissions()
+    }
+
     /// Device address of the submission ring (diagnostics, tests).
     pub fn submission_iova(&self) -> crate::types::Iova {
         self.queue.submission_iova()

@@ -296,6 +296,11 @@ impl QueuePair {
         self.in_flight
     }
 
+    /// SQ entries written since the last SQ tail doorbell: the controller cannot see them yet.
+    pub fn unpublished_submissions(&self) -> usize {
+        ring_distance(self.sq_tail_published, self.sq_tail, self.depth) as usize
+    }
+
     /// Commands that can still be submitted before back-pressure: free command slots, and free
     /// SQ entries up to one short of the head the controller reported.
     pub fn free_slots(&self) -> usize {

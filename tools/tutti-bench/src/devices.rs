@@ -366,7 +366,32 @@ impl NvmeDevice {
             failure: vec![None; depth as usize],
             directions: vec![Direction::Read; depth as usize],
             offsets_bytes: vec![0; depth as usize],
+            ring_every_commands: ring_every_commands(commands),
         })
+    }
+}
+
+/// A refill of at least this many commands is published in parts (see [`ring_every_commands`]).
+const PARTIAL_DOORBELL_COMMANDS_MIN: u64 = 16;
+/// How many SQ doorbells a full refill of the queue's commands gets (at most).
+const DOORBELLS_PER_REFILL: u64 = 2;
+
+/// After how many queued commands a queue rings the SQ doorbell without waiting for
+/// `submit_and_reap`. A job refills every slot its reap freed before the batch's doorbell; when
+/// a device completes its commands in a bunch (QEMU's controller posts a batch of writes
+/// together), one doorbell after the whole refill leaves the device idle while the CPU builds
+/// the batch, and the queue then runs in lockstep with it (QEMU's trace of the 128K write row:
+/// no write in its block layer at the median doorbell, docs/vfio.md). Ringing when half of a
+/// deep queue is queued lets the device start on the first half while the second is built, at
+/// one more MMIO write per full refill. Measured in the TCG guest (12 passes each against the
+/// build before): halves 1.04x on 128K writes at QD 32, quarters 1.01x, and one doorbell for
+/// each of the first four commands 0.945x; more doorbells cost more than the overlap gains.
+/// Shallow queues (under 16 commands) ring once per batch, as before.
+fn ring_every_commands(commands: u64) -> usize {
+    if commands >= PARTIAL_DOORBELL_COMMANDS_MIN {
+        usize::try_from(commands / DOORBELLS_PER_REFILL).unwrap_or(usize::MAX)
+    } else {
+        usize::MAX
     }
 }
 
@@ -422,6 +447,8 @@ struct NvmeQueue {
     failure: Vec<Option<nvme_driver::spec::NvmeStatus>>,
     directions: Vec<Direction>,
     offsets_bytes: Vec<u64>,
+    /// Rings the SQ doorbell from `queue` once this many commands are unpublished.
+    ring_every_commands: usize,
 }
 
 impl Drop for NvmeQueue {
@@ -448,6 +475,9 @@ impl IoQueue for NvmeQueue {
                 self.failure[index] = None;
                 self.directions[index] = direction;
                 self.offsets_bytes[index] = offset_bytes;
+                if self.pair.unpublished_submissions() >= self.ring_every_commands {
+                    self.pair.ring_doorbell().map_err(|source| DeviceError::Nvme { device: self.name.clone(), source })?;
+                }
                 Ok(())
             }
             Err(error) if error.is_backpressure() => Err(DeviceError::Backpressure { device: self.name.clone() }),
@@ -665,6 +695,45 @@ mod tests {
             });
             assert_eq!(counts, vec![64; 4], "{waiter:?}");
         }
+    }
+
+    #[test]
+    fn a_deep_queue_publishes_each_half_of_a_refill_before_its_doorbell() {
+        // Goal: a queue of 32 commands rings the SQ doorbell as each 16th command is queued, so
+        // the device starts on them while the rest are built (the controller runs them with no
+        // submit_and_reap); a queue under 16 commands leaves the whole batch to
+        // submit_and_reap's doorbell.
+        finishes_within(Duration::from_secs(60), || {
+            let device = memory_device();
+            let mut deep = device.open_nvme_queue(32, 4096, Waiter::Polls).expect("deep queue");
+            for slot in 0..31u32 {
+                deep.queue(slot, Direction::Read, u64::from(slot) * 4096).expect("queue read");
+                let expected = (slot as usize + 1) % 16;
+                assert_eq!(deep.pair.unpublished_submissions(), expected, "after {} queued", slot + 1);
+            }
+            let deadline = Instant::now() + Duration::from_secs(10);
+            let mut completed = 0;
+            while completed < 16 {
+                assert!(Instant::now() < deadline, "the 16 published reads did not complete ({completed} did)");
+                completed += deep.pair.reap(usize::MAX, |completion| assert!(completion.status.is_ok())).expect("reap");
+            }
+            assert_eq!(completed, 16, "only the published reads ran");
+            let mut reaped = 0;
+            while reaped < 15 {
+                reaped += deep.submit_and_reap(true, deadline, &mut |_, result| result.expect("read")).expect("wait");
+            }
+            drop(deep);
+
+            let mut shallow = device.open_nvme_queue(8, 4096, Waiter::Polls).expect("shallow queue");
+            for slot in 0..8u32 {
+                shallow.queue(slot, Direction::Read, u64::from(slot) * 4096).expect("queue read");
+            }
+            assert_eq!(shallow.pair.unpublished_submissions(), 8, "a shallow queue rings once per batch");
+            let mut reaped = 0;
+            while reaped < 8 {
+                reaped += shallow.submit_and_reap(true, deadline, &mut |_, result| result.expect("read")).expect("wait");
+            }
+        });
     }
 
     #[test]
