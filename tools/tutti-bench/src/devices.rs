@@ -381,12 +381,11 @@ const DOORBELLS_PER_REFILL: u64 = 2;
 /// a device completes its commands in a bunch (QEMU's controller posts a batch of writes
 /// together), one doorbell after the whole refill leaves the device idle while the CPU builds
 /// the batch, and the queue then runs in lockstep with it (QEMU's trace of the 128K write row:
-/// no write in its block layer at the median doorbell, docs/vfio.md). Ringing when half of a
-/// deep queue is queued lets the device start on the first half while the second is built, at
-/// one more MMIO write per full refill. Measured in the TCG guest (12 passes each against the
-/// build before): halves 1.04x on 128K writes at QD 32, quarters 1.01x, and one doorbell for
-/// each of the first four commands 0.945x; more doorbells cost more than the overlap gains.
-/// Shallow queues (under 16 commands) ring once per batch, as before.
+/// no write in its block layer at the median doorbell). Ringing when half of a deep queue is
+/// queued lets the device start on the first half while the second is built, at one more MMIO
+/// write per full refill; quarters, or a doorbell for each of the first commands, cost more than
+/// the overlap gains (figures: docs/vfio.md, "Half a refill"). Shallow queues (under 16
+/// commands) ring once per batch.
 fn ring_every_commands(commands: u64) -> usize {
     if commands >= PARTIAL_DOORBELL_COMMANDS_MIN {
         usize::try_from(commands / DOORBELLS_PER_REFILL).unwrap_or(usize::MAX)
