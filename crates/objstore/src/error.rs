@@ -94,7 +94,7 @@ pub enum ObjstoreError {
         "pool device {device}: metadata fenced until the pool is reopened (after a controller reset if it stopped answering): {reason}"
     )]
     MetadataFenced { device: usize, reason: String },
-    #[error("pool full: {needed} slots needed, {evictable} free or evictable (the rest are pinned by in-flight I/O)")]
+    #[error("pool full: {needed} slots needed, {evictable} free or evictable (the rest are pinned by in-flight I/O or on fenced devices)")]
     PoolFull { needed: usize, evictable: usize },
     #[error("unknown or finished request handle {handle}")]
     UnknownHandle { handle: u64 },

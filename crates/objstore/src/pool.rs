@@ -98,6 +98,10 @@ pub struct RecoveryReport {
     /// region. Every slot has a tagged entry from format on, so these are damage, and the
     /// blocks they recorded, if any, are lost.
     pub zeroed_headers: u64,
+    /// Of the corrupt headers, those in header LBAs that could not be read at open (the
+    /// device answered the read with an error status): their slots are free, their blocks, if
+    /// any, are not served.
+    pub unreadable_headers: u64,
     /// Slots holding a key another, newer slot also holds: freed.
     pub duplicate_slots: u64,
     pub cached_blocks: u64,
@@ -195,9 +199,11 @@ pub(crate) fn read_superblock_within(target: &PoolTarget, device: usize, timeout
     Superblock::decode(&raw, device, namespace.block_size_bytes, namespace.size_blocks)
 }
 
-/// Formats `targets` as one pool (target i becomes device i): writes an Empty entry for every
-/// slot, makes the header region durable, then writes the superblock with FUA — a format
-/// interrupted before the last step leaves no pool, never a pool with stale headers.
+/// Formats `targets` as one pool (target i becomes device i): first zeroes every target's
+/// superblock region with FUA (whatever pool was there no longer opens), then per device writes
+/// an Empty entry for every slot, makes the header region durable, and writes the new
+/// superblock with FUA — a format interrupted anywhere leaves no pool (open fails with
+/// `CorruptSuperblock` or `PoolMembership`), never a pool over headers it did not write.
 pub fn format_pool(targets: &[PoolTarget], params: &FormatParams) -> Result<Vec<Superblock>> {
     if targets.is_empty() || targets.len() > usize::from(u16::MAX) {
         return Err(ObjstoreError::InvalidFormat { reason: format!("{} devices, expected 1..={}", targets.len(), u16::MAX) });
@@ -226,12 +232,75 @@ pub fn format_pool(targets: &[PoolTarget], params: &FormatParams) -> Result<Vec<
         })?;
         planned.push(superblock);
     }
+    // The old pool's superblocks go first, on every device, durably: until the new superblock
+    // is written, the old one would still open, over header sectors this format rewrote.
+    for (target, superblock) in targets.iter().zip(&planned) {
+        let queue = create_metadata_queue(&target.controller)?;
+        let bytes = SUPERBLOCK_REGION_BYTES.max(u64::from(superblock.lba_bytes));
+        let buffer = target.controller.dma().allocate(bytes as usize)?;
+        with_metadata_queue(queue, &[&buffer], |queue| {
+            buffer.fill(0, buffer.len(), 0)?;
+            let lba = u64::from(superblock.lba_bytes);
+            let fua = Transfer::Write { force_unit_access: true };
+            transfer_region(queue, target.namespace, 0, &buffer, 0, bytes, lba, fua, METADATA_TIMEOUT)
+        })?;
+    }
     for (target, superblock) in targets.iter().zip(&planned) {
         let queue = create_metadata_queue(&target.controller)?;
         let buffer = target.controller.dma().allocate(METADATA_CHUNK_BYTES as usize)?;
         with_metadata_queue(queue, &[&buffer], |queue| format_device(queue, &buffer, target, superblock))?;
     }
     Ok(planned)
+}
+
+/// Reads a device's header region into `mirror` in pieces of at most [`METADATA_CHUNK_BYTES`].
+/// A piece that fails with a media error status (nothing left in flight) is read again LBA by
+/// LBA: the LBAs that fail again with one are returned (relative to the region, ascending), and
+/// the pool opens without their slots rather than not at all. Any other failure is returned
+/// (after a timeout the caller must retire the queue pair). At most one command per LBA of the
+/// failed pieces beyond the usual reads.
+fn read_header_region(queue: &mut IoQueuePair, target: &PoolTarget, superblock: &Superblock, mirror: &DmaRegion) -> Result<Vec<u64>> {
+    let lba = u64::from(superblock.lba_bytes);
+    let region = superblock.header_region_bytes();
+    let read = |queue: &mut IoQueuePair, offset: u64, len: u64| -> Result<()> {
+        let first = superblock
+            .header_lba
+            .checked_add(offset / lba)
+            .ok_or_else(|| ObjstoreError::AddressOverflow { what: format!("header LBA {} + {}", superblock.header_lba, offset / lba) })?;
+        transfer_region(queue, target.namespace, first, mirror, offset, len, lba, Transfer::Read, METADATA_TIMEOUT)
+    };
+    let media_error = |queue: &IoQueuePair, error: &ObjstoreError| {
+        queue.in_flight() == 0
+            && matches!(error, ObjstoreError::Nvme(nvme)
+                if nvme.status().is_some_and(|status| status.code_type == nvme_driver::spec::StatusCodeType::MediaAndDataIntegrity))
+    };
+    let mut unreadable = Vec::new();
+    let mut done = 0;
+    while done < region {
+        let piece = (region - done).min(METADATA_CHUNK_BYTES);
+        match read(queue, done, piece) {
+            Ok(()) => {}
+            Err(error) if media_error(queue, &error) => {
+                tracing::warn!(device = superblock.device_index, %error, "reading slot headers failed: reading them again one LBA at a time");
+                for at in (done..done + piece).step_by(lba as usize) {
+                    match read(queue, at, lba) {
+                        Ok(()) => {}
+                        Err(error) if media_error(queue, &error) => {
+                            tracing::error!(device = superblock.device_index, header_lba = at / lba, %error, "a slot header LBA is unreadable");
+                            // Whatever the failed reads left there goes: recovery fills the
+                            // sector's entries in, and its tail past the last slot stays zero.
+                            mirror.fill(at as usize, lba as usize, 0)?;
+                            unreadable.push(at / lba);
+                        }
+                        Err(error) => return Err(error),
+                    }
+                }
+            }
+            Err(error) => return Err(error),
+        }
+        done += piece;
+    }
+    Ok(unreadable)
 }
 
 /// Runs `work` on a metadata queue pair whose commands name `buffers`, then deletes the pair.
@@ -361,6 +430,8 @@ impl Pool {
             timeout: METADATA_TIMEOUT,
         };
         let mut report = RecoveryReport { devices: found.len(), ..RecoveryReport::default() };
+        // Per device, the header LBAs (relative, ascending) that answered reads with a media error.
+        let mut unreadable_lbas: Vec<Vec<u64>> = Vec::with_capacity(found.len());
         // A controller serving n pool devices needs n queue pairs for the executor; the pool
         // keeps n more for metadata only if it granted 2n, and otherwise borrows the executor's.
         let devices_on = |controller: &Arc<Controller>| found.iter().filter(|(_, t)| Arc::ptr_eq(&t.controller, controller)).count();
@@ -371,23 +442,17 @@ impl Pool {
         for ((superblock, target), own_queue) in found.into_iter().zip(own_queue) {
             let mut queue = create_metadata_queue(&target.controller)?;
             let mirror = target.controller.dma().allocate(superblock.header_region_bytes() as usize)?;
-            let read = transfer_region(
-                &mut queue,
-                target.namespace,
-                superblock.header_lba,
-                &mirror,
-                0,
-                superblock.header_region_bytes(),
-                u64::from(superblock.lba_bytes),
-                Transfer::Read,
-                METADATA_TIMEOUT,
-            );
-            if let Err(error) = read {
-                // A timed-out read may still land in the mirror: it is freed only once the
-                // queue pair is known deleted, and leaked otherwise.
-                let _ = crate::leak::retire_queue_pair(queue, &[&mirror]);
-                return Err(error);
-            }
+            let read = read_header_region(&mut queue, &target, &superblock, &mirror);
+            let unreadable = match read {
+                Ok(unreadable) => unreadable,
+                Err(error) => {
+                    // A timed-out read may still land in the mirror: it is freed only once the
+                    // queue pair is known deleted, and leaked otherwise.
+                    let _ = crate::leak::retire_queue_pair(queue, &[&mirror]);
+                    return Err(error);
+                }
+            };
+            unreadable_lbas.push(unreadable);
             let scratch =
                 target.controller.dma().allocate((2 * superblock.geometry.object_bytes()).max(SUPERBLOCK_REGION_BYTES) as usize)?;
             if !own_queue {
@@ -412,18 +477,34 @@ impl Pool {
                 entry,
             });
         }
-        pool.recover(&mut report)?;
+        pool.recover(&unreadable_lbas, &mut report)?;
         Ok((pool, report))
     }
 
-    fn recover(&mut self, report: &mut RecoveryReport) -> Result<()> {
+    /// Rebuilds the index from the mirrors. `unreadable_lbas[device]` lists the header LBAs
+    /// (relative, ascending) that could not be read: their slots count as corrupt and go free,
+    /// and their mirror sectors are filled with clean Empty entries, so that writing such a
+    /// sector later (a neighbour's header) keeps the mirror's rule (only Empty entries and
+    /// Valid ones over durable data).
+    fn recover(&mut self, unreadable_lbas: &[Vec<u64>], report: &mut RecoveryReport) -> Result<()> {
         let mut entry = Vec::new();
         let mut losers = Vec::new();
         for device in 0..self.devices.len() {
             let superblock = self.devices[device].superblock;
+            let tag = pool_tag(&superblock.pool_uuid);
+            let unreadable = unreadable_lbas.get(device).map_or(&[][..], Vec::as_slice);
             entry.resize(superblock.header_entry_bytes as usize, 0);
             for slot in 0..superblock.slot_count as u32 {
                 report.slots += 1;
+                let lba = superblock.header_offset(slot) / u64::from(superblock.lba_bytes);
+                if unreadable.binary_search(&lba).is_ok() {
+                    report.corrupt_headers += 1;
+                    report.unreadable_headers += 1;
+                    encode_empty_entry(&mut entry, 0, tag, slot);
+                    // Not a clean Empty entry on disk: staged Empty before the slot is reused.
+                    self.devices[device].mirror.put_unstaged(slot, &entry, false)?;
+                    continue;
+                }
                 self.devices[device].mirror.read_entry(slot, &mut entry)?;
                 let verdict = SlotHeader::decode(&entry, slot, &superblock);
                 self.devices[device].mirror.set_empty(slot, verdict == Err(HeaderVerdict::Empty));
@@ -445,6 +526,12 @@ impl Pool {
                     }
                 }
             }
+        }
+        if report.unreadable_headers > 0 {
+            tracing::warn!(
+                unreadable = report.unreadable_headers,
+                "slot headers could not be read (media errors): their slots are free; blocks recorded there are lost"
+            );
         }
         if report.zeroed_headers > 0 {
             tracing::warn!(
@@ -545,6 +632,13 @@ impl Pool {
     /// that could not be deleted; it takes no header writes and no new slots until reopened.
     pub fn metadata_fenced(&self, device: usize) -> bool {
         self.devices[device].fence.is_some()
+    }
+
+    /// Fences device `device` as a metadata command stuck on a queue pair that cannot be
+    /// deleted would (`metadata_queue`), for tests of what a fenced device still takes.
+    #[cfg(test)]
+    pub(crate) fn fence_for_test(&mut self, device: usize) {
+        self.devices[device].fence(device, "fenced by a test".into());
     }
 
     /// Writes every staged header sector with FUA and waits: on return they are durable.

@@ -84,7 +84,7 @@ impl PoolDevice {
         }
     }
 
-    fn fence(&mut self, index: usize, reason: String) {
+    pub(super) fn fence(&mut self, index: usize, reason: String) {
         tracing::error!(
             device = index,
             %reason,

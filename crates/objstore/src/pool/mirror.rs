@@ -67,6 +67,14 @@ impl HeaderMirror {
         !self.not_empty[slot as usize]
     }
 
+    /// Writes `entry` as slot `slot`'s header in the mirror without marking its LBA dirty (at
+    /// open, in place of a sector that could not be read); `empty` as in [`Self::set_empty`].
+    pub(crate) fn put_unstaged(&mut self, slot: u32, entry: &[u8], empty: bool) -> Result<()> {
+        self.region.write(self.superblock.header_offset(slot) as usize, entry)?;
+        self.not_empty[slot as usize] = !empty;
+        Ok(())
+    }
+
     /// Writes `entry` as slot `slot`'s header in the mirror and marks its LBA dirty.
     pub(crate) fn stage(&mut self, slot: u32, entry: &[u8], empty: bool) -> Result<()> {
         let offset = self.superblock.header_offset(slot);

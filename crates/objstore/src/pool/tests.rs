@@ -313,3 +313,102 @@ fn a_timed_out_header_write_on_a_lent_queue_fences_the_device() {
     drop(pool);
     assert!(crate::leak::leaked_dma_regions() >= leaked_before + 2, "the mirror and scratch are kept");
 }
+
+#[test]
+fn a_reformat_interrupted_after_its_header_writes_leaves_no_pool() {
+    // Goal: a format over an existing pool that stops after rewriting the header region but
+    // before its new superblock (the flush between them fails, then the power goes) leaves no
+    // pool: open fails with CorruptSuperblock. The old superblock used to stay valid until the
+    // last step, so the old pool still opened over headers of the new one (its rewritten
+    // entries counted as corrupt). With a volatile write cache the unflushed header writes are
+    // lost at the cut; the old superblock must be gone all the same (written off with FUA).
+    // A format that then runs to the end makes a pool again.
+    use nvme_driver::spec::status::codes;
+    use nvme_driver::spec::NvmeStatus;
+    use nvme_emu::{FaultAction, FaultPlan, FaultRule};
+    for volatile_write_cache in [false, true] {
+        let config = EmuConfig::default()
+            .with_backing(Backing::Memory { bytes: 16 << 20 })
+            .with_namespaces(vec![NamespaceConfig::new(512, None)])
+            .with_volatile_write_cache(volatile_write_cache);
+        let (device, targets) = start(config);
+        format(&targets, geometry());
+        let (mut pool, _) = Pool::open(targets.clone(), Some(&geometry())).unwrap();
+        let records = [crate::format::BlockRecord { key: 77, token_count: 16, payload_crc: 0 }];
+        pool.stage_header(0, 3, SlotState::Valid, &records).unwrap();
+        pool.sync_headers(&mut NoLender).unwrap();
+        drop(pool);
+        let failed_flush =
+            FaultRule::on_nth_io(1, FaultAction::Status(NvmeStatus::generic(codes::INTERNAL_ERROR))).with_opcode(NvmOpcode::Flush as u8);
+        device.set_faults(FaultPlan::none().with_rule(failed_flush));
+        let writes_before = device.stats().io(NvmOpcode::Write);
+        let params = FormatParams { geometry: geometry(), blocks_per_slot: 1, slot_count_max: None, pool_uuid: None, payload_crc: false };
+        assert!(format_pool(&targets, &params).is_err(), "the flush failed");
+        assert!(device.stats().io(NvmOpcode::Write) > writes_before, "the header region was rewritten");
+        device.set_faults(FaultPlan::none());
+        device.power_loss();
+        drop(targets);
+        let (_, targets) = restart(&device);
+        match Pool::open(targets.clone(), Some(&geometry())) {
+            Err(ObjstoreError::CorruptSuperblock { device: 0, reason }) => eprintln!("refused: {reason}"),
+            Err(other) => panic!("write cache {volatile_write_cache}: expected CorruptSuperblock, got {other:?}"),
+            Ok((_, report)) => panic!("write cache {volatile_write_cache}: the interrupted format left a pool: {report:?}"),
+        }
+        format(&targets, geometry());
+        let (_, report) = Pool::open(targets, Some(&geometry())).expect("a completed format");
+        assert_eq!((report.valid_slots, report.empty_slots, report.corrupt_headers), (0, report.slots, 0));
+    }
+}
+
+/// A fresh controller on `device` (after a power loss), as `start` makes one.
+fn restart(device: &Arc<EmuDevice>) -> (Arc<EmuDevice>, Vec<PoolTarget>) {
+    let backend: Arc<dyn DeviceBackend> = device.clone();
+    let controller = Arc::new(Controller::init(backend, ControllerConfig::default()).expect("bring-up after the power loss"));
+    (device.clone(), vec![PoolTarget { controller, namespace: NamespaceId(1) }])
+}
+
+#[test]
+fn an_unreadable_header_sector_costs_its_slots_not_the_pool() {
+    // Goal: a media error reading one header LBA at open frees the slots of that LBA (counted
+    // as corrupt and unreadable) and the pool opens with every other slot recovered. One such
+    // LBA used to fail `Pool::open` for the whole pool. The unreadable sector is mirrored as
+    // clean Empty entries, so a later write of a neighbour's header leaves it whole and Empty.
+    use nvme_driver::spec::{NvmeStatus, StatusCodeType};
+    use nvme_emu::{FaultAction, FaultPlan, FaultRule};
+    let config =
+        EmuConfig::default().with_backing(Backing::Memory { bytes: 16 << 20 }).with_namespaces(vec![NamespaceConfig::new(512, None)]);
+    let (device, targets) = start(config);
+    format(&targets, geometry());
+    let (mut pool, _) = Pool::open(targets.clone(), Some(&geometry())).unwrap();
+    assert_eq!(pool.superblock(0).header_entry_bytes, 64, "8 entries per 512-byte LBA");
+    let region_bytes = pool.superblock(0).header_region_bytes();
+    assert!(region_bytes <= METADATA_CHUNK_BYTES && region_bytes <= targets[0].controller.max_transfer_bytes(), "one read command");
+    for (slot, key) in [(3u32, 103u64), (9, 109), (20, 120)] {
+        let records = [crate::format::BlockRecord { key, token_count: 16, payload_crc: 0 }];
+        pool.stage_header(0, slot, SlotState::Valid, &records).unwrap();
+    }
+    pool.sync_headers(&mut NoLender).unwrap();
+    drop(pool);
+    // Reads at open: the superblock (1st), the header region (2nd), then, after that failed,
+    // header LBA by LBA: LBA 1 (slots 8..16) is the 4th read.
+    let media = FaultAction::Status(NvmeStatus::new(StatusCodeType::MediaAndDataIntegrity, 0x81));
+    let read = NvmOpcode::Read as u8;
+    device.set_faults(
+        FaultPlan::none()
+            .with_rule(FaultRule::on_nth_io(2, media).with_opcode(read))
+            .with_rule(FaultRule::on_nth_io(4, media).with_opcode(read)),
+    );
+    let (mut pool, report) = Pool::open(targets.clone(), Some(&geometry())).expect("the pool opens without header LBA 1");
+    device.set_faults(FaultPlan::none());
+    assert_eq!((report.unreadable_headers, report.corrupt_headers, report.zeroed_headers), (8, 8, 0));
+    assert_eq!((report.valid_slots, report.empty_slots), (2, report.slots - 10));
+    assert!(pool.index().get(103).is_some() && pool.index().get(120).is_some());
+    assert_eq!(pool.index().get(109), None, "its header could not be read: not served");
+    assert!(!pool.header_is_empty(0, 9), "reused only after its header is made Empty");
+    assert_eq!(pool.index().counts().free_slots, report.slots - 2);
+    pool.stage_header(0, 8, SlotState::Empty, &[]).unwrap();
+    pool.sync_headers(&mut NoLender).unwrap();
+    drop(pool);
+    let (_, report) = Pool::open(targets, Some(&geometry())).unwrap();
+    assert_eq!((report.valid_slots, report.corrupt_headers, report.empty_slots), (2, 0, report.slots - 2), "LBA 1 rewritten whole");
+}

@@ -220,9 +220,11 @@ impl StoreControl {
             }
         }
         // Refuse before evicting anything: a store that cannot fit must not cost the cache.
-        // New blocks fill slots k at a time (shared ones do not break a slot), so this is exact.
+        // New blocks fill slots k at a time (shared ones do not break a slot), and allocation
+        // takes every free or evictable slot of the devices that are not fenced before it
+        // gives up, so this is exact.
         let needed = reservation.placements.len().div_ceil(k);
-        let available = self.pool.index.available();
+        let available = self.available_slots();
         if needed as u64 > available {
             self.reservations[index] = reservation;
             self.release_index(index);
@@ -271,14 +273,9 @@ impl StoreControl {
                         (allocation.device, allocation.slot, 0)
                     }
                     None => {
-                        // After the check of `reserve_store`: the free slots are on fenced
-                        // devices (or the index is inconsistent).
-                        return Err(match (0..self.pool.device_count()).find(|&device| self.pool.metadata_fenced(device)) {
-                            Some(device) => {
-                                ObjstoreError::MetadataFenced { device, reason: "the slots this store needs are on fenced devices".into() }
-                            }
-                            None => ObjstoreError::PoolFull { needed: (total - i).div_ceil(k), evictable: 0 },
-                        });
+                        // Unreachable after the exact check of `reserve_store` (it counts only what
+                        // `allocate_slot` can take), unless the index is inconsistent.
+                        return Err(ObjstoreError::PoolFull { needed: (total - i).div_ceil(k), evictable: 0 });
                     }
                 },
             };
@@ -292,24 +289,37 @@ impl StoreControl {
         Ok(evicted)
     }
 
-    /// A slot on the next device round-robin that has one (wrapping by compare, not `%`: this
-    /// runs once per slot of a store).
+    /// Free or evictable slots on the devices that are not fenced: what [`Self::allocate_slot`]
+    /// can hand out, O(devices).
+    fn available_slots(&self) -> u64 {
+        (0..self.pool.device_count())
+            .filter(|&device| !self.pool.metadata_fenced(device))
+            .map(|device| self.pool.index.available_on(device as u16))
+            .sum()
+    }
+
+    /// A free slot on the next device round-robin that has one; only when no device has a free
+    /// slot, the least recently used unpinned slot of the next device round-robin that has one
+    /// (devices may differ in size, or one may have lost its slots' contents: a full device
+    /// must not evict while another has room). Fenced devices are skipped: they take no header
+    /// writes, so none of their slots is reused until reopen. Wrapping by compare, not `%`:
+    /// this runs once per slot of a store, at most 2 × devices steps.
     #[inline]
     fn allocate_slot(&mut self) -> Option<crate::index::Allocation> {
         let devices = self.pool.device_count();
-        let mut device = self.device_cursor;
-        for _ in 0..devices {
-            let next = if device + 1 == devices { 0 } else { device + 1 };
-            // A fenced device takes no header writes: none of its slots is reused until reopen.
-            if self.pool.metadata_fenced(device) {
+        for evict in [false, true] {
+            let mut device = self.device_cursor;
+            for _ in 0..devices {
+                let next = if device + 1 == devices { 0 } else { device + 1 };
+                let usable = !self.pool.metadata_fenced(device) && (evict || self.pool.index.has_free(device as u16));
+                if usable {
+                    if let Some(allocation) = self.pool.index.allocate_on(device as u16) {
+                        self.device_cursor = next;
+                        return Some(allocation);
+                    }
+                }
                 device = next;
-                continue;
             }
-            if let Some(allocation) = self.pool.index.allocate_on(device as u16) {
-                self.device_cursor = next;
-                return Some(allocation);
-            }
-            device = next;
         }
         None
     }

@@ -128,6 +128,10 @@ impl Pool {
     }
 }
 
+/// The LBA sizes a shape may name: those a pool can be formatted on (`Superblock::plan`).
+const LBA_BYTES_MIN: u32 = 512;
+const LBA_BYTES_MAX: u32 = 65536;
+
 fn bad_shape(reason: String) -> ObjstoreError {
     ObjstoreError::InvalidPoolShape { reason }
 }
@@ -135,7 +139,8 @@ fn bad_shape(reason: String) -> ObjstoreError {
 impl PoolShape {
     /// Checks that the shape is self-consistent and that every slot of every device, all its
     /// layers, lies inside that device's namespace: then no placement inside the shape names
-    /// an LBA outside it.
+    /// an LBA outside it. Every field is untrusted: the geometry is validated as at format,
+    /// LBA sizes must be ones a namespace has, and all arithmetic is checked.
     pub fn check(&self) -> Result<()> {
         if self.devices.is_empty() || self.devices.len() > usize::from(u16::MAX) {
             return Err(bad_shape(format!("{} devices, expected 1..={}", self.devices.len(), u16::MAX)));
@@ -144,24 +149,37 @@ impl PoolShape {
         if k == 0 || self.blocks_per_slot > u32::from(u16::MAX) {
             return Err(bad_shape(format!("{} blocks per slot", self.blocks_per_slot)));
         }
+        // A validated geometry's object is at most 1 GiB, so the pair's bytes cannot overflow;
+        // checked all the same.
+        self.geometry.validate().map_err(|error| bad_shape(format!("geometry {}: {error}", self.geometry)))?;
+        let pair_bytes = self
+            .geometry
+            .checked_object_bytes()
+            .and_then(|bytes| bytes.checked_mul(2))
+            .ok_or_else(|| bad_shape(format!("geometry {}: a K+V pair overflows 64 bits", self.geometry)))?;
         let layers = u64::from(self.geometry.layers);
         for (index, device) in self.devices.iter().enumerate() {
             let a = &device.addressing;
-            if !device.lba_bytes.is_power_of_two() || a.lba_shift != device.lba_bytes.trailing_zeros() {
-                return Err(bad_shape(format!("device {index}: LBA size {} with shift {}", device.lba_bytes, a.lba_shift)));
+            if !device.lba_bytes.is_power_of_two()
+                || !(LBA_BYTES_MIN..=LBA_BYTES_MAX).contains(&device.lba_bytes)
+                || a.lba_shift != device.lba_bytes.trailing_zeros()
+            {
+                return Err(bad_shape(format!(
+                    "device {index}: LBA size {} with shift {}, expected a power of two in {LBA_BYTES_MIN}..={LBA_BYTES_MAX} and its log2",
+                    device.lba_bytes, a.lba_shift
+                )));
             }
-            let pair_bytes = 2 * self.geometry.object_bytes();
             if !pair_bytes.is_multiple_of(u64::from(device.lba_bytes)) || a.pair_blocks != pair_bytes >> a.lba_shift {
                 return Err(bad_shape(format!(
                     "device {index}: {} LBAs per K+V pair, the geometry needs {pair_bytes} bytes",
                     a.pair_blocks
                 )));
             }
-            if self.layer_stride_blocks != a.pair_blocks * k {
+            let stride = a.pair_blocks.checked_mul(k);
+            if stride != Some(self.layer_stride_blocks) {
                 return Err(bad_shape(format!(
-                    "device {index}: layer stride {} LBAs, k pairs are {}",
-                    self.layer_stride_blocks,
-                    a.pair_blocks * k
+                    "device {index}: layer stride {} LBAs, {k} pairs of {} LBAs are {stride:?}",
+                    self.layer_stride_blocks, a.pair_blocks
                 )));
             }
             let slot_needs = self.layer_stride_blocks.checked_mul(layers);
@@ -203,5 +221,82 @@ impl PoolShape {
             });
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::format::Superblock;
+
+    /// A shape as `Pool::shape` makes it for one device of 4096 LBAs of 512 bytes, k = 2.
+    fn good_shape() -> PoolShape {
+        let geometry = ModelGeometry { layers: 4, kv_heads: 2, head_dim: 64, dtype_bytes: 2, block_tokens: 16 };
+        let size_blocks = 8192;
+        let superblock = Superblock::plan(geometry, 2, 512, size_blocks, None, [7; 16], 0, 1, 0).expect("plan");
+        PoolShape {
+            geometry,
+            blocks_per_slot: 2,
+            layer_stride_blocks: superblock.layer_stride_blocks(),
+            payload_crcs: false,
+            devices: vec![DeviceLayout {
+                nsid: 1,
+                addressing: superblock.addressing(),
+                slot_count: superblock.slot_count,
+                lba_bytes: 512,
+                capacity_blocks: size_blocks,
+                max_transfer_bytes: 128 << 10,
+                sgl_supported: true,
+            }],
+        }
+    }
+
+    fn refused(shape: &PoolShape, what: &str) -> String {
+        match shape.check() {
+            Err(ObjstoreError::InvalidPoolShape { reason }) => reason,
+            other => panic!("{what}: expected InvalidPoolShape, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_shape_with_impossible_geometry_is_refused_not_a_panic() {
+        // Goal: a shape comes over tuttid's socket, so its geometry is untrusted. Every field at
+        // u32::MAX used to overflow `2 * object_bytes` (a panic in a debug build, a wrapped
+        // size in release); it is refused with a reason naming the geometry.
+        good_shape().check().expect("the shape of a real pool");
+        let mut huge = good_shape();
+        huge.geometry =
+            ModelGeometry { layers: u32::MAX, kv_heads: u32::MAX, head_dim: u32::MAX, dtype_bytes: u32::MAX, block_tokens: u32::MAX };
+        let reason = refused(&huge, "u32::MAX geometry");
+        assert!(reason.contains("geometry"), "{reason}");
+        let mut zero = good_shape();
+        zero.geometry.layers = 0;
+        refused(&zero, "zero layers");
+    }
+
+    #[test]
+    fn a_shape_with_an_lba_size_no_namespace_has_is_refused() {
+        // Goal: LBA sizes of 1, 2 or 256 bytes, with everything else in the shape consistent
+        // with them, used to pass the check (only a power of two matching the shift was
+        // asked for); only 512..=65536 is a namespace's LBA size (as at format).
+        good_shape().check().expect("the shape of a real pool");
+        for lba_bytes in [1u32, 2, 256, 1 << 17] {
+            // Everything else consistent with that LBA size.
+            let mut shape = good_shape();
+            let pair_bytes = 2 * shape.geometry.object_bytes();
+            let device = &mut shape.devices[0];
+            device.lba_bytes = lba_bytes;
+            device.addressing.lba_shift = lba_bytes.trailing_zeros();
+            device.addressing.pair_blocks = pair_bytes >> device.addressing.lba_shift;
+            device.addressing.slot_blocks = device.addressing.pair_blocks * 2 * u64::from(shape.geometry.layers);
+            device.capacity_blocks = u64::MAX;
+            shape.layer_stride_blocks = device.addressing.pair_blocks * 2;
+            if pair_bytes.is_multiple_of(u64::from(lba_bytes)) {
+                let reason = refused(&shape, &format!("{lba_bytes}-byte LBAs"));
+                assert!(reason.contains("LBA size"), "{reason}");
+            } else {
+                assert!(shape.check().is_err(), "{lba_bytes}-byte LBAs");
+            }
+        }
     }
 }

@@ -445,3 +445,87 @@ fn a_key_seed_puts_the_whole_store_in_that_key_space() {
         assert!(holds(&fixture, *block, key), "engine block {block}");
     }
 }
+
+/// A control half over a pool of two namespaces on one software controller, sized to hold
+/// `slots[0]` and `slots[1]` slots of one block (payload CRCs off: commits need none).
+fn two_device_control(slots: [u64; 2]) -> StoreControl {
+    let slot_bytes = geometry().block_bytes();
+    // The header region and the 1 MiB data alignment, then the slots; the planner's first
+    // estimate reserves one slot's worth more than it needs, hence the extra slot.
+    let namespace = |slots: u64| NamespaceConfig::new(512, Some((1 << 20) + (slots + 1) * slot_bytes));
+    let config = EmuConfig::default()
+        .with_backing(Backing::Memory { bytes: 16 << 20 })
+        .with_namespaces(vec![namespace(slots[0]), namespace(slots[1])]);
+    let device = EmuDevice::start(config).expect("software controller");
+    let backend: Arc<dyn DeviceBackend> = device;
+    let controller = Arc::new(Controller::init(backend, ControllerConfig::default()).expect("bring-up"));
+    let targets: Vec<PoolTarget> = [1, 2].map(|ns| PoolTarget { controller: controller.clone(), namespace: NamespaceId(ns) }).to_vec();
+    let params = FormatParams { geometry: geometry(), blocks_per_slot: 1, slot_count_max: None, pool_uuid: None, payload_crc: false };
+    format_pool(&targets, &params).expect("format");
+    let (pool, _) = Pool::open(targets, Some(&geometry())).expect("open");
+    assert_eq!([pool.superblock(0).slot_count, pool.superblock(1).slot_count], slots, "the namespaces hold the slots the test needs");
+    StoreControl::new(pool, 4).expect("control")
+}
+
+/// Reserves and commits a store of `keys` (no data is written: the control half alone);
+/// returns its plan and the devices its blocks were placed on.
+fn commit_keys(control: &mut StoreControl, keys: &[u64]) -> Result<(StorePlan, Vec<u16>)> {
+    let blocks: Vec<u32> = (0..keys.len() as u32).collect();
+    let plan = control.reserve_store(keys, &blocks, &mut NoLender)?;
+    let devices = control.placements(plan.handle)?.iter().map(|placement| placement.location.device).collect();
+    control.commit_store(plan.handle, None, &mut NoLender)?;
+    Ok((plan, devices))
+}
+
+#[test]
+fn a_store_takes_a_free_slot_on_any_device_before_it_evicts() {
+    // Goal: devices of different sizes (2 and 8 slots): six one-block stores fit in the ten
+    // slots without evicting anything, spread round-robin while both devices have free slots.
+    // Allocation used to go strictly round-robin and evict on a full device even with free
+    // slots elsewhere: the fifth store evicted the first.
+    let mut control = two_device_control([2, 8]);
+    let mut devices = Vec::new();
+    let mut all_keys = Vec::new();
+    for request in 0..6u32 {
+        let keys = keys_of(&tokens(100 + request, 1));
+        let (plan, placed) = commit_keys(&mut control, &keys).expect("store");
+        assert_eq!((plan.new_blocks, plan.evicted_slots), (1, 0), "request {request} evicted");
+        devices.extend(placed);
+        all_keys.push(keys);
+    }
+    assert_eq!(devices, [0, 1, 0, 1, 1, 1], "round-robin while both have free slots, then the larger one");
+    assert_eq!(control.counts().evictions, 0);
+    for keys in &all_keys {
+        assert_eq!(control.lookup(keys), 1);
+    }
+    // Five blocks: the four free slots left, and only then one eviction.
+    let (plan, _) = commit_keys(&mut control, &keys_of(&tokens(200, 5))).expect("store");
+    assert_eq!(plan.evicted_slots, 1);
+}
+
+#[test]
+fn a_store_that_fits_only_with_a_fenced_device_is_refused_with_the_cache_intact() {
+    // Goal: the free and evictable slots of a fenced device (no header writes until reopen)
+    // do not count: a store that needs them fails with PoolFull before evicting anything. They
+    // used to count, so such a store passed the check, evicted on the healthy device, then
+    // failed with MetadataFenced, having cost the cache the blocks it evicted.
+    let mut control = two_device_control([2, 2]);
+    let a = keys_of(&tokens(300, 1));
+    let b = keys_of(&tokens(301, 1));
+    assert_eq!(commit_keys(&mut control, &a).unwrap().1, [0]);
+    assert_eq!(commit_keys(&mut control, &b).unwrap().1, [1]);
+    let mut pool = control.into_pool();
+    pool.fence_for_test(1);
+    let mut control = StoreControl::new(pool, 4).expect("control");
+    // Device 0: one free slot and A's, evictable; device 1 (fenced): one free and B's.
+    let three = keys_of(&tokens(302, 3));
+    match control.reserve_store(&three, &[0, 1, 2], &mut NoLender) {
+        Err(ObjstoreError::PoolFull { needed: 3, evictable: 2 }) => {}
+        other => panic!("expected PoolFull (3 needed, 2 on the healthy device), got {other:?}"),
+    }
+    assert_eq!((control.lookup(&a), control.lookup(&b), control.counts().evictions), (1, 1, 0), "nothing evicted");
+    assert_eq!(control.lookup(&three[..1]), 0, "the refused store left no claim");
+    // One block fits in device 0's free slot, without evicting.
+    let (plan, devices) = commit_keys(&mut control, &three[..1]).expect("store");
+    assert_eq!((plan.evicted_slots, devices), (0, vec![0]));
+}
