@@ -42,6 +42,10 @@ pub struct Client {
     timeout: Duration,
     /// Requests sent on this connection (what proves the per-layer path sends none).
     requests_sent: u64,
+    /// Why the connection is out of step (a request timed out, so its reply may still come; a
+    /// frame was cut; a reply answered another request): every later call fails at once with
+    /// [`Client::out_of_step`] rather than reading an earlier request's reply as its own.
+    broken: Option<String>,
 }
 
 impl Client {
@@ -52,7 +56,16 @@ impl Client {
         let io = |context: &'static str| move |source| DaemonError::Io { context: context.into(), source };
         stream.set_read_timeout(Some(TICK)).map_err(io("setting the read tick"))?;
         stream.set_write_timeout(Some(timeout)).map_err(io("setting the write timeout"))?;
-        Ok(Client { stream, frame: Vec::new(), body: Vec::new(), fds: Vec::new(), next_request_id: 1, timeout, requests_sent: 0 })
+        Ok(Client {
+            stream,
+            frame: Vec::new(),
+            body: Vec::new(),
+            fds: Vec::new(),
+            next_request_id: 1,
+            timeout,
+            requests_sent: 0,
+            broken: None,
+        })
     }
 
     /// Attaches: declares the model and the tensor-parallel rank/world size this session's keys
@@ -143,9 +156,51 @@ impl Client {
         self.requests_sent
     }
 
+    /// Whether an earlier failure left the connection out of step (see [`Client::out_of_step`]):
+    /// reconnect.
+    pub fn is_broken(&self) -> bool {
+        self.broken.is_some()
+    }
+
+    /// The error every call on a connection left out of step returns: an `Io` error
+    /// (`NotConnected`), which callers treat as a lost connection (`RemoteFailure::Disconnected`
+    /// in `RemoteKvStore`, `Disconnected` in Python) and reconnect.
+    fn out_of_step(cause: &str) -> DaemonError {
+        DaemonError::Io {
+            context: format!("this connection to tuttid can no longer be used: {cause}; reconnect"),
+            source: std::io::Error::from(std::io::ErrorKind::NotConnected),
+        }
+    }
+
+    /// One request and its reply. Any failure other than the daemon's answer to this very
+    /// request leaves the connection out of step (a late reply may still be queued, a frame may
+    /// be half written or read), so it is marked broken and refuses every later call.
     fn exchange(&mut self, kind: Kind, encode: impl FnOnce(&mut Vec<u8>), fds: &[BorrowedFd<'_>]) -> Result<Reply, DaemonError> {
+        if let Some(cause) = &self.broken {
+            return Err(Client::out_of_step(cause));
+        }
         let request_id = self.next_request_id;
         self.next_request_id = self.next_request_id.wrapping_add(1).max(1);
+        match self.exchange_in_step(kind, request_id, encode, fds) {
+            Ok(Ok(reply)) => Ok(reply),
+            // The daemon refused this request: the stream is in step.
+            Ok(Err(refusal)) => Err(refusal),
+            Err(error) => {
+                self.broken = Some(format!("an earlier {kind:?} request failed ({error}), so its reply may still be on the way"));
+                Err(error)
+            }
+        }
+    }
+
+    /// The exchange proper: `Ok(Err(..))` is the daemon's `Error` answer to this request (the
+    /// connection stays usable); `Err(..)` is everything else that went wrong.
+    fn exchange_in_step(
+        &mut self,
+        kind: Kind,
+        request_id: u32,
+        encode: impl FnOnce(&mut Vec<u8>),
+        fds: &[BorrowedFd<'_>],
+    ) -> Result<Result<Reply, DaemonError>, DaemonError> {
         encode_frame(&mut self.frame, kind, request_id, encode)?;
         self.requests_sent += 1;
         if let Err(error) = write_frame_with_fds(&self.stream, &self.frame, fds) {
@@ -167,14 +222,15 @@ impl Client {
             }
         };
         let reply = Reply::decode(header.kind, &self.body)?;
-        if let Reply::Error { code, message } = reply {
-            // Request id 0: the daemon ended the connection (lease, shutdown, a broken frame).
-            return Err(DaemonError::Remote { code, message });
+        // The request id first: an `Error` is this request's answer only with its id, or with
+        // id 0 (the daemon ended the connection: lease, shutdown, a broken frame). Any other id
+        // is a reply to an earlier request (one that timed out), never this one's.
+        match reply {
+            Reply::Error { code, message } if header.request_id == 0 => Err(DaemonError::Remote { code, message }),
+            _ if header.request_id != request_id => Err(DaemonError::UnexpectedReply { asked: kind, got: header.kind }),
+            Reply::Error { code, message } => Ok(Err(DaemonError::Remote { code, message })),
+            reply => Ok(Ok(reply)),
         }
-        if header.request_id != request_id {
-            return Err(DaemonError::UnexpectedReply { asked: kind, got: header.kind });
-        }
-        Ok(reply)
     }
 
     /// An error reply the daemon queued before closing the connection, if one is there (looked
@@ -197,7 +253,6 @@ mod tests {
     use std::os::unix::net::UnixListener;
 
     use super::*;
-    use crate::frame_io::write_frame_with_fds;
     use crate::protocol::ErrorCode;
 
     /// Goal: a daemon that answers Busy and closes before the client's request is written: the
@@ -224,5 +279,76 @@ mod tests {
             Err(DaemonError::Remote { code: ErrorCode::Busy, .. }) => {}
             other => panic!("expected the daemon's Busy, got {other:?}"),
         }
+    }
+
+    /// Answers the frame just read on `stream` with `reply` under `request_id`.
+    fn answer(stream: &UnixStream, request_id: u32, reply: &Reply) {
+        let mut frame = Vec::new();
+        encode_frame(&mut frame, reply.kind(), request_id, |out| reply.encode_body(out)).unwrap();
+        write_frame_with_fds(stream, &frame, &[]).unwrap();
+    }
+
+    /// Reads one request from `stream` within `wait`: its request id, or `None` if none came.
+    fn request_id(stream: &UnixStream, wait: Duration) -> Option<u32> {
+        let (mut body, mut fds) = (Vec::new(), Vec::new());
+        let never = || false;
+        match read_frame(stream, &mut body, &mut fds, Instant::now() + wait, wait, &never) {
+            Ok(ReadOutcome::Frame(header)) => Some(header.request_id),
+            _ => None,
+        }
+    }
+
+    /// Goal: a request that timed out, whose reply (an `Error`) comes late, leaves the
+    /// connection out of step: the next call on it fails at once with an error callers treat
+    /// as a lost connection (an `Io` error, so `Disconnected`), never the earlier request's
+    /// error (or reply) as its own; a new connection is served as usual.
+    #[test]
+    fn a_late_reply_after_a_timeout_is_never_taken_for_the_next_requests() {
+        let directory = std::env::temp_dir().join(format!("tutti-client-late-{}", std::process::id()));
+        std::fs::create_dir_all(&directory).unwrap();
+        let socket = directory.join("socket");
+        let _ = std::fs::remove_file(&socket);
+        let listener = UnixListener::bind(&socket).unwrap();
+        let timeout = Duration::from_millis(200);
+        let daemon = std::thread::spawn(move || {
+            let (stream, _) = listener.accept().unwrap();
+            stream.set_read_timeout(Some(TICK)).unwrap();
+            stream.set_write_timeout(Some(Duration::from_secs(2))).unwrap();
+            let first = request_id(&stream, Duration::from_secs(5)).expect("the first request");
+            std::thread::sleep(timeout * 2);
+            answer(&stream, first, &Reply::error(ErrorCode::LimitReached, "the first request's late refusal"));
+            // A client that sends a second request on this connection gets it answered (Pong):
+            // a client reading replies one behind would then take the refusal above as its own.
+            let second = request_id(&stream, Duration::from_secs(2));
+            if let Some(second) = second {
+                answer(&stream, second, &Reply::Pong);
+            }
+            let (fresh, _) = listener.accept().unwrap();
+            fresh.set_read_timeout(Some(TICK)).unwrap();
+            fresh.set_write_timeout(Some(Duration::from_secs(2))).unwrap();
+            let ping = request_id(&fresh, Duration::from_secs(5)).expect("the new connection's request");
+            answer(&fresh, ping, &Reply::Pong);
+            second
+        });
+        let mut client = Client::connect(&socket, timeout).unwrap();
+        let first = client.ping();
+        assert!(matches!(first, Err(DaemonError::Timeout { .. })), "{first:?}");
+        assert!(client.is_broken());
+        // Past the late refusal's arrival: it waits in the socket now.
+        std::thread::sleep(timeout * 3);
+        let second = client.ping();
+        match &second {
+            Err(DaemonError::Io { context, source }) => {
+                assert_eq!(source.kind(), std::io::ErrorKind::NotConnected);
+                assert!(context.contains("reconnect"), "{context}");
+            }
+            other => panic!("the second call should fail as out of step, got {other:?}"),
+        }
+        drop(client);
+        let mut fresh = Client::connect(&socket, Duration::from_secs(5)).unwrap();
+        fresh.ping().expect("a new connection is served");
+        let sent_again = daemon.join().unwrap();
+        std::fs::remove_dir_all(&directory).unwrap();
+        assert_eq!(sent_again, None, "the broken connection sent another request");
     }
 }

@@ -23,8 +23,10 @@ use nix::sys::socket::{recvmsg, sendmsg, ControlMessage, ControlMessageOwned, Ms
 /// few SSDs, or one KV memfd).
 pub const FDS_PER_FRAME_MAX: usize = 8;
 
-/// Sends `bytes` (as much as one `sendmsg` takes; the caller writes the rest) with `fds`
-/// attached to its first byte. Returns the bytes sent.
+/// Sends `bytes` (as much as one `sendmsg` takes without waiting, `MSG_DONTWAIT`; the caller
+/// waits for room and sends the rest: `crate::frame_io`) with `fds` attached to its first byte.
+/// Returns the bytes sent; `WouldBlock` when the socket has no room (nothing sent, no
+/// descriptor passed).
 pub fn send_with_fds(stream: &UnixStream, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<usize> {
     if fds.len() > FDS_PER_FRAME_MAX {
         return Err(io::Error::new(
@@ -36,7 +38,13 @@ pub fn send_with_fds(stream: &UnixStream, bytes: &[u8], fds: &[BorrowedFd<'_>]) 
     let control = [ControlMessage::ScmRights(&raw)];
     let control: &[ControlMessage<'_>] = if raw.is_empty() { &[] } else { &control };
     loop {
-        match sendmsg::<()>(stream.as_fd().as_raw_fd(), &[IoSlice::new(bytes)], control, MsgFlags::MSG_NOSIGNAL, None) {
+        match sendmsg::<()>(
+            stream.as_fd().as_raw_fd(),
+            &[IoSlice::new(bytes)],
+            control,
+            MsgFlags::MSG_NOSIGNAL | MsgFlags::MSG_DONTWAIT,
+            None,
+        ) {
             Ok(sent) => return Ok(sent),
             Err(Errno::EINTR) => continue,
             Err(errno) => return Err(io::Error::from(errno)),

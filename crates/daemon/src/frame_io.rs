@@ -2,12 +2,17 @@
 //! is allocated beyond one body of at most `BODY_BYTES_MAX` (the caller's buffer, reused).
 //!
 //! The socket must have a read timeout (the *tick*, e.g. 50 ms): each timed-out read is a chance
-//! to check the deadlines and the caller's stop flag.
+//! to check the deadlines and the caller's stop flag; a frame's deadline is checked after every
+//! read too, so bytes trickled faster than the tick do not stretch it. Its write timeout is the
+//! budget of a whole frame's write.
 
-use std::io::{ErrorKind, Read, Write};
-use std::os::fd::{BorrowedFd, OwnedFd};
+use std::io::{ErrorKind, Read};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
+
+use nix::errno::Errno;
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 
 use crate::fd_passing::{recv_with_fds, send_with_fds};
 use crate::protocol::{FrameHeader, HEADER_BYTES};
@@ -48,7 +53,13 @@ pub fn read_frame(
             Ok(0) => return Err(DaemonError::Truncated { received: filled, expected: HEADER_BYTES }),
             Ok(count) => {
                 filled += count;
-                frame_deadline.get_or_insert_with(|| Instant::now() + frame_timeout);
+                let deadline = *frame_deadline.get_or_insert_with(|| Instant::now() + frame_timeout);
+                // Checked after every read, not only when one times out: a peer trickling a
+                // byte per tick never lets a read time out, and would hold the connection
+                // (and a drain that joins it) for as long as it likes.
+                if filled < HEADER_BYTES && Instant::now() >= deadline {
+                    return Err(frame_timed_out(frame_timeout));
+                }
             }
             Err(error) if is_tick(&error) => match frame_deadline {
                 None if stop() => return Ok(ReadOutcome::Stopped),
@@ -74,7 +85,13 @@ pub fn read_frame(
     while filled < body.len() {
         match reader.read(&mut body[filled..]) {
             Ok(0) => return Err(DaemonError::Truncated { received: HEADER_BYTES + filled, expected: HEADER_BYTES + body.len() }),
-            Ok(count) => filled += count,
+            // The deadline is checked after a read that made progress too (see the header).
+            Ok(count) => {
+                filled += count;
+                if filled < body.len() && Instant::now() >= deadline {
+                    return Err(frame_timed_out(frame_timeout));
+                }
+            }
             Err(error) if is_tick(&error) => {
                 if Instant::now() >= deadline {
                     return Err(frame_timed_out(frame_timeout));
@@ -87,31 +104,73 @@ pub fn read_frame(
     Ok(ReadOutcome::Frame(header))
 }
 
-/// Writes a whole encoded frame. The socket's write timeout bounds it: a peer that does not
-/// read is a [`DaemonError::Timeout`].
+/// Writes a whole encoded frame. The socket's write timeout is the budget of the whole frame,
+/// not of each `send`: a peer that does not read, or reads so slowly that every `send` makes a
+/// little progress, is a [`DaemonError::Timeout`] once it is spent. Each `send` takes what fits
+/// without waiting (`MSG_DONTWAIT`; one blocking `send` of a large frame waits a whole timeout
+/// per chunk of room, without end for a trickling reader) and the waits for room are `poll`s
+/// bounded by what is left of the budget. A socket without a write timeout has no budget.
 pub fn write_frame(stream: &UnixStream, frame: &[u8]) -> Result<(), DaemonError> {
     write_frame_with_fds(stream, frame, &[])
 }
 
 /// Writes a whole encoded frame with `fds` attached to its first byte (at most
-/// [`crate::fd_passing::FDS_PER_FRAME_MAX`]).
+/// [`crate::fd_passing::FDS_PER_FRAME_MAX`]), within the budget [`write_frame`] describes.
 pub fn write_frame_with_fds(stream: &UnixStream, frame: &[u8], fds: &[BorrowedFd<'_>]) -> Result<(), DaemonError> {
-    let written = if fds.is_empty() || frame.is_empty() {
-        Ok(0)
-    } else {
-        loop {
-            match send_with_fds(stream, frame, fds) {
-                Err(error) if error.kind() == ErrorKind::Interrupted => continue,
-                other => break other,
+    let budget =
+        stream.write_timeout().map_err(|source| DaemonError::Io { context: "reading the socket's write timeout".into(), source })?;
+    let deadline = budget.map(|budget| Instant::now() + budget);
+    let mut sent = 0;
+    while sent < frame.len() {
+        // The descriptors ride on the first byte only.
+        let attached = if sent == 0 { fds } else { &[] };
+        match send_with_fds(stream, &frame[sent..], attached) {
+            Ok(0) => {
+                return Err(DaemonError::Io {
+                    context: format!("writing a frame ({sent} of {} bytes sent)", frame.len()),
+                    source: std::io::Error::from(ErrorKind::WriteZero),
+                })
             }
+            Ok(count) => sent += count,
+            Err(error) if is_tick(&error) => wait_for_room(stream, deadline, budget, sent, frame.len())?,
+            Err(error) if error.kind() == ErrorKind::Interrupted => {}
+            Err(error) if matches!(error.kind(), ErrorKind::BrokenPipe | ErrorKind::ConnectionReset) => return Err(DaemonError::Closed),
+            Err(source) => return Err(DaemonError::Io { context: "writing a frame".into(), source }),
         }
-    };
-    let mut writer = stream;
-    match written.and_then(|sent| writer.write_all(&frame[sent..])) {
-        Ok(()) => Ok(()),
-        Err(error) if is_tick(&error) => Err(DaemonError::Timeout { what: "writing a frame (the peer does not read)".into(), after_ms: 0 }),
-        Err(error) if matches!(error.kind(), ErrorKind::BrokenPipe | ErrorKind::ConnectionReset) => Err(DaemonError::Closed),
-        Err(source) => Err(DaemonError::Io { context: "writing a frame".into(), source }),
+    }
+    Ok(())
+}
+
+/// Waits until the socket has room to send, at most until `deadline` (`None`: no bound).
+fn wait_for_room(
+    stream: &UnixStream,
+    deadline: Option<Instant>,
+    budget: Option<Duration>,
+    sent: usize,
+    frame_bytes: usize,
+) -> Result<(), DaemonError> {
+    loop {
+        let timeout = match deadline {
+            None => PollTimeout::NONE,
+            Some(deadline) => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(DaemonError::Timeout {
+                        what: format!("writing a frame ({sent} of {frame_bytes} bytes sent; the peer does not read it in time)"),
+                        after_ms: budget.map_or(0, |budget| budget.as_millis() as u64),
+                    });
+                }
+                // Rounded up, so that a wait under a millisecond is not a busy loop of zero waits.
+                PollTimeout::try_from(left.as_micros().div_ceil(1000)).unwrap_or(PollTimeout::MAX)
+            }
+        };
+        let mut polled = [PollFd::new(stream.as_fd(), PollFlags::POLLOUT)];
+        match poll(&mut polled, timeout) {
+            // Room, or the peer closed or failed: the next send says which.
+            Ok(ready) if ready > 0 => return Ok(()),
+            Ok(_) | Err(Errno::EINTR) => {}
+            Err(errno) => return Err(DaemonError::Io { context: "waiting to write a frame".into(), source: std::io::Error::from(errno) }),
+        }
     }
 }
 
@@ -121,4 +180,93 @@ fn is_tick(error: &std::io::Error) -> bool {
 
 fn frame_timed_out(frame_timeout: Duration) -> DaemonError {
     DaemonError::Timeout { what: "the rest of a frame".into(), after_ms: frame_timeout.as_millis() as u64 }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Read, Write};
+    use std::thread;
+
+    use super::*;
+    use crate::protocol::{encode_frame, encode_lookup_body, Kind};
+
+    /// A lookup frame of 200 tokens (800 body bytes).
+    fn lookup_frame() -> Vec<u8> {
+        let tokens: Vec<u32> = (0..200).collect();
+        let mut frame = Vec::new();
+        encode_frame(&mut frame, Kind::Lookup, 1, |out| encode_lookup_body(&tokens, out)).unwrap();
+        frame
+    }
+
+    /// Reads one frame from `near` (a 50 ms tick, a 200 ms frame timeout) while a thread sends
+    /// `frame[..head]` at once and the rest a byte every 20 ms; returns the outcome and how long
+    /// the read took.
+    fn read_trickled(frame: Vec<u8>, head: usize) -> (Result<ReadOutcome, DaemonError>, Duration) {
+        let (near, far) = UnixStream::pair().unwrap();
+        near.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+        let sender = thread::spawn(move || {
+            let mut far = far;
+            if far.write_all(&frame[..head]).is_err() {
+                return;
+            }
+            for byte in &frame[head..] {
+                thread::sleep(Duration::from_millis(20));
+                // The reader gave up and closed: stop.
+                if far.write_all(std::slice::from_ref(byte)).is_err() {
+                    return;
+                }
+            }
+        });
+        let (mut body, mut fds) = (Vec::new(), Vec::new());
+        let started = Instant::now();
+        let never = || false;
+        let outcome = read_frame(&near, &mut body, &mut fds, started + Duration::from_secs(60), Duration::from_millis(200), &never);
+        let took = started.elapsed();
+        drop(near);
+        sender.join().unwrap();
+        (outcome, took)
+    }
+
+    #[test]
+    fn a_frame_trickled_a_byte_per_tick_times_out_within_the_frame_timeout() {
+        // Goal: a peer sending one byte every 20 ms (faster than the 50 ms tick, so no read
+        // ever times out) still gets the frame timeout (200 ms) — in the header and in the
+        // body — instead of holding the connection for the ~16 s the trickle would take.
+        let frame = lookup_frame();
+        for (head, part) in [(0, "header"), (HEADER_BYTES, "body")] {
+            let (outcome, took) = read_trickled(frame.clone(), head);
+            assert!(matches!(outcome, Err(DaemonError::Timeout { .. })), "{part}: {outcome:?}");
+            assert!(took < Duration::from_secs(1), "{part}: timed out after {took:?}");
+        }
+    }
+
+    #[test]
+    fn a_frame_read_slowly_times_out_within_the_write_timeout() {
+        // Goal: a peer that reads a 4 MiB frame 64 KiB every 50 ms (room for a chunk comes well
+        // within the 200 ms write timeout; the whole would take ~3 s) gets a Timeout within
+        // about the write timeout, not a write that lasts as long as the peer likes.
+        let (near, far) = UnixStream::pair().unwrap();
+        near.set_write_timeout(Some(Duration::from_millis(200))).unwrap();
+        let reader = thread::spawn(move || {
+            let mut far = far;
+            let mut chunk = vec![0u8; 64 << 10];
+            let mut total = 0usize;
+            // Bounded: at most the frame's bytes, then end of file once the writer is dropped.
+            while total < 4 << 20 {
+                thread::sleep(Duration::from_millis(50));
+                match far.read(&mut chunk) {
+                    Ok(0) | Err(_) => break,
+                    Ok(count) => total += count,
+                }
+            }
+        });
+        let frame = vec![0u8; 4 << 20];
+        let started = Instant::now();
+        let outcome = write_frame(&near, &frame);
+        let took = started.elapsed();
+        drop(near);
+        reader.join().unwrap();
+        assert!(matches!(outcome, Err(DaemonError::Timeout { .. })), "{outcome:?} after {took:?}");
+        assert!(took < Duration::from_millis(1000), "the write took {took:?}");
+    }
 }

@@ -4,11 +4,12 @@
 //!
 //! Software controllers run inside the daemon with their register page in a memfd (so each
 //! client rings its own doorbells; with `emu_doorbell_relay`, without it: clients' doorbells then
-//! go through the daemon's relay, as on a VFIO device) and with `client_queue_pairs + 2` I/O queue pairs: one per
-//! client (each client gets one pair per pool device, and each software controller is one
-//! device), one the pool keeps for its metadata (header writes, flushes: the control half runs
-//! with `NoLender`, objstore's StoreControl docs), and one spare for a temporary metadata pair
-//! should the pool's own be lost.
+//! go through the daemon's relay, as on a VFIO device) and with `client_queue_pairs + 2` I/O
+//! queue pairs: one per client (each client gets one pair per pool device, and each software
+//! controller is one device; a session attaches once, however many windows it registers:
+//! `crate::session::Holdings::attach`), one the pool keeps for its metadata (header writes,
+//! flushes: the control half runs with `NoLender`, objstore's StoreControl docs), and one spare
+//! for a temporary metadata pair should the pool's own be lost.
 
 use std::path::PathBuf;
 use std::sync::Arc;

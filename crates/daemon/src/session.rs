@@ -215,12 +215,23 @@ impl Holdings {
             Ok(memory) => memory,
             Err(error) => return Reply::error(ErrorCode::BadRequest, format!("the window descriptor: {error}")),
         };
-        let store = lock(store);
-        let pool = store.control.pool();
-        let dma = Arc::clone(pool.target(0).controller.dma());
-        if (1..pool.device_count()).any(|device| pool.target(device).controller.dma().address_space() != dma.address_space()) {
-            return Reply::error(ErrorCode::Unsupported, "the pool's devices are in several DMA spaces: a window cannot be mapped for all");
-        }
+        let dma = {
+            let store = lock(store);
+            let pool = store.control.pool();
+            let dma = Arc::clone(pool.target(0).controller.dma());
+            if (1..pool.device_count()).any(|device| pool.target(device).controller.dma().address_space() != dma.address_space()) {
+                return Reply::error(
+                    ErrorCode::Unsupported,
+                    "the pool's devices are in several DMA spaces: a window cannot be mapped for all",
+                );
+            }
+            dma
+        };
+        // Mapped outside the pool lock: on VFIO this pins and maps the whole window (up to
+        // `window_bytes_max`, seconds for tens of GiB), which must not stall every other
+        // session's lookups and commits. Nothing here needs the lock: the allocator places the
+        // window at an IOVA range of its own (its own lock keeps ranges apart), and the
+        // registration is this session's alone until the reply names it.
         let window = match dma.map_shared(&memory) {
             Ok(window) => window,
             Err(error) => return Reply::error(ErrorCode::StoreFailed, format!("mapping the window for the devices: {error}")),
@@ -235,6 +246,11 @@ impl Holdings {
     /// restricted to the window's IOVAs and the pool's LBAs (on a software controller); the
     /// doorbell pages' memfds go back with the reply: a software controller's shared register
     /// page, or else a relay page of the pair's own (relayed from here on).
+    ///
+    /// One attach per session: each software controller is started with one I/O queue pair per
+    /// client (`--clients-max`) plus the pool's metadata pair and a spare for a temporary one
+    /// (`crate::pool_open`), so a session that attached on a second window would take another
+    /// client's pair, and then the pool's spare. A second attach is `LimitReached`.
     pub fn attach(&mut self, request: AttachQueues, store: &Mutex<StoreState>, limits: &SessionLimits) -> (Reply, Vec<OwnedFd>) {
         let store = lock(store);
         let index = match self.registration(request.registration) {
@@ -246,6 +262,16 @@ impl Holdings {
         let refuse = |code, message: String| (Reply::error(code, message), Vec::new());
         if !self.registrations[index].queues.is_empty() {
             return refuse(ErrorCode::BadRequest, format!("registration {} has its queue pairs already", request.registration));
+        }
+        if let Some(attached) = self.registrations.iter().find(|registration| !registration.queues.is_empty()) {
+            return refuse(
+                ErrorCode::LimitReached,
+                format!(
+                    "this session has its queue pairs already (on registration {}): a session gets one pair per pool device, \
+                     since each controller has one per client (--clients-max)",
+                    attached.id
+                ),
+            );
         }
         if request.rings.len() != devices {
             return refuse(ErrorCode::BadRequest, format!("{} ring pairs for a pool of {devices} devices", request.rings.len()));
@@ -644,7 +670,7 @@ mod tests {
 
     use std::time::Duration;
 
-    use nvme_driver::hw::{DeviceBackend, RegisterIo};
+    use nvme_driver::hw::{AddressSpaceId, CopiedMemory, CopiedRegion, DataRegion, DeviceBackend, DmaAllocator, HwError, RegisterIo};
     use nvme_driver::spec::registers;
     use nvme_driver::{Controller, ControllerConfig};
     use nvme_emu::{Backing, EmuConfig, NamespaceConfig};
@@ -657,12 +683,15 @@ mod tests {
     /// A one-device pool on a software controller started with or without a shared register
     /// page, as the daemon's store state.
     fn store(shared_registers: bool) -> Mutex<StoreState> {
-        let config = EmuConfig::default()
-            .with_backing(Backing::Memory { bytes: 32 << 20 })
-            .with_namespaces(vec![NamespaceConfig::new(4096, None)])
-            .with_shared_registers(shared_registers);
+        store_on(EmuConfig::default().with_shared_registers(shared_registers), |device| device)
+    }
+
+    /// A one-device pool on a software controller started with `config` (its backing and
+    /// namespace set here), which the driver reaches through `backend(device)`.
+    fn store_on(config: EmuConfig, backend: impl FnOnce(Arc<EmuDevice>) -> Arc<dyn DeviceBackend>) -> Mutex<StoreState> {
+        let config = config.with_backing(Backing::Memory { bytes: 32 << 20 }).with_namespaces(vec![NamespaceConfig::new(4096, None)]);
         let device = EmuDevice::start(config).unwrap();
-        let backend: Arc<dyn DeviceBackend> = device.clone();
+        let backend = backend(device.clone());
         let controller = Arc::new(Controller::init(backend, ControllerConfig::default()).unwrap());
         let targets = vec![PoolTarget { controller, namespace: NamespaceId(1) }];
         let geometry = ModelGeometry { layers: 2, kv_heads: 2, head_dim: 64, dtype_bytes: 2, block_tokens: 16 };
@@ -674,11 +703,14 @@ mod tests {
         Mutex::new(StoreState { control, emulators: vec![Some(device)], relay })
     }
 
+    /// Registration ids, unique across the tests (as the server's are across sessions).
+    static NEXT_REGISTRATION: AtomicU64 = AtomicU64::new(1);
+
     fn registered(holdings: &mut Holdings, store: &Mutex<StoreState>) -> u64 {
         let memory = SharedMemory::create("session-test", 1 << 20).unwrap();
         let mut fds = vec![memory.fd().try_clone_to_owned().unwrap()];
         let register = RegisterMemory { window_bytes: 1 << 20, kv_blocks: 4 };
-        match holdings.register(register, &mut fds, store, &SessionLimits::default(), 16 << 10, &AtomicU64::new(1)) {
+        match holdings.register(register, &mut fds, store, &SessionLimits::default(), 16 << 10, &NEXT_REGISTRATION) {
             Reply::Registered(registered) => registered.registration,
             other => panic!("{other:?}"),
         }
@@ -803,6 +835,136 @@ mod tests {
         let reply = holdings.register(request, &mut fds, &emulated, &limits, 16 << 10, &next_id);
         assert!(matches!(reply, Reply::Error { code: ErrorCode::LimitReached, .. }), "{reply:?}");
         assert_eq!(holdings.release(&emulated, &LeakCounters::default()), 0);
+    }
+
+    #[test]
+    fn a_session_attaches_one_queue_pair_per_device_and_leaves_the_others_theirs() {
+        // Goal: a controller sized for --clients-max 2 (2 + 2 I/O queue pairs: the pool's
+        // metadata pair holds one) serves both clients' attaches and keeps a spare for the pool,
+        // however many windows the first client registers: its attach on a second and a third
+        // window is refused (LimitReached, saying why) instead of taking the other client's
+        // pair and the spare.
+        let store = store_on(EmuConfig::default().with_io_queue_pairs_max(2 + 2), |device| device);
+        let mut first = Holdings::default();
+        let windows: Vec<u64> = (0..3).map(|_| registered(&mut first, &store)).collect();
+        let (reply, _) = attach(&mut first, &store, windows[0]);
+        assert!(matches!(reply, Reply::Attached { .. }), "{reply:?}");
+        for &window in &windows[1..] {
+            match attach(&mut first, &store, window).0 {
+                Reply::Error { code: ErrorCode::LimitReached, message } => {
+                    assert!(message.contains("one pair per pool device"), "{message}")
+                }
+                other => panic!("a second attach in one session: {other:?}"),
+            }
+        }
+        assert_eq!(first.queue_pairs(), 1);
+        let mut second = Holdings::default();
+        let registration = registered(&mut second, &store);
+        let (reply, _) = attach(&mut second, &store, registration);
+        assert!(matches!(reply, Reply::Attached { .. }), "the second client's attach: {reply:?}");
+        // The spare is still there: the controller creates one more pair.
+        let controller = Arc::clone(&lock(&store).control.pool().target(0).controller);
+        let spare = controller.create_detached_queue_pair(2, None).expect("the pool's spare queue pair");
+        spare.delete().map_err(|undeleted| undeleted.source).unwrap();
+        assert_eq!(first.release(&store, &LeakCounters::default()), 0);
+        assert_eq!(second.release(&store, &LeakCounters::default()), 0);
+    }
+
+    /// A DMA allocator whose `map_shared` signals that it began, then takes `delay` (what
+    /// pinning and mapping a large window through VFIO costs); everything else is `inner`'s.
+    struct SlowMapping {
+        inner: Arc<dyn DmaAllocator>,
+        delay: Duration,
+        began: Mutex<std::sync::mpsc::Sender<()>>,
+    }
+
+    impl DmaAllocator for SlowMapping {
+        fn allocate(&self, len: usize) -> Result<DmaRegion, HwError> {
+            self.inner.allocate(len)
+        }
+
+        // The trait makes this method `unsafe` to call; implementing it is allowed here because
+        // this one performs no unsafe operation: nothing in these tests maps external memory,
+        // so it refuses rather than forwards (forwarding would need an unsafe call outside
+        // `fd_passing`, the crate's only unsafe module).
+        #[allow(unsafe_code)]
+        unsafe fn map_external(&self, _host: *mut u8, _len: usize) -> Result<DmaRegion, HwError> {
+            Err(HwError::Backend { backend: "slow-mapping test allocator", message: "map_external is not offered".into() })
+        }
+
+        fn translate(&self, iova: nvme_driver::Iova, len: usize) -> Result<DmaRegion, HwError> {
+            self.inner.translate(iova, len)
+        }
+
+        fn address_space(&self) -> AddressSpaceId {
+            self.inner.address_space()
+        }
+
+        fn map_shared(&self, memory: &Arc<SharedMemory>) -> Result<DmaRegion, HwError> {
+            let _ = lock(&self.began).send(());
+            std::thread::sleep(self.delay);
+            self.inner.map_shared(memory)
+        }
+
+        fn map_copied(&self, memory: Arc<dyn CopiedMemory>) -> Result<CopiedRegion, HwError> {
+            self.inner.map_copied(memory)
+        }
+
+        fn translate_data(&self, iova: nvme_driver::Iova, len: usize) -> Result<DataRegion, HwError> {
+            self.inner.translate_data(iova, len)
+        }
+    }
+
+    /// The software controller, its DMA through [`SlowMapping`].
+    struct SlowBackend {
+        device: Arc<EmuDevice>,
+        dma: Arc<SlowMapping>,
+    }
+
+    impl DeviceBackend for SlowBackend {
+        fn name(&self) -> String {
+            format!("slow-mapping {}", self.device.name())
+        }
+
+        fn registers(&self) -> Arc<dyn RegisterIo> {
+            self.device.registers()
+        }
+
+        fn dma(&self) -> Arc<dyn DmaAllocator> {
+            self.dma.clone()
+        }
+
+        fn function_reset(&self) -> Result<(), HwError> {
+            self.device.function_reset()
+        }
+    }
+
+    #[test]
+    fn mapping_a_window_does_not_hold_the_pool_lock() {
+        // Goal: while one session's window is being mapped for the devices (600 ms here, as
+        // pinning tens of GiB through VFIO can take seconds), another session gets the pool
+        // lock (its lookups, prepares and commits) at once, not after the mapping; the window
+        // then registers as usual.
+        let delay = Duration::from_millis(600);
+        let (began_sender, began) = std::sync::mpsc::channel();
+        let store = store_on(EmuConfig::default(), |device| {
+            let dma = Arc::new(SlowMapping { inner: device.dma(), delay, began: Mutex::new(began_sender) });
+            Arc::new(SlowBackend { device, dma })
+        });
+        let mut holdings = Holdings::default();
+        let waited = std::thread::scope(|scope| {
+            let registering = scope.spawn(|| registered(&mut holdings, &store));
+            began.recv_timeout(Duration::from_secs(10)).expect("the mapping began");
+            let asked = std::time::Instant::now();
+            let cached = lock(&store).control.pool().index().counts().cached_blocks;
+            let waited = asked.elapsed();
+            assert_eq!(cached, 0);
+            registering.join().unwrap();
+            waited
+        });
+        assert!(waited < delay / 2, "the pool lock was held through the mapping: waited {waited:?}");
+        assert_eq!(holdings.registrations(), 1);
+        assert_eq!(holdings.release(&store, &LeakCounters::default()), 0);
     }
 
     /// Polls `done` for up to 10 s.

@@ -80,7 +80,8 @@ struct Cli {
     #[arg(long, default_value = "2s", value_parser = parse_duration)]
     frame_timeout: Duration,
     /// Connections served at once. Each software controller is started with this many I/O
-    /// queue pairs plus two (one per client, one for the pool's metadata, one spare).
+    /// queue pairs plus two (one per client, one for the pool's metadata, one spare); a
+    /// session attaches one pair per device, however many windows it registers.
     #[arg(long, default_value_t = 64)]
     clients_max: usize,
     /// Memory windows one session may register.
@@ -402,22 +403,19 @@ fn print_report(status: &StatusReply) -> Result<()> {
         outln!("  {}: {} ({} commands refused by queue restrictions)", device.spec, device.description, device.refused_commands)?;
     }
     let pool = &status.pool;
-    let used = pool.slots - pool.free_slots;
+    // The counts come from the socket: a daemon (or a peer posing as one) may send any values,
+    // so the arithmetic on them is checked; what does not compute is printed as unknown.
+    let used = pool.slots.saturating_sub(pool.free_slots);
     let percent = if pool.slots == 0 { 0.0 } else { 100.0 * used as f64 / pool.slots as f64 };
-    let block_bytes = 2
-        * u64::from(shape.layers)
-        * u64::from(shape.kv_heads)
-        * u64::from(shape.head_dim)
-        * u64::from(shape.dtype_bytes)
-        * u64::from(shape.block_tokens);
+    let cached_bytes =
+        block_bytes(shape).and_then(|bytes| pool.cached_blocks.checked_mul(bytes)).map_or_else(|| "size unknown".into(), format_size);
     outln!(
-        "pool: {used} of {} slots used ({percent:.1}%): {} valid, {} being written, {} pinned; {} cached blocks ({}); {} evictions",
+        "pool: {used} of {} slots used ({percent:.1}%): {} valid, {} being written, {} pinned; {} cached blocks ({cached_bytes}); {} evictions",
         pool.slots,
         pool.valid_slots,
         pool.writing_slots,
         pool.pinned_slots,
         pool.cached_blocks,
-        format_size(pool.cached_blocks.saturating_mul(block_bytes)),
         pool.evictions
     )?;
     outln!("connections: {}; clients: {}", status.connections, status.clients.len())?;
@@ -459,4 +457,45 @@ fn print_report(status: &StatusReply) -> Result<()> {
         )?;
     }
     Ok(())
+}
+
+/// Bytes of one block of `shape` (K and V), or `None` if that does not fit a u64.
+fn block_bytes(shape: &tutti_daemon::protocol::PoolShape) -> Option<u64> {
+    [shape.layers, shape.kv_heads, shape.head_dim, shape.dtype_bytes, shape.block_tokens]
+        .into_iter()
+        .try_fold(2u64, |product, factor| product.checked_mul(u64::from(factor)))
+}
+
+#[cfg(test)]
+mod tests {
+    use tutti_daemon::protocol::PoolShape;
+
+    use super::*;
+
+    #[test]
+    fn a_status_reply_with_impossible_counts_prints_without_overflow() {
+        // Goal: `--status` prints what the socket sent even when it cannot be true (more free
+        // slots than slots, a shape whose block size overflows a u64) instead of panicking on
+        // the arithmetic; a sound shape's block size is computed as before.
+        let shape =
+            PoolShape { layers: u32::MAX, kv_heads: u32::MAX, head_dim: u32::MAX, dtype_bytes: 2, block_tokens: 16, blocks_per_slot: 1 };
+        assert_eq!(block_bytes(&shape), None);
+        let sound = PoolShape { layers: 2, kv_heads: 2, head_dim: 64, dtype_bytes: 2, block_tokens: 16, blocks_per_slot: 1 };
+        assert_eq!(block_bytes(&sound), Some(2 * 2 * 2 * 64 * 2 * 16));
+        let status = StatusReply {
+            daemon_pid: 1,
+            uptime_ms: 0,
+            shape,
+            devices: Vec::new(),
+            pool: objstore::IndexCounts { slots: 1, free_slots: 5, cached_blocks: u64::MAX, ..Default::default() },
+            connections: 1,
+            clients: Vec::new(),
+            leaked_queue_pairs: 0,
+            leaked_windows: 0,
+            leaked_window_bytes: 0,
+            leaked_requests: 0,
+            relay: Default::default(),
+        };
+        print_report(&status).expect("printed");
+    }
 }

@@ -3,8 +3,11 @@
 //! The local index answers as `Lookup` does. Only when the prompt has a full segment past the
 //! local prefix is the registry asked — for the segments from the one the local prefix ends in
 //! (a segment is fetched whole, so a partly local one counts from its start) — in one etcd
-//! transaction (up to `txn_ops_max` segments). This node's own entries are left out: what it
-//! registered it holds locally, and an entry of its own past the local prefix is stale.
+//! transaction: at most `txn_ops_max` segments are asked ([`segments_to_ask`]), since the
+//! registry client spends a transaction, each with the whole lookup timeout, per
+//! `txn_ops_max`; what lies past them is found by a later lookup, once these are local. This
+//! node's own entries are left out: what it registered it holds locally, and an entry of its
+//! own past the local prefix is stale.
 //!
 //! The registry is asked on the connection's thread, bounded by the lookup timeout (shorter
 //! than the registrar's: a client waits for it). A failed or late answer is `Unavailable`, and
@@ -34,6 +37,9 @@ pub struct RemoteLookups {
     client: ClusterClient,
     node: NodeId,
     segment_blocks: SegmentBlocks,
+    /// Segments one etcd transaction may read (`ClusterConfig::txn_ops_max`): the most a
+    /// lookup asks for.
+    txn_ops_max: usize,
     origin: Instant,
     /// Milliseconds since `origin` before which the registry is not asked.
     paused_until_ms: AtomicU64,
@@ -43,9 +49,9 @@ impl RemoteLookups {
     /// A client of its own (no request is sent yet) with `timeout` per lookup.
     pub fn new(mut config: ClusterConfig, node: NodeId, timeout: Duration) -> tutti_cluster::Result<RemoteLookups> {
         config.request_timeout = timeout;
-        let segment_blocks = config.segment_blocks;
+        let (segment_blocks, txn_ops_max) = (config.segment_blocks, config.txn_ops_max);
         let client = ClusterClient::connect(config)?;
-        Ok(RemoteLookups { client, node, segment_blocks, origin: Instant::now(), paused_until_ms: AtomicU64::new(0) })
+        Ok(RemoteLookups { client, node, segment_blocks, txn_ops_max, origin: Instant::now(), paused_until_ms: AtomicU64::new(0) })
     }
 
     /// The data address node `node`'s member record gives now (one etcd request: read at each
@@ -77,7 +83,7 @@ impl RemoteLookups {
         }
         metrics.lookups.inc();
         let started = Instant::now();
-        let answer = self.client.lookup(space, &segments[first..]);
+        let answer = self.client.lookup(space, &segments[segments_to_ask(first, segments.len(), self.txn_ops_max)]);
         metrics.lookup_seconds.observe(started.elapsed().as_secs_f64());
         match answer {
             Ok(lookup) => {
@@ -94,6 +100,14 @@ impl RemoteLookups {
             }
         }
     }
+}
+
+/// Which of a prompt's `segments` a lookup from segment `first` asks the registry for: at most
+/// `txn_ops_max` of them (at least one), so that the lookup is one etcd transaction, bounded
+/// by one lookup timeout (`ClusterClient::lookup` sends one transaction per `txn_ops_max`).
+pub fn segments_to_ask(first: usize, segments: usize, txn_ops_max: usize) -> std::ops::Range<usize> {
+    let first = first.min(segments);
+    first..segments.min(first.saturating_add(txn_ops_max.max(1)))
 }
 
 /// The remote part of a registry answer whose `holders[i]` hold segment `first + i`: the
@@ -124,6 +138,20 @@ mod tests {
 
     fn lookup(holders: &[&[&str]]) -> Lookup {
         Lookup { holders: holders.iter().map(|nodes| nodes.iter().map(|name| node(name)).collect()).collect(), ..Lookup::default() }
+    }
+
+    #[test]
+    fn a_lookup_asks_for_at_most_one_transaction_of_segments() {
+        // Goal: however long the prompt, the registry is asked for at most `txn_ops_max`
+        // segments from the first past the local prefix (one etcd transaction, one lookup
+        // timeout); a shorter remainder is asked whole; nothing past the end.
+        assert_eq!(segments_to_ask(0, 1000, 128), 0..128);
+        assert_eq!(segments_to_ask(5, 1000, 128), 5..133);
+        assert_eq!(segments_to_ask(5, 40, 128), 5..40);
+        assert_eq!(segments_to_ask(900, 1000, 128), 900..1000);
+        assert_eq!(segments_to_ask(40, 40, 128), 40..40);
+        assert_eq!(segments_to_ask(50, 40, 128), 40..40);
+        assert_eq!(segments_to_ask(3, 10, 0), 3..4, "a zero cap still asks one");
     }
 
     #[test]
