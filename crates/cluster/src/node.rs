@@ -92,6 +92,9 @@ impl ClusterNode {
     /// Grants a lease, puts the member record under it if the id is free, starts the keep-alive.
     fn establish(&mut self) -> Result<()> {
         let ttl_s = self.client.config.lease_ttl.as_secs() as i64;
+        // etcd starts the lease's TTL when it grants it, not later than this: the keep-alive's
+        // first renewal is timed from here, so the member transaction's time counts against it.
+        let granted_at = Instant::now();
         let granted = self.client.connection.call("grant a lease", |mut client| async move { client.lease_grant(ttl_s, None).await })?;
         let lease_id = granted.id();
         let key = self.client.layout.member_key(&self.record.node);
@@ -128,14 +131,17 @@ impl ClusterNode {
         }
         self.lease.lease_id.store(lease_id, Ordering::Relaxed);
         self.lease.lost.store(false, Ordering::Relaxed);
-        self.lease.renewed_at_ms.store(self.lease.origin.elapsed().as_millis() as u64, Ordering::Relaxed);
+        let granted_at_ms = granted_at.saturating_duration_since(self.lease.origin).as_millis() as u64;
+        self.lease.renewed_at_ms.store(granted_at_ms, Ordering::Relaxed);
         let (stop, stopped) = watch::channel(false);
+        let interval = self.client.config.lease_ttl / 3;
         let renewal = RenewalLoop {
             members: self.client.connection.members(),
             member: 0,
             lease: self.lease.clone(),
             lease_id,
-            interval: self.client.config.lease_ttl / 3,
+            interval,
+            first_wait: first_renewal_wait(interval, granted_at.elapsed()),
             request_timeout: self.client.config.request_timeout,
         };
         let task = self.client.connection.runtime().spawn(renewal.run(stopped));
@@ -315,6 +321,16 @@ impl Drop for ClusterNode {
     }
 }
 
+/// How long the keep-alive waits before its first renewal when it starts `since_grant` after the
+/// lease was granted: what is left of the first interval. The member transaction runs between
+/// the grant and the start, for up to a request timeout and its retries (2/3 of the TTL at the
+/// most `ClusterConfig::validate` allows): waiting a whole TTL/3 after it could put the first
+/// renewal past the lease's expiry (10 s TTL, 6.6 s transaction: renewal at 9.9 s, sent to
+/// land by 16.5 s).
+fn first_renewal_wait(interval: Duration, since_grant: Duration) -> Duration {
+    interval.saturating_sub(since_grant)
+}
+
 /// Renews one lease every `interval` until told to stop or etcd says the lease is gone.
 struct RenewalLoop {
     /// The etcd members; the stream is opened on the preferred one, and a failure on it moves
@@ -325,6 +341,8 @@ struct RenewalLoop {
     lease: Arc<LeaseState>,
     lease_id: i64,
     interval: Duration,
+    /// Before the first renewal: the first interval less the time since the grant.
+    first_wait: Duration,
     request_timeout: Duration,
 }
 
@@ -333,7 +351,7 @@ impl RenewalLoop {
         let mut stream: Option<(LeaseKeeper, LeaseKeepAliveStream)> = None;
         // After a failure the next attempt comes soon (another member may answer), not a whole
         // interval later: the lease must be renewed before it runs out.
-        let mut wait = self.interval;
+        let mut wait = self.first_wait;
         let mut retry_pause = RETRY_PAUSE_FIRST;
         loop {
             // Ok: told to stop (or the owner is gone); Err: the wait passed.
@@ -397,5 +415,21 @@ impl RenewalLoop {
             Some(response) => Ok(response.ttl()),
             None => Err(etcd_client::Error::LeaseKeepAliveError("the keep-alive stream ended".into())),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_first_renewal_counts_from_the_grant() {
+        // Goal: the keep-alive started after a slow member transaction renews within the first
+        // TTL/3 of the grant, not a whole TTL/3 after it started (a 10 s lease whose transaction
+        // took 6.6 s was renewed at 9.9 s, with 0.1 s left for the renewal itself).
+        let interval = Duration::from_secs(10) / 3;
+        assert_eq!(first_renewal_wait(interval, Duration::ZERO), interval);
+        assert_eq!(first_renewal_wait(interval, Duration::from_secs(1)), interval - Duration::from_secs(1));
+        assert_eq!(first_renewal_wait(interval, Duration::from_millis(6600)), Duration::ZERO, "overdue: renew at once");
     }
 }

@@ -255,6 +255,11 @@ impl<E: Executor> KvStore<E> {
         self.control.pool()
     }
 
+    /// The settings the store was built with.
+    pub fn config(&self) -> &StoreConfig {
+        self.data.config()
+    }
+
     pub fn table(&self) -> &MappingTable {
         self.data.table()
     }

@@ -58,10 +58,15 @@ impl PolicyChoice {
 pub enum WriteQueueFullAction {
     /// At `begin_prefill` (before the new request issues any read), the oldest queued stores are
     /// written and committed synchronously until the new one fits; counted in
-    /// `RuntimeCounters::stores_forced`. The new request's TTFT pays for it.
+    /// `RuntimeCounters::stores_forced`. The new request's TTFT pays for it. A request with more
+    /// new blocks than `write_queue_limit_blocks` stores only the first that many (the queue
+    /// emptied for them as needed; `stores_truncated`), and its cached prefix is read as usual.
+    /// If forcing cannot make room (a write that timed out), `begin_prefill` fails with
+    /// `WriteQueueFull` and prepares nothing.
     #[default]
     ForceOldest,
-    /// `begin_prefill` fails with `RuntimeError::WriteQueueFull` and nothing is prepared;
+    /// `begin_prefill` fails with `RuntimeError::WriteQueueFull` and nothing is prepared (a
+    /// request with more new blocks than the whole queue holds is always refused);
     /// counted in `RuntimeCounters::stores_refused`. The engine may run the prefill without the
     /// runtime (nothing stored) or wait for decode steps to drain the queue.
     Refuse,
@@ -88,11 +93,12 @@ pub struct RuntimeConfig {
     /// Engine blocks whose new KV may wait in the write queue (stores not yet committed).
     pub write_queue_limit_blocks: usize,
     /// Stores that may wait in the write queue. Each holds one of the object store's request
-    /// slots and its IOCBs, so keep it below `StoreConfig::requests_max` (one is needed for the
-    /// running request's retrieve).
+    /// slots and its IOCBs, so it must be below `StoreConfig::requests_max` (one is needed for the
+    /// running request's retrieve; `Runtime::new` refuses it otherwise).
     pub write_queue_limit_stores: usize,
     pub on_write_queue_full: WriteQueueFullAction,
-    /// Bound on every wait for one layer's I/O.
+    /// Bound on every wait for one layer's I/O. A layer still in flight after it is not
+    /// forgotten: its request retires (`Runtime::retiring_requests`), its engine blocks held.
     pub io_timeout: Duration,
     /// Issue/complete events kept for inspection (`Runtime::events`); 0 keeps none. Past the
     /// capacity, events are counted as dropped, never allocated.

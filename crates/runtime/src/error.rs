@@ -41,12 +41,34 @@ pub enum RuntimeError {
         limit_stores: usize,
         action: &'static str,
     },
-    #[error("reading layer {layer}'s cached KV failed ({source}); the prefill is aborted: recompute the prefix")]
+    #[error(
+        "reading layer {layer}'s cached KV failed ({source}); the prefill is aborted: recompute the prefix, into engine blocks \
+         `Runtime::releasable` reports free (a read that timed out keeps its target blocks held until the device ends it)"
+    )]
     ReadFailed {
         layer: u32,
         #[source]
         source: ObjstoreError,
     },
+    /// A request ended (dropped, aborted, failed) while a layer of it was still in flight: it is
+    /// retiring. The runtime finishes it when the object store sees the layer end (a completion
+    /// arriving late, a GPU executor's own timeout, `Runtime::abandon_in_flight` on a CPU
+    /// executor); until then its engine blocks are not `releasable`.
+    #[error(
+        "request {request}: {operation}: {source}; a layer is still in flight, so the request is retired once the device ends it \
+         and its engine blocks stay held (not releasable) until then"
+    )]
+    StillInFlight {
+        request: u64,
+        operation: &'static str,
+        #[source]
+        source: ObjstoreError,
+    },
+    #[error(
+        "drain left {queued_stores} stores queued and {retiring} requests retiring (a layer in flight the device has not ended; their \
+         engine blocks stay held)"
+    )]
+    DrainIncomplete { queued_stores: usize, retiring: usize },
     #[error("policy {policy} never issued the reads of layer {layer} (unissued IOCBs per layer: {unissued:?})")]
     ReadsNeverIssued { policy: &'static str, layer: u32, unissued: Vec<u32> },
 }

@@ -86,6 +86,9 @@ pub struct RuntimeCounters {
     pub stores_forced: u64,
     /// Requests whose store was refused because the write queue was full.
     pub stores_refused: u64,
+    /// Requests with more new blocks than `write_queue_limit_blocks` under `ForceOldest`: only
+    /// the first that many were stored (the rest will be computed again when next needed).
+    pub stores_truncated: u64,
     /// Requests stored without a store because the pool had no evictable slot.
     pub stores_skipped_pool_full: u64,
     /// Prefills or decode steps the table had no entry for (conservative fallback used).

@@ -16,13 +16,13 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use gio_uring::{Executor, SmBudget};
+use gio_uring::{Executor, QueuePairReset, SmBudget};
 use objstore::{KvRequest, KvStore, ObjstoreError, RequestHandle};
 use scheduler::policy::{IoPolicy, LayerView, QueueView};
 use scheduler::table::{IoKind, ModelIdentity, Profile};
 use scheduler::SchedulerError;
 
-use crate::config::RuntimeConfig;
+use crate::config::{RuntimeConfig, WriteQueueFullAction};
 use crate::error::{store_error, Result, RuntimeError};
 use crate::events::{EventLog, IoEvent, RuntimeCounters};
 use crate::writes::{PendingStore, WriteQueue};
@@ -148,6 +148,18 @@ impl<E: Executor> Runtime<E> {
                 ),
             });
         }
+        // Each queued or retiring store holds one of the object store's request slots, and the
+        // running prefill's retrieve needs one more: past that, prepares fail mid-stream.
+        let requests_max = store.config().requests_max;
+        if config.write_queue_limit_stores >= requests_max {
+            return Err(RuntimeError::InvalidConfig {
+                reason: format!(
+                    "write_queue_limit_stores ({}) must be below the store's requests_max ({requests_max}): each queued store holds a \
+                     request slot, and the running prefill's retrieve needs one",
+                    config.write_queue_limit_stores
+                ),
+            });
+        }
         let geometry = *store.pool().geometry();
         // K and V of one token in one layer: two objects of a block, over its tokens.
         let kv_bytes_per_token_per_layer = 2 * geometry.object_bytes() / u64::from(geometry.block_tokens);
@@ -238,10 +250,23 @@ impl<E: Executor> Runtime<E> {
     }
 
     /// Whether the engine may reuse engine block `block`: no queued store still has to write
-    /// its data. A block handed to `begin_prefill` for storing stays held until its store has
-    /// committed (its data is on the device and durable) or failed (it will never be written).
+    /// its data, and no I/O the device may still be doing names it. A block handed to
+    /// `begin_prefill` for storing stays held until its store has committed (its data is on the
+    /// device and durable) or failed (it will never be written) with nothing of it in flight. A
+    /// request that ended with a layer still in flight (a wait that timed out or an executor
+    /// failure: `ReadFailed`, `StillInFlight` from `abort_prefill`, a failed deferred write) is
+    /// *retiring*: the blocks it reads into or writes from stay held until the device ends that
+    /// layer (see [`Runtime::retiring_requests`]).
     pub fn releasable(&self, block: u32) -> bool {
         self.writes.releasable(block)
+    }
+
+    /// Requests that ended with a layer still in flight, whose engine blocks stay held until the
+    /// device ends it. Each holds one of the object store's request slots. The runtime retires
+    /// them at every call (a late completion, a GPU executor's own timeout); on a CPU executor a
+    /// completion the device lost ends only with [`Runtime::abandon_in_flight`].
+    pub fn retiring_requests(&self) -> usize {
+        self.writes.retiring.len()
     }
 
     /// Engine blocks and stores waiting in the write queue.
@@ -267,22 +292,34 @@ impl<E: Executor> Runtime<E> {
         self.progress()?;
         let blocks = request.block_ids.len();
         let hit = self.store.lookup(request.tokens).min(blocks);
-        let incoming = blocks - hit;
+        let mut incoming = blocks - hit;
+        let limit_blocks = self.config.write_queue_limit_blocks;
+        let truncated = self.config.on_write_queue_full == WriteQueueFullAction::ForceOldest && incoming > limit_blocks;
+        if truncated {
+            // More new blocks than the whole queue holds: the first `limit_blocks` of them are
+            // stored (a prefix is what later lookups can hit), the rest are not; the cached prefix
+            // is read as usual.
+            incoming = limit_blocks;
+        }
         if incoming > 0 {
             self.make_room(incoming)?;
+        }
+        if truncated {
+            self.counters.stores_truncated += 1;
         }
         let id = self.next_request;
         self.next_request += 1;
         // The store first: it pins the cached blocks it shares, so no eviction it makes can take
         // the prefix the retrieve is about to read.
         if incoming > 0 {
-            match self.store.prepare_store(request) {
+            let stored = KvRequest { tokens: request.tokens, block_ids: &request.block_ids[..hit + incoming] };
+            match self.store.prepare_store(&stored) {
                 Ok(plan) if plan.new_blocks == 0 => {
                     self.store.finish(plan.handle).map_err(store_error("finish a store with no new block"))?
                 }
                 Ok(plan) => {
                     let mut engine_blocks = self.writes.take_list();
-                    engine_blocks.extend_from_slice(&request.block_ids[hit..]);
+                    engine_blocks.extend_from_slice(&request.block_ids[hit..hit + incoming]);
                     let new_tokens = plan.new_blocks as u64 * u64::from(self.block_tokens);
                     let iocbs_per_layer = iocbs_for(new_tokens, self.kv_bytes_per_token_per_layer, self.iocb_bytes).max(1);
                     self.writes.push(PendingStore {
@@ -495,19 +532,25 @@ impl<E: Executor> Runtime<E> {
         Ok(kv_wait)
     }
 
-    /// Ends a prefill early (the engine gave up on the request): waits for its read in flight,
-    /// drops its retrieve and its store (nothing of it becomes visible).
+    /// Ends a prefill early (the engine gave up on the request): waits (bounded) for its read
+    /// and write in flight, drops its retrieve and its store (nothing of it becomes visible).
+    /// The prefill is over whatever it returns. `Ok` when nothing of the request is left on the
+    /// device; otherwise an error (`StillInFlight`, or `ReadFailed` for a read that timed out)
+    /// and the request is retiring: its engine blocks are not `releasable` until the device ends
+    /// that layer.
     pub fn abort_prefill(&mut self, id: PrefillId) -> Result<()> {
         self.prefill_of("abort_prefill", id)?;
         if self.reads.in_flight.is_some() {
-            let result = self.wait_read();
-            if let Err(RuntimeError::ReadFailed { .. }) = result {
-                return Ok(()); // the failure already ended the prefill
+            if let Err(error) = self.wait_read() {
+                // The failure ended the prefill (its retrieve and store) already; the request is
+                // given up anyway, so only something of it still in flight is worth an error.
+                return if self.writes.is_retiring(id.0) { Err(error) } else { Ok(()) };
             }
-            result?;
         }
-        self.end_reads()?;
-        self.drop_store(id.0)
+        // Both always run: a retrieve left in flight must not keep the store queued.
+        let reads = self.end_reads();
+        let store = self.drop_store(id.0);
+        reads.and(store)
     }
 
     /// Before a decode step over `context_tokens` tokens: queued writes go into the step's slack
@@ -540,26 +583,59 @@ impl<E: Executor> Runtime<E> {
         self.progress()
     }
 
-    /// Writes and commits every queued store now (not while a prefill runs).
+    /// Writes and commits every queued store now (not while a prefill runs), and waits (one
+    /// `io_timeout` at most) for the retiring requests to end. `DrainIncomplete` if a store is
+    /// still queued or a request still retiring afterwards.
     pub fn drain(&mut self) -> Result<()> {
         if let Some(active) = &self.prefill {
             return Err(RuntimeError::OutOfOrder { call: "drain", reason: format!("request {} is in prefill", active.id) });
         }
         self.writes.decide_all(self.write_budget.0);
+        // Each pass completes a write layer or commits (or fails) a store.
         let bound = (self.writes.stores.len() + 1) * (self.layers as usize + 2);
         for _ in 0..bound {
             self.progress()?;
             if self.writes.stores.is_empty() {
-                return Ok(());
+                break;
             }
             self.wait_writes()?;
         }
-        self.progress()
+        self.progress()?;
+        if !self.writes.retiring.is_empty() {
+            self.wait_retiring()?;
+        }
+        if self.writes.stores.is_empty() && self.writes.retiring.is_empty() {
+            return Ok(());
+        }
+        Err(RuntimeError::DrainIncomplete { queued_stores: self.writes.stores.len(), retiring: self.writes.retiring.len() })
     }
 
     /// Drains the write queue and gives the store back.
     pub fn finish(mut self) -> Result<(KvStore<E>, RuntimeCounters)> {
         self.drain()?;
         Ok((self.store, self.counters))
+    }
+}
+
+impl<E: QueuePairReset> Runtime<E> {
+    /// After a wait timed out on a CPU executor (a completion the device lost, or a device that
+    /// stopped answering), which waiting longer cannot end: ends every layer in flight by
+    /// replacing the executor's queue pairs (`KvStore::abandon_in_flight`), then finishes the
+    /// retiring requests (their engine blocks become releasable) and hands the healthy layers it
+    /// ended to the executor again (the running prefill's read, the oldest store's write).
+    /// Returns the layers abandoned. If a queue pair cannot be deleted the error says so and
+    /// nothing is released: the controller must be reset first. A GPU executor needs none of
+    /// this (it resets its queue pairs itself; the runtime retires its layers as they fail).
+    pub fn abandon_in_flight(&mut self) -> Result<usize> {
+        let abandoned = self.store.abandon_in_flight().map_err(store_error("abandon the layers in flight"))?;
+        if let Some(layer) = self.reads.in_flight.take() {
+            self.reads.waiting.push_front(layer);
+        }
+        for store in self.writes.stores.iter_mut() {
+            store.in_flight = None;
+        }
+        let retired = self.retire_ended();
+        self.pump()?;
+        retired.map(|()| abandoned)
     }
 }

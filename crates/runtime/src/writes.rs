@@ -7,6 +7,12 @@
 //! object store reissues the same IOCBs per layer), so at most one layer per store is in flight.
 //! A store is committed — its blocks become visible to `lookup` — once every layer is written;
 //! only then are its engine blocks releasable.
+//!
+//! A request that ended while the device may still move its bytes (a store dropped or failed, or
+//! a retrieve whose read failed, with a layer whose wait timed out or whose executor failed) is
+//! *retiring*: its handle is kept, and its engine blocks stay held, until the object store says
+//! no layer of it is in flight; then it is finished. A write hold and a retiring hold count the
+//! same for `releasable`.
 
 use std::collections::VecDeque;
 
@@ -32,10 +38,23 @@ pub(crate) struct PendingStore {
     pub prefill_ended: bool,
 }
 
+/// A request taken off the queue (or a retrieve ended) with a layer still in flight.
+#[derive(Debug)]
+pub(crate) struct Retiring {
+    pub request: u64,
+    pub handle: RequestHandle,
+    /// Engine blocks the device may still read (a store) or write (a retrieve): held.
+    pub engine_blocks: Vec<u32>,
+}
+
 #[derive(Debug)]
 pub(crate) struct WriteQueue {
     pub stores: VecDeque<PendingStore>,
-    /// Per engine block, the queued stores that still need its data.
+    /// Ended requests the device may still be moving bytes of (see the module documentation).
+    /// Each holds an object-store request slot, so there are at most `StoreConfig::requests_max`.
+    pub retiring: Vec<Retiring>,
+    /// Per engine block, the queued stores that still need its data plus the retiring requests
+    /// naming it.
     holds: Vec<u16>,
     /// Sum of `engine_blocks.len()` over `stores`.
     pub queued_blocks: usize,
@@ -50,6 +69,7 @@ impl WriteQueue {
     pub fn new(engine_blocks: u32, stores_max: usize) -> Self {
         Self {
             stores: VecDeque::with_capacity(stores_max),
+            retiring: Vec::with_capacity(stores_max + 1),
             holds: vec![0; engine_blocks as usize],
             queued_blocks: 0,
             spare_lists: Vec::with_capacity(stores_max),
@@ -64,27 +84,68 @@ impl WriteQueue {
         list
     }
 
-    pub fn push(&mut self, store: PendingStore) {
-        for &block in &store.engine_blocks {
-            // Block ids were checked against the registration by `prepare_store`.
+    fn hold(&mut self, blocks: &[u32]) {
+        for &block in blocks {
+            // Block ids were checked against the registration by the store's prepare.
             if let Some(hold) = self.holds.get_mut(block as usize) {
                 *hold = hold.saturating_add(1);
             }
         }
-        self.queued_blocks += store.engine_blocks.len();
-        self.stores.push_back(store);
     }
 
-    /// Removes the store at `index` and releases its engine blocks.
-    pub fn remove(&mut self, index: usize) -> Option<PendingStore> {
-        let store = self.stores.remove(index)?;
-        for &block in &store.engine_blocks {
+    fn unhold(&mut self, blocks: &[u32]) {
+        for &block in blocks {
             if let Some(hold) = self.holds.get_mut(block as usize) {
                 *hold = hold.saturating_sub(1);
             }
         }
+    }
+
+    pub fn push(&mut self, store: PendingStore) {
+        self.hold(&store.engine_blocks);
+        self.queued_blocks += store.engine_blocks.len();
+        self.stores.push_back(store);
+    }
+
+    /// Removes the store at `index` and releases its engine blocks. Only once nothing of it is
+    /// in flight (the device may otherwise still read them): see [`WriteQueue::retire`].
+    pub fn remove(&mut self, index: usize) -> Option<PendingStore> {
+        let store = self.stores.remove(index)?;
+        self.unhold(&store.engine_blocks);
         self.queued_blocks -= store.engine_blocks.len();
         Some(store)
+    }
+
+    /// Takes the store at `index` off the queue with a layer still in flight: it is retiring,
+    /// its engine blocks stay held. Returns its request.
+    pub fn retire(&mut self, index: usize) -> Option<u64> {
+        let store = self.stores.remove(index)?;
+        self.queued_blocks -= store.engine_blocks.len();
+        self.retiring.push(Retiring { request: store.request, handle: store.handle, engine_blocks: store.engine_blocks });
+        Some(store.request)
+    }
+
+    /// A retrieve ended with a layer still in flight: it is retiring, and `engine_blocks` (its
+    /// targets) are held until it is finished.
+    pub fn retire_retrieve(&mut self, request: u64, handle: RequestHandle, engine_blocks: Vec<u32>) {
+        self.hold(&engine_blocks);
+        self.retiring.push(Retiring { request, handle, engine_blocks });
+    }
+
+    /// Removes the retiring request at `index` and releases its engine blocks (its handle was
+    /// found with nothing in flight).
+    pub fn remove_retiring(&mut self, index: usize) -> Option<Retiring> {
+        if index >= self.retiring.len() {
+            return None;
+        }
+        let entry = self.retiring.swap_remove(index);
+        self.unhold(&entry.engine_blocks);
+        Some(entry)
+    }
+
+    /// Whether anything of request `request` is retiring.
+    pub fn is_retiring(&self, request: u64) -> bool {
+        self.retiring.iter().any(|entry| entry.request == request)
     }
 
     pub fn recycle(&mut self, list: Vec<u32>) {
@@ -93,8 +154,9 @@ impl WriteQueue {
         }
     }
 
-    /// Whether engine block `block` holds no data that a queued store still has to write.
-    /// Unknown blocks (outside the registration) hold nothing of ours.
+    /// Whether engine block `block` holds no data that a queued store still has to write, and
+    /// no retiring request's I/O may still move it. Unknown blocks (outside the registration)
+    /// hold nothing of ours.
     pub fn releasable(&self, block: u32) -> bool {
         self.holds.get(block as usize).is_none_or(|&hold| hold == 0)
     }

@@ -159,3 +159,22 @@ fn device_error_in_a_deferred_write_drops_only_that_store() {
     assert!(stack.engine.holds(&cached, 0..4, &blocks, layers));
     stack.runtime.drain().unwrap();
 }
+
+/// Goal: a write queue allowed as many stores as the object store has request slots is refused
+/// at construction (each queued store holds a slot and the running retrieve needs one; past
+/// that every cached-prefix request would fail mid-stream), and one below it is accepted.
+#[test]
+fn a_write_queue_as_deep_as_the_stores_request_slots_is_refused() {
+    let (_device, store, _engine) = parts(None);
+    let requests_max = store.config().requests_max;
+    let mut too_deep = config(PolicyChoice::SlackAware);
+    too_deep.write_queue_limit_stores = requests_max;
+    match Runtime::new(store, Profile::from_table(table(MODEL, common::geometry().layers)).unwrap(), too_deep) {
+        Err(RuntimeError::InvalidConfig { reason }) => assert!(reason.contains("requests_max"), "{reason}"),
+        other => panic!("expected InvalidConfig, got {other:?}"),
+    }
+    let (_device, store, _engine) = parts(None);
+    let mut fits = config(PolicyChoice::SlackAware);
+    fits.write_queue_limit_stores = requests_max - 1;
+    Runtime::new(store, Profile::from_table(table(MODEL, common::geometry().layers)).unwrap(), fits).expect("a queue one below");
+}

@@ -1,11 +1,12 @@
 //! The runtime's machinery below the engine-facing calls: reaping completions, committing
 //! finished stores, the read/write barrier and issuing what may go (`pump`), bounded waits, and
-//! the write queue's bounds (`make_room`).
+//! the write queue's bounds (`make_room`), and ending requests whose I/O may still be in flight
+//! (retiring them: see `crate::writes`).
 
 use std::time::Instant;
 
 use gio_uring::{Executor, SmBudget};
-use objstore::ObjstoreError;
+use objstore::{ObjstoreError, RequestHandle};
 use scheduler::policy::Issue;
 use scheduler::table::IoKind;
 
@@ -72,8 +73,9 @@ impl<E: Executor> Runtime<E> {
         self.log.record(IoEvent { at: Instant::now(), request, direction, layer, kind, sm_budget });
     }
 
-    /// Reaps completions, commits finished stores, issues what may go.
+    /// Reaps completions, retires what ended, commits finished stores, issues what may go.
     pub(super) fn progress(&mut self) -> Result<()> {
+        let retired = self.retire_ended();
         if let (Some(layer), Some(handle)) = (self.reads.in_flight, self.prefill.as_ref().and_then(|p| p.retrieve)) {
             match self.store.poll(handle) {
                 Ok(true) => self.complete_read(layer),
@@ -98,7 +100,58 @@ impl<E: Executor> Runtime<E> {
             }
         }
         self.commit_written()?;
-        self.pump()
+        self.pump()?;
+        retired
+    }
+
+    /// Whether the object store has a layer of `handle` in flight: the device may still move its
+    /// bytes, so the request cannot be finished and its engine blocks must stay held.
+    pub(super) fn device_holds(&self, handle: RequestHandle) -> bool {
+        self.store.layers_in_flight(handle).is_ok_and(|mut layers| layers.next().is_some())
+    }
+
+    /// Finishes the retiring requests whose layer in flight ended, releasing their engine
+    /// blocks. Never blocks: each is polled once. A finish refused although nothing of the
+    /// request is in flight is returned (after the others were looked at); its blocks are
+    /// released all the same, since the device no longer moves them.
+    pub(super) fn retire_ended(&mut self) -> Result<()> {
+        let mut outcome = Ok(());
+        let mut index = 0;
+        // Bounded: each round keeps one entry (index moves on) or removes it.
+        while index < self.writes.retiring.len() {
+            let handle = self.writes.retiring[index].handle;
+            // A failed layer has ended as surely as a completed one (the request is dropped either
+            // way), so the poll's outcome only matters through `device_holds`.
+            if let Err(error) = self.store.poll(handle) {
+                tracing::debug!(%error, "runtime: polling a retiring request");
+            }
+            if self.device_holds(handle) {
+                index += 1;
+                continue;
+            }
+            let finished = self.store.finish(handle);
+            if let Some(entry) = self.writes.remove_retiring(index) {
+                tracing::info!(request = entry.request, "runtime: a retiring request's layer ended; its engine blocks are released");
+                self.writes.recycle(entry.engine_blocks);
+            }
+            if let (Ok(()), Err(source)) = (&outcome, finished) {
+                outcome = Err(RuntimeError::Store { operation: "finish a retiring request", source });
+            }
+        }
+        outcome
+    }
+
+    /// Waits, until one `io_timeout` from now for all of them together, for the retiring
+    /// requests' layers to end, then retires those that did.
+    pub(super) fn wait_retiring(&mut self) -> Result<()> {
+        let deadline = Instant::now() + self.config.io_timeout;
+        for index in 0..self.writes.retiring.len() {
+            let handle = self.writes.retiring[index].handle;
+            if let Err(error) = self.store.wait(handle, deadline) {
+                tracing::debug!(%error, "runtime: waiting for a retiring request");
+            }
+        }
+        self.retire_ended()
     }
 
     pub(super) fn complete_read(&mut self, layer: u32) {
@@ -117,54 +170,110 @@ impl<E: Executor> Runtime<E> {
         self.record(request, IoDirection::Write, layer, IoEventKind::Completed, None);
     }
 
-    /// A read failed: the prefill ends (its retrieve and store are dropped) and the error says so.
+    /// A read failed (or its wait timed out, or the executor failed): the prefill ends, its
+    /// retrieve and store are dropped (retiring if a layer of them is still in flight) and the
+    /// error says so.
     pub(super) fn read_failed(&mut self, layer: u32, source: ObjstoreError) -> RuntimeError {
         self.reads.in_flight = None;
         let request = self.prefill.as_ref().map_or(0, |p| p.id);
-        self.record(request, IoDirection::Read, layer, IoEventKind::Completed, None);
-        if let Err(error) = self.end_reads().and_then(|()| self.drop_store(request)) {
-            tracing::warn!(%error, "runtime: cleaning up after a failed read");
+        let ended = self.prefill.as_ref().and_then(|p| p.retrieve).is_none_or(|handle| !self.device_holds(handle));
+        if ended {
+            self.record(request, IoDirection::Read, layer, IoEventKind::Completed, None);
+        }
+        // Both always run: a retrieve left in flight must not keep the store queued (it would
+        // never commit, and the queue limit would force it forever).
+        let reads = self.end_reads();
+        let store = self.drop_store(request);
+        for error in [reads, store].into_iter().filter_map(Result::err) {
+            tracing::warn!(%error, "runtime: ending the prefill after a failed read");
         }
         RuntimeError::ReadFailed { layer, source }
     }
 
-    /// Finishes the running prefill's retrieve (nothing of it may be in flight) and ends it.
+    /// Ends the running prefill and its retrieve: finished now, or, with a layer still in flight
+    /// (its wait timed out), retiring with its target engine blocks held (`StillInFlight`).
     pub(super) fn end_reads(&mut self) -> Result<()> {
         self.reads.waiting.clear();
         self.reads.unissued_iocbs.fill(0);
-        if let Some(handle) = self.prefill.take().and_then(|p| p.retrieve) {
-            self.store.finish(handle).map_err(store_error("finish the retrieve"))?;
+        self.reads.in_flight = None;
+        let Some(prefill) = self.prefill.take() else { return Ok(()) };
+        let Some(handle) = prefill.retrieve else { return Ok(()) };
+        match self.store.finish(handle) {
+            Ok(()) => Ok(()),
+            Err(refusal) if self.device_holds(handle) => {
+                let mut blocks = self.writes.take_list();
+                if let Ok(placements) = self.store.placements(handle) {
+                    blocks.extend(placements.iter().map(|placement| placement.engine_block));
+                }
+                tracing::warn!(
+                    request = prefill.id,
+                    blocks = blocks.len(),
+                    "runtime: a retrieve ended with a layer in flight; it retires when the device ends it, its target blocks held"
+                );
+                self.writes.retire_retrieve(prefill.id, handle, blocks);
+                Err(RuntimeError::StillInFlight { request: prefill.id, operation: "finish the retrieve", source: refusal })
+            }
+            Err(source) => Err(RuntimeError::Store { operation: "finish the retrieve", source }),
         }
-        Ok(())
+    }
+
+    /// Takes the store at `index` off the queue uncommitted: finished, its engine blocks
+    /// released, when nothing of it is in flight; otherwise retiring with its blocks held, and
+    /// the error says so (`StillInFlight`, naming `cause`, the failed wait, when there was one).
+    pub(super) fn end_store(&mut self, index: usize, operation: &'static str, cause: Option<ObjstoreError>) -> Result<()> {
+        let Some(store) = self.writes.stores.get(index) else { return Ok(()) };
+        let (request, handle) = (store.request, store.handle);
+        match self.store.finish(handle) {
+            Err(refusal) if self.device_holds(handle) => {
+                self.writes.retire(index);
+                tracing::warn!(
+                    request,
+                    "runtime: a store ended with a layer in flight; it retires when the device ends it, its engine blocks held"
+                );
+                Err(RuntimeError::StillInFlight { request, operation, source: cause.unwrap_or(refusal) })
+            }
+            finished => {
+                if let Some(store) = self.writes.remove(index) {
+                    self.writes.recycle(store.engine_blocks);
+                }
+                finished.map_err(store_error(operation))
+            }
+        }
     }
 
     /// A write of the store at `index` failed: the store is dropped (its blocks never become
-    /// visible, its engine blocks are released); the others continue.
+    /// visible; its engine blocks are released once nothing of it is in flight); the others
+    /// continue.
     pub(super) fn write_failed(&mut self, index: usize, source: &ObjstoreError) -> Result<()> {
-        let Some(store) = self.writes.remove(index) else { return Ok(()) };
-        let layer = store.written_layers;
-        tracing::warn!(request = store.request, layer, error = %source, "runtime: a deferred write failed; the store is dropped");
-        self.record(store.request, IoDirection::Write, layer, IoEventKind::Completed, None);
+        let Some(store) = self.writes.stores.get(index) else { return Ok(()) };
+        let (request, layer, handle) = (store.request, store.written_layers, store.handle);
+        tracing::warn!(request, layer, error = %source, "runtime: a deferred write failed; the store is dropped");
+        if !self.device_holds(handle) {
+            self.record(request, IoDirection::Write, layer, IoEventKind::Completed, None);
+        }
         self.counters.stores_failed += 1;
-        // The failed wait ended the layer: nothing of the store is in flight.
-        let finished = self.store.finish(store.handle).map_err(store_error("finish a failed store"));
-        self.writes.recycle(store.engine_blocks);
-        finished
+        match self.end_store(index, "finish a failed store", None) {
+            // Retiring (logged): dropped as far as the queue goes, its blocks held meanwhile.
+            Err(RuntimeError::StillInFlight { .. }) => Ok(()),
+            other => other,
+        }
     }
 
-    /// Drops the store of `request` if queued (waiting for its write in flight first).
+    /// Drops the store of `request` if queued, waiting (bounded) for its write in flight first.
+    /// A write still in flight after the wait leaves it retiring (`StillInFlight`).
     pub(super) fn drop_store(&mut self, request: u64) -> Result<()> {
         let Some(index) = self.writes.index_of(request) else { return Ok(()) };
-        if self.writes.stores[index].in_flight.is_some() {
-            let handle = self.writes.stores[index].handle;
-            // Its outcome does not matter: the store is dropped either way.
-            let _ = self.store.wait(handle, Instant::now() + self.config.io_timeout);
-        }
-        if let Some(store) = self.writes.remove(index) {
-            self.store.finish(store.handle).map_err(store_error("finish a dropped store"))?;
-            self.writes.recycle(store.engine_blocks);
-        }
-        Ok(())
+        let store = &self.writes.stores[index];
+        // A failed wait ends the layer as well as a completion (the store is dropped either
+        // way); one that timed out leaves it in flight, and then says why.
+        let cause = match store.in_flight {
+            Some(_) => {
+                let handle = store.handle;
+                self.store.wait(handle, Instant::now() + self.config.io_timeout).err()
+            }
+            None => None,
+        };
+        self.end_store(index, "drop a store", cause)
     }
 
     /// Commits every store whose layers are all written, when no read is pending (a commit
@@ -326,7 +435,9 @@ impl<E: Executor> Runtime<E> {
         })
     }
 
-    /// Makes room for `incoming` blocks in the write queue, as configured.
+    /// Makes room for `incoming` blocks in the write queue, as configured. Under `ForceOldest`
+    /// the oldest stores whose prefill ended are written and committed (each forced once at
+    /// most); if that does not make room, or for `Refuse`, `WriteQueueFull`.
     pub(super) fn make_room(&mut self, incoming: usize) -> Result<()> {
         let (limit_blocks, limit_stores) = (self.config.write_queue_limit_blocks, self.config.write_queue_limit_stores);
         let over = |writes: &WriteQueue| writes.queued_blocks + incoming > limit_blocks || writes.stores.len() + 1 > limit_stores;
@@ -346,26 +457,52 @@ impl<E: Executor> Runtime<E> {
             self.counters.stores_refused += 1;
             return Err(full(&self.writes, if incoming > limit_blocks { "larger than the whole queue" } else { action.name() }));
         }
-        while over(&self.writes) && !self.writes.stores.is_empty() {
-            self.force_oldest()?;
+        // Bounded: each round forces one store off the queue (or fails); there are no more
+        // rounds than stores.
+        for _ in 0..self.writes.stores.len() {
+            // Only a store whose prefill ended can complete (every layer ready). While no prefill
+            // runs every queued store is one; anything else would never commit, so it is skipped
+            // rather than forced forever.
+            let Some(index) = self.writes.stores.iter().position(|store| store.prefill_ended) else { break };
+            self.force_store(index)?;
             self.counters.stores_forced += 1;
+            if !over(&self.writes) {
+                return Ok(());
+            }
         }
-        Ok(())
+        self.counters.stores_refused += 1;
+        Err(full(&self.writes, "no queued store could be forced out"))
     }
 
-    /// Writes and commits the oldest queued store now (no prefill runs: no read is pending).
-    pub(super) fn force_oldest(&mut self) -> Result<()> {
-        let Some(oldest) = self.writes.stores.front_mut() else { return Ok(()) };
-        oldest.decided_layers = oldest.ready_layers;
-        oldest.sm_budget = self.write_budget.0;
-        let request = oldest.request;
-        for _ in 0..self.layers as usize + 2 {
+    /// Writes and commits the queued store at `index` now (no prefill runs: no read is
+    /// pending); it leaves the queue committed, or dropped after a failure. An error if it
+    /// cannot (a write that timed out) or did not within its bound.
+    pub(super) fn force_store(&mut self, index: usize) -> Result<()> {
+        let Some(store) = self.writes.stores.get_mut(index) else { return Ok(()) };
+        store.decided_layers = store.ready_layers;
+        store.sm_budget = self.write_budget.0;
+        let request = store.request;
+        // Each pass completes a write layer (of this store, or of one ahead of it: one layer is
+        // in flight at a time, oldest first) or fails.
+        let bound = (index + 1) * (self.layers as usize + 2);
+        for _ in 0..bound {
             self.progress()?;
             if self.writes.index_of(request).is_none() {
                 return Ok(());
             }
             self.wait_writes()?;
         }
-        self.progress()
+        self.progress()?;
+        if self.writes.index_of(request).is_none() {
+            return Ok(());
+        }
+        Err(RuntimeError::WriteQueueFull {
+            queued_blocks: self.writes.queued_blocks,
+            queued_stores: self.writes.stores.len(),
+            incoming_blocks: 0,
+            limit_blocks: self.config.write_queue_limit_blocks,
+            limit_stores: self.config.write_queue_limit_stores,
+            action: "a forced store did not complete",
+        })
     }
 }

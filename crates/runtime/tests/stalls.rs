@@ -1,0 +1,178 @@
+//! A device that holds a completion back past `io_timeout`, or loses it: the runtime never hands
+//! back engine memory the device may still move (`releasable` stays false until the layer
+//! ends), never hangs, and retires what ended. Every call that could hang runs under a bound.
+
+mod common;
+
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::time::{Duration, Instant};
+
+use common::{config, prefill, prompt, stack, Stack};
+use nvme_driver::spec::NvmOpcode;
+use nvme_emu::{FaultAction, FaultPlan, FaultRule};
+use objstore::KvRequest;
+use tutti_runtime::{PolicyChoice, RuntimeError, WriteQueueFullAction};
+
+const IO_TIMEOUT: Duration = Duration::from_millis(200);
+
+/// Bound on a whole test here: its I/O waits add up to a few `IO_TIMEOUT`s and one late
+/// completion; a call that hangs fails the test instead of stalling the suite.
+const TEST_LIMIT: Duration = Duration::from_secs(30);
+
+/// Runs `test` on a thread of its own (the runtime is not `Send`, so all of it), passing on its
+/// panic; fails if it has not ended within `TEST_LIMIT` (the thread is left behind).
+fn bounded(test: impl FnOnce() + Send + 'static) {
+    let (sender, receiver) = mpsc::channel();
+    let thread = std::thread::spawn(move || {
+        test();
+        let _ = sender.send(());
+    });
+    match receiver.recv_timeout(TEST_LIMIT) {
+        Ok(()) => {}
+        Err(RecvTimeoutError::Disconnected) => {
+            if let Err(panic) = thread.join() {
+                std::panic::resume_unwind(panic);
+            }
+        }
+        Err(RecvTimeoutError::Timeout) => panic!("the test did not end within {TEST_LIMIT:?}: a runtime call hangs"),
+    }
+}
+
+fn stalled_stack(policy: PolicyChoice) -> Stack {
+    let mut config = config(policy);
+    config.io_timeout = IO_TIMEOUT;
+    config.write_queue_limit_stores = 1;
+    stack(config, None)
+}
+
+#[test]
+fn a_read_whose_completion_is_lost_retires_and_the_next_request_goes_on() {
+    // Goal: a read whose completion the device lost times out: `ReadFailed`, and the request's
+    // store leaves the queue at once. Before, the retrieve's refused `finish` skipped dropping
+    // the store, which then stayed queued uncommittable: at the one-store limit `ForceOldest`
+    // forced it in an endless loop and the next `begin_prefill` never returned. The retrieve
+    // itself retires: its target blocks stay unreleasable (the lost command may still write
+    // them) until `abandon_in_flight` ends it; meanwhile the next request runs, and `drain`
+    // says what is left rather than `Ok`.
+    bounded(|| {
+        let layers = common::geometry().layers;
+        let mut stack = stalled_stack(PolicyChoice::SlackAware);
+        let first = prompt(0, 0);
+        prefill(&mut stack, &first, &[0, 1, 2, 3]).unwrap();
+        stack.runtime.drain().unwrap();
+        stack.device.set_faults(
+            FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion).with_opcode(NvmOpcode::Read as u8)),
+        );
+        let second = prompt(0, 1);
+        let targets: Vec<u32> = (4..10).collect();
+        let start = stack.runtime.begin_prefill(&KvRequest { tokens: &second, block_ids: &targets }).unwrap();
+        assert_eq!((start.cached_blocks, start.queued_blocks), (4, 2));
+        let failed = stack.runtime.before_layer(start.id, 0);
+        assert!(matches!(failed, Err(RuntimeError::ReadFailed { .. })), "{failed:?}");
+        assert_eq!(stack.runtime.queued_stores(), 0, "the failed request's store is dropped");
+        assert_eq!(stack.runtime.retiring_requests(), 1, "the retrieve waits for its lost read");
+        assert!((4..8).all(|block| !stack.runtime.releasable(block)), "the lost read may still write its targets");
+        assert!((8..10).all(|block| stack.runtime.releasable(block)), "the dropped store's blocks are free");
+
+        // The next request, at the one-store limit.
+        let third = prompt(1, 0);
+        let third_blocks: Vec<u32> = (10..14).collect();
+        let started = Instant::now();
+        assert_eq!(prefill(&mut stack, &third, &third_blocks).unwrap(), 2, "the shared system prompt is read");
+        assert!(started.elapsed() < Duration::from_secs(2), "the next prefill took {:?}", started.elapsed());
+        let drained = stack.runtime.drain();
+        assert!(matches!(drained, Err(RuntimeError::DrainIncomplete { queued_stores: 0, retiring: 1 })), "{drained:?}");
+        assert!((4..8).all(|block| !stack.runtime.releasable(block)));
+
+        assert_eq!(stack.runtime.abandon_in_flight().unwrap(), 1, "the lost read is the one layer in flight");
+        assert_eq!(stack.runtime.retiring_requests(), 0);
+        assert!((0..14).all(|block| stack.runtime.releasable(block)));
+        stack.runtime.drain().unwrap();
+        assert_eq!(stack.runtime.lookup(&second), 4, "the failed request stored nothing");
+        assert_eq!(stack.runtime.lookup(&third), 4);
+        // The store works on after the abandon: the second request again, read and stored.
+        let again: Vec<u32> = (20..26).collect();
+        assert_eq!(prefill(&mut stack, &second, &again).unwrap(), 4);
+        assert!(stack.engine.holds(&second, 0..4, &again, layers));
+        stack.runtime.drain().unwrap();
+        assert_eq!(stack.runtime.lookup(&second), 6);
+    });
+}
+
+#[test]
+fn a_store_dropped_with_its_write_in_flight_keeps_its_blocks_until_the_write_ends() {
+    // Goal: a store dropped while its write is still in flight (the device holds the completion
+    // back past `io_timeout`) keeps its engine blocks unreleasable until the write ends, and
+    // `abort_prefill` says so. Before, the drop released them at once (the engine could reuse
+    // memory the device was still reading) and only the refused `finish` was reported. The
+    // runtime retires the store when the late completion arrives.
+    bounded(|| {
+        let mut stack = stalled_stack(PolicyChoice::Naive);
+        let late = Duration::from_millis(1000);
+        stack
+            .device
+            .set_faults(FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::Delay(late)).with_opcode(NvmOpcode::Write as u8)));
+        let tokens = prompt(0, 0);
+        let blocks = [0, 1, 2, 3];
+        let start = stack.runtime.begin_prefill(&KvRequest { tokens: &tokens, block_ids: &blocks }).unwrap();
+        assert_eq!((start.cached_blocks, start.queued_blocks), (0, 4));
+        stack.runtime.before_layer(start.id, 0).unwrap();
+        stack.engine.compute_layer(&tokens, 0..4, &blocks, 0);
+        stack.runtime.after_layer(start.id, 0).unwrap();
+        // Naive writes layer k−1 at layer k's boundary.
+        stack.runtime.begin_layer(start.id, 1).unwrap();
+        assert_eq!(stack.runtime.counters().write_layers_issued, 1);
+        let aborted = stack.runtime.abort_prefill(start.id);
+        assert!(matches!(aborted, Err(RuntimeError::StillInFlight { .. })), "{aborted:?}");
+        assert_eq!(stack.runtime.queued_stores(), 0);
+        assert_eq!(stack.runtime.retiring_requests(), 1);
+        assert!(blocks.iter().all(|&block| !stack.runtime.releasable(block)), "the device may still read them");
+        let until = Instant::now() + late + Duration::from_secs(5);
+        while stack.runtime.retiring_requests() > 0 {
+            assert!(Instant::now() < until, "the late write was never retired");
+            stack.runtime.poll_io().unwrap();
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(blocks.iter().all(|&block| stack.runtime.releasable(block)));
+        assert_eq!(stack.runtime.lookup(&tokens), 0, "an aborted store is never visible");
+        stack.runtime.drain().unwrap();
+        // The runtime goes on.
+        prefill(&mut stack, &tokens, &[4, 5, 6, 7]).unwrap();
+        stack.runtime.drain().unwrap();
+        assert_eq!(stack.runtime.lookup(&tokens), 4);
+    });
+}
+
+#[test]
+fn force_oldest_stores_the_first_blocks_of_a_request_larger_than_the_queue() {
+    // Goal: under `ForceOldest`, a request with more new blocks than the whole write queue
+    // holds still reads its cached prefix and stores its first `write_queue_limit_blocks` new
+    // blocks (`stores_truncated`). Before, `begin_prefill` failed with `WriteQueueFull` and read
+    // nothing, not even the prefix. `Refuse` still refuses it.
+    bounded(|| {
+        let layers = common::geometry().layers;
+        for action in [WriteQueueFullAction::ForceOldest, WriteQueueFullAction::Refuse] {
+            let mut config = config(PolicyChoice::SlackAware);
+            config.write_queue_limit_blocks = 2;
+            config.on_write_queue_full = action;
+            let mut stack = stack(config, None);
+            let first = prompt(0, 0);
+            let result = prefill(&mut stack, &first, &[0, 1, 2, 3]);
+            if action == WriteQueueFullAction::Refuse {
+                assert!(matches!(result, Err(RuntimeError::WriteQueueFull { .. })), "{result:?}");
+                continue;
+            }
+            assert_eq!(result.unwrap(), 0);
+            assert_eq!(stack.runtime.counters().stores_truncated, 1);
+            stack.runtime.drain().unwrap();
+            assert_eq!(stack.runtime.lookup(&first), 2, "the first two new blocks are stored");
+            let second = prompt(0, 1);
+            let blocks: Vec<u32> = (10..16).collect();
+            assert_eq!(prefill(&mut stack, &second, &blocks).unwrap(), 2, "the cached prefix is read");
+            assert!(stack.engine.holds(&second, 0..2, &blocks, layers));
+            assert_eq!(stack.runtime.counters().stores_truncated, 2);
+            stack.runtime.drain().unwrap();
+            assert_eq!(stack.runtime.lookup(&second), 4);
+        }
+    });
+}
