@@ -32,9 +32,12 @@
 //!
 //! A lookup never interpolates: it rounds to the grid point whose layer is *cheapest* — input
 //! length rounded down and prefix length rounded up (more cached tokens means fewer new tokens to
-//! compute). Less compute means shorter slack windows, so the scheduler may decide a read does not
-//! fit a window and issue it at once; that costs nothing on the critical path, whereas assuming slack
-//! that does not exist would hold a critical read back or push a write into compute it delays.
+//! compute). Less compute means a shorter layer whose windows close sooner, so the scheduler may
+//! decide a read does not fit a window and issue it at once; that costs nothing on the critical
+//! path, whereas assuming slack time that does not exist would hold a critical read back or push a
+//! write into compute it delays. The rounding bounds slack time, not free SMs: a cheaper layer can
+//! be more memory-bound and leave more SMs free than the real one (the policy caps an I/O kernel's
+//! budget at the largest profiled one; docs/scheduler.md).
 //! An input longer than the table is looked up at the longest input (again the cheaper side);
 //! an input shorter than the first step, or a prefix longer than the input, is
 //! [`SchedulerError::OutOfRange`]. I/O costs round the IOCB count up and the SM budget down (the
