@@ -65,8 +65,35 @@ class Daemon:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
 
+    def pause(self) -> None:
+        """SIGSTOP: the software controller inside the daemon stops moving bytes and no request
+        is answered. Returns once every thread of the daemon is stopped (the signal is delivered
+        asynchronously)."""
+        os.kill(self.process.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5.0
+        tasks = f"/proc/{self.process.pid}/task"
+        while True:
+            states = []
+            for task in os.listdir(tasks):
+                try:
+                    with open(f"{tasks}/{task}/stat") as stat:
+                        # The state follows the command name, which is in parentheses.
+                        states.append(stat.read().rsplit(")", 1)[1].split()[0])
+                except FileNotFoundError:
+                    continue
+            if states and all(state in ("T", "t") for state in states):
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"tuttid did not stop within 5 s of SIGSTOP (thread states {states})")
+            time.sleep(0.001)
+
+    def resume(self) -> None:
+        if self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGCONT)
+
     def stop(self) -> None:
         """SIGTERM (the daemon drains its sessions), then SIGKILL if it has not exited in time."""
+        self.resume()
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:

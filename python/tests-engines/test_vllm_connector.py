@@ -5,10 +5,10 @@ call it, with KV caches in vLLM's own per-layer view; bytes checked per rank, la
 
 from __future__ import annotations
 
-import time
-
 import subprocess
 import sys
+import threading
+import time
 import warnings
 
 import pytest
@@ -17,7 +17,7 @@ import torch
 import tutti
 import vllm_harness as harness
 from tutti.vllm import TuttiConnector, TuttiConnectorMetadata
-from tutti.vllm.connector import LoadSpec
+from tutti.vllm.connector import KvMemoryUnsafe, LoadSpec, SaveSpec
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
 TP_WORLD = 2
@@ -76,9 +76,16 @@ def test_request_life_save_then_load_on_two_ranks(cluster):
         worker.call("fill", blocks_a, 1)
     results = step(workers, meta)
     assert all(result["load_errors"] == set() for result in results)
+    # No synchronous load in this step: vLLM calls start_load_kv after the forward.
     assert results[0]["calls"] == [
         f"{call}:{name}" for name in harness.layer_names() for call in ("wait_for_layer_load", "save_kv_layer")
-    ]
+    ] + ["start_load_kv", "wait_for_save"]
+    # The save ran during the forward: every layer issued, layers 0..L-2 completed, before
+    # wait_for_save (which then only hands the last layer to the committer).
+    for result in results:
+        issued, completed = result["saves_before_wait"]["A"]
+        assert issued == harness.LAYERS, result["saves_before_wait"]
+        assert set(range(harness.LAYERS - 1)) <= set(completed), result["saves_before_wait"]
     expected = [worker.call("digest", blocks_a[:3]) for worker in workers]
     assert expected[0] != expected[1], "ranks must hold different bytes for the check to mean anything"
 
@@ -100,6 +107,8 @@ def test_request_life_save_then_load_on_two_ranks(cluster):
     assert [load.req_id for load in meta.loads] == ["B"] and meta.loads[0].block_ids == blocks_b[:3]
     results = step(workers, meta, finished={"A"})
     assert all(result["load_errors"] == set() for result in results)
+    # A synchronous load: start_load_kv before the forward.
+    assert results[0]["calls"][0] == "start_load_kv" and results[0]["calls"][-1] == "wait_for_save"
     for worker, digests in zip(workers, expected):
         assert worker.call("digest", blocks_b[:3]) == digests, f"rank {worker.rank} loaded other bytes"
     # B's save shares A's blocks: nothing new is written, and it is reported done all the same.
@@ -269,3 +278,310 @@ def test_scheduler_idle_past_the_lease_still_looks_up(tuttid):
         assert scheduler.lookup_reconnects == 1
     finally:
         scheduler.shutdown()
+
+
+# ------------------------------------------------------------------------------------------------
+# One worker-side connector in this process (TP 1), for tests that pause tuttid between its calls
+# or wrap its store.
+# ------------------------------------------------------------------------------------------------
+
+
+class LocalWorker:
+    """A worker-side connector built by vLLM's factory in this process, with its KV caches."""
+
+    def __init__(self, socket: str, **extra) -> None:
+        config = harness.vllm_config(socket, 1, extra={"socket": socket, "timeout_s": 20.0, **extra})
+        self.connector = harness.make_connector(config, KVConnectorRole.WORKER)
+        self.caches = self.connector.allocate_kv_caches(harness.kv_cache_config())
+        self.connector.register_kv_caches(self.caches)
+        self.state = {"connector": self.connector, "caches": self.caches}
+
+    def step(self, metadata, finished=frozenset(), layerwise=True, sync_loads=None) -> dict:
+        return harness._do_step(self.state, 0, metadata, set(finished), layerwise, sync_loads)
+
+    def fill(self, block_ids: list[int], seed: int) -> None:
+        harness._do_fill(self.state, 0, block_ids, seed)
+
+    def blocks_bytes(self, block_ids: list[int]) -> list[torch.Tensor]:
+        return [harness._block_bytes(self.caches, name, block) for name in harness.layer_names() for block in block_ids]
+
+    def save(self, req_id: str, tokens: list[int], block_ids: list[int]) -> None:
+        """A whole save (one step, then get_finished until it is reported)."""
+        self.step(TuttiConnectorMetadata(saves=[SaveSpec(req_id, tokens, block_ids)]))
+        deadline = time.monotonic() + FINISH_TIMEOUT_S
+        while req_id not in (self.connector.get_finished({req_id})[0] or set()):
+            assert time.monotonic() < deadline, f"the save of {req_id} was never reported"
+            time.sleep(0.01)
+
+    def shutdown(self) -> None:
+        self.connector.shutdown()
+
+
+def worker_sessions(socket: str) -> list[int]:
+    """tuttid's sessions of vLLM workers (by their client name)."""
+    with tutti.LookupClient.connect(socket, model_fingerprint=tutti.fingerprint("probe")) as probe:
+        return [client["session"] for client in probe.status()["clients"] if client["name"].startswith("vllm-worker")]
+
+
+def wait_no_worker_session(socket: str) -> None:
+    deadline = time.monotonic() + FINISH_TIMEOUT_S
+    while worker_sessions(socket):
+        assert time.monotonic() < deadline, "tuttid still lists the worker's session"
+        time.sleep(0.02)
+
+
+def test_a_step_without_loads_saves_during_the_forward(tuttid):
+    """Goal: in a step without synchronous loads vLLM calls start_load_kv only after the forward;
+    the save is still issued layer by layer during the forward (prepared when the metadata was
+    bound), so wait_for_save finds layers 0..L-2 complete and the last one issued."""
+    daemon = tuttid(harness.TUTTID_GEOMETRY)
+    worker = LocalWorker(daemon.socket)
+    try:
+        tokens = prompt(10, blocks=2, tail=0)
+        worker.fill([1, 2], 10)
+        result = worker.step(TuttiConnectorMetadata(saves=[SaveSpec("F", tokens, [1, 2])]))
+        assert result["calls"][-2:] == ["start_load_kv", "wait_for_save"]
+        issued, completed = result["saves_before_wait"]["F"]
+        assert issued == harness.LAYERS and set(range(harness.LAYERS - 1)) <= set(completed), result
+    finally:
+        worker.shutdown()
+
+
+def test_requires_kv_delivery_is_false(cluster):
+    """Goal: vLLM does not drop a preempted request's output for tutti's sake: a save that does
+    not happen is a future miss (vLLM's base class answers True for kv_both, the role here)."""
+    _, scheduler, _ = cluster
+    assert KVConnectorBase_V1.requires_kv_delivery.fget(scheduler) is True
+    assert scheduler.requires_kv_delivery is False
+
+
+def test_the_default_fingerprint_names_the_kv_layout(tuttid):
+    """Goal: two deployments of one model whose KV caches differ only in layout (LBHNC and LBNHC:
+    a block of the same size, heads and slots transposed) get different key spaces; the same
+    layout the same one; and a worker whose caches are in the other order is refused."""
+    daemon = tuttid(harness.TUTTID_GEOMETRY)
+
+    def fingerprint(layout):
+        config = harness.vllm_config(daemon.socket, 1)
+        config.cache_config.kv_cache_layout = layout
+        scheduler = harness.make_connector(config, KVConnectorRole.SCHEDULER)
+        scheduler.shutdown()
+        return scheduler._fingerprint
+
+    assert fingerprint("LBHNC") != fingerprint("LBNHC")
+    assert fingerprint("LBNHC") == fingerprint("LBNHC")
+    assert fingerprint(None) == fingerprint("LBHNC"), "unresolved: vLLM's identity layout"
+
+    config = harness.vllm_config(daemon.socket, 1)
+    config.cache_config.kv_cache_layout = "LBNHC"
+    worker = harness.make_connector(config, KVConnectorRole.WORKER)
+    try:
+        caches = worker.allocate_kv_caches(harness.kv_cache_config())
+        first = caches[harness.layer_names()[0]]
+        assert first.stride(2) > first.stride(1), "allocate_kv_caches views the resolved layout (LBNHC)"
+        transposed = {name: view.contiguous() for name, view in caches.items()}  # heads outside slots: LBHNC's order
+        with pytest.raises(tutti.InvalidArgument, match="LBNHC"):
+            worker.register_kv_caches(transposed)
+        worker.register_kv_caches(caches)
+    finally:
+        worker.shutdown()
+
+
+def test_lookups_after_a_timeout_reconnect_and_back_off(tuttid):
+    """Goal: a lookup that times out (tuttid stalled) is a miss after lookup_timeout_s; the
+    connection it leaves out of step is dropped; a failed reconnect starts a back-off during
+    which lookups are misses at once (no timeout per request); once tuttid answers again, the
+    next lookup after the back-off reconnects and is answered."""
+    daemon = tuttid(harness.TUTTID_GEOMETRY)
+    extra = {"socket": daemon.socket, "timeout_s": 20.0, "lookup_timeout_s": 0.5}
+    scheduler = harness.make_connector(harness.vllm_config(daemon.socket, 1, extra=extra), KVConnectorRole.SCHEDULER)
+    request = harness.request("T", prompt(6, blocks=2, tail=1))
+    try:
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+        daemon.pause()
+        try:
+            started = time.monotonic()
+            assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+            assert 0.4 < time.monotonic() - started < 5.0, "bounded by lookup_timeout_s"
+            # The next use reconnects first: tuttid still stalled, the connect times out.
+            assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+            started = time.monotonic()
+            for _ in range(5):
+                assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+            assert time.monotonic() - started < 0.3, "lookups during the back-off wait for nothing"
+            assert scheduler.lookup_failures == 7
+        finally:
+            daemon.resume()
+        time.sleep(1.2)  # past the first back-off
+        reconnects = scheduler.lookup_reconnects
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+        assert scheduler.lookup_failures == 7, "answered by tuttid"
+        assert scheduler.lookup_reconnects == reconnects + 1
+    finally:
+        scheduler.shutdown()
+
+
+def test_a_daemon_exchange_that_times_out_ends_the_worker_session(tuttid):
+    """Goal: a worker whose tuttid exchange timed out (its connection out of step) ends its
+    session (tuttid frees what it held) instead of sending more requests on it; later steps
+    report their loads failed and skip their saves, at once."""
+    daemon = tuttid(harness.TUTTID_GEOMETRY)
+    worker = LocalWorker(daemon.socket, timeout_s=0.5)
+    try:
+        assert len(worker_sessions(daemon.socket)) == 1
+        tokens = prompt(13, blocks=2, tail=0)
+        daemon.pause()
+        try:
+            result = worker.step(TuttiConnectorMetadata(saves=[SaveSpec("X", tokens, [1, 2])]))
+        finally:
+            daemon.resume()
+        assert result["load_errors"] == set()
+        assert worker.connector.get_finished({"X"})[0] == {"X"}, "a save that did not start is over at once"
+        wait_no_worker_session(daemon.socket)
+        assert worker.connector._dead is not None
+        started = time.monotonic()
+        result = worker.step(
+            TuttiConnectorMetadata(loads=[LoadSpec("Y", tokens, [5, 6])], saves=[SaveSpec("Z", tokens, [7, 8])])
+        )
+        assert time.monotonic() - started < 0.3
+        assert result["load_errors"] == {5, 6}
+        assert worker.connector.get_finished({"Z"})[0] == {"Z"}
+    finally:
+        worker.shutdown()
+
+
+def test_a_load_whose_layer_does_not_complete_ends_the_session_before_its_blocks_are_reported(tuttid):
+    """Goal: a load whose layer does not complete (tuttid stalled) is not reported to vLLM while
+    tuttid may still write its blocks: the worker ends its session and waits until tuttid dropped
+    it (queue pairs deleted); only then are the blocks reported, and nothing writes them after."""
+    daemon = tuttid(harness.TUTTID_GEOMETRY)
+    worker = LocalWorker(daemon.socket, timeout_s=0.5)
+    try:
+        tokens = prompt(11, blocks=2, tail=0)
+        worker.fill([1, 2], 11)
+        worker.save("S", tokens, [1, 2])
+        connector = worker.connector
+        meta = TuttiConnectorMetadata(loads=[LoadSpec("L", tokens, [20, 21])])
+        connector.handle_preemptions(meta)
+        connector.bind_connector_metadata(meta)
+        connector.start_load_kv(None)  # layer 0 issued
+        daemon.pause()
+        resumer = threading.Timer(2.0, daemon.resume)  # later than the step gives up on the layer
+        resumer.start()
+        try:
+            for name in harness.layer_names():  # layer 1 is issued while tuttid is stalled
+                connector.wait_for_layer_load(name)
+            connector.wait_for_save()
+            errors = connector.get_block_ids_with_load_errors()
+            connector.clear_connector_metadata()
+            # What vLLM does with reported blocks: computes them again (here: zeroes).
+            for part in worker.blocks_bytes([20, 21]):
+                part.zero_()
+        finally:
+            resumer.join()
+            daemon.resume()
+        assert errors == {20, 21}
+        time.sleep(0.5)
+        assert all(int(part.count_nonzero()) == 0 for part in worker.blocks_bytes([20, 21])), "written after they were reported"
+        assert worker_sessions(daemon.socket) == []
+        assert connector._store.leaked_registrations() == 0
+    finally:
+        worker.shutdown()
+
+
+def test_a_load_whose_layer_never_completes_stops_the_worker(tuttid):
+    """Goal: when tuttid cannot confirm that the session ended (stalled past the wait), the worker
+    raises rather than hand back blocks tuttid may still write; the memory is kept for good."""
+    daemon = tuttid(harness.TUTTID_GEOMETRY)
+    worker = LocalWorker(daemon.socket, timeout_s=0.5)
+    try:
+        tokens = prompt(14, blocks=2, tail=0)
+        worker.fill([1, 2], 14)
+        worker.save("S", tokens, [1, 2])
+        connector = worker.connector
+        meta = TuttiConnectorMetadata(loads=[LoadSpec("L", tokens, [20, 21])])
+        connector.bind_connector_metadata(meta)
+        connector.start_load_kv(None)
+        daemon.pause()
+        try:
+            with pytest.raises(KvMemoryUnsafe, match="may still be written"):
+                for name in harness.layer_names():
+                    connector.wait_for_layer_load(name)
+            assert connector.get_block_ids_with_load_errors() == set(), "blocks tuttid may write were reported"
+        finally:
+            daemon.resume()
+        assert connector._store.leaked_registrations() > 0
+    finally:
+        worker.shutdown()
+
+
+def test_a_preempted_save_that_does_not_settle_is_never_reported(tuttid):
+    """Goal: handle_preemptions gives up on a save whose last layer does not complete in time
+    (tuttid stalled); the committer's later outcome for it is ignored: get_finished never names
+    the preempted request (vLLM would free a running request's blocks), and it is not committed."""
+    daemon = tuttid(harness.TUTTID_GEOMETRY)
+    worker = LocalWorker(daemon.socket, timeout_s=0.5)
+    try:
+        tokens = prompt(12, blocks=2, tail=0)
+        worker.fill([3, 4], 12)
+        connector = worker.connector
+        names = harness.layer_names()
+        meta = TuttiConnectorMetadata(saves=[SaveSpec("P", tokens, [3, 4])])
+        connector.handle_preemptions(meta)
+        connector.bind_connector_metadata(meta)
+        connector.start_load_kv(None)  # (as in a step with synchronous loads)
+        connector.wait_for_layer_load(names[0])
+        connector.save_kv_layer(names[0], worker.caches[names[0]], None)
+        request = connector._saves["P"].request
+        deadline = time.monotonic() + FINISH_TIMEOUT_S
+        while not request.poll():  # layer 0 complete before tuttid stalls
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        daemon.pause()
+        try:
+            for name in names[1:]:
+                connector.wait_for_layer_load(name)
+                connector.save_kv_layer(name, worker.caches[name], None)
+            connector.wait_for_save()  # P to the committer, its last layer stuck
+            connector.clear_connector_metadata()
+            preempted = TuttiConnectorMetadata(preempted_req_ids={"P"})
+            connector.handle_preemptions(preempted)
+        finally:
+            daemon.resume()
+        time.sleep(2.0)  # the committer's outcome for P arrives
+        assert connector.get_finished({"P"}) == (None, None)
+        with tutti.LookupClient.connect(daemon.socket, model_fingerprint=connector._fingerprint) as lookup:
+            assert lookup.lookup(tokens) == 0, "a save given up at preemption was committed"
+    finally:
+        worker.shutdown()
+
+
+def test_loads_and_saves_that_fail_to_issue_do_not_fail_the_step_or_leak(tuttid):
+    """Goal: a load whose layer 0 raises at issue is reported failed per block (start_load_kv
+    returns normally) and its prepared request is finished, as is a save's: more such failures
+    than requests_max, then a load and a save that work."""
+    daemon = tuttid(harness.TUTTID_GEOMETRY)
+    worker = LocalWorker(daemon.socket, requests_max=4)
+    try:
+        tokens = prompt(15, blocks=2, tail=0)
+        worker.fill([1, 2], 15)
+        worker.save("S", tokens, [1, 2])
+        wrapped = harness.StoreWithFailingIssues(worker.connector._store)
+        worker.connector._store = wrapped
+        for round_ in range(6):
+            other = prompt(100 + round_, blocks=2, tail=0)
+            result = worker.step(
+                TuttiConnectorMetadata(
+                    loads=[LoadSpec(f"L{round_}", tokens, [20, 21])], saves=[SaveSpec(f"W{round_}", other, [30, 31])]
+                )
+            )
+            assert result["load_errors"] == {20, 21}
+            assert worker.connector.get_finished({f"W{round_}"})[0] == {f"W{round_}"}
+        wrapped.failing = False
+        for part in worker.blocks_bytes([20, 21]):
+            part.zero_()
+        result = worker.step(TuttiConnectorMetadata(loads=[LoadSpec("G", tokens, [20, 21])]))
+        assert result["load_errors"] == set()
+        assert any(int(part.count_nonzero()) for part in worker.blocks_bytes([20, 21]))
+    finally:
+        worker.shutdown()

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import tutti
+import vllm_harness as harness
 from tutti.vllm import TuttiTier
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
 from vllm.v1.kv_offload.config import (
@@ -155,3 +156,26 @@ def test_bad_tier_config_says_what_to_fix(tmp_path: Path, changes: dict, message
     builds the tier."""
     with pytest.raises(tutti.InvalidArgument, match=message):
         offloading_spec(tmp_path / "pool.img", True, **changes).get_manager()
+
+
+def test_chunks_that_fail_to_issue_are_finished_not_leaked(tmp_path: Path):
+    """Goal: a chunk whose prepared request fails to issue its layer (store or load) is reported
+    failed and its request finished: after more such failures than requests_max, chunks are
+    still stored and loaded (no request place or pin is held by the failed ones)."""
+    manager = offloading_spec(tmp_path / "pool.img", True, requests_max=4).get_manager()
+    try:
+        tier = manager.secondary_tiers[0]
+        wrapped = harness.StoreWithFailingIssues(tier._store)
+        tier._store = wrapped
+        wrapped.failing = False
+        stored = keys(2, 3)
+        assert tier._store_chunks(stored, [0, 1]) == stored
+        wrapped.failing = True
+        for _ in range(3):
+            assert tier._load_chunks(stored, [2, 3]) == []
+            assert tier._store_chunks(keys(2, 4), [4, 5]) == []
+        wrapped.failing = False
+        assert tier._store_chunks(keys(2, 5), [6, 7]) == keys(2, 5)
+        assert tier._load_chunks(stored, [2, 3]) == stored
+    finally:
+        manager.shutdown()

@@ -138,6 +138,48 @@ def scheduler_output(
     )
 
 
+class FailingIssue:
+    """A tutti.Request whose layer issues raise (an I/O error at issue); the rest is the real
+    request's."""
+
+    def __init__(self, request: Any) -> None:
+        self._request = request
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._request, name)
+
+    def retrieve_layer(self, layer: int, **options: Any) -> Any:
+        raise _tutti().DeviceError(f"injected: layer {layer} failed to issue")
+
+    def store_layer(self, layer: int, **options: Any) -> Any:
+        raise _tutti().DeviceError(f"injected: layer {layer} failed to issue")
+
+
+class StoreWithFailingIssues:
+    """A tutti.Store whose prepared requests fail to issue their layers while `failing` is set."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self.failing = True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    def prepare_retrieve(self, tokens: list[int], block_ids: list[int]) -> Any:
+        request = self._store.prepare_retrieve(tokens, block_ids)
+        return FailingIssue(request) if self.failing else request
+
+    def prepare_store(self, tokens: list[int], block_ids: list[int]) -> Any:
+        request = self._store.prepare_store(tokens, block_ids)
+        return FailingIssue(request) if self.failing else request
+
+
+def _tutti() -> Any:
+    import tutti
+
+    return tutti
+
+
 # ------------------------------------------------------------------------------------------------
 # Worker processes
 # ------------------------------------------------------------------------------------------------
@@ -231,23 +273,43 @@ def _do_digest(state: dict, rank: int, block_ids: list[int]) -> list[str]:
     ]
 
 
-def _do_step(state: dict, rank: int, metadata: Any, finished: set[str], layerwise: bool) -> dict:
-    """One engine step of a worker, in the model runner's order: handle_preemptions,
-    bind_connector_metadata, start_load_kv, per layer wait_for_layer_load / save_kv_layer (inside
-    the forward), wait_for_save, get_transfer_results (→ get_finished),
-    get_block_ids_with_load_errors, clear_connector_metadata."""
+def _do_step(state: dict, rank: int, metadata: Any, finished: set[str], layerwise: bool, sync_loads: Optional[bool] = None) -> dict:
+    """One engine step of a worker, in the model runner's order (vLLM 0.32's
+    kv_connector_model_runner_mixin._get_kv_connector_output and gpu/kv_connector.py):
+    handle_preemptions, bind_connector_metadata, start_load_kv before the forward only when the
+    step has synchronous loads (SchedulerOutput.has_sync_kv_loads: the scheduler sets it when it
+    schedules a request with external tokens and load_kv_async False, i.e. when the step's
+    metadata has loads) and after it otherwise, per layer wait_for_layer_load / save_kv_layer
+    (inside the forward), wait_for_save, get_transfer_results (→ get_finished),
+    get_block_ids_with_load_errors, clear_connector_metadata. `sync_loads` overrides the rule.
+
+    Returns the transfer results, the calls made, and each save's progress just before
+    wait_for_save (layers issued, layers completed)."""
     connector = state["connector"]
     calls: list[str] = []
+    if sync_loads is None:
+        sync_loads = bool(metadata.loads)
     connector.handle_preemptions(metadata)
     connector.bind_connector_metadata(metadata)
-    connector.start_load_kv(None)
-    if layerwise:
-        for name in layer_names():
-            connector.wait_for_layer_load(name)
-            calls.append(f"wait_for_layer_load:{name}")
-            connector.save_kv_layer(name, state["caches"][name], None)
-            calls.append(f"save_kv_layer:{name}")
+    if sync_loads:
+        connector.start_load_kv(None)
+        calls.append("start_load_kv")
+    try:
+        if layerwise:
+            for name in layer_names():
+                connector.wait_for_layer_load(name)
+                calls.append(f"wait_for_layer_load:{name}")
+                connector.save_kv_layer(name, state["caches"][name], None)
+                calls.append(f"save_kv_layer:{name}")
+    finally:
+        if not sync_loads:
+            connector.start_load_kv(None)
+            calls.append("start_load_kv")
+    saves_before_wait = {
+        req_id: (save.issued, list(save.request.layers_completed)) for req_id, save in connector._saves.items()
+    }
     connector.wait_for_save()
+    calls.append("wait_for_save")
     results = connector.get_transfer_results(set(finished))
     errors = connector.get_block_ids_with_load_errors()
     connector.clear_connector_metadata()
@@ -256,6 +318,7 @@ def _do_step(state: dict, rank: int, metadata: Any, finished: set[str], layerwis
         "finished_recving": set(results.finished_recving),
         "load_errors": set(errors),
         "calls": calls,
+        "saves_before_wait": saves_before_wait,
     }
 
 

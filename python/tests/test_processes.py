@@ -18,7 +18,7 @@ import time
 import pytest
 
 import tutti
-from conftest import FINGERPRINT, GEOMETRY, HERE, WAIT_S, fill_block, run_child, tokens
+from conftest import FINGERPRINT, GEOMETRY, HERE, WAIT_S, fill_block, run_child, store_prompt, tokens
 
 
 def attached(daemon, **options) -> tuple[tutti.Store, tutti.KvLayout]:
@@ -155,3 +155,111 @@ def test_kill_9_of_a_client_loses_nothing_committed(formatted_daemon):
     assert lost.stdout.split() == ["found", "0"], lost.stdout
     assert scheduler.lookup(tokens(2, 3)) == 0
     scheduler.close()
+
+
+def _store_again_completes_each_layer_at_once(store: tutti.Store, layout: tutti.KvLayout) -> None:
+    prompt = tokens(21, 2)
+    for block in (0, 1):
+        fill_block(layout, block, block + 40)
+    store_prompt(store, prompt, [0, 1])
+    again = store.prepare_store(prompt, [0, 1])
+    assert again.new_blocks == 0 and again.new_block_ids == []
+    fd = again.fileno()
+    for layer in range(GEOMETRY.layers):
+        io = again.store_layer(layer)
+        io.wait(1.0)
+        assert io.done and again.layer_in_flight is None
+        assert select.select([fd], [], [], 1.0)[0] == [fd], f"layer {layer}: the eventfd was not signalled"
+        os.read(fd, 8)
+        assert again.wait(1.0) == layer
+    assert again.layers_completed == list(range(GEOMETRY.layers))
+    again.commit()
+    assert store.lookup(prompt) == 2
+
+
+def test_storing_a_cached_prompt_again_completes_its_layers_at_once_in_process():
+    # Goal: a store whose blocks the pool holds already moves nothing; each issued layer is
+    # complete at once, as any layer is reported: its LayerIo's wait returns, Request.wait
+    # returns the layer, the eventfd is signalled (an engine that epolls does not hang).
+    with tutti.Store.open("emu:mem:64m", GEOMETRY, format=True) as store:
+        layout = store.allocate_kv(4, "paged")
+        _store_again_completes_each_layer_at_once(store, layout)
+
+
+def test_storing_a_cached_prompt_again_completes_its_layers_at_once_through_tuttid(formatted_daemon):
+    # Goal: the same through tuttid (docs/python.md's example, run twice on one prompt).
+    store, layout = attached(formatted_daemon)
+    try:
+        _store_again_completes_each_layer_at_once(store, layout)
+    finally:
+        store.close()
+
+
+def _sessions(daemon) -> list[int]:
+    with tutti.LookupClient.connect(daemon.socket, model_fingerprint=FINGERPRINT) as probe:
+        return [client["session"] for client in probe.status()["clients"]]
+
+
+def test_close_with_a_layer_in_flight_waits_until_tuttid_ended_the_session(formatted_daemon):
+    # Goal: an attached store closed while a layer cannot complete (the controller paused) gives
+    # its KV memory back only once tuttid dropped the session (its queue pairs deleted, none
+    # leaked): close returns after tuttid resumed and the session is gone by then.
+    store, _ = attached(formatted_daemon)
+    session = store.session
+    request = store.prepare_store(tokens(22, 2), [0, 1])
+    formatted_daemon.pause()
+    resumer = threading.Timer(1.0, formatted_daemon.resume)
+    resumer.start()
+    try:
+        request.store_layer(0)
+        store.close(timeout_s=0.2)
+    finally:
+        resumer.join()
+    assert store.leaked_registrations() == 0
+    assert session not in _sessions(formatted_daemon)
+    del request
+
+
+def test_close_with_a_layer_in_flight_keeps_the_memory_when_tuttid_does_not_answer(formatted_daemon):
+    # Goal: when tuttid cannot confirm in time that the session ended (it stays paused), the KV
+    # memory a layer in flight may still reach is kept for good and counted.
+    store, _ = attached(formatted_daemon)
+    request = store.prepare_store(tokens(23, 2), [0, 1])
+    formatted_daemon.pause()
+    try:
+        request.store_layer(0)
+        started = time.monotonic()
+        store.close(timeout_s=0.2)
+        assert time.monotonic() - started < WAIT_S
+    finally:
+        formatted_daemon.resume()
+    assert store.leaked_registrations() == GEOMETRY.layers  # allocate_kv's paged regions, one per layer
+
+
+_DEADLOCK_CHILD = """
+import threading, numpy as np, tutti
+geometry = tutti.ModelGeometry(layers=4, kv_heads=2, head_dim=64, dtype_bytes=2, block_tokens=16)
+for round_ in range(40):
+    store = tutti.Store.open("emu:mem:16m", geometry, format=True)
+    tensors = [np.zeros((4, 2 * geometry.object_bytes), dtype=np.uint8) for _ in range(geometry.layers)]
+    store.register_kv(tutti.KvLayout.paged(tensors))
+    del tensors  # the store holds the only references: close runs numpy's DLPack deleters
+    done = threading.Event()
+    def read():
+        while not done.is_set():
+            store.registered, store.closed, store.requests_sent, repr(store), store.leaked_registrations()
+    reader = threading.Thread(target=read)
+    reader.start()
+    store.close()
+    done.set()
+    reader.join()
+print("no deadlock")
+"""
+
+
+def test_getters_never_wait_for_the_store_lock_holding_the_gil():
+    # Goal: a thread reading a store's getters while another closes it (dropping numpy tensors
+    # registered through DLPack, whose deleter takes the GIL) does not deadlock: getters take
+    # the store's lock with the GIL released, and close drops the tensors after the lock.
+    child = subprocess.run([sys.executable, "-c", _DEADLOCK_CHILD], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0 and "no deadlock" in child.stdout, child.stderr[-2000:]

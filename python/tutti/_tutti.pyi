@@ -495,11 +495,15 @@ class Store:
         """Finishes every live request (a layer in flight is waited for, up to timeout_s,
         default the store's timeout_s), deletes the queue pairs, releases the pool (in-process:
         the devices and the lock; attached: the session, which the daemon ends in its safe
-        order), then drops the tensors' references. Idempotent. Every later call on the store
-        or its requests raises StaleRequest."""
+        order), then drops the tensors' references. Attached with a layer still in flight at
+        the deadline: the KV memory is given back only once tuttid no longer lists the session
+        and counted no new leaked queue pair (asked for at least 5 s); otherwise it is kept for
+        good (leaked_registrations). Idempotent. Every later call on the store or its requests
+        raises StaleRequest."""
     def leaked_registrations(self) -> int:
-        """Tensors whose references this store keeps for good because a queue pair that could
-        reach them could not be deleted (0 in a healthy run)."""
+        """Tensors (or allocate_kv buffers) whose memory this store keeps for good because a
+        queue pair that could reach them could not be deleted, or (attached) a layer was in
+        flight at close and tuttid did not confirm the session's end (0 in a healthy run)."""
     def __enter__(self) -> Store: ...
     def __exit__(self, *exc: object) -> None: ...
 
@@ -547,7 +551,9 @@ class Request:
         Raises InvalidState (a layer in flight, a store request), InvalidArgument (layer past
         the model's), StaleRequest."""
     def store_layer(self, layer: int, *, budget: int = 1) -> LayerIo:
-        """Issues the writes of one layer; as retrieve_layer."""
+        """Issues the writes of one layer; as retrieve_layer. A request with no new block to
+        write (new_blocks == 0: the pool holds the prompt) moves nothing: the layer is complete
+        at the issue (its LayerIo done, the next wait returns it, the eventfd signalled)."""
     def wait(self, timeout_s: float = 30.0) -> Optional[int]:
         """Waits (GIL released) until the layer in flight completes; returns it, or None if none
         was in flight. Raises TimeoutError after timeout_s (the layer stays in flight: wait

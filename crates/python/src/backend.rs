@@ -80,11 +80,14 @@ pub struct RequestState {
     pub failure: Option<Failure>,
     /// Signalled once per completed layer (and on a failure), created by `fileno()`.
     pub eventfd: Option<Arc<EventFd>>,
+    /// The request moves no block (a store whose blocks the pool holds already): the store
+    /// puts nothing in flight when a layer is issued, so the layer completes at the issue.
+    pub moves_nothing: bool,
 }
 
 impl RequestState {
-    pub fn new(direction: Direction) -> RequestState {
-        RequestState { direction, in_flight: None, completed: Vec::new(), unreported: None, failure: None, eventfd: None }
+    pub fn new(direction: Direction, moves_nothing: bool) -> RequestState {
+        RequestState { direction, in_flight: None, completed: Vec::new(), unreported: None, failure: None, eventfd: None, moves_nothing }
     }
 
     fn signal(&self) {
@@ -129,6 +132,12 @@ pub struct StoreState {
     pub device_memory: Option<DeviceHold>,
     /// tuttid's socket (attached stores): where `close` asks whether the session ended.
     pub daemon_socket: Option<std::path::PathBuf>,
+    /// The tuttid session (attached stores).
+    pub daemon_session: Option<u64>,
+    /// What keeps released memory alive (DLPack tensors, buffer exports, owners), to be dropped
+    /// by `StoreShared::with_state` after the store's lock is released: a DLPack producer's
+    /// deleter (numpy's) takes the GIL, which a thread waiting for this lock may hold.
+    pub released: Vec<Keep>,
     pub allocation: Option<Allocation>,
     /// The registered layout as checked (set by register_kv or allocate_kv).
     pub registered: Option<CheckedLayout>,
@@ -161,6 +170,8 @@ impl StoreState {
             caller_memory: Vec::new(),
             device_memory: None,
             daemon_socket: None,
+            daemon_session: None,
+            released: Vec::new(),
             allocation: None,
             registered: None,
             leaked_tensors: 0,
@@ -273,18 +284,24 @@ impl StoreState {
             self.touch_daemon();
         }
         let (handle, plan) = prepared?;
+        // The blocks the data path moves (objstore's placements; a store's new blocks only):
+        // none, and an issued layer puts nothing in flight (objstore marks it done at once).
+        let placed: Vec<u32> = match &self.backend {
+            Backend::Local { store, .. } => {
+                store.placements(handle).map(|placements| placements.iter().map(|placement| placement.engine_block).collect())
+            }
+            Backend::Remote { store } => {
+                store.placements(handle).map(|placements| placements.iter().map(|placement| placement.engine_block).collect())
+            }
+            _ => Ok(Vec::new()),
+        }
+        .unwrap_or_default();
+        let moves_nothing = placed.is_empty();
         let written = match direction {
             Direction::Retrieve => block_ids.to_vec(),
-            Direction::Store => {
-                let placements = match &self.backend {
-                    Backend::Local { store, .. } => store.placements(handle),
-                    Backend::Remote { store } => store.placements(handle),
-                    _ => Ok(&[][..]),
-                };
-                placements.map(|placements| placements.iter().map(|placement| placement.engine_block).collect()).unwrap_or_default()
-            }
+            Direction::Store => placed,
         };
-        self.requests.insert(handle.to_bits(), RequestState::new(direction));
+        self.requests.insert(handle.to_bits(), RequestState::new(direction, moves_nothing));
         Ok((handle, plan, written))
     }
 
@@ -319,6 +336,14 @@ impl StoreState {
             Direction::Store => store.store_layer(bits, layer, SmBudget(budget))?,
         }
         let state = self.request(handle)?;
+        if state.moves_nothing {
+            // Nothing was put in flight (objstore's contract for a request with no blocks to
+            // move): the layer is complete now, and is reported as any other (wait, LayerIo,
+            // the eventfd).
+            state.unreported = None;
+            state.complete(layer);
+            return Ok(());
+        }
         state.in_flight = Some(layer);
         state.unreported = None;
         Ok(())
@@ -545,7 +570,9 @@ impl StoreState {
             match crate::ffi::map_caller_memory(&dma, tensor.address, tensor.extent_bytes, keep) {
                 Ok(memory) => mapped.push(memory),
                 Err(error) => {
-                    mapped.into_iter().for_each(|memory: CallerMemory<Keep>| memory.release(&QueuesGone::never_used()));
+                    for memory in mapped {
+                        self.released.extend(CallerMemory::release(memory, &QueuesGone::never_used()));
+                    }
                     return Err(Failure::from(error));
                 }
             }
@@ -553,7 +580,9 @@ impl StoreState {
         let iovas: Vec<Iova> = mapped.iter().map(CallerMemory::iova).collect();
         let layout = store_layout(&checked, &iovas);
         if let Err(failure) = self.build_local(layout, checked.num_blocks) {
-            mapped.into_iter().for_each(|memory| memory.release(&QueuesGone::never_used()));
+            for memory in mapped {
+                self.released.extend(memory.release(&QueuesGone::never_used()));
+            }
             return Err(failure);
         }
         self.caller_memory = mapped;
@@ -628,7 +657,16 @@ impl StoreState {
 
     /// Ends every request (a layer in flight is waited for until `deadline`), then the store:
     /// queue pairs deleted before the registered memory is let go; kept for good if one could
-    /// not be. Returns how many tensors were kept for good.
+    /// not be. Returns how many tensors were kept for good. What keeps released memory alive
+    /// goes to `released` (dropped once the lock is let go).
+    ///
+    /// Attached stores: the queue pairs are tuttid's to delete, when the session ends (the
+    /// connection closes here). A layer still in flight at the deadline may move bytes until
+    /// then, so its memory (tuttid's window for `allocate_kv`, device memory) is only given
+    /// back once tuttid no longer lists the session and counted no new leaked queue pair
+    /// (tuttid deletes a session's pairs, confirmed by the controller, before it drops the
+    /// session; a pair it could not delete is counted in `leaked_queue_pairs`); otherwise it
+    /// is kept for good and counted in `leaked_registrations`.
     pub fn close(&mut self, deadline: Instant) -> usize {
         let handles: Vec<u64> = self.requests.keys().copied().collect();
         // Whether every layer in flight completed: device memory's bytes are moved by tuttid's
@@ -653,6 +691,14 @@ impl StoreState {
             }
         }
         self.requests.clear();
+        let remote = matches!(self.backend, Backend::Remote { .. });
+        let release_wait = deadline.max(Instant::now() + DEVICE_RELEASE_WAIT);
+        // Before the connection closes: tuttid's count of leaked queue pairs, to tell a session
+        // that ended cleanly from one whose pair could not be deleted.
+        let leaks_before = match (&self.daemon_socket, remote && !settled) {
+            (Some(socket), true) => device_memory::leaked_queue_pairs(socket, release_wait),
+            _ => device_memory::LeakCount::NoAnswer,
+        };
         let backend = std::mem::replace(&mut self.backend, Backend::Closed);
         let deleted = match backend {
             Backend::Local { store, emulators, locks } => {
@@ -672,25 +718,46 @@ impl StoreState {
                 true
             }
         };
+        // A layer left in flight through tuttid: nothing may be given back before the session
+        // ended cleanly.
+        let ended_cleanly = match (&self.daemon_socket, self.daemon_session, leaks_before) {
+            (_, _, device_memory::LeakCount::NoDaemon) => true,
+            (Some(socket), Some(session), device_memory::LeakCount::Counted(before)) => {
+                device_memory::session_ended_cleanly(socket, session, before, release_wait)
+            }
+            _ => false,
+        };
         let memory = std::mem::take(&mut self.caller_memory);
         let mut leaked = 0;
         match QueuesGone::after_close(deleted) {
-            Some(proof) => memory.into_iter().for_each(|memory| memory.release(&proof)),
+            Some(proof) => {
+                for memory in memory {
+                    self.released.extend(memory.release(&proof));
+                }
+            }
             None => {
                 leaked = memory.len();
                 drop(memory); // leaks each (CallerMemory's drop)
-                if let Some(allocation) = self.allocation.take() {
-                    leaked += allocation.regions.len();
-                    allocation.regions.into_iter().for_each(|region| {
-                        region.leak();
-                    });
-                }
             }
         }
-        self.allocation = None;
+        let window_reachable = remote && !settled && !ended_cleanly;
+        if let Some(allocation) = self.allocation.take() {
+            if !deleted || (window_reachable && self.device_memory.is_none()) {
+                tracing::error!(
+                    regions = allocation.regions.len(),
+                    "tutti: the KV memory is kept for good: a layer was still in flight and the devices may still reach it"
+                );
+                leaked += allocation.regions.len();
+                allocation.regions.into_iter().for_each(|region| {
+                    region.leak();
+                });
+            }
+        }
         if let Some(hold) = self.device_memory.take() {
             // The connection is closed (the store dropped above): tuttid ends the session.
-            leaked += hold.release(settled, deadline.max(Instant::now() + DEVICE_RELEASE_WAIT));
+            let (kept, keeps) = hold.release(settled || ended_cleanly, release_wait);
+            leaked += kept;
+            self.released.extend(keeps);
         }
         self.leaked_tensors += leaked;
         leaked

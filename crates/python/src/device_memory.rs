@@ -22,6 +22,7 @@ use tutti_daemon::Client;
 
 use crate::errors::{ErrorClass, Failure};
 use crate::ffi::{self, DLPACK_CPU};
+use crate::memory::Keep;
 use crate::tensor::{CheckedLayout, Device};
 
 /// Bytes of a page: a stand-in's size is rounded up to it (memfds are page sized).
@@ -210,30 +211,74 @@ impl DeviceHold {
     /// Lets go of the tensors once tuttid ended the session (it closes its import of the
     /// allocation then: CUDA leaves freeing memory another process still has open undefined),
     /// polling its status until `deadline`; kept for good (and logged) if it did not, or if
-    /// `settled` is false (a layer was still in flight). Returns the tensors kept.
-    pub fn release(self, settled: bool, deadline: Instant) -> usize {
-        let gone = settled && session_gone(&self.socket, self.session, deadline);
+    /// `may_release` is false (a layer was still in flight and the session did not end
+    /// cleanly). Returns the tensors kept and what keeps the released ones alive (for the
+    /// caller to drop outside the store's lock).
+    pub fn release(self, may_release: bool, deadline: Instant) -> (usize, Vec<Keep>) {
+        let gone = may_release && session_gone(&self.socket, self.session, deadline);
         if gone {
-            return 0;
+            drop(self.holder);
+            return (0, self.keeps);
         }
         let kept = self.keeps.len();
         tracing::error!(tensors = kept, session = self.session, "tutti: registered device memory kept for good: tuttid may still reach it");
         std::mem::forget(self.keeps);
         std::mem::forget(self.holder);
-        kept
+        (kept, Vec::new())
     }
 }
 
 /// Whether tuttid at `socket` no longer lists `session`, asked until `deadline` (every 10 ms).
 fn session_gone(socket: &Path, session: u64, deadline: Instant) -> bool {
+    poll_status(socket, deadline, |status| !status.clients.iter().any(|client| client.session == session))
+}
+
+/// tuttid's count of client queue pairs it could not delete, asked before a session with a
+/// layer in flight is ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeakCount {
+    /// No daemon listens at the socket: none is left to move bytes.
+    NoDaemon,
+    Counted(u64),
+    /// tuttid did not answer by the deadline (paused, overloaded): nothing can be concluded.
+    NoAnswer,
+}
+
+pub fn leaked_queue_pairs(socket: &Path, deadline: Instant) -> LeakCount {
+    let timeout = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(100));
+    let Ok(mut client) = Client::connect(socket, timeout) else { return LeakCount::NoDaemon };
+    match client.status() {
+        Ok(status) => LeakCount::Counted(status.leaked_queue_pairs),
+        Err(error) => {
+            tracing::warn!(%error, "tutti: asking tuttid for its leaked queue pairs");
+            LeakCount::NoAnswer
+        }
+    }
+}
+
+/// Whether tuttid ended `session` and deleted its queue pairs: the session is no longer listed
+/// and no queue pair was leaked since tuttid counted `leaked_before` (another session's leak in
+/// between also answers false: then the memory is kept, the safe side).
+pub fn session_ended_cleanly(socket: &Path, session: u64, leaked_before: u64, deadline: Instant) -> bool {
+    let mut clean = false;
+    let gone = poll_status(socket, deadline, |status| {
+        clean = status.leaked_queue_pairs == leaked_before;
+        !status.clients.iter().any(|client| client.session == session)
+    });
+    gone && clean
+}
+
+/// Asks tuttid's status until `done` accepts one or `deadline` passes (every 10 ms); false if
+/// tuttid did not answer. No daemon listening counts as done (it is gone, and its sessions).
+fn poll_status(socket: &Path, deadline: Instant, mut done: impl FnMut(&tutti_daemon::protocol::StatusReply) -> bool) -> bool {
     let timeout = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(100));
     let Ok(mut client) = Client::connect(socket, timeout) else {
-        // No daemon to ask: it is gone, and its imports with it.
+        // No daemon to ask: it is gone, and its imports and queue pairs with it.
         return true;
     };
     loop {
         match client.status() {
-            Ok(status) if !status.clients.iter().any(|client| client.session == session) => return true,
+            Ok(status) if done(&status) => return true,
             Ok(_) => {}
             Err(error) => {
                 tracing::warn!(%error, "tutti: asking tuttid whether the session ended");

@@ -301,6 +301,10 @@ mod tests {
         let gone = ObjstoreError::RemoteFailed { failure: RemoteFailure::Disconnected, reason: "closed".into() };
         assert_eq!(Failure::from(&gone).class, ErrorClass::Disconnected);
         assert_eq!(Failure::from(DaemonError::Closed).class, ErrorClass::Disconnected);
+        // An exchange that timed out: tutti.TimeoutError with no code; the connectors treat it
+        // (as Disconnected, and any DaemonError without a code) as a lost connection.
+        let late = Failure::from(DaemonError::Timeout { what: "Lookup request".into(), after_ms: 5 });
+        assert_eq!((late.class, late.code), (ErrorClass::Timeout, None));
         let busy = Failure::from(DaemonError::Remote { code: ErrorCode::Busy, message: "64 clients".into() });
         assert_eq!((busy.class, busy.code.as_deref()), (ErrorClass::Daemon, Some("Busy")));
         assert!(busy.message.contains("64 clients"), "the Rust message is carried: {}", busy.message);

@@ -334,10 +334,13 @@ impl<K> CallerMemory<K> {
         self.iova
     }
 
-    /// Unmaps, then lets go of the owner: only once no queue pair can still move its bytes.
-    pub fn release(mut self, _proof: &QueuesGone) {
+    /// Unmaps, then hands back the owner to let go of: only once no queue pair can still move
+    /// its bytes. (The caller drops it where no lock a Python thread may wait for is held: a
+    /// DLPack producer's deleter may take the GIL.)
+    #[must_use = "the owner is dropped by the caller, outside the store's lock"]
+    pub fn release(mut self, _proof: &QueuesGone) -> Option<K> {
         drop(self.region.take());
-        drop(self.keep.take());
+        self.keep.take()
     }
 }
 

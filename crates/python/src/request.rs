@@ -72,13 +72,14 @@ impl Request {
 
     /// Runs `end` (commit or finish) under the store's lock, keeping the layers completed.
     fn end<T>(&self, end: impl FnOnce(&mut crate::backend::StoreState, u64) -> Result<T, Failure>) -> Result<T, Failure> {
-        let mut state = self.shared.lock();
-        let completed = state.request(self.handle).map(|request| request.completed.clone()).unwrap_or_default();
-        let result = end(&mut state, self.handle);
-        if state.request(self.handle).is_err() {
-            *self.completed_at_end.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = completed;
-        }
-        result
+        self.shared.locked(|state| {
+            let completed = state.request(self.handle).map(|request| request.completed.clone()).unwrap_or_default();
+            let result = end(state, self.handle);
+            if state.request(self.handle).is_err() {
+                *self.completed_at_end.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = completed;
+            }
+            result
+        })
     }
 
     fn stale(&self) -> Failure {
@@ -226,16 +227,16 @@ impl Request {
     }
 
     #[getter]
-    fn layer_in_flight(&self) -> Option<u32> {
-        let mut state = self.shared.lock();
-        state.request(self.handle).ok().and_then(|request| request.in_flight)
+    fn layer_in_flight(&self, py: Python<'_>) -> Option<u32> {
+        let handle = self.handle;
+        self.shared.read(py, |state| state.request(handle).ok().and_then(|request| request.in_flight))
     }
 
     #[getter]
     fn layers_completed<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let completed = if self.phase() == Phase::Prepared {
-            let mut state = self.shared.lock();
-            state.request(self.handle).map(|request| request.completed.clone()).unwrap_or_default()
+            let handle = self.handle;
+            self.shared.read(py, |state| state.request(handle).map(|request| request.completed.clone()).unwrap_or_default())
         } else {
             self.completed_at_end.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone()
         };

@@ -55,7 +55,38 @@ impl StoreShared {
 
     /// Runs `call` under the store's lock with the GIL released.
     pub fn with_state<T: Send>(&self, py: Python<'_>, call: impl FnOnce(&mut StoreState) -> Result<T, Failure> + Send) -> PyResult<T> {
-        py.detach(|| call(&mut self.lock())).map_err(|failure| failure.to_pyerr(py))
+        py.detach(|| self.locked(call)).map_err(|failure| failure.to_pyerr(py))
+    }
+
+    /// Runs `call` under the store's lock (the caller does not hold the GIL, or released it),
+    /// then drops what the call released (`StoreState::released`) after the lock is let go: a
+    /// DLPack producer's deleter (numpy's) takes the GIL, and a thread holding the GIL may be
+    /// waiting for this lock.
+    pub fn locked<T>(&self, call: impl FnOnce(&mut StoreState) -> T) -> T {
+        let (result, released) = {
+            let mut state = self.lock();
+            let result = call(&mut state);
+            (result, std::mem::take(&mut state.released))
+        };
+        drop(released);
+        result
+    }
+
+    /// Reads the state with the GIL released (getters): never wait for the store's lock while
+    /// holding the GIL (see `locked`).
+    pub fn read<T: Send>(&self, py: Python<'_>, read: impl FnOnce(&mut StoreState) -> T + Send) -> T {
+        py.detach(|| self.locked(read))
+    }
+
+    /// Closes the store (if it is not closed) with the completion thread stopped; called without
+    /// the GIL.
+    fn close_now(&self, deadline: Instant) {
+        self.stop_service();
+        self.locked(|state| {
+            if !state.is_closed() {
+                state.close(deadline);
+            }
+        });
     }
 
     /// Starts the completion thread if it is not running (one per store).
@@ -134,11 +165,10 @@ pub struct Store {
 
 impl Drop for Store {
     fn drop(&mut self) {
-        // Garbage-collected without close(): close now, in this (the interpreter's) thread.
-        if !self.shared.lock().is_closed() {
-            self.shared.stop_service();
-            self.shared.lock().close(Instant::now() + self.shared.timeout);
-        }
+        // Garbage-collected without close(): close now, in this (the interpreter's) thread,
+        // with the GIL released while the store's lock is taken (see StoreShared::locked).
+        let shared = &self.shared;
+        Python::attach(|py| py.detach(|| shared.close_now(Instant::now() + shared.timeout)));
     }
 }
 
@@ -333,6 +363,7 @@ impl Store {
         let backend = Backend::RemoteAttached { client, hello: reply, config };
         let mut state = StoreState::new(backend, None);
         state.daemon_socket = Some(socket);
+        state.daemon_session = Some(session);
         Store::new(StoreShared {
             state: Mutex::new(state),
             wake: Condvar::new(),
@@ -363,8 +394,8 @@ impl Store {
     }
 
     #[getter]
-    fn registered(&self) -> bool {
-        self.shared.lock().registered.is_some()
+    fn registered(&self, py: Python<'_>) -> bool {
+        self.shared.read(py, |state| state.registered.is_some())
     }
 
     #[getter]
@@ -373,8 +404,8 @@ impl Store {
     }
 
     #[getter]
-    fn closed(&self) -> bool {
-        self.shared.lock().is_closed()
+    fn closed(&self, py: Python<'_>) -> bool {
+        self.shared.read(py, |state| state.is_closed())
     }
 
     #[getter]
@@ -383,12 +414,12 @@ impl Store {
     }
 
     #[getter]
-    fn requests_sent(&self) -> u64 {
-        match &mut self.shared.lock().backend {
+    fn requests_sent(&self, py: Python<'_>) -> u64 {
+        self.shared.read(py, |state| match &mut state.backend {
             Backend::Remote { store } => store.requests_sent(),
             Backend::RemoteAttached { client, .. } => client.requests_sent(),
             _ => 0,
-        }
+        })
     }
 
     #[pyo3(signature = (num_blocks, kind = "paged"))]
@@ -399,7 +430,7 @@ impl Store {
         let timeout = self.shared.timeout;
         let regions = self.shared.with_state(py, move |state| state.allocate(kind, num_blocks, timeout))?;
         let buffers = regions.into_iter().map(|region| Py::new(py, KvBuffer { region }).map(Py::into_any)).collect::<PyResult<Vec<_>>>()?;
-        let checked = self.shared.lock().registered.clone();
+        let checked = self.shared.read(py, |state| state.registered.clone());
         let layout = Py::new(py, KvLayout::new_checked(kind, buffers, checked))?;
         *self.shared.kv_layout.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(layout.clone_ref(py));
         Ok(layout)
@@ -460,21 +491,15 @@ impl Store {
             None => self.shared.timeout,
         };
         let shared = Arc::clone(&self.shared);
-        py.detach(move || {
-            shared.stop_service();
-            let mut state = shared.lock();
-            if !state.is_closed() {
-                state.close(Instant::now() + timeout);
-            }
-        });
+        py.detach(move || shared.close_now(Instant::now() + timeout));
         // The registered layout's Python objects go last, after the memory they describe.
         let layout = self.shared.kv_layout.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
         drop(layout);
         Ok(())
     }
 
-    fn leaked_registrations(&self) -> usize {
-        self.shared.lock().leaked_tensors
+    fn leaked_registrations(&self, py: Python<'_>) -> usize {
+        self.shared.read(py, |state| state.leaked_tensors)
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -486,15 +511,16 @@ impl Store {
         self.close(py, None)
     }
 
-    fn __repr__(&self) -> String {
-        let state = self.shared.lock();
-        let status = if state.is_closed() {
-            "closed"
-        } else if state.registered.is_some() {
-            "registered"
-        } else {
-            "no KV memory yet"
-        };
+    fn __repr__(&self, py: Python<'_>) -> String {
+        let status = self.shared.read(py, |state| {
+            if state.is_closed() {
+                "closed"
+            } else if state.registered.is_some() {
+                "registered"
+            } else {
+                "no KV memory yet"
+            }
+        });
         format!("Store({}, {}, {status})", self.shared.kind, self.shared.geometry)
     }
 }

@@ -15,10 +15,17 @@ WORKER, one per tensor-parallel rank), each in its own process:
   (`save_kv_layer`, after layer l's attention); `wait_for_save` hands each save's last layer to a
   committer thread, so a step never waits for a flush: the save is reported done through
   `get_finished` and vLLM keeps the request's blocks until then (`request_finished` returns True).
+  Saves are prepared when vLLM binds the step's metadata (`bind_connector_metadata`): vLLM calls
+  `start_load_kv` only after the forward in a step without synchronous loads.
+
+Memory a device may still write is never handed back to vLLM: a load whose layer cannot be
+settled ends the worker's tuttid session (tuttid deletes its queue pairs) before its blocks are
+reported, and the worker raises if tuttid cannot confirm that.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -53,11 +60,42 @@ EXTRA_CONFIG_FIELDS = {
         str, "64 hex digits naming the model's KV bytes; default: derived from vLLM's model config", check=non_empty
     ),
     "timeout_s": Field(float, "the longest wait for tuttid and for one layer's I/O, seconds", default=30.0, check=positive),
+    "lookup_timeout_s": Field(
+        float, "the longest wait for one lookup by the scheduler (a late answer is a miss), seconds", default=1.0, check=positive
+    ),
     "requests_max": Field(int, "requests a worker prepares at once", default=32, check=positive),
 }
 
 # How long the committer thread waits for one layer before it looks at its queue again.
 _COMMIT_POLL_S = 0.05
+# The scheduler's lookup session, once lost, is connected again at the next lookup; after a
+# failed connect, lookups are misses without asking tuttid for a back-off that doubles from the
+# first to the last value (a dead daemon costs one lookup_timeout_s per back-off, not per request).
+_RECONNECT_BACKOFF_FIRST_S = 1.0
+_RECONNECT_BACKOFF_MAX_S = 30.0
+# vLLM's identity layout, what allocate_kv_caches views when vLLM has not resolved one.
+_DEFAULT_KV_LAYOUT = "LBHNC"
+
+
+class KvMemoryUnsafe(RuntimeError):
+    """A layer of a load could not be settled and tuttid did not confirm that the worker's
+    session ended (its queue pairs deleted): vLLM's KV blocks may still be written. The worker
+    stops rather than hand the blocks back to vLLM."""
+
+
+class _LookupBackingOff(tutti.Disconnected):
+    """A lookup answered as a miss without asking tuttid: the lookup session is lost and the
+    back-off after a failed connect is running."""
+
+
+def _connection_lost(error: Exception) -> bool:
+    """Whether a daemon call's failure leaves the connection unusable: a closed connection or a
+    session tuttid ended, an exchange that timed out (the client no longer knows which reply is
+    whose), or a failure of the exchange itself (no refusal code). Another refusal with a code
+    (e.g. Busy, LimitReached) leaves it usable."""
+    if isinstance(error, (tutti.TimeoutError, tutti.Disconnected)):
+        return True  # Disconnected: also tuttid ending the session (LeaseExpired, ShuttingDown)
+    return isinstance(error, tutti.DaemonError) and getattr(error, "code", None) is None
 
 
 @dataclass
@@ -110,6 +148,7 @@ class _WorkerLoad:
 @dataclass
 class _WorkerSave:
     request: Any  # tutti.Request
+    token: int  # this save of the request (a resumed request is saved anew, with another token)
     issued: int = 0
     completed: int = 0
 
@@ -128,7 +167,10 @@ class TuttiConnector(KVConnectorBase_V1):
         self._block_size = int(vllm_config.cache_config.block_size)
         parallel = vllm_config.parallel_config
         self._tp_world = int(parallel.tensor_parallel_size)
-        self._fingerprint = fingerprint_from_config(self._config["model_fingerprint"], *_model_identity(vllm_config))
+        self._kv_layout = _resolved_kv_layout(vllm_config, kv_cache_config)
+        self._fingerprint = fingerprint_from_config(
+            self._config["model_fingerprint"], *_model_identity(vllm_config, kv_cache_config, self._kv_layout)
+        )
         self._timeout_s = float(self._config["timeout_s"])
         if role == KVConnectorRole.SCHEDULER:
             self._init_scheduler()
@@ -140,39 +182,74 @@ class TuttiConnector(KVConnectorBase_V1):
     # ==============================================================================================
 
     def _init_scheduler(self) -> None:
-        self._lookup = self._connect_lookup()
-        if self._lookup.block_tokens != self._block_size:
-            block_tokens = self._lookup.block_tokens
-            self._lookup.close()
-            raise ConfigError(
-                f"tuttid's pool stores blocks of {block_tokens} tokens but vLLM's block size is "
-                f"{self._block_size}: start vLLM with --block-size {block_tokens}, or format the pool for "
-                f"{self._block_size}-token blocks"
-            )
+        self._lookup_timeout_s = float(self._config["lookup_timeout_s"])
+        self._lookup: Any = self._connect_lookup()
         self._requests: dict[str, _SchedulerRequest] = {}
         self.lookup_failures = 0
         self.lookup_reconnects = 0
+        # After a failed connect: no attempt before _lookup_retry_at (monotonic seconds).
+        self._lookup_retry_at = 0.0
+        self._lookup_backoff_s = 0.0
 
     def _connect_lookup(self) -> Any:
-        return tutti.LookupClient.connect(
+        """A lookup-only session whose every exchange waits at most lookup_timeout_s (the
+        scheduler's loop waits for it). Raises ConfigError for a pool of another block size."""
+        client = tutti.LookupClient.connect(
             self._config["socket"],
             model_fingerprint=self._fingerprint,
             tp_rank=0,
             tp_world=self._tp_world,
             client_name="vllm-scheduler",
-            timeout_s=self._timeout_s,
+            timeout_s=self._lookup_timeout_s,
         )
+        if client.block_tokens != self._block_size:
+            block_tokens = client.block_tokens
+            client.close()
+            raise ConfigError(
+                f"tuttid's pool stores blocks of {block_tokens} tokens but vLLM's block size is "
+                f"{self._block_size}: start vLLM with --block-size {block_tokens}, or format the pool for "
+                f"{self._block_size}-token blocks"
+            )
+        return client
+
+    def _reconnect_lookup(self) -> None:
+        """Connects the lost lookup session again, unless a back-off from a failed connect is
+        running (then raises: the lookup is a miss without a word to tuttid)."""
+        now = time.monotonic()
+        if now < self._lookup_retry_at:
+            raise _LookupBackingOff(f"no session with tuttid; the next connect in {self._lookup_retry_at - now:.1f} s")
+        try:
+            self._lookup = self._connect_lookup()
+        except tutti.Error as error:
+            self._lookup_backoff_s = min(max(2 * self._lookup_backoff_s, _RECONNECT_BACKOFF_FIRST_S), _RECONNECT_BACKOFF_MAX_S)
+            self._lookup_retry_at = time.monotonic() + self._lookup_backoff_s
+            logger.warning("tutti: connecting to tuttid for lookups failed (%s); lookups are misses for %.1f s", error, self._lookup_backoff_s)
+            raise
+        self._lookup_backoff_s = 0.0
+        self.lookup_reconnects += 1
+
+    def _drop_lookup(self) -> None:
+        if self._lookup is not None:
+            self._lookup.close()
+            self._lookup = None
 
     def _lookup_all_ranks(self, tokens: list[int]) -> int:
-        """The cached prefix on every rank, in blocks. A scheduler idle longer than tuttid's lease
-        (no requests for a while) finds its session ended: it connects again, once per call."""
-        try:
-            return self._lookup.lookup_all_ranks(tokens)
-        except tutti.Disconnected:
-            self._lookup.close()
-            self._lookup = self._connect_lookup()
-            self.lookup_reconnects += 1
-            return self._lookup.lookup_all_ranks(tokens)
+        """The cached prefix on every rank, in blocks. A lost session (closed by tuttid after a
+        scheduler idle past its lease, or an exchange that timed out, after which the connection
+        cannot be trusted) is dropped and connected again before the next use; a session tuttid
+        closed is connected again at once, and the lookup asked again (once)."""
+        for attempt in range(2):
+            if self._lookup is None:
+                self._reconnect_lookup()
+            try:
+                return self._lookup.lookup_all_ranks(tokens)
+            except tutti.Error as error:
+                if not _connection_lost(error):
+                    raise
+                self._drop_lookup()
+                if attempt == 1 or not isinstance(error, tutti.Disconnected):
+                    raise
+        raise AssertionError("unreachable")
 
     def _scheduler_request(self, request: "Request") -> _SchedulerRequest:
         state = self._requests.get(request.request_id)
@@ -194,7 +271,8 @@ class TuttiConnector(KVConnectorBase_V1):
             hit_blocks = self._lookup_all_ranks(state.prompt[: usable_blocks * self._block_size])
         except tutti.Error as error:
             self.lookup_failures += 1
-            logger.warning("tutti lookup for request %s failed, treated as a miss: %s", request.request_id, error)
+            log = logger.debug if isinstance(error, _LookupBackingOff) else logger.warning
+            log("tutti lookup for request %s failed, treated as a miss: %s", request.request_id, error)
             return 0, False
         state.hit_tokens = min(hit_blocks, usable_blocks) * self._block_size
         return max(0, state.hit_tokens - num_computed_tokens), False
@@ -303,10 +381,24 @@ class TuttiConnector(KVConnectorBase_V1):
         self._loads: dict[str, _WorkerLoad] = {}
         self._saves: dict[str, _WorkerSave] = {}
         self._failed_block_ids: set[int] = set()
+        # Whether this step's loads were started (by start_load_kv, or by the first
+        # wait_for_layer_load if vLLM had not called it before the forward).
+        self._loads_started = False
         # Saves past this worker's step: None while the committer holds one, then whether it was
         # committed. Kept until vLLM names the request finished and get_finished reports it.
         self._save_done: dict[str, Optional[bool]] = {}
+        # The request's current save (a preempted request is saved anew): results of older ones
+        # are ignored, and a cancelled one is never committed.
+        self._save_token: dict[str, int] = {}
+        self._cancelled: set[int] = set()
+        self._tokens = itertools.count(1)
         self._finished_req_ids: set[str] = set()
+        # Why the worker's tuttid session is over (None: it is not); then every load is reported
+        # failed and every save is a miss, without a word to tuttid.
+        self._dead: Optional[str] = None
+        # A daemon exchange (of any thread) left the connection unusable: the session is ended
+        # at the worker's next step (the main thread owns the requests).
+        self._broken: Optional[str] = None
         self._lock = threading.Lock()
         self._commit_queue: queue.Queue = queue.Queue(maxsize=self._config["requests_max"])
         self._committer = threading.Thread(target=self._commit_loop, name="tutti-vllm-commit", daemon=True)
@@ -314,22 +406,28 @@ class TuttiConnector(KVConnectorBase_V1):
 
     def allocate_kv_caches(self, kv_cache_config: "KVCacheConfig") -> dict[str, torch.Tensor]:
         """KV caches in tuttid's shared memory, in vLLM's own per-layer view (`[blocks, heads,
-        slots, content]` built by vLLM's `create_kv_cache_views`, layout LBHNC), for
-        `register_kv_caches`. This is what a CPU deployment (and the tests) hand to vLLM as its
-        KV caches: tuttid can map only memory shared with it. On a GPU vLLM allocates its KV
-        caches itself (one CUDA allocation) and `register_kv_caches` registers them through
-        CUDA IPC (docs/vllm.md)."""
+        slots, content]` built by vLLM's `create_kv_cache_views`, in vLLM's resolved layout,
+        LBHNC when none was resolved), for `register_kv_caches`. This is what a CPU deployment
+        (and the tests) hand to vLLM as its KV caches: tuttid can map only memory shared with it.
+        On a GPU vLLM allocates its KV caches itself (one CUDA allocation) and
+        `register_kv_caches` registers them through CUDA IPC (docs/vllm.md)."""
         from vllm.v1.kv_cache_interface import KVCacheTensor, create_kv_cache_views
         from vllm.v1.kv_cache_layout import KVCacheLayout
 
         names, spec = _attention_layers(kv_cache_config)
+        kv_layout = KVCacheLayout[self._kv_layout]
+        if not (kv_layout.is_layer_compact and kv_layout.is_block_compact):
+            raise ConfigError(
+                f"allocate_kv_caches lays each layer out on its own (tutti's paged layout); vLLM resolved the KV "
+                f"cache layout {self._kv_layout}: set VLLM_KV_CACHE_LAYOUT=LBHNC or LBNHC"
+            )
         layout = self._store.allocate_kv(kv_cache_config.num_blocks, "paged")
         caches: dict[str, torch.Tensor] = {}
         for index, name in enumerate(names):
             raw = torch.from_dlpack(layout.layer(index)).view(torch.int8)
             page = raw.numel() // kv_cache_config.num_blocks
             placement = KVCacheTensor(size=raw.numel(), layers=[name], layer_stride=raw.numel(), block_stride=page)
-            (view,) = create_kv_cache_views(raw, spec, kv_cache_config.num_blocks, KVCacheLayout.LBHNC, placement)
+            (view,) = create_kv_cache_views(raw, spec, kv_cache_config.num_blocks, kv_layout, placement)
             caches[name] = view
         return caches
 
@@ -337,7 +435,9 @@ class TuttiConnector(KVConnectorBase_V1):
         """Registers vLLM's per-layer KV caches, in model layer order, as tutti's "paged" layout
         (a layer's block is one dense run holding its K and V). CUDA caches (vLLM 0.32 allocates
         every layer in one allocation) go to tuttid as device memory (CUDA IPC; tuttid started
-        with --device-memory cuda); CPU caches must be this connector's allocate_kv_caches."""
+        with --device-memory cuda); CPU caches must be this connector's allocate_kv_caches.
+        Caches whose heads/slots order is not the one the model fingerprint names are refused
+        (a pool written in one order must not be read in the other)."""
         from vllm.model_executor.models.utils import extract_layer_index
 
         ordered = sorted(kv_caches, key=extract_layer_index)
@@ -348,6 +448,14 @@ class TuttiConnector(KVConnectorBase_V1):
                 f"{geometry.layers}: format the pool for this model (tuttid --format with its geometry)"
             )
         first = kv_caches[ordered[0]]
+        order = _heads_slots_order(first)
+        expected = "HN" if self._kv_layout.index("H") < self._kv_layout.index("N") else "NH"
+        if order is not None and order != expected:
+            raise ConfigError(
+                f"vLLM's KV caches hold a block's {'heads outside slots' if order == 'HN' else 'slots outside heads'}, "
+                f"but the model fingerprint names the layout {self._kv_layout}: vLLM's resolved layout "
+                "(cache_config.kv_cache_layout) must be the one its caches use"
+            )
         # GPU KV: a save's layer must be complete on the GPU before tuttid copies it out.
         self._cuda_device = first.device if first.device.type == "cuda" else None
         try:
@@ -369,55 +477,58 @@ class TuttiConnector(KVConnectorBase_V1):
         self._layer_names = ordered
         self._layers = len(ordered)
 
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False: tutti is a best-effort cache (a save that does not happen is a future miss), so
+        vLLM need not drop a preempted request's output to protect a hand-off (vLLM's base class
+        answers True for kv_both; its offloading connectors answer False, as here)."""
+        return False
+
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Before a preempted request's blocks are reused: its load or save stops after the layer
-        in flight (waited for); nothing of an unfinished save becomes visible."""
+        in flight (waited for); nothing of an unfinished save becomes visible. A load whose layer
+        does not complete ends the session first (the blocks may still be written); a save with
+        the committer whose layer does not complete in time is cancelled (never committed: its
+        bytes may have been read after vLLM reused the blocks)."""
         assert isinstance(kv_connector_metadata, TuttiConnectorMetadata)
         for req_id in kv_connector_metadata.preempted_req_ids:
             load = self._loads.pop(req_id, None)
-            if load is not None:
-                self._settle(load.request)
+            if load is not None and not self._settle(load.request):
+                self._end_session(f"a layer of preempted request {req_id}'s load did not complete")
             save = self._saves.pop(req_id, None)
             if save is not None:
-                self._settle(save.request)
+                self._settle(save.request)  # its device only reads vLLM's blocks; never committed
             with self._lock:
-                # A save already with the committer keeps its blocks until its layer completed:
-                # wait for that outcome, then forget it (the resumed request saves anew).
-                pending = req_id in self._save_done and req_id not in self._finished_req_ids
-            if pending:
-                self._wait_for_commit(req_id)
+                token = self._save_token.get(req_id)
+                pending = token is not None and req_id in self._save_done and self._save_done[req_id] is None
+            if pending and not self._wait_for_commit(req_id, token):
                 with self._lock:
-                    self._save_done.pop(req_id, None)
+                    self._cancelled.add(token)
+            with self._lock:
+                # Forgotten: the resumed request saves anew, and a late result of this save is
+                # ignored (its token is no longer the request's).
+                self._save_done.pop(req_id, None)
+                self._save_token.pop(req_id, None)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Takes the step's metadata and prepares its saves: vLLM calls save_kv_layer during the
+        forward, while start_load_kv comes after the forward in a step without synchronous loads
+        (vLLM 0.32's SchedulerOutput.has_sync_kv_loads)."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._role == KVConnectorRole.SCHEDULER:
+            return
+        assert isinstance(connector_metadata, TuttiConnectorMetadata)
+        self._loads_started = False
+        self._end_session_if_broken()
+        self._prepare_saves(connector_metadata.saves)
+        self._end_session_if_broken()
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        """Prepares this step's loads and saves; issues every load's layer 0."""
+        """Prepares this step's loads and issues each one's layer 0 (saves were prepared when the
+        metadata was bound). A load that cannot start is reported failed (vLLM recomputes it)."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, TuttiConnectorMetadata)
-        for load in meta.loads:
-            try:
-                request = self._store.prepare_retrieve(load.tokens, load.block_ids)
-            except tutti.Error as error:
-                logger.warning("tutti: load of request %s failed to prepare (%s); its blocks are recomputed", load.req_id, error)
-                self._failed_block_ids.update(load.block_ids)
-                continue
-            state = _WorkerLoad(request, load.block_ids)
-            self._loads[load.req_id] = state
-            self._issue_load(load.req_id, state)
-        for save in meta.saves:
-            try:
-                request = self._store.prepare_store(save.tokens, save.block_ids)
-            except tutti.Error as error:
-                # A save that cannot start is a future miss, not a failure of the step.
-                logger.warning("tutti: save of request %s not started: %s", save.req_id, error)
-                with self._lock:
-                    self._save_done[save.req_id] = False
-                continue
-            if request.new_blocks == 0:
-                request.finish()
-                with self._lock:
-                    self._save_done[save.req_id] = True
-                continue
-            self._saves[save.req_id] = _WorkerSave(request)
+        self._start_loads(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Blocks until every load of this step has layer `layer_name` in vLLM's blocks, issuing
@@ -425,7 +536,15 @@ class TuttiConnector(KVConnectorBase_V1):
         layer = self._layer_index.get(layer_name)
         if layer is None:
             return
+        if not self._loads_started and self.has_connector_metadata():
+            # Loads are synchronous (vLLM starts them before the forward); should vLLM not have
+            # done so, they start here, before the layers that need them.
+            meta = self._get_connector_metadata()
+            assert isinstance(meta, TuttiConnectorMetadata)
+            self._start_loads(meta)
         for req_id, state in list(self._loads.items()):
+            if self._loads.get(req_id) is not state:
+                continue  # ended meanwhile (the session ended)
             try:
                 while state.completed <= layer:
                     state.request.wait(self._timeout_s)
@@ -468,7 +587,7 @@ class TuttiConnector(KVConnectorBase_V1):
             with self._lock:
                 self._save_done[req_id] = None  # with the committer
             # Bounded: a full queue waits here for the committer (back-pressure, not a leak).
-            self._commit_queue.put((req_id, state.request))
+            self._commit_queue.put((req_id, state.token, state.request))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
         """Requests (named finished now or earlier) whose save is over: committed, or failed and
@@ -478,6 +597,7 @@ class TuttiConnector(KVConnectorBase_V1):
             done = {req_id for req_id in self._finished_req_ids if self._save_done.get(req_id) is not None}
             for req_id in done:
                 del self._save_done[req_id]
+                self._save_token.pop(req_id, None)
             # Keep only requests whose save is still with the committer; a finished request
             # without a save of this worker's has nothing to report.
             self._finished_req_ids = {req_id for req_id in self._finished_req_ids if req_id in self._save_done}
@@ -492,9 +612,12 @@ class TuttiConnector(KVConnectorBase_V1):
         """Stops the committer (after the saves it holds), then closes the store or the lookup
         session."""
         if self._role == KVConnectorRole.SCHEDULER:
-            self._lookup.close()
+            self._drop_lookup()
             return
-        self._commit_queue.put(None)
+        try:
+            self._commit_queue.put(None, timeout=self._timeout_s)
+        except queue.Full:
+            logger.error("tutti: the committer did not take the stop in %.1f s", self._timeout_s)
         self._committer.join(timeout=self._timeout_s)
         for state in list(self._loads.values()) + list(self._saves.values()):
             self._settle(state.request)
@@ -515,13 +638,71 @@ class TuttiConnector(KVConnectorBase_V1):
         if self._cuda_device is not None:
             torch.cuda.current_stream(self._cuda_device).synchronize()
 
+    def _prepare_saves(self, saves: list[SaveSpec]) -> None:
+        """Prepares each save (tuttid picks the slots of its new blocks); a save that cannot start
+        is a future miss, not a failure of the step."""
+        for save in saves:
+            token = next(self._tokens)
+            with self._lock:
+                self._save_token[save.req_id] = token
+                self._save_done.pop(save.req_id, None)
+            if self._dead is not None:
+                self._save_settled(save.req_id, token, False)
+                continue
+            try:
+                request = self._store.prepare_store(save.tokens, save.block_ids)
+            except tutti.Error as error:
+                logger.warning("tutti: save of request %s not started: %s", save.req_id, error)
+                self._note_daemon_failure(error)
+                self._save_settled(save.req_id, token, False)
+                continue
+            if request.new_blocks == 0:
+                # Nothing to write (the pool holds every block): over now.
+                try:
+                    request.finish()
+                except tutti.Error as error:
+                    logger.warning("tutti: a save of request %s with nothing to write did not finish: %s", save.req_id, error)
+                    self._note_daemon_failure(error)
+                self._save_settled(save.req_id, token, True)
+                continue
+            self._saves[save.req_id] = _WorkerSave(request, token)
+
+    def _start_loads(self, meta: TuttiConnectorMetadata) -> None:
+        """Prepares each load of the step and issues its layer 0, once per step."""
+        if self._loads_started:
+            return
+        self._loads_started = True
+        for load in meta.loads:
+            if self._dead is not None:
+                self._failed_block_ids.update(load.block_ids)
+                continue
+            try:
+                request = self._store.prepare_retrieve(load.tokens, load.block_ids)
+            except tutti.Error as error:
+                logger.warning("tutti: load of request %s failed to prepare (%s); its blocks are recomputed", load.req_id, error)
+                self._note_daemon_failure(error)
+                self._failed_block_ids.update(load.block_ids)
+                continue
+            state = _WorkerLoad(request, load.block_ids)
+            self._loads[load.req_id] = state
+            try:
+                self._issue_load(load.req_id, state)
+            except tutti.Error as error:
+                self._fail_load(load.req_id, state, error)
+        self._end_session_if_broken()
+
     def _issue_load(self, req_id: str, state: _WorkerLoad) -> None:
         if state.issued < self._layers:
             state.request.retrieve_layer(state.issued)
             state.issued += 1
         elif state.completed >= self._layers:
-            state.request.finish()
+            # Every layer is in vLLM's blocks: the load succeeded, whatever its release says.
             del self._loads[req_id]
+            try:
+                state.request.finish()
+            except tutti.Error as error:
+                logger.warning("tutti: a completed load of request %s did not finish: %s", req_id, error)
+                self._note_daemon_failure(error)
 
     def _advance_save(self, state: _WorkerSave) -> None:
         if state.issued > state.completed:
@@ -531,56 +712,134 @@ class TuttiConnector(KVConnectorBase_V1):
         state.issued += 1
 
     def _fail_load(self, req_id: str, state: _WorkerLoad, error: Exception) -> None:
-        logger.warning("tutti: load of request %s failed at layer %d (%s); its blocks are recomputed", req_id, state.issued - 1, error)
-        self._failed_block_ids.update(state.block_ids)
+        """Reports a failed load's blocks (vLLM recomputes them), once nothing can write them: a
+        layer that does not settle ends the session first."""
+        logger.warning("tutti: load of request %s failed at layer %d (%s); its blocks are recomputed", req_id, max(state.issued - 1, 0), error)
         self._loads.pop(req_id, None)
-        self._settle(state.request)
+        if not self._settle(state.request):
+            self._end_session(f"a layer of request {req_id}'s load did not complete")
+        self._failed_block_ids.update(state.block_ids)
 
     def _fail_save(self, req_id: str, state: _WorkerSave, error: Exception) -> None:
         logger.warning("tutti: save of request %s failed (%s); nothing of it becomes visible", req_id, error)
         self._saves.pop(req_id, None)
+        # A layer that does not settle only reads vLLM's blocks, and is never committed.
         self._settle(state.request)
-        with self._lock:
-            self._save_done[req_id] = False
+        self._save_settled(req_id, state.token, False)
 
-    def _settle(self, request: Any) -> None:
+    def _save_settled(self, req_id: str, token: int, committed: bool) -> None:
+        """Records the outcome of the request's save `token` (ignored if it is not its current
+        save any more: preempted and forgotten, or saved anew)."""
+        with self._lock:
+            self._cancelled.discard(token)
+            if self._save_token.get(req_id) == token:
+                self._save_done[req_id] = committed
+
+    def _settle(self, request: Any) -> bool:
         """Ends a request that is given up: waits for its layer in flight (the device may still
-        move those blocks' bytes), then finishes it without committing."""
+        move those blocks' bytes), then finishes it without committing. Returns False when its
+        layer is still in flight (nothing was ended: its memory may still be written or read)."""
         try:
             if request.layer_in_flight is not None:
                 request.wait(self._timeout_s)
         except tutti.Error as error:
-            logger.error("tutti: a layer of an abandoned request did not complete: %s", error)
+            if request.layer_in_flight is not None:
+                logger.error("tutti: a layer of an abandoned request did not complete: %s", error)
+                return False
         try:
             request.finish()
-        except tutti.Error as error:
+        except tutti.InvalidState as error:
             logger.error("tutti: an abandoned request could not be finished: %s", error)
+            return False
+        except tutti.Error as error:
+            # The store let go of it (a lost session, a closed store): nothing is in flight.
+            logger.warning("tutti: an abandoned request could not be finished: %s", error)
+            self._note_daemon_failure(error)
+        return True
 
-    def _wait_for_commit(self, req_id: str) -> None:
-        # The committer sets _save_done[req_id] to a bool once the save's I/O is over.
+    def _note_daemon_failure(self, error: Exception) -> None:
+        """A daemon exchange failed: if the connection is lost (closed, or an exchange that timed
+        out and left it out of step), the session is ended at the worker's next step."""
+        if _connection_lost(error):
+            with self._lock:
+                if self._broken is None:
+                    self._broken = f"a tuttid exchange failed: {error}"
+
+    def _end_session_if_broken(self) -> None:
+        with self._lock:
+            reason = self._broken
+        if reason is not None and self._dead is None:
+            self._end_session(reason)
+
+    def _end_session(self, reason: str) -> None:
+        """Ends the worker's tuttid session for good: tuttid deletes its queue pairs, after which
+        nothing more is written to vLLM's blocks. This step's loads are reported failed and its
+        saves are misses; later steps load and save nothing (the KV memory is tuttid's window, so
+        the session cannot be opened again: restart the worker). Raises KvMemoryUnsafe when a
+        layer was still in flight and tuttid did not confirm that the session ended cleanly."""
+        if self._dead is not None:
+            return
+        self._dead = reason
+        logger.error("tutti: the worker's tuttid session is ended (%s); this worker loads and saves nothing more", reason)
+        loads, saves = list(self._loads.values()), list(self._saves.items())
+        self._loads.clear()
+        self._saves.clear()
+        # Waits for the layers still in flight (bounded), closes the connection; with a layer
+        # still in flight, waits until tuttid dropped the session (its queue pairs deleted).
+        self._store.close(timeout_s=self._timeout_s)
+        kept = self._store.leaked_registrations()
+        if kept:
+            raise KvMemoryUnsafe(
+                f"tutti: {reason}, and tuttid did not confirm that the session's queue pairs were deleted "
+                f"({kept} KV memory registrations kept): vLLM's KV blocks may still be written, so the "
+                "worker stops rather than hand them back"
+            )
+        # Nothing moves their bytes any more: vLLM recomputes the loads; the saves are misses.
+        for state in loads:
+            self._failed_block_ids.update(state.block_ids)
+        for req_id, state in saves:
+            self._save_settled(req_id, state.token, False)
+
+    def _wait_for_commit(self, req_id: str, token: int) -> bool:
+        """Waits (bounded by timeout_s) until the committer settled the request's save `token`;
+        returns whether it did."""
         for _ in range(int(self._timeout_s / _COMMIT_POLL_S) + 1):
             with self._lock:
-                if self._save_done.get(req_id) is not None:
-                    return
+                if self._save_token.get(req_id) != token or self._save_done.get(req_id) is not None:
+                    return True
             time.sleep(_COMMIT_POLL_S)
-        logger.error("tutti: the save of preempted request %s did not finish in %.1f s", req_id, self._timeout_s)
+        logger.error("tutti: the save of preempted request %s did not finish in %.1f s; it is cancelled", req_id, self._timeout_s)
+        return False
 
     def _commit_loop(self) -> None:
         while True:
             item = self._commit_queue.get()
             if item is None:
                 return
-            req_id, request = item
+            req_id, token, request = item
             committed = False
             try:
                 request.wait(self._timeout_s)
-                request.commit()
-                committed = True
             except tutti.Error as error:
-                logger.warning("tutti: save of request %s not committed: %s", req_id, error)
+                logger.warning("tutti: save of request %s not committed: its last layer failed (%s)", req_id, error)
                 self._settle(request)
+                self._save_settled(req_id, token, False)
+                continue
             with self._lock:
-                self._save_done[req_id] = committed
+                cancelled = token in self._cancelled
+            if cancelled:
+                # Preempted while its layer was in flight: its bytes may have been read after
+                # vLLM reused the blocks. Never committed.
+                self._settle(request)
+            else:
+                try:
+                    request.commit()
+                    committed = True
+                except tutti.Error as error:
+                    logger.warning("tutti: save of request %s not committed: %s", req_id, error)
+                    self._note_daemon_failure(error)
+                    self._settle(request)
+            self._save_settled(req_id, token, committed)
 
 
 def _tp_rank(vllm_config: "VllmConfig", tp_world: int) -> int:
@@ -596,14 +855,46 @@ def _tp_rank(vllm_config: "VllmConfig", tp_world: int) -> int:
     return int(vllm_config.parallel_config.rank) % tp_world
 
 
-def _model_identity(vllm_config: "VllmConfig") -> list[Any]:
-    """What changes a model's KV bytes, for the default fingerprint."""
+def _resolved_kv_layout(vllm_config: "VllmConfig", kv_cache_config: Optional["KVCacheConfig"]) -> str:
+    """The name of vLLM's resolved KV cache layout (`KVCacheLayout`): the engine core resolves
+    it (attention backend, VLLM_KV_CACHE_LAYOUT) before either side's connector is built and
+    hands it to the workers; LBHNC (vLLM's identity layout, what allocate_kv_caches views) when
+    nothing resolved one (tests, tools)."""
+    for source in (kv_cache_config, getattr(vllm_config, "cache_config", None)):
+        name = getattr(source, "kv_cache_layout", None)
+        if name:
+            return str(getattr(name, "name", name))
+    return _DEFAULT_KV_LAYOUT
+
+
+def _model_identity(vllm_config: "VllmConfig", kv_cache_config: Optional["KVCacheConfig"], kv_layout: str) -> list[Any]:
+    """What changes a model's KV bytes or their order in a block, for the default fingerprint:
+    the model, the cache dtype, the KV layout (LBHNC and LBNHC blocks are the same size with
+    heads and slots transposed) and the page shape of each KV cache group."""
     model = vllm_config.model_config
     cache = vllm_config.cache_config
     parts: list[Any] = ["vllm", cache.block_size, str(cache.cache_dtype)]
     if model is not None:
         parts += [model.model, str(model.revision), str(model.dtype), str(model.quantization)]
+    parts += ["kv layout", kv_layout]
+    for group in getattr(kv_cache_config, "kv_cache_groups", None) or []:
+        spec = group.kv_cache_spec
+        parts += [
+            "group",
+            type(spec).__name__,
+            len(group.layer_names),
+            *(str(getattr(spec, name, None)) for name in ("block_size", "num_kv_heads", "head_size", "dtype", "page_size_bytes")),
+        ]
     return parts
+
+
+def _heads_slots_order(view: torch.Tensor) -> Optional[str]:
+    """Whether a layer's `[blocks, heads, slots, content]` view keeps heads outside slots ("HN",
+    LBHNC) or slots outside heads ("NH", LBNHC) in memory; None when the view does not say (not
+    4-D, or one head or one slot)."""
+    if view.dim() != 4 or view.shape[1] < 2 or view.shape[2] < 2:
+        return None
+    return "HN" if view.stride(1) > view.stride(2) else "NH"
 
 
 def _attention_layers(kv_cache_config: "KVCacheConfig") -> tuple[list[str], Any]:

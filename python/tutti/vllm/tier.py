@@ -212,6 +212,10 @@ class TuttiTier(SecondaryTierManager):
                 tokens = hash_tokens(key, BYTE_GEOMETRY_BLOCK_TOKENS)
                 try:
                     request = self._store.prepare_store(tokens, [chunk])
+                except tutti.Error as error:
+                    logger.warning("tutti tier: chunk %d not stored: %s", chunk, error)
+                    continue
+                try:
                     if request.new_blocks == 0:
                         request.finish()
                         done.append(key)
@@ -219,7 +223,9 @@ class TuttiTier(SecondaryTierManager):
                     request.store_layer(0)
                     wave.append((key, request))
                 except tutti.Error as error:
+                    # Prepared: it holds a request place and pins until finished.
                     logger.warning("tutti tier: chunk %d not stored: %s", chunk, error)
+                    _abandon(request, self._timeout_s)
             for key, request in wave:
                 try:
                     request.wait(self._timeout_s)
@@ -238,10 +244,16 @@ class TuttiTier(SecondaryTierManager):
             for key, chunk in zip(keys[start : start + self._requests_max], chunks[start : start + self._requests_max]):
                 try:
                     request = self._store.prepare_retrieve(hash_tokens(key, BYTE_GEOMETRY_BLOCK_TOKENS), [chunk])
+                except tutti.Error as error:
+                    logger.warning("tutti tier: chunk %d not loaded: %s", chunk, error)
+                    continue
+                try:
                     request.retrieve_layer(0)
                     wave.append((key, request))
                 except tutti.Error as error:
+                    # Prepared: it holds a request place and pins until finished.
                     logger.warning("tutti tier: chunk %d not loaded: %s", chunk, error)
+                    _abandon(request, self._timeout_s)
             for key, request in wave:
                 try:
                     request.wait(self._timeout_s)
@@ -254,10 +266,17 @@ class TuttiTier(SecondaryTierManager):
 
 
 def _abandon(request: Any, timeout_s: float) -> None:
-    """Finishes a failed request once its layer is no longer in flight."""
+    """Finishes a failed request once its layer is no longer in flight. A layer that does not
+    complete keeps the request (its pins, its chunk row) for good, logged: the devices may still
+    move that row's bytes, so the chunk is reported failed and nothing of it is given back."""
     try:
         if request.layer_in_flight is not None:
             request.wait(timeout_s)
+    except tutti.Error as error:
+        if request.layer_in_flight is not None:
+            logger.error("tutti tier: a layer of a failed request did not complete; the request is kept: %s", error)
+            return
+    try:
         request.finish()
     except tutti.Error as error:
         logger.error("tutti tier: a failed request could not be finished: %s", error)
