@@ -191,6 +191,12 @@ pub fn run(command: &PoolCommand) -> Result<()> {
             if report.zeroed_headers > 0 {
                 outln!("  the slot-header region was zeroed or deallocated: the blocks recorded there are lost")?;
             }
+            if report.unreadable_headers > 0 {
+                outln!(
+                    "  {} of the corrupt headers are in header LBAs the device could not read (media errors): their blocks are lost",
+                    report.unreadable_headers
+                )?;
+            }
             let mut damaged = report.corrupt_headers + report.duplicate_slots;
             if args.payload {
                 let (verified, bad) = pool.check_payloads(Instant::now() + Duration::from_secs(24 * 3600))?;
