@@ -119,6 +119,11 @@ pub(crate) struct PoolDevice {
     own_queue: bool,
     /// Why the device is fenced (see `metadata_queue`): no header writes until reopened.
     fence: Option<String>,
+    /// Fenced with nothing of it in flight (header writes that kept failing with an error
+    /// status): its mirror and scratch need not be leaked.
+    fence_idle: bool,
+    /// Header syncs of this device that failed in a row (reset by one that succeeds).
+    header_sync_failures: u32,
     /// The mirror and scratch were leaked already (with a queue pair that was not deleted).
     buffers_leaked: bool,
     pub(crate) target: PoolTarget,
@@ -139,12 +144,17 @@ impl Drop for PoolDevice {
                 self.buffers_leaked = true;
             }
         }
-        if self.fence.is_some() && !self.buffers_leaked {
+        if self.fence.is_some() && !self.fence_idle && !self.buffers_leaked {
             // Fenced on a queue pair the pool could not delete: a late command may still read them.
             crate::leak::leak_regions(&[self.mirror.region(), &self.scratch], "a fenced pool device's header mirror and scratch");
         }
     }
 }
+
+/// Header syncs of one device that may fail in a row (the device answering its header writes
+/// with an error status) before it is fenced: a transient error costs the stores of that sync;
+/// a device that keeps failing stops costing the other devices' stores.
+pub(crate) const HEADER_SYNC_FAILURES_FENCE: u32 = 3;
 
 /// An open pool: devices in pool order (device index i at position i) and the index.
 pub struct Pool {
@@ -469,6 +479,8 @@ impl Pool {
                 queue,
                 own_queue,
                 fence: None,
+                fence_idle: false,
+                header_sync_failures: 0,
                 buffers_leaked: false,
                 target,
                 superblock,
@@ -642,16 +654,36 @@ impl Pool {
     }
 
     /// Writes every staged header sector with FUA and waits: on return they are durable.
+    ///
+    /// Every device with staged sectors is synced even after another failed (the first error is
+    /// returned): one device whose header writes fail must not keep the others' headers from
+    /// the disk. A device whose syncs fail [`HEADER_SYNC_FAILURES_FENCE`] times in a row is
+    /// fenced (its staged sectors dropped, none of its slots reused until reopen), so that the
+    /// other devices' stores go on instead of failing with it at every sync.
     pub(crate) fn sync_headers(&mut self, lender: &mut dyn QueueLender) -> Result<()> {
         let timeout = self.timeout;
+        let mut first_error = None;
         for (index, d) in self.devices.iter_mut().enumerate() {
             if !d.mirror.has_dirty() {
                 continue;
             }
             let namespace = d.target.namespace;
-            d.run_metadata(index, lender, &mut None, timeout, |queue, mirror, _| mirror.sync(queue, namespace, timeout))?;
+            match d.run_metadata(index, lender, &mut None, timeout, |queue, mirror, _| mirror.sync(queue, namespace, timeout)) {
+                Ok(()) => d.header_sync_failures = 0,
+                Err(error) => {
+                    // A stuck command fenced the device already (run_metadata).
+                    if d.fence.is_none() {
+                        d.header_sync_failures += 1;
+                        if d.header_sync_failures >= HEADER_SYNC_FAILURES_FENCE {
+                            d.fence(index, format!("{HEADER_SYNC_FAILURES_FENCE} header syncs in a row failed, the last with: {error}"));
+                            d.fence_idle = true;
+                        }
+                    }
+                    first_error.get_or_insert(error);
+                }
+            }
         }
-        Ok(())
+        first_error.map_or(Ok(()), Err)
     }
 
     /// Flushes the volatile write cache of the devices in `devices` (a bitmap by index).

@@ -412,3 +412,73 @@ fn an_unreadable_header_sector_costs_its_slots_not_the_pool() {
     let (_, report) = Pool::open(targets, Some(&geometry())).unwrap();
     assert_eq!((report.valid_slots, report.corrupt_headers, report.empty_slots), (2, 0, report.slots - 2), "LBA 1 rewritten whole");
 }
+
+#[test]
+fn a_device_whose_header_writes_keep_failing_is_fenced_and_the_others_sync_on() {
+    // Goal: one pool device answering its header writes with an error status (nothing left in
+    // flight, so not "stuck") costs the syncs it is part of, not every sync until reopen: the
+    // other devices' staged sectors are written at each sync all the same, and after
+    // HEADER_SYNC_FAILURES_FENCE failures in a row the device is fenced (its staged sectors
+    // dropped, its slots not reused), after which syncs of the other devices succeed. Before,
+    // `sync_headers` returned at the first failing device, and every later sync failed on it.
+    use nvme_driver::spec::{NvmeStatus, StatusCodeType};
+    use nvme_emu::{FaultAction, FaultPlan, FaultRule};
+    let config =
+        || EmuConfig::default().with_backing(Backing::Memory { bytes: 16 << 20 }).with_namespaces(vec![NamespaceConfig::new(512, None)]);
+    // Device 1 first in pool order, so a sync that stopped at the first failure would leave
+    // device 0's sectors unwritten.
+    let (failing, failing_targets) = start(config());
+    let (_healthy, healthy_targets) = start(config());
+    let targets = vec![failing_targets[0].clone(), healthy_targets[0].clone()];
+    format(&targets, geometry());
+    let (mut pool, _) = Pool::open(targets.clone(), Some(&geometry())).unwrap();
+    let record = |key| [crate::format::BlockRecord { key, token_count: 16, payload_crc: 0 }];
+    let write_fault = FaultAction::Status(NvmeStatus::new(StatusCodeType::MediaAndDataIntegrity, 0x80));
+    failing.set_faults(FaultPlan::none().with_rule(FaultRule::every_nth_io(1, write_fault).with_opcode(NvmOpcode::Write as u8)));
+    for round in 0..HEADER_SYNC_FAILURES_FENCE {
+        assert!(!pool.metadata_fenced(0), "fenced after {round} failures");
+        pool.stage_header(0, round, SlotState::Valid, &record(100 + u64::from(round))).unwrap();
+        pool.stage_header(1, round, SlotState::Valid, &record(200 + u64::from(round))).unwrap();
+        assert!(pool.sync_headers(&mut NoLender).is_err(), "round {round}: device 0's writes fail");
+        assert_eq!(pool.devices[1].mirror.dirty_blocks(), 0, "round {round}: device 1 synced all the same");
+    }
+    assert!(pool.metadata_fenced(0), "fenced after {HEADER_SYNC_FAILURES_FENCE} failures in a row");
+    assert_eq!(pool.devices[0].mirror.dirty_blocks(), 0, "a fenced device's staged sectors are dropped");
+    assert!(matches!(pool.stage_header(0, 7, SlotState::Empty, &[]), Err(ObjstoreError::MetadataFenced { device: 0, .. })));
+    pool.stage_header(1, 7, SlotState::Valid, &record(207)).unwrap();
+    pool.sync_headers(&mut NoLender).expect("the healthy device syncs once the failing one is fenced");
+    drop(pool);
+    failing.set_faults(FaultPlan::none());
+    let (pool, report) = Pool::open(targets, Some(&geometry())).unwrap();
+    assert_eq!(report.valid_slots, 4, "device 1's four headers, none of device 0's");
+    for key in [200, 201, 202, 207] {
+        assert_eq!(pool.index().get(key).map(|location| location.device), Some(1), "key {key}");
+    }
+    assert!((100..103).all(|key| pool.index().get(key).is_none()));
+}
+
+#[test]
+fn a_header_sync_that_fails_once_does_not_fence() {
+    // Goal: a transient error status on a header write fails that sync only; the next sync
+    // writes the still-staged sectors and resets the count, so occasional errors never add up
+    // to a fence.
+    use nvme_driver::spec::{NvmeStatus, StatusCodeType};
+    use nvme_emu::{FaultAction, FaultPlan, FaultRule};
+    let config =
+        EmuConfig::default().with_backing(Backing::Memory { bytes: 16 << 20 }).with_namespaces(vec![NamespaceConfig::new(512, None)]);
+    let (device, targets) = start(config);
+    format(&targets, geometry());
+    let (mut pool, _) = Pool::open(targets.clone(), Some(&geometry())).unwrap();
+    let write_fault = FaultAction::Status(NvmeStatus::new(StatusCodeType::MediaAndDataIntegrity, 0x80));
+    for round in 0..2 * HEADER_SYNC_FAILURES_FENCE {
+        device.set_faults(FaultPlan::none().with_rule(FaultRule::on_nth_io(1, write_fault).with_opcode(NvmOpcode::Write as u8)));
+        let records = [crate::format::BlockRecord { key: 300 + u64::from(round), token_count: 16, payload_crc: 0 }];
+        pool.stage_header(0, round, SlotState::Valid, &records).unwrap();
+        assert!(pool.sync_headers(&mut NoLender).is_err(), "round {round}: the first write fails");
+        pool.sync_headers(&mut NoLender).expect("the retry writes the staged sector");
+        assert!(!pool.metadata_fenced(0), "round {round}");
+    }
+    drop(pool);
+    let (_, report) = Pool::open(targets, Some(&geometry())).unwrap();
+    assert_eq!(report.valid_slots, u64::from(2 * HEADER_SYNC_FAILURES_FENCE));
+}
