@@ -29,6 +29,8 @@ pub(crate) use tutti_uring::AlignedBuffer;
 pub(crate) const DIRECT_ALIGNMENT_BYTES: usize = 4096;
 /// Chunk of zeroes written per syscall by `write_zeroes` on files.
 const ZERO_CHUNK_BYTES: usize = 1 << 20;
+/// Unit in which `write_zeroes` on memory skips what already reads as zero (a page).
+const ZERO_CHECK_BYTES: usize = 4096;
 
 pub(crate) enum Store {
     /// An anonymous private mapping: zeroed, committed page by page as it is written.
@@ -49,6 +51,8 @@ pub(crate) struct FileStore {
     size_bytes: u64,
     /// Why every access is refused, while it is (see the module documentation).
     fence: Option<String>,
+    /// `fdatasync` calls that succeeded (tests check which commands make data durable).
+    syncs: u64,
 }
 
 fn open_error(path: &Path) -> impl FnOnce(io::Error) -> EmuError + '_ {
@@ -166,16 +170,37 @@ impl Store {
         }
     }
 
+    /// Makes `len` bytes at `offset` read as zeroes without committing memory or disk space to
+    /// them where the store allows (a whole-namespace deallocate must not fill a memory store's
+    /// RAM or a sparse file's holes): memory pages that already read as zero are left alone,
+    /// file ranges are hole-punched, and zeroes are written only where that is refused.
     pub(crate) fn write_zeroes(&mut self, offset: u64, len: u64) -> io::Result<()> {
         match self {
             Store::Memory(bytes) => {
                 let len = usize::try_from(len).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
                 let range = Self::memory_range(bytes, offset, len)?;
-                bytes[range].fill(0);
+                // A page never written is the kernel's shared zero page: reading it commits
+                // nothing, writing it would. (Releasing pages with MADV_DONTNEED would need
+                // unsafe code, which this crate forbids.)
+                for chunk in bytes[range].chunks_mut(ZERO_CHECK_BYTES) {
+                    if chunk.iter().any(|&byte| byte != 0) {
+                        chunk.fill(0);
+                    }
+                }
                 Ok(())
             }
             Store::File(file) => {
                 file.check_fence()?;
+                if len == 0 {
+                    return Ok(());
+                }
+                let punch = rustix::fs::FallocateFlags::PUNCH_HOLE | rustix::fs::FallocateFlags::KEEP_SIZE;
+                match rustix::fs::fallocate(&file.buffered, punch, offset, len) {
+                    // Reads of a punched range return zeroes (fallocate(2)); on a block device
+                    // the kernel zeroes it (or refuses, below).
+                    Ok(()) => return Ok(()),
+                    Err(error) => tracing::debug!(%error, offset, len, "hole punching refused; writing zeroes"),
+                }
                 let zeroes = vec![0u8; ZERO_CHUNK_BYTES];
                 let mut done = 0u64;
                 // Bounded: each pass advances by at least one byte of `len`.
@@ -196,8 +221,21 @@ impl Store {
             Store::Memory(_) | Store::Null { .. } => Ok(()),
             Store::File(file) => {
                 file.check_fence()?;
-                file.buffered.sync_data()
+                // fdatasync flushes the file (its inode), whichever descriptor wrote the data:
+                // the O_DIRECT one's writes reached the disk's cache, not necessarily its media.
+                file.buffered.sync_data()?;
+                file.syncs += 1;
+                Ok(())
             }
+        }
+    }
+
+    /// Successful `fdatasync` calls of a file store (0 for memory).
+    #[cfg(test)]
+    pub(crate) fn syncs(&self) -> u64 {
+        match self {
+            Store::File(file) => file.syncs,
+            Store::Memory(_) | Store::Null { .. } => 0,
         }
     }
 
@@ -237,7 +275,7 @@ impl FileStore {
                 None
             }
         };
-        Ok(Self { path: path.to_path_buf(), buffered, direct, size_bytes, fence: None })
+        Ok(Self { path: path.to_path_buf(), buffered, direct, size_bytes, fence: None, syncs: 0 })
     }
 
     fn check_fence(&self) -> io::Result<()> {
@@ -329,6 +367,70 @@ mod tests {
         store.write(4096, &[1, 2, 3]).unwrap();
         store.read(4096, &mut read[..3]).unwrap();
         assert_eq!(&read[..3], &[1, 2, 3]);
+    }
+
+    /// Resident bytes of the mapping that holds `address` (from /proc/self/smaps, so other
+    /// tests' allocations in this process do not count).
+    fn resident_bytes_of_mapping(address: usize) -> u64 {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let mut inside = false;
+        for line in smaps.lines() {
+            let first = line.split_whitespace().next().unwrap_or("");
+            if let Some((start, end)) = first.split_once('-').filter(|_| !first.ends_with(':')) {
+                if let (Ok(start), Ok(end)) = (usize::from_str_radix(start, 16), usize::from_str_radix(end, 16)) {
+                    inside = (start..end).contains(&address);
+                    continue;
+                }
+            }
+            if inside && line.starts_with("Rss:") {
+                let kib: u64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+                return kib * 1024;
+            }
+        }
+        panic!("no mapping holds {address:#x}");
+    }
+
+    #[test]
+    fn deallocating_a_whole_memory_store_commits_no_memory() {
+        // Goal: zeroing all of a 1 GiB memory store (a whole-namespace deallocate) releases
+        // pages instead of writing them, so the mapping stays small, and every byte, including
+        // partial pages at the ends of an unaligned range, reads as zero afterwards.
+        const GIB: u64 = 1 << 30;
+        let mut store = Store::open(&Backing::Memory { bytes: GIB }, false).unwrap();
+        let Store::Memory(bytes) = &store else { panic!("a memory store") };
+        let address = bytes.as_ptr() as usize;
+        store.write(0, &[7u8; 3 * 4096]).unwrap();
+        store.write(GIB - 4096, &[7u8; 4096]).unwrap();
+        store.write_zeroes(100, 2 * 4096).unwrap();
+        let mut read = vec![0xFFu8; 3 * 4096];
+        store.read(0, &mut read).unwrap();
+        assert!(read[..100].iter().all(|&b| b == 7) && read[100..100 + 8192].iter().all(|&b| b == 0));
+        assert!(read[100 + 8192..].iter().all(|&b| b == 7), "bytes after the range are kept");
+        store.write_zeroes(0, GIB).unwrap();
+        let resident = resident_bytes_of_mapping(address);
+        assert!(resident < 64 << 20, "deallocating 1 GiB left {resident} bytes resident");
+        store.read(0, &mut read).unwrap();
+        assert!(read.iter().all(|&b| b == 0));
+        store.read(GIB - 4096, &mut read[..4096]).unwrap();
+        assert!(read[..4096].iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn deallocating_a_sparse_file_keeps_it_sparse() {
+        // Goal: zeroing all of a sparse 1 GiB file punches holes instead of writing zeroes (no
+        // disk space committed, no ENOSPC), and what was written reads as zero afterwards.
+        use std::os::unix::fs::MetadataExt;
+        const GIB: u64 = 1 << 30;
+        let path = tempfile_path("sparse");
+        let mut store = Store::open(&Backing::File { path: path.clone(), create_bytes: Some(GIB) }, false).unwrap();
+        store.write(4096, &[9u8; 8192]).unwrap();
+        store.write_zeroes(0, GIB).unwrap();
+        let allocated = std::fs::metadata(&path).unwrap().blocks() * 512;
+        let mut read = [0xFFu8; 8192];
+        store.read(4096, &mut read).unwrap();
+        let _ = std::fs::remove_file(&path);
+        assert!(read.iter().all(|&b| b == 0));
+        assert!(allocated < 64 << 20, "deallocating a sparse 1 GiB file allocated {allocated} bytes");
     }
 
     #[test]

@@ -99,6 +99,20 @@ impl WriteCache {
         taken
     }
 
+    /// Puts blocks from [`WriteCache::take`] back, still dirty, after their write-back failed.
+    /// A block cached again since (newer data) wins over the returned copy.
+    pub(crate) fn restore(&mut self, blocks: BTreeMap<(usize, u64), Box<[u8]>>) {
+        for (key, data) in blocks {
+            match self.blocks.entry(key) {
+                std::collections::btree_map::Entry::Occupied(_) => self.spare.push(data),
+                std::collections::btree_map::Entry::Vacant(slot) => {
+                    self.dirty_bytes += data.len() as u64;
+                    slot.insert(data);
+                }
+            }
+        }
+    }
+
     /// Returns a written-back block's buffer for reuse.
     pub(crate) fn recycle(&mut self, block: Box<[u8]>) {
         self.spare.push(block);

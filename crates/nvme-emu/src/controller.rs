@@ -135,6 +135,11 @@ pub(crate) struct ControllerCore {
     pub(crate) submission_queues: Vec<Option<SubmissionQueue>>,
     pub(crate) completion_queues: Vec<Option<CompletionQueue>>,
     pub(crate) namespaces: Vec<Namespace>,
+    /// Batched reads and writes for file stores (None: memory store, disabled, or no io_uring).
+    /// Declared before `store` on purpose: fields drop in declaration order, and the ring's drop
+    /// waits for (and may first submit) transfers naming the store's descriptors, which must
+    /// still be open then rather than closed and possibly reused for another file.
+    reader: Option<UringReader>,
     pub(crate) store: Store,
     pub(crate) cache: WriteCache,
     pub(crate) features: Features,
@@ -143,8 +148,6 @@ pub(crate) struct ControllerCore {
     pub(crate) counters: Counters,
     pub(crate) error_log: ErrorLog,
     pub(crate) scratch: AlignedBuffer,
-    /// Batched reads and writes for file stores (None: memory store, disabled, or no io_uring).
-    reader: Option<UringReader>,
     /// Reads and Writes whose transfers the ring holds (see `controller/batch.rs`).
     in_flight: InFlight,
     io_buffers: Vec<AlignedBuffer>,
@@ -173,6 +176,9 @@ pub(crate) struct ControllerCore {
     /// Whether direct transfers go to that descriptor too (otherwise they bounce, in tests).
     #[cfg(test)]
     direct_on_override: bool,
+    /// Cache write-backs fail with an I/O error while set (a store that refuses writes, in tests).
+    #[cfg(test)]
+    pub(crate) fail_write_backs_for_tests: bool,
 }
 
 impl ControllerCore {
@@ -221,6 +227,8 @@ impl ControllerCore {
             batch_descriptor_override: None,
             #[cfg(test)]
             direct_on_override: false,
+            #[cfg(test)]
+            fail_write_backs_for_tests: false,
             config,
         })
     }
@@ -395,7 +403,10 @@ impl ControllerCore {
             }
             ShutdownNotification::Normal | ShutdownNotification::Abrupt if !complete => {
                 self.settle_in_flight(Settle::Finish);
-                if let Err(status) = self.write_back(None) {
+                // The host may cut power once SHST says complete: with sync_file_on_flush the
+                // written-back blocks reach the file's media first, as a Flush's would.
+                let written = self.write_back(None).and_then(|()| if self.config.sync_file_on_flush { self.sync_store() } else { Ok(()) });
+                if let Err(status) = written {
                     tracing::error!(%status, "write-back at shutdown failed");
                 }
                 self.registers.set_status(csts & !CSTS_SHUTDOWN_MASK | CSTS_SHUTDOWN_COMPLETE);
@@ -683,27 +694,42 @@ impl ControllerCore {
             tracing::error!("cache write-back refused: the backing store is fenced");
             return Err(media(codes::WRITE_FAULT));
         }
-        let blocks = self.cache.take(only_namespace);
-        let mut pending: Vec<u8> = Vec::with_capacity(WRITE_BACK_CHUNK_BYTES);
-        // (namespace index, first LBA, next LBA) of what `pending` holds.
-        let mut run: Option<(usize, u64, u64)> = None;
-        for ((namespace_index, lba), data) in blocks {
-            let continues = run.is_some_and(|(index, _, next)| index == namespace_index && next == lba);
-            if !continues || pending.len() + data.len() > WRITE_BACK_CHUNK_BYTES {
-                if let Some((index, start, _)) = run.take() {
-                    self.write_run(index, start, &pending)?;
+        let mut blocks = self.cache.take(only_namespace);
+        // Runs of consecutive blocks, each at most WRITE_BACK_CHUNK_BYTES: (namespace index,
+        // first LBA, blocks).
+        let mut runs: Vec<(usize, u64, u64)> = Vec::new();
+        let mut run_bytes = 0usize;
+        for (&(namespace_index, lba), data) in &blocks {
+            match runs.last_mut() {
+                Some((index, start, count))
+                    if *index == namespace_index && *start + *count == lba && run_bytes + data.len() <= WRITE_BACK_CHUNK_BYTES =>
+                {
+                    *count += 1;
+                    run_bytes += data.len();
                 }
-                pending.clear();
-                run = Some((namespace_index, lba, lba));
-            }
-            pending.extend_from_slice(&data);
-            self.cache.recycle(data);
-            if let Some((_, _, next)) = run.as_mut() {
-                *next = lba + 1;
+                _ => {
+                    runs.push((namespace_index, lba, 1));
+                    run_bytes = data.len();
+                }
             }
         }
-        if let Some((index, start, _)) = run {
-            self.write_run(index, start, &pending)?;
+        let mut pending: Vec<u8> = Vec::with_capacity(WRITE_BACK_CHUNK_BYTES);
+        for (namespace_index, start, count) in runs {
+            let range = (namespace_index, start)..(namespace_index, start + count);
+            pending.clear();
+            blocks.range(range.clone()).for_each(|(_, data)| pending.extend_from_slice(data));
+            if let Err(status) = self.write_run(namespace_index, start, &pending) {
+                // The blocks of this run and of every run not tried yet stay dirty in the cache
+                // (reads still see them): a later Flush tries them again and fails while the
+                // store does, instead of succeeding over writes that never reached it.
+                self.cache.restore(blocks);
+                return Err(status);
+            }
+            for lba in start..start + count {
+                if let Some(data) = blocks.remove(&(namespace_index, lba)) {
+                    self.cache.recycle(data);
+                }
+            }
         }
         Ok(())
     }
@@ -711,8 +737,12 @@ impl ControllerCore {
     fn write_run(&mut self, namespace_index: usize, start_lba: u64, data: &[u8]) -> Result<(), NvmeStatus> {
         let Some(namespace) = self.namespaces.get(namespace_index).copied() else { return Ok(()) };
         let offset = namespace.base_offset_bytes + start_lba * u64::from(namespace.block_size_bytes);
+        #[cfg(test)]
+        if self.fail_write_backs_for_tests {
+            tracing::error!(offset, "cache write-back failed (injected by a test)");
+            return Err(media(codes::WRITE_FAULT));
+        }
         if let Err(error) = self.store.write(offset, data) {
-            // The blocks of this write-back are gone from the cache either way: report it.
             tracing::error!(%error, offset, "cache write-back failed");
             return Err(media(codes::WRITE_FAULT));
         }

@@ -141,16 +141,38 @@ impl ControllerCore {
             // Older cached copies of these blocks must not be written back over the new data.
             self.cache.discard_range(index, start_lba, (data.len() / block_size) as u64);
             let offset = namespace.base_offset_bytes + start_lba * block_size as u64;
-            return self.store.write(offset, data).map_err(|error| {
+            self.store.write(offset, data).map_err(|error| {
                 tracing::error!(%error, offset, "backing store write failed");
                 media(codes::WRITE_FAULT)
-            });
+            })?;
+            return self.sync_if_promised(force_unit_access);
         }
         if self.cache.dirty_bytes() + length > self.config.write_cache_bytes {
             self.write_back(None)?;
         }
         self.cache.insert(index, start_lba, block_size, data);
         Ok(())
+    }
+
+    /// With `sync_file_on_flush`, makes a Write that just reached the store durable before it
+    /// completes, when its completion promises that: FUA, or the write cache off (a write
+    /// through a cache that is on but too small for it promises nothing until Flush).
+    pub(crate) fn sync_if_promised(&mut self, force_unit_access: bool) -> Result<(), NvmeStatus> {
+        let cache_on = self.config.volatile_write_cache && self.features.write_cache_enabled;
+        let promised = force_unit_access || !cache_on;
+        if self.config.sync_file_on_flush && promised {
+            self.sync_store()
+        } else {
+            Ok(())
+        }
+    }
+
+    /// `fdatasync`s a file store (Write Fault when that fails).
+    pub(crate) fn sync_store(&mut self) -> Result<(), NvmeStatus> {
+        self.store.sync().map_err(|error| {
+            tracing::error!(%error, "backing store sync failed");
+            media(codes::WRITE_FAULT)
+        })
     }
 
     fn flush(&mut self, entry: &SubmissionEntry) -> CommandResult {
@@ -160,10 +182,7 @@ impl ControllerCore {
         }
         self.write_back(only)?;
         if self.config.sync_file_on_flush {
-            self.store.sync().map_err(|error| {
-                tracing::error!(%error, "backing store sync failed");
-                media(codes::WRITE_FAULT)
-            })?;
+            self.sync_store()?;
         }
         Ok(0)
     }

@@ -617,7 +617,8 @@ impl ControllerCore {
             } else {
                 self.counters.totals.batched_reads += 1;
             }
-            return self.finish_counted(io, buffer, Ok(0));
+            let durable = if io.write { self.sync_if_promised(io.entry.force_unit_access()) } else { Ok(()) };
+            return self.finish_counted(io, buffer, durable.map(|()| 0));
         }
         if io.direct {
             // Given back without completing: redone through a bounce buffer, the host's memory
@@ -652,7 +653,7 @@ impl ControllerCore {
                 tracing::error!(%error, offset, "backing store read failed");
                 Err(media(codes::UNRECOVERED_READ_ERROR))
             }
-            Ok(()) if io.write => Ok(0),
+            Ok(()) if io.write => self.sync_if_promised(io.entry.force_unit_access()).map(|()| 0),
             Ok(()) => {
                 self.cache.overlay(io.namespace_index, io.start_lba, io.namespace.block_size_bytes as usize, data);
                 io.buffers.scatter(data).map(|()| 0)

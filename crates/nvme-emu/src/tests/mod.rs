@@ -2,6 +2,7 @@
 
 mod admin_tests;
 mod copied_tests;
+mod durability_tests;
 mod harness;
 mod in_flight_tests;
 mod io_tests;

@@ -1,0 +1,139 @@
+//! What the controller promises about durability: with `sync_file_on_flush`, every write whose
+//! completion means "on media" (FUA, cache off, shutdown write-back) is `fdatasync`ed before it
+//! completes; a write-back that fails loses nothing.
+
+use nvme_driver::hw::DmaRegion;
+use nvme_driver::spec::command::FeatureId;
+use nvme_driver::spec::registers::{self, ControllerConfiguration, ShutdownStatus};
+use nvme_driver::spec::SubmissionEntry;
+use nvme_driver::{Lba, NamespaceId};
+
+use super::harness::{block_count, status_of, with_sgl, HostQueue, TestHost};
+use crate::{Backing, EmuConfig};
+
+fn file_config(name: &str, sync_file_on_flush: bool) -> (EmuConfig, std::path::PathBuf) {
+    let path = std::env::temp_dir().join(format!("nvme-emu-durability-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let mut config = EmuConfig::default().with_backing(Backing::File { path: path.clone(), create_bytes: Some(4 << 20) });
+    config.sync_file_on_flush = sync_file_on_flush;
+    (config, path)
+}
+
+/// A one-block Write of `byte`s, and its source buffer (keep it until the command completes).
+fn write_entry(host: &TestHost, lba: u64, byte: u8, fua: bool) -> (SubmissionEntry, DmaRegion) {
+    let source = host.buffer(4096);
+    source.fill(0, 4096, byte).unwrap();
+    (with_sgl(SubmissionEntry::write(NamespaceId(1), Lba(lba), block_count(1), fua), &source, 4096), source)
+}
+
+fn write(host: &TestHost, queue: &mut HostQueue, lba: u64, byte: u8, fua: bool) {
+    let (entry, _source) = write_entry(host, lba, byte, fua);
+    assert_eq!(status_of(&host.execute_on(queue, entry)), Ok(()));
+}
+
+fn syncs(host: &TestHost) -> u64 {
+    host.device.with_core(|core| core.store.syncs())
+}
+
+/// fdatasyncs seen by: a lone FUA write, FUA writes through io_uring, a write with the cache
+/// off, a cached write, a shutdown with a dirty cache.
+fn syncs_per_step(sync_file_on_flush: bool) -> [u64; 5] {
+    let (config, path) = file_config(&format!("sync-{sync_file_on_flush}"), sync_file_on_flush);
+    let mut host = TestHost::start(config);
+    let mut queue = host.create_io_pair(1, 16);
+    let mut steps = [0u64; 5];
+    let mut before = syncs(&host);
+    let mut step = |host: &TestHost, index: usize| {
+        let now = syncs(host);
+        steps[index] = now - before;
+        before = now;
+    };
+    write(&host, &mut queue, 0, 1, true);
+    step(&host, 0);
+    let batched_before = host.device.stats().batched_writes;
+    let mut sources = Vec::new();
+    for lba in 1..4 {
+        let (entry, source) = write_entry(&host, lba, 2, true);
+        TestHost::push(&mut queue, entry);
+        sources.push(source);
+    }
+    host.ring_submission(&queue);
+    for _ in 1..4 {
+        assert_eq!(status_of(&host.reap(&mut queue)), Ok(()));
+    }
+    if tutti_uring::available() {
+        assert!(host.device.stats().batched_writes > batched_before, "the FUA writes went through io_uring");
+    } else {
+        eprintln!("io_uring unavailable here: the ring path of FUA writes was not checked");
+    }
+    step(&host, 1);
+    assert_eq!(status_of(&host.admin(SubmissionEntry::set_features(FeatureId::VolatileWriteCache, 0))), Ok(()));
+    write(&host, &mut queue, 4, 3, false);
+    step(&host, 2);
+    assert_eq!(status_of(&host.admin(SubmissionEntry::set_features(FeatureId::VolatileWriteCache, 1))), Ok(()));
+    write(&host, &mut queue, 5, 4, false);
+    step(&host, 3);
+    host.registers.write32(registers::CC, ControllerConfiguration::for_enable().0 | 1 << 14);
+    assert_eq!(host.csts().shutdown(), ShutdownStatus::Complete);
+    step(&host, 4);
+    drop(host);
+    let _ = std::fs::remove_file(&path);
+    steps
+}
+
+#[test]
+fn writes_that_complete_as_durable_are_synced_only_with_sync_file_on_flush() {
+    // Goal: with sync_file_on_flush, a FUA write (alone, and through io_uring), a write with the
+    // cache off and a shutdown's write-back each fdatasync the file before completing, and a
+    // cached write does not; without the option nothing is synced.
+    let [alone, ring, cache_off, cached, shutdown] = syncs_per_step(true);
+    assert!(alone >= 1, "a lone FUA write was not synced");
+    assert!(ring >= 1 || !tutti_uring::available(), "FUA writes through io_uring were not synced");
+    assert!(cache_off >= 1, "a write with the cache off was not synced");
+    assert_eq!(cached, 0, "a cached write needs no sync");
+    assert!(shutdown >= 1, "the shutdown write-back was not synced");
+    assert_eq!(syncs_per_step(false), [0; 5], "without sync_file_on_flush nothing is synced");
+}
+
+#[test]
+fn a_failed_write_back_keeps_the_blocks_dirty_until_a_flush_succeeds() {
+    // Goal: when the store refuses a cache write-back, the Flush fails with Write Fault and no
+    // block is lost: neither the failed run (LBAs 0-7) nor the one not yet tried (16-23). The
+    // next Flush retries (and fails while the store does); once the store takes writes again a
+    // Flush succeeds and the data is on media, even across a power loss.
+    let mut host = TestHost::start(EmuConfig::default().with_backing(Backing::Memory { bytes: 8 << 20 }));
+    let mut queue = host.create_io_pair(1, 16);
+    let lbas: Vec<u64> = (0..8).chain(16..24).collect();
+    for &lba in &lbas {
+        write(&host, &mut queue, lba, lba as u8 + 1, false);
+    }
+    let write_fault = Err(nvme_driver::spec::NvmeStatus::new(
+        nvme_driver::spec::StatusCodeType::MediaAndDataIntegrity,
+        nvme_driver::spec::status::codes::WRITE_FAULT,
+    ));
+    host.device.with_core(|core| core.fail_write_backs_for_tests = true);
+    for attempt in 0..2 {
+        let flushed = host.execute_on(&mut queue, SubmissionEntry::flush(NamespaceId(1)));
+        assert_eq!(status_of(&flushed), write_fault, "flush {attempt} while the store refuses writes");
+    }
+    for &lba in &lbas {
+        assert!(read(&host, &mut queue, lba).iter().all(|&byte| byte == lba as u8 + 1), "LBA {lba} still reads its write");
+    }
+    host.device.with_core(|core| core.fail_write_backs_for_tests = false);
+    assert_eq!(status_of(&host.execute_on(&mut queue, SubmissionEntry::flush(NamespaceId(1)))), Ok(()));
+    host.device.power_loss();
+    host.enable();
+    let mut queue = host.create_io_pair(1, 16);
+    for &lba in &lbas {
+        assert!(read(&host, &mut queue, lba).iter().all(|&byte| byte == lba as u8 + 1), "LBA {lba} reached media");
+    }
+}
+
+fn read(host: &TestHost, queue: &mut HostQueue, lba: u64) -> Vec<u8> {
+    let target = host.buffer(4096);
+    let entry = with_sgl(SubmissionEntry::read(NamespaceId(1), Lba(lba), block_count(1)), &target, 4096);
+    assert_eq!(status_of(&host.execute_on(queue, entry)), Ok(()));
+    let mut out = vec![0u8; 4096];
+    target.read(0, &mut out).unwrap();
+    out
+}
