@@ -16,7 +16,7 @@ use crate::error::NvmeError;
 use crate::gate::ResetGuard;
 use crate::hw::{DeviceBackend, DmaAllocator, DmaRegion, RegisterIo};
 use crate::io::{IoQueuePair, PairOwner};
-use crate::namespace::{classify, Namespace, RefusedNamespace};
+use crate::namespace::{classify, refuse_malformed, Namespace, RefusedNamespace};
 use crate::queue::{doorbell_offsets, Completion, QueuePair, QUEUE_DEPTH_MAX};
 use crate::shadow::DoorbellBuffer;
 use crate::spec::command::{FeatureId, IdentifyCns, LogPageId};
@@ -350,8 +350,12 @@ impl Controller {
             if bytes.iter().all(|&byte| byte == 0) {
                 continue;
             }
-            let namespace = IdentifyNamespace::parse(&bytes)?;
-            match classify(NamespaceId(nsid), &namespace, self.max_transfer_bytes) {
+            // Data the driver cannot compute with refuses this namespace, not the controller.
+            let classified = match IdentifyNamespace::parse(&bytes) {
+                Ok(namespace) => classify(NamespaceId(nsid), &namespace, self.max_transfer_bytes),
+                Err(error) => Err(refuse_malformed(NamespaceId(nsid), error)),
+            };
+            match classified {
                 Ok(namespace) => namespaces.push(namespace),
                 Err(refusal) => {
                     tracing::warn!(device = %self.backend.name(), %refusal, "namespace refused");

@@ -200,10 +200,11 @@ pub fn plan_command(
                         mode: mode.name(),
                     });
                 }
-                if take < available {
-                    // Cut inside this segment: the cut must fall on a page boundary.
-                    take = ((address + take) / PAGE_BYTES * PAGE_BYTES).saturating_sub(address);
-                } else if cursor.segment + 1 < segments.len() && !is_page_aligned(address + take) {
+                // A cut inside this segment may fall anywhere: the piece it ends is this
+                // command's last, and the next command's PRP1 may carry any dword offset (the
+                // block-boundary back-off below keeps it dword aligned). Only where two segments
+                // join inside one command must the earlier one end on a page.
+                if take == available && cursor.segment + 1 < segments.len() && !is_page_aligned(address + take) {
                     return Err(NvmeError::UnsupportedLayout {
                         index: cursor.segment,
                         reason: "segment does not end on a page",
@@ -237,14 +238,15 @@ pub fn plan_command(
             break;
         }
     }
-    // A command carries whole blocks; anything else is a caller error (or an impossible cut).
+    // A command carries whole blocks; a transfer that is not whole blocks is a caller error.
     let remainder = bytes % block_bytes;
     if remainder != 0 {
         let more_follows = cursor.segment < segments.len();
-        if !more_follows || mode == DataPointerMode::Prp {
+        if !more_follows {
             return Err(NvmeError::UnalignedTransfer { bytes, block_size_bytes: block_bytes as u32 });
         }
-        // SGL: back the cut off to a block boundary.
+        // Back the cut off to a block boundary (both modes). The command only shrinks: MDTS and
+        // the descriptor limits still hold, and its (new) last piece may end anywhere.
         cursor = back_off(segments, cursor, remainder);
         bytes -= remainder;
     }
@@ -498,6 +500,86 @@ mod tests {
         assert_eq!(u64::from_le_bytes(list[8..16].try_into().unwrap()), 0x10_2000);
     }
 
+    /// The PRP entries `entry` names for a `bytes`-byte command (DPTR, then the list page).
+    fn prp_entries(entry: &SubmissionEntry, bytes: u64, scratch: &DmaRegion) -> Vec<u64> {
+        let first = entry.dptr[0];
+        let pages = ((first % PAGE_BYTES + bytes).div_ceil(PAGE_BYTES)) as usize;
+        match pages {
+            0 | 1 => vec![first],
+            2 => vec![first, entry.dptr[1]],
+            _ => {
+                assert_eq!(entry.dptr[1], scratch.iova().0, "PRP2 must name the list page");
+                let mut entries = vec![first];
+                for index in 0..pages - 1 {
+                    let mut raw = [0u8; 8];
+                    scratch.read(index * PRP_ENTRY_BYTES, &mut raw).unwrap();
+                    entries.push(u64::from_le_bytes(raw));
+                }
+                entries
+            }
+        }
+    }
+
+    /// Plans `segments`, builds every command's DPTR and checks it against the PRP rules: PRP1
+    /// dword aligned, every later entry a page start, at most one list page, each command whole
+    /// blocks within `max_bytes`, and the entries naming exactly the transfer's bytes in order.
+    fn check_prp_plans(segments: &[DataSegment], max_bytes: u64, block: u32) -> Vec<CommandPlan> {
+        let plans = plans(segments, max_bytes, block, DataPointerMode::Prp).unwrap();
+        let pool = crate::hw::DmaPool::identity();
+        let scratch = crate::hw::DmaAllocator::allocate(&pool, SCRATCH_BYTES).unwrap();
+        let mut described = Vec::new(); // (address, len) runs, merged when contiguous
+        let push = |runs: &mut Vec<(u64, u64)>, address: u64, len: u64| match runs.last_mut() {
+            Some((start, run)) if *start + *run == address => *run += len,
+            _ => runs.push((address, len)),
+        };
+        for plan in &plans {
+            assert!(plan.bytes > 0 && plan.bytes <= max_bytes && plan.bytes % u64::from(block) == 0, "{plan:?}");
+            let mut entry = SubmissionEntry::default();
+            build_data_pointer(&mut entry, segments, plan, DataPointerMode::Prp, ScratchPage::new(&scratch, 0).unwrap()).unwrap();
+            let entries = prp_entries(&entry, plan.bytes, &scratch);
+            assert!(entries.len() <= PRP_LIST_ENTRIES_MAX + 1);
+            assert_eq!(entries[0] % 4, 0, "PRP1 not dword aligned");
+            let mut left = plan.bytes;
+            for (index, &address) in entries.iter().enumerate() {
+                assert!(index == 0 || is_page_aligned(address), "PRP entry {index} ({address:#x}) is not a page start");
+                let len = (PAGE_BYTES - address % PAGE_BYTES).min(left);
+                push(&mut described, address, len);
+                left -= len;
+            }
+            assert_eq!(left, 0, "entries cover less than the command");
+        }
+        let mut expected = Vec::new();
+        for segment in segments.iter().filter(|segment| segment.len > 0) {
+            push(&mut expected, segment.iova.0, u64::from(segment.len));
+        }
+        assert_eq!(described, expected, "the commands do not describe the transfer");
+        plans
+    }
+
+    #[test]
+    fn a_prp_transfer_starting_mid_page_splits_on_block_boundaries() {
+        // Goal: without SGL, a buffer starting mid-page with blocks over 512 B and a transfer
+        // over MDTS is served (each command's PRP1 carries the offset), not refused.
+        let plans = check_prp_plans(&[segment(0x10_0800, 256 << 10)], 128 << 10, 4096);
+        assert_eq!(plans.iter().map(|plan| plan.bytes).collect::<Vec<_>>(), [128 << 10, 128 << 10]);
+        assert_eq!(plans[1].start, Cursor { segment: 0, offset: 128 << 10 });
+        let pool = crate::hw::DmaPool::identity();
+        let scratch = crate::hw::DmaAllocator::allocate(&pool, SCRATCH_BYTES).unwrap();
+        let mut entry = SubmissionEntry::default();
+        build_data_pointer(
+            &mut entry,
+            &[segment(0x10_0800, 256 << 10)],
+            &plans[1],
+            DataPointerMode::Prp,
+            ScratchPage::new(&scratch, 0).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(entry.dptr[0], 0x10_0800 + (128 << 10));
+        // Where one list page is the limit (513 pages from mid-page: 2 MiB + 2 KiB), the cut backs off.
+        let plans = check_prp_plans(&[segment(0x10_0800, 4 << 20)], u64::MAX, 4096);
+        assert_eq!(plans[0].bytes, 2 << 20);
+    }
+
     #[test]
     fn a_segment_that_wraps_past_the_last_address_is_refused_in_both_modes() {
         // Goal: a segment whose bytes would run past the last device address (addresses come
@@ -560,6 +642,36 @@ mod tests {
             let segments = [segment(address, len)];
             let walked = plans(&segments, max_bytes, block, mode).ok().filter(|plans| plans.len() == 1);
             proptest::prop_assert_eq!(plan_single_command(&segments, max_bytes, block, mode).map(|fast| vec![fast]), walked);
+        }
+
+        #[test]
+        fn every_prp_plan_obeys_the_prp_rules(
+            first_offset in proptest::prop_oneof![proptest::strategy::Just(0u64), (0u64..1024).prop_map(|dwords| dwords * 4)],
+            pages in proptest::collection::vec(0u64..300, 1..5),
+            last_blocks in 0u64..300,
+            mdts_pages in proptest::prop_oneof![1u64..8, 1u64..700],
+            block in proptest::prop_oneof![proptest::strategy::Just(512u32), proptest::strategy::Just(4096u32)],
+        ) {
+            // Goal: any layout PRP can describe (first segment at any dword offset, joins on
+            // pages) is planned into commands that each obey the PRP rules and MDTS, whole
+            // blocks, together covering the transfer exactly.
+            let block64 = u64::from(block);
+            let mut segments = Vec::new();
+            let mut total = 0u64;
+            for (index, &extra) in pages.iter().enumerate() {
+                let base = 0x100_0000 * (index as u64 + 1);
+                let last = index + 1 == pages.len();
+                let (start, len) = match (index, last) {
+                    (0, true) => (base + first_offset, (last_blocks + 1) * block64),
+                    (0, false) => (base + first_offset, (extra + 1) * PAGE_BYTES - first_offset),
+                    (_, false) => (base, (extra + 1) * PAGE_BYTES),
+                    (_, true) => (base, (last_blocks + 1) * block64 - total % block64),
+                };
+                segments.push(segment(start, len as u32));
+                total += len;
+            }
+            let max_bytes = (mdts_pages * PAGE_BYTES).max(block64);
+            check_prp_plans(&segments, max_bytes, block);
         }
 
         #[test]

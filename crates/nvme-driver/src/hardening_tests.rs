@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use crate::fake_device::{identify_namespace_bytes, FakeDevice, FakeScript};
 use crate::hw::{DeviceBackend, DmaAllocator};
+use crate::spec::identify::IdentifyError;
 use crate::spec::registers::{self, Capabilities};
 use crate::spec::{CompletionEntry, SubmissionEntry};
 use crate::{Controller, ControllerConfig, DataSegment, IoQueuePair, Lba, NamespaceRefusal, NvmeError, QueueId};
@@ -98,6 +99,42 @@ fn namespaces_with_metadata_or_protection_are_refused_with_their_format() {
     let read = queue.submit_read(crate::NamespaceId(1), Lba(0), &[DataSegment::new(buffer.iova(), 4096)], 0);
     assert!(matches!(read, Err(NvmeError::UnsupportedNamespaceFormat(_))), "{read:?}");
     assert_eq!(queue.in_flight(), 0, "nothing reached the queue");
+}
+
+#[test]
+fn a_namespace_with_malformed_identify_data_is_refused_not_the_controller() {
+    // Goal: Identify Namespace data the driver cannot compute with (LBADS 17 here, or a format
+    // index past the defined formats, or NSZE = 0) refuses that namespace with the reason;
+    // bring-up succeeds and the other namespace is used.
+    let mut list = vec![0u8; 4096];
+    for (index, nsid) in [1u32, 2, 3, 4].into_iter().enumerate() {
+        list[4 * index..4 * index + 4].copy_from_slice(&nsid.to_le_bytes());
+    }
+    let mut bad_format = identify_namespace_bytes(512, 1024, 0, false);
+    bad_format[26] = 5; // FLBAS names format 5; NLBAF = 0 defines one
+    let script = FakeScript {
+        namespace_list: list,
+        identify_namespaces: vec![
+            identify_namespace_bytes(4096, 1024, 0, false),
+            identify_namespace_bytes(1 << 17, 1024, 0, false),
+            bad_format,
+            identify_namespace_bytes(512, 0, 0, false),
+        ],
+        ..FakeScript::default()
+    };
+    let (_device, controller) = bring_up(script);
+    assert_eq!(controller.namespaces().iter().map(|namespace| namespace.id.0).collect::<Vec<_>>(), [1]);
+    let refused: Vec<_> = controller.refused_namespaces().iter().map(|refused| (refused.id.0, refused.refusal)).collect();
+    assert_eq!(
+        refused,
+        [
+            (2, NamespaceRefusal::Malformed(IdentifyError::UnsupportedLbaSize { index: 0, lbads: 17 })),
+            (3, NamespaceRefusal::Malformed(IdentifyError::FormatIndexOutOfRange { index: 5, count: 1 })),
+            (4, NamespaceRefusal::Malformed(IdentifyError::BadNamespaceSize { size_blocks: 0 })),
+        ]
+    );
+    let error = controller.namespace(crate::NamespaceId(2)).expect_err("refused");
+    assert!(error.to_string().contains("2^17"), "{error}");
 }
 
 #[test]

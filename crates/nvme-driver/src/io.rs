@@ -27,8 +27,9 @@ fn block_count(blocks: u64) -> Result<BlockCount, NvmeError> {
 /// Most ranges in one Dataset Management command that fit its scratch page (256, the spec's max).
 pub const DEALLOCATE_RANGES_MAX: usize = 256;
 
-/// An I/O submission/completion queue pair, owned by one thread (no lock held between calls;
-/// one uncontended shared lock per doorbell write, see `gate.rs`).
+/// An I/O submission/completion queue pair, owned by one thread (no lock held between calls; per
+/// doorbell write, one flag handshake with a concurrent reset on a line only this pair writes,
+/// see `gate.rs`).
 ///
 /// Dropping it deletes its queues on the controller (bounded by the admin timeout) and frees its
 /// rings. Its rings are freed only when the queues are known to be gone: if the deletion fails,
@@ -331,7 +332,8 @@ impl IoQueuePair {
         self.queue.reap(max, on_completion)
     }
 
-    /// Reaps until no command is in flight, or fails at `deadline` naming the oldest command.
+    /// Reaps until no command is in flight, or fails at `deadline` naming an outstanding command
+    /// (the queue's lowest busy slot, not necessarily the oldest).
     pub fn wait_idle(&mut self, deadline: Instant, on_completion: impl FnMut(Completion)) -> Result<(), NvmeError> {
         self.check_epoch()?;
         self.queue.poll_until(deadline, on_completion, |queue| queue.in_flight() == 0)

@@ -10,6 +10,7 @@
 use std::fmt;
 
 use crate::error::NvmeError;
+use crate::spec::identify::IdentifyError;
 use crate::spec::IdentifyNamespace;
 use crate::types::NamespaceId;
 
@@ -40,6 +41,9 @@ pub enum NamespaceRefusal {
     BlockLargerThanTransfer { max_transfer_bytes: u64 },
     /// NSZE × block size does not fit in 64 bits.
     SizeOverflow { size_blocks: u64 },
+    /// Identify Namespace data the driver cannot compute with (a format index past the defined
+    /// formats, a block size outside 2^9..=2^16, NSZE = 0 or NCAP > NSZE).
+    Malformed(IdentifyError),
 }
 
 /// A namespace the controller reports but the driver refuses (see the module documentation).
@@ -54,6 +58,9 @@ pub struct RefusedNamespace {
 
 impl fmt::Display for RefusedNamespace {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let NamespaceRefusal::Malformed(error) = self.refusal {
+            return write!(f, "{} reports Identify Namespace data the driver cannot use ({error}); the driver does no I/O on it", self.id);
+        }
         write!(f, "{} uses LBA format {} ({}-byte blocks) ", self.id, self.format_index, self.block_size_bytes)?;
         match self.refusal {
             NamespaceRefusal::Metadata { metadata_bytes, extended_lba: true } => {
@@ -69,6 +76,7 @@ impl fmt::Display for RefusedNamespace {
                 write!(f, "whose blocks exceed the controller's {max_transfer_bytes}-byte transfer limit (MDTS)")?
             }
             NamespaceRefusal::SizeOverflow { size_blocks } => write!(f, "with {size_blocks} blocks, more bytes than 64 bits count")?,
+            NamespaceRefusal::Malformed(_) => {} // returned above
         }
         write!(f, ": the driver supports data-only formats; reformat the namespace without metadata or protection to use it")
     }
@@ -83,6 +91,15 @@ pub(crate) fn find(usable: &[Namespace], refused: &[RefusedNamespace], id: Names
         Some(refused) => Err(NvmeError::UnsupportedNamespaceFormat(*refused)),
         None => Err(NvmeError::UnknownNamespace { namespace: id }),
     }
+}
+
+/// The refusal of namespace `id` whose Identify Namespace data did not parse.
+pub(crate) fn refuse_malformed(id: NamespaceId, error: IdentifyError) -> RefusedNamespace {
+    let format_index = match error {
+        IdentifyError::FormatIndexOutOfRange { index, .. } | IdentifyError::UnsupportedLbaSize { index, .. } => index,
+        _ => 0,
+    };
+    RefusedNamespace { id, format_index, block_size_bytes: 0, refusal: NamespaceRefusal::Malformed(error) }
 }
 
 /// Decides whether the driver can do I/O on namespace `id` as Identify describes it.

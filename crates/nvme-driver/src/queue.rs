@@ -637,8 +637,9 @@ impl QueuePair {
         }
     }
 
-    /// Why nothing completed: device gone, controller fatal, or a genuine timeout naming the oldest
-    /// outstanding command.
+    /// Why nothing completed: device gone, controller fatal, or a genuine timeout naming one
+    /// outstanding command (the busy slot with the lowest index; slots are reused LIFO, so not
+    /// necessarily the oldest).
     pub fn diagnose_timeout(&self, started: Instant) -> NvmeError {
         let status = ControllerStatus(self.registers.read32(registers::CSTS));
         if status.device_gone() {

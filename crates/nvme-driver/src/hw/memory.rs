@@ -256,7 +256,16 @@ unsafe impl Sync for RegionInner {}
 impl Drop for RegionInner {
     fn drop(&mut self) {
         if let Some(pool) = self.pool.upgrade() {
-            pool.release(self.iova, self.len);
+            if !pool.release(self.iova, self.len) {
+                // The IOMMU may still translate the IOVA to these pages: freeing them would let
+                // the device write into whatever reuses them (`IommuMapper::map`'s contract). The
+                // backing is leaked with the IOVA range, for the rest of the process.
+                let backing = std::mem::replace(&mut self._backing, Backing::External);
+                if !matches!(backing, Backing::External) {
+                    tracing::error!(iova = %self.iova, len = self.len, "IOMMU unmap failed; host memory behind the IOVA range leaked");
+                }
+                std::mem::forget(backing);
+            }
         }
     }
 }
@@ -654,18 +663,26 @@ impl PoolShared {
         self.unreserve(iova.0, round_up(len, PAGE_SIZE_BYTES) as u64);
     }
 
-    fn release(&self, iova: Iova, len: usize) {
-        if let Err(error) = self.mapper.unmap(iova, len) {
-            // The range stays reserved: reusing an IOVA whose unmap failed could alias memory.
-            tracing::error!(%iova, len, %error, "IOMMU unmap failed; IOVA range leaked");
-        } else {
-            let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-            state.free.push((iova.0, len as u64));
-        }
+    /// Unmaps a region whose last holder dropped; false when the unmap failed, in which case the
+    /// IOVA range stays reserved and the caller must keep the host memory mapped too.
+    fn release(&self, iova: Iova, len: usize) -> bool {
+        let unmapped = match self.mapper.unmap(iova, len) {
+            Err(error) => {
+                // The range stays reserved: reusing an IOVA whose unmap failed could alias memory.
+                tracing::error!(%iova, len, %error, "IOMMU unmap failed; IOVA range leaked");
+                false
+            }
+            Ok(()) => {
+                let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+                state.free.push((iova.0, len as u64));
+                true
+            }
+        };
         let mut table = self.table.write().unwrap_or_else(|poisoned| poisoned.into_inner());
         if table.get(&iova.0).is_some_and(|weak| weak.strong_count() == 0) {
             table.remove(&iova.0);
         }
+        unmapped
     }
 }
 
@@ -693,7 +710,8 @@ impl DmaPool {
         let align = if len >= HUGE_PAGE_SIZE_BYTES { HUGE_PAGE_SIZE_BYTES } else { PAGE_SIZE_BYTES } as u64;
         let iova = Iova(self.shared.reserve(len as u64, align)?);
         // SAFETY: `ptr..ptr+len` is either memory owned by `backing` (kept alive by the region
-        // until after unmap in RegionInner::drop) or external memory whose lifetime the caller of
+        // until after unmap in RegionInner::drop, and leaked with the IOVA range if that unmap
+        // fails) or external memory whose lifetime the caller of
         // `map_external` guaranteed.
         if let Err(error) = unsafe { self.shared.mapper.map(ptr.as_ptr(), len, iova) } {
             self.shared.unreserve(iova.0, len as u64);
@@ -781,6 +799,33 @@ mod tests {
         let mut out = [0u8; 5];
         view.read(0, &mut out).unwrap();
         assert_eq!(&out, b"hello");
+    }
+
+    /// Maps nothing and fails every unmap, as an IOMMU that refused to tear a mapping down.
+    struct FailingUnmap;
+
+    impl IommuMapper for FailingUnmap {
+        unsafe fn map(&self, _host: *mut u8, _len: usize, _iova: Iova) -> Result<(), HwError> {
+            Ok(())
+        }
+        fn unmap(&self, iova: Iova, len: usize) -> Result<(), HwError> {
+            Err(HwError::Unmapped { iova, len })
+        }
+    }
+
+    #[test]
+    fn host_memory_whose_unmap_failed_stays_mapped() {
+        // Goal: when the IOMMU unmap fails, the device may still reach the pages, so the
+        // region's own memory is leaked with its IOVA range, never munmapped.
+        let pool = DmaPool::new(Arc::new(FailingUnmap), Iova(1 << 32), Iova(1 << 40), false);
+        let region = pool.allocate(3 * PAGE_SIZE_BYTES).unwrap();
+        let (ptr, len) = (region.inner.ptr, region.inner.len);
+        drop(region);
+        let mut resident = vec![0u8; len / PAGE_SIZE_BYTES];
+        // SAFETY: mincore only reads the page tables for `ptr..ptr+len` (page aligned, one byte
+        // of `resident` per page); it fails with ENOMEM, touching nothing, if they are unmapped.
+        let status = unsafe { libc::mincore(ptr.as_ptr().cast(), len, resident.as_mut_ptr()) };
+        assert_eq!(status, 0, "the pages were unmapped: {}", std::io::Error::last_os_error());
     }
 
     #[test]

@@ -6,7 +6,7 @@
 
 use super::IDENTIFY_BYTES;
 
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum IdentifyError {
     #[error("identify data is {actual} bytes, expected {IDENTIFY_BYTES}")]
     WrongLength { actual: usize },
