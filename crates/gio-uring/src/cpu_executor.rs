@@ -257,36 +257,54 @@ impl CpuExecutor {
 
 /// The second half of a reset, once no old command can complete: every IOCB still ISSUED ends
 /// as TIMEOUT with one CQE (the compare-and-swap of a normal completion). Returns how many.
+///
+/// First the SQ head moves past any entries still on it: a CPU executor takes a batch off the
+/// SQ inside `submit`, so an entry left there belongs to a submit that failed before it took
+/// it, and names an IOCB that is ISSUED (ended here) or already ended.
 pub(crate) fn finish_issued_as_timeout(memory: &QueueMemory) -> Result<usize, GioError> {
+    let dropped = Ring::<IocbId>::new(&memory.region, memory.layout.sq, "sq").consumer()?.count();
+    if dropped > 0 {
+        tracing::warn!(dropped, "gio-uring CPU executor reset: SQ entries no submit took were dropped");
+    }
     let mut reclaimed = 0;
     for id in (0..memory.layout.config.depth).map(IocbId) {
-        let status = memory.iocb_field_offset(id, crate::layout::IocbField::Status);
-        let finished = memory.region.compare_exchange_u32(
-            status,
-            abi::GIO_IOCB_STATUS_ISSUED,
-            abi::GIO_IOCB_STATUS_TIMEOUT,
-            std::sync::atomic::Ordering::AcqRel,
-            std::sync::atomic::Ordering::Relaxed,
-        );
-        if finished.is_err() {
-            continue;
+        if finish_as_timeout(memory, id)? {
+            reclaimed += 1;
         }
-        let header = memory.read_iocb_header(id);
-        let progress = memory.read_iocb_progress(id);
-        let failed = progress.failed_ioctx != abi::GIO_NO_FAILED_IOCTX;
-        post_cqe(
-            memory,
-            crate::ring::Cqe {
-                iocb_id: id,
-                issue_seq: header.issue_seq,
-                failed_ioctx: progress.failed_ioctx,
-                status: abi::GIO_IOCB_STATUS_TIMEOUT as u16,
-                failed_nvme_status: if failed { progress.failed_nvme_status } else { 0 },
-            },
-        )?;
-        reclaimed += 1;
     }
     Ok(reclaimed)
+}
+
+/// Ends IOCB `id` as TIMEOUT with one CQE if it is still ISSUED (the compare-and-swap of a
+/// normal completion, so never a second CQE); `false` if it had ended already. Only for an
+/// IOCB none of whose commands can still complete: none was sent, or its queue pairs were
+/// deleted.
+pub(crate) fn finish_as_timeout(memory: &QueueMemory, id: IocbId) -> Result<bool, GioError> {
+    let status = memory.iocb_field_offset(id, crate::layout::IocbField::Status);
+    let finished = memory.region.compare_exchange_u32(
+        status,
+        abi::GIO_IOCB_STATUS_ISSUED,
+        abi::GIO_IOCB_STATUS_TIMEOUT,
+        std::sync::atomic::Ordering::AcqRel,
+        std::sync::atomic::Ordering::Relaxed,
+    );
+    if finished.is_err() {
+        return Ok(false);
+    }
+    let header = memory.read_iocb_header(id);
+    let progress = memory.read_iocb_progress(id);
+    let failed = progress.failed_ioctx != abi::GIO_NO_FAILED_IOCTX;
+    post_cqe(
+        memory,
+        crate::ring::Cqe {
+            iocb_id: id,
+            issue_seq: header.issue_seq,
+            failed_ioctx: progress.failed_ioctx,
+            status: abi::GIO_IOCB_STATUS_TIMEOUT as u16,
+            failed_nvme_status: if failed { progress.failed_nvme_status } else { 0 },
+        },
+    )?;
+    Ok(true)
 }
 
 impl crate::executor::QueuePairReset for CpuExecutor {

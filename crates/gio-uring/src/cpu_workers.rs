@@ -14,26 +14,29 @@
 //! with the same budget does no per-IOCTX work.
 //!
 //! Each IOCB goes, over a bounded channel allocated at start-up, to the workers dealt at least
-//! one of its IOCTXs. A worker submits exactly its group of IOCTXs, without scanning the
-//! others, and reaps its own queues. IOCTXs of one IOCB may be spread over several workers:
+//! one of its IOCTXs. `submit` deals the whole batch and checks that every worker it needs is
+//! running and has room before it takes an id off the SQ; if one cannot take its messages, the
+//! batch is taken off the SQ with nothing sent and each IOCB is ended at once as TIMEOUT (one
+//! CQE each), so the SQ never stops mid-batch. A worker submits exactly its group of IOCTXs,
+//! without scanning the others, and reaps its own queues. IOCTXs of one IOCB may be spread over several workers:
 //! completion counting is the shared-memory protocol of [`crate::executor::complete_ioctx`] (atomic
 //! counter, compare-and-swap on the first failure and on the final status), so whichever worker
 //! completes the last IOCTX posts the one CQE, under the CQ's producer lock.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TryRecvError, TrySendError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use nvme_driver::IoQueuePair;
 
-use crate::cpu_executor::CpuExecutor;
+use crate::cpu_executor::{finish_as_timeout, CpuExecutor};
 use crate::error::GioError;
 use crate::executor::{Executor, IssueBatch};
 use crate::ioctx_index::IoctxIndex;
 use crate::layout::{IocbHeader, QueueMemory};
-use crate::ring::Ring;
+use crate::ring::{Consumer, Ring};
 use crate::types::{DeviceIndex, IocbId};
 
 /// How long an idle worker sleeps waiting for work before it polls its queues again.
@@ -46,6 +49,11 @@ enum Message {
         fresh: Vec<IoQueuePair>,
         done: SyncSender<Result<(), GioError>>,
     },
+    /// Teardown: delete every queue pair the worker holds (and retry those kept from a failed
+    /// reset) and report whether all are known gone; the worker serves no I/O afterwards.
+    Retire {
+        done: SyncSender<bool>,
+    },
     Stop,
 }
 
@@ -53,9 +61,44 @@ enum Message {
 /// is bounded by its controller's admin timeout, 10 s by default).
 const RESET_TIMEOUT: Duration = Duration::from_secs(120);
 
+/// How long `retire_queue_pairs` waits for all workers (they delete their pairs concurrently;
+/// each deletion is bounded by its controller's admin timeout).
+const RETIRE_TIMEOUT: Duration = Duration::from_secs(120);
+
 struct Worker {
     sender: SyncSender<Message>,
+    /// Messages sent and not yet received by the worker: never below the channel's fill, so
+    /// `submit` can tell before it consumes anything whether a batch's messages fit.
+    queued: Arc<AtomicUsize>,
     thread: Option<JoinHandle<()>>,
+}
+
+impl Worker {
+    /// Sends without blocking, counted in `queued` (the worker uncounts it when it receives it).
+    fn try_send(&self, message: Message) -> Result<(), TrySendError<Message>> {
+        self.queued.fetch_add(1, Ordering::AcqRel);
+        let sent = self.sender.try_send(message);
+        if sent.is_err() {
+            self.queued.fetch_sub(1, Ordering::AcqRel);
+        }
+        sent
+    }
+
+    /// Sends, waiting for room (only for `Stop`, which must arrive), counted as `try_send`.
+    fn send(&self, message: Message) -> Result<(), mpsc::SendError<Message>> {
+        self.queued.fetch_add(1, Ordering::AcqRel);
+        let sent = self.sender.send(message);
+        if sent.is_err() {
+            self.queued.fetch_sub(1, Ordering::AcqRel);
+        }
+        sent
+    }
+
+    /// Whether the worker thread has ended (it panicked, or was told to stop): it takes no
+    /// more messages.
+    fn stopped(&self) -> bool {
+        self.thread.as_ref().is_none_or(JoinHandle::is_finished)
+    }
 }
 
 /// See the module documentation.
@@ -77,17 +120,24 @@ pub struct CpuWorkers {
     dealt_to: Vec<usize>,
     /// Scratch: per device, IOCTXs of the IOCB being dealt so far.
     dealt: Vec<u32>,
+    /// Scratch: per worker, the messages the batch being submitted sends it (sized by `attach`).
+    wanted: Vec<usize>,
     workers: Vec<Worker>,
     depth: u32,
-    /// The first error a worker hit, reported by `poll`. `poll` reads only the flag; the lock
-    /// is taken by a worker recording an error and by `poll` once the flag says there is one.
+    /// The first error a worker hit since `poll` last reported one. `poll` reads only the flag;
+    /// the lock is taken by a worker recording an error and by `poll` once the flag says
+    /// there is one.
     failure: Arc<Failure>,
 }
 
-/// The first error any worker hit.
+/// The first error any worker hit since it was last reported, like a `CpuExecutor` error:
+/// `poll` reports it once (a worker's error is about one completion, e.g. a duplicate the
+/// device sent, not a lasting state of the executor), and a successful reset forgets it.
 #[derive(Default)]
 struct Failure {
     /// Set (Release) after `reason` holds the text, so a poll that sees it (Acquire) finds it.
+    /// Written only under the `reason` lock, so a `take` cannot clear a flag a later `record`
+    /// set.
     raised: AtomicBool,
     reason: Mutex<Option<String>>,
 }
@@ -99,13 +149,15 @@ impl Failure {
         self.raised.store(true, Ordering::Release);
     }
 
-    /// The recorded reason; locks only when one was recorded, so the steady-state poll of a
-    /// healthy executor is one atomic load and never waits on a worker.
-    fn reason(&self) -> Option<String> {
+    /// Takes the recorded reason; locks only when one was recorded, so the steady-state poll
+    /// of a healthy executor is one atomic load and never waits on a worker.
+    fn take(&self) -> Option<String> {
         if !self.raised.load(Ordering::Acquire) {
             return None;
         }
-        self.reason.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone()
+        let mut slot = self.reason.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        self.raised.store(false, Ordering::Relaxed); // under the lock: see `raised`
+        slot.take()
     }
 }
 
@@ -153,6 +205,7 @@ impl CpuWorkers {
             built_for_budget: Vec::new(),
             dealt_to: Vec::new(),
             dealt: vec![0; device_count],
+            wanted: Vec::new(),
             workers: Vec::new(),
             depth,
             failure: Arc::default(),
@@ -187,26 +240,32 @@ impl CpuWorkers {
         Ok(())
     }
 
-    /// Acts on one message; `false` when the worker must stop.
-    fn handle(core: &mut CpuExecutor, message: Message) -> bool {
+    /// Acts on one message just received; `false` when the worker must stop.
+    fn handle(core: &mut CpuExecutor, queued: &AtomicUsize, message: Message) -> bool {
+        queued.fetch_sub(1, Ordering::AcqRel);
         match message {
             Message::Iocb(header) => core.accept(header),
             Message::Reset { fresh, done } => {
                 // The caller waits on `done`; if it gave up, nobody needs the answer.
                 let _ = done.send(core.replace_queue_pairs(fresh));
             }
+            Message::Retire { done } => {
+                // As for a reset. A pair that was not deleted stays in `core` (its rings are
+                // never freed while the controller may use them) and the answer says so.
+                let _ = done.send(core.retire_queue_pairs() == Some(true));
+            }
             Message::Stop => return false,
         }
         true
     }
 
-    fn run(memory: Arc<QueueMemory>, mut core: CpuExecutor, receiver: Receiver<Message>, failure: Arc<Failure>) {
+    fn run(memory: Arc<QueueMemory>, mut core: CpuExecutor, receiver: Receiver<Message>, queued: Arc<AtomicUsize>, failure: Arc<Failure>) {
         loop {
             // Take every IOCB handed over since the last round.
             loop {
                 match receiver.try_recv() {
                     Ok(message) => {
-                        if !Self::handle(&mut core, message) {
+                        if !Self::handle(&mut core, &queued, message) {
                             return;
                         }
                     }
@@ -225,7 +284,7 @@ impl CpuWorkers {
             // Idle: block until work arrives, bounded so that a lost wake-up cannot stall it.
             match receiver.recv_timeout(IDLE_WAIT) {
                 Ok(message) => {
-                    if !Self::handle(&mut core, message) {
+                    if !Self::handle(&mut core, &queued, message) {
                         return;
                     }
                 }
@@ -245,22 +304,25 @@ impl Executor for CpuWorkers {
         // A worker receives an IOCB only if it owns some of its IOCTXs, so the IOCB cannot complete
         // (and be reissued) before that worker took the message: the depth bounds each channel.
         // Twice the depth leaves slack.
-        let capacity = self.depth as usize * 2;
+        let capacity = self.channel_capacity();
         let config = memory.layout.config;
         let ioctx_index = Arc::new(IoctxIndex::new(config.depth, config.ioctx_per_iocb_max, self.counts.len()));
         self.index = Some(Arc::clone(&ioctx_index));
         self.dealt_to = vec![0; config.ioctx_per_iocb_max as usize];
         self.built_for_budget = vec![0; config.depth as usize];
+        self.wanted = vec![0; self.assignments.len()];
         for (index, queues) in std::mem::take(&mut self.assignments).into_iter().enumerate() {
             let (sender, receiver) = mpsc::sync_channel(capacity);
             let core = CpuExecutor::for_devices(queues, self.depth, Some((Arc::clone(&ioctx_index), index)));
             let memory = Arc::clone(memory);
             let failure = Arc::clone(&self.failure);
+            let queued = Arc::new(AtomicUsize::new(0));
+            let counter = Arc::clone(&queued);
             let thread = std::thread::Builder::new()
                 .name(format!("gio-cpu-{index}"))
-                .spawn(move || Self::run(memory, core, receiver, failure))
+                .spawn(move || Self::run(memory, core, receiver, counter, failure))
                 .map_err(|error| GioError::Executor { executor: "cpu-workers", reason: format!("spawn: {error}") })?;
-            self.workers.push(Worker { sender, thread: Some(thread) });
+            self.workers.push(Worker { sender, queued, thread: Some(thread) });
         }
         Ok(())
     }
@@ -276,6 +338,8 @@ impl Executor for CpuWorkers {
     }
 
     fn submit(&mut self, memory: &QueueMemory, batch: &IssueBatch) -> Result<(), GioError> {
+        // Refusals before anything is consumed leave the batch on the SQ with its IOCBs ISSUED:
+        // a reset ends them and drops the entries.
         if self.workers.is_empty() {
             return Err(GioError::Executor { executor: "cpu-workers", reason: "not attached to a queue".into() });
         }
@@ -290,9 +354,130 @@ impl Executor for CpuWorkers {
         let Some(ioctx_index) = self.index.clone() else {
             return Err(GioError::Executor { executor: "cpu-workers", reason: "not attached to a queue".into() });
         };
-        let budget = batch.sm_budget.0;
+        // Deal the whole batch and check that every worker it needs can take its messages
+        // before an id is consumed: a refusal part way would leave the SQ head inside the
+        // batch, and every later submit would fail.
+        let mut failure = self.plan(memory, &consumer, batch, &ioctx_index).err().map(|error| match error {
+            GioError::Executor { reason, .. } => reason,
+            other => other.to_string(),
+        });
+        let mut ended = 0u32;
         for _ in 0..batch.count {
             let Some(id) = consumer.next() else { break };
+            if id.0 >= memory.layout.config.depth {
+                continue; // `plan` refused the batch for it: there is no IOCB to end
+            }
+            if failure.is_some() {
+                // No worker got this IOCB, so nothing runs it: it ends now, with its one CQE.
+                match finish_as_timeout(memory, id) {
+                    Ok(_) => ended += 1,
+                    Err(error) => tracing::error!(%id, %error, "gio-uring CPU workers: ending an IOCB no worker took"),
+                }
+                continue;
+            }
+            let header = memory.read_iocb_header(id);
+            for (index, worker) in self.workers.iter().enumerate() {
+                if ioctx_index.range(id, index).1 == 0 {
+                    continue; // dealt none of this IOCB's IOCTXs
+                }
+                if let Err(error) = worker.try_send(Message::Iocb(header)) {
+                    // Only if the worker ended since `plan` looked. The workers that took this
+                    // IOCB run their IOCTXs; the rest never complete, so it waits for a reset.
+                    failure = Some(Self::send_error(index, &error));
+                    break;
+                }
+            }
+        }
+        drop(consumer); // the head moves past the whole batch (Release)
+        match failure {
+            None => Ok(()),
+            Some(error) => Err(GioError::Executor {
+                executor: "cpu-workers",
+                reason: format!("{error}; {ended} IOCBs of the batch no worker took were ended as timed out"),
+            }),
+        }
+    }
+
+    fn poll(&mut self, _memory: &QueueMemory) -> Result<(), GioError> {
+        match self.failure.take() {
+            Some(reason) => Err(GioError::Executor { executor: "cpu-workers", reason }),
+            None => Ok(()),
+        }
+    }
+
+    /// Deletes every worker's queue pairs (each worker its own, on its thread; those a failed
+    /// reset kept are retried) and says whether all are known gone. `Some(false)` also when a
+    /// worker has stopped or does not answer within the bound: its pairs may still be live.
+    fn retire_queue_pairs(&mut self) -> Option<bool> {
+        if self.workers.is_empty() {
+            // Never attached: the queue pairs are still here. One that is not deleted stays
+            // (and its drop retries, else leaks its rings); a later call retries it.
+            let mut all_deleted = true;
+            for (worker, slots) in self.assignments.iter_mut().enumerate() {
+                for (device, slot) in slots.iter_mut().enumerate() {
+                    if let Some(pair) = slot.take() {
+                        if let Err(error) = pair.delete() {
+                            let source = &error.source;
+                            tracing::error!(worker, device, %source, "gio-uring CPU workers teardown: a queue pair could not be deleted");
+                            *slot = Some(*error.pair);
+                            all_deleted = false;
+                        }
+                    }
+                }
+            }
+            return Some(all_deleted);
+        }
+        let deadline = Instant::now() + RETIRE_TIMEOUT;
+        let mut all_deleted = true;
+        let mut replies = Vec::with_capacity(self.workers.len());
+        for (index, worker) in self.workers.iter().enumerate() {
+            let (done, reply) = mpsc::sync_channel(1);
+            match worker.try_send(Message::Retire { done }) {
+                Ok(()) => replies.push((index, reply)),
+                Err(error) => {
+                    tracing::error!(worker = index, "gio-uring CPU workers teardown: {}", Self::send_error(index, &error));
+                    all_deleted = false;
+                }
+            }
+        }
+        for (index, reply) in replies {
+            let outcome = reply.recv_timeout(deadline.saturating_duration_since(Instant::now()));
+            match outcome {
+                Ok(true) => {}
+                Ok(false) => {
+                    tracing::error!(worker = index, "gio-uring CPU workers teardown: a worker could not delete a queue pair");
+                    all_deleted = false;
+                }
+                Err(error) => {
+                    tracing::error!(
+                        worker = index,
+                        "gio-uring CPU workers teardown: no answer within {} s ({error}): its queue pairs may still be live",
+                        RETIRE_TIMEOUT.as_secs()
+                    );
+                    all_deleted = false;
+                }
+            }
+        }
+        Some(all_deleted)
+    }
+}
+
+impl CpuWorkers {
+    /// Deals every IOCB of `batch` (consuming nothing) and checks that each worker it sends to
+    /// is running and has room in its channel for all its messages.
+    fn plan(
+        &mut self,
+        memory: &QueueMemory,
+        sq: &Consumer<'_, IocbId>,
+        batch: &IssueBatch,
+        ioctx_index: &IoctxIndex,
+    ) -> Result<(), GioError> {
+        let budget = batch.sm_budget.0;
+        self.wanted.fill(0);
+        for position in 0..batch.count {
+            let Some(id) = sq.peek_ahead(position) else {
+                return Err(GioError::Executor { executor: "cpu-workers", reason: format!("SQ lost entry {position} of batch {batch:?}") });
+            };
             if id.0 >= memory.layout.config.depth {
                 return Err(GioError::Executor { executor: "cpu-workers", reason: format!("SQ names {id}, outside the pool") });
             }
@@ -303,26 +488,40 @@ impl Executor for CpuWorkers {
                 ioctx_index.build(id, &self.dealt_to[..header.ioctx_count as usize], &mut self.counts);
                 self.built_for_budget[id.0 as usize] = budget;
             }
-            for (index, worker) in self.workers.iter().enumerate() {
-                if ioctx_index.range(id, index).1 == 0 {
-                    continue; // dealt none of this IOCB's IOCTXs
+            for (worker, wanted) in self.wanted.iter_mut().enumerate() {
+                if ioctx_index.range(id, worker).1 > 0 {
+                    *wanted += 1;
                 }
-                worker.sender.try_send(Message::Iocb(header)).map_err(|error| GioError::Executor {
+            }
+        }
+        let capacity = self.channel_capacity();
+        for (index, (worker, &wanted)) in self.workers.iter().zip(&self.wanted).enumerate() {
+            if wanted == 0 {
+                continue;
+            }
+            if worker.stopped() {
+                return Err(GioError::Executor { executor: "cpu-workers", reason: format!("worker {index} has stopped") });
+            }
+            let queued = worker.queued.load(Ordering::Acquire);
+            if queued.saturating_add(wanted) > capacity {
+                return Err(GioError::Executor {
                     executor: "cpu-workers",
-                    reason: match error {
-                        TrySendError::Full(_) => format!("worker {index} is {} IOCBs behind", self.depth * 2),
-                        TrySendError::Disconnected(_) => format!("worker {index} has stopped"),
-                    },
-                })?;
+                    reason: format!("worker {index} has {queued} messages queued, no room for {wanted} more (capacity {capacity})"),
+                });
             }
         }
         Ok(())
     }
 
-    fn poll(&mut self, _memory: &QueueMemory) -> Result<(), GioError> {
-        match self.failure.reason() {
-            Some(reason) => Err(GioError::Executor { executor: "cpu-workers", reason }),
-            None => Ok(()),
+    /// Messages a worker's channel holds: twice the depth (see `attach`).
+    fn channel_capacity(&self) -> usize {
+        self.depth as usize * 2
+    }
+
+    fn send_error(index: usize, error: &TrySendError<Message>) -> String {
+        match error {
+            TrySendError::Full(_) => format!("worker {index} has no room for another message"),
+            TrySendError::Disconnected(_) => format!("worker {index} has stopped"),
         }
     }
 }
@@ -356,10 +555,10 @@ impl crate::executor::QueuePairReset for CpuWorkers {
         let mut replies = Vec::with_capacity(self.workers.len());
         for (index, (worker, fresh)) in self.workers.iter().zip(per_worker).enumerate() {
             let (done, reply) = mpsc::sync_channel(1);
-            match worker.sender.send(Message::Reset { fresh, done }) {
+            match worker.try_send(Message::Reset { fresh, done }) {
                 Ok(()) => replies.push((index, reply)),
-                Err(_) => {
-                    failure.get_or_insert(GioError::Executor { executor: "cpu-workers", reason: format!("worker {index} has stopped") });
+                Err(error) => {
+                    failure.get_or_insert(GioError::Executor { executor: "cpu-workers", reason: Self::send_error(index, &error) });
                 }
             }
         }
@@ -384,6 +583,11 @@ impl crate::executor::QueuePairReset for CpuWorkers {
         if let Some(error) = failure {
             return Err(error);
         }
+        // Every queue pair is new: an error a worker hit on the old ones is history, and is no
+        // longer reported by `poll` (it was logged when it happened).
+        if let Some(reason) = self.failure.take() {
+            tracing::warn!(reason, "gio-uring CPU workers: the reset replaced the queue pairs a worker error concerned");
+        }
         crate::cpu_executor::finish_issued_as_timeout(memory)
     }
 }
@@ -392,7 +596,7 @@ impl Drop for CpuWorkers {
     fn drop(&mut self) {
         for worker in &self.workers {
             // A worker that already stopped has dropped its receiver; nothing to tell it.
-            let _ = worker.sender.send(Message::Stop);
+            let _ = worker.send(Message::Stop);
         }
         for worker in &mut self.workers {
             if let Some(thread) = worker.thread.take() {
@@ -411,6 +615,98 @@ mod tests {
 
     fn queue_memory() -> QueueMemory {
         QueueMemory::new(QueueConfig { depth: 4, ioctx_per_iocb_max: 4 }).expect("memory")
+    }
+
+    /// A queue over `workers` workers that own no queue pair: every IOCTX names device 0, which
+    /// they do not serve, so worker 0 takes it and fails it as invalid (no NVMe needed).
+    fn queue_without_devices(workers: usize) -> crate::queue::GioQueue<CpuWorkers> {
+        use crate::types::{Iova, IovaRange};
+        use crate::validate::{DeviceInfo, DeviceTable, RegisteredMemory};
+        let executor = CpuWorkers::new(0, (0..workers).map(|_| Vec::new()).collect(), 4).expect("workers");
+        let devices = DeviceTable::new(vec![DeviceInfo { nsid: 1, capacity_blocks: 1 << 20, block_bytes: 512, sgl_supported: true }]);
+        let registered = RegisteredMemory::new(vec![IovaRange::new(Iova(0x1000_0000), 1 << 20)]).expect("registered");
+        crate::queue::GioQueue::init_queue(QueueConfig { depth: 4, ioctx_per_iocb_max: 4 }, devices, registered, executor).expect("queue")
+    }
+
+    fn fill(queue: &mut crate::queue::GioQueue<CpuWorkers>, count: usize) -> Vec<IocbId> {
+        use crate::abi::Opcode;
+        use crate::types::{Dependency, DeviceIndex, Iova, Lba};
+        use crate::validate::{Descriptor, IocbSpec, IoctxSpec};
+        let ids = queue.get_iocb(count, Dependency::None).expect("IOCBs");
+        let spec = IocbSpec {
+            opcode: Opcode::Read,
+            user_data: 0,
+            layer_count: 1,
+            lba_stride_blocks: 0,
+            mem_stride_bytes: 0,
+            desc_stride_bytes: 0,
+        };
+        let ioctx = IoctxSpec {
+            device: DeviceIndex(0),
+            nsid: 1,
+            start_lba: Lba(0),
+            block_count: 1,
+            data: Iova(0x1000_0000),
+            descriptor: Descriptor::SglInline,
+            force_unit_access: false,
+        };
+        for &id in &ids {
+            queue.fill_iocb(id, &spec, &[ioctx]).expect("fill");
+        }
+        ids
+    }
+
+    fn soon() -> Instant {
+        Instant::now() + Duration::from_secs(5)
+    }
+
+    #[test]
+    fn a_batch_a_stopped_worker_cannot_take_ends_whole_and_the_sq_stays_usable() {
+        // Goal: when the worker a batch needs has stopped, submit consumes none of it part way:
+        // the whole batch leaves the SQ and each IOCB ends at once as timed out (one CQE each),
+        // so the caller can reap them, and a later issue finds the SQ where it expects it.
+        use crate::error::IocbFailure;
+        use crate::types::{LayerIndex, SmBudget};
+        let mut queue = queue_without_devices(1);
+        let ids = fill(&mut queue, 2);
+        queue.issue_io(&ids[..1], LayerIndex(0), SmBudget(1)).expect("a healthy worker takes the issue");
+        let first = queue.wait_cqe(ids[0], soon()).expect("the worker completes it");
+        assert_eq!(first.result, Err(IocbFailure::InvalidIoctx { ioctx_index: 0 }), "device 0 is served by no worker");
+        {
+            let worker = &mut queue.executor_mut().workers[0];
+            worker.try_send(Message::Stop).expect("the worker takes the stop");
+            worker.thread.take().expect("running").join().expect("the worker stops cleanly");
+        }
+        for round in 0..2 {
+            let refused = queue.issue_io(&ids, LayerIndex(0), SmBudget(1));
+            assert!(matches!(&refused, Err(error) if error.to_string().contains("worker 0 has stopped")), "round {round}: {refused:?}");
+            for &id in &ids {
+                let ended = queue.wait_cqe(id, soon()).expect("ended at once, not left hanging");
+                assert_eq!(ended.result, Err(IocbFailure::Timeout { ioctx_index: None }), "round {round}, {id}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_worker_error_is_reported_once_and_a_reset_forgets_one_not_yet_reported() {
+        // Goal: like the CPU executor, an error a worker recorded is returned by one poll, not
+        // by every later one; one still unreported when a reset replaces the queue pairs is
+        // forgotten (it concerned the old pairs), so I/O after the reset is not failed by it.
+        use crate::error::IocbFailure;
+        use crate::types::{LayerIndex, SmBudget};
+        let mut queue = queue_without_devices(1);
+        let ids = fill(&mut queue, 1);
+        let failure = Arc::clone(&queue.executor().failure);
+        failure.record(&GioError::InvalidConfig { reason: "a duplicate completion".into() });
+        let reported = queue.peek_cqe().expect_err("reported");
+        assert!(reported.to_string().contains("a duplicate completion"), "{reported}");
+        assert!(queue.peek_cqe().expect("reported once").is_none());
+        failure.record(&GioError::InvalidConfig { reason: "a stale completion".into() });
+        let (executor, memory) = queue.executor_and_memory();
+        assert_eq!(crate::executor::QueuePairReset::reset(executor, memory, Vec::new()).expect("reset"), 0);
+        queue.issue_io(&ids, LayerIndex(0), SmBudget(1)).expect("issue");
+        let completion = queue.wait_cqe(ids[0], soon()).expect("the wait is not failed by the forgotten error");
+        assert_eq!(completion.result, Err(IocbFailure::InvalidIoctx { ioctx_index: 0 }));
     }
 
     #[test]
@@ -435,5 +731,6 @@ mod tests {
         failure.record(&GioError::InvalidConfig { reason: "worker 0 hit a wall".into() });
         let reported = workers.poll(&queue_memory()).expect_err("the failure must be reported");
         assert!(reported.to_string().contains("worker 0 hit a wall"), "{reported}");
+        assert!(workers.poll(&queue_memory()).is_ok(), "and reported once");
     }
 }

@@ -79,6 +79,12 @@ pub enum GioError {
     WaitTimeout { id: IocbId, waited_ms: u128 },
     #[error("executor {executor}: {reason}")]
     Executor { executor: &'static str, reason: String },
+    /// `issue_io` published the issue and the executor then failed: the IOCBs are in flight, not
+    /// back to where they were. Each still completes exactly once (at once, once launches ahead
+    /// of it retire, or after a reset of the CPU executor's queue pairs), so wait for (or reap)
+    /// every one before `put_iocb`, and keep what they name until then.
+    #[error("the executor failed on an issue of {count} IOCBs already published: they stay in flight until each completes: {source}")]
+    SubmitFailed { count: u32, source: Box<GioError> },
     /// No usable CUDA driver: libcuda is absent, or cuInit found no device. GPU tests skip on it.
     #[error("no CUDA driver: {reason}")]
     NoCudaDriver { reason: String },

@@ -58,7 +58,9 @@ pub trait Executor: Send {
 
     /// Accepts one issue: consume `batch.count` ids from the SQ in order, execute every IOCTX of
     /// each IOCB (after `batch.dependency` has fired), and post exactly one CQE per IOCB. May
-    /// complete before returning or later.
+    /// complete before returning or later. The ids are published before this is called, so an
+    /// error does not take them back: every IOCB of the batch must still get its one CQE (at
+    /// once, later, or by a reset), and the caller treats them as in flight.
     fn submit(&mut self, memory: &QueueMemory, batch: &IssueBatch) -> Result<(), GioError>;
 
     /// Makes progress without blocking, for executors that are driven by their caller (a polled
@@ -89,8 +91,8 @@ pub trait Executor: Send {
     /// buffers, descriptor tables and PRP lists) may be freed. `Some(false)`: at least one pair
     /// could not be deleted (its rings are leaked) and its commands may still read or write that
     /// memory: the caller must keep it for good. Afterwards the executor serves no I/O.
-    /// `None` (the default): this executor does not report it (its queue pairs live on other
-    /// threads or a GPU, and their teardown is its own).
+    /// `None` (the default): this executor does not report it (the CUDA executor, whose
+    /// detached queue pairs its own teardown handles).
     fn retire_queue_pairs(&mut self) -> Option<bool> {
         None
     }
@@ -236,6 +238,9 @@ pub(crate) mod test_double {
         pub stalled: bool,
         /// Refuse every `prepared` call (as the CUDA executor does for data outside staging).
         pub refuse_prepared: bool,
+        /// Fail the next `submit` after taking its batch (as an executor that fails part way,
+        /// e.g. after a kernel launch): the IOCBs complete on later polls.
+        pub fail_next_submit: bool,
         /// (iocb, ioctx index) → NVMe status to complete with.
         pub faults: Vec<(IocbId, u32, NvmeStatus)>,
         pub pending: VecDeque<IocbId>,
@@ -302,6 +307,10 @@ pub(crate) mod test_double {
             }
             let ids: Vec<IocbId> = consumer.by_ref().take(batch.count as usize).collect();
             drop(consumer);
+            if std::mem::take(&mut self.fail_next_submit) {
+                self.pending.extend(ids);
+                return Err(GioError::Executor { executor: self.name(), reason: "failed after taking the batch".into() });
+            }
             for id in ids {
                 if self.deferred || self.stalled {
                     self.pending.push_back(id);

@@ -224,7 +224,9 @@ impl<E: Executor> GioQueue<E> {
     /// `issue_io(ids, SMs)` for one layer: publishes the ids on the SQ (one Release store for the
     /// batch) and hands the batch to the executor. All-or-nothing: on any error before the
     /// executor is called, nothing was issued. A full SQ is back-pressure
-    /// ([`GioError::SubmissionQueueFull`]): reap and retry.
+    /// ([`GioError::SubmissionQueueFull`]): reap and retry. An error of the executor's comes
+    /// as [`GioError::SubmitFailed`]: the IOCBs were published and are in flight; each still
+    /// completes once, and must be waited for like any issued IOCB.
     pub fn issue_io(&mut self, ids: &[IocbId], layer: LayerIndex, sm_budget: SmBudget) -> Result<(), GioError> {
         let depth = self.config().depth;
         if ids.is_empty() || ids.len() > depth as usize {
@@ -278,7 +280,7 @@ impl<E: Executor> GioQueue<E> {
             self.forget_reaped(id);
         }
         let batch = IssueBatch { sq_first, count: needed, layer, sm_budget, dependency };
-        self.executor.submit(&self.memory, &batch)
+        self.executor.submit(&self.memory, &batch).map_err(|source| GioError::SubmitFailed { count: needed, source: Box::new(source) })
     }
 
     /// Moves every posted CQE into the host state. Each CQE is untrusted: it must name an IOCB in
@@ -335,14 +337,17 @@ impl<E: Executor> GioQueue<E> {
         }
     }
 
-    /// The oldest completion not yet reaped, without consuming it. Never blocks.
+    /// The oldest completion not yet reaped, without consuming it. Never waits for a completion;
+    /// the executor's `poll` may wait, bounded (the CUDA executor drains its stream, up to its
+    /// `drain_timeout`, before it retires a launch that timed out).
     pub fn peek_cqe(&mut self) -> Result<Option<Completion>, GioError> {
         self.executor.poll(&self.memory)?;
         self.drain_cq()?;
         Ok(self.reaped.front().and_then(|&id| self.completion_of(id)))
     }
 
-    /// Takes the oldest completion not yet reaped. Never blocks.
+    /// Takes the oldest completion not yet reaped. Never waits for a completion (see
+    /// [`GioQueue::peek_cqe`] for the executor's bounded waits).
     pub fn reap_cqe(&mut self) -> Result<Option<Completion>, GioError> {
         self.executor.poll(&self.memory)?;
         self.drain_cq()?;

@@ -440,3 +440,28 @@ fn an_iocb_the_executor_refuses_to_prepare_cannot_be_issued() {
     queue.issue_io(&[id], LayerIndex(0), SmBudget(1)).unwrap();
     assert_eq!(queue.wait_cqe(id, soon()).unwrap().result, Ok(()));
 }
+
+#[test]
+fn an_executor_failure_after_publishing_leaves_the_iocbs_in_flight_until_they_complete() {
+    // Goal: once `issue_io` has published the ids, an executor error cannot take them back: it
+    // comes as `SubmitFailed`, the IOCBs stay in flight (they cannot be put back or refilled
+    // while the executor may still run them), and each completes once, as usual.
+    let mut queue = queue(MemoryExecutor { deferred: true, fail_next_submit: true, ..MemoryExecutor::default() });
+    let ids = queue.get_iocb(2, Dependency::None).unwrap();
+    for (n, &id) in ids.iter().enumerate() {
+        queue.fill_iocb(id, &layered(n as u64), &[ioctx(0, 0, 8, 0)]).unwrap();
+    }
+    let failed = queue.issue_io(&ids, LayerIndex(0), SmBudget(1));
+    assert!(
+        matches!(&failed, Err(GioError::SubmitFailed { count: 2, source }) if matches!(**source, GioError::Executor { .. })),
+        "{failed:?}"
+    );
+    for &id in &ids {
+        assert!(matches!(queue.put_iocb(id), Err(GioError::WrongState { .. })), "{id} is in flight");
+        assert!(matches!(queue.fill_iocb(id, &layered(9), &[ioctx(0, 0, 8, 0)]), Err(GioError::WrongState { .. })));
+    }
+    for &id in &ids {
+        assert_eq!(queue.wait_cqe(id, soon()).unwrap().result, Ok(()), "{id} completes once");
+        queue.put_iocb(id).unwrap();
+    }
+}

@@ -216,6 +216,12 @@ impl<E: RingEntry> Consumer<'_, E> {
         (self.head != self.tail).then(|| E::load(self.ring.region, self.ring.entry_offset(self.head)))
     }
 
+    /// The entry `ahead` positions after the next one (0: the next), without consuming
+    /// anything; `None` past the entries this view holds.
+    pub fn peek_ahead(&self, ahead: u32) -> Option<E> {
+        (ahead < self.len()).then(|| E::load(self.ring.region, self.ring.entry_offset(self.head.wrapping_add(ahead))))
+    }
+
     /// Releases consumed slots (one Release store) and loads the producer's newest tail.
     pub fn sync(&mut self) -> Result<(), GioError> {
         self.release();

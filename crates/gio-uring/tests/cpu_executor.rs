@@ -368,3 +368,55 @@ fn a_lent_queue_pair_is_emptied_first_and_serves_the_borrowers_commands() {
     let (executor, memory) = workers.queue.executor_and_memory();
     assert!(executor.lend_queue_pair(memory, 0, deadline()).unwrap().is_none(), "worker threads own their queue pairs");
 }
+
+#[test]
+fn cpu_workers_report_a_queue_pair_they_could_not_delete_at_teardown() {
+    // Goal: teardown has every worker delete its own queue pairs and answers Some(false) when a
+    // controller refuses one (its commands may still move data, so the caller must keep the
+    // memory they name; None would let it free that memory), then Some(true) once a later call
+    // deleted the pair the worker kept.
+    let mut rig = rig_with(true, 2, 8, |queues| {
+        let workers = queues.into_iter().enumerate().map(|(device, queue)| vec![(DeviceIndex(device as u16), queue)]).collect();
+        CpuWorkers::new(2, workers, 16).unwrap()
+    });
+    round_trip(&mut rig, true, 2);
+    let refuse_delete = FaultRule::on_nth_admin(
+        1,
+        nvme_driver::spec::AdminOpcode::DeleteIoSubmissionQueue,
+        FaultAction::Status(DriverStatus::generic(nvme_driver::spec::status::codes::INTERNAL_ERROR)),
+    );
+    rig.device.set_faults(FaultPlan::none().with_rule(refuse_delete));
+    assert_eq!(rig.queue.executor_mut().retire_queue_pairs(), Some(false), "a refused Delete I/O SQ is reported");
+    rig.device.set_faults(FaultPlan::none());
+    assert_eq!(rig.queue.executor_mut().retire_queue_pairs(), Some(true), "the kept pair is deleted by the retry");
+}
+
+#[test]
+fn a_worker_error_from_a_bad_completion_is_reported_once_and_later_io_succeeds() {
+    // Goal: a completion with a command id that was never issued is a worker error, reported by
+    // one wait like the CPU executor's, not by every later poll: another IOCB then completes
+    // normally, and a reset reclaims the IOCB whose real completion never came.
+    let mut rig = rig_with(true, 1, 64, |queues| {
+        let workers = queues.into_iter().map(|queue| vec![(DeviceIndex(0), queue)]).collect();
+        CpuWorkers::new(1, workers, 16).unwrap()
+    });
+    rig.device.set_faults(FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::CorruptCommandId)));
+    let ids = rig.queue.get_iocb(2, Dependency::None).unwrap();
+    let (lost, later) = (ids[0], ids[1]);
+    let specs = ioctxs(&rig.target, true, 1);
+    rig.queue.fill_iocb(lost, &layered(Opcode::Read), &specs[..1]).unwrap();
+    rig.queue.fill_iocb(later, &layered(Opcode::Read), &specs[1..2]).unwrap();
+    rig.queue.issue_io(&[lost], LayerIndex(0), SmBudget(1)).unwrap();
+    let failed = rig.queue.wait_cqe(lost, deadline());
+    assert!(matches!(&failed, Err(GioError::Executor { executor: "cpu-workers", .. })), "{failed:?}");
+    rig.queue.issue_io(&[later], LayerIndex(0), SmBudget(1)).unwrap();
+    assert_eq!(rig.queue.wait_cqe(later, deadline()).unwrap().result, Ok(()), "the error was reported once, not forever");
+    let fresh = rig.controller.create_io_queue_pair(64).unwrap();
+    let (executor, memory) = rig.queue.executor_and_memory();
+    assert_eq!(gio_uring::QueuePairReset::reset(executor, memory, vec![fresh]).unwrap(), 1, "the IOCB whose completion was lost");
+    assert!(matches!(rig.queue.wait_cqe(lost, deadline()).unwrap().result, Err(IocbFailure::Timeout { .. })));
+    rig.queue.issue_io(&[lost, later], LayerIndex(1), SmBudget(1)).unwrap();
+    for id in [lost, later] {
+        assert_eq!(rig.queue.wait_cqe(id, deadline()).unwrap().result, Ok(()), "{id} after the reset");
+    }
+}

@@ -375,6 +375,8 @@ impl BarMapping {
 pub struct DeviceMemory {
     address: sys::CUdeviceptr,
     len_bytes: usize,
+    /// Set by [`DeviceMemory::keep_for_good`]: never freed.
+    kept: bool,
 }
 
 impl DeviceMemory {
@@ -383,7 +385,13 @@ impl DeviceMemory {
         let mut address: sys::CUdeviceptr = 0;
         // SAFETY: `address` is a valid out-pointer; the size is checked by the driver.
         check("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut address, len_bytes.max(1)) })?;
-        Ok(Self { address, len_bytes })
+        Ok(Self { address, len_bytes, kept: false })
+    }
+
+    /// Never frees the allocation (a kernel that could not be waited for may still use it): it
+    /// stays allocated until the process ends.
+    pub fn keep_for_good(&mut self) {
+        self.kept = true;
     }
 
     pub fn address(&self) -> u64 {
@@ -424,6 +432,9 @@ impl DeviceMemory {
 
 impl Drop for DeviceMemory {
     fn drop(&mut self) {
+        if self.kept {
+            return;
+        }
         // SAFETY: `address` came from cuMemAlloc and is freed once, here.
         if let Err(error) = check("cuMemFree", unsafe { sys::cuMemFree_v2(self.address) }) {
             tracing::warn!("gio-uring: {error}");

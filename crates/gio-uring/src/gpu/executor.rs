@@ -34,7 +34,7 @@
 //! so every later `poll` or `submit` retries the reset and no kernel runs until it succeeds.
 
 use std::collections::VecDeque;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -130,13 +130,27 @@ impl DependencyEvent {
 struct Launch {
     sq_first: u32,
     count: u32,
-    /// `None`: enqueueing failed part way; its IOCBs are finished as timed out.
+    /// `None`: enqueueing failed part way; its IOCBs are finished as timed out, even those the
+    /// kernel (if it ran) finished as SUCCESS (see `enqueued`).
     event: Option<usize>,
     /// Whether the kernel was launched (then a timeout may have left the queue pairs dirty).
     ran: bool,
     /// Resets done when it was enqueued: a timeout in a launch older than the last reset does not
     /// need another one.
     reset_generation: u64,
+}
+
+impl Launch {
+    /// Whether everything after the kernel reached the stream: not so when the kernel ran but
+    /// a later step (a staged host-to-GPU copy, the event) failed to enqueue, and a read's
+    /// bytes may then never have been copied into place.
+    fn enqueued(&self) -> retire::Enqueued {
+        if self.ran && self.event.is_none() {
+            retire::Enqueued::Partly
+        } else {
+            retire::Enqueued::Fully
+        }
+    }
 }
 
 /// State that exists once `init_queue` attached the executor to a queue.
@@ -479,7 +493,15 @@ impl GpuExecutor {
     /// A launch whose kernel (and copies) completed: reset the queue pairs if it timed out, post
     /// one CQE per IOCB from the IOCB's final line, advance the SQ head, empty the sink.
     fn finish_launch(&mut self, memory: &QueueMemory, launch: Launch) -> Result<(), GioError> {
-        let timed_out = retire::settle(memory, launch.sq_first, launch.count)?;
+        let enqueued = launch.enqueued();
+        if enqueued == retire::Enqueued::Partly {
+            // `submit` waited for its kernel when the enqueue failed, but that wait may have
+            // run out: nothing of it is retired (no status read, no CQE) until the kernel and
+            // the copies that did enqueue have finished. An error leaves it unretired, and
+            // the next `poll` waits again.
+            self.drain_stream()?;
+        }
+        let timed_out = retire::settle(memory, launch.sq_first, launch.count, enqueued)?;
         // Launches enqueued before the last reset ran on the queue pairs it replaced.
         if timed_out && launch.ran && launch.reset_generation == self.reset_generation {
             self.reset_queue_pairs()?;
@@ -600,8 +622,11 @@ impl Executor for GpuExecutor {
             }
             Err((ran, error)) => {
                 // The batch's IOCBs must still complete exactly once, in SQ order: the launch is
-                // recorded without an event and retired as timed out. A kernel that did start is
-                // waited for first (bounded), since it reads the SQ entries until it exits.
+                // recorded without an event and every IOCB of it is retired as timed out, even
+                // one the kernel finished as SUCCESS (a copy meant to follow the kernel may be
+                // missing; see `Launch::enqueued`). A kernel that did start is waited for first
+                // (bounded, and again at retirement), since it reads the SQ entries until it
+                // exits.
                 if let Some(attached) = self.attached.as_mut() {
                     attached.free_events.push(event_index);
                 }
@@ -625,12 +650,50 @@ impl Executor for GpuExecutor {
     }
 }
 
+/// CUDA executors whose teardown could not wait for the GPU and kept their memory for good.
+static TEARDOWNS_LEAKED: AtomicU64 = AtomicU64::new(0);
+
+/// How many CUDA executors so far in this process were dropped while the I/O stream would not
+/// drain, and so kept (leaked) their GPU state, host registrations, queue pairs and context.
+pub fn teardowns_leaked() -> u64 {
+    TEARDOWNS_LEAKED.load(Ordering::Relaxed)
+}
+
+impl GpuExecutor {
+    /// Teardown when the stream did not drain: a kernel or staged copy may still read or write
+    /// the registered host memory (gio queue, sink, staging, NVMe rings), the kernel state in
+    /// GPU memory and the detached queue pairs, and use the module and the contexts. None of
+    /// it is unregistered, freed, deleted or released: it stays until the process ends.
+    fn keep_for_good(&mut self, why: &GioError) {
+        let registrations = std::mem::take(&mut self.registrations);
+        let registered = registrations.len();
+        std::mem::forget(registrations);
+        std::mem::forget(self.attached.take());
+        std::mem::forget(std::mem::take(&mut self.dependency_events));
+        let queue_pairs = std::mem::take(&mut self.queues);
+        let queue_pair_count = queue_pairs.len();
+        std::mem::forget(queue_pairs);
+        self.state.keep_for_good();
+        self.runtime.keep_for_good();
+        TEARDOWNS_LEAKED.fetch_add(1, Ordering::Relaxed);
+        tracing::error!(
+            %why,
+            registered,
+            queue_pairs = queue_pair_count,
+            state_bytes = self.state.len_bytes(),
+            "gio-uring CUDA executor teardown: the I/O stream did not drain, so a kernel or copy may still use its memory; its host \
+             registrations, GPU state, detached NVMe queue pairs, events and contexts are kept for good (leaked)"
+        );
+    }
+}
+
 impl Drop for GpuExecutor {
     fn drop(&mut self) {
-        // Host memory may only be unregistered (and then freed) once no kernel or copy uses it.
+        // Host memory may only be unregistered (and then freed), GPU memory freed and queue pairs
+        // deleted once no kernel or copy uses them.
         let drained = self.runtime.make_current().and_then(|()| self.drain_stream());
         if let Err(error) = drained {
-            tracing::warn!("gio-uring CUDA executor teardown: {error}");
+            self.keep_for_good(&error);
         }
     }
 }

@@ -18,7 +18,7 @@ pub mod plan;
 mod retire;
 
 pub use driver::{BarMapping, CallerEvent, DeviceMemory};
-pub use executor::{GpuExecutor, GpuExecutorConfig, GpuQueueSpec, StagingBuffer};
+pub use executor::{teardowns_leaked, GpuExecutor, GpuExecutorConfig, GpuQueueSpec, StagingBuffer};
 
 use std::ffi::CStr;
 use std::fmt;
@@ -154,6 +154,8 @@ impl KernelImage {
 pub struct GpuRuntime {
     handles: driver::Handles,
     report: GpuReport,
+    /// Set by [`GpuRuntime::keep_for_good`]: dropping it releases nothing.
+    kept: bool,
 }
 
 impl GpuRuntime {
@@ -221,7 +223,7 @@ impl GpuRuntime {
             kernel_image,
         };
         tracing::info!(?report, "gio-uring GPU runtime ready (DMA mode {})", config.dma_mode);
-        Ok(Self { handles: driver::Handles { device, context, module, function, green, stream }, report })
+        Ok(Self { handles: driver::Handles { device, context, module, function, green, stream }, report, kept: false })
     }
 
     fn io_domain(
@@ -276,8 +278,20 @@ impl GpuRuntime {
     }
 }
 
+impl GpuRuntime {
+    /// Makes dropping it release nothing: the stream, the kernel's module and the contexts
+    /// (whose end would free every allocation in them) stay until the process ends. For a
+    /// teardown that could not wait for a kernel still using them.
+    pub(crate) fn keep_for_good(&mut self) {
+        self.kept = true;
+    }
+}
+
 impl Drop for GpuRuntime {
     fn drop(&mut self) {
+        if self.kept {
+            return;
+        }
         // Errors on teardown cannot be acted on; they are logged, not hidden.
         // The module belongs to the I/O context: unload it while that context exists.
         let results = [

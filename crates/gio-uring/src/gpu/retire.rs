@@ -3,7 +3,10 @@
 //!
 //! Order, once the launch's event says the kernel (and its copies) completed:
 //! 1. [`settle`]: any IOCB the kernel left ISSUED is finished as TIMEOUT (same compare-and-swap as
-//!    the kernel, so still one completion per issue); reports whether any IOCB timed out;
+//!    the kernel, so still one completion per issue); reports whether any IOCB timed out. For a
+//!    launch whose enqueueing failed after the kernel started ([`Enqueued::Partly`]: a staged
+//!    copy that should have followed it never ran), an IOCB the kernel finished as SUCCESS
+//!    becomes TIMEOUT too: its bytes may not be where the caller reads them;
 //! 2. the caller resets the NVMe queue pairs if so;
 //! 3. [`post_completions`]: one CQE per IOCB, built from its final line;
 //! 4. [`advance_sq`]: the SQ head moves past the launch, which only now stops reading its entries.
@@ -32,10 +35,24 @@ pub fn sq_entry(memory: &QueueMemory, position: u32) -> Result<IocbId, GioError>
     Ok(IocbId(id))
 }
 
-/// Finishes IOCBs the kernel left ISSUED as TIMEOUT; true if any IOCB of the launch ended with a
-/// status after which the queue pairs must be reset (a timeout, or a controller fault: a
-/// completion that named another SQ).
-pub fn settle(memory: &QueueMemory, sq_first: u32, count: u32) -> Result<bool, GioError> {
+/// How much of a launch reached the stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Enqueued {
+    /// Everything: the copies, the kernel and the event (or nothing ran at all: every IOCB is
+    /// still ISSUED and times out).
+    Fully,
+    /// The kernel ran, but a step after it failed to enqueue (a staged host-to-GPU copy, the
+    /// event): some IOCB's data may never have been copied into place.
+    Partly,
+}
+
+/// Finishes IOCBs the kernel left ISSUED as TIMEOUT, and with [`Enqueued::Partly`] those it
+/// finished as SUCCESS too (conservatively every one of the launch, not only those whose copy
+/// failed: which copies ran is not known here); an IOCB the kernel failed keeps its failure.
+/// True if any IOCB of the launch ended with a status after which the queue pairs must be
+/// reset (a timeout or a controller fault of the kernel's; not the forced ones, whose NVMe
+/// commands all completed).
+pub fn settle(memory: &QueueMemory, sq_first: u32, count: u32, enqueued: Enqueued) -> Result<bool, GioError> {
     let mut reset_needed = false;
     for position in 0..count {
         let id = sq_entry(memory, sq_first.wrapping_add(position))?;
@@ -46,6 +63,10 @@ pub fn settle(memory: &QueueMemory, sq_first: u32, count: u32) -> Result<bool, G
             .is_ok();
         let ended = abi::IocbStatus::from_abi(memory.region.load_u32(status, Ordering::Acquire));
         reset_needed |= abandoned || ended.is_some_and(abi::IocbStatus::requires_queue_pair_reset);
+        if enqueued == Enqueued::Partly && ended == Some(abi::IocbStatus::Success) {
+            // The kernel has exited (the caller drained the stream), so nothing else writes it.
+            memory.region.store_u32(status, abi::GIO_IOCB_STATUS_TIMEOUT, Ordering::Release);
+        }
     }
     Ok(reset_needed)
 }
@@ -152,7 +173,7 @@ mod tests {
         memory.region.store_u32(memory.iocb_field_offset(a, IocbField::FailedIoctx), 1, Ordering::Relaxed);
         memory.region.store_u16(memory.iocb_field_offset(a, IocbField::FailedNvmeStatus), NvmeStatus::new(2, 0x81).0, Ordering::Relaxed);
         memory.region.store_u32(memory.iocb_field_offset(a, IocbField::Status), abi::GIO_IOCB_STATUS_NVME_ERROR, Ordering::Release);
-        assert!(settle(memory, 0, 2).unwrap(), "IOCB b was left ISSUED: a timeout");
+        assert!(settle(memory, 0, 2, Enqueued::Fully).unwrap(), "IOCB b was left ISSUED: a timeout");
         assert!(queue.peek_cqe().unwrap().is_none(), "nothing is visible before the CQEs are posted");
         let memory = queue.memory();
         post_completions(memory, 0, 2).unwrap();
@@ -175,7 +196,7 @@ mod tests {
         for id in [a, b] {
             memory.region.store_u32(memory.iocb_field_offset(id, IocbField::Status), abi::GIO_IOCB_STATUS_SUCCESS, Ordering::Release);
         }
-        assert!(!settle(memory, 0, 2).unwrap());
+        assert!(!settle(memory, 0, 2, Enqueued::Fully).unwrap());
         assert!(advance_sq(memory, 1, 1).is_err(), "retirement must start at the SQ head");
     }
 
@@ -187,11 +208,31 @@ mod tests {
         let memory = queue.memory();
         memory.region.store_u32(memory.iocb_field_offset(a, IocbField::Status), abi::GIO_IOCB_STATUS_SUCCESS, Ordering::Release);
         memory.region.store_u32(memory.iocb_field_offset(b, IocbField::Status), abi::GIO_IOCB_STATUS_CONTROLLER_FAULT, Ordering::Release);
-        assert!(settle(memory, 0, 2).unwrap(), "a controller fault requires a queue-pair reset");
+        assert!(settle(memory, 0, 2, Enqueued::Fully).unwrap(), "a controller fault requires a queue-pair reset");
         post_completions(memory, 0, 2).unwrap();
         advance_sq(memory, 0, 2).unwrap();
         let deadline = Instant::now() + Duration::from_secs(1);
         assert_eq!(queue.wait_cqe(a, deadline).unwrap().result, Ok(()));
         assert_eq!(queue.wait_cqe(b, deadline).unwrap().result, Err(IocbFailure::ControllerFault { ioctx_index: None }));
+    }
+
+    #[test]
+    fn a_launch_whose_copies_did_not_all_enqueue_serves_no_success() {
+        // Goal: the kernel ran and finished IOCB a as SUCCESS and b with an NVMe error, but a
+        // staged host-to-GPU copy after it failed to enqueue: a's bytes may not be in place, so
+        // it must complete as a failure (timeout), never as SUCCESS; b keeps its own failure;
+        // no queue-pair reset is asked for (every NVMe command completed).
+        let (mut queue, [a, b]) = queue_with_two_issued();
+        let memory = queue.memory();
+        memory.region.store_u32(memory.iocb_field_offset(a, IocbField::Status), abi::GIO_IOCB_STATUS_SUCCESS, Ordering::Release);
+        memory.region.store_u32(memory.iocb_field_offset(b, IocbField::FailedIoctx), 0, Ordering::Relaxed);
+        memory.region.store_u16(memory.iocb_field_offset(b, IocbField::FailedNvmeStatus), NvmeStatus::new(2, 0x81).0, Ordering::Relaxed);
+        memory.region.store_u32(memory.iocb_field_offset(b, IocbField::Status), abi::GIO_IOCB_STATUS_NVME_ERROR, Ordering::Release);
+        assert!(!settle(memory, 0, 2, Enqueued::Partly).unwrap(), "nothing timed out in the kernel");
+        post_completions(memory, 0, 2).unwrap();
+        advance_sq(memory, 0, 2).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(1);
+        assert_eq!(queue.wait_cqe(a, deadline).unwrap().result, Err(IocbFailure::Timeout { ioctx_index: None }));
+        assert!(matches!(queue.wait_cqe(b, deadline).unwrap().result, Err(IocbFailure::Nvme { ioctx_index: 0, .. })));
     }
 }

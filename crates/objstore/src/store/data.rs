@@ -444,11 +444,17 @@ impl<E: Executor> StoreData<E> {
         let lane = request.next_lane;
         let request = &self.requests[index];
         let ids = &request.iocbs[lane * request.iocbs_per_lane..(lane + 1) * request.iocbs_per_lane];
-        self.queue.issue_io(ids, LayerIndex(layer), budget)?;
-        let request = &mut self.requests[index];
-        request.in_flight.push_back((layer, lane));
-        request.next_lane = (lane + 1) % request.lanes;
-        Ok(())
+        let issued = self.queue.issue_io(ids, LayerIndex(layer), budget);
+        // An executor failure after the ids were published (`SubmitFailed`) leaves the IOCBs in
+        // flight, each still to complete once: the layer is tracked like any issued one, so
+        // `wait` reaps its IOCBs and `finish` refuses until it has. Any other error issued
+        // nothing.
+        if matches!(issued, Ok(()) | Err(GioError::SubmitFailed { .. })) {
+            let request = &mut self.requests[index];
+            request.in_flight.push_back((layer, lane));
+            request.next_lane = (lane + 1) % request.lanes;
+        }
+        issued.map_err(ObjstoreError::from)
     }
 
     /// Issues the prepared reads of one layer (O(IOCBs)). Wait with [`StoreData::wait`].

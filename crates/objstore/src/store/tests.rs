@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use gio_uring::{CpuExecutor, SmBudget};
+use gio_uring::{CpuExecutor, GioError, SmBudget};
 use nvme_driver::hw::DeviceBackend;
 use nvme_driver::{Controller, ControllerConfig, DataPointerMode, DmaAllocator, DmaRegion, NamespaceId};
 use nvme_emu::{Backing, EmuConfig, EmuDevice, NamespaceConfig};
@@ -528,4 +528,63 @@ fn a_store_that_fits_only_with_a_fenced_device_is_refused_with_the_cache_intact(
     // One block fits in device 0's free slot, without evicting.
     let (plan, devices) = commit_keys(&mut control, &three[..1]).expect("store");
     assert_eq!((plan.evicted_slots, devices), (0, vec![0]));
+}
+
+/// A CPU executor whose next `submit` fails after it took the batch, as an executor that fails
+/// part way through an issue (the CUDA one after its kernel launch): the IOCBs still run.
+struct FailsAfterPublishing {
+    inner: CpuExecutor,
+    fail_next: bool,
+}
+
+impl gio_uring::Executor for FailsAfterPublishing {
+    fn name(&self) -> &'static str {
+        "fails after publishing"
+    }
+
+    fn submit(&mut self, memory: &gio_uring::layout::QueueMemory, batch: &gio_uring::IssueBatch) -> std::result::Result<(), GioError> {
+        self.inner.submit(memory, batch)?;
+        if std::mem::take(&mut self.fail_next) {
+            return Err(GioError::Executor { executor: "fails after publishing", reason: "after the batch was taken".into() });
+        }
+        Ok(())
+    }
+
+    fn poll(&mut self, memory: &gio_uring::layout::QueueMemory) -> std::result::Result<(), GioError> {
+        self.inner.poll(memory)
+    }
+
+    fn retire_queue_pairs(&mut self) -> Option<bool> {
+        self.inner.retire_queue_pairs()
+    }
+}
+
+#[test]
+fn a_layer_whose_issue_failed_after_publishing_stays_in_flight_until_waited_for() {
+    // Goal: when the executor fails after the layer's IOCBs were published, they are in flight
+    // (the device may still move the request's bytes): the data half tracks the layer as in
+    // flight, refuses to finish the request (which would put the IOCBs back and let the engine
+    // release its blocks) until a wait has reaped them, and then finishes it normally.
+    let fixture = fixture(2, None);
+    let config = StoreConfig { requests_max: 2, ..StoreConfig::default() };
+    let (pool, _) = Pool::open(fixture.targets.clone(), Some(&geometry())).expect("open");
+    let shape = pool.shape().expect("shape");
+    let executor = FailsAfterPublishing { inner: cpu_executor_for(&pool, 64, &config).expect("executor"), fail_next: false };
+    let mut control = StoreControl::new(pool, config.requests_max).expect("control");
+    let mut data = StoreData::new(shape, fixture.registration.clone(), fixture.dma.clone(), executor, config).expect("data");
+    let keys = keys_of(&tokens(3, 2));
+    for (block, &key) in keys.iter().enumerate() {
+        fill(&fixture, block as u32, key);
+    }
+    let plan = control.reserve_store(&keys, &[0, 1], &mut NoLender).expect("reserve_store");
+    data.prepare(plan.handle, Direction::Store, control.placements(plan.handle).unwrap(), None).expect("prepare");
+    data.queue_mut().executor_mut().fail_next = true;
+    let failed = data.store_layer(plan.handle, 0, BUDGET);
+    assert!(matches!(failed, Err(ObjstoreError::Gio(GioError::SubmitFailed { .. }))), "{failed:?}");
+    assert_eq!(data.layers_in_flight(plan.handle).unwrap().collect::<Vec<_>>(), vec![0], "the layer is tracked as in flight");
+    assert!(matches!(data.finish(plan.handle), Err(ObjstoreError::HandleState { .. })), "not finishable while its IOCBs may run");
+    assert_eq!(data.wait(plan.handle, deadline()).expect("its IOCBs complete"), Some(0));
+    data.finish(plan.handle).expect("finished once reaped");
+    control.release(plan.handle).expect("release");
+    assert!(data.close(), "every queue pair deleted");
 }
