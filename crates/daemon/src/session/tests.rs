@@ -1,0 +1,309 @@
+use std::os::fd::AsFd;
+
+use std::time::Duration;
+
+use nvme_driver::hw::{AddressSpaceId, CopiedMemory, CopiedRegion, DataRegion, DeviceBackend, DmaAllocator, HwError, RegisterIo};
+use nvme_driver::spec::registers;
+use nvme_driver::{Controller, ControllerConfig};
+use nvme_emu::{Backing, EmuConfig, NamespaceConfig};
+use objstore::{format_pool, FormatParams, ModelGeometry, Pool, PoolTarget};
+
+use super::*;
+use crate::gpu_memory::DeviceMemoryService;
+use crate::protocol::{DeviceMemoryKind, RegisterDeviceMemory, RingOffsets};
+
+/// A one-device pool on a software controller started with or without a shared register
+/// page, as the daemon's store state.
+fn store(shared_registers: bool) -> Mutex<StoreState> {
+    store_on(EmuConfig::default().with_shared_registers(shared_registers), |device| device)
+}
+
+/// A one-device pool on a software controller started with `config` (its backing and
+/// namespace set here), which the driver reaches through `backend(device)`.
+fn store_on(config: EmuConfig, backend: impl FnOnce(Arc<EmuDevice>) -> Arc<dyn DeviceBackend>) -> Mutex<StoreState> {
+    let config = config.with_backing(Backing::Memory { bytes: 32 << 20 }).with_namespaces(vec![NamespaceConfig::new(4096, None)]);
+    let device = EmuDevice::start(config).unwrap();
+    let backend = backend(device.clone());
+    let controller = Arc::new(Controller::init(backend, ControllerConfig::default()).unwrap());
+    let targets = vec![PoolTarget { controller, namespace: NamespaceId(1) }];
+    let geometry = ModelGeometry { layers: 2, kv_heads: 2, head_dim: 64, dtype_bytes: 2, block_tokens: 16 };
+    let params = FormatParams { geometry, blocks_per_slot: 1, slot_count_max: Some(64), pool_uuid: None, payload_crc: false };
+    format_pool(&targets, &params).unwrap();
+    let (pool, _) = Pool::open(targets, Some(&geometry)).unwrap();
+    let control = StoreControl::new(pool, 8).unwrap();
+    let relay = DoorbellRelay::start(crate::relay::RelayConfig::default()).unwrap();
+    Mutex::new(StoreState { control, emulators: vec![Some(device)], relay })
+}
+
+/// Registration ids, unique across the tests (as the server's are across sessions).
+static NEXT_REGISTRATION: AtomicU64 = AtomicU64::new(1);
+
+fn registered(holdings: &mut Holdings, store: &Mutex<StoreState>) -> u64 {
+    let memory = SharedMemory::create("session-test", 1 << 20).unwrap();
+    let mut fds = vec![memory.fd().try_clone_to_owned().unwrap()];
+    let register = RegisterMemory { window_bytes: 1 << 20, kv_blocks: 4 };
+    match holdings.register(register, &mut fds, store, &SessionLimits::default(), 16 << 10, &NEXT_REGISTRATION) {
+        Reply::Registered(registered) => registered.registration,
+        other => panic!("{other:?}"),
+    }
+}
+
+fn attach(holdings: &mut Holdings, store: &Mutex<StoreState>, registration: u64) -> (Reply, Vec<OwnedFd>) {
+    let rings = vec![RingOffsets { submission_offset: 512 << 10, completion_offset: 768 << 10 }];
+    holdings.attach(AttachQueues { registration, depth: 64, rings }, store, &SessionLimits::default())
+}
+
+#[test]
+fn a_device_without_a_shared_register_page_attaches_through_the_relay() {
+    // Goal: on a device without a shared register page (VFIO, or an emulator in relay mode)
+    // the attach gets the pair's own relay page (BAR0's layout, CAP for the client's stride
+    // check) and the relay forwards that pair's doorbells; a bad tail is dropped and counted;
+    // session end takes the pair off the relay before deleting it. With a shared register
+    // page the attach hands out that page and relays nothing.
+    let without = store(false);
+    let mut holdings = Holdings::default();
+    let registration = registered(&mut holdings, &without);
+    let (reply, fds) = attach(&mut holdings, &without, registration);
+    let Reply::Attached { queues } = reply else { panic!("{reply:?}") };
+    assert_eq!((queues.len(), fds.len()), (1, 1));
+    let grant = &queues[0];
+    let page = SharedMemory::from_fd(fds[0].as_fd().try_clone_to_owned().unwrap(), grant.register_bytes as usize).unwrap();
+    let client = nvme_driver::hw::SharedRegisters::new(page);
+    let bar_capabilities = lock(&without).control.pool().target(0).controller.registers().read64(registers::CAP);
+    assert_eq!(client.read64(registers::CAP), bar_capabilities);
+    assert_eq!(grant.register_bytes, 8192, "queue {} fits one page past the doorbell base", grant.queue_id);
+    assert_eq!(lock(&without).relay.counts().queues, 1);
+    client.write32(grant.submission_doorbell_offset as usize, grant.depth);
+    wait_until(|| lock(&without).relay.counts().dropped == 1);
+
+    assert_eq!(holdings.release(&without, &LeakCounters::default()), 0);
+    assert_eq!(lock(&without).relay.counts().queues, 0, "session end leaves the pair relayed");
+    client.write32(grant.submission_doorbell_offset as usize, grant.depth + 1);
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(lock(&without).relay.counts().dropped, 1, "a released pair's page is still read");
+
+    let with = store(true);
+    let mut holdings = Holdings::default();
+    let registration = registered(&mut holdings, &with);
+    let (reply, fds) = attach(&mut holdings, &with, registration);
+    assert!(matches!(&reply, Reply::Attached { queues } if queues.len() == 1), "{reply:?}");
+    assert_eq!(fds.len(), 1);
+    assert_eq!(lock(&with).relay.counts().queues, 0, "a shared register page needs no relay");
+    assert_eq!(holdings.queue_pairs(), 1);
+    // A second attach on the same window is refused; release deletes the pair.
+    let (again, _) = attach(&mut holdings, &with, registration);
+    assert!(matches!(again, Reply::Error { code: ErrorCode::BadRequest, .. }), "{again:?}");
+    assert_eq!(holdings.release(&with, &LeakCounters::default()), 0);
+    assert_eq!((holdings.registrations(), holdings.queue_pairs()), (0, 0));
+}
+
+#[test]
+fn device_memory_is_refused_on_a_pool_with_a_vfio_device() {
+    // Goal: a pool device without a software controller (a vfio: device) cannot take memory
+    // reached only by copies: the registration is Unsupported, naming what the IOMMU route
+    // would need, and nothing is held; the same request on software controllers registers.
+    let service = DeviceMemoryService::new(crate::gpu_memory::DeviceMemoryImport::Memfd).unwrap();
+    let memory = SharedMemory::create("device-kv", 1 << 20).unwrap();
+    let request = RegisterDeviceMemory {
+        kind: DeviceMemoryKind::Memfd,
+        handle: [0; 64],
+        device_uuid: [0; 16],
+        allocation_bytes: 1 << 20,
+        offset_bytes: 0,
+        length_bytes: 1 << 20,
+        kv_blocks: 4,
+    };
+    let register = |holdings: &mut Holdings, store: &Mutex<StoreState>| {
+        let mut fds = vec![memory.fd().try_clone_to_owned().unwrap()];
+        holdings.register_device_memory(request, &mut fds, store, &SessionLimits::default(), 16 << 10, &AtomicU64::new(1), &service, 1)
+    };
+    let vfio = store(false);
+    lock(&vfio).emulators = vec![None];
+    let mut holdings = Holdings::default();
+    let reply = register(&mut holdings, &vfio);
+    match &reply {
+        Reply::Error { code: ErrorCode::Unsupported, message } => {
+            assert!(message.contains("vfio") && message.contains("IOMMU_IOAS_MAP_FILE"), "{message}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(holdings.registrations(), 0);
+    let emulated = store(false);
+    assert!(matches!(register(&mut holdings, &emulated), Reply::Registered(_)));
+    assert_eq!(holdings.registrations(), 1);
+    assert_eq!(holdings.release(&emulated, &LeakCounters::default()), 0);
+}
+
+#[test]
+fn a_memfd_stand_in_counts_against_the_sessions_window_bytes() {
+    // Goal: host memory the daemon maps for a memfd stand-in is capped with the windows: with
+    // a 2 MiB cap, a 1 MiB window leaves room for one 1 MiB memfd registration, not two, and
+    // a window after them is refused too.
+    let service = DeviceMemoryService::new(crate::gpu_memory::DeviceMemoryImport::Memfd).unwrap();
+    let limits = SessionLimits { window_bytes_max: 2 << 20, ..SessionLimits::default() };
+    let emulated = store(false);
+    let mut holdings = Holdings::default();
+    registered(&mut holdings, &emulated);
+    let next_id = AtomicU64::new(100);
+    let register = |holdings: &mut Holdings| {
+        let memory = SharedMemory::create("device-kv", 1 << 20).unwrap();
+        let request = RegisterDeviceMemory {
+            kind: DeviceMemoryKind::Memfd,
+            handle: [0; 64],
+            device_uuid: [0; 16],
+            allocation_bytes: 1 << 20,
+            offset_bytes: 0,
+            length_bytes: 1 << 20,
+            kv_blocks: 4,
+        };
+        let mut fds = vec![memory.fd().try_clone_to_owned().unwrap()];
+        holdings.register_device_memory(request, &mut fds, &emulated, &limits, 16 << 10, &next_id, &service, 1)
+    };
+    assert!(matches!(register(&mut holdings), Reply::Registered(_)));
+    assert!(matches!(register(&mut holdings), Reply::Error { code: ErrorCode::LimitReached, .. }));
+    let window = SharedMemory::create("window", 1 << 20).unwrap();
+    let mut fds = vec![window.fd().try_clone_to_owned().unwrap()];
+    let request = RegisterMemory { window_bytes: 1 << 20, kv_blocks: 4 };
+    let reply = holdings.register(request, &mut fds, &emulated, &limits, 16 << 10, &next_id);
+    assert!(matches!(reply, Reply::Error { code: ErrorCode::LimitReached, .. }), "{reply:?}");
+    assert_eq!(holdings.release(&emulated, &LeakCounters::default()), 0);
+}
+
+#[test]
+fn a_session_attaches_one_queue_pair_per_device_and_leaves_the_others_theirs() {
+    // Goal: a controller sized for --clients-max 2 (2 + 2 I/O queue pairs: the pool's
+    // metadata pair holds one) serves both clients' attaches and keeps a spare for the pool,
+    // however many windows the first client registers: its attach on a second and a third
+    // window is refused (LimitReached, saying why) instead of taking the other client's
+    // pair and the spare.
+    let store = store_on(EmuConfig::default().with_io_queue_pairs_max(2 + 2), |device| device);
+    let mut first = Holdings::default();
+    let windows: Vec<u64> = (0..3).map(|_| registered(&mut first, &store)).collect();
+    let (reply, _) = attach(&mut first, &store, windows[0]);
+    assert!(matches!(reply, Reply::Attached { .. }), "{reply:?}");
+    for &window in &windows[1..] {
+        match attach(&mut first, &store, window).0 {
+            Reply::Error { code: ErrorCode::LimitReached, message } => {
+                assert!(message.contains("one pair per pool device"), "{message}")
+            }
+            other => panic!("a second attach in one session: {other:?}"),
+        }
+    }
+    assert_eq!(first.queue_pairs(), 1);
+    let mut second = Holdings::default();
+    let registration = registered(&mut second, &store);
+    let (reply, _) = attach(&mut second, &store, registration);
+    assert!(matches!(reply, Reply::Attached { .. }), "the second client's attach: {reply:?}");
+    // The spare is still there: the controller creates one more pair.
+    let controller = Arc::clone(&lock(&store).control.pool().target(0).controller);
+    let spare = controller.create_detached_queue_pair(2, None).expect("the pool's spare queue pair");
+    spare.delete().map_err(|undeleted| undeleted.source).unwrap();
+    assert_eq!(first.release(&store, &LeakCounters::default()), 0);
+    assert_eq!(second.release(&store, &LeakCounters::default()), 0);
+}
+
+/// A DMA allocator whose `map_shared` signals that it began, then takes `delay` (what
+/// pinning and mapping a large window through VFIO costs); everything else is `inner`'s.
+struct SlowMapping {
+    inner: Arc<dyn DmaAllocator>,
+    delay: Duration,
+    began: Mutex<std::sync::mpsc::Sender<()>>,
+}
+
+impl DmaAllocator for SlowMapping {
+    fn allocate(&self, len: usize) -> Result<DmaRegion, HwError> {
+        self.inner.allocate(len)
+    }
+
+    // The trait makes this method `unsafe` to call; implementing it is allowed here because
+    // this one performs no unsafe operation: nothing in these tests maps external memory,
+    // so it refuses rather than forwards (forwarding would need an unsafe call outside
+    // `fd_passing`, the crate's only unsafe module).
+    #[allow(unsafe_code)]
+    unsafe fn map_external(&self, _host: *mut u8, _len: usize) -> Result<DmaRegion, HwError> {
+        Err(HwError::Backend { backend: "slow-mapping test allocator", message: "map_external is not offered".into() })
+    }
+
+    fn translate(&self, iova: nvme_driver::Iova, len: usize) -> Result<DmaRegion, HwError> {
+        self.inner.translate(iova, len)
+    }
+
+    fn address_space(&self) -> AddressSpaceId {
+        self.inner.address_space()
+    }
+
+    fn map_shared(&self, memory: &Arc<SharedMemory>) -> Result<DmaRegion, HwError> {
+        let _ = lock(&self.began).send(());
+        std::thread::sleep(self.delay);
+        self.inner.map_shared(memory)
+    }
+
+    fn map_copied(&self, memory: Arc<dyn CopiedMemory>) -> Result<CopiedRegion, HwError> {
+        self.inner.map_copied(memory)
+    }
+
+    fn translate_data(&self, iova: nvme_driver::Iova, len: usize) -> Result<DataRegion, HwError> {
+        self.inner.translate_data(iova, len)
+    }
+}
+
+/// The software controller, its DMA through [`SlowMapping`].
+struct SlowBackend {
+    device: Arc<EmuDevice>,
+    dma: Arc<SlowMapping>,
+}
+
+impl DeviceBackend for SlowBackend {
+    fn name(&self) -> String {
+        format!("slow-mapping {}", self.device.name())
+    }
+
+    fn registers(&self) -> Arc<dyn RegisterIo> {
+        self.device.registers()
+    }
+
+    fn dma(&self) -> Arc<dyn DmaAllocator> {
+        self.dma.clone()
+    }
+
+    fn function_reset(&self) -> Result<(), HwError> {
+        self.device.function_reset()
+    }
+}
+
+#[test]
+fn mapping_a_window_does_not_hold_the_pool_lock() {
+    // Goal: while one session's window is being mapped for the devices (600 ms here, as
+    // pinning tens of GiB through VFIO can take seconds), another session gets the pool
+    // lock (its lookups, prepares and commits) at once, not after the mapping; the window
+    // then registers as usual.
+    let delay = Duration::from_millis(600);
+    let (began_sender, began) = std::sync::mpsc::channel();
+    let store = store_on(EmuConfig::default(), |device| {
+        let dma = Arc::new(SlowMapping { inner: device.dma(), delay, began: Mutex::new(began_sender) });
+        Arc::new(SlowBackend { device, dma })
+    });
+    let mut holdings = Holdings::default();
+    let waited = std::thread::scope(|scope| {
+        let registering = scope.spawn(|| registered(&mut holdings, &store));
+        began.recv_timeout(Duration::from_secs(10)).expect("the mapping began");
+        let asked = std::time::Instant::now();
+        let cached = lock(&store).control.pool().index().counts().cached_blocks;
+        let waited = asked.elapsed();
+        assert_eq!(cached, 0);
+        registering.join().unwrap();
+        waited
+    });
+    assert!(waited < delay / 2, "the pool lock was held through the mapping: waited {waited:?}");
+    assert_eq!(holdings.registrations(), 1);
+    assert_eq!(holdings.release(&store, &LeakCounters::default()), 0);
+}
+
+/// Polls `done` for up to 10 s.
+fn wait_until(done: impl Fn() -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !done() {
+        assert!(std::time::Instant::now() < deadline, "not within 10 s");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
