@@ -154,6 +154,27 @@ fn wait_ready(registers: &dyn RegisterIo, ready: bool, timeout_ms: u64) -> Resul
     }
 }
 
+/// Before CC.EN is cleared: a controller seen with CC.EN = 1 and CSTS.RDY = 0 may be in the
+/// middle of enabling (a crashed process's bring-up, or our own that timed out waiting for RDY).
+/// The spec leaves clearing EN then undefined, and a RDY = 0 read right after the clear could be
+/// the enable not yet done rather than the reset done: waits (CAP.TO) for RDY = 1 first, as
+/// SPDK's DISABLE_WAIT_FOR_READY_1 does. A fatal status skips the wait (it will not become ready;
+/// clearing EN is its reset). A timeout is returned: the caller then cannot know the
+/// controller stopped, and keeps what it may write.
+fn settle_enable(registers: &dyn RegisterIo, timeout_ms: u64) -> Result<(), NvmeError> {
+    if !ControllerConfiguration(registers.read32(registers::CC)).enabled() {
+        return Ok(());
+    }
+    let status = read_status(registers)?;
+    if status.ready() || status.fatal() {
+        return Ok(());
+    }
+    match wait_ready(registers, true, timeout_ms) {
+        Err(NvmeError::ControllerFatal { .. }) => Ok(()),
+        other => other,
+    }
+}
+
 impl Controller {
     /// Brings the controller up: disable, wait RDY=0, admin queues, enable, wait RDY=1, Identify,
     /// Number of Queues. I/O queue pairs are created afterwards with
@@ -222,6 +243,7 @@ impl Controller {
             tracing::debug!(device = %self.backend.name(), ?stage, "bring-up");
             stage = match stage {
                 BringUpStage::Disable => {
+                    settle_enable(self.registers.as_ref(), timeout_ms)?;
                     let configuration = ControllerConfiguration(self.registers.read32(registers::CC));
                     if configuration.enabled() {
                         self.registers.write32(registers::CC, configuration.0 & !1);
@@ -541,6 +563,7 @@ impl Controller {
     /// for CSTS.RDY = 0, each within CAP.TO. `Ok` means the controller was seen to stop, so it no
     /// longer touches any queue memory.
     fn stop(&self) -> Result<(), NvmeError> {
+        settle_enable(self.registers.as_ref(), self.capabilities.ready_timeout_ms())?;
         let status = read_status(self.registers.as_ref())?;
         let configuration = ControllerConfiguration(self.registers.read32(registers::CC));
         if configuration.enabled() && status.ready() && !status.fatal() {

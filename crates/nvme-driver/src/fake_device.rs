@@ -66,6 +66,12 @@ pub struct FakeScript {
     /// Keep the phase bit of `io_completions` as scripted (true) or replace it with the right
     /// one (false), so that the rest of the entry is what the driver gets to judge.
     pub io_phase_from_script: bool,
+    /// CSTS reads after CC.EN goes to 1 before CSTS.RDY does (0: at once). A disable while
+    /// RDY is still 0 is counted (`FakeCounters::disables_before_ready`).
+    pub enable_ready_after_status_reads: u32,
+    /// The fake starts as a crashed process left it mid-enable: CC.EN = 1, CSTS.RDY = 0 until
+    /// `enable_ready_after_status_reads` CSTS reads.
+    pub starts_enabling: bool,
 }
 
 /// Identify Namespace data with one LBA format (format 0) in use: `block_size_bytes` (a power
@@ -104,6 +110,8 @@ impl Default for FakeScript {
             admin_unanswered: Vec::new(),
             io_completions: VecDeque::new(),
             io_phase_from_script: false,
+            enable_ready_after_status_reads: 0,
+            starts_enabling: false,
         }
     }
 }
@@ -153,6 +161,9 @@ pub struct FakeCounters {
     pub completions_held_for_room: u64,
     /// CQ head doorbell writes that repeated the head already written (they give nothing back).
     pub repeated_completion_heads: u64,
+    /// CC writes that cleared EN while an enable had not reached CSTS.RDY = 1 (the spec leaves
+    /// what a controller does then undefined; a careful host waits for RDY first).
+    pub disables_before_ready: u64,
 }
 
 struct FakeState {
@@ -170,6 +181,8 @@ struct FakeState {
     /// Admin commands fetched and left unanswered (`admin_unanswered`), oldest first, until
     /// [`FakeDevice::answer_withheld`] or a disable.
     withheld: Vec<SubmissionEntry>,
+    /// CSTS reads left before an enable in progress sets RDY (`None`: no enable in progress).
+    enabling_reads_left: Option<u32>,
 }
 
 /// The scripted controller (see the module documentation).
@@ -186,9 +199,10 @@ struct FakeRegisters {
 impl FakeDevice {
     pub fn new(script: FakeScript) -> Arc<Self> {
         let pool = Arc::new(DmaPool::identity());
+        let (cc, enabling_reads_left) = if script.starts_enabling { (1, Some(script.enable_ready_after_status_reads)) } else { (0, None) };
         let state = FakeState {
             script,
-            cc: 0,
+            cc,
             csts: 0,
             aqa: 0,
             asq: 0,
@@ -198,6 +212,7 @@ impl FakeDevice {
             counters: FakeCounters::default(),
             held: BTreeMap::new(),
             withheld: Vec::new(),
+            enabling_reads_left,
         };
         let registers = Arc::new(FakeRegisters { state: Mutex::new(state), pool: Arc::clone(&pool) });
         Arc::new(Self { registers, pool })
@@ -275,6 +290,9 @@ impl FakeRegisters {
 impl FakeState {
     fn disable(&mut self) {
         self.counters.disables += 1;
+        if self.enabling_reads_left.take().is_some() {
+            self.counters.disables_before_ready += 1;
+        }
         self.submission.clear();
         self.completion.clear();
         self.held.clear();
@@ -292,7 +310,10 @@ impl FakeState {
             let (sq_entries, cq_entries) = registers::decode_admin_queue_attributes(self.aqa);
             self.submission.insert(0, SubmissionRing { iova: self.asq, entries: sq_entries, head: 0, completion_queue: 0 });
             self.completion.insert(0, CompletionRing::new(self.acq, cq_entries));
-            self.csts |= CSTS_READY;
+            match self.script.enable_ready_after_status_reads {
+                0 => self.csts |= CSTS_READY,
+                reads => self.enabling_reads_left = Some(reads),
+            }
         } else if !configuration.enabled() && was_enabled {
             self.disable();
         }
@@ -482,7 +503,18 @@ impl RegisterIo for FakeRegisters {
             registers::CC => state.cc,
             // RDY comes from the state alone, so a script cannot leave a bounded wait spinning
             // for its whole CAP.TO by forcing it.
-            registers::CSTS => state.csts | state.script.status_bits & !CSTS_READY,
+            registers::CSTS => {
+                // An enable in progress reaches RDY after its scripted number of reads.
+                match state.enabling_reads_left {
+                    Some(0) => {
+                        state.enabling_reads_left = None;
+                        state.csts |= CSTS_READY;
+                    }
+                    Some(left) => state.enabling_reads_left = Some(left - 1),
+                    None => {}
+                }
+                state.csts | state.script.status_bits & !CSTS_READY
+            }
             registers::AQA => state.aqa,
             registers::ASQ => state.asq as u32,
             0x2C => (state.asq >> 32) as u32,
@@ -578,6 +610,8 @@ impl FakeScript {
             admin_unanswered: Vec::new(),
             io_completions: VecDeque::new(),
             io_phase_from_script: flags & 1 == 1,
+            enable_ready_after_status_reads: 0,
+            starts_enabling: false,
         };
         let raw = sections.next().unwrap_or_default();
         script.io_completions = raw.chunks_exact(COMPLETION_ENTRY_BYTES).map(|chunk| chunk.try_into().unwrap_or([0; 16])).collect();

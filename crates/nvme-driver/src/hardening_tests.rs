@@ -486,3 +486,20 @@ proptest::proptest! {
         }
     }
 }
+
+#[test]
+fn a_controller_found_mid_enable_is_disabled_only_once_ready() {
+    // Goal: a function left mid-enable (CC.EN = 1, CSTS.RDY = 0: a crashed process's bring-up)
+    // is disabled only after it reaches RDY = 1: clearing EN during an enable is undefined by
+    // the spec, and the RDY = 0 read right after could be the enable not yet done rather than
+    // the reset (the bring-up would then mark the old queues quiesced without evidence). It
+    // used to clear EN at once. (Teardown's `stop` takes the same step; a fake cannot be put
+    // mid-enable under a live controller, so only bring-up and a reset are driven here.)
+    let script = FakeScript { starts_enabling: true, enable_ready_after_status_reads: 20, ..FakeScript::default() };
+    let (device, mut controller) = bring_up(script);
+    assert_eq!(device.counters().disables_before_ready, 0, "bring-up cleared EN before RDY");
+    assert_eq!(device.counters().disables, 1);
+    // Our own enables now take 20 CSTS reads too: a reset waits for them as before.
+    controller.reset(false).expect("reset");
+    assert_eq!((device.counters().disables_before_ready, device.counters().disables), (0, 2));
+}
