@@ -633,14 +633,7 @@ mod tests {
         use crate::types::{Dependency, DeviceIndex, Iova, Lba};
         use crate::validate::{Descriptor, IocbSpec, IoctxSpec};
         let ids = queue.get_iocb(count, Dependency::None).expect("IOCBs");
-        let spec = IocbSpec {
-            opcode: Opcode::Read,
-            user_data: 0,
-            layer_count: 1,
-            lba_stride_blocks: 0,
-            mem_stride_bytes: 0,
-            desc_stride_bytes: 0,
-        };
+        let spec = IocbSpec::single(Opcode::Read, 0);
         let ioctx = IoctxSpec {
             device: DeviceIndex(0),
             nsid: 1,

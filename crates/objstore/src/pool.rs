@@ -668,19 +668,10 @@ impl Pool {
                 continue;
             }
             let namespace = d.target.namespace;
-            match d.run_metadata(index, lender, &mut None, timeout, |queue, mirror, _| mirror.sync(queue, namespace, timeout)) {
-                Ok(()) => d.header_sync_failures = 0,
-                Err(error) => {
-                    // A stuck command fenced the device already (run_metadata).
-                    if d.fence.is_none() {
-                        d.header_sync_failures += 1;
-                        if d.header_sync_failures >= HEADER_SYNC_FAILURES_FENCE {
-                            d.fence(index, format!("{HEADER_SYNC_FAILURES_FENCE} header syncs in a row failed, the last with: {error}"));
-                            d.fence_idle = true;
-                        }
-                    }
-                    first_error.get_or_insert(error);
-                }
+            let synced = d.run_metadata(index, lender, &mut None, timeout, |queue, mirror, _| mirror.sync(queue, namespace, timeout));
+            d.count_header_sync(index, &synced);
+            if let Err(error) = synced {
+                first_error.get_or_insert(error);
             }
         }
         first_error.map_or(Ok(()), Err)

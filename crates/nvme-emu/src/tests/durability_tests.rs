@@ -8,7 +8,7 @@ use nvme_driver::spec::registers::{self, ControllerConfiguration, ShutdownStatus
 use nvme_driver::spec::SubmissionEntry;
 use nvme_driver::{Lba, NamespaceId};
 
-use super::harness::{block_count, status_of, with_sgl, HostQueue, TestHost};
+use super::harness::{block_count, read_block, status_of, with_sgl, HostQueue, TestHost};
 use crate::{Backing, EmuConfig};
 
 fn file_config(name: &str, sync_file_on_flush: bool) -> (EmuConfig, std::path::PathBuf) {
@@ -117,7 +117,7 @@ fn a_failed_write_back_keeps_the_blocks_dirty_until_a_flush_succeeds() {
         assert_eq!(status_of(&flushed), write_fault, "flush {attempt} while the store refuses writes");
     }
     for &lba in &lbas {
-        assert!(read(&host, &mut queue, lba).iter().all(|&byte| byte == lba as u8 + 1), "LBA {lba} still reads its write");
+        assert!(read_block(&host, &mut queue, lba).iter().all(|&byte| byte == lba as u8 + 1), "LBA {lba} still reads its write");
     }
     host.device.with_core(|core| core.fail_write_backs_for_tests = false);
     assert_eq!(status_of(&host.execute_on(&mut queue, SubmissionEntry::flush(NamespaceId(1)))), Ok(()));
@@ -125,15 +125,6 @@ fn a_failed_write_back_keeps_the_blocks_dirty_until_a_flush_succeeds() {
     host.enable();
     let mut queue = host.create_io_pair(1, 16);
     for &lba in &lbas {
-        assert!(read(&host, &mut queue, lba).iter().all(|&byte| byte == lba as u8 + 1), "LBA {lba} reached media");
+        assert!(read_block(&host, &mut queue, lba).iter().all(|&byte| byte == lba as u8 + 1), "LBA {lba} reached media");
     }
-}
-
-fn read(host: &TestHost, queue: &mut HostQueue, lba: u64) -> Vec<u8> {
-    let target = host.buffer(4096);
-    let entry = with_sgl(SubmissionEntry::read(NamespaceId(1), Lba(lba), block_count(1)), &target, 4096);
-    assert_eq!(status_of(&host.execute_on(queue, entry)), Ok(()));
-    let mut out = vec![0u8; 4096];
-    target.read(0, &mut out).unwrap();
-    out
 }

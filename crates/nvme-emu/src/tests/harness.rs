@@ -10,7 +10,7 @@ use nvme_driver::spec::command::DataPointerKind;
 use nvme_driver::spec::data_pointer::SglDescriptor;
 use nvme_driver::spec::registers::{self, ControllerConfiguration, ControllerStatus};
 use nvme_driver::spec::{CompletionEntry, NvmeStatus, SubmissionEntry};
-use nvme_driver::{BlockCount, CommandId};
+use nvme_driver::{BlockCount, CommandId, Lba, NamespaceId};
 
 use crate::device::SleepBarrier;
 use crate::{EmuConfig, EmuDevice};
@@ -189,6 +189,24 @@ impl TestHost {
         assert_eq!(status_of(&sq), Ok(()), "create SQ {id}");
         queue
     }
+}
+
+/// Writes one 4 KiB block of `byte` at `lba` of namespace 1 and checks it completed.
+pub(crate) fn write_block(host: &TestHost, queue: &mut HostQueue, lba: u64, byte: u8) {
+    let source = host.buffer(4096);
+    source.fill(0, 4096, byte).unwrap();
+    let entry = with_sgl(SubmissionEntry::write(NamespaceId(1), Lba(lba), block_count(1), false), &source, 4096);
+    assert_eq!(status_of(&host.execute_on(queue, entry)), Ok(()));
+}
+
+/// Reads one 4 KiB block at `lba` of namespace 1, checking it completed.
+pub(crate) fn read_block(host: &TestHost, queue: &mut HostQueue, lba: u64) -> Vec<u8> {
+    let target = host.buffer(4096);
+    let entry = with_sgl(SubmissionEntry::read(NamespaceId(1), Lba(lba), block_count(1)), &target, 4096);
+    assert_eq!(status_of(&host.execute_on(queue, entry)), Ok(()));
+    let mut out = vec![0u8; 4096];
+    target.read(0, &mut out).unwrap();
+    out
 }
 
 /// Points `entry` at `buffer` with a single SGL Data Block.

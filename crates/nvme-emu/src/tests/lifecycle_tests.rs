@@ -9,28 +9,12 @@ use nvme_driver::spec::status::codes;
 use nvme_driver::spec::{AdminOpcode, NvmOpcode, NvmeStatus, SubmissionEntry};
 use nvme_driver::{Lba, NamespaceId};
 
-use super::harness::{block_count, status_of, with_sgl, HostQueue, TestHost, DEADLINE};
+use super::harness::{block_count, read_block, status_of, with_sgl, write_block, TestHost, DEADLINE};
 use crate::device::SleepBarrier;
 use crate::{Backing, EmuConfig, FaultAction, FaultPlan, FaultRule, NamespaceConfig, QueueFilter};
 
 fn memory_config() -> EmuConfig {
     EmuConfig::default().with_backing(Backing::Memory { bytes: 8 << 20 })
-}
-
-fn write_block(host: &TestHost, queue: &mut HostQueue, lba: u64, byte: u8) {
-    let source = host.buffer(4096);
-    source.fill(0, 4096, byte).unwrap();
-    let entry = with_sgl(SubmissionEntry::write(NamespaceId(1), Lba(lba), block_count(1), false), &source, 4096);
-    assert_eq!(status_of(&host.execute_on(queue, entry)), Ok(()));
-}
-
-fn read_block(host: &TestHost, queue: &mut HostQueue, lba: u64) -> Vec<u8> {
-    let target = host.buffer(4096);
-    let entry = with_sgl(SubmissionEntry::read(NamespaceId(1), Lba(lba), block_count(1)), &target, 4096);
-    assert_eq!(status_of(&host.execute_on(queue, entry)), Ok(()));
-    let mut out = vec![0u8; 4096];
-    target.read(0, &mut out).unwrap();
-    out
 }
 
 #[test]

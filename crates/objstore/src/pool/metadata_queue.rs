@@ -19,7 +19,7 @@ use nvme_driver::{DmaRegion, IoQueuePair};
 
 use super::metadata_io::create_metadata_queue;
 use super::mirror::HeaderMirror;
-use super::{PoolDevice, QueueLender};
+use super::{PoolDevice, QueueLender, HEADER_SYNC_FAILURES_FENCE};
 use crate::error::{ObjstoreError, Result};
 
 impl PoolDevice {
@@ -81,6 +81,24 @@ impl PoolDevice {
         match &self.fence {
             Some(reason) => Err(ObjstoreError::MetadataFenced { device: index, reason: reason.clone() }),
             None => Ok(()),
+        }
+    }
+
+    /// Counts a header sync of device `index`: one that failed with nothing left in flight (a
+    /// stuck command fenced the device already, in `run_metadata`) adds to the failures in a
+    /// row, and the [`HEADER_SYNC_FAILURES_FENCE`]th fences the device; its buffers are freed at
+    /// close as usual, since no command of it is in flight. One that succeeded resets the count.
+    pub(super) fn count_header_sync(&mut self, index: usize, synced: &Result<()>) {
+        match synced {
+            Ok(()) => self.header_sync_failures = 0,
+            Err(_) if self.fence.is_some() => {}
+            Err(error) => {
+                self.header_sync_failures += 1;
+                if self.header_sync_failures >= HEADER_SYNC_FAILURES_FENCE {
+                    self.fence(index, format!("{HEADER_SYNC_FAILURES_FENCE} header syncs in a row failed, the last with: {error}"));
+                    self.fence_idle = true;
+                }
+            }
         }
     }
 
