@@ -1,8 +1,9 @@
 //! The controller proper: state machine (disabled, ready, fatal), doorbell scanning, command
 //! dispatch and completion posting. Admin and NVM command handlers live in `admin` and `io`.
 //!
-//! Batched backing-store I/O (io_uring groups, their cancellation and the store fence) is in
-//! `controller/batch.rs`.
+//! Enable, reset, shutdown and power loss are in `controller/lifecycle.rs`; the cache's
+//! write-back in `controller/write_back.rs`; backing-store I/O in flight (io_uring, its
+//! cancellation and the store fence) in `controller/batch.rs`.
 //!
 //! `ControllerCore` is plain single-threaded state; the device thread owns it behind a mutex and
 //! calls [`ControllerCore::poll`] in a loop, and the fuzz entry point drives
@@ -13,13 +14,9 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use nvme_driver::hw::{DmaAllocator, DmaPool};
-use nvme_driver::spec::registers::{self, ControllerConfiguration, ShutdownNotification};
+use nvme_driver::hw::DmaPool;
 use nvme_driver::spec::status::codes;
-use nvme_driver::spec::{
-    CompletionEntry, NvmOpcode, NvmeStatus, StatusCodeType, SubmissionEntry, COMPLETION_ENTRY_BYTES, SUBMISSION_ENTRY_BYTES,
-};
-use nvme_driver::Iova;
+use nvme_driver::spec::{CompletionEntry, NvmOpcode, NvmeStatus, StatusCodeType, SubmissionEntry};
 
 use crate::backing::{AlignedBuffer, Store};
 use crate::cache::WriteCache;
@@ -35,8 +32,12 @@ use crate::uring::UringReader;
 use crate::EmuError;
 
 mod batch;
+mod cancellation;
+mod in_flight;
+mod lifecycle;
+mod write_back;
 
-use batch::{InFlight, Settle};
+use in_flight::InFlight;
 
 /// Commands fetched from one SQ per scan, so one busy queue cannot starve the others.
 const COMMANDS_PER_QUEUE_PER_SCAN: usize = 64;
@@ -292,157 +293,6 @@ impl ControllerCore {
         worked
     }
 
-    /// Applies CC: enable (EN 0 to 1), reset (EN 1 to 0), shutdown notification. Called by the
-    /// poller and, synchronously, after every host write of CC.
-    pub(crate) fn react_to_configuration(&mut self) -> bool {
-        let cc = ControllerConfiguration(self.registers.load32(registers::CC));
-        let mut worked = false;
-        match (self.state, cc.enabled()) {
-            (State::Disabled, true) => {
-                self.enable(cc);
-                worked = true;
-            }
-            (State::Ready | State::Fatal, false) => {
-                self.reset_controller();
-                worked = true;
-            }
-            _ => {}
-        }
-        worked |= self.handle_shutdown(cc);
-        worked
-    }
-
-    /// CC.EN 0 to 1 (§3.5.1): checks the configuration and the admin queues, then sets RDY.
-    /// A configuration the controller cannot run with sets CSTS.CFS instead.
-    fn enable(&mut self, cc: ControllerConfiguration) {
-        match self.admin_queues(cc) {
-            Ok((submission, completion)) => {
-                self.refresh_store_fence();
-                self.registers.clear_doorbells();
-                self.submission_queues[0] = Some(submission);
-                self.completion_queues[0] = Some(completion);
-                self.state = State::Ready;
-                self.counters.totals.enables += 1;
-                self.registers.set_status(CSTS_READY);
-            }
-            Err(reason) => {
-                tracing::warn!(reason, "controller enable failed; setting CSTS.CFS");
-                self.set_fatal();
-            }
-        }
-    }
-
-    fn admin_queues(&self, cc: ControllerConfiguration) -> Result<(SubmissionQueue, CompletionQueue), &'static str> {
-        if cc.command_set() != 0 {
-            return Err("CC.CSS selects a command set other than NVM");
-        }
-        if cc.page_size_bytes() != 4096 {
-            return Err("CC.MPS is not 4 KiB (CAP.MPSMIN = CAP.MPSMAX = 0)");
-        }
-        let sqes = cc.io_submission_entry_size_log2();
-        let cqes = cc.io_completion_entry_size_log2();
-        if (sqes != 0 && sqes != 6) || (cqes != 0 && cqes != 4) {
-            return Err("CC.IOSQES / CC.IOCQES are not 64 / 16 bytes");
-        }
-        let (sq_entries, cq_entries) = registers::decode_admin_queue_attributes(self.registers.load32(registers::AQA));
-        let max_entries = self.config.max_queue_entries.min(4096);
-        if !(2..=max_entries).contains(&sq_entries) || !(2..=max_entries).contains(&cq_entries) {
-            return Err("AQA sizes outside 2..=MQES+1");
-        }
-        let asq = self.registers.load64(registers::ASQ);
-        let acq = self.registers.load64(registers::ACQ);
-        if asq == 0 || acq == 0 || !asq.is_multiple_of(4096) || !acq.is_multiple_of(4096) {
-            return Err("ASQ / ACQ are zero or not page aligned");
-        }
-        let submission_memory =
-            self.dma.translate(Iova(asq), sq_entries as usize * SUBMISSION_ENTRY_BYTES).map_err(|_| "ASQ is not mapped memory")?;
-        let completion_memory =
-            self.dma.translate(Iova(acq), cq_entries as usize * COMPLETION_ENTRY_BYTES).map_err(|_| "ACQ is not mapped memory")?;
-        Ok((SubmissionQueue::new(submission_memory, sq_entries, 0), CompletionQueue::new(completion_memory, cq_entries)))
-    }
-
-    fn set_fatal(&mut self) {
-        self.state = State::Fatal;
-        let csts = self.registers.load32(registers::CSTS);
-        self.registers.set_status(csts | CSTS_FATAL);
-    }
-
-    fn drop_queues(&mut self) {
-        self.shadow_doorbells = None;
-        self.submission_queues.iter_mut().for_each(|queue| *queue = None);
-        self.completion_queues.iter_mut().for_each(|queue| *queue = None);
-        self.pending.clear();
-        if let Some(timing) = self.timing.as_mut() {
-            // The completion queues are gone, and their reservations with them.
-            timing.clear(|_| {});
-        }
-    }
-
-    /// CC.EN 1 to 0 (§3.7.2): queues are deleted, features return to defaults, RDY and CFS clear.
-    /// The write cache survives a controller reset (it is not a power loss).
-    fn reset_controller(&mut self) {
-        // The kernel may still write the buffers of transfers in flight, and their commands'
-        // queues are going away: wait for them, completing none.
-        self.settle_in_flight(Settle::Discard);
-        self.drop_queues();
-        self.features = Self::default_features(&self.config);
-        self.state = State::Disabled;
-        self.registers.clear_doorbells();
-        self.registers.set_status(0);
-    }
-
-    /// CC.SHN (§3.6): on a shutdown notification the cache is written back and SHST reports
-    /// complete; clearing SHN clears SHST.
-    fn handle_shutdown(&mut self, cc: ControllerConfiguration) -> bool {
-        let csts = self.registers.load32(registers::CSTS);
-        let complete = csts & CSTS_SHUTDOWN_MASK == CSTS_SHUTDOWN_COMPLETE;
-        match cc.shutdown() {
-            ShutdownNotification::None if csts & CSTS_SHUTDOWN_MASK != 0 => {
-                self.registers.set_status(csts & !CSTS_SHUTDOWN_MASK);
-                true
-            }
-            ShutdownNotification::Normal | ShutdownNotification::Abrupt if !complete => {
-                self.settle_in_flight(Settle::Finish);
-                // The host may cut power once SHST says complete: with sync_file_on_flush the
-                // written-back blocks reach the file's media first, as a Flush's would.
-                let written = self.write_back(None).and_then(|()| if self.config.sync_file_on_flush { self.sync_store() } else { Ok(()) });
-                if let Err(status) = written {
-                    tracing::error!(%status, "write-back at shutdown failed");
-                }
-                self.registers.set_status(csts & !CSTS_SHUTDOWN_MASK | CSTS_SHUTDOWN_COMPLETE);
-                true
-            }
-            _ => false,
-        }
-    }
-
-    /// Power is cut: unflushed cache contents are lost, in-flight commands get no completion,
-    /// every register returns to its reset value. The backing store is kept.
-    pub(crate) fn power_loss(&mut self) {
-        // Transfers in flight are cancelled where the kernel still can (those never land) and
-        // waited for otherwise (those land, as a write already on its way to the media would);
-        // none of their commands completes.
-        self.settle_in_flight(Settle::PowerLoss);
-        self.cache.discard_all();
-        self.drop_queues();
-        self.features = Self::default_features(&self.config);
-        self.state = State::Disabled;
-        self.registers.power_on_reset();
-        self.counters.totals.power_losses += 1;
-        self.unsafe_shutdowns += 1;
-        self.power_cycles += 1;
-    }
-
-    /// Function-level reset: like a controller reset, plus registers to reset values. The cache
-    /// is written back first (an FLR is not a power loss).
-    pub(crate) fn function_reset(&mut self) -> Result<(), NvmeStatus> {
-        self.settle_in_flight(Settle::Discard);
-        let written = self.write_back(None);
-        self.reset_controller();
-        self.registers.power_on_reset();
-        written
-    }
-
     /// The value of queue `queue_id`'s doorbell: from the host's shadow page for an I/O queue
     /// once it sent Doorbell Buffer Config, from the register otherwise; `None` if the queue has
     /// no doorbell in the register file.
@@ -681,73 +531,6 @@ impl ControllerCore {
         } else {
             self.execute_io(entry)
         }
-    }
-
-    /// Writes every dirty cached block of one namespace (or all) to the backing store,
-    /// coalescing consecutive blocks into writes of up to `WRITE_BACK_CHUNK_BYTES`.
-    pub(crate) fn write_back(&mut self, only_namespace: Option<usize>) -> Result<(), NvmeStatus> {
-        if self.cache.is_empty() {
-            return Ok(());
-        }
-        if self.store.is_fenced() {
-            // Keep the blocks cached (still served to reads): the store takes nothing now.
-            tracing::error!("cache write-back refused: the backing store is fenced");
-            return Err(media(codes::WRITE_FAULT));
-        }
-        let mut blocks = self.cache.take(only_namespace);
-        // Runs of consecutive blocks, each at most WRITE_BACK_CHUNK_BYTES: (namespace index,
-        // first LBA, blocks).
-        let mut runs: Vec<(usize, u64, u64)> = Vec::new();
-        let mut run_bytes = 0usize;
-        for (&(namespace_index, lba), data) in &blocks {
-            match runs.last_mut() {
-                Some((index, start, count))
-                    if *index == namespace_index && *start + *count == lba && run_bytes + data.len() <= WRITE_BACK_CHUNK_BYTES =>
-                {
-                    *count += 1;
-                    run_bytes += data.len();
-                }
-                _ => {
-                    runs.push((namespace_index, lba, 1));
-                    run_bytes = data.len();
-                }
-            }
-        }
-        let mut pending: Vec<u8> = Vec::with_capacity(WRITE_BACK_CHUNK_BYTES);
-        for (namespace_index, start, count) in runs {
-            let range = (namespace_index, start)..(namespace_index, start + count);
-            pending.clear();
-            blocks.range(range.clone()).for_each(|(_, data)| pending.extend_from_slice(data));
-            if let Err(status) = self.write_run(namespace_index, start, &pending) {
-                // The blocks of this run and of every run not tried yet stay dirty in the cache
-                // (reads still see them): a later Flush tries them again and fails while the
-                // store does, instead of succeeding over writes that never reached it.
-                self.cache.restore(blocks);
-                return Err(status);
-            }
-            for lba in start..start + count {
-                if let Some(data) = blocks.remove(&(namespace_index, lba)) {
-                    self.cache.recycle(data);
-                }
-            }
-        }
-        Ok(())
-    }
-
-    fn write_run(&mut self, namespace_index: usize, start_lba: u64, data: &[u8]) -> Result<(), NvmeStatus> {
-        let Some(namespace) = self.namespaces.get(namespace_index).copied() else { return Ok(()) };
-        let offset = namespace.base_offset_bytes + start_lba * u64::from(namespace.block_size_bytes);
-        #[cfg(test)]
-        if self.fail_write_backs_for_tests {
-            tracing::error!(offset, "cache write-back failed (injected by a test)");
-            return Err(media(codes::WRITE_FAULT));
-        }
-        if let Err(error) = self.store.write(offset, data) {
-            tracing::error!(%error, offset, "cache write-back failed");
-            return Err(media(codes::WRITE_FAULT));
-        }
-        self.counters.totals.cache_writeback_bytes += data.len() as u64;
-        Ok(())
     }
 
     /// Idle sleep bound for the poller: the configured maximum, or less if a completion is due.

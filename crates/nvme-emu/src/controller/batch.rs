@@ -17,6 +17,9 @@
 //! transfer has a deadline. A ring that fails or passes a deadline is abandoned and what the
 //! kernel still holds cancelled; a write the kernel will not give back fences the store (see
 //! `backing`) and makes the controller fatal, so it can never land over newer data unnoticed.
+//!
+//! The table of commands in flight is `in_flight.rs`; settling, abandoning the ring and the
+//! store fence are `cancellation.rs`.
 
 use std::time::{Duration, Instant};
 
@@ -25,9 +28,9 @@ use nvme_driver::spec::status::codes;
 use nvme_driver::spec::{NvmOpcode, SubmissionEntry};
 use tutti_uring::{Completion, Direction, Refused, RefusedRegions, Transfer, UringError, REGIONS_MAX};
 
-use super::{media, ControllerCore, Namespace, State};
+use super::in_flight::{PreparedIo, Settle};
+use super::{media, ControllerCore, State};
 use crate::backing::{AlignedBuffer, DIRECT_ALIGNMENT_BYTES};
-use crate::data_pointer::DataBuffers;
 use crate::faults::FaultAction;
 use crate::uring::UringReader;
 
@@ -40,164 +43,6 @@ const IO_BUFFER_KEPT_MAX_BYTES: usize = (1 << 20) + 4096;
 /// Empty region lists kept for reuse (one per transfer the ring can hold), so resolving a data
 /// pointer does not allocate per command.
 const REGION_LISTS_KEPT: usize = 128;
-
-/// A Read or Write validated and waiting for (or doing) its backing-store transfer.
-pub(super) struct PreparedIo {
-    entry: SubmissionEntry,
-    queue_id: u16,
-    completion_queue_id: u16,
-    sq_head: u32,
-    namespace_index: usize,
-    namespace: Namespace,
-    /// Host memory: where a Read's data goes (a Write's was gathered into its buffer already).
-    buffers: DataBuffers,
-    write: bool,
-    start_lba: u64,
-    blocks: u64,
-    /// The transfer goes straight between the file and `buffers` (no bounce buffer); while it
-    /// is in flight the ring holds the regions (`buffers.regions` is empty).
-    direct: bool,
-}
-
-impl PreparedIo {
-    fn len_bytes(&self) -> usize {
-        (self.blocks * u64::from(self.namespace.block_size_bytes)) as usize
-    }
-
-    fn offset_bytes(&self) -> u64 {
-        self.namespace.base_offset_bytes + self.start_lba * u64::from(self.namespace.block_size_bytes)
-    }
-
-    /// Whether this must wait for `other` (or the reverse): same namespace, intersecting LBAs,
-    /// and at least one of them a Write.
-    fn conflicts(&self, write: bool, namespace_index: usize, start_lba: u64, blocks: u64) -> bool {
-        (write || self.write)
-            && self.namespace_index == namespace_index
-            && self.start_lba < start_lba + blocks
-            && start_lba < self.start_lba + self.blocks
-    }
-}
-
-/// What happens to commands whose transfers are given back while settling.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Settle {
-    /// Finish them and post their completions (a Flush, an admin command follows).
-    Finish,
-    /// Drop them without a completion (controller reset: the queues are going away).
-    Discard,
-    /// Cancel what the kernel still allows, then drop everything without a completion.
-    PowerLoss,
-}
-
-/// The commands whose transfers the ring holds, indexed by the tag they were pushed with.
-///
-/// The per-command and per-scan questions are answered without walking the table (it has the
-/// ring's 128 slots, and a 4 KiB read costs a few thousand instructions in all): a Read can
-/// conflict only when a Write is in flight (`writes`), and no transfer can be past its deadline
-/// while `pushed_no_earlier_than` (a lower bound of every push time) is not.
-#[derive(Default)]
-pub(super) struct InFlight {
-    slots: Vec<Option<(PreparedIo, Instant)>>,
-    free: Vec<usize>,
-    /// Bytes of the bounced transfers in flight: the controller's buffers they hold. Direct
-    /// transfers (host memory) are not counted; the ring's depth bounds them.
-    bounced_bytes: u64,
-    /// Transfers pushed to the ring and not yet handed to the kernel.
-    unsubmitted: usize,
-    /// Writes among the commands in flight.
-    writes: usize,
-    /// No command in flight was pushed before this (exact after [`InFlight::oldest`]; a
-    /// completion can only make it conservative).
-    pushed_no_earlier_than: Option<Instant>,
-    /// Reused: completions taken from the ring before their commands finish.
-    reaped: Vec<Completion>,
-}
-
-impl InFlight {
-    pub(super) fn with_capacity(capacity: usize) -> Self {
-        Self {
-            slots: (0..capacity).map(|_| None).collect(),
-            free: (0..capacity).rev().collect(),
-            bounced_bytes: 0,
-            unsubmitted: 0,
-            writes: 0,
-            pushed_no_earlier_than: None,
-            reaped: Vec::with_capacity(capacity),
-        }
-    }
-
-    pub(super) fn count(&self) -> usize {
-        self.slots.len() - self.free.len()
-    }
-
-    fn is_empty(&self) -> bool {
-        self.count() == 0
-    }
-
-    fn conflicts(&self, write: bool, namespace_index: usize, start_lba: u64, blocks: u64) -> bool {
-        // A conflict needs a Write on one side.
-        if !write && self.writes == 0 {
-            return false;
-        }
-        self.slots.iter().flatten().any(|(io, _)| io.conflicts(write, namespace_index, start_lba, blocks))
-    }
-
-    /// When the oldest transfer in flight was pushed (a walk of the table; it also makes the
-    /// lower bound exact).
-    fn oldest(&mut self) -> Option<Instant> {
-        let oldest = self.slots.iter().flatten().map(|(_, pushed)| *pushed).min();
-        self.pushed_no_earlier_than = oldest;
-        oldest
-    }
-
-    /// When the oldest transfer in flight was pushed, if it has been in flight longer than
-    /// `timeout` at `now`. Walks the table only when the lower bound is that old (once per
-    /// `timeout` under steady traffic), not at every scan.
-    fn past_deadline(&mut self, now: Instant, timeout: Duration) -> Option<Instant> {
-        let bound = self.pushed_no_earlier_than?;
-        if now.saturating_duration_since(bound) <= timeout {
-            return None;
-        }
-        self.oldest().filter(|&oldest| now.saturating_duration_since(oldest) > timeout)
-    }
-
-    /// A free slot, taken (the tag a transfer is pushed with); `None` when the table is full.
-    fn take_slot(&mut self) -> Option<usize> {
-        self.free.pop()
-    }
-
-    /// Puts `io` into a slot from [`InFlight::take_slot`].
-    fn fill(&mut self, slot: usize, io: PreparedIo, now: Instant) {
-        let Some(entry) = self.slots.get_mut(slot) else { return };
-        if !io.direct {
-            self.bounced_bytes += io.len_bytes() as u64;
-        }
-        self.writes += usize::from(io.write);
-        // Push times only grow: the bound stays below every one of them.
-        self.pushed_no_earlier_than = Some(self.pushed_no_earlier_than.map_or(now, |bound| bound.min(now)));
-        *entry = Some((io, now));
-    }
-
-    fn take(&mut self, tag: u64) -> Option<PreparedIo> {
-        let slot = usize::try_from(tag).ok()?;
-        let (io, _) = self.slots.get_mut(slot)?.take()?;
-        self.free.push(slot);
-        if !io.direct {
-            self.bounced_bytes = self.bounced_bytes.saturating_sub(io.len_bytes() as u64);
-        }
-        self.writes = self.writes.saturating_sub(usize::from(io.write));
-        if self.free.len() == self.slots.len() {
-            self.pushed_no_earlier_than = None;
-        }
-        Some(io)
-    }
-
-    /// Test view: (namespace index, first LBA, blocks, write) of every command in flight.
-    #[cfg(test)]
-    pub(super) fn ranges(&self) -> Vec<(usize, u64, u64, bool)> {
-        self.slots.iter().flatten().map(|(io, _)| (io.namespace_index, io.start_lba, io.blocks, io.write)).collect()
-    }
-}
 
 impl ControllerCore {
     /// Runs commands fetched from one SQ in order. Reads of a file-backed device, and Writes
@@ -414,7 +259,7 @@ impl ControllerCore {
         self.submit_in_flight();
     }
 
-    fn reserve_completion_slot(&mut self, completion_queue_id: u16, reserve: bool) {
+    pub(super) fn reserve_completion_slot(&mut self, completion_queue_id: u16, reserve: bool) {
         if let Some(Some(queue)) = self.completion_queues.get_mut(usize::from(completion_queue_id)) {
             queue.reserved = if reserve { queue.reserved + 1 } else { queue.reserved.saturating_sub(1) };
         }
@@ -466,7 +311,7 @@ impl ControllerCore {
 
     /// Waits (up to the oldest transfer's deadline) for at least one transfer and finishes (or,
     /// per `settle`, drops) what completed. False when nothing is in flight.
-    fn wait_in_flight(&mut self, settle: Settle) -> bool {
+    pub(super) fn wait_in_flight(&mut self, settle: Settle) -> bool {
         let Some(oldest) = self.in_flight.oldest() else { return false };
         let Some(reader) = self.reader.as_mut() else { return false };
         self.in_flight.unsubmitted = 0;
@@ -494,97 +339,8 @@ impl ControllerCore {
         }
     }
 
-    /// Ends every transfer in flight: waits for each (up to its deadline), finishing or dropping
-    /// its command per `settle`. Returns with nothing in flight.
-    pub(super) fn settle_in_flight(&mut self, settle: Settle) {
-        if self.in_flight.is_empty() {
-            return;
-        }
-        if settle == Settle::PowerLoss {
-            // The cut stops the drive: what the kernel can still take back never lands.
-            let mut given_back = std::mem::take(&mut self.in_flight.reaped);
-            let held = self.reader.as_mut().map(|reader| reader.cancel(|completion| given_back.push(completion))).unwrap_or_default();
-            for completion in given_back.drain(..) {
-                self.end_given_back(completion, settle);
-            }
-            self.in_flight.reaped = given_back;
-            self.end_held(&held, "a power loss", settle);
-        }
-        // Bounded: each pass finishes at least one transfer, or fails the ring (which empties it).
-        while self.wait_in_flight(settle) {}
-    }
-
-    /// Abandons the ring after `cause`: what the kernel gives back when cancelled finishes (a
-    /// transfer that did not complete is redone synchronously from its own buffer); a write it
-    /// keeps fails with Write Fault, fences the store and makes the controller fatal.
-    fn fail_ring(&mut self, cause: &UringError, settle: Settle) {
-        let mut given_back = std::mem::take(&mut self.in_flight.reaped);
-        let held = self.reader.as_mut().map(|reader| reader.abandon(cause, |completion| given_back.push(completion))).unwrap_or_default();
-        let kept_writes = held
-            .iter()
-            .filter(|&&tag| self.in_flight.slots.get(tag as usize).is_some_and(|slot| slot.as_ref().is_some_and(|(io, _)| io.write)))
-            .count();
-        if kept_writes > 0 {
-            self.fence_for_kept_writes(kept_writes);
-        }
-        for completion in given_back.drain(..) {
-            self.end_given_back(completion, settle);
-        }
-        self.in_flight.reaped = given_back;
-        self.end_held(&held, "an abandoned io_uring batch", settle);
-        if kept_writes > 0 && settle == Settle::Finish {
-            self.set_fatal();
-        }
-    }
-
-    /// Commands whose transfers the kernel kept after cancellation: a kept Write fails (its data
-    /// may land at any time), a kept Read is redone synchronously into a fresh buffer. A kept
-    /// direct transfer gets no completion at all, since that would hand the host memory the
-    /// kernel may still read or write back to the host: the controller becomes fatal (CSTS.CFS)
-    /// instead, as a device hung in the middle of its DMA, and the ring keeps the memory's
-    /// regions (leaked with it).
-    fn end_held(&mut self, held: &[u64], why: &str, settle: Settle) {
-        let mut kept_writes = 0usize;
-        let mut kept_direct = 0usize;
-        for &tag in held {
-            let Some(io) = self.in_flight.take(tag) else { continue };
-            self.reserve_completion_slot(io.completion_queue_id, false);
-            kept_writes += usize::from(io.write);
-            if io.direct {
-                kept_direct += 1;
-                continue;
-            }
-            let cause = UringError::StillInFlight { cause: why.to_string() };
-            self.end_io(io, AlignedBuffer::default(), Err(cause), settle);
-        }
-        if kept_writes > 0 && !self.store.is_fenced() {
-            self.fence_for_kept_writes(kept_writes);
-        }
-        if kept_direct > 0 {
-            tracing::error!(
-                kept_direct,
-                "transfers into host memory are still with the kernel after cancellation: their commands never complete, \
-                 and the controller reports a fatal status"
-            );
-            if settle == Settle::Finish {
-                self.set_fatal();
-            }
-        }
-    }
-
-    fn fence_for_kept_writes(&mut self, kept_writes: usize) {
-        // The kernel may complete these writes at any time, over whatever is written to their
-        // blocks after them: nothing may touch the store until they are given back.
-        tracing::error!(
-            kept_writes,
-            "backing-store writes of an abandoned io_uring ring are still in flight after cancellation: they fail, the store \
-             refuses all I/O until the kernel gives them back, and the controller reports a fatal status"
-        );
-        self.store.fence(format!("{kept_writes} abandoned io_uring write(s) may still land"));
-    }
-
     /// Ends the command of a transfer the kernel gave back (completed, failed or cancelled).
-    fn end_given_back(&mut self, completion: Completion, settle: Settle) {
+    pub(super) fn end_given_back(&mut self, completion: Completion, settle: Settle) {
         let result = completion.check();
         let Some(mut io) = self.in_flight.take(completion.tag) else { return };
         self.reserve_completion_slot(io.completion_queue_id, false);
@@ -594,7 +350,7 @@ impl ControllerCore {
         self.end_io(io, completion.buffer, result, settle);
     }
 
-    fn end_io(&mut self, io: PreparedIo, buffer: AlignedBuffer, result: Result<(), UringError>, settle: Settle) {
+    pub(super) fn end_io(&mut self, io: PreparedIo, buffer: AlignedBuffer, result: Result<(), UringError>, settle: Settle) {
         if settle == Settle::Finish {
             self.finish_io(io, buffer, result);
         } else {
@@ -716,17 +472,6 @@ impl ControllerCore {
         (self.store.file_descriptor(offset, len).unwrap_or(-1), offset)
     }
 
-    /// Lifts the store's fence once the kernel has given back every write that an abandoned
-    /// ring left with it (they can no longer land over newer data). Checked when the
-    /// controller is enabled and before it runs fetched commands, only while fenced.
-    pub(super) fn refresh_store_fence(&mut self) {
-        if !self.store.is_fenced() || self.reader.as_mut().is_some_and(UringReader::holds_writes) {
-            return;
-        }
-        self.store.lift_fence();
-        tracing::warn!("the kernel gave back every abandoned io_uring write: backing-store I/O resumes (synchronously)");
-    }
-
     /// Sends transfers to `fd` instead of the store's file, with short deadlines and optionally
     /// no cancellation: a backing file that stalls, for tests.
     #[cfg(test)]
@@ -754,71 +499,5 @@ impl ControllerCore {
     #[cfg(test)]
     pub(crate) fn in_flight_ranges(&self) -> Vec<(usize, u64, u64, bool)> {
         self.in_flight.ranges()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn prepared(write: bool, start_lba: u64) -> PreparedIo {
-        PreparedIo {
-            entry: SubmissionEntry::default(),
-            queue_id: 1,
-            completion_queue_id: 1,
-            sq_head: 0,
-            namespace_index: 0,
-            namespace: Namespace { block_size_bytes: 4096, blocks: 1 << 20, base_offset_bytes: 0 },
-            buffers: DataBuffers::default(),
-            write,
-            start_lba,
-            blocks: 1,
-            direct: false,
-        }
-    }
-
-    #[test]
-    fn the_deadline_follows_the_oldest_transfer_still_in_flight() {
-        // Goal: the per-scan deadline check, which walks the table only when its lower bound of
-        // the push times is past the timeout, fails exactly the transfers that are: a transfer
-        // that completed long ago does not make a young one look late, and an old one stays late.
-        let timeout = Duration::from_secs(30);
-        let start = Instant::now();
-        let mut in_flight = InFlight::with_capacity(4);
-        let first = in_flight.take_slot().unwrap();
-        in_flight.fill(first, prepared(false, 0), start);
-        let second = in_flight.take_slot().unwrap();
-        in_flight.fill(second, prepared(false, 8), start + Duration::from_secs(20));
-        assert_eq!(in_flight.past_deadline(start + Duration::from_secs(29), timeout), None);
-        in_flight.take(first as u64).unwrap();
-        // The bound still says `start`; the walk finds the second transfer, 15 s old.
-        assert_eq!(in_flight.past_deadline(start + Duration::from_secs(35), timeout), None);
-        assert_eq!(in_flight.past_deadline(start + Duration::from_secs(51), timeout), Some(start + Duration::from_secs(20)));
-        // Emptied, then refilled later: the new transfer's own time counts.
-        in_flight.take(second as u64).unwrap();
-        assert_eq!(in_flight.past_deadline(start + Duration::from_secs(100), timeout), None);
-        let third = in_flight.take_slot().unwrap();
-        in_flight.fill(third, prepared(false, 16), start + Duration::from_secs(90));
-        assert_eq!(in_flight.past_deadline(start + Duration::from_secs(119), timeout), None);
-        assert_eq!(in_flight.past_deadline(start + Duration::from_secs(121), timeout), Some(start + Duration::from_secs(90)));
-    }
-
-    #[test]
-    fn reads_conflict_only_with_writes_in_flight() {
-        // Goal: the shortcut for Reads (no table walk while no Write is in flight) still finds
-        // every overlapping Write, and forgets it once it completed.
-        let now = Instant::now();
-        let mut in_flight = InFlight::with_capacity(4);
-        let read = in_flight.take_slot().unwrap();
-        in_flight.fill(read, prepared(false, 0), now);
-        assert!(!in_flight.conflicts(false, 0, 0, 1), "two reads never conflict");
-        assert!(in_flight.conflicts(true, 0, 0, 1), "a write over a read in flight waits");
-        let write = in_flight.take_slot().unwrap();
-        in_flight.fill(write, prepared(true, 8), now);
-        assert!(in_flight.conflicts(false, 0, 8, 1), "a read over a write in flight waits");
-        assert!(!in_flight.conflicts(false, 0, 9, 1), "a read next to it does not");
-        assert!(!in_flight.conflicts(false, 1, 8, 1), "nor one in another namespace");
-        in_flight.take(write as u64).unwrap();
-        assert!(!in_flight.conflicts(false, 0, 8, 1), "the write completed");
     }
 }

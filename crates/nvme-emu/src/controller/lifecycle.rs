@@ -1,0 +1,164 @@
+//! The controller's state machine as CC drives it (§3.5, §3.6, §3.7): enable, controller
+//! reset, shutdown notification, and the power loss and function reset the device adds.
+
+use nvme_driver::hw::DmaAllocator;
+use nvme_driver::spec::registers::{self, ControllerConfiguration, ShutdownNotification};
+use nvme_driver::spec::{NvmeStatus, COMPLETION_ENTRY_BYTES, SUBMISSION_ENTRY_BYTES};
+use nvme_driver::Iova;
+
+use super::in_flight::Settle;
+use super::{ControllerCore, State, CSTS_FATAL, CSTS_READY, CSTS_SHUTDOWN_COMPLETE, CSTS_SHUTDOWN_MASK};
+use crate::queues::{CompletionQueue, SubmissionQueue};
+
+impl ControllerCore {
+    /// Applies CC: enable (EN 0 to 1), reset (EN 1 to 0), shutdown notification. Called by the
+    /// poller and, synchronously, after every host write of CC.
+    pub(crate) fn react_to_configuration(&mut self) -> bool {
+        let cc = ControllerConfiguration(self.registers.load32(registers::CC));
+        let mut worked = false;
+        match (self.state, cc.enabled()) {
+            (State::Disabled, true) => {
+                self.enable(cc);
+                worked = true;
+            }
+            (State::Ready | State::Fatal, false) => {
+                self.reset_controller();
+                worked = true;
+            }
+            _ => {}
+        }
+        worked |= self.handle_shutdown(cc);
+        worked
+    }
+
+    /// CC.EN 0 to 1 (§3.5.1): checks the configuration and the admin queues, then sets RDY.
+    /// A configuration the controller cannot run with sets CSTS.CFS instead.
+    fn enable(&mut self, cc: ControllerConfiguration) {
+        match self.admin_queues(cc) {
+            Ok((submission, completion)) => {
+                self.refresh_store_fence();
+                self.registers.clear_doorbells();
+                self.submission_queues[0] = Some(submission);
+                self.completion_queues[0] = Some(completion);
+                self.state = State::Ready;
+                self.counters.totals.enables += 1;
+                self.registers.set_status(CSTS_READY);
+            }
+            Err(reason) => {
+                tracing::warn!(reason, "controller enable failed; setting CSTS.CFS");
+                self.set_fatal();
+            }
+        }
+    }
+
+    fn admin_queues(&self, cc: ControllerConfiguration) -> Result<(SubmissionQueue, CompletionQueue), &'static str> {
+        if cc.command_set() != 0 {
+            return Err("CC.CSS selects a command set other than NVM");
+        }
+        if cc.page_size_bytes() != 4096 {
+            return Err("CC.MPS is not 4 KiB (CAP.MPSMIN = CAP.MPSMAX = 0)");
+        }
+        let sqes = cc.io_submission_entry_size_log2();
+        let cqes = cc.io_completion_entry_size_log2();
+        if (sqes != 0 && sqes != 6) || (cqes != 0 && cqes != 4) {
+            return Err("CC.IOSQES / CC.IOCQES are not 64 / 16 bytes");
+        }
+        let (sq_entries, cq_entries) = registers::decode_admin_queue_attributes(self.registers.load32(registers::AQA));
+        let max_entries = self.config.max_queue_entries.min(4096);
+        if !(2..=max_entries).contains(&sq_entries) || !(2..=max_entries).contains(&cq_entries) {
+            return Err("AQA sizes outside 2..=MQES+1");
+        }
+        let asq = self.registers.load64(registers::ASQ);
+        let acq = self.registers.load64(registers::ACQ);
+        if asq == 0 || acq == 0 || !asq.is_multiple_of(4096) || !acq.is_multiple_of(4096) {
+            return Err("ASQ / ACQ are zero or not page aligned");
+        }
+        let submission_memory =
+            self.dma.translate(Iova(asq), sq_entries as usize * SUBMISSION_ENTRY_BYTES).map_err(|_| "ASQ is not mapped memory")?;
+        let completion_memory =
+            self.dma.translate(Iova(acq), cq_entries as usize * COMPLETION_ENTRY_BYTES).map_err(|_| "ACQ is not mapped memory")?;
+        Ok((SubmissionQueue::new(submission_memory, sq_entries, 0), CompletionQueue::new(completion_memory, cq_entries)))
+    }
+
+    pub(super) fn set_fatal(&mut self) {
+        self.state = State::Fatal;
+        let csts = self.registers.load32(registers::CSTS);
+        self.registers.set_status(csts | CSTS_FATAL);
+    }
+
+    fn drop_queues(&mut self) {
+        self.shadow_doorbells = None;
+        self.submission_queues.iter_mut().for_each(|queue| *queue = None);
+        self.completion_queues.iter_mut().for_each(|queue| *queue = None);
+        self.pending.clear();
+        if let Some(timing) = self.timing.as_mut() {
+            // The completion queues are gone, and their reservations with them.
+            timing.clear(|_| {});
+        }
+    }
+
+    /// CC.EN 1 to 0 (§3.7.2): queues are deleted, features return to defaults, RDY and CFS clear.
+    /// The write cache survives a controller reset (it is not a power loss).
+    fn reset_controller(&mut self) {
+        // The kernel may still write the buffers of transfers in flight, and their commands'
+        // queues are going away: wait for them, completing none.
+        self.settle_in_flight(Settle::Discard);
+        self.drop_queues();
+        self.features = Self::default_features(&self.config);
+        self.state = State::Disabled;
+        self.registers.clear_doorbells();
+        self.registers.set_status(0);
+    }
+
+    /// CC.SHN (§3.6): on a shutdown notification the cache is written back and SHST reports
+    /// complete; clearing SHN clears SHST.
+    fn handle_shutdown(&mut self, cc: ControllerConfiguration) -> bool {
+        let csts = self.registers.load32(registers::CSTS);
+        let complete = csts & CSTS_SHUTDOWN_MASK == CSTS_SHUTDOWN_COMPLETE;
+        match cc.shutdown() {
+            ShutdownNotification::None if csts & CSTS_SHUTDOWN_MASK != 0 => {
+                self.registers.set_status(csts & !CSTS_SHUTDOWN_MASK);
+                true
+            }
+            ShutdownNotification::Normal | ShutdownNotification::Abrupt if !complete => {
+                self.settle_in_flight(Settle::Finish);
+                // The host may cut power once SHST says complete: with sync_file_on_flush the
+                // written-back blocks reach the file's media first, as a Flush's would.
+                let written = self.write_back(None).and_then(|()| if self.config.sync_file_on_flush { self.sync_store() } else { Ok(()) });
+                if let Err(status) = written {
+                    tracing::error!(%status, "write-back at shutdown failed");
+                }
+                self.registers.set_status(csts & !CSTS_SHUTDOWN_MASK | CSTS_SHUTDOWN_COMPLETE);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Power is cut: unflushed cache contents are lost, in-flight commands get no completion,
+    /// every register returns to its reset value. The backing store is kept.
+    pub(crate) fn power_loss(&mut self) {
+        // Transfers in flight are cancelled where the kernel still can (those never land) and
+        // waited for otherwise (those land, as a write already on its way to the media would);
+        // none of their commands completes.
+        self.settle_in_flight(Settle::PowerLoss);
+        self.cache.discard_all();
+        self.drop_queues();
+        self.features = Self::default_features(&self.config);
+        self.state = State::Disabled;
+        self.registers.power_on_reset();
+        self.counters.totals.power_losses += 1;
+        self.unsafe_shutdowns += 1;
+        self.power_cycles += 1;
+    }
+
+    /// Function-level reset: like a controller reset, plus registers to reset values. The cache
+    /// is written back first (an FLR is not a power loss).
+    pub(crate) fn function_reset(&mut self) -> Result<(), NvmeStatus> {
+        self.settle_in_flight(Settle::Discard);
+        let written = self.write_back(None);
+        self.reset_controller();
+        self.registers.power_on_reset();
+        written
+    }
+}

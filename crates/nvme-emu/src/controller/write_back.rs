@@ -1,0 +1,76 @@
+//! Write-back of the volatile write cache to the backing store (Flush, FUA over cached blocks,
+//! VWC = 0, shutdown, function reset, a full cache).
+
+use nvme_driver::spec::status::codes;
+use nvme_driver::spec::NvmeStatus;
+
+use super::{media, ControllerCore, WRITE_BACK_CHUNK_BYTES};
+
+impl ControllerCore {
+    /// Writes every dirty cached block of one namespace (or all) to the backing store,
+    /// coalescing consecutive blocks into writes of up to `WRITE_BACK_CHUNK_BYTES`.
+    pub(crate) fn write_back(&mut self, only_namespace: Option<usize>) -> Result<(), NvmeStatus> {
+        if self.cache.is_empty() {
+            return Ok(());
+        }
+        if self.store.is_fenced() {
+            // Keep the blocks cached (still served to reads): the store takes nothing now.
+            tracing::error!("cache write-back refused: the backing store is fenced");
+            return Err(media(codes::WRITE_FAULT));
+        }
+        let mut blocks = self.cache.take(only_namespace);
+        // Runs of consecutive blocks, each at most WRITE_BACK_CHUNK_BYTES: (namespace index,
+        // first LBA, blocks).
+        let mut runs: Vec<(usize, u64, u64)> = Vec::new();
+        let mut run_bytes = 0usize;
+        for (&(namespace_index, lba), data) in &blocks {
+            match runs.last_mut() {
+                Some((index, start, count))
+                    if *index == namespace_index && *start + *count == lba && run_bytes + data.len() <= WRITE_BACK_CHUNK_BYTES =>
+                {
+                    *count += 1;
+                    run_bytes += data.len();
+                }
+                _ => {
+                    runs.push((namespace_index, lba, 1));
+                    run_bytes = data.len();
+                }
+            }
+        }
+        let mut pending: Vec<u8> = Vec::with_capacity(WRITE_BACK_CHUNK_BYTES);
+        for (namespace_index, start, count) in runs {
+            let range = (namespace_index, start)..(namespace_index, start + count);
+            pending.clear();
+            blocks.range(range.clone()).for_each(|(_, data)| pending.extend_from_slice(data));
+            if let Err(status) = self.write_run(namespace_index, start, &pending) {
+                // The blocks of this run and of every run not tried yet stay dirty in the cache
+                // (reads still see them): a later Flush tries them again and fails while the
+                // store does, instead of succeeding over writes that never reached it.
+                self.cache.restore(blocks);
+                return Err(status);
+            }
+            for lba in start..start + count {
+                if let Some(data) = blocks.remove(&(namespace_index, lba)) {
+                    self.cache.recycle(data);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn write_run(&mut self, namespace_index: usize, start_lba: u64, data: &[u8]) -> Result<(), NvmeStatus> {
+        let Some(namespace) = self.namespaces.get(namespace_index).copied() else { return Ok(()) };
+        let offset = namespace.base_offset_bytes + start_lba * u64::from(namespace.block_size_bytes);
+        #[cfg(test)]
+        if self.fail_write_backs_for_tests {
+            tracing::error!(offset, "cache write-back failed (injected by a test)");
+            return Err(media(codes::WRITE_FAULT));
+        }
+        if let Err(error) = self.store.write(offset, data) {
+            tracing::error!(%error, offset, "cache write-back failed");
+            return Err(media(codes::WRITE_FAULT));
+        }
+        self.counters.totals.cache_writeback_bytes += data.len() as u64;
+        Ok(())
+    }
+}
