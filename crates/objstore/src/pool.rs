@@ -124,6 +124,8 @@ pub(crate) struct PoolDevice {
     fence_idle: bool,
     /// Header syncs of this device that failed in a row (reset by one that succeeds).
     header_sync_failures: u32,
+    /// Cache flushes of this device that failed in a row (reset by one that succeeds).
+    flush_failures: u32,
     /// The mirror and scratch were leaked already (with a queue pair that was not deleted).
     buffers_leaked: bool,
     pub(crate) target: PoolTarget,
@@ -151,9 +153,9 @@ impl Drop for PoolDevice {
     }
 }
 
-/// Header syncs of one device that may fail in a row (the device answering its header writes
-/// with an error status) before it is fenced: a transient error costs the stores of that sync;
-/// a device that keeps failing stops costing the other devices' stores.
+/// Header syncs (or, counted apart, cache flushes) of one device that may fail in a row (the
+/// device answering them with an error status) before it is fenced: a transient error costs
+/// the stores of that sync; a device that keeps failing stops costing the other devices' stores.
 pub(crate) const HEADER_SYNC_FAILURES_FENCE: u32 = 3;
 
 /// An open pool: devices in pool order (device index i at position i) and the index.
@@ -481,6 +483,7 @@ impl Pool {
                 fence: None,
                 fence_idle: false,
                 header_sync_failures: 0,
+                flush_failures: 0,
                 buffers_leaked: false,
                 target,
                 superblock,
@@ -677,13 +680,19 @@ impl Pool {
         first_error.map_or(Ok(()), Err)
     }
 
-    /// Flushes the volatile write cache of the devices in `devices` (a bitmap by index).
+    /// Flushes the volatile write cache of the devices in `devices` (a bitmap by index),
+    /// stopping at the first that fails. A device whose flushes fail
+    /// [`HEADER_SYNC_FAILURES_FENCE`] times in a row is fenced, as for header syncs: new stores
+    /// then go to the other devices instead of failing at every commit placed on it.
     pub(crate) fn flush(&mut self, devices: &[bool], lender: &mut dyn QueueLender) -> Result<()> {
         let timeout = self.timeout;
         for (index, (d, &used)) in self.devices.iter_mut().zip(devices).enumerate() {
             if used {
                 let namespace = d.target.namespace;
-                d.run_metadata(index, lender, &mut None, timeout, |queue, _, _| metadata_io::flush(queue, namespace, timeout))?;
+                let flushed =
+                    d.run_metadata(index, lender, &mut None, timeout, |queue, _, _| metadata_io::flush(queue, namespace, timeout));
+                d.count_flush(index, &flushed);
+                flushed?;
             }
         }
         Ok(())

@@ -89,13 +89,29 @@ impl PoolDevice {
     /// row, and the [`HEADER_SYNC_FAILURES_FENCE`]th fences the device; its buffers are freed at
     /// close as usual, since no command of it is in flight. One that succeeded resets the count.
     pub(super) fn count_header_sync(&mut self, index: usize, synced: &Result<()>) {
-        match synced {
-            Ok(()) => self.header_sync_failures = 0,
+        let mut failures = self.header_sync_failures;
+        self.count_durability_failure(index, synced, &mut failures, "header syncs");
+        self.header_sync_failures = failures;
+    }
+
+    /// Counts a cache flush of device `index` as [`Self::count_header_sync`] counts header
+    /// syncs, on a count of its own: a commit whose flush fails writes no header, so a shared
+    /// count would be reset by the headers other commits stage on the device and a device whose
+    /// flushes always fail would never be fenced (and would fail every commit placed on it).
+    pub(super) fn count_flush(&mut self, index: usize, flushed: &Result<()>) {
+        let mut failures = self.flush_failures;
+        self.count_durability_failure(index, flushed, &mut failures, "cache flushes");
+        self.flush_failures = failures;
+    }
+
+    fn count_durability_failure(&mut self, index: usize, outcome: &Result<()>, failures: &mut u32, what: &str) {
+        match outcome {
+            Ok(()) => *failures = 0,
             Err(_) if self.fence.is_some() => {}
             Err(error) => {
-                self.header_sync_failures += 1;
-                if self.header_sync_failures >= HEADER_SYNC_FAILURES_FENCE {
-                    self.fence(index, format!("{HEADER_SYNC_FAILURES_FENCE} header syncs in a row failed, the last with: {error}"));
+                *failures += 1;
+                if *failures >= HEADER_SYNC_FAILURES_FENCE {
+                    self.fence(index, format!("{HEADER_SYNC_FAILURES_FENCE} {what} in a row failed, the last with: {error}"));
                     self.fence_idle = true;
                 }
             }

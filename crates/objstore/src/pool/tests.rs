@@ -482,3 +482,39 @@ fn a_header_sync_that_fails_once_does_not_fence() {
     let (_, report) = Pool::open(targets, Some(&geometry())).unwrap();
     assert_eq!(report.valid_slots, u64::from(2 * HEADER_SYNC_FAILURES_FENCE));
 }
+
+#[test]
+fn a_device_whose_flushes_keep_failing_is_fenced_even_while_its_header_writes_succeed() {
+    // Goal: a device answering every Flush with an error status fails each commit placed on it
+    // (the commit writes no header); after HEADER_SYNC_FAILURES_FENCE failed flushes in a row it
+    // is fenced, so new stores go elsewhere. Header syncs that succeed on it meanwhile (other
+    // commits' headers, the failed ones restaged Empty) keep their own count and do not reset
+    // the flushes'. Before, a failed flush counted for nothing and the device was never fenced.
+    use nvme_driver::spec::{NvmeStatus, StatusCodeType};
+    use nvme_emu::{FaultAction, FaultPlan, FaultRule};
+    let config =
+        EmuConfig::default().with_backing(Backing::Memory { bytes: 16 << 20 }).with_namespaces(vec![NamespaceConfig::new(512, None)]);
+    let (device, targets) = start(config);
+    format(&targets, geometry());
+    let (mut pool, _) = Pool::open(targets.clone(), Some(&geometry())).unwrap();
+    let flush_fault = FaultAction::Status(NvmeStatus::new(StatusCodeType::MediaAndDataIntegrity, 0x80));
+    device.set_faults(FaultPlan::none().with_rule(FaultRule::every_nth_io(1, flush_fault).with_opcode(NvmOpcode::Flush as u8)));
+    for round in 0..HEADER_SYNC_FAILURES_FENCE {
+        assert!(!pool.metadata_fenced(0), "fenced after {round} failed flushes");
+        pool.stage_header(0, round, SlotState::Empty, &[]).unwrap();
+        pool.sync_headers(&mut NoLender).expect("header writes still succeed");
+        assert!(pool.flush(&[true], &mut NoLender).is_err(), "round {round}: the flush fails");
+    }
+    assert!(pool.metadata_fenced(0), "fenced after {HEADER_SYNC_FAILURES_FENCE} failed flushes in a row");
+    assert!(matches!(pool.stage_header(0, 9, SlotState::Empty, &[]), Err(ObjstoreError::MetadataFenced { device: 0, .. })));
+
+    // A flush that fails now and then never adds up to a fence.
+    drop(pool);
+    let (mut pool, _) = Pool::open(targets, Some(&geometry())).unwrap();
+    for round in 0..2 * HEADER_SYNC_FAILURES_FENCE {
+        device.set_faults(FaultPlan::none().with_rule(FaultRule::on_nth_io(1, flush_fault).with_opcode(NvmOpcode::Flush as u8)));
+        assert!(pool.flush(&[true], &mut NoLender).is_err(), "round {round}: the first flush fails");
+        pool.flush(&[true], &mut NoLender).expect("the next one succeeds");
+        assert!(!pool.metadata_fenced(0), "round {round}");
+    }
+}
