@@ -25,6 +25,12 @@ pub struct Lookup {
     pub skipped_entries: u64,
     /// etcd requests the lookup sent (1 for up to `txn_ops_max` segments, retries aside).
     pub requests: u64,
+    /// Segments whose range read stopped at `holders_max` entries with refused ones among them
+    /// while more were left unread: holders past the limit were not seen. A bounded lookup
+    /// reads one range per segment and never pages, so such a segment can read as a miss
+    /// (never as wrong data); a count here means the registry holds entries it should not
+    /// (another segment size, a damaged writer).
+    pub ranges_cut_short: u64,
 }
 
 impl Lookup {
@@ -54,6 +60,8 @@ pub struct Members {
     pub nodes: Vec<MemberRecord>,
     /// Entries under the members prefix that were refused.
     pub skipped_entries: u64,
+    /// More than [`MEMBERS_MAX`] entries are registered: `nodes` lists the first by node id.
+    pub truncated: bool,
 }
 
 /// A connection to the registry without membership: lookups, the member list, status.
@@ -141,6 +149,9 @@ impl ClusterClient {
                         None => lookup.skipped_entries += 1,
                     }
                 }
+                if range.more() && holders.len() < range.kvs().len() {
+                    lookup.ranges_cut_short += 1;
+                }
                 if holders.is_empty() {
                     lookup.requests = self.connection.requests_sent() - requests_before;
                     return Ok(lookup);
@@ -175,7 +186,7 @@ impl ClusterClient {
             let prefix = prefix.clone();
             async move { client.get(prefix, Some(options)).await }
         })?;
-        let mut members = Members::default();
+        let mut members = Members { truncated: answer.more(), ..Members::default() };
         for entry in answer.kvs() {
             let record = self
                 .layout
@@ -187,5 +198,22 @@ impl ClusterClient {
             }
         }
         Ok(members)
+    }
+
+    /// Node `node`'s member record (one key read): None when it is not a member; an error when
+    /// the entry there is refused (malformed, another cluster's, another node's record).
+    pub fn member(&self, node: &NodeId) -> Result<Option<MemberRecord>> {
+        let key = self.layout.member_key(node);
+        let answer = self.connection.call("member", |mut client| {
+            let key = key.clone();
+            async move { client.get(key, None).await }
+        })?;
+        let Some(entry) = answer.kvs().first() else { return Ok(None) };
+        if entry.key() != key.as_bytes() {
+            return Err(ClusterError::MalformedRecord { key, reason: "etcd answered a key read with another key" });
+        }
+        MemberRecord::decode(entry.value(), self.layout.cluster(), node)
+            .map(Some)
+            .map_err(|reason| ClusterError::MalformedRecord { key, reason })
     }
 }

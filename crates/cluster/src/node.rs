@@ -14,7 +14,7 @@ use crate::config::ClusterConfig;
 use crate::connection::{attempt_timeout, Members as EtcdMembers, RETRY_PAUSE_FIRST, RETRY_PAUSE_MAX};
 use crate::error::{ClusterError, Result};
 use crate::layout::{MemberRecord, SegmentRecord, ADDRESS_BYTES_MAX, FINGERPRINTS_MAX};
-use crate::names::ModelSpace;
+use crate::names::{ModelSpace, NodeId};
 use crate::segments::Segment;
 
 /// The lease as the keep-alive loop last saw it; read by every registration.
@@ -312,6 +312,11 @@ impl ClusterNode {
     /// See [`ClusterClient::members`].
     pub fn members(&self) -> Result<Members> {
         self.client.members()
+    }
+
+    /// See [`ClusterClient::member`].
+    pub fn member(&self, node: &NodeId) -> Result<Option<MemberRecord>> {
+        self.client.member(node)
     }
 }
 

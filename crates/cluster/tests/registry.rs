@@ -306,3 +306,67 @@ fn a_member_record_is_updated_only_under_its_own_lease() {
     node_a.rejoin().unwrap();
     assert_eq!(node_a.members().unwrap().nodes, vec![updated]);
 }
+
+#[test]
+fn refused_entries_that_fill_a_holder_range_are_counted_as_cutting_it_short() {
+    // Goal: a lookup reads at most `holders_max` entries per segment and never pages. Entries it
+    // must refuse (here another segment size, from nodes whose ids sort before the real holder)
+    // can fill that limit and hide the holder: the answer is then a miss, never wrong data, and
+    // the lookup says so in `ranges_cut_short` instead of passing it off as an empty registry.
+    let Some(etcd) = start_etcd(1) else { return };
+    let cluster = ClusterId::new("cutshort").unwrap();
+    let layout = KeyLayout::new(cluster.clone());
+    let node_a = ClusterNode::join(config(&etcd, "cutshort"), record("a")).unwrap();
+    let segments = prompt(9, 2);
+    node_a.register(&space(), &segments[..1]).unwrap();
+    let other_size = |name: &str| SegmentRecord {
+        node: node(name),
+        space: space(),
+        key: segments[0].key,
+        index: segments[0].index,
+        segment_blocks: SegmentBlocks::new(32).unwrap(),
+    };
+    let plants: Vec<(String, Vec<u8>)> = ["0", "1"]
+        .iter()
+        .map(|name| (layout.segment_key(&space(), segments[0].key, &node(name)), other_size(name).encode(&cluster)))
+        .collect();
+    put_raw(&etcd, &plants);
+
+    let mut narrow = config(&etcd, "cutshort");
+    narrow.holders_max = 2;
+    let lookup = ClusterClient::connect(narrow).unwrap().lookup(&space(), &segments).unwrap();
+    assert!(lookup.holders.is_empty(), "the two refused entries filled the range: {lookup:?}");
+    assert_eq!((lookup.skipped_entries, lookup.ranges_cut_short), (2, 1));
+
+    let mut wide = config(&etcd, "cutshort");
+    wide.holders_max = 3;
+    let lookup = ClusterClient::connect(wide).unwrap().lookup(&space(), &segments).unwrap();
+    assert_eq!(lookup.holders, vec![vec![node("a")]]);
+    assert_eq!((lookup.skipped_entries, lookup.ranges_cut_short), (2, 0));
+}
+
+#[test]
+fn one_member_is_read_by_its_key_and_a_long_member_list_says_it_was_truncated() {
+    // Goal: `member(node)` reads one key (a sound record, none, or a refused one as an error),
+    // and `members()` past MEMBERS_MAX entries says `truncated` rather than passing a partial
+    // list off as the whole fleet.
+    let Some(etcd) = start_etcd(1) else { return };
+    let layout = KeyLayout::new(ClusterId::new("crowded").unwrap());
+    let node_a = ClusterNode::join(config(&etcd, "crowded"), record("a")).unwrap();
+    assert_eq!(node_a.member(&node("a")).unwrap(), Some(record("a")));
+    assert_eq!(node_a.member(&node("nobody")).unwrap(), None);
+    put_raw(&etcd, &[(layout.member_key(&node("broken")), b"not a member".to_vec())]);
+    assert!(matches!(node_a.member(&node("broken")), Err(ClusterError::MalformedRecord { .. })));
+    let members = node_a.members().unwrap();
+    assert!(!members.truncated);
+    assert_eq!((members.nodes.len(), members.skipped_entries), (1, 1));
+
+    // MEMBERS_MAX entries sorting before "a" ("0000" …): the two above go unread.
+    let crowd: Vec<(String, Vec<u8>)> =
+        (0..tutti_cluster::MEMBERS_MAX).map(|index| (layout.member_key(&node(&format!("{index:04}"))), b"x".to_vec())).collect();
+    put_raw(&etcd, &crowd);
+    let members = node_a.members().unwrap();
+    assert!(members.truncated, "{} entries read", members.skipped_entries);
+    assert_eq!(members.skipped_entries as usize, tutti_cluster::MEMBERS_MAX);
+    assert!(members.nodes.is_empty(), "node a sorts after the first MEMBERS_MAX entries");
+}

@@ -164,6 +164,11 @@ pub struct ClusterMetrics {
     pub lookups_skipped: Counter,
     pub remote_blocks_found: Counter,
     pub lookup_seconds: Histogram,
+    /// Registry entries lookups met and refused, and segments whose holder range was cut
+    /// short by them (holders past the limit unseen): either means the registry holds entries
+    /// it should not (another segment size, a damaged writer).
+    pub lookup_refused_entries: Counter,
+    pub lookup_ranges_cut_short: Counter,
     /// `FetchRemote`: fetches asked for, failed, and blocks stored here from other nodes.
     pub remote_reads: Counter,
     pub remote_read_failures: Counter,
@@ -195,6 +200,8 @@ impl Default for ClusterMetrics {
             remote_blocks_found: Counter::default(),
             // 16 µs to ~8 s in powers of two: a loopback lookup is ~0.5 ms, a timeout seconds.
             lookup_seconds: Histogram::new(exponential_buckets(16e-6, 2.0, 20)),
+            lookup_refused_entries: Counter::default(),
+            lookup_ranges_cut_short: Counter::default(),
             remote_reads: Counter::default(),
             remote_read_failures: Counter::default(),
             fetched_blocks: Counter::default(),
@@ -247,6 +254,16 @@ impl ClusterMetrics {
             self.remote_blocks_found.clone(),
         );
         registry.register("cluster_lookup_seconds", "Time of one registry lookup (one etcd round trip)", self.lookup_seconds.clone());
+        registry.register(
+            "cluster_lookup_refused_entries",
+            "Registry entries lookups refused (malformed, foreign, another segment size or position)",
+            self.lookup_refused_entries.clone(),
+        );
+        registry.register(
+            "cluster_lookup_ranges_cut_short",
+            "Segments whose holder range reached its limit with refused entries in it (holders past it unseen)",
+            self.lookup_ranges_cut_short.clone(),
+        );
         registry.register("cluster_remote_reads", "FetchRemote requests that went to a holder", self.remote_reads.clone());
         registry.register(
             "cluster_remote_read_failures",

@@ -58,8 +58,9 @@ impl RemoteLookups {
     /// fetch, so a node that restarted on another port is found there). The error is (blocks
     /// stored: 0, a sentence).
     pub fn address_of(&self, node: &str) -> Result<SocketAddr, (usize, String)> {
-        let members = self.client.members().map_err(|error| (0, format!("reading the member list: {error}")))?;
-        let address = members.nodes.into_iter().find(|record| record.node.as_str() == node).map(|record| record.address);
+        let id = NodeId::new(node).map_err(|error| (0, format!("node {node:?}: {error}")))?;
+        let record = self.client.member(&id).map_err(|error| (0, format!("reading node {node}'s member record: {error}")))?;
+        let address = record.map(|record| record.address);
         address
             .as_deref()
             .and_then(|text| text.parse().ok())
@@ -87,6 +88,8 @@ impl RemoteLookups {
         metrics.lookup_seconds.observe(started.elapsed().as_secs_f64());
         match answer {
             Ok(lookup) => {
+                metrics.lookup_refused_entries.inc_by(lookup.skipped_entries);
+                metrics.lookup_ranges_cut_short.inc_by(lookup.ranges_cut_short);
                 let part = remote_part(&lookup, &self.node, first, local_blocks, per_segment);
                 metrics.remote_blocks_found.inc_by(u64::from(part.remote_blocks));
                 part
