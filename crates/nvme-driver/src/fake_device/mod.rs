@@ -1,0 +1,205 @@
+//! A scripted NVMe controller at the hardware seam, for unit tests and fuzzing of the driver's
+//! handling of untrusted device data (feature `fake-device`; always built for this crate's
+//! tests).
+//!
+//! [`FakeDevice`] implements [`DeviceBackend`]. Unlike the software controller (`nvme-emu`) it
+//! has no thread and no storage: a register write does its work before returning — CC.EN sets
+//! or clears CSTS.RDY, CC.SHN completes the shutdown, and an SQ tail doorbell fetches the new
+//! entries and posts their completions at once. What it answers comes from a [`FakeScript`]:
+//! CAP, VS, extra CSTS bits, the Identify Controller / Namespace / Active Namespace List data,
+//! Set Features Number of Queues dw0, admin opcodes to fail or leave unanswered (a test can
+//! answer them later, [`FakeDevice::answer_withheld`]), and raw I/O completion entries. So a test (or a fuzzer, through [`run_fuzz_input`]) can hand the driver
+//! any register file and Identify data a broken or hostile device could produce, deterministically.
+//!
+//! It trusts the driver no more than a device would: unmapped addresses and out-of-range queue
+//! values are ignored or answered with an error status, never a panic.
+
+mod controller;
+mod fuzz;
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+
+use crate::hw::{DeviceBackend, DmaAllocator, DmaPool, HwError, RegisterIo};
+use crate::spec::registers::Capabilities;
+use crate::spec::{NvmeStatus, SubmissionEntry, COMPLETION_ENTRY_BYTES, IDENTIFY_BYTES};
+
+use controller::FakeRegisters;
+pub use fuzz::{run_fuzz_input, FuzzOutcome, FuzzPlan, FUZZ_DISABLE_HANGS, FUZZ_HEADER_BYTES};
+
+/// What the fake controller answers. `FakeScript::default()` is a small, well-formed controller:
+/// NVMe 1.4, MQES 256, CAP.TO 1 (500 ms), one namespace of 4 KiB blocks, SGL support, MDTS 5.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FakeScript {
+    /// CAP (read-only; the fake honours only MQES's use by the driver, not DSTRD).
+    pub capabilities: u64,
+    /// VS.
+    pub version: u32,
+    /// OR-ed into every CSTS read (e.g. CFS); `u32::MAX` reads as a device that is gone.
+    pub status_bits: u32,
+    /// Whether clearing CC.EN clears CSTS.RDY (false: a controller that never stops).
+    pub disable_completes: bool,
+    /// Identify Controller data (padded with zeroes or cut to 4096 bytes).
+    pub identify_controller: Vec<u8>,
+    /// Active Namespace ID list data (CNS 02h).
+    pub namespace_list: Vec<u8>,
+    /// Identify Namespace data for NSID 1, 2, ... (missing ones read as zeroes: inactive).
+    pub identify_namespaces: Vec<Vec<u8>>,
+    /// Completion dword 0 of Set Features / Number of Queues.
+    pub number_of_queues_dw0: u32,
+    /// Admin opcodes completed with this status field instead of being executed.
+    pub admin_failures: Vec<(u8, NvmeStatus)>,
+    /// Admin opcodes fetched but never completed (the driver's admin timeout fires).
+    pub admin_unanswered: Vec<u8>,
+    /// Raw completion entries for I/O commands, used one per command fetched, in order; once
+    /// they run out, each command gets a well-formed success completion.
+    pub io_completions: VecDeque<[u8; COMPLETION_ENTRY_BYTES]>,
+    /// Keep the phase bit of `io_completions` as scripted (true) or replace it with the right
+    /// one (false), so that the rest of the entry is what the driver gets to judge.
+    pub io_phase_from_script: bool,
+    /// CSTS reads after CC.EN goes to 1 before CSTS.RDY does (0: at once). A disable while
+    /// RDY is still 0 is counted (`FakeCounters::disables_before_ready`).
+    pub enable_ready_after_status_reads: u32,
+    /// The fake starts as a crashed process left it mid-enable: CC.EN = 1, CSTS.RDY = 0 until
+    /// `enable_ready_after_status_reads` CSTS reads.
+    pub starts_enabling: bool,
+}
+
+/// Identify Namespace data with one LBA format (format 0) in use: `block_size_bytes` (a power
+/// of two) of data and `metadata_bytes` of metadata per block, interleaved when `extended_lba`.
+pub fn identify_namespace_bytes(block_size_bytes: u32, size_blocks: u64, metadata_bytes: u16, extended_lba: bool) -> Vec<u8> {
+    let mut bytes = vec![0u8; IDENTIFY_BYTES];
+    bytes[0..8].copy_from_slice(&size_blocks.to_le_bytes());
+    bytes[8..16].copy_from_slice(&size_blocks.to_le_bytes());
+    bytes[26] = u8::from(extended_lba) << 4; // format 0
+    let lbads = block_size_bytes.trailing_zeros();
+    bytes[128..132].copy_from_slice(&(u32::from(metadata_bytes) | lbads << 16).to_le_bytes());
+    bytes
+}
+
+impl Default for FakeScript {
+    fn default() -> Self {
+        let mut controller = vec![0u8; IDENTIFY_BYTES];
+        controller[24..28].copy_from_slice(b"fake");
+        controller[77] = 5; // MDTS: 128 KiB
+        controller[512] = 0x66; // SQES
+        controller[513] = 0x44; // CQES
+        controller[516..520].copy_from_slice(&1u32.to_le_bytes()); // NN
+        controller[536..540].copy_from_slice(&1u32.to_le_bytes()); // SGLS
+        let mut namespace_list = vec![0u8; IDENTIFY_BYTES];
+        namespace_list[0..4].copy_from_slice(&1u32.to_le_bytes());
+        Self {
+            capabilities: Capabilities::build(256, 1, 0, 0, 0).0,
+            version: 0x0001_0400,
+            status_bits: 0,
+            disable_completes: true,
+            identify_controller: controller,
+            namespace_list,
+            identify_namespaces: vec![identify_namespace_bytes(4096, 1024, 0, false)],
+            number_of_queues_dw0: 0x0003_0003,
+            admin_failures: Vec::new(),
+            admin_unanswered: Vec::new(),
+            io_completions: VecDeque::new(),
+            io_phase_from_script: false,
+            enable_ready_after_status_reads: 0,
+            starts_enabling: false,
+        }
+    }
+}
+
+/// Counters a test can read back.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FakeCounters {
+    /// Commands fetched, by submission queue id.
+    pub commands_by_queue: BTreeMap<u16, u64>,
+    /// SQ tail doorbell writes for a queue that does not exist (ignored).
+    pub doorbells_for_missing_queues: u64,
+    /// CC writes that cleared EN.
+    pub disables: u64,
+    /// CQ head doorbell writes, by completion queue id.
+    pub completion_doorbells_by_queue: BTreeMap<u16, u64>,
+    /// Completions the fake had to hold because their CQ was full by the head the host last
+    /// wrote (a real controller stalls there; a host that never frees the entries hangs).
+    pub completions_held_for_room: u64,
+    /// CQ head doorbell writes that repeated the head already written (they give nothing back).
+    pub repeated_completion_heads: u64,
+    /// CC writes that cleared EN while an enable had not reached CSTS.RDY = 1 (the spec leaves
+    /// what a controller does then undefined; a careful host waits for RDY first).
+    pub disables_before_ready: u64,
+}
+
+/// The scripted controller (see the module documentation).
+pub struct FakeDevice {
+    registers: Arc<FakeRegisters>,
+    pool: Arc<DmaPool>,
+}
+
+impl FakeDevice {
+    pub fn new(script: FakeScript) -> Arc<Self> {
+        let pool = Arc::new(DmaPool::identity());
+        let registers = Arc::new(FakeRegisters::new(script, Arc::clone(&pool)));
+        Arc::new(Self { registers, pool })
+    }
+
+    /// Changes the script (e.g. makes the next disable hang, queues more raw completions).
+    pub fn update_script(&self, change: impl FnOnce(&mut FakeScript)) {
+        change(&mut self.registers.lock().script);
+    }
+
+    /// The admin commands the fake fetched and has not answered (their data pointers are where
+    /// a late answer would write), oldest first.
+    pub fn withheld_admin_commands(&self) -> Vec<SubmissionEntry> {
+        self.registers.lock().withheld.clone()
+    }
+
+    /// Answers the withheld admin commands now, as a slow controller finally would: each is
+    /// completed successfully, without data (write the data pointer first to model a late
+    /// transfer). Returns how many were answered.
+    pub fn answer_withheld(&self) -> usize {
+        let mut state = self.registers.lock();
+        let withheld = std::mem::take(&mut state.withheld);
+        for entry in &withheld {
+            let completion = state.completion_for(0, entry, 0, None);
+            state.post(&self.pool, 0, completion, false);
+        }
+        withheld.len()
+    }
+
+    pub fn counters(&self) -> FakeCounters {
+        self.registers.lock().counters.clone()
+    }
+
+    /// The head the host last wrote to CQ `queue_id`'s doorbell (`None`: no such queue).
+    pub fn completion_queue_head(&self, queue_id: u16) -> Option<u32> {
+        self.registers.lock().completion.get(&queue_id).map(|ring| ring.head)
+    }
+
+    /// Completions of CQ `queue_id` held now because the CQ is full by the head the host last
+    /// wrote (they are posted as a later head frees room).
+    pub fn completions_waiting_for_room(&self, queue_id: u16) -> usize {
+        self.registers.lock().held.get(&queue_id).map_or(0, VecDeque::len)
+    }
+
+    /// The identity pool the fake translates through (the same as [`DeviceBackend::dma`]).
+    pub fn pool(&self) -> Arc<DmaPool> {
+        Arc::clone(&self.pool)
+    }
+}
+
+impl DeviceBackend for FakeDevice {
+    fn name(&self) -> String {
+        "fake".to_string()
+    }
+    fn registers(&self) -> Arc<dyn RegisterIo> {
+        Arc::clone(&self.registers) as Arc<dyn RegisterIo>
+    }
+    fn dma(&self) -> Arc<dyn DmaAllocator> {
+        Arc::clone(&self.pool) as Arc<dyn DmaAllocator>
+    }
+    fn function_reset(&self) -> Result<(), HwError> {
+        let mut state = self.registers.lock();
+        state.disable();
+        state.cc = 0;
+        Ok(())
+    }
+}
