@@ -175,10 +175,25 @@ fn settle_enable(registers: &dyn RegisterIo, timeout_ms: u64) -> Result<(), Nvme
     }
 }
 
+/// The `Disable` stage: clears CC.EN if it is set, once [`settle_enable`] let it.
+fn clear_enable(registers: &dyn RegisterIo, timeout_ms: u64) -> Result<(), NvmeError> {
+    settle_enable(registers, timeout_ms)?;
+    let configuration = ControllerConfiguration(registers.read32(registers::CC));
+    if configuration.enabled() {
+        registers.write32(registers::CC, configuration.0 & !1);
+    }
+    Ok(())
+}
+
 impl Controller {
-    /// Brings the controller up: disable, wait RDY=0, admin queues, enable, wait RDY=1, Identify,
-    /// Number of Queues. I/O queue pairs are created afterwards with
-    /// [`Controller::create_io_queue_pair`].
+    /// Brings the controller up: disable, wait RDY=0, map the admin queues and the scratch page,
+    /// program AQA/ASQ/ACQ, enable, wait RDY=1, Identify, Number of Queues. I/O queue pairs are
+    /// created afterwards with [`Controller::create_io_queue_pair`].
+    ///
+    /// Nothing is mapped for the device until it was seen to stop (CSTS.RDY = 0 after CC.EN = 0,
+    /// within CAP.TO): a function an earlier process left enabled may still DMA through that
+    /// process's queues into whatever this one maps. If it never stops, nothing was mapped and
+    /// the error is [`NvmeError::ReadyTimeout`].
     pub fn init(backend: Arc<dyn DeviceBackend>, config: ControllerConfig) -> Result<Self, NvmeError> {
         let registers = backend.registers();
         let dma = backend.dma();
@@ -205,6 +220,11 @@ impl Controller {
             // reserved by the spec, and would leave no legal depth at all.
             return Err(NvmeError::Unsupported { reason: "CAP.MQES = 0: queues of one entry cannot hold a command".into() });
         }
+        // Stop the function before any memory is mapped for it (see above). The bring-up below
+        // starts with the same two stages; on a stopped controller they write nothing.
+        let timeout_ms = capabilities.ready_timeout_ms();
+        clear_enable(registers.as_ref(), timeout_ms)?;
+        wait_ready(registers.as_ref(), false, timeout_ms)?;
         // AQA holds 12-bit sizes: admin queues have at most 4096 entries.
         let admin_depth = config.admin_queue_depth.clamp(2, max_entries.min(4096));
         let admin_queue =
@@ -243,11 +263,7 @@ impl Controller {
             tracing::debug!(device = %self.backend.name(), ?stage, "bring-up");
             stage = match stage {
                 BringUpStage::Disable => {
-                    settle_enable(self.registers.as_ref(), timeout_ms)?;
-                    let configuration = ControllerConfiguration(self.registers.read32(registers::CC));
-                    if configuration.enabled() {
-                        self.registers.write32(registers::CC, configuration.0 & !1);
-                    }
+                    clear_enable(self.registers.as_ref(), timeout_ms)?;
                     BringUpStage::WaitNotReady
                 }
                 BringUpStage::WaitNotReady => {

@@ -503,3 +503,20 @@ fn a_controller_found_mid_enable_is_disabled_only_once_ready() {
     controller.reset(false).expect("reset");
     assert_eq!((device.counters().disables_before_ready, device.counters().disables), (0, 2));
 }
+
+#[test]
+fn a_controller_left_running_is_disabled_before_any_memory_is_mapped_for_it() {
+    // Goal: a function an earlier process left enabled (CC.EN = 1 with CSTS.RDY = 1, or still
+    // enabling) may DMA into anything mapped while it runs, through queues that process
+    // created. Bring-up disables it and waits for CSTS.RDY = 0 before it maps the admin rings
+    // and the scratch page; it used to map them first.
+    let left_running = FakeScript { starts_enabled: true, ..FakeScript::default() };
+    let mid_enable = FakeScript { starts_enabling: true, enable_ready_after_status_reads: 20, ..FakeScript::default() };
+    for script in [left_running, mid_enable] {
+        let (device, controller) = bring_up(script);
+        let counters = device.counters();
+        assert_eq!(counters.mappings_while_left_enabled, 0, "memory was mapped before the controller was seen to stop");
+        assert_eq!((counters.disables, counters.disables_before_ready), (1, 0));
+        drop(controller);
+    }
+}

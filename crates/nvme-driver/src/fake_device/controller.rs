@@ -67,6 +67,9 @@ pub(super) struct FakeState {
     pub(super) withheld: Vec<SubmissionEntry>,
     /// CSTS reads left before an enable in progress sets RDY (`None`: no enable in progress).
     pub(super) enabling_reads_left: Option<u32>,
+    /// Still enabled as the script started it (`starts_enabled`, `starts_enabling`): no disable
+    /// has reached CSTS.RDY = 0 yet.
+    pub(super) left_enabled: bool,
 }
 
 pub(super) struct FakeRegisters {
@@ -76,11 +79,16 @@ pub(super) struct FakeRegisters {
 
 impl FakeRegisters {
     pub(super) fn new(script: FakeScript, pool: Arc<DmaPool>) -> Self {
-        let (cc, enabling_reads_left) = if script.starts_enabling { (1, Some(script.enable_ready_after_status_reads)) } else { (0, None) };
+        let (cc, csts, enabling_reads_left) = match (script.starts_enabled, script.starts_enabling) {
+            (true, _) => (1, CSTS_READY, None),
+            (false, true) => (1, 0, Some(script.enable_ready_after_status_reads)),
+            (false, false) => (0, 0, None),
+        };
+        let left_enabled = cc == 1;
         let state = FakeState {
             script,
             cc,
-            csts: 0,
+            csts,
             aqa: 0,
             asq: 0,
             acq: 0,
@@ -90,8 +98,13 @@ impl FakeRegisters {
             held: BTreeMap::new(),
             withheld: Vec::new(),
             enabling_reads_left,
+            left_enabled,
         };
         Self { state: Mutex::new(state), pool }
+    }
+
+    pub(super) fn pool(&self) -> Arc<DmaPool> {
+        Arc::clone(&self.pool)
     }
 
     pub(super) fn lock(&self) -> MutexGuard<'_, FakeState> {
@@ -111,6 +124,14 @@ impl FakeState {
         self.withheld.clear();
         if self.script.disable_completes {
             self.csts &= !CSTS_READY;
+            self.left_enabled = false;
+        }
+    }
+
+    /// The driver mapped memory for DMA: counted if the controller still runs as it was found.
+    pub(super) fn note_mapping(&mut self) {
+        if self.left_enabled {
+            self.counters.mappings_while_left_enabled += 1;
         }
     }
 
@@ -304,6 +325,7 @@ impl RegisterIo for FakeRegisters {
         if state.cc & 1 == 0 && state.script.disable_completes {
             // A disable the script held back completes once the script allows it.
             state.csts &= !CSTS_READY;
+            state.left_enabled = false;
         }
         if state.script.status_bits == u32::MAX {
             return u32::MAX;

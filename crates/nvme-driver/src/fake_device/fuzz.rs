@@ -62,6 +62,7 @@ impl FakeScript {
             io_phase_from_script: flags & 1 == 1,
             enable_ready_after_status_reads: 0,
             starts_enabling: false,
+            starts_enabled: false,
         };
         let raw = sections.next().unwrap_or_default();
         script.io_completions = raw.chunks_exact(COMPLETION_ENTRY_BYTES).map(|chunk| chunk.try_into().unwrap_or([0; 16])).collect();

@@ -63,6 +63,10 @@ pub struct FakeScript {
     /// The fake starts as a crashed process left it mid-enable: CC.EN = 1, CSTS.RDY = 0 until
     /// `enable_ready_after_status_reads` CSTS reads.
     pub starts_enabling: bool,
+    /// The fake starts as an earlier process left it running: CC.EN = 1 and CSTS.RDY = 1, so
+    /// it may DMA into whatever is mapped until it is disabled (see
+    /// `FakeCounters::mappings_while_left_enabled`).
+    pub starts_enabled: bool,
 }
 
 /// Identify Namespace data with one LBA format (format 0) in use: `block_size_bytes` (a power
@@ -103,6 +107,7 @@ impl Default for FakeScript {
             io_phase_from_script: false,
             enable_ready_after_status_reads: 0,
             starts_enabling: false,
+            starts_enabled: false,
         }
     }
 }
@@ -126,6 +131,10 @@ pub struct FakeCounters {
     /// CC writes that cleared EN while an enable had not reached CSTS.RDY = 1 (the spec leaves
     /// what a controller does then undefined; a careful host waits for RDY first).
     pub disables_before_ready: u64,
+    /// DMA mappings made (through [`FakeDevice::pool`]) while the fake was still enabled as it
+    /// started (`starts_enabled`, `starts_enabling`), before a disable reached CSTS.RDY = 0: a
+    /// controller an earlier process left running could write such memory.
+    pub mappings_while_left_enabled: u64,
 }
 
 /// The scripted controller (see the module documentation).
@@ -136,8 +145,18 @@ pub struct FakeDevice {
 
 impl FakeDevice {
     pub fn new(script: FakeScript) -> Arc<Self> {
-        let pool = Arc::new(DmaPool::identity());
-        let registers = Arc::new(FakeRegisters::new(script, Arc::clone(&pool)));
+        let registers = Arc::new_cyclic(|registers: &std::sync::Weak<FakeRegisters>| {
+            // The observer holds the registers weakly (they hold the pool), and locks their state
+            // only while the driver maps memory, never while the fake holds that lock itself.
+            let registers = registers.clone();
+            let observer = Box::new(move |_, _| {
+                if let Some(registers) = registers.upgrade() {
+                    registers.lock().note_mapping();
+                }
+            });
+            FakeRegisters::new(script, Arc::new(DmaPool::identity_observed(observer)))
+        });
+        let pool = registers.pool();
         Arc::new(Self { registers, pool })
     }
 

@@ -232,6 +232,29 @@ impl IommuMapper for IdentityMapper {
     }
 }
 
+/// Called with each range an [`ObservedIdentityMapper`] maps, before the mapping takes effect.
+pub type MapObserver = Box<dyn Fn(Iova, usize) + Send + Sync>;
+
+/// An [`IdentityMapper`] that tells an observer about every mapping: a fake controller uses it
+/// to record what state the controller was in when the driver made memory reachable to it (a
+/// controller left enabled by an earlier process may DMA into anything mapped then).
+pub struct ObservedIdentityMapper {
+    observer: MapObserver,
+}
+
+impl IommuMapper for ObservedIdentityMapper {
+    unsafe fn map(&self, _host: *mut u8, len: usize, iova: Iova) -> Result<(), HwError> {
+        (self.observer)(iova, len);
+        Ok(())
+    }
+    fn unmap(&self, _iova: Iova, _len: usize) -> Result<(), HwError> {
+        Ok(())
+    }
+    fn device_translates(&self) -> bool {
+        true
+    }
+}
+
 pub(super) enum Backing {
     Owned(#[allow(dead_code)] HostMemory),
     External,
@@ -704,6 +727,12 @@ impl DmaPool {
     pub fn identity() -> Self {
         // Start away from zero so that a zeroed descriptor never names valid memory.
         Self::new(Arc::new(IdentityMapper), Iova(1 << 32), Iova(1 << 48), false)
+    }
+
+    /// [`DmaPool::identity`] whose every mapping is first reported to `observer` (which must
+    /// not allocate from this pool).
+    pub fn identity_observed(observer: MapObserver) -> Self {
+        Self::new(Arc::new(ObservedIdentityMapper { observer }), Iova(1 << 32), Iova(1 << 48), false)
     }
 
     fn register(&self, ptr: NonNull<u8>, len: usize, backing: Backing) -> Result<DmaRegion, HwError> {

@@ -25,7 +25,7 @@ use std::io;
 use std::sync::Arc;
 
 pub use copied::{CopiedMemory, CopiedRegion, DataRegion};
-pub use memory::{DmaPool, DmaRegion, HostMemory, IdentityMapper, IommuMapper, PageKind};
+pub use memory::{DmaPool, DmaRegion, HostMemory, IdentityMapper, IommuMapper, MapObserver, ObservedIdentityMapper, PageKind};
 pub use shared::{SharedMemory, SharedMemoryError, SharedRegisters};
 pub use vfio::{VfioDevice, VfioError};
 pub use window::DmaWindow;
