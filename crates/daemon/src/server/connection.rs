@@ -1,0 +1,309 @@
+//! One client connection: its credentials, then request frames until it closes, its lease runs
+//! out, it breaks the protocol or the server stops; its session is released on every path out.
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
+
+use crate::cluster::{ClusterAgent, PreparedStores};
+use crate::frame_io::{read_frame, write_frame, write_frame_with_fds, ReadOutcome};
+use crate::keys::KeySpace;
+use crate::metrics::RequestLabel;
+use crate::protocol::{encode_frame, ClusterStatusReply, ErrorCode, HelloReply, Kind, Reply, Request};
+use crate::session::Holdings;
+use crate::DaemonError;
+
+use super::{lock, status, SessionRecord, Shared};
+
+/// One connection's life: credentials, then frames until it closes, its lease runs out, it
+/// breaks the protocol, or the server stops. Its session is released on every path out.
+pub(super) fn serve_connection(mut stream: UnixStream, shared: &Shared) {
+    let mut connection = Connection {
+        session: None,
+        peer_pid: 0,
+        peer_uid: 0,
+        keys: Vec::new(),
+        holdings: Holdings::default(),
+        prepared_stores: PreparedStores::default(),
+    };
+    let outcome = connection.run(&mut stream, shared);
+    if let Some(session) = connection.session.take() {
+        release_session(shared, session, &mut connection.holdings);
+    }
+    shared.connections.fetch_sub(1, Ordering::AcqRel);
+    if let Err(error) = outcome {
+        tracing::info!("connection of pid {} ended: {error}", connection.peer_pid);
+    }
+}
+
+/// Ends a session, on every path out (close, EOF after a kill, lease, protocol error, drain):
+/// its queue pairs deleted, then its reservations released, then its windows unmapped
+/// ([`Holdings::release`]); then its record goes.
+fn release_session(shared: &Shared, session: u64, holdings: &mut Holdings) {
+    let leaked = holdings.release(&shared.store, &shared.leaks);
+    if leaked > 0 {
+        tracing::error!(session, leaked, "session ended with queue pairs that could not be deleted: their memory is kept");
+    }
+    lock(&shared.sessions).remove(&session);
+}
+
+pub(super) struct Connection {
+    pub(super) session: Option<u64>,
+    pub(super) peer_pid: u32,
+    pub(super) peer_uid: u32,
+    /// Block keys of the request being served (reused).
+    pub(super) keys: Vec<u64>,
+    /// The session's store-path holdings.
+    pub(super) holdings: Holdings,
+    /// In a cluster: the block keys of the session's prepared stores, for the registrar.
+    pub(super) prepared_stores: PreparedStores,
+}
+
+impl Connection {
+    fn run(&mut self, stream: &mut UnixStream, shared: &Shared) -> Result<(), DaemonError> {
+        let config = &shared.config;
+        let io = |context: &'static str| move |source| DaemonError::Io { context: context.into(), source };
+        stream.set_nonblocking(false).map_err(io("making the connection blocking"))?;
+        stream.set_read_timeout(Some(config.tick)).map_err(io("setting the read tick"))?;
+        stream.set_write_timeout(Some(config.frame_timeout)).map_err(io("setting the write timeout"))?;
+        let credentials = getsockopt(&*stream, PeerCredentials)
+            .map_err(|errno| DaemonError::Io { context: "reading the peer's credentials".into(), source: errno.into() })?;
+        self.peer_pid = u32::try_from(credentials.pid()).unwrap_or(0);
+        self.peer_uid = credentials.uid();
+        let mut body = Vec::new();
+        let mut fds = Vec::new();
+        let mut frame = Vec::new();
+        if !config.allowed_uids.contains(&self.peer_uid) {
+            let message = format!("user id {} may not use this daemon", self.peer_uid);
+            return self.end_with(shared, stream, &mut frame, Reply::error(ErrorCode::PermissionDenied, message));
+        }
+        let mut last_frame = Instant::now();
+        loop {
+            let stop = || shared.stop.is_stopped();
+            let header = match read_frame(stream, &mut body, &mut fds, last_frame + config.lease, config.frame_timeout, &stop) {
+                Ok(ReadOutcome::Frame(header)) => header,
+                Ok(ReadOutcome::Closed) => return Ok(()),
+                Ok(ReadOutcome::Idle) => {
+                    let message = format!("no frame for {} ms; the session is ended", config.lease.as_millis());
+                    return self.end_with(shared, stream, &mut frame, Reply::error(ErrorCode::LeaseExpired, message));
+                }
+                Ok(ReadOutcome::Stopped) => {
+                    return self.end_with(shared, stream, &mut frame, Reply::error(ErrorCode::ShuttingDown, "tuttid is shutting down"));
+                }
+                Err(DaemonError::Protocol(error)) => {
+                    // The body was not read: the stream cannot be resynchronised.
+                    self.end_with(shared, stream, &mut frame, Reply::error(error.code(), error.to_string()))?;
+                    return Err(error.into());
+                }
+                Err(error @ DaemonError::Timeout { .. }) => {
+                    self.end_with(shared, stream, &mut frame, Reply::error(ErrorCode::FrameTimeout, error.to_string()))?;
+                    return Err(error);
+                }
+                Err(error) => return Err(error),
+            };
+            last_frame = Instant::now();
+            let decoded = Request::decode(header.kind, &body);
+            let label = if decoded.is_ok() { RequestLabel::of(header.kind) } else { RequestLabel::Malformed };
+            let (reply, reply_fds) = match decoded {
+                // A malformed body was read whole: the stream is still in step, serve on.
+                Err(error) => (Reply::error(error.code(), error.to_string()), Vec::new()),
+                // Only the registrations take descriptors: others' are closed, not kept.
+                Ok(request) if !fds.is_empty() && !matches!(request.kind(), Kind::RegisterMemory | Kind::RegisterDeviceMemory) => (
+                    Reply::error(
+                        ErrorCode::BadRequest,
+                        format!("{} descriptor(s) sent with a {:?} request, which takes none", fds.len(), request.kind()),
+                    ),
+                    Vec::new(),
+                ),
+                Ok(request) => self.handle(request, &mut fds, shared),
+            };
+            fds.clear();
+            let error = match &reply {
+                Reply::Error { code, .. } => Some(*code),
+                _ => None,
+            };
+            shared.metrics.request(label, last_frame.elapsed(), error);
+            self.answer_with_fds(stream, &mut frame, header.request_id, reply, &reply_fds)?;
+            // The lease counts from the answer: a long request (a remote fetch) is not the
+            // client's silence.
+            last_frame = Instant::now();
+        }
+    }
+
+    /// Answers an error outside any request (a refused frame, a lease, shutdown), counted.
+    fn end_with(&self, shared: &Shared, stream: &mut UnixStream, frame: &mut Vec<u8>, reply: Reply) -> Result<(), DaemonError> {
+        if let Reply::Error { code, .. } = &reply {
+            shared.metrics.error(*code);
+        }
+        self.answer(stream, frame, 0, reply)
+    }
+
+    fn answer(&self, stream: &mut UnixStream, frame: &mut Vec<u8>, request_id: u32, reply: Reply) -> Result<(), DaemonError> {
+        self.answer_with_fds(stream, frame, request_id, reply, &[])
+    }
+
+    fn answer_with_fds(
+        &self,
+        stream: &mut UnixStream,
+        frame: &mut Vec<u8>,
+        request_id: u32,
+        reply: Reply,
+        fds: &[OwnedFd],
+    ) -> Result<(), DaemonError> {
+        if let Err(error) = encode_frame(frame, reply.kind(), request_id, |out| reply.encode_body(out)) {
+            // Only a status listing past the body cap could do this; say so instead.
+            let fallback = Reply::error(ErrorCode::BadRequest, format!("the reply does not fit a frame: {error}"));
+            encode_frame(frame, fallback.kind(), request_id, |out| fallback.encode_body(out))?;
+            return write_frame(stream, frame);
+        }
+        let borrowed: Vec<_> = fds.iter().map(AsFd::as_fd).collect();
+        write_frame_with_fds(stream, frame, &borrowed)
+    }
+
+    fn handle(&mut self, request: Request, fds: &mut Vec<OwnedFd>, shared: &Shared) -> (Reply, Vec<OwnedFd>) {
+        let space = self.session.and_then(|session| {
+            lock(&shared.sessions).get_mut(&session).map(|record| {
+                record.requests += 1;
+                record.last_active = Instant::now();
+                record.space
+            })
+        });
+        let limits = &shared.config.session_limits;
+        let (kind, commit_handle) = match &request {
+            Request::Commit(commit) => (Kind::Commit, Some(commit.handle)),
+            other => (other.kind(), None),
+        };
+        let not_attached = || Reply::error(ErrorCode::NotAttached, "send Hello (model fingerprint, TP rank and world size) first");
+        let reply = match (request, space) {
+            (Request::RegisterMemory(register), Some(_)) => {
+                self.holdings.register(register, fds, &shared.store, limits, shared.block_bytes, &shared.next_registration)
+            }
+            (Request::AttachQueues(attach), Some(_)) => {
+                let (reply, reply_fds) = self.holdings.attach(attach, &shared.store, limits);
+                self.count_holdings(shared);
+                // The relayed pairs change only here: their counters go to the record once.
+                let relay = self.holdings.relay_counters();
+                if let Some(session) = self.session {
+                    if let Some(record) = lock(&shared.sessions).get_mut(&session) {
+                        record.relay = relay;
+                    }
+                }
+                return (reply, reply_fds);
+            }
+            (Request::PoolShape, Some(_)) => Reply::PoolShape(shared.pool_shape.clone()),
+            (Request::PrepareRetrieve(prepare), Some(space)) => {
+                self.holdings.prepare_retrieve(prepare, &space, shared.shape.block_tokens, &shared.store, limits)
+            }
+            (Request::PrepareStore(prepare), Some(space)) => {
+                self.holdings.prepare_store(prepare, &space, shared.shape.block_tokens, &shared.store, limits)
+            }
+            (Request::Commit(commit), Some(_)) => self.holdings.commit(commit, &shared.store, &shared.pool_shape, &shared.metrics),
+            (Request::Release { handle, transferred, corrupt_blocks }, Some(_)) => {
+                self.holdings.release_request(handle, transferred, &corrupt_blocks, &shared.store, &shared.pool_shape, &shared.metrics)
+            }
+            (Request::RegisterDeviceMemory(register), Some(_)) => self.holdings.register_device_memory(
+                register,
+                fds,
+                &shared.store,
+                limits,
+                shared.block_bytes,
+                &shared.next_registration,
+                &shared.device_memory,
+                self.session.unwrap_or(0),
+            ),
+            (
+                Request::RegisterMemory(_)
+                | Request::AttachQueues(_)
+                | Request::PoolShape
+                | Request::PrepareRetrieve(_)
+                | Request::PrepareStore(_)
+                | Request::Commit(_)
+                | Request::Release { .. }
+                | Request::RegisterDeviceMemory(_),
+                None,
+            ) => not_attached(),
+            (request, _) => self.handle_session(request, shared),
+        };
+        if let (Some(cluster), Some(space)) = (&shared.cluster, space) {
+            self.track_stores(cluster, &space, kind, commit_handle, &reply);
+        }
+        self.count_holdings(shared);
+        (reply, Vec::new())
+    }
+
+    /// Mirrors the holdings' counts into the session's record (for status).
+    fn count_holdings(&self, shared: &Shared) {
+        if let Some(session) = self.session {
+            if let Some(record) = lock(&shared.sessions).get_mut(&session) {
+                record.registrations = self.holdings.registrations();
+                record.queue_pairs = self.holdings.queue_pairs();
+                record.requests_in_flight = self.holdings.requests_in_flight();
+            }
+        }
+    }
+
+    /// Attach, lookups, status and ping.
+    fn handle_session(&mut self, request: Request, shared: &Shared) -> Reply {
+        match request {
+            Request::Hello(hello) => {
+                if self.session.is_some() {
+                    return Reply::error(ErrorCode::AlreadyAttached, "this connection is attached already (one Hello per connection)");
+                }
+                let space = match KeySpace::new(&hello.model_fingerprint, hello.tp_rank, hello.tp_world) {
+                    Ok(space) => space,
+                    Err(reason) => return Reply::error(ErrorCode::BadRequest, reason),
+                };
+                let session = shared.next_session.fetch_add(1, Ordering::Relaxed);
+                let record = SessionRecord {
+                    pid: self.peer_pid,
+                    uid: self.peer_uid,
+                    name: hello.client_name,
+                    space,
+                    requests: 1,
+                    last_active: Instant::now(),
+                    registrations: 0,
+                    queue_pairs: 0,
+                    requests_in_flight: 0,
+                    relay: Vec::new(),
+                };
+                lock(&shared.sessions).insert(session, record);
+                self.session = Some(session);
+                let lease_ms = u32::try_from(shared.config.lease.as_millis()).unwrap_or(u32::MAX);
+                Reply::Hello(HelloReply { session, lease_ms, shape: shared.shape })
+            }
+            Request::Lookup { tokens } => self.lookup(shared, &tokens, false),
+            Request::LookupAllRanks { tokens } => self.lookup(shared, &tokens, true),
+            Request::LookupCluster { tokens } => self.lookup_cluster(shared, &tokens),
+            Request::FetchRemote { tokens } => self.fetch_remote(shared, &tokens),
+            Request::Status => Reply::Status(status(shared)),
+            Request::ClusterStatus => {
+                Reply::ClusterStatus(shared.cluster.as_ref().map_or_else(ClusterStatusReply::default, ClusterAgent::status))
+            }
+            Request::Ping => Reply::Pong,
+            other => Reply::error(ErrorCode::BadRequest, format!("{:?} is not a session request", other.kind())),
+        }
+    }
+
+    /// `Lookup` (the session's own key space) or `LookupAllRanks` (every rank of its world).
+    fn lookup(&mut self, shared: &Shared, tokens: &[u32], all_ranks: bool) -> Reply {
+        let Some(space) = self.session.and_then(|session| lock(&shared.sessions).get(&session).map(|record| record.space)) else {
+            return Reply::error(ErrorCode::NotAttached, "send Hello (model fingerprint, TP rank and world size) before a lookup");
+        };
+        let block_tokens = shared.shape.block_tokens;
+        let cached = if all_ranks {
+            // Keys are hashed under the pool lock here (one chain per rank over the shrinking
+            // common prefix): a scheduler's lookup is once per request, and the index must not
+            // change between ranks' probes for the minimum to mean anything.
+            let store = lock(&shared.store);
+            space.cached_prefix_on_all_ranks(store.control.pool().index(), tokens, block_tokens, &mut self.keys)
+        } else {
+            space.keys(tokens, block_tokens, &mut self.keys);
+            lock(&shared.store).control.lookup(&self.keys)
+        };
+        shared.metrics.lookup((tokens.len() / block_tokens.max(1) as usize) as u64, cached as u64);
+        Reply::Lookup { cached_blocks: cached as u32, block_tokens }
+    }
+}
