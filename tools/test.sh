@@ -37,7 +37,8 @@
 # tuttid needs it.
 #
 # Stages run in that order; a failing stage does not stop the later ones, and the script exits
-# non-zero if any failed. Select stages with TUTTI_STAGES="rust lint" (default: all).
+# non-zero if any failed. Every command of a stage runs under `timeout` (generous: a cold build
+# on two cores included), so one hung test fails its stage instead of hanging CI. Select stages with TUTTI_STAGES="rust lint" (default: all).
 set -uo pipefail
 cd "$(dirname "$(readlink -f "$0")")/.."
 
@@ -109,30 +110,34 @@ stage_rust() {
     # The README's first command must build on a machine without protoc (the workspace's
     # default-members leave out the etcd client's users): with PROTOC pointing nowhere, any
     # build script that runs protoc fails this check, installed protoc or not.
-    PROTOC=/nonexistent/protoc cargo check --locked --bin tutti-bench 2>&1 || {
+    PROTOC=/nonexistent/protoc timeout -k 30 1800 cargo check --locked --bin tutti-bench 2>&1 || {
         echo "the README's 'cargo run --release --bin tutti-bench' needs protoc again (see Cargo.toml's default-members)"
         return 1
     }
-    ensure_protoc && cargo test --workspace --all-targets --locked 2>&1
+    ensure_protoc && timeout -k 30 2700 cargo test --workspace --all-targets --locked 2>&1
 }
 
 stage_lint() {
-    rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy rustfmt
+    # Checked by running each tool, not by rustup's list: a toolchain may have one without the other.
+    if ! cargo clippy --version > /dev/null 2>&1 || ! cargo fmt --version > /dev/null 2>&1; then
+        rustup component add clippy rustfmt || return 1
+    fi
     # clippy's incompatible_msrv lint checks std APIs against rust-version; check-msrv.sh checks
     # that every package declares it and that no locked dependency needs a newer compiler.
-    ensure_protoc && tools/check-msrv.sh && cargo clippy --workspace --all-targets --locked -- -D warnings && cargo fmt --all -- --check
+    ensure_protoc && tools/check-msrv.sh && timeout -k 30 1800 cargo clippy --workspace --all-targets --locked -- -D warnings &&
+        timeout -k 30 300 cargo fmt --all -- --check
 }
 
-stage_bindings() { tools/check-bindings-test.sh && tools/check-bindings.sh; }
-stage_cuda() { tools/cuda-build.sh && tools/gpu/check.sh; }
+stage_bindings() { timeout -k 30 300 tools/check-bindings-test.sh && timeout -k 30 1200 tools/check-bindings.sh; }
+stage_cuda() { timeout -k 30 1200 tools/cuda-build.sh && timeout -k 30 1200 tools/gpu/check.sh; }
 
 stage_fuzz() {
     # The fuzz crate has its own workspace; `cargo fuzz run` needs nightly, building it does not.
-    (cd fuzz && cargo check --bins --locked 2>&1)
+    (cd fuzz && timeout -k 30 1800 cargo check --bins --locked 2>&1)
 }
 
 stage_benches() {
-    ensure_protoc && cargo bench --workspace --no-run --locked 2>&1 &&
+    ensure_protoc && timeout -k 30 1800 cargo bench --workspace --no-run --locked 2>&1 &&
         # Criterion's --test runs each benchmark once: the driver benches' set-up (a software
         # controller, and for the one-CPU placement the pinned threads) and their bounded
         # waits run on every CI run, not only when someone measures.
