@@ -30,6 +30,7 @@ pub enum NvmeError {
     #[error("{queue} {command_id} (opcode {opcode:#04x}) failed: {status}")]
     Command { queue: QueueId, command_id: CommandId, opcode: u8, status: NvmeStatus },
 
+    /// Nothing completed by a deadline; `command_id` is the oldest command outstanding.
     #[error("{queue} {command_id} timed out after {waited_ms} ms ({outstanding} commands outstanding)")]
     Timeout { queue: QueueId, command_id: CommandId, waited_ms: u64, outstanding: usize },
 

@@ -520,3 +520,32 @@ fn a_controller_left_running_is_disabled_before_any_memory_is_mapped_for_it() {
         drop(controller);
     }
 }
+
+#[test]
+fn a_timeout_names_the_oldest_command_outstanding() {
+    // Goal: when commands never complete, the timeout names the one issued first, which is
+    // the one most overdue. Slots are reused last-freed-first, so here the oldest command
+    // (B, slot 1) sits above a newer one (C, reusing slot 0 after A completed): the timeout
+    // used to name the lowest busy slot, C.
+    let (device, controller) = bring_up(FakeScript::default());
+    let mut queue = controller.create_io_queue_pair(8).expect("queue pair");
+    queue.submit_raw(flush(), 0).expect("A");
+    queue.ring_doorbell().expect("ring A");
+    device.update_script(|script| script.io_unanswered = true);
+    queue.submit_raw(flush(), 1).expect("B");
+    queue.ring_doorbell().expect("ring B");
+    let mut completed = Vec::new();
+    queue.reap(8, |completion| completed.push((completion.tag, completion.command_id))).expect("reap A");
+    assert_eq!(completed.iter().map(|(tag, _)| *tag).collect::<Vec<_>>(), [0], "A completed");
+    queue.submit_raw(flush(), 2).expect("C");
+    queue.ring_doorbell().expect("ring C");
+    assert_eq!(device.counters().io_unanswered, 2, "B and C are lost");
+    // Slots are reused LIFO: C took A's slot (0), below B's (1).
+    let a_slot = completed[0].1 .0 & 7;
+    assert_eq!(a_slot, 0);
+    let timed_out = queue.wait_idle(std::time::Instant::now() + Duration::from_millis(20), |_| {});
+    let Err(NvmeError::Timeout { queue: QueueId(1), command_id, outstanding: 2, .. }) = timed_out else {
+        panic!("{timed_out:?}");
+    };
+    assert_eq!(command_id.0 & 7, 1, "the timeout named {command_id}, not B (slot 1), the oldest command outstanding");
+}

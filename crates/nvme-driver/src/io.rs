@@ -332,8 +332,9 @@ impl IoQueuePair {
         self.queue.reap(max, on_completion)
     }
 
-    /// Reaps until no command is in flight, or fails at `deadline` naming an outstanding command
-    /// (the queue's lowest busy slot, not necessarily the oldest).
+    /// Reaps until no command is in flight, or fails at `deadline` with
+    /// [`NvmeError::Timeout`] naming the oldest command outstanding (the first issued of those
+    /// still in flight).
     pub fn wait_idle(&mut self, deadline: Instant, on_completion: impl FnMut(Completion)) -> Result<(), NvmeError> {
         self.check_epoch()?;
         self.queue.poll_until(deadline, on_completion, |queue| queue.in_flight() == 0)

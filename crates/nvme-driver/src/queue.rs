@@ -73,6 +73,10 @@ struct Slot {
     /// exactly this one.
     command_id: u16,
     tag: u64,
+    /// Where the slot's command falls in the pair's issue order ([`QueuePair::issue_sequence`]
+    /// when it was reserved): a timeout names the busy slot with the smallest, the command
+    /// outstanding longest. Slots are reused last-freed-first, so the index says nothing.
+    issued: u64,
 }
 
 /// Polls between deadline checks and before the poller starts yielding the CPU.
@@ -172,6 +176,9 @@ pub struct QueuePair {
     slot_mask: u16,
     generation_mask: u16,
     in_flight: usize,
+    /// Commands reserved so far (the last one's [`Slot::issued`]). 64 bits: at 10^9 commands a
+    /// second it would wrap after 584 years, so issue order is a plain comparison.
+    issue_sequence: u64,
 }
 
 impl std::fmt::Debug for QueuePair {
@@ -240,6 +247,7 @@ impl QueuePair {
             slot_mask: ((1u32 << slot_bits) - 1) as u16,
             generation_mask: ((1u32 << (16 - slot_bits)) - 1) as u16,
             in_flight: 0,
+            issue_sequence: 0,
         }
     }
 
@@ -347,7 +355,9 @@ impl QueuePair {
             return Err(NvmeError::QueueFull { queue: self.id, depth: self.depth });
         };
         let command_id = self.command_id(slot);
+        self.issue_sequence += 1;
         let entry = &mut self.slots[usize::from(slot)];
+        entry.issued = self.issue_sequence;
         entry.busy = true;
         entry.opcode = opcode;
         entry.command_id = command_id.0;
@@ -637,9 +647,9 @@ impl QueuePair {
         }
     }
 
-    /// Why nothing completed: device gone, controller fatal, or a genuine timeout naming one
-    /// outstanding command (the busy slot with the lowest index; slots are reused LIFO, so not
-    /// necessarily the oldest).
+    /// Why nothing completed: device gone, controller fatal, or a genuine timeout naming the
+    /// oldest command outstanding (the busy slot issued first; one pass over the slot table,
+    /// only when a deadline passed).
     pub fn diagnose_timeout(&self, started: Instant) -> NvmeError {
         let status = ControllerStatus(self.registers.read32(registers::CSTS));
         if status.device_gone() {
@@ -651,10 +661,9 @@ impl QueuePair {
         let command_id = self
             .slots
             .iter()
-            .enumerate()
-            .find(|(_, slot)| slot.busy)
-            .map(|(index, _)| self.command_id(index as u16))
-            .unwrap_or(CommandId(0));
+            .filter(|slot| slot.busy)
+            .min_by_key(|slot| slot.issued)
+            .map_or(CommandId(0), |slot| CommandId(slot.command_id));
         NvmeError::Timeout { queue: self.id, command_id, waited_ms: started.elapsed().as_millis() as u64, outstanding: self.in_flight }
     }
 

@@ -307,6 +307,10 @@ impl FakeState {
     }
 
     fn execute_io(&mut self, queue_id: u16, entry: &SubmissionEntry) -> Option<CompletionEntry> {
+        if self.script.io_unanswered {
+            self.counters.io_unanswered += 1;
+            return None;
+        }
         // Scripted bytes are posted as they are (every field is the script's to choose).
         match self.script.io_completions.pop_front() {
             Some(bytes) => Some(CompletionEntry::from_bytes(&bytes)),

@@ -60,6 +60,7 @@ impl FakeScript {
             admin_unanswered: Vec::new(),
             io_completions: VecDeque::new(),
             io_phase_from_script: flags & 1 == 1,
+            io_unanswered: false,
             enable_ready_after_status_reads: 0,
             starts_enabling: false,
             starts_enabled: false,

@@ -57,6 +57,9 @@ pub struct FakeScript {
     /// Keep the phase bit of `io_completions` as scripted (true) or replace it with the right
     /// one (false), so that the rest of the entry is what the driver gets to judge.
     pub io_phase_from_script: bool,
+    /// I/O commands fetched while this is set are never completed (a command the controller
+    /// lost: the driver's deadline fires). They are counted (`FakeCounters::io_unanswered`).
+    pub io_unanswered: bool,
     /// CSTS reads after CC.EN goes to 1 before CSTS.RDY does (0: at once). A disable while
     /// RDY is still 0 is counted (`FakeCounters::disables_before_ready`).
     pub enable_ready_after_status_reads: u32,
@@ -105,6 +108,7 @@ impl Default for FakeScript {
             admin_unanswered: Vec::new(),
             io_completions: VecDeque::new(),
             io_phase_from_script: false,
+            io_unanswered: false,
             enable_ready_after_status_reads: 0,
             starts_enabling: false,
             starts_enabled: false,
@@ -135,6 +139,8 @@ pub struct FakeCounters {
     /// started (`starts_enabled`, `starts_enabling`), before a disable reached CSTS.RDY = 0: a
     /// controller an earlier process left running could write such memory.
     pub mappings_while_left_enabled: u64,
+    /// I/O commands fetched and left unanswered (`FakeScript::io_unanswered`).
+    pub io_unanswered: u64,
 }
 
 /// The scripted controller (see the module documentation).
