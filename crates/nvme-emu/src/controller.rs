@@ -86,6 +86,10 @@ enum State {
     Ready,
     /// CSTS.CFS is set; nothing is processed until the host clears CC.EN.
     Fatal,
+    /// A stop (CC.EN cleared, a power loss or a function reset) deleted the queues, but the
+    /// kernel still holds transfers straight into host memory that cancellation could not take
+    /// back: CSTS reads RDY = 1 with CFS, never a clean stop, until the kernel gives them back.
+    Stopping,
 }
 
 /// Features the host can set (§5.27).
@@ -151,6 +155,11 @@ pub(crate) struct ControllerCore {
     pub(crate) scratch: AlignedBuffer,
     /// Reads and Writes whose transfers the ring holds (see `controller/batch.rs`).
     in_flight: InFlight,
+    /// Ring tags of transfers straight into or out of host memory that the kernel kept after
+    /// cancellation (their commands ended without a completion; the abandoned ring keeps their
+    /// regions). While any is left the controller cannot report that it stopped touching host
+    /// memory (see `State::Stopping`).
+    host_memory_in_kernel: Vec<u64>,
     io_buffers: Vec<AlignedBuffer>,
     /// Empty region lists of finished transfers, reused for the next commands' data pointers.
     pub(crate) spare_region_lists: Vec<Vec<nvme_driver::hw::DmaRegion>>,
@@ -214,6 +223,7 @@ impl ControllerCore {
             scratch: AlignedBuffer::default(),
             reader,
             in_flight,
+            host_memory_in_kernel: Vec::new(),
             io_buffers: Vec::new(),
             spare_region_lists: Vec::new(),
             fetched: Vec::new(),

@@ -177,6 +177,10 @@ impl EmuDevice {
     /// Cuts the power: what the volatile write cache held is lost, commands in flight get no
     /// completion, CSTS.RDY drops to 0 and every register returns to its reset value. The
     /// backing store keeps what was durable; the host must bring the controller up again.
+    ///
+    /// Unless the kernel still holds a transfer straight into host memory that it would not
+    /// cancel: CSTS then reads RDY = 1 with CFS (not a clean stop) until it gives it back, and
+    /// only then RDY = 0, so a host never reuses memory the kernel may still write.
     pub fn power_loss(&self) {
         self.shared.core().power_loss();
     }
@@ -274,7 +278,7 @@ impl DeviceBackend for EmuDevice {
         self.shared
             .core()
             .function_reset()
-            .map_err(|status| HwError::Backend { backend: "nvme-emu", message: format!("cache write-back during reset: {status}") })
+            .map_err(|error| HwError::Backend { backend: "nvme-emu", message: format!("function reset: {error}") })
     }
 }
 

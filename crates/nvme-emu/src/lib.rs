@@ -84,8 +84,8 @@ pub use restriction::QueueRestriction;
 pub use stats::EmuStats;
 pub use timing::{TimingModel, TimingStats};
 
-/// Errors starting or configuring the software controller (command errors are NVMe statuses in
-/// completions, never Rust errors).
+/// Errors starting, configuring or resetting the software controller (command errors are NVMe
+/// statuses in completions, never Rust errors).
 #[derive(Debug, thiserror::Error)]
 pub enum EmuError {
     #[error("invalid emulator configuration: {reason}")]
@@ -100,4 +100,11 @@ pub enum EmuError {
     NoSuchQueue { queue_id: u16 },
     #[error("cannot start the controller thread: {0}")]
     Thread(std::io::Error),
+    #[error("the volatile write cache could not be written back ({status}): its blocks stay cached")]
+    WriteBack { status: nvme_driver::spec::NvmeStatus },
+    #[error(
+        "{transfers} transfer(s) straight into host memory are still with the kernel after cancellation: the \
+         controller keeps CSTS.RDY = 1 with CSTS.CFS until the kernel gives them back, and that memory must not be reused"
+    )]
+    HostMemoryInKernel { transfers: usize },
 }

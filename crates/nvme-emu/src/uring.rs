@@ -106,6 +106,14 @@ impl UringReader {
         self.ring.in_flight_transfers().any(|(_, transfer)| transfer.direction == Direction::Write)
     }
 
+    /// Keeps in `tags` those of the ring's transfers the kernel still holds (each may yet
+    /// complete, reading or writing its memory), after asking the kernel once more to cancel
+    /// them, without waiting. What it gave back since is dropped: its memory is free again.
+    pub(crate) fn retain_held(&mut self, tags: &mut Vec<u64>) {
+        self.ring.cancel_in_flight(Instant::now(), drop);
+        tags.retain(|&tag| self.ring.in_flight_transfers().any(|(held, _)| held == tag));
+    }
+
     /// Shorter deadlines, and optionally no cancellation (a write the kernel keeps), for tests of
     /// a stalled backing file.
     #[cfg(test)]

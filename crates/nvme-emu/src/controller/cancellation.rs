@@ -58,8 +58,9 @@ impl ControllerCore {
     /// may land at any time), a kept Read is redone synchronously into a fresh buffer. A kept
     /// direct transfer gets no completion at all, since that would hand the host memory the
     /// kernel may still read or write back to the host: the controller becomes fatal (CSTS.CFS)
-    /// instead, as a device hung in the middle of its DMA, and the ring keeps the memory's
-    /// regions (leaked with it).
+    /// instead, as a device hung in the middle of its DMA, the ring keeps the memory's regions
+    /// (leaked with it if never given back), and no stop reports RDY = 0 until the kernel gives
+    /// them back (`host_memory_in_kernel`).
     fn end_held(&mut self, held: &[u64], why: &str, settle: Settle) {
         let mut kept_writes = 0usize;
         let mut kept_direct = 0usize;
@@ -69,6 +70,7 @@ impl ControllerCore {
             kept_writes += usize::from(io.write);
             if io.direct {
                 kept_direct += 1;
+                self.host_memory_in_kernel.push(tag);
                 continue;
             }
             let cause = UringError::StillInFlight { cause: why.to_string() };
@@ -98,6 +100,20 @@ impl ControllerCore {
              refuses all I/O until the kernel gives them back, and the controller reports a fatal status"
         );
         self.store.fence(format!("{kept_writes} abandoned io_uring write(s) may still land"));
+    }
+
+    /// Whether the kernel still holds a transfer straight into or out of host memory that
+    /// cancellation did not take back (asking it once more, without waiting).
+    pub(super) fn host_memory_in_kernel(&mut self) -> bool {
+        if self.host_memory_in_kernel.is_empty() {
+            return false;
+        }
+        match self.reader.as_mut() {
+            Some(reader) => reader.retain_held(&mut self.host_memory_in_kernel),
+            // Only a ring can hold a transfer: without one nothing is held.
+            None => self.host_memory_in_kernel.clear(),
+        }
+        !self.host_memory_in_kernel.is_empty()
     }
 
     /// Lifts the store's fence once the kernel has given back every write that an abandoned

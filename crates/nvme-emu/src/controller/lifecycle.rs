@@ -3,12 +3,13 @@
 
 use nvme_driver::hw::DmaAllocator;
 use nvme_driver::spec::registers::{self, ControllerConfiguration, ShutdownNotification};
-use nvme_driver::spec::{NvmeStatus, COMPLETION_ENTRY_BYTES, SUBMISSION_ENTRY_BYTES};
+use nvme_driver::spec::{COMPLETION_ENTRY_BYTES, SUBMISSION_ENTRY_BYTES};
 use nvme_driver::Iova;
 
 use super::in_flight::Settle;
 use super::{ControllerCore, State, CSTS_FATAL, CSTS_READY, CSTS_SHUTDOWN_COMPLETE, CSTS_SHUTDOWN_MASK};
 use crate::queues::{CompletionQueue, SubmissionQueue};
+use crate::EmuError;
 
 impl ControllerCore {
     /// Applies CC: enable (EN 0 to 1), reset (EN 1 to 0), shutdown notification. Called by the
@@ -16,6 +17,9 @@ impl ControllerCore {
     pub(crate) fn react_to_configuration(&mut self) -> bool {
         let cc = ControllerConfiguration(self.registers.load32(registers::CC));
         let mut worked = false;
+        if self.state == State::Stopping {
+            worked |= self.finish_stopping();
+        }
         match (self.state, cc.enabled()) {
             (State::Disabled, true) => {
                 self.enable(cc);
@@ -97,17 +101,59 @@ impl ControllerCore {
         }
     }
 
-    /// CC.EN 1 to 0 (§3.7.2): queues are deleted, features return to defaults, RDY and CFS clear.
-    /// The write cache survives a controller reset (it is not a power loss).
-    fn reset_controller(&mut self) {
-        // The kernel may still write the buffers of transfers in flight, and their commands'
-        // queues are going away: wait for them, completing none.
-        self.settle_in_flight(Settle::Discard);
+    /// What every stop shares (controller reset, power loss, function reset): queues deleted,
+    /// delayed completions forgotten, features back to their defaults. The caller settled what
+    /// was in flight first and reports the stop afterwards ([`ControllerCore::report_stopped`]).
+    fn stop(&mut self) {
         self.drop_queues();
         self.features = Self::default_features(&self.config);
+    }
+
+    /// Reports a stop in CSTS. RDY = 0 tells the host that the controller no longer touches its
+    /// memory (it may free or reuse it), so it is reported only once the kernel holds no
+    /// transfer into or out of host memory; otherwise CSTS reads RDY = 1 with CFS (the
+    /// controller failed to stop, never a clean stop) and the stop completes when the kernel
+    /// gives them back ([`ControllerCore::finish_stopping`], polled). Returns how many are held.
+    fn report_stopped(&mut self) -> usize {
+        if self.host_memory_in_kernel() {
+            let held = self.host_memory_in_kernel.len();
+            tracing::error!(
+                held,
+                "the controller stopped, but the kernel still holds transfers into host memory that it would not cancel: \
+                 CSTS reads RDY = 1 with CFS until it gives them back"
+            );
+            self.state = State::Stopping;
+            self.registers.set_status(CSTS_READY | CSTS_FATAL);
+            return held;
+        }
         self.state = State::Disabled;
-        self.registers.clear_doorbells();
         self.registers.set_status(0);
+        0
+    }
+
+    /// Completes a stop that waited for the kernel ([`State::Stopping`]) once it gave back every
+    /// transfer into host memory: RDY = 0 and CFS = 0. Returns whether it did.
+    fn finish_stopping(&mut self) -> bool {
+        if self.host_memory_in_kernel() {
+            return false;
+        }
+        tracing::warn!("the kernel gave back every transfer into host memory: the stop completes (CSTS.RDY = 0)");
+        self.state = State::Disabled;
+        self.registers.set_status(0);
+        true
+    }
+
+    /// CC.EN 1 to 0 (§3.7.2): queues are deleted, features return to defaults, RDY and CFS clear
+    /// (only once the kernel holds no transfer into host memory: see `report_stopped`). The
+    /// write cache survives a controller reset (it is not a power loss).
+    fn reset_controller(&mut self) {
+        // The kernel may still write the buffers of transfers in flight, and their commands'
+        // queues are going away: wait for them (bounded by their deadlines, then cancelled),
+        // completing none.
+        self.settle_in_flight(Settle::Discard);
+        self.stop();
+        self.registers.clear_doorbells();
+        self.report_stopped();
     }
 
     /// CC.SHN (§3.6): on a shutdown notification the cache is written back and SHST reports
@@ -137,28 +183,38 @@ impl ControllerCore {
 
     /// Power is cut: unflushed cache contents are lost, in-flight commands get no completion,
     /// every register returns to its reset value. The backing store is kept.
+    ///
+    /// A real device loses the power to DMA with it; here the kernel may keep a transfer into
+    /// host memory past the cut (one it would not cancel). Then CSTS does not read as a
+    /// freshly powered controller: RDY = 1 with CFS, until the kernel gives it back (see
+    /// `report_stopped`), so a host bringing the controller up again times out waiting for
+    /// RDY = 0 instead of reusing memory the kernel may still write.
     pub(crate) fn power_loss(&mut self) {
         // Transfers in flight are cancelled where the kernel still can (those never land) and
         // waited for otherwise (those land, as a write already on its way to the media would);
         // none of their commands completes.
         self.settle_in_flight(Settle::PowerLoss);
         self.cache.discard_all();
-        self.drop_queues();
-        self.features = Self::default_features(&self.config);
-        self.state = State::Disabled;
+        self.stop();
         self.registers.power_on_reset();
+        self.report_stopped();
         self.counters.totals.power_losses += 1;
         self.unsafe_shutdowns += 1;
         self.power_cycles += 1;
     }
 
     /// Function-level reset: like a controller reset, plus registers to reset values. The cache
-    /// is written back first (an FLR is not a power loss).
-    pub(crate) fn function_reset(&mut self) -> Result<(), NvmeStatus> {
+    /// is written back first (an FLR is not a power loss). An error when the write-back failed
+    /// (the blocks stay cached) or when the kernel still holds transfers into host memory (the
+    /// controller then reads RDY = 1 with CFS until it gives them back).
+    pub(crate) fn function_reset(&mut self) -> Result<(), EmuError> {
         self.settle_in_flight(Settle::Discard);
         let written = self.write_back(None);
-        self.reset_controller();
+        self.stop();
         self.registers.power_on_reset();
-        written
+        match self.report_stopped() {
+            0 => written.map_err(|status| EmuError::WriteBack { status }),
+            transfers => Err(EmuError::HostMemoryInKernel { transfers }),
+        }
     }
 }

@@ -4,6 +4,7 @@ mod admin_tests;
 mod copied_tests;
 mod durability_tests;
 mod harness;
+mod held_transfer_tests;
 mod in_flight_tests;
 mod io_tests;
 mod lifecycle_tests;

@@ -9,6 +9,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use nvme_driver::hw::DmaRegion;
+use nvme_driver::spec::registers;
 use nvme_driver::spec::status::codes;
 use nvme_driver::spec::{NvmeStatus, StatusCodeType, SubmissionEntry};
 use nvme_driver::{Lba, NamespaceId};
@@ -183,8 +184,9 @@ fn a_direct_write_the_kernel_keeps_is_never_completed_and_stops_the_controller()
     // Goal: a write straight from host memory that the kernel will not give back (cancellation
     // disabled, as for a write blocked in a hung filesystem) gets no completion, since one would
     // hand the memory back to the host while the kernel may still read it; the controller
-    // reports a fatal status and the store is fenced. The kernel really still had the writes:
-    // their bytes arrive once the socket has room.
+    // reports a fatal status and the store is fenced. A reset (CC.EN = 0) is not reported done
+    // (RDY stays 1) while the kernel still has them. The kernel really still had the writes:
+    // their bytes arrive once the socket has room, and then the reset completes.
     let Some(mut stalled) = Stalled::start("direct-kept", false) else { return };
     stalled.host.device.with_core(|core| core.allow_direct_on_override());
     let sources: Vec<DmaRegion> = (0..2).map(|_| stalled.host.buffer(4096)).collect();
@@ -204,9 +206,19 @@ fn a_direct_write_the_kernel_keeps_is_never_completed_and_stops_the_controller()
         "a write whose host memory the kernel still holds was completed"
     );
     assert_eq!(stalled.host.device.stats().direct_transfers, 0);
+    let configuration = stalled.host.registers.read32(registers::CC);
+    stalled.host.registers.write32(registers::CC, configuration & !1);
+    let quiet_until = Instant::now() + Duration::from_millis(100);
+    while Instant::now() < quiet_until {
+        let csts = stalled.host.csts();
+        assert!(csts.ready() && csts.fatal(), "a reset reported done while the kernel may still read host memory: {csts:?}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
     stalled.receiver.set_read_timeout(Some(DEADLINE)).unwrap();
     let mut received = vec![0u8; stalled.filler_bytes + 2 * 4096];
     stalled.receiver.read_exact(&mut received).unwrap();
     let late = &received[stalled.filler_bytes..];
     assert!(late == [block(0), block(1)].concat() || late == [block(1), block(0)].concat(), "the kept writes' data, from host memory");
+    stalled.host.wait_ready(false);
+    assert!(!stalled.host.csts().fatal(), "the reset completed once the kernel gave the writes back");
 }
