@@ -55,6 +55,7 @@ pub(crate) const ERROR_LOG_ENTRIES: usize = 64;
 const CSTS_READY: u32 = 1;
 const CSTS_FATAL: u32 = 1 << 1;
 const CSTS_SHUTDOWN_MASK: u32 = 0x3 << 2;
+const CSTS_SHUTDOWN_OCCURRING: u32 = 0x1 << 2;
 const CSTS_SHUTDOWN_COMPLETE: u32 = 0x2 << 2;
 
 /// A command's result: completion dword 0 on success, or the status to report.
@@ -189,6 +190,10 @@ pub(crate) struct ControllerCore {
     /// Cache write-backs fail with an I/O error while set (a store that refuses writes, in tests).
     #[cfg(test)]
     pub(crate) fail_write_backs_for_tests: bool,
+    /// `fdatasync` of the store fails with an I/O error while set (a disk that loses its
+    /// cache flushes, in tests).
+    #[cfg(test)]
+    pub(crate) fail_syncs_for_tests: bool,
 }
 
 impl ControllerCore {
@@ -240,6 +245,8 @@ impl ControllerCore {
             direct_on_override: false,
             #[cfg(test)]
             fail_write_backs_for_tests: false,
+            #[cfg(test)]
+            fail_syncs_for_tests: false,
             config,
         })
     }

@@ -169,6 +169,11 @@ impl ControllerCore {
 
     /// `fdatasync`s a file store (Write Fault when that fails).
     pub(crate) fn sync_store(&mut self) -> Result<(), NvmeStatus> {
+        #[cfg(test)]
+        if self.fail_syncs_for_tests {
+            tracing::error!("backing store sync failed (injected by a test)");
+            return Err(media(codes::WRITE_FAULT));
+        }
         self.store.sync().map_err(|error| {
             tracing::error!(%error, "backing store sync failed");
             media(codes::WRITE_FAULT)

@@ -7,7 +7,7 @@ use nvme_driver::spec::{COMPLETION_ENTRY_BYTES, SUBMISSION_ENTRY_BYTES};
 use nvme_driver::Iova;
 
 use super::in_flight::Settle;
-use super::{ControllerCore, State, CSTS_FATAL, CSTS_READY, CSTS_SHUTDOWN_COMPLETE, CSTS_SHUTDOWN_MASK};
+use super::{ControllerCore, State, CSTS_FATAL, CSTS_READY, CSTS_SHUTDOWN_COMPLETE, CSTS_SHUTDOWN_MASK, CSTS_SHUTDOWN_OCCURRING};
 use crate::queues::{CompletionQueue, SubmissionQueue};
 use crate::EmuError;
 
@@ -156,25 +156,50 @@ impl ControllerCore {
         self.report_stopped();
     }
 
-    /// CC.SHN (§3.6): on a shutdown notification the cache is written back and SHST reports
-    /// complete; clearing SHN clears SHST.
+    /// CC.SHN (§3.6): on a shutdown notification what is in flight finishes, the cache is
+    /// written back (and, with `sync_file_on_flush`, the file synced) and SHST reports complete;
+    /// clearing SHN clears SHST.
+    ///
+    /// SHST = complete tells the host its data is durable (it may cut power next). A shutdown
+    /// that could not make it so (the write-back or the sync failed, the store is fenced by a
+    /// write the kernel kept, the controller is fatal) never reports it: SHST stays at 01b
+    /// (processing occurring) and CSTS.CFS is set, so the host's bounded wait for complete
+    /// fails (nvme-driver: `ReadyTimeout` naming that CSTS). The blocks stay cached; the host
+    /// resets the controller (clearing CFS) and may request the shutdown again.
     fn handle_shutdown(&mut self, cc: ControllerConfiguration) -> bool {
         let csts = self.registers.load32(registers::CSTS);
-        let complete = csts & CSTS_SHUTDOWN_MASK == CSTS_SHUTDOWN_COMPLETE;
+        let shutdown_status = csts & CSTS_SHUTDOWN_MASK;
         match cc.shutdown() {
-            ShutdownNotification::None if csts & CSTS_SHUTDOWN_MASK != 0 => {
+            ShutdownNotification::None if shutdown_status != 0 => {
                 self.registers.set_status(csts & !CSTS_SHUTDOWN_MASK);
                 true
             }
-            ShutdownNotification::Normal | ShutdownNotification::Abrupt if !complete => {
+            // Processed once per notification: a failed one (SHST 01b) is not retried at every
+            // poll, only when the host clears SHN and sets it again.
+            ShutdownNotification::Normal | ShutdownNotification::Abrupt if shutdown_status == 0 => {
                 self.settle_in_flight(Settle::Finish);
                 // The host may cut power once SHST says complete: with sync_file_on_flush the
                 // written-back blocks reach the file's media first, as a Flush's would.
                 let written = self.write_back(None).and_then(|()| if self.config.sync_file_on_flush { self.sync_store() } else { Ok(()) });
-                if let Err(status) = written {
-                    tracing::error!(%status, "write-back at shutdown failed");
+                let failure = match written {
+                    Err(status) => Some(format!("the cache write-back failed ({status})")),
+                    Ok(()) if self.store.is_fenced() => Some("a write the kernel kept may still land".to_string()),
+                    Ok(()) if matches!(self.state, State::Fatal | State::Stopping) => Some("the controller is fatal".to_string()),
+                    Ok(()) => None,
+                };
+                let csts = self.registers.load32(registers::CSTS) & !CSTS_SHUTDOWN_MASK;
+                match failure {
+                    None => self.registers.set_status(csts | CSTS_SHUTDOWN_COMPLETE),
+                    Some(reason) => {
+                        tracing::error!(reason, "shutdown failed: SHST is not reported complete, and CSTS.CFS is set");
+                        if self.state == State::Ready {
+                            // A disabled controller stays disabled (its CFS clears at the next
+                            // enable); a running one stops processing, as any fatal one does.
+                            self.state = State::Fatal;
+                        }
+                        self.registers.set_status(csts | CSTS_SHUTDOWN_OCCURRING | CSTS_FATAL);
+                    }
                 }
-                self.registers.set_status(csts & !CSTS_SHUTDOWN_MASK | CSTS_SHUTDOWN_COMPLETE);
                 true
             }
             _ => false,

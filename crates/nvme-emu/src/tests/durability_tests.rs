@@ -1,10 +1,13 @@
 //! What the controller promises about durability: with `sync_file_on_flush`, every write whose
 //! completion means "on media" (FUA, cache off, shutdown write-back) is `fdatasync`ed before it
-//! completes; a write-back that fails loses nothing.
+//! completes; a write-back that fails loses nothing, and a shutdown whose write-back or sync
+//! fails never reports SHST = complete.
+
+use std::time::{Duration, Instant};
 
 use nvme_driver::hw::DmaRegion;
 use nvme_driver::spec::command::FeatureId;
-use nvme_driver::spec::registers::{self, ControllerConfiguration, ShutdownStatus};
+use nvme_driver::spec::registers::{self, ControllerConfiguration, ControllerStatus, ShutdownStatus};
 use nvme_driver::spec::SubmissionEntry;
 use nvme_driver::{Lba, NamespaceId};
 
@@ -127,4 +130,93 @@ fn a_failed_write_back_keeps_the_blocks_dirty_until_a_flush_succeeds() {
     for &lba in &lbas {
         assert!(read_block(&host, &mut queue, lba).iter().all(|&byte| byte == lba as u8 + 1), "LBA {lba} reached media");
     }
+}
+
+/// Requests a normal shutdown (CC.SHN = 01b) with the controller enabled.
+fn request_shutdown(host: &TestHost) {
+    host.registers.write32(registers::CC, ControllerConfiguration::for_enable().0 | 1 << 14);
+}
+
+/// Asserts that a shutdown is not reported complete (SHST never reads complete, for a while)
+/// and that the controller says it failed (CSTS.CFS).
+fn assert_shutdown_failed(host: &TestHost, why: &str) {
+    let until = Instant::now() + Duration::from_millis(100);
+    while Instant::now() < until {
+        let csts = host.csts();
+        assert_ne!(csts.shutdown(), ShutdownStatus::Complete, "shutdown reported complete although {why}: {csts:?}");
+        assert!(csts.fatal(), "CSTS.CFS not set although {why}: {csts:?}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn a_shutdown_whose_write_back_fails_is_not_reported_complete() {
+    // Goal: SHST = complete tells the host its data is durable (it may cut power next), so a
+    // shutdown whose cache write-back fails never reports it: SHST stays short of complete and
+    // CSTS.CFS is set. The blocks stay cached: after the host's reset they still read back,
+    // and a later shutdown, once the store takes writes again, completes and makes them durable.
+    let mut host = TestHost::start(EmuConfig::default().with_backing(Backing::Memory { bytes: 8 << 20 }));
+    let mut queue = host.create_io_pair(1, 16);
+    write(&host, &mut queue, 1, 0x11, false);
+    host.device.with_core(|core| core.fail_write_backs_for_tests = true);
+    request_shutdown(&host);
+    assert_shutdown_failed(&host, "the write-back failed");
+    host.device.with_core(|core| core.fail_write_backs_for_tests = false);
+    host.enable();
+    let mut queue = host.create_io_pair(1, 16);
+    assert!(read_block(&host, &mut queue, 1).iter().all(|&byte| byte == 0x11), "the block stayed cached");
+    request_shutdown(&host);
+    assert_eq!(host.csts().shutdown(), ShutdownStatus::Complete, "the store takes writes again");
+    assert!(!host.csts().fatal());
+    host.device.power_loss();
+    host.enable();
+    let mut queue = host.create_io_pair(1, 16);
+    assert!(read_block(&host, &mut queue, 1).iter().all(|&byte| byte == 0x11), "the second shutdown made it durable");
+}
+
+#[test]
+fn a_shutdown_whose_sync_fails_is_not_reported_complete() {
+    // Goal: with sync_file_on_flush, a shutdown whose write-back reached the file but whose
+    // fdatasync failed has not made the data durable either: no SHST = complete, CSTS.CFS set.
+    let (config, path) = file_config("shutdown-sync-fails", true);
+    let mut host = TestHost::start(config);
+    let mut queue = host.create_io_pair(1, 16);
+    write(&host, &mut queue, 2, 0x22, false);
+    host.device.with_core(|core| core.fail_syncs_for_tests = true);
+    request_shutdown(&host);
+    assert_shutdown_failed(&host, "the fdatasync failed");
+    drop(host);
+    let _ = std::fs::remove_file(&path);
+}
+
+#[test]
+fn the_driver_sees_a_failed_shutdown_as_an_error() {
+    // Goal: the real driver's normal shutdown, whose bounded wait (CAP.TO, 500 ms here) is for
+    // SHST = complete, returns an error naming CSTS with CFS set when the write-back fails,
+    // instead of Ok (which says the data is durable); teardown after it still stops the
+    // controller.
+    use nvme_driver::hw::DeviceBackend;
+    use nvme_driver::{Controller, ControllerConfig, DataSegment, NvmeError};
+    let config = EmuConfig { ready_timeout_500ms_units: 1, ..EmuConfig::default().with_backing(Backing::Memory { bytes: 8 << 20 }) };
+    let device = crate::EmuDevice::start(config).unwrap();
+    let backend: std::sync::Arc<dyn DeviceBackend> = device.clone();
+    let config = ControllerConfig { admin_timeout: Duration::from_millis(300), ..ControllerConfig::default() };
+    let controller = Controller::init(backend, config).unwrap();
+    let mut queue = controller.create_io_queue_pair(16).unwrap();
+    let buffer = controller.dma().allocate(4096).unwrap();
+    buffer.fill(0, 4096, 0x33).unwrap();
+    let namespace = controller.namespaces()[0].id;
+    queue.write(namespace, Lba(3), &[DataSegment::new(buffer.iova(), 4096)], false, Duration::from_secs(5)).unwrap();
+    device.with_core(|core| core.fail_write_backs_for_tests = true);
+    let started = Instant::now();
+    match controller.shutdown() {
+        Err(NvmeError::ReadyTimeout { csts, .. }) => {
+            assert!(ControllerStatus(csts).fatal(), "the timeout names CSTS with CFS: {csts:#x}");
+        }
+        other => panic!("a shutdown whose write-back failed returned {other:?}"),
+    }
+    assert!(started.elapsed() < Duration::from_secs(5), "the driver's wait is bounded by CAP.TO");
+    drop(queue);
+    drop(controller);
+    assert!(!ControllerStatus(device.registers().read32(registers::CSTS)).ready(), "teardown stopped the controller (RDY = 0)");
 }
