@@ -585,3 +585,47 @@ def test_loads_and_saves_that_fail_to_issue_do_not_fail_the_step_or_leak(tuttid)
         assert any(int(part.count_nonzero()) for part in worker.blocks_bytes([20, 21]))
     finally:
         worker.shutdown()
+
+
+def test_a_failed_load_reports_only_the_blocks_it_was_to_fill(tuttid):
+    """Goal: a failed load of a request whose prefix vLLM holds locally (its own prefix cache
+    hit, blocks possibly shared with other requests) reports through
+    get_block_ids_with_load_errors only the blocks tutti was to fill, so vLLM recomputes no
+    more than it must; but when a layer's read failed (its buffers undefined: tutti reads the
+    prefix from its first block, vLLM's blocks included) every block of the load is reported."""
+    daemon = tuttid(harness.TUTTID_GEOMETRY)
+    scheduler = harness.make_connector(harness.vllm_config(daemon.socket, 1), KVConnectorRole.SCHEDULER)
+    worker = LocalWorker(daemon.socket)
+    try:
+        tokens = prompt(16, blocks=3, tail=5)
+        worker.fill([1, 2, 3], 16)
+        worker.save("S", tokens[: 3 * harness.BLOCK_TOKENS], [1, 2, 3])
+        wrapped = harness.StoreWithFailingIssues(worker.connector._store)
+        worker.connector._store = wrapped
+        blocks = [30, 31, 32, 33]
+        local = harness.BLOCK_TOKENS  # vLLM's own prefix cache holds the first block (as block 30)
+
+        def load_step(req_id: str) -> dict:
+            request = harness.request(req_id, tokens)
+            external = 2 * harness.BLOCK_TOKENS
+            assert scheduler.get_num_new_matched_tokens(request, local) == (external, False)
+            scheduler.update_state_after_alloc(request, harness.blocks(blocks), external)
+            scheduled = len(tokens) - local - external
+            meta = scheduler.build_connector_meta(
+                harness.scheduler_output(new=[(req_id, tokens, blocks, local + external, scheduled)])
+            )
+            (load,) = meta.loads
+            assert load.block_ids == blocks[:3] and load.first_block == 1, load
+            return worker.step(meta)
+
+        # Layer 0 fails to issue: nothing was written, vLLM's block 30 is as it was.
+        assert load_step("B1")["load_errors"] == {31, 32}
+        # Layer 0's read fails: block 30 was read into as well, its bytes undefined.
+        wrapped.failing, wrapped.failing_waits = False, True
+        assert load_step("B2")["load_errors"] == {30, 31, 32}
+        # The dead session's loads start nothing: only their own blocks.
+        worker.connector._dead = "ended by the test"
+        assert load_step("B3")["load_errors"] == {31, 32}
+    finally:
+        worker.shutdown()
+        scheduler.shutdown()

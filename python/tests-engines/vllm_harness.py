@@ -155,23 +155,43 @@ class FailingIssue:
         raise _tutti().DeviceError(f"injected: layer {layer} failed to issue")
 
 
+class FailingWait:
+    """A tutti.Request whose layers fail when waited for (an I/O error reported by the layer's
+    completion): the real layer is waited for first, so nothing of it is left in flight."""
+
+    def __init__(self, request: Any) -> None:
+        self._request = request
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._request, name)
+
+    def wait(self, timeout_s: Optional[float] = None) -> Any:
+        layer = self._request.wait(timeout_s)
+        raise _tutti().DeviceError(f"injected: layer {layer} failed")
+
+
 class StoreWithFailingIssues:
-    """A tutti.Store whose prepared requests fail to issue their layers while `failing` is set."""
+    """A tutti.Store whose prepared requests fail to issue their layers while `failing` is set
+    (with `failing_waits` set instead: fail when their layers are waited for)."""
 
     def __init__(self, store: Any) -> None:
         self._store = store
         self.failing = True
+        self.failing_waits = False
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)
 
+    def _wrap(self, request: Any) -> Any:
+        if self.failing:
+            return FailingIssue(request)
+        return FailingWait(request) if self.failing_waits else request
+
     def prepare_retrieve(self, tokens: list[int], block_ids: list[int]) -> Any:
-        request = self._store.prepare_retrieve(tokens, block_ids)
-        return FailingIssue(request) if self.failing else request
+        return self._wrap(self._store.prepare_retrieve(tokens, block_ids))
 
     def prepare_store(self, tokens: list[int], block_ids: list[int]) -> Any:
-        request = self._store.prepare_store(tokens, block_ids)
-        return FailingIssue(request) if self.failing else request
+        return self._wrap(self._store.prepare_store(tokens, block_ids))
 
 
 def _tutti() -> Any:

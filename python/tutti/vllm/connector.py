@@ -100,11 +100,16 @@ def _connection_lost(error: Exception) -> bool:
 
 @dataclass
 class LoadSpec:
-    """Scheduler → worker: read the cached prefix `tokens` (whole blocks) into `block_ids`."""
+    """Scheduler → worker: read the cached prefix `tokens` (whole blocks) into `block_ids`.
+
+    Blocks before `first_block` are vLLM's own (its local prefix cache hit): the store reads a
+    prefix from its first block, so they are read again with the same bytes, but only blocks
+    from `first_block` on are the load's to fill (see `_WorkerLoad.blocks_to_recompute`)."""
 
     req_id: str
     tokens: list[int]
     block_ids: list[int]
+    first_block: int = 0
 
 
 @dataclass
@@ -134,6 +139,7 @@ class _SchedulerRequest:
     block_ids: list[int] = field(default_factory=list)
     hit_tokens: int = 0
     load_pending: Optional[int] = None  # blocks to load, set after allocation, emitted once
+    load_first_block: int = 0  # the first of them vLLM does not hold locally
     save_emitted: bool = False
 
 
@@ -141,8 +147,17 @@ class _SchedulerRequest:
 class _WorkerLoad:
     request: Any  # tutti.Request
     block_ids: list[int]
+    first_block: int  # LoadSpec.first_block
     issued: int = 0  # layers issued
     completed: int = 0  # layers completed
+
+    def blocks_to_recompute(self, torn: bool) -> list[int]:
+        """The blocks vLLM recomputes after this load failed: those it was to fill, and vLLM's
+        own prefix blocks too when the load is `torn` (a layer issued that did not complete
+        successfully: a failed read leaves its buffers undefined, a CRC mismatch lands in
+        place, so the prefix blocks, read again, may hold other bytes than vLLM's). Layers
+        that completed wrote the pool's bytes, the ones vLLM holds."""
+        return list(self.block_ids if torn else self.block_ids[self.first_block :])
 
 
 @dataclass
@@ -284,8 +299,10 @@ class TuttiConnector(KVConnectorBase_V1):
         state.block_ids = list(blocks.get_block_ids()[0])
         if num_external_tokens > 0:
             # The store reads a prefix from its first block: blocks vLLM already holds are read
-            # again with the same bytes (see docs/vllm.md, "Loads").
+            # again with the same bytes (see docs/vllm.md, "Loads"); the load is vLLM's from the
+            # first block it does not hold (what a failure reports).
             state.load_pending = state.hit_tokens // self._block_size
+            state.load_first_block = max(0, state.hit_tokens - num_external_tokens) // self._block_size
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         """This step's loads (allocated since the last step), saves (requests whose prompt is
@@ -327,7 +344,12 @@ class TuttiConnector(KVConnectorBase_V1):
             if state.load_pending:
                 blocks = state.load_pending
                 meta.loads.append(
-                    LoadSpec(req_id, state.prompt[: blocks * self._block_size], state.block_ids[:blocks])
+                    LoadSpec(
+                        req_id,
+                        state.prompt[: blocks * self._block_size],
+                        state.block_ids[:blocks],
+                        min(state.load_first_block, blocks),
+                    )
                 )
             state.load_pending = None
             done_tokens = num_computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
@@ -673,17 +695,18 @@ class TuttiConnector(KVConnectorBase_V1):
             return
         self._loads_started = True
         for load in meta.loads:
+            # Nothing of a load that does not start is written: only its own blocks are missing.
             if self._dead is not None:
-                self._failed_block_ids.update(load.block_ids)
+                self._failed_block_ids.update(load.block_ids[load.first_block :])
                 continue
             try:
                 request = self._store.prepare_retrieve(load.tokens, load.block_ids)
             except tutti.Error as error:
                 logger.warning("tutti: load of request %s failed to prepare (%s); its blocks are recomputed", load.req_id, error)
                 self._note_daemon_failure(error)
-                self._failed_block_ids.update(load.block_ids)
+                self._failed_block_ids.update(load.block_ids[load.first_block :])
                 continue
-            state = _WorkerLoad(request, load.block_ids)
+            state = _WorkerLoad(request, load.block_ids, load.first_block)
             self._loads[load.req_id] = state
             try:
                 self._issue_load(load.req_id, state)
@@ -716,9 +739,11 @@ class TuttiConnector(KVConnectorBase_V1):
         layer that does not settle ends the session first."""
         logger.warning("tutti: load of request %s failed at layer %d (%s); its blocks are recomputed", req_id, max(state.issued - 1, 0), error)
         self._loads.pop(req_id, None)
+        # A wait that failed, or an issue that failed with part of its layer in flight.
+        torn = state.issued > state.completed or state.request.layer_in_flight is not None
         if not self._settle(state.request):
             self._end_session(f"a layer of request {req_id}'s load did not complete")
-        self._failed_block_ids.update(state.block_ids)
+        self._failed_block_ids.update(state.blocks_to_recompute(torn))
 
     def _fail_save(self, req_id: str, state: _WorkerSave, error: Exception) -> None:
         logger.warning("tutti: save of request %s failed (%s); nothing of it becomes visible", req_id, error)
@@ -796,7 +821,7 @@ class TuttiConnector(KVConnectorBase_V1):
             )
         # Nothing moves their bytes any more: vLLM recomputes the loads; the saves are misses.
         for state in loads:
-            self._failed_block_ids.update(state.block_ids)
+            self._failed_block_ids.update(state.blocks_to_recompute(state.issued > state.completed))
         for req_id, state in saves:
             self._save_settled(req_id, state.token, False)
 
