@@ -43,6 +43,18 @@ pub enum NvmeError {
     #[error("{queue}: completion reports SQ head {reported}, outside {head}..={tail} (the last head reported up to the tail published), modulo the depth")]
     InvalidSubmissionQueueHead { queue: QueueId, reported: u32, head: u32, tail: u32 },
 
+    /// A completion named `command_id`, a command in flight, but broke the queue protocol
+    /// otherwise (`reason`: its SQ id or SQ head). The command's outcome is unknown, so its slot
+    /// and the memory it names stay reserved until the pair is deleted or the controller reset,
+    /// and the pair is failed ([`NvmeError::QueueFailed`]).
+    #[error("{queue}: the completion for {command_id} (opcode {opcode:#04x}, tag {tag:#x}) breaks the queue protocol ({reason}): the command's outcome is unknown, so its slot and the memory it names stay reserved until the queue pair is deleted or the controller reset, and the pair takes no new command")]
+    CommandOutcomeUnknown { queue: QueueId, command_id: CommandId, opcode: u8, tag: u64, reason: Box<NvmeError> },
+
+    /// The pair saw a completion that broke the queue protocol (wrong SQ id, impossible SQ
+    /// head) and takes no new command.
+    #[error("{queue} failed: the controller posted a completion that breaks the queue protocol, so the pair takes no new command ({unknown_outcomes} command(s) whose outcome is unknown still hold their slots): delete it and create another, or reset the controller")]
+    QueueFailed { queue: QueueId, unknown_outcomes: usize },
+
     #[error("{queue} is full ({depth} entries): back-pressure, reap completions and retry")]
     QueueFull { queue: QueueId, depth: u32 },
 

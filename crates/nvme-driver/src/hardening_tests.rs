@@ -140,7 +140,8 @@ fn a_namespace_with_malformed_identify_data_is_refused_not_the_controller() {
 #[test]
 fn a_completion_naming_an_sq_head_the_controller_cannot_have_reached_is_an_error() {
     // Goal: after one command was published (tail 1), a completion may report head 0 or 1;
-    // head 5 (inside the ring but past our tail) or 100 (outside it) is a typed error.
+    // head 5 (inside the ring but past our tail) or 100 (outside it) is a typed error (inside
+    // the one for the command it names, whose outcome that makes unknown).
     for bad_head in [5u16, 100] {
         let script = FakeScript { io_completions: VecDeque::from([completion(0, bad_head)]), ..FakeScript::default() };
         let (_device, controller) = bring_up(script);
@@ -148,9 +149,10 @@ fn a_completion_naming_an_sq_head_the_controller_cannot_have_reached_is_an_error
         queue.submit_raw(flush(), 0).expect("submit");
         queue.ring_doorbell().expect("ring");
         let reaped = queue.reap(8, |_| {});
+        let Err(NvmeError::CommandOutcomeUnknown { reason, .. }) = reaped else { panic!("head {bad_head}: {reaped:?}") };
         assert!(
-            matches!(reaped, Err(NvmeError::InvalidSubmissionQueueHead { queue: QueueId(1), reported, head: 0, tail: 1 }) if reported == u32::from(bad_head)),
-            "head {bad_head}: {reaped:?}"
+            matches!(*reason, NvmeError::InvalidSubmissionQueueHead { queue: QueueId(1), reported, head: 0, tail: 1 } if reported == u32::from(bad_head)),
+            "head {bad_head}: {reason:?}"
         );
     }
 }
@@ -548,4 +550,49 @@ fn a_timeout_names_the_oldest_command_outstanding() {
         panic!("{timed_out:?}");
     };
     assert_eq!(command_id.0 & 7, 1, "the timeout named {command_id}, not B (slot 1), the oldest command outstanding");
+}
+
+#[test]
+fn a_rejected_completion_naming_a_command_in_flight_fails_that_command_and_the_pair() {
+    // Goal: a completion whose command id names a command in flight but whose SQ id or SQ head
+    // is impossible breaks the queue protocol. That command's outcome is unknown: the error
+    // names it (command id, opcode, tag) so its caller learns of it, its slot stays reserved
+    // (the controller may still read its scratch page and move its data) and counts as in
+    // flight, and the pair takes no new command. Completions of other commands are still
+    // delivered; a wait for the pair to go idle fails at once instead of at its deadline. It
+    // used to report only the bad field, leave the command busy with no word to its caller,
+    // and keep accepting commands.
+    let wrong_queue = CompletionEntry { dw0: 0, dw1: 0, sq_head: 2, sq_id: 7, command_id: 1, status_and_phase: 0 }.to_bytes();
+    let impossible_head = completion(1, 100);
+    for bad in [wrong_queue, impossible_head] {
+        let script = FakeScript { io_completions: VecDeque::from([completion(0, 1), bad, completion(2, 3)]), ..FakeScript::default() };
+        let (_device, controller) = bring_up(script);
+        let mut queue = controller.create_io_queue_pair(8).expect("queue pair");
+        for tag in [10, 11, 12] {
+            queue.submit_raw(flush(), tag).expect("submit");
+        }
+        queue.ring_doorbell().expect("ring");
+        let mut delivered = Vec::new();
+        let reaped = queue.reap(8, |completion| delivered.push(completion.tag));
+        let Err(NvmeError::CommandOutcomeUnknown { queue: QueueId(1), command_id, opcode, tag: 11, reason }) = reaped else {
+            panic!("{reaped:?}");
+        };
+        assert_eq!((command_id.0, opcode), (1, flush().opcode()));
+        assert!(matches!(*reason, NvmeError::WrongSubmissionQueue { .. } | NvmeError::InvalidSubmissionQueueHead { .. }), "{reason}");
+        assert_eq!(delivered, [10], "the completion before the bad one was delivered");
+        assert!(queue.failed());
+        assert_eq!(queue.reap(8, |completion| delivered.push(completion.tag)).expect("later completions"), 1);
+        assert_eq!(delivered, [10, 12], "a well-formed completion after it still completes its command");
+        assert_eq!(queue.in_flight(), 1, "the command whose outcome is unknown keeps its slot");
+        let refused = queue.submit_raw(flush(), 13);
+        assert!(matches!(refused, Err(NvmeError::QueueFailed { queue: QueueId(1), unknown_outcomes: 1 })), "{refused:?}");
+        assert_eq!(queue.in_flight(), 1, "nothing new was queued");
+        let started = std::time::Instant::now();
+        let idle = queue.wait_idle(started + Duration::from_secs(5), |_| {});
+        assert!(matches!(idle, Err(NvmeError::QueueFailed { .. })), "{idle:?}");
+        assert!(started.elapsed() < Duration::from_secs(1), "the wait gave up at once, not at its deadline");
+        // Deleting the pair makes the controller abort or finish the command: the rings go.
+        queue.delete().expect("delete");
+        assert_eq!(controller.leaked_queue_pairs(), 0);
+    }
 }

@@ -96,6 +96,13 @@ impl IoQueuePair {
         self.queue.free_slots()
     }
 
+    /// Whether a completion broke the queue protocol (a wrong SQ id or an impossible SQ head):
+    /// the pair then takes no new command ([`NvmeError::QueueFailed`]); delete it and create
+    /// another, or reset the controller.
+    pub fn failed(&self) -> bool {
+        self.queue.failed()
+    }
+
     /// Commands submitted since the last [`IoQueuePair::ring_doorbell`]: the controller cannot
     /// see them yet (an I/O over the max transfer size counts each of its commands).
     pub fn unpublished_submissions(&self) -> usize {
@@ -328,6 +335,14 @@ impl IoQueuePair {
     /// the driver created, none while the controller has room for every command in flight; see
     /// `QueuePair::completion_doorbell_needed`). (A stale pair is refused by the queue's own
     /// reap, first thing: no second check here.)
+    ///
+    /// A completion the driver rejects is reported as the error, after those before it were
+    /// delivered. One with a wrong SQ id or an impossible SQ head fails the pair
+    /// ([`IoQueuePair::failed`]): new commands are refused with [`NvmeError::QueueFailed`], and
+    /// if it named a command in flight, [`NvmeError::CommandOutcomeUnknown`] gives that
+    /// command's tag. Its memory must be left alone until the pair is deleted (or the controller
+    /// reset): the controller may still move its data. The pair still delivers the completions
+    /// of its other commands.
     pub fn reap(&mut self, max: usize, on_completion: impl FnMut(Completion)) -> Result<usize, NvmeError> {
         self.queue.reap(max, on_completion)
     }

@@ -28,6 +28,23 @@
 //! current generation. Submission also stops one short of the SQ head the controller reported,
 //! not only at depth − 1 commands in flight, so a controller that completes commands it never
 //! fetched still cannot make us overwrite an entry it has yet to read.
+//!
+//! Rejected completions. Each is consumed and reported by `reap` as an error, after the
+//! completions before it were delivered; what else happens depends on what it breaks:
+//! - its command id names no command in flight (stale, duplicated or corrupted), but its SQ id
+//!   and SQ head are sound: [`NvmeError::UnexpectedCompletion`]; it completes nothing and the
+//!   pair goes on (a command whose real completion this was stays in flight until a deadline
+//!   names it);
+//! - its SQ id is not this queue's, or its SQ head is impossible: the controller's view of the
+//!   queue is not ours, so the pair is failed, and refuses new commands with
+//!   [`NvmeError::QueueFailed`] until it is deleted (or, for the admin queue, the controller is
+//!   reset). If its command id names a command in flight, that command's outcome is unknown:
+//!   [`NvmeError::CommandOutcomeUnknown`] names it (command id, opcode, the caller's tag), and
+//!   its slot stays reserved and counted in flight, so neither its scratch page nor the memory
+//!   it names is reused before a deletion or reset ends it for sure. Completions of other
+//!   commands are still checked and delivered; entries submitted before the failure may still
+//!   be published by `ring_doorbell` (their callers were told they were queued); waits give up
+//!   with `QueueFailed` once only commands of unknown outcome remain.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -77,6 +94,10 @@ struct Slot {
     /// when it was reserved): a timeout names the busy slot with the smallest, the command
     /// outstanding longest. Slots are reused last-freed-first, so the index says nothing.
     issued: u64,
+    /// A completion named this command but broke the queue protocol: its outcome is unknown. The
+    /// slot stays busy (never reused: the controller may still read its scratch page and move
+    /// the command's data) and matches no later completion.
+    outcome_unknown: bool,
 }
 
 /// Polls between deadline checks and before the poller starts yielding the CPU.
@@ -179,6 +200,11 @@ pub struct QueuePair {
     /// Commands reserved so far (the last one's [`Slot::issued`]). 64 bits: at 10^9 commands a
     /// second it would wrap after 584 years, so issue order is a plain comparison.
     issue_sequence: u64,
+    /// Set by the first completion that broke the queue protocol (see [`QueuePair::reject`]):
+    /// no command is submitted any more.
+    failed: bool,
+    /// Busy slots whose command's outcome is unknown ([`Slot::outcome_unknown`]).
+    unknown_outcomes: usize,
 }
 
 impl std::fmt::Debug for QueuePair {
@@ -248,6 +274,8 @@ impl QueuePair {
             generation_mask: ((1u32 << (16 - slot_bits)) - 1) as u16,
             in_flight: 0,
             issue_sequence: 0,
+            failed: false,
+            unknown_outcomes: 0,
         }
     }
 
@@ -283,10 +311,13 @@ impl QueuePair {
         self.doorbell_pending = false;
         for slot in &mut self.slots {
             slot.busy = false;
+            slot.outcome_unknown = false;
             slot.generation = slot.generation.wrapping_add(1);
         }
         self.free = (0..self.slots.len() as u16).rev().collect();
         self.in_flight = 0;
+        self.failed = false;
+        self.unknown_outcomes = 0;
         Ok(())
     }
 
@@ -297,6 +328,12 @@ impl QueuePair {
     /// Entries in each ring.
     pub fn depth(&self) -> u32 {
         self.depth
+    }
+
+    /// Whether a completion broke the queue protocol (see [`NvmeError::QueueFailed`]): the pair
+    /// takes no new command until [`QueuePair::clear`].
+    pub fn failed(&self) -> bool {
+        self.failed
     }
 
     /// Commands submitted and not yet reaped.
@@ -366,6 +403,35 @@ impl QueuePair {
         Ok(command_id)
     }
 
+    /// [`NvmeError::QueueFailed`] once a completion broke the queue protocol.
+    pub(crate) fn check_not_failed(&self) -> Result<(), NvmeError> {
+        if self.failed {
+            return Err(NvmeError::QueueFailed { queue: self.id, unknown_outcomes: self.unknown_outcomes });
+        }
+        Ok(())
+    }
+
+    /// Records a completion that broke the queue protocol (`reason`: a wrong SQ id or an
+    /// impossible SQ head) and returns the error to report. The controller's view of this queue
+    /// is not ours, so the pair is failed: it takes no new command. If the completion's id names
+    /// a command in flight, that command's outcome is unknown (the completion cannot be
+    /// believed, nor can the command be assumed still running): its slot stays reserved, so
+    /// neither its scratch page nor a new command id reuses it, and the error names the command
+    /// and its tag so that its caller learns of it. It stays counted in flight until the pair is
+    /// deleted or the controller reset, which end it for sure.
+    fn reject(&mut self, command_id: CommandId, reason: NvmeError) -> NvmeError {
+        self.failed = true;
+        let index = usize::from(command_id.0 & self.slot_mask);
+        let Some(slot) = self.slots.get_mut(index).filter(|slot| slot.busy && !slot.outcome_unknown && slot.command_id == command_id.0)
+        else {
+            return reason;
+        };
+        slot.outcome_unknown = true;
+        self.unknown_outcomes += 1;
+        tracing::error!(queue = %self.id, %command_id, tag = slot.tag, %reason, "completion breaks the queue protocol: command outcome unknown, queue pair failed");
+        NvmeError::CommandOutcomeUnknown { queue: self.id, command_id, opcode: slot.opcode, tag: slot.tag, reason: Box::new(reason) }
+    }
+
     /// Gives back a reserved slot whose command was never pushed.
     fn unreserve(&mut self, command_id: CommandId) {
         let slot = command_id.0 & self.slot_mask;
@@ -406,6 +472,7 @@ impl QueuePair {
         tag: u64,
         fill: impl FnOnce(&mut SubmissionEntry, ScratchPage<'_>) -> Result<(), NvmeError>,
     ) -> Result<CommandId, NvmeError> {
+        self.check_not_failed()?;
         let command_id = self.reserve(entry.opcode(), tag)?;
         entry.set_command_id(command_id);
         let filled = self.scratch_for(command_id).and_then(|scratch| fill(&mut entry, scratch));
@@ -548,9 +615,11 @@ impl QueuePair {
 
     /// Consumes up to `max` completions, calling `on_completion` for each, and writes the CQ head
     /// doorbell once if the controller may need the entries (always, unless the pair defers it;
-    /// see [`QueuePair::completion_doorbell_needed`]). A completion that matches no command in
-    /// flight is consumed and reported as an error (after the completions before it were
-    /// delivered).
+    /// see [`QueuePair::completion_doorbell_needed`]). A completion that fails a check is
+    /// consumed and reported as an error, after the completions before it were delivered; one
+    /// with a wrong SQ id or an impossible SQ head also fails the pair and, when it names a
+    /// command in flight, makes that command's outcome unknown (see the module documentation,
+    /// "Rejected completions").
     pub fn reap(&mut self, max: usize, mut on_completion: impl FnMut(Completion)) -> Result<usize, NvmeError> {
         if self.is_stale_hint() {
             return Err(NvmeError::QueueStale { queue: self.id });
@@ -577,17 +646,22 @@ impl QueuePair {
             }
             reaped += 1;
             if entry.sq_id != self.id.0 {
-                failure = Some(NvmeError::WrongSubmissionQueue { queue: self.id, reported: entry.sq_id, expected: self.id.0 });
+                let reason = NvmeError::WrongSubmissionQueue { queue: self.id, reported: entry.sq_id, expected: self.id.0 };
+                failure = Some(self.reject(command_id, reason));
                 break;
             }
-            if let Err(error) = self.accept_submission_head(entry.sq_head) {
-                failure = Some(error);
+            if let Err(reason) = self.accept_submission_head(entry.sq_head) {
+                failure = Some(self.reject(command_id, reason));
                 break;
             }
             let slot_index = command_id.0 & self.slot_mask;
             // The slot's own record of the id it issued: a late completion for the slot's
             // previous command (older generation) or for an idle slot matches nothing.
-            let Some(slot) = self.slots.get_mut(usize::from(slot_index)).filter(|slot| slot.busy && slot.command_id == command_id.0) else {
+            let Some(slot) = self
+                .slots
+                .get_mut(usize::from(slot_index))
+                .filter(|slot| slot.busy && !slot.outcome_unknown && slot.command_id == command_id.0)
+            else {
                 failure = Some(NvmeError::UnexpectedCompletion { queue: self.id, command_id });
                 break;
             };
@@ -617,7 +691,9 @@ impl QueuePair {
     }
 
     /// Reaps until `done` says so or the deadline passes; on timeout, inspects CSTS so that a dead
-    /// or failed controller is reported as such rather than as a slow command.
+    /// or failed controller is reported as such rather than as a slow command. On a
+    /// [failed](QueuePair::failed) pair whose commands in flight all have unknown outcomes
+    /// (nothing more can complete), fails at once with [`NvmeError::QueueFailed`].
     pub fn poll_until(
         &mut self,
         deadline: Instant,
@@ -630,6 +706,9 @@ impl QueuePair {
             let reaped = self.reap(usize::MAX, &mut on_completion)?;
             if done(self) {
                 return Ok(());
+            }
+            if self.failed && self.in_flight == self.unknown_outcomes {
+                return Err(NvmeError::QueueFailed { queue: self.id, unknown_outcomes: self.unknown_outcomes });
             }
             if reaped > 0 {
                 idle_polls = 0;
@@ -649,7 +728,8 @@ impl QueuePair {
 
     /// Why nothing completed: device gone, controller fatal, or a genuine timeout naming the
     /// oldest command outstanding (the busy slot issued first; one pass over the slot table,
-    /// only when a deadline passed).
+    /// only when a deadline passed). Commands whose outcome is unknown were reported already
+    /// and are not named.
     pub fn diagnose_timeout(&self, started: Instant) -> NvmeError {
         let status = ControllerStatus(self.registers.read32(registers::CSTS));
         if status.device_gone() {
@@ -661,7 +741,7 @@ impl QueuePair {
         let command_id = self
             .slots
             .iter()
-            .filter(|slot| slot.busy)
+            .filter(|slot| slot.busy && !slot.outcome_unknown)
             .min_by_key(|slot| slot.issued)
             .map_or(CommandId(0), |slot| CommandId(slot.command_id));
         NvmeError::Timeout { queue: self.id, command_id, waited_ms: started.elapsed().as_millis() as u64, outstanding: self.in_flight }
@@ -669,8 +749,10 @@ impl QueuePair {
 
     /// Submits one entry on an idle queue, rings, and waits for it: the admin path and tests.
     /// A queue with a command in flight (one that timed out and never completed, on the admin
-    /// queue) is refused with [`NvmeError::QueueBusy`] before anything is submitted.
+    /// queue) is refused with [`NvmeError::QueueBusy`] before anything is submitted, a failed
+    /// one with [`NvmeError::QueueFailed`].
     pub fn execute(&mut self, entry: SubmissionEntry, timeout: Duration) -> Result<Completion, NvmeError> {
+        self.check_not_failed()?;
         if self.in_flight != 0 {
             return Err(NvmeError::QueueBusy { queue: self.id, outstanding: self.in_flight });
         }

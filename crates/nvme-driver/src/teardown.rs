@@ -39,10 +39,11 @@ pub(crate) struct AdminShared {
 }
 
 /// Whether a failed Create I/O CQ/SQ may nevertheless have created the queue: only an error
-/// status, or a refusal before submission (a busy admin queue), proves the controller did not
-/// execute it; a timeout or a lost controller says nothing.
+/// status, or a refusal before submission (a busy or failed admin queue), proves the controller
+/// did not execute it; a timeout, a lost controller or a completion that broke the protocol
+/// says nothing.
 pub(crate) fn may_have_executed(error: &NvmeError) -> bool {
-    !matches!(error, NvmeError::Command { .. } | NvmeError::QueueBusy { .. })
+    !matches!(error, NvmeError::Command { .. } | NvmeError::QueueBusy { .. } | NvmeError::QueueFailed { .. })
 }
 
 /// Whether a delete failed only because the queue does not exist (Invalid Queue Identifier).
@@ -85,6 +86,8 @@ impl AdminShared {
                 tracing::warn!(command_id = %late.command_id, opcode = late.opcode, status = ?late.status, "late admin completion consumed");
             })?;
         }
+        // A completion that broke the protocol failed the admin queue: only a reset clears it.
+        admin.check_not_failed()?;
         if admin.in_flight() > 0 {
             return Err(NvmeError::QueueBusy { queue: admin.id(), outstanding: admin.in_flight() });
         }
