@@ -615,7 +615,7 @@ impl QueuePair {
 
     /// Consumes up to `max` completions, calling `on_completion` for each, and writes the CQ head
     /// doorbell once if the controller may need the entries (always, unless the pair defers it;
-    /// see [`QueuePair::completion_doorbell_needed`]). A completion that fails a check is
+    /// see `QueuePair::completion_doorbell_needed`). A completion that fails a check is
     /// consumed and reported as an error, after the completions before it were delivered; one
     /// with a wrong SQ id or an impossible SQ head also fails the pair and, when it names a
     /// command in flight, makes that command's outcome unknown (see the module documentation,

@@ -8,9 +8,15 @@
 //! entries and posts their completions at once. What it answers comes from a [`FakeScript`]:
 //! CAP, VS, extra CSTS bits, the Identify Controller / Namespace / Active Namespace List data,
 //! Set Features Number of Queues dw0, admin opcodes to fail or leave unanswered (a test can
-//! answer them later, [`FakeDevice::answer_withheld`]), and raw I/O completion entries. So a test (or a fuzzer, through [`run_fuzz_input`]) can hand the driver
-//! any register file and Identify data a broken or hostile device could produce, deterministically.
+//! answer them later, [`FakeDevice::answer_withheld`]), raw I/O completion entries or none at
+//! all, and whether it starts as an earlier process left it (enabled, or mid-enable). So a test
+//! (or a fuzzer, through [`run_fuzz_input`]) can hand the driver any register file and Identify
+//! data a broken or hostile device could produce, deterministically. [`FakeCounters`] record
+//! what the driver did to it (commands fetched, doorbells, disables, DMA mappings made while it
+//! still ran as it was found).
 //!
+//! Files: `controller.rs`, the register file and the queues; `fuzz.rs`, fuzz inputs decoded into
+//! a script and run.
 //! It trusts the driver no more than a device would: unmapped addresses and out-of-range queue
 //! values are ignored or answered with an error status, never a panic.
 
