@@ -593,7 +593,8 @@ impl Controller {
         wait_ready(self.registers.as_ref(), false, self.capabilities.ready_timeout_ms())
     }
 
-    /// Normal shutdown (§3.6.1): CC.SHN = 01b, wait for CSTS.SHST = complete within CAP.TO.
+    /// Normal shutdown (§3.6.1): CC.SHN = 01b, wait for CSTS.SHST = complete within CAP.TO;
+    /// `ControllerFatal` as soon as CSTS.CFS shows the shutdown failed.
     pub fn shutdown(&self) -> Result<(), NvmeError> {
         let configuration = self.registers.read32(registers::CC);
         self.registers.write32(registers::CC, configuration & !(0x3 << 14) | 1 << 14);
@@ -602,6 +603,11 @@ impl Controller {
             let status = read_status(self.registers.as_ref())?;
             if status.shutdown() == registers::ShutdownStatus::Complete {
                 return Ok(());
+            }
+            // A controller that failed its shutdown (its write-back, say) sets CFS and never
+            // reports it complete: say so now rather than after CAP.TO.
+            if status.fatal() {
+                return Err(NvmeError::ControllerFatal { context: "during shutdown: its data may not be durable" });
             }
             if Instant::now() >= deadline {
                 return Err(NvmeError::ReadyTimeout {
