@@ -17,6 +17,7 @@ import pytest
 import tutti
 import vllm_harness as harness
 from tutti.vllm import TuttiTier
+from tutti.vllm.connector import KvMemoryUnsafe
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
 from vllm.v1.kv_offload.config import (
     OffloadingCacheConfig,
@@ -25,7 +26,7 @@ from vllm.v1.kv_offload.config import (
     OffloadingModelConfig,
     OffloadingParallelConfig,
 )
-from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
+from vllm.v1.kv_offload.tiering.base import SecondaryTierManager, TransferJob
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 WORLD = 2
@@ -177,5 +178,105 @@ def test_chunks_that_fail_to_issue_are_finished_not_leaked(tmp_path: Path):
         wrapped.failing = False
         assert tier._store_chunks(keys(2, 5), [6, 7]) == keys(2, 5)
         assert tier._load_chunks(stored, [2, 3]) == stored
+    finally:
+        manager.shutdown()
+
+
+class StalledLoad:
+    """A tutti.Request whose layer, once issued, is never seen to complete: every wait times out
+    and the layer stays in flight (the real one is left for the store's close to settle)."""
+
+    def __init__(self, request) -> None:
+        self._request = request
+
+    def __getattr__(self, name: str):
+        return getattr(self._request, name)
+
+    def wait(self, timeout_s=None):
+        raise tutti.TimeoutError("injected: the layer did not complete")
+
+
+class StoreWithStalledLoads:
+    """The tier's tutti.Store whose loads stall; records the tier's results when the tier closes
+    it, and can pretend its close kept the memory registered (queue pairs not deleted)."""
+
+    def __init__(self, tier, close_keeps_memory: bool = False) -> None:
+        self._tier = tier
+        self._store = tier._store
+        self.close_keeps_memory = close_keeps_memory
+        self.closed_by_tier = False
+        self.reported_at_close = None
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
+
+    def prepare_retrieve(self, tokens, block_ids):
+        return StalledLoad(self._store.prepare_retrieve(tokens, block_ids))
+
+    def close(self, timeout_s=None):
+        with self._tier._results_lock:
+            self.reported_at_close = [result.job_id for result in self._tier._results]
+        self.closed_by_tier = True
+        self._store.close(timeout_s=timeout_s)
+
+    def leaked_registrations(self) -> int:
+        return 1 if self.close_keeps_memory else self._store.leaked_registrations()
+
+
+def submit_stalled_load(tmp_path: Path, close_keeps_memory: bool):
+    """A tier with two chunks stored, then a promotion of both whose layers never complete."""
+    manager = offloading_spec(tmp_path / "pool.img", True, timeout_s=0.2).get_manager()
+    tier = manager.secondary_tiers[0]
+    stored = keys(2, 6)
+    assert tier._store_chunks(stored, [0, 1]) == stored
+    wrapped = StoreWithStalledLoads(tier, close_keeps_memory)
+    tier._store = wrapped
+    job = TransferJob(job_id=7, keys=stored, chunk_ids=np.array([2, 3]), is_promotion=True, req_context=ReqContext(req_id="r"))
+    tier.submit_load(job)
+    return manager, tier, wrapped
+
+
+def test_a_load_whose_layer_never_completes_keeps_its_rows_until_the_pool_is_closed(tmp_path: Path):
+    """Goal: a promotion whose layer does not complete is not reported while a controller may
+    still write its chunk rows (vLLM frees a failed promotion's rows for reuse): the tier closes
+    its pool (queue pairs deleted) first, then reports the job failed, and moves nothing more."""
+    manager, tier, wrapped = submit_stalled_load(tmp_path, close_keeps_memory=False)
+    try:
+        results = []
+        deadline = time.monotonic() + DEADLINE_S
+        while not results:
+            assert time.monotonic() < deadline, "the stalled job was never reported"
+            results = list(tier.get_finished_jobs())
+            time.sleep(0.01)
+        assert wrapped.closed_by_tier, "the job was reported with the pool open: its rows may still be written"
+        assert wrapped.reported_at_close == [], "the job was reported before the pool was closed"
+        assert [(result.job_id, result.success, list(result.successful_keys or ())) for result in results] == [(7, False, [])]
+        assert tier._store.closed
+        context = ReqContext(req_id="later")
+        assert tier.lookup(keys(2, 6)[0], context) is LookupResult.MISS
+        tier.submit_load(TransferJob(job_id=8, keys=keys(1, 6), chunk_ids=np.array([4]), is_promotion=True, req_context=context))
+        tier.drain_jobs()
+        assert [(result.job_id, result.success) for result in tier.get_finished_jobs()] == [(8, False)]
+    finally:
+        manager.shutdown()
+
+
+def test_a_load_whose_rows_cannot_be_confirmed_safe_is_never_reported(tmp_path: Path):
+    """Goal: when closing the pool does not confirm that its queue pairs were deleted, the
+    stalled promotion is never reported (vLLM keeps its rows) and the tier's next call from vLLM
+    raises KvMemoryUnsafe, as a worker does, rather than let vLLM reuse the rows."""
+    manager, tier, wrapped = submit_stalled_load(tmp_path, close_keeps_memory=True)
+    try:
+        deadline = time.monotonic() + DEADLINE_S
+        with pytest.raises(KvMemoryUnsafe, match="chunk rows may still be written"):
+            while True:
+                assert not list(tier.get_finished_jobs()), "a job whose rows may still be written was reported"
+                assert time.monotonic() < deadline, "the tier never gave up on the stalled job"
+                time.sleep(0.01)
+        assert wrapped.closed_by_tier and tier.has_pending_work()
+        with pytest.raises(KvMemoryUnsafe):
+            tier.get_finished_jobs()
+        with pytest.raises(KvMemoryUnsafe):
+            tier.drain_jobs()
     finally:
         manager.shutdown()

@@ -78,9 +78,10 @@ _DEFAULT_KV_LAYOUT = "LBHNC"
 
 
 class KvMemoryUnsafe(RuntimeError):
-    """A layer of a load could not be settled and tuttid did not confirm that the worker's
-    session ended (its queue pairs deleted): vLLM's KV blocks may still be written. The worker
-    stops rather than hand the blocks back to vLLM."""
+    """A layer of a load could not be settled and nothing confirmed that its memory is no longer
+    written: tuttid did not confirm that the worker's session ended (its queue pairs deleted),
+    or the tier's pool could not delete its queue pairs. vLLM's KV blocks (or chunk rows) may
+    still be written: the worker (or tier) stops rather than hand them back to vLLM."""
 
 
 class _LookupBackingOff(tutti.Disconnected):

@@ -10,6 +10,13 @@ its K object, the second half its V), so moving a chunk is one command pair with
 
 vLLM calls every method on the scheduler's thread and wants them non-blocking: jobs go to one
 worker thread through a bounded queue; their results come back through `get_finished_jobs`.
+
+A chunk row a device may still write is never handed back to vLLM: vLLM frees a failed
+promotion's rows for reuse as soon as the job is reported, so a load whose layer does not
+complete closes the pool (its queue pairs deleted, the controllers confirming it) before its job
+is reported; the tier then moves nothing more (lookups miss, jobs fail). If the close cannot
+confirm that, the job is never reported (its rows stay vLLM's promotion in flight) and the
+tier's next call from vLLM raises `KvMemoryUnsafe`.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from tutti._engine import (
     parse_config,
     positive,
 )
+from tutti.vllm.connector import KvMemoryUnsafe
 from vllm.v1.kv_offload.base import LookupResult, Medium, OffloadKey, ReqContext, RequestOffloadingContext
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
@@ -115,6 +123,11 @@ class TuttiTier(SecondaryTierManager):
         self._idle = threading.Condition(self._results_lock)
         self._in_progress = 0
         self.dropped_store_jobs = 0
+        # Why the pool was closed for good (a load's layer did not complete): jobs fail at once.
+        self._dead: Optional[str] = None
+        # Set (by the tier's thread) when that close did not confirm that the controllers stopped
+        # writing chunk rows: vLLM's next call raises KvMemoryUnsafe.
+        self._unsafe: Optional[str] = None
         self._thread = threading.Thread(target=self._run, name="tutti-vllm-tier", daemon=True)
         self._thread.start()
 
@@ -122,6 +135,9 @@ class TuttiTier(SecondaryTierManager):
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         """HIT when the chunk is committed in the pool (a chunk being stored is not yet)."""
+        self._raise_if_unsafe()
+        if self._dead is not None:
+            return LookupResult.MISS
         try:
             found = self._store.lookup(hash_tokens(key, BYTE_GEOMETRY_BLOCK_TOKENS))
         except tutti.Error as error:
@@ -136,6 +152,7 @@ class TuttiTier(SecondaryTierManager):
         self._submit(job_metadata, store=False)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
+        self._raise_if_unsafe()
         with self._results_lock:
             results, self._results = self._results, []
         return results
@@ -151,6 +168,7 @@ class TuttiTier(SecondaryTierManager):
         """Waits until every submitted job finished (bounded: timeout_s per chunk outstanding)."""
         with self._idle:
             while self._in_progress > 0:
+                self._raise_if_unsafe()
                 if not self._idle.wait(timeout=self._timeout_s):
                     logger.error("tutti tier: %d jobs still running after %.1f s", self._in_progress, self._timeout_s)
 
@@ -159,6 +177,10 @@ class TuttiTier(SecondaryTierManager):
         self._jobs.put(None)
         self._thread.join(timeout=self._timeout_s * 4)
         self._store.close()
+
+    def _raise_if_unsafe(self) -> None:
+        if self._unsafe is not None:
+            raise KvMemoryUnsafe(self._unsafe)
 
     # -- the tier's thread -----------------------------------------------------------------------
 
@@ -187,7 +209,17 @@ class TuttiTier(SecondaryTierManager):
                 return
             job_id, store, keys, chunks = item
             try:
-                succeeded = self._store_chunks(keys, chunks) if store else self._load_chunks(keys, chunks)
+                if self._dead is not None:
+                    succeeded = []  # the pool is closed: the job touches no row
+                else:
+                    succeeded = self._store_chunks(keys, chunks) if store else self._load_chunks(keys, chunks)
+            except _RowsUnsafe as error:
+                # Never reported: vLLM keeps the job's rows (a promotion in flight) for good.
+                logger.error("tutti tier: job %d is not reported: %s", job_id, error)
+                with self._idle:
+                    self._unsafe = str(error)
+                    self._idle.notify_all()
+                continue
             except Exception as error:  # the thread must report every job, whatever failed
                 logger.error("tutti tier: job %d failed: %s", job_id, error)
                 succeeded = []
@@ -237,9 +269,13 @@ class TuttiTier(SecondaryTierManager):
         return done
 
     def _load_chunks(self, keys: list[OffloadKey], chunks: list[int]) -> list[OffloadKey]:
-        """Reads each chunk into its primary-tier row; returns the keys read."""
+        """Reads each chunk into its primary-tier row; returns the keys read. A chunk whose layer
+        does not complete closes the pool before the job is reported (see the module
+        documentation); raises _RowsUnsafe when that close does not confirm it."""
         done: list[OffloadKey] = []
         for start in range(0, len(keys), self._requests_max):
+            if self._dead is not None:
+                break
             wave = []
             for key, chunk in zip(keys[start : start + self._requests_max], chunks[start : start + self._requests_max]):
                 try:
@@ -254,6 +290,7 @@ class TuttiTier(SecondaryTierManager):
                     # Prepared: it holds a request place and pins until finished.
                     logger.warning("tutti tier: chunk %d not loaded: %s", chunk, error)
                     _abandon(request, self._timeout_s)
+            stuck = False
             for key, request in wave:
                 try:
                     request.wait(self._timeout_s)
@@ -261,22 +298,45 @@ class TuttiTier(SecondaryTierManager):
                     done.append(key)
                 except tutti.Error as error:
                     logger.warning("tutti tier: a chunk was not loaded: %s", error)
-                    _abandon(request, self._timeout_s)
+                    stuck |= not _abandon(request, self._timeout_s)
+            if stuck:
+                self._close_pool("a layer of a chunk load did not complete")
         return done
 
+    def _close_pool(self, reason: str) -> None:
+        """Closes the pool for good: its queue pairs are deleted, after which no controller
+        writes a chunk row. Raises _RowsUnsafe when the close could not confirm that (memory
+        registrations kept)."""
+        self._dead = reason
+        logger.error("tutti tier: %s; the pool is closed, the tier moves nothing more", reason)
+        self._store.close(timeout_s=self._timeout_s)
+        kept = self._store.leaked_registrations()
+        if kept:
+            raise _RowsUnsafe(
+                f"tutti tier: {reason}, and closing the pool did not confirm that its queue pairs were deleted "
+                f"({kept} memory registrations kept): vLLM's chunk rows may still be written, so the job is not "
+                "reported and the tier stops"
+            )
 
-def _abandon(request: Any, timeout_s: float) -> None:
-    """Finishes a failed request once its layer is no longer in flight. A layer that does not
-    complete keeps the request (its pins, its chunk row) for good, logged: the devices may still
-    move that row's bytes, so the chunk is reported failed and nothing of it is given back."""
+
+class _RowsUnsafe(Exception):
+    """The tier's thread: a job's chunk rows may still be written; the job is never reported."""
+
+
+def _abandon(request: Any, timeout_s: float) -> bool:
+    """Finishes a failed request once its layer is no longer in flight. Returns False when its
+    layer does not complete: the request is kept (its pins, its request place), and the devices
+    may still move its chunk row's bytes (a store's only read it; a load's is the caller's to
+    protect)."""
     try:
         if request.layer_in_flight is not None:
             request.wait(timeout_s)
     except tutti.Error as error:
         if request.layer_in_flight is not None:
             logger.error("tutti tier: a layer of a failed request did not complete; the request is kept: %s", error)
-            return
+            return False
     try:
         request.finish()
     except tutti.Error as error:
         logger.error("tutti tier: a failed request could not be finished: %s", error)
+    return True
