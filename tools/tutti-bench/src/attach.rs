@@ -319,11 +319,15 @@ fn run_parent(socket: &Path, plan: &KvPlan, clients: u32, output: OutputFormat) 
             BODY_BYTES_MAX
         ));
     }
-    // Each client stores its own prompt (tuttid formats one block per slot).
-    let needed = plan.blocks().saturating_mul(u64::from(clients));
+    // Each client stores its own prompt, in slots of the pool's blocks per slot (`tuttid --format
+    // --blocks-per-slot K`): the cached prefix and the rest each round up to whole slots, as
+    // in-process (KvPlan::slots_needed).
+    let blocks_per_slot = u64::from(status.shape.blocks_per_slot.max(1));
+    let slots_per_client = plan.slots_needed(blocks_per_slot);
+    let needed = slots_per_client.saturating_mul(u64::from(clients));
     if status.pool.slots < needed {
         return usage(format!(
-            "{clients} client(s) x {} blocks need {needed} slots; the daemon's pool has {}: fewer --clients or --prompt-tokens, or a larger pool",
+            "{clients} client(s) x {} blocks need {needed} slots of {blocks_per_slot} block(s) ({slots_per_client} per client: the cached prefix and the rest in slots of their own); the daemon's pool has {}: fewer --clients or --prompt-tokens, or a larger pool",
             plan.blocks(),
             status.pool.slots
         ));

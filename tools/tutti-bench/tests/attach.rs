@@ -29,13 +29,19 @@ struct Daemon {
 
 impl Daemon {
     fn start(directory: &Path) -> Daemon {
+        Self::start_with_blocks_per_slot(directory, 1)
+    }
+
+    /// A daemon whose pool holds `blocks_per_slot` blocks per slot (`tuttid --format
+    /// --blocks-per-slot K`).
+    fn start_with_blocks_per_slot(directory: &Path, blocks_per_slot: u32) -> Daemon {
         let geometry = ModelGeometry { layers: 2, kv_heads: 2, head_dim: 64, dtype_bytes: 2, block_tokens: 16 };
         let options = PoolOptions {
             specs: vec![DeviceSpec::parse("emu:mem:64m", &tutti_devices::DeviceKind::ALL).unwrap()],
             namespace: 1,
             emu_lba_bytes: 4096,
             emu_create_bytes: None,
-            format: Some(FormatParams { geometry, blocks_per_slot: 1, slot_count_max: None, pool_uuid: None, payload_crc: false }),
+            format: Some(FormatParams { geometry, blocks_per_slot, slot_count_max: None, pool_uuid: None, payload_crc: false }),
             lock_dir: directory.join("locks"),
             client_queue_pairs: 8,
             emu_doorbell_relay: false,
@@ -156,4 +162,27 @@ fn attach_refuses_what_it_cannot_run_with_one_line() {
     refused(bench(&daemon.socket, &["--prompt-tokens", "1048576"]), "does not fit one request to tuttid");
     refused(bench(&daemon.socket, &["--prompt-tokens", "32768", "--clients", "4"]), "the daemon's pool has");
     assert_eq!(daemon.client().status().unwrap().pool.cached_blocks, 0);
+}
+
+#[test]
+fn a_pool_of_several_blocks_per_slot_is_sized_in_slots_of_that_many_blocks() {
+    // Goal: with `tuttid --format --blocks-per-slot 4` a prompt fills a quarter as many slots
+    // as it has blocks (the cached prefix and the rest each rounded up to whole slots): a
+    // prompt of more blocks than the pool has slots runs when its slots fit, and one whose
+    // slots do not fit is refused naming the slots of 4 blocks.
+    let directory = tempfile::tempdir().unwrap();
+    let daemon = Daemon::start_with_blocks_per_slot(directory.path(), 4);
+    let slots = daemon.client().status().unwrap().pool.slots;
+    // More blocks than slots, in fewer slots than the pool has: 16 tokens a block.
+    let blocks = slots + 8;
+    let tokens = (blocks * 16).to_string();
+    let output = bench(&daemon.socket, &["--prompt-tokens", &tokens, "--hit-rate", "0.5", "--output-format", "json"]);
+    let out = json_of(&output);
+    assert_eq!(out["global options"]["blocks_per_client"].as_u64(), Some(blocks));
+    // More slots than the pool has: refused before any client starts.
+    let too_many = ((slots * 4 + 64) * 16).to_string();
+    let refused = bench(&daemon.socket, &["--prompt-tokens", &too_many, "--seed", "7"]);
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("slots of 4 block(s)") && stderr.contains("the daemon's pool has"), "{stderr}");
 }
