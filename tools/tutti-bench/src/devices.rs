@@ -241,7 +241,10 @@ pub fn prepare_file(path: &Path, options: OpenOptions2, created: &mut CreatedFil
     let Some(bytes) = options.create_bytes else {
         return Err(DeviceError::Setup(format!("{} does not exist; give --size to create it", path.display())));
     };
-    let bytes = bytes.div_ceil(4096) * 4096;
+    let bytes = bytes
+        .div_ceil(4096)
+        .checked_mul(4096)
+        .ok_or_else(|| DeviceError::Setup(format!("{}: {bytes} bytes is larger than any file can be", path.display())))?;
     let parent = path.parent().filter(|parent| !parent.as_os_str().is_empty()).unwrap_or(Path::new("."));
     if let Ok(free) = crate::uring::statvfs_free_bytes(parent) {
         if bytes > free {
@@ -265,7 +268,7 @@ pub fn prepare_file(path: &Path, options: OpenOptions2, created: &mut CreatedFil
 }
 
 /// Writes `bytes` of non-zero data so that later reads hit allocated blocks, not holes.
-fn lay_out(file: &std::fs::File, bytes: u64) -> std::io::Result<()> {
+pub fn lay_out(file: &std::fs::File, bytes: u64) -> std::io::Result<()> {
     use std::os::unix::fs::FileExt;
     let chunk: Vec<u8> = (0..1usize << 20).map(|index| (index as u8) ^ 0x5a).collect();
     let mut offset = 0u64;

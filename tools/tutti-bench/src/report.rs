@@ -195,6 +195,18 @@ pub struct JobStats {
     pub write: DirectionStats,
     pub elapsed: Duration,
     pub thread_cpu: CpuTime,
+    /// When the job's I/O started (after every job met at the barrier, its queues open) and
+    /// ended (its last completion, before its queues drain), with the process's CPU time at
+    /// each: the phase's aggregate figures span the earliest start to the latest end.
+    pub window: JobWindow,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct JobWindow {
+    pub started: std::time::Instant,
+    pub process_cpu_at_start: CpuTime,
+    pub ended: std::time::Instant,
+    pub process_cpu_at_end: CpuTime,
 }
 
 pub struct PhaseResult {

@@ -46,17 +46,42 @@ pub fn run(cli: &Cli, selected: Selected, matches: &ArgMatches) -> anyhow::Resul
                     kv_options.join(", ")
                 ));
             }
-            with_devices(cli, cli.size.map(|size| size + cli.offset), |devices, created| run_raw(cli, devices, created))
+            // Checked before anything is created: the end of the region must be a byte offset.
+            let end_bytes = match cli.size {
+                Some(size) => Some(region_end(cli.offset, size)?),
+                None => None,
+            };
+            let lay_out = !raw_writes(cli);
+            with_devices(cli, end_bytes, lay_out, |devices, created| run_raw(cli, devices, created))
         }
     }
 }
 
+/// Whether a raw run writes (then its files are opened read-write, and not laid out first).
+fn raw_writes(cli: &Cli) -> bool {
+    cli.verify || matches!(cli.rw, Pattern::Write | Pattern::Randwrite | Pattern::Randrw)
+}
+
+/// `offset + size`, the end of the region a raw run covers; past 2^64 bytes no device holds it.
+fn region_end(offset: u64, size: u64) -> anyhow::Result<u64> {
+    offset.checked_add(size).ok_or_else(|| {
+        Unusable(format!(
+            "--size={} from --offset={offset} is larger than the device (together past 2^64 bytes); accepted: --size up to the device's capacity less --offset",
+            format_size(size)
+        ))
+        .into()
+    })
+}
+
 /// Runs `body` on the devices the command line names or, when it names none, on a temporary
-/// pool file on the software controller (`bytes`, or the default size). Files the user named
-/// stay after a successful run, like fio's; the temporary one is removed unless `--keep`.
+/// pool file on the software controller (`bytes`, or the default size; with `lay_out` written
+/// with data first, so that a run that only reads hits real blocks, as `prepare_file` does for
+/// the files it creates). Files the user named stay after a successful run, like fio's; the
+/// temporary one is removed unless `--keep`.
 pub fn with_devices(
     cli: &Cli,
     bytes: Option<u64>,
+    lay_out: bool,
     body: impl FnOnce(&[DeviceSpec], &mut CreatedFiles) -> anyhow::Result<()>,
 ) -> anyhow::Result<()> {
     if let Some(spec) = cli.emu_timing.and(cli.devices.iter().find(|spec| !spec.is_emulated())) {
@@ -66,7 +91,7 @@ pub fn with_devices(
     }
     let mut created = CreatedFiles::default();
     let devices = if cli.devices.is_empty() {
-        let path = temporary_pool(cli.directory.as_deref(), bytes)?.path;
+        let path = temporary_pool(cli.directory.as_deref(), bytes, lay_out)?.path;
         created.push(path.clone());
         vec![DeviceSpec::EmuFile(path)]
     } else {
@@ -123,7 +148,17 @@ fn plan_phases(cli: &Cli, region_start: u64, region_bytes: u64, seed: u64) -> an
     if cli.number_ios.is_some() {
         return usage("--verify makes one full pass (write, then read back); drop --number_ios");
     }
-    // Each job verifies its own slice, so that every block is written once and read back once.
+    // Each job verifies its own slice, so that every block is written once and read back once:
+    // a job without a block of its own would fail at run time, so refuse that here.
+    let blocks = region_bytes / cli.bs;
+    if blocks < u64::from(cli.numjobs) {
+        return usage(format!(
+            "--verify gives each job a slice of its own: --numjobs={} needs at least {} blocks of --bs={}, the region holds {blocks}; accepted: --numjobs up to {blocks}, or a larger --size",
+            cli.numjobs,
+            cli.numjobs,
+            format_size(cli.bs)
+        ));
+    }
     let write = PhasePlan {
         label: format!("{} (verify: write pattern)", if cli.rw.is_random() { "randwrite" } else { "write" }),
         pattern: if cli.rw.is_random() { Pattern::Randwrite } else { Pattern::Write },
@@ -142,6 +177,18 @@ fn plan_phases(cli: &Cli, region_start: u64, region_bytes: u64, seed: u64) -> an
     };
     let headline = if matches!(cli.rw, Pattern::Write | Pattern::Randwrite) { 0 } else { 1 };
     Ok((vec![write, read], headline))
+}
+
+/// Bytes each of `devices` striped devices needs so that the stripe holds `end_bytes`: stripes
+/// go round-robin in units of `bs`, and a device's usable capacity is a whole number of them,
+/// so each share is rounded up to whole `bs` (a share of 1.5 × bs held one bs, and two new
+/// files of `--size 1m --bs 1m` held nothing).
+fn stripe_share_bytes(end_bytes: u64, bs: u64, devices: u64) -> anyhow::Result<u64> {
+    let blocks = end_bytes.div_ceil(bs).div_ceil(devices.max(1));
+    blocks.checked_mul(bs).ok_or_else(|| {
+        Unusable(format!("--size and --offset end at {end_bytes} bytes, larger than the device; accepted: up to the device's capacity"))
+            .into()
+    })
 }
 
 fn run_raw(cli: &Cli, specs: &[DeviceSpec], created: &mut CreatedFiles) -> anyhow::Result<()> {
@@ -167,8 +214,9 @@ fn run_raw(cli: &Cli, specs: &[DeviceSpec], created: &mut CreatedFiles) -> anyho
     if cli.size.is_some_and(|size| size < cli.bs) {
         return usage(format!("--size={} is smaller than --bs={}", cli.size.unwrap_or(0), cli.bs));
     }
-    let writes = cli.verify || matches!(cli.rw, Pattern::Write | Pattern::Randwrite | Pattern::Randrw);
-    let per_device_bytes = cli.size.map(|size| (size + cli.offset).div_ceil(specs.len() as u64));
+    let writes = raw_writes(cli);
+    let end_bytes = cli.size.map(|size| region_end(cli.offset, size)).transpose()?;
+    let per_device_bytes = end_bytes.map(|end| stripe_share_bytes(end, cli.bs, specs.len() as u64)).transpose()?;
     let options = OpenOptions2 {
         writes,
         create_bytes: per_device_bytes,
@@ -193,12 +241,12 @@ fn run_raw(cli: &Cli, specs: &[DeviceSpec], created: &mut CreatedFiles) -> anyho
         devices.push(device);
     }
     let stripe_capacity = devices.iter().map(|device| device.capacity_bytes()).min().unwrap_or(0) / cli.bs * cli.bs;
-    let capacity = stripe_capacity * devices.len() as u64;
+    let capacity = stripe_capacity.saturating_mul(devices.len() as u64);
     if cli.offset >= capacity {
         return usage(format!("--offset={} is at or past the end of the device ({} bytes)", cli.offset, capacity));
     }
-    let region_bytes = match cli.size {
-        Some(size) if cli.offset + size > capacity => {
+    let region_bytes = match (cli.size, end_bytes) {
+        (Some(size), Some(end)) if end > capacity => {
             return usage(format!(
                 "--size={} from --offset={} is larger than the device ({}, {} bytes); accepted: up to {} bytes",
                 format_size(size),
@@ -208,8 +256,8 @@ fn run_raw(cli: &Cli, specs: &[DeviceSpec], created: &mut CreatedFiles) -> anyho
                 capacity - cli.offset
             ));
         }
-        Some(size) => size / cli.bs * cli.bs,
-        None => (capacity - cli.offset) / cli.bs * cli.bs,
+        (Some(size), _) => size / cli.bs * cli.bs,
+        (None, _) => (capacity - cli.offset) / cli.bs * cli.bs,
     };
     let seed = seed_from_clock();
     let (phases, headline) = plan_phases(cli, cli.offset, region_bytes, seed)?;
@@ -248,7 +296,7 @@ fn run_phases(devices: &[Arc<dyn Device>], numjobs: u32, phases: &[PhasePlan]) -
             } else if plan.split_region {
                 plan.region_bytes / plan.bs / u64::from(numjobs) * plan.bs * u64::from(numjobs)
             } else {
-                plan.region_bytes * u64::from(numjobs)
+                plan.region_bytes.saturating_mul(u64::from(numjobs))
             }
         });
         let result = with_progress(&plan.label, total, plan.runtime, &progress, || run_phase(devices, numjobs, plan, &progress))?;
@@ -322,12 +370,12 @@ fn free_bytes(directory: &Path) -> anyhow::Result<u64> {
         .map_err(|error| Unusable(format!("{}: cannot read free space: {error}", directory.display())).into())
 }
 
-fn temporary_pool(directory: Option<&Path>, wanted_bytes: Option<u64>) -> anyhow::Result<TemporaryPool> {
+fn temporary_pool(directory: Option<&Path>, wanted_bytes: Option<u64>, lay_out: bool) -> anyhow::Result<TemporaryPool> {
     let directory = directory.map(Path::to_path_buf).unwrap_or_else(std::env::temp_dir);
     let free = free_bytes(&directory)?;
     let fitting = (free / DEFAULT_POOL_FREE_DIVISOR).min(DEFAULT_POOL_BYTES_MAX) / (1 << 20) * (1 << 20);
     let bytes = match wanted_bytes {
-        Some(wanted) if wanted.div_ceil(4096) * 4096 > free => {
+        Some(wanted) if wanted.div_ceil(4096).checked_mul(4096).is_none_or(|bytes| bytes > free) => {
             return usage(format!(
                 "--size={} does not fit the {} free in {}; accepted: up to {}",
                 format_size(wanted),
@@ -353,9 +401,15 @@ fn temporary_pool(directory: Option<&Path>, wanted_bytes: Option<u64>) -> anyhow
     })?;
     let (file, path) = file.keep().map_err(|error| anyhow::anyhow!("cannot keep the pool file: {error}"))?;
     crate::uring::remove_on_interrupt(&path);
-    if let Err(error) = file.set_len(bytes) {
+    let sized = if lay_out { devices::lay_out(&file, bytes) } else { file.set_len(bytes) };
+    if let Err(error) = sized {
         let _ = std::fs::remove_file(&path);
-        return usage(format!("cannot size the pool file {} to {}: {error}", path.display(), format_size(bytes)));
+        return usage(format!(
+            "cannot {} the pool file {} to {}: {error}",
+            if lay_out { "lay out" } else { "size" },
+            path.display(),
+            format_size(bytes)
+        ));
     }
     Ok(TemporaryPool { path, bytes, free_bytes: free })
 }
@@ -383,7 +437,7 @@ pub fn narrator(format: OutputFormat) -> impl Fn(String) -> anyhow::Result<()> {
 pub fn default_run(cli: &Cli) -> anyhow::Result<()> {
     let started = Instant::now();
     let say = narrator(cli.output_format);
-    let pool = temporary_pool(cli.directory.as_deref(), None)?;
+    let pool = temporary_pool(cli.directory.as_deref(), None, false)?;
     let mut created = CreatedFiles::default();
     created.push(pool.path.clone());
     if cli.keep {

@@ -13,7 +13,7 @@ use anyhow::{anyhow, Context};
 
 use crate::args::Pattern;
 use crate::devices::{Device, DeviceError, Direction, IoQueue, IO_TIMEOUT};
-use crate::report::{thread_cpu, DirectionStats, JobStats, PhaseResult, ProcessCpu};
+use crate::report::{thread_cpu, DirectionStats, JobStats, JobWindow, PhaseResult, ProcessCpu};
 
 /// What a phase does with data beyond moving it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -192,8 +192,6 @@ impl OffsetGenerator {
 /// Runs one phase on all jobs and collects their statistics.
 pub fn run_phase(devices: &[Arc<dyn Device>], numjobs: u32, plan: &PhasePlan, progress: &Arc<Progress>) -> anyhow::Result<PhaseResult> {
     let barrier = Arc::new(Barrier::new(numjobs as usize));
-    let cpu_before = ProcessCpu::now();
-    let started = Instant::now();
     let results: Vec<anyhow::Result<JobStats>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..numjobs)
             .map(|job| {
@@ -216,12 +214,21 @@ pub fn run_phase(devices: &[Arc<dyn Device>], numjobs: u32, plan: &PhasePlan, pr
             })
             .collect()
     });
-    let elapsed = started.elapsed();
-    let cpu = ProcessCpu::now().since(&cpu_before);
     let mut jobs = Vec::with_capacity(results.len());
     for result in results {
         jobs.push(result?);
     }
+    // The aggregate's time is the span of the jobs' I/O, as each job's own figures are: not the
+    // threads' start, queue creation and buffer set-up before the barrier, nor the drain and
+    // queue deletion after (with one job they made the aggregate slower than the job itself).
+    let first = jobs.iter().map(|job| job.window).min_by_key(|window| window.started);
+    let last = jobs.iter().map(|job| job.window).max_by_key(|window| window.ended);
+    let (elapsed, cpu) = match (first, last) {
+        (Some(first), Some(last)) => {
+            (last.ended.saturating_duration_since(first.started), last.process_cpu_at_end.since(&first.process_cpu_at_start))
+        }
+        _ => (Duration::ZERO, Default::default()),
+    };
     Ok(PhaseResult { label: plan.label.clone(), pattern: plan.pattern, verify: plan.verify, jobs, elapsed, process_cpu: cpu })
 }
 
@@ -294,6 +301,7 @@ fn run_job(
     let mut in_flight = 0usize;
     let mut stop_issuing = false;
     let cpu_before = thread_cpu();
+    let process_cpu_at_start = ProcessCpu::now();
     let started = Instant::now();
     let runtime_deadline = plan.runtime.map(|runtime| started + runtime);
     let mut last_progress = started;
@@ -399,12 +407,15 @@ fn run_job(
         }
         progress.bytes_done.fetch_add(bytes_done, Ordering::Relaxed);
     }
-    let elapsed = started.elapsed();
+    let ended = Instant::now();
+    let process_cpu_at_end = ProcessCpu::now();
+    let elapsed = ended.saturating_duration_since(started);
     let cpu = thread_cpu().since(&cpu_before);
     for queue in queues.iter_mut() {
         queue.drain(Instant::now() + IO_TIMEOUT);
     }
-    Ok(JobStats { name: format!("job{job}"), read, write, elapsed, thread_cpu: cpu })
+    let window = JobWindow { started, process_cpu_at_start, ended, process_cpu_at_end };
+    Ok(JobStats { name: format!("job{job}"), read, write, elapsed, thread_cpu: cpu, window })
 }
 
 #[cfg(test)]

@@ -214,6 +214,70 @@ fn striping_over_two_memory_devices_verifies() {
     assert!(String::from_utf8_lossy(&output.stdout).contains("no mismatch"));
 }
 
+#[test]
+fn striping_over_new_files_holds_a_size_that_is_not_a_whole_bs_per_device() {
+    // Goal: files the run creates for a stripe hold --size even when the per-device share is
+    // not a whole number of --bs (each share rounds up to whole --bs): 3 MiB of 1 MiB blocks
+    // over two new files, verified, and 1 MiB over two, which used to leave no room at all.
+    for size in ["3m", "1m"] {
+        let directory = tempfile::tempdir().unwrap();
+        let a = format!("emu:{}", directory.path().join("a.img").display());
+        let b = format!("emu:{}", directory.path().join("b.img").display());
+        let output = bench(&["--device", &a, "--device", &b, "--size", size, "--bs", "1m", "--rw", "write", "--verify"]);
+        assert_eq!(output.status.code(), Some(0), "--size {size}: {}", stderr(&output));
+        assert!(String::from_utf8_lossy(&output.stdout).contains("no mismatch"), "--size {size}");
+    }
+}
+
+#[test]
+fn a_raw_read_on_a_temporary_pool_reads_laid_out_blocks() {
+    // Goal: with no --device, a run that only reads lays its temporary pool file out with data
+    // first, as it does for a file it creates, so that reads hit allocated blocks, not a
+    // sparse file's holes (which read faster than any device).
+    use std::os::unix::fs::MetadataExt;
+    let directory = tempfile::tempdir().unwrap();
+    let directory_arg = directory.path().display().to_string();
+    let output = bench(&["--rw", "read", "--size", "16m", "--keep", "--directory", &directory_arg]);
+    assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
+    let files: Vec<_> = std::fs::read_dir(directory.path()).unwrap().map(|entry| entry.unwrap().path()).collect();
+    assert_eq!(files.len(), 1, "{files:?}");
+    let allocated_bytes = std::fs::metadata(&files[0]).unwrap().blocks() * 512;
+    assert!(allocated_bytes >= 16 << 20, "{} has {allocated_bytes} bytes allocated of 16 MiB", files[0].display());
+}
+
+#[test]
+fn a_size_and_offset_past_2_pow_64_are_refused() {
+    // Goal: --offset + --size that overflow a u64 are refused with one line (a panic in a
+    // debug build, a wrapped region in a release build before).
+    assert_refused(&["--device", "emu:null:1g", "--offset", "4k", "--size", "18446744073709551615"], &["larger than the device"]);
+    let directory = tempfile::tempdir().unwrap();
+    let directory_arg = directory.path().display().to_string();
+    assert_refused(&["--rw", "read", "--size", "18446744073709551615", "--directory", &directory_arg], &["does not fit"]);
+    let file = format!("emu:{}", directory.path().join("new.img").display());
+    assert_refused(&["--device", &file, "--rw", "write", "--bs", "1m", "--size", "18446744073709551615"], &["larger than"]);
+    assert_eq!(std::fs::read_dir(directory.path()).unwrap().count(), 0, "a refused run left a file behind");
+}
+
+#[test]
+fn verify_with_more_jobs_than_blocks_is_refused_before_running() {
+    // Goal: --verify gives each job a slice of its own; more jobs than blocks is bad usage
+    // (exit 2 at planning), not a job that fails at run time (exit 1).
+    assert_refused(&["--device", "emu:mem:16m", "--verify", "--size", "12k", "--bs", "4k", "--numjobs", "4"], &["--numjobs=4", "accepted"]);
+}
+
+#[test]
+fn one_job_aggregate_figures_are_the_jobs() {
+    // Goal: the aggregate spans the jobs' I/O, as each job's figures do: with one job its IOPS
+    // equal the job's (within 1%), though queue set-up (16 MiB of DMA buffers here) and
+    // teardown take longer than the I/O itself.
+    let output = bench(&["--device", "emu:null:1g", "--rw=read", "--bs=1m", "--iodepth=16", "--number_ios=64", "--output-format=json"]);
+    assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
+    let json: serde_json::Value = serde_json::from_slice(&output.stdout).expect("JSON output parses");
+    let job = json["jobs"][0]["read"]["iops"].as_f64().unwrap();
+    let aggregate = json["phases"][0]["aggregate"]["read"]["iops"].as_f64().unwrap();
+    assert!((aggregate - job).abs() <= job * 0.01, "aggregate {aggregate} IOPS, the one job {job}");
+}
+
 /// The main job as a fresh machine runs it (creates up to 1 GiB; ~15 s in release).
 #[test]
 #[ignore = "writes up to 1 GiB to the temp directory; run with --ignored"]
