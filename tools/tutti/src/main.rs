@@ -3,7 +3,7 @@
 //! One module per subcommand group; each owns its clap arguments and a `run` function taking the
 //! [`System`] paths, so a new group (`tutti pool ...`) is a module plus one enum variant here.
 //!
-//! Exit status (`tutti_cli::exit`): 0 done (for `pool check`: nothing damaged), 1 the operation
+//! Exit status (`tutti_cli::exit`): 0 done (for `pool check` and `pool inspect`: nothing damaged), 1 the operation
 //! failed or damage was found, 2 unusable input (a bad flag, device string, PCI address or model
 //! geometry; a file that holds no pool or is too small), 141 standard output closed.
 use std::path::PathBuf;

@@ -2,7 +2,7 @@
 //! (crates/objstore, format in docs/objstore.md) on one or more NVMe namespaces.
 //!
 //! A device is `vfio:<PCI address>` (a function bound to vfio-pci) or `emu:<file>` (the software
-//! controller over a regular file, created with `--emu-create-bytes`; useful for tests and
+//! controller over a regular file, created by `format --emu-create-bytes`; useful for tests and
 //! benchmarks on machines without a spare SSD). Devices are listed in pool order for `format`;
 //! `inspect` and `check` take them in any order.
 //!
@@ -36,9 +36,6 @@ pub struct DeviceArgs {
     /// LBA size of an `emu:` device's namespace.
     #[arg(long, default_value_t = 4096)]
     emu_lba_bytes: u32,
-    /// Create (or grow) `emu:` files to this size (e.g. 64m, 1g).
-    #[arg(long, value_parser = parse_size)]
-    emu_create_bytes: Option<u64>,
 }
 
 fn parse_pool_device(text: &str) -> Result<DeviceSpec, String> {
@@ -49,7 +46,8 @@ fn parse_pool_device(text: &str) -> Result<DeviceSpec, String> {
 pub enum PoolCommand {
     /// Write a fresh pool (superblock and empty slot headers) on the devices, in pool order.
     Format(FormatArgs),
-    /// Print each device's superblock and the slot counts found by recovery.
+    /// Print each device's superblock and the slot counts found by recovery; exit status 1 if
+    /// a slot header is corrupt or duplicated.
     Inspect(DeviceArgs),
     /// Verify every slot header (and, with --payload, every recorded payload CRC); exit status 1
     /// if anything is damaged.
@@ -60,6 +58,10 @@ pub enum PoolCommand {
 pub struct FormatArgs {
     #[command(flatten)]
     devices: DeviceArgs,
+    /// Create (or grow) `emu:` files to this size (e.g. 64m, 1g). `format` only: `inspect` and
+    /// `check` read a pool and never change the files they read.
+    #[arg(long, value_parser = parse_size)]
+    emu_create_bytes: Option<u64>,
     /// The model's KV geometry: --model, --model-config, or --layers/--kv-heads/--head-dim.
     #[command(flatten)]
     geometry: GeometryArgs,
@@ -85,9 +87,10 @@ pub struct CheckArgs {
 
 /// Opens the pool's devices in one DMA space, as a store over them needs: every `vfio:` device
 /// in one VFIO container (which also lets two functions of one IOMMU group be used), every
-/// `emu:` controller in one DMA pool.
-fn open_targets(args: &DeviceArgs) -> Result<Vec<PoolTarget>> {
-    let opened = open_pool_devices(&args.devices, args.emu_lba_bytes, args.emu_create_bytes).map_err(|error| match error {
+/// `emu:` controller in one DMA pool. `emu_create_bytes` creates or grows `emu:` files
+/// (`format` only).
+fn open_targets(args: &DeviceArgs, emu_create_bytes: Option<u64>) -> Result<Vec<PoolTarget>> {
+    let opened = open_pool_devices(&args.devices, args.emu_lba_bytes, emu_create_bytes).map_err(|error| match error {
         // A controller that does not come up is a device failure (status 1), not bad input.
         error @ DeviceError::BringUp { .. } => anyhow::Error::new(error),
         error => Unusable(error.to_string()).into(),
@@ -142,7 +145,7 @@ pub fn run(command: &PoolCommand) -> Result<()> {
     match command {
         PoolCommand::Format(args) => {
             let model = args.geometry.resolve(None).map_err(|error| Unusable(error.to_string()))?;
-            let targets = open_targets(&args.devices)?;
+            let targets = open_targets(&args.devices, args.emu_create_bytes)?;
             let params = FormatParams {
                 geometry: model.geometry,
                 blocks_per_slot: args.blocks_per_slot,
@@ -157,7 +160,7 @@ pub fn run(command: &PoolCommand) -> Result<()> {
             Ok(())
         }
         PoolCommand::Inspect(args) => {
-            let targets = open_targets(args)?;
+            let targets = open_targets(args, None)?;
             for ((position, target), spec) in targets.iter().enumerate().zip(&args.devices) {
                 match read_superblock(target, position) {
                     Ok(superblock) => outln!("{spec}: {}", describe(&superblock))?,
@@ -175,10 +178,16 @@ pub fn run(command: &PoolCommand) -> Result<()> {
                 report.duplicate_slots,
                 counts.cached_blocks
             )?;
+            // Damage is what check counts without --payload (exit status 1, as documented).
+            let damaged = report.corrupt_headers + report.duplicate_slots;
+            if damaged > 0 {
+                bail!("{damaged} damaged slots (their blocks are not served; the slots are reused); `tutti pool check` says more");
+            }
             Ok(())
         }
         PoolCommand::Check(args) => {
-            let (mut pool, report) = Pool::open(open_targets(&args.devices)?, None).map_err(|error| classify(error, "opening the pool"))?;
+            let (mut pool, report) =
+                Pool::open(open_targets(&args.devices, None)?, None).map_err(|error| classify(error, "opening the pool"))?;
             outln!(
                 "{} slots checked: {} valid, {} empty, {} corrupt headers ({} all zeroes), {} duplicates",
                 report.slots,

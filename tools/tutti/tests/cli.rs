@@ -42,8 +42,9 @@ fn format(path: &Path, extra: &[&str]) -> Output {
 
 #[test]
 fn format_inspect_check_then_damage_is_status_1() {
-    // Goal: the three subcommands run end to end; check is 0 on a clean pool and 1 once the
-    // superblock is damaged, with the reason in words.
+    // Goal: the three subcommands run end to end; check and inspect are 0 on a clean pool and 1
+    // once the slot headers or the superblock are damaged, with the reason in words; neither
+    // takes the option that grows a file.
     let directory = tempfile::tempdir().unwrap();
     let path = directory.path().join("pool.img");
     let output = format(&path, &["--model", "llama3-8b", "--payload-crc"]);
@@ -52,6 +53,11 @@ fn format_inspect_check_then_damage_is_status_1() {
     assert!(stdout(&output).contains("of SGL descriptors"), "the mapping table's memory is reported: {}", stdout(&output));
     let device = device(&path);
     assert_status(&tutti(&["pool", "inspect", "--device", &device]), 0, &[]);
+    // Reading a pool never changes its files: the option that grows them is format's only.
+    for command in ["inspect", "check"] {
+        assert_status(&tutti(&["pool", command, "--device", &device, "--emu-create-bytes", "128m"]), 2, &["--emu-create-bytes"]);
+    }
+    assert_eq!(std::fs::metadata(&path).unwrap().len(), 64 << 20);
     let output = tutti(&["pool", "check", "--device", &device, "--payload"]);
     assert_status(&output, 0, &[]);
     assert!(stdout(&output).contains("31 slots checked: 0 valid, 31 empty, 0 corrupt headers"), "{}", stdout(&output));
@@ -64,12 +70,17 @@ fn format_inspect_check_then_damage_is_status_1() {
     let output = tutti(&["pool", "check", "--device", &device]);
     assert_status(&output, 1, &[]);
     assert!(stdout(&output).contains("31 all zeroes") && stdout(&output).contains("zeroed or deallocated"), "{}", stdout(&output));
+    // inspect reports the same damage with the same status.
+    let output = tutti(&["pool", "inspect", "--device", &device]);
+    assert_status(&output, 1, &["damaged"]);
+    assert!(stdout(&output).contains("31 corrupt headers"), "{}", stdout(&output));
     std::fs::write(&path, &pristine).unwrap();
     assert_status(&tutti(&["pool", "check", "--device", &device]), 0, &[]);
     let mut bytes = pristine;
     bytes[100] ^= 1;
     std::fs::write(&path, &bytes).unwrap();
     assert_status(&tutti(&["pool", "check", "--device", &device]), 1, &["superblock", "CRC32"]);
+    assert_status(&tutti(&["pool", "inspect", "--device", &device]), 1, &["superblock", "CRC32"]);
 }
 
 #[test]
