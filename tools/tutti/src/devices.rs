@@ -2,7 +2,10 @@
 //! kernel's nvme driver and vfio-pci.
 //!
 //! Binding uses `driver_override` (sticky: the function stays with vfio-pci until unbound) and
-//! `drivers_probe`, never `new_id`, which would grab every function with the same ids.
+//! `drivers_probe`, never `new_id`, which would grab every function with the same ids. A bind
+//! that fails once the override is written is rolled back: the override is cleared and the
+//! function handed back to the driver it had (bounded waits); the error says where it stands,
+//! and when that is not where it was, that `tutti unbind` restores it.
 
 use std::time::Duration;
 
@@ -201,15 +204,53 @@ pub fn bind(system: &System, address: PciAddress, force: bool) -> Result<BindOut
         bail!("{address} is in use: {}; unmount first, or pass --force to take it away from the kernel anyway", list.join(", "));
     }
     let device_dir = system.sysfs.device_dir(address);
+    // Nothing has changed until the override is written; from then on a failure rolls back.
     system.write_attribute(&device_dir.join("driver_override"), VFIO_PCI_DRIVER)?;
-    if previous_driver.is_some() {
-        system.write_attribute(&device_dir.join("driver/unbind"), &address.to_string())?;
+    let moved = (|| {
+        if previous_driver.is_some() {
+            system.write_attribute(&device_dir.join("driver/unbind"), &address.to_string())?;
+        }
+        system.write_attribute(&system.sysfs_root().join("bus/pci/drivers_probe"), &address.to_string())?;
+        system
+            .wait_for_driver(address, DRIVER_CHANGE_TIMEOUT, |driver| driver == Some(VFIO_PCI_DRIVER))
+            .with_context(|| format!("vfio-pci did not take {address}"))
+    })();
+    match moved {
+        Ok(_) => Ok(BindOutcome::Bound { previous_driver }),
+        Err(error) => Err(roll_back_bind(system, address, previous_driver.as_deref(), error)),
     }
-    system.write_attribute(&system.sysfs_root().join("bus/pci/drivers_probe"), &address.to_string())?;
-    system
-        .wait_for_driver(address, DRIVER_CHANGE_TIMEOUT, |driver| driver == Some(VFIO_PCI_DRIVER))
-        .with_context(|| format!("vfio-pci did not take {address}"))?;
-    Ok(BindOutcome::Bound { previous_driver })
+}
+
+/// After a failed bind: clears the sticky `driver_override` and gives the function back to
+/// `previous_driver` (each step bounded), then says in the error where the function stands,
+/// and, when it is not back where it was, that `tutti unbind` restores it.
+fn roll_back_bind(system: &System, address: PciAddress, previous_driver: Option<&str>, error: anyhow::Error) -> anyhow::Error {
+    let device_dir = system.sysfs.device_dir(address);
+    let current = || system.sysfs.driver(address).ok().flatten();
+    let override_cleared = system.write_attribute(&device_dir.join("driver_override"), "\n").is_ok();
+    // A driver other than the one it had (vfio-pci, late) lets go of it first.
+    if current().is_some_and(|driver| Some(driver.as_str()) != previous_driver) {
+        let _ = system.write_attribute(&device_dir.join("driver/unbind"), &address.to_string());
+        let _ = system.wait_for_driver(address, DRIVER_CHANGE_TIMEOUT, |driver| driver.is_none());
+    }
+    if previous_driver.is_some() && current().is_none() && override_cleared {
+        let _ = system.write_attribute(&system.sysfs_root().join("bus/pci/drivers_probe"), &address.to_string());
+        let _ = system.wait_for_driver(address, DRIVER_CHANGE_TIMEOUT, |driver| driver == previous_driver);
+    }
+    let driver = current();
+    let state = format!(
+        "{address} is now {}, driver_override {}",
+        driver.as_deref().map_or("bound to no driver".to_string(), |driver| format!("bound to {driver}")),
+        if override_cleared { "cleared" } else { "still vfio-pci" }
+    );
+    if override_cleared && driver.as_deref() == previous_driver {
+        error.context(format!("binding {address} to vfio-pci failed and was rolled back: {state}, as before"))
+    } else {
+        error.context(format!(
+            "binding {address} to vfio-pci failed and could not be rolled back: {state} (it was {}); `tutti unbind {address}` restores it",
+            previous_driver.map_or("bound to no driver".to_string(), |driver| format!("bound to {driver}"))
+        ))
+    }
 }
 
 pub fn run_bind(system: &System, args: &BindArgs) -> Result<()> {

@@ -79,13 +79,20 @@ impl FakeHost {
 
     /// Starts the fake driver core; it stops when the returned guard drops.
     fn kernel(&self) -> FakeKernel {
+        self.kernel_declining(&[])
+    }
+
+    /// A fake driver core whose `declined` drivers refuse every function they are probed for
+    /// (as vfio-pci does when it cannot set a function up): the function stays unbound.
+    fn kernel_declining(&self, declined: &[&'static str]) -> FakeKernel {
         let stop = Arc::new(AtomicBool::new(false));
         let sys = self.sys.clone();
         let flag = Arc::clone(&stop);
+        let declined = declined.to_vec();
         let handle = std::thread::spawn(move || {
             let deadline = Instant::now() + Duration::from_secs(30);
             while !flag.load(Ordering::Relaxed) && Instant::now() < deadline {
-                fake_driver_core_step(&sys);
+                fake_driver_core_step(&sys, &declined);
                 std::thread::sleep(Duration::from_millis(5));
             }
         });
@@ -108,7 +115,7 @@ impl Drop for FakeKernel {
 }
 
 /// One round of what the driver core does with the files tutti writes.
-fn fake_driver_core_step(sys: &Path) {
+fn fake_driver_core_step(sys: &Path, declined: &[&str]) {
     let drivers = sys.join("bus/pci/drivers");
     for driver in std::fs::read_dir(&drivers).unwrap().filter_map(|entry| entry.ok()) {
         let unbind = driver.path().join("unbind");
@@ -129,7 +136,7 @@ fn fake_driver_core_step(sys: &Path) {
             "" | "(null)" => "nvme".to_string(),
             name => name.to_string(),
         };
-        if !dir.join("driver").exists() {
+        if !dir.join("driver").exists() && !declined.contains(&chosen.as_str()) {
             symlink(drivers.join(chosen), dir.join("driver")).unwrap();
         }
         std::fs::write(&probe, "").unwrap();
@@ -245,4 +252,35 @@ fn bind_times_out_when_the_kernel_does_not_react() {
     let error = bind(&host.system(), at("0000:00:04.0"), false).unwrap_err();
     assert!(format!("{error:#}").contains("vfio-pci did not take"), "{error:#}");
     assert!(started.elapsed() < DRIVER_CHANGE_TIMEOUT + Duration::from_secs(5));
+}
+
+#[test]
+fn a_failed_bind_is_rolled_back_to_the_driver_it_had() {
+    // Goal: when vfio-pci does not take the function, bind does not leave it unbound with a
+    // sticky driver_override: the override is cleared, nvme gets it back, and the error says so.
+    let host = FakeHost::new();
+    let dir = host.add("0000:00:04.0", 0x010802, Some("nvme"), 3, 0, 1);
+    let system = host.system();
+    let _kernel = host.kernel_declining(&["vfio-pci"]);
+    let error = format!("{:#}", bind(&system, at("0000:00:04.0"), false).unwrap_err());
+    assert!(error.contains("vfio-pci did not take") && error.contains("rolled back"), "{error}");
+    assert!(error.contains("bound to nvme, driver_override cleared"), "{error}");
+    assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("nvme"));
+    assert_eq!(std::fs::read_to_string(dir.join("driver_override")).unwrap().trim(), "");
+}
+
+#[test]
+fn a_bind_that_cannot_be_rolled_back_says_where_the_function_is_and_how_to_restore_it() {
+    // Goal: when neither vfio-pci nor nvme takes the function, the error names its state (no
+    // driver, override cleared) and `tutti unbind`; the override is not left behind.
+    let host = FakeHost::new();
+    let dir = host.add("0000:00:04.0", 0x010802, Some("nvme"), 3, 0, 1);
+    let system = host.system();
+    let _kernel = host.kernel_declining(&["vfio-pci", "nvme"]);
+    let error = format!("{:#}", bind(&system, at("0000:00:04.0"), false).unwrap_err());
+    assert!(error.contains("could not be rolled back"), "{error}");
+    assert!(error.contains("now bound to no driver, driver_override cleared (it was bound to nvme)"), "{error}");
+    assert!(error.contains("`tutti unbind 0000:00:04.0` restores it"), "{error}");
+    assert_eq!(host.driver_of("0000:00:04.0"), None);
+    assert_eq!(std::fs::read_to_string(dir.join("driver_override")).unwrap().trim(), "");
 }
