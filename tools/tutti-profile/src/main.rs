@@ -393,9 +393,23 @@ fn io_costs_from(path: &Path) -> Result<(Vec<IoCostEntry>, String)> {
     let text = std::fs::read_to_string(path).map_err(|error| unusable(format!("reading {}: {error}", path.display())))?;
     let value: serde_json::Value =
         serde_json::from_str(&text).map_err(|error| unusable(format!("{}: {}", path.display(), describe_json_error(&text, &error))))?;
-    if value.is_array() {
-        let rows = serde_json::from_value(value)
-            .map_err(|error| unusable(format!("{}: io_costs rows: {}", path.display(), describe_json_error(&text, &error))))?;
+    if let serde_json::Value::Array(items) = value {
+        // Valid JSON of the wrong shape: say which row and what a row is (a value's error carries
+        // no position in the text).
+        let rows = items
+            .into_iter()
+            .enumerate()
+            .map(|(index, item)| {
+                serde_json::from_value::<IoCostEntry>(item).map_err(|error| {
+                    unusable(format!(
+                        "{}: row {index} of the array is not an io_costs row ({error}); expected an array of \
+                         {{\"kind\": \"read\"|\"write\", \"iocb_count\": N, \"sm_budget\": N, \"duration_us\": X, \"bytes\": N}}, \
+                         or a table written by tutti-profile io",
+                        path.display()
+                    ))
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
         return Ok((rows, format!("imported from {}", path.display())));
     }
     let profile = load_table(path)?;

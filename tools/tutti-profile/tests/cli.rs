@@ -217,6 +217,10 @@ fn io_refuses_what_it_cannot_measure_and_writes_nothing() {
         assert!(!output.status.success(), "{bad:?} accepted");
         assert!(!stderr(&output).contains("panicked"), "{bad:?}: {}", stderr(&output));
     }
+    // A timeout past a day would overflow the sample's deadline (Instant + Duration): exit 2.
+    let (code, text) = status(&[&["io", "--device", "emu:mem:16M", "--timeout-s", "18446744073709551615"][..], &TINY_GRID[..]].concat());
+    assert_eq!(code, Some(2), "{text}");
+    assert!(text.contains("accepted: whole seconds from 1 to 86400"), "{text}");
     assert!(!out.exists(), "io must not write a table it did not measure");
 }
 
@@ -272,6 +276,17 @@ fn import_builds_a_table_from_a_timeline() {
     let output = run(bin().arg("check").arg(&table));
     assert!(output.status.success(), "{}", stderr(&output));
     assert!(String::from_utf8_lossy(&output.stdout).contains("imported-timeline"));
+
+    // Valid JSON of the wrong shape as --io-costs: the row and the expected shape are named
+    // (it said "not valid JSON at ... line 0 column 0").
+    let rows = dir.join("rows.json");
+    std::fs::write(&rows, r#"[{"kind": "read", "iocb_count": 1, "sm_budget": 1, "duration_us": 5.0, "bytes": 4096}, {"kind": "read"}]"#)
+        .unwrap();
+    let arguments = ["import", "--timeline", timeline.to_str().unwrap(), "--io-costs", rows.to_str().unwrap()];
+    let (code, text) = status(&[&arguments[..], &["--out", dir.join("rows-table.json").to_str().unwrap()]].concat());
+    assert_eq!(code, Some(2), "{text}");
+    assert!(text.contains("row 1 of the array is not an io_costs row") && text.contains("\"iocb_count\": N"), "{text}");
+    assert!(!text.contains("not valid JSON") && !text.contains("line 0"), "{text}");
 
     // A GPU spec file is input too: one claiming 4e9 SMs is refused on load (status 2), not
     // used to sum SMs past a u32.

@@ -71,9 +71,9 @@ pub struct IoArgs {
     /// the write rows and the lay-out pass overwrite the LBAs the grid spans.
     #[arg(long)]
     overwrite: bool,
-    /// Longest one sample may take, seconds.
-    #[arg(long, default_value_t = 60)]
-    timeout_s: u64,
+    /// Longest one sample may take, seconds (1 to 86400).
+    #[arg(long, default_value = "60", value_parser = tutti_cli::timeout::parse_timeout_s)]
+    timeout_s: Duration,
     /// Table whose compute side (model, GPU, buckets, decode steps) the measured rows join.
     /// Without it, the analytic roofline table of --model/--gpu (not measured) is used.
     #[arg(long)]
@@ -191,7 +191,7 @@ pub fn run(args: &IoArgs) -> Result<()> {
         iocb_count_max,
         buffer_bytes_max: args.buffer_bytes,
         data_pointer: args.data_pointer,
-        sample_timeout: Duration::from_secs(args.timeout_s.max(1)),
+        sample_timeout: args.timeout_s,
     };
     let needs = Requirements { span_bytes: shape.span_bytes(), command_bytes: u64::from(ioctx_bytes), queue_pairs };
     let backend = Backend::open(spec.as_ref(), needs)?;
