@@ -100,6 +100,13 @@ fn bring_up(context: &Context, preference: DataPointerPreference) -> Result<Cont
     Ok(Controller::init(Arc::clone(&context.device), config)?)
 }
 
+/// The size of the device's first namespace, from a bring-up of its own; None when the device
+/// does not come up or has none (the checks then say why).
+pub(crate) fn first_namespace_bytes(context: &Context) -> Option<u64> {
+    let controller = bring_up(context, DataPointerPreference::Auto).ok()?;
+    first_namespace(&controller).ok().map(|namespace| namespace.size_bytes())
+}
+
 fn first_namespace(controller: &Controller) -> Result<Namespace, Failure> {
     controller.namespaces().first().copied().ok_or_else(|| Failure("controller reports no active namespace".into()))
 }
@@ -563,8 +570,13 @@ fn data_integrity(context: &Context) -> Outcome {
     let controller = bring_up(context, DataPointerPreference::Auto)?;
     let namespace = first_namespace(&controller)?;
     let chunk = 1usize << 20;
-    let total = context.config.integrity_mib * chunk as u64;
-    ensure!(total <= namespace.size_bytes(), "namespace holds {} bytes, integrity run needs {total}", namespace.size_bytes());
+    let total = context.config.integrity_mib.checked_mul(chunk as u64);
+    ensure!(
+        total.is_some_and(|total| total <= namespace.size_bytes()),
+        "namespace holds {} bytes, integrity run needs {} MiB",
+        namespace.size_bytes(),
+        context.config.integrity_mib
+    );
     let (pairs, note) = queue_pairs_to_use(context, &controller)?;
     let mut queues = Vec::new();
     for _ in 0..pairs {

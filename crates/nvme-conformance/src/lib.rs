@@ -120,15 +120,78 @@ impl fmt::Display for SuiteReport {
     }
 }
 
+/// A configuration the suite cannot run as asked: bad usage (the binary's exit status 2), found
+/// before any check runs.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum UsageError {
+    #[error("--filter '{filter}' matches no check; the checks: {checks}")]
+    FilterMatchesNothing { filter: String, checks: String },
+    #[error("--filter '{filter}' selects only data_integrity, which --integrity-mib 0 skips; accepted: --integrity-mib 1 or more")]
+    IntegrityNotAsked { filter: String },
+    #[error("--integrity-mib {mib} is larger than the namespace ({namespace_mib} MiB); accepted: up to {namespace_mib}")]
+    IntegrityLargerThanNamespace { mib: u64, namespace_mib: u64 },
+    #[error("--integrity-mib {mib} is larger than any namespace (past 2^64 bytes); accepted: up to the namespace's size in MiB")]
+    IntegrityPastAnyNamespace { mib: u64 },
+}
+
+/// Bytes a MiB count of the data-integrity check covers (None past 2^64).
+fn integrity_bytes(mib: u64) -> Option<u64> {
+    mib.checked_mul(1 << 20)
+}
+
+impl SuiteConfig {
+    /// The checks this configuration runs, in order: those whose name contains the filter,
+    /// less data_integrity when `integrity_mib` is 0.
+    pub fn selected_checks(&self) -> Vec<&'static str> {
+        checks::ALL
+            .iter()
+            .map(|check| check.name)
+            .filter(|name| self.filter.as_deref().is_none_or(|filter| name.contains(filter)))
+            .filter(|name| *name != "data_integrity" || self.integrity_mib > 0)
+            .collect()
+    }
+
+    /// What can be refused without a device: a filter that selects nothing, an integrity size
+    /// past 2^64 bytes.
+    pub fn validate(&self) -> Result<(), UsageError> {
+        if self.selected_checks().is_empty() {
+            let filter = self.filter.clone().unwrap_or_default();
+            if "data_integrity".contains(filter.as_str()) {
+                return Err(UsageError::IntegrityNotAsked { filter });
+            }
+            let checks = checks::ALL.iter().map(|check| check.name).collect::<Vec<_>>().join(", ");
+            return Err(UsageError::FilterMatchesNothing { filter, checks });
+        }
+        if integrity_bytes(self.integrity_mib).is_none() {
+            return Err(UsageError::IntegrityPastAnyNamespace { mib: self.integrity_mib });
+        }
+        Ok(())
+    }
+
+    /// [`SuiteConfig::validate`], and when the data-integrity check runs, that its MiB fit the
+    /// device's first namespace (one bring-up to read it; a device that does not come up is left
+    /// to the checks, which report it as a failure).
+    pub fn validate_for(&self, device: &Arc<dyn DeviceBackend>) -> Result<(), UsageError> {
+        self.validate()?;
+        if !self.selected_checks().contains(&"data_integrity") {
+            return Ok(());
+        }
+        let context = checks::Context { device: Arc::clone(device), faults: None, config: self.clone() };
+        let Some(namespace_bytes) = checks::first_namespace_bytes(&context) else { return Ok(()) };
+        if integrity_bytes(self.integrity_mib).is_none_or(|bytes| bytes > namespace_bytes) {
+            return Err(UsageError::IntegrityLargerThanNamespace { mib: self.integrity_mib, namespace_mib: namespace_bytes >> 20 });
+        }
+        Ok(())
+    }
+}
+
 /// Runs every check against the device. Never panics on device behaviour: every problem becomes
 /// a failed check with a message.
 pub fn run_suite(device: Arc<dyn DeviceBackend>, faults: Option<Arc<dyn FaultInjector>>, config: &SuiteConfig) -> SuiteReport {
     let mut results = Vec::new();
+    let selected = config.selected_checks();
     for check in checks::ALL {
-        if config.filter.as_deref().is_some_and(|filter| !check.name.contains(filter)) {
-            continue;
-        }
-        if check.name == "data_integrity" && config.integrity_mib == 0 {
+        if !selected.contains(&check.name) {
             continue;
         }
         let started = Instant::now();

@@ -7,7 +7,8 @@
 //! ```
 //! Exit status: 0 when every check on every device passed, 1 when any failed, 2 for bad usage
 //! (bad flags, a device string that does not parse or a device that cannot be opened, e.g. a
-//! memory device larger than the machine can spare), 141 when standard output was closed by its
+//! memory device larger than the machine can spare; a `--filter` that selects no check; an
+//! `--integrity-mib` larger than the namespace; a `--timeout-s` above a day), 141 when standard output was closed by its
 //! reader.
 use std::process::ExitCode;
 use std::time::Duration;
@@ -25,7 +26,7 @@ mod devices;
 #[command(
     version,
     about,
-    after_long_help = "Exit status: 0 every check passed; 1 a check failed; 2 unusable input (bad flag or device); 141 standard output was closed by its reader (e.g. `| head`)."
+    after_long_help = "Exit status: 0 every check passed; 1 a check failed; 2 unusable input (bad flag or device, a --filter that selects no check, --integrity-mib larger than the namespace, --timeout-s above 86400); 141 standard output was closed by its reader (e.g. `| head`)."
 )]
 struct Arguments {
     /// Device to test: `vfio:BDF` (e.g. vfio:0000:00:04.0), `emu:mem:SIZE` or `emu:PATH` (a file
@@ -39,18 +40,18 @@ struct Arguments {
     /// Upper bound on I/O queue depth (CAP.MQES bounds it too).
     #[arg(long, default_value_t = 1024)]
     queue_depth_max: u32,
-    /// MiB of patterned data for the data-integrity check (0 skips it).
+    /// MiB of patterned data for the data-integrity check (0 skips it; at most the namespace).
     #[arg(long, default_value_t = 0)]
     integrity_mib: u64,
     /// Fewer sizes and iterations (slow emulation such as QEMU under TCG).
     #[arg(long)]
     quick: bool,
-    /// Run only checks whose name contains this text.
+    /// Run only checks whose name contains this text (one that selects none is refused).
     #[arg(long)]
     filter: Option<String>,
-    /// Deadline for any single wait, in seconds.
-    #[arg(long, default_value_t = 60)]
-    timeout_s: u64,
+    /// Deadline for any single wait, in seconds (1 to 86400).
+    #[arg(long, default_value = "60", value_parser = tutti_cli::timeout::parse_timeout_s)]
+    timeout_s: Duration,
 }
 
 fn parse_device(text: &str) -> Result<DeviceSpec, String> {
@@ -80,14 +81,17 @@ fn run(arguments: Arguments) -> Result<bool> {
     let config = SuiteConfig {
         queue_pairs: arguments.queue_pairs,
         queue_depth_max: arguments.queue_depth_max.max(2),
-        timeout: Duration::from_secs(arguments.timeout_s.max(1)),
+        timeout: arguments.timeout_s,
         integrity_mib: arguments.integrity_mib,
         quick: arguments.quick,
         filter: arguments.filter.clone(),
     };
+    // Bad usage is refused before any check runs (exit status 2), not reported as a failed suite.
+    config.validate()?;
     let mut all_passed = true;
     for spec in &arguments.devices {
         let (device, faults) = devices::open(spec).with_context(|| format!("opening device '{spec}'"))?;
+        config.validate_for(&device).with_context(|| format!("device '{spec}'"))?;
         let report = run_suite(device, faults, &config);
         tutti_cli::stdout::write_fmt(format_args!("{report}"))?;
         all_passed &= report.passed();

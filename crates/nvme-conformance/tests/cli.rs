@@ -1,5 +1,6 @@
 //! The `nvme-conformance` binary's exit statuses: 0 passed, 2 unusable input (including a memory
-//! device larger than the machine can spare), 141 standard output closed by its reader.
+//! device larger than the machine can spare, a filter that selects no check, an integrity run
+//! larger than the namespace, a timeout past a day), 141 standard output closed by its reader.
 
 use std::process::{Command, Stdio};
 
@@ -36,4 +37,40 @@ fn passes_refuses_and_stops_quietly_on_a_closed_pipe() {
     let text = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(141), "{text}");
     assert!(!text.contains("panicked"), "{text}");
+}
+
+/// Asserts exit status 2 with every needle on standard error, no panic and no verdict printed.
+fn assert_bad_usage(arguments: &[&str], needles: &[&str]) {
+    let output = conformance(arguments);
+    let text = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{arguments:?}: {text}");
+    for needle in needles {
+        assert!(text.contains(needle), "{arguments:?}: '{needle}' missing from: {text}");
+    }
+    assert!(!text.contains("panicked"), "{arguments:?}: {text}");
+    assert!(!String::from_utf8_lossy(&output.stdout).contains("CONFORMANCE_"), "{arguments:?}: a verdict was printed");
+}
+
+#[test]
+fn options_that_select_nothing_or_overflow_are_bad_usage() {
+    // Goal: a filter that runs no check, an integrity run that needs --integrity-mib, one past
+    // 2^64 bytes or past the namespace, and a timeout that would overflow a deadline are exit 2
+    // before any check runs (they were CONFORMANCE_FAILED, exit 1, or a panic).
+    assert_bad_usage(&["--device", "emu:mem:16M", "--filter", "no_such_check"], &["matches no check", "bring_up_and_identify"]);
+    assert_bad_usage(&["--device", "emu:mem:16M", "--filter", "data_integrity"], &["--integrity-mib 1 or more"]);
+    assert_bad_usage(
+        &["--device", "emu:mem:16M", "--filter", "data_integrity", "--integrity-mib", "18446744073709551615"],
+        &["larger than any namespace"],
+    );
+    assert_bad_usage(
+        &["--device", "emu:mem:16M", "--filter", "data_integrity", "--integrity-mib", "64"],
+        &["larger than the namespace (16 MiB)"],
+    );
+    assert_bad_usage(
+        &["--device", "emu:mem:16M", "--quick", "--filter", "reset_and_continue", "--timeout-s", "18446744073709551615"],
+        &["--timeout-s", "accepted: whole seconds from 1 to 86400"],
+    );
+    // What fits runs: an integrity run of the namespace's size.
+    let fits = conformance(&["--device", "emu:mem:16M", "--filter", "data_integrity", "--integrity-mib", "16"]);
+    assert_eq!(fits.status.code(), Some(0), "{}", String::from_utf8_lossy(&fits.stdout));
 }
