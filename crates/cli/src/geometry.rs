@@ -278,7 +278,12 @@ fn parse_config(text: &str, fallback_name: &str) -> Result<ConfigFile, String> {
     };
     let dtype_bytes = match dtype_entry(object)? {
         Some(found) => Some(found),
-        None => number(object, &["dtype_bytes"])?,
+        None => match number(object, &["dtype_bytes"])? {
+            // The element sizes --dtype names: fp8, bf16/fp16, fp32.
+            Some((key, bytes @ (1 | 2 | 4))) => Some((key, bytes)),
+            Some((key, bytes)) => return Err(format!("{key} is {bytes}; accepted: 1 (fp8), 2 (bf16, fp16) or 4 (fp32)")),
+            None => None,
+        },
     };
     let field = |found: Option<(&str, u32)>| found.map(|(key, value)| Field { value, source: format!("--model-config key {key}") });
     let name = ["name", "_name_or_path", "model_type"]
@@ -415,6 +420,8 @@ mod tests {
             (r#"{"num_hidden_layers": -3}"#, "num_hidden_layers is -3; accepted: a whole number from 1 to 65536"),
             (r#"{"num_hidden_layers": 2.5}"#, "num_hidden_layers is 2.5"),
             (r#"{"torch_dtype": "int4"}"#, "torch_dtype is \"int4\""),
+            (r#"{"dtype_bytes": 3}"#, "dtype_bytes is 3; accepted: 1 (fp8), 2 (bf16, fp16) or 4 (fp32)"),
+            (r#"{"dtype_bytes": 65536}"#, "dtype_bytes is 65536; accepted: 1 (fp8)"),
             (r#"{"hidden_size": 100, "num_attention_heads": 3}"#, "not a multiple"),
         ] {
             let error = parse_config(text, "c").err().unwrap_or_else(|| panic!("{text} accepted"));
