@@ -83,12 +83,18 @@ impl ServeModel {
         Ok(Self { choice, compute, gpu, ssd, dilation, timing, iocb_bytes })
     }
 
-    /// Refuses prompts whose table would have more IOCBs per layer than the cost rows cover.
+    /// Refuses prompts whose table would have more IOCBs per layer than the cost rows cover, with
+    /// this model's limit (an IOCB is [`IOCB_OBJECTS`] objects of its geometry, so the limit in
+    /// tokens is the same for every KV shape at one block size: 65536 × tokens per block).
     pub fn check_prompt(&self, prompt_tokens: u64) -> anyhow::Result<()> {
-        let layer_bytes = prompt_tokens * self.compute.kv_bytes_per_token_per_layer();
-        if layer_bytes.div_ceil(self.iocb_bytes) > u64::from(IOCB_COUNT_MAX) {
+        let token_bytes = self.compute.kv_bytes_per_token_per_layer().max(1);
+        let layer_bytes = prompt_tokens.saturating_mul(token_bytes);
+        if layer_bytes.div_ceil(self.iocb_bytes.max(1)) > u64::from(IOCB_COUNT_MAX) {
+            let tokens_max = u64::from(IOCB_COUNT_MAX).saturating_mul(self.iocb_bytes) / token_bytes;
             return usage(format!(
-                "--prompt-tokens={prompt_tokens} is too long for serve's cost table; accepted: up to 65536 tokens of llama3-8b"
+                "--prompt-tokens={prompt_tokens} is too long for serve's cost table ({IOCB_COUNT_MAX} IOCBs of {} per layer); accepted: up to {tokens_max} tokens of {}",
+                crate::args::format_size(self.iocb_bytes),
+                self.choice.name
             ));
         }
         Ok(())
@@ -128,5 +134,17 @@ mod tests {
         assert_eq!(preset_dilation(&explicit), Some(32));
         let other = tutti_devices::parse_timing("read=900m,write=375m,mixed=0.4,latency=800us").unwrap();
         assert_eq!(preset_dilation(&other), None);
+    }
+
+    #[test]
+    fn a_prompt_past_the_cost_table_is_refused_with_this_models_limit() {
+        // Goal: the refusal names the model run and its own limit (65536 × tokens per block),
+        // not llama3-8b's at 16-token blocks whatever the model.
+        use clap::Parser;
+        let cli = Cli::try_parse_from(["tutti-bench", "--workload=serve", "--model=qwen3-32b", "--tokens-per-block=8"]).unwrap();
+        let model = ServeModel::from_cli(&cli).unwrap();
+        assert!(model.check_prompt(65_536 * 8).is_ok());
+        let error = model.check_prompt(65_536 * 8 + 1).unwrap_err().to_string();
+        assert!(error.contains("accepted: up to 524288 tokens of qwen3-32b"), "{error}");
     }
 }
