@@ -304,12 +304,19 @@ pub enum Executor {
     Cuda,
 }
 
-/// Parses a duration like fio's runtime: plain seconds, or with us/ms/s/m/h.
-/// Parses a duration like fio's runtime (plain seconds, or with us/ms/s/m/h); zero is refused.
+/// The longest duration an option takes: a deadline `Instant::now() + duration` must not
+/// overflow the clock, and no run or wait of this tool is meant to last longer.
+const DURATION_MAX: Duration = Duration::from_secs(30 * 24 * 3600);
+
+/// Parses a duration like fio's runtime (plain seconds, or with us/ms/s/m/h); zero and more than
+/// 30 days are refused.
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let duration = tutti_devices::parse_duration(text).map_err(|error| error.to_string())?;
     if duration.is_zero() {
         return Err(format!("duration '{text}' is zero; {}", tutti_devices::duration::ACCEPTED));
+    }
+    if duration > DURATION_MAX {
+        return Err(format!("duration '{text}' is longer than 30 days; {}", tutti_devices::duration::ACCEPTED));
     }
     Ok(duration)
 }
@@ -349,6 +356,11 @@ mod tests {
         assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
         assert!(parse_duration("0").is_err());
         assert!(parse_duration("ten").is_err());
+        // Past 30 days, a deadline (Instant + runtime) could overflow the clock.
+        assert_eq!(parse_duration("720h"), Ok(Duration::from_secs(720 * 3600)));
+        for huge in ["721h", "18446744073709551615", "18446744073709551615h"] {
+            assert!(parse_duration(huge).is_err(), "{huge}");
+        }
     }
 
     #[test]

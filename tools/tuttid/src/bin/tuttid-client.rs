@@ -45,8 +45,8 @@ struct Cli {
     #[arg(long, default_value_t = 1)]
     world: u32,
     /// The longest wait for the whole store or retrieve.
-    #[arg(long, default_value = "60", value_name = "SECONDS")]
-    timeout_seconds: u64,
+    #[arg(long, default_value = "60", value_name = "SECONDS", value_parser = tutti_cli::timeout::parse_timeout_s)]
+    timeout_seconds: Duration,
 }
 
 fn main() -> ExitCode {
@@ -89,7 +89,7 @@ fn run(cli: &Cli) -> Result<String> {
     let layers = store.hello_reply().shape.layers;
     let block_bytes = usize::try_from(store.block_bytes()).context("block size")?;
     let tokens = prompt(cli.seed, cli.blocks, block_tokens);
-    let deadline = Instant::now() + Duration::from_secs(cli.timeout_seconds);
+    let deadline = Instant::now() + cli.timeout_seconds;
     match cli.role {
         Role::Store => {
             for block in 0..cli.blocks {

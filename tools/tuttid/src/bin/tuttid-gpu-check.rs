@@ -83,8 +83,8 @@ struct Cli {
     #[arg(long, default_value_t = 128)]
     head_dim: u32,
     /// The longest wait for any one step.
-    #[arg(long, default_value_t = 60)]
-    timeout_seconds: u64,
+    #[arg(long, default_value = "60", value_name = "SECONDS", value_parser = tutti_cli::timeout::parse_timeout_s)]
+    timeout_seconds: Duration,
     /// Internal: run as a client process.
     #[arg(long, value_enum, requires = "socket")]
     role: Option<Role>,
@@ -194,12 +194,12 @@ impl Daemon {
             .stderr(Stdio::piped());
         let child = command.spawn().with_context(|| format!("starting {}", tuttid.display()))?;
         let mut daemon = Daemon { child: Some(child) };
-        let deadline = Instant::now() + Duration::from_secs(cli.timeout_seconds);
+        let deadline = Instant::now() + cli.timeout_seconds;
         while std::os::unix::net::UnixStream::connect(socket).is_err() {
             if let Some(status) = daemon.child_mut().try_wait()? {
                 bail!("tuttid exited with {status} before listening: {}", daemon.stderr());
             }
-            ensure!(Instant::now() < deadline, "tuttid did not listen within {} s", cli.timeout_seconds);
+            ensure!(Instant::now() < deadline, "tuttid did not listen within {:?}", cli.timeout_seconds);
             std::thread::sleep(Duration::from_millis(20));
         }
         Ok(daemon)
@@ -221,7 +221,7 @@ impl Daemon {
     fn terminate(&mut self, cli: &Cli) -> Result<()> {
         let pid = Pid::from_raw(self.child_mut().id() as i32);
         kill(pid, Signal::SIGTERM).context("signalling tuttid")?;
-        let status = wait_bounded(self.child_mut(), Duration::from_secs(cli.timeout_seconds))?;
+        let status = wait_bounded(self.child_mut(), cli.timeout_seconds)?;
         let stderr = self.stderr();
         self.child = None;
         println!("tuttid's log:\n{}", stderr.trim_end());
@@ -260,7 +260,7 @@ fn run_client(cli: &Cli, socket: &Path, role: Role) -> Result<String> {
     command
         .args(["--role", &format!("{role:?}").to_lowercase(), "--gpu", &cli.gpu.to_string(), "--blocks", &cli.blocks.to_string()])
         .args(["--memory", &format!("{:?}", cli.memory).to_lowercase()])
-        .args(["--timeout-seconds", &cli.timeout_seconds.to_string()])
+        .args(["--timeout-seconds", &cli.timeout_seconds.as_secs().to_string()])
         .arg("--socket")
         .arg(socket)
         .stdout(Stdio::piped())
@@ -272,7 +272,7 @@ fn run_client(cli: &Cli, socket: &Path, role: Role) -> Result<String> {
         let _ = stdout.read_to_string(&mut text);
         text
     });
-    let status = wait_bounded(&mut child, Duration::from_secs(cli.timeout_seconds))?;
+    let status = wait_bounded(&mut child, cli.timeout_seconds)?;
     let output = reader.join().unwrap_or_default();
     print!("{output}");
     ensure!(status.success(), "the {role:?} client exited with {status}");
@@ -285,7 +285,7 @@ fn run_client(cli: &Cli, socket: &Path, role: Role) -> Result<String> {
 /// One client process: its own GPU memory, registered with the daemon, a store or a retrieve.
 fn client(cli: &Cli, role: Role) -> Result<String> {
     let socket = cli.socket.as_deref().context("--socket")?;
-    let timeout = Duration::from_secs(cli.timeout_seconds);
+    let timeout = cli.timeout_seconds;
     let hello = Hello { model_fingerprint: [0x67; 32], tp_rank: 0, tp_world: 1, client_name: format!("gpu-check-{role:?}").to_lowercase() };
     // The pool's shape, for the block size (the store checks it again at connect).
     let shape = {
