@@ -1,0 +1,132 @@
+//! Ending a store: its requests, its queue pairs, then its memory, given back only once no
+//! command can move its bytes (kept for good otherwise).
+
+use std::time::{Duration, Instant};
+
+use objstore::RequestHandle;
+
+use super::{Backend, StoreState, WAIT_SLICE};
+use crate::device_memory;
+use crate::errors::ErrorClass;
+use crate::ffi::QueuesGone;
+
+/// How long `close` waits at least for tuttid to end a session that registered device memory.
+const DEVICE_RELEASE_WAIT: Duration = Duration::from_secs(5);
+
+impl StoreState {
+    /// Ends every request (a layer in flight is waited for until `deadline`), then the store:
+    /// queue pairs deleted before the registered memory is let go; kept for good if one could
+    /// not be. Returns how many tensors were kept for good. What keeps released memory alive
+    /// goes to `released` (dropped once the lock is let go).
+    ///
+    /// Attached stores: the queue pairs are tuttid's to delete, when the session ends (the
+    /// connection closes here). A layer still in flight at the deadline may move bytes until
+    /// then, so its memory (tuttid's window for `allocate_kv`, device memory) is only given
+    /// back once tuttid no longer lists the session and counted no new leaked queue pair
+    /// (tuttid deletes a session's pairs, confirmed by the controller, before it drops the
+    /// session; a pair it could not delete is counted in `leaked_queue_pairs`); otherwise it
+    /// is kept for good and counted in `leaked_registrations`.
+    pub fn close(&mut self, deadline: Instant) -> usize {
+        let handles: Vec<u64> = self.requests.keys().copied().collect();
+        // Whether every layer in flight completed: device memory's bytes are moved by tuttid's
+        // copies, which only a command in flight makes.
+        let mut settled = true;
+        for handle in handles {
+            loop {
+                match self.drive(handle, Instant::now() + WAIT_SLICE) {
+                    Err(failure) if failure.class == ErrorClass::Timeout && Instant::now() < deadline => continue,
+                    Err(failure) if failure.class == ErrorClass::Timeout => {
+                        settled = false;
+                        break;
+                    }
+                    _ => break,
+                }
+            }
+            let bits = RequestHandle::from_bits(handle);
+            if let Ok(store) = self.layer_store() {
+                if let Err(error) = store.finish(bits) {
+                    tracing::warn!(%error, "tutti: finishing request {handle:#x} at close");
+                }
+            }
+        }
+        self.requests.clear();
+        let remote = matches!(self.backend, Backend::Remote { .. });
+        let release_wait = deadline.max(Instant::now() + DEVICE_RELEASE_WAIT);
+        // Before the connection closes: tuttid's count of leaked queue pairs, to tell a session
+        // that ended cleanly from one whose pair could not be deleted.
+        let leaks_before = match (&self.daemon_socket, remote && !settled) {
+            (Some(socket), true) => device_memory::leaked_queue_pairs(socket, release_wait),
+            _ => device_memory::LeakCount::NoAnswer,
+        };
+        let backend = std::mem::replace(&mut self.backend, Backend::Closed);
+        let deleted = match backend {
+            Backend::Local { store, emulators, locks } => {
+                let deleted = store.close();
+                drop(emulators);
+                drop(locks);
+                deleted
+            }
+            // The client's pairs are the daemon's to delete (when the session ends, after this
+            // drop closes the connection); its window stays mapped by the daemon until then.
+            Backend::Remote { store } => {
+                drop(store);
+                true
+            }
+            other => {
+                drop(other);
+                true
+            }
+        };
+        // A layer left in flight through tuttid: nothing may be given back before the session
+        // ended cleanly.
+        let ended_cleanly = match (&self.daemon_socket, self.daemon_session, leaks_before) {
+            (_, _, device_memory::LeakCount::NoDaemon) => true,
+            (Some(socket), Some(session), device_memory::LeakCount::Counted(before)) => {
+                device_memory::session_ended_cleanly(socket, session, before, release_wait)
+            }
+            _ => false,
+        };
+        let memory = std::mem::take(&mut self.caller_memory);
+        let mut leaked = 0;
+        match QueuesGone::after_close(deleted) {
+            Some(proof) => {
+                for memory in memory {
+                    self.released.extend(memory.release(&proof));
+                }
+            }
+            None => {
+                leaked = memory.len();
+                drop(memory); // leaks each (CallerMemory's drop)
+            }
+        }
+        let window_reachable = remote && !settled && !ended_cleanly;
+        if let Some(allocation) = self.allocation.take() {
+            if !deleted || (window_reachable && self.device_memory.is_none()) {
+                tracing::error!(
+                    regions = allocation.regions.len(),
+                    "tutti: the KV memory is kept for good: a layer was still in flight and the devices may still reach it"
+                );
+                leaked += allocation.regions.len();
+                allocation.regions.into_iter().for_each(|region| {
+                    region.leak();
+                });
+            }
+        }
+        if let Some(hold) = self.device_memory.take() {
+            // The connection is closed (the store dropped above): tuttid ends the session.
+            let (kept, keeps) = hold.release(settled || ended_cleanly, release_wait);
+            leaked += kept;
+            self.released.extend(keeps);
+        }
+        self.leaked_tensors += leaked;
+        leaked
+    }
+}
+
+impl Drop for StoreState {
+    fn drop(&mut self) {
+        if !self.is_closed() {
+            self.close(Instant::now() + Duration::from_secs(5));
+        }
+    }
+}

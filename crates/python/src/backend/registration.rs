@@ -1,0 +1,275 @@
+//! Registering a store's KV memory: caller memory mapped for an in-process pool's devices,
+//! device memory registered with tuttid, or memory tutti allocates (`allocate_kv`: DMA memory
+//! in-process, tuttid's window when attached).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use nvme_driver::{DataPointerMode, DmaAllocator, DmaRegion, Iova};
+use objstore::{cpu_executor_for, KvLayout as StoreLayout, KvRegistration, KvStore, Pool};
+use tutti_daemon::client::{RemoteKvStore, WindowKvLayout};
+
+use super::{closed, key_seed, Allocation, Backend, StoreState};
+use crate::device_memory::{self, DeviceHold};
+use crate::errors::{ErrorClass, Failure};
+use crate::ffi::{CallerMemory, QueuesGone};
+use crate::memory::Keep;
+use crate::tensor::{CheckedLayout, Device, LayoutKind};
+
+impl StoreState {
+    /// The pool's DMA allocator and data pointer mode (in-process, before registration).
+    fn local_dma(pool: &Pool) -> (Arc<dyn DmaAllocator>, DataPointerMode) {
+        let sgl = (0..pool.device_count()).all(|device| pool.target(device).controller.data_pointer_mode() == DataPointerMode::Sgl);
+        (pool.target(0).controller.dma().clone(), if sgl { DataPointerMode::Sgl } else { DataPointerMode::Prp })
+    }
+
+    /// In-process: builds the `KvStore` over the pool with `layout` (IOVAs) registered.
+    fn build_local(&mut self, layout: StoreLayout, num_blocks: u32) -> Result<(), Failure> {
+        let Backend::LocalOpen { .. } = &self.backend else {
+            return Err(Failure::new(ErrorClass::InvalidState, "KV memory is registered already (once per store)"));
+        };
+        let Backend::LocalOpen { pool, emulators, locks, config, queue_depth } = std::mem::replace(&mut self.backend, Backend::Closed)
+        else {
+            unreachable!("matched above")
+        };
+        let (dma, mode) = Self::local_dma(&pool);
+        // The registration and the executor first: their refusals leave the pool open for
+        // another try. A failure of `KvStore::new` itself consumes the pool: the store is then
+        // closed.
+        let prepared = KvRegistration::new(*pool.geometry(), num_blocks, layout, mode)
+            .and_then(|registration| Ok((registration, cpu_executor_for(&pool, queue_depth, &config)?)));
+        let (registration, executor) = match prepared {
+            Ok(prepared) => prepared,
+            Err(error) => {
+                self.backend = Backend::LocalOpen { pool, emulators, locks, config, queue_depth };
+                return Err(Failure::from(error));
+            }
+        };
+        match KvStore::new(pool, registration, dma, executor, config) {
+            Ok(mut store) => {
+                if let Some((fingerprint, rank, world)) = &self.key_space {
+                    store.set_key_seed(key_seed(fingerprint, *rank, *world)?);
+                }
+                self.backend = Backend::Local { store: Box::new(store), emulators, locks };
+                Ok(())
+            }
+            Err(error) => Err(Failure::from(error)),
+        }
+    }
+
+    /// `register_kv`: caller memory mapped for the pool's devices (in-process), or device
+    /// memory registered with tuttid (CUDA tensors, a stand-in; `device_memory`).
+    pub fn register(&mut self, checked: CheckedLayout, keeps: Vec<Keep>, timeout: Duration) -> Result<(), Failure> {
+        if let Some(registered) = &self.registered {
+            return if *registered == checked {
+                Ok(()) // the same memory again (an engine handing back an allocation)
+            } else {
+                Err(Failure::new(ErrorClass::InvalidState, "KV memory is registered already (once per store), and it is other memory"))
+            };
+        }
+        match &self.backend {
+            Backend::LocalOpen { .. } if checked.device != Device::Cpu => Err(Failure::new(
+                ErrorClass::UnsupportedMemory,
+                format!(
+                    "the tensors are on {}: an in-process store reaches only CPU memory; attach to tuttid started with \
+                     --device-memory cuda (Store.attach) to register GPU memory",
+                    checked.device
+                ),
+            )),
+            Backend::LocalOpen { .. } => self.register_caller_memory(checked, keeps),
+            Backend::RemoteAttached { .. } => match device_memory::export(&checked)? {
+                Some(range) => self.register_device_memory(checked, keeps, range, timeout),
+                None => Err(Failure::new(
+                    ErrorClass::UnsupportedMemory,
+                    "tuttid cannot map CPU memory this process allocated: allocate the KV cache with store.allocate_kv(num_blocks, kind) \
+                     and build the engine's tensors over its buffers, or register CUDA tensors (tuttid started with --device-memory cuda)",
+                )),
+            },
+            Backend::Closed => Err(closed()),
+            Backend::Local { .. } | Backend::Remote { .. } => unreachable!("a registered store has `registered` set"),
+        }
+    }
+
+    /// Device memory (`device_memory::export` made `range` of `checked`'s span) registered with
+    /// tuttid, the layout as offsets in it; the session's data path set up over it. A refusal
+    /// (tuttid started without --device-memory, a pool with a vfio: device) is raised as
+    /// UnsupportedMemory with tuttid's reason; it ends the session (the store is closed then).
+    fn register_device_memory(
+        &mut self,
+        checked: CheckedLayout,
+        keeps: Vec<Keep>,
+        range: device_memory::DeviceRange,
+        timeout: Duration,
+    ) -> Result<(), Failure> {
+        let Backend::RemoteAttached { client, hello, mut config } = std::mem::replace(&mut self.backend, Backend::Closed) else {
+            unreachable!("register matched RemoteAttached")
+        };
+        config.kv_blocks = checked.num_blocks;
+        config.timeout = timeout;
+        let session = hello.session;
+        let layout = store_layout(&checked, &device_memory::offsets(&checked, range.start));
+        let connected = RemoteKvStore::with_client_and_device_memory(client, hello, &config, &range.memory, layout);
+        self.touch_daemon();
+        match connected {
+            Ok(store) => {
+                self.backend = Backend::Remote { store: Box::new(store) };
+                // No command was issued before the store existed: on failure the keeps go now.
+                let socket = self.daemon_socket.clone().unwrap_or_default();
+                self.device_memory = Some(DeviceHold { keeps, holder: range.holder, socket, session });
+                self.registered = Some(checked);
+                Ok(())
+            }
+            Err(error) => {
+                let failure = Failure::from(&error);
+                if failure.code.as_deref() == Some("Unsupported") {
+                    return Err(Failure {
+                        class: ErrorClass::UnsupportedMemory,
+                        message: format!("tuttid refused the KV memory as device memory: {}", failure.message),
+                        ..failure
+                    });
+                }
+                Err(failure)
+            }
+        }
+    }
+
+    /// `register_kv` with caller memory (in-process): maps each tensor, registers the layout.
+    fn register_caller_memory(&mut self, checked: CheckedLayout, keeps: Vec<Keep>) -> Result<(), Failure> {
+        let dma = match &self.backend {
+            Backend::LocalOpen { pool, .. } => Self::local_dma(pool).0,
+            _ => unreachable!("register matched LocalOpen"),
+        };
+        let mut mapped = Vec::with_capacity(keeps.len());
+        for (tensor, keep) in checked.tensors.iter().zip(keeps) {
+            match crate::ffi::map_caller_memory(&dma, tensor.address, tensor.extent_bytes, keep) {
+                Ok(memory) => mapped.push(memory),
+                Err(error) => {
+                    for memory in mapped {
+                        self.released.extend(CallerMemory::release(memory, &QueuesGone::never_used()));
+                    }
+                    return Err(Failure::from(error));
+                }
+            }
+        }
+        let iovas: Vec<Iova> = mapped.iter().map(CallerMemory::iova).collect();
+        let layout = store_layout(&checked, &iovas);
+        if let Err(failure) = self.build_local(layout, checked.num_blocks) {
+            for memory in mapped {
+                self.released.extend(memory.release(&QueuesGone::never_used()));
+            }
+            return Err(failure);
+        }
+        self.caller_memory = mapped;
+        self.registered = Some(checked);
+        Ok(())
+    }
+
+    /// `allocate_kv`: allocates `num_blocks` blocks in layout `kind` and registers them; returns
+    /// the regions (what the KvBuffers hand out).
+    pub fn allocate(&mut self, kind: LayoutKind, num_blocks: u32, timeout: Duration) -> Result<Vec<DmaRegion>, Failure> {
+        if self.registered.is_some() {
+            return Err(Failure::new(ErrorClass::InvalidState, "KV memory is registered already (once per store)"));
+        }
+        if num_blocks == 0 {
+            return Err(Failure::new(ErrorClass::InvalidArgument, "allocate_kv(0 blocks): expected at least 1"));
+        }
+        let regions = match &mut self.backend {
+            Backend::LocalOpen { pool, .. } => {
+                let geometry = *pool.geometry();
+                let (dma, _) = Self::local_dma(pool);
+                let sizes = region_bytes(kind, &geometry, num_blocks)?;
+                let regions = sizes
+                    .iter()
+                    .map(|&bytes| dma.allocate(bytes as usize).and_then(|region| region.subregion(0, bytes as usize)))
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(|error| Failure::new(ErrorClass::Device, format!("allocating {num_blocks} KV blocks: {error}")))?;
+                let iovas: Vec<Iova> = regions.iter().map(DmaRegion::iova).collect();
+                let checked = allocation_layout(kind, &geometry, num_blocks, &regions);
+                let layout = store_layout(&checked, &iovas);
+                self.build_local(layout, num_blocks)?;
+                self.allocation = Some(Allocation { regions: regions.clone(), checked: checked.clone() });
+                self.registered = Some(checked);
+                regions
+            }
+            Backend::RemoteAttached { .. } => {
+                let Backend::RemoteAttached { client, hello, mut config } = std::mem::replace(&mut self.backend, Backend::Closed) else {
+                    unreachable!("matched above")
+                };
+                config.kv_blocks = num_blocks;
+                config.timeout = timeout;
+                let geometry = crate::geometry::of_hello(&hello.shape);
+                let window = match kind {
+                    LayoutKind::Separate => WindowKvLayout::SeparateKv,
+                    LayoutKind::Fused => WindowKvLayout::FusedPerLayer,
+                    LayoutKind::Paged => WindowKvLayout::PagedPerLayer,
+                    LayoutKind::BlockMajor => WindowKvLayout::BlockMajor,
+                };
+                // A failure here leaves the session gone (the client is consumed): the store is
+                // closed and says so.
+                let store = RemoteKvStore::with_client(client, hello, &config, window)?;
+                self.touch_daemon();
+                // The window's regions are page-rounded: hand out exactly the KV bytes.
+                let sizes = region_bytes(kind, &geometry, num_blocks)?;
+                let regions = store
+                    .kv_regions()
+                    .iter()
+                    .zip(&sizes)
+                    .map(|(region, &bytes)| region.subregion(0, bytes as usize))
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(Failure::from)?;
+                let checked = allocation_layout(kind, &geometry, num_blocks, &regions);
+                self.backend = Backend::Remote { store: Box::new(store) };
+                self.allocation = Some(Allocation { regions: regions.clone(), checked: checked.clone() });
+                self.registered = Some(checked);
+                regions
+            }
+            Backend::Closed => return Err(closed()),
+            Backend::Local { .. } | Backend::Remote { .. } => unreachable!("a registered store has `registered` set"),
+        };
+        Ok(regions)
+    }
+}
+
+/// Sizes of the regions `allocate_kv` makes for `kind` (as tuttid's window lays them out).
+fn region_bytes(kind: LayoutKind, geometry: &objstore::ModelGeometry, num_blocks: u32) -> Result<Vec<u64>, Failure> {
+    let unit = kind.unit_bytes(geometry);
+    let per_tensor = match kind {
+        LayoutKind::Fused => 2 * unit,
+        _ => unit,
+    };
+    let bytes = per_tensor
+        .checked_mul(u64::from(num_blocks))
+        .filter(|&bytes| usize::try_from(bytes).is_ok())
+        .ok_or_else(|| Failure::new(ErrorClass::InvalidArgument, format!("{num_blocks} KV blocks of {geometry} overflow")))?;
+    Ok(vec![bytes; kind.tensor_count(geometry.layers)])
+}
+
+/// The checked layout of an allocation (host addresses of `regions`).
+fn allocation_layout(kind: LayoutKind, geometry: &objstore::ModelGeometry, num_blocks: u32, regions: &[DmaRegion]) -> CheckedLayout {
+    let unit = kind.unit_bytes(geometry);
+    let extent = if kind == LayoutKind::Fused { 2 * unit * u64::from(num_blocks) } else { unit * u64::from(num_blocks) };
+    CheckedLayout {
+        kind,
+        num_blocks,
+        block_stride_bytes: unit,
+        device: crate::tensor::Device::Cpu,
+        tensors: regions
+            .iter()
+            .map(|region| crate::tensor::PlacedTensor { address: region.host_address() as u64, extent_bytes: extent })
+            .collect(),
+    }
+}
+
+/// objstore's layout over the tensors' IOVAs.
+fn store_layout(checked: &CheckedLayout, iovas: &[Iova]) -> StoreLayout {
+    let stride = checked.block_stride_bytes;
+    match checked.kind {
+        LayoutKind::Separate => {
+            let (keys, values) = iovas.split_at(iovas.len() / 2);
+            StoreLayout::SeparateKv { key_bases: keys.to_vec(), value_bases: values.to_vec(), block_stride_bytes: stride }
+        }
+        LayoutKind::Fused => StoreLayout::FusedPerLayer { layer_bases: iovas.to_vec(), block_stride_bytes: stride },
+        LayoutKind::Paged => StoreLayout::PagedPerLayer { layer_bases: iovas.to_vec(), block_stride_bytes: stride },
+        LayoutKind::BlockMajor => StoreLayout::BlockMajor { base: iovas[0], block_stride_bytes: stride },
+    }
+}
