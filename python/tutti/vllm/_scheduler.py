@@ -1,0 +1,233 @@
+"""The scheduler side of `tutti.vllm.TuttiConnector` (role SCHEDULER): asks tuttid through a
+lookup-only session which prefix of a prompt every rank holds, remembers the blocks vLLM
+allocated, and builds each step's metadata (loads, saves, preemptions) for the workers."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+import tutti
+from tutti._engine import ConfigError
+from tutti.vllm.metadata import LoadSpec, SaveSpec, TuttiConnectorMetadata, connection_lost
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("tutti.vllm")
+
+# The scheduler's lookup session, once lost, is connected again at the next lookup; after a
+# failed connect, lookups are misses without asking tuttid for a back-off that doubles from the
+# first to the last value (a dead daemon costs one lookup_timeout_s per back-off, not per request).
+_RECONNECT_BACKOFF_FIRST_S = 1.0
+_RECONNECT_BACKOFF_MAX_S = 30.0
+
+
+class _LookupBackingOff(tutti.Disconnected):
+    """A lookup answered as a miss without asking tuttid: the lookup session is lost and the
+    back-off after a failed connect is running."""
+
+
+@dataclass
+class _SchedulerRequest:
+    """The scheduler side's view of one request."""
+
+    prompt: list[int]
+    block_ids: list[int] = field(default_factory=list)
+    hit_tokens: int = 0
+    load_pending: Optional[int] = None  # blocks to load, set after allocation, emitted once
+    load_first_block: int = 0  # the first of them vLLM does not hold locally
+    save_emitted: bool = False
+
+
+class SchedulerSide:
+    """TuttiConnector's scheduler-side methods (a mixin: TuttiConnector sets the shared fields
+    and calls `_init_scheduler` in the scheduler process)."""
+
+    _config: dict[str, Any]
+    _block_size: int
+    _tp_world: int
+    _fingerprint: bytes
+
+    def _init_scheduler(self) -> None:
+        self._lookup_timeout_s = float(self._config["lookup_timeout_s"])
+        self._lookup: Any = self._connect_lookup()
+        self._requests: dict[str, _SchedulerRequest] = {}
+        self.lookup_failures = 0
+        self.lookup_reconnects = 0
+        # After a failed connect: no attempt before _lookup_retry_at (monotonic seconds).
+        self._lookup_retry_at = 0.0
+        self._lookup_backoff_s = 0.0
+
+    def _connect_lookup(self) -> Any:
+        """A lookup-only session whose every exchange waits at most lookup_timeout_s (the
+        scheduler's loop waits for it). Raises ConfigError for a pool of another block size."""
+        client = tutti.LookupClient.connect(
+            self._config["socket"],
+            model_fingerprint=self._fingerprint,
+            tp_rank=0,
+            tp_world=self._tp_world,
+            client_name="vllm-scheduler",
+            timeout_s=self._lookup_timeout_s,
+        )
+        if client.block_tokens != self._block_size:
+            block_tokens = client.block_tokens
+            client.close()
+            raise ConfigError(
+                f"tuttid's pool stores blocks of {block_tokens} tokens but vLLM's block size is "
+                f"{self._block_size}: start vLLM with --block-size {block_tokens}, or format the pool for "
+                f"{self._block_size}-token blocks"
+            )
+        return client
+
+    def _reconnect_lookup(self) -> None:
+        """Connects the lost lookup session again, unless a back-off from a failed connect is
+        running (then raises: the lookup is a miss without a word to tuttid)."""
+        now = time.monotonic()
+        if now < self._lookup_retry_at:
+            raise _LookupBackingOff(f"no session with tuttid; the next connect in {self._lookup_retry_at - now:.1f} s")
+        try:
+            self._lookup = self._connect_lookup()
+        except tutti.Error as error:
+            self._lookup_backoff_s = min(max(2 * self._lookup_backoff_s, _RECONNECT_BACKOFF_FIRST_S), _RECONNECT_BACKOFF_MAX_S)
+            self._lookup_retry_at = time.monotonic() + self._lookup_backoff_s
+            logger.warning("tutti: connecting to tuttid for lookups failed (%s); lookups are misses for %.1f s", error, self._lookup_backoff_s)
+            raise
+        self._lookup_backoff_s = 0.0
+        self.lookup_reconnects += 1
+
+    def _drop_lookup(self) -> None:
+        if self._lookup is not None:
+            self._lookup.close()
+            self._lookup = None
+
+    def _lookup_all_ranks(self, tokens: list[int]) -> int:
+        """The cached prefix on every rank, in blocks. A lost session (closed by tuttid after a
+        scheduler idle past its lease, or an exchange that timed out, after which the connection
+        cannot be trusted) is dropped and connected again before the next use; a session tuttid
+        closed is connected again at once, and the lookup asked again (once)."""
+        for attempt in range(2):
+            if self._lookup is None:
+                self._reconnect_lookup()
+            try:
+                return self._lookup.lookup_all_ranks(tokens)
+            except tutti.Error as error:
+                if not connection_lost(error):
+                    raise
+                self._drop_lookup()
+                if attempt == 1 or not isinstance(error, tutti.Disconnected):
+                    raise
+        raise AssertionError("unreachable")
+
+    def _scheduler_request(self, request: "Request") -> _SchedulerRequest:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            state = _SchedulerRequest(prompt=list(request.prompt_token_ids or []))
+            self._requests[request.request_id] = state
+        return state
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
+        """Tokens beyond `num_computed_tokens` that every rank can load from tutti: whole blocks of
+        the prompt, never its last token (vLLM computes at least one token to sample from).
+        Loads are synchronous (layer by layer during the step's forward): the bool is False.
+        A daemon that does not answer is a miss (logged and counted), not a failed request."""
+        state = self._scheduler_request(request)
+        usable_blocks = max(0, len(state.prompt) - 1) // self._block_size
+        if usable_blocks == 0:
+            return 0, False
+        try:
+            hit_blocks = self._lookup_all_ranks(state.prompt[: usable_blocks * self._block_size])
+        except tutti.Error as error:
+            self.lookup_failures += 1
+            log = logger.debug if isinstance(error, _LookupBackingOff) else logger.warning
+            log("tutti lookup for request %s failed, treated as a miss: %s", request.request_id, error)
+            return 0, False
+        state.hit_tokens = min(hit_blocks, usable_blocks) * self._block_size
+        return max(0, state.hit_tokens - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        """Remembers the request's blocks; with external tokens, a load of the cached prefix into
+        them for the next metadata."""
+        state = self._scheduler_request(request)
+        state.block_ids = list(blocks.get_block_ids()[0])
+        if num_external_tokens > 0:
+            # The store reads a prefix from its first block: blocks vLLM already holds are read
+            # again with the same bytes (see docs/vllm.md, "Loads"); the load is vLLM's from the
+            # first block it does not hold (what a failure reports).
+            state.load_pending = state.hit_tokens // self._block_size
+            state.load_first_block = max(0, state.hit_tokens - num_external_tokens) // self._block_size
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        """This step's loads (allocated since the last step), saves (requests whose prompt is
+        complete by the end of this step: its whole blocks) and preemptions."""
+        meta = TuttiConnectorMetadata()
+        preempted = set(scheduler_output.preempted_req_ids or ())
+        meta.preempted_req_ids = preempted
+        for req_id in preempted:
+            state = self._requests.get(req_id)
+            if state is not None:
+                # Its blocks are freed; a resumed request is allocated (and saved) anew.
+                state.block_ids = []
+                state.load_pending = None
+                state.save_emitted = False
+
+        scheduled: list[tuple[str, int]] = []
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is None:
+                state = _SchedulerRequest(prompt=list(new.prompt_token_ids or []))
+                self._requests[new.req_id] = state
+            state.block_ids = list(new.block_ids[0])
+            scheduled.append((new.req_id, new.num_computed_tokens))
+        cached = scheduler_output.scheduled_cached_reqs
+        for index, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_block_ids = cached.new_block_ids[index]
+            if new_block_ids is not None:
+                if req_id in cached.resumed_req_ids:
+                    state.block_ids = list(new_block_ids[0])
+                else:
+                    state.block_ids.extend(new_block_ids[0])
+            scheduled.append((req_id, cached.num_computed_tokens[index]))
+
+        for req_id, num_computed in scheduled:
+            state = self._requests[req_id]
+            if state.load_pending:
+                blocks = state.load_pending
+                meta.loads.append(
+                    LoadSpec(
+                        req_id,
+                        state.prompt[: blocks * self._block_size],
+                        state.block_ids[:blocks],
+                        min(state.load_first_block, blocks),
+                    )
+                )
+            state.load_pending = None
+            done_tokens = num_computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            full_blocks = len(state.prompt) // self._block_size
+            if not state.save_emitted and done_tokens >= len(state.prompt) and full_blocks > 0:
+                if len(state.block_ids) >= full_blocks:
+                    meta.saves.append(
+                        SaveSpec(req_id, state.prompt[: full_blocks * self._block_size], state.block_ids[:full_blocks])
+                    )
+                    state.save_emitted = True
+        return meta
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Workers' transfer results: vLLM itself frees a request's blocks once every worker named
+        it in finished_sending; nothing to keep here beyond logging failed loads."""
+        if getattr(connector_output, "invalid_block_ids", None):
+            logger.info("tutti: %d blocks failed to load and are recomputed", len(connector_output.invalid_block_ids))
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
+        """True (keep the blocks) when a save of this request was handed to the workers: they
+        report it through get_finished once its last layer completed (and it was committed)."""
+        state = self._requests.pop(request.request_id, None)
+        return (state is not None and state.save_emitted), None

@@ -1,0 +1,576 @@
+"""The worker side of `tutti.vllm.TuttiConnector` (role WORKER, one per tensor-parallel rank):
+attaches to tuttid in the rank's key space, registers vLLM's KV caches and moves each step's
+loads and saves layer by layer; a committer thread commits the saves (see the connector's module
+documentation)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+import tutti
+from tutti._engine import ConfigError
+from tutti.vllm.metadata import SaveSpec, TuttiConnectorMetadata, connection_lost
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+logger = logging.getLogger("tutti.vllm")
+
+# How long the committer thread waits for one layer before it looks at its queue again.
+_COMMIT_POLL_S = 0.05
+
+
+class KvMemoryUnsafe(RuntimeError):
+    """A layer of a load could not be settled and nothing confirmed that its memory is no longer
+    written: tuttid did not confirm that the worker's session ended (its queue pairs deleted),
+    or the tier's pool could not delete its queue pairs. vLLM's KV blocks (or chunk rows) may
+    still be written: the worker (or tier) stops rather than hand them back to vLLM."""
+
+
+@dataclass
+class _WorkerLoad:
+    request: Any  # tutti.Request
+    block_ids: list[int]
+    first_block: int  # LoadSpec.first_block
+    issued: int = 0  # layers issued
+    completed: int = 0  # layers completed
+
+    def blocks_to_recompute(self, torn: bool) -> list[int]:
+        """The blocks vLLM recomputes after this load failed: those it was to fill, and vLLM's
+        own prefix blocks too when the load is `torn` (a layer issued that did not complete
+        successfully: a failed read leaves its buffers undefined, a CRC mismatch lands in
+        place, so the prefix blocks, read again, may hold other bytes than vLLM's). Layers
+        that completed wrote the pool's bytes, the ones vLLM holds."""
+        return list(self.block_ids if torn else self.block_ids[self.first_block :])
+
+
+@dataclass
+class _WorkerSave:
+    request: Any  # tutti.Request
+    token: int  # this save of the request (a resumed request is saved anew, with another token)
+    issued: int = 0
+    completed: int = 0
+
+
+class WorkerSide:
+    """TuttiConnector's worker-side methods (a mixin: TuttiConnector sets the shared fields and
+    calls `_init_worker` in each worker process)."""
+
+    _config: dict[str, Any]
+    _block_size: int
+    _tp_world: int
+    _fingerprint: bytes
+    _kv_layout: str
+    _timeout_s: float
+
+    def _init_worker(self, vllm_config: "VllmConfig") -> None:
+        self._tp_rank = _tp_rank(vllm_config, self._tp_world)
+        self._store = tutti.Store.attach(
+            self._config["socket"],
+            model_fingerprint=self._fingerprint,
+            tp_rank=self._tp_rank,
+            tp_world=self._tp_world,
+            client_name=f"vllm-worker-{self._tp_rank}",
+            timeout_s=self._timeout_s,
+            requests_max=self._config["requests_max"],
+        )
+        if self._store.block_tokens != self._block_size:
+            block_tokens = self._store.block_tokens
+            self._store.close()
+            raise ConfigError(
+                f"tuttid's pool stores blocks of {block_tokens} tokens but vLLM's block size is "
+                f"{self._block_size}: start vLLM with --block-size {block_tokens}"
+            )
+        self._layer_index: dict[str, int] = {}
+        self._cuda_device: Optional[torch.device] = None
+        self._layer_names: list[str] = []
+        self._layers = 0
+        self._loads: dict[str, _WorkerLoad] = {}
+        self._saves: dict[str, _WorkerSave] = {}
+        self._failed_block_ids: set[int] = set()
+        # Whether this step's loads were started (by start_load_kv, or by the first
+        # wait_for_layer_load if vLLM had not called it before the forward).
+        self._loads_started = False
+        # Saves past this worker's step: None while the committer holds one, then whether it was
+        # committed. Kept until vLLM names the request finished and get_finished reports it.
+        self._save_done: dict[str, Optional[bool]] = {}
+        # The request's current save (a preempted request is saved anew): results of older ones
+        # are ignored, and a cancelled one is never committed.
+        self._save_token: dict[str, int] = {}
+        self._cancelled: set[int] = set()
+        self._tokens = itertools.count(1)
+        self._finished_req_ids: set[str] = set()
+        # Why the worker's tuttid session is over (None: it is not); then every load is reported
+        # failed and every save is a miss, without a word to tuttid.
+        self._dead: Optional[str] = None
+        # A daemon exchange (of any thread) left the connection unusable: the session is ended
+        # at the worker's next step (the main thread owns the requests).
+        self._broken: Optional[str] = None
+        self._lock = threading.Lock()
+        self._commit_queue: queue.Queue = queue.Queue(maxsize=self._config["requests_max"])
+        self._committer = threading.Thread(target=self._commit_loop, name="tutti-vllm-commit", daemon=True)
+        self._committer.start()
+
+    def allocate_kv_caches(self, kv_cache_config: "KVCacheConfig") -> dict[str, torch.Tensor]:
+        """KV caches in tuttid's shared memory, in vLLM's own per-layer view (`[blocks, heads,
+        slots, content]` built by vLLM's `create_kv_cache_views`, in vLLM's resolved layout,
+        LBHNC when none was resolved), for `register_kv_caches`. This is what a CPU deployment
+        (and the tests) hand to vLLM as its KV caches: tuttid can map only memory shared with it.
+        On a GPU vLLM allocates its KV caches itself (one CUDA allocation) and
+        `register_kv_caches` registers them through CUDA IPC (docs/vllm.md)."""
+        from vllm.v1.kv_cache_interface import KVCacheTensor, create_kv_cache_views
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+
+        names, spec = _attention_layers(kv_cache_config)
+        kv_layout = KVCacheLayout[self._kv_layout]
+        if not (kv_layout.is_layer_compact and kv_layout.is_block_compact):
+            raise ConfigError(
+                f"allocate_kv_caches lays each layer out on its own (tutti's paged layout); vLLM resolved the KV "
+                f"cache layout {self._kv_layout}: set VLLM_KV_CACHE_LAYOUT=LBHNC or LBNHC"
+            )
+        layout = self._store.allocate_kv(kv_cache_config.num_blocks, "paged")
+        caches: dict[str, torch.Tensor] = {}
+        for index, name in enumerate(names):
+            raw = torch.from_dlpack(layout.layer(index)).view(torch.int8)
+            page = raw.numel() // kv_cache_config.num_blocks
+            placement = KVCacheTensor(size=raw.numel(), layers=[name], layer_stride=raw.numel(), block_stride=page)
+            (view,) = create_kv_cache_views(raw, spec, kv_cache_config.num_blocks, kv_layout, placement)
+            caches[name] = view
+        return caches
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Registers vLLM's per-layer KV caches, in model layer order, as tutti's "paged" layout
+        (a layer's block is one dense run holding its K and V). CUDA caches (vLLM 0.32 allocates
+        every layer in one allocation) go to tuttid as device memory (CUDA IPC; tuttid started
+        with --device-memory cuda); CPU caches must be this connector's allocate_kv_caches.
+        Caches whose heads/slots order is not the one the model fingerprint names are refused
+        (a pool written in one order must not be read in the other)."""
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        ordered = sorted(kv_caches, key=extract_layer_index)
+        geometry = self._store.geometry
+        if len(ordered) != geometry.layers:
+            raise ConfigError(
+                f"vLLM registered {len(ordered)} attention layers but tuttid's pool is formatted for "
+                f"{geometry.layers}: format the pool for this model (tuttid --format with its geometry)"
+            )
+        first = kv_caches[ordered[0]]
+        order = _heads_slots_order(first)
+        expected = "HN" if self._kv_layout.index("H") < self._kv_layout.index("N") else "NH"
+        if order is not None and order != expected:
+            raise ConfigError(
+                f"vLLM's KV caches hold a block's {'heads outside slots' if order == 'HN' else 'slots outside heads'}, "
+                f"but the model fingerprint names the layout {self._kv_layout}: vLLM's resolved layout "
+                "(cache_config.kv_cache_layout) must be the one its caches use"
+            )
+        # GPU KV: a save's layer must be complete on the GPU before tuttid copies it out.
+        self._cuda_device = first.device if first.device.type == "cuda" else None
+        try:
+            self._store.register_kv(tutti.KvLayout.paged([kv_caches[name] for name in ordered]))
+        except tutti.UnsupportedMemory as error:
+            if self._cuda_device is not None:
+                hint = (
+                    "vLLM's GPU KV caches go to tuttid through CUDA IPC: start tuttid with --device-memory cuda "
+                    "on emu: devices, and keep vLLM's KV cache in one cudaMalloc allocation (not PyTorch's "
+                    "expandable segments)"
+                )
+            else:
+                hint = (
+                    "CPU KV caches vLLM allocated itself cannot be mapped by tuttid: allocate them with "
+                    "TuttiConnector.allocate_kv_caches"
+                )
+            raise tutti.UnsupportedMemory(f"{error}. {hint}") from error
+        self._layer_index = {name: index for index, name in enumerate(ordered)}
+        self._layer_names = ordered
+        self._layers = len(ordered)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before a preempted request's blocks are reused: its load or save stops after the layer
+        in flight (waited for); nothing of an unfinished save becomes visible. A load whose layer
+        does not complete ends the session first (the blocks may still be written); a save with
+        the committer whose layer does not complete in time is cancelled (never committed: its
+        bytes may have been read after vLLM reused the blocks)."""
+        assert isinstance(kv_connector_metadata, TuttiConnectorMetadata)
+        for req_id in kv_connector_metadata.preempted_req_ids:
+            load = self._loads.pop(req_id, None)
+            if load is not None and not self._settle(load.request):
+                self._end_session(f"a layer of preempted request {req_id}'s load did not complete")
+            save = self._saves.pop(req_id, None)
+            if save is not None:
+                self._settle(save.request)  # its device only reads vLLM's blocks; never committed
+            with self._lock:
+                token = self._save_token.get(req_id)
+                pending = token is not None and req_id in self._save_done and self._save_done[req_id] is None
+            if pending and not self._wait_for_commit(req_id, token):
+                with self._lock:
+                    self._cancelled.add(token)
+            with self._lock:
+                # Forgotten: the resumed request saves anew, and a late result of this save is
+                # ignored (its token is no longer the request's).
+                self._save_done.pop(req_id, None)
+                self._save_token.pop(req_id, None)
+
+    def _bind_worker_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """The worker's part of bind_connector_metadata: prepares the step's saves."""
+        assert isinstance(connector_metadata, TuttiConnectorMetadata)
+        self._loads_started = False
+        self._end_session_if_broken()
+        self._prepare_saves(connector_metadata.saves)
+        self._end_session_if_broken()
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        """Prepares this step's loads and issues each one's layer 0 (saves were prepared when the
+        metadata was bound). A load that cannot start is reported failed (vLLM recomputes it)."""
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, TuttiConnectorMetadata)
+        self._start_loads(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Blocks until every load of this step has layer `layer_name` in vLLM's blocks, issuing
+        each load's next layer as soon as the previous completes."""
+        layer = self._layer_index.get(layer_name)
+        if layer is None:
+            return
+        if not self._loads_started and self.has_connector_metadata():
+            # Loads are synchronous (vLLM starts them before the forward); should vLLM not have
+            # done so, they start here, before the layers that need them.
+            meta = self._get_connector_metadata()
+            assert isinstance(meta, TuttiConnectorMetadata)
+            self._start_loads(meta)
+        for req_id, state in list(self._loads.items()):
+            if self._loads.get(req_id) is not state:
+                continue  # ended meanwhile (the session ended)
+            try:
+                while state.completed <= layer:
+                    state.request.wait(self._timeout_s)
+                    state.completed += 1
+                    self._issue_load(req_id, state)
+            except tutti.Error as error:
+                self._fail_load(req_id, state, error)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
+        """Issues the writes of layer `layer_name` for every save of this step (after the previous
+        layer of that save completed: one layer in flight per request)."""
+        layer = self._layer_index.get(layer_name)
+        if layer is None:
+            return
+        if self._saves:
+            self._gpu_writes_done()
+        for req_id, state in list(self._saves.items()):
+            try:
+                while state.issued <= layer:
+                    self._advance_save(state)
+            except tutti.Error as error:
+                self._fail_save(req_id, state, error)
+
+    def wait_for_save(self) -> None:
+        """Issues what save_kv_layer did not (all layers, when vLLM called it for none), and hands
+        each save, its last layer possibly in flight, to the committer thread."""
+        # Loads are synchronous: one whose later layers vLLM did not wait for ends in this step.
+        if self._layers:
+            self.wait_for_layer_load(self._layer_names[-1])
+        if self._saves:
+            self._gpu_writes_done()
+        for req_id, state in list(self._saves.items()):
+            try:
+                while state.issued < self._layers:
+                    self._advance_save(state)
+            except tutti.Error as error:
+                self._fail_save(req_id, state, error)
+                continue
+            del self._saves[req_id]
+            with self._lock:
+                self._save_done[req_id] = None  # with the committer
+            # Bounded: a full queue waits here for the committer (back-pressure, not a leak).
+            self._commit_queue.put((req_id, state.token, state.request))
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
+        """Requests (named finished now or earlier) whose save is over: committed, or failed and
+        given up (their blocks can be freed either way). Loads are synchronous: none."""
+        with self._lock:
+            self._finished_req_ids |= finished_req_ids
+            done = {req_id for req_id in self._finished_req_ids if self._save_done.get(req_id) is not None}
+            for req_id in done:
+                del self._save_done[req_id]
+                self._save_token.pop(req_id, None)
+            # Keep only requests whose save is still with the committer; a finished request
+            # without a save of this worker's has nothing to report.
+            self._finished_req_ids = {req_id for req_id in self._finished_req_ids if req_id in self._save_done}
+        return (done or None), None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks of loads that failed since the last call (vLLM recomputes them)."""
+        failed, self._failed_block_ids = self._failed_block_ids, set()
+        return failed
+
+    def _shutdown_worker(self) -> None:
+        """Stops the committer (after the saves it holds), then closes the store."""
+        try:
+            self._commit_queue.put(None, timeout=self._timeout_s)
+        except queue.Full:
+            logger.error("tutti: the committer did not take the stop in %.1f s", self._timeout_s)
+        self._committer.join(timeout=self._timeout_s)
+        for state in list(self._loads.values()) + list(self._saves.values()):
+            self._settle(state.request)
+        self._store.close()
+
+    def _gpu_writes_done(self) -> None:
+        """With GPU KV: waits until the work queued on the current CUDA stream (the layers'
+        attention, which wrote the KV a save moves) has completed, since tuttid copies the
+        bytes as they are in GPU memory. A no-op for CPU KV."""
+        if self._cuda_device is not None:
+            torch.cuda.current_stream(self._cuda_device).synchronize()
+
+    def _prepare_saves(self, saves: list[SaveSpec]) -> None:
+        """Prepares each save (tuttid picks the slots of its new blocks); a save that cannot start
+        is a future miss, not a failure of the step."""
+        for save in saves:
+            token = next(self._tokens)
+            with self._lock:
+                self._save_token[save.req_id] = token
+                self._save_done.pop(save.req_id, None)
+            if self._dead is not None:
+                self._save_settled(save.req_id, token, False)
+                continue
+            try:
+                request = self._store.prepare_store(save.tokens, save.block_ids)
+            except tutti.Error as error:
+                logger.warning("tutti: save of request %s not started: %s", save.req_id, error)
+                self._note_daemon_failure(error)
+                self._save_settled(save.req_id, token, False)
+                continue
+            if request.new_blocks == 0:
+                # Nothing to write (the pool holds every block): over now.
+                try:
+                    request.finish()
+                except tutti.Error as error:
+                    logger.warning("tutti: a save of request %s with nothing to write did not finish: %s", save.req_id, error)
+                    self._note_daemon_failure(error)
+                self._save_settled(save.req_id, token, True)
+                continue
+            self._saves[save.req_id] = _WorkerSave(request, token)
+
+    def _start_loads(self, meta: TuttiConnectorMetadata) -> None:
+        """Prepares each load of the step and issues its layer 0, once per step."""
+        if self._loads_started:
+            return
+        self._loads_started = True
+        for load in meta.loads:
+            # Nothing of a load that does not start is written: only its own blocks are missing.
+            if self._dead is not None:
+                self._failed_block_ids.update(load.block_ids[load.first_block :])
+                continue
+            try:
+                request = self._store.prepare_retrieve(load.tokens, load.block_ids)
+            except tutti.Error as error:
+                logger.warning("tutti: load of request %s failed to prepare (%s); its blocks are recomputed", load.req_id, error)
+                self._note_daemon_failure(error)
+                self._failed_block_ids.update(load.block_ids[load.first_block :])
+                continue
+            state = _WorkerLoad(request, load.block_ids, load.first_block)
+            self._loads[load.req_id] = state
+            try:
+                self._issue_load(load.req_id, state)
+            except tutti.Error as error:
+                self._fail_load(load.req_id, state, error)
+        self._end_session_if_broken()
+
+    def _issue_load(self, req_id: str, state: _WorkerLoad) -> None:
+        if state.issued < self._layers:
+            state.request.retrieve_layer(state.issued)
+            state.issued += 1
+        elif state.completed >= self._layers:
+            # Every layer is in vLLM's blocks: the load succeeded, whatever its release says.
+            del self._loads[req_id]
+            try:
+                state.request.finish()
+            except tutti.Error as error:
+                logger.warning("tutti: a completed load of request %s did not finish: %s", req_id, error)
+                self._note_daemon_failure(error)
+
+    def _advance_save(self, state: _WorkerSave) -> None:
+        if state.issued > state.completed:
+            state.request.wait(self._timeout_s)
+            state.completed += 1
+        state.request.store_layer(state.issued)
+        state.issued += 1
+
+    def _fail_load(self, req_id: str, state: _WorkerLoad, error: Exception) -> None:
+        """Reports a failed load's blocks (vLLM recomputes them), once nothing can write them: a
+        layer that does not settle ends the session first."""
+        logger.warning("tutti: load of request %s failed at layer %d (%s); its blocks are recomputed", req_id, max(state.issued - 1, 0), error)
+        self._loads.pop(req_id, None)
+        # A wait that failed, or an issue that failed with part of its layer in flight.
+        torn = state.issued > state.completed or state.request.layer_in_flight is not None
+        if not self._settle(state.request):
+            self._end_session(f"a layer of request {req_id}'s load did not complete")
+        self._failed_block_ids.update(state.blocks_to_recompute(torn))
+
+    def _fail_save(self, req_id: str, state: _WorkerSave, error: Exception) -> None:
+        logger.warning("tutti: save of request %s failed (%s); nothing of it becomes visible", req_id, error)
+        self._saves.pop(req_id, None)
+        # A layer that does not settle only reads vLLM's blocks, and is never committed.
+        self._settle(state.request)
+        self._save_settled(req_id, state.token, False)
+
+    def _save_settled(self, req_id: str, token: int, committed: bool) -> None:
+        """Records the outcome of the request's save `token` (ignored if it is not its current
+        save any more: preempted and forgotten, or saved anew)."""
+        with self._lock:
+            self._cancelled.discard(token)
+            if self._save_token.get(req_id) == token:
+                self._save_done[req_id] = committed
+
+    def _settle(self, request: Any) -> bool:
+        """Ends a request that is given up: waits for its layer in flight (the device may still
+        move those blocks' bytes), then finishes it without committing. Returns False when its
+        layer is still in flight (nothing was ended: its memory may still be written or read)."""
+        try:
+            if request.layer_in_flight is not None:
+                request.wait(self._timeout_s)
+        except tutti.Error as error:
+            if request.layer_in_flight is not None:
+                logger.error("tutti: a layer of an abandoned request did not complete: %s", error)
+                return False
+        try:
+            request.finish()
+        except tutti.InvalidState as error:
+            logger.error("tutti: an abandoned request could not be finished: %s", error)
+            return False
+        except tutti.Error as error:
+            # The store let go of it (a lost session, a closed store): nothing is in flight.
+            logger.warning("tutti: an abandoned request could not be finished: %s", error)
+            self._note_daemon_failure(error)
+        return True
+
+    def _note_daemon_failure(self, error: Exception) -> None:
+        """A daemon exchange failed: if the connection is lost (closed, or an exchange that timed
+        out and left it out of step), the session is ended at the worker's next step."""
+        if connection_lost(error):
+            with self._lock:
+                if self._broken is None:
+                    self._broken = f"a tuttid exchange failed: {error}"
+
+    def _end_session_if_broken(self) -> None:
+        with self._lock:
+            reason = self._broken
+        if reason is not None and self._dead is None:
+            self._end_session(reason)
+
+    def _end_session(self, reason: str) -> None:
+        """Ends the worker's tuttid session for good: tuttid deletes its queue pairs, after which
+        nothing more is written to vLLM's blocks. This step's loads are reported failed and its
+        saves are misses; later steps load and save nothing (the KV memory is tuttid's window, so
+        the session cannot be opened again: restart the worker). Raises KvMemoryUnsafe when a
+        layer was still in flight and tuttid did not confirm that the session ended cleanly."""
+        if self._dead is not None:
+            return
+        self._dead = reason
+        logger.error("tutti: the worker's tuttid session is ended (%s); this worker loads and saves nothing more", reason)
+        loads, saves = list(self._loads.values()), list(self._saves.items())
+        self._loads.clear()
+        self._saves.clear()
+        # Waits for the layers still in flight (bounded), closes the connection; with a layer
+        # still in flight, waits until tuttid dropped the session (its queue pairs deleted).
+        self._store.close(timeout_s=self._timeout_s)
+        kept = self._store.leaked_registrations()
+        if kept:
+            raise KvMemoryUnsafe(
+                f"tutti: {reason}, and tuttid did not confirm that the session's queue pairs were deleted "
+                f"({kept} KV memory registrations kept): vLLM's KV blocks may still be written, so the "
+                "worker stops rather than hand them back"
+            )
+        # Nothing moves their bytes any more: vLLM recomputes the loads; the saves are misses.
+        for state in loads:
+            self._failed_block_ids.update(state.blocks_to_recompute(state.issued > state.completed))
+        for req_id, state in saves:
+            self._save_settled(req_id, state.token, False)
+
+    def _wait_for_commit(self, req_id: str, token: int) -> bool:
+        """Waits (bounded by timeout_s) until the committer settled the request's save `token`;
+        returns whether it did."""
+        for _ in range(int(self._timeout_s / _COMMIT_POLL_S) + 1):
+            with self._lock:
+                if self._save_token.get(req_id) != token or self._save_done.get(req_id) is not None:
+                    return True
+            time.sleep(_COMMIT_POLL_S)
+        logger.error("tutti: the save of preempted request %s did not finish in %.1f s; it is cancelled", req_id, self._timeout_s)
+        return False
+
+    def _commit_loop(self) -> None:
+        while True:
+            item = self._commit_queue.get()
+            if item is None:
+                return
+            req_id, token, request = item
+            committed = False
+            try:
+                request.wait(self._timeout_s)
+            except tutti.Error as error:
+                logger.warning("tutti: save of request %s not committed: its last layer failed (%s)", req_id, error)
+                self._settle(request)
+                self._save_settled(req_id, token, False)
+                continue
+            with self._lock:
+                cancelled = token in self._cancelled
+            if cancelled:
+                # Preempted while its layer was in flight: its bytes may have been read after
+                # vLLM reused the blocks. Never committed.
+                self._settle(request)
+            else:
+                try:
+                    request.commit()
+                    committed = True
+                except tutti.Error as error:
+                    logger.warning("tutti: save of request %s not committed: %s", req_id, error)
+                    self._note_daemon_failure(error)
+                    self._settle(request)
+            self._save_settled(req_id, token, committed)
+
+
+def _tp_rank(vllm_config: "VllmConfig", tp_world: int) -> int:
+    """This worker's tensor-parallel rank: vLLM's TP group once initialised, else the parallel
+    config's rank (set per worker by vLLM before the connector is built)."""
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, model_parallel_is_initialized
+
+        if model_parallel_is_initialized():
+            return int(get_tensor_model_parallel_rank())
+    except ImportError:
+        pass
+    return int(vllm_config.parallel_config.rank) % tp_world
+
+
+def _heads_slots_order(view: torch.Tensor) -> Optional[str]:
+    """Whether a layer's `[blocks, heads, slots, content]` view keeps heads outside slots ("HN",
+    LBHNC) or slots outside heads ("NH", LBNHC) in memory; None when the view does not say (not
+    4-D, or one head or one slot)."""
+    if view.dim() != 4 or view.shape[1] < 2 or view.shape[2] < 2:
+        return None
+    return "HN" if view.stride(1) > view.stride(2) else "NH"
+
+
+def _attention_layers(kv_cache_config: "KVCacheConfig") -> tuple[list[str], Any]:
+    """The layer names (model order) and spec of the one full-attention group tutti stores."""
+    from vllm.model_executor.models.utils import extract_layer_index
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    groups = [group for group in kv_cache_config.kv_cache_groups if isinstance(group.kv_cache_spec, AttentionSpec)]
+    if len(groups) != 1:
+        raise ConfigError(
+            f"tutti stores models with one group of attention layers; this model has {len(groups)} "
+            "(hybrid models are not supported)"
+        )
+    return sorted(groups[0].layer_names, key=extract_layer_index), groups[0].kv_cache_spec

@@ -1,0 +1,53 @@
+"""What the two sides of `tutti.vllm.TuttiConnector` share: the step's instructions from the
+scheduler to the workers (`TuttiConnectorMetadata`, pickled to them by vLLM), and how a failed
+exchange with tuttid is judged."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import tutti
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass
+class LoadSpec:
+    """Scheduler → worker: read the cached prefix `tokens` (whole blocks) into `block_ids`.
+
+    Blocks before `first_block` are vLLM's own (its local prefix cache hit): the store reads a
+    prefix from its first block, so they are read again with the same bytes, but only blocks
+    from `first_block` on are the load's to fill (see `_WorkerLoad.blocks_to_recompute`)."""
+
+    req_id: str
+    tokens: list[int]
+    block_ids: list[int]
+    first_block: int = 0
+
+
+@dataclass
+class SaveSpec:
+    """Scheduler → worker: store the prefix `tokens` (whole blocks) from `block_ids`, layer by layer
+    during this step's forward."""
+
+    req_id: str
+    tokens: list[int]
+    block_ids: list[int]
+
+
+@dataclass
+class TuttiConnectorMetadata(KVConnectorMetadata):
+    """One step's instructions for the workers (pickled to them by vLLM)."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+
+def connection_lost(error: Exception) -> bool:
+    """Whether a daemon call's failure leaves the connection unusable: a closed connection or a
+    session tuttid ended, an exchange that timed out (the client no longer knows which reply is
+    whose), or a failure of the exchange itself (no refusal code). Another refusal with a code
+    (e.g. Busy, LimitReached) leaves it usable."""
+    if isinstance(error, (tutti.TimeoutError, tutti.Disconnected)):
+        return True  # Disconnected: also tuttid ending the session (LeaseExpired, ShuttingDown)
+    return isinstance(error, tutti.DaemonError) and getattr(error, "code", None) is None
