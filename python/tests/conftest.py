@@ -8,16 +8,15 @@ exit fails the test with what it printed."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import tutti
+from tuttid_process import TuttidProcess
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
@@ -40,73 +39,19 @@ def tuttid_binary() -> str:
     return path
 
 
-class Daemon:
-    """A tuttid process serving a socket in `directory`."""
+class Daemon(TuttidProcess):
+    """A tuttid process serving a socket in `directory`, its pool on `device`, for the core
+    tests' model."""
 
     def __init__(self, directory: Path, device: str = "emu:mem:64m", extra: tuple[str, ...] = ()):
-        self.directory = directory
-        directory.mkdir(parents=True, exist_ok=True)
-        self.socket = str(directory / "tuttid.sock")
-        self.log = open(directory / "tuttid.log", "w+b")
-        command = [tuttid_binary(), "--device", device, "--socket", self.socket, "--lock-dir", str(directory / "locks"),
-                   "--metrics", "off", *DAEMON_MODEL, *extra]
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + WAIT_S
-        while not os.path.exists(self.socket):
-            if self.process.poll() is not None:
-                pytest.fail(f"tuttid exited with {self.process.returncode}: {self.output()}")
-            if time.monotonic() > deadline:
-                self.kill()
-                pytest.fail(f"tuttid did not listen within {WAIT_S} s: {self.output()}")
-            time.sleep(0.02)
-
-    def output(self) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read().decode(errors="replace")
+        super().__init__(directory, tuttid_binary(), ["--device", device, *DAEMON_MODEL, *extra], stop_timeout_s=WAIT_S)
 
     def stop(self) -> int:
-        """SIGTERM, then a bounded wait; SIGKILL if it does not exit."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(WAIT_S)
-            except subprocess.TimeoutExpired:
-                self.kill()
-                pytest.fail(f"tuttid did not exit within {WAIT_S} s of SIGTERM: {self.output()}")
-        return self.process.returncode
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(WAIT_S)
-
-    def pause(self) -> None:
-        """SIGSTOP: the software controller inside the daemon stops moving bytes.
-
-        Returns once every thread of the daemon is stopped: the signal is delivered
-        asynchronously, and a controller thread still running could complete I/O issued after
-        `kill` returned (seen under load)."""
-        os.kill(self.process.pid, signal.SIGSTOP)
-        deadline = time.monotonic() + 5.0
-        tasks = f"/proc/{self.process.pid}/task"
-        while True:
-            states = []
-            for task in os.listdir(tasks):
-                try:
-                    with open(f"{tasks}/{task}/stat") as stat:
-                        # The state follows the command name, which is in parentheses.
-                        states.append(stat.read().rsplit(")", 1)[1].split()[0])
-                except FileNotFoundError:
-                    continue
-            if states and all(state in ("T", "t") for state in states):
-                return
-            if time.monotonic() > deadline:
-                raise AssertionError(f"tuttid did not stop within 5 s of SIGSTOP (thread states {states})")
-            time.sleep(0.001)
-
-    def resume(self) -> None:
-        os.kill(self.process.pid, signal.SIGCONT)
+        """SIGTERM, then a bounded wait; a daemon that does not exit is killed and fails the test."""
+        returncode = super().stop()
+        if returncode is None:
+            pytest.fail(f"tuttid did not exit within {WAIT_S} s of SIGTERM: {self.output()}")
+        return returncode
 
 
 @pytest.fixture
