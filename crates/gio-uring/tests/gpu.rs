@@ -44,22 +44,16 @@ mod common;
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    use std::path::PathBuf;
-    use std::sync::Arc;
     use std::time::{Duration, Instant};
 
     use gio_uring::abi::Opcode;
-    use gio_uring::gpu::{
-        BarMapping, DeviceMemory, DmaMode, GpuConfig, GpuExecutor, GpuExecutorConfig, GpuQueueSpec, GpuRuntime, StagingBuffer,
-    };
     use gio_uring::{
-        Dependency, Descriptor, DeviceIndex, DeviceInfo, DeviceTable, GioQueue, IocbFailure, IoctxSpec, IovaRange, LayerIndex, Lba,
-        QueueConfig, RegisteredMemory, SmBudget,
+        Dependency, Descriptor, DeviceIndex, DeviceTable, GioQueue, IocbFailure, IoctxSpec, LayerIndex, Lba, QueueConfig, SmBudget,
     };
-    use nvme_driver::hw::{DeviceBackend, DmaRegion};
-    use nvme_driver::{Controller, ControllerConfig};
-    use nvme_emu::{Backing, EmuConfig, EmuDevice, FaultAction, FaultPlan, FaultRule, NamespaceConfig};
+    use nvme_driver::hw::DmaRegion;
+    use nvme_emu::{Backing, EmuConfig, FaultAction, FaultPlan, FaultRule, NamespaceConfig};
 
+    use crate::common::gpu_setup::{self, EmulatedController, Staging};
     use crate::common::{assert_ssd_layout, layered, pattern, BLOCKS_PER_IOCTX, BLOCK_BYTES, IOCTXS, LAYERS, LAYER_BYTES};
 
     fn deadline() -> Instant {
@@ -83,78 +77,55 @@ mod cuda {
     }
 
     pub fn staged_round_trip_matches_bytes_and_a_timeout_resets_the_queue_pair() {
-        let kernel_dir = std::env::var_os("GIO_KERNEL_DIR")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/kernels"));
-        // tools/gpu/run-gpu-tests.sh passes the mode it asks for; only staged is written so far.
-        let mode: DmaMode = std::env::var("GIO_DMA_MODE").unwrap_or_else(|_| "staged".into()).parse().expect("GIO_DMA_MODE");
-        assert_eq!(mode, DmaMode::Staged, "this test exercises staged mode only; {mode} is not written yet");
-        let config = GpuConfig { device_ordinal: 0, io_sm_budget: SmBudget(2), dma_mode: mode, kernel_dir };
-        let runtime = GpuRuntime::open(&config).expect("GPU runtime (run tools/cuda-build.sh first)");
+        // tools/gpu/run-gpu-tests.sh passes the mode it asks for (GIO_DMA_MODE); only staged is written.
+        let runtime = gpu_setup::open_runtime(SmBudget(2)).unwrap();
         println!("gpu test: {:?}", runtime.report());
 
         let emu = EmuConfig::default()
             .with_backing(Backing::Memory { bytes: 8 << 20 })
             .with_namespaces(vec![NamespaceConfig::new(BLOCK_BYTES, Some(4 << 20))]);
-        let device = EmuDevice::start(emu).expect("software controller");
-        let backend: Arc<dyn DeviceBackend> = device.clone();
-        let controller = Arc::new(Controller::init(backend, ControllerConfig::default()).expect("bring-up"));
-        let namespace = controller.namespaces()[0];
+        let emulated = EmulatedController::start(emu).unwrap();
+        let (device, controller) = (&emulated.device, &emulated.controller);
         let bytes = (LAYER_BYTES * u64::from(LAYERS)) as usize;
-        let source_staging = controller.dma().allocate(bytes).unwrap();
-        let target_staging = controller.dma().allocate(bytes).unwrap();
-        let source_gpu = DeviceMemory::allocate(bytes).unwrap();
-        let target_gpu = DeviceMemory::allocate(bytes).unwrap();
+        let source = Staging::allocate(controller, bytes, "source").unwrap();
+        let target = Staging::allocate(controller, bytes, "target").unwrap();
         let data = pattern(bytes);
-        source_gpu.copy_from_host(0, &data).unwrap();
-        target_gpu.copy_from_host(0, &vec![0u8; bytes]).unwrap();
+        source.gpu.copy_from_host(0, &data).unwrap();
+        target.gpu.copy_from_host(0, &vec![0u8; bytes]).unwrap();
+        gpu_setup::settle_copies(&target.gpu).unwrap();
 
-        let executor_config = GpuExecutorConfig {
-            // About 0.2 s before the kernel gives up on a lost completion.
-            poll_iterations_max: 20_000,
-            staging: vec![
-                StagingBuffer { host: source_staging.clone(), gpu_address: source_gpu.address() },
-                StagingBuffer { host: target_staging.clone(), gpu_address: target_gpu.address() },
-            ],
-            ..GpuExecutorConfig::default()
-        };
-        let queues =
-            vec![GpuQueueSpec { controller: Arc::clone(&controller), bar: BarMapping::host_memory(device.register_region()), depth: 64 }];
-        let mut executor = GpuExecutor::new(runtime, queues, executor_config).expect("CUDA executor");
+        // About 0.2 s before the kernel gives up on a lost completion.
+        let mut executor = gpu_setup::staged_executor(runtime, &emulated, 64, &[&source, &target], 20_000).unwrap();
         println!("gpu test: grid limits {:?}", executor.grid_limits());
         let token = executor.create_dependency_event().unwrap();
         executor.record_dependency_on_io_stream(token).unwrap();
 
-        let info = DeviceInfo {
-            nsid: namespace.id.0,
-            capacity_blocks: namespace.size_blocks,
-            block_bytes: namespace.block_size_bytes,
-            sgl_supported: false,
-        };
-        let registered = RegisteredMemory::new(
-            [&source_staging, &target_staging].iter().map(|region| IovaRange::new(region.iova(), region.len() as u64)).collect(),
+        let (source_staging, target_staging) = (&source.host, &target.host);
+        let registered = gpu_setup::registered(&[&source, &target]).unwrap();
+        let mut queue = GioQueue::init_queue(
+            QueueConfig { depth: 16, ioctx_per_iocb_max: 2048 },
+            DeviceTable::new(vec![emulated.device_info()]),
+            registered,
+            executor,
         )
         .unwrap();
-        let mut queue =
-            GioQueue::init_queue(QueueConfig { depth: 16, ioctx_per_iocb_max: 2048 }, DeviceTable::new(vec![info]), registered, executor)
-                .unwrap();
         let write = queue.get_iocb(1, Dependency::Event(token)).unwrap()[0];
         let read = queue.get_iocb(1, Dependency::None).unwrap()[0];
-        queue.fill_iocb(write, &layered(Opcode::Write), &ioctxs(&source_staging)).unwrap();
-        queue.fill_iocb(read, &layered(Opcode::Read), &ioctxs(&target_staging)).unwrap();
+        queue.fill_iocb(write, &layered(Opcode::Write), &ioctxs(source_staging)).unwrap();
+        queue.fill_iocb(read, &layered(Opcode::Read), &ioctxs(target_staging)).unwrap();
         for layer in 0..LAYERS {
             queue.issue_io(&[write], LayerIndex(layer), SmBudget(2)).unwrap();
             assert_eq!(queue.wait_cqe(write, deadline()).unwrap().result, Ok(()), "write layer {layer}");
         }
         // The SSD must hold what the CPU executor's workload puts there.
-        assert_ssd_layout(&controller, &data);
+        assert_ssd_layout(controller, &data);
         for layer in 0..LAYERS {
             queue.issue_io(&[read], LayerIndex(layer), SmBudget(2)).unwrap();
             let completion = queue.wait_cqe(read, deadline()).unwrap();
             assert_eq!((completion.result, completion.layer), (Ok(()), LayerIndex(layer)), "read layer {layer}");
         }
         let mut back = vec![0u8; bytes];
-        target_gpu.copy_to_host(0, &mut back).unwrap();
+        target.gpu.copy_to_host(0, &mut back).unwrap();
         assert!(back == data, "bytes read back into GPU memory differ from the bytes written from GPU memory");
         println!("gpu test: {bytes} bytes written from and read back into GPU memory, identical");
         // Every CQE the kernel produced found room in its sink (claimed before it was needed).

@@ -4,6 +4,9 @@
 
 use std::time::Duration;
 
+#[cfg(feature = "cuda")]
+pub mod gpu_setup;
+
 use gio_uring::abi::Opcode;
 use gio_uring::IocbSpec;
 use nvme_driver::{Controller, DataSegment, Lba};
