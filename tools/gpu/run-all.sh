@@ -5,7 +5,7 @@
 # usage, in the repository root:
 #   tools/gpu/run-all.sh --prepare      on the development machine (cargo, pip, network): what the
 #                                       GPU machine cannot build, into target/gpu-carry/
-#   tools/gpu/run-all.sh [STEP...]      on the GPU machine; STEPs (default: all, in this order):
+#   tools/gpu/run-all.sh [STEP...]      on the GPU machine; STEPs (default: all but prefill, in this order):
 #     tests      item 2: tools/gpu/run-gpu-tests.sh (kernels, rule checks, the gio-uring GPU test)
 #     green      item 3: tools/gpu/green-contexts.cu, GEMM slowdown beside a poller
 #     bandwidth  item 5: tools/gpu/h2d-bandwidth.cu, pinned/registered/mapped copies per KV layer
@@ -17,8 +17,15 @@
 #                (carried) on emu:mem with --device-memory cuda; tools/gpu/python-cuda-check.py
 #                stores from one process's torch CUDA KV tensors and retrieves into another's,
 #                comparing every byte, and prints GiB/s (docs/python.md, GPU memory)
+#     prefill    issue 15 item 6, only when named: tools/gpu/prefill-ttft.py — a Llama-3.1-8B-shaped
+#                transformers model (random weights) prefills an 8192-token prompt whose prefix KV
+#                tutti retrieves layer by layer (the wheel and tuttid carried, emu:mem, --device-memory
+#                cuda), against recomputing the prefix, at hit rates 0.25/0.5/0.9: TTFT, bubble,
+#                logits checked (its budget, RUN_ALL_PREFILL_BUDGET_S, default 150 s, includes model
+#                set-up) → prefill-ttft.json
 #
-# The device's 10-minute limit per call does not hold all six: call `tests green bandwidth ipc python`
+# The device's 10-minute limit per call does not hold all six (seven with prefill, which runs only when
+# named: its file would be a call's ninth): call `tests green bandwidth ipc python`
 # (about 2 to 5 minutes; ipc and python well under one each), then `slack` (its budget, RUN_ALL_SLACK_BUDGET_S, default 420 s,
 # includes model set-up; the profile stops early rather than overrun, keeping complete input
 # lengths). docs/gio-uring.md ("Running on a GPU") gives the exact calls and the carry list.
@@ -38,6 +45,7 @@
 #   bandwidth-kernel.json  item 5 through the gio kernel, once its entry point exists
 #   slack-timeline.csv     item 4 kernel timeline (provenance in its '#' lines)
 #   slack-provenance.json  machine, driver, versions, date, grid   slack-table.json  the imported table
+#   prefill-ttft.json      item 6 figures (only with the prefill step: name it in a call of ≤ 7 other files)
 # Exit status: non-zero if any step failed. Every step runs under `timeout`.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -104,7 +112,7 @@ budget() { local name="RUN_ALL_${1}_BUDGET_S"; echo "${!name:-$2}"; }
 STEPS=("$@")
 [[ ${#STEPS[@]} -eq 0 ]] && STEPS=(tests green bandwidth ipc python slack)
 for step in "${STEPS[@]}"; do
-  case "$step" in tests | green | bandwidth | ipc | python | slack) ;; *) echo "run-all: unknown step '$step' (tests green bandwidth ipc python slack)" >&2; exit 2 ;; esac
+  case "$step" in tests | green | bandwidth | ipc | python | slack | prefill) ;; *) echo "run-all: unknown step '$step' (tests green bandwidth ipc python slack prefill)" >&2; exit 2 ;; esac
 done
 
 {
@@ -209,6 +217,15 @@ step_ipc() {
   [[ $rc -eq 0 ]]
 }
 
+# The wheel goes into a directory of its own on PYTHONPATH ($WORK/python-site, once per call): the
+# machine's torch stays the one its python3 has (no network here; the wheel has no dependencies).
+install_wheel() {
+  local python=$1 wheel=$2
+  [[ -f "$WORK/python-site/tutti/__init__.py" ]] && return 0
+  timeout 120 "$python" -m pip install --quiet --disable-pip-version-check --no-index --no-deps \
+    --target "$WORK/python-site" "$wheel" >>"$LOG" 2>&1
+}
+
 # RUN_ALL_PYTHON_DEVICE=stand-in (with RUN_ALL_TUTTID, RUN_ALL_WHEEL, RUN_ALL_PYTHON) rehearses this
 # step without a GPU: tutti.DeviceMemoryStandIn and tuttid --device-memory memfd (tools/gpu/check.sh).
 step_python() {
@@ -225,13 +242,8 @@ step_python() {
     record "NOT RUN python: $python cannot import $import"
     return 1
   fi
-  # The wheel goes into a directory of its own on PYTHONPATH: the machine's torch stays the one
-  # its python3 has (no network here; the wheel has no dependencies).
   local site="$WORK/python-site" dir="$WORK/python-tuttid" rc pid
-  if ! timeout 120 "$python" -m pip install --quiet --disable-pip-version-check --no-index --no-deps --target "$site" "$wheel" >>"$LOG" 2>&1; then
-    record "NOT RUN python: installing $wheel failed (see run.log)"
-    return 1
-  fi
+  install_wheel "$python" "$wheel" || { record "NOT RUN python: installing $wheel failed (see run.log)"; return 1; }
   mkdir -p "$dir"
   section "tuttid --device-memory $memory"
   "$tuttid" --device emu:mem:1g --socket "$dir/tuttid.sock" --lock-dir "$dir/locks" --metrics off --format \
@@ -256,6 +268,39 @@ step_python() {
   echo "python: ${line:-no PASS/FAIL line (exit $rc; see run.log)}" >>"$SUMMARY"
   grep -E '^(store|retrieve): [0-9]' "$WORK/python.log" | sed 's/^/python: /' >>"$SUMMARY"
   [[ $rc -eq 0 ]]
+}
+
+# RUN_ALL_PREFILL_DEVICE_ARGS="--device cpu --tiny" (with RUN_ALL_TUTTID, RUN_ALL_WHEEL,
+# RUN_ALL_PYTHON) rehearses this step without a GPU: a tiny model on the CPU, tuttid
+# --device-memory memfd (tools/gpu/check.sh).
+step_prefill() {
+  local python=${RUN_ALL_PYTHON:-python3} tuttid=${RUN_ALL_TUTTID:-$CARRY/tuttid} wheel=${RUN_ALL_WHEEL:-}
+  [[ -n "$wheel" ]] || wheel=$(ls "$CARRY"/tutti-*-abi3-*.whl 2>/dev/null | head -n 1)
+  if [[ ! -x "$tuttid" || ! -f "$wheel" ]]; then
+    record "NOT RUN prefill: no tuttid ($tuttid) or no tutti wheel in target/gpu-carry (tools/gpu/run-all.sh --prepare)"
+    return 1
+  fi
+  if ! "$python" -c "import torch, transformers" >>"$LOG" 2>&1; then
+    record "NOT RUN prefill: $python cannot import torch and transformers"
+    return 1
+  fi
+  install_wheel "$python" "$wheel" || { record "NOT RUN prefill: installing $wheel failed (see run.log)"; return 1; }
+  local budget_s rc device_args extra_args=() out
+  budget_s=$(budget PREFILL 150)
+  out=$(cd "$OUT" && pwd)  # the script runs in $WORK
+  read -r -a device_args <<<"${RUN_ALL_PREFILL_DEVICE_ARGS:---device cuda}"
+  read -r -a extra_args <<<"${RUN_ALL_PREFILL_ARGS:-}"  # e.g. "--prompt-tokens 16384"
+  (cd "$WORK" && PYTHONPATH="$WORK/python-site" PYTHONUNBUFFERED=1 timeout $((budget_s + 90)) "$python" \
+    "$ROOT/tools/gpu/prefill-ttft.py" "${device_args[@]}" --tuttid "$tuttid" --budget-s "$budget_s" \
+    --out "$out/prefill-ttft.json" "${extra_args[@]}") >"$WORK/prefill.log" 2>&1
+  rc=$?
+  cat "$WORK/prefill.log" >>"$LOG"
+  local line
+  line=$(grep -E '^(PASS|FAIL) ' "$WORK/prefill.log" | tail -n 1)
+  echo "prefill: ${line:-no PASS/FAIL line (exit $rc; see run.log)}" >>"$SUMMARY"
+  grep -E '^prefill-ttft: (hit|stored)' "$WORK/prefill.log" | sed 's/^prefill-ttft: /prefill: /' >>"$SUMMARY"
+  [[ $rc -eq 3 ]] && record "NOTE prefill: PARTIAL (budget reached); prefill-ttft.json has the hit rates that ran"
+  [[ $rc -eq 0 || $rc -eq 3 ]]
 }
 
 step_slack() {
