@@ -7,7 +7,11 @@
 #      installed by this script): the slack step of run-all.sh rehearsed on the CPU,
 #      slack-profile.py --device cpu --tiny → CSV → `tutti-profile import` → `check`;
 #   4. the python step of run-all.sh rehearsed without a GPU (the wheel, tuttid --device-memory
-#      memfd, tools/gpu/python-cuda-check.py --device stand-in).
+#      memfd, tools/gpu/python-cuda-check.py --device stand-in);
+#   5. the prefill step of run-all.sh rehearsed on the CPU (tools/gpu/prefill-ttft.py --device cpu
+#      --tiny: the wheel, tuttid --device-memory memfd, a tiny transformers model; ~20 s) with a
+#      python that has torch and transformers: GPU_CHECK_PREFILL_PYTHON, else GPU_CHECK_PYTHON, else
+#      an engines venv (~/.cache/tutti/engines/vllm-*/bin/python); skipped, saying so, without one.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
@@ -48,4 +52,21 @@ OUT="$OUT/python-rehearsal" RUN_ALL_PYTHON_DEVICE=stand-in RUN_ALL_PYTHON="$venv
   tools/gpu/run-all.sh python
 grep -q '^python: PASS' "$OUT/python-rehearsal/summary.txt"
 echo "gpu-check: python step rehearsed with the stand-in: $OUT/python-rehearsal"
+prefill_python=""
+for candidate in "${GPU_CHECK_PREFILL_PYTHON:-}" "${GPU_CHECK_PYTHON:-}" "$HOME"/.cache/tutti/engines/vllm-*/bin/python; do
+  if [[ -n "$candidate" && -x "$candidate" ]] && "$candidate" -c "import torch, transformers" 2>/dev/null; then
+    prefill_python=$candidate
+    break
+  fi
+done
+if [[ -n "$prefill_python" ]]; then
+  rm -rf "$OUT/prefill-rehearsal"
+  OUT="$OUT/prefill-rehearsal" RUN_ALL_PREFILL_DEVICE_ARGS="--device cpu --tiny" RUN_ALL_PYTHON="$prefill_python" \
+    RUN_ALL_TUTTID="$ROOT/target/debug/tuttid" RUN_ALL_WHEEL="$(ls "$ROOT"/target/wheels/tutti-*-abi3-*.whl)" \
+    tools/gpu/run-all.sh prefill
+  grep -q '^prefill: PASS' "$OUT/prefill-rehearsal/summary.txt"
+  echo "gpu-check: prefill step rehearsed on the CPU with $prefill_python: $OUT/prefill-rehearsal"
+else
+  echo "gpu-check: prefill step NOT rehearsed: no python with torch and transformers (set GPU_CHECK_PREFILL_PYTHON)"
+fi
 echo "gpu-check: OK"

@@ -498,8 +498,11 @@ def main() -> None:
                       f"{row['resident_ttft_ms']:.1f} ms, speed-up {row['speedup']:.2f}x; logits error "
                       f"{row['logits_error']:.2e} (wrong-KV control {row['negative_control_error']:.2e}, tolerance "
                       f"{tolerance:.0e}; vs resident {row['logits_error_vs_resident']:.1e}), {row['wrong_objects']} retrieved objects differ", flush=True)
-    except tutti.Error as error:
-        failures.append(f"tutti: {type(error).__name__}: {error}")
+    except Exception as error:  # noqa: BLE001 — any failure ends in a FAIL line, with its traceback
+        import traceback
+
+        traceback.print_exc()
+        failures.append(f"{type(error).__module__}.{type(error).__name__}: {error}")
     finally:
         if store is not None:
             try:

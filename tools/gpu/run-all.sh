@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# tools/gpu/run-all.sh — issue 15 items 2 to 5, and issue 14's GPU memory through tuttid, on a GPU
-# machine, in one or two device calls.
+# tools/gpu/run-all.sh — issue 15 items 2 to 6, and issue 14's GPU memory through tuttid, on a GPU
+# machine, in two or three device calls.
 #
 # usage, in the repository root:
 #   tools/gpu/run-all.sh --prepare      on the development machine (cargo, pip, network): what the
