@@ -631,3 +631,62 @@ def test_a_failed_load_reports_only_the_blocks_it_was_to_fill(tuttid):
     finally:
         worker.shutdown()
         scheduler.shutdown()
+
+
+class StandInWorker(LocalWorker):
+    """A LocalWorker whose KV caches are device memory (tutti.DeviceMemoryStandIn: what vLLM's
+    one CUDA allocation is on a GPU, here a memfd tuttid --device-memory memfd reaches by copies),
+    viewed per layer by vLLM's create_kv_cache_views, not tuttid's window."""
+
+    def __init__(self, socket: str, **extra) -> None:
+        from vllm.v1.kv_cache_interface import KVCacheTensor, create_kv_cache_views
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+
+        config = harness.vllm_config(socket, 1, extra={"socket": socket, "timeout_s": 20.0, **extra})
+        self.connector = harness.make_connector(config, KVConnectorRole.WORKER)
+        kv_config = harness.kv_cache_config()
+        spec = kv_config.kv_cache_groups[0].kv_cache_spec
+        layer_bytes = spec.page_size_bytes * kv_config.num_blocks
+        self.stand_in = tutti.DeviceMemoryStandIn(layer_bytes * harness.LAYERS)
+        raw = torch.from_dlpack(self.stand_in).view(torch.int8)
+        self.caches = {}
+        for index, name in enumerate(harness.layer_names()):
+            part = raw[index * layer_bytes : (index + 1) * layer_bytes]
+            placement = KVCacheTensor(size=layer_bytes, layers=[name], layer_stride=layer_bytes, block_stride=spec.page_size_bytes)
+            (self.caches[name],) = create_kv_cache_views(part, spec, kv_config.num_blocks, KVCacheLayout.LBHNC, placement)
+        self.connector.register_kv_caches(self.caches)
+        self.state = {"connector": self.connector, "caches": self.caches}
+
+
+def test_a_worker_with_device_memory_kv_opens_a_new_session_after_its_session_ended(tuttid):
+    """Goal: a worker whose KV caches are device memory (vLLM's GPU caches; here the CPU
+    stand-in) is not done for when its tuttid session ends (an exchange that timed out): the
+    caches are not the session's window, so a later step opens a new session, registers them
+    again, and loads from the pool byte-exact. (Window KV, the CPU path, cannot: see
+    test_a_daemon_exchange_that_times_out_ends_the_worker_session.)"""
+    daemon = tuttid(harness.TUTTID_GEOMETRY, ["--device-memory", "memfd"])
+    worker = StandInWorker(daemon.socket, timeout_s=0.5)
+    try:
+        tokens = prompt(17, blocks=2, tail=0)
+        worker.fill([1, 2], 17)
+        worker.save("S", tokens, [1, 2])
+        daemon.pause()
+        # Back before the end of the session is given up on: device memory is let go only once
+        # tuttid dropped the session (KvMemoryUnsafe otherwise).
+        resumer = threading.Timer(1.5, daemon.resume)
+        resumer.start()
+        try:
+            worker.step(TuttiConnectorMetadata(saves=[SaveSpec("X", prompt(18, blocks=2, tail=0), [3, 4])]))
+        finally:
+            resumer.join()
+            daemon.resume()
+        wait_no_worker_session(daemon.socket)
+        assert worker.connector._dead is not None
+        for part in worker.blocks_bytes([20, 21]):
+            part.zero_()
+        result = worker.step(TuttiConnectorMetadata(loads=[LoadSpec("L", tokens, [20, 21])]))
+        assert result["load_errors"] == set()
+        assert worker.connector._dead is None and len(worker_sessions(daemon.socket)) == 1
+        assert all(torch.equal(loaded, saved) for loaded, saved in zip(worker.blocks_bytes([20, 21]), worker.blocks_bytes([1, 2])))
+    finally:
+        worker.shutdown()

@@ -30,6 +30,11 @@ logger = logging.getLogger("tutti.vllm")
 
 # How long the committer thread waits for one layer before it looks at its queue again.
 _COMMIT_POLL_S = 0.05
+# A worker whose session ended and whose KV memory can be registered again (device memory)
+# opens a new session at its next step; after a failed try, not before a back-off that doubles
+# from the first to the last value.
+_REATTACH_BACKOFF_FIRST_S = 1.0
+_REATTACH_BACKOFF_MAX_S = 30.0
 
 
 class KvMemoryUnsafe(RuntimeError):
@@ -77,22 +82,14 @@ class WorkerSide:
 
     def _init_worker(self, vllm_config: "VllmConfig") -> None:
         self._tp_rank = _tp_rank(vllm_config, self._tp_world)
-        self._store = tutti.Store.attach(
-            self._config["socket"],
-            model_fingerprint=self._fingerprint,
-            tp_rank=self._tp_rank,
-            tp_world=self._tp_world,
-            client_name=f"vllm-worker-{self._tp_rank}",
-            timeout_s=self._timeout_s,
-            requests_max=self._config["requests_max"],
-        )
-        if self._store.block_tokens != self._block_size:
-            block_tokens = self._store.block_tokens
-            self._store.close()
-            raise ConfigError(
-                f"tuttid's pool stores blocks of {block_tokens} tokens but vLLM's block size is "
-                f"{self._block_size}: start vLLM with --block-size {block_tokens}"
-            )
+        self._store = self._attach()
+        # Whether the KV caches are tuttid's window (allocate_kv_caches): they go with the
+        # session. Otherwise (device memory) the registered tensors, for a new session.
+        self._kv_window = False
+        self._kv_tensors: Optional[list[torch.Tensor]] = None
+        self._reattach_at = 0.0
+        self._reattach_backoff_s = 0.0
+        self.reattaches = 0
         self._layer_index: dict[str, int] = {}
         self._cuda_device: Optional[torch.device] = None
         self._layer_names: list[str] = []
@@ -123,6 +120,27 @@ class WorkerSide:
         self._committer = threading.Thread(target=self._commit_loop, name="tutti-vllm-commit", daemon=True)
         self._committer.start()
 
+    def _attach(self) -> Any:
+        """A tuttid session in this rank's key space. Raises ConfigError for a pool of another
+        block size."""
+        store = tutti.Store.attach(
+            self._config["socket"],
+            model_fingerprint=self._fingerprint,
+            tp_rank=self._tp_rank,
+            tp_world=self._tp_world,
+            client_name=f"vllm-worker-{self._tp_rank}",
+            timeout_s=self._timeout_s,
+            requests_max=self._config["requests_max"],
+        )
+        if store.block_tokens != self._block_size:
+            block_tokens = store.block_tokens
+            store.close()
+            raise ConfigError(
+                f"tuttid's pool stores blocks of {block_tokens} tokens but vLLM's block size is "
+                f"{self._block_size}: start vLLM with --block-size {block_tokens}"
+            )
+        return store
+
     def allocate_kv_caches(self, kv_cache_config: "KVCacheConfig") -> dict[str, torch.Tensor]:
         """KV caches in tuttid's shared memory, in vLLM's own per-layer view (`[blocks, heads,
         slots, content]` built by vLLM's `create_kv_cache_views`, in vLLM's resolved layout,
@@ -141,6 +159,7 @@ class WorkerSide:
                 f"cache layout {self._kv_layout}: set VLLM_KV_CACHE_LAYOUT=LBHNC or LBNHC"
             )
         layout = self._store.allocate_kv(kv_cache_config.num_blocks, "paged")
+        self._kv_window = True
         caches: dict[str, torch.Tensor] = {}
         for index, name in enumerate(names):
             raw = torch.from_dlpack(layout.layer(index)).view(torch.int8)
@@ -177,8 +196,9 @@ class WorkerSide:
             )
         # GPU KV: a save's layer must be complete on the GPU before tuttid copies it out.
         self._cuda_device = first.device if first.device.type == "cuda" else None
+        tensors = [kv_caches[name] for name in ordered]
         try:
-            self._store.register_kv(tutti.KvLayout.paged([kv_caches[name] for name in ordered]))
+            self._store.register_kv(tutti.KvLayout.paged(tensors))
         except tutti.UnsupportedMemory as error:
             if self._cuda_device is not None:
                 hint = (
@@ -192,6 +212,7 @@ class WorkerSide:
                     "TuttiConnector.allocate_kv_caches"
                 )
             raise tutti.UnsupportedMemory(f"{error}. {hint}") from error
+        self._kv_tensors = None if self._kv_window else tensors
         self._layer_index = {name: index for index, name in enumerate(ordered)}
         self._layer_names = ordered
         self._layers = len(ordered)
@@ -226,6 +247,7 @@ class WorkerSide:
         """The worker's part of bind_connector_metadata: prepares the step's saves."""
         assert isinstance(connector_metadata, TuttiConnectorMetadata)
         self._loads_started = False
+        self._reattach_if_due()
         self._end_session_if_broken()
         self._prepare_saves(connector_metadata.saves)
         self._end_session_if_broken()
@@ -470,15 +492,21 @@ class WorkerSide:
             self._end_session(reason)
 
     def _end_session(self, reason: str) -> None:
-        """Ends the worker's tuttid session for good: tuttid deletes its queue pairs, after which
-        nothing more is written to vLLM's blocks. This step's loads are reported failed and its
-        saves are misses; later steps load and save nothing (the KV memory is tuttid's window, so
-        the session cannot be opened again: restart the worker). Raises KvMemoryUnsafe when a
-        layer was still in flight and tuttid did not confirm that the session ended cleanly."""
+        """Ends the worker's tuttid session: tuttid deletes its queue pairs, after which nothing
+        more is written to vLLM's blocks. This step's loads are reported failed and its saves
+        are misses; so are later steps' until a new session is open. Only device-memory KV (not
+        the session's window) can be registered with a new one: `_reattach_if_due` at the next
+        steps; window KV loads and saves nothing more (restart the worker). Raises
+        KvMemoryUnsafe when tuttid did not confirm that the session ended cleanly while a layer
+        was in flight, or (device memory) that it ended at all."""
         if self._dead is not None:
             return
         self._dead = reason
-        logger.error("tutti: the worker's tuttid session is ended (%s); this worker loads and saves nothing more", reason)
+        if self._kv_tensors is None:
+            logger.error("tutti: the worker's tuttid session is ended (%s); this worker loads and saves nothing more", reason)
+        else:
+            logger.error("tutti: the worker's tuttid session is ended (%s); a new one is opened at the next step", reason)
+            self._reattach_at = time.monotonic()
         loads, saves = list(self._loads.values()), list(self._saves.items())
         self._loads.clear()
         self._saves.clear()
@@ -497,6 +525,33 @@ class WorkerSide:
             self._failed_block_ids.update(state.blocks_to_recompute(state.issued > state.completed))
         for req_id, state in saves:
             self._save_settled(req_id, state.token, False)
+
+    def _reattach_if_due(self) -> None:
+        """Opens a new tuttid session for a worker whose session ended, when its KV memory can be
+        registered again (device memory; tuttid's window went with the session), once the
+        back-off after a failed try has passed. A failure leaves the worker as it was (loads
+        reported failed, saves missed) until the next try."""
+        if self._dead is None or self._kv_tensors is None or time.monotonic() < self._reattach_at:
+            return
+        try:
+            store = self._attach()
+            try:
+                store.register_kv(tutti.KvLayout.paged(self._kv_tensors))
+            except BaseException:
+                store.close()
+                raise
+        except tutti.Error as error:
+            self._reattach_backoff_s = min(max(2 * self._reattach_backoff_s, _REATTACH_BACKOFF_FIRST_S), _REATTACH_BACKOFF_MAX_S)
+            self._reattach_at = time.monotonic() + self._reattach_backoff_s
+            logger.warning("tutti: a new tuttid session failed (%s); the next try in %.1f s", error, self._reattach_backoff_s)
+            return
+        logger.warning("tutti: the worker opened a new tuttid session (the last one ended: %s)", self._dead)
+        self._store = store
+        with self._lock:
+            self._broken = None
+        self._dead = None
+        self._reattach_backoff_s = 0.0
+        self.reattaches += 1
 
     def _wait_for_commit(self, req_id: str, token: int) -> bool:
         """Waits (bounded by timeout_s) until the committer settled the request's save `token`;
