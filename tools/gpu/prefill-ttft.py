@@ -529,7 +529,8 @@ def main() -> None:
     if failures:
         fail("; ".join(failures))
     speedups = ", ".join(f"{row['hit_rate']:.2f}: {row['speedup']:.2f}x" for row in result["results"])
-    what = "CPU rehearsal (tiny, stand-in memory)" if device == "cpu" else info.get("gpu", {}).get("name", "GPU")
+    what = (f"CPU rehearsal ({'tiny, ' if args.tiny else ''}stand-in memory)" if device == "cpu"
+            else info.get("gpu", {}).get("name", "GPU"))
     if partial:
         print(f"PASS prefill: PARTIAL {done} of {len(hit_rates)} hit rates within {args.budget_s:.0f} s on {what}; "
               f"logits match recompute; speed-up {speedups}", flush=True)
