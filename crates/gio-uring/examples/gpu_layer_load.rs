@@ -129,7 +129,17 @@ mod run {
     pub fn run(options: &Options, started: Instant) -> Result<Outcome> {
         let layers = plan::layer_plan(&options.tokens, options.ioctx_bytes)?;
         let largest = layers.iter().map(|layer| layer.layer_bytes).max().ok_or("no layer sizes")?;
-        // Fail fast, before any memory is set up, where there is no GPU.
+        // Fail fast, before any memory is set up: a mode or kernel directory that cannot work,
+        // or no GPU.
+        gpu_setup::staged_mode_from_env()?;
+        let kernel_dir = gpu_setup::kernel_dir();
+        if !kernel_dir.is_dir() {
+            return Err(format!(
+                "GIO_KERNEL_DIR {}: not a directory (tools/cuda-build.sh writes the kernels to target/kernels)",
+                kernel_dir.display()
+            )
+            .into());
+        }
         let driver = match probe_driver() {
             Ok(driver) => driver,
             Err(GioError::NoCudaDriver { reason }) => {
