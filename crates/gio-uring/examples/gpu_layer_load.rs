@@ -129,17 +129,8 @@ mod run {
     pub fn run(options: &Options, started: Instant) -> Result<Outcome> {
         let layers = plan::layer_plan(&options.tokens, options.ioctx_bytes)?;
         let largest = layers.iter().map(|layer| layer.layer_bytes).max().ok_or("no layer sizes")?;
-        // Fail fast, before any memory is set up: a mode or kernel directory that cannot work,
-        // or no GPU.
+        // Fail fast, before any memory is set up: a mode that cannot work, no GPU, no kernels.
         gpu_setup::staged_mode_from_env()?;
-        let kernel_dir = gpu_setup::kernel_dir();
-        if !kernel_dir.is_dir() {
-            return Err(format!(
-                "GIO_KERNEL_DIR {}: not a directory (tools/cuda-build.sh writes the kernels to target/kernels)",
-                kernel_dir.display()
-            )
-            .into());
-        }
         let driver = match probe_driver() {
             Ok(driver) => driver,
             Err(GioError::NoCudaDriver { reason }) => {
@@ -151,6 +142,14 @@ mod run {
             }
             Err(other) => return Err(format!("CUDA driver probe: {other}").into()),
         };
+        let kernel_dir = gpu_setup::kernel_dir();
+        if !kernel_dir.is_dir() {
+            return Err(format!(
+                "GIO_KERNEL_DIR {}: not a directory (tools/cuda-build.sh writes the kernels to target/kernels)",
+                kernel_dir.display()
+            )
+            .into());
+        }
         let runtime = gpu_setup::open_runtime(SmBudget(options.io_sms))?;
         println!("gpu-layer-load: driver {driver:?}");
         println!("gpu-layer-load: {:?}", runtime.report());
