@@ -24,11 +24,12 @@
 #                logits checked (its budget, RUN_ALL_PREFILL_BUDGET_S, default 150 s, includes model
 #                set-up) → prefill-ttft.json
 #
-# The device's 10-minute limit per call does not hold all six (seven with prefill, which runs only when
-# named: its file would be a call's ninth): call `tests green bandwidth ipc python`
-# (about 2 to 5 minutes; ipc and python well under one each), then `slack` (its budget, RUN_ALL_SLACK_BUDGET_S, default 420 s,
-# includes model set-up; the profile stops early rather than overrun, keeping complete input
-# lengths). docs/gio-uring.md ("Running on a GPU") gives the exact calls and the carry list.
+# The device allows 10 minutes per call and 15 minutes of device time per session, machine start
+# included: call `tests green bandwidth prefill ipc python` (about 4 to 6 minutes; timeout_s 480),
+# then at once `RUN_ALL_SLACK_BUDGET_S=240 tools/gpu/run-all.sh slack` (timeout_s 330; the
+# profile stops early rather than overrun, keeping complete input lengths; the rest of its grid
+# waits for a later session). docs/gio-uring.md ("Running on a GPU") gives the exact calls and
+# the carry list.
 #
 # What the GPU machine has (the lent H100/H200: CUDA with nvcc, a driver, python3 with PyTorch;
 # no cargo, no network; only the working tree and carried paths travel, 64 MiB): the .cu programs
@@ -42,7 +43,7 @@
 #   summary.txt            one PASS/FAIL/NOT RUN line per step, with versions and times
 #   run.log                every step's output (run-gpu-tests.sh's own files are appended here)
 #   green-contexts.json    item 3 figures          bandwidth.json       item 5 figures (cudaMemcpy & co.)
-#   bandwidth-kernel.json  item 5 through the gio kernel, once its entry point exists
+#   bandwidth-kernel.json  item 5 through the gio kernel (gpu-layer-load)
 #   slack-timeline.csv     item 4 kernel timeline (provenance in its '#' lines)
 #   slack-provenance.json  machine, driver, versions, date, grid   slack-table.json  the imported table
 #   prefill-ttft.json      item 6 figures (only with the prefill step: name it in a call of ≤ 7 other files)
@@ -73,7 +74,7 @@ if [[ "${1:-}" == "--prepare" ]]; then
   strip "$CARRY/tutti-profile"
   wheels="$ROOT/.tools/cuda-wheels-13.2.86/nvidia/cu13"  # installed by tools/cuda-build.sh above
   build_programs "$wheels/bin/nvcc" sm_90 "$CARRY" "$wheels/include"
-  # Item 5 through the gio kernel needs a timed staged layer-load entry point; built once it exists.
+  # Item 5 through the gio kernel: the timed staged layer-load example.
   if [[ -f crates/gio-uring/examples/gpu_layer_load.rs ]]; then
     cargo build --release --locked -p gio-uring --features cuda --example gpu_layer_load
     cp target/release/examples/gpu_layer_load "$CARRY/gpu-layer-load"
@@ -188,10 +189,10 @@ step_bandwidth() {
   programs || { echo "no h2d-bandwidth program (no nvcc here and nothing carried)" >>"$LOG"; return 1; }
   timeout "$(budget BANDWIDTH 120)" "$PROGRAMS/h2d-bandwidth" --json "$OUT/bandwidth.json" >>"$LOG" 2>&1 || return 1
   # KV layer loads through the gio kernel (staged mode, software controller): the example
-  # crates/gio-uring/examples/gpu_layer_load.rs, once written (docs/gio-uring.md, "Running on a
-  # GPU", gives its contract). Until then this says so rather than measure something else.
+  # crates/gio-uring/examples/gpu_layer_load.rs (docs/gio-uring.md, "Running on a GPU"), carried
+  # by --prepare; without it this says so rather than measure something else.
   if [[ ! -x "$CARRY/gpu-layer-load" ]]; then
-    record "NOT RUN bandwidth through the gio kernel: no timed staged layer-load entry point (crates/gio-uring/examples/gpu_layer_load.rs) exists"
+    record "NOT RUN bandwidth through the gio kernel: target/gpu-carry/gpu-layer-load was not carried (tools/gpu/run-all.sh --prepare)"
     return 0
   fi
   local kernels="$ROOT/target/kernels"
