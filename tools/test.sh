@@ -8,9 +8,6 @@
 #   lint        rust-version checked (tools/check-msrv.sh), cargo clippy -D warnings, cargo fmt --check
 #   bindings    gio_abi.h → Rust bindings regenerated with bindgen and diffed (tools/check-bindings.sh,
 #               after tools/check-bindings-test.sh tests its libclang detection)
-#   cuda        CUDA kernels compiled with nvcc from the CUDA 13 wheels, `cuda` feature built
-#               (tools/cuda-build.sh; no GPU needed to compile); the GPU scripts' programs
-#               compiled and their timeline logic tested (tools/gpu/check.sh)
 #   fuzz        the cargo-fuzz targets build (running them needs nightly: see fuzz/README.md)
 #   benches     criterion benchmarks compile, and the driver's run once each (measuring is `cargo bench`)
 #   cluster     the cluster registry (crates/cluster), `tutti cluster status` and tuttid processes as
@@ -25,6 +22,11 @@
 #               pinned engines' real classes (vLLM 0.32.0, SGLang 0.5.23; environments cached under
 #               ~/.cache/tutti, keyed by the pins: tools/python/engine-env.sh), with tuttid daemons
 #               of their own (tools/python/engine-test.sh)
+#   cuda        CUDA kernels compiled with nvcc from the CUDA 13 wheels, `cuda` feature built
+#               (tools/cuda-build.sh; no GPU needed to compile); the GPU scripts' programs
+#               compiled, their timeline logic tested and the python and prefill steps of
+#               tools/gpu/run-all.sh rehearsed without a GPU (tools/gpu/check.sh; after engines,
+#               whose vLLM environment has the torch and transformers the prefill rehearsal needs)
 #   vm          the conformance suite against two QEMU NVMe controllers through VFIO in a Linux guest,
 #               and the object-store round trip over both (tools/vm-test.sh)
 #
@@ -42,7 +44,7 @@
 set -uo pipefail
 cd "$(dirname "$(readlink -f "$0")")/.."
 
-STAGES=${TUTTI_STAGES:-"rust lint bindings cuda fuzz benches cluster python engines vm"}
+STAGES=${TUTTI_STAGES:-"rust lint bindings fuzz benches cluster python engines cuda vm"}
 export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
 export DEBIAN_FRONTEND=noninteractive
 
@@ -168,7 +170,7 @@ for stage in $STAGES; do
     case $stage in
         rust | lint | bindings | cuda | fuzz | benches | cluster | python | engines | vm) run_stage "$stage" "stage_$stage" ;;
         *)
-            echo "tools/test.sh: unknown stage '$stage' (known: rust lint bindings cuda fuzz benches cluster python engines vm)" >&2
+            echo "tools/test.sh: unknown stage '$stage' (known: rust lint bindings fuzz benches cluster python engines cuda vm)" >&2
             exit 2
             ;;
     esac
