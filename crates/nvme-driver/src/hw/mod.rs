@@ -16,6 +16,7 @@
 #![allow(unsafe_code)]
 
 mod copied;
+mod mapper;
 mod memory;
 mod shared;
 pub mod vfio;
@@ -25,7 +26,8 @@ use std::io;
 use std::sync::Arc;
 
 pub use copied::{CopiedMemory, CopiedRegion, DataRegion};
-pub use memory::{DmaPool, DmaRegion, HostMemory, IdentityMapper, IommuMapper, MapObserver, ObservedIdentityMapper, PageKind};
+pub use mapper::{IdentityMapper, IommuMapper, MapObserver, ObservedIdentityMapper};
+pub use memory::{DmaPool, DmaRegion, HostMemory, PageKind};
 pub use shared::{SharedMemory, SharedMemoryError, SharedRegisters};
 pub use vfio::{VfioDevice, VfioError};
 pub use window::DmaWindow;

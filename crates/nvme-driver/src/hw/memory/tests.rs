@@ -1,0 +1,152 @@
+use super::*;
+
+#[test]
+fn allocate_is_zeroed_aligned_and_translatable() {
+    let pool = DmaPool::identity();
+    let region = pool.allocate(10_000).expect("allocate");
+    assert_eq!(region.len(), 12_288);
+    assert_eq!(region.iova().0 % 4096, 0);
+    let mut bytes = vec![1u8; region.len()];
+    region.read(0, &mut bytes).unwrap();
+    assert!(bytes.iter().all(|&b| b == 0));
+    region.write(100, b"hello").unwrap();
+    let view = pool.translate(region.iova().checked_add(100).unwrap(), 5).expect("translate");
+    let mut out = [0u8; 5];
+    view.read(0, &mut out).unwrap();
+    assert_eq!(&out, b"hello");
+}
+
+/// Maps nothing and fails every unmap, as an IOMMU that refused to tear a mapping down.
+struct FailingUnmap;
+
+impl IommuMapper for FailingUnmap {
+    // SAFETY: maps nothing and reads nothing through `_host`, so no caller promise is relied on.
+    unsafe fn map(&self, _host: *mut u8, _len: usize, _iova: Iova) -> Result<(), HwError> {
+        Ok(())
+    }
+    fn unmap(&self, iova: Iova, len: usize) -> Result<(), HwError> {
+        Err(HwError::Unmapped { iova, len })
+    }
+}
+
+#[test]
+fn host_memory_whose_unmap_failed_stays_mapped() {
+    // Goal: when the IOMMU unmap fails, the device may still reach the pages, so the
+    // region's own memory is leaked with its IOVA range, never munmapped.
+    let pool = DmaPool::new(Arc::new(FailingUnmap), Iova(1 << 32), Iova(1 << 40), false);
+    let region = pool.allocate(3 * PAGE_SIZE_BYTES).unwrap();
+    let (ptr, len) = (region.inner.ptr, region.inner.len);
+    drop(region);
+    let mut resident = vec![0u8; len / PAGE_SIZE_BYTES];
+    // SAFETY: mincore only reads the page tables for `ptr..ptr+len` (page aligned, one byte
+    // of `resident` per page); it fails with ENOMEM, touching nothing, if they are unmapped.
+    let status = unsafe { libc::mincore(ptr.as_ptr().cast(), len, resident.as_mut_ptr()) };
+    assert_eq!(status, 0, "the pages were unmapped: {}", std::io::Error::last_os_error());
+}
+
+#[test]
+fn allocated_memory_is_resident_before_anything_touches_it() {
+    // Goal: DMA memory is populated at allocation (as VFIO's pinning makes it), so no first
+    // touch inside the data path pays a page fault per page. Without MAP_POPULATE, none of
+    // an untouched anonymous mapping's pages is resident.
+    let memory = HostMemory::allocate(8 << 20, false).unwrap();
+    let pages = memory.len() / PAGE_SIZE_BYTES;
+    let mut resident = vec![0u8; pages];
+    // SAFETY: `memory` is a live page-aligned mapping of `memory.len()` bytes, and
+    // `resident` has one byte per page of it, as mincore(2) requires.
+    let status = unsafe { libc::mincore(memory.ptr.as_ptr().cast(), memory.len(), resident.as_mut_ptr()) };
+    assert_eq!(status, 0, "mincore: {}", std::io::Error::last_os_error());
+    let missing = resident.iter().filter(|&&page| page & 1 == 0).count();
+    assert_eq!(missing, 0, "{missing} of {pages} pages not resident");
+}
+
+#[test]
+fn large_allocations_start_on_a_huge_page_and_ask_for_transparent_huge_pages() {
+    // Goal: 4 KiB-page memory of 2 MiB or more starts on a 2 MiB boundary and its mapping is
+    // eligible for transparent huge pages (so a 1 MiB transfer can be one physically
+    // contiguous segment). Whether the kernel found free huge pages is its business and is
+    // not asserted; eligibility is the mapping's own (smaps' THPeligible).
+    let memory = HostMemory::allocate(5 << 20, false).unwrap();
+    let start = memory.ptr.as_ptr() as usize;
+    assert_eq!(start % HUGE_PAGE_SIZE_BYTES, 0, "start {start:#x}");
+    assert_eq!(memory.len(), 5 << 20);
+    let small = HostMemory::allocate(1 << 20, false).unwrap();
+    assert_eq!(small.len(), 1 << 20, "below 2 MiB nothing is rounded up to a huge page");
+    let Ok(enabled) = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled") else {
+        eprintln!("no transparent huge pages in this kernel: eligibility not checked");
+        return;
+    };
+    if enabled.contains("[never]") {
+        eprintln!("transparent huge pages are off here: eligibility not checked");
+        return;
+    }
+    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+    let mut inside = false;
+    let mut eligible = None;
+    for line in smaps.lines() {
+        let bounds = line.split_whitespace().next().and_then(|first| first.split_once('-'));
+        let bounds = bounds.and_then(|(from, to)| Some((usize::from_str_radix(from, 16).ok()?, usize::from_str_radix(to, 16).ok()?)));
+        if let Some((from, to)) = bounds {
+            inside = from <= start && start < to;
+        } else if let (true, Some(value)) = (inside, line.strip_prefix("THPeligible:")) {
+            eligible = Some(value.trim().to_string());
+        }
+    }
+    assert_eq!(eligible.as_deref(), Some("1"), "the mapping at {start:#x} is not eligible for transparent huge pages");
+}
+
+#[test]
+fn out_of_range_and_misaligned_are_errors() {
+    let pool = DmaPool::identity();
+    let region = pool.allocate(4096).unwrap();
+    assert!(matches!(region.write(4090, &[0; 7]), Err(HwError::OutOfRange { .. })));
+    assert!(matches!(region.load_u32(2, Ordering::Relaxed), Err(HwError::Misaligned { .. })));
+    assert!(matches!(region.subregion(usize::MAX, 2), Err(HwError::OutOfRange { .. })));
+    assert!(pool.translate(region.iova().checked_add(4000).unwrap(), 200).is_err());
+    assert!(pool.translate(Iova(5), 1).is_err());
+}
+
+#[test]
+fn a_streamed_entry_lands_whole_and_bad_offsets_are_refused() {
+    // Goal: the non-temporal copy writes exactly the 64 bytes, in order, at the offset, and
+    // nothing around them; an offset the instruction cannot take is an error, not a fault.
+    let pool = DmaPool::identity();
+    let region = pool.allocate(4096).unwrap();
+    region.fill(0, 4096, 0xEE).unwrap();
+    let entry: [u8; 64] = std::array::from_fn(|index| index as u8);
+    region.write_entry_streaming(128, &entry).unwrap();
+    crate::hw::fence_before_submission_doorbell();
+    let mut back = [0u8; 192];
+    region.read(64, &mut back).unwrap();
+    assert!(back[..64].iter().all(|&byte| byte == 0xEE), "bytes before the entry changed");
+    assert_eq!(back[64..128], entry, "the entry");
+    assert!(back[128..].iter().all(|&byte| byte == 0xEE), "bytes after the entry changed");
+    assert!(matches!(region.write_entry_streaming(8, &entry), Err(HwError::Misaligned { .. })));
+    assert!(matches!(region.write_entry_streaming(4064, &entry), Err(HwError::OutOfRange { .. })));
+}
+
+#[test]
+fn prefetch_meets_every_line_of_the_range_and_stays_inside_it() {
+    // Goal: whatever the region's and the range's alignment, the prefetched offsets fall in
+    // exactly the cache lines the range touches, each inside the range's end.
+    for base in [4096usize, 4096 + 8, 4096 + 48] {
+        for (offset, end) in [(0, 1), (0, 64), (32, 544), (16, 17), (60, 70), (64, 512), (5, 4000)] {
+            let offsets: Vec<usize> = super::prefetch_offsets(base, offset, end).collect();
+            assert!(offsets.iter().all(|&within| within < end), "base {base}, {offset}..{end}: {offsets:?}");
+            let lines: Vec<usize> = offsets.iter().map(|within| (base + within) / 64).collect();
+            let expected: Vec<usize> = ((base + offset) / 64..=(base + end - 1) / 64).collect();
+            assert_eq!(lines, expected, "base {base}, {offset}..{end}");
+        }
+    }
+}
+
+#[test]
+fn dropped_region_is_unmapped_and_reused() {
+    let pool = DmaPool::identity();
+    let first = pool.allocate(4096).unwrap();
+    let iova = first.iova();
+    drop(first);
+    assert!(pool.translate(iova, 1).is_err(), "a freed region must not translate");
+    let second = pool.allocate(4096).unwrap();
+    assert_eq!(second.iova(), iova, "freed IOVA ranges are reused");
+}
