@@ -12,6 +12,7 @@
 #![forbid(unsafe_code)]
 
 pub mod analytic;
+mod between;
 pub mod error;
 pub mod import;
 pub mod plot;

@@ -8,7 +8,7 @@
 //! IOCBs have not completed yet — and answers with kernels to launch at offsets into the layer.
 
 use crate::error::{Result, SchedulerError};
-use crate::table::{IoKind, LayerProfile, Profile, SlackWindow};
+use crate::table::{IoKind, Profile, SlackWindow};
 
 /// One I/O kernel launch.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -200,14 +200,12 @@ fn largest_fitting(table: &Profile, kind: IoKind, budget: u32, want: u32, room_u
 }
 
 impl SlackAware {
-    fn layer_profile<'a>(view: &LayerView<'a>) -> Result<&'a LayerProfile> {
-        let bucket = view.table.bucket(view.input_tokens, view.prefix_tokens)?;
-        bucket.layers.get(view.layer as usize).ok_or_else(|| SchedulerError::OutOfRange {
-            what: "layer",
-            value: u64::from(view.layer),
-            min: 0,
-            max: bucket.layers.len().saturating_sub(1) as u64,
-        })
+    /// The layer's slack windows, conservative in time and free SMs between grid points
+    /// ([`Profile::slack_windows_between`]).
+    fn layer_windows(view: &LayerView<'_>) -> Result<Vec<SlackWindow>> {
+        let mut windows = Vec::new();
+        view.table.slack_windows_between(view.input_tokens, view.prefix_tokens, view.layer, &mut windows)?;
+        Ok(windows)
     }
 }
 
@@ -218,7 +216,7 @@ impl IoPolicy for SlackAware {
 
     fn plan_layer(&mut self, view: &LayerView<'_>) -> Result<LayerPlan> {
         let table = view.table;
-        let profile = Self::layer_profile(view)?;
+        let windows = Self::layer_windows(view)?;
         let read_budget = table.io_sm_budget_max(IoKind::Read);
         let layer = view.layer as usize;
         let mut unissued = view.unissued_read_iocbs.to_vec();
@@ -237,7 +235,7 @@ impl IoPolicy for SlackAware {
         let mut targets: Vec<(Option<u32>, u32)> =
             (layer + 1..unissued.len()).map(|l| (Some(l as u32), unissued[l])).filter(|t| t.1 > 0).collect();
         let mut trial = targets.clone();
-        let fill = fill_windows(table, IoKind::Read, &profile.slack_windows, ssd_free_at_us, &mut trial)?;
+        let fill = fill_windows(table, IoKind::Read, &windows, ssd_free_at_us, &mut trial)?;
         let next_fits = trial.first().zip(targets.first()).is_none_or(|(after, before)| before.0 != Some(view.layer + 1) || after.1 == 0);
         let fill = if next_fits {
             targets = trial;
@@ -246,7 +244,7 @@ impl IoPolicy for SlackAware {
             let next = targets.remove(0);
             plan.issues.push(read_all(view.layer + 1, next.1, read_budget));
             ssd_free_at_us += table.io_duration_us(IoKind::Read, next.1, read_budget)?;
-            fill_windows(table, IoKind::Read, &profile.slack_windows, ssd_free_at_us, &mut targets)?
+            fill_windows(table, IoKind::Read, &windows, ssd_free_at_us, &mut targets)?
         };
         plan.issues.extend(fill.issues);
         ssd_free_at_us = fill.ssd_free_at_us;
@@ -257,7 +255,7 @@ impl IoPolicy for SlackAware {
             let write_budget = table.io_sm_budget_max(IoKind::Write);
             let writes_free_at_us = table.io_duration_us(IoKind::Write, view.outstanding_write_iocbs, write_budget)?;
             let mut writes = [(None, view.queued_write_iocbs)];
-            let fill = fill_windows(table, IoKind::Write, &profile.slack_windows, ssd_free_at_us.max(writes_free_at_us), &mut writes)?;
+            let fill = fill_windows(table, IoKind::Write, &windows, ssd_free_at_us.max(writes_free_at_us), &mut writes)?;
             plan.issues.extend(fill.issues);
         }
         Ok(plan)

@@ -35,9 +35,10 @@
 //! compute). Less compute means a shorter layer whose windows close sooner, so the scheduler may
 //! decide a read does not fit a window and issue it at once; that costs nothing on the critical
 //! path, whereas assuming slack time that does not exist would hold a critical read back or push a
-//! write into compute it delays. The rounding bounds slack time, not free SMs: a cheaper layer can
-//! be more memory-bound and leave more SMs free than the real one (the policy caps an I/O kernel's
-//! budget at the largest profiled one; docs/scheduler.md).
+//! write into compute it delays. That rounding bounds slack time, not free SMs: a cheaper layer can
+//! be more memory-bound and leave more SMs free than the real one. So the slack-aware policy plans
+//! with [`Profile::slack_windows_between`] (between.rs): the windows of the grid cell's corners
+//! intersected, at each offset the fewest SMs any corner has free (docs/scheduler.md).
 //! An input longer than the table is looked up at the longest input (again the cheaper side);
 //! an input shorter than the first step, or a prefix longer than the input, is
 //! [`SchedulerError::OutOfRange`]. I/O costs round the IOCB count up and the SM budget down (the
@@ -305,6 +306,23 @@ impl Profile {
         let index = self.bucket_start[input_index - 1] + prefix_index;
         // Validation guarantees the index exists; `get` keeps a broken invariant from panicking.
         t.buckets.get(index).ok_or(SchedulerError::MissingBucket { input_tokens: input_rounded, prefix_tokens: prefix_rounded_up })
+    }
+
+    /// The bucket at a grid point (`input_tokens` a multiple of the input step within the table,
+    /// `prefix_tokens` a multiple of the prefix step no larger): `MissingBucket` otherwise.
+    pub(crate) fn bucket_at_grid_point(&self, input_tokens: u32, prefix_tokens: u32) -> Result<&Bucket> {
+        let t = &self.table;
+        let missing = SchedulerError::MissingBucket { input_tokens, prefix_tokens };
+        let on_grid = input_tokens >= t.input_step_tokens
+            && input_tokens <= self.input_tokens_max()
+            && input_tokens.is_multiple_of(t.input_step_tokens)
+            && prefix_tokens <= input_tokens
+            && prefix_tokens.is_multiple_of(t.prefix_step_tokens);
+        if !on_grid {
+            return Err(missing);
+        }
+        let start = self.bucket_start[(input_tokens / t.input_step_tokens) as usize - 1];
+        t.buckets.get(start + (prefix_tokens / t.prefix_step_tokens) as usize).ok_or(missing)
     }
 
     /// Estimated duration of one I/O kernel, rounded to the slower profiled entry.

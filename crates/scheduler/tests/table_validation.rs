@@ -219,3 +219,98 @@ fn corrupted_json_never_panics() {
     // Most mutations must be caught (some only change a digit and stay valid).
     assert!(rejected > 1000, "only {rejected} of 3000 mutations rejected");
 }
+
+#[test]
+fn between_grid_points_the_windows_are_the_corners_intersection() {
+    // Goal: a request between grid points plans with the windows of every corner of its grid
+    // cell intersected — at each offset the fewest SMs any corner has free — not the cheapest
+    // corner's alone, which can show more SMs free than the real layer has. On a grid point the
+    // bucket's own windows; past the longest input, that row's corners only.
+    use scheduler::table::SlackWindow;
+    let w = |offset_us: f64, duration_us: f64, free_sms: u32| SlackWindow { offset_us, duration_us, free_sms };
+    let mut t = common::table();
+    for bucket in &mut t.buckets {
+        let windows = match (bucket.input_tokens, bucket.prefix_tokens) {
+            (2048, 1024) => vec![w(0.0, 300.0, 1), w(300.0, 700.0, 3)],
+            (1024, 0) => vec![w(50.0, 650.0, 2)],
+            _ => continue,
+        };
+        for layer in &mut bucket.layers {
+            layer.slack_windows = windows.clone();
+        }
+    }
+    let profile = load(t).unwrap();
+    let mut out = Vec::new();
+
+    // Corners (1024, 1024) (the cheapest, the default windows), (1024, 0), (2048, 0), (2048, 1024).
+    profile.slack_windows_between(1500, 100, 2, &mut out).unwrap();
+    assert_eq!(out, vec![w(50.0, 50.0, 1), w(100.0, 200.0, 1), w(300.0, 300.0, 2), w(600.0, 100.0, 2)]);
+    // The cheapest corner alone, as `bucket` rounds, would have said 4 SMs free over [0, 100).
+    assert_eq!(profile.bucket(1500, 100).unwrap().layers[2].slack_windows[0], w(0.0, 100.0, 4));
+
+    // On the input grid, between prefixes: (2048, 1024) and (2048, 0).
+    profile.slack_windows_between(2048, 1, 0, &mut out).unwrap();
+    assert_eq!(out, vec![w(0.0, 100.0, 1), w(100.0, 200.0, 1), w(300.0, 300.0, 2), w(600.0, 400.0, 3)]);
+
+    // A grid point: the bucket's own windows.
+    profile.slack_windows_between(2048, 1024, 3, &mut out).unwrap();
+    assert_eq!(out, vec![w(0.0, 300.0, 1), w(300.0, 700.0, 3)]);
+    profile.slack_windows_between(1024, 0, 3, &mut out).unwrap();
+    assert_eq!(out, vec![w(50.0, 650.0, 2)]);
+
+    // Past the longest input: its row only ((2048, 0), the default windows).
+    profile.slack_windows_between(100_000, 0, 1, &mut out).unwrap();
+    assert_eq!(out, common::layer().slack_windows);
+
+    // Out of range, as `bucket`; a layer past the model's.
+    assert!(matches!(profile.slack_windows_between(1000, 0, 0, &mut out), Err(SchedulerError::OutOfRange { what: "input_tokens", .. })));
+    assert!(matches!(profile.slack_windows_between(1024, 0, 4, &mut out), Err(SchedulerError::OutOfRange { what: "layer", .. })));
+}
+
+#[test]
+fn between_windows_never_show_more_free_sms_than_a_corner_on_an_analytic_table() {
+    // Goal: on a real-sized analytic table with a coarse prefix grid (so most requests fall
+    // between grid points), the windows a request plans with, sampled at many offsets, are
+    // inside the cheapest corner's windows and never show more SMs free than any corner.
+    let mut preset = scheduler::sweep::preset("llama3-8b-h100-32k").unwrap();
+    preset.grid.prefix_step_tokens = 1024;
+    let profile = preset.build_profile().unwrap();
+    let free_at = |windows: &[scheduler::table::SlackWindow], t: f64| {
+        windows.iter().find(|w| w.offset_us <= t && t < w.end_us()).map_or(0, |w| w.free_sms)
+    };
+    let step = profile.table().input_step_tokens;
+    let mut out = Vec::new();
+    let mut seed = 0x2545_f491_4f6c_dd1d_u64;
+    let mut next = |below: u32| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        (seed % u64::from(below)) as u32
+    };
+    for _ in 0..300 {
+        let input = step + next(profile.input_tokens_max() - step);
+        let prefix = next(input + 1);
+        let layer = next(32);
+        profile.slack_windows_between(input, prefix, layer, &mut out).unwrap();
+        let cheapest = &profile.bucket(input, prefix).unwrap().layers[layer as usize].slack_windows;
+        let input_low = input / step * step;
+        let rows = [input_low, (input_low + step).min(profile.input_tokens_max())];
+        let prefix_step = 1024;
+        let corners: Vec<&Vec<scheduler::table::SlackWindow>> = rows
+            .iter()
+            .flat_map(|&row| {
+                [prefix / prefix_step * prefix_step, prefix.div_ceil(prefix_step) * prefix_step]
+                    .map(|p| &profile.bucket(row, p.min(row / prefix_step * prefix_step)).unwrap().layers[layer as usize].slack_windows)
+            })
+            .collect();
+        let end = cheapest.last().map_or(0.0, |w| w.end_us());
+        for k in 0..200 {
+            let t = end * f64::from(k) / 200.0;
+            let here = free_at(&out, t);
+            assert!(here <= free_at(cheapest, t), "({input}, {prefix}) layer {layer} at {t} µs: outside the cheapest corner's windows");
+            for corner in &corners {
+                assert!(here <= free_at(corner, t), "({input}, {prefix}) layer {layer} at {t} µs: {here} SMs, a corner has fewer");
+            }
+        }
+    }
+}
