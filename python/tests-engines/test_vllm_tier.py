@@ -210,8 +210,14 @@ class StoreWithStalledLoads:
     def __getattr__(self, name: str):
         return getattr(self._store, name)
 
+    stall_stores = False
+
     def prepare_retrieve(self, tokens, block_ids):
         return StalledLoad(self._store.prepare_retrieve(tokens, block_ids))
+
+    def prepare_store(self, tokens, block_ids):
+        request = self._store.prepare_store(tokens, block_ids)
+        return StalledLoad(request) if self.stall_stores else request
 
     def close(self, timeout_s=None):
         with self._tier._results_lock:
@@ -278,5 +284,28 @@ def test_a_load_whose_rows_cannot_be_confirmed_safe_is_never_reported(tmp_path: 
             tier.get_finished_jobs()
         with pytest.raises(KvMemoryUnsafe):
             tier.drain_jobs()
+    finally:
+        manager.shutdown()
+
+
+def test_a_store_whose_layer_never_completes_closes_the_pool_instead_of_holding_its_request(tmp_path: Path):
+    """Goal: a demotion whose layer does not complete is reported failed (a store only reads its
+    row, so vLLM may reuse it) and closes the pool, rather than keep its request place and pins
+    for good (enough of those would make every later job fail to prepare); later jobs fail at
+    once."""
+    manager = offloading_spec(tmp_path / "pool.img", True, timeout_s=0.2).get_manager()
+    tier = manager.secondary_tiers[0]
+    try:
+        wrapped = StoreWithStalledLoads(tier)
+        wrapped.stall_stores = True
+        tier._store = wrapped
+        context = ReqContext(req_id="r")
+        tier.submit_store(TransferJob(job_id=9, keys=keys(2, 8), chunk_ids=np.array([0, 1]), is_promotion=False, req_context=context))
+        tier.drain_jobs()
+        assert [(result.job_id, result.success) for result in tier.get_finished_jobs()] == [(9, False)]
+        assert wrapped.closed_by_tier, "a store whose layer never completed left the pool open, its request held"
+        tier.submit_store(TransferJob(job_id=10, keys=keys(1, 9), chunk_ids=np.array([2]), is_promotion=False, req_context=context))
+        tier.drain_jobs()
+        assert [(result.job_id, result.success) for result in tier.get_finished_jobs()] == [(10, False)]
     finally:
         manager.shutdown()

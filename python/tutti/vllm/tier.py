@@ -16,7 +16,9 @@ promotion's rows for reuse as soon as the job is reported, so a load whose layer
 complete closes the pool (its queue pairs deleted, the controllers confirming it) before its job
 is reported; the tier then moves nothing more (lookups miss, jobs fail). If the close cannot
 confirm that, the job is never reported (its rows stay vLLM's promotion in flight) and the
-tier's next call from vLLM raises `KvMemoryUnsafe`.
+tier's next call from vLLM raises `KvMemoryUnsafe`. A store whose layer does not complete closes
+the pool too (it only read its row, so its job is reported either way): such a request would
+otherwise hold its request place and pins for good, and enough of them stop every later job.
 """
 
 from __future__ import annotations
@@ -239,7 +241,10 @@ class TuttiTier(SecondaryTierManager):
         are in the pool afterwards."""
         done: list[OffloadKey] = []
         for start in range(0, len(keys), self._requests_max):
+            if self._dead is not None:
+                break
             wave = []
+            stuck = False
             for key, chunk in zip(keys[start : start + self._requests_max], chunks[start : start + self._requests_max]):
                 tokens = hash_tokens(key, BYTE_GEOMETRY_BLOCK_TOKENS)
                 try:
@@ -257,7 +262,7 @@ class TuttiTier(SecondaryTierManager):
                 except tutti.Error as error:
                     # Prepared: it holds a request place and pins until finished.
                     logger.warning("tutti tier: chunk %d not stored: %s", chunk, error)
-                    _abandon(request, self._timeout_s)
+                    stuck |= not _abandon(request, self._timeout_s)
             for key, request in wave:
                 try:
                     request.wait(self._timeout_s)
@@ -265,7 +270,12 @@ class TuttiTier(SecondaryTierManager):
                     done.append(key)
                 except tutti.Error as error:
                     logger.warning("tutti tier: a chunk was not stored: %s", error)
-                    _abandon(request, self._timeout_s)
+                    stuck |= not _abandon(request, self._timeout_s)
+            if stuck:
+                # A store only reads its row, so vLLM may reuse it; but a request whose layer
+                # never completes keeps its request place and pins for good, and enough of them
+                # would stop every later job: a pool whose devices do not complete is closed.
+                self._close_pool("a layer of a chunk store did not complete", rows_written=False)
         return done
 
     def _load_chunks(self, keys: list[OffloadKey], chunks: list[int]) -> list[OffloadKey]:
@@ -303,15 +313,18 @@ class TuttiTier(SecondaryTierManager):
                 self._close_pool("a layer of a chunk load did not complete")
         return done
 
-    def _close_pool(self, reason: str) -> None:
+    def _close_pool(self, reason: str, rows_written: bool = True) -> None:
         """Closes the pool for good: its queue pairs are deleted, after which no controller
-        writes a chunk row. Raises _RowsUnsafe when the close could not confirm that (memory
-        registrations kept)."""
+        touches a chunk row. When the stuck layer wrote rows (a load), raises _RowsUnsafe if the
+        close could not confirm that (memory registrations kept); a stuck store only read its
+        row, so that is logged, not raised."""
         self._dead = reason
         logger.error("tutti tier: %s; the pool is closed, the tier moves nothing more", reason)
         self._store.close(timeout_s=self._timeout_s)
         kept = self._store.leaked_registrations()
-        if kept:
+        if kept and not rows_written:
+            logger.error("tutti tier: closing the pool kept %d memory registrations (queue pairs not deleted)", kept)
+        elif kept:
             raise _RowsUnsafe(
                 f"tutti tier: {reason}, and closing the pool did not confirm that its queue pairs were deleted "
                 f"({kept} memory registrations kept): vLLM's chunk rows may still be written, so the job is not "
