@@ -22,8 +22,8 @@ Then, for each hit rate h over a prompt of N tokens (prefix P = h·N rounded dow
   its own), then prefill of the N − P new tokens over a DynamicCache holding the prefix, where a
   forward pre-hook on decoder layer l waits for layer l's retrieve (LayerIo.wait) and copies its
   prefix KV from the registered memory into the attention cache. Bubble = the time the hooks
-  waited, summed; the retrieve's GiB/s = prefix KV bytes over the time from the first issue to the
-  last layer's completion;
+  waited, summed; the retrieve's GiB/s = prefix KV bytes over the time from before the first
+  prepare_retrieve (one per layer, each a round trip to tuttid) to the last layer's completion;
 - resident: the same suffix prefill with the prefix KV copied from the source blocks, no I/O (the
   compute floor; tutti − resident is the I/O's whole cost on the critical path);
 - checks: the tutti path's last-token logits against the recompute's (allclose; tolerance per
@@ -73,7 +73,7 @@ STAND_IN_SENTENCE = (
     "in place of CUDA memory) over emu:mem; the figures say nothing about a GPU or an SSD."
 )
 PROMPT_SEED = 20261201
-WAIT_TIMEOUT_S = 120.0
+WAIT_TIMEOUT_S = 15.0
 QK_STD_DEFAULT = 1.5
 
 

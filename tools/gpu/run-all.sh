@@ -186,20 +186,37 @@ step_green() {
 }
 
 step_bandwidth() {
-  programs || { echo "no h2d-bandwidth program (no nvcc here and nothing carried)" >>"$LOG"; return 1; }
-  timeout "$(budget BANDWIDTH 120)" "$PROGRAMS/h2d-bandwidth" --json "$OUT/bandwidth.json" >>"$LOG" 2>&1 || return 1
+  local failed=0 rc
+  # The two measurements are independent: a failed cudaMemcpy baseline must not cost the
+  # gio-kernel layer loads (item 5 proper), nor the other way round.
+  if programs; then
+    timeout "$(budget BANDWIDTH 120)" "$PROGRAMS/h2d-bandwidth" --json "$OUT/bandwidth.json" >>"$LOG" 2>&1 || {
+      record "NOTE bandwidth: h2d-bandwidth (the cudaMemcpy baseline) failed; see run.log"
+      failed=1
+    }
+  else
+    echo "no h2d-bandwidth program (no nvcc here and nothing carried)" >>"$LOG"
+    failed=1
+  fi
   # KV layer loads through the gio kernel (staged mode, software controller): the example
   # crates/gio-uring/examples/gpu_layer_load.rs (docs/gio-uring.md, "Running on a GPU"), carried
   # by --prepare; without it this says so rather than measure something else.
   if [[ ! -x "$CARRY/gpu-layer-load" ]]; then
     record "NOT RUN bandwidth through the gio kernel: target/gpu-carry/gpu-layer-load was not carried (tools/gpu/run-all.sh --prepare)"
-    return 0
+    return "$failed"
   fi
   local kernels="$ROOT/target/kernels"
   [[ -f "$kernels/gio_io_kernel.sm_90.cubin" ]] || kernels="$CARRY/kernels"
   section "gpu-layer-load (kernels from $kernels)"
-  GIO_KERNEL_DIR="$kernels" GIO_DMA_MODE=staged timeout "$(budget LAYER_LOAD 180)" "$CARRY/gpu-layer-load" \
-    --json "$OUT/bandwidth-kernel.json" >>"$LOG" 2>&1
+  # The example stops by itself 30 s before the step's timeout (exit 3: the sizes done are kept).
+  local layer_budget
+  layer_budget=$(budget LAYER_LOAD 180)
+  GIO_KERNEL_DIR="$kernels" GIO_DMA_MODE=staged timeout "$layer_budget" "$CARRY/gpu-layer-load" \
+    --budget-s "$((layer_budget > 60 ? layer_budget - 30 : layer_budget / 2))" --json "$OUT/bandwidth-kernel.json" >>"$LOG" 2>&1
+  rc=$?
+  [[ $rc -eq 3 ]] && record "NOTE bandwidth: gpu-layer-load PARTIAL (budget reached); bandwidth-kernel.json has the sizes done"
+  [[ $rc -eq 0 || $rc -eq 3 ]] || failed=1
+  return "$failed"
 }
 
 step_ipc() {
