@@ -5,8 +5,8 @@
 //! segment's blocks into it to send them; an asker writes a fetched segment from it into its
 //! own pool. One segment at a time (the caller holds it behind a mutex).
 //!
-//! The memory is never freed while a command may still write it: a layer whose wait timed out
-//! retires the whole staging area ([`Staging::retire`]): the executor's queue pairs are deleted,
+//! The memory is never freed while a command may still write it: a layer left in flight by a
+//! failure (a wait that timed out, a failed queue pair) retires the whole staging area ([`Staging::retire`]): the executor's queue pairs are deleted,
 //! and if a deletion fails the memory is leaked (counted, logged) rather than freed. A retired
 //! staging area serves nothing more (`None` in the caller) until the daemon restarts.
 
@@ -88,13 +88,14 @@ impl Staging {
             };
             let result = issued.and_then(|()| data.wait(handle, deadline.min(Instant::now() + LAYER_TIMEOUT)));
             if let Err(error) = result {
-                // A wait that timed out leaves the layer in flight: the memory may still be
-                // written. Anything else failed with nothing in flight.
-                let in_flight = matches!(error, ObjstoreError::Gio(gio_uring::GioError::WaitTimeout { .. }));
-                if !in_flight {
-                    let _ = data.finish(handle);
-                }
-                return Err(StagingError { error, retire: in_flight });
+                // A layer still in flight (a wait that timed out, a submission published before
+                // it failed, a queue pair failed under a command whose outcome is unknown) may
+                // still write the memory: the staging area is retired. So is one whose request
+                // cannot be finished (its handle would be held for good). Asked of the store,
+                // not guessed from the error's kind.
+                let in_flight = data.layers_in_flight(handle).map_or(true, |mut layers| layers.next().is_some());
+                let finished = !in_flight && data.finish(handle).is_ok();
+                return Err(StagingError { error, retire: !finished });
             }
         }
         if direction == Direction::Retrieve {
