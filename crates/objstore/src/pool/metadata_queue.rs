@@ -15,7 +15,7 @@
 
 use std::time::{Duration, Instant};
 
-use nvme_driver::{DmaRegion, IoQueuePair};
+use nvme_driver::{DmaRegion, IoQueuePair, NvmeError};
 
 use super::metadata_io::create_metadata_queue;
 use super::mirror::HeaderMirror;
@@ -54,7 +54,9 @@ impl PoolDevice {
                 },
             };
             let result = work(queue, &mut self.mirror, &self.scratch);
-            let stuck = result.is_err() && queue.in_flight() > 0;
+            // A failed pair (a completion broke the queue protocol) takes no new command even
+            // with nothing in flight: it is retired like one with a command stuck in it.
+            let stuck = result.is_err() && (queue.in_flight() > 0 || queue.failed());
             (result, stuck, lent)
         };
         if stuck {
@@ -104,10 +106,14 @@ impl PoolDevice {
         self.flush_failures = failures;
     }
 
+    /// Only a command the device answered with an error status counts: a queue that could not
+    /// be lent in time, or any other failure that says nothing about the device, neither counts
+    /// nor resets the count (a busy executor must not fence a healthy device).
     fn count_durability_failure(&mut self, index: usize, outcome: &Result<()>, failures: &mut u32, what: &str) {
         match outcome {
             Ok(()) => *failures = 0,
             Err(_) if self.fence.is_some() => {}
+            Err(error) if !matches!(error, ObjstoreError::Nvme(NvmeError::Command { .. })) => {}
             Err(error) => {
                 *failures += 1;
                 if *failures >= HEADER_SYNC_FAILURES_FENCE {
