@@ -335,9 +335,22 @@ impl StoreState {
         }
         let bits = RequestHandle::from_bits(handle);
         let store = self.layer_store()?;
-        match direction {
-            Direction::Retrieve => store.retrieve_layer(bits, layer, SmBudget(budget))?,
-            Direction::Store => store.store_layer(bits, layer, SmBudget(budget))?,
+        let issued = match direction {
+            Direction::Retrieve => store.retrieve_layer(bits, layer, SmBudget(budget)),
+            Direction::Store => store.store_layer(bits, layer, SmBudget(budget)),
+        };
+        if let Err(error) = issued {
+            // An issue can fail after its commands were published (objstore keeps the layer in
+            // flight then): the request must say so, so that nobody hands its memory back
+            // before a wait or the session's end settles it. When the store cannot tell, in
+            // flight is the safe answer.
+            let in_flight = store.any_layer_in_flight(bits).unwrap_or(true);
+            if in_flight {
+                let state = self.request(handle)?;
+                state.in_flight = Some(layer);
+                state.unreported = None;
+            }
+            return Err(error.into());
         }
         let state = self.request(handle)?;
         if state.moves_nothing {

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import queue
 import threading
 import time
@@ -515,6 +516,9 @@ class WorkerSide:
         self._store.close(timeout_s=self._timeout_s)
         kept = self._store.leaked_registrations()
         if kept:
+            # Never re-registered, even if a caller above catches the exception: the tensors
+            # may still be written.
+            self._reattach_at = math.inf
             raise KvMemoryUnsafe(
                 f"tutti: {reason}, and tuttid did not confirm that the session's queue pairs were deleted "
                 f"({kept} KV memory registrations kept): vLLM's KV blocks may still be written, so the "

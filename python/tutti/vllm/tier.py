@@ -287,6 +287,7 @@ class TuttiTier(SecondaryTierManager):
             if self._dead is not None:
                 break
             wave = []
+            stuck = False
             for key, chunk in zip(keys[start : start + self._requests_max], chunks[start : start + self._requests_max]):
                 try:
                     request = self._store.prepare_retrieve(hash_tokens(key, BYTE_GEOMETRY_BLOCK_TOKENS), [chunk])
@@ -297,10 +298,10 @@ class TuttiTier(SecondaryTierManager):
                     request.retrieve_layer(0)
                     wave.append((key, request))
                 except tutti.Error as error:
-                    # Prepared: it holds a request place and pins until finished.
+                    # Prepared: it holds a request place and pins until finished. An issue that
+                    # failed after its commands were published leaves the layer in flight.
                     logger.warning("tutti tier: chunk %d not loaded: %s", chunk, error)
-                    _abandon(request, self._timeout_s)
-            stuck = False
+                    stuck |= not _abandon(request, self._timeout_s)
             for key, request in wave:
                 try:
                     request.wait(self._timeout_s)

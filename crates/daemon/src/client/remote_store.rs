@@ -631,6 +631,10 @@ impl LayerKvStore for RemoteKvStore {
         self.data.store_layer(handle, layer, budget)
     }
 
+    fn any_layer_in_flight(&self, handle: RequestHandle) -> Result<bool, ObjstoreError> {
+        Ok(self.data.layers_in_flight(handle)?.next().is_some())
+    }
+
     fn wait(&mut self, handle: RequestHandle, deadline: Instant) -> Result<Option<u32>, ObjstoreError> {
         self.data.wait(handle, deadline)
     }

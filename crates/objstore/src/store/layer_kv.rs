@@ -28,6 +28,9 @@ pub trait LayerKvStore {
     fn layers_in_flight_max(&self) -> u32 {
         1
     }
+    /// Whether any layer of the request is in flight — also after an issue that failed once
+    /// its commands were published (`GioError::SubmitFailed`): its memory may still be moved.
+    fn any_layer_in_flight(&self, handle: RequestHandle) -> Result<bool>;
     /// Waits until `deadline` for the oldest layer in flight; returns it, or `None` if none was.
     fn wait(&mut self, handle: RequestHandle, deadline: Instant) -> Result<Option<u32>>;
     /// Non-blocking: whether nothing is in flight for the request any more.
@@ -61,6 +64,10 @@ impl<E: Executor> LayerKvStore for KvStore<E> {
 
     fn layers_in_flight_max(&self) -> u32 {
         KvStore::layers_in_flight_max(self)
+    }
+
+    fn any_layer_in_flight(&self, handle: RequestHandle) -> Result<bool> {
+        Ok(KvStore::layers_in_flight(self, handle)?.next().is_some())
     }
 
     fn wait(&mut self, handle: RequestHandle, deadline: Instant) -> Result<Option<u32>> {
