@@ -163,9 +163,11 @@ impl ControllerCore {
     /// SHST = complete tells the host its data is durable (it may cut power next). A shutdown
     /// that could not make it so (the write-back or the sync failed, the store is fenced by a
     /// write the kernel kept, the controller is fatal) never reports it: SHST stays at 01b
-    /// (processing occurring) and CSTS.CFS is set, so the host's bounded wait for complete
-    /// fails (nvme-driver: `ReadyTimeout` naming that CSTS). The blocks stay cached; the host
-    /// resets the controller (clearing CFS) and may request the shutdown again.
+    /// (processing occurring) and CSTS.CFS is set, so the host's wait for complete fails
+    /// (nvme-driver: `ControllerFatal` as soon as it reads CFS). The blocks stay cached. A reset
+    /// clears CFS; a host that leaves SHN set while it clears EN (nvme-driver's teardown does)
+    /// has the shutdown run again right after the reset, so a write-back that still fails sets
+    /// CFS again on the disabled controller.
     fn handle_shutdown(&mut self, cc: ControllerConfiguration) -> bool {
         let csts = self.registers.load32(registers::CSTS);
         let shutdown_status = csts & CSTS_SHUTDOWN_MASK;
