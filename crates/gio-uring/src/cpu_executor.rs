@@ -171,7 +171,12 @@ impl CpuExecutor {
                     pending.next += 1;
                     continue;
                 };
-                if queue.free_slots() == 0 {
+                // A failed pair (a completion broke the queue protocol; reported once, by the
+                // reap that saw it) takes no command: like a full one, it holds what is pending
+                // back, so that the caller's wait times out and its reset (the pair deleted,
+                // then the IOCBs still issued ended as TIMEOUT) recovers, rather than every
+                // later poll failing with the same error.
+                if queue.free_slots() == 0 || queue.failed() {
                     break 'iocbs; // back-pressure: retried on the next poll, in order
                 }
                 queue

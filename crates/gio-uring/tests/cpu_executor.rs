@@ -420,3 +420,41 @@ fn a_worker_error_from_a_bad_completion_is_reported_once_and_later_io_succeeds()
         assert_eq!(rig.queue.wait_cqe(id, deadline()).unwrap().result, Ok(()), "{id} after the reset");
     }
 }
+
+#[test]
+fn a_queue_pair_failed_by_a_completion_is_reported_once_then_waits_time_out_and_a_reset_recovers() {
+    // Goal: a completion naming another SQ fails the NVMe queue pair (nvme-driver: the command it
+    // names has an unknown outcome). The executor reports that once; later IOCBs for the device
+    // are held back, so their wait times out (the signal every caller recovers on) instead of
+    // failing on every poll; a reset deletes the pair, ends both IOCBs as TIMEOUT, and the next
+    // issue on the fresh pair succeeds. Before, every later poll failed with QueueFailed and no
+    // wait ever timed out.
+    let mut rig = rig(true, 1, 64);
+    rig.device.set_faults(FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::WrongSubmissionQueueId)));
+    let ids = rig.queue.get_iocb(2, Dependency::None).unwrap();
+    let (garbled, held) = (ids[0], ids[1]);
+    let specs = ioctxs(&rig.target, true, 1);
+    rig.queue.fill_iocb(garbled, &layered(Opcode::Read), &specs[..1]).unwrap();
+    rig.queue.fill_iocb(held, &layered(Opcode::Read), &specs[1..2]).unwrap();
+    rig.queue.issue_io(&[garbled], LayerIndex(0), SmBudget(1)).unwrap();
+    let failed = rig.queue.wait_cqe(garbled, deadline());
+    assert!(matches!(&failed, Err(GioError::Executor { executor: "cpu", .. })), "{failed:?}");
+    rig.queue.issue_io(&[held], LayerIndex(0), SmBudget(1)).unwrap();
+    let waited = rig.queue.wait_cqe(held, Instant::now() + Duration::from_millis(300));
+    assert!(matches!(waited, Err(GioError::WaitTimeout { .. })), "held back until a reset, not failed on every poll: {waited:?}");
+    rig.device.set_faults(FaultPlan::none());
+    let fresh = rig.controller.create_io_queue_pair(64).unwrap();
+    let (executor, memory) = rig.queue.executor_and_memory();
+    assert_eq!(
+        gio_uring::QueuePairReset::reset(executor, memory, vec![fresh]).unwrap(),
+        2,
+        "both IOCBs reclaimed once the failed pair is deleted"
+    );
+    for id in [garbled, held] {
+        assert!(matches!(rig.queue.wait_cqe(id, deadline()).unwrap().result, Err(IocbFailure::Timeout { .. })), "{id}");
+    }
+    rig.queue.issue_io(&[garbled, held], LayerIndex(1), SmBudget(1)).unwrap();
+    for id in [garbled, held] {
+        assert_eq!(rig.queue.wait_cqe(id, deadline()).unwrap().result, Ok(()), "{id} on the fresh pair");
+    }
+}

@@ -446,6 +446,10 @@ impl ControllerCore {
                 completion.command_id ^= 0x8001;
                 self.post(completion_queue_id, completion);
             }
+            Some(FaultAction::WrongSubmissionQueueId) => {
+                completion.sq_id = completion.sq_id.wrapping_add(1);
+                self.post(completion_queue_id, completion);
+            }
             _ if queue_id != 0 && self.timing.is_some() => self.complete_modelled(completion_queue_id, entry, completion, now),
             _ => self.post(completion_queue_id, completion),
         }

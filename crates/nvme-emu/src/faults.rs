@@ -31,6 +31,9 @@ pub enum FaultAction {
     ControllerFatal,
     /// Execute and post the completion with a command id that was never issued (cid ^ 0x8001).
     CorruptCommandId,
+    /// Execute and post the completion naming another submission queue (SQID + 1): a
+    /// controller whose view of the queue is not the host's.
+    WrongSubmissionQueueId,
 }
 
 /// One fault: `action` on the `nth` (1-based) command matching `queue` and `opcode`, and with
