@@ -116,6 +116,9 @@ class WorkerSide:
         # A daemon exchange (of any thread) left the connection unusable: the session is ended
         # at the worker's next step (the main thread owns the requests).
         self._broken: Optional[str] = None
+        # Counts the worker's tuttid sessions (a new one at each re-attach), read by the
+        # committer under the lock: a late failure of an old session's request is not the new one's.
+        self._session = 0
         self._lock = threading.Lock()
         self._commit_queue: queue.Queue = queue.Queue(maxsize=self._config["requests_max"])
         self._committer = threading.Thread(target=self._commit_loop, name="tutti-vllm-commit", daemon=True)
@@ -317,7 +320,7 @@ class WorkerSide:
             with self._lock:
                 self._save_done[req_id] = None  # with the committer
             # Bounded: a full queue waits here for the committer (back-pressure, not a leak).
-            self._commit_queue.put((req_id, state.token, state.request))
+            self._commit_queue.put((req_id, state.token, state.request, self._session))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
         """Requests (named finished now or earlier) whose save is over: committed, or failed and
@@ -478,11 +481,15 @@ class WorkerSide:
             self._note_daemon_failure(error)
         return True
 
-    def _note_daemon_failure(self, error: Exception) -> None:
+    def _note_daemon_failure(self, error: Exception, session: Optional[int] = None) -> None:
         """A daemon exchange failed: if the connection is lost (closed, or an exchange that timed
-        out and left it out of step), the session is ended at the worker's next step."""
+        out and left it out of step), the session is ended at the worker's next step. `session`:
+        the session the failed exchange belonged to (the committer's requests may outlive it); a
+        failure of an earlier session than the current one says nothing about the current one."""
         if connection_lost(error):
             with self._lock:
+                if session is not None and session != self._session:
+                    return
                 if self._broken is None:
                     self._broken = f"a tuttid exchange failed: {error}"
 
@@ -553,6 +560,7 @@ class WorkerSide:
         self._store = store
         with self._lock:
             self._broken = None
+            self._session += 1
         self._dead = None
         self._reattach_backoff_s = 0.0
         self.reattaches += 1
@@ -573,7 +581,7 @@ class WorkerSide:
             item = self._commit_queue.get()
             if item is None:
                 return
-            req_id, token, request = item
+            req_id, token, request, session = item
             committed = False
             try:
                 request.wait(self._timeout_s)
@@ -594,7 +602,7 @@ class WorkerSide:
                     committed = True
                 except tutti.Error as error:
                     logger.warning("tutti: save of request %s not committed: %s", req_id, error)
-                    self._note_daemon_failure(error)
+                    self._note_daemon_failure(error, session)
                     self._settle(request)
             self._save_settled(req_id, token, committed)
 
