@@ -10,8 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 import tutti
-from tutti._engine import ConfigError
-from tutti.vllm.metadata import LoadSpec, SaveSpec, TuttiConnectorMetadata, connection_lost
+from tutti.vllm.metadata import LoadSpec, SaveSpec, TuttiConnectorMetadata, check_block_size, connection_lost
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 if TYPE_CHECKING:
@@ -75,14 +74,7 @@ class SchedulerSide:
             client_name="vllm-scheduler",
             timeout_s=self._lookup_timeout_s,
         )
-        if client.block_tokens != self._block_size:
-            block_tokens = client.block_tokens
-            client.close()
-            raise ConfigError(
-                f"tuttid's pool stores blocks of {block_tokens} tokens but vLLM's block size is "
-                f"{self._block_size}: start vLLM with --block-size {block_tokens}, or format the pool for "
-                f"{self._block_size}-token blocks"
-            )
+        check_block_size(client, self._block_size, format_hint=True)
         return client
 
     def _reconnect_lookup(self) -> None:

@@ -18,7 +18,7 @@ import torch
 
 import tutti
 from tutti._engine import ConfigError
-from tutti.vllm.metadata import SaveSpec, TuttiConnectorMetadata, connection_lost
+from tutti.vllm.metadata import SaveSpec, TuttiConnectorMetadata, check_block_size, connection_lost
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 if TYPE_CHECKING:
@@ -136,13 +136,7 @@ class WorkerSide:
             timeout_s=self._timeout_s,
             requests_max=self._config["requests_max"],
         )
-        if store.block_tokens != self._block_size:
-            block_tokens = store.block_tokens
-            store.close()
-            raise ConfigError(
-                f"tuttid's pool stores blocks of {block_tokens} tokens but vLLM's block size is "
-                f"{self._block_size}: start vLLM with --block-size {block_tokens}"
-            )
+        check_block_size(store, self._block_size, format_hint=False)
         return store
 
     def allocate_kv_caches(self, kv_cache_config: "KVCacheConfig") -> dict[str, torch.Tensor]:

@@ -1,12 +1,13 @@
 """What the two sides of `tutti.vllm.TuttiConnector` share: the step's instructions from the
-scheduler to the workers (`TuttiConnectorMetadata`, pickled to them by vLLM), and how a failed
-exchange with tuttid is judged."""
+scheduler to the workers (`TuttiConnectorMetadata`, pickled to them by vLLM), how a failed
+exchange with tuttid is judged, and the block-size check both sides make when they attach."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import tutti
+from tutti._engine import ConfigError
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 
@@ -51,3 +52,17 @@ def connection_lost(error: Exception) -> bool:
     if isinstance(error, (tutti.TimeoutError, tutti.Disconnected)):
         return True  # Disconnected: also tuttid ending the session (LeaseExpired, ShuttingDown)
     return isinstance(error, tutti.DaemonError) and getattr(error, "code", None) is None
+
+
+def check_block_size(attached, block_size: int, format_hint: bool) -> None:
+    """Closes `attached` (a tuttid client or store) and raises ConfigError when its pool stores
+    blocks of another size than vLLM's; `format_hint` adds the other way out (format the pool)."""
+    if attached.block_tokens == block_size:
+        return
+    block_tokens = attached.block_tokens
+    attached.close()
+    other_way = f", or format the pool for {block_size}-token blocks" if format_hint else ""
+    raise ConfigError(
+        f"tuttid's pool stores blocks of {block_tokens} tokens but vLLM's block size is "
+        f"{block_size}: start vLLM with --block-size {block_tokens}{other_way}"
+    )
