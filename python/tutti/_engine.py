@@ -173,3 +173,18 @@ def format_devices(devices: Sequence[str] | str, tp_rank: int) -> list[str]:
     devices in-process (one process per pool)."""
     listed = [devices] if isinstance(devices, str) else list(devices)
     return [device.replace("{tp_rank}", str(tp_rank)) for device in listed]
+
+
+def wait_out_layer(request: Any, timeout_s: float, log: logging.Logger, what: str) -> bool:
+    """Waits (bounded by `timeout_s`) for the layer `request` has in flight, if any, before the
+    caller gives the request up. False when the layer is still in flight after it (the devices
+    may still move its blocks' bytes: the request must be kept); `what` names the request in the
+    error logged then."""
+    try:
+        if request.layer_in_flight is not None:
+            request.wait(timeout_s)
+    except tutti.Error as error:
+        if request.layer_in_flight is not None:
+            log.error("%s: a layer did not complete; the request is kept: %s", what, error)
+            return False
+    return True

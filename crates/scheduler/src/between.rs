@@ -12,7 +12,7 @@
 //! row alone, as before.
 
 use crate::error::{Result, SchedulerError};
-use crate::table::{Bucket, Profile, SlackWindow};
+use crate::table::{prefix_up_to_grid, Bucket, Profile, SlackWindow};
 
 impl Profile {
     /// The slack windows of layer `layer` for `input_tokens` with `prefix_tokens` cached,
@@ -27,16 +27,12 @@ impl Profile {
         let input_max = self.input_tokens_max();
         let input_low = input_tokens.min(input_max) / input_step * input_step;
         let input_high = (input_tokens < input_max && !input_tokens.is_multiple_of(input_step)).then(|| input_low + input_step);
-        let prefix_low = prefix_tokens / prefix_step * prefix_step;
-        // In u64: rounding u32::MAX up to the step would overflow u32.
-        let prefix_high = u64::from(prefix_tokens).div_ceil(u64::from(prefix_step)) * u64::from(prefix_step);
-        let prefix_high = u32::try_from(prefix_high).unwrap_or(u32::MAX);
         let mut scratch = Vec::new();
         for row in std::iter::once(input_low).chain(input_high) {
-            // The largest prefix this row lists (prefixes are prefix_step × j ≤ the row's input).
-            let row_prefix_max = row / prefix_step * prefix_step;
+            // The prefix rounded down and up, each within what this row lists.
+            let prefix_high = prefix_up_to_grid(prefix_tokens, row, prefix_step);
+            let prefix_low = (prefix_tokens / prefix_step * prefix_step).min(prefix_high);
             for prefix in [prefix_low, prefix_high] {
-                let prefix = prefix.min(row_prefix_max);
                 let corner = self.bucket_at_grid_point(row, prefix)?;
                 if std::ptr::eq(corner, cheapest) {
                     continue;

@@ -167,6 +167,15 @@ pub struct Profile {
     bucket_start: Vec<usize>,
 }
 
+/// `prefix_tokens` rounded up to the prefix grid (`step`), but no further than the largest
+/// grid prefix input `row_input_tokens` lists. In u64: rounding near u32::MAX up would overflow.
+pub(crate) fn prefix_up_to_grid(prefix_tokens: u32, row_input_tokens: u32, step: u32) -> u32 {
+    let step = u64::from(step);
+    let rounded_up = u64::from(prefix_tokens).div_ceil(step) * step;
+    let row_max = u64::from(row_input_tokens) / step * step;
+    rounded_up.min(row_max) as u32
+}
+
 fn bucket_label(input_tokens: u32, prefix_tokens: u32) -> String {
     format!("bucket(input_tokens={input_tokens}, prefix_tokens={prefix_tokens})")
 }
@@ -294,18 +303,12 @@ impl Profile {
             });
         }
         // Longer than profiled: the longest input is the cheaper side, hence conservative.
-        let input_index = (input_tokens.min(max) / t.input_step_tokens) as usize;
-        let input_rounded = input_index as u32 * t.input_step_tokens;
-        // In u64: rounding u32::MAX up to the step would overflow u32.
-        let step = u64::from(t.prefix_step_tokens);
-        let prefix_rounded_up = u64::from(prefix_tokens).div_ceil(step) * step;
+        let input_rounded = input_tokens.min(max) / t.input_step_tokens * t.input_step_tokens;
         // A prefix rounded past the (rounded-down) input means "everything cached": the cheapest
         // bucket of that input, still the conservative side.
-        let prefix_rounded_up = prefix_rounded_up.min(u64::from(input_rounded)) as u32;
-        let prefix_index = (prefix_rounded_up / t.prefix_step_tokens) as usize;
-        let index = self.bucket_start[input_index - 1] + prefix_index;
-        // Validation guarantees the index exists; `get` keeps a broken invariant from panicking.
-        t.buckets.get(index).ok_or(SchedulerError::MissingBucket { input_tokens: input_rounded, prefix_tokens: prefix_rounded_up })
+        let prefix_rounded_up = prefix_up_to_grid(prefix_tokens, input_rounded, t.prefix_step_tokens);
+        // Validation guarantees the bucket exists; a broken invariant is an error, not a panic.
+        self.bucket_at_grid_point(input_rounded, prefix_rounded_up)
     }
 
     /// The bucket at a grid point (`input_tokens` a multiple of the input step within the table,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 import tutti
-from tutti._engine import ConfigError
+from tutti._engine import ConfigError, wait_out_layer
 from tutti.vllm.metadata import SaveSpec, TuttiConnectorMetadata, check_block_size, connection_lost
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
@@ -457,13 +457,8 @@ class WorkerSide:
         """Ends a request that is given up: waits for its layer in flight (the device may still
         move those blocks' bytes), then finishes it without committing. Returns False when its
         layer is still in flight (nothing was ended: its memory may still be written or read)."""
-        try:
-            if request.layer_in_flight is not None:
-                request.wait(self._timeout_s)
-        except tutti.Error as error:
-            if request.layer_in_flight is not None:
-                logger.error("tutti: a layer of an abandoned request did not complete: %s", error)
-                return False
+        if not wait_out_layer(request, self._timeout_s, logger, "tutti: an abandoned request"):
+            return False
         try:
             request.finish()
         except tutti.InvalidState as error:

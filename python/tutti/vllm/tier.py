@@ -39,6 +39,7 @@ from tutti._engine import (
     hash_tokens,
     parse_config,
     positive,
+    wait_out_layer,
 )
 from tutti.vllm.connector import KvMemoryUnsafe
 from vllm.v1.kv_offload.base import LookupResult, Medium, OffloadKey, ReqContext, RequestOffloadingContext
@@ -342,13 +343,8 @@ def _abandon(request: Any, timeout_s: float) -> bool:
     layer does not complete: the request is kept (its pins, its request place), and the devices
     may still move its chunk row's bytes (a store's only read it; a load's is the caller's to
     protect)."""
-    try:
-        if request.layer_in_flight is not None:
-            request.wait(timeout_s)
-    except tutti.Error as error:
-        if request.layer_in_flight is not None:
-            logger.error("tutti tier: a layer of a failed request did not complete; the request is kept: %s", error)
-            return False
+    if not wait_out_layer(request, timeout_s, logger, "tutti tier: a failed request"):
+        return False
     try:
         request.finish()
     except tutti.Error as error:

@@ -91,9 +91,9 @@ impl PoolDevice {
     /// row, and the [`HEADER_SYNC_FAILURES_FENCE`]th fences the device; its buffers are freed at
     /// close as usual, since no command of it is in flight. One that succeeded resets the count.
     pub(super) fn count_header_sync(&mut self, index: usize, synced: &Result<()>) {
-        let mut failures = self.header_sync_failures;
-        self.count_durability_failure(index, synced, &mut failures, "header syncs");
-        self.header_sync_failures = failures;
+        if let Some(error) = count_in_a_row(&mut self.header_sync_failures, synced, self.fence.is_some()) {
+            self.fence_after_failures(index, "header syncs", error);
+        }
     }
 
     /// Counts a cache flush of device `index` as [`Self::count_header_sync`] counts header
@@ -101,27 +101,14 @@ impl PoolDevice {
     /// count would be reset by the headers other commits stage on the device and a device whose
     /// flushes always fail would never be fenced (and would fail every commit placed on it).
     pub(super) fn count_flush(&mut self, index: usize, flushed: &Result<()>) {
-        let mut failures = self.flush_failures;
-        self.count_durability_failure(index, flushed, &mut failures, "cache flushes");
-        self.flush_failures = failures;
+        if let Some(error) = count_in_a_row(&mut self.flush_failures, flushed, self.fence.is_some()) {
+            self.fence_after_failures(index, "cache flushes", error);
+        }
     }
 
-    /// Only a command the device answered with an error status counts: a queue that could not
-    /// be lent in time, or any other failure that says nothing about the device, neither counts
-    /// nor resets the count (a busy executor must not fence a healthy device).
-    fn count_durability_failure(&mut self, index: usize, outcome: &Result<()>, failures: &mut u32, what: &str) {
-        match outcome {
-            Ok(()) => *failures = 0,
-            Err(_) if self.fence.is_some() => {}
-            Err(error) if !matches!(error, ObjstoreError::Nvme(NvmeError::Command { .. })) => {}
-            Err(error) => {
-                *failures += 1;
-                if *failures >= HEADER_SYNC_FAILURES_FENCE {
-                    self.fence(index, format!("{HEADER_SYNC_FAILURES_FENCE} {what} in a row failed, the last with: {error}"));
-                    self.fence_idle = true;
-                }
-            }
-        }
+    fn fence_after_failures(&mut self, index: usize, what: &str, last: &ObjstoreError) {
+        self.fence(index, format!("{HEADER_SYNC_FAILURES_FENCE} {what} in a row failed, the last with: {last}"));
+        self.fence_idle = true;
     }
 
     pub(super) fn fence(&mut self, index: usize, reason: String) {
@@ -135,4 +122,23 @@ impl PoolDevice {
         self.mirror.forget_dirty();
         self.fence = Some(reason);
     }
+}
+
+/// Adds `outcome` to a count of failures in a row; returns the failure that reaches
+/// [`HEADER_SYNC_FAILURES_FENCE`]. Only a command the device answered with an error status
+/// counts: a queue that could not be lent in time, or any other failure that says nothing about
+/// the device, neither counts nor resets the count (a busy executor must not fence a healthy
+/// device); nothing counts on a device fenced already.
+fn count_in_a_row<'a>(failures: &mut u32, outcome: &'a Result<()>, fenced: bool) -> Option<&'a ObjstoreError> {
+    match outcome {
+        Ok(()) => *failures = 0,
+        Err(error @ ObjstoreError::Nvme(NvmeError::Command { .. })) if !fenced => {
+            *failures += 1;
+            if *failures >= HEADER_SYNC_FAILURES_FENCE {
+                return Some(error);
+            }
+        }
+        Err(_) => {}
+    }
+    None
 }
