@@ -41,7 +41,7 @@ use in_flight::InFlight;
 
 /// Commands fetched from one SQ per scan, so one busy queue cannot starve the others.
 const COMMANDS_PER_QUEUE_PER_SCAN: usize = 64;
-/// Idle sleep of a disabled controller (CC writes through RegisterIo act synchronously).
+/// Idle sleep of a disabled controller (a CC write through RegisterIo unparks it at once).
 const DISABLED_SLEEP: Duration = Duration::from_millis(2);
 /// Longest delay a fault may impose on a completion.
 const MAX_FAULT_DELAY: Duration = Duration::from_secs(3600);
@@ -347,7 +347,9 @@ impl ControllerCore {
         let mut worked = false;
         let mut fetched = std::mem::take(&mut self.fetched);
         for queue_index in 0..self.submission_queues.len() {
-            if self.state != State::Ready {
+            // A reset the host asked for during this scan runs at the next poll: fetch nothing
+            // more for the queues it deletes.
+            if self.state != State::Ready || self.registers.reset_requested() {
                 break;
             }
             let queue_id = queue_index as u16;
@@ -556,7 +558,7 @@ impl ControllerCore {
 
     /// Idle sleep bound for the poller: the configured maximum, or less if a completion is due.
     pub(crate) fn sleep_bound(&self, now: Instant) -> Duration {
-        // Disabled: only a CC write can wake us, and those are applied synchronously.
+        // Disabled: only a CC write gives us work, and it unparks us.
         if self.state != State::Ready {
             return DISABLED_SLEEP;
         }

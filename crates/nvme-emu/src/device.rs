@@ -63,10 +63,11 @@ impl SleepBarrier {
     }
 }
 
-/// What a doorbell write needs to wake the controller thread. The register file's hook holds
-/// it directly (not through `Shared`, which reaches the register file through the core), so
-/// a doorbell write does no atomic read-modify-write: on x86 one would wait for the doorbell's
-/// store to reach the controller's CPU first.
+/// What a doorbell or CC write needs to wake the controller thread. The register file's hooks
+/// hold it directly (not through `Shared`, which reaches the register file through the core):
+/// a doorbell write does no atomic read-modify-write (on x86 one would wait for the doorbell's
+/// store to reach the controller's CPU first), and neither write takes the core's lock, which
+/// the controller thread holds while a reset or a shutdown waits for transfers in flight.
 struct Wake {
     /// Set from the announcement before the controller's last scan ahead of sleeping until a
     /// scan finds work, so a doorbell write knows to unpark it.
@@ -87,6 +88,16 @@ impl Wake {
             if let Some(thread) = self.thread.get() {
                 thread.unpark();
             }
+        }
+    }
+
+    /// After a host write of CC: unparks the controller thread, which applies the write at its
+    /// next poll. Unconditional (CC writes are rare): an unpark sent while the thread is not
+    /// parked ends its next sleep at once, so the write waits at most for the scan in progress.
+    /// Unpark synchronizes with the park it ends, so the thread sees the new CC.
+    fn after_configuration(&self) {
+        if let Some(thread) = self.thread.get() {
+            thread.unpark();
         }
     }
 
@@ -159,12 +170,11 @@ impl EmuDevice {
             stop: AtomicBool::new(false),
             wake: Arc::new(Wake { sleeping: AtomicBool::new(false), thread: OnceLock::new(), barrier }),
         });
-        let hook_shared = Arc::downgrade(&shared);
-        registers.set_configuration_hook(Box::new(move || {
-            if let Some(shared) = hook_shared.upgrade() {
-                shared.core().react_to_configuration();
-            }
-        }));
+        // A CC write only wakes the controller thread, which applies it: a reset or a shutdown
+        // waits for the transfers in flight (up to their deadlines, 30 s), and the host's store
+        // to CC must return at once, as an MMIO write does, so that its CAP.TO deadline works.
+        let wake = Arc::clone(&shared.wake);
+        registers.set_configuration_hook(Box::new(move || wake.after_configuration()));
         let wake = Arc::clone(&shared.wake);
         registers.set_doorbell_hook(Box::new(move || wake.after_doorbell()));
         let thread_shared = Arc::clone(&shared);
@@ -181,6 +191,11 @@ impl EmuDevice {
     /// Unless the kernel still holds a transfer straight into host memory that it would not
     /// cancel: CSTS then reads RDY = 1 with CFS (not a clean stop) until it gives it back, and
     /// only then RDY = 0, so a host never reuses memory the kernel may still write.
+    ///
+    /// Synchronous, unlike a CC write: it returns once the cut is done (transfers in flight
+    /// cancelled or, where the kernel cannot cancel them, waited for up to their deadlines), and
+    /// it waits for the controller's lock, which the controller thread holds while it waits for
+    /// transfers itself (a Flush, a reset, a shutdown).
     pub fn power_loss(&self) {
         self.shared.core().power_loss();
     }
@@ -274,6 +289,8 @@ impl DeviceBackend for EmuDevice {
         Arc::clone(&self.dma) as Arc<dyn DmaAllocator>
     }
 
+    /// Synchronous, as [`EmuDevice::power_loss`] is: a host-side call (VFIO's reset ioctl also
+    /// returns when the reset is done), not a register write; see `ControllerCore::function_reset`.
     fn function_reset(&self) -> Result<(), HwError> {
         self.shared
             .core()

@@ -6,7 +6,7 @@
 //! Acquire loads. Read-only registers (CAP, VS, CSTS) ignore host writes, and accesses outside
 //! the file or misaligned ones read as all ones and drop writes, as a device off the bus would.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 
 use std::sync::Arc;
@@ -24,10 +24,15 @@ pub struct RegisterFile {
     shared: Option<Arc<SharedMemory>>,
     capabilities: u64,
     doorbell_stride_log2: u8,
-    /// Runs after every host write of CC through [`RegisterIo`], so that enable, disable and
-    /// shutdown take effect before the write returns (as on hardware: a host that sees RDY = 0
-    /// after clearing EN may reuse the admin queue memory at once).
+    /// Runs after every host write of CC through [`RegisterIo`]: wakes the controller thread,
+    /// which applies the write (enable, reset, shutdown) at its next poll. It does not apply it
+    /// itself: a reset or a shutdown waits for the transfers in flight, and an MMIO write
+    /// returns at once; the host polls CSTS under its own deadline (CAP.TO), as on hardware.
     configuration_hook: OnceLock<Box<dyn Fn() + Send + Sync>>,
+    /// Set by every host write of CC with EN = 0, taken by the controller when it looks at CC:
+    /// a reset the host asked for is an edge, so a write of EN = 1 that follows before the
+    /// controller thread looked does not hide it.
+    disable_written: AtomicBool,
     /// Runs after every host doorbell write through [`RegisterIo`]: wakes a sleeping controller
     /// thread so that a command after an idle period does not wait out the sleep. (Doorbells
     /// written straight into the memory, as a GPU does, are found by polling.)
@@ -55,6 +60,7 @@ impl RegisterFile {
             doorbell_stride_log2,
             configuration_hook: OnceLock::new(),
             doorbell_hook: OnceLock::new(),
+            disable_written: AtomicBool::new(false),
         };
         file.power_on_reset();
         Ok(file)
@@ -82,7 +88,9 @@ impl RegisterFile {
     }
 
     /// Every register to its reset value: CAP and VS, zero elsewhere (CC, CSTS, AQA, doorbells).
+    /// A CC write the controller had not looked at yet is forgotten with them.
     pub(crate) fn power_on_reset(&self) {
+        self.disable_written.store(false, Ordering::Relaxed);
         // The region is at least one page and 8-aligned: these stores cannot fail.
         let _ = self.region.fill(0, self.region.len(), 0);
         let _ = self.region.store_u64(registers::CAP, self.capabilities, Ordering::Relaxed);
@@ -101,6 +109,21 @@ impl RegisterFile {
 
     pub(crate) fn load64(&self, offset: usize) -> u64 {
         self.region.load_u64(offset, Ordering::Acquire).unwrap_or(u64::MAX)
+    }
+
+    /// Whether the host wrote CC.EN = 0 since the last call (see `disable_written`).
+    pub(crate) fn take_disable_written(&self) -> bool {
+        // Acquire: pairs with the Release below, so the CC value read next is that write's or
+        // a later one.
+        self.disable_written.swap(false, Ordering::AcqRel)
+    }
+
+    /// Whether the host asked for a controller reset that the controller has not done yet:
+    /// CC.EN reads 0, or an EN = 0 write is not taken yet. A running controller checks it
+    /// before it fetches or runs more commands, so that a doorbell rung after the host cleared
+    /// EN is not new work for queues the reset deletes.
+    pub(crate) fn reset_requested(&self) -> bool {
+        self.load32(registers::CC) & 1 == 0 || self.disable_written.load(Ordering::Acquire)
     }
 
     pub(crate) fn set_status(&self, csts: u32) {
@@ -143,6 +166,10 @@ impl RegisterIo for RegisterFile {
             // Release: the SQ entries written before this doorbell are visible to the controller
             // thread once it observes the new tail with its Acquire load.
             let _ = self.region.store_u32(offset, value, Ordering::Release);
+            if offset == registers::CC && value & 1 == 0 {
+                // After the store: a controller that takes the flag then reads this CC or a later one.
+                self.disable_written.store(true, Ordering::Release);
+            }
             let hook = if offset == registers::CC {
                 self.configuration_hook.get()
             } else if offset >= registers::DOORBELL_BASE {

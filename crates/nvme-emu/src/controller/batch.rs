@@ -60,8 +60,9 @@ impl ControllerCore {
             self.submission_queues.get(usize::from(queue_id)).and_then(Option::as_ref).and_then(|queue| queue.restriction.clone())
         };
         for (position, (entry, sq_head)) in fetched.iter().enumerate() {
-            if self.state != State::Ready {
-                // A fatal fault stopped the controller: the rest get no completion.
+            if self.state != State::Ready || self.registers.reset_requested() {
+                // A fatal fault stopped the controller, or the host cleared CC.EN and the reset
+                // (next poll) deletes this queue: the rest get no completion.
                 break;
             }
             self.counters.count_command(queue_id, entry);

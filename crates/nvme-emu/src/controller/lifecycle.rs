@@ -13,23 +13,26 @@ use crate::EmuError;
 
 impl ControllerCore {
     /// Applies CC: enable (EN 0 to 1), reset (EN 1 to 0), shutdown notification. Called by the
-    /// poller and, synchronously, after every host write of CC.
+    /// controller thread at every poll, and only there: a host write of CC records an EN = 0
+    /// and wakes the thread (see `device.rs`), and returns at once, however long the reset or
+    /// shutdown then waits for transfers in flight. CSTS says meanwhile how far it got: RDY
+    /// stays 1 until a reset is done, SHST reads 01b while a shutdown is processing.
     pub(crate) fn react_to_configuration(&mut self) -> bool {
+        // Taken before CC is read: a host that cleared EN and set it again before this thread
+        // looked still gets its reset (the flag), then its enable (CC).
+        let disable_written = self.registers.take_disable_written();
         let cc = ControllerConfiguration(self.registers.load32(registers::CC));
         let mut worked = false;
         if self.state == State::Stopping {
             worked |= self.finish_stopping();
         }
-        match (self.state, cc.enabled()) {
-            (State::Disabled, true) => {
-                self.enable(cc);
-                worked = true;
-            }
-            (State::Ready | State::Fatal, false) => {
-                self.reset_controller();
-                worked = true;
-            }
-            _ => {}
+        if matches!(self.state, State::Ready | State::Fatal) && (disable_written || !cc.enabled()) {
+            self.reset_controller();
+            worked = true;
+        }
+        if self.state == State::Disabled && cc.enabled() {
+            self.enable(cc);
+            worked = true;
         }
         worked |= self.handle_shutdown(cc);
         worked
@@ -145,7 +148,9 @@ impl ControllerCore {
 
     /// CC.EN 1 to 0 (§3.7.2): queues are deleted, features return to defaults, RDY and CFS clear
     /// (only once the kernel holds no transfer into host memory: see `report_stopped`). The
-    /// write cache survives a controller reset (it is not a power loss).
+    /// write cache survives a controller reset (it is not a power loss). RDY reads 1 while the
+    /// transfers in flight are waited for; no doorbell is acted on meanwhile (this thread is
+    /// here, and a scan stops at `RegisterFile::reset_requested`) and all are cleared after.
     fn reset_controller(&mut self) {
         // The kernel may still write the buffers of transfers in flight, and their commands'
         // queues are going away: wait for them (bounded by their deadlines, then cancelled),
@@ -156,9 +161,9 @@ impl ControllerCore {
         self.report_stopped();
     }
 
-    /// CC.SHN (§3.6): on a shutdown notification what is in flight finishes, the cache is
-    /// written back (and, with `sync_file_on_flush`, the file synced) and SHST reports complete;
-    /// clearing SHN clears SHST.
+    /// CC.SHN (§3.6): on a shutdown notification SHST reads 01b (processing occurring) while what
+    /// is in flight finishes, the cache is written back (and, with `sync_file_on_flush`, the file
+    /// synced), then SHST reports complete; clearing SHN clears SHST.
     ///
     /// SHST = complete tells the host its data is durable (it may cut power next). A shutdown
     /// that could not make it so (the write-back or the sync failed, the store is fenced by a
@@ -179,6 +184,8 @@ impl ControllerCore {
             // Processed once per notification: a failed one (SHST 01b) is not retried at every
             // poll, only when the host clears SHN and sets it again.
             ShutdownNotification::Normal | ShutdownNotification::Abrupt if shutdown_status == 0 => {
+                // The waits below can take up to the transfers' deadlines; the host polls SHST.
+                self.registers.set_status(csts | CSTS_SHUTDOWN_OCCURRING);
                 self.settle_in_flight(Settle::Finish);
                 // The host may cut power once SHST says complete: with sync_file_on_flush the
                 // written-back blocks reach the file's media first, as a Flush's would.
@@ -215,7 +222,8 @@ impl ControllerCore {
     /// host memory past the cut (one it would not cancel). Then CSTS does not read as a
     /// freshly powered controller: RDY = 1 with CFS, until the kernel gives it back (see
     /// `report_stopped`), so a host bringing the controller up again times out waiting for
-    /// RDY = 0 instead of reusing memory the kernel may still write.
+    /// RDY = 0 instead of reusing memory the kernel may still write. Runs on the caller's thread
+    /// (`EmuDevice::power_loss`) and returns when the cut is done.
     pub(crate) fn power_loss(&mut self) {
         // Transfers in flight are cancelled where the kernel still can (those never land) and
         // waited for otherwise (those land, as a write already on its way to the media would);
@@ -231,7 +239,9 @@ impl ControllerCore {
     }
 
     /// Function-level reset: like a controller reset, plus registers to reset values. The cache
-    /// is written back first (an FLR is not a power loss). An error when the write-back failed
+    /// is written back first (an FLR is not a power loss). Runs on the caller's thread (a
+    /// host-side call, not a register write) and returns when the reset is done, after waiting
+    /// for the transfers in flight as a controller reset does. An error when the write-back failed
     /// (the blocks stay cached) or when the kernel still holds transfers into host memory (the
     /// controller then reads RDY = 1 with CFS until it gives them back).
     pub(crate) fn function_reset(&mut self) -> Result<(), EmuError> {

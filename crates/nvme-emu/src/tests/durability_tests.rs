@@ -77,7 +77,7 @@ fn syncs_per_step(sync_file_on_flush: bool) -> [u64; 5] {
     write(&host, &mut queue, 5, 4, false);
     step(&host, 3);
     host.registers.write32(registers::CC, ControllerConfiguration::for_enable().0 | 1 << 14);
-    assert_eq!(host.csts().shutdown(), ShutdownStatus::Complete);
+    host.wait_shutdown(ShutdownStatus::Complete);
     step(&host, 4);
     drop(host);
     let _ = std::fs::remove_file(&path);
@@ -138,8 +138,9 @@ fn request_shutdown(host: &TestHost) {
 }
 
 /// Asserts that a shutdown is not reported complete (SHST never reads complete, for a while)
-/// and that the controller says it failed (CSTS.CFS).
+/// and that the controller says it failed (CSTS.CFS, once the controller thread got to it).
 fn assert_shutdown_failed(host: &TestHost, why: &str) {
+    host.wait_fatal();
     let until = Instant::now() + Duration::from_millis(100);
     while Instant::now() < until {
         let csts = host.csts();
@@ -166,7 +167,7 @@ fn a_shutdown_whose_write_back_fails_is_not_reported_complete() {
     let mut queue = host.create_io_pair(1, 16);
     assert!(read_block(&host, &mut queue, 1).iter().all(|&byte| byte == 0x11), "the block stayed cached");
     request_shutdown(&host);
-    assert_eq!(host.csts().shutdown(), ShutdownStatus::Complete, "the store takes writes again");
+    host.wait_shutdown(ShutdownStatus::Complete);
     assert!(!host.csts().fatal());
     host.device.power_loss();
     host.enable();

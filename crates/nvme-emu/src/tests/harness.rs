@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use nvme_driver::hw::{DeviceBackend, DmaAllocator, DmaPool, DmaRegion, RegisterIo};
 use nvme_driver::spec::command::DataPointerKind;
 use nvme_driver::spec::data_pointer::SglDescriptor;
-use nvme_driver::spec::registers::{self, ControllerConfiguration, ControllerStatus};
+use nvme_driver::spec::registers::{self, ControllerConfiguration, ControllerStatus, ShutdownStatus};
 use nvme_driver::spec::{CompletionEntry, NvmeStatus, SubmissionEntry};
 use nvme_driver::{BlockCount, CommandId, Lba, NamespaceId};
 
@@ -35,7 +35,7 @@ pub(crate) struct HostQueue {
 }
 
 impl HostQueue {
-    fn new(dma: &dyn DmaAllocator, id: u16, entries: u32) -> Self {
+    pub(crate) fn new(dma: &dyn DmaAllocator, id: u16, entries: u32) -> Self {
         let submission = dma.allocate(entries as usize * 64).unwrap();
         let completion = dma.allocate(entries as usize * 16).unwrap();
         Self { id, entries, submission, completion, tail: 0, head: 0, phase: true, next_command_id: 1 }
@@ -80,6 +80,25 @@ impl TestHost {
         let deadline = Instant::now() + DEADLINE;
         while self.csts().ready() != ready {
             assert!(Instant::now() < deadline, "CSTS.RDY did not become {ready}: {:?}", self.csts());
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+
+    /// Waits (bounded) for CSTS.SHST to read `status`: the controller thread applies a CC write
+    /// after the write returned, as a real controller does.
+    pub(crate) fn wait_shutdown(&self, status: ShutdownStatus) {
+        let deadline = Instant::now() + DEADLINE;
+        while self.csts().shutdown() != status {
+            assert!(Instant::now() < deadline, "CSTS.SHST did not become {status:?}: {:?}", self.csts());
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+
+    /// Waits (bounded) for CSTS.CFS = 1.
+    pub(crate) fn wait_fatal(&self) {
+        let deadline = Instant::now() + DEADLINE;
+        while !self.csts().fatal() {
+            assert!(Instant::now() < deadline, "CSTS.CFS was never set: {:?}", self.csts());
             std::thread::sleep(Duration::from_micros(50));
         }
     }

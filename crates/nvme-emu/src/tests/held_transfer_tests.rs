@@ -23,8 +23,27 @@ const QUIET: Duration = Duration::from_millis(150);
 /// A controller whose two direct Reads (LBAs 0 and 1, into the returned host buffers) wait in
 /// the kernel for data the socket does not have; `None` where io_uring is unavailable.
 fn hold_two_direct_reads(name: &str) -> Option<(Stalled, [DmaRegion; 2])> {
-    let mut stalled = Stalled::start_with(name, false, HELD_TIMEOUT)?;
-    stalled.host.device.with_core(|core| core.allow_direct_on_override());
+    hold_two_reads(name, HoldReads { direct: true, cancellation: false, timeout: HELD_TIMEOUT })
+}
+
+/// How [`hold_two_reads`] holds its Reads.
+pub(super) struct HoldReads {
+    /// Straight into host memory (else through the controller's bounce buffers).
+    pub direct: bool,
+    /// Whether the ring may cancel them once `timeout` passed.
+    pub cancellation: bool,
+    /// Transfer (and cancellation) deadline.
+    pub timeout: Duration,
+}
+
+/// A controller whose two Reads (LBAs 0 and 1, into the returned host buffers), pushed in one
+/// doorbell so that both go through the ring, wait in the kernel for data the socket does not
+/// have until the test writes it to `receiver`; `None` where io_uring is unavailable.
+pub(super) fn hold_two_reads(name: &str, hold: HoldReads) -> Option<(Stalled, [DmaRegion; 2])> {
+    let mut stalled = Stalled::start_with(name, hold.cancellation, hold.timeout)?;
+    if hold.direct {
+        stalled.host.device.with_core(|core| core.allow_direct_on_override());
+    }
     let targets = [stalled.host.buffer(4096), stalled.host.buffer(4096)];
     for (lba, target) in targets.iter().enumerate() {
         let read = SubmissionEntry::read(NamespaceId(1), Lba(lba as u64), block_count(1));
@@ -40,8 +59,16 @@ fn hold_two_direct_reads(name: &str) -> Option<(Stalled, [DmaRegion; 2])> {
 }
 
 /// Asserts the controller keeps saying it may still touch host memory: RDY = 1 with CFS = 1,
-/// for a while.
+/// for a while, from when CFS rose (a reset sets it on the controller thread, once the held
+/// reads passed their deadline; RDY reads 1 until then).
 fn assert_not_stopped(stalled: &Stalled, after: &str) {
+    let deadline = Instant::now() + DEADLINE;
+    while !stalled.host.csts().fatal() {
+        let csts = stalled.host.csts();
+        assert!(csts.ready(), "CSTS.RDY = 0 after {after} while the kernel may still write host memory: {csts:?}");
+        assert!(Instant::now() < deadline, "CSTS.CFS never set after {after}, with host memory stuck in the kernel: {csts:?}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
     let until = Instant::now() + QUIET;
     while Instant::now() < until {
         let csts = stalled.host.csts();

@@ -24,7 +24,7 @@ fn shutdown_and_function_reset_write_the_cache_back() {
     let mut queue = host.create_io_pair(1, 8);
     write_block(&host, &mut queue, 1, 0x11);
     host.registers.write32(registers::CC, ControllerConfiguration::for_enable().0 | 1 << 14);
-    assert_eq!(host.csts().shutdown(), ShutdownStatus::Complete, "CC writes take effect synchronously");
+    host.wait_shutdown(ShutdownStatus::Complete);
     host.device.power_loss();
     host.enable();
     let mut queue = host.create_io_pair(1, 8);

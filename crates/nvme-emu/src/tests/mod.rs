@@ -1,6 +1,7 @@
 //! Tests that drive the running controller through its registers and raw queue memory.
 
 mod admin_tests;
+mod configuration_tests;
 mod copied_tests;
 mod durability_tests;
 mod harness;

@@ -1,0 +1,178 @@
+//! A host write of CC returns at once, as an MMIO write does, however long the transition it
+//! starts waits for transfers in flight: the controller thread does the waiting, CSTS tells the
+//! host how far it got (RDY stays 1 until a reset completed, SHST reads 01b while a shutdown
+//! is processing), and the host's own deadline (CAP.TO) is what bounds its wait. Until
+//! 2026-11-30 the write ran the transition itself and blocked until the transfers ended (a
+//! review measured ~35 s with a file backing), so no host deadline could work.
+
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+use nvme_driver::hw::DmaRegion;
+use nvme_driver::spec::registers::{self, ControllerConfiguration, ShutdownStatus};
+use nvme_driver::spec::{NvmOpcode, SubmissionEntry};
+use nvme_driver::NamespaceId;
+
+use super::harness::{status_of, write_block, HostQueue, TestHost, DEADLINE};
+use super::held_transfer_tests::{hold_two_reads, HoldReads};
+use super::stall_tests::{block, Stalled};
+use crate::{Backing, EmuConfig};
+
+/// Deadline of the held transfers: the transition they block ends by then at the latest (the
+/// real deadline is 30 s), so a test that measures less saw it end because they did.
+const HOLD_TIMEOUT: Duration = Duration::from_secs(3);
+/// How long a CC write may take: no wait for I/O, only a store and a wake-up.
+const PROMPT: Duration = Duration::from_millis(100);
+/// How long a test watches CSTS for a change that must not come yet.
+const QUIET: Duration = Duration::from_millis(150);
+
+/// Two bounced Reads held in flight (cancellable, so that the pre-fix CC write ended at
+/// `HOLD_TIMEOUT` rather than never); `None` where io_uring is unavailable.
+fn hold(name: &str) -> Option<(Stalled, [DmaRegion; 2])> {
+    hold_two_reads(name, HoldReads { direct: false, cancellation: true, timeout: HOLD_TIMEOUT })
+}
+
+/// Writes CC with `change` applied to its value and returns how long the write took.
+fn write_configuration(stalled: &Stalled, change: impl FnOnce(u32) -> u32) -> Duration {
+    let configuration = stalled.host.registers.read32(registers::CC);
+    let started = Instant::now();
+    stalled.host.registers.write32(registers::CC, change(configuration));
+    started.elapsed()
+}
+
+/// Gives the held reads their data (block 5, then block 6).
+fn release(stalled: &mut Stalled) {
+    stalled.receiver.write_all(&[block(5), block(6)].concat()).unwrap();
+}
+
+/// Waits (bounded) until `condition` holds of CSTS.
+fn wait_for(stalled: &Stalled, what: &str, condition: impl Fn(ControllerStatusView) -> bool) {
+    let deadline = Instant::now() + DEADLINE;
+    while !condition(ControllerStatusView::read(stalled)) {
+        assert!(Instant::now() < deadline, "{what} never came: {:?}", stalled.host.csts());
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
+/// The CSTS fields these tests look at.
+#[derive(Debug, Clone, Copy)]
+struct ControllerStatusView {
+    ready: bool,
+    fatal: bool,
+    shutdown: ShutdownStatus,
+}
+
+impl ControllerStatusView {
+    fn read(stalled: &Stalled) -> Self {
+        let csts = stalled.host.csts();
+        Self { ready: csts.ready(), fatal: csts.fatal(), shutdown: csts.shutdown() }
+    }
+}
+
+/// Asserts `condition` holds of CSTS at every look for [`QUIET`].
+fn assert_for_a_while(stalled: &Stalled, what: &str, condition: impl Fn(ControllerStatusView) -> bool) {
+    let until = Instant::now() + QUIET;
+    while Instant::now() < until {
+        let csts = ControllerStatusView::read(stalled);
+        assert!(condition(csts), "{what}: {csts:?}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn a_reset_with_transfers_in_flight_returns_at_once_and_reads_ready_until_they_end() {
+    // Goal: CC.EN = 0 while two Reads are held in the kernel returns within PROMPT; CSTS.RDY
+    // stays 1 (without CFS) while the reset waits for them, and drops to 0 once they end,
+    // well before their deadline; none of them completes, and the controller comes up again.
+    let before_hold = Instant::now();
+    let Some((mut stalled, _targets)) = hold("cc-reset-in-flight") else { return };
+    let took = write_configuration(&stalled, |configuration| configuration & !1);
+    assert!(took < PROMPT, "the CC write waited {took:?} for the transfers in flight");
+    assert_for_a_while(&stalled, "RDY dropped (or CFS rose) while the reset still waits for transfers", |csts| csts.ready && !csts.fatal);
+    release(&mut stalled);
+    wait_for(&stalled, "RDY = 0 after the transfers ended", |csts| !csts.ready);
+    let ended = before_hold.elapsed();
+    assert!(ended < HOLD_TIMEOUT, "the reset ended at the transfers' deadline ({ended:?}), not when they ended");
+    assert!(!stalled.host.csts().fatal());
+    assert!(TestHost::try_reap(&mut stalled.queue).is_none(), "a reset completed a command that was in flight");
+    stalled.host.enable();
+    stalled.queue = stalled.host.create_io_pair(1, 16);
+    assert_eq!(stalled.write(3, &block(3)), Ok(()));
+    assert_eq!(stalled.read(3), (Ok(()), block(3)));
+}
+
+#[test]
+fn a_shutdown_with_transfers_in_flight_returns_at_once_and_reads_processing_until_they_end() {
+    // Goal: CC.SHN = 01b while two Reads are held in the kernel returns within PROMPT; SHST
+    // reads 01b (processing) while the shutdown waits for them to finish, then 10b (complete)
+    // once they did, well before their deadline; both Reads complete with their data.
+    let before_hold = Instant::now();
+    let Some((mut stalled, targets)) = hold("cc-shutdown-in-flight") else { return };
+    let took = write_configuration(&stalled, |configuration| configuration & !(0x3 << 14) | 1 << 14);
+    assert!(took < PROMPT, "the CC write waited {took:?} for the transfers in flight");
+    wait_for(&stalled, "SHST = processing", |csts| csts.shutdown == ShutdownStatus::Occurring);
+    assert_for_a_while(&stalled, "SHST left processing while the shutdown still waits for transfers", |csts| {
+        csts.shutdown == ShutdownStatus::Occurring && csts.ready && !csts.fatal
+    });
+    release(&mut stalled);
+    wait_for(&stalled, "SHST = complete after the transfers ended", |csts| csts.shutdown == ShutdownStatus::Complete);
+    let ended = before_hold.elapsed();
+    assert!(ended < HOLD_TIMEOUT, "the shutdown ended at the transfers' deadline ({ended:?}), not when they ended");
+    assert!(!stalled.host.csts().fatal());
+    for _ in 0..2 {
+        assert_eq!(status_of(&stalled.host.reap(&mut stalled.queue)), Ok(()), "a Read the shutdown finished");
+    }
+    let landed: Vec<Vec<u8>> = targets
+        .iter()
+        .map(|target| {
+            let mut data = vec![0u8; 4096];
+            target.read(0, &mut data).unwrap();
+            data
+        })
+        .collect();
+    assert!(landed == [block(5), block(6)] || landed == [block(6), block(5)], "the Reads' data");
+}
+
+#[test]
+fn a_doorbell_rung_while_a_reset_waits_is_not_run_on_the_old_queues() {
+    // Goal: once the host cleared CC.EN, a doorbell it rings on an old I/O queue (a racing
+    // thread) is not new work: while the reset waits for the transfers in flight, and after it,
+    // the command is never fetched, run or completed.
+    let Some((mut stalled, _targets)) = hold("cc-reset-doorbell") else { return };
+    let took = write_configuration(&stalled, |configuration| configuration & !1);
+    assert!(took < PROMPT, "the CC write waited {took:?} for the transfers in flight");
+    TestHost::push(&mut stalled.queue, SubmissionEntry::flush(NamespaceId(1)));
+    stalled.host.ring_submission(&stalled.queue);
+    assert_for_a_while(&stalled, "RDY dropped while the reset still waits for transfers", |csts| csts.ready);
+    release(&mut stalled);
+    wait_for(&stalled, "RDY = 0 after the transfers ended", |csts| !csts.ready);
+    assert!(TestHost::try_reap(&mut stalled.queue).is_none(), "a command of the old queues completed");
+    assert_eq!(stalled.host.device.stats().io(NvmOpcode::Flush), 0, "the Flush rung during the reset ran");
+}
+
+#[test]
+fn a_disable_and_enable_written_before_the_controller_looks_still_reset_it() {
+    // Goal: CC.EN 1 -> 0 -> 1 written before the controller thread looked at CC (the test holds
+    // its lock meanwhile) is still a reset followed by an enable, not a level that never
+    // changed: the old I/O queue is gone (creating queue 1 again succeeds) and the controller
+    // serves the new admin queue.
+    let mut host = TestHost::start(EmuConfig::default().with_backing(Backing::Memory { bytes: 8 << 20 }));
+    let mut queue = host.create_io_pair(1, 8);
+    write_block(&host, &mut queue, 0, 0x11);
+    let admin = HostQueue::new(&*host.dma, 0, 32);
+    host.device.with_core(|_| {
+        host.registers.write32(registers::CC, 0);
+        host.registers.write64(registers::ASQ, admin.submission.iova().0);
+        host.registers.write64(registers::ACQ, admin.completion.iova().0);
+        host.registers.write32(registers::CC, ControllerConfiguration::for_enable().0);
+    });
+    host.admin = admin;
+    let deadline = Instant::now() + DEADLINE;
+    while host.device.stats().enables != 2 {
+        assert!(Instant::now() < deadline, "the controller was not reset and enabled again");
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    assert!(host.csts().ready() && !host.csts().fatal());
+    let mut queue = host.create_io_pair(1, 8);
+    write_block(&host, &mut queue, 0, 0x22);
+}
