@@ -2,7 +2,7 @@
 //! starts waits for transfers in flight: the controller thread does the waiting, CSTS tells the
 //! host how far it got (RDY stays 1 until a reset completed, SHST reads 01b while a shutdown
 //! is processing), and the host's own deadline (CAP.TO) is what bounds its wait. Until
-//! 2026-11-30 the write ran the transition itself and blocked until the transfers ended (a
+//! 2026-11-29 the write ran the transition itself and blocked until the transfers ended (a
 //! review measured ~35 s with a file backing), so no host deadline could work.
 
 use std::io::Write;
