@@ -129,8 +129,9 @@ def store_prompt(store: tutti.Store, prompt: list[int], blocks: list[int], commi
     return request
 
 
-def retrieve_prompt(store: tutti.Store, prompt: list[int], blocks: list[int]) -> None:
-    with store.prepare_retrieve(prompt, blocks) as request:
+def retrieve_prompt(store: tutti.Store, prompt: list[int], blocks: list[int], first_block: int = 0) -> None:
+    """Retrieves blocks first_block.. of `prompt`'s prefix into `blocks`, every layer."""
+    with store.prepare_retrieve(prompt, blocks, first_block=first_block) as request:
         for layer in range(store.geometry.layers):
             request.retrieve_layer(layer)
             assert request.wait(WAIT_S) == layer

@@ -205,6 +205,34 @@ def test_through_tuttid_allocated_window_round_trips(formatted_daemon, kind):
     reader.close()
 
 
+@pytest.mark.parametrize("where", ["in-process", "tuttid"])
+def test_a_retrieve_from_a_first_block_leaves_the_engines_own_blocks_alone(formatted_daemon, where):
+    # Goal: an engine that holds the first blocks of a cached prefix itself (a local prefix
+    # hit) retrieves only the rest with `first_block`: they land byte for byte, the engine's
+    # own blocks keep their bytes, and ranges past the prompt are refused as InvalidArgument.
+    if where == "in-process":
+        store = open_store()
+    else:
+        store = tutti.Store.attach(formatted_daemon.socket, model_fingerprint=FINGERPRINT, client_name="first-block")
+    with store:
+        layout = store.allocate_kv(12, "paged")
+        prompt = tokens(31, 4)
+        for block in range(4):
+            fill_block(layout, block, seed=40 + block)
+        store_prompt(store, prompt, [0, 1, 2, 3])
+        # Engine blocks 8..11 receive the prompt; 8 and 9 are the engine's own (other bytes).
+        fill_block(layout, 8, seed=90)
+        fill_block(layout, 9, seed=91)
+        retrieve_prompt(store, prompt, [10, 11], first_block=2)
+        assert holds(layout, 10, seed=42) and holds(layout, 11, seed=43), "blocks 2 and 3 of the prompt"
+        assert holds(layout, 8, seed=90) and holds(layout, 9, seed=91), "the engine's own blocks are left alone"
+        for block_ids, first_block in [([10, 11, 4], 2), ([], 1), ([10], 4)]:
+            with pytest.raises(tutti.InvalidArgument):
+                store.prepare_retrieve(prompt, block_ids, first_block=first_block)
+        with pytest.raises(OverflowError):
+            store.prepare_retrieve(prompt, [10], first_block=-1)
+
+
 def _typed_views(layout: tutti.KvLayout):
     """float16 numpy views over an allocation, shaped as an engine would use them."""
     n, layers = layout.num_blocks, GEOMETRY.layers

@@ -473,12 +473,17 @@ class Store:
     def lookup_all_ranks(self, tokens: Sequence[int]) -> int:
         """The longest prefix cached on every tensor-parallel rank 0..tp_world of this store's
         model (what an engine's scheduler plans with). tp_world 1: lookup."""
-    def prepare_retrieve(self, tokens: Sequence[int], block_ids: Sequence[int]) -> Request:
-        """Prepares reading blocks 0..len(block_ids) of the prefix of `tokens` (all cached: look
-        up first) into engine blocks `block_ids` (block i of the prefix into block_ids[i]). Pins
-        their slots until the request is finished. Then per layer: retrieve_layer, wait.
+    def prepare_retrieve(self, tokens: Sequence[int], block_ids: Sequence[int], first_block: int = 0) -> Request:
+        """Prepares reading blocks first_block..first_block + len(block_ids) of the prefix of
+        `tokens` (all cached: look up first) into engine blocks `block_ids` (block first_block + i
+        of the prefix into block_ids[i]). Pins their slots until the request is finished. Then
+        per layer: retrieve_layer, wait.
 
-        Raises InvalidArgument (no block ids, more than the full blocks of tokens, a block id
+        Blocks before `first_block` (the engine's own, e.g. a local prefix cache hit) are neither
+        read nor required to be cached; `tokens` still holds the prefix from its start, since a
+        block's key depends on every token before it.
+
+        Raises InvalidArgument (no block ids, blocks past the full blocks of tokens, a block id
         outside the registration, a block no longer cached), NotRegistered, LimitReached
         (requests_max), DaemonError / Disconnected (tuttid)."""
     def prepare_store(self, tokens: Sequence[int], block_ids: Sequence[int]) -> Request:

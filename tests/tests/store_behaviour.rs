@@ -222,7 +222,7 @@ fn a_verified_retrieve_names_and_evicts_blocks_whose_bytes_changed_on_disk() {
     match kv.wait(handle, deadline()) {
         Err(ObjstoreError::PayloadMismatch { blocks, .. }) => {
             assert_eq!(blocks.len(), 1, "{blocks:?}");
-            assert_eq!((blocks[0].prefix_index, blocks[0].engine_block, blocks[0].slot), (1, 21, location.slot), "{blocks:?}");
+            assert_eq!((blocks[0].position, blocks[0].engine_block, blocks[0].slot), (1, 21, location.slot), "{blocks:?}");
         }
         other => panic!("expected a payload mismatch, got {other:?}"),
     }

@@ -63,7 +63,7 @@ fn a_failed_verification_is_sticky_and_spares_good_blocks_of_its_slot() {
     }
     kv.retrieve_layer(r1, 3, BUDGET).unwrap();
     fn mismatch<T>(result: &objstore::Result<T>) -> bool {
-        matches!(result, Err(ObjstoreError::PayloadMismatch { blocks, .. }) if blocks.len() == 1 && blocks[0].prefix_index == 1)
+        matches!(result, Err(ObjstoreError::PayloadMismatch { blocks, .. }) if blocks.len() == 1 && blocks[0].position == 1)
     }
     let first = kv.wait(r1, deadline());
     assert!(mismatch(&first), "{first:?}");

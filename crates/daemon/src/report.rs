@@ -71,7 +71,7 @@ pub(crate) fn evict_corrupt(control: &mut StoreControl, handle: RequestHandle, b
     }
     let placements = control.placements(handle).map_err(|error| (ErrorCode::NotYours, error.to_string()))?;
     for block in blocks {
-        let granted = placements.get(block.prefix_index);
+        let granted = placements.get(block.position);
         let matches = granted.is_some_and(|placement| {
             (placement.location.device, placement.location.slot, placement.engine_block) == (block.device, block.slot, block.engine_block)
         });

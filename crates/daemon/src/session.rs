@@ -17,6 +17,7 @@
 //! then unmap its windows. A queue pair whose deletion fails is kept for good, and with it
 //! the session's windows and reservations (leaked, counted, logged).
 
+use std::ops::Range;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -423,9 +424,16 @@ impl Holdings {
         (Reply::Attached { queues: grants }, fds)
     }
 
-    /// Checks a prepare request against the session and computes its keys into `self.keys`;
-    /// returns the block count.
-    fn check_prepare(&mut self, prepare: &Prepare, space: &KeySpace, block_tokens: u32, limits: &SessionLimits) -> Result<usize, Refusal> {
+    /// Checks a prepare request against the session and computes the keys of its prefix up to
+    /// its last block into `self.keys`; returns the range of them that are the request's own
+    /// (`first_block..first_block + block_ids.len()`).
+    fn check_prepare(
+        &mut self,
+        prepare: &Prepare,
+        space: &KeySpace,
+        block_tokens: u32,
+        limits: &SessionLimits,
+    ) -> Result<Range<usize>, Refusal> {
         let kv_blocks = match self.device_memory.iter().find(|device| device.id == prepare.registration) {
             Some(device) => device.kv_blocks,
             None => self.registrations[self.registration(prepare.registration)?].kv_blocks,
@@ -440,15 +448,18 @@ impl Holdings {
             // and a reservation whose reply cannot be sent could never be released.
             return Err((
                 ErrorCode::BadRequest,
-                format!("{blocks} block ids in one request; at most {PREPARE_BLOCKS_MAX} (prepare longer prefixes in pieces)"),
+                format!("{blocks} block ids in one request; at most {PREPARE_BLOCKS_MAX} (retrieve a longer prefix in pieces, from its first block)"),
             ));
         }
-        if blocks == 0 || blocks > full {
+        let first_block = prepare.first_block as usize;
+        let end = first_block + blocks;
+        if blocks == 0 || end > full {
             return Err((
                 ErrorCode::BadRequest,
                 format!(
-                    "{blocks} block ids for {} tokens ({full} full blocks of {block_tokens}); expected 1..={full}",
-                    prepare.tokens.len()
+                    "{blocks} block ids from block {first_block} for {} tokens ({full} full blocks of {block_tokens}); expected 1..={}",
+                    prepare.tokens.len(),
+                    full.saturating_sub(first_block)
                 ),
             ));
         }
@@ -458,8 +469,8 @@ impl Holdings {
                 format!("engine block {block} is outside registration {} of {kv_blocks} blocks", prepare.registration),
             ));
         }
-        space.keys(&prepare.tokens[..blocks * block_tokens as usize], block_tokens, &mut self.keys);
-        Ok(blocks)
+        space.keys(&prepare.tokens[..end * block_tokens as usize], block_tokens, &mut self.keys);
+        Ok(first_block..end)
     }
 
     pub fn prepare_retrieve(
@@ -470,12 +481,13 @@ impl Holdings {
         store: &Mutex<StoreState>,
         limits: &SessionLimits,
     ) -> Reply {
-        if let Err(refusal) = self.check_prepare(&prepare, space, block_tokens, limits) {
-            return refused(refusal);
-        }
+        let own = match self.check_prepare(&prepare, space, block_tokens, limits) {
+            Ok(own) => own,
+            Err(refusal) => return refused(refusal),
+        };
         let mut store = lock(store);
         let control = &mut store.control;
-        let handle = match control.reserve_retrieve(&self.keys, &prepare.block_ids) {
+        let handle = match control.reserve_retrieve(&self.keys[own.clone()], &prepare.block_ids, own.start) {
             Ok(handle) => handle,
             Err(error) => return store_error("reserving the retrieve", error),
         };
@@ -504,6 +516,12 @@ impl Holdings {
         store: &Mutex<StoreState>,
         limits: &SessionLimits,
     ) -> Reply {
+        if prepare.first_block != 0 {
+            return refused((
+                ErrorCode::BadRequest,
+                format!("a store starts at the prefix's first block, not block {}", prepare.first_block),
+            ));
+        }
         if let Err(refusal) = self.check_prepare(&prepare, space, block_tokens, limits) {
             return refused(refusal);
         }

@@ -25,8 +25,9 @@ impl std::fmt::Display for KvKind {
 /// A retrieved block whose bytes did not match the payload CRC recorded when it was stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MismatchedBlock {
-    /// Position of the block in the request's prefix.
-    pub prefix_index: usize,
+    /// Position of the block among those the request moves, in prefix order (0 is its first:
+    /// block `first_block` of the prefix for a retrieve prepared from there).
+    pub position: usize,
     /// The engine block that received it (its bytes there are not to be used).
     pub engine_block: u32,
     pub device: u16,
@@ -39,8 +40,8 @@ impl std::fmt::Display for MismatchedBlock {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "prefix block {} (engine block {}, device {} slot {}): CRC {:#010x}, recorded {:#010x}",
-            self.prefix_index, self.engine_block, self.device, self.slot, self.computed_crc, self.expected_crc
+            "request block {} (engine block {}, device {} slot {}): CRC {:#010x}, recorded {:#010x}",
+            self.position, self.engine_block, self.device, self.slot, self.computed_crc, self.expected_crc
         )
     }
 }

@@ -99,7 +99,8 @@ impl Default for StoreConfig {
 }
 
 /// A request: its tokens (only full blocks count) and the engine blocks that hold (store) or
-/// will receive (retrieve) block i of the prefix.
+/// will receive (retrieve) block i of the prefix (block `first_block + i` for a retrieve
+/// prepared with [`KvStore::prepare_retrieve_from`]).
 #[derive(Debug, Clone, Copy)]
 pub struct KvRequest<'a> {
     pub tokens: &'a [u32],
@@ -304,19 +305,27 @@ impl<E: Executor> KvStore<E> {
         self.control.lookup(&self.keys)
     }
 
-    /// Checks `request` and computes the keys of its blocks into `self.keys`; returns how many.
-    fn check_request(&mut self, request: &KvRequest<'_>) -> Result<usize> {
+    /// Checks `request`, whose blocks are blocks `first_block..` of its prefix, and computes the
+    /// keys of the prefix's blocks up to its last into `self.keys`; returns how many (the
+    /// request's own are the last `block_ids.len()`).
+    fn check_request(&mut self, request: &KvRequest<'_>, first_block: usize) -> Result<usize> {
         let block_tokens = self.control.pool().geometry().block_tokens as usize;
         let full = request.tokens.len() / block_tokens;
-        let n = request.block_ids.len();
-        if n == 0 || n > full {
-            return Err(ObjstoreError::BadRequest {
-                reason: format!(
-                    "{n} block ids for {} tokens ({full} full blocks of {block_tokens}); expected 1..={full}",
+        let blocks = request.block_ids.len();
+        let end = first_block.checked_add(blocks).filter(|&end| blocks > 0 && end <= full).ok_or_else(|| ObjstoreError::BadRequest {
+            reason: if first_block == 0 {
+                format!(
+                    "{blocks} block ids for {} tokens ({full} full blocks of {block_tokens}); expected 1..={full}",
                     request.tokens.len()
-                ),
-            });
-        }
+                )
+            } else {
+                format!(
+                    "{blocks} block ids from block {first_block} for {} tokens ({full} full blocks of {block_tokens}); expected 1..={}",
+                    request.tokens.len(),
+                    full.saturating_sub(first_block)
+                )
+            },
+        })?;
         // One max (vectorised) instead of a check per block; the error names the first bad id.
         let registration = self.data.table().registration();
         if request.block_ids.iter().copied().max().is_some_and(|max| max >= registration.num_blocks()) {
@@ -324,15 +333,24 @@ impl<E: Executor> KvStore<E> {
                 registration.check_block(block)?;
             }
         }
-        block_keys_seeded(self.key_seed, &request.tokens[..n * block_tokens], block_tokens as u32, &mut self.keys);
-        Ok(n)
+        block_keys_seeded(self.key_seed, &request.tokens[..end * block_tokens], block_tokens as u32, &mut self.keys);
+        Ok(end)
     }
 
     /// Prepares reading blocks 0..n of `request`'s prefix (n = block_ids.len(), all cached: call
     /// `lookup` first) into the engine blocks `block_ids`. Pins their slots until `finish`.
     pub fn prepare_retrieve(&mut self, request: &KvRequest<'_>) -> Result<RequestHandle> {
-        let n = self.check_request(request)?;
-        let handle = self.control.reserve_retrieve(&self.keys[..n], request.block_ids)?;
+        self.prepare_retrieve_from(request, 0)
+    }
+
+    /// Prepares reading blocks `first_block..first_block + block_ids.len()` of `request`'s
+    /// prefix (all cached) into the engine blocks `block_ids`; the blocks before `first_block`
+    /// (an engine's own prefix) are neither read nor required to be cached. `tokens` is the
+    /// whole prefix up to the last block read: a block's key depends on every token before it.
+    /// Pins the read blocks' slots until `finish`.
+    pub fn prepare_retrieve_from(&mut self, request: &KvRequest<'_>, first_block: usize) -> Result<RequestHandle> {
+        let end = self.check_request(request, first_block)?;
+        let handle = self.control.reserve_retrieve(&self.keys[first_block..end], request.block_ids, first_block)?;
         let expected = if self.data.config().verify_retrieves {
             if let Err(error) = self.control.recorded_payload_crcs(handle, &mut self.crcs) {
                 let _ = self.control.release(handle);
@@ -357,7 +375,7 @@ impl<E: Executor> KvStore<E> {
     /// are pinned until the store commits or is finished, so no allocation (this one's or
     /// another store's) evicts a block this request counts on.
     pub fn prepare_store(&mut self, request: &KvRequest<'_>) -> Result<StorePlan> {
-        let n = self.check_request(request)?;
+        let n = self.check_request(request, 0)?;
         let plan = self.control.reserve_store(&self.keys[..n], request.block_ids, self.data.lender())?;
         let prepared =
             self.control.placements(plan.handle).and_then(|placements| self.data.prepare(plan.handle, Direction::Store, placements, None));

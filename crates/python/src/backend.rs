@@ -271,17 +271,19 @@ impl StoreState {
     }
 
     /// prepare_retrieve / prepare_store; returns the handle, the store plan (stores) and the
-    /// engine blocks written (stores: the new ones; retrieves: all).
+    /// engine blocks written (stores: the new ones; retrieves: all). `block_ids` are blocks
+    /// `first_block..` of the prefix (a retrieve's; a store's start at 0).
     pub fn prepare(
         &mut self,
         direction: Direction,
         tokens: &[u32],
         block_ids: &[u32],
+        first_block: usize,
     ) -> Result<(RequestHandle, Option<StorePlan>, Vec<u32>), Failure> {
         let remote = self.is_remote();
         let request = KvRequest { tokens, block_ids };
         let prepared = match direction {
-            Direction::Retrieve => self.layer_store()?.prepare_retrieve(&request).map(|handle| (handle, None)),
+            Direction::Retrieve => self.layer_store()?.prepare_retrieve_from(&request, first_block).map(|handle| (handle, None)),
             Direction::Store => self.layer_store()?.prepare_store(&request).map(|plan| (plan.handle, Some(plan))),
         };
         if remote {

@@ -222,9 +222,16 @@ impl Store {
         Ok(Store { shared })
     }
 
-    fn prepare(&self, py: Python<'_>, direction: Direction, tokens: Vec<u32>, block_ids: Vec<u32>) -> PyResult<Request> {
+    fn prepare(
+        &self,
+        py: Python<'_>,
+        direction: Direction,
+        tokens: Vec<u32>,
+        block_ids: Vec<u32>,
+        first_block: usize,
+    ) -> PyResult<Request> {
         let ids = block_ids.clone();
-        let (handle, plan, written) = self.shared.with_state(py, move |state| state.prepare(direction, &tokens, &ids))?;
+        let (handle, plan, written) = self.shared.with_state(py, move |state| state.prepare(direction, &tokens, &ids, first_block))?;
         Ok(Request::new(Arc::clone(&self.shared), handle.to_bits(), direction, block_ids, written, plan))
     }
 }
@@ -472,12 +479,13 @@ impl Store {
         self.shared.with_state(py, move |state| state.lookup_all_ranks(&tokens))
     }
 
-    fn prepare_retrieve(&self, py: Python<'_>, tokens: Vec<u32>, block_ids: Vec<u32>) -> PyResult<Request> {
-        self.prepare(py, Direction::Retrieve, tokens, block_ids)
+    #[pyo3(signature = (tokens, block_ids, first_block = 0))]
+    fn prepare_retrieve(&self, py: Python<'_>, tokens: Vec<u32>, block_ids: Vec<u32>, first_block: usize) -> PyResult<Request> {
+        self.prepare(py, Direction::Retrieve, tokens, block_ids, first_block)
     }
 
     fn prepare_store(&self, py: Python<'_>, tokens: Vec<u32>, block_ids: Vec<u32>) -> PyResult<Request> {
-        self.prepare(py, Direction::Store, tokens, block_ids)
+        self.prepare(py, Direction::Store, tokens, block_ids, 0)
     }
 
     fn ping(&self, py: Python<'_>) -> PyResult<()> {

@@ -36,7 +36,7 @@ fn verifying(socket: &Path, name: &str) -> RemoteKvStore {
 /// data half is not told), to see its placements or to report on it.
 fn raw_retrieve(store: &mut RemoteKvStore, blocks: usize) -> RetrievePrepared {
     let tokens = prompt(SEED, BLOCKS, store.hello_reply().shape.block_tokens);
-    let prepare = Prepare { registration: store.registration(), tokens, block_ids: (0..blocks as u32).collect() };
+    let prepare = Prepare { registration: store.registration(), tokens, block_ids: (0..blocks as u32).collect(), first_block: 0 };
     match store.client().call(&Request::PrepareRetrieve(prepare)).unwrap() {
         Reply::RetrievePrepared(prepared) => prepared,
         other => panic!("{other:?}"),
@@ -97,7 +97,7 @@ fn a_block_corrupted_on_the_device_is_refused_by_the_client_and_evicted_by_the_d
         Err(ObjstoreError::PayloadMismatch { blocks, .. }) => {
             assert_eq!(blocks.len(), 1, "{blocks:?}");
             let block = blocks[0];
-            assert_eq!((block.prefix_index, block.engine_block, block.slot), (CORRUPT, block_ids[CORRUPT], placement.location.slot));
+            assert_eq!((block.position, block.engine_block, block.slot), (CORRUPT, block_ids[CORRUPT], placement.location.slot));
         }
         other => panic!("the corrupted block was handed out: {other:?}"),
     }
@@ -126,7 +126,7 @@ fn a_block_corrupted_on_the_device_is_refused_by_the_client_and_evicted_by_the_d
     let prepared = raw_retrieve(&mut liar, CORRUPT);
     let own = prepared.placements[0];
     let honest = MismatchedBlock {
-        prefix_index: 0,
+        position: 0,
         engine_block: own.engine_block,
         device: own.location.device,
         slot: own.location.slot,
@@ -135,7 +135,7 @@ fn a_block_corrupted_on_the_device_is_refused_by_the_client_and_evicted_by_the_d
     };
     let last = placements.placements[BLOCKS - 1].location;
     for lie in [
-        MismatchedBlock { prefix_index: BLOCKS - 1, slot: last.slot, ..honest },
+        MismatchedBlock { position: BLOCKS - 1, slot: last.slot, ..honest },
         MismatchedBlock { slot: last.slot, ..honest },
         MismatchedBlock { engine_block: own.engine_block + 1, ..honest },
         MismatchedBlock { computed_crc: 1, ..honest },
@@ -146,7 +146,7 @@ fn a_block_corrupted_on_the_device_is_refused_by_the_client_and_evicted_by_the_d
         }
     }
     let store_tokens = prompt(SEED + 1, BLOCKS, liar.hello_reply().shape.block_tokens);
-    let prepare = Prepare { registration: liar.registration(), tokens: store_tokens, block_ids: vec![0] };
+    let prepare = Prepare { registration: liar.registration(), tokens: store_tokens, block_ids: vec![0], first_block: 0 };
     let Reply::StorePrepared(store) = liar.client().call(&Request::PrepareStore(prepare)).unwrap() else { panic!("prepare store") };
     match release(&mut liar, store.handle, vec![honest]) {
         Err(DaemonError::Remote { code: ErrorCode::BadReport, message }) => assert!(message.contains("not a retrieve"), "{message}"),

@@ -380,7 +380,7 @@ fn client_processes_look_up_and_move_kv_concurrently_and_metrics_count_them() {
     let mut liar = remote_store(&daemon.socket, "liar");
     let block_tokens = liar.hello_reply().shape.block_tokens;
     let tokens = prompt(1000, IO_BLOCKS, block_tokens);
-    let prepare = Prepare { registration: liar.registration(), tokens, block_ids: (0..IO_BLOCKS as u32).collect() };
+    let prepare = Prepare { registration: liar.registration(), tokens, block_ids: (0..IO_BLOCKS as u32).collect(), first_block: 0 };
     let Reply::RetrievePrepared(prepared) = liar.client().call(&Request::PrepareRetrieve(prepare)).unwrap() else { panic!("prepare") };
     for lie in [Transferred { bytes: IO_BLOCKS as u64 * block_bytes + 4096, commands: 64 }, Transferred { bytes: 4096, commands: 0 }] {
         let release = Request::Release { handle: prepared.handle, transferred: lie, corrupt_blocks: Vec::new() };

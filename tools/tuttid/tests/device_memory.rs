@@ -253,7 +253,9 @@ fn bad_device_memory_registrations_get_typed_errors_and_the_daemon_serves_on() {
     let mut other = raw_client(&daemon, "other");
     refused_with(refusal(&mut other, &register(&first, 1), &[engine.memory.fd()]), ErrorCode::NotYours, "another client registered");
     let tokens = prompt(1, daemon.client().status().unwrap().shape.block_tokens);
-    let prepare = |registration, block_ids: Vec<u32>| Request::PrepareStore(Prepare { registration, tokens: tokens.clone(), block_ids });
+    let prepare = |registration, block_ids: Vec<u32>| {
+        Request::PrepareStore(Prepare { registration, tokens: tokens.clone(), block_ids, first_block: 0 })
+    };
     refused_with(refusal(&mut other, &prepare(registered.registration, vec![0]), &[]), ErrorCode::NotYours, "not one this session made");
     refused_with(refusal(&mut raw, &prepare(registered.registration, vec![0, 4]), &[]), ErrorCode::BadRequest, "outside registration");
     let held = daemon.client().status().unwrap();

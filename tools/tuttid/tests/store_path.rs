@@ -310,7 +310,7 @@ fn requests_naming_what_the_session_does_not_own_are_refused_and_the_daemon_serv
     let rings = vec![RingOffsets { submission_offset: 0, completion_offset: 4096 }];
     let attach = |registration| Request::AttachQueues(AttachQueues { registration, depth: 64, rings: rings.clone() });
     not_yours(refusal(&mut other, &attach(owner.registration()), &[]));
-    let prepare = |registration, block_ids: Vec<u32>| Prepare { registration, tokens: tokens.clone(), block_ids };
+    let prepare = |registration, block_ids: Vec<u32>| Prepare { registration, tokens: tokens.clone(), block_ids, first_block: 0 };
     not_yours(refusal(&mut other, &Request::PrepareStore(prepare(owner.registration(), vec![0])), &[]));
     not_yours(refusal(&mut other, &Request::PrepareRetrieve(prepare(12345, vec![0])), &[]));
 
@@ -335,6 +335,11 @@ fn requests_naming_what_the_session_does_not_own_are_refused_and_the_daemon_serv
     let too_many = vec![0; PREPARE_BLOCKS_MAX + 1];
     bad_request(refusal(&mut other, &Request::PrepareStore(prepare(registered.registration, too_many.clone())), &[]), "at most");
     bad_request(refusal(&mut other, &Request::PrepareRetrieve(prepare(registered.registration, too_many)), &[]), "at most");
+    // A store starts at the prefix's first block; a retrieve's blocks end within the tokens.
+    let from = |first_block| Prepare { registration: registered.registration, tokens: tokens.clone(), block_ids: vec![0], first_block };
+    bad_request(refusal(&mut other, &Request::PrepareStore(from(1)), &[]), "starts at the prefix's first block");
+    bad_request(refusal(&mut other, &Request::PrepareRetrieve(from(BLOCKS as u32)), &[]), "from block");
+    bad_request(refusal(&mut other, &Request::PrepareRetrieve(from(u32::MAX)), &[]), "from block");
     let past_end = Request::AttachQueues(AttachQueues {
         registration: registered.registration,
         depth: 64,
@@ -356,6 +361,47 @@ fn requests_naming_what_the_session_does_not_own_are_refused_and_the_daemon_serv
     drop(owner);
     drop(other);
     assert_idle(&status_when(&daemon, "both sessions gone", |status| status.clients.is_empty()));
+}
+
+#[test]
+fn a_retrieve_from_a_first_block_fills_only_the_blocks_from_there() {
+    // Goal: an engine holding the first blocks of a cached prefix itself retrieves the rest
+    // through tuttid (`first_block` in `PrepareRetrieve`): the daemon places only those blocks,
+    // they land byte-exact, and the engine's own blocks are neither read into nor written.
+    const FIRST: usize = 2;
+    let directory = tempfile::tempdir().unwrap();
+    let daemon = memory_daemon(directory.path());
+    let mut store = connect(&daemon.socket, 0, 1);
+    assert_eq!(store_prompt(&mut store, 60, 0, None), BLOCKS);
+    let tokens = prompt(60, store.hello_reply().shape.block_tokens);
+    let block_bytes = store.block_bytes() as usize;
+    // Engine blocks B..2B receive the prompt; the first FIRST of them are the engine's own.
+    let targets: Vec<u32> = (BLOCKS as u32..2 * BLOCKS as u32).collect();
+    for (index, &block) in targets.iter().enumerate() {
+        store.write_block(block, 0, &vec![if index < FIRST { 0x5A } else { 0 }; block_bytes]).unwrap();
+    }
+    let handle =
+        store.prepare_retrieve_from(&KvRequest { tokens: &tokens, block_ids: &targets[FIRST..] }, FIRST).expect("prepare from FIRST");
+    let placed: Vec<u32> = store.placements(handle).unwrap().iter().map(|placement| placement.engine_block).collect();
+    assert_eq!(placed, targets[FIRST..], "tuttid places only the blocks from FIRST");
+    let deadline = Instant::now() + WAIT;
+    for layer in 0..layers(&mut store) {
+        store.retrieve_layer(handle, layer, SmBudget(1)).expect("retrieve_layer");
+        assert_eq!(store.wait(handle, deadline).expect("wait"), Some(layer));
+    }
+    store.finish(handle).expect("finish");
+    let mut bytes = vec![0u8; block_bytes];
+    for (prompt_block, &engine_block) in targets.iter().enumerate() {
+        store.read_block(engine_block, 0, &mut bytes).unwrap();
+        let wrong = if prompt_block < FIRST {
+            bytes.iter().filter(|&&byte| byte != 0x5A).count()
+        } else {
+            bytes.iter().enumerate().filter(|&(offset, &byte)| byte != pattern_byte(60, 0, prompt_block, offset)).count()
+        };
+        assert_eq!(wrong, 0, "prompt block {prompt_block} (engine block {engine_block}): {wrong} wrong bytes");
+    }
+    drop(store);
+    assert_idle(&status_when(&daemon, "the session gone", |status| status.clients.is_empty()));
 }
 
 #[test]

@@ -521,8 +521,8 @@ impl RemoteKvStore {
         self.client.lookup_all_ranks(tokens).map(|blocks| blocks as usize).map_err(remote)
     }
 
-    fn prepare_request(request: &KvRequest<'_>, registration: u64) -> Prepare {
-        Prepare { registration, tokens: request.tokens.to_vec(), block_ids: request.block_ids.to_vec() }
+    fn prepare_request(request: &KvRequest<'_>, registration: u64, first_block: u32) -> Prepare {
+        Prepare { registration, tokens: request.tokens.to_vec(), block_ids: request.block_ids.to_vec(), first_block }
     }
 
     /// Tells the daemon to drop a request whose data path ended (or never began), with what
@@ -582,8 +582,10 @@ impl LayerKvStore for RemoteKvStore {
         }
     }
 
-    fn prepare_retrieve(&mut self, request: &KvRequest<'_>) -> Result<RequestHandle, ObjstoreError> {
-        let prepare = Request::PrepareRetrieve(Self::prepare_request(request, self.registration));
+    fn prepare_retrieve_from(&mut self, request: &KvRequest<'_>, first_block: usize) -> Result<RequestHandle, ObjstoreError> {
+        let first_block = u32::try_from(first_block)
+            .map_err(|_| ObjstoreError::BadRequest { reason: format!("first block {first_block} is past any prefix tuttid takes") })?;
+        let prepare = Request::PrepareRetrieve(Self::prepare_request(request, self.registration, first_block));
         let prepared = match self.client.call(&prepare).map_err(remote)? {
             Reply::RetrievePrepared(prepared) => prepared,
             other => return Err(unexpected(Kind::PrepareRetrieve, &other)),
@@ -597,7 +599,7 @@ impl LayerKvStore for RemoteKvStore {
     }
 
     fn prepare_store(&mut self, request: &KvRequest<'_>) -> Result<StorePlan, ObjstoreError> {
-        let prepare = Request::PrepareStore(Self::prepare_request(request, self.registration));
+        let prepare = Request::PrepareStore(Self::prepare_request(request, self.registration, 0));
         let prepared = match self.client.call(&prepare).map_err(remote)? {
             Reply::StorePrepared(prepared) => prepared,
             other => return Err(unexpected(Kind::PrepareStore, &other)),

@@ -253,7 +253,7 @@ impl DataPlane {
         let (handle, placements, recorded) = {
             let mut store = lock(store);
             let control = &mut store.control;
-            let handle = control.reserve_retrieve(&request.keys, &engine_blocks).map_err(|error| match error {
+            let handle = control.reserve_retrieve(&request.keys, &engine_blocks, 0).map_err(|error| match error {
                 // Every request slot is taken: busy, not a sign the blocks are gone.
                 ObjstoreError::TooManyRequests { .. } => (FailureCode::Unavailable, error.to_string()),
                 _ => (FailureCode::NotHeld, error.to_string()),
@@ -294,7 +294,7 @@ impl DataPlane {
                 .enumerate()
                 .filter(|&(position, _)| recorded[position] != crcs[position])
                 .map(|(position, placement)| MismatchedBlock {
-                    prefix_index: position,
+                    position,
                     engine_block: placement.engine_block,
                     device: placement.location.device,
                     slot: placement.location.slot,
@@ -314,7 +314,7 @@ impl DataPlane {
                     FailureCode::ReadFailed,
                     format!(
                         "block {} of the segment ({} damaged) does not match the CRC its holder recorded at commit: not sent, evicted here",
-                        first.prefix_index,
+                        first.position,
                         damaged.len()
                     ),
                 ));

@@ -79,14 +79,16 @@ pub struct QueueGrant {
     pub register_bytes: u64,
 }
 
-/// `PrepareRetrieve` / `PrepareStore`: the prefix `tokens` (full blocks count) moves to or from
-/// the engine blocks `block_ids` of `registration`'s KV memory. Keys come from the session's
-/// key space.
+/// `PrepareRetrieve` / `PrepareStore`: blocks `first_block..first_block + block_ids.len()` of
+/// the prefix `tokens` (full blocks count) move to or from the engine blocks `block_ids` of
+/// `registration`'s KV memory. Keys come from the session's key space. A retrieve from
+/// `first_block` > 0 leaves the blocks before it (the engine's own) alone; a store starts at 0.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Prepare {
     pub registration: u64,
     pub tokens: Vec<u32>,
     pub block_ids: Vec<u32>,
+    pub first_block: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -148,7 +150,7 @@ fn put_transferred(out: &mut Vec<u8>, transferred: &Transferred) {
 fn put_mismatched_blocks(out: &mut Vec<u8>, blocks: &[MismatchedBlock]) {
     put_u32(out, blocks.len() as u32);
     for block in blocks {
-        put_u32(out, u32::try_from(block.prefix_index).unwrap_or(u32::MAX));
+        put_u32(out, u32::try_from(block.position).unwrap_or(u32::MAX));
         put_u32(out, block.engine_block);
         put_u16(out, block.device);
         put_u32(out, block.slot);
@@ -221,7 +223,7 @@ impl BodyReader<'_> {
         let mut blocks = Vec::with_capacity(count);
         for _ in 0..count {
             blocks.push(MismatchedBlock {
-                prefix_index: self.u32("corrupt prefix_index")? as usize,
+                position: self.u32("corrupt position")? as usize,
                 engine_block: self.u32("corrupt engine_block")?,
                 device: self.u16("corrupt device")?,
                 slot: self.u32("corrupt slot")?,
@@ -233,7 +235,12 @@ impl BodyReader<'_> {
     }
 
     fn prepare(&mut self) -> Result<Prepare, ProtocolError> {
-        Ok(Prepare { registration: self.u64("registration")?, tokens: self.u32s("token_count")?, block_ids: self.u32s("block_count")? })
+        Ok(Prepare {
+            registration: self.u64("registration")?,
+            tokens: self.u32s("token_count")?,
+            block_ids: self.u32s("block_count")?,
+            first_block: self.u32("first_block")?,
+        })
     }
 
     fn pool_shape(&mut self) -> Result<objstore::PoolShape, ProtocolError> {
@@ -369,6 +376,7 @@ pub(super) fn encode_request(request: &Request, out: &mut Vec<u8>) -> bool {
             put_u64(out, prepare.registration);
             put_u32s(out, &prepare.tokens);
             put_u32s(out, &prepare.block_ids);
+            put_u32(out, prepare.first_block);
         }
         Request::Commit(commit) => {
             put_u64(out, commit.handle);

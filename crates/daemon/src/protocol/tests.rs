@@ -208,8 +208,8 @@ fn store_requests() -> Vec<Request> {
             ],
         }),
         Request::PoolShape,
-        Request::PrepareRetrieve(Prepare { registration: 3, tokens: (0..40).collect(), block_ids: vec![5, 4] }),
-        Request::PrepareStore(Prepare { registration: 9, tokens: vec![1; 33], block_ids: vec![0, 1] }),
+        Request::PrepareRetrieve(Prepare { registration: 3, tokens: (0..40).collect(), block_ids: vec![5, 4], first_block: 1 }),
+        Request::PrepareStore(Prepare { registration: 9, tokens: vec![1; 33], block_ids: vec![0, 1], first_block: 0 }),
         Request::Commit(Commit {
             handle: 0x1_0000_0002,
             payload_crcs: Some(vec![1, 2, 3]),
@@ -221,8 +221,8 @@ fn store_requests() -> Vec<Request> {
             handle: 7,
             transferred: objstore::Transferred { bytes: 1 << 20, commands: 16 },
             corrupt_blocks: vec![
-                objstore::MismatchedBlock { prefix_index: 2, engine_block: 9, device: 1, slot: 300, expected_crc: 0xdead, computed_crc: 7 },
-                objstore::MismatchedBlock { prefix_index: 0, engine_block: 0, device: 0, slot: 0, expected_crc: 1, computed_crc: 2 },
+                objstore::MismatchedBlock { position: 2, engine_block: 9, device: 1, slot: 300, expected_crc: 0xdead, computed_crc: 7 },
+                objstore::MismatchedBlock { position: 0, engine_block: 0, device: 0, slot: 0, expected_crc: 1, computed_crc: 2 },
             ],
         },
     ]

@@ -153,8 +153,9 @@ impl StoreControl {
 
     /// Reserves reading blocks `keys` (all cached: `lookup` first) into `engine_blocks`: pins
     /// their slots until [`StoreControl::release`]. The placements are then
-    /// [`StoreControl::placements`].
-    pub fn reserve_retrieve(&mut self, keys: &[u64], engine_blocks: &[u32]) -> Result<RequestHandle> {
+    /// [`StoreControl::placements`]. `keys[0]` is block `first_block` of its prefix (errors
+    /// number blocks in the prefix).
+    pub fn reserve_retrieve(&mut self, keys: &[u64], engine_blocks: &[u32], first_block: usize) -> Result<RequestHandle> {
         Self::check_lengths(keys, engine_blocks)?;
         let index = self.take(Direction::Retrieve)?;
         let mut reservation = std::mem::take(&mut self.reservations[index]);
@@ -173,7 +174,11 @@ impl StoreControl {
         if let Some(i) = missing {
             self.release_index(index);
             return Err(ObjstoreError::BadRequest {
-                reason: format!("block {i} of the prefix is not cached (lookup found {i} of {})", keys.len()),
+                reason: format!(
+                    "block {} of the prefix is not cached (blocks {first_block}..{} requested, the first {i} cached)",
+                    first_block + i,
+                    first_block + keys.len()
+                ),
             });
         }
         Ok(self.handle_of(index))
@@ -447,12 +452,12 @@ impl StoreControl {
         let index = self.index_of(handle)?;
         let reservation = &self.reservations[index];
         for block in blocks {
-            let placement = reservation.placements.get(block.prefix_index);
+            let placement = reservation.placements.get(block.position);
             if reservation.direction != Some(Direction::Retrieve)
                 || placement.is_none_or(|p| (p.location.device, p.location.slot) != (block.device, block.slot))
             {
                 return Err(ObjstoreError::BadPlacement {
-                    position: block.prefix_index,
+                    position: block.position,
                     reason: format!("device {} slot {} is not a block this retrieve reserved", block.device, block.slot),
                 });
             }

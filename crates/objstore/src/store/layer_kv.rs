@@ -15,7 +15,12 @@ pub trait LayerKvStore {
     /// The longest cached prefix of `tokens`, in blocks.
     fn lookup(&mut self, tokens: &[u32]) -> usize;
     /// Prepares reading the cached blocks 0..block_ids.len() of the prefix into `block_ids`.
-    fn prepare_retrieve(&mut self, request: &KvRequest<'_>) -> Result<RequestHandle>;
+    fn prepare_retrieve(&mut self, request: &KvRequest<'_>) -> Result<RequestHandle> {
+        self.prepare_retrieve_from(request, 0)
+    }
+    /// Prepares reading the cached blocks `first_block..first_block + block_ids.len()` of the
+    /// prefix into `block_ids`; the blocks before are neither read nor required to be cached.
+    fn prepare_retrieve_from(&mut self, request: &KvRequest<'_>, first_block: usize) -> Result<RequestHandle>;
     /// Prepares storing the prefix's blocks from `block_ids` (shared blocks are stored once).
     fn prepare_store(&mut self, request: &KvRequest<'_>) -> Result<StorePlan>;
     /// Issues the prepared reads of one layer.
@@ -46,8 +51,8 @@ impl<E: Executor> LayerKvStore for KvStore<E> {
         KvStore::lookup(self, tokens)
     }
 
-    fn prepare_retrieve(&mut self, request: &KvRequest<'_>) -> Result<RequestHandle> {
-        KvStore::prepare_retrieve(self, request)
+    fn prepare_retrieve_from(&mut self, request: &KvRequest<'_>, first_block: usize) -> Result<RequestHandle> {
+        KvStore::prepare_retrieve_from(self, request, first_block)
     }
 
     fn prepare_store(&mut self, request: &KvRequest<'_>) -> Result<StorePlan> {

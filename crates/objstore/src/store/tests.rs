@@ -155,7 +155,7 @@ fn the_halves_apart_store_commit_look_up_and_retrieve_byte_exact() {
     for &block in &targets {
         object(&fixture, 0, KvKind::Key, block).fill(0, geometry().object_bytes() as usize, 0xEE).unwrap();
     }
-    let handle = control.reserve_retrieve(&keys, &targets).expect("reserve_retrieve");
+    let handle = control.reserve_retrieve(&keys, &targets, 0).expect("reserve_retrieve");
     let mut expected = Vec::new();
     control.recorded_payload_crcs(handle, &mut expected).expect("recorded CRCs");
     assert_eq!(expected, crcs, "the CRCs recorded are the ones the data half computed");
@@ -222,7 +222,7 @@ fn the_data_half_counts_what_each_request_moved_as_the_controller_saw_it() {
     control.commit_store(plan.handle, Some(&crcs), &mut NoLender).unwrap();
     data.finish(plan.handle).unwrap();
 
-    let handle = control.reserve_retrieve(&keys[..2], &[5, 6]).unwrap();
+    let handle = control.reserve_retrieve(&keys[..2], &[5, 6], 0).unwrap();
     let placements = control.placements(handle).unwrap().to_vec();
     data.prepare(handle, Direction::Retrieve, &placements, None).unwrap();
     let before = fixture.device.stats();
@@ -311,10 +311,10 @@ fn the_data_half_refuses_placements_outside_its_shape_and_registration() {
     assert_eq!(control.lookup(&keys), 0, "a refused commit makes nothing visible");
     control.commit_store(stored, Some(&crcs), &mut NoLender).expect("the refusals left the reservation to commit");
     data.finish(stored).unwrap();
-    let retrieve = control.reserve_retrieve(&keys, &[1]).unwrap();
+    let retrieve = control.reserve_retrieve(&keys, &[1], 0).unwrap();
     let placed = control.placements(retrieve).unwrap()[0].location;
     let lie = crate::MismatchedBlock {
-        prefix_index: 0,
+        position: 0,
         engine_block: 1,
         device: placed.device,
         slot: placed.slot + 1,
@@ -587,4 +587,62 @@ fn a_layer_whose_issue_failed_after_publishing_stays_in_flight_until_waited_for(
     data.finish(plan.handle).expect("finished once reaped");
     control.release(plan.handle).expect("release");
     assert!(data.close(), "every queue pair deleted");
+}
+
+#[test]
+fn a_retrieve_from_a_first_block_reads_only_the_blocks_from_there() {
+    // Goal: an engine that holds the first blocks of a prefix itself (a local prefix cache hit,
+    // possibly shared with other requests) retrieves only the rest: `prepare_retrieve_from`
+    // reads blocks first_block.. byte-exact (verified), neither reads nor writes the engine
+    // blocks of the prefix before them, needs only its own blocks cached (keys still chain
+    // from the prefix's first token), and refuses ranges past the tokens before reserving.
+    let fixture = fixture(1, None);
+    let config = StoreConfig { verify_retrieves: true, ..StoreConfig::default() };
+    let (pool, _) = Pool::open(fixture.targets.clone(), Some(&geometry())).expect("open");
+    let executor = cpu_executor_for(&pool, 64, &config).expect("executor");
+    let mut store = KvStore::new(pool, fixture.registration.clone(), fixture.dma.clone(), executor, config).expect("store");
+    store.set_key_seed(SEED);
+    let tokens = tokens(3, 4);
+    let keys = keys_of(&tokens);
+    // Blocks 1..4 of the prefix reach the pool; block 0 never does.
+    for (block, &key) in [1u32, 2, 3].iter().zip(&keys[1..]) {
+        fill(&fixture, *block, key);
+    }
+    let handle = store_layers(&mut store.control, &mut store.data, &keys[1..], &[1, 2, 3]);
+    let mut crcs = Vec::new();
+    store.data.payload_crcs(handle, &mut crcs).expect("payload CRCs");
+    assert_eq!(store.control.commit_store(handle, Some(&crcs), &mut NoLender).expect("commit"), 3);
+    store.data.finish(handle).expect("finish the store");
+    assert_eq!(store.lookup(&tokens), 0, "block 0 is not cached, so the prefix lookup finds nothing");
+    let from_zero = store.prepare_retrieve(&KvRequest { tokens: &tokens, block_ids: &[8, 9, 10, 11] }).unwrap_err();
+    assert!(from_zero.to_string().contains("block 0 of the prefix is not cached"), "{from_zero}");
+
+    // The engine's own blocks 0 and 1 (engine blocks 8 and 9) hold bytes of their own.
+    fill(&fixture, 8, 0xA11CE);
+    fill(&fixture, 9, 0xB0B);
+    fill(&fixture, 10, 0xDEAD);
+    fill(&fixture, 11, 0xDEAD);
+    let before = fixture.device.stats();
+    let handle = store.prepare_retrieve_from(&KvRequest { tokens: &tokens, block_ids: &[10, 11] }, 2).expect("prepare from block 2");
+    for layer in 0..geometry().layers {
+        store.retrieve_layer(handle, layer, BUDGET).expect("retrieve_layer");
+        assert_eq!(store.wait(handle, deadline()).expect("wait, verified"), Some(layer));
+    }
+    store.finish(handle).expect("finish");
+    let after = fixture.device.stats();
+    assert!(holds(&fixture, 10, keys[2]) && holds(&fixture, 11, keys[3]), "blocks 2 and 3 of the prefix land byte-exact");
+    assert!(holds(&fixture, 8, 0xA11CE) && holds(&fixture, 9, 0xB0B), "the engine's own blocks are left alone");
+    assert_eq!(
+        after.bytes_read - before.bytes_read,
+        2 * 2 * u64::from(geometry().layers) * geometry().object_bytes(),
+        "K and V of two blocks per layer: nothing of blocks 0 and 1 is read"
+    );
+
+    // Ranges past the tokens, empty ones and absurd starts are refused before any reservation.
+    for (block_ids, first_block) in [(&[10u32, 11, 12][..], 2), (&[][..], 2), (&[10][..], 4), (&[10][..], usize::MAX)] {
+        let refused = store.prepare_retrieve_from(&KvRequest { tokens: &tokens, block_ids }, first_block).unwrap_err();
+        assert!(matches!(refused, ObjstoreError::BadRequest { .. }), "{block_ids:?} from {first_block}: {refused}");
+    }
+    let handle = store.prepare_retrieve_from(&KvRequest { tokens: &tokens, block_ids: &[12] }, 3).expect("the last block alone");
+    store.finish(handle).expect("finish");
 }

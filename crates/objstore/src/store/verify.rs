@@ -132,7 +132,7 @@ impl<E: Executor> StoreData<E> {
             let computed = crc.clone().finalize();
             if computed != expected {
                 mismatched.push(MismatchedBlock {
-                    prefix_index: i,
+                    position: i,
                     engine_block: placement.engine_block,
                     device: placement.location.device,
                     slot: placement.location.slot,
