@@ -589,12 +589,13 @@ def test_loads_and_saves_that_fail_to_issue_do_not_fail_the_step_or_leak(tuttid)
         worker.shutdown()
 
 
-def test_a_failed_load_reports_only_the_blocks_it_was_to_fill(tuttid):
-    """Goal: a failed load of a request whose prefix vLLM holds locally (its own prefix cache
-    hit, blocks possibly shared with other requests) reports through
-    get_block_ids_with_load_errors only the blocks tutti was to fill, so vLLM recomputes no
-    more than it must; but when a layer's read failed (its buffers undefined: tutti reads the
-    prefix from its first block, vLLM's blocks included) every block of the load is reported."""
+def test_a_load_leaves_vllms_own_prefix_blocks_alone_and_reports_only_its_own(tuttid):
+    """Goal: a load of a request whose prefix vLLM holds locally (its own prefix cache hit,
+    blocks possibly shared with other requests) reads only the blocks tutti is to fill
+    (`prepare_retrieve(..., first_block=)`): vLLM's block keeps its bytes through a load that
+    succeeds, and a failed one — at issue, in a read, or with the session dead — reports
+    through get_block_ids_with_load_errors only the blocks tutti was to fill, so vLLM
+    recomputes no more than it must and its shared block is never written."""
     daemon = tuttid(harness.TUTTID_GEOMETRY)
     scheduler = harness.make_connector(harness.vllm_config(daemon.socket, 1), KVConnectorRole.SCHEDULER)
     worker = LocalWorker(daemon.socket)
@@ -606,6 +607,8 @@ def test_a_failed_load_reports_only_the_blocks_it_was_to_fill(tuttid):
         worker.connector._store = wrapped
         blocks = [30, 31, 32, 33]
         local = harness.BLOCK_TOKENS  # vLLM's own prefix cache holds the first block (as block 30)
+        worker.fill([30], 77)  # bytes of vLLM's own, not the pool's
+        own_bytes = [part.clone() for part in worker.blocks_bytes([30])]
 
         def load_step(req_id: str) -> dict:
             request = harness.request(req_id, tokens)
@@ -620,14 +623,24 @@ def test_a_failed_load_reports_only_the_blocks_it_was_to_fill(tuttid):
             assert load.block_ids == blocks[:3] and load.first_block == 1, load
             return worker.step(meta)
 
-        # Layer 0 fails to issue: nothing was written, vLLM's block 30 is as it was.
+        def vllms_block_untouched() -> bool:
+            return all(torch.equal(now, before) for now, before in zip(worker.blocks_bytes([30]), own_bytes))
+
+        # A load that succeeds fills blocks 31 and 32 with the pool's bytes, and only them.
+        wrapped.failing = False
+        assert load_step("B0")["load_errors"] == set()
+        assert all(torch.equal(loaded, saved) for loaded, saved in zip(worker.blocks_bytes([31, 32]), worker.blocks_bytes([2, 3])))
+        assert vllms_block_untouched()
+        # Layer 0 fails to issue.
+        wrapped.failing = True
         assert load_step("B1")["load_errors"] == {31, 32}
-        # Layer 0's read fails: block 30 was read into as well, its bytes undefined.
+        # Layer 0's read fails: its buffers are undefined, but block 30 was never read into.
         wrapped.failing, wrapped.failing_waits = False, True
-        assert load_step("B2")["load_errors"] == {30, 31, 32}
+        assert load_step("B2")["load_errors"] == {31, 32}
         # The dead session's loads start nothing: only their own blocks.
         worker.connector._dead = "ended by the test"
         assert load_step("B3")["load_errors"] == {31, 32}
+        assert vllms_block_untouched()
     finally:
         worker.shutdown()
         scheduler.shutdown()

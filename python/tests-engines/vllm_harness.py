@@ -187,8 +187,8 @@ class StoreWithFailingIssues:
             return FailingIssue(request)
         return FailingWait(request) if self.failing_waits else request
 
-    def prepare_retrieve(self, tokens: list[int], block_ids: list[int]) -> Any:
-        return self._wrap(self._store.prepare_retrieve(tokens, block_ids))
+    def prepare_retrieve(self, tokens: list[int], block_ids: list[int], first_block: int = 0) -> Any:
+        return self._wrap(self._store.prepare_retrieve(tokens, block_ids, first_block=first_block))
 
     def prepare_store(self, tokens: list[int], block_ids: list[int]) -> Any:
         return self._wrap(self._store.prepare_store(tokens, block_ids))

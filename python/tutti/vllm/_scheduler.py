@@ -148,9 +148,8 @@ class SchedulerSide:
         state = self._scheduler_request(request)
         state.block_ids = list(blocks.get_block_ids()[0])
         if num_external_tokens > 0:
-            # The store reads a prefix from its first block: blocks vLLM already holds are read
-            # again with the same bytes (see docs/vllm.md, "Loads"); the load is vLLM's from the
-            # first block it does not hold (what a failure reports).
+            # The load fills the blocks from the first one vLLM does not hold (docs/vllm.md,
+            # "Loads"); those before are vLLM's own and left alone.
             state.load_pending = state.hit_tokens // self._block_size
             state.load_first_block = max(0, state.hit_tokens - num_external_tokens) // self._block_size
 

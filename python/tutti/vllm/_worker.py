@@ -48,18 +48,9 @@ class KvMemoryUnsafe(RuntimeError):
 @dataclass
 class _WorkerLoad:
     request: Any  # tutti.Request
-    block_ids: list[int]
-    first_block: int  # LoadSpec.first_block
+    block_ids: list[int]  # the blocks it fills: the prefix's from LoadSpec.first_block on
     issued: int = 0  # layers issued
     completed: int = 0  # layers completed
-
-    def blocks_to_recompute(self, torn: bool) -> list[int]:
-        """The blocks vLLM recomputes after this load failed: those it was to fill, and vLLM's
-        own prefix blocks too when the load is `torn` (a layer issued that did not complete
-        successfully: a failed read leaves its buffers undefined, a CRC mismatch lands in
-        place, so the prefix blocks, read again, may hold other bytes than vLLM's). Layers
-        that completed wrote the pool's bytes, the ones vLLM holds."""
-        return list(self.block_ids if torn else self.block_ids[self.first_block :])
 
 
 @dataclass
@@ -389,17 +380,22 @@ class WorkerSide:
         self._loads_started = True
         for load in meta.loads:
             # Nothing of a load that does not start is written: only its own blocks are missing.
+            # Blocks before first_block are vLLM's own (its local prefix hit, possibly shared
+            # with other requests): never read, never written.
+            own_blocks = load.block_ids[load.first_block :]
+            if not own_blocks:
+                continue
             if self._dead is not None:
-                self._failed_block_ids.update(load.block_ids[load.first_block :])
+                self._failed_block_ids.update(own_blocks)
                 continue
             try:
-                request = self._store.prepare_retrieve(load.tokens, load.block_ids)
+                request = self._store.prepare_retrieve(load.tokens, own_blocks, first_block=load.first_block)
             except tutti.Error as error:
                 logger.warning("tutti: load of request %s failed to prepare (%s); its blocks are recomputed", load.req_id, error)
                 self._note_daemon_failure(error)
-                self._failed_block_ids.update(load.block_ids[load.first_block :])
+                self._failed_block_ids.update(own_blocks)
                 continue
-            state = _WorkerLoad(request, load.block_ids, load.first_block)
+            state = _WorkerLoad(request, own_blocks)
             self._loads[load.req_id] = state
             try:
                 self._issue_load(load.req_id, state)
@@ -432,11 +428,9 @@ class WorkerSide:
         layer that does not settle ends the session first."""
         logger.warning("tutti: load of request %s failed at layer %d (%s); its blocks are recomputed", req_id, max(state.issued - 1, 0), error)
         self._loads.pop(req_id, None)
-        # A wait that failed, or an issue that failed with part of its layer in flight.
-        torn = state.issued > state.completed or state.request.layer_in_flight is not None
         if not self._settle(state.request):
             self._end_session(f"a layer of request {req_id}'s load did not complete")
-        self._failed_block_ids.update(state.blocks_to_recompute(torn))
+        self._failed_block_ids.update(state.block_ids)
 
     def _fail_save(self, req_id: str, state: _WorkerSave, error: Exception) -> None:
         logger.warning("tutti: save of request %s failed (%s); nothing of it becomes visible", req_id, error)
@@ -522,7 +516,7 @@ class WorkerSide:
             )
         # Nothing moves their bytes any more: vLLM recomputes the loads; the saves are misses.
         for state in loads:
-            self._failed_block_ids.update(state.blocks_to_recompute(state.issued > state.completed))
+            self._failed_block_ids.update(state.block_ids)
         for req_id, state in saves:
             self._save_settled(req_id, state.token, False)
 

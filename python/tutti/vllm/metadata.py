@@ -13,11 +13,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 @dataclass
 class LoadSpec:
-    """Scheduler → worker: read the cached prefix `tokens` (whole blocks) into `block_ids`.
+    """Scheduler → worker: read the cached prefix `tokens` (whole blocks) into `block_ids`
+    (block i of the prefix into block_ids[i]).
 
-    Blocks before `first_block` are vLLM's own (its local prefix cache hit): the store reads a
-    prefix from its first block, so they are read again with the same bytes, but only blocks
-    from `first_block` on are the load's to fill (see `_WorkerLoad.blocks_to_recompute`)."""
+    Blocks before `first_block` are vLLM's own (its local prefix cache hit, possibly shared with
+    other requests): the load neither reads nor writes them; it fills, and on failure reports,
+    the blocks from `first_block` on."""
 
     req_id: str
     tokens: list[int]
