@@ -18,7 +18,7 @@ from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHA
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.storage import StorageBackendFactory
-from tutti.sglang import TESTED_SGLANG_VERSION, TuttiHiCacheStorage, check_sglang_version
+from tutti.sglang import TESTED_SGLANG_VERSION, HostPagesUnsafe, TuttiHiCacheStorage, check_sglang_version
 
 LAYERS = 2
 HEADS = 2
@@ -147,6 +147,104 @@ def test_backup_then_prefetch_byte_exact(tmp_path: Path, layout: str):
     reopened = backend(layout, pool, extra_config(tmp_path / "pool.img", False))
     assert reopened.batch_exists(keys) == 3
     reopened.close()
+
+
+class StalledLayer:
+    """A tutti.Request whose layer, once issued, is never seen to complete: every wait times out
+    and the layer stays in flight (the real one is left for the pool's close to settle)."""
+
+    def __init__(self, request) -> None:
+        self._request = request
+
+    def __getattr__(self, name: str):
+        return getattr(self._request, name)
+
+    def wait(self, timeout_s=None):
+        raise tutti.TimeoutError("injected: the layer did not complete")
+
+
+class StoreWithStalledLayers:
+    """The backend's tutti.Store whose reads (or stores) stall; notes whether the backend closed
+    it, and can pretend the close kept the memory registered (queue pairs not deleted)."""
+
+    def __init__(self, store, stall_stores: bool = False, close_keeps_memory: bool = False) -> None:
+        self._store = store
+        self.stall_stores = stall_stores
+        self.close_keeps_memory = close_keeps_memory
+        self.closed_by_backend = False
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
+
+    def prepare_retrieve(self, tokens, block_ids):
+        request = self._store.prepare_retrieve(tokens, block_ids)
+        return request if self.stall_stores else StalledLayer(request)
+
+    def prepare_store(self, tokens, block_ids):
+        request = self._store.prepare_store(tokens, block_ids)
+        return StalledLayer(request) if self.stall_stores else request
+
+    def close(self, timeout_s=None):
+        self.closed_by_backend = True
+        self._store.close(timeout_s=timeout_s)
+
+    def leaked_registrations(self) -> int:
+        return 1 if self.close_keeps_memory else self._store.leaked_registrations()
+
+
+def stalled_backend(tmp_path: Path, **stall) -> tuple[HiCacheStorage, StoreWithStalledLayers, list[str]]:
+    """A backend with two pages backed up, then its store wrapped to stall."""
+    pool = host_pool("page_first")
+    storage = backend("page_first", pool, extra_config(tmp_path / "pool.img", True, timeout_s=0.2))
+    keys = page_keys(5, 2)
+    assert storage.batch_set_v1(keys, indices([1, 2])) == [True, True]
+    wrapped = StoreWithStalledLayers(storage._store, **stall)
+    storage._store = wrapped
+    return storage, wrapped, keys
+
+
+def test_a_read_whose_layer_never_completes_closes_the_pool_before_its_pages_are_handed_back(tmp_path: Path):
+    """Goal: SGLang reuses the host pages of pages batch_get_v1 reports not read, so a read whose
+    layer does not complete returns only after the pool is closed (its queue pairs deleted: no
+    controller writes those pages any more); the backend then moves nothing more and misses."""
+    storage, wrapped, keys = stalled_backend(tmp_path)
+    try:
+        assert storage.batch_get_v1(keys, indices([3, 4])) == [False, False]
+        assert wrapped.closed_by_backend and wrapped._store.closed, "the pages were handed back with the pool open"
+        assert storage.batch_exists(keys) == 0 and not storage.exists(keys[0])
+        assert storage.batch_get_v1(keys, indices([3, 4])) == [False, False]
+        assert storage.batch_set_v1(page_keys(6, 1), indices([5])) == [False]
+    finally:
+        storage.close()
+
+
+def test_a_read_whose_pages_cannot_be_confirmed_safe_raises_instead_of_returning(tmp_path: Path):
+    """Goal: when closing the pool does not confirm that its queue pairs were deleted, the stuck
+    read's pages are never reported (SGLang would reuse them): batch_get_v1 raises
+    HostPagesUnsafe, and so does every later call."""
+    storage, wrapped, keys = stalled_backend(tmp_path, close_keeps_memory=True)
+    try:
+        with pytest.raises(HostPagesUnsafe, match="host pages may still be written"):
+            storage.batch_get_v1(keys, indices([3, 4]))
+        assert wrapped.closed_by_backend
+        for call in (lambda: storage.batch_exists(keys), lambda: storage.batch_get_v1(keys, indices([3, 4]))):
+            with pytest.raises(HostPagesUnsafe):
+                call()
+    finally:
+        storage.close()
+
+
+def test_a_backup_whose_layer_never_completes_closes_the_pool_and_does_not_raise(tmp_path: Path):
+    """Goal: a backup only reads its host page, so a stuck one is reported not stored (SGLang may
+    reuse the page) even when the close keeps memory registered; the pool is closed rather than
+    left holding a request place and pins for good."""
+    storage, wrapped, _ = stalled_backend(tmp_path, stall_stores=True, close_keeps_memory=True)
+    try:
+        assert storage.batch_set_v1(page_keys(7, 2), indices([3, 4])) == [False, False]
+        assert wrapped.closed_by_backend
+        assert storage.batch_exists(page_keys(7, 2)) == 0
+    finally:
+        storage.close()
 
 
 def test_every_abstract_method_of_the_base_class_is_implemented():

@@ -40,6 +40,7 @@ from tutti._engine import (
     hash_tokens,
     parse_config,
     positive,
+    wait_out_layer,
 )
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
@@ -95,6 +96,12 @@ class TuttiHiCacheStorage(HiCacheStorage):
         self._store: Any = None
         self._layers = 0
         self._page_size = 0
+        # Why the pool was closed for good (a page's layer did not complete): nothing moves any
+        # more, lookups miss.
+        self._dead: Optional[str] = None
+        # Set when that close could not confirm the queue pairs deleted after a read: host pages
+        # may still be written, so every later call raises HostPagesUnsafe.
+        self._unsafe: Optional[str] = None
 
     # -- host pool registration -----------------------------------------------------------------
 
@@ -142,6 +149,8 @@ class TuttiHiCacheStorage(HiCacheStorage):
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
         """How many pages from the first are in the pool (the hit prefix, in pages)."""
         store = self._registered_store()
+        if self._dead is not None:
+            return 0
         for index, key in enumerate(keys):
             if store.lookup(_key_tokens(key)) < 1:
                 return index
@@ -158,7 +167,8 @@ class TuttiHiCacheStorage(HiCacheStorage):
         return self._move(keys, host_indices, store=True)
 
     def exists(self, key: str) -> bool:
-        return self._registered_store().lookup(_key_tokens(key)) >= 1
+        store = self._registered_store()
+        return self._dead is None and store.lookup(_key_tokens(key)) >= 1
 
     # -- SGLang's copying interface: not offered ------------------------------------------------
 
@@ -187,6 +197,8 @@ class TuttiHiCacheStorage(HiCacheStorage):
     # -----------------------------------------------------------------------------------------
 
     def _registered_store(self) -> Any:
+        if self._unsafe is not None:
+            raise HostPagesUnsafe(self._unsafe)
         if self._store is None:
             raise tutti.NotRegistered("TuttiHiCacheStorage: SGLang has not registered its host pool yet (register_mem_pool_host)")
         return self._store
@@ -196,6 +208,8 @@ class TuttiHiCacheStorage(HiCacheStorage):
         pages = _pages(host_indices, len(keys), self._page_size)
         results = [False] * len(keys)
         for start in range(0, len(keys), self._requests_max):
+            if self._dead is not None:
+                break
             wave: list[tuple[int, Any]] = []
             for index in range(start, min(start + self._requests_max, len(keys))):
                 if pages[index] is None:
@@ -214,7 +228,10 @@ class TuttiHiCacheStorage(HiCacheStorage):
                     logger.warning("tutti: page %s not %s: %s", keys[index], "stored" if store else "read", error)
                     continue
                 wave.append((index, request))
-            self._run_layers(wave, store)
+            if self._run_layers(wave, store):
+                # Nothing of this wave is reported moved: its live requests end with the pool.
+                self._close_pool("a layer of a page did not complete", pages_written=not store)
+                break
             for index, request in wave:
                 if request is None:
                     continue
@@ -228,9 +245,11 @@ class TuttiHiCacheStorage(HiCacheStorage):
                     logger.warning("tutti: page %s not %s: %s", keys[index], "stored" if store else "read", error)
         return results
 
-    def _run_layers(self, wave: list[tuple[int, Any]], store: bool) -> None:
+    def _run_layers(self, wave: list[tuple[int, Any]], store: bool) -> bool:
         """Every layer of every request of the wave, one layer in flight per request; a request
-        that fails is finished and replaced by None in `wave`."""
+        that fails is finished and replaced by None in `wave`. Returns True (at once) when a
+        failed request's layer does not complete: it is kept, and the devices may still move its
+        page's bytes."""
         for layer in range(self._layers):
             for position, (index, request) in enumerate(wave):
                 if request is None:
@@ -238,8 +257,10 @@ class TuttiHiCacheStorage(HiCacheStorage):
                 try:
                     (request.store_layer if store else request.retrieve_layer)(layer)
                 except tutti.Error as error:
+                    # An issue that failed after its commands were published leaves the layer in flight.
                     logger.warning("tutti: layer %d of a page failed to issue: %s", layer, error)
-                    _abandon(request, self._timeout_s)
+                    if not _abandon(request, self._timeout_s):
+                        return True
                     wave[position] = (index, None)
             for position, (index, request) in enumerate(wave):
                 if request is None:
@@ -248,8 +269,35 @@ class TuttiHiCacheStorage(HiCacheStorage):
                     request.wait(self._timeout_s)
                 except tutti.Error as error:
                     logger.warning("tutti: layer %d of a page failed: %s", layer, error)
-                    _abandon(request, self._timeout_s)
+                    if not _abandon(request, self._timeout_s):
+                        return True
                     wave[position] = (index, None)
+        return False
+
+    def _close_pool(self, reason: str, pages_written: bool) -> None:
+        """Closes the pool for good (its queue pairs deleted: no controller touches a host page
+        after that) before a batch with a stuck layer returns, since SGLang reuses the host pages
+        of pages reported not moved. When the stuck layer wrote host pages (a read) and the close
+        could not confirm its queue pairs deleted (memory registrations kept), raises
+        HostPagesUnsafe, now and at every later call, rather than hand the pages back."""
+        self._dead = reason
+        logger.error("tutti: %s; the pool is closed, the backend moves nothing more (lookups miss)", reason)
+        self._store.close(timeout_s=self._timeout_s)
+        kept = self._store.leaked_registrations()
+        if kept and not pages_written:
+            logger.error("tutti: closing the pool kept %d memory registrations (queue pairs not deleted)", kept)
+        elif kept:
+            self._unsafe = (
+                f"tutti: {reason}, and closing the pool did not confirm that its queue pairs were deleted "
+                f"({kept} memory registrations kept): SGLang's host pages may still be written, so the backend stops"
+            )
+            raise HostPagesUnsafe(self._unsafe)
+
+
+class HostPagesUnsafe(RuntimeError):
+    """A page's read did not complete and nothing confirmed that its host page is no longer
+    written (the pool's queue pairs could not be deleted): the backend raises rather than let
+    SGLang reuse the page."""
 
 
 def host_pool_layout(host_pool: Any) -> tuple[list[torch.Tensor], list[torch.Tensor], int, int]:
@@ -306,13 +354,17 @@ def _key_tokens(key: str) -> list[int]:
     return hash_tokens(key.encode("utf-8"), BYTE_GEOMETRY_BLOCK_TOKENS)
 
 
-def _abandon(request: Any, timeout_s: float) -> None:
+def _abandon(request: Any, timeout_s: float) -> bool:
+    """Finishes a failed request once its layer is no longer in flight. Returns False when its
+    layer does not complete: the request is kept (its pins, its request place), and the devices
+    may still move its page's bytes."""
+    if not wait_out_layer(request, timeout_s, logger, "tutti: a failed page request"):
+        return False
     try:
-        if request.layer_in_flight is not None:
-            request.wait(timeout_s)
         request.finish()
     except tutti.Error as error:
         logger.error("tutti: a failed request could not be finished: %s", error)
+    return True
 
 
 def _copying_interface(name: str) -> tutti.InvalidState:
@@ -322,4 +374,4 @@ def _copying_interface(name: str) -> tutti.InvalidState:
     )
 
 
-__all__ = ["TESTED_SGLANG_VERSION", "TuttiHiCacheStorage", "check_sglang_version", "host_pool_layout"]
+__all__ = ["TESTED_SGLANG_VERSION", "HostPagesUnsafe", "TuttiHiCacheStorage", "check_sglang_version", "host_pool_layout"]
