@@ -147,13 +147,15 @@ stage_benches() {
 }
 
 # TUTTI_REQUIRE_ETCD=1: a test that finds no etcd fails instead of skipping. Each test bounds
-# its own waits; `timeout` bounds the whole stage should one hang regardless.
+# its own waits; `timeout` bounds the whole stage should one hang regardless. tuttid's cluster
+# tests are one file per theme (tools/tuttid/tests/cluster_*.rs): the glob runs them all, and
+# cargo fails should it match none.
 stage_cluster() {
     ensure_protoc && ensure_etcd || return 1
     TUTTI_REQUIRE_ETCD=1 timeout 900 cargo test --locked -p tutti-cluster --all-targets 2>&1 &&
         TUTTI_REQUIRE_ETCD=1 timeout 600 cargo test --locked -p tutti --test cluster 2>&1 &&
         timeout 600 cargo test --locked -p tutti-daemon --features cluster --lib cluster 2>&1 &&
-        TUTTI_REQUIRE_ETCD=1 timeout 600 cargo test --locked -p tuttid --test cluster 2>&1
+        TUTTI_REQUIRE_ETCD=1 timeout 600 cargo test --locked -p tuttid --test 'cluster_*' 2>&1
 }
 
 # Two controllers: the suite runs on each, and the object-store round trip stripes one pool over

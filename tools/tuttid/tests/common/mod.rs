@@ -1,7 +1,9 @@
 //! What the process tests share: a tuttid process on a socket in a temporary directory (killed
 //! if a test ends without stopping it), the test binary re-run as a client process, and bounded
-//! waits.
+//! waits; `cluster`, what the cluster node tests (`cluster_*.rs`) share.
 #![allow(dead_code)] // each test file uses its own part
+
+pub mod cluster;
 
 use std::io::{BufRead, Read};
 use std::os::unix::net::UnixStream;

@@ -1,0 +1,249 @@
+//! A tuttid node's remote reads from holders that misbehave, against a real etcd (`LocalEtcd`,
+//! loopback): a fake holder (a loopback listener this test registers in etcd as the only node
+//! holding a prompt's segments) answers garbage, stalls mid-block, sends a block with a wrong
+//! CRC or closes mid-stream — each a typed `RemoteReadFailed` naming it, nothing stored, the
+//! node serving on — or serves slowly: a fetch longer than the client's lease keeps the
+//! client's session, and fetches past the node's limit of 4 at once are refused at once.
+//! Every wait is bounded. Skipped (with a note) where no etcd is installed, unless
+//! TUTTI_REQUIRE_ETCD=1 (the cluster stage of tools/test.sh). The nodes and the registry reader
+//! are `common::cluster`'s (16-block segments, 48-slot pools, a 2 s lease unless a test sets one).
+
+use std::time::{Duration, Instant};
+
+use tutti_cluster::local_etcd::LocalEtcd;
+use tutti_cluster::{ClusterConfig, ClusterId, ClusterNode, MemberRecord, NodeId, SegmentBlocks};
+use tutti_daemon::{DaemonError, ErrorCode};
+
+mod common;
+use common::cluster::{
+    members, model, reader, segments, store, wait_for, Node, BLOCK_TOKENS, CLUSTER, LEASE, PROMPT_BLOCKS, REQUEST_TIMEOUT, SEGMENT_BLOCKS,
+    SOON,
+};
+use common::hello;
+
+/// How a fake holder misbehaves.
+#[derive(Debug, Clone, Copy)]
+enum Misbehaviour {
+    /// Answers with bytes that are no frame.
+    Garbage,
+    /// Sends the segment header and half a block, then nothing.
+    Stall,
+    /// Sends a segment one of whose blocks' CRC does not match its bytes.
+    WrongChecksum,
+    /// Sends one good block, then closes the connection (a holder that died mid-stream).
+    Dies,
+    /// Sends a sound segment slowly (each block inside the stall bound, the whole longer than
+    /// the asking client's lease), then closes.
+    Slow,
+}
+
+/// Bytes of one block of the test geometry (2 layers × K and V × 2 heads × 64 × 16 × 2 bytes).
+const BLOCK_BYTES: usize = 2 * 2 * 2 * 64 * 16 * 2;
+
+fn frame(kind: u16, body: &[u8]) -> Vec<u8> {
+    let mut out = b"TPDP".to_vec();
+    // The data plane's version 2 (the segment header carries the holder's served count).
+    out.extend_from_slice(&2u16.to_le_bytes());
+    out.extend_from_slice(&kind.to_le_bytes());
+    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    out.extend_from_slice(body);
+    out
+}
+
+fn block_frame(index: u16, bytes: &[u8], crc: u32) -> Vec<u8> {
+    let mut body = index.to_le_bytes().to_vec();
+    body.extend_from_slice(&crc.to_le_bytes());
+    body.extend_from_slice(bytes);
+    frame(0x8002, &body)
+}
+
+/// Joins `etcd` as node `name` at `address` (a fake holder's) and registers prompt `seed`'s
+/// segments there: the registry then sends fetches of that prompt to the fake.
+fn register_fake_holder(etcd: &LocalEtcd, name: &str, address: std::net::SocketAddr, seed: u32) -> ClusterNode {
+    let mut config = ClusterConfig::new(etcd.endpoints(), ClusterId::new(CLUSTER).unwrap(), SegmentBlocks::new(SEGMENT_BLOCKS).unwrap());
+    config.lease_ttl = LEASE;
+    config.request_timeout = REQUEST_TIMEOUT;
+    let record =
+        MemberRecord { node: NodeId::new(name).unwrap(), address: address.to_string(), capacity_bytes: 1 << 30, fingerprints: vec![] };
+    let node = ClusterNode::join(config, record).unwrap();
+    node.register(&model(), &segments(seed)).unwrap();
+    node
+}
+
+/// A holder that reads one request and misbehaves as told (each connection), until dropped.
+fn fake_holder(misbehaviour: Misbehaviour) -> (std::net::SocketAddr, std::thread::JoinHandle<()>) {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let address = listener.local_addr().unwrap();
+    let thread = std::thread::spawn(move || {
+        // One connection is all a fetch makes; bounded, should none come.
+        listener.set_nonblocking(true).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut stream = loop {
+            match listener.accept() {
+                Ok((stream, _)) => break stream,
+                Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(10)),
+                Err(_) => return,
+            }
+        };
+        stream.set_nonblocking(false).unwrap();
+        stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut header = [0u8; 12];
+        if stream.read_exact(&mut header).is_err() {
+            return;
+        }
+        let mut body = vec![0u8; u32::from_le_bytes(header[8..12].try_into().unwrap()) as usize];
+        let _ = stream.read_exact(&mut body);
+        let mut segment_header = 16u16.to_le_bytes().to_vec();
+        segment_header.extend_from_slice(&(BLOCK_BYTES as u64).to_le_bytes());
+        // Served once: never a heavy hitter.
+        segment_header.extend_from_slice(&1u32.to_le_bytes());
+        let bytes = vec![0x5au8; BLOCK_BYTES];
+        let _ = match misbehaviour {
+            Misbehaviour::Garbage => stream.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello"),
+            Misbehaviour::Stall => {
+                let _ = stream.write_all(&frame(0x8001, &segment_header));
+                let half = block_frame(0, &bytes, crc32fast::hash(&bytes));
+                let _ = stream.write_all(&half[..half.len() / 2]);
+                std::thread::sleep(Duration::from_secs(8));
+                Ok(())
+            }
+            Misbehaviour::WrongChecksum => {
+                // A whole segment, sound but for block 7's CRC: taken without the check, it
+                // would be stored.
+                let _ = stream.write_all(&frame(0x8001, &segment_header));
+                for index in 0..16u16 {
+                    let crc = crc32fast::hash(&bytes) ^ u32::from(index == 7);
+                    let _ = stream.write_all(&block_frame(index, &bytes, crc));
+                }
+                Ok(())
+            }
+            Misbehaviour::Dies => {
+                let _ = stream.write_all(&frame(0x8001, &segment_header));
+                stream.write_all(&block_frame(0, &bytes, crc32fast::hash(&bytes)))
+            }
+            Misbehaviour::Slow => {
+                let _ = stream.write_all(&frame(0x8001, &segment_header));
+                for index in 0..16u16 {
+                    std::thread::sleep(Duration::from_millis(250));
+                    let _ = stream.write_all(&block_frame(index, &bytes, crc32fast::hash(&bytes)));
+                }
+                Ok(())
+            }
+        };
+    });
+    (address, thread)
+}
+
+#[test]
+fn a_holder_that_sends_garbage_stalls_lies_or_dies_is_a_typed_error_and_nothing_is_stored() {
+    // Goal: a fake node, registered as the only holder of prompt 10's segments, misbehaves in
+    // each way in turn; node b's fetch answers RemoteReadFailed (within the 2 s stall bound
+    // plus slack for the stall), b stores nothing of prompt 10, and b serves on.
+    let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
+    let root = tempfile::tempdir().unwrap();
+    let reader = reader(&etcd);
+    let mut b = Node::new(root.path(), "b");
+    b.start(&etcd, true);
+    wait_for("b joins", SOON, || members(&reader) == ["b"]);
+    let mut on_b = b.daemon().client();
+    on_b.hello(&hello(0, 1, "fetch-b")).unwrap();
+    let tokens = common::prompt(10, PROMPT_BLOCKS, BLOCK_TOKENS);
+    for misbehaviour in [Misbehaviour::Garbage, Misbehaviour::Stall, Misbehaviour::WrongChecksum, Misbehaviour::Dies] {
+        let (address, thread) = fake_holder(misbehaviour);
+        let evil = register_fake_holder(&etcd, "evil", address, 10);
+        let started = Instant::now();
+        let failure = on_b.fetch_remote(&tokens).expect_err("a fetch from a misbehaving holder");
+        let took = started.elapsed();
+        match &failure {
+            DaemonError::Remote { code: ErrorCode::RemoteReadFailed, message } => {
+                eprintln!("{misbehaviour:?}: {message} ({took:?})");
+                assert!(message.contains("evil"), "{message}");
+            }
+            other => panic!("{misbehaviour:?}: {other:?}"),
+        }
+        assert!(took < Duration::from_secs(5), "{misbehaviour:?} took {took:?}");
+        assert_eq!(on_b.lookup(&tokens).unwrap(), 0, "{misbehaviour:?}: b stored something");
+        drop(evil);
+        thread.join().unwrap();
+    }
+    let status = b.status();
+    assert_eq!((status.remote_reads, status.remote_read_failures, status.fetched_blocks), (4, 4, 0), "{status:?}");
+    store(&b, 11);
+    assert_eq!(on_b.lookup(&common::prompt(11, PROMPT_BLOCKS, BLOCK_TOKENS)).unwrap(), PROMPT_BLOCKS as u32, "b serves on");
+}
+
+#[test]
+fn a_fetch_longer_than_the_clients_lease_keeps_its_session() {
+    // Goal: the client lease counts from the daemon's answer, not from the request: a slow
+    // holder (every block inside the stall bound, the segment longer than b's 1 s client lease)
+    // makes a long FetchRemote, and the same client's next request is still served.
+    let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
+    let root = tempfile::tempdir().unwrap();
+    let reader = reader(&etcd);
+    let mut b = Node::new(root.path(), "b");
+    b.extra = vec!["--lease", "1s"];
+    b.start(&etcd, true);
+    wait_for("b joins", SOON, || members(&reader) == ["b"]);
+    let mut on_b = b.daemon().client();
+    on_b.hello(&hello(0, 1, "fetch-slow")).unwrap();
+    let tokens = common::prompt(12, PROMPT_BLOCKS, BLOCK_TOKENS);
+    let (address, thread) = fake_holder(Misbehaviour::Slow);
+    let slow = register_fake_holder(&etcd, "slow", address, 12);
+    let started = Instant::now();
+    // The fake serves one segment and closes: the first is stored, the second read fails.
+    let failure = on_b.fetch_remote(&tokens).expect_err("the fake holder serves one segment only");
+    assert!(started.elapsed() > Duration::from_millis(1500), "the fetch outlasted the lease: {:?}", started.elapsed());
+    assert!(matches!(failure, DaemonError::Remote { code: ErrorCode::RemoteReadFailed, .. }), "{failure:?}");
+    // The session lives on: the same client, silent for less than its lease since the answer,
+    // is answered and sees the segment stored.
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(on_b.lookup(&tokens).unwrap(), u32::from(SEGMENT_BLOCKS), "b stored the slow segment and still serves this client");
+    drop(slow);
+    thread.join().unwrap();
+}
+
+#[test]
+fn fetches_past_the_nodes_limit_are_refused_at_once() {
+    // Goal: each fetch buffers up to a segment in memory, so a node runs at most 4 at once: with
+    // 4 in progress (a slow holder), a fifth is refused at once, naming the limit, and a fetch
+    // after they end is served again.
+    let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
+    let root = tempfile::tempdir().unwrap();
+    let reader = reader(&etcd);
+    let mut b = Node::new(root.path(), "b");
+    b.start(&etcd, true);
+    wait_for("b joins", SOON, || members(&reader) == ["b"]);
+    let tokens = common::prompt(13, PROMPT_BLOCKS, BLOCK_TOKENS);
+    let (address, thread) = fake_holder(Misbehaviour::Slow);
+    let slow = register_fake_holder(&etcd, "slow", address, 13);
+    // The slow holder serves the first connection; the others wait unanswered (stall, 2 s).
+    let fetchers: Vec<_> = (0..4)
+        .map(|index| {
+            let mut client = b.daemon().client();
+            client.hello(&hello(0, 1, &format!("fetch-{index}"))).unwrap();
+            let tokens = tokens.clone();
+            std::thread::spawn(move || client.fetch_remote(&tokens))
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    let mut fifth = b.daemon().client();
+    fifth.hello(&hello(0, 1, "fetch-5")).unwrap();
+    let started = Instant::now();
+    match fifth.fetch_remote(&tokens) {
+        Err(DaemonError::Remote { code: ErrorCode::RemoteReadFailed, message }) => {
+            assert!(message.contains("4 remote fetches are in progress"), "{message}")
+        }
+        other => panic!("a fifth fetch at once: {other:?}"),
+    }
+    assert!(started.elapsed() < Duration::from_millis(500), "refused at once, not after {:?}", started.elapsed());
+    for fetcher in fetchers {
+        let _ = fetcher.join().unwrap();
+    }
+    thread.join().unwrap();
+    drop(slow);
+    // The limit is a count, not a latch: with none in progress, a fetch runs (and finds nothing
+    // to fetch, the slow node's lease being gone or its segment stored already).
+    let again = fifth.fetch_remote(&tokens);
+    assert!(!matches!(&again, Err(DaemonError::Remote { message, .. }) if message.contains("in progress")), "{again:?}");
+}

@@ -1,0 +1,215 @@
+//! tuttid nodes finding and reading each other's segments, against a real etcd (`LocalEtcd`,
+//! loopback): `LookupCluster` finds what other nodes hold past the local prefix in one etcd
+//! request (and, with etcd gone, answers the local part within its timeout); `FetchRemote`
+//! reads another node's segments over the data plane byte-exact, and they are served locally
+//! after; a holder never sends a block its own pool says is damaged; a segment fetched more
+//! than `--cluster-replicate-after` times gets a second, registered replica that outlives its
+//! first holder.
+//! Every wait is bounded. Skipped (with a note) where no etcd is installed, unless
+//! TUTTI_REQUIRE_ETCD=1 (the cluster stage of tools/test.sh). The nodes and the registry reader
+//! are `common::cluster`'s (16-block segments, 48-slot pools, a 2 s lease unless a test sets one).
+
+use std::time::{Duration, Instant};
+
+use tutti_cluster::local_etcd::LocalEtcd;
+use tutti_daemon::protocol::{RegistryAnswer, RemoteHolder};
+use tutti_daemon::{DaemonError, ErrorCode};
+
+mod common;
+use common::cluster::{client_of, holders, members, reader, store, wait_for, Node, BLOCK_TOKENS, LEASE, PROMPT_BLOCKS, SOON};
+use common::{hello, store_prompt};
+
+#[test]
+fn a_cluster_lookup_finds_what_other_nodes_hold_past_the_local_prefix_in_one_round_trip() {
+    // Goal: node a holds a prompt's two segments. On node b, `LookupCluster` answers the local
+    // prefix exactly as `Lookup` does, and the 32 blocks a holds; once b holds 20 blocks
+    // itself, the 12 past them (segment 1, fetched whole); on a, nothing is asked (no full
+    // segment past its prefix). Each lookup that asks is one etcd request, counted by etcd.
+    // With etcd killed: the local part within the lookup timeout, then the registry is not
+    // asked again for a second (answered at once).
+    let Some(mut etcd) = LocalEtcd::start_or_skip(1) else { return };
+    let root = tempfile::tempdir().unwrap();
+    let reader = reader(&etcd);
+    let (mut a, mut b) = (Node::new(root.path(), "a"), Node::new(root.path(), "b"));
+    a.start(&etcd, true);
+    b.start(&etcd, true);
+    wait_for("both nodes join", SOON, || members(&reader) == ["a", "b"]);
+    store(&a, 8);
+    wait_for("a's segments registered", SOON, || holders(&reader, 8) == [["a"], ["a"]]);
+    let tokens = common::prompt(8, PROMPT_BLOCKS, BLOCK_TOKENS);
+    let mut on_b = b.daemon().client();
+    on_b.hello(&hello(0, 1, "lookup-b")).unwrap();
+    let answer = on_b.lookup_cluster(&tokens).unwrap();
+    assert_eq!((answer.cached_blocks, answer.block_tokens, answer.registry), (0, 16, RegistryAnswer::Answered));
+    assert_eq!((answer.remote_blocks, answer.holders.clone()), (32, vec![RemoteHolder { node: "a".into(), blocks: 32 }]));
+    assert_eq!(on_b.lookup(&tokens).unwrap(), 0, "Lookup's answer is unchanged");
+
+    let mut on_a = a.daemon().client();
+    on_a.hello(&hello(0, 1, "lookup-a")).unwrap();
+    let before = etcd.requests_started(0, "").unwrap();
+    let answer = on_a.lookup_cluster(&tokens).unwrap();
+    assert_eq!((answer.cached_blocks, answer.registry, answer.remote_blocks), (40, RegistryAnswer::Answered, 0));
+    assert!(answer.holders.is_empty());
+    assert_eq!(etcd.requests_started(0, "").unwrap(), before, "a's lookup asked the registry for nothing");
+
+    let mut store_b = b.connect();
+    assert_eq!(store_prompt(&mut store_b, 8, 0, 20).unwrap(), 20);
+    wait_for("b's first segment registered", SOON, || holders(&reader, 8) == [vec!["a", "b"], vec!["a"]]);
+    let before = etcd.requests_started(0, "").unwrap();
+    for _ in 0..10 {
+        let answer = on_b.lookup_cluster(&tokens).unwrap();
+        assert_eq!((answer.cached_blocks, answer.remote_blocks), (20, 12));
+        assert_eq!(answer.holders, [RemoteHolder { node: "a".into(), blocks: 12 }]);
+    }
+    assert_eq!(etcd.requests_started(0, "").unwrap() - before, 10, "one etcd request per lookup");
+    let status = b.status();
+    assert!(status.lookups >= 11 && status.remote_blocks_found >= 32 + 120, "{status:?}");
+
+    etcd.kill(0).unwrap();
+    let started = Instant::now();
+    let answer = on_b.lookup_cluster(&tokens).unwrap();
+    let took = started.elapsed();
+    assert_eq!((answer.cached_blocks, answer.registry, answer.remote_blocks), (20, RegistryAnswer::Unavailable, 0));
+    assert!(took < Duration::from_millis(1500), "the lookup timeout is 1 s: {took:?}");
+    let started = Instant::now();
+    let answer = on_b.lookup_cluster(&tokens).unwrap();
+    assert_eq!((answer.cached_blocks, answer.registry), (20, RegistryAnswer::Unavailable));
+    assert!(started.elapsed() < Duration::from_millis(200), "asked the registry again at once: {:?}", started.elapsed());
+    let status = b.status();
+    assert!(status.lookup_failures >= 1 && status.lookups_skipped >= 1, "{status:?}");
+}
+
+#[test]
+fn a_node_reads_another_nodes_segments_byte_exact_and_serves_them_locally_after() {
+    // Goal: node a holds prompt 9 (two segments). Node b's client asks b to fetch what lies
+    // past b's (empty) prefix: b reads both segments from a over the data plane, stores them
+    // in its own pool, and the client retrieves the 32 blocks from b byte-exact (a's bytes,
+    // a's pattern). b's lookup then finds them locally, a counts two segments served.
+    let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
+    let root = tempfile::tempdir().unwrap();
+    let reader = reader(&etcd);
+    let (mut a, mut b) = (Node::new(root.path(), "a"), Node::new(root.path(), "b"));
+    a.start(&etcd, true);
+    b.start(&etcd, true);
+    wait_for("both nodes join", SOON, || members(&reader) == ["a", "b"]);
+    store(&a, 9);
+    wait_for("a's segments registered", SOON, || holders(&reader, 9) == [["a"], ["a"]]);
+    let tokens = common::prompt(9, PROMPT_BLOCKS, BLOCK_TOKENS);
+    let mut on_b = b.daemon().client();
+    on_b.hello(&hello(0, 1, "fetch-b")).unwrap();
+    assert_eq!(on_b.fetch_remote(&tokens).unwrap(), (32, 32));
+    let mut store_b = b.connect();
+    assert_eq!(common::retrieve_prompt(&mut store_b, 9, 0, 32).expect("retrieve on b"), 0, "wrong bytes on b");
+    let answer = on_b.lookup_cluster(&tokens).unwrap();
+    assert_eq!((answer.cached_blocks, answer.remote_blocks), (32, 0));
+    assert_eq!(on_b.fetch_remote(&tokens).unwrap(), (32, 0), "nothing more to fetch");
+    let (status_a, status_b) = (a.status(), b.status());
+    assert_eq!((status_a.served_segments, status_a.serve_refusals), (2, 0), "{status_a:?}");
+    assert_eq!((status_b.remote_reads, status_b.remote_read_failures, status_b.fetched_blocks), (1, 0, 32), "{status_b:?}");
+}
+
+#[test]
+fn a_holder_never_sends_a_block_its_own_pool_says_is_damaged() {
+    // Goal: a holder that records payload CRCs (`--payload-crc`) reads a block whose bytes
+    // were changed on its disk behind its back: it refuses the read of that segment rather
+    // than send them (the CRC it would send is computed from the bad bytes, so the asker could
+    // not tell). The asker keeps the sound segment before it and gets RemoteReadFailed for the
+    // rest; none of the damaged bytes reaches its pool.
+    let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
+    let root = tempfile::tempdir().unwrap();
+    let reader = reader(&etcd);
+    let (mut a, mut b) = (Node::new(root.path(), "a"), Node::new(root.path(), "b"));
+    a.format_extra = vec!["--payload-crc"];
+    a.start(&etcd, true);
+    b.start(&etcd, true);
+    wait_for("both nodes join", SOON, || members(&reader) == ["a", "b"]);
+    store(&a, 12);
+    wait_for("a's segments registered", SOON, || holders(&reader, 12) == [["a"], ["a"]]);
+    // Block 20 (in segment 1): found on a's pool file by its pattern, its first bytes flipped.
+    let image = a.directory.join("pool");
+    let pattern: Vec<u8> = (0..64).map(|at| common::pattern_byte(12, 0, 20, at)).collect();
+    let contents = std::fs::read(&image).unwrap();
+    let offset = contents.windows(pattern.len()).position(|window| window == &pattern[..]).expect("block 20 on a's pool file");
+    drop(contents);
+    let flipped: Vec<u8> = pattern.iter().map(|byte| byte ^ 0xFF).collect();
+    std::os::unix::fs::FileExt::write_all_at(&std::fs::OpenOptions::new().write(true).open(&image).unwrap(), &flipped, offset as u64)
+        .unwrap();
+
+    let tokens = common::prompt(12, PROMPT_BLOCKS, BLOCK_TOKENS);
+    let mut on_b = b.daemon().client();
+    on_b.hello(&hello(0, 1, "fetch-b")).unwrap();
+    match on_b.fetch_remote(&tokens) {
+        Err(DaemonError::Remote { code: ErrorCode::RemoteReadFailed, message }) => {
+            assert!(message.contains("recorded at commit") && message.contains("16 block(s)"), "{message}")
+        }
+        other => panic!("a damaged block was fetched: {other:?}"),
+    }
+    assert_eq!(on_b.lookup(&tokens).unwrap(), 16, "the sound segment stays, nothing of the damaged one");
+    let mut store_b = b.connect();
+    assert_eq!(common::retrieve_prompt(&mut store_b, 12, 0, 16).unwrap(), 0);
+    assert_eq!(a.status().serve_refusals, 1);
+    // The holder evicted the damaged block, so its segment leaves the registry (no one is sent
+    // to it again) and a's own prefix stops before it.
+    wait_for("a's damaged segment unregistered", SOON, || holders(&reader, 12).len() == 1);
+    assert_eq!(holders(&reader, 12)[0], ["a"]);
+    let mut on_a = a.daemon().client();
+    on_a.hello(&hello(0, 1, "check-a")).unwrap();
+    assert_eq!(on_a.lookup(&tokens).unwrap(), 20, "a's prefix ends at the damaged block 20");
+}
+
+#[test]
+fn a_segment_fetched_more_than_n_times_gets_a_second_replica_that_outlives_its_first_holder() {
+    // Goal (heavy hitters, `--cluster-replicate-after 2`): a holds prompt 30. b fetches it,
+    // loses its copy to eviction, fetches again, and again: a counts each read it serves, and
+    // the third (more than 2) makes b register its freshly stored copy — before that b's copy
+    // is served locally but not registered. The registry then lists a and b for both segments.
+    // a is SIGKILLed: once its lease ends c finds b as the only holder and reads the prompt
+    // from b byte-exact. b's replica is in its manifest: restarted, b registers it again.
+    let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
+    let root = tempfile::tempdir().unwrap();
+    let reader = reader(&etcd);
+    let mut nodes: Vec<Node> = ["a", "b", "c"].into_iter().map(|name| Node::new(root.path(), name)).collect();
+    for node in &mut nodes {
+        node.extra = vec!["--cluster-replicate-after", "2"];
+        node.start(&etcd, true);
+    }
+    wait_for("three nodes join", SOON, || members(&reader) == ["a", "b", "c"]);
+    let [a, b, c] = &mut nodes[..] else { unreachable!("three nodes") };
+    store(a, 30);
+    wait_for("a's segments registered", SOON, || holders(&reader, 30) == [["a"], ["a"]]);
+    let tokens = common::prompt(30, PROMPT_BLOCKS, BLOCK_TOKENS);
+    let mut on_b = client_of(b, "b");
+    for fetch in 1..=3u32 {
+        assert_eq!(on_b.fetch_remote(&tokens).unwrap(), (32, 32), "fetch {fetch}");
+        assert_eq!(common::retrieve_prompt(&mut b.connect(), 30, 0, 32).unwrap(), 0, "fetch {fetch}: wrong bytes on b");
+        if fetch < 3 {
+            // Served 1 and 2 times: not more than 2, so b's copy is not registered (ten
+            // registrar passes to be sure), then two prompts of b's own evict all of it.
+            std::thread::sleep(Duration::from_millis(500));
+            assert_eq!(holders(&reader, 30), [["a"], ["a"]], "b registered a copy served only {fetch} time(s)");
+            store(b, 30 + 2 * fetch);
+            store(b, 31 + 2 * fetch);
+            assert_eq!(on_b.lookup(&tokens).unwrap(), 0, "b's copy of prompt 30 is evicted");
+        }
+    }
+    wait_for("b's copy registered as a second replica", SOON, || holders(&reader, 30) == [["a", "b"], ["a", "b"]]);
+    let status = b.status();
+    assert_eq!((status.replicated_segments, status.fetched_blocks), (2, 96), "{status:?}");
+    assert_eq!(a.status().served_segments, 6);
+
+    a.kill();
+    wait_for("a's entries vanish with its lease", LEASE + Duration::from_secs(4), || holders(&reader, 30) == [["b"], ["b"]]);
+    let mut on_c = client_of(c, "c");
+    let seen = on_c.lookup_cluster(&tokens).unwrap();
+    assert_eq!((seen.remote_blocks, seen.holders.clone()), (32, vec![RemoteHolder { node: "b".into(), blocks: 32 }]));
+    assert_eq!(on_c.fetch_remote(&tokens).unwrap(), (32, 32));
+    let wrong = common::retrieve_prompt(&mut c.connect(), 30, 0, 32).unwrap();
+    eprintln!("heavy hitter read from its second replica: wrong bytes {wrong}");
+    assert_eq!(wrong, 0);
+
+    let (exit, stderr) = b.daemon.take().unwrap().terminate();
+    assert!(exit.success(), "{exit}: {stderr}");
+    assert!(holders(&reader, 30).is_empty(), "b left: its replica leaves with it (c's copy, served once, is not registered)");
+    b.start(&etcd, false);
+    wait_for("b registers its replica again from its manifest", SOON, || holders(&reader, 30) == [["b"], ["b"]]);
+}

@@ -1,0 +1,219 @@
+//! tuttid as a cluster node against a real etcd (`LocalEtcd`, loopback), membership and
+//! registration: a node joins at start, registers the segments its commits complete (after the
+//! commit: never a store only written, nor one released), unregisters what eviction breaks,
+//! leaves on SIGTERM, vanishes within its lease after SIGKILL, and registers again what survived
+//! after a restart and after a lost lease; etcd's absence never fails or slows a commit; bad
+//! cluster options are refused before the daemon opens anything.
+//! Every wait is bounded. Skipped (with a note) where no etcd is installed, unless
+//! TUTTI_REQUIRE_ETCD=1 (the cluster stage of tools/test.sh). The nodes and the registry reader
+//! are `common::cluster`'s (16-block segments, 48-slot pools, a 2 s lease unless a test sets one).
+
+use std::time::{Duration, Instant};
+
+use gio_uring::SmBudget;
+use objstore::{KvRequest, LayerKvStore};
+use tutti_cluster::local_etcd::LocalEtcd;
+use tutti_daemon::client::RemoteKvStore;
+
+mod common;
+use common::cluster::{holders, members, model, reader, store, wait_for, Node, BLOCK_TOKENS, LEASE, PROMPT_BLOCKS, SOON};
+
+#[test]
+fn a_node_registers_commits_unregisters_evictions_leaves_and_comes_back() {
+    // Goal: the whole life of one node in the registry. Joined at start (its record: the data
+    // address, the pool's capacity); a commit's two full segments registered (the partial tail
+    // not), and the model's fingerprint added to its record; a second prompt that evicts most
+    // of the first unregisters the first's segments; SIGTERM removes the node and its segments
+    // at once; a restart registers again, from the manifest, the segments whose blocks
+    // survived (only the second prompt's); SIGKILL: gone within the lease; a restart right
+    // after a SIGKILL waits out the dead lease (the id is taken) and then registers again.
+    let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
+    let root = tempfile::tempdir().unwrap();
+    let reader = reader(&etcd);
+    let mut node = Node::new(root.path(), "a");
+    node.start(&etcd, true);
+    wait_for("node a joins", SOON, || members(&reader) == ["a"]);
+    let record = reader.members().unwrap().nodes.remove(0);
+    assert_eq!(record.address, node.status().data_address, "the record carries the bound data address");
+    assert!(!record.address.ends_with(":0"), "{record:?}");
+    // 48 slots of one block of 2 layers × K and V × 2 heads × 64 dims × 16 tokens × 2 bytes.
+    assert_eq!(record.capacity_bytes, 48 * 16 * 1024);
+    assert!(record.fingerprints.is_empty(), "no segments held yet: {record:?}");
+
+    store(&node, 1);
+    wait_for("prompt 1's segments are registered", SOON, || holders(&reader, 1) == [["a"], ["a"]]);
+    let status = node.status();
+    assert!(status.enabled && status.joined, "{status:?}");
+    assert_eq!((status.segments_held, status.segments_registered, status.registered_segments), (2, 2, 2));
+    assert_eq!(status.registration_transactions, 1, "one committed request, one transaction");
+    wait_for("the record lists the model", SOON, || reader.members().unwrap().nodes[0].fingerprints == [*model().fingerprint()]);
+
+    store(&node, 2);
+    wait_for("prompt 2 registered, prompt 1 (evicted) unregistered", SOON, || {
+        holders(&reader, 2) == [["a"], ["a"]] && holders(&reader, 1).is_empty()
+    });
+    let status = node.status();
+    assert_eq!((status.segments_held, status.unregistered_segments), (2, 2), "{status:?}");
+
+    let (exit, stderr) = node.daemon.take().unwrap().terminate();
+    assert!(exit.success(), "{exit}: {stderr}");
+    assert!(members(&reader).is_empty(), "a node that left is still listed");
+    assert!(holders(&reader, 2).is_empty(), "a node that left still holds segments");
+
+    node.start(&etcd, false);
+    wait_for("the restarted node registers what survived", SOON, || holders(&reader, 2) == [["a"], ["a"]]);
+    assert!(holders(&reader, 1).is_empty(), "evicted before the restart: never registered again");
+    assert_eq!(node.status().segments_held, 2);
+
+    node.kill();
+    let vanished = wait_for("a killed node vanishes within its lease", LEASE + Duration::from_secs(4), || {
+        members(&reader).is_empty() && holders(&reader, 2).is_empty()
+    });
+    eprintln!("a SIGKILLed node vanished after {vanished:?} (lease {LEASE:?})");
+
+    node.start(&etcd, false);
+    wait_for("registered again", SOON, || holders(&reader, 2) == [["a"], ["a"]]);
+    node.kill();
+    // At once: the dead process's lease still holds the id.
+    node.start(&etcd, false);
+    wait_for("registered again after the dead lease expired", LEASE + SOON, || {
+        holders(&reader, 2) == [["a"], ["a"]] && node.status().joined
+    });
+    let status = node.status();
+    assert!(status.registry_errors >= 1 && status.last_error.contains("already registered"), "{status:?}");
+    let (exit, stderr) = node.daemon.take().unwrap().terminate();
+    assert!(exit.success(), "{exit}: {stderr}");
+}
+
+#[test]
+fn a_store_is_registered_only_once_committed() {
+    // Goal: a store whose every layer is written but which is not committed is never
+    // registered (its blocks are not in the index: nothing to serve), nor one that is
+    // released; the same store committed is registered.
+    let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
+    let root = tempfile::tempdir().unwrap();
+    let reader = reader(&etcd);
+    let mut node = Node::new(root.path(), "d");
+    node.start(&etcd, true);
+    wait_for("node d joins", SOON, || members(&reader) == ["d"]);
+    let mut store = node.connect();
+    let tokens = common::prompt(7, PROMPT_BLOCKS, BLOCK_TOKENS);
+    let block_ids: Vec<u32> = (0..PROMPT_BLOCKS as u32).collect();
+    let deadline = Instant::now() + common::WAIT;
+    let written = |store: &mut RemoteKvStore| {
+        let plan = store.prepare_store(&KvRequest { tokens: &tokens, block_ids: &block_ids }).unwrap();
+        for layer in 0..2 {
+            store.store_layer(plan.handle, layer, SmBudget(1)).unwrap();
+            store.wait(plan.handle, deadline).unwrap();
+        }
+        plan.handle
+    };
+    let released = written(&mut store);
+    store.finish(released).unwrap();
+    let handle = written(&mut store);
+    // Ten registrar passes.
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(holders(&reader, 7).is_empty(), "registered before the commit");
+    assert_eq!(node.status().segments_held, 0);
+    store.commit_store(handle).unwrap();
+    wait_for("registered after the commit", SOON, || holders(&reader, 7) == [["d"], ["d"]]);
+}
+
+#[test]
+fn the_registry_being_away_never_fails_or_slows_a_commit() {
+    // Goal: with etcd killed, stores commit as fast as ever, also while the registrar is stuck
+    // in a registry call (here 3 s, its request timeout: the second store commits during the
+    // first one's registration attempt); their segments are held and wait; the failures are
+    // counted and shown in status; once etcd is back (with its data: the node's lease survived,
+    // or expired and the node rejoins) they are registered. Prompt 6 evicts most of prompt 5
+    // meanwhile: only prompt 6 is registered.
+    let Some(mut etcd) = LocalEtcd::start_or_skip(1) else { return };
+    let root = tempfile::tempdir().unwrap();
+    let reader = reader(&etcd);
+    let mut node = Node::new(root.path(), "b");
+    (node.lease, node.timeout) = ("6s", "3s");
+    node.start(&etcd, true);
+    wait_for("node b joins", SOON, || members(&reader) == ["b"]);
+    etcd.kill(0).unwrap();
+    for seed in [5, 6] {
+        let started = Instant::now();
+        store(&node, seed);
+        let took = started.elapsed();
+        eprintln!("store and commit of prompt {seed} with etcd down: {took:?}");
+        assert!(took < Duration::from_secs(1), "a commit waited on the registry: {took:?}");
+    }
+    wait_for("the failures are counted", SOON, || node.status().registry_errors >= 1);
+    let status = node.status();
+    assert_eq!((status.segments_held, status.segments_registered), (2, 0), "{status:?}");
+    assert!(!status.last_error.is_empty());
+    etcd.restart(0).unwrap();
+    wait_for("registered once etcd is back", Duration::from_secs(6) + SOON, || holders(&reader, 6) == [["b"], ["b"]]);
+    assert!(holders(&reader, 5).is_empty());
+    let status = node.status();
+    assert!(status.joined && status.segments_registered == 2, "{status:?}");
+}
+
+#[test]
+fn a_lost_lease_is_rejoined_and_every_held_segment_registered_again() {
+    // Goal: when etcd drops the node's lease behind its back (revoked here, as an expiry during
+    // a partition would), the node notices, rejoins under a new lease and registers again
+    // every segment it holds; status counts the loss and the second join.
+    let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
+    let root = tempfile::tempdir().unwrap();
+    let reader = reader(&etcd);
+    let mut node = Node::new(root.path(), "c");
+    node.start(&etcd, true);
+    store(&node, 4);
+    wait_for("registered", SOON, || holders(&reader, 4) == [["c"], ["c"]]);
+    let old_lease = node.status().lease_id;
+    etcd.revoke_lease(old_lease as i64).unwrap();
+    assert!(holders(&reader, 4).is_empty(), "revoking the lease removes the node's segments");
+    wait_for("rejoined and registered again", LEASE + SOON, || holders(&reader, 4) == [["c"], ["c"]]);
+    let status = node.status();
+    assert_ne!(status.lease_id, old_lease);
+    assert_eq!((status.joins, status.lease_losses, status.segments_registered), (2, 1, 2), "{status:?}");
+    assert_eq!(members(&reader), ["c"]);
+}
+
+#[test]
+fn cluster_options_are_checked_at_start() {
+    // Goal: a bad node id, a segment size outside 16..=64, a timeout the lease cannot hold and
+    // an unspecified data address (other nodes would dial themselves) are refused before the daemon opens anything (exit 2, the reason named); cluster options
+    // without --cluster-etcd are refused too.
+    let directory = tempfile::tempdir().unwrap();
+    let socket = directory.path().join("t.sock");
+    let base = ["--device", "emu:mem:64m", "--format", "--metrics", "off", "--layers", "2", "--kv-heads", "2", "--head-dim", "64"];
+    let cluster_at = |node: &str, blocks: &str, timeout: &str, data_address: &str| {
+        let manifest = directory.path().join("m").display().to_string();
+        vec![
+            "--cluster-etcd".to_string(),
+            "http://127.0.0.1:1".into(),
+            "--cluster-id".into(),
+            "x".into(),
+            "--node-id".into(),
+            node.into(),
+            "--data-address".into(),
+            data_address.into(),
+            "--cluster-state".into(),
+            manifest,
+            "--segment-blocks".into(),
+            blocks.into(),
+            "--cluster-timeout".into(),
+            timeout.into(),
+        ]
+    };
+    let cluster = |node: &str, blocks: &str, timeout: &str| cluster_at(node, blocks, timeout, "127.0.0.1:7000");
+    for (arguments, reason) in [
+        (cluster("Node/A", "32", "3s"), "node id"),
+        (cluster_at("a", "32", "3s", "0.0.0.0:7000"), "not an unspecified one"),
+        (cluster("a", "8", "3s"), "segment size 8"),
+        (cluster("a", "32", "9s"), "leaves no room to renew"),
+        (vec!["--node-id".to_string(), "a".into()], "--cluster-etcd"),
+    ] {
+        let output = std::process::Command::new(common::TUTTID).args(base).arg("--socket").arg(&socket).args(&arguments).output().unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{arguments:?}: {stderr}");
+        assert!(stderr.contains(reason), "{arguments:?}: {stderr}");
+        assert!(!socket.exists());
+    }
+}

@@ -1,0 +1,176 @@
+//! What the cluster process tests (`cluster_*.rs`) share: a tuttid node (its directory with
+//! pool file, socket and segment manifest, and its daemon, started as a member of a
+//! `LocalEtcd` cluster), a registry reader, the segments of a test prompt and who the registry
+//! says holds them, and bounded polling. Every node uses 16-block segments, a 48-slot pool and,
+//! unless a test changes it, a 2 s lease.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use tutti_cluster::local_etcd::LocalEtcd;
+use tutti_cluster::{segments_of, ClusterClient, ClusterConfig, ClusterId, ModelSpace, Segment, SegmentBlocks};
+use tutti_daemon::client::{RemoteConfig, RemoteKvStore};
+use tutti_daemon::keys::KeySpace;
+use tutti_daemon::protocol::ClusterStatusReply;
+
+use super::{hello, prompt, store_prompt, Daemon};
+
+pub const CLUSTER: &str = "wire";
+pub const SEGMENT_BLOCKS: u16 = 16;
+pub const BLOCK_TOKENS: u32 = 16;
+/// Blocks each prompt stores: two full segments and a partial one (never registered).
+pub const PROMPT_BLOCKS: usize = 40;
+pub const LEASE: Duration = Duration::from_secs(2);
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(1);
+/// Pool slots (one block each): room for one prompt and 8 blocks more, so a second prompt
+/// evicts most of the first.
+pub const SLOTS: &str = "48";
+/// Longest wait for something the registrar does within a pass or a few (a tick is 50 ms; a
+/// failed call backs off at most half the lease).
+pub const SOON: Duration = Duration::from_secs(10);
+
+/// One node's directory (socket, pool file, segment manifest) and its daemon.
+pub struct Node {
+    pub name: &'static str,
+    pub directory: PathBuf,
+    pub daemon: Option<Daemon>,
+    /// `--cluster-lease` and `--cluster-timeout`.
+    pub lease: &'static str,
+    pub timeout: &'static str,
+    /// More options for `--format` (e.g. `--payload-crc`).
+    pub format_extra: Vec<&'static str>,
+    /// More daemon options, on every start (e.g. a short client `--lease`).
+    pub extra: Vec<&'static str>,
+    /// `--data-address` (a free port by default; a fixed one to restart on the same address).
+    pub data_address: String,
+}
+
+impl Node {
+    pub fn new(root: &Path, name: &'static str) -> Node {
+        let directory = root.join(name);
+        std::fs::create_dir_all(&directory).unwrap();
+        Node {
+            name,
+            directory,
+            daemon: None,
+            lease: "2s",
+            timeout: "1s",
+            format_extra: Vec::new(),
+            extra: Vec::new(),
+            data_address: "127.0.0.1:0".into(),
+        }
+    }
+
+    pub fn device(&self) -> String {
+        format!("emu:{}", self.directory.join("pool").display())
+    }
+
+    /// Starts the daemon (formatting a fresh pool when `format`) as node `name` of `etcd`.
+    pub fn start(&mut self, etcd: &LocalEtcd, format: bool) {
+        let endpoints = etcd.endpoints().join(",");
+        let manifest = self.directory.join("segments").display().to_string();
+        let mut args = vec![
+            "--cluster-etcd",
+            &endpoints,
+            "--cluster-id",
+            CLUSTER,
+            "--node-id",
+            self.name,
+            "--data-address",
+            &self.data_address,
+            "--cluster-state",
+            &manifest,
+            "--segment-blocks",
+            "16",
+            "--cluster-lease",
+            self.lease,
+            "--cluster-timeout",
+            self.timeout,
+        ];
+        if format {
+            args.extend(["--format", "--emu-create-bytes", "64m", "--slots", SLOTS]);
+            args.extend(self.format_extra.iter().copied());
+        }
+        args.extend(self.extra.iter().copied());
+        self.daemon = Some(Daemon::start(&self.directory, &self.device(), &args));
+    }
+
+    pub fn daemon(&self) -> &Daemon {
+        self.daemon.as_ref().expect("the node's daemon runs")
+    }
+
+    pub fn status(&self) -> ClusterStatusReply {
+        self.daemon().client().cluster_status().expect("cluster status")
+    }
+
+    pub fn connect(&self) -> RemoteKvStore {
+        let config = RemoteConfig { kv_blocks: 2 * PROMPT_BLOCKS as u32, ..RemoteConfig::default() };
+        RemoteKvStore::connect(&self.daemon().socket, &hello(0, 1, "cluster-test"), &config).expect("attach a remote store")
+    }
+
+    pub fn kill(&mut self) {
+        let mut daemon = self.daemon.take().expect("the node's daemon runs");
+        let mut child = daemon.child.take().unwrap();
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+}
+
+pub fn reader(etcd: &LocalEtcd) -> ClusterClient {
+    let mut config = ClusterConfig::new(etcd.endpoints(), ClusterId::new(CLUSTER).unwrap(), SegmentBlocks::new(SEGMENT_BLOCKS).unwrap());
+    config.lease_ttl = LEASE;
+    config.request_timeout = REQUEST_TIMEOUT;
+    ClusterClient::connect(config).unwrap()
+}
+
+/// The key space the test clients attach with (`common::hello(0, 1, …)`).
+pub fn space() -> KeySpace {
+    KeySpace::new(&hello(0, 1, "").model_fingerprint, 0, 1).unwrap()
+}
+
+pub fn model() -> ModelSpace {
+    *space().model()
+}
+
+/// The full segments of prompt `seed` (as `common::store_prompt` stores it).
+pub fn segments(seed: u32) -> Vec<Segment> {
+    let tokens = prompt(seed, PROMPT_BLOCKS, BLOCK_TOKENS);
+    let mut keys = Vec::new();
+    space().keys(&tokens, BLOCK_TOKENS, &mut keys);
+    let mut segments = Vec::new();
+    segments_of(&keys, SegmentBlocks::new(SEGMENT_BLOCKS).unwrap(), &mut segments).unwrap();
+    assert_eq!(segments.len(), PROMPT_BLOCKS / usize::from(SEGMENT_BLOCKS));
+    segments
+}
+
+/// The nodes the registry lists for each segment of prompt `seed` (up to the first miss).
+pub fn holders(reader: &ClusterClient, seed: u32) -> Vec<Vec<String>> {
+    let lookup = reader.lookup(&model(), &segments(seed)).expect("lookup");
+    lookup.holders.iter().map(|nodes| nodes.iter().map(|node| node.to_string()).collect()).collect()
+}
+
+pub fn members(reader: &ClusterClient) -> Vec<String> {
+    reader.members().expect("members").nodes.iter().map(|record| record.node.to_string()).collect()
+}
+
+/// Polls `condition` every 20 ms for up to `timeout`; the time it took, or a panic naming `what`.
+pub fn wait_for(what: &str, timeout: Duration, mut condition: impl FnMut() -> bool) -> Duration {
+    let started = Instant::now();
+    while !condition() {
+        assert!(started.elapsed() < timeout, "{what}: not within {timeout:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    started.elapsed()
+}
+
+pub fn store(node: &Node, seed: u32) {
+    let mut store = node.connect();
+    assert_eq!(store_prompt(&mut store, seed, 0, PROMPT_BLOCKS).expect("store and commit"), PROMPT_BLOCKS);
+}
+
+/// A node's client, attached (Hello sent) as `name`.
+pub fn client_of(node: &Node, name: &str) -> tutti_daemon::Client {
+    let mut client = node.daemon().client();
+    client.hello(&hello(0, 1, name)).unwrap();
+    client
+}
