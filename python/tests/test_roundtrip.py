@@ -208,8 +208,9 @@ def test_through_tuttid_allocated_window_round_trips(formatted_daemon, kind):
 @pytest.mark.parametrize("where", ["in-process", "tuttid"])
 def test_a_retrieve_from_a_first_block_leaves_the_engines_own_blocks_alone(formatted_daemon, where):
     # Goal: an engine that holds the first blocks of a cached prefix itself (a local prefix
-    # hit) retrieves only the rest with `first_block`: they land byte for byte, the engine's
-    # own blocks keep their bytes, and ranges past the prompt are refused as InvalidArgument.
+    # hit) looks up and retrieves only the rest with `first_block`: lookups answer where the
+    # cached run from there ends, the blocks land byte for byte, the engine's own blocks keep
+    # their bytes, and ranges past the prompt are refused as InvalidArgument.
     if where == "in-process":
         store = open_store()
     else:
@@ -220,6 +221,12 @@ def test_a_retrieve_from_a_first_block_leaves_the_engines_own_blocks_alone(forma
         for block in range(4):
             fill_block(layout, block, seed=40 + block)
         store_prompt(store, prompt, [0, 1, 2, 3])
+        longer = prompt + tokens(32, 1)
+        assert [store.lookup(longer, first_block=first) for first in (0, 2, 4, 5, 9)] == [4, 4, 4, 5, 5]
+        assert store.lookup_all_ranks(longer, first_block=2) == 4
+        if where == "tuttid":
+            with tutti.LookupClient.connect(formatted_daemon.socket, model_fingerprint=FINGERPRINT) as scheduler:
+                assert scheduler.lookup(longer, first_block=2) == 4 and scheduler.lookup_all_ranks(longer, first_block=3) == 4
         # Engine blocks 8..11 receive the prompt; 8 and 9 are the engine's own (other bytes).
         fill_block(layout, 8, seed=90)
         fill_block(layout, 9, seed=91)

@@ -466,13 +466,17 @@ class Store:
         UnsupportedMemory saying so. An in-process store refuses GPU memory (UnsupportedMemory:
         attach to tuttid).
         Once per store (InvalidState otherwise, except that repeat)."""
-    def lookup(self, tokens: Sequence[int]) -> int:
+    def lookup(self, tokens: Sequence[int], first_block: int = 0) -> int:
         """The longest cached prefix of `tokens`, in blocks (x block_tokens for tokens), in this
-        store's key space. Only full blocks count. Raises NotRegistered (in-process store before
-        registration), Disconnected / TimeoutError (tuttid)."""
-    def lookup_all_ranks(self, tokens: Sequence[int]) -> int:
+        store's key space. Only full blocks count. With `first_block` (blocks the engine holds
+        itself need not be cached): where the run of cached blocks from there ends, in blocks of
+        the prefix (first_block when that block is not cached; a start past the prompt counts as
+        its end). Raises NotRegistered (in-process store before registration), Disconnected /
+        TimeoutError (tuttid)."""
+    def lookup_all_ranks(self, tokens: Sequence[int], first_block: int = 0) -> int:
         """The longest prefix cached on every tensor-parallel rank 0..tp_world of this store's
-        model (what an engine's scheduler plans with). tp_world 1: lookup."""
+        model (what an engine's scheduler plans with); from `first_block` as lookup. tp_world 1:
+        lookup."""
     def prepare_retrieve(self, tokens: Sequence[int], block_ids: Sequence[int], first_block: int = 0) -> Request:
         """Prepares reading blocks first_block..first_block + len(block_ids) of the prefix of
         `tokens` (all cached: look up first) into engine blocks `block_ids` (block first_block + i
@@ -634,10 +638,12 @@ class LookupClient:
     @property
     def lease_s(self) -> float:
         """The session's lease: call ping() (or any lookup) at least this often."""
-    def lookup(self, tokens: Sequence[int]) -> int:
-        """Longest cached prefix in blocks in this session's (model, rank, world) key space."""
-    def lookup_all_ranks(self, tokens: Sequence[int]) -> int:
-        """Longest prefix in blocks cached on every rank 0..tp_world of this model and world."""
+    def lookup(self, tokens: Sequence[int], first_block: int = 0) -> int:
+        """Longest cached prefix in blocks in this session's (model, rank, world) key space; from
+        `first_block`: where the run of cached blocks from there ends (see Store.lookup)."""
+    def lookup_all_ranks(self, tokens: Sequence[int], first_block: int = 0) -> int:
+        """Longest prefix in blocks cached on every rank 0..tp_world of this model and world;
+        from `first_block` as lookup."""
     def ping(self) -> None: ...
     def status(self) -> dict[str, Any]:
         """The daemon's status (tutti-daemon's StatusReply) as plain data: {"daemon_pid",

@@ -20,7 +20,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use crate::frame_io::{read_frame, write_frame_with_fds, ReadOutcome};
-use crate::protocol::{encode_frame, encode_lookup_body, Hello, HelloReply, Kind, Reply, Request, StatusReply};
+use crate::protocol::{encode_frame, encode_lookup_body, encode_lookup_from_body, Hello, HelloReply, Kind, Reply, Request, StatusReply};
 use crate::DaemonError;
 
 mod gpu_export;
@@ -79,7 +79,14 @@ impl Client {
 
     /// The longest cached prefix of `tokens`, in blocks, in this session's key space.
     pub fn lookup(&mut self, tokens: &[u32]) -> Result<u32, DaemonError> {
-        match self.exchange(Kind::Lookup, |out| encode_lookup_body(tokens, out), &[])? {
+        self.lookup_from(tokens, 0)
+    }
+
+    /// Where the run of cached blocks of `tokens`' prefix from `first_block` ends, in blocks of
+    /// the prefix, in this session's key space (an engine holding blocks 0..first_block itself
+    /// needs only the run from there).
+    pub fn lookup_from(&mut self, tokens: &[u32], first_block: u32) -> Result<u32, DaemonError> {
+        match self.exchange(Kind::Lookup, |out| encode_lookup_from_body(tokens, first_block, out), &[])? {
             Reply::Lookup { cached_blocks, .. } => Ok(cached_blocks),
             other => Err(DaemonError::UnexpectedReply { asked: Kind::Lookup, got: other.kind() }),
         }
@@ -89,7 +96,12 @@ impl Client {
     /// session's model and world size (what an engine's scheduler process asks before planning a
     /// prefill; attach with any rank of that world).
     pub fn lookup_all_ranks(&mut self, tokens: &[u32]) -> Result<u32, DaemonError> {
-        match self.exchange(Kind::LookupAllRanks, |out| encode_lookup_body(tokens, out), &[])? {
+        self.lookup_all_ranks_from(tokens, 0)
+    }
+
+    /// As [`Client::lookup_all_ranks`], for the run of blocks from `first_block`: where it ends.
+    pub fn lookup_all_ranks_from(&mut self, tokens: &[u32], first_block: u32) -> Result<u32, DaemonError> {
+        match self.exchange(Kind::LookupAllRanks, |out| encode_lookup_from_body(tokens, first_block, out), &[])? {
             Reply::Lookup { cached_blocks, .. } => Ok(cached_blocks),
             other => Err(DaemonError::UnexpectedReply { asked: Kind::LookupAllRanks, got: other.kind() }),
         }

@@ -82,19 +82,33 @@ impl KeySpace {
     /// first hashes only the prefix the ranks before it still share, so the cost is one chain
     /// over `tokens` plus at most `tp_world - 1` chains over the shrinking common prefix, and it
     /// stops at the first rank with nothing cached.
-    pub fn cached_prefix_on_all_ranks(&self, index: &Index, tokens: &[u32], block_tokens: u32, keys: &mut Vec<u64>) -> usize {
-        let mut common = tokens.len() / block_tokens.max(1) as usize;
+    ///
+    /// From `first_block` (blocks the engine holds itself need not be cached): where the run of
+    /// blocks from there committed on every rank ends, `first_block` when it is empty (clamped
+    /// to the full blocks of `tokens`).
+    pub fn cached_prefix_on_all_ranks(
+        &self,
+        index: &Index,
+        tokens: &[u32],
+        first_block: usize,
+        block_tokens: u32,
+        keys: &mut Vec<u64>,
+    ) -> usize {
+        let full = tokens.len() / block_tokens.max(1) as usize;
+        let first_block = first_block.min(full);
+        let mut common = full;
         let world = self.tp_world();
         for rank in 0..world {
-            if common == 0 {
+            if common == first_block {
                 break;
             }
             let space = match KeySpace::new(self.model.fingerprint(), rank, world) {
                 Ok(space) => space,
                 // Unreachable: every rank below a world this space was built with is valid.
-                Err(_) => return 0,
+                Err(_) => return first_block,
             };
-            common = common.min(space.cached_prefix(index, &tokens[..common * block_tokens as usize], block_tokens, keys));
+            space.keys(&tokens[..common * block_tokens as usize], block_tokens, keys);
+            common = first_block + index.cached_prefix(&keys[first_block..]);
         }
         common
     }
@@ -192,13 +206,42 @@ mod tests {
             let mut scratch = Vec::new();
             for rank in 0..world {
                 let space = KeySpace::new(&fingerprint(9), rank, world).unwrap();
-                assert_eq!(space.cached_prefix_on_all_ranks(&index, &tokens, 16, &mut scratch), expected, "world {world} rank {rank}");
+                assert_eq!(space.cached_prefix_on_all_ranks(&index, &tokens, 0, 16, &mut scratch), expected, "world {world} rank {rank}");
             }
             // A shorter prompt caps the answer; another model sees nothing.
             let first = KeySpace::new(&fingerprint(9), 0, world).unwrap();
-            assert_eq!(first.cached_prefix_on_all_ranks(&index, &tokens[..40], 16, &mut scratch), expected.min(2));
+            assert_eq!(first.cached_prefix_on_all_ranks(&index, &tokens[..40], 0, 16, &mut scratch), expected.min(2));
             let other_model = KeySpace::new(&fingerprint(10), 0, world).unwrap();
-            assert_eq!(other_model.cached_prefix_on_all_ranks(&index, &tokens, 16, &mut scratch), 0);
+            assert_eq!(other_model.cached_prefix_on_all_ranks(&index, &tokens, 0, 16, &mut scratch), 0);
         }
+    }
+
+    #[test]
+    fn all_ranks_lookup_from_a_first_block_needs_only_the_blocks_from_there() {
+        // Goal: ranks that committed blocks 2..5, 2..7 and 2..4 (block 0 and 1 on none: an
+        // engine holding them itself) give nothing from block 0, the shortest run's end (4)
+        // from blocks 1 (nothing: block 1 is missing, so 1) and 2, the start itself past the
+        // run, and the prompt's end for a start past the prompt.
+        let tokens: Vec<u32> = (0..128).collect();
+        let world = 3;
+        let mut index = Index::new(&[64], 1);
+        for (rank, end) in [5usize, 7, 4].into_iter().enumerate() {
+            let space = KeySpace::new(&fingerprint(9), rank as u32, world).unwrap();
+            let mut keys = Vec::new();
+            space.keys(&tokens, 16, &mut keys);
+            for &key in &keys[2..end] {
+                let allocation = index.allocate_on(0).unwrap();
+                index.commit(0, allocation.slot, &[key], 1);
+            }
+        }
+        let mut scratch = Vec::new();
+        let space = KeySpace::new(&fingerprint(9), 1, world).unwrap();
+        let from = |first_block, scratch: &mut Vec<u64>| space.cached_prefix_on_all_ranks(&index, &tokens, first_block, 16, scratch);
+        assert_eq!(from(0, &mut scratch), 0);
+        assert_eq!(from(1, &mut scratch), 1);
+        assert_eq!(from(2, &mut scratch), 4);
+        assert_eq!(from(3, &mut scratch), 4);
+        assert_eq!(from(5, &mut scratch), 5, "past the shortest run: nothing from there");
+        assert_eq!(from(100, &mut scratch), 8, "a start past the prompt is its end");
     }
 }

@@ -39,7 +39,7 @@ pub const MAGIC: [u8; 4] = *b"TUTD";
 pub const PROTOCOL_VERSION: u16 = 4;
 /// Bytes of a frame header.
 pub const HEADER_BYTES: usize = 16;
-/// Largest body: 1 MiB, a lookup of 262,143 tokens (vLLM's longest contexts are 128k–1M tokens:
+/// Largest body: 1 MiB, a lookup of 262,142 tokens (vLLM's longest contexts are 128k–1M tokens:
 /// a longer prompt is looked up in pieces, continuing the chain is the next slice's work).
 pub const BODY_BYTES_MAX: u32 = 1 << 20;
 /// Longest string field (device descriptions, error messages).
@@ -337,17 +337,21 @@ pub struct HelloReply {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Request {
     Hello(Hello),
-    /// The longest cached prefix of `tokens` in the session's key space.
+    /// Where the run of cached blocks of `tokens`' prefix from `first_block` ends, in the
+    /// session's key space (from 0: the longest cached prefix; protocol version 4).
     Lookup {
         tokens: Vec<u32>,
+        first_block: u32,
     },
     Status,
     /// Keeps the lease alive.
     Ping,
-    /// The longest prefix of `tokens` cached on every rank of the session's model and world
-    /// size (for an engine's scheduler process; answered with [`Reply::Lookup`]).
+    /// Where the run of blocks of `tokens`' prefix from `first_block` cached on every rank of
+    /// the session's model and world size ends (for an engine's scheduler process; answered
+    /// with [`Reply::Lookup`]).
     LookupAllRanks {
         tokens: Vec<u32>,
+        first_block: u32,
     },
     /// Registers the client's memory window (its sealed memfd goes with the frame).
     RegisterMemory(RegisterMemory),
@@ -452,10 +456,10 @@ impl Request {
                 put_u32(out, hello.tp_world);
                 put_str(out, &hello.client_name);
             }
-            Request::Lookup { tokens }
-            | Request::LookupAllRanks { tokens }
-            | Request::LookupCluster { tokens }
-            | Request::FetchRemote { tokens } => encode_lookup_body(tokens, out),
+            Request::Lookup { tokens, first_block } | Request::LookupAllRanks { tokens, first_block } => {
+                encode_lookup_from_body(tokens, *first_block, out)
+            }
+            Request::LookupCluster { tokens } | Request::FetchRemote { tokens } => encode_lookup_body(tokens, out),
             Request::Status | Request::Ping | Request::ClusterStatus => {}
             other => {
                 if !store::encode_request(other, out) {
@@ -477,6 +481,7 @@ impl Request {
                 Request::Hello(Hello { model_fingerprint, tp_rank, tp_world, client_name })
             }
             Kind::Lookup | Kind::LookupAllRanks | Kind::LookupCluster | Kind::FetchRemote => {
+                let first_block = if matches!(kind, Kind::Lookup | Kind::LookupAllRanks) { reader.u32("first_block")? } else { 0 };
                 let count = reader.u32("token_count")? as usize;
                 // The count must match the body exactly: checked before anything is allocated.
                 if reader.remaining() != count.saturating_mul(4) {
@@ -485,8 +490,8 @@ impl Request {
                 let tokens =
                     reader.bytes(count * 4, "tokens")?.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
                 match kind {
-                    Kind::Lookup => Request::Lookup { tokens },
-                    Kind::LookupAllRanks => Request::LookupAllRanks { tokens },
+                    Kind::Lookup => Request::Lookup { tokens, first_block },
+                    Kind::LookupAllRanks => Request::LookupAllRanks { tokens, first_block },
                     Kind::LookupCluster => Request::LookupCluster { tokens },
                     _ => Request::FetchRemote { tokens },
                 }
@@ -601,6 +606,12 @@ pub fn encode_frame(out: &mut Vec<u8>, kind: Kind, request_id: u32, encode: impl
 
 /// A `Lookup` body for `tokens` (the client encodes from a slice, without building a
 /// [`Request`]).
+/// The body of `Lookup` and `LookupAllRanks`: `first_block`, then as [`encode_lookup_body`].
+pub fn encode_lookup_from_body(tokens: &[u32], first_block: u32, out: &mut Vec<u8>) {
+    put_u32(out, first_block);
+    encode_lookup_body(tokens, out);
+}
+
 pub fn encode_lookup_body(tokens: &[u32], out: &mut Vec<u8>) {
     put_u32(out, tokens.len() as u32);
     for &token in tokens {

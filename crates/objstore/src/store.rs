@@ -301,8 +301,17 @@ impl<E: Executor> KvStore<E> {
 
     /// The longest cached prefix of `tokens`, in blocks (times block_tokens for tokens).
     pub fn lookup(&mut self, tokens: &[u32]) -> usize {
+        self.lookup_from(tokens, 0)
+    }
+
+    /// Where the run of cached blocks of `tokens`' prefix that starts at `first_block` ends, in
+    /// blocks of the prefix: `first_block` plus how many are cached from there (an engine that
+    /// holds blocks 0..first_block itself needs only those; see
+    /// [`KvStore::prepare_retrieve_from`]). `first_block` past the full blocks counts as their end.
+    pub fn lookup_from(&mut self, tokens: &[u32], first_block: usize) -> usize {
         block_keys_seeded(self.key_seed, tokens, self.control.pool().geometry().block_tokens, &mut self.keys);
-        self.control.lookup(&self.keys)
+        let first_block = first_block.min(self.keys.len());
+        first_block + self.control.lookup(&self.keys[first_block..])
     }
 
     /// Checks `request`, whose blocks are blocks `first_block..` of its prefix, and computes the

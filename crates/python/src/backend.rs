@@ -206,17 +206,18 @@ impl StoreState {
         matches!(self.backend, Backend::Remote { .. } | Backend::RemoteAttached { .. })
     }
 
-    /// Longest cached prefix in blocks; daemon failures are raised (not a silent miss).
-    pub fn lookup(&mut self, tokens: &[u32]) -> Result<usize, Failure> {
+    /// Where the run of cached blocks from `first_block` ends (from 0: the longest cached
+    /// prefix), in blocks; daemon failures are raised (not a silent miss).
+    pub fn lookup(&mut self, tokens: &[u32], first_block: usize) -> Result<usize, Failure> {
         match &mut self.backend {
-            Backend::Local { store, .. } => Ok(store.lookup(tokens)),
+            Backend::Local { store, .. } => Ok(store.lookup_from(tokens, first_block)),
             Backend::Remote { store } => {
-                let found = store.client().lookup(tokens);
+                let found = store.client().lookup_from(tokens, wire_first_block(first_block)?);
                 self.touch_daemon();
                 Ok(found? as usize)
             }
             Backend::RemoteAttached { client, .. } => {
-                let found = client.lookup(tokens);
+                let found = client.lookup_from(tokens, wire_first_block(first_block)?);
                 self.touch_daemon();
                 Ok(found? as usize)
             }
@@ -225,20 +226,20 @@ impl StoreState {
         }
     }
 
-    pub fn lookup_all_ranks(&mut self, tokens: &[u32]) -> Result<usize, Failure> {
+    pub fn lookup_all_ranks(&mut self, tokens: &[u32], first_block: usize) -> Result<usize, Failure> {
         match &mut self.backend {
             Backend::Remote { store } => {
-                let found = store.client().lookup_all_ranks(tokens);
+                let found = store.client().lookup_all_ranks_from(tokens, wire_first_block(first_block)?);
                 self.touch_daemon();
                 Ok(found? as usize)
             }
             Backend::RemoteAttached { client, .. } => {
-                let found = client.lookup_all_ranks(tokens);
+                let found = client.lookup_all_ranks_from(tokens, wire_first_block(first_block)?);
                 self.touch_daemon();
                 Ok(found? as usize)
             }
             Backend::Local { store, .. } => {
-                let Some((fingerprint, _, world)) = self.key_space else { return Ok(store.lookup(tokens)) };
+                let Some((fingerprint, _, world)) = self.key_space else { return Ok(store.lookup_from(tokens, first_block)) };
                 // The minimum over the ranks' key spaces of this model and world (each rank's
                 // blocks are keyed apart), as tuttid answers it.
                 let own = store.key_seed();
@@ -246,8 +247,8 @@ impl StoreState {
                 for rank in 0..world {
                     let seed = key_seed(&fingerprint, rank, world)?;
                     store.set_key_seed(seed);
-                    common = common.min(store.lookup(tokens));
-                    if common == 0 {
+                    common = common.min(store.lookup_from(tokens, first_block));
+                    if common <= first_block {
                         break;
                     }
                 }
@@ -468,4 +469,10 @@ pub fn key_seed(fingerprint: &[u8; 32], rank: u32, world: u32) -> Result<u64, Fa
     tutti_daemon::keys::KeySpace::new(fingerprint, rank, world)
         .map(|space| space.seed())
         .map_err(|reason| Failure::new(ErrorClass::InvalidArgument, reason))
+}
+
+/// A first block as tuttid's protocol carries it (u32).
+fn wire_first_block(first_block: usize) -> Result<u32, Failure> {
+    u32::try_from(first_block)
+        .map_err(|_| Failure::new(ErrorClass::InvalidArgument, format!("first_block {first_block} is past any prefix tuttid takes")))
 }

@@ -86,12 +86,14 @@ impl LookupClient {
         f64::from(self.lease_ms) / 1000.0
     }
 
-    fn lookup(&self, py: Python<'_>, tokens: Vec<u32>) -> PyResult<u32> {
-        self.call(py, move |client| client.lookup(&tokens))
+    #[pyo3(signature = (tokens, first_block = 0))]
+    fn lookup(&self, py: Python<'_>, tokens: Vec<u32>, first_block: u32) -> PyResult<u32> {
+        self.call(py, move |client| client.lookup_from(&tokens, first_block))
     }
 
-    fn lookup_all_ranks(&self, py: Python<'_>, tokens: Vec<u32>) -> PyResult<u32> {
-        self.call(py, move |client| client.lookup_all_ranks(&tokens))
+    #[pyo3(signature = (tokens, first_block = 0))]
+    fn lookup_all_ranks(&self, py: Python<'_>, tokens: Vec<u32>, first_block: u32) -> PyResult<u32> {
+        self.call(py, move |client| client.lookup_all_ranks_from(&tokens, first_block))
     }
 
     fn ping(&self, py: Python<'_>) -> PyResult<()> {

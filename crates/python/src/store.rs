@@ -471,12 +471,14 @@ impl Store {
         Ok(())
     }
 
-    fn lookup(&self, py: Python<'_>, tokens: Vec<u32>) -> PyResult<usize> {
-        self.shared.with_state(py, move |state| state.lookup(&tokens))
+    #[pyo3(signature = (tokens, first_block = 0))]
+    fn lookup(&self, py: Python<'_>, tokens: Vec<u32>, first_block: usize) -> PyResult<usize> {
+        self.shared.with_state(py, move |state| state.lookup(&tokens, first_block))
     }
 
-    fn lookup_all_ranks(&self, py: Python<'_>, tokens: Vec<u32>) -> PyResult<usize> {
-        self.shared.with_state(py, move |state| state.lookup_all_ranks(&tokens))
+    #[pyo3(signature = (tokens, first_block = 0))]
+    fn lookup_all_ranks(&self, py: Python<'_>, tokens: Vec<u32>, first_block: usize) -> PyResult<usize> {
+        self.shared.with_state(py, move |state| state.lookup_all_ranks(&tokens, first_block))
     }
 
     #[pyo3(signature = (tokens, block_ids, first_block = 0))]

@@ -98,8 +98,9 @@ class SchedulerSide:
             self._lookup.close()
             self._lookup = None
 
-    def _lookup_all_ranks(self, tokens: list[int]) -> int:
-        """The cached prefix on every rank, in blocks. A lost session (closed by tuttid after a
+    def _lookup_all_ranks(self, tokens: list[int], first_block: int) -> int:
+        """Where the run of blocks from `first_block` cached on every rank ends, in blocks (the
+        blocks before are vLLM's own: they need not be in tutti). A lost session (closed by tuttid after a
         scheduler idle past its lease, or an exchange that timed out, after which the connection
         cannot be trusted) is dropped and connected again before the next use; a session tuttid
         closed is connected again at once, and the lookup asked again (once)."""
@@ -107,7 +108,7 @@ class SchedulerSide:
             if self._lookup is None:
                 self._reconnect_lookup()
             try:
-                return self._lookup.lookup_all_ranks(tokens)
+                return self._lookup.lookup_all_ranks(tokens, first_block=first_block)
             except tutti.Error as error:
                 if not connection_lost(error):
                     raise
@@ -130,10 +131,12 @@ class SchedulerSide:
         A daemon that does not answer is a miss (logged and counted), not a failed request."""
         state = self._scheduler_request(request)
         usable_blocks = max(0, len(state.prompt) - 1) // self._block_size
-        if usable_blocks == 0:
+        # vLLM's local prefix hit is whole blocks; tutti needs only the blocks after it.
+        local_blocks = num_computed_tokens // self._block_size
+        if usable_blocks <= local_blocks:
             return 0, False
         try:
-            hit_blocks = self._lookup_all_ranks(state.prompt[: usable_blocks * self._block_size])
+            hit_blocks = self._lookup_all_ranks(state.prompt[: usable_blocks * self._block_size], local_blocks)
         except tutti.Error as error:
             self.lookup_failures += 1
             log = logger.debug if isinstance(error, _LookupBackingOff) else logger.warning

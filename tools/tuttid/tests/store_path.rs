@@ -127,7 +127,7 @@ fn store_child_entry() {
         }
         "scheduler" => {
             let tokens = prompt(seed, store.hello_reply().shape.block_tokens);
-            println!("CHILD all-ranks {}", store.lookup_all_ranks(&tokens).unwrap());
+            println!("CHILD all-ranks {}", store.lookup_all_ranks(&tokens, 0).unwrap());
         }
         stop @ ("prepared" | "layer-in-flight") => {
             store_prompt(&mut store, seed, rank, Some(stop));
@@ -365,16 +365,28 @@ fn requests_naming_what_the_session_does_not_own_are_refused_and_the_daemon_serv
 
 #[test]
 fn a_retrieve_from_a_first_block_fills_only_the_blocks_from_there() {
-    // Goal: an engine holding the first blocks of a cached prefix itself retrieves the rest
-    // through tuttid (`first_block` in `PrepareRetrieve`): the daemon places only those blocks,
-    // they land byte-exact, and the engine's own blocks are neither read into nor written.
+    // Goal: an engine holding the first blocks of a cached prefix itself looks up and retrieves
+    // the rest through tuttid (`first_block` in `Lookup`, `LookupAllRanks` and
+    // `PrepareRetrieve`): the lookups answer where the cached run from there ends, the daemon
+    // places only those blocks, they land byte-exact, and the engine's own blocks are neither
+    // read into nor written.
     const FIRST: usize = 2;
     let directory = tempfile::tempdir().unwrap();
     let daemon = memory_daemon(directory.path());
     let mut store = connect(&daemon.socket, 0, 1);
     assert_eq!(store_prompt(&mut store, 60, 0, None), BLOCKS);
-    let tokens = prompt(60, store.hello_reply().shape.block_tokens);
+    let block_tokens = store.hello_reply().shape.block_tokens;
+    let tokens = prompt(60, block_tokens);
     let block_bytes = store.block_bytes() as usize;
+    // Lookups from FIRST (Lookup and LookupAllRanks carry it): the run ends at the prompt's end,
+    // and at the stored blocks' end for a longer prompt.
+    let mut longer = tokens[..BLOCKS * block_tokens as usize].to_vec();
+    longer.extend((0..2 * block_tokens).map(|token| token + 7_000_000));
+    assert_eq!(store.lookup_from(&tokens, FIRST), BLOCKS);
+    assert_eq!(store.lookup_from(&longer, FIRST), BLOCKS);
+    assert_eq!(store.lookup_from(&longer, BLOCKS + 1), BLOCKS + 1, "nothing cached from an uncached block");
+    assert_eq!(store.lookup_all_ranks(&longer, FIRST).unwrap(), BLOCKS);
+    assert_eq!(store.client().lookup_from(&longer, u32::MAX).unwrap() as usize, BLOCKS + 2, "a start past the prompt is its end");
     // Engine blocks B..2B receive the prompt; the first FIRST of them are the engine's own.
     let targets: Vec<u32> = (BLOCKS as u32..2 * BLOCKS as u32).collect();
     for (index, &block) in targets.iter().enumerate() {

@@ -515,10 +515,13 @@ impl RemoteKvStore {
         self.data.placements(handle)
     }
 
-    /// The longest prefix of `tokens`, in blocks, cached on every tensor-parallel rank of this
-    /// session's world (the engine scheduler's question).
-    pub fn lookup_all_ranks(&mut self, tokens: &[u32]) -> Result<usize, ObjstoreError> {
-        self.client.lookup_all_ranks(tokens).map(|blocks| blocks as usize).map_err(remote)
+    /// Where the run of blocks of `tokens`' prefix from `first_block` cached on every
+    /// tensor-parallel rank of this session's world ends (from 0: the longest prefix cached on
+    /// every rank; the engine scheduler's question).
+    pub fn lookup_all_ranks(&mut self, tokens: &[u32], first_block: usize) -> Result<usize, ObjstoreError> {
+        let first_block = u32::try_from(first_block)
+            .map_err(|_| ObjstoreError::BadRequest { reason: format!("first block {first_block} is past any prefix tuttid takes") })?;
+        self.client.lookup_all_ranks_from(tokens, first_block).map(|blocks| blocks as usize).map_err(remote)
     }
 
     fn prepare_request(request: &KvRequest<'_>, registration: u64, first_block: u32) -> Prepare {
@@ -570,14 +573,16 @@ fn attach_config(grant: &QueueGrant, submission: &DmaRegion, completion: &DmaReg
 }
 
 impl LayerKvStore for RemoteKvStore {
-    /// A daemon that cannot answer is a miss (0): the safe answer for an engine, which then
-    /// computes the prefix; the error is logged.
-    fn lookup(&mut self, tokens: &[u32]) -> usize {
-        match self.client.lookup(tokens) {
+    /// A daemon that cannot answer is a miss (nothing cached from `first_block`): the safe
+    /// answer for an engine, which then computes the blocks; the error is logged.
+    fn lookup_from(&mut self, tokens: &[u32], first_block: usize) -> usize {
+        match u32::try_from(first_block).map_err(|_| None).and_then(|first| self.client.lookup_from(tokens, first).map_err(Some)) {
             Ok(blocks) => blocks as usize,
             Err(error) => {
-                tracing::warn!(%error, "lookup at tuttid failed: answering 0 cached blocks");
-                0
+                if let Some(error) = error {
+                    tracing::warn!(%error, "lookup at tuttid failed: answering no cached blocks");
+                }
+                first_block
             }
         }
     }

@@ -48,9 +48,9 @@ fn every_message_round_trips() {
     // Goal: encode then decode gives back each request and reply, header included.
     let requests = [
         Request::Hello(Hello { model_fingerprint: [3; 32], tp_rank: 1, tp_world: 4, client_name: "rank-1".into() }),
-        Request::Lookup { tokens: (0..100).collect() },
-        Request::Lookup { tokens: Vec::new() },
-        Request::LookupAllRanks { tokens: (7..70).collect() },
+        Request::Lookup { tokens: (0..100).collect(), first_block: 0 },
+        Request::Lookup { tokens: Vec::new(), first_block: 3 },
+        Request::LookupAllRanks { tokens: (7..70).collect(), first_block: 2 },
         Request::Status,
         Request::Ping,
     ];
@@ -105,7 +105,7 @@ fn malformed_bodies_are_typed_errors_never_panics() {
     let hello = Request::Hello(Hello { model_fingerprint: [1; 32], tp_rank: 0, tp_world: 1, client_name: "x".into() });
     let status = Reply::Status(sample_status());
     let mut bodies: Vec<(Kind, Vec<u8>, bool)> = Vec::new();
-    for request in [hello, Request::Lookup { tokens: vec![1, 2, 3] }] {
+    for request in [hello, Request::Lookup { tokens: vec![1, 2, 3], first_block: 0 }] {
         let mut body = Vec::new();
         request.encode_body(&mut body);
         bodies.push((request.kind(), body, true));
@@ -127,7 +127,7 @@ fn malformed_bodies_are_typed_errors_never_panics() {
     let mut lying = Vec::new();
     lying.extend_from_slice(&u32::MAX.to_le_bytes());
     lying.extend_from_slice(&[0; 8]);
-    let error = Request::decode(Kind::Lookup, &lying).unwrap_err().to_string();
+    let error = Request::decode(Kind::LookupCluster, &lying).unwrap_err().to_string();
     assert!(error.contains("token_count 4294967295 but 8 bytes of tokens"), "{error}");
     // A name that is not UTF-8, and one over its cap.
     let mut name = vec![1u8; 32];
@@ -151,10 +151,12 @@ fn a_body_over_the_cap_is_not_encoded_and_long_strings_are_cut() {
     // character boundary to the cap.
     let tokens: Vec<u32> = vec![0; (BODY_BYTES_MAX as usize) / 4];
     let mut out = Vec::new();
-    let error = encode_frame(&mut out, Kind::Lookup, 1, |out| encode_lookup_body(&tokens, out)).unwrap_err();
+    let error = encode_frame(&mut out, Kind::LookupCluster, 1, |out| encode_lookup_body(&tokens, out)).unwrap_err();
     assert!(matches!(error, ProtocolError::FrameTooLarge { .. }));
     let fits: Vec<u32> = vec![0; (BODY_BYTES_MAX as usize) / 4 - 1];
-    encode_frame(&mut out, Kind::Lookup, 1, |out| encode_lookup_body(&fits, out)).unwrap();
+    encode_frame(&mut out, Kind::LookupCluster, 1, |out| encode_lookup_body(&fits, out)).unwrap();
+    let error = encode_frame(&mut out, Kind::Lookup, 1, |out| encode_lookup_from_body(&fits, 0, out)).unwrap_err();
+    assert!(matches!(error, ProtocolError::FrameTooLarge { .. }), "a Lookup's body holds its first block too");
     let long = "é".repeat(STRING_BYTES_MAX);
     let Reply::Error { message, .. } = Reply::error(ErrorCode::BadRequest, long) else { unreachable!() };
     assert!(message.len() <= STRING_BYTES_MAX && message.chars().all(|c| c == 'é'));

@@ -274,8 +274,8 @@ impl Connection {
                 let lease_ms = u32::try_from(shared.config.lease.as_millis()).unwrap_or(u32::MAX);
                 Reply::Hello(HelloReply { session, lease_ms, shape: shared.shape })
             }
-            Request::Lookup { tokens } => self.lookup(shared, &tokens, false),
-            Request::LookupAllRanks { tokens } => self.lookup(shared, &tokens, true),
+            Request::Lookup { tokens, first_block } => self.lookup(shared, &tokens, first_block as usize, false),
+            Request::LookupAllRanks { tokens, first_block } => self.lookup(shared, &tokens, first_block as usize, true),
             Request::LookupCluster { tokens } => self.lookup_cluster(shared, &tokens),
             Request::FetchRemote { tokens } => self.fetch_remote(shared, &tokens),
             Request::Status => Reply::Status(status(shared)),
@@ -287,23 +287,26 @@ impl Connection {
         }
     }
 
-    /// `Lookup` (the session's own key space) or `LookupAllRanks` (every rank of its world).
-    fn lookup(&mut self, shared: &Shared, tokens: &[u32], all_ranks: bool) -> Reply {
+    /// `Lookup` (the session's own key space) or `LookupAllRanks` (every rank of its world),
+    /// from `first_block`: answered with where the cached run from there ends.
+    fn lookup(&mut self, shared: &Shared, tokens: &[u32], first_block: usize, all_ranks: bool) -> Reply {
         let Some(space) = self.session.and_then(|session| lock(&shared.sessions).get(&session).map(|record| record.space)) else {
             return Reply::error(ErrorCode::NotAttached, "send Hello (model fingerprint, TP rank and world size) before a lookup");
         };
         let block_tokens = shared.shape.block_tokens;
+        let full = tokens.len() / block_tokens.max(1) as usize;
+        let first_block = first_block.min(full);
         let cached = if all_ranks {
             // Keys are hashed under the pool lock here (one chain per rank over the shrinking
             // common prefix): a scheduler's lookup is once per request, and the index must not
             // change between ranks' probes for the minimum to mean anything.
             let store = lock(&shared.store);
-            space.cached_prefix_on_all_ranks(store.control.pool().index(), tokens, block_tokens, &mut self.keys)
+            space.cached_prefix_on_all_ranks(store.control.pool().index(), tokens, first_block, block_tokens, &mut self.keys)
         } else {
             space.keys(tokens, block_tokens, &mut self.keys);
-            lock(&shared.store).control.lookup(&self.keys)
+            first_block + lock(&shared.store).control.lookup(&self.keys[first_block..])
         };
-        shared.metrics.lookup((tokens.len() / block_tokens.max(1) as usize) as u64, cached as u64);
+        shared.metrics.lookup((full - first_block) as u64, (cached - first_block) as u64);
         Reply::Lookup { cached_blocks: cached as u32, block_tokens }
     }
 }

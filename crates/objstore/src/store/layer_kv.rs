@@ -13,7 +13,12 @@ use crate::error::Result;
 /// `wait` (or `poll`), then `commit_store` (a store) or `finish`.
 pub trait LayerKvStore {
     /// The longest cached prefix of `tokens`, in blocks.
-    fn lookup(&mut self, tokens: &[u32]) -> usize;
+    fn lookup(&mut self, tokens: &[u32]) -> usize {
+        self.lookup_from(tokens, 0)
+    }
+    /// Where the run of cached blocks that starts at `first_block` ends, in blocks of the
+    /// prefix (`first_block` when that block is not cached).
+    fn lookup_from(&mut self, tokens: &[u32], first_block: usize) -> usize;
     /// Prepares reading the cached blocks 0..block_ids.len() of the prefix into `block_ids`.
     fn prepare_retrieve(&mut self, request: &KvRequest<'_>) -> Result<RequestHandle> {
         self.prepare_retrieve_from(request, 0)
@@ -47,8 +52,8 @@ pub trait LayerKvStore {
 }
 
 impl<E: Executor> LayerKvStore for KvStore<E> {
-    fn lookup(&mut self, tokens: &[u32]) -> usize {
-        KvStore::lookup(self, tokens)
+    fn lookup_from(&mut self, tokens: &[u32], first_block: usize) -> usize {
+        KvStore::lookup_from(self, tokens, first_block)
     }
 
     fn prepare_retrieve_from(&mut self, request: &KvRequest<'_>, first_block: usize) -> Result<RequestHandle> {

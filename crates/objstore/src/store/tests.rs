@@ -614,6 +614,8 @@ fn a_retrieve_from_a_first_block_reads_only_the_blocks_from_there() {
     assert_eq!(store.control.commit_store(handle, Some(&crcs), &mut NoLender).expect("commit"), 3);
     store.data.finish(handle).expect("finish the store");
     assert_eq!(store.lookup(&tokens), 0, "block 0 is not cached, so the prefix lookup finds nothing");
+    let ends: Vec<usize> = [0, 1, 2, 3, 4, 9].into_iter().map(|first_block| store.lookup_from(&tokens, first_block)).collect();
+    assert_eq!(ends, [0, 4, 4, 4, 4, 4], "from block 1 on the run is cached to the end; a start past the prompt is its end");
     let from_zero = store.prepare_retrieve(&KvRequest { tokens: &tokens, block_ids: &[8, 9, 10, 11] }).unwrap_err();
     assert!(from_zero.to_string().contains("block 0 of the prefix is not cached"), "{from_zero}");
 
