@@ -127,7 +127,9 @@ impl From<&ObjstoreError> for Failure {
             | ObjstoreError::QueuePairs { .. }
             | ObjstoreError::MetadataFenced { .. } => ErrorClass::Pool,
             ObjstoreError::PoolFull { .. } => ErrorClass::PoolFull,
-            ObjstoreError::TooManyRequests { .. } => ErrorClass::LimitReached,
+            // A prepare that found no free IOCBs: each prepared request holds one set per layer
+            // it may keep in flight, so requests_max x layers_in_flight can outgrow `iocbs`.
+            ObjstoreError::TooManyRequests { .. } | ObjstoreError::Gio(GioError::NoFreeIocb { .. }) => ErrorClass::LimitReached,
             ObjstoreError::UnknownHandle { .. } => ErrorClass::StaleRequest,
             ObjstoreError::HandleState { .. } => ErrorClass::InvalidState,
             ObjstoreError::DeadlinePassed { .. } | ObjstoreError::Gio(GioError::WaitTimeout { .. }) => ErrorClass::Timeout,
@@ -287,6 +289,8 @@ mod tests {
         assert_eq!(Failure::from(&ObjstoreError::UnknownHandle { handle: 7 }).class, ErrorClass::StaleRequest);
         let state = ObjstoreError::HandleState { handle: 7, reason: "layer 2 in flight".into() };
         assert_eq!(Failure::from(&state).class, ErrorClass::InvalidState);
+        let no_iocbs = ObjstoreError::Gio(GioError::NoFreeIocb { requested: 4, available: 2 });
+        assert_eq!(Failure::from(&no_iocbs).class, ErrorClass::LimitReached);
         let timeout = ObjstoreError::Gio(GioError::WaitTimeout { id: gio_uring::IocbId(1), waited_ms: 5 });
         assert_eq!(Failure::from(&timeout).class, ErrorClass::Timeout);
         let refused = |code: ErrorCode, reason: &str| ObjstoreError::RemoteFailed {
