@@ -60,9 +60,10 @@ class TimeoutError(Error, builtins.TimeoutError):
     or tuttid did not answer within the store's `timeout_s`."""
 
 class LimitReached(Error):
-    """A bounded resource is exhausted: too many requests prepared at once (`requests_max`), or a
-    per-session cap of tuttid (requests, windows, window bytes). Finish requests, or raise the
-    limit."""
+    """A bounded resource is exhausted: too many requests prepared at once (`requests_max`), no
+    free IOCBs for a prepare (each prepared request holds `layers_in_flight` sets: raise `iocbs`),
+    or a per-session cap of tuttid (requests, windows, window bytes). Finish requests, or raise
+    the limit."""
 
 class PoolFull(LimitReached):
     """The pool has no free or evictable slot for a store's new blocks (the rest are pinned by
@@ -327,7 +328,7 @@ class Store:
     fileno()) -> commit (a store) or finish -> close.
 
     A context manager: `with Store.open(...) as store:` closes it at the end. Closing finishes
-    every request still prepared (waiting up to `timeout_s` for a layer in flight), deletes the
+    every request still prepared (waiting up to `timeout_s` for every layer in flight), deletes the
     store's queue pairs, and only then drops the references to the registered tensors. If a
     queue pair could not be deleted (its commands may still move bytes) the references are
     kept for the life of the process and counted in `leaked_registrations()`."""
@@ -352,6 +353,7 @@ class Store:
         iocbs: int = 64,
         requests_max: int = 32,
         timeout_s: float = 30.0,
+        layers_in_flight: int = 1,
     ) -> Store:
         """Opens the pool on `devices` in this process.
 
@@ -374,6 +376,12 @@ class Store:
         naming the holder.
         queue_depth: NVMe queue entries; iocbs: gio_uring IOCBs (a power of two); requests_max:
         requests prepared at once; timeout_s: the default wait of `close`.
+        layers_in_flight: how many layers of one request may be in flight at once, 1..=4
+        (objstore's LAYERS_IN_FLIGHT_LIMIT): an engine issues up to that many layers before it
+        waits for the oldest, so the device's queue does not drain at each layer boundary. Each
+        prepared request then holds that many sets of its IOCBs (filled once, at prepare):
+        `iocbs` must hold requests x layers_in_flight of them (LimitReached at prepare
+        otherwise), and be at least layers_in_flight.
 
         Raises InvalidArgument (a bad device string, geometry or option), DeviceError (a device
         cannot be opened or brought up, or is locked by another process), PoolError."""
@@ -391,6 +399,7 @@ class Store:
         requests_max: int = 32,
         verify_retrieves: bool = False,
         keepalive: bool = True,
+        layers_in_flight: int = 1,
     ) -> Store:
         """Attaches to the tuttid serving `socket` as (model_fingerprint, tp_rank, tp_world);
         the geometry is the daemon's pool's (`store.geometry`). No memory is registered yet:
@@ -400,17 +409,21 @@ class Store:
         this store pings the daemon every third of its lease (HelloReply's lease) while the
         store is idle, so an idle engine keeps its session; without it, an engine idle longer
         than the lease (tuttid --lease, 10 s by default) loses its session (Disconnected on the
-        next call).
+        next call). layers_in_flight: as for `open` (the data path is this process's, so the
+        daemon is not involved; checked before connecting).
 
         Raises Disconnected (no daemon there), InvalidArgument (the daemon refused the identity:
-        an all-zero fingerprint, rank >= world), DaemonError (e.g. code "Busy": the daemon serves
-        its maximum of clients), TimeoutError."""
+        an all-zero fingerprint, rank >= world; a bad layers_in_flight), DaemonError (e.g. code
+        "Busy": the daemon serves its maximum of clients), TimeoutError."""
     @property
     def kind(self) -> Literal["in-process", "tuttid"]: ...
     @property
     def geometry(self) -> ModelGeometry: ...
     @property
     def block_tokens(self) -> int: ...
+    @property
+    def layers_in_flight(self) -> int:
+        """How many layers of one request may be in flight at once (as opened or attached)."""
     @property
     def registered(self) -> bool:
         """Whether KV memory is registered (register_kv or allocate_kv succeeded)."""
@@ -501,14 +514,14 @@ class Store:
     def ping(self) -> None:
         """Renews tuttid's lease now (attached stores; a no-op in-process)."""
     def close(self, timeout_s: Optional[float] = None) -> None:
-        """Finishes every live request (a layer in flight is waited for, up to timeout_s,
-        default the store's timeout_s), deletes the queue pairs, releases the pool (in-process:
-        the devices and the lock; attached: the session, which the daemon ends in its safe
-        order), then drops the tensors' references. Attached with a layer still in flight at
-        the deadline: the KV memory is given back only once tuttid no longer lists the session
-        and counted no new leaked queue pair (asked for at least 5 s); otherwise it is kept for
-        good (leaked_registrations). Idempotent. Every later call on the store or its requests
-        raises StaleRequest."""
+        """Finishes every live request (every layer in flight is waited for, oldest first, all
+        within timeout_s, default the store's timeout_s), deletes the queue pairs, releases the
+        pool (in-process: the devices and the lock; attached: the session, which the daemon ends
+        in its safe order), then drops the tensors' references. Attached with a layer still in
+        flight at the deadline (or after a wait that failed without ending it): the KV memory is
+        given back only once tuttid no longer lists the session and counted no new leaked queue
+        pair (asked for at least 5 s); otherwise it is kept for good (leaked_registrations).
+        Idempotent. Every later call on the store or its requests raises StaleRequest."""
     def leaked_registrations(self) -> int:
         """Tensors (or allocate_kv buffers) whose memory this store keeps for good because a
         queue pair that could reach them could not be deleted, or (attached) a layer was in
@@ -517,9 +530,11 @@ class Store:
     def __exit__(self, *exc: object) -> None: ...
 
 class Request:
-    """One prepared retrieve or store: a completion handle too. Its layers are issued one at a
-    time (at most one in flight); each completes in order. A context manager: leaving the `with`
-    finishes it unless it was committed or finished (waiting for a layer in flight)."""
+    """One prepared retrieve or store: a completion handle too. Up to the store's
+    `layers_in_flight` layers may be in flight at once (1 by default: issue, wait, issue); they
+    complete in issue order, and `wait` returns them in that order, one per call. A context
+    manager: leaving the `with` finishes it unless it was committed or finished, first waiting
+    out every layer in flight (all within the store's timeout_s)."""
 
     @property
     def handle(self) -> int:
@@ -545,7 +560,12 @@ class Request:
         """Store: the engine block ids this request writes, in prefix order (the others of
         block_ids are shared). Retrieve: block_ids."""
     @property
-    def layer_in_flight(self) -> Optional[int]: ...
+    def layer_in_flight(self) -> Optional[int]:
+        """The oldest layer in flight (the one the next wait is for), or None: whether a layer
+        may still move bytes."""
+    @property
+    def layers_in_flight(self) -> list[int]:
+        """Every layer in flight, oldest first (issued and not yet completed)."""
     @property
     def layers_completed(self) -> list[int]:
         """Layers whose I/O completed, in order of completion."""
@@ -557,20 +577,26 @@ class Request:
         returns its completion handle. `budget`: the SMs (GPU executor) or workers (CPU executor)
         the layer's I/O may use (objstore's SmBudget; the slack-aware scheduler's per-layer
         decision; the CPU executor of this package runs on the calling thread and ignores it).
-        Raises InvalidState (a layer in flight, a store request), InvalidArgument (layer past
-        the model's), StaleRequest."""
+        Raises InvalidState (already layers_in_flight layers in flight: the message names them
+        and the limit; the same layer in flight already; a store request), InvalidArgument
+        (layer past the model's), StaleRequest."""
     def store_layer(self, layer: int, *, budget: int = 1) -> LayerIo:
         """Issues the writes of one layer; as retrieve_layer. A request with no new block to
         write (new_blocks == 0: the pool holds the prompt) moves nothing: the layer is complete
         at the issue (its LayerIo done, the next wait returns it, the eventfd signalled)."""
     def wait(self, timeout_s: float = 30.0) -> Optional[int]:
-        """Waits (GIL released) until the layer in flight completes; returns it, or None if none
-        was in flight. Raises TimeoutError after timeout_s (the layer stays in flight: wait
-        again), IntegrityError (verify_retrieves: the last layer's wait compares CRCs),
-        DeviceError (a command failed), StaleRequest."""
+        """Returns the oldest issued layer no wait returned yet, waiting (GIL released) until it
+        completes if it is still in flight; None if there is none. Layers completed already
+        (seen by poll, the completion thread, another layer's LayerIo.wait) are returned at
+        once, in issue order; at most layers_in_flight of them are remembered (an issue forgets
+        the oldest beyond that, so with one layer in flight the next wait is for the new
+        layer). Raises TimeoutError after timeout_s (the layer stays in flight: wait again),
+        IntegrityError (verify_retrieves: the last layer's wait compares CRCs), DeviceError (a
+        command failed: that layer is ended, the later ones stay in flight), StaleRequest."""
     def poll(self) -> bool:
-        """Non-blocking: True once nothing is in flight (the layer that was completed, and its
-        completion was taken: a later wait returns None). Raises as wait (except TimeoutError)."""
+        """Non-blocking: drives the I/O once, completing every layer in flight that is done
+        (oldest first; later waits return them); True once nothing is in flight. Raises as wait
+        (except TimeoutError)."""
     def fileno(self) -> int:
         """An eventfd (non-blocking, close-on-exec, owned by the request: do not close it) that
         becomes readable each time a layer of this request completes, whoever observed it (a
@@ -582,12 +608,13 @@ class Request:
     def commit(self) -> int:
         """Store: makes the stored blocks durable (flush, headers with FUA) and visible, and
         finishes the request; every layer must have completed. Returns the blocks stored.
-        Raises InvalidState (a layer not stored, or a retrieve), StaleRequest, DeviceError,
-        DaemonError; after a failure the request is finished and nothing of it is visible."""
+        Raises InvalidState (a layer in flight or not stored, or a retrieve), StaleRequest,
+        DeviceError, DaemonError; after a failure the request is finished and nothing of it is
+        visible."""
     def finish(self) -> None:
         """Ends the request without committing (a retrieve's pins released; nothing of a store
-        becomes visible). Raises InvalidState with a layer in flight (wait first). Idempotent
-        after commit/finish."""
+        becomes visible). Raises InvalidState while any layer is in flight (wait for each first,
+        or leave the `with`, which does). Idempotent after commit/finish."""
     def __enter__(self) -> Request: ...
     def __exit__(self, *exc: object) -> None: ...
 
@@ -605,7 +632,9 @@ class LayerIo:
     def poll(self) -> bool:
         """Non-blocking: drives the request's I/O once; True when this layer completed."""
     def wait(self, timeout_s: float = 30.0) -> None:
-        """Waits (GIL released) until this layer completed. Raises as Request.wait."""
+        """Waits (GIL released) until this layer completed, completing the layers issued before
+        it first (their completions stay for Request.wait; this layer's is taken, unless it was
+        complete before this call). Raises as Request.wait."""
     def fileno(self) -> int:
         """The request's eventfd (Request.fileno)."""
 

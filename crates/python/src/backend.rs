@@ -7,7 +7,7 @@
 //! `backend/registration.rs`, ending the store (and what is given back or kept) in
 //! `backend/close.rs`.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -72,14 +72,22 @@ pub struct Allocation {
 }
 
 /// A live request's state, beyond the store's own.
+///
+/// Its layers, in issue order, are: completed and not yet returned by a `wait` (`unreported`),
+/// then in flight (`in_flight`). The store completes layers in issue order, so the two queues
+/// only ever move from the back of one to the back of the other, and together they hold at
+/// most the store's `layers_in_flight_max` layers (trimmed at each issue): both are reserved
+/// once, at prepare, and never grow on the per-layer path.
 pub struct RequestState {
     pub direction: Direction,
-    pub in_flight: Option<u32>,
+    /// Layers issued and not yet completed, oldest first (a mirror of the store's own list,
+    /// taken from it again whenever a wait or an issue fails).
+    pub in_flight: VecDeque<u32>,
     /// Layers completed, in order.
     pub completed: Vec<u32>,
-    /// A layer whose completion a `wait` has not returned yet (the completion thread, a poll or
-    /// a LayerIo's wait saw it).
-    pub unreported: Option<u32>,
+    /// Layers whose completion a `wait` has not returned yet (the completion thread, a poll or
+    /// a LayerIo's wait saw it), oldest first.
+    pub unreported: VecDeque<u32>,
     /// A failure the completion thread saw: the next wait or poll raises it.
     pub failure: Option<Failure>,
     /// Signalled once per completed layer (and on a failure), created by `fileno()`.
@@ -87,11 +95,23 @@ pub struct RequestState {
     /// The request moves no block (a store whose blocks the pool holds already): the store
     /// puts nothing in flight when a layer is issued, so the layer completes at the issue.
     pub moves_nothing: bool,
+    /// The store's `layers_in_flight_max` when the request was prepared.
+    layers_max: usize,
 }
 
 impl RequestState {
-    pub fn new(direction: Direction, moves_nothing: bool) -> RequestState {
-        RequestState { direction, in_flight: None, completed: Vec::new(), unreported: None, failure: None, eventfd: None, moves_nothing }
+    pub fn new(direction: Direction, moves_nothing: bool, layers_max: u32) -> RequestState {
+        let layers_max = layers_max.max(1) as usize;
+        RequestState {
+            direction,
+            in_flight: VecDeque::with_capacity(layers_max),
+            completed: Vec::new(),
+            unreported: VecDeque::with_capacity(layers_max),
+            failure: None,
+            eventfd: None,
+            moves_nothing,
+            layers_max,
+        }
     }
 
     fn signal(&self) {
@@ -101,12 +121,41 @@ impl RequestState {
         }
     }
 
-    /// Records that the layer in flight completed.
+    /// Records that `layer`, the oldest in flight, completed.
     fn complete(&mut self, layer: u32) {
-        self.in_flight = None;
+        // The store completes in issue order, so this is the front; by value, so that a
+        // mirror that drifted cannot keep a completed layer in flight.
+        if let Some(position) = self.in_flight.iter().position(|&in_flight| in_flight == layer) {
+            self.in_flight.remove(position);
+        }
         self.completed.push(layer);
-        self.unreported = Some(layer);
+        self.unreported.push_back(layer);
         self.signal();
+    }
+
+    /// Makes room for a layer about to be put in flight: completions not yet returned by a
+    /// `wait` are remembered only while they and the layers in flight fit in the store's
+    /// limit, the oldest forgotten first (with one layer in flight, as before: an issue
+    /// forgets the previous layer's unreported completion, and the next wait is for the new
+    /// layer).
+    fn make_room(&mut self) {
+        let keep = self.layers_max.saturating_sub(self.in_flight.len() + 1);
+        while self.unreported.len() > keep {
+            self.unreported.pop_front();
+        }
+    }
+
+    /// Takes the store's own list of the layers in flight (after a failed issue or wait), in
+    /// place: the queue keeps the capacity reserved at prepare.
+    fn set_in_flight(&mut self, layers: impl IntoIterator<Item = u32>) {
+        self.in_flight.clear();
+        self.in_flight.extend(layers);
+    }
+
+    /// The layers in flight as text (error messages).
+    pub fn in_flight_text(&self) -> String {
+        let layers: Vec<String> = self.in_flight.iter().map(u32::to_string).collect();
+        layers.join(", ")
     }
 
     pub fn eventfd(&mut self) -> Result<Arc<EventFd>, Failure> {
@@ -118,11 +167,23 @@ impl RequestState {
         let eventfd = Arc::new(eventfd);
         self.eventfd = Some(Arc::clone(&eventfd));
         // Layers completed before the fd existed are announced at once.
-        if self.unreported.is_some() {
+        if !self.unreported.is_empty() {
             let _ = eventfd.write(1);
         }
         Ok(eventfd)
     }
+}
+
+/// Where waiting out a request's layers in flight stands after one step (`settle_step`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settling {
+    /// Nothing of the request is in flight (or the request is gone).
+    Settled,
+    /// A layer may still move bytes and no more can be done: the deadline passed, or a wait
+    /// failed without ending its layer.
+    Unsettled,
+    /// A layer completed or the slice passed: step again.
+    Continue,
 }
 
 /// Everything under a `Store`'s lock.
@@ -152,6 +213,9 @@ pub struct StoreState {
     pub key_space: Option<([u8; 32], u32, u32)>,
     /// When a request last went to tuttid (keep-alive pings go when idle).
     pub last_daemon_request: Instant,
+    /// Layers one request may keep in flight (`Store.open`/`attach`'s `layers_in_flight`),
+    /// given to the store when it is built (before any request is prepared).
+    pub layers_in_flight_max: u32,
 }
 
 fn not_registered() -> Failure {
@@ -167,7 +231,7 @@ fn is_timeout(error: &ObjstoreError) -> bool {
 }
 
 impl StoreState {
-    pub fn new(backend: Backend, key_space: Option<([u8; 32], u32, u32)>) -> StoreState {
+    pub fn new(backend: Backend, key_space: Option<([u8; 32], u32, u32)>, layers_in_flight_max: u32) -> StoreState {
         StoreState {
             backend,
             requests: HashMap::new(),
@@ -181,6 +245,7 @@ impl StoreState {
             leaked_tensors: 0,
             key_space,
             last_daemon_request: Instant::now(),
+            layers_in_flight_max,
         }
     }
 
@@ -308,7 +373,7 @@ impl StoreState {
             Direction::Retrieve => block_ids.to_vec(),
             Direction::Store => placed,
         };
-        self.requests.insert(handle.to_bits(), RequestState::new(direction, moves_nothing));
+        self.requests.insert(handle.to_bits(), RequestState::new(direction, moves_nothing, self.layers_in_flight_max));
         Ok((handle, plan, written))
     }
 
@@ -322,6 +387,7 @@ impl StoreState {
     }
 
     pub fn issue(&mut self, handle: u64, layer: u32, budget: u32, direction: Direction) -> Result<(), Failure> {
+        let layers_max = self.layers_in_flight_max;
         let state = self.request(handle)?;
         if state.direction != direction {
             let (asked, is) = match direction {
@@ -330,10 +396,14 @@ impl StoreState {
             };
             return Err(Failure::new(ErrorClass::InvalidState, format!("{asked} on a {is} request")));
         }
-        if let Some(previous) = state.in_flight {
+        if state.in_flight.len() >= layers_max as usize {
             return Err(Failure::new(
                 ErrorClass::InvalidState,
-                format!("layer {previous} is still in flight: wait for it before issuing layer {layer}"),
+                format!(
+                    "layer {} still in flight (layers_in_flight = {layers_max} per request): wait for the oldest before issuing \
+                     layer {layer}",
+                    state.in_flight_text()
+                ),
             ));
         }
         let bits = RequestHandle::from_bits(handle);
@@ -345,58 +415,117 @@ impl StoreState {
         if let Err(error) = issued {
             // An issue can fail after its commands were published (objstore keeps the layer in
             // flight then): the request must say so, so that nobody hands its memory back
-            // before a wait or the session's end settles it. When the store cannot tell, in
-            // flight is the safe answer.
-            let in_flight = store.any_layer_in_flight(bits).unwrap_or(true);
-            if in_flight {
-                let state = self.request(handle)?;
-                state.in_flight = Some(layer);
-                state.unreported = None;
+            // before a wait or the session's end settles it. The store's own list says which
+            // layers are in flight; when the store cannot tell, in flight is the safe answer.
+            let listed = self.store_in_flight(handle);
+            let state = self.request(handle)?;
+            match listed {
+                Some(layers) => {
+                    if layers.contains(&layer) && !state.in_flight.contains(&layer) {
+                        state.make_room();
+                    }
+                    state.set_in_flight(layers);
+                }
+                None if !state.in_flight.contains(&layer) => {
+                    state.make_room();
+                    state.in_flight.push_back(layer);
+                }
+                None => {}
             }
             return Err(error.into());
         }
         let state = self.request(handle)?;
+        state.make_room();
         if state.moves_nothing {
             // Nothing was put in flight (objstore's contract for a request with no blocks to
             // move): the layer is complete now, and is reported as any other (wait, LayerIo,
             // the eventfd).
-            state.unreported = None;
-            state.complete(layer);
+            state.completed.push(layer);
+            state.unreported.push_back(layer);
+            state.signal();
             return Ok(());
         }
-        state.in_flight = Some(layer);
-        state.unreported = None;
+        state.in_flight.push_back(layer);
         Ok(())
     }
 
-    /// Drives the request's layer in flight until `deadline`: `Ok(Some(layer))` when it
+    /// The store's own list of the request's layers in flight, oldest first; None when it
+    /// cannot tell (the request unknown to it, the store not registered). Off the per-layer
+    /// path: only after a failed issue or wait.
+    fn store_in_flight(&mut self, handle: u64) -> Option<Vec<u32>> {
+        let bits = RequestHandle::from_bits(handle);
+        match &mut self.backend {
+            Backend::Local { store, .. } => store.layers_in_flight(bits).ok().map(Iterator::collect),
+            Backend::Remote { store } => store.data_mut().layers_in_flight(bits).ok().map(Iterator::collect),
+            _ => None,
+        }
+    }
+
+    /// Drives the request's oldest layer in flight until `deadline`: `Ok(Some(layer))` when it
     /// completed now, `Ok(None)` when none was in flight, `Err(timeout)` when still in flight.
     pub fn drive(&mut self, handle: u64, deadline: Instant) -> Result<Option<u32>, Failure> {
-        let in_flight = self.request(handle)?.in_flight;
-        if in_flight.is_none() {
+        if self.request(handle)?.in_flight.is_empty() {
             return Ok(None);
         }
         let waited = self.layer_store()?.wait(RequestHandle::from_bits(handle), deadline);
-        let state = self.request(handle)?;
         match waited {
             Ok(Some(layer)) => {
-                state.complete(layer);
+                self.request(handle)?.complete(layer);
                 Ok(Some(layer))
             }
             Ok(None) => {
-                state.in_flight = None;
+                self.request(handle)?.in_flight.clear();
                 Ok(None)
             }
             Err(error) if is_timeout(&error) => Err(Failure::from(&error)),
             Err(error) => {
-                // The store ended the layer (a failed command, a CRC mismatch): nothing of it is in
-                // flight any more; a wait that failed before that (a queue error) leaves it, and
-                // the next wait asks the store again.
-                if matches!(error, ObjstoreError::LayerIo { .. } | ObjstoreError::PayloadMismatch { .. }) {
-                    state.in_flight = None;
+                // The store ended the failed layer (a failed command, a CRC mismatch) and keeps
+                // the later ones in flight; a wait that failed before that (a queue error)
+                // leaves it, and the next wait asks the store again. The store's own list says
+                // which; when it cannot tell, the failed layer alone is taken as ended.
+                let listed = self.store_in_flight(handle);
+                let state = self.request(handle)?;
+                match (listed, &error) {
+                    (Some(layers), _) => state.set_in_flight(layers),
+                    (None, ObjstoreError::LayerIo { layer, .. }) => {
+                        let layer = *layer;
+                        state.in_flight.retain(|&in_flight| in_flight != layer);
+                    }
+                    (None, ObjstoreError::PayloadMismatch { .. }) => {
+                        state.in_flight.pop_front();
+                    }
+                    (None, _) => {}
                 }
                 state.signal();
                 Err(Failure::from(&error))
+            }
+        }
+    }
+
+    /// One step of waiting out every layer of the request in flight (a store's close, a
+    /// request's exit): drives the oldest for at most one `WAIT_SLICE`, never past `deadline`.
+    /// Each `Continue` either completed a layer (at most `layers_in_flight_max` of them) or
+    /// spent a slice before the deadline, so a caller that steps until another answer is done
+    /// by the deadline.
+    pub fn settle_step(&mut self, handle: u64, deadline: Instant) -> Settling {
+        let before = match self.request(handle) {
+            Ok(state) => state.in_flight.len(),
+            Err(_) => return Settling::Settled, // gone: the store's close settled it
+        };
+        if before == 0 {
+            return Settling::Settled;
+        }
+        let now = Instant::now();
+        match self.drive(handle, deadline.min(now + WAIT_SLICE)) {
+            Ok(_) => Settling::Continue,
+            Err(failure) if failure.class == ErrorClass::Timeout && Instant::now() < deadline => Settling::Continue,
+            Err(_) => {
+                let after = self.request(handle).map_or(0, |state| state.in_flight.len());
+                if after < before {
+                    Settling::Continue // the failed layer ended; the later ones are next
+                } else {
+                    Settling::Unsettled
+                }
             }
         }
     }
@@ -407,7 +536,7 @@ impl StoreState {
         let armed: Vec<u64> = self
             .requests
             .iter()
-            .filter(|(_, state)| state.eventfd.is_some() && state.in_flight.is_some() && state.failure.is_none())
+            .filter(|(_, state)| state.eventfd.is_some() && !state.in_flight.is_empty() && state.failure.is_none())
             .map(|(&handle, _)| handle)
             .collect();
         for &handle in &armed {
@@ -429,8 +558,11 @@ impl StoreState {
         if state.direction != Direction::Store {
             return Err(Failure::new(ErrorClass::InvalidState, "commit on a retrieve request: finish it"));
         }
-        if let Some(layer) = state.in_flight {
-            return Err(Failure::new(ErrorClass::InvalidState, format!("layer {layer} is still in flight: wait for it before commit")));
+        if !state.in_flight.is_empty() {
+            return Err(Failure::new(
+                ErrorClass::InvalidState,
+                format!("layer {} is still in flight: wait for every layer before commit", state.in_flight_text()),
+            ));
         }
         let remote = self.is_remote();
         let committed = self.layer_store()?.commit_store(RequestHandle::from_bits(handle));
@@ -451,16 +583,33 @@ impl StoreState {
     }
 
     pub fn finish(&mut self, handle: u64) -> Result<(), Failure> {
-        if let Some(layer) = self.request(handle)?.in_flight {
-            return Err(Failure::new(ErrorClass::InvalidState, format!("layer {layer} is in flight: wait for it before finish")));
+        let state = self.request(handle)?;
+        if !state.in_flight.is_empty() {
+            return Err(Failure::new(
+                ErrorClass::InvalidState,
+                format!("layer {} is in flight: wait for every layer before finish", state.in_flight_text()),
+            ));
         }
         let remote = self.is_remote();
         let finished = self.layer_store()?.finish(RequestHandle::from_bits(handle));
         if remote {
             self.touch_daemon();
         }
-        self.requests.remove(&handle);
-        Ok(finished?)
+        match finished {
+            // The store refused before letting go of anything (a layer in flight that this
+            // state did not know of): the request stays live, so that a wait or the store's
+            // close still settles it before its memory is handed back.
+            Err(ObjstoreError::HandleState { handle: bits, reason }) => {
+                if let Some(layers) = self.store_in_flight(handle) {
+                    self.request(handle)?.set_in_flight(layers);
+                }
+                Err(Failure::from(ObjstoreError::HandleState { handle: bits, reason }))
+            }
+            other => {
+                self.requests.remove(&handle);
+                Ok(other?)
+            }
+        }
     }
 }
 

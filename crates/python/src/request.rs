@@ -1,5 +1,8 @@
 //! `Request` and `LayerIo`: a prepared retrieve or store and the completion handle of one issued
 //! layer (module stub). Waits release the GIL and hold the store's lock one slice at a time.
+//!
+//! A request keeps up to the store's `layers_in_flight` layers in flight; they complete in issue
+//! order, and `wait` returns them in that order, one per call.
 
 use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex};
@@ -9,7 +12,7 @@ use objstore::{Direction, StorePlan};
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 
-use crate::backend::WAIT_SLICE;
+use crate::backend::{Settling, WAIT_SLICE};
 use crate::errors::{ErrorClass, Failure};
 use crate::store::{id_list, StoreShared};
 
@@ -115,35 +118,42 @@ impl Request {
         Ok(LayerIo { request: slf.clone().unbind(), layer })
     }
 
-    /// Waits until the layer in flight completes (or `deadline`); `Ok(None)` if none was.
-    /// A layer whose completion was seen elsewhere (a poll, the completion thread) is returned
-    /// once.
+    /// Returns the oldest layer whose completion no wait returned yet, waiting until it
+    /// completes (or `deadline`) when it is still in flight; `Ok(None)` if no layer was issued
+    /// and not yet returned. A completion seen elsewhere (a poll, the completion thread) is
+    /// returned once, in issue order.
     fn wait_until(&self, deadline: Instant) -> Result<Option<u32>, Failure> {
         self.check_live()?;
         loop {
             let mut state = self.shared.lock();
             let request = state.request(self.handle)?;
+            // Completions before a failure the completion thread saw come first: issue order.
+            if let Some(layer) = request.unreported.pop_front() {
+                return Ok(Some(layer));
+            }
             if let Some(failure) = request.failure.take() {
                 return Err(failure);
             }
-            if request.in_flight.is_none() {
-                return Ok(request.unreported.take());
+            if request.in_flight.is_empty() {
+                return Ok(None);
             }
             let slice = deadline.min(Instant::now() + WAIT_SLICE);
             match state.drive(self.handle, slice) {
                 Ok(_) => {
                     let request = state.request(self.handle)?;
-                    return Ok(request.unreported.take());
+                    return Ok(request.unreported.pop_front());
                 }
                 Err(failure) if failure.class == ErrorClass::Timeout && Instant::now() < deadline => continue,
                 Err(failure) if failure.class == ErrorClass::Timeout => {
-                    let layer = state.request(self.handle)?.in_flight;
+                    let request = state.request(self.handle)?;
                     return Err(Failure::new(
                         ErrorClass::Timeout,
                         format!(
-                            "request {:#x}: layer {} did not complete by the deadline; it is still in flight (wait again): {}",
+                            "request {:#x}: layer {} did not complete by the deadline; it is still in flight (wait again; in \
+                             flight: {}): {}",
                             self.handle,
-                            layer.map_or_else(|| "?".to_string(), |layer| layer.to_string()),
+                            request.in_flight.front().map_or_else(|| "?".to_string(), |layer| layer.to_string()),
+                            request.in_flight_text(),
                             failure.message
                         ),
                     ));
@@ -153,7 +163,21 @@ impl Request {
         }
     }
 
-    /// Non-blocking: drives the request once; true once nothing is in flight.
+    /// Waits out every layer in flight (`StoreState::settle_step`), taking the store's lock one
+    /// slice at a time so that other threads get their turn; bounded by `deadline`. A failed
+    /// layer does not stop it (the later ones are still waited for); what it could not settle
+    /// is left in flight for `finish` to refuse.
+    fn settle(&self, deadline: Instant) {
+        loop {
+            let step = self.shared.locked(|state| state.settle_step(self.handle, deadline));
+            if step != Settling::Continue {
+                return;
+            }
+        }
+    }
+
+    /// Non-blocking: drives the request once, retiring every layer in flight that completed
+    /// (oldest first); true once nothing is in flight.
     fn poll_once(&self) -> Result<bool, Failure> {
         self.check_live()?;
         let mut state = self.shared.lock();
@@ -161,14 +185,16 @@ impl Request {
         if let Some(failure) = request.failure.take() {
             return Err(failure);
         }
-        if request.in_flight.is_none() {
-            return Ok(true);
+        // Bounded: each round completes one layer in flight or returns.
+        for _ in 0..request.in_flight.len() {
+            match state.drive(self.handle, Instant::now()) {
+                Ok(Some(_)) => {}
+                Ok(None) => return Ok(true),
+                Err(failure) if failure.class == ErrorClass::Timeout => return Ok(false),
+                Err(failure) => return Err(failure),
+            }
         }
-        match state.drive(self.handle, Instant::now()) {
-            Ok(_) => Ok(true),
-            Err(failure) if failure.class == ErrorClass::Timeout => Ok(false),
-            Err(failure) => Err(failure),
-        }
+        Ok(state.request(self.handle)?.in_flight.is_empty())
     }
 
     /// Whether `layer` completed (seen by anyone), without driving I/O.
@@ -177,7 +203,47 @@ impl Request {
             return true;
         }
         let mut state = self.shared.lock();
-        state.request(self.handle).is_ok_and(|request| request.completed.contains(&layer) && request.in_flight != Some(layer))
+        state.request(self.handle).is_ok_and(|request| request.completed.contains(&layer) && !request.in_flight.contains(&layer))
+    }
+
+    /// Waits until `layer` completed (or `deadline`), driving the layers in flight before it in
+    /// issue order; their completions stay for `Request.wait` to return, this layer's is
+    /// taken (returned here).
+    fn wait_layer(&self, layer: u32, deadline: Instant) -> Result<(), Failure> {
+        loop {
+            self.check_live()?;
+            let mut state = self.shared.lock();
+            let request = state.request(self.handle)?;
+            if request.completed.contains(&layer) && !request.in_flight.contains(&layer) {
+                if let Some(position) = request.unreported.iter().position(|&unreported| unreported == layer) {
+                    request.unreported.remove(position);
+                }
+                return Ok(());
+            }
+            if let Some(failure) = request.failure.take() {
+                return Err(failure);
+            }
+            if !request.in_flight.contains(&layer) {
+                return Err(Failure::new(
+                    ErrorClass::InvalidState,
+                    format!("layer {layer} is not in flight and did not complete (was it issued on this request?)"),
+                ));
+            }
+            match state.drive(self.handle, deadline.min(Instant::now() + WAIT_SLICE)) {
+                Ok(_) => {}
+                Err(failure) if failure.class == ErrorClass::Timeout && Instant::now() < deadline => {}
+                Err(failure) if failure.class == ErrorClass::Timeout => {
+                    return Err(Failure::new(
+                        ErrorClass::Timeout,
+                        format!(
+                            "request {:#x}: layer {layer} did not complete by the deadline; it is still in flight (wait again): {}",
+                            self.handle, failure.message
+                        ),
+                    ))
+                }
+                Err(failure) => return Err(failure),
+            }
+        }
     }
 }
 
@@ -229,7 +295,16 @@ impl Request {
     #[getter]
     fn layer_in_flight(&self, py: Python<'_>) -> Option<u32> {
         let handle = self.handle;
-        self.shared.read(py, |state| state.request(handle).ok().and_then(|request| request.in_flight))
+        self.shared.read(py, |state| state.request(handle).ok().and_then(|request| request.in_flight.front().copied()))
+    }
+
+    #[getter]
+    fn layers_in_flight<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let handle = self.handle;
+        let layers: Vec<u32> = self
+            .shared
+            .read(py, |state| state.request(handle).map(|request| request.in_flight.iter().copied().collect()).unwrap_or_default());
+        id_list(py, &layers)
     }
 
     #[getter]
@@ -279,7 +354,7 @@ impl Request {
         let (fd, in_flight) = self.shared.with_state(py, move |state| {
             let request = state.request(handle)?;
             let eventfd = request.eventfd()?;
-            Ok((eventfd.as_raw_fd(), request.in_flight.is_some()))
+            Ok((eventfd.as_raw_fd(), !request.in_flight.is_empty()))
         })?;
         self.shared.ensure_service().map_err(|failure| failure.to_pyerr(py))?;
         if in_flight {
@@ -334,8 +409,9 @@ impl Request {
             return Ok(());
         }
         let timeout = self.shared.timeout;
-        // A layer in flight is waited for first (its failure does not stop the finish).
-        let _ = py.detach(|| self.wait_until(Instant::now() + timeout));
+        // Every layer in flight is waited for first, all within the store's timeout (a failure
+        // does not stop the finish; a layer still in flight makes finish refuse).
+        py.detach(|| self.settle(Instant::now() + timeout));
         self.finish(py)
     }
 
@@ -386,29 +462,12 @@ impl LayerIo {
         let request = self.request.get();
         let layer = self.layer;
         py.detach(|| {
+            // Seen complete before this call (a layer that moved nothing, the completion
+            // thread): `Request.wait` still returns it.
             if request.layer_done(layer) {
                 return Ok(());
             }
-            let deadline = Instant::now() + timeout;
-            // Another thread may be waiting on the same request: a completion it takes is seen
-            // in `completed`.
-            loop {
-                let result = request.wait_until(deadline.min(Instant::now() + WAIT_SLICE));
-                if request.layer_done(layer) {
-                    return Ok(());
-                }
-                match result {
-                    Ok(None) if !request.layer_done(layer) => {
-                        return Err(Failure::new(
-                            ErrorClass::InvalidState,
-                            format!("layer {layer} is not in flight and did not complete (was it issued on this request?)"),
-                        ))
-                    }
-                    Err(failure) if failure.class == ErrorClass::Timeout && Instant::now() < deadline => continue,
-                    Err(failure) => return Err(failure),
-                    Ok(_) => {}
-                }
-            }
+            request.wait_layer(layer, Instant::now() + timeout)
         })
         .map_err(|failure| failure.to_pyerr(py))
     }

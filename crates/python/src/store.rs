@@ -8,7 +8,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use objstore::{Direction, FormatParams, ModelGeometry as Geometry, ObjstoreError, StoreConfig};
+use objstore::{Direction, FormatParams, ModelGeometry as Geometry, ObjstoreError, StoreConfig, LAYERS_IN_FLIGHT_LIMIT};
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 use tutti_daemon::client::RemoteConfig;
@@ -42,6 +42,8 @@ pub struct StoreShared {
     pub geometry: Geometry,
     pub timeout: Duration,
     pub session: Option<u64>,
+    /// Layers one request may keep in flight (fixed when the store is opened or attached).
+    pub layers_in_flight: u32,
     /// Attached stores with keep-alive: ping when no request went to tuttid for this long.
     keepalive: Option<Duration>,
     /// The registered layout's Python object (its tensors).
@@ -186,6 +188,26 @@ fn duration_of(seconds: f64, what: &str) -> Result<Duration, Failure> {
         .map_err(|_| Failure::new(ErrorClass::InvalidArgument, format!("{what} = {seconds}: expected a non-negative number of seconds")))
 }
 
+/// `layers_in_flight` as the store takes it: 1..=objstore's limit (each layer in flight is one
+/// more set of every prepared request's IOCBs, so the queue's `iocbs` must hold at least that
+/// many per request).
+/// Taken as any int, so that a negative one is InvalidArgument too (not an OverflowError).
+fn layers_in_flight_of(layers: i64, iocbs: u32) -> Result<u32, Failure> {
+    let layers = u32::try_from(layers).ok().filter(|layers| (1..=LAYERS_IN_FLIGHT_LIMIT).contains(layers)).ok_or_else(|| {
+        Failure::new(
+            ErrorClass::InvalidArgument,
+            format!("layers_in_flight = {layers}: expected 1..={LAYERS_IN_FLIGHT_LIMIT} layers in flight per request"),
+        )
+    })?;
+    if iocbs < layers {
+        return Err(Failure::new(
+            ErrorClass::InvalidArgument,
+            format!("layers_in_flight = {layers} needs at least as many IOCBs per request; iocbs = {iocbs}"),
+        ));
+    }
+    Ok(layers)
+}
+
 fn device_specs(devices: &Bound<'_, PyAny>) -> PyResult<Vec<DeviceSpec>> {
     let texts: Vec<String> = match devices.extract::<String>() {
         Ok(text) => vec![text],
@@ -242,7 +264,8 @@ impl Store {
     #[pyo3(signature = (
         devices, geometry, *, format = false, create_bytes = None, blocks_per_slot = 1, slots_max = None, payload_crcs = true,
         verify_retrieves = false, model_fingerprint = None, tp_rank = 0, tp_world = 1, namespace = 1,
-        lock_dir = "/run/tutti".to_string(), queue_depth = 64, iocbs = 64, requests_max = 32, timeout_s = 30.0
+        lock_dir = "/run/tutti".to_string(), queue_depth = 64, iocbs = 64, requests_max = 32, timeout_s = 30.0,
+        layers_in_flight = 1
     ))]
     #[allow(clippy::too_many_arguments)]
     fn open(
@@ -264,6 +287,7 @@ impl Store {
         iocbs: u32,
         requests_max: usize,
         timeout_s: f64,
+        layers_in_flight: i64,
     ) -> PyResult<Store> {
         let specs = device_specs(devices)?;
         let geometry = geometry.inner;
@@ -290,6 +314,7 @@ impl Store {
             )
             .into());
         }
+        let layers_in_flight = layers_in_flight_of(layers_in_flight, iocbs)?;
         let options = PoolOptions {
             specs,
             namespace,
@@ -315,7 +340,7 @@ impl Store {
         let config = StoreConfig { iocbs, ioctx_per_iocb_max: 2048, requests_max, verify_retrieves };
         let backend = Backend::LocalOpen { pool: opened.pool, emulators: opened.emulators, locks: opened.locks, config, queue_depth };
         Store::new(StoreShared {
-            state: Mutex::new(StoreState::new(backend, key_space)),
+            state: Mutex::new(StoreState::new(backend, key_space, layers_in_flight)),
             wake: Condvar::new(),
             stop: AtomicBool::new(false),
             service: Mutex::new(None),
@@ -323,6 +348,7 @@ impl Store {
             geometry,
             timeout,
             session: None,
+            layers_in_flight,
             keepalive: None,
             kv_layout: Mutex::new(None),
         })
@@ -331,7 +357,7 @@ impl Store {
     #[staticmethod]
     #[pyo3(signature = (
         socket, *, model_fingerprint, tp_rank = 0, tp_world = 1, client_name = "python".to_string(), timeout_s = 5.0,
-        queue_depth = 64, iocbs = 64, requests_max = 32, verify_retrieves = false, keepalive = true
+        queue_depth = 64, iocbs = 64, requests_max = 32, verify_retrieves = false, keepalive = true, layers_in_flight = 1
     ))]
     #[allow(clippy::too_many_arguments)]
     fn attach(
@@ -347,9 +373,12 @@ impl Store {
         requests_max: usize,
         verify_retrieves: bool,
         keepalive: bool,
+        layers_in_flight: i64,
     ) -> PyResult<Store> {
         let fingerprint = fingerprint_of(&model_fingerprint)?;
         let timeout = duration_of(timeout_s, "timeout_s")?;
+        // Checked before connecting: a refusal costs no session.
+        let layers_in_flight = layers_in_flight_of(layers_in_flight, iocbs)?;
         let hello = Hello { model_fingerprint: fingerprint, tp_rank, tp_world, client_name };
         let (client, reply) = py
             .detach(|| {
@@ -368,7 +397,7 @@ impl Store {
             timeout,
         };
         let backend = Backend::RemoteAttached { client, hello: reply, config };
-        let mut state = StoreState::new(backend, None);
+        let mut state = StoreState::new(backend, None, layers_in_flight);
         state.daemon_socket = Some(socket);
         state.daemon_session = Some(session);
         Store::new(StoreShared {
@@ -380,6 +409,7 @@ impl Store {
             geometry,
             timeout,
             session: Some(session),
+            layers_in_flight,
             keepalive: keepalive.then_some(lease / 3),
             kv_layout: Mutex::new(None),
         })
@@ -398,6 +428,11 @@ impl Store {
     #[getter]
     fn block_tokens(&self) -> u32 {
         self.shared.geometry.block_tokens
+    }
+
+    #[getter]
+    fn layers_in_flight(&self) -> u32 {
+        self.shared.layers_in_flight
     }
 
     #[getter]

@@ -5,41 +5,42 @@ use std::time::{Duration, Instant};
 
 use objstore::RequestHandle;
 
-use super::{Backend, StoreState, WAIT_SLICE};
+use super::{Backend, Settling, StoreState};
 use crate::device_memory;
-use crate::errors::ErrorClass;
 use crate::ffi::QueuesGone;
 
 /// How long `close` waits at least for tuttid to end a session that registered device memory.
 const DEVICE_RELEASE_WAIT: Duration = Duration::from_secs(5);
 
 impl StoreState {
-    /// Ends every request (a layer in flight is waited for until `deadline`), then the store:
+    /// Ends every request (its layers in flight are waited for until `deadline`), then the store:
     /// queue pairs deleted before the registered memory is let go; kept for good if one could
     /// not be. Returns how many tensors were kept for good. What keeps released memory alive
     /// goes to `released` (dropped once the lock is let go).
     ///
     /// Attached stores: the queue pairs are tuttid's to delete, when the session ends (the
-    /// connection closes here). A layer still in flight at the deadline may move bytes until
-    /// then, so its memory (tuttid's window for `allocate_kv`, device memory) is only given
-    /// back once tuttid no longer lists the session and counted no new leaked queue pair
-    /// (tuttid deletes a session's pairs, confirmed by the controller, before it drops the
-    /// session; a pair it could not delete is counted in `leaked_queue_pairs`); otherwise it
-    /// is kept for good and counted in `leaked_registrations`.
+    /// connection closes here). A layer still in flight at the deadline (or after a wait that
+    /// failed without ending it) may move bytes until then, so its memory (tuttid's window for
+    /// `allocate_kv`, device memory) is only given back once tuttid no longer lists the
+    /// session and counted no new leaked queue pair (tuttid deletes a session's pairs,
+    /// confirmed by the controller, before it drops the session; a pair it could not delete is
+    /// counted in `leaked_queue_pairs`); otherwise it is kept for good and counted in
+    /// `leaked_registrations`.
     pub fn close(&mut self, deadline: Instant) -> usize {
         let handles: Vec<u64> = self.requests.keys().copied().collect();
         // Whether every layer in flight completed: device memory's bytes are moved by tuttid's
-        // copies, which only a command in flight makes.
+        // copies, which only a command in flight makes. Every layer of every request is waited
+        // for (in issue order), not only the oldest: each may still move bytes.
         let mut settled = true;
         for handle in handles {
             loop {
-                match self.drive(handle, Instant::now() + WAIT_SLICE) {
-                    Err(failure) if failure.class == ErrorClass::Timeout && Instant::now() < deadline => continue,
-                    Err(failure) if failure.class == ErrorClass::Timeout => {
+                match self.settle_step(handle, deadline) {
+                    Settling::Continue => continue,
+                    Settling::Settled => break,
+                    Settling::Unsettled => {
                         settled = false;
                         break;
                     }
-                    _ => break,
                 }
             }
             let bits = RequestHandle::from_bits(handle);

@@ -50,6 +50,9 @@ impl StoreState {
                 if let Some((fingerprint, rank, world)) = &self.key_space {
                     store.set_key_seed(key_seed(fingerprint, *rank, *world)?);
                 }
+                // Before any request is prepared, which is when the store accepts it (each
+                // request's IOCB lanes are decided at its prepare).
+                store.set_layers_in_flight_max(self.layers_in_flight_max)?;
                 self.backend = Backend::Local { store: Box::new(store), emulators, locks };
                 Ok(())
             }
@@ -110,7 +113,12 @@ impl StoreState {
         let layout = store_layout(&checked, &device_memory::offsets(&checked, range.start));
         let connected = RemoteKvStore::with_client_and_device_memory(client, hello, &config, &range.memory, layout);
         self.touch_daemon();
-        match connected {
+        match connected.and_then(|mut store| {
+            // Before any request is prepared (see `build_local`); a refusal drops the store,
+            // which ends the session like any failure here.
+            store.data_mut().set_layers_in_flight_max(self.layers_in_flight_max)?;
+            Ok(store)
+        }) {
             Ok(store) => {
                 self.backend = Backend::Remote { store: Box::new(store) };
                 // No command was issued before the store existed: on failure the keeps go now.
@@ -206,8 +214,10 @@ impl StoreState {
                 };
                 // A failure here leaves the session gone (the client is consumed): the store is
                 // closed and says so.
-                let store = RemoteKvStore::with_client(client, hello, &config, window)?;
+                let mut store = RemoteKvStore::with_client(client, hello, &config, window)?;
                 self.touch_daemon();
+                // Before any request is prepared (see `build_local`).
+                store.data_mut().set_layers_in_flight_max(self.layers_in_flight_max)?;
                 // The window's regions are page-rounded: hand out exactly the KV bytes.
                 let sizes = region_bytes(kind, &geometry, num_blocks)?;
                 let regions = store
