@@ -7,7 +7,7 @@
 //! the file or misaligned ones read as all ones and drop writes, as a device off the bus would.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use std::sync::Arc;
 
@@ -29,10 +29,17 @@ pub struct RegisterFile {
     /// itself: a reset or a shutdown waits for the transfers in flight, and an MMIO write
     /// returns at once; the host polls CSTS under its own deadline (CAP.TO), as on hardware.
     configuration_hook: OnceLock<Box<dyn Fn() + Send + Sync>>,
-    /// Set by every host write of CC with EN = 0, taken by the controller when it looks at CC:
-    /// a reset the host asked for is an edge, so a write of EN = 1 that follows before the
-    /// controller thread looked does not hide it.
-    disable_written: AtomicBool,
+    /// Set by every host write of CC with EN = 0, taken by the controller together with CC's
+    /// value (`take_configuration`): a reset the host asked for is an edge, so a write of EN = 1
+    /// that follows before the controller thread looked does not hide it. The lock makes the
+    /// host's CC store and flag one step, and the controller's take and CC load another: with
+    /// two separate atomics a controller could read a CC = 0 whose flag was not set yet, reset,
+    /// and later take that stale flag and reset a controller the host had enabled since. Only
+    /// CC writes and the controller's poll take it, never a doorbell.
+    disable_written: Mutex<bool>,
+    /// `disable_written`'s value for lock-free reads (`reset_requested`, checked per fetch and
+    /// per command); written only under that lock.
+    disable_pending: AtomicBool,
     /// Runs after every host doorbell write through [`RegisterIo`]: wakes a sleeping controller
     /// thread so that a command after an idle period does not wait out the sleep. (Doorbells
     /// written straight into the memory, as a GPU does, are found by polling.)
@@ -60,7 +67,8 @@ impl RegisterFile {
             doorbell_stride_log2,
             configuration_hook: OnceLock::new(),
             doorbell_hook: OnceLock::new(),
-            disable_written: AtomicBool::new(false),
+            disable_written: Mutex::new(false),
+            disable_pending: AtomicBool::new(false),
         };
         file.power_on_reset();
         Ok(file)
@@ -90,7 +98,9 @@ impl RegisterFile {
     /// Every register to its reset value: CAP and VS, zero elsewhere (CC, CSTS, AQA, doorbells).
     /// A CC write the controller had not looked at yet is forgotten with them.
     pub(crate) fn power_on_reset(&self) {
-        self.disable_written.store(false, Ordering::Relaxed);
+        let mut disable_written = self.lock_configuration();
+        *disable_written = false;
+        self.disable_pending.store(false, Ordering::Release);
         // The region is at least one page and 8-aligned: these stores cannot fail.
         let _ = self.region.fill(0, self.region.len(), 0);
         let _ = self.region.store_u64(registers::CAP, self.capabilities, Ordering::Relaxed);
@@ -111,11 +121,18 @@ impl RegisterFile {
         self.region.load_u64(offset, Ordering::Acquire).unwrap_or(u64::MAX)
     }
 
-    /// Whether the host wrote CC.EN = 0 since the last call (see `disable_written`).
-    pub(crate) fn take_disable_written(&self) -> bool {
-        // Acquire: pairs with the Release below, so the CC value read next is that write's or
-        // a later one.
-        self.disable_written.swap(false, Ordering::AcqRel)
+    /// Whether the host wrote CC.EN = 0 since the last call (see `disable_written`), and CC as
+    /// the host last wrote it, in one step.
+    pub(crate) fn take_configuration(&self) -> (bool, u32) {
+        let mut disable_written = self.lock_configuration();
+        let taken = std::mem::take(&mut *disable_written);
+        self.disable_pending.store(false, Ordering::Release);
+        (taken, self.load32(registers::CC))
+    }
+
+    fn lock_configuration(&self) -> MutexGuard<'_, bool> {
+        // A panic under this lock leaves only a bool behind: the value is still meaningful.
+        self.disable_written.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// Whether the host asked for a controller reset that the controller has not done yet:
@@ -123,7 +140,7 @@ impl RegisterFile {
     /// before it fetches or runs more commands, so that a doorbell rung after the host cleared
     /// EN is not new work for queues the reset deletes.
     pub(crate) fn reset_requested(&self) -> bool {
-        self.load32(registers::CC) & 1 == 0 || self.disable_written.load(Ordering::Acquire)
+        self.load32(registers::CC) & 1 == 0 || self.disable_pending.load(Ordering::Acquire)
     }
 
     pub(crate) fn set_status(&self, csts: u32) {
@@ -163,12 +180,18 @@ impl RegisterIo for RegisterFile {
 
     fn write32(&self, offset: usize, value: u32) {
         if Self::host_writable(offset) {
-            // Release: the SQ entries written before this doorbell are visible to the controller
-            // thread once it observes the new tail with its Acquire load.
-            let _ = self.region.store_u32(offset, value, Ordering::Release);
-            if offset == registers::CC && value & 1 == 0 {
-                // After the store: a controller that takes the flag then reads this CC or a later one.
-                self.disable_written.store(true, Ordering::Release);
+            if offset == registers::CC {
+                // CC's value and the EN = 0 flag change together (see `disable_written`).
+                let mut disable_written = self.lock_configuration();
+                let _ = self.region.store_u32(offset, value, Ordering::Release);
+                if value & 1 == 0 {
+                    *disable_written = true;
+                    self.disable_pending.store(true, Ordering::Release);
+                }
+            } else {
+                // Release: the SQ entries written before this doorbell are visible to the
+                // controller thread once it observes the new tail with its Acquire load.
+                let _ = self.region.store_u32(offset, value, Ordering::Release);
             }
             let hook = if offset == registers::CC {
                 self.configuration_hook.get()

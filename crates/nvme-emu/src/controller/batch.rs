@@ -82,7 +82,8 @@ impl ControllerCore {
                 continue;
             }
             self.settle_in_flight(Settle::Finish);
-            if self.state != State::Ready {
+            // The settle can wait long: the host may have cleared CC.EN meanwhile.
+            if self.state != State::Ready || self.registers.reset_requested() {
                 break;
             }
             let result = match fault {

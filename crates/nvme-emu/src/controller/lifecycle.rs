@@ -18,10 +18,10 @@ impl ControllerCore {
     /// shutdown then waits for transfers in flight. CSTS says meanwhile how far it got: RDY
     /// stays 1 until a reset is done, SHST reads 01b while a shutdown is processing.
     pub(crate) fn react_to_configuration(&mut self) -> bool {
-        // Taken before CC is read: a host that cleared EN and set it again before this thread
+        // Taken with CC in one step: a host that cleared EN and set it again before this thread
         // looked still gets its reset (the flag), then its enable (CC).
-        let disable_written = self.registers.take_disable_written();
-        let cc = ControllerConfiguration(self.registers.load32(registers::CC));
+        let (disable_written, cc) = self.registers.take_configuration();
+        let cc = ControllerConfiguration(cc);
         let mut worked = false;
         if self.state == State::Stopping {
             worked |= self.finish_stopping();
