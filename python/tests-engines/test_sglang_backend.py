@@ -237,12 +237,76 @@ def test_a_read_whose_pages_cannot_be_confirmed_safe_raises_instead_of_returning
 def test_a_backup_whose_layer_never_completes_closes_the_pool_and_does_not_raise(tmp_path: Path):
     """Goal: a backup only reads its host page, so a stuck one is reported not stored (SGLang may
     reuse the page) even when the close keeps memory registered; the pool is closed rather than
-    left holding a request place and pins for good."""
-    storage, wrapped, _ = stalled_backend(tmp_path, stall_stores=True, close_keeps_memory=True)
+    left holding a request place and pins for good. Later calls raise HostPagesUnsafe then: a
+    read on SGLang's other thread may have been in flight on the queue pairs that were kept."""
+    storage, wrapped, _ = stalled_backend(tmp_path, stall_stores=True, close_keeps_memory=False)
     try:
         assert storage.batch_set_v1(page_keys(7, 2), indices([3, 4])) == [False, False]
         assert wrapped.closed_by_backend
         assert storage.batch_exists(page_keys(7, 2)) == 0
+    finally:
+        storage.close()
+    storage, wrapped, _ = stalled_backend(tmp_path, stall_stores=True, close_keeps_memory=True)
+    try:
+        assert storage.batch_set_v1(page_keys(7, 2), indices([3, 4])) == [False, False]
+        assert wrapped.closed_by_backend
+        with pytest.raises(HostPagesUnsafe):
+            storage.batch_exists(page_keys(7, 2))
+    finally:
+        storage.close()
+
+
+class ClosedUnderIt:
+    """A tutti.Request whose wait finds the pool closed by SGLang's other thread (a stuck backup)
+    whose close kept the memory registered: the wait fails and the store is closed under it."""
+
+    def __init__(self, request, storage) -> None:
+        self._request = request
+        self._storage = storage
+
+    def __getattr__(self, name: str):
+        return getattr(self._request, name)
+
+    def wait(self, timeout_s=None):
+        self._storage._close_pool("the other thread's backup did not complete", pages_written=False)
+        raise tutti.TimeoutError("injected: the store was closed under this layer")
+
+
+def test_a_read_whose_pool_another_thread_closed_unconfirmed_raises(tmp_path: Path):
+    """Goal: SGLang backs up and prefetches on two threads. When a stuck backup's close cannot
+    confirm the queue pairs deleted while a read is in flight, the read must not hand its pages
+    back (they may still be written): batch_get_v1 raises HostPagesUnsafe."""
+    storage, wrapped, keys = stalled_backend(tmp_path, close_keeps_memory=True)
+    try:
+        wrapped.prepare_retrieve = lambda tokens, block_ids: ClosedUnderIt(wrapped._store.prepare_retrieve(tokens, block_ids), storage)
+        with pytest.raises(HostPagesUnsafe, match="host pages may still be written"):
+            storage.batch_get_v1(keys, indices([3, 4]))
+    finally:
+        storage.close()
+
+
+class FinishRefused:
+    """A tutti.Request whose layers complete but whose finish is refused as out of order (the
+    store still counts a layer in flight the binding did not see)."""
+
+    def __init__(self, request) -> None:
+        self._request = request
+
+    def __getattr__(self, name: str):
+        return getattr(self._request, name)
+
+    def finish(self):
+        raise tutti.InvalidState("injected: a layer is still in flight")
+
+
+def test_a_read_whose_request_cannot_be_ended_closes_the_pool(tmp_path: Path):
+    """Goal: a read whose finish is refused because a layer is still in flight is not reported
+    read, and its page is not handed back while the pool is open: the pool is closed first."""
+    storage, wrapped, keys = stalled_backend(tmp_path)
+    try:
+        wrapped.prepare_retrieve = lambda tokens, block_ids: FinishRefused(wrapped._store.prepare_retrieve(tokens, block_ids))
+        assert storage.batch_get_v1(keys, indices([3, 4])) == [False, False]
+        assert wrapped.closed_by_backend, "a page whose request could not be ended was handed back with the pool open"
     finally:
         storage.close()
 

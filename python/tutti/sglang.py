@@ -24,6 +24,7 @@ Host pool layouts (SGLang's `--hicache-mem-layout`):
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any, List, Optional
 
 import torch
@@ -99,9 +100,13 @@ class TuttiHiCacheStorage(HiCacheStorage):
         # Why the pool was closed for good (a page's layer did not complete): nothing moves any
         # more, lookups miss.
         self._dead: Optional[str] = None
-        # Set when that close could not confirm the queue pairs deleted after a read: host pages
-        # may still be written, so every later call raises HostPagesUnsafe.
+        # Set when that close could not confirm the queue pairs deleted: a read (this thread's or
+        # another's: SGLang prefetches and backs up on two threads) may still write host pages,
+        # so every later call raises HostPagesUnsafe.
         self._unsafe: Optional[str] = None
+        # Held while the pool is closed and its outcome recorded: a read that saw the store
+        # closed under it checks the outcome under it before returning its pages.
+        self._close_lock = threading.Lock()
 
     # -- host pool registration -----------------------------------------------------------------
 
@@ -232,6 +237,7 @@ class TuttiHiCacheStorage(HiCacheStorage):
                 # Nothing of this wave is reported moved: its live requests end with the pool.
                 self._close_pool("a layer of a page did not complete", pages_written=not store)
                 break
+            stuck = False
             for index, request in wave:
                 if request is None:
                     continue
@@ -241,8 +247,22 @@ class TuttiHiCacheStorage(HiCacheStorage):
                     else:
                         request.finish()
                     results[index] = True
+                except tutti.InvalidState as error:
+                    # The store still counts a layer in flight: the request stays live, and its
+                    # page may still be moved.
+                    logger.error("tutti: page %s could not be ended (a layer is still in flight): %s", keys[index], error)
+                    stuck = True
                 except tutti.Error as error:
                     logger.warning("tutti: page %s not %s: %s", keys[index], "stored" if store else "read", error)
+            if stuck:
+                self._close_pool("a page's request could not be ended", pages_written=not store)
+                break
+        if not store:
+            # Another thread may have closed the pool under this read's requests: its pages go
+            # back only if that close confirmed the queue pairs deleted.
+            with self._close_lock:
+                if self._unsafe is not None:
+                    raise HostPagesUnsafe(self._unsafe)
         return results
 
     def _run_layers(self, wave: list[tuple[int, Any]], store: bool) -> bool:
@@ -280,18 +300,22 @@ class TuttiHiCacheStorage(HiCacheStorage):
         of pages reported not moved. When the stuck layer wrote host pages (a read) and the close
         could not confirm its queue pairs deleted (memory registrations kept), raises
         HostPagesUnsafe, now and at every later call, rather than hand the pages back."""
-        self._dead = reason
-        logger.error("tutti: %s; the pool is closed, the backend moves nothing more (lookups miss)", reason)
-        self._store.close(timeout_s=self._timeout_s)
-        kept = self._store.leaked_registrations()
-        if kept and not pages_written:
-            logger.error("tutti: closing the pool kept %d memory registrations (queue pairs not deleted)", kept)
-        elif kept:
-            self._unsafe = (
-                f"tutti: {reason}, and closing the pool did not confirm that its queue pairs were deleted "
-                f"({kept} memory registrations kept): SGLang's host pages may still be written, so the backend stops"
-            )
-            raise HostPagesUnsafe(self._unsafe)
+        with self._close_lock:
+            if self._dead is None:
+                self._dead = reason
+                logger.error("tutti: %s; the pool is closed, the backend moves nothing more (lookups miss)", reason)
+                self._store.close(timeout_s=self._timeout_s)
+                kept = self._store.leaked_registrations()
+                if kept:
+                    # Whatever this thread moved: a read of another thread may have been in flight.
+                    self._unsafe = (
+                        f"tutti: {reason}, and closing the pool did not confirm that its queue pairs were deleted "
+                        f"({kept} memory registrations kept): SGLang's host pages may still be written, so the backend stops"
+                    )
+            if self._unsafe is not None and pages_written:
+                raise HostPagesUnsafe(self._unsafe)
+        if self._unsafe is not None:
+            logger.error("tutti: %s", self._unsafe)
 
 
 class HostPagesUnsafe(RuntimeError):
@@ -362,6 +386,11 @@ def _abandon(request: Any, timeout_s: float) -> bool:
         return False
     try:
         request.finish()
+    except tutti.InvalidState as error:
+        # The store still counts a layer in flight the binding did not see: the request stays
+        # live, and its page may still be moved.
+        logger.error("tutti: a failed request could not be finished (a layer is still in flight): %s", error)
+        return False
     except tutti.Error as error:
         logger.error("tutti: a failed request could not be finished: %s", error)
     return True
