@@ -576,6 +576,8 @@ impl LayerKvStore for RemoteKvStore {
     /// A daemon that cannot answer is a miss (nothing cached from `first_block`): the safe
     /// answer for an engine, which then computes the blocks; the error is logged.
     fn lookup_from(&mut self, tokens: &[u32], first_block: usize) -> usize {
+        // As tuttid and `KvStore` answer it: a start past the prompt counts as its end.
+        let first_block = first_block.min(tokens.len() / self.hello_reply().shape.block_tokens.max(1) as usize);
         match u32::try_from(first_block).map_err(|_| None).and_then(|first| self.client.lookup_from(tokens, first).map_err(Some)) {
             Ok(blocks) => blocks as usize,
             Err(error) => {
