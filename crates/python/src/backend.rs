@@ -152,10 +152,11 @@ impl RequestState {
         self.in_flight.extend(layers);
     }
 
-    /// The layers in flight as text (error messages).
+    /// The layers in flight as text (error messages): "layer 3", "layers 3, 4".
     pub fn in_flight_text(&self) -> String {
         let layers: Vec<String> = self.in_flight.iter().map(u32::to_string).collect();
-        layers.join(", ")
+        let noun = if layers.len() == 1 { "layer" } else { "layers" };
+        format!("{noun} {}", layers.join(", "))
     }
 
     pub fn eventfd(&mut self) -> Result<Arc<EventFd>, Failure> {
@@ -400,8 +401,8 @@ impl StoreState {
             return Err(Failure::new(
                 ErrorClass::InvalidState,
                 format!(
-                    "layer {} still in flight (layers_in_flight = {layers_max} per request): wait for the oldest before issuing \
-                     layer {layer}",
+                    "{} still in flight (layers_in_flight = {layers_max} per request): wait for the oldest before issuing layer \
+                     {layer}",
                     state.in_flight_text()
                 ),
             ));
@@ -561,7 +562,7 @@ impl StoreState {
         if !state.in_flight.is_empty() {
             return Err(Failure::new(
                 ErrorClass::InvalidState,
-                format!("layer {} is still in flight: wait for every layer before commit", state.in_flight_text()),
+                format!("{} still in flight: wait for every layer before commit", state.in_flight_text()),
             ));
         }
         let remote = self.is_remote();
@@ -587,7 +588,7 @@ impl StoreState {
         if !state.in_flight.is_empty() {
             return Err(Failure::new(
                 ErrorClass::InvalidState,
-                format!("layer {} is in flight: wait for every layer before finish", state.in_flight_text()),
+                format!("{} still in flight: wait for every layer before finish", state.in_flight_text()),
             ));
         }
         let remote = self.is_remote();
@@ -624,4 +625,70 @@ pub fn key_seed(fingerprint: &[u8; 32], rank: u32, world: u32) -> Result<u64, Fa
 fn wire_first_block(first_block: usize) -> Result<u32, Failure> {
     u32::try_from(first_block)
         .map_err(|_| Failure::new(ErrorClass::InvalidArgument, format!("first_block {first_block} is past any prefix tuttid takes")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issues `layer` as `StoreState::issue` does once the store accepted it.
+    fn issue(state: &mut RequestState, layer: u32) {
+        state.make_room();
+        state.in_flight.push_back(layer);
+    }
+
+    #[test]
+    fn one_layer_in_flight_keeps_the_old_reporting() {
+        // Goal: with one layer in flight, an issue forgets the previous layer's unreported
+        // completion, so the next wait is for the new layer (the behaviour before several).
+        let mut state = RequestState::new(Direction::Retrieve, false, 1);
+        issue(&mut state, 0);
+        state.complete(0);
+        assert_eq!(state.unreported, [0]);
+        issue(&mut state, 1);
+        assert!(state.unreported.is_empty());
+        assert_eq!(state.in_flight, [1]);
+    }
+
+    #[test]
+    fn completions_are_reported_in_issue_order_within_the_limit() {
+        // Goal: layers complete from the front of `in_flight` to the back of `unreported`;
+        // an engine that waits once per issue never loses a completion, and the two queues
+        // together never hold more than the limit (so they never grow past their reservation).
+        let mut state = RequestState::new(Direction::Retrieve, false, 2);
+        issue(&mut state, 0);
+        issue(&mut state, 1);
+        state.complete(0);
+        state.complete(1); // the completion thread, before the engine's first wait
+        assert_eq!((state.in_flight.len(), state.unreported.clone()), (0, VecDeque::from([0, 1])));
+        assert_eq!(state.unreported.pop_front(), Some(0)); // the engine's wait
+        issue(&mut state, 2);
+        assert_eq!(state.unreported, [1], "the layer the engine waits for next is kept");
+        assert_eq!(state.unreported.pop_front(), Some(1));
+        issue(&mut state, 3);
+        assert_eq!((state.in_flight.clone(), state.completed.clone()), (VecDeque::from([2, 3]), vec![0, 1]));
+        // Issuing past the window without waiting forgets the oldest completion, not a layer
+        // in flight.
+        state.complete(2);
+        state.complete(3);
+        issue(&mut state, 0);
+        assert_eq!((state.unreported.clone(), state.in_flight.clone()), (VecDeque::from([3]), VecDeque::from([0])));
+        assert!(state.in_flight.capacity() >= 2 && state.unreported.len() + state.in_flight.len() <= 2);
+    }
+
+    #[test]
+    fn the_store_list_replaces_the_mirror_and_messages_name_every_layer() {
+        // Goal: after a failure the store's own list is taken (a failed layer ended, the later
+        // ones still in flight); messages name the layers in flight.
+        let mut state = RequestState::new(Direction::Store, false, 4);
+        for layer in 0..3 {
+            issue(&mut state, layer);
+        }
+        assert_eq!(state.in_flight_text(), "layers 0, 1, 2");
+        state.set_in_flight([1, 2]);
+        assert_eq!(state.in_flight_text(), "layers 1, 2");
+        state.complete(1);
+        assert_eq!(state.in_flight_text(), "layer 2");
+        assert_eq!(state.completed, [1]);
+    }
 }

@@ -149,8 +149,8 @@ impl Request {
                     return Err(Failure::new(
                         ErrorClass::Timeout,
                         format!(
-                            "request {:#x}: layer {} did not complete by the deadline; it is still in flight (wait again; in \
-                             flight: {}): {}",
+                            "request {:#x}: layer {} did not complete by the deadline; it is still in flight (wait again; {} \
+                             in flight): {}",
                             self.handle,
                             request.in_flight.front().map_or_else(|| "?".to_string(), |layer| layer.to_string()),
                             request.in_flight_text(),
