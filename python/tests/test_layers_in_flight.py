@@ -1,0 +1,300 @@
+"""Several layers of one request in flight (`layers_in_flight` on Store.open / Store.attach):
+every layer issued before any wait, waited for in issue order, byte-exact, in-process and through
+tuttid; the limit refused with a message naming it; finish, the context manager and close wait
+out every layer in flight; the completion thread, poll and LayerIo with several in flight; bad
+values refused.
+
+Layers only move when the store's executor is driven (a wait, a poll, the completion thread,
+close): a small queue_depth (2 NVMe entries) keeps the later layers' commands from reaching the
+device while an earlier layer is waited for, so a close or exit that waited only for the oldest
+layer would leave the others' bytes unmoved, which the byte checks see."""
+
+from __future__ import annotations
+
+import os
+import select
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import tutti
+from conftest import FINGERPRINT, GEOMETRY, WAIT_S, fill_block, holds, store_prompt, tokens
+
+LAYERS = list(range(GEOMETRY.layers))
+SOURCE_BLOCKS = [0, 1, 2, 3]
+# Scattered targets: no two blocks of a layer merge into one command.
+TARGET_BLOCKS = [7, 5, 6, 4]
+
+
+def open_store(**options) -> tutti.Store:
+    return tutti.Store.open("emu:mem:64m", GEOMETRY, format=True, **options)
+
+
+def attach(daemon, **options) -> tutti.Store:
+    return tutti.Store.attach(daemon.socket, model_fingerprint=FINGERPRINT, keepalive=False, **options)
+
+
+def stored(store: tutti.Store, seed: int) -> tuple[tutti.KvLayout, list[int]]:
+    """Allocates 8 paged blocks, fills blocks 0..3 and stores them as a prompt of 4 blocks (one
+    layer at a time: the store path is not what these tests check)."""
+    layout = store.allocate_kv(8, "paged")
+    for block in SOURCE_BLOCKS:
+        fill_block(layout, block, seed + block)
+    prompt = tokens(seed, len(SOURCE_BLOCKS))
+    store_prompt(store, prompt, SOURCE_BLOCKS)
+    return layout, prompt
+
+
+def retrieved_exactly(layout: tutti.KvLayout, seed: int) -> bool:
+    return all(holds(layout, target, seed + source) for source, target in zip(SOURCE_BLOCKS, TARGET_BLOCKS))
+
+
+def issue_every_layer_then_wait_in_order(store: tutti.Store, layout: tutti.KvLayout, prompt: list[int], seed: int) -> None:
+    """Retrieves the stored prompt, then stores another, every layer issued before any wait;
+    checks the order, the in-flight lists and the bytes."""
+    with store.prepare_retrieve(prompt, TARGET_BLOCKS) as request:
+        ios = [request.retrieve_layer(layer) for layer in LAYERS]
+        assert request.layers_in_flight == LAYERS
+        assert request.layer_in_flight == 0, "layer_in_flight names the oldest"
+        for layer in LAYERS:
+            assert request.wait(WAIT_S) == layer, "waits complete the layers in issue order"
+            assert request.layers_in_flight == LAYERS[layer + 1 :]
+        assert request.wait(WAIT_S) is None and request.layer_in_flight is None
+        assert all(io.done for io in ios)
+        assert request.layers_completed == LAYERS
+    assert retrieved_exactly(layout, seed)
+    # A store with every layer in flight, then its commit.
+    for block in (4, 5):
+        fill_block(layout, block, seed + 100 + block)
+    other = tokens(seed + 1, 2)
+    request = store.prepare_store(other, [4, 5])
+    for layer in LAYERS:
+        request.store_layer(layer)
+    with pytest.raises(tutti.InvalidState, match="wait for every layer before commit"):
+        request.commit()
+    assert [request.wait(WAIT_S) for _ in LAYERS] == LAYERS
+    assert request.commit() == 2
+    assert store.lookup(other) == 2
+
+
+def test_the_store_option_is_checked_and_exposed(tmp_path):
+    # Goal: layers_in_flight outside 1..=4 (objstore's limit), or more than the IOCBs, is
+    # InvalidArgument naming the value, for Store.open and for Store.attach before it connects
+    # (nobody serves the socket: a refusal after connecting would be Disconnected); the value is
+    # a read-only property, 1 by default.
+    for bad in (0, 5, -1):
+        with pytest.raises(tutti.InvalidArgument, match=f"layers_in_flight = {bad}: expected 1..=4"):
+            open_store(layers_in_flight=bad)
+        with pytest.raises(tutti.InvalidArgument, match=f"layers_in_flight = {bad}"):
+            tutti.Store.attach(str(tmp_path / "nobody.sock"), model_fingerprint=FINGERPRINT, layers_in_flight=bad)
+    with pytest.raises(tutti.InvalidArgument, match="iocbs = 2"):
+        open_store(layers_in_flight=4, iocbs=2)
+    with open_store() as store:
+        assert store.layers_in_flight == 1
+    with open_store(layers_in_flight=3) as store:
+        assert store.layers_in_flight == 3
+        with pytest.raises(AttributeError):
+            store.layers_in_flight = 1
+
+
+def test_every_layer_in_flight_in_process():
+    # Goal: with layers_in_flight = the model's layers, a retrieve and a store issue every layer
+    # before any wait; each wait returns the oldest layer; the bytes are exact; commit is
+    # refused while any layer is in flight.
+    with open_store(layers_in_flight=len(LAYERS), queue_depth=2) as store:
+        layout, prompt = stored(store, 10)
+        issue_every_layer_then_wait_in_order(store, layout, prompt, 10)
+
+
+def test_every_layer_in_flight_through_tuttid(formatted_daemon):
+    # Goal: the same through tuttid: the data half is this process's (no request per layer).
+    store = attach(formatted_daemon, layers_in_flight=len(LAYERS), queue_depth=2)
+    try:
+        layout, prompt = stored(store, 20)
+        sent = store.requests_sent
+        issue_every_layer_then_wait_in_order(store, layout, prompt, 20)
+        # prepare + release of the retrieve, prepare + commit of the store, one lookup: none
+        # per layer.
+        assert store.requests_sent - sent == 5
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("where", ["in-process", "tuttid"])
+def test_the_limit_is_refused_with_its_value(where, request):
+    # Goal: a layer past layers_in_flight is InvalidState naming the layers in flight and the
+    # limit, and leaves the request usable: once the oldest is waited for, the next is issued.
+    if where == "tuttid":
+        store = attach(request.getfixturevalue("formatted_daemon"), layers_in_flight=2)
+    else:
+        store = open_store(layers_in_flight=2)
+    try:
+        layout, prompt = stored(store, 30)
+        retrieve = store.prepare_retrieve(prompt, TARGET_BLOCKS)
+        retrieve.retrieve_layer(0)
+        retrieve.retrieve_layer(1)
+        with pytest.raises(tutti.InvalidState, match=r"layers 0, 1 still in flight \(layers_in_flight = 2 per request\)"):
+            retrieve.retrieve_layer(2)
+        with pytest.raises(tutti.InvalidState, match="layers 0, 1 still in flight: wait for every layer before finish"):
+            retrieve.finish()
+        assert retrieve.layers_in_flight == [0, 1]
+        assert retrieve.wait(WAIT_S) == 0
+        with pytest.raises(tutti.InvalidState, match="layer 1 is already in flight"):
+            retrieve.retrieve_layer(1)  # the same layer twice: the store refuses it
+        assert retrieve.layers_in_flight == [1], "a refused issue leaves the layers in flight as they were"
+        retrieve.retrieve_layer(2)
+        assert retrieve.layers_in_flight == [1, 2]
+        assert retrieve.wait(WAIT_S) == 1
+        retrieve.retrieve_layer(3)
+        assert [retrieve.wait(WAIT_S), retrieve.wait(WAIT_S)] == [2, 3]
+        retrieve.finish()
+        assert retrieved_exactly(layout, 30)
+    finally:
+        store.close()
+
+
+def test_the_default_keeps_one_layer_in_flight():
+    # Goal: without the option, a second layer is refused as before (one layer per request).
+    with open_store() as store:
+        _, prompt = stored(store, 40)
+        with store.prepare_retrieve(prompt, TARGET_BLOCKS) as retrieve:
+            retrieve.retrieve_layer(0)
+            with pytest.raises(tutti.InvalidState, match=r"layer 0 still in flight \(layers_in_flight = 1"):
+                retrieve.retrieve_layer(1)
+
+
+def test_leaving_the_with_waits_out_every_layer_in_process():
+    # Goal: a request left (its `with` exited) with every layer in flight, none waited for, is
+    # finished only after each layer completed: all of them reported complete, the bytes of
+    # every layer there.
+    with open_store(layers_in_flight=len(LAYERS), queue_depth=2) as store:
+        layout, prompt = stored(store, 50)
+        with store.prepare_retrieve(prompt, TARGET_BLOCKS) as retrieve:
+            for layer in LAYERS:
+                retrieve.retrieve_layer(layer)
+        assert retrieve.state == "finished"
+        assert retrieve.layers_completed == LAYERS
+        assert retrieved_exactly(layout, 50)
+
+
+def test_close_waits_out_every_layer_in_process():
+    # Goal: closing an in-process store whose request has every layer in flight (none waited
+    # for) first completes each of them: the caller's numpy memory, which outlives the store,
+    # holds every layer's bytes afterwards, and nothing is kept for good.
+    tensors = [np.zeros((8, 2 * GEOMETRY.object_bytes), dtype=np.uint8) for _ in LAYERS]
+    layout = tutti.KvLayout.paged(tensors)
+    store = open_store(layers_in_flight=len(LAYERS), queue_depth=2)
+    store.register_kv(layout)
+    for block in SOURCE_BLOCKS:
+        fill_block(layout, block, 60 + block)
+    prompt = tokens(60, len(SOURCE_BLOCKS))
+    store_prompt(store, prompt, SOURCE_BLOCKS)
+    retrieve = store.prepare_retrieve(prompt, TARGET_BLOCKS)
+    for layer in LAYERS:
+        retrieve.retrieve_layer(layer)
+    store.close()
+    assert store.leaked_registrations() == 0
+    assert retrieved_exactly(layout, 60), "a layer in flight at close did not complete before close returned"
+
+
+def paused_retrieve(daemon, store: tutti.Store, prompt: list[int]) -> tuple[tutti.Request, threading.Timer]:
+    """A retrieve with every layer issued while the daemon (its controller) is paused, and a
+    timer that resumes it after a second."""
+    retrieve = store.prepare_retrieve(prompt, TARGET_BLOCKS)
+    daemon.pause()
+    resumer = threading.Timer(1.0, daemon.resume)
+    try:
+        for layer in LAYERS:
+            retrieve.retrieve_layer(layer)
+        with pytest.raises(tutti.TimeoutError, match="layer 0 did not complete.*still in flight"):
+            retrieve.wait(0.05)
+        assert retrieve.layers_in_flight == LAYERS, "a timed-out wait leaves every layer in flight"
+    finally:
+        resumer.start()
+    return retrieve, resumer
+
+
+def test_leaving_the_with_waits_out_every_layer_through_tuttid(formatted_daemon):
+    # Goal: through tuttid, with the controller paused while every layer is issued and resumed a
+    # second later, leaving the `with` waits until every layer completed (finish would refuse
+    # with any in flight) and the bytes of every layer are there.
+    store = attach(formatted_daemon, layers_in_flight=len(LAYERS), queue_depth=2)
+    try:
+        layout, prompt = stored(store, 70)
+        retrieve, resumer = paused_retrieve(formatted_daemon, store, prompt)
+        try:
+            with retrieve:
+                pass
+        finally:
+            resumer.join()
+        assert retrieve.state == "finished" and retrieve.layers_completed == LAYERS
+        assert retrieved_exactly(layout, 70)
+    finally:
+        store.close()
+
+
+def test_close_waits_out_every_layer_through_tuttid(formatted_daemon):
+    # Goal: an attached store closed while every layer of a retrieve is in flight on a paused
+    # controller (resumed a second later) completes each layer before it ends the session: the
+    # KV buffers (kept alive by the layout) hold every layer's bytes, nothing is kept for good,
+    # and tuttid then ends the session.
+    store = attach(formatted_daemon, layers_in_flight=len(LAYERS), queue_depth=2)
+    session = store.session
+    layout, prompt = stored(store, 80)
+    retrieve, resumer = paused_retrieve(formatted_daemon, store, prompt)
+    try:
+        started = time.monotonic()
+        store.close(timeout_s=WAIT_S)
+        assert time.monotonic() - started < WAIT_S
+    finally:
+        resumer.join()
+    assert store.leaked_registrations() == 0
+    assert retrieved_exactly(layout, 80), "a layer in flight at close did not complete before close returned"
+    # Every layer settled: close did not need to wait for tuttid to drop the session (it does
+    # so once it sees the connection closed).
+    with tutti.LookupClient.connect(formatted_daemon.socket, model_fingerprint=FINGERPRINT) as probe:
+        deadline = time.monotonic() + WAIT_S
+        while session in [client["session"] for client in probe.status()["clients"]]:
+            assert time.monotonic() < deadline, "tuttid kept the closed store's session"
+            time.sleep(0.02)
+    del retrieve
+
+
+def test_the_completion_thread_poll_and_layer_io_with_several_in_flight():
+    # Goal: with every layer in flight, the store's completion thread completes them all with
+    # nobody waiting (the eventfd readable), and Request.wait then returns each, in issue order,
+    # without blocking; poll retires every completed layer; a LayerIo's wait for a later layer
+    # completes the ones before it and takes only its own completion (the others stay for
+    # Request.wait).
+    with open_store(layers_in_flight=len(LAYERS)) as store:
+        layout, prompt = stored(store, 90)
+        with store.prepare_retrieve(prompt, TARGET_BLOCKS) as retrieve:
+            fd = retrieve.fileno()
+            for layer in LAYERS:
+                retrieve.retrieve_layer(layer)
+            deadline = time.monotonic() + WAIT_S
+            while retrieve.layers_completed != LAYERS:
+                assert time.monotonic() < deadline, f"the completion thread completed {retrieve.layers_completed}"
+                assert select.select([fd], [], [], WAIT_S)[0] == [fd]
+                os.read(fd, 8)
+            assert retrieve.layers_in_flight == []
+            assert [retrieve.wait(0) for _ in LAYERS] == LAYERS
+            assert retrieve.wait(0) is None
+        assert retrieved_exactly(layout, 90)
+        for block in TARGET_BLOCKS:
+            fill_block(layout, block, 0)
+        with store.prepare_retrieve(prompt, TARGET_BLOCKS) as retrieve:
+            retrieve.retrieve_layer(0)
+            retrieve.retrieve_layer(1)
+            deadline = time.monotonic() + WAIT_S
+            while not retrieve.poll():
+                assert time.monotonic() < deadline, "poll never saw both layers complete"
+            assert retrieve.layers_completed == [0, 1] and retrieve.layers_in_flight == []
+            ios = [retrieve.retrieve_layer(2), retrieve.retrieve_layer(3)]
+            assert retrieve.wait(WAIT_S) == 0, "poll's completions are returned in issue order"
+            ios[1].wait(WAIT_S)
+            assert ios[0].done and retrieve.layers_completed == LAYERS
+            assert [retrieve.wait(0), retrieve.wait(0), retrieve.wait(0)] == [1, 2, None], "layer 3's LayerIo took its own"
+        assert retrieved_exactly(layout, 90)
