@@ -2,7 +2,7 @@
 every layer issued before any wait, waited for in issue order, byte-exact, in-process and through
 tuttid; the limit refused with a message naming it; finish, the context manager and close wait
 out every layer in flight; the completion thread, poll and LayerIo with several in flight; bad
-values refused.
+values refused, and a prepare past the IOCBs they need.
 
 Layers only move when the store's executor is driven (a wait, a poll, the completion thread,
 close): a small queue_depth (2 NVMe entries) keeps the later layers' commands from reaching the
@@ -97,6 +97,22 @@ def test_the_store_option_is_checked_and_exposed(tmp_path):
         assert store.layers_in_flight == 3
         with pytest.raises(AttributeError):
             store.layers_in_flight = 1
+
+
+def test_a_prepare_past_the_iocbs_is_limit_reached():
+    # Goal: each prepared request holds layers_in_flight sets of IOCBs; a prepare that finds
+    # too few free is LimitReached (not a device failure), and the store is usable once a
+    # request is finished.
+    with open_store(layers_in_flight=4, iocbs=4) as store:
+        _, prompt = stored(store, 5)
+        first = store.prepare_retrieve(prompt, TARGET_BLOCKS)
+        with pytest.raises(tutti.LimitReached, match="free IOCBs"):
+            store.prepare_retrieve(prompt, TARGET_BLOCKS)
+        first.finish()
+        with store.prepare_retrieve(prompt, TARGET_BLOCKS) as second:
+            for layer in LAYERS:
+                second.retrieve_layer(layer)
+            assert [second.wait(WAIT_S) for _ in LAYERS] == LAYERS
 
 
 def test_every_layer_in_flight_in_process():
