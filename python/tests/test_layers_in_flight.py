@@ -314,3 +314,44 @@ def test_the_completion_thread_poll_and_layer_io_with_several_in_flight():
             assert ios[0].done and retrieve.layers_completed == LAYERS
             assert [retrieve.wait(0), retrieve.wait(0), retrieve.wait(0)] == [1, 2, None], "layer 3's LayerIo took its own"
         assert retrieved_exactly(layout, 90)
+
+
+class StuckAfter:
+    """A tutti.Request whose waits time out from layer `stuck` on (that layer stays in flight,
+    the real one left for close to settle)."""
+
+    def __init__(self, request: tutti.Request, stuck: int) -> None:
+        self._request = request
+        self._stuck = stuck
+
+    def __getattr__(self, name: str):
+        return getattr(self._request, name)
+
+    def wait(self, timeout_s=None):
+        if self._request.layer_in_flight == self._stuck:
+            raise tutti.TimeoutError("injected: the layer did not complete")
+        return self._request.wait(timeout_s)
+
+
+def test_the_engines_wait_out_takes_every_layer_in_flight_and_keeps_a_request_with_one_stuck():
+    # Goal: the connectors' give-up path (tutti._engine.wait_out_layer) waits out every layer a
+    # request has in flight, not only the oldest, before it lets the request go; with a later
+    # layer stuck it answers False (the request must be kept) after the earlier ones completed.
+    import logging
+
+    from tutti._engine import wait_out_layer
+
+    log = logging.getLogger("test")
+    with open_store(layers_in_flight=3, queue_depth=2) as store:
+        layout, prompt = stored(store, 70)
+        request = store.prepare_retrieve(prompt, TARGET_BLOCKS)
+        for layer in LAYERS[:3]:
+            request.retrieve_layer(layer)
+        assert wait_out_layer(request, WAIT_S, log, "test") is True
+        assert request.layer_in_flight is None
+        request.finish()
+        stuck = store.prepare_retrieve(prompt, TARGET_BLOCKS)
+        for layer in LAYERS[:3]:
+            stuck.retrieve_layer(layer)
+        assert wait_out_layer(StuckAfter(stuck, 1), 0.2, log, "test") is False
+        assert stuck.layers_in_flight == [1, 2], "layer 0 was waited out, layer 1 is kept in flight"

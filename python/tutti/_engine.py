@@ -176,15 +176,24 @@ def format_devices(devices: Sequence[str] | str, tp_rank: int) -> list[str]:
 
 
 def wait_out_layer(request: Any, timeout_s: float, log: logging.Logger, what: str) -> bool:
-    """Waits (bounded by `timeout_s`) for the layer `request` has in flight, if any, before the
-    caller gives the request up. False when the layer is still in flight after it (the devices
-    may still move its blocks' bytes: the request must be kept); `what` names the request in the
-    error logged then."""
-    try:
-        if request.layer_in_flight is not None:
+    """Waits (each wait bounded by `timeout_s`) for every layer `request` has in flight, oldest
+    first, before the caller gives the request up. False when one is still in flight after its
+    wait (the devices may still move its blocks' bytes: the request must be kept); `what` names
+    the request in the error logged then. A layer whose wait failed and which ended is not
+    waited for again; the next one is."""
+    if request.layer_in_flight is None:
+        return True
+    for _ in list(request.layers_in_flight):
+        oldest = request.layer_in_flight
+        if oldest is None:
+            break
+        try:
             request.wait(timeout_s)
-    except tutti.Error as error:
-        if request.layer_in_flight is not None:
-            log.error("%s: a layer did not complete; the request is kept: %s", what, error)
-            return False
+        except tutti.Error as error:
+            if request.layer_in_flight == oldest:
+                log.error("%s: layer %d did not complete; the request is kept: %s", what, oldest, error)
+                return False
+    if request.layer_in_flight is not None:
+        log.error("%s: layers %s are still in flight; the request is kept", what, list(request.layers_in_flight))
+        return False
     return True

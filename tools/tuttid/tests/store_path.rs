@@ -375,6 +375,10 @@ fn a_retrieve_from_a_first_block_fills_only_the_blocks_from_there() {
     let daemon = memory_daemon(directory.path());
     let mut store = connect(&daemon.socket, 0, 1);
     assert_eq!(store_prompt(&mut store, 60, 0, None), BLOCKS);
+    // The trait reports the data half's limit on layers in flight (an engine issues that far ahead).
+    assert_eq!(LayerKvStore::layers_in_flight_max(&store), 1);
+    store.data_mut().set_layers_in_flight_max(2).unwrap();
+    assert_eq!(LayerKvStore::layers_in_flight_max(&store), 2);
     let block_tokens = store.hello_reply().shape.block_tokens;
     let tokens = prompt(60, block_tokens);
     let block_bytes = store.block_bytes() as usize;

@@ -640,6 +640,10 @@ impl LayerKvStore for RemoteKvStore {
         self.data.store_layer(handle, layer, budget)
     }
 
+    fn layers_in_flight_max(&self) -> u32 {
+        self.data.layers_in_flight_max()
+    }
+
     fn any_layer_in_flight(&self, handle: RequestHandle) -> Result<bool, ObjstoreError> {
         Ok(self.data.layers_in_flight(handle)?.next().is_some())
     }
