@@ -176,6 +176,9 @@ pub(crate) struct ControllerCore {
     /// The restriction of the I/O queue whose batch is running (see `restriction.rs`); `None`
     /// for the admin queue and unrestricted queues.
     pub(crate) current_restriction: Option<Arc<QueueRestriction>>,
+    /// The count of host CC writes when the controller last looked at CC: a poll with no write
+    /// since (and no stop to finish) costs one load, not the configuration lock.
+    configuration_seen: u32,
     /// The host's shadow doorbell pages, once it sent Doorbell Buffer Config (cleared with the
     /// queues by a reset or power loss).
     pub(crate) shadow_doorbells: Option<ShadowDoorbells>,
@@ -237,6 +240,7 @@ impl ControllerCore {
             power_cycles: 1,
             unsafe_shutdowns: 0,
             current_restriction: None,
+            configuration_seen: 0,
             shadow_doorbells: None,
             restriction_refusals: Cell::new(0),
             #[cfg(test)]

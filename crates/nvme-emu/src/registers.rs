@@ -6,7 +6,7 @@
 //! Acquire loads. Read-only registers (CAP, VS, CSTS) ignore host writes, and accesses outside
 //! the file or misaligned ones read as all ones and drop writes, as a device off the bus would.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use std::sync::Arc;
@@ -40,6 +40,9 @@ pub struct RegisterFile {
     /// `disable_written`'s value for lock-free reads (`reset_requested`, checked per fetch and
     /// per command); written only under that lock.
     disable_pending: AtomicBool,
+    /// Host CC writes so far (wrapping), counted under `disable_written`'s lock after the store:
+    /// the controller looks at CC (and takes that lock) only when it moved.
+    configuration_writes: AtomicU32,
     /// Runs after every host doorbell write through [`RegisterIo`]: wakes a sleeping controller
     /// thread so that a command after an idle period does not wait out the sleep. (Doorbells
     /// written straight into the memory, as a GPU does, are found by polling.)
@@ -69,6 +72,7 @@ impl RegisterFile {
             doorbell_hook: OnceLock::new(),
             disable_written: Mutex::new(false),
             disable_pending: AtomicBool::new(false),
+            configuration_writes: AtomicU32::new(0),
         };
         file.power_on_reset();
         Ok(file)
@@ -121,13 +125,18 @@ impl RegisterFile {
         self.region.load_u64(offset, Ordering::Acquire).unwrap_or(u64::MAX)
     }
 
-    /// Whether the host wrote CC.EN = 0 since the last call (see `disable_written`), and CC as
-    /// the host last wrote it, in one step.
-    pub(crate) fn take_configuration(&self) -> (bool, u32) {
+    /// Whether the host wrote CC.EN = 0 since the last call (see `disable_written`), CC as the
+    /// host last wrote it, and the count of CC writes it reflects, in one step.
+    pub(crate) fn take_configuration(&self) -> (bool, u32, u32) {
         let mut disable_written = self.lock_configuration();
         let taken = std::mem::take(&mut *disable_written);
         self.disable_pending.store(false, Ordering::Release);
-        (taken, self.load32(registers::CC))
+        (taken, self.load32(registers::CC), self.configuration_writes.load(Ordering::Relaxed))
+    }
+
+    /// Host CC writes so far (wrapping): unchanged since a `take_configuration`, CC is as taken.
+    pub(crate) fn configuration_writes(&self) -> u32 {
+        self.configuration_writes.load(Ordering::Acquire)
     }
 
     fn lock_configuration(&self) -> MutexGuard<'_, bool> {
@@ -135,12 +144,13 @@ impl RegisterFile {
         self.disable_written.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// Whether the host asked for a controller reset that the controller has not done yet:
-    /// CC.EN reads 0, or an EN = 0 write is not taken yet. A running controller checks it
+    /// Whether the host asked for a controller reset that the controller has not done yet: an
+    /// EN = 0 write not taken yet (the controller resets as it takes one, and a CC reading
+    /// EN = 0 otherwise means the controller is not running). A running controller checks it
     /// before it fetches or runs more commands, so that a doorbell rung after the host cleared
-    /// EN is not new work for queues the reset deletes.
+    /// EN is not new work for queues the reset deletes. One load: it runs per command.
     pub(crate) fn reset_requested(&self) -> bool {
-        self.load32(registers::CC) & 1 == 0 || self.disable_pending.load(Ordering::Acquire)
+        self.disable_pending.load(Ordering::Acquire)
     }
 
     pub(crate) fn set_status(&self, csts: u32) {
@@ -188,6 +198,7 @@ impl RegisterIo for RegisterFile {
                     *disable_written = true;
                     self.disable_pending.store(true, Ordering::Release);
                 }
+                self.configuration_writes.fetch_add(1, Ordering::Release);
             } else {
                 // Release: the SQ entries written before this doorbell are visible to the
                 // controller thread once it observes the new tail with its Acquire load.

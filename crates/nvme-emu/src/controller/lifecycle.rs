@@ -18,9 +18,14 @@ impl ControllerCore {
     /// shutdown then waits for transfers in flight. CSTS says meanwhile how far it got: RDY
     /// stays 1 until a reset is done, SHST reads 01b while a shutdown is processing.
     pub(crate) fn react_to_configuration(&mut self) -> bool {
+        // Every transition below follows a CC write, except finishing a stop.
+        if self.registers.configuration_writes() == self.configuration_seen && self.state != State::Stopping {
+            return false;
+        }
         // Taken with CC in one step: a host that cleared EN and set it again before this thread
         // looked still gets its reset (the flag), then its enable (CC).
-        let (disable_written, cc) = self.registers.take_configuration();
+        let (disable_written, cc, writes) = self.registers.take_configuration();
+        self.configuration_seen = writes;
         let cc = ControllerConfiguration(cc);
         let mut worked = false;
         if self.state == State::Stopping {
