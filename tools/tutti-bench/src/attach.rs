@@ -148,6 +148,9 @@ fn run_client(socket: &Path, plan: &KvPlan, index: u32) -> anyhow::Result<()> {
     let config = RemoteConfig { kv_blocks: blocks, queue_depth: QUEUE_DEPTH, store: StoreConfig::default(), timeout: REPLY_TIMEOUT };
     let mut store =
         RemoteKvStore::connect(socket, &hello, &config).with_context(|| format!("attaching to tuttid at {}", socket.display()))?;
+    // The data half runs in this process: it keeps as many layers in flight as the in-process
+    // store would (the daemon only reserves and commits).
+    store.data_mut().set_layers_in_flight_max(plan.layers_in_flight).context("setting the layers in flight")?;
     let shape = store.data_mut().shape().clone();
     if shape.geometry != plan.geometry() {
         return usage(format!(
@@ -493,6 +496,7 @@ fn report(
         "seeds": (0..u64::from(clients)).map(|index| plan.seed.wrapping_add(index)).collect::<Vec<_>>(),
         "executor": "cpu",
         "queue_depth": QUEUE_DEPTH,
+        "layers_in_flight": plan.layers_in_flight,
         "device": status.devices.iter().map(|device| device.spec.as_str()).collect::<Vec<_>>().join(","),
         "device_description": status.devices.iter().map(|device| device.description.as_str()).collect::<Vec<_>>().join("; "),
         "pool_slots": status.pool.slots,
@@ -502,7 +506,7 @@ fn report(
     match output {
         OutputFormat::Normal => {
             outln!(
-                "tutti-bench: workload=kv mode=attach clients={clients} through tuttid at {} (pid {}), model={} ({}), prompt={} tokens = {} blocks ({} of KV) per client, hit-rate={} ({} cached blocks), verify={}, seeds {}..={}, executor=cpu",
+                "tutti-bench: workload=kv mode=attach clients={clients} through tuttid at {} (pid {}), model={} ({}), prompt={} tokens = {} blocks ({} of KV) per client, hit-rate={} ({} cached blocks), verify={}, seeds {}..={}, executor=cpu, layers-in-flight={}",
                 socket.display(),
                 status.daemon_pid,
                 plan.model.name,
@@ -514,7 +518,8 @@ fn report(
                 plan.cached_blocks(),
                 plan.verify,
                 plan.seed,
-                plan.seed.wrapping_add(u64::from(clients) - 1)
+                plan.seed.wrapping_add(u64::from(clients) - 1),
+                plan.layers_in_flight
             )?;
             for device in &status.devices {
                 outln!("  device {} (the daemon's): {}", device.spec, device.description)?;

@@ -107,6 +107,7 @@ fn two_client_processes_run_the_kv_workload_through_the_daemon_byte_exact() {
     let options = &out["global options"];
     assert_eq!((options["blocks_per_client"].as_u64(), options["cached_blocks_per_client"].as_u64()), (Some(16), Some(8)));
     assert_eq!(options["seeds"], serde_json::json!([1, 2]));
+    assert_eq!(options["layers_in_flight"].as_u64(), Some(2), "the clients keep the in-process default of layers in flight");
     let phases = out["phases"].as_array().unwrap();
     assert_eq!(phases.len(), 3, "populate, retrieve, store: {phases:?}");
     for phase in phases {
@@ -132,10 +133,11 @@ fn two_client_processes_run_the_kv_workload_through_the_daemon_byte_exact() {
     assert!(String::from_utf8_lossy(&again.stderr).contains("already holds"), "{}", String::from_utf8_lossy(&again.stderr));
 
     // One client, text output, another seed: the marker and the verified retrieve are printed.
-    let text = bench(&daemon.socket, &["--prompt-tokens", "128", "--seed", "9", "--verify"]);
+    let text = bench(&daemon.socket, &["--prompt-tokens", "128", "--seed", "9", "--verify", "--layers-in-flight", "1"]);
     assert_eq!(text.status.code(), Some(0), "{}", String::from_utf8_lossy(&text.stderr));
     let text = String::from_utf8_lossy(&text.stdout);
     assert!(text.contains("mode=attach clients=1"), "{text}");
+    assert!(text.contains("layers-in-flight=1"), "{text}");
     assert!(text.contains("compared byte for byte in the client processes, no mismatch"), "{text}");
 }
 
