@@ -17,9 +17,9 @@ Then, for each hit rate h over a prompt of N tokens (prefix P = h·N rounded dow
 - recompute: prefill of all N tokens, TTFT = the last token's logits on the host (CUDA
   synchronised), median of --repeats after --warmup;
 - tutti: the "target" blocks are zeroed (untimed), then timed: one request per layer
-  (prepare_retrieve of the P-token prefix into the target blocks, retrieve_layer(l): a Request has
-  at most one layer in flight, so every layer's read is issued at the start through a request of
-  its own), then prefill of the N − P new tokens over a DynamicCache holding the prefix, where a
+  (prepare_retrieve of the P-token prefix into the target blocks, retrieve_layer(l): a Request
+  keeps at most `layers_in_flight` layers in flight, 4 at most, fewer than the model's 32, so every
+  layer's read is issued at the start through a request of its own), then prefill of the N − P new tokens over a DynamicCache holding the prefix, where a
   forward pre-hook on decoder layer l waits for layer l's retrieve (LayerIo.wait) and copies its
   prefix KV from the registered memory into the attention cache. Bubble = the time the hooks
   waited, summed; the retrieve's GiB/s = prefix KV bytes over the time from before the first
@@ -587,7 +587,7 @@ def measure_rate(torch, transformers, args, prefill, store, memory, prompt, prom
         return time.perf_counter() - begun, logits
 
     def issue_every_layer(requests, handles) -> None:
-        """One request per layer (a Request has at most one layer in flight), each issuing its layer's
+        """One request per layer (a Request keeps at most 4 layers in flight), each issuing its layer's
         reads now. Taking a request's eventfd starts the store's completion thread, which drives the
         I/O while this thread computes: without it a layer's reads progress only inside a wait or
         poll of this process (the package's CPU executor runs on the calling thread)."""
