@@ -84,6 +84,50 @@ fn a_failed_verification_is_sticky_and_spares_good_blocks_of_its_slot() {
 }
 
 #[test]
+fn a_failed_verification_with_a_layer_still_in_flight_collects_it_so_the_request_can_end() {
+    // Goal (two layers in flight, block B's bytes changed on disk): layer 0 is issued again
+    // together with the last layer, whose wait finds the mismatch. The stuck failure must not
+    // keep the later layer from being collected: the next wait collects it (and still reports
+    // the mismatch), nothing stays in flight, and `finish` succeeds. It used to return the
+    // failure without touching the layer, so `finish` refused until the store was closed.
+    use objstore::{KvRequest, ObjstoreError};
+    let device = start_device(vec![NamespaceConfig::new(512, None)], 8 << 20, true);
+    let controller = bring_up(&device, Duration::from_secs(5));
+    format(&targets(&controller, &[1]), 1, Some(8));
+    let engine = separate_kv(controller.dma(), 32, DataPointerMode::Sgl);
+    let verified = StoreConfig { verify_retrieves: true, ..StoreConfig::default() };
+    let mut kv = open_store(targets(&controller, &[1]), &engine, verified);
+    kv.set_layers_in_flight_max(2).unwrap();
+    let tokens = Rng(22).tokens(32);
+    let keys = keys_of(&tokens);
+    store(&mut kv, &engine, &tokens, &[0, 1]);
+    let b = kv.pool().index().get(keys[1]).unwrap();
+    let superblock = *kv.pool().superblock(0);
+    let lba = superblock.block_lba(b.slot, 0) + superblock.layer_stride_blocks();
+    let mut sector = raw_read(&controller, 1, lba, 512);
+    sector[7] ^= 0x10;
+    raw_write(&controller, 1, lba, &sector);
+    let r = kv.prepare_retrieve(&KvRequest { tokens: &tokens, block_ids: &[10, 11] }).unwrap();
+    for layer in 0..3 {
+        kv.retrieve_layer(r, layer, BUDGET).unwrap();
+        assert_eq!(kv.wait(r, deadline()).unwrap(), Some(layer));
+    }
+    kv.retrieve_layer(r, 3, BUDGET).unwrap();
+    kv.retrieve_layer(r, 0, BUDGET).unwrap();
+    let in_flight = |kv: &objstore::KvStore<gio_uring::CpuExecutor>| kv.layers_in_flight(r).unwrap().collect::<Vec<_>>();
+    assert_eq!(in_flight(&kv), [3, 0]);
+    let mismatch = |result: &objstore::Result<Option<u32>>| matches!(result, Err(ObjstoreError::PayloadMismatch { .. }));
+    let last = kv.wait(r, deadline());
+    assert!(mismatch(&last), "the last layer's wait compares: {last:?}");
+    assert_eq!(in_flight(&kv), [0]);
+    let again = kv.wait(r, deadline());
+    assert!(mismatch(&again), "still the mismatch: {again:?}");
+    assert!(in_flight(&kv).is_empty(), "the layer issued again was collected");
+    assert!(matches!(kv.poll(r), Err(ObjstoreError::PayloadMismatch { .. })));
+    kv.finish(r).expect("nothing in flight: the request ends");
+}
+
+#[test]
 fn a_store_whose_queue_pair_cannot_be_deleted_keeps_its_mapping_table() {
     // Goal: a retrieve's completion is lost and the controller refuses every Delete I/O SQ, so
     // neither `abandon_in_flight` nor teardown can delete the executor's queue pair; its Read

@@ -506,13 +506,16 @@ impl<E: Executor> StoreData<E> {
     /// `abandon_in_flight`. On a verified retrieve, the `wait` that completes the last layer
     /// compares the blocks' CRCs; a mismatch (`PayloadMismatch`, naming the blocks, whose
     /// slots the control half must evict) is returned by this and every later `wait` and
-    /// `poll` until `finish`.
+    /// `poll` until `finish`. Such a `wait` still collects the oldest layer in flight first, if
+    /// any (a layer issued again after the last one), so that the request can be finished.
     pub fn wait(&mut self, handle: RequestHandle, deadline: Instant) -> Result<Option<u32>> {
         let index = self.index_of(handle)?;
-        if let Some(failure) = &self.requests[index].verify_failure {
-            return Err(failure.to_error(handle));
-        }
-        let Some(&(layer, lane)) = self.requests[index].in_flight.front() else { return Ok(None) };
+        let Some(&(layer, lane)) = self.requests[index].in_flight.front() else {
+            return match &self.requests[index].verify_failure {
+                Some(failure) => Err(failure.to_error(handle)),
+                None => Ok(None),
+            };
+        };
         // Every IOCB of the layer is waited for, even after a failure: until all completed, the
         // device may still be moving bytes of this request. A timeout leaves the layer in flight
         // (wait again, or `abandon_in_flight`).
@@ -525,6 +528,10 @@ impl<E: Executor> StoreData<E> {
             }
         }
         self.requests[index].in_flight.pop_front();
+        // A verification already failed: the layer is collected, not folded.
+        if let Some(stuck) = &self.requests[index].verify_failure {
+            return Err(stuck.to_error(handle));
+        }
         if let Some(error) = failure {
             return Err(error);
         }
@@ -545,9 +552,6 @@ impl<E: Executor> StoreData<E> {
     /// flight that are done, oldest first, as `wait` would.
     pub fn poll(&mut self, handle: RequestHandle) -> Result<bool> {
         let index = self.index_of(handle)?;
-        if let Some(failure) = &self.requests[index].verify_failure {
-            return Err(failure.to_error(handle));
-        }
         // Bounded: each round retires one layer in flight, of which there are at most `lanes`.
         while !self.requests[index].in_flight.is_empty() {
             match self.wait(handle, Instant::now()) {
@@ -555,6 +559,9 @@ impl<E: Executor> StoreData<E> {
                 Err(ObjstoreError::Gio(GioError::WaitTimeout { .. })) => return Ok(false),
                 Err(error) => return Err(error),
             }
+        }
+        if let Some(failure) = &self.requests[index].verify_failure {
+            return Err(failure.to_error(handle));
         }
         Ok(true)
     }
