@@ -309,3 +309,55 @@ def test_a_store_whose_layer_never_completes_closes_the_pool_instead_of_holding_
         assert [(result.job_id, result.success) for result in tier.get_finished_jobs()] == [(10, False)]
     finally:
         manager.shutdown()
+
+
+class FinishRefusedLoad:
+    """A tutti.Request whose wait fails and whose layer the binding no longer lists, while the
+    store still counts it in flight: finish is refused as out of order (InvalidState)."""
+
+    def __init__(self, request) -> None:
+        self._request = request
+
+    def __getattr__(self, name: str):
+        return getattr(self._request, name)
+
+    @property
+    def layer_in_flight(self):
+        return None
+
+    @property
+    def layers_in_flight(self):
+        return []
+
+    def wait(self, timeout_s=None):
+        raise tutti.DeviceError("injected: the layer failed")
+
+    def finish(self):
+        raise tutti.InvalidState("injected: a layer is still in flight")
+
+
+def test_a_load_whose_finish_is_refused_keeps_its_rows_until_the_pool_is_closed(tmp_path: Path):
+    """Goal: a failed chunk load whose finish is refused because the store still counts a layer in
+    flight is treated as a layer that does not complete: the pool is closed (queue pairs deleted)
+    before the job is reported, since vLLM reuses a failed promotion's rows at once."""
+    manager = offloading_spec(tmp_path / "pool.img", True, timeout_s=0.2).get_manager()
+    tier = manager.secondary_tiers[0]
+    try:
+        stored = keys(2, 11)
+        assert tier._store_chunks(stored, [0, 1]) == stored
+        wrapped = StoreWithStalledLoads(tier)
+        wrapped.prepare_retrieve = lambda tokens, block_ids: FinishRefusedLoad(wrapped._store.prepare_retrieve(tokens, block_ids))
+        tier._store = wrapped
+        job = TransferJob(job_id=12, keys=stored, chunk_ids=np.array([2, 3]), is_promotion=True, req_context=ReqContext(req_id="r"))
+        tier.submit_load(job)
+        results = []
+        deadline = time.monotonic() + DEADLINE_S
+        while not results:
+            assert time.monotonic() < deadline, "the job was never reported"
+            results = list(tier.get_finished_jobs())
+            time.sleep(0.01)
+        assert wrapped.closed_by_tier, "the job was reported with the pool open: its rows may still be written"
+        assert wrapped.reported_at_close == [], "the job was reported before the pool was closed"
+        assert [(result.job_id, result.success) for result in results] == [(12, False)]
+    finally:
+        manager.shutdown()

@@ -355,3 +355,22 @@ def test_the_engines_wait_out_takes_every_layer_in_flight_and_keeps_a_request_wi
             stuck.retrieve_layer(layer)
         assert wait_out_layer(StuckAfter(stuck, 1), 0.2, log, "test") is False
         assert stuck.layers_in_flight == [1, 2], "layer 0 was waited out, layer 1 is kept in flight"
+
+
+def test_the_engines_wait_out_is_not_fooled_by_a_completion_not_yet_returned():
+    # Goal: with layer 0 completed through its LayerIo (not yet returned by Request.wait) and
+    # layer 1 in flight, wait_out_layer spends a wait on the completed layer and still waits
+    # layer 1 out: True, nothing in flight (it used to answer False after one wait).
+    import logging
+
+    from tutti._engine import wait_out_layer
+
+    with open_store(layers_in_flight=2, queue_depth=2) as store:
+        layout, prompt = stored(store, 80)
+        request = store.prepare_retrieve(prompt, TARGET_BLOCKS)
+        ios = [request.retrieve_layer(layer) for layer in LAYERS[:2]]
+        ios[0].wait(WAIT_S)
+        assert request.layers_in_flight == [1]
+        assert wait_out_layer(request, WAIT_S, logging.getLogger("test"), "test") is True
+        assert request.layer_in_flight is None
+        request.finish()

@@ -175,14 +175,36 @@ def format_devices(devices: Sequence[str] | str, tp_rank: int) -> list[str]:
     return [device.replace("{tp_rank}", str(tp_rank)) for device in listed]
 
 
+# Waits wait_out_layer may spend: each returns a completed layer not yet returned, raises a
+# stored failure, or completes (or times out on) the oldest layer in flight; a request holds at
+# most 4 layers in flight and as many completions not yet returned (tutti.Store's
+# layers_in_flight), so this covers every layer with room for the failures.
+_WAIT_OUT_PASSES = 16
+
+
 def wait_out_layer(request: Any, timeout_s: float, log: logging.Logger, what: str) -> bool:
-    """Waits (each wait bounded by `timeout_s`) for every layer `request` has in flight, oldest
-    first, before the caller gives the request up. False when one is still in flight after its
-    wait (the devices may still move its blocks' bytes: the request must be kept); `what` names
-    the request in the error logged then. A layer whose wait failed and which ended is not
-    waited for again; the next one is."""
+    """Waits (each wait bounded by `timeout_s`) until `request` has no layer in flight, before
+    the caller gives the request up. False when a layer is still in flight after its wait timed
+    out, or after as many waits as a request can need (the devices may still move its blocks'
+    bytes: the request must be kept); `what` names the request in the error logged then. A wait
+    may first return a layer that completed earlier (a poll, the completion thread) or raise a
+    failure stored for an earlier layer: neither counts against the layer in flight."""
+    for _ in range(_WAIT_OUT_PASSES):
+        oldest = request.layer_in_flight
+        if oldest is None:
+            return True
+        try:
+            request.wait(timeout_s)
+        except tutti.TimeoutError as error:
+            if request.layer_in_flight == oldest:
+                log.error("%s: layer %d did not complete; the request is kept: %s", what, oldest, error)
+                return False
+        except tutti.Error:
+            pass  # that layer (or an earlier one) failed; the next pass looks again
     if request.layer_in_flight is None:
         return True
+    log.error("%s: layers %s are still in flight; the request is kept", what, list(request.layers_in_flight))
+    return False
     for _ in list(request.layers_in_flight):
         oldest = request.layer_in_flight
         if oldest is None:

@@ -196,8 +196,11 @@ class TuttiHiCacheStorage(HiCacheStorage):
         logger.warning("tutti: SGLang asked to clear the storage tier; the tutti pool keeps its pages (still valid)")
 
     def close(self) -> None:
+        """Closes the pool (SGLang's shutdown) through the same path as a stuck layer's close, so
+        a read still running on SGLang's other thread sees its outcome before it returns pages;
+        a close that could not confirm its queue pairs deleted is logged (nothing to raise to)."""
         if self._store is not None:
-            self._store.close()
+            self._close_pool("SGLang closed the storage backend", pages_written=False, level=logging.INFO)
 
     # -----------------------------------------------------------------------------------------
 
@@ -294,7 +297,7 @@ class TuttiHiCacheStorage(HiCacheStorage):
                     wave[position] = (index, None)
         return False
 
-    def _close_pool(self, reason: str, pages_written: bool) -> None:
+    def _close_pool(self, reason: str, pages_written: bool, level: int = logging.ERROR) -> None:
         """Closes the pool for good (its queue pairs deleted: no controller touches a host page
         after that) before a batch with a stuck layer returns, since SGLang reuses the host pages
         of pages reported not moved. When the stuck layer wrote host pages (a read) and the close
@@ -303,7 +306,7 @@ class TuttiHiCacheStorage(HiCacheStorage):
         with self._close_lock:
             if self._dead is None:
                 self._dead = reason
-                logger.error("tutti: %s; the pool is closed, the backend moves nothing more (lookups miss)", reason)
+                logger.log(level, "tutti: %s; the pool is closed, the backend moves nothing more (lookups miss)", reason)
                 self._store.close(timeout_s=self._timeout_s)
                 kept = self._store.leaked_registrations()
                 if kept:

@@ -145,8 +145,8 @@ impl RegisterFile {
     }
 
     /// Whether the host asked for a controller reset that the controller has not done yet: an
-    /// EN = 0 write not taken yet (the controller resets as it takes one, and a CC reading
-    /// EN = 0 otherwise means the controller is not running). A running controller checks it
+    /// EN = 0 write through `RegisterIo` not taken yet (the controller resets as it takes one;
+    /// a value stored into a shared page behind `RegisterIo`'s back is not a request). A running controller checks it
     /// before it fetches or runs more commands, so that a doorbell rung after the host cleared
     /// EN is not new work for queues the reset deletes. One load: it runs per command.
     pub(crate) fn reset_requested(&self) -> bool {
