@@ -5,14 +5,14 @@
 //!
 //! The requests' calls are here; registering or allocating the KV memory is in
 //! `backend/registration.rs`, ending the store (and what is given back or kept) in
-//! `backend/close.rs`.
+//! `backend/close.rs`, a request's own state (its layers in flight and not yet returned) in
+//! `backend/request_state.rs`.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use gio_uring::{CpuExecutor, GioError, SmBudget};
-use nix::sys::eventfd::{EfdFlags, EventFd};
 use nvme_driver::DmaRegion;
 use nvme_emu::EmuDevice;
 use objstore::{Direction, RequestHandle, StoreConfig, StorePlan};
@@ -30,6 +30,9 @@ use crate::tensor::CheckedLayout;
 
 mod close;
 mod registration;
+mod request_state;
+
+pub use request_state::RequestState;
 
 /// The longest a `wait` holds the store's lock in one go: other threads' calls (and the
 /// completion thread) get the lock between slices.
@@ -69,110 +72,6 @@ pub enum Backend {
 pub struct Allocation {
     pub regions: Vec<DmaRegion>,
     pub checked: CheckedLayout,
-}
-
-/// A live request's state, beyond the store's own.
-///
-/// Its layers, in issue order, are: completed and not yet returned by a `wait` (`unreported`),
-/// then in flight (`in_flight`). The store completes layers in issue order, so the two queues
-/// only ever move from the back of one to the back of the other, and together they hold at
-/// most the store's `layers_in_flight_max` layers (trimmed at each issue): both are reserved
-/// once, at prepare, and never grow on the per-layer path.
-pub struct RequestState {
-    pub direction: Direction,
-    /// Layers issued and not yet completed, oldest first (a mirror of the store's own list,
-    /// taken from it again whenever a wait or an issue fails).
-    pub in_flight: VecDeque<u32>,
-    /// Layers completed, in order.
-    pub completed: Vec<u32>,
-    /// Layers whose completion a `wait` has not returned yet (the completion thread, a poll or
-    /// a LayerIo's wait saw it), oldest first.
-    pub unreported: VecDeque<u32>,
-    /// A failure the completion thread saw: the next wait or poll raises it.
-    pub failure: Option<Failure>,
-    /// Signalled once per completed layer (and on a failure), created by `fileno()`.
-    pub eventfd: Option<Arc<EventFd>>,
-    /// The request moves no block (a store whose blocks the pool holds already): the store
-    /// puts nothing in flight when a layer is issued, so the layer completes at the issue.
-    pub moves_nothing: bool,
-    /// The store's `layers_in_flight_max` when the request was prepared.
-    layers_max: usize,
-}
-
-impl RequestState {
-    pub fn new(direction: Direction, moves_nothing: bool, layers_max: u32) -> RequestState {
-        let layers_max = layers_max.max(1) as usize;
-        RequestState {
-            direction,
-            in_flight: VecDeque::with_capacity(layers_max),
-            completed: Vec::new(),
-            unreported: VecDeque::with_capacity(layers_max),
-            failure: None,
-            eventfd: None,
-            moves_nothing,
-            layers_max,
-        }
-    }
-
-    fn signal(&self) {
-        if let Some(eventfd) = &self.eventfd {
-            // Saturation (2^64 - 2 unread signals) is the only failure: the fd is readable then.
-            let _ = eventfd.write(1);
-        }
-    }
-
-    /// Records that `layer`, the oldest in flight, completed.
-    fn complete(&mut self, layer: u32) {
-        // The store completes in issue order, so this is the front; by value, so that a
-        // mirror that drifted cannot keep a completed layer in flight.
-        if let Some(position) = self.in_flight.iter().position(|&in_flight| in_flight == layer) {
-            self.in_flight.remove(position);
-        }
-        self.completed.push(layer);
-        self.unreported.push_back(layer);
-        self.signal();
-    }
-
-    /// Makes room for a layer about to be put in flight: completions not yet returned by a
-    /// `wait` are remembered only while they and the layers in flight fit in the store's
-    /// limit, the oldest forgotten first (with one layer in flight, as before: an issue
-    /// forgets the previous layer's unreported completion, and the next wait is for the new
-    /// layer).
-    fn make_room(&mut self) {
-        let keep = self.layers_max.saturating_sub(self.in_flight.len() + 1);
-        while self.unreported.len() > keep {
-            self.unreported.pop_front();
-        }
-    }
-
-    /// Takes the store's own list of the layers in flight (after a failed issue or wait), in
-    /// place: the queue keeps the capacity reserved at prepare.
-    fn set_in_flight(&mut self, layers: impl IntoIterator<Item = u32>) {
-        self.in_flight.clear();
-        self.in_flight.extend(layers);
-    }
-
-    /// The layers in flight as text (error messages): "layer 3", "layers 3, 4".
-    pub fn in_flight_text(&self) -> String {
-        let layers: Vec<String> = self.in_flight.iter().map(u32::to_string).collect();
-        let noun = if layers.len() == 1 { "layer" } else { "layers" };
-        format!("{noun} {}", layers.join(", "))
-    }
-
-    pub fn eventfd(&mut self) -> Result<Arc<EventFd>, Failure> {
-        if let Some(eventfd) = &self.eventfd {
-            return Ok(Arc::clone(eventfd));
-        }
-        let eventfd = EventFd::from_value_and_flags(0, EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC)
-            .map_err(|errno| Failure::new(ErrorClass::Device, format!("creating the request's eventfd: {errno}")))?;
-        let eventfd = Arc::new(eventfd);
-        self.eventfd = Some(Arc::clone(&eventfd));
-        // Layers completed before the fd existed are announced at once.
-        if !self.unreported.is_empty() {
-            let _ = eventfd.write(1);
-        }
-        Ok(eventfd)
-    }
 }
 
 /// Where waiting out a request's layers in flight stands after one step (`settle_step`).
@@ -625,70 +524,4 @@ pub fn key_seed(fingerprint: &[u8; 32], rank: u32, world: u32) -> Result<u64, Fa
 fn wire_first_block(first_block: usize) -> Result<u32, Failure> {
     u32::try_from(first_block)
         .map_err(|_| Failure::new(ErrorClass::InvalidArgument, format!("first_block {first_block} is past any prefix tuttid takes")))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Issues `layer` as `StoreState::issue` does once the store accepted it.
-    fn issue(state: &mut RequestState, layer: u32) {
-        state.make_room();
-        state.in_flight.push_back(layer);
-    }
-
-    #[test]
-    fn one_layer_in_flight_keeps_the_old_reporting() {
-        // Goal: with one layer in flight, an issue forgets the previous layer's unreported
-        // completion, so the next wait is for the new layer (the behaviour before several).
-        let mut state = RequestState::new(Direction::Retrieve, false, 1);
-        issue(&mut state, 0);
-        state.complete(0);
-        assert_eq!(state.unreported, [0]);
-        issue(&mut state, 1);
-        assert!(state.unreported.is_empty());
-        assert_eq!(state.in_flight, [1]);
-    }
-
-    #[test]
-    fn completions_are_reported_in_issue_order_within_the_limit() {
-        // Goal: layers complete from the front of `in_flight` to the back of `unreported`;
-        // an engine that waits once per issue never loses a completion, and the two queues
-        // together never hold more than the limit (so they never grow past their reservation).
-        let mut state = RequestState::new(Direction::Retrieve, false, 2);
-        issue(&mut state, 0);
-        issue(&mut state, 1);
-        state.complete(0);
-        state.complete(1); // the completion thread, before the engine's first wait
-        assert_eq!((state.in_flight.len(), state.unreported.clone()), (0, VecDeque::from([0, 1])));
-        assert_eq!(state.unreported.pop_front(), Some(0)); // the engine's wait
-        issue(&mut state, 2);
-        assert_eq!(state.unreported, [1], "the layer the engine waits for next is kept");
-        assert_eq!(state.unreported.pop_front(), Some(1));
-        issue(&mut state, 3);
-        assert_eq!((state.in_flight.clone(), state.completed.clone()), (VecDeque::from([2, 3]), vec![0, 1]));
-        // Issuing past the window without waiting forgets the oldest completion, not a layer
-        // in flight.
-        state.complete(2);
-        state.complete(3);
-        issue(&mut state, 0);
-        assert_eq!((state.unreported.clone(), state.in_flight.clone()), (VecDeque::from([3]), VecDeque::from([0])));
-        assert!(state.in_flight.capacity() >= 2 && state.unreported.len() + state.in_flight.len() <= 2);
-    }
-
-    #[test]
-    fn the_store_list_replaces_the_mirror_and_messages_name_every_layer() {
-        // Goal: after a failure the store's own list is taken (a failed layer ended, the later
-        // ones still in flight); messages name the layers in flight.
-        let mut state = RequestState::new(Direction::Store, false, 4);
-        for layer in 0..3 {
-            issue(&mut state, layer);
-        }
-        assert_eq!(state.in_flight_text(), "layers 0, 1, 2");
-        state.set_in_flight([1, 2]);
-        assert_eq!(state.in_flight_text(), "layers 1, 2");
-        state.complete(1);
-        assert_eq!(state.in_flight_text(), "layer 2");
-        assert_eq!(state.completed, [1]);
-    }
 }
