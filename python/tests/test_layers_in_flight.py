@@ -374,3 +374,89 @@ def test_the_engines_wait_out_is_not_fooled_by_a_completion_not_yet_returned():
         assert wait_out_layer(request, WAIT_S, logging.getLogger("test"), "test") is True
         assert request.layer_in_flight is None
         request.finish()
+
+
+def corrupted_pool(tmp_path) -> tuple[str, list[int]]:
+    """A pool file holding a prompt of 2 blocks whose second block was changed on the device
+    behind the store's back. A verified retrieve of it fails at the wait that completes its last
+    layer, and every wait after that (objstore keeps the verification's failure), so a layer
+    issued again behind the last one fails too."""
+    pool = tmp_path / "pool.img"
+    prompt = tokens(120, 2)
+    with tutti.Store.open(f"emu:{pool}", GEOMETRY, format=True, create_bytes=64 << 20) as store:
+        layout = store.allocate_kv(4, "block_major")
+        block = np.from_dlpack(layout.layer(0)).reshape(4, -1)
+        block[:2] = 0
+        block[1, :16] = np.frombuffer(b"tutti-corruption", dtype=np.uint8)
+        store_prompt(store, prompt, [0, 1])
+    data = bytearray(pool.read_bytes())
+    at = data.find(b"tutti-corruption")
+    assert at > 0, "the stored block is on the device file"
+    data[at] ^= 0xFF
+    pool.write_bytes(bytes(data))
+    return f"emu:{pool}", prompt
+
+
+def last_layer_failing_with_another_behind(store: tutti.Store, prompt: list[int]) -> tuple[tutti.Request, tutti.LayerIo, tutti.LayerIo]:
+    """With layers_in_flight = 2: layers 0..2 retrieved and returned by waits, then the last
+    layer (3, whose completion verifies the CRCs and fails) in flight with layer 0 issued again
+    behind it. Nothing drives them yet (no completion thread)."""
+    request = store.prepare_retrieve(prompt, [2, 3])
+    request.retrieve_layer(0)
+    request.retrieve_layer(1)
+    assert request.wait(WAIT_S) == 0
+    request.retrieve_layer(2)
+    assert request.wait(WAIT_S) == 1
+    last = request.retrieve_layer(3)
+    assert request.wait(WAIT_S) == 2
+    again = request.retrieve_layer(0)
+    assert request.layers_in_flight == [3, 0]
+    return request, last, again
+
+
+@pytest.mark.parametrize("driven_by", ["the layer's wait", "the completion thread"])
+def test_a_layer_io_raises_its_own_layers_failure_and_request_wait_the_others(tmp_path, driven_by):
+    # Goal: with layer 3 failing ahead of layer 0 (issued again behind it), layer 0's LayerIo
+    # raises layer 0's own failure, saying so, not layer 3's (which it used to take, whether it
+    # drove layer 3 itself or the completion thread had seen it fail); Request.wait then raises
+    # layer 3's failure, once; layer 3's LayerIo says "layer 3 failed" (it used to say the layer
+    # was not issued), as often as it is asked; both LayerIos are done.
+    device, prompt = corrupted_pool(tmp_path)
+    with tutti.Store.open(device, GEOMETRY, verify_retrieves=True, layers_in_flight=2) as store:
+        store.allocate_kv(4, "block_major")
+        request, last, again = last_layer_failing_with_another_behind(store, prompt)
+        if driven_by == "the completion thread":
+            fd = request.fileno()
+            assert select.select([fd], [], [], WAIT_S)[0] == [fd], "the completion thread did not signal layer 3's end"
+        with pytest.raises(tutti.IntegrityError, match=r"^layer 0 failed: .*CRC mismatch in 1 block"):
+            again.wait(WAIT_S)
+        assert request.layers_in_flight == [] and last.done and again.done
+        with pytest.raises(tutti.IntegrityError, match=r"^layer 3 failed: .*CRC mismatch in 1 block"):
+            request.wait(WAIT_S)
+        assert request.wait(0) is None, "layer 0's failure was raised by its own LayerIo"
+        for _ in range(2):
+            with pytest.raises(tutti.IntegrityError, match=r"^layer 3 failed: .*CRC mismatch"):
+                last.wait(WAIT_S)
+            with pytest.raises(tutti.IntegrityError, match=r"^layer 0 failed: "):
+                again.wait(0)
+        assert request.layers_completed == [0, 1, 2]
+        request.finish()
+        assert store.lookup(prompt) == 1, "the corrupted block was evicted"
+
+
+def test_request_wait_reports_each_failure_once_in_issue_order(tmp_path):
+    # Goal: with nobody waiting on a LayerIo, Request.wait raises layer 3's failure and then
+    # layer 0's, each once and each naming its layer, after the completions before them; a
+    # poll that saw both fail raises neither (they are the waits' to report).
+    device, prompt = corrupted_pool(tmp_path)
+    with tutti.Store.open(device, GEOMETRY, verify_retrieves=True, layers_in_flight=2) as store:
+        store.allocate_kv(4, "block_major")
+        request, _, _ = last_layer_failing_with_another_behind(store, prompt)
+        deadline = time.monotonic() + WAIT_S
+        while not request.poll():
+            assert time.monotonic() < deadline, "poll never saw both layers end"
+        for layer in (3, 0):
+            with pytest.raises(tutti.IntegrityError, match=rf"^layer {layer} failed: .*CRC mismatch"):
+                request.wait(0)
+        assert request.wait(0) is None
+        request.finish()

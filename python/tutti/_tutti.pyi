@@ -590,13 +590,16 @@ class Request:
         (seen by poll, the completion thread, another layer's LayerIo.wait) are returned at
         once, in issue order; at most layers_in_flight of them are remembered (an issue forgets
         the oldest beyond that, so with one layer in flight the next wait is for the new
-        layer). Raises TimeoutError after timeout_s (the layer stays in flight: wait again),
+        layer). A layer that failed is returned as its failure, raised in its turn, once, its
+        message starting "layer N failed: " (unless that layer's LayerIo.wait raised it
+        first). Raises TimeoutError after timeout_s (the layer stays in flight: wait again),
         IntegrityError (verify_retrieves: the last layer's wait compares CRCs), DeviceError (a
         command failed: that layer is ended, the later ones stay in flight), StaleRequest."""
     def poll(self) -> bool:
-        """Non-blocking: drives the I/O once, completing every layer in flight that is done
-        (oldest first; later waits return them); True once nothing is in flight. Raises as wait
-        (except TimeoutError)."""
+        """Non-blocking: drives the I/O once, ending every layer in flight that is done (oldest
+        first; later waits return them, a failed layer's failure too: poll does not raise it);
+        True once nothing is in flight. Raises StaleRequest, and a wait's failure that ended no
+        layer (the layer stays in flight)."""
     def fileno(self) -> int:
         """An eventfd (non-blocking, close-on-exec, owned by the request: do not close it) that
         becomes readable each time a layer of this request completes, whoever observed it (a
@@ -627,14 +630,20 @@ class LayerIo:
     def request(self) -> Request: ...
     @property
     def done(self) -> bool:
-        """Whether this layer's completion was observed (by any wait/poll/the completion
-        thread); does not drive I/O (use poll)."""
+        """Whether this layer ended, completed or failed, as observed (by any wait/poll/the
+        completion thread); does not drive I/O (use poll). A failed layer is done: its wait
+        raises the failure."""
     def poll(self) -> bool:
-        """Non-blocking: drives the request's I/O once; True when this layer completed."""
+        """Non-blocking: drives the request's I/O up to this layer; True when this layer
+        completed. Raises as wait (except TimeoutError)."""
     def wait(self, timeout_s: float = 30.0) -> None:
-        """Waits (GIL released) until this layer completed, completing the layers issued before
-        it first (their completions stay for Request.wait; this layer's is taken, unless it was
-        complete before this call). Raises as Request.wait."""
+        """Waits (GIL released) until this layer ended, ending the layers issued before it first
+        (their outcomes stay for Request.wait, a failure of theirs too: it is not raised here;
+        this layer's is taken, unless it was complete before this call). Raises this layer's
+        own failure ("layer N failed: ...", the class as Request.wait's), as often as asked;
+        when a layer before it could not be waited for (its wait failed without ending it), a
+        failure naming that layer; TimeoutError; StaleRequest; InvalidState for a layer never
+        issued on this request."""
     def fileno(self) -> int:
         """The request's eventfd (Request.fileno)."""
 

@@ -323,12 +323,13 @@ impl StoreState {
                 Some(layers) => {
                     if layers.contains(&layer) && !state.in_flight.contains(&layer) {
                         state.make_room();
+                        state.issued(layer);
                     }
                     state.set_in_flight(layers);
                 }
                 None if !state.in_flight.contains(&layer) => {
                     state.make_room();
-                    state.in_flight.push_back(layer);
+                    state.issued(layer);
                 }
                 None => {}
             }
@@ -340,12 +341,10 @@ impl StoreState {
             // Nothing was put in flight (objstore's contract for a request with no blocks to
             // move): the layer is complete now, and is reported as any other (wait, LayerIo,
             // the eventfd).
-            state.completed.push(layer);
-            state.unreported.push_back(layer);
-            state.signal();
+            state.completed_at_issue(layer);
             return Ok(());
         }
-        state.in_flight.push_back(layer);
+        state.issued(layer);
         Ok(())
     }
 
@@ -362,11 +361,13 @@ impl StoreState {
     }
 
     /// Drives the request's oldest layer in flight until `deadline`: `Ok(Some(layer))` when it
-    /// completed now, `Ok(None)` when none was in flight, `Err(timeout)` when still in flight.
+    /// ended now, completed or failed (its outcome recorded for the waits and its LayerIo),
+    /// `Ok(None)` when none was in flight; `Err` when it is still in flight: a timeout, or a
+    /// wait that failed without ending it (that failure is the caller's to report).
     pub fn drive(&mut self, handle: u64, deadline: Instant) -> Result<Option<u32>, Failure> {
-        if self.request(handle)?.in_flight.is_empty() {
+        let Some(&oldest) = self.request(handle)?.in_flight.front() else {
             return Ok(None);
-        }
+        };
         let waited = self.layer_store()?.wait(RequestHandle::from_bits(handle), deadline);
         match waited {
             Ok(Some(layer)) => {
@@ -382,29 +383,39 @@ impl StoreState {
                 // The store ended the failed layer (a failed command, a CRC mismatch) and keeps
                 // the later ones in flight; a wait that failed before that (a queue error)
                 // leaves it, and the next wait asks the store again. The store's own list says
-                // which; when it cannot tell, the failed layer alone is taken as ended.
+                // which; when it cannot tell, the layer the error names (a failed command's) or
+                // the oldest (a CRC mismatch's) is taken as ended. The failure is that layer's
+                // alone: whoever waits for a later one does not take it.
+                let failure = Failure::from(&error);
                 let listed = self.store_in_flight(handle);
                 let state = self.request(handle)?;
-                match (listed, &error) {
-                    (Some(layers), _) => state.set_in_flight(layers),
-                    (None, ObjstoreError::LayerIo { layer, .. }) => {
-                        let layer = *layer;
-                        state.in_flight.retain(|&in_flight| in_flight != layer);
-                    }
-                    (None, ObjstoreError::PayloadMismatch { .. }) => {
-                        state.in_flight.pop_front();
-                    }
-                    (None, _) => {}
+                let ended = match (&listed, &error) {
+                    (Some(layers), _) => (!layers.contains(&oldest)).then_some(oldest),
+                    (None, ObjstoreError::LayerIo { layer, .. }) => Some(*layer),
+                    (None, ObjstoreError::PayloadMismatch { .. }) => Some(oldest),
+                    (None, _) => None,
+                };
+                if let Some(layers) = listed {
+                    state.set_in_flight(layers);
                 }
-                state.signal();
-                Err(Failure::from(&error))
+                match ended {
+                    Some(layer) => {
+                        state.fail(layer, &failure);
+                        Ok(Some(layer))
+                    }
+                    None => {
+                        state.signal();
+                        Err(failure)
+                    }
+                }
             }
         }
     }
 
     /// One step of waiting out every layer of the request in flight (a store's close, a
     /// request's exit): drives the oldest for at most one `WAIT_SLICE`, never past `deadline`.
-    /// Each `Continue` either completed a layer (at most `layers_in_flight_max` of them) or
+    /// A failed layer ends like a completed one (its outcome kept for the waits); the later
+    /// layers are driven next. Each `Continue` either ended a layer (at most `layers_in_flight_max` of them) or
     /// spent a slice before the deadline, so a caller that steps until another answer is done
     /// by the deadline.
     pub fn settle_step(&mut self, handle: u64, deadline: Instant) -> Settling {
@@ -422,7 +433,7 @@ impl StoreState {
             Err(_) => {
                 let after = self.request(handle).map_or(0, |state| state.in_flight.len());
                 if after < before {
-                    Settling::Continue // the failed layer ended; the later ones are next
+                    Settling::Continue // the store's list says a layer ended; the later ones are next
                 } else {
                     Settling::Unsettled
                 }
@@ -431,12 +442,14 @@ impl StoreState {
     }
 
     /// The completion thread's pass over the requests that have an eventfd and a layer in
-    /// flight: each is driven for at most `slice`; a failure is kept for the next wait.
+    /// flight: each is driven for at most `slice`. A failed layer's outcome is recorded by
+    /// `drive` (the later layers are driven on); a wait that failed without ending its layer is
+    /// kept, with that layer, for the next wait, and the request left alone until then.
     pub fn drive_armed(&mut self, slice: Duration) -> bool {
         let armed: Vec<u64> = self
             .requests
             .iter()
-            .filter(|(_, state)| state.eventfd.is_some() && !state.in_flight.is_empty() && state.failure.is_none())
+            .filter(|(_, state)| state.eventfd.is_some() && !state.in_flight.is_empty() && state.stalled.is_none())
             .map(|(&handle, _)| handle)
             .collect();
         for &handle in &armed {
@@ -445,7 +458,9 @@ impl StoreState {
                 Err(failure) if failure.class == ErrorClass::Timeout => {}
                 Err(failure) => {
                     if let Some(state) = self.requests.get_mut(&handle) {
-                        state.failure = Some(failure);
+                        if let Some(&layer) = state.in_flight.front() {
+                            state.stalled = Some((layer, failure));
+                        }
                     }
                 }
             }

@@ -44,6 +44,20 @@ fn timeout_of(seconds: f64) -> Result<Duration, Failure> {
         .map_err(|_| Failure::new(ErrorClass::InvalidArgument, format!("timeout_s = {seconds}: expected a non-negative number of seconds")))
 }
 
+/// What a wait for `layer` raises when `earlier`, in flight before it, could not be waited for
+/// (its wait failed without ending it): `layer` cannot complete first, and the failure is
+/// `earlier`'s.
+fn behind(layer: u32, earlier: u32, failure: &Failure) -> Failure {
+    Failure {
+        message: format!(
+            "layer {layer} is still in flight behind layer {earlier}, whose wait failed (layer {earlier} is still in flight: wait \
+             again): {}",
+            failure.message
+        ),
+        ..failure.clone()
+    }
+}
+
 impl Request {
     pub fn new(
         shared: Arc<StoreShared>,
@@ -118,20 +132,20 @@ impl Request {
         Ok(LayerIo { request: slf.clone().unbind(), layer })
     }
 
-    /// Returns the oldest layer whose completion no wait returned yet, waiting until it
-    /// completes (or `deadline`) when it is still in flight; `Ok(None)` if no layer was issued
-    /// and not yet returned. A completion seen elsewhere (a poll, the completion thread) is
-    /// returned once, in issue order.
+    /// Returns the oldest layer whose outcome no wait returned yet, waiting until it ends (or
+    /// `deadline`) when it is still in flight; raises its failure if it failed; `Ok(None)` if
+    /// no layer was issued and not yet returned. An outcome seen elsewhere (a poll, the
+    /// completion thread, a later layer's LayerIo.wait) is returned once, in issue order.
     fn wait_until(&self, deadline: Instant) -> Result<Option<u32>, Failure> {
         self.check_live()?;
         loop {
             let mut state = self.shared.lock();
             let request = state.request(self.handle)?;
-            // Completions before a failure the completion thread saw come first: issue order.
-            if let Some(layer) = request.unreported.pop_front() {
-                return Ok(Some(layer));
+            // Layers ended before a failure the completion thread saw come first: issue order.
+            if let Some(outcome) = request.unreported.pop_front() {
+                return outcome.into_result().map(Some);
             }
-            if let Some(failure) = request.failure.take() {
+            if let Some((_, failure)) = request.stalled.take() {
                 return Err(failure);
             }
             if request.in_flight.is_empty() {
@@ -140,8 +154,11 @@ impl Request {
             let slice = deadline.min(Instant::now() + WAIT_SLICE);
             match state.drive(self.handle, slice) {
                 Ok(_) => {
-                    let request = state.request(self.handle)?;
-                    return Ok(request.unreported.pop_front());
+                    // The layer that ended is the oldest not returned (None: the store had
+                    // nothing in flight, and the next round answers so).
+                    if let Some(outcome) = state.request(self.handle)?.unreported.pop_front() {
+                        return outcome.into_result().map(Some);
+                    }
                 }
                 Err(failure) if failure.class == ErrorClass::Timeout && Instant::now() < deadline => continue,
                 Err(failure) if failure.class == ErrorClass::Timeout => {
@@ -176,16 +193,17 @@ impl Request {
         }
     }
 
-    /// Non-blocking: drives the request once, retiring every layer in flight that completed
-    /// (oldest first); true once nothing is in flight.
+    /// Non-blocking: drives the request once, retiring every layer in flight that ended
+    /// (oldest first; a failed layer's failure is kept for the waits); true once nothing is in
+    /// flight. Raises only a wait that failed without ending its layer.
     fn poll_once(&self) -> Result<bool, Failure> {
         self.check_live()?;
         let mut state = self.shared.lock();
         let request = state.request(self.handle)?;
-        if let Some(failure) = request.failure.take() {
+        if let Some((_, failure)) = request.stalled.take() {
             return Err(failure);
         }
-        // Bounded: each round completes one layer in flight or returns.
+        // Bounded: each round ends one layer in flight or returns.
         for _ in 0..request.in_flight.len() {
             match state.drive(self.handle, Instant::now()) {
                 Ok(Some(_)) => {}
@@ -197,38 +215,54 @@ impl Request {
         Ok(state.request(self.handle)?.in_flight.is_empty())
     }
 
-    /// Whether `layer` completed (seen by anyone), without driving I/O.
+    /// Whether `layer` ended, completed or failed (seen by anyone), without driving I/O.
     fn layer_done(&self, layer: u32) -> bool {
         if self.phase() != Phase::Prepared {
             return true;
         }
         let mut state = self.shared.lock();
-        state.request(self.handle).is_ok_and(|request| request.completed.contains(&layer) && !request.in_flight.contains(&layer))
+        state.request(self.handle).is_ok_and(|request| request.is_ended(layer))
     }
 
-    /// Waits until `layer` completed (or `deadline`), driving the layers in flight before it in
-    /// issue order; their completions stay for `Request.wait` to return, this layer's is
-    /// taken (returned here).
+    /// Whether `layer` completed (not failed) and is not in flight again, without driving I/O.
+    fn layer_completed(&self, layer: u32) -> bool {
+        if self.phase() != Phase::Prepared {
+            return true;
+        }
+        let mut state = self.shared.lock();
+        state.request(self.handle).is_ok_and(|request| !request.in_flight.contains(&layer) && request.ended(layer) == Some(Ok(())))
+    }
+
+    /// Waits until `layer` ended (or `deadline`), driving the layers in flight before it in
+    /// issue order; their outcomes (a failure too) stay for `Request.wait` to return, this
+    /// layer's is taken (returned or raised here). Raises only this layer's failure, or, when
+    /// a layer before it cannot be waited for, a failure naming that layer.
     fn wait_layer(&self, layer: u32, deadline: Instant) -> Result<(), Failure> {
         loop {
             self.check_live()?;
             let mut state = self.shared.lock();
             let request = state.request(self.handle)?;
-            if request.completed.contains(&layer) && !request.in_flight.contains(&layer) {
-                if let Some(position) = request.unreported.iter().position(|&unreported| unreported == layer) {
-                    request.unreported.remove(position);
-                }
-                return Ok(());
-            }
-            if let Some(failure) = request.failure.take() {
-                return Err(failure);
-            }
             if !request.in_flight.contains(&layer) {
-                return Err(Failure::new(
-                    ErrorClass::InvalidState,
-                    format!("layer {layer} is not in flight and did not complete (was it issued on this request?)"),
-                ));
+                if let Some(outcome) = request.take_outcome(layer) {
+                    return outcome.into_result().map(drop);
+                }
+                return request.ended(layer).unwrap_or_else(|| {
+                    Err(Failure::new(
+                        ErrorClass::InvalidState,
+                        format!("layer {layer} is not in flight and did not complete (was it issued on this request?)"),
+                    ))
+                });
             }
+            if let Some((stalled, failure)) = request.stalled.take() {
+                if stalled == layer {
+                    return Err(failure);
+                }
+                // Layer `stalled`'s to report (Request.wait or its LayerIo), not taken here.
+                let refused = behind(layer, stalled, &failure);
+                request.stalled = Some((stalled, failure));
+                return Err(refused);
+            }
+            let oldest = request.in_flight.front().copied().unwrap_or(layer);
             match state.drive(self.handle, deadline.min(Instant::now() + WAIT_SLICE)) {
                 Ok(_) => {}
                 Err(failure) if failure.class == ErrorClass::Timeout && Instant::now() < deadline => {}
@@ -241,7 +275,8 @@ impl Request {
                         ),
                     ))
                 }
-                Err(failure) => return Err(failure),
+                Err(failure) if oldest == layer => return Err(failure),
+                Err(failure) => return Err(behind(layer, oldest, &failure)),
             }
         }
     }
@@ -450,8 +485,16 @@ impl LayerIo {
         let request = self.request.get();
         let layer = self.layer;
         py.detach(|| {
-            request.poll_once()?;
-            Ok(request.layer_done(layer))
+            if request.layer_completed(layer) {
+                return Ok(true);
+            }
+            // A wait that does not wait: the layers before this one are driven as far as they
+            // are done, and this layer's failure is raised (only its own).
+            match request.wait_layer(layer, Instant::now()) {
+                Ok(()) => Ok(true),
+                Err(failure) if failure.class == ErrorClass::Timeout => Ok(false),
+                Err(failure) => Err(failure),
+            }
         })
         .map_err(|failure: Failure| failure.to_pyerr(py))
     }
@@ -463,8 +506,8 @@ impl LayerIo {
         let layer = self.layer;
         py.detach(|| {
             // Seen complete before this call (a layer that moved nothing, the completion
-            // thread): `Request.wait` still returns it.
-            if request.layer_done(layer) {
+            // thread): `Request.wait` still returns it. A failed layer's failure is taken.
+            if request.layer_completed(layer) {
                 return Ok(());
             }
             request.wait_layer(layer, Instant::now() + timeout)

@@ -10,26 +10,51 @@ use objstore::Direction;
 
 use crate::errors::{ErrorClass, Failure};
 
+/// How an issued layer ended: completed, or failed with its own failure (whose message names
+/// it: "layer N failed: ...").
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outcome {
+    pub layer: u32,
+    pub failure: Option<Failure>,
+}
+
+impl Outcome {
+    /// The layer, or its failure.
+    pub fn into_result(self) -> Result<u32, Failure> {
+        match self.failure {
+            None => Ok(self.layer),
+            Some(failure) => Err(failure),
+        }
+    }
+}
+
 /// A live request's state, beyond the store's own.
 ///
-/// Its layers, in issue order, are: completed and not yet returned by a `wait` (`unreported`),
-/// then in flight (`in_flight`). The store completes layers in issue order, so the two queues
-/// only ever move from the back of one to the back of the other, and together they hold at
-/// most the store's `layers_in_flight_max` layers (trimmed at each issue): both are reserved
-/// once, at prepare, and never grow on the per-layer path.
+/// Its layers, in issue order, are: ended (completed or failed) and not yet returned by a
+/// `wait` (`unreported`, each with its outcome), then in flight (`in_flight`). The store ends
+/// layers in issue order, so the two queues only ever move from the back of one to the back
+/// of the other, and together they hold at most the store's `layers_in_flight_max` layers
+/// (trimmed at each issue): both are reserved once, at prepare, and never grow on the
+/// per-layer path. A failure belongs to the layer it ended, so that whoever waits for another
+/// layer never takes it.
 pub struct RequestState {
     pub direction: Direction,
-    /// Layers issued and not yet completed, oldest first (a mirror of the store's own list,
-    /// taken from it again whenever a wait or an issue fails).
+    /// Layers issued and not yet ended, oldest first (a mirror of the store's own list, taken
+    /// from it again whenever a wait or an issue fails).
     pub in_flight: VecDeque<u32>,
-    /// Layers completed, in order.
+    /// Layers completed, in order (a failed layer is not).
     pub completed: Vec<u32>,
-    /// Layers whose completion a `wait` has not returned yet (the completion thread, a poll or
-    /// a LayerIo's wait saw it), oldest first.
-    pub unreported: VecDeque<u32>,
-    /// A failure the completion thread saw: the next wait or poll raises it.
-    pub failure: Option<Failure>,
-    /// Signalled once per completed layer (and on a failure), created by `fileno()`.
+    /// Layers that failed, each with its failure, until issued again: what their LayerIo
+    /// raises however often it is asked. Off the per-layer path (only a failure adds one).
+    failed: Vec<(u32, Failure)>,
+    /// Layers ended whose outcome no wait returned yet (the completion thread, a poll or
+    /// another layer's LayerIo.wait saw it end), oldest first.
+    pub unreported: VecDeque<Outcome>,
+    /// A wait for the oldest layer in flight that failed without ending it, as the completion
+    /// thread saw it: that layer and the failure. The thread leaves the request alone until a
+    /// wait or a poll takes it (the layer stays in flight: the next wait tries again).
+    pub stalled: Option<(u32, Failure)>,
+    /// Signalled once per ended layer (and on a failure), created by `fileno()`.
     pub eventfd: Option<Arc<EventFd>>,
     /// The request moves no block (a store whose blocks the pool holds already): the store
     /// puts nothing in flight when a layer is issued, so the layer completes at the issue.
@@ -45,8 +70,9 @@ impl RequestState {
             direction,
             in_flight: VecDeque::with_capacity(layers_max),
             completed: Vec::new(),
+            failed: Vec::new(),
             unreported: VecDeque::with_capacity(layers_max),
-            failure: None,
+            stalled: None,
             eventfd: None,
             moves_nothing,
             layers_max,
@@ -60,19 +86,73 @@ impl RequestState {
         }
     }
 
-    /// Records that `layer`, the oldest in flight, completed.
-    pub(super) fn complete(&mut self, layer: u32) {
-        // The store completes in issue order, so this is the front; by value, so that a
-        // mirror that drifted cannot keep a completed layer in flight.
+    /// Records that `layer` was put in flight: a failure of an earlier issue of it is over.
+    pub(super) fn issued(&mut self, layer: u32) {
+        self.forget_failure(layer);
+        self.in_flight.push_back(layer);
+    }
+
+    /// Records that `layer`, issued on a request that moves nothing, completed at its issue.
+    pub(super) fn completed_at_issue(&mut self, layer: u32) {
+        self.forget_failure(layer);
+        self.complete(layer);
+    }
+
+    fn forget_failure(&mut self, layer: u32) {
+        if !self.failed.is_empty() {
+            self.failed.retain(|&(failed, _)| failed != layer);
+        }
+    }
+
+    fn leave_flight(&mut self, layer: u32) {
+        // The store ends layers in issue order, so this is the front; by value, so that a
+        // mirror that drifted cannot keep an ended layer in flight.
         if let Some(position) = self.in_flight.iter().position(|&in_flight| in_flight == layer) {
             self.in_flight.remove(position);
         }
+    }
+
+    /// Records that `layer`, the oldest in flight, completed.
+    pub(super) fn complete(&mut self, layer: u32) {
+        self.leave_flight(layer);
         self.completed.push(layer);
-        self.unreported.push_back(layer);
+        self.unreported.push_back(Outcome { layer, failure: None });
         self.signal();
     }
 
-    /// Makes room for a layer about to be put in flight: completions not yet returned by a
+    /// Records that `layer`, the oldest in flight, ended with `failure`: its own, which its
+    /// LayerIo raises, and the waits in issue order (once).
+    pub(super) fn fail(&mut self, layer: u32, failure: &Failure) {
+        self.leave_flight(layer);
+        let failure = Failure { message: format!("layer {layer} failed: {}", failure.message), ..failure.clone() };
+        self.forget_failure(layer);
+        self.failed.push((layer, failure.clone()));
+        self.unreported.push_back(Outcome { layer, failure: Some(failure) });
+        self.signal();
+    }
+
+    /// Takes the outcome of `layer` that no wait returned yet (the latest, should the layer
+    /// have ended twice), for its LayerIo.
+    pub fn take_outcome(&mut self, layer: u32) -> Option<Outcome> {
+        let position = self.unreported.iter().rposition(|outcome| outcome.layer == layer)?;
+        self.unreported.remove(position)
+    }
+
+    /// How `layer`, not in flight, last ended: `Some(Err)` with its failure, `Some(Ok)`
+    /// completed, None never (not issued on this request).
+    pub fn ended(&self, layer: u32) -> Option<Result<(), Failure>> {
+        if let Some((_, failure)) = self.failed.iter().find(|&&(failed, _)| failed == layer) {
+            return Some(Err(failure.clone()));
+        }
+        self.completed.contains(&layer).then_some(Ok(()))
+    }
+
+    /// Whether `layer` ended (completed or failed) and is not in flight again.
+    pub fn is_ended(&self, layer: u32) -> bool {
+        !self.in_flight.contains(&layer) && (self.completed.contains(&layer) || self.failed.iter().any(|&(failed, _)| failed == layer))
+    }
+
+    /// Makes room for a layer about to be put in flight: outcomes not yet returned by a
     /// `wait` are remembered only while they and the layers in flight fit in the store's
     /// limit, the oldest forgotten first (with one layer in flight, as before: an issue
     /// forgets the previous layer's unreported completion, and the next wait is for the new
@@ -121,7 +201,16 @@ mod tests {
     /// Issues `layer` as `StoreState::issue` does once the store accepted it.
     fn issue(state: &mut RequestState, layer: u32) {
         state.make_room();
-        state.in_flight.push_back(layer);
+        state.issued(layer);
+    }
+
+    /// The layers of the outcomes no wait returned yet, oldest first.
+    fn unreported(state: &RequestState) -> Vec<u32> {
+        state.unreported.iter().map(|outcome| outcome.layer).collect()
+    }
+
+    fn device_failure(what: &str) -> Failure {
+        Failure::new(ErrorClass::Device, what)
     }
 
     #[test]
@@ -131,7 +220,7 @@ mod tests {
         let mut state = RequestState::new(Direction::Retrieve, false, 1);
         issue(&mut state, 0);
         state.complete(0);
-        assert_eq!(state.unreported, [0]);
+        assert_eq!(unreported(&state), [0]);
         issue(&mut state, 1);
         assert!(state.unreported.is_empty());
         assert_eq!(state.in_flight, [1]);
@@ -147,11 +236,11 @@ mod tests {
         issue(&mut state, 1);
         state.complete(0);
         state.complete(1); // the completion thread, before the engine's first wait
-        assert_eq!((state.in_flight.len(), state.unreported.clone()), (0, VecDeque::from([0, 1])));
-        assert_eq!(state.unreported.pop_front(), Some(0)); // the engine's wait
+        assert_eq!((state.in_flight.len(), unreported(&state)), (0, vec![0, 1]));
+        assert_eq!(state.unreported.pop_front().map(Outcome::into_result), Some(Ok(0))); // the engine's wait
         issue(&mut state, 2);
-        assert_eq!(state.unreported, [1], "the layer the engine waits for next is kept");
-        assert_eq!(state.unreported.pop_front(), Some(1));
+        assert_eq!(unreported(&state), [1], "the layer the engine waits for next is kept");
+        assert_eq!(state.unreported.pop_front().map(Outcome::into_result), Some(Ok(1)));
         issue(&mut state, 3);
         assert_eq!((state.in_flight.clone(), state.completed.clone()), (VecDeque::from([2, 3]), vec![0, 1]));
         // Issuing past the window without waiting forgets the oldest completion, not a layer
@@ -159,8 +248,33 @@ mod tests {
         state.complete(2);
         state.complete(3);
         issue(&mut state, 0);
-        assert_eq!((state.unreported.clone(), state.in_flight.clone()), (VecDeque::from([3]), VecDeque::from([0])));
+        assert_eq!((unreported(&state), state.in_flight.clone()), (vec![3], VecDeque::from([0])));
         assert!(state.in_flight.capacity() >= 2 && state.unreported.len() + state.in_flight.len() <= 2);
+    }
+
+    #[test]
+    fn a_failure_belongs_to_the_layer_it_ended() {
+        // Goal: a failed layer's outcome names it and sits in issue order among the others;
+        // its LayerIo takes it (not another layer's), and still answers "layer N failed" after
+        // a wait returned it; the failure is forgotten when the layer is issued again.
+        let mut state = RequestState::new(Direction::Retrieve, false, 3);
+        for layer in [3, 0, 1] {
+            issue(&mut state, layer);
+        }
+        state.fail(3, &device_failure("a command failed"));
+        state.complete(0);
+        assert_eq!((unreported(&state), state.in_flight.clone()), (vec![3, 0], VecDeque::from([1])));
+        assert!(state.is_ended(3) && state.is_ended(0) && !state.is_ended(1));
+        assert_eq!(state.take_outcome(0).map(Outcome::into_result), Some(Ok(0)), "layer 0's LayerIo takes its own");
+        let own = state.unreported.pop_front().map(Outcome::into_result); // the next Request.wait
+        let expected = Failure::new(ErrorClass::Device, "layer 3 failed: a command failed");
+        assert_eq!(own, Some(Err(expected.clone())));
+        assert_eq!(state.ended(3), Some(Err(expected)), "layer 3's LayerIo still says it failed");
+        assert_eq!((state.ended(0), state.ended(2)), (Some(Ok(())), None));
+        assert_eq!(state.completed, [0]);
+        state.complete(1);
+        issue(&mut state, 3);
+        assert!(!state.is_ended(3) && state.ended(3).is_none(), "issued again: the old failure is over");
     }
 
     #[test]
