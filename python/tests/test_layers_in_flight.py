@@ -460,3 +460,64 @@ def test_request_wait_reports_each_failure_once_in_issue_order(tmp_path):
                 request.wait(0)
         assert request.wait(0) is None
         request.finish()
+
+
+@pytest.mark.parametrize("seen_by", ["poll", "the completion thread"])
+def test_completions_not_yet_returned_count_against_the_limit(seen_by):
+    # Goal: a layer that a poll or the completion thread completed still counts against
+    # layers_in_flight until a wait returns it: with layers 0 and 1 issued and completed
+    # (N = 2), issuing layer 2 is refused naming the layers to wait for first (it used to be
+    # accepted and forget layer 0, so the next wait returned 1); the waits then return every
+    # layer in issue order and the bytes are exact.
+    with open_store(layers_in_flight=2) as store:
+        layout, prompt = stored(store, 100)
+        with store.prepare_retrieve(prompt, TARGET_BLOCKS) as retrieve:
+            if seen_by == "the completion thread":
+                retrieve.fileno()
+            retrieve.retrieve_layer(0)
+            retrieve.retrieve_layer(1)
+            deadline = time.monotonic() + WAIT_S
+            while retrieve.layers_completed != [0, 1]:
+                assert time.monotonic() < deadline, f"{seen_by} completed {retrieve.layers_completed}"
+                if seen_by == "poll":
+                    retrieve.poll()
+                else:
+                    time.sleep(0.001)
+            with pytest.raises(
+                tutti.InvalidState,
+                match=r"layers 0, 1 not yet returned by a wait \(layer 0 completed, layer 1 completed; "
+                r"layers_in_flight = 2 per request\): wait for layer 0 before issuing layer 2",
+            ):
+                retrieve.retrieve_layer(2)
+            assert retrieve.layers_in_flight == []
+            assert retrieve.wait(0) == 0
+            retrieve.retrieve_layer(2)
+            with pytest.raises(tutti.InvalidState, match=r"layers 1, 2 not yet returned by a wait \(layer 1 completed, layer 2 "):
+                retrieve.retrieve_layer(3)
+            assert [retrieve.wait(WAIT_S), retrieve.wait(WAIT_S)] == [1, 2]
+            retrieve.retrieve_layer(3)
+            assert [retrieve.wait(WAIT_S), retrieve.wait(0)] == [3, None]
+        assert retrieved_exactly(layout, 100)
+
+
+def test_one_layer_in_flight_refuses_an_issue_before_the_last_layer_is_returned():
+    # Goal: with the default of one layer, a layer completed by poll and not returned by a wait
+    # refuses the next issue (it used to be forgotten at the issue); issue, wait, issue (the
+    # engines' loop) and a LayerIo's wait or poll (which return their own layer) are accepted.
+    with open_store() as store:
+        _, prompt = stored(store, 105)
+        with store.prepare_retrieve(prompt, TARGET_BLOCKS) as retrieve:
+            io = retrieve.retrieve_layer(0)
+            deadline = time.monotonic() + WAIT_S
+            while not retrieve.poll():
+                assert time.monotonic() < deadline
+            assert io.done
+            with pytest.raises(tutti.InvalidState, match=r"layer 0 not yet returned by a wait \(layer 0 completed; layers_in_flight = 1"):
+                retrieve.retrieve_layer(1)
+            assert retrieve.wait(0) == 0
+            retrieve.retrieve_layer(1).wait(WAIT_S)
+            io = retrieve.retrieve_layer(2)
+            while not io.poll():
+                assert time.monotonic() < deadline
+            retrieve.retrieve_layer(3)
+            assert [retrieve.wait(WAIT_S), retrieve.wait(0)] == [3, None], "the LayerIos returned layers 1 and 2"

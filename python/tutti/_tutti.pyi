@@ -531,8 +531,9 @@ class Store:
 
 class Request:
     """One prepared retrieve or store: a completion handle too. Up to the store's
-    `layers_in_flight` layers may be in flight at once (1 by default: issue, wait, issue); they
-    complete in issue order, and `wait` returns them in that order, one per call. A context
+    `layers_in_flight` layers may be issued and not yet returned by a wait at once (1 by
+    default: issue, wait, issue); they complete in issue order, and `wait` returns them in that
+    order, one per call (a layer's LayerIo.wait returns that one instead). A context
     manager: leaving the `with` finishes it unless it was committed or finished, first waiting
     out every layer in flight (all within the store's timeout_s)."""
 
@@ -577,9 +578,14 @@ class Request:
         returns its completion handle. `budget`: the SMs (GPU executor) or workers (CPU executor)
         the layer's I/O may use (objstore's SmBudget; the slack-aware scheduler's per-layer
         decision; the CPU executor of this package runs on the calling thread and ignores it).
-        Raises InvalidState (already layers_in_flight layers in flight: the message names them
-        and the limit; the same layer in flight already; a store request), InvalidArgument
-        (layer past the model's), StaleRequest."""
+        Raises InvalidState (already layers_in_flight layers issued and not yet returned by a
+        wait, in flight or completed: the message names each and the one to wait for; the same
+        layer in flight already; a store request), InvalidArgument (layer past the model's),
+        StaleRequest. A layer a poll or the completion thread completed still counts until a
+        wait (Request.wait, or its LayerIo's wait or poll) returns it: refusing, rather than
+        forgetting its completion, keeps every layer returnable in issue order, and makes
+        whether an issue is accepted depend only on the caller's issues and waits, never on
+        when the I/O happened to complete."""
     def store_layer(self, layer: int, *, budget: int = 1) -> LayerIo:
         """Issues the writes of one layer; as retrieve_layer. A request with no new block to
         write (new_blocks == 0: the pool holds the prompt) moves nothing: the layer is complete
@@ -588,9 +594,8 @@ class Request:
         """Returns the oldest issued layer no wait returned yet, waiting (GIL released) until it
         completes if it is still in flight; None if there is none. Layers completed already
         (seen by poll, the completion thread, another layer's LayerIo.wait) are returned at
-        once, in issue order; at most layers_in_flight of them are remembered (an issue forgets
-        the oldest beyond that, so with one layer in flight the next wait is for the new
-        layer). A layer that failed is returned as its failure, raised in its turn, once, its
+        once, in issue order, none forgotten (an issue is refused while layers_in_flight of
+        them, with those in flight, are not returned yet). A layer that failed is returned as its failure, raised in its turn, once, its
         message starting "layer N failed: " (unless that layer's LayerIo.wait raised it
         first). Raises TimeoutError after timeout_s (the layer stays in flight: wait again),
         IntegrityError (verify_retrieves: the last layer's wait compares CRCs), DeviceError (a
@@ -635,11 +640,13 @@ class LayerIo:
         raises the failure."""
     def poll(self) -> bool:
         """Non-blocking: drives the request's I/O up to this layer; True when this layer
-        completed. Raises as wait (except TimeoutError)."""
+        completed, whose completion it then takes as wait does. Raises as wait (except
+        TimeoutError)."""
     def wait(self, timeout_s: float = 30.0) -> None:
         """Waits (GIL released) until this layer ended, ending the layers issued before it first
         (their outcomes stay for Request.wait, a failure of theirs too: it is not raised here;
-        this layer's is taken, unless it was complete before this call). Raises this layer's
+        this layer's is taken, however it was seen to end: Request.wait does not return it,
+        and it no longer counts against layers_in_flight). Raises this layer's
         own failure ("layer N failed: ...", the class as Request.wait's), as often as asked;
         when a layer before it could not be waited for (its wait failed without ending it), a
         failure naming that layer; TimeoutError; StaleRequest; InvalidState for a layer never

@@ -287,7 +287,6 @@ impl StoreState {
     }
 
     pub fn issue(&mut self, handle: u64, layer: u32, budget: u32, direction: Direction) -> Result<(), Failure> {
-        let layers_max = self.layers_in_flight_max;
         let state = self.request(handle)?;
         if state.direction != direction {
             let (asked, is) = match direction {
@@ -296,15 +295,9 @@ impl StoreState {
             };
             return Err(Failure::new(ErrorClass::InvalidState, format!("{asked} on a {is} request")));
         }
-        if state.in_flight.len() >= layers_max as usize {
-            return Err(Failure::new(
-                ErrorClass::InvalidState,
-                format!(
-                    "{} still in flight (layers_in_flight = {layers_max} per request): wait for the oldest before issuing layer \
-                     {layer}",
-                    state.in_flight_text()
-                ),
-            ));
+        // Layers in flight and layers ended whose outcome no wait returned yet count alike.
+        if let Some(refusal) = state.issue_refusal(layer) {
+            return Err(Failure::new(ErrorClass::InvalidState, refusal));
         }
         let bits = RequestHandle::from_bits(handle);
         let store = self.layer_store()?;
@@ -322,21 +315,16 @@ impl StoreState {
             match listed {
                 Some(layers) => {
                     if layers.contains(&layer) && !state.in_flight.contains(&layer) {
-                        state.make_room();
                         state.issued(layer);
                     }
                     state.set_in_flight(layers);
                 }
-                None if !state.in_flight.contains(&layer) => {
-                    state.make_room();
-                    state.issued(layer);
-                }
+                None if !state.in_flight.contains(&layer) => state.issued(layer),
                 None => {}
             }
             return Err(error.into());
         }
         let state = self.request(handle)?;
-        state.make_room();
         if state.moves_nothing {
             // Nothing was put in flight (objstore's contract for a request with no blocks to
             // move): the layer is complete now, and is reported as any other (wait, LayerIo,

@@ -224,19 +224,11 @@ impl Request {
         state.request(self.handle).is_ok_and(|request| request.is_ended(layer))
     }
 
-    /// Whether `layer` completed (not failed) and is not in flight again, without driving I/O.
-    fn layer_completed(&self, layer: u32) -> bool {
-        if self.phase() != Phase::Prepared {
-            return true;
-        }
-        let mut state = self.shared.lock();
-        state.request(self.handle).is_ok_and(|request| !request.in_flight.contains(&layer) && request.ended(layer) == Some(Ok(())))
-    }
-
     /// Waits until `layer` ended (or `deadline`), driving the layers in flight before it in
     /// issue order; their outcomes (a failure too) stay for `Request.wait` to return, this
-    /// layer's is taken (returned or raised here). Raises only this layer's failure, or, when
-    /// a layer before it cannot be waited for, a failure naming that layer.
+    /// layer's is taken (returned or raised here, whoever saw it end: it no longer counts
+    /// against the request's limit). Raises only this layer's failure, or, when a layer
+    /// before it cannot be waited for, a failure naming that layer.
     fn wait_layer(&self, layer: u32, deadline: Instant) -> Result<(), Failure> {
         loop {
             self.check_live()?;
@@ -485,11 +477,9 @@ impl LayerIo {
         let request = self.request.get();
         let layer = self.layer;
         py.detach(|| {
-            if request.layer_completed(layer) {
-                return Ok(true);
-            }
             // A wait that does not wait: the layers before this one are driven as far as they
-            // are done, and this layer's failure is raised (only its own).
+            // are done; this layer's outcome is taken once it ended (its failure raised: only
+            // its own).
             match request.wait_layer(layer, Instant::now()) {
                 Ok(()) => Ok(true),
                 Err(failure) if failure.class == ErrorClass::Timeout => Ok(false),
@@ -504,15 +494,7 @@ impl LayerIo {
         let timeout = timeout_of(timeout_s).map_err(|failure| failure.to_pyerr(py))?;
         let request = self.request.get();
         let layer = self.layer;
-        py.detach(|| {
-            // Seen complete before this call (a layer that moved nothing, the completion
-            // thread): `Request.wait` still returns it. A failed layer's failure is taken.
-            if request.layer_completed(layer) {
-                return Ok(());
-            }
-            request.wait_layer(layer, Instant::now() + timeout)
-        })
-        .map_err(|failure| failure.to_pyerr(py))
+        py.detach(|| request.wait_layer(layer, Instant::now() + timeout)).map_err(|failure| failure.to_pyerr(py))
     }
 
     fn fileno(&self, py: Python<'_>) -> PyResult<i32> {

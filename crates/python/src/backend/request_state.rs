@@ -33,10 +33,12 @@ impl Outcome {
 /// Its layers, in issue order, are: ended (completed or failed) and not yet returned by a
 /// `wait` (`unreported`, each with its outcome), then in flight (`in_flight`). The store ends
 /// layers in issue order, so the two queues only ever move from the back of one to the back
-/// of the other, and together they hold at most the store's `layers_in_flight_max` layers
-/// (trimmed at each issue): both are reserved once, at prepare, and never grow on the
-/// per-layer path. A failure belongs to the layer it ended, so that whoever waits for another
-/// layer never takes it.
+/// of the other. Together they hold at most the store's `layers_in_flight_max` layers: an
+/// issue is refused while they are full (`issue_refusal`), so no outcome is ever dropped and
+/// whether an issue is accepted depends only on the caller's issues and waits, not on when
+/// the I/O completed. Both are reserved once, at prepare, and never grow on the per-layer
+/// path. A failure belongs to the layer it ended, so that whoever waits for another layer
+/// never takes it.
 pub struct RequestState {
     pub direction: Direction,
     /// Layers issued and not yet ended, oldest first (a mirror of the store's own list, taken
@@ -152,16 +154,34 @@ impl RequestState {
         !self.in_flight.contains(&layer) && (self.completed.contains(&layer) || self.failed.iter().any(|&(failed, _)| failed == layer))
     }
 
-    /// Makes room for a layer about to be put in flight: outcomes not yet returned by a
-    /// `wait` are remembered only while they and the layers in flight fit in the store's
-    /// limit, the oldest forgotten first (with one layer in flight, as before: an issue
-    /// forgets the previous layer's unreported completion, and the next wait is for the new
-    /// layer).
-    pub(super) fn make_room(&mut self) {
-        let keep = self.layers_max.saturating_sub(self.in_flight.len() + 1);
-        while self.unreported.len() > keep {
-            self.unreported.pop_front();
+    /// Why issuing `layer` is refused, or None when it may be issued: the request holds
+    /// `layers_max` layers that no wait returned yet (in flight, or ended with their outcome
+    /// not yet returned). Refusing rather than forgetting the oldest outcome keeps every
+    /// layer returnable, in issue order, by the waits the caller makes.
+    pub fn issue_refusal(&self, layer: u32) -> Option<String> {
+        let limit = self.layers_max;
+        if self.in_flight.len() + self.unreported.len() < limit {
+            return None;
         }
+        if self.unreported.is_empty() {
+            return Some(format!(
+                "{} still in flight (layers_in_flight = {limit} per request): wait for the oldest before issuing layer {layer}",
+                self.in_flight_text()
+            ));
+        }
+        let layers: Vec<u32> = self.unreported.iter().map(|outcome| outcome.layer).chain(self.in_flight.iter().copied()).collect();
+        let each: Vec<String> = self
+            .unreported
+            .iter()
+            .map(|outcome| format!("layer {} {}", outcome.layer, if outcome.failure.is_some() { "failed" } else { "completed" }))
+            .chain(self.in_flight.iter().map(|layer| format!("layer {layer} still in flight")))
+            .collect();
+        Some(format!(
+            "{} not yet returned by a wait ({}; layers_in_flight = {limit} per request): wait for layer {} before issuing layer {layer}",
+            layers_text(&layers),
+            each.join(", "),
+            layers[0]
+        ))
     }
 
     /// Takes the store's own list of the layers in flight (after a failed issue or wait), in
@@ -173,9 +193,8 @@ impl RequestState {
 
     /// The layers in flight as text (error messages): "layer 3", "layers 3, 4".
     pub fn in_flight_text(&self) -> String {
-        let layers: Vec<String> = self.in_flight.iter().map(u32::to_string).collect();
-        let noun = if layers.len() == 1 { "layer" } else { "layers" };
-        format!("{noun} {}", layers.join(", "))
+        let layers: Vec<u32> = self.in_flight.iter().copied().collect();
+        layers_text(&layers)
     }
 
     pub fn eventfd(&mut self) -> Result<Arc<EventFd>, Failure> {
@@ -194,13 +213,20 @@ impl RequestState {
     }
 }
 
+/// Layers as text (error messages): "layer 3", "layers 3, 4".
+fn layers_text(layers: &[u32]) -> String {
+    let listed: Vec<String> = layers.iter().map(u32::to_string).collect();
+    let noun = if listed.len() == 1 { "layer" } else { "layers" };
+    format!("{noun} {}", listed.join(", "))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// Issues `layer` as `StoreState::issue` does once the store accepted it.
+    /// Issues `layer` as `StoreState::issue` does: refused while the request is full.
     fn issue(state: &mut RequestState, layer: u32) {
-        state.make_room();
+        assert_eq!(state.issue_refusal(layer), None, "layer {layer}");
         state.issued(layer);
     }
 
@@ -214,42 +240,124 @@ mod tests {
     }
 
     #[test]
-    fn one_layer_in_flight_keeps_the_old_reporting() {
-        // Goal: with one layer in flight, an issue forgets the previous layer's unreported
-        // completion, so the next wait is for the new layer (the behaviour before several).
+    fn one_layer_in_flight_refuses_an_issue_until_the_last_layer_is_returned() {
+        // Goal: with one layer in flight (the default), a layer that completed (a poll, the
+        // completion thread) and was not returned by a wait refuses the next issue, naming
+        // it; once a wait returned it, the next layer is accepted (issue, wait, issue).
         let mut state = RequestState::new(Direction::Retrieve, false, 1);
         issue(&mut state, 0);
+        assert_eq!(
+            state.issue_refusal(1).as_deref(),
+            Some("layer 0 still in flight (layers_in_flight = 1 per request): wait for the oldest before issuing layer 1")
+        );
         state.complete(0);
-        assert_eq!(unreported(&state), [0]);
+        assert_eq!(
+            state.issue_refusal(1).as_deref(),
+            Some(
+                "layer 0 not yet returned by a wait (layer 0 completed; layers_in_flight = 1 per request): wait for layer 0 before \
+                 issuing layer 1"
+            )
+        );
+        assert_eq!(state.unreported.pop_front().map(Outcome::into_result), Some(Ok(0))); // the wait
         issue(&mut state, 1);
-        assert!(state.unreported.is_empty());
         assert_eq!(state.in_flight, [1]);
     }
 
     #[test]
-    fn completions_are_reported_in_issue_order_within_the_limit() {
-        // Goal: layers complete from the front of `in_flight` to the back of `unreported`;
-        // an engine that waits once per issue never loses a completion, and the two queues
-        // together never hold more than the limit (so they never grow past their reservation).
+    fn completions_are_kept_in_issue_order_and_an_issue_past_them_is_refused() {
+        // Goal: layers end from the front of `in_flight` to the back of `unreported`; an
+        // engine that waits once per issue never loses a completion; issuing while the two
+        // queues hold the limit is refused (naming each layer), never forgets the oldest, and
+        // the queues never grow past their reservation.
         let mut state = RequestState::new(Direction::Retrieve, false, 2);
+        let reserved = (state.in_flight.capacity(), state.unreported.capacity());
         issue(&mut state, 0);
         issue(&mut state, 1);
         state.complete(0);
         state.complete(1); // the completion thread, before the engine's first wait
         assert_eq!((state.in_flight.len(), unreported(&state)), (0, vec![0, 1]));
+        assert!(state.issue_refusal(2).is_some_and(|refusal| refusal.starts_with("layers 0, 1 not yet returned by a wait")));
         assert_eq!(state.unreported.pop_front().map(Outcome::into_result), Some(Ok(0))); // the engine's wait
         issue(&mut state, 2);
         assert_eq!(unreported(&state), [1], "the layer the engine waits for next is kept");
         assert_eq!(state.unreported.pop_front().map(Outcome::into_result), Some(Ok(1)));
         issue(&mut state, 3);
         assert_eq!((state.in_flight.clone(), state.completed.clone()), (VecDeque::from([2, 3]), vec![0, 1]));
-        // Issuing past the window without waiting forgets the oldest completion, not a layer
-        // in flight.
         state.complete(2);
-        state.complete(3);
-        issue(&mut state, 0);
-        assert_eq!((unreported(&state), state.in_flight.clone()), (vec![3], VecDeque::from([0])));
-        assert!(state.in_flight.capacity() >= 2 && state.unreported.len() + state.in_flight.len() <= 2);
+        state.fail(3, &device_failure("a command failed"));
+        assert_eq!(
+            state.issue_refusal(0).as_deref(),
+            Some(
+                "layers 2, 3 not yet returned by a wait (layer 2 completed, layer 3 failed; layers_in_flight = 2 per request): \
+                 wait for layer 2 before issuing layer 0"
+            )
+        );
+        assert_eq!((state.in_flight.capacity(), state.unreported.capacity()), reserved);
+    }
+
+    #[test]
+    fn every_issued_layer_is_returned_once_in_issue_order_against_a_model() {
+        // Goal: over many random interleavings of issues, completions, failures, waits and
+        // LayerIo waits (a small deterministic generator), the request's two queues are
+        // always the model's list of layers issued and not yet returned (a VecDeque), an
+        // issue is refused exactly when that list holds the limit, and each returned layer is
+        // the one the model expects: nothing is dropped or returned twice.
+        let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = move |bound: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % bound
+        };
+        for limit in 1..=4_u32 {
+            let mut state = RequestState::new(Direction::Retrieve, false, limit);
+            let mut model: VecDeque<(u32, bool)> = VecDeque::new(); // (layer, ended)
+            let mut next_layer = 0_u32;
+            for _ in 0..2_000 {
+                match next(5) {
+                    0 => {
+                        let layer = next_layer % 8;
+                        let in_model = model.iter().any(|&(issued, _)| issued == layer);
+                        assert_eq!(state.issue_refusal(layer).is_some(), model.len() == limit as usize);
+                        if state.issue_refusal(layer).is_none() && !in_model {
+                            state.issued(layer);
+                            model.push_back((layer, false));
+                            next_layer += 1;
+                        }
+                    }
+                    1 | 2 => {
+                        if let Some(oldest) = model.iter_mut().find(|(_, ended)| !ended) {
+                            oldest.1 = true;
+                            if next(4) == 0 {
+                                state.fail(oldest.0, &device_failure("injected"));
+                            } else {
+                                state.complete(oldest.0);
+                            }
+                        }
+                    }
+                    3 => {
+                        // Request.wait: the oldest not returned, once ended.
+                        if model.front().is_some_and(|&(_, ended)| ended) {
+                            let (layer, _) = model.pop_front().unwrap();
+                            assert_eq!(state.unreported.pop_front().map(|outcome| outcome.layer), Some(layer));
+                        }
+                    }
+                    _ => {
+                        // A LayerIo.wait of an ended layer: takes that layer's outcome only.
+                        let ended: Vec<u32> = model.iter().filter(|(_, ended)| *ended).map(|&(layer, _)| layer).collect();
+                        if !ended.is_empty() {
+                            let layer = ended[next(ended.len() as u64) as usize];
+                            model.retain(|&(issued, _)| issued != layer);
+                            assert_eq!(state.take_outcome(layer).map(|outcome| outcome.layer), Some(layer));
+                        }
+                    }
+                }
+                let queues: Vec<u32> = unreported(&state).into_iter().chain(state.in_flight.iter().copied()).collect();
+                let expected: Vec<u32> = model.iter().map(|&(layer, _)| layer).collect();
+                assert_eq!(queues, expected, "limit {limit}");
+                assert!(state.in_flight.capacity() >= limit as usize && state.unreported.len() + state.in_flight.len() <= limit as usize);
+            }
+        }
     }
 
     #[test]
