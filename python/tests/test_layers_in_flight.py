@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import tutti
-from conftest import FINGERPRINT, GEOMETRY, WAIT_S, fill_block, holds, store_prompt, tokens
+from conftest import FINGERPRINT, GEOMETRY, WAIT_S, fill_block, holds, retrieve_prompt, store_prompt, tokens
 
 LAYERS = list(range(GEOMETRY.layers))
 SOURCE_BLOCKS = [0, 1, 2, 3]
@@ -521,3 +521,33 @@ def test_one_layer_in_flight_refuses_an_issue_before_the_last_layer_is_returned(
                 assert time.monotonic() < deadline
             retrieve.retrieve_layer(3)
             assert [retrieve.wait(WAIT_S), retrieve.wait(0)] == [3, None], "the LayerIos returned layers 1 and 2"
+
+
+@pytest.mark.parametrize("where", ["in-process", "tuttid"])
+def test_a_prepare_past_the_iocbs_says_what_each_request_holds_and_what_to_raise(where, request):
+    # Goal: the defaults iocbs = 64 and requests_max = 32 with layers_in_flight = 4 are accepted
+    # at open, and 16 prepared requests hold every IOCB (4 each: one per layer in flight); the
+    # 17th prepare is LimitReached saying how many IOCBs each request holds, that
+    # requests_max x layers_in_flight is past iocbs, and to raise iocbs.
+    if where == "tuttid":
+        store = attach(request.getfixturevalue("formatted_daemon"), layers_in_flight=4)
+    else:
+        store = open_store(layers_in_flight=4)
+    try:
+        _, prompt = stored(store, 110)
+        held = [store.prepare_retrieve(prompt, TARGET_BLOCKS) for _ in range(16)]
+        with pytest.raises(tutti.LimitReached) as refused:
+            store.prepare_retrieve(prompt, TARGET_BLOCKS)
+        message = str(refused.value)
+        for part in (
+            "0 of iocbs = 64 free, 4 needed",
+            "each prepared request holds layers_in_flight = 4 sets of its IOCBs (here 4 IOCBs per request)",
+            "requests_max x layers_in_flight = 32 x 4 = 128 is more than iocbs = 64",
+            "raise iocbs",
+        ):
+            assert part in message, message
+        for prepared in held:
+            prepared.finish()
+        retrieve_prompt(store, prompt, TARGET_BLOCKS)
+    finally:
+        store.close()

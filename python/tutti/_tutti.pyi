@@ -61,7 +61,8 @@ class TimeoutError(Error, builtins.TimeoutError):
 
 class LimitReached(Error):
     """A bounded resource is exhausted: too many requests prepared at once (`requests_max`), no
-    free IOCBs for a prepare (each prepared request holds `layers_in_flight` sets: raise `iocbs`),
+    free IOCBs for a prepare (each prepared request holds `layers_in_flight` sets, so
+    requests_max x layers_in_flight should not exceed `iocbs`: the message says so; raise `iocbs`),
     or a per-session cap of tuttid (requests, windows, window bytes). Finish requests, or raise
     the limit."""
 
@@ -379,9 +380,11 @@ class Store:
         layers_in_flight: how many layers of one request may be in flight at once, 1..=4
         (objstore's LAYERS_IN_FLIGHT_LIMIT): an engine issues up to that many layers before it
         waits for the oldest, so the device's queue does not drain at each layer boundary. Each
-        prepared request then holds that many sets of its IOCBs (filled once, at prepare):
-        `iocbs` must hold requests x layers_in_flight of them (LimitReached at prepare
-        otherwise), and be at least layers_in_flight.
+        prepared request then holds that many sets of its IOCBs (filled once, at prepare)
+        until it is finished or committed: requests_max x layers_in_flight should not exceed
+        `iocbs` (not refused here: with the defaults, 4 layers in flight hold 16 requests; a
+        prepare past the IOCBs is LimitReached saying what each request holds and to raise
+        iocbs), and iocbs must be at least layers_in_flight.
 
         Raises InvalidArgument (a bad device string, geometry or option), DeviceError (a device
         cannot be opened or brought up, or is locked by another process), PoolError."""

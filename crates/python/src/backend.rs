@@ -116,6 +116,54 @@ pub struct StoreState {
     /// Layers one request may keep in flight (`Store.open`/`attach`'s `layers_in_flight`),
     /// given to the store when it is built (before any request is prepared).
     pub layers_in_flight_max: u32,
+    /// The options that bound the store's requests, for the refusals they cause.
+    limits: RequestLimits,
+}
+
+/// The options that bound a store's requests (`Store.open`/`attach`'s `layers_in_flight`,
+/// `iocbs`, `requests_max`): each prepared request holds `layers_in_flight` sets of its IOCBs
+/// until it ends, so `requests_max x layers_in_flight` should not exceed `iocbs`. That is not
+/// refused at open (the defaults, 64 IOCBs and 32 requests, with 4 layers in flight hold 16
+/// requests, often enough); a prepare that finds too few IOCBs says so instead.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RequestLimits {
+    pub layers_in_flight: u32,
+    pub iocbs: u32,
+    pub requests_max: usize,
+}
+
+impl RequestLimits {
+    /// The message of a prepare that found `available` free IOCBs of the queue's `iocbs` and
+    /// needed `requested` (`layers_in_flight` sets of the request's IOCBs): what each request
+    /// holds, whether the options are to blame, and which to raise.
+    pub fn no_free_iocbs(&self, requested: usize, available: usize) -> String {
+        let RequestLimits { layers_in_flight, iocbs, requests_max } = *self;
+        let sets = layers_in_flight.max(1) as usize;
+        let per_set = requested.div_ceil(sets);
+        let held = if per_set > 1 {
+            format!("here {requested} IOCBs per request: {per_set} per set, one per 2048 commands of a layer")
+        } else {
+            format!("here {requested} IOCBs per request")
+        };
+        let mut message = format!(
+            "no free IOCBs for this prepare: {available} of iocbs = {iocbs} free, {requested} needed; each prepared request holds \
+             layers_in_flight = {layers_in_flight} sets of its IOCBs ({held}) until it is finished or committed"
+        );
+        let wanted = requests_max.saturating_mul(sets);
+        if wanted > iocbs as usize {
+            message.push_str(&format!(
+                "; requests_max x layers_in_flight = {requests_max} x {layers_in_flight} = {wanted} is more than iocbs = {iocbs}: raise \
+                 iocbs (Store.open / Store.attach) to at least {}, or lower layers_in_flight, or prepare fewer requests at once",
+                wanted.next_power_of_two()
+            ));
+        } else {
+            message.push_str(&format!(
+                "; requests_max x layers_in_flight = {requests_max} x {layers_in_flight} = {wanted} fits in iocbs = {iocbs}, but the \
+                 requests prepared need more IOCBs each: raise iocbs (Store.open / Store.attach), or prepare fewer requests at once"
+            ));
+        }
+        message
+    }
 }
 
 fn not_registered() -> Failure {
@@ -131,7 +179,7 @@ fn is_timeout(error: &ObjstoreError) -> bool {
 }
 
 impl StoreState {
-    pub fn new(backend: Backend, key_space: Option<([u8; 32], u32, u32)>, layers_in_flight_max: u32) -> StoreState {
+    pub fn new(backend: Backend, key_space: Option<([u8; 32], u32, u32)>, limits: RequestLimits) -> StoreState {
         StoreState {
             backend,
             requests: HashMap::new(),
@@ -145,7 +193,8 @@ impl StoreState {
             leaked_tensors: 0,
             key_space,
             last_daemon_request: Instant::now(),
-            layers_in_flight_max,
+            layers_in_flight_max: limits.layers_in_flight,
+            limits,
         }
     }
 
@@ -255,7 +304,14 @@ impl StoreState {
         if remote {
             self.touch_daemon();
         }
-        let (handle, plan) = prepared?;
+        let (handle, plan) = prepared.map_err(|error| match error {
+            // Which option is to blame, and which to raise (objstore's words kept after it).
+            ObjstoreError::Gio(GioError::NoFreeIocb { requested, available }) => {
+                let failure = Failure::from(&error);
+                Failure { message: format!("{} ({})", self.limits.no_free_iocbs(requested, available), failure.message), ..failure }
+            }
+            other => Failure::from(other),
+        })?;
         // The blocks the data path moves (objstore's placements; a store's new blocks only):
         // none, and an issued layer puts nothing in flight (objstore marks it done at once).
         let placed: Vec<u32> = match &self.backend {
@@ -403,9 +459,9 @@ impl StoreState {
     /// One step of waiting out every layer of the request in flight (a store's close, a
     /// request's exit): drives the oldest for at most one `WAIT_SLICE`, never past `deadline`.
     /// A failed layer ends like a completed one (its outcome kept for the waits); the later
-    /// layers are driven next. Each `Continue` either ended a layer (at most `layers_in_flight_max` of them) or
-    /// spent a slice before the deadline, so a caller that steps until another answer is done
-    /// by the deadline.
+    /// layers are driven next. Each `Continue` either ended a layer (at most
+    /// `layers_in_flight_max` of them) or spent a slice before the deadline, so a caller that
+    /// steps until another answer is done by the deadline.
     pub fn settle_step(&mut self, handle: u64, deadline: Instant) -> Settling {
         let before = match self.request(handle) {
             Ok(state) => state.in_flight.len(),
@@ -527,4 +583,29 @@ pub fn key_seed(fingerprint: &[u8; 32], rank: u32, world: u32) -> Result<u64, Fa
 fn wire_first_block(first_block: usize) -> Result<u32, Failure> {
     u32::try_from(first_block)
         .map_err(|_| Failure::new(ErrorClass::InvalidArgument, format!("first_block {first_block} is past any prefix tuttid takes")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn running_out_of_iocbs_says_what_each_request_holds_and_what_to_raise() {
+        // Goal: the defaults (64 IOCBs, 32 requests) with 4 layers in flight: the 17th
+        // prepare's message names the IOCBs a request holds, the product past iocbs and the
+        // option to raise; a request of more than 2048 commands a layer says it needs several
+        // per set, and when the product fits, the message does not blame it.
+        let limits = RequestLimits { layers_in_flight: 4, iocbs: 64, requests_max: 32 };
+        assert_eq!(
+            limits.no_free_iocbs(4, 0),
+            "no free IOCBs for this prepare: 0 of iocbs = 64 free, 4 needed; each prepared request holds layers_in_flight = 4 \
+             sets of its IOCBs (here 4 IOCBs per request) until it is finished or committed; requests_max x layers_in_flight = 32 \
+             x 4 = 128 is more than iocbs = 64: raise iocbs (Store.open / Store.attach) to at least 128, or lower \
+             layers_in_flight, or prepare fewer requests at once"
+        );
+        let fits = RequestLimits { layers_in_flight: 2, iocbs: 64, requests_max: 8 };
+        let message = fits.no_free_iocbs(8, 6);
+        assert!(message.contains("(here 8 IOCBs per request: 4 per set, one per 2048 commands of a layer)"), "{message}");
+        assert!(message.contains("= 16 fits in iocbs = 64, but the requests prepared need more IOCBs each: raise iocbs"), "{message}");
+    }
 }

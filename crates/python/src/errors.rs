@@ -128,7 +128,8 @@ impl From<&ObjstoreError> for Failure {
             | ObjstoreError::MetadataFenced { .. } => ErrorClass::Pool,
             ObjstoreError::PoolFull { .. } => ErrorClass::PoolFull,
             // A prepare that found no free IOCBs: each prepared request holds one set per layer
-            // it may keep in flight, so requests_max x layers_in_flight can outgrow `iocbs`.
+            // it may keep in flight, so requests_max x layers_in_flight can outgrow `iocbs`
+            // (`StoreState::prepare` says so in the message, with the option to raise).
             ObjstoreError::TooManyRequests { .. } | ObjstoreError::Gio(GioError::NoFreeIocb { .. }) => ErrorClass::LimitReached,
             ObjstoreError::UnknownHandle { .. } => ErrorClass::StaleRequest,
             ObjstoreError::HandleState { .. } => ErrorClass::InvalidState,

@@ -17,7 +17,7 @@ use tutti_daemon::protocol::Hello;
 use tutti_daemon::{Client, DaemonError};
 use tutti_devices::{DeviceKind, DeviceSpec};
 
-use crate::backend::{key_seed, Backend, StoreState};
+use crate::backend::{key_seed, Backend, RequestLimits, StoreState};
 use crate::errors::{ErrorClass, Failure};
 use crate::geometry::ModelGeometry;
 use crate::memory::{describe, tensor_names, KvBuffer, KvLayout};
@@ -190,7 +190,8 @@ fn duration_of(seconds: f64, what: &str) -> Result<Duration, Failure> {
 
 /// `layers_in_flight` as the store takes it: 1..=objstore's limit (each layer in flight is one
 /// more set of every prepared request's IOCBs, so the queue's `iocbs` must hold at least that
-/// many per request).
+/// many for one request). `requests_max x layers_in_flight` past `iocbs` is accepted: a prepare
+/// that then finds too few IOCBs is LimitReached saying so (`RequestLimits::no_free_iocbs`).
 /// Taken as any int, so that a negative one is InvalidArgument too (not an OverflowError).
 fn layers_in_flight_of(layers: i64, iocbs: u32) -> Result<u32, Failure> {
     let layers = u32::try_from(layers).ok().filter(|layers| (1..=LAYERS_IN_FLIGHT_LIMIT).contains(layers)).ok_or_else(|| {
@@ -340,7 +341,7 @@ impl Store {
         let config = StoreConfig { iocbs, ioctx_per_iocb_max: 2048, requests_max, verify_retrieves };
         let backend = Backend::LocalOpen { pool: opened.pool, emulators: opened.emulators, locks: opened.locks, config, queue_depth };
         Store::new(StoreShared {
-            state: Mutex::new(StoreState::new(backend, key_space, layers_in_flight)),
+            state: Mutex::new(StoreState::new(backend, key_space, RequestLimits { layers_in_flight, iocbs, requests_max })),
             wake: Condvar::new(),
             stop: AtomicBool::new(false),
             service: Mutex::new(None),
@@ -397,7 +398,7 @@ impl Store {
             timeout,
         };
         let backend = Backend::RemoteAttached { client, hello: reply, config };
-        let mut state = StoreState::new(backend, None, layers_in_flight);
+        let mut state = StoreState::new(backend, None, RequestLimits { layers_in_flight, iocbs, requests_max });
         state.daemon_socket = Some(socket);
         state.daemon_session = Some(session);
         Store::new(StoreShared {
