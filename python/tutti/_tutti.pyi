@@ -615,7 +615,9 @@ class Request:
         completion thread if not running (one per store, at most): while a request with an
         eventfd has a layer in flight, it drives the store's I/O in slices of at most 200 us
         under the store's lock, and stops when the store closes. Reading the eventfd (8 bytes)
-        resets it; then call `wait(0)` / `poll()` / `layers_completed` for the result."""
+        resets it; then call `wait(0)` for the layer (or its failure), which also frees its
+        place among the layers_in_flight not yet returned, before the next issue
+        (`layers_completed` and `poll()` only look)."""
     def commit(self) -> int:
         """Store: makes the stored blocks durable (flush, headers with FUA) and visible, and
         finishes the request; every layer must have completed. Returns the blocks stored.
