@@ -521,6 +521,7 @@ def test_one_layer_in_flight_refuses_an_issue_before_the_last_layer_is_returned(
                 assert time.monotonic() < deadline
             retrieve.retrieve_layer(3)
             assert [retrieve.wait(WAIT_S), retrieve.wait(0)] == [3, None], "the LayerIos returned layers 1 and 2"
+        assert io.poll() and io.wait(0) is None, "a LayerIo of a finished request is done, as before"
 
 
 @pytest.mark.parametrize("where", ["in-process", "tuttid"])

@@ -477,6 +477,9 @@ impl LayerIo {
         let request = self.request.get();
         let layer = self.layer;
         py.detach(|| {
+            if request.phase() != Phase::Prepared {
+                return Ok(true); // ended with its request (as `done` says)
+            }
             // A wait that does not wait: the layers before this one are driven as far as they
             // are done; this layer's outcome is taken once it ended (its failure raised: only
             // its own).
@@ -494,7 +497,13 @@ impl LayerIo {
         let timeout = timeout_of(timeout_s).map_err(|failure| failure.to_pyerr(py))?;
         let request = self.request.get();
         let layer = self.layer;
-        py.detach(|| request.wait_layer(layer, Instant::now() + timeout)).map_err(|failure| failure.to_pyerr(py))
+        py.detach(|| {
+            if request.phase() != Phase::Prepared {
+                return Ok(()); // ended with its request (as `done` says)
+            }
+            request.wait_layer(layer, Instant::now() + timeout)
+        })
+        .map_err(|failure| failure.to_pyerr(py))
     }
 
     fn fileno(&self, py: Python<'_>) -> PyResult<i32> {
