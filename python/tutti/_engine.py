@@ -176,9 +176,9 @@ def format_devices(devices: Sequence[str] | str, tp_rank: int) -> list[str]:
 
 
 # Waits wait_out_layer may spend: each returns a completed layer not yet returned, raises a
-# stored failure, or completes (or times out on) the oldest layer in flight; a request holds at
-# most 4 layers in flight and as many completions not yet returned (tutti.Store's
-# layers_in_flight), so this covers every layer with room for the failures.
+# layer's failure, or completes (or times out on) the oldest layer in flight; a request holds at
+# most 4 layers in flight and not yet returned together (tutti.Store's layers_in_flight), so this
+# covers every layer with room to spare.
 _WAIT_OUT_PASSES = 16
 
 
@@ -205,17 +205,3 @@ def wait_out_layer(request: Any, timeout_s: float, log: logging.Logger, what: st
         return True
     log.error("%s: layers %s are still in flight; the request is kept", what, list(request.layers_in_flight))
     return False
-    for _ in list(request.layers_in_flight):
-        oldest = request.layer_in_flight
-        if oldest is None:
-            break
-        try:
-            request.wait(timeout_s)
-        except tutti.Error as error:
-            if request.layer_in_flight == oldest:
-                log.error("%s: layer %d did not complete; the request is kept: %s", what, oldest, error)
-                return False
-    if request.layer_in_flight is not None:
-        log.error("%s: layers %s are still in flight; the request is kept", what, list(request.layers_in_flight))
-        return False
-    return True
