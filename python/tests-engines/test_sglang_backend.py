@@ -18,6 +18,7 @@ from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHA
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.storage import StorageBackendFactory
+from stalled import StalledLayer
 from tutti.sglang import TESTED_SGLANG_VERSION, HostPagesUnsafe, TuttiHiCacheStorage, check_sglang_version
 
 LAYERS = 2
@@ -147,20 +148,6 @@ def test_backup_then_prefetch_byte_exact(tmp_path: Path, layout: str):
     reopened = backend(layout, pool, extra_config(tmp_path / "pool.img", False))
     assert reopened.batch_exists(keys) == 3
     reopened.close()
-
-
-class StalledLayer:
-    """A tutti.Request whose layer, once issued, is never seen to complete: every wait times out
-    and the layer stays in flight (the real one is left for the pool's close to settle)."""
-
-    def __init__(self, request) -> None:
-        self._request = request
-
-    def __getattr__(self, name: str):
-        return getattr(self._request, name)
-
-    def wait(self, timeout_s=None):
-        raise tutti.TimeoutError("injected: the layer did not complete")
 
 
 class StoreWithStalledLayers:

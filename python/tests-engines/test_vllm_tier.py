@@ -16,6 +16,7 @@ import pytest
 
 import tutti
 import vllm_harness as harness
+from stalled import StalledLayer
 from tutti.vllm import TuttiTier
 from tutti.vllm.connector import KvMemoryUnsafe
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
@@ -182,20 +183,6 @@ def test_chunks_that_fail_to_issue_are_finished_not_leaked(tmp_path: Path):
         manager.shutdown()
 
 
-class StalledLoad:
-    """A tutti.Request whose layer, once issued, is never seen to complete: every wait times out
-    and the layer stays in flight (the real one is left for the store's close to settle)."""
-
-    def __init__(self, request) -> None:
-        self._request = request
-
-    def __getattr__(self, name: str):
-        return getattr(self._request, name)
-
-    def wait(self, timeout_s=None):
-        raise tutti.TimeoutError("injected: the layer did not complete")
-
-
 class StoreWithStalledLoads:
     """The tier's tutti.Store whose loads stall; records the tier's results when the tier closes
     it, and can pretend its close kept the memory registered (queue pairs not deleted)."""
@@ -213,11 +200,11 @@ class StoreWithStalledLoads:
     stall_stores = False
 
     def prepare_retrieve(self, tokens, block_ids):
-        return StalledLoad(self._store.prepare_retrieve(tokens, block_ids))
+        return StalledLayer(self._store.prepare_retrieve(tokens, block_ids))
 
     def prepare_store(self, tokens, block_ids):
         request = self._store.prepare_store(tokens, block_ids)
-        return StalledLoad(request) if self.stall_stores else request
+        return StalledLayer(request) if self.stall_stores else request
 
     def close(self, timeout_s=None):
         with self._tier._results_lock:

@@ -140,3 +140,24 @@ def retrieve_prompt(store: tutti.Store, prompt: list[int], blocks: list[int], fi
 def run_child(*args: str, timeout: float = WAIT_S) -> subprocess.CompletedProcess:
     """Runs python/tests/child.py in a fresh interpreter (bounded)."""
     return subprocess.run([sys.executable, str(HERE / "child.py"), *args], capture_output=True, text=True, timeout=timeout)
+
+
+def corrupted_pool(tmp_path, seed: int = 120) -> tuple[str, list[int]]:
+    """A pool file holding a prompt of 2 blocks whose second block was changed on the device
+    behind the store's back. A verified retrieve of it fails at the wait that completes its last
+    layer, and every wait after that (objstore keeps the verification's failure), so a layer
+    issued again behind the last one fails too."""
+    pool = tmp_path / "pool.img"
+    prompt = tokens(seed, 2)
+    with tutti.Store.open(f"emu:{pool}", GEOMETRY, format=True, create_bytes=64 << 20) as store:
+        layout = store.allocate_kv(4, "block_major")
+        block = np.from_dlpack(layout.layer(0)).reshape(4, -1)
+        block[:2] = 0
+        block[1, :16] = np.frombuffer(b"tutti-corruption", dtype=np.uint8)
+        store_prompt(store, prompt, [0, 1])
+    data = bytearray(pool.read_bytes())
+    at = data.find(b"tutti-corruption")
+    assert at > 0, "the stored block is on the device file"
+    data[at] ^= 0xFF
+    pool.write_bytes(bytes(data))
+    return f"emu:{pool}", prompt

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import tutti
-from conftest import FINGERPRINT, GEOMETRY, WAIT_S, fill_block, start_daemon, store_prompt, tokens
+from conftest import FINGERPRINT, GEOMETRY, WAIT_S, corrupted_pool, fill_block, start_daemon, store_prompt, tokens
 
 RAISED: set[type] = set()
 
@@ -282,20 +282,8 @@ def test_corrupted_block_is_an_integrity_error(tmp_path):
     # Goal: with verify_retrieves, a block whose bytes changed on the device behind the store's
     # back (the emu file edited) raises IntegrityError at the last layer's wait, naming the
     # block; it is evicted (no longer found).
-    pool = tmp_path / "pool.img"
-    prompt = tokens(5, 2)
-    with tutti.Store.open(f"emu:{pool}", GEOMETRY, format=True, create_bytes=64 << 20) as store:
-        layout = store.allocate_kv(4, "block_major")
-        block = np.from_dlpack(layout.layer(0)).reshape(4, -1)
-        block[:2] = 0
-        block[1, :16] = np.frombuffer(b"tutti-corruption", dtype=np.uint8)
-        store_prompt(store, prompt, [0, 1])
-    data = bytearray(pool.read_bytes())
-    at = data.find(b"tutti-corruption")
-    assert at > 0, "the stored block is on the device file"
-    data[at] ^= 0xFF
-    pool.write_bytes(bytes(data))
-    with tutti.Store.open(f"emu:{pool}", GEOMETRY, verify_retrieves=True) as store:
+    device, prompt = corrupted_pool(tmp_path, seed=5)
+    with tutti.Store.open(device, GEOMETRY, verify_retrieves=True) as store:
         store.allocate_kv(4, "block_major")
         assert store.lookup(prompt) == 2
         request = store.prepare_retrieve(prompt, [2, 3])

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import tutti
-from conftest import FINGERPRINT, GEOMETRY, WAIT_S, fill_block, holds, retrieve_prompt, store_prompt, tokens
+from conftest import FINGERPRINT, GEOMETRY, WAIT_S, corrupted_pool, fill_block, holds, retrieve_prompt, store_prompt, tokens
 
 LAYERS = list(range(GEOMETRY.layers))
 SOURCE_BLOCKS = [0, 1, 2, 3]
@@ -374,27 +374,6 @@ def test_the_engines_wait_out_is_not_fooled_by_a_completion_not_yet_returned():
         assert wait_out_layer(request, WAIT_S, logging.getLogger("test"), "test") is True
         assert request.layer_in_flight is None
         request.finish()
-
-
-def corrupted_pool(tmp_path) -> tuple[str, list[int]]:
-    """A pool file holding a prompt of 2 blocks whose second block was changed on the device
-    behind the store's back. A verified retrieve of it fails at the wait that completes its last
-    layer, and every wait after that (objstore keeps the verification's failure), so a layer
-    issued again behind the last one fails too."""
-    pool = tmp_path / "pool.img"
-    prompt = tokens(120, 2)
-    with tutti.Store.open(f"emu:{pool}", GEOMETRY, format=True, create_bytes=64 << 20) as store:
-        layout = store.allocate_kv(4, "block_major")
-        block = np.from_dlpack(layout.layer(0)).reshape(4, -1)
-        block[:2] = 0
-        block[1, :16] = np.frombuffer(b"tutti-corruption", dtype=np.uint8)
-        store_prompt(store, prompt, [0, 1])
-    data = bytearray(pool.read_bytes())
-    at = data.find(b"tutti-corruption")
-    assert at > 0, "the stored block is on the device file"
-    data[at] ^= 0xFF
-    pool.write_bytes(bytes(data))
-    return f"emu:{pool}", prompt
 
 
 def last_layer_failing_with_another_behind(store: tutti.Store, prompt: list[int]) -> tuple[tutti.Request, tutti.LayerIo, tutti.LayerIo]:
