@@ -66,6 +66,26 @@ def test_bad_values_are_invalid_arguments():
             tutti.Store.open("emu:mem:64m", GEOMETRY, format=True).allocate_kv(4, "ragged")
 
 
+def test_timeouts_past_the_clock_are_invalid_arguments_not_panics():
+    # Goal: a timeout no deadline can hold (1e19 s, past the clock's range) is InvalidArgument
+    # from every call that takes one, never a PanicException; the store stays usable.
+    with raises(tutti.InvalidArgument, match="at most 1e9"):
+        open_store(timeout_s=1e19)
+    store = open_store()
+    store.allocate_kv(8, "paged")
+    request = store.prepare_store(tokens(1, 1), [0])
+    layer = request.store_layer(0)
+    with raises(tutti.InvalidArgument, match="at most 1e9"):
+        request.wait(1e19)
+    with raises(tutti.InvalidArgument, match="at most 1e9"):
+        layer.wait(1e19)
+    assert request.wait(WAIT_S) == 0
+    request.finish()
+    with raises(tutti.InvalidArgument, match="at most 1e9"):
+        store.close(timeout_s=1e19)
+    store.close()
+
+
 def test_bad_tensors_say_what_to_fix():
     # Goal: the registration refuses (with the fix in the message) non-contiguous blocks, a
     # dtype of another size, a shape whose blocks are not an object, a read-only buffer,

@@ -376,7 +376,9 @@ class Store:
         as tuttid's --lock-dir: a second opener (a daemon or another process) gets DeviceError
         naming the holder.
         queue_depth: NVMe queue entries; iocbs: gio_uring IOCBs (a power of two); requests_max:
-        requests prepared at once; timeout_s: the default wait of `close`.
+        requests prepared at once; timeout_s: the default wait of `close`. Every timeout_s
+        of this package is 0..=1e9 seconds (about 31 years): a longer one (or a negative one)
+        is InvalidArgument, since no deadline that far ahead fits the clock.
         layers_in_flight: how many layers of one request may be in flight at once, 1..=4
         (objstore's LAYERS_IN_FLIGHT_LIMIT): an engine issues up to that many layers before it
         waits for the oldest, so the device's queue does not drain at each layer boundary. Each

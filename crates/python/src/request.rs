@@ -6,7 +6,7 @@
 
 use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use objstore::{Direction, StorePlan};
 use pyo3::prelude::*;
@@ -14,7 +14,7 @@ use pyo3::types::{PyList, PyTuple};
 
 use crate::backend::{Settling, WAIT_SLICE};
 use crate::errors::{ErrorClass, Failure};
-use crate::store::{id_list, StoreShared};
+use crate::store::{deadline_after, duration_of, id_list, StoreShared};
 
 /// Where a request is in its life, as Python sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -39,9 +39,9 @@ pub struct Request {
     completed_at_end: Mutex<Vec<u32>>,
 }
 
-fn timeout_of(seconds: f64) -> Result<Duration, Failure> {
-    Duration::try_from_secs_f64(seconds)
-        .map_err(|_| Failure::new(ErrorClass::InvalidArgument, format!("timeout_s = {seconds}: expected a non-negative number of seconds")))
+/// The deadline `timeout_s` seconds from now: 0..=`TIMEOUT_MAX_S`, else InvalidArgument.
+fn deadline_of(seconds: f64) -> Result<Instant, Failure> {
+    deadline_after(duration_of(seconds, "timeout_s")?)
 }
 
 /// What a wait for `layer` raises when `earlier`, in flight before it, could not be waited for
@@ -367,8 +367,8 @@ impl Request {
 
     #[pyo3(signature = (timeout_s = 30.0))]
     fn wait(&self, py: Python<'_>, timeout_s: f64) -> PyResult<Option<u32>> {
-        let timeout = timeout_of(timeout_s).map_err(|failure| failure.to_pyerr(py))?;
-        py.detach(|| self.wait_until(Instant::now() + timeout)).map_err(|failure| failure.to_pyerr(py))
+        let deadline = deadline_of(timeout_s).map_err(|failure| failure.to_pyerr(py))?;
+        py.detach(|| self.wait_until(deadline)).map_err(|failure| failure.to_pyerr(py))
     }
 
     fn poll(&self, py: Python<'_>) -> PyResult<bool> {
@@ -438,7 +438,10 @@ impl Request {
         let timeout = self.shared.timeout;
         // Every layer in flight is waited for first, all within the store's timeout (a failure
         // does not stop the finish; a layer still in flight makes finish refuse).
-        py.detach(|| self.settle(Instant::now() + timeout));
+        // The store's timeout went through `duration_of` at open; should the clock still not
+        // hold the deadline, settle for nothing more than what has ended (finish then refuses).
+        let deadline = deadline_after(timeout).unwrap_or_else(|_| Instant::now());
+        py.detach(|| self.settle(deadline));
         self.finish(py)
     }
 
@@ -494,14 +497,14 @@ impl LayerIo {
 
     #[pyo3(signature = (timeout_s = 30.0))]
     fn wait(&self, py: Python<'_>, timeout_s: f64) -> PyResult<()> {
-        let timeout = timeout_of(timeout_s).map_err(|failure| failure.to_pyerr(py))?;
+        let deadline = deadline_of(timeout_s).map_err(|failure| failure.to_pyerr(py))?;
         let request = self.request.get();
         let layer = self.layer;
         py.detach(|| {
             if request.phase() != Phase::Prepared {
                 return Ok(()); // ended with its request (as `done` says)
             }
-            request.wait_layer(layer, Instant::now() + timeout)
+            request.wait_layer(layer, deadline)
         })
         .map_err(|failure| failure.to_pyerr(py))
     }

@@ -170,7 +170,10 @@ impl Drop for Store {
         // Garbage-collected without close(): close now, in this (the interpreter's) thread,
         // with the GIL released while the store's lock is taken (see StoreShared::locked).
         let shared = &self.shared;
-        Python::attach(|py| py.detach(|| shared.close_now(Instant::now() + shared.timeout)));
+        // The timeout went through `duration_of` at open; should the clock still not hold the
+        // deadline, closing at once beats a panic in a destructor.
+        let deadline = deadline_after(shared.timeout).unwrap_or_else(|_| Instant::now());
+        Python::attach(|py| py.detach(|| shared.close_now(deadline)));
     }
 }
 
@@ -183,9 +186,32 @@ fn fingerprint_of(bytes: &[u8]) -> Result<[u8; 32], Failure> {
     })
 }
 
-fn duration_of(seconds: f64, what: &str) -> Result<Duration, Failure> {
-    Duration::try_from_secs_f64(seconds)
-        .map_err(|_| Failure::new(ErrorClass::InvalidArgument, format!("{what} = {seconds}: expected a non-negative number of seconds")))
+/// The longest timeout the binding takes, in seconds (10^9 s, about 31 years): a deadline that
+/// far ahead is still an `Instant` on every clock, while a longer one (`wait(1e19)`) may not be.
+pub const TIMEOUT_MAX_S: f64 = 1e9;
+
+/// A timeout from Python: 0..=`TIMEOUT_MAX_S` seconds, else InvalidArgument (never a deadline
+/// past the clock's range, whose `Instant + Duration` would panic).
+pub fn duration_of(seconds: f64, what: &str) -> Result<Duration, Failure> {
+    let invalid = || {
+        Failure::new(
+            ErrorClass::InvalidArgument,
+            format!("{what} = {seconds}: expected a non-negative number of seconds, at most {TIMEOUT_MAX_S:e}"),
+        )
+    };
+    // NaN is neither below nor above: refused by try_from_secs_f64.
+    if seconds > TIMEOUT_MAX_S {
+        return Err(invalid());
+    }
+    Duration::try_from_secs_f64(seconds).map_err(|_| invalid())
+}
+
+/// The deadline `timeout` from now, or InvalidArgument when the clock cannot hold it (a
+/// timeout past `TIMEOUT_MAX_S` that did not come through `duration_of`).
+pub fn deadline_after(timeout: Duration) -> Result<Instant, Failure> {
+    Instant::now()
+        .checked_add(timeout)
+        .ok_or_else(|| Failure::new(ErrorClass::InvalidArgument, format!("a timeout of {} s is past the clock's range", timeout.as_secs())))
 }
 
 /// `layers_in_flight` as the store takes it: 1..=objstore's limit (each layer in flight is one
@@ -536,8 +562,9 @@ impl Store {
             Some(seconds) => duration_of(seconds, "timeout_s")?,
             None => self.shared.timeout,
         };
+        let deadline = deadline_after(timeout)?;
         let shared = Arc::clone(&self.shared);
-        py.detach(move || shared.close_now(Instant::now() + timeout));
+        py.detach(move || shared.close_now(deadline));
         // The registered layout's Python objects go last, after the memory they describe.
         let layout = self.shared.kv_layout.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
         drop(layout);
@@ -574,4 +601,22 @@ impl Store {
 /// The Python list of a request's block ids (for the getters).
 pub fn id_list<'py>(py: Python<'py>, ids: &[u32]) -> PyResult<Bound<'py, PyList>> {
     PyList::new(py, ids)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_timeout_past_the_clock_is_invalid_not_a_panic() {
+        // Goal: a timeout from Python that no Instant can hold (wait(1e19)) is InvalidArgument,
+        // as are negative, NaN and infinite ones; the longest accepted one makes a deadline.
+        for seconds in [1e19, TIMEOUT_MAX_S * 2.0, -1.0, f64::NAN, f64::INFINITY] {
+            let failure = duration_of(seconds, "timeout_s").expect_err("refused");
+            assert_eq!(failure.class, ErrorClass::InvalidArgument, "{seconds}");
+        }
+        assert!(deadline_after(duration_of(TIMEOUT_MAX_S, "timeout_s").unwrap()).is_ok());
+        assert_eq!(duration_of(0.5, "timeout_s"), Ok(Duration::from_millis(500)));
+        assert_eq!(deadline_after(Duration::MAX).map_err(|failure| failure.class), Err(ErrorClass::InvalidArgument));
+    }
 }
