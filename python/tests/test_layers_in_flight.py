@@ -441,6 +441,25 @@ def test_request_wait_reports_each_failure_once_in_issue_order(tmp_path):
         request.finish()
 
 
+def test_a_layer_io_answers_for_its_own_issue_when_the_layer_is_issued_again():
+    # Goal: a LayerIo whose issue's outcome Request.wait returned answers with that issue's
+    # result once its layer is issued again: it neither drives nor takes the new issue's
+    # outcome (it used to, so that Request.wait then found nothing), and the new issue's
+    # LayerIo answers for its own.
+    with open_store(layers_in_flight=2) as store:
+        layout, prompt = stored(store, 40)
+        with store.prepare_retrieve(prompt, TARGET_BLOCKS) as request:
+            first = request.retrieve_layer(0)
+            assert request.wait(WAIT_S) == 0
+            second = request.retrieve_layer(0)
+            first.wait(WAIT_S)
+            assert first.poll() and first.done
+            assert not second.done, "nothing drove the second issue"
+            assert request.wait(WAIT_S) == 0, "the second issue's outcome is left for the waits"
+            second.wait(0)
+            assert second.done and request.wait(0) is None
+
+
 @pytest.mark.parametrize("seen_by", ["poll", "the completion thread"])
 def test_completions_not_yet_returned_count_against_the_limit(seen_by):
     # Goal: a layer that a poll or the completion thread completed still counts against

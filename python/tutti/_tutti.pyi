@@ -634,7 +634,10 @@ class Request:
     def __exit__(self, *exc: object) -> None: ...
 
 class LayerIo:
-    """The completion handle of one issued layer (from retrieve_layer / store_layer)."""
+    """The completion handle of one issue of a layer (from retrieve_layer / store_layer). It
+    answers for its own issue only: once a layer is issued again, the earlier handle still
+    reports how its own issue ended (also after a wait returned that outcome), never the new
+    issue's outcome."""
 
     @property
     def layer(self) -> int: ...

@@ -342,7 +342,8 @@ impl StoreState {
             .ok_or_else(|| Failure::new(ErrorClass::StaleRequest, format!("request {handle:#x} is finished (committed or finished)")))
     }
 
-    pub fn issue(&mut self, handle: u64, layer: u32, budget: u32, direction: Direction) -> Result<(), Failure> {
+    /// Issues `layer` of request `handle`; returns the issue's number (its LayerIo's).
+    pub fn issue(&mut self, handle: u64, layer: u32, budget: u32, direction: Direction) -> Result<u64, Failure> {
         let state = self.request(handle)?;
         if state.direction != direction {
             let (asked, is) = match direction {
@@ -371,11 +372,13 @@ impl StoreState {
             match listed {
                 Some(layers) => {
                     if layers.contains(&layer) && !state.in_flight.contains(&layer) {
-                        state.issued(layer);
+                        let _ = state.issued(layer);
                     }
                     state.set_in_flight(layers);
                 }
-                None if !state.in_flight.contains(&layer) => state.issued(layer),
+                None if !state.in_flight.contains(&layer) => {
+                    let _ = state.issued(layer);
+                }
                 None => {}
             }
             return Err(error.into());
@@ -385,11 +388,9 @@ impl StoreState {
             // Nothing was put in flight (objstore's contract for a request with no blocks to
             // move): the layer is complete now, and is reported as any other (wait, LayerIo,
             // the eventfd).
-            state.completed_at_issue(layer);
-            return Ok(());
+            return Ok(state.completed_at_issue(layer));
         }
-        state.issued(layer);
-        Ok(())
+        Ok(state.issued(layer))
     }
 
     /// The store's own list of the request's layers in flight, oldest first; None when it
@@ -439,14 +440,16 @@ impl StoreState {
                     (None, ObjstoreError::PayloadMismatch { .. }) => Some(oldest),
                     (None, _) => None,
                 };
+                // The layer's failure first, so that it is recorded against its own issue
+                // (the store's list no longer holds the layer, nor its issue then).
+                if let Some(layer) = ended {
+                    state.fail(layer, &failure);
+                }
                 if let Some(layers) = listed {
                     state.set_in_flight(layers);
                 }
                 match ended {
-                    Some(layer) => {
-                        state.fail(layer, &failure);
-                        Ok(Some(layer))
-                    }
+                    Some(layer) => Ok(Some(layer)),
                     None => {
                         state.signal();
                         Err(failure)

@@ -122,14 +122,14 @@ impl Request {
         let this = slf.get();
         this.check_live().map_err(|failure| failure.to_pyerr(py))?;
         let handle = this.handle;
-        let armed = this.shared.with_state(py, move |state| {
-            state.issue(handle, layer, budget, direction)?;
-            Ok(state.request(handle)?.eventfd.is_some())
+        let (issue, armed) = this.shared.with_state(py, move |state| {
+            let issue = state.issue(handle, layer, budget, direction)?;
+            Ok((issue, state.request(handle)?.eventfd.is_some()))
         })?;
         if armed {
             this.shared.wake();
         }
-        Ok(LayerIo { request: slf.clone().unbind(), layer })
+        Ok(LayerIo { request: slf.clone().unbind(), layer, issue })
     }
 
     /// Returns the oldest layer whose outcome no wait returned yet, waiting until it ends (or
@@ -215,33 +215,34 @@ impl Request {
         Ok(state.request(self.handle)?.in_flight.is_empty())
     }
 
-    /// Whether `layer` ended, completed or failed (seen by anyone), without driving I/O.
-    fn layer_done(&self, layer: u32) -> bool {
+    /// Whether `issue` ended, completed or failed (seen by anyone), without driving I/O.
+    fn layer_done(&self, issue: u64) -> bool {
         if self.phase() != Phase::Prepared {
             return true;
         }
         let mut state = self.shared.lock();
-        state.request(self.handle).is_ok_and(|request| request.is_ended(layer))
+        state.request(self.handle).is_ok_and(|request| request.is_ended(issue))
     }
 
-    /// Waits until `layer` ended (or `deadline`), driving the layers in flight before it in
-    /// issue order; their outcomes (a failure too) stay for `Request.wait` to return, this
-    /// layer's is taken (returned or raised here, whoever saw it end: it no longer counts
-    /// against the request's limit). Raises only this layer's failure, or, when a layer
-    /// before it cannot be waited for, a failure naming that layer.
-    fn wait_layer(&self, layer: u32, deadline: Instant) -> Result<(), Failure> {
+    /// Waits until `issue` of `layer` ended (or `deadline`), driving the layers in flight
+    /// before it in issue order; their outcomes (a failure too) stay for `Request.wait` to
+    /// return, this issue's is taken (returned or raised here, whoever saw it end: it no longer
+    /// counts against the request's limit). Raises only this issue's failure, or, when a layer
+    /// before it cannot be waited for, a failure naming that layer. An issue whose outcome a
+    /// wait returned already answers with its own result, never a later issue's of the layer.
+    fn wait_layer(&self, layer: u32, issue: u64, deadline: Instant) -> Result<(), Failure> {
         loop {
             self.check_live()?;
             let mut state = self.shared.lock();
             let request = state.request(self.handle)?;
-            if !request.in_flight.contains(&layer) {
-                if let Some(outcome) = request.take_outcome(layer) {
+            if !request.issues.is_in_flight(issue) {
+                if let Some(outcome) = request.take_outcome(issue) {
                     return outcome.into_result().map(drop);
                 }
-                return request.ended(layer).unwrap_or_else(|| {
+                return request.issues.result(issue).unwrap_or_else(|| {
                     Err(Failure::new(
                         ErrorClass::InvalidState,
-                        format!("layer {layer} is not in flight and did not complete (was it issued on this request?)"),
+                        format!("layer {layer} (issue {issue}) is not in flight and did not end (was it issued on this request?)"),
                     ))
                 });
             }
@@ -455,6 +456,9 @@ impl Request {
 pub struct LayerIo {
     request: Py<Request>,
     layer: u32,
+    /// Which issue of the layer on its request (a layer may be issued again once ended): the
+    /// handle answers for this issue only.
+    issue: u64,
 }
 
 #[pymethods]
@@ -472,13 +476,13 @@ impl LayerIo {
     #[getter]
     fn done(&self, py: Python<'_>) -> bool {
         let request = self.request.get();
-        let layer = self.layer;
-        py.detach(|| request.layer_done(layer))
+        let issue = self.issue;
+        py.detach(|| request.layer_done(issue))
     }
 
     fn poll(&self, py: Python<'_>) -> PyResult<bool> {
         let request = self.request.get();
-        let layer = self.layer;
+        let (layer, issue) = (self.layer, self.issue);
         py.detach(|| {
             if request.phase() != Phase::Prepared {
                 return Ok(true); // ended with its request (as `done` says)
@@ -486,7 +490,7 @@ impl LayerIo {
             // A wait that does not wait: the layers before this one are driven as far as they
             // are done; this layer's outcome is taken once it ended (its failure raised: only
             // its own).
-            match request.wait_layer(layer, Instant::now()) {
+            match request.wait_layer(layer, issue, Instant::now()) {
                 Ok(()) => Ok(true),
                 Err(failure) if failure.class == ErrorClass::Timeout => Ok(false),
                 Err(failure) => Err(failure),
@@ -499,12 +503,12 @@ impl LayerIo {
     fn wait(&self, py: Python<'_>, timeout_s: f64) -> PyResult<()> {
         let deadline = deadline_of(timeout_s).map_err(|failure| failure.to_pyerr(py))?;
         let request = self.request.get();
-        let layer = self.layer;
+        let (layer, issue) = (self.layer, self.issue);
         py.detach(|| {
             if request.phase() != Phase::Prepared {
                 return Ok(()); // ended with its request (as `done` says)
             }
-            request.wait_layer(layer, deadline)
+            request.wait_layer(layer, issue, deadline)
         })
         .map_err(|failure| failure.to_pyerr(py))
     }

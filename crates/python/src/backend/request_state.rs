@@ -11,10 +11,12 @@ use objstore::Direction;
 use crate::errors::{ErrorClass, Failure};
 
 /// How an issued layer ended: completed, or failed with its own failure (whose message names
-/// it: "layer N failed: ...").
+/// it: "layer N failed: ..."). `issue` says which issue of the layer it ended (a layer may be
+/// issued again once ended): a LayerIo takes only its own issue's outcome.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Outcome {
     pub layer: u32,
+    pub issue: u64,
     pub failure: Option<Failure>,
 }
 
@@ -24,6 +26,59 @@ impl Outcome {
         match self.failure {
             None => Ok(self.layer),
             Some(failure) => Err(failure),
+        }
+    }
+}
+
+/// A request's issues, numbered 0, 1, ... in issue order (a LayerIo holds its issue's number):
+/// which are in flight and which failed, so that a LayerIo answers for its own issue only, also
+/// after its outcome was returned by a wait and after the request ended (a copy is kept then).
+#[derive(Debug, Clone, Default)]
+pub struct Issues {
+    /// The number the next issue gets.
+    next: u64,
+    /// The issue of each layer in flight (a layer is in flight at most once), as `in_flight`.
+    in_flight: Vec<(u32, u64)>,
+    /// Issues that failed, each with its failure: what its LayerIo raises however often it is
+    /// asked. Off the per-layer path (only a failure adds one).
+    failed: Vec<(u64, Failure)>,
+}
+
+impl Issues {
+    fn begin(&mut self, layer: u32) -> u64 {
+        let issue = self.next;
+        self.next += 1;
+        self.in_flight.push((layer, issue));
+        issue
+    }
+
+    /// Ends the issue of `layer` in flight: its number (a fresh one should the mirror have
+    /// drifted and not know it).
+    fn end(&mut self, layer: u32) -> u64 {
+        match self.in_flight.iter().position(|&(in_flight, _)| in_flight == layer) {
+            Some(position) => self.in_flight.remove(position).1,
+            None => {
+                let issue = self.next;
+                self.next += 1;
+                issue
+            }
+        }
+    }
+
+    /// Whether `issue` is in flight.
+    pub fn is_in_flight(&self, issue: u64) -> bool {
+        self.in_flight.iter().any(|&(_, in_flight)| in_flight == issue)
+    }
+
+    /// How `issue` ended: `Some(Ok)` completed, `Some(Err)` its failure; None while it is in
+    /// flight, or never issued.
+    pub fn result(&self, issue: u64) -> Option<Result<(), Failure>> {
+        if issue >= self.next || self.is_in_flight(issue) {
+            return None;
+        }
+        match self.failed.iter().find(|&&(failed, _)| failed == issue) {
+            Some((_, failure)) => Some(Err(failure.clone())),
+            None => Some(Ok(())),
         }
     }
 }
@@ -46,9 +101,8 @@ pub struct RequestState {
     pub in_flight: VecDeque<u32>,
     /// Layers completed, in order (a failed layer is not).
     pub completed: Vec<u32>,
-    /// Layers that failed, each with its failure, until issued again: what their LayerIo
-    /// raises however often it is asked. Off the per-layer path (only a failure adds one).
-    failed: Vec<(u32, Failure)>,
+    /// Every issue's number, whether in flight, and failure.
+    pub issues: Issues,
     /// Layers ended whose outcome no wait returned yet (the completion thread, a poll or
     /// another layer's LayerIo.wait saw it end), oldest first.
     pub unreported: VecDeque<Outcome>,
@@ -72,7 +126,7 @@ impl RequestState {
             direction,
             in_flight: VecDeque::with_capacity(layers_max),
             completed: Vec::new(),
-            failed: Vec::new(),
+            issues: Issues { next: 0, in_flight: Vec::with_capacity(layers_max), failed: Vec::new() },
             unreported: VecDeque::with_capacity(layers_max),
             stalled: None,
             eventfd: None,
@@ -88,70 +142,57 @@ impl RequestState {
         }
     }
 
-    /// Records that `layer` was put in flight: a failure of an earlier issue of it is over.
-    pub(super) fn issued(&mut self, layer: u32) {
-        self.forget_failure(layer);
+    /// Records that `layer` was put in flight; returns the issue's number (its LayerIo's).
+    pub(super) fn issued(&mut self, layer: u32) -> u64 {
         self.in_flight.push_back(layer);
+        self.issues.begin(layer)
     }
 
-    /// Records that `layer`, issued on a request that moves nothing, completed at its issue.
-    pub(super) fn completed_at_issue(&mut self, layer: u32) {
-        self.forget_failure(layer);
+    /// Records that `layer`, issued on a request that moves nothing, completed at its issue;
+    /// returns the issue's number.
+    pub(super) fn completed_at_issue(&mut self, layer: u32) -> u64 {
+        let issue = self.issued(layer);
         self.complete(layer);
+        issue
     }
 
-    fn forget_failure(&mut self, layer: u32) {
-        if !self.failed.is_empty() {
-            self.failed.retain(|&(failed, _)| failed != layer);
-        }
-    }
-
-    fn leave_flight(&mut self, layer: u32) {
+    /// Takes `layer` out of flight; returns its issue's number.
+    fn leave_flight(&mut self, layer: u32) -> u64 {
         // The store ends layers in issue order, so this is the front; by value, so that a
         // mirror that drifted cannot keep an ended layer in flight.
         if let Some(position) = self.in_flight.iter().position(|&in_flight| in_flight == layer) {
             self.in_flight.remove(position);
         }
+        self.issues.end(layer)
     }
 
     /// Records that `layer`, the oldest in flight, completed.
     pub(super) fn complete(&mut self, layer: u32) {
-        self.leave_flight(layer);
+        let issue = self.leave_flight(layer);
         self.completed.push(layer);
-        self.unreported.push_back(Outcome { layer, failure: None });
+        self.unreported.push_back(Outcome { layer, issue, failure: None });
         self.signal();
     }
 
     /// Records that `layer`, the oldest in flight, ended with `failure`: its own, which its
     /// LayerIo raises, and the waits in issue order (once).
     pub(super) fn fail(&mut self, layer: u32, failure: &Failure) {
-        self.leave_flight(layer);
+        let issue = self.leave_flight(layer);
         let failure = Failure { message: format!("layer {layer} failed: {}", failure.message), ..failure.clone() };
-        self.forget_failure(layer);
-        self.failed.push((layer, failure.clone()));
-        self.unreported.push_back(Outcome { layer, failure: Some(failure) });
+        self.issues.failed.push((issue, failure.clone()));
+        self.unreported.push_back(Outcome { layer, issue, failure: Some(failure) });
         self.signal();
     }
 
-    /// Takes the outcome of `layer` that no wait returned yet (the latest, should the layer
-    /// have ended twice), for its LayerIo.
-    pub fn take_outcome(&mut self, layer: u32) -> Option<Outcome> {
-        let position = self.unreported.iter().rposition(|outcome| outcome.layer == layer)?;
+    /// Takes the outcome of `issue` if no wait returned it yet, for its LayerIo.
+    pub fn take_outcome(&mut self, issue: u64) -> Option<Outcome> {
+        let position = self.unreported.iter().position(|outcome| outcome.issue == issue)?;
         self.unreported.remove(position)
     }
 
-    /// How `layer`, not in flight, last ended: `Some(Err)` with its failure, `Some(Ok)`
-    /// completed, None never (not issued on this request).
-    pub fn ended(&self, layer: u32) -> Option<Result<(), Failure>> {
-        if let Some((_, failure)) = self.failed.iter().find(|&&(failed, _)| failed == layer) {
-            return Some(Err(failure.clone()));
-        }
-        self.completed.contains(&layer).then_some(Ok(()))
-    }
-
-    /// Whether `layer` ended (completed or failed) and is not in flight again.
-    pub fn is_ended(&self, layer: u32) -> bool {
-        !self.in_flight.contains(&layer) && (self.completed.contains(&layer) || self.failed.iter().any(|&(failed, _)| failed == layer))
+    /// Whether `issue` ended (completed or failed).
+    pub fn is_ended(&self, issue: u64) -> bool {
+        issue < self.issues.next && !self.issues.is_in_flight(issue)
     }
 
     /// Why issuing `layer` is refused, or None when it may be issued: the request holds
@@ -189,6 +230,21 @@ impl RequestState {
     pub(super) fn set_in_flight(&mut self, layers: impl IntoIterator<Item = u32>) {
         self.in_flight.clear();
         self.in_flight.extend(layers);
+        let in_flight = &self.in_flight;
+        self.issues.in_flight.retain(|(layer, _)| in_flight.contains(layer));
+        for &layer in &self.in_flight {
+            // A layer the mirror did not have in flight gets an issue of its own (no LayerIo).
+            if !self.issues.in_flight.iter().any(|&(known, _)| known == layer) {
+                let issue = self.issues.next;
+                self.issues.next += 1;
+                self.issues.in_flight.push((layer, issue));
+            }
+        }
+    }
+
+    /// The issue of `layer` in flight, if it is.
+    pub fn issue_in_flight(&self, layer: u32) -> Option<u64> {
+        self.issues.in_flight.iter().find(|&&(in_flight, _)| in_flight == layer).map(|&(_, issue)| issue)
     }
 
     /// The layers in flight as text (error messages): "layer 3", "layers 3, 4".
@@ -224,10 +280,11 @@ fn layers_text(layers: &[u32]) -> String {
 mod tests {
     use super::*;
 
-    /// Issues `layer` as `StoreState::issue` does: refused while the request is full.
-    fn issue(state: &mut RequestState, layer: u32) {
+    /// Issues `layer` as `StoreState::issue` does: refused while the request is full; returns
+    /// the issue's number (its LayerIo's).
+    fn issue(state: &mut RequestState, layer: u32) -> u64 {
         assert_eq!(state.issue_refusal(layer), None, "layer {layer}");
-        state.issued(layer);
+        state.issued(layer)
     }
 
     /// The layers of the outcomes no wait returned yet, oldest first.
@@ -311,23 +368,23 @@ mod tests {
         };
         for limit in 1..=4_u32 {
             let mut state = RequestState::new(Direction::Retrieve, false, limit);
-            let mut model: VecDeque<(u32, bool)> = VecDeque::new(); // (layer, ended)
+            let mut model: VecDeque<(u32, u64, bool)> = VecDeque::new(); // (layer, issue, ended)
             let mut next_layer = 0_u32;
             for _ in 0..2_000 {
                 match next(5) {
                     0 => {
                         let layer = next_layer % 8;
-                        let in_model = model.iter().any(|&(issued, _)| issued == layer);
+                        let in_flight = model.iter().any(|&(issued, _, ended)| issued == layer && !ended);
                         assert_eq!(state.issue_refusal(layer).is_some(), model.len() == limit as usize);
-                        if state.issue_refusal(layer).is_none() && !in_model {
-                            state.issued(layer);
-                            model.push_back((layer, false));
+                        if state.issue_refusal(layer).is_none() && !in_flight {
+                            let issue = state.issued(layer);
+                            model.push_back((layer, issue, false));
                             next_layer += 1;
                         }
                     }
                     1 | 2 => {
-                        if let Some(oldest) = model.iter_mut().find(|(_, ended)| !ended) {
-                            oldest.1 = true;
+                        if let Some(oldest) = model.iter_mut().find(|(_, _, ended)| !ended) {
+                            oldest.2 = true;
                             if next(4) == 0 {
                                 state.fail(oldest.0, &device_failure("injected"));
                             } else {
@@ -337,23 +394,26 @@ mod tests {
                     }
                     3 => {
                         // Request.wait: the oldest not returned, once ended.
-                        if model.front().is_some_and(|&(_, ended)| ended) {
-                            let (layer, _) = model.pop_front().unwrap();
-                            assert_eq!(state.unreported.pop_front().map(|outcome| outcome.layer), Some(layer));
+                        if model.front().is_some_and(|&(_, _, ended)| ended) {
+                            let (layer, issue, _) = model.pop_front().unwrap();
+                            let outcome = state.unreported.pop_front().map(|outcome| (outcome.layer, outcome.issue));
+                            assert_eq!(outcome, Some((layer, issue)));
                         }
                     }
                     _ => {
-                        // A LayerIo.wait of an ended layer: takes that layer's outcome only.
-                        let ended: Vec<u32> = model.iter().filter(|(_, ended)| *ended).map(|&(layer, _)| layer).collect();
+                        // A LayerIo.wait of an ended issue: takes that issue's outcome only.
+                        let ended: Vec<(u32, u64)> =
+                            model.iter().filter(|(_, _, ended)| *ended).map(|&(layer, issue, _)| (layer, issue)).collect();
                         if !ended.is_empty() {
-                            let layer = ended[next(ended.len() as u64) as usize];
-                            model.retain(|&(issued, _)| issued != layer);
-                            assert_eq!(state.take_outcome(layer).map(|outcome| outcome.layer), Some(layer));
+                            let (layer, issue) = ended[next(ended.len() as u64) as usize];
+                            model.retain(|&(_, issued, _)| issued != issue);
+                            let outcome = state.take_outcome(issue).map(|outcome| (outcome.layer, outcome.issue));
+                            assert_eq!(outcome, Some((layer, issue)));
                         }
                     }
                 }
                 let queues: Vec<u32> = unreported(&state).into_iter().chain(state.in_flight.iter().copied()).collect();
-                let expected: Vec<u32> = model.iter().map(|&(layer, _)| layer).collect();
+                let expected: Vec<u32> = model.iter().map(|&(layer, _, _)| layer).collect();
                 assert_eq!(queues, expected, "limit {limit}");
                 assert!(state.in_flight.capacity() >= limit as usize && state.unreported.len() + state.in_flight.len() <= limit as usize);
             }
@@ -366,23 +426,50 @@ mod tests {
         // its LayerIo takes it (not another layer's), and still answers "layer N failed" after
         // a wait returned it; the failure is forgotten when the layer is issued again.
         let mut state = RequestState::new(Direction::Retrieve, false, 3);
-        for layer in [3, 0, 1] {
-            issue(&mut state, layer);
-        }
+        let [three, zero, one] = [3, 0, 1].map(|layer| issue(&mut state, layer));
         state.fail(3, &device_failure("a command failed"));
         state.complete(0);
         assert_eq!((unreported(&state), state.in_flight.clone()), (vec![3, 0], VecDeque::from([1])));
-        assert!(state.is_ended(3) && state.is_ended(0) && !state.is_ended(1));
-        assert_eq!(state.take_outcome(0).map(Outcome::into_result), Some(Ok(0)), "layer 0's LayerIo takes its own");
+        assert!(state.is_ended(three) && state.is_ended(zero) && !state.is_ended(one));
+        assert_eq!(state.take_outcome(zero).map(Outcome::into_result), Some(Ok(0)), "layer 0's LayerIo takes its own");
         let own = state.unreported.pop_front().map(Outcome::into_result); // the next Request.wait
         let expected = Failure::new(ErrorClass::Device, "layer 3 failed: a command failed");
         assert_eq!(own, Some(Err(expected.clone())));
-        assert_eq!(state.ended(3), Some(Err(expected)), "layer 3's LayerIo still says it failed");
-        assert_eq!((state.ended(0), state.ended(2)), (Some(Ok(())), None));
+        assert_eq!(state.issues.result(three), Some(Err(expected.clone())), "layer 3's LayerIo still says it failed");
+        assert_eq!((state.issues.result(zero), state.issues.result(one), state.issues.result(99)), (Some(Ok(())), None, None));
         assert_eq!(state.completed, [0]);
         state.complete(1);
-        issue(&mut state, 3);
-        assert!(!state.is_ended(3) && state.ended(3).is_none(), "issued again: the old failure is over");
+        let again = issue(&mut state, 3);
+        assert!(!state.is_ended(again) && state.issues.result(again).is_none(), "issued again: in flight");
+        assert_eq!(state.issues.result(three), Some(Err(expected)), "the first issue's LayerIo still says it failed");
+    }
+
+    #[test]
+    fn a_layer_issued_twice_gives_each_layer_io_its_own_issues_outcome() {
+        // Goal: with a layer issued again while (or after) its first outcome waits, each
+        // LayerIo takes its own issue's outcome: the first issue's success is not the second's
+        // failure, and a handle whose outcome a Request.wait returned reports its own result,
+        // never the later issue's outcome.
+        let mut state = RequestState::new(Direction::Retrieve, false, 2);
+        let first = issue(&mut state, 0);
+        state.complete(0); // a poll
+        let second = issue(&mut state, 0);
+        state.fail(0, &device_failure("a command failed"));
+        assert_ne!(first, second);
+        assert_eq!(state.take_outcome(first).map(Outcome::into_result), Some(Ok(0)), "the first issue completed");
+        let failed = state.take_outcome(second).map(Outcome::into_result);
+        assert!(matches!(failed, Some(Err(ref failure)) if failure.message == "layer 0 failed: a command failed"));
+        assert!(state.unreported.is_empty());
+        // Stale handle: the first issue's outcome returned by Request.wait, layer 0 issued again.
+        let third = issue(&mut state, 0);
+        state.complete(0);
+        assert_eq!(state.unreported.pop_front().map(|outcome| outcome.issue), Some(third));
+        let fourth = issue(&mut state, 0);
+        state.complete(0);
+        assert_eq!(state.take_outcome(third), None, "the third issue's outcome was returned");
+        assert_eq!(state.issues.result(third), Some(Ok(())));
+        assert_eq!(state.unreported.front().map(|outcome| outcome.issue), Some(fourth), "the fourth's is left for its waits");
+        assert!(state.issues.result(second).is_some_and(|result| result.is_err()));
     }
 
     #[test]
