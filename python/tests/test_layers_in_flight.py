@@ -423,6 +423,30 @@ def test_a_layer_io_raises_its_own_layers_failure_and_request_wait_the_others(tm
         assert store.lookup(prompt) == 1, "the corrupted block was evicted"
 
 
+def test_a_layer_io_after_its_request_ended_says_how_its_issue_ended(tmp_path):
+    # Goal: once its request ended (finish, leaving the `with`), a LayerIo's wait and poll
+    # return only for an issue that completed and raise the failure of one that failed, as
+    # often as asked (they used to return as if every layer had completed).
+    device, prompt = corrupted_pool(tmp_path)
+    with tutti.Store.open(device, GEOMETRY, verify_retrieves=True, layers_in_flight=2) as store:
+        store.allocate_kv(4, "block_major")
+        with store.prepare_retrieve(prompt[: GEOMETRY.block_tokens], [0]) as request:
+            completed = request.retrieve_layer(0)
+            assert request.wait(WAIT_S) == 0
+        request, last, again = last_layer_failing_with_another_behind(store, prompt)
+        for layer in (3, 0):
+            with pytest.raises(tutti.IntegrityError, match=rf"^layer {layer} failed: "):
+                request.wait(WAIT_S)
+        request.finish()
+        for _ in range(2):
+            completed.wait(0)
+            assert completed.poll()
+            with pytest.raises(tutti.IntegrityError, match=r"^layer 3 failed: .*CRC mismatch"):
+                last.wait(0)
+            with pytest.raises(tutti.IntegrityError, match=r"^layer 0 failed: "):
+                again.poll()
+
+
 def test_request_wait_reports_each_failure_once_in_issue_order(tmp_path):
     # Goal: with nobody waiting on a LayerIo, Request.wait raises layer 3's failure and then
     # layer 0's, each once and each naming its layer, after the completions before them; a

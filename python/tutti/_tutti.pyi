@@ -656,11 +656,12 @@ class LayerIo:
         """Waits (GIL released) until this layer ended, ending the layers issued before it first
         (their outcomes stay for Request.wait, a failure of theirs too: it is not raised here;
         this layer's is taken, however it was seen to end: Request.wait does not return it,
-        and it no longer counts against layers_in_flight). Raises this layer's
-        own failure ("layer N failed: ...", the class as Request.wait's), as often as asked;
-        when a layer before it could not be waited for (its wait failed without ending it), a
-        failure naming that layer; TimeoutError; StaleRequest; InvalidState for a layer never
-        issued on this request."""
+        and it no longer counts against layers_in_flight). Raises this layer's own failure
+        ("layer N failed: ...", the class as Request.wait's), as often as asked; when a layer
+        before it could not be waited for (its wait failed without ending it), a failure
+        naming that layer; TimeoutError; StaleRequest; InvalidState for a layer never issued on
+        this request. After the request ended (finish, commit, leaving the `with`): returns at
+        once if this layer completed, raises its failure if it failed, else StaleRequest."""
     def fileno(self) -> int:
         """The request's eventfd (Request.fileno)."""
 

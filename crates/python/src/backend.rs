@@ -32,7 +32,7 @@ mod close;
 mod registration;
 mod request_state;
 
-pub use request_state::RequestState;
+pub use request_state::{Issues, RequestState};
 
 /// The longest a `wait` holds the store's lock in one go: other threads' calls (and the
 /// completion thread) get the lock between slices.

@@ -12,7 +12,7 @@ use objstore::{Direction, StorePlan};
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 
-use crate::backend::{Settling, WAIT_SLICE};
+use crate::backend::{Issues, Settling, WAIT_SLICE};
 use crate::errors::{ErrorClass, Failure};
 use crate::store::{deadline_after, duration_of, id_list, StoreShared};
 
@@ -37,6 +37,8 @@ pub struct Request {
     phase: Mutex<Phase>,
     /// The layers completed, kept when the request ends (the store forgets it then).
     completed_at_end: Mutex<Vec<u32>>,
+    /// How each issue ended, kept when the request ends: what its LayerIo answers then.
+    issues_at_end: Mutex<Issues>,
 }
 
 /// The deadline `timeout_s` seconds from now: 0..=`TIMEOUT_MAX_S`, else InvalidArgument.
@@ -76,6 +78,7 @@ impl Request {
             plan,
             phase: Mutex::new(Phase::Prepared),
             completed_at_end: Mutex::new(Vec::new()),
+            issues_at_end: Mutex::new(Issues::default()),
         }
     }
 
@@ -87,16 +90,26 @@ impl Request {
         *self.phase.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = phase;
     }
 
-    /// Runs `end` (commit or finish) under the store's lock, keeping the layers completed.
+    /// Runs `end` (commit or finish) under the store's lock, keeping the layers completed and
+    /// how each issue ended.
     fn end<T>(&self, end: impl FnOnce(&mut crate::backend::StoreState, u64) -> Result<T, Failure>) -> Result<T, Failure> {
         self.shared.locked(|state| {
-            let completed = state.request(self.handle).map(|request| request.completed.clone()).unwrap_or_default();
+            let kept = state.request(self.handle).map(|request| (request.completed.clone(), request.issues.clone())).unwrap_or_default();
             let result = end(state, self.handle);
             if state.request(self.handle).is_err() {
+                let (completed, issues) = kept;
                 *self.completed_at_end.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = completed;
+                *self.issues_at_end.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = issues;
             }
             result
         })
+    }
+
+    /// How `issue` ended, for its LayerIo once the request ended: Ok only if it completed, its
+    /// failure if it failed, StaleRequest otherwise (in flight at the end, or unknown).
+    fn ended_issue(&self, issue: u64) -> Result<(), Failure> {
+        let issues = self.issues_at_end.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        issues.result(issue).unwrap_or_else(|| Err(self.stale()))
     }
 
     fn stale(&self) -> Failure {
@@ -485,7 +498,7 @@ impl LayerIo {
         let (layer, issue) = (self.layer, self.issue);
         py.detach(|| {
             if request.phase() != Phase::Prepared {
-                return Ok(true); // ended with its request (as `done` says)
+                return request.ended_issue(issue).map(|()| true); // ended with its request
             }
             // A wait that does not wait: the layers before this one are driven as far as they
             // are done; this layer's outcome is taken once it ended (its failure raised: only
@@ -506,7 +519,7 @@ impl LayerIo {
         let (layer, issue) = (self.layer, self.issue);
         py.detach(|| {
             if request.phase() != Phase::Prepared {
-                return Ok(()); // ended with its request (as `done` says)
+                return request.ended_issue(issue); // ended with its request
             }
             request.wait_layer(layer, issue, deadline)
         })
