@@ -383,8 +383,8 @@ class Store:
         (objstore's LAYERS_IN_FLIGHT_LIMIT): an engine issues up to that many layers before it
         waits for the oldest, so the device's queue does not drain at each layer boundary. Each
         prepared request then holds that many sets of its IOCBs (filled once, at prepare)
-        until it is finished or committed: requests_max x layers_in_flight should not exceed
-        `iocbs` (not refused here: with the defaults, 4 layers in flight hold 16 requests; a
+        until it is finished or committed: requests_max x layers_in_flight (x the IOCBs of one
+        set: one per 2048 commands of a layer) should not exceed `iocbs` (not refused here: with the defaults, 4 layers in flight hold 16 requests; a
         prepare past the IOCBs is LimitReached saying what each request holds and to raise
         iocbs), and iocbs must be at least layers_in_flight.
 

@@ -122,7 +122,8 @@ pub struct StoreState {
 
 /// The options that bound a store's requests (`Store.open`/`attach`'s `layers_in_flight`,
 /// `iocbs`, `requests_max`): each prepared request holds `layers_in_flight` sets of its IOCBs
-/// until it ends, so `requests_max x layers_in_flight` should not exceed `iocbs`. That is not
+/// until it ends (a set is one IOCB per 2048 commands of a layer, usually one), so
+/// `requests_max x layers_in_flight x IOCBs per set` should not exceed `iocbs`. That is not
 /// refused at open (the defaults, 64 IOCBs and 32 requests, with 4 layers in flight hold 16
 /// requests, often enough); a prepare that finds too few IOCBs says so instead.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -150,16 +151,27 @@ impl RequestLimits {
              layers_in_flight = {layers_in_flight} sets of its IOCBs ({held}) until it is finished or committed"
         );
         let wanted = requests_max.saturating_mul(sets);
+        // What requests_max requests the size of this one hold: a set may take more than one
+        // IOCB, so the sets alone can understate it. iocbs is a power of two.
+        let needed = requests_max.saturating_mul(requested);
+        let at_least = if needed > iocbs as usize {
+            format!(
+                " to at least {} (requests_max x {requested} IOCBs per request = {needed}, for requests the size of this one)",
+                needed.checked_next_power_of_two().unwrap_or(needed)
+            )
+        } else {
+            String::new()
+        };
         if wanted > iocbs as usize {
             message.push_str(&format!(
                 "; requests_max x layers_in_flight = {requests_max} x {layers_in_flight} = {wanted} is more than iocbs = {iocbs}: raise \
-                 iocbs (Store.open / Store.attach) to at least {}, or lower layers_in_flight, or prepare fewer requests at once",
-                wanted.next_power_of_two()
+                 iocbs (Store.open / Store.attach){at_least}, or lower layers_in_flight, or prepare fewer requests at once"
             ));
         } else {
             message.push_str(&format!(
                 "; requests_max x layers_in_flight = {requests_max} x {layers_in_flight} = {wanted} fits in iocbs = {iocbs}, but the \
-                 requests prepared need more IOCBs each: raise iocbs (Store.open / Store.attach), or prepare fewer requests at once"
+                 requests prepared need more IOCBs each: raise iocbs (Store.open / Store.attach){at_least}, or prepare fewer requests \
+                 at once"
             ));
         }
         message
@@ -603,12 +615,18 @@ mod tests {
             limits.no_free_iocbs(4, 0),
             "no free IOCBs for this prepare: 0 of iocbs = 64 free, 4 needed; each prepared request holds layers_in_flight = 4 \
              sets of its IOCBs (here 4 IOCBs per request) until it is finished or committed; requests_max x layers_in_flight = 32 \
-             x 4 = 128 is more than iocbs = 64: raise iocbs (Store.open / Store.attach) to at least 128, or lower \
-             layers_in_flight, or prepare fewer requests at once"
+             x 4 = 128 is more than iocbs = 64: raise iocbs (Store.open / Store.attach) to at least 128 (requests_max x 4 IOCBs \
+             per request = 128, for requests the size of this one), or lower layers_in_flight, or prepare fewer requests at once"
         );
+        // Two IOCBs per set (a layer of more than 2048 commands): the sets alone (128) would
+        // understate what 32 such requests hold (256).
+        let message = limits.no_free_iocbs(8, 0);
+        assert!(message.contains("raise iocbs (Store.open / Store.attach) to at least 256 (requests_max x 8"), "{message}");
         let fits = RequestLimits { layers_in_flight: 2, iocbs: 64, requests_max: 8 };
         let message = fits.no_free_iocbs(8, 6);
         assert!(message.contains("(here 8 IOCBs per request: 4 per set, one per 2048 commands of a layer)"), "{message}");
         assert!(message.contains("= 16 fits in iocbs = 64, but the requests prepared need more IOCBs each: raise iocbs"), "{message}");
+        let bigger = fits.no_free_iocbs(16, 0);
+        assert!(bigger.contains("need more IOCBs each: raise iocbs (Store.open / Store.attach) to at least 128 ("), "{bigger}");
     }
 }
