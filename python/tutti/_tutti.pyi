@@ -611,15 +611,24 @@ class Request:
         True once nothing is in flight. Raises StaleRequest, and a wait's failure that ended no
         layer (the layer stays in flight)."""
     def fileno(self) -> int:
-        """An eventfd (non-blocking, close-on-exec, owned by the request: do not close it) that
-        becomes readable each time a layer of this request completes, whoever observed it (a
-        wait, a poll, or the store's completion thread). The first call starts the store's
-        completion thread if not running (one per store, at most): while a request with an
-        eventfd has a layer in flight, it drives the store's I/O in slices of at most 200 us
-        under the store's lock, and stops when the store closes. Reading the eventfd (8 bytes)
-        resets it; then call `wait(0)` for the layer (or its failure), which also frees its
-        place among the layers_in_flight not yet returned, before the next issue
-        (`layers_completed` and `poll()` only look)."""
+        """An eventfd (non-blocking, close-on-exec, owned by the request: do not close it),
+        written once each time a layer of this request ends (completes or fails) or a wait
+        fails without ending its layer, whoever observed it (a wait, a poll, a LayerIo, or the
+        store's completion thread); layers ended before the first call are announced at once.
+        The first call starts the store's completion thread if not running (one per store, at
+        most): while a request with an eventfd has a layer in flight, it drives the store's
+        I/O in slices of at most 200 us under the store's lock, and stops when the store
+        closes.
+
+        The eventfd counts; it is not a semaphore (no EFD_SEMAPHORE): one read (8 bytes)
+        returns how many such events happened since the last read and resets it, so several
+        layer ends merge into one wake-up. A wake-up may also find nothing left: a wait or a
+        LayerIo may have taken the outcome before the read. So after each read, call `wait(0)`
+        until it returns None or raises TimeoutError (the oldest layer still in flight): each
+        call takes one ended layer, or raises its failure ("layer N failed: ...": handle it and
+        call again; any other failure ended no layer), and frees its place among the
+        layers_in_flight not yet returned; do so before the next issue (`layers_completed` and
+        `poll()` only look)."""
     def commit(self) -> int:
         """Store: makes the stored blocks durable (flush, headers with FUA) and visible, and
         finishes the request; every layer must have completed. Returns the blocks stored.
