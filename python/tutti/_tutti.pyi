@@ -384,9 +384,10 @@ class Store:
         waits for the oldest, so the device's queue does not drain at each layer boundary. Each
         prepared request then holds that many sets of its IOCBs (filled once, at prepare)
         until it is finished or committed: requests_max x layers_in_flight (x the IOCBs of one
-        set: one per 2048 commands of a layer) should not exceed `iocbs` (not refused here: with the defaults, 4 layers in flight hold 16 requests; a
-        prepare past the IOCBs is LimitReached saying what each request holds and to raise
-        iocbs), and iocbs must be at least layers_in_flight.
+        set: one per 2048 commands of a layer) should not exceed `iocbs` (not refused here:
+        with the defaults, 4 layers in flight hold 16 requests; a prepare past the IOCBs is
+        LimitReached saying what each request holds and to raise iocbs), and iocbs must be at
+        least layers_in_flight.
 
         Raises InvalidArgument (a bad device string, geometry or option), DeviceError (a device
         cannot be opened or brought up, or is locked by another process), PoolError."""
@@ -571,7 +572,7 @@ class Request:
         may still move bytes."""
     @property
     def layers_in_flight(self) -> list[int]:
-        """Every layer in flight, oldest first (issued and not yet completed)."""
+        """Every layer in flight, oldest first (issued and not yet ended)."""
     @property
     def layers_completed(self) -> list[int]:
         """Layers whose I/O completed, in order of completion."""
@@ -600,11 +601,12 @@ class Request:
         completes if it is still in flight; None if there is none. Layers completed already
         (seen by poll, the completion thread, another layer's LayerIo.wait) are returned at
         once, in issue order, none forgotten (an issue is refused while layers_in_flight of
-        them, with those in flight, are not returned yet). A layer that failed is returned as its failure, raised in its turn, once, its
-        message starting "layer N failed: " (unless that layer's LayerIo.wait raised it
-        first). Raises TimeoutError after timeout_s (the layer stays in flight: wait again),
-        IntegrityError (verify_retrieves: the last layer's wait compares CRCs), DeviceError (a
-        command failed: that layer is ended, the later ones stay in flight), StaleRequest."""
+        them, with those in flight, are not returned yet). A layer that failed is returned as
+        its failure, raised in its turn, once, its message starting "layer N failed: " (unless
+        that layer's LayerIo.wait raised it first). Raises TimeoutError after timeout_s (the
+        layer stays in flight: wait again), IntegrityError (verify_retrieves: the last layer's
+        wait compares CRCs), DeviceError (a command failed: that layer is ended, the later ones
+        stay in flight), StaleRequest."""
     def poll(self) -> bool:
         """Non-blocking: drives the I/O once, ending every layer in flight that is done (oldest
         first; later waits return them, a failed layer's failure too: poll does not raise it);
@@ -656,11 +658,13 @@ class LayerIo:
     def done(self) -> bool:
         """Whether this layer ended, completed or failed, as observed (by any wait/poll/the
         completion thread); does not drive I/O (use poll). A failed layer is done: its wait
-        raises the failure."""
+        raises the failure. True once the request has ended."""
     def poll(self) -> bool:
         """Non-blocking: drives the request's I/O up to this layer; True when this layer
-        completed, whose completion it then takes as wait does. Raises as wait (except
-        TimeoutError)."""
+        completed, whose completion it then takes as wait does, and True once the request has
+        ended with this layer completed. Raises as wait (except TimeoutError): after the
+        request ended, this layer's failure if it failed, else StaleRequest if it never
+        ended."""
     def wait(self, timeout_s: float = 30.0) -> None:
         """Waits (GIL released) until this layer ended, ending the layers issued before it first
         (their outcomes stay for Request.wait, a failure of theirs too: it is not raised here;
