@@ -36,6 +36,13 @@ def attach(daemon, **options) -> tutti.Store:
     return tutti.Store.attach(daemon.socket, model_fingerprint=FINGERPRINT, keepalive=False, **options)
 
 
+def open_where(where: str, request, **options) -> tutti.Store:
+    """An in-process store, or one attached to the test's formatted daemon ("tuttid")."""
+    if where == "tuttid":
+        return attach(request.getfixturevalue("formatted_daemon"), **options)
+    return open_store(**options)
+
+
 def stored(store: tutti.Store, seed: int) -> tuple[tutti.KvLayout, list[int]]:
     """Allocates 8 paged blocks, fills blocks 0..3 and stores them as a prompt of 4 blocks (one
     layer at a time: the store path is not what these tests check)."""
@@ -142,10 +149,7 @@ def test_every_layer_in_flight_through_tuttid(formatted_daemon):
 def test_the_limit_is_refused_with_its_value(where, request):
     # Goal: a layer past layers_in_flight is InvalidState naming the layers in flight and the
     # limit, and leaves the request usable: once the oldest is waited for, the next is issued.
-    if where == "tuttid":
-        store = attach(request.getfixturevalue("formatted_daemon"), layers_in_flight=2)
-    else:
-        store = open_store(layers_in_flight=2)
+    store = open_where(where, request, layers_in_flight=2)
     try:
         layout, prompt = stored(store, 30)
         retrieve = store.prepare_retrieve(prompt, TARGET_BLOCKS)
@@ -552,10 +556,7 @@ def test_a_prepare_past_the_iocbs_says_what_each_request_holds_and_what_to_raise
     # at open, and 16 prepared requests hold every IOCB (4 each: one per layer in flight); the
     # 17th prepare is LimitReached saying how many IOCBs each request holds, that
     # requests_max x layers_in_flight is past iocbs, and to raise iocbs.
-    if where == "tuttid":
-        store = attach(request.getfixturevalue("formatted_daemon"), layers_in_flight=4)
-    else:
-        store = open_store(layers_in_flight=4)
+    store = open_where(where, request, layers_in_flight=4)
     try:
         _, prompt = stored(store, 110)
         held = [store.prepare_retrieve(prompt, TARGET_BLOCKS) for _ in range(16)]

@@ -205,3 +205,21 @@ def wait_out_layer(request: Any, timeout_s: float, log: logging.Logger, what: st
         return True
     log.error("%s: layers %s are still in flight; the request is kept", what, list(request.layers_in_flight))
     return False
+
+
+def abandon_request(request: Any, timeout_s: float, log: logging.Logger, what: str) -> bool:
+    """Finishes a failed request once no layer of it is in flight (`wait_out_layer`). False when
+    a layer does not complete, or the store refuses the finish because it still counts one in
+    flight (InvalidState): the request is kept (its pins, its request place), and the devices may
+    still move its blocks' bytes; protecting the memory it names is the caller's part. Any other
+    refusal of the finish is logged: the request ended."""
+    if not wait_out_layer(request, timeout_s, log, what):
+        return False
+    try:
+        request.finish()
+    except tutti.InvalidState as error:
+        log.error("%s could not be finished (a layer is still in flight): %s", what, error)
+        return False
+    except tutti.Error as error:
+        log.error("%s could not be finished: %s", what, error)
+    return True

@@ -34,6 +34,7 @@ from tutti._engine import (
     BYTE_GEOMETRY_BLOCK_TOKENS,
     ConfigError,
     Field,
+    abandon_request,
     byte_geometry,
     check_engine_version,
     fingerprint_from_config,
@@ -41,7 +42,6 @@ from tutti._engine import (
     hash_tokens,
     parse_config,
     positive,
-    wait_out_layer,
 )
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
@@ -382,21 +382,8 @@ def _key_tokens(key: str) -> list[int]:
 
 
 def _abandon(request: Any, timeout_s: float) -> bool:
-    """Finishes a failed request once its layer is no longer in flight. Returns False when its
-    layer does not complete: the request is kept (its pins, its request place), and the devices
-    may still move its page's bytes."""
-    if not wait_out_layer(request, timeout_s, logger, "tutti: a failed page request"):
-        return False
-    try:
-        request.finish()
-    except tutti.InvalidState as error:
-        # The store still counts a layer in flight the binding did not see: the request stays
-        # live, and its page may still be moved.
-        logger.error("tutti: a failed request could not be finished (a layer is still in flight): %s", error)
-        return False
-    except tutti.Error as error:
-        logger.error("tutti: a failed request could not be finished: %s", error)
-    return True
+    """`abandon_request` with this module's log."""
+    return abandon_request(request, timeout_s, logger, "tutti: a failed page request")
 
 
 def _copying_interface(name: str) -> tutti.InvalidState:

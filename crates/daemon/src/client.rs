@@ -27,7 +27,7 @@ mod gpu_export;
 mod remote_store;
 
 pub use gpu_export::DeviceKvMemory;
-pub use remote_store::{RemoteConfig, RemoteKvStore, WindowKvLayout};
+pub use remote_store::{wire_first_block, RemoteConfig, RemoteKvStore, WindowKvLayout};
 
 /// Granularity of the client's waits (the socket's read timeout).
 const TICK: Duration = Duration::from_millis(50);

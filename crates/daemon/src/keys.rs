@@ -108,7 +108,7 @@ impl KeySpace {
                 Err(_) => return first_block,
             };
             space.keys(&tokens[..common * block_tokens as usize], block_tokens, keys);
-            common = first_block + index.cached_prefix(&keys[first_block..]);
+            common = index.cached_run_end(keys, first_block);
         }
         common
     }

@@ -28,6 +28,17 @@ struct Rig<E: Executor = CpuExecutor> {
     device: Arc<EmuDevice>,
 }
 
+/// Two filled one-IOCTX Read IOCBs (not issued), the first I/O command the device sees next
+/// suffering `fault`.
+fn two_reads_the_first_faulted<E: Executor>(rig: &mut Rig<E>, fault: FaultAction) -> (IocbId, IocbId) {
+    rig.device.set_faults(FaultPlan::none().with_rule(FaultRule::on_nth_io(1, fault)));
+    let ids = rig.queue.get_iocb(2, Dependency::None).unwrap();
+    let specs = ioctxs(&rig.target, true, 1);
+    rig.queue.fill_iocb(ids[0], &layered(Opcode::Read), &specs[..1]).unwrap();
+    rig.queue.fill_iocb(ids[1], &layered(Opcode::Read), &specs[1..2]).unwrap();
+    (ids[0], ids[1])
+}
+
 fn deadline() -> Instant {
     Instant::now() + Duration::from_secs(10)
 }
@@ -400,12 +411,7 @@ fn a_worker_error_from_a_bad_completion_is_reported_once_and_later_io_succeeds()
         let workers = queues.into_iter().map(|queue| vec![(DeviceIndex(0), queue)]).collect();
         CpuWorkers::new(1, workers, 16).unwrap()
     });
-    rig.device.set_faults(FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::CorruptCommandId)));
-    let ids = rig.queue.get_iocb(2, Dependency::None).unwrap();
-    let (lost, later) = (ids[0], ids[1]);
-    let specs = ioctxs(&rig.target, true, 1);
-    rig.queue.fill_iocb(lost, &layered(Opcode::Read), &specs[..1]).unwrap();
-    rig.queue.fill_iocb(later, &layered(Opcode::Read), &specs[1..2]).unwrap();
+    let (lost, later) = two_reads_the_first_faulted(&mut rig, FaultAction::CorruptCommandId);
     rig.queue.issue_io(&[lost], LayerIndex(0), SmBudget(1)).unwrap();
     let failed = rig.queue.wait_cqe(lost, deadline());
     assert!(matches!(&failed, Err(GioError::Executor { executor: "cpu-workers", .. })), "{failed:?}");
@@ -430,12 +436,7 @@ fn a_queue_pair_failed_by_a_completion_is_reported_once_then_waits_time_out_and_
     // issue on the fresh pair succeeds. Before, every later poll failed with QueueFailed and no
     // wait ever timed out.
     let mut rig = rig(true, 1, 64);
-    rig.device.set_faults(FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::WrongSubmissionQueueId)));
-    let ids = rig.queue.get_iocb(2, Dependency::None).unwrap();
-    let (garbled, held) = (ids[0], ids[1]);
-    let specs = ioctxs(&rig.target, true, 1);
-    rig.queue.fill_iocb(garbled, &layered(Opcode::Read), &specs[..1]).unwrap();
-    rig.queue.fill_iocb(held, &layered(Opcode::Read), &specs[1..2]).unwrap();
+    let (garbled, held) = two_reads_the_first_faulted(&mut rig, FaultAction::WrongSubmissionQueueId);
     rig.queue.issue_io(&[garbled], LayerIndex(0), SmBudget(1)).unwrap();
     let failed = rig.queue.wait_cqe(garbled, deadline());
     assert!(matches!(&failed, Err(GioError::Executor { executor: "cpu", .. })), "{failed:?}");

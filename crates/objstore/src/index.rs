@@ -226,6 +226,13 @@ impl Index {
         keys.iter().take_while(|&&key| self.get(key).is_some()).count()
     }
 
+    /// Where the run of committed keys that starts at `first` ends (`first` itself when that
+    /// key is not committed; a start past the keys counts as their end).
+    pub fn cached_run_end(&self, keys: &[u64], first: usize) -> usize {
+        let first = first.min(keys.len());
+        first + self.cached_prefix(&keys[first..])
+    }
+
     /// Claims `key` for a store, in one probe: [`Claim::New`] if nobody has it (it is now
     /// claimed), else where it is cached, or that another store in flight claimed it (the block
     /// is then shared, not stored twice).

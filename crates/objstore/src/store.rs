@@ -310,8 +310,7 @@ impl<E: Executor> KvStore<E> {
     /// [`KvStore::prepare_retrieve_from`]). `first_block` past the full blocks counts as their end.
     pub fn lookup_from(&mut self, tokens: &[u32], first_block: usize) -> usize {
         block_keys_seeded(self.key_seed, tokens, self.control.pool().geometry().block_tokens, &mut self.keys);
-        let first_block = first_block.min(self.keys.len());
-        first_block + self.control.lookup(&self.keys[first_block..])
+        self.control.lookup_from(&self.keys, first_block)
     }
 
     /// Checks `request`, whose blocks are blocks `first_block..` of its prefix, and computes the

@@ -17,7 +17,7 @@ use nvme_driver::DmaRegion;
 use nvme_emu::EmuDevice;
 use objstore::{Direction, RequestHandle, StoreConfig, StorePlan};
 use objstore::{KvRequest, KvStore, LayerKvStore, ObjstoreError, Pool};
-use tutti_daemon::client::{RemoteConfig, RemoteKvStore};
+use tutti_daemon::client::{wire_first_block, RemoteConfig, RemoteKvStore};
 use tutti_daemon::lock::DeviceLocks;
 use tutti_daemon::protocol::HelloReply;
 use tutti_daemon::Client;
@@ -238,12 +238,12 @@ impl StoreState {
         match &mut self.backend {
             Backend::Local { store, .. } => Ok(store.lookup_from(tokens, first_block)),
             Backend::Remote { store } => {
-                let found = store.client().lookup_from(tokens, wire_first_block(first_block)?);
+                let found = store.client().lookup_from(tokens, wire_first_block(first_block).map_err(Failure::from)?);
                 self.touch_daemon();
                 Ok(found? as usize)
             }
             Backend::RemoteAttached { client, .. } => {
-                let found = client.lookup_from(tokens, wire_first_block(first_block)?);
+                let found = client.lookup_from(tokens, wire_first_block(first_block).map_err(Failure::from)?);
                 self.touch_daemon();
                 Ok(found? as usize)
             }
@@ -255,12 +255,12 @@ impl StoreState {
     pub fn lookup_all_ranks(&mut self, tokens: &[u32], first_block: usize) -> Result<usize, Failure> {
         match &mut self.backend {
             Backend::Remote { store } => {
-                let found = store.client().lookup_all_ranks_from(tokens, wire_first_block(first_block)?);
+                let found = store.client().lookup_all_ranks_from(tokens, wire_first_block(first_block).map_err(Failure::from)?);
                 self.touch_daemon();
                 Ok(found? as usize)
             }
             Backend::RemoteAttached { client, .. } => {
-                let found = client.lookup_all_ranks_from(tokens, wire_first_block(first_block)?);
+                let found = client.lookup_all_ranks_from(tokens, wire_first_block(first_block).map_err(Failure::from)?);
                 self.touch_daemon();
                 Ok(found? as usize)
             }
@@ -592,12 +592,6 @@ pub fn key_seed(fingerprint: &[u8; 32], rank: u32, world: u32) -> Result<u64, Fa
     tutti_daemon::keys::KeySpace::new(fingerprint, rank, world)
         .map(|space| space.seed())
         .map_err(|reason| Failure::new(ErrorClass::InvalidArgument, reason))
-}
-
-/// A first block as tuttid's protocol carries it (u32).
-fn wire_first_block(first_block: usize) -> Result<u32, Failure> {
-    u32::try_from(first_block)
-        .map_err(|_| Failure::new(ErrorClass::InvalidArgument, format!("first_block {first_block} is past any prefix tuttid takes")))
 }
 
 #[cfg(test)]

@@ -33,13 +33,13 @@ import tutti
 from tutti._engine import (
     BYTE_GEOMETRY_BLOCK_TOKENS,
     Field,
+    abandon_request,
     byte_geometry,
     fingerprint_from_config,
     format_devices,
     hash_tokens,
     parse_config,
     positive,
-    wait_out_layer,
 )
 from tutti.vllm.connector import KvMemoryUnsafe
 from vllm.v1.kv_offload.base import LookupResult, Medium, OffloadKey, ReqContext, RequestOffloadingContext
@@ -339,19 +339,5 @@ class _RowsUnsafe(Exception):
 
 
 def _abandon(request: Any, timeout_s: float) -> bool:
-    """Finishes a failed request once its layer is no longer in flight. Returns False when its
-    layer does not complete: the request is kept (its pins, its request place), and the devices
-    may still move its chunk row's bytes (a store's only read it; a load's is the caller's to
-    protect)."""
-    if not wait_out_layer(request, timeout_s, logger, "tutti tier: a failed request"):
-        return False
-    try:
-        request.finish()
-    except tutti.InvalidState as error:
-        # The store still counts a layer in flight the binding did not see: the request stays
-        # live, and its chunk row may still be written.
-        logger.error("tutti tier: a failed request could not be finished (a layer is still in flight): %s", error)
-        return False
-    except tutti.Error as error:
-        logger.error("tutti tier: a failed request could not be finished: %s", error)
-    return True
+    """`abandon_request` with this module's log."""
+    return abandon_request(request, timeout_s, logger, "tutti tier: a failed request")

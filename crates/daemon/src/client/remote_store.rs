@@ -519,8 +519,7 @@ impl RemoteKvStore {
     /// tensor-parallel rank of this session's world ends (from 0: the longest prefix cached on
     /// every rank; the engine scheduler's question).
     pub fn lookup_all_ranks(&mut self, tokens: &[u32], first_block: usize) -> Result<usize, ObjstoreError> {
-        let first_block = u32::try_from(first_block)
-            .map_err(|_| ObjstoreError::BadRequest { reason: format!("first block {first_block} is past any prefix tuttid takes") })?;
+        let first_block = wire_first_block(first_block)?;
         self.client.lookup_all_ranks_from(tokens, first_block).map(|blocks| blocks as usize).map_err(remote)
     }
 
@@ -572,13 +571,19 @@ fn attach_config(grant: &QueueGrant, submission: &DmaRegion, completion: &DmaReg
     }
 }
 
+/// A first block as tuttid's protocol carries it (a u32): a larger one is a bad request.
+pub fn wire_first_block(first_block: usize) -> Result<u32, ObjstoreError> {
+    u32::try_from(first_block)
+        .map_err(|_| ObjstoreError::BadRequest { reason: format!("first block {first_block} is past any prefix tuttid takes") })
+}
+
 impl LayerKvStore for RemoteKvStore {
     /// A daemon that cannot answer is a miss (nothing cached from `first_block`): the safe
     /// answer for an engine, which then computes the blocks; the error is logged.
     fn lookup_from(&mut self, tokens: &[u32], first_block: usize) -> usize {
         // As tuttid and `KvStore` answer it: a start past the prompt counts as its end.
         let first_block = first_block.min(tokens.len() / self.hello_reply().shape.block_tokens.max(1) as usize);
-        match u32::try_from(first_block).map_err(|_| None).and_then(|first| self.client.lookup_from(tokens, first).map_err(Some)) {
+        match wire_first_block(first_block).map_err(|_| None).and_then(|first| self.client.lookup_from(tokens, first).map_err(Some)) {
             Ok(blocks) => blocks as usize,
             Err(error) => {
                 if let Some(error) = error {
@@ -590,8 +595,7 @@ impl LayerKvStore for RemoteKvStore {
     }
 
     fn prepare_retrieve_from(&mut self, request: &KvRequest<'_>, first_block: usize) -> Result<RequestHandle, ObjstoreError> {
-        let first_block = u32::try_from(first_block)
-            .map_err(|_| ObjstoreError::BadRequest { reason: format!("first block {first_block} is past any prefix tuttid takes") })?;
+        let first_block = wire_first_block(first_block)?;
         let prepare = Request::PrepareRetrieve(Self::prepare_request(request, self.registration, first_block));
         let prepared = match self.client.call(&prepare).map_err(remote)? {
             Reply::RetrievePrepared(prepared) => prepared,

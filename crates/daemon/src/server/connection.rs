@@ -304,7 +304,7 @@ impl Connection {
             space.cached_prefix_on_all_ranks(store.control.pool().index(), tokens, first_block, block_tokens, &mut self.keys)
         } else {
             space.keys(tokens, block_tokens, &mut self.keys);
-            first_block + lock(&shared.store).control.lookup(&self.keys[first_block..])
+            lock(&shared.store).control.lookup_from(&self.keys, first_block)
         };
         shared.metrics.lookup((full - first_block) as u64, (cached - first_block) as u64);
         Reply::Lookup { cached_blocks: cached as u32, block_tokens }

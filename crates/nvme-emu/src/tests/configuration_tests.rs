@@ -95,10 +95,8 @@ fn a_reset_with_transfers_in_flight_returns_at_once_and_reads_ready_until_they_e
     assert!(ended < HOLD_TIMEOUT, "the reset ended at the transfers' deadline ({ended:?}), not when they ended");
     assert!(!stalled.host.csts().fatal());
     assert!(TestHost::try_reap(&mut stalled.queue).is_none(), "a reset completed a command that was in flight");
-    stalled.host.enable();
-    stalled.queue = stalled.host.create_io_pair(1, 16);
-    assert_eq!(stalled.write(3, &block(3)), Ok(()));
-    assert_eq!(stalled.read(3), (Ok(()), block(3)));
+    stalled.enable_again();
+    stalled.assert_serves_again();
 }
 
 #[test]

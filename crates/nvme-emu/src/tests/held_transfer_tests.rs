@@ -98,10 +98,8 @@ fn release_and_restart(mut stalled: Stalled, targets: [DmaRegion; 2]) {
         "the held reads wrote host memory after the stop began (what RDY = 0 would have hidden)"
     );
     assert!(TestHost::try_reap(&mut stalled.queue).is_none(), "a read of the stopped controller completed");
-    stalled.host.enable();
-    stalled.queue = stalled.host.create_io_pair(1, 16);
-    assert_eq!(stalled.write(3, &block(3)), Ok(()));
-    assert_eq!(stalled.read(3), (Ok(()), block(3)));
+    stalled.enable_again();
+    stalled.assert_serves_again();
 }
 
 #[test]

@@ -220,8 +220,7 @@ fn power_loss_with_writes_in_flight_keeps_exactly_the_completed_writes() {
     assert_eq!(media[..2 * 4096], vec![0u8; 2 * 4096][..], "the held writes never reached the file");
     assert!(media[2 * 4096..3 * 4096] == block(20)[..], "the completed write is durable");
     assert_eq!(media[3 * 4096..], vec![0u8; 4096][..], "the cached write is gone");
-    stalled.host.enable();
-    stalled.queue = stalled.host.create_io_pair(1, 16);
+    stalled.enable_again();
     assert_eq!(stalled.read(2), (Ok(()), block(20)));
     assert_eq!(stalled.read(3), (Ok(()), vec![0u8; 4096]));
 }

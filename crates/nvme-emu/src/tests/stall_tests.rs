@@ -69,6 +69,18 @@ impl Stalled {
         Some(Self { host, queue, path, _sender: sender, receiver, filler_bytes })
     }
 
+    /// Enables the controller again after a stop and gives the host a fresh I/O queue pair.
+    pub(super) fn enable_again(&mut self) {
+        self.host.enable();
+        self.queue = self.host.create_io_pair(1, 16);
+    }
+
+    /// After `enable_again`: a write and a read of block 3 round-trip.
+    pub(super) fn assert_serves_again(&mut self) {
+        assert_eq!(self.write(3, &block(3)), Ok(()));
+        assert_eq!(self.read(3), (Ok(()), block(3)));
+    }
+
     /// Two FUA writes (blocks 0 and 1) in one doorbell: one batch of two through the ring.
     fn write_two_blocks(&mut self) -> [Result<(), NvmeStatus>; 2] {
         let sources: Vec<DmaRegion> = (0..2).map(|_| self.host.buffer(4096)).collect();
@@ -164,8 +176,7 @@ fn a_batched_write_the_kernel_keeps_fails_and_fences_the_store_until_it_is_given
         assert!(Instant::now() < deadline, "CSTS.CFS was never set");
         std::thread::sleep(Duration::from_millis(1));
     }
-    stalled.host.enable();
-    stalled.queue = stalled.host.create_io_pair(1, 16);
+    stalled.enable_again();
     assert_eq!(stalled.write(5, &block(5)), media(codes::WRITE_FAULT), "a write while the old ones may land");
     assert_eq!(stalled.read(5).0, media(codes::UNRECOVERED_READ_ERROR), "a read while the old writes may land");
     assert_eq!(stalled.media_blocks(6), vec![0u8; 6 * 4096], "nothing reached the file");

@@ -103,6 +103,12 @@ impl StoreControl {
         self.pool.index.cached_prefix(keys)
     }
 
+    /// Where the run of cached blocks among `keys` from `first_block` ends (see
+    /// [`Index::cached_run_end`](crate::index::Index::cached_run_end)).
+    pub fn lookup_from(&self, keys: &[u64], first_block: usize) -> usize {
+        self.pool.index.cached_run_end(keys, first_block)
+    }
+
     fn take(&mut self, direction: Direction) -> Result<usize> {
         let index = self.free.pop().ok_or(ObjstoreError::TooManyRequests { max: self.reservations.len() })?;
         let reservation = &mut self.reservations[index];
