@@ -21,7 +21,9 @@ from sglang.srt.mem_cache.storage import StorageBackendFactory
 from stalled import StalledLayer
 from tutti.sglang import TESTED_SGLANG_VERSION, HostPagesUnsafe, TuttiHiCacheStorage, check_sglang_version
 
-LAYERS = 2
+# More layers than the backend's default layers_in_flight (2): layer_first pages have layers
+# waiting to be issued behind the ones in flight.
+LAYERS = 4
 HEADS = 2
 HEAD_DIM = 64
 PAGE = 16
@@ -325,6 +327,7 @@ def test_copying_interface_says_to_use_interface_v1(tmp_path: Path):
         ({"device": "emu:x"}, "unknown field"),
         ({"timeout_s": -1}, "must be positive"),
         ({"format": "yes"}, "field 'format' must be bool"),
+        ({"layers_in_flight": 5}, "field 'layers_in_flight' = 5: must be 1..=4"),
     ],
 )
 def test_bad_extra_config_says_what_to_fix(tmp_path: Path, changes: dict, message: str):
@@ -352,3 +355,79 @@ def test_version_check_names_the_tested_version(monkeypatch):
         warnings.simplefilter("always")
         assert check_sglang_version() is False
     assert any(TESTED_SGLANG_VERSION in str(warning.message) for warning in caught)
+
+
+class RecordingRequest:
+    """A tutti.Request that notes, at each wait, how many of its layers were issued and how many
+    returned by a wait before it."""
+
+    def __init__(self, request, waits: list) -> None:
+        self._request = request
+        self._waits = waits
+        self.issued = 0
+        self.returned = 0
+
+    def __getattr__(self, name: str):
+        return getattr(self._request, name)
+
+    def retrieve_layer(self, layer, **kwargs):
+        assert layer == self.issued, "layers issued out of order"
+        self.issued += 1
+        return self._request.retrieve_layer(layer, **kwargs)
+
+    def store_layer(self, layer, **kwargs):
+        assert layer == self.issued, "layers issued out of order"
+        self.issued += 1
+        return self._request.store_layer(layer, **kwargs)
+
+    def wait(self, timeout_s=30.0):
+        self._waits.append((self.issued, self.returned))
+        layer = self._request.wait(timeout_s)
+        assert layer == self.returned, f"wait returned layer {layer}, expected {self.returned}"
+        self.returned += 1
+        return layer
+
+
+class RecordingStore:
+    def __init__(self, store) -> None:
+        self._store = store
+        self.waits: list = []
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
+
+    def prepare_retrieve(self, tokens, block_ids):
+        return RecordingRequest(self._store.prepare_retrieve(tokens, block_ids), self.waits)
+
+    def prepare_store(self, tokens, block_ids):
+        return RecordingRequest(self._store.prepare_store(tokens, block_ids), self.waits)
+
+
+@pytest.mark.parametrize("layers_in_flight", [1, 2, LAYERS])
+def test_a_layer_first_page_keeps_layers_in_flight(tmp_path: Path, layers_in_flight: int):
+    """Goal: with layers_in_flight N a layer_first page's layers are issued N ahead of its waits
+    (every wait finds N layers issued and not yet returned, fewer only at the page's last
+    layers), for backups and prefetches alike, and the pages come back byte-exact."""
+    pool = host_pool("layer_first")
+    storage = backend("layer_first", pool, extra_config(tmp_path / "pool.img", True, layers_in_flight=layers_in_flight))
+    try:
+        assert storage._store.layers_in_flight == layers_in_flight
+        recording = RecordingStore(storage._store)
+        storage._store = recording
+        keys = page_keys(9, 2)
+        generator = torch.Generator().manual_seed(9)
+        for page in (1, 2):
+            view = page_view(pool, page)
+            view.copy_(torch.randn(view.shape, generator=generator).to(view.dtype))
+        expected = [page_view(pool, page).clone() for page in (1, 2)]
+        assert storage.batch_set_v1(keys, indices([1, 2])) == [True, True]
+        for page in (3, 4):
+            page_view(pool, page).zero_()
+        assert storage.batch_get_v1(keys, indices([3, 4])) == [True, True]
+        assert all(torch.equal(page_view(pool, page), want) for page, want in zip((3, 4), expected))
+        # Two pages, stored then read: LAYERS waits each, every one with N layers ahead of it.
+        assert len(recording.waits) == 4 * LAYERS
+        for issued, returned in recording.waits:
+            assert issued - returned == min(layers_in_flight, LAYERS - returned), recording.waits
+    finally:
+        storage.close()

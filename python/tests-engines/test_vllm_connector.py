@@ -80,12 +80,12 @@ def test_request_life_save_then_load_on_two_ranks(cluster):
     assert results[0]["calls"] == [
         f"{call}:{name}" for name in harness.layer_names() for call in ("wait_for_layer_load", "save_kv_layer")
     ] + ["start_load_kv", "wait_for_save"]
-    # The save ran during the forward: every layer issued, layers 0..L-2 completed, before
-    # wait_for_save (which then only hands the last layer to the committer).
+    # The save ran during the forward: every layer issued, layers 0..L-3 completed (two layers in
+    # flight by default), before wait_for_save (which then hands the last two to the committer).
     for result in results:
         issued, completed = result["saves_before_wait"]["A"]
         assert issued == harness.LAYERS, result["saves_before_wait"]
-        assert set(range(harness.LAYERS - 1)) <= set(completed), result["saves_before_wait"]
+        assert set(range(harness.LAYERS - 2)) <= set(completed), result["saves_before_wait"]
     expected = [worker.call("digest", blocks_a[:3]) for worker in workers]
     assert expected[0] != expected[1], "ranks must hold different bytes for the check to mean anything"
 
@@ -210,6 +210,8 @@ def test_bad_connector_config_says_what_to_fix(cluster):
         ({"socket": daemon.socket, "timeout": 3}, "unknown field(s) 'timeout'"),
         ({"socket": daemon.socket, "timeout_s": "3"}, "field 'timeout_s' must be float"),
         ({"socket": daemon.socket, "requests_max": 0}, "must be positive"),
+        ({"socket": daemon.socket, "layers_in_flight": 0}, "'layers_in_flight' = 0: must be 1..=4"),
+        ({"socket": daemon.socket, "layers_in_flight": 5}, "'layers_in_flight' = 5: must be 1..=4"),
         ({"socket": daemon.socket, "model_fingerprint": "abc"}, "64 hexadecimal digits"),
     ]
     for extra, message in cases:
@@ -335,7 +337,7 @@ def wait_no_worker_session(socket: str) -> None:
 def test_a_step_without_loads_saves_during_the_forward(tuttid):
     """Goal: in a step without synchronous loads vLLM calls start_load_kv only after the forward;
     the save is still issued layer by layer during the forward (prepared when the metadata was
-    bound), so wait_for_save finds layers 0..L-2 complete and the last one issued."""
+    bound), so wait_for_save finds layers 0..L-3 complete and the last two issued."""
     daemon = tuttid(harness.TUTTID_GEOMETRY)
     worker = LocalWorker(daemon.socket)
     try:
@@ -344,7 +346,7 @@ def test_a_step_without_loads_saves_during_the_forward(tuttid):
         result = worker.step(TuttiConnectorMetadata(saves=[SaveSpec("F", tokens, [1, 2])]))
         assert result["calls"][-2:] == ["start_load_kv", "wait_for_save"]
         issued, completed = result["saves_before_wait"]["F"]
-        assert issued == harness.LAYERS and set(range(harness.LAYERS - 1)) <= set(completed), result
+        assert issued == harness.LAYERS and set(range(harness.LAYERS - 2)) <= set(completed), result
     finally:
         worker.shutdown()
 
@@ -466,12 +468,12 @@ def test_a_load_whose_layer_does_not_complete_ends_the_session_before_its_blocks
         meta = TuttiConnectorMetadata(loads=[LoadSpec("L", tokens, [20, 21])])
         connector.handle_preemptions(meta)
         connector.bind_connector_metadata(meta)
-        connector.start_load_kv(None)  # layer 0 issued
+        connector.start_load_kv(None)  # layers 0 and 1 issued
         daemon.pause()
         resumer = threading.Timer(2.0, daemon.resume)  # later than the step gives up on the layer
         resumer.start()
         try:
-            for name in harness.layer_names():  # layer 1 is issued while tuttid is stalled
+            for name in harness.layer_names():  # layers 2 and 3 are issued while tuttid is stalled
                 connector.wait_for_layer_load(name)
             connector.wait_for_save()
             errors = connector.get_block_ids_with_load_errors()
@@ -522,7 +524,8 @@ def test_a_preempted_save_that_does_not_settle_is_never_reported(tuttid):
     (tuttid stalled); the committer's later outcome for it is ignored: get_finished never names
     the preempted request (vLLM would free a running request's blocks), and it is not committed."""
     daemon = tuttid(harness.TUTTID_GEOMETRY)
-    worker = LocalWorker(daemon.socket, timeout_s=0.5)
+    # Every layer in flight at once: the committer gets the save with layers 1..3 stuck.
+    worker = LocalWorker(daemon.socket, timeout_s=0.5, layers_in_flight=harness.LAYERS)
     try:
         tokens = prompt(12, blocks=2, tail=0)
         worker.fill([3, 4], 12)
@@ -701,5 +704,65 @@ def test_a_worker_with_device_memory_kv_opens_a_new_session_after_its_session_en
         assert result["load_errors"] == set()
         assert worker.connector._dead is None and len(worker_sessions(daemon.socket)) == 1
         assert all(torch.equal(loaded, saved) for loaded, saved in zip(worker.blocks_bytes([20, 21]), worker.blocks_bytes([1, 2])))
+    finally:
+        worker.shutdown()
+
+
+def issued_layers(request) -> list[int]:
+    """The layers a request has issued: in flight, or completed (returned by a wait or not)."""
+    return sorted(set(request.layers_in_flight) | set(request.layers_completed))
+
+
+@pytest.mark.parametrize("layers_in_flight", [1, 2, harness.LAYERS])
+def test_loads_and_saves_keep_layers_in_flight_ahead_of_the_forward(tuttid, layers_in_flight):
+    """Goal: with layers_in_flight N a load has layers l+1..l+N issued (their reads queued on the
+    device) while vLLM runs layer l's attention, and a save waits for a layer only when N of its
+    layers are in flight, so the device's queue does not drain at each layer boundary; the
+    committer waits out the save's last N layers; the loaded bytes are the saved ones."""
+    daemon = tuttid(harness.TUTTID_GEOMETRY)
+    worker = LocalWorker(daemon.socket, layers_in_flight=layers_in_flight)
+    connector = worker.connector
+    names = harness.layer_names()
+    try:
+        assert connector._store.layers_in_flight == layers_in_flight
+        tokens = prompt(21, blocks=3, tail=0)
+        worker.fill([1, 2, 3], 21)
+        meta = TuttiConnectorMetadata(saves=[SaveSpec("S", tokens, [1, 2, 3])])
+        connector.handle_preemptions(meta)
+        connector.bind_connector_metadata(meta)
+        for layer, name in enumerate(names):
+            connector.wait_for_layer_load(name)
+            connector.save_kv_layer(name, worker.caches[name], None)
+            save = connector._saves["S"]
+            assert issued_layers(save.request) == list(range(layer + 1))
+            # Waited for only the layers that would have been past N in flight.
+            assert save.completed == max(0, layer + 1 - layers_in_flight), (layer, save.completed)
+        connector.start_load_kv(None)
+        connector.wait_for_save()
+        connector.clear_connector_metadata()
+        deadline = time.monotonic() + FINISH_TIMEOUT_S
+        while connector.get_finished({"S"})[0] != {"S"}:
+            assert time.monotonic() < deadline, "the save was never reported"
+            time.sleep(0.01)
+        with tutti.LookupClient.connect(daemon.socket, model_fingerprint=connector._fingerprint) as lookup:
+            assert lookup.lookup(tokens) == 3, "the committer did not commit the save"
+
+        for part in worker.blocks_bytes([20, 21, 22]):
+            part.zero_()
+        meta = TuttiConnectorMetadata(loads=[LoadSpec("L", tokens, [20, 21, 22])])
+        connector.handle_preemptions(meta)
+        connector.bind_connector_metadata(meta)
+        connector.start_load_kv(None)
+        load = connector._loads["L"]
+        assert issued_layers(load.request) == list(range(min(layers_in_flight, harness.LAYERS)))
+        for layer, name in enumerate(names[:-1]):
+            connector.wait_for_layer_load(name)
+            assert issued_layers(load.request) == list(range(min(harness.LAYERS, layer + 1 + layers_in_flight))), layer
+        connector.wait_for_layer_load(names[-1])
+        assert "L" not in connector._loads, "a load whose every layer completed was not finished"
+        connector.wait_for_save()
+        assert connector.get_block_ids_with_load_errors() == set()
+        connector.clear_connector_metadata()
+        assert all(torch.equal(loaded, saved) for loaded, saved in zip(worker.blocks_bytes([20, 21, 22]), worker.blocks_bytes([1, 2, 3])))
     finally:
         worker.shutdown()

@@ -17,7 +17,9 @@ from typing import Any, Optional
 
 import torch
 
-LAYERS = 2
+# Four layers: more than the connector's default layers_in_flight (2), so a load or save has
+# layers waiting to be issued behind the ones in flight.
+LAYERS = 4
 KV_HEADS = 2
 HEAD_DIM = 64
 BLOCK_TOKENS = 16

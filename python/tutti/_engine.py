@@ -90,6 +90,35 @@ def non_empty(value: Any) -> Optional[str]:
     return None if len(value) > 0 else "must not be empty"
 
 
+# tutti.Store's layers_in_flight range (objstore's LAYERS_IN_FLIGHT_LIMIT).
+LAYERS_IN_FLIGHT_MAX = 4
+
+
+def layers_in_flight_field(what: str) -> Field:
+    """The connectors' `layers_in_flight` field: how many layers of one `what` (a load, a page)
+    are in flight at once. Two by default: the next layer's commands are queued while the
+    current one drains, so the device's queue does not empty at each layer boundary (docs/
+    objstore.md, "Layers in flight": 1.26x the retrieve bandwidth of one layer at a time)."""
+
+    def in_range(value: Any) -> Optional[str]:
+        return None if 1 <= value <= LAYERS_IN_FLIGHT_MAX else f"must be 1..={LAYERS_IN_FLIGHT_MAX}"
+
+    return Field(int, f"layers of one {what} in flight at once, 1..={LAYERS_IN_FLIGHT_MAX}", default=2, check=in_range)
+
+
+def iocbs_for(requests_max: int, layers_in_flight: int) -> int:
+    """The gio_uring IOCBs a store needs for `requests_max` prepared requests of
+    `layers_in_flight` layers each (tutti.Store's `iocbs`, a power of two): one set per layer
+    in flight, twice over for layers past 2048 commands (two IOCBs a set), at least the
+    store's default of 64 and at most 1024 (each IOCB holds ~96 KiB of queue memory: past
+    that, a prepare that finds no free IOCB is LimitReached, a miss for the connector)."""
+    needed = 2 * requests_max * layers_in_flight
+    return min(_IOCBS_MAX, max(64, 1 << (needed - 1).bit_length()))
+
+
+_IOCBS_MAX = 1024
+
+
 def check_engine_version(engine: str, installed: str, tested: str) -> bool:
     """Warns (warnings.warn, UserWarning, and the "tutti" logger) when the installed engine's
     version is not the one the connector was tested with. Returns whether it was."""

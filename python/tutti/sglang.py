@@ -40,6 +40,8 @@ from tutti._engine import (
     fingerprint_from_config,
     format_devices,
     hash_tokens,
+    iocbs_for,
+    layers_in_flight_field,
     parse_config,
     positive,
 )
@@ -66,6 +68,7 @@ EXTRA_CONFIG_FIELDS = {
     "lock_dir": Field(str, "where vfio: devices' lock files live (as tuttid's --lock-dir)", default="/run/tutti"),
     "timeout_s": Field(float, "the longest wait for one page's I/O, seconds", default=30.0, check=positive),
     "requests_max": Field(int, "pages moved at once", default=32, check=positive),
+    "layers_in_flight": layers_in_flight_field("page"),
 }
 
 _PAGE_LAYOUTS = ("page_first", "page_first_direct", "page_head")
@@ -94,6 +97,8 @@ class TuttiHiCacheStorage(HiCacheStorage):
         self._storage_config = storage_config
         self._timeout_s = float(self._config["timeout_s"])
         self._requests_max = int(self._config["requests_max"])
+        # Layers of one page in flight at once (layer_first pools: a page moves layer by layer).
+        self._layers_ahead = int(self._config["layers_in_flight"])
         self._store: Any = None
         self._layers = 0
         self._page_size = 0
@@ -139,7 +144,9 @@ class TuttiHiCacheStorage(HiCacheStorage):
             tp_world=storage.tp_size,
             lock_dir=config["lock_dir"],
             requests_max=self._requests_max,
+            iocbs=iocbs_for(self._requests_max, self._layers_ahead),
             timeout_s=self._timeout_s,
+            layers_in_flight=self._layers_ahead,
         )
         try:
             self._store.register_kv(tutti.KvLayout.separate(keys, values))
@@ -269,29 +276,38 @@ class TuttiHiCacheStorage(HiCacheStorage):
         return results
 
     def _run_layers(self, wave: list[tuple[int, Any]], store: bool) -> bool:
-        """Every layer of every request of the wave, one layer in flight per request; a request
-        that fails is finished and replaced by None in `wave`. Returns True (at once) when a
-        failed request's layer does not complete: it is kept, and the devices may still move its
-        page's bytes."""
-        for layer in range(self._layers):
-            for position, (index, request) in enumerate(wave):
-                if request is None:
-                    continue
-                try:
-                    (request.store_layer if store else request.retrieve_layer)(layer)
-                except tutti.Error as error:
-                    # An issue that failed after its commands were published leaves the layer in flight.
-                    logger.warning("tutti: layer %d of a page failed to issue: %s", layer, error)
-                    if not _abandon(request, self._timeout_s):
-                        return True
-                    wave[position] = (index, None)
+        """Every layer of every request of the wave, `layers_in_flight` layers in flight per
+        request: layer l is issued on every request, then each one's oldest layer (l - N + 1)
+        is waited for. A request that fails is finished and replaced by None in `wave`. Returns
+        True (at once) when a failed request's layer does not complete: it is kept, and the
+        devices may still move its page's bytes."""
+        ahead = self._layers_ahead
+        # Round r issues layer r (while there is one) and waits for layer r - ahead + 1 (once
+        # there is one): every layer issued, and waited for, in order.
+        for round_index in range(self._layers + ahead - 1):
+            if round_index < self._layers:
+                layer = round_index
+                for position, (index, request) in enumerate(wave):
+                    if request is None:
+                        continue
+                    try:
+                        (request.store_layer if store else request.retrieve_layer)(layer)
+                    except tutti.Error as error:
+                        # An issue that failed after its commands were published leaves the layer in flight.
+                        logger.warning("tutti: layer %d of a page failed to issue: %s", layer, error)
+                        if not _abandon(request, self._timeout_s):
+                            return True
+                        wave[position] = (index, None)
+            oldest = round_index - ahead + 1
+            if oldest < 0:
+                continue
             for position, (index, request) in enumerate(wave):
                 if request is None:
                     continue
                 try:
                     request.wait(self._timeout_s)
                 except tutti.Error as error:
-                    logger.warning("tutti: layer %d of a page failed: %s", layer, error)
+                    logger.warning("tutti: layer %d of a page failed: %s", oldest, error)
                     if not _abandon(request, self._timeout_s):
                         return True
                     wave[position] = (index, None)

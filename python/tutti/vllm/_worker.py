@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 import tutti
-from tutti._engine import ConfigError, wait_out_layer
+from tutti._engine import ConfigError, iocbs_for, wait_out_layer
 from tutti.vllm.metadata import SaveSpec, TuttiConnectorMetadata, check_block_size, connection_lost
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
@@ -74,6 +74,9 @@ class WorkerSide:
 
     def _init_worker(self, vllm_config: "VllmConfig") -> None:
         self._tp_rank = _tp_rank(vllm_config, self._tp_world)
+        # Layers of one load or save in flight at once: a load's next layers are read while
+        # vLLM runs the current one's attention, a save's while it runs the next layers'.
+        self._layers_ahead = int(self._config["layers_in_flight"])
         self._store = self._attach()
         # Whether the KV caches are tuttid's window (allocate_kv_caches): they go with the
         # session. Otherwise (device memory) the registered tensors, for a new session.
@@ -126,6 +129,8 @@ class WorkerSide:
             client_name=f"vllm-worker-{self._tp_rank}",
             timeout_s=self._timeout_s,
             requests_max=self._config["requests_max"],
+            layers_in_flight=self._layers_ahead,
+            iocbs=iocbs_for(self._config["requests_max"], self._layers_ahead),
         )
         check_block_size(store, self._block_size, format_hint=False)
         return store
@@ -207,7 +212,7 @@ class WorkerSide:
         self._layers = len(ordered)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        """Before a preempted request's blocks are reused: its load or save stops after the layer
+        """Before a preempted request's blocks are reused: its load or save stops after the layers
         in flight (waited for); nothing of an unfinished save becomes visible. A load whose layer
         does not complete ends the session first (the blocks may still be written); a save with
         the committer whose layer does not complete in time is cancelled (never committed: its
@@ -242,15 +247,17 @@ class WorkerSide:
         self._end_session_if_broken()
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        """Prepares this step's loads and issues each one's layer 0 (saves were prepared when the
-        metadata was bound). A load that cannot start is reported failed (vLLM recomputes it)."""
+        """Prepares this step's loads and issues each one's first layers, `layers_in_flight` of
+        them (saves were prepared when the metadata was bound). A load that cannot start is
+        reported failed (vLLM recomputes it)."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, TuttiConnectorMetadata)
         self._start_loads(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Blocks until every load of this step has layer `layer_name` in vLLM's blocks, issuing
-        each load's next layer as soon as the previous completes."""
+        """Blocks until every load of this step has layer `layer_name` in vLLM's blocks; each
+        layer waited for makes room for the load's next layer, issued at once (`layers_in_flight`
+        layers of a load stay in flight)."""
         layer = self._layer_index.get(layer_name)
         if layer is None:
             return
@@ -272,8 +279,8 @@ class WorkerSide:
                 self._fail_load(req_id, state, error)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
-        """Issues the writes of layer `layer_name` for every save of this step (after the previous
-        layer of that save completed: one layer in flight per request)."""
+        """Issues the writes of layer `layer_name` for every save of this step, first waiting for
+        the save's oldest layer when `layers_in_flight` of its layers are in flight."""
         layer = self._layer_index.get(layer_name)
         if layer is None:
             return
@@ -288,7 +295,7 @@ class WorkerSide:
 
     def wait_for_save(self) -> None:
         """Issues what save_kv_layer did not (all layers, when vLLM called it for none), and hands
-        each save, its last layer possibly in flight, to the committer thread."""
+        each save, its last layers possibly in flight, to the committer thread."""
         # Loads are synchronous: one whose later layers vLLM did not wait for ends in this step.
         if self._layers:
             self.wait_for_layer_load(self._layer_names[-1])
@@ -305,7 +312,7 @@ class WorkerSide:
             with self._lock:
                 self._save_done[req_id] = None  # with the committer
             # Bounded: a full queue waits here for the committer (back-pressure, not a leak).
-            self._commit_queue.put((req_id, state.token, state.request, self._session))
+            self._commit_queue.put((req_id, state.token, state.request, self._session, state.issued - state.completed))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
         """Requests (named finished now or earlier) whose save is over: committed, or failed and
@@ -374,7 +381,8 @@ class WorkerSide:
             self._saves[save.req_id] = _WorkerSave(request, token)
 
     def _start_loads(self, meta: TuttiConnectorMetadata) -> None:
-        """Prepares each load of the step and issues its layer 0, once per step."""
+        """Prepares each load of the step and issues its first `layers_in_flight` layers, once
+        per step."""
         if self._loads_started:
             return
         self._loads_started = True
@@ -404,10 +412,12 @@ class WorkerSide:
         self._end_session_if_broken()
 
     def _issue_load(self, req_id: str, state: _WorkerLoad) -> None:
-        if state.issued < self._layers:
+        """Issues the load's next layers while fewer than `layers_in_flight` are in flight; once
+        every layer completed, finishes it."""
+        while state.issued < self._layers and state.issued - state.completed < self._layers_ahead:
             state.request.retrieve_layer(state.issued)
             state.issued += 1
-        elif state.completed >= self._layers:
+        if state.completed >= self._layers:
             # Every layer is in vLLM's blocks: the load succeeded, whatever its release says.
             del self._loads[req_id]
             try:
@@ -417,7 +427,8 @@ class WorkerSide:
                 self._note_daemon_failure(error)
 
     def _advance_save(self, state: _WorkerSave) -> None:
-        if state.issued > state.completed:
+        """Issues the save's next layer, after its oldest when `layers_in_flight` are in flight."""
+        if state.issued - state.completed >= self._layers_ahead:
             state.request.wait(self._timeout_s)
             state.completed += 1
         state.request.store_layer(state.issued)
@@ -426,7 +437,10 @@ class WorkerSide:
     def _fail_load(self, req_id: str, state: _WorkerLoad, error: Exception) -> None:
         """Reports a failed load's blocks (vLLM recomputes them), once nothing can write them: a
         layer that does not settle ends the session first."""
-        logger.warning("tutti: load of request %s failed at layer %d (%s); its blocks are recomputed", req_id, max(state.issued - 1, 0), error)
+        logger.warning(
+            "tutti: load of request %s failed with %d of its %d layers complete (%s); its blocks are recomputed",
+            req_id, state.completed, self._layers, error,
+        )  # fmt: skip
         self._loads.pop(req_id, None)
         if not self._settle(state.request):
             self._end_session(f"a layer of request {req_id}'s load did not complete")
@@ -448,8 +462,8 @@ class WorkerSide:
                 self._save_done[req_id] = committed
 
     def _settle(self, request: Any) -> bool:
-        """Ends a request that is given up: waits for its layer in flight (the device may still
-        move those blocks' bytes), then finishes it without committing. Returns False when its
+        """Ends a request that is given up: waits for its layers in flight (the device may still
+        move those blocks' bytes), then finishes it without committing. Returns False when a
         layer is still in flight (nothing was ended: its memory may still be written or read)."""
         if not wait_out_layer(request, self._timeout_s, logger, "tutti: an abandoned request"):
             return False
@@ -564,19 +578,20 @@ class WorkerSide:
             item = self._commit_queue.get()
             if item is None:
                 return
-            req_id, token, request, session = item
+            req_id, token, request, session, outstanding = item
             committed = False
             try:
-                request.wait(self._timeout_s)
+                for _ in range(outstanding):  # the save's layers still in flight, oldest first
+                    request.wait(self._timeout_s)
             except tutti.Error as error:
-                logger.warning("tutti: save of request %s not committed: its last layer failed (%s)", req_id, error)
+                logger.warning("tutti: save of request %s not committed: one of its last layers failed (%s)", req_id, error)
                 self._settle(request)
                 self._save_settled(req_id, token, False)
                 continue
             with self._lock:
                 cancelled = token in self._cancelled
             if cancelled:
-                # Preempted while its layer was in flight: its bytes may have been read after
+                # Preempted while a layer was in flight: its bytes may have been read after
                 # vLLM reused the blocks. Never committed.
                 self._settle(request)
             else:

@@ -10,10 +10,11 @@ WORKER, one per tensor-parallel rank), each in its own process:
   on every rank (`lookup_all_ranks`), remembers the blocks vLLM allocated for it, and tells the
   workers in the step's metadata what to load and what to save;
 - each worker attaches to tuttid with its own key space (model fingerprint, TP rank and world) and
-  moves its own KV layer by layer: a load's layer l+1 is issued when layer l is waited for
-  (`wait_for_layer_load`, before layer l's attention), a save's layer l when vLLM hands it over
-  (`save_kv_layer`, after layer l's attention); `wait_for_save` hands each save's last layer to a
-  committer thread, so a step never waits for a flush: the save is reported done through
+  moves its own KV layer by layer, `layers_in_flight` layers of a load or save in flight at once
+  (2 by default): a load's layer l+N is issued when layer l is waited for (`wait_for_layer_load`,
+  before layer l's attention), a save's layer l when vLLM hands it over (`save_kv_layer`, after
+  layer l's attention; it first waits for layer l-N); `wait_for_save` hands each save's last
+  layers to a committer thread, so a step never waits for a flush: the save is reported done through
   `get_finished` and vLLM keeps the request's blocks until then (`request_finished` returns True).
   Saves are prepared when vLLM binds the step's metadata (`bind_connector_metadata`): vLLM calls
   `start_load_kv` only after the forward in a step without synchronous loads.
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional
 
-from tutti._engine import Field, fingerprint_from_config, non_empty, parse_config, positive
+from tutti._engine import Field, fingerprint_from_config, layers_in_flight_field, non_empty, parse_config, positive
 from tutti.vllm._scheduler import SchedulerSide
 from tutti.vllm._worker import KvMemoryUnsafe, WorkerSide
 from tutti.vllm.metadata import LoadSpec, SaveSpec, TuttiConnectorMetadata
@@ -53,6 +54,7 @@ EXTRA_CONFIG_FIELDS = {
         float, "the longest wait for one lookup by the scheduler (a late answer is a miss), seconds", default=1.0, check=positive
     ),
     "requests_max": Field(int, "requests a worker prepares at once", default=32, check=positive),
+    "layers_in_flight": layers_in_flight_field("load or save"),
 }
 
 # vLLM's identity layout, what allocate_kv_caches views when vLLM has not resolved one.
