@@ -36,7 +36,19 @@ impl Ring {
     /// synchronously. A job the kernel still holds fails with [`UringError::StillInFlight`] and an
     /// empty buffer (its own is leaked with the ring): it may still complete at any time, so a
     /// write among them must not be retried, nor its place written again, while it may land.
+    ///
+    /// A batch runs alone on its ring: completions are matched to jobs by tag, so on a ring
+    /// already abandoned, or with transfers in flight from [`Ring::push`] or an earlier batch, no
+    /// job is run; each fails ([`UringError::Abandoned`] or [`UringError::RingBusy`]) with its
+    /// buffer untouched, and that error is returned.
     pub fn run_batch(&mut self, jobs: &mut [Job], deadline: Instant, cancel_timeout: Duration) -> Result<(), UringError> {
+        if self.is_abandoned() || self.in_flight() > 0 {
+            let refusal = || self.abandoned_error().unwrap_or(UringError::RingBusy { in_flight: self.in_flight() });
+            for job in jobs.iter_mut() {
+                job.result = Err(refusal());
+            }
+            return Err(refusal());
+        }
         let mut next = 0usize;
         // Bounded: each pass pushes or reaps at least one job, or returns.
         while next < jobs.len() || self.in_flight() > 0 {
@@ -180,5 +192,94 @@ mod tests {
         assert!(ring.run_batch(&mut stuck, Instant::now() + Duration::from_millis(100), Duration::ZERO).is_err());
         drop(ring);
         assert_eq!(leaked_buffers_total(), leaked_before + 1, "only the held buffer is leaked");
+    }
+
+    /// Fresh jobs for a batch that must not run: two writes whose buffers carry `seed`.
+    fn fresh_jobs(file: &std::fs::File, seed: u8) -> Vec<Job> {
+        let write = |offset_bytes| Transfer { fd: file.as_raw_fd(), direction: Direction::Write, offset_bytes, len_bytes: 4096 };
+        vec![Job::new(write(8192), data(seed)), Job::new(write(12288), data(seed))]
+    }
+
+    /// Every job failed with `expected`, and each still holds the caller's buffer with its bytes.
+    fn assert_not_run(jobs: &[Job], seed: u8, expected: fn(&UringError) -> bool) {
+        for job in jobs {
+            assert!(job.result.as_ref().is_err_and(expected), "{:?}", job.result);
+            assert_eq!(job.buffer.bytes(4096).len(), 4096, "the caller keeps its buffer");
+            assert!(job.buffer.bytes(4096).iter().all(|&byte| byte == seed), "the caller's own bytes");
+        }
+    }
+
+    #[test]
+    fn a_batch_on_an_abandoned_ring_with_a_transfer_still_held_runs_nothing() {
+        // Goal: after a batch left a write with the kernel (tag 1), a later batch is refused
+        // whole: its job 1 is not matched to that write (marked StillInFlight, its buffer taken),
+        // every job fails as not run and keeps the caller's buffer.
+        let Ok(mut ring) = Ring::new(4) else {
+            eprintln!("io_uring with bounded waits is unavailable here: test skipped");
+            return;
+        };
+        ring.disable_cancellation();
+        let file = tempfile::tempfile().unwrap();
+        let (mut sender, mut receiver) = UnixStream::pair().unwrap();
+        let queued_bytes = fill(&mut sender);
+        let mut jobs = vec![
+            Job::new(Transfer { fd: file.as_raw_fd(), direction: Direction::Write, offset_bytes: 0, len_bytes: 4096 }, data(1)),
+            Job::new(Transfer { fd: sender.as_raw_fd(), direction: Direction::Write, offset_bytes: 0, len_bytes: 4096 }, data(2)),
+        ];
+        assert!(ring.run_batch(&mut jobs, Instant::now() + Duration::from_millis(200), Duration::from_millis(100)).is_err());
+        assert_eq!(ring.in_flight(), 1);
+        let mut later = fresh_jobs(&file, 7);
+        let error = ring.run_batch(&mut later, Instant::now() + Duration::from_secs(5), Duration::from_millis(100)).unwrap_err();
+        assert!(matches!(error, UringError::Abandoned { .. }), "{error}");
+        assert_not_run(&later, 7, |error| matches!(error, UringError::Abandoned { .. }));
+        // Let the held write land and reap it, so the ring is dropped holding nothing.
+        let mut received = vec![0u8; queued_bytes + 4096];
+        receiver.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        receiver.read_exact(&mut received).unwrap();
+        assert_eq!(ring.cancel_in_flight(Instant::now() + Duration::from_secs(5), |_| {}), 0);
+    }
+
+    #[test]
+    fn a_batch_on_an_abandoned_ring_with_nothing_in_flight_fails() {
+        // Goal: run_batch on an abandoned ring says so (Err) rather than Ok with every job failed.
+        let Ok(mut ring) = Ring::new(4) else {
+            eprintln!("io_uring with bounded waits is unavailable here: test skipped");
+            return;
+        };
+        let file = tempfile::tempfile().unwrap();
+        ring.abandon(&UringError::NotRun);
+        let mut jobs = fresh_jobs(&file, 5);
+        let error = ring.run_batch(&mut jobs, Instant::now() + Duration::from_secs(5), Duration::from_millis(100)).unwrap_err();
+        assert!(matches!(error, UringError::Abandoned { .. }), "{error}");
+        assert_not_run(&jobs, 5, |error| matches!(error, UringError::Abandoned { .. }));
+    }
+
+    #[test]
+    fn a_batch_on_a_ring_with_pushed_transfers_runs_nothing() {
+        // Goal: a transfer pushed outside the batch (tag 0) is never taken for the batch's job 0:
+        // the batch is refused whole (RingBusy), the ring stays usable, and the pushed transfer
+        // completes and is reaped with its own buffer.
+        let Ok(mut ring) = Ring::new(4) else {
+            eprintln!("io_uring with bounded waits is unavailable here: test skipped");
+            return;
+        };
+        let file = tempfile::tempfile().unwrap();
+        let pushed = Transfer { fd: file.as_raw_fd(), direction: Direction::Write, offset_bytes: 0, len_bytes: 4096 };
+        ring.push(pushed, data(3), 0).unwrap();
+        let mut jobs = fresh_jobs(&file, 6);
+        let error = ring.run_batch(&mut jobs, Instant::now() + Duration::from_secs(5), Duration::from_millis(100)).unwrap_err();
+        assert!(matches!(error, UringError::RingBusy { in_flight: 1 }), "{error}");
+        assert_not_run(&jobs, 6, |error| matches!(error, UringError::RingBusy { in_flight: 1 }));
+        assert!(!ring.is_abandoned(), "a refused batch leaves the ring usable");
+        let mut reaped = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        // Bounded by the deadline (a wait past it is an error).
+        while reaped.is_empty() {
+            ring.wait(deadline).unwrap();
+            ring.reap(|completion| reaped.push(completion)).unwrap();
+        }
+        assert_eq!(reaped[0].tag, 0);
+        reaped[0].check().unwrap();
+        assert!(reaped[0].buffer.bytes(4096).iter().all(|&byte| byte == 3), "the pushed transfer's own buffer");
     }
 }

@@ -36,6 +36,11 @@ pub enum UringError {
         "the ring was abandoned after an earlier failure ({cause}) and the kernel still holds this transfer: it may complete at any time"
     )]
     StillInFlight { cause: String },
+    /// [`crate::Ring::run_batch`] on a ring with transfers in flight from [`crate::Ring::push`] or
+    /// an earlier batch: their completions could not be told from the batch's own, so the batch
+    /// was not run (every job fails with this and keeps its buffer). Reap those first.
+    #[error("the ring has {in_flight} transfer(s) in flight from outside this batch; the batch was not run")]
+    RingBusy { in_flight: usize },
     #[error("a completion names slot {user_data}, which has no transfer in flight")]
     UnexpectedCompletion { user_data: u64 },
     #[error("{direction:?} of {len_bytes} bytes at offset {offset_bytes} failed: {source}")]

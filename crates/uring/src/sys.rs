@@ -318,7 +318,7 @@ impl Ring {
         self.abandoned.is_some()
     }
 
-    fn abandoned_error(&self) -> Option<UringError> {
+    pub(crate) fn abandoned_error(&self) -> Option<UringError> {
         self.abandoned.as_ref().map(|cause| UringError::Abandoned { cause: cause.clone() })
     }
 
