@@ -7,6 +7,9 @@ use std::time::Duration;
 pub enum UringError {
     #[error("io_uring is unavailable: {reason}")]
     Unsupported { reason: String, source: Option<io::Error> },
+    /// More entries than the kernel sets a ring up with (`IORING_MAX_ENTRIES`; it answers `EINVAL`).
+    #[error("a ring of {entries} entries is more than io_uring allows ({max}, IORING_MAX_ENTRIES)")]
+    TooManyEntries { entries: u32, max: u32 },
     #[error("the transfer was not run")]
     NotRun,
     #[error("io_uring wait ran past its deadline ({waited:?}) with {in_flight} transfer(s) in flight")]

@@ -9,6 +9,10 @@ use io_uring::IoUring;
 
 use crate::error::UringError;
 
+/// The most entries the kernel sets a ring up with (`IORING_MAX_ENTRIES`); it answers `EINVAL`
+/// past it, which [`set_up`] would take for a refused flag, so a ring refuses more itself.
+pub(crate) const ENTRIES_MAX: u32 = 32768;
+
 /// `IORING_SETUP_DEFER_TASKRUN`'s own bit (the public [`SetupFlags::DEFERRED_TASK_RUN`] carries
 /// the SINGLE_ISSUER it needs too).
 const DEFER_TASKRUN_BIT: u8 = 1 << 3;
@@ -213,6 +217,28 @@ mod tests {
         .expect("ENOMEM is final");
         assert!(matches!(refused, UringError::Unsupported { .. }), "{refused}");
         assert_eq!(tries, 1);
+    }
+
+    #[test]
+    fn more_entries_than_io_uring_allows_are_refused_before_setup() {
+        // Goal: past IORING_MAX_ENTRIES (32768) the kernel answers EINVAL, which the flag
+        // fallback would take for a refused flag and end in "io_uring unavailable"; the ring
+        // refuses such a size itself, naming the limit, without calling io_uring_setup.
+        let sizes = std::cell::RefCell::new(Vec::new());
+        let setup = |entries, _| {
+            sizes.borrow_mut().push(entries);
+            Err(io::Error::from_raw_os_error(libc::EINVAL))
+        };
+        for entries in [32769, 65536, u32::MAX] {
+            let refused = crate::Ring::set_up_with(entries, SetupFlags::FIO, setup).expect_err("too many entries");
+            assert!(matches!(refused, UringError::TooManyEntries { max: 32768, .. }), "{refused}");
+            assert!(refused.to_string().contains("32768"), "{refused}");
+        }
+        assert!(sizes.borrow().is_empty(), "io_uring_setup was called: {sizes:?}");
+        // The limit itself is asked of the kernel.
+        let refused = crate::Ring::set_up_with(32768, SetupFlags::NONE, setup).expect_err("the stand-in refuses");
+        assert!(matches!(refused, UringError::Unsupported { .. }), "{refused}");
+        assert_eq!(*sizes.borrow(), [32768]);
     }
 
     #[test]

@@ -50,7 +50,7 @@ use nvme_driver::hw::DmaRegion;
 
 use crate::buffer::AlignedBuffer;
 use crate::error::UringError;
-use crate::setup::{current_thread_number, set_up, set_up_in_kernel, SetupFlags};
+use crate::setup::{current_thread_number, set_up, set_up_in_kernel, SetupFlags, ENTRIES_MAX};
 use crate::{Direction, Transfer};
 
 /// How long dropping a ring waits for transfers still in flight before it leaks their buffers.
@@ -238,8 +238,8 @@ impl std::fmt::Debug for Ring {
 
 impl Ring {
     /// A plain ring (no setup flags) for up to `entries` transfers in flight (rounded up to a
-    /// power of two, at least 2). Refused where io_uring is missing, forbidden, or too old for
-    /// bounded waits.
+    /// power of two, at least 2; more than 32768, io_uring's limit, is refused). Refused where
+    /// io_uring is missing, forbidden, or too old for bounded waits.
     pub fn new(entries: u32) -> Result<Self, UringError> {
         Self::with_setup(entries, SetupFlags::NONE)
     }
@@ -258,10 +258,11 @@ impl Ring {
         flags: SetupFlags,
         setup: impl FnMut(u32, SetupFlags) -> io::Result<IoUring>,
     ) -> Result<Self, UringError> {
-        let entries = entries
-            .max(2)
-            .checked_next_power_of_two()
-            .ok_or(UringError::Unsupported { reason: format!("{entries} entries is more than a ring can hold"), source: None })?;
+        if entries > ENTRIES_MAX {
+            return Err(UringError::TooManyEntries { entries, max: ENTRIES_MAX });
+        }
+        // At most ENTRIES_MAX, a power of two: the rounding cannot overflow or pass it.
+        let entries = entries.max(2).next_power_of_two();
         let (ring, setup_flags) = set_up(entries, flags, setup)?;
         if !ring.params().is_feature_ext_arg() {
             return Err(UringError::Unsupported {
