@@ -1,4 +1,5 @@
-//! Running a list of transfers together: the software controller's backing-store batches.
+//! Running a list of transfers together, alone on a ring, to the end or to a deadline. (The
+//! software controller builds its batches from push, submit, wait and reap instead.)
 
 use std::time::{Duration, Instant};
 

@@ -15,10 +15,13 @@
 //!   `io_uring_enter` through `IORING_ENTER_EXT_ARG`, Linux 5.11+), and running past it is
 //!   [`UringError::Timeout`]. A kernel without that feature is refused at [`Ring::new`] rather
 //!   than waited on without a bound.
-//! - [`Ring::run_batch`]: a list of transfers with at most the ring's capacity in flight, used by
-//!   the software controller to overlap the backing-store I/O of consecutive commands. A batch
-//!   that fails or runs past its deadline abandons the ring and cancels what the kernel still
-//!   holds ([`Ring::cancel_in_flight`], bounded): each job then says whether it can still land
+//! - [`Ring::run_batch`]: a list of transfers with at most the ring's capacity in flight, run
+//!   alone on its ring (one with anything in flight, or abandoned, is refused), for a caller that
+//!   has the whole list at once. The software controller does not use it: it keeps transfers in
+//!   flight across doorbell scans with [`Ring::push`], [`Ring::submit`], [`Ring::wait`] and
+//!   [`Ring::reap`] (`nvme-emu`'s own `Controller::run_batch`). A batch that fails or runs
+//!   past its deadline abandons the ring and cancels what the kernel still holds
+//!   ([`Ring::cancel_in_flight`], bounded): each job then says whether it can still land
 //!   ([`UringError::StillInFlight`]) or not, so a caller never retries a write that the kernel
 //!   may still complete after the retry.
 //!
