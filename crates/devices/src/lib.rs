@@ -40,6 +40,8 @@ pub enum DeviceError {
     MalformedTiming { text: String, reason: String },
     #[error("size '{text}' is too large (over 2^64 bytes)")]
     SizeTooLarge { text: String },
+    #[error("duration '{text}' is too large (at most 2^64-1 us, ms or seconds)")]
+    DurationTooLarge { text: String },
     #[error("device '{text}' {reason}; accepted: {accepted}")]
     MalformedSpec { text: String, reason: String, accepted: String },
     #[error("{spec} cannot be used here; accepted: {accepted}")]
