@@ -81,6 +81,18 @@ impl DeviceSpec {
             return Err(malformed("names no path, size or address".into()));
         }
         let spec = match kind {
+            // Without a size these would be files named mem and null (created with a tool's
+            // create size): almost surely a memory or no-storage device with its size forgotten.
+            "emu" if rest == "mem" => {
+                return Err(malformed(
+                    "names no size: a memory device is emu:mem:SIZE (e.g. emu:mem:256M); a file named mem is emu:./mem".into(),
+                ))
+            }
+            "emu" if rest == "null" => {
+                return Err(malformed(
+                    "names no size: a no-storage device is emu:null:SIZE (e.g. emu:null:1G); a file named null is emu:./null".into(),
+                ))
+            }
             "emu" => match (rest.strip_prefix("mem:"), rest.strip_prefix("null:")) {
                 (Some(size), _) => DeviceSpec::EmuMemory(memory_size(text, size)?),
                 (None, Some(size)) => DeviceSpec::EmuNull(memory_size(text, size)?),
@@ -181,6 +193,14 @@ mod tests {
         assert!(message("emu:").contains("names no path"));
         assert!(message("emu:mem:4q").contains("unknown suffix 'q'"), "{}", message("emu:mem:4q"));
         assert!(message("emu:mem:4k").contains("smaller than 1MiB"));
+        // emu:mem and emu:null without a size are not files named mem and null.
+        for (text, syntax) in [("emu:mem", "emu:mem:SIZE"), ("emu:null", "emu:null:SIZE")] {
+            let error = message(text);
+            assert!(error.starts_with(&format!("device '{text}' names no size")), "{error}");
+            assert!(error.contains(syntax) && error.contains("emu:./"), "{error}");
+        }
+        assert_eq!(parse_any("emu:./mem").unwrap(), DeviceSpec::EmuFile("./mem".into()), "a file named mem");
+        assert_eq!(parse_any("emu:memory.img").unwrap(), DeviceSpec::EmuFile("memory.img".into()));
         // A tool that takes only some kinds names those.
         let error = DeviceSpec::parse("uring:/dev/x", &[DeviceKind::Vfio, DeviceKind::EmuFile]).unwrap_err().to_string();
         assert!(error.contains("uring:/dev/x cannot be used here; accepted: vfio:BDF"), "{error}");
