@@ -9,7 +9,8 @@
 //!   allocates none)
 //!   available (`MemAvailable` less a reserve), before anything is allocated;
 //! - [`open`]: opening a list of specs in one DMA space (every `vfio:` function in one VFIO
-//!   container, every software controller in one DMA pool), as an object-store pool needs.
+//!   container, every software controller in one DMA pool), as an object-store pool needs; one
+//!   file named by two `emu:` specs, however spelled, is refused.
 //!
 //! Every error is a [`DeviceError`] that names what was given, what is wrong and what is
 //! accepted; the tools print it as one line and exit with status 2 (unusable input).
@@ -57,6 +58,11 @@ pub enum DeviceError {
     MissingFile { spec: String },
     #[error("{spec}: the file is empty (0 bytes), so it holds no namespace (was it truncated?)")]
     EmptyFile { spec: String },
+    #[error(
+        "{first} and {second} name the same file: two software controllers on one file would overwrite each other's data; \
+         give each file once"
+    )]
+    DuplicateFile { first: String, second: String },
     #[error("the devices of one set share one DMA space: give only vfio: devices (one VFIO container) or only emu: ones")]
     MixedSpaces,
     #[error("{spec}: cannot start the software NVMe controller: {source}")]

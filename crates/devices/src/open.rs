@@ -3,6 +3,8 @@
 //! several devices needs that (the engine's KV memory is registered once, at one set of
 //! addresses every device reaches); a single device gets its own space.
 
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use nvme_driver::hw::vfio::{PciAddress, VfioOptions};
@@ -33,8 +35,10 @@ pub struct EmuOptions {
 }
 
 /// Opens `specs` in one DMA space, in order. Refuses `uring:` (no NVMe controller), a mix of
-/// `vfio:` and software controllers (two address spaces), and memory devices the machine
-/// cannot hold ([`check_memory`]), before anything is opened.
+/// `vfio:` and software controllers (two address spaces), memory devices the machine cannot
+/// hold ([`check_memory`]) and one file named by two `emu:` specs (two controllers would
+/// overwrite each other's data), before anything is opened. (VFIO refuses a function listed
+/// twice itself.)
 pub fn open_in_one_space(specs: &[DeviceSpec], emu: &EmuOptions) -> Result<Vec<OpenedDevice>, DeviceError> {
     let mut addresses: Vec<PciAddress> = Vec::new();
     for spec in specs {
@@ -58,6 +62,7 @@ pub fn open_in_one_space(specs: &[DeviceSpec], emu: &EmuOptions) -> Result<Vec<O
             }
         }
     }
+    refuse_shared_files(specs)?;
     let mut functions = if addresses.is_empty() {
         Vec::new().into_iter()
     } else {
@@ -123,13 +128,53 @@ pub fn open_pool_devices(specs: &[DeviceSpec], lba_bytes: u32, create_bytes: Opt
 /// A file the software controller is to open as it is: it must exist and, when it is a regular
 /// file, hold something (a block device reports length 0 here, and its own size to the
 /// controller).
-fn check_file(spec: &DeviceSpec, path: &std::path::Path) -> Result<(), DeviceError> {
+fn check_file(spec: &DeviceSpec, path: &Path) -> Result<(), DeviceError> {
     match std::fs::metadata(path) {
         Err(error) if error.kind() == std::io::ErrorKind::NotFound => Err(DeviceError::MissingFile { spec: spec.to_string() }),
         Ok(metadata) if metadata.is_file() && metadata.len() == 0 => Err(DeviceError::EmptyFile { spec: spec.to_string() }),
         // Other failures (permissions) are the controller's to report, with the path.
         _ => Ok(()),
     }
+}
+
+/// What an `emu:` path names, so that two spellings of one file compare equal.
+#[derive(Debug, PartialEq, Eq)]
+enum FileIdentity {
+    /// A block device: the device itself, whichever node names it.
+    BlockDevice { rdev: u64 },
+    /// Any other existing file (hard links and every path to it included).
+    Inode { dev: u64, ino: u64 },
+    /// A file still to be created: its directory, canonical, and its name.
+    ToCreate(PathBuf),
+}
+
+/// `None` where it cannot be told (a path ending in `..`, a directory that cannot be reached,
+/// a file that cannot be looked at): opening it fails on its own, with the path.
+fn file_identity(path: &Path) -> Option<FileIdentity> {
+    match std::fs::metadata(path) {
+        Ok(metadata) if metadata.file_type().is_block_device() => Some(FileIdentity::BlockDevice { rdev: metadata.rdev() }),
+        Ok(metadata) => Some(FileIdentity::Inode { dev: metadata.dev(), ino: metadata.ino() }),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
+            let name = path.file_name()?;
+            let directory = path.parent().filter(|parent| !parent.as_os_str().is_empty()).unwrap_or(Path::new("."));
+            Some(FileIdentity::ToCreate(std::fs::canonicalize(directory).ok()?.join(name)))
+        }
+        Err(_) => None,
+    }
+}
+
+/// Refuses two `emu:` specs naming one file ([`DeviceError::DuplicateFile`], naming both).
+fn refuse_shared_files(specs: &[DeviceSpec]) -> Result<(), DeviceError> {
+    let mut seen: Vec<(FileIdentity, &DeviceSpec)> = Vec::with_capacity(specs.len());
+    for spec in specs {
+        let DeviceSpec::EmuFile(path) = spec else { continue };
+        let Some(identity) = file_identity(path) else { continue };
+        if let Some((_, first)) = seen.iter().find(|(earlier, _)| *earlier == identity) {
+            return Err(DeviceError::DuplicateFile { first: first.to_string(), second: spec.to_string() });
+        }
+        seen.push((identity, spec));
+    }
+    Ok(())
 }
 
 fn emu_config(spec: &DeviceSpec, emu: &EmuOptions) -> EmuConfig {
@@ -184,6 +229,42 @@ mod tests {
         let creating = EmuOptions { create_bytes: Some(1 << 20), ..EmuOptions::default() };
         let error = open_in_one_space(&[parse("emu:/nonexistent/dir/x.img")], &creating).err().unwrap().to_string();
         assert!(error.starts_with("emu:/nonexistent/dir/x.img: cannot start the software NVMe controller"), "{error}");
+    }
+
+    #[test]
+    fn one_file_named_twice_is_refused_before_anything_is_opened() {
+        // Goal: two emu: specs of one file, however spelled (twice the same, through `.` or
+        // `dir/..`, a hard link; for a file to be created, its directory spelled two ways), would
+        // run two controllers over one file, and a pool striped over them would overwrite itself:
+        // refused, naming both, before a controller starts or a file is created.
+        let directory = tempfile::tempdir().unwrap();
+        let dir = directory.path().display().to_string();
+        std::fs::create_dir(directory.path().join("sub")).unwrap();
+        std::fs::File::create(directory.path().join("p.img")).unwrap().set_len(8 << 20).unwrap();
+        std::fs::hard_link(directory.path().join("p.img"), directory.path().join("link.img")).unwrap();
+        let existing = EmuOptions::default();
+        for (first, second) in [
+            (format!("emu:{dir}/p.img"), format!("emu:{dir}/p.img")),
+            (format!("emu:{dir}/p.img"), format!("emu:{dir}/./p.img")),
+            (format!("emu:{dir}/p.img"), format!("emu:{dir}/sub/../p.img")),
+            (format!("emu:{dir}/p.img"), format!("emu:{dir}/link.img")),
+        ] {
+            let specs = [parse(&first), parse("emu:mem:8m"), parse(&second)];
+            let error = open_in_one_space(&specs, &existing).err().unwrap();
+            assert!(matches!(error, DeviceError::DuplicateFile { .. }), "{first} {second}: {error}");
+            assert!(error.to_string().starts_with(&format!("{first} and {second} name the same file")), "{error}");
+        }
+        let creating = EmuOptions { create_bytes: Some(8 << 20), ..EmuOptions::default() };
+        let specs = [parse(&format!("emu:{dir}/q.img")), parse(&format!("emu:{dir}/sub/../q.img"))];
+        let error = open_in_one_space(&specs, &creating).err().unwrap();
+        assert!(matches!(error, DeviceError::DuplicateFile { .. }), "{error}");
+        assert!(!directory.path().join("q.img").exists(), "refused before the file was created");
+        // A relative file to be created, with and without `./`, is one file too.
+        let missing = std::path::Path::new("tutti-devices-test-no-such-file.img");
+        assert!(file_identity(missing).is_some() && file_identity(missing) == file_identity(&std::path::Path::new(".").join(missing)));
+        // Different files, and a file beside a memory device, open.
+        let specs = [parse(&format!("emu:{dir}/p.img")), parse(&format!("emu:{dir}/sub/r.img")), parse("emu:mem:8m")];
+        assert_eq!(open_in_one_space(&specs, &creating).unwrap().len(), 3);
     }
 
     #[test]
