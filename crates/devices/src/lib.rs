@@ -5,9 +5,8 @@
 //!   [`DeviceSpec`], each tool naming the kinds it accepts;
 //! - [`duration`]: durations (`10`, `500ms`, `50us`);
 //! - [`timing`]: the software controller's timing model (`--emu-timing`);
-//! - [`memory`]: the check that `emu:mem:` devices fit the memory the machine has (`emu:null:`
-//!   allocates none)
-//!   available (`MemAvailable` less a reserve), before anything is allocated;
+//! - [`memory`]: the check that `emu:mem:` devices fit the memory the machine has available
+//!   (`MemAvailable` less a reserve), before anything is allocated (`emu:null:` allocates none);
 //! - [`open`]: opening a list of specs in one DMA space (every `vfio:` function in one VFIO
 //!   container, every software controller in one DMA pool), as an object-store pool needs; one
 //!   file named by two `emu:` specs, however spelled, is refused.
