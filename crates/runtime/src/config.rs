@@ -81,6 +81,11 @@ impl WriteQueueFullAction {
     }
 }
 
+/// The longest `RuntimeConfig::io_timeout`: a day. One layer's I/O that has not ended in a day
+/// will not end; and every deadline `Instant::now() + io_timeout` then fits an `Instant` (a
+/// `Duration::MAX` passed the non-zero check and the first bounded wait panicked).
+pub const IO_TIMEOUT_MAX: Duration = Duration::from_secs(86_400);
+
 /// See the field docs; `RuntimeConfig::new` gives the defaults.
 #[derive(Debug, Clone)]
 pub struct RuntimeConfig {
@@ -97,8 +102,10 @@ pub struct RuntimeConfig {
     /// running request's retrieve; `Runtime::new` refuses it otherwise).
     pub write_queue_limit_stores: usize,
     pub on_write_queue_full: WriteQueueFullAction,
-    /// Bound on every wait for one layer's I/O. A layer still in flight after it is not
-    /// forgotten: its request retires (`Runtime::retiring_requests`), its engine blocks held.
+    /// Bound on every wait for one layer's I/O, in `1 ns..=IO_TIMEOUT_MAX` (`Runtime::new`
+    /// refuses anything else: a deadline is `Instant::now() + io_timeout`). A layer still in
+    /// flight after it is not forgotten: its request retires (`Runtime::retiring_requests`), its
+    /// engine blocks held.
     pub io_timeout: Duration,
     /// Issue/complete events kept for inspection (`Runtime::events`); 0 keeps none. Past the
     /// capacity, events are counted as dropped, never allocated.

@@ -31,7 +31,7 @@ pub mod events;
 pub mod runtime;
 mod writes;
 
-pub use config::{PolicyChoice, RuntimeConfig, WriteQueueFullAction};
+pub use config::{PolicyChoice, RuntimeConfig, WriteQueueFullAction, IO_TIMEOUT_MAX};
 pub use error::{Result, RuntimeError};
 pub use events::{IoDirection, IoEvent, IoEventKind, RuntimeCounters};
 pub use runtime::{PrefillId, PrefillStart, Runtime};

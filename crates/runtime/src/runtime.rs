@@ -22,7 +22,7 @@ use scheduler::policy::{IoPolicy, LayerView, QueueView};
 use scheduler::table::{IoKind, ModelIdentity, Profile};
 use scheduler::SchedulerError;
 
-use crate::config::{RuntimeConfig, WriteQueueFullAction};
+use crate::config::{RuntimeConfig, WriteQueueFullAction, IO_TIMEOUT_MAX};
 use crate::error::{store_error, Result, RuntimeError};
 use crate::events::{EventLog, IoEvent, RuntimeCounters};
 use crate::writes::{PendingStore, WriteQueue};
@@ -145,6 +145,14 @@ impl<E: Executor> Runtime<E> {
                 reason: format!(
                     "write_queue_limit_blocks ({}), write_queue_limit_stores ({}) and io_timeout ({:?}) must be positive",
                     config.write_queue_limit_blocks, config.write_queue_limit_stores, config.io_timeout
+                ),
+            });
+        }
+        if config.io_timeout > IO_TIMEOUT_MAX {
+            return Err(RuntimeError::InvalidConfig {
+                reason: format!(
+                    "io_timeout ({:?}) is past IO_TIMEOUT_MAX ({IO_TIMEOUT_MAX:?}): every wait's deadline is now + io_timeout",
+                    config.io_timeout
                 ),
             });
         }

@@ -178,3 +178,24 @@ fn a_write_queue_as_deep_as_the_stores_request_slots_is_refused() {
     fits.write_queue_limit_stores = requests_max - 1;
     Runtime::new(store, Profile::from_table(table(MODEL, common::geometry().layers)).unwrap(), fits).expect("a queue one below");
 }
+
+/// Goal: an `io_timeout` no deadline can hold (`Duration::MAX`; anything past a day) is refused
+/// at construction with `InvalidConfig`. It passed the non-zero check, and the first bounded
+/// wait panicked computing `Instant::now() + io_timeout`. A day is accepted.
+#[test]
+fn an_io_timeout_past_a_day_is_refused() {
+    for (io_timeout, accepted) in [
+        (std::time::Duration::MAX, false),
+        (std::time::Duration::from_secs(86_400) + std::time::Duration::from_nanos(1), false),
+        (std::time::Duration::from_secs(86_400), true),
+    ] {
+        let (_device, store, _engine) = parts(None);
+        let mut config = config(PolicyChoice::SlackAware);
+        config.io_timeout = io_timeout;
+        match Runtime::new(store, Profile::from_table(table(MODEL, common::geometry().layers)).unwrap(), config) {
+            Err(RuntimeError::InvalidConfig { reason }) if !accepted => assert!(reason.contains("io_timeout"), "{reason}"),
+            Ok(_) if accepted => {}
+            other => panic!("io_timeout {io_timeout:?}: {other:?}"),
+        }
+    }
+}

@@ -11,6 +11,7 @@ use scheduler::policy::Issue;
 use scheduler::table::IoKind;
 
 use super::{Prefill, PrefillId, Reads, Runtime};
+use crate::config::IO_TIMEOUT_MAX;
 use crate::error::{store_error, Result, RuntimeError};
 use crate::events::{IoDirection, IoEvent, IoEventKind};
 use crate::writes::WriteQueue;
@@ -22,6 +23,14 @@ impl<E: Executor> Runtime<E> {
             Some(prefill) if prefill.id == id.0 => Ok(prefill),
             _ => Err(RuntimeError::StaleRequest { call, request: id.0, active }),
         }
+    }
+
+    /// One `io_timeout` from now: the deadline of a bounded wait. `Runtime::new` keeps
+    /// `io_timeout` within `IO_TIMEOUT_MAX` (a day), so the sum fits an `Instant`; were it not to,
+    /// the wait gets that day rather than a panic.
+    pub(super) fn io_deadline(&self) -> Instant {
+        let now = Instant::now();
+        now.checked_add(self.config.io_timeout).or_else(|| now.checked_add(IO_TIMEOUT_MAX)).unwrap_or(now)
     }
 
     pub(super) fn outstanding_read_iocbs(&self) -> u32 {
@@ -144,7 +153,7 @@ impl<E: Executor> Runtime<E> {
     /// Waits, until one `io_timeout` from now for all of them together, for the retiring
     /// requests' layers to end, then retires those that did.
     pub(super) fn wait_retiring(&mut self) -> Result<()> {
-        let deadline = Instant::now() + self.config.io_timeout;
+        let deadline = self.io_deadline();
         for index in 0..self.writes.retiring.len() {
             let handle = self.writes.retiring[index].handle;
             if let Err(error) = self.store.wait(handle, deadline) {
@@ -269,7 +278,7 @@ impl<E: Executor> Runtime<E> {
         let cause = match store.in_flight {
             Some(_) => {
                 let handle = store.handle;
-                self.store.wait(handle, Instant::now() + self.config.io_timeout).err()
+                self.store.wait(handle, self.io_deadline()).err()
             }
             None => None,
         };
@@ -371,7 +380,7 @@ impl<E: Executor> Runtime<E> {
 
     pub(super) fn wait_read(&mut self) -> Result<()> {
         let (Some(layer), Some(handle)) = (self.reads.in_flight, self.prefill.as_ref().and_then(|p| p.retrieve)) else { return Ok(()) };
-        match self.store.wait(handle, Instant::now() + self.config.io_timeout) {
+        match self.store.wait(handle, self.io_deadline()) {
             Ok(_) => {
                 self.complete_read(layer);
                 Ok(())
@@ -388,7 +397,7 @@ impl<E: Executor> Runtime<E> {
                 continue;
             }
             let handle = self.writes.stores[index].handle;
-            match self.store.wait(handle, Instant::now() + self.config.io_timeout) {
+            match self.store.wait(handle, self.io_deadline()) {
                 Ok(_) => {
                     self.complete_write(index);
                     index += 1;
