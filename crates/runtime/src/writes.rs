@@ -241,12 +241,17 @@ fn release_layers<'a>(
     stores: impl Iterator<Item = (Released<'a>, u32, u32)>,
     cost_us: impl Fn(u32) -> f64,
 ) -> u32 {
-    let finite = |us: f64| if us.is_finite() { us.max(0.0) } else { 0.0 };
-    let mut available_us = *carried_us + finite(cost_us(grant_iocbs));
+    // Validated tables bound every duration (`scheduler::table::DURATION_US_MAX`), so costs are
+    // finite; should one not be, a grant is worth nothing and a layer never fits (taken as
+    // free, a layer of infinite cost went on any grant).
+    let grant_us = cost_us(grant_iocbs);
+    let grant_us = if grant_us.is_finite() { grant_us.max(0.0) } else { 0.0 };
+    let mut available_us = *carried_us + grant_us;
     let mut released = 0;
     let mut head_layer_cost_us = 0.0;
     'stores: for (store, ready_layers, iocbs_per_layer) in stores {
-        let layer_cost_us = finite(cost_us(iocbs_per_layer));
+        let layer_cost_us = cost_us(iocbs_per_layer);
+        let layer_cost_us = if layer_cost_us.is_finite() { layer_cost_us.max(0.0) } else { f64::INFINITY };
         while *store.decided_layers < ready_layers {
             if layer_cost_us > available_us {
                 head_layer_cost_us = layer_cost_us;
@@ -288,5 +293,25 @@ mod tests {
         // 250 µs left then are kept for the next.
         assert_eq!(releases(8, &[8, 2, 0]), vec![3, 1, 0]);
         assert_eq!(releases(8, &[1, 1]), vec![0, 1], "225 + 225 µs add up to a 400 µs layer");
+    }
+
+    #[test]
+    fn a_layer_whose_cost_is_not_finite_is_never_released() {
+        // Goal: a layer the cost rows price at infinity (or NaN) is never released by a grant:
+        // it was taken as free (0 µs) and went on any grant, however small. A grant that is not
+        // finite is worth nothing.
+        for layer_cost_us in [f64::INFINITY, f64::NAN] {
+            let cost_us = |iocbs: u32| if iocbs == 5 { layer_cost_us } else { 10.0 };
+            let (mut carried_us, mut decided, mut budget) = (0.0, 0, 4);
+            for _ in 0..3 {
+                let store = Released { decided_layers: &mut decided, sm_budget: &mut budget };
+                assert_eq!(release_layers(&mut carried_us, 1, 4, std::iter::once((store, 2, 5)), cost_us), 0, "{layer_cost_us}");
+            }
+            assert!(carried_us.is_finite());
+        }
+        let (mut carried_us, mut decided, mut budget) = (0.0, 0, 4);
+        let store = Released { decided_layers: &mut decided, sm_budget: &mut budget };
+        let grant_not_finite = |iocbs: u32| if iocbs == 1 { f64::INFINITY } else { 10.0 };
+        assert_eq!(release_layers(&mut carried_us, 1, 4, std::iter::once((store, 2, 5)), grant_not_finite), 0);
     }
 }

@@ -65,7 +65,8 @@ impl From<serde_json::Error> for SchedulerError {
 /// Result alias used throughout the crate.
 pub type Result<T> = std::result::Result<T, SchedulerError>;
 
-/// Helper: reject a float that is NaN, infinite or negative.
+/// Helper: reject a float that is NaN, infinite, negative or past
+/// [`crate::table::DURATION_US_MAX`].
 pub(crate) fn check_duration(value_us: f64, field: &str, location: &dyn Fn() -> String) -> Result<()> {
     if !value_us.is_finite() {
         return Err(SchedulerError::InvalidField {
@@ -79,6 +80,13 @@ pub(crate) fn check_duration(value_us: f64, field: &str, location: &dyn Fn() -> 
             field: field.to_string(),
             location: location(),
             reason: format!("{value_us} is negative"),
+        });
+    }
+    if value_us > crate::table::DURATION_US_MAX {
+        return Err(SchedulerError::InvalidField {
+            field: field.to_string(),
+            location: location(),
+            reason: format!("{value_us} µs is past {} µs, the longest duration a table holds", crate::table::DURATION_US_MAX),
         });
     }
     Ok(())

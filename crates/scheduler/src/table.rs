@@ -52,6 +52,13 @@ use crate::error::{check_duration, Result, SchedulerError};
 /// The newest format this build reads and writes.
 pub const PROFILE_FORMAT_VERSION: u32 = 1;
 
+/// The longest duration a table may hold, in µs (11.6 days; a layer, a decode step or one I/O
+/// kernel is far shorter). Bounding each keeps every sum of them finite: a count past the
+/// largest cost row is costed as up to 2³² back-to-back kernels (≤ 4.3e21 µs), and a runtime
+/// adds up the costs of its queued writes. Without it, rows of 1 µs and 1e308 µs were valid and
+/// five IOCBs cost infinity.
+pub const DURATION_US_MAX: f64 = 1e12;
+
 /// Window bounds may exceed the layer by this much (float rounding in producers).
 const WINDOW_EPSILON_US: f64 = 1e-6;
 

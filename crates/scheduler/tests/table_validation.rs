@@ -314,3 +314,31 @@ fn between_windows_never_show_more_free_sms_than_a_corner_on_an_analytic_table()
         }
     }
 }
+
+/// Goal: a duration past `DURATION_US_MAX` (1e12 µs, 11.6 days) is refused wherever a table
+/// holds one, so that no sum of them (a count past the largest row costed as back-to-back
+/// kernels, a write queue's layers) reaches infinity. Write rows of 1 µs for 1 IOCB and 1e308
+/// µs for 2 were accepted, and 5 IOCBs then cost 2 × 1e308 + 1 = inf.
+#[test]
+fn durations_past_the_bound_are_refused() {
+    let mut t = common::table();
+    let row = t.io_costs.iter().position(|r| r.kind == IoKind::Write && r.sm_budget == 4 && r.iocb_count == 2).unwrap();
+    t.io_costs[row - 1].duration_us = 1.0;
+    for later in &mut t.io_costs[row..row + 3] {
+        later.duration_us = 1e308;
+    }
+    let (_, text) = message(load(t));
+    assert!(text.contains("io_costs.duration_us") && text.contains("1000000000000"), "{text}");
+    let mut t = common::table();
+    t.decode_steps[0].duration_us = 1e12 + 1.0;
+    assert!(message(load(t)).1.contains("decode_steps.duration_us"));
+    let mut t = common::table();
+    for layer in &mut t.buckets[0].layers {
+        layer.compute_duration_us = 2e12;
+    }
+    assert!(message(load(t)).1.contains("compute_duration_us"));
+    // The bound itself is a duration.
+    let mut t = common::table();
+    t.decode_steps[0].duration_us = scheduler::table::DURATION_US_MAX;
+    load(t).expect("a duration of exactly the bound");
+}
