@@ -3,7 +3,7 @@
 //! decode step begins) and the runtime decides and issues every read and write.
 //!
 //! Mapping the policy onto the store: the policy counts IOCBs of the table's size
-//! (`iocb_bytes`, from the read cost rows), exactly as the simulator does for the same request,
+//! (`iocb_bytes`, one size across the cost rows), exactly as the simulator does for the same request,
 //! so both see the same views and make the same decisions. The store moves a layer whole (it
 //! reissues one request's IOCBs per layer), so a layer's reads are handed over when the policy
 //! first issues any of them, and writes are released in whole layers once the policy's write grants
@@ -173,19 +173,9 @@ impl<E: Executor> Runtime<E> {
         let kv_bytes_per_token_per_layer = 2 * geometry.object_bytes() / u64::from(geometry.block_tokens);
         let model = ModelIdentity { name: config.model_name.clone(), layer_count: geometry.layers, kv_bytes_per_token_per_layer };
         profile.check_identity(&model, &config.gpu).map_err(|source| RuntimeError::ProfileMismatch { source })?;
-        let iocb_bytes = profile
-            .table()
-            .io_costs
-            .iter()
-            .find(|row| row.kind == IoKind::Read)
-            .map(|row| row.bytes / u64::from(row.iocb_count))
-            .filter(|&bytes| bytes > 0)
-            .ok_or_else(|| RuntimeError::ProfileMismatch {
-                source: SchedulerError::InvalidConfig {
-                    field: "io_costs".into(),
-                    reason: "no read row with a byte count: the IOCB size the policy counts in is unknown".into(),
-                },
-            })?;
+        // One size for every cost row, reads and writes, at least one LBA (validated with the
+        // table): the policy counts both directions in it and costs them with their own rows.
+        let iocb_bytes = profile.iocb_bytes().max(1);
         let budget = |kind| SmBudget(profile.io_sm_budget_max(kind).max(1));
         let (read_budget, write_budget) = (budget(IoKind::Read), budget(IoKind::Write));
         let layers = geometry.layers;
@@ -247,7 +237,7 @@ impl<E: Executor> Runtime<E> {
         self.log.clear();
     }
 
-    /// The IOCB size (bytes) the policy counts in, from the table's read cost rows.
+    /// The IOCB size (bytes) the policy counts in: the table's, one size across its cost rows.
     pub fn iocb_bytes(&self) -> u64 {
         self.iocb_bytes
     }

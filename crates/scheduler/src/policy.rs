@@ -250,8 +250,9 @@ impl IoPolicy for SlackAware {
         ssd_free_at_us = fill.ssd_free_at_us;
 
         // 4. Writes only once no read of this request is left to issue.
-        let reads_left: u32 = targets.iter().map(|t| t.1).sum();
-        if reads_left == 0 && view.queued_write_iocbs > 0 {
+        // Whether any is left, not how many: per-layer counts can sum past a u32.
+        let reads_left = targets.iter().any(|t| t.1 > 0);
+        if !reads_left && view.queued_write_iocbs > 0 {
             let write_budget = table.io_sm_budget_max(IoKind::Write);
             let writes_free_at_us = table.io_duration_us(IoKind::Write, view.outstanding_write_iocbs, write_budget)?;
             let mut writes = [(None, view.queued_write_iocbs)];

@@ -59,6 +59,11 @@ pub const PROFILE_FORMAT_VERSION: u32 = 1;
 /// five IOCBs cost infinity.
 pub const DURATION_US_MAX: f64 = 1e12;
 
+/// The fewest bytes one IOCB may move: one LBA of the smallest size a store accepts (objstore's
+/// `LBA_BYTES_MIN`). An IOCB moves whole LBAs, and every LBA size (a power of two from 512) is a
+/// multiple of this, so an IOCB's bytes are too.
+pub const IOCB_BYTES_MIN: u64 = 512;
+
 /// Window bounds may exceed the layer by this much (float rounding in producers).
 const WINDOW_EPSILON_US: f64 = 1e-6;
 
@@ -368,6 +373,12 @@ impl Profile {
         self.table.io_costs.iter().filter(|r| r.kind == kind).map(|r| u64::from(r.sm_budget)).min().unwrap_or(0)
     }
 
+    /// The bytes one IOCB moves: every cost row's `bytes / iocb_count`, one size for reads and
+    /// writes alike (validated), the unit the policy and a runtime count I/O in.
+    pub fn iocb_bytes(&self) -> u64 {
+        self.table.io_costs.first().map_or(0, |row| row.bytes / u64::from(row.iocb_count.max(1)))
+    }
+
     /// The largest profiled SM budget for a kind (what an I/O kernel asks for by default).
     pub fn io_sm_budget_max(&self, kind: IoKind) -> u32 {
         self.table.io_costs.iter().filter(|r| r.kind == kind).map(|r| r.sm_budget).max().unwrap_or(0)
@@ -506,6 +517,7 @@ fn validate_io_costs(t: &ProfileTable) -> Result<()> {
         }
     }
     let mut previous: Option<&IoCostEntry> = None;
+    let mut iocb_bytes_first: Option<u64> = None;
     for (row_index, row) in t.io_costs.iter().enumerate() {
         let at = || format!("io_costs[{row_index}] (kind={:?}, iocb_count={}, sm_budget={})", row.kind, row.iocb_count, row.sm_budget);
         check_duration(row.duration_us, "io_costs.duration_us", &at)?;
@@ -520,6 +532,33 @@ fn validate_io_costs(t: &ProfileTable) -> Result<()> {
         }
         if row.bytes == 0 {
             return Err(invalid("io_costs.bytes", at(), "must be > 0"));
+        }
+        // One IOCB size across all rows: the policy and the runtime count reads and writes in
+        // it, and cost them with these rows.
+        if !row.bytes.is_multiple_of(u64::from(row.iocb_count)) {
+            return Err(invalid("io_costs.bytes", at(), format!("{} bytes do not divide into {} IOCBs", row.bytes, row.iocb_count)));
+        }
+        let iocb_bytes = row.bytes / u64::from(row.iocb_count);
+        if iocb_bytes < IOCB_BYTES_MIN {
+            return Err(invalid("io_costs.bytes", at(), format!("{iocb_bytes} bytes per IOCB is less than one {IOCB_BYTES_MIN}-byte LBA")));
+        }
+        if !iocb_bytes.is_multiple_of(IOCB_BYTES_MIN) {
+            return Err(invalid(
+                "io_costs.bytes",
+                at(),
+                format!("{iocb_bytes} bytes per IOCB is not a multiple of {IOCB_BYTES_MIN} (an IOCB moves whole LBAs)"),
+            ));
+        }
+        let first_iocb_bytes = *iocb_bytes_first.get_or_insert(iocb_bytes);
+        if iocb_bytes != first_iocb_bytes {
+            return Err(invalid(
+                "io_costs.bytes",
+                at(),
+                format!(
+                    "{iocb_bytes} bytes per IOCB, but io_costs[0] has {first_iocb_bytes}: every row (read and write) must move IOCBs \
+                     of one size"
+                ),
+            ));
         }
         if let Some(p) = previous {
             let key = |r: &IoCostEntry| (r.kind, r.sm_budget, r.iocb_count);

@@ -229,3 +229,18 @@ fn slack_aware_invariants_hold_on_random_states() {
     assert!(cases_with_writes > 100, "only {cases_with_writes} cases placed writes");
     assert!(cases_with_window_reads > 100, "only {cases_with_window_reads} cases placed reads in windows");
 }
+
+/// Goal: per-layer read counts that sum past u32::MAX (a long prefix in small IOCBs) do not
+/// overflow the slack-aware policy: it only needs to know whether any read is left before it
+/// places writes. Summing them into a u32 panicked in debug builds and wrapped in release (a
+/// wrap to 0 would have let writes in while reads were left).
+#[test]
+fn slack_aware_read_counts_past_u32_do_not_overflow() {
+    let table = profile();
+    let unissued = [u32::MAX; 4];
+    let mut state = view(&table, 0, &unissued);
+    state.queued_write_iocbs = 8;
+    let plan = SlackAware.plan_layer(&state).unwrap();
+    assert_eq!(plan.issues[..2], [read(0, u32::MAX, 4, 0.0), read(1, u32::MAX, 4, 0.0)]);
+    assert!(plan.issues.iter().all(|issue| issue.kind == IoKind::Read), "no write while reads are left: {plan:?}");
+}

@@ -342,3 +342,40 @@ fn durations_past_the_bound_are_refused() {
     t.decode_steps[0].duration_us = scheduler::table::DURATION_US_MAX;
     load(t).expect("a duration of exactly the bound");
 }
+
+/// Goal: every I/O cost row moves whole IOCBs of one size, at least one LBA (512 bytes) each:
+/// the policy and the runtime count reads and writes in that one size. A row of 1 byte for 1
+/// IOCB was accepted (a runtime then counted a layer in u32::MAX IOCBs), as were bytes that do
+/// not divide into the count and write rows of another size than the read rows (the runtime
+/// counted write IOCBs in the read size and costed them with the write rows).
+#[test]
+fn io_cost_rows_hold_one_iocb_size_of_whole_lbas() {
+    let profile = load(common::table()).unwrap();
+    assert_eq!(profile.iocb_bytes(), 1024 * 1024);
+    type Corruption = fn(&mut ProfileTable);
+    let cases: [(&str, Corruption); 4] = [
+        ("less than one 512-byte LBA", |t| {
+            for row in &mut t.io_costs {
+                row.bytes = u64::from(row.iocb_count);
+            }
+        }),
+        ("do not divide", |t| t.io_costs[1].bytes = 3 * 1024 * 1024 + 1),
+        ("bytes per IOCB", |t| {
+            for row in t.io_costs.iter_mut().filter(|r| r.kind == IoKind::Write) {
+                row.bytes /= 2;
+            }
+        }),
+        ("not a multiple of 512", |t| {
+            for row in &mut t.io_costs {
+                row.bytes = 1000 * u64::from(row.iocb_count);
+            }
+        }),
+    ];
+    for (reason, corrupt) in cases {
+        let mut t = common::table();
+        corrupt(&mut t);
+        let (error, text) = message(load(t));
+        assert!(matches!(error, SchedulerError::InvalidField { .. }), "{text}");
+        assert!(text.contains("io_costs.bytes") && text.contains(reason), "{reason}: {text}");
+    }
+}
