@@ -56,7 +56,7 @@ fn layer_windows(bucket: &Bucket, layer: u32) -> Result<&[SlackWindow]> {
 
 /// `out` = where both sorted, non-overlapping window lists have a window, with the fewer free
 /// SMs of the two (a window of 0 free SMs is dropped: nothing can run in it).
-fn intersect(a: &[SlackWindow], b: &[SlackWindow], out: &mut Vec<SlackWindow>) {
+pub(crate) fn intersect(a: &[SlackWindow], b: &[SlackWindow], out: &mut Vec<SlackWindow>) {
     out.clear();
     let (mut i, mut j) = (0, 0);
     while i < a.len() && j < b.len() {

@@ -20,22 +20,36 @@
 //!   where the layer needs its cached KV.
 //! - `start_us`, `end_us`: kernel start and end on any common clock (only differences matter).
 //! - `sms_used`: SMs the kernel occupies (from the launch grid or an occupancy tool).
+//! - `run` (optional: a ninth column, named in the header, then on every row): which run of the
+//!   bucket, or which decode step at the context, the kernel belongs to (any u32). Without the
+//!   column, all rows of a bucket are one run and all decode rows of a context one step: a
+//!   timeline holding several must number them, or one span covers them all (two 5 ms steps
+//!   at 0 and 100 ms made one step of 105 ms).
 //!
-//! A layer's compute duration is its last end minus its first start. Its slack windows are the
-//! maximal intervals with a constant number of free SMs (`sm_count −` SMs of the kernels running),
-//! gaps between kernels counting as fully free; intervals with no free SM are dropped. A decode
-//! step's duration spans its kernels and its free SMs are the minimum over the step
-//! (conservative). The input and prefix steps are inferred (smallest input; greatest common
-//! divisor of the prefix lengths) and the table is then validated, so a missing bucket is named.
+//! A run's layer lasts from its first start to its last end. Its slack windows are the maximal
+//! intervals with a constant number of free SMs (`sm_count −` SMs of the kernels running), gaps
+//! between kernels counting as fully free; intervals with no free SM are dropped. A decode
+//! step's duration spans its kernels and its free SMs are the minimum over the step. Several
+//! runs give the conservative figure: per decode context the shortest step and the fewest free
+//! SMs; per layer the shortest duration, the earliest KV need and the runs' windows intersected
+//! (at each offset the fewest SMs any run has free, none where a run has none). The input and
+//! prefix steps are inferred (smallest input; greatest common divisor of the prefix lengths) and
+//! the table is then validated, so a missing bucket is named.
 
 use std::collections::BTreeMap;
 
+use crate::between::intersect;
 use crate::error::{Result, SchedulerError};
 use crate::table::{
     Bucket, DecodeStep, GpuIdentity, IoCostEntry, LayerProfile, ModelIdentity, Profile, ProfileTable, SlackWindow, PROFILE_FORMAT_VERSION,
 };
 
 const HEADER: &str = "phase,input_tokens,prefix_tokens,layer,kernel,start_us,end_us,sms_used";
+/// The header with the optional `run` column.
+const HEADER_WITH_RUN: &str = "phase,input_tokens,prefix_tokens,layer,kernel,start_us,end_us,sms_used,run";
+
+/// Per bucket (input, prefix), per run, per layer: its kernels.
+type PrefillKernels = BTreeMap<(u32, u32), BTreeMap<u32, BTreeMap<u32, Vec<Kernel>>>>;
 
 #[derive(Clone, Debug)]
 struct Kernel {
@@ -54,9 +68,11 @@ pub fn import_timeline(
     compute_source: &str,
     io_cost_source: &str,
 ) -> Result<Profile> {
-    let mut prefill: BTreeMap<(u32, u32), BTreeMap<u32, Vec<Kernel>>> = BTreeMap::new();
-    let mut decode: BTreeMap<u32, Vec<Kernel>> = BTreeMap::new();
+    let mut prefill: PrefillKernels = BTreeMap::new();
+    // Per context, per step: its kernels.
+    let mut decode: BTreeMap<u32, BTreeMap<u32, Vec<Kernel>>> = BTreeMap::new();
     let mut saw_header = false;
+    let mut field_count = 8;
     for (index, raw) in text.lines().enumerate() {
         let line = index + 1;
         let trimmed = raw.trim();
@@ -64,15 +80,17 @@ pub fn import_timeline(
             continue;
         }
         if !saw_header {
-            if trimmed.replace(' ', "") != HEADER {
-                return Err(SchedulerError::Timeline { line, reason: format!("expected header `{HEADER}`") });
-            }
+            field_count = match trimmed.replace(' ', "").as_str() {
+                HEADER => 8,
+                HEADER_WITH_RUN => 9,
+                _ => return Err(SchedulerError::Timeline { line, reason: format!("expected header `{HEADER}` (optionally `,run`)") }),
+            };
             saw_header = true;
             continue;
         }
         let fields: Vec<&str> = trimmed.split(',').map(str::trim).collect();
-        if fields.len() != 8 {
-            return Err(SchedulerError::Timeline { line, reason: format!("{} fields, expected 8", fields.len()) });
+        if fields.len() != field_count {
+            return Err(SchedulerError::Timeline { line, reason: format!("{} fields, expected {field_count}", fields.len()) });
         }
         let bad = |reason: String| SchedulerError::Timeline { line, reason };
         let int = |name: &str, value: &str| -> Result<u32> { value.parse::<u32>().map_err(|e| bad(format!("`{name}` = `{value}`: {e}"))) };
@@ -96,6 +114,10 @@ pub fn import_timeline(
             return Err(bad(format!("sms_used {} exceeds the GPU's {} SMs", kernel.sms_used, gpu.sm_count)));
         }
         let input_tokens = int("input_tokens", fields[1])?;
+        let run = match fields.get(8) {
+            Some(run) => int("run", run)?,
+            None => 0,
+        };
         match fields[0] {
             "prefill" => {
                 let prefix_tokens = int("prefix_tokens", fields[2])?;
@@ -103,9 +125,10 @@ pub fn import_timeline(
                 if layer >= model.layer_count {
                     return Err(bad(format!("layer {layer} but the model has {}", model.layer_count)));
                 }
-                prefill.entry((input_tokens, prefix_tokens)).or_default().entry(layer).or_default().push(kernel);
+                let runs = prefill.entry((input_tokens, prefix_tokens)).or_default();
+                runs.entry(run).or_default().entry(layer).or_default().push(kernel);
             }
-            "decode" => decode.entry(input_tokens).or_default().push(kernel),
+            "decode" => decode.entry(input_tokens).or_default().entry(run).or_default().push(kernel),
             other => return Err(bad(format!("phase `{other}` is neither prefill nor decode"))),
         }
     }
@@ -122,27 +145,43 @@ pub fn import_timeline(
     let prefix_step_tokens = if prefill.keys().all(|k| k.1 == 0) { input_step_tokens } else { prefix_step_tokens };
 
     let mut buckets = Vec::with_capacity(prefill.len());
-    for ((input_tokens, prefix_tokens), layers) in prefill {
+    for ((input_tokens, prefix_tokens), runs) in prefill {
         let mut profiles = Vec::new();
         for layer in 0..model.layer_count {
-            let location = || format!("bucket(input_tokens={input_tokens}, prefix_tokens={prefix_tokens}) layer {layer}");
-            let kernels =
-                layers.get(&layer).ok_or_else(|| SchedulerError::Timeline { line: 0, reason: format!("{}: no kernels", location()) })?;
-            profiles.push(
-                layer_from_kernels(kernels, gpu.sm_count)
-                    .map_err(|reason| SchedulerError::Timeline { line: 0, reason: format!("{}: {reason}", location()) })?,
-            );
+            let mut conservative: Option<LayerProfile> = None;
+            for (&run, layers) in &runs {
+                let location = || {
+                    let run = if runs.len() > 1 { format!(" run {run}") } else { String::new() };
+                    format!("bucket(input_tokens={input_tokens}, prefix_tokens={prefix_tokens}){run} layer {layer}")
+                };
+                let kernels = layers
+                    .get(&layer)
+                    .ok_or_else(|| SchedulerError::Timeline { line: 0, reason: format!("{}: no kernels", location()) })?;
+                let profile = layer_from_kernels(kernels, gpu.sm_count)
+                    .map_err(|reason| SchedulerError::Timeline { line: 0, reason: format!("{}: {reason}", location()) })?;
+                conservative = Some(match conservative {
+                    None => profile,
+                    Some(so_far) => cheaper_of(&so_far, &profile),
+                });
+            }
+            // Every bucket in the map has at least one run.
+            profiles.extend(conservative);
         }
         buckets.push(Bucket { input_tokens, prefix_tokens, layers: profiles });
     }
 
+    // Per context, the shortest step and the fewest free SMs of its steps.
     let decode_steps = decode
         .into_iter()
-        .map(|(context_tokens, kernels)| {
-            let start_us = kernels.iter().map(|k| k.start_us).fold(f64::INFINITY, f64::min);
-            let end_us = kernels.iter().map(|k| k.end_us).fold(0.0, f64::max);
-            let free_sms = free_intervals(&kernels, gpu.sm_count).iter().map(|w| w.free_sms).min().unwrap_or(gpu.sm_count);
-            DecodeStep { context_tokens, duration_us: end_us - start_us, free_sms }
+        .map(|(context_tokens, steps)| {
+            let (mut duration_us, mut free_sms) = (f64::INFINITY, gpu.sm_count);
+            for kernels in steps.values() {
+                let start_us = kernels.iter().map(|k| k.start_us).fold(f64::INFINITY, f64::min);
+                let end_us = kernels.iter().map(|k| k.end_us).fold(0.0, f64::max);
+                duration_us = duration_us.min(end_us - start_us);
+                free_sms = free_sms.min(free_intervals(kernels, gpu.sm_count).iter().map(|w| w.free_sms).min().unwrap_or(gpu.sm_count));
+            }
+            DecodeStep { context_tokens, duration_us, free_sms }
         })
         .collect();
 
@@ -170,6 +209,19 @@ fn gcd(a: u32, b: u32) -> u32 {
     }
 }
 
+/// Two runs of one layer as one, on the conservative side: the shorter duration, the earlier KV
+/// need, and the windows of both intersected (at each offset the fewer free SMs; none where
+/// either has none). The intersection lies inside both layers, so inside the shorter.
+fn cheaper_of(a: &LayerProfile, b: &LayerProfile) -> LayerProfile {
+    let mut slack_windows = Vec::new();
+    intersect(&a.slack_windows, &b.slack_windows, &mut slack_windows);
+    LayerProfile {
+        compute_duration_us: a.compute_duration_us.min(b.compute_duration_us),
+        kv_needed_offset_us: a.kv_needed_offset_us.min(b.kv_needed_offset_us),
+        slack_windows,
+    }
+}
+
 fn layer_from_kernels(kernels: &[Kernel], sm_count: u32) -> std::result::Result<LayerProfile, String> {
     let start_us = kernels.iter().map(|k| k.start_us).fold(f64::INFINITY, f64::min);
     let end_us = kernels.iter().map(|k| k.end_us).fold(0.0, f64::max);
@@ -192,8 +244,8 @@ fn layer_from_kernels(kernels: &[Kernel], sm_count: u32) -> std::result::Result<
 /// Maximal intervals (absolute times) with a constant number of free SMs.
 ///
 /// One sweep over the kernels' starts and ends in time order, O(k log k): a timeline is
-/// untrusted input, and a decode context pools every step's kernels, so a long profiling run
-/// gives one list of hundreds of thousands (a scan of every kernel per interval was quadratic).
+/// untrusted input, and a decode step of a long profiling run (or a context whose steps carry
+/// no `run` number, pooled) gives one list of hundreds of thousands (a scan of every kernel per interval was quadratic).
 /// A kernel is busy over [start, end): over the interval between two neighbouring bounds, the
 /// busy SMs are those of the kernels started at or before its beginning and not yet ended.
 fn free_intervals(kernels: &[Kernel], sm_count: u32) -> Vec<SlackWindow> {

@@ -416,6 +416,57 @@ fn timeline_errors_name_the_line_or_bucket() {
     assert!(import("").is_err());
 }
 
+/// Goal: repeated runs of a bucket, and repeated decode steps at one context, marked by the
+/// optional `run` column, become one figure each on the conservative side: per context the
+/// shortest step and the fewest free SMs; per layer the shortest duration, the earliest KV need
+/// and the windows of every run intersected. Keyed by context alone, two steps of 5000 µs at 0
+/// and at 100000 µs became one step of 105000 µs (slack over-estimated twentyfold), and two
+/// runs of a bucket one layer spanning both.
+#[test]
+fn timeline_runs_keep_the_conservative_figure() {
+    let mut text = String::new();
+    for line in timeline(None).lines() {
+        match line {
+            "" => {}
+            _ if line.starts_with('#') => text.push_str(&format!("{line}\n")),
+            _ if line.starts_with("phase,") => text.push_str(&format!("{line},run\n")),
+            _ => text.push_str(&format!("{line},0\n")),
+        }
+    }
+    text.push_str("decode,4096,,,decode_step,0,5000,10,0\ndecode,4096,,,decode_step,100000,105000,10,1\n");
+    // A second run of bucket (1024, 0): later, other SMs in use, and its MLP 200 µs longer.
+    for layer in 0..common::LAYERS {
+        let t = 200_000.0 + 1000.0 * f64::from(layer);
+        text.push_str(&format!("prefill,1024,0,{layer},qkv_gemm,{t},{},14,1\n", t + 100.0));
+        text.push_str(&format!("prefill,1024,0,{layer},flash_attn_fwd,{},{},14,1\n", t + 100.0, t + 600.0));
+        text.push_str(&format!("prefill,1024,0,{layer},mlp,{},{},12,1\n", t + 650.0, t + 1200.0));
+    }
+    let profile = import(&text).unwrap();
+    let step = profile.decode_step(4096).unwrap();
+    assert!(step.duration_us <= 5000.0, "{step:?}");
+    assert_eq!((step.duration_us, step.free_sms), (5000.0, 6));
+    let layer = &profile.bucket(1024, 0).unwrap().layers[2];
+    assert_eq!((layer.compute_duration_us, layer.kv_needed_offset_us), (1000.0, 100.0));
+    let windows: Vec<(f64, f64, u32)> = layer.slack_windows.iter().map(|w| (w.offset_us, w.duration_us, w.free_sms)).collect();
+    // Run 0: 4 free, then 2, the gap, nothing under the MLP; run 1: 2 free, the gap, then 4.
+    assert_eq!(windows, vec![(0.0, 100.0, 2), (100.0, 500.0, 2), (600.0, 50.0, 16)]);
+    // Buckets with one run are as before.
+    assert_eq!(profile.bucket(2048, 1024).unwrap().layers[3].compute_duration_us, 1000.0);
+
+    // With the column, every row carries it.
+    let short = text.replacen("decode,4096,,,decode_step,0,5000,10,0", "decode,4096,,,decode_step,0,5000,10", 1);
+    let error = import(&short).unwrap_err();
+    assert!(matches!(error, SchedulerError::Timeline { .. }) && error.to_string().contains("8 fields, expected 9"), "{error}");
+    // A run missing a layer is named.
+    let partial: String = text
+        .lines()
+        .filter(|line| !(line.starts_with("prefill,1024,0,3,") && line.ends_with(",1")))
+        .map(|line| format!("{line}\n"))
+        .collect();
+    let error = import(&partial).unwrap_err();
+    assert!(error.to_string().contains("bucket(input_tokens=1024, prefix_tokens=0) run 1 layer 3: no kernels"), "{error}");
+}
+
 // ---------------------------------------------------------------------------------------------
 // I/O probe driver (with a fake probe standing in for a backend: these rows are not measured)
 
