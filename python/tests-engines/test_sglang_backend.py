@@ -328,6 +328,7 @@ def test_copying_interface_says_to_use_interface_v1(tmp_path: Path):
         ({"timeout_s": -1}, "must be positive"),
         ({"format": "yes"}, "field 'format' must be bool"),
         ({"layers_in_flight": 5}, "field 'layers_in_flight' = 5: must be 1..=4"),
+        ({"requests_max": 300, "layers_in_flight": 4}, "= 1200 IOCB sets, more than 1024"),
     ],
 )
 def test_bad_extra_config_says_what_to_fix(tmp_path: Path, changes: dict, message: str):
@@ -412,6 +413,10 @@ def test_a_layer_first_page_keeps_layers_in_flight(tmp_path: Path, layers_in_fli
     storage = backend("layer_first", pool, extra_config(tmp_path / "pool.img", True, layers_in_flight=layers_in_flight))
     try:
         assert storage._store.layers_in_flight == layers_in_flight
+        # A page layout has one layer: its store holds one layer in flight, whatever N.
+        paged = backend("page_first", host_pool("page_first"), extra_config(tmp_path / "paged.img", True, layers_in_flight=layers_in_flight))
+        assert paged._store.layers_in_flight == 1
+        paged.close()
         recording = RecordingStore(storage._store)
         storage._store = recording
         keys = page_keys(9, 2)

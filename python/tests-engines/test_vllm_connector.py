@@ -212,6 +212,7 @@ def test_bad_connector_config_says_what_to_fix(cluster):
         ({"socket": daemon.socket, "requests_max": 0}, "must be positive"),
         ({"socket": daemon.socket, "layers_in_flight": 0}, "'layers_in_flight' = 0: must be 1..=4"),
         ({"socket": daemon.socket, "layers_in_flight": 5}, "'layers_in_flight' = 5: must be 1..=4"),
+        ({"socket": daemon.socket, "requests_max": 300, "layers_in_flight": 4}, "= 1200 IOCB sets, more than 1024"),
         ({"socket": daemon.socket, "model_fingerprint": "abc"}, "64 hexadecimal digits"),
     ]
     for extra, message in cases:
@@ -547,7 +548,7 @@ def test_a_preempted_save_that_does_not_settle_is_never_reported(tuttid):
             for name in names[1:]:
                 connector.wait_for_layer_load(name)
                 connector.save_kv_layer(name, worker.caches[name], None)
-            connector.wait_for_save()  # P to the committer, its last layer stuck
+            connector.wait_for_save()  # P to the committer, its layers 1..3 stuck
             connector.clear_connector_metadata()
             preempted = TuttiConnectorMetadata(preempted_req_ids={"P"})
             connector.handle_preemptions(preempted)

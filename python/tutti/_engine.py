@@ -106,14 +106,20 @@ def layers_in_flight_field(what: str) -> Field:
     return Field(int, f"layers of one {what} in flight at once, 1..={LAYERS_IN_FLIGHT_MAX}", default=2, check=in_range)
 
 
-def iocbs_for(requests_max: int, layers_in_flight: int) -> int:
+def iocbs_for(where: str, requests_max: int, layers_in_flight: int) -> int:
     """The gio_uring IOCBs a store needs for `requests_max` prepared requests of
     `layers_in_flight` layers each (tutti.Store's `iocbs`, a power of two): one set per layer
     in flight, twice over for layers past 2048 commands (two IOCBs a set), at least the
-    store's default of 64 and at most 1024 (each IOCB holds ~96 KiB of queue memory: past
-    that, a prepare that finds no free IOCB is LimitReached, a miss for the connector)."""
-    needed = 2 * requests_max * layers_in_flight
-    return min(_IOCBS_MAX, max(64, 1 << (needed - 1).bit_length()))
+    store's default of 64 and at most 1024 (each IOCB holds ~96 KiB of queue memory). Raises
+    ConfigError naming `where` when not even one set per request fits in 1024 (the connector
+    could then prepare fewer requests than its requests_max)."""
+    sets = requests_max * layers_in_flight
+    if sets > _IOCBS_MAX:
+        raise ConfigError(
+            f"{where}: requests_max x layers_in_flight = {requests_max} x {layers_in_flight} = {sets} IOCB sets, more than "
+            f"{_IOCBS_MAX}: lower requests_max or layers_in_flight"
+        )
+    return min(_IOCBS_MAX, max(64, 1 << (2 * sets - 1).bit_length()))
 
 
 _IOCBS_MAX = 1024

@@ -97,8 +97,10 @@ class TuttiHiCacheStorage(HiCacheStorage):
         self._storage_config = storage_config
         self._timeout_s = float(self._config["timeout_s"])
         self._requests_max = int(self._config["requests_max"])
-        # Layers of one page in flight at once (layer_first pools: a page moves layer by layer).
+        # Layers of one page in flight at once (layer_first pools: a page moves layer by layer;
+        # page layouts have one layer, and the store is opened for min(N, layers)).
         self._layers_ahead = int(self._config["layers_in_flight"])
+        iocbs_for("--hicache-storage-backend-extra-config", self._requests_max, self._layers_ahead)  # refused here
         self._store: Any = None
         self._layers = 0
         self._page_size = 0
@@ -120,6 +122,8 @@ class TuttiHiCacheStorage(HiCacheStorage):
         in place (SGLang calls this once, right after building the backend)."""
         super().register_mem_pool_host(mem_pool_host)
         keys, values, layers, layer_block_bytes = host_pool_layout(mem_pool_host)
+        # No more layers in flight than a page has: each holds a set of IOCBs from its prepare.
+        self._layers_ahead = min(self._layers_ahead, layers)
         config = self._config
         storage = self._storage_config
         fingerprint = fingerprint_from_config(
@@ -144,7 +148,7 @@ class TuttiHiCacheStorage(HiCacheStorage):
             tp_world=storage.tp_size,
             lock_dir=config["lock_dir"],
             requests_max=self._requests_max,
-            iocbs=iocbs_for(self._requests_max, self._layers_ahead),
+            iocbs=iocbs_for("--hicache-storage-backend-extra-config", self._requests_max, self._layers_ahead),
             timeout_s=self._timeout_s,
             layers_in_flight=self._layers_ahead,
         )

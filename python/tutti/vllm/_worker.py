@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 import tutti
-from tutti._engine import ConfigError, iocbs_for, wait_out_layer
+from tutti._engine import ConfigError, wait_out_layer
 from tutti.vllm.metadata import SaveSpec, TuttiConnectorMetadata, check_block_size, connection_lost
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
@@ -71,6 +71,7 @@ class WorkerSide:
     _fingerprint: bytes
     _kv_layout: str
     _timeout_s: float
+    _iocbs: int
 
     def _init_worker(self, vllm_config: "VllmConfig") -> None:
         self._tp_rank = _tp_rank(vllm_config, self._tp_world)
@@ -130,7 +131,7 @@ class WorkerSide:
             timeout_s=self._timeout_s,
             requests_max=self._config["requests_max"],
             layers_in_flight=self._layers_ahead,
-            iocbs=iocbs_for(self._config["requests_max"], self._layers_ahead),
+            iocbs=self._iocbs,
         )
         check_block_size(store, self._block_size, format_hint=False)
         return store
@@ -584,7 +585,7 @@ class WorkerSide:
                 for _ in range(outstanding):  # the save's layers still in flight, oldest first
                     request.wait(self._timeout_s)
             except tutti.Error as error:
-                logger.warning("tutti: save of request %s not committed: one of its last layers failed (%s)", req_id, error)
+                logger.warning("tutti: save of request %s not committed: one of its last layers failed or timed out (%s)", req_id, error)
                 self._settle(request)
                 self._save_settled(req_id, token, False)
                 continue

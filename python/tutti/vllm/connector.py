@@ -28,7 +28,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional
 
-from tutti._engine import Field, fingerprint_from_config, layers_in_flight_field, non_empty, parse_config, positive
+from tutti._engine import (
+    Field,
+    fingerprint_from_config,
+    iocbs_for,
+    layers_in_flight_field,
+    non_empty,
+    parse_config,
+    positive,
+)
 from tutti.vllm._scheduler import SchedulerSide
 from tutti.vllm._worker import KvMemoryUnsafe, WorkerSide
 from tutti.vllm.metadata import LoadSpec, SaveSpec, TuttiConnectorMetadata
@@ -82,6 +90,8 @@ class TuttiConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
             self._config["model_fingerprint"], *_model_identity(vllm_config, kv_cache_config, self._kv_layout)
         )
         self._timeout_s = float(self._config["timeout_s"])
+        # Checked in both roles, so that a bad pair is refused where vLLM builds the connector.
+        self._iocbs = iocbs_for("kv_connector_extra_config", self._config["requests_max"], self._config["layers_in_flight"])
         if role == KVConnectorRole.SCHEDULER:
             self._init_scheduler()
         else:
