@@ -68,7 +68,10 @@ pub enum WriteQueueFullAction {
     /// `begin_prefill` fails with `RuntimeError::WriteQueueFull` and nothing is prepared (a
     /// request with more new blocks than the whole queue holds is always refused);
     /// counted in `RuntimeCounters::stores_refused`. The engine may run the prefill without the
-    /// runtime (nothing stored) or wait for decode steps to drain the queue.
+    /// runtime (nothing stored) or wait for decode steps to drain the queue: a layer longer than
+    /// any step goes once the steps' time adds up to it, and under slack-aware `Runtime::new`
+    /// refuses a table whose every decode step leaves fewer SMs free than its smallest write
+    /// budget.
     Refuse,
 }
 

@@ -3,12 +3,14 @@
 //! decode step begins) and the runtime decides and issues every read and write.
 //!
 //! Mapping the policy onto the store: the policy counts IOCBs of the table's size
-//! (`iocb_bytes`, one size across the cost rows), exactly as the simulator does for the same request,
-//! so both see the same views and make the same decisions. The store moves a layer whole (it
-//! reissues one request's IOCBs per layer), so a layer's reads are handed over when the policy
-//! first issues any of them, and writes are released in whole layers once the policy's write grants
-//! (carried forward while smaller than the oldest layer) cover them. Offsets inside a layer are not timed: what the policy issues at a boundary is
-//! handed to the executor at that boundary, FIFO per direction, one layer of each direction at a
+//! (`iocb_bytes`, one size across the cost rows), exactly as the simulator does for the same
+//! request, so both see the same views and make the same decisions. The store moves a layer
+//! whole (it reissues one request's IOCBs per layer), so a layer's reads are handed over when the
+//! policy first issues any of them, and writes are released in whole layers once the policy's
+//! write grants (carried forward while smaller than the oldest layer, with the time of windows
+//! too short for one IOCB) cover them. Offsets inside a layer are not timed: what the policy
+//! issues at a boundary is handed to the executor at that boundary, FIFO per direction, one
+//! layer of each direction at a
 //! time (one write layer across all queued stores, oldest first); later layers wait in the
 //! runtime and go when the previous one completed (checked at every call, and while the engine
 //! waits for KV). Each goes on the SM budget the policy chose for it.
@@ -22,7 +24,7 @@ use scheduler::policy::{IoPolicy, LayerView, QueueView};
 use scheduler::table::{IoKind, ModelIdentity, Profile};
 use scheduler::SchedulerError;
 
-use crate::config::{RuntimeConfig, WriteQueueFullAction, IO_TIMEOUT_MAX};
+use crate::config::{PolicyChoice, RuntimeConfig, WriteQueueFullAction, IO_TIMEOUT_MAX};
 use crate::error::{store_error, Result, RuntimeError};
 use crate::events::{EventLog, IoEvent, RuntimeCounters};
 use crate::writes::{PendingStore, WriteQueue};
@@ -173,6 +175,19 @@ impl<E: Executor> Runtime<E> {
         let kv_bytes_per_token_per_layer = 2 * geometry.object_bytes() / u64::from(geometry.block_tokens);
         let model = ModelIdentity { name: config.model_name.clone(), layer_count: geometry.layers, kv_bytes_per_token_per_layer };
         profile.check_identity(&model, &config.gpu).map_err(|source| RuntimeError::ProfileMismatch { source })?;
+        // Under slack-aware, deferred writes drain in decode steps; when the queue is full and
+        // `Refuse` stops prefills, nowhere else. A table whose every decode step leaves fewer SMs
+        // free than the smallest write budget prices no write there: the queue would never drain.
+        let write_budget_min = profile.io_sm_budget_min(IoKind::Write);
+        if config.policy == PolicyChoice::SlackAware && profile.table().decode_steps.iter().all(|step| step.free_sms < write_budget_min) {
+            return Err(RuntimeError::InvalidConfig {
+                reason: format!(
+                    "the profile table's decode steps leave at most {} SMs free, below its smallest write budget ({write_budget_min} \
+                     SMs): no deferred write could ever go in a decode step under the slack-aware policy",
+                    profile.table().decode_steps.iter().map(|step| step.free_sms).max().unwrap_or(0)
+                ),
+            });
+        }
         // One size for every cost row, reads and writes, at least one LBA (validated with the
         // table): the policy counts both directions in it and costs them with their own rows.
         let iocb_bytes = profile.iocb_bytes().max(1);

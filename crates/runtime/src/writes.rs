@@ -203,6 +203,21 @@ impl WriteQueue {
             self.granted_us = 0.0;
             return released;
         }
+        let grant_us = cost_us(grant_iocbs);
+        self.release(grant_us, sm_budget, cost_us)
+    }
+
+    /// Window time in which not one write IOCB fits (a write grant of 0 IOCBs,
+    /// `scheduler::policy::Issue::slack_us`) joins the carry: a layer longer than every window
+    /// goes once such windows add up to its cost, as with [`WriteQueue::decide`]. Without it
+    /// such a layer was never released (no grant was made at all), and under
+    /// `WriteQueueFullAction::Refuse` every later request was refused. Returns the layers
+    /// released.
+    pub fn decide_time(&mut self, slack_us: f64, sm_budget: u32, cost_us: impl Fn(u32) -> f64) -> u32 {
+        self.release(slack_us, sm_budget, cost_us)
+    }
+
+    fn release(&mut self, grant_us: f64, sm_budget: u32, cost_us: impl Fn(u32) -> f64) -> u32 {
         let stores = self.stores.iter_mut().map(|store| {
             (
                 Released { decided_layers: &mut store.decided_layers, sm_budget: &mut store.sm_budget },
@@ -210,7 +225,7 @@ impl WriteQueue {
                 store.iocbs_per_layer,
             )
         });
-        release_layers(&mut self.granted_us, grant_iocbs, sm_budget, stores, cost_us)
+        release_layers(&mut self.granted_us, grant_us, sm_budget, stores, cost_us)
     }
 
     /// Releases every ready layer on `sm_budget` SMs (a grant of everything, forced drains,
@@ -233,10 +248,10 @@ struct Released<'a> {
 
 /// The release rule of [`WriteQueue::decide`] over each store's (decided layers and budget,
 /// ready layers, IOCBs per layer), oldest first; `carried_us` is the time granted and not used
-/// yet; a released layer's store takes the grant's `sm_budget`.
+/// yet, `grant_us` what this grant adds; a released layer's store takes the grant's `sm_budget`.
 fn release_layers<'a>(
     carried_us: &mut f64,
-    grant_iocbs: u32,
+    grant_us: f64,
     sm_budget: u32,
     stores: impl Iterator<Item = (Released<'a>, u32, u32)>,
     cost_us: impl Fn(u32) -> f64,
@@ -244,7 +259,6 @@ fn release_layers<'a>(
     // Validated tables bound every duration (`scheduler::table::DURATION_US_MAX`), so costs are
     // finite; should one not be, a grant is worth nothing and a layer never fits (taken as
     // free, a layer of infinite cost went on any grant).
-    let grant_us = cost_us(grant_iocbs);
     let grant_us = if grant_us.is_finite() { grant_us.max(0.0) } else { 0.0 };
     let mut available_us = *carried_us + grant_us;
     let mut released = 0;
@@ -280,7 +294,7 @@ mod tests {
             .iter()
             .map(|&grant| {
                 let store = Released { decided_layers: &mut decided, sm_budget: &mut budget };
-                release_layers(&mut carried_us, grant, 4, std::iter::once((store, ready, 2)), cost_us)
+                release_layers(&mut carried_us, cost_us(grant), 4, std::iter::once((store, ready, 2)), cost_us)
             })
             .collect()
     }
@@ -305,13 +319,12 @@ mod tests {
             let (mut carried_us, mut decided, mut budget) = (0.0, 0, 4);
             for _ in 0..3 {
                 let store = Released { decided_layers: &mut decided, sm_budget: &mut budget };
-                assert_eq!(release_layers(&mut carried_us, 1, 4, std::iter::once((store, 2, 5)), cost_us), 0, "{layer_cost_us}");
+                assert_eq!(release_layers(&mut carried_us, cost_us(1), 4, std::iter::once((store, 2, 5)), cost_us), 0, "{layer_cost_us}");
             }
             assert!(carried_us.is_finite());
         }
         let (mut carried_us, mut decided, mut budget) = (0.0, 0, 4);
         let store = Released { decided_layers: &mut decided, sm_budget: &mut budget };
-        let grant_not_finite = |iocbs: u32| if iocbs == 1 { f64::INFINITY } else { 10.0 };
-        assert_eq!(release_layers(&mut carried_us, 1, 4, std::iter::once((store, 2, 5)), grant_not_finite), 0);
+        assert_eq!(release_layers(&mut carried_us, f64::INFINITY, 4, std::iter::once((store, 2, 5)), |_| 10.0), 0);
     }
 }

@@ -199,3 +199,29 @@ fn an_io_timeout_past_a_day_is_refused() {
         }
     }
 }
+
+/// Goal: under slack-aware, a table whose every decode step leaves fewer SMs free than its
+/// smallest write budget is refused at construction (`InvalidConfig`): no deferred write could
+/// ever go in a decode step, so under `Refuse` the full queue refused every later request
+/// forever. The baselines do not use the windows and accept it; one step with enough SMs is
+/// enough.
+#[test]
+fn a_table_where_no_decode_step_can_write_is_refused_under_slack_aware() {
+    let layers = common::geometry().layers;
+    let mut starved = table(MODEL, layers);
+    for step in &mut starved.decode_steps {
+        step.free_sms = 2; // the write rows are all on 4 SMs
+    }
+    let (_device, store, _engine) = parts(None);
+    match Runtime::new(store, Profile::from_table(starved.clone()).unwrap(), config(PolicyChoice::SlackAware)) {
+        Err(RuntimeError::InvalidConfig { reason }) => assert!(reason.contains("decode step") && reason.contains("(4 SMs)"), "{reason}"),
+        other => panic!("expected InvalidConfig, got {other:?}"),
+    }
+    for policy in [PolicyChoice::Naive, PolicyChoice::NoOverlap] {
+        let (_device, store, _engine) = parts(None);
+        Runtime::new(store, Profile::from_table(starved.clone()).unwrap(), config(policy)).expect("the baselines ignore the windows");
+    }
+    starved.decode_steps[1].free_sms = 4;
+    let (_device, store, _engine) = parts(None);
+    Runtime::new(store, Profile::from_table(starved).unwrap(), config(PolicyChoice::SlackAware)).expect("one step can write");
+}

@@ -5,7 +5,8 @@
 mod common;
 
 use common::{config, prefill, prompt, stack, Stack, BLOCK_TOKENS, ENGINE_BLOCKS};
-use tutti_runtime::{IoDirection, IoEvent, IoEventKind, PolicyChoice};
+use scheduler::table::{IoCostEntry, IoKind};
+use tutti_runtime::{IoDirection, IoEvent, IoEventKind, PolicyChoice, WriteQueueFullAction};
 
 /// Layers issued while the other direction was in flight, from the runtime's event log.
 fn mixed_issues(events: &[IoEvent]) -> usize {
@@ -168,6 +169,42 @@ fn small_write_grants_add_up_to_a_whole_layer() {
     let counters = stack.runtime.counters();
     assert_eq!(counters.stores_forced, 0, "{counters:?}");
     assert_eq!(counters.stores_committed, 1, "{counters:?}");
+}
+
+/// Goal: a write layer longer than every window (prefill windows and decode steps alike) still
+/// goes once the windows' time adds up to it, so that `Refuse` never refuses forever. The table
+/// has one write row: 1 IOCB on 4 SMs takes 10 ms; decode steps are 4.4 ms with 8 SMs free (as
+/// `tutti-profile io` measured 8 MiB writes of 16-59 ms against ~4.4 ms steps). Before, not one
+/// IOCB fitted any window, so no write grant was made, the carry never built up, and every
+/// later `begin_prefill` failed with `WriteQueueFull`.
+#[test]
+fn a_write_longer_than_every_window_still_goes() {
+    let mut table = common::table(common::MODEL, common::geometry().layers);
+    table.io_costs.retain(|row| row.kind == IoKind::Read);
+    table.io_costs.push(IoCostEntry { kind: IoKind::Write, iocb_count: 1, sm_budget: 4, duration_us: 10_000.0, bytes: common::IOCB_BYTES });
+    for step in &mut table.decode_steps {
+        (step.duration_us, step.free_sms) = (4400.0, 8);
+    }
+    let profile = scheduler::table::Profile::from_table(table).expect("valid table");
+    let mut config = config(PolicyChoice::SlackAware);
+    config.on_write_queue_full = WriteQueueFullAction::Refuse;
+    config.write_queue_limit_stores = 1;
+    let mut stack = common::stack_with_profile(config, None, profile);
+    let first = prompt(0, 0);
+    prefill(&mut stack, &first, &[0, 1, 2, 3]).expect("first prefill");
+    for _ in 0..1000 {
+        if stack.runtime.queued_stores() == 0 {
+            break;
+        }
+        stack.runtime.decode_step(first.len() as u32).expect("decode step");
+        std::thread::sleep(std::time::Duration::from_micros(100));
+    }
+    let second = prompt(1, 0);
+    let start = stack.runtime.begin_prefill(&objstore::KvRequest { tokens: &second, block_ids: &[4, 5, 6, 7] });
+    assert!(start.is_ok(), "{start:?}: {:?}", stack.runtime);
+    let counters = stack.runtime.counters();
+    assert_eq!((counters.stores_committed, counters.stores_forced, counters.stores_refused), (1, 0, 0), "{counters:?}");
+    assert_eq!(stack.runtime.lookup(&first), 4, "the first store is committed");
 }
 
 /// The most layers of `direction` in flight at once, from the runtime's event log.

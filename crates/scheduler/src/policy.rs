@@ -23,6 +23,12 @@ pub struct Issue {
     /// Start only after every read issued before it has completed (a stream dependency, so that
     /// reads and writes never share the SSD).
     pub after_reads: bool,
+    /// A write of 0 IOCBs stands for this much window time (from `offset_us` to the window's
+    /// end) in which not one IOCB finishes: a window shorter than the smallest write kernel. A
+    /// runtime that moves bigger units than an IOCB (whole layers) adds such time up until a
+    /// unit is paid for, so a write longer than every window still goes (overrunning the window
+    /// it goes in); one that moves IOCBs has nothing to move. 0 for every other issue.
+    pub slack_us: f64,
 }
 
 /// The decisions for one prefill layer.
@@ -98,11 +104,11 @@ impl PolicyKind {
 }
 
 fn read_all(layer: u32, iocb_count: u32, sm_budget: u32) -> Issue {
-    Issue { kind: IoKind::Read, layer: Some(layer), iocb_count, sm_budget, offset_us: 0.0, after_reads: false }
+    Issue { kind: IoKind::Read, layer: Some(layer), iocb_count, sm_budget, offset_us: 0.0, after_reads: false, slack_us: 0.0 }
 }
 
 fn write_all(iocb_count: u32, sm_budget: u32, after_reads: bool) -> Issue {
-    Issue { kind: IoKind::Write, layer: None, iocb_count, sm_budget, offset_us: 0.0, after_reads }
+    Issue { kind: IoKind::Write, layer: None, iocb_count, sm_budget, offset_us: 0.0, after_reads, slack_us: 0.0 }
 }
 
 /// Tutti's policy.
@@ -117,7 +123,10 @@ fn write_all(iocb_count: u32, sm_budget: u32, after_reads: bool) -> Issue {
 /// 4. writes go only into room that is left once *every* read of the request is issued, start
 ///    after those reads complete, and must finish inside the window; otherwise they wait for the
 ///    decode steps (each step is one window), and what does not fit there stays queued for later
-///    requests (the write backlog).
+///    requests (the write backlog). A window with room where not one write IOCB finishes (on
+///    SMs the cost rows price) is granted as time: a write of 0 IOCBs with
+///    [`Issue::slack_us`], which a runtime moving whole layers adds up (else a write longer
+///    than every window never went).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct SlackAware;
 
@@ -128,7 +137,9 @@ struct Fill {
 }
 
 /// Places `targets` (layer, IOCBs; layer `None` for writes) into `windows`, in order, each
-/// kernel starting once the SSD is estimated free and finishing before its window closes.
+/// kernel starting once the SSD is estimated free and finishing before its window closes. A
+/// window with room where not one write IOCB finishes gets a write of 0 IOCBs standing for its
+/// time ([`Issue::slack_us`]); the SSD is then taken as busy to the window's end.
 fn fill_windows(
     table: &Profile,
     kind: IoKind,
@@ -152,6 +163,21 @@ fn fill_windows(
             }
             let count = largest_fitting(table, kind, budget, target.1, room_us)?;
             if count == 0 {
+                // Not one IOCB fits. A write priced on these SMs passes the window's time on,
+                // so that a layer bigger than every window still goes; on SMs below every
+                // profiled budget no write can be priced, and the window goes unused.
+                if kind == IoKind::Write && table.io_duration_us(kind, 1, budget).is_ok() {
+                    issues.push(Issue {
+                        kind,
+                        layer: target.0,
+                        iocb_count: 0,
+                        sm_budget: budget,
+                        offset_us: start_us,
+                        after_reads: true,
+                        slack_us: room_us,
+                    });
+                    ssd_free_at_us = window.end_us();
+                }
                 break;
             }
             issues.push(Issue {
@@ -161,6 +187,7 @@ fn fill_windows(
                 sm_budget: budget,
                 offset_us: start_us,
                 after_reads: kind == IoKind::Write,
+                slack_us: 0.0,
             });
             target.1 -= count;
             ssd_free_at_us = start_us + table.io_duration_us(kind, count, budget)?;

@@ -524,6 +524,11 @@ impl<'a> Sim<'a> {
     fn launch(&mut self, issue: Issue, release_us: f64) -> Result<()> {
         let name = self.policy.name();
         let bad = |reason: String| SchedulerError::InvalidDecision { policy: name, location: format!("{issue:?}"), reason };
+        if issue.kind == IoKind::Write && issue.iocb_count == 0 && issue.slack_us.is_finite() && issue.slack_us >= 0.0 {
+            // Window time where not one IOCB fits (`Issue::slack_us`): the simulator moves
+            // whole IOCBs, so there is nothing to move.
+            return Ok(());
+        }
         if !issue.offset_us.is_finite() || issue.iocb_count == 0 {
             return Err(bad("offset must be finite and iocb_count > 0".into()));
         }

@@ -379,6 +379,11 @@ impl Profile {
         self.table.io_costs.first().map_or(0, |row| row.bytes / u64::from(row.iocb_count.max(1)))
     }
 
+    /// The smallest profiled SM budget for a kind: fewer SMs cannot be priced (`OutOfRange`).
+    pub fn io_sm_budget_min(&self, kind: IoKind) -> u32 {
+        self.table.io_costs.iter().filter(|r| r.kind == kind).map(|r| r.sm_budget).min().unwrap_or(0)
+    }
+
     /// The largest profiled SM budget for a kind (what an I/O kernel asks for by default).
     pub fn io_sm_budget_max(&self, kind: IoKind) -> u32 {
         self.table.io_costs.iter().filter(|r| r.kind == kind).map(|r| r.sm_budget).max().unwrap_or(0)

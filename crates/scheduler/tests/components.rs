@@ -118,8 +118,15 @@ impl IoPolicy for Scripted {
         "scripted"
     }
     fn plan_layer(&mut self, view: &LayerView<'_>) -> scheduler::Result<LayerPlan> {
-        let read =
-            |layer: u32| Issue { kind: IoKind::Read, layer: Some(layer), iocb_count: 1, sm_budget: 4, offset_us: 0.0, after_reads: false };
+        let read = |layer: u32| Issue {
+            kind: IoKind::Read,
+            layer: Some(layer),
+            iocb_count: 1,
+            sm_budget: 4,
+            offset_us: 0.0,
+            after_reads: false,
+            slack_us: 0.0,
+        };
         let issues = match view.layer {
             0 => vec![read(0), read(1)],
             1 => vec![
@@ -130,6 +137,7 @@ impl IoPolicy for Scripted {
                     sm_budget: 4,
                     offset_us: 0.0,
                     after_reads: false,
+                    slack_us: 0.0,
                 },
                 read(2),
                 read(3),
@@ -242,7 +250,8 @@ impl IoPolicy for WritesOneIocb {
         "writes-one-iocb"
     }
     fn plan_layer(&mut self, view: &LayerView<'_>) -> scheduler::Result<LayerPlan> {
-        let issue = |kind, layer, iocb_count| Issue { kind, layer, iocb_count, sm_budget: 4, offset_us: 0.0, after_reads: false };
+        let issue =
+            |kind, layer, iocb_count| Issue { kind, layer, iocb_count, sm_budget: 4, offset_us: 0.0, after_reads: false, slack_us: 0.0 };
         let issues = match view.layer {
             0 => (0..view.unissued_read_iocbs.len() as u32).map(|layer| issue(IoKind::Read, Some(layer), 1)).collect(),
             1 if view.queued_write_iocbs > 0 => vec![issue(IoKind::Write, None, 1)],
@@ -303,7 +312,15 @@ impl IoPolicy for OverIssues {
     fn plan_layer(&mut self, _: &LayerView<'_>) -> scheduler::Result<LayerPlan> {
         Ok(LayerPlan {
             wait_for_all_reads: false,
-            issues: vec![Issue { kind: IoKind::Read, layer: Some(0), iocb_count: 99, sm_budget: 4, offset_us: 0.0, after_reads: false }],
+            issues: vec![Issue {
+                kind: IoKind::Read,
+                layer: Some(0),
+                iocb_count: 99,
+                sm_budget: 4,
+                offset_us: 0.0,
+                after_reads: false,
+                slack_us: 0.0,
+            }],
         })
     }
     fn plan_prefill_end(&mut self, _: &QueueView<'_>) -> scheduler::Result<Vec<Issue>> {

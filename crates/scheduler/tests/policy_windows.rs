@@ -24,11 +24,11 @@ fn view<'a>(table: &'a Profile, layer: u32, unissued: &'a [u32]) -> LayerView<'a
 }
 
 fn read(layer: u32, iocb_count: u32, sm_budget: u32, offset_us: f64) -> Issue {
-    Issue { kind: IoKind::Read, layer: Some(layer), iocb_count, sm_budget, offset_us, after_reads: false }
+    Issue { kind: IoKind::Read, layer: Some(layer), iocb_count, sm_budget, offset_us, after_reads: false, slack_us: 0.0 }
 }
 
 fn write(iocb_count: u32, sm_budget: u32, offset_us: f64, after_reads: bool) -> Issue {
-    Issue { kind: IoKind::Write, layer: None, iocb_count, sm_budget, offset_us, after_reads }
+    Issue { kind: IoKind::Write, layer: None, iocb_count, sm_budget, offset_us, after_reads, slack_us: 0.0 }
 }
 
 /// Goal: the critical layer's reads go first and at once, the next layer's reads are split over
@@ -118,6 +118,52 @@ fn slack_aware_defers_writes_to_decode() {
     assert!(SlackAware.plan_decode_step(&queue).is_err());
 }
 
+/// Goal: a window with room where not one write IOCB finishes is granted as time: a write of 0
+/// IOCBs standing for the rest of the window (`slack_us`), so that a runtime moving whole
+/// layers can add such windows up; before, no write was issued at all and a layer bigger than
+/// every window never went. On fewer SMs than any write row prices, nothing.
+#[test]
+fn slack_aware_grants_windows_too_short_for_one_write_as_time() {
+    let window_time = |sm_budget: u32, offset_us: f64, slack_us: f64| Issue { slack_us, ..write(0, sm_budget, offset_us, true) };
+    let mut t = common::table();
+    for step in &mut t.decode_steps {
+        step.duration_us = 150.0; // one write IOCB on 4 SMs takes 200 µs
+    }
+    let table = Profile::from_table(t.clone()).unwrap();
+    let mut queue =
+        QueueView { table: &table, context_tokens: 1500, outstanding_read_iocbs: 0, outstanding_write_iocbs: 0, queued_write_iocbs: 8 };
+    assert_eq!(SlackAware.plan_decode_step(&queue).unwrap(), vec![window_time(4, 0.0, 150.0)]);
+    // A read in flight (100 µs) leaves 50 µs of the step.
+    queue.outstanding_read_iocbs = 1;
+    assert_eq!(SlackAware.plan_decode_step(&queue).unwrap(), vec![window_time(4, 100.0, 50.0)]);
+    // A write in flight past the step's end: no room, no grant.
+    queue.outstanding_write_iocbs = 1;
+    assert!(SlackAware.plan_decode_step(&queue).unwrap().is_empty());
+    // One SM free, below every write row's budget (2): no write can be priced there.
+    for step in &mut t.decode_steps {
+        step.free_sms = 1;
+    }
+    let table = Profile::from_table(t).unwrap();
+    let queue =
+        QueueView { table: &table, context_tokens: 1500, outstanding_read_iocbs: 0, outstanding_write_iocbs: 0, queued_write_iocbs: 8 };
+    assert!(SlackAware.plan_decode_step(&queue).unwrap().is_empty());
+
+    // Prefill windows too: [0,100) on 4 SMs, [100,600) on 2, [600,1000) on 4; one write IOCB
+    // takes 200 µs on 4 SMs, 300 on 2. One write in flight (busy to 200 µs): [100,600) holds
+    // one from 200. Two (busy to 400 µs): its 200 µs left are too short, granted as time, and
+    // the IOCB goes into [600,1000).
+    let table = profile();
+    let unissued = [0, 0, 0, 0];
+    let mut v = view(&table, 2, &unissued);
+    v.queued_write_iocbs = 1;
+    v.outstanding_write_iocbs = 1;
+    let plan = SlackAware.plan_layer(&v).unwrap();
+    assert_eq!(plan.issues, vec![write(1, 2, 200.0, true)]);
+    v.outstanding_write_iocbs = 2;
+    let plan = SlackAware.plan_layer(&v).unwrap();
+    assert_eq!(plan.issues, vec![window_time(2, 400.0, 200.0), write(1, 4, 600.0, true)]);
+}
+
 /// Goal: the naive baseline reads the next layer and writes the previous one together, with no
 /// ordering between them.
 #[test]
@@ -149,7 +195,8 @@ fn no_overlap_loads_everything_first() {
 /// Goal: over many random windows and queue states, the slack-aware decisions keep Tutti's
 /// invariants: the current and the next layer's reads are always fully issued before the layer
 /// begins, no layer gets more IOCBs than it has, every write fits inside one window on the SMs
-/// that window has free, and writes appear only once no read is left unissued.
+/// that window has free (a write of 0 IOCBs stands for the rest of a window too short for one),
+/// and writes appear only once no read is left unissued.
 #[test]
 fn slack_aware_invariants_hold_on_random_states() {
     use scheduler::table::{LayerProfile, SlackWindow};
@@ -162,6 +209,7 @@ fn slack_aware_invariants_hold_on_random_states() {
     };
     let mut cases_with_writes = 0;
     let mut cases_with_window_reads = 0;
+    let mut cases_with_window_time = 0;
     for case in 0..2000 {
         let mut windows = Vec::new();
         let mut at_us = 0.0;
@@ -188,7 +236,7 @@ fn slack_aware_invariants_hold_on_random_states() {
         let mut issued = vec![0u32; common::LAYERS as usize];
         let mut writes_seen = false;
         for issue in &plan.issues {
-            assert!(issue.iocb_count > 0, "case {case}: {issue:?}");
+            assert!(issue.iocb_count > 0 || issue.kind == IoKind::Write, "case {case}: {issue:?}");
             match issue.kind {
                 IoKind::Read => {
                     let l = issue.layer.expect("reads name a layer");
@@ -198,6 +246,18 @@ fn slack_aware_invariants_hold_on_random_states() {
                 IoKind::Write => {
                     writes_seen = true;
                     assert!(issue.after_reads, "case {case}: write not ordered after reads");
+                    if issue.iocb_count == 0 {
+                        // Window time: to the end of a window on its SMs, too short for one IOCB.
+                        let one_us = table.io_duration_us(IoKind::Write, 1, issue.sm_budget).unwrap();
+                        let window = windows.iter().find(|w| w.offset_us <= issue.offset_us && issue.offset_us < w.end_us());
+                        let window = window.unwrap_or_else(|| panic!("case {case}: window time outside every window: {issue:?}"));
+                        assert!(issue.sm_budget <= window.free_sms, "case {case}: {issue:?} in {window:?}");
+                        assert!((issue.offset_us + issue.slack_us - window.end_us()).abs() < 1e-9, "case {case}: {issue:?} in {window:?}");
+                        assert!(issue.slack_us > 0.0 && issue.slack_us < one_us, "case {case}: one IOCB would fit: {issue:?}");
+                        cases_with_window_time += 1;
+                        continue;
+                    }
+                    assert_eq!(issue.slack_us, 0.0, "case {case}: {issue:?}");
                     let duration_us = table.io_duration_us(IoKind::Write, issue.iocb_count, issue.sm_budget).unwrap();
                     let fits = windows.iter().any(|w| {
                         w.offset_us <= issue.offset_us
@@ -228,6 +288,7 @@ fn slack_aware_invariants_hold_on_random_states() {
     // The generator must reach the interesting branches, or the test proves nothing.
     assert!(cases_with_writes > 100, "only {cases_with_writes} cases placed writes");
     assert!(cases_with_window_reads > 100, "only {cases_with_window_reads} cases placed reads in windows");
+    assert!(cases_with_window_time > 10, "only {cases_with_window_time} windows were granted as time");
 }
 
 /// Goal: per-layer read counts that sum past u32::MAX (a long prefix in small IOCBs) do not

@@ -49,9 +49,13 @@ impl<E: Executor> Runtime<E> {
                 let profile = &self.profile;
                 // A table without write rows for the budget: the count itself, for grants and
                 // layers alike (the IOCB-counting rule, latency not included).
-                self.writes.decide(issue.iocb_count, budget, |iocbs| {
-                    profile.io_duration_us(IoKind::Write, iocbs, budget).unwrap_or(f64::from(iocbs))
-                });
+                let cost_us = |iocbs| profile.io_duration_us(IoKind::Write, iocbs, budget).unwrap_or(f64::from(iocbs));
+                if issue.iocb_count == 0 {
+                    // A window where not one IOCB fits: its time joins the carry.
+                    self.writes.decide_time(issue.slack_us, budget, cost_us);
+                } else {
+                    self.writes.decide(issue.iocb_count, budget, cost_us);
+                }
             }
         }
     }
