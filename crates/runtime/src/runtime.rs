@@ -10,10 +10,9 @@
 //! write grants (carried forward while smaller than the oldest layer, with the time of windows
 //! too short for one IOCB) cover them. Offsets inside a layer are not timed: what the policy
 //! issues at a boundary is handed to the executor at that boundary, FIFO per direction, one
-//! layer of each direction at a
-//! time (one write layer across all queued stores, oldest first); later layers wait in the
-//! runtime and go when the previous one completed (checked at every call, and while the engine
-//! waits for KV). Each goes on the SM budget the policy chose for it.
+//! layer of each direction at a time (one write layer across all queued stores, oldest first);
+//! later layers wait in the runtime and go when the previous one completed (checked at every
+//! call, and while the engine waits for KV). Each goes on the SM budget the policy chose for it.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};

@@ -245,7 +245,8 @@ fn layer_from_kernels(kernels: &[Kernel], sm_count: u32) -> std::result::Result<
 ///
 /// One sweep over the kernels' starts and ends in time order, O(k log k): a timeline is
 /// untrusted input, and a decode step of a long profiling run (or a context whose steps carry
-/// no `run` number, pooled) gives one list of hundreds of thousands (a scan of every kernel per interval was quadratic).
+/// no `run` number, pooled) gives one list of hundreds of thousands (a scan of every kernel per
+/// interval was quadratic).
 /// A kernel is busy over [start, end): over the interval between two neighbouring bounds, the
 /// busy SMs are those of the kernels started at or before its beginning and not yet ended.
 fn free_intervals(kernels: &[Kernel], sm_count: u32) -> Vec<SlackWindow> {
