@@ -1,13 +1,16 @@
 //! Settings and the read side of the registry: lookups and the member list. A `ClusterClient`
 //! holds no lease; `ClusterNode` (node.rs) adds membership and registration.
 
+use std::time::Instant;
+
 use etcd_client::{GetOptions, Txn, TxnOp, TxnOpResponse};
 
 use crate::config::ClusterConfig;
-use crate::connection::Connection;
+use crate::connection::{is_too_large, Connection};
 use crate::error::{ClusterError, Result};
-use crate::layout::{KeyLayout, MemberRecord, SegmentRecord};
+use crate::layout::{KeyLayout, MemberRecord, SegmentRecord, MEMBER_ENTRY_BYTES_MAX};
 use crate::names::{ModelSpace, NodeId};
+use crate::scan::{page_entries, prefix_end, scan};
 use crate::segments::Segment;
 
 /// Most members one `members()` call returns (a fleet of this many nodes is far past the
@@ -21,7 +24,7 @@ pub struct Lookup {
     /// (sorted, at most `holders_max`). Empty when the first segment is held nowhere.
     pub holders: Vec<Vec<NodeId>>,
     /// Registry entries met and refused (malformed, another cluster's, another version or
-    /// segment size, a value that disagrees with its key).
+    /// segment size, a value that disagrees with its key, an entry too large to read).
     pub skipped_entries: u64,
     /// etcd requests the lookup sent (1 for up to `txn_ops_max` segments, retries aside).
     pub requests: u64,
@@ -58,7 +61,7 @@ impl Lookup {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Members {
     pub nodes: Vec<MemberRecord>,
-    /// Entries under the members prefix that were refused.
+    /// Entries under the members prefix that were refused (too large to read included).
     pub skipped_entries: u64,
     /// More than [`MEMBERS_MAX`] entries are registered: `nodes` lists the first by node id.
     pub truncated: bool,
@@ -85,17 +88,17 @@ impl ClusterClient {
     }
 
     /// Deletes node `node`'s holder entries of `segments` in `space`, whatever lease they are
-    /// under: one transaction per `txn_ops_max` segments; returns the transactions. Meant for a
-    /// node's own entries: its eviction (`ClusterNode::unregister`), and its successor after a
-    /// crash, which found that its pool no longer holds segments the dead process's lease still
-    /// claims (docs/cluster.md, "A pool wiped while its lease lived"). Deleting an entry that is
-    /// not there is not an error.
+    /// under: one transaction per `txn_ops_max` segments; returns the transactions. For a
+    /// node's successor after a crash, before it joins: its pool no longer holds segments the
+    /// dead process's lease still claims (docs/cluster.md, "A pool wiped while its lease
+    /// lived"). Not for a live node's eviction: `ClusterNode::unregister` deletes only while the
+    /// node's lease holds its id. Deleting an entry that is not there is not an error.
     pub fn forget(&self, node: &NodeId, space: &ModelSpace, segments: &[Segment]) -> Result<usize> {
         let mut transactions = 0;
         for chunk in segments.chunks(self.config.txn_ops_max) {
             let deletes: Vec<TxnOp> =
                 chunk.iter().map(|segment| TxnOp::delete(self.layout.segment_key(space, segment.key, node), None)).collect();
-            self.connection.call("unregister segments", |mut client| {
+            self.connection.call_kv("forget segments", |mut client| {
                 let transaction = Txn::new().and_then(deletes.clone());
                 async move { client.txn(transaction).await }
             })?;
@@ -109,59 +112,110 @@ impl ClusterClient {
         self.connection.requests_sent()
     }
 
-    /// The longest prefix of `segments` (a prompt's segments in order, `segments[i].index == i`)
-    /// registered by some node, with its holders. One etcd transaction of range reads per
-    /// `txn_ops_max` segments, stopping at the first chunk with a miss.
+    /// The longest prefix of `segments` (consecutive segments of one prompt in order, from any
+    /// position: each `segments[i].index` is its position in the prompt, checked against the
+    /// entries) registered by some node, with its holders. One etcd transaction of range reads
+    /// per `txn_ops_max` segments, stopping at the first chunk with a miss; each chunk is
+    /// bounded by one request timeout. A chunk whose answer would be longer than an answer may
+    /// be (foreign entries of up to etcd's 1.5 MiB under its prefixes) is read again segment by
+    /// segment, in pages that fit, within the same timeout; entries too large to read are
+    /// refused and counted like any other.
     pub fn lookup(&self, space: &ModelSpace, segments: &[Segment]) -> Result<Lookup> {
         let mut lookup = Lookup::default();
         let requests_before = self.connection.requests_sent();
         for chunk in segments.chunks(self.config.txn_ops_max) {
-            let reads: Vec<TxnOp> = chunk
-                .iter()
-                .map(|segment| {
-                    let prefix = self.layout.holders_prefix(space, segment.key);
-                    let options = GetOptions::new().with_prefix().with_limit(self.config.holders_max as i64);
-                    TxnOp::get(prefix, Some(options))
-                })
-                .collect();
-            let answer = self.connection.call("lookup", |mut client| {
-                let transaction = Txn::new().and_then(reads.clone());
-                async move { client.txn(transaction).await }
-            })?;
-            let responses = answer.op_responses();
-            if responses.len() != chunk.len() {
-                return Err(ClusterError::MalformedRecord {
-                    key: self.layout.segments_prefix(),
-                    reason: "etcd answered a lookup with another number of results than asked",
-                });
-            }
-            for (segment, response) in chunk.iter().zip(responses) {
-                let TxnOpResponse::Get(range) = response else {
-                    return Err(ClusterError::MalformedRecord {
-                        key: self.layout.segments_prefix(),
-                        reason: "etcd answered a range read with another kind of result",
-                    });
-                };
-                let mut holders = Vec::new();
-                for entry in range.kvs() {
-                    match self.check_holder(space, segment, entry.key(), entry.value()) {
-                        Some(node) => holders.push(node),
-                        None => lookup.skipped_entries += 1,
-                    }
-                }
-                if range.more() && holders.len() < range.kvs().len() {
-                    lookup.ranges_cut_short += 1;
-                }
-                if holders.is_empty() {
-                    lookup.requests = self.connection.requests_sent() - requests_before;
-                    return Ok(lookup);
-                }
-                holders.sort();
-                lookup.holders.push(holders);
+            let deadline = Instant::now() + self.config.request_timeout;
+            if !self.lookup_chunk(space, chunk, deadline, &mut lookup)? {
+                break;
             }
         }
         lookup.requests = self.connection.requests_sent() - requests_before;
         Ok(lookup)
+    }
+
+    /// One chunk of a lookup in one transaction: adds its held prefix to `lookup`; whether
+    /// every segment of the chunk is held.
+    fn lookup_chunk(&self, space: &ModelSpace, chunk: &[Segment], deadline: Instant, lookup: &mut Lookup) -> Result<bool> {
+        let reads: Vec<TxnOp> = chunk
+            .iter()
+            .map(|segment| {
+                let prefix = self.layout.holders_prefix(space, segment.key);
+                let options = GetOptions::new().with_prefix().with_limit(self.config.holders_max as i64);
+                TxnOp::get(prefix, Some(options))
+            })
+            .collect();
+        let answer = self.connection.call_kv_by("lookup", deadline, |mut client| {
+            let transaction = Txn::new().and_then(reads.clone());
+            async move { client.txn(transaction).await }
+        });
+        let answer = match answer {
+            Ok(answer) => answer,
+            Err(error) if is_too_large(&error) => {
+                tracing::warn!(segments = chunk.len(), "a lookup's answer is too long (large foreign entries): reading segment by segment");
+                return self.lookup_chunk_by_segment(space, chunk, deadline, lookup);
+            }
+            Err(error) => return Err(error),
+        };
+        let responses = answer.op_responses();
+        if responses.len() != chunk.len() {
+            return Err(ClusterError::MalformedRecord {
+                key: self.layout.segments_prefix(),
+                reason: "etcd answered a lookup with another number of results than asked",
+            });
+        }
+        for (segment, response) in chunk.iter().zip(responses) {
+            let TxnOpResponse::Get(range) = response else {
+                return Err(ClusterError::MalformedRecord {
+                    key: self.layout.segments_prefix(),
+                    reason: "etcd answered a range read with another kind of result",
+                });
+            };
+            let mut holders = Vec::new();
+            for entry in range.kvs() {
+                match self.check_holder(space, segment, entry.key(), entry.value()) {
+                    Some(node) => holders.push(node),
+                    None => lookup.skipped_entries += 1,
+                }
+            }
+            if range.more() && holders.len() < range.kvs().len() {
+                lookup.ranges_cut_short += 1;
+            }
+            if holders.is_empty() {
+                return Ok(false);
+            }
+            holders.sort();
+            lookup.holders.push(holders);
+        }
+        Ok(true)
+    }
+
+    /// [`ClusterClient::lookup_chunk`] when its answer was too long: each segment's holder range
+    /// alone, in order until the first miss, each at most `holders_max` entries as before.
+    fn lookup_chunk_by_segment(&self, space: &ModelSpace, chunk: &[Segment], deadline: Instant, lookup: &mut Lookup) -> Result<bool> {
+        let holders_max = self.config.holders_max as u64;
+        for segment in chunk {
+            let prefix = self.layout.holders_prefix(space, segment.key);
+            let mut holders = Vec::new();
+            let mut refused = 0u64;
+            let range = (prefix.clone().into_bytes(), prefix_end(&prefix));
+            let scanned = scan(&self.connection, "lookup", deadline, range, holders_max, holders_max, |entry| {
+                match self.check_holder(space, segment, entry.key(), entry.value()) {
+                    Some(node) => holders.push(node),
+                    None => refused += 1,
+                }
+            })?;
+            refused += scanned.oversized;
+            lookup.skipped_entries += refused;
+            if scanned.more && refused > 0 {
+                lookup.ranges_cut_short += 1;
+            }
+            if holders.is_empty() {
+                return Ok(false);
+            }
+            holders.sort();
+            lookup.holders.push(holders);
+        }
+        Ok(true)
     }
 
     /// The holder a registry entry names, if the entry is sound for `segment` at its position.
@@ -178,16 +232,15 @@ impl ClusterClient {
         Some(node)
     }
 
-    /// The live members (one range read).
+    /// The live members: one range read per 1,023 entries (what fits an answer), within one
+    /// request timeout in all.
     pub fn members(&self) -> Result<Members> {
         let prefix = self.layout.members_prefix();
-        let answer = self.connection.call("members", |mut client| {
-            let options = GetOptions::new().with_prefix().with_limit(MEMBERS_MAX as i64);
-            let prefix = prefix.clone();
-            async move { client.get(prefix, Some(options)).await }
-        })?;
-        let mut members = Members { truncated: answer.more(), ..Members::default() };
-        for entry in answer.kvs() {
+        let deadline = Instant::now() + self.config.request_timeout;
+        let mut members = Members::default();
+        let range = (prefix.clone().into_bytes(), prefix_end(&prefix));
+        let page = page_entries(MEMBER_ENTRY_BYTES_MAX);
+        let scanned = scan(&self.connection, "members", deadline, range, MEMBERS_MAX as u64, page, |entry| {
             let record = self
                 .layout
                 .parse_member_key(entry.key())
@@ -196,18 +249,28 @@ impl ClusterClient {
                 Some(record) => members.nodes.push(record),
                 None => members.skipped_entries += 1,
             }
-        }
+        })?;
+        members.skipped_entries += scanned.oversized;
+        members.truncated = scanned.more;
         Ok(members)
     }
 
     /// Node `node`'s member record (one key read): None when it is not a member; an error when
-    /// the entry there is refused (malformed, another cluster's, another node's record).
+    /// the entry there is refused (malformed, another cluster's, another node's record, too
+    /// large to read).
     pub fn member(&self, node: &NodeId) -> Result<Option<MemberRecord>> {
         let key = self.layout.member_key(node);
-        let answer = self.connection.call("member", |mut client| {
+        let answer = self.connection.call_kv("member", |mut client| {
             let key = key.clone();
             async move { client.get(key, None).await }
-        })?;
+        });
+        let answer = match answer {
+            Ok(answer) => answer,
+            Err(error) if is_too_large(&error) => {
+                return Err(ClusterError::MalformedRecord { key, reason: "the entry is larger than an answer may be" })
+            }
+            Err(error) => return Err(error),
+        };
         let Some(entry) = answer.kvs().first() else { return Ok(None) };
         if entry.key() != key.as_bytes() {
             return Err(ClusterError::MalformedRecord { key, reason: "etcd answered a key read with another key" });

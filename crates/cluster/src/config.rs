@@ -4,11 +4,20 @@
 use std::time::Duration;
 
 use crate::error::{ClusterError, Result};
+use crate::layout::{ANSWER_OVERHEAD_BYTES, RANGE_OVERHEAD_BYTES, SEGMENT_ENTRY_BYTES_MAX};
 use crate::names::ClusterId;
 use crate::segments::SegmentBlocks;
 
 /// etcd's default `--max-txn-ops`: the most operations one transaction may carry.
 pub const ETCD_TXN_OPS_DEFAULT: usize = 128;
+
+/// The most bytes one answer from etcd may have: the client refuses a longer one as it decodes
+/// it (gRPC's default, 4 MiB, set explicitly on every key-value client). etcd itself accepts
+/// values up to its `--max-request-bytes` (1.5 MiB by default), so a few foreign entries under
+/// one prefix can outgrow it: every read is sized so that sound entries fit
+/// ([`ClusterConfig::validate`], the scans' page sizes), and one that still meets a longer
+/// answer reads less at a time and skips, counted, an entry too large to read alone.
+pub const RESPONSE_BYTES_MAX: usize = 4 << 20;
 
 /// How a node or client talks to the registry.
 #[derive(Debug, Clone)]
@@ -28,7 +37,8 @@ pub struct ClusterConfig {
     /// Operations per etcd transaction: at most the server's `--max-txn-ops`. A lookup of more
     /// segments than this costs one round trip per this many (stopping at the first miss).
     pub txn_ops_max: usize,
-    /// Most holders a lookup returns per segment (the rest exist but are not listed).
+    /// Most holders a lookup returns per segment (the rest exist but are not listed). With
+    /// `txn_ops_max`, bounded by [`RESPONSE_BYTES_MAX`]: holders × operations ≤ ~8,000.
     pub holders_max: usize,
 }
 
@@ -71,6 +81,39 @@ impl ClusterConfig {
         if !(1..=1024).contains(&self.holders_max) {
             return bad(format!("{} holders per segment is outside 1..=1024", self.holders_max));
         }
+        // A lookup's one transaction reads `holders_max` entries for each of `txn_ops_max`
+        // segments: sound entries must fit one answer, so that only foreign ones can make it
+        // longer (defaults: 16 × 128 × 512 B = 1 MiB of 4 MiB).
+        let lookup_bytes =
+            self.holders_max * self.txn_ops_max * SEGMENT_ENTRY_BYTES_MAX + self.txn_ops_max * RANGE_OVERHEAD_BYTES + ANSWER_OVERHEAD_BYTES;
+        if lookup_bytes > RESPONSE_BYTES_MAX {
+            return bad(format!(
+                "{} holders × {} segments per transaction may answer {lookup_bytes} bytes, over the {RESPONSE_BYTES_MAX} an answer may have",
+                self.holders_max, self.txn_ops_max
+            ));
+        }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lookup_of_sound_entries_must_fit_one_answer() {
+        // Goal: `validate` refuses holders × operations per transaction whose sound entries
+        // alone could outgrow an answer (1,024 holders × 128 segments × 512 B = 64 MiB), and
+        // accepts the defaults and the same holders over fewer operations.
+        let mut config =
+            ClusterConfig::new(vec!["http://127.0.0.1:2379".into()], ClusterId::new("fleet").unwrap(), SegmentBlocks::new(32).unwrap());
+        assert!(config.validate().is_ok());
+        config.holders_max = 1024;
+        match config.validate() {
+            Err(ClusterError::InvalidSetting(text)) => assert!(text.contains("1024 holders × 128 segments"), "{text}"),
+            other => panic!("{other:?}"),
+        }
+        config.txn_ops_max = 7;
+        assert!(config.validate().is_ok());
     }
 }

@@ -8,15 +8,20 @@
 //! third of the request timeout moves the preference to the next member and is retried there.
 //! So a member that died, or one that stalls with its sockets open, costs at most one attempt
 //! per call — a balancer that picks at random would go back to the stalled member again.
+//!
+//! Key-value requests go through [`Connection::call_kv`] (and `_by`, for an operation of several
+//! requests sharing one deadline) on clients whose answers are limited to
+//! [`RESPONSE_BYTES_MAX`], set here explicitly; lease requests through `call_lease`.
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use etcd_client::{Client, ConnectOptions};
+use etcd_client::{Client, ConnectOptions, KvClient, LeaseClient};
 use tokio::runtime::{Builder, Runtime};
 
+use crate::config::RESPONSE_BYTES_MAX;
 use crate::error::{ClusterError, Result};
 
 /// First pause between attempts after a transient error; doubles up to [`RETRY_PAUSE_MAX`].
@@ -31,15 +36,23 @@ pub(crate) fn attempt_timeout(request_timeout: Duration) -> Duration {
     request_timeout / 3
 }
 
+/// The clients of one etcd member: the key-value service (every read and write of records,
+/// its answers bounded by [`RESPONSE_BYTES_MAX`]) and the lease service.
+#[derive(Clone)]
+pub(crate) struct MemberClient {
+    pub(crate) kv: KvClient,
+    pub(crate) lease: LeaseClient,
+}
+
 /// One client per etcd member and the member requests go to now. Shared with the keep-alive.
 pub(crate) struct Members {
-    clients: Vec<Client>,
+    clients: Vec<MemberClient>,
     preferred: AtomicUsize,
 }
 
 impl Members {
-    /// The preferred member's index and client.
-    pub(crate) fn current(&self) -> (usize, Client) {
+    /// The preferred member's index and clients.
+    pub(crate) fn current(&self) -> (usize, MemberClient) {
         let index = self.preferred.load(Ordering::Relaxed) % self.clients.len();
         (index, self.clients[index].clone())
     }
@@ -75,6 +88,14 @@ pub(crate) fn is_transient(error: &etcd_client::Error) -> bool {
     }
 }
 
+/// Whether `error` is an answer larger than [`RESPONSE_BYTES_MAX`], refused by the client as
+/// it decoded it (tonic's `OutOfRange`). etcd's own `OutOfRange` answers are for reads at a
+/// compacted or future revision, which this crate never asks for. Not transient: the same read
+/// gets the same answer; readers read less at a time instead (`scan.rs`).
+pub(crate) fn is_too_large(error: &ClusterError) -> bool {
+    matches!(error, ClusterError::Etcd { source: etcd_client::Error::GRpcStatus(status), .. } if status.code() == tonic::Code::OutOfRange)
+}
+
 impl Connection {
     /// Builds the runtime and one client per endpoint. Connecting is lazy (the first request
     /// connects), so this never waits on a member.
@@ -106,7 +127,10 @@ impl Connection {
                     last_error: format!("{endpoint}: timed out"),
                 })?
                 .map_err(|source| ClusterError::Etcd { operation: "connect", source })?;
-            clients.push(client);
+            // The decode limit is set here, explicitly, for every key-value answer: the readers
+            // size their reads to fit it (`ClusterConfig::validate`, `scan.rs`).
+            let kv = client.kv_client().max_decoding_message_size(RESPONSE_BYTES_MAX);
+            clients.push(MemberClient { kv, lease: client.lease_client() });
         }
         let members = Arc::new(Members { clients, preferred: AtomicUsize::new(0) });
         Ok(Connection { runtime: Some(runtime), members, request_timeout, requests_sent: AtomicU64::new(0) })
@@ -124,15 +148,54 @@ impl Connection {
         self.runtime.as_ref().expect("the runtime lives until drop")
     }
 
-    /// Runs `attempt` until it succeeds, fails for good, or the request timeout passes (then
-    /// [`ClusterError::Unavailable`]). Each attempt is one etcd request to the preferred member.
-    pub(crate) fn call<T, F, Fut>(&self, operation: &'static str, mut attempt: F) -> Result<T>
+    /// A key-value request (`attempt` is one try of it on a member's client), bounded by the
+    /// request timeout. See [`Connection::run`].
+    pub(crate) fn call_kv<T, F, Fut>(&self, operation: &'static str, attempt: F) -> Result<T>
     where
-        F: FnMut(Client) -> Fut,
+        F: FnMut(KvClient) -> Fut,
+        Fut: Future<Output = std::result::Result<T, etcd_client::Error>>,
+    {
+        self.call_kv_by(operation, Instant::now() + self.request_timeout, attempt)
+    }
+
+    /// [`Connection::call_kv`] within `deadline` as well: one request of an operation of
+    /// several, which share that deadline.
+    pub(crate) fn call_kv_by<T, F, Fut>(&self, operation: &'static str, deadline: Instant, mut attempt: F) -> Result<T>
+    where
+        F: FnMut(KvClient) -> Fut,
+        Fut: Future<Output = std::result::Result<T, etcd_client::Error>>,
+    {
+        self.run(operation, deadline, |client| attempt(client.kv))
+    }
+
+    /// A lease request, bounded by the request timeout.
+    pub(crate) fn call_lease<T, F, Fut>(&self, operation: &'static str, attempt: F) -> Result<T>
+    where
+        F: FnMut(LeaseClient) -> Fut,
+        Fut: Future<Output = std::result::Result<T, etcd_client::Error>>,
+    {
+        self.call_lease_by(operation, Instant::now() + self.request_timeout, attempt)
+    }
+
+    /// [`Connection::call_lease`] within `deadline` as well.
+    pub(crate) fn call_lease_by<T, F, Fut>(&self, operation: &'static str, deadline: Instant, mut attempt: F) -> Result<T>
+    where
+        F: FnMut(LeaseClient) -> Fut,
+        Fut: Future<Output = std::result::Result<T, etcd_client::Error>>,
+    {
+        self.run(operation, deadline, |client| attempt(client.lease))
+    }
+
+    /// Runs `attempt` until it succeeds, fails for good, or the request timeout or `deadline`
+    /// passes, whichever comes first (then [`ClusterError::Unavailable`]). Each attempt is one
+    /// etcd request to the preferred member.
+    fn run<T, F, Fut>(&self, operation: &'static str, deadline: Instant, mut attempt: F) -> Result<T>
+    where
+        F: FnMut(MemberClient) -> Fut,
         Fut: Future<Output = std::result::Result<T, etcd_client::Error>>,
     {
         let started = Instant::now();
-        let deadline = started + self.request_timeout;
+        let deadline = deadline.min(started + self.request_timeout);
         let requests_sent = &self.requests_sent;
         let members = &self.members;
         let attempt_bound = attempt_timeout(self.request_timeout);

@@ -1,6 +1,6 @@
-//! The crate's one error type. Every call that reaches etcd is bounded by the configured
-//! request timeout; past it the caller gets [`ClusterError::Unavailable`] and keeps serving from
-//! its local cache.
+//! The crate's one error type. Every request to etcd is bounded by the configured request
+//! timeout (each call by the bound lib.rs lists for it); past it the caller gets
+//! [`ClusterError::Unavailable`] and keeps serving from its local cache.
 
 use std::time::Duration;
 

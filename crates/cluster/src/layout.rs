@@ -26,6 +26,32 @@ pub const ADDRESS_BYTES_MAX: usize = 256;
 /// Most model fingerprints one member record lists.
 pub const FINGERPRINTS_MAX: usize = 64;
 
+/// What one key-value entry costs in a range answer besides its key and value bytes: etcd's
+/// `KeyValue` framing (key and value tags and lengths, four varint fields of up to 11 bytes:
+/// 50) and its place in the answer's list (3), rounded up.
+const ENTRY_FRAMING_BYTES: usize = 64;
+/// The longest holder key: `/tutti/` + cluster + `/v1/seg/` + 64 hex digits + `/rank.world/`
+/// (4 + 1 + 4 digits) + 16 hex digits + `/` + node (names at most 64 bytes): 235 bytes.
+const SEGMENT_KEY_BYTES_MAX: usize = 7 + NAME_BYTES_MAX + 8 + 2 * FINGERPRINT_BYTES + 11 + 16 + 1 + NAME_BYTES_MAX;
+/// The longest holder value ([`SegmentRecord::encode`]): 193 bytes.
+const SEGMENT_VALUE_BYTES_MAX: usize = 4 + 2 + 2 * (1 + NAME_BYTES_MAX) + FINGERPRINT_BYTES + 4 + 4 + 8 + 4 + 2 + 4;
+/// The most bytes one sound holder entry takes in a range answer (481, rounded up): a lookup
+/// of `holders_max` × `txn_ops_max` of them must fit one answer (`ClusterConfig::validate`).
+pub const SEGMENT_ENTRY_BYTES_MAX: usize = (SEGMENT_KEY_BYTES_MAX + SEGMENT_VALUE_BYTES_MAX + ENTRY_FRAMING_BYTES).next_power_of_two();
+/// The longest member key: `/tutti/` + cluster + `/v1/node/` + node: 144 bytes.
+const MEMBER_KEY_BYTES_MAX: usize = 7 + NAME_BYTES_MAX + 9 + NAME_BYTES_MAX;
+/// The longest member value ([`MemberRecord::encode`]): 2,456 bytes.
+const MEMBER_VALUE_BYTES_MAX: usize =
+    4 + 2 + 2 * (1 + NAME_BYTES_MAX) + 8 + 2 + ADDRESS_BYTES_MAX + 2 + FINGERPRINTS_MAX * FINGERPRINT_BYTES + 4;
+/// The most bytes one sound member entry takes in a range answer (2,664, rounded up): what a
+/// page of the member list or of `status`'s scan is sized by.
+pub const MEMBER_ENTRY_BYTES_MAX: usize = (MEMBER_KEY_BYTES_MAX + MEMBER_VALUE_BYTES_MAX + ENTRY_FRAMING_BYTES).next_power_of_two();
+/// What one range read adds to a transaction's answer besides its entries (its header, `more`,
+/// `count` and framing), rounded up.
+pub const RANGE_OVERHEAD_BYTES: usize = 128;
+/// What an answer adds besides its ranges (its header and framing), rounded up.
+pub const ANSWER_OVERHEAD_BYTES: usize = 1024;
+
 /// The key names of one cluster.
 #[derive(Debug, Clone)]
 pub struct KeyLayout {
@@ -205,18 +231,30 @@ impl<'a> Reader<'a> {
 }
 
 impl MemberRecord {
-    pub fn encode(&self, cluster: &ClusterId) -> Vec<u8> {
+    /// The record's bytes; refuses what every reader would refuse (an address over
+    /// [`ADDRESS_BYTES_MAX`] bytes, more than [`FINGERPRINTS_MAX`] fingerprints), rather than
+    /// writing a record nobody accepts.
+    pub fn encode(&self, cluster: &ClusterId) -> Result<Vec<u8>, &'static str> {
+        if self.address.len() > ADDRESS_BYTES_MAX {
+            return Err("address too long");
+        }
+        if self.fingerprints.len() > FINGERPRINTS_MAX {
+            return Err("too many fingerprints");
+        }
+        // Both fit their u16 lengths: checked just above.
+        let address_bytes = u16::try_from(self.address.len()).map_err(|_| "address too long")?;
+        let fingerprints = u16::try_from(self.fingerprints.len()).map_err(|_| "too many fingerprints")?;
         let mut writer = Writer::new(MEMBER_MAGIC);
         writer.name(cluster.as_str());
         writer.name(self.node.as_str());
         writer.bytes(&self.capacity_bytes.to_le_bytes());
-        writer.bytes(&(self.address.len() as u16).to_le_bytes());
+        writer.bytes(&address_bytes.to_le_bytes());
         writer.bytes(self.address.as_bytes());
-        writer.bytes(&(self.fingerprints.len() as u16).to_le_bytes());
+        writer.bytes(&fingerprints.to_le_bytes());
         for fingerprint in &self.fingerprints {
             writer.bytes(fingerprint);
         }
-        writer.finish()
+        Ok(writer.finish())
     }
 
     /// Decodes a member value read at the key that names `node` in `cluster`; every field of
@@ -361,11 +399,65 @@ mod tests {
             capacity_bytes: 1 << 40,
             fingerprints: vec![[1; 32], [2; 32]],
         };
-        let bytes = member.encode(&cluster);
+        let bytes = member.encode(&cluster).unwrap();
         assert_eq!(MemberRecord::decode(&bytes, &cluster, &member.node), Ok(member.clone()));
         for length in 0..bytes.len() {
             assert!(MemberRecord::decode(&bytes[..length], &cluster, &member.node).is_err());
         }
         assert!(MemberRecord::decode(&bytes, &other, &member.node).is_err());
+    }
+
+    #[test]
+    fn a_member_record_that_no_reader_accepts_is_not_encoded() {
+        // Goal: an address or fingerprint list past the bounds readers enforce is refused by
+        // encode too, rather than written as a record every reader refuses (an address of
+        // 65,546 bytes used to wrap its u16 length to 10; one of 257 bytes was written as
+        // given); the largest accepted record round-trips.
+        let cluster = ClusterId::new("fleet").unwrap();
+        let mut member = MemberRecord {
+            node: NodeId::new("a").unwrap(),
+            address: "x".repeat(ADDRESS_BYTES_MAX),
+            capacity_bytes: 1,
+            fingerprints: vec![[3; 32]; FINGERPRINTS_MAX],
+        };
+        let bytes = member.encode(&cluster).unwrap();
+        assert_eq!(MemberRecord::decode(&bytes, &cluster, &member.node), Ok(member.clone()));
+        for address_bytes in [ADDRESS_BYTES_MAX + 1, 65_536 + 10] {
+            let long = MemberRecord { address: "x".repeat(address_bytes), ..member.clone() };
+            assert_eq!(long.encode(&cluster), Err("address too long"), "{address_bytes}");
+        }
+        member.fingerprints.push([4; 32]);
+        assert_eq!(member.encode(&cluster), Err("too many fingerprints"));
+    }
+
+    #[test]
+    fn the_entry_bounds_hold_the_longest_records() {
+        // Goal: the byte bounds that size every read (`ClusterConfig::validate`, the scans'
+        // pages) are at least the longest key plus value any sound writer produces, plus
+        // etcd's framing: the longest names, rank and world, address and fingerprint list.
+        let longest = |prefix: &str| format!("{prefix}{}", "z".repeat(NAME_BYTES_MAX - prefix.len()));
+        let cluster = ClusterId::new(&longest("c")).unwrap();
+        let node = NodeId::new(&longest("n")).unwrap();
+        let layout = KeyLayout::new(cluster.clone());
+        let record = SegmentRecord {
+            node: node.clone(),
+            space: ModelSpace::new([0xff; 32], 1023, 1024).unwrap(),
+            key: SegmentKey::new(u64::MAX).unwrap(),
+            index: u32::MAX,
+            segment_blocks: SegmentBlocks::new(SegmentBlocks::MAX).unwrap(),
+        };
+        let key = layout.segment_key(&record.space, record.key, &node);
+        let value = record.encode(&cluster);
+        assert_eq!((key.len(), value.len()), (SEGMENT_KEY_BYTES_MAX, SEGMENT_VALUE_BYTES_MAX));
+        assert!(key.len() + value.len() + ENTRY_FRAMING_BYTES <= SEGMENT_ENTRY_BYTES_MAX);
+        let member = MemberRecord {
+            node: node.clone(),
+            address: "a".repeat(ADDRESS_BYTES_MAX),
+            capacity_bytes: u64::MAX,
+            fingerprints: vec![[1; 32]; FINGERPRINTS_MAX],
+        };
+        let (key, value) = (layout.member_key(&node), member.encode(&cluster).unwrap());
+        assert_eq!((key.len(), value.len()), (MEMBER_KEY_BYTES_MAX, MEMBER_VALUE_BYTES_MAX));
+        assert!(key.len() + value.len() + ENTRY_FRAMING_BYTES <= MEMBER_ENTRY_BYTES_MAX);
     }
 }

@@ -8,9 +8,14 @@
 //! them; a node that dies vanishes with its lease. [`ClusterClient::lookup`] finds the longest
 //! registered prefix of a prompt's segments and its holders in one round trip.
 //!
-//! The API is synchronous over a private runtime; every call is bounded by the configured
-//! request timeout and answers [`ClusterError::Unavailable`] past it, so a node never waits on
-//! etcd longer than that and keeps serving its local cache.
+//! The API is synchronous over a private runtime. Every request to etcd, retries included, is
+//! bounded by the configured request timeout T and answers [`ClusterError::Unavailable`] past
+//! it, so a node never waits on etcd for long and keeps serving its local cache. Most calls
+//! take one T in all: `members` (its pages share it), `member`, `update_record`; `register`,
+//! `unregister`, `forget` and `lookup` one T per `txn_ops_max` segments (a lookup chunk re-read
+//! in smaller pieces shares its T). The compound ones are bounded by their requests: `join`
+//! ≤ 3 T, `rejoin` ≤ 4 T, `leave` and dropping a node ≤ T + 1 s (the runtime's shutdown),
+//! `status` ≤ [`STATUS_REQUEST_TIMEOUTS`] × T in all.
 
 //!
 //! Feature `etcd` (default): everything that talks to etcd. Without it the crate is the names,
@@ -29,13 +34,15 @@ pub mod local_etcd;
 mod names;
 #[cfg(feature = "etcd")]
 mod node;
+#[cfg(feature = "etcd")]
+mod scan;
 mod segments;
 #[cfg(feature = "etcd")]
 mod status;
 
 #[cfg(feature = "etcd")]
 pub use client::{ClusterClient, Lookup, Members, MEMBERS_MAX};
-pub use config::{ClusterConfig, ETCD_TXN_OPS_DEFAULT};
+pub use config::{ClusterConfig, ETCD_TXN_OPS_DEFAULT, RESPONSE_BYTES_MAX};
 pub use error::{ClusterError, Result};
 pub use layout::{MemberRecord, SegmentRecord, FORMAT_VERSION};
 pub use names::{ClusterId, ModelSpace, NodeId, SegmentKey, FINGERPRINT_BYTES, TP_WORLD_MAX};
@@ -43,4 +50,4 @@ pub use names::{ClusterId, ModelSpace, NodeId, SegmentKey, FINGERPRINT_BYTES, TP
 pub use node::{ClusterNode, LeaseHealth};
 pub use segments::{segments_of, Segment, SegmentBlocks};
 #[cfg(feature = "etcd")]
-pub use status::{ClusterStatus, HolderSet, MemberStatus, HOLDER_SETS_LISTED};
+pub use status::{ClusterStatus, HolderSet, MemberStatus, HOLDER_SETS_LISTED, STATUS_REQUEST_TIMEOUTS};

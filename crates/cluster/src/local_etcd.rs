@@ -12,6 +12,8 @@ use crate::error::{ClusterError, Result};
 
 /// How long a fresh cluster may take to answer its health check.
 const START_TIMEOUT: Duration = Duration::from_secs(30);
+/// The longest `revoke_lease` waits for one member (connection and answer).
+pub const REVOKE_ATTEMPT_TIMEOUT: Duration = Duration::from_secs(2);
 /// Most bytes an HTTP answer from a member may have (metrics are ~100 KiB).
 const HTTP_ANSWER_BYTES_MAX: u64 = 8 << 20;
 
@@ -243,19 +245,36 @@ impl LocalEtcd {
     }
 
     /// Revokes lease `lease_id` behind its holder's back, as an expiry during a partition
-    /// would end it: every key under it vanishes at once.
+    /// would end it: every key under it vanishes at once. Asks each running member in turn
+    /// (a killed one is not asked), each within [`REVOKE_ATTEMPT_TIMEOUT`]: a stalled member
+    /// (`pause`) costs that bound, never a hang. The first success ends it; `Unavailable` when
+    /// no member revoked it (etcd's answer if one refused, e.g. a lease it does not know).
     pub fn revoke_lease(&self, lease_id: i64) -> Result<()> {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .map_err(|error| io_error("start a runtime to revoke a lease", error))?;
-        let endpoints = self.endpoints();
-        runtime
-            .block_on(async move {
-                let mut client = etcd_client::Client::connect(endpoints, None).await?;
+        let started = Instant::now();
+        let mut last_error = String::from("no etcd member is running");
+        for member in self.members.iter().filter(|member| member.child.is_some()) {
+            let endpoint = format!("http://127.0.0.1:{}", member.client_port);
+            let options =
+                etcd_client::ConnectOptions::new().with_connect_timeout(REVOKE_ATTEMPT_TIMEOUT).with_timeout(REVOKE_ATTEMPT_TIMEOUT);
+            let attempt = async {
+                let mut client = etcd_client::Client::connect([endpoint.as_str()], Some(options)).await?;
                 client.lease_revoke(lease_id).await.map(|_| ())
-            })
-            .map_err(|source| ClusterError::Etcd { operation: "revoke a lease", source })
+            };
+            match runtime.block_on(async { tokio::time::timeout(REVOKE_ATTEMPT_TIMEOUT, attempt).await }) {
+                Ok(Ok(())) => return Ok(()),
+                // etcd refused it for good: another member would answer the same.
+                Ok(Err(source)) if !crate::connection::is_transient(&source) => {
+                    return Err(ClusterError::Etcd { operation: "revoke a lease", source });
+                }
+                Ok(Err(error)) => last_error = format!("{}: {error}", member.name),
+                Err(_) => last_error = format!("{}: no answer within {REVOKE_ATTEMPT_TIMEOUT:?}", member.name),
+            }
+        }
+        Err(ClusterError::Unavailable { operation: "revoke a lease", waited: started.elapsed(), last_error })
     }
 
     /// Unary gRPC requests member `index` has started for `method` (e.g. "Txn"; "" for every

@@ -13,7 +13,7 @@ use crate::client::{ClusterClient, Lookup, Members};
 use crate::config::ClusterConfig;
 use crate::connection::{attempt_timeout, Members as EtcdMembers, RETRY_PAUSE_FIRST, RETRY_PAUSE_MAX};
 use crate::error::{ClusterError, Result};
-use crate::layout::{MemberRecord, SegmentRecord, ADDRESS_BYTES_MAX, FINGERPRINTS_MAX};
+use crate::layout::{MemberRecord, SegmentRecord};
 use crate::names::{ModelSpace, NodeId};
 use crate::segments::Segment;
 
@@ -54,9 +54,14 @@ struct KeepAlive {
     task: JoinHandle<()>,
 }
 
-/// A live member of the cluster. Dropping it stops the keep-alive and revokes the lease (bounded
-/// by the request timeout), so its record and segments vanish at once; a node that dies without
-/// dropping it vanishes when the lease expires.
+/// A live member of the cluster. Dropping it stops the keep-alive and revokes the lease (one
+/// request timeout, and up to 1 s for its runtime's shutdown), so its record and segments
+/// vanish at once; a node that dies without dropping it vanishes when the lease expires.
+///
+/// Bounds, T the request timeout: `join` ≤ 3 T (grant, member transaction, and the revoke of
+/// the new lease when that fails); `rejoin` ≤ 4 T (the old lease's revoke, then a join);
+/// `leave` or drop ≤ T + 1 s; `register` and `unregister` T per `txn_ops_max` segments;
+/// `update_record` T.
 pub struct ClusterNode {
     client: ClusterClient,
     record: MemberRecord,
@@ -67,14 +72,11 @@ pub struct ClusterNode {
 impl ClusterNode {
     /// Connects, grants a lease and registers `record` under it, refusing a node id another
     /// live lease holds ([`ClusterError::NodeIdTaken`]: after a crash, the restarted node waits
-    /// for the old lease to expire). Then starts the keep-alive.
+    /// for the old lease to expire). Then starts the keep-alive. At most three requests of one
+    /// request timeout each: the grant, the member transaction, and the new lease's revoke
+    /// when the transaction fails.
     pub fn join(config: ClusterConfig, record: MemberRecord) -> Result<ClusterNode> {
-        if record.address.len() > ADDRESS_BYTES_MAX {
-            return Err(ClusterError::InvalidSetting(format!("node address longer than {ADDRESS_BYTES_MAX} bytes")));
-        }
-        if record.fingerprints.len() > FINGERPRINTS_MAX {
-            return Err(ClusterError::InvalidSetting(format!("more than {FINGERPRINTS_MAX} model fingerprints")));
-        }
+        record.encode(&config.cluster).map_err(refused_record)?;
         let client = ClusterClient::connect(config)?;
         let lease = Arc::new(LeaseState {
             lease_id: AtomicI64::new(0),
@@ -95,11 +97,11 @@ impl ClusterNode {
         // etcd starts the lease's TTL when it grants it, not later than this: the keep-alive's
         // first renewal is timed from here, so the member transaction's time counts against it.
         let granted_at = Instant::now();
-        let granted = self.client.connection.call("grant a lease", |mut client| async move { client.lease_grant(ttl_s, None).await })?;
+        let value = self.record.encode(self.client.layout.cluster()).map_err(refused_record)?;
+        let granted = self.client.connection.call_lease("grant a lease", |mut lease| async move { lease.grant(ttl_s, None).await })?;
         let lease_id = granted.id();
         let key = self.client.layout.member_key(&self.record.node);
-        let value = self.record.encode(self.client.layout.cluster());
-        let answer = self.client.connection.call("register the member", |mut client| {
+        let answer = self.client.connection.call_kv("register the member", |mut client| {
             let transaction = Txn::new()
                 .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
                 .and_then([TxnOp::put(key.clone(), value.clone(), Some(PutOptions::new().with_lease(lease_id)))])
@@ -151,16 +153,20 @@ impl ClusterNode {
 
     /// Revokes `lease_id`, bounded; a failure leaves the lease to expire by itself.
     fn revoke(&self, lease_id: i64) {
-        let result = self.client.connection.call("revoke the lease", |mut client| async move { client.lease_revoke(lease_id).await });
+        let result = self.client.connection.call_lease("revoke the lease", |mut lease| async move { lease.revoke(lease_id).await });
         if let Err(error) = result {
             tracing::warn!(lease_id, %error, "could not revoke the lease; it expires by itself");
         }
     }
 
-    /// Stops the keep-alive loop (bounded by the request timeout).
+    /// Stops the keep-alive loop at once: a renewal in flight (up to a third of the request
+    /// timeout on a stalled member) is abandoned, not waited for — the lease is revoked or
+    /// replaced next.
     fn stop_keep_alive(&mut self) {
         if let Some(keep_alive) = self.keep_alive.take() {
             let _ = keep_alive.stop.send(true);
+            keep_alive.task.abort();
+            // An aborted task ends at its next await; bounded all the same.
             let wait = self.client.config.request_timeout;
             let task = keep_alive.task;
             let finished = self.client.connection.runtime().block_on(async { tokio::time::timeout(wait, task).await });
@@ -171,7 +177,8 @@ impl ClusterNode {
     }
 
     /// After [`ClusterError::LeaseLost`]: a new lease and member record. The node's segments
-    /// vanished with the old lease; the owner registers what it still holds again.
+    /// vanished with the old lease; the owner registers what it still holds again. At most
+    /// four request timeouts: the old lease's revoke, then a join.
     pub fn rejoin(&mut self) -> Result<()> {
         self.stop_keep_alive();
         let old = self.lease.lease_id.load(Ordering::Relaxed);
@@ -179,7 +186,8 @@ impl ClusterNode {
         self.establish()
     }
 
-    /// Leaves the cluster now: the member record and every segment vanish.
+    /// Leaves the cluster now: the member record and every segment vanish (one request
+    /// timeout for the revoke, up to 1 s for the runtime's shutdown).
     pub fn leave(mut self) {
         self.shut_down();
     }
@@ -198,30 +206,10 @@ impl ClusterNode {
         if record.node != self.record.node {
             return Err(ClusterError::InvalidSetting(format!("a member record of node {} for node {}", record.node, self.record.node)));
         }
-        if record.address.len() > ADDRESS_BYTES_MAX || record.fingerprints.len() > FINGERPRINTS_MAX {
-            return Err(ClusterError::InvalidSetting(format!(
-                "a member record with an address over {ADDRESS_BYTES_MAX} bytes or over {FINGERPRINTS_MAX} fingerprints"
-            )));
-        }
+        let value = record.encode(self.client.layout.cluster()).map_err(refused_record)?;
         let lease_id = self.live_lease()?;
         let key = self.client.layout.member_key(&record.node);
-        let value = record.encode(self.client.layout.cluster());
-        let answer = self
-            .client
-            .connection
-            .call("update the member record", |mut client| {
-                let transaction = Txn::new().when([Compare::lease(key.clone(), CompareOp::Equal, lease_id)]).and_then([TxnOp::put(
-                    key.clone(),
-                    value.clone(),
-                    Some(PutOptions::new().with_lease(lease_id)),
-                )]);
-                async move { client.txn(transaction).await }
-            })
-            .map_err(|error| self.lease_refused(error, lease_id))?;
-        if !answer.succeeded() {
-            self.lease.lost.store(true, Ordering::Relaxed);
-            return Err(ClusterError::LeaseLost { lease_id });
-        }
+        self.guarded("update the member record", lease_id, vec![TxnOp::put(key, value, Some(PutOptions::new().with_lease(lease_id)))])?;
         self.record = record;
         Ok(())
     }
@@ -245,12 +233,40 @@ impl ClusterNode {
         }
     }
 
+    /// The node's lease, unless etcd said it is gone (lost stays lost until `rejoin`). Not
+    /// judged by the time since the last renewal: etcd extends every lease when a new leader
+    /// takes over (or the members restart), so a lease unconfirmed for a TTL may well live;
+    /// each write checks the lease itself (`guarded`).
     fn live_lease(&self) -> Result<i64> {
         let lease_id = self.lease.lease_id.load(Ordering::Relaxed);
         if self.lease.lost.load(Ordering::Relaxed) {
             return Err(ClusterError::LeaseLost { lease_id });
         }
         Ok(lease_id)
+    }
+
+    /// Applies `operations` in one transaction only while the node's member key is still under
+    /// `lease_id` (etcd compares the key's lease: 0 for a key that is gone). Every write of a
+    /// node goes through here: once its lease lapsed — expired during a partition before the
+    /// keep-alive noticed — a successor process may have joined under the same node id and
+    /// registered the same segments, and a plain delete (unlike a put, which names the lease)
+    /// would remove the successor's entries. A refused comparison marks the node lost.
+    fn guarded(&self, operation: &'static str, lease_id: i64, operations: Vec<TxnOp>) -> Result<()> {
+        let key = self.client.layout.member_key(&self.record.node);
+        let answer = self
+            .client
+            .connection
+            .call_kv(operation, |mut client| {
+                let transaction = Txn::new().when([Compare::lease(key.clone(), CompareOp::Equal, lease_id)]).and_then(operations.clone());
+                async move { client.txn(transaction).await }
+            })
+            .map_err(|error| self.lease_refused(error, lease_id))?;
+        if !answer.succeeded() {
+            tracing::warn!(lease_id, operation, "the member key is no longer under this node's lease: the lease is lost");
+            self.lease.lost.store(true, Ordering::Relaxed);
+            return Err(ClusterError::LeaseLost { lease_id });
+        }
+        Ok(())
     }
 
     /// A refusal naming an unknown lease means etcd expired it.
@@ -265,8 +281,9 @@ impl ClusterNode {
     }
 
     /// Registers `segments` (newly committed, in `space`) as held by this node: one etcd
-    /// transaction per `txn_ops_max` segments, every key attached to the node's lease. Returns
-    /// the number of transactions.
+    /// transaction per `txn_ops_max` segments, every key attached to the node's lease and
+    /// written only while the node's member key is under that lease (else
+    /// [`ClusterError::LeaseLost`]). Returns the number of transactions.
     pub fn register(&self, space: &ModelSpace, segments: &[Segment]) -> Result<usize> {
         let lease_id = self.live_lease()?;
         let layout = &self.client.layout;
@@ -286,22 +303,28 @@ impl ClusterNode {
                     TxnOp::put(key, record.encode(layout.cluster()), Some(PutOptions::new().with_lease(lease_id)))
                 })
                 .collect();
-            self.client
-                .connection
-                .call("register segments", |mut client| {
-                    let transaction = Txn::new().and_then(puts.clone());
-                    async move { client.txn(transaction).await }
-                })
-                .map_err(|error| self.lease_refused(error, lease_id))?;
+            self.guarded("register segments", lease_id, puts)?;
             transactions += 1;
         }
         Ok(transactions)
     }
 
-    /// Removes this node's registration of `segments` (evicted locally). Deleting a segment that
-    /// was not registered is not an error.
+    /// Removes this node's registration of `segments` (evicted locally): one transaction per
+    /// `txn_ops_max` segments, applied only while the node's member key is under its lease
+    /// (else [`ClusterError::LeaseLost`]: the entries under this node id may be a successor
+    /// process's). Deleting a segment that was not registered is not an error.
     pub fn unregister(&self, space: &ModelSpace, segments: &[Segment]) -> Result<usize> {
-        self.client.forget(&self.record.node, space, segments)
+        let lease_id = self.live_lease()?;
+        let mut transactions = 0;
+        for chunk in segments.chunks(self.client.config.txn_ops_max) {
+            let deletes = chunk
+                .iter()
+                .map(|segment| TxnOp::delete(self.client.layout.segment_key(space, segment.key, &self.record.node), None))
+                .collect();
+            self.guarded("unregister segments", lease_id, deletes)?;
+            transactions += 1;
+        }
+        Ok(transactions)
     }
 
     /// See [`ClusterClient::lookup`].
@@ -324,6 +347,11 @@ impl Drop for ClusterNode {
     fn drop(&mut self) {
         self.shut_down();
     }
+}
+
+/// A member record that `MemberRecord::encode` refuses, as a setting error.
+fn refused_record(reason: &'static str) -> ClusterError {
+    ClusterError::InvalidSetting(format!("member record: {reason}"))
 }
 
 /// How long the keep-alive waits before its first renewal when it starts `since_grant` after the
@@ -395,15 +423,16 @@ impl RenewalLoop {
     /// granted, 0 when the lease no longer exists.
     async fn renew(&mut self, stream: &mut Option<(LeaseKeeper, LeaseKeepAliveStream)>) -> std::result::Result<i64, etcd_client::Error> {
         if stream.is_none() {
-            let (member, mut client) = self.members.current();
+            let (member, client) = self.members.current();
+            let mut lease = client.lease;
             self.member = member;
-            match client.lease_keep_alive(self.lease_id).await {
+            match lease.keep_alive(self.lease_id).await {
                 Ok(opened) => *stream = Some(opened),
                 // etcd-client refuses to open the stream when etcd's first answer has TTL 0
                 // (the lease is gone) and says so only in words: ask etcd itself (TTL −1 for a
                 // lease it does not know).
                 Err(etcd_client::Error::LeaseKeepAliveError(words)) => {
-                    let ttl_s = client.lease_time_to_live(self.lease_id, None).await?.ttl();
+                    let ttl_s = lease.time_to_live(self.lease_id, None).await?.ttl();
                     if ttl_s > 0 {
                         return Err(etcd_client::Error::LeaseKeepAliveError(words));
                     }

@@ -2,18 +2,23 @@
 //! replica counts, and what was refused on the way.
 
 use std::collections::{BTreeMap, HashMap};
+use std::time::Instant;
 
 use etcd_client::GetOptions;
 
 use crate::client::ClusterClient;
 use crate::error::Result;
-use crate::layout::{MemberRecord, SegmentRecord};
+use crate::layout::{MemberRecord, SegmentRecord, MEMBER_ENTRY_BYTES_MAX};
 use crate::names::{ModelSpace, NodeId, SegmentKey};
+use crate::scan::{page_entries, prefix_end, scan};
 
-/// Keys read per request while scanning.
-const PAGE_KEYS: i64 = 1000;
-/// Most keys one status scan reads (then `truncated`): 1,000 nodes × 1,000 segments.
+/// Most keys of this format version one status scan reads (then `truncated`): 1,000 nodes ×
+/// 1,000 segments.
 const SCAN_KEYS_MAX: u64 = 1_000_000;
+/// Request timeouts one `status` call may take in all (60 s at the default 3 s): its scan
+/// (~1,000 pages at the most) and one lease query per member, each request also bounded by
+/// one timeout. Past it the call is `Unavailable`.
+pub const STATUS_REQUEST_TIMEOUTS: u32 = 20;
 /// Holder sets listed one by one (the most segments first); the rest are summed.
 pub const HOLDER_SETS_LISTED: usize = 32;
 
@@ -50,36 +55,43 @@ pub struct ClusterStatus {
     pub other_holder_sets: u64,
     /// Holder entries of nodes without a member record (should not last: they share its lease).
     pub holders_without_member: u64,
-    /// Entries of this format version refused (malformed key or value, foreign content).
+    /// Entries of this format version refused (malformed key or value, foreign content, too
+    /// large to read).
     pub skipped_entries: u64,
-    /// Keys of the cluster in another format version (not read).
+    /// Keys of the cluster in another format version, or outside any version (counted, not
+    /// read).
     pub other_version_keys: u64,
     /// The scan stopped at its bound before the end of the cluster's keys.
     pub truncated: bool,
 }
 
-/// The first key after every key that starts with `prefix`.
-fn prefix_end(prefix: &str) -> Vec<u8> {
-    let mut end = prefix.as_bytes().to_vec();
-    // Prefixes here end in '/', never 0xff: incrementing the last byte is the range end.
-    if let Some(last) = end.last_mut() {
-        *last += 1;
-    }
-    end
-}
-
 impl ClusterClient {
-    /// Scans the cluster's keys (pages of 1,000, bounded at 1,000,000) and asks etcd each
-    /// member lease's time to live. Each request is bounded by the request timeout.
+    /// Counts the cluster's keys of other format versions (count-only reads: none of their
+    /// bytes is read), scans this version's (pages of up to 1,023 entries, which sound entries
+    /// always fit; bounded at 1,000,000 keys; an entry too large to read is stepped over and
+    /// counted as refused) and asks etcd each member lease's time to live. Every request is
+    /// bounded by the request timeout, the whole call by [`STATUS_REQUEST_TIMEOUTS`] of them.
     pub fn status(&self) -> Result<ClusterStatus> {
+        let deadline = Instant::now() + self.config.request_timeout * STATUS_REQUEST_TIMEOUTS;
         let mut status = ClusterStatus::default();
         let cluster_prefix = self.layout.cluster_prefix();
         let version_prefix = self.layout.version_prefix().to_owned();
         let members_prefix = self.layout.members_prefix();
         let segments_prefix = self.layout.segments_prefix();
-        let end = prefix_end(&cluster_prefix);
-        let mut start = cluster_prefix.clone().into_bytes();
-        let mut scanned = 0u64;
+        // The cluster's keys before and after this version's: other versions (and anything
+        // else a writer put there).
+        let others = [
+            (cluster_prefix.clone().into_bytes(), version_prefix.clone().into_bytes()),
+            (prefix_end(&version_prefix), prefix_end(&cluster_prefix)),
+        ];
+        for (start, end) in others {
+            let answer = self.connection.call_kv_by("status count", deadline, |mut client| {
+                let options = GetOptions::new().with_range(end.clone()).with_count_only();
+                let start = start.clone();
+                async move { client.get(start, Some(options)).await }
+            })?;
+            status.other_version_keys += u64::try_from(answer.count()).unwrap_or(0);
+        }
         let mut members: Vec<(MemberRecord, i64)> = Vec::new();
         // Each segment's holders, as indexes into `nodes` (interned: a segment costs a few
         // bytes per holder, not a node id each).
@@ -87,57 +99,41 @@ impl ClusterClient {
         let mut nodes: Vec<NodeId> = Vec::new();
         let mut node_index: HashMap<NodeId, u32> = HashMap::new();
         let mut per_node: HashMap<NodeId, u64> = HashMap::new();
-        loop {
-            let page = self.connection.call("status scan", |mut client| {
-                let options = GetOptions::new().with_range(end.clone()).with_limit(PAGE_KEYS);
-                let start = start.clone();
-                async move { client.get(start, Some(options)).await }
-            })?;
-            for entry in page.kvs() {
-                scanned += 1;
-                let key = entry.key();
-                if !key.starts_with(version_prefix.as_bytes()) {
-                    status.other_version_keys += 1;
-                } else if key.starts_with(members_prefix.as_bytes()) {
-                    let record = self
-                        .layout
-                        .parse_member_key(key)
-                        .and_then(|node| MemberRecord::decode(entry.value(), self.layout.cluster(), &node).ok());
-                    match record {
-                        Some(record) => members.push((record, entry.lease())),
-                        None => status.skipped_entries += 1,
+        let range = (version_prefix.clone().into_bytes(), prefix_end(&version_prefix));
+        let page = page_entries(MEMBER_ENTRY_BYTES_MAX);
+        let scanned = scan(&self.connection, "status scan", deadline, range, SCAN_KEYS_MAX, page, |entry| {
+            let key = entry.key();
+            if key.starts_with(members_prefix.as_bytes()) {
+                let record = self
+                    .layout
+                    .parse_member_key(key)
+                    .and_then(|node| MemberRecord::decode(entry.value(), self.layout.cluster(), &node).ok());
+                match record {
+                    Some(record) => members.push((record, entry.lease())),
+                    None => status.skipped_entries += 1,
+                }
+            } else if key.starts_with(segments_prefix.as_bytes()) {
+                let record = self.layout.parse_segment_key(key).and_then(|(space, segment, node)| {
+                    SegmentRecord::decode(entry.value(), self.layout.cluster(), &space, segment, &node).ok()
+                });
+                match record {
+                    Some(record) if record.segment_blocks == self.config.segment_blocks => {
+                        status.holder_entries += 1;
+                        let index = *node_index.entry(record.node.clone()).or_insert_with(|| {
+                            nodes.push(record.node.clone());
+                            (nodes.len() - 1) as u32
+                        });
+                        holders.entry((record.space, record.key)).or_default().push(index);
+                        *per_node.entry(record.node).or_default() += 1;
                     }
-                } else if key.starts_with(segments_prefix.as_bytes()) {
-                    let record = self.layout.parse_segment_key(key).and_then(|(space, segment, node)| {
-                        SegmentRecord::decode(entry.value(), self.layout.cluster(), &space, segment, &node).ok()
-                    });
-                    match record {
-                        Some(record) if record.segment_blocks == self.config.segment_blocks => {
-                            status.holder_entries += 1;
-                            let index = *node_index.entry(record.node.clone()).or_insert_with(|| {
-                                nodes.push(record.node.clone());
-                                (nodes.len() - 1) as u32
-                            });
-                            holders.entry((record.space, record.key)).or_default().push(index);
-                            *per_node.entry(record.node).or_default() += 1;
-                        }
-                        _ => status.skipped_entries += 1,
-                    }
-                } else {
-                    status.skipped_entries += 1;
+                    _ => status.skipped_entries += 1,
                 }
+            } else {
+                status.skipped_entries += 1;
             }
-            match page.kvs().last() {
-                Some(last) if page.more() && scanned < SCAN_KEYS_MAX => {
-                    start = last.key().to_vec();
-                    start.push(0);
-                }
-                _ => {
-                    status.truncated = page.more();
-                    break;
-                }
-            }
-        }
+        })?;
+        status.skipped_entries += scanned.oversized;
+        status.truncated = scanned.more;
         status.distinct_segments = holders.len() as u64;
         let mut sets: HashMap<Vec<u32>, u64> = HashMap::new();
         for mut set in holders.into_values() {
@@ -160,7 +156,7 @@ impl ClusterClient {
         for (record, lease_id) in members {
             let ttl_left_s = self
                 .connection
-                .call("lease time to live", |mut client| async move { client.lease_time_to_live(lease_id, None).await })?
+                .call_lease_by("lease time to live", deadline, |mut lease| async move { lease.time_to_live(lease_id, None).await })?
                 .ttl();
             let segments = per_node.remove(&record.node).unwrap_or(0);
             status.members.push(MemberStatus { record, lease_id, ttl_left_s: (ttl_left_s >= 0).then_some(ttl_left_s), segments });

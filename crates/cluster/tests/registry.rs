@@ -370,3 +370,72 @@ fn one_member_is_read_by_its_key_and_a_long_member_list_says_it_was_truncated() 
     assert_eq!(members.skipped_entries as usize, tutti_cluster::MEMBERS_MAX);
     assert!(members.nodes.is_empty(), "node a sorts after the first MEMBERS_MAX entries");
 }
+
+#[test]
+fn a_node_whose_lease_lapsed_cannot_unregister_its_successors_segments() {
+    // Goal: node A's lease ends behind its back (revoked here, as an expiry during a partition
+    // would) before its keep-alive notices; a successor process B joins under the same node id
+    // and registers the same segment. A's unregister of it must not delete B's entry: it
+    // answers `LeaseLost` (and marks A lost), and the registry still lists the segment held by
+    // the node; B's own unregister then removes it.
+    let Some(etcd) = start_etcd(1) else { return };
+    // A long lease: the keep-alive's first renewal (TTL/3 = 10 s) comes long after this test's
+    // calls, so only the write's own guard can tell that A's lease is gone.
+    let mut settings = config(&etcd, "successor");
+    settings.lease_ttl = Duration::from_secs(30);
+    let node_a = ClusterNode::join(settings.clone(), record("a")).unwrap();
+    let segments = prompt(31, 2);
+    node_a.register(&space(), &segments[..1]).unwrap();
+    let old_lease = node_a.health().lease_id;
+    etcd.revoke_lease(old_lease).unwrap();
+    let node_b = ClusterNode::join(settings, record("a")).unwrap();
+    node_b.register(&space(), &segments[..1]).unwrap();
+    assert!(!node_a.health().lost, "the keep-alive noticed already: the write's guard goes untested");
+
+    match node_a.unregister(&space(), &segments[..1]) {
+        Err(ClusterError::LeaseLost { lease_id }) => assert_eq!(lease_id, old_lease),
+        other => panic!("unregister under a lapsed lease: {other:?}"),
+    }
+    assert!(node_a.health().lost, "a refused guard marks the node lost");
+    assert_eq!(node_b.lookup(&space(), &segments).unwrap().holders, vec![vec![node("a")]], "the successor's entry was deleted");
+    assert!(matches!(node_a.register(&space(), &segments[1..]), Err(ClusterError::LeaseLost { .. })));
+    assert_eq!(node_b.lookup(&space(), &segments).unwrap().prefix_segments(), 1, "a register under a lapsed lease wrote");
+
+    node_b.unregister(&space(), &segments[..1]).unwrap();
+    assert!(node_b.lookup(&space(), &segments).unwrap().holders.is_empty());
+}
+
+#[test]
+fn entries_too_large_for_one_answer_are_skipped_and_counted_not_fatal() {
+    // Goal: etcd takes values up to 1.5 MiB; three of 1.4 MiB planted under one segment's
+    // holder prefix, three under the members prefix and three under another format version
+    // make an answer longer than the client decodes (4 MiB). A lookup still answers — the sound
+    // holder found, the three refused and counted — and so do `members()` and `status()`,
+    // which never read the other version's values.
+    let Some(etcd) = start_etcd(1) else { return };
+    let cluster = ClusterId::new("bulky").unwrap();
+    let layout = KeyLayout::new(cluster.clone());
+    let node_a = ClusterNode::join(config(&etcd, "bulky"), record("a")).unwrap();
+    let segments = prompt(41, 3);
+    node_a.register(&space(), &segments[..2]).unwrap();
+    let bulk = vec![0x5a_u8; 1400 << 10];
+    let mut plants = Vec::new();
+    for name in ["0", "1", "2"] {
+        // Node ids that sort before "a": the range meets them first.
+        plants.push((layout.segment_key(&space(), segments[0].key, &node(name)), bulk.clone()));
+        plants.push((layout.member_key(&node(name)), bulk.clone()));
+        plants.push((layout.member_key(&node(name)).replace("/v1/", "/v2/"), bulk.clone()));
+    }
+    put_raw(&etcd, &plants);
+
+    let lookup = node_a.lookup(&space(), &segments).unwrap();
+    assert_eq!(lookup.holders, vec![vec![node("a")], vec![node("a")]]);
+    assert_eq!((lookup.skipped_entries, lookup.ranges_cut_short), (3, 0));
+
+    let members = node_a.members().unwrap();
+    assert_eq!((members.nodes, members.skipped_entries, members.truncated), (vec![record("a")], 3, false));
+
+    let status = node_a.client().status().unwrap();
+    assert_eq!((status.holder_entries, status.skipped_entries, status.other_version_keys), (2, 6, 3));
+    assert_eq!(status.members.len(), 1);
+}
