@@ -375,8 +375,9 @@ impl ClusterAgent {
     }
 
     /// At bind, before any client: reads the manifest, keeps the segments whose blocks the
-    /// recovered index holds whole, rewrites it with those, starts recording the index's
-    /// departures, and prepares the registrar (it joins when the server starts serving).
+    /// recovered index holds whole, starts recording the index's departures, binds the data
+    /// plane, rewrites the manifest with those segments (last: a failed start leaves it as it
+    /// was) and prepares the registrar (it joins when the server starts serving).
     #[cfg(feature = "cluster")]
     pub(crate) fn start(
         settings: ClusterSettings,
@@ -417,10 +418,15 @@ impl ClusterAgent {
             }
         }
         tracing::info!(held = held.len(), gone = stale.len(), "segments from the manifest checked against the pool");
-        let manifest = manifest::Manifest::rewrite(&settings.manifest, segment_blocks, held.iter()).map_err(io)?;
         let data_plane = data_plane::DataPlane::bind(settings.data_address, control, segment_blocks, requests_max)
             .map_err(|source| DaemonError::Io { context: format!("the data plane on {}", settings.data_address), source })?;
         let data_address = data_plane.address();
+        let lookups = lookup::RemoteLookups::new(settings.registry.clone(), settings.node.clone(), settings.lookup_timeout)
+            .map_err(DaemonError::Registry)?;
+        // Last, once nothing after it can fail: the file without the stale segments. A start
+        // that failed before this leaves the manifest as it was, so the next start still finds
+        // (and deletes the registrations of) the segments this pool lost.
+        let manifest = manifest::Manifest::rewrite(&settings.manifest, segment_blocks, held.iter()).map_err(io)?;
         let (inbox, receiver) = std::sync::mpsc::sync_channel(settings.commits_queued_max.max(1));
         let state = Arc::new(AgentState::new());
         let record = tutti_cluster::MemberRecord {
@@ -431,8 +437,6 @@ impl ClusterAgent {
         };
         let recovered = registrar::Recovered { held, manifest, stale };
         let registrar = Registrar::new(settings.registry.clone(), record, receiver, metrics.clone(), Arc::clone(&state), recovered);
-        let lookups = lookup::RemoteLookups::new(settings.registry.clone(), settings.node.clone(), settings.lookup_timeout)
-            .map_err(|error| DaemonError::Cluster(error.to_string()))?;
         Ok(ClusterAgent { settings, inbox, registrar: Mutex::new(Some(registrar)), metrics, state, lookups, data_plane, data_address })
     }
 

@@ -74,6 +74,9 @@ pub enum DaemonError {
     DeviceMemory(String),
     #[error("cluster: {0}")]
     Cluster(String),
+    /// The cluster registry's client refused or failed (typed: `ClusterError`).
+    #[error("cluster registry: {0}")]
+    Registry(#[source] tutti_cluster::ClusterError),
     #[error("server configuration: {0}")]
     Config(String),
 }

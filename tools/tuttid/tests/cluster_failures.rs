@@ -257,3 +257,40 @@ fn a_node_whose_pool_was_wiped_while_its_lease_lived_serves_no_stale_bytes() {
     assert_eq!(client_of(&a, "a").lookup(&tokens).unwrap(), 0, "the wiped pool holds nothing of prompt 52");
     assert_eq!(wrong, 0);
 }
+
+#[test]
+fn a_start_that_fails_leaves_the_manifest_as_it_was() {
+    // Goal: node a (fixed data address, a lease that outlives the test) holds prompt 60; it is
+    // SIGKILLed and its pool wiped, and its next start fails after the manifest was checked
+    // against the pool (the data address is taken). The manifest must be left as it was, so
+    // that the start after it still finds the segments the pool lost and deletes their
+    // registrations at once — not a lease later. (The manifest was rewritten without them
+    // before the data plane was bound, so the failed start lost them for good.)
+    let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
+    let root = tempfile::tempdir().unwrap();
+    let reader = reader(&etcd);
+    let mut a = Node::new(root.path(), "a");
+    (a.lease, a.timeout) = ("30s", "2s");
+    a.data_address = free_address();
+    a.start(&etcd, true);
+    store(&a, 60);
+    wait_for("a's segments registered", SOON, || holders(&reader, 60) == [["a"], ["a"]]);
+    a.kill();
+    std::fs::remove_file(a.directory.join("pool")).unwrap();
+    let manifest = a.directory.join("segments");
+    let before = std::fs::read(&manifest).unwrap();
+
+    let taken = std::net::TcpListener::bind(&a.data_address).unwrap();
+    let (exit, stderr) = a.start_failing(&etcd, true);
+    assert!(!exit.success() && stderr.contains("data plane"), "{exit}: {stderr}");
+    let after = std::fs::read(&manifest).unwrap();
+    assert!(after == before, "the failed start rewrote the manifest: {} bytes, were {}", after.len(), before.len());
+    assert_eq!(holders(&reader, 60), [["a"], ["a"]]);
+
+    drop(taken);
+    std::fs::remove_file(a.directory.join("pool")).unwrap();
+    a.start(&etcd, true);
+    let gone =
+        wait_for("the stale registrations are deleted at the next start", Duration::from_secs(5), || holders(&reader, 60).is_empty());
+    eprintln!("stale registrations deleted {gone:?} after the start that followed a failed one");
+}

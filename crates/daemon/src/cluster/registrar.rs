@@ -13,9 +13,11 @@
 //!    [`TRANSACTIONS_PER_PASS`] per pass so departures are not kept waiting.
 //!
 //! A failed call is counted, remembered for status, and retried after a backoff (100 ms
-//! doubling to at most 5 s or half the lease); segments wait meanwhile. Each call is bounded by
-//! the registry's request timeout, so the thread sees the daemon's stop within a tick plus one
-//! such timeout, then leaves the cluster (revoking the lease: its segments vanish at once).
+//! doubling to at most 5 s or half the lease); segments wait meanwhile. Every call is bounded
+//! (T, the registry's request timeout: a transaction T, a join 3 T, a rejoin 4 T; the cluster
+//! crate lists them) and the stop is checked between calls, so the thread sees the daemon's
+//! stop within a tick plus one call (at most 4 T, a rejoin), then leaves the cluster (revoking
+//! the lease, its segments vanishing at once: T, and 1 s for the client's runtime).
 
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::RecvTimeoutError;
@@ -227,6 +229,10 @@ impl Registrar {
                 return Ok(());
             }
         }
+        // Between calls: a stop is seen after the call in flight, not after the whole pass.
+        if stop.is_stopped() {
+            return Ok(());
+        }
         if self.node.is_none() {
             let record = MemberRecord { fingerprints: fingerprints.clone(), ..self.record.clone() };
             let node = ClusterNode::join(self.config.clone(), record)?;
@@ -248,6 +254,9 @@ impl Registrar {
             self.metrics.joins.inc();
         }
         self.state.lease_id.store(node.health().lease_id, Ordering::Relaxed);
+        if stop.is_stopped() {
+            return Ok(());
+        }
         if node.record().fingerprints != fingerprints {
             let record = MemberRecord { fingerprints, ..node.record().clone() };
             node.update_record(record)?;
@@ -350,7 +359,8 @@ impl Registrar {
     }
 
     /// Leaves the cluster: the lease is revoked, so this node's record and segments vanish now
-    /// rather than a TTL later (bounded by the request timeout).
+    /// rather than a TTL later (bounded by the request timeout, and 1 s for the client's
+    /// runtime to shut down).
     fn leave(&mut self) {
         if let Some(manifest) = self.manifest.as_mut() {
             if let Err(error) = manifest.flush() {

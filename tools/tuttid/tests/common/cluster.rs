@@ -67,11 +67,38 @@ impl Node {
 
     /// Starts the daemon (formatting a fresh pool when `format`) as node `name` of `etcd`.
     pub fn start(&mut self, etcd: &LocalEtcd, format: bool) {
-        let endpoints = etcd.endpoints().join(",");
+        let args = self.arguments(etcd, format);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        self.daemon = Some(Daemon::start(&self.directory, &self.device(), &args));
+    }
+
+    /// Starts the daemon as [`Node::start`] does, for a start that must fail: its exit status
+    /// and standard error (bounded: a daemon that starts after all is killed and reported).
+    pub fn start_failing(&self, etcd: &LocalEtcd, format: bool) -> (std::process::ExitStatus, String) {
+        let child = std::process::Command::new(super::TUTTID)
+            .args(["--device", &self.device(), "--socket"])
+            .arg(self.directory.join("tuttid.sock"))
+            .arg("--lock-dir")
+            .arg(self.directory.join("locks"))
+            .args(["--layers", "2", "--kv-heads", "2", "--head-dim", "64", "--metrics", "off"])
+            .args(self.arguments(etcd, format))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("start tuttid");
+        // A Daemon: killed on drop should it start after all.
+        let mut daemon = Daemon { child: Some(child), socket: self.directory.join("tuttid.sock") };
+        let status = super::wait_bounded(daemon.child.as_mut().unwrap());
+        let stderr = daemon.stderr();
+        (status, stderr)
+    }
+
+    /// The daemon's cluster options (and the format's, when `format`).
+    fn arguments(&self, etcd: &LocalEtcd, format: bool) -> Vec<String> {
         let manifest = self.directory.join("segments").display().to_string();
-        let mut args = vec![
+        let mut args: Vec<String> = [
             "--cluster-etcd",
-            &endpoints,
+            &etcd.endpoints().join(","),
             "--cluster-id",
             CLUSTER,
             "--node-id",
@@ -86,13 +113,15 @@ impl Node {
             self.lease,
             "--cluster-timeout",
             self.timeout,
-        ];
+        ]
+        .map(String::from)
+        .to_vec();
         if format {
-            args.extend(["--format", "--emu-create-bytes", "64m", "--slots", SLOTS]);
-            args.extend(self.format_extra.iter().copied());
+            args.extend(["--format", "--emu-create-bytes", "64m", "--slots", SLOTS].map(String::from));
+            args.extend(self.format_extra.iter().map(|arg| arg.to_string()));
         }
-        args.extend(self.extra.iter().copied());
-        self.daemon = Some(Daemon::start(&self.directory, &self.device(), &args));
+        args.extend(self.extra.iter().map(|arg| arg.to_string()));
+        args
     }
 
     pub fn daemon(&self) -> &Daemon {
