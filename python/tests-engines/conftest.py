@@ -49,3 +49,28 @@ def tuttid(tmp_path: Path) -> Iterator:
     yield start
     for daemon in daemons:
         daemon.stop()
+
+
+@pytest.fixture
+def store_options(monkeypatch) -> list:
+    """What the connectors pass to tutti.Store.open / attach: `tutti.Store` is replaced, for the
+    test, by a stand-in that records each call's name and keyword arguments (in the returned
+    list) and opens the real store."""
+    import tutti
+
+    real = tutti.Store
+    calls: list = []
+
+    class RecordingStore:
+        @staticmethod
+        def open(*args, **kwargs):
+            calls.append(("open", kwargs))
+            return real.open(*args, **kwargs)
+
+        @staticmethod
+        def attach(*args, **kwargs):
+            calls.append(("attach", kwargs))
+            return real.attach(*args, **kwargs)
+
+    monkeypatch.setattr(tutti, "Store", RecordingStore)
+    return calls

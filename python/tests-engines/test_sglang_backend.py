@@ -329,6 +329,7 @@ def test_copying_interface_says_to_use_interface_v1(tmp_path: Path):
         ({"format": "yes"}, "field 'format' must be bool"),
         ({"layers_in_flight": 5}, "field 'layers_in_flight' = 5: must be 1..=4"),
         ({"requests_max": 300, "layers_in_flight": 4}, "= 1200 IOCB sets, more than 1024"),
+        ({"queue_depth": 4096}, "field 'queue_depth' = 4096: must be 2..=1024"),
     ],
 )
 def test_bad_extra_config_says_what_to_fix(tmp_path: Path, changes: dict, message: str):
@@ -405,7 +406,7 @@ class RecordingStore:
 
 
 @pytest.mark.parametrize("layers_in_flight", [1, 2, LAYERS])
-def test_a_layer_first_page_keeps_layers_in_flight(tmp_path: Path, layers_in_flight: int):
+def test_a_layer_first_page_keeps_layers_in_flight(tmp_path: Path, layers_in_flight: int, store_options: list):
     """Goal: with layers_in_flight N a layer_first page's layers are issued N ahead of its waits
     (every wait finds N layers issued and not yet returned, fewer only at the page's last
     layers), for backups and prefetches alike, and the pages come back byte-exact."""
@@ -417,6 +418,11 @@ def test_a_layer_first_page_keeps_layers_in_flight(tmp_path: Path, layers_in_fli
         paged = backend("page_first", host_pool("page_first"), extra_config(tmp_path / "paged.img", True, layers_in_flight=layers_in_flight))
         assert paged._store.layers_in_flight == 1
         paged.close()
+        # The pools were opened with the default queue depth and the IOCBs their requests need.
+        assert [(name, options["queue_depth"], options["layers_in_flight"], options["iocbs"]) for name, options in store_options] == [
+            ("open", 1024, layers_in_flight, max(64, 2 * 32 * layers_in_flight)),
+            ("open", 1024, 1, 64),
+        ]
         recording = RecordingStore(storage._store)
         storage._store = recording
         keys = page_keys(9, 2)

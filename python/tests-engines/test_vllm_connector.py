@@ -213,6 +213,8 @@ def test_bad_connector_config_says_what_to_fix(cluster):
         ({"socket": daemon.socket, "layers_in_flight": 0}, "'layers_in_flight' = 0: must be 1..=4"),
         ({"socket": daemon.socket, "layers_in_flight": 5}, "'layers_in_flight' = 5: must be 1..=4"),
         ({"socket": daemon.socket, "requests_max": 300, "layers_in_flight": 4}, "= 1200 IOCB sets, more than 1024"),
+        ({"socket": daemon.socket, "queue_depth": 1}, "'queue_depth' = 1: must be 2..=1024"),
+        ({"socket": daemon.socket, "queue_depth": 2048}, "'queue_depth' = 2048: must be 2..=1024"),
         ({"socket": daemon.socket, "model_fingerprint": "abc"}, "64 hexadecimal digits"),
     ]
     for extra, message in cases:
@@ -765,5 +767,75 @@ def test_loads_and_saves_keep_layers_in_flight_ahead_of_the_forward(tuttid, laye
         assert connector.get_block_ids_with_load_errors() == set()
         connector.clear_connector_metadata()
         assert all(torch.equal(loaded, saved) for loaded, saved in zip(worker.blocks_bytes([20, 21, 22]), worker.blocks_bytes([1, 2, 3])))
+    finally:
+        worker.shutdown()
+
+
+def test_the_worker_attaches_with_its_queue_depth_layers_in_flight_and_iocbs(tuttid, store_options):
+    """Goal: the worker's store is attached with the configured queue_depth and layers_in_flight
+    and the IOCBs its requests need (1024 entries, 2 layers and 2 x 32 x 2 = 128 by default), and
+    a save and load on an 8-entry queue (a layer's commands past the queue wait for the worker's
+    calls) is byte-exact."""
+    daemon = tuttid(harness.TUTTID_GEOMETRY)
+    default = LocalWorker(daemon.socket)
+    default.shutdown()
+    assert [(name, options["queue_depth"], options["layers_in_flight"], options["iocbs"]) for name, options in store_options] == [
+        ("attach", 1024, 2, 128)
+    ]
+    worker = LocalWorker(daemon.socket, queue_depth=8, layers_in_flight=3, requests_max=5)
+    try:
+        name, options = store_options[-1]
+        assert (name, options["queue_depth"], options["layers_in_flight"], options["iocbs"]) == ("attach", 8, 3, 64)
+        tokens = prompt(22, blocks=20, tail=0)
+        source, target = list(range(1, 21)), list(range(30, 50))
+        worker.fill(source, 22)
+        worker.save("Q", tokens, source)
+        for part in worker.blocks_bytes(target):
+            part.zero_()
+        result = worker.step(TuttiConnectorMetadata(loads=[LoadSpec("R", tokens, target)]))
+        assert result["load_errors"] == set()
+        assert all(torch.equal(loaded, saved) for loaded, saved in zip(worker.blocks_bytes(target), worker.blocks_bytes(source)))
+    finally:
+        worker.shutdown()
+
+
+def test_issued_layers_reach_the_device_before_vllm_computes(tuttid):
+    """Goal: the layers start_load_kv issues are on the device when it returns, not at the
+    worker's next call (the CPU executor builds an issue's commands at its next drive, on the
+    calling thread): while vLLM computes, with no call into tutti, layers 0 and 1 (two in flight)
+    land in vLLM's blocks, and layers 2 and 3, not issued yet, do not."""
+    daemon = tuttid(harness.TUTTID_GEOMETRY)
+    worker = LocalWorker(daemon.socket)
+    connector = worker.connector
+    names = harness.layer_names()
+    try:
+        tokens = prompt(23, blocks=3, tail=0)
+        source, target = [1, 2, 3], [20, 21, 22]
+        worker.fill(source, 23)
+        worker.save("S", tokens, source)
+        for part in worker.blocks_bytes(target):
+            part.zero_()
+        meta = TuttiConnectorMetadata(loads=[LoadSpec("L", tokens, target)])
+        connector.handle_preemptions(meta)
+        connector.bind_connector_metadata(meta)
+        connector.start_load_kv(None)
+
+        def landed(layer: int) -> bool:
+            return all(
+                torch.equal(harness._block_bytes(worker.caches, names[layer], loaded), harness._block_bytes(worker.caches, names[layer], saved))
+                for loaded, saved in zip(target, source)
+            )
+
+        deadline = time.monotonic() + 5.0
+        while not (landed(0) and landed(1)):  # vLLM computing: no call into tutti
+            assert time.monotonic() < deadline, "the issued layers did not reach the device without another call"
+            time.sleep(0.01)
+        assert not landed(2) and not landed(3), "layers not issued yet landed"
+        for name in names:
+            connector.wait_for_layer_load(name)
+        connector.wait_for_save()
+        assert connector.get_block_ids_with_load_errors() == set()
+        connector.clear_connector_metadata()
+        assert all(landed(layer) for layer in range(harness.LAYERS))
     finally:
         worker.shutdown()

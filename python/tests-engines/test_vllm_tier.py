@@ -151,6 +151,7 @@ def test_every_abstract_method_of_the_base_class_is_implemented():
         ({"device": "emu:x"}, "unknown field"),
         ({"format": 1}, "field 'format' must be bool"),
         ({"requests_max": 0}, "must be positive"),
+        ({"queue_depth": 0}, "field 'queue_depth' = 0: must be 2..=1024"),
     ],
 )
 def test_bad_tier_config_says_what_to_fix(tmp_path: Path, changes: dict, message: str):
@@ -348,3 +349,12 @@ def test_a_load_whose_finish_is_refused_keeps_its_rows_until_the_pool_is_closed(
         assert [(result.job_id, result.success) for result in results] == [(12, False)]
     finally:
         manager.shutdown()
+
+
+def test_the_tier_opens_its_pool_with_its_queue_depth(tmp_path: Path, store_options: list):
+    """Goal: the tier's pool is opened with the configured queue_depth (1024 by default)."""
+    for changes, depth in (({}, 1024), ({"queue_depth": 16}, 16)):
+        manager = offloading_spec(tmp_path / f"pool{depth}.img", True, **changes).get_manager()
+        manager.shutdown()
+        name, options = store_options[-1]
+        assert (name, options["queue_depth"]) == ("open", depth)

@@ -106,6 +106,24 @@ def layers_in_flight_field(what: str) -> Field:
     return Field(int, f"layers of one {what} in flight at once, 1..={LAYERS_IN_FLIGHT_MAX}", default=2, check=in_range)
 
 
+# tutti.Store's queue_depth range.
+QUEUE_DEPTH_MAX = 1024
+
+
+def queue_depth_field() -> Field:
+    """The connectors' `queue_depth` field: NVMe entries of the store's queue pair on each
+    device. 1024 by default: a layer's commands (one or two per block) are all on the device's
+    queue at its issue, so the device works through them while the engine computes; at 64 the
+    rest wait for the engine's next call into tutti (the CPU executor runs on the calling
+    thread). A device whose CAP.MQES allows fewer entries refuses the depth, naming its
+    maximum (tuttid: at register_kv / allocate_kv; in-process: at register_kv)."""
+
+    def in_range(value: Any) -> Optional[str]:
+        return None if 2 <= value <= QUEUE_DEPTH_MAX else f"must be 2..={QUEUE_DEPTH_MAX}"
+
+    return Field(int, f"NVMe queue entries per device, 2..={QUEUE_DEPTH_MAX}", default=QUEUE_DEPTH_MAX, check=in_range)
+
+
 def iocbs_for(where: str, requests_max: int, layers_in_flight: int) -> int:
     """The gio_uring IOCBs a store needs for `requests_max` prepared requests of
     `layers_in_flight` layers each (tutti.Store's `iocbs`, a power of two): one set per layer

@@ -44,6 +44,7 @@ from tutti._engine import (
     layers_in_flight_field,
     parse_config,
     positive,
+    queue_depth_field,
 )
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
@@ -69,6 +70,7 @@ EXTRA_CONFIG_FIELDS = {
     "timeout_s": Field(float, "the longest wait for one page's I/O, seconds", default=30.0, check=positive),
     "requests_max": Field(int, "pages moved at once", default=32, check=positive),
     "layers_in_flight": layers_in_flight_field("page"),
+    "queue_depth": queue_depth_field(),
 }
 
 _PAGE_LAYOUTS = ("page_first", "page_first_direct", "page_head")
@@ -149,6 +151,7 @@ class TuttiHiCacheStorage(HiCacheStorage):
             lock_dir=config["lock_dir"],
             requests_max=self._requests_max,
             iocbs=iocbs_for("--hicache-storage-backend-extra-config", self._requests_max, self._layers_ahead),
+            queue_depth=config["queue_depth"],
             timeout_s=self._timeout_s,
             layers_in_flight=self._layers_ahead,
         )

@@ -36,6 +36,7 @@ from tutti._engine import (
     non_empty,
     parse_config,
     positive,
+    queue_depth_field,
 )
 from tutti.vllm._scheduler import SchedulerSide
 from tutti.vllm._worker import KvMemoryUnsafe, WorkerSide
@@ -63,6 +64,7 @@ EXTRA_CONFIG_FIELDS = {
     ),
     "requests_max": Field(int, "requests a worker prepares at once", default=32, check=positive),
     "layers_in_flight": layers_in_flight_field("load or save"),
+    "queue_depth": queue_depth_field(),
 }
 
 # vLLM's identity layout, what allocate_kv_caches views when vLLM has not resolved one.

@@ -40,6 +40,7 @@ from tutti._engine import (
     hash_tokens,
     parse_config,
     positive,
+    queue_depth_field,
 )
 from tutti.vllm.connector import KvMemoryUnsafe
 from vllm.v1.kv_offload.base import LookupResult, Medium, OffloadKey, ReqContext, RequestOffloadingContext
@@ -60,6 +61,7 @@ TIER_CONFIG_FIELDS = {
     "lock_dir": Field(str, "where vfio: devices' lock files live (as tuttid's --lock-dir)", default="/run/tutti"),
     "timeout_s": Field(float, "the longest wait for one chunk's I/O, seconds", default=30.0, check=positive),
     "requests_max": Field(int, "chunks moved at once", default=16, check=positive),
+    "queue_depth": queue_depth_field(),
     "queue_max": Field(int, "jobs waiting for the tier's thread; a store job beyond it is dropped (a future miss)", default=1024, check=positive),
     "locality": Field(str, "vLLM's tier locality (LOCAL or REMOTE)", default="LOCAL"),
 }
@@ -113,6 +115,7 @@ class TuttiTier(SecondaryTierManager):
             model_fingerprint=fingerprint,
             lock_dir=config["lock_dir"],
             requests_max=self._requests_max,
+            queue_depth=config["queue_depth"],
             timeout_s=self._timeout_s,
         )
         try:
