@@ -403,8 +403,9 @@ impl Server {
         if metrics_thread.is_some_and(|thread| thread.join().is_err()) {
             tracing::error!("the metrics thread panicked");
         }
-        // The registrar sees the stop within a tick plus one registry call, then leaves the
-        // cluster (bounded by the registry's request timeout).
+        // The registrar sees the stop within a tick plus the registry call in progress (up to
+        // 4 request timeouts: a rejoin), then leaves the cluster (a request timeout + 1 s;
+        // docs/cluster.md gives each call's bound).
         if registrar_thread.is_some_and(|thread| thread.join().is_err()) {
             tracing::error!("the cluster registrar panicked");
         }
