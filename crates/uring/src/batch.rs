@@ -145,6 +145,32 @@ mod tests {
         total
     }
 
+    /// A ring that cannot cancel (as for a write blocked in a hung filesystem), a file, a
+    /// socket pair whose send side is full (`queued_bytes` in it), and two jobs: a write to the
+    /// file (tag 0, bytes 1) and a write to the full socket (tag 1, bytes 2) that will be stuck.
+    struct StuckWrite {
+        ring: Ring,
+        file: std::fs::File,
+        sender: UnixStream,
+        receiver: UnixStream,
+        queued_bytes: usize,
+        jobs: Vec<Job>,
+    }
+
+    /// None when io_uring with bounded waits is unavailable here.
+    fn stuck_write() -> Option<StuckWrite> {
+        let mut ring = Ring::new(4).ok()?;
+        ring.disable_cancellation();
+        let file = tempfile::tempfile().unwrap();
+        let (mut sender, receiver) = UnixStream::pair().unwrap();
+        let queued_bytes = fill(&mut sender);
+        let jobs = vec![
+            Job::new(Transfer { fd: file.as_raw_fd(), direction: Direction::Write, offset_bytes: 0, len_bytes: 4096 }, data(1)),
+            Job::new(Transfer { fd: sender.as_raw_fd(), direction: Direction::Write, offset_bytes: 0, len_bytes: 4096 }, data(2)),
+        ];
+        Some(StuckWrite { ring, file, sender, receiver, queued_bytes, jobs })
+    }
+
     #[test]
     fn a_transfer_the_kernel_keeps_is_reported_as_still_in_flight() {
         // Goal: when cancellation cannot take a stuck write back (disabled here, as for a write
@@ -152,18 +178,10 @@ mod tests {
         // retry), and the write really is still pending: it lands once the socket drains, and a
         // later cancel_in_flight reaps it. A ring dropped while it holds a transfer leaks the
         // buffer instead of freeing memory the kernel may still read.
-        let Ok(mut ring) = Ring::new(4) else {
+        let Some(StuckWrite { mut ring, file, mut sender, mut receiver, queued_bytes, mut jobs }) = stuck_write() else {
             eprintln!("io_uring with bounded waits is unavailable here: test skipped");
             return;
         };
-        ring.disable_cancellation();
-        let file = tempfile::tempfile().unwrap();
-        let (mut sender, mut receiver) = UnixStream::pair().unwrap();
-        let queued_bytes = fill(&mut sender);
-        let mut jobs = vec![
-            Job::new(Transfer { fd: file.as_raw_fd(), direction: Direction::Write, offset_bytes: 0, len_bytes: 4096 }, data(1)),
-            Job::new(Transfer { fd: sender.as_raw_fd(), direction: Direction::Write, offset_bytes: 0, len_bytes: 4096 }, data(2)),
-        ];
         let error = ring.run_batch(&mut jobs, Instant::now() + Duration::from_millis(200), Duration::from_millis(100)).unwrap_err();
         assert!(matches!(error, UringError::Timeout { in_flight: 1, .. }), "{error}");
         assert!(jobs[0].result.is_ok(), "{:?}", jobs[0].result);
@@ -215,18 +233,10 @@ mod tests {
         // Goal: after a batch left a write with the kernel (tag 1), a later batch is refused
         // whole: its job 1 is not matched to that write (marked StillInFlight, its buffer taken),
         // every job fails as not run and keeps the caller's buffer.
-        let Ok(mut ring) = Ring::new(4) else {
+        let Some(StuckWrite { mut ring, file, sender: _sender, mut receiver, queued_bytes, mut jobs }) = stuck_write() else {
             eprintln!("io_uring with bounded waits is unavailable here: test skipped");
             return;
         };
-        ring.disable_cancellation();
-        let file = tempfile::tempfile().unwrap();
-        let (mut sender, mut receiver) = UnixStream::pair().unwrap();
-        let queued_bytes = fill(&mut sender);
-        let mut jobs = vec![
-            Job::new(Transfer { fd: file.as_raw_fd(), direction: Direction::Write, offset_bytes: 0, len_bytes: 4096 }, data(1)),
-            Job::new(Transfer { fd: sender.as_raw_fd(), direction: Direction::Write, offset_bytes: 0, len_bytes: 4096 }, data(2)),
-        ];
         assert!(ring.run_batch(&mut jobs, Instant::now() + Duration::from_millis(200), Duration::from_millis(100)).is_err());
         assert_eq!(ring.in_flight(), 1);
         let mut later = fresh_jobs(&file, 7);
