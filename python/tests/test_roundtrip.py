@@ -8,13 +8,14 @@ from __future__ import annotations
 import ctypes
 import gc
 import mmap
+import time
 import weakref
 
 import numpy as np
 import pytest
 
 import tutti
-from conftest import FINGERPRINT, GEOMETRY, WAIT_S, fill_block, holds, retrieve_prompt, store_prompt, tokens
+from conftest import FINGERPRINT, GEOMETRY, WAIT_S, block_parts, fill_block, holds, retrieve_prompt, store_prompt, tokens
 
 KINDS = ["separate", "fused", "paged", "block_major"]
 
@@ -238,6 +239,45 @@ def test_a_retrieve_from_a_first_block_leaves_the_engines_own_blocks_alone(forma
                 store.prepare_retrieve(prompt, block_ids, first_block=first_block)
         with pytest.raises(OverflowError):
             store.prepare_retrieve(prompt, [10], first_block=-1)
+
+
+@pytest.mark.parametrize("where", ["in-process", "tuttid"])
+def test_an_issued_layer_reaches_the_device_without_a_wait(formatted_daemon, where):
+    # Goal: retrieve_layer puts the layer's commands on the device (the CPU executor builds an
+    # issue's commands only when it is polled, on the polling thread: the issue polls it once),
+    # so an engine that issues a layer and goes off to compute finds its bytes landing with no
+    # further call into tutti; the next layer, not issued, does not land.
+    if where == "in-process":
+        store = open_store()
+    else:
+        store = tutti.Store.attach(formatted_daemon.socket, model_fingerprint=FINGERPRINT, client_name="issue-starts")
+    with store:
+        layout = store.allocate_kv(12, "paged")
+        assert len(layout.tensors) == GEOMETRY.layers, "paged: one tensor per layer"
+        prompt = tokens(33, 3)
+        sources, targets = [0, 1, 2], [5, 6, 7]
+        for block in sources:
+            fill_block(layout, block, seed=60 + block)
+        store_prompt(store, prompt, sources)
+        for block in targets:
+            for part in block_parts(layout, block):
+                part[:] = 0
+
+        def landed(layer: int) -> bool:
+            return all((block_parts(layout, target)[layer] == block_parts(layout, source)[layer]).all() for source, target in zip(sources, targets))
+
+        with store.prepare_retrieve(prompt, targets) as request:
+            request.retrieve_layer(0)
+            deadline = time.monotonic() + WAIT_S
+            while not landed(0):  # the engine computing: no call into tutti
+                assert time.monotonic() < deadline, "the issued layer did not reach the device without a wait"
+                time.sleep(0.005)
+            assert not landed(1)
+            assert request.wait(WAIT_S) == 0
+            for layer in range(1, GEOMETRY.layers):
+                request.retrieve_layer(layer)
+                assert request.wait(WAIT_S) == layer
+        assert all(landed(layer) for layer in range(GEOMETRY.layers))
 
 
 def _typed_views(layout: tutti.KvLayout):

@@ -581,9 +581,11 @@ class Request:
         """"failed": a store whose commit failed (the request is finished; nothing visible)."""
     def retrieve_layer(self, layer: int, *, budget: int = 1) -> LayerIo:
         """Issues the reads of one layer (O(IOCBs): the per-block work was done in prepare) and
-        returns its completion handle. The commands reach the device at the next drive (a wait
-        or poll, or the completion thread once `fileno()` was taken): poll() once after issuing
-        before the thread goes off to compute. `budget`: the SMs (GPU executor) or workers (CPU executor)
+        returns its completion handle. The layer's commands are on the devices when it returns
+        (up to the queue depth; the rest follow at the next wait or poll, or by the completion
+        thread once `fileno()` was taken), so its I/O runs while the caller computes. An
+        executor failure seen then is raised here, with the layer left in flight (a wait or the
+        request's end settles it). `budget`: the SMs (GPU executor) or workers (CPU executor)
         the layer's I/O may use (objstore's SmBudget; the slack-aware scheduler's per-layer
         decision; the CPU executor of this package runs on the calling thread and ignores it).
         Raises InvalidState (already layers_in_flight layers issued and not yet returned by a

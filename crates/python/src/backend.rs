@@ -402,7 +402,24 @@ impl StoreState {
             // the eventfd).
             return Ok(state.completed_at_issue(layer));
         }
-        Ok(state.issued(layer))
+        let issue = state.issued(layer);
+        self.start_issued()?;
+        Ok(issue)
+    }
+
+    /// Puts the IOCBs just issued on the devices: the CPU executor builds an issue's NVMe
+    /// commands only when it is polled, on the polling thread, so without this a layer issued
+    /// before the engine goes off to compute would reach the device at its next wait (as
+    /// crates/runtime's `pump` does after its issues). Consumes no completion. A failure (the
+    /// executor's, reported once) is the caller's: the layer stays in flight, and a wait or the
+    /// request's end settles it.
+    fn start_issued(&mut self) -> Result<(), Failure> {
+        let queue = match &mut self.backend {
+            Backend::Local { store, .. } => store.queue_mut(),
+            Backend::Remote { store } => store.data_mut().queue_mut(),
+            _ => return Ok(()),
+        };
+        queue.peek_cqe().map(drop).map_err(|error| Failure::from(ObjstoreError::from(error)))
     }
 
     /// The store's own list of the request's layers in flight, oldest first; None when it

@@ -416,14 +416,11 @@ class WorkerSide:
     def _issue_load(self, req_id: str, state: _WorkerLoad) -> None:
         """Issues the load's next layers while fewer than `layers_in_flight` are in flight; once
         every layer completed, finishes it."""
-        issued = state.issued
+        # Each issue puts its commands on the device (up to queue_depth of them) before vLLM
+        # computes the current layer.
         while state.issued < self._layers and state.issued - state.completed < self._layers_ahead:
             state.request.retrieve_layer(state.issued)
             state.issued += 1
-        if state.issued > issued:
-            # The CPU executor builds an issue's commands at the next drive, on this thread:
-            # one now puts them on the device before vLLM computes the current layer.
-            state.request.poll()
         if state.completed >= self._layers:
             # Every layer is in vLLM's blocks: the load succeeded, whatever its release says.
             del self._loads[req_id]
@@ -440,7 +437,6 @@ class WorkerSide:
             state.completed += 1
         state.request.store_layer(state.issued)
         state.issued += 1
-        state.request.poll()  # the layer's writes on the device before vLLM computes the next
 
     def _fail_load(self, req_id: str, state: _WorkerLoad, error: Exception) -> None:
         """Reports a failed load's blocks (vLLM recomputes them), once nothing can write them: a
