@@ -163,11 +163,14 @@ fn file_identity(path: &Path) -> Option<FileIdentity> {
     }
 }
 
-/// Refuses two `emu:` specs naming one file ([`DeviceError::DuplicateFile`], naming both).
-fn refuse_shared_files(specs: &[DeviceSpec]) -> Result<(), DeviceError> {
+/// Refuses two specs naming one file ([`DeviceError::DuplicateFile`], naming both): `emu:`
+/// files (two software controllers on one file) and `uring:` files (tutti-bench's kernel
+/// path), in any mix. [`open_in_one_space`] checks its own set; a tool that opens its devices
+/// one by one calls this first.
+pub fn refuse_shared_files(specs: &[DeviceSpec]) -> Result<(), DeviceError> {
     let mut seen: Vec<(FileIdentity, &DeviceSpec)> = Vec::with_capacity(specs.len());
     for spec in specs {
-        let DeviceSpec::EmuFile(path) = spec else { continue };
+        let (DeviceSpec::EmuFile(path) | DeviceSpec::Uring(path)) = spec else { continue };
         let Some(identity) = file_identity(path) else { continue };
         if let Some((_, first)) = seen.iter().find(|(earlier, _)| *earlier == identity) {
             return Err(DeviceError::DuplicateFile { first: first.to_string(), second: spec.to_string() });
@@ -262,6 +265,14 @@ mod tests {
         // A relative file to be created, with and without `./`, is one file too.
         let missing = std::path::Path::new("tutti-devices-test-no-such-file.img");
         assert!(file_identity(missing).is_some() && file_identity(missing) == file_identity(&std::path::Path::new(".").join(missing)));
+        // uring: files count too (tutti-bench's kernel path), also mixed with emu: ones.
+        let kernel = parse(&format!("uring:{dir}/p.img"));
+        assert!(matches!(
+            refuse_shared_files(&[parse(&format!("emu:{dir}/link.img")), kernel.clone()]),
+            Err(DeviceError::DuplicateFile { .. })
+        ));
+        assert!(matches!(refuse_shared_files(&[kernel.clone(), kernel.clone()]), Err(DeviceError::DuplicateFile { .. })));
+        assert!(refuse_shared_files(&[kernel, parse(&format!("uring:{dir}/sub/r.img"))]).is_ok());
         // Different files, and a file beside a memory device, open.
         let specs = [parse(&format!("emu:{dir}/p.img")), parse(&format!("emu:{dir}/sub/r.img")), parse("emu:mem:8m")];
         assert_eq!(open_in_one_space(&specs, &creating).unwrap().len(), 3);

@@ -228,6 +228,8 @@ fn run_raw(cli: &Cli, specs: &[DeviceSpec], created: &mut CreatedFiles) -> anyho
     };
     // Memory devices are checked together: two emu:mem devices may fit one by one, not both.
     tutti_devices::check_memory(specs).map_err(|error| Unusable(error.to_string()))?;
+    // So are files: the same file as two devices of a stripe would overwrite itself.
+    tutti_devices::refuse_shared_files(specs).map_err(|error| Unusable(error.to_string()))?;
     let mut devices: Vec<Arc<dyn Device>> = Vec::with_capacity(specs.len());
     for spec in specs {
         let device = devices::open(spec, options, created).map_err(|error| match error {

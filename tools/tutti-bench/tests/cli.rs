@@ -67,6 +67,14 @@ fn bad_files_are_refused_and_nothing_is_left_behind() {
     std::fs::set_permissions(&read_only, permissions).unwrap();
     let target = if is_root() { Path::new("/proc/version").to_path_buf() } else { read_only.clone() };
     assert_refused(&["--device", &format!("emu:{}", target.display()), "--rw=write", "--size", "4k"], &[&target.display().to_string()]);
+    // One file as two devices of a stripe (also through `./` and across emu: and uring:):
+    // refused, naming both, before either is opened or created.
+    let shared = directory.path().join("shared.img");
+    let spec = format!("emu:{}", shared.display());
+    let dotted = format!("uring:{}/./shared.img", directory.path().display());
+    assert_refused(&["--device", &spec, "--device", &spec, "--size", "1m"], &["name the same file"]);
+    assert_refused(&["--device", &spec, "--device", &dotted, "--size", "1m"], &[&spec, &dotted, "name the same file"]);
+    assert!(!shared.exists(), "a refused run created {}", shared.display());
     // A size larger than the device, on a file the run would create: refused before creating.
     let huge = directory.path().join("huge.img");
     assert_refused(&["--device", &format!("uring:{}", huge.display()), "--size", "900t"], &["free"]);
