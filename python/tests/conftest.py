@@ -75,6 +75,23 @@ def formatted_daemon(tmp_path):
     started.stop()
 
 
+def open_store(**options) -> tutti.Store:
+    """An in-process store on a fresh 64 MiB memory-backed controller, formatted for GEOMETRY."""
+    return tutti.Store.open("emu:mem:64m", GEOMETRY, format=True, **options)
+
+
+def attach(daemon, **options) -> tutti.Store:
+    """A store attached to `daemon` in the tests' key space (no keepalive thread: tests are short)."""
+    return tutti.Store.attach(daemon.socket, model_fingerprint=FINGERPRINT, keepalive=False, **options)
+
+
+def open_where(where: str, request, **options) -> tutti.Store:
+    """An in-process store, or one attached to the test's formatted daemon ("tuttid")."""
+    if where == "tuttid":
+        return attach(request.getfixturevalue("formatted_daemon"), **options)
+    return open_store(**options)
+
+
 def tokens(seed: int, blocks: int, extra: int = 5) -> list[int]:
     """A prompt of `blocks` full blocks (and a partial one) that differs per seed."""
     count = blocks * GEOMETRY.block_tokens + extra

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import tutti
-from conftest import FINGERPRINT, GEOMETRY, WAIT_S, corrupted_pool, fill_block, start_daemon, store_prompt, tokens
+from conftest import FINGERPRINT, GEOMETRY, WAIT_S, corrupted_pool, fill_block, open_store, start_daemon, store_prompt, tokens
 
 RAISED: set[type] = set()
 
@@ -32,10 +32,6 @@ def raises(kind, match=None):
             return handled
 
     return Recorder()
-
-
-def open_store(**options) -> tutti.Store:
-    return tutti.Store.open("emu:mem:64m", GEOMETRY, format=True, **options)
 
 
 def test_bad_values_are_invalid_arguments():

@@ -4,9 +4,9 @@ tuttid; the limit refused with a message naming it; finish, the context manager 
 out every layer in flight; the completion thread, poll and LayerIo with several in flight; bad
 values refused, and a prepare past the IOCBs they need.
 
-Layers only move when the store's executor is driven (a wait, a poll, the completion thread,
-close): a small queue_depth (2 NVMe entries) keeps the later layers' commands from reaching the
-device while an earlier layer is waited for, so a close or exit that waited only for the oldest
+Layers only move when the store's executor is driven (an issue, a wait, a poll, the completion
+thread, close): a small queue_depth (2 NVMe entries) keeps all but the first commands of the
+later layers from reaching the device while an earlier layer is waited for, so a close or exit that waited only for the oldest
 layer would leave the others' bytes unmoved, which the byte checks see."""
 
 from __future__ import annotations
@@ -20,27 +20,25 @@ import numpy as np
 import pytest
 
 import tutti
-from conftest import FINGERPRINT, GEOMETRY, WAIT_S, corrupted_pool, fill_block, holds, retrieve_prompt, store_prompt, tokens
+from conftest import (
+    FINGERPRINT,
+    GEOMETRY,
+    WAIT_S,
+    attach,
+    corrupted_pool,
+    fill_block,
+    holds,
+    open_store,
+    open_where,
+    retrieve_prompt,
+    store_prompt,
+    tokens,
+)
 
 LAYERS = list(range(GEOMETRY.layers))
 SOURCE_BLOCKS = [0, 1, 2, 3]
 # Scattered targets: no two blocks of a layer merge into one command.
 TARGET_BLOCKS = [7, 5, 6, 4]
-
-
-def open_store(**options) -> tutti.Store:
-    return tutti.Store.open("emu:mem:64m", GEOMETRY, format=True, **options)
-
-
-def attach(daemon, **options) -> tutti.Store:
-    return tutti.Store.attach(daemon.socket, model_fingerprint=FINGERPRINT, keepalive=False, **options)
-
-
-def open_where(where: str, request, **options) -> tutti.Store:
-    """An in-process store, or one attached to the test's formatted daemon ("tuttid")."""
-    if where == "tuttid":
-        return attach(request.getfixturevalue("formatted_daemon"), **options)
-    return open_store(**options)
 
 
 def stored(store: tutti.Store, seed: int) -> tuple[tutti.KvLayout, list[int]]:

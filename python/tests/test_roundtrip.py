@@ -15,13 +15,21 @@ import numpy as np
 import pytest
 
 import tutti
-from conftest import FINGERPRINT, GEOMETRY, WAIT_S, block_parts, fill_block, holds, retrieve_prompt, store_prompt, tokens
+from conftest import (
+    FINGERPRINT,
+    GEOMETRY,
+    WAIT_S,
+    block_parts,
+    fill_block,
+    holds,
+    open_store,
+    open_where,
+    retrieve_prompt,
+    store_prompt,
+    tokens,
+)
 
 KINDS = ["separate", "fused", "paged", "block_major"]
-
-
-def open_store(**options) -> tutti.Store:
-    return tutti.Store.open("emu:mem:64m", GEOMETRY, format=True, **options)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -207,16 +215,12 @@ def test_through_tuttid_allocated_window_round_trips(formatted_daemon, kind):
 
 
 @pytest.mark.parametrize("where", ["in-process", "tuttid"])
-def test_a_retrieve_from_a_first_block_leaves_the_engines_own_blocks_alone(formatted_daemon, where):
+def test_a_retrieve_from_a_first_block_leaves_the_engines_own_blocks_alone(formatted_daemon, where, request):
     # Goal: an engine that holds the first blocks of a cached prefix itself (a local prefix
     # hit) looks up and retrieves only the rest with `first_block`: lookups answer where the
     # cached run from there ends, the blocks land byte for byte, the engine's own blocks keep
     # their bytes, and ranges past the prompt are refused as InvalidArgument.
-    if where == "in-process":
-        store = open_store()
-    else:
-        store = tutti.Store.attach(formatted_daemon.socket, model_fingerprint=FINGERPRINT, client_name="first-block")
-    with store:
+    with open_where(where, request) as store:
         layout = store.allocate_kv(12, "paged")
         prompt = tokens(31, 4)
         for block in range(4):
@@ -242,16 +246,12 @@ def test_a_retrieve_from_a_first_block_leaves_the_engines_own_blocks_alone(forma
 
 
 @pytest.mark.parametrize("where", ["in-process", "tuttid"])
-def test_an_issued_layer_reaches_the_device_without_a_wait(formatted_daemon, where):
+def test_an_issued_layer_reaches_the_device_without_a_wait(where, request):
     # Goal: retrieve_layer puts the layer's commands on the device (the CPU executor builds an
     # issue's commands only when it is polled, on the polling thread: the issue polls it once),
     # so an engine that issues a layer and goes off to compute finds its bytes landing with no
     # further call into tutti; the next layer, not issued, does not land.
-    if where == "in-process":
-        store = open_store()
-    else:
-        store = tutti.Store.attach(formatted_daemon.socket, model_fingerprint=FINGERPRINT, client_name="issue-starts")
-    with store:
+    with open_where(where, request) as store:
         layout = store.allocate_kv(12, "paged")
         assert len(layout.tensors) == GEOMETRY.layers, "paged: one tensor per layer"
         prompt = tokens(33, 3)

@@ -124,6 +124,10 @@ def queue_depth_field() -> Field:
     return Field(int, f"NVMe queue entries per device, 2..={QUEUE_DEPTH_MAX}", default=QUEUE_DEPTH_MAX, check=in_range)
 
 
+# The most IOCBs iocbs_for gives a store (each holds ~96 KiB of queue memory).
+_IOCBS_MAX = 1024
+
+
 def iocbs_for(where: str, requests_max: int, layers_in_flight: int) -> int:
     """The gio_uring IOCBs a store needs for `requests_max` prepared requests of
     `layers_in_flight` layers each (tutti.Store's `iocbs`, a power of two): one set per layer
@@ -138,9 +142,6 @@ def iocbs_for(where: str, requests_max: int, layers_in_flight: int) -> int:
             f"{_IOCBS_MAX}: lower requests_max or layers_in_flight"
         )
     return min(_IOCBS_MAX, max(64, 1 << (2 * sets - 1).bit_length()))
-
-
-_IOCBS_MAX = 1024
 
 
 def check_engine_version(engine: str, installed: str, tested: str) -> bool:

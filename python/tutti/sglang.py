@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 
@@ -289,35 +289,34 @@ class TuttiHiCacheStorage(HiCacheStorage):
         True (at once) when a failed request's layer does not complete: it is kept, and the
         devices may still move its page's bytes."""
         ahead = self._layers_ahead
+        issue = "store_layer" if store else "retrieve_layer"
         # Round r issues layer r (while there is one) and waits for layer r - ahead + 1 (once
         # there is one): every layer issued, and waited for, in order.
         for round_index in range(self._layers + ahead - 1):
             if round_index < self._layers:
                 layer = round_index
-                for position, (index, request) in enumerate(wave):
-                    if request is None:
-                        continue
-                    try:
-                        (request.store_layer if store else request.retrieve_layer)(layer)
-                    except tutti.Error as error:
-                        # An issue that failed after its commands were published leaves the layer in flight.
-                        logger.warning("tutti: layer %d of a page failed to issue: %s", layer, error)
-                        if not _abandon(request, self._timeout_s):
-                            return True
-                        wave[position] = (index, None)
+                if self._each_request(wave, lambda request: getattr(request, issue)(layer), f"layer {layer} of a page failed to issue"):
+                    return True
             oldest = round_index - ahead + 1
-            if oldest < 0:
+            if oldest >= 0 and self._each_request(wave, lambda request: request.wait(self._timeout_s), f"layer {oldest} of a page failed"):
+                return True
+        return False
+
+    def _each_request(self, wave: list[tuple[int, Any]], action: Callable[[Any], Any], failed: str) -> bool:
+        """`action` on every live request of the wave; one that raises is finished (after its
+        layers in flight: an issue that failed after its commands were published leaves its
+        layer in flight) and replaced by None. Returns True (at once) when such a request's
+        layer does not complete: it is kept, and the devices may still move its page's bytes."""
+        for position, (index, request) in enumerate(wave):
+            if request is None:
                 continue
-            for position, (index, request) in enumerate(wave):
-                if request is None:
-                    continue
-                try:
-                    request.wait(self._timeout_s)
-                except tutti.Error as error:
-                    logger.warning("tutti: layer %d of a page failed: %s", oldest, error)
-                    if not _abandon(request, self._timeout_s):
-                        return True
-                    wave[position] = (index, None)
+            try:
+                action(request)
+            except tutti.Error as error:
+                logger.warning("tutti: %s: %s", failed, error)
+                if not _abandon(request, self._timeout_s):
+                    return True
+                wave[position] = (index, None)
         return False
 
     def _close_pool(self, reason: str, pages_written: bool, level: int = logging.ERROR) -> None:

@@ -37,6 +37,21 @@ pub struct Lookup {
 }
 
 impl Lookup {
+    /// Adds one segment's read (its sound holders, the entries refused, whether the range had
+    /// more than was read); false, adding nothing, when no holder was found (the prefix ends).
+    fn add_segment(&mut self, mut holders: Vec<NodeId>, refused: u64, more: bool) -> bool {
+        self.skipped_entries += refused;
+        if more && refused > 0 {
+            self.ranges_cut_short += 1;
+        }
+        if holders.is_empty() {
+            return false;
+        }
+        holders.sort();
+        self.holders.push(holders);
+        true
+    }
+
     /// Segments in the longest registered prefix.
     pub fn prefix_segments(&self) -> usize {
         self.holders.len()
@@ -170,21 +185,12 @@ impl ClusterClient {
                     reason: "etcd answered a range read with another kind of result",
                 });
             };
-            let mut holders = Vec::new();
-            for entry in range.kvs() {
-                match self.check_holder(space, segment, entry.key(), entry.value()) {
-                    Some(node) => holders.push(node),
-                    None => lookup.skipped_entries += 1,
-                }
-            }
-            if range.more() && holders.len() < range.kvs().len() {
-                lookup.ranges_cut_short += 1;
-            }
-            if holders.is_empty() {
+            let holders: Vec<NodeId> =
+                range.kvs().iter().filter_map(|entry| self.check_holder(space, segment, entry.key(), entry.value())).collect();
+            let refused = (range.kvs().len() - holders.len()) as u64;
+            if !lookup.add_segment(holders, refused, range.more()) {
                 return Ok(false);
             }
-            holders.sort();
-            lookup.holders.push(holders);
         }
         Ok(true)
     }
@@ -204,16 +210,9 @@ impl ClusterClient {
                     None => refused += 1,
                 }
             })?;
-            refused += scanned.oversized;
-            lookup.skipped_entries += refused;
-            if scanned.more && refused > 0 {
-                lookup.ranges_cut_short += 1;
-            }
-            if holders.is_empty() {
+            if !lookup.add_segment(holders, refused + scanned.oversized, scanned.more) {
                 return Ok(false);
             }
-            holders.sort();
-            lookup.holders.push(holders);
         }
         Ok(true)
     }

@@ -157,6 +157,14 @@ mod tests {
         jobs: Vec<Job>,
     }
 
+    /// Reads what the full socket held and the stuck write's 4096 bytes behind it (bounded).
+    fn drain(receiver: &mut UnixStream, queued_bytes: usize) -> Vec<u8> {
+        let mut received = vec![0u8; queued_bytes + 4096];
+        receiver.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        receiver.read_exact(&mut received).unwrap();
+        received
+    }
+
     /// None when io_uring with bounded waits is unavailable here.
     fn stuck_write() -> Option<StuckWrite> {
         let mut ring = Ring::new(4).ok()?;
@@ -191,9 +199,7 @@ mod tests {
         assert_eq!(held, [(1, Direction::Write)]);
         assert_eq!(ring.cancel_in_flight(Instant::now(), |_| {}), 1, "still held");
         // Drain the socket: the write the batch gave up on lands now.
-        let mut received = vec![0u8; queued_bytes + 4096];
-        receiver.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        receiver.read_exact(&mut received).unwrap();
+        let received = drain(&mut receiver, queued_bytes);
         assert!(received[queued_bytes..].iter().all(|&byte| byte == 2), "the late write's bytes");
         let mut landed = None;
         let left = ring.cancel_in_flight(Instant::now() + Duration::from_secs(5), |completion| landed = Some(completion.check()));
@@ -244,9 +250,7 @@ mod tests {
         assert!(matches!(error, UringError::Abandoned { .. }), "{error}");
         assert_not_run(&later, 7, |error| matches!(error, UringError::Abandoned { .. }));
         // Let the held write land and reap it, so the ring is dropped holding nothing.
-        let mut received = vec![0u8; queued_bytes + 4096];
-        receiver.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        receiver.read_exact(&mut received).unwrap();
+        drain(&mut receiver, queued_bytes);
         assert_eq!(ring.cancel_in_flight(Instant::now() + Duration::from_secs(5), |_| {}), 0);
     }
 
