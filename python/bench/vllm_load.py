@@ -171,8 +171,15 @@ def main() -> None:
     parser.add_argument("--directory", default="/var/tmp", help="where the pool file goes (a disk, not tmpfs)")
     args = parser.parse_args()
     settings = args.settings.split(",")
-    for setting in settings:
-        extra_config("", setting)  # a malformed one fails before tuttid starts
+    for setting in settings:  # a malformed one fails before tuttid starts
+        try:
+            extra_config("", setting)
+        except ValueError:
+            raise SystemExit(f"--settings: {setting!r} is not N or N@D (layers_in_flight[@queue_depth], whole numbers)") from None
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be at least 1")
+    if not Path(args.tuttid).is_file():
+        raise SystemExit(f"--tuttid {args.tuttid}: no such file (cargo build --release -p tuttid: target/release/tuttid)")
     blocks = args.prompt_tokens // BLOCK_TOKENS
     if blocks < 1:
         raise SystemExit("--prompt-tokens must hold at least one block")
