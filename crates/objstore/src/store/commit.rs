@@ -50,13 +50,17 @@ impl<E: Executor> StoreData<E> {
             return Err(ObjstoreError::HandleState { handle: handle.0, reason: "not a store".into() });
         }
         // The commit rule: a block becomes visible only once every layer is durable, so a layer
-        // still queued or in flight (even one issued again after it completed) refuses it.
+        // still queued or in flight (even one issued again after it completed), or one whose
+        // latest write failed (its LBAs may be torn), refuses it.
         if !request.in_flight.is_empty() || request.layers_done.iter().any(|done| !done) {
-            let missing = request.layers_done.iter().filter(|done| !**done).count();
+            let missing: Vec<usize> = request.layers_done.iter().enumerate().filter(|(_, done)| !**done).map(|(layer, _)| layer).collect();
             let in_flight: Vec<u32> = request.in_flight.iter().map(|&(layer, _)| layer).collect();
             return Err(ObjstoreError::HandleState {
                 handle: handle.0,
-                reason: format!("{missing} layers not stored yet (in flight: {in_flight:?})"),
+                reason: format!(
+                    "layers {missing:?} not stored (never issued, in flight, or their latest write failed: store them again); in \
+                     flight: {in_flight:?}"
+                ),
             });
         }
         Ok(())

@@ -63,7 +63,13 @@ pub(super) struct Transfer {
     /// The layers in flight and their lanes, oldest first (capacity reserved at construction:
     /// at most `lanes` entries, no allocation per issue).
     pub(super) in_flight: VecDeque<(u32, usize)>,
+    /// Whether each layer's latest issue completed: what a commit requires of every layer and
+    /// a verified retrieve folds. Cleared when the layer is issued (again): a layer in flight
+    /// is not done, and one whose latest issue failed stays not done (its bytes on disk, or in
+    /// the engine's memory, may be torn) until an issue of it completes.
     pub(super) layers_done: Vec<bool>,
+    /// Whether each layer was counted in `transferred` (once per layer, however often issued).
+    layers_counted: Vec<bool>,
     /// Verified retrieves: one running CRC per block, and how many layers (from 0, in order)
     /// are folded into them.
     pub(super) crcs: Vec<crc32fast::Hasher>,
@@ -182,7 +188,12 @@ impl<E: Executor> StoreData<E> {
         let addressing = shape.devices.iter().map(|device| (device.nsid, device.addressing)).collect();
         let layers = shape.geometry.layers as usize;
         let requests = (0..config.requests_max)
-            .map(|_| Transfer { layers_done: vec![false; layers], in_flight: VecDeque::with_capacity(1), ..Transfer::default() })
+            .map(|_| Transfer {
+                layers_done: vec![false; layers],
+                layers_counted: vec![false; layers],
+                in_flight: VecDeque::with_capacity(1),
+                ..Transfer::default()
+            })
             .collect();
         Ok(Self {
             queue,
@@ -310,6 +321,7 @@ impl<E: Executor> StoreData<E> {
         request.transferred = Transferred::default();
         request.in_flight.clear();
         request.layers_done.fill(false);
+        request.layers_counted.fill(false);
         request.crcs.clear();
         request.crc_layers = 0;
         request.expected_crcs.clear();
@@ -451,6 +463,10 @@ impl<E: Executor> StoreData<E> {
         // nothing.
         if matches!(issued, Ok(()) | Err(GioError::SubmitFailed { .. })) {
             let request = &mut self.requests[index];
+            // Not done until this issue completes: should it fail, an earlier completion of
+            // the layer no longer describes the bytes (a store's commit refuses, a verified
+            // retrieve does not fold them).
+            request.layers_done[layer as usize] = false;
             request.in_flight.push_back((layer, lane));
             request.next_lane = (lane + 1) % request.lanes;
         }
@@ -536,8 +552,9 @@ impl<E: Executor> StoreData<E> {
             return Err(error);
         }
         let request = &mut self.requests[index];
-        if !request.layers_done[layer as usize] {
-            request.layers_done[layer as usize] = true;
+        request.layers_done[layer as usize] = true;
+        if !request.layers_counted[layer as usize] {
+            request.layers_counted[layer as usize] = true;
             request.transferred.bytes += request.layer.bytes;
             request.transferred.commands += request.layer.commands;
         }

@@ -648,3 +648,104 @@ fn a_retrieve_from_a_first_block_reads_only_the_blocks_from_there() {
     let handle = store.prepare_retrieve_from(&KvRequest { tokens: &tokens, block_ids: &[12] }, 3).expect("the last block alone");
     store.finish(handle).expect("finish");
 }
+
+/// Fails the next I/O command the software controller takes (without executing it) with a
+/// media error, as a layer's write or read that fails.
+fn fail_next_io(fixture: &Fixture) {
+    use nvme_driver::spec::status::codes;
+    use nvme_driver::spec::{NvmeStatus, StatusCodeType};
+    use nvme_emu::{FaultAction, FaultPlan, FaultRule};
+    let media = NvmeStatus::new(StatusCodeType::MediaAndDataIntegrity, codes::WRITE_FAULT);
+    fixture.device.set_faults(FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::Status(media))));
+}
+
+/// An in-process store over the fixture's pool, in the test key space.
+fn in_process(fixture: &Fixture, config: StoreConfig) -> KvStore<CpuExecutor> {
+    let (pool, _) = Pool::open(fixture.targets.clone(), Some(&geometry())).expect("open");
+    let executor = cpu_executor_for(&pool, 64, &config).expect("executor");
+    let mut store = KvStore::new(pool, fixture.registration.clone(), fixture.dma.clone(), executor, config).expect("store");
+    store.set_key_seed(SEED);
+    store
+}
+
+#[test]
+fn a_store_layer_whose_reissue_failed_is_not_stored_and_refuses_the_commit() {
+    // Goal: the commit rule (a block becomes visible only once every layer is on disk) holds
+    // for a layer issued again after it completed: when that second write fails, the layer's
+    // LBAs may be torn, so the layer no longer counts as stored: `commit_store` refuses with
+    // HandleState (nothing visible, the reservation kept), and once the layer is stored again
+    // the commit succeeds. What the request moved still counts each layer once.
+    let fixture = fixture(2, None);
+    let mut store = in_process(&fixture, StoreConfig { requests_max: 2, ..StoreConfig::default() });
+    let tokens = tokens(11, 2);
+    let keys = keys_of(&tokens);
+    for (block, &key) in keys.iter().enumerate() {
+        fill(&fixture, block as u32, key);
+    }
+    let plan = store.prepare_store(&KvRequest { tokens: &tokens, block_ids: &[0, 1] }).expect("prepare_store");
+    for layer in 0..geometry().layers {
+        store.store_layer(plan.handle, layer, BUDGET).expect("store_layer");
+        assert_eq!(store.wait(plan.handle, deadline()).expect("wait"), Some(layer));
+    }
+    let stored = store.data.transferred(plan.handle).unwrap();
+    fail_next_io(&fixture);
+    store.store_layer(plan.handle, 0, BUDGET).expect("layer 0 again");
+    match store.wait(plan.handle, deadline()) {
+        Err(ObjstoreError::LayerIo { layer: 0, .. }) => {}
+        other => panic!("the re-issued layer 0 failed: expected LayerIo, got {other:?}"),
+    }
+    fixture.device.set_faults(nvme_emu::FaultPlan::none());
+    match store.commit_store(plan.handle) {
+        Err(ObjstoreError::HandleState { reason, .. }) => eprintln!("refused: {reason}"),
+        other => panic!("a commit over a layer whose latest write failed: expected HandleState, got {other:?}"),
+    }
+    assert_eq!(store.lookup(&tokens), 0, "nothing is visible");
+    store.store_layer(plan.handle, 0, BUDGET).expect("layer 0 once more");
+    assert_eq!(store.wait(plan.handle, deadline()).expect("wait"), Some(0));
+    assert_eq!(store.data.transferred(plan.handle).unwrap(), stored, "each layer counted once");
+    assert_eq!(store.commit_store(plan.handle).expect("commit"), 2);
+    assert_eq!(store.lookup(&tokens), 2);
+}
+
+#[test]
+fn a_verified_retrieve_does_not_fold_a_layer_whose_reissue_failed() {
+    // Goal: a verified retrieve folds a layer into its blocks' CRCs only once the layer's
+    // latest issue completed. Layers 0, 1 and 3 complete (3 waits, unfolded, for 2); layer 3
+    // is issued again and that read fails, leaving its bytes torn in the engine's memory (a
+    // partial DMA, written here); when layer 2 completes, the torn layer 3 must not be folded
+    // (it would fail the comparison and evict good blocks); issued once more, it completes
+    // and the retrieve verifies, byte-exact.
+    let fixture = fixture(2, None);
+    let mut store = in_process(&fixture, StoreConfig { verify_retrieves: true, requests_max: 2, ..StoreConfig::default() });
+    let tokens = tokens(12, 2);
+    let keys = keys_of(&tokens);
+    for (block, &key) in keys.iter().enumerate() {
+        fill(&fixture, block as u32, key);
+    }
+    let plan = store.prepare_store(&KvRequest { tokens: &tokens, block_ids: &[0, 1] }).expect("prepare_store");
+    for layer in 0..geometry().layers {
+        store.store_layer(plan.handle, layer, BUDGET).unwrap();
+        store.wait(plan.handle, deadline()).unwrap();
+    }
+    assert_eq!(store.commit_store(plan.handle).expect("commit"), 2);
+    let handle = store.prepare_retrieve(&KvRequest { tokens: &tokens, block_ids: &[4, 5] }).expect("prepare_retrieve");
+    for layer in [0, 1, 3] {
+        store.retrieve_layer(handle, layer, BUDGET).unwrap();
+        assert_eq!(store.wait(handle, deadline()).expect("wait"), Some(layer));
+    }
+    object(&fixture, 3, KvKind::Key, 4).fill(0, geometry().object_bytes() as usize, 0x5A).unwrap();
+    fail_next_io(&fixture);
+    store.retrieve_layer(handle, 3, BUDGET).unwrap();
+    match store.wait(handle, deadline()) {
+        Err(ObjstoreError::LayerIo { layer: 3, .. }) => {}
+        other => panic!("the re-issued layer 3 failed: expected LayerIo, got {other:?}"),
+    }
+    fixture.device.set_faults(nvme_emu::FaultPlan::none());
+    store.retrieve_layer(handle, 2, BUDGET).unwrap();
+    assert_eq!(store.wait(handle, deadline()).expect("layer 2: the torn layer 3 is not folded"), Some(2));
+    store.retrieve_layer(handle, 3, BUDGET).unwrap();
+    assert_eq!(store.wait(handle, deadline()).expect("layer 3 again: verified"), Some(3));
+    store.finish(handle).expect("finish");
+    assert!(holds(&fixture, 4, keys[0]) && holds(&fixture, 5, keys[1]), "byte-exact");
+    assert_eq!(store.lookup(&tokens), 2, "nothing was evicted");
+}
