@@ -43,15 +43,22 @@ pub enum NvmeError {
     #[error("{queue}: completion reports SQ head {reported}, outside {head}..={tail} (the last head reported up to the tail published), modulo the depth")]
     InvalidSubmissionQueueHead { queue: QueueId, reported: u32, head: u32, tail: u32 },
 
+    /// A completion names `command_id`, a command in flight, with an SQ head that has not
+    /// passed the command's entry: SQHD counts the entries the controller consumed (§4.6), so
+    /// the entry at SQ index `sq_index` can complete only once the head lies past it.
+    #[error("{queue}: completion for {command_id} reports SQ head {reported}, which has not passed the command's entry at SQ index {sq_index}: the controller completed a command it has not fetched")]
+    CompletionBeforeFetch { queue: QueueId, command_id: CommandId, sq_index: u32, reported: u32 },
+
     /// A completion named `command_id`, a command in flight, but broke the queue protocol
-    /// otherwise (`reason`: its SQ id or SQ head). The command's outcome is unknown, so its slot
-    /// and the memory it names stay reserved until the pair is deleted or the controller reset,
-    /// and the pair is failed ([`NvmeError::QueueFailed`]).
+    /// otherwise (`reason`: its SQ id, its SQ head, or a head that has not passed the command's
+    /// entry). The command's outcome is unknown, so its slot and the memory it names stay
+    /// reserved until the pair is deleted or the controller reset, and the pair is failed
+    /// ([`NvmeError::QueueFailed`]).
     #[error("{queue}: the completion for {command_id} (opcode {opcode:#04x}, tag {tag:#x}) breaks the queue protocol ({reason}): the command's outcome is unknown, so its slot and the memory it names stay reserved until the queue pair is deleted or the controller reset, and the pair takes no new command")]
     CommandOutcomeUnknown { queue: QueueId, command_id: CommandId, opcode: u8, tag: u64, reason: Box<NvmeError> },
 
     /// The pair saw a completion that broke the queue protocol (wrong SQ id, impossible SQ
-    /// head) and takes no new command.
+    /// head, a command completed before it was fetched) and takes no new command.
     #[error("{queue} failed: the controller posted a completion that breaks the queue protocol, so the pair takes no new command ({unknown_outcomes} command(s) whose outcome is unknown still hold their slots): delete it and create another, or reset the controller")]
     QueueFailed { queue: QueueId, unknown_outcomes: usize },
 

@@ -158,10 +158,13 @@ fn a_completion_naming_an_sq_head_the_controller_cannot_have_reached_is_an_error
 }
 
 #[test]
-fn submission_stops_one_short_of_the_head_the_controller_reported() {
-    // Goal: a controller that completes three commands while reporting that it consumed none
-    // (SQ head still 0) must not get a fourth entry in a ring of four: the tail would meet the
-    // head and the ring would read as empty, losing the three entries it still has to fetch.
+fn a_completion_whose_sq_head_has_not_passed_its_command_fails_the_pair() {
+    // Goal: SQHD counts the entries the controller consumed (§4.6), so a command at SQ index i
+    // can complete only with a head past i. A controller that completes three commands at SQ
+    // indices 0, 1 and 2 while reporting head 0 (it fetched none of them) is not believed:
+    // the first completion makes that command's outcome unknown and fails the pair, so no
+    // slot, scratch page or buffer of a command still in the SQ is freed for reuse. These
+    // completions used to be accepted (and submission merely stopped one short of the head).
     let script =
         FakeScript { io_completions: VecDeque::from([completion(0, 0), completion(1, 0), completion(2, 0)]), ..FakeScript::default() };
     let (_device, controller) = bring_up(script);
@@ -170,11 +173,34 @@ fn submission_stops_one_short_of_the_head_the_controller_reported() {
         queue.submit_raw(flush(), tag).expect("submit");
     }
     queue.ring_doorbell().expect("ring");
-    assert_eq!(queue.reap(8, |_| {}).expect("reap"), 3);
-    assert_eq!(queue.in_flight(), 0);
-    assert_eq!(queue.free_slots(), 0, "every command slot is free, but the SQ is not");
-    let fourth = queue.submit_raw(flush(), 3);
-    assert!(matches!(fourth, Err(NvmeError::QueueFull { .. })), "{fourth:?}");
+    let reaped = queue.reap(8, |_| panic!("a completion for an unfetched command was delivered"));
+    let Err(NvmeError::CommandOutcomeUnknown { queue: QueueId(1), tag: 0, reason, .. }) = reaped else { panic!("{reaped:?}") };
+    assert!(matches!(*reason, NvmeError::CompletionBeforeFetch { queue: QueueId(1), sq_index: 0, reported: 0, .. }), "{reason}");
+    assert!(queue.failed());
+    assert_eq!(queue.in_flight(), 3, "no slot was freed");
+    let refused = queue.submit_raw(flush(), 3);
+    assert!(matches!(refused, Err(NvmeError::QueueFailed { queue: QueueId(1), .. })), "{refused:?}");
+}
+
+#[test]
+fn a_completion_for_a_command_never_published_fails_the_pair() {
+    // Goal: a Flush written to the SQ but never published (no doorbell) cannot have been
+    // fetched; a completion naming it with SQ head 0 (inside the range last head ..= tail
+    // published, both 0) is refused all the same: the command's outcome is unknown, the pair
+    // is failed, and the command keeps its slot. It used to complete (in flight 0) while its
+    // entry stayed in the SQ for the next doorbell to publish.
+    let (device, controller) = bring_up(FakeScript::default());
+    let mut queue = controller.create_io_queue_pair(8).expect("queue pair");
+    queue.submit_raw(flush(), 7).expect("submit");
+    // The command id of the first command in a fresh pair: slot 0, generation 0.
+    let forged = CompletionEntry { dw0: 0, dw1: 0, sq_head: 0, sq_id: 1, command_id: 0, status_and_phase: 1 };
+    let ring = device.pool().translate(queue.completion_iova(), 16).expect("CQ entry 0");
+    ring.write(0, &forged.to_bytes()).expect("post");
+    let reaped = queue.reap(8, |_| panic!("a completion for an unpublished command was delivered"));
+    let Err(NvmeError::CommandOutcomeUnknown { queue: QueueId(1), tag: 7, reason, .. }) = reaped else { panic!("{reaped:?}") };
+    assert!(matches!(*reason, NvmeError::CompletionBeforeFetch { sq_index: 0, reported: 0, .. }), "{reason}");
+    assert!(queue.failed());
+    assert_eq!((queue.in_flight(), queue.unpublished_submissions()), (1, 1));
 }
 
 #[test]

@@ -96,7 +96,8 @@ impl IoQueuePair {
         self.queue.free_slots()
     }
 
-    /// Whether a completion broke the queue protocol (a wrong SQ id or an impossible SQ head):
+    /// Whether a completion broke the queue protocol (a wrong SQ id, an impossible SQ head, or
+    /// a head that has not passed the entry of the command it completes):
     /// the pair then takes no new command ([`NvmeError::QueueFailed`]); delete it and create
     /// another, or reset the controller.
     pub fn failed(&self) -> bool {
@@ -337,7 +338,8 @@ impl IoQueuePair {
     /// reap, first thing: no second check here.)
     ///
     /// A completion the driver rejects is reported as the error, after those before it were
-    /// delivered. One with a wrong SQ id or an impossible SQ head fails the pair
+    /// delivered. One with a wrong SQ id, an impossible SQ head or a head that has not passed
+    /// its command's entry (a command completed before it was fetched) fails the pair
     /// ([`IoQueuePair::failed`]): new commands are refused with [`NvmeError::QueueFailed`], and
     /// if it named a command in flight, [`NvmeError::CommandOutcomeUnknown`] gives that
     /// command's tag. Its memory must be left alone until the pair is deleted (or the controller

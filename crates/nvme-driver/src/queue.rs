@@ -24,10 +24,14 @@
 //!
 //! Untrusted completions. Every completion is checked before it is believed: its SQ id names
 //! this queue, its SQ head names a slot the controller could have consumed (from the last head
-//! it reported up to the tail we published), and its command id names a slot in flight with the
-//! current generation. Submission also stops one short of the SQ head the controller reported,
-//! not only at depth − 1 commands in flight, so a controller that completes commands it never
-//! fetched still cannot make us overwrite an entry it has yet to read.
+//! it reported up to the tail we published), its command id names a slot in flight with the
+//! current generation, and that head has passed the command's own SQ entry (§4.6: SQHD counts
+//! the entries consumed, so a command completes only once it was fetched; the pair sums the
+//! heads' advances in `sq_consumed` and records each command's place in `Slot::sq_entry`).
+//! A controller posts a completion after fetching its command and reports its current head, as
+//! QEMU's controller, `nvme-emu` and the fake do. Submission also stops one short of the SQ head
+//! the controller reported, not only at depth − 1 commands in flight, so neither ring can
+//! overflow whatever the slot accounting says.
 //!
 //! Rejected completions. Each is consumed and reported by `reap` as an error, after the
 //! completions before it were delivered; what else happens depends on what it breaks:
@@ -35,8 +39,10 @@
 //!   and SQ head are sound: [`NvmeError::UnexpectedCompletion`]; it completes nothing and the
 //!   pair goes on (a command whose real completion this was stays in flight until a deadline
 //!   names it);
-//! - its SQ id is not this queue's, or its SQ head is impossible: the controller's view of the
-//!   queue is not ours, so the pair is failed, and refuses new commands with
+//! - its SQ id is not this queue's, or its SQ head is impossible, or that head has not passed
+//!   the entry of the command it names ([`NvmeError::CompletionBeforeFetch`]: the controller
+//!   completed a command it has not fetched): the controller's view of the queue is not ours,
+//!   so the pair is failed, and refuses new commands with
 //!   [`NvmeError::QueueFailed`] until it is deleted (or, for the admin queue, the controller is
 //!   reset). If its command id names a command in flight, that command's outcome is unknown:
 //!   [`NvmeError::CommandOutcomeUnknown`] names it (command id, opcode, the caller's tag), and
@@ -98,6 +104,10 @@ struct Slot {
     /// slot stays busy (never reused: the controller may still read its scratch page and move
     /// the command's data) and matches no later completion.
     outcome_unknown: bool,
+    /// The command's place in the SQ's stream of entries ([`QueuePair::sq_pushed`] before it
+    /// was pushed): it can complete only once the controller reported more entries consumed
+    /// than that ([`QueuePair::sq_consumed`]).
+    sq_entry: u64,
 }
 
 /// Polls between deadline checks and before the poller starts yielding the CPU.
@@ -180,6 +190,13 @@ pub struct QueuePair {
     sq_tail_published: u32,
     /// The SQ head the controller last reported in a completion.
     sq_head: u32,
+    /// SQ entries written since the pair was created or cleared (64 bits, so a plain count:
+    /// at 10^9 commands a second it would wrap after 584 years).
+    sq_pushed: u64,
+    /// SQ entries the controller reported consumed, summed over the heads it reported (each
+    /// head's ring distance from the one before). A command whose entry is at `sq_entry` was
+    /// fetched only if this exceeds it.
+    sq_consumed: u64,
     cq_head: u32,
     /// The CQ head the controller was last told.
     cq_head_published: u32,
@@ -262,6 +279,8 @@ impl QueuePair {
             sq_tail: 0,
             sq_tail_published: 0,
             sq_head: 0,
+            sq_pushed: 0,
+            sq_consumed: 0,
             cq_head: 0,
             cq_head_published: 0,
             defer_completion_doorbell: false,
@@ -305,6 +324,8 @@ impl QueuePair {
         self.sq_tail = 0;
         self.sq_tail_published = 0;
         self.sq_head = 0;
+        self.sq_pushed = 0;
+        self.sq_consumed = 0;
         self.cq_head = 0;
         self.cq_head_published = 0;
         self.phase = true;
@@ -411,8 +432,8 @@ impl QueuePair {
         Ok(())
     }
 
-    /// Records a completion that broke the queue protocol (`reason`: a wrong SQ id or an
-    /// impossible SQ head) and returns the error to report. The controller's view of this queue
+    /// Records a completion that broke the queue protocol (`reason`: a wrong SQ id, an
+    /// impossible SQ head, or a head that has not passed its command's entry) and returns the error to report. The controller's view of this queue
     /// is not ours, so the pair is failed: it takes no new command. If the completion's id names
     /// a command in flight, that command's outcome is unknown (the completion cannot be
     /// believed, nor can the command be assumed still running): its slot stays reserved, so
@@ -444,15 +465,21 @@ impl QueuePair {
         }
     }
 
-    /// Copies a prepared entry into the SQ at the tail. No doorbell: see [`QueuePair::ring_doorbell`].
+    /// Copies a prepared entry into the SQ at the tail and records where it went in the slot of
+    /// its command id. No doorbell: see [`QueuePair::ring_doorbell`].
     fn push(&mut self, entry: &SubmissionEntry) -> Result<(), NvmeError> {
         if self.submission_room() == 0 {
-            // Only reachable if the controller completed commands it has not fetched yet (it
-            // reported an SQ head behind them): wait for it to move the head on.
+            // Not reachable while completions are checked against the SQ head (a command
+            // completes only once the head passed its entry, so every unconsumed entry holds a
+            // busy slot); kept so that a ring can never overflow whatever the slot accounting.
             return Err(NvmeError::QueueFull { queue: self.id, depth: self.depth });
         }
         let offset = self.sq_tail as usize * SUBMISSION_ENTRY_BYTES;
         self.submission.write_entry_streaming(offset, &entry.to_bytes())?;
+        if let Some(slot) = self.slots.get_mut(usize::from(entry.command_id().0 & self.slot_mask)) {
+            slot.sq_entry = self.sq_pushed;
+        }
+        self.sq_pushed += 1;
         self.sq_tail = ring_next(self.sq_tail, self.depth);
         self.doorbell_pending = true;
         Ok(())
@@ -591,6 +618,9 @@ impl QueuePair {
                 tail: self.sq_tail_published,
             });
         }
+        // Both heads lie in the ring and the distance is at most depth − 1: the sum stays far
+        // below 2^64 (see `sq_pushed`).
+        self.sq_consumed += u64::from(ring_distance(self.sq_head, reported, self.depth));
         self.sq_head = reported;
         Ok(())
     }
@@ -617,9 +647,9 @@ impl QueuePair {
     /// doorbell once if the controller may need the entries (always, unless the pair defers it;
     /// see `QueuePair::completion_doorbell_needed`). A completion that fails a check is
     /// consumed and reported as an error, after the completions before it were delivered; one
-    /// with a wrong SQ id or an impossible SQ head also fails the pair and, when it names a
-    /// command in flight, makes that command's outcome unknown (see the module documentation,
-    /// "Rejected completions").
+    /// with a wrong SQ id, an impossible SQ head or a head short of its command's entry also
+    /// fails the pair and, when it names a command in flight, makes that command's outcome
+    /// unknown (see the module documentation, "Rejected completions").
     pub fn reap(&mut self, max: usize, mut on_completion: impl FnMut(Completion)) -> Result<usize, NvmeError> {
         if self.is_stale_hint() {
             return Err(NvmeError::QueueStale { queue: self.id });
@@ -665,6 +695,15 @@ impl QueuePair {
                 failure = Some(NvmeError::UnexpectedCompletion { queue: self.id, command_id });
                 break;
             };
+            if slot.sq_entry >= self.sq_consumed {
+                // The head it reports has not passed the command's entry: the controller cannot
+                // have fetched it, and may yet (freeing the slot would hand its scratch page
+                // and the caller's buffer to the next command while the entry names them).
+                let sq_index = (slot.sq_entry % u64::from(self.depth)) as u32;
+                let reason = NvmeError::CompletionBeforeFetch { queue: self.id, command_id, sq_index, reported: self.sq_head };
+                failure = Some(self.reject(command_id, reason));
+                break;
+            }
             slot.busy = false;
             slot.generation = slot.generation.wrapping_add(1);
             let completion = Completion {
