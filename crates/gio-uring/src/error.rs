@@ -31,6 +31,18 @@ pub enum IoctxFault {
     StagedScatteredData,
     #[error("data {range} is not inside one staging buffer at the first and last layer")]
     OutsideStaging { range: IovaRange },
+    /// `desc_iova` 0 means "no descriptor" in the record (kernels/gio_abi.h): an SGL segment
+    /// or PRP2 there would be built as an inline data block, or as no PRP2.
+    #[error("{what} at IOVA 0, which the record reads as \"no descriptor\"")]
+    DescriptorAtZero { what: &'static str },
+    /// PRP2 must name what the controller reads or writes through it: nothing for data inside
+    /// one memory page, the rest of the data (page aligned) for two pages, a PRP list of 8
+    /// bytes per page after the first (8-byte aligned) for more, at every layer.
+    #[error(
+        "PRP2 does not fit the transfer: {reason} (the data spans {pages_min}..={pages_max} memory pages over the layers; PRP2 \
+         {prp2:?})"
+    )]
+    PrpMismatch { reason: &'static str, pages_min: u64, pages_max: u64, prp2: Option<IovaRange> },
     /// A record in shared memory names a descriptor kind the ABI does not define
     /// (`gio_descriptor_kind_is_valid` in kernels/gio_abi.h).
     #[error("descriptor kind {kind} is not one the ABI defines")]

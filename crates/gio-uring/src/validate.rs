@@ -131,6 +131,13 @@ impl IocbSpec {
 /// The 16-bit, 0-based NLB field of an NVMe Read/Write command.
 pub const NVME_BLOCKS_PER_COMMAND_MAX: u32 = 65536;
 
+/// The memory page size PRP entries name: the one nvme-driver configures every controller with
+/// (CC.MPS = 0), for the CPU and the CUDA executor alike.
+pub const CONTROLLER_PAGE_BYTES: u64 = nvme_driver::datapath::PAGE_BYTES;
+
+/// Bytes of one PRP list entry.
+const PRP_ENTRY_BYTES: u64 = 8;
+
 /// Checks one IOCTX against the devices and registered memory and encodes it.
 pub fn encode_ioctx(spec: &IoctxSpec, iocb: &IocbSpec, devices: &DeviceTable, memory: &RegisteredMemory) -> Result<gio_ioctx, IoctxFault> {
     IoctxEncoder::new(iocb, devices, memory).encode(spec)
@@ -149,6 +156,10 @@ pub struct IoctxEncoder<'a> {
     lba_span: Option<u64>,
     mem_span: Option<u64>,
     desc_span: Option<u64>,
+    /// `mem_stride_bytes % CONTROLLER_PAGE_BYTES`: how far a layer moves the data inside its
+    /// page (PRP page counting).
+    mem_step_in_page: u64,
+    desc_stride_bytes: u64,
 }
 
 impl<'a> IoctxEncoder<'a> {
@@ -162,6 +173,8 @@ impl<'a> IoctxEncoder<'a> {
             lba_span: span(iocb.lba_stride_blocks),
             mem_span: span(iocb.mem_stride_bytes),
             desc_span: span(iocb.desc_stride_bytes),
+            mem_step_in_page: iocb.mem_stride_bytes % CONTROLLER_PAGE_BYTES,
+            desc_stride_bytes: iocb.desc_stride_bytes,
         }
     }
 
@@ -199,6 +212,9 @@ impl<'a> IoctxEncoder<'a> {
             if !self.registered_quickly(desc.start.0, desc.len_bytes, self.desc_span?) {
                 return None;
             }
+        }
+        if kind == DescriptorKind::Prp && self.check_prp(spec.data.0, data_bytes, desc).is_err() {
+            return None;
         }
         Some(Checked {
             lengths_word: u64::from(data_bytes) | u64::from(desc_bytes) << 32,
@@ -248,6 +264,9 @@ impl<'a> IoctxEncoder<'a> {
         self.check_registered("data", spec.data.0, u64::from(data_bytes), self.mem_span)?;
         if let Some(desc) = desc {
             self.check_registered("descriptor", desc.start.0, desc.len_bytes, self.desc_span)?;
+        }
+        if kind == DescriptorKind::Prp {
+            self.check_prp(spec.data.0, data_bytes, desc)?;
         }
         Ok(Checked {
             lengths_word: u64::from(data_bytes) | u64::from(desc_bytes) << 32,
@@ -317,6 +336,73 @@ impl<'a> IoctxEncoder<'a> {
         Ok(())
     }
 
+    /// The lowest and the highest offset of the data inside its memory page over the layers:
+    /// exact while the layers do not wrap past a page boundary (the offsets then rise from
+    /// layer 0's), else bounds (every offset is layer 0's modulo the largest power of two
+    /// dividing the stride's in-page part).
+    #[inline]
+    fn data_page_offsets(&self, data: u64) -> (u64, u64) {
+        let first = data % CONTROLLER_PAGE_BYTES;
+        let step = self.mem_step_in_page;
+        if step == 0 || self.last_layer == 0 {
+            return (first, first);
+        }
+        match step.checked_mul(u64::from(self.last_layer)).and_then(|rise| rise.checked_add(first)) {
+            Some(last) if last < CONTROLLER_PAGE_BYTES => (first, last),
+            _ => {
+                let granule = 1u64 << step.trailing_zeros(); // step < page size: at most half a page
+                let low = first % granule;
+                (low, CONTROLLER_PAGE_BYTES - granule + low)
+            }
+        }
+    }
+
+    /// PRP2 against what the controller does with it (NVMe Base Spec §4.1.1): data inside one
+    /// memory page takes none (the controller would otherwise read PRP2 = 0 as the second page,
+    /// a DMA to IOVA 0); data over two pages needs the second page, page aligned, covering the
+    /// rest of the data; over more, a PRP list, 8-byte aligned, of 8 bytes per page after the
+    /// first. At every layer: the offset of the data in its page may change with the layer
+    /// (then the page count is taken for the extremes), and PRP2 moves by the descriptor
+    /// stride. A request whose page count is two at some layer and more at another is refused:
+    /// PRP2 cannot be both a data page and a list.
+    #[inline]
+    fn check_prp(&self, data: u64, data_bytes: u32, prp2: Option<IovaRange>) -> Result<(), IoctxFault> {
+        let (offset_min, offset_max) = self.data_page_offsets(data);
+        let bytes = u64::from(data_bytes);
+        // offset < page size and bytes < 2^32: no overflow.
+        let pages = |offset: u64| (offset + bytes).div_ceil(CONTROLLER_PAGE_BYTES);
+        let (pages_min, pages_max) = (pages(offset_min), pages(offset_max));
+        let mismatch = |reason: &'static str| cold_fault(|| IoctxFault::PrpMismatch { reason, pages_min, pages_max, prp2 });
+        let Some(range) = prp2 else {
+            return if pages_max <= 1 { Ok(()) } else { Err(mismatch("data over more than one memory page needs PRP2")) };
+        };
+        let (needed_bytes, align_bytes, short, misaligned) = match pages_max {
+            0 | 1 => return Err(mismatch("data inside one memory page takes no PRP2")),
+            2 => (
+                offset_max + bytes - CONTROLLER_PAGE_BYTES,
+                CONTROLLER_PAGE_BYTES,
+                "the second page is shorter than the data past the first page",
+                "the second page is not page aligned at every layer",
+            ),
+            _ if pages_min < 3 => return Err(mismatch("PRP2 would be the second page at some layers and a PRP list at others")),
+            _ => (
+                (pages_max - 1) * PRP_ENTRY_BYTES,
+                PRP_ENTRY_BYTES,
+                "the PRP list is shorter than 8 bytes per page after the first",
+                "the PRP list is not 8-byte aligned at every layer",
+            ),
+        };
+        if range.len_bytes < needed_bytes {
+            return Err(mismatch(short));
+        }
+        let aligned =
+            range.start.0.is_multiple_of(align_bytes) && (self.last_layer == 0 || self.desc_stride_bytes.is_multiple_of(align_bytes));
+        if !aligned {
+            return Err(mismatch(misaligned));
+        }
+        Ok(())
+    }
+
     /// `[start + L*stride, +len)` must lie in one registered range for the first and the last
     /// layer — the same range, so every layer in between lies in it too.
     #[inline]
@@ -339,8 +425,9 @@ impl<'a> IoctxEncoder<'a> {
 
 /// The descriptor kind of `descriptor` (typed, so every kind written to a record is a valid
 /// one), the descriptor range it names and that range's byte count (saturated for PRP), or the
-/// fault of a malformed SGL segment (empty, not a multiple of 16 bytes, or past `u32`). Shared
-/// by the quick and the detailed check.
+/// fault of a malformed SGL segment (empty, not a multiple of 16 bytes, or past `u32`) or of a
+/// descriptor at IOVA 0 (the record's "none"; only layer 0 can be there: strides are unsigned
+/// and overflow is refused). Shared by the quick and the detailed check.
 #[inline]
 fn descriptor_parts(descriptor: Descriptor) -> Result<(DescriptorKind, Option<IovaRange>, u32), IoctxFault> {
     match descriptor {
@@ -350,9 +437,15 @@ fn descriptor_parts(descriptor: Descriptor) -> Result<(DescriptorKind, Option<Io
             if bytes == 0 || bytes % 16 != 0 {
                 return Err(IoctxFault::BadSglSegment { desc_bytes: bytes });
             }
+            if segment.start.0 == 0 {
+                return Err(IoctxFault::DescriptorAtZero { what: "SGL segment" });
+            }
             Ok((DescriptorKind::Sgl, Some(segment), bytes))
         }
         Descriptor::Prp { prp2 } => {
+            if prp2.is_some_and(|range| range.start.0 == 0) {
+                return Err(IoctxFault::DescriptorAtZero { what: "PRP2" });
+            }
             let bytes = prp2.map_or(0, |range| u32::try_from(range.len_bytes).unwrap_or(u32::MAX));
             Ok((DescriptorKind::Prp, prp2, bytes))
         }
@@ -464,6 +557,12 @@ mod tests {
             }),
             (IoctxSpec { device: DeviceIndex(1), ..good() }, iocb, |f| matches!(f, IoctxFault::SglUnsupported)),
             (IoctxSpec { start_lba: Lba(u64::MAX - 2), ..good() }, iocb, |f| matches!(f, IoctxFault::LbaOutOfRange { .. })),
+            (IoctxSpec { block_count: 16, descriptor: Descriptor::Prp { prp2: None }, ..good() }, iocb, |f| {
+                matches!(f, IoctxFault::PrpMismatch { pages_min: 2, pages_max: 2, .. })
+            }),
+            (IoctxSpec { descriptor: Descriptor::SglSegment { segment: IovaRange::new(Iova(0), 32) }, ..good() }, iocb, |f| {
+                matches!(f, IoctxFault::DescriptorAtZero { .. })
+            }),
         ];
         for (index, (spec, iocb, expected)) in cases.into_iter().enumerate() {
             let fault = check(spec, iocb).expect_err(&format!("case {index} must fail"));
@@ -473,10 +572,11 @@ mod tests {
 
     #[test]
     fn prp_descriptor_and_layer_strides_are_checked_at_the_last_layer() {
+        // Three 4 KiB pages: PRP2 is a list of two entries.
         let prp = IoctxSpec {
             device: DeviceIndex(1),
-            block_count: 2,
-            descriptor: Descriptor::Prp { prp2: Some(IovaRange::new(Iova(0x80_0000), 8)) },
+            block_count: 3,
+            descriptor: Descriptor::Prp { prp2: Some(IovaRange::new(Iova(0x80_0000), 16)) },
             ..good()
         };
         let ok = check(prp, layered(1)).unwrap();
@@ -485,6 +585,98 @@ mod tests {
         // With 0x10 descriptor stride, layer 0x200 puts the list outside its 0x1000-byte range.
         let fault = check(prp, IocbSpec { layer_count: 0x200, lba_stride_blocks: 0, mem_stride_bytes: 0, ..layered(1) }).unwrap_err();
         assert!(matches!(fault, IoctxFault::OutsideRegisteredMemory { what: "descriptor", layer: 0x1FF, .. }), "{fault:?}");
+    }
+
+    #[test]
+    fn a_prp_transfer_past_one_page_is_refused_without_a_prp2_that_covers_it() {
+        // Goal: PRP2 is checked against what the controller reads or writes through it. A
+        // page-aligned 16 x 512-byte transfer spans two memory pages: without PRP2 the
+        // controller would take PRP2 = 0 as the second page (a DMA to IOVA 0), so it is
+        // refused; so are a second page too short for the rest of the data, a PRP list shorter
+        // than 8 bytes per page after the first, and a PRP2 on a transfer inside one page.
+        let prp = |block_count: u32, data: u64, prp2: Option<(u64, u64)>| IoctxSpec {
+            block_count,
+            data: Iova(data),
+            descriptor: Descriptor::Prp { prp2: prp2.map(|(start, len)| IovaRange::new(Iova(start), len)) },
+            ..good()
+        };
+        let refused = [
+            prp(16, 0x10_0000, None),
+            prp(16, 0x10_0000, Some((0x80_0000, 8))),
+            prp(24, 0x10_0000, Some((0x80_0000, 8))),
+            prp(8, 0x10_0000, Some((0x80_0000, 0x1000))),
+            // 4 KiB starting half way into a page touches two pages.
+            prp(8, 0x10_0800, None),
+        ];
+        for (index, spec) in refused.into_iter().enumerate() {
+            let fault = check(spec, layered(1)).expect_err(&format!("case {index}: {spec:?}"));
+            assert!(matches!(fault, IoctxFault::PrpMismatch { .. }), "case {index}: {fault}");
+        }
+        let accepted = [
+            prp(8, 0x10_0000, None),
+            prp(16, 0x10_0000, Some((0x80_0000, 0x1000))),
+            prp(8, 0x10_0800, Some((0x80_0000, 0x800))),
+            prp(24, 0x10_0000, Some((0x80_0000, 16))),
+        ];
+        for (index, spec) in accepted.into_iter().enumerate() {
+            assert!(check(spec, layered(1)).is_ok(), "case {index}: {spec:?}");
+        }
+    }
+
+    #[test]
+    fn a_descriptor_at_iova_zero_is_refused() {
+        // Goal: desc_iova 0 means "no descriptor" in the record, so a segment or PRP2 at IOVA 0
+        // (registered) would silently become an inline data block or no PRP2: refused.
+        let iocb = IocbSpec::single(Opcode::Read, 0);
+        let low = RegisteredMemory::new(vec![IovaRange::new(Iova(0), 0x1_0000)]).unwrap();
+        let segment =
+            IoctxSpec { data: Iova(0x1000), descriptor: Descriptor::SglSegment { segment: IovaRange::new(Iova(0), 32) }, ..good() };
+        let fault = encode_ioctx(&segment, &iocb, &devices(), &low).expect_err("SGL segment at 0");
+        assert_eq!(fault, IoctxFault::DescriptorAtZero { what: "SGL segment" });
+        let prp = IoctxSpec {
+            block_count: 16,
+            data: Iova(0x1000),
+            descriptor: Descriptor::Prp { prp2: Some(IovaRange::new(Iova(0), 0x1000)) },
+            ..good()
+        };
+        let fault = encode_ioctx(&prp, &iocb, &devices(), &low).expect_err("PRP2 at 0");
+        assert_eq!(fault, IoctxFault::DescriptorAtZero { what: "PRP2" });
+        let moved = IoctxSpec { descriptor: Descriptor::Prp { prp2: Some(IovaRange::new(Iova(0x2000), 0x1000)) }, ..prp };
+        assert!(encode_ioctx(&moved, &iocb, &devices(), &low).is_ok(), "the same PRP2 one page up is fine");
+    }
+
+    #[test]
+    fn prp_pages_are_counted_at_every_layer() {
+        // Goal: when the layer stride moves the data inside its page, the page count is taken
+        // where it is largest; PRP2 must stay aligned at every layer, and a request that would
+        // make PRP2 a data page at one layer and a list at another is refused.
+        let one_block = IoctxSpec { block_count: 1, descriptor: Descriptor::Prp { prp2: None }, ..good() };
+        let strided = |layers: u32, mem: u64, desc: u64| IocbSpec {
+            layer_count: layers,
+            lba_stride_blocks: 0,
+            mem_stride_bytes: mem,
+            desc_stride_bytes: desc,
+            ..layered(1)
+        };
+        // 512 bytes stepping 512 bytes a layer never crosses a page.
+        assert!(check(one_block, strided(16, 512, 0)).is_ok());
+        // 512 bytes stepping 256 bytes a layer crosses one at layer 15 (offset 3840).
+        let fault = check(one_block, strided(16, 256, 0)).unwrap_err();
+        assert!(matches!(fault, IoctxFault::PrpMismatch { pages_max: 2, .. }), "{fault}");
+        // With the second page (page aligned, moving a page a layer) it passes; a list-sized
+        // stride of 8 bytes would leave it misaligned.
+        let second = IoctxSpec { descriptor: Descriptor::Prp { prp2: Some(IovaRange::new(Iova(0x80_0000), 0x100)) }, ..one_block };
+        assert!(check(second, strided(16, 256, 0)).is_ok());
+        assert!(matches!(check(second, strided(2, 0x1000 + 0x100, 8)), Err(IoctxFault::PrpMismatch { .. })));
+        // 8 KiB starting at offsets 0 and 0x800: two pages at layer 0, three at layer 1.
+        let two_pages =
+            IoctxSpec { block_count: 16, descriptor: Descriptor::Prp { prp2: Some(IovaRange::new(Iova(0x80_0000), 0x800)) }, ..good() };
+        let fault = check(two_pages, strided(2, 0x800, 0)).unwrap_err();
+        assert!(matches!(fault, IoctxFault::PrpMismatch { pages_min: 2, pages_max: 3, .. }), "{fault}");
+        // A list that moves by a multiple of 8 bytes a layer stays aligned.
+        let list = IoctxSpec { block_count: 24, descriptor: Descriptor::Prp { prp2: Some(IovaRange::new(Iova(0x80_0000), 16)) }, ..good() };
+        assert!(check(list, strided(4, 0x3000, 16)).is_ok());
+        assert!(matches!(check(list, strided(4, 0x3000, 12)), Err(IoctxFault::PrpMismatch { .. })));
     }
 
     #[test]
@@ -521,8 +713,11 @@ mod tests {
                 Just(Descriptor::SglInline),
                 (near(0x80_0f00..0x80_1010), prop_oneof![(0u64..6).prop_map(|n| n * 16), 0u64..100, any::<u64>()])
                     .prop_map(|(start, len)| Descriptor::SglSegment { segment: IovaRange::new(Iova(start), len) }),
-                proptest::option::of((near(0x80_0f00..0x80_1010), 0u64..0x200))
-                    .prop_map(|range| Descriptor::Prp { prp2: range.map(|(start, len)| IovaRange::new(Iova(start), len)) }),
+                proptest::option::of((
+                    prop_oneof![near(0x80_0f00..0x80_1010), (0u64..8).prop_map(|n| 0x80_0000 + n * 0x200), 0u64..16],
+                    prop_oneof![0u64..0x200, (0u64..0x40).prop_map(|n| n * 8), Just(0x1000)]
+                ))
+                .prop_map(|range| Descriptor::Prp { prp2: range.map(|(start, len)| IovaRange::new(Iova(start), len)) }),
             ];
             let lba = prop_oneof![near(900..1010), near((1 << 20) - 300..(1 << 20) + 10)];
             let data = prop_oneof![near(0x1F_0000..0x20_0010), near(0x10_0000 - 16..0x10_1000), near(0x80_0000..0x80_1010)];
@@ -547,16 +742,16 @@ mod tests {
         }
 
         fn iocb() -> impl Strategy<Value = IocbSpec> {
-            (prop_oneof![8 => 1u32..5, 1 => any::<u32>()], near(0..40), near(0..0x3000), near(0..0x40)).prop_map(
-                |(layers, lba, mem, desc)| IocbSpec {
-                    opcode: Opcode::Write,
-                    user_data: 0,
-                    layer_count: layers,
-                    lba_stride_blocks: lba,
-                    mem_stride_bytes: mem,
-                    desc_stride_bytes: desc,
-                },
-            )
+            let mem = prop_oneof![near(0..0x3000), (0u64..3).prop_map(|pages| pages * 0x1000)];
+            let desc = prop_oneof![near(0..0x40), (0u64..3).prop_map(|entries| entries * 8)];
+            (prop_oneof![8 => 1u32..5, 1 => any::<u32>()], near(0..40), mem, desc).prop_map(|(layers, lba, mem, desc)| IocbSpec {
+                opcode: Opcode::Write,
+                user_data: 0,
+                layer_count: layers,
+                lba_stride_blocks: lba,
+                mem_stride_bytes: mem,
+                desc_stride_bytes: desc,
+            })
         }
 
         proptest! {
@@ -586,6 +781,10 @@ mod tests {
             let iocb = layered(9);
             let encoder = IoctxEncoder::new(&iocb, &devices, &memory);
             assert!(encoder.check_quickly(&good()).is_some());
+            let list =
+                IoctxSpec { block_count: 24, descriptor: Descriptor::Prp { prp2: Some(IovaRange::new(Iova(0x80_0000), 16)) }, ..good() };
+            assert!(encoder.check_quickly(&list).is_some(), "a PRP list passes quickly");
+            assert!(encoder.check_quickly(&IoctxSpec { block_count: 16, ..list }).is_none(), "a list where a page is due");
             let past_capacity = IoctxSpec { start_lba: Lba(1000 - 8 - 8 * 100 + 1), ..good() };
             assert!(encoder.check_quickly(&past_capacity).is_none());
             assert!(encoder.check_in_detail(&past_capacity).is_err());
