@@ -10,7 +10,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::datapath::{DataPointerMode, PAGE_BYTES, PRP_LIST_ENTRIES_MAX};
+use crate::datapath::{DataPointerMode, PAGE_BYTES, TRANSFER_BYTES_MAX};
 use crate::detached::{DetachedQueueLayout, DetachedQueuePair};
 use crate::error::NvmeError;
 use crate::gate::ResetGuard;
@@ -372,8 +372,8 @@ impl Controller {
             }
         };
         // One PRP list page per command bounds a command at 2 MiB; MDTS may bound it further.
-        let prp_limit = PRP_LIST_ENTRIES_MAX as u64 * PAGE_BYTES;
-        self.max_transfer_bytes = identify.max_transfer_bytes(self.capabilities.min_page_size_bytes()).unwrap_or(prp_limit).min(prp_limit);
+        self.max_transfer_bytes =
+            identify.max_transfer_bytes(self.capabilities.min_page_size_bytes()).unwrap_or(TRANSFER_BYTES_MAX).min(TRANSFER_BYTES_MAX);
         // CNS 02h exists from NVMe 1.1; older controllers: every NSID up to NN.
         let namespace_ids = if self.version.0 >= 0x0001_0100 {
             valid_namespace_ids(parse_active_namespaces(&self.identify_raw(IdentifyCns::ActiveNamespaceList, 0)?))

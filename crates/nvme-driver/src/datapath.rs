@@ -19,6 +19,9 @@ pub const SCRATCH_BYTES: usize = 4096;
 pub const PAGE_BYTES: u64 = 4096;
 /// Most PRP entries a list page holds; one list page per command, so transfers stay <= 2 MiB.
 pub const PRP_LIST_ENTRIES_MAX: usize = SCRATCH_BYTES / PRP_ENTRY_BYTES;
+/// The most one command carries in either mode: one PRP list page of pages (2 MiB). MDTS may
+/// bound it further; the controller's `max_transfer_bytes` never exceeds it.
+pub const TRANSFER_BYTES_MAX: u64 = PRP_LIST_ENTRIES_MAX as u64 * PAGE_BYTES;
 /// Most SGL Data Block descriptors in one command's Last Segment.
 pub const SGL_DESCRIPTORS_MAX: usize = SCRATCH_BYTES / SGL_DESCRIPTOR_BYTES;
 

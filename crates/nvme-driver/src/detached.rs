@@ -11,7 +11,7 @@
 
 use std::sync::Arc;
 
-use crate::datapath::{DataPointerMode, SCRATCH_BYTES};
+use crate::datapath::{DataPointerMode, SCRATCH_BYTES, TRANSFER_BYTES_MAX};
 use crate::error::NvmeError;
 use crate::gate::QueueFate;
 use crate::hw::{DmaAllocator, DmaRegion, RegisterIo};
@@ -22,6 +22,10 @@ use crate::spec::registers::{self, Capabilities};
 use crate::spec::{COMPLETION_ENTRY_BYTES, SUBMISSION_ENTRY_BYTES};
 use crate::teardown::AdminShared;
 use crate::types::{Iova, QueueId};
+
+/// The block sizes the driver computes with (LBADS 9..=16, as bring-up accepts from Identify).
+const BLOCK_SIZE_BYTES_MIN: u32 = 512;
+const BLOCK_SIZE_BYTES_MAX: u32 = 65536;
 
 /// Where a detached queue pair lives and how to ring it; everything a GPU kernel needs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -173,9 +177,11 @@ impl IoQueuePair {
     /// from an empty SQ and CQ (head = tail = 0, phase 1), as the controller does.
     ///
     /// Checked here: the depth, the ring sizes and alignment, that the rings are at the IOVAs
-    /// the controller was given, and that the doorbell offsets are the ones the register page's
+    /// the controller was given, that the doorbell offsets are the ones the register page's
     /// own CAP.DSTRD gives for the queue id (so a corrupt layout cannot make this pair ring
-    /// another queue's doorbell or write outside the page).
+    /// another queue's doorbell or write outside the page), and that the namespaces and the
+    /// transfer limit are ones a controller's bring-up could have produced (see
+    /// [`check_grant`]): the config comes off the daemon's wire.
     ///
     /// # The attach contract
     ///
@@ -197,6 +203,7 @@ impl IoQueuePair {
         registers: Arc<dyn RegisterIo>,
     ) -> Result<IoQueuePair, NvmeError> {
         let AttachedQueueConfig { layout, namespaces, data_pointer_mode, max_transfer_bytes } = config;
+        check_grant(&namespaces, max_transfer_bytes)?;
         let depth = layout.depth;
         if !(2..=QUEUE_DEPTH_MAX).contains(&depth) {
             return Err(NvmeError::InvalidQueueDepth { requested: depth, max: QUEUE_DEPTH_MAX });
@@ -229,6 +236,31 @@ impl IoQueuePair {
         let queue = QueuePair::from_regions(layout.id, depth, [submission, completion, scratch], registers, doorbells);
         Ok(IoQueuePair::new(queue, PairOwner::Attached, data_pointer_mode, max_transfer_bytes, namespaces, Vec::new()))
     }
+}
+
+/// Checks an attach's namespaces and transfer limit as bring-up checks Identify data: every
+/// block size a power of two in 512..=65536 (LBADS 9..=16; 0 would divide by zero when a
+/// transfer is planned), and a limit that holds the largest block and is at most
+/// [`TRANSFER_BYTES_MAX`] (2 MiB, what `Controller` caps MDTS at). With blocks of at least 512
+/// bytes, 2 MiB is 4096 blocks, so no command can need more than NLB's 65536: the NLB bound
+/// 65536 × block is never the tighter one.
+fn check_grant(namespaces: &[Namespace], max_transfer_bytes: u64) -> Result<(), NvmeError> {
+    let mut largest_block_bytes = BLOCK_SIZE_BYTES_MIN;
+    for namespace in namespaces {
+        let block_size_bytes = namespace.block_size_bytes;
+        if !block_size_bytes.is_power_of_two() || !(BLOCK_SIZE_BYTES_MIN..=BLOCK_SIZE_BYTES_MAX).contains(&block_size_bytes) {
+            return Err(NvmeError::InvalidNamespaceBlockSize { namespace: namespace.id, block_size_bytes });
+        }
+        largest_block_bytes = largest_block_bytes.max(block_size_bytes);
+    }
+    if !(u64::from(largest_block_bytes)..=TRANSFER_BYTES_MAX).contains(&max_transfer_bytes) {
+        return Err(NvmeError::InvalidMaxTransfer {
+            max_transfer_bytes,
+            block_size_bytes: largest_block_bytes,
+            limit_bytes: TRANSFER_BYTES_MAX,
+        });
+    }
+    Ok(())
 }
 
 /// Drop of an attached pair: nothing to delete (the daemon does); keep the memory the

@@ -98,6 +98,12 @@ pub enum NvmeError {
     #[error("{0}")]
     UnsupportedNamespaceFormat(RefusedNamespace),
 
+    #[error("{namespace} has {block_size_bytes}-byte blocks: the driver uses power-of-two block sizes in 512..=65536 (LBADS 9..=16)")]
+    InvalidNamespaceBlockSize { namespace: NamespaceId, block_size_bytes: u32 },
+
+    #[error("a per-command transfer limit of {max_transfer_bytes} bytes is unusable: it must hold one {block_size_bytes}-byte block and stay within {limit_bytes} bytes (one PRP list page)")]
+    InvalidMaxTransfer { max_transfer_bytes: u64, block_size_bytes: u32, limit_bytes: u64 },
+
     #[error("{blocks} blocks in one command: NLB is 16 bits, so one command moves 1..=65536 blocks")]
     InvalidBlockCount { blocks: u64 },
 

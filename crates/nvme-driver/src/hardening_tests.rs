@@ -622,3 +622,60 @@ fn a_rejected_completion_naming_a_command_in_flight_fails_that_command_and_the_p
         assert_eq!(controller.leaked_queue_pairs(), 0);
     }
 }
+
+/// Attaches queue 1 of `controller`, created detached, as a client process would with a grant
+/// carrying `namespaces`, `mode` and `max_transfer_bytes` off the daemon's wire. The detached
+/// pair is returned too: dropping it deletes the queues.
+fn attach_with(
+    device: &FakeDevice,
+    controller: &Controller,
+    namespaces: Vec<crate::Namespace>,
+    mode: crate::DataPointerMode,
+    max_transfer_bytes: u64,
+) -> (crate::DetachedQueuePair, Result<IoQueuePair, NvmeError>) {
+    let detached = controller.create_detached_queue_pair(8, None).expect("detached pair");
+    let layout = detached.layout();
+    let pool = device.pool();
+    let rings = (
+        pool.translate(layout.submission_iova, 8 * crate::spec::SUBMISSION_ENTRY_BYTES).expect("SQ"),
+        pool.translate(layout.completion_iova, 8 * crate::spec::COMPLETION_ENTRY_BYTES).expect("CQ"),
+    );
+    let config = crate::AttachedQueueConfig { layout, namespaces, data_pointer_mode: mode, max_transfer_bytes };
+    let attached = IoQueuePair::attach(config, rings, controller.dma().as_ref(), device.registers());
+    (detached, attached)
+}
+
+#[test]
+fn an_attach_grant_with_block_sizes_or_a_transfer_limit_the_driver_cannot_use_is_refused() {
+    // Goal: the namespaces and the transfer limit of an attach come off tuttid's wire, so they
+    // are checked like Identify data: a block size that is not a power of two in 512..=65536
+    // (0 used to panic the first transfer of two segments with a remainder by zero), and a
+    // limit below one block or above the 2 MiB one command carries at most (u64::MAX used to
+    // let a transfer's later command fail NLB's 16 bits after the earlier ones were queued),
+    // are typed errors at attach. A grant as a real controller makes is accepted.
+    use crate::{DataPointerMode, Namespace, NamespaceId};
+    let (device, controller) = bring_up(FakeScript::default());
+    let namespace_with = |id, block_size_bytes| Namespace { id: NamespaceId(id), block_size_bytes, size_blocks: 1 << 20 };
+    let namespace = |block_size_bytes| namespace_with(1, block_size_bytes);
+    for block_size_bytes in [0u32, 256, 768, 1 << 17] {
+        let (_detached, attached) = attach_with(&device, &controller, vec![namespace(block_size_bytes)], DataPointerMode::Sgl, 1 << 20);
+        assert!(
+            matches!(attached, Err(NvmeError::InvalidNamespaceBlockSize { namespace: NamespaceId(1), block_size_bytes: size }) if size == block_size_bytes),
+            "block size {block_size_bytes}: {attached:?}"
+        );
+    }
+    for (block_size_bytes, max_transfer_bytes) in [(512u32, u64::MAX), (512, (2 << 20) + 512), (4096, 2048), (512, 0)] {
+        let (_detached, attached) =
+            attach_with(&device, &controller, vec![namespace(block_size_bytes)], DataPointerMode::Sgl, max_transfer_bytes);
+        assert!(
+            matches!(attached, Err(NvmeError::InvalidMaxTransfer { max_transfer_bytes: max, .. }) if max == max_transfer_bytes),
+            "{block_size_bytes}-byte blocks, limit {max_transfer_bytes}: {attached:?}"
+        );
+    }
+    let (_detached, attached) =
+        attach_with(&device, &controller, vec![namespace(512), namespace_with(2, 65536)], DataPointerMode::Prp, 2 << 20);
+    let mut pair = attached.expect("a grant as a controller makes it");
+    let buffer = controller.dma().allocate(8192).expect("buffer");
+    let halves = [DataSegment::new(buffer.iova(), 4096), DataSegment::new(buffer.iova().checked_add(4096).expect("iova"), 4096)];
+    assert_eq!(pair.submit_read(NamespaceId(1), Lba(0), &halves, 0).expect("a two-segment read"), 1);
+}

@@ -158,13 +158,16 @@ impl IoQueuePair {
         }
     }
 
-    /// Counts the commands a transfer needs, validating its layout (no side effects).
+    /// Counts the commands a transfer needs, validating its layout and every command's block
+    /// count (no side effects): whatever submit_transfer's loop could refuse is refused here,
+    /// before its first command is queued, so a transfer is queued whole or not at all.
     fn count_commands(&self, segments: &[DataSegment], block_size_bytes: u32) -> Result<(usize, u64), NvmeError> {
         // (The one-command case does not come here: see plan_single_command in submit_transfer.)
         let mut cursor = Cursor::default();
         let mut commands = 0;
         let mut bytes = 0;
         while let Some(plan) = plan_command(segments, cursor, self.max_transfer_bytes, block_size_bytes, self.mode)? {
+            block_count(plan.bytes / u64::from(block_size_bytes))?;
             commands += 1;
             bytes += plan.bytes;
             cursor = plan.end;
@@ -485,5 +488,31 @@ impl Drop for IoQueuePair {
             }
             PairOwner::Attached => crate::detached::drop_attached(&self.queue),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fake_device::{identify_namespace_bytes, FakeDevice, FakeScript};
+    use crate::{Controller, ControllerConfig, Iova};
+
+    #[test]
+    fn a_transfer_is_queued_whole_or_not_at_all() {
+        // Goal: a transfer cut into several commands is checked whole before its first command
+        // is queued: a later command whose block count NLB cannot hold (here 64 MiB of 512-byte
+        // blocks, behind 256 small segments that fill the first command's SGL, with no transfer
+        // limit) is a typed error with nothing in the SQ. It used to leave the first command
+        // queued, for the next doorbell to publish under the caller's tag.
+        let script = FakeScript { identify_namespaces: vec![identify_namespace_bytes(512, 1 << 20, 0, false)], ..FakeScript::default() };
+        let controller = Controller::init(FakeDevice::new(script), ControllerConfig::default()).expect("bring-up");
+        let mut pair = controller.create_io_queue_pair(8).expect("queue pair");
+        pair.set_data_pointer_mode(DataPointerMode::Sgl);
+        pair.max_transfer_bytes = u64::MAX;
+        let mut segments: Vec<_> = (0..256u64).map(|index| DataSegment::new(Iova(0x100_0000 + index * 0x1000), 512)).collect();
+        segments.push(DataSegment::new(Iova(0x1000_0000), 64 << 20));
+        let submitted = pair.submit_read(NamespaceId(1), Lba(0), &segments, 9);
+        assert!(matches!(submitted, Err(NvmeError::InvalidBlockCount { blocks: 131072 })), "{submitted:?}");
+        assert_eq!((pair.in_flight(), pair.unpublished_submissions()), (0, 0), "a command of the refused transfer was queued");
     }
 }
