@@ -101,8 +101,8 @@ impl ControllerCore {
     }
 
     /// Validates a Read or Write and pushes its transfer (a Write's data is gathered from the
-    /// host now, and older cached copies of its blocks dropped now, in command order, as the
-    /// synchronous path does). It first waits for in-flight commands it conflicts with, and for
+    /// host now; older cached copies of its blocks are dropped only once it landed, see
+    /// [`ControllerCore::landed`]). It first waits for in-flight commands it conflicts with, and for
     /// room: a slot of the ring and, for a bounced transfer, `in_flight_bytes_max` (a direct one
     /// holds no buffer of the controller's: at 1 MiB that bound kept 16 of a QD 32 host's
     /// commands at the file, where fio keeps 32). An invalid command completes at once.
@@ -148,9 +148,10 @@ impl ControllerCore {
             return;
         }
         if waited {
-            // Finishing transfers changes neither the cache nor the store's descriptors (a
-            // fence comes with the fatal status above), so this only confirms the choice the
-            // room was counted for; asked again all the same rather than assumed.
+            // Finishing transfers leaves the store's descriptors as they were (a fence comes
+            // with the fatal status above) and can only drop cached blocks (a Write that landed),
+            // so a Read counted as bounced may go direct now (needing no bounced room), never
+            // the reverse.
             direct = self.direct_target(&io);
         }
         if let Some((fd, offset_bytes)) = direct {
@@ -168,8 +169,6 @@ impl ControllerCore {
                 self.recycle_buffer(buffer);
                 return self.complete(queue_id, completion_queue_id, sq_head, entry, Err(status), None, Instant::now());
             }
-            // Older cached copies of these blocks must not be written back over the new data.
-            self.cache.discard_range(namespace_index, start_lba, blocks);
         }
         if !self.reader.as_ref().is_some_and(UringReader::is_usable) {
             // The ring failed while this waited: the synchronous path does it.
@@ -221,10 +220,6 @@ impl ControllerCore {
     /// while the kernel may still use it (see `end_held`).
     fn start_direct(&mut self, mut io: PreparedIo, fd: std::os::fd::RawFd, offset_bytes: u64) {
         let len = io.len_bytes();
-        if io.write {
-            // Older cached copies of these blocks must not be written back over the new data.
-            self.cache.discard_range(io.namespace_index, io.start_lba, io.blocks);
-        }
         let direction = if io.write { Direction::Write } else { Direction::Read };
         let transfer = Transfer { fd, direction, offset_bytes, len_bytes: len };
         let regions = std::mem::take(&mut io.buffers.regions);
@@ -352,17 +347,36 @@ impl ControllerCore {
         self.end_io(io, completion.buffer, result, settle);
     }
 
+    /// Ends a command whose transfer the kernel gave back: finishes it (`Settle::Finish`), or
+    /// drops it without a completion. A dropped Write that did not complete is not redone: its
+    /// blocks keep whatever the cache and the store held before it (it never happened, which a
+    /// command without a completion may not have); one that completed landed all the same.
     pub(super) fn end_io(&mut self, io: PreparedIo, buffer: AlignedBuffer, result: Result<(), UringError>, settle: Settle) {
         if settle == Settle::Finish {
             self.finish_io(io, buffer, result);
         } else {
+            if io.write && result.is_ok() {
+                self.landed(&io);
+            }
             self.recycle_buffer(buffer);
         }
     }
 
+    /// A Write's data reached the store: older cached copies of its blocks must not be written
+    /// back over it, nor overlay it on reads. Dropped only now, not when the Write was fetched:
+    /// until it landed those copies are the newest completed data of the blocks (a reset may yet
+    /// drop the Write, and a controller reset keeps the cache), and nothing else touches the
+    /// blocks meanwhile (a command overlapping a Write in flight waits for it, any other command
+    /// that reads or fills the cache waits for everything in flight). Finishing can therefore
+    /// only drop cached blocks, never add any.
+    fn landed(&mut self, io: &PreparedIo) {
+        self.cache.discard_range(io.namespace_index, io.start_lba, io.blocks);
+    }
+
     /// Finishes one command after its transfer: a transfer that did not complete (short, refused,
     /// cancelled, never pushed) is redone synchronously from the same buffer, never a write the
-    /// kernel may still complete; a Read gets the cache overlay and its DMA to the host; then
+    /// kernel may still complete; a Write that landed drops older cached copies of its blocks
+    /// ([`ControllerCore::landed`]), a Read gets the cache overlay and its DMA to the host; then
     /// the completion is posted.
     fn finish_io(&mut self, io: PreparedIo, mut buffer: AlignedBuffer, result: Result<(), UringError>) {
         let len = io.len_bytes();
@@ -375,7 +389,12 @@ impl ControllerCore {
             } else {
                 self.counters.totals.batched_reads += 1;
             }
-            let durable = if io.write { self.sync_if_promised(io.entry.force_unit_access()) } else { Ok(()) };
+            let durable = if io.write {
+                self.landed(&io);
+                self.sync_if_promised(io.entry.force_unit_access())
+            } else {
+                Ok(())
+            };
             return self.finish_counted(io, buffer, durable.map(|()| 0));
         }
         if io.direct {
@@ -411,7 +430,10 @@ impl ControllerCore {
                 tracing::error!(%error, offset, "backing store read failed");
                 Err(media(codes::UNRECOVERED_READ_ERROR))
             }
-            Ok(()) if io.write => self.sync_if_promised(io.entry.force_unit_access()).map(|()| 0),
+            Ok(()) if io.write => {
+                self.landed(&io);
+                self.sync_if_promised(io.entry.force_unit_access()).map(|()| 0)
+            }
             Ok(()) => {
                 self.cache.overlay(io.namespace_index, io.start_lba, io.namespace.block_size_bytes as usize, data);
                 io.buffers.scatter(data).map(|()| 0)

@@ -8,7 +8,7 @@ use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use nvme_driver::hw::DmaRegion;
+use nvme_driver::hw::{DeviceBackend, DmaRegion};
 use nvme_driver::spec::registers;
 use nvme_driver::spec::status::codes;
 use nvme_driver::spec::{NvmeStatus, StatusCodeType, SubmissionEntry};
@@ -232,4 +232,71 @@ fn a_direct_write_the_kernel_keeps_is_never_completed_and_stops_the_controller()
     assert!(late == [block(0), block(1)].concat() || late == [block(1), block(0)].concat(), "the kept writes' data, from host memory");
     stalled.host.wait_ready(false);
     assert!(!stalled.host.csts().fatal(), "the reset completed once the kernel gave the writes back");
+}
+
+/// Block 3 written (0xA) into the cache and completed, then FUA writes of blocks 3 (0xB + 3)
+/// and 4 held in flight together, when `stop` stops the controller, which drops them without
+/// completing them. Returns the controller, brought up again, and the media's first 5 blocks
+/// right after the stop.
+fn stop_over_a_cached_write(name: &str, stop: impl FnOnce(&Stalled)) -> Option<(Stalled, Vec<u8>)> {
+    let mut stalled = Stalled::start(name, true)?;
+    let source = stalled.host.buffer(4096);
+    source.write(0, &block(0xA)).unwrap();
+    let cached = with_sgl(SubmissionEntry::write(NamespaceId(1), Lba(3), block_count(1), false), &source, 4096);
+    assert_eq!(status_of(&stalled.host.execute_on(&mut stalled.queue, cached)), Ok(()), "the cached write");
+    // Two FUA writes in one doorbell go through the ring (a lone one would be synchronous).
+    let sources: Vec<DmaRegion> = (0..2).map(|_| stalled.host.buffer(4096)).collect();
+    for (lba, source) in (3u64..).zip(&sources) {
+        source.write(0, &block(0xB + lba as u8)).unwrap();
+        let write = SubmissionEntry::write(NamespaceId(1), Lba(lba), block_count(1), true);
+        TestHost::push(&mut stalled.queue, with_sgl(write, source, 4096));
+    }
+    stalled.host.ring_submission(&stalled.queue);
+    let deadline = Instant::now() + DEADLINE;
+    while stalled.host.device.with_core(|core| core.in_flight_ranges().len()) != 2 {
+        assert!(Instant::now() < deadline, "the two FUA writes never were in flight together");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    stop(&stalled);
+    stalled.host.wait_ready(false);
+    assert!(TestHost::try_reap(&mut stalled.queue).is_none(), "a stop completed a write that was in flight");
+    let media = stalled.media_blocks(5);
+    stalled.enable_again();
+    Some((stalled, media))
+}
+
+/// Whether `data` is block 3's cached write (0xA) or the FUA write that followed it.
+fn either_write_of_block_3(data: &[u8]) -> bool {
+    data == block(0xA) || data == block(0xB + 3)
+}
+
+#[test]
+fn a_reset_keeps_a_completed_cached_write_when_a_later_write_of_its_block_is_dropped() {
+    // Goal: a completed (cached, unflushed) write survives a controller reset even when a later
+    // FUA write of the same block was in flight and the reset dropped it without completing it:
+    // afterwards the block reads as one of the two writes, never as what came before both (the
+    // cache survives a reset; the dropped write may or may not have happened). Until
+    // 2026-11-29 fetching the FUA write dropped the cached copy at once, and the reset dropped
+    // the write itself, so the block read as zeroes.
+    let stop = |stalled: &Stalled| {
+        let configuration = stalled.host.registers.read32(registers::CC);
+        stalled.host.registers.write32(registers::CC, configuration & !1);
+    };
+    let Some((mut stalled, _)) = stop_over_a_cached_write("reset-cached-write", stop) else { return };
+    let (status, data) = stalled.read(3);
+    assert_eq!(status, Ok(()));
+    assert!(either_write_of_block_3(&data), "block 3 lost its completed cached write across the reset");
+}
+
+#[test]
+fn a_function_reset_writes_back_a_cached_write_whose_later_write_it_dropped() {
+    // Goal: as for a controller reset; a function reset also writes the cache back, and that
+    // write-back still holds the completed cached write, so the media has one of the two writes
+    // of block 3 (until 2026-11-29 the cache no longer held it and the media kept zeroes).
+    let stop = |stalled: &Stalled| stalled.host.device.function_reset().expect("function reset");
+    let Some((mut stalled, media)) = stop_over_a_cached_write("flr-cached-write", stop) else { return };
+    assert!(either_write_of_block_3(&media[3 * 4096..4 * 4096]), "the function reset's write-back lost block 3's cached write");
+    let (status, data) = stalled.read(3);
+    assert_eq!(status, Ok(()));
+    assert!(either_write_of_block_3(&data));
 }
