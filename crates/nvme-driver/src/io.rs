@@ -312,10 +312,24 @@ impl IoQueuePair {
         self.queue.submit(entry, tag).map(|_| ())
     }
 
-    /// Like [`IoQueuePair::submit_raw`] but with a data pointer built for `segments`.
+    /// Like [`IoQueuePair::submit_raw`] but with a data pointer built for `segments`, which one
+    /// command's data pointer must describe whole (one PRP list page, or 256 SGL descriptors):
+    /// [`NvmeError::UnsupportedLayout`] otherwise, with nothing queued. (A pointer covering part
+    /// of the data would leave the controller reading past the end of a full PRP list page as a
+    /// pointer to the next one, §4.1.1.) The entry's own fields, its block count included, are
+    /// sent as given.
     pub fn submit_raw_with_data(&mut self, entry: SubmissionEntry, segments: &[DataSegment], tag: u64) -> Result<(), NvmeError> {
         self.check_epoch()?;
         let plan = plan_command(segments, Cursor::default(), u64::MAX, 1, self.mode)?.ok_or(NvmeError::EmptyTransfer)?;
+        let rest_empty = segments.get(plan.end.segment).is_none_or(|segment| plan.end.offset >= segment.len)
+            && segments.iter().skip(plan.end.segment.saturating_add(1)).all(|segment| segment.len == 0);
+        if !rest_empty {
+            return Err(NvmeError::UnsupportedLayout {
+                index: plan.end.segment,
+                reason: "the data needs more than one command's data pointer (one PRP list page or 256 SGL descriptors)",
+                mode: self.mode.name(),
+            });
+        }
         let mode = self.mode;
         self.queue.submit_with(entry, tag, |entry, scratch| build_data_pointer(entry, segments, &plan, mode, scratch))?;
         Ok(())
@@ -514,5 +528,29 @@ mod tests {
         let submitted = pair.submit_read(NamespaceId(1), Lba(0), &segments, 9);
         assert!(matches!(submitted, Err(NvmeError::InvalidBlockCount { blocks: 131072 })), "{submitted:?}");
         assert_eq!((pair.in_flight(), pair.unpublished_submissions()), (0, 0), "a command of the refused transfer was queued");
+    }
+
+    #[test]
+    fn a_raw_command_whose_data_one_data_pointer_cannot_describe_is_refused() {
+        // Goal: submit_raw_with_data builds one command's data pointer; data that needs more
+        // than one (4 MiB in PRP mode: 1024 pages, one list page holds 512) is a typed error
+        // with nothing queued. It used to queue a Read whose 512-entry list ended with a data
+        // page where a controller moving 4 MiB reads the pointer to the next list page (§4.1.1),
+        // so it would DMA at whatever address that data page's contents named. In SGL mode the
+        // limit is the 256 descriptors of one segment.
+        let controller = Controller::init(FakeDevice::new(FakeScript::default()), ControllerConfig::default()).expect("bring-up");
+        let mut pair = controller.create_io_queue_pair(8).expect("queue pair");
+        let read = |blocks| SubmissionEntry::read(NamespaceId(1), Lba(0), BlockCount::new(blocks).expect("block count"));
+        let whole = [DataSegment::new(Iova(0x1000_0000), 4 << 20)];
+        let scattered: Vec<_> = (0..257u64).map(|index| DataSegment::new(Iova(0x100_0000 + index * 0x2000), 4096)).collect();
+        for (mode, segments, blocks) in [(DataPointerMode::Prp, &whole[..], 1024), (DataPointerMode::Sgl, &scattered[..], 257)] {
+            pair.set_data_pointer_mode(mode);
+            let submitted = pair.submit_raw_with_data(read(blocks), segments, 0);
+            assert!(matches!(submitted, Err(NvmeError::UnsupportedLayout { .. })), "{}: {submitted:?}", mode.name());
+            assert_eq!(pair.in_flight(), 0, "{}", mode.name());
+        }
+        // What one command can describe is still accepted.
+        pair.set_data_pointer_mode(DataPointerMode::Prp);
+        pair.submit_raw_with_data(read(512), &[DataSegment::new(Iova(0x1000_0000), 2 << 20)], 0).expect("2 MiB in one list page");
     }
 }
