@@ -65,6 +65,11 @@ pub enum NvmeError {
     #[error("{queue} is full ({depth} entries): back-pressure, reap completions and retry")]
     QueueFull { queue: QueueId, depth: u32 },
 
+    /// A request needs more commands than the pair ever holds at once (depth − 1): unlike
+    /// [`NvmeError::QueueFull`] it never fits, however many completions are reaped.
+    #[error("{queue}: the request needs {commands} commands, more than the {capacity} a queue pair of this depth holds at once: split it, or use a deeper queue pair")]
+    TransferTooLarge { queue: QueueId, commands: u64, capacity: usize },
+
     #[error("{queue} still has {outstanding} command(s) in flight (an earlier command timed out and has not completed): nothing was submitted, and the late command's buffer is left alone; retry once it completes, or reset the controller")]
     QueueBusy { queue: QueueId, outstanding: usize },
 

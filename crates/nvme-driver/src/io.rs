@@ -149,6 +149,20 @@ impl IoQueuePair {
         Ok(())
     }
 
+    /// Whether `commands` commands can be queued now: [`NvmeError::TransferTooLarge`] if the
+    /// pair never holds that many at once (not back-pressure: reaping does not help),
+    /// [`NvmeError::QueueFull`] (back-pressure) if they do not fit its free slots now.
+    fn check_room(&self, commands: u64) -> Result<(), NvmeError> {
+        let capacity = self.queue.capacity();
+        if commands > capacity as u64 {
+            return Err(NvmeError::TransferTooLarge { queue: self.queue.id(), commands, capacity });
+        }
+        if commands > self.queue.free_slots() as u64 {
+            return Err(NvmeError::QueueFull { queue: self.queue.id(), depth: self.queue.depth() });
+        }
+        Ok(())
+    }
+
     /// The end (one past the last block) of `blocks` blocks from `start`, when they are at least
     /// one and all inside the namespace.
     fn check_range(namespace: &Namespace, start: Lba, blocks: u64) -> Result<Lba, NvmeError> {
@@ -200,9 +214,7 @@ impl IoQueuePair {
         }
         let (commands, bytes) = self.count_commands(segments, namespace.block_size_bytes)?;
         Self::check_range(&namespace, start, bytes / block)?;
-        if commands > self.queue.free_slots() {
-            return Err(NvmeError::QueueFull { queue: self.queue.id(), depth: self.queue.depth() });
-        }
+        self.check_room(commands as u64)?;
         let mut cursor = Cursor::default();
         let mut lba = start;
         while let Some(plan) = plan_command(segments, cursor, self.max_transfer_bytes, namespace.block_size_bytes, self.mode)? {
@@ -222,7 +234,9 @@ impl IoQueuePair {
 
     /// Queues reads of the LBA range starting at `start` into `segments` (scattered buffers allowed:
     /// one SGL list or PRP list per command). Returns the number of commands queued, each of which
-    /// completes with `tag`. Nothing is visible to the controller until [`IoQueuePair::ring_doorbell`].
+    /// completes with `tag`. All of them are queued or none: [`NvmeError::QueueFull`]
+    /// (back-pressure) when they do not fit the free slots now, [`NvmeError::TransferTooLarge`]
+    /// when they outnumber what the pair ever holds (depth − 1). Nothing is visible to the controller until [`IoQueuePair::ring_doorbell`].
     pub fn submit_read(&mut self, namespace: NamespaceId, start: Lba, segments: &[DataSegment], tag: u64) -> Result<usize, NvmeError> {
         let namespace = self.namespace(namespace)?;
         self.submit_transfer(namespace, start, segments, tag, |lba, blocks| SubmissionEntry::read(namespace.id, lba, blocks))
@@ -253,7 +267,8 @@ impl IoQueuePair {
     }
 
     /// Queues Write Zeroes over `blocks` blocks from `start` (split at [`BlockCount::MAX`] blocks
-    /// per command).
+    /// per command; more commands than the pair holds at once is
+    /// [`NvmeError::TransferTooLarge`]).
     pub fn submit_write_zeroes(
         &mut self,
         namespace: NamespaceId,
@@ -267,9 +282,7 @@ impl IoQueuePair {
         let end = Self::check_range(&namespace, start, blocks)?;
         let per_command = u64::from(BlockCount::MAX);
         let commands = blocks.div_ceil(per_command);
-        if commands > self.queue.free_slots() as u64 {
-            return Err(NvmeError::QueueFull { queue: self.queue.id(), depth: self.queue.depth() });
-        }
+        self.check_room(commands)?;
         let mut lba = start;
         // Every step stays below `end`, which check_range proved is a block number.
         while let Some(left) = end.checked_blocks_from(lba).filter(|&left| left > 0) {
@@ -528,6 +541,32 @@ mod tests {
         let submitted = pair.submit_read(NamespaceId(1), Lba(0), &segments, 9);
         assert!(matches!(submitted, Err(NvmeError::InvalidBlockCount { blocks: 131072 })), "{submitted:?}");
         assert_eq!((pair.in_flight(), pair.unpublished_submissions()), (0, 0), "a command of the refused transfer was queued");
+    }
+
+    #[test]
+    fn a_request_needing_more_commands_than_the_queue_holds_is_not_back_pressure() {
+        // Goal: back-pressure means "reap and retry"; a request that needs more commands than
+        // a queue of its depth ever holds at once (depth − 1) would never get in, so it is a
+        // distinct error, even on an idle pair, with nothing queued: Write Zeroes over 4 × 65536
+        // blocks needs 4 commands, a depth-4 pair holds 3, and so does a read cut into 4
+        // commands by the transfer limit. Both used to be QueueFull, which callers retry for
+        // ever. One command more than the free slots of a busy pair stays back-pressure.
+        let script = FakeScript { identify_namespaces: vec![identify_namespace_bytes(512, 1 << 20, 0, false)], ..FakeScript::default() };
+        let controller = Controller::init(FakeDevice::new(script), ControllerConfig::default()).expect("bring-up");
+        let mut pair = controller.create_io_queue_pair(4).expect("queue pair");
+        let zeroes = pair.submit_write_zeroes(NamespaceId(1), Lba(0), 4 * 65536, false, 0);
+        assert!(
+            matches!(zeroes, Err(NvmeError::TransferTooLarge { commands: 4, capacity: 3, .. }))
+                && !zeroes.as_ref().unwrap_err().is_backpressure(),
+            "{zeroes:?}"
+        );
+        let limit = pair.max_transfer_bytes();
+        let read = pair.submit_read(NamespaceId(1), Lba(0), &[DataSegment::new(Iova(0x1000_0000), (4 * limit) as u32)], 0);
+        assert!(matches!(read, Err(NvmeError::TransferTooLarge { commands: 4, capacity: 3, .. })), "{read:?}");
+        assert_eq!(pair.in_flight(), 0);
+        pair.submit_flush(NamespaceId(1), 0).expect("flush");
+        let busy = pair.submit_write_zeroes(NamespaceId(1), Lba(0), 3 * 65536, false, 0);
+        assert!(busy.as_ref().is_err_and(NvmeError::is_backpressure), "{busy:?}");
     }
 
     #[test]

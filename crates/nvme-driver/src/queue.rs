@@ -373,6 +373,11 @@ impl QueuePair {
         self.free.len().min(self.submission_room() as usize)
     }
 
+    /// The most commands the pair holds at once (depth − 1, one command slot each).
+    pub fn capacity(&self) -> usize {
+        self.slots.len()
+    }
+
     /// SQ entries we may still fill: the ring holds depth − 1 unconsumed entries at most.
     fn submission_room(&self) -> u32 {
         let unconsumed = ring_distance(self.sq_head, self.sq_tail, self.depth);
