@@ -336,17 +336,27 @@ impl Executor for CpuExecutor {
                 reason: format!("SQ at {} with {} entries does not hold batch {batch:?}", consumer.head(), consumer.len()),
             });
         }
+        let mut refused = None;
         for _ in 0..batch.count {
             let Some(id) = consumer.next() else { break };
             if id.0 >= memory.layout.config.depth {
                 return Err(GioError::Executor { executor: "cpu", reason: format!("SQ names {id}, outside the pool") });
             }
-            // Capacity is the depth and an IOCB is pending at most once: this never reallocates.
-            self.accept(memory.read_iocb_header(id));
+            match memory.read_issued_header(id) {
+                // Capacity is the depth and an IOCB is pending at most once: never reallocates.
+                Ok(header) => self.accept(header),
+                Err(error) => {
+                    // Line 0 was overwritten: nothing of it runs, and it ends now with its CQE.
+                    if let Err(posting) = finish_as_timeout(memory, id) {
+                        tracing::error!(%id, %posting, "gio-uring CPU executor: ending an IOCB with a corrupt line 0");
+                    }
+                    refused.get_or_insert(error);
+                }
+            }
         }
         // Commands are built on the next poll, not here: like a kernel launch, issue_io costs
         // O(IOCBs) on the caller's thread whatever the IOCTX count (wait_cqe polls at once).
-        Ok(())
+        refused.map_or(Ok(()), Err)
     }
 
     fn poll(&mut self, memory: &QueueMemory) -> Result<(), GioError> {
@@ -396,7 +406,14 @@ fn finish_command(memory: &QueueMemory, completion: nvme_driver::Completion, pos
         *posting = Err(GioError::Executor { executor: "cpu", reason: format!("completion tag {:#x} names no IOCB", completion.tag) });
         return;
     }
-    let header = memory.read_iocb_header(id);
+    let header = match memory.read_issued_header(id) {
+        Ok(header) => header,
+        Err(error) => {
+            // Not counted: the IOCB waits for a reset, which ends it as timed out.
+            *posting = Err(error);
+            return;
+        }
+    };
     let status = completion.status.map_err(|status| (abi::GIO_IOCB_STATUS_NVME_ERROR, abi_status(status)));
     if let Some(cqe) = complete_ioctx(memory, id, index, header.ioctx_count, header.issue_seq, status) {
         if let Err(error) = post_cqe(memory, cqe) {
@@ -409,6 +426,25 @@ fn finish_command(memory: &QueueMemory, completion: nvme_driver::Completion, pos
 mod tests {
     use super::*;
     use nvme_driver::spec::StatusCodeType;
+
+    #[test]
+    fn an_iocb_whose_line_0_was_overwritten_is_refused_with_an_error_not_a_panic() {
+        // Goal: the executor reads line 0 of an IOCB back from shared memory, so it checks it:
+        // an id that is not the SQ entry's (999: outside the pool) is a typed error of the
+        // issue, never a panic, and the IOCB still ends once (as timed out).
+        use crate::executor::test_double::{queue_with_one_read, Corrupting};
+        let id_field = core::mem::offset_of!(abi::gio_iocb, id);
+        let (mut queue, id) = queue_with_one_read(Corrupting::new(CpuExecutor::new(Vec::new(), 4), IocbId(0), id_field, 999));
+        let issued = queue.issue_io(&[id], crate::types::LayerIndex(0), crate::types::SmBudget(1));
+        match &issued {
+            Err(GioError::SubmitFailed { source, .. }) => {
+                assert!(matches!(**source, GioError::CorruptIocb { field: "id", value: 999, .. }), "{source}")
+            }
+            other => panic!("expected a refused issue, got {other:?}"),
+        }
+        let ended = queue.wait_cqe(id, Instant::now() + std::time::Duration::from_secs(5)).expect("ended once");
+        assert!(matches!(ended.result, Err(crate::IocbFailure::Timeout { .. })), "{:?}", ended.result);
+    }
 
     #[test]
     fn tags_round_trip_and_statuses_keep_their_fields() {

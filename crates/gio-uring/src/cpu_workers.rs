@@ -362,6 +362,7 @@ impl Executor for CpuWorkers {
             other => other.to_string(),
         });
         let mut ended = 0u32;
+        let mut refused = None;
         for _ in 0..batch.count {
             let Some(id) = consumer.next() else { break };
             if id.0 >= memory.layout.config.depth {
@@ -375,7 +376,17 @@ impl Executor for CpuWorkers {
                 }
                 continue;
             }
-            let header = memory.read_iocb_header(id);
+            let header = match memory.read_issued_header(id) {
+                Ok(header) => header,
+                Err(error) => {
+                    // Overwritten since `plan` read it: no worker gets it, and it ends now.
+                    if let Err(posting) = finish_as_timeout(memory, id) {
+                        tracing::error!(%id, %posting, "gio-uring CPU workers: ending an IOCB with a corrupt line 0");
+                    }
+                    refused.get_or_insert(error);
+                    continue;
+                }
+            };
             for (index, worker) in self.workers.iter().enumerate() {
                 if ioctx_index.range(id, index).1 == 0 {
                     continue; // dealt none of this IOCB's IOCTXs
@@ -390,7 +401,7 @@ impl Executor for CpuWorkers {
         }
         drop(consumer); // the head moves past the whole batch (Release)
         match failure {
-            None => Ok(()),
+            None => refused.map_or(Ok(()), Err),
             Some(error) => Err(GioError::Executor {
                 executor: "cpu-workers",
                 reason: format!("{error}; {ended} IOCBs of the batch no worker took were ended as timed out"),
@@ -481,7 +492,7 @@ impl CpuWorkers {
             if id.0 >= memory.layout.config.depth {
                 return Err(GioError::Executor { executor: "cpu-workers", reason: format!("SQ names {id}, outside the pool") });
             }
-            let header = memory.read_iocb_header(id);
+            let header = memory.read_issued_header(id)?;
             if self.built_for_budget[id.0 as usize] != budget {
                 // The IOCB's previous issue has completed: no worker reads its group any more.
                 self.deal(memory, &header, budget as usize)?;
@@ -651,6 +662,29 @@ mod tests {
 
     fn soon() -> Instant {
         Instant::now() + Duration::from_secs(5)
+    }
+
+    #[test]
+    fn an_iocb_whose_line_0_was_overwritten_is_refused_with_an_error_not_a_panic() {
+        // Goal: as for the CPU executor: a corrupt line 0 (an IOCTX count above the queue's
+        // maximum, then an id that is not the SQ entry's) is a typed error of the issue, the
+        // IOCB ends once as timed out, and the workers keep running.
+        use crate::error::IocbFailure;
+        use crate::executor::test_double::{queue_with_one_read, Corrupting};
+        use crate::types::{LayerIndex, SmBudget};
+        for (field, value) in
+            [(core::mem::offset_of!(crate::abi::gio_iocb, ioctx_count), 4000), (core::mem::offset_of!(crate::abi::gio_iocb, id), 999)]
+        {
+            let workers = CpuWorkers::new(0, vec![Vec::new()], 4).expect("workers");
+            let (mut queue, id) = queue_with_one_read(Corrupting::new(workers, IocbId(0), field, value));
+            let issued = queue.issue_io(&[id], LayerIndex(0), SmBudget(1));
+            assert!(matches!(&issued, Err(GioError::SubmitFailed { .. })), "field {field}: {issued:?}");
+            let ended = queue.wait_cqe(id, soon()).expect("ended once");
+            assert!(matches!(ended.result, Err(IocbFailure::Timeout { .. })), "field {field}: {:?}", ended.result);
+            queue.issue_io(&[id], LayerIndex(0), SmBudget(1)).expect("the workers still run");
+            let completion = queue.wait_cqe(id, soon()).expect("completes");
+            assert_eq!(completion.result, Err(IocbFailure::InvalidIoctx { ioctx_index: 0 }), "device 0 has no worker's queue pair");
+        }
     }
 
     #[test]

@@ -83,6 +83,10 @@ pub enum GioError {
     SubmissionQueueFull { free: u32, needed: u32 },
     #[error("{ring} ring corrupt: head {head}, tail {tail}, depth {depth}")]
     RingCorrupt { ring: &'static str, head: u32, tail: u32, depth: u32 },
+    /// Line 0 of an issued IOCB, read back from shared memory by an executor, is not what the
+    /// queue wrote there: another agent overwrote it. The IOCB is not run.
+    #[error("{id}: line 0 read back from shared memory is corrupt: {field} = {value} ({expected})")]
+    CorruptIocb { id: IocbId, field: &'static str, value: u32, expected: &'static str },
     #[error("completion for {id} (issue {issue_seq}) matches nothing in flight: {reason}")]
     UnexpectedCompletion { id: IocbId, issue_seq: u32, reason: &'static str },
     #[error("completion queue full: the executor cannot post a completion for {id}")]

@@ -331,6 +331,73 @@ pub(crate) mod test_double {
             Ok(())
         }
     }
+
+    /// Wraps an executor and, on the next `submit`, overwrites one 32-bit field of one IOCB's
+    /// line 0 first: what another agent scribbling on shared memory between the queue's write
+    /// and the executor's read looks like.
+    pub struct Corrupting<E> {
+        pub inner: E,
+        pub iocb: IocbId,
+        /// Offset of the field in `gio_iocb`.
+        pub field_offset: usize,
+        pub value: u32,
+        pub armed: bool,
+    }
+
+    impl<E: Executor> Corrupting<E> {
+        pub fn new(inner: E, iocb: IocbId, field_offset: usize, value: u32) -> Self {
+            Self { inner, iocb, field_offset, value, armed: true }
+        }
+    }
+
+    impl<E: Executor> Executor for Corrupting<E> {
+        fn name(&self) -> &'static str {
+            self.inner.name()
+        }
+        fn attach(&mut self, memory: &Arc<QueueMemory>) -> Result<(), GioError> {
+            self.inner.attach(memory)
+        }
+        fn prepared(&mut self, memory: &QueueMemory, id: IocbId) -> Result<(), GioError> {
+            self.inner.prepared(memory, id)
+        }
+        fn submit(&mut self, memory: &QueueMemory, batch: &IssueBatch) -> Result<(), GioError> {
+            if std::mem::take(&mut self.armed) {
+                memory.region.store_u32(memory.layout.iocb_offset(self.iocb) + self.field_offset, self.value, Ordering::Relaxed);
+            }
+            self.inner.submit(memory, batch)
+        }
+        fn poll(&mut self, memory: &QueueMemory) -> Result<(), GioError> {
+            self.inner.poll(memory)
+        }
+        fn retire_queue_pairs(&mut self) -> Option<bool> {
+            self.inner.retire_queue_pairs()
+        }
+    }
+
+    /// A queue of depth 4 over `executor` with one device (namespace 1, 512-byte blocks) and
+    /// one filled single-IOCTX Read IOCB on it, not issued.
+    pub fn queue_with_one_read<E: Executor>(executor: E) -> (crate::queue::GioQueue<E>, IocbId) {
+        use crate::abi::Opcode;
+        use crate::layout::QueueConfig;
+        use crate::types::{DeviceIndex, Iova, IovaRange, Lba};
+        use crate::validate::{Descriptor, DeviceInfo, DeviceTable, IocbSpec, IoctxSpec, RegisteredMemory};
+        let devices = DeviceTable::new(vec![DeviceInfo { nsid: 1, capacity_blocks: 1 << 20, block_bytes: 512, sgl_supported: true }]);
+        let registered = RegisteredMemory::new(vec![IovaRange::new(Iova(0x1000_0000), 1 << 20)]).expect("registered");
+        let config = QueueConfig { depth: 4, ioctx_per_iocb_max: 4 };
+        let mut queue = crate::queue::GioQueue::init_queue(config, devices, registered, executor).expect("queue");
+        let id = queue.get_iocb(1, Dependency::None).expect("IOCB")[0];
+        let ioctx = IoctxSpec {
+            device: DeviceIndex(0),
+            nsid: 1,
+            start_lba: Lba(0),
+            block_count: 1,
+            data: Iova(0x1000_0000),
+            descriptor: Descriptor::SglInline,
+            force_unit_access: false,
+        };
+        queue.fill_iocb(id, &IocbSpec::single(Opcode::Read, 0), &[ioctx]).expect("fill");
+        (queue, id)
+    }
 }
 
 #[cfg(test)]

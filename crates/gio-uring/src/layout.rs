@@ -282,6 +282,33 @@ impl QueueMemory {
         }
     }
 
+    /// Reads the CPU line of an issued IOCB for an executor, which must not trust it: line 0
+    /// is shared memory another agent can write. It must name itself (`id` is its position:
+    /// kernels/gio_abi.h), own its IOCTXs (`ioctx_first` as the layout places them), hold
+    /// `1..=ioctx_per_iocb_max` of them, and be issued for a layer below its layer count.
+    /// Only then are offsets derived from it (the IOCTX records, its executor line) in bounds.
+    pub fn read_issued_header(&self, id: IocbId) -> Result<IocbHeader, GioError> {
+        let depth = self.layout.config.depth;
+        if id.0 >= depth {
+            return Err(GioError::UnknownIocb { id, depth });
+        }
+        let header = self.read_iocb_header(id);
+        let corrupt = |field, value, expected| Err(GioError::CorruptIocb { id, field, value, expected });
+        if header.id != id.0 {
+            return corrupt("id", header.id, "its position in the pool");
+        }
+        if header.ioctx_first != self.layout.ioctx_first(id) {
+            return corrupt("ioctx_first", header.ioctx_first, "the first IOCTX the layout gives it");
+        }
+        if header.ioctx_count == 0 || header.ioctx_count > self.layout.config.ioctx_per_iocb_max {
+            return corrupt("ioctx_count", header.ioctx_count, "1..=the queue's IOCTXs per IOCB");
+        }
+        if header.layer >= header.layer_count {
+            return corrupt("layer", header.layer, "below its layer count");
+        }
+        Ok(header)
+    }
+
     /// Writes the executor line. `status` is stored last with `status_order` so that a reader that
     /// acquires `status` sees the other fields.
     pub fn write_iocb_progress(&self, id: IocbId, progress: &IocbProgress, status_order: Ordering) {
@@ -481,6 +508,42 @@ mod tests {
         }
         assert_eq!(memory.read_ioctx(8).nsid, 0);
         assert_eq!(memory.read_ioctx(12).nsid, 0);
+    }
+
+    #[test]
+    fn a_corrupt_line_0_is_refused_field_by_field() {
+        // Goal: each field an executor derives offsets or counts from is checked against what
+        // the queue wrote; an id outside the pool is an error, not a panic.
+        let memory = QueueMemory::new(QueueConfig { depth: 4, ioctx_per_iocb_max: 8 }).unwrap();
+        let id = IocbId(2);
+        let good = IocbHeader {
+            id: 2,
+            ioctx_count: 8,
+            ioctx_first: 16,
+            layer_count: 4,
+            layer: 3,
+            issue_seq: 1,
+            opcode: abi::Opcode::Read.to_abi(),
+            user_data: 0,
+            lba_stride_blocks: 0,
+            mem_stride_bytes: 0,
+            desc_stride_bytes: 0,
+        };
+        memory.write_iocb_header(id, &good);
+        assert_eq!(memory.read_issued_header(id).unwrap(), good);
+        let cases = [
+            ("id", IocbHeader { id: 999, ..good }),
+            ("ioctx_first", IocbHeader { ioctx_first: 8, ..good }),
+            ("ioctx_count", IocbHeader { ioctx_count: 0, ..good }),
+            ("ioctx_count", IocbHeader { ioctx_count: 9, ..good }),
+            ("layer", IocbHeader { layer: 4, ..good }),
+        ];
+        for (expected, header) in cases {
+            memory.write_iocb_header(id, &header);
+            let error = memory.read_issued_header(id).unwrap_err();
+            assert!(matches!(error, GioError::CorruptIocb { field, .. } if field == expected), "{header:?}: {error}");
+        }
+        assert!(matches!(memory.read_issued_header(IocbId(4)), Err(GioError::UnknownIocb { .. })));
     }
 
     #[test]

@@ -8,9 +8,12 @@
 //! accesses the same fields with `volatile`/atomic operations of the same width (kernels/), so no
 //! location is ever accessed with two different sizes at once.
 //!
-//! Offsets come from [`crate::layout`], computed from validated configuration, never from data
-//! read back from shared memory; an offset out of bounds or misaligned is a bug in this crate and
-//! panics before any memory is touched.
+//! Offsets come from [`crate::layout`], computed from validated configuration. Some derive from
+//! values read back from shared memory (an SQ entry's IOCB id, an IOCB's `ioctx_first` and
+//! `ioctx_count`): the executors check those first (`sq_entry`, the SQ-entry checks of the CPU
+//! executors, [`crate::layout::QueueMemory::read_issued_header`]) and refuse a bad one with an
+//! error. An offset out of bounds or misaligned that still reaches this module is a bug in this
+//! crate and panics before any memory is touched.
 
 use std::alloc::{self, Layout};
 use std::ptr::NonNull;

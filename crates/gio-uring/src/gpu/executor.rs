@@ -423,7 +423,7 @@ impl GpuExecutor {
         let mut chunks = 0u64;
         for position in 0..batch.count {
             let id = sq_entry(memory, batch.sq_first.wrapping_add(position)).map_err(|error| (false, error))?;
-            let header = memory.read_iocb_header(id);
+            let header = memory.read_issued_header(id).map_err(|error| (false, error))?;
             chunks += plan::chunks_of(header.ioctx_count);
             if staged && u32::from(header.opcode) == abi::GIO_OPCODE_WRITE {
                 let shift = u64::from(header.layer) * header.mem_stride_bytes;
@@ -450,7 +450,7 @@ impl GpuExecutor {
         if staged {
             for position in 0..batch.count {
                 let id = sq_entry(memory, batch.sq_first.wrapping_add(position)).map_err(|error| (true, error))?;
-                let header = memory.read_iocb_header(id);
+                let header = memory.read_issued_header(id).map_err(|error| (true, error))?;
                 if u32::from(header.opcode) == abi::GIO_OPCODE_READ {
                     let shift = u64::from(header.layer) * header.mem_stride_bytes;
                     self.copy_runs(&attached.runs[id.0 as usize], shift, CopyDirection::ToGpu).map_err(|error| (true, error))?;
@@ -579,7 +579,7 @@ impl Executor for GpuExecutor {
         let Some(attached) = self.attached.as_mut() else {
             return Err(executor_error("not attached to a queue".into()));
         };
-        let header = memory.read_iocb_header(id);
+        let header = memory.read_issued_header(id)?;
         let ioctxs = (0..header.ioctx_count).map(|index| {
             let ioctx = memory.read_ioctx(header.ioctx_first + index);
             StagedIoctx {
