@@ -679,3 +679,22 @@ fn an_attach_grant_with_block_sizes_or_a_transfer_limit_the_driver_cannot_use_is
     let halves = [DataSegment::new(buffer.iova(), 4096), DataSegment::new(buffer.iova().checked_add(4096).expect("iova"), 4096)];
     assert_eq!(pair.submit_read(NamespaceId(1), Lba(0), &halves, 0).expect("a two-segment read"), 1);
 }
+
+#[test]
+fn command_id_ffff_is_never_issued() {
+    // Goal: FFFFh should not be used as a command id (the Error Information log uses it for
+    // "no particular command"). A depth-3 pair has one slot bit, so its slot 1 reaches id
+    // FFFFh when its 15-bit generation is all ones, after 32767 commands; with both slots busy
+    // every round, 70,000 rounds wrap the generation twice. It used to issue FFFFh.
+    let (_device, controller) = bring_up(FakeScript::default());
+    let mut queue = controller.create_io_queue_pair(3).expect("queue pair");
+    for round in 0..70_000u64 {
+        for tag in 0..2 {
+            queue.submit_raw(flush(), tag).expect("submit");
+        }
+        queue.ring_doorbell().expect("ring");
+        let mut ids = Vec::with_capacity(2);
+        assert_eq!(queue.reap(2, |completion| ids.push(completion.command_id.0)).expect("reap"), 2, "round {round}");
+        assert!(!ids.contains(&0xFFFF), "round {round} issued command id FFFFh");
+    }
+}

@@ -417,7 +417,17 @@ impl QueuePair {
         let Some(slot) = self.free.pop() else {
             return Err(NvmeError::QueueFull { queue: self.id, depth: self.depth });
         };
-        let command_id = self.command_id(slot);
+        let mut command_id = self.command_id(slot);
+        if command_id.0 == u16::MAX {
+            // FFFFh should not be used as a command id (the CID field of the common command
+            // format: the Error Information log uses it for "no particular command"). Only the
+            // top slot of a ring whose slot count is a power of two reaches it, once per wrap
+            // of its generation: skip that generation (a late completion of the previous one
+            // still matches nothing).
+            let entry = &mut self.slots[usize::from(slot)];
+            entry.generation = entry.generation.wrapping_add(1);
+            command_id = self.command_id(slot);
+        }
         self.issue_sequence += 1;
         let entry = &mut self.slots[usize::from(slot)];
         entry.issued = self.issue_sequence;
