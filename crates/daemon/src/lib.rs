@@ -11,6 +11,7 @@
 //! - [`keys`]: key spaces (model fingerprint + tensor-parallel rank/world size);
 //! - [`lock`]: one daemon per pool (advisory locks that name their holder);
 //! - [`metrics`]: Prometheus metrics and their HTTP endpoint;
+//! - [`peer`]: whether a client process still runs (pid and start time, from `/proc`);
 //! - [`pool_open`]: opening the daemon's devices and pool from device strings;
 //! - [`relay`]: the doorbell relay (a client's doorbells on a device whose BAR0 the daemon
 //!   keeps: VFIO, or a software controller in relay mode);
@@ -30,6 +31,7 @@ pub mod gpu_memory;
 pub mod keys;
 pub mod lock;
 pub mod metrics;
+pub mod peer;
 pub mod pool_open;
 pub mod protocol;
 pub mod relay;

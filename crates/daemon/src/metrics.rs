@@ -169,6 +169,7 @@ pub struct Metrics {
     leaked_windows: Gauge,
     leaked_window_bytes: Gauge,
     leaked_requests: Gauge,
+    sessions_awaiting_exit: Gauge,
     relay_passes: Counter,
     relay_doorbells: Family<DoorbellLabels, Counter>,
     relay_queues: Gauge,
@@ -188,6 +189,8 @@ pub struct Snapshot {
     pub leaked_windows: u64,
     pub leaked_window_bytes: u64,
     pub leaked_requests: u64,
+    /// Sessions ended while their client still runs, kept until it exits.
+    pub sessions_awaiting_exit: u64,
     pub relay: crate::relay::RelayCounts,
     /// Per attached session with relayed pairs.
     pub client_relay: Vec<ClientRelay>,
@@ -242,6 +245,13 @@ impl Metrics {
         );
         registry.register("leaked_window_bytes", "Bytes of those windows", leaked_window_bytes.clone());
         registry.register("leaked_requests", "Requests whose reserved slots are kept for good", leaked_requests.clone());
+        let sessions_awaiting_exit = Gauge::default();
+        registry.register(
+            "sessions_awaiting_exit",
+            "Sessions the daemon ended while their client process still runs: their queue pairs, windows and reservations are \
+             kept until it exits",
+            sessions_awaiting_exit.clone(),
+        );
         let (relay_passes, relay_doorbells, relay_queues) =
             (Counter::default(), Family::<DoorbellLabels, Counter>::default(), Gauge::default());
         let client_doorbells = Family::<ClientDoorbellLabels, Counter>::default();
@@ -276,6 +286,7 @@ impl Metrics {
             leaked_windows,
             leaked_window_bytes,
             leaked_requests,
+            sessions_awaiting_exit,
             relay_passes,
             relay_doorbells,
             relay_queues,
@@ -344,6 +355,7 @@ impl Metrics {
         self.leaked_windows.set(gauge_value(snapshot.leaked_windows));
         self.leaked_window_bytes.set(gauge_value(snapshot.leaked_window_bytes));
         self.leaked_requests.set(gauge_value(snapshot.leaked_requests));
+        self.sessions_awaiting_exit.set(gauge_value(snapshot.sessions_awaiting_exit));
         {
             let relay = &snapshot.relay;
             let mut seen = self.relay_seen.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
@@ -448,7 +460,14 @@ mod tests {
         metrics.transferred(objstore::Direction::Retrieve, objstore::Transferred { bytes: 8192, commands: 2 });
         metrics.transferred(objstore::Direction::Retrieve, objstore::Transferred { bytes: 4096, commands: 1 });
         metrics.transferred(objstore::Direction::Store, objstore::Transferred { bytes: 512, commands: 1 });
-        let mut snapshot = Snapshot { clients: 2, connections: 3, leaked_queue_pairs: 1, leaked_window_bytes: 4096, ..Snapshot::default() };
+        let mut snapshot = Snapshot {
+            clients: 2,
+            connections: 3,
+            leaked_queue_pairs: 1,
+            leaked_window_bytes: 4096,
+            sessions_awaiting_exit: 1,
+            ..Snapshot::default()
+        };
         snapshot.pool.free_slots = 7;
         snapshot.pool.evictions = 5;
         snapshot.relay = crate::relay::RelayCounts { passes: 40, forwarded: 12, dropped: 1, queues: 2 };
@@ -471,6 +490,7 @@ mod tests {
             "tuttid_bytes_total{direction=\"Store\"} 512",
             "tuttid_commands_total{direction=\"Store\"} 1",
             "tuttid_leaked_queue_pairs 1",
+            "tuttid_sessions_awaiting_exit 1",
             "tuttid_leaked_window_bytes 4096",
             "tuttid_leaked_windows 0",
             "tuttid_relay_passes_total 40",

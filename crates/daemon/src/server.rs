@@ -156,6 +156,9 @@ struct SessionRecord {
     requests_in_flight: u32,
     /// The relay's counters of the session's relayed pairs (set when it attaches queues).
     relay: Vec<Arc<PairCounters>>,
+    /// The session ended while its client may still ring its queues: its holdings are kept
+    /// until the client's process exits (`Connection::await_peer_exit`).
+    awaiting_exit: bool,
 }
 
 impl SessionRecord {
@@ -457,7 +460,7 @@ fn metrics_snapshot(shared: &Shared) -> Snapshot {
         let store = lock(&shared.store);
         (store.control.counts(), store.relay.counts())
     };
-    let (clients, client_relay) = {
+    let (clients, client_relay, sessions_awaiting_exit) = {
         let sessions = lock(&shared.sessions);
         let relayed = sessions.iter().filter(|(_, record)| !record.relay.is_empty());
         let client_relay = relayed
@@ -466,7 +469,8 @@ fn metrics_snapshot(shared: &Shared) -> Snapshot {
                 ClientRelay { session, name: record.name.clone(), forwarded, dropped }
             })
             .collect();
-        (sessions.len() as u64, client_relay)
+        let awaiting_exit = sessions.values().filter(|record| record.awaiting_exit).count() as u64;
+        (sessions.len() as u64, client_relay, awaiting_exit)
     };
     let leaks = &shared.leaks;
     Snapshot {
@@ -477,6 +481,7 @@ fn metrics_snapshot(shared: &Shared) -> Snapshot {
         leaked_windows: leaks.windows.load(Ordering::Relaxed),
         leaked_window_bytes: leaks.window_bytes.load(Ordering::Relaxed),
         leaked_requests: leaks.requests.load(Ordering::Relaxed),
+        sessions_awaiting_exit,
         relay,
         client_relay,
     }

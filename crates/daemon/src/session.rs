@@ -138,6 +138,12 @@ impl Holdings {
         self.registrations.iter().map(|registration| registration.queues.len() as u32).sum()
     }
 
+    /// Whether one of the session's queue pairs has its doorbells in a software controller's
+    /// shared register page (which the client writes directly) rather than behind the relay.
+    pub fn rings_shared_registers(&self) -> bool {
+        self.registrations.iter().any(|registration| registration.queues.len() > registration.relayed.len())
+    }
+
     pub fn requests_in_flight(&self) -> u32 {
         self.handles.len() as u32
     }

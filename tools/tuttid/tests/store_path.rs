@@ -51,15 +51,7 @@ fn layers(store: &mut RemoteKvStore) -> u32 {
 /// layer by layer; checks no request went to the daemon per layer. Returns the plan's new
 /// blocks; commits unless `commit` is false (then returns with the store prepared).
 fn store_prompt(store: &mut RemoteKvStore, seed: u32, rank: u32, stop_before: Option<&str>) -> usize {
-    let block_tokens = store.hello_reply().shape.block_tokens;
-    let tokens = prompt(seed, block_tokens);
-    let block_bytes = store.block_bytes() as usize;
-    for block in 0..BLOCKS {
-        let bytes: Vec<u8> = (0..block_bytes).map(|offset| pattern_byte(seed, rank, block, offset)).collect();
-        store.write_block(block as u32, 0, &bytes).unwrap();
-    }
-    let block_ids: Vec<u32> = (0..BLOCKS as u32).collect();
-    let plan = store.prepare_store(&KvRequest { tokens: &tokens, block_ids: &block_ids }).expect("prepare_store");
+    let plan = prepare_prompt(store, seed, rank);
     if stop_before == Some("prepared") {
         return plan.new_blocks;
     }
@@ -75,6 +67,24 @@ fn store_prompt(store: &mut RemoteKvStore, seed: u32, rank: u32, stop_before: Op
     assert_eq!(store.requests_sent(), sent, "the per-layer path sent requests to the daemon");
     assert_eq!(store.commit_store(plan.handle).expect("commit"), plan.new_blocks);
     plan.new_blocks
+}
+
+/// Writes prompt `seed`'s blocks into engine blocks 0..BLOCKS and prepares their store.
+fn prepare_prompt(store: &mut RemoteKvStore, seed: u32, rank: u32) -> objstore::StorePlan {
+    let block_tokens = store.hello_reply().shape.block_tokens;
+    let tokens = prompt(seed, block_tokens);
+    let block_bytes = store.block_bytes() as usize;
+    for block in 0..BLOCKS {
+        let bytes: Vec<u8> = (0..block_bytes).map(|offset| pattern_byte(seed, rank, block, offset)).collect();
+        store.write_block(block as u32, 0, &bytes).unwrap();
+    }
+    let block_ids: Vec<u32> = (0..BLOCKS as u32).collect();
+    store.prepare_store(&KvRequest { tokens: &tokens, block_ids: &block_ids }).expect("prepare_store")
+}
+
+/// The store's queue ids as one word (`3,7`).
+fn queue_list(store: &RemoteKvStore) -> String {
+    store.queue_ids().iter().map(u16::to_string).collect::<Vec<_>>().join(",")
 }
 
 /// Looks prompt `seed` up and retrieves it into engine blocks in reverse order; checks every
@@ -129,6 +139,34 @@ fn store_child_entry() {
             let tokens = prompt(seed, store.hello_reply().shape.block_tokens);
             println!("CHILD all-ranks {}", store.lookup_all_ranks(&tokens, 0).unwrap());
         }
+        "store-on-queues" => {
+            let stored = store_prompt(&mut store, seed, rank, None);
+            println!("CHILD stored {stored} on {}", queue_list(&store));
+        }
+        "outlive-lease" => {
+            // Prepares a store, says which queues it has, then waits (bounded) for the parent's
+            // go file: past its lease by then, it runs the store's layers on its queues as an
+            // engine that did not notice would, and tries to commit.
+            let plan = prepare_prompt(&mut store, seed, rank).handle;
+            println!("CHILD parked on {}", queue_list(&store));
+            use std::io::Write;
+            std::io::stdout().flush().unwrap();
+            let go = socket.with_file_name(format!("go-{seed}"));
+            let deadline = Instant::now() + WAIT;
+            while !go.exists() {
+                assert!(Instant::now() < deadline, "no go file within {WAIT:?}");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let mut layers_done = 0;
+            for layer in 0..layers(&mut store) {
+                store.store_layer(plan, layer, SmBudget(1)).expect("store_layer");
+                if store.wait(plan, Instant::now() + WAIT).expect("wait") == Some(layer) {
+                    layers_done += 1;
+                }
+            }
+            let commit = if store.commit_store(plan).is_ok() { "committed" } else { "refused" };
+            println!("CHILD rang {layers_done}-layers-{commit}");
+        }
         stop @ ("prepared" | "layer-in-flight") => {
             store_prompt(&mut store, seed, rank, Some(stop));
             println!("CHILD parked");
@@ -156,6 +194,11 @@ fn start_child(socket: &Path, role: &str, rank: u32, world: u32, seed: u32) -> C
 
 /// The last word of the child's `CHILD` line (bounded: a child that dies first fails the test).
 fn child_line(child: &mut Child) -> String {
+    child_lines(child).recv_timeout(WAIT).expect("the child printed no CHILD line")
+}
+
+/// The last word of each of the child's `CHILD` lines, as they come.
+fn child_lines(child: &mut Child) -> std::sync::mpsc::Receiver<String> {
     let stdout = child.stdout.take().unwrap();
     let (sender, receiver) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
@@ -171,7 +214,7 @@ fn child_line(child: &mut Child) -> String {
             }
         }
     });
-    receiver.recv_timeout(WAIT).expect("the child printed no CHILD line")
+    receiver
 }
 
 fn status(daemon: &Daemon) -> StatusReply {
@@ -459,25 +502,55 @@ fn a_stray_command_on_a_client_queue_is_refused_by_the_software_controller() {
 }
 
 #[test]
-fn a_lease_expiry_and_a_drain_release_a_sessions_store_without_committing_it() {
-    // Goal: the other ways a session ends take the same path as a kill. A client that prepared
-    // a store and then falls silent past the lease loses its session, its queue pair and its
-    // reservation; a client holding a store with a layer in flight when the daemon is told to
-    // stop (SIGTERM) does not stop the drain, and the pool reopened afterwards holds only what
-    // was committed (one committed prompt), with no damaged header.
+fn a_client_running_past_its_lease_keeps_its_queues_until_it_exits() {
+    // Goal: a session the daemon ends (here its lease) while its client process still runs
+    // keeps its queue pairs, window and reservation until that process exits. The client rings
+    // its doorbells in the software controller's shared register page and does not know its
+    // session ended, so a queue id given to the next client meanwhile would take the old
+    // client's doorbells: the next client gets other queues, the old one's layers run on its
+    // own (moving only its own slots), its commit is refused, and once it exits everything it
+    // held goes back, nothing of its store visible, the next client's prompt intact.
+    let directory = tempfile::tempdir().unwrap();
+    let mut daemon = Daemon::start(directory.path(), "emu:mem:64m", &["--format", "--lease", "1s", "--metrics", "127.0.0.1:0"]);
+    let metrics = daemon.metrics_url();
+    let mut stale = start_child(&daemon.socket, "outlive-lease", 0, 1, 80);
+    let stale_lines = child_lines(&mut stale);
+    let stale_queues = stale_lines.recv_timeout(WAIT).expect("the stale client's queues");
+    let deadline = Instant::now() + WAIT;
+    while !common::scrape(&metrics).contains("tuttid_sessions_awaiting_exit 1") {
+        assert!(Instant::now() < deadline, "the stale session's lease did not expire: {}", common::scrape(&metrics));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let held = status(&daemon);
+    assert_eq!(held.clients.len(), 1, "{held:?}");
+    assert_eq!((held.clients[0].queue_pairs, held.clients[0].requests_in_flight), (1, 1), "its pair and store are kept");
+    assert!(held.pool.writing_slots > 0, "its slots stay reserved: {:?}", held.pool);
+    let mut next = start_child(&daemon.socket, "store-on-queues", 0, 1, 81);
+    let next_queues = child_line(&mut next);
+    assert!(wait_bounded(&mut next).success());
+    assert_ne!(next_queues, stale_queues, "the next client got the stale one's queues");
+    std::fs::write(directory.path().join("go-80"), b"").unwrap();
+    assert_eq!(stale_lines.recv_timeout(WAIT).expect("the stale client's outcome"), "2-layers-refused");
+    assert!(wait_bounded(&mut stale).success());
+    let after = status_when(&daemon, "the stale client's session ends with its process", |status| status.clients.is_empty());
+    assert_idle(&after);
+    assert_eq!(after.pool.cached_blocks, BLOCKS as u64, "only the next client's prompt");
+    assert!(common::scrape(&metrics).contains("tuttid_sessions_awaiting_exit 0"));
+    assert_eq!(run_child(&daemon.socket, "lookup", 0, 1, 80), "0", "the stale store is not visible");
+    assert_eq!(run_child(&daemon.socket, "retrieve", 0, 1, 81), BLOCKS.to_string(), "the next client's prompt is intact");
+}
+
+#[test]
+fn a_drain_releases_a_sessions_store_without_committing_it() {
+    // Goal: a client holding a store with a layer in flight when the daemon is told to stop
+    // (SIGTERM) does not stop the drain, and the pool reopened afterwards holds only what was
+    // committed (one committed prompt), with no damaged header. (A lease's expiry:
+    // `a_client_running_past_its_lease_keeps_its_queues_until_it_exits`.)
     let directory = tempfile::tempdir().unwrap();
     let image = directory.path().join("pool.img");
     let device = format!("emu:{}", image.display());
     let daemon = Daemon::start(directory.path(), &device, &["--format", "--emu-create-bytes", "64m", "--lease", "1s"]);
     assert_eq!(run_child(&daemon.socket, "store", 0, 1, 70), BLOCKS.to_string());
-    let mut silent = start_child(&daemon.socket, "prepared", 0, 1, 71);
-    assert_eq!(child_line(&mut silent), "parked");
-    assert_eq!(status(&daemon).clients.len(), 1);
-    let after = status_when(&daemon, "the silent session's lease expires", |status| status.clients.is_empty());
-    assert_idle(&after);
-    assert_eq!(after.pool.cached_blocks, BLOCKS as u64);
-    silent.kill().unwrap();
-    let _ = silent.wait();
 
     let mut in_flight = start_child(&daemon.socket, "layer-in-flight", 0, 1, 72);
     assert_eq!(child_line(&mut in_flight), "parked");

@@ -144,6 +144,8 @@ pub struct RemoteKvStore {
     crcs: Vec<u32>,
     /// What the daemon accepted of this store's reports, per direction (retrieve, store).
     reported: [Transferred; 2],
+    /// The queue ids the daemon granted, one per pool device.
+    queue_ids: Vec<u16>,
 }
 
 /// `layout` with its offsets (from the device memory's start) moved to `base`, the IOVA the
@@ -381,6 +383,7 @@ impl RemoteKvStore {
         let dma: Arc<dyn DmaAllocator> = Arc::new(window.clone());
         let executor = CpuExecutor::new(pairs, config.store.iocbs);
         let payload_crcs = shape.payload_crcs;
+        let queue_ids = grants.iter().map(|grant| grant.queue_id).collect();
         let data = StoreData::new(shape, registration, dma, executor, config.store)?;
         Ok(RemoteKvStore {
             data,
@@ -395,7 +398,14 @@ impl RemoteKvStore {
             payload_crcs,
             crcs: Vec::new(),
             reported: [Transferred::default(); 2],
+            queue_ids,
         })
+    }
+
+    /// The NVMe queue ids of this store's queue pairs, one per pool device (for diagnostics:
+    /// which of a controller's queues are this process's).
+    pub fn queue_ids(&self) -> &[u16] {
+        &self.queue_ids
     }
 
     /// What this store reported moving in `direction` and the daemon accepted (at commit and

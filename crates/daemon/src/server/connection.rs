@@ -12,6 +12,7 @@ use crate::cluster::{ClusterAgent, PreparedStores};
 use crate::frame_io::{read_frame, write_frame, write_frame_with_fds, ReadOutcome};
 use crate::keys::KeySpace;
 use crate::metrics::RequestLabel;
+use crate::peer::PeerProcess;
 use crate::protocol::{encode_frame, ClusterStatusReply, ErrorCode, HelloReply, Kind, Reply, Request};
 use crate::session::Holdings;
 use crate::DaemonError;
@@ -25,12 +26,19 @@ pub(super) fn serve_connection(mut stream: UnixStream, shared: &Shared) {
         session: None,
         peer_pid: 0,
         peer_uid: 0,
+        peer: None,
+        ending: Ending::Other,
         keys: Vec::new(),
         holdings: Holdings::default(),
         prepared_stores: PreparedStores::default(),
     };
     let outcome = connection.run(&mut stream, shared);
+    // The client sees the close now, whatever its session's end waits for below.
+    drop(stream);
     if let Some(session) = connection.session.take() {
+        if connection.may_still_ring(shared) {
+            connection.await_peer_exit(shared, session);
+        }
         release_session(shared, session, &mut connection.holdings);
     }
     shared.connections.fetch_sub(1, Ordering::AcqRel);
@@ -50,10 +58,26 @@ fn release_session(shared: &Shared, session: u64, holdings: &mut Holdings) {
     lock(&shared.sessions).remove(&session);
 }
 
+/// How a connection ended, as far as its client's queues are concerned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Ending {
+    /// The client closed its socket (or was killed: the kernel closed it). The client library
+    /// closes only once its data half is gone, so nothing of it rings the queues any more.
+    PeerClosed,
+    /// The daemon drains: its controllers go with it.
+    DaemonStopping,
+    /// The daemon ended it (lease, frame timeout, protocol error, an answer it could not
+    /// send): the client may still be running its data path.
+    Other,
+}
+
 pub(super) struct Connection {
     pub(super) session: Option<u64>,
     pub(super) peer_pid: u32,
     pub(super) peer_uid: u32,
+    /// The client process as it was at accept (pid and start time), when it can be told.
+    pub(super) peer: Option<PeerProcess>,
+    pub(super) ending: Ending,
     /// Block keys of the request being served (reused).
     pub(super) keys: Vec<u64>,
     /// The session's store-path holdings.
@@ -63,6 +87,48 @@ pub(super) struct Connection {
 }
 
 impl Connection {
+    /// Whether the client may still ring its queues' doorbells after its session ended: the
+    /// daemon ended the session (not the client's close), the client's process still runs (or
+    /// cannot be told apart from a later one), and one of its pairs has its doorbells in a
+    /// software controller's shared register page, which the client writes directly. (A
+    /// relayed pair's doorbells stop with the relay, the first step of every release.)
+    fn may_still_ring(&self, shared: &Shared) -> bool {
+        self.ending == Ending::Other
+            && !shared.stop.is_stopped()
+            && self.holdings.rings_shared_registers()
+            && self.peer.as_ref().is_none_or(|peer| !peer.has_exited())
+    }
+
+    /// Keeps the ended session's holdings (queue pairs, windows, reservations) until its client
+    /// process exits or the daemon stops, checking every tick. Deleting the pairs earlier would
+    /// free their queue ids for the next client while this one may still write their doorbells
+    /// (a client does not see its session end until it next talks to the daemon), and its
+    /// doorbells would then reach the next client's queue. Kept, they reach only its own pairs,
+    /// which move only its own window and the slots it still holds. The wait takes one of the
+    /// daemon's `--clients-max` connections, as the client did.
+    fn await_peer_exit(&self, shared: &Shared, session: u64) {
+        if let Some(record) = lock(&shared.sessions).get_mut(&session) {
+            record.awaiting_exit = true;
+        }
+        match &self.peer {
+            Some(peer) => tracing::warn!(
+                session,
+                pid = peer.pid(),
+                "the session ended with its client still running: its queue pairs, windows and reservations are kept until \
+                 that process exits (its doorbells could otherwise reach the next client's queues)"
+            ),
+            None => tracing::error!(
+                session,
+                pid = self.peer_pid,
+                "the session ended and its client process cannot be watched (pid not visible here): its queue pairs, windows \
+                 and reservations are kept until the daemon stops"
+            ),
+        }
+        while !shared.stop.is_stopped() && self.peer.as_ref().is_none_or(|peer| !peer.has_exited()) {
+            std::thread::sleep(shared.config.tick);
+        }
+    }
+
     fn run(&mut self, stream: &mut UnixStream, shared: &Shared) -> Result<(), DaemonError> {
         let config = &shared.config;
         let io = |context: &'static str| move |source| DaemonError::Io { context: context.into(), source };
@@ -73,6 +139,7 @@ impl Connection {
             .map_err(|errno| DaemonError::Io { context: "reading the peer's credentials".into(), source: errno.into() })?;
         self.peer_pid = u32::try_from(credentials.pid()).unwrap_or(0);
         self.peer_uid = credentials.uid();
+        self.peer = PeerProcess::of(self.peer_pid);
         let mut body = Vec::new();
         let mut fds = Vec::new();
         let mut frame = Vec::new();
@@ -85,12 +152,16 @@ impl Connection {
             let stop = || shared.stop.is_stopped();
             let header = match read_frame(stream, &mut body, &mut fds, last_frame + config.lease, config.frame_timeout, &stop) {
                 Ok(ReadOutcome::Frame(header)) => header,
-                Ok(ReadOutcome::Closed) => return Ok(()),
+                Ok(ReadOutcome::Closed) => {
+                    self.ending = Ending::PeerClosed;
+                    return Ok(());
+                }
                 Ok(ReadOutcome::Idle) => {
                     let message = format!("no frame for {} ms; the session is ended", config.lease.as_millis());
                     return self.end_with(shared, stream, &mut frame, Reply::error(ErrorCode::LeaseExpired, message));
                 }
                 Ok(ReadOutcome::Stopped) => {
+                    self.ending = Ending::DaemonStopping;
                     return self.end_with(shared, stream, &mut frame, Reply::error(ErrorCode::ShuttingDown, "tuttid is shutting down"));
                 }
                 Err(DaemonError::Protocol(error)) => {
@@ -268,6 +339,7 @@ impl Connection {
                     queue_pairs: 0,
                     requests_in_flight: 0,
                     relay: Vec::new(),
+                    awaiting_exit: false,
                 };
                 lock(&shared.sessions).insert(session, record);
                 self.session = Some(session);
