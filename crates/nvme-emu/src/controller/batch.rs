@@ -9,8 +9,9 @@
 //! so a read never misses an earlier write and overlapping writes land in submission order. Any
 //! other command (Flush, a cached Write, Write Zeroes, DSM, an admin command, one with an
 //! injected fault) first waits for everything in flight, so a Flush or a queue deletion never
-//! finds I/O in flight. A controller reset or power loss waits for (power loss: cancels) what
-//! is in flight and completes none of it.
+//! finds I/O in flight. A controller reset or power loss cancels what is in flight, waits only
+//! for what the kernel keeps, and completes none of it; a wait before a command gives way to a
+//! reset the host asked for meanwhile (the reset deletes the command's queue).
 //!
 //! Bounded: at most the ring's depth in flight, of which at most `EmuConfig::in_flight_bytes_max`
 //! bytes bounced through the controller's own buffers (a direct transfer holds none); every
@@ -40,6 +41,10 @@ const IN_FLIGHT_WAIT: Duration = Duration::from_micros(20);
 /// Transfer buffers kept for reuse, and the largest one worth keeping.
 const IO_BUFFERS_KEPT: usize = 64;
 const IO_BUFFER_KEPT_MAX_BYTES: usize = (1 << 20) + 4096;
+/// How long a wait for transfers before a command runs (a Flush, an admin command, one that
+/// overlaps a transfer) goes between looks at whether the host cleared CC.EN: the reset that
+/// follows cancels those transfers, so it need not wait for their deadlines (CAP.TO is 10 s).
+const RESET_LOOK_INTERVAL: Duration = Duration::from_millis(10);
 /// Empty region lists kept for reuse (one per transfer the ring can hold), so resolving a data
 /// pointer does not allocate per command.
 const REGION_LISTS_KEPT: usize = 128;
@@ -81,7 +86,7 @@ impl ControllerCore {
                 self.start_io(queue_id, completion_queue_id, entry, *sq_head, !read);
                 continue;
             }
-            self.settle_in_flight(Settle::Finish);
+            self.settle_unless_reset();
             // The settle can wait long: the host may have cleared CC.EN meanwhile.
             if self.state != State::Ready || self.registers.reset_requested() {
                 break;
@@ -131,20 +136,21 @@ impl ControllerCore {
         let capacity = self.reader.as_ref().map_or(0, UringReader::capacity);
         let mut direct = self.direct_target(&io);
         let mut waited = false;
-        // Bounded: each pass finishes at least one command in flight, or fails the ring (which
-        // empties the table).
+        // Bounded: each pass finishes at least one command in flight, fails the ring (which
+        // empties the table) or waits a slice of the way to the oldest transfer's deadline.
         while self.in_flight.conflicts(write, namespace_index, start_lba, blocks)
             || (!self.in_flight.is_empty()
                 && (self.in_flight.count() >= capacity
                     || (direct.is_none() && self.in_flight.bounced_bytes + len as u64 > self.config.in_flight_bytes_max)))
         {
             waited = true;
-            if !self.wait_in_flight(Settle::Finish) {
+            if self.registers.reset_requested() || !self.wait_in_flight_for(Settle::Finish, Some(RESET_LOOK_INTERVAL)) {
                 break;
             }
         }
-        if self.state != State::Ready {
-            // Waiting made the controller fatal: like the rest, this gets no completion.
+        if self.state != State::Ready || self.registers.reset_requested() {
+            // Waiting made the controller fatal, or the host cleared CC.EN meanwhile (the reset
+            // deletes this command's queue): like the rest, this gets no completion.
             return;
         }
         if waited {
@@ -309,15 +315,39 @@ impl ControllerCore {
     /// Waits (up to the oldest transfer's deadline) for at least one transfer and finishes (or,
     /// per `settle`, drops) what completed. False when nothing is in flight.
     pub(super) fn wait_in_flight(&mut self, settle: Settle) -> bool {
+        self.wait_in_flight_for(settle, None)
+    }
+
+    /// [`ControllerCore::wait_in_flight`], returning after `slice` (when given) if nothing
+    /// completed by then and the deadline is still ahead.
+    fn wait_in_flight_for(&mut self, settle: Settle, slice: Option<Duration>) -> bool {
         let Some(oldest) = self.in_flight.oldest() else { return false };
         let Some(reader) = self.reader.as_mut() else { return false };
         self.in_flight.unsubmitted = 0;
-        if let Err(error) = reader.wait(oldest + reader.batch_timeout()) {
-            self.fail_ring(&error, settle);
-            return true;
+        let deadline = oldest + reader.batch_timeout();
+        let until = slice.and_then(|slice| Instant::now().checked_add(slice)).map_or(deadline, |end| end.min(deadline));
+        match reader.wait(until) {
+            Ok(()) => {}
+            // The slice ended, not the deadline: nothing failed.
+            Err(UringError::Timeout { .. }) if until < deadline => {}
+            Err(error) => {
+                self.fail_ring(&error, settle);
+                return true;
+            }
         }
         self.reap_in_flight(settle);
         true
+    }
+
+    /// Waits for everything in flight before a command that must not run beside it (see
+    /// [`ControllerCore::run_batch`]), finishing each, unless the host clears CC.EN meanwhile:
+    /// then it returns with transfers still in flight, looked at every [`RESET_LOOK_INTERVAL`],
+    /// and the reset (next poll) cancels them and deletes the command's queue (the command gets
+    /// no completion), instead of starting only at their deadlines, well past CAP.TO.
+    fn settle_unless_reset(&mut self) {
+        // Bounded: each pass finishes at least one transfer, fails the ring (which empties the
+        // table) or waits a slice of the way to the oldest transfer's deadline.
+        while !self.registers.reset_requested() && self.wait_in_flight_for(Settle::Finish, Some(RESET_LOOK_INTERVAL)) {}
     }
 
     /// Finishes (or, settling for a reset, drops) every command whose transfer is ready.

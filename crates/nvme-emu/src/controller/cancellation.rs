@@ -11,21 +11,32 @@ use crate::backing::AlignedBuffer;
 use crate::uring::UringReader;
 
 impl ControllerCore {
-    /// Ends every transfer in flight: waits for each (up to its deadline), finishing or dropping
-    /// its command per `settle`. Returns with nothing in flight.
+    /// Ends every transfer in flight, finishing or dropping its command per `settle`. Returns
+    /// with nothing in flight.
+    ///
+    /// `Settle::Finish` waits for each transfer (up to its deadline). A stop (`Discard`,
+    /// `PowerLoss`) completes none of its commands, so it does not wait for them to end: it asks
+    /// the kernel to cancel them all at once and waits only for those the kernel keeps (up to
+    /// the cancel timeout, 5 s), so a controller reset ends within CAP.TO (10 s) however long
+    /// the transfers' deadlines (30 s). A cancelled transfer never lands: a cancelled Write
+    /// leaves its blocks as the cache and the store held them (see `landed` in `batch.rs`);
+    /// one the kernel keeps fences the store, and one into host memory keeps the stop from
+    /// being reported (see `end_held`).
     pub(super) fn settle_in_flight(&mut self, settle: Settle) {
         if self.in_flight.is_empty() {
             return;
         }
-        if settle == Settle::PowerLoss {
-            // The cut stops the drive: what the kernel can still take back never lands.
+        if settle != Settle::Finish {
+            // A power loss stops the drive, a reset deletes the commands' queues: what the
+            // kernel can still take back never lands.
             let mut given_back = std::mem::take(&mut self.in_flight.reaped);
             let held = self.reader.as_mut().map(|reader| reader.cancel(|completion| given_back.push(completion))).unwrap_or_default();
             for completion in given_back.drain(..) {
                 self.end_given_back(completion, settle);
             }
             self.in_flight.reaped = given_back;
-            self.end_held(&held, "a power loss", settle);
+            let why = if settle == Settle::PowerLoss { "a power loss" } else { "a controller or function reset" };
+            self.end_held(&held, why, settle);
         }
         // Bounded: each pass finishes at least one transfer, or fails the ring (which empties it).
         while self.wait_in_flight(settle) {}

@@ -50,9 +50,10 @@ impl PreparedIo {
 pub(super) enum Settle {
     /// Finish them and post their completions (a Flush, an admin command follows).
     Finish,
-    /// Drop them without a completion (controller reset: the queues are going away).
+    /// Cancel what the kernel still allows, then drop everything without a completion
+    /// (controller or function reset: the queues are going away).
     Discard,
-    /// Cancel what the kernel still allows, then drop everything without a completion.
+    /// As `Discard`, for a power loss.
     PowerLoss,
 }
 

@@ -154,12 +154,14 @@ impl ControllerCore {
     /// CC.EN 1 to 0 (§3.7.2): queues are deleted, features return to defaults, RDY and CFS clear
     /// (only once the kernel holds no transfer into host memory: see `report_stopped`). The
     /// write cache survives a controller reset (it is not a power loss). RDY reads 1 while the
-    /// transfers in flight are waited for; no doorbell is acted on meanwhile (this thread is
+    /// transfers in flight are cancelled; no doorbell is acted on meanwhile (this thread is
     /// here, and a scan stops at `RegisterFile::reset_requested`) and all are cleared after.
     fn reset_controller(&mut self) {
         // The kernel may still write the buffers of transfers in flight, and their commands'
-        // queues are going away: wait for them (bounded by their deadlines, then cancelled),
-        // completing none.
+        // queues are going away: cancel them at once and wait only for what the kernel keeps
+        // (up to the cancel timeout, within CAP.TO), completing none. None of their commands
+        // completed, so none has to land: a cancelled Write leaves its blocks as the cache
+        // and the store held them.
         self.settle_in_flight(Settle::Discard);
         self.stop();
         self.registers.clear_doorbells();

@@ -9,7 +9,7 @@ use std::io::Write;
 use std::time::{Duration, Instant};
 
 use nvme_driver::hw::DmaRegion;
-use nvme_driver::spec::registers::{self, ControllerConfiguration, ShutdownStatus};
+use nvme_driver::spec::registers::{self, Capabilities, ControllerConfiguration, ShutdownStatus};
 use nvme_driver::spec::{NvmOpcode, SubmissionEntry};
 use nvme_driver::NamespaceId;
 
@@ -18,18 +18,20 @@ use super::held_transfer_tests::{hold_two_reads, HoldReads};
 use super::stall_tests::{block, Stalled};
 use crate::{Backing, EmuConfig};
 
-/// Deadline of the held transfers: the transition they block ends by then at the latest (the
-/// real deadline is 30 s), so a test that measures less saw it end because they did.
+/// Deadline of the held transfers, and how long a reset waits for the kernel to give back what
+/// it cancels: the transition they block ends by then at the latest (the real ones are 30 s and
+/// 5 s), so a test that measures less saw it end because they did.
 const HOLD_TIMEOUT: Duration = Duration::from_secs(3);
 /// How long a CC write may take: no wait for I/O, only a store and a wake-up.
 const PROMPT: Duration = Duration::from_millis(100);
 /// How long a test watches CSTS for a change that must not come yet.
 const QUIET: Duration = Duration::from_millis(150);
 
-/// Two bounced Reads held in flight (cancellable, so that the pre-fix CC write ended at
-/// `HOLD_TIMEOUT` rather than never); `None` where io_uring is unavailable.
+/// Two bounced Reads held in flight, which the kernel will not cancel (as a read of a hung
+/// disk): a reset, which cancels what it can at once, waits for them too (up to
+/// `HOLD_TIMEOUT`, then drops them); `None` where io_uring is unavailable.
 fn hold(name: &str) -> Option<(Stalled, [DmaRegion; 2])> {
-    hold_two_reads(name, HoldReads { direct: false, cancellation: true, timeout: HOLD_TIMEOUT })
+    hold_two_reads(name, HoldReads { direct: false, cancellation: false, timeout: HOLD_TIMEOUT })
 }
 
 /// Writes CC with `change` applied to its value and returns how long the write took.
@@ -173,4 +175,56 @@ fn a_disable_and_enable_written_before_the_controller_looks_still_reset_it() {
     assert!(host.csts().ready() && !host.csts().fatal());
     let mut queue = host.create_io_pair(1, 8);
     write_block(&host, &mut queue, 0, 0x22);
+}
+
+/// The real transfer deadline (`BATCH_TIMEOUT`, 30 s): longer than CAP.TO (10 s by default).
+const REAL_TRANSFER_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Two bounced Reads stuck in the kernel with the real deadline, which the kernel can cancel.
+fn hold_past_cap_to(name: &str) -> Option<(Stalled, [DmaRegion; 2])> {
+    hold_two_reads(name, HoldReads { direct: false, cancellation: true, timeout: REAL_TRANSFER_TIMEOUT })
+}
+
+/// Clears CC.EN and asserts CSTS.RDY reads 0 within CAP.TO (the bound a host waits, NVMe
+/// §3.1.1), without CFS; then that the controller serves I/O again after a new bring-up.
+fn assert_reset_within_cap_to(stalled: &mut Stalled) {
+    let cap_to = Duration::from_millis(Capabilities(stalled.host.registers.read64(registers::CAP)).ready_timeout_ms());
+    assert!(cap_to < REAL_TRANSFER_TIMEOUT, "the test needs CAP.TO below the transfers' deadline");
+    write_configuration(stalled, |configuration| configuration & !1);
+    let started = Instant::now();
+    while stalled.host.csts().ready() {
+        assert!(started.elapsed() < cap_to, "CSTS.RDY still 1 at CAP.TO ({cap_to:?}) after CC.EN = 0");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(!stalled.host.csts().fatal(), "the reset cancelled every transfer: a clean stop");
+    assert!(TestHost::try_reap(&mut stalled.queue).is_none(), "a reset completed a command that was in flight");
+    stalled.enable_again();
+    stalled.assert_serves_again();
+}
+
+#[test]
+fn a_reset_ends_within_cap_to_with_transfers_stuck_past_it() {
+    // Goal: with two Reads stuck in the kernel under the real 30 s deadline, CSTS.RDY reads 0
+    // within CAP.TO of CC.EN = 0: the reset completes none of them, so it cancels them at once
+    // (the kernel can) instead of waiting for their deadline. Until 2026-11-29 it waited for
+    // each until 30 s after it was pushed, then up to 5 s for the cancellation.
+    let Some((mut stalled, _targets)) = hold_past_cap_to("cc-reset-cap-to") else { return };
+    assert_reset_within_cap_to(&mut stalled);
+}
+
+#[test]
+fn a_reset_ends_within_cap_to_while_a_flush_waits_for_stuck_transfers() {
+    // Goal: as above, with a Flush that was already waiting for the stuck Reads (a Flush waits
+    // for everything in flight) when the host cleared CC.EN, the usual reason for a reset (the
+    // host gave up on its command): the wait gives way to the reset, and the Flush, whose queue
+    // the reset deletes, gets no completion. Until 2026-11-29 the reset began only when the
+    // Flush's wait ended, at the Reads' deadline.
+    let Some((mut stalled, _targets)) = hold_past_cap_to("cc-reset-cap-to-flush") else { return };
+    TestHost::push(&mut stalled.queue, SubmissionEntry::flush(NamespaceId(1)));
+    stalled.host.ring_submission(&stalled.queue);
+    // The controller thread fetches it within a scan, then waits holding its lock (so `stats()`
+    // would wait too): give it that long, and check afterwards that it did.
+    std::thread::sleep(QUIET);
+    assert_reset_within_cap_to(&mut stalled);
+    assert_eq!(stalled.host.device.stats().io(NvmOpcode::Flush), 1, "the Flush was fetched before the reset");
 }
