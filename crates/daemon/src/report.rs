@@ -9,7 +9,8 @@
 //! request kept), so the refusal is counted in `tuttid_errors_total` like any other:
 //! - what it moved: at most every layer of the request's placements once, and per command
 //!   at least one LBA and at most one MDTS ([`objstore::Transferred::fits`] against
-//!   `PoolShape::transfer_bound` and `PoolShape::command_bytes`);
+//!   `PoolShape::transfer_bound` and `PoolShape::command_bytes`); a store's commit, exactly
+//!   every layer once (its blocks become visible);
 //! - corrupt blocks: only of a retrieve, on a pool that records payload CRCs (else nothing
 //!   could have been verified), each one of that retrieve's own placements (position, device,
 //!   slot and engine block as granted), with a computed CRC other than the expected one.
@@ -57,6 +58,25 @@ pub(crate) fn check_transferred(
         )));
     }
     Ok(direction)
+}
+
+/// Checks that a store's commit reports every layer of every new block moved: a commit makes
+/// the blocks visible, so a report of less (a client that skipped layers, or reports nothing)
+/// would make slots nobody wrote answer lookups. (`check_transferred` bounds it from above.)
+pub(crate) fn check_stored_whole(control: &StoreControl, shape: &PoolShape, handle: RequestHandle, transferred: Transferred) -> Result<(), Refusal> {
+    let unknown = |error: ObjstoreError| (ErrorCode::NotYours, format!("request {:#x}: {error}", handle.to_bits()));
+    let placements = control.placements(handle).map_err(unknown)?;
+    let whole = shape.transfer_bound(placements);
+    if transferred.bytes < whole.bytes {
+        return Err(bad_report(format!(
+            "request {:#x} commits {} new blocks but reported moving {} of their {} bytes: every layer is stored before a commit",
+            handle.to_bits(),
+            placements.len(),
+            transferred.bytes,
+            whole.bytes
+        )));
+    }
+    Ok(())
 }
 
 /// Checks the blocks a client says its retrieve `handle` found corrupt (module docs), then

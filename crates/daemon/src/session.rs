@@ -565,6 +565,11 @@ impl Holdings {
             Ok(direction) => direction,
             Err(refusal) => return refused(refusal),
         };
+        if direction == objstore::Direction::Store {
+            if let Err(refusal) = report::check_stored_whole(&store.control, shape, handle, commit.transferred) {
+                return refused(refusal);
+            }
+        }
         let result = store.control.commit_store(handle, commit.payload_crcs.as_deref(), &mut NoLender);
         // A refusal before anything was written keeps the reservation (release it or commit
         // again); a commit or a failed write ends it.

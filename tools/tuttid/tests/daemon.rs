@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use objstore::{Direction, LayerKvStore, Transferred};
 use tutti_daemon::client::{RemoteConfig, RemoteKvStore};
-use tutti_daemon::protocol::{encode_frame, FrameHeader, Kind, Prepare, Reply, Request, BODY_BYTES_MAX, HEADER_BYTES};
+use tutti_daemon::protocol::{encode_frame, Commit, FrameHeader, Kind, Prepare, Reply, Request, BODY_BYTES_MAX, HEADER_BYTES};
 use tutti_daemon::{Client, DaemonError, ErrorCode};
 
 mod common;
@@ -391,9 +391,26 @@ fn client_processes_look_up_and_move_kv_concurrently_and_metrics_count_them() {
     }
     let release = Request::Release { handle: prepared.handle, transferred: Transferred::default(), corrupt_blocks: Vec::new() };
     assert!(matches!(liar.client().call(&release), Ok(Reply::Released)), "the request stayed the liar's, released honestly");
+    // A commit of a store that reports moving less than every layer of its new blocks: refused
+    // (the blocks would become visible unwritten), the reservation kept for an honest release.
+    let tokens = prompt(77_001, IO_BLOCKS, block_tokens);
+    let prepare = Prepare { registration: liar.registration(), tokens, block_ids: (0..IO_BLOCKS as u32).collect(), first_block: 0 };
+    let Reply::StorePrepared(prepared) = liar.client().call(&Request::PrepareStore(prepare)).unwrap() else { panic!("prepare store") };
+    assert_eq!(prepared.new_blocks as usize, IO_BLOCKS);
+    let half = Transferred { bytes: IO_BLOCKS as u64 * block_bytes / 2, commands: 8 };
+    for lie in [Transferred::default(), half] {
+        let commit = Request::Commit(Commit { handle: prepared.handle, payload_crcs: None, transferred: lie });
+        match liar.client().call(&commit) {
+            Err(DaemonError::Remote { code: ErrorCode::BadReport, message }) => assert!(message.contains("every layer"), "{message}"),
+            other => panic!("a commit reporting {lie:?} was not refused: {other:?}"),
+        }
+    }
+    let release = Request::Release { handle: prepared.handle, transferred: Transferred::default(), corrupt_blocks: Vec::new() };
+    assert!(matches!(liar.client().call(&release), Ok(Reply::Released)), "the store stayed the liar's, released");
+    assert_eq!(liar.lookup(&prompt(77_001, IO_BLOCKS, block_tokens)), 0, "nothing of the unwritten store is visible");
     let after_lies = common::scrape(&metrics);
     for line in [
-        "tuttid_errors_total{code=\"18\"} 2".to_string(),
+        "tuttid_errors_total{code=\"18\"} 4".to_string(),
         format!("tuttid_bytes_total{{direction=\"Retrieve\"}} {}", reported[0].bytes),
         "tuttid_pool_slots{state=\"Pinned\"} 0".to_string(),
     ] {
