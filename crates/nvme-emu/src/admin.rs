@@ -277,8 +277,13 @@ impl ControllerCore {
                 let enable = entry.cdw11 & 1 == 1;
                 if !enable {
                     // Turning the cache off makes later writes durable on completion; what is
-                    // cached now must not stay volatile behind that promise.
+                    // cached now must not stay volatile behind that promise. With
+                    // sync_file_on_flush that means the file's media too, as for a Flush (this
+                    // also covers what earlier write-backs, of a full cache, left unsynced).
                     self.write_back(None)?;
+                    if self.config.sync_file_on_flush {
+                        self.sync_store()?;
+                    }
                 }
                 self.features.write_cache_enabled = enable;
                 Ok(0)

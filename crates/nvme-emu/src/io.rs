@@ -212,6 +212,9 @@ impl ControllerCore {
         self.check_allowed_blocks(entry.nsid, start_lba, blocks)?;
         if !self.config.no_storage {
             self.zero_blocks(index, &namespace, start_lba, blocks)?;
+            // The zeroes bypass the cache (as a FUA write does), but the completion promises
+            // media only with FUA (CDW12 bit 30) or the cache off, as a Write's does.
+            self.sync_if_promised(entry.force_unit_access())?;
         }
         Ok(0)
     }

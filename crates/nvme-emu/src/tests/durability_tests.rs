@@ -38,13 +38,50 @@ fn syncs(host: &TestHost) -> u64 {
     host.device.with_core(|core| core.store.syncs())
 }
 
-/// fdatasyncs seen by: a lone FUA write, FUA writes through io_uring, a write with the cache
-/// off, a cached write, a shutdown with a dirty cache.
-fn syncs_per_step(sync_file_on_flush: bool) -> [u64; 5] {
+/// Write Zeroes of one block at `lba`, with FUA (CDW12 bit 30) when `fua`.
+fn write_zeroes(host: &TestHost, queue: &mut HostQueue, lba: u64, fua: bool) {
+    let mut entry = SubmissionEntry::write_zeroes(NamespaceId(1), Lba(lba), block_count(1), false);
+    if fua {
+        entry.cdw12 |= 1 << 30;
+    }
+    assert!(entry.force_unit_access() == fua);
+    assert_eq!(status_of(&host.execute_on(queue, entry)), Ok(()));
+}
+
+fn set_write_cache(host: &mut TestHost, enabled: bool) {
+    let entry = SubmissionEntry::set_features(FeatureId::VolatileWriteCache, u32::from(enabled));
+    assert_eq!(status_of(&host.admin(entry)), Ok(()));
+}
+
+/// The steps of [`syncs_per_step`], in order.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct SyncsPerStep {
+    /// A lone FUA write.
+    alone: u64,
+    /// FUA writes through io_uring.
+    ring: u64,
+    /// A write with the cache off (VWC = 0).
+    cache_off: u64,
+    /// A cached write.
+    cached: u64,
+    /// Set Features VWC = 0 with a dirty cache (its write-back).
+    cache_disabled_dirty: u64,
+    /// Write Zeroes with the cache off.
+    zeroes_cache_off: u64,
+    /// Write Zeroes with FUA, the cache on.
+    zeroes_fua: u64,
+    /// Write Zeroes without FUA, the cache on.
+    zeroes_cached: u64,
+    /// A shutdown with a dirty cache.
+    shutdown: u64,
+}
+
+/// fdatasyncs seen by each step of [`SyncsPerStep`].
+fn syncs_per_step(sync_file_on_flush: bool) -> SyncsPerStep {
     let (config, path) = file_config(&format!("sync-{sync_file_on_flush}"), sync_file_on_flush);
     let mut host = TestHost::start(config);
     let mut queue = host.create_io_pair(1, 16);
-    let mut steps = [0u64; 5];
+    let mut steps = [0u64; 9];
     let mut before = syncs(&host);
     let mut step = |host: &TestHost, index: usize| {
         let now = syncs(host);
@@ -70,32 +107,50 @@ fn syncs_per_step(sync_file_on_flush: bool) -> [u64; 5] {
         eprintln!("io_uring unavailable here: the ring path of FUA writes was not checked");
     }
     step(&host, 1);
-    assert_eq!(status_of(&host.admin(SubmissionEntry::set_features(FeatureId::VolatileWriteCache, 0))), Ok(()));
+    set_write_cache(&mut host, false);
     write(&host, &mut queue, 4, 3, false);
     step(&host, 2);
-    assert_eq!(status_of(&host.admin(SubmissionEntry::set_features(FeatureId::VolatileWriteCache, 1))), Ok(()));
+    set_write_cache(&mut host, true);
     write(&host, &mut queue, 5, 4, false);
     step(&host, 3);
+    set_write_cache(&mut host, false);
+    step(&host, 4);
+    write_zeroes(&host, &mut queue, 6, false);
+    step(&host, 5);
+    set_write_cache(&mut host, true);
+    write_zeroes(&host, &mut queue, 7, true);
+    step(&host, 6);
+    write_zeroes(&host, &mut queue, 8, false);
+    step(&host, 7);
+    write(&host, &mut queue, 9, 5, false);
     host.registers.write32(registers::CC, ControllerConfiguration::for_enable().0 | 1 << 14);
     host.wait_shutdown(ShutdownStatus::Complete);
-    step(&host, 4);
+    step(&host, 8);
     drop(host);
     let _ = std::fs::remove_file(&path);
-    steps
+    let [alone, ring, cache_off, cached, cache_disabled_dirty, zeroes_cache_off, zeroes_fua, zeroes_cached, shutdown] = steps;
+    SyncsPerStep { alone, ring, cache_off, cached, cache_disabled_dirty, zeroes_cache_off, zeroes_fua, zeroes_cached, shutdown }
 }
 
 #[test]
 fn writes_that_complete_as_durable_are_synced_only_with_sync_file_on_flush() {
-    // Goal: with sync_file_on_flush, a FUA write (alone, and through io_uring), a write with the
-    // cache off and a shutdown's write-back each fdatasync the file before completing, and a
-    // cached write does not; without the option nothing is synced.
-    let [alone, ring, cache_off, cached, shutdown] = syncs_per_step(true);
-    assert!(alone >= 1, "a lone FUA write was not synced");
-    assert!(ring >= 1 || !tutti_uring::available(), "FUA writes through io_uring were not synced");
-    assert!(cache_off >= 1, "a write with the cache off was not synced");
-    assert_eq!(cached, 0, "a cached write needs no sync");
-    assert!(shutdown >= 1, "the shutdown write-back was not synced");
-    assert_eq!(syncs_per_step(false), [0; 5], "without sync_file_on_flush nothing is synced");
+    // Goal: with sync_file_on_flush, every completion that promises media fdatasyncs the file
+    // first: a FUA write (alone, and through io_uring), a write with the cache off, turning
+    // the cache off (VWC = 0) over dirty blocks, Write Zeroes with FUA or with the cache off,
+    // a shutdown's write-back; a cached write and a Write Zeroes through an enabled cache
+    // without FUA do not; without the option nothing is synced. Until 2026-11-29 neither
+    // VWC = 0 nor Write Zeroes synced.
+    let steps = syncs_per_step(true);
+    assert!(steps.alone >= 1, "a lone FUA write was not synced");
+    assert!(steps.ring >= 1 || !tutti_uring::available(), "FUA writes through io_uring were not synced");
+    assert!(steps.cache_off >= 1, "a write with the cache off was not synced");
+    assert_eq!(steps.cached, 0, "a cached write needs no sync");
+    assert!(steps.cache_disabled_dirty >= 1, "VWC = 0 wrote the dirty cache back without a sync");
+    assert!(steps.zeroes_cache_off >= 1, "Write Zeroes with the cache off was not synced");
+    assert!(steps.zeroes_fua >= 1, "a FUA Write Zeroes was not synced");
+    assert_eq!(steps.zeroes_cached, 0, "a Write Zeroes through an enabled cache promises nothing until Flush");
+    assert!(steps.shutdown >= 1, "the shutdown write-back was not synced");
+    assert_eq!(syncs_per_step(false), SyncsPerStep::default(), "without sync_file_on_flush nothing is synced");
 }
 
 #[test]
