@@ -538,11 +538,34 @@ impl RemoteKvStore {
     }
 
     /// Tells the daemon to drop a request whose data path ended (or never began), with what
-    /// that moved.
+    /// that moved (best effort: the caller is already failing).
     fn release_remote(&mut self, handle: RequestHandle, transferred: Transferred) {
-        let release = Request::Release { handle: handle.to_bits(), transferred, corrupt_blocks: Vec::new() };
-        if let Err(error) = self.client.call(&release) {
+        if let Err(error) = self.release_at_daemon(handle, transferred, Vec::new()) {
             tracing::warn!(%error, "releasing a request at tuttid");
+        }
+    }
+
+    /// `Release` with this process's report. A report the daemon refuses (`BadReport`) would
+    /// leave the request reserved there while it is gone here, so the request is then released
+    /// without a report (nothing counted, nothing evicted) and the refusal is returned.
+    fn release_at_daemon(
+        &mut self,
+        handle: RequestHandle,
+        transferred: Transferred,
+        corrupt_blocks: Vec<objstore::MismatchedBlock>,
+    ) -> Result<(), ObjstoreError> {
+        let release = Request::Release { handle: handle.to_bits(), transferred, corrupt_blocks };
+        match self.client.call(&release) {
+            Ok(Reply::Released) => Ok(()),
+            Ok(other) => Err(unexpected(Kind::Release, &other)),
+            Err(refused @ DaemonError::Remote { code: ErrorCode::BadReport, .. }) => {
+                let bare = Request::Release { handle: handle.to_bits(), transferred: Transferred::default(), corrupt_blocks: Vec::new() };
+                if let Err(error) = self.client.call(&bare) {
+                    tracing::warn!(%error, "releasing a request at tuttid without the report it refused");
+                }
+                Err(remote(refused))
+            }
+            Err(error) => Err(remote(error)),
         }
     }
 }
@@ -675,13 +698,21 @@ impl LayerKvStore for RemoteKvStore {
     /// visible. The handle is finished either way. What the layers moved goes with the commit.
     fn commit_store(&mut self, handle: RequestHandle) -> Result<usize, ObjstoreError> {
         self.data.check_stored(handle)?;
+        // Every layer completed (checked): from here the handle ends either way, here and at
+        // the daemon, as the in-process store's commit does.
+        let transferred = self.data.transferred(handle)?;
         let crcs = if self.payload_crcs {
-            self.data.payload_crcs(handle, &mut self.crcs)?;
+            if let Err(error) = self.data.payload_crcs(handle, &mut self.crcs) {
+                if let Err(finish) = self.data.finish(handle) {
+                    tracing::warn!(error = %finish, "finishing a store whose payload CRCs failed");
+                }
+                self.release_remote(handle, transferred);
+                return Err(error);
+            }
             Some(self.crcs.clone())
         } else {
             None
         };
-        let transferred = self.data.transferred(handle)?;
         let commit = Commit { handle: handle.to_bits(), payload_crcs: crcs, transferred };
         let result = self.client.call(&Request::Commit(commit));
         if let Err(error) = self.data.finish(handle) {
@@ -709,14 +740,9 @@ impl LayerKvStore for RemoteKvStore {
         let transferred = self.data.transferred(handle)?;
         let corrupt_blocks = self.data.mismatched_blocks(handle).to_vec();
         self.data.finish(handle)?;
-        let release = Request::Release { handle: handle.to_bits(), transferred, corrupt_blocks };
-        match self.client.call(&release).map_err(remote)? {
-            Reply::Released => {
-                self.count_reported(direction, transferred);
-                Ok(())
-            }
-            other => Err(unexpected(Kind::Release, &other)),
-        }
+        self.release_at_daemon(handle, transferred, corrupt_blocks)?;
+        self.count_reported(direction, transferred);
+        Ok(())
     }
 }
 
