@@ -333,6 +333,38 @@ impl ControllerCore {
         }
     }
 
+    /// Reads every existing I/O queue's doorbell now, from where the scan reads it and
+    /// validated as the scan does, into the queue's tail (SQ) or head (CQ). Doorbell Buffer
+    /// Config calls it before it seeds the new shadow page from those values: a doorbell the
+    /// host rang before it sent the command, seen by the same scan (which reads the admin queue
+    /// first), would otherwise be seeded with the older value, and with the register no longer
+    /// read, never seen.
+    pub(crate) fn read_io_doorbells(&mut self) {
+        let shadow = self.shadow_doorbells.as_ref();
+        for (queue_id, slot) in self.completion_queues.iter_mut().enumerate().skip(1) {
+            if let Some(queue) = slot {
+                Self::update_doorbell(
+                    Self::rung(&self.registers, shadow, queue_id as u16, true),
+                    &mut self.counters,
+                    queue.entries,
+                    &mut queue.head,
+                    &mut queue.last_invalid_doorbell,
+                );
+            }
+        }
+        for (queue_id, slot) in self.submission_queues.iter_mut().enumerate().skip(1) {
+            if let Some(queue) = slot {
+                Self::update_doorbell(
+                    Self::rung(&self.registers, shadow, queue_id as u16, false),
+                    &mut self.counters,
+                    queue.entries,
+                    &mut queue.tail,
+                    &mut queue.last_invalid_doorbell,
+                );
+            }
+        }
+    }
+
     fn scan_queues(&mut self, now: Instant) -> bool {
         // Commands whose transfers completed since the last scan finish first: their CQ slots
         // free up, and their completions go out as soon as their I/O is done.

@@ -64,7 +64,9 @@ impl ShadowDoorbells {
 
 impl ControllerCore {
     /// Doorbell Buffer Config: PRP1 the shadow doorbell page, PRP2 the EventIdx page, each page
-    /// aligned and mapped. Queues that exist already carry on from their present values.
+    /// aligned and mapped. Queues that exist already carry on from their present values: the
+    /// doorbells as the host last rang them (read now, see `read_io_doorbells`), not as the
+    /// controller last looked.
     pub(crate) fn doorbell_buffer_config(&mut self, entry: &SubmissionEntry) -> CommandResult {
         if !self.config.shadow_doorbells {
             return Err(generic(codes::INVALID_OPCODE));
@@ -79,6 +81,7 @@ impl ControllerCore {
             event_indexes: translate(event_indexes)?,
             doorbell_stride_log2: self.config.doorbell_stride_log2,
         };
+        self.read_io_doorbells();
         for (queue_id, queue) in self.submission_queues.iter().enumerate() {
             if let Some(queue) = queue {
                 pages.initialize(queue_id as u16, false, queue.tail);

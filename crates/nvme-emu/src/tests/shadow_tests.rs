@@ -74,3 +74,31 @@ fn doorbell_buffer_config_is_refused_when_not_offered() {
     let refused = host.admin(SubmissionEntry::doorbell_buffer_config(shadow.iova().0, events.iova().0));
     assert_eq!(status_of(&refused), Err(NvmeStatus::generic(codes::INVALID_OPCODE)));
 }
+
+#[test]
+fn a_doorbell_rung_just_before_doorbell_buffer_config_is_not_lost() {
+    // Goal: a host that rings an I/O queue's register doorbell and then sends Doorbell Buffer
+    // Config has its command fetched even when the controller sees both in one scan (it reads
+    // the admin queue first): the shadow slot starts from the doorbell the host rang, not from
+    // the controller's older copy. Until 2026-11-29 the slot was seeded with the stale tail
+    // and, the register no longer read, the Flush never ran.
+    let mut host = TestHost::start(config());
+    let mut queue = host.create_io_pair(1, 8);
+    let (shadow, events) = (host.buffer(4096), host.buffer(4096));
+    let mut admin = host.admin.clone();
+    let (flush, config_id) = host.device.with_core(|_| {
+        // The controller thread waits for the lock: it sees both doorbells in its next scan.
+        let flush = TestHost::push(&mut queue, SubmissionEntry::flush(NamespaceId(1)));
+        host.ring_submission(&queue);
+        let config_id = TestHost::push(&mut admin, SubmissionEntry::doorbell_buffer_config(shadow.iova().0, events.iova().0));
+        host.ring_submission(&admin);
+        (flush, config_id)
+    });
+    let accepted = host.reap(&mut admin);
+    host.admin = admin;
+    assert_eq!((accepted.command_id(), status_of(&accepted)), (config_id, Ok(())));
+    let completion = TestHost::try_reap_within(&mut queue, Duration::from_secs(5)).expect("the Flush rung before the config completes");
+    assert_eq!((completion.command_id(), status_of(&completion)), (flush, Ok(())));
+    let sq_slot = shadow_doorbell_offset(1, false, 0);
+    assert_eq!(shadow.load_u32(sq_slot, Ordering::Acquire).expect("shadow tail"), queue.tail, "the slot holds the tail rung");
+}
