@@ -54,6 +54,16 @@ pub struct CpuExecutor {
     index: Option<(Arc<IoctxIndex>, usize)>,
     /// (device, old queue pair) whose deletion failed in a reset: retried by the next one.
     undeleted: Vec<(usize, IoQueuePair)>,
+    /// Per device: its pair's controller was reset (the driver answers `QueueStale`). Reported
+    /// once; from then on the pair is not reaped and its IOCTXs are held back, like a failed
+    /// pair's, until a reset installs a fresh one.
+    stale: Vec<bool>,
+    /// `retire_queue_pairs` ran: no queue pair is left, and an issue ends at once.
+    retired: bool,
+}
+
+fn device_error(device: usize, error: nvme_driver::NvmeError) -> GioError {
+    GioError::Executor { executor: "cpu", reason: format!("device {device}: {error}") }
 }
 
 /// The tag of an NVMe command: which IOCTX of which IOCB it carries.
@@ -88,7 +98,8 @@ impl CpuExecutor {
     /// this worker.
     pub(crate) fn for_devices(queues: Vec<Option<IoQueuePair>>, depth: u32, index: Option<(Arc<IoctxIndex>, usize)>) -> Self {
         let doorbell_due = vec![false; queues.len()];
-        Self { queues, pending: VecDeque::with_capacity(depth as usize), doorbell_due, index, undeleted: Vec::new() }
+        let stale = vec![false; queues.len()];
+        Self { queues, pending: VecDeque::with_capacity(depth as usize), doorbell_due, index, undeleted: Vec::new(), stale, retired: false }
     }
 
     /// Takes an IOCB another thread consumed from the SQ (worker mode).
@@ -144,9 +155,15 @@ impl CpuExecutor {
     }
 
     /// Submits as many pending IOCTXs as the device queues take, in IOCB order, then rings each
-    /// touched device's doorbell once.
+    /// touched device's doorbell once. A full device queue stops the pass (back-pressure, FIFO:
+    /// retried on the next poll, in order). A device whose pair takes no command until a reset
+    /// (failed by a completion, or stale after its controller was reset) holds back only its
+    /// own IOCTXs: the IOCB waiting on one keeps its place and the pass goes on with the next.
+    /// Every device is served before an error is returned (the first one seen).
     fn pump(&mut self, memory: &QueueMemory) -> Result<(), GioError> {
-        'iocbs: while let Some(pending) = self.pending.front_mut() {
+        let mut first_error = None;
+        let mut position = 0;
+        'iocbs: while let Some(pending) = self.pending.get_mut(position) {
             let header = pending.header;
             let id = IocbId(header.id);
             while pending.next < pending.end {
@@ -157,45 +174,58 @@ impl CpuExecutor {
                 let ioctx = memory.read_ioctx(header.ioctx_first + index);
                 let device = usize::from(ioctx.device_index);
                 let command = Self::command(&header, &ioctx);
-                if matches!(self.queues.get(device), Some(None)) {
+                if self.index.is_some() && matches!(self.queues.get(device), Some(None)) {
                     pending.next += 1; // another worker's device
                     continue;
                 }
                 let (Some(Some(queue)), Some(command)) = (self.queues.get_mut(device), command) else {
                     // Validation at fill time makes this unreachable unless shared memory was
-                    // changed behind the queue's back: fail the IOCTX, never guess.
+                    // changed behind the queue's back, or the queue pairs were retired: fail
+                    // the IOCTX, never guess.
                     let status = Err((abi::GIO_IOCB_STATUS_INVALID_IOCTX, NvmeStatus::SUCCESS));
                     if let Some(cqe) = complete_ioctx(memory, id, index, header.ioctx_count, header.issue_seq, status) {
-                        post_cqe(memory, cqe)?;
+                        if let Err(error) = post_cqe(memory, cqe) {
+                            first_error.get_or_insert(error);
+                        }
                     }
                     pending.next += 1;
                     continue;
                 };
                 // A failed pair (a completion broke the queue protocol; reported once, by the
-                // reap that saw it) takes no command: like a full one, it holds what is pending
-                // back, so that the caller's wait times out and its reset (the pair deleted,
-                // then the IOCBs still issued ended as TIMEOUT) recovers, rather than every
-                // later poll failing with the same error.
-                if queue.free_slots() == 0 || queue.failed() {
+                // reap that saw it) or a stale one (its controller was reset; reported once)
+                // takes no command: what is pending for it waits, so that the caller's wait
+                // times out and its reset (the pair deleted, then the IOCBs still issued ended
+                // as TIMEOUT) recovers, rather than every later poll failing with the same
+                // error. IOCTXs for other devices go on.
+                if self.stale[device] || queue.failed() {
+                    position += 1;
+                    continue 'iocbs;
+                }
+                if queue.free_slots() == 0 {
                     break 'iocbs; // back-pressure: retried on the next poll, in order
                 }
-                queue
-                    .submit_raw(command, tag(id, index))
-                    .map_err(|error| GioError::Executor { executor: "cpu", reason: format!("device {device}: {error}") })?;
+                if let Err(error) = queue.submit_raw(command, tag(id, index)) {
+                    self.stale[device] |= matches!(error, nvme_driver::NvmeError::QueueStale { .. });
+                    first_error.get_or_insert(device_error(device, error));
+                    position += 1; // held in place, like a pair that takes no command
+                    continue 'iocbs;
+                }
                 self.doorbell_due[device] = true;
                 pending.next += 1;
             }
-            self.pending.pop_front();
+            // Bounded by the depth, and only once per IOCB: no allocation.
+            self.pending.remove(position);
         }
         for (device, (queue, due)) in self.queues.iter_mut().zip(&mut self.doorbell_due).enumerate() {
             if let (true, Some(queue)) = (std::mem::take(due), queue) {
                 // Fails only for a pair whose controller was reset: its commands never reach it.
-                queue
-                    .ring_doorbell()
-                    .map_err(|error| GioError::Executor { executor: "cpu", reason: format!("device {device}: {error}") })?;
+                if let Err(error) = queue.ring_doorbell() {
+                    self.stale[device] |= matches!(error, nvme_driver::NvmeError::QueueStale { .. });
+                    first_error.get_or_insert(device_error(device, error));
+                }
             }
         }
-        Ok(())
+        first_error.map_or(Ok(()), Err)
     }
 }
 
@@ -256,6 +286,7 @@ impl CpuExecutor {
         self.undeleted = undeleted;
         self.pending.clear();
         self.doorbell_due.iter_mut().for_each(|due| *due = false);
+        self.stale.iter_mut().for_each(|stale| *stale = false);
         failure.map_or(Ok(()), Err)
     }
 }
@@ -278,6 +309,20 @@ pub(crate) fn finish_issued_as_timeout(memory: &QueueMemory) -> Result<usize, Gi
         }
     }
     Ok(reclaimed)
+}
+
+/// Takes `count` entries off the SQ and ends each IOCB they name as TIMEOUT with its one CQE:
+/// a batch no queue pair can run (the executor's were retired).
+pub(crate) fn end_batch_as_timeout(consumer: &mut crate::ring::Consumer<'_, IocbId>, memory: &QueueMemory, count: u32) {
+    for _ in 0..count {
+        let Some(id) = consumer.next() else { break };
+        if id.0 >= memory.layout.config.depth {
+            continue; // names no IOCB: there is nothing to end
+        }
+        if let Err(error) = finish_as_timeout(memory, id) {
+            tracing::error!(%id, %error, "gio-uring CPU executor: ending an IOCB of a batch no queue pair can run");
+        }
+    }
 }
 
 /// Ends IOCB `id` as TIMEOUT with one CQE if it is still ISSUED (the compare-and-swap of a
@@ -336,6 +381,11 @@ impl Executor for CpuExecutor {
                 reason: format!("SQ at {} with {} entries does not hold batch {batch:?}", consumer.head(), consumer.len()),
             });
         }
+        if self.retired {
+            // No queue pair is left to run it: the batch leaves the SQ and each IOCB ends now.
+            end_batch_as_timeout(&mut consumer, memory, batch.count);
+            return Err(GioError::QueuePairsRetired { executor: "cpu" });
+        }
         let mut refused = None;
         for _ in 0..batch.count {
             let Some(id) = consumer.next() else { break };
@@ -359,17 +409,29 @@ impl Executor for CpuExecutor {
         refused.map_or(Ok(()), Err)
     }
 
+    /// Reaps every device, then pumps, even after an error: one device's error (reported
+    /// once) never stops the others. Returns the first error seen.
     fn poll(&mut self, memory: &QueueMemory) -> Result<(), GioError> {
+        let mut first_error = None;
         let mut posting = Ok(());
         for (device, queue) in self.queues.iter_mut().enumerate() {
             let Some(queue) = queue else { continue };
+            if self.stale[device] {
+                continue; // its controller was reset: nothing to reap; reported already
+            }
             let depth = queue.depth() as usize;
-            queue
-                .reap(depth, |completion| finish_command(memory, completion, &mut posting))
-                .map_err(|error| GioError::Executor { executor: "cpu", reason: format!("device {device}: {error}") })?;
+            if let Err(error) = queue.reap(depth, |completion| finish_command(memory, completion, &mut posting)) {
+                self.stale[device] |= matches!(error, nvme_driver::NvmeError::QueueStale { .. });
+                first_error.get_or_insert(device_error(device, error));
+            }
         }
-        posting?;
-        self.pump(memory)
+        if let Err(error) = posting {
+            first_error.get_or_insert(error);
+        }
+        if let Err(error) = self.pump(memory) {
+            first_error.get_or_insert(error);
+        }
+        first_error.map_or(Ok(()), Err)
     }
 
     fn retire_queue_pairs(&mut self) -> Option<bool> {
@@ -382,6 +444,7 @@ impl Executor for CpuExecutor {
             }
         }
         self.pending.clear();
+        self.retired = true;
         Some(self.undeleted.is_empty())
     }
 
@@ -444,6 +507,18 @@ mod tests {
         }
         let ended = queue.wait_cqe(id, Instant::now() + std::time::Duration::from_secs(5)).expect("ended once");
         assert!(matches!(ended.result, Err(crate::IocbFailure::Timeout { .. })), "{:?}", ended.result);
+    }
+
+    #[test]
+    fn an_ioctx_for_a_device_without_a_queue_pair_fails_when_no_worker_owns_it() {
+        // Goal: outside worker mode no other worker can own a device, so an IOCTX whose slot
+        // holds no queue pair (the pairs were retired) fails as invalid instead of being
+        // skipped for good, which left its IOCB in flight forever.
+        use crate::executor::test_double::queue_with_one_read;
+        let (mut queue, id) = queue_with_one_read(CpuExecutor::for_devices(vec![None], 4, None));
+        queue.issue_io(&[id], crate::types::LayerIndex(0), crate::types::SmBudget(1)).expect("issue");
+        let completion = queue.wait_cqe(id, Instant::now() + std::time::Duration::from_secs(1)).expect("completes");
+        assert_eq!(completion.result, Err(crate::IocbFailure::InvalidIoctx { ioctx_index: 0 }));
     }
 
     #[test]

@@ -128,6 +128,8 @@ pub struct CpuWorkers {
     /// the lock is taken by a worker recording an error and by `poll` once the flag says
     /// there is one.
     failure: Arc<Failure>,
+    /// `retire_queue_pairs` ran: the workers hold no queue pair, and an issue ends at once.
+    retired: bool,
 }
 
 /// The first error any worker hit since it was last reported, like a `CpuExecutor` error:
@@ -209,6 +211,7 @@ impl CpuWorkers {
             workers: Vec::new(),
             depth,
             failure: Arc::default(),
+            retired: false,
         })
     }
 
@@ -354,6 +357,12 @@ impl Executor for CpuWorkers {
         let Some(ioctx_index) = self.index.clone() else {
             return Err(GioError::Executor { executor: "cpu-workers", reason: "not attached to a queue".into() });
         };
+        if self.retired {
+            // No worker holds a queue pair to run it: the batch leaves the SQ and each IOCB
+            // ends now (a worker would skip every IOCTX as another worker's).
+            crate::cpu_executor::end_batch_as_timeout(&mut consumer, memory, batch.count);
+            return Err(GioError::QueuePairsRetired { executor: "cpu-workers" });
+        }
         // Deal the whole batch and check that every worker it needs can take its messages
         // before an id is consumed: a refusal part way would leave the SQ head inside the
         // batch, and every later submit would fail.
@@ -420,6 +429,7 @@ impl Executor for CpuWorkers {
     /// reset kept are retried) and says whether all are known gone. `Some(false)` also when a
     /// worker has stopped or does not answer within the bound: its pairs may still be live.
     fn retire_queue_pairs(&mut self) -> Option<bool> {
+        self.retired = true;
         if self.workers.is_empty() {
             // Never attached: the queue pairs are still here. One that is not deleted stays
             // (and its drop retries, else leaks its rings); a later call retries it.

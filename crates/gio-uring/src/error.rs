@@ -101,6 +101,11 @@ pub enum GioError {
     /// every one before `put_iocb`, and keep what they name until then.
     #[error("the executor failed on an issue of {count} IOCBs already published: they stay in flight until each completes: {source}")]
     SubmitFailed { count: u32, source: Box<GioError> },
+    /// Teardown ([`crate::Executor::retire_queue_pairs`]) deleted the executor's NVMe queue
+    /// pairs: it runs no more I/O. An issue after it ends each of its IOCBs at once as timed
+    /// out (one CQE each) and reports this through `SubmitFailed`.
+    #[error("executor {executor}: its queue pairs were retired (teardown); it runs no more I/O")]
+    QueuePairsRetired { executor: &'static str },
     /// No usable CUDA driver: libcuda is absent, or cuInit found no device. GPU tests skip on it.
     #[error("no CUDA driver: {reason}")]
     NoCudaDriver { reason: String },

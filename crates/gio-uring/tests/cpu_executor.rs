@@ -459,3 +459,79 @@ fn a_queue_pair_failed_by_a_completion_is_reported_once_then_waits_time_out_and_
         assert_eq!(rig.queue.wait_cqe(id, deadline()).unwrap().result, Ok(()), "{id} on the fresh pair");
     }
 }
+
+#[test]
+fn a_controller_reset_on_one_device_holds_back_only_that_devices_iocbs() {
+    // Goal: after controller A is reset, A's queue pair is stale (every reap says so). That is
+    // reported once, and from then on only IOCTXs for A are held back (in place, for the
+    // caller's reset): an IOCB on controller B, issued behind one on A, completes. Before, every
+    // poll failed at A's reap, B was never reaped, and the IOCB on A held back every later one.
+    let config = || {
+        EmuConfig::default()
+            .with_backing(Backing::Memory { bytes: 8 << 20 })
+            .with_namespaces(vec![NamespaceConfig::new(BLOCK_BYTES, Some(4 << 20))])
+            .with_sgl(true)
+    };
+    let device_a = EmuDevice::start(config()).expect("controller A");
+    let device_b = EmuDevice::start_in(config(), &device_a.dma_pool()).expect("controller B, same DMA space");
+    let mut controller_a = Controller::init(device_a.clone() as Arc<dyn DeviceBackend>, ControllerConfig::default()).expect("A up");
+    let controller_b = Controller::init(device_b.clone() as Arc<dyn DeviceBackend>, ControllerConfig::default()).expect("B up");
+    let buffer = controller_a.dma().allocate(LAYER_BYTES as usize).unwrap();
+    let namespace = controller_a.namespaces()[0];
+    let info = DeviceInfo { nsid: namespace.id.0, capacity_blocks: namespace.size_blocks, block_bytes: BLOCK_BYTES, sgl_supported: true };
+    let registered = RegisteredMemory::new(vec![IovaRange::new(buffer.iova(), buffer.len() as u64)]).unwrap();
+    let executor =
+        CpuExecutor::new(vec![controller_a.create_io_queue_pair(64).unwrap(), controller_b.create_io_queue_pair(64).unwrap()], 16);
+    let mut queue =
+        GioQueue::init_queue(QueueConfig { depth: 16, ioctx_per_iocb_max: 64 }, DeviceTable::new(vec![info; 2]), registered, executor)
+            .unwrap();
+    let ids = queue.get_iocb(2, Dependency::None).unwrap();
+    let (on_a, on_b) = (ids[0], ids[1]);
+    let on_device = |device: u16| -> Vec<IoctxSpec> {
+        ioctxs(&buffer, true, 1).into_iter().take(4).map(|spec| IoctxSpec { device: DeviceIndex(device), ..spec }).collect()
+    };
+    let single = gio_uring::IocbSpec::single(Opcode::Read, 0);
+    queue.fill_iocb(on_a, &single, &on_device(0)).unwrap();
+    queue.fill_iocb(on_b, &single, &on_device(1)).unwrap();
+    controller_a.reset(false).expect("controller A reset");
+    queue.issue_io(&[on_a], LayerIndex(0), SmBudget(1)).unwrap();
+    queue.issue_io(&[on_b], LayerIndex(0), SmBudget(1)).unwrap();
+    let reported = queue.wait_cqe(on_b, deadline());
+    assert!(matches!(&reported, Err(GioError::Executor { executor: "cpu", reason }) if reason.contains("device 0")), "{reported:?}");
+    assert_eq!(queue.wait_cqe(on_b, deadline()).expect("reported once").result, Ok(()), "B's IOCB completes");
+    let held = queue.wait_cqe(on_a, Instant::now() + Duration::from_millis(200));
+    assert!(matches!(held, Err(GioError::WaitTimeout { .. })), "A's IOCB waits for a reset: {held:?}");
+    let fresh = vec![controller_a.create_io_queue_pair(64).unwrap(), controller_b.create_io_queue_pair(64).unwrap()];
+    let (executor, memory) = queue.executor_and_memory();
+    assert_eq!(executor.reset(memory, fresh).expect("reset"), 1, "A's IOCB is reclaimed");
+    assert!(matches!(queue.wait_cqe(on_a, deadline()).unwrap().result, Err(IocbFailure::Timeout { .. })));
+    queue.issue_io(&[on_a, on_b], LayerIndex(0), SmBudget(1)).unwrap();
+    for id in [on_a, on_b] {
+        assert_eq!(queue.wait_cqe(id, deadline()).unwrap().result, Ok(()), "{id} on the fresh pairs");
+    }
+}
+
+#[test]
+fn an_issue_after_the_queue_pairs_were_retired_ends_at_once() {
+    // Goal: after teardown deleted the queue pairs, an issue cannot run: it is refused with a
+    // typed error and each IOCB ends at once with its one CQE, for both CPU executors, rather
+    // than waiting forever for a device no executor serves.
+    fn check<E: Executor>(mut rig: Rig<E>) {
+        let id = rig.queue.get_iocb(1, Dependency::None).unwrap()[0];
+        rig.queue.fill_iocb(id, &layered(Opcode::Read), &ioctxs(&rig.target, true, 1)).unwrap();
+        assert_eq!(rig.queue.executor_mut().retire_queue_pairs(), Some(true));
+        let issued = rig.queue.issue_io(&[id], LayerIndex(0), SmBudget(1));
+        let name = rig.queue.executor().name();
+        assert!(
+            matches!(&issued, Err(GioError::SubmitFailed { source, .. }) if matches!(**source, GioError::QueuePairsRetired { .. })),
+            "{name}: {issued:?}"
+        );
+        let ended = rig.queue.wait_cqe(id, Instant::now() + Duration::from_secs(1)).expect("ended at once");
+        assert!(matches!(ended.result, Err(IocbFailure::Timeout { .. })), "{name}: {:?}", ended.result);
+    }
+    check(rig(true, 1, 64));
+    check(rig_with(true, 1, 64, |queues| {
+        let workers = queues.into_iter().map(|queue| vec![(DeviceIndex(0), queue)]).collect();
+        CpuWorkers::new(1, workers, 16).unwrap()
+    }));
+}
