@@ -115,20 +115,45 @@ fn fault_rules_filter_by_queue_and_opcode() {
 
 #[test]
 fn deleting_a_queue_with_a_delayed_completion_pending_is_clean() {
-    // Goal: a delayed completion of a deleted SQ is discarded and frees its CQ reservation.
+    // Goal: deleting an SQ forgets its delayed completion and frees the CQ slot it held. The CQ
+    // (4 entries: 3 usable) stays and a new SQ 1 is created on it: three Flushes in one doorbell
+    // all complete at once (the held slot would leave room for two until the delay ran out), and
+    // the stale completion (the old command id) never arrives. Until 2026-11-29 this test
+    // deleted the CQ too and passed just as well without `drop_pending_for`.
+    const DELAY: Duration = Duration::from_millis(300);
     let mut host = TestHost::start(memory_config());
     let mut queue = host.create_io_pair(1, 4);
-    host.device.set_faults(FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::Delay(Duration::from_millis(50)))));
-    TestHost::push(&mut queue, SubmissionEntry::flush(NamespaceId(1)));
+    host.device.set_faults(FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::Delay(DELAY))));
+    let started = Instant::now();
+    let delayed = TestHost::push(&mut queue, SubmissionEntry::flush(NamespaceId(1)));
     host.ring_submission(&queue);
-    std::thread::sleep(Duration::from_millis(5));
+    let deadline = Instant::now() + DEADLINE;
+    while host.device.stats().faults_injected == 0 {
+        assert!(Instant::now() < deadline, "the delayed Flush was never fetched");
+        std::thread::sleep(Duration::from_millis(1));
+    }
     assert_eq!(status_of(&host.admin(SubmissionEntry::delete_io_submission_queue(1))), Ok(()));
-    assert_eq!(status_of(&host.admin(SubmissionEntry::delete_io_completion_queue(1))), Ok(()));
-    std::thread::sleep(Duration::from_millis(60));
-    assert!(TestHost::try_reap(&mut queue).is_none(), "nothing posted for the deleted queue");
-    let mut queue = host.create_io_pair(1, 4);
-    for _ in 0..6 {
-        assert_eq!(status_of(&host.execute_on(&mut queue, SubmissionEntry::flush(NamespaceId(1)))), Ok(()));
+    queue.submission = host.buffer(4 * 64);
+    queue.tail = 0;
+    let created = host.admin(SubmissionEntry::create_io_submission_queue(1, 4, queue.submission.iova().0, 1));
+    assert_eq!(status_of(&created), Ok(()), "SQ 1 again, on the old CQ 1");
+    let flushes: Vec<_> = (0..3).map(|_| TestHost::push(&mut queue, SubmissionEntry::flush(NamespaceId(1)))).collect();
+    host.ring_submission(&queue);
+    // Reaped without ringing the CQ head until all three are in: the CQ has room for three
+    // only if the deleted SQ's reservation was freed.
+    let mut completed = Vec::new();
+    for _ in 0..3 {
+        let completion = TestHost::try_reap_within(&mut queue, DELAY / 3).expect("all three Flushes complete at once");
+        assert_eq!(status_of(&completion), Ok(()));
+        completed.push(completion.command_id());
+    }
+    host.ring_completion(&queue);
+    assert!(started.elapsed() < DELAY, "the Flushes waited for the delayed completion's slot: {:?}", started.elapsed());
+    completed.sort_by_key(|id| id.0);
+    assert_eq!(completed, flushes);
+    std::thread::sleep(DELAY.saturating_sub(started.elapsed()) + Duration::from_millis(100));
+    if let Some(stale) = TestHost::try_reap(&mut queue) {
+        panic!("a completion after the delay (the deleted SQ's command is {delayed:?}): {:?}", stale.command_id());
     }
 }
 
