@@ -113,7 +113,10 @@ pub struct PoolDevice {
 }
 
 /// Opens `specs` in one DMA space ([`open_in_one_space`]) with [`pool_emu_options`] and brings
-/// each controller up, in order: the devices of one KV pool.
+/// each controller up, in order: the devices of one KV pool. One at a time is safe although
+/// the first one's rings are mapped into the shared space while a later function may still run
+/// as a crashed process left it: a `vfio:` function can do no DMA (bus mastering off from
+/// open) until its own bring-up saw its controller stop (docs/vfio.md, "Bring-up order").
 pub fn open_pool_devices(specs: &[DeviceSpec], lba_bytes: u32, create_bytes: Option<u64>) -> Result<Vec<PoolDevice>, DeviceError> {
     let opened = open_in_one_space(specs, &pool_emu_options(lba_bytes, create_bytes))?;
     let mut devices = Vec::with_capacity(opened.len());

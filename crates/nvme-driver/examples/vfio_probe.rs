@@ -109,6 +109,9 @@ fn probe(address: PciAddress, reset_first: bool) -> Result<String> {
     let configuration = ControllerConfiguration(registers.read32(reg::CC));
     registers.write32(reg::CC, configuration.0 & !1);
     wait_ready(&*registers, false, ready_timeout)?;
+    // VFIO opens the function (and leaves it after a reset) with bus mastering off, until the
+    // controller was seen stopped; without it the first DMA fails with CSTS.CFS = 1.
+    device.enable_bus_master()?;
 
     let dma = device.dma();
     let memory = dma.allocate(3 * PAGE_BYTES)?;

@@ -187,13 +187,15 @@ fn clear_enable(registers: &dyn RegisterIo, timeout_ms: u64) -> Result<(), NvmeE
 
 impl Controller {
     /// Brings the controller up: disable, wait RDY=0, map the admin queues and the scratch page,
-    /// program AQA/ASQ/ACQ, enable, wait RDY=1, Identify, Number of Queues. I/O queue pairs are
-    /// created afterwards with [`Controller::create_io_queue_pair`].
+    /// allow bus mastering, program AQA/ASQ/ACQ, enable, wait RDY=1, Identify, Number of
+    /// Queues. I/O queue pairs are created afterwards with [`Controller::create_io_queue_pair`].
     ///
     /// Nothing is mapped for the device until it was seen to stop (CSTS.RDY = 0 after CC.EN = 0,
     /// within CAP.TO): a function an earlier process left enabled may still DMA through that
     /// process's queues into whatever this one maps. If it never stops, nothing was mapped and
-    /// the error is [`NvmeError::ReadyTimeout`].
+    /// the error is [`NvmeError::ReadyTimeout`]. Bus mastering
+    /// ([`DeviceBackend::enable_bus_master`]) is turned on only after that stop too: other
+    /// functions of the same DMA space, brought up one by one, may have memory mapped already.
     pub fn init(backend: Arc<dyn DeviceBackend>, config: ControllerConfig) -> Result<Self, NvmeError> {
         let registers = backend.registers();
         let dma = backend.dma();
@@ -276,6 +278,11 @@ impl Controller {
                     self.admin.forget_queue_ids();
                     // A controller reset clears the Doorbell Buffer Config too.
                     self.shadow_doorbells = ShadowState::Off;
+                    // Only now may the function DMA (VFIO opens it, and a function-level reset
+                    // leaves it, with bus mastering off): it was seen stopped, so it runs no
+                    // queue an earlier process left it, and the next DMA it does is for the
+                    // admin queue configured below.
+                    self.backend.enable_bus_master()?;
                     BringUpStage::ConfigureAdminQueues
                 }
                 BringUpStage::ConfigureAdminQueues => {

@@ -537,15 +537,20 @@ fn a_controller_left_running_is_disabled_before_any_memory_is_mapped_for_it() {
     // Goal: a function an earlier process left enabled (CC.EN = 1 with CSTS.RDY = 1, or still
     // enabling) may DMA into anything mapped while it runs, through queues that process
     // created. Bring-up disables it and waits for CSTS.RDY = 0 before it maps the admin rings
-    // and the scratch page; it used to map them first.
+    // and the scratch page (it used to map them first), and before it lets the function master
+    // the bus. The fake is also run mastering from the start (a backend without that gate):
+    // then the early stop alone keeps the mappings safe.
     let left_running = FakeScript { starts_enabled: true, ..FakeScript::default() };
     let mid_enable = FakeScript { starts_enabling: true, enable_ready_after_status_reads: 20, ..FakeScript::default() };
     for script in [left_running, mid_enable] {
-        let (device, controller) = bring_up(script);
-        let counters = device.counters();
-        assert_eq!(counters.mappings_while_left_enabled, 0, "memory was mapped before the controller was seen to stop");
-        assert_eq!((counters.disables, counters.disables_before_ready), (1, 0));
-        drop(controller);
+        for starts_mastering in [false, true] {
+            let (device, controller) = bring_up(FakeScript { starts_mastering, ..script.clone() });
+            let counters = device.counters();
+            assert_eq!(counters.mappings_while_left_enabled, 0, "memory was mapped before the controller was seen to stop");
+            assert_eq!(counters.bus_master_enables_while_left_enabled, 0, "bus mastering went on before the controller was seen to stop");
+            assert_eq!((counters.disables, counters.disables_before_ready), (1, 0));
+            drop(controller);
+        }
     }
 }
 
@@ -697,4 +702,37 @@ fn command_id_ffff_is_never_issued() {
         assert_eq!(queue.reap(2, |completion| ids.push(completion.command_id.0)).expect("reap"), 2, "round {round}");
         assert!(!ids.contains(&0xFFFF), "round {round} issued command id FFFFh");
     }
+}
+
+#[test]
+fn a_function_left_running_cannot_dma_into_memory_mapped_for_another_function_of_its_space() {
+    // Goal: two functions in one DMA space (one VFIO container, one pool) are brought up one
+    // after the other, as a striped pool's are. The second was left running by a crashed
+    // process; while the first is brought up, its admin rings and scratch page are mapped into
+    // the shared space, so the second must not be able to DMA then (it could write them
+    // through its old queues). Bus mastering stays off for a function until its own bring-up
+    // saw it stop. It used to be on for every function from open, so the second could DMA
+    // into the first's new rings until its own bring-up disabled it.
+    let devices = FakeDevice::new_in_one_space([FakeScript::default(), FakeScript { starts_enabled: true, ..FakeScript::default() }]);
+    let [first, left_running] = [Arc::clone(&devices[0]), Arc::clone(&devices[1])];
+    let first_controller = Controller::init(first, config()).expect("bring-up of the first");
+    assert_eq!(
+        left_running.counters().mappings_while_left_enabled,
+        0,
+        "the first function's memory was mapped while the second, left running, could DMA"
+    );
+    let second_controller = Controller::init(left_running.clone(), config()).expect("bring-up of the second");
+    let counters = left_running.counters();
+    assert_eq!(counters.mappings_while_left_enabled, 0);
+    assert_eq!(counters.bus_master_enables_while_left_enabled, 0, "the second could DMA before its bring-up saw it stop");
+    // A function-level reset leaves bus mastering off, as VFIO's does; the bring-up after it
+    // turns it on again once the controller was seen stopped.
+    let mut second_controller = second_controller;
+    second_controller.reset(true).expect("reset with FLR");
+    for controller in [&first_controller, &second_controller] {
+        let mut queue = controller.create_io_queue_pair(8).expect("queue pair");
+        queue.submit_raw(flush(), 0).expect("submit");
+        queue.complete_all(Duration::from_millis(200)).expect("both functions serve I/O");
+    }
+    assert_eq!(left_running.counters().doorbells_without_bus_master, 0);
 }

@@ -70,6 +70,8 @@ pub(super) struct FakeState {
     /// Still enabled as the script started it (`starts_enabled`, `starts_enabling`): no disable
     /// has reached CSTS.RDY = 0 yet.
     pub(super) left_enabled: bool,
+    /// Bus Master Enable: without it the fake does no DMA (fetches no command).
+    pub(super) bus_master: bool,
 }
 
 pub(super) struct FakeRegisters {
@@ -85,6 +87,7 @@ impl FakeRegisters {
             (false, false) => (0, 0, None),
         };
         let left_enabled = cc == 1;
+        let bus_master = script.starts_mastering;
         let state = FakeState {
             script,
             cc,
@@ -99,12 +102,9 @@ impl FakeRegisters {
             withheld: Vec::new(),
             enabling_reads_left,
             left_enabled,
+            bus_master,
         };
         Self { state: Mutex::new(state), pool }
-    }
-
-    pub(super) fn pool(&self) -> Arc<DmaPool> {
-        Arc::clone(&self.pool)
     }
 
     pub(super) fn lock(&self) -> MutexGuard<'_, FakeState> {
@@ -128,9 +128,10 @@ impl FakeState {
         }
     }
 
-    /// The driver mapped memory for DMA: counted if the controller still runs as it was found.
+    /// The driver mapped memory for DMA: counted if the controller still runs as it was found
+    /// and can master the bus.
     pub(super) fn note_mapping(&mut self) {
-        if self.left_enabled {
+        if self.left_enabled && self.bus_master {
             self.counters.mappings_while_left_enabled += 1;
         }
     }
@@ -163,6 +164,10 @@ impl FakeState {
             return;
         };
         if tail >= ring.entries || self.csts & CSTS_READY == 0 {
+            return;
+        }
+        if !self.bus_master {
+            self.counters.doorbells_without_bus_master += 1;
             return;
         }
         // Bounded: at most entries − 1 commands between head and tail.

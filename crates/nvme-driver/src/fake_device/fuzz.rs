@@ -64,6 +64,7 @@ impl FakeScript {
             enable_ready_after_status_reads: 0,
             starts_enabling: false,
             starts_enabled: false,
+            starts_mastering: false,
         };
         let raw = sections.next().unwrap_or_default();
         script.io_completions = raw.chunks_exact(COMPLETION_ENTRY_BYTES).map(|chunk| chunk.try_into().unwrap_or([0; 16])).collect();

@@ -13,7 +13,9 @@
 //! (or a fuzzer, through [`run_fuzz_input`]) can hand the driver any register file and Identify
 //! data a broken or hostile device could produce, deterministically. [`FakeCounters`] record
 //! what the driver did to it (commands fetched, doorbells, disables, DMA mappings made while it
-//! still ran as it was found).
+//! still ran as it was found). Like a VFIO function it starts with bus mastering off (no DMA
+//! until [`DeviceBackend::enable_bus_master`]), and several fakes can share one DMA space
+//! ([`FakeDevice::new_in_one_space`]), as the functions of one VFIO container do.
 //!
 //! Files: `controller.rs`, the register file and the queues; `fuzz.rs`, fuzz inputs decoded into
 //! a script and run.
@@ -24,7 +26,7 @@ mod controller;
 mod fuzz;
 
 use std::collections::{BTreeMap, VecDeque};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock, Weak};
 
 use crate::hw::{DeviceBackend, DmaAllocator, DmaPool, HwError, RegisterIo};
 use crate::spec::registers::Capabilities;
@@ -76,6 +78,10 @@ pub struct FakeScript {
     /// it may DMA into whatever is mapped until it is disabled (see
     /// `FakeCounters::mappings_while_left_enabled`).
     pub starts_enabled: bool,
+    /// The fake may master the bus (DMA) from the start, as a backend without a bus-master
+    /// gate would. False (the default) models VFIO, which opens a function with bus mastering
+    /// off until [`DeviceBackend::enable_bus_master`]; without it the fake fetches no command.
+    pub starts_mastering: bool,
 }
 
 /// Identify Namespace data with one LBA format (format 0) in use: `block_size_bytes` (a power
@@ -118,6 +124,7 @@ impl Default for FakeScript {
             enable_ready_after_status_reads: 0,
             starts_enabling: false,
             starts_enabled: false,
+            starts_mastering: false,
         }
     }
 }
@@ -141,10 +148,16 @@ pub struct FakeCounters {
     /// CC writes that cleared EN while an enable had not reached CSTS.RDY = 1 (the spec leaves
     /// what a controller does then undefined; a careful host waits for RDY first).
     pub disables_before_ready: u64,
-    /// DMA mappings made (through [`FakeDevice::pool`]) while the fake was still enabled as it
-    /// started (`starts_enabled`, `starts_enabling`), before a disable reached CSTS.RDY = 0: a
-    /// controller an earlier process left running could write such memory.
+    /// DMA mappings made (through [`FakeDevice::pool`], by the driver of any fake in its space)
+    /// while the fake was still enabled as it started (`starts_enabled`, `starts_enabling`),
+    /// before a disable reached CSTS.RDY = 0, with bus mastering on: a controller an earlier
+    /// process left running could write such memory.
     pub mappings_while_left_enabled: u64,
+    /// [`DeviceBackend::enable_bus_master`] calls while the fake was still enabled as it
+    /// started: from then on it could DMA into everything already mapped in its space.
+    pub bus_master_enables_while_left_enabled: u64,
+    /// SQ tail doorbells ignored because bus mastering was off (the fake cannot fetch).
+    pub doorbells_without_bus_master: u64,
     /// I/O commands fetched and left unanswered (`FakeScript::io_unanswered`).
     pub io_unanswered: u64,
 }
@@ -157,19 +170,31 @@ pub struct FakeDevice {
 
 impl FakeDevice {
     pub fn new(script: FakeScript) -> Arc<Self> {
-        let registers = Arc::new_cyclic(|registers: &std::sync::Weak<FakeRegisters>| {
-            // The observer holds the registers weakly (they hold the pool), and locks their state
-            // only while the driver maps memory, never while the fake holds that lock itself.
-            let registers = registers.clone();
-            let observer = Box::new(move |_, _| {
-                if let Some(registers) = registers.upgrade() {
-                    registers.lock().note_mapping();
-                }
-            });
-            FakeRegisters::new(script, Arc::new(DmaPool::identity_observed(observer)))
+        let mut devices = Self::new_in_one_space([script]);
+        devices.pop().expect("one device per script")
+    }
+
+    /// One fake per script, all in one DMA space (one pool, as `VfioDevice::open_many` gives
+    /// the functions of one VFIO container): memory mapped through any of them is reachable by
+    /// every one, and each counts the mappings made while it still runs as it was found.
+    pub fn new_in_one_space(scripts: impl IntoIterator<Item = FakeScript>) -> Vec<Arc<Self>> {
+        // The observer holds the registers weakly (they hold the pool), and locks a device's
+        // state only while the driver maps memory, never while the fake holds that lock itself.
+        let members: Arc<OnceLock<Vec<Weak<FakeRegisters>>>> = Arc::new(OnceLock::new());
+        let observed = Arc::clone(&members);
+        let observer = Box::new(move |_, _| {
+            for registers in observed.get().into_iter().flatten().filter_map(Weak::upgrade) {
+                registers.lock().note_mapping();
+            }
         });
-        let pool = registers.pool();
-        Arc::new(Self { registers, pool })
+        let pool = Arc::new(DmaPool::identity_observed(observer));
+        let devices: Vec<Arc<Self>> = scripts
+            .into_iter()
+            .map(|script| Arc::new(Self { registers: Arc::new(FakeRegisters::new(script, Arc::clone(&pool))), pool: Arc::clone(&pool) }))
+            .collect();
+        // Set once, here, before any device is handed out: nothing can map memory earlier.
+        let _ = members.set(devices.iter().map(|device| Arc::downgrade(&device.registers)).collect());
+        devices
     }
 
     /// Changes the script (e.g. makes the next disable hang, queues more raw completions).
@@ -231,6 +256,17 @@ impl DeviceBackend for FakeDevice {
         let mut state = self.registers.lock();
         state.disable();
         state.cc = 0;
+        // As VFIO's reset leaves it: bring-up turns bus mastering on again.
+        state.bus_master = false;
+        Ok(())
+    }
+
+    fn enable_bus_master(&self) -> Result<(), HwError> {
+        let mut state = self.registers.lock();
+        if state.left_enabled {
+            state.counters.bus_master_enables_while_left_enabled += 1;
+        }
+        state.bus_master = true;
         Ok(())
     }
 }

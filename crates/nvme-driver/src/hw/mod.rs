@@ -229,5 +229,17 @@ pub trait DeviceBackend: Send + Sync {
     fn registers(&self) -> Arc<dyn RegisterIo>;
     fn dma(&self) -> Arc<dyn DmaAllocator>;
     /// Function-level reset (PCIe FLR through VFIO; a full controller reset for the emulator).
+    /// A backend that gates DMA with bus mastering leaves it off afterwards, for the
+    /// bring-up that follows to turn on ([`DeviceBackend::enable_bus_master`]).
     fn function_reset(&self) -> Result<(), HwError>;
+    /// Lets the function master the bus, i.e. DMA. The driver calls it only once the controller
+    /// was seen stopped (CSTS.RDY = 0 after CC.EN = 0) in a bring-up, just before it enables
+    /// the controller. A backend whose functions share one DMA space (VFIO: one container for
+    /// a striped pool) opens them with bus mastering off, so that a function a crashed process
+    /// left running cannot DMA into memory mapped for another function of the space before its
+    /// own bring-up stopped it. Default: nothing to do (the software controller has no such
+    /// gate, and starts stopped).
+    fn enable_bus_master(&self) -> Result<(), HwError> {
+        Ok(())
+    }
 }

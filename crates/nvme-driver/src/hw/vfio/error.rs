@@ -88,8 +88,8 @@ pub enum VfioError {
     BadCapabilityChain { reason: &'static str },
     #[error("function-level reset of {address} is not supported by the device or its slot")]
     ResetUnsupported { address: PciAddress },
-    #[error("PCI command register of {address} reads {value:#06x} after enabling memory space and bus mastering")]
-    CommandNotEnabled { address: PciAddress, value: u16 },
+    #[error("PCI command register of {address} reads {value:#06x} after enabling memory space and setting bus mastering to {bus_master}")]
+    CommandNotSet { address: PciAddress, value: u16, bus_master: bool },
     #[error("reading {path}: {source}")]
     Sysfs { path: PathBuf, source: io::Error },
 }

@@ -4,8 +4,13 @@
 //! Opening a device walks the legacy container/group interface:
 //! 1. sysfs: the function exists, is bound to vfio-pci and has an IOMMU group;
 //! 2. `/dev/vfio/vfio` (container) + `/dev/vfio/<group>`: viable group, type1v2 IOMMU;
-//! 3. the device fd; PCI Command register: memory space + bus mastering on (vfio-pci leaves bus
-//!    mastering off, and a controller that cannot master fails its first DMA with CSTS.CFS=1);
+//! 3. the device fd; PCI Command register: memory space on, bus mastering off. Bus mastering
+//!    goes on only in [`DeviceBackend::enable_bus_master`], which the driver's bring-up calls
+//!    once it saw this function's controller stop: the functions of one container share a DMA
+//!    space and are brought up one at a time, so a function a crashed process left running
+//!    must not DMA (through that process's queues, at IOVAs this process may hand out again)
+//!    while another function's rings are mapped. (A controller that cannot master fails its
+//!    first DMA with CSTS.CFS=1, so bring-up must have turned it on before CC.EN.)
 //! 4. BAR0 mmapped for [`RegisterIo`];
 //! 5. a [`DmaPool`] whose IOVAs come from the IOMMU's reported ranges and whose mappings are
 //!    programmed with `VFIO_IOMMU_MAP_DMA`.
@@ -162,7 +167,8 @@ impl VfioDevice {
             }
 
             let config = region_info(&device, address, VFIO_PCI_CONFIG_REGION_INDEX)?;
-            enable_memory_and_bus_master(&device, address, config.offset)?;
+            // Registers only: no DMA until bring-up saw the controller stop (module docs, 3).
+            set_command(&device, address, config.offset, BusMaster::Off)?;
 
             let bar0 = region_info(&device, address, VFIO_PCI_BAR0_REGION_INDEX)?;
             let bar_len = usize::try_from(bar0.size).ok().filter(|&len| len >= 0x1000);
@@ -245,9 +251,15 @@ impl DeviceBackend for VfioDevice {
             operation: "VFIO_DEVICE_RESET",
             source,
         })?;
-        // The kernel restores the saved config space after the reset, but a reset that went
-        // through a path without save/restore would leave bus mastering off; set it again.
-        enable_memory_and_bus_master(&self.device, self.address, self.config_offset)?;
+        // The kernel restores the saved config space after the reset (bus mastering included,
+        // or not, depending on the path): memory space on, bus mastering off, for the bring-up
+        // that follows to turn on once it saw the controller stop.
+        set_command(&self.device, self.address, self.config_offset, BusMaster::Off)?;
+        Ok(())
+    }
+
+    fn enable_bus_master(&self) -> Result<(), HwError> {
+        set_command(&self.device, self.address, self.config_offset, BusMaster::On)?;
         Ok(())
     }
 }
@@ -277,8 +289,16 @@ fn region_info(device: &OwnedFd, address: PciAddress, index: u32) -> Result<vfio
     Ok(info)
 }
 
-/// Sets Memory Space Enable and Bus Master Enable in the PCI Command register.
-fn enable_memory_and_bus_master(device: &OwnedFd, address: PciAddress, config_offset: u64) -> Result<(), VfioError> {
+/// Bus Master Enable as [`set_command`] leaves it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BusMaster {
+    On,
+    Off,
+}
+
+/// Sets Memory Space Enable in the PCI Command register, and sets or clears Bus Master Enable;
+/// the other bits are kept. Read back to check.
+fn set_command(device: &OwnedFd, address: PciAddress, config_offset: u64, bus_master: BusMaster) -> Result<(), VfioError> {
     let config_error_offset = |_| VfioError::Ioctl {
         address,
         operation: "PCI config access (Command register)",
@@ -286,15 +306,16 @@ fn enable_memory_and_bus_master(device: &OwnedFd, address: PciAddress, config_of
     };
     let at = config_offset.checked_add(PCI_COMMAND_OFFSET).ok_or(()).map_err(config_error_offset)?;
     let config_error = |source| VfioError::Ioctl { address, operation: "PCI config access (Command register)", source };
-    let wanted = PciCommand::MEMORY | PciCommand::MASTER;
     let mut bytes = [0u8; 2];
     sys::pread_exact(device, &mut bytes, at).map_err(config_error)?;
-    let command = PciCommand::from_bits_retain(u16::from_le_bytes(bytes)) | wanted;
+    let mut command = PciCommand::from_bits_retain(u16::from_le_bytes(bytes)) | PciCommand::MEMORY;
+    command.set(PciCommand::MASTER, bus_master == BusMaster::On);
     sys::pwrite_exact(device, &command.bits().to_le_bytes(), at).map_err(config_error)?;
     sys::pread_exact(device, &mut bytes, at).map_err(config_error)?;
     let value = u16::from_le_bytes(bytes);
-    if !PciCommand::from_bits_retain(value).contains(wanted) {
-        return Err(VfioError::CommandNotEnabled { address, value });
+    let read_back = PciCommand::from_bits_retain(value);
+    if !read_back.contains(PciCommand::MEMORY) || read_back.contains(PciCommand::MASTER) != (bus_master == BusMaster::On) {
+        return Err(VfioError::CommandNotSet { address, value, bus_master: bus_master == BusMaster::On });
     }
     Ok(())
 }
@@ -332,22 +353,29 @@ mod tests {
     #[test]
     fn command_register_gains_memory_and_bus_master_and_keeps_other_bits() {
         // Goal: the read-modify-write of the PCI Command register, run against an ordinary
-        // file standing in for the config region (VFIO exposes it through pread/pwrite too).
+        // file standing in for the config region (VFIO exposes it through pread/pwrite too):
+        // open sets memory space and clears bus mastering (a function left mastering by
+        // whatever had it before included), bring-up sets bus mastering; other bits stay.
         let mut file = tempfile::tempfile().unwrap();
         // vfio-pci puts region N at N << 40; any offset exercises the same arithmetic.
         let config_offset = 0x1000u64;
         let mut image = vec![0u8; config_offset as usize + 64];
-        image[config_offset as usize + 4] = 0x00;
+        image[config_offset as usize + 4] = 0x04; // Bus Master Enable left on
         image[config_offset as usize + 5] = 0x04; // INTx Disable (bit 10) already set
         std::io::Write::write_all(&mut file, &image).unwrap();
         let device = OwnedFd::from(file);
         let address = "0000:00:04.0".parse().unwrap();
-        enable_memory_and_bus_master(&device, address, config_offset).unwrap();
-        let mut bytes = [0u8; 2];
-        sys::pread_exact(&device, &mut bytes, config_offset + PCI_COMMAND_OFFSET).unwrap();
-        assert_eq!(u16::from_le_bytes(bytes), 0x0406, "MEM + MASTER added, INTx Disable kept");
+        let command = || {
+            let mut bytes = [0u8; 2];
+            sys::pread_exact(&device, &mut bytes, config_offset + PCI_COMMAND_OFFSET).unwrap();
+            u16::from_le_bytes(bytes)
+        };
+        set_command(&device, address, config_offset, BusMaster::Off).unwrap();
+        assert_eq!(command(), 0x0402, "MEM added, MASTER cleared, INTx Disable kept");
+        set_command(&device, address, config_offset, BusMaster::On).unwrap();
+        assert_eq!(command(), 0x0406, "MEM + MASTER, INTx Disable kept");
         // A region that ends before the register is an error, not a panic.
-        assert!(enable_memory_and_bus_master(&device, address, 1 << 20).is_err());
+        assert!(set_command(&device, address, 1 << 20, BusMaster::On).is_err());
     }
 
     #[test]
