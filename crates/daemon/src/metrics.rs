@@ -1,9 +1,9 @@
 //! What operators scrape: tuttid's counters in the Prometheus text format (OpenMetrics), served
 //! over HTTP on a loopback address by default.
 //!
-//! Encoding is `prometheus-client` (the Prometheus project's Rust client); the HTTP side is
-//! `tiny_http` on one thread that wakes every tick to check the stop flag, so the endpoint ends
-//! with the daemon's drain. Request-path counters are updated by the connection threads with
+//! Encoding is `prometheus-client` (the Prometheus project's Rust client); the HTTP side
+//! (`endpoint.rs`) is one thread with a bounded number of connections, each with deadlines,
+//! that wakes every tick to check the stop flag, so the endpoint ends with the daemon's drain. Request-path counters are updated by the connection threads with
 //! atomics (no lock on the request path beyond the family's map, whose label sets are a fixed
 //! enum); pool fill, clients, connections, leaks and the doorbell relay are read from the
 //! daemon's state at scrape time.
@@ -13,7 +13,6 @@
 //! once the daemon checked the report against the request's grant (`crate::report`): a client
 //! killed before it reported is not counted.
 
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -25,7 +24,9 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
 use crate::protocol::{ErrorCode, Kind};
-use crate::DaemonError;
+
+mod endpoint;
+pub use endpoint::MetricsEndpoint;
 
 /// A request kind, as a label value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, EncodeLabelValue)]
@@ -382,66 +383,6 @@ impl Metrics {
 
 fn gauge_value(value: u64) -> i64 {
     i64::try_from(value).unwrap_or(i64::MAX)
-}
-
-/// The HTTP endpoint: `GET /metrics` answers the registry's text; anything else 404.
-pub struct MetricsEndpoint {
-    server: tiny_http::Server,
-    address: SocketAddr,
-}
-
-impl MetricsEndpoint {
-    /// Binds `address` (port 0 picks a free one; see [`MetricsEndpoint::address`]).
-    pub fn bind(address: SocketAddr) -> Result<MetricsEndpoint, DaemonError> {
-        let server = tiny_http::Server::http(address).map_err(|error| DaemonError::Io {
-            context: format!("binding the metrics endpoint on {address}"),
-            source: std::io::Error::other(error.to_string()),
-        })?;
-        let address = server.server_addr().to_ip().ok_or_else(|| DaemonError::Io {
-            context: "the metrics endpoint has no IP address".into(),
-            source: std::io::Error::from(std::io::ErrorKind::AddrNotAvailable),
-        })?;
-        Ok(MetricsEndpoint { server, address })
-    }
-
-    pub fn address(&self) -> SocketAddr {
-        self.address
-    }
-
-    /// Serves scrapes until `stopped` says so, checking it every `tick`. `snapshot` reads the
-    /// daemon's state for each scrape. One scrape at a time: a scraper is one Prometheus.
-    pub fn serve(&self, metrics: &Metrics, tick: Duration, stopped: &dyn Fn() -> bool, snapshot: &dyn Fn() -> Snapshot) {
-        while !stopped() {
-            let request = match self.server.recv_timeout(tick) {
-                Ok(Some(request)) => request,
-                Ok(None) => continue,
-                Err(error) => {
-                    tracing::warn!("metrics endpoint: {error}");
-                    continue;
-                }
-            };
-            let path = request.url().split('?').next().unwrap_or("");
-            let response = if request.method() != &tiny_http::Method::Get || path != "/metrics" {
-                tiny_http::Response::from_string("tuttid serves GET /metrics only\n").with_status_code(404)
-            } else {
-                match metrics.encode(&snapshot()) {
-                    Ok(text) => {
-                        let content_type = "application/openmetrics-text; version=1.0.0; charset=utf-8";
-                        let response = tiny_http::Response::from_string(text);
-                        // Only non-ASCII bytes make a header fail; these are ASCII.
-                        match tiny_http::Header::from_bytes("Content-Type", content_type) {
-                            Ok(header) => response.with_header(header),
-                            Err(()) => response,
-                        }
-                    }
-                    Err(error) => tiny_http::Response::from_string(format!("encoding failed: {error}\n")).with_status_code(500),
-                }
-            };
-            if let Err(error) = request.respond(response) {
-                tracing::info!("metrics endpoint: answering a scrape: {error}");
-            }
-        }
-    }
 }
 
 #[cfg(test)]

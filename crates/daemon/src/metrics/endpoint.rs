@@ -1,0 +1,280 @@
+//! The metrics endpoint's HTTP side, bounded like everything else in the daemon: one thread,
+//! at most [`CONNECTIONS_MAX`] connections open at once (the oldest is closed to admit a new
+//! one, so idle connections cannot keep a scraper out), each given [`REQUEST_DEADLINE`] to send
+//! a request head of at most [`HEAD_BYTES_MAX`] and [`WRITE_TIMEOUT`] to take its answer.
+//! `GET /metrics` answers the registry's text; another path is 404, another method 405, a head
+//! that is too long or not HTTP 400. Every answer closes its connection (no keep-alive: a
+//! scraper asks every few seconds). The endpoint is on loopback by default and reachable by
+//! any local user, so a client that opens connections and sends nothing costs one slot each for
+//! a bounded time, never a thread or unbounded memory.
+
+use std::collections::VecDeque;
+use std::io::{ErrorKind, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsFd;
+use std::time::{Duration, Instant};
+
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+
+use super::{Metrics, Snapshot};
+use crate::DaemonError;
+
+/// Connections open at once.
+pub const CONNECTIONS_MAX: usize = 16;
+/// Time from accept to a whole request head.
+pub const REQUEST_DEADLINE: Duration = Duration::from_secs(2);
+/// The longest request head (request line and headers).
+pub const HEAD_BYTES_MAX: usize = 8 << 10;
+/// The longest a scraper may take to read its answer.
+pub const WRITE_TIMEOUT: Duration = Duration::from_secs(2);
+
+const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// The HTTP endpoint: `GET /metrics` answers the registry's text; anything else an error.
+pub struct MetricsEndpoint {
+    listener: TcpListener,
+    address: SocketAddr,
+}
+
+/// A connection whose request head is still arriving.
+struct Pending {
+    stream: TcpStream,
+    head: Vec<u8>,
+    deadline: Instant,
+}
+
+/// What reading a connection found.
+enum Head {
+    /// The head so far; more may come.
+    Partial,
+    /// A whole head (ends with an empty line).
+    Complete,
+    /// Longer than the cap without ending.
+    TooLong,
+    /// The peer closed or the socket failed.
+    Gone,
+}
+
+impl MetricsEndpoint {
+    /// Binds `address` (port 0 picks a free one; see [`MetricsEndpoint::address`]).
+    pub fn bind(address: SocketAddr) -> Result<MetricsEndpoint, DaemonError> {
+        let io = |context: String| move |source| DaemonError::Io { context, source };
+        let listener = TcpListener::bind(address).map_err(io(format!("binding the metrics endpoint on {address}")))?;
+        listener.set_nonblocking(true).map_err(io("making the metrics listener non-blocking".into()))?;
+        let address = listener.local_addr().map_err(io("the metrics endpoint's address".into()))?;
+        Ok(MetricsEndpoint { listener, address })
+    }
+
+    pub fn address(&self) -> SocketAddr {
+        self.address
+    }
+
+    /// Serves scrapes until `stopped` says so, checking it every `tick`. `snapshot` reads the
+    /// daemon's state for each scrape.
+    pub fn serve(&self, metrics: &Metrics, tick: Duration, stopped: &dyn Fn() -> bool, snapshot: &dyn Fn() -> Snapshot) {
+        let tick_ms = u16::try_from(tick.as_millis()).unwrap_or(u16::MAX);
+        let mut open: VecDeque<Pending> = VecDeque::with_capacity(CONNECTIONS_MAX);
+        while !stopped() {
+            {
+                let mut fds = Vec::with_capacity(1 + open.len());
+                fds.push(PollFd::new(self.listener.as_fd(), PollFlags::POLLIN));
+                fds.extend(open.iter().map(|pending| PollFd::new(pending.stream.as_fd(), PollFlags::POLLIN)));
+                match poll(&mut fds, PollTimeout::from(tick_ms)) {
+                    Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+                    Err(errno) => {
+                        tracing::warn!("metrics endpoint: polling: {errno}");
+                        std::thread::sleep(tick);
+                    }
+                }
+            }
+            self.accept_pending(&mut open);
+            let now = Instant::now();
+            let mut index = 0;
+            while index < open.len() {
+                let head = read_head(&mut open[index]);
+                match head {
+                    Head::Partial if now < open[index].deadline => index += 1,
+                    // Out of time, or gone: closed unanswered.
+                    Head::Partial | Head::Gone => drop(open.remove(index)),
+                    Head::Complete | Head::TooLong => {
+                        if let Some(pending) = open.remove(index) {
+                            answer(pending, matches!(head, Head::TooLong), metrics, snapshot);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Accepts every connection waiting, closing the oldest open one when all slots are taken.
+    fn accept_pending(&self, open: &mut VecDeque<Pending>) {
+        loop {
+            match self.listener.accept() {
+                Ok((stream, _)) => {
+                    if let Err(error) = stream.set_nonblocking(true) {
+                        tracing::info!("metrics endpoint: a connection: {error}");
+                        continue;
+                    }
+                    if open.len() >= CONNECTIONS_MAX {
+                        open.pop_front();
+                    }
+                    open.push_back(Pending { stream, head: Vec::new(), deadline: Instant::now() + REQUEST_DEADLINE });
+                }
+                Err(error) if error.kind() == ErrorKind::WouldBlock => return,
+                Err(error) if error.kind() == ErrorKind::Interrupted => {}
+                Err(error) => {
+                    // ECONNABORTED, EMFILE...: that connection is lost; try again next tick.
+                    tracing::warn!("metrics endpoint: accept failed: {error}");
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// Reads what the connection has sent (non-blocking), up to the head's cap.
+fn read_head(pending: &mut Pending) -> Head {
+    let mut chunk = [0u8; 1024];
+    loop {
+        if pending.head.windows(4).any(|window| window == b"\r\n\r\n") {
+            return Head::Complete;
+        }
+        if pending.head.len() >= HEAD_BYTES_MAX {
+            return Head::TooLong;
+        }
+        let room = (HEAD_BYTES_MAX - pending.head.len()).min(chunk.len());
+        match pending.stream.read(&mut chunk[..room]) {
+            Ok(0) => return Head::Gone,
+            Ok(read) => pending.head.extend_from_slice(&chunk[..read]),
+            Err(error) if error.kind() == ErrorKind::WouldBlock => return Head::Partial,
+            Err(error) if error.kind() == ErrorKind::Interrupted => {}
+            Err(_) => return Head::Gone,
+        }
+    }
+}
+
+/// The status line and body for a request head.
+fn response_for(head: &[u8], too_long: bool, metrics: &Metrics, snapshot: &dyn Fn() -> Snapshot) -> (&'static str, &'static str, String) {
+    let plain = "text/plain; charset=utf-8";
+    if too_long {
+        return ("400 Bad Request", plain, format!("request head longer than {HEAD_BYTES_MAX} bytes\n"));
+    }
+    let line = head.split(|&byte| byte == b'\n').next().unwrap_or_default();
+    let line = String::from_utf8_lossy(line);
+    let mut words = line.split_ascii_whitespace();
+    let (Some(method), Some(target), Some(version)) = (words.next(), words.next(), words.next()) else {
+        return ("400 Bad Request", plain, "not an HTTP request line\n".into());
+    };
+    if !version.starts_with("HTTP/1.") {
+        return ("400 Bad Request", plain, format!("HTTP/1.x only, not {version}\n"));
+    }
+    if method != "GET" {
+        return ("405 Method Not Allowed", plain, "tuttid serves GET /metrics only\n".into());
+    }
+    if target.split('?').next() != Some("/metrics") {
+        return ("404 Not Found", plain, "tuttid serves GET /metrics only\n".into());
+    }
+    match metrics.encode(&snapshot()) {
+        Ok(text) => ("200 OK", OPENMETRICS, text),
+        Err(error) => ("500 Internal Server Error", plain, format!("encoding failed: {error}\n")),
+    }
+}
+
+/// Answers one request and closes the connection (bounded by [`WRITE_TIMEOUT`]).
+fn answer(pending: Pending, too_long: bool, metrics: &Metrics, snapshot: &dyn Fn() -> Snapshot) {
+    let (status, content_type, body) = response_for(&pending.head, too_long, metrics, snapshot);
+    let mut stream = pending.stream;
+    let header = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n{}\r\n",
+        body.len(),
+        if status.starts_with("405") { "Allow: GET\r\n" } else { "" }
+    );
+    let written = stream
+        .set_nonblocking(false)
+        .and_then(|()| stream.set_write_timeout(Some(WRITE_TIMEOUT)))
+        .and_then(|()| stream.write_all(header.as_bytes()))
+        .and_then(|()| stream.write_all(body.as_bytes()))
+        .and_then(|()| stream.flush());
+    if let Err(error) = written {
+        tracing::info!("metrics endpoint: answering a scrape: {error}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    fn endpoint() -> (SocketAddr, Arc<AtomicBool>, std::thread::JoinHandle<()>) {
+        let endpoint = MetricsEndpoint::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let address = endpoint.address();
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = Arc::clone(&stop);
+        let thread = std::thread::spawn(move || {
+            let metrics = Metrics::new();
+            endpoint.serve(&metrics, Duration::from_millis(20), &|| stopped.load(Ordering::Acquire), &Snapshot::default);
+        });
+        (address, stop, thread)
+    }
+
+    /// Sends `request` and reads the whole answer (bounded).
+    fn ask(address: SocketAddr, request: &[u8]) -> String {
+        let mut stream = TcpStream::connect(address).unwrap();
+        stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        stream.write_all(request).unwrap();
+        let mut answer = String::new();
+        stream.read_to_string(&mut answer).unwrap();
+        answer
+    }
+
+    #[test]
+    fn scrapes_get_the_text_and_everything_else_an_error() {
+        // Goal: GET /metrics (with or without a query) answers the registry's text with its
+        // length; another path 404, another method 405, garbage and an endless head 400.
+        let (address, stop, thread) = endpoint();
+        let ok = ask(address, b"GET /metrics?x=1 HTTP/1.1\r\nHost: here\r\n\r\n");
+        assert!(ok.starts_with("HTTP/1.1 200 OK\r\n"), "{ok}");
+        assert!(ok.contains("Content-Type: application/openmetrics-text") && ok.contains("tuttid_clients 0"), "{ok}");
+        let (head, body) = ok.split_once("\r\n\r\n").unwrap();
+        assert!(head.contains(&format!("Content-Length: {}", body.len())), "{head}");
+        assert!(ask(address, b"GET /other HTTP/1.1\r\n\r\n").starts_with("HTTP/1.1 404"));
+        assert!(ask(address, b"POST /metrics HTTP/1.1\r\n\r\n").starts_with("HTTP/1.1 405"));
+        assert!(ask(address, b"hello\r\n\r\n").starts_with("HTTP/1.1 400"));
+        // Exactly the cap, no end: all of it read, so the close is clean (bytes left unread
+        // would make the kernel reset the connection, and the client might lose the answer).
+        let mut endless = b"GET /metrics HTTP/1.1\r\nX: ".to_vec();
+        endless.resize(HEAD_BYTES_MAX, b'a');
+        assert!(ask(address, &endless).starts_with("HTTP/1.1 400"));
+        stop.store(true, Ordering::Release);
+        thread.join().unwrap();
+    }
+
+    #[test]
+    fn idle_connections_neither_keep_a_scraper_out_nor_take_threads() {
+        // Goal: many connections that send nothing cost no thread (the endpoint is one) and
+        // cannot keep a scrape out: it is answered at once, the oldest idle ones closed to
+        // admit it; an idle connection is closed at its deadline.
+        let (address, stop, thread) = endpoint();
+        let threads = || {
+            let status = std::fs::read_to_string("/proc/self/status").unwrap();
+            status.lines().find_map(|line| line.strip_prefix("Threads:")).unwrap().trim().parse::<u32>().unwrap()
+        };
+        let before = threads();
+        let idle: Vec<TcpStream> = (0..200).map(|_| TcpStream::connect(address).unwrap()).collect();
+        let started = Instant::now();
+        let answer = ask(address, b"GET /metrics HTTP/1.1\r\n\r\n");
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        assert!(started.elapsed() < REQUEST_DEADLINE, "the scrape waited {:?} behind idle connections", started.elapsed());
+        // Other tests of this binary run beside this one: a margin for their threads, far
+        // below the 200 a thread per connection would add.
+        assert!(threads() < before + 50, "the endpoint started threads: {} then {}", before, threads());
+        // The newest idle connection is closed at its deadline (EOF to a read).
+        let mut last = idle.into_iter().last().unwrap();
+        last.set_read_timeout(Some(REQUEST_DEADLINE * 5)).unwrap();
+        let mut byte = [0u8; 1];
+        assert_eq!(last.read(&mut byte).unwrap(), 0, "the idle connection was not closed");
+        stop.store(true, Ordering::Release);
+        thread.join().unwrap();
+    }
+}
