@@ -395,7 +395,10 @@ impl Server {
                     Err(error) if error.kind() == std::io::ErrorKind::Interrupted => {}
                     Err(error) => {
                         // ECONNABORTED, EMFILE...: this connection is lost, the server goes on.
+                        // The listener stays readable while descriptors run out, so the next
+                        // poll would return at once: wait a tick rather than spin (and log).
                         tracing::warn!("accept failed: {error}");
+                        std::thread::sleep(shared.config.tick);
                         break;
                     }
                 }
