@@ -674,9 +674,12 @@ class LayerIo:
         (their outcomes stay for Request.wait, a failure of theirs too: it is not raised here;
         this layer's is taken, however it was seen to end: Request.wait does not return it,
         and it no longer counts against layers_in_flight). Raises this layer's own failure
-        ("layer N failed: ...", the class as Request.wait's), as often as asked; when a layer
-        before it could not be waited for (its wait failed without ending it), a failure
-        naming that layer; TimeoutError; StaleRequest; InvalidState for a layer never issued on
+        ("layer N failed: ...", the class as Request.wait's), as often as asked, and a failed
+        wait of its own the completion thread kept (once); when a layer before it cannot be
+        waited for (its wait, tried again here, fails again without ending it), a failure
+        naming that layer ("layer K is still in flight behind layer J, ..."); an earlier
+        failed wait the completion thread kept is no gate: it is tried again by this wait,
+        within its timeout; TimeoutError; StaleRequest; InvalidState for a layer never issued on
         this request. After the request ended (finish, commit, leaving the `with`): returns at
         once if this layer completed, raises its failure if it failed, else StaleRequest."""
     def fileno(self) -> int:

@@ -31,12 +31,30 @@ use crate::tensor::CheckedLayout;
 mod close;
 mod registration;
 mod request_state;
+#[cfg(test)]
+pub(crate) mod test_store;
 
-pub use request_state::{Issues, RequestState};
+pub use request_state::{Issues, RequestState, Stall};
 
 /// The longest a `wait` holds the store's lock in one go: other threads' calls (and the
 /// completion thread) get the lock between slices.
 pub const WAIT_SLICE: Duration = Duration::from_millis(2);
+
+/// How long the completion thread leaves a request alone after its wait failed without ending
+/// the layer (a queue error) before it tries again: long enough that a queue that keeps
+/// failing costs one poll (and one eventfd signal) per 50 ms, short enough that a transient
+/// error delays the layer by at most that.
+pub const STALL_RETRY_BACKOFF: Duration = Duration::from_millis(50);
+
+/// What one pass of the completion thread (`StoreState::drive_armed`) found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ArmedPass {
+    /// A request was driven: pass again at once.
+    pub driven: bool,
+    /// A request waits out its backoff after a failed wait: pass again within
+    /// `STALL_RETRY_BACKOFF`, not after the idle sleep.
+    pub backing_off: bool,
+}
 
 /// The store behind a `Store`.
 pub enum Backend {
@@ -118,6 +136,10 @@ pub struct StoreState {
     pub layers_in_flight_max: u32,
     /// The options that bound the store's requests, for the refusals they cause.
     limits: RequestLimits,
+    /// Tests: how many of the next store waits `drive` makes fail with a queue error that ends
+    /// no layer (an executor that could not poll its queue pairs), before asking the store.
+    #[cfg(test)]
+    pub queue_errors_injected: u32,
 }
 
 /// The options that bound a store's requests (`Store.open`/`attach`'s `layers_in_flight`,
@@ -207,6 +229,8 @@ impl StoreState {
             last_daemon_request: Instant::now(),
             layers_in_flight_max: limits.layers_in_flight,
             limits,
+            #[cfg(test)]
+            queue_errors_injected: 0,
         }
     }
 
@@ -442,6 +466,12 @@ impl StoreState {
         let Some(&oldest) = self.request(handle)?.in_flight.front() else {
             return Ok(None);
         };
+        #[cfg(test)]
+        if self.queue_errors_injected > 0 {
+            self.queue_errors_injected -= 1;
+            let injected = GioError::Executor { executor: "test", reason: "injected".into() };
+            return self.wait_failed(handle, oldest, ObjstoreError::Gio(injected));
+        }
         let waited = self.layer_store()?.wait(RequestHandle::from_bits(handle), deadline);
         match waited {
             Ok(Some(layer)) => {
@@ -453,37 +483,41 @@ impl StoreState {
                 Ok(None)
             }
             Err(error) if is_timeout(&error) => Err(Failure::from(&error)),
-            Err(error) => {
-                // The store ended the failed layer (a failed command, a CRC mismatch) and keeps
-                // the later ones in flight; a wait that failed before that (a queue error)
-                // leaves it, and the next wait asks the store again. The store's own list says
-                // which; when it cannot tell, the layer the error names (a failed command's) or
-                // the oldest (a CRC mismatch's) is taken as ended. The failure is that layer's
-                // alone: whoever waits for a later one does not take it.
-                let failure = Failure::from(&error);
-                let listed = self.store_in_flight(handle);
-                let state = self.request(handle)?;
-                let ended = match (&listed, &error) {
-                    (Some(layers), _) => (!layers.contains(&oldest)).then_some(oldest),
-                    (None, ObjstoreError::LayerIo { layer, .. }) => Some(*layer),
-                    (None, ObjstoreError::PayloadMismatch { .. }) => Some(oldest),
-                    (None, _) => None,
-                };
-                // The layer's failure first, so that it is recorded against its own issue
-                // (the store's list no longer holds the layer, nor its issue then).
-                if let Some(layer) = ended {
-                    state.fail(layer, &failure);
-                }
-                if let Some(layers) = listed {
-                    state.set_in_flight(layers);
-                }
-                match ended {
-                    Some(layer) => Ok(Some(layer)),
-                    None => {
-                        state.signal();
-                        Err(failure)
-                    }
-                }
+            Err(error) => self.wait_failed(handle, oldest, error),
+        }
+    }
+
+    /// A store wait for `oldest`, the request's oldest layer in flight, failed with `error`: see
+    /// `drive`.
+    fn wait_failed(&mut self, handle: u64, oldest: u32, error: ObjstoreError) -> Result<Option<u32>, Failure> {
+        // The store ended the failed layer (a failed command, a CRC mismatch) and keeps
+        // the later ones in flight; a wait that failed before that (a queue error)
+        // leaves it, and the next wait asks the store again. The store's own list says
+        // which; when it cannot tell, the layer the error names (a failed command's) or
+        // the oldest (a CRC mismatch's) is taken as ended. The failure is that layer's
+        // alone: whoever waits for a later one does not take it.
+        let failure = Failure::from(&error);
+        let listed = self.store_in_flight(handle);
+        let state = self.request(handle)?;
+        let ended = match (&listed, &error) {
+            (Some(layers), _) => (!layers.contains(&oldest)).then_some(oldest),
+            (None, ObjstoreError::LayerIo { layer, .. }) => Some(*layer),
+            (None, ObjstoreError::PayloadMismatch { .. }) => Some(oldest),
+            (None, _) => None,
+        };
+        // The layer's failure first, so that it is recorded against its own issue
+        // (the store's list no longer holds the layer, nor its issue then).
+        if let Some(layer) = ended {
+            state.fail(layer, &failure);
+        }
+        if let Some(layers) = listed {
+            state.set_in_flight(layers);
+        }
+        match ended {
+            Some(layer) => Ok(Some(layer)),
+            None => {
+                state.signal();
+                Err(failure)
             }
         }
     }
@@ -520,28 +554,40 @@ impl StoreState {
     /// The completion thread's pass over the requests that have an eventfd and a layer in
     /// flight: each is driven for at most `slice`. A failed layer's outcome is recorded by
     /// `drive` (the later layers are driven on); a wait that failed without ending its layer is
-    /// kept, with that layer, for the next wait, and the request left alone until then.
-    pub fn drive_armed(&mut self, slice: Duration) -> bool {
-        let armed: Vec<u64> = self
-            .requests
-            .iter()
-            .filter(|(_, state)| state.eventfd.is_some() && !state.in_flight.is_empty() && state.stalled.is_none())
-            .map(|(&handle, _)| handle)
-            .collect();
+    /// kept to report (`RequestState::stalled`) and tried again once `STALL_RETRY_BACKOFF`
+    /// passed (the request is left alone until then, not until someone else waits).
+    pub fn drive_armed(&mut self, slice: Duration) -> ArmedPass {
+        let now = Instant::now();
+        let mut pass = ArmedPass::default();
+        let mut armed = Vec::new();
+        for (&handle, state) in &self.requests {
+            if state.eventfd.is_none() || state.in_flight.is_empty() {
+                continue;
+            }
+            match state.stalled.as_ref().and_then(|stall| stall.backoff_until) {
+                Some(until) if now < until => pass.backing_off = true,
+                _ => armed.push(handle),
+            }
+        }
         for &handle in &armed {
-            match self.drive(handle, Instant::now() + slice) {
-                Ok(_) => {}
-                Err(failure) if failure.class == ErrorClass::Timeout => {}
-                Err(failure) => {
-                    if let Some(state) = self.requests.get_mut(&handle) {
-                        if let Some(&layer) = state.in_flight.front() {
-                            state.stalled = Some((layer, failure));
-                        }
+            let driven = self.drive(handle, Instant::now() + slice);
+            let Some(state) = self.requests.get_mut(&handle) else { continue };
+            match driven {
+                Err(failure) if failure.class != ErrorClass::Timeout => {
+                    state.stall(failure, Instant::now() + STALL_RETRY_BACKOFF);
+                    pass.backing_off = true;
+                }
+                // The wait no longer fails: a stall still in flight stays to report, but the
+                // request is driven at full pace again.
+                _ => {
+                    if let Some(stall) = &mut state.stalled {
+                        stall.backoff_until = None;
                     }
                 }
             }
         }
-        !armed.is_empty()
+        pass.driven = !armed.is_empty();
+        pass
     }
 
     pub fn commit(&mut self, handle: u64) -> Result<usize, Failure> {

@@ -158,7 +158,7 @@ impl Request {
             if let Some(outcome) = request.unreported.pop_front() {
                 return outcome.into_result().map(Some);
             }
-            if let Some((_, failure)) = request.stalled.take() {
+            if let Some(failure) = request.take_stall() {
                 return Err(failure);
             }
             if request.in_flight.is_empty() {
@@ -213,7 +213,7 @@ impl Request {
         self.check_live()?;
         let mut state = self.shared.lock();
         let request = state.request(self.handle)?;
-        if let Some((_, failure)) = request.stalled.take() {
+        if let Some(failure) = request.take_stall() {
             return Err(failure);
         }
         // Bounded: each round ends one layer in flight or returns.
@@ -240,9 +240,12 @@ impl Request {
     /// Waits until `issue` of `layer` ended (or `deadline`), driving the layers in flight
     /// before it in issue order; their outcomes (a failure too) stay for `Request.wait` to
     /// return, this issue's is taken (returned or raised here, whoever saw it end: it no longer
-    /// counts against the request's limit). Raises only this issue's failure, or, when a layer
-    /// before it cannot be waited for, a failure naming that layer. An issue whose outcome a
-    /// wait returned already answers with its own result, never a later issue's of the layer.
+    /// counts against the request's limit). Raises only this issue's failure (a failed wait of
+    /// its own the completion thread kept, too), or, when a layer before it cannot be waited
+    /// for (its wait, tried again here, fails again without ending it), a failure naming that
+    /// layer. An earlier layer's kept failed wait is no gate: it is retried by driving, within
+    /// this deadline. An issue whose outcome a wait returned already answers with its own
+    /// result, never a later issue's of the layer.
     fn wait_layer(&self, layer: u32, issue: u64, deadline: Instant) -> Result<(), Failure> {
         loop {
             self.check_live()?;
@@ -259,15 +262,11 @@ impl Request {
                     ))
                 });
             }
-            if let Some((stalled, failure)) = request.stalled.take() {
-                if stalled == layer {
-                    return Err(failure);
-                }
-                // Layer `stalled`'s to report (Request.wait or its LayerIo), not taken here.
-                let refused = behind(layer, stalled, &failure);
-                request.stalled = Some((stalled, failure));
-                return Err(refused);
+            if let Some(failure) = request.take_stall_of(issue) {
+                return Err(failure);
             }
+            // An earlier issue's kept failed wait stays for Request.wait or its LayerIo to
+            // report; driving tries that wait again (and forgets the stall if it ends).
             let oldest = request.in_flight.front().copied().unwrap_or(layer);
             match state.drive(self.handle, deadline.min(Instant::now() + WAIT_SLICE)) {
                 Ok(_) => {}
@@ -532,5 +531,34 @@ impl LayerIo {
 
     fn __repr__(&self, py: Python<'_>) -> String {
         format!("LayerIo(layer {}, done={})", self.layer, self.done(py))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::test_store::{self, geometry};
+
+    #[test]
+    fn a_later_layers_wait_retries_a_wait_that_failed_without_ending_an_earlier_layer() {
+        // Goal: layers 0 and 1 in flight; the completion thread's wait for layer 0 fails with a
+        // queue error that ends no layer (kept to report). Layer 1's LayerIo.wait(5) then
+        // drives the request itself, retrying layer 0's wait, and once the error cleared
+        // returns layer 1 complete, within its deadline; layer 0's completion stays for
+        // Request.wait. Before, it raised "behind layer 0" at once without driving anything.
+        let mut state = test_store::local_state(2);
+        let handle = test_store::prepare_store(&mut state, 3);
+        state.request(handle).unwrap().eventfd().expect("eventfd");
+        let issues: Vec<u64> = [0, 1].map(|layer| state.issue(handle, layer, 1, Direction::Store).expect("issue")).to_vec();
+        state.queue_errors_injected = 1;
+        state.drive_armed(std::time::Duration::from_micros(200)); // the completion thread's pass
+        assert!(state.request(handle).unwrap().stalled.is_some());
+        let shared = StoreShared::for_tests(state, geometry(), 2);
+        let request = Request::new(Arc::clone(&shared), handle, Direction::Store, vec![0, 1], vec![0, 1], None);
+        let started = Instant::now();
+        request.wait_layer(1, issues[1], started + std::time::Duration::from_secs(5)).expect("layer 1 completes");
+        assert!(started.elapsed() < std::time::Duration::from_secs(5));
+        assert_eq!(request.wait_until(test_store::deadline()).expect("Request.wait"), Some(0), "layer 0's completion, in order");
+        assert_eq!(request.wait_until(test_store::deadline()).expect("Request.wait"), None, "layer 1's was taken by its LayerIo");
     }
 }

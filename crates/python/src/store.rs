@@ -17,7 +17,7 @@ use tutti_daemon::protocol::Hello;
 use tutti_daemon::{Client, DaemonError};
 use tutti_devices::{DeviceKind, DeviceSpec};
 
-use crate::backend::{key_seed, Backend, RequestLimits, StoreState};
+use crate::backend::{key_seed, Backend, RequestLimits, StoreState, STALL_RETRY_BACKOFF};
 use crate::errors::{ErrorClass, Failure};
 use crate::geometry::ModelGeometry;
 use crate::memory::{describe, tensor_names, KvBuffer, KvLayout};
@@ -91,6 +91,25 @@ impl StoreShared {
         });
     }
 
+    /// Tests: what a `Store` over `state` shares with its requests (no completion thread, no
+    /// keep-alive).
+    #[cfg(test)]
+    pub fn for_tests(state: StoreState, geometry: Geometry, layers_in_flight: u32) -> Arc<StoreShared> {
+        Arc::new(StoreShared {
+            state: Mutex::new(state),
+            wake: Condvar::new(),
+            stop: AtomicBool::new(false),
+            service: Mutex::new(None),
+            kind: "in-process",
+            geometry,
+            timeout: Duration::from_secs(5),
+            session: None,
+            layers_in_flight,
+            keepalive: None,
+            kv_layout: Mutex::new(None),
+        })
+    }
+
     /// Starts the completion thread if it is not running (one per store).
     pub fn ensure_service(self: &Arc<Self>) -> Result<(), Failure> {
         let mut service = self.service.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
@@ -135,7 +154,7 @@ fn run_service(weak: Weak<StoreShared>) {
         if state.is_closed() {
             return;
         }
-        let busy = state.drive_armed(SERVICE_SLICE);
+        let pass = state.drive_armed(SERVICE_SLICE);
         if let Some(interval) = shared.keepalive {
             if state.last_daemon_request.elapsed() >= interval {
                 if let Err(failure) = state.ping() {
@@ -143,17 +162,18 @@ fn run_service(weak: Weak<StoreShared>) {
                 }
             }
         }
-        if busy {
+        if pass.driven {
             drop(state);
             drop(shared);
             std::thread::yield_now();
             continue;
         }
-        let sleep = match shared.keepalive {
+        let idle = match shared.keepalive {
             Some(interval) => interval.saturating_sub(state.last_daemon_request.elapsed()).min(SERVICE_IDLE_MAX),
             None => SERVICE_IDLE_MAX,
-        }
-        .max(Duration::from_millis(1));
+        };
+        // A request waiting out its backoff after a failed wait is retried at the end of it.
+        let sleep = if pass.backing_off { idle.min(STALL_RETRY_BACKOFF) } else { idle }.max(Duration::from_millis(1));
         let (state, _) = shared.wake.wait_timeout(state, sleep).unwrap_or_else(|poisoned| poisoned.into_inner());
         drop(state);
     }

@@ -4,6 +4,7 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
+use std::time::Instant;
 
 use nix::sys::eventfd::{EfdFlags, EventFd};
 use objstore::Direction;
@@ -28,6 +29,22 @@ impl Outcome {
             Some(failure) => Err(failure),
         }
     }
+}
+
+/// A wait for the oldest issue in flight that failed without ending it (a queue error): kept
+/// to report (`Request.wait`, `poll`, or that issue's LayerIo raise it, once) while the issue
+/// is in flight, and forgotten as soon as the issue ends, however it ends. It gates nothing: a
+/// later layer's wait drives the request (retrying this issue's wait) as usual.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stall {
+    pub layer: u32,
+    /// The issue whose wait failed (a layer may be issued again once ended: only this issue's
+    /// end forgets the stall).
+    pub issue: u64,
+    pub failure: Failure,
+    /// Until when the completion thread leaves the request alone before it retries the wait
+    /// (None once a retry no longer failed): a queue that keeps failing is not polled hot.
+    pub backoff_until: Option<Instant>,
 }
 
 /// A request's issues, numbered 0, 1, ... in issue order (a LayerIo holds its issue's number):
@@ -106,10 +123,10 @@ pub struct RequestState {
     /// Layers ended whose outcome no wait returned yet (the completion thread, a poll or
     /// another layer's LayerIo.wait saw it end), oldest first.
     pub unreported: VecDeque<Outcome>,
-    /// A wait for the oldest layer in flight that failed without ending it, as the completion
-    /// thread saw it: that layer and the failure. The thread leaves the request alone until a
-    /// wait or a poll takes it (the layer stays in flight: the next wait tries again).
-    pub stalled: Option<(u32, Failure)>,
+    /// A wait for the oldest issue in flight that failed without ending it, as the completion
+    /// thread saw it (see `Stall`): the issue stays in flight, and the next wait (anyone's, the
+    /// thread's after a backoff) tries again.
+    pub stalled: Option<Stall>,
     /// Signalled once per ended layer (and on a failure), created by `fileno()`.
     pub eventfd: Option<Arc<EventFd>>,
     /// The request moves no block (a store whose blocks the pool holds already): the store
@@ -156,14 +173,41 @@ impl RequestState {
         issue
     }
 
-    /// Takes `layer` out of flight; returns its issue's number.
+    /// Takes `layer` out of flight; returns its issue's number. A stall of that issue is
+    /// forgotten: the issue ended.
     fn leave_flight(&mut self, layer: u32) -> u64 {
         // The store ends layers in issue order, so this is the front; by value, so that a
         // mirror that drifted cannot keep an ended layer in flight.
         if let Some(position) = self.in_flight.iter().position(|&in_flight| in_flight == layer) {
             self.in_flight.remove(position);
         }
-        self.issues.end(layer)
+        let issue = self.issues.end(layer);
+        if self.stalled.as_ref().is_some_and(|stall| stall.issue == issue) {
+            self.stalled = None;
+        }
+        issue
+    }
+
+    /// Records that a wait for the oldest issue in flight failed with `failure` without ending
+    /// it (the completion thread's), to report and to retry after `backoff_until`.
+    pub(super) fn stall(&mut self, failure: Failure, backoff_until: Instant) {
+        let Some(&layer) = self.in_flight.front() else { return };
+        if let Some(issue) = self.issue_in_flight(layer) {
+            self.stalled = Some(Stall { layer, issue, failure, backoff_until: Some(backoff_until) });
+        }
+    }
+
+    /// Takes the stall to raise it, if any (`Request.wait`, `poll`).
+    pub fn take_stall(&mut self) -> Option<Failure> {
+        self.stalled.take().map(|stall| stall.failure)
+    }
+
+    /// Takes the stall of `issue`, if that issue's wait is the one that failed (its LayerIo).
+    pub fn take_stall_of(&mut self, issue: u64) -> Option<Failure> {
+        if self.stalled.as_ref().is_some_and(|stall| stall.issue == issue) {
+            return self.take_stall();
+        }
+        None
     }
 
     /// Records that `layer`, the oldest in flight, completed.
@@ -232,6 +276,12 @@ impl RequestState {
         self.in_flight.extend(layers);
         let in_flight = &self.in_flight;
         self.issues.in_flight.retain(|(layer, _)| in_flight.contains(layer));
+        // A stall of an issue the store no longer lists: that issue ended.
+        if let Some(stall) = &self.stalled {
+            if !self.issues.is_in_flight(stall.issue) {
+                self.stalled = None;
+            }
+        }
         for &layer in &self.in_flight {
             // A layer the mirror did not have in flight gets an issue of its own (no LayerIo).
             if !self.issues.in_flight.iter().any(|&(known, _)| known == layer) {
@@ -470,6 +520,37 @@ mod tests {
         assert_eq!(state.issues.result(third), Some(Ok(())));
         assert_eq!(state.unreported.front().map(|outcome| outcome.issue), Some(fourth), "the fourth's is left for its waits");
         assert!(state.issues.result(second).is_some_and(|result| result.is_err()));
+    }
+
+    #[test]
+    fn a_stall_is_forgotten_once_its_issue_ends_another_way() {
+        // Goal: a wait that failed without ending its layer is kept to report only while that
+        // issue is in flight: once the issue ends (a later wait, the request's exit settling
+        // it) or the store's list no longer holds it, nothing is left to say "still in flight"
+        // about, and a later issue of the same layer is not blamed for it.
+        let mut state = RequestState::new(Direction::Store, false, 2);
+        let stuck = || device_failure("the queue could not be polled");
+        issue(&mut state, 0);
+        state.stall(stuck(), Instant::now());
+        state.complete(0);
+        assert!(state.stalled.is_none(), "layer 0's issue completed");
+        state.unreported.clear(); // the waits
+        issue(&mut state, 1);
+        state.stall(stuck(), Instant::now());
+        state.fail(1, &device_failure("a command failed"));
+        assert!(state.stalled.is_none(), "layer 1's issue failed: its own failure reports it");
+        state.unreported.clear();
+        issue(&mut state, 2);
+        state.stall(stuck(), Instant::now());
+        state.set_in_flight([]);
+        assert!(state.stalled.is_none(), "the store no longer lists layer 2");
+        let second = issue(&mut state, 2);
+        issue(&mut state, 3);
+        state.stall(stuck(), Instant::now());
+        state.set_in_flight([2, 3]);
+        assert_eq!(state.stalled.as_ref().map(|stall| (stall.layer, stall.issue)), Some((2, second)), "still listed: kept");
+        assert_eq!(state.take_stall_of(second + 1), None, "layer 3's LayerIo does not take layer 2's");
+        assert_eq!(state.take_stall_of(second), Some(stuck()), "layer 2's second issue's LayerIo does");
     }
 
     #[test]
