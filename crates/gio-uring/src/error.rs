@@ -87,7 +87,10 @@ pub enum GioError {
     /// queue wrote there: another agent overwrote it. The IOCB is not run.
     #[error("{id}: line 0 read back from shared memory is corrupt: {field} = {value} ({expected})")]
     CorruptIocb { id: IocbId, field: &'static str, value: u32, expected: &'static str },
-    #[error("completion for {id} (issue {issue_seq}) matches nothing in flight: {reason}")]
+    /// A CQE the queue does not trust. One that matches nothing in flight is dropped; one that
+    /// names the issue in flight with impossible fields (a status no executor may post, a
+    /// failed IOCTX outside the IOCB) ends that issue as timed out, so it is not left in flight.
+    #[error("completion for {id} (issue {issue_seq}) refused: {reason}")]
     UnexpectedCompletion { id: IocbId, issue_seq: u32, reason: &'static str },
     #[error("completion queue full: the executor cannot post a completion for {id}")]
     CompletionQueueFull { id: IocbId },

@@ -284,19 +284,26 @@ impl<E: Executor> GioQueue<E> {
     }
 
     /// Moves every posted CQE into the host state. Each CQE is untrusted: it must name an IOCB in
-    /// flight with the issue sequence number it was issued with.
+    /// flight with the issue sequence number it was issued with, else it is dropped and
+    /// reported. One that does, with impossible fields, ends the issue as timed out (it was
+    /// consumed: nothing else would end it) and is reported too.
     fn drain_cq(&mut self) -> Result<(), GioError> {
         let ring: Ring<'_, Cqe> = Ring::new(&self.memory.region, self.memory.layout.cq, "cq");
         let mut consumer = ring.consumer()?;
         for cqe in &mut consumer {
-            let completion = self.check_cqe(&cqe)?;
+            let (completion, refused) = self.check_cqe(&cqe)?;
             self.iocbs[cqe.iocb_id.0 as usize].state = State::Completed(completion);
             self.reaped.push_back(cqe.iocb_id);
+            if let Some(error) = refused {
+                return Err(error);
+            }
         }
         Ok(())
     }
 
-    fn check_cqe(&self, cqe: &Cqe) -> Result<Completion, GioError> {
+    /// The completion a CQE gives its issue, with the error to report when its fields are
+    /// impossible (the issue then ends as timed out); `Err` when it matches no issue in flight.
+    fn check_cqe(&self, cqe: &Cqe) -> Result<(Completion, Option<GioError>), GioError> {
         let id = cqe.iocb_id;
         let unexpected = |reason| GioError::UnexpectedCompletion { id, issue_seq: cqe.issue_seq, reason };
         let host = self.iocbs.get(id.0 as usize).ok_or(unexpected("id outside the pool"))?;
@@ -306,9 +313,13 @@ impl<E: Executor> GioQueue<E> {
         if host.header.issue_seq != cqe.issue_seq {
             return Err(unexpected("stale issue sequence number"));
         }
+        let completion = |result| Completion { id, layer: LayerIndex(host.header.layer), user_data: host.header.user_data, result };
+        // The issue in flight, with fields no executor may post: it ends here, as a failure
+        // after which the caller resets the queue pairs (what the executor did is unknown).
+        let impossible = |reason| Ok((completion(Err(IocbFailure::Timeout { ioctx_index: None })), Some(unexpected(reason))));
         let failed_index = (cqe.failed_ioctx != abi::GIO_NO_FAILED_IOCTX).then_some(cqe.failed_ioctx);
         if failed_index.is_some_and(|index| index >= host.header.ioctx_count) {
-            return Err(unexpected("failed IOCTX index outside the IOCB"));
+            return impossible("failed IOCTX index outside the IOCB");
         }
         let result = match (IocbStatus::from_abi(u32::from(cqe.status)), failed_index) {
             (Some(IocbStatus::Success), None) => Ok(()),
@@ -318,9 +329,9 @@ impl<E: Executor> GioQueue<E> {
             (Some(IocbStatus::InvalidIoctx), Some(ioctx_index)) => Err(IocbFailure::InvalidIoctx { ioctx_index }),
             (Some(IocbStatus::Timeout), ioctx_index) => Err(IocbFailure::Timeout { ioctx_index }),
             (Some(IocbStatus::ControllerFault), ioctx_index) => Err(IocbFailure::ControllerFault { ioctx_index }),
-            _ => return Err(unexpected("status inconsistent with failed IOCTX")),
+            _ => return impossible("status inconsistent with failed IOCTX"),
         };
-        Ok(Completion { id, layer: LayerIndex(host.header.layer), user_data: host.header.user_data, result })
+        Ok((completion(result), None))
     }
 
     fn forget_reaped(&mut self, id: IocbId) {

@@ -219,7 +219,9 @@ fn a_full_submission_queue_is_back_pressure_and_changes_nothing() {
 
 #[test]
 fn forged_or_stale_completions_are_errors() {
-    // Goal: a CQE for an IOCB that is not in flight, or for an old issue, is reported, not trusted.
+    // Goal: a CQE for an IOCB that is not in flight, or for an old issue, is reported, not
+    // trusted, and leaves the issue in flight alone. (One for the issue in flight with
+    // impossible fields ends it: see the next test.)
     let mut queue = queue(MemoryExecutor { stalled: true, ..Default::default() });
     let id = queue.get_iocb(1, Dependency::None).unwrap()[0];
     queue.fill_iocb(id, &layered(0), &[ioctx(0, 0, 1, 0)]).unwrap();
@@ -239,12 +241,42 @@ fn forged_or_stale_completions_are_errors() {
     queue.issue_io(&[id], LayerIndex(0), SmBudget(1)).unwrap();
     post(&queue, Cqe { issue_seq: 0, ..success });
     assert!(matches!(queue.reap_cqe(), Err(GioError::UnexpectedCompletion { reason: "stale issue sequence number", .. })));
-    post(&queue, Cqe { failed_ioctx: 5, status: abi::GIO_IOCB_STATUS_NVME_ERROR as u16, ..success });
-    assert!(matches!(queue.reap_cqe(), Err(GioError::UnexpectedCompletion { .. })));
-    post(&queue, Cqe { status: 77, ..success });
-    assert!(matches!(queue.reap_cqe(), Err(GioError::UnexpectedCompletion { .. })));
+    post(&queue, Cqe { iocb_id: IocbId(99), ..success });
+    assert!(matches!(queue.reap_cqe(), Err(GioError::UnexpectedCompletion { reason: "id outside the pool", .. })));
     post(&queue, success);
     assert_eq!(queue.wait_cqe(id, soon()).unwrap().result, Ok(()));
+}
+
+#[test]
+fn a_completion_of_the_issue_in_flight_with_an_impossible_status_ends_it_as_a_timeout() {
+    // Goal: a CQE that names the IOCB and the issue in flight but whose other fields are
+    // impossible (status IDLE or unknown, a failed IOCTX outside the IOCB, SUCCESS with a failed
+    // IOCTX) is consumed: it must not leave the IOCB in flight for good. It is reported once,
+    // and the IOCB ends as timed out, the failure after which the caller resets the queue pairs.
+    let mut queue = queue(MemoryExecutor { stalled: true, ..Default::default() });
+    let id = queue.get_iocb(1, Dependency::None).unwrap()[0];
+    queue.fill_iocb(id, &layered(0), &[ioctx(0, 0, 1, 0)]).unwrap();
+    let nvme_error = abi::GIO_IOCB_STATUS_NVME_ERROR as u16;
+    let impossible = [
+        (abi::GIO_IOCB_STATUS_IDLE as u16, abi::GIO_NO_FAILED_IOCTX),
+        (42, abi::GIO_NO_FAILED_IOCTX),
+        (nvme_error, 5),
+        (abi::GIO_IOCB_STATUS_SUCCESS as u16, 0),
+    ];
+    for (layer, (status, failed_ioctx)) in (0u32..).zip(impossible) {
+        queue.issue_io(&[id], LayerIndex(layer), SmBudget(1)).unwrap();
+        let issue_seq = layer + 1;
+        let ring: Ring<'_, Cqe> = Ring::new(&queue.memory().region, queue.memory().layout.cq, "cq");
+        ring.producer().unwrap().push(Cqe { iocb_id: id, issue_seq, failed_ioctx, status, failed_nvme_status: 0 }).unwrap();
+        let reported = queue.reap_cqe();
+        assert!(matches!(reported, Err(GioError::UnexpectedCompletion { .. })), "status {status}: {reported:?}");
+        let ended = queue.wait_cqe(id, Instant::now() + Duration::from_secs(1));
+        assert_eq!(
+            ended.map(|completion| completion.result).ok(),
+            Some(Err(IocbFailure::Timeout { ioctx_index: None })),
+            "status {status}"
+        );
+    }
 }
 
 #[test]

@@ -52,6 +52,12 @@ pub enum Enqueued {
 /// True if any IOCB of the launch ended with a status after which the queue pairs must be
 /// reset (a timeout or a controller fault of the kernel's; not the forced ones, whose NVMe
 /// commands all completed).
+///
+/// A final line no executor may leave (a status that is not terminal or not known, a failed
+/// IOCTX outside the IOCB or one that contradicts the status) is not trusted either: it ends
+/// as TIMEOUT with no failed IOCTX, and the queue pairs are reset (the kernel broke the
+/// protocol; what its commands did is unknown). Posted as it was, the queue would refuse its
+/// CQE and the IOCB would stay in flight for good.
 pub fn settle(memory: &QueueMemory, sq_first: u32, count: u32, enqueued: Enqueued) -> Result<bool, GioError> {
     let mut reset_needed = false;
     for position in 0..count {
@@ -61,14 +67,40 @@ pub fn settle(memory: &QueueMemory, sq_first: u32, count: u32, enqueued: Enqueue
             .region
             .compare_exchange_u32(status, abi::GIO_IOCB_STATUS_ISSUED, abi::GIO_IOCB_STATUS_TIMEOUT, Ordering::AcqRel, Ordering::Acquire)
             .is_ok();
-        let ended = abi::IocbStatus::from_abi(memory.region.load_u32(status, Ordering::Acquire));
-        reset_needed |= abandoned || ended.is_some_and(abi::IocbStatus::requires_queue_pair_reset);
-        if enqueued == Enqueued::Partly && ended == Some(abi::IocbStatus::Success) {
-            // The kernel has exited (the caller drained the stream), so nothing else writes it.
+        // The kernel has exited (the caller waited for the launch's event or drained the
+        // stream), so nothing else writes the line: the Acquire above covers its other fields.
+        let failed_ioctx_offset = memory.iocb_field_offset(id, IocbField::FailedIoctx);
+        let failed_ioctx = memory.region.load_u32(failed_ioctx_offset, Ordering::Relaxed);
+        let ioctx_count = memory.read_iocb_header(id).ioctx_count;
+        let ended = abi::IocbStatus::from_abi(memory.region.load_u32(status, Ordering::Acquire))
+            .filter(|&ended| final_line_is_possible(ended, failed_ioctx, ioctx_count));
+        let Some(ended) = ended else {
+            memory.region.store_u32(failed_ioctx_offset, abi::GIO_NO_FAILED_IOCTX, Ordering::Relaxed);
+            memory.region.store_u32(status, abi::GIO_IOCB_STATUS_TIMEOUT, Ordering::Release);
+            tracing::error!(%id, "gio-uring: the I/O kernel left an impossible final status; it ends as timed out");
+            reset_needed = true;
+            continue;
+        };
+        reset_needed |= abandoned || ended.requires_queue_pair_reset();
+        if enqueued == Enqueued::Partly && ended == abi::IocbStatus::Success {
             memory.region.store_u32(status, abi::GIO_IOCB_STATUS_TIMEOUT, Ordering::Release);
         }
     }
     Ok(reset_needed)
+}
+
+/// Whether an IOCB's final line is one the queue accepts in a CQE (`GioQueue`'s CQE check): a
+/// terminal status, a failed IOCTX inside the IOCB, named exactly when the status needs one.
+fn final_line_is_possible(status: abi::IocbStatus, failed_ioctx: u32, ioctx_count: u32) -> bool {
+    use abi::IocbStatus as S;
+    let failed = (failed_ioctx != abi::GIO_NO_FAILED_IOCTX).then_some(failed_ioctx);
+    if failed.is_some_and(|index| index >= ioctx_count) {
+        return false;
+    }
+    match (status, failed) {
+        (S::Success, None) | (S::NvmeError | S::InvalidIoctx, Some(_)) | (S::Timeout | S::ControllerFault, _) => true,
+        (S::Success, Some(_)) | (S::NvmeError | S::InvalidIoctx, None) | (S::Idle | S::Issued, _) => false,
+    }
 }
 
 /// Posts one CQE per IOCB of the launch from the IOCB's final line.
@@ -187,6 +219,36 @@ mod tests {
         assert!(matches!(queue.wait_cqe(b, deadline).unwrap().result, Err(IocbFailure::Timeout { .. })));
         // Both can be issued again, and the SQ has room for them.
         queue.issue_io(&[a, b], LayerIndex(0), SmBudget(1)).unwrap();
+    }
+
+    #[test]
+    fn an_impossible_final_status_ends_as_a_timeout_and_asks_for_a_reset() {
+        // Goal: the kernel left an IOCB's line 1 with a status no executor may end it with
+        // (IDLE, an unknown code) or a failed IOCTX outside the IOCB. Its CQE must still end
+        // the issue, as a timeout (and the queue pairs are reset), not be dropped by the
+        // queue's checks with the IOCB left in flight for good.
+        for (status, failed_ioctx) in [
+            (abi::GIO_IOCB_STATUS_IDLE, abi::GIO_NO_FAILED_IOCTX),
+            (42, abi::GIO_NO_FAILED_IOCTX),
+            (abi::GIO_IOCB_STATUS_NVME_ERROR, 7),
+            (abi::GIO_IOCB_STATUS_SUCCESS, 1),
+        ] {
+            let (mut queue, [a, b]) = queue_with_two_issued();
+            let memory = queue.memory();
+            memory.region.store_u32(memory.iocb_field_offset(a, IocbField::FailedIoctx), failed_ioctx, Ordering::Relaxed);
+            memory.region.store_u32(memory.iocb_field_offset(a, IocbField::Status), status, Ordering::Release);
+            memory.region.store_u32(memory.iocb_field_offset(b, IocbField::Status), abi::GIO_IOCB_STATUS_SUCCESS, Ordering::Release);
+            assert!(settle(memory, 0, 2, Enqueued::Fully).unwrap(), "status {status}: the queue pairs must be reset");
+            post_completions(memory, 0, 2).unwrap();
+            advance_sq(memory, 0, 2).unwrap();
+            let deadline = Instant::now() + Duration::from_secs(1);
+            let ended = queue.wait_cqe(a, deadline);
+            assert!(
+                matches!(&ended, Ok(completion) if completion.result == Err(IocbFailure::Timeout { ioctx_index: None })),
+                "status {status}: {ended:?}"
+            );
+            assert_eq!(queue.wait_cqe(b, deadline).unwrap().result, Ok(()));
+        }
     }
 
     #[test]
