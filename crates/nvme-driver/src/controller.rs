@@ -466,14 +466,18 @@ impl Controller {
         queue.attach_gate(Arc::clone(&self.admin.gate), generation);
         queue.defer_completion_doorbell();
         self.create_queues_on_controller(id, depth, queue.submission_iova().0, queue.completion_iova().0, || queue.regions().to_vec())?;
-        Ok(IoQueuePair::new(
+        let mut pair = IoQueuePair::new(
             queue,
             PairOwner::Controller { admin: Arc::clone(&self.admin), generation },
             self.mode,
             self.max_transfer_bytes,
             self.namespaces.clone(),
             self.refused_namespaces.clone(),
-        ))
+        );
+        if self.identify.sgl_support.dword_alignment_required() {
+            pair.require_dword_sgl_lengths();
+        }
+        Ok(pair)
     }
 
     /// Sends Create I/O CQ then Create I/O SQ for queue pair `id`. On failure, removes whatever

@@ -94,7 +94,8 @@ pub enum DataPointerMode {
     /// PRP entries / lists: every segment but the first must start on a page, every segment but
     /// the last must end on one.
     Prp,
-    /// SGL Data Block descriptors: any dword-aligned segments.
+    /// SGL Data Block descriptors: any dword-aligned segments (of whole dwords on a pair whose
+    /// controller requires that, Identify SGLS bits 1:0 = 10b).
     Sgl,
 }
 

@@ -40,6 +40,9 @@ pub struct IoQueuePair {
     queue: QueuePair,
     owner: PairOwner,
     mode: DataPointerMode,
+    /// The controller requires SGL Data Blocks of whole dwords (Identify SGLS bits 1:0 = 10b):
+    /// in SGL mode every segment's length must be a multiple of 4.
+    sgl_dword_lengths: bool,
     max_transfer_bytes: u64,
     namespaces: Vec<Namespace>,
     refused_namespaces: Vec<RefusedNamespace>,
@@ -77,7 +80,24 @@ impl IoQueuePair {
         namespaces: Vec<Namespace>,
         refused_namespaces: Vec<RefusedNamespace>,
     ) -> Self {
-        Self { queue, owner, mode, max_transfer_bytes, namespaces, refused_namespaces, deleted: false, sq_deleted: false }
+        Self {
+            queue,
+            owner,
+            mode,
+            sgl_dword_lengths: false,
+            max_transfer_bytes,
+            namespaces,
+            refused_namespaces,
+            deleted: false,
+            sq_deleted: false,
+        }
+    }
+
+    /// Makes SGL transfers refuse segments whose length is not a whole number of dwords (see
+    /// [`crate::spec::identify::SglSupport::dword_alignment_required`]): the controller would
+    /// fail such a command.
+    pub(crate) fn require_dword_sgl_lengths(&mut self) {
+        self.sgl_dword_lengths = true;
     }
 
     pub fn id(&self) -> QueueId {
@@ -176,7 +196,19 @@ impl IoQueuePair {
     /// count (no side effects): whatever submit_transfer's loop could refuse is refused here,
     /// before its first command is queued, so a transfer is queued whole or not at all.
     fn count_commands(&self, segments: &[DataSegment], block_size_bytes: u32) -> Result<(usize, u64), NvmeError> {
-        // (The one-command case does not come here: see plan_single_command in submit_transfer.)
+        // (The one-command case does not come here: see plan_single_command in submit_transfer.
+        // Its one segment is whole blocks of at least 512 bytes, so whole dwords too.)
+        if self.mode == DataPointerMode::Sgl && self.sgl_dword_lengths {
+            // Addresses are checked dword aligned by the planning; a cut between commands falls
+            // on a block boundary, so whole-dword segments make whole-dword descriptors.
+            if let Some(index) = segments.iter().position(|segment| segment.len % 4 != 0) {
+                return Err(NvmeError::UnsupportedLayout {
+                    index,
+                    reason: "length not a whole number of dwords, which this controller requires of SGL data blocks",
+                    mode: self.mode.name(),
+                });
+            }
+        }
         let mut cursor = Cursor::default();
         let mut commands = 0;
         let mut bytes = 0;
@@ -567,6 +599,34 @@ mod tests {
         pair.submit_flush(NamespaceId(1), 0).expect("flush");
         let busy = pair.submit_write_zeroes(NamespaceId(1), Lba(0), 3 * 65536, false, 0);
         assert!(busy.as_ref().is_err_and(NvmeError::is_backpressure), "{busy:?}");
+    }
+
+    #[test]
+    fn sgl_segments_of_odd_lengths_are_refused_where_the_controller_requires_dwords() {
+        // Goal: a controller reporting SGLS bits 1:0 = 10b requires every SGL Data Block to be
+        // dword aligned and a whole number of dwords; a transfer whose segments are not (508 +
+        // 4 bytes is fine, 510 + 2 is not) is refused by the driver, naming the segment, with
+        // nothing queued, instead of being sent for the controller to fail. A controller
+        // without that requirement (SGLS = 01b) takes the same transfer. The requirement used
+        // to be parsed and never used.
+        for (sgls, required) in [(2u32, true), (1, false)] {
+            let mut script =
+                FakeScript { identify_namespaces: vec![identify_namespace_bytes(512, 1 << 20, 0, false)], ..FakeScript::default() };
+            script.identify_controller[536..540].copy_from_slice(&sgls.to_le_bytes());
+            let controller = Controller::init(FakeDevice::new(script), ControllerConfig::default()).expect("bring-up");
+            let mut pair = controller.create_io_queue_pair(8).expect("queue pair");
+            assert_eq!(pair.data_pointer_mode(), DataPointerMode::Sgl);
+            let whole_dwords = [DataSegment::new(Iova(0x100_0000), 508), DataSegment::new(Iova(0x200_0000), 4)];
+            assert_eq!(pair.submit_read(NamespaceId(1), Lba(0), &whole_dwords, 0).expect("whole dwords"), 1);
+            let odd = [DataSegment::new(Iova(0x100_0000), 510), DataSegment::new(Iova(0x200_0000), 2)];
+            let submitted = pair.submit_read(NamespaceId(1), Lba(0), &odd, 0);
+            if required {
+                assert!(matches!(submitted, Err(NvmeError::UnsupportedLayout { index: 0, .. })), "{submitted:?}");
+                assert_eq!(pair.in_flight(), 1, "the refused transfer queued nothing");
+            } else {
+                assert_eq!(submitted.expect("no dword requirement"), 1);
+            }
+        }
     }
 
     #[test]
