@@ -274,7 +274,10 @@ impl<E: Executor> GioQueue<E> {
                 unreachable!("free slots were checked above and this view is the only producer");
             }
         }
-        producer.sync()?;
+        // Publish only (the view's drop: one Release store of the tail). Nothing after this
+        // line may fail on its own: the ids are visible to the executor from here on, so any
+        // error must come as `SubmitFailed` (a `sync` here reloaded the head and could return
+        // `RingCorrupt` as though nothing had been issued).
         drop(producer);
         for &id in ids {
             self.forget_reaped(id);
