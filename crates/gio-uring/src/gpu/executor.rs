@@ -138,6 +138,9 @@ struct Launch {
     /// Resets done when it was enqueued: a timeout in a launch older than the last reset does not
     /// need another one.
     reset_generation: u64,
+    /// CQEs of its IOCBs posted so far (in SQ order): a retirement that failed part way resumes
+    /// after them, so no IOCB gets two.
+    posted: u32,
 }
 
 impl Launch {
@@ -506,7 +509,12 @@ impl GpuExecutor {
         if timed_out && launch.ran && launch.reset_generation == self.reset_generation {
             self.reset_queue_pairs()?;
         }
-        retire::post_completions(memory, launch.sq_first, launch.count)?;
+        let mut posted = launch.posted;
+        let posting = retire::post_completions(memory, launch.sq_first, launch.count, &mut posted);
+        if let Some(front) = self.attached.as_mut().and_then(|attached| attached.launches.front_mut()) {
+            front.posted = posted; // `retire` passes the front launch; kept for a retry
+        }
+        posting?;
         retire::advance_sq(memory, launch.sq_first, launch.count)?;
         if let Some(attached) = self.attached.as_mut() {
             // The sink's entries are never read: empty it so the kernel never finds it full.
@@ -606,6 +614,7 @@ impl Executor for GpuExecutor {
                     event: None,
                     ran: false,
                     reset_generation,
+                    posted: 0,
                 });
             }
             return Err(error);
@@ -617,9 +626,10 @@ impl Executor for GpuExecutor {
             .ok_or_else(|| executor_error(format!("{} launches in flight, no event left", attached.launches.len())))?;
         let reset_generation = self.reset_generation;
         let (launch, result) = match self.enqueue(memory, batch, event_index) {
-            Ok(()) => {
-                (Launch { sq_first: batch.sq_first, count: batch.count, event: Some(event_index), ran: true, reset_generation }, Ok(()))
-            }
+            Ok(()) => (
+                Launch { sq_first: batch.sq_first, count: batch.count, event: Some(event_index), ran: true, reset_generation, posted: 0 },
+                Ok(()),
+            ),
             Err((ran, error)) => {
                 // The batch's IOCBs must still complete exactly once, in SQ order: the launch is
                 // recorded without an event and every IOCB of it is retired as timed out, even
@@ -635,7 +645,7 @@ impl Executor for GpuExecutor {
                     Ok(()) => error,
                     Err(drain_error) => executor_error(format!("{error}; then {drain_error}")),
                 };
-                (Launch { sq_first: batch.sq_first, count: batch.count, event: None, ran, reset_generation }, Err(error))
+                (Launch { sq_first: batch.sq_first, count: batch.count, event: None, ran, reset_generation, posted: 0 }, Err(error))
             }
         };
         if let Some(attached) = self.attached.as_mut() {

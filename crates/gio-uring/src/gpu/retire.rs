@@ -10,6 +10,9 @@
 //! 2. the caller resets the NVMe queue pairs if so;
 //! 3. [`post_completions`]: one CQE per IOCB, built from its final line;
 //! 4. [`advance_sq`]: the SQ head moves past the launch, which only now stops reading its entries.
+//!
+//! A step that fails leaves the launch unretired and the next `poll` retries; every step is
+//! idempotent or resumes where it stopped (`post_completions` counts the CQEs it posted).
 
 use std::sync::atomic::Ordering;
 
@@ -103,9 +106,11 @@ fn final_line_is_possible(status: abi::IocbStatus, failed_ioctx: u32, ioctx_coun
     }
 }
 
-/// Posts one CQE per IOCB of the launch from the IOCB's final line.
-pub fn post_completions(memory: &QueueMemory, sq_first: u32, count: u32) -> Result<(), GioError> {
-    for position in 0..count {
+/// Posts one CQE per IOCB of the launch from the IOCB's final line, starting after the
+/// `posted` first (those an earlier, failed attempt posted) and counting each one posted, so a
+/// retry after a failure part way (a full CQ) never posts a CQE twice.
+pub fn post_completions(memory: &QueueMemory, sq_first: u32, count: u32, posted: &mut u32) -> Result<(), GioError> {
+    for position in *posted..count {
         let id = sq_entry(memory, sq_first.wrapping_add(position))?;
         let header = memory.read_iocb_header(id);
         let progress = memory.read_iocb_progress(id);
@@ -120,6 +125,7 @@ pub fn post_completions(memory: &QueueMemory, sq_first: u32, count: u32) -> Resu
                 failed_nvme_status: if failed { progress.failed_nvme_status } else { 0 },
             },
         )?;
+        *posted = position + 1;
     }
     Ok(())
 }
@@ -208,7 +214,7 @@ mod tests {
         assert!(settle(memory, 0, 2, Enqueued::Fully).unwrap(), "IOCB b was left ISSUED: a timeout");
         assert!(queue.peek_cqe().unwrap().is_none(), "nothing is visible before the CQEs are posted");
         let memory = queue.memory();
-        post_completions(memory, 0, 2).unwrap();
+        post_completions(memory, 0, 2, &mut 0).unwrap();
         advance_sq(memory, 0, 2).unwrap();
         assert!(advance_sq(memory, 0, 2).is_err(), "a launch cannot be retired twice");
         let deadline = Instant::now() + Duration::from_secs(1);
@@ -239,7 +245,7 @@ mod tests {
             memory.region.store_u32(memory.iocb_field_offset(a, IocbField::Status), status, Ordering::Release);
             memory.region.store_u32(memory.iocb_field_offset(b, IocbField::Status), abi::GIO_IOCB_STATUS_SUCCESS, Ordering::Release);
             assert!(settle(memory, 0, 2, Enqueued::Fully).unwrap(), "status {status}: the queue pairs must be reset");
-            post_completions(memory, 0, 2).unwrap();
+            post_completions(memory, 0, 2, &mut 0).unwrap();
             advance_sq(memory, 0, 2).unwrap();
             let deadline = Instant::now() + Duration::from_secs(1);
             let ended = queue.wait_cqe(a, deadline);
@@ -249,6 +255,36 @@ mod tests {
             );
             assert_eq!(queue.wait_cqe(b, deadline).unwrap().result, Ok(()));
         }
+    }
+
+    #[test]
+    fn a_retirement_retried_after_a_full_cq_posts_each_cqe_once() {
+        // Goal: posting a launch's CQEs can fail part way (a full CQ); the retry on the next
+        // poll resumes after the CQEs already posted, so each IOCB gets exactly one CQE.
+        let (mut queue, [a, b]) = queue_with_two_issued();
+        let memory = queue.memory();
+        for id in [a, b] {
+            memory.region.store_u32(memory.iocb_field_offset(id, IocbField::Status), abi::GIO_IOCB_STATUS_SUCCESS, Ordering::Release);
+        }
+        let cq: Ring<'_, Cqe> = Ring::new(&memory.region, memory.layout.cq, "cq");
+        let filler = Cqe { iocb_id: IocbId(3), issue_seq: 0, failed_ioctx: abi::GIO_NO_FAILED_IOCTX, status: 2, failed_nvme_status: 0 };
+        let mut producer = cq.producer().unwrap();
+        for _ in 0..3 {
+            producer.push(filler).unwrap();
+        }
+        drop(producer);
+        assert!(!settle(memory, 0, 2, Enqueued::Fully).unwrap());
+        let mut posted = 0;
+        assert!(matches!(post_completions(memory, 0, 2, &mut posted), Err(GioError::CompletionQueueFull { .. })), "room for one of two");
+        assert_eq!(posted, 1);
+        assert_eq!(cq.consumer().unwrap().by_ref().take(3).count(), 3, "the caller drains the fillers");
+        post_completions(memory, 0, 2, &mut posted).unwrap();
+        assert_eq!(posted, 2);
+        advance_sq(memory, 0, 2).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(1);
+        assert_eq!(queue.wait_cqe(a, deadline).unwrap().result, Ok(()));
+        assert_eq!(queue.wait_cqe(b, deadline).unwrap().result, Ok(()));
+        assert_eq!(queue.reap_cqe().unwrap(), None, "no second CQE for either IOCB");
     }
 
     #[test]
@@ -271,7 +307,7 @@ mod tests {
         memory.region.store_u32(memory.iocb_field_offset(a, IocbField::Status), abi::GIO_IOCB_STATUS_SUCCESS, Ordering::Release);
         memory.region.store_u32(memory.iocb_field_offset(b, IocbField::Status), abi::GIO_IOCB_STATUS_CONTROLLER_FAULT, Ordering::Release);
         assert!(settle(memory, 0, 2, Enqueued::Fully).unwrap(), "a controller fault requires a queue-pair reset");
-        post_completions(memory, 0, 2).unwrap();
+        post_completions(memory, 0, 2, &mut 0).unwrap();
         advance_sq(memory, 0, 2).unwrap();
         let deadline = Instant::now() + Duration::from_secs(1);
         assert_eq!(queue.wait_cqe(a, deadline).unwrap().result, Ok(()));
@@ -291,7 +327,7 @@ mod tests {
         memory.region.store_u16(memory.iocb_field_offset(b, IocbField::FailedNvmeStatus), NvmeStatus::new(2, 0x81).0, Ordering::Relaxed);
         memory.region.store_u32(memory.iocb_field_offset(b, IocbField::Status), abi::GIO_IOCB_STATUS_NVME_ERROR, Ordering::Release);
         assert!(!settle(memory, 0, 2, Enqueued::Partly).unwrap(), "nothing timed out in the kernel");
-        post_completions(memory, 0, 2).unwrap();
+        post_completions(memory, 0, 2, &mut 0).unwrap();
         advance_sq(memory, 0, 2).unwrap();
         let deadline = Instant::now() + Duration::from_secs(1);
         assert_eq!(queue.wait_cqe(a, deadline).unwrap().result, Err(IocbFailure::Timeout { ioctx_index: None }));
