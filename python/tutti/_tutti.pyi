@@ -638,9 +638,12 @@ class Request:
     def commit(self) -> int:
         """Store: makes the stored blocks durable (flush, headers with FUA) and visible, and
         finishes the request; every layer must have completed. Returns the blocks stored.
-        Raises InvalidState (a layer in flight or not stored, or a retrieve), StaleRequest,
-        DeviceError, DaemonError; after a failure the request is finished and nothing of it is
-        visible."""
+        Raises InvalidState (a layer in flight or not stored, e.g. one whose latest store_layer
+        failed, or a retrieve), StaleRequest, DeviceError, DaemonError; nothing of it is
+        visible after a failure. A failure that left the store holding the request (every
+        InvalidState refusal, or one part way that did not let go of it) leaves it prepared:
+        store what is missing and commit again, or finish it (leaving the `with` does);
+        otherwise the request is finished ("failed")."""
     def finish(self) -> None:
         """Ends the request without committing (a retrieve's pins released; nothing of a store
         becomes visible). Raises InvalidState while any layer is in flight (wait for each first,

@@ -448,7 +448,7 @@ impl StoreState {
 
     /// The store's own list of the request's layers in flight, oldest first; None when it
     /// cannot tell (the request unknown to it, the store not registered). Off the per-layer
-    /// path: only after a failed issue or wait.
+    /// path: only after a failed issue, wait, commit or finish.
     fn store_in_flight(&mut self, handle: u64) -> Option<Vec<u32>> {
         let bits = RequestHandle::from_bits(handle);
         match &mut self.backend {
@@ -607,14 +607,34 @@ impl StoreState {
             self.touch_daemon();
         }
         match committed {
-            // A refusal the store reports before anything happened leaves the request live
-            // (a layer not stored: store it, then commit again).
-            Err(ObjstoreError::HandleState { handle: bits, reason }) => {
-                Err(Failure::from(ObjstoreError::HandleState { handle: bits, reason }))
-            }
-            other => {
+            Ok(stored) => {
                 self.requests.remove(&handle);
-                Ok(other?)
+                Ok(stored)
+            }
+            Err(error) => {
+                self.forget_unless_held(handle);
+                Err(Failure::from(error))
+            }
+        }
+    }
+
+    /// After a failed commit or finish: whether the store let go of the request decides, not
+    /// the error's kind. A refusal before anything happened (a layer not stored: store it,
+    /// then commit again; a layer in flight the mirror did not know of) leaves it held, and so
+    /// may a failure part way (a tuttid client whose commit failed before it finished its data
+    /// half): the request then stays live, with the store's list of its layers in flight, so
+    /// that `finish`, the request's exit or the store's close still ends it and hands back
+    /// what it holds (IOCBs, the reservation) only once nothing is in flight. One the store no
+    /// longer knows is forgotten here too.
+    fn forget_unless_held(&mut self, handle: u64) {
+        match self.store_in_flight(handle) {
+            Some(layers) => {
+                if let Some(state) = self.requests.get_mut(&handle) {
+                    state.set_in_flight(layers);
+                }
+            }
+            None => {
+                self.requests.remove(&handle);
             }
         }
     }
@@ -633,18 +653,13 @@ impl StoreState {
             self.touch_daemon();
         }
         match finished {
-            // The store refused before letting go of anything (a layer in flight that this
-            // state did not know of): the request stays live, so that a wait or the store's
-            // close still settles it before its memory is handed back.
-            Err(ObjstoreError::HandleState { handle: bits, reason }) => {
-                if let Some(layers) = self.store_in_flight(handle) {
-                    self.request(handle)?.set_in_flight(layers);
-                }
-                Err(Failure::from(ObjstoreError::HandleState { handle: bits, reason }))
-            }
-            other => {
+            Ok(()) => {
                 self.requests.remove(&handle);
-                Ok(other?)
+                Ok(())
+            }
+            Err(error) => {
+                self.forget_unless_held(handle);
+                Err(Failure::from(error))
             }
         }
     }

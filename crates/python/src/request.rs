@@ -91,17 +91,19 @@ impl Request {
     }
 
     /// Runs `end` (commit or finish) under the store's lock, keeping the layers completed and
-    /// how each issue ended.
-    fn end<T>(&self, end: impl FnOnce(&mut crate::backend::StoreState, u64) -> Result<T, Failure>) -> Result<T, Failure> {
+    /// how each issue ended; the second value says whether the request is still live after it
+    /// (a failure that left the store holding it: see `StoreState::commit`).
+    fn end<T>(&self, end: impl FnOnce(&mut crate::backend::StoreState, u64) -> Result<T, Failure>) -> (Result<T, Failure>, bool) {
         self.shared.locked(|state| {
             let kept = state.request(self.handle).map(|request| (request.completed.clone(), request.issues.clone())).unwrap_or_default();
             let result = end(state, self.handle);
-            if state.request(self.handle).is_err() {
+            let live = state.request(self.handle).is_ok();
+            if !live {
                 let (completed, issues) = kept;
                 *self.completed_at_end.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = completed;
                 *self.issues_at_end.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = issues;
             }
-            result
+            (result, live)
         })
     }
 
@@ -405,15 +407,17 @@ impl Request {
 
     fn commit(&self, py: Python<'_>) -> PyResult<usize> {
         self.check_live().map_err(|failure| failure.to_pyerr(py))?;
-        let committed = py.detach(|| self.end(|state, handle| state.commit(handle)));
+        let (committed, live) = py.detach(|| self.end(|state, handle| state.commit(handle)));
         match committed {
             Ok(stored) => {
                 self.set_phase(Phase::Committed);
                 Ok(stored)
             }
             Err(failure) => {
-                // A refusal before anything happened leaves the request live (InvalidState).
-                if failure.class != ErrorClass::InvalidState {
+                // A failure that left the store holding the request (a refusal before anything
+                // happened, InvalidState; or one part way) leaves it live: finish it, or leave
+                // the `with`, to release what it holds.
+                if !live {
                     self.set_phase(Phase::Failed);
                 }
                 Err(failure.to_pyerr(py))
@@ -426,12 +430,13 @@ impl Request {
             return Ok(()); // idempotent after commit or finish
         }
         match py.detach(|| self.end(|state, handle| state.finish(handle))) {
-            Ok(()) => {
+            (Ok(()), _) => {
                 self.set_phase(Phase::Finished);
                 Ok(())
             }
-            Err(failure) if failure.class == ErrorClass::InvalidState => Err(failure.to_pyerr(py)),
-            Err(failure) => {
+            // The store still holds it (a layer in flight, InvalidState): still live.
+            (Err(failure), true) => Err(failure.to_pyerr(py)),
+            (Err(failure), false) => {
                 // The store let go of it (a daemon that is gone): nothing of it is live here.
                 self.set_phase(Phase::Finished);
                 Err(failure.to_pyerr(py))

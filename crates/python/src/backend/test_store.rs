@@ -146,3 +146,27 @@ fn a_commit_over_a_layer_whose_reissued_write_failed_is_refused_and_the_request_
     assert_eq!(state.commit(handle).expect("commit"), 2);
     assert_eq!(state.lookup(&tokens(2, 2), 0).unwrap(), 2);
 }
+
+#[test]
+fn a_commit_that_failed_after_the_store_let_go_forgets_the_request() {
+    // Goal: when the store ends the request on a failed commit (in-process: a failed flush
+    // finishes its data half and releases its reservation), the binding forgets it too (its
+    // memory is not held for it), while a refusal that leaves the store holding it keeps it
+    // (see the re-issued write test): the binding follows what the store holds, not the
+    // error's kind.
+    let mut state = local_state(1);
+    let handle = prepare_store(&mut state, 4);
+    for layer in 0..geometry().layers {
+        state.issue(handle, layer, 1, Direction::Store).expect("issue");
+        assert!(drive_until_ended(&mut state, handle, layer));
+    }
+    let flush = FaultRule::on_nth_io(1, FaultAction::Status(NvmeStatus::generic(codes::INTERNAL_ERROR)))
+        .with_opcode(nvme_driver::spec::NvmOpcode::Flush as u8);
+    emulator(&state).set_faults(FaultPlan::none().with_rule(flush));
+    let failed = state.commit(handle).expect_err("the flush failed");
+    emulator(&state).set_faults(FaultPlan::none());
+    assert_eq!(failed.class, ErrorClass::Device, "{failed:?}");
+    assert!(!state.requests.contains_key(&handle), "the store let go: so does the binding");
+    assert_eq!(state.store_in_flight(handle), None, "the store no longer knows it");
+    assert_eq!(state.lookup(&tokens(4, 2), 0).unwrap(), 0, "nothing visible");
+}
