@@ -9,8 +9,9 @@ use super::{Backend, Settling, StoreState};
 use crate::device_memory;
 use crate::ffi::QueuesGone;
 
-/// How long `close` waits at least for tuttid to end a session that registered device memory.
-const DEVICE_RELEASE_WAIT: Duration = Duration::from_secs(5);
+/// How long `close` (or a failed registration) waits at least for tuttid to end a session
+/// that registered device memory.
+pub(super) const DEVICE_RELEASE_WAIT: Duration = Duration::from_secs(5);
 
 impl StoreState {
     /// Ends every request (its layers in flight are waited for until `deadline`), then the store:

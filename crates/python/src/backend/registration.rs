@@ -3,12 +3,13 @@
 //! in-process, tuttid's window when attached).
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use nvme_driver::{DataPointerMode, DmaAllocator, DmaRegion, Iova};
 use objstore::{cpu_executor_for, KvLayout as StoreLayout, KvRegistration, KvStore, Pool};
 use tutti_daemon::client::{RemoteKvStore, WindowKvLayout};
 
+use super::close::DEVICE_RELEASE_WAIT;
 use super::{closed, key_seed, Allocation, Backend, StoreState};
 use crate::device_memory::{self, DeviceHold};
 use crate::errors::{ErrorClass, Failure};
@@ -113,6 +114,8 @@ impl StoreState {
         let layout = store_layout(&checked, &device_memory::offsets(&checked, range.start));
         let connected = RemoteKvStore::with_client_and_device_memory(client, hello, &config, &range.memory, layout);
         self.touch_daemon();
+        let socket = self.daemon_socket.clone().unwrap_or_default();
+        let hold = DeviceHold { keeps, holder: range.holder, socket, session };
         match connected.and_then(|mut store| {
             // Before any request is prepared (see `build_local`); a refusal drops the store,
             // which ends the session like any failure here.
@@ -121,13 +124,23 @@ impl StoreState {
         }) {
             Ok(store) => {
                 self.backend = Backend::Remote { store: Box::new(store) };
-                // No command was issued before the store existed: on failure the keeps go now.
-                let socket = self.daemon_socket.clone().unwrap_or_default();
-                self.device_memory = Some(DeviceHold { keeps, holder: range.holder, socket, session });
+                self.device_memory = Some(hold);
                 self.registered = Some(checked);
                 Ok(())
             }
             Err(error) => {
+                // The connection is gone (dropped with the store or by the set-up), so tuttid
+                // ends the session. No command was issued, but RegisterDeviceMemory may have
+                // succeeded before the step that failed (AttachQueues, layers in flight): tuttid
+                // then holds its import of the allocation (CUDA IPC) until the session ended, and
+                // CUDA leaves freeing memory another process has open undefined. So the tensors
+                // and what holds the allocation go as at close: once tuttid no longer lists the
+                // session, kept for good (and counted) if it does not say so in time.
+                let release_wait = DEVICE_RELEASE_WAIT.max(timeout);
+                let deadline = Instant::now().checked_add(release_wait).unwrap_or_else(Instant::now);
+                let (kept, keeps) = hold.release(true, deadline);
+                self.leaked_tensors += kept;
+                self.released.extend(keeps);
                 let failure = Failure::from(&error);
                 if failure.code.as_deref() == Some("Unsupported") {
                     return Err(Failure {
