@@ -126,6 +126,16 @@ impl DependencyEvent {
     }
 }
 
+/// How far the enqueueing of a launch got before it stopped.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Reached {
+    /// Something that reads or writes the caller's memory reached the stream: a staged copy
+    /// (the GPU-to-host copies of writes go before the kernel) or the kernel.
+    queued: bool,
+    /// The kernel was launched.
+    ran: bool,
+}
+
 #[derive(Debug, Clone, Copy)]
 struct Launch {
     sq_first: u32,
@@ -133,8 +143,9 @@ struct Launch {
     /// `None`: enqueueing failed part way; its IOCBs are finished as timed out, even those the
     /// kernel (if it ran) finished as SUCCESS (see `enqueued`).
     event: Option<usize>,
-    /// Whether the kernel was launched (then a timeout may have left the queue pairs dirty).
-    ran: bool,
+    /// What reached the stream: with `ran`, a timeout may have left the queue pairs dirty; with
+    /// `queued` and no event, the stream is drained before the launch retires.
+    reached: Reached,
     /// Resets done when it was enqueued: a timeout in a launch older than the last reset does not
     /// need another one.
     reset_generation: u64,
@@ -144,11 +155,17 @@ struct Launch {
 }
 
 impl Launch {
-    /// Whether everything after the kernel reached the stream: not so when the kernel ran but
-    /// a later step (a staged host-to-GPU copy, the event) failed to enqueue, and a read's
-    /// bytes may then never have been copied into place.
+    fn new(batch: &IssueBatch, event: Option<usize>, reached: Reached, reset_generation: u64) -> Self {
+        Self { sq_first: batch.sq_first, count: batch.count, event, reached, reset_generation, posted: 0 }
+    }
+
+    /// Whether everything reached the stream. Not so when the enqueue failed after something
+    /// that uses the caller's memory was queued: a staged GPU-to-host copy of a write before
+    /// the kernel (which may still be reading the caller's GPU memory), or the kernel, after
+    /// which a staged host-to-GPU copy of a read or the event may be missing. Such a launch is
+    /// retired only once the stream drained, and serves no SUCCESS.
     fn enqueued(&self) -> retire::Enqueued {
-        if self.ran && self.event.is_none() {
+        if self.reached.queued && self.event.is_none() {
             retire::Enqueued::Partly
         } else {
             retire::Enqueued::Fully
@@ -414,23 +431,26 @@ impl GpuExecutor {
         Ok(())
     }
 
-    /// Enqueues everything for one issue. On error, reports whether the kernel was launched.
-    fn enqueue(&mut self, memory: &QueueMemory, batch: &IssueBatch, event_index: usize) -> Result<(), (bool, GioError)> {
-        let attached = self.attached.as_ref().ok_or((false, executor_error("not attached to a queue".into())))?;
+    /// Enqueues everything for one issue, recording in `reached` how far it got (on error: what
+    /// the stream may still run).
+    fn enqueue(&mut self, memory: &QueueMemory, batch: &IssueBatch, event_index: usize, reached: &mut Reached) -> Result<(), GioError> {
+        let attached = self.attached.as_ref().ok_or_else(|| executor_error("not attached to a queue".into()))?;
         let stream = self.runtime.stream();
         let staged = self.runtime.report().dma_mode == DmaMode::Staged;
         if let Dependency::Event(token) = batch.dependency {
-            let event = self.dependency_event(token).map_err(|error| (false, error))?;
-            driver::stream_wait_event(stream, event.raw()).map_err(|error| (false, error))?;
+            let event = self.dependency_event(token)?;
+            driver::stream_wait_event(stream, event.raw())?;
         }
         let mut chunks = 0u64;
         for position in 0..batch.count {
-            let id = sq_entry(memory, batch.sq_first.wrapping_add(position)).map_err(|error| (false, error))?;
-            let header = memory.read_issued_header(id).map_err(|error| (false, error))?;
+            let id = sq_entry(memory, batch.sq_first.wrapping_add(position))?;
+            let header = memory.read_issued_header(id)?;
             chunks += plan::chunks_of(header.ioctx_count);
             if staged && u32::from(header.opcode) == abi::GIO_OPCODE_WRITE {
                 let shift = u64::from(header.layer) * header.mem_stride_bytes;
-                self.copy_runs(&attached.runs[id.0 as usize], shift, CopyDirection::ToHost).map_err(|error| (false, error))?;
+                // Set first: a copy may be queued before a later one of the same runs fails.
+                reached.queued = true;
+                self.copy_runs(&attached.runs[id.0 as usize], shift, CopyDirection::ToHost)?;
             }
         }
         let blocks = self.limits.blocks(batch.sm_budget, chunks);
@@ -448,19 +468,19 @@ impl GpuExecutor {
             self.config.poll_iterations_max,
             self.config.backoff_ns_max,
         );
-        driver::launch_io_kernel(self.runtime.function(), stream, blocks, self.limits.threads_per_block, &params)
-            .map_err(|error| (false, error))?;
+        driver::launch_io_kernel(self.runtime.function(), stream, blocks, self.limits.threads_per_block, &params)?;
+        *reached = Reached { queued: true, ran: true };
         if staged {
             for position in 0..batch.count {
-                let id = sq_entry(memory, batch.sq_first.wrapping_add(position)).map_err(|error| (true, error))?;
-                let header = memory.read_issued_header(id).map_err(|error| (true, error))?;
+                let id = sq_entry(memory, batch.sq_first.wrapping_add(position))?;
+                let header = memory.read_issued_header(id)?;
                 if u32::from(header.opcode) == abi::GIO_OPCODE_READ {
                     let shift = u64::from(header.layer) * header.mem_stride_bytes;
-                    self.copy_runs(&attached.runs[id.0 as usize], shift, CopyDirection::ToGpu).map_err(|error| (true, error))?;
+                    self.copy_runs(&attached.runs[id.0 as usize], shift, CopyDirection::ToGpu)?;
                 }
             }
         }
-        attached.events[event_index].record(stream).map_err(|error| (true, error))
+        attached.events[event_index].record(stream)
     }
 
     fn copy_runs(&self, runs: &[CopyRun], shift: u64, direction: CopyDirection) -> Result<(), GioError> {
@@ -498,15 +518,15 @@ impl GpuExecutor {
     fn finish_launch(&mut self, memory: &QueueMemory, launch: Launch) -> Result<(), GioError> {
         let enqueued = launch.enqueued();
         if enqueued == retire::Enqueued::Partly {
-            // `submit` waited for its kernel when the enqueue failed, but that wait may have
-            // run out: nothing of it is retired (no status read, no CQE) until the kernel and
-            // the copies that did enqueue have finished. An error leaves it unretired, and
+            // `submit` waited for what reached the stream when the enqueue failed, but that
+            // wait may have run out: nothing of it is retired (no status read, no CQE) until
+            // the kernel and the copies that did enqueue have finished. An error leaves it unretired, and
             // the next `poll` waits again.
             self.drain_stream()?;
         }
         let timed_out = retire::settle(memory, launch.sq_first, launch.count, enqueued)?;
         // Launches enqueued before the last reset ran on the queue pairs it replaced.
-        if timed_out && launch.ran && launch.reset_generation == self.reset_generation {
+        if timed_out && launch.reached.ran && launch.reset_generation == self.reset_generation {
             self.reset_queue_pairs()?;
         }
         let mut posted = launch.posted;
@@ -606,16 +626,9 @@ impl Executor for GpuExecutor {
             // The batch is on the SQ already: recorded as a launch that never ran, its IOCBs
             // still complete exactly once, in SQ order (as timed out), once the launches ahead
             // of it retire (e.g. after a reset that failed here succeeds).
-            let reset_generation = self.reset_generation;
+            let launch = Launch::new(batch, None, Reached::default(), self.reset_generation);
             if let Some(attached) = self.attached.as_mut() {
-                attached.launches.push_back(Launch {
-                    sq_first: batch.sq_first,
-                    count: batch.count,
-                    event: None,
-                    ran: false,
-                    reset_generation,
-                    posted: 0,
-                });
+                attached.launches.push_back(launch);
             }
             return Err(error);
         }
@@ -625,27 +638,26 @@ impl Executor for GpuExecutor {
             .pop()
             .ok_or_else(|| executor_error(format!("{} launches in flight, no event left", attached.launches.len())))?;
         let reset_generation = self.reset_generation;
-        let (launch, result) = match self.enqueue(memory, batch, event_index) {
-            Ok(()) => (
-                Launch { sq_first: batch.sq_first, count: batch.count, event: Some(event_index), ran: true, reset_generation, posted: 0 },
-                Ok(()),
-            ),
-            Err((ran, error)) => {
+        let mut reached = Reached::default();
+        let (launch, result) = match self.enqueue(memory, batch, event_index, &mut reached) {
+            Ok(()) => (Launch::new(batch, Some(event_index), reached, reset_generation), Ok(())),
+            Err(error) => {
                 // The batch's IOCBs must still complete exactly once, in SQ order: the launch is
                 // recorded without an event and every IOCB of it is retired as timed out, even
                 // one the kernel finished as SUCCESS (a copy meant to follow the kernel may be
-                // missing; see `Launch::enqueued`). A kernel that did start is waited for first
-                // (bounded, and again at retirement), since it reads the SQ entries until it
-                // exits.
+                // missing; see `Launch::enqueued`). Whatever did reach the stream (a kernel,
+                // which reads the SQ entries until it exits, or a staged copy, which reads or
+                // writes the caller's memory) is waited for first (bounded, and again at
+                // retirement), so no CQE goes out while it may still run.
                 if let Some(attached) = self.attached.as_mut() {
                     attached.free_events.push(event_index);
                 }
-                let drained = if ran { self.drain_stream() } else { Ok(()) };
+                let drained = if reached.queued { self.drain_stream() } else { Ok(()) };
                 let error = match drained {
                     Ok(()) => error,
                     Err(drain_error) => executor_error(format!("{error}; then {drain_error}")),
                 };
-                (Launch { sq_first: batch.sq_first, count: batch.count, event: None, ran, reset_generation, posted: 0 }, Err(error))
+                (Launch::new(batch, None, reached, reset_generation), Err(error))
             }
         };
         if let Some(attached) = self.attached.as_mut() {
@@ -705,5 +717,28 @@ impl Drop for GpuExecutor {
         if let Err(error) = drained {
             self.keep_for_good(&error);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::types::{LayerIndex, SmBudget};
+
+    #[test]
+    fn a_launch_whose_enqueue_failed_after_copies_were_queued_is_drained_before_it_retires() {
+        // Goal: a launch whose enqueue failed is retired without waiting only if nothing that
+        // uses the caller's memory reached the stream. GPU-to-host copies of writes queued
+        // before a failure that kept the kernel from launching may still read the caller's GPU
+        // memory: that launch is Partly (drained before retirement, no SUCCESS served), not
+        // Fully (retired at once, its TIMEOUT CQEs telling the caller it may reuse the memory).
+        let batch = IssueBatch { sq_first: 0, count: 1, layer: LayerIndex(0), sm_budget: SmBudget(1), dependency: Dependency::None };
+        let failed = |queued, ran| Launch::new(&batch, None, Reached { queued, ran }, 0);
+        assert_eq!(failed(true, false).enqueued(), retire::Enqueued::Partly, "copies queued, the kernel not launched");
+        assert_eq!(failed(true, true).enqueued(), retire::Enqueued::Partly, "the kernel launched, a later step failed");
+        assert_eq!(failed(false, false).enqueued(), retire::Enqueued::Fully, "nothing reached the stream");
+        let whole = Launch::new(&batch, Some(0), Reached { queued: true, ran: true }, 0);
+        assert_eq!(whole.enqueued(), retire::Enqueued::Fully);
+        assert_eq!(whole.posted, 0);
     }
 }

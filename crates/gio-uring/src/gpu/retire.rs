@@ -41,11 +41,13 @@ pub fn sq_entry(memory: &QueueMemory, position: u32) -> Result<IocbId, GioError>
 /// How much of a launch reached the stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Enqueued {
-    /// Everything: the copies, the kernel and the event (or nothing ran at all: every IOCB is
-    /// still ISSUED and times out).
+    /// Everything: the copies, the kernel and the event (or nothing that uses the caller's
+    /// memory: every IOCB is still ISSUED and times out).
     Fully,
-    /// The kernel ran, but a step after it failed to enqueue (a staged host-to-GPU copy, the
-    /// event): some IOCB's data may never have been copied into place.
+    /// Part of it: a staged GPU-to-host copy of a write, or the kernel, reached the stream, but
+    /// a later step failed to enqueue (another copy, the kernel, a staged host-to-GPU copy of
+    /// a read, the event). What did reach it may still run until the stream drains, and some
+    /// IOCB's data may never have been copied into place.
     Partly,
 }
 
