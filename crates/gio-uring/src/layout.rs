@@ -352,7 +352,10 @@ impl QueueMemory {
         self.write_ioctx_record(array_index, &ioctx_words(ioctx));
     }
 
-    /// Writes one IOCTX given as its words (six 8-byte stores after one bounds check).
+    /// Writes one IOCTX given as its words (six 8-byte stores after one bounds check). Only
+    /// for an IOCB that is not in flight: executors read the record field by field, with
+    /// narrower accesses, and only after the issue that publishes it (see
+    /// [`SharedRegion::store_u64_array`]).
     #[inline]
     pub fn write_ioctx_record(&self, array_index: u32, words: &[u64; IOCTX_WORDS]) {
         self.region.store_u64_array(self.layout.ioctx_offset(array_index), words, Ordering::Relaxed);

@@ -4,9 +4,19 @@
 //! Another agent may write any byte of a [`SharedRegion`] at any time, so Rust must never hold a
 //! reference (`&T` / `&mut T`) into it: the compiler would assume the bytes cannot change. Every
 //! access is a single atomic load, store or read-modify-write of a naturally aligned 1-, 2-, 4- or
-//! 8-byte field, built with `Atomic*::from_ptr` for the duration of that one access. The GPU side
-//! accesses the same fields with `volatile`/atomic operations of the same width (kernels/), so no
-//! location is ever accessed with two different sizes at once.
+//! 8-byte location, built with `Atomic*::from_ptr` for the duration of that one access. Fields
+//! that are read while another agent may write them (ring heads and tails, an IOCB's executor
+//! line, CQ entries) are always accessed with their own width, here and on the GPU side
+//! (`volatile`/atomic operations of the same width, kernels/).
+//!
+//! One exception: [`SharedRegion::store_u64_array`] writes IOCTX records as 8-byte words that
+//! span narrower fields, which executors then read field by field (4, 2 and 1 bytes, on the CPU
+//! and the GPU). Mixed-size atomic accesses to one location are sound only when they do not
+//! race, and these do not: a record is written only while its IOCB is not in flight (`fill_iocb`
+//! refuses an IOCB in flight), and every read happens after that write: the executor reads it
+//! after acquiring the SQ tail whose Release store published the issue (or after receiving the
+//! IOCB over a channel from the thread that did, or on the filling thread itself, in
+//! `prepared`); a kernel launch is ordered after the host writes that precede it.
 //!
 //! Offsets come from [`crate::layout`], computed from validated configuration. Some derive from
 //! values read back from shared memory (an SQ entry's IOCB id, an IOCB's `ioctx_first` and
@@ -181,12 +191,20 @@ impl SharedRegion {
     /// Stores `words` at consecutive 8-byte fields from `offset_bytes`, with one bounds and
     /// alignment check for the whole span (a check per field was a measurable share of
     /// `prepare_*`, which writes thousands of IOCTX records); the compiler unrolls it.
+    ///
+    /// The words may span fields that are read with narrower accesses: the caller must write
+    /// only memory no other agent reads or writes concurrently, and publish it (a Release store
+    /// the readers acquire, a channel) before anyone reads it with another width, as
+    /// [`crate::layout::QueueMemory::write_ioctx_record`] does for the IOCTX records of an IOCB
+    /// that is not in flight.
     #[inline]
     pub fn store_u64_array<const N: usize>(&self, offset_bytes: usize, words: &[u64; N], order: Ordering) {
         let first = self.span(offset_bytes, N * 8, 8).cast::<u64>();
         for (index, &word) in words.iter().enumerate() {
             // SAFETY: the span [offset, offset + 8 * N) is in bounds and 8-byte aligned (checked
-            // by `span`), so word `index < N` is too; accessed only atomically.
+            // by `span`), so word `index < N` is too. The word may span narrower fields that
+            // readers load with their own widths: sound because no such read races with this
+            // store (the callers' contract, below; module documentation).
             let atomic = unsafe { AtomicU64::from_ptr(first.add(index)) };
             atomic.store(word, order);
         }

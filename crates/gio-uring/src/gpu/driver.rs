@@ -193,8 +193,13 @@ pub struct Handles {
 unsafe impl Send for Handles {}
 
 /// Makes `context` current on the calling thread: the executor may be driven from any thread.
+/// `context` must be alive: the runtime passes its I/O context only (the retained primary
+/// context, or the CUcontext of its green context), and only while it owns it.
 pub fn set_current(context: sys::CUcontext) -> Result<(), GioError> {
-    // SAFETY: `context` is a retained primary context owned by the runtime, alive while it is.
+    // SAFETY: `context` is the runtime's I/O context: either the device's primary context, which
+    // the runtime retained and releases last in its Drop, or the CUcontext `cuCtxFromGreenCtx`
+    // gave for its green context, which lives until the runtime's Drop destroys the green
+    // context (after its last `set_current`). Either is alive for every call.
     check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(context) })
 }
 
