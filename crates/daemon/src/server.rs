@@ -510,6 +510,7 @@ fn status(shared: &Shared) -> StatusReply {
             requests_in_flight: record.requests_in_flight,
             doorbells_relayed: record.relay_counts().0,
             doorbells_dropped: record.relay_counts().1,
+            awaiting_exit: record.awaiting_exit,
         })
         .collect();
     let (devices, pool, relay) = {

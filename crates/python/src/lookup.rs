@@ -144,6 +144,7 @@ impl LookupClient {
             entry.set_item("registrations", client.registrations)?;
             entry.set_item("queue_pairs", client.queue_pairs)?;
             entry.set_item("requests_in_flight", client.requests_in_flight)?;
+            entry.set_item("awaiting_exit", client.awaiting_exit)?;
             clients.append(entry)?;
         }
         out.set_item("clients", clients)?;

@@ -422,7 +422,7 @@ fn print_report(status: &StatusReply) -> Result<()> {
     for client in &status.clients {
         outln!(
             "  session {} pid {} uid {} '{}': TP rank {}/{}, {} requests, idle {} ms; {} window(s), {} queue pair(s), {} request(s) in flight; \
-             {} doorbell(s) relayed, {} dropped",
+             {} doorbell(s) relayed, {} dropped{}",
             client.session,
             client.pid,
             client.uid,
@@ -435,7 +435,8 @@ fn print_report(status: &StatusReply) -> Result<()> {
             client.queue_pairs,
             client.requests_in_flight,
             client.doorbells_relayed,
-            client.doorbells_dropped
+            client.doorbells_dropped,
+            if client.awaiting_exit { "; ended, held until its process exits" } else { "" }
         )?;
     }
     let relay = &status.relay;

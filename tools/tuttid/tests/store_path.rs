@@ -523,6 +523,7 @@ fn a_client_running_past_its_lease_keeps_its_queues_until_it_exits() {
     }
     let held = status(&daemon);
     assert_eq!(held.clients.len(), 1, "{held:?}");
+    assert!(held.clients[0].awaiting_exit, "{held:?}");
     assert_eq!((held.clients[0].queue_pairs, held.clients[0].requests_in_flight), (1, 1), "its pair and store are kept");
     assert!(held.pool.writing_slots > 0, "its slots stay reserved: {:?}", held.pool);
     let mut next = start_child(&daemon.socket, "store-on-queues", 0, 1, 81);

@@ -35,6 +35,9 @@ pub struct ClientStatus {
     /// dropped (outside the queue's depth); 0 on devices with a shared register page.
     pub doorbells_relayed: u64,
     pub doorbells_dropped: u64,
+    /// The daemon ended the session while its client process still runs: its holdings are
+    /// kept until that process exits (protocol version 5; docs/tuttid.md "Leases and crashes").
+    pub awaiting_exit: bool,
 }
 
 /// The doorbell relay's counters (`crate::relay`), sent field by field.
@@ -93,6 +96,7 @@ pub(super) fn put_status(out: &mut Vec<u8>, status: &StatusReply) {
         put_u32(out, client.requests_in_flight);
         put_u64(out, client.doorbells_relayed);
         put_u64(out, client.doorbells_dropped);
+        out.push(u8::from(client.awaiting_exit));
     }
     put_u64(out, status.leaked_queue_pairs);
     let relay = &status.relay;
@@ -145,6 +149,7 @@ impl BodyReader<'_> {
                 requests_in_flight: self.u32("requests_in_flight")?,
                 doorbells_relayed: self.u64("doorbells_relayed")?,
                 doorbells_dropped: self.u64("doorbells_dropped")?,
+                awaiting_exit: self.flag("awaiting_exit")?,
             });
         }
         let leaked_queue_pairs = self.u64("leaked_queue_pairs")?;

@@ -34,6 +34,7 @@ fn sample_status() -> StatusReply {
             requests_in_flight: 3,
             doorbells_relayed: 11,
             doorbells_dropped: 1,
+            awaiting_exit: true,
         }],
         leaked_queue_pairs: 6,
         leaked_windows: 2,
