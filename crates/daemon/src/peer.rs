@@ -31,10 +31,7 @@ impl PeerProcess {
         if pid == 0 {
             return None;
         }
-        let (state, start_ticks) = read_stat(&proc_root, pid)?;
-        if exited(state) {
-            return None;
-        }
+        let Stat::Read { start_ticks, .. } = read_stat(&proc_root.join(pid.to_string())) else { return None };
         Some(PeerProcess { pid, start_ticks, proc_root })
     }
 
@@ -42,26 +39,59 @@ impl PeerProcess {
         self.pid
     }
 
-    /// Whether the process has exited: its `/proc` entry is gone, names a later process (another
-    /// start time), or shows it a zombie (exited, not yet reaped: it runs no code any more).
+    /// Whether the process has exited: its `/proc` entry is gone or names a later process
+    /// (another start time), or every one of its threads is a zombie (exited, not yet reaped:
+    /// it runs no code any more; a leader that ended alone with `pthread_exit` reads as a
+    /// zombie while its other threads run). What cannot be read for another reason (out of
+    /// descriptors, no permission) reads as still running: waiting longer is the safe error.
     pub fn has_exited(&self) -> bool {
-        match read_stat(&self.proc_root, self.pid) {
-            None => true,
-            Some((state, start_ticks)) => start_ticks != self.start_ticks || exited(state),
+        let process = self.proc_root.join(self.pid.to_string());
+        match read_stat(&process) {
+            Stat::Gone => true,
+            Stat::Unknown => false,
+            Stat::Read { start_ticks, .. } if start_ticks != self.start_ticks => true,
+            Stat::Read { state, .. } if !exited(state) => false,
+            Stat::Read { .. } => !any_thread_runs(&process),
         }
     }
 }
 
-/// Zombie or dead: the process runs no code.
+/// What `/proc/<pid>/stat` (or a thread's) says.
+enum Stat {
+    Read { state: char, start_ticks: u64 },
+    /// No such entry: the process (or thread) is gone.
+    Gone,
+    /// Not readable or not parsed.
+    Unknown,
+}
+
+/// Zombie or dead: it runs no code.
 fn exited(state: char) -> bool {
     matches!(state, 'Z' | 'X' | 'x')
 }
 
-/// The state and start time of `/proc/<pid>/stat`. The command name (field 2) is in parentheses
+/// The state and start time in `<entry>/stat`. The command name (field 2) is in parentheses
 /// and may itself hold spaces and parentheses, so the fields are counted from its last `)`.
-fn read_stat(proc_root: &std::path::Path, pid: u32) -> Option<(char, u64)> {
-    let text = std::fs::read_to_string(proc_root.join(pid.to_string()).join("stat")).ok()?;
-    parse_stat(&text)
+fn read_stat(entry: &std::path::Path) -> Stat {
+    match std::fs::read_to_string(entry.join("stat")) {
+        Ok(text) => parse_stat(&text).map_or(Stat::Unknown, |(state, start_ticks)| Stat::Read { state, start_ticks }),
+        Err(error) if matches!(error.kind(), std::io::ErrorKind::NotFound) || error.raw_os_error() == Some(3) => Stat::Gone,
+        Err(_) => Stat::Unknown,
+    }
+}
+
+/// Whether a thread of the process in `/proc` entry `process` runs (is not a zombie). A task
+/// list that cannot be read counts as running, unless the process is gone.
+fn any_thread_runs(process: &std::path::Path) -> bool {
+    let tasks = match std::fs::read_dir(process.join("task")) {
+        Ok(tasks) => tasks,
+        Err(error) => return !matches!(error.kind(), std::io::ErrorKind::NotFound),
+    };
+    tasks.flatten().any(|task| match read_stat(&task.path()) {
+        Stat::Read { state, .. } => !exited(state),
+        Stat::Gone => false,
+        Stat::Unknown => true,
+    })
 }
 
 fn parse_stat(text: &str) -> Option<(char, u64)> {
@@ -113,15 +143,26 @@ mod tests {
     fn a_reused_pid_is_another_process() {
         // Goal: a pid whose start time changed names a later process, so the client has exited.
         let root = tempfile::tempdir().unwrap();
-        let write = |ticks: u64| {
-            std::fs::create_dir_all(root.path().join("77")).unwrap();
-            let stat = format!("77 (engine) S 1 77 77 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 {ticks} 0 0");
-            std::fs::write(root.path().join("77/stat"), stat).unwrap();
+        let stat = |state: char, ticks: u64| format!("77 (engine) {state} 1 77 77 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 {ticks} 0 0");
+        let write = |path: &str, text: String| {
+            let path = root.path().join(path);
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(path, text).unwrap();
         };
-        write(500);
+        write("77/stat", stat('S', 500));
         let peer = PeerProcess::of_in(root.path().to_path_buf(), 77).expect("the fake process");
         assert!(!peer.has_exited());
-        write(900);
+        // The leader ended alone (pthread_exit): a zombie while another thread runs.
+        write("77/stat", stat('Z', 500));
+        write("77/task/77/stat", stat('Z', 500));
+        write("77/task/78/stat", stat('S', 500));
+        assert!(!peer.has_exited(), "a thread of it still runs");
+        write("77/task/78/stat", stat('Z', 500));
+        assert!(peer.has_exited(), "every thread a zombie");
+        // A stat that does not parse is not an exit.
+        write("77/stat", "garbage".into());
+        assert!(!peer.has_exited(), "unreadable is not gone");
+        write("77/stat", stat('S', 900));
         assert!(peer.has_exited(), "another start time: another process");
         std::fs::remove_dir_all(root.path().join("77")).unwrap();
         assert!(peer.has_exited(), "gone");

@@ -8,6 +8,7 @@
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use objstore::{KvRequest, LayerKvStore};
 use tutti_daemon::client::{RemoteConfig, RemoteKvStore};
 use tutti_daemon::protocol::StatusReply;
 
@@ -110,4 +111,35 @@ fn clients_store_and_retrieve_through_the_relay_across_processes() {
     let (exit, stderr) = daemon.terminate();
     assert!(exit.success(), "tuttid exited with {exit}: {stderr}");
     assert!(started.elapsed() < Duration::from_secs(30));
+}
+
+#[test]
+fn a_relayed_client_silent_past_its_lease_is_released_while_it_runs() {
+    // Goal: a session whose queue pairs are relayed ends at its lease even though its process
+    // (this one) still runs and holds a prepared store: the relay stops forwarding its
+    // doorbells first, so nothing of it can reach the queue ids its release frees, and its
+    // pairs, window and reservation go back at once (a client ringing a shared register page
+    // is held until it exits instead: store_path.rs).
+    let directory = tempfile::tempdir().unwrap();
+    let daemon = Daemon::start(directory.path(), "emu:mem:64m", &["--format", "--emu-doorbell-relay", "--lease", "1s"]);
+    let config = RemoteConfig { kv_blocks: 8, ..RemoteConfig::default() };
+    let mut store = RemoteKvStore::connect(&daemon.socket, &hello(0, 1, "silent"), &config).expect("attach");
+    let tokens = common::prompt(9, 4, store.hello_reply().shape.block_tokens);
+    let plan = store.prepare_store(&KvRequest { tokens: &tokens, block_ids: &[0, 1, 2, 3] }).expect("prepare_store");
+    assert_eq!(plan.new_blocks, 4);
+    let held = daemon.client().status().unwrap();
+    assert_eq!((held.clients.len(), held.relay.queues), (1, 1), "{held:?}");
+    assert!(held.pool.writing_slots > 0, "{:?}", held.pool);
+    let deadline = Instant::now() + WAIT;
+    let released = loop {
+        let status = daemon.client().status().unwrap();
+        if status.clients.is_empty() {
+            break status;
+        }
+        assert!(!status.clients[0].awaiting_exit, "a relayed client was held: {status:?}");
+        assert!(Instant::now() < deadline, "the silent session was not released: {status:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!((released.relay.queues, released.pool.writing_slots, released.leaked_queue_pairs), (0, 0, 0), "{released:?}");
+    drop(store);
 }

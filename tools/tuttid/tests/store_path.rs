@@ -166,6 +166,12 @@ fn store_child_entry() {
             }
             let commit = if store.commit_store(plan).is_ok() { "committed" } else { "refused" };
             println!("CHILD rang {layers_done}-layers-{commit}");
+            // Then it closes its store (and with it the socket) and runs on, parked until the
+            // parent kills it (bounded).
+            drop(store);
+            println!("CHILD closed");
+            std::io::stdout().flush().unwrap();
+            std::thread::sleep(WAIT);
         }
         stop @ ("prepared" | "layer-in-flight") => {
             store_prompt(&mut store, seed, rank, Some(stop));
@@ -508,8 +514,9 @@ fn a_client_running_past_its_lease_keeps_its_queues_until_it_exits() {
     // its doorbells in the software controller's shared register page and does not know its
     // session ended, so a queue id given to the next client meanwhile would take the old
     // client's doorbells: the next client gets other queues, the old one's layers run on its
-    // own (moving only its own slots), its commit is refused, and once it exits everything it
-    // held goes back, nothing of its store visible, the next client's prompt intact.
+    // own (moving only its own slots), its commit is refused, and once it closes its store
+    // (the process still running) everything it held goes back, nothing of its store visible,
+    // the next client's prompt intact.
     let directory = tempfile::tempdir().unwrap();
     let mut daemon = Daemon::start(directory.path(), "emu:mem:64m", &["--format", "--lease", "1s", "--metrics", "127.0.0.1:0"]);
     let metrics = daemon.metrics_url();
@@ -532,8 +539,11 @@ fn a_client_running_past_its_lease_keeps_its_queues_until_it_exits() {
     assert_ne!(next_queues, stale_queues, "the next client got the stale one's queues");
     std::fs::write(directory.path().join("go-80"), b"").unwrap();
     assert_eq!(stale_lines.recv_timeout(WAIT).expect("the stale client's outcome"), "2-layers-refused");
-    assert!(wait_bounded(&mut stale).success());
-    let after = status_when(&daemon, "the stale client's session ends with its process", |status| status.clients.is_empty());
+    assert_eq!(stale_lines.recv_timeout(WAIT).expect("the stale client's close"), "closed");
+    let after = status_when(&daemon, "the stale client's session ends with its close", |status| status.clients.is_empty());
+    assert!(stale.try_wait().unwrap().is_none(), "the stale client still runs");
+    stale.kill().unwrap();
+    let _ = stale.wait();
     assert_idle(&after);
     assert_eq!(after.pool.cached_blocks, BLOCKS as u64, "only the next client's prompt");
     assert!(common::scrape(&metrics).contains("tuttid_sessions_awaiting_exit 0"));

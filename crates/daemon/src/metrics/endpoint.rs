@@ -87,7 +87,11 @@ impl MetricsEndpoint {
                     }
                 }
             }
-            self.accept_pending(&mut open);
+            if !self.accept_pending(&mut open, metrics, snapshot) {
+                // The listener stays readable while descriptors run out: wait a tick rather
+                // than spin on it.
+                std::thread::sleep(tick);
+            }
             let now = Instant::now();
             let mut index = 0;
             while index < open.len() {
@@ -106,8 +110,10 @@ impl MetricsEndpoint {
         }
     }
 
-    /// Accepts every connection waiting, closing the oldest open one when all slots are taken.
-    fn accept_pending(&self, open: &mut VecDeque<Pending>) {
+    /// Accepts every connection waiting. One whose request is already there is answered at
+    /// once; the others wait in a slot, and when all are taken the oldest that has sent nothing
+    /// (or else the oldest) is closed. False when accepting failed (the caller waits a tick).
+    fn accept_pending(&self, open: &mut VecDeque<Pending>, metrics: &Metrics, snapshot: &dyn Fn() -> Snapshot) -> bool {
         loop {
             match self.listener.accept() {
                 Ok((stream, _)) => {
@@ -115,17 +121,26 @@ impl MetricsEndpoint {
                         tracing::info!("metrics endpoint: a connection: {error}");
                         continue;
                     }
-                    if open.len() >= CONNECTIONS_MAX {
-                        open.pop_front();
+                    let mut pending = Pending { stream, head: Vec::new(), deadline: Instant::now() + REQUEST_DEADLINE };
+                    match read_head(&mut pending) {
+                        Head::Complete => answer(pending, false, metrics, snapshot),
+                        Head::TooLong => answer(pending, true, metrics, snapshot),
+                        Head::Gone => {}
+                        Head::Partial => {
+                            if open.len() >= CONNECTIONS_MAX {
+                                let silent = open.iter().position(|pending| pending.head.is_empty()).unwrap_or(0);
+                                open.remove(silent);
+                            }
+                            open.push_back(pending);
+                        }
                     }
-                    open.push_back(Pending { stream, head: Vec::new(), deadline: Instant::now() + REQUEST_DEADLINE });
                 }
-                Err(error) if error.kind() == ErrorKind::WouldBlock => return,
+                Err(error) if error.kind() == ErrorKind::WouldBlock => return true,
                 Err(error) if error.kind() == ErrorKind::Interrupted => {}
                 Err(error) => {
-                    // ECONNABORTED, EMFILE...: that connection is lost; try again next tick.
+                    // ECONNABORTED, EMFILE...: that connection is lost.
                     tracing::warn!("metrics endpoint: accept failed: {error}");
-                    return;
+                    return false;
                 }
             }
         }
@@ -153,8 +168,20 @@ fn read_head(pending: &mut Pending) -> Head {
     }
 }
 
-/// The status line and body for a request head.
-fn response_for(head: &[u8], too_long: bool, metrics: &Metrics, snapshot: &dyn Fn() -> Snapshot) -> (&'static str, &'static str, String) {
+/// The status line and body for a request head, and whether the body is to be sent (not for
+/// `HEAD`).
+fn response_for(
+    head: &[u8],
+    too_long: bool,
+    metrics: &Metrics,
+    snapshot: &dyn Fn() -> Snapshot,
+) -> (&'static str, &'static str, String, bool) {
+    let (status, content_type, body) = response_text(head, too_long, metrics, snapshot);
+    let with_body = !head.starts_with(b"HEAD ");
+    (status, content_type, body, with_body)
+}
+
+fn response_text(head: &[u8], too_long: bool, metrics: &Metrics, snapshot: &dyn Fn() -> Snapshot) -> (&'static str, &'static str, String) {
     let plain = "text/plain; charset=utf-8";
     if too_long {
         return ("400 Bad Request", plain, format!("request head longer than {HEAD_BYTES_MAX} bytes\n"));
@@ -168,7 +195,7 @@ fn response_for(head: &[u8], too_long: bool, metrics: &Metrics, snapshot: &dyn F
     if !version.starts_with("HTTP/1.") {
         return ("400 Bad Request", plain, format!("HTTP/1.x only, not {version}\n"));
     }
-    if method != "GET" {
+    if method != "GET" && method != "HEAD" {
         return ("405 Method Not Allowed", plain, "tuttid serves GET /metrics only\n".into());
     }
     if target.split('?').next() != Some("/metrics") {
@@ -182,21 +209,36 @@ fn response_for(head: &[u8], too_long: bool, metrics: &Metrics, snapshot: &dyn F
 
 /// Answers one request and closes the connection (bounded by [`WRITE_TIMEOUT`]).
 fn answer(pending: Pending, too_long: bool, metrics: &Metrics, snapshot: &dyn Fn() -> Snapshot) {
-    let (status, content_type, body) = response_for(&pending.head, too_long, metrics, snapshot);
+    let (status, content_type, body, with_body) = response_for(&pending.head, too_long, metrics, snapshot);
     let mut stream = pending.stream;
     let header = format!(
         "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n{}\r\n",
         body.len(),
-        if status.starts_with("405") { "Allow: GET\r\n" } else { "" }
+        if status.starts_with("405") { "Allow: GET, HEAD\r\n" } else { "" }
     );
+    let body = if with_body { body.as_bytes() } else { &[] };
     let written = stream
         .set_nonblocking(false)
         .and_then(|()| stream.set_write_timeout(Some(WRITE_TIMEOUT)))
         .and_then(|()| stream.write_all(header.as_bytes()))
-        .and_then(|()| stream.write_all(body.as_bytes()))
+        .and_then(|()| stream.write_all(body))
         .and_then(|()| stream.flush());
     if let Err(error) = written {
         tracing::info!("metrics endpoint: answering a scrape: {error}");
+        return;
+    }
+    // Bytes the client sent past the head (a body, the rest of an over-long head) would turn
+    // the close into a reset, which can lose the answer on the client's side: take what has
+    // arrived (without waiting, at most 64 KiB) after saying the answer is complete.
+    let _ = stream.shutdown(std::net::Shutdown::Write);
+    if stream.set_nonblocking(true).is_ok() {
+        let mut scratch = [0u8; 4096];
+        for _ in 0..16 {
+            match stream.read(&mut scratch) {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {}
+            }
+        }
     }
 }
 
@@ -240,6 +282,8 @@ mod tests {
         assert!(head.contains(&format!("Content-Length: {}", body.len())), "{head}");
         assert!(ask(address, b"GET /other HTTP/1.1\r\n\r\n").starts_with("HTTP/1.1 404"));
         assert!(ask(address, b"POST /metrics HTTP/1.1\r\n\r\n").starts_with("HTTP/1.1 405"));
+        let head = ask(address, b"HEAD /metrics HTTP/1.1\r\n\r\n");
+        assert!(head.starts_with("HTTP/1.1 200") && head.ends_with("\r\n\r\n"), "HEAD: the headers alone: {head}");
         assert!(ask(address, b"hello\r\n\r\n").starts_with("HTTP/1.1 400"));
         // Exactly the cap, no end: all of it read, so the close is clean (bytes left unread
         // would make the kernel reset the connection, and the client might lose the answer).

@@ -1,6 +1,8 @@
 //! One client connection: its credentials, then request frames until it closes, its lease runs
 //! out, it breaks the protocol or the server stops; its session is released on every path out.
 
+use std::io::{ErrorKind, Read};
+use std::net::Shutdown;
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::Ordering;
@@ -33,17 +35,28 @@ pub(super) fn serve_connection(mut stream: UnixStream, shared: &Shared) {
         prepared_stores: PreparedStores::default(),
     };
     let outcome = connection.run(&mut stream, shared);
-    // The client sees the close now, whatever its session's end waits for below.
-    drop(stream);
+    if outcome.as_ref().is_err_and(closed_by_peer) {
+        connection.ending = Ending::PeerClosed;
+    }
     if let Some(session) = connection.session.take() {
         if connection.may_still_ring(shared) {
-            connection.await_peer_exit(shared, session);
+            connection.await_peer_exit(shared, session, &mut stream);
         }
         release_session(shared, session, &mut connection.holdings);
     }
     shared.connections.fetch_sub(1, Ordering::AcqRel);
     if let Err(error) = outcome {
         tracing::info!("connection of pid {} ended: {error}", connection.peer_pid);
+    }
+}
+
+/// Whether a connection's error is its client closing the socket: an end of file in the middle
+/// of a frame, a reset (the client closed with a reply unread), a write to a closed socket.
+fn closed_by_peer(error: &DaemonError) -> bool {
+    match error {
+        DaemonError::Closed | DaemonError::Truncated { .. } => true,
+        DaemonError::Io { source, .. } => matches!(source.kind(), ErrorKind::ConnectionReset | ErrorKind::BrokenPipe),
+        _ => false,
     }
 }
 
@@ -100,13 +113,16 @@ impl Connection {
     }
 
     /// Keeps the ended session's holdings (queue pairs, windows, reservations) until its client
-    /// process exits or the daemon stops, checking every tick. Deleting the pairs earlier would
-    /// free their queue ids for the next client while this one may still write their doorbells
-    /// (a client does not see its session end until it next talks to the daemon), and its
-    /// doorbells would then reach the next client's queue. Kept, they reach only its own pairs,
-    /// which move only its own window and the slots it still holds. The wait takes one of the
-    /// daemon's `--clients-max` connections, as the client did.
-    fn await_peer_exit(&self, shared: &Shared, session: u64) {
+    /// process exits, the client closes its socket (the library closes it only once its data
+    /// half is gone), or the daemon stops, checking every tick. Deleting the pairs earlier
+    /// would free their queue ids for the next client while this one may still write their
+    /// doorbells (a client does not see its session end until it next talks to the daemon),
+    /// and its doorbells would then reach the next client's queue. Kept, they reach only its
+    /// own pairs, which move only its own window and the slots it still holds. The wait takes
+    /// one of the daemon's `--clients-max` connections, as the client did. The socket is shut
+    /// for writing (the client reads the end after the daemon's last answer); what the client
+    /// still sends is read and dropped.
+    fn await_peer_exit(&self, shared: &Shared, session: u64, stream: &mut UnixStream) {
         if let Some(record) = lock(&shared.sessions).get_mut(&session) {
             record.awaiting_exit = true;
         }
@@ -124,8 +140,19 @@ impl Connection {
                  and reservations are kept until the daemon stops"
             ),
         }
+        let _ = stream.shutdown(Shutdown::Write);
+        // Reads wait at most a tick (`run` set the read timeout).
+        let mut scratch = [0u8; 4096];
         while !shared.stop.is_stopped() && self.peer.as_ref().is_none_or(|peer| !peer.has_exited()) {
-            std::thread::sleep(shared.config.tick);
+            match stream.read(&mut scratch) {
+                Ok(0) => break,
+                // A client still talking: dropped, at most a read per tick.
+                Ok(_) => std::thread::sleep(shared.config.tick),
+                Err(error) if matches!(error.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted) => {}
+                Err(error) if matches!(error.kind(), ErrorKind::ConnectionReset | ErrorKind::BrokenPipe) => break,
+                // The socket cannot tell: watch the process alone.
+                Err(_) => std::thread::sleep(shared.config.tick),
+            }
         }
     }
 
