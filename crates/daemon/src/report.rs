@@ -63,7 +63,12 @@ pub(crate) fn check_transferred(
 /// Checks that a store's commit reports every layer of every new block moved: a commit makes
 /// the blocks visible, so a report of less (a client that skipped layers, or reports nothing)
 /// would make slots nobody wrote answer lookups. (`check_transferred` bounds it from above.)
-pub(crate) fn check_stored_whole(control: &StoreControl, shape: &PoolShape, handle: RequestHandle, transferred: Transferred) -> Result<(), Refusal> {
+pub(crate) fn check_stored_whole(
+    control: &StoreControl,
+    shape: &PoolShape,
+    handle: RequestHandle,
+    transferred: Transferred,
+) -> Result<(), Refusal> {
     let unknown = |error: ObjstoreError| (ErrorCode::NotYours, format!("request {:#x}: {error}", handle.to_bits()));
     let placements = control.placements(handle).map_err(unknown)?;
     let whole = shape.transfer_bound(placements);
