@@ -58,7 +58,10 @@ impl PeerProcess {
 
 /// What `/proc/<pid>/stat` (or a thread's) says.
 enum Stat {
-    Read { state: char, start_ticks: u64 },
+    Read {
+        state: char,
+        start_ticks: u64,
+    },
     /// No such entry: the process (or thread) is gone.
     Gone,
     /// Not readable or not parsed.
