@@ -154,6 +154,11 @@ impl StoreControl {
                 reason: format!("{} keys and {} engine blocks: expected as many, at least one", keys.len(), engine_blocks.len()),
             });
         }
+        // 0 is no block's key (`chain_hash` never returns it; the index marks unused entries
+        // with it, so a block stored under 0 would stay in the map after its slot is reused).
+        if let Some(position) = keys.iter().position(|&key| key == 0) {
+            return Err(ObjstoreError::BadRequest { reason: format!("key {position} is 0, which is no block's key") });
+        }
         Ok(())
     }
 
@@ -171,10 +176,18 @@ impl StoreControl {
                 missing = Some(i);
                 break;
             };
-            self.pool.index.pin_and_touch(location.device, location.slot);
+            self.pool.index.pin(location.device, location.slot);
             reservation.slots.push((location.device, location.slot, 0));
             reservation.placements.push(Placement { location, engine_block });
             reservation.keys.push(key);
+        }
+        if missing.is_none() {
+            // Most recently used last to first, so that the prefix's first block is the most
+            // recent of them: eviction takes a prefix from its end, never its start (a prefix
+            // without its first block is no hit, its other blocks capacity wasted).
+            for &(device, slot, _) in reservation.slots.iter().rev() {
+                self.pool.index.touch(device, slot);
+            }
         }
         self.reservations[index] = reservation;
         if let Some(i) = missing {
@@ -223,7 +236,9 @@ impl StoreControl {
                     reservation.keys.push(key);
                 }
                 Claim::Cached(location) => {
-                    self.pool.index.pin(location.device, location.slot);
+                    // Touched too, so that the slots this store counts on leave the LRU tail
+                    // the allocations below walk (commit orders them again).
+                    self.pool.index.pin_and_touch(location.device, location.slot);
                     reservation.shared_pins.push((location.device, location.slot));
                     shared += 1;
                 }
@@ -387,13 +402,18 @@ impl StoreControl {
             return Err(error);
         }
         let reservation = &mut self.reservations[index];
-        let mut start = 0;
-        for &(device, slot, used) in &reservation.slots {
+        // Committed last to first, then the shared cached blocks touched last to first: the
+        // prefix's first block ends the most recently used (see `reserve_retrieve`).
+        let mut end: usize = reservation.slots.iter().map(|&(_, _, used)| usize::from(used)).sum();
+        for &(device, slot, used) in reservation.slots.iter().rev() {
             // A slot's blocks are contiguous (`place_new_blocks` fills one slot at a time).
-            let range = start..start + usize::from(used);
-            start = range.end;
+            let range = end - usize::from(used)..end;
+            end = range.start;
             let generation = self.pool.generation;
             self.pool.index.commit(device, slot, &reservation.keys[range], generation);
+        }
+        for &(device, slot) in reservation.shared_pins.iter().rev() {
+            self.pool.index.touch(device, slot);
         }
         reservation.slots.clear(); // committed: nothing left to release
         self.release_index(index);

@@ -749,3 +749,53 @@ fn a_verified_retrieve_does_not_fold_a_layer_whose_reissue_failed() {
     assert!(holds(&fixture, 4, keys[0]) && holds(&fixture, 5, keys[1]), "byte-exact");
     assert_eq!(store.lookup(&tokens), 2, "nothing was evicted");
 }
+
+/// Reserves and commits `keys` as a store from engine blocks 0.. (no data is moved: the control
+/// half alone, as the LRU tests need).
+fn commit_recorded(control: &mut StoreControl, keys: &[u64]) {
+    let blocks: Vec<u32> = (0..keys.len() as u32).collect();
+    let plan = control.reserve_store(keys, &blocks, &mut NoLender).expect("reserve_store");
+    let crcs = vec![0u32; plan.new_blocks];
+    control.commit_store(plan.handle, Some(&crcs), &mut NoLender).expect("commit");
+}
+
+#[test]
+fn eviction_takes_a_prefix_from_its_end_after_a_retrieve_and_a_store() {
+    // Goal (one block per slot, four slots): a prefix is evicted from its last block, never its
+    // first, whatever used it last. A retrieve of [A, B, C] leaves A the most recent, so two
+    // more stores evict D and then C, and [A, B] still answers; likewise a store that shares
+    // [A, B] and adds C. Before, the retrieve touched A first (least recent of the three), the
+    // second eviction took A, and the prefix answered 0 while B and C kept two slots.
+    let fixture = fixture(1, Some(4));
+    let (mut control, _data) = halves(&fixture, StoreConfig::default());
+    let (a, b, c, d, e, f, g) = (11, 12, 13, 14, 15, 16, 17);
+    commit_recorded(&mut control, &[a, b, c]);
+    commit_recorded(&mut control, &[d]);
+    let retrieve = control.reserve_retrieve(&[a, b, c], &[0, 1, 2], 0).expect("reserve_retrieve");
+    control.release(retrieve).expect("release");
+    commit_recorded(&mut control, &[e]);
+    commit_recorded(&mut control, &[f]);
+    let index = control.pool().index();
+    assert!(index.get(d).is_none() && index.get(c).is_none(), "D then C evicted");
+    assert_eq!(index.cached_prefix(&[a, b, c]), 2, "the prefix keeps its start");
+    // A store sharing [A, B] and adding C (evicting E): C is the least recent of the three
+    // afterwards, so two more stores evict F and then C.
+    commit_recorded(&mut control, &[a, b, c]);
+    commit_recorded(&mut control, &[g]);
+    commit_recorded(&mut control, &[g + 1]);
+    let index = control.pool().index();
+    assert!(index.get(f).is_none() && index.get(c).is_none(), "F then C evicted");
+    assert_eq!(index.cached_prefix(&[a, b, c]), 2, "the store's new tail block went first");
+}
+
+#[test]
+fn key_zero_is_refused() {
+    // Goal: 0 is no block's key (the index marks unused entries with it): a request naming it
+    // is refused before anything is reserved, both ways.
+    let fixture = fixture(1, Some(4));
+    let (mut control, _data) = halves(&fixture, StoreConfig::default());
+    assert!(matches!(control.reserve_store(&[7, 0], &[0, 1], &mut NoLender), Err(ObjstoreError::BadRequest { .. })));
+    assert!(matches!(control.reserve_retrieve(&[0], &[0], 0), Err(ObjstoreError::BadRequest { .. })));
+    commit_recorded(&mut control, &[7]);
+    assert_eq!(control.pool().index().cached_prefix(&[7]), 1);
+}
