@@ -839,3 +839,32 @@ def test_issued_layers_reach_the_device_before_vllm_computes(tuttid):
         assert all(landed(layer) for layer in range(harness.LAYERS))
     finally:
         worker.shutdown()
+
+
+def test_a_failed_load_cancels_the_requests_save_in_the_same_step(tuttid):
+    """Goal: a request whose load fails (a block evicted since the lookup) and whose prompt save
+    runs in the same step saves nothing: its blocks were never loaded (vLLM recomputes them after
+    the step), so the save would store vLLM's stale bytes under the prompt's keys, and blocks
+    after them computed against those. The save is still reported through get_finished."""
+    daemon = tuttid(harness.TUTTID_GEOMETRY)
+    worker = LocalWorker(daemon.socket)
+    try:
+        tokens = prompt(12, blocks=3, tail=2)
+        worker.fill([1], 12)
+        worker.save("S", tokens[: harness.BLOCK_TOKENS], [1])  # block 0 only: block 1 is missing
+        worker.fill([5, 6, 7], 13)
+        meta = TuttiConnectorMetadata(
+            loads=[LoadSpec("R", tokens[: 2 * harness.BLOCK_TOKENS], [5, 6])],
+            saves=[SaveSpec("R", tokens[: 3 * harness.BLOCK_TOKENS], [5, 6, 7])],
+        )
+        result = worker.step(meta, finished={"R"})
+        assert result["load_errors"] == {5, 6}
+        reported = result["finished_sending"]
+        deadline = time.monotonic() + FINISH_TIMEOUT_S
+        while "R" not in reported:
+            assert time.monotonic() < deadline, "the save of R was never reported"
+            time.sleep(0.01)
+            reported = worker.connector.get_finished(set())[0] or set()
+        assert worker.connector._store.lookup(tokens[: 3 * harness.BLOCK_TOKENS]) < 2
+    finally:
+        worker.shutdown()

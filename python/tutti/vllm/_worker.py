@@ -397,6 +397,7 @@ class WorkerSide:
                 continue
             if self._dead is not None:
                 self._failed_block_ids.update(own_blocks)
+                self._cancel_save_of_failed_load(load.req_id)
                 continue
             try:
                 request = self._store.prepare_retrieve(load.tokens, own_blocks, first_block=load.first_block)
@@ -404,6 +405,7 @@ class WorkerSide:
                 logger.warning("tutti: load of request %s failed to prepare (%s); its blocks are recomputed", load.req_id, error)
                 self._note_daemon_failure(error)
                 self._failed_block_ids.update(own_blocks)
+                self._cancel_save_of_failed_load(load.req_id)
                 continue
             state = _WorkerLoad(request, own_blocks)
             self._loads[load.req_id] = state
@@ -449,11 +451,28 @@ class WorkerSide:
         if not self._settle(state.request):
             self._end_session(f"a layer of request {req_id}'s load did not complete")
         self._failed_block_ids.update(state.block_ids)
+        self._cancel_save_of_failed_load(req_id)
+
+    def _cancel_save_of_failed_load(self, req_id: str) -> None:
+        """A request whose load failed saves nothing in this step: its blocks hold what vLLM had
+        there before (recomputed only after the step), and the blocks after them were computed
+        against those. Its save (prepared when the metadata was bound, possibly with layers
+        issued) is given up, never committed, and reported through get_finished as a miss."""
+        state = self._saves.pop(req_id, None)
+        if state is None:
+            return
+        logger.warning("tutti: save of request %s cancelled: its load in the same step failed", req_id)
+        # Its layers in flight only read vLLM's blocks; see _give_up_save.
+        self._give_up_save(req_id, state)
 
     def _fail_save(self, req_id: str, state: _WorkerSave, error: Exception) -> None:
         logger.warning("tutti: save of request %s failed (%s); nothing of it becomes visible", req_id, error)
         self._saves.pop(req_id, None)
-        # A layer that does not settle only reads vLLM's blocks, and is never committed.
+        self._give_up_save(req_id, state)
+
+    def _give_up_save(self, req_id: str, state: _WorkerSave) -> None:
+        """Ends a save that is not committed and records it as a miss. A layer that does not
+        settle only reads vLLM's blocks and is never committed."""
         self._settle(state.request)
         self._save_settled(req_id, state.token, False)
 
