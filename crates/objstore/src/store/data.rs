@@ -101,6 +101,9 @@ pub struct StoreData<E: Executor> {
     layers_in_flight_max: usize,
     ioctxs: Vec<IoctxSpec>,
     pub(super) crc_scratch: Vec<u8>,
+    /// One bit per engine block, all clear between calls: a retrieve's duplicate engine
+    /// blocks found in O(placements) (sized once, at construction).
+    engine_blocks_seen: Vec<u64>,
     /// Per pool device: its namespace id and slot addressing (the per-block LBA arithmetic).
     addressing: Vec<(u32, SlotAddressing)>,
     /// Set once the executor's queue pairs were retired (at close or drop): whether the memory
@@ -154,6 +157,7 @@ impl<E: Executor> StoreData<E> {
         // Every command must fit every pool device: the table cuts transfers to the smallest MDTS.
         let max_transfer_bytes = shape.devices.iter().map(|device| device.max_transfer_bytes).min().unwrap_or(0);
         let limits = CommandLimits { max_transfer_bytes, lba_bytes: shape.devices[0].lba_bytes };
+        let engine_blocks_seen = vec![0; (registration.num_blocks() as usize).div_ceil(64)];
         let table = MappingTable::build(registration, &dma, shape.blocks_per_slot, limits)?;
         let mut devices = Vec::with_capacity(shape.devices.len());
         for (index, device) in shape.devices.iter().enumerate() {
@@ -205,6 +209,7 @@ impl<E: Executor> StoreData<E> {
             layers_in_flight_max: 1,
             ioctxs: Vec::with_capacity(config.ioctx_per_iocb_max as usize),
             crc_scratch: Vec::new(),
+            engine_blocks_seen,
             addressing,
             retired: None,
         })
@@ -296,6 +301,9 @@ impl<E: Executor> StoreData<E> {
         for (position, placement) in placements.iter().enumerate() {
             self.shape.check_placement(position, placement)?;
             registration.check_block(placement.engine_block)?;
+        }
+        if direction == Direction::Retrieve {
+            self.refuse_duplicate_engine_blocks(placements)?;
         }
         let verified = self.config.verify_retrieves && direction == Direction::Retrieve;
         if verified && expected_crcs.is_none_or(|crcs| crcs.len() != placements.len()) {
@@ -412,6 +420,31 @@ impl<E: Executor> StoreData<E> {
             }
         }
         Ok(())
+    }
+
+    /// Refuses a retrieve that reads two blocks into one engine block: one would overwrite the
+    /// other (and a verified retrieve would condemn a good slot for it). Placements were
+    /// checked in range.
+    fn refuse_duplicate_engine_blocks(&mut self, placements: &[Placement]) -> Result<()> {
+        let mut duplicate = None;
+        for (position, placement) in placements.iter().enumerate() {
+            let block = placement.engine_block as usize;
+            let (word, bit) = (block / 64, 1u64 << (block % 64));
+            if self.engine_blocks_seen[word] & bit != 0 {
+                duplicate = Some((position, placement.engine_block));
+                break;
+            }
+            self.engine_blocks_seen[word] |= bit;
+        }
+        for placement in placements {
+            self.engine_blocks_seen[placement.engine_block as usize / 64] = 0;
+        }
+        match duplicate {
+            Some((position, block)) => Err(ObjstoreError::BadRequest {
+                reason: format!("engine block {block} is read into twice (again at position {position}): a retrieve fills each once"),
+            }),
+            None => Ok(()),
+        }
     }
 
     /// The IOCBs of lane `lane` of request `index`.

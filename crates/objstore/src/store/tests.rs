@@ -799,3 +799,35 @@ fn key_zero_is_refused() {
     commit_recorded(&mut control, &[7]);
     assert_eq!(control.pool().index().cached_prefix(&[7]), 1);
 }
+
+#[test]
+fn a_retrieve_into_one_engine_block_twice_is_refused() {
+    // Goal: a retrieve naming one engine block for two blocks is refused before anything is
+    // read (one read would overwrite the other, and a verified retrieve would condemn a good
+    // slot for it); nothing stays reserved, and the same blocks retrieve into distinct ones.
+    let fixture = fixture(1, None);
+    let mut store = in_process(&fixture, StoreConfig { verify_retrieves: true, ..StoreConfig::default() });
+    let tokens = tokens(31, 2);
+    let keys = keys_of(&tokens);
+    for (block, &key) in keys.iter().enumerate() {
+        fill(&fixture, block as u32, key);
+    }
+    let plan = store.prepare_store(&KvRequest { tokens: &tokens, block_ids: &[0, 1] }).expect("prepare_store");
+    for layer in 0..geometry().layers {
+        store.store_layer(plan.handle, layer, BUDGET).unwrap();
+        store.wait(plan.handle, deadline()).unwrap();
+    }
+    assert_eq!(store.commit_store(plan.handle).expect("commit"), 2);
+    match store.prepare_retrieve(&KvRequest { tokens: &tokens, block_ids: &[5, 5] }) {
+        Err(ObjstoreError::BadRequest { reason }) => assert!(reason.contains("engine block 5"), "{reason}"),
+        other => panic!("expected BadRequest, got {other:?}"),
+    }
+    let handle = store.prepare_retrieve(&KvRequest { tokens: &tokens, block_ids: &[4, 5] }).expect("prepare_retrieve");
+    for layer in 0..geometry().layers {
+        store.retrieve_layer(handle, layer, BUDGET).unwrap();
+        assert_eq!(store.wait(handle, deadline()).expect("verified"), Some(layer));
+    }
+    store.finish(handle).expect("finish");
+    assert!(holds(&fixture, 4, keys[0]) && holds(&fixture, 5, keys[1]), "byte-exact");
+    assert_eq!(store.lookup(&tokens), 2);
+}
