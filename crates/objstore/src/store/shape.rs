@@ -5,7 +5,7 @@
 //! half checks every placement it is given against it.
 
 use crate::error::{ObjstoreError, Result};
-use crate::format::{SlotAddressing, FLAG_PAYLOAD_CRC};
+use crate::format::{SlotAddressing, DATA_ALIGN_BYTES, FLAG_PAYLOAD_CRC};
 use crate::geometry::ModelGeometry;
 use crate::index::BlockLocation;
 use crate::pool::Pool;
@@ -186,6 +186,15 @@ impl PoolShape {
             if slot_needs.is_none_or(|needs| needs > a.slot_blocks) {
                 return Err(bad_shape(format!("device {index}: slots of {} LBAs cannot hold {layers} layers", a.slot_blocks)));
             }
+            // The data region starts past the superblock and the headers, on a 1 MiB boundary,
+            // as format places it: a data half must never write slots over them.
+            let data_byte = a.data_lba.checked_shl(a.lba_shift).filter(|&byte| byte >> a.lba_shift == a.data_lba);
+            if data_byte.is_none_or(|byte| byte < DATA_ALIGN_BYTES || !byte.is_multiple_of(DATA_ALIGN_BYTES)) {
+                return Err(bad_shape(format!(
+                    "device {index}: the data region at LBA {} is not past the pool's metadata on a {DATA_ALIGN_BYTES}-byte boundary",
+                    a.data_lba
+                )));
+            }
             let end = a.slot_blocks.checked_mul(device.slot_count).and_then(|bytes| bytes.checked_add(a.data_lba));
             if device.slot_count > u64::from(u32::MAX) + 1 || end.is_none_or(|end| end > device.capacity_blocks) {
                 return Err(bad_shape(format!(
@@ -272,6 +281,20 @@ mod tests {
         let mut zero = good_shape();
         zero.geometry.layers = 0;
         refused(&zero, "zero layers");
+    }
+
+    #[test]
+    fn a_shape_whose_data_region_overlaps_the_metadata_is_refused() {
+        // Goal: a data region at LBA 0 (over the superblock and headers), or not on the 1 MiB
+        // boundary format uses, is refused: a data half would write slot 0 over the metadata.
+        let good = good_shape();
+        good.check().expect("the shape of a real pool");
+        for data_lba in [0, 1, 8, 2048 + 1, u64::MAX >> 2] {
+            let mut shape = good.clone();
+            shape.devices[0].addressing.data_lba = data_lba;
+            let reason = refused(&shape, &format!("data at LBA {data_lba}"));
+            assert!(reason.contains("data region"), "{reason}");
+        }
     }
 
     #[test]
