@@ -868,3 +868,35 @@ def test_a_failed_load_cancels_the_requests_save_in_the_same_step(tuttid):
         assert worker.connector._store.lookup(tokens[: 3 * harness.BLOCK_TOKENS]) < 2
     finally:
         worker.shutdown()
+
+
+def test_requests_whose_kv_is_not_their_tokens_alone_neither_load_nor_save(tuttid):
+    """Goal: tutti's keys are the prompt's tokens only, so a request with a cache salt, a LoRA
+    adapter, multimodal inputs or prompt embeddings (vLLM's own prefix keys include them) is
+    never served another request's KV (0 matched tokens) and saves nothing under the bare tokens."""
+    from vllm.lora.request import LoRARequest
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    daemon = tuttid(harness.TUTTID_GEOMETRY)
+    worker = LocalWorker(daemon.socket)
+    scheduler = harness.make_connector(harness.vllm_config(daemon.socket, 1), KVConnectorRole.SCHEDULER)
+    try:
+        tokens = prompt(14, blocks=2, tail=3)
+        worker.fill([1, 2], 14)
+        worker.save("A", tokens[: 2 * harness.BLOCK_TOKENS], [1, 2])
+        plain = harness.request("plain", tokens)
+        assert scheduler.get_num_new_matched_tokens(plain, 0) == (2 * harness.BLOCK_TOKENS, False)
+        others = {
+            "salted": Request("salted", tokens, SamplingParams(max_tokens=4), None, cache_salt="salt"),
+            "lora": Request("lora", tokens, SamplingParams(max_tokens=4), None, lora_request=LoRARequest("adapter", 1, "/adapter")),
+        }
+        for req_id, request in others.items():
+            assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False), req_id
+            scheduler.update_state_after_alloc(request, harness.blocks([7, 8, 9]), 0)
+            meta = scheduler.build_connector_meta(harness.scheduler_output(new=[(req_id, tokens, [7, 8, 9], 0, len(tokens))]))
+            assert meta.saves == [] and meta.loads == [], req_id
+            assert scheduler.request_finished(request, [7, 8, 9]) == (False, None)
+    finally:
+        scheduler.shutdown()
+        worker.shutdown()

@@ -42,6 +42,10 @@ class _SchedulerRequest:
     load_pending: Optional[int] = None  # blocks to load, set after allocation, emitted once
     load_first_block: int = 0  # the first of them vLLM does not hold locally
     save_emitted: bool = False
+    # What makes the request's KV depend on more than its prompt tokens (vLLM's own prefix keys
+    # include it: a LoRA adapter, multimodal inputs, a cache salt, prompt embeddings); tutti's
+    # keys are the tokens only, so such a request is neither loaded nor saved. None: nothing.
+    uncacheable: Optional[str] = None
 
 
 class SchedulerSide:
@@ -57,6 +61,7 @@ class SchedulerSide:
         self._lookup_timeout_s = float(self._config["lookup_timeout_s"])
         self._lookup: Any = self._connect_lookup()
         self._requests: dict[str, _SchedulerRequest] = {}
+        self._uncacheable_logged: set[str] = set()
         self.lookup_failures = 0
         self.lookup_reconnects = 0
         # After a failed connect: no attempt before _lookup_retry_at (monotonic seconds).
@@ -120,9 +125,30 @@ class SchedulerSide:
     def _scheduler_request(self, request: "Request") -> _SchedulerRequest:
         state = self._requests.get(request.request_id)
         if state is None:
-            state = _SchedulerRequest(prompt=list(request.prompt_token_ids or []))
+            state = _SchedulerRequest(prompt=list(request.prompt_token_ids or []), uncacheable=self._uncacheable(request))
             self._requests[request.request_id] = state
         return state
+
+    def _uncacheable(self, request: Any) -> Optional[str]:
+        """Why the request's KV is not a function of its prompt tokens alone (a vLLM Request or
+        NewRequestData), logged once per kind; None when it is."""
+        kind = None
+        if getattr(request, "lora_request", None) is not None:
+            kind = "a LoRA adapter"
+        elif getattr(request, "mm_features", None):
+            kind = "multimodal inputs"
+        elif getattr(request, "cache_salt", None) is not None:
+            kind = "a cache salt"
+        elif getattr(request, "prompt_embeds", None) is not None:
+            kind = "prompt embeddings"
+        if kind is not None and kind not in self._uncacheable_logged:
+            self._uncacheable_logged.add(kind)
+            logger.warning(
+                "tutti: requests with %s are neither loaded from nor saved to tutti (its keys are the prompt's "
+                "tokens only, which would share KV across them); logged once",
+                kind,
+            )
+        return kind
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
         """Tokens beyond `num_computed_tokens` that every rank can load from tutti: whole blocks of
@@ -130,6 +156,8 @@ class SchedulerSide:
         Loads are synchronous (layer by layer during the step's forward): the bool is False.
         A daemon that does not answer is a miss (logged and counted), not a failed request."""
         state = self._scheduler_request(request)
+        if state.uncacheable is not None:
+            return 0, False
         usable_blocks = max(0, len(state.prompt) - 1) // self._block_size
         # vLLM's local prefix hit is whole blocks; tutti needs only the blocks after it.
         local_blocks = num_computed_tokens // self._block_size
@@ -174,7 +202,7 @@ class SchedulerSide:
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
             if state is None:
-                state = _SchedulerRequest(prompt=list(new.prompt_token_ids or []))
+                state = _SchedulerRequest(prompt=list(new.prompt_token_ids or []), uncacheable=self._uncacheable(new))
                 self._requests[new.req_id] = state
             state.block_ids = list(new.block_ids[0])
             scheduled.append((new.req_id, new.num_computed_tokens))
@@ -193,6 +221,9 @@ class SchedulerSide:
 
         for req_id, num_computed in scheduled:
             state = self._requests[req_id]
+            if state.uncacheable is not None:
+                state.load_pending = None
+                continue
             if state.load_pending:
                 blocks = state.load_pending
                 meta.loads.append(
