@@ -7,6 +7,11 @@ up, batch_get_v1 to prefetch them into other host pages); bytes checked per page
 from __future__ import annotations
 
 import hashlib
+import signal
+import subprocess
+import sys
+import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -19,7 +24,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.storage import StorageBackendFactory
 from stalled import StalledLayer
-from tutti.sglang import TESTED_SGLANG_VERSION, HostPagesUnsafe, TuttiHiCacheStorage, check_sglang_version
+from tutti.sglang import TESTED_SGLANG_VERSION, TuttiHiCacheStorage, check_sglang_version
 
 # More layers than the backend's default layers_in_flight (2): layer_first pages have layers
 # waiting to be issued behind the ones in flight.
@@ -207,40 +212,62 @@ def test_a_read_whose_layer_never_completes_closes_the_pool_before_its_pages_are
         storage.close()
 
 
-def test_a_read_whose_pages_cannot_be_confirmed_safe_raises_instead_of_returning(tmp_path: Path):
-    """Goal: when closing the pool does not confirm that its queue pairs were deleted, the stuck
-    read's pages are never reported (SGLang would reuse them): batch_get_v1 raises
-    HostPagesUnsafe, and so does every later call."""
-    storage, wrapped, keys = stalled_backend(tmp_path, close_keeps_memory=True)
-    try:
-        with pytest.raises(HostPagesUnsafe, match="host pages may still be written"):
-            storage.batch_get_v1(keys, indices([3, 4]))
-        assert wrapped.closed_by_backend
-        for call in (lambda: storage.batch_exists(keys), lambda: storage.batch_get_v1(keys, indices([3, 4]))):
-            with pytest.raises(HostPagesUnsafe):
-                call()
-    finally:
-        storage.close()
+UNSAFE_SCENARIOS = {
+    # The stuck read's own close is not confirmed.
+    "read": "storage, wrapped, keys = stalled_backend(tmp, close_keeps_memory=True)\n"
+    "storage.batch_get_v1(keys, indices([3, 4]))",
+    # A stuck backup's close is not confirmed: a read on SGLang's other thread may have been in
+    # flight on the queue pairs that were kept.
+    "backup": "storage, wrapped, keys = stalled_backend(tmp, stall_stores=True, close_keeps_memory=True)\n"
+    "storage.batch_set_v1(page_keys(7, 2), indices([3, 4]))",
+    # The other thread's backup closes the pool unconfirmed while this read is in flight.
+    "other thread": "storage, wrapped, keys = stalled_backend(tmp, close_keeps_memory=True)\n"
+    "wrapped.prepare_retrieve = lambda tokens, block_ids: ClosedUnderIt(wrapped._store.prepare_retrieve(tokens, block_ids), storage)\n"
+    "storage.batch_get_v1(keys, indices([3, 4]))",
+    # SGLang's own close (shutdown or detach), not confirmed, with its other thread maybe reading.
+    "close": "storage, wrapped, keys = stalled_backend(tmp, close_keeps_memory=True)\nstorage.close()",
+}
+
+UNSAFE_CHILD = """
+import logging, pathlib, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+from test_sglang_backend import *
+tmp = pathlib.Path(sys.argv[1])
+try:
+{body}
+except BaseException as error:
+    print("RAISED", type(error).__name__, error, flush=True)
+    sys.exit(3)
+print("RETURNED", flush=True)
+"""
+
+
+@pytest.mark.parametrize("scenario", sorted(UNSAFE_SCENARIOS))
+def test_a_pool_whose_close_is_not_confirmed_ends_the_process(tmp_path: Path, scenario: str):
+    """Goal: when closing the pool does not confirm that its queue pairs were deleted, a device
+    may still write SGLang's host pages; SGLang catches every exception of a storage call (and
+    frees the pages it counts not moved), so no call returns or raises to it: the process logs
+    why at critical level and aborts (SIGABRT, a crash a supervisor sees). Run in a child."""
+    body = "\n".join("    " + line for line in UNSAFE_SCENARIOS[scenario].splitlines())
+    child = subprocess.run(
+        [sys.executable, "-c", UNSAFE_CHILD.format(body=body), str(tmp_path)],
+        cwd=Path(__file__).resolve().parent, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert child.returncode == -signal.SIGABRT, (child.returncode, child.stdout, child.stderr[-3000:])
+    assert "RETURNED" not in child.stdout and "RAISED" not in child.stdout
+    assert "CRITICAL" in child.stderr and "host pages may still be written" in child.stderr, child.stderr[-3000:]
+    assert "ends the process" in child.stderr, child.stderr[-3000:]
 
 
 def test_a_backup_whose_layer_never_completes_closes_the_pool_and_does_not_raise(tmp_path: Path):
     """Goal: a backup only reads its host page, so a stuck one is reported not stored (SGLang may
-    reuse the page) even when the close keeps memory registered; the pool is closed rather than
-    left holding a request place and pins for good. Later calls raise HostPagesUnsafe then: a
-    read on SGLang's other thread may have been in flight on the queue pairs that were kept."""
+    reuse the page); the pool is closed rather than left holding a request place and pins for
+    good. (When that close is not confirmed the process ends: see the test above.)"""
     storage, wrapped, _ = stalled_backend(tmp_path, stall_stores=True, close_keeps_memory=False)
     try:
         assert storage.batch_set_v1(page_keys(7, 2), indices([3, 4])) == [False, False]
         assert wrapped.closed_by_backend
         assert storage.batch_exists(page_keys(7, 2)) == 0
-    finally:
-        storage.close()
-    storage, wrapped, _ = stalled_backend(tmp_path, stall_stores=True, close_keeps_memory=True)
-    try:
-        assert storage.batch_set_v1(page_keys(7, 2), indices([3, 4])) == [False, False]
-        assert wrapped.closed_by_backend
-        with pytest.raises(HostPagesUnsafe):
-            storage.batch_exists(page_keys(7, 2))
     finally:
         storage.close()
 
@@ -259,19 +286,6 @@ class ClosedUnderIt:
     def wait(self, timeout_s=None):
         self._storage._close_pool("the other thread's backup did not complete", pages_written=False)
         raise tutti.TimeoutError("injected: the store was closed under this layer")
-
-
-def test_a_read_whose_pool_another_thread_closed_unconfirmed_raises(tmp_path: Path):
-    """Goal: SGLang backs up and prefetches on two threads. When a stuck backup's close cannot
-    confirm the queue pairs deleted while a read is in flight, the read must not hand its pages
-    back (they may still be written): batch_get_v1 raises HostPagesUnsafe."""
-    storage, wrapped, keys = stalled_backend(tmp_path, close_keeps_memory=True)
-    try:
-        wrapped.prepare_retrieve = lambda tokens, block_ids: ClosedUnderIt(wrapped._store.prepare_retrieve(tokens, block_ids), storage)
-        with pytest.raises(HostPagesUnsafe, match="host pages may still be written"):
-            storage.batch_get_v1(keys, indices([3, 4]))
-    finally:
-        storage.close()
 
 
 class FinishRefused:

@@ -24,6 +24,8 @@ Host pool layouts (SGLang's `--hicache-mem-layout`):
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
 from typing import Any, Callable, List, Optional
 
@@ -111,7 +113,7 @@ class TuttiHiCacheStorage(HiCacheStorage):
         self._dead: Optional[str] = None
         # Set when that close could not confirm the queue pairs deleted: a read (this thread's or
         # another's: SGLang prefetches and backs up on two threads) may still write host pages,
-        # so every later call raises HostPagesUnsafe.
+        # so the process ends (_host_pages_unsafe) before any call returns to SGLang.
         self._unsafe: Optional[str] = None
         # Held while the pool is closed and its outcome recorded: a read that saw the store
         # closed under it checks the outcome under it before returning its pages.
@@ -212,7 +214,8 @@ class TuttiHiCacheStorage(HiCacheStorage):
     def close(self) -> None:
         """Closes the pool (SGLang's shutdown) through the same path as a stuck layer's close, so
         a read still running on SGLang's other thread sees its outcome before it returns pages;
-        a close that could not confirm its queue pairs deleted is logged (nothing to raise to)."""
+        a close that could not confirm its queue pairs deleted ends the process (a read on the
+        other thread may still have host pages written)."""
         if self._store is not None:
             self._close_pool("SGLang closed the storage backend", pages_written=False, level=logging.INFO)
 
@@ -220,7 +223,7 @@ class TuttiHiCacheStorage(HiCacheStorage):
 
     def _registered_store(self) -> Any:
         if self._unsafe is not None:
-            raise HostPagesUnsafe(self._unsafe)
+            _host_pages_unsafe(self._unsafe)
         if self._store is None:
             raise tutti.NotRegistered("TuttiHiCacheStorage: SGLang has not registered its host pool yet (register_mem_pool_host)")
         return self._store
@@ -276,10 +279,10 @@ class TuttiHiCacheStorage(HiCacheStorage):
                 break
         if not store:
             # Another thread may have closed the pool under this read's requests: its pages go
-            # back only if that close confirmed the queue pairs deleted.
+            # back only if that close confirmed the queue pairs deleted (else the process ends).
             with self._close_lock:
                 if self._unsafe is not None:
-                    raise HostPagesUnsafe(self._unsafe)
+                    _host_pages_unsafe(self._unsafe)
         return results
 
     def _run_layers(self, wave: list[tuple[int, Any]], store: bool) -> bool:
@@ -322,9 +325,11 @@ class TuttiHiCacheStorage(HiCacheStorage):
     def _close_pool(self, reason: str, pages_written: bool, level: int = logging.ERROR) -> None:
         """Closes the pool for good (its queue pairs deleted: no controller touches a host page
         after that) before a batch with a stuck layer returns, since SGLang reuses the host pages
-        of pages reported not moved. When the stuck layer wrote host pages (a read) and the close
-        could not confirm its queue pairs deleted (memory registrations kept), raises
-        HostPagesUnsafe, now and at every later call, rather than hand the pages back."""
+        of pages reported not moved. When the close could not confirm its queue pairs deleted
+        (memory registrations kept), a read of this thread or SGLang's other one may still have
+        host pages written, and SGLang reuses them whatever the call does (it catches every
+        exception): the process ends (_host_pages_unsafe) under the lock, so no read returns.
+        `pages_written` (this batch was a read) only names what the log says."""
         with self._close_lock:
             if self._dead is None:
                 self._dead = reason
@@ -333,20 +338,49 @@ class TuttiHiCacheStorage(HiCacheStorage):
                 kept = self._store.leaked_registrations()
                 if kept:
                     # Whatever this thread moved: a read of another thread may have been in flight.
+                    what = "a read" if pages_written else "not a read, but a read on SGLang's other thread may be in flight"
                     self._unsafe = (
-                        f"tutti: {reason}, and closing the pool did not confirm that its queue pairs were deleted "
-                        f"({kept} memory registrations kept): SGLang's host pages may still be written, so the backend stops"
+                        f"{reason} ({what}), "
+                        f"and closing the pool did not confirm that its queue pairs were deleted ({kept} memory "
+                        "registrations kept): SGLang's host pages may still be written by a device"
                     )
-            if self._unsafe is not None and pages_written:
-                raise HostPagesUnsafe(self._unsafe)
-        if self._unsafe is not None:
-            logger.error("tutti: %s", self._unsafe)
+            if self._unsafe is not None:
+                _host_pages_unsafe(self._unsafe)
 
 
-class HostPagesUnsafe(RuntimeError):
-    """A page's read did not complete and nothing confirmed that its host page is no longer
-    written (the pool's queue pairs could not be deleted): the backend raises rather than let
-    SGLang reuse the page."""
+def _host_pages_unsafe(why: str) -> None:
+    """Ends the process: a device may still write SGLang's host pages. There is no safe way back
+    to SGLang 0.5.23: its cache controller catches every exception of batch_get_v1 (prefetch:
+    0 pages read), batch_exists and batch_set_v1 and goes on serving, and the pages a prefetch does
+    not count read are freed and reused; an exception outside Exception would only end that
+    thread while the scheduler goes on serving. So: logged at critical
+    level with why, logs flushed, os.abort() (SIGABRT: a crash a supervisor sees; SGLang's
+    faulthandler dumps every thread's stack)."""
+    logger.critical(
+        "tutti: %s. SGLang would reuse those pages (it catches every error of a storage call and frees "
+        "the pages it counts not moved), so tutti ends the process now (abort) rather than return to it; "
+        "restart the server (the pool's devices may need a reset)",
+        why,
+    )
+    _flush_logs()
+    os.abort()
+
+
+def _flush_logs() -> None:
+    """Flushes this module's log handlers (and its ancestors'), stdout and stderr."""
+    log: Optional[logging.Logger] = logger
+    while log is not None:
+        for handler in log.handlers:
+            try:
+                handler.flush()
+            except Exception:  # noqa: BLE001 - flushing is best effort before the abort
+                pass
+        log = log.parent if log.propagate else None
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def host_pool_layout(host_pool: Any) -> tuple[list[torch.Tensor], list[torch.Tensor], int, int]:
@@ -415,4 +449,4 @@ def _copying_interface(name: str) -> tutti.InvalidState:
     )
 
 
-__all__ = ["TESTED_SGLANG_VERSION", "HostPagesUnsafe", "TuttiHiCacheStorage", "check_sglang_version", "host_pool_layout"]
+__all__ = ["TESTED_SGLANG_VERSION", "TuttiHiCacheStorage", "check_sglang_version", "host_pool_layout"]
