@@ -900,3 +900,33 @@ def test_requests_whose_kv_is_not_their_tokens_alone_neither_load_nor_save(tutti
     finally:
         scheduler.shutdown()
         worker.shutdown()
+
+
+def test_a_request_preempted_and_resumed_in_one_step_keeps_its_load(tuttid):
+    """Goal: reset_prefix_cache(reset_running_requests=True) preempts every running request and
+    the next schedule() resumes them: the scheduler side is asked for the matched tokens and told
+    the allocation, then builds the step's metadata with the same request among the preempted.
+    The load set up for the resumed request is sent (vLLM counts its tokens computed)."""
+    daemon = tuttid(harness.TUTTID_GEOMETRY)
+    worker = LocalWorker(daemon.socket)
+    scheduler = harness.make_connector(harness.vllm_config(daemon.socket, 1), KVConnectorRole.SCHEDULER)
+    try:
+        tokens = prompt(15, blocks=2, tail=3)
+        worker.fill([1, 2], 15)
+        worker.save("A", tokens[: 2 * harness.BLOCK_TOKENS], [1, 2])
+        request = harness.request("R", tokens)
+        hit = 2 * harness.BLOCK_TOKENS
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (hit, False)
+        scheduler.update_state_after_alloc(request, harness.blocks([7, 8, 9]), hit)
+        meta = scheduler.build_connector_meta(
+            harness.scheduler_output(cached=[("R", [7, 8, 9], hit, len(tokens) - hit, True)], preempted={"R"})
+        )
+        assert meta.preempted_req_ids == {"R"}
+        assert [(load.req_id, load.block_ids) for load in meta.loads] == [("R", [7, 8])]
+        assert [(save.req_id, save.block_ids) for save in meta.saves] == [("R", [7, 8])]
+        # A preemption of a request not allocated since the last metadata still resets it.
+        meta = scheduler.build_connector_meta(harness.scheduler_output(preempted={"R"}))
+        assert meta.loads == [] and meta.saves == []
+    finally:
+        scheduler.shutdown()
+        worker.shutdown()

@@ -62,6 +62,11 @@ class SchedulerSide:
         self._lookup: Any = self._connect_lookup()
         self._requests: dict[str, _SchedulerRequest] = {}
         self._uncacheable_logged: set[str] = set()
+        # Requests allocated (update_state_after_alloc) since the last build_connector_meta: one
+        # of them also named preempted in that metadata was preempted before this step's
+        # schedule() resumed it (reset_prefix_cache(reset_running_requests=True) preempts every
+        # running request; the next schedule() resumes them), so its new load stands.
+        self._allocated: set[str] = set()
         self.lookup_failures = 0
         self.lookup_reconnects = 0
         # After a failed connect: no attempt before _lookup_retry_at (monotonic seconds).
@@ -177,6 +182,7 @@ class SchedulerSide:
         """Remembers the request's blocks; with external tokens, a load of the cached prefix into
         them for the next metadata."""
         state = self._scheduler_request(request)
+        self._allocated.add(request.request_id)
         state.block_ids = list(blocks.get_block_ids()[0])
         if num_external_tokens > 0:
             # The load fills the blocks from the first one vLLM does not hold (docs/vllm.md,
@@ -190,13 +196,18 @@ class SchedulerSide:
         meta = TuttiConnectorMetadata()
         preempted = set(scheduler_output.preempted_req_ids or ())
         meta.preempted_req_ids = preempted
+        allocated, self._allocated = self._allocated, set()
         for req_id in preempted:
             state = self._requests.get(req_id)
             if state is not None:
-                # Its blocks are freed; a resumed request is allocated (and saved) anew.
-                state.block_ids = []
-                state.load_pending = None
+                # Its blocks are freed; a resumed request is allocated (and saved) anew. One
+                # allocated since the last metadata was resumed in this step, after the
+                # preemption: its new blocks and load stand (the workers settle the old
+                # transfers in handle_preemptions before this step's).
                 state.save_emitted = False
+                if req_id not in allocated:
+                    state.block_ids = []
+                    state.load_pending = None
 
         scheduled: list[tuple[str, int]] = []
         for new in scheduler_output.scheduled_new_reqs:
