@@ -147,14 +147,44 @@ def test_backup_then_prefetch_byte_exact(tmp_path: Path, layout: str):
         assert torch.equal(page_view(pool, page), want), f"host page {page} differs"
     # A page not in the pool fails alone; the others of the batch are read.
     assert storage.batch_get_v1([keys[0], page_keys(4, 1)[0]], indices([12, 14])) == [True, False]
-    # SGLang's cache flush leaves the pool's pages (named by content hashes, still valid).
-    storage.clear()
+    # tutti cannot forget a pool's pages: SGLang's cache flush fails (test_clear_fails_...).
+    with pytest.raises(tutti.InvalidState):
+        storage.clear()
     assert storage.batch_exists(keys) == 3
     storage.close()
 
     reopened = backend(layout, pool, extra_config(tmp_path / "pool.img", False))
     assert reopened.batch_exists(keys) == 3
     reopened.close()
+
+
+def test_clear_fails_and_says_to_use_a_new_pool_or_fingerprint(tmp_path: Path, caplog):
+    """Goal: SGLang's /hicache/storage-backend/clear (also called after a weight update) must not
+    look cleared while tutti keeps serving KV of the old weights. In SGLang 0.5.23 the cache
+    controller ignores clear()'s return value, and the storage attachment turns an exception into
+    a failed clear (logged, its existence cache kept): clear() raises, naming the fix, and SGLang's
+    own clear path reports failure."""
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+    from sglang.srt.mem_cache.unified_cache.storage_attachment import StorageAttachment
+
+    storage = backend("page_first", host_pool("page_first"), extra_config(tmp_path / "pool.img", True))
+    try:
+        keys = page_keys(8, 1)
+        assert storage.batch_set_v1(keys, indices([1])) == [True]
+        with pytest.raises(tutti.InvalidState, match="cannot forget.*new pool.*model_fingerprint"):
+            storage.clear()
+        # SGLang's path: UnifiedRadixCache.clear_storage_backend -> StorageAttachment.clear ->
+        # HybridCacheController.clear_storage_backend -> the backend's clear().
+        controller = SimpleNamespace(enable_storage=True, storage_backend=storage)
+        controller.clear_storage_backend = lambda: HybridCacheController.clear_storage_backend(controller)
+        with caplog.at_level("ERROR"):
+            assert StorageAttachment(SimpleNamespace(cache_controller=controller)).clear() is False
+        assert "cannot forget" in caplog.text
+        assert storage.batch_exists(keys) == 1
+    finally:
+        storage.close()
 
 
 class StoreWithStalledLayers:

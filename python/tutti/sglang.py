@@ -206,10 +206,16 @@ class TuttiHiCacheStorage(HiCacheStorage):
         raise _copying_interface("batch_set")
 
     def clear(self) -> None:
-        """SGLang's cache flush: the pool is left as it is (its pages are named by content hashes,
-        so they stay valid; tutti has no bulk delete). Logged so a user who expects it emptied
-        knows."""
-        logger.warning("tutti: SGLang asked to clear the storage tier; the tutti pool keeps its pages (still valid)")
+        """SGLang's storage flush (/hicache/storage-backend/clear, e.g. after a weight update):
+        tutti cannot forget a pool's blocks, so this fails. SGLang 0.5.23's cache controller
+        ignores the return value; its storage attachment turns an exception into a failed clear
+        (logged with this message, its existence cache kept), so this raises."""
+        raise tutti.InvalidState(
+            "tutti cannot forget a pool's blocks: the storage tier was NOT cleared, and its pages (named by "
+            "page hashes of the token prefix, not the weights) would still be served. After a weight update, "
+            "restart with a new pool (\"format\": true, or other devices) or a new \"model_fingerprint\" in "
+            "--hicache-storage-backend-extra-config"
+        )
 
     def close(self) -> None:
         """Closes the pool (SGLang's shutdown) through the same path as a stuck layer's close, so
