@@ -5,6 +5,7 @@ call it, with KV caches in vLLM's own per-layer view; bytes checked per rank, la
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import threading
@@ -216,9 +217,12 @@ def test_bad_connector_config_says_what_to_fix(cluster):
         ({"socket": daemon.socket, "queue_depth": 1}, "'queue_depth' = 1: must be 2..=1024"),
         ({"socket": daemon.socket, "queue_depth": 2048}, "'queue_depth' = 2048: must be 2..=1024"),
         ({"socket": daemon.socket, "model_fingerprint": "abc"}, "64 hexadecimal digits"),
+        ({"socket": daemon.socket, "timeout_s": float("inf")}, "'timeout_s' = inf: must be at most 1e+09 seconds"),
+        ({"socket": daemon.socket, "lookup_timeout_s": 1e10}, "'lookup_timeout_s' = 10000000000.0: must be at most 1e+09"),
+        ({"socket": daemon.socket, "timeout_s": float("nan")}, "'timeout_s' = nan: must be positive"),
     ]
     for extra, message in cases:
-        with pytest.raises(tutti.InvalidArgument, match=message.replace("(", r"\(").replace(")", r"\)")):
+        with pytest.raises(tutti.InvalidArgument, match=re.escape(message)):
             harness.make_connector(harness.vllm_config(daemon.socket, 1, extra=extra), KVConnectorRole.SCHEDULER)
 
 
@@ -930,3 +934,24 @@ def test_a_request_preempted_and_resumed_in_one_step_keeps_its_load(tuttid):
     finally:
         scheduler.shutdown()
         worker.shutdown()
+
+
+@pytest.mark.parametrize("field", ["pipeline_parallel_size", "decode_context_parallel_size", "prefill_context_parallel_size"])
+def test_pipeline_and_context_parallelism_are_refused(field):
+    """Goal: tutti's keys name the tensor-parallel rank only (pipeline stages would share them
+    while holding other layers; context parallelism changes the scheduler's block size): vLLM
+    configured with either is refused when it builds the connector, naming the setting. Checked
+    before tuttid is asked (the socket here does not exist)."""
+    config = harness.vllm_config("/nonexistent/tuttid.sock", 1)
+    object.__setattr__(config.parallel_config, field, 2)
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(tutti.InvalidArgument, match=f"{field} = 2"):
+            harness.make_connector(config, role)
+
+
+def test_reset_cache_says_the_pool_was_not_cleared(cluster):
+    """Goal: vLLM treats any answer of reset_cache but False as a cleared connector cache
+    (pause_scheduler(clear_cache=True), sleep); tutti cannot forget its pool's blocks, so it
+    answers False (and logs what to do after a weight update)."""
+    _, scheduler, _ = cluster
+    assert scheduler.reset_cache() is False

@@ -152,6 +152,7 @@ def test_every_abstract_method_of_the_base_class_is_implemented():
         ({"format": 1}, "field 'format' must be bool"),
         ({"requests_max": 0}, "must be positive"),
         ({"queue_depth": 0}, "field 'queue_depth' = 0: must be 2..=1024"),
+        ({"timeout_s": float("inf")}, r"field 'timeout_s' = inf: must be at most 1e\+09 seconds"),
     ],
 )
 def test_bad_tier_config_says_what_to_fix(tmp_path: Path, changes: dict, message: str):

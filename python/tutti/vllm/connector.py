@@ -26,6 +26,7 @@ reported, and the worker raises if tuttid cannot confirm that.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any, Optional
 
 from tutti._engine import (
@@ -40,7 +41,7 @@ from tutti._engine import (
 )
 from tutti.vllm._scheduler import SchedulerSide
 from tutti.vllm._worker import KvMemoryUnsafe, WorkerSide
-from tutti.vllm.metadata import LoadSpec, SaveSpec, TuttiConnectorMetadata
+from tutti.vllm.metadata import LoadSpec, SaveSpec, TuttiConnectorMetadata, bounded_timeout
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -58,9 +59,9 @@ EXTRA_CONFIG_FIELDS = {
     "model_fingerprint": Field(
         str, "64 hex digits naming the model's KV bytes; default: derived from vLLM's model config", check=non_empty
     ),
-    "timeout_s": Field(float, "the longest wait for tuttid and for one layer's I/O, seconds", default=30.0, check=positive),
+    "timeout_s": Field(float, "the longest wait for tuttid and for one layer's I/O, seconds", default=30.0, check=bounded_timeout),
     "lookup_timeout_s": Field(
-        float, "the longest wait for one lookup by the scheduler (a late answer is a miss), seconds", default=1.0, check=positive
+        float, "the longest wait for one lookup by the scheduler (a late answer is a miss), seconds", default=1.0, check=bounded_timeout
     ),
     "requests_max": Field(int, "requests a worker prepares at once", default=32, check=positive),
     "layers_in_flight": layers_in_flight_field("load or save"),
@@ -86,6 +87,7 @@ class TuttiConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
         )
         self._block_size = int(vllm_config.cache_config.block_size)
         parallel = vllm_config.parallel_config
+        _refuse_unsupported_parallelism(parallel)
         self._tp_world = int(parallel.tensor_parallel_size)
         self._kv_layout = _resolved_kv_layout(vllm_config, kv_cache_config)
         self._fingerprint = fingerprint_from_config(
@@ -122,11 +124,41 @@ class TuttiConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
         else:
             self._shutdown_worker()
 
+    def reset_cache(self) -> bool:
+        """False: tutti cannot forget the blocks its pool holds (vLLM treats anything but False as
+        a cleared cache, e.g. for pause_scheduler(clear_cache=True) or sleep mode). After a weight
+        update use a new pool or another model_fingerprint, or the pool serves KV computed with
+        the old weights."""
+        logging.getLogger("tutti.vllm").warning(
+            "tutti: reset_cache: tuttid's pool keeps its blocks (tutti cannot forget them); after a weight update "
+            "use a new pool or another model_fingerprint"
+        )
+        return False
+
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         """True: wait_for_layer_load and save_kv_layer run between layers, which a full CUDA graph
         would skip on replay."""
         return True
+
+
+def _refuse_unsupported_parallelism(parallel: Any) -> None:
+    """Raises ConfigError for pipeline or context parallelism: a worker's key space names its
+    tensor-parallel rank only (pipeline stages would share keys while holding other layers), and
+    context parallelism changes the block size vLLM's scheduler plans with."""
+    from tutti._engine import ConfigError
+
+    for name, what in (
+        ("pipeline_parallel_size", "pipeline parallelism"),
+        ("decode_context_parallel_size", "decode context parallelism"),
+        ("prefill_context_parallel_size", "prefill context parallelism"),
+    ):
+        size = int(getattr(parallel, name, 1) or 1)
+        if size > 1:
+            raise ConfigError(
+                f"TuttiConnector does not support {what} ({name} = {size}): tutti's keys name the tensor-parallel "
+                f"rank only; run vLLM with {name} 1 or without the connector"
+            )
 
 
 def _resolved_kv_layout(vllm_config: "VllmConfig", kv_cache_config: Optional["KVCacheConfig"]) -> str:

@@ -43,6 +43,7 @@ from tutti._engine import (
     queue_depth_field,
 )
 from tutti.vllm.connector import KvMemoryUnsafe
+from tutti.vllm.metadata import bounded_timeout
 from vllm.v1.kv_offload.base import LookupResult, Medium, OffloadKey, ReqContext, RequestOffloadingContext
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
@@ -59,7 +60,7 @@ TIER_CONFIG_FIELDS = {
     "slots_max": Field(int, "at most this many pool slots per device when formatting", check=positive),
     "model_fingerprint": Field(str, "64 hex digits naming the model's KV bytes; default: derived from vLLM's offloading config"),
     "lock_dir": Field(str, "where vfio: devices' lock files live (as tuttid's --lock-dir)", default="/run/tutti"),
-    "timeout_s": Field(float, "the longest wait for one chunk's I/O, seconds", default=30.0, check=positive),
+    "timeout_s": Field(float, "the longest wait for one chunk's I/O, seconds", default=30.0, check=bounded_timeout),
     "requests_max": Field(int, "chunks moved at once", default=16, check=positive),
     "queue_depth": queue_depth_field(),
     "queue_max": Field(int, "jobs waiting for the tier's thread; a store job beyond it is dropped (a future miss)", default=1024, check=positive),
