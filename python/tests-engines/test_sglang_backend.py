@@ -187,6 +187,98 @@ def test_clear_fails_and_says_to_use_a_new_pool_or_fingerprint(tmp_path: Path, c
         storage.close()
 
 
+class SlowWait:
+    """A tutti.Request whose every wait first sleeps: a wave's requests stay live long enough for
+    SGLang's other thread to move pages meanwhile."""
+
+    def __init__(self, request) -> None:
+        self._request = request
+
+    def __getattr__(self, name: str):
+        return getattr(self._request, name)
+
+    def wait(self, timeout_s=30.0):
+        time.sleep(0.05)
+        return self._request.wait(timeout_s)
+
+
+class SlowStore:
+    def __init__(self, store) -> None:
+        self._store = store
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
+
+    def prepare_retrieve(self, tokens, block_ids):
+        return SlowWait(self._store.prepare_retrieve(tokens, block_ids))
+
+    def prepare_store(self, tokens, block_ids):
+        return SlowWait(self._store.prepare_store(tokens, block_ids))
+
+
+@pytest.mark.parametrize("requests_max", [1, 2, 3])
+def test_prefetch_and_backup_threads_share_requests_max(tmp_path: Path, requests_max: int):
+    """Goal: SGLang prefetches (batch_get_v1) and backs up (batch_set_v1) on two threads at once,
+    on one store of requests_max request places; each thread's waves must fit beside the other's
+    (a page refused for want of a place ends SGLang's count of a prefetch there), so both
+    threads move every page."""
+    pool = host_pool("page_first")
+    storage = backend("page_first", pool, extra_config(tmp_path / "pool.img", True, requests_max=requests_max))
+    try:
+        stored, fresh = page_keys(11, 6), page_keys(12, 4)
+        generator = torch.Generator().manual_seed(11)
+        for page in range(16):
+            view = page_view(pool, page)
+            view.copy_(torch.randn(view.shape, generator=generator).to(view.dtype))
+        assert storage.batch_set_v1(stored, indices(list(range(6)))) == [True] * 6
+        expected = [page_view(pool, page).clone() for page in range(6)]
+        for page in range(6, 12):
+            page_view(pool, page).zero_()
+        storage._store = SlowStore(storage._store)
+        start = threading.Barrier(2)
+        results: dict = {}
+
+        def move(name, call):
+            start.wait()
+            results[name] = call()
+
+        threads = [
+            threading.Thread(target=move, args=("prefetch", lambda: storage.batch_get_v1(stored, indices(list(range(6, 12)))))),
+            threading.Thread(target=move, args=("backup", lambda: storage.batch_set_v1(fresh, indices(list(range(12, 16)))))),
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert results == {"prefetch": [True] * 6, "backup": [True] * 4}
+        for page, want in zip(range(6, 12), expected):
+            assert torch.equal(page_view(pool, page), want), f"host page {page} differs"
+        assert storage.batch_exists(fresh) == 4
+    finally:
+        storage.close()
+
+
+def test_a_wait_for_a_request_place_is_bounded_and_ends_with_the_pool():
+    """Goal: a wave waiting for a request place SGLang's other thread holds gives up after its
+    bound, or at once when the pool is closed, rather than block SGLang's thread for good."""
+    from tutti.sglang import _RequestPlaces
+
+    places = _RequestPlaces(1)
+    places.enter()
+    assert places.take(5, 1.0, lambda: False) == 1
+    began = time.monotonic()
+    assert places.take(1, 0.2, lambda: False) == 0
+    assert 0.15 < time.monotonic() - began < 5
+    closed = threading.Event()
+    threading.Timer(0.1, lambda: (closed.set(), places.wake())).start()
+    began = time.monotonic()
+    assert places.take(1, 30.0, closed.is_set) == 0
+    assert time.monotonic() - began < 5
+    places.give(1)
+    assert places.take(1, 0.2, lambda: False) == 1
+    places.leave()
+
+
 class StoreWithStalledLayers:
     """The backend's tutti.Store whose reads (or stores) stall; notes whether the backend closed
     it, and can pretend the close kept the memory registered (queue pairs not deleted)."""

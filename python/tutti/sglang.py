@@ -118,6 +118,8 @@ class TuttiHiCacheStorage(HiCacheStorage):
         # Held while the pool is closed and its outcome recorded: a read that saw the store
         # closed under it checks the outcome under it before returning its pages.
         self._close_lock = threading.Lock()
+        # The store's requests_max request places, shared by SGLang's prefetch and backup threads.
+        self._places = _RequestPlaces(self._requests_max)
 
     # -- host pool registration -----------------------------------------------------------------
 
@@ -238,51 +240,30 @@ class TuttiHiCacheStorage(HiCacheStorage):
         pool = self._registered_store()
         pages = _pages(host_indices, len(keys), self._page_size)
         results = [False] * len(keys)
-        for start in range(0, len(keys), self._requests_max):
-            if self._dead is not None:
-                break
-            wave: list[tuple[int, Any]] = []
-            for index in range(start, min(start + self._requests_max, len(keys))):
-                if pages[index] is None:
-                    continue
-                tokens = _key_tokens(keys[index])
+        # Each wave takes its request places from the budget shared with SGLang's other thread
+        # (prefetch and backup run at once on this one store).
+        self._places.enter()
+        try:
+            start = 0
+            while start < len(keys) and self._dead is None:
+                wait_s = self._timeout_s * (2 * (self._layers + self._layers_ahead) + 2)
+                taken = self._places.take(len(keys) - start, wait_s, lambda: self._dead is not None)
+                if taken == 0:
+                    if self._dead is None:
+                        logger.warning(
+                            "tutti: %d pages not %s: no request place came free in %.1f s (SGLang's other thread held them)",
+                            len(keys) - start, "stored" if store else "read", wait_s,
+                        )  # fmt: skip
+                    break
                 try:
-                    if store:
-                        request = pool.prepare_store(tokens, [pages[index]])
-                        if request.new_blocks == 0:
-                            request.finish()
-                            results[index] = True
-                            continue
-                    else:
-                        request = pool.prepare_retrieve(tokens, [pages[index]])
-                except tutti.Error as error:
-                    logger.warning("tutti: page %s not %s: %s", keys[index], "stored" if store else "read", error)
-                    continue
-                wave.append((index, request))
-            if self._run_layers(wave, store):
-                # Nothing of this wave is reported moved: its live requests end with the pool.
-                self._close_pool("a layer of a page did not complete", pages_written=not store)
-                break
-            stuck = False
-            for index, request in wave:
-                if request is None:
-                    continue
-                try:
-                    if store:
-                        request.commit()
-                    else:
-                        request.finish()
-                    results[index] = True
-                except tutti.InvalidState as error:
-                    # The store still counts a layer in flight: the request stays live, and its
-                    # page may still be moved.
-                    logger.error("tutti: page %s could not be ended (a layer is still in flight): %s", keys[index], error)
-                    stuck = True
-                except tutti.Error as error:
-                    logger.warning("tutti: page %s not %s: %s", keys[index], "stored" if store else "read", error)
-            if stuck:
-                self._close_pool("a page's request could not be ended", pages_written=not store)
-                break
+                    going = self._move_wave(pool, keys, pages, results, start, start + taken, store)
+                finally:
+                    self._places.give(taken)
+                start += taken
+                if not going:
+                    break
+        finally:
+            self._places.leave()
         if not store:
             # Another thread may have closed the pool under this read's requests: its pages go
             # back only if that close confirmed the queue pairs deleted (else the process ends).
@@ -290,6 +271,54 @@ class TuttiHiCacheStorage(HiCacheStorage):
                 if self._unsafe is not None:
                     _host_pages_unsafe(self._unsafe)
         return results
+
+    def _move_wave(self, pool: Any, keys: List[str], pages: list[Optional[int]], results: List[bool], start: int, end: int, store: bool) -> bool:
+        """Moves pages start..end (at most the request places taken for them) as one wave, noting
+        each page moved in `results`. Returns False when the pool was closed (a stuck layer or a
+        request that could not be ended): nothing more moves."""
+        wave: list[tuple[int, Any]] = []
+        for index in range(start, end):
+            if pages[index] is None:
+                continue
+            tokens = _key_tokens(keys[index])
+            try:
+                if store:
+                    request = pool.prepare_store(tokens, [pages[index]])
+                    if request.new_blocks == 0:
+                        request.finish()
+                        results[index] = True
+                        continue
+                else:
+                    request = pool.prepare_retrieve(tokens, [pages[index]])
+            except tutti.Error as error:
+                logger.warning("tutti: page %s not %s: %s", keys[index], "stored" if store else "read", error)
+                continue
+            wave.append((index, request))
+        if self._run_layers(wave, store):
+            # Nothing of this wave is reported moved: its live requests end with the pool.
+            self._close_pool("a layer of a page did not complete", pages_written=not store)
+            return False
+        stuck = False
+        for index, request in wave:
+            if request is None:
+                continue
+            try:
+                if store:
+                    request.commit()
+                else:
+                    request.finish()
+                results[index] = True
+            except tutti.InvalidState as error:
+                # The store still counts a layer in flight: the request stays live, and its
+                # page may still be moved.
+                logger.error("tutti: page %s could not be ended (a layer is still in flight): %s", keys[index], error)
+                stuck = True
+            except tutti.Error as error:
+                logger.warning("tutti: page %s not %s: %s", keys[index], "stored" if store else "read", error)
+        if stuck:
+            self._close_pool("a page's request could not be ended", pages_written=not store)
+            return False
+        return True
 
     def _run_layers(self, wave: list[tuple[int, Any]], store: bool) -> bool:
         """Every layer of every request of the wave, `layers_in_flight` layers in flight per
@@ -339,6 +368,7 @@ class TuttiHiCacheStorage(HiCacheStorage):
         with self._close_lock:
             if self._dead is None:
                 self._dead = reason
+                self._places.wake()
                 logger.log(level, "tutti: %s; the pool is closed, the backend moves nothing more (lookups miss)", reason)
                 self._store.close(timeout_s=self._timeout_s)
                 kept = self._store.leaked_registrations()
@@ -352,6 +382,58 @@ class TuttiHiCacheStorage(HiCacheStorage):
                     )
             if self._unsafe is not None:
                 _host_pages_unsafe(self._unsafe)
+
+
+class _RequestPlaces:
+    """The store's `requests_max` request places (and the IOCBs sized for them), shared by the
+    threads that move pages at once (SGLang prefetches and backs up on two): a wave takes places
+    before it prepares its requests and gives them back once they are ended, so no thread's page
+    is refused for want of a place (LimitReached) while the other's wave runs. Takers are served
+    in arrival order, and while several threads move pages each wave takes at most its share
+    (requests_max / threads moving, at least 1)."""
+
+    def __init__(self, total: int) -> None:
+        self._total = total
+        self._free = total
+        self._movers = 0
+        self._queue: list[object] = []
+        self._cond = threading.Condition()
+
+    def enter(self) -> None:
+        with self._cond:
+            self._movers += 1
+
+    def leave(self) -> None:
+        with self._cond:
+            self._movers -= 1
+            self._cond.notify_all()
+
+    def take(self, wanted: int, timeout_s: float, dead: Callable[[], bool]) -> int:
+        """Up to `wanted` places (at least 1), waiting at most `timeout_s` for this thread's turn
+        and a free place; 0 when none came free in time or `dead()` (the pool was closed)."""
+        ticket = object()
+        with self._cond:
+            self._queue.append(ticket)
+            try:
+                ready = self._cond.wait_for(lambda: dead() or (self._queue[0] is ticket and self._free > 0), timeout_s)
+                if not ready or dead():
+                    return 0
+                taken = min(wanted, self._free, max(1, self._total // max(1, self._movers)))
+                self._free -= taken
+                return taken
+            finally:
+                self._queue.remove(ticket)
+                self._cond.notify_all()
+
+    def give(self, count: int) -> None:
+        with self._cond:
+            self._free += count
+            self._cond.notify_all()
+
+    def wake(self) -> None:
+        """Wakes every taker (the pool was closed: they give up)."""
+        with self._cond:
+            self._cond.notify_all()
 
 
 def _host_pages_unsafe(why: str) -> None:
