@@ -955,3 +955,47 @@ def test_reset_cache_says_the_pool_was_not_cleared(cluster):
     answers False (and logs what to do after a weight update)."""
     _, scheduler, _ = cluster
     assert scheduler.reset_cache() is False
+
+
+def test_a_save_whose_layer_never_completes_ends_the_session_at_the_next_step(tuttid):
+    """Goal: a save given up with a layer still in flight (tuttid stalled past timeout_s while
+    the committer waited) would hold its request place and pins for the session's life, and
+    requests_max of them would fail every later prepare: the session is ended at the worker's
+    next step instead (safe: a save's device only reads vLLM's blocks)."""
+    daemon = tuttid(harness.TUTTID_GEOMETRY)
+    worker = LocalWorker(daemon.socket, timeout_s=0.5, layers_in_flight=harness.LAYERS)
+    try:
+        tokens = prompt(16, blocks=2, tail=0)
+        worker.fill([3, 4], 16)
+        connector = worker.connector
+        names = harness.layer_names()
+        meta = TuttiConnectorMetadata(saves=[SaveSpec("P", tokens, [3, 4])])
+        connector.handle_preemptions(meta)
+        connector.bind_connector_metadata(meta)
+        connector.start_load_kv(None)
+        connector.wait_for_layer_load(names[0])
+        connector.save_kv_layer(names[0], worker.caches[names[0]], None)
+        request = connector._saves["P"].request
+        deadline = time.monotonic() + FINISH_TIMEOUT_S
+        while not request.poll():  # layer 0 complete before tuttid stalls
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        daemon.pause()
+        try:
+            for name in names[1:]:
+                connector.wait_for_layer_load(name)
+                connector.save_kv_layer(name, worker.caches[name], None)
+            connector.wait_for_save()  # P to the committer, its layers 1..3 stuck
+            connector.clear_connector_metadata()
+            while connector._save_done.get("P") is None:  # the committer gives up on it
+                assert time.monotonic() < deadline, "the committer never gave up on P"
+                time.sleep(0.01)
+        finally:
+            daemon.resume()
+        assert connector._dead is None
+        result = worker.step(TuttiConnectorMetadata(), finished={"P"})
+        assert result["finished_sending"] == {"P"}
+        assert connector._dead is not None, "the session holding the unsettled save was not ended"
+        wait_no_worker_session(daemon.socket)
+    finally:
+        worker.shutdown()

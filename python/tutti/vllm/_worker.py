@@ -226,7 +226,7 @@ class WorkerSide:
                 self._end_session(f"a layer of preempted request {req_id}'s load did not complete")
             save = self._saves.pop(req_id, None)
             if save is not None:
-                self._settle(save.request)  # its device only reads vLLM's blocks; never committed
+                self._settle_save(save.request)  # its device only reads vLLM's blocks; never committed
             with self._lock:
                 token = self._save_token.get(req_id)
                 pending = token is not None and req_id in self._save_done and self._save_done[req_id] is None
@@ -473,7 +473,7 @@ class WorkerSide:
     def _give_up_save(self, req_id: str, state: _WorkerSave) -> None:
         """Ends a save that is not committed and records it as a miss. A layer that does not
         settle only reads vLLM's blocks and is never committed."""
-        self._settle(state.request)
+        self._settle_save(state.request)
         self._save_settled(req_id, state.token, False)
 
     def _save_settled(self, req_id: str, token: int, committed: bool) -> None:
@@ -483,6 +483,18 @@ class WorkerSide:
             self._cancelled.discard(token)
             if self._save_token.get(req_id) == token:
                 self._save_done[req_id] = committed
+
+    def _settle_save(self, request: Any, session: Optional[int] = None) -> None:
+        """Settles a save that is given up (`_settle`). One whose layer is still in flight keeps
+        its request place and pins for as long as the session lasts (enough of them would fail
+        every later prepare): the session is ended at the worker's next step, which is safe since
+        a save's device only reads vLLM's blocks. `session`: the session the save belonged to (the
+        committer's may be an earlier one, already ended)."""
+        if self._settle(request):
+            return
+        with self._lock:
+            if (session is None or session == self._session) and self._broken is None:
+                self._broken = "a layer of a save given up did not complete (its request place and pins are held)"
 
     def _settle(self, request: Any) -> bool:
         """Ends a request that is given up: waits for its layers in flight (the device may still
@@ -608,7 +620,7 @@ class WorkerSide:
                     request.wait(self._timeout_s)
             except tutti.Error as error:
                 logger.warning("tutti: save of request %s not committed: one of its last layers failed or timed out (%s)", req_id, error)
-                self._settle(request)
+                self._settle_save(request, session)
                 self._save_settled(req_id, token, False)
                 continue
             with self._lock:
@@ -616,7 +628,7 @@ class WorkerSide:
             if cancelled:
                 # Preempted while a layer was in flight: its bytes may have been read after
                 # vLLM reused the blocks. Never committed.
-                self._settle(request)
+                self._settle_save(request, session)
             else:
                 try:
                     request.commit()
@@ -624,7 +636,7 @@ class WorkerSide:
                 except tutti.Error as error:
                     logger.warning("tutti: save of request %s not committed: %s", req_id, error)
                     self._note_daemon_failure(error, session)
-                    self._settle(request)
+                    self._settle_save(request, session)
             self._save_settled(req_id, token, committed)
 
 
