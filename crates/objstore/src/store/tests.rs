@@ -707,6 +707,22 @@ fn a_store_layer_whose_reissue_failed_is_not_stored_and_refuses_the_commit() {
     assert_eq!(store.lookup(&tokens), 2);
 }
 
+/// Fills engine blocks 0 and 1 with the two blocks of `tokens` and stores them, every layer,
+/// committed; returns their keys.
+fn store_two_blocks(fixture: &Fixture, store: &mut KvStore<CpuExecutor>, tokens: &[u32]) -> Vec<u64> {
+    let keys = keys_of(tokens);
+    for (block, &key) in keys.iter().enumerate() {
+        fill(fixture, block as u32, key);
+    }
+    let plan = store.prepare_store(&KvRequest { tokens, block_ids: &[0, 1] }).expect("prepare_store");
+    for layer in 0..geometry().layers {
+        store.store_layer(plan.handle, layer, BUDGET).unwrap();
+        store.wait(plan.handle, deadline()).unwrap();
+    }
+    assert_eq!(store.commit_store(plan.handle).expect("commit"), 2);
+    keys
+}
+
 #[test]
 fn a_verified_retrieve_does_not_fold_a_layer_whose_reissue_failed() {
     // Goal: a verified retrieve folds a layer into its blocks' CRCs only once the layer's
@@ -718,16 +734,7 @@ fn a_verified_retrieve_does_not_fold_a_layer_whose_reissue_failed() {
     let fixture = fixture(2, None);
     let mut store = in_process(&fixture, StoreConfig { verify_retrieves: true, requests_max: 2, ..StoreConfig::default() });
     let tokens = tokens(12, 2);
-    let keys = keys_of(&tokens);
-    for (block, &key) in keys.iter().enumerate() {
-        fill(&fixture, block as u32, key);
-    }
-    let plan = store.prepare_store(&KvRequest { tokens: &tokens, block_ids: &[0, 1] }).expect("prepare_store");
-    for layer in 0..geometry().layers {
-        store.store_layer(plan.handle, layer, BUDGET).unwrap();
-        store.wait(plan.handle, deadline()).unwrap();
-    }
-    assert_eq!(store.commit_store(plan.handle).expect("commit"), 2);
+    let keys = store_two_blocks(&fixture, &mut store, &tokens);
     let handle = store.prepare_retrieve(&KvRequest { tokens: &tokens, block_ids: &[4, 5] }).expect("prepare_retrieve");
     for layer in [0, 1, 3] {
         store.retrieve_layer(handle, layer, BUDGET).unwrap();
@@ -808,16 +815,7 @@ fn a_retrieve_into_one_engine_block_twice_is_refused() {
     let fixture = fixture(1, None);
     let mut store = in_process(&fixture, StoreConfig { verify_retrieves: true, ..StoreConfig::default() });
     let tokens = tokens(31, 2);
-    let keys = keys_of(&tokens);
-    for (block, &key) in keys.iter().enumerate() {
-        fill(&fixture, block as u32, key);
-    }
-    let plan = store.prepare_store(&KvRequest { tokens: &tokens, block_ids: &[0, 1] }).expect("prepare_store");
-    for layer in 0..geometry().layers {
-        store.store_layer(plan.handle, layer, BUDGET).unwrap();
-        store.wait(plan.handle, deadline()).unwrap();
-    }
-    assert_eq!(store.commit_store(plan.handle).expect("commit"), 2);
+    let keys = store_two_blocks(&fixture, &mut store, &tokens);
     match store.prepare_retrieve(&KvRequest { tokens: &tokens, block_ids: &[5, 5] }) {
         Err(ObjstoreError::BadRequest { reason }) => assert!(reason.contains("engine block 5"), "{reason}"),
         other => panic!("expected BadRequest, got {other:?}"),
