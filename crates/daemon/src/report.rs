@@ -30,6 +30,16 @@ fn bad_report(message: String) -> Refusal {
     (ErrorCode::BadReport, message)
 }
 
+/// What a report comes with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Reported {
+    /// A `Commit`: a store's blocks become visible, so it must report every layer of every new
+    /// block moved (a report of less — layers skipped, nothing at all — would make slots
+    /// nobody wrote answer lookups).
+    Commit,
+    Release,
+}
+
 /// Checks what a client says its request `handle` moved against the request's grant; returns
 /// the request's direction (the metric's label).
 pub(crate) fn check_transferred(
@@ -37,6 +47,7 @@ pub(crate) fn check_transferred(
     shape: &PoolShape,
     handle: RequestHandle,
     transferred: Transferred,
+    reported: Reported,
 ) -> Result<Direction, Refusal> {
     let unknown = |error: ObjstoreError| (ErrorCode::NotYours, format!("request {:#x}: {error}", handle.to_bits()));
     let direction = control.direction(handle).map_err(unknown)?;
@@ -57,31 +68,16 @@ pub(crate) fn check_transferred(
             per_command.end()
         )));
     }
-    Ok(direction)
-}
-
-/// Checks that a store's commit reports every layer of every new block moved: a commit makes
-/// the blocks visible, so a report of less (a client that skipped layers, or reports nothing)
-/// would make slots nobody wrote answer lookups. (`check_transferred` bounds it from above.)
-pub(crate) fn check_stored_whole(
-    control: &StoreControl,
-    shape: &PoolShape,
-    handle: RequestHandle,
-    transferred: Transferred,
-) -> Result<(), Refusal> {
-    let unknown = |error: ObjstoreError| (ErrorCode::NotYours, format!("request {:#x}: {error}", handle.to_bits()));
-    let placements = control.placements(handle).map_err(unknown)?;
-    let whole = shape.transfer_bound(placements);
-    if transferred.bytes < whole.bytes {
+    if reported == Reported::Commit && direction == Direction::Store && transferred.bytes < bound.bytes {
         return Err(bad_report(format!(
             "request {:#x} commits {} new blocks but reported moving {} of their {} bytes: every layer is stored before a commit",
             handle.to_bits(),
             placements.len(),
             transferred.bytes,
-            whole.bytes
+            bound.bytes
         )));
     }
-    Ok(())
+    Ok(direction)
 }
 
 /// Checks the blocks a client says its retrieve `handle` found corrupt (module docs), then

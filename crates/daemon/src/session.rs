@@ -561,15 +561,10 @@ impl Holdings {
         };
         let handle = self.handles[position];
         let mut store = lock(store);
-        let direction = match report::check_transferred(&store.control, shape, handle, commit.transferred) {
+        let direction = match report::check_transferred(&store.control, shape, handle, commit.transferred, report::Reported::Commit) {
             Ok(direction) => direction,
             Err(refusal) => return refused(refusal),
         };
-        if direction == objstore::Direction::Store {
-            if let Err(refusal) = report::check_stored_whole(&store.control, shape, handle, commit.transferred) {
-                return refused(refusal);
-            }
-        }
         let result = store.control.commit_store(handle, commit.payload_crcs.as_deref(), &mut NoLender);
         // A refusal before anything was written keeps the reservation (release it or commit
         // again); a commit or a failed write ends it.
@@ -601,7 +596,7 @@ impl Holdings {
         };
         let handle = self.handles[position];
         let mut store = lock(store);
-        let direction = match report::check_transferred(&store.control, shape, handle, transferred) {
+        let direction = match report::check_transferred(&store.control, shape, handle, transferred, report::Reported::Release) {
             Ok(direction) => direction,
             Err(refusal) => return refused(refusal),
         };

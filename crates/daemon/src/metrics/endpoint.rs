@@ -168,20 +168,9 @@ fn read_head(pending: &mut Pending) -> Head {
     }
 }
 
-/// The status line and body for a request head, and whether the body is to be sent (not for
-/// `HEAD`).
-fn response_for(
-    head: &[u8],
-    too_long: bool,
-    metrics: &Metrics,
-    snapshot: &dyn Fn() -> Snapshot,
-) -> (&'static str, &'static str, String, bool) {
-    let (status, content_type, body) = response_text(head, too_long, metrics, snapshot);
-    let with_body = !head.starts_with(b"HEAD ");
-    (status, content_type, body, with_body)
-}
-
-fn response_text(head: &[u8], too_long: bool, metrics: &Metrics, snapshot: &dyn Fn() -> Snapshot) -> (&'static str, &'static str, String) {
+/// The status line, content type and body for a request head (`HEAD` is answered as `GET`;
+/// `answer` leaves the body out).
+fn response_for(head: &[u8], too_long: bool, metrics: &Metrics, snapshot: &dyn Fn() -> Snapshot) -> (&'static str, &'static str, String) {
     let plain = "text/plain; charset=utf-8";
     if too_long {
         return ("400 Bad Request", plain, format!("request head longer than {HEAD_BYTES_MAX} bytes\n"));
@@ -209,7 +198,8 @@ fn response_text(head: &[u8], too_long: bool, metrics: &Metrics, snapshot: &dyn 
 
 /// Answers one request and closes the connection (bounded by [`WRITE_TIMEOUT`]).
 fn answer(pending: Pending, too_long: bool, metrics: &Metrics, snapshot: &dyn Fn() -> Snapshot) {
-    let (status, content_type, body, with_body) = response_for(&pending.head, too_long, metrics, snapshot);
+    let (status, content_type, body) = response_for(&pending.head, too_long, metrics, snapshot);
+    let with_body = !pending.head.starts_with(b"HEAD ");
     let mut stream = pending.stream;
     let header = format!(
         "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n{}\r\n",
