@@ -319,22 +319,11 @@ impl<E: Executor> GioQueue<E> {
         let completion = |result| Completion { id, layer: LayerIndex(host.header.layer), user_data: host.header.user_data, result };
         // The issue in flight, with fields no executor may post: it ends here, as a failure
         // after which the caller resets the queue pairs (what the executor did is unknown).
-        let impossible = |reason| Ok((completion(Err(IocbFailure::Timeout { ioctx_index: None })), Some(unexpected(reason))));
-        let failed_index = (cqe.failed_ioctx != abi::GIO_NO_FAILED_IOCTX).then_some(cqe.failed_ioctx);
-        if failed_index.is_some_and(|index| index >= host.header.ioctx_count) {
-            return impossible("failed IOCTX index outside the IOCB");
+        match issue_outcome(IocbStatus::from_abi(u32::from(cqe.status)), cqe.failed_ioctx, host.header.ioctx_count, cqe.failed_nvme_status)
+        {
+            Ok(result) => Ok((completion(result), None)),
+            Err(reason) => Ok((completion(Err(IocbFailure::Timeout { ioctx_index: None })), Some(unexpected(reason)))),
         }
-        let result = match (IocbStatus::from_abi(u32::from(cqe.status)), failed_index) {
-            (Some(IocbStatus::Success), None) => Ok(()),
-            (Some(IocbStatus::NvmeError), Some(ioctx_index)) => {
-                Err(IocbFailure::Nvme { ioctx_index, status: NvmeStatus(cqe.failed_nvme_status) })
-            }
-            (Some(IocbStatus::InvalidIoctx), Some(ioctx_index)) => Err(IocbFailure::InvalidIoctx { ioctx_index }),
-            (Some(IocbStatus::Timeout), ioctx_index) => Err(IocbFailure::Timeout { ioctx_index }),
-            (Some(IocbStatus::ControllerFault), ioctx_index) => Err(IocbFailure::ControllerFault { ioctx_index }),
-            _ => return impossible("status inconsistent with failed IOCTX"),
-        };
-        Ok((completion(result), None))
     }
 
     fn forget_reaped(&mut self, id: IocbId) {
@@ -397,4 +386,28 @@ impl<E: Executor> GioQueue<E> {
             }
         }
     }
+}
+
+/// What an IOCB's final fields (status, failed IOCTX, its NVMe status) say its issue did: a
+/// terminal status, with a failed IOCTX inside the IOCB named exactly when the status needs one;
+/// `Err` with the reason when no executor may post them. The one rule for a CQE (`check_cqe`)
+/// and for the final line the GPU executor's retirement turns into one (`gpu::retire`).
+pub(crate) fn issue_outcome(
+    status: Option<IocbStatus>,
+    failed_ioctx: u32,
+    ioctx_count: u32,
+    nvme_status: u16,
+) -> Result<Result<(), IocbFailure>, &'static str> {
+    let failed_index = (failed_ioctx != abi::GIO_NO_FAILED_IOCTX).then_some(failed_ioctx);
+    if failed_index.is_some_and(|index| index >= ioctx_count) {
+        return Err("failed IOCTX index outside the IOCB");
+    }
+    Ok(match (status, failed_index) {
+        (Some(IocbStatus::Success), None) => Ok(()),
+        (Some(IocbStatus::NvmeError), Some(ioctx_index)) => Err(IocbFailure::Nvme { ioctx_index, status: NvmeStatus(nvme_status) }),
+        (Some(IocbStatus::InvalidIoctx), Some(ioctx_index)) => Err(IocbFailure::InvalidIoctx { ioctx_index }),
+        (Some(IocbStatus::Timeout), ioctx_index) => Err(IocbFailure::Timeout { ioctx_index }),
+        (Some(IocbStatus::ControllerFault), ioctx_index) => Err(IocbFailure::ControllerFault { ioctx_index }),
+        _ => return Err("status inconsistent with failed IOCTX"),
+    })
 }

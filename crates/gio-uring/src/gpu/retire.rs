@@ -77,8 +77,10 @@ pub fn settle(memory: &QueueMemory, sq_first: u32, count: u32, enqueued: Enqueue
         let failed_ioctx_offset = memory.iocb_field_offset(id, IocbField::FailedIoctx);
         let failed_ioctx = memory.region.load_u32(failed_ioctx_offset, Ordering::Relaxed);
         let ioctx_count = memory.read_iocb_header(id).ioctx_count;
+        // The fields a CQE will carry; only the NVMe status does not decide whether they are
+        // possible.
         let ended = abi::IocbStatus::from_abi(memory.region.load_u32(status, Ordering::Acquire))
-            .filter(|&ended| final_line_is_possible(ended, failed_ioctx, ioctx_count));
+            .filter(|&ended| crate::queue::issue_outcome(Some(ended), failed_ioctx, ioctx_count, 0).is_ok());
         let Some(ended) = ended else {
             memory.region.store_u32(failed_ioctx_offset, abi::GIO_NO_FAILED_IOCTX, Ordering::Relaxed);
             memory.region.store_u32(status, abi::GIO_IOCB_STATUS_TIMEOUT, Ordering::Release);
@@ -92,20 +94,6 @@ pub fn settle(memory: &QueueMemory, sq_first: u32, count: u32, enqueued: Enqueue
         }
     }
     Ok(reset_needed)
-}
-
-/// Whether an IOCB's final line is one the queue accepts in a CQE (`GioQueue`'s CQE check): a
-/// terminal status, a failed IOCTX inside the IOCB, named exactly when the status needs one.
-fn final_line_is_possible(status: abi::IocbStatus, failed_ioctx: u32, ioctx_count: u32) -> bool {
-    use abi::IocbStatus as S;
-    let failed = (failed_ioctx != abi::GIO_NO_FAILED_IOCTX).then_some(failed_ioctx);
-    if failed.is_some_and(|index| index >= ioctx_count) {
-        return false;
-    }
-    match (status, failed) {
-        (S::Success, None) | (S::NvmeError | S::InvalidIoctx, Some(_)) | (S::Timeout | S::ControllerFault, _) => true,
-        (S::Success, Some(_)) | (S::NvmeError | S::InvalidIoctx, None) | (S::Idle | S::Issued, _) => false,
-    }
 }
 
 /// Posts one CQE per IOCB of the launch from the IOCB's final line, starting after the
