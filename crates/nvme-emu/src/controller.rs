@@ -340,18 +340,8 @@ impl ControllerCore {
     /// first), would otherwise be seeded with the older value, and with the register no longer
     /// read, never seen.
     pub(crate) fn read_io_doorbells(&mut self) {
+        self.read_completion_doorbells(1);
         let shadow = self.shadow_doorbells.as_ref();
-        for (queue_id, slot) in self.completion_queues.iter_mut().enumerate().skip(1) {
-            if let Some(queue) = slot {
-                Self::update_doorbell(
-                    Self::rung(&self.registers, shadow, queue_id as u16, true),
-                    &mut self.counters,
-                    queue.entries,
-                    &mut queue.head,
-                    &mut queue.last_invalid_doorbell,
-                );
-            }
-        }
         for (queue_id, slot) in self.submission_queues.iter_mut().enumerate().skip(1) {
             if let Some(queue) = slot {
                 Self::update_doorbell(
@@ -365,14 +355,14 @@ impl ControllerCore {
         }
     }
 
-    fn scan_queues(&mut self, now: Instant) -> bool {
-        // Commands whose transfers completed since the last scan finish first: their CQ slots
-        // free up, and their completions go out as soon as their I/O is done.
-        let had_in_flight = self.poll_in_flight(now, false);
-        for (queue_id, slot) in self.completion_queues.iter_mut().enumerate() {
+    /// Reads the CQ head doorbells of the completion queues from `first` on (0: the admin
+    /// queue's too), validated, into their heads.
+    fn read_completion_doorbells(&mut self, first: usize) {
+        let shadow = self.shadow_doorbells.as_ref();
+        for (queue_id, slot) in self.completion_queues.iter_mut().enumerate().skip(first) {
             if let Some(queue) = slot {
                 Self::update_doorbell(
-                    Self::rung(&self.registers, self.shadow_doorbells.as_ref(), queue_id as u16, true),
+                    Self::rung(&self.registers, shadow, queue_id as u16, true),
                     &mut self.counters,
                     queue.entries,
                     &mut queue.head,
@@ -380,6 +370,13 @@ impl ControllerCore {
                 );
             }
         }
+    }
+
+    fn scan_queues(&mut self, now: Instant) -> bool {
+        // Commands whose transfers completed since the last scan finish first: their CQ slots
+        // free up, and their completions go out as soon as their I/O is done.
+        let had_in_flight = self.poll_in_flight(now, false);
+        self.read_completion_doorbells(0);
         let mut worked = false;
         let mut fetched = std::mem::take(&mut self.fetched);
         for queue_index in 0..self.submission_queues.len() {
