@@ -66,6 +66,30 @@ fn device_error(device: usize, error: nvme_driver::NvmeError) -> GioError {
     GioError::Executor { executor: "cpu", reason: format!("device {device}: {error}") }
 }
 
+/// Records a device's error in a pass over the devices: the first one is what the pass
+/// returns; a pair made stale by its controller's reset is marked (held back from then on).
+fn note_device_error(stale: &mut [bool], first_error: &mut Option<GioError>, device: usize, error: nvme_driver::NvmeError) {
+    stale[device] |= matches!(error, nvme_driver::NvmeError::QueueStale { .. });
+    first_error.get_or_insert(device_error(device, error));
+}
+
+/// Line 0 of issued IOCB `id`, checked ([`QueueMemory::read_issued_header`]); when it was
+/// overwritten, nothing of the IOCB runs: it ends now with its CQE, the error goes to `refused`
+/// (the first one is what the issue returns) and `None` comes back. `who` names the executor in
+/// the log.
+pub(crate) fn issued_header_or_end(memory: &QueueMemory, id: IocbId, who: &str, refused: &mut Option<GioError>) -> Option<IocbHeader> {
+    match memory.read_issued_header(id) {
+        Ok(header) => Some(header),
+        Err(error) => {
+            if let Err(posting) = finish_as_timeout(memory, id) {
+                tracing::error!(%id, %posting, "gio-uring {who}: ending an IOCB with a corrupt line 0");
+            }
+            refused.get_or_insert(error);
+            None
+        }
+    }
+}
+
 /// The tag of an NVMe command: which IOCTX of which IOCB it carries.
 fn tag(id: IocbId, ioctx_index: u32) -> u64 {
     u64::from(id.0) << 32 | u64::from(ioctx_index)
@@ -205,8 +229,7 @@ impl CpuExecutor {
                     break 'iocbs; // back-pressure: retried on the next poll, in order
                 }
                 if let Err(error) = queue.submit_raw(command, tag(id, index)) {
-                    self.stale[device] |= matches!(error, nvme_driver::NvmeError::QueueStale { .. });
-                    first_error.get_or_insert(device_error(device, error));
+                    note_device_error(&mut self.stale, &mut first_error, device, error);
                     position += 1; // held in place, like a pair that takes no command
                     continue 'iocbs;
                 }
@@ -220,8 +243,7 @@ impl CpuExecutor {
             if let (true, Some(queue)) = (std::mem::take(due), queue) {
                 // Fails only for a pair whose controller was reset: its commands never reach it.
                 if let Err(error) = queue.ring_doorbell() {
-                    self.stale[device] |= matches!(error, nvme_driver::NvmeError::QueueStale { .. });
-                    first_error.get_or_insert(device_error(device, error));
+                    note_device_error(&mut self.stale, &mut first_error, device, error);
                 }
             }
         }
@@ -392,16 +414,9 @@ impl Executor for CpuExecutor {
             if id.0 >= memory.layout.config.depth {
                 return Err(GioError::Executor { executor: "cpu", reason: format!("SQ names {id}, outside the pool") });
             }
-            match memory.read_issued_header(id) {
-                // Capacity is the depth and an IOCB is pending at most once: never reallocates.
-                Ok(header) => self.accept(header),
-                Err(error) => {
-                    // Line 0 was overwritten: nothing of it runs, and it ends now with its CQE.
-                    if let Err(posting) = finish_as_timeout(memory, id) {
-                        tracing::error!(%id, %posting, "gio-uring CPU executor: ending an IOCB with a corrupt line 0");
-                    }
-                    refused.get_or_insert(error);
-                }
+            // Capacity is the depth and an IOCB is pending at most once: never reallocates.
+            if let Some(header) = issued_header_or_end(memory, id, "CPU executor", &mut refused) {
+                self.accept(header);
             }
         }
         // Commands are built on the next poll, not here: like a kernel launch, issue_io costs
@@ -421,8 +436,7 @@ impl Executor for CpuExecutor {
             }
             let depth = queue.depth() as usize;
             if let Err(error) = queue.reap(depth, |completion| finish_command(memory, completion, &mut posting)) {
-                self.stale[device] |= matches!(error, nvme_driver::NvmeError::QueueStale { .. });
-                first_error.get_or_insert(device_error(device, error));
+                note_device_error(&mut self.stale, &mut first_error, device, error);
             }
         }
         if let Err(error) = posting {

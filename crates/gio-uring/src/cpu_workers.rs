@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 
 use nvme_driver::IoQueuePair;
 
-use crate::cpu_executor::{finish_as_timeout, CpuExecutor};
+use crate::cpu_executor::{finish_as_timeout, issued_header_or_end, CpuExecutor};
 use crate::error::GioError;
 use crate::executor::{Executor, IssueBatch};
 use crate::ioctx_index::IoctxIndex;
@@ -385,17 +385,8 @@ impl Executor for CpuWorkers {
                 }
                 continue;
             }
-            let header = match memory.read_issued_header(id) {
-                Ok(header) => header,
-                Err(error) => {
-                    // Overwritten since `plan` read it: no worker gets it, and it ends now.
-                    if let Err(posting) = finish_as_timeout(memory, id) {
-                        tracing::error!(%id, %posting, "gio-uring CPU workers: ending an IOCB with a corrupt line 0");
-                    }
-                    refused.get_or_insert(error);
-                    continue;
-                }
-            };
+            // Overwritten since `plan` read it: no worker gets it, and it ends now.
+            let Some(header) = issued_header_or_end(memory, id, "CPU workers", &mut refused) else { continue };
             for (index, worker) in self.workers.iter().enumerate() {
                 if ioctx_index.range(id, index).1 == 0 {
                     continue; // dealt none of this IOCB's IOCTXs
