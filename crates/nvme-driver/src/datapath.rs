@@ -146,6 +146,19 @@ pub fn plan_single_command(segments: &[DataSegment], max_bytes: u64, block_bytes
     Some(CommandPlan { start: Cursor::default(), end: Cursor { segment: 1, offset: 0 }, bytes })
 }
 
+/// The first byte of data at or after `cursor`, past exhausted and empty segments; `None` when
+/// no data remains.
+#[inline]
+pub(crate) fn next_data(segments: &[DataSegment], mut cursor: Cursor) -> Option<Cursor> {
+    while let Some(segment) = segments.get(cursor.segment) {
+        if cursor.offset < segment.len {
+            return Some(cursor);
+        }
+        cursor = Cursor { segment: cursor.segment + 1, offset: 0 };
+    }
+    None
+}
+
 /// Plans the next command from `start`: at most `max_bytes`, a multiple of `block_bytes`, within
 /// the mode's descriptor limits. Returns `None` when the transfer is exhausted.
 pub fn plan_command(
@@ -156,18 +169,8 @@ pub fn plan_command(
     mode: DataPointerMode,
 ) -> Result<Option<CommandPlan>, NvmeError> {
     let block_bytes = u64::from(block_bytes);
+    let Some(start) = next_data(segments, start) else { return Ok(None) };
     let mut cursor = start;
-    // Skip exhausted / empty segments.
-    while let Some(segment) = segments.get(cursor.segment) {
-        if cursor.offset < segment.len {
-            break;
-        }
-        cursor = Cursor { segment: cursor.segment + 1, offset: 0 };
-    }
-    if cursor.segment >= segments.len() {
-        return Ok(None);
-    }
-    let start = cursor;
     let mut bytes = 0u64;
     let mut descriptors = 0usize;
     // Pages touched, for PRP (PRP1 + list entries).

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::datapath::{build_data_pointer, plan_command, plan_single_command, Cursor, DataPointerMode, DataSegment};
+use crate::datapath::{build_data_pointer, next_data, plan_command, plan_single_command, Cursor, DataPointerMode, DataSegment};
 use crate::error::NvmeError;
 use crate::gate::QueueFate;
 use crate::namespace::{Namespace, RefusedNamespace};
@@ -366,9 +366,7 @@ impl IoQueuePair {
     pub fn submit_raw_with_data(&mut self, entry: SubmissionEntry, segments: &[DataSegment], tag: u64) -> Result<(), NvmeError> {
         self.check_epoch()?;
         let plan = plan_command(segments, Cursor::default(), u64::MAX, 1, self.mode)?.ok_or(NvmeError::EmptyTransfer)?;
-        let rest_empty = segments.get(plan.end.segment).is_none_or(|segment| plan.end.offset >= segment.len)
-            && segments.iter().skip(plan.end.segment.saturating_add(1)).all(|segment| segment.len == 0);
-        if !rest_empty {
+        if next_data(segments, plan.end).is_some() {
             return Err(NvmeError::UnsupportedLayout {
                 index: plan.end.segment,
                 reason: "the data needs more than one command's data pointer (one PRP list page or 256 SGL descriptors)",
