@@ -32,8 +32,8 @@ pub struct Cli {
     #[arg(long, value_enum, default_value_t = Pattern::Read)]
     pub rw: Pattern,
 
-    /// Block size per I/O: 4k, 128KiB, 1m (k/m/g/t are powers of 1024, like fio).
-    #[arg(long, value_parser = parse_size, default_value = "4k")]
+    /// Block size per I/O: 4k, 128KiB, 1m (k/m/g/t are powers of 1024, like fio); not zero.
+    #[arg(long, value_parser = parse_block_size_arg, default_value = "4k")]
     pub bs: u64,
 
     /// I/Os in flight per job.
@@ -319,6 +319,14 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
         return Err(format!("duration '{text}' is longer than 30 days; {}", tutti_devices::duration::ACCEPTED));
     }
     Ok(duration)
+}
+
+/// A block size: a size that is not zero (every stripe and region is counted in blocks of it).
+fn parse_block_size_arg(text: &str) -> Result<u64, String> {
+    match parse_size(text).map_err(|error| error.to_string())? {
+        0 => Err(format!("block size '{text}' is zero; accepted: a multiple of 512 bytes up to 64 MiB, e.g. 4k, 128k, 1m")),
+        bytes => Ok(bytes),
+    }
 }
 
 fn parse_timing_arg(text: &str) -> Result<nvme_emu::TimingModel, String> {

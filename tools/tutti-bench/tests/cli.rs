@@ -49,6 +49,13 @@ fn bad_input_is_one_line_and_status_2() {
 }
 
 #[test]
+fn a_zero_block_size_is_refused_naming_bs() {
+    // Goal: --bs 0 used to panic (a division by zero sizing the stripe); it is bad input.
+    assert_refused(&["--device", "emu:mem:16m", "--bs", "0", "--size", "64k"], &["--bs", "accepted"]);
+    assert_refused(&["--device", "emu:mem:16m", "--bs=0"], &["--bs"]);
+}
+
+#[test]
 fn bad_files_are_refused_and_nothing_is_left_behind() {
     let directory = tempfile::tempdir().unwrap();
     // A file that does not exist, without --size to create it.
