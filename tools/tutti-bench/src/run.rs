@@ -296,7 +296,8 @@ fn run_phases(devices: &[Arc<dyn Device>], numjobs: u32, phases: &[PhasePlan]) -
             if let Some(ios) = plan.number_ios {
                 ios.saturating_mul(plan.bs).saturating_mul(u64::from(numjobs))
             } else if plan.split_region {
-                plan.region_bytes / plan.bs / u64::from(numjobs) * plan.bs * u64::from(numjobs)
+                // The jobs' slices together cover every whole block of the region.
+                plan.region_bytes / plan.bs * plan.bs
             } else {
                 plan.region_bytes.saturating_mul(u64::from(numjobs))
             }

@@ -281,6 +281,18 @@ fn verify_with_more_jobs_than_blocks_is_refused_before_running() {
 }
 
 #[test]
+fn verify_with_jobs_that_do_not_divide_the_blocks_checks_every_block() {
+    // Goal: 10 blocks over 3 jobs used to give each job 3 and leave the last block unwritten and
+    // unchecked (36 KiB of 40); every block of --size is written once and read back once.
+    let output = bench(&["--device", "emu:mem:16m", "--verify", "--size", "40k", "--bs", "4k", "--numjobs", "3", "--output-format=json"]);
+    assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
+    let json: serde_json::Value = serde_json::from_slice(&output.stdout).expect("JSON output parses");
+    let phases = json["phases"].as_array().unwrap();
+    assert_eq!(phases[0]["aggregate"]["write"]["io_bytes"], 40960, "{}", phases[0]["aggregate"]);
+    assert_eq!(phases[1]["aggregate"]["read"]["io_bytes"], 40960, "{}", phases[1]["aggregate"]);
+}
+
+#[test]
 fn one_job_aggregate_figures_are_the_jobs() {
     // Goal: the aggregate spans the jobs' I/O, as each job's figures do: with one job its IOPS
     // equal the job's (within 1%), though queue set-up (16 MiB of DMA buffers here) and
