@@ -568,6 +568,56 @@ def test_a_preempted_save_that_does_not_settle_is_never_reported(tuttid):
         worker.shutdown()
 
 
+def test_preempted_saves_that_do_not_settle_are_given_up_within_one_timeout(tuttid):
+    """Goal: handle_preemptions bounds all of its waits together by one timeout_s, not each
+    preempted request's by its own: four saves stuck at the committer (tuttid stalled) are given
+    up in about one timeout, none committed (four timeouts one after another before)."""
+    daemon = tuttid(harness.TUTTID_GEOMETRY)
+    timeout_s = 0.5
+    worker = LocalWorker(daemon.socket, timeout_s=timeout_s, layers_in_flight=harness.LAYERS)
+    try:
+        names = harness.layer_names()
+        saves = []
+        for index in range(4):
+            tokens = prompt(40 + index, blocks=2, tail=0)
+            blocks = [10 + 2 * index, 11 + 2 * index]
+            worker.fill(blocks, 40 + index)
+            saves.append(SaveSpec(f"P{index}", tokens, blocks))
+        connector = worker.connector
+        meta = TuttiConnectorMetadata(saves=saves)
+        connector.bind_connector_metadata(meta)
+        connector.start_load_kv(None)
+        connector.wait_for_layer_load(names[0])
+        connector.save_kv_layer(names[0], worker.caches[names[0]], None)
+        deadline = time.monotonic() + FINISH_TIMEOUT_S
+        for save in saves:  # layer 0 of every save complete before tuttid stalls
+            request = connector._saves[save.req_id].request
+            while not request.poll():
+                assert time.monotonic() < deadline
+                time.sleep(0.001)
+        daemon.pause()
+        try:
+            for name in names[1:]:
+                connector.wait_for_layer_load(name)
+                connector.save_kv_layer(name, worker.caches[name], None)
+            connector.wait_for_save()  # the four saves to the committer, their layers 1..3 stuck
+            connector.clear_connector_metadata()
+            started = time.monotonic()
+            connector.handle_preemptions(TuttiConnectorMetadata(preempted_req_ids={save.req_id for save in saves}))
+            elapsed_s = time.monotonic() - started
+        finally:
+            daemon.resume()
+        assert elapsed_s < 2.5 * timeout_s, f"handle_preemptions took {elapsed_s:.2f} s for four stuck saves"
+        time.sleep(3.0)  # the committer's outcomes arrive
+        ids = {save.req_id for save in saves}
+        assert connector.get_finished(ids) == (None, None)
+        with tutti.LookupClient.connect(daemon.socket, model_fingerprint=connector._fingerprint) as lookup:
+            for save in saves:
+                assert lookup.lookup(save.tokens) == 0, f"{save.req_id}, given up at preemption, was committed"
+    finally:
+        worker.shutdown()
+
+
 def test_loads_and_saves_that_fail_to_issue_do_not_fail_the_step_or_leak(tuttid):
     """Goal: a load whose layer 0 raises at issue is reported failed per block (start_load_kv
     returns normally) and its prepared request is finished, as is a save's: more such failures

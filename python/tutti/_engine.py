@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -236,19 +237,29 @@ def format_devices(devices: Sequence[str] | str, tp_rank: int) -> list[str]:
 _WAIT_OUT_PASSES = 16
 
 
-def wait_out_layer(request: Any, timeout_s: float, log: logging.Logger, what: str) -> bool:
+def wait_out_layer(
+    request: Any, timeout_s: float, log: logging.Logger, what: str, deadline: Optional[float] = None
+) -> bool:
     """Waits (each wait bounded by `timeout_s`) until `request` has no layer in flight, before
     the caller gives the request up. False when a layer is still in flight after its wait timed
     out, or after as many waits as a request can need (the devices may still move its blocks'
     bytes: the request must be kept); `what` names the request in the error logged then. A wait
     may first return a layer that completed earlier (a poll, the completion thread) or raise a
-    failure stored for an earlier layer: neither counts against the layer in flight."""
+    failure stored for an earlier layer: neither counts against the layer in flight.
+    `deadline` (time.monotonic()): when given, no wait goes past it, so a caller giving up
+    several requests bounds them all together rather than each by `timeout_s`."""
     for _ in range(_WAIT_OUT_PASSES):
         oldest = request.layer_in_flight
         if oldest is None:
             return True
+        wait_s = timeout_s
+        if deadline is not None:
+            wait_s = min(timeout_s, deadline - time.monotonic())
+            if wait_s <= 0:
+                log.error("%s: layer %d is still in flight at the deadline; the request is kept", what, oldest)
+                return False
         try:
-            request.wait(timeout_s)
+            request.wait(wait_s)
         except tutti.TimeoutError as error:
             if request.layer_in_flight == oldest:
                 log.error("%s: layer %d did not complete; the request is kept: %s", what, oldest, error)

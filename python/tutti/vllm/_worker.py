@@ -218,19 +218,21 @@ class WorkerSide:
         in flight (waited for); nothing of an unfinished save becomes visible. A load whose layer
         does not complete ends the session first (the blocks may still be written); a save with
         the committer whose layer does not complete in time is cancelled (never committed: its
-        bytes may have been read after vLLM reused the blocks)."""
+        bytes may have been read after vLLM reused the blocks). All of it within one timeout_s,
+        however many requests were preempted: what is not settled by then is handled as above."""
         assert isinstance(kv_connector_metadata, TuttiConnectorMetadata)
+        deadline = time.monotonic() + self._timeout_s
         for req_id in kv_connector_metadata.preempted_req_ids:
             load = self._loads.pop(req_id, None)
-            if load is not None and not self._settle(load.request):
+            if load is not None and not self._settle(load.request, deadline):
                 self._end_session(f"a layer of preempted request {req_id}'s load did not complete")
             save = self._saves.pop(req_id, None)
             if save is not None:
-                self._settle_save(save.request)  # its device only reads vLLM's blocks; never committed
+                self._settle_save(save.request, deadline=deadline)  # its device only reads vLLM's blocks; never committed
             with self._lock:
                 token = self._save_token.get(req_id)
                 pending = token is not None and req_id in self._save_done and self._save_done[req_id] is None
-            if pending and not self._wait_for_commit(req_id, token):
+            if pending and not self._wait_for_commit(req_id, token, deadline):
                 with self._lock:
                     self._cancelled.add(token)
             with self._lock:
@@ -484,23 +486,24 @@ class WorkerSide:
             if self._save_token.get(req_id) == token:
                 self._save_done[req_id] = committed
 
-    def _settle_save(self, request: Any, session: Optional[int] = None) -> None:
+    def _settle_save(self, request: Any, session: Optional[int] = None, deadline: Optional[float] = None) -> None:
         """Settles a save that is given up (`_settle`). One whose layer is still in flight keeps
         its request place and pins for as long as the session lasts (enough of them would fail
         every later prepare): the session is ended at the worker's next step, which is safe since
         a save's device only reads vLLM's blocks. `session`: the session the save belonged to (the
-        committer's may be an earlier one, already ended)."""
-        if self._settle(request):
+        committer's may be an earlier one, already ended). `deadline`: as `_settle`'s."""
+        if self._settle(request, deadline):
             return
         with self._lock:
             if (session is None or session == self._session) and self._broken is None:
                 self._broken = "a layer of a save given up did not complete (its request place and pins are held)"
 
-    def _settle(self, request: Any) -> bool:
+    def _settle(self, request: Any, deadline: Optional[float] = None) -> bool:
         """Ends a request that is given up: waits for its layers in flight (the device may still
         move those blocks' bytes), then finishes it without committing. Returns False when a
-        layer is still in flight (nothing was ended: its memory may still be written or read)."""
-        if not wait_out_layer(request, self._timeout_s, logger, "tutti: an abandoned request"):
+        layer is still in flight (nothing was ended: its memory may still be written or read).
+        `deadline` (time.monotonic()): no wait goes past it (several requests given up at once)."""
+        if not wait_out_layer(request, self._timeout_s, logger, "tutti: an abandoned request", deadline):
             return False
         try:
             request.finish()
@@ -597,15 +600,18 @@ class WorkerSide:
         self._reattach_backoff_s = 0.0
         self.reattaches += 1
 
-    def _wait_for_commit(self, req_id: str, token: int) -> bool:
-        """Waits (bounded by timeout_s) until the committer settled the request's save `token`;
-        returns whether it did."""
-        for _ in range(int(self._timeout_s / _COMMIT_POLL_S) + 1):
+    def _wait_for_commit(self, req_id: str, token: int, deadline: float) -> bool:
+        """Waits until the committer settled the request's save `token`, or until `deadline`
+        (time.monotonic()); returns whether it did."""
+        while True:
             with self._lock:
                 if self._save_token.get(req_id) != token or self._save_done.get(req_id) is not None:
                     return True
-            time.sleep(_COMMIT_POLL_S)
-        logger.error("tutti: the save of preempted request %s did not finish in %.1f s; it is cancelled", req_id, self._timeout_s)
+            left_s = deadline - time.monotonic()
+            if left_s <= 0:
+                break
+            time.sleep(min(_COMMIT_POLL_S, left_s))
+        logger.error("tutti: the save of preempted request %s did not finish by the preemption's deadline (%.1f s); it is cancelled", req_id, self._timeout_s)
         return False
 
     def _commit_loop(self) -> None:
