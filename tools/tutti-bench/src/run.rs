@@ -321,7 +321,10 @@ fn configuration(cli: &Cli, devices: &[Arc<dyn Device>], region_bytes: u64) -> s
         "numjobs": cli.numjobs,
         "size": region_bytes,
         "offset": cli.offset,
-        "runtime_ms": cli.runtime.map(|runtime| runtime.as_millis() as u64),
+        // Milliseconds with a fraction (fio's unit; `as_millis` made 100us a 0), and the exact
+        // microseconds --runtime is given in at the finest.
+        "runtime_ms": cli.runtime.map(|runtime| runtime.as_micros() as f64 / 1000.0),
+        "runtime_us": cli.runtime.map(|runtime| u64::try_from(runtime.as_micros()).unwrap_or(u64::MAX)),
         "time_based": cli.time_based,
         "number_ios": cli.number_ios,
         "rwmixread": (cli.rw == Pattern::Randrw).then_some(cli.rwmixread),
@@ -344,7 +347,7 @@ fn config_text(config: &serde_json::Value) -> String {
         get("numjobs"),
         format_size(get("size").as_u64().unwrap_or(0)),
         get("offset"),
-        get("runtime_ms").as_u64().map_or("none".to_string(), |ms| format!("{ms}ms")),
+        get("runtime_us").as_u64().map_or("none".to_string(), runtime_text),
         get("time_based"),
         get("number_ios").as_u64().map(|ios| format!(" number_ios={ios}")).unwrap_or_default(),
         get("verify"),
@@ -357,6 +360,15 @@ fn config_text(config: &serde_json::Value) -> String {
         }
     }
     lines.join("\n")
+}
+
+/// A runtime in whole milliseconds when it is one, else in microseconds (100us, not 0ms).
+fn runtime_text(micros: u64) -> String {
+    if micros.is_multiple_of(1000) {
+        format!("{}ms", micros / 1000)
+    } else {
+        format!("{micros}us")
+    }
 }
 
 /// A pool file in `directory` (default: the system temp directory) sized for the free space.

@@ -293,6 +293,24 @@ fn verify_with_jobs_that_do_not_divide_the_blocks_checks_every_block() {
 }
 
 #[test]
+fn a_runtime_under_a_millisecond_is_reported_as_given() {
+    // Goal: --runtime 100us was reported as runtime=0ms and "runtime_ms": 0; the configuration
+    // keeps it to the microsecond (runtime_ms a number with a fraction, runtime_us exact).
+    let arguments = ["--device", "emu:null:16m", "--rw=read", "--runtime", "100us", "--size", "1m"];
+    let output = bench(&[&arguments[..], &["--output-format=json"]].concat());
+    assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
+    let json: serde_json::Value = serde_json::from_slice(&output.stdout).expect("JSON output parses");
+    assert_eq!(json["global options"]["runtime_us"], 100, "{}", json["global options"]);
+    assert_eq!(json["global options"]["runtime_ms"].as_f64(), Some(0.1), "{}", json["global options"]);
+    let output = bench(&arguments);
+    assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
+    let text = String::from_utf8_lossy(&output.stdout);
+    assert!(text.contains("runtime=100us "), "{text}");
+    let output = bench(&["--device", "emu:null:16m", "--rw=read", "--runtime", "2s", "--size", "1m"]);
+    assert!(String::from_utf8_lossy(&output.stdout).contains("runtime=2000ms "), "{}", String::from_utf8_lossy(&output.stdout));
+}
+
+#[test]
 fn one_job_aggregate_figures_are_the_jobs() {
     // Goal: the aggregate spans the jobs' I/O, as each job's figures do: with one job its IOPS
     // equal the job's (within 1%), though queue set-up (16 MiB of DMA buffers here) and
