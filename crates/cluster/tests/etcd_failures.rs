@@ -25,14 +25,16 @@ fn the_registry_survives_the_loss_of_one_etcd_member_of_three() {
     settings.lease_ttl = ELECTION_PROOF_LEASE_TTL;
     let node_a = ClusterNode::join(settings.clone(), record("a")).unwrap();
     let reader = ClusterClient::connect(settings).unwrap();
-    let segments = prompt(11, 12);
+    // Four more segments registered with each member down: every round's register writes.
+    let segments = prompt(11, 16);
     node_a.register(&space(), &segments[..4]).unwrap();
     for member in 0..3 {
         etcd.kill(member).unwrap();
         let started = Instant::now();
         let registered = 4 * (member + 2);
-        node_a.register(&space(), &segments[4 * (member + 1)..registered.min(12)]).unwrap();
-        assert_eq!(reader.lookup(&space(), &segments).unwrap().prefix_segments(), registered.min(12));
+        let sent = node_a.register(&space(), &segments[4 * (member + 1)..registered]).unwrap();
+        assert_eq!(sent, 1, "member {member} down: one transaction of four segments");
+        assert_eq!(reader.lookup(&space(), &segments).unwrap().prefix_segments(), registered);
         assert_eq!(reader.members().unwrap().nodes, vec![record("a")]);
         eprintln!("member {member} down: register + lookup + members in {:?}", started.elapsed());
         // Longer than the TTL with a member down: renewals must have gone through the others.
@@ -42,7 +44,7 @@ fn the_registry_survives_the_loss_of_one_etcd_member_of_three() {
         assert_eq!(reader.members().unwrap().nodes, vec![record("a")]);
         etcd.restart(member).unwrap();
     }
-    assert_eq!(reader.lookup(&space(), &segments).unwrap().prefix_segments(), 12);
+    assert_eq!(reader.lookup(&space(), &segments).unwrap().prefix_segments(), 16);
 }
 
 #[test]
