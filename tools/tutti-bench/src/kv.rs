@@ -133,6 +133,7 @@ impl KvPlan {
 pub fn run(cli: &Cli) -> anyhow::Result<()> {
     let plan = KvPlan::from_cli(cli)?;
     check_plan(&plan)?;
+    check_engine_memory(&plan, &cli.devices)?;
     if cli.attach.is_some() {
         return crate::attach::run(cli, &plan);
     }
@@ -170,6 +171,23 @@ pub(crate) fn check_plan(plan: &KvPlan) -> anyhow::Result<()> {
     if plan.blocks() > u64::from(u32::MAX / 2) {
         return usage(format!("--prompt-tokens={} makes too many blocks", plan.prompt_tokens));
     }
+    Ok(())
+}
+
+/// Refuses a plan whose engine KV memory (K and V tensors of every layer, `blocks` objects
+/// each, allocated before the run starts; in each client of an --attach run) does not fit the
+/// host beside the memory devices among `specs`.
+pub(crate) fn check_engine_memory(plan: &KvPlan, specs: &[DeviceSpec]) -> anyhow::Result<()> {
+    // Memory devices that do not fit on their own are named as such.
+    tutti_devices::check_memory(specs).map_err(|error| Unusable(error.to_string()))?;
+    let geometry = plan.geometry();
+    let bytes = plan.blocks().saturating_mul(geometry.object_bytes()).saturating_mul(2 * u64::from(geometry.layers));
+    crate::memory::check_host_memory(
+        &format!("engine KV memory ({} blocks of {} over {} layers)", plan.blocks(), plan.model.name, geometry.layers),
+        bytes,
+        specs,
+        "a smaller --prompt-tokens or model",
+    )?;
     Ok(())
 }
 

@@ -13,6 +13,7 @@ mod cpus;
 mod devices;
 mod kv;
 mod kv_workload;
+mod memory;
 mod progress;
 mod report;
 mod run;

@@ -228,6 +228,20 @@ fn run_raw(cli: &Cli, specs: &[DeviceSpec], created: &mut CreatedFiles) -> anyho
     };
     // Memory devices are checked together: two emu:mem devices may fit one by one, not both.
     tutti_devices::check_memory(specs).map_err(|error| Unusable(error.to_string()))?;
+    // And the I/O buffers beside them: every job opens a queue of --iodepth buffers of --bs on
+    // every device (DMA memory, or aligned memory for uring:), allocated before the run starts.
+    crate::memory::check_host_memory(
+        &format!(
+            "I/O buffers (--numjobs={} × {} device(s) × --iodepth={} × --bs={})",
+            cli.numjobs,
+            specs.len(),
+            cli.iodepth,
+            format_size(cli.bs)
+        ),
+        crate::memory::raw_buffer_bytes(cli.numjobs, specs.len(), cli.iodepth, cli.bs),
+        specs,
+        "a smaller --iodepth, --bs or --numjobs",
+    )?;
     // So are files: the same file as two devices of a stripe would overwrite itself.
     tutti_devices::refuse_shared_files(specs).map_err(|error| Unusable(error.to_string()))?;
     let mut devices: Vec<Arc<dyn Device>> = Vec::with_capacity(specs.len());

@@ -421,10 +421,12 @@ fn kv_pool_striped_over_two_software_controllers() {
 fn kv_bad_input_is_refused_without_leaving_files() {
     let directory = tempfile::tempdir().unwrap();
     let pool = directory.path().join("pool.img");
-    assert_refused(
-        &["--workload=kv", "--device", &format!("emu:{}", pool.display()), "--model=llama3-70b", "--prompt-tokens=1000000"],
-        &["free"],
-    );
+    // 305 GiB of pool and as much engine memory: refused for the engine memory first, or (on a
+    // machine that can spare that much) for the pool file not fitting the free space.
+    let arguments = ["--workload=kv", "--device", &format!("emu:{}", pool.display()), "--model=llama3-70b", "--prompt-tokens=1000000"];
+    assert_refused(&arguments, &[]);
+    let text = stderr(&bench(&arguments));
+    assert!(text.contains("of host memory asked") || text.contains("free"), "{text}");
     assert!(!pool.exists(), "a refused run left {} behind", pool.display());
     assert_refused(&["--workload=kv", "--device", "emu:mem:64m", "--prompt-tokens=100000"], &["accepted: up to"]);
     assert_refused(&["--workload=kv", "--device", "uring:/dev/null"], &["cannot hold a KV pool"]);
@@ -444,6 +446,22 @@ fn memory_devices_larger_than_the_machine_are_refused_with_status_2() {
     // A no-storage device has a size but allocates no store: 1 TiB of it runs.
     let output = bench(&["--device", "emu:null:1T", "--rw=read", "--size=16m"]);
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+}
+
+#[test]
+fn host_memory_beyond_the_machine_is_refused_with_status_2() {
+    // Goal: buffers the run would allocate up front (64 jobs × 4096 slots × 64 MiB = 16 TiB of
+    // I/O buffers; 64 Ki blocks of a 4 GiB-per-block model's KV, 256 TiB) are refused in one line before
+    // anything is allocated, as memory devices are, instead of failing or aborting mid-setup.
+    assert_refused(
+        &["--device", "emu:null:1g", "--iodepth", "4096", "--bs", "64m", "--numjobs", "64"],
+        &["I/O buffers", "16.00TiB of host memory asked", "MemAvailable", "--iodepth"],
+    );
+    let model = ["--layers=1024", "--kv-heads=1024", "--head-dim=1024", "--tokens-per-block=1"];
+    assert_refused(
+        &[&["--workload=kv", "--prompt-tokens=65536"], &model[..]].concat(),
+        &["engine KV memory", "of host memory asked", "--prompt-tokens"],
+    );
 }
 
 /// Runs `arguments` with standard output a pipe whose read end is closed before the program
