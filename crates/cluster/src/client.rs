@@ -90,9 +90,11 @@ pub struct ClusterClient {
 }
 
 impl ClusterClient {
-    /// Checks the settings and prepares the connection (no request is sent yet).
+    /// Checks the connection's settings (not the lease's: a client holds none,
+    /// [`ClusterConfig::validate_connection`]) and prepares the connection (no request is sent
+    /// yet).
     pub fn connect(config: ClusterConfig) -> Result<ClusterClient> {
-        config.validate()?;
+        config.validate_connection()?;
         let connection = Connection::open(&config.endpoints, config.request_timeout)?;
         let layout = KeyLayout::new(config.cluster.clone());
         Ok(ClusterClient { connection, config, layout })

@@ -56,24 +56,21 @@ impl ClusterConfig {
         }
     }
 
-    /// Checks every setting (also done by `ClusterClient::connect`): for a caller that wants
-    /// to refuse bad settings at start rather than at its first call.
+    /// Checks every setting, the lease's included (done by `ClusterNode::join`): for a node
+    /// that wants to refuse bad settings at start rather than at its join.
     pub fn validate(&self) -> Result<()> {
+        self.validate_connection()?;
+        self.validate_lease()
+    }
+
+    /// Checks the settings a client that holds no lease uses (done by
+    /// `ClusterClient::connect`): the request timeout's range, transactions, answers. The lease
+    /// TTL is not looked at: a lookup client or `tutti cluster status` renews nothing, so its
+    /// request timeout is not bound by a lease.
+    pub fn validate_connection(&self) -> Result<()> {
         let bad = |text: String| Err(ClusterError::InvalidSetting(text));
         if !(Duration::from_millis(10)..=Duration::from_secs(60)).contains(&self.request_timeout) {
             return bad(format!("request timeout {:?} is outside 10 ms..=60 s", self.request_timeout));
-        }
-        let ttl_s = self.lease_ttl.as_secs();
-        if self.lease_ttl.subsec_nanos() != 0 || !(2..=3600).contains(&ttl_s) {
-            return bad(format!("lease TTL {:?} is not a whole number of seconds in 2..=3600", self.lease_ttl));
-        }
-        // A renewal is sent every TTL/3 and may take the whole request timeout: it must still
-        // land before the lease runs out.
-        if self.request_timeout * 3 > self.lease_ttl * 2 {
-            return bad(format!(
-                "request timeout {:?} leaves no room to renew a {ttl_s} s lease (at most 2/3 of the TTL)",
-                self.request_timeout
-            ));
         }
         if !(1..=ETCD_TXN_OPS_DEFAULT).contains(&self.txn_ops_max) {
             return bad(format!("{} operations per transaction is outside 1..={ETCD_TXN_OPS_DEFAULT}", self.txn_ops_max));
@@ -90,6 +87,25 @@ impl ClusterConfig {
             return bad(format!(
                 "{} holders × {} segments per transaction may answer {lookup_bytes} bytes, over the {RESPONSE_BYTES_MAX} an answer may have",
                 self.holders_max, self.txn_ops_max
+            ));
+        }
+        Ok(())
+    }
+
+    /// Checks the lease a node keeps: its TTL, and a request timeout that lets a renewal land
+    /// before the lease runs out.
+    pub fn validate_lease(&self) -> Result<()> {
+        let bad = |text: String| Err(ClusterError::InvalidSetting(text));
+        let ttl_s = self.lease_ttl.as_secs();
+        if self.lease_ttl.subsec_nanos() != 0 || !(2..=3600).contains(&ttl_s) {
+            return bad(format!("lease TTL {:?} is not a whole number of seconds in 2..=3600", self.lease_ttl));
+        }
+        // A renewal is sent every TTL/3 and may take the whole request timeout: it must still
+        // land before the lease runs out.
+        if self.request_timeout * 3 > self.lease_ttl * 2 {
+            return bad(format!(
+                "request timeout {:?} leaves no room to renew a {ttl_s} s lease (at most 2/3 of the TTL)",
+                self.request_timeout
             ));
         }
         Ok(())

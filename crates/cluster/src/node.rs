@@ -76,6 +76,8 @@ impl ClusterNode {
     /// request timeout each: the grant, the member transaction, and the new lease's revoke
     /// when the transaction fails.
     pub fn join(config: ClusterConfig, record: MemberRecord) -> Result<ClusterNode> {
+        // The lease's settings too: `connect` checks only what a client without a lease uses.
+        config.validate()?;
         record.encode(&config.cluster).map_err(refused_record)?;
         let client = ClusterClient::connect(config)?;
         let lease = Arc::new(LeaseState {

@@ -439,3 +439,20 @@ fn entries_too_large_for_one_answer_are_skipped_and_counted_not_fatal() {
     assert_eq!((status.holder_entries, status.skipped_entries, status.other_version_keys), (2, 6, 3));
     assert_eq!(status.members.len(), 1);
 }
+
+#[test]
+fn a_client_without_a_lease_is_not_held_to_the_lease_ttl() {
+    // Goal: a request timeout of 20 s with a 10 s lease would leave a node no room to renew,
+    // so `join` refuses it; a client that holds no lease (a lookup client, `tutti cluster
+    // status`) renews nothing and connects, and answers.
+    let Some(etcd) = start_etcd(1) else { return };
+    let mut settings = config(&etcd, "leaseless");
+    settings.request_timeout = Duration::from_secs(20);
+    settings.lease_ttl = Duration::from_secs(10);
+    let client = ClusterClient::connect(settings.clone()).expect("a client holds no lease");
+    assert!(client.members().unwrap().nodes.is_empty());
+    match ClusterNode::join(settings, record("a")) {
+        Err(ClusterError::InvalidSetting(text)) => assert!(text.contains("no room to renew a 10 s lease"), "{text}"),
+        other => panic!("a node joined with a 20 s request timeout and a 10 s lease: {:?}", other.map(|_| ())),
+    }
+}

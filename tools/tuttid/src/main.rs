@@ -175,7 +175,8 @@ fn cluster_settings(cli: &Cli) -> Result<Option<ClusterSettings>> {
     }
     let manifest = cli.cluster_state.clone().ok_or_else(|| Unusable("--cluster-state is required with --cluster-etcd".into()))?;
     let lookups = ClusterConfig { request_timeout: cli.cluster_lookup_timeout, ..registry.clone() };
-    lookups.validate().map_err(|error| Unusable(format!("--cluster-lookup-timeout: {error}")))?;
+    // The lookup client holds no lease: its timeout is not bound by the lease TTL.
+    lookups.validate_connection().map_err(|error| Unusable(format!("--cluster-lookup-timeout: {error}")))?;
     let mut settings = ClusterSettings::new(registry, node, data_address, manifest);
     settings.lookup_timeout = cli.cluster_lookup_timeout;
     settings.replicate_after = cli.cluster_replicate_after;
