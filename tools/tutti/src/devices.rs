@@ -27,8 +27,9 @@ pub struct DevicesArgs {}
 pub struct BindArgs {
     /// PCI address of the NVMe function, e.g. 0000:00:04.0.
     address: String,
-    /// Bind even if filesystems on the device are mounted (they will stop working) or the
-    /// function is not an NVMe controller.
+    /// Bind even if the device is in use (a mounted filesystem, swap, a stacked device, or any
+    /// other claim the kernel reports as EBUSY to an exclusive open, such as a ZFS pool: it will
+    /// stop working) or the function is not an NVMe controller.
     #[arg(long)]
     force: bool,
 }
@@ -179,8 +180,8 @@ pub enum BindOutcome {
     Bound { previous_driver: Option<String> },
 }
 
-/// Moves `address` to vfio-pci. Refuses non-NVMe functions and devices with mounted filesystems
-/// or active swap unless `force`.
+/// Moves `address` to vfio-pci. Refuses non-NVMe functions and devices in use (mounted
+/// filesystems, active swap, holders, an exclusive claim such as a ZFS vdev) unless `force`.
 pub fn bind(system: &System, address: PciAddress, force: bool) -> Result<BindOutcome> {
     if !system.sysfs.exists(address) {
         bail!("no PCI function {address} (see `tutti devices`)");

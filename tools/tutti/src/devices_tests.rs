@@ -33,8 +33,24 @@ impl FakeHost {
         Self { _temp: temp, sys, proc }
     }
 
+    /// The fake host; its block device nodes are files under `dev/` that answer an exclusive
+    /// open with EBUSY when they hold `EBUSY` ([`FakeHost::claim`]), and are free otherwise (a
+    /// missing node included), so no test opens the real /dev.
     fn system(&self) -> System {
-        System::new(self.sys.clone(), self.proc.clone())
+        let dev = self.proc.with_file_name("dev");
+        let exclusive_open = |path: &Path| match std::fs::read_to_string(path) {
+            Ok(text) if text == "EBUSY" => Err(std::io::Error::from_raw_os_error(libc::EBUSY)),
+            _ => Ok(()),
+        };
+        System::with_exclusive_open(self.sys.clone(), self.proc.clone(), dev, Box::new(exclusive_open))
+    }
+
+    /// Makes `/dev/<device>` busy for an exclusive open, as a claim /proc/mounts does not show
+    /// (a ZFS vdev, a btrfs member other than the one mounted) makes it.
+    fn claim(&self, device: &str) {
+        let dev = self.proc.with_file_name("dev");
+        std::fs::create_dir_all(&dev).unwrap();
+        std::fs::write(dev.join(device), "EBUSY").unwrap();
     }
 
     /// A PCI function; with `namespaces`, an nvme controller `nvme<index>` with those namespaces
@@ -221,6 +237,23 @@ fn bind_refuses_mounted_devices_unless_forced() {
     std::fs::create_dir_all(stacked_host.sys.join("class/block/nvme0n1/holders/dm-0")).unwrap();
     let error = bind(&stacked_host.system(), at("0000:00:04.0"), false).unwrap_err().to_string();
     assert!(error.contains("held by dm-0"), "{error}");
+}
+
+#[test]
+fn bind_refuses_a_device_claimed_without_a_mount_unless_forced() {
+    // Goal: a disk that is a ZFS vdev, or a btrfs member other than the one /proc/mounts names,
+    // shows in no mount, holder or swap; the kernel still answers an exclusive open with EBUSY,
+    // and bind refuses it (naming the device) unless forced.
+    let host = FakeHost::new();
+    host.add("0000:00:04.0", 0x010802, Some("nvme"), 3, 0, 2);
+    host.claim("nvme0n2");
+    let system = host.system();
+    let _kernel = host.kernel();
+    let error = bind(&system, at("0000:00:04.0"), false).unwrap_err().to_string();
+    assert!(error.contains("/dev/nvme0n2 on ") && error.contains("EBUSY") && error.contains("--force"), "{error}");
+    assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("nvme"), "nothing changed");
+    assert!(bind(&system, at("0000:00:04.0"), true).is_ok());
+    assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("vfio-pci"));
 }
 
 #[test]

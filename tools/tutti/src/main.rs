@@ -29,6 +29,9 @@ struct Cli {
     /// Where procfs is mounted (for /proc/mounts and /proc/swaps).
     #[arg(long, global = true, hide = true, default_value = "/proc")]
     proc_root: PathBuf,
+    /// Where the block device nodes are (opened with O_EXCL to see whether a disk is in use).
+    #[arg(long, global = true, hide = true, default_value = "/dev")]
+    dev_root: PathBuf,
     #[command(subcommand)]
     command: Command,
 }
@@ -57,7 +60,7 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(error) => return ExitCode::from(exit::report_parse_error(&error)),
     };
-    let system = System::new(cli.sysfs_root, cli.proc_root);
+    let system = System::new(cli.sysfs_root, cli.proc_root, cli.dev_root);
     let result = match cli.command {
         Command::Devices(args) => devices::run_devices(&system, &args),
         Command::Bind(args) => devices::run_bind(&system, &args),

@@ -1,5 +1,6 @@
-//! The host as tutti sees it: sysfs (PCI functions, NVMe controllers, block devices) and procfs
-//! (mounts, swaps), both under configurable roots so tests run against fake trees.
+//! The host as tutti sees it: sysfs (PCI functions, NVMe controllers, block devices), procfs
+//! (mounts, swaps) and the block device nodes (an exclusive open), under configurable roots and
+//! a replaceable open so tests run against fake trees.
 
 use std::collections::BTreeSet;
 use std::io::Write;
@@ -12,14 +13,29 @@ use nvme_driver::hw::vfio::{PciAddress, PciSysfs};
 /// PCI class code of an NVM Express controller (mass storage / NVM / NVMe).
 pub const NVME_CLASS: u32 = 0x010802;
 
+/// Opens a block device node for reading with `O_EXCL` and closes it again: the kernel answers
+/// `EBUSY` while anything claims the device (a mount, a ZFS vdev, any member of a btrfs
+/// filesystem, md, device-mapper, swap), also claims /proc/mounts does not name.
+pub type ExclusiveOpen = Box<dyn Fn(&Path) -> std::io::Result<()> + Send + Sync>;
+
 pub struct System {
     pub sysfs: PciSysfs,
     proc_root: PathBuf,
+    /// Where the block device nodes are (`/dev`), for [`System::exclusive_open`].
+    dev_root: PathBuf,
+    exclusive_open: ExclusiveOpen,
 }
 
 impl System {
-    pub fn new(sysfs_root: PathBuf, proc_root: PathBuf) -> Self {
-        Self { sysfs: PciSysfs::new(sysfs_root), proc_root }
+    /// The host under these roots, its block device nodes in `dev_root` probed with a real
+    /// exclusive open.
+    pub fn new(sysfs_root: PathBuf, proc_root: PathBuf, dev_root: PathBuf) -> Self {
+        Self::with_exclusive_open(sysfs_root, proc_root, dev_root, Box::new(open_exclusive))
+    }
+
+    /// The host with `exclusive_open` answering for its block device nodes (tests give a fake).
+    pub fn with_exclusive_open(sysfs_root: PathBuf, proc_root: PathBuf, dev_root: PathBuf, exclusive_open: ExclusiveOpen) -> Self {
+        Self { sysfs: PciSysfs::new(sysfs_root), proc_root, dev_root, exclusive_open }
     }
 
     pub fn sysfs_root(&self) -> &Path {
@@ -75,7 +91,8 @@ impl System {
         devices
     }
 
-    /// Mount points, swap areas and stacked devices on the given block devices, as
+    /// Mount points, swap areas, stacked devices and other exclusive claims (an open with
+    /// `O_EXCL` that the kernel answers with EBUSY) on the given block devices, as
     /// `(device, where)`.
     pub fn uses_of(&self, block_devices: &BTreeSet<String>) -> Result<Vec<(String, String)>> {
         let mut uses = Vec::new();
@@ -101,6 +118,19 @@ impl System {
                 let Some(source) = line.split_whitespace().next() else { continue };
                 if let Some(name) = source.strip_prefix("/dev/").filter(|name| block_devices.contains(*name)) {
                     uses.push((name.to_string(), "swap".to_string()));
+                }
+            }
+        }
+        // Claims none of the above shows (a ZFS vdev, the btrfs members /proc/mounts does not
+        // name): the kernel refuses an exclusive open with EBUSY. Any other answer (no node, not
+        // root) says nothing either way; the checks above stand.
+        for name in block_devices {
+            if uses.iter().any(|(used, _)| used == name) {
+                continue;
+            }
+            if let Err(error) = (self.exclusive_open)(&self.dev_root.join(name)) {
+                if error.raw_os_error() == Some(libc::EBUSY) {
+                    uses.push((name.clone(), "an exclusive claim (EBUSY: e.g. a ZFS pool or a btrfs filesystem)".to_string()));
                 }
             }
         }
@@ -133,6 +163,12 @@ impl System {
             std::thread::sleep(Duration::from_millis(20));
         }
     }
+}
+
+/// The real [`ExclusiveOpen`]: `open(path, O_RDONLY | O_EXCL)`, closed when the file drops.
+fn open_exclusive(path: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new().read(true).custom_flags(libc::O_EXCL).open(path).map(drop)
 }
 
 /// Names of the entries of a directory; empty when it does not exist or cannot be read.
