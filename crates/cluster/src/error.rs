@@ -30,6 +30,14 @@ pub enum ClusterError {
     /// Another live process holds this node id in this cluster.
     #[error("node id {node} is already registered in cluster {cluster} (lease {lease_id:#x}); is another tuttid running with this id?")]
     NodeIdTaken { cluster: String, node: String, lease_id: i64 },
+    /// This node id's member key holds what no live node put there: a value under no lease
+    /// (written by hand: it never expires) or one that is no member record of this cluster.
+    /// Waiting will not free it (unlike [`ClusterError::NodeIdTaken`]): an operator deletes
+    /// `key`, once sure no process with this node id runs.
+    #[error(
+        "node id {node}'s member key {key} holds {reason} (lease {lease_id:#x}), not a live member's record; delete it (etcdctl del {key}) if no tuttid runs with this node id"
+    )]
+    MemberKeyBlocked { node: String, key: String, lease_id: i64, reason: &'static str },
     /// A record read from etcd (or about to be written) does not decode; never trusted.
     #[error("malformed cluster record at {key}: {reason}")]
     MalformedRecord { key: String, reason: &'static str },

@@ -121,16 +121,12 @@ impl ClusterNode {
             // The id is taken, unless the holder is this very lease (an answer lost on the way
             // back and the retry found our own put).
             let holder = answer.op_responses().into_iter().find_map(|response| match response {
-                etcd_client::TxnOpResponse::Get(range) => range.kvs().first().map(|entry| entry.lease()),
+                etcd_client::TxnOpResponse::Get(range) => range.kvs().first().map(|entry| (entry.lease(), entry.value().to_vec())),
                 _ => None,
             });
-            if holder != Some(lease_id) {
+            if holder.as_ref().map(|(holder_lease, _)| *holder_lease) != Some(lease_id) {
                 self.revoke(lease_id);
-                return Err(ClusterError::NodeIdTaken {
-                    cluster: self.client.layout.cluster().to_string(),
-                    node: self.record.node.to_string(),
-                    lease_id: holder.unwrap_or(0),
-                });
+                return Err(self.taken_by(key, holder));
             }
         }
         self.lease.lease_id.store(lease_id, Ordering::Relaxed);
@@ -151,6 +147,27 @@ impl ClusterNode {
         let task = self.client.connection.runtime().spawn(renewal.run(stopped));
         self.keep_alive = Some(KeepAlive { stop, task });
         Ok(())
+    }
+
+    /// Why the member key (`key`, holding `holder`'s lease and value, None when the key was
+    /// gone again by the time it was read) refused this node. A live holder puts a member
+    /// record under its lease; a value under no lease never expires and one that does not
+    /// decode was not put by a member, so neither is waited out as a holder: the error names
+    /// the key an operator must delete.
+    fn taken_by(&self, key: String, holder: Option<(i64, Vec<u8>)>) -> ClusterError {
+        let cluster = self.client.layout.cluster();
+        let node = self.record.node.to_string();
+        let Some((lease_id, value)) = holder else {
+            return ClusterError::NodeIdTaken { cluster: cluster.to_string(), node, lease_id: 0 };
+        };
+        let reason = if lease_id == 0 {
+            "a value under no lease"
+        } else if MemberRecord::decode(&value, cluster, &self.record.node).is_err() {
+            "a value that is no member record of this cluster"
+        } else {
+            return ClusterError::NodeIdTaken { cluster: cluster.to_string(), node, lease_id };
+        };
+        ClusterError::MemberKeyBlocked { node, key, lease_id, reason }
     }
 
     /// Revokes `lease_id`, bounded; a failure leaves the lease to expire by itself.

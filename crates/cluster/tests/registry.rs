@@ -456,3 +456,41 @@ fn a_client_without_a_lease_is_not_held_to_the_lease_ttl() {
         other => panic!("a node joined with a 20 s request timeout and a 10 s lease: {:?}", other.map(|_| ())),
     }
 }
+
+#[test]
+fn a_member_key_no_live_node_holds_is_named_not_taken_for_a_holder() {
+    // Goal: a member key left under no lease (an `etcdctl put` by hand: it never expires) or
+    // holding a value that is no member record is not another live node: `join` answers
+    // `MemberKeyBlocked` naming the key to delete, not `NodeIdTaken` (which the daemon retries
+    // for ever, waiting for a lease that will never expire); once the key is deleted the node
+    // joins.
+    let Some(etcd) = start_etcd(1) else { return };
+    let cluster = ClusterId::new("leftover").unwrap();
+    let layout = KeyLayout::new(cluster.clone());
+    let key = layout.member_key(&node("a"));
+    let sound = record("a").encode(&cluster).unwrap();
+    for (value, reason) in [(sound, "under no lease"), (b"not a member".to_vec(), "does not decode")] {
+        put_raw(&etcd, &[(key.clone(), value)]);
+        match ClusterNode::join(config(&etcd, "leftover"), record("a")) {
+            Err(error @ ClusterError::MemberKeyBlocked { .. }) => {
+                let text = error.to_string();
+                assert!(text.contains(&key) && text.contains("delete"), "{reason}: {text}");
+                let ClusterError::MemberKeyBlocked { key: named, .. } = error else { unreachable!() };
+                assert_eq!(named, key, "{reason}");
+            }
+            other => panic!("{reason}: {:?}", other.map(|_| ())),
+        }
+    }
+    delete_raw(&etcd, &key);
+    let node_a = ClusterNode::join(config(&etcd, "leftover"), record("a")).unwrap();
+    assert_eq!(node_a.members().unwrap().nodes, vec![record("a")]);
+}
+
+/// Deletes one key behind the registry's back, as an operator would with `etcdctl del`.
+fn delete_raw(etcd: &tutti_cluster::local_etcd::LocalEtcd, key: &str) {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    runtime.block_on(async {
+        let mut client = etcd_client::Client::connect(etcd.endpoints(), None).await.unwrap();
+        client.delete(key, None).await.unwrap();
+    });
+}
