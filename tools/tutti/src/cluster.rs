@@ -32,8 +32,9 @@ pub struct StatusArgs {
     /// Blocks per segment in this cluster (registrations of another size are counted as refused).
     #[arg(long, default_value_t = 32)]
     segment_blocks: u16,
-    /// The longest each request to etcd may wait.
-    #[arg(long, default_value_t = 3000)]
+    /// The longest each request to etcd may wait, in milliseconds: 10..=60000. Status holds no
+    /// lease, so no lease TTL bounds it.
+    #[arg(long, default_value_t = 3000, value_parser = clap::value_parser!(u64).range(10..=60_000))]
     timeout_ms: u64,
 }
 

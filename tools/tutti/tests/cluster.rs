@@ -79,3 +79,22 @@ fn status_exits_1_when_etcd_does_not_answer_and_2_for_bad_options() {
         assert_eq!(output.status.code(), Some(2), "{}", String::from_utf8_lossy(&output.stderr));
     }
 }
+
+#[test]
+fn status_takes_its_documented_timeout_range() {
+    // Goal: status holds no lease, so its timeout is bound only by the stated 10..=60000 ms:
+    // 20 s used to be refused with a message about renewing a lease (the default 10 s TTL);
+    // the range is in --help, and outside it is unusable input naming it.
+    let help = tutti(&["cluster", "status", "--help"]);
+    let text = String::from_utf8_lossy(&help.stdout);
+    assert!(text.contains("10..=60000"), "{text}");
+    for outside in ["9", "60001"] {
+        let output = tutti(&["cluster", "status", "--etcd", "http://127.0.0.1:9", "--timeout-ms", outside]);
+        let text = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{outside}: {text}");
+        assert!(text.contains("--timeout-ms") && text.contains("10..=60000"), "{outside}: {text}");
+    }
+    let Some(etcd) = start_etcd() else { return };
+    let output = tutti(&["cluster", "status", "--etcd", &etcd.endpoints()[0], "--timeout-ms", "20000"]);
+    assert_eq!(output.status.code(), Some(0), "{}", String::from_utf8_lossy(&output.stderr));
+}
