@@ -198,7 +198,12 @@ impl ClusterNode {
     /// After [`ClusterError::LeaseLost`]: a new lease and member record. The node's segments
     /// vanished with the old lease; the owner registers what it still holds again. At most
     /// four request timeouts: the old lease's revoke, then a join.
+    /// Until the new lease is in place the node has none (the keep-alive is stopped and the
+    /// old lease revoked): it is marked lost first, so a failed rejoin — one asked for with the
+    /// lease still live (the registrar's unregister queue overflowed) included — leaves it
+    /// reporting lost, its writes refused, not joined under a revoked lease.
     pub fn rejoin(&mut self) -> Result<()> {
+        self.lease.lost.store(true, Ordering::Relaxed);
         self.stop_keep_alive();
         let old = self.lease.lease_id.load(Ordering::Relaxed);
         self.revoke(old);

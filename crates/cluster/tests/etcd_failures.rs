@@ -84,6 +84,10 @@ fn with_every_etcd_member_down_each_call_is_unavailable_within_its_deadline() {
     let started = Instant::now();
     assert!(matches!(node_b.rejoin(), Err(ClusterError::Unavailable { .. })));
     assert!(started.elapsed() <= REQUEST_TIMEOUT * 4 + slack, "rejoin took {:?}", started.elapsed());
+    // Its keep-alive stopped and its old lease revoked (or left to expire): the node has no
+    // lease, and says so rather than reporting itself joined.
+    assert!(node_b.health().lost, "a failed rejoin reports a live lease: {:?}", node_b.health());
+    assert!(matches!(node_b.register(&space(), &segments), Err(ClusterError::LeaseLost { .. })));
 
     // Leaving: the keep-alive is stopped at once, the revoke bounded by the request timeout,
     // the runtime's shutdown by 1 s.
