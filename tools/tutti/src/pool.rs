@@ -30,8 +30,9 @@ pub struct DeviceArgs {
     /// A pool member: `vfio:0000:01:00.0` or `emu:/path/to/file`. Repeat for several devices.
     #[arg(long = "device", required = true, value_parser = parse_pool_device)]
     devices: Vec<DeviceSpec>,
-    /// Namespace id on every device.
-    #[arg(long, default_value_t = 1)]
+    /// Namespace id on every device: 1..=4294967294 (0 is no namespace, 0xFFFFFFFF is the
+    /// broadcast id).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=0xFFFF_FFFE))]
     namespace: u32,
     /// LBA size of an `emu:` device's namespace.
     #[arg(long, default_value_t = 4096)]
@@ -65,11 +66,11 @@ pub struct FormatArgs {
     /// The model's KV geometry: --model, --model-config, or --layers/--kv-heads/--head-dim.
     #[command(flatten)]
     geometry: GeometryArgs,
-    /// Engine blocks per slot (k).
-    #[arg(long, default_value_t = 1)]
+    /// Engine blocks per slot (k): 1..=1024.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1024))]
     blocks_per_slot: u32,
-    /// At most this many slots per device (default: as many as fit).
-    #[arg(long)]
+    /// At most this many slots per device, at least 1 (default: as many as fit).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     slots: Option<u64>,
     /// Record a CRC32 of every slot's payload at commit.
     #[arg(long)]

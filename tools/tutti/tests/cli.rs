@@ -127,6 +127,15 @@ fn unusable_input_is_status_2_and_writes_nothing() {
     );
     assert_status(&tutti(&["bind", "banana"]), 2, &["'banana' is not a PCI address"]);
     assert_status(&tutti(&["frobnicate"]), 2, &[]);
+    // Zero slots and namespace 0 (no NVMe namespace has id 0) are refused at parse, before a file
+    // is created: --slots 0 was called a namespace too small for the format, nsid 0 a device
+    // failure (status 1).
+    let zero = directory.path().join("zero.img");
+    assert_status(&format(&zero, &["--model", "llama3-8b", "--slots", "0"]), 2, &["--slots"]);
+    assert_status(&format(&zero, &["--model", "llama3-8b", "--namespace", "0"]), 2, &["--namespace"]);
+    assert_status(&format(&zero, &["--model", "llama3-8b", "--blocks-per-slot", "0"]), 2, &["--blocks-per-slot"]);
+    assert_status(&tutti(&["pool", "check", "--device", &device(&path), "--namespace", "0"]), 2, &["--namespace"]);
+    assert!(!zero.exists(), "a refused format created {}", zero.display());
 }
 
 #[test]
