@@ -26,8 +26,13 @@ pub enum UringError {
     Full { capacity: usize },
     #[error("a transfer of {len_bytes} bytes does not fit its {capacity_bytes}-byte buffer")]
     BufferTooSmall { len_bytes: usize, capacity_bytes: usize },
-    #[error("a transfer of {len_bytes} bytes is larger than io_uring's 4 GiB limit, or than the memory it names")]
-    TransferTooLarge { len_bytes: usize },
+    /// Longer than one kernel read or write moves (`MAX_RW_COUNT`, `max_bytes`: a longer one
+    /// would complete short), or, for [`crate::Ring::push_regions`], not the length its regions
+    /// add up to.
+    #[error(
+        "a transfer of {len_bytes} bytes is larger than one kernel read or write moves ({max_bytes} bytes, MAX_RW_COUNT), or does not match the memory it names"
+    )]
+    TransferTooLarge { len_bytes: usize, max_bytes: usize },
     #[error("a vectored transfer names {count} regions (1..={max} allowed)")]
     Regions { count: usize, max: usize },
     /// The transfer was not run (or the ring was already abandoned): it will not run later.

@@ -118,6 +118,18 @@ impl Drop for Allocation {
     }
 }
 
+/// Most bytes one read or write may move: the kernel's `MAX_RW_COUNT`, `INT_MAX` rounded down
+/// to a page (0x7ffff000 with 4 KiB pages). The kernel does not refuse a longer transfer, it
+/// moves this much and completes short, so a longer one is refused before it is queued.
+pub(crate) fn transfer_bytes_max() -> usize {
+    // SAFETY: sysconf reads a configuration value; it has no memory-safety preconditions.
+    let page_bytes = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    // A page size the kernel will not say (never on Linux): assume the largest page Linux
+    // supports (64 KiB), which gives the smallest, safe, limit.
+    let page_bytes = usize::try_from(page_bytes).ok().filter(|bytes| bytes.is_power_of_two()).unwrap_or(64 * 1024);
+    i32::MAX as usize & !(page_bytes - 1)
+}
+
 /// Most regions one vectored transfer may name (the kernel's `UIO_MAXIOV`).
 pub const REGIONS_MAX: usize = 1024;
 
@@ -331,8 +343,9 @@ impl Ring {
         if let Some(error) = self.abandoned_error() {
             return refuse(buffer, error);
         }
-        let Ok(len) = u32::try_from(transfer.len_bytes) else {
-            return refuse(buffer, UringError::TransferTooLarge { len_bytes: transfer.len_bytes });
+        let max_bytes = transfer_bytes_max();
+        let Some(len) = u32::try_from(transfer.len_bytes).ok().filter(|_| transfer.len_bytes <= max_bytes) else {
+            return refuse(buffer, UringError::TransferTooLarge { len_bytes: transfer.len_bytes, max_bytes });
         };
         if buffer.capacity_bytes() < transfer.len_bytes {
             let capacity_bytes = buffer.capacity_bytes();
@@ -378,8 +391,9 @@ impl Ring {
             return refuse(regions, error);
         }
         let total = regions.iter().try_fold(0usize, |total, region| total.checked_add(region.len()));
-        if u32::try_from(transfer.len_bytes).is_err() || total != Some(transfer.len_bytes) {
-            return refuse(regions, UringError::TransferTooLarge { len_bytes: transfer.len_bytes });
+        let max_bytes = transfer_bytes_max();
+        if transfer.len_bytes > max_bytes || total != Some(transfer.len_bytes) {
+            return refuse(regions, UringError::TransferTooLarge { len_bytes: transfer.len_bytes, max_bytes });
         }
         if regions.is_empty() || regions.len() > REGIONS_MAX {
             let count = regions.len();

@@ -85,6 +85,37 @@ fn push_refuses_what_it_cannot_take_and_hands_the_buffer_back() {
     ring.abandon(&UringError::Abandoned { cause: "test over".into() });
 }
 
+/// 2 GiB + 4 KiB: fits io_uring's u32 length but is more than the kernel's `MAX_RW_COUNT`
+/// (0x7ffff000 with 4 KiB pages), so the kernel would move only part of it.
+const PAST_MAX_RW_COUNT_BYTES: usize = (2 << 30) + 4096;
+
+#[test]
+fn a_transfer_longer_than_one_kernel_write_is_refused_before_it_is_queued() {
+    // Goal: a 2 GiB + 4 KiB write (under io_uring's 4 GiB length field, over the kernel's
+    // MAX_RW_COUNT) is refused at push, through both push paths, rather than queued to complete
+    // short as "past the end of the file". The memory is never touched: push refuses on length
+    // first (an empty buffer), and the regions are 513 clones of one 4 MiB region.
+    if skip() {
+        return;
+    }
+    let null = std::fs::OpenOptions::new().write(true).open("/dev/null").unwrap();
+    let write = Transfer { fd: null.as_raw_fd(), direction: Direction::Write, offset_bytes: 0, len_bytes: PAST_MAX_RW_COUNT_BYTES };
+    let mut ring = Ring::new(2).unwrap();
+    let refused = ring.push(write, AlignedBuffer::default(), 0).unwrap_err();
+    assert!(matches!(refused.error, UringError::TransferTooLarge { len_bytes: PAST_MAX_RW_COUNT_BYTES, .. }), "{:?}", refused.error);
+    assert!(refused.error.to_string().contains("MAX_RW_COUNT"), "{}", refused.error);
+
+    use nvme_driver::hw::{DmaAllocator, DmaPool};
+    let region = DmaPool::identity().allocate(4 << 20).unwrap();
+    let regions = vec![region; 513];
+    let len_bytes = regions.iter().map(|region| region.len()).sum();
+    assert!(len_bytes > PAST_MAX_RW_COUNT_BYTES && u32::try_from(len_bytes).is_ok());
+    let refused = ring.push_regions(Transfer { len_bytes, ..write }, regions, 1).unwrap_err();
+    assert!(matches!(refused.error, UringError::TransferTooLarge { .. }), "{:?}", refused.error);
+    assert_eq!(refused.regions.len(), 513, "the regions come back");
+    assert_eq!(ring.in_flight(), 0);
+}
+
 #[test]
 fn a_wait_ends_at_its_deadline_and_the_transfer_can_still_complete() {
     // Goal: waiting on a transfer that does not complete (a read of an empty pipe) returns
