@@ -4,8 +4,10 @@
 //! [`System`] paths, so a new group (`tutti pool ...`) is a module plus one enum variant here.
 //!
 //! Exit status (`tutti_cli::exit`): 0 done (for `pool check` and `pool inspect`: nothing damaged), 1 the operation
-//! failed or damage was found, 2 unusable input (a bad flag, device string, PCI address or model
-//! geometry; a file that holds no pool or is too small), 141 standard output closed.
+//! failed or damage was found (a device that holds no pool included: never formatted and a
+//! destroyed superblock look alike), 2 unusable input (a bad flag, device string, PCI address or
+//! model geometry; a file that is empty or too small; a pool of another geometry or format
+//! version), 141 standard output closed.
 use std::path::PathBuf;
 use std::process::ExitCode;
 

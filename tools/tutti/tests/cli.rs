@@ -101,6 +101,8 @@ fn truncated_and_foreign_files_are_described_in_words() {
     std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(0).unwrap();
     assert_status(&tutti(&["pool", "check", "--device", device]), 2, &["the file is empty (0 bytes)"]);
 
+    // A device that holds no pool is a fact about the device (a destroyed superblock looks the
+    // same as a never-formatted one), not a usage error: 1, as README.md's exit-status table says.
     std::fs::write(&path, vec![0u8; 1 << 20]).unwrap();
     assert_status(&tutti(&["pool", "check", "--device", device]), 1, &["not a tutti pool, or never formatted"]);
 
