@@ -74,9 +74,13 @@ pub(crate) struct Connection {
 }
 
 /// Whether an etcd error may go away by itself (a member down, a leader election, a broken
-/// connection), so that the call is retried within its deadline. Every operation of this crate
-/// is idempotent (puts of the same record under the same lease, deletes, reads), so a retry after
-/// an answer that was lost on the way back changes nothing.
+/// connection), so that the call is retried within its deadline. A retry after an answer that
+/// was lost on the way back repeats a request etcd may have applied. For puts of the same record
+/// under the same lease, deletes, reads and the lease-guarded transactions that changes nothing.
+/// Two lease requests are not idempotent: a grant retried grants a second lease, and the first
+/// is orphaned (it holds no key and expires after one TTL); a revoke retried gets NotFound, which
+/// `ClusterNode` takes as done. The member transaction of a join recognises its own put (the key
+/// under its own lease) on a retry.
 pub(crate) fn is_transient(error: &etcd_client::Error) -> bool {
     use tonic::Code;
     match error {

@@ -173,7 +173,7 @@ impl ClusterNode {
     /// Revokes `lease_id`, bounded; a failure leaves the lease to expire by itself.
     fn revoke(&self, lease_id: i64) {
         let result = self.client.connection.call_lease("revoke the lease", |mut lease| async move { lease.revoke(lease_id).await });
-        if let Err(error) = result {
+        if let Err(error) = revoked(result) {
             tracing::warn!(lease_id, %error, "could not revoke the lease; it expires by itself");
         }
     }
@@ -378,6 +378,17 @@ fn refused_record(reason: &'static str) -> ClusterError {
     ClusterError::InvalidSetting(format!("member record: {reason}"))
 }
 
+/// A revoke's answer, with etcd's NotFound taken as done: etcd no longer knows the lease —
+/// expired, or revoked by an earlier attempt whose answer was lost on the way back (the call
+/// retries then) — and a lease gone is what a revoke asks for.
+fn revoked<T>(result: Result<T>) -> Result<()> {
+    match result {
+        Ok(_) => Ok(()),
+        Err(ClusterError::Etcd { source: etcd_client::Error::GRpcStatus(status), .. }) if status.code() == tonic::Code::NotFound => Ok(()),
+        Err(error) => Err(error),
+    }
+}
+
 /// How long the keep-alive waits before its first renewal when it starts `since_grant` after the
 /// lease was granted: what is left of the first interval. The member transaction runs between
 /// the grant and the start, for up to a request timeout and its retries (2/3 of the TTL at the
@@ -479,6 +490,22 @@ impl RenewalLoop {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_revoke_of_a_lease_etcd_no_longer_knows_is_done() {
+        // Goal: a revoke retried after its answer was lost gets NotFound (the first attempt
+        // revoked the lease), as does the revoke of an expired lease: both are the lease gone,
+        // not a failure to log as "could not revoke"; other refusals stay errors.
+        let refused = |status: tonic::Status| -> Result<()> {
+            Err(ClusterError::Etcd { operation: "revoke the lease", source: etcd_client::Error::GRpcStatus(status) })
+        };
+        assert!(revoked(refused(tonic::Status::not_found("etcdserver: requested lease not found"))).is_ok());
+        assert!(revoked(Ok(())).is_ok());
+        assert!(revoked(refused(tonic::Status::permission_denied("etcdserver: permission denied"))).is_err());
+        let unavailable: Result<()> =
+            Err(ClusterError::Unavailable { operation: "revoke the lease", waited: Duration::from_secs(1), last_error: String::new() });
+        assert!(matches!(revoked(unavailable), Err(ClusterError::Unavailable { .. })));
+    }
 
     #[test]
     fn the_first_renewal_counts_from_the_grant() {
