@@ -100,6 +100,15 @@ impl SsdModel {
                 reason: "iocb_bytes, iocb_count_max and sm_budgets must be non-zero/non-empty".into(),
             });
         }
+        // The largest kernel of the grid moves iocb_count_max IOCBs; every smaller one fits if it does.
+        if iocb_bytes.checked_mul(u64::from(iocb_count_max)).is_none() {
+            return Err(SchedulerError::InvalidConfig {
+                field: "io cost grid".into(),
+                reason: format!(
+                    "{iocb_count_max} IOCBs of {iocb_bytes} bytes are past 2^64 bytes; accepted: iocb_bytes × iocb_count_max below 2^64"
+                ),
+            });
+        }
         let mut budgets = sm_budgets.to_vec();
         budgets.sort_unstable();
         budgets.dedup();
@@ -108,7 +117,8 @@ impl SsdModel {
             for &sm_budget in &budgets {
                 let mut count = 1u32;
                 loop {
-                    let bytes = iocb_bytes * u64::from(count);
+                    // count <= iocb_count_max, checked above.
+                    let bytes = iocb_bytes.saturating_mul(u64::from(count));
                     rows.push(IoCostEntry {
                         kind,
                         iocb_count: count,
@@ -124,5 +134,30 @@ impl SsdModel {
             }
         }
         Ok(rows)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_grid_whose_bytes_overflow_is_an_invalid_config() {
+        // Goal: iocb_bytes × count past 2^64 (a huge --iocb-bytes from tutti-profile) is refused
+        // naming the grid, not a multiplication overflow (a panic in debug, a wrong size in
+        // release).
+        let model = SsdModel::tutti_two_ssds();
+        for (iocb_bytes, count_max) in [(u64::MAX, 2), (1 << 40, 1 << 24)] {
+            match model.cost_table(iocb_bytes, count_max, &[1]) {
+                Err(SchedulerError::InvalidConfig { field, reason }) => {
+                    assert_eq!(field, "io cost grid");
+                    assert!(reason.contains("2^64"), "{reason}");
+                }
+                other => panic!("{iocb_bytes} x {count_max}: {other:?}"),
+            }
+        }
+        let rows = model.cost_table(4096, 4, &[1, 8]).unwrap();
+        assert_eq!(rows.len(), 2 * 2 * 3);
+        assert_eq!(rows.iter().map(|row| row.bytes).max(), Some(4 * 4096));
     }
 }

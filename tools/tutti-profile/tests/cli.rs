@@ -333,6 +333,19 @@ fn exit_statuses_are_0_1_2_and_documented() {
 }
 
 #[test]
+fn an_iocb_grid_past_2_pow_64_bytes_is_status_2() {
+    // Goal: --iocb-bytes × --iocb-count-max past 2^64 used to overflow a multiplication in the
+    // SSD model (a panic, status 101, in a debug build); it is unusable input, named.
+    let _one = exclusive();
+    let dir = scratch("iocb-overflow");
+    let out = dir.join("t.json");
+    let (code, text) = status(&["analytic", "--iocb-bytes", "18446744073709551615", "--input-count", "2", "--out", out.to_str().unwrap()]);
+    assert_eq!(code, Some(2), "{text}");
+    assert!(text.contains("io cost grid") && text.contains("2^64") && !text.contains("panicked"), "{text}");
+    assert!(!out.exists());
+}
+
+#[test]
 fn a_nan_in_a_table_is_named_in_words() {
     // Goal (issue 17 item 9): a NaN in a table used to get only serde's "expected value at line
     // 1 column N"; now the field, the position and why it cannot be read.
