@@ -29,12 +29,17 @@ pub fn parse_size(text: &str) -> Result<u64, DeviceError> {
     number.checked_mul(1u64 << shift).ok_or_else(too_large)
 }
 
-/// Human size with binary units (`4KiB`, `1.50GiB`): whole numbers without decimals.
+/// Human size with binary units (`4KiB`, `1.50GiB`): whole numbers without decimals, others
+/// rounded to two decimals (so not always exact: [`format_size_exact`] is what parses back).
+/// A value that rounds up to 1024 of a unit is written in the next unit (`1.00TiB`, never
+/// `1024.00GiB`).
 pub fn format_size(bytes: u64) -> String {
     const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
     let mut value = bytes as f64;
     let mut unit = 0;
-    while value >= 1024.0 && unit + 1 < UNITS.len() {
+    // Compare what will be printed (rounded to two decimals), not the raw value: 1 TiB - 1 is
+    // 1023.999... GiB, which would print as 1024.00GiB.
+    while (value * 100.0).round() / 100.0 >= 1024.0 && unit + 1 < UNITS.len() {
         value /= 1024.0;
         unit += 1;
     }
@@ -43,6 +48,19 @@ pub fn format_size(bytes: u64) -> String {
     } else {
         format!("{value:.2}{}", UNITS[unit])
     }
+}
+
+/// `bytes` written exactly, in a form [`parse_size`] reads back to the same number: in the
+/// largest unit (up to TiB) that divides it (`1536MiB`, `1TiB`), else as plain bytes
+/// (`1048577`). For strings that are parsed again, such as a device spec's `Display`.
+pub fn format_size_exact(bytes: u64) -> String {
+    const UNITS: [(u32, &str); 4] = [(40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")];
+    for (shift, unit) in UNITS {
+        if bytes != 0 && bytes.trailing_zeros() >= shift {
+            return format!("{}{unit}", bytes >> shift);
+        }
+    }
+    bytes.to_string()
 }
 
 #[cfg(test)]
@@ -74,5 +92,39 @@ mod tests {
         assert_eq!(format_size(1536 << 20), "1.50GiB");
         assert_eq!(format_size(1 << 40), "1TiB");
         assert_eq!(format_size(3), "3B");
+    }
+
+    #[test]
+    fn human_sizes_move_to_the_next_unit_when_rounding_reaches_1024() {
+        // Goal: a value just under a unit boundary never prints as 1024.00 of the unit below.
+        assert_eq!(format_size((1 << 40) - 1), "1.00TiB");
+        assert_eq!(format_size((1 << 20) - 1), "1.00MiB");
+        assert_eq!(format_size(1023), "1023B");
+        assert_eq!(format_size((1 << 20) + 1), "1.00MiB");
+        for shift in [10u32, 20, 30, 40, 50] {
+            for bytes in [(1u64 << shift) - 1, (1 << shift) - (1 << (shift - 10)), 1 << shift] {
+                assert!(!format_size(bytes).starts_with("1024"), "{bytes}: {}", format_size(bytes));
+            }
+        }
+    }
+
+    #[test]
+    fn exact_sizes_parse_back_to_the_same_number() {
+        // Goal: format_size_exact is lossless: every tricky size (unit boundaries, one either
+        // side, odd multiples, the largest) parses back to itself, in the largest exact unit.
+        assert_eq!(format_size_exact(1536 << 20), "1536MiB");
+        assert_eq!(format_size_exact((1 << 20) + 1), "1048577");
+        assert_eq!(format_size_exact(1 << 40), "1TiB");
+        assert_eq!(format_size_exact(3 << 50), "3072TiB");
+        assert_eq!(format_size_exact(0), "0");
+        let mut sizes = vec![0, 1, u64::MAX, u64::MAX - 1, u64::MAX >> 1, 1536 << 20];
+        for shift in 0..64 {
+            let boundary = 1u64 << shift;
+            sizes.extend([boundary - 1, boundary, boundary + 1, boundary.wrapping_mul(3), boundary.wrapping_mul(1023)]);
+        }
+        for bytes in sizes {
+            let text = format_size_exact(bytes);
+            assert_eq!(parse_size(&text).unwrap(), bytes, "{bytes} printed as {text}");
+        }
     }
 }

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use nvme_driver::hw::vfio::PciAddress;
 
-use crate::size::{format_size, parse_size};
+use crate::size::{format_size, format_size_exact, parse_size};
 use crate::DeviceError;
 
 /// Smallest memory (or no-storage) device: below this a namespace holds nothing useful.
@@ -61,8 +61,9 @@ impl fmt::Display for DeviceSpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             DeviceSpec::EmuFile(path) => write!(f, "emu:{}", path.display()),
-            DeviceSpec::EmuMemory(bytes) => write!(f, "emu:mem:{}", format_size(*bytes)),
-            DeviceSpec::EmuNull(bytes) => write!(f, "emu:null:{}", format_size(*bytes)),
+            // Exact, not format_size's rounded form: a printed spec must parse back to itself.
+            DeviceSpec::EmuMemory(bytes) => write!(f, "emu:mem:{}", format_size_exact(*bytes)),
+            DeviceSpec::EmuNull(bytes) => write!(f, "emu:null:{}", format_size_exact(*bytes)),
             DeviceSpec::Vfio(address) => write!(f, "vfio:{address}"),
             DeviceSpec::Uring(path) => write!(f, "uring:{}", path.display()),
         }
@@ -182,6 +183,25 @@ mod tests {
         assert_eq!(parse_any("vfio:00:04.0").unwrap(), vfio, "the domain is optional");
         assert_eq!(parse_any("emu:mem:64m").unwrap().to_string(), "emu:mem:64MiB");
         assert_eq!(parse_any("emu:mem:1T").unwrap().memory_bytes(), Some(1 << 40));
+    }
+
+    #[test]
+    fn sized_specs_print_in_a_form_that_parses_back_to_the_same_spec() {
+        // Goal: Display is exact for memory and no-storage sizes (1536m, 1m + 1 byte, 1 TiB - 1
+        // and the sizes around every unit boundary), so a printed spec parses back to itself.
+        assert_eq!(DeviceSpec::EmuMemory(1536 << 20).to_string(), "emu:mem:1536MiB");
+        assert_eq!(DeviceSpec::EmuNull((1 << 20) + 1).to_string(), "emu:null:1048577");
+        let mut sizes = vec![1536 << 20, (1 << 20) + 1, (1 << 40) - 1, u64::MAX];
+        for shift in 20..64 {
+            let boundary = 1u64 << shift;
+            sizes.extend([boundary - 1, boundary, boundary + 1, boundary + (boundary >> 1), boundary + (1 << 10)]);
+        }
+        for bytes in sizes.into_iter().filter(|&bytes| bytes >= MEMORY_DEVICE_BYTES_MIN) {
+            for spec in [DeviceSpec::EmuMemory(bytes), DeviceSpec::EmuNull(bytes)] {
+                let text = spec.to_string();
+                assert_eq!(parse_any(&text).unwrap(), spec, "{bytes} printed as {text}");
+            }
+        }
     }
 
     #[test]
