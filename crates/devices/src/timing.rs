@@ -40,11 +40,16 @@ pub fn dilated(model: &SsdModel, dilation: u32) -> Result<TimingModel, DeviceErr
     model.validate().map_err(|error| invalid(error.to_string()))?;
     let factor = f64::from(dilation);
     let per_second = |bytes_per_s: f64| (bytes_per_s / factor).round() as u64;
+    // The model's validation bounds the latency below, not above: a latency too long for a
+    // Duration (1e30 µs) is refused here rather than panicking in from_secs_f64.
+    let latency_s = model.command_latency_us * factor / 1e6;
+    let command_latency = Duration::try_from_secs_f64(latency_s)
+        .map_err(|error| invalid(format!("a command latency of {} µs is not a duration ({error})", model.command_latency_us)))?;
     let timing = TimingModel {
         read_bytes_per_s: per_second(model.read_bytes_per_s_per_device),
         write_bytes_per_s: per_second(model.write_bytes_per_s_per_device),
         mixed_share_permille: (model.mixed_bandwidth_fraction * 1000.0).round() as u16,
-        command_latency: Duration::from_secs_f64(model.command_latency_us * factor / 1e6),
+        command_latency,
     };
     timing.validate().map_err(|error| invalid(error.to_string()))?;
     Ok(timing)
@@ -106,6 +111,19 @@ mod tests {
         let real = parse_timing("tutti-ssd:x1").unwrap();
         assert_eq!((real.read_bytes_per_s, real.command_latency), (14_500_000_000, Duration::from_micros(50)));
         assert_eq!(parse_timing("tutti-ssd:x32").unwrap(), timing);
+    }
+
+    #[test]
+    fn a_latency_too_long_for_a_duration_is_an_error_not_a_panic() {
+        // Goal: SsdModel::validate accepts any positive latency; one past what a Duration holds
+        // (1e30 µs) is a MalformedTiming naming the latency, not a panic in from_secs_f64.
+        let model = SsdModel { command_latency_us: 1e30, ..SsdModel::tutti_two_ssds() };
+        assert!(model.validate().is_ok(), "the model's own check lets it through");
+        let error = dilated(&model, 1).unwrap_err();
+        assert!(matches!(error, DeviceError::MalformedTiming { .. }), "{error:?}");
+        assert!(error.to_string().contains("command latency"), "{error}");
+        let slowed = SsdModel { command_latency_us: f64::MAX / 2.0, ..SsdModel::tutti_two_ssds() };
+        assert!(dilated(&slowed, 1024).is_err(), "latency × N overflowing is refused too");
     }
 
     #[test]
