@@ -75,6 +75,18 @@ pub fn parse_timing(text: &str) -> Result<TimingModel, DeviceError> {
             return Err(malformed(format!("'{field}' is not KEY=VALUE")));
         };
         let field_error = |error: DeviceError| malformed(format!("{key}: {error}"));
+        // A key given twice (read=1m,read=2g) is refused rather than the last one winning: one
+        // of the two is a mistake, and which one is not ours to guess.
+        let repeated = match key.trim() {
+            "read" => read.is_some(),
+            "write" => write.is_some(),
+            "mixed" => mixed.is_some(),
+            "latency" => latency.is_some(),
+            _ => false,
+        };
+        if repeated {
+            return Err(malformed(format!("'{}' is given more than once", key.trim())));
+        }
         match key.trim() {
             "read" => read = Some(parse_size(value).map_err(field_error)?),
             "write" => write = Some(parse_size(value).map_err(field_error)?),
@@ -140,6 +152,9 @@ mod tests {
             ("read=fast,write=375m,mixed=0.5,latency=1ms", "read: malformed size 'fast'"),
             ("speed=1", "unknown key 'speed'"),
             ("ssd", "'ssd' is not KEY=VALUE"),
+            ("read=1m,read=2g,write=375m,mixed=0.4,latency=1ms", "'read' is given more than once"),
+            ("read=1m,write=375m,mixed=0.4,latency=1ms,latency=2ms", "'latency' is given more than once"),
+            ("read=1m,write=375m,mixed=0.4, mixed=0.5,latency=1ms", "'mixed' is given more than once"),
         ] {
             let error = parse_timing(text).unwrap_err().to_string();
             assert!(error.contains(expected) && error.contains(ACCEPTED), "{text}: {error}");
