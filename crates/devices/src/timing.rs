@@ -10,7 +10,8 @@
 //!   move the bytes. Compute times compared with it must be dilated by the same N.
 //! - `read=SIZE,write=SIZE,mixed=FRACTION,latency=DURATION`: bandwidths per second (sizes as
 //!   [`crate::parse_size`] takes them: `900m` is 900 MiB/s), the share kept under mixed traffic
-//!   (0 < f ≤ 1), the per-command latency ([`crate::parse_duration`]); all four are required.
+//!   (0 < f ≤ 1), the per-command latency ([`crate::parse_duration`]); all four are required,
+//!   each once.
 
 use std::time::Duration;
 
