@@ -346,6 +346,22 @@ fn an_iocb_grid_past_2_pow_64_bytes_is_status_2() {
 }
 
 #[test]
+fn io_flags_the_device_cannot_take_are_status_2() {
+    // Goal: an --ioctx-bytes that is not whole blocks of the device, or larger than its
+    // namespace, is a bad flag (2, naming what is accepted), not a failed measurement (1).
+    let _one = exclusive();
+    let dir = scratch("io-flags");
+    let out = dir.join("io.json");
+    for (device, ioctx_bytes, needle) in [("emu:mem:64m", "1000", "--ioctx-bytes 1000"), ("emu:mem:1m", "2M", "smaller than one IOCTX")] {
+        let grid = ["--iocb-counts", "1", "--ioctxs-per-iocb", "1", "--repetitions", "1", "--ioctx-bytes", ioctx_bytes];
+        let (code, text) = status(&[&["io", "--device", device][..], &grid[..], &["--out", out.to_str().unwrap()]].concat());
+        assert_eq!(code, Some(2), "{device} {ioctx_bytes}: {text}");
+        assert!(text.contains(needle), "{device} {ioctx_bytes}: {text}");
+    }
+    assert!(!out.exists());
+}
+
+#[test]
 fn a_nan_in_a_table_is_named_in_words() {
     // Goal (issue 17 item 9): a NaN in a table used to get only serde's "expected value at line
     // 1 column N"; now the field, the position and why it cannot be read.

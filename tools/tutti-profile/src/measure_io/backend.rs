@@ -143,21 +143,22 @@ impl Backend {
         let Some(&namespace) = controller.namespaces().first() else {
             bail!("{description}: no active namespace");
         };
+        // What the flags ask beyond what the controller offers is unusable input (exit 2).
         if controller.granted_queue_pairs() < needs.queue_pairs {
-            bail!(
+            return Err(unusable(format!(
                 "{description}: the largest SM budget needs {} CPU workers, each owning an I/O queue pair, but the \
                  controller granted {}; lower --sm-budgets",
                 needs.queue_pairs,
                 controller.granted_queue_pairs()
-            );
+            )));
         }
         if controller.max_transfer_bytes() < needs.command_bytes {
-            bail!(
+            return Err(unusable(format!(
                 "{description}: one IOCTX of {} bytes is one command, but the controller takes at most {} bytes per \
                  command; lower --ioctx-bytes",
                 needs.command_bytes,
                 controller.max_transfer_bytes()
-            );
+            )));
         }
         Ok(Self { controller, namespace, description, _emulator: emulator, _temporary: None })
     }

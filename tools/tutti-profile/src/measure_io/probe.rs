@@ -88,8 +88,14 @@ pub struct CpuProbe {
     nvme_queue_depth: u32,
 }
 
+/// A set-up step that failed (an allocation, a write to DMA memory): exit status 1.
 fn setup_error(reason: impl std::fmt::Display) -> anyhow::Error {
     anyhow::anyhow!("setting up the CPU executor probe: {reason}")
+}
+
+/// A flag this device cannot take (--ioctx-bytes, --data-pointer): unusable input, exit status 2.
+fn flag_error(reason: impl std::fmt::Display) -> anyhow::Error {
+    crate::unusable(format!("setting up the CPU executor probe: {reason}"))
 }
 
 impl CpuProbe {
@@ -97,7 +103,7 @@ impl CpuProbe {
         let namespace = backend.namespace;
         let block_bytes = namespace.block_size_bytes;
         if block_bytes == 0 || shape.ioctx_bytes == 0 || !shape.ioctx_bytes.is_multiple_of(block_bytes) {
-            return Err(setup_error(format!(
+            return Err(flag_error(format!(
                 "--ioctx-bytes {} is not a positive multiple of the namespace's {block_bytes}-byte blocks",
                 shape.ioctx_bytes
             )));
@@ -105,23 +111,28 @@ impl CpuProbe {
         let blocks_per_ioctx = shape.ioctx_bytes / block_bytes;
         let lba_slots = namespace.size_blocks / u64::from(blocks_per_ioctx);
         if lba_slots == 0 {
-            return Err(setup_error(format!("the namespace ({} bytes) is smaller than one IOCTX", namespace.size_bytes())));
+            return Err(flag_error(format!(
+                "the namespace ({} bytes) is smaller than one IOCTX; lower --ioctx-bytes",
+                namespace.size_bytes()
+            )));
         }
         let sgl_supported = backend.controller.identify().sgl_support.supported();
         let sgl = match shape.data_pointer {
             DataPointer::Auto => sgl_supported,
-            DataPointer::Sgl if !sgl_supported => return Err(setup_error("--data-pointer sgl: the controller does not support SGLs")),
+            DataPointer::Sgl if !sgl_supported => {
+                return Err(flag_error("--data-pointer sgl: the controller does not support SGLs; accepted: --data-pointer prp or auto"))
+            }
             DataPointer::Sgl => true,
             DataPointer::Prp => false,
         };
         let pages = u64::from(shape.ioctx_bytes).div_ceil(PAGE_BYTES);
         if !sgl && !u64::from(shape.ioctx_bytes).is_multiple_of(PAGE_BYTES) {
-            return Err(setup_error(format!("PRP data pointers need --ioctx-bytes to be a multiple of {PAGE_BYTES}")));
+            return Err(flag_error(format!("PRP data pointers need --ioctx-bytes to be a multiple of {PAGE_BYTES}")));
         }
         // One list page holds PAGE_BYTES / 8 entries; the driver's transfer cap keeps us below.
         let prp_list_bytes = if !sgl && pages > 2 { ((pages - 1) * 8).next_power_of_two() } else { 0 };
         if prp_list_bytes > PAGE_BYTES {
-            return Err(setup_error("PRP lists longer than one page are not supported; lower --ioctx-bytes"));
+            return Err(flag_error("PRP lists longer than one page are not supported; lower --ioctx-bytes"));
         }
         let buffer_slots = (shape.buffer_bytes_max / u64::from(shape.ioctx_bytes))
             .min(u64::from(shape.iocb_count_max) * u64::from(shape.ioctxs_per_iocb))
