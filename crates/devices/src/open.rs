@@ -157,13 +157,34 @@ fn file_identity(path: &Path) -> Option<FileIdentity> {
     match std::fs::metadata(path) {
         Ok(metadata) if metadata.file_type().is_block_device() => Some(FileIdentity::BlockDevice { rdev: metadata.rdev() }),
         Ok(metadata) => Some(FileIdentity::Inode { dev: metadata.dev(), ino: metadata.ino() }),
-        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
-            let name = path.file_name()?;
-            let directory = path.parent().filter(|parent| !parent.as_os_str().is_empty()).unwrap_or(Path::new("."));
-            Some(FileIdentity::ToCreate(std::fs::canonicalize(directory).ok()?.join(name)))
-        }
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => to_create(path),
         Err(_) => None,
     }
+}
+
+/// Most symbolic links followed to find where a file to be created will be: the kernel's own
+/// limit (`MAXSYMLINKS`), past which opening it fails with `ELOOP` anyway.
+const SYMLINKS_MAX: usize = 40;
+
+/// Where creating `path` (which does not resolve to an existing file) makes the file: the
+/// target of a dangling symbolic link, not the link, since opening with `O_CREAT` follows it.
+/// Without this, `link.img -> target.img` and `target.img` would look like two files.
+fn to_create(path: &Path) -> Option<FileIdentity> {
+    let mut path = path.to_path_buf();
+    for _ in 0..=SYMLINKS_MAX {
+        let directory = path.parent().filter(|parent| !parent.as_os_str().is_empty()).unwrap_or(Path::new(".")).to_path_buf();
+        match std::fs::symlink_metadata(&path) {
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
+                let name = path.file_name()?;
+                return Some(FileIdentity::ToCreate(std::fs::canonicalize(&directory).ok()?.join(name)));
+            }
+            // A relative target is relative to the link's directory; an absolute one replaces it.
+            Ok(metadata) if metadata.file_type().is_symlink() => path = directory.join(std::fs::read_link(&path).ok()?),
+            // Created meanwhile, or cannot be looked at: opening it says what it is.
+            _ => return None,
+        }
+    }
+    None
 }
 
 /// Refuses two specs naming one file ([`DeviceError::DuplicateFile`], naming both): `emu:`
@@ -279,6 +300,33 @@ mod tests {
         // Different files, and a file beside a memory device, open.
         let specs = [parse(&format!("emu:{dir}/p.img")), parse(&format!("emu:{dir}/sub/r.img")), parse("emu:mem:8m")];
         assert_eq!(open_in_one_space(&specs, &creating).unwrap().len(), 3);
+    }
+
+    #[test]
+    fn a_dangling_symlink_and_its_target_to_be_created_are_one_file() {
+        // Goal: creating through a dangling symlink creates its target, so link.img ->
+        // target.img and target.img (neither existing yet) are one file: refused, however the
+        // link is written (absolute, relative, through a second link), before anything is made.
+        let directory = tempfile::tempdir().unwrap();
+        let dir = directory.path().display().to_string();
+        std::fs::create_dir(directory.path().join("sub")).unwrap();
+        std::os::unix::fs::symlink(directory.path().join("target.img"), directory.path().join("link.img")).unwrap();
+        std::os::unix::fs::symlink("../target.img", directory.path().join("sub/relative.img")).unwrap();
+        std::os::unix::fs::symlink("link.img", directory.path().join("chain.img")).unwrap();
+        let creating = EmuOptions { create_bytes: Some(8 << 20), ..EmuOptions::default() };
+        for link in ["link.img", "sub/relative.img", "chain.img"] {
+            let specs = [parse(&format!("emu:{dir}/{link}")), parse(&format!("emu:{dir}/target.img"))];
+            let error = open_in_one_space(&specs, &creating).err().unwrap();
+            assert!(matches!(error, DeviceError::DuplicateFile { .. }), "{link}: {error}");
+            assert!(!directory.path().join("target.img").exists(), "{link}: refused before the file was created");
+        }
+        // A symlink loop cannot be told apart (opening it fails on its own); it is not a panic.
+        std::os::unix::fs::symlink("loop.img", directory.path().join("loop.img")).unwrap();
+        assert_eq!(file_identity(&directory.path().join("loop.img")), None);
+        // A dangling link to a different file is a different file.
+        let specs = [parse(&format!("emu:{dir}/link.img")), parse(&format!("emu:{dir}/other.img"))];
+        assert_eq!(open_in_one_space(&specs, &creating).unwrap().len(), 2);
+        assert!(directory.path().join("target.img").exists(), "created through the link");
     }
 
     #[test]
