@@ -34,7 +34,7 @@ def cluster(tuttid):
     """tuttid, the scheduler-side connector (this process) and TP_WORLD worker processes."""
     daemon = tuttid(harness.TUTTID_GEOMETRY)
     scheduler = harness.make_connector(harness.vllm_config(daemon.socket, TP_WORLD), KVConnectorRole.SCHEDULER)
-    workers = [harness.Worker(daemon.socket, TP_WORLD, rank) for rank in range(TP_WORLD)]
+    workers = harness.start_workers(daemon.socket, TP_WORLD)
     yield daemon, scheduler, workers
     for worker in workers:
         worker.stop()
@@ -42,7 +42,7 @@ def cluster(tuttid):
 
 
 def step(workers, metadata, finished=frozenset(), layerwise=True):
-    return [worker.call("step", metadata, set(finished), layerwise) for worker in workers]
+    return harness.call_all(workers, "step", metadata, set(finished), layerwise)
 
 
 def wait_finished(workers, req_id: str) -> None:
@@ -155,6 +155,47 @@ def test_load_errors_are_reported_per_block(cluster):
     scheduler.update_connector_output(KVConnectorOutput(invalid_block_ids={40, 41}))
     # Reported once.
     assert all(result["load_errors"] == set() for result in step(workers, TuttiConnectorMetadata()))
+
+
+def test_a_load_failing_on_one_rank_cancels_the_same_step_save_on_every_rank(cluster):
+    """Goal: a request that loads a cached prefix and saves its prompt in the same step saves on
+    no rank when its load failed on one: the other rank's forward used the failed rank's heads
+    (TP all-reduces), so its new blocks are wrong too, and committed they would later pair with
+    the failed rank's good ones under one prefix. Both ranks report the save over (a miss); the
+    prefix stays cached on no rank beyond what was there."""
+    daemon, scheduler, workers = cluster
+    prompt_a = prompt(5, blocks=2, tail=0)
+    request_a = harness.request("A", prompt_a)
+    scheduler.update_state_after_alloc(request_a, harness.blocks([1, 2]), 0)
+    meta = scheduler.build_connector_meta(harness.scheduler_output(new=[("A", prompt_a, [1, 2], 0, len(prompt_a))]))
+    for worker in workers:
+        worker.call("fill", [1, 2], 5)
+    step(workers, meta)
+    scheduler.request_finished(request_a, [1, 2])
+    wait_finished(workers, "A")
+
+    # B: A's two blocks, then two blocks of its own; rank 0's load fails.
+    prompt_b = prompt_a + prompt(6, blocks=2, tail=3)
+    blocks_b = [10, 11, 12, 13, 14]
+    request_b = harness.request("B", prompt_b)
+    assert scheduler.get_num_new_matched_tokens(request_b, 0) == (2 * harness.BLOCK_TOKENS, False)
+    scheduler.update_state_after_alloc(request_b, harness.blocks(blocks_b), 2 * harness.BLOCK_TOKENS)
+    meta = scheduler.build_connector_meta(
+        harness.scheduler_output(new=[("B", prompt_b, blocks_b, 2 * harness.BLOCK_TOKENS, len(prompt_b) - 2 * harness.BLOCK_TOKENS)])
+    )
+    assert [load.req_id for load in meta.loads] == ["B"] and [save.req_id for save in meta.saves] == ["B"]
+    for worker in workers:
+        worker.call("fill", blocks_b[2:], 6)
+    workers[0].call("fail_loads")
+    results = step(workers, meta)
+    assert results[0]["load_errors"] == {10, 11} and results[1]["load_errors"] == set()
+    assert scheduler.request_finished(request_b, blocks_b) == (True, None)
+    wait_finished(workers, "B")  # reported over on both ranks: a miss, the blocks can be freed
+    for rank in range(TP_WORLD):
+        with tutti.LookupClient.connect(
+            daemon.socket, model_fingerprint=scheduler._fingerprint, tp_rank=rank, tp_world=TP_WORLD
+        ) as lookup:
+            assert lookup.lookup(prompt_b) == 2, f"rank {rank} committed the blocks computed after a failed load"
 
 
 def test_preemption_resets_and_saves_again_after_resume(cluster):

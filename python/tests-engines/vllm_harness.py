@@ -10,8 +10,10 @@ over a pipe. Every wait is bounded.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import multiprocessing
+import socket as socketlib
 import traceback
 from typing import Any, Optional
 
@@ -208,21 +210,33 @@ def _tutti() -> Any:
 
 
 class Worker:
-    """The test's handle on one worker process (one TP rank)."""
+    """The test's handle on one worker process (one TP rank). With `distributed_port`, the
+    process joins vLLM's distributed environment first (gloo over loopback, as vLLM's own CPU
+    workers do): its TP group is then real, and the workers of a TP group must be started
+    together (`start_workers`) and stepped together (`call_all`)."""
 
-    def __init__(self, socket: str, tp_world: int, rank: int) -> None:
+    def __init__(self, socket: str, tp_world: int, rank: int, distributed_port: Optional[int] = None, ready: bool = True) -> None:
         context = multiprocessing.get_context("spawn")
         self._pipe, child = context.Pipe()
-        self.process = context.Process(target=_worker_main, args=(child, socket, tp_world, rank), daemon=True)
+        self.process = context.Process(
+            target=_worker_main, args=(child, socket, tp_world, rank, distributed_port), daemon=True
+        )
         self.process.start()
         self.rank = rank
-        self._expect_ready()
+        if ready:
+            self._expect_ready()
 
     def _expect_ready(self) -> None:
         self.call("ping")
 
     def call(self, command: str, *args: Any) -> Any:
+        self.send(command, *args)
+        return self.receive(command)
+
+    def send(self, command: str, *args: Any) -> None:
         self._pipe.send((command, args))
+
+    def receive(self, command: str) -> Any:
         if not self._pipe.poll(REPLY_TIMEOUT_S):
             raise AssertionError(f"worker {self.rank} did not answer {command} within {REPLY_TIMEOUT_S} s")
         status, value = self._pipe.recv()
@@ -242,10 +256,47 @@ class Worker:
             self.process.join(timeout=10)
 
 
-def _worker_main(pipe: Any, socket: str, tp_world: int, rank: int) -> None:
+def start_workers(socket: str, tp_world: int) -> list[Worker]:
+    """A TP group's worker processes in one real vLLM distributed environment."""
+    with contextlib.closing(socketlib.socket()) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    workers = [Worker(socket, tp_world, rank, distributed_port=port, ready=False) for rank in range(tp_world)]
+    for worker in workers:
+        worker.send("ping")
+    for worker in workers:
+        worker.receive("ping")
+    return workers
+
+
+def call_all(workers: list[Worker], command: str, *args: Any) -> list[Any]:
+    """`command` on every worker at once (a step: the ranks meet in collectives)."""
+    for worker in workers:
+        worker.send(command, *args)
+    return [worker.receive(command) for worker in workers]
+
+
+def _join_distributed(socket: str, tp_world: int, rank: int, port: int) -> None:
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+    with set_current_vllm_config(vllm_config(socket, tp_world, rank)):
+        init_distributed_environment(
+            world_size=tp_world,
+            rank=rank,
+            distributed_init_method=f"tcp://127.0.0.1:{port}",
+            local_rank=rank,
+            backend="gloo",
+        )
+        initialize_model_parallel(tensor_model_parallel_size=tp_world, backend="gloo")
+
+
+def _worker_main(pipe: Any, socket: str, tp_world: int, rank: int, distributed_port: Optional[int]) -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     state: dict[str, Any] = {}
+    if distributed_port is not None:
+        _join_distributed(socket, tp_world, rank, distributed_port)
     while True:
         command, args = pipe.recv()
         try:
@@ -269,6 +320,25 @@ def _worker_main(pipe: Any, socket: str, tp_world: int, rank: int) -> None:
 
 def _block_bytes(caches: dict[str, torch.Tensor], name: str, block: int) -> torch.Tensor:
     return caches[name][block].view(torch.uint8).reshape(-1)
+
+
+class StoreWithFailingLoads:
+    """A tutti.Store whose loads fail when their layers are waited for; its saves are real."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    def prepare_retrieve(self, tokens: list[int], block_ids: list[int], first_block: int = 0) -> Any:
+        return FailingWait(self._store.prepare_retrieve(tokens, block_ids, first_block=first_block))
+
+
+def _do_fail_loads(state: dict, rank: int) -> None:
+    """From now on this worker's loads fail (its session's store wrapped)."""
+    connector = state["connector"]
+    connector._store = StoreWithFailingLoads(connector._store)
 
 
 def _do_fill(state: dict, rank: int, block_ids: list[int], seed: int) -> None:

@@ -96,6 +96,9 @@ class WorkerSide:
         # Whether this step's loads were started (by start_load_kv, or by the first
         # wait_for_layer_load if vLLM had not called it before the forward).
         self._loads_started = False
+        # Requests whose load failed on this rank in this step (their saves are cancelled on
+        # every rank: `_agree_on_failed_loads`).
+        self._loads_failed_in_step: set[str] = set()
         # Saves past this worker's step: None while the committer holds one, then whether it was
         # committed. Kept until vLLM names the request finished and get_finished reports it.
         self._save_done: dict[str, Optional[bool]] = {}
@@ -245,6 +248,7 @@ class WorkerSide:
         """The worker's part of bind_connector_metadata: prepares the step's saves."""
         assert isinstance(connector_metadata, TuttiConnectorMetadata)
         self._loads_started = False
+        self._loads_failed_in_step = set()
         self._reattach_if_due()
         self._end_session_if_broken()
         self._prepare_saves(connector_metadata.saves)
@@ -303,6 +307,7 @@ class WorkerSide:
         # Loads are synchronous: one whose later layers vLLM did not wait for ends in this step.
         if self._layers:
             self.wait_for_layer_load(self._layer_names[-1])
+        self._agree_on_failed_loads()
         if self._saves:
             self._gpu_writes_done()
         for req_id, state in list(self._saves.items()):
@@ -455,17 +460,52 @@ class WorkerSide:
         self._failed_block_ids.update(state.block_ids)
         self._cancel_save_of_failed_load(req_id)
 
-    def _cancel_save_of_failed_load(self, req_id: str) -> None:
+    def _cancel_save_of_failed_load(self, req_id: str, on_this_rank: bool = True) -> None:
         """A request whose load failed saves nothing in this step: its blocks hold what vLLM had
         there before (recomputed only after the step), and the blocks after them were computed
         against those. Its save (prepared when the metadata was bound, possibly with layers
-        issued) is given up, never committed, and reported through get_finished as a miss."""
+        issued) is given up, never committed, and reported through get_finished as a miss.
+        `on_this_rank`: False when the load failed on another TP rank (`_agree_on_failed_loads`)."""
+        if on_this_rank:
+            self._loads_failed_in_step.add(req_id)
         state = self._saves.pop(req_id, None)
         if state is None:
             return
-        logger.warning("tutti: save of request %s cancelled: its load in the same step failed", req_id)
+        where = "" if on_this_rank else " on another tensor-parallel rank"
+        logger.warning("tutti: save of request %s cancelled: its load in the same step failed%s", req_id, where)
         # Its layers in flight only read vLLM's blocks; see _give_up_save.
         self._give_up_save(req_id, state)
+
+    def _agree_on_failed_loads(self) -> None:
+        """With tensor parallelism, a request that loads blocks and saves in the same step saves
+        on no rank if its load failed on any: every rank's forward mixes every rank's heads (the
+        all-reduce after each layer), so the blocks computed in the step after a failed load are
+        wrong on every rank, not only on the one whose load failed, and a rank's committed
+        blocks would later pair with another rank's good ones under one prefix. The ranks agree
+        in one all-reduce over vLLM's TP CPU group, only in steps that have such a request:
+        every rank takes part, whatever its own session's state, since every rank gets the same
+        metadata. Ranks that cannot agree (the group is not there, the collective failed)
+        commit none of those saves."""
+        if self._tp_world <= 1 or not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, TuttiConnectorMetadata)
+        saving = {save.req_id for save in meta.saves}
+        joint = sorted({load.req_id for load in meta.loads if load.req_id in saving and load.block_ids[load.first_block :]})
+        if not joint:
+            return
+        failed_here = [req_id in self._loads_failed_in_step for req_id in joint]
+        try:
+            failed_anywhere = _failed_on_any_rank(failed_here)
+        except Exception as error:  # noqa: BLE001 - whatever the failure, no rank may commit
+            logger.error(
+                "tutti: the tensor-parallel ranks could not agree on this step's loads (%s); the saves of requests %s are cancelled",
+                error, joint,
+            )  # fmt: skip
+            failed_anywhere = [True] * len(joint)
+        for req_id, anywhere, here in zip(joint, failed_anywhere, failed_here):
+            if anywhere and not here:
+                self._cancel_save_of_failed_load(req_id, on_this_rank=False)
 
     def _fail_save(self, req_id: str, state: _WorkerSave, error: Exception) -> None:
         logger.warning("tutti: save of request %s failed (%s); nothing of it becomes visible", req_id, error)
@@ -644,6 +684,18 @@ class WorkerSide:
                     self._note_daemon_failure(error, session)
                     self._settle_save(request, session)
             self._save_settled(req_id, token, committed)
+
+
+def _failed_on_any_rank(failed_here: list[bool]) -> list[bool]:
+    """Element-wise OR of `failed_here` over vLLM's tensor-parallel group (its CPU group, gloo:
+    bounded by the group's timeout, as vLLM's own collectives)."""
+    from vllm.distributed.parallel_state import get_tp_group, model_parallel_is_initialized
+
+    if not model_parallel_is_initialized():
+        raise RuntimeError("vLLM's tensor-parallel group is not initialised")
+    flags = torch.tensor(failed_here, dtype=torch.int32)
+    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=get_tp_group().cpu_group)
+    return [bool(flag) for flag in flags.tolist()]
 
 
 def _tp_rank(vllm_config: "VllmConfig", tp_world: int) -> int:
