@@ -13,6 +13,9 @@ use scheduler::sweep::{
 use serde::Serialize;
 use tutti_cli::outln;
 
+/// The most decode steps `--decode-steps` takes.
+const DECODE_STEPS_MAX: i64 = 100_000;
+
 #[derive(Args, Debug)]
 pub struct SimulateArgs {
     /// Experiment preset: {llama3-8b,qwen3-32b}-{h100,h200}-{32k,128k}.
@@ -28,8 +31,10 @@ pub struct SimulateArgs {
     /// Print the summary as JSON on stdout.
     #[arg(long)]
     json: bool,
-    /// Decode steps simulated after the first token (where deferred writes go).
-    #[arg(long)]
+    /// Decode steps simulated after the first token (where deferred writes go): 0..=100000.
+    /// Each step is about one simulator event, and a sweep simulates every point, so the bound
+    /// keeps a run well inside the simulator's event budget and minutes of time.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(0..=DECODE_STEPS_MAX))]
     decode_steps: Option<u32>,
     /// Hit rate of the prefix-length sweep across input lengths.
     #[arg(long)]

@@ -362,6 +362,25 @@ fn io_flags_the_device_cannot_take_are_status_2() {
 }
 
 #[test]
+fn simulate_decode_steps_and_io_repetitions_are_bounded_at_parse() {
+    // Goal: --decode-steps 4000000000 ran until the simulator's event budget ran out and was
+    // reported as an invalid policy decision (1); --repetitions had no upper bound. Both are
+    // refused at parse (2) with the range accepted.
+    let _one = exclusive();
+    let dir = scratch("bounds");
+    let (code, text) = status(&["simulate", "--decode-steps", "4000000000", "--out", dir.join("sim").to_str().unwrap()]);
+    assert_eq!(code, Some(2), "{text}");
+    assert!(text.contains("--decode-steps") && text.contains("0..=100000"), "{text}");
+    for repetitions in ["0", "1001"] {
+        let (code, text) =
+            status(&["io", "--device", "emu:mem:16m", "--repetitions", repetitions, "--out", dir.join("io.json").to_str().unwrap()]);
+        assert_eq!(code, Some(2), "{repetitions}: {text}");
+        assert!(text.contains("--repetitions") && text.contains("1..=1000"), "{repetitions}: {text}");
+    }
+    assert!(!dir.join("io.json").exists());
+}
+
+#[test]
 fn a_nan_in_a_table_is_named_in_words() {
     // Goal (issue 17 item 9): a NaN in a table used to get only serde's "expected value at line
     // 1 column N"; now the field, the position and why it cannot be read.

@@ -51,8 +51,8 @@ pub struct IoArgs {
     /// SM budgets to measure (comma-separated); the CPU executor runs one worker thread per SM.
     #[arg(long, value_delimiter = ',', default_value = "1,2")]
     sm_budgets: Vec<u32>,
-    /// Samples per grid point (median kept).
-    #[arg(long, default_value_t = 3)]
+    /// Samples per grid point (median kept): 1..=1000.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=1000))]
     repetitions: u32,
     /// IOCTXs per IOCB (the presets' IOCB: 256 IOCTXs of 32 KiB).
     #[arg(long, default_value_t = 256)]
