@@ -3,7 +3,7 @@
 
 use std::time::Instant;
 
-use etcd_client::{GetOptions, Txn, TxnOp, TxnOpResponse};
+use etcd_client::{Compare, CompareOp, GetOptions, Txn, TxnOp, TxnOpResponse};
 
 use crate::config::ClusterConfig;
 use crate::connection::{is_too_large, Connection};
@@ -104,21 +104,60 @@ impl ClusterClient {
         &self.config
     }
 
-    /// Deletes node `node`'s holder entries of `segments` in `space`, whatever lease they are
-    /// under: one transaction per `txn_ops_max` segments; returns the transactions. For a
-    /// node's successor after a crash, before it joins: its pool no longer holds segments the
-    /// dead process's lease still claims (docs/cluster.md, "A pool wiped while its lease
-    /// lived"). Not for a live node's eviction: `ClusterNode::unregister` deletes only while the
-    /// node's lease holds its id. Deleting an entry that is not there is not an error.
-    pub fn forget(&self, node: &NodeId, space: &ModelSpace, segments: &[Segment]) -> Result<usize> {
+    /// Deletes node `node`'s holder entries of `segments` in `space` for a node's successor
+    /// after a crash, before it joins: its pool no longer holds segments the dead process's
+    /// lease still claims (docs/cluster.md, "A pool wiped while its lease lived"). Only while
+    /// no live process holds the id: each transaction deletes only when `node`'s member key is
+    /// absent, or still under `lease_id`, the lease the dead process recorded (0: none known,
+    /// then only an absent key will do). Otherwise the entries may be a live process's (a
+    /// second tuttid started with the same node id) and nothing is deleted:
+    /// [`ClusterError::NodeIdTaken`] names the holder's lease. One transaction per
+    /// `txn_ops_max` segments; returns the transactions. Not for a live node's eviction:
+    /// `ClusterNode::unregister` deletes under its own lease. Deleting an entry that is not
+    /// there is not an error.
+    pub fn forget(&self, node: &NodeId, lease_id: i64, space: &ModelSpace, segments: &[Segment]) -> Result<usize> {
+        let member_key = self.layout.member_key(node);
         let mut transactions = 0;
         for chunk in segments.chunks(self.config.txn_ops_max) {
             let deletes: Vec<TxnOp> =
                 chunk.iter().map(|segment| TxnOp::delete(self.layout.segment_key(space, segment.key, node), None)).collect();
-            self.connection.call_kv("forget segments", |mut client| {
-                let transaction = Txn::new().and_then(deletes.clone());
+            // Absent, else (a nested transaction: etcd ands the comparisons of one) under the
+            // recorded lease, else read the holder for the error.
+            let absent = Compare::create_revision(member_key.clone(), CompareOp::Equal, 0);
+            let mut under_recorded = Txn::new().and_then([TxnOp::get(member_key.clone(), None)]);
+            if lease_id != 0 {
+                under_recorded = Txn::new()
+                    .when([Compare::lease(member_key.clone(), CompareOp::Equal, lease_id)])
+                    .and_then(deletes.clone())
+                    .or_else([TxnOp::get(member_key.clone(), None)]);
+            }
+            let answer = self.connection.call_kv("forget segments", |mut client| {
+                let transaction = Txn::new().when([absent.clone()]).and_then(deletes.clone()).or_else([TxnOp::txn(under_recorded.clone())]);
                 async move { client.txn(transaction).await }
             })?;
+            if !answer.succeeded() {
+                let nested = answer.op_responses().into_iter().find_map(|response| match response {
+                    TxnOpResponse::Txn(nested) => Some(nested),
+                    _ => None,
+                });
+                let Some(nested) = nested else {
+                    return Err(ClusterError::MalformedRecord {
+                        key: member_key,
+                        reason: "etcd answered a forget's guard with another kind of result",
+                    });
+                };
+                if lease_id == 0 || !nested.succeeded() {
+                    let holder = nested.op_responses().into_iter().find_map(|response| match response {
+                        TxnOpResponse::Get(range) => range.kvs().first().map(|entry| entry.lease()),
+                        _ => None,
+                    });
+                    return Err(ClusterError::NodeIdTaken {
+                        cluster: self.layout.cluster().to_string(),
+                        node: node.to_string(),
+                        lease_id: holder.unwrap_or(0),
+                    });
+                }
+            }
             transactions += 1;
         }
         Ok(transactions)

@@ -494,3 +494,42 @@ fn delete_raw(etcd: &tutti_cluster::local_etcd::LocalEtcd, key: &str) {
         client.delete(key, None).await.unwrap();
     });
 }
+
+#[test]
+fn forget_deletes_only_while_no_live_process_holds_the_node_id() {
+    // Goal: `forget` is for a crashed node's successor, before it joins. Node A joins and
+    // registers S; a second process with A's node id forgets S naming another lease (or none):
+    // A is alive under its own lease, so S stays registered and the answer is `NodeIdTaken`
+    // naming A's lease. Naming A's lease (the successor of A, its predecessor's lease recorded)
+    // deletes S; so does any forget once A's member key is gone.
+    let Some(etcd) = start_etcd(1) else { return };
+    let node_a = ClusterNode::join(config(&etcd, "forget"), record("a")).unwrap();
+    let lease_a = node_a.health().lease_id;
+    let segments = prompt(41, 2);
+    node_a.register(&space(), &segments).unwrap();
+    let other = ClusterClient::connect(config(&etcd, "forget")).unwrap();
+    for recorded in [0, lease_a + 1] {
+        match other.forget(&node("a"), recorded, &space(), &segments[..1]) {
+            Err(ClusterError::NodeIdTaken { lease_id, .. }) => assert_eq!(lease_id, lease_a, "recorded {recorded:#x}"),
+            result => panic!("forget with lease {recorded:#x} recorded while A lives: {result:?}"),
+        }
+        assert_eq!(other.lookup(&space(), &segments).unwrap().prefix_segments(), 2, "A's live entry was deleted");
+    }
+    assert_eq!(other.forget(&node("a"), lease_a, &space(), &segments[..1]).unwrap(), 1);
+    assert!(other.lookup(&space(), &segments).unwrap().holders.is_empty(), "the predecessor's lease recorded: deleted");
+    // A's member key gone (its lease revoked): nothing holds the id, so whatever was recorded.
+    // An entry under no lease (so it outlives A's) shows whether the forget deleted.
+    etcd.revoke_lease(lease_a).unwrap();
+    let cluster = ClusterId::new("forget").unwrap();
+    let entry = SegmentRecord {
+        node: node("a"),
+        space: space(),
+        key: segments[0].key,
+        index: segments[0].index,
+        segment_blocks: SegmentBlocks::new(SEGMENT_BLOCKS).unwrap(),
+    };
+    put_raw(&etcd, &[(KeyLayout::new(cluster.clone()).segment_key(&space(), segments[0].key, &node("a")), entry.encode(&cluster))]);
+    assert_eq!(other.lookup(&space(), &segments).unwrap().prefix_segments(), 1);
+    assert_eq!(other.forget(&node("a"), 0, &space(), &segments[..1]).unwrap(), 1);
+    assert!(other.lookup(&space(), &segments).unwrap().holders.is_empty(), "no member key: deleted");
+}

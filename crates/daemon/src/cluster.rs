@@ -408,7 +408,8 @@ impl ClusterAgent {
         // Segments the previous process held (and so may have registered: it journals a
         // segment before registering it) whose blocks this pool no longer has — a pool wiped or
         // replaced while the old lease lived. Their entries are deleted before this node joins,
-        // not left to claim them until that lease expires.
+        // not left to claim them until that lease expires — only while the member key is absent
+        // or under the lease the manifest recorded (`ClusterClient::forget`).
         let mut stale = Vec::new();
         for segment in &loaded.segments {
             if segment.keys.iter().all(|&key| index.get(key).is_some()) {
@@ -426,7 +427,9 @@ impl ClusterAgent {
         // Last, once nothing after it can fail: the file without the stale segments. A start
         // that failed before this leaves the manifest as it was, so the next start still finds
         // (and deletes the registrations of) the segments this pool lost.
-        let manifest = manifest::Manifest::rewrite(&settings.manifest, segment_blocks, held.iter()).map_err(io)?;
+        // The previous process's lease is kept until this one joins: a start that fails before
+        // then leaves the next one able to delete those registrations still.
+        let manifest = manifest::Manifest::rewrite(&settings.manifest, segment_blocks, loaded.lease_id, held.iter()).map_err(io)?;
         let (inbox, receiver) = std::sync::mpsc::sync_channel(settings.commits_queued_max.max(1));
         let state = Arc::new(AgentState::new());
         let record = tutti_cluster::MemberRecord {
@@ -435,7 +438,7 @@ impl ClusterAgent {
             capacity_bytes: pool_blocks.saturating_mul(block_bytes),
             fingerprints: Vec::new(),
         };
-        let recovered = registrar::Recovered { held, manifest, stale };
+        let recovered = registrar::Recovered { held, manifest, stale, previous_lease: loaded.lease_id };
         let registrar = Registrar::new(settings.registry.clone(), record, receiver, metrics.clone(), Arc::clone(&state), recovered);
         Ok(ClusterAgent { settings, inbox, registrar: Mutex::new(Some(registrar)), metrics, state, lookups, data_plane, data_address })
     }

@@ -14,11 +14,18 @@
 //! only registrations (a miss for other nodes), never serves a wrong byte. No fsync per record:
 //! the journal is a hint the index confirms, so a lost write costs a registration, not data.
 //!
+//! The journal also records the etcd lease the node joined under (each join and rejoin): a
+//! successor after a crash deletes the registrations of segments its pool lost only while the
+//! node id's member key is absent or still under that lease (`ClusterClient::forget`), never
+//! those of a live process holding the id.
+//!
 //! Format (little-endian): header `TSMF`, version u16, segment blocks u16, CRC-32 of those 8
-//! bytes; then records: tag u8 (1 held, 2 dropped), body length u16, body, CRC-32 of tag,
-//! length and body. A held body: fingerprint[32], TP rank u32, TP world u32, segment index u32,
-//! then the S block keys u64. A dropped body: fingerprint[32], rank u32, world u32, segment key
-//! u64.
+//! bytes; then records: tag u8 (1 held, 2 dropped, 3 lease), body length u16, body, CRC-32 of
+//! tag, length and body. A held body: fingerprint[32], TP rank u32, TP world u32, segment index
+//! u32, then the S block keys u64. A dropped body: fingerprint[32], rank u32, world u32, segment
+//! key u64. A lease body: the etcd lease id i64 (the last one counts). Version 2 added the lease
+//! record; a version 1 file (none) is read as before, and an older tuttid discards a version 2
+//! file whole rather than stopping at a record it does not know.
 
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
@@ -30,10 +37,13 @@ use tutti_cluster::{ModelSpace, SegmentBlocks, SegmentKey, FINGERPRINT_BYTES};
 use super::held::HeldSegment;
 
 const MAGIC: &[u8; 4] = b"TSMF";
-const VERSION: u16 = 1;
+const VERSION: u16 = 2;
+/// The version before the lease record, still read.
+const VERSION_WITHOUT_LEASE: u16 = 1;
 const HEADER_BYTES: usize = 12;
 const TAG_HELD: u8 = 1;
 const TAG_DROPPED: u8 = 2;
+const TAG_LEASE: u8 = 3;
 /// A manifest larger than this is not read (a live one is ~8 bytes per pool block, compacted at
 /// every start and when it doubles): a file that big was not written by tuttid.
 const FILE_BYTES_MAX: u64 = 8 << 30;
@@ -57,6 +67,9 @@ pub struct Loaded {
     pub dropped_bytes: u64,
     /// Why the whole file was discarded (another format or segment size), if it was.
     pub discarded: Option<String>,
+    /// The etcd lease the last lease record names (the previous process's, when it joined);
+    /// 0 when none (etcd never grants lease 0).
+    pub lease_id: i64,
 }
 
 /// The open journal.
@@ -67,6 +80,8 @@ pub struct Manifest {
     /// Records written since the file was last rewritten (compaction is due when they outgrow
     /// the live segments).
     records: u64,
+    /// The lease last recorded (0: none), written again by every rewrite.
+    lease_id: i64,
     /// Scratch for one record.
     record: Vec<u8>,
 }
@@ -76,10 +91,10 @@ fn io_context(path: &Path, doing: &str) -> impl FnOnce(std::io::Error) -> std::i
     move |error| std::io::Error::new(error.kind(), format!("{text}: {error}"))
 }
 
-fn header(segment_blocks: SegmentBlocks) -> [u8; HEADER_BYTES] {
+fn header(version: u16, segment_blocks: SegmentBlocks) -> [u8; HEADER_BYTES] {
     let mut bytes = [0u8; HEADER_BYTES];
     bytes[..4].copy_from_slice(MAGIC);
-    bytes[4..6].copy_from_slice(&VERSION.to_le_bytes());
+    bytes[4..6].copy_from_slice(&version.to_le_bytes());
     bytes[6..8].copy_from_slice(&segment_blocks.get().to_le_bytes());
     let crc = crc32fast::hash(&bytes[..8]);
     bytes[8..].copy_from_slice(&crc.to_le_bytes());
@@ -136,8 +151,10 @@ fn parse(bytes: &[u8], segment_blocks: SegmentBlocks) -> Loaded {
     if bytes.is_empty() {
         return loaded;
     }
-    if bytes.len() < HEADER_BYTES || bytes[..HEADER_BYTES] != header(segment_blocks) {
-        loaded.discarded = Some(if bytes.len() >= 8 && bytes[..4] == *MAGIC && bytes[4..6] == VERSION.to_le_bytes() {
+    let known = |version: u16| bytes.len() >= HEADER_BYTES && bytes[..HEADER_BYTES] == header(version, segment_blocks);
+    if !known(VERSION) && !known(VERSION_WITHOUT_LEASE) {
+        let version = if bytes.len() >= 8 { u16::from_le_bytes([bytes[4], bytes[5]]) } else { 0 };
+        loaded.discarded = Some(if bytes[..4.min(bytes.len())] == *MAGIC && (version == VERSION || version == VERSION_WITHOUT_LEASE) {
             format!("written for segments of {} blocks, not {}", u16::from_le_bytes([bytes[6], bytes[7]]), segment_blocks.get())
         } else {
             "not a segment manifest of this version".into()
@@ -153,6 +170,12 @@ fn parse(bytes: &[u8], segment_blocks: SegmentBlocks) -> Loaded {
     while at < bytes.len() {
         let Some(record) = read_record(&bytes[at..]) else { break };
         let (tag, body, record_bytes) = record;
+        if tag == TAG_LEASE {
+            let Some(lease_id) = u64_at(body, 0).filter(|_| body.len() == 8) else { break };
+            loaded.lease_id = lease_id as i64;
+            at += record_bytes;
+            continue;
+        }
         let entry = match tag {
             TAG_HELD if body.len() == held_bytes => {
                 let keys: Option<Vec<u64>> =
@@ -201,11 +224,13 @@ fn read_record(bytes: &[u8]) -> Option<(u8, &[u8], usize)> {
 }
 
 impl Manifest {
-    /// Rewrites the file with exactly `segments` (a new file, then renamed over the old one, so
-    /// a crash leaves one or the other whole) and opens it for appending.
+    /// Rewrites the file with exactly `segments` and the lease `lease_id` (0: none; a start
+    /// keeps the previous process's until this one joins) — a new file, then renamed over the
+    /// old one, so a crash leaves one or the other whole — and opens it for appending.
     pub fn rewrite<'a>(
         path: &Path,
         segment_blocks: SegmentBlocks,
+        lease_id: i64,
         segments: impl Iterator<Item = &'a HeldSegment>,
     ) -> std::io::Result<Manifest> {
         let mut temporary = path.as_os_str().to_owned();
@@ -216,7 +241,12 @@ impl Manifest {
         {
             let file = File::create(&temporary).map_err(io_context(&temporary, "creating"))?;
             let mut writer = BufWriter::new(file);
-            writer.write_all(&header(segment_blocks)).map_err(io_context(&temporary, "writing"))?;
+            writer.write_all(&header(VERSION, segment_blocks)).map_err(io_context(&temporary, "writing"))?;
+            if lease_id != 0 {
+                lease_record(&mut record, lease_id);
+                writer.write_all(&record).map_err(io_context(&temporary, "writing"))?;
+                records += 1;
+            }
             for held in segments {
                 held_record(&mut record, &held.space, held.segment.index, &held.keys);
                 writer.write_all(&record).map_err(io_context(&temporary, "writing"))?;
@@ -234,7 +264,7 @@ impl Manifest {
             }
         }
         let file = OpenOptions::new().append(true).open(path).map_err(io_context(path, "opening"))?;
-        Ok(Manifest { path: path.to_owned(), segment_blocks, file: BufWriter::new(file), records, record })
+        Ok(Manifest { path: path.to_owned(), segment_blocks, file: BufWriter::new(file), records, lease_id, record })
     }
 
     pub fn path(&self) -> &Path {
@@ -248,6 +278,21 @@ impl Manifest {
     /// Records written since the last rewrite.
     pub fn records(&self) -> u64 {
         self.records
+    }
+
+    /// The lease last recorded (0: none).
+    pub fn lease_id(&self) -> i64 {
+        self.lease_id
+    }
+
+    /// Appends "this node joined under lease `lease_id`" and hands it to the kernel at once: a
+    /// crash after the join must leave it for the successor (see the module docs).
+    pub fn lease(&mut self, lease_id: i64) -> std::io::Result<()> {
+        lease_record(&mut self.record, lease_id);
+        self.records += 1;
+        self.lease_id = lease_id;
+        self.file.write_all(&self.record).map_err(io_context(&self.path, "appending to"))?;
+        self.flush()
     }
 
     /// Appends "this node holds segment `index` of `space`, made of `keys`" (buffered until
@@ -272,6 +317,10 @@ impl Manifest {
     pub fn flush(&mut self) -> std::io::Result<()> {
         self.file.flush().map_err(io_context(&self.path, "writing"))
     }
+}
+
+fn lease_record(out: &mut Vec<u8>, lease_id: i64) {
+    frame(out, TAG_LEASE, |out| out.extend_from_slice(&lease_id.to_le_bytes()));
 }
 
 fn held_record(out: &mut Vec<u8>, space: &ModelSpace, index: u32, keys: &[u64]) {
@@ -308,7 +357,7 @@ mod tests {
         let directory = tempfile::tempdir().unwrap();
         let path = directory.path().join("manifest");
         assert!(load(&path, blocks()).unwrap().segments.is_empty(), "a missing file is empty");
-        let mut manifest = Manifest::rewrite(&path, blocks(), std::iter::empty()).unwrap();
+        let mut manifest = Manifest::rewrite(&path, blocks(), 0, std::iter::empty()).unwrap();
         manifest.held(&space(1), 0, &keys(1)).unwrap();
         manifest.held(&space(1), 1, &keys(17)).unwrap();
         manifest.held(&space(2), 0, &keys(1)).unwrap();
@@ -326,7 +375,7 @@ mod tests {
         for segment in &loaded.segments {
             held.insert(segment.space, segment.index, &segment.keys);
         }
-        let mut manifest = Manifest::rewrite(&path, blocks(), held.iter()).unwrap();
+        let mut manifest = Manifest::rewrite(&path, blocks(), 0, held.iter()).unwrap();
         assert_eq!(manifest.records(), 2);
         manifest.held(&space(3), 2, &keys(40)).unwrap();
         manifest.flush().unwrap();
@@ -336,13 +385,44 @@ mod tests {
     }
 
     #[test]
+    fn the_lease_last_joined_under_is_kept_across_rewrites() {
+        // Goal: the lease a node joined under is read back (the last record counts), kept by a
+        // rewrite (a start that rewrites before joining must leave the previous process's lease
+        // for the next), and a version 1 file, which has none, is still read.
+        let directory = tempfile::tempdir().unwrap();
+        let path = directory.path().join("manifest");
+        let mut manifest = Manifest::rewrite(&path, blocks(), 0, std::iter::empty()).unwrap();
+        assert_eq!(load(&path, blocks()).unwrap().lease_id, 0);
+        manifest.lease(0x1111).unwrap();
+        manifest.held(&space(1), 0, &keys(1)).unwrap();
+        manifest.lease(0x2222).unwrap();
+        manifest.flush().unwrap();
+        let loaded = load(&path, blocks()).unwrap();
+        assert_eq!((loaded.lease_id, loaded.segments.len(), loaded.dropped_bytes), (0x2222, 1, 0));
+        let mut held = HeldSegments::default();
+        held.insert(space(1), 0, &keys(1));
+        let manifest = Manifest::rewrite(&path, blocks(), loaded.lease_id, held.iter()).unwrap();
+        assert_eq!(manifest.lease_id(), 0x2222);
+        drop(manifest);
+        let loaded = load(&path, blocks()).unwrap();
+        assert_eq!((loaded.lease_id, loaded.segments.len()), (0x2222, 1));
+
+        let mut version_1 = header(VERSION_WITHOUT_LEASE, blocks()).to_vec();
+        let mut record = Vec::new();
+        held_record(&mut record, &space(1), 0, &keys(1));
+        version_1.extend_from_slice(&record);
+        let loaded = parse(&version_1, blocks());
+        assert_eq!((loaded.lease_id, loaded.segments.len(), loaded.discarded), (0, 1, None));
+    }
+
+    #[test]
     fn a_torn_or_damaged_journal_is_trusted_only_up_to_its_last_sound_record() {
         // Goal: every truncation and every flipped byte of a two-record journal yields a prefix
         // of its records (never a record that was not written, never a panic); a header of
         // another segment size or format discards the file.
         let directory = tempfile::tempdir().unwrap();
         let path = directory.path().join("manifest");
-        let mut manifest = Manifest::rewrite(&path, blocks(), std::iter::empty()).unwrap();
+        let mut manifest = Manifest::rewrite(&path, blocks(), 0, std::iter::empty()).unwrap();
         manifest.held(&space(1), 0, &keys(1)).unwrap();
         manifest.held(&space(1), 1, &keys(17)).unwrap();
         manifest.flush().unwrap();

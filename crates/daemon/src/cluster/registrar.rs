@@ -6,7 +6,9 @@
 //!    committed become held. Then, without the lock, the manifest records both.
 //! 2. **etcd, without any lock**, when no backoff is pending: before the first join, delete the
 //!    entries of segments the manifest listed but the pool no longer holds (a wiped pool: the
-//!    previous process's lease may still claim them); join (or rejoin after a lost lease:
+//!    previous process's lease may still claim them), only while the node id's member key is
+//!    absent or under the lease the manifest recorded — never a live process's that holds the
+//!    id; join (recording the lease in the manifest), or rejoin after a lost lease:
 //!    a new lease has no registrations, so every held segment is registered again); update the
 //!    member record when the set of models changed; unregister broken segments; register held
 //!    ones, one transaction per `txn_ops_max` segments of one model space, at most
@@ -56,6 +58,9 @@ pub(super) struct Recovered {
     /// Segments the manifest listed that the pool no longer holds (their registrations, if
     /// any, are deleted before the first join).
     pub stale: Vec<(ModelSpace, Segment)>,
+    /// The lease the previous process recorded in the manifest (0: none): `stale` is deleted
+    /// only while the member key is absent or under it.
+    pub previous_lease: i64,
 }
 
 /// See the module docs.
@@ -72,8 +77,10 @@ pub(crate) struct Registrar {
     /// Broken segments still registered under the current lease.
     to_unregister: Vec<(ModelSpace, Segment)>,
     /// Before the first join: segments the previous process may have registered that this pool
-    /// no longer holds (from the manifest), to delete first.
+    /// no longer holds (from the manifest, and those evicted since), to delete first.
     stale: Vec<(ModelSpace, Segment)>,
+    /// The previous process's lease, from the manifest (0: none).
+    previous_lease: i64,
     /// The unregister queue overflowed: rejoin rather than unregister one by one.
     rejoin_needed: bool,
     backoff: Duration,
@@ -94,7 +101,7 @@ impl Registrar {
         state: Arc<AgentState>,
         recovered: Recovered,
     ) -> Registrar {
-        let Recovered { held, manifest, stale } = recovered;
+        let Recovered { held, manifest, stale, previous_lease } = recovered;
         Registrar {
             config,
             record,
@@ -106,6 +113,7 @@ impl Registrar {
             node: None,
             to_unregister: Vec::new(),
             stale,
+            previous_lease,
             rejoin_needed: false,
             backoff: BACKOFF_FIRST,
             next_attempt: Instant::now(),
@@ -209,7 +217,8 @@ impl Registrar {
         if let Some(manifest) = self.manifest.as_mut() {
             let result = if manifest.records() > 2 * self.held.len() as u64 + 4096 {
                 // Compaction: the journal outgrew what it describes.
-                Manifest::rewrite(manifest.path(), manifest.segment_blocks(), self.held.iter()).map(|fresh| *manifest = fresh)
+                Manifest::rewrite(manifest.path(), manifest.segment_blocks(), manifest.lease_id(), self.held.iter())
+                    .map(|fresh| *manifest = fresh)
             } else {
                 manifest.flush()
             };
@@ -237,6 +246,7 @@ impl Registrar {
             let record = MemberRecord { fingerprints: fingerprints.clone(), ..self.record.clone() };
             let node = ClusterNode::join(self.config.clone(), record)?;
             tracing::info!(node = %self.record.node, lease_id = node.health().lease_id, "joined the cluster");
+            self.record_lease(node.health().lease_id);
             self.joined_anew();
             self.node = Some(node);
         }
@@ -248,6 +258,12 @@ impl Registrar {
             }
             node.rejoin()?;
             tracing::info!(lease_id = node.health().lease_id, "rejoined the cluster");
+            let lease_id = node.health().lease_id;
+            if let Some(manifest) = self.manifest.as_mut() {
+                if let Err(error) = manifest.lease(lease_id) {
+                    manifest_failed(&mut self.manifest, &self.metrics, error);
+                }
+            }
             self.rejoin_needed = false;
             self.held.unregister_all();
             self.to_unregister.clear();
@@ -301,7 +317,10 @@ impl Registrar {
 
     /// Deletes this node id's entries of the stale segments (up to [`TRANSACTIONS_PER_PASS`]
     /// transactions per pass), before the first join and so before any registration of this
-    /// process: nothing it registers itself is deleted.
+    /// process: nothing it registers itself is deleted. Only while the member key is absent or
+    /// under the previous process's lease: a live process holding the id (another tuttid started
+    /// with it) keeps its entries, and the stale list is dropped (whatever the previous process
+    /// registered vanishes with its lease).
     fn forget_stale(&mut self, stop: &StopHandle) -> Result<(), ClusterError> {
         let client = ClusterClient::connect(self.config.clone())?;
         let batch_max = self.config.txn_ops_max;
@@ -317,15 +336,32 @@ impl Registrar {
                     true
                 }
             });
-            if let Err(error) = client.forget(&self.record.node, &space, &batch) {
-                self.stale.extend(batch.into_iter().map(|segment| (space, segment)));
-                return Err(error);
+            match client.forget(&self.record.node, self.previous_lease, &space, &batch) {
+                Ok(_) => {}
+                Err(error @ ClusterError::NodeIdTaken { .. }) => {
+                    tracing::warn!(%error, segments = batch.len() + self.stale.len(), "another process holds this node id: its registrations are not deleted");
+                    self.stale.clear();
+                    return Err(error);
+                }
+                Err(error) => {
+                    self.stale.extend(batch.into_iter().map(|segment| (space, segment)));
+                    return Err(error);
+                }
             }
             tracing::info!(segments = batch.len(), "deleted registrations of segments this pool no longer holds");
             self.metrics.unregistered_segments.inc_by(batch.len() as u64);
             transactions += 1;
         }
         Ok(())
+    }
+
+    /// Records the lease joined under in the manifest, for a successor after a crash.
+    fn record_lease(&mut self, lease_id: i64) {
+        if let Some(manifest) = self.manifest.as_mut() {
+            if let Err(error) = manifest.lease(lease_id) {
+                manifest_failed(&mut self.manifest, &self.metrics, error);
+            }
+        }
     }
 
     /// A new lease: nothing of this node is registered under it.
