@@ -7,6 +7,7 @@
 //! values past 65536, a KV object over 1 GiB and malformed files are refused in words naming the
 //! flag or key.
 
+use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use clap::ValueEnum;
@@ -243,11 +244,28 @@ const CONFIG_BYTES_MAX: u64 = 1 << 20;
 
 fn read_config(path: &Path) -> Result<ConfigFile, GeometryError> {
     let fail = |reason: String| GeometryError::ConfigFile { path: path.display().to_string(), reason };
-    let length = std::fs::metadata(path).map_err(|error| fail(format!("cannot read it: {error}")))?.len();
-    if length > CONFIG_BYTES_MAX {
-        return Err(fail(format!("is {length} bytes; a model config is a small JSON file (at most {CONFIG_BYTES_MAX} bytes)")));
+    // The length of a device or pipe says nothing (0 for /dev/zero), so only regular files are
+    // read, and at most one byte past the cap. Asked before opening (opening a FIFO would block
+    // until a writer comes) and again of the file opened (it may have been replaced meanwhile).
+    let not_regular = || fail("is not a regular file; a model config is a small JSON file (config.json)".into());
+    let is_file = |metadata: std::io::Result<std::fs::Metadata>| {
+        metadata.map(|metadata| metadata.is_file()).map_err(|error| fail(format!("cannot read it: {error}")))
+    };
+    if !is_file(std::fs::metadata(path))? {
+        return Err(not_regular());
     }
-    let text = std::fs::read_to_string(path).map_err(|error| fail(format!("cannot read it: {error}")))?;
+    let file = std::fs::File::open(path).map_err(|error| fail(format!("cannot read it: {error}")))?;
+    if !is_file(file.metadata())? {
+        return Err(not_regular());
+    }
+    let mut bytes = Vec::new();
+    file.take(CONFIG_BYTES_MAX + 1).read_to_end(&mut bytes).map_err(|error| fail(format!("cannot read it: {error}")))?;
+    if bytes.len() as u64 > CONFIG_BYTES_MAX {
+        return Err(fail(format!(
+            "is more than {CONFIG_BYTES_MAX} bytes; a model config is a small JSON file (at most {CONFIG_BYTES_MAX} bytes)"
+        )));
+    }
+    let text = String::from_utf8(bytes).map_err(|error| fail(format!("is not UTF-8 text: {error}")))?;
     let stem = path.file_stem().map(|stem| stem.to_string_lossy().into_owned()).unwrap_or_else(|| "config".into());
     parse_config(&text, &stem).map_err(fail)
 }
@@ -347,6 +365,39 @@ mod tests {
 
     fn args() -> GeometryArgs {
         GeometryArgs::default()
+    }
+
+    #[test]
+    fn a_config_path_that_is_not_a_regular_file_is_refused() {
+        // Goal: the 1 MiB cap used the file's length, which is 0 for /dev/zero or a FIFO, so
+        // --model-config /dev/zero read without end; such paths are refused by what they are.
+        for path in ["/dev/null", "/dev/zero"] {
+            if !Path::new(path).exists() {
+                continue;
+            }
+            let error = read_config(Path::new(path)).err().expect("refused").to_string();
+            assert!(error.contains("is not a regular file"), "{path}: {error}");
+        }
+        let directory = std::env::temp_dir();
+        let error = read_config(&directory).err().expect("refused").to_string();
+        assert!(error.contains("is not a regular file"), "{error}");
+        // A FIFO is refused without opening it (an open would wait for a writer).
+        let fifo = directory.join(format!("tutti-cli-config-fifo-{}", std::process::id()));
+        let _ = std::fs::remove_file(&fifo);
+        if std::process::Command::new("mkfifo").arg(&fifo).status().is_ok_and(|status| status.success()) {
+            let error = read_config(&fifo).err().expect("refused").to_string();
+            let _ = std::fs::remove_file(&fifo);
+            assert!(error.contains("is not a regular file"), "{error}");
+        }
+    }
+
+    #[test]
+    fn a_config_file_over_the_cap_is_refused_without_reading_past_it() {
+        let path = std::env::temp_dir().join(format!("tutti-cli-config-cap-{}.json", std::process::id()));
+        std::fs::write(&path, vec![b' '; CONFIG_BYTES_MAX as usize + 1]).unwrap();
+        let error = read_config(&path).err().expect("refused").to_string();
+        let _ = std::fs::remove_file(&path);
+        assert!(error.contains("at most 1048576 bytes"), "{error}");
     }
 
     #[test]
