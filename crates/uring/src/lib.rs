@@ -73,6 +73,16 @@ pub struct Transfer {
 
 /// Whether this kernel (and its seccomp or container policy) offers io_uring with bounded waits.
 /// Tests call it first and skip, saying so, where it answers false.
+///
+/// With `TUTTI_REQUIRE_URING=1` in the environment (tools/test.sh's rust stage sets it) it never
+/// answers false: it panics, naming the error, so that a machine without io_uring fails the
+/// tests that need it instead of passing them as skipped.
 pub fn available() -> bool {
-    Ring::new(2).is_ok()
+    match Ring::new(2) {
+        Ok(_) => true,
+        Err(error) if std::env::var_os("TUTTI_REQUIRE_URING").is_some_and(|value| value == "1") => {
+            panic!("TUTTI_REQUIRE_URING=1, but io_uring with bounded waits is unavailable here: {error}")
+        }
+        Err(_) => false,
+    }
 }
