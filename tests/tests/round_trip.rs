@@ -21,10 +21,12 @@ enum Layout {
 }
 
 fn round_trip(k: u32, sgl: bool, layout: Layout, namespaces: &[u32]) {
-    round_trip_with(k, sgl, layout, namespaces, false);
+    round_trip_with(k, sgl, layout, namespaces, false, namespaces);
 }
 
-fn round_trip_with(k: u32, sgl: bool, layout: Layout, namespaces: &[u32], workers: bool) {
+/// `reopen_order`: the same namespaces, in the order the pool is given them when it is reopened
+/// for the retrieves (formatted and stored in the order of `namespaces`).
+fn round_trip_with(k: u32, sgl: bool, layout: Layout, namespaces: &[u32], workers: bool, reopen_order: &[u32]) {
     let ns_configs = namespaces.iter().map(|_| NamespaceConfig::new(512, Some(8 << 20))).collect();
     let device = start_device(ns_configs, (8 << 20) * namespaces.len() as u64, sgl);
     let controller = bring_up(&device, Duration::from_secs(5));
@@ -64,7 +66,7 @@ fn round_trip_with(k: u32, sgl: bool, layout: Layout, namespaces: &[u32], worker
     // Reopen: the index comes back from the slot headers alone. Every retrieve is verified
     // against the per-block payload CRCs recorded at commit.
     let verified = StoreConfig { verify_retrieves: true, ..StoreConfig::default() };
-    let mut kv = open_store(targets(&controller, namespaces), &engine, verified);
+    let mut kv = open_store(targets(&controller, reopen_order), &engine, verified);
     for tokens in &requests {
         let n = tokens.len() / 16;
         assert_eq!(kv.lookup(tokens), n);
@@ -120,12 +122,15 @@ fn paged_per_layer_collapsed() {
 #[test]
 fn several_devices_round_robin() {
     // Goal: three namespaces form one pool; blocks spread over all of them; order of the
-    // targets at open does not matter (devices are ordered by their recorded index).
-    round_trip(1, true, Layout::SeparateKv, &[1, 2, 3]);
+    // targets at open does not matter (devices are ordered by their recorded index): reopened
+    // in the order given at format, and in two other orders.
+    for reopen_order in [[1, 2, 3], [3, 1, 2], [2, 3, 1]] {
+        round_trip_with(1, true, Layout::SeparateKv, &[1, 2, 3], false, &reopen_order);
+    }
 }
 
 #[test]
 fn several_devices_with_worker_threads() {
     // Goal: the same pool format and API under the threaded CPU executor (one worker per device).
-    round_trip_with(1, true, Layout::SeparateKv, &[1, 2], true);
+    round_trip_with(1, true, Layout::SeparateKv, &[1, 2], true, &[1, 2]);
 }
