@@ -361,11 +361,21 @@ impl Server {
         let mut workers: Vec<JoinHandle<()>> = Vec::new();
         let mut connections_served = 0u64;
         let tick_ms = u16::try_from(shared.config.tick.as_millis()).unwrap_or(u16::MAX);
+        // A listener that cannot be polled ends serving as a stop does, through the drain
+        // below: the registrar leaves the cluster (revoking its lease, so this node's segments
+        // vanish now, not a TTL later), every thread is joined, the socket removed; then the
+        // error is returned instead of the report.
+        let mut failure: Option<DaemonError> = None;
         while !shared.stop.is_stopped() {
             let mut fds = [PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
             match poll(&mut fds, PollTimeout::from(tick_ms)) {
                 Ok(_) | Err(nix::errno::Errno::EINTR) => {}
-                Err(errno) => return Err(DaemonError::Io { context: "polling the listener".into(), source: std::io::Error::from(errno) }),
+                Err(errno) => {
+                    tracing::error!("polling the listener failed: {errno}; stopping");
+                    shared.stop.stop();
+                    failure = Some(DaemonError::Io { context: "polling the listener".into(), source: std::io::Error::from(errno) });
+                    break;
+                }
             }
             // Accept everything pending (bounded: each accepted connection either gets a
             // thread, up to clients_max, or a Busy answer and is closed).
@@ -428,6 +438,9 @@ impl Server {
         }
         if let Err(error) = std::fs::remove_file(&shared.config.socket) {
             tracing::warn!("removing {}: {error}", shared.config.socket.display());
+        }
+        if let Some(error) = failure {
+            return Err(error);
         }
         let shared = Arc::try_unwrap(shared).map_err(|_| DaemonError::Io {
             context: "draining: a connection still holds the daemon state".into(),
