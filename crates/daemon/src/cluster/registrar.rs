@@ -5,7 +5,8 @@
 //!    held segments they broke; each committed store's full segments whose blocks are all still
 //!    committed become held. Then, without the lock, the manifest records both.
 //! 2. **etcd, without any lock**, when no backoff is pending: before the first join, delete the
-//!    entries of segments the manifest listed but the pool no longer holds (a wiped pool: the
+//!    entries of segments the manifest listed but the pool no longer holds, at start or evicted
+//!    since (a wiped pool, or evictions before the join: the
 //!    previous process's lease may still claim them), only while the node id's member key is
 //!    absent or under the lease the manifest recorded — never a live process's that holds the
 //!    id; join (recording the lease in the manifest), or rejoin after a lost lease:
@@ -192,21 +193,7 @@ impl Registrar {
                 }
             }
         }
-        let joined = self.node.is_some();
-        for removed in self.removed.drain(..) {
-            if let Some(manifest) = self.manifest.as_mut() {
-                if let Err(error) = manifest.dropped(&removed.space, removed.segment.key) {
-                    manifest_failed(&mut self.manifest, &self.metrics, error);
-                }
-            }
-            if joined {
-                if self.to_unregister.len() < UNREGISTER_QUEUE_MAX {
-                    self.to_unregister.push((removed.space, removed.segment));
-                } else {
-                    self.rejoin_needed = true;
-                }
-            }
-        }
+        self.queue_removed();
         for (space, index, position, start) in added {
             if let Some(manifest) = self.manifest.as_mut() {
                 if let Err(error) = manifest.held(&space, index, &commits[position].keys[start..start + per_segment]) {
@@ -224,6 +211,33 @@ impl Registrar {
             };
             if let Err(error) = result {
                 manifest_failed(&mut self.manifest, &self.metrics, error);
+            }
+        }
+    }
+
+    /// Journals the segments `update_local` found broken and queues their registrations for
+    /// deletion: once joined, to unregister under this node's lease (a rejoin instead when the
+    /// queue is full); before the first join, to forget with the stale ones — a segment
+    /// recovered from the manifest may be registered under the previous process's lease (a
+    /// restart within it after a SIGKILL), which would otherwise claim it until that lease
+    /// expires. Past the queue's bound a stale one is left to that expiry (at most one TTL).
+    fn queue_removed(&mut self) {
+        let joined = self.node.is_some();
+        for removed in self.removed.drain(..) {
+            if let Some(manifest) = self.manifest.as_mut() {
+                if let Err(error) = manifest.dropped(&removed.space, removed.segment.key) {
+                    manifest_failed(&mut self.manifest, &self.metrics, error);
+                }
+            }
+            let entry = (removed.space, removed.segment);
+            if joined {
+                if self.to_unregister.len() < UNREGISTER_QUEUE_MAX {
+                    self.to_unregister.push(entry);
+                } else {
+                    self.rejoin_needed = true;
+                }
+            } else if self.stale.len() < UNREGISTER_QUEUE_MAX {
+                self.stale.push(entry);
             }
         }
     }
@@ -416,4 +430,40 @@ fn manifest_failed(manifest: &mut Option<Manifest>, metrics: &ClusterMetrics, er
     metrics.manifest_errors.inc();
     tracing::error!(%error, "writing the segment manifest failed; it is not written again until restart");
     *manifest = None;
+}
+
+#[cfg(test)]
+mod tests {
+    use tutti_cluster::{ClusterId, NodeId, SegmentBlocks, SegmentKey};
+
+    use super::*;
+
+    #[test]
+    fn a_segment_evicted_before_the_first_join_is_forgotten_with_the_stale_ones() {
+        // Goal: a segment recovered from the manifest (so perhaps registered under the previous
+        // process's lease, still alive after a SIGKILL) and evicted before this process joined
+        // is queued with the stale segments, whose registrations are deleted before the join —
+        // not dropped because nothing is registered under this process's lease yet, which left
+        // it claimed until the old lease expired.
+        let directory = tempfile::tempdir().unwrap();
+        let blocks = SegmentBlocks::new(16).unwrap();
+        let config = ClusterConfig::new(vec!["http://127.0.0.1:9".into()], ClusterId::new("evict").unwrap(), blocks);
+        let record =
+            MemberRecord { node: NodeId::new("a").unwrap(), address: "127.0.0.1:9".into(), capacity_bytes: 0, fingerprints: Vec::new() };
+        let space = ModelSpace::new([1; 32], 0, 1).unwrap();
+        let keys: Vec<u64> = (1..=16).collect();
+        let mut held = HeldSegments::default();
+        assert!(held.insert(space, 0, &keys));
+        let manifest = Manifest::rewrite(&directory.path().join("segments"), blocks, 0x77, held.iter()).unwrap();
+        let (_sender, inbox) = std::sync::mpsc::sync_channel(1);
+        let recovered = Recovered { held, manifest, stale: Vec::new(), previous_lease: 0x77 };
+        let mut registrar =
+            Registrar::new(config, record, inbox, ClusterMetrics::default(), Arc::new(super::super::AgentState::new()), recovered);
+        registrar.held.block_departed(5, &mut |_| false, &mut registrar.removed);
+        assert_eq!(registrar.removed.len(), 1, "the segment's block left the pool");
+        registrar.queue_removed();
+        let segment = Segment { index: 0, key: SegmentKey::new(16).unwrap() };
+        assert_eq!(registrar.stale, vec![(space, segment)], "not queued for the forget before the join");
+        assert!(registrar.to_unregister.is_empty());
+    }
 }
