@@ -500,6 +500,14 @@ impl<E: Executor> StoreData<E> {
             // the layer no longer describes the bytes (a store's commit refuses, a verified
             // retrieve does not fold them).
             request.layers_done[layer as usize] = false;
+            // A verified retrieve that already folded this layer unfolds: the re-read replaces
+            // the bytes the CRCs were computed over, so they are refolded from layer 0 (and
+            // compared again) once every layer is done, this included. Kept folded, a
+            // comparison would pass against the earlier read whatever this one leaves behind.
+            if layer < request.crc_layers {
+                request.crcs.fill(crc32fast::Hasher::new());
+                request.crc_layers = 0;
+            }
             request.in_flight.push_back((layer, lane));
             request.next_lane = (lane + 1) % request.lanes;
         }

@@ -757,6 +757,59 @@ fn a_verified_retrieve_does_not_fold_a_layer_whose_reissue_failed() {
     assert_eq!(store.lookup(&tokens), 2, "nothing was evicted");
 }
 
+/// Overwrites layer 0 of the slots holding `keys` on disk with other bytes, as silent media
+/// corruption would: through the data half, writing engine blocks 6 and 7 (filled with a key's
+/// pattern that is not theirs) into the retrieve placements of `keys`.
+fn corrupt_layer_0_on_disk(fixture: &Fixture, store: &mut KvStore<CpuExecutor>, keys: &[u64]) {
+    let handle = store.control.reserve_retrieve(keys, &[6, 7], 0).expect("reserve the blocks' slots");
+    let placements = store.control.placements(handle).unwrap().to_vec();
+    for placement in &placements {
+        fill(fixture, placement.engine_block, 0xBAD);
+    }
+    store.data.prepare(handle, Direction::Store, &placements, None).expect("prepare the overwrite");
+    store.data.store_layer(handle, 0, BUDGET).unwrap();
+    assert_eq!(store.data.wait(handle, deadline()).expect("overwrite layer 0"), Some(0));
+    store.data.finish(handle).unwrap();
+    store.control.release(handle).unwrap();
+}
+
+#[test]
+fn a_verified_retrieve_verifies_a_folded_layer_read_again() {
+    // Goal: a layer issued again after it was folded into its blocks' CRCs is verified again:
+    // the issue unfolds the request's CRCs, and the wait that completes the re-read refolds
+    // every layer and compares. Here all four layers were read and verified; layer 0 then
+    // changes on disk and is read again: that wait reports PayloadMismatch (the new bytes are
+    // not those recorded), where before it returned the layer as verified against the first
+    // read. A re-read that fails likewise leaves the CRCs unfolded until a read of the layer
+    // completes, so no comparison passes against the earlier good read.
+    let fixture = fixture(2, None);
+    let mut store = in_process(&fixture, StoreConfig { verify_retrieves: true, requests_max: 2, ..StoreConfig::default() });
+    let tokens = tokens(13, 2);
+    let keys = store_two_blocks(&fixture, &mut store, &tokens);
+    let handle = store.prepare_retrieve(&KvRequest { tokens: &tokens, block_ids: &[4, 5] }).expect("prepare_retrieve");
+    for layer in 0..geometry().layers {
+        store.retrieve_layer(handle, layer, BUDGET).unwrap();
+        assert_eq!(store.wait(handle, deadline()).expect("verified"), Some(layer));
+    }
+    assert!(holds(&fixture, 4, keys[0]) && holds(&fixture, 5, keys[1]), "byte-exact");
+    corrupt_layer_0_on_disk(&fixture, &mut store, &keys);
+    // A failed re-read first: its layer is reported, and nothing is compared until it is read.
+    fail_next_io(&fixture);
+    store.retrieve_layer(handle, 0, BUDGET).unwrap();
+    match store.wait(handle, deadline()) {
+        Err(ObjstoreError::LayerIo { layer: 0, .. }) => {}
+        other => panic!("the re-issued layer 0 failed: expected LayerIo, got {other:?}"),
+    }
+    fixture.device.set_faults(nvme_emu::FaultPlan::none());
+    store.retrieve_layer(handle, 0, BUDGET).unwrap();
+    match store.wait(handle, deadline()) {
+        Err(ObjstoreError::PayloadMismatch { blocks, .. }) => assert_eq!(blocks.len(), 2, "{blocks:?}"),
+        other => panic!("layer 0 read again holds other bytes: expected PayloadMismatch, got {other:?}"),
+    }
+    store.finish(handle).expect("finish");
+    assert_eq!(store.lookup(&tokens), 0, "the damaged blocks were evicted");
+}
+
 /// Reserves and commits `keys` as a store from engine blocks 0.. (no data is moved: the control
 /// half alone, as the LRU tests need).
 fn commit_recorded(control: &mut StoreControl, keys: &[u64]) {

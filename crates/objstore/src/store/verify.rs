@@ -5,7 +5,9 @@
 //! The CRC covers a block's layers in disk order (`for l: K then V`), so it is computed
 //! incrementally: each completed layer is folded in (in layer order; a layer that completes
 //! early waits for the ones before it), and the comparison happens in the `wait` that completes
-//! the last missing layer. Earlier layers are reported complete before their block is verified;
+//! the last missing layer. A layer issued again after it was folded unfolds the request (the
+//! re-read replaces the bytes the CRCs covered): every layer is folded again, and compared,
+//! once the re-read and all others are done. Earlier layers are reported complete before their block is verified;
 //! an engine that must not compute on unverified KV waits for the last layer. A mismatching
 //! block is named in `ObjstoreError::PayloadMismatch` and its slot is evicted by the control
 //! half (`StoreControl::evict_mismatched`): out of the index at once (no lookup finds it
