@@ -10,10 +10,26 @@
 # of pins builds a new folder instead of mutating the old one. Whether an environment is complete
 # is decided by importing what the tests load (the engine's base classes, at the pinned version),
 # never by a stamp alone: a half-finished install (an interrupted pip, a full disk) is detected and
-# finished on the next call. Concurrent callers serialise on a lock file.
+# finished on the next call (a venv whose pip does not run, e.g. one interrupted in ensurepip,
+# is made again). Concurrent callers serialise on a lock file (waiting at most
+# TUTTI_ENV_LOCK_WAIT_S, default 3000 s).
+#
+#   tools/python/engine-env.sh vllm|sglang --existing
+#
+# prints the directory only if the environment is complete, and exits 1 (building nothing)
+# otherwise.
 set -euo pipefail
 
 engine="${1:-}"
+existing=0
+case "${2:-}" in
+"") ;;
+--existing) existing=1 ;;
+*)
+    echo "usage: $0 vllm|sglang [--existing]" >&2
+    exit 2
+    ;;
+esac
 python="${TUTTI_ENGINE_PYTHON:-python3}"
 cache_root="${TUTTI_ENV_CACHE:-$HOME/.cache/tutti}/engines"
 
@@ -56,7 +72,7 @@ assert __version__ == '$version', __version__
 assert torch.__version__.startswith('2.14.1'), torch.__version__"
     ;;
 *)
-    echo "usage: $0 vllm|sglang" >&2
+    echo "usage: $0 vllm|sglang [--existing]" >&2
     exit 2
     ;;
 esac
@@ -69,9 +85,22 @@ complete() {
     [[ -x "$env_dir/bin/python" ]] && "$env_dir/bin/python" -c "$check" >/dev/null 2>&1
 }
 
+if ((existing)); then
+    if complete; then
+        echo "$env_dir"
+        exit 0
+    fi
+    echo "engine-env: no complete $engine environment at $env_dir" >&2
+    exit 1
+fi
+
 mkdir -p "$cache_root"
 exec 9>"$cache_root/.$engine.lock"
-flock 9
+lock_wait_s=${TUTTI_ENV_LOCK_WAIT_S:-3000}
+flock -w "$lock_wait_s" 9 || {
+    echo "engine-env: $cache_root/.$engine.lock is still held by another build after $lock_wait_s s" >&2
+    exit 1
+}
 
 if complete; then
     echo "$env_dir"
@@ -79,7 +108,10 @@ if complete; then
 fi
 
 echo "engine-env: building $env_dir ($key_text)" >&2
-if [[ ! -x "$env_dir/bin/python" ]]; then
+# What an earlier build installed is kept (vLLM's is gigabytes), unless the venv itself is broken:
+# `python -m venv` writes bin/python before ensurepip installs pip, so an interrupted creation
+# leaves a python without pip, which no rerun could repair.
+if [[ ! -x "$env_dir/bin/python" ]] || ! "$env_dir/bin/python" -m pip --version >/dev/null 2>&1; then
     rm -rf "$env_dir"
     "$python" -m venv "$env_dir"
 fi
