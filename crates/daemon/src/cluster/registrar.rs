@@ -6,11 +6,11 @@
 //!    committed become held. Then, without the lock, the manifest records both.
 //! 2. **etcd, without any lock**, when no backoff is pending: before the first join, delete the
 //!    entries of segments the manifest listed but the pool no longer holds, at start or evicted
-//!    since (a wiped pool, or evictions before the join: the
-//!    previous process's lease may still claim them), only while the node id's member key is
-//!    absent or under the lease the manifest recorded — never a live process's that holds the
-//!    id; join (recording the lease in the manifest), or rejoin after a lost lease:
-//!    a new lease has no registrations, so every held segment is registered again); update the
+//!    since (a wiped pool, or evictions before the join: the previous process's lease may still
+//!    claim them), only while the node id's member key is absent or under the lease the
+//!    manifest recorded — never a live process's that holds the id; join, recording the lease
+//!    in the manifest (or rejoin after a lost lease: a new lease has no registrations, so every
+//!    held segment is registered again); update the
 //!    member record when the set of models changed; unregister broken segments; register held
 //!    ones, one transaction per `txn_ops_max` segments of one model space, at most
 //!    [`TRANSACTIONS_PER_PASS`] per pass so departures are not kept waiting.
