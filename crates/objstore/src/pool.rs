@@ -664,17 +664,38 @@ impl Pool {
     /// fenced (its staged sectors dropped, none of its slots reused until reopen), so that the
     /// other devices' stores go on instead of failing with it at every sync.
     pub(crate) fn sync_headers(&mut self, lender: &mut dyn QueueLender) -> Result<()> {
-        let timeout = self.timeout;
+        self.sync_headers_by(lender, None)
+    }
+
+    /// [`Self::sync_headers`], each device's sync within what is left of `deadline` (and the
+    /// metadata timeout): a caller that must return by a deadline (a `wait`) is not held up to
+    /// the metadata timeout per device. A device reached with no time left is not written: its
+    /// staged sectors stay staged for the next sync, and [`ObjstoreError::DeadlinePassed`]
+    /// (counting the devices synced) says so. A write cut short by the deadline is a timeout
+    /// like any other (`metadata_queue`): its sectors stay staged too.
+    pub(crate) fn sync_headers_by(&mut self, lender: &mut dyn QueueLender, deadline: Option<Instant>) -> Result<()> {
         let mut first_error = None;
+        let mut synced_devices = 0;
         for (index, d) in self.devices.iter_mut().enumerate() {
             if !d.mirror.has_dirty() {
+                continue;
+            }
+            let timeout = match deadline {
+                None => self.timeout,
+                Some(deadline) => self.timeout.min(deadline.saturating_duration_since(Instant::now())),
+            };
+            if timeout.is_zero() {
+                first_error.get_or_insert(ObjstoreError::DeadlinePassed { what: "header sync", done: synced_devices });
                 continue;
             }
             let namespace = d.target.namespace;
             let synced = d.run_metadata(index, lender, &mut None, timeout, |queue, mirror, _| mirror.sync(queue, namespace, timeout));
             d.count_header_sync(index, &synced);
-            if let Err(error) = synced {
-                first_error.get_or_insert(error);
+            match synced {
+                Ok(()) => synced_devices += 1,
+                Err(error) => {
+                    first_error.get_or_insert(error);
+                }
             }
         }
         first_error.map_or(Ok(()), Err)

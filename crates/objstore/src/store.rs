@@ -434,28 +434,40 @@ impl<E: Executor> KvStore<E> {
     ///
     /// On a verified retrieve whose verification failed, this and every later `wait` and `poll`
     /// return that failure until `finish`; the bad blocks' slots are evicted when it is first
-    /// found.
+    /// found: out of the index at once, their headers made Empty on disk within `deadline`
+    /// (what does not fit stays staged for the next sync: the next commit, or
+    /// [`KvStore::sync_headers`]).
     pub fn wait(&mut self, handle: RequestHandle, deadline: Instant) -> Result<Option<u32>> {
         let failed_before = self.data.verify_failed(handle);
         let result = self.data.wait(handle, deadline);
-        self.evict_new_mismatches(handle, failed_before, &result);
+        self.evict_new_mismatches(handle, failed_before, &result, deadline);
         result
     }
 
     /// Non-blocking: `Ok(true)` once nothing is in flight for the request (the layers that
-    /// were are then complete, or the first failure is returned).
+    /// were are then complete, or the first failure is returned). A mismatch it finds evicts
+    /// the bad blocks' slots from the index; their Empty headers stay staged (it does not wait
+    /// for a header write) for the next sync: the next commit, or [`KvStore::sync_headers`].
     pub fn poll(&mut self, handle: RequestHandle) -> Result<bool> {
         let failed_before = self.data.verify_failed(handle);
         let result = self.data.poll(handle);
-        self.evict_new_mismatches(handle, failed_before, &result);
+        self.evict_new_mismatches(handle, failed_before, &result, Instant::now());
         result
     }
 
-    /// The control half evicts the slots of blocks a verification just found damaged.
-    fn evict_new_mismatches<T>(&mut self, handle: RequestHandle, failed_before: bool, result: &Result<T>) {
+    /// Writes the slot header entries staged and not yet durable (the Empty entries of an
+    /// eviction whose `wait` or `poll` left no time for them), each device within what is left
+    /// of `deadline`; [`ObjstoreError::DeadlinePassed`] if some stay staged.
+    pub fn sync_headers(&mut self, deadline: Instant) -> Result<()> {
+        self.control.sync_headers(self.data.lender(), deadline)
+    }
+
+    /// The control half evicts the slots of blocks a verification just found damaged, its
+    /// header writes bounded by the caller's `deadline`.
+    fn evict_new_mismatches<T>(&mut self, handle: RequestHandle, failed_before: bool, result: &Result<T>, deadline: Instant) {
         if let (false, Err(ObjstoreError::PayloadMismatch { blocks, .. })) = (failed_before, result) {
-            if let Err(error) = self.control.evict_mismatched(handle, blocks, self.data.lender()) {
-                tracing::warn!(%error, "evicting the slots of mismatched blocks");
+            if let Err(error) = self.control.evict_mismatched_by(handle, blocks, self.data.lender(), Some(deadline)) {
+                tracing::warn!(%error, "evicting the slots of mismatched blocks (Empty headers not yet written stay staged)");
             }
         }
     }

@@ -10,6 +10,8 @@
 //! then makes a temporary queue pair per metadata call on such a device, so a daemon needs one
 //! free queue pair per pool device beyond those it gives its clients.
 
+use std::time::Instant;
+
 use crate::error::{MismatchedBlock, ObjstoreError, Result};
 use crate::format::{payload_crc_offset, BlockRecord, SlotState};
 use crate::index::{BlockLocation, Claim, IndexCounts};
@@ -470,11 +472,31 @@ impl StoreControl {
         self.free.push(index);
     }
 
+    /// Writes the slot header entries staged and not yet durable (an eviction whose sync did
+    /// not fit its caller's deadline, say), each device within what is left of `deadline`
+    /// (and `METADATA_TIMEOUT`); what does not fit stays staged (`DeadlinePassed`).
+    pub fn sync_headers(&mut self, lender: &mut dyn QueueLender, deadline: Instant) -> Result<()> {
+        self.pool.sync_headers_by(lender, Some(deadline))
+    }
+
     /// Evicts the slots of blocks a verified retrieve found damaged: out of the index at once,
     /// their headers made Empty on disk (best effort: an entry that cannot be written now stays
     /// staged for the next sync, which precedes any data issued into the slot). Every block
     /// must be one of the retrieve's own placements (the report may come from another process).
     pub fn evict_mismatched(&mut self, handle: RequestHandle, blocks: &[MismatchedBlock], lender: &mut dyn QueueLender) -> Result<()> {
+        self.evict_mismatched_by(handle, blocks, lender, None)
+    }
+
+    /// [`Self::evict_mismatched`], its header sync bounded by `deadline` (a `wait`'s): the
+    /// entries whose write does not fit stay staged, written by the next sync (the next commit,
+    /// or [`Self::sync_headers`]), which comes before any data is issued into these slots.
+    pub fn evict_mismatched_by(
+        &mut self,
+        handle: RequestHandle,
+        blocks: &[MismatchedBlock],
+        lender: &mut dyn QueueLender,
+        deadline: Option<Instant>,
+    ) -> Result<()> {
         let index = self.index_of(handle)?;
         let reservation = &self.reservations[index];
         for block in blocks {
@@ -497,7 +519,7 @@ impl StoreControl {
                 tracing::warn!(%error, "staging the evicted slot's header Empty failed");
             }
         }
-        if let Err(error) = self.pool.sync_headers(lender) {
+        if let Err(error) = self.pool.sync_headers_by(lender, deadline) {
             // The mismatch is the news: the Empty entries stay dirty and go out with the next
             // sync, which comes before any data is issued into these slots.
             tracing::warn!(%error, "writing the evicted slots' headers Empty failed; they stay staged for the next sync");

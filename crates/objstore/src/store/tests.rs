@@ -810,6 +810,43 @@ fn a_verified_retrieve_verifies_a_folded_layer_read_again() {
     assert_eq!(store.lookup(&tokens), 0, "the damaged blocks were evicted");
 }
 
+#[test]
+fn a_wait_that_finds_a_mismatch_returns_by_its_deadline_and_the_eviction_is_written_later() {
+    // Goal: the header sync that makes a mismatched block's slot Empty on disk runs inside the
+    // caller's deadline: the wait that finds the mismatch returns by it even when the header
+    // write is slow (here it completes 4 s late; the pool allows METADATA_TIMEOUT, 10 s, per
+    // device), where it used to block until the write completed. The Empty entries are not
+    // dropped: they stay staged, `KvStore::sync_headers` writes them once the device answers,
+    // and a reopen serves nothing of the evicted blocks.
+    use nvme_emu::{FaultAction, FaultPlan, FaultRule};
+    let fixture = fixture(2, None);
+    let mut store = in_process(&fixture, StoreConfig { verify_retrieves: true, requests_max: 2, ..StoreConfig::default() });
+    let tokens = tokens(14, 2);
+    let keys = store_two_blocks(&fixture, &mut store, &tokens);
+    corrupt_layer_0_on_disk(&fixture, &mut store, &keys);
+    let handle = store.prepare_retrieve(&KvRequest { tokens: &tokens, block_ids: &[4, 5] }).expect("prepare_retrieve");
+    let layers = geometry().layers;
+    for layer in 0..layers - 1 {
+        store.retrieve_layer(handle, layer, BUDGET).unwrap();
+        store.wait(handle, deadline()).expect("an earlier layer");
+    }
+    store.retrieve_layer(handle, layers - 1, BUDGET).unwrap();
+    let slow_write = FaultRule::on_nth_io(1, FaultAction::Delay(Duration::from_secs(4))).with_opcode(0x01);
+    fixture.device.set_faults(FaultPlan::none().with_rule(slow_write));
+    let start = Instant::now();
+    let result = store.wait(handle, start + Duration::from_millis(500));
+    let took = start.elapsed();
+    assert!(matches!(result, Err(ObjstoreError::PayloadMismatch { .. })), "{result:?}");
+    assert!(took < Duration::from_millis(2500), "the wait returned {took:?} after it was called, past its 500 ms deadline");
+    fixture.device.set_faults(FaultPlan::none());
+    assert_eq!(store.lookup(&tokens), 0, "out of the index at once");
+    store.finish(handle).expect("finish");
+    store.sync_headers(deadline()).expect("the staged Empty entries are written");
+    drop(store);
+    let (_, report) = Pool::open(fixture.targets.clone(), Some(&geometry())).expect("reopen");
+    assert_eq!(report.cached_blocks, 0, "the evicted blocks are not served after a reopen: {report:?}");
+}
+
 /// Reserves and commits `keys` as a store from engine blocks 0.. (no data is moved: the control
 /// half alone, as the LRU tests need).
 fn commit_recorded(control: &mut StoreControl, keys: &[u64]) {
