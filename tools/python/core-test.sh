@@ -2,9 +2,11 @@
 # The python stage of tools/test.sh: builds and installs the tutti wheel (tools/python/wheel.sh),
 # checks that it installs into a fresh venv and imports there (the issue's "pip install of the
 # built wheel gives a working import tutti"), builds tuttid for the tests' daemons, and runs the
-# core tests (python/tests) against the installed wheel. Each step is bounded by `timeout`.
+# core tests (python/tests) against the installed wheel. Each step is bounded by `timeout`
+# (tools/test.sh bounds the whole script, and kills what an expired limit leaves running).
 set -euo pipefail
 cd "$(dirname "$(readlink -f "$0")")/../.."
+target_dir=$(realpath -m "${CARGO_TARGET_DIR:-target}") # cargo's, as cargo resolves it from here
 
 venv=$(timeout 1800 tools/python/wheel.sh | tail -n 1)
 wheel=$(ls target/wheels/tutti-*-abi3-*.whl)
@@ -24,5 +26,6 @@ print('core-test.sh: import tutti in a fresh venv: ok (', tutti.__file__, ')')
 ")
 
 timeout 1800 cargo build --locked -p tuttid --bin tuttid
-export TUTTI_TUTTID="$PWD/target/debug/tuttid"
-timeout 1200 "$venv/bin/python" -m pytest -q -p no:cacheprovider python/tests
+export TUTTI_TUTTID="$target_dir/debug/tuttid"
+# The wheel as wheel.sh installed it for this clone (target/python-site), with the venv's pytest.
+PYTHONPATH="$PWD/target/python-site" timeout 1200 "$venv/bin/python" -m pytest -q -p no:cacheprovider python/tests

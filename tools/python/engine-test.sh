@@ -14,6 +14,7 @@
 # usage: tools/python/engine-test.sh [vllm] [sglang]   (default: both)
 set -euo pipefail
 cd "$(dirname "$(readlink -f "$0")")/../.."
+target_dir=$(realpath -m "${CARGO_TARGET_DIR:-target}") # cargo's, as cargo resolves it from here
 
 engines=("$@")
 [ ${#engines[@]} -gt 0 ] || engines=(vllm sglang)
@@ -26,7 +27,7 @@ pytest_pin=$(grep -E '^pytest==' python/requirements-test.txt)
 timeout 1800 tools/python/wheel.sh > /dev/null
 wheel=$(ls target/wheels/tutti-*-abi3-*.whl)
 timeout 1800 cargo build --locked -p tuttid --bin tuttid
-export TUTTI_TUTTID="$PWD/target/debug/tuttid"
+export TUTTI_TUTTID="$target_dir/debug/tuttid"
 
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT

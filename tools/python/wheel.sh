@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# Builds the tutti wheel (abi3, `maturin build --release`) into target/wheels and installs it
-# into the python stage's venv, which it creates or reuses: ~/.cache/tutti/py-core-KEY, KEY = the
-# hash of python/requirements-test.txt (the pins), so a change of pins makes a new venv and a
-# rerun reuses the old one. Idempotent; the venv is checked by what it imports, not by a stamp.
+# Builds the tutti wheel (abi3, `maturin build --release`) into target/wheels, creates or reuses
+# the python stage's venv (the pinned test tools: ~/.cache/tutti/py-core-KEY, KEY = the hash of
+# python/requirements-test.txt, so a change of pins makes a new venv and a rerun reuses the old
+# one), and installs the wheel into this clone's target/python-site, never into the venv: the
+# venv is shared by every clone on the machine, and one clone's wheel there would be what another
+# clone's tests import. Run the tests with PYTHONPATH=target/python-site and the venv's python.
+# Idempotent; the venv is checked by what it imports (and by its pip), not by a stamp, and is made
+# under a lock, so concurrent clones neither build it twice nor use it half made.
 #
 # usage: tools/python/wheel.sh   (prints the venv's path on its last line)
 # Environment: TUTTI_PYTHON (the interpreter the venv is made from; default python3).
@@ -12,6 +16,7 @@ cd "$(dirname "$(readlink -f "$0")")/../.."
 requirements=python/requirements-test.txt
 key=$(sha256sum "$requirements" | cut -c1-12)
 venv="${HOME}/.cache/tutti/py-core-${key}"
+site="$PWD/target/python-site"
 python=${TUTTI_PYTHON:-python3}
 
 # The pins, as NAME==VERSION lines.
@@ -28,25 +33,33 @@ for line in sys.argv[1].split():
 import numpy, pytest  # what the tests import
 PY
     "$venv/bin/maturin" --version >/dev/null
+    # `python -m venv` writes bin/python before ensurepip installs pip: a venv whose creation was
+    # interrupted has a python and no pip.
+    "$venv/bin/python" -m pip --version >/dev/null
 }
 
+mkdir -p "$(dirname "$venv")"
+exec 9>"$venv.lock"
+flock -w 1200 9 || { echo "wheel.sh: $venv.lock is still held by another run after 20 minutes" >&2; exit 1; }
 if ! venv_ok 2>/dev/null; then
     echo "wheel.sh: creating $venv" >&2
     rm -rf "$venv"
-    mkdir -p "$(dirname "$venv")"
     "$python" -m venv "$venv"
     "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -r "$requirements"
     venv_ok || { echo "wheel.sh: the venv at $venv does not import what it should" >&2; exit 1; }
 fi
+flock -u 9
 
 rm -f target/wheels/tutti-*.whl
 (cd python && "$venv/bin/maturin" build --release --locked --quiet -o ../target/wheels) >&2
 wheel=$(ls target/wheels/tutti-*-abi3-*.whl)
-"$venv/bin/python" -m pip install --quiet --disable-pip-version-check --force-reinstall --no-deps "$wheel" >&2
-# What the venv imports is the wheel just built (not the source tree's python/tutti).
-(cd / && "$venv/bin/python" -c "
+rm -rf "$site"
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-index --no-deps --target "$site" "$wheel" >&2
+# What the venv imports with the site first on its path is the wheel just built (not the source
+# tree's python/tutti, nor a tutti an older wheel.sh installed into the venv itself).
+(cd / && PYTHONPATH="$site" "$venv/bin/python" -c "
 import tutti, tutti._tutti, sys
-assert '/site-packages/tutti/' in tutti.__file__, tutti.__file__
+assert tutti.__file__.startswith('$site/'), tutti.__file__
 print('wheel.sh: tutti', tutti.__version__, 'from', tutti._tutti.__file__, file=sys.stderr)
 ")
 echo "$venv"
