@@ -469,29 +469,65 @@ impl Index {
         }
     }
 
-    /// Recovery: records a committed slot read from disk. A key already present with a higher
-    /// generation wins; the loser's slot is returned as `Err` (it is free after `finish_recovery`).
-    /// Until [`Index::finish_recovery`], nothing can be allocated.
-    pub fn recover(&mut self, device: u16, slot: u32, blocks: &[BlockRecord], generation: u64) -> Result<(), (u16, u32)> {
+    /// Recovery: records a committed slot read from disk, key by key, so that each key ends
+    /// up served by its newest copy whatever order the slots are read in: a key some slot of
+    /// a higher (or the same) generation already holds is not served from this one; a key an
+    /// older slot holds moves here, and that slot's position no longer serves it. A slot left
+    /// serving no key (this one, or an older one it superseded) goes Free (after
+    /// `finish_recovery`); returns how many did. Resolving whole slots instead lost blocks: an
+    /// older slot dropped for one key took its other keys along, even when the slot that
+    /// dropped it later lost to a third. Until [`Index::finish_recovery`], nothing can be
+    /// allocated.
+    pub fn recover(&mut self, device: u16, slot: u32, blocks: &[BlockRecord], generation: u64) -> u64 {
         self.recovering = true;
-        for block in blocks {
-            if let Some(existing) = self.get(block.key) {
-                let theirs = self.devices[usize::from(existing.device)].meta[existing.slot as usize].generation;
-                if theirs >= generation {
-                    return Err((device, slot));
+        let k = self.blocks_per_slot as usize;
+        let base = slot as usize * k;
+        // Set first: a key listed twice in this header finds this slot as its holder.
+        self.devices[usize::from(device)].meta[slot as usize].generation = generation;
+        let mut freed = 0;
+        let mut served = 0u16;
+        for (j, block) in blocks.iter().enumerate() {
+            if let Some(holder) = self.get(block.key) {
+                let theirs = &self.devices[usize::from(holder.device)];
+                if theirs.meta[holder.slot as usize].generation >= generation {
+                    continue; // as new or newer: that copy is served
                 }
-                self.drop_valid(existing.device, existing.slot);
-                return self.recover(device, slot, blocks, generation).and(Err((existing.device, existing.slot)));
+                if self.supersede(holder, k) {
+                    freed += 1;
+                }
             }
+            self.map.insert(block.key, Entry { location: BlockLocation { device, slot, index: j as u16 }, committed: true });
+            self.devices[usize::from(device)].keys[base + j] = block.key;
+            served += 1;
+        }
+        if served == 0 {
+            return freed + 1; // stays Free: every key is served by a newer copy
         }
         // The free list is left alone: it still lists this slot until `finish_recovery`
         // rebuilds it from the slot states. Removing it here (a scan of a list that starts
         // with every slot) made recovery quadratic: hours for a full device of millions.
         let d = &mut self.devices[usize::from(device)];
-        let keys: Vec<u64> = blocks.iter().map(|b| b.key).collect();
-        d.meta[slot as usize].pins = 1; // commit() drops it
-        self.commit(device, slot, &keys, generation);
-        Ok(())
+        let meta = &mut d.meta[slot as usize];
+        meta.state = SlotUse::Valid;
+        meta.used = blocks.len() as u16;
+        meta.pins = 0;
+        d.valid += 1;
+        d.unpinned_valid += 1;
+        Self::push_front(d, slot);
+        freed
+    }
+
+    /// Recovery: an older copy of a key at `holder` stops serving it (a newer slot takes the
+    /// key); its slot goes Free once it serves no key. Returns whether it did.
+    fn supersede(&mut self, holder: BlockLocation, k: usize) -> bool {
+        let d = &mut self.devices[usize::from(holder.device)];
+        let base = holder.slot as usize * k;
+        d.keys[base + usize::from(holder.index)] = 0;
+        if d.keys[base..base + k].iter().any(|&key| key != 0) {
+            return false;
+        }
+        self.drop_valid(holder.device, holder.slot);
+        true
     }
 
     /// Recovery: after every header was read, rebuilds the free lists from the slot states

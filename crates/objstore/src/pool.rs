@@ -102,7 +102,9 @@ pub struct RecoveryReport {
     /// device answered the read with an error status): their slots are free, their blocks, if
     /// any, are not served.
     pub unreadable_headers: u64,
-    /// Slots holding a key another, newer slot also holds: freed.
+    /// Slots whose every key another, newer slot also holds: freed. (A slot only some of
+    /// whose keys a newer slot holds keeps serving the others: each key is served by its
+    /// newest copy.)
     pub duplicate_slots: u64,
     pub cached_blocks: u64,
 }
@@ -503,7 +505,7 @@ impl Pool {
     /// Valid ones over durable data).
     fn recover(&mut self, unreadable_lbas: &[Vec<u64>], report: &mut RecoveryReport) -> Result<()> {
         let mut entry = Vec::new();
-        let mut losers = Vec::new();
+        let mut duplicate_slots = 0;
         for device in 0..self.devices.len() {
             let superblock = self.devices[device].superblock;
             let tag = pool_tag(&superblock.pool_uuid);
@@ -526,9 +528,7 @@ impl Pool {
                 match verdict {
                     Ok(header) => {
                         self.generation = self.generation.max(header.generation);
-                        if let Err(loser) = self.index.recover(device as u16, slot, &header.blocks, header.generation) {
-                            losers.push(loser);
-                        }
+                        duplicate_slots += self.index.recover(device as u16, slot, &header.blocks, header.generation);
                     }
                     Err(HeaderVerdict::Empty) => report.empty_slots += 1,
                     Err(HeaderVerdict::Zeroed) => {
@@ -554,9 +554,10 @@ impl Pool {
                 "slot headers are all zeroes: the header region was zeroed or deallocated; blocks recorded there are lost"
             );
         }
-        // A duplicate key's older copy is freed in memory; its header is rewritten Empty lazily,
-        // when the slot is next allocated (the newer copy wins again on every recovery until then).
-        report.duplicate_slots = losers.len() as u64;
+        // A slot whose every key a newer slot holds is freed in memory; its header is rewritten
+        // Empty lazily, when the slot is next allocated (the newer copies win again on every
+        // recovery until then). A slot with some such keys keeps serving the others.
+        report.duplicate_slots = duplicate_slots;
         self.index.finish_recovery();
         let counts = self.index.counts();
         report.valid_slots = counts.valid_slots;

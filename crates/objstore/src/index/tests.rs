@@ -121,15 +121,18 @@ fn a_condemned_slot_leaves_the_cache_now_and_is_reused_once_unpinned() {
 
 #[test]
 fn recovery_keeps_the_newest_copy_of_a_key() {
+    // Goal: each key is served by its newest copy. Slot 2's older copy of 8 is freed (it
+    // serves nothing else); slot 3's newer copy of 7 takes 7 from slot 1, which keeps serving
+    // 8 (its newest copy: it used to be dropped whole, and 8 lost).
     let mut index = Index::new(&[4], 2);
     let rec = |key| BlockRecord { key, token_count: 16, payload_crc: 0 };
-    assert_eq!(index.recover(0, 1, &[rec(7), rec(8)], 5), Ok(()));
-    assert_eq!(index.recover(0, 2, &[rec(8)], 3), Err((0, 2)));
-    assert_eq!(index.recover(0, 3, &[rec(7)], 9), Err((0, 1)));
+    assert_eq!(index.recover(0, 1, &[rec(7), rec(8)], 5), 0);
+    assert_eq!(index.recover(0, 2, &[rec(8)], 3), 1, "slot 2 serves nothing");
+    assert_eq!(index.recover(0, 3, &[rec(7)], 9), 0, "slot 1 still serves 8");
     index.finish_recovery();
     assert_eq!(index.get(7), Some(BlockLocation { device: 0, slot: 3, index: 0 }));
-    assert_eq!(index.get(8), None);
-    assert_eq!(index.counts().free_slots, 3);
+    assert_eq!(index.get(8), Some(BlockLocation { device: 0, slot: 1, index: 1 }));
+    assert_eq!(index.counts().free_slots, 2);
 }
 
 /// Distinct, well-mixed, non-zero keys (real keys are hashes; the map uses them as their own
@@ -152,7 +155,7 @@ fn recovering_every_slot_of_a_large_device_takes_linear_time() {
     let start = std::time::Instant::now();
     for slot in 0..SLOTS {
         let record = [BlockRecord { key: mixed_key(u64::from(slot)), token_count: 16, payload_crc: 0 }];
-        assert_eq!(index.recover(0, slot, &record, 1), Ok(()));
+        assert_eq!(index.recover(0, slot, &record, 1), 0);
         if slot % 4096 == 0 {
             assert!(start.elapsed() < budget, "{slot} of {SLOTS} slots recovered in {:?}: not linear", start.elapsed());
         }
@@ -176,13 +179,13 @@ fn after_recovery_the_free_lists_are_exactly_the_slots_not_committed() {
     let mut index = Index::new(&[16, 8], 1);
     let rec = |key| [BlockRecord { key, token_count: 16, payload_crc: 0 }];
     for (device, slot, key, generation) in [(0u16, 1u32, 101u64, 1u64), (0, 3, 103, 2), (0, 9, 109, 3), (0, 15, 115, 4), (1, 0, 200, 5)] {
-        assert_eq!(index.recover(device, slot, &rec(key), generation), Ok(()));
+        assert_eq!(index.recover(device, slot, &rec(key), generation), 0);
     }
     // Key 500: first on device 0 slot 5, then a newer copy on device 1 slot 7 (slot 5 is
     // dropped), then an older copy on device 0 slot 6 (refused).
-    assert_eq!(index.recover(0, 5, &rec(500), 6), Ok(()));
-    assert_eq!(index.recover(1, 7, &rec(500), 8), Err((0, 5)));
-    assert_eq!(index.recover(0, 6, &rec(500), 7), Err((0, 6)));
+    assert_eq!(index.recover(0, 5, &rec(500), 6), 0);
+    assert_eq!(index.recover(1, 7, &rec(500), 8), 1, "slot 5 is dropped");
+    assert_eq!(index.recover(0, 6, &rec(500), 7), 1, "slot 6 is refused");
     index.finish_recovery();
     let valid: [&[u32]; 2] = [&[1, 3, 9, 15], &[0, 7]];
     for (device, valid) in valid.iter().enumerate() {

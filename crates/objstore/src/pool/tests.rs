@@ -518,3 +518,36 @@ fn a_device_whose_flushes_keep_failing_is_fenced_even_while_its_header_writes_su
         assert!(!pool.metadata_fenced(0), "round {round}");
     }
 }
+
+#[test]
+fn recovery_keeps_the_newest_copy_of_each_block_across_three_overlapping_slots() {
+    // Goal: recovery resolves duplicate keys block by block, whatever order it reads the slots
+    // in. Slots X (oldest: keys a, b), N (b, c) and Y (newest: c), k = 2, as a crash between an
+    // eviction's data and its Empty header can leave them: the newest copy of each key is
+    // a in X, b in N, c in Y, so all three stay served and no slot is freed. Recovery used to
+    // resolve whole slots in slot order: reading X, N, Y, N's b dropped X (and a with it),
+    // then Y's c dropped N (and b with it); only c survived. Every placement of the three
+    // slots is tried (recovery reads slots in slot order).
+    let (a, b, c) = (101, 102, 103);
+    let record = |key| crate::format::BlockRecord { key, token_count: 16, payload_crc: 0 };
+    for slots in [[1, 2, 3], [1, 3, 2], [2, 1, 3], [2, 3, 1], [3, 1, 2], [3, 2, 1]] {
+        let config =
+            EmuConfig::default().with_backing(Backing::Memory { bytes: 16 << 20 }).with_namespaces(vec![NamespaceConfig::new(512, None)]);
+        let (_device, targets) = start(config);
+        let params =
+            FormatParams { geometry: geometry(), blocks_per_slot: 2, slot_count_max: Some(8), pool_uuid: None, payload_crc: false };
+        format_pool(&targets, &params).unwrap();
+        let (mut pool, _) = Pool::open(targets.clone(), Some(&geometry())).unwrap();
+        let [x, n, y] = slots;
+        // Staged in generation order: X, then N, then Y.
+        pool.stage_header(0, x, SlotState::Valid, &[record(a), record(b)]).unwrap();
+        pool.stage_header(0, n, SlotState::Valid, &[record(b), record(c)]).unwrap();
+        pool.stage_header(0, y, SlotState::Valid, &[record(c)]).unwrap();
+        pool.sync_headers(&mut NoLender).unwrap();
+        drop(pool);
+        let (pool, report) = Pool::open(targets, Some(&geometry())).unwrap();
+        let at = |key| pool.index().get(key).map(|location| (location.slot, location.index));
+        assert_eq!([at(a), at(b), at(c)], [Some((x, 0)), Some((n, 0)), Some((y, 0))], "X, N, Y in slots {slots:?}: {report:?}");
+        assert_eq!((report.valid_slots, report.cached_blocks, report.duplicate_slots), (3, 3, 0), "slots {slots:?}");
+    }
+}
