@@ -273,12 +273,18 @@ impl<E: Executor> KvStore<E> {
         self.control.counts()
     }
 
-    /// Gives the pool back (every request must be finished); the executor's queue pairs are
-    /// retired first, as by [`KvStore::close`].
+    /// Gives the pool back; the executor's queue pairs are retired first, as by
+    /// [`KvStore::close`]. Requests never finished are released ([`StoreControl::into_pool`]),
+    /// unless a queue pair could not be retired: its commands may still write a live store's
+    /// slots, so every reservation is then kept (those slots are not reused before a reopen).
     pub fn into_pool(self) -> Pool {
         let KvStore { data, control, .. } = self;
-        drop(data);
-        control.into_pool()
+        if data.close() {
+            control.into_pool()
+        } else {
+            tracing::error!("objstore: the pool was given back with executor queue pairs not retired: live reservations kept");
+            control.into_pool_unreleased()
+        }
     }
 
     /// Sets the key space of every later lookup and prepare: block keys chain from `seed`

@@ -78,8 +78,30 @@ impl StoreControl {
         self.pool.index.counts()
     }
 
-    /// Gives the pool back (every request must be released).
-    pub fn into_pool(self) -> Pool {
+    /// Gives the pool back. Reservations still live (requests never released) are released
+    /// first, as [`StoreControl::release`] would: a store's slots go back to the free list
+    /// and its keys are no longer claimed, pins go. Kept, they left slots Writing and pinned
+    /// for the pool's life, and keys claimed by a store that never commits (a later store
+    /// would share them). As for `release`, the caller must know that no command of those
+    /// requests is still in flight.
+    pub fn into_pool(mut self) -> Pool {
+        let mut live = 0;
+        for index in 0..self.reservations.len() {
+            if self.reservations[index].active {
+                self.release_index(index);
+                live += 1;
+            }
+        }
+        if live > 0 {
+            tracing::warn!(live, "objstore: the pool was given back with requests never finished: released");
+        }
+        self.pool
+    }
+
+    /// Gives the pool back with every reservation left as it is: the data half could not
+    /// retire its queue pairs, so a command of a live store may still write its slots, which
+    /// must then never be reused (they stay Writing until the pool is reopened).
+    pub(super) fn into_pool_unreleased(self) -> Pool {
         self.pool
     }
 

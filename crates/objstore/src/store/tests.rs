@@ -847,6 +847,30 @@ fn a_wait_that_finds_a_mismatch_returns_by_its_deadline_and_the_eviction_is_writ
     assert_eq!(report.cached_blocks, 0, "the evicted blocks are not served after a reopen: {report:?}");
 }
 
+#[test]
+fn into_pool_releases_the_reservations_still_live() {
+    // Goal: giving the pool back with requests never finished leaves nothing of them in the
+    // pool: a store's slot goes back to the free list and its keys are no longer claimed
+    // (another store would have shared them, counting on a commit that never comes); a
+    // retrieve's and a store's pins go, so their slots can be evicted again. They used to stay
+    // Writing, claimed and pinned for the pool's life.
+    let fixture = fixture(1, Some(8));
+    let mut store = in_process(&fixture, StoreConfig { requests_max: 4, ..StoreConfig::default() });
+    let cached = tokens(21, 2);
+    store_two_blocks(&fixture, &mut store, &cached);
+    store.prepare_retrieve(&KvRequest { tokens: &cached, block_ids: &[4, 5] }).expect("prepare_retrieve");
+    let extended = tokens(21, 3);
+    let plan = store.prepare_store(&KvRequest { tokens: &extended, block_ids: &[0, 1, 2] }).expect("prepare_store");
+    assert_eq!(plan.new_blocks, 1, "shares the two cached blocks");
+    let counts = store.counts();
+    assert_eq!((counts.writing_slots, counts.pinned_slots), (1, 3), "live: {counts:?}");
+    let pool = store.into_pool();
+    let counts = pool.index().counts();
+    assert_eq!((counts.writing_slots, counts.pinned_slots, counts.free_slots, counts.valid_slots), (0, 0, 6, 2), "{counts:?}");
+    let new_key = keys_of(&extended)[2];
+    assert!(!pool.index().is_claimed(new_key), "the uncommitted block is no longer claimed");
+}
+
 /// Reserves and commits `keys` as a store from engine blocks 0.. (no data is moved: the control
 /// half alone, as the LRU tests need).
 fn commit_recorded(control: &mut StoreControl, keys: &[u64]) {
