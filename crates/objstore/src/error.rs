@@ -103,6 +103,11 @@ pub enum ObjstoreError {
     HandleState { handle: u64, reason: String },
     #[error("too many requests in flight ({max})")]
     TooManyRequests { max: usize },
+    /// A structure sized from what the devices record (the index, a header mirror's
+    /// bookkeeping) that this host could not allocate: a pool too large for its memory, or a
+    /// device reporting absurd sizes. Refused instead of aborting the process.
+    #[error("host memory: {what} needs {bytes} bytes, which could not be allocated")]
+    HostMemory { what: String, bytes: u64 },
     #[error("{what}: deadline passed after {done} items")]
     DeadlinePassed { what: &'static str, done: u64 },
     #[error("layer {layer} I/O failed on {iocb}: {failure:?}")]

@@ -10,6 +10,7 @@ use std::collections::hash_map::Entry as MapEntry;
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
+use crate::error::{ObjstoreError, Result};
 use crate::format::BlockRecord;
 
 /// A hasher for keys that are already hashes.
@@ -160,30 +161,48 @@ impl Departures {
 }
 
 impl Index {
-    /// An empty index over devices with the given slot counts.
+    /// An empty index over devices with the given slot counts, for sizes known to fit (tests,
+    /// tools). Sizes read from a device go through [`Index::try_new`].
+    ///
+    /// # Panics
+    /// If the host cannot allocate it.
     pub fn new(slot_counts: &[u32], blocks_per_slot: u32) -> Self {
-        let devices = slot_counts
-            .iter()
-            .map(|&count| DeviceSlots {
-                meta: vec![SlotMeta { state: SlotUse::Free, pins: 0, prev: NONE, next: NONE, used: 0, generation: 0 }; count as usize],
-                keys: vec![0; count as usize * blocks_per_slot as usize],
+        Self::try_new(slot_counts, blocks_per_slot).unwrap_or_else(|error| panic!("Index::new: {error}"))
+    }
+
+    /// An empty index over devices with the given slot counts, or
+    /// [`ObjstoreError::HostMemory`] when this host cannot allocate it: the counts come from
+    /// the superblocks, so a huge (or lying) device must be an error, not a process abort.
+    /// Every vector is reserved before any is filled, so a refusal touches no memory.
+    pub fn try_new(slot_counts: &[u32], blocks_per_slot: u32) -> Result<Self> {
+        let k = blocks_per_slot as usize;
+        let mut reserved = Vec::new();
+        reserve(&mut reserved, slot_counts.len(), "the index's device table")?;
+        let mut total_keys = 0usize;
+        for &count in slot_counts {
+            let slots = count as usize;
+            let keys = slots.checked_mul(k).ok_or_else(|| too_large("the index's block keys", u64::MAX))?;
+            total_keys = total_keys.checked_add(keys).ok_or_else(|| too_large("the index's key map", u64::MAX))?;
+            let (mut meta, mut key_slots, mut free) = (Vec::new(), Vec::new(), Vec::new());
+            reserve(&mut key_slots, keys, "the index's block keys")?;
+            reserve(&mut meta, slots, "the index's slot table")?;
+            reserve(&mut free, slots, "the index's free list")?;
+            reserved.push((count, meta, key_slots, free));
+        }
+        let mut map = HashMap::with_hasher(KeyBuild::default());
+        map.try_reserve(total_keys).map_err(|_| too_large("the index's key map", bytes_of::<(u64, Entry)>(total_keys)))?;
+        let devices = reserved
+            .into_iter()
+            .map(|(count, mut meta, mut keys, mut free)| {
+                let slots = count as usize;
+                meta.resize(slots, SlotMeta { state: SlotUse::Free, pins: 0, prev: NONE, next: NONE, used: 0, generation: 0 });
+                keys.resize(slots * k, 0);
                 // Pop from the end: low slots first, which keeps a fresh pool's data compact.
-                free: (0..count).rev().collect(),
-                head: NONE,
-                tail: NONE,
-                valid: 0,
-                unpinned_valid: 0,
+                free.extend((0..count).rev());
+                DeviceSlots { meta, keys, free, head: NONE, tail: NONE, valid: 0, unpinned_valid: 0 }
             })
             .collect();
-        let total: usize = slot_counts.iter().map(|&c| c as usize * blocks_per_slot as usize).sum();
-        Self {
-            blocks_per_slot,
-            devices,
-            map: HashMap::with_capacity_and_hasher(total, KeyBuild::default()),
-            evictions: 0,
-            departures: None,
-            recovering: false,
-        }
+        Ok(Self { blocks_per_slot, devices, map, evictions: 0, departures: None, recovering: false })
     }
 
     /// From now on, keeps the keys of committed blocks that leave the index (eviction,
@@ -567,6 +586,20 @@ impl Index {
         }
         counts
     }
+}
+
+/// Reserves room for `count` more elements in `vec` (an empty one: exactly `count`), or
+/// [`ObjstoreError::HostMemory`] naming `what`.
+pub(crate) fn reserve<T>(vec: &mut Vec<T>, count: usize, what: &str) -> Result<()> {
+    vec.try_reserve_exact(count).map_err(|_| too_large(what, bytes_of::<T>(count)))
+}
+
+fn bytes_of<T>(count: usize) -> u64 {
+    (count as u64).saturating_mul(std::mem::size_of::<T>() as u64)
+}
+
+fn too_large(what: &str, bytes: u64) -> ObjstoreError {
+    ObjstoreError::HostMemory { what: what.to_string(), bytes }
 }
 
 #[cfg(test)]

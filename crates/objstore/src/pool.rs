@@ -439,7 +439,7 @@ impl Pool {
         let slot_counts: Vec<u32> = found.iter().map(|(superblock, _)| superblock.slot_count as u32).collect();
         let mut pool = Pool {
             devices: Vec::with_capacity(found.len()),
-            index: Index::new(&slot_counts, first.blocks_per_slot),
+            index: Index::try_new(&slot_counts, first.blocks_per_slot)?,
             generation: 0,
             timeout: METADATA_TIMEOUT,
         };
@@ -489,7 +489,7 @@ impl Pool {
                 buffers_leaked: false,
                 target,
                 superblock,
-                mirror: HeaderMirror::new(mirror, superblock),
+                mirror: HeaderMirror::new(mirror, superblock)?,
                 scratch,
                 entry,
             });

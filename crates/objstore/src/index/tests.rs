@@ -276,3 +276,19 @@ fn random_operations_agree_with_a_simple_model() {
         assert_eq!(index.counts().valid_slots, lru.len() as u64, "step {step}");
     }
 }
+
+#[test]
+fn an_index_too_large_for_the_host_is_an_error_not_an_abort() {
+    // Goal: the index is sized from the superblocks (slot counts, blocks per slot), which are
+    // read from the devices: sizes this host cannot allocate are refused with HostMemory
+    // instead of aborting the process (`vec!` and `with_capacity` abort on a failed
+    // allocation: this test used to kill the whole test binary with SIGABRT). u32::MAX slots
+    // of 2^16 blocks want 2 PiB of keys, more than any address space.
+    match Index::try_new(&[4, u32::MAX], 1 << 16) {
+        Err(ObjstoreError::HostMemory { what, .. }) => eprintln!("refused: {what}"),
+        Err(other) => panic!("expected HostMemory, got {other}"),
+        Ok(_) => panic!("a 2 PiB index was allocated"),
+    }
+    let index = Index::try_new(&[4, 8], 2).expect("a small index");
+    assert_eq!(index.counts().free_slots, 12);
+}

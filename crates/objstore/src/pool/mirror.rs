@@ -14,6 +14,7 @@ use nvme_driver::{DmaRegion, IoQueuePair, NamespaceId};
 use super::metadata_io::write_runs_durably;
 use crate::error::Result;
 use crate::format::Superblock;
+use crate::index::reserve;
 
 pub(crate) struct HeaderMirror {
     region: DmaRegion,
@@ -29,15 +30,18 @@ pub(crate) struct HeaderMirror {
 }
 
 impl HeaderMirror {
-    /// A mirror over `region`, which holds the device's header region as read from it.
-    pub(crate) fn new(region: DmaRegion, superblock: Superblock) -> Self {
-        Self {
-            region,
-            superblock,
-            dirty: Vec::new(),
-            dirty_bits: vec![0; superblock.header_blocks.div_ceil(64) as usize],
-            not_empty: vec![false; superblock.slot_count as usize],
-        }
+    /// A mirror over `region`, which holds the device's header region as read from it. Its
+    /// bookkeeping is sized from the superblock: an allocation the host refuses is
+    /// [`crate::ObjstoreError::HostMemory`], not an abort.
+    pub(crate) fn new(region: DmaRegion, superblock: Superblock) -> Result<Self> {
+        let (mut dirty, mut dirty_bits, mut not_empty) = (Vec::new(), Vec::new(), Vec::new());
+        let header_blocks = usize::try_from(superblock.header_blocks).unwrap_or(usize::MAX);
+        reserve(&mut dirty, header_blocks, "a header mirror's dirty list")?;
+        reserve(&mut dirty_bits, header_blocks.div_ceil(64), "a header mirror's dirty bits")?;
+        reserve(&mut not_empty, superblock.slot_count as usize, "a header mirror's slot states")?;
+        dirty_bits.resize(header_blocks.div_ceil(64), 0);
+        not_empty.resize(superblock.slot_count as usize, false);
+        Ok(Self { region, superblock, dirty, dirty_bits, not_empty })
     }
 
     /// The DMA memory the header writes read from (to keep it when a write may be in flight).
