@@ -21,6 +21,19 @@ pub fn leaked_dma_regions() -> u64 {
     LEAKED_REGIONS.load(Ordering::Relaxed)
 }
 
+#[cfg(test)]
+thread_local! {
+    /// What this thread leaked: each test runs on a thread of its own, so a test counts its
+    /// own leaks here, unaffected by tests leaking in parallel.
+    static LEAKED_REGIONS_HERE: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// DMA regions leaked by the calling thread (tests: by the calling test alone).
+#[cfg(test)]
+pub(crate) fn leaked_dma_regions_on_this_thread() -> u64 {
+    LEAKED_REGIONS_HERE.with(std::cell::Cell::get)
+}
+
 /// Keeps `regions` for good (a leaked clone keeps the whole allocation, whatever happens to the
 /// other handles), counted and logged with `why`.
 pub(crate) fn leak_regions(regions: &[&DmaRegion], why: &str) {
@@ -29,6 +42,8 @@ pub(crate) fn leak_regions(regions: &[&DmaRegion], why: &str) {
         let bytes = (*region).clone().leak();
         LEAKED_BYTES.fetch_add(bytes as u64, Ordering::Relaxed);
         LEAKED_REGIONS.fetch_add(1, Ordering::Relaxed);
+        #[cfg(test)]
+        LEAKED_REGIONS_HERE.with(|leaked| leaked.set(leaked.get() + 1));
         tracing::error!(%iova, bytes, why, "objstore: DMA memory kept for good (leaked): a controller may still use it");
     }
 }
