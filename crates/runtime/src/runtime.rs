@@ -301,7 +301,10 @@ impl<E: Executor> Runtime<E> {
                 reason: format!("request {} is still in prefill (end_prefill or abort_prefill first)", active.id),
             });
         }
-        self.progress()?;
+        // Completions are reaped and finished stores committed (lookup sees them), but no
+        // waiting write is handed over: the new request's reads, not known yet, go first (the
+        // barrier holds writes while they are pending; see `reads_pending`).
+        self.advance(false)?;
         let blocks = request.block_ids.len();
         let hit = self.store.lookup(request.tokens).min(blocks);
         let mut incoming = blocks - hit;

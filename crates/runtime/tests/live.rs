@@ -250,3 +250,58 @@ fn one_write_layer_in_flight_across_queued_stores() {
     assert_eq!(in_flight_max(events, IoDirection::Write), 1, "write layers in flight together");
     assert_eq!(mixed_issues(events), 0);
 }
+
+/// Goal: writes a decode step released but the runtime had not handed over yet (one write layer
+/// goes at a time) wait while the next request still has a read to issue: the policy's rule is
+/// that writes go only once every read of the request is issued (and start after those reads
+/// complete). Before, they went whenever reads were momentarily idle: at the next request's
+/// `begin_prefill`, before its first read, and between its layers' reads. The table has no
+/// prefill windows (no write is granted inside a prefill, every read goes at once), so a decode
+/// step releases every layer of the first request's store together.
+#[test]
+fn released_writes_wait_for_every_read_of_the_next_request() {
+    let mut table = common::table(common::MODEL, common::geometry().layers);
+    for bucket in &mut table.buckets {
+        for layer in &mut bucket.layers {
+            layer.slack_windows.clear();
+        }
+    }
+    let profile = scheduler::table::Profile::from_table(table).expect("valid table");
+    let mut stack = common::stack_with_profile(config(PolicyChoice::SlackAware), None, profile);
+    // A cached prefix for the request after next.
+    let cached = prompt(0, 0);
+    prefill(&mut stack, &cached, &[0, 1, 2, 3]).unwrap();
+    stack.runtime.drain().unwrap();
+    // The request whose writes the decode step releases: 2 new blocks.
+    let first = prompt(1, 0);
+    prefill(&mut stack, &first, &[4, 5, 6, 7]).unwrap();
+    assert_eq!(stack.runtime.queued_stores(), 1);
+    stack.runtime.decode_step(first.len() as u32).unwrap();
+    stack.runtime.clear_events();
+    // No poll_io: the released layers past the first are still in the runtime. The first may
+    // have completed meanwhile.
+    std::thread::sleep(std::time::Duration::from_millis(5));
+    let next = prompt(0, 1);
+    let start = stack.runtime.begin_prefill(&objstore::KvRequest { tokens: &next, block_ids: &[8, 9, 10, 11, 12, 13] }).unwrap();
+    assert_eq!(start.cached_blocks, 4);
+    for layer in 0..common::geometry().layers {
+        stack.runtime.before_layer(start.id, layer).unwrap();
+        // The layer's compute: the next layer's read may complete meanwhile.
+        common::compute_for(std::time::Duration::from_micros(common::LAYER_COMPUTE_US));
+        stack.runtime.after_layer(start.id, layer).unwrap();
+    }
+    stack.runtime.end_prefill(start.id).unwrap();
+    let events = stack.runtime.events();
+    let last_read = events
+        .iter()
+        .rposition(|event| event.direction == IoDirection::Read && event.kind == IoEventKind::Issued)
+        .expect("the request read its prefix");
+    let early: Vec<&IoEvent> =
+        events[..last_read].iter().filter(|event| event.direction == IoDirection::Write && event.kind == IoEventKind::Issued).collect();
+    assert!(early.is_empty(), "writes issued before the request's last read: {early:?}\n{events:?}");
+    assert!(
+        events.iter().any(|event| event.direction == IoDirection::Write && event.kind == IoEventKind::Issued),
+        "the released writes go once the reads are issued"
+    );
+    stack.runtime.drain().unwrap();
+}

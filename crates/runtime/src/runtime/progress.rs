@@ -78,8 +78,16 @@ impl<E: Executor> Runtime<E> {
         self.config.policy.read_write_barrier()
     }
 
+    /// Whether a read of the running prefill is pending: in flight, waiting to be handed over,
+    /// or not issued by the policy yet. Under the barrier no write is handed over meanwhile: the
+    /// policy grants writes only once every read of the request is issued, to start after those
+    /// reads complete (`scheduler::policy::SlackAware`, rule 4). Layers released earlier (by a
+    /// decode step, one handed over at a time) wait too; before, they went whenever reads were
+    /// momentarily idle, between one layer's read completing and the next one's issue.
     pub(super) fn reads_pending(&self) -> bool {
-        self.reads.in_flight.is_some() || !self.reads.waiting.is_empty()
+        self.reads.in_flight.is_some()
+            || !self.reads.waiting.is_empty()
+            || (self.prefill.is_some() && self.reads.done.iter().any(|&done| !done))
     }
 
     pub(super) fn record(&mut self, request: u64, direction: IoDirection, layer: u32, kind: IoEventKind, sm_budget: Option<SmBudget>) {
@@ -88,6 +96,11 @@ impl<E: Executor> Runtime<E> {
 
     /// Reaps completions, retires what ended, commits finished stores, issues what may go.
     pub(super) fn progress(&mut self) -> Result<()> {
+        self.advance(true)
+    }
+
+    /// `progress`, handing waiting layers to the executor only if `issue`.
+    pub(super) fn advance(&mut self, issue: bool) -> Result<()> {
         let retired = self.retire_ended();
         if let (Some(layer), Some(handle)) = (self.reads.in_flight, self.prefill.as_ref().and_then(|p| p.retrieve)) {
             match self.store.poll(handle) {
@@ -113,7 +126,9 @@ impl<E: Executor> Runtime<E> {
             }
         }
         self.commit_written()?;
-        self.pump()?;
+        if issue {
+            self.pump()?;
+        }
         retired
     }
 
