@@ -11,10 +11,14 @@
 #   5. the prefill step of run-all.sh rehearsed on the CPU (tools/gpu/prefill-ttft.py --device cpu
 #      --tiny: the wheel, tuttid --device-memory memfd, a tiny transformers model; ~20 s) with a
 #      python that has torch and transformers: GPU_CHECK_PREFILL_PYTHON, else GPU_CHECK_PYTHON, else
-#      an engines venv (~/.cache/tutti/engines/vllm-*/bin/python); skipped, saying so, without one.
+#      the vLLM engines environment (tools/python/engine-env.sh vllm --existing: the pinned one under
+#      ${TUTTI_ENV_CACHE:-~/.cache/tutti}/engines), else any vllm-* one there; skipped, saying so,
+#      without one, unless GPU_CHECK_REQUIRE_PREFILL=1 (tools/test.sh sets it when its engines stage
+#      ran before: that stage builds the environment), which makes a missing one a failure.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
+TARGET=$(realpath -m "${CARGO_TARGET_DIR:-target}") # cargo's, as cargo resolves it from here
 WHEELS="$ROOT/.tools/cuda-wheels-13.2.86/nvidia/cu13"
 OUT="$ROOT/target/gpu-check"
 mkdir -p "$OUT"
@@ -35,7 +39,7 @@ if [[ -n "${GPU_CHECK_PYTHON:-}" ]]; then
   chmod +x "$bin/python3"
   mkdir -p target/gpu-carry
   cargo build --release --locked -p tutti-profile
-  cp target/release/tutti-profile target/gpu-carry/tutti-profile
+  cp "$TARGET/release/tutti-profile" target/gpu-carry/tutti-profile
   strip target/gpu-carry/tutti-profile
   rm -rf "$OUT/rehearsal"
   PATH="$bin:$PATH" OUT="$OUT/rehearsal" RUN_ALL_SLACK_DEVICE_ARGS="--device cpu --tiny" RUN_ALL_GPU_PRESET=h100 \
@@ -48,12 +52,15 @@ venv=$(tools/python/wheel.sh | tail -n 1)
 cargo build --locked -p tuttid --bin tuttid
 rm -rf "$OUT/python-rehearsal"
 OUT="$OUT/python-rehearsal" RUN_ALL_PYTHON_DEVICE=stand-in RUN_ALL_PYTHON="$venv/bin/python" \
-  RUN_ALL_TUTTID="$ROOT/target/debug/tuttid" RUN_ALL_WHEEL="$(ls "$ROOT"/target/wheels/tutti-*-abi3-*.whl)" \
+  RUN_ALL_TUTTID="$TARGET/debug/tuttid" RUN_ALL_WHEEL="$(ls "$ROOT"/target/wheels/tutti-*-abi3-*.whl)" \
   tools/gpu/run-all.sh python
 grep -q '^python: PASS' "$OUT/python-rehearsal/summary.txt"
 echo "gpu-check: python step rehearsed with the stand-in: $OUT/python-rehearsal"
 prefill_python=""
-for candidate in "${GPU_CHECK_PREFILL_PYTHON:-}" "${GPU_CHECK_PYTHON:-}" "$HOME"/.cache/tutti/engines/vllm-*/bin/python; do
+engine_python=""
+engine_env=$(timeout 600 tools/python/engine-env.sh vllm --existing 2>/dev/null | tail -n 1) && engine_python="$engine_env/bin/python"
+for candidate in "${GPU_CHECK_PREFILL_PYTHON:-}" "${GPU_CHECK_PYTHON:-}" "$engine_python" \
+  "${TUTTI_ENV_CACHE:-$HOME/.cache/tutti}"/engines/vllm-*/bin/python; do
   if [[ -n "$candidate" && -x "$candidate" ]] && "$candidate" -c "import torch, transformers" 2>/dev/null; then
     prefill_python=$candidate
     break
@@ -62,11 +69,14 @@ done
 if [[ -n "$prefill_python" ]]; then
   rm -rf "$OUT/prefill-rehearsal"
   OUT="$OUT/prefill-rehearsal" RUN_ALL_PREFILL_DEVICE_ARGS="--device cpu --tiny" RUN_ALL_PYTHON="$prefill_python" \
-    RUN_ALL_TUTTID="$ROOT/target/debug/tuttid" RUN_ALL_WHEEL="$(ls "$ROOT"/target/wheels/tutti-*-abi3-*.whl)" \
+    RUN_ALL_TUTTID="$TARGET/debug/tuttid" RUN_ALL_WHEEL="$(ls "$ROOT"/target/wheels/tutti-*-abi3-*.whl)" \
     tools/gpu/run-all.sh prefill
   grep -q '^prefill: PASS' "$OUT/prefill-rehearsal/summary.txt"
   echo "gpu-check: prefill step rehearsed on the CPU with $prefill_python: $OUT/prefill-rehearsal"
+elif [[ "${GPU_CHECK_REQUIRE_PREFILL:-0}" == 1 ]]; then
+  echo "gpu-check: FAILED: prefill step not rehearsed: no python with torch and transformers, and no complete vLLM environment (tools/python/engine-env.sh vllm; GPU_CHECK_REQUIRE_PREFILL=1)" >&2
+  exit 1
 else
-  echo "gpu-check: prefill step NOT rehearsed: no python with torch and transformers (set GPU_CHECK_PREFILL_PYTHON)"
+  echo "gpu-check: prefill step NOT rehearsed: no python with torch and transformers (set GPU_CHECK_PREFILL_PYTHON, or build tools/python/engine-env.sh vllm)"
 fi
 echo "gpu-check: OK"
