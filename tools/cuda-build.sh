@@ -9,7 +9,8 @@
 #   GIO_NVCC=PATH      use this nvcc (an installed toolkit) instead of installing the pinned wheels
 #
 # nvcc comes from NVIDIA's CUDA 13 Python wheels, installed once (idempotently) with pip into
-# .tools/cuda-wheels (gitignored). Every wheel is pinned, including the two that nvcc pulls in
+# .tools/cuda-wheels (gitignored); whether they are there is decided by running nvcc and reading
+# the installed wheels' versions, not by a stamp (an interrupted install is made again). Every wheel is pinned, including the two that nvcc pulls in
 # (crt, nvvm): an unpinned dependency resolves to the newest release and mixes toolkit versions.
 # The cu12 wheels ship no nvcc, so the cu13 ones are required. No GPU or driver is needed here.
 set -euo pipefail
@@ -18,7 +19,6 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${1:-$ROOT/target/kernels}"
 CUDA_WHEEL_VERSION="13.2.86"
 WHEELS_DIR="$ROOT/.tools/cuda-wheels-$CUDA_WHEEL_VERSION"
-STAMP="$WHEELS_DIR/.installed"
 PACKAGES=(
   "nvidia-cuda-nvcc==$CUDA_WHEEL_VERSION"
   "nvidia-cuda-runtime==$CUDA_WHEEL_VERSION"
@@ -27,16 +27,30 @@ PACKAGES=(
   "nvidia-nvvm==$CUDA_WHEEL_VERSION"
 )
 
+# The pinned wheels are installed (each exactly once, at its pin) and their nvcc runs.
+wheels_installed() {
+  "$WHEELS_DIR/nvidia/cu13/bin/nvcc" --version >/dev/null 2>&1 || return 1
+  python3 - "$WHEELS_DIR" "${PACKAGES[@]}" <<'PY'
+import importlib.metadata as metadata, sys
+path = [sys.argv[1]]
+for pin in sys.argv[2:]:
+    name, version = pin.split("==")
+    found = [dist.version for dist in metadata.distributions(name=name, path=path)]
+    if found != [version]:
+        sys.exit(f"cuda-build: {name} {found} in {path[0]}, {version} pinned")
+PY
+}
+
 if [[ -n "${GIO_NVCC:-}" ]]; then
   # A machine with a CUDA toolkit installed (the GPU test machine, which has no network): use it.
   NVCC="$GIO_NVCC"
   CUDA_HOME="$(cd "$(dirname "$NVCC")/.." && pwd)"
-elif [[ ! -f "$STAMP" ]]; then
+elif ! wheels_installed; then
   echo "cuda-build: installing ${PACKAGES[*]} into $WHEELS_DIR"
   rm -rf "$WHEELS_DIR"
   python3 -m pip install --disable-pip-version-check --quiet --no-deps \
     --target "$WHEELS_DIR" "${PACKAGES[@]}"
-  touch "$STAMP"
+  wheels_installed || { echo "cuda-build: the wheels installed into $WHEELS_DIR are not what is pinned (see above)" >&2; exit 1; }
 fi
 
 if [[ -z "${GIO_NVCC:-}" ]]; then
