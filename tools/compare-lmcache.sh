@@ -92,7 +92,9 @@ fi
 flock -u 9
 
 # --- tutti-bench ---------------------------------------------------------------------------------
-if [[ -z ${COMPARE_BENCH:-} && ! -x $BENCH ]]; then
+# Built every run unless COMPARE_BENCH names a binary (cargo is incremental: seconds when nothing
+# changed), so a binary left by an older checkout is never what gets measured.
+if [[ -z ${COMPARE_BENCH:-} ]]; then
     say "compare-lmcache: building tutti-bench (release)"
     (cd "$ROOT" && cargo build --release --locked --bin tutti-bench --quiet) || die "building tutti-bench failed"
 fi
