@@ -77,6 +77,10 @@ pub fn run(args: &SimulateArgs) -> Result<()> {
             profile
                 .check_identity(&experiment.model.identity(), &experiment.gpu.identity())
                 .map_err(|error| crate::unusable(format!("table {} does not fit preset {}: {error}", path.display(), experiment.name)))?;
+            // The policy counts I/O in the table's IOCBs and prices them with its rows: a table
+            // measured with 2 MiB IOCBs simulated with the preset's 8 MiB counts priced every
+            // kernel at a quarter of its bytes. The report says which size ran.
+            experiment.iocb_bytes = profile.iocb_bytes();
             profile
         }
         None => experiment.build_profile()?,

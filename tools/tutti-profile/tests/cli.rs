@@ -109,6 +109,30 @@ fn analytic_then_check_then_simulate_with_the_table() {
     assert!(stderr(&output).contains("does not fit preset"), "{}", stderr(&output));
 }
 
+/// Goal: `simulate --table` counts I/O in the table's IOCB size, not the preset's: a table of
+/// 2 MiB IOCBs is simulated with 2 MiB IOCBs (the summary says so). Before, the preset's 8 MiB
+/// went to the simulator, and the policy priced 8 MiB kernels with 2 MiB rows.
+#[test]
+fn simulate_with_a_table_uses_the_tables_iocb_size() {
+    let _one = exclusive();
+    let dir = scratch("iocb-size");
+    let table = dir.join("llama-2m.json");
+    let output = run(bin()
+        .args(["analytic", "--model", "llama3-8b", "--gpu", "h100", "--input-step", "4096"])
+        .args(["--input-count", "8", "--prefix-step", "512", "--iocb-bytes", "2097152", "--out"])
+        .arg(&table));
+    assert!(output.status.success(), "{}", stderr(&output));
+    let out = dir.join("sim");
+    let output = run(bin()
+        .args(["simulate", "--preset", "llama3-8b-h100-32k", "--decode-steps", "0", "--out"])
+        .arg(&out)
+        .arg("--table")
+        .arg(&table));
+    assert!(output.status.success(), "{}", stderr(&output));
+    let summary: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["preset"]["iocb_bytes"], 2 << 20, "{summary}");
+}
+
 /// The tiny grid of the `io` tests: IOCBs of 16 IOCTXs of 4 KiB, so a debug build finishes in
 /// about a second while 64 IOCBs move 64× the bytes of one (4 MiB: milliseconds of copying even
 /// on the software controller, well above the wake-up latencies that dominate one small IOCB).
