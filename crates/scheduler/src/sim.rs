@@ -207,6 +207,19 @@ pub fn simulate_carried(
     if config.iocb_bytes == 0 {
         return Err(SchedulerError::InvalidConfig { field: "iocb_bytes".into(), reason: "must be > 0".into() });
     }
+    // The policy counts I/O in IOCBs and prices them with the scheduler table's rows, which are
+    // of one size: counts of another size would be priced as that size's bytes.
+    let table_iocb_bytes = scheduler_table.iocb_bytes();
+    if config.iocb_bytes != table_iocb_bytes {
+        return Err(SchedulerError::InvalidConfig {
+            field: "iocb_bytes".into(),
+            reason: format!(
+                "{} bytes, but the scheduler table's cost rows are of {table_iocb_bytes}-byte IOCBs: the policy would price \
+                 these IOCBs as that size",
+                config.iocb_bytes
+            ),
+        });
+    }
     let bucket = truth.bucket(config.input_tokens, config.prefix_tokens)?;
     let layer_count = bucket.layers.len();
     let kv_bytes = truth.model().kv_bytes_per_token_per_layer;

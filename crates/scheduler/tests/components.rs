@@ -5,7 +5,7 @@ mod common;
 
 use scheduler::analytic::{build_table, layer_kernels, AnalyticGrid, GpuSpec, ModelConfig};
 use scheduler::import::import_timeline;
-use scheduler::policy::{IoPolicy, Issue, LayerPlan, LayerView, NoOverlap, QueueView};
+use scheduler::policy::{IoPolicy, Issue, LayerPlan, LayerView, NoOverlap, PolicyKind, QueueView};
 use scheduler::probe::{measure_io_costs, IoCostProbe, IoGrid, ProbeSample};
 use scheduler::sim::{simulate, simulate_carried, simulate_with_backlog, SimConfig, WriteCarry};
 use scheduler::ssd::SsdModel;
@@ -345,6 +345,22 @@ fn broken_policies_are_reported() {
     assert!(simulate(&table, &table, &toy_ssd(), &bad, &mut OverIssues).is_err());
     let off_grid = SimConfig { input_tokens: 10, prefix_tokens: 0, ..config };
     assert!(simulate(&table, &table, &toy_ssd(), &off_grid, &mut OverIssues).is_err());
+}
+
+/// Goal: a run whose IOCB size is not the scheduler table's is refused (`InvalidConfig`): the
+/// policy counts IOCBs of `SimConfig::iocb_bytes` and prices them with the table's rows, so 4 MiB
+/// IOCBs priced by 1 MiB rows ran at four times the table's bandwidth. Before, nothing checked.
+#[test]
+fn an_iocb_size_other_than_the_tables_is_refused() {
+    let table = Profile::from_table(common::table()).unwrap();
+    assert_eq!(table.iocb_bytes(), 1 << 20);
+    let config =
+        SimConfig { input_tokens: 2048, prefix_tokens: 1024, iocb_bytes: 4 << 20, decode_step_count: 0, queued_kernels_hide_latency: true };
+    let mut policy = PolicyKind::SlackAware.build();
+    let error = simulate(&table, &table, &toy_ssd(), &config, policy.as_mut()).unwrap_err();
+    assert!(matches!(&error, SchedulerError::InvalidConfig { field, .. } if field == "iocb_bytes"), "{error}");
+    let matching = SimConfig { iocb_bytes: 1 << 20, ..config };
+    assert!(simulate(&table, &table, &toy_ssd(), &matching, policy.as_mut()).is_ok());
 }
 
 // ---------------------------------------------------------------------------------------------
