@@ -389,7 +389,12 @@ impl Profile {
         self.table.io_costs.iter().filter(|r| r.kind == kind).map(|r| r.sm_budget).max().unwrap_or(0)
     }
 
-    /// The decode step at a context length, rounded down (shorter step, less slack).
+    /// The decode step at a context length: the row rounded down (shorter step, less slack),
+    /// with the fewer free SMs of the two rows bracketing the context (the row itself on a grid
+    /// point; past the last row, the last row's). Free SMs need not fall as the context grows (a
+    /// longer step can be more memory-bound), so the row below alone could promise SMs the real
+    /// step does not have: rows 4096 → 40 free and 8192 → 4 free gave a context of 8000 40 SMs.
+    /// The same rule as prefill windows between grid points (`Profile::slack_windows_between`).
     pub fn decode_step(&self, context_tokens: u32) -> Result<DecodeStep> {
         let steps = &self.table.decode_steps;
         let first = steps.first().map(|s| s.context_tokens).unwrap_or(0);
@@ -403,7 +408,13 @@ impl Profile {
                 max: u64::from(last),
             });
         }
-        Ok(steps[index - 1])
+        let mut step = steps[index - 1];
+        if step.context_tokens != context_tokens {
+            if let Some(above) = steps.get(index) {
+                step.free_sms = step.free_sms.min(above.free_sms);
+            }
+        }
+        Ok(step)
     }
 }
 

@@ -118,6 +118,28 @@ fn slack_aware_defers_writes_to_decode() {
     assert!(SlackAware.plan_decode_step(&queue).is_err());
 }
 
+/// Goal: a decode step between two rows gets the fewer free SMs of the two, as prefill windows
+/// between grid points do. Rows 1024 → 4 SMs free, 2048 → 2: a context of 1500 writes on 2 SMs
+/// (the step rounded down, 1000 µs: 2 IOCBs, as 3 are priced by the 4-IOCB row's 1200 µs).
+/// Before, it took the row below's 4 SMs,
+/// more than the real step may leave free (a longer step can be more memory-bound).
+#[test]
+fn slack_aware_decode_steps_between_rows_take_the_fewer_free_sms() {
+    let mut t = common::table();
+    t.decode_steps[1].free_sms = 2;
+    let table = Profile::from_table(t).unwrap();
+    let mut queue =
+        QueueView { table: &table, context_tokens: 1500, outstanding_read_iocbs: 0, outstanding_write_iocbs: 0, queued_write_iocbs: 8 };
+    assert_eq!(table.decode_step(1500).unwrap().free_sms, 2);
+    assert_eq!(SlackAware.plan_decode_step(&queue).unwrap(), vec![write(2, 2, 0.0, true)]);
+    // On a row: that row's.
+    queue.context_tokens = 1024;
+    assert_eq!(SlackAware.plan_decode_step(&queue).unwrap(), vec![write(4, 4, 0.0, true)]);
+    // Past the last row: the last row's (2000 µs on 2 SMs: 4 IOCBs, 1200 µs).
+    queue.context_tokens = 3000;
+    assert_eq!(SlackAware.plan_decode_step(&queue).unwrap(), vec![write(4, 2, 0.0, true)]);
+}
+
 /// Goal: a window with room where not one write IOCB finishes is granted as time: a write of 0
 /// IOCBs standing for the rest of the window (`slack_us`), so that a runtime moving whole
 /// layers can add such windows up; before, no write was issued at all and a layer bigger than
