@@ -340,21 +340,45 @@ impl Profile {
         t.buckets.get(start + (prefix_tokens / t.prefix_step_tokens) as usize).ok_or(missing)
     }
 
-    /// Estimated duration of one I/O kernel, rounded to the slower profiled entry.
+    /// Estimated duration of one I/O kernel, rounded to the slower profiled entry: the count
+    /// rounds up; a profiled budget is priced by its own rows, and a budget between profiled
+    /// ones by the slowest of every profiled budget below it. Fewer SMs need not be slower in a
+    /// measured table (the `io` table of docs/scheduler.md writes 4 IOCBs in 134 ms on 1 SM and
+    /// 264 ms on 2), so the budget just below alone is no bound for one between; validation
+    /// checks durations against counts only, within one budget.
     pub fn io_duration_us(&self, kind: IoKind, iocb_count: u32, sm_budget: u32) -> Result<f64> {
         if iocb_count == 0 {
             return Ok(0.0);
         }
         let rows = self.table.io_costs.iter().filter(|r| r.kind == kind);
-        // Largest profiled budget not above the one requested: fewer SMs is never faster.
         let budget = rows.clone().map(|r| r.sm_budget).filter(|&b| b <= sm_budget).max().ok_or_else(|| SchedulerError::OutOfRange {
             what: "sm_budget",
             value: u64::from(sm_budget),
             min: self.io_budget_min(kind),
             max: u64::from(self.table.gpu.sm_count),
         })?;
+        if budget == sm_budget {
+            return self.io_duration_at_budget_us(kind, iocb_count, budget);
+        }
+        // Rows are sorted by (kind, budget, count): each budget below is visited at its first row.
+        let mut slowest_us: f64 = 0.0;
+        let mut previous = None;
+        for row in rows.filter(|r| r.sm_budget <= sm_budget) {
+            if previous != Some(row.sm_budget) {
+                previous = Some(row.sm_budget);
+                slowest_us = slowest_us.max(self.io_duration_at_budget_us(kind, iocb_count, row.sm_budget)?);
+            }
+        }
+        Ok(slowest_us)
+    }
+
+    /// One kernel of `iocb_count` IOCBs by the rows of profiled budget `budget`.
+    fn io_duration_at_budget_us(&self, kind: IoKind, iocb_count: u32, budget: u32) -> Result<f64> {
+        if iocb_count == 0 {
+            return Ok(0.0);
+        }
         let mut largest: Option<&IoCostEntry> = None;
-        for row in rows.filter(|r| r.sm_budget == budget) {
+        for row in self.table.io_costs.iter().filter(|r| r.kind == kind && r.sm_budget == budget) {
             if row.iocb_count >= iocb_count {
                 return Ok(row.duration_us);
             }
@@ -365,7 +389,7 @@ impl Profile {
         let largest = largest.ok_or_else(|| invalid("io_costs", format!("kind={kind:?}"), "no rows"))?;
         let full = iocb_count / largest.iocb_count;
         let rest = iocb_count % largest.iocb_count;
-        let rest_us = if rest == 0 { 0.0 } else { self.io_duration_us(kind, rest, sm_budget)? };
+        let rest_us = self.io_duration_at_budget_us(kind, rest, budget)?;
         Ok(f64::from(full) * largest.duration_us + rest_us)
     }
 

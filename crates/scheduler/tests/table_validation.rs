@@ -192,6 +192,34 @@ fn lookups_round_conservatively_or_fail_typed() {
     assert!(matches!(profile.decode_step(5), Err(SchedulerError::OutOfRange { what: "context_tokens", .. })));
 }
 
+/// Goal: a budget between profiled ones is priced by the slowest budget below it, so a table in
+/// which more SMs are slower (as measured: 4 write IOCBs take 134 ms on 1 SM and 264 ms on 2,
+/// docs/scheduler.md) never prices a kernel below what a smaller budget measured. A profiled
+/// budget keeps its own rows. Before, 3 SMs took the 2-SM row alone: 1 IOCB at 16.1 ms, below the
+/// 59.4 ms measured on 1 SM.
+#[test]
+fn a_budget_between_rows_is_priced_by_the_slowest_budget_below() {
+    let mut table = common::table();
+    table.io_costs.retain(|row| row.kind == IoKind::Read);
+    for (sm_budget, iocb_count, duration_us) in [(1, 1, 59_400.0), (1, 4, 134_000.0), (2, 1, 16_100.0), (2, 4, 264_000.0)] {
+        table.io_costs.push(scheduler::table::IoCostEntry {
+            kind: IoKind::Write,
+            iocb_count,
+            sm_budget,
+            duration_us,
+            bytes: u64::from(iocb_count) << 20,
+        });
+    }
+    let profile = load(table).unwrap();
+    assert_eq!(profile.io_duration_us(IoKind::Write, 1, 2).unwrap(), 16_100.0, "a profiled budget: its own row");
+    assert_eq!(profile.io_duration_us(IoKind::Write, 4, 1).unwrap(), 134_000.0);
+    assert_eq!(profile.io_duration_us(IoKind::Write, 1, 3).unwrap(), 59_400.0);
+    assert_eq!(profile.io_duration_us(IoKind::Write, 4, 3).unwrap(), 264_000.0);
+    // Past the largest count: back-to-back kernels per budget (1 SM: 134 + 59.4 ms; 2 SMs: 264 +
+    // 16.1 ms), the slower of the two.
+    assert_eq!(profile.io_duration_us(IoKind::Write, 5, 8).unwrap(), 264_000.0 + 16_100.0);
+}
+
 /// Goal: no corruption of a table file makes the loader panic. Deterministic byte mutations
 /// (a small LCG, no external crates) over the JSON of a valid table.
 #[test]
