@@ -26,10 +26,13 @@ vm_die() {
     exit 1
 }
 
-# Packages come from Debian's archive through apt; installed only when missing.
+# Packages come from Debian's archive through apt; installed only when missing. QEMU is checked
+# by running it (a binary whose libraries are gone is as missing as no binary). Each apt call is
+# bounded; an earlier dpkg run that was interrupted is finished first (until it is, every
+# apt-get install fails).
 vm_install_host_tools() {
     local missing=()
-    command -v qemu-system-x86_64 > /dev/null || missing+=(qemu-system-x86)
+    timeout 60 qemu-system-x86_64 -version > /dev/null 2>&1 || missing+=(qemu-system-x86)
     dpkg-query -W -f='${Status}' busybox-static 2> /dev/null | grep -q 'ok installed' || missing+=(busybox-static)
     command -v cpio > /dev/null || missing+=(cpio)
     command -v xz > /dev/null || missing+=(xz-utils)
@@ -42,15 +45,22 @@ vm_install_host_tools() {
         [ "${TUTTI_VM_SKIP_APT:-0}" = 1 ] && vm_die "missing host packages: ${missing[*]} (TUTTI_VM_SKIP_APT=1)"
         vm_log "installing ${missing[*]}"
         export DEBIAN_FRONTEND=noninteractive
-        if ! apt-get install -y -qq --no-install-recommends "${missing[@]}" > "$VM_DIR/logs/apt.log" 2>&1; then
-            apt-get update -qq >> "$VM_DIR/logs/apt.log" 2>&1 || true
-            apt-get install -y -qq --no-install-recommends "${missing[@]}" >> "$VM_DIR/logs/apt.log" 2>&1 ||
+        timeout -k 30 600 dpkg --configure -a > "$VM_DIR/logs/apt.log" 2>&1 || true
+        if ! timeout -k 30 1200 apt-get install -y -qq --no-install-recommends "${missing[@]}" >> "$VM_DIR/logs/apt.log" 2>&1; then
+            timeout -k 30 600 apt-get update -qq >> "$VM_DIR/logs/apt.log" 2>&1 || true
+            timeout -k 30 1200 apt-get install -y -qq --no-install-recommends "${missing[@]}" >> "$VM_DIR/logs/apt.log" 2>&1 ||
                 vm_die "apt-get install ${missing[*]} failed; see $VM_DIR/logs/apt.log"
         fi
+        timeout 60 qemu-system-x86_64 -version > /dev/null 2>&1 || vm_die "qemu-system-x86_64 does not run after installing qemu-system-x86"
     fi
     # The guest has no libc: it needs the statically linked busybox, not the dynamic package's.
     VM_BUSYBOX=$(dpkg -L busybox-static 2> /dev/null | grep -m1 '/busybox$' || true)
     [ -x "$VM_BUSYBOX" ] || vm_die "no static busybox found (package busybox-static)"
+}
+
+# What linux-image-amd64 depends on in the package lists (empty when it cannot be resolved).
+vm_kernel_target_package() {
+    apt-cache depends linux-image-amd64 2> /dev/null | awk '/Depends: linux-image-[0-9]/ { print $2; exit }' || true
 }
 
 # The kernel: Debian's linux-image-amd64 target package, downloaded once with apt-get download.
@@ -61,10 +71,10 @@ vm_prepare_kernel() {
     elif [ -s "$version_file" ] && [ -s "$VM_DIR/kernel/$(cat "$version_file")/vmlinux" ]; then
         package=$(cat "$version_file")
     else
-        package=$(apt-cache depends linux-image-amd64 2> /dev/null | awk '/Depends: linux-image-[0-9]/ { print $2; exit }' || true)
+        package=$(vm_kernel_target_package)
         if [ -z "$package" ]; then
-            apt-get update -qq > /dev/null 2>&1 || true
-            package=$(apt-cache depends linux-image-amd64 | awk '/Depends: linux-image-[0-9]/ { print $2; exit }' || true)
+            timeout -k 30 600 apt-get update -qq > /dev/null 2>&1 || true
+            package=$(vm_kernel_target_package)
         fi
         [ -n "$package" ] || vm_die "cannot resolve linux-image-amd64 to a kernel package (apt-get update?)"
     fi
@@ -78,8 +88,21 @@ vm_prepare_kernel() {
         deb=$(ls "$VM_DIR"/debs/"${package}"_*.deb 2> /dev/null | head -n1 || true)
         if [ -z "$deb" ]; then
             vm_log "downloading $package"
-            (cd "$VM_DIR/debs" && apt-get download "$package" > "$VM_DIR/logs/download.log" 2>&1) ||
-                vm_die "apt-get download $package failed; see $VM_DIR/logs/download.log"
+            if ! (cd "$VM_DIR/debs" && timeout -k 30 900 apt-get download "$package" > "$VM_DIR/logs/download.log" 2>&1); then
+                # Stale package lists name a kernel build the archive has since replaced (a
+                # 404): update them, resolve linux-image-amd64 again, and try once more.
+                vm_log "apt-get download $package failed; updating the package lists and retrying once"
+                timeout -k 30 600 apt-get update -qq >> "$VM_DIR/logs/download.log" 2>&1 || true
+                if [ -z "${TUTTI_VM_KERNEL_PACKAGE:-}" ]; then
+                    package=$(vm_kernel_target_package)
+                    [ -n "$package" ] || vm_die "cannot resolve linux-image-amd64 to a kernel package after apt-get update"
+                    VM_KVER=${package#linux-image-}
+                    VM_KROOT=$VM_DIR/kernel/$package
+                    VM_VMLINUX=$VM_KROOT/vmlinux
+                fi
+                (cd "$VM_DIR/debs" && timeout -k 30 900 apt-get download "$package" >> "$VM_DIR/logs/download.log" 2>&1) ||
+                    vm_die "apt-get download $package failed (after apt-get update too); see $VM_DIR/logs/download.log"
+            fi
             deb=$(ls "$VM_DIR"/debs/"${package}"_*.deb 2> /dev/null | head -n1 || true)
             [ -n "$deb" ] || vm_die "apt-get download $package left no .deb in $VM_DIR/debs"
         fi
@@ -142,10 +165,13 @@ vm_copy_module() {
 
 # vm_build_initramfs OUT COMMANDS_FILE CONF_FILE [EXTRA_ROOT_DIR] -- BINARY...
 # EXTRA_ROOT_DIR (may be empty) is copied over the root as is (vm-bench puts fio there).
-vm_build_initramfs() {
-    local out=$1 commands=$2 conf=$3 extra=$4 root binary module
+# Runs in a subshell, whose EXIT trap removes the staging root (and a half-written OUT.tmp)
+# however it ends, a vm_die included.
+vm_build_initramfs() (
+    local out=$1 commands=$2 conf=$3 extra=$4 root="" binary module
     shift 4
     [ "${1:-}" = -- ] && shift
+    trap 'rm -rf "$root" "$out.tmp"' EXIT
     root=$(mktemp -d "$VM_DIR/initramfs.XXXXXX")
     mkdir -p "$root"/{bin,dev,proc,sys,tmp,etc,lib/modules/"$VM_KVER"}
     cp "$VM_BUSYBOX" "$root/bin/busybox"
@@ -168,8 +194,7 @@ vm_build_initramfs() {
     # Uncompressed: the guest would spend longer inflating it under TCG than the copy costs.
     (cd "$root" && find . | LC_ALL=C sort | cpio -o -H newc --quiet) > "$out.tmp"
     mv "$out.tmp" "$out"
-    rm -rf "$root"
-}
+)
 
 # NVMe controllers: TUTTI_VM_NVME_COUNT (default 1) controllers at PCI slots 4, 5, ...; per
 # controller extra properties from TUTTI_VM_NVME_ARGS / TUTTI_VM_NS_ARGS, groups separated by ';'
