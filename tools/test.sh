@@ -39,12 +39,40 @@
 # tuttid needs it.
 #
 # Stages run in that order; a failing stage does not stop the later ones, and the script exits
-# non-zero if any failed. Every command of a stage runs under `timeout` (generous: a cold build
-# on two cores included), so one hung test fails its stage instead of hanging CI. Select stages with TUTTI_STAGES="rust lint" (default: all).
+# non-zero if any failed. Every command of a stage (apt-get and rustup included) runs under a time
+# limit (generous: a cold build on two cores included), so one hung test fails its stage instead
+# of hanging CI. The scripts a stage runs (tools/python/*.sh, tools/vm-test.sh, ...) bound their
+# own steps with `timeout` as well; each such `timeout` moves into a process group of its own,
+# which an outer `timeout`'s signal misses, so those scripts run through `bounded` below: in a
+# session of their own, all of which is killed when the script ends or its limit expires.
+#
+# usage: tools/test.sh [STAGE...]      e.g. tools/test.sh cluster python   (default: all, in order)
+#        TUTTI_STAGES="rust lint" tools/test.sh   (the same selection from the environment)
 set -uo pipefail
 cd "$(dirname "$(readlink -f "$0")")/.."
 
-STAGES=${TUTTI_STAGES:-"rust lint bindings fuzz benches cluster python engines cuda vm"}
+ALL_STAGES="rust lint bindings fuzz benches cluster python engines cuda vm"
+case "${1:-}" in
+    -h | --help)
+        sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'
+        exit 0
+        ;;
+esac
+if [ $# -gt 0 ]; then
+    STAGES="$*"
+else
+    STAGES=${TUTTI_STAGES:-$ALL_STAGES}
+fi
+# Every name is checked before any stage runs: a typo fails at once, not after an hour of stages.
+for stage in $STAGES; do
+    case " $ALL_STAGES " in
+        *" $stage "*) ;;
+        *)
+            echo "tools/test.sh: unknown stage '$stage' (known: $ALL_STAGES)" >&2
+            exit 2
+            ;;
+    esac
+done
 export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
 export DEBIAN_FRONTEND=noninteractive
 
@@ -78,7 +106,39 @@ run_stage() {
     fi
 }
 
-# Installs Debian packages unless `check` already succeeds; then `check` must succeed.
+# bounded SECONDS COMMAND [ARG...]: runs COMMAND (a program or script, not a shell function)
+# under `timeout -k 30 SECONDS`, in a session of its own (setsid), and when it has ended, by
+# itself or by its limit, kills whatever is still running in that session: the inner `timeout`s
+# of the scripts and their children (pip, pytest, tuttid, QEMU), which sit in process groups of
+# their own that the outer `timeout` does not signal. Returns COMMAND's status (124 or 137 when
+# the limit expired).
+bounded() {
+    local limit=$1 sidfile sid rc stat line fields
+    shift
+    sidfile=$(mktemp) || return 1
+    # `timeout`'s child is not a process-group leader, so setsid makes it a session leader without
+    # forking: the session id is the pid the child writes before exec'ing.
+    timeout -k 30 "$limit" bash -c 'echo $$ > "$0" && exec setsid "$@"' "$sidfile" "$@"
+    rc=$?
+    sid=$(cat "$sidfile" 2> /dev/null)
+    rm -f "$sidfile"
+    if [ -n "$sid" ]; then
+        # /proc, not pkill: procps is not on every fresh machine. Field 6 of stat is the session.
+        for stat in /proc/[0-9]*/stat; do
+            read -r line 2> /dev/null < "$stat" || continue
+            read -r -a fields <<< "${line##*") "}"
+            [ "${fields[3]:-}" = "$sid" ] || continue
+            stat=${stat#/proc/}
+            kill -KILL "${stat%/stat}" 2> /dev/null
+        done
+    fi
+    [ "$rc" = 124 ] || [ "$rc" = 137 ] && echo "tools/test.sh: '$*' ran past its ${limit} s limit: stopped, with everything it started" >&2
+    return "$rc"
+}
+
+# Installs Debian packages unless `check` already succeeds; then `check` must succeed. An
+# earlier dpkg run that was interrupted makes every apt-get install fail until it is finished,
+# so it is finished first.
 ensure_installed() {
     local check=$1
     shift
@@ -87,12 +147,33 @@ ensure_installed() {
             echo "tools/test.sh: needs $* (run as root to install them, or install them)" >&2
             return 1
         fi
-        apt-get update -q > /dev/null && apt-get install -y -q --no-install-recommends "$@" > /dev/null || return 1
+        echo "tools/test.sh: installing $* (because '$check' fails)"
+        timeout -k 30 600 dpkg --configure -a > /dev/null || true
+        timeout -k 30 900 apt-get update -q > /dev/null &&
+            timeout -k 30 1800 apt-get install -y -q --no-install-recommends "$@" > /dev/null || return 1
     fi
     eval "$check" > /dev/null 2>&1 || { echo "tools/test.sh: '$check' still fails after installing $*" >&2; return 1; }
 }
 
 ensure_protoc() { ensure_installed tools/check-protoc.sh protobuf-compiler libprotobuf-dev; }
+
+# What the scripts call but a fresh Debian lacks, checked by using it (stock bookworm has no
+# python3-venv nor python3-pip, and may have no python3 or g++ at all). The python checked is
+# the one the scripts run: PATH's python3 (a pyenv shim where there is one), or TUTTI_PYTHON /
+# TUTTI_ENGINE_PYTHON.
+ensure_python3() { ensure_installed 'python3 --version' python3; }
+ensure_gxx() { ensure_installed 'g++ --version' g++; }
+ensure_pip() { ensure_python3 && ensure_installed 'python3 -m pip --version' python3-pip; }
+# Makes a venv and asks its pip for its version: what wheel.sh and engine-env.sh do first.
+python_makes_venvs() {
+    local dir rc
+    dir=$(mktemp -d) || return 1
+    timeout -k 10 300 "$1" -m venv "$dir/venv" && timeout -k 10 120 "$dir/venv/bin/python" -m pip --version
+    rc=$?
+    rm -rf "$dir"
+    return "$rc"
+}
+ensure_venv() { ensure_python3 && ensure_installed "python_makes_venvs '${1:-python3}'" python3-venv; }
 
 # The etcd binary the cluster tests run (by PATH), checked by running it, not by dpkg's state.
 # Installing etcd-server on a machine with systemd also enables its service on port 2379: the
@@ -116,25 +197,38 @@ stage_rust() {
         echo "the README's 'cargo run --release --bin tutti-bench' needs protoc again (see Cargo.toml's default-members)"
         return 1
     }
-    ensure_protoc && timeout -k 30 2700 cargo test --workspace --all-targets --locked 2>&1
+    # TUTTI_REQUIRE_URING=1: a test that finds no io_uring (tutti_uring::available) fails instead
+    # of passing as skipped, so a CI machine without it cannot make the ring tests vanish.
+    ensure_protoc && TUTTI_REQUIRE_URING=1 timeout -k 30 2700 cargo test --workspace --all-targets --locked 2>&1
 }
 
 stage_lint() {
     # Checked by running each tool, not by rustup's list: a toolchain may have one without the other.
     if ! cargo clippy --version > /dev/null 2>&1 || ! cargo fmt --version > /dev/null 2>&1; then
-        rustup component add clippy rustfmt || return 1
+        timeout -k 30 900 rustup component add clippy rustfmt || return 1
     fi
     # clippy's incompatible_msrv lint checks std APIs against rust-version; check-msrv.sh checks
     # that every package declares it and that no locked dependency needs a newer compiler.
-    ensure_protoc && tools/check-msrv.sh && timeout -k 30 1800 cargo clippy --workspace --all-targets --locked -- -D warnings &&
+    ensure_protoc && ensure_python3 && bounded 900 tools/check-msrv.sh &&
+        timeout -k 30 1800 cargo clippy --workspace --all-targets --locked -- -D warnings &&
         timeout -k 30 300 cargo fmt --all -- --check
 }
 
-stage_bindings() { timeout -k 30 300 tools/check-bindings-test.sh && timeout -k 30 1200 tools/check-bindings.sh; }
-stage_cuda() { timeout -k 30 1200 tools/cuda-build.sh && timeout -k 30 1200 tools/gpu/check.sh; }
+stage_bindings() { bounded 300 tools/check-bindings-test.sh && bounded 1200 tools/check-bindings.sh; }
+# cuda-build.sh installs the nvcc wheels with `python3 -m pip` and compiles the ABI header with
+# gcc and g++; check.sh runs python3. After the engines stage, check.sh must rehearse the prefill
+# step with the vLLM environment (GPU_CHECK_REQUIRE_PREFILL=1): a missing one fails the stage.
+stage_cuda() {
+    ensure_pip && ensure_gxx || return 1
+    local require_prefill=0
+    case " $STAGES " in *" engines "*) require_prefill=1 ;; esac
+    bounded 1200 tools/cuda-build.sh && GPU_CHECK_REQUIRE_PREFILL=$require_prefill bounded 1200 tools/gpu/check.sh
+}
 
 stage_fuzz() {
     # The fuzz crate has its own workspace; `cargo fuzz run` needs nightly, building it does not.
+    # libfuzzer-sys compiles libFuzzer's C++ sources.
+    ensure_gxx || return 1
     (cd fuzz && timeout -k 30 1800 cargo check --bins --locked 2>&1)
 }
 
@@ -143,7 +237,7 @@ stage_benches() {
         # Criterion's --test runs each benchmark once: the driver benches' set-up (a software
         # controller, and for the one-CPU placement the pinned threads) and their bounded
         # waits run on every CI run, not only when someone measures.
-        timeout 300 cargo bench --locked -p tutti-benches --bench driver_overhead --bench command_build -- --test 2>&1
+        timeout -k 30 300 cargo bench --locked -p tutti-benches --bench driver_overhead --bench command_build -- --test 2>&1
 }
 
 # TUTTI_REQUIRE_ETCD=1: a test that finds no etcd fails instead of skipping. Each test bounds
@@ -152,30 +246,26 @@ stage_benches() {
 # cargo fails should it match none.
 stage_cluster() {
     ensure_protoc && ensure_etcd || return 1
-    TUTTI_REQUIRE_ETCD=1 timeout 900 cargo test --locked -p tutti-cluster --all-targets 2>&1 &&
-        TUTTI_REQUIRE_ETCD=1 timeout 600 cargo test --locked -p tutti --test cluster 2>&1 &&
-        timeout 600 cargo test --locked -p tutti-daemon --features cluster --lib cluster 2>&1 &&
-        TUTTI_REQUIRE_ETCD=1 timeout 600 cargo test --locked -p tuttid --test 'cluster_*' 2>&1
+    TUTTI_REQUIRE_ETCD=1 timeout -k 30 900 cargo test --locked -p tutti-cluster --all-targets 2>&1 &&
+        TUTTI_REQUIRE_ETCD=1 timeout -k 30 600 cargo test --locked -p tutti --test cluster 2>&1 &&
+        timeout -k 30 600 cargo test --locked -p tutti-daemon --features cluster --lib cluster 2>&1 &&
+        TUTTI_REQUIRE_ETCD=1 timeout -k 30 600 cargo test --locked -p tuttid --test 'cluster_*' 2>&1
 }
 
 # Two controllers: the suite runs on each, and the object-store round trip stripes one pool over
 # both through one VFIO container (VfioDevice::open_many).
 # The wheel build, the venv (first run: a few pip downloads) and the tests are bounded inside the
-# script; `timeout` bounds the whole stage.
-stage_python() { ensure_protoc && timeout 1500 tools/python/core-test.sh; }
+# script; `bounded` bounds the whole stage, inner steps included.
+stage_python() { ensure_protoc && ensure_venv "${TUTTI_PYTHON:-python3}" && bounded 1500 tools/python/core-test.sh; }
 # The engines' environments are large (vLLM's ~8 GB): built once per pin set, reused after.
-stage_engines() { ensure_protoc && timeout 2700 tools/python/engine-test.sh; }
+stage_engines() { ensure_protoc && ensure_venv "${TUTTI_ENGINE_PYTHON:-python3}" && bounded 2700 tools/python/engine-test.sh; }
 
-stage_vm() { ensure_protoc && TUTTI_VM_NVME_COUNT=${TUTTI_VM_NVME_COUNT:-2} tools/vm-test.sh; }
+# Two guests of about 4 minutes each under TCG; a cold machine also installs QEMU, downloads the
+# guest kernel and builds the static binaries first.
+stage_vm() { ensure_protoc && TUTTI_VM_NVME_COUNT=${TUTTI_VM_NVME_COUNT:-2} bounded 2400 tools/vm-test.sh; }
 
 for stage in $STAGES; do
-    case $stage in
-        rust | lint | bindings | cuda | fuzz | benches | cluster | python | engines | vm) run_stage "$stage" "stage_$stage" ;;
-        *)
-            echo "tools/test.sh: unknown stage '$stage' (known: rust lint bindings fuzz benches cluster python engines cuda vm)" >&2
-            exit 2
-            ;;
-    esac
+    run_stage "$stage" "stage_$stage"
 done
 
 echo
