@@ -453,8 +453,9 @@ impl<E: Executor> Runtime<E> {
             let plan =
                 self.policy.plan_layer(&view).map_err(|source| RuntimeError::Scheduler { policy: self.config.policy.name(), source })?;
             wait_for_all = plan.wait_for_all_reads;
+            let queued_seen_iocbs = view.queued_write_iocbs;
             for issue in &plan.issues {
-                self.apply(issue);
+                self.apply(issue, queued_seen_iocbs);
             }
         }
         self.pump()?;
@@ -538,10 +539,11 @@ impl<E: Executor> Runtime<E> {
             self.writes.stores[index].prefill_ended = true;
         }
         let view = queue_view(&self.profile, &self.reads, &self.writes, context_tokens);
+        let queued_seen_iocbs = view.queued_write_iocbs;
         let issues =
             self.policy.plan_prefill_end(&view).map_err(|source| RuntimeError::Scheduler { policy: self.config.policy.name(), source })?;
         for issue in &issues {
-            self.apply(issue);
+            self.apply(issue, queued_seen_iocbs);
         }
         self.progress()?;
         Ok(kv_wait)
@@ -579,10 +581,11 @@ impl<E: Executor> Runtime<E> {
         }
         self.progress()?;
         let view = queue_view(&self.profile, &self.reads, &self.writes, context_tokens);
+        let queued_seen_iocbs = view.queued_write_iocbs;
         match self.policy.plan_decode_step(&view) {
             Ok(issues) => {
                 for issue in &issues {
-                    self.apply(issue);
+                    self.apply(issue, queued_seen_iocbs);
                 }
             }
             // A context the table has no step for: no slack is known, nothing is written.

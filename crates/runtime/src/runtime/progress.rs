@@ -37,7 +37,8 @@ impl<E: Executor> Runtime<E> {
         self.reads.outstanding_iocbs()
     }
 
-    pub(super) fn apply(&mut self, issue: &Issue) {
+    /// Applies one issue of a plan the policy made seeing `queued_seen_iocbs` write IOCBs queued.
+    pub(super) fn apply(&mut self, issue: &Issue, queued_seen_iocbs: u32) {
         match (issue.kind, issue.layer) {
             (IoKind::Read, Some(layer)) => self.decide_read(layer, issue.sm_budget.clamp(1, self.read_budget.0)),
             (IoKind::Read, None) => {}
@@ -54,7 +55,7 @@ impl<E: Executor> Runtime<E> {
                     // A window where not one IOCB fits: its time joins the carry.
                     self.writes.decide_time(issue.slack_us, budget, cost_us);
                 } else {
-                    self.writes.decide(issue.iocb_count, budget, cost_us);
+                    self.writes.decide(issue.iocb_count, queued_seen_iocbs, budget, cost_us);
                 }
             }
         }
