@@ -222,9 +222,29 @@ pub fn simulate_carried(
     }
     let bucket = truth.bucket(config.input_tokens, config.prefix_tokens)?;
     let layer_count = bucket.layers.len();
+    // The table file's KV size is only checked > 0: the request's bytes must fit a u64 (the
+    // write total with the carry bounds every byte count the run adds up later).
     let kv_bytes = truth.model().kv_bytes_per_token_per_layer;
-    let read_bytes_per_layer = u64::from(config.prefix_tokens) * kv_bytes;
-    let new_kv_bytes_per_layer = u64::from(config.input_tokens - config.prefix_tokens) * kv_bytes;
+    let too_large = || SchedulerError::InvalidConfig {
+        field: "kv_bytes_per_token_per_layer".into(),
+        reason: format!(
+            "{kv_bytes} bytes per token per layer: {} tokens ({} cached) over {layer_count} layers, with {} bytes of writes carried \
+             in, are past 2^64 bytes",
+            config.input_tokens,
+            config.prefix_tokens,
+            carry.queued_bytes.saturating_add(carry.in_flight_bytes)
+        ),
+    };
+    let new_tokens = config.input_tokens.checked_sub(config.prefix_tokens).ok_or_else(too_large)?;
+    let read_bytes_per_layer = u64::from(config.prefix_tokens).checked_mul(kv_bytes).ok_or_else(too_large)?;
+    let new_kv_bytes_per_layer = u64::from(new_tokens).checked_mul(kv_bytes).ok_or_else(too_large)?;
+    let layers = layer_count as u64;
+    read_bytes_per_layer.checked_mul(layers).ok_or_else(too_large)?;
+    new_kv_bytes_per_layer
+        .checked_mul(layers)
+        .and_then(|bytes| bytes.checked_add(carry.queued_bytes))
+        .and_then(|bytes| bytes.checked_add(carry.in_flight_bytes))
+        .ok_or_else(too_large)?;
     let read_iocbs = u32::try_from(read_bytes_per_layer.div_ceil(config.iocb_bytes)).map_err(|_| SchedulerError::InvalidConfig {
         field: "iocb_bytes".into(),
         reason: "too small: more than u32::MAX IOCBs per layer".into(),
@@ -310,8 +330,9 @@ impl<'a> Sim<'a> {
             compute_us,
             bubble_us: self.bubble_us,
             fill_bound_us,
-            read_bytes: read_bytes_per_layer * self.layers.len() as u64,
-            write_bytes: self.new_kv_bytes_per_layer * self.layers.len() as u64,
+            // Checked against overflow before the run.
+            read_bytes: read_bytes_per_layer.saturating_mul(self.layers.len() as u64),
+            write_bytes: self.new_kv_bytes_per_layer.saturating_mul(self.layers.len() as u64),
             mixed_io_us: self.mixed_io_us,
             write_backlog_bytes_at_ttft,
             write_backlog_bytes_at_end: self.write_backlog_bytes(),
@@ -545,7 +566,8 @@ impl<'a> Sim<'a> {
         if !issue.offset_us.is_finite() || issue.iocb_count == 0 {
             return Err(bad("offset must be finite and iocb_count > 0".into()));
         }
-        let want_bytes = u64::from(issue.iocb_count) * self.config.iocb_bytes;
+        // At most what is left (below): a count past it saturates rather than wraps.
+        let want_bytes = u64::from(issue.iocb_count).saturating_mul(self.config.iocb_bytes);
         let (bytes, layer) = match issue.kind {
             IoKind::Read => {
                 let layer = issue.layer.ok_or_else(|| bad("a read must name its layer".into()))?;

@@ -363,6 +363,27 @@ fn an_iocb_size_other_than_the_tables_is_refused() {
     assert!(simulate(&table, &table, &toy_ssd(), &matching, policy.as_mut()).is_ok());
 }
 
+/// Goal: a table whose KV size per token makes the request's bytes pass 2^64 is refused
+/// (`InvalidConfig`), never an arithmetic overflow (a panic in debug builds). The table file's
+/// `kv_bytes_per_token_per_layer` is only checked > 0.
+#[test]
+fn kv_bytes_past_u64_are_refused_not_overflowed() {
+    let config =
+        SimConfig { input_tokens: 2048, prefix_tokens: 1024, iocb_bytes: 1 << 20, decode_step_count: 0, queued_kernels_hide_latency: true };
+    let mut table = common::table();
+    table.model.kv_bytes_per_token_per_layer = u64::MAX / 1000;
+    let table = Profile::from_table(table).unwrap();
+    let mut policy = PolicyKind::SlackAware.build();
+    let error = simulate(&table, &table, &toy_ssd(), &config, policy.as_mut()).unwrap_err();
+    assert!(matches!(&error, SchedulerError::InvalidConfig { field, .. } if field == "kv_bytes_per_token_per_layer"), "{error}");
+    // Bytes that fit, carried writes that do not.
+    let table = Profile::from_table(common::table()).unwrap();
+    let carry = WriteCarry { queued_bytes: u64::MAX, ..WriteCarry::default() };
+    let mut policy = PolicyKind::SlackAware.build();
+    let error = simulate_carried(&table, &table, &toy_ssd(), &config, policy.as_mut(), &carry).unwrap_err();
+    assert!(matches!(&error, SchedulerError::InvalidConfig { .. }), "{error}");
+}
+
 // ---------------------------------------------------------------------------------------------
 // Timeline import
 
