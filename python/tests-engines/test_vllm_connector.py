@@ -198,6 +198,78 @@ def test_a_load_failing_on_one_rank_cancels_the_same_step_save_on_every_rank(clu
             assert lookup.lookup(prompt_b) == 2, f"rank {rank} committed the blocks computed after a failed load"
 
 
+def save_prompt_on_every_rank(scheduler, workers, req_id: str, tokens: list[int], block_ids: list[int], seed: int) -> None:
+    """A whole request that saves `tokens` from `block_ids` (filled with `seed`) on every rank."""
+    request = harness.request(req_id, tokens)
+    scheduler.update_state_after_alloc(request, harness.blocks(block_ids), 0)
+    meta = scheduler.build_connector_meta(harness.scheduler_output(new=[(req_id, tokens, block_ids, 0, len(tokens))]))
+    for worker in workers:
+        worker.call("fill", block_ids, seed)
+    step(workers, meta)
+    scheduler.request_finished(request, block_ids)
+    wait_finished(workers, req_id)
+
+
+def cached_blocks_per_rank(daemon, scheduler, tokens: list[int]) -> list[int]:
+    counts = []
+    for rank in range(TP_WORLD):
+        with tutti.LookupClient.connect(
+            daemon.socket, model_fingerprint=scheduler._fingerprint, tp_rank=rank, tp_world=TP_WORLD
+        ) as lookup:
+            counts.append(lookup.lookup(tokens))
+    return counts
+
+
+def test_loads_dropped_when_one_rank_ends_its_session_cancel_their_saves_on_every_rank(cluster):
+    """Goal: rank 0 ends its session in a step (a prepare that timed out), dropping its other
+    load of the step with it; that load counts as failed in the ranks' agreement, so the other
+    rank does not commit the save computed against rank 0's stale blocks."""
+    daemon, scheduler, workers = cluster
+    prefix_a, prefix_b = prompt(21, blocks=2, tail=0), prompt(22, blocks=2, tail=0)
+    save_prompt_on_every_rank(scheduler, workers, "PA", prefix_a, [1, 2], 21)
+    save_prompt_on_every_rank(scheduler, workers, "PB", prefix_b, [3, 4], 22)
+    prompt_a, prompt_b = prefix_a + prompt(23, blocks=1, tail=0), prefix_b + prompt(24, blocks=1, tail=0)
+    blocks_a, blocks_b = [10, 11, 12], [20, 21, 22]
+    meta = TuttiConnectorMetadata(
+        loads=[LoadSpec("A", prefix_a, blocks_a[:2]), LoadSpec("B", prefix_b, blocks_b[:2])],
+        saves=[SaveSpec("A", prompt_a, blocks_a), SaveSpec("B", prompt_b, blocks_b)],
+    )
+    for worker in workers:
+        worker.call("fill", [blocks_a[2], blocks_b[2]], 25)
+    workers[0].call("fail_loads", 1)  # A's prepare works, B's times out: the session ends
+    results = step(workers, meta)
+    assert results[0]["load_errors"] == {10, 11, 20, 21} and results[1]["load_errors"] == set()
+    for req_id in ("A", "B"):
+        wait_finished(workers, req_id)
+    assert cached_blocks_per_rank(daemon, scheduler, prompt_a) == [2, 2], "A's save was committed after its load failed on rank 0"
+    assert cached_blocks_per_rank(daemon, scheduler, prompt_b) == [2, 2]
+
+
+def test_a_save_in_a_later_step_than_its_failed_load_is_cancelled_on_every_rank(cluster):
+    """Goal: with chunked prefill and async scheduling vLLM may schedule a prompt's next chunk,
+    and its save, before it learns that the load failed: the save, a step after the load, is
+    cancelled on every rank (the chunk was computed against the stale blocks)."""
+    daemon, scheduler, workers = cluster
+    prefix = prompt(31, blocks=2, tail=0)
+    save_prompt_on_every_rank(scheduler, workers, "P", prefix, [1, 2], 31)
+    full = prefix + prompt(32, blocks=2, tail=0)
+    blocks = [10, 11, 12, 13]
+    workers[0].call("fail_loads")
+    results = step(workers, TuttiConnectorMetadata(loads=[LoadSpec("C", prefix, blocks[:2])]))
+    assert results[0]["load_errors"] == {10, 11} and results[1]["load_errors"] == set()
+    for worker in workers:
+        worker.call("fill", blocks[2:], 33)
+    step(workers, TuttiConnectorMetadata(saves=[SaveSpec("C", full, blocks)]))
+    wait_finished(workers, "C")
+    assert cached_blocks_per_rank(daemon, scheduler, full) == [2, 2], "a save after a failed load was committed"
+    # Another request saving the same prompt later is not affected (the mark went with C's save).
+    for worker in workers:
+        worker.call("fill", [14, 15, 16, 17], 33)
+    step(workers, TuttiConnectorMetadata(saves=[SaveSpec("D", full, [14, 15, 16, 17])]))
+    wait_finished(workers, "D")
+    assert cached_blocks_per_rank(daemon, scheduler, full) == [4, 4]
+
+
 def test_preemption_resets_and_saves_again_after_resume(cluster):
     """Goal: a request preempted after its save was handed over is settled by handle_preemptions
     (its save's I/O over before the blocks are reused, then forgotten), and after it resumes on

@@ -335,10 +335,33 @@ class StoreWithFailingLoads:
         return FailingWait(self._store.prepare_retrieve(tokens, block_ids, first_block=first_block))
 
 
-def _do_fail_loads(state: dict, rank: int) -> None:
-    """From now on this worker's loads fail (its session's store wrapped)."""
+class StoreLosingItsConnection:
+    """A tutti.Store whose prepare_retrieve works `loads_left` times, then raises TimeoutError:
+    an exchange that timed out, after which the worker ends its session (its other loads of
+    the step are dropped with it)."""
+
+    def __init__(self, store: Any, loads_left: int) -> None:
+        self._store = store
+        self._loads_left = loads_left
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    def prepare_retrieve(self, tokens: list[int], block_ids: list[int], first_block: int = 0) -> Any:
+        if self._loads_left == 0:
+            raise _tutti().TimeoutError("injected: tuttid did not answer the prepare")
+        self._loads_left -= 1
+        return self._store.prepare_retrieve(tokens, block_ids, first_block=first_block)
+
+
+def _do_fail_loads(state: dict, rank: int, loads_left: Optional[int] = None) -> None:
+    """From now on this worker's loads fail when waited for; with `loads_left`, the prepares
+    after that many raise TimeoutError instead (its session's store wrapped)."""
     connector = state["connector"]
-    connector._store = StoreWithFailingLoads(connector._store)
+    if loads_left is None:
+        connector._store = StoreWithFailingLoads(connector._store)
+    else:
+        connector._store = StoreLosingItsConnection(connector._store, loads_left)
 
 
 def _do_fill(state: dict, rank: int, block_ids: list[int], seed: int) -> None:

@@ -96,9 +96,11 @@ class WorkerSide:
         # Whether this step's loads were started (by start_load_kv, or by the first
         # wait_for_layer_load if vLLM had not called it before the forward).
         self._loads_started = False
-        # Requests whose load failed on this rank in this step (their saves are cancelled on
-        # every rank: `_agree_on_failed_loads`).
-        self._loads_failed_in_step: set[str] = set()
+        # Requests that loaded blocks and have not saved yet (nor finished, nor been preempted):
+        # whether this rank's load completed. Anything but a completed load counts as failed,
+        # and the request's save, in that step or a later one, is cancelled (on every rank:
+        # `_agree_on_loads`). Every rank keeps the same keys (they follow the metadata).
+        self._load_completed: dict[str, bool] = {}
         # Saves past this worker's step: None while the committer holds one, then whether it was
         # committed. Kept until vLLM names the request finished and get_finished reports it.
         self._save_done: dict[str, Optional[bool]] = {}
@@ -226,6 +228,7 @@ class WorkerSide:
         assert isinstance(kv_connector_metadata, TuttiConnectorMetadata)
         deadline = time.monotonic() + self._timeout_s
         for req_id in kv_connector_metadata.preempted_req_ids:
+            self._load_completed.pop(req_id, None)  # resumed: allocated, loaded and saved anew
             load = self._loads.pop(req_id, None)
             if load is not None and not self._settle(load.request, deadline):
                 self._end_session(f"a layer of preempted request {req_id}'s load did not complete")
@@ -248,7 +251,6 @@ class WorkerSide:
         """The worker's part of bind_connector_metadata: prepares the step's saves."""
         assert isinstance(connector_metadata, TuttiConnectorMetadata)
         self._loads_started = False
-        self._loads_failed_in_step = set()
         self._reattach_if_due()
         self._end_session_if_broken()
         self._prepare_saves(connector_metadata.saves)
@@ -307,7 +309,7 @@ class WorkerSide:
         # Loads are synchronous: one whose later layers vLLM did not wait for ends in this step.
         if self._layers:
             self.wait_for_layer_load(self._layer_names[-1])
-        self._agree_on_failed_loads()
+        self._agree_on_loads()
         if self._saves:
             self._gpu_writes_done()
         for req_id, state in list(self._saves.items()):
@@ -326,6 +328,8 @@ class WorkerSide:
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
         """Requests (named finished now or earlier) whose save is over: committed, or failed and
         given up (their blocks can be freed either way). Loads are synchronous: none."""
+        for req_id in finished_req_ids:
+            self._load_completed.pop(req_id, None)
         with self._lock:
             self._finished_req_ids |= finished_req_ids
             done = {req_id for req_id in self._finished_req_ids if self._save_done.get(req_id) is not None}
@@ -402,6 +406,7 @@ class WorkerSide:
             own_blocks = load.block_ids[load.first_block :]
             if not own_blocks:
                 continue
+            self._load_completed[load.req_id] = False  # until every layer is in vLLM's blocks
             if self._dead is not None:
                 self._failed_block_ids.update(own_blocks)
                 self._cancel_save_of_failed_load(load.req_id)
@@ -433,6 +438,8 @@ class WorkerSide:
         if state.completed >= self._layers:
             # Every layer is in vLLM's blocks: the load succeeded, whatever its release says.
             del self._loads[req_id]
+            if req_id in self._load_completed:
+                self._load_completed[req_id] = True
             try:
                 state.request.finish()
             except tutti.Error as error:
@@ -465,9 +472,7 @@ class WorkerSide:
         there before (recomputed only after the step), and the blocks after them were computed
         against those. Its save (prepared when the metadata was bound, possibly with layers
         issued) is given up, never committed, and reported through get_finished as a miss.
-        `on_this_rank`: False when the load failed on another TP rank (`_agree_on_failed_loads`)."""
-        if on_this_rank:
-            self._loads_failed_in_step.add(req_id)
+        `on_this_rank`: False when the load failed on another TP rank (`_agree_on_loads`)."""
         state = self._saves.pop(req_id, None)
         if state is None:
             return
@@ -476,36 +481,40 @@ class WorkerSide:
         # Its layers in flight only read vLLM's blocks; see _give_up_save.
         self._give_up_save(req_id, state)
 
-    def _agree_on_failed_loads(self) -> None:
-        """With tensor parallelism, a request that loads blocks and saves in the same step saves
-        on no rank if its load failed on any: every rank's forward mixes every rank's heads (the
-        all-reduce after each layer), so the blocks computed in the step after a failed load are
-        wrong on every rank, not only on the one whose load failed, and a rank's committed
-        blocks would later pair with another rank's good ones under one prefix. The ranks agree
-        in one all-reduce over vLLM's TP CPU group, only in steps that have such a request:
-        every rank takes part, whatever its own session's state, since every rank gets the same
-        metadata. Ranks that cannot agree (the group is not there, the collective failed)
-        commit none of those saves."""
-        if self._tp_world <= 1 or not self.has_connector_metadata():
+    def _agree_on_loads(self) -> None:
+        """A request that loaded blocks saves nothing if its load did not complete, whether the
+        save is in the load's step or a later one (with chunked prefill and async scheduling,
+        vLLM may schedule the prompt's next chunk, and its save, before it learns of the failure:
+        that chunk was computed against the stale blocks). With tensor parallelism it saves on no
+        rank if its load failed on any: every rank's forward mixes every rank's heads (the
+        all-reduce after each layer), so what was computed after a failed load is wrong on every
+        rank, and a rank's committed blocks would later pair with another rank's good ones under
+        one prefix. The ranks agree in one all-reduce over vLLM's TP CPU group, in steps with
+        such a save only: every rank takes part whatever its own session's state, as the
+        requests it asks about follow the metadata, which every rank gets the same. Ranks that
+        cannot agree (no TP group, the collective failed) commit none of those saves."""
+        if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, TuttiConnectorMetadata)
-        saving = {save.req_id for save in meta.saves}
-        joint = sorted({load.req_id for load in meta.loads if load.req_id in saving and load.block_ids[load.first_block :]})
+        joint = sorted({save.req_id for save in meta.saves if save.req_id in self._load_completed})
         if not joint:
             return
-        failed_here = [req_id in self._loads_failed_in_step for req_id in joint]
-        try:
-            failed_anywhere = _failed_on_any_rank(failed_here)
-        except Exception as error:  # noqa: BLE001 - whatever the failure, no rank may commit
-            logger.error(
-                "tutti: the tensor-parallel ranks could not agree on this step's loads (%s); the saves of requests %s are cancelled",
-                error, joint,
-            )  # fmt: skip
-            failed_anywhere = [True] * len(joint)
+        # A request saves once (again only after a preemption, which forgets it).
+        failed_here = [not self._load_completed.pop(req_id) for req_id in joint]
+        failed_anywhere = failed_here
+        if self._tp_world > 1:
+            try:
+                failed_anywhere = _failed_on_any_rank(failed_here)
+            except Exception as error:  # noqa: BLE001 - whatever the failure, no rank may commit
+                logger.error(
+                    "tutti: the tensor-parallel ranks could not agree on the loads of requests %s (%s); their saves are cancelled",
+                    joint, error,
+                )  # fmt: skip
+                failed_anywhere = [True] * len(joint)
         for req_id, anywhere, here in zip(joint, failed_anywhere, failed_here):
-            if anywhere and not here:
-                self._cancel_save_of_failed_load(req_id, on_this_rank=False)
+            if anywhere:
+                self._cancel_save_of_failed_load(req_id, on_this_rank=here)
 
     def _fail_save(self, req_id: str, state: _WorkerSave, error: Exception) -> None:
         logger.warning("tutti: save of request %s failed (%s); nothing of it becomes visible", req_id, error)
