@@ -5,7 +5,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use nvme_conformance::{run_suite, EmuFaults, FaultInjector, Outcome, SuiteConfig};
-use nvme_emu::{Backing, EmuConfig, EmuDevice, NamespaceConfig};
+use nvme_driver::spec::status::codes;
+use nvme_driver::spec::{NvmOpcode, NvmeStatus, StatusCodeType};
+use nvme_emu::{Backing, EmuConfig, EmuDevice, FaultAction, FaultPlan, FaultRule, NamespaceConfig};
 
 fn run(config: EmuConfig, suite: SuiteConfig) -> nvme_conformance::SuiteReport {
     let device = EmuDevice::start(config).expect("start the software controller");
@@ -89,4 +91,54 @@ fn file_backed_controller() {
     let report = run(config, SuiteConfig { filter: Some("read_write".into()), ..suite() });
     let _ = std::fs::remove_dir_all(&directory);
     assert_passed(&report, &["read_write_sizes_sgl", "read_write_sizes_prp"]);
+}
+
+/// A controller that completes reads without moving data: the `nth` read (every read with
+/// `every`) completes successfully without executing (the software controller's
+/// `FaultAction::Status` with a success status).
+fn reads_move_nothing(nth: u64, every: bool) -> FaultPlan {
+    let success = NvmeStatus { code_type: StatusCodeType::Generic, code: codes::SUCCESS, do_not_retry: false, more: false };
+    let action = FaultAction::Status(success);
+    let rule = if every { FaultRule::every_nth_io(nth, action) } else { FaultRule::on_nth_io(nth, action) };
+    FaultPlan::none().with_rule(rule.with_opcode(NvmOpcode::Read as u8))
+}
+
+/// Faults as `EmuFaults`, except that clearing them leaves reads moving nothing.
+struct ClearedToHollowReads(Arc<EmuDevice>, EmuFaults);
+
+impl FaultInjector for ClearedToHollowReads {
+    fn drop_next_completion(&self) {
+        self.1.drop_next_completion();
+    }
+    fn raise_fatal_status(&self) {
+        self.1.raise_fatal_status();
+    }
+    fn corrupt_next_command_id(&self) {
+        self.1.corrupt_next_command_id();
+    }
+    fn clear_faults(&self) {
+        self.0.set_faults(reads_move_nothing(1, true));
+    }
+}
+
+/// Goal: the checks that read data back compare it with what was written, so a controller whose
+/// reads complete without moving data fails them. Before, `fatal_status_then_reset` read back
+/// into the buffer it wrote from, and `detached_queue_pair`'s last read went into a buffer that
+/// already held the pattern, neither compared: both passed on such a controller.
+#[test]
+fn reads_that_move_no_data_fail_the_checks_that_read_back() {
+    let memory = || EmuConfig::default().with_backing(Backing::Memory { bytes: 64 << 20 });
+    let device = EmuDevice::start(memory()).expect("start the software controller");
+    let faults: Arc<dyn FaultInjector> = Arc::new(ClearedToHollowReads(Arc::clone(&device), EmuFaults::new(Arc::clone(&device))));
+    let report = run_suite(device, Some(faults), &SuiteConfig { filter: Some("fatal_status_then_reset".into()), ..suite() });
+    print!("{report}");
+    assert!(matches!(report.results[0].outcome, Outcome::Failed(_)), "{report}");
+
+    // The detached queue pair's own read moves data; the ordinary one after it (the second read)
+    // does not.
+    let device = EmuDevice::start(memory()).expect("start the software controller");
+    device.set_faults(reads_move_nothing(2, false));
+    let report = run_suite(device, None, &SuiteConfig { filter: Some("detached_queue_pair".into()), ..suite() });
+    print!("{report}");
+    assert!(matches!(report.results[0].outcome, Outcome::Failed(_)), "{report}");
 }
