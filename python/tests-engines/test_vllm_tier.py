@@ -259,7 +259,7 @@ def test_a_load_whose_layer_never_completes_keeps_its_rows_until_the_pool_is_clo
 def test_a_load_whose_rows_cannot_be_confirmed_safe_is_never_reported(tmp_path: Path):
     """Goal: when closing the pool does not confirm that its queue pairs were deleted, the
     stalled promotion is never reported (vLLM keeps its rows) and the tier's next call from vLLM
-    raises KvMemoryUnsafe, as a worker does, rather than let vLLM reuse the rows."""
+    raises KvMemoryUnsafe (a submit too), as a worker does, rather than let vLLM reuse the rows."""
     manager, tier, wrapped = submit_stalled_load(tmp_path, close_keeps_memory=True)
     try:
         deadline = time.monotonic() + DEADLINE_S
@@ -273,6 +273,10 @@ def test_a_load_whose_rows_cannot_be_confirmed_safe_is_never_reported(tmp_path: 
             tier.get_finished_jobs()
         with pytest.raises(KvMemoryUnsafe):
             tier.drain_jobs()
+        for submit in (tier.submit_load, tier.submit_store):
+            job = TransferJob(job_id=8, keys=[], chunk_ids=np.array([], dtype=np.int64), is_promotion=False, req_context=ReqContext(req_id="s"))
+            with pytest.raises(KvMemoryUnsafe):
+                submit(job)
     finally:
         manager.shutdown()
 

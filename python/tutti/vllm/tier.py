@@ -153,9 +153,11 @@ class TuttiTier(SecondaryTierManager):
         return LookupResult.HIT if found >= 1 else LookupResult.MISS
 
     def submit_store(self, job_metadata: TransferJob) -> None:
+        self._raise_if_unsafe()
         self._submit(job_metadata, store=True)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
+        self._raise_if_unsafe()
         self._submit(job_metadata, store=False)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
@@ -180,9 +182,15 @@ class TuttiTier(SecondaryTierManager):
                     logger.error("tutti tier: %d jobs still running after %.1f s", self._in_progress, self._timeout_s)
 
     def shutdown(self) -> None:
-        """Finishes the queued jobs, stops the thread, closes the pool."""
-        self._jobs.put(None)
+        """Finishes the queued jobs, stops the thread, closes the pool (each wait bounded; the
+        close keeps the registrations of memory a device may still write)."""
+        try:
+            self._jobs.put(None, timeout=self._timeout_s)
+        except queue.Full:
+            logger.error("tutti tier: the job thread did not take the stop in %.1f s", self._timeout_s)
         self._thread.join(timeout=self._timeout_s * 4)
+        if self._thread.is_alive():
+            logger.error("tutti tier: the job thread is still running after %.1f s; the pool is closed under it", self._timeout_s * 4)
         self._store.close()
 
     def _raise_if_unsafe(self) -> None:
