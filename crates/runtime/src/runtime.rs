@@ -447,6 +447,8 @@ impl<E: Executor> Runtime<E> {
                 layer,
                 unissued_read_iocbs: &self.reads.unissued_iocbs,
                 outstanding_read_iocbs: self.outstanding_read_iocbs(),
+                // Handed over a layer at a time: each pays the command latency.
+                outstanding_read_kernels: self.reads.waiting.len() as u32 + u32::from(self.reads.in_flight.is_some()),
                 outstanding_write_iocbs: self.writes.outstanding_iocbs(),
                 queued_write_iocbs: self.writes.queued_iocbs(),
             };

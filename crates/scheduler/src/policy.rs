@@ -51,6 +51,11 @@ pub struct LayerView<'a> {
     pub unissued_read_iocbs: &'a [u32],
     /// Issued and not completed, as the completion queue reports.
     pub outstanding_read_iocbs: u32,
+    /// How many kernels the outstanding reads reach the SSD as, one after another, each paying
+    /// the command latency: `tutti-runtime` hands a layer over only once the one ahead
+    /// completed, so its layers waiting and in flight; 1 for a runtime whose queued kernels
+    /// hide the latency (the SSD already holds their commands). 0 counts as 1.
+    pub outstanding_read_kernels: u32,
     pub outstanding_write_iocbs: u32,
     /// New KV of finished layers waiting to be written, in IOCBs.
     pub queued_write_iocbs: u32,
@@ -200,6 +205,18 @@ fn fill_windows(
     Ok(Fill { issues, ssd_free_at_us })
 }
 
+/// `iocbs` IOCBs reaching the SSD as `kernels` kernels one after another (as even as whole IOCBs
+/// allow), each paying its own latency; 0 kernels counts as 1.
+fn kernels_duration_us(table: &Profile, kind: IoKind, iocbs: u32, kernels: u32, budget: u32) -> Result<f64> {
+    if iocbs == 0 {
+        return Ok(0.0);
+    }
+    let kernels = kernels.clamp(1, iocbs);
+    let (per_kernel, rest) = (iocbs / kernels, iocbs % kernels);
+    let larger_us = if rest == 0 { 0.0 } else { f64::from(rest) * table.io_duration_us(kind, per_kernel + 1, budget)? };
+    Ok(larger_us + f64::from(kernels - rest) * table.io_duration_us(kind, per_kernel, budget)?)
+}
+
 /// The most IOCBs (≤ `want`) whose kernel finishes within `room_us`; 0 if none does or the budget
 /// is below every profiled one.
 fn largest_fitting(table: &Profile, kind: IoKind, budget: u32, want: u32, room_us: f64) -> Result<u32> {
@@ -248,7 +265,11 @@ impl IoPolicy for SlackAware {
         let layer = view.layer as usize;
         let mut unissued = view.unissued_read_iocbs.to_vec();
         let mut plan = LayerPlan::default();
-        let mut ssd_free_at_us = table.io_duration_us(IoKind::Read, view.outstanding_read_iocbs, read_budget)?;
+        // Reads issued and not completed, priced as the kernels they reach the SSD as: as one,
+        // three layers handed over one at a time were taken to pay one command latency, and
+        // run-ahead reads went into room their other latencies had taken.
+        let mut ssd_free_at_us =
+            kernels_duration_us(table, IoKind::Read, view.outstanding_read_iocbs, view.outstanding_read_kernels, read_budget)?;
 
         // 1. This layer's KV is needed now.
         if let Some(own) = unissued.get_mut(layer).filter(|c| **c > 0) {

@@ -527,6 +527,12 @@ impl<'a> Sim<'a> {
             layer,
             unissued_read_iocbs: &self.unissued_read_iocbs,
             outstanding_read_iocbs: self.outstanding_iocbs(IoKind::Read),
+            // Each read job pays the latency unless queued kernels hide it (then one does).
+            outstanding_read_kernels: if self.config.queued_kernels_hide_latency {
+                u32::from(!self.reads.is_empty())
+            } else {
+                u32::try_from(self.reads.len()).unwrap_or(u32::MAX)
+            },
             outstanding_write_iocbs: self.outstanding_iocbs(IoKind::Write),
             queued_write_iocbs: self.queued_write_iocbs(),
         };

@@ -18,6 +18,7 @@ fn view<'a>(table: &'a Profile, layer: u32, unissued: &'a [u32]) -> LayerView<'a
         layer,
         unissued_read_iocbs: unissued,
         outstanding_read_iocbs: 0,
+        outstanding_read_kernels: 0,
         outstanding_write_iocbs: 0,
         queued_write_iocbs: 0,
     }
@@ -116,6 +117,39 @@ fn slack_aware_defers_writes_to_decode() {
     // Below the first profiled context: a typed error, not a guess.
     queue.context_tokens = 10;
     assert!(SlackAware.plan_decode_step(&queue).is_err());
+}
+
+/// Goal: reads issued and not completed are priced as the kernels they reach the SSD as, each
+/// with its command latency: three layers of 2 IOCBs waiting in a runtime that hands them over
+/// one at a time take 3 × (50 + 200) = 750 µs, not one 6-IOCB kernel's 650, so a window ending
+/// at 850 µs has no room for a run-ahead IOCB (150 µs). Before, it got one at 650 µs, where the
+/// layers ahead of it were still reading. Where queued kernels hide the latency (one kernel),
+/// it still goes.
+#[test]
+fn slack_aware_prices_outstanding_reads_per_kernel() {
+    let mut t = common::table();
+    t.io_costs.retain(|row| row.kind == IoKind::Write);
+    for count in 1..=8u32 {
+        t.io_costs.push(scheduler::table::IoCostEntry {
+            kind: IoKind::Read,
+            iocb_count: count,
+            sm_budget: 4,
+            duration_us: 50.0 + 100.0 * f64::from(count),
+            bytes: u64::from(count) << 20,
+        });
+    }
+    t.io_costs.sort_by_key(|row| (row.kind, row.sm_budget, row.iocb_count));
+    for layer in t.buckets.iter_mut().flat_map(|bucket| bucket.layers.iter_mut()) {
+        layer.slack_windows = vec![scheduler::table::SlackWindow { offset_us: 0.0, duration_us: 850.0, free_sms: 4 }];
+    }
+    let table = Profile::from_table(t).unwrap();
+    let unissued = [0, 0, 0, 1];
+    let mut v = view(&table, 0, &unissued);
+    v.outstanding_read_iocbs = 6;
+    v.outstanding_read_kernels = 3;
+    assert_eq!(SlackAware.plan_layer(&v).unwrap().issues, vec![], "no room left for a run-ahead read");
+    v.outstanding_read_kernels = 1;
+    assert_eq!(SlackAware.plan_layer(&v).unwrap().issues, vec![read(3, 1, 4, 650.0)]);
 }
 
 /// Goal: a decode step between two rows gets the fewer free SMs of the two, as prefill windows
