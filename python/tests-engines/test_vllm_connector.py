@@ -1162,3 +1162,17 @@ def test_a_save_whose_layer_never_completes_ends_the_session_at_the_next_step(tu
         wait_no_worker_session(daemon.socket)
     finally:
         worker.shutdown()
+
+
+def test_the_connector_sizes_its_iocbs_for_vllms_longest_request():
+    """Goal: the connector's IOCBs are sized from vLLM's max_model_len (in blocks) when its model
+    config has one (tutti._engine.iocbs_for), and as before when it has none (these tests'
+    configs, which carry no model)."""
+    from types import SimpleNamespace
+
+    from tutti.vllm.connector import _blocks_per_request_max
+
+    assert _blocks_per_request_max(SimpleNamespace(model_config=SimpleNamespace(max_model_len=131072)), 16) == 8192
+    assert _blocks_per_request_max(SimpleNamespace(model_config=SimpleNamespace(max_model_len=100)), 16) == 7
+    assert _blocks_per_request_max(SimpleNamespace(model_config=None), 16) is None
+    assert _blocks_per_request_max(harness.vllm_config("unused", 1), 16) is None

@@ -335,6 +335,23 @@ class StuckAfter:
         return self._request.wait(timeout_s)
 
 
+def test_the_connectors_iocbs_cover_the_longest_request_up_to_the_cap(caplog):
+    # Goal: the IOCBs a connector asks for hold requests_max requests of layers_in_flight
+    # layers of the engine's longest request (one IOCB per 2048 commands, two commands a
+    # block): a 128k-token request at 16 tokens a block needs 8 a layer; past 1024 the count
+    # is capped and the shortfall logged; without the longest length, two a layer as before.
+    from tutti._engine import iocbs_for
+
+    assert iocbs_for("test", 16, 2) == 64
+    assert iocbs_for("test", 64, 2) == 256
+    assert iocbs_for("test", 16, 2, blocks_per_request_max=100) == 64
+    assert iocbs_for("test", 16, 2, blocks_per_request_max=131072 // 16) == 256
+    assert iocbs_for("test", 16, 2, blocks_per_request_max=131072 // 16 + 1) == 512
+    with caplog.at_level("WARNING", logger="tutti"):
+        assert iocbs_for("test", 32, 4, blocks_per_request_max=65536) == 1024
+    assert "only 4 requests of the longest length can be prepared at once" in caplog.text
+
+
 def test_the_engines_wait_out_takes_every_layer_in_flight_and_keeps_a_request_with_one_stuck():
     # Goal: the connectors' give-up path (tutti._engine.wait_out_layer) waits out every layer a
     # request has in flight, not only the oldest, before it lets the request go; with a later

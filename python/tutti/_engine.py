@@ -127,22 +127,39 @@ def queue_depth_field() -> Field:
 
 # The most IOCBs iocbs_for gives a store (each holds ~96 KiB of queue memory).
 _IOCBS_MAX = 1024
+# NVMe commands one IOCB carries (the gio_uring ABI's GIO_MAX_IOCTX_PER_IOCB).
+_COMMANDS_PER_IOCB = 2048
+# NVMe commands a block takes in one layer, at most (its K and V objects; one when they merge).
+_COMMANDS_PER_BLOCK_MAX = 2
 
 
-def iocbs_for(where: str, requests_max: int, layers_in_flight: int) -> int:
+def iocbs_for(where: str, requests_max: int, layers_in_flight: int, blocks_per_request_max: Optional[int] = None) -> int:
     """The gio_uring IOCBs a store needs for `requests_max` prepared requests of
     `layers_in_flight` layers each (tutti.Store's `iocbs`, a power of two): one set per layer
-    in flight, twice over for layers past 2048 commands (two IOCBs a set), at least the
-    store's default of 64 and at most 1024 (each IOCB holds ~96 KiB of queue memory). Raises
-    ConfigError naming `where` when not even one set per request fits in 1024 (the connector
-    could then prepare fewer requests than its requests_max)."""
+    in flight, a set being one IOCB per 2048 commands of a layer. With
+    `blocks_per_request_max` (the engine's longest request, in blocks) a set is sized for it;
+    without, two IOCBs (layers up to 2048 blocks). At least the store's default of 64 and at
+    most 1024 (each IOCB holds ~96 KiB of queue memory): past that, fewer requests of the
+    longest length are prepared at once than requests_max (a prepare that finds no free IOCBs
+    is refused and says so: a miss), which is logged here. Raises ConfigError naming `where`
+    when not even one set per request fits in 1024."""
     sets = requests_max * layers_in_flight
     if sets > _IOCBS_MAX:
         raise ConfigError(
             f"{where}: requests_max x layers_in_flight = {requests_max} x {layers_in_flight} = {sets} IOCB sets, more than "
             f"{_IOCBS_MAX}: lower requests_max or layers_in_flight"
         )
-    return min(_IOCBS_MAX, max(64, 1 << (2 * sets - 1).bit_length()))
+    per_set = 2
+    if blocks_per_request_max is not None:
+        per_set = max(1, -(-blocks_per_request_max * _COMMANDS_PER_BLOCK_MAX // _COMMANDS_PER_IOCB))
+    wanted = sets * per_set
+    if wanted > _IOCBS_MAX:
+        logger.warning(
+            "%s: requests_max x layers_in_flight x IOCBs a layer of the longest request needs = %d x %d x %d = %d IOCBs, "
+            "more than %d: only %d requests of the longest length can be prepared at once (a prepare past them is a miss)",
+            where, requests_max, layers_in_flight, per_set, wanted, _IOCBS_MAX, _IOCBS_MAX // (layers_in_flight * per_set),
+        )  # fmt: skip
+    return min(_IOCBS_MAX, max(64, 1 << (wanted - 1).bit_length()))
 
 
 def check_engine_version(engine: str, installed: str, tested: str) -> bool:

@@ -95,7 +95,12 @@ class TuttiConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
         )
         self._timeout_s = float(self._config["timeout_s"])
         # Checked in both roles, so that a bad pair is refused where vLLM builds the connector.
-        self._iocbs = iocbs_for("kv_connector_extra_config", self._config["requests_max"], self._config["layers_in_flight"])
+        self._iocbs = iocbs_for(
+            "kv_connector_extra_config",
+            self._config["requests_max"],
+            self._config["layers_in_flight"],
+            _blocks_per_request_max(vllm_config, self._block_size),
+        )
         if role == KVConnectorRole.SCHEDULER:
             self._init_scheduler()
         else:
@@ -140,6 +145,15 @@ class TuttiConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
         """True: wait_for_layer_load and save_kv_layer run between layers, which a full CUDA graph
         would skip on replay."""
         return True
+
+
+def _blocks_per_request_max(vllm_config: "VllmConfig", block_size: int) -> Optional[int]:
+    """vLLM's longest request in blocks (max_model_len), when its model config says."""
+    model = getattr(vllm_config, "model_config", None)
+    max_model_len = getattr(model, "max_model_len", None)
+    if not isinstance(max_model_len, int) or max_model_len <= 0:
+        return None
+    return -(-max_model_len // block_size)
 
 
 def _refuse_unsupported_parallelism(parallel: Any) -> None:
