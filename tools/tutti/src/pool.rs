@@ -99,6 +99,38 @@ fn open_targets(args: &DeviceArgs, emu_create_bytes: Option<u64>) -> Result<Vec<
     Ok(opened.into_iter().map(|device| PoolTarget { controller: device.controller, namespace: NamespaceId(args.namespace) }).collect())
 }
 
+/// Lays out every `emu:` file as `format` will find it once opened with `create_bytes` (the
+/// larger of its size and `create_bytes`), before anything is created or grown: a refusal
+/// (status 2, "nothing is written") must not leave a new or grown file behind. Paths whose size
+/// cannot be told here (a block device, a file that cannot be looked at) are left to
+/// `format_pool`, which plans the same way on the opened namespace; nothing creates or grows those.
+fn plan_emu_files(args: &DeviceArgs, create_bytes: u64, params: &FormatParams) -> std::result::Result<(), ObjstoreError> {
+    let device_count = u32::try_from(args.devices.len()).unwrap_or(u32::MAX);
+    let flags = if params.payload_crc { objstore::format::FLAG_PAYLOAD_CRC } else { 0 };
+    for (device, spec) in args.devices.iter().enumerate() {
+        let DeviceSpec::EmuFile(path) = spec else { continue };
+        let size_bytes = match std::fs::metadata(path) {
+            Ok(metadata) if metadata.is_file() => metadata.len().max(create_bytes),
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => create_bytes,
+            _ => continue,
+        };
+        // The software controller's namespace is the whole file in LBAs of --emu-lba-bytes.
+        let size_blocks = size_bytes / u64::from(args.emu_lba_bytes.max(1));
+        Superblock::plan(
+            params.geometry,
+            params.blocks_per_slot,
+            args.emu_lba_bytes,
+            size_blocks,
+            params.slot_count_max,
+            [0; 16],
+            device as u32,
+            device_count,
+            flags,
+        )?;
+    }
+    Ok(())
+}
+
 /// Exit status 2 for what the devices given cannot be (a set that is not one pool, a format this
 /// build does not read, a namespace too small to format), 1 for damage.
 fn classify(error: ObjstoreError, what: &str) -> anyhow::Error {
@@ -146,7 +178,6 @@ pub fn run(command: &PoolCommand) -> Result<()> {
     match command {
         PoolCommand::Format(args) => {
             let model = args.geometry.resolve(None).map_err(|error| Unusable(error.to_string()))?;
-            let targets = open_targets(&args.devices, args.emu_create_bytes)?;
             let params = FormatParams {
                 geometry: model.geometry,
                 blocks_per_slot: args.blocks_per_slot,
@@ -154,7 +185,12 @@ pub fn run(command: &PoolCommand) -> Result<()> {
                 pool_uuid: None,
                 payload_crc: args.payload_crc,
             };
-            let superblocks = format_pool(&targets, &params).map_err(|error| classify(error, &format!("formatting a pool for {model}")))?;
+            let what = format!("formatting a pool for {model}");
+            if let Some(create_bytes) = args.emu_create_bytes {
+                plan_emu_files(&args.devices, create_bytes, &params).map_err(|error| classify(error, &what))?;
+            }
+            let targets = open_targets(&args.devices, args.emu_create_bytes)?;
+            let superblocks = format_pool(&targets, &params).map_err(|error| classify(error, &what))?;
             for superblock in superblocks {
                 outln!("{}", describe(&superblock))?;
             }

@@ -141,6 +141,44 @@ fn unusable_input_is_status_2_and_writes_nothing() {
 }
 
 #[test]
+fn a_refused_format_leaves_the_emu_file_as_it_was() {
+    // Goal: exit status 2 means nothing was changed, --emu-create-bytes included. A namespace too
+    // small for the model was refused after the file had been created (or grown) to the size
+    // asked for; the refusal now comes first.
+    let directory = tempfile::tempdir().unwrap();
+    let absent = directory.path().join("absent.img");
+    assert_status(
+        &tutti(&["pool", "format", "--device", &device(&absent), "--emu-create-bytes", "1m", "--model", "llama3-8b"]),
+        2,
+        &["too small", "the format needs"],
+    );
+    assert!(!absent.exists(), "a refused format created {}", absent.display());
+    // An LBA size the model's objects are not a whole number of is refused the same way.
+    let layers = ["--layers", "1", "--kv-heads", "1", "--head-dim", "64", "--tokens-per-block", "1"];
+    let mut arguments = vec!["pool", "format", "--emu-lba-bytes", "65536"];
+    arguments.extend_from_slice(&layers);
+    let absent_device = device(&absent);
+    arguments.extend_from_slice(&["--device", &absent_device, "--emu-create-bytes", "64m"]);
+    assert_status(&tutti(&arguments), 2, &["whole number"]);
+    assert!(!absent.exists(), "a refused format created {}", absent.display());
+    // An existing file smaller than asked is not grown by a format that is refused.
+    let small = directory.path().join("small.img");
+    std::fs::File::create(&small).unwrap().set_len(512 << 10).unwrap();
+    assert_status(
+        &tutti(&["pool", "format", "--device", &device(&small), "--emu-create-bytes", "1m", "--model", "llama3-8b"]),
+        2,
+        &["too small"],
+    );
+    assert_eq!(std::fs::metadata(&small).unwrap().len(), 512 << 10, "a refused format grew {}", small.display());
+    // The size that counts is the larger of the file's and the one asked for: a file already
+    // big enough formats although the size asked for alone would be too small.
+    let big = directory.path().join("big.img");
+    std::fs::File::create(&big).unwrap().set_len(64 << 20).unwrap();
+    assert_status(&tutti(&["pool", "format", "--device", &device(&big), "--emu-create-bytes", "1m", "--model", "llama3-8b"]), 0, &[]);
+    assert_eq!(std::fs::metadata(&big).unwrap().len(), 64 << 20);
+}
+
+#[test]
 fn pool_format_takes_any_geometry() {
     // Goal (issue 17 item 9): a geometry that is no preset, by flags or by a config.json.
     let directory = tempfile::tempdir().unwrap();
