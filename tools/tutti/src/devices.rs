@@ -123,7 +123,7 @@ fn readiness(
     }
     let uses = system.uses_of(block_devices)?;
     if !uses.is_empty() {
-        let list: Vec<String> = uses.iter().map(|(device, target)| format!("{device} on {target}")).collect();
+        let list: Vec<String> = uses.iter().map(|(device, how)| format!("{device} {how}")).collect();
         return Ok(Readiness::Blocked(format!("in use: {}", list.join(", "))));
     }
     if !system.driver_loaded(VFIO_PCI_DRIVER) {
@@ -201,7 +201,7 @@ pub fn bind(system: &System, address: PciAddress, force: bool) -> Result<BindOut
     }
     let uses = system.uses_of(&system.block_devices(address))?;
     if !uses.is_empty() && !force {
-        let list: Vec<String> = uses.iter().map(|(device, target)| format!("/dev/{device} on {target}")).collect();
+        let list: Vec<String> = uses.iter().map(|(device, how)| format!("/dev/{device} {how}")).collect();
         bail!("{address} is in use: {}; unmount first, or pass --force to take it away from the kernel anyway", list.join(", "));
     }
     let device_dir = system.sysfs.device_dir(address);

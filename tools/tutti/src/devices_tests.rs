@@ -180,7 +180,11 @@ fn inspect_reports_model_block_devices_and_readiness() {
     assert_eq!(mounted.model, "QEMU NVMe Ctrl");
     assert_eq!(mounted.block_devices, vec!["nvme0n1", "nvme0n1p1"]);
     assert_eq!(mounted.iommu_group, Some(3));
-    assert!(matches!(&mounted.readiness, Readiness::Blocked(reason) if reason.contains("nvme0n1p1 on /data")), "{:?}", mounted.readiness);
+    assert!(
+        matches!(&mounted.readiness, Readiness::Blocked(reason) if reason.contains("nvme0n1p1 mounted on /data")),
+        "{:?}",
+        mounted.readiness
+    );
 
     let ready = inspect(&system, at("0000:00:05.0")).unwrap();
     assert_eq!(ready.readiness, Readiness::Ready);
@@ -221,7 +225,7 @@ fn bind_refuses_mounted_devices_unless_forced() {
     let system = host.system();
     let _kernel = host.kernel();
     let error = bind(&system, at("0000:00:04.0"), false).unwrap_err().to_string();
-    assert!(error.contains("/dev/nvme0n2p1 on /mnt/my data") && error.contains("--force"), "{error}");
+    assert!(error.contains("/dev/nvme0n2p1 mounted on /mnt/my data") && error.contains("--force"), "{error}");
     assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("nvme"), "nothing changed");
     assert!(bind(&system, at("0000:00:04.0"), true).is_ok());
     assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("vfio-pci"));
@@ -230,13 +234,14 @@ fn bind_refuses_mounted_devices_unless_forced() {
     swap_host.add("0000:00:04.0", 0x010802, Some("nvme"), 3, 0, 1);
     std::fs::write(swap_host.proc.join("swaps"), "Filename Type Size Used Priority\n/dev/nvme0n1p1 partition 100 0 -2\n").unwrap();
     let error = bind(&swap_host.system(), at("0000:00:04.0"), false).unwrap_err().to_string();
-    assert!(error.contains("swap"), "{error}");
+    assert!(error.contains("/dev/nvme0n1p1 used as swap"), "{error}");
 
     let stacked_host = FakeHost::new();
     stacked_host.add("0000:00:04.0", 0x010802, Some("nvme"), 3, 0, 1);
     std::fs::create_dir_all(stacked_host.sys.join("class/block/nvme0n1/holders/dm-0")).unwrap();
     let error = bind(&stacked_host.system(), at("0000:00:04.0"), false).unwrap_err().to_string();
-    assert!(error.contains("held by dm-0"), "{error}");
+    // Each kind of use reads as itself: this was "/dev/nvme0n1 on held by dm-0".
+    assert!(error.contains("/dev/nvme0n1 held by dm-0") && !error.contains(" on held"), "{error}");
 }
 
 #[test]
@@ -250,7 +255,11 @@ fn bind_refuses_a_device_claimed_without_a_mount_unless_forced() {
     let system = host.system();
     let _kernel = host.kernel();
     let error = bind(&system, at("0000:00:04.0"), false).unwrap_err().to_string();
-    assert!(error.contains("/dev/nvme0n2 on ") && error.contains("EBUSY") && error.contains("--force"), "{error}");
+    assert!(
+        error.contains("/dev/nvme0n2 claimed exclusively by another opener") && error.contains("EBUSY") && error.contains("--force"),
+        "{error}"
+    );
+    assert!(!error.contains(" on an exclusive claim"), "{error}");
     assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("nvme"), "nothing changed");
     assert!(bind(&system, at("0000:00:04.0"), true).is_ok());
     assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("vfio-pci"));

@@ -93,8 +93,8 @@ impl System {
 
     /// Mount points, swap areas, stacked devices and other exclusive claims (an open with
     /// `O_EXCL` that the kernel answers with EBUSY) on the given block devices, as
-    /// `(device, where)`.
-    pub fn uses_of(&self, block_devices: &BTreeSet<String>) -> Result<Vec<(String, String)>> {
+    /// `(device, use)`.
+    pub fn uses_of(&self, block_devices: &BTreeSet<String>) -> Result<Vec<(String, BlockDeviceUse)>> {
         let mut uses = Vec::new();
         let mounts_path = self.proc_root.join("mounts");
         let mounts = std::fs::read_to_string(&mounts_path).with_context(|| format!("reading {}", mounts_path.display()))?;
@@ -102,14 +102,14 @@ impl System {
             let mut fields = line.split_whitespace();
             let (Some(source), Some(target)) = (fields.next(), fields.next()) else { continue };
             if let Some(name) = source.strip_prefix("/dev/").filter(|name| block_devices.contains(*name)) {
-                uses.push((name.to_string(), unescape_mount_path(target)));
+                uses.push((name.to_string(), BlockDeviceUse::Mounted(unescape_mount_path(target))));
             }
         }
         // Stacked devices (device-mapper, md RAID, bcache) list themselves as holders; a mount
         // of /dev/mapper/x never names the NVMe device itself.
         for name in block_devices {
             for holder in read_names(&self.sysfs_root().join("class/block").join(name).join("holders")) {
-                uses.push((name.clone(), format!("held by {holder}")));
+                uses.push((name.clone(), BlockDeviceUse::HeldBy(holder)));
             }
         }
         // /proc/swaps may be absent (no CONFIG_SWAP); then nothing is swapped on the device.
@@ -117,7 +117,7 @@ impl System {
             for line in swaps.lines().skip(1) {
                 let Some(source) = line.split_whitespace().next() else { continue };
                 if let Some(name) = source.strip_prefix("/dev/").filter(|name| block_devices.contains(*name)) {
-                    uses.push((name.to_string(), "swap".to_string()));
+                    uses.push((name.to_string(), BlockDeviceUse::Swap));
                 }
             }
         }
@@ -130,7 +130,7 @@ impl System {
             }
             if let Err(error) = (self.exclusive_open)(&self.dev_root.join(name)) {
                 if error.raw_os_error() == Some(libc::EBUSY) {
-                    uses.push((name.clone(), "an exclusive claim (EBUSY: e.g. a ZFS pool or a btrfs filesystem)".to_string()));
+                    uses.push((name.clone(), BlockDeviceUse::ExclusiveClaim));
                 }
             }
         }
@@ -161,6 +161,33 @@ impl System {
                 bail!("{address}: driver is still {} after {} ms", driver.as_deref().unwrap_or("(none)"), timeout.as_millis());
             }
             std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// How the kernel is using a block device, worded to follow its name ("/dev/nvme0n1 held by
+/// dm-0"): each kind reads as itself, not as a mount point.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BlockDeviceUse {
+    /// A filesystem mounted at this path (from /proc/mounts, unescaped).
+    Mounted(String),
+    /// A stacked device (device-mapper, md RAID, bcache) listed under `holders/`.
+    HeldBy(String),
+    /// An active swap area (from /proc/swaps).
+    Swap,
+    /// None of the above, but an `O_EXCL` open is refused with EBUSY.
+    ExclusiveClaim,
+}
+
+impl std::fmt::Display for BlockDeviceUse {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Mounted(path) => write!(f, "mounted on {path}"),
+            Self::HeldBy(holder) => write!(f, "held by {holder}"),
+            Self::Swap => f.write_str("used as swap"),
+            Self::ExclusiveClaim => f.write_str(
+                "claimed exclusively by another opener (an O_EXCL open fails with EBUSY: e.g. a ZFS pool or a btrfs filesystem)",
+            ),
         }
     }
 }
