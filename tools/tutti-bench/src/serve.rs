@@ -188,9 +188,22 @@ impl ServePlan {
     }
 }
 
+/// What to change when a serve run's memory does not fit.
+const HOST_MEMORY_ACCEPTED: &str = "a smaller --prompt-tokens or model, or fewer --sessions/--turns";
+
+/// Refuses, before anything is printed or allocated, a plan whose per-policy stack (the
+/// engine's KV memory beside the in-memory pool) does not fit the host: unchecked, the run got
+/// as far as opening its pool (or allocating the engine) before it failed.
+fn check_host_memory(plan: &ServePlan) -> anyhow::Result<()> {
+    let asked = live::host_memory(plan);
+    crate::memory::check_host_memory(&asked.what, asked.engine_bytes, std::slice::from_ref(&asked.pool), HOST_MEMORY_ACCEPTED)?;
+    Ok(())
+}
+
 /// `--workload=serve` from the command line.
 pub fn run(cli: &Cli, matches: &ArgMatches) -> anyhow::Result<()> {
     let plan = ServePlan::from_cli(cli, matches)?;
+    check_host_memory(&plan)?;
     let json = cli.output_format == OutputFormat::Json;
     let say = crate::run::narrator(cli.output_format);
     say(report::header(&plan))?;

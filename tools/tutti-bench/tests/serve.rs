@@ -191,3 +191,22 @@ fn bad_serve_input_is_one_line_and_status_2() {
         assert!(output.stdout.is_empty(), "{arguments:?}: printed on stdout");
     }
 }
+
+#[test]
+fn serve_buffers_beyond_the_machine_are_refused_up_front() {
+    // Goal: the host memory a serve run allocates per policy (the engine's KV memory, 4 prompts
+    // of blocks, beside its in-memory pool) is checked before anything runs, as the raw and kv
+    // workloads' buffers are: 4 GiB blocks (1024 layers x 1024 KV heads x dim 1024, one token
+    // each) make 4 TiB of engine memory for a 256-token prompt. Unchecked, the header was
+    // printed and the run got as far as opening its pool before anything was refused.
+    let model = ["--model=llama3-8b", "--layers=1024", "--kv-heads=1024", "--head-dim=1024", "--tokens-per-block=1"];
+    let arguments = [&["--workload=serve", "--prompt-tokens=256", "--sessions=1", "--turns=1", "--policy=naive"], &model[..]].concat();
+    let output = bench(&arguments);
+    let text = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "status {:?}, stderr: {text}", output.status);
+    assert_eq!(text.trim_end().lines().count(), 1, "not one line: {text}");
+    for needle in ["engine KV memory", "4TiB of host memory asked beside", "of memory devices", "MemAvailable", "--prompt-tokens"] {
+        assert!(text.contains(needle), "'{needle}' missing from: {text}");
+    }
+    assert!(output.stdout.is_empty(), "printed on stdout before the refusal: {}", String::from_utf8_lossy(&output.stdout));
+}

@@ -80,15 +80,59 @@ fn pool_bytes(plan: &ServePlan, hit_rate: f64) -> u64 {
     let shape = &plan.stream;
     let blocks = shape.blocks();
     let cached = shape.cached_tokens(hit_rate) / shape.block_tokens;
-    let stored = u64::from(shape.sessions) * blocks + u64::from(shape.sessions) * u64::from(shape.turns - 1) * (blocks - cached);
+    let sessions = u64::from(shape.sessions);
+    let stored = sessions
+        .saturating_mul(blocks)
+        .saturating_add(sessions.saturating_mul(u64::from(shape.turns - 1)).saturating_mul(blocks.saturating_sub(cached)));
     let block_bytes = plan.model.choice.geometry.block_bytes();
-    (stored + 2) * (block_bytes + SLOT_OVERHEAD_BYTES) + POOL_OVERHEAD_BYTES
+    // Saturating: a stream past 2^64 bytes is refused by the memory check, not an overflow.
+    stored.saturating_add(2).saturating_mul(block_bytes.saturating_add(SLOT_OVERHEAD_BYTES)).saturating_add(POOL_OVERHEAD_BYTES)
+}
+
+/// The in-memory device one policy's pool lives on at `hit_rate`: [`pool_bytes`] in whole MiB.
+fn pool_device(plan: &ServePlan, hit_rate: f64) -> DeviceSpec {
+    DeviceSpec::EmuMemory(pool_bytes(plan, hit_rate).div_ceil(1 << 20).saturating_mul(1 << 20))
+}
+
+/// Engine blocks one policy's stack allocates: [`ENGINE_PROMPTS`] prompts of blocks.
+fn engine_blocks(plan: &ServePlan) -> u64 {
+    ENGINE_PROMPTS.saturating_mul(plan.stream.blocks())
+}
+
+/// The host memory one policy's stack allocates before it serves (one stack at a time: each is
+/// dropped before the next policy's starts).
+pub struct HostMemory {
+    /// What it is, in words, for a refusal.
+    pub what: String,
+    /// The engine's KV memory: K and V of every layer, [`engine_blocks`] objects each.
+    pub engine_bytes: u64,
+    /// The pool's in-memory device at the largest hit rate's size.
+    pub pool: DeviceSpec,
+}
+
+/// What the serve run asks of the host per policy (for the check before anything runs).
+pub fn host_memory(plan: &ServePlan) -> HostMemory {
+    let geometry = plan.model.choice.geometry;
+    let blocks = engine_blocks(plan);
+    let engine_bytes = blocks.saturating_mul(geometry.object_bytes()).saturating_mul(2 * u64::from(geometry.layers));
+    // The pool is largest at the lowest hit rate (fewer cached blocks, more stored).
+    let pool = plan
+        .hit_rates
+        .iter()
+        .map(|&hit_rate| pool_device(plan, hit_rate))
+        .max_by_key(|spec| spec.memory_bytes().unwrap_or(0))
+        .unwrap_or(DeviceSpec::EmuMemory(0));
+    let what = format!(
+        "serve engine KV memory ({blocks} blocks of {} over {} layers, per policy run, beside its in-memory pool)",
+        plan.model.choice.name, geometry.layers
+    );
+    HostMemory { what, engine_bytes, pool }
 }
 
 /// Serves `requests` under `policy` on a fresh stack.
 pub fn serve(plan: &ServePlan, profile: &Profile, policy: PolicyChoice, requests: &[Request], hit_rate: f64) -> anyhow::Result<LiveRun> {
     let geometry = plan.model.choice.geometry;
-    let spec = DeviceSpec::EmuMemory(pool_bytes(plan, hit_rate).div_ceil(1 << 20) << 20);
+    let spec = pool_device(plan, hit_rate);
     let options = OpenOptions2 {
         writes: true,
         create_bytes: None,
@@ -110,7 +154,7 @@ pub fn serve(plan: &ServePlan, profile: &Profile, policy: PolicyChoice, requests
     format_pool(&targets, &params).context("formatting the pool")?;
     let (pool, _) = Pool::open(targets, Some(&geometry)).context("opening the pool")?;
     let request_blocks = plan.stream.blocks();
-    let engine_blocks = u32::try_from(ENGINE_PROMPTS * request_blocks).map_err(|_| anyhow!("too many engine blocks"))?;
+    let engine_blocks = u32::try_from(engine_blocks(plan)).map_err(|_| anyhow!("too many engine blocks"))?;
     let dma = Arc::clone(devices[0].controller.dma());
     let (engine, layout) = Engine::allocate(&dma, &geometry, engine_blocks)?;
     let mode = if devices[0].controller.data_pointer_mode() == DataPointerMode::Sgl { DataPointerMode::Sgl } else { DataPointerMode::Prp };
@@ -259,5 +303,43 @@ impl Driver<'_> {
             bubble_us: bubble.as_secs_f64() * 1e6 / self.dilation,
             compute_us,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory, FromArgMatches};
+
+    use super::*;
+    use crate::args::Cli;
+
+    /// 20 GiB available: 17.5 GiB can be spared.
+    const MEMINFO_20G: &str = "MemTotal:       24000000 kB\nMemAvailable:   20971520 kB\n";
+
+    fn plan(arguments: &[&str]) -> ServePlan {
+        let matches = Cli::command().try_get_matches_from(std::iter::once("tutti-bench").chain(arguments.iter().copied())).unwrap();
+        ServePlan::from_cli(&Cli::from_arg_matches(&matches).unwrap(), &matches).unwrap()
+    }
+
+    #[test]
+    fn the_engine_memory_counts_beside_the_pool() {
+        // Goal: a serve run whose pool alone fits but whose engine KV memory beside it does not
+        // is refused. llama3-8b's 16-token blocks are 2 MiB (all layers, K and V): 16384-token
+        // prompts make 4 x 1024 blocks of engine memory (8 GiB), and 4 sessions x 2 turns at hit
+        // rate 0.5 store 6144 blocks (a 12 GiB pool): 20 GiB against 17.5 GiB to spare.
+        let asked = host_memory(&plan(&["--workload=serve", "--prompt-tokens=16384", "--sessions=4", "--turns=2", "--hit-rate=0.5"]));
+        assert_eq!(asked.engine_bytes, 8 << 30);
+        let pool_bytes = asked.pool.memory_bytes().unwrap();
+        assert!((12 << 30..14 << 30).contains(&pool_bytes), "{pool_bytes}");
+        let pool = std::slice::from_ref(&asked.pool);
+        crate::memory::check_host_memory_with("the pool alone", 0, pool, "", MEMINFO_20G).unwrap();
+        let message =
+            crate::memory::check_host_memory_with(&asked.what, asked.engine_bytes, pool, "", MEMINFO_20G).unwrap_err().to_string();
+        assert!(message.starts_with("serve engine KV memory (4096 blocks of llama3-8b over 32 layers"), "{message}");
+        assert!(message.contains("8GiB of host memory asked beside"), "{message}");
+        // The pool is sized for the lowest hit rate of a sweep (the most blocks stored).
+        let sweep = host_memory(&plan(&["--workload=serve", "--prompt-tokens=16384", "--sweep-hit-rates=0.75,0.25"]));
+        let lowest = host_memory(&plan(&["--workload=serve", "--prompt-tokens=16384", "--hit-rate=0.25"]));
+        assert_eq!(sweep.pool, lowest.pool);
     }
 }
