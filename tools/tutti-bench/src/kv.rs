@@ -133,7 +133,7 @@ impl KvPlan {
 pub fn run(cli: &Cli) -> anyhow::Result<()> {
     let plan = KvPlan::from_cli(cli)?;
     check_plan(&plan)?;
-    check_engine_memory(&plan, &cli.devices)?;
+    check_engine_memory(&plan, &cli.devices, engine_processes(cli))?;
     if cli.attach.is_some() {
         return crate::attach::run(cli, &plan);
     }
@@ -174,20 +174,40 @@ pub(crate) fn check_plan(plan: &KvPlan) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Refuses a plan whose engine KV memory (K and V tensors of every layer, `blocks` objects
-/// each, allocated before the run starts; in each client of an --attach run) does not fit the
-/// host beside the memory devices among `specs`.
-pub(crate) fn check_engine_memory(plan: &KvPlan, specs: &[DeviceSpec]) -> anyhow::Result<()> {
+/// Processes on this host that each allocate the plan's engine KV memory: the parent of an
+/// --attach run starts --clients of them (each with its own KV window); a client process, or
+/// an in-process run, is one.
+pub(crate) fn engine_processes(cli: &Cli) -> u32 {
+    if cli.attach.is_some() && cli.attach_client.is_none() {
+        cli.clients
+    } else {
+        1
+    }
+}
+
+/// The engine KV memory of `processes` processes running `plan` (K and V tensors of every
+/// layer, `blocks` objects each), in words and bytes.
+fn engine_memory(plan: &KvPlan, processes: u32) -> (String, u64) {
+    let geometry = plan.geometry();
+    let bytes = plan
+        .blocks()
+        .saturating_mul(geometry.object_bytes())
+        .saturating_mul(2 * u64::from(geometry.layers))
+        .saturating_mul(u64::from(processes));
+    let each = if processes > 1 { format!(" × {processes} client processes") } else { String::new() };
+    (format!("engine KV memory ({} blocks of {} over {} layers{each})", plan.blocks(), plan.model.name, geometry.layers), bytes)
+}
+
+/// Refuses a plan whose engine KV memory (allocated before the run starts, in each of
+/// `processes` processes: the clients of an --attach run) does not fit the host beside the
+/// memory devices among `specs`.
+pub(crate) fn check_engine_memory(plan: &KvPlan, specs: &[DeviceSpec], processes: u32) -> anyhow::Result<()> {
     // Memory devices that do not fit on their own are named as such.
     tutti_devices::check_memory(specs).map_err(|error| Unusable(error.to_string()))?;
-    let geometry = plan.geometry();
-    let bytes = plan.blocks().saturating_mul(geometry.object_bytes()).saturating_mul(2 * u64::from(geometry.layers));
-    crate::memory::check_host_memory(
-        &format!("engine KV memory ({} blocks of {} over {} layers)", plan.blocks(), plan.model.name, geometry.layers),
-        bytes,
-        specs,
-        "a smaller --prompt-tokens or model",
-    )?;
+    let (what, bytes) = engine_memory(plan, processes);
+    let accepted =
+        if processes > 1 { "a smaller --prompt-tokens or model, or fewer --clients" } else { "a smaller --prompt-tokens or model" };
+    crate::memory::check_host_memory(&what, bytes, specs, accepted)?;
     Ok(())
 }
 
@@ -430,5 +450,35 @@ impl KvTarget for Rig {
 
     fn read_object(&self, layer: u32, kind: KvKind, block: u32, out: &mut [u8]) -> anyhow::Result<()> {
         Ok(self.engine.tensor(layer, kind).read(block as usize * self.engine.object_bytes, out)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    /// 20 GiB available: 17.5 GiB can be spared.
+    const MEMINFO_20G: &str = "MemTotal:       24000000 kB\nMemAvailable:   20971520 kB\n";
+
+    #[test]
+    fn an_attach_run_counts_the_engine_memory_of_every_client_it_starts() {
+        // Goal: the parent of an --attach run starts --clients processes on this host, each with
+        // its own KV window of the plan's blocks (llama3-8b, 16384 tokens: 2 GiB): 16 of them
+        // (32 GiB) do not fit 17.5 GiB to spare although one does. A client process counts its own.
+        let attach = ["tutti-bench", "--workload=kv", "--attach", "/run/tuttid.sock", "--prompt-tokens=16384"];
+        let parent = Cli::try_parse_from([&attach[..], &["--clients=16"]].concat()).unwrap();
+        let client = Cli::try_parse_from([&attach[..], &["--clients=16", "--attach-client=3"]].concat()).unwrap();
+        let in_process = Cli::try_parse_from(["tutti-bench", "--workload=kv", "--prompt-tokens=16384"]).unwrap();
+        assert_eq!((engine_processes(&parent), engine_processes(&client), engine_processes(&in_process)), (16, 1, 1));
+        let plan = KvPlan::from_cli(&parent).unwrap();
+        let (what, bytes) = engine_memory(&plan, 1);
+        assert_eq!(bytes, 2 << 30);
+        crate::memory::check_host_memory_with(&what, bytes, &[], "", MEMINFO_20G).unwrap();
+        let (what, bytes) = engine_memory(&plan, 16);
+        assert_eq!(bytes, 32 << 30);
+        let message = crate::memory::check_host_memory_with(&what, bytes, &[], "", MEMINFO_20G).unwrap_err().to_string();
+        assert!(message.contains("× 16 client processes") && message.contains("32GiB of host memory asked"), "{message}");
     }
 }

@@ -1,6 +1,7 @@
 //! Whether the host memory a run allocates up front fits the machine: the I/O buffers of the raw
 //! workload (numjobs × devices × iodepth × bs, plus one scratch block per job) and the engine KV
-//! memory of the kv workload (2 × layers × blocks × object bytes) and of each serve policy's
+//! memory of the kv workload (2 × layers × blocks × object bytes, in every client process an
+//! --attach run starts on this host) and of each serve policy's
 //! stack (4 prompts of engine blocks, beside its in-memory pool), together with the memory
 //! devices (`emu:mem:`), against what the kernel says is available less the same reserve
 //! `tutti_devices::check_memory` keeps back for memory devices.
