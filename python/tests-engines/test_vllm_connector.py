@@ -762,6 +762,32 @@ def test_loads_and_saves_that_fail_to_issue_do_not_fail_the_step_or_leak(tuttid)
         worker.shutdown()
 
 
+def test_a_load_failing_in_a_layer_only_the_draft_model_waits_for_is_reported_in_its_step(tuttid):
+    """Goal: with speculative decoding vLLM defers wait_for_save past the draft model's forward
+    but asks get_block_ids_with_load_errors before it; a load whose failing layer only the draft
+    model waits for (the last) is still reported in its own step, not the next one."""
+    daemon = tuttid(harness.TUTTID_GEOMETRY)
+    worker = LocalWorker(daemon.socket)
+    try:
+        tokens = prompt(17, blocks=2, tail=0)
+        worker.fill([1, 2], 17)
+        worker.save("S", tokens, [1, 2])
+        connector = worker.connector
+        connector._store = harness.StoreWithFailingLoads(connector._store, last_layer_only=True)
+        connector.bind_connector_metadata(TuttiConnectorMetadata(loads=[LoadSpec("L", tokens, [20, 21])]))
+        connector.start_load_kv(None)
+        for name in harness.layer_names()[:-1]:  # the target model's layers
+            connector.wait_for_layer_load(name)
+            connector.save_kv_layer(name, worker.caches[name], None)
+        assert connector.get_block_ids_with_load_errors() == {20, 21}  # (vLLM asks before the drafter)
+        connector.wait_for_layer_load(harness.layer_names()[-1])  # the draft model's layer
+        connector.wait_for_save()  # finalize_kv_connector
+        connector.clear_connector_metadata()
+        assert connector.get_block_ids_with_load_errors() == set()
+    finally:
+        worker.shutdown()
+
+
 def test_a_load_leaves_vllms_own_prefix_blocks_alone_and_reports_only_its_own(tuttid):
     """Goal: a load of a request whose prefix vLLM holds locally (its own prefix cache hit,
     blocks possibly shared with other requests) reads only the blocks tutti is to fill

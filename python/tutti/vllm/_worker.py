@@ -342,7 +342,12 @@ class WorkerSide:
         return (done or None), None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Blocks of loads that failed since the last call (vLLM recomputes them)."""
+        """Blocks of loads that failed since the last call (vLLM recomputes them). This step's
+        loads are settled first: with speculative decoding vLLM asks before the draft model's
+        forward (wait_for_save is deferred past it), so a failure in a layer only the draft
+        model waits for would otherwise be reported a step late."""
+        if self._layers:
+            self.wait_for_layer_load(self._layer_names[-1])
         failed, self._failed_block_ids = self._failed_block_ids, set()
         return failed
 
