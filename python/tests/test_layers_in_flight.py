@@ -395,10 +395,12 @@ def test_the_engines_wait_out_is_not_fooled_by_a_completion_not_yet_returned():
         request.finish()
 
 
-def last_layer_failing_with_another_behind(store: tutti.Store, prompt: list[int]) -> tuple[tutti.Request, tutti.LayerIo, tutti.LayerIo]:
+def last_layer_then_a_failing_reread(store: tutti.Store, prompt: list[int]) -> tuple[tutti.Request, tutti.LayerIo, tutti.LayerIo]:
     """With layers_in_flight = 2: layers 0..2 retrieved and returned by waits, then the last
-    layer (3, whose completion verifies the CRCs and fails) in flight with layer 0 issued again
-    behind it. Nothing drives them yet (no completion thread)."""
+    layer (3) in flight with layer 0 issued again behind it. Issuing layer 0 again unfolds it
+    from the blocks' CRCs, so layer 3 completes without a comparison and the completion of
+    layer 0's re-read (the last layer missing) compares and fails. Nothing drives them yet (no
+    completion thread)."""
     request = store.prepare_retrieve(prompt, [2, 3])
     request.retrieve_layer(0)
     request.retrieve_layer(1)
@@ -414,30 +416,29 @@ def last_layer_failing_with_another_behind(store: tutti.Store, prompt: list[int]
 
 @pytest.mark.parametrize("driven_by", ["the layer's wait", "the completion thread"])
 def test_a_layer_io_raises_its_own_layers_failure_and_request_wait_the_others(tmp_path, driven_by):
-    # Goal: with layer 3 failing ahead of layer 0 (issued again behind it), layer 0's LayerIo
-    # raises layer 0's own failure, saying so, not layer 3's (which it used to take, whether it
-    # drove layer 3 itself or the completion thread had seen it fail); Request.wait then raises
-    # layer 3's failure, once; layer 3's LayerIo says "layer 3 failed" (it used to say the layer
-    # was not issued), as often as it is asked; both LayerIos are done.
+    # Goal: with layer 3 completing ahead of layer 0 (issued again behind it, failing), layer
+    # 0's LayerIo raises layer 0's own failure, saying so, whether it drove layer 3 itself or
+    # the completion thread had seen it end; Request.wait then returns layer 3, once, and
+    # nothing of layer 0 (its failure was its LayerIo's); layer 3's LayerIo answers completed
+    # and layer 0's its failure, as often as asked; both LayerIos are done.
     device, prompt = corrupted_pool(tmp_path)
     with tutti.Store.open(device, GEOMETRY, verify_retrieves=True, layers_in_flight=2) as store:
         store.allocate_kv(4, "block_major")
-        request, last, again = last_layer_failing_with_another_behind(store, prompt)
+        request, last, again = last_layer_then_a_failing_reread(store, prompt)
         if driven_by == "the completion thread":
             fd = request.fileno()
             assert select.select([fd], [], [], WAIT_S)[0] == [fd], "the completion thread did not signal layer 3's end"
         with pytest.raises(tutti.IntegrityError, match=r"^layer 0 failed: .*CRC mismatch in 1 block"):
             again.wait(WAIT_S)
         assert request.layers_in_flight == [] and last.done and again.done
-        with pytest.raises(tutti.IntegrityError, match=r"^layer 3 failed: .*CRC mismatch in 1 block"):
-            request.wait(WAIT_S)
+        assert request.wait(WAIT_S) == 3
         assert request.wait(0) is None, "layer 0's failure was raised by its own LayerIo"
         for _ in range(2):
-            with pytest.raises(tutti.IntegrityError, match=r"^layer 3 failed: .*CRC mismatch"):
-                last.wait(WAIT_S)
+            last.wait(WAIT_S)
+            assert last.poll()
             with pytest.raises(tutti.IntegrityError, match=r"^layer 0 failed: "):
                 again.wait(0)
-        assert request.layers_completed == [0, 1, 2]
+        assert request.layers_completed == [0, 1, 2, 3]
         request.finish()
         assert store.lookup(prompt) == 1, "the corrupted block was evicted"
 
@@ -452,34 +453,36 @@ def test_a_layer_io_after_its_request_ended_says_how_its_issue_ended(tmp_path):
         with store.prepare_retrieve(prompt[: GEOMETRY.block_tokens], [0]) as request:
             completed = request.retrieve_layer(0)
             assert request.wait(WAIT_S) == 0
-        request, last, again = last_layer_failing_with_another_behind(store, prompt)
-        for layer in (3, 0):
-            with pytest.raises(tutti.IntegrityError, match=rf"^layer {layer} failed: "):
-                request.wait(WAIT_S)
+        request, last, again = last_layer_then_a_failing_reread(store, prompt)
+        assert request.wait(WAIT_S) == 3
+        with pytest.raises(tutti.IntegrityError, match=r"^layer 0 failed: "):
+            request.wait(WAIT_S)
         request.finish()
         for _ in range(2):
             completed.wait(0)
             assert completed.poll()
-            with pytest.raises(tutti.IntegrityError, match=r"^layer 3 failed: .*CRC mismatch"):
-                last.wait(0)
+            last.wait(0)
+            assert last.poll()
+            with pytest.raises(tutti.IntegrityError, match=r"^layer 0 failed: .*CRC mismatch"):
+                again.wait(0)
             with pytest.raises(tutti.IntegrityError, match=r"^layer 0 failed: "):
                 again.poll()
 
 
-def test_request_wait_reports_each_failure_once_in_issue_order(tmp_path):
-    # Goal: with nobody waiting on a LayerIo, Request.wait raises layer 3's failure and then
-    # layer 0's, each once and each naming its layer, after the completions before them; a
-    # poll that saw both fail raises neither (they are the waits' to report).
+def test_request_wait_reports_each_outcome_once_in_issue_order(tmp_path):
+    # Goal: with nobody waiting on a LayerIo, Request.wait returns layer 3 and then raises
+    # layer 0's failure, each once and naming its layer, after the completions before them; a
+    # poll that saw both end raises nothing (the failure is the waits' to report).
     device, prompt = corrupted_pool(tmp_path)
     with tutti.Store.open(device, GEOMETRY, verify_retrieves=True, layers_in_flight=2) as store:
         store.allocate_kv(4, "block_major")
-        request, _, _ = last_layer_failing_with_another_behind(store, prompt)
+        request, _, _ = last_layer_then_a_failing_reread(store, prompt)
         deadline = time.monotonic() + WAIT_S
         while not request.poll():
             assert time.monotonic() < deadline, "poll never saw both layers end"
-        for layer in (3, 0):
-            with pytest.raises(tutti.IntegrityError, match=rf"^layer {layer} failed: .*CRC mismatch"):
-                request.wait(0)
+        assert request.wait(0) == 3
+        with pytest.raises(tutti.IntegrityError, match=r"^layer 0 failed: .*CRC mismatch"):
+            request.wait(0)
         assert request.wait(0) is None
         request.finish()
 
