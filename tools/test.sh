@@ -199,7 +199,8 @@ stage_rust() {
     }
     # TUTTI_REQUIRE_URING=1: a test that finds no io_uring (tutti_uring::available) fails instead
     # of passing as skipped, so a CI machine without it cannot make the ring tests vanish.
-    ensure_protoc && TUTTI_REQUIRE_URING=1 timeout -k 30 2700 cargo test --workspace --all-targets --locked 2>&1
+    # --no-fail-fast: a failing test binary does not hide the failures of the ones after it.
+    ensure_protoc && TUTTI_REQUIRE_URING=1 timeout -k 30 2700 cargo test --workspace --all-targets --locked --no-fail-fast 2>&1
 }
 
 stage_lint() {

@@ -84,12 +84,14 @@ fn a_failed_verification_is_sticky_and_spares_good_blocks_of_its_slot() {
 }
 
 #[test]
-fn a_failed_verification_with_a_layer_still_in_flight_collects_it_so_the_request_can_end() {
+fn a_verified_retrieve_with_a_layer_issued_again_compares_when_the_re_read_completes_and_ends() {
     // Goal (two layers in flight, block B's bytes changed on disk): layer 0 is issued again
-    // together with the last layer, whose wait finds the mismatch. The stuck failure must not
-    // keep the later layer from being collected: the next wait collects it (and still reports
-    // the mismatch), nothing stays in flight, and `finish` succeeds. It used to return the
-    // failure without touching the layer, so `finish` refused until the store was closed.
+    // together with the last layer. Its issue unfolds the CRCs, so the last layer's wait
+    // completes it without a comparison and the re-read's wait, the last missing layer,
+    // compares and finds the mismatch; nothing stays in flight, the mismatch stays (poll, a
+    // further issue refused with it) and `finish` succeeds. (Before the re-read unfolded the
+    // CRCs, the last layer's wait compared against layer 0's first read with the re-read in
+    // flight, and an earlier defect left that re-read uncollected so `finish` refused.)
     use objstore::{KvRequest, ObjstoreError};
     let device = start_device(vec![NamespaceConfig::new(512, None)], 8 << 20, true);
     let controller = bring_up(&device, Duration::from_secs(5));
@@ -118,12 +120,13 @@ fn a_failed_verification_with_a_layer_still_in_flight_collects_it_so_the_request
     assert_eq!(in_flight(&kv), [3, 0]);
     let mismatch = |result: &objstore::Result<Option<u32>>| matches!(result, Err(ObjstoreError::PayloadMismatch { .. }));
     let last = kv.wait(r, deadline());
-    assert!(mismatch(&last), "the last layer's wait compares: {last:?}");
+    assert!(matches!(last, Ok(Some(3))), "layer 0 is missing again: no comparison yet: {last:?}");
     assert_eq!(in_flight(&kv), [0]);
     let again = kv.wait(r, deadline());
-    assert!(mismatch(&again), "still the mismatch: {again:?}");
+    assert!(mismatch(&again), "the re-read's wait compares: {again:?}");
     assert!(in_flight(&kv).is_empty(), "the layer issued again was collected");
     assert!(matches!(kv.poll(r), Err(ObjstoreError::PayloadMismatch { .. })));
+    assert!(matches!(kv.retrieve_layer(r, 1, BUDGET), Err(ObjstoreError::PayloadMismatch { .. })));
     kv.finish(r).expect("nothing in flight: the request ends");
 }
 
