@@ -123,14 +123,7 @@ def test_local_prefix_counts_and_last_token_is_never_loaded(cluster):
     exactly whole blocks keeps its last block for vLLM to compute (it needs one token's logits)."""
     _, scheduler, workers = cluster
     whole = prompt(2, blocks=2, tail=0)
-    request = harness.request("W", whole)
-    scheduler.update_state_after_alloc(request, harness.blocks([1, 2]), 0)
-    meta = scheduler.build_connector_meta(harness.scheduler_output(new=[("W", whole, [1, 2], 0, len(whole))]))
-    for worker in workers:
-        worker.call("fill", [1, 2], 2)
-    step(workers, meta)
-    scheduler.request_finished(request, [1, 2])
-    wait_finished(workers, "W")
+    save_prompt_on_every_rank(scheduler, workers, "W", whole, [1, 2], 2)
 
     again = harness.request("W2", whole)
     # Two blocks cached, but only the first may be loaded: the second holds the last token.
@@ -165,14 +158,7 @@ def test_a_load_failing_on_one_rank_cancels_the_same_step_save_on_every_rank(clu
     prefix stays cached on no rank beyond what was there."""
     daemon, scheduler, workers = cluster
     prompt_a = prompt(5, blocks=2, tail=0)
-    request_a = harness.request("A", prompt_a)
-    scheduler.update_state_after_alloc(request_a, harness.blocks([1, 2]), 0)
-    meta = scheduler.build_connector_meta(harness.scheduler_output(new=[("A", prompt_a, [1, 2], 0, len(prompt_a))]))
-    for worker in workers:
-        worker.call("fill", [1, 2], 5)
-    step(workers, meta)
-    scheduler.request_finished(request_a, [1, 2])
-    wait_finished(workers, "A")
+    save_prompt_on_every_rank(scheduler, workers, "A", prompt_a, [1, 2], 5)
 
     # B: A's two blocks, then two blocks of its own; rank 0's load fails.
     prompt_b = prompt_a + prompt(6, blocks=2, tail=3)
@@ -191,11 +177,7 @@ def test_a_load_failing_on_one_rank_cancels_the_same_step_save_on_every_rank(clu
     assert results[0]["load_errors"] == {10, 11} and results[1]["load_errors"] == set()
     assert scheduler.request_finished(request_b, blocks_b) == (True, None)
     wait_finished(workers, "B")  # reported over on both ranks: a miss, the blocks can be freed
-    for rank in range(TP_WORLD):
-        with tutti.LookupClient.connect(
-            daemon.socket, model_fingerprint=scheduler._fingerprint, tp_rank=rank, tp_world=TP_WORLD
-        ) as lookup:
-            assert lookup.lookup(prompt_b) == 2, f"rank {rank} committed the blocks computed after a failed load"
+    assert cached_blocks_per_rank(daemon, scheduler, prompt_b) == [2, 2], "a rank committed the blocks computed after a failed load"
 
 
 def save_prompt_on_every_rank(scheduler, workers, req_id: str, tokens: list[int], block_ids: list[int], seed: int) -> None:

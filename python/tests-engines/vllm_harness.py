@@ -160,18 +160,22 @@ class FailingIssue:
 
 
 class FailingWait:
-    """A tutti.Request whose layers fail when waited for (an I/O error reported by the layer's
-    completion): the real layer is waited for first, so nothing of it is left in flight."""
+    """A tutti.Request whose layers (only `only_layer`, when given) fail when waited for (an I/O
+    error reported by the layer's completion): the real layer is waited for first, so nothing
+    of it is left in flight."""
 
-    def __init__(self, request: Any) -> None:
+    def __init__(self, request: Any, only_layer: Optional[int] = None) -> None:
         self._request = request
+        self._only_layer = only_layer
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._request, name)
 
     def wait(self, timeout_s: Optional[float] = None) -> Any:
         layer = self._request.wait(timeout_s)
-        raise _tutti().DeviceError(f"injected: layer {layer} failed")
+        if self._only_layer is None or layer == self._only_layer:
+            raise _tutti().DeviceError(f"injected: layer {layer} failed")
+        return layer
 
 
 class StoreWithFailingIssues:
@@ -322,35 +326,19 @@ def _block_bytes(caches: dict[str, torch.Tensor], name: str, block: int) -> torc
     return caches[name][block].view(torch.uint8).reshape(-1)
 
 
-class FailingLastLayer:
-    """A tutti.Request whose last layer fails when waited for (the real one waited for first)."""
-
-    def __init__(self, request: Any) -> None:
-        self._request = request
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._request, name)
-
-    def wait(self, timeout_s: Optional[float] = None) -> Any:
-        layer = self._request.wait(timeout_s)
-        if layer == LAYERS - 1:
-            raise _tutti().DeviceError(f"injected: layer {layer} failed")
-        return layer
-
-
 class StoreWithFailingLoads:
     """A tutti.Store whose loads fail when their layers are waited for (only their last, with
     `last_layer_only`); its saves are real."""
 
     def __init__(self, store: Any, last_layer_only: bool = False) -> None:
         self._store = store
-        self._failing = FailingLastLayer if last_layer_only else FailingWait
+        self._only_layer = LAYERS - 1 if last_layer_only else None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)
 
     def prepare_retrieve(self, tokens: list[int], block_ids: list[int], first_block: int = 0) -> Any:
-        return self._failing(self._store.prepare_retrieve(tokens, block_ids, first_block=first_block))
+        return FailingWait(self._store.prepare_retrieve(tokens, block_ids, first_block=first_block), self._only_layer)
 
 
 class StoreLosingItsConnection:

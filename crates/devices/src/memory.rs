@@ -49,8 +49,9 @@ pub fn check_memory_with(specs: &[DeviceSpec], meminfo: &str) -> Result<(), Devi
     Ok(())
 }
 
-/// `MemAvailable:   23759532 kB` in bytes.
-fn mem_available_bytes(meminfo: &str) -> Option<u64> {
+/// `MemAvailable:   23759532 kB` in bytes, from the text of `/proc/meminfo` (None when the
+/// line is missing or malformed).
+pub fn mem_available_bytes(meminfo: &str) -> Option<u64> {
     let line = meminfo.lines().find(|line| line.starts_with("MemAvailable:"))?;
     let mut words = line["MemAvailable:".len()..].split_whitespace();
     let value: u64 = words.next()?.parse().ok()?;

@@ -10,7 +10,7 @@
 //! allocations themselves are fallible. A machine whose /proc/meminfo cannot be read or has no
 //! `MemAvailable` passes.
 
-use tutti_devices::{format_size, memory_reserve_bytes, DeviceSpec};
+use tutti_devices::{format_size, mem_available_bytes, memory_reserve_bytes, DeviceSpec};
 
 use crate::Unusable;
 
@@ -41,19 +41,6 @@ pub fn check_host_memory_with(what: &str, asked_bytes: u64, specs: &[DeviceSpec]
         format_size(available_bytes),
         format_size(memory_reserve_bytes(available_bytes)),
     )))
-}
-
-/// `MemAvailable:   23759532 kB` in bytes (the parse of `tutti_devices::memory`, which keeps its
-/// own private).
-fn mem_available_bytes(meminfo: &str) -> Option<u64> {
-    let line = meminfo.lines().find(|line| line.starts_with("MemAvailable:"))?;
-    let mut words = line["MemAvailable:".len()..].split_whitespace();
-    let value: u64 = words.next()?.parse().ok()?;
-    match words.next() {
-        Some("kB") => value.checked_mul(1024),
-        None => Some(value),
-        Some(_) => None,
-    }
 }
 
 /// Bytes the raw workload's queues and jobs allocate: `depth` buffers of `bs` per job and
