@@ -135,14 +135,29 @@ impl CpuExecutor {
         self.pending.push_back(Pending { header, next, end: next + len });
     }
 
-    /// Commands submitted to the devices and not yet reaped.
-    pub(crate) fn in_flight(&self) -> usize {
-        self.queues.iter().flatten().map(IoQueuePair::in_flight).sum()
-    }
-
     /// Whether IOCTXs are still waiting for room in a device queue.
     pub(crate) fn has_pending(&self) -> bool {
         !self.pending.is_empty()
+    }
+
+    /// Whether polling again can make progress without a message from outside: commands in
+    /// flight on a pair that is reaped (neither failed nor stale), or IOCTXs pending while some
+    /// served pair takes commands. A failed or stale pair's commands are never reaped and its
+    /// IOCTXs stay pending until a reset replaces it, so with nothing else to do a worker waits
+    /// for its next message (the reset, new work) instead of spinning until then.
+    pub(crate) fn can_progress(&self) -> bool {
+        let mut any_usable = false;
+        for (device, queue) in self.queues.iter().enumerate() {
+            let Some(queue) = queue else { continue };
+            if self.stale[device] || queue.failed() {
+                continue;
+            }
+            if queue.in_flight() > 0 {
+                return true;
+            }
+            any_usable = true;
+        }
+        any_usable && self.has_pending()
     }
 
     /// Builds the NVMe command for one IOCTX at the IOCB's current layer, or says why it cannot.

@@ -280,11 +280,12 @@ impl CpuWorkers {
                 tracing::error!("gio-uring CPU worker: {error}");
                 failure.record(&error);
             }
-            if core.has_pending() || core.in_flight() > 0 {
+            if core.can_progress() {
                 std::thread::yield_now();
                 continue;
             }
-            // Idle: block until work arrives, bounded so that a lost wake-up cannot stall it.
+            // Idle, or held until a reset (a failed or stale pair's work): block until a message
+            // arrives, bounded so that a lost wake-up cannot stall it.
             match receiver.recv_timeout(IDLE_WAIT) {
                 Ok(message) => {
                     if !Self::handle(&mut core, &queued, message) {

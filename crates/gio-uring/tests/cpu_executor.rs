@@ -535,3 +535,47 @@ fn an_issue_after_the_queue_pairs_were_retired_ends_at_once() {
         CpuWorkers::new(1, workers, 16).unwrap()
     }));
 }
+
+/// CPU time (user + system, clock ticks) of this process's thread named `name`.
+fn thread_cpu_ticks(name: &str) -> u64 {
+    for entry in std::fs::read_dir("/proc/self/task").expect("/proc/self/task") {
+        let task = entry.expect("task").path();
+        if std::fs::read_to_string(task.join("comm")).is_ok_and(|comm| comm.trim() == name) {
+            let stat = std::fs::read_to_string(task.join("stat")).expect("stat");
+            // Fields after the command's closing parenthesis: state is field 3, utime 14, stime 15.
+            let fields: Vec<&str> = stat[stat.rfind(')').expect("comm") + 2..].split_whitespace().collect();
+            return fields[11].parse::<u64>().expect("utime") + fields[12].parse::<u64>().expect("stime");
+        }
+    }
+    panic!("no thread named {name}");
+}
+
+#[test]
+fn a_worker_whose_only_pair_is_stale_waits_for_the_reset_instead_of_spinning() {
+    // Goal: a worker whose queue pair went stale (its controller was reset) holds the IOCB's
+    // IOCTXs until the caller's reset; meanwhile it waits for a message rather than spinning
+    // (it burnt a core until the reset came), and the reset still reaches it at once.
+    let mut rig = rig_with(true, 1, 64, |queues| {
+        let workers = queues.into_iter().map(|queue| vec![(DeviceIndex(0), queue)]).collect();
+        CpuWorkers::new(1, workers, 16).unwrap()
+    });
+    let id = rig.queue.get_iocb(1, Dependency::None).unwrap()[0];
+    rig.queue.fill_iocb(id, &layered(Opcode::Read), &ioctxs(&rig.target, true, 1)[..1]).unwrap();
+    rig.controller.reset(false).expect("controller reset");
+    rig.queue.issue_io(&[id], LayerIndex(0), SmBudget(1)).unwrap();
+    let held = rig.queue.wait_cqe(id, Instant::now() + Duration::from_millis(200));
+    assert!(held.is_err(), "the IOCB waits for a reset (the stale pair reported once): {held:?}");
+    let before = thread_cpu_ticks("gio-cpu-0");
+    let watched = Instant::now();
+    std::thread::sleep(Duration::from_millis(500));
+    let spent_ticks = thread_cpu_ticks("gio-cpu-0") - before;
+    // /proc counts in USER_HZ, which the kernel's ABI fixes at 100 a second.
+    let share = spent_ticks as f64 / 100.0 / watched.elapsed().as_secs_f64();
+    assert!(share < 0.2, "the held worker used {:.0}% of a core", share * 100.0);
+    let fresh = vec![rig.controller.create_io_queue_pair(64).unwrap()];
+    let (executor, memory) = rig.queue.executor_and_memory();
+    assert_eq!(gio_uring::QueuePairReset::reset(executor, memory, fresh).expect("reset"), 1, "the held IOCB is reclaimed");
+    assert!(matches!(rig.queue.wait_cqe(id, deadline()).unwrap().result, Err(IocbFailure::Timeout { .. })));
+    rig.queue.issue_io(&[id], LayerIndex(0), SmBudget(1)).unwrap();
+    assert_eq!(rig.queue.wait_cqe(id, deadline()).unwrap().result, Ok(()), "the fresh pair serves it");
+}
