@@ -5,6 +5,7 @@ call it, with KV caches in vLLM's own per-layer view; bytes checked per rank, la
 
 from __future__ import annotations
 
+import contextlib
 import re
 import subprocess
 import sys
@@ -621,6 +622,38 @@ def test_a_load_whose_layer_never_completes_stops_the_worker(tuttid):
         worker.shutdown()
 
 
+@contextlib.contextmanager
+def saves_stuck_at_the_committer(daemon, worker: "LocalWorker", saves: list[SaveSpec]):
+    """One step of `worker` saving `saves` (their blocks filled): each save's layer 0 completes,
+    then tuttid is stalled (SIGSTOP), layers 1.. are issued and wait_for_save hands the saves to
+    the committer, where their layers stay stuck. The body runs with tuttid stalled; it is
+    resumed on exit."""
+    connector = worker.connector
+    names = harness.layer_names()
+    meta = TuttiConnectorMetadata(saves=list(saves))
+    connector.handle_preemptions(meta)
+    connector.bind_connector_metadata(meta)
+    connector.start_load_kv(None)  # (as in a step with synchronous loads)
+    connector.wait_for_layer_load(names[0])
+    connector.save_kv_layer(names[0], worker.caches[names[0]], None)
+    deadline = time.monotonic() + FINISH_TIMEOUT_S
+    for save in saves:  # layer 0 of every save complete before tuttid stalls
+        request = connector._saves[save.req_id].request
+        while not request.poll():
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+    daemon.pause()
+    try:
+        for name in names[1:]:
+            connector.wait_for_layer_load(name)
+            connector.save_kv_layer(name, worker.caches[name], None)
+        connector.wait_for_save()  # to the committer, layers 1..3 stuck
+        connector.clear_connector_metadata()
+        yield
+    finally:
+        daemon.resume()
+
+
 def test_a_preempted_save_that_does_not_settle_is_never_reported(tuttid):
     """Goal: handle_preemptions gives up on a save whose last layer does not complete in time
     (tuttid stalled); the committer's later outcome for it is ignored: get_finished never names
@@ -632,29 +665,8 @@ def test_a_preempted_save_that_does_not_settle_is_never_reported(tuttid):
         tokens = prompt(12, blocks=2, tail=0)
         worker.fill([3, 4], 12)
         connector = worker.connector
-        names = harness.layer_names()
-        meta = TuttiConnectorMetadata(saves=[SaveSpec("P", tokens, [3, 4])])
-        connector.handle_preemptions(meta)
-        connector.bind_connector_metadata(meta)
-        connector.start_load_kv(None)  # (as in a step with synchronous loads)
-        connector.wait_for_layer_load(names[0])
-        connector.save_kv_layer(names[0], worker.caches[names[0]], None)
-        request = connector._saves["P"].request
-        deadline = time.monotonic() + FINISH_TIMEOUT_S
-        while not request.poll():  # layer 0 complete before tuttid stalls
-            assert time.monotonic() < deadline
-            time.sleep(0.001)
-        daemon.pause()
-        try:
-            for name in names[1:]:
-                connector.wait_for_layer_load(name)
-                connector.save_kv_layer(name, worker.caches[name], None)
-            connector.wait_for_save()  # P to the committer, its layers 1..3 stuck
-            connector.clear_connector_metadata()
-            preempted = TuttiConnectorMetadata(preempted_req_ids={"P"})
-            connector.handle_preemptions(preempted)
-        finally:
-            daemon.resume()
+        with saves_stuck_at_the_committer(daemon, worker, [SaveSpec("P", tokens, [3, 4])]):
+            connector.handle_preemptions(TuttiConnectorMetadata(preempted_req_ids={"P"}))
         time.sleep(2.0)  # the committer's outcome for P arrives
         assert connector.get_finished({"P"}) == (None, None)
         with tutti.LookupClient.connect(daemon.socket, model_fingerprint=connector._fingerprint) as lookup:
@@ -671,7 +683,6 @@ def test_preempted_saves_that_do_not_settle_are_given_up_within_one_timeout(tutt
     timeout_s = 0.5
     worker = LocalWorker(daemon.socket, timeout_s=timeout_s, layers_in_flight=harness.LAYERS)
     try:
-        names = harness.layer_names()
         saves = []
         for index in range(4):
             tokens = prompt(40 + index, blocks=2, tail=0)
@@ -679,29 +690,10 @@ def test_preempted_saves_that_do_not_settle_are_given_up_within_one_timeout(tutt
             worker.fill(blocks, 40 + index)
             saves.append(SaveSpec(f"P{index}", tokens, blocks))
         connector = worker.connector
-        meta = TuttiConnectorMetadata(saves=saves)
-        connector.bind_connector_metadata(meta)
-        connector.start_load_kv(None)
-        connector.wait_for_layer_load(names[0])
-        connector.save_kv_layer(names[0], worker.caches[names[0]], None)
-        deadline = time.monotonic() + FINISH_TIMEOUT_S
-        for save in saves:  # layer 0 of every save complete before tuttid stalls
-            request = connector._saves[save.req_id].request
-            while not request.poll():
-                assert time.monotonic() < deadline
-                time.sleep(0.001)
-        daemon.pause()
-        try:
-            for name in names[1:]:
-                connector.wait_for_layer_load(name)
-                connector.save_kv_layer(name, worker.caches[name], None)
-            connector.wait_for_save()  # the four saves to the committer, their layers 1..3 stuck
-            connector.clear_connector_metadata()
+        with saves_stuck_at_the_committer(daemon, worker, saves):
             started = time.monotonic()
             connector.handle_preemptions(TuttiConnectorMetadata(preempted_req_ids={save.req_id for save in saves}))
             elapsed_s = time.monotonic() - started
-        finally:
-            daemon.resume()
         assert elapsed_s < 2.5 * timeout_s, f"handle_preemptions took {elapsed_s:.2f} s for four stuck saves"
         time.sleep(3.0)  # the committer's outcomes arrive
         ids = {save.req_id for save in saves}
@@ -1139,30 +1131,11 @@ def test_a_save_whose_layer_never_completes_ends_the_session_at_the_next_step(tu
         tokens = prompt(16, blocks=2, tail=0)
         worker.fill([3, 4], 16)
         connector = worker.connector
-        names = harness.layer_names()
-        meta = TuttiConnectorMetadata(saves=[SaveSpec("P", tokens, [3, 4])])
-        connector.handle_preemptions(meta)
-        connector.bind_connector_metadata(meta)
-        connector.start_load_kv(None)
-        connector.wait_for_layer_load(names[0])
-        connector.save_kv_layer(names[0], worker.caches[names[0]], None)
-        request = connector._saves["P"].request
-        deadline = time.monotonic() + FINISH_TIMEOUT_S
-        while not request.poll():  # layer 0 complete before tuttid stalls
-            assert time.monotonic() < deadline
-            time.sleep(0.001)
-        daemon.pause()
-        try:
-            for name in names[1:]:
-                connector.wait_for_layer_load(name)
-                connector.save_kv_layer(name, worker.caches[name], None)
-            connector.wait_for_save()  # P to the committer, its layers 1..3 stuck
-            connector.clear_connector_metadata()
+        with saves_stuck_at_the_committer(daemon, worker, [SaveSpec("P", tokens, [3, 4])]):
+            deadline = time.monotonic() + FINISH_TIMEOUT_S
             while connector._save_done.get("P") is None:  # the committer gives up on it
                 assert time.monotonic() < deadline, "the committer never gave up on P"
                 time.sleep(0.01)
-        finally:
-            daemon.resume()
         assert connector._dead is None
         result = worker.step(TuttiConnectorMetadata(), finished={"P"})
         assert result["finished_sending"] == {"P"}

@@ -121,13 +121,17 @@ impl Drop for Allocation {
 /// Most bytes one read or write may move: the kernel's `MAX_RW_COUNT`, `INT_MAX` rounded down
 /// to a page (0x7ffff000 with 4 KiB pages). The kernel does not refuse a longer transfer, it
 /// moves this much and completes short, so a longer one is refused before it is queued.
+/// Worked out once: every push checks against it.
 pub(crate) fn transfer_bytes_max() -> usize {
-    // SAFETY: sysconf reads a configuration value; it has no memory-safety preconditions.
-    let page_bytes = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    // A page size the kernel will not say (never on Linux): assume the largest page Linux
-    // supports (64 KiB), which gives the smallest, safe, limit.
-    let page_bytes = usize::try_from(page_bytes).ok().filter(|bytes| bytes.is_power_of_two()).unwrap_or(64 * 1024);
-    i32::MAX as usize & !(page_bytes - 1)
+    static MAX_BYTES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MAX_BYTES.get_or_init(|| {
+        // SAFETY: sysconf reads a configuration value; it has no memory-safety preconditions.
+        let page_bytes = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+        // A page size the kernel will not say (never on Linux): assume the largest page Linux
+        // supports (64 KiB), which gives the smallest, safe, limit.
+        let page_bytes = usize::try_from(page_bytes).ok().filter(|bytes| bytes.is_power_of_two()).unwrap_or(64 * 1024);
+        i32::MAX as usize & !(page_bytes - 1)
+    })
 }
 
 /// Most regions one vectored transfer may name (the kernel's `UIO_MAXIOV`).
