@@ -23,7 +23,7 @@ pub mod spec;
 pub mod timing;
 
 pub use duration::parse_duration;
-pub use memory::{check_memory, check_memory_with, mem_available_bytes, memory_reserve_bytes};
+pub use memory::{check_memory, check_memory_with, mem_available_bytes, memory_reserve_bytes, memory_shortfall, MemoryShortfall};
 pub use open::{open_in_one_space, open_pool_devices, refuse_shared_files, OpenedDevice, PoolDevice};
 pub use size::{format_size, format_size_exact, parse_size};
 pub use spec::{DeviceKind, DeviceSpec};

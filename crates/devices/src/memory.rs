@@ -39,14 +39,45 @@ pub fn check_memory_with(specs: &[DeviceSpec], meminfo: &str) -> Result<(), Devi
     if memory.is_empty() {
         return Ok(());
     }
-    let Some(available_bytes) = mem_available_bytes(meminfo) else { return Ok(()) };
-    let asked_bytes = memory.iter().filter_map(|spec| spec.memory_bytes()).fold(0u64, u64::saturating_add);
-    let reserve_bytes = memory_reserve_bytes(available_bytes);
-    if asked_bytes > available_bytes.saturating_sub(reserve_bytes) {
-        let specs = memory.iter().map(ToString::to_string).collect::<Vec<_>>().join(" + ");
-        return Err(DeviceError::NotEnoughMemory { specs, asked_bytes, available_bytes, reserve_bytes });
+    match memory_shortfall(0, specs, meminfo) {
+        None => Ok(()),
+        Some(shortfall) => Err(DeviceError::NotEnoughMemory {
+            specs: memory.iter().map(ToString::to_string).collect::<Vec<_>>().join(" + "),
+            asked_bytes: shortfall.devices_bytes,
+            available_bytes: shortfall.available_bytes,
+            reserve_bytes: shortfall.reserve_bytes,
+        }),
     }
-    Ok(())
+}
+
+/// What a host allocation and the memory devices beside it would need past what can be spared:
+/// the figures a refusal names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryShortfall {
+    /// The memory devices' sizes, summed (saturating).
+    pub devices_bytes: u64,
+    /// `MemAvailable`.
+    pub available_bytes: u64,
+    /// What is kept back from it ([`memory_reserve_bytes`]).
+    pub reserve_bytes: u64,
+}
+
+impl MemoryShortfall {
+    /// `MemAvailable` less the reserve: what memory devices and host allocations may take.
+    pub fn spare_bytes(&self) -> u64 {
+        self.available_bytes.saturating_sub(self.reserve_bytes)
+    }
+}
+
+/// Whether `host_bytes` of host memory plus the memory devices among `specs` fit `MemAvailable`
+/// (from the text of a /proc/meminfo) less the reserve: `None` when they fit, or when the text
+/// has no readable `MemAvailable` (the fallible allocations refuse then); otherwise the figures.
+/// The one place both the device check and the tools' host-memory checks do this arithmetic.
+pub fn memory_shortfall(host_bytes: u64, specs: &[DeviceSpec], meminfo: &str) -> Option<MemoryShortfall> {
+    let available_bytes = mem_available_bytes(meminfo)?;
+    let devices_bytes = specs.iter().filter_map(DeviceSpec::memory_bytes).fold(0u64, u64::saturating_add);
+    let shortfall = MemoryShortfall { devices_bytes, available_bytes, reserve_bytes: memory_reserve_bytes(available_bytes) };
+    (host_bytes.saturating_add(devices_bytes) > shortfall.spare_bytes()).then_some(shortfall)
 }
 
 /// `MemAvailable:   23759532 kB` in bytes, from the text of `/proc/meminfo` (None when the
@@ -99,5 +130,17 @@ mod tests {
         check_memory_with(&specs(&["emu:mem:1T"]), "MemTotal: 5 kB\n").unwrap();
         check_memory_with(&specs(&["emu:mem:1T"]), "MemAvailable: lots\n").unwrap();
         assert_eq!(mem_available_bytes("MemAvailable:   2 kB\n"), Some(2048));
+    }
+
+    #[test]
+    fn host_memory_is_counted_beside_the_memory_devices() {
+        // Goal: 17.5 GiB can be spared of 20 GiB available; 10 GiB of host memory fits alone and
+        // beside emu:mem:7G, not beside emu:mem:8G; a file-backed device counts nothing.
+        assert_eq!(memory_shortfall(10 << 30, &[], MEMINFO_24G), None);
+        assert_eq!(memory_shortfall(10 << 30, &specs(&["emu:mem:7G", "emu:/tmp/x"]), MEMINFO_24G), None);
+        let shortfall = memory_shortfall(10 << 30, &specs(&["emu:mem:8G"]), MEMINFO_24G).unwrap();
+        assert_eq!(shortfall.devices_bytes, 8 << 30);
+        assert_eq!(shortfall.spare_bytes(), 17_920 << 20);
+        assert_eq!(memory_shortfall(u64::MAX, &specs(&["emu:mem:1T"]), "MemTotal: 5 kB\n"), None);
     }
 }

@@ -10,7 +10,7 @@
 //! allocations themselves are fallible. A machine whose /proc/meminfo cannot be read or has no
 //! `MemAvailable` passes.
 
-use tutti_devices::{format_size, mem_available_bytes, memory_reserve_bytes, DeviceSpec};
+use tutti_devices::{format_size, memory_shortfall, DeviceSpec};
 
 use crate::Unusable;
 
@@ -27,19 +27,18 @@ pub fn check_host_memory(what: &str, asked_bytes: u64, specs: &[DeviceSpec], acc
 
 /// [`check_host_memory`] against the text of a /proc/meminfo.
 pub fn check_host_memory_with(what: &str, asked_bytes: u64, specs: &[DeviceSpec], accepted: &str, meminfo: &str) -> Result<(), Unusable> {
-    let Some(available_bytes) = mem_available_bytes(meminfo) else { return Ok(()) };
-    let devices_bytes = specs.iter().filter_map(DeviceSpec::memory_bytes).fold(0u64, u64::saturating_add);
-    let spare_bytes = available_bytes.saturating_sub(memory_reserve_bytes(available_bytes));
-    if asked_bytes.saturating_add(devices_bytes) <= spare_bytes {
-        return Ok(());
-    }
-    let beside = if devices_bytes > 0 { format!(" beside {} of memory devices", format_size(devices_bytes)) } else { String::new() };
+    let Some(shortfall) = memory_shortfall(asked_bytes, specs, meminfo) else { return Ok(()) };
+    let beside = if shortfall.devices_bytes > 0 {
+        format!(" beside {} of memory devices", format_size(shortfall.devices_bytes))
+    } else {
+        String::new()
+    };
     Err(Unusable(format!(
         "{what}: {} of host memory asked{beside}, but only {} can be spared (MemAvailable {} less a reserve of {}); accepted: {accepted}",
         format_size(asked_bytes),
-        format_size(spare_bytes),
-        format_size(available_bytes),
-        format_size(memory_reserve_bytes(available_bytes)),
+        format_size(shortfall.spare_bytes()),
+        format_size(shortfall.available_bytes),
+        format_size(shortfall.reserve_bytes),
     )))
 }
 
