@@ -78,8 +78,14 @@ if ! LIBCLANG=$(find_libclang /); then
     exit 1
   fi
   echo "check-bindings: installing libclang-dev (no libclang that bindgen can load was found)"
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -q libclang-dev >/dev/null \
-    || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q libclang-dev >/dev/null; }
+  # Each apt call is bounded; a dpkg run that was interrupted earlier is finished first (until it
+  # is, every apt-get install fails).
+  export DEBIAN_FRONTEND=noninteractive
+  timeout -k 30 600 dpkg --configure -a >/dev/null || true
+  timeout -k 30 1200 apt-get install -y -q --no-install-recommends libclang-dev >/dev/null \
+    || { timeout -k 30 600 apt-get update -q >/dev/null \
+      && timeout -k 30 1200 apt-get install -y -q --no-install-recommends libclang-dev >/dev/null; } \
+    || { echo "check-bindings: apt-get install libclang-dev failed" >&2; exit 1; }
   if ! LIBCLANG=$(find_libclang /); then
     echo "check-bindings: libclang-dev is installed but no libclang that bindgen can load was found; set LIBCLANG_PATH" >&2
     exit 1

@@ -99,7 +99,10 @@ fi
 if ! command -v fio >/dev/null 2>&1; then
     SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
     say "installing fio with apt-get"
-    $SUDO apt-get install -y fio >/dev/null 2>&1 || { $SUDO apt-get update >/dev/null && $SUDO apt-get install -y fio >/dev/null; }
+    $SUDO timeout -k 30 600 dpkg --configure -a >/dev/null 2>&1 || true
+    $SUDO timeout -k 30 900 apt-get install -y fio >/dev/null 2>&1 ||
+        { $SUDO timeout -k 30 600 apt-get update >/dev/null && $SUDO timeout -k 30 900 apt-get install -y fio >/dev/null; } ||
+        { say "apt-get install fio failed"; exit 1; }
 fi
 command -v python3 >/dev/null || { say "python3 is needed to read the JSON results"; exit 1; }
 

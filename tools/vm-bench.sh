@@ -118,7 +118,11 @@ vm_install_host_tools
 command -v fio > /dev/null || {
     [ "${TUTTI_VM_SKIP_APT:-0}" = 1 ] && vm_die "fio is missing (TUTTI_VM_SKIP_APT=1)"
     vm_log "installing fio"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends fio > "$VM_DIR/logs/apt-fio.log" 2>&1 ||
+    export DEBIAN_FRONTEND=noninteractive
+    timeout -k 30 600 dpkg --configure -a > "$VM_DIR/logs/apt-fio.log" 2>&1 || true
+    timeout -k 30 900 apt-get install -y -qq --no-install-recommends fio >> "$VM_DIR/logs/apt-fio.log" 2>&1 ||
+        { timeout -k 30 600 apt-get update -qq >> "$VM_DIR/logs/apt-fio.log" 2>&1 &&
+            timeout -k 30 900 apt-get install -y -qq --no-install-recommends fio >> "$VM_DIR/logs/apt-fio.log" 2>&1; } ||
         vm_die "apt-get install fio failed; see $VM_DIR/logs/apt-fio.log"
 }
 command -v python3 > /dev/null || vm_die "python3 is needed to summarise the JSON results"
