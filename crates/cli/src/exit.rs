@@ -41,8 +41,25 @@ pub fn is_unusable(error: &(dyn std::error::Error + 'static)) -> bool {
     false
 }
 
+/// An error and its causes on one line, `outer: cause: cause`, leaving out a cause whose text the
+/// line already holds: many errors name their source in their own message (`"NVMe: {0}"` with
+/// `#[from]`), and anyhow's `{:#}` would print it twice.
+pub fn error_line(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut line = error.to_string();
+    let mut cause = error.source();
+    while let Some(current) = cause {
+        let text = current.to_string();
+        if !text.is_empty() && !line.contains(&text) {
+            line.push_str(": ");
+            line.push_str(&text);
+        }
+        cause = current.source();
+    }
+    line
+}
+
 /// The exit status of a run that returned `result` (then flushed standard output): success; a
-/// closed standard output, quietly; otherwise the error chain (`{:#}`) on one line after
+/// closed standard output, quietly; otherwise the error chain ([`error_line`]) on one line after
 /// `tool: `, and [`UNUSABLE_INPUT`] or [`FAILURE`] by [`is_unusable`].
 pub fn status_of<E>(tool: &str, result: Result<(), E>) -> std::process::ExitCode
 where
@@ -53,7 +70,7 @@ where
         Err(error) if crate::is_stdout_closed(error.as_ref()) => STDOUT_CLOSED,
         Err(error) => {
             let _ = crate::stdout::flush();
-            eprintln!("{tool}: {error:#}");
+            eprintln!("{tool}: {}", error_line(error.as_ref()));
             if is_unusable(error.as_ref()) {
                 UNUSABLE_INPUT
             } else {
@@ -90,5 +107,19 @@ mod tests {
         assert!(is_unusable(&Unusable("bad size".into())));
         assert!(is_unusable(&Context(Unusable("bad size".into()))));
         assert!(!is_unusable(&std::io::Error::other("disk on fire")));
+    }
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("NVMe: {0}")]
+    struct Naming(#[source] Unusable);
+
+    #[test]
+    fn an_error_line_names_each_cause_once() {
+        // Goal: a cause the outer message already holds is not printed again; a cause it does
+        // not hold is appended.
+        assert_eq!(error_line(&Context(Unusable("bad size".into()))), "opening the pool: bad size");
+        assert_eq!(error_line(&Naming(Unusable("nsid:2 does not exist".into()))), "NVMe: nsid:2 does not exist");
+        let wrapped = anyhow::Error::new(Naming(Unusable("nsid:2 does not exist".into()))).context("formatting a pool");
+        assert_eq!(error_line(wrapped.as_ref()), "formatting a pool: NVMe: nsid:2 does not exist");
     }
 }

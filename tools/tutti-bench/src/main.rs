@@ -52,7 +52,7 @@ fn main() -> ExitCode {
                 eprintln!("tutti-bench: {usage}");
                 ExitCode::from(exit::UNUSABLE_INPUT)
             } else {
-                eprintln!("tutti-bench: error: {error:#}");
+                eprintln!("tutti-bench: error: {}", exit::error_line(error.as_ref()));
                 ExitCode::from(exit::FAILURE)
             }
         }

@@ -259,7 +259,7 @@ fn main() -> std::process::ExitCode {
         Err(error) if tutti_cli::is_stdout_closed(error.as_ref()) => ExitCode::from(exit::STDOUT_CLOSED),
         Err(error) => {
             let _ = tutti_cli::stdout::flush();
-            eprintln!("error: {error:#}");
+            eprintln!("error: {}", exit::error_line(error.as_ref()));
             let unusable = exit::is_unusable(error.as_ref())
                 || error.chain().any(|cause| {
                     matches!(
