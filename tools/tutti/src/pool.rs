@@ -91,12 +91,28 @@ pub struct CheckArgs {
 /// `emu:` controller in one DMA pool. `emu_create_bytes` creates or grows `emu:` files
 /// (`format` only).
 fn open_targets(args: &DeviceArgs, emu_create_bytes: Option<u64>) -> Result<Vec<PoolTarget>> {
+    check_namespace(args)?;
     let opened = open_pool_devices(&args.devices, args.emu_lba_bytes, emu_create_bytes).map_err(|error| match error {
         // A controller that does not come up is a device failure (status 1), not bad input.
         error @ DeviceError::BringUp { .. } => anyhow::Error::new(error),
         error => Unusable(error.to_string()).into(),
     })?;
     Ok(opened.into_iter().map(|device| PoolTarget { controller: device.controller, namespace: NamespaceId(args.namespace) }).collect())
+}
+
+/// The software controller a tool opens on an `emu:` file has one namespace, nsid 1: another
+/// `--namespace` is refused before anything is opened, created or grown.
+fn check_namespace(args: &DeviceArgs) -> Result<()> {
+    if args.namespace == 1 {
+        return Ok(());
+    }
+    match args.devices.iter().find(|spec| matches!(spec, DeviceSpec::EmuFile(_))) {
+        Some(spec) => {
+            Err(Unusable(format!("{spec}: --namespace {}: the software controller on a file has one namespace, nsid 1", args.namespace))
+                .into())
+        }
+        None => Ok(()),
+    }
 }
 
 /// Lays out every `emu:` file as `format` will find it once opened with `create_bytes` (the
@@ -186,6 +202,7 @@ pub fn run(command: &PoolCommand) -> Result<()> {
                 payload_crc: args.payload_crc,
             };
             let what = format!("formatting a pool for {model}");
+            check_namespace(&args.devices)?;
             if let Some(create_bytes) = args.emu_create_bytes {
                 plan_emu_files(&args.devices, create_bytes, &params).map_err(|error| classify(error, &what))?;
             }

@@ -153,6 +153,14 @@ fn a_refused_format_leaves_the_emu_file_as_it_was() {
         &["too small", "the format needs"],
     );
     assert!(!absent.exists(), "a refused format created {}", absent.display());
+    // The software controller on a file has namespace 1 only: another was refused as a device
+    // failure (status 1) after the file had been created.
+    assert_status(
+        &tutti(&["pool", "format", "--device", &device(&absent), "--emu-create-bytes", "64m", "--model", "llama3-8b", "--namespace", "2"]),
+        2,
+        &["--namespace 2", "one namespace, nsid 1"],
+    );
+    assert!(!absent.exists(), "a refused format created {}", absent.display());
     // An LBA size the model's objects are not a whole number of is refused the same way.
     let layers = ["--layers", "1", "--kv-heads", "1", "--head-dim", "64", "--tokens-per-block", "1"];
     let mut arguments = vec!["pool", "format", "--emu-lba-bytes", "65536"];
