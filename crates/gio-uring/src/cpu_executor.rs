@@ -60,6 +60,10 @@ pub struct CpuExecutor {
     stale: Vec<bool>,
     /// `retire_queue_pairs` ran: no queue pair is left, and an issue ends at once.
     retired: bool,
+    /// The last submit pass left pending only IOCTXs held for failed or stale pairs (it was
+    /// not stopped by a full queue), and nothing was accepted since: polling again cannot
+    /// submit any of them until a reset.
+    pending_held_only: bool,
 }
 
 fn device_error(device: usize, error: nvme_driver::NvmeError) -> GioError {
@@ -123,7 +127,16 @@ impl CpuExecutor {
     pub(crate) fn for_devices(queues: Vec<Option<IoQueuePair>>, depth: u32, index: Option<(Arc<IoctxIndex>, usize)>) -> Self {
         let doorbell_due = vec![false; queues.len()];
         let stale = vec![false; queues.len()];
-        Self { queues, pending: VecDeque::with_capacity(depth as usize), doorbell_due, index, undeleted: Vec::new(), stale, retired: false }
+        Self {
+            queues,
+            pending: VecDeque::with_capacity(depth as usize),
+            doorbell_due,
+            index,
+            undeleted: Vec::new(),
+            stale,
+            retired: false,
+            pending_held_only: false,
+        }
     }
 
     /// Takes an IOCB another thread consumed from the SQ (worker mode).
@@ -133,6 +146,7 @@ impl CpuExecutor {
             None => (0, header.ioctx_count),
         };
         self.pending.push_back(Pending { header, next, end: next + len });
+        self.pending_held_only = false;
     }
 
     /// Whether IOCTXs are still waiting for room in a device queue.
@@ -141,23 +155,18 @@ impl CpuExecutor {
     }
 
     /// Whether polling again can make progress without a message from outside: commands in
-    /// flight on a pair that is reaped (neither failed nor stale), or IOCTXs pending while some
-    /// served pair takes commands. A failed or stale pair's commands are never reaped and its
-    /// IOCTXs stay pending until a reset replaces it, so with nothing else to do a worker waits
-    /// for its next message (the reset, new work) instead of spinning until then.
+    /// flight on a pair that is reaped (neither failed nor stale), or IOCTXs pending that a pair
+    /// may take (accepted since the last submit pass, or left by a pass that a full queue
+    /// stopped). A failed or stale pair's commands are never reaped and its IOCTXs stay pending
+    /// until a reset replaces it, so a worker whose only work is held that way — beside idle
+    /// usable pairs too — waits for its next message (the reset, new work) instead of spinning.
     pub(crate) fn can_progress(&self) -> bool {
-        let mut any_usable = false;
-        for (device, queue) in self.queues.iter().enumerate() {
-            let Some(queue) = queue else { continue };
-            if self.stale[device] || queue.failed() {
-                continue;
-            }
-            if queue.in_flight() > 0 {
-                return true;
-            }
-            any_usable = true;
-        }
-        any_usable && self.has_pending()
+        let in_flight_on_usable = self
+            .queues
+            .iter()
+            .enumerate()
+            .any(|(device, queue)| queue.as_ref().is_some_and(|queue| !self.stale[device] && !queue.failed() && queue.in_flight() > 0));
+        in_flight_on_usable || (self.has_pending() && !self.pending_held_only)
     }
 
     /// Builds the NVMe command for one IOCTX at the IOCB's current layer, or says why it cannot.
@@ -202,6 +211,8 @@ impl CpuExecutor {
     fn pump(&mut self, memory: &QueueMemory) -> Result<(), GioError> {
         let mut first_error = None;
         let mut position = 0;
+        // Whatever this pass leaves pending is held, unless a full queue stops it (below).
+        self.pending_held_only = true;
         'iocbs: while let Some(pending) = self.pending.get_mut(position) {
             let header = pending.header;
             let id = IocbId(header.id);
@@ -241,6 +252,7 @@ impl CpuExecutor {
                     continue 'iocbs;
                 }
                 if queue.free_slots() == 0 {
+                    self.pending_held_only = false;
                     break 'iocbs; // back-pressure: retried on the next poll, in order
                 }
                 if let Err(error) = queue.submit_raw(command, tag(id, index)) {

@@ -512,6 +512,63 @@ fn a_controller_reset_on_one_device_holds_back_only_that_devices_iocbs() {
 }
 
 #[test]
+fn a_worker_holding_one_stale_devices_work_beside_an_idle_device_waits_instead_of_spinning() {
+    // Goal: one worker serves controllers A and B; A is reset, so the IOCB on A is held for the
+    // caller's reset. B's pair is usable but has nothing to do: the worker waits for a message
+    // (it spun, because IOCTXs were pending while a usable pair existed), and B's later work and
+    // the reset still reach it at once.
+    let config = || {
+        EmuConfig::default()
+            .with_backing(Backing::Memory { bytes: 8 << 20 })
+            .with_namespaces(vec![NamespaceConfig::new(BLOCK_BYTES, Some(4 << 20))])
+            .with_sgl(true)
+    };
+    let device_a = EmuDevice::start(config()).expect("controller A");
+    let device_b = EmuDevice::start_in(config(), &device_a.dma_pool()).expect("controller B, same DMA space");
+    let mut controller_a = Controller::init(device_a.clone() as Arc<dyn DeviceBackend>, ControllerConfig::default()).expect("A up");
+    let controller_b = Controller::init(device_b.clone() as Arc<dyn DeviceBackend>, ControllerConfig::default()).expect("B up");
+    let buffer = controller_a.dma().allocate(LAYER_BYTES as usize).unwrap();
+    let namespace = controller_a.namespaces()[0];
+    let info = DeviceInfo { nsid: namespace.id.0, capacity_blocks: namespace.size_blocks, block_bytes: BLOCK_BYTES, sgl_supported: true };
+    let registered = RegisteredMemory::new(vec![IovaRange::new(buffer.iova(), buffer.len() as u64)]).unwrap();
+    let pairs = vec![
+        (DeviceIndex(0), controller_a.create_io_queue_pair(64).unwrap()),
+        (DeviceIndex(1), controller_b.create_io_queue_pair(64).unwrap()),
+    ];
+    let executor = CpuWorkers::new(2, vec![pairs], 16).unwrap();
+    let mut queue =
+        GioQueue::init_queue(QueueConfig { depth: 16, ioctx_per_iocb_max: 64 }, DeviceTable::new(vec![info; 2]), registered, executor)
+            .unwrap();
+    let ids = queue.get_iocb(2, Dependency::None).unwrap();
+    let (on_a, on_b) = (ids[0], ids[1]);
+    let on_device = |device: u16| -> Vec<IoctxSpec> {
+        ioctxs(&buffer, true, 1).into_iter().take(4).map(|spec| IoctxSpec { device: DeviceIndex(device), ..spec }).collect()
+    };
+    let single = gio_uring::IocbSpec::single(Opcode::Read, 0);
+    queue.fill_iocb(on_a, &single, &on_device(0)).unwrap();
+    queue.fill_iocb(on_b, &single, &on_device(1)).unwrap();
+    controller_a.reset(false).expect("controller A reset");
+    queue.issue_io(&[on_a], LayerIndex(0), SmBudget(1)).unwrap();
+    let held = queue.wait_cqe(on_a, Instant::now() + Duration::from_millis(200));
+    assert!(held.is_err(), "A's IOCB waits for a reset (the stale pair reported once): {held:?}");
+    let before = thread_cpu_ticks("gio-cpu-0");
+    let watched = Instant::now();
+    std::thread::sleep(Duration::from_millis(500));
+    let spent_ticks = thread_cpu_ticks("gio-cpu-0") - before;
+    // /proc counts in USER_HZ, which the kernel's ABI fixes at 100 a second.
+    let share = spent_ticks as f64 / 100.0 / watched.elapsed().as_secs_f64();
+    assert!(share < 0.2, "the held worker used {:.0}% of a core", share * 100.0);
+    queue.issue_io(&[on_b], LayerIndex(0), SmBudget(1)).unwrap();
+    assert_eq!(queue.wait_cqe(on_b, deadline()).unwrap().result, Ok(()), "B's IOCB completes while A's is held");
+    let fresh = vec![controller_a.create_io_queue_pair(64).unwrap(), controller_b.create_io_queue_pair(64).unwrap()];
+    let (executor, memory) = queue.executor_and_memory();
+    assert_eq!(gio_uring::QueuePairReset::reset(executor, memory, fresh).expect("reset"), 1, "A's IOCB is reclaimed");
+    assert!(matches!(queue.wait_cqe(on_a, deadline()).unwrap().result, Err(IocbFailure::Timeout { .. })));
+    queue.issue_io(&[on_a], LayerIndex(0), SmBudget(1)).unwrap();
+    assert_eq!(queue.wait_cqe(on_a, deadline()).unwrap().result, Ok(()), "the fresh pair serves A");
+}
+
+#[test]
 fn an_issue_after_the_queue_pairs_were_retired_ends_at_once() {
     // Goal: after teardown deleted the queue pairs, an issue cannot run: it is refused with a
     // typed error and each IOCB ends at once with its one CQE, for both CPU executors, rather
