@@ -87,6 +87,11 @@ struct DeviceSlots {
     valid: u64,
     /// Valid slots with no pin: what eviction can take.
     unpinned_valid: u64,
+    /// Slots in state Writing, kept in step at every state change so that
+    /// [`Index::counts`] need not walk the slot table (it runs under the pool's lock).
+    writing: u64,
+    /// Slots with at least one pin, kept in step like `writing`.
+    pinned: u64,
 }
 
 /// What [`Index::claim`] found.
@@ -127,6 +132,11 @@ pub struct Index {
     blocks_per_slot: u32,
     devices: Vec<DeviceSlots>,
     map: HashMap<u64, Entry, KeyBuild>,
+    /// Committed entries in `map`, kept in step at every insert and removal (from what the
+    /// map hands back, so a key inserted twice or replaced in place counts once): a metrics
+    /// scrape reads it under the pool's lock, where a walk of millions of keys would stall
+    /// every lookup and store.
+    cached_blocks: u64,
     evictions: u64,
     /// Keys of committed blocks that left the map, kept only once asked for
     /// ([`Index::track_departures`]).
@@ -199,10 +209,10 @@ impl Index {
                 keys.resize(slots * k, 0);
                 // Pop from the end: low slots first, which keeps a fresh pool's data compact.
                 free.extend((0..count).rev());
-                DeviceSlots { meta, keys, free, head: NONE, tail: NONE, valid: 0, unpinned_valid: 0 }
+                DeviceSlots { meta, keys, free, head: NONE, tail: NONE, valid: 0, unpinned_valid: 0, writing: 0, pinned: 0 }
             })
             .collect();
-        Ok(Self { blocks_per_slot, devices, map, evictions: 0, departures: None, recovering: false })
+        Ok(Self { blocks_per_slot, devices, map, cached_blocks: 0, evictions: 0, departures: None, recovering: false })
     }
 
     /// From now on, keeps the keys of committed blocks that leave the index (eviction,
@@ -335,8 +345,11 @@ impl Index {
     #[inline]
     fn pin_slot(d: &mut DeviceSlots, slot: u32) {
         let meta = &mut d.meta[slot as usize];
-        if meta.state == SlotUse::Valid && meta.pins == 0 {
-            d.unpinned_valid -= 1;
+        if meta.pins == 0 {
+            d.pinned += 1;
+            if meta.state == SlotUse::Valid {
+                d.unpinned_valid -= 1;
+            }
         }
         meta.pins += 1;
     }
@@ -344,8 +357,11 @@ impl Index {
     pub fn unpin(&mut self, device: u16, slot: u32) {
         let d = &mut self.devices[usize::from(device)];
         let meta = &mut d.meta[slot as usize];
-        if meta.pins == 1 && meta.state == SlotUse::Valid {
-            d.unpinned_valid += 1;
+        if meta.pins == 1 {
+            d.pinned -= 1;
+            if meta.state == SlotUse::Valid {
+                d.unpinned_valid += 1;
+            }
         }
         meta.pins = meta.pins.saturating_sub(1);
         if meta.pins == 0 && meta.state == SlotUse::Condemned {
@@ -382,7 +398,7 @@ impl Index {
         let base = slot as usize * k;
         for key in &mut d.keys[base..base + k] {
             if *key != 0 {
-                self.map.remove(key);
+                Self::remove_committed(&mut self.map, &mut self.cached_blocks, *key);
                 Departures::record(&mut self.departures, *key);
                 *key = 0;
             }
@@ -438,7 +454,7 @@ impl Index {
             let base = candidate as usize * k;
             for key in &mut d.keys[base..base + k] {
                 if *key != 0 {
-                    self.map.remove(key);
+                    Self::remove_committed(&mut self.map, &mut self.cached_blocks, *key);
                     Departures::record(&mut self.departures, *key);
                     *key = 0;
                 }
@@ -448,10 +464,12 @@ impl Index {
             self.evictions += 1;
             (candidate, true)
         };
+        let before = d.meta[slot as usize];
         let meta = &mut d.meta[slot as usize];
         meta.state = SlotUse::Writing;
         meta.pins = 1;
         meta.used = 0;
+        Self::account(d, slot, before);
         Some(Allocation { device, slot, evicted })
     }
 
@@ -460,11 +478,13 @@ impl Index {
     pub fn commit(&mut self, device: u16, slot: u32, keys: &[u64], generation: u64) {
         let k = self.blocks_per_slot as usize;
         for (j, &key) in keys.iter().enumerate() {
-            self.map.insert(key, Entry { location: BlockLocation { device, slot, index: j as u16 }, committed: true });
+            let location = BlockLocation { device, slot, index: j as u16 };
+            Self::insert_committed(&mut self.map, &mut self.cached_blocks, key, location);
         }
         let d = &mut self.devices[usize::from(device)];
         let base = slot as usize * k;
         d.keys[base..base + keys.len()].copy_from_slice(keys);
+        let before = d.meta[slot as usize];
         let meta = &mut d.meta[slot as usize];
         meta.state = SlotUse::Valid;
         meta.used = keys.len() as u16;
@@ -474,17 +494,20 @@ impl Index {
         if meta.pins == 0 {
             d.unpinned_valid += 1;
         }
+        Self::account(d, slot, before);
         Self::push_front(d, slot);
     }
 
     /// Returns a slot taken by `allocate_on` whose store did not commit.
     pub fn release_unwritten(&mut self, device: u16, slot: u32) {
         let d = &mut self.devices[usize::from(device)];
+        let before = d.meta[slot as usize];
         let meta = &mut d.meta[slot as usize];
         if meta.state == SlotUse::Writing {
             meta.state = SlotUse::Free;
             meta.pins = 0;
             d.free.push(slot);
+            Self::account(d, slot, before);
         }
     }
 
@@ -515,7 +538,8 @@ impl Index {
                     freed += 1;
                 }
             }
-            self.map.insert(block.key, Entry { location: BlockLocation { device, slot, index: j as u16 }, committed: true });
+            let location = BlockLocation { device, slot, index: j as u16 };
+            Self::insert_committed(&mut self.map, &mut self.cached_blocks, block.key, location);
             self.devices[usize::from(device)].keys[base + j] = block.key;
             served += 1;
         }
@@ -526,12 +550,14 @@ impl Index {
         // rebuilds it from the slot states. Removing it here (a scan of a list that starts
         // with every slot) made recovery quadratic: hours for a full device of millions.
         let d = &mut self.devices[usize::from(device)];
+        let before = d.meta[slot as usize];
         let meta = &mut d.meta[slot as usize];
         meta.state = SlotUse::Valid;
         meta.used = blocks.len() as u16;
         meta.pins = 0;
         d.valid += 1;
         d.unpinned_valid += 1;
+        Self::account(d, slot, before);
         Self::push_front(d, slot);
         freed
     }
@@ -572,19 +598,64 @@ impl Index {
         self.devices[usize::from(device)].meta[slot as usize].generation
     }
 
+    /// The counts, in O(devices): every figure is kept in step as the index changes, because
+    /// this runs under the pool's lock on every metrics scrape, which any local user can ask
+    /// for in a loop. [`Index::counts_walked`] works the same figures out the slow way.
     pub fn counts(&self) -> IndexCounts {
+        let mut counts = IndexCounts { evictions: self.evictions, cached_blocks: self.cached_blocks, ..IndexCounts::default() };
+        for d in &self.devices {
+            counts.slots += d.meta.len() as u64;
+            counts.free_slots += d.free.len() as u64;
+            counts.valid_slots += d.valid;
+            counts.writing_slots += d.writing;
+            counts.pinned_slots += d.pinned;
+        }
+        counts
+    }
+
+    /// The same figures as [`Index::counts`], worked out by walking every key and slot
+    /// (O(keys + slots)): a check for tests and debugging that the kept counts did not drift.
+    /// Not for a path that holds the pool's lock while others wait.
+    pub fn counts_walked(&self) -> IndexCounts {
         let cached_blocks = self.map.values().filter(|entry| entry.committed).count() as u64;
         let mut counts = IndexCounts { evictions: self.evictions, cached_blocks, ..IndexCounts::default() };
         for d in &self.devices {
             counts.slots += d.meta.len() as u64;
             counts.free_slots += d.free.len() as u64;
-            counts.valid_slots += d.valid;
             for meta in &d.meta {
+                counts.valid_slots += u64::from(meta.state == SlotUse::Valid);
                 counts.writing_slots += u64::from(meta.state == SlotUse::Writing);
                 counts.pinned_slots += u64::from(meta.pins > 0);
             }
         }
         counts
+    }
+
+    /// Keeps a device's `writing` and `pinned` counts in step with one slot's change from
+    /// `before` to its present state and pins.
+    #[inline]
+    fn account(d: &mut DeviceSlots, slot: u32, before: SlotMeta) {
+        let after = d.meta[slot as usize];
+        // Add before subtracting: the counts are unsigned and never below the true count.
+        d.writing = d.writing + u64::from(after.state == SlotUse::Writing) - u64::from(before.state == SlotUse::Writing);
+        d.pinned = d.pinned + u64::from(after.pins > 0) - u64::from(before.pins > 0);
+    }
+
+    /// Inserts a committed entry for `key`, counting it unless it replaced a committed one.
+    #[inline]
+    fn insert_committed(map: &mut HashMap<u64, Entry, KeyBuild>, cached_blocks: &mut u64, key: u64, location: BlockLocation) {
+        let replaced = map.insert(key, Entry { location, committed: true });
+        if !replaced.is_some_and(|entry| entry.committed) {
+            *cached_blocks += 1;
+        }
+    }
+
+    /// Removes `key` from the map, uncounting it if its entry was committed.
+    #[inline]
+    fn remove_committed(map: &mut HashMap<u64, Entry, KeyBuild>, cached_blocks: &mut u64, key: u64) {
+        if map.remove(&key).is_some_and(|entry| entry.committed) {
+            *cached_blocks -= 1;
+        }
     }
 }
 

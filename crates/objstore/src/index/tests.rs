@@ -292,3 +292,107 @@ fn an_index_too_large_for_the_host_is_an_error_not_an_abort() {
     let index = Index::try_new(&[4, 8], 2).expect("a small index");
     assert_eq!(index.counts().free_slots, 12);
 }
+
+#[test]
+fn kept_counts_match_a_walk_after_every_operation() {
+    // Goal: `counts` is O(devices) because a metrics scrape calls it under the pool's lock;
+    // its figures are kept in step by every operation that changes a key's entry, a slot's
+    // state or its pins. After each step of a long random run through all of them (recovery
+    // with superseded keys, claims, stores, eviction, pins, condemned slots, unwritten
+    // releases), the kept counts equal the ones worked out by walking the whole index.
+    let blocks_per_slot = 3u32;
+    let mut index = Index::new(&[6, 5], blocks_per_slot);
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    // Recovery: slots of both devices, keys shared across slots and generations (a newer copy
+    // supersedes an older one, a key listed twice in a header, an older copy found later).
+    let records = |keys: &[u64]| keys.iter().map(|&key| BlockRecord { key, token_count: 16, payload_crc: 0 }).collect::<Vec<_>>();
+    let recovered: [(u16, u32, &[u64], u64); 6] =
+        [(0, 0, &[1, 2, 3], 5), (0, 1, &[3, 4], 7), (1, 0, &[1, 5, 5], 6), (1, 1, &[2], 3), (0, 2, &[4, 6], 8), (1, 2, &[7], 1)];
+    for (device, slot, keys, generation) in recovered {
+        index.recover(device, slot, &records(keys), generation);
+        assert_eq!(index.counts(), index.counts_walked(), "recovering slot {slot} of device {device}");
+    }
+    index.finish_recovery();
+    assert_eq!(index.counts(), index.counts_walked(), "after recovery");
+
+    // What this test holds: slots it allocated (with the keys it claimed for them) and pins it
+    // took on committed slots.
+    let mut writing: Vec<(u16, u32, Vec<u64>)> = Vec::new();
+    let mut pinned: Vec<(u16, u32)> = Vec::new();
+    let mut key = 100u64;
+    for step in 0..20_000 {
+        let device = (next() % 2) as u16;
+        match next() % 9 {
+            0 | 1 => {
+                if let Some(allocation) = index.allocate_on(device) {
+                    let mut claimed = Vec::new();
+                    for _ in 0..1 + next() % u64::from(blocks_per_slot) {
+                        // Mostly new keys, sometimes one that is cached or claimed already.
+                        let candidate = if next() % 4 == 0 {
+                            100 + next() % (key - 99)
+                        } else {
+                            key += 1;
+                            key
+                        };
+                        if index.claim(candidate) == Claim::New {
+                            claimed.push(candidate);
+                        }
+                    }
+                    writing.push((device, allocation.slot, claimed));
+                }
+            }
+            2 | 3 if !writing.is_empty() => {
+                let (device, slot, claimed) = writing.swap_remove(next() as usize % writing.len());
+                if next() % 4 == 0 || claimed.is_empty() {
+                    for &key in &claimed {
+                        index.remove_pending(key);
+                    }
+                    // Releasing drops every pin on the slot, shared ones too.
+                    index.release_unwritten(device, slot);
+                    pinned.retain(|&held| held != (device, slot));
+                } else {
+                    index.commit(device, slot, &claimed, key);
+                }
+            }
+            4 => {
+                let probe = 100 + next() % (key - 99);
+                if let Some(location) = index.get(probe) {
+                    index.pin_and_touch(location.device, location.slot);
+                    pinned.push((location.device, location.slot));
+                }
+            }
+            5 if !pinned.is_empty() => {
+                let (device, slot) = pinned.swap_remove(next() as usize % pinned.len());
+                index.unpin(device, slot);
+            }
+            6 if next() % 8 == 0 => {
+                // A CRC mismatch: pinned or not, the slot leaves the cache.
+                let probe = 100 + next() % (key - 99);
+                if let Some(location) = index.get(probe) {
+                    index.condemn(location.device, location.slot);
+                }
+            }
+            7 if !writing.is_empty() => {
+                // A second pin on a slot being written (a store that shares its blocks).
+                let (device, slot, _) = &writing[next() as usize % writing.len()];
+                index.pin(*device, *slot);
+                pinned.push((*device, *slot));
+            }
+            _ => {
+                let probe = 100 + next() % (key - 99);
+                if let Some(location) = index.get(probe) {
+                    index.touch(location.device, location.slot);
+                }
+            }
+        }
+        assert_eq!(index.counts(), index.counts_walked(), "step {step}");
+    }
+    let counts = index.counts();
+    assert!(counts.evictions > 0 && counts.cached_blocks > 0 && counts.pinned_slots > 0, "the run reached eviction and pins: {counts:?}");
+}
