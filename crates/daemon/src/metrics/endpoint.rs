@@ -1,7 +1,7 @@
 //! The metrics endpoint's HTTP side, bounded like everything else in the daemon: one thread,
 //! at most [`CONNECTIONS_MAX`] connections open at once (the oldest is closed to admit a new
 //! one, so idle connections cannot keep a scraper out), each given [`REQUEST_DEADLINE`] to send
-//! a request head of at most [`HEAD_BYTES_MAX`] and [`WRITE_TIMEOUT`] to take its answer.
+//! a request head of at most [`HEAD_BYTES_MAX`] and [`WRITE_TIMEOUT`] in all to take its answer.
 //! `GET /metrics` answers the registry's text; another path is 404, another method 405, a head
 //! that is too long or not HTTP 400. Every answer closes its connection (no keep-alive: a
 //! scraper asks every few seconds). The endpoint is on loopback by default and reachable by
@@ -25,8 +25,13 @@ pub const CONNECTIONS_MAX: usize = 16;
 pub const REQUEST_DEADLINE: Duration = Duration::from_secs(2);
 /// The longest request head (request line and headers).
 pub const HEAD_BYTES_MAX: usize = 8 << 10;
-/// The longest a scraper may take to read its answer.
+/// The longest a scraper may take to read its whole answer (one deadline for all of it, so a
+/// reader that takes a byte at a time cannot stretch it).
 pub const WRITE_TIMEOUT: Duration = Duration::from_secs(2);
+/// Connections accepted in one pass before the endpoint goes back to its loop (the stop flag,
+/// the deadlines of connections already open): local users who keep the accept queue full
+/// would otherwise keep it accepting for as long as they like, and hold off stopping.
+pub const ACCEPTS_PER_PASS_MAX: usize = 64;
 
 const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
@@ -87,7 +92,7 @@ impl MetricsEndpoint {
                     }
                 }
             }
-            if !self.accept_pending(&mut open, metrics, snapshot) {
+            if !self.accept_pending(&mut open, metrics, stopped, snapshot) {
                 // The listener stays readable while descriptors run out: wait a tick rather
                 // than spin on it.
                 std::thread::sleep(tick);
@@ -100,6 +105,8 @@ impl MetricsEndpoint {
                     Head::Partial if now < open[index].deadline => index += 1,
                     // Out of time, or gone: closed unanswered.
                     Head::Partial | Head::Gone => drop(open.remove(index)),
+                    // Stopping: the rest are closed unanswered.
+                    Head::Complete | Head::TooLong if stopped() => drop(open.remove(index)),
                     Head::Complete | Head::TooLong => {
                         if let Some(pending) = open.remove(index) {
                             answer(pending, matches!(head, Head::TooLong), metrics, snapshot);
@@ -110,11 +117,21 @@ impl MetricsEndpoint {
         }
     }
 
-    /// Accepts every connection waiting. One whose request is already there is answered at
-    /// once; the others wait in a slot, and when all are taken the oldest that has sent nothing
-    /// (or else the oldest) is closed. False when accepting failed (the caller waits a tick).
-    fn accept_pending(&self, open: &mut VecDeque<Pending>, metrics: &Metrics, snapshot: &dyn Fn() -> Snapshot) -> bool {
-        loop {
+    /// Accepts the connections waiting, at most [`ACCEPTS_PER_PASS_MAX`] and none once
+    /// `stopped` says so. One whose request is already there is answered at once; the others
+    /// wait in a slot, and when all are taken the oldest that has sent nothing (or else the
+    /// oldest) is closed. False when accepting failed (the caller waits a tick).
+    fn accept_pending(
+        &self,
+        open: &mut VecDeque<Pending>,
+        metrics: &Metrics,
+        stopped: &dyn Fn() -> bool,
+        snapshot: &dyn Fn() -> Snapshot,
+    ) -> bool {
+        for _ in 0..ACCEPTS_PER_PASS_MAX {
+            if stopped() {
+                return true;
+            }
             match self.listener.accept() {
                 Ok((stream, _)) => {
                     if let Err(error) = stream.set_nonblocking(true) {
@@ -144,6 +161,7 @@ impl MetricsEndpoint {
                 }
             }
         }
+        true
     }
 }
 
@@ -196,7 +214,7 @@ fn response_for(head: &[u8], too_long: bool, metrics: &Metrics, snapshot: &dyn F
     }
 }
 
-/// Answers one request and closes the connection (bounded by [`WRITE_TIMEOUT`]).
+/// Answers one request and closes the connection (bounded by [`WRITE_TIMEOUT`] in all).
 fn answer(pending: Pending, too_long: bool, metrics: &Metrics, snapshot: &dyn Fn() -> Snapshot) {
     let (status, content_type, body) = response_for(&pending.head, too_long, metrics, snapshot);
     let with_body = !pending.head.starts_with(b"HEAD ");
@@ -207,12 +225,11 @@ fn answer(pending: Pending, too_long: bool, metrics: &Metrics, snapshot: &dyn Fn
         if status.starts_with("405") { "Allow: GET, HEAD\r\n" } else { "" }
     );
     let body = if with_body { body.as_bytes() } else { &[] };
+    let deadline = Instant::now() + WRITE_TIMEOUT;
     let written = stream
         .set_nonblocking(false)
-        .and_then(|()| stream.set_write_timeout(Some(WRITE_TIMEOUT)))
-        .and_then(|()| stream.write_all(header.as_bytes()))
-        .and_then(|()| stream.write_all(body))
-        .and_then(|()| stream.flush());
+        .and_then(|()| write_all_by(&mut stream, header.as_bytes(), deadline))
+        .and_then(|()| write_all_by(&mut stream, body, deadline));
     if let Err(error) = written {
         tracing::info!("metrics endpoint: answering a scrape: {error}");
         return;
@@ -230,6 +247,26 @@ fn answer(pending: Pending, too_long: bool, metrics: &Metrics, snapshot: &dyn Fn
             }
         }
     }
+}
+
+/// `write_all` with one deadline for the whole of `bytes`: a socket write timeout alone bounds
+/// each send, and a reader that takes a little before each one expires could keep the
+/// endpoint's one thread writing (and the daemon from stopping) for as long as it likes.
+fn write_all_by(stream: &mut TcpStream, mut bytes: &[u8], deadline: Instant) -> std::io::Result<()> {
+    while !bytes.is_empty() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(ErrorKind::TimedOut, "the scraper took longer than the write deadline"));
+        }
+        stream.set_write_timeout(Some(left))?;
+        match stream.write(bytes) {
+            Ok(0) => return Err(std::io::Error::from(ErrorKind::WriteZero)),
+            Ok(written) => bytes = &bytes[written..],
+            Err(error) if error.kind() == ErrorKind::Interrupted => {}
+            Err(error) => return Err(error),
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -282,6 +319,54 @@ mod tests {
         assert!(ask(address, &endless).starts_with("HTTP/1.1 400"));
         stop.store(true, Ordering::Release);
         thread.join().unwrap();
+    }
+
+    #[test]
+    fn a_flood_of_scrapes_does_not_hold_off_stopping() {
+        // Goal: `Server::serve` joins the metrics thread before it finishes stopping, so the
+        // endpoint must see the stop flag even while local users keep its accept queue full:
+        // several threads connect and ask without pause (never reading), each scrape takes 20 ms
+        // (a snapshot waits on the pool's busy lock), so the queue never runs dry; after the stop the endpoint's
+        // thread returns within a few seconds (it used to accept and answer until the queue
+        // ran dry, which a flood never lets happen).
+        let endpoint = MetricsEndpoint::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let address = endpoint.address();
+        let stop = Arc::new(AtomicBool::new(false));
+        let (finished_sender, finished) = std::sync::mpsc::channel();
+        let stopped = Arc::clone(&stop);
+        let server = std::thread::spawn(move || {
+            let metrics = Metrics::new();
+            let slow_snapshot = || {
+                std::thread::sleep(Duration::from_millis(20));
+                Snapshot::default()
+            };
+            endpoint.serve(&metrics, Duration::from_millis(20), &|| stopped.load(Ordering::Acquire), &slow_snapshot);
+            let _ = finished_sender.send(());
+        });
+        let flooding = Arc::new(AtomicBool::new(true));
+        let flooders: Vec<_> = (0..6)
+            .map(|_| {
+                let flooding = Arc::clone(&flooding);
+                std::thread::spawn(move || {
+                    while flooding.load(Ordering::Acquire) {
+                        // Bounded: a full accept queue makes a connect wait on SYN resends.
+                        if let Ok(mut stream) = TcpStream::connect_timeout(&address, Duration::from_millis(500)) {
+                            let _ = stream.write_all(b"GET /metrics HTTP/1.1\r\n\r\n");
+                        }
+                    }
+                })
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(300));
+        let stopping = Instant::now();
+        stop.store(true, Ordering::Release);
+        let returned = finished.recv_timeout(Duration::from_secs(5)).is_ok();
+        flooding.store(false, Ordering::Release);
+        for flooder in flooders {
+            flooder.join().unwrap();
+        }
+        assert!(returned, "the endpoint still served {:?} after the stop", stopping.elapsed());
+        server.join().unwrap();
     }
 
     #[test]
