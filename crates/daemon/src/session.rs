@@ -18,7 +18,7 @@
 //! the session's windows and reservations (leaked, counted, logged).
 
 use std::ops::Range;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -399,6 +399,21 @@ impl Holdings {
                 register_bytes,
             });
         }
+        // The descriptors the reply carries are duplicated before the pairs are stored, so that
+        // a failure (EMFILE) is undone below like any other: after, the session would keep pairs
+        // its client has no layout for, and refuse the client's retry.
+        let mut fds = Vec::with_capacity(devices);
+        if failure.is_none() {
+            for memory in registers.iter().flatten() {
+                match duplicate_descriptor(memory.fd().as_fd()) {
+                    Ok(fd) => fds.push(fd),
+                    Err(error) => {
+                        failure = Some(Reply::error(ErrorCode::StoreFailed, format!("duplicating a register page descriptor: {error}")));
+                        break;
+                    }
+                }
+            }
+        }
         registration.queues = created;
         registration.relayed = relayed;
         if let Some(reply) = failure {
@@ -417,15 +432,6 @@ impl Holdings {
             }
             registration.queues = kept;
             return (reply, Vec::new());
-        }
-        let mut fds = Vec::with_capacity(devices);
-        for memory in registers.iter().flatten() {
-            match memory.fd().try_clone_to_owned() {
-                Ok(fd) => fds.push(fd),
-                Err(error) => {
-                    return (Reply::error(ErrorCode::StoreFailed, format!("duplicating a register page descriptor: {error}")), Vec::new())
-                }
-            }
         }
         (Reply::Attached { queues: grants }, fds)
     }
@@ -686,6 +692,17 @@ fn placements_or_release(control: &mut StoreControl, handle: RequestHandle) -> R
         let _ = control.release(handle);
     }
     placements
+}
+
+/// Duplicates a register page's descriptor for an attach reply. A test can make it fail
+/// (`tests::DUPLICATES_FAIL`, this thread only: EMFILE is otherwise hard to bring about
+/// without starving every other test of descriptors) to check what attach does then.
+fn duplicate_descriptor(fd: BorrowedFd<'_>) -> std::io::Result<OwnedFd> {
+    #[cfg(test)]
+    if tests::DUPLICATES_FAIL.with(std::cell::Cell::get) {
+        return Err(std::io::Error::from(nix::errno::Errno::EMFILE));
+    }
+    fd.try_clone_to_owned()
 }
 
 #[cfg(test)]

@@ -97,6 +97,35 @@ fn a_device_without_a_shared_register_page_attaches_through_the_relay() {
     assert_eq!((holdings.registrations(), holdings.queue_pairs()), (0, 0));
 }
 
+thread_local! {
+    /// Makes `duplicate_descriptor` fail on this thread (see there).
+    pub(super) static DUPLICATES_FAIL: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+#[test]
+fn an_attach_whose_register_page_cannot_be_duplicated_leaves_nothing_behind() {
+    // Goal: the register page descriptors go out with the reply; when duplicating one fails
+    // (EMFILE), the attach is refused and undone: no pair stays with the registration (its
+    // client got no layout to drive it with) and the client's retry attaches. The session
+    // used to keep the pairs, and refuse the retry as "has its queue pairs already".
+    for shared_registers in [true, false] {
+        let store = store(shared_registers);
+        let mut holdings = Holdings::default();
+        let registration = registered(&mut holdings, &store);
+        DUPLICATES_FAIL.with(|fail| fail.set(true));
+        let (reply, fds) = attach(&mut holdings, &store, registration);
+        DUPLICATES_FAIL.with(|fail| fail.set(false));
+        assert!(matches!(&reply, Reply::Error { code: ErrorCode::StoreFailed, .. }), "{reply:?}");
+        assert!(fds.is_empty());
+        assert_eq!(holdings.queue_pairs(), 0, "shared registers {shared_registers}: the failed attach kept its pairs");
+        assert_eq!(lock(&store).relay.counts().queues, 0, "shared registers {shared_registers}: still relayed");
+        let (retry, fds) = attach(&mut holdings, &store, registration);
+        assert!(matches!(&retry, Reply::Attached { queues } if queues.len() == 1), "the retry: {retry:?}");
+        assert_eq!((fds.len(), holdings.queue_pairs()), (1, 1));
+        assert_eq!(holdings.release(&store, &LeakCounters::default()), 0);
+    }
+}
+
 #[test]
 fn device_memory_is_refused_on_a_pool_with_a_vfio_device() {
     // Goal: a pool device without a software controller (a vfio: device) cannot take memory
