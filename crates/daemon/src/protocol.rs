@@ -26,7 +26,10 @@ mod store;
 
 pub use cluster::{ClusterLookupReply, ClusterStatusReply, RegistryAnswer, RemoteHolder, REMOTE_HOLDERS_MAX};
 pub use device_memory::{DeviceMemoryKind, RegisterDeviceMemory, DEVICE_MEMORY_HANDLE_BYTES, DEVICE_UUID_BYTES};
-pub use status::{ClientStatus, DeviceStatus, PoolStatus, RelayStatus, StatusReply};
+pub use status::{
+    ClientStatus, DeviceStatus, PoolStatus, RelayStatus, StatusReply, CLIENT_STATUS_BYTES_MAX, DEVICE_STATUS_BYTES_MAX, STATUS_CLIENTS_MAX,
+    STATUS_DEVICES_RESERVED,
+};
 pub use store::{
     AttachQueues, Commit, NamespaceGrant, Prepare, QueueGrant, RegisterMemory, Registered, RetrievePrepared, RingOffsets, StorePrepared,
     DEVICES_MAX, NAMESPACES_MAX, PREPARE_BLOCKS_MAX,
@@ -633,7 +636,13 @@ fn put_u64(out: &mut Vec<u8>, value: u64) {
 
 /// A string as u16 length + UTF-8, cut (on a character boundary) to [`STRING_BYTES_MAX`].
 fn put_str(out: &mut Vec<u8>, text: &str) {
-    let mut end = text.len().min(STRING_BYTES_MAX);
+    put_str_within(out, text, STRING_BYTES_MAX);
+}
+
+/// A string as u16 length + UTF-8, cut (on a character boundary) to `bytes_max` (at most
+/// [`STRING_BYTES_MAX`]).
+fn put_str_within(out: &mut Vec<u8>, text: &str, bytes_max: usize) {
+    let mut end = text.len().min(bytes_max.min(STRING_BYTES_MAX));
     while !text.is_char_boundary(end) {
         end -= 1;
     }

@@ -53,7 +53,8 @@ pub struct ServerConfig {
     /// A frame must arrive whole within this of its first byte; a reply must be taken by the
     /// peer within it.
     pub frame_timeout: Duration,
-    /// Connections served at once; one more is answered `Busy` and closed.
+    /// Connections served at once; one more is answered `Busy` and closed. At most
+    /// [`ServerConfig::CLIENTS_MAX`].
     pub clients_max: usize,
     /// User ids allowed to connect (the socket is 0600 as well; this is checked with
     /// SO_PEERCRED for a socket whose mode an operator widened).
@@ -77,6 +78,10 @@ impl ServerConfig {
     pub const LEASE_RANGE: std::ops::RangeInclusive<Duration> = Duration::from_millis(100)..=Duration::from_secs(86_400);
     pub const FRAME_TIMEOUT_RANGE: std::ops::RangeInclusive<Duration> = Duration::from_millis(10)..=Duration::from_secs(3_600);
     pub const TICK_RANGE: std::ops::RangeInclusive<Duration> = Duration::from_millis(1)..=Duration::from_secs(1);
+    /// The most connections `clients_max` may allow: the sessions one status reply can list
+    /// (each session is one connection), so that `tuttid --status` still works when the daemon
+    /// is at its busiest.
+    pub const CLIENTS_MAX: usize = crate::protocol::STATUS_CLIENTS_MAX;
 
     /// Refuses durations and counts the server cannot run with (a lease of `u64::MAX` seconds
     /// used to panic every connection thread computing its deadline; a zero frame timeout
@@ -94,6 +99,13 @@ impl ServerConfig {
         check("tick", self.tick, &Self::TICK_RANGE)?;
         if self.clients_max == 0 {
             return Err(DaemonError::Config("clients_max 0 would serve no client".into()));
+        }
+        if self.clients_max > Self::CLIENTS_MAX {
+            return Err(DaemonError::Config(format!(
+                "clients_max {} is over {}, the sessions one status reply can list",
+                self.clients_max,
+                Self::CLIENTS_MAX
+            )));
         }
         Ok(())
     }
@@ -548,5 +560,28 @@ fn status(shared: &Shared) -> StatusReply {
         leaked_window_bytes: leaks.window_bytes.load(Ordering::Relaxed),
         leaked_requests: leaks.requests.load(Ordering::Relaxed),
         relay,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn clients_max_is_capped_at_what_a_status_reply_can_list() {
+        // Goal: `tuttid --status` must work when the daemon is at its busiest, so
+        // `clients_max` is refused past the sessions one status reply's body can hold (it used
+        // to take up to 65532, while a reply of ~7,700 sessions is over the body cap).
+        let mut config = ServerConfig::new("/nonexistent/tuttid.sock".into());
+        config.clients_max = 65_532;
+        assert!(matches!(config.validate(), Err(DaemonError::Config(_))), "65532 clients accepted");
+        config.clients_max = ServerConfig::CLIENTS_MAX + 1;
+        match config.validate() {
+            Err(DaemonError::Config(message)) => assert!(message.contains(&ServerConfig::CLIENTS_MAX.to_string()), "{message}"),
+            other => panic!("one past the cap: {other:?}"),
+        }
+        config.clients_max = ServerConfig::CLIENTS_MAX;
+        config.validate().expect("the cap itself");
+        assert_eq!(ServerConfig::CLIENTS_MAX, 7279, "tuttid --help and docs/tuttid.md give the number");
     }
 }

@@ -79,9 +79,10 @@ struct Cli {
     /// A frame must arrive whole within this of its first byte.
     #[arg(long, default_value = "2s", value_parser = parse_duration)]
     frame_timeout: Duration,
-    /// Connections served at once. Each software controller is started with this many I/O
-    /// queue pairs plus two (one per client, one for the pool's metadata, one spare); a
-    /// session attaches one pair per device, however many windows it registers.
+    /// Connections served at once, at most 7279 (the sessions one status reply can list).
+    /// Each software controller is started with this many I/O queue pairs plus two (one per
+    /// client, one for the pool's metadata, one spare); a session attaches one pair per
+    /// device, however many windows it registers.
     #[arg(long, default_value_t = 64)]
     clients_max: usize,
     /// Memory windows one session may register.
@@ -238,6 +239,15 @@ fn serve(cli: &Cli) -> Result<()> {
     } else {
         None
     };
+    // Before anything uses it (ServerConfig::validate checks it again).
+    if cli.clients_max > ServerConfig::CLIENTS_MAX {
+        return Err(Unusable(format!(
+            "--clients-max {} is over {}, the sessions one status reply can list",
+            cli.clients_max,
+            ServerConfig::CLIENTS_MAX
+        ))
+        .into());
+    }
     let options = PoolOptions {
         specs: cli.devices.clone(),
         namespace: cli.namespace,
@@ -247,9 +257,9 @@ fn serve(cli: &Cli) -> Result<()> {
         lock_dir: cli.lock_dir.clone(),
         // One queue pair per client on each software controller (each is one pool device), and
         // in a cluster one for the data plane's staging area.
+        // Within the u16 NVMe counts: `clients_max` was checked against CLIENTS_MAX above.
         client_queue_pairs: u16::try_from(cli.clients_max + usize::from(cluster.is_some()))
-            .map_err(|_| Unusable(format!("--clients-max {} is over 65532", cli.clients_max)))?
-            .min(65533),
+            .map_err(|_| Unusable(format!("--clients-max {}: more queue pairs than a controller has", cli.clients_max)))?,
         emu_doorbell_relay: cli.emu_doorbell_relay,
     };
     let socket = cli.socket.clone().context("--socket is required")?;

@@ -2,7 +2,27 @@
 //! `tuttid --status` and tools read them. Encoded field by field with the protocol's
 //! bounds-checked reader (protocol.rs).
 
-use super::{put_shape, put_str, put_u16, put_u32, put_u64, BodyReader, PoolShape, ProtocolError, CLIENT_NAME_BYTES_MAX, STRING_BYTES_MAX};
+use super::{
+    put_shape, put_str, put_str_within, put_u16, put_u32, put_u64, BodyReader, PoolShape, ProtocolError, BODY_BYTES_MAX,
+    CLIENT_NAME_BYTES_MAX, STRING_BYTES_MAX,
+};
+
+/// The most bytes one client's entry in a status reply takes (see `put_status`): its name is
+/// cut to the longest `Hello` accepts.
+pub const CLIENT_STATUS_BYTES_MAX: usize = 8 + 4 + 4 + (2 + CLIENT_NAME_BYTES_MAX) + 4 + 4 + 8 + 8 + 4 + 4 + 4 + 8 + 8 + 1;
+/// The most bytes one device's entry takes (both strings at [`STRING_BYTES_MAX`]).
+pub const DEVICE_STATUS_BYTES_MAX: usize = (2 + STRING_BYTES_MAX) * 2 + 8;
+/// Devices a status reply keeps room for when working out [`STATUS_CLIENTS_MAX`]: as many as
+/// one attach reply can carry register pages for (a pool with more serves no client).
+pub const STATUS_DEVICES_RESERVED: usize = crate::fd_passing::FDS_PER_FRAME_MAX;
+/// Everything in a status reply but its devices and clients: pid, uptime, shape, device count,
+/// pool counts, connections, client count, leaks, relay counts.
+const STATUS_FIXED_BYTES: usize = 4 + 8 + 6 * 4 + 2 + 7 * 8 + 4 + 2 + 8 + 3 * 8 + 4 * 8;
+/// The most sessions one status reply can list within the body cap, with room for
+/// [`STATUS_DEVICES_RESERVED`] devices at their longest: the daemon serves no more clients
+/// than this (`ServerConfig::validate`), so `tuttid --status` works when it is busiest.
+pub const STATUS_CLIENTS_MAX: usize =
+    (BODY_BYTES_MAX as usize - STATUS_FIXED_BYTES - STATUS_DEVICES_RESERVED * DEVICE_STATUS_BYTES_MAX) / CLIENT_STATUS_BYTES_MAX;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeviceStatus {
@@ -86,7 +106,7 @@ pub(super) fn put_status(out: &mut Vec<u8>, status: &StatusReply) {
         put_u64(out, client.session);
         put_u32(out, client.pid);
         put_u32(out, client.uid);
-        put_str(out, &client.name);
+        put_str_within(out, &client.name, CLIENT_NAME_BYTES_MAX);
         put_u32(out, client.tp_rank);
         put_u32(out, client.tp_world);
         put_u64(out, client.requests);

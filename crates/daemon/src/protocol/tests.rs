@@ -463,3 +463,27 @@ fn cluster_messages_round_trip_and_every_truncation_is_malformed() {
         }
     }
 }
+
+#[test]
+fn a_status_reply_at_the_clients_cap_fits_one_frame() {
+    // Goal: the daemon serves at most STATUS_CLIENTS_MAX sessions so that `tuttid --status`
+    // works when it is busiest: a status reply listing that many, each entry at its longest
+    // (a name past the longest `Hello` accepts is cut to it), with the devices it keeps room
+    // for at their longest, encodes within the body cap and decodes to itself (names cut).
+    let mut status = sample_status();
+    let longest = "d".repeat(STRING_BYTES_MAX + 10);
+    status.devices = (0..STATUS_DEVICES_RESERVED)
+        .map(|_| DeviceStatus { spec: longest.clone(), description: longest.clone(), refused_commands: u64::MAX })
+        .collect();
+    let client = ClientStatus { name: "é".repeat(CLIENT_NAME_BYTES_MAX), ..sample_status().clients[0].clone() };
+    status.clients = vec![client; STATUS_CLIENTS_MAX];
+    let frame = frame_of(Kind::StatusReply, |out| Reply::Status(status.clone()).encode_body(out));
+    let body_bytes = frame.len() - HEADER_BYTES;
+    assert!(body_bytes <= BODY_BYTES_MAX as usize, "{body_bytes} bytes");
+    let Reply::Status(decoded) = Reply::decode(Kind::StatusReply, &frame[HEADER_BYTES..]).unwrap() else { panic!("not a status") };
+    assert_eq!(decoded.clients.len(), STATUS_CLIENTS_MAX);
+    assert!(decoded.clients.iter().all(|client| client.name.len() <= CLIENT_NAME_BYTES_MAX));
+    assert_eq!(decoded.devices[0].spec.len(), STRING_BYTES_MAX);
+    // The sizes the cap is worked out from are exact: the room left is less than one entry.
+    assert!(BODY_BYTES_MAX as usize - body_bytes < CLIENT_STATUS_BYTES_MAX, "{body_bytes} bytes");
+}
