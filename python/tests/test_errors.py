@@ -189,6 +189,97 @@ def test_memory_the_store_cannot_reach_is_unsupported(formatted_daemon):
     store.close()
 
 
+class SaysCpuExportsOther:
+    """A DLPack producer whose __dlpack_device__ says CPU while its capsule says `device_type`
+    (a real "dltensor" over `array`'s bytes, uint8, 1-D, no deleter): the capsule is what the
+    consumer reads, so its device is the one that counts."""
+
+    def __init__(self, array: np.ndarray, device_type: int):
+        self.array = array
+        self.shape = (ctypes.c_int64 * 1)(array.nbytes)
+        tensor = _DlTensor(array.ctypes.data, device_type, 0, 1, 1, 8, 1, self.shape, None, 0)
+        self.managed = _DlManagedTensor(tensor, None, None)
+
+    def __dlpack_device__(self):
+        return (1, 0)
+
+    def __dlpack__(self, **kwargs):
+        new = ctypes.pythonapi.PyCapsule_New
+        new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+        return new(ctypes.addressof(self.managed), b"dltensor", None)
+
+
+def test_the_capsules_device_decides_not_dlpack_device():
+    # Goal: a capsule of another device (OpenCL) from a producer whose __dlpack_device__ says CPU
+    # is refused as UnsupportedMemory naming that device (it was registered as CPU memory), and
+    # a capsule of a device other than the one __dlpack_device__ named (CUDA for CPU) is
+    # InvalidArgument naming both; the store then registers good memory.
+    with open_store() as store:
+        pool = np.zeros(4 * GEOMETRY.block_bytes, dtype=np.uint8)
+        with raises(tutti.UnsupportedMemory, match="opencl:0 .*tutti registers CPU memory"):
+            store.register_kv(tutti.KvLayout.block_major(SaysCpuExportsOther(pool, 4)))
+        with raises(tutti.InvalidArgument, match="__dlpack_device__ says DLPack device type 1 .*its capsule .*type 2"):
+            store.register_kv(tutti.KvLayout.block_major(SaysCpuExportsOther(pool, 2)))
+        store.register_kv(tutti.KvLayout.block_major(pool))
+        store_prompt(store, tokens(3, 1), [0])
+
+
+def test_raw_memory_shape_must_fit_in_its_nbytes():
+    # Goal: a RawMemory whose shape (and strides) reach past the nbytes the caller vouched for
+    # is refused when made, so the devices never write past it; one that fits exactly is fine.
+    owner = bytearray(4 * GEOMETRY.block_bytes)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(owner))
+    per_block = (GEOMETRY.layers, 2, 16, 2, 64)
+    with raises(tutti.InvalidArgument, match="reaches 262144 bytes past its address, more than its nbytes = 131072"):
+        tutti.RawMemory(address, len(owner), owner=owner, itemsize=2, shape=(8, *per_block))
+    with raises(tutti.InvalidArgument, match="more than its nbytes = 131072"):
+        tutti.RawMemory(address, len(owner), owner=owner, itemsize=2, shape=(4, 16384), strides_bytes=(65536, 2))
+    with raises(tutti.InvalidArgument, match="more than its nbytes = 65536"):
+        tutti.RawMemory(address, len(owner) // 2, owner=owner, itemsize=2, shape=(4, *per_block))
+    fits = tutti.RawMemory(address, len(owner), owner=owner, itemsize=2, shape=(4, *per_block))
+    with open_store() as store:
+        store.register_kv(tutti.KvLayout.block_major(fits))
+        store_prompt(store, tokens(4, 1), [0])
+
+
+def test_a_block_major_tensor_must_hold_its_layers_outermost():
+    # Goal: a block-major tensor is read as (layer, K/V) objects at 2 x layer + kind objects
+    # into each block, so one whose block is ordered otherwise ([N, 2, layers, ...], or a
+    # permuted view of [N, layers, 2, ...]) is refused naming the order expected, where per-layer
+    # I/O would have moved another layer's bytes; [N, layers, 2, ...] and [N, 2 x layers, ...]
+    # register and work.
+    layers = GEOMETRY.layers
+    with open_store() as store:
+        refused = [
+            np.zeros((4, 2, layers, 16, 2, 64), dtype=np.float16),
+            np.zeros((4, 2, layers, 16, 2, 64), dtype=np.float16).transpose(0, 2, 1, 3, 4, 5),
+            np.zeros((4, layers, 2, 16, 2, 64), dtype=np.float16).transpose(0, 2, 1, 3, 4, 5),
+        ]
+        for tensor in refused:
+            with raises(tutti.InvalidArgument, match=r"\[num_blocks, layers, 2, \.\.\.\]"):
+                store.register_kv(tutti.KvLayout.block_major(tensor))
+    for shape in [(4, layers, 2, 16, 2, 64), (4, 2 * layers, 16, 2, 64), (4, 1, layers, 2, 16, 128)]:
+        with open_store() as store:
+            store.register_kv(tutti.KvLayout.block_major(np.zeros(shape, dtype=np.float16)))
+            store_prompt(store, tokens(5, 1), [0])
+
+
+def test_lookup_client_arguments_out_of_range_are_invalid_arguments(formatted_daemon):
+    # Goal: LookupClient takes a timeout and a first block as Store does: a timeout no deadline
+    # can hold (1e19 s) and a first block past what tuttid takes (2^32) are InvalidArgument,
+    # never a PanicException or an OverflowError; the client stays usable.
+    with raises(tutti.InvalidArgument, match="at most 1e9"):
+        tutti.LookupClient.connect(formatted_daemon.socket, model_fingerprint=FINGERPRINT, timeout_s=1e19)
+    with tutti.LookupClient.connect(formatted_daemon.socket, model_fingerprint=FINGERPRINT) as client:
+        prompt = tokens(6, 2)
+        with raises(tutti.InvalidArgument, match="first block 4294967296"):
+            client.lookup(prompt, first_block=2**32)
+        with raises(tutti.InvalidArgument, match="first block 4294967296"):
+            client.lookup_all_ranks(prompt, first_block=2**32)
+        assert client.lookup(prompt, first_block=1) == 1
+        assert client.lookup_all_ranks(prompt) == 0
+
+
 def test_order_and_state_errors():
     # Goal: calls out of order are NotRegistered / InvalidState, finished or foreign requests
     # StaleRequest, too many requests LimitReached, and the request and store stay usable.

@@ -395,6 +395,38 @@ def test_the_engines_wait_out_is_not_fooled_by_a_completion_not_yet_returned():
         request.finish()
 
 
+class _FinishRefused:
+    """A request stub with nothing in flight whose finish raises `error`; `ends` says whether
+    the refusal ended it (as Request.finish does when the store let go of it)."""
+
+    layer_in_flight = None
+    layers_in_flight: list[int] = []
+
+    def __init__(self, error: tutti.Error, ends: bool):
+        self.error = error
+        self.ends = ends
+        self.state = "prepared"
+
+    def finish(self) -> None:
+        if self.ends:
+            self.state = "finished"
+        raise self.error
+
+
+def test_the_engines_abandon_says_whether_the_request_ended():
+    # Goal: tutti._engine.abandon_request answers True only when the request ended: a finish
+    # refused with the request still live (state "prepared", whatever the error class) is
+    # False, so the caller keeps it and the memory it names; a refusal that ended it is True.
+    import logging
+
+    from tutti._engine import abandon_request
+
+    log = logging.getLogger("test")
+    for error in (tutti.Disconnected("tuttid went away"), tutti.InvalidState("a layer in flight")):
+        assert abandon_request(_FinishRefused(error, ends=False), WAIT_S, log, "test") is False, error
+        assert abandon_request(_FinishRefused(error, ends=True), WAIT_S, log, "test") is True, error
+
+
 def last_layer_then_a_failing_reread(store: tutti.Store, prompt: list[int]) -> tuple[tutti.Request, tutti.LayerIo, tutti.LayerIo]:
     """With layers_in_flight = 2: layers 0..2 retrieved and returned by waits, then the last
     layer (3) in flight with layer 0 issued again behind it. Issuing layer 0 again unfolds it

@@ -144,17 +144,39 @@ def test_buffer_protocol_objects_and_raw_memory_register():
         del data
 
 
+class HandsOverOnExport:
+    """A DLPack producer that lets go of its array when it exports it: afterwards the array is
+    reachable only through the DLPack export (numpy's capsule holds it until the consumer's
+    deleter call), so whether it stays alive is up to the store's keep, not to the layout
+    that holds this producer."""
+
+    def __init__(self, array: np.ndarray):
+        self.array: np.ndarray | None = array
+
+    def __dlpack_device__(self):
+        assert self.array is not None
+        return self.array.__dlpack_device__()
+
+    def __dlpack__(self, **kwargs):
+        assert self.array is not None
+        capsule = self.array.__dlpack__(**kwargs)
+        self.array = None
+        return capsule
+
+
 def test_registered_memory_stays_alive_while_the_store_may_use_it():
     # Goal: the engine drops its last reference to the registered tensors while a store is
-    # prepared and a layer in flight: the store keeps them alive, the retrieve lands, and they
+    # prepared and a layer in flight: the store keeps them alive (through the DLPack export it
+    # consumed: the watched array is reachable by nothing else), the retrieve lands, and they
     # are freed only after the store closed.
     keys = [np.zeros((4, 4096), dtype=np.uint8) for _ in range(GEOMETRY.layers)]
     values = [np.zeros((4, 4096), dtype=np.uint8) for _ in range(GEOMETRY.layers)]
     for index, tensor in enumerate(keys + values):
         tensor[0] = index + 1
     watch = weakref.ref(keys[0])
+    watch_values = weakref.ref(values[0])
     store = open_store()
-    store.register_kv(tutti.KvLayout.separate(keys, values))
+    store.register_kv(tutti.KvLayout.separate([HandsOverOnExport(keys[0]), *keys[1:]], values))
     prompt = tokens(8, 1)
     store_prompt(store, prompt, [0])
     request = store.prepare_retrieve(prompt, [3])
@@ -167,12 +189,10 @@ def test_registered_memory_stays_alive_while_the_store_may_use_it():
         request.retrieve_layer(layer)
         request.wait(WAIT_S)
     request.finish()
-    kept = store.kv.tensors
-    assert (np.asarray(kept[0])[3] == 1).all() and (np.asarray(kept[GEOMETRY.layers])[3] == GEOMETRY.layers + 1).all()
-    del kept
+    assert (watch()[3] == 1).all() and (watch_values()[3] == GEOMETRY.layers + 1).all()
     store.close()
     gc.collect()
-    assert watch() is None, "released after close"
+    assert watch() is None and watch_values() is None, "released after close"
     assert store.leaked_registrations() == 0
 
 

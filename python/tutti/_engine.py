@@ -296,18 +296,20 @@ def wait_out_layer(
 
 
 def abandon_request(request: Any, timeout_s: float, log: logging.Logger, what: str) -> bool:
-    """Finishes a failed request once no layer of it is in flight (`wait_out_layer`). False when
-    a layer does not complete, or the store refuses the finish because it still counts one in
-    flight (InvalidState): the request is kept (its pins, its request place), and the devices may
-    still move its blocks' bytes; protecting the memory it names is the caller's part. Any other
-    refusal of the finish is logged: the request ended."""
+    """Finishes a failed request once no layer of it is in flight (`wait_out_layer`); whether it
+    ended. False when a layer does not complete, or the finish is refused and the store still
+    holds the request (its state stays "prepared": a layer still in flight, InvalidState, or a
+    failure part way): the request is kept (its pins, its request place), and the devices may
+    still move its blocks' bytes; protecting the memory it names is the caller's part. A refusal
+    is logged either way; one after which the store let go of the request (a daemon gone) is
+    True: nothing of it is live."""
     if not wait_out_layer(request, timeout_s, log, what):
         return False
     try:
         request.finish()
-    except tutti.InvalidState as error:
-        log.error("%s could not be finished (a layer is still in flight): %s", what, error)
-        return False
     except tutti.Error as error:
-        log.error("%s could not be finished: %s", what, error)
+        # The request's state, not the error's class, says whether the store let go of it.
+        live = request.state == "prepared"
+        log.error("%s could not be finished%s: %s", what, " (the request is kept)" if live else "", error)
+        return not live
     return True

@@ -46,10 +46,11 @@ class InvalidArgument(Error, ValueError):
     a malformed device string, a fingerprint that is not 32 bytes, a daemon's `BadRequest`."""
 
 class UnsupportedMemory(InvalidArgument):
-    """Memory the store cannot reach: a tensor on a device other than the CPU (GPU memory needs
-    the CUDA route, not in this package yet), or, for a store attached to tuttid, memory this
-    process allocated itself (the daemon can only map memory shared with it: allocate the KV cache
-    with `Store.allocate_kv`)."""
+    """Memory the store cannot reach: a tensor on a device other than the CPU and CUDA; CUDA
+    memory with an in-process store (only a store attached to tuttid started with
+    --device-memory cuda reaches it, and only where a CUDA driver can be loaded); or, for a store
+    attached to tuttid, CPU memory this process allocated itself (the daemon can only map memory
+    shared with it: allocate the KV cache with `Store.allocate_kv`)."""
 
 class NotRegistered(Error):
     """A call that needs the engine's KV memory (prepare_*, lookup on an in-process store) before
@@ -155,8 +156,10 @@ TensorLike = Any
 - an object with the buffer protocol (bytearray, mmap, array.array, numpy): it must be writable
   and C-contiguous; the export is held (so it cannot be resized or freed) until the store is
   closed.
-Its device must be the CPU (DLPack device type 1 or 3, "cpu"); anything else raises
-UnsupportedMemory. Its element size must be the geometry's dtype_bytes, or 1 (raw bytes, e.g.
+Its device must be the CPU (DLPack device type 1 or 3, "cpu") or CUDA (DLPack device type 2,
+"cuda:N"; registered only through tuttid, see Store.register_kv); anything else raises
+UnsupportedMemory. The DLPack capsule's device decides: a capsule of another device type (or
+CUDA device) than `__dlpack_device__` named raises InvalidArgument. Its element size must be the geometry's dtype_bytes, or 1 (raw bytes, e.g.
 uint8); another raises InvalidArgument. torch is never imported by tutti."""
 
 class RawMemory:
@@ -173,7 +176,9 @@ class RawMemory:
     Store.register_kv), or another name (raises UnsupportedMemory when registered). `itemsize`: bytes per element (checked against the
     geometry's dtype_bytes; 1 = raw bytes). `shape` / `strides_bytes`: optional, as DLPack gives
     them (strides in bytes); without them the memory is one dense 1-D run of bytes.
-    Raises InvalidArgument if nbytes is 0, address is 0, or address + nbytes overflows."""
+    Raises InvalidArgument if nbytes is 0, address is 0, address + nbytes overflows, or the
+    shape and strides name memory outside `address .. address + nbytes` (past nbytes, or before
+    the address through a negative stride)."""
 
     def __init__(
         self,
@@ -269,8 +274,9 @@ class KvLayout:
     its bytes over the bytes per block); every tensor of a layout must give the same N and the
     same block stride. In each kind, a block's part of a tensor (one object, or K+V of one
     layer) must be one dense run of bytes (its dimensions after the block dimension dense in some
-    order: a permuted view is fine, padding inside a block is not); blocks may be spaced further
-    apart than their size (a block stride larger than the block)."""
+    order: a permuted view is fine in separate, fused and paged, padding inside a block is not;
+    block_major has an order of its own, see there); blocks may be spaced further apart than
+    their size (a block stride larger than the block)."""
 
     @staticmethod
     def separate(keys: Sequence[TensorLike], values: Sequence[TensorLike]) -> KvLayout:
@@ -295,7 +301,12 @@ class KvLayout:
     def block_major(tensor: TensorLike) -> KvLayout:
         """One tensor `[N, layers, 2, ...]`: all layers of a block together, layer l's K then V
         (tuttid's own window layout, SGLang's page-first host pool over all layers). objstore
-        `KvLayout::BlockMajor`."""
+        `KvLayout::BlockMajor`. The store reads layer l's K at 2 x l x object_bytes into a block
+        and its V object_bytes after it, so the order in memory matters here: after the block
+        dimension the tensor must be `[layers, 2, ...]` or `[2 x layers, ...]` with those
+        dimensions in memory order (dimensions of size 1 aside), or one flat dimension of a
+        block's bytes; `[N, 2, layers, ...]` or a view that permutes the layer and K/V
+        dimensions raises InvalidArgument (per-layer I/O would move another layer's bytes)."""
     @property
     def kind(self) -> KvLayoutKind: ...
     @property
@@ -706,7 +717,8 @@ class LookupClient:
         client_name: str = "python-scheduler",
         timeout_s: float = 5.0,
     ) -> LookupClient:
-        """Connects and attaches (Hello). Raises as Store.attach."""
+        """Connects and attaches (Hello). Raises as Store.attach (a timeout_s past 1e9 s, or
+        negative, is InvalidArgument)."""
     @property
     def session(self) -> int: ...
     @property
@@ -719,7 +731,8 @@ class LookupClient:
         """The session's lease: call ping() (or any lookup) at least this often."""
     def lookup(self, tokens: Sequence[int], first_block: int = 0) -> int:
         """Longest cached prefix in blocks in this session's (model, rank, world) key space; from
-        `first_block`: where the run of cached blocks from there ends (see Store.lookup)."""
+        `first_block`: where the run of cached blocks from there ends (see Store.lookup). A
+        first_block of 2^32 or more raises InvalidArgument."""
     def lookup_all_ranks(self, tokens: Sequence[int], first_block: int = 0) -> int:
         """Longest prefix in blocks cached on every rank 0..tp_world of this model and world;
         from `first_block` as lookup."""

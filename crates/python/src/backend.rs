@@ -350,6 +350,9 @@ impl StoreState {
         })?;
         // The blocks the data path moves (objstore's placements; a store's new blocks only):
         // none, and an issued layer puts nothing in flight (objstore marks it done at once).
+        // An error is raised, never taken for "none": that would report layers complete that
+        // moved no byte. It can only be UnknownHandle (the store does not know the handle it
+        // just returned), so the store holds nothing of the request to hand back.
         let placed: Vec<u32> = match &self.backend {
             Backend::Local { store, .. } => {
                 store.placements(handle).map(|placements| placements.iter().map(|placement| placement.engine_block).collect())
@@ -359,7 +362,7 @@ impl StoreState {
             }
             _ => Ok(Vec::new()),
         }
-        .unwrap_or_default();
+        .map_err(Failure::from)?;
         let moves_nothing = placed.is_empty();
         let written = match direction {
             Direction::Retrieve => block_ids.to_vec(),

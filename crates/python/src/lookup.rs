@@ -2,10 +2,10 @@
 
 use std::path::PathBuf;
 use std::sync::Mutex;
-use std::time::Duration;
 
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
+use tutti_daemon::client::wire_first_block;
 use tutti_daemon::protocol::Hello;
 use tutti_daemon::{Client, DaemonError};
 
@@ -48,8 +48,8 @@ impl LookupClient {
         let fingerprint = <[u8; 32]>::try_from(model_fingerprint.as_slice()).map_err(|_| {
             Failure::new(ErrorClass::InvalidArgument, format!("model_fingerprint is {} bytes, expected 32", model_fingerprint.len()))
         })?;
-        let timeout = Duration::try_from_secs_f64(timeout_s)
-            .map_err(|_| Failure::new(ErrorClass::InvalidArgument, format!("timeout_s = {timeout_s}: expected seconds >= 0")))?;
+        // Bounded as every timeout of the package: a deadline past the clock's range would panic.
+        let timeout = crate::store::duration_of(timeout_s, "timeout_s")?;
         let hello = Hello { model_fingerprint: fingerprint, tp_rank, tp_world, client_name };
         let (client, reply) = py
             .detach(|| {
@@ -86,13 +86,17 @@ impl LookupClient {
         f64::from(self.lease_ms) / 1000.0
     }
 
+    /// `first_block` is taken as Store.lookup takes it (any non-negative int): one past what
+    /// tuttid takes is InvalidArgument, as there, not an OverflowError.
     #[pyo3(signature = (tokens, first_block = 0))]
-    fn lookup(&self, py: Python<'_>, tokens: Vec<u32>, first_block: u32) -> PyResult<u32> {
+    fn lookup(&self, py: Python<'_>, tokens: Vec<u32>, first_block: usize) -> PyResult<u32> {
+        let first_block = wire_first_block(first_block).map_err(Failure::from)?;
         self.call(py, move |client| client.lookup_from(&tokens, first_block))
     }
 
     #[pyo3(signature = (tokens, first_block = 0))]
-    fn lookup_all_ranks(&self, py: Python<'_>, tokens: Vec<u32>, first_block: u32) -> PyResult<u32> {
+    fn lookup_all_ranks(&self, py: Python<'_>, tokens: Vec<u32>, first_block: usize) -> PyResult<u32> {
+        let first_block = wire_first_block(first_block).map_err(Failure::from)?;
         self.call(py, move |client| client.lookup_all_ranks_from(&tokens, first_block))
     }
 

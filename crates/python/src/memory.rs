@@ -64,6 +64,26 @@ impl RawMemory {
         if strides_bytes.is_some() && shape.is_none() {
             return Err(invalid("RawMemory: strides_bytes without a shape".into()).into());
         }
+        // The shape is what registration maps: it must lie within the bytes the caller vouched
+        // for, or the devices would write past them.
+        if let Some(shape) = &shape {
+            let strides = strides_bytes.as_deref();
+            let described = |what: String| {
+                invalid(format!("RawMemory at {address:#x}: shape {shape:?} (strides {strides:?} B) of {itemsize}-byte elements {what}"))
+            };
+            match reach_bytes(shape, strides, itemsize) {
+                Reach::Within(reach) if reach <= u128::from(nbytes) => {}
+                Reach::Within(reach) => {
+                    return Err(described(format!(
+                        "reaches {reach} bytes past its address, more than its nbytes = {nbytes}: give the shape of memory within nbytes"
+                    ))
+                    .into())
+                }
+                Reach::BeforeAddress => {
+                    return Err(described("reaches before its address (a negative stride): give positive strides".into()).into())
+                }
+            }
+        }
         Ok(RawMemory { address, nbytes, owner, device, itemsize, shape, strides_bytes })
     }
 
@@ -271,6 +291,44 @@ impl KvLayout {
     }
 }
 
+/// How far a strided shape reaches from its first element's address.
+#[derive(Debug, PartialEq, Eq)]
+enum Reach {
+    /// One past its last byte, in bytes from the address (0: no element).
+    Within(u128),
+    /// Some element lies before the address.
+    BeforeAddress,
+}
+
+/// The bytes `shape` names from its address, with `strides` in bytes (`None`: C-contiguous)
+/// and `itemsize`-byte elements. Worked in i128, whose products and sums never wrap: a product
+/// past it is `u128::MAX`, and sums saturate, either way a reach past any nbytes.
+fn reach_bytes(shape: &[u64], strides: Option<&[i64]>, itemsize: u64) -> Reach {
+    if shape.contains(&0) {
+        return Reach::Within(0);
+    }
+    let (mut lowest, mut highest) = (0i128, 0i128);
+    let mut contiguous_stride = i128::from(itemsize);
+    for (index, &size) in shape.iter().enumerate().rev() {
+        let stride = match strides {
+            Some(strides) => strides.get(index).map_or(0, |&stride| i128::from(stride)),
+            None => contiguous_stride,
+        };
+        let Some(span) = i128::from(size - 1).checked_mul(stride) else { return Reach::Within(u128::MAX) };
+        if span < 0 {
+            lowest = lowest.saturating_add(span);
+        } else {
+            highest = highest.saturating_add(span);
+        }
+        contiguous_stride = contiguous_stride.saturating_mul(i128::from(size));
+    }
+    if lowest < 0 {
+        return Reach::BeforeAddress;
+    }
+    // highest >= 0 here: only non-negative spans were added.
+    Reach::Within(u128::try_from(highest.saturating_add(i128::from(itemsize))).unwrap_or(u128::MAX))
+}
+
 /// A RawMemory's device: "cpu", "cuda" / "cuda:N" (torch's `str(tensor.device)`), or another.
 fn raw_device(name: &str) -> Device {
     match name {
@@ -351,12 +409,40 @@ pub fn describe(object: &Bound<'_, PyAny>, name: &str) -> PyResult<(TensorDescri
             ))
         })?;
         let (tensor, imported) = ffi::import_dlpack(&capsule)?;
+        // The capsule is what is mapped, so its device decides: one tutti cannot reach is
+        // refused (UnsupportedMemory) even when __dlpack_device__ said otherwise, and a capsule
+        // of a device other than the one __dlpack_device__ named is a producer to distrust.
+        if ![DLPACK_CPU, DLPACK_CUDA_HOST, DLPACK_CUDA].contains(&tensor.device_type) {
+            let description = TensorDescription {
+                name: name.into(),
+                address: 0,
+                device: Device::Other(device_name(tensor.device_type, tensor.device_id)),
+                itemsize: 1,
+                raw_bytes: true,
+                shape: vec![0],
+                strides_bytes: None,
+                writable: true,
+            };
+            return Ok((description, Keep::Dlpack(imported, object.clone().unbind())));
+        }
+        let same_id = tensor.device_type != DLPACK_CUDA || tensor.device_id == device_id;
+        if tensor.device_type != device_type || !same_id {
+            return Err(Failure::new(
+                ErrorClass::InvalidArgument,
+                format!(
+                    "{name}: its __dlpack_device__ says DLPack device type {device_type} (device {device_id}), its capsule device type {} (device {}): a tensor must describe one device",
+                    tensor.device_type, tensor.device_id
+                ),
+            )
+            .into());
+        }
         let itemsize = tensor.itemsize.max(1);
         let negative = |what: &str| PyErr::from(Failure::new(ErrorClass::InvalidArgument, format!("{name}: a negative {what}")));
         let shape =
             tensor.shape.iter().map(|&size| u64::try_from(size).map_err(|_| negative("dimension"))).collect::<PyResult<Vec<u64>>>()?;
         let strides_bytes =
             tensor.strides.as_ref().map(|strides| strides.iter().map(|&stride| stride.saturating_mul(itemsize as i64)).collect());
+        // CUDA, or the host (CPU, CUDA host memory): checked above.
         let device = if tensor.device_type == DLPACK_CUDA { Device::Cuda(tensor.device_id) } else { Device::Cpu };
         let description = TensorDescription {
             name: name.into(),
@@ -424,5 +510,23 @@ pub fn tensor_names(kind: LayoutKind, count: usize) -> Vec<String> {
         }
         LayoutKind::Fused | LayoutKind::Paged => (0..count).map(|i| format!("layers[{i}]")).collect(),
         LayoutKind::BlockMajor => vec!["tensor".into()],
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reach_is_the_bytes_a_shape_names_from_its_address() {
+        // Goal: a shape's reach (what RawMemory checks against nbytes) is one past its last
+        // byte, contiguous or strided; no element is nothing; a negative stride that steps
+        // below the address is said, and products past u64 neither wrap nor panic.
+        assert_eq!(reach_bytes(&[4, 16, 2, 64], None, 2), Reach::Within(4 * 4096));
+        assert_eq!(reach_bytes(&[4, 16384], Some(&[65536, 2]), 2), Reach::Within(3 * 65536 + 16384 * 2));
+        assert_eq!(reach_bytes(&[4, 0], None, 2), Reach::Within(0));
+        assert_eq!(reach_bytes(&[1, 8], Some(&[-4096, 2]), 2), Reach::Within(16));
+        assert_eq!(reach_bytes(&[2, 8], Some(&[-4096, 2]), 2), Reach::BeforeAddress);
+        assert_eq!(reach_bytes(&[u64::MAX, u64::MAX, u64::MAX], None, 8), Reach::Within(u128::MAX));
     }
 }

@@ -157,6 +157,36 @@ fn dense_bytes(shape: &[u64], strides: &[i64], itemsize: u64) -> Option<u64> {
     Some(expected)
 }
 
+/// Whether a block-major tensor's block (its dimensions past [num_blocks]) holds its objects
+/// where objstore reads them: object (layer l, K or V) at (2 x l + kind) x object_bytes into the
+/// block (`KvRegistration::address`), so per-layer I/O moves layer l's bytes. Dimensions of
+/// size 1 do not count. A block of one dimension is a plain run (no layer order to disagree
+/// with); else it must begin with [layers, 2] at strides (2 x object_bytes, object_bytes), or
+/// with [2 x layers] at object_bytes. The density check has made the whole block one run, so
+/// what follows those dimensions is one object's bytes, in any order. With 2 layers, a
+/// [2, 2, ...] block is read as [layers, 2, ...]: nothing in a shape tells the two apart.
+fn check_block_major_order(tensor: &TensorDescription, strides: &[i64], geometry: &ModelGeometry) -> Result<(), String> {
+    let dims: Vec<(u64, i64)> = tensor.shape.iter().copied().zip(strides.iter().copied()).skip(1).filter(|&(size, _)| size != 1).collect();
+    if dims.len() <= 1 {
+        return Ok(());
+    }
+    // object_bytes is at most 1 GiB once the geometry validated: these fit.
+    let object = geometry.object_bytes() as i64;
+    let layers = u64::from(geometry.layers);
+    let layers_then_kind = dims[0] == (layers, 2 * object) && dims[1] == (2, object);
+    let flattened = dims[0] == (2 * layers, object);
+    if layers_then_kind || flattened {
+        return Ok(());
+    }
+    Err(format!(
+        "{} (shape {:?}, strides {:?} B) orders its blocks otherwise than block_major is read: layer l's K at 2 x l x object_bytes \
+         into a block and its V object_bytes ({object} B) after it, so a block holds its layers outermost, then K and V: expected \
+         [num_blocks, layers, 2, ...] or [num_blocks, 2 x layers, ...] with those dimensions in memory order (not [num_blocks, 2, \
+         layers, ...], nor a view that permutes them)",
+        tensor.name, tensor.shape, strides
+    ))
+}
+
 /// Checks one tensor against the part of `kind` it plays; returns (num_blocks, block stride,
 /// placed tensor).
 fn check_tensor(tensor: &TensorDescription, kind: LayoutKind, geometry: &ModelGeometry) -> Result<(u64, u64, PlacedTensor), String> {
@@ -225,6 +255,9 @@ fn check_tensor(tensor: &TensorDescription, kind: LayoutKind, geometry: &ModelGe
                 "{name} holds {inner} bytes per block (shape {:?} x {} B), expected {unit}: {what} of {}",
                 tensor.shape, tensor.itemsize, geometry
             ));
+        }
+        if kind == LayoutKind::BlockMajor {
+            check_block_major_order(tensor, &strides, geometry)?;
         }
         let blocks = tensor.shape[outer - 1];
         let block_stride = strides[outer - 1] as u64;
@@ -403,6 +436,34 @@ mod tests {
         // Raw bytes of any element size are accepted only as uint8-like (raw_bytes).
         let bytes = TensorDescription { itemsize: 1, raw_bytes: false, ..tensor("pool", 0x10000, &[6 * 512], None) };
         assert!(check_layout(LayoutKind::BlockMajor, &[bytes], &g).unwrap_err().contains("1-byte elements"));
+    }
+
+    #[test]
+    fn block_major_blocks_hold_their_layers_outermost() {
+        // Goal: a block-major block is accepted only in the order objstore reads it (layer l's
+        // K at 2l x object_bytes, V after it): [N, layers, 2, ...], [N, 2 x layers, ...] and a
+        // flat run pass; K/V outermost ([N, 2, layers, ...] in memory, here a view whose layer
+        // dimension steps one object and K/V two) is refused naming the order expected.
+        let g = geometry();
+        let accepted = [
+            tensor("pool", 0x10000, &[6, 2, 2, 4, 2, 8], None),
+            tensor("pool", 0x10000, &[6, 4, 4, 2, 8], None),
+            tensor("pool", 0x10000, &[6, 1, 2, 2, 4, 16], None),
+            tensor("pool", 0x10000, &[6, 256], None),
+        ];
+        for major in accepted {
+            assert_eq!(
+                check_layout(LayoutKind::BlockMajor, std::slice::from_ref(&major), &g).map(|checked| checked.block_stride_bytes),
+                Ok(512),
+                "{major:?}"
+            );
+        }
+        let kind_outermost = tensor("pool", 0x10000, &[6, 2, 2, 4, 2, 8], Some(vec![512, 128, 256, 32, 16, 2]));
+        let error = check_layout(LayoutKind::BlockMajor, &[kind_outermost], &g).unwrap_err();
+        assert!(error.contains("expected [num_blocks, layers, 2, ...] or [num_blocks, 2 x layers, ...]"), "{error}");
+        // Per-layer tensors ([N, ...] of one layer) keep any dense order within a block.
+        let permuted = [tensor("p0", 0x10000, &[6, 2, 4, 16], Some(vec![256, 32, 64, 2])), tensor("p1", 0x20000, &[6, 2, 4, 16], None)];
+        assert!(check_layout(LayoutKind::Paged, &permuted, &g).is_ok());
     }
 
     #[test]
