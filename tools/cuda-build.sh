@@ -63,6 +63,9 @@ export PATH="$CUDA_HOME/bin:$PATH"
 
 KERNELS="$ROOT/kernels"
 mkdir -p "$OUT"
+# Written last, when every kernel and check below has passed: tools/gpu/run-all.sh uses a kernel
+# directory built on the GPU machine only with it (else the carried one).
+rm -f "$OUT/kernels-ok.txt"
 # -Werror all-warnings turns nvcc's own warnings into errors; -Xcompiler passes the host side,
 # and --Werror also covers ptxas/nvlink diagnostics ("cross-execution-space-call", "deprecated").
 NVCC_FLAGS=(-std=c++17 -O3 -lineinfo -Werror all-warnings -Xcompiler -Wall,-Wextra,-Werror
@@ -98,6 +101,7 @@ g++ -std=c++17 -Wall -Wextra -Werror -pedantic -x c++ -I "$KERNELS" -o "$OUT/rul
   "$KERNELS/tests/rules_check.c"
 
 ls -l "$OUT"/*.cubin "$OUT"/*.ptx
+"$NVCC" --version | tail -n 1 >"$OUT/kernels-ok.txt"
 echo "cuda-build: kernels OK -> $OUT"
 
 if [[ "${GIO_SKIP_CARGO:-0}" != "1" ]]; then

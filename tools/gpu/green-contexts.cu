@@ -591,6 +591,39 @@ int main(int argc, char** argv) {
 
     std::vector<Result> results;
     std::vector<double> baseline_us(options.tokens.size(), 0.0);
+    // --json, replaced whole (written aside, then renamed) after the baseline cases, after each I/O
+    // SM count and at the end: a run stopped from outside keeps the cases it measured ("complete":
+    // false until the end).
+    auto write_json = [&](bool complete) {
+        if (options.json_path.empty()) return;
+        const std::string partial = options.json_path + ".partial";
+        FILE* out = std::fopen(partial.c_str(), "w");
+        if (out == nullptr) fail("cannot write " + partial);
+        std::fprintf(out,
+                     "{\"tool\":\"tools/gpu/green-contexts.cu\",\"complete\":%s,\"device\":\"%s\",\"sm_count\":%d,\"compute_capability\":\"%d.%d\","
+                     "\"driver_version\":%d,\"runtime_version\":%d,\"cublas_version\":%d,\"host_native_atomic_supported\":%d,"
+                     "\"gemm\":{\"m_tokens\":\"varies\",\"k\":%d,\"n\":%d,\"dtype\":\"bf16\",\"accumulate\":\"fp32\"},"
+                     "\"repetitions\":%d,\"warmup\":%d,\"poller_threads_per_block\":%d,\"poller_blocks_per_sm\":%d,"
+                     "\"backoff_ns_max\":%u,\"cases\":[",
+                     complete ? "true" : "false", properties.name, properties.multiProcessorCount, properties.major, properties.minor,
+                     driver_version, runtime_version, cublas_version, host_native_atomics, kHiddenSize, kIntermediateSize, options.repetitions, options.warmup,
+                     kPollerThreadsPerBlock, poller_blocks_per_sm, options.backoff_ns_max);
+        for (size_t i = 0; i < results.size(); ++i) {
+            const Result& r = results[i];
+            std::fprintf(out,
+                         "%s{\"tokens\":%d,\"io_sms_requested\":%d,\"io_sms_granted\":%u,\"gemm_sms\":%u,\"case\":\"%s\",\"poller\":\"%s\","
+                         "\"median_us\":%.2f,\"p10_us\":%.2f,\"p90_us\":%.2f,\"slowdown_percent\":%.3f,\"tflops\":%.1f,"
+                         "\"poller_blocks\":%u,\"poller_polls\":%llu,\"poller_timed_out_blocks\":%u,\"h2d_gb_per_s\":%.2f,"
+                         "\"error\":\"%s\"}",
+                         i == 0 ? "" : ",", r.tokens, r.io_sms_requested, r.io_sms_granted, r.compute_sms, r.case_name.c_str(),
+                         r.poller.c_str(), r.timing.median_us, r.timing.p10_us, r.timing.p90_us, r.slowdown_percent,
+                         tflops(r.tokens, r.timing.median_us), r.poller_run.blocks, r.poller_run.polls, r.poller_run.timed_out_blocks,
+                         r.copy_gb_per_s, r.error.c_str());
+        }
+        std::fprintf(out, "]}\n");
+        if (std::fclose(out) != 0) fail("writing " + partial);
+        if (std::rename(partial.c_str(), options.json_path.c_str()) != 0) fail("renaming " + partial + " to " + options.json_path);
+    };
 
     // Staged mode's copy-engine traffic beside the GEMM: once per token count, no green context.
     {
@@ -631,6 +664,7 @@ int main(int argc, char** argv) {
         check(cudaFree(device_buffer), "cudaFree");
         check(cudaFreeHost(host_buffer), "cudaFreeHost");
     }
+    write_json(false);
 
     for (const int io_sms_requested : options.io_sms) {
         // One group of at least io_sms_requested SMs for I/O (rounded up to the architecture's
@@ -696,35 +730,10 @@ int main(int argc, char** argv) {
         destroy_domain(cublas, compute);
         destroy_domain(cublas, io);
         make_current(primary);
+        write_json(false);
     }
 
-    if (!options.json_path.empty()) {
-        FILE* out = std::fopen(options.json_path.c_str(), "w");
-        if (out == nullptr) fail("cannot write " + options.json_path);
-        std::fprintf(out,
-                     "{\"tool\":\"tools/gpu/green-contexts.cu\",\"device\":\"%s\",\"sm_count\":%d,\"compute_capability\":\"%d.%d\","
-                     "\"driver_version\":%d,\"runtime_version\":%d,\"cublas_version\":%d,\"host_native_atomic_supported\":%d,"
-                     "\"gemm\":{\"m_tokens\":\"varies\",\"k\":%d,\"n\":%d,\"dtype\":\"bf16\",\"accumulate\":\"fp32\"},"
-                     "\"repetitions\":%d,\"warmup\":%d,\"poller_threads_per_block\":%d,\"poller_blocks_per_sm\":%d,"
-                     "\"backoff_ns_max\":%u,\"cases\":[",
-                     properties.name, properties.multiProcessorCount, properties.major, properties.minor, driver_version, runtime_version,
-                     cublas_version, host_native_atomics, kHiddenSize, kIntermediateSize, options.repetitions, options.warmup,
-                     kPollerThreadsPerBlock, poller_blocks_per_sm, options.backoff_ns_max);
-        for (size_t i = 0; i < results.size(); ++i) {
-            const Result& r = results[i];
-            std::fprintf(out,
-                         "%s{\"tokens\":%d,\"io_sms_requested\":%d,\"io_sms_granted\":%u,\"gemm_sms\":%u,\"case\":\"%s\",\"poller\":\"%s\","
-                         "\"median_us\":%.2f,\"p10_us\":%.2f,\"p90_us\":%.2f,\"slowdown_percent\":%.3f,\"tflops\":%.1f,"
-                         "\"poller_blocks\":%u,\"poller_polls\":%llu,\"poller_timed_out_blocks\":%u,\"h2d_gb_per_s\":%.2f,"
-                         "\"error\":\"%s\"}",
-                         i == 0 ? "" : ",", r.tokens, r.io_sms_requested, r.io_sms_granted, r.compute_sms, r.case_name.c_str(),
-                         r.poller.c_str(), r.timing.median_us, r.timing.p10_us, r.timing.p90_us, r.slowdown_percent,
-                         tflops(r.tokens, r.timing.median_us), r.poller_run.blocks, r.poller_run.polls, r.poller_run.timed_out_blocks,
-                         r.copy_gb_per_s, r.error.c_str());
-        }
-        std::fprintf(out, "]}\n");
-        if (std::fclose(out) != 0) fail("writing " + options.json_path);
-    }
+    write_json(true);
     release_operands(primary);
     check(cudaFreeHost(completions), "cudaFreeHost");
     check(cudaFreeHost(host_poller.control), "cudaFreeHost");

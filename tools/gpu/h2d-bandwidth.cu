@@ -195,6 +195,30 @@ int main(int argc, char** argv) {
                     double(m.bytes) / (m.median_us * 1e-6) / 1e9);
         std::fflush(stdout);
     };
+    // --json, replaced whole (written aside, then renamed) after each layer size and at the end:
+    // a run stopped from outside keeps the sizes it measured ("complete": false until the end).
+    auto write_json = [&](bool complete) {
+        if (options.json_path.empty()) return;
+        const std::string partial = options.json_path + ".partial";
+        FILE* out = std::fopen(partial.c_str(), "w");
+        if (out == nullptr) fail("cannot write " + partial);
+        std::fprintf(out,
+                     "{\"tool\":\"tools/gpu/h2d-bandwidth.cu\",\"complete\":%s,\"device\":\"%s\",\"sm_count\":%d,\"driver_version\":%d,"
+                     "\"kv_bytes_per_token_per_layer\":%zu,\"repetitions\":%d,\"mapped_read_blocks_per_sm\":%d,\"points\":[",
+                     complete ? "true" : "false", properties.name, properties.multiProcessorCount, driver_version, kKvBytesPerTokenPerLayer,
+                     options.repetitions, blocks_per_sm);
+        for (size_t i = 0; i < results.size(); ++i) {
+            const Measurement& m = results[i].second;
+            std::fprintf(out,
+                         "%s{\"tokens\":%d,\"bytes\":%zu,\"method\":\"%s\",\"median_us\":%.2f,\"p10_us\":%.2f,\"p90_us\":%.2f,"
+                         "\"gb_per_s\":%.3f}",
+                         i == 0 ? "" : ",", results[i].first, m.bytes, m.method.c_str(), m.median_us, m.p10_us, m.p90_us,
+                         double(m.bytes) / (m.median_us * 1e-6) / 1e9);
+        }
+        std::fprintf(out, "]}\n");
+        if (std::fclose(out) != 0) fail("writing " + partial);
+        if (std::rename(partial.c_str(), options.json_path.c_str()) != 0) fail("renaming " + partial + " to " + options.json_path);
+    };
     for (const int tokens : options.tokens) {
         const size_t bytes = size_t(tokens) * kKvBytesPerTokenPerLayer;
         const int r = options.repetitions;
@@ -228,27 +252,10 @@ int main(int argc, char** argv) {
                    check(cudaMemcpyAsync(pinned, device, bytes, cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync");
                }));
         if (std::memcmp(pinned, expected, bytes) != 0) fail("pinned_d2h: bytes in host memory differ from GPU memory");
+        write_json(false);
     }
 
-    if (!options.json_path.empty()) {
-        FILE* out = std::fopen(options.json_path.c_str(), "w");
-        if (out == nullptr) fail("cannot write " + options.json_path);
-        std::fprintf(out,
-                     "{\"tool\":\"tools/gpu/h2d-bandwidth.cu\",\"device\":\"%s\",\"sm_count\":%d,\"driver_version\":%d,"
-                     "\"kv_bytes_per_token_per_layer\":%zu,\"repetitions\":%d,\"mapped_read_blocks_per_sm\":%d,\"points\":[",
-                     properties.name, properties.multiProcessorCount, driver_version, kKvBytesPerTokenPerLayer, options.repetitions,
-                     blocks_per_sm);
-        for (size_t i = 0; i < results.size(); ++i) {
-            const Measurement& m = results[i].second;
-            std::fprintf(out,
-                         "%s{\"tokens\":%d,\"bytes\":%zu,\"method\":\"%s\",\"median_us\":%.2f,\"p10_us\":%.2f,\"p90_us\":%.2f,"
-                         "\"gb_per_s\":%.3f}",
-                         i == 0 ? "" : ",", results[i].first, m.bytes, m.method.c_str(), m.median_us, m.p10_us, m.p90_us,
-                         double(m.bytes) / (m.median_us * 1e-6) / 1e9);
-        }
-        std::fprintf(out, "]}\n");
-        if (std::fclose(out) != 0) fail("writing " + options.json_path);
-    }
+    write_json(true);
     check(cudaHostUnregister(registered), "cudaHostUnregister");
     munmap(mapping, bytes_max);
     check(cudaFreeHost(pinned), "cudaFreeHost");

@@ -77,6 +77,15 @@ WAIT_TIMEOUT_S = 15.0
 QK_STD_DEFAULT = 1.5
 
 
+def write_json(path: str | None, result: dict) -> None:
+    """--out, replaced whole (written aside, then renamed): after the store, after each hit rate,
+    and at the end, so a run stopped from outside still leaves the hit rates it measured."""
+    if path:
+        with open(path + ".partial", "w") as out:
+            out.write(json.dumps(result, indent=2) + "\n")
+        os.replace(path + ".partial", path)
+
+
 def fail(message: str, code: int = 1) -> None:
     print(f"FAIL prefill: {message}", flush=True)
     sys.exit(code)
@@ -363,6 +372,12 @@ def provenance(torch, transformers, tutti, args, config, dtype, cache_api: str) 
                           "the registered blocks into a contiguous DynamicCache), one prompt at a time, the CPU "
                           "software controller as the device, no GPU-initiated I/O."),
     }
+    try:  # the commit, from git or (on the GPU machine, where .git does not travel) target/gpu-carry/COMMIT
+        import provenance as tree_provenance  # tools/gpu/provenance.py, beside this script
+
+        info["commit"] = tree_provenance.commit_info()
+    except Exception as error:  # noqa: BLE001 — provenance must not cost the measurement
+        info["commit"] = {"commit": "unknown", "source": f"{type(error).__name__}: {error}"}
     if args.device == "cuda":
         properties = torch.cuda.get_device_properties(0)
         info["gpu"] = {"name": properties.name, "sms": properties.multi_processor_count,
@@ -474,6 +489,10 @@ def main() -> None:
             result["store"] = {"blocks": prefix_blocks_max, "bytes": prefix_blocks_max * block_bytes,
                                "seconds": round(store_s, 3),
                                "gib_per_s": round(prefix_blocks_max * block_bytes / store_s / 2**30, 3)}
+            # Until the end overwrites it: what a run stopped from outside (the call's limit) leaves.
+            result["status"] = "INCOMPLETE (stopped before the end; the hit rates in results were measured)"
+            result["failures"] = failures
+            write_json(args.out, result)
             print(f"prefill-ttft: stored {prefix_blocks_max} blocks ({prefix_blocks_max * block_bytes / 2**20:.1f} MiB) "
                   f"in {store_s:.2f} s", flush=True)
 
@@ -492,6 +511,8 @@ def main() -> None:
                 result["results"].append(row)
                 failures.extend(row.pop("failures"))
                 previous_rate_s = time.monotonic() - rate_started
+                result["elapsed_s"] = round(time.monotonic() - started, 1)
+                write_json(args.out, result)
                 print(f"prefill-ttft: hit {rate:.2f}: prefix {prefix} of {prompt_tokens} tokens: recompute "
                       f"{row['recompute_ttft_ms']:.1f} ms, tutti {row['tutti_ttft_ms']:.1f} ms (bubble "
                       f"{row['bubble_ms']:.1f} ms, retrieve {row['retrieve_gib_per_s']:.2f} GiB/s), resident "
@@ -519,12 +540,8 @@ def main() -> None:
     result["elapsed_s"] = round(time.monotonic() - started, 1)
     result["status"] = "FAIL" if failures else ("PARTIAL" if partial else "PASS")
     result["failures"] = failures
-    text = json.dumps(result, indent=2)
-    print(text, flush=True)
-    if args.out:
-        with open(args.out + ".partial", "w") as out:
-            out.write(text + "\n")
-        os.replace(args.out + ".partial", args.out)
+    print(json.dumps(result, indent=2), flush=True)
+    write_json(args.out, result)
     done = len(result["results"])
     if failures:
         fail("; ".join(failures))

@@ -5,11 +5,11 @@
 # usage, in the repository root:
 #   tools/gpu/run-all.sh --prepare      on the development machine (cargo, pip, network): what the
 #                                       GPU machine cannot build, into target/gpu-carry/
-#   tools/gpu/run-all.sh [STEP...]      on the GPU machine; STEPs (default: all but prefill, in this order):
+#   tools/gpu/run-all.sh [STEP...]      on the GPU machine; STEPs run in the order given (default: all
+#                                       but prefill, in this order):
 #     tests      item 2: tools/gpu/run-gpu-tests.sh (kernels, rule checks, the gio-uring GPU test)
 #     green      item 3: tools/gpu/green-contexts.cu, GEMM slowdown beside a poller
 #     bandwidth  item 5: tools/gpu/h2d-bandwidth.cu, pinned/registered/mapped copies per KV layer
-#     slack      item 4: tools/gpu/slack-profile.py timeline, then `tutti-profile import` to a table
 #     ipc        issue 14 item 3: tuttid-gpu-check — tuttid on emu:mem with --device-memory cuda, a
 #                client process stores from its cuMemAlloc'd KV memory registered through CUDA IPC,
 #                another retrieves into its own and compares every byte (docs/tuttid.md, GPU memory)
@@ -17,19 +17,25 @@
 #                (carried) on emu:mem with --device-memory cuda; tools/gpu/python-cuda-check.py
 #                stores from one process's torch CUDA KV tensors and retrieves into another's,
 #                comparing every byte, and prints GiB/s (docs/python.md, GPU memory)
+#     slack      item 4: tools/gpu/slack-profile.py timeline, then `tutti-profile import` to a table
 #     prefill    issue 15 item 6, only when named: tools/gpu/prefill-ttft.py — a Llama-3.1-8B-shaped
 #                transformers model (random weights) prefills an 8192-token prompt whose prefix KV
 #                tutti retrieves layer by layer (the wheel and tuttid carried, emu:mem, --device-memory
 #                cuda), against recomputing the prefix, at hit rates 0.25/0.5/0.9: TTFT, bubble,
 #                logits checked (its budget, RUN_ALL_PREFILL_BUDGET_S, default 150 s, includes model
-#                set-up) → prefill-ttft.json
+#                set-up) → prefill-ttft.json (rewritten after each hit rate)
 #
 # The device allows 10 minutes per call and 15 minutes of device time per session, machine start
-# included: call `tests green bandwidth prefill ipc python` (about 4 to 6 minutes; timeout_s 480),
-# then at once `RUN_ALL_SLACK_BUDGET_S=240 tools/gpu/run-all.sh slack` (timeout_s 330; the
-# profile stops early rather than overrun, keeping complete input lengths; the rest of its grid
-# waits for a later session). docs/gio-uring.md ("Running on a GPU") gives the exact calls and
-# the carry list.
+# and idle waits included. Call 1: `tools/gpu/run-all.sh tests green bandwidth ipc prefill python`
+# (timeout_s 480; about 4 to 6 minutes; ipc, short, comes before prefill because it proves the CUDA
+# IPC path through tuttid that prefill stands on). Call 2, at once after it: read the device tool's
+# budget_left_s (its `status`), set timeout_s = min(330, budget_left_s - 20) and
+# RUN_ALL_SLACK_BUDGET_S = timeout_s - 100, and run `RUN_ALL_SLACK_BUDGET_S=B tools/gpu/run-all.sh
+# slack`; if B comes out under 90 s, skip call 2 and give the machine back. The slack step's
+# profile gets --budget-s B and a hard `timeout` of B + 45 s (it rewrites its CSV after each input
+# length, so a kill keeps the lengths done), then the import: the step ends within about B + 80 s,
+# before the call's limit. The rest of its grid waits for a later session. docs/gio-uring.md
+# ("Running on a GPU") gives the exact calls and the carry list.
 #
 # What the GPU machine has (the lent H100/H200: CUDA with nvcc, a driver, python3 with PyTorch;
 # no cargo, no network; only the working tree and carried paths travel, 64 MiB): the .cu programs
@@ -37,7 +43,11 @@
 # with the pinned CUDA 13.2 wheels are used. tutti-profile and the GPU test binary come from
 # target/gpu-carry (built here; they link glibc dynamically, so the GPU machine's glibc must be no
 # older than this machine's), as do tuttid and tuttid-gpu-check (the `cuda` feature; libcuda is
-# loaded at run time).
+# loaded at run time). .git does not travel: --prepare writes target/gpu-carry/COMMIT (commit,
+# dirty or not, hashes of the status, the diff and the tracked files), TRACKED and ABI (the highest
+# GLIBC_ version each carried binary and the wheel's module need, the wheel's platform tag) with
+# tools/gpu/provenance.py; summary.txt's header gives the commit, the carry's glibc need against
+# this machine's glibc, and where libcuda is, so an ABI mismatch shows in $OUT.
 #
 # Results in $OUT (default target/gpu-results), at most 8 files, flat:
 #   summary.txt            one PASS/FAIL/NOT RUN line per step, with versions and times
@@ -68,6 +78,7 @@ build_programs() {
 
 if [[ "${1:-}" == "--prepare" ]]; then
   set -e
+  rm -f "$CARRY/COMMIT" "$CARRY/TRACKED" "$CARRY/ABI"     # never a stale record of an earlier carry
   tools/gpu/run-gpu-tests.sh --prepare                   # kernels + gio-uring GPU test binary
   cargo build --release --locked -p tutti-profile
   cp target/release/tutti-profile "$CARRY/tutti-profile"
@@ -92,6 +103,10 @@ if [[ "${1:-}" == "--prepare" ]]; then
   rm -f "$CARRY"/tutti-*.whl
   cp target/wheels/tutti-*-abi3-*.whl "$CARRY/"
   python3 -m unittest discover -s tools/gpu -p 'test_*.py'
+  # Provenance and ABI for the GPU machine, where .git is not (tools/gpu/provenance.py), last:
+  # the carry is complete.
+  python3 tools/gpu/provenance.py prepare "$CARRY" && sed 's/^/run-all: ABI /' "$CARRY/ABI" ||
+    echo "run-all: WARNING: provenance not recorded (target/gpu-carry/COMMIT, ABI); the GPU run will say commit unknown" >&2
   du -sh "$CARRY"
   echo "run-all: carry target/gpu-carry; run tools/gpu/run-all.sh there (see docs/gio-uring.md, Running on a GPU)"
   exit 0
@@ -118,24 +133,29 @@ done
 
 {
   echo "== run-all $(date -u +%Y-%m-%dT%H:%M:%SZ), steps: ${STEPS[*]}"
-  echo "== commit $(git rev-parse HEAD 2>/dev/null || echo unknown)"
+  echo "== commit $(python3 tools/gpu/provenance.py line "$CARRY" 2>&1)"
   echo "== uname $(uname -srm)"
   echo "== gpu $(command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total,clocks.max.sm --format=csv,noheader 2>&1 || echo "no nvidia-smi")"
   echo "== nvcc $(command -v nvcc >/dev/null && nvcc --version | tail -n 1 || echo 'not found')"
   echo "== python $(python3 -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1)"
   echo "== glibc $(ldd --version 2>&1 | head -n 1)"
+  echo "== carry abi $(python3 tools/gpu/provenance.py abi "$CARRY" 2>&1)"
+  echo "== libcuda $(ldconfig -p 2>/dev/null | grep -E 'libcuda\.so' | sed -E 's/^[[:space:]]+//' | paste -sd ';' - | grep . || echo 'not in the ldconfig cache')"
 } >>"$SUMMARY"
 cat "$SUMMARY"
 
 # The programs: built here with this machine's nvcc for its GPU, else the carried sm_90 builds.
+# The build is tried once per call: a failed one is not repeated by a later step.
 PROGRAMS=""
+PROGRAMS_BUILD_TRIED=0
 programs() {
   [[ -n "$PROGRAMS" ]] && return 0
   local arch
   arch="sm_$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1 | tr -d '. ')"
-  if command -v nvcc >/dev/null 2>&1 && [[ "$arch" =~ ^sm_[0-9]+$ ]]; then
+  if [[ $PROGRAMS_BUILD_TRIED -eq 0 ]] && command -v nvcc >/dev/null 2>&1 && [[ "$arch" =~ ^sm_[0-9]+$ ]]; then
+    PROGRAMS_BUILD_TRIED=1
     section "build ${CU_PROGRAMS[*]} with $(command -v nvcc) for $arch"
-    if timeout 180 bash -c "$(declare -p NVCC_FLAGS); $(declare -f build_programs); build_programs nvcc $arch $WORK/bin" >>"$LOG" 2>&1; then
+    if timeout -k 5 180 bash -c "$(declare -p NVCC_FLAGS); $(declare -f build_programs); build_programs nvcc $arch $WORK/bin" >>"$LOG" 2>&1; then
       PROGRAMS="$WORK/bin"
       return 0
     fi
@@ -166,9 +186,14 @@ PY
 }
 
 step_tests() {
-  local out="$WORK/tests" rc
+  local out="$WORK/tests" rc budget_s
   mkdir -p "$out"
-  OUT="$out" timeout "$(budget TESTS 240)" tools/gpu/run-gpu-tests.sh >>"$LOG" 2>&1
+  budget_s=$(budget TESTS 240)
+  # run-gpu-tests.sh bounds each GPU test run by what is left of GIO_GPU_TESTS_BUDGET_S, under
+  # `timeout --foreground` (in this timeout's process group): it ends before this limit, and this
+  # timeout's kill reaches the test binary too, so no persistent kernel outlives the step.
+  OUT="$out" GIO_GPU_TESTS_BUDGET_S=$((budget_s > 40 ? budget_s - 15 : budget_s / 2)) \
+    timeout -k 10 "$budget_s" tools/gpu/run-gpu-tests.sh >>"$LOG" 2>&1
   rc=$?
   for file in "$out"/*; do
     [[ -f "$file" ]] && { section "run-gpu-tests: $(basename "$file")"; cat "$file" >>"$LOG"; }
@@ -182,7 +207,7 @@ step_green() {
   local cublas
   cublas=$(find_cublas)
   echo "green: cuBLAS ${cublas:-not found}" >>"$SUMMARY"
-  GREEN_CUBLAS_LIBRARY="$cublas" timeout "$(budget GREEN 150)" "$PROGRAMS/green-contexts" --json "$OUT/green-contexts.json" >>"$LOG" 2>&1
+  GREEN_CUBLAS_LIBRARY="$cublas" timeout -k 10 "$(budget GREEN 150)" "$PROGRAMS/green-contexts" --json "$OUT/green-contexts.json" >>"$LOG" 2>&1
 }
 
 step_bandwidth() {
@@ -190,7 +215,7 @@ step_bandwidth() {
   # The two measurements are independent: a failed cudaMemcpy baseline must not cost the
   # gio-kernel layer loads (item 5 proper), nor the other way round.
   if programs; then
-    timeout "$(budget BANDWIDTH 120)" "$PROGRAMS/h2d-bandwidth" --json "$OUT/bandwidth.json" >>"$LOG" 2>&1 || {
+    timeout -k 10 "$(budget BANDWIDTH 120)" "$PROGRAMS/h2d-bandwidth" --json "$OUT/bandwidth.json" >>"$LOG" 2>&1 || {
       record "NOTE bandwidth: h2d-bandwidth (the cudaMemcpy baseline) failed; see run.log"
       failed=1
     }
@@ -205,13 +230,15 @@ step_bandwidth() {
     record "NOT RUN bandwidth through the gio kernel: target/gpu-carry/gpu-layer-load was not carried (tools/gpu/run-all.sh --prepare)"
     return "$failed"
   fi
+  # The kernels run-gpu-tests.sh built here, if that build completed (tools/cuda-build.sh writes
+  # kernels-ok.txt last), else the carried ones.
   local kernels="$ROOT/target/kernels"
-  [[ -f "$kernels/gio_io_kernel.sm_90.cubin" ]] || kernels="$CARRY/kernels"
+  [[ -f "$kernels/kernels-ok.txt" && -f "$kernels/gio_io_kernel.sm_90.cubin" ]] || kernels="$CARRY/kernels"
   section "gpu-layer-load (kernels from $kernels)"
   # The example stops by itself 30 s before the step's timeout (exit 3: the sizes done are kept).
   local layer_budget
   layer_budget=$(budget LAYER_LOAD 180)
-  GIO_KERNEL_DIR="$kernels" GIO_DMA_MODE=staged timeout "$layer_budget" "$CARRY/gpu-layer-load" \
+  GIO_KERNEL_DIR="$kernels" GIO_DMA_MODE=staged timeout -k 10 "$layer_budget" "$CARRY/gpu-layer-load" \
     --budget-s "$((layer_budget > 60 ? layer_budget - 30 : layer_budget / 2))" --json "$OUT/bandwidth-kernel.json" >>"$LOG" 2>&1
   rc=$?
   [[ $rc -eq 3 ]] && record "NOTE bandwidth: gpu-layer-load PARTIAL (budget reached); bandwidth-kernel.json has the sizes done"
@@ -225,7 +252,7 @@ step_ipc() {
     return 1
   fi
   local rc line
-  timeout "$(budget IPC 180)" "$CARRY/tuttid-gpu-check" --tuttid "$CARRY/tuttid" --timeout-seconds 60 >"$WORK/ipc.log" 2>&1
+  timeout -k 10 "$(budget IPC 180)" "$CARRY/tuttid-gpu-check" --tuttid "$CARRY/tuttid" --timeout-seconds 60 >"$WORK/ipc.log" 2>&1
   rc=$?
   cat "$WORK/ipc.log" >>"$LOG"
   # Its last line says PASS or FAIL and why (the CUDA call or the daemon's refusal that failed).
@@ -274,7 +301,7 @@ step_python() {
     record "FAIL python: tuttid did not listen (see run.log)"
     return 1
   fi
-  (cd "$WORK" && PYTHONPATH="$site" timeout "$(budget PYTHON 240)" "$python" "$ROOT/tools/gpu/python-cuda-check.py" \
+  (cd "$WORK" && PYTHONPATH="$site" timeout -k 10 "$(budget PYTHON 240)" "$python" "$ROOT/tools/gpu/python-cuda-check.py" \
     --socket "$dir/tuttid.sock" --device "$device") >"$WORK/python.log" 2>&1
   rc=$?
   kill -TERM "$pid" 2>/dev/null
@@ -308,7 +335,7 @@ step_prefill() {
   out=$(cd "$OUT" && pwd)  # the script runs in $WORK
   read -r -a device_args <<<"${RUN_ALL_PREFILL_DEVICE_ARGS:---device cuda}"
   read -r -a extra_args <<<"${RUN_ALL_PREFILL_ARGS:-}"  # e.g. "--prompt-tokens 16384"
-  (cd "$WORK" && PYTHONPATH="$WORK/python-site" PYTHONUNBUFFERED=1 timeout $((budget_s + 90)) "$python" \
+  (cd "$WORK" && PYTHONPATH="$WORK/python-site" PYTHONUNBUFFERED=1 timeout -k 10 $((budget_s + 90)) "$python" \
     "$ROOT/tools/gpu/prefill-ttft.py" "${device_args[@]}" --tuttid "$tuttid" --budget-s "$budget_s" \
     --out "$out/prefill-ttft.json" "${extra_args[@]}") >"$WORK/prefill.log" 2>&1
   rc=$?
@@ -333,17 +360,22 @@ step_slack() {
   local extra_args=()
   read -r -a extra_args <<<"${RUN_ALL_SLACK_ARGS:-}"
   args+=("${extra_args[@]}")
-  PYTHONUNBUFFERED=1 timeout $((budget_s + 90)) python3 tools/gpu/slack-profile.py "${args[@]}" --budget-s "$budget_s" >>"$LOG" 2>&1
+  # The profile's hard limit is its budget plus 45 s (an input length it mispredicted): it rewrites
+  # the CSV after each input length, so a kill keeps the lengths done, and the import that follows
+  # (seconds) still fits in the call: the step ends within about budget + 80 s (docs/gio-uring.md:
+  # call 2's timeout_s is RUN_ALL_SLACK_BUDGET_S + 100).
+  PYTHONUNBUFFERED=1 timeout -k 5 $((budget_s + 45)) python3 tools/gpu/slack-profile.py "${args[@]}" --budget-s "$budget_s" >>"$LOG" 2>&1
   rc=$?
   if [[ $rc -ne 0 && $rc -ne 3 && ! -s "$OUT/slack-timeline.csv" ]]; then
     # The profiler path failed outright: CUDA events give group durations (SMs unknown) instead.
     local left=$((budget_s - (SECONDS - started)))
     if [[ $left -gt 60 ]]; then
       record "NOTE slack: the profiler run failed (exit $rc); retrying with --timing events, ${left} s left"
-      PYTHONUNBUFFERED=1 timeout $((left + 60)) python3 tools/gpu/slack-profile.py "${args[@]}" --timing events --budget-s "$left" >>"$LOG" 2>&1
+      PYTHONUNBUFFERED=1 timeout -k 5 $((left + 45)) python3 tools/gpu/slack-profile.py "${args[@]}" --timing events --budget-s "$left" >>"$LOG" 2>&1
       rc=$?
     fi
   fi
+  [[ $rc -eq 124 || $rc -eq 137 ]] && record "NOTE slack: the profile ran past its limit ($((budget_s + 45)) s) and was stopped; the CSV keeps the input lengths completed before"
   [[ $rc -eq 3 ]] && record "NOTE slack: PARTIAL grid (budget reached); the table ends at the last complete input length"
   [[ -s "$OUT/slack-timeline.csv" ]] || return 1
   if [[ ! -x "$CARRY/tutti-profile" ]]; then
@@ -354,11 +386,18 @@ step_slack() {
   # a spec of its own so that the table says what it was measured on.
   local name sms target=()
   name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
-  sms=$(python3 -c 'import torch; print(torch.cuda.get_device_properties(0).multi_processor_count)' 2>/dev/null)
+  sms=$(timeout 60 python3 -c 'import torch; print(torch.cuda.get_device_properties(0).multi_processor_count)' 2>/dev/null | tail -n 1)
+  # Else the SM count the profile itself recorded (torch's, in its provenance).
+  [[ "$sms" =~ ^[1-9][0-9]*$ ]] || sms=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["sm_count"])' \
+    "$OUT/slack-provenance.json" 2>/dev/null)
   case "$name" in *H200*) target=(--gpu h200) ;; *H100*) target=(--gpu h100) ;; esac
   if [[ -n "${RUN_ALL_GPU_PRESET:-}" ]]; then
     target=(--gpu "$RUN_ALL_GPU_PRESET")
+  elif [[ ! "$sms" =~ ^[1-9][0-9]*$ ]]; then
+    record "FAIL slack: the GPU's SM count is unknown (torch reported '${sms}'; none in slack-provenance.json): not imported; slack-timeline.csv is kept (import it afterwards with --gpu or --gpu-spec)"
+    return 1
   elif [[ ${#target[@]} -eq 0 || "$sms" != "132" ]]; then
+    [[ -n "$name" ]] || name="gpu"
     python3 - "$name" "$sms" >"$WORK/gpu-spec.json" <<'PY'
 import json, re, sys
 name, sms = sys.argv[1], int(sys.argv[2])

@@ -49,6 +49,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import provenance as tree_provenance  # noqa: E402  (tools/gpu/provenance.py, standard library only)
 import timeline  # noqa: E402  (tools/gpu/timeline.py, standard library only)
 
 
@@ -264,12 +265,11 @@ def provenance(torch, args: argparse.Namespace, dims: Dims, sm_count: int, gqa_n
         "notes": "eager PyTorch, no CUDA graphs, fused QKV and gate/up weights; a bucket with prefix = input computes 1 token "
         "over input - 1 cached; one decode step (1 token over the input length) per input length",
     }
-    try:
-        info["git_commit"] = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, cwd=os.path.dirname(os.path.abspath(__file__))
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        info["git_commit"] = "unknown"
+    # From git where this is a checkout, else from target/gpu-carry/COMMIT (.git does not travel to
+    # the GPU machine; run-all.sh --prepare writes it).
+    commit = tree_provenance.commit_info()
+    info["git_commit"] = commit["commit"]
+    info["git_commit_detail"] = commit
     if args.device == "cuda":
         properties = torch.cuda.get_device_properties(0)
         info["gpu"] = properties.name

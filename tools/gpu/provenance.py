@@ -1,0 +1,219 @@
+#!/usr/bin/env python3
+"""What a GPU run was built from, when .git does not travel (tools/gpu/run-all.sh).
+
+The GPU machine gets the working tree and target/gpu-carry, never .git. So `run-all.sh --prepare`
+records, here, into the carry:
+
+  target/gpu-carry/COMMIT        the commit (git rev-parse HEAD), whether the tree was dirty, the
+                                 sha256 of `git status --porcelain` and of `git diff HEAD --binary`,
+                                 the sha256 of the tracked files' contents (tree_sha256), the date
+  target/gpu-carry/TRACKED       the tracked paths, one a line (to recompute tree_sha256 there)
+  target/gpu-carry/ABI           the highest GLIBC_ symbol version each carried ELF binary (and the
+                                 wheel's extension module) needs (objdump -T), the maximum, and the
+                                 wheel's platform tag
+
+and on the GPU machine `line` prints the commit from git if this is a git checkout, else from
+COMMIT, with whether the travelled tracked files still hash to tree_sha256, and `abi` compares the
+carried binaries' glibc need with this machine's glibc. slack-profile.py's provenance uses
+commit_info(). Standard library only.
+
+  python3 tools/gpu/provenance.py prepare [CARRY]   # here, by run-all.sh --prepare
+  python3 tools/gpu/provenance.py line [CARRY]      # one line: the commit and where it came from
+  python3 tools/gpu/provenance.py abi [CARRY]       # one line: glibc needed by the carry vs here
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import zipfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CARRY = os.path.join(ROOT, "target", "gpu-carry")
+# The carried ELF binaries (run-all.sh --prepare and run-gpu-tests.sh --prepare).
+BINARIES = ("gpu-test", "tutti-profile", "gpu-layer-load", "tuttid", "tuttid-gpu-check", "green-contexts", "h2d-bandwidth")
+
+
+def _git(*args: str) -> str | None:
+    """git's output in ROOT, or None where ROOT is not the top of a git checkout (no .git there)."""
+    try:
+        top = subprocess.run(["git", "-C", ROOT, "rev-parse", "--show-toplevel"], capture_output=True, text=True, timeout=20)
+        if top.returncode != 0 or os.path.realpath(top.stdout.strip()) != os.path.realpath(ROOT):
+            return None
+        done = subprocess.run(["git", "-C", ROOT, *args], capture_output=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.decode("utf-8", "replace") if done.returncode == 0 else None
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def tree_sha256(paths: list[str]) -> tuple[str, int]:
+    """sha256 over (path, contents) of the listed files that exist under ROOT; and how many were missing."""
+    digest = hashlib.sha256()
+    missing = 0
+    for path in sorted(paths):
+        full = os.path.join(ROOT, path)
+        if not os.path.isfile(full) or os.path.islink(full):
+            missing += 1
+            continue
+        with open(full, "rb") as handle:
+            data = handle.read()
+        digest.update(path.encode() + b"\0" + str(len(data)).encode() + b"\0" + data)
+    return digest.hexdigest(), missing
+
+
+def read_fields(path: str) -> dict[str, str]:
+    fields: dict[str, str] = {}
+    try:
+        with open(path) as handle:
+            for line in handle:
+                key, sep, value = line.partition(":")
+                if sep:
+                    fields[key.strip()] = value.strip()
+    except OSError:
+        pass
+    return fields
+
+
+def commit_info(carry: str = CARRY) -> dict:
+    """The commit of this tree: from git where this is a checkout, else from the carry's COMMIT."""
+    head = _git("rev-parse", "HEAD")
+    if head is not None:
+        status = _git("status", "--porcelain") or ""
+        return {"commit": head.strip(), "dirty": bool(status.strip()), "status_sha256": _sha256(status.encode()),
+                "source": "git"}
+    fields = read_fields(os.path.join(carry, "COMMIT"))
+    if not fields.get("commit"):
+        return {"commit": "unknown", "source": "no .git and no target/gpu-carry/COMMIT (run-all.sh --prepare writes it)"}
+    info: dict = {"source": "target/gpu-carry/COMMIT (run-all.sh --prepare)", **fields}
+    info["dirty"] = fields.get("dirty") == "yes"
+    try:
+        with open(os.path.join(carry, "TRACKED")) as handle:
+            paths = [line.rstrip("\n") for line in handle if line.strip()]
+        here, missing = tree_sha256(paths)
+        info["tree_matches_prepare"] = here == fields.get("tree_sha256")
+        if missing:
+            info["tracked_files_missing_here"] = missing
+    except OSError:
+        info["tree_matches_prepare"] = None
+    return info
+
+
+def commit_line(carry: str = CARRY) -> str:
+    info = commit_info(carry)
+    if info["commit"] == "unknown":
+        return f"unknown ({info['source']})"
+    text = info["commit"] + (" (dirty tree" + (f", status sha256 {info['status_sha256'][:12]}" if info.get("status_sha256") else "")
+                             + (f", diff sha256 {info['diff_sha256'][:12]}" if info.get("diff_sha256") else "") + ")"
+                             if info.get("dirty") else " (clean tree)")
+    if info["source"] != "git":
+        text += f", from {info['source']} at {info.get('prepared_utc', '?')}"
+        match = info.get("tree_matches_prepare")
+        text += {True: "; the tracked files here are the prepared ones",
+                 False: "; the tracked files here DIFFER from the prepared ones (the carry may be stale)",
+                 None: "; no TRACKED list to compare"}[match]
+    return text
+
+
+def glibc_needed(path: str) -> str | None:
+    """The highest GLIBC_x.y version an ELF file's dynamic symbols need (objdump -T), or None."""
+    try:
+        done = subprocess.run(["objdump", "-T", path], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    versions = {tuple(int(part) for part in m.split(".")) for m in re.findall(r"GLIBC_(\d+(?:\.\d+)+)", done.stdout)}
+    return ".".join(map(str, max(versions))) if versions else None
+
+
+def _version_key(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", text))
+
+
+def abi_fields(carry: str) -> dict[str, str]:
+    fields: dict[str, str] = {}
+    needs: list[str] = []
+    for name in BINARIES:
+        path = os.path.join(carry, name)
+        if os.path.isfile(path):
+            version = glibc_needed(path)
+            fields[f"glibc_{name}"] = version or "none found (objdump -T)"
+            if version:
+                needs.append(version)
+    wheels = sorted(entry for entry in os.listdir(carry) if entry.endswith(".whl")) if os.path.isdir(carry) else []
+    for wheel in wheels:
+        # name-version(-build)?-python-abi-platform.whl
+        parts = wheel[: -len(".whl")].split("-")
+        fields["wheel"] = wheel
+        fields["wheel_tag"] = "-".join(parts[-3:]) if len(parts) >= 5 else "unparsed"
+        with zipfile.ZipFile(os.path.join(carry, wheel)) as archive, tempfile.TemporaryDirectory() as directory:
+            for member in archive.namelist():
+                if member.endswith(".so") or ".so." in member:
+                    version = glibc_needed(archive.extract(member, directory))
+                    fields[f"glibc_wheel:{member}"] = version or "none found (objdump -T)"
+                    if version:
+                        needs.append(version)
+    fields["glibc_max"] = max(needs, key=_version_key) if needs else "unknown"
+    return fields
+
+
+def prepare(carry: str) -> int:
+    head = _git("rev-parse", "HEAD")
+    if head is None:
+        print("provenance: no git checkout here; COMMIT not written", file=sys.stderr)
+        return 1
+    status = _git("status", "--porcelain") or ""
+    diff = (_git("diff", "HEAD", "--binary") or "").encode()
+    tracked = [path for path in (_git("ls-files") or "").splitlines() if path]
+    tree, _missing = tree_sha256(tracked)
+    os.makedirs(carry, exist_ok=True)
+    commit = {"commit": head.strip(), "dirty": "yes" if status.strip() else "no", "status_sha256": _sha256(status.encode()),
+              "diff_sha256": _sha256(diff), "untracked_files": str(sum(1 for line in status.splitlines() if line.startswith("??"))),
+              "tree_sha256": tree, "prepared_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+              "prepared_on": f"{platform.node()} {platform.platform()}"}
+    with open(os.path.join(carry, "TRACKED"), "w") as handle:
+        handle.write("".join(path + "\n" for path in tracked))
+    with open(os.path.join(carry, "COMMIT"), "w") as handle:
+        handle.write("".join(f"{key}: {value}\n" for key, value in commit.items()))
+    abi = abi_fields(carry)
+    with open(os.path.join(carry, "ABI"), "w") as handle:
+        handle.write("".join(f"{key}: {value}\n" for key, value in abi.items()))
+    print(f"provenance: commit {commit['commit']} dirty {commit['dirty']}; "
+          f"carried binaries need glibc {abi['glibc_max']}; wheel {abi.get('wheel_tag', 'none')}")
+    return 0
+
+
+def abi_line(carry: str) -> str:
+    fields = read_fields(os.path.join(carry, "ABI"))
+    here = platform.libc_ver()
+    here_text = f"{here[0]} {here[1]}" if here[1] else "unknown"
+    need = fields.get("glibc_max")
+    if not need:
+        return f"carry's glibc need unknown (no target/gpu-carry/ABI); here {here_text}"
+    text = f"carried binaries need GLIBC_{need}, here {here_text}; wheel {fields.get('wheel_tag', 'none')}"
+    if need != "unknown" and here[1]:
+        text += ": ok" if _version_key(here[1]) >= _version_key(need) else ": TOO OLD here, the carried binaries will not load"
+    return text
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in ("prepare", "line", "abi"):
+        print(__doc__, file=sys.stderr)
+        return 2
+    carry = argv[1] if len(argv) > 1 else CARRY
+    if argv[0] == "prepare":
+        return prepare(carry)
+    print(commit_line(carry) if argv[0] == "line" else abi_line(carry))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

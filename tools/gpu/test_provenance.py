@@ -1,0 +1,76 @@
+"""Unit tests of tools/gpu/provenance.py (standard library only): the commit read from the carry
+where .git did not travel, the tracked-files check, and the glibc comparison."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import unittest
+from unittest import mock
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import provenance  # noqa: E402
+
+
+class CommitFromCarry(unittest.TestCase):
+    def setUp(self):
+        self.root = tempfile.TemporaryDirectory()
+        self.carry = os.path.join(self.root.name, "target", "gpu-carry")
+        os.makedirs(self.carry)
+        with open(os.path.join(self.root.name, "a.txt"), "w") as handle:
+            handle.write("one\n")
+        patches = [mock.patch.object(provenance, "ROOT", self.root.name), mock.patch.object(provenance, "_git", lambda *args: None)]
+        for patch in patches:
+            patch.start()
+            self.addCleanup(patch.stop)
+
+    def tearDown(self):
+        self.root.cleanup()
+
+    def write_carry(self):
+        tree, missing = provenance.tree_sha256(["a.txt"])
+        self.assertEqual(missing, 0)
+        with open(os.path.join(self.carry, "COMMIT"), "w") as handle:
+            handle.write(f"commit: abc123\ndirty: yes\nstatus_sha256: {'0' * 64}\ntree_sha256: {tree}\nprepared_utc: then\n")
+        with open(os.path.join(self.carry, "TRACKED"), "w") as handle:
+            handle.write("a.txt\n")
+
+    def test_no_git_no_commit_file_is_unknown(self):
+        self.assertEqual(provenance.commit_info(self.carry)["commit"], "unknown")
+        self.assertTrue(provenance.commit_line(self.carry).startswith("unknown"))
+
+    def test_commit_file_and_unchanged_tree(self):
+        self.write_carry()
+        info = provenance.commit_info(self.carry)
+        self.assertEqual((info["commit"], info["dirty"], info["tree_matches_prepare"]), ("abc123", True, True))
+        self.assertIn("the tracked files here are the prepared ones", provenance.commit_line(self.carry))
+
+    def test_changed_tree_is_reported(self):
+        self.write_carry()
+        with open(os.path.join(self.root.name, "a.txt"), "w") as handle:
+            handle.write("two\n")
+        self.assertFalse(provenance.commit_info(self.carry)["tree_matches_prepare"])
+        self.assertIn("DIFFER", provenance.commit_line(self.carry))
+
+
+class GlibcComparison(unittest.TestCase):
+    def line(self, need: str, here: str) -> str:
+        with tempfile.TemporaryDirectory() as carry:
+            with open(os.path.join(carry, "ABI"), "w") as handle:
+                handle.write(f"glibc_max: {need}\nwheel_tag: cp39-abi3-manylinux_2_34_x86_64\n")
+            with mock.patch.object(provenance.platform, "libc_ver", lambda: ("glibc", here)):
+                return provenance.abi_line(carry)
+
+    def test_versions_compare_numerically(self):
+        self.assertTrue(self.line("2.34", "2.39").endswith(": ok"))
+        self.assertIn("TOO OLD", self.line("2.34", "2.9"))
+        self.assertTrue(self.line("2.9", "2.34").endswith(": ok"))
+
+    def test_no_abi_file(self):
+        with tempfile.TemporaryDirectory() as carry:
+            self.assertIn("unknown", provenance.abi_line(carry))
+
+
+if __name__ == "__main__":
+    unittest.main()
