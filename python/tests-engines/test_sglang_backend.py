@@ -36,8 +36,9 @@ DEVICE_PAGES = 8
 LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
 
 
-def host_pool(layout: str) -> MHATokenToKVPoolHost:
-    """SGLang's MHA host pool on the CPU, over device buffers that live on the CPU too."""
+def host_pool(layout: str, start_layer: int = 0) -> MHATokenToKVPoolHost:
+    """SGLang's MHA host pool on the CPU, over device buffers that live on the CPU too;
+    `start_layer`: the model's first layer this pipeline stage holds."""
     tokens = DEVICE_PAGES * PAGE
     keys = tuple(torch.zeros(tokens, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(LAYERS))
     values = tuple(torch.zeros(tokens, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(LAYERS))
@@ -58,14 +59,17 @@ def host_pool(layout: str) -> MHATokenToKVPoolHost:
     )
     return MHATokenToKVPoolHost(
         info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
-        device_capacity_tokens=tokens, start_layer=0, end_layer=LAYERS - 1,
+        device_capacity_tokens=tokens, start_layer=start_layer, end_layer=start_layer + LAYERS - 1,
     )  # fmt: skip
 
 
-def storage_config(layout: str, extra: dict) -> HiCacheStorageConfig:
+def storage_config(layout: str, extra: dict, **ranks) -> HiCacheStorageConfig:
+    """As SGLang's cache controller fills it in (`_generate_storage_config`); `ranks` overrides
+    the parallel ranks and sizes (tp_rank, pp_size, dp_rank, attn_cp_size, ...)."""
+    fields = dict(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1)
+    fields.update(ranks)
     return HiCacheStorageConfig(
-        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-        is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=layout != "layer_first",
+        **fields, is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=layout == "page_first",
         model_name="tutti-test-model", extra_config=extra,
     )  # fmt: skip
 
@@ -85,9 +89,9 @@ def extra_config(pool_file: Path, format_pool: bool, **changes) -> dict:
     return {key: value for key, value in config.items() if value is not None}
 
 
-def backend(layout: str, pool: MHATokenToKVPoolHost, extra: dict) -> HiCacheStorage:
+def backend(layout: str, pool: MHATokenToKVPoolHost, extra: dict, **ranks) -> HiCacheStorage:
     """As SGLang's cache controller attaches storage: the factory, then register_mem_pool_host."""
-    created = StorageBackendFactory.create_backend("dynamic", storage_config(layout, extra), pool)
+    created = StorageBackendFactory.create_backend("dynamic", storage_config(layout, extra, **ranks), pool)
     created.register_mem_pool_host(pool)
     return created
 
@@ -578,3 +582,115 @@ def test_a_layer_first_page_keeps_layers_in_flight(tmp_path: Path, layers_in_fli
             assert issued - returned == min(layers_in_flight, LAYERS - returned), recording.waits
     finally:
         storage.close()
+
+
+def test_a_wait_for_request_places_is_bounded_by_one_wave_of_the_other_thread(tmp_path: Path, caplog):
+    """Goal: SGLang's prefetch thread is serial, so a batch waiting for request places the other
+    thread holds gives up after one wave of that thread can take (timeout_s per round of
+    layers + layers_in_flight - 1 rounds), not minutes later: timeout_s x (layers +
+    layers_in_flight), here 0.2 s x (4 + 2) = 1.2 s (it was 0.2 s x (2 x 6 + 2) = 2.8 s)."""
+    storage = backend("layer_first", host_pool("layer_first"), extra_config(tmp_path / "pool.img", True, timeout_s=0.2, requests_max=2))
+    try:
+        keys = page_keys(13, 2)
+        assert storage.batch_set_v1(keys, indices([1, 2])) == [True, True]
+        # SGLang's other thread holds every request place.
+        storage._places.enter()
+        assert storage._places.take(2, 1.0, lambda: False) == 2
+        began = time.monotonic()
+        with caplog.at_level("WARNING"):
+            assert storage.batch_get_v1(keys, indices([3, 4])) == [False, False]
+        waited_s = time.monotonic() - began
+        assert 1.1 < waited_s < 2.2, waited_s
+        assert "no request place came free in 1.2 s" in caplog.text
+        storage._places.give(2)
+        storage._places.leave()
+        assert storage.batch_get_v1(keys, indices([3, 4])) == [True, True]
+    finally:
+        storage.close()
+
+
+@pytest.mark.parametrize(
+    ("ranks", "key"),
+    [
+        ({"tp_rank": 1, "tp_size": 2}, "tp_rank"),
+        ({"pp_rank": 0, "pp_size": 2}, "pp_rank"),
+        # --enable-dp-attention: tp_rank is the rank in the attention-TP group (0 in both groups
+        # when attn_tp_size is 1); dp_rank tells the groups apart.
+        ({"dp_rank": 1}, "dp_rank"),
+        ({"attn_cp_rank": 0, "attn_cp_size": 2}, "cp_rank"),
+    ],
+)
+def test_a_device_template_that_gives_two_scheduler_processes_one_device_is_refused(tmp_path: Path, ranks: dict, key: str):
+    """Goal: SGLang runs one scheduler process per TP rank, pipeline stage, DP-attention group and
+    CP rank, each building this backend from one extra config; a "devices" template without the
+    key that tells this process from another would open the same devices twice (the second
+    attach fails, the server does not start): refused when SGLang's factory builds the backend,
+    naming the key to add."""
+    # Every key but the one this process differs in.
+    devices = f"emu:{tmp_path}/pool.img" if key == "tp_rank" else f"emu:{tmp_path}/pool-tp{{tp_rank}}.img"
+    config = storage_config("page_first", extra_config(tmp_path / "pool.img", True, devices=devices), **ranks)
+    with pytest.raises(tutti.InvalidArgument, match=r"field 'devices'.*put \"\{" + key + r"\}\" in every device string"):
+        StorageBackendFactory.create_backend("dynamic", config, None)
+
+
+def test_pipeline_stages_and_dp_attention_groups_open_their_own_pools_in_their_own_key_spaces(tmp_path: Path, store_options: list):
+    """Goal: with pipeline parallelism (and DP attention) two scheduler processes share tp_rank
+    0; "{pp_rank}", "{dp_rank}" and "{cp_rank}" in the devices template give each its own pool,
+    and each pipeline stage (which holds other layers of the same page hashes) gets a key space
+    of its own: a model fingerprint naming its stage and first layer. An unsplit model's
+    fingerprint is the one it had."""
+    template = f"emu:{tmp_path}/pool-pp{{pp_rank}}-dp{{dp_rank}}-cp{{cp_rank}}-tp{{tp_rank}}.img"
+    stages = []
+    for pp_rank in (0, 1):
+        stage = backend("page_first", host_pool("page_first", start_layer=pp_rank * LAYERS),
+                        extra_config(tmp_path / "unused.img", True, devices=template), pp_rank=pp_rank, pp_size=2, dp_rank=1)  # fmt: skip
+        stages.append(stage)
+    try:
+        assert (tmp_path / "pool-pp0-dp1-cp0-tp0.img").is_file() and (tmp_path / "pool-pp1-dp1-cp0-tp0.img").is_file()
+        for stage in stages:
+            keys = page_keys(14, 1)
+            assert stage.batch_set_v1(keys, indices([1])) == [True]
+            assert stage.batch_exists(keys) == 1
+    finally:
+        for stage in stages:
+            stage.close()
+    unsplit = backend("page_first", host_pool("page_first"), extra_config(tmp_path / "pool.img", True))
+    unsplit.close()
+    fingerprints = [options["model_fingerprint"] for _, options in store_options]
+    assert fingerprints[0] != fingerprints[1], "two pipeline stages share a key space"
+    assert fingerprints[2] == tutti.fingerprint(
+        "sglang hicache", "tutti-test-model", "page_first", LAYERS, HEADS, HEAD_DIM, str(torch.bfloat16), PAGE
+    ), "an unsplit model's fingerprint changed"
+
+
+def test_heterogeneous_tp_head_splitting_is_refused(tmp_path: Path):
+    """Goal: SGLang asks a backend to store page_head pages split by heads when "tp_lcm_size"
+    (instances of other TP sizes sharing the store) exceeds this instance's TP size; tutti's
+    pools are per rank and cannot do that: refused, naming the field, not silently ignored."""
+    config = storage_config("page_head", extra_config(tmp_path / "pool.img", True), tp_size=2, tp_rank=0)
+    config.extra_config["devices"] = f"emu:{tmp_path}/pool{{tp_rank}}.img"
+    config.tp_lcm_size = 4
+    config.should_split_heads = True
+    with pytest.raises(tutti.InvalidArgument, match="tp_lcm_size"):
+        StorageBackendFactory.create_backend("dynamic", config, None)
+
+
+# page_first_direct's buffer is [2, pages, layers, page, ...]: whole pages by its shape.
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("short", ["size", "buffer"])
+def test_a_host_pool_of_part_pages_is_refused_in_every_layout(tmp_path: Path, layout: str, short: str):
+    """Goal: a host pool whose token count is not whole pages, or whose buffer does not hold its
+    tokens, cannot be registered as pages; it is refused with a configuration error naming the
+    pages in every layout (a page_first one was registered with pages of the wrong size, or
+    fewer pages than SGLang addresses)."""
+    pool = host_pool(layout)
+    if short == "size":
+        pool.size -= 1
+        message = "271 tokens are not whole pages of 16"
+    else:
+        message = "does not hold its 272 tokens as 17 pages of 16"
+    tokens = pool.size if short == "size" else pool.size - PAGE
+    pool.kv_buffer = pool.kv_buffer[:, :, :tokens] if layout == "layer_first" else pool.kv_buffer[:, :tokens]
+    created = StorageBackendFactory.create_backend("dynamic", storage_config(layout, extra_config(tmp_path / "pool.img", True)), pool)
+    with pytest.raises(tutti.InvalidArgument, match=message):
+        created.register_mem_pool_host(pool)

@@ -8,10 +8,12 @@ Loaded by SGLang with
 
 SGLang's HiCache moves pages between its host memory pool and the storage backend, whole pages
 (every layer) at a time, naming each page by a hash string chained over the prefix. Each
-scheduler process (one per tensor-parallel rank) builds its own backend, so each opens its own
-tutti pool in-process (`tutti.Store.open`; "{tp_rank}" in a device string is replaced by the rank)
-and registers SGLang's host pool where it lies: `batch_get_v1` / `batch_set_v1` move bytes between
-the devices and the host pool's pages with no copy ("zero copy", `interface_v1`).
+scheduler process (one per tensor-parallel rank, pipeline stage, DP-attention group and
+context-parallel rank) builds its own backend, so each opens its own tutti pool in-process
+(`tutti.Store.open`; "{tp_rank}", "{pp_rank}", "{dp_rank}" and "{cp_rank}" in a device string are
+replaced by the process's ranks, and a template that would give two processes the same devices
+is refused) and registers SGLang's host pool where it lies: `batch_get_v1` / `batch_set_v1` move
+bytes between the devices and the host pool's pages with no copy ("zero copy", `interface_v1`).
 
 Host pool layouts (SGLang's `--hicache-mem-layout`):
 - layer_first `[2, layers, tokens, heads, dim]`: a page of one layer's K (or V) is one run; the pool
@@ -40,7 +42,6 @@ from tutti._engine import (
     byte_geometry,
     check_engine_version,
     fingerprint_from_config,
-    format_devices,
     hash_tokens,
     iocbs_for,
     layers_in_flight_field,
@@ -63,7 +64,12 @@ EXTRA_CONFIG_FIELDS = {
     "interface_v1": Field((int, bool), "must be 1: SGLang then calls the zero-copy batch_get_v1/batch_set_v1", required=True),
     "allocator": Field(str, "SGLang's host pool allocator (\"shm\" or absent)"),
     # tutti's.
-    "devices": Field((str, list), "the pool's devices, e.g. \"vfio:0000:01:00.0\" or \"emu:/var/tutti/rank{tp_rank}.img\"", required=True),
+    "devices": Field(
+        (str, list),
+        "the pool's devices, e.g. \"vfio:0000:01:00.0\" or \"emu:/var/tutti/pp{pp_rank}-tp{tp_rank}.img\" "
+        "({tp_rank}, {pp_rank}, {dp_rank}, {cp_rank}: the scheduler process's ranks)",
+        required=True,
+    ),
     "format": Field(bool, "format a fresh pool for this host pool's page first (everything on it is lost)", default=False),
     "create_bytes": Field(int, "create or grow an emu:PATH file to this size", check=positive),
     "slots_max": Field(int, "at most this many pool slots per device when formatting", check=positive),
@@ -98,6 +104,16 @@ class TuttiHiCacheStorage(HiCacheStorage):
             )
         if storage_config.is_mla_model:
             raise ConfigError("tutti's SGLang backend stores MHA models; this model uses MLA (not supported)")
+        if getattr(storage_config, "should_split_heads", False):
+            # SGLang sets it for a page_head pool when "tp_lcm_size" (heterogeneous TP: instances
+            # of other TP sizes sharing one store) exceeds this instance's TP size; the backend
+            # would then have to store each page as head groups. tutti's pools are per rank.
+            raise ConfigError(
+                f"--hicache-storage-backend-extra-config: \"tp_lcm_size\": {storage_config.tp_lcm_size} asks for pages "
+                f"split by heads across TP sizes (this instance's TP size is {storage_config.tp_size}); tutti stores "
+                "each rank's pages on its own pool and cannot share them across TP sizes: remove \"tp_lcm_size\""
+            )
+        check_rank_devices(self._config["devices"], storage_config)
         self._storage_config = storage_config
         self._timeout_s = float(self._config["timeout_s"])
         self._requests_max = int(self._config["requests_max"])
@@ -143,8 +159,13 @@ class TuttiHiCacheStorage(HiCacheStorage):
             str(mem_pool_host.dtype),
             mem_pool_host.page_size,
         )
+        shard = _shard_parts(storage, mem_pool_host)
+        if shard:
+            # A pipeline stage (or context-parallel rank) holds other layers (or another slice)
+            # of each page under the same page hash: its own key space, even on shared devices.
+            fingerprint = tutti.fingerprint(fingerprint, *shard)
         self._store = tutti.Store.open(
-            format_devices(config["devices"], storage.tp_rank),
+            rank_devices(config["devices"], storage),
             byte_geometry(layer_block_bytes, layers),
             format=config["format"],
             create_bytes=config["create_bytes"],
@@ -246,7 +267,10 @@ class TuttiHiCacheStorage(HiCacheStorage):
         try:
             start = 0
             while start < len(keys) and self._dead is None:
-                wait_s = self._timeout_s * (2 * (self._layers + self._layers_ahead) + 2)
+                # The other thread's wave, served before this one (arrival order), ends within
+                # its layers' waits: `layers + layers_ahead - 1` rounds of at most timeout_s each.
+                # One that stalls closes the pool, which wakes this wait at once.
+                wait_s = self._timeout_s * (self._layers + self._layers_ahead)
                 taken = self._places.take(len(keys) - start, wait_s, lambda: self._dead is not None)
                 if taken == 0:
                     if self._dead is None:
@@ -436,6 +460,58 @@ class _RequestPlaces:
             self._cond.notify_all()
 
 
+# The device-string keys filled in per scheduler process: (key, HiCacheStorageConfig rank
+# attribute, whether processes of this server differ in it). SGLang 0.5.23 sets tp_rank to the
+# attention-TP rank under --enable-dp-attention (group-local: dp_rank tells the groups apart);
+# with plain DP (no DP attention) each replica has dp_rank 0 and nothing here tells them apart.
+_RANK_KEYS = (
+    ("tp_rank", "tp_rank", lambda storage: storage.tp_size > 1),
+    ("pp_rank", "pp_rank", lambda storage: storage.pp_size > 1),
+    ("dp_rank", "dp_rank", lambda storage: getattr(storage, "dp_rank", 0) > 0),
+    ("cp_rank", "attn_cp_rank", lambda storage: storage.attn_cp_size > 1),
+)
+
+
+def rank_devices(devices: Any, storage: HiCacheStorageConfig) -> list[str]:
+    """The device strings of this scheduler process: "{tp_rank}", "{pp_rank}", "{dp_rank}" and
+    "{cp_rank}" replaced by its ranks."""
+    listed = [devices] if isinstance(devices, str) else list(devices)
+    for key, attribute, _ in _RANK_KEYS:
+        rank = str(getattr(storage, attribute, 0))
+        listed = [device.replace("{" + key + "}", rank) for device in listed]
+    return listed
+
+
+def check_rank_devices(devices: Any, storage: HiCacheStorageConfig) -> None:
+    """Raises ConfigError when another scheduler process of this server (another TP rank,
+    pipeline stage, DP-attention group or CP rank) would get the same device strings: its
+    open of the same devices would fail, and SGLang would not start."""
+    listed = [devices] if isinstance(devices, str) else list(devices)
+    for key, attribute, differs in _RANK_KEYS:
+        if differs(storage) and not all("{" + key + "}" in device for device in listed):
+            raise ConfigError(
+                f"--hicache-storage-backend-extra-config: field 'devices' = {devices!r} gives every scheduler process "
+                f"of this server the same device for each {attribute} (this one's is {getattr(storage, attribute, 0)}: "
+                f"tp_size {storage.tp_size}, pp_size {storage.pp_size}, attn_cp_size {storage.attn_cp_size}); "
+                f"put \"{{{key}}}\" in every device string, e.g. \"emu:/var/tutti/pp{{pp_rank}}-tp{{tp_rank}}.img\""
+            )
+
+
+def _shard_parts(storage: HiCacheStorageConfig, host_pool: Any) -> tuple[Any, ...]:
+    """What sets this process's share of a page apart when the model is split across pipeline
+    stages (other layers: the stage and its first layer) or context-parallel ranks (another
+    slice of each page); empty when it is not (the fingerprint of an unsplit model is
+    unchanged)."""
+    if storage.pp_size <= 1 and storage.attn_cp_size <= 1:
+        return ()
+    return (
+        "sglang shard",
+        f"pp {storage.pp_rank}/{storage.pp_size}",
+        f"layers from {getattr(host_pool, 'start_layer', 0)}",
+        f"cp {storage.attn_cp_rank}/{storage.attn_cp_size}",
+    )
+
+
 def _host_pages_unsafe(why: str) -> None:
     """Ends the process: a device may still write SGLang's host pages. There is no safe way back
     to SGLang 0.5.23: its cache controller catches every exception of batch_get_v1 (prefetch:
@@ -484,24 +560,43 @@ def host_pool_layout(host_pool: Any) -> tuple[list[torch.Tensor], list[torch.Ten
         raise ConfigError("tutti needs K and V of the same head dimension (v_head_dim differs)")
     page_size = int(host_pool.page_size)
     page_num = int(host_pool.size) // page_size
-    if page_num * page_size != int(host_pool.size) and layout == "layer_first":
+    if page_num * page_size != int(host_pool.size):
+        # Every layout: pages are views of whole pages of the buffer.
         raise ConfigError(f"the host pool's {host_pool.size} tokens are not whole pages of {page_size}")
-    raw = buffer.view(torch.uint8)
-    if layout == "layer_first":
-        layers = int(host_pool.layer_num)
-        # view, never reshape: a copy would register memory SGLang never reads.
-        keys = [raw[0, layer].view(page_num, -1) for layer in range(layers)]
-        values = [raw[1, layer].view(page_num, -1) for layer in range(layers)]
-    elif layout in _PAGE_LAYOUTS:
-        layers = 1
-        pages = raw.shape[1] if layout != "page_first" else raw.shape[1] // page_size
-        keys = [raw[0].view(pages, -1)]
-        values = [raw[1].view(pages, -1)]
-    else:
+    if layout != "layer_first" and layout not in _PAGE_LAYOUTS:
         raise ConfigError(
             f"SGLang host pool layout {layout!r} is not supported by tutti: use --hicache-mem-layout "
             f"layer_first or one of {', '.join(_PAGE_LAYOUTS)}"
         )
+    # The buffer's token (or page) dimension holds the pool's `size` tokens, whole pages.
+    if layout == "layer_first":
+        rows, rows_expected = buffer.shape[2], page_num * page_size
+    elif layout == "page_first":
+        rows, rows_expected = buffer.shape[1], page_num * page_size
+    else:
+        rows, rows_expected = buffer.shape[1], page_num
+    if rows != rows_expected:
+        raise ConfigError(
+            f"the {layout} host pool's K/V buffer {tuple(buffer.shape)} does not hold its {host_pool.size} tokens "
+            f"as {page_num} pages of {page_size}"
+        )
+    raw = buffer.view(torch.uint8)
+    try:
+        if layout == "layer_first":
+            layers = int(host_pool.layer_num)
+            # view, never reshape: a copy would register memory SGLang never reads.
+            keys = [raw[0, layer].view(page_num, -1) for layer in range(layers)]
+            values = [raw[1, layer].view(page_num, -1) for layer in range(layers)]
+        else:
+            layers = 1
+            keys = [raw[0].view(page_num, -1)]
+            values = [raw[1].view(page_num, -1)]
+    except RuntimeError as error:
+        # A buffer that is not whole contiguous pages of `size` tokens (torch refuses the view).
+        raise ConfigError(
+            f"the {layout} host pool's K/V buffer {tuple(buffer.shape)} is not {page_num} whole pages of "
+            f"{page_size} tokens that tutti can register in place: {error}"
+        ) from error
     return keys, values, layers, 2 * keys[0].shape[1]
 
 
@@ -537,4 +632,4 @@ def _copying_interface(name: str) -> tutti.InvalidState:
     )
 
 
-__all__ = ["TESTED_SGLANG_VERSION", "TuttiHiCacheStorage", "check_sglang_version", "host_pool_layout"]
+__all__ = ["TESTED_SGLANG_VERSION", "TuttiHiCacheStorage", "check_rank_devices", "check_sglang_version", "host_pool_layout", "rank_devices"]
