@@ -2,8 +2,11 @@
 //! nodes over TCP at its data address, and fetches segments it lacks from their holders,
 //! storing them in its own pool so its client retrieves them locally.
 //!
-//! **Holder.** One thread accepts; each peer connection (at most [`PEERS_MAX`] at once) has a
-//! thread that serves `ReadSegment`s in turn: the blocks are reserved in the index (pinned, so
+//! **Holder.** One thread accepts; each peer connection (at most [`PEERS_MAX`] at once; one
+//! more is answered `Unavailable`, "busy", and closed) has a thread that serves `ReadSegment`s in
+//! turn, in order, for at most [`PEER_IDLE`] after the last one it served whole (requests that
+//! are refused do not extend it, and a connection refused [`REFUSALS_PER_CONNECTION_MAX`] times
+//! is closed): a peer sending bogus requests cannot keep a slot. The blocks are reserved in the index (pinned, so
 //! no eviction reuses their slots) until the last byte is sent; read from the SSDs through the
 //! daemon's staging data half (`staging.rs`); each block's CRC computed (and, when the pool
 //! records payload CRCs, checked against the one recorded at commit: a holder never sends bytes
@@ -11,8 +14,11 @@
 //!
 //! **Asker.** `FetchRemote` (a client's request): the registry says who holds what lies past the
 //! local prefix (`lookup.rs`); the holder's data address comes from its member record; each
-//! segment is read in turn (every frame bounded by [`PEER_STALL`]; a block out of order, of
-//! another size or whose CRC does not match fails the read), then stored in the local pool as
+//! segment is read in turn (the segment header awaited until the segment's deadline — the
+//! holder may queue for its staging area first — every frame after it, and every frame once
+//! begun, bounded by [`PEER_STALL`]; a block out of order, of another size or whose CRC does not
+//! match fails the read; a holder that answers `Unavailable` is asked again, on a new
+//! connection, with a growing pause, until the segment's deadline), then stored in the local pool as
 //! a store of its own (reserve, write through the staging half, flush, headers with FUA): the
 //! client then retrieves it through the normal path. Segments stored before a failure stay (each
 //! is whole and checked); the failure is the client's typed error for the rest. The copy is a
@@ -21,12 +27,13 @@
 //! then it is handed to the registrar as a second replica (registered under this node's lease,
 //! unregistered when evicted, kept in the manifest).
 //!
-//! The staging area is one segment, behind a mutex: one segment moves at a time per node, in
-//! either direction. Lock order: staging, then the pool (never the reverse).
+//! The staging area is one segment, behind a gate ([`StagingGate`]): one segment moves at a time
+//! per node, in either direction, and a wait for it is bounded by the waiter's deadline (and
+//! ends at the daemon's drain). Lock order: staging, then the pool (never the reverse).
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use objstore::{Direction, MismatchedBlock, NoLender, ObjstoreError, RequestHandle, StoreControl};
@@ -39,12 +46,19 @@ use super::ClusterMetrics;
 use crate::server::StopHandle;
 use crate::session::StoreState;
 
-/// Peer connections a holder serves at once; more are closed at accept.
+/// Peer connections a holder serves at once; one more is answered `Unavailable` and closed.
 pub const PEERS_MAX: usize = 8;
-/// The longest a peer may leave a frame half sent (or an asker wait between a holder's frames).
+/// The longest a peer may leave a frame half sent (or an asker wait between a holder's frames
+/// once the segment header came).
 pub const PEER_STALL: Duration = Duration::from_secs(2);
-/// The longest a holder keeps an idle peer connection.
+/// The longest a holder keeps a peer connection after the last read it served whole (or after
+/// accepting it): refused requests do not extend it.
 pub const PEER_IDLE: Duration = Duration::from_secs(30);
+/// Refused requests (not held, bad request, busy) after which a holder closes the connection:
+/// an asker's connection is one fetch, which ends at its first refusal.
+pub const REFUSALS_PER_CONNECTION_MAX: u32 = 8;
+/// The longest pause between an asker's tries of a busy holder (the first is 50 ms, doubling).
+pub const BUSY_PAUSE_MAX: Duration = Duration::from_secs(1);
 /// The longest one segment's read (asker) or send (holder) may take in all.
 pub const SEGMENT_DEADLINE: Duration = Duration::from_secs(60);
 /// The longest one `FetchRemote` may take in all, however many segments it reads.
@@ -59,6 +73,73 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
+/// The data plane's time bounds: the constants above, shorter in tests.
+#[derive(Debug, Clone, Copy)]
+struct PeerBounds {
+    stall: Duration,
+    idle: Duration,
+    segment: Duration,
+}
+
+impl Default for PeerBounds {
+    fn default() -> PeerBounds {
+        PeerBounds { stall: PEER_STALL, idle: PEER_IDLE, segment: SEGMENT_DEADLINE }
+    }
+}
+
+/// The staging area and who has its turn: a waiter gives up at its deadline or the daemon's
+/// drain (a `Mutex` alone would wait unbounded behind up to 8 peer reads and 4 stores).
+struct StagingGate {
+    area: Mutex<Option<Staging>>,
+    busy: Mutex<bool>,
+    freed: Condvar,
+}
+
+/// Why no turn of the staging area was had.
+enum NoTurn {
+    Deadline,
+    Stopped,
+}
+
+impl StagingGate {
+    fn new(staging: Staging) -> StagingGate {
+        StagingGate { area: Mutex::new(Some(staging)), busy: Mutex::new(false), freed: Condvar::new() }
+    }
+
+    /// Waits for the staging area's turn until `deadline`, asking `stopped` every 50 ms.
+    fn take(&self, deadline: Instant, stopped: &dyn Fn() -> bool) -> Result<StagingTurn<'_>, NoTurn> {
+        let mut busy = lock(&self.busy);
+        while *busy {
+            if stopped() {
+                return Err(NoTurn::Stopped);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(NoTurn::Deadline);
+            }
+            let wait = (deadline - now).min(Duration::from_millis(50));
+            busy = self.freed.wait_timeout(busy, wait).unwrap_or_else(|poisoned| poisoned.into_inner()).0;
+        }
+        *busy = true;
+        drop(busy);
+        // Uncontended: only the holder of the turn locks the area.
+        Ok(StagingTurn { gate: self, area: lock(&self.area) })
+    }
+}
+
+/// One turn of the staging area; the next waiter's when dropped.
+struct StagingTurn<'a> {
+    gate: &'a StagingGate,
+    area: MutexGuard<'a, Option<Staging>>,
+}
+
+impl Drop for StagingTurn<'_> {
+    fn drop(&mut self) {
+        *lock(&self.gate.busy) = false;
+        self.gate.freed.notify_one();
+    }
+}
+
 /// A remote read that failed: what the client is told (with how much was stored before).
 #[derive(Debug, thiserror::Error)]
 pub enum FetchError {
@@ -70,13 +151,20 @@ pub enum FetchError {
     NoStaging,
     #[error("{max} remote fetches are in progress on this node already; retry")]
     Busy { max: usize },
+    #[error("node {node} ({address}) stayed busy for {waited:?} reading segment {segment}: {message}; retry")]
+    HolderBusy { node: String, address: SocketAddr, segment: u32, waited: Duration, message: String },
+    #[error("the staging area stayed busy with other segments until the fetch's deadline")]
+    StagingBusy,
+    #[error("the daemon is stopping")]
+    Stopped,
 }
 
 /// The data plane: the bound listener (taken by the server's thread) and the staging area.
 pub struct DataPlane {
     listener: Mutex<Option<TcpListener>>,
     address: SocketAddr,
-    staging: Mutex<Option<Staging>>,
+    staging: StagingGate,
+    bounds: PeerBounds,
     segment_blocks: SegmentBlocks,
     block_bytes: usize,
     /// Peer connections being served now.
@@ -111,7 +199,8 @@ impl DataPlane {
         Ok(DataPlane {
             listener: Mutex::new(Some(listener)),
             address,
-            staging: Mutex::new(Some(staging)),
+            staging: StagingGate::new(staging),
+            bounds: PeerBounds::default(),
             segment_blocks,
             block_bytes,
             peers: AtomicUsize::new(0),
@@ -134,7 +223,9 @@ impl DataPlane {
                 match listener.accept() {
                     Ok((stream, peer)) => {
                         if self.peers.load(Ordering::Acquire) >= PEERS_MAX {
-                            tracing::warn!(%peer, "a data-plane connection over the limit of {PEERS_MAX} is closed");
+                            tracing::warn!(%peer, "a data-plane connection over the limit of {PEERS_MAX} is refused");
+                            metrics.serve_refusals.inc();
+                            refuse_busy(stream);
                             continue;
                         }
                         self.peers.fetch_add(1, Ordering::AcqRel);
@@ -171,19 +262,26 @@ impl DataPlane {
         let io = |context| move |source| PeerError::Io { context, source };
         stream.set_nonblocking(false).map_err(io("configuring a peer connection"))?;
         stream.set_read_timeout(Some(tick)).map_err(io("configuring a peer connection"))?;
-        stream.set_write_timeout(Some(PEER_STALL)).map_err(io("configuring a peer connection"))?;
+        let PeerBounds { stall, idle, .. } = self.bounds;
+        stream.set_write_timeout(Some(stall)).map_err(io("configuring a peer connection"))?;
         stream.set_nodelay(true).map_err(io("configuring a peer connection"))?;
         let stopped = || stop.is_stopped();
         let (mut body, mut frame, mut bytes) = (Vec::new(), Vec::new(), Vec::new());
+        // The slot is kept until `idle` after the last read served whole (M1 of the review: a
+        // request refused must not keep a bogus peer's slot).
+        let mut kept_until = Instant::now() + idle;
+        let mut refusals = 0u32;
         loop {
-            let deadline = Instant::now() + PEER_IDLE;
+            if refusals >= REFUSALS_PER_CONNECTION_MAX {
+                return Err(PeerError::Garbage(format!("{refusals} requests refused on one connection: closed")));
+            }
             let kind = match peer::read_frame(
                 &mut stream,
                 &mut body,
                 peer::request_body_max,
-                PEER_IDLE,
-                PEER_STALL,
-                deadline,
+                idle,
+                stall,
+                kept_until,
                 &stopped,
                 "waiting for a request",
             ) {
@@ -192,43 +290,49 @@ impl DataPlane {
                 Err(error @ PeerError::Garbage(_)) => {
                     metrics.serve_refusals.inc();
                     peer::encode_failure(&mut frame, FailureCode::BadRequest, &error.to_string());
-                    let _ = peer::write_all(&mut stream, &frame, Instant::now() + PEER_STALL, &stopped, "refusing garbage");
+                    let _ = peer::write_all(&mut stream, &frame, Instant::now() + stall, &stopped, "refusing garbage");
                     return Err(error);
                 }
                 Err(error) => return Err(error),
             };
             if kind != PeerKind::ReadSegment {
                 metrics.serve_refusals.inc();
+                refusals += 1;
                 peer::encode_failure(&mut frame, FailureCode::BadRequest, &format!("a {kind:?} frame is not a request"));
-                peer::write_all(&mut stream, &frame, Instant::now() + PEER_STALL, &stopped, "refusing a frame")?;
+                peer::write_all(&mut stream, &frame, Instant::now() + stall, &stopped, "refusing a frame")?;
                 continue;
             }
             let request = match ReadSegment::decode(&body) {
                 Ok(request) => request,
                 Err(reason) => {
                     metrics.serve_refusals.inc();
+                    refusals += 1;
                     peer::encode_failure(&mut frame, FailureCode::BadRequest, &reason);
-                    peer::write_all(&mut stream, &frame, Instant::now() + PEER_STALL, &stopped, "refusing a request")?;
+                    peer::write_all(&mut stream, &frame, Instant::now() + stall, &stopped, "refusing a request")?;
                     continue;
                 }
             };
-            match self.read_segment(&request, store, &mut bytes) {
+            match self.read_segment(&request, store, &mut bytes, &stopped) {
                 Ok((handle, crcs)) => {
-                    let served = match request.keys.last().map(|&last| SegmentKey::new(last)) {
-                        Some(Ok(key)) => lock(&self.served).served(&request.space, key),
-                        // `ReadSegment::decode` refuses empty segments and zero keys.
-                        _ => 0,
-                    };
+                    // `ReadSegment::decode` refuses empty segments and zero keys.
+                    let key = request.keys.last().and_then(|&last| SegmentKey::new(last).ok());
+                    let served = key.map_or(0, |key| lock(&self.served).next(&request.space, key));
                     // The blocks stay pinned until the last byte is sent.
                     let sent = self.send_segment(&mut stream, &mut frame, &bytes, &crcs, served, &stopped);
                     release(store, handle);
                     sent?;
+                    // Counted once sent whole: a read that failed mid-stream met no demand.
+                    if let Some(key) = key {
+                        lock(&self.served).served(&request.space, key);
+                    }
                     metrics.served_segments.inc();
+                    kept_until = Instant::now() + idle;
                 }
                 Err((code, message)) => {
                     metrics.serve_refusals.inc();
+                    refusals += 1;
                     peer::encode_failure(&mut frame, code, &message);
-                    peer::write_all(&mut stream, &frame, Instant::now() + PEER_STALL, &stopped, "refusing a read")?;
+                    peer::write_all(&mut stream, &frame, Instant::now() + stall, &stopped, "refusing a read")?;
                 }
             }
         }
@@ -241,6 +345,7 @@ impl DataPlane {
         request: &ReadSegment,
         store: &Mutex<StoreState>,
         bytes: &mut Vec<u8>,
+        stopped: &dyn Fn() -> bool,
     ) -> Result<(RequestHandle, Vec<u32>), (FailureCode, String)> {
         let blocks = request.keys.len();
         if blocks != usize::from(self.segment_blocks.get()) {
@@ -256,7 +361,12 @@ impl DataPlane {
             let handle = control.reserve_retrieve(&request.keys, &engine_blocks, 0).map_err(|error| match error {
                 // Every request slot is taken: busy, not a sign the blocks are gone.
                 ObjstoreError::TooManyRequests { .. } => (FailureCode::Unavailable, error.to_string()),
-                _ => (FailureCode::NotHeld, error.to_string()),
+                // The store's detail (which of the blocks are cached) stays here: a peer learns
+                // only that the segment is not held whole.
+                _ => {
+                    tracing::debug!(%error, "a peer's read of a segment not held whole");
+                    (FailureCode::NotHeld, NOT_HELD.to_owned())
+                }
             })?;
             let placements = control.placements(handle).map(<[_]>::to_vec);
             let mut recorded = Vec::new();
@@ -273,7 +383,10 @@ impl DataPlane {
                 }
             }
         };
-        let read = self.with_staging(handle, |staging| {
+        // Waiting longer for the staging area than half the asker's wait for the header would
+        // only send it a header it has given up on.
+        let staging_deadline = Instant::now() + self.bounds.segment / 2;
+        let read = self.with_staging(handle, staging_deadline, stopped, |staging| {
             staging.transfer(handle, Direction::Retrieve, &placements)?;
             bytes.resize(blocks * self.block_bytes, 0);
             for (block, chunk) in bytes.chunks_exact_mut(self.block_bytes).enumerate() {
@@ -284,7 +397,11 @@ impl DataPlane {
         if let Err(failed) = read {
             // Reads only: a read still in flight cannot damage a slot, so the pins go.
             release(store, handle);
-            return Err((FailureCode::ReadFailed, failed.error.to_string()));
+            let code = match failed.error {
+                FetchError::StagingBusy | FetchError::Stopped => FailureCode::Unavailable,
+                _ => FailureCode::ReadFailed,
+            };
+            return Err((code, failed.error.to_string()));
         }
         let crcs: Vec<u32> = bytes.chunks_exact(self.block_bytes).map(crc32fast::hash).collect();
         if let Some(recorded) = recorded {
@@ -334,7 +451,7 @@ impl DataPlane {
         served: u32,
         stopped: &dyn Fn() -> bool,
     ) -> Result<(), PeerError> {
-        let deadline = Instant::now() + SEGMENT_DEADLINE;
+        let deadline = Instant::now() + self.bounds.segment;
         peer::encode_segment_header(frame, SegmentHeader { blocks: crcs.len() as u16, block_bytes: self.block_bytes as u64, served });
         peer::write_all(stream, frame, deadline, stopped, "sending a segment header")?;
         for (index, (block, &crc)) in bytes.chunks_exact(self.block_bytes).zip(crcs).enumerate() {
@@ -349,8 +466,20 @@ impl DataPlane {
     /// retired (its queue pairs deleted, which ends their commands). If a deletion failed, a
     /// command may still move the request's slots: the error says to keep its reservation for
     /// good (never released, so the slots are never reused).
-    fn with_staging(&self, handle: RequestHandle, work: impl FnOnce(&mut Staging) -> Result<(), StagingError>) -> Result<(), Staged> {
-        let mut staging = lock(&self.staging);
+    /// The wait for the area's turn ends at `deadline` (`StagingBusy`) or when `stopped`.
+    fn with_staging(
+        &self,
+        handle: RequestHandle,
+        deadline: Instant,
+        stopped: &dyn Fn() -> bool,
+        work: impl FnOnce(&mut Staging) -> Result<(), StagingError>,
+    ) -> Result<(), Staged> {
+        let mut turn = match self.staging.take(deadline, stopped) {
+            Ok(turn) => turn,
+            Err(NoTurn::Deadline) => return Err(Staged { error: FetchError::StagingBusy, keep_reservation: false }),
+            Err(NoTurn::Stopped) => return Err(Staged { error: FetchError::Stopped, keep_reservation: false }),
+        };
+        let staging = &mut turn.area;
         let Some(area) = staging.as_mut() else { return Err(Staged { error: FetchError::NoStaging, keep_reservation: false }) };
         match work(area) {
             Ok(()) => Ok(()),
@@ -396,24 +525,46 @@ impl DataPlane {
         let per_segment = usize::from(self.segment_blocks.get());
         let peer_error =
             |segment: usize, source| FetchError::Peer { node: node.to_owned(), address, segment: segment as u32, source: Box::new(source) };
-        let mut stream = TcpStream::connect_timeout(&address, CONNECT_TIMEOUT)
-            .map_err(|source| (0, peer_error(segments.start, PeerError::Io { context: "connecting", source })))?;
-        let configure = |stream: &TcpStream| {
-            stream.set_read_timeout(Some(Duration::from_millis(50)))?;
-            stream.set_write_timeout(Some(PEER_STALL))?;
-            stream.set_nodelay(true)
+        let stall = self.bounds.stall;
+        let connect = |segment: usize| {
+            let stream = TcpStream::connect_timeout(&address, CONNECT_TIMEOUT)
+                .map_err(|source| peer_error(segment, PeerError::Io { context: "connecting", source }))?;
+            let configure = |stream: &TcpStream| {
+                stream.set_read_timeout(Some(Duration::from_millis(50)))?;
+                stream.set_write_timeout(Some(stall))?;
+                stream.set_nodelay(true)
+            };
+            configure(&stream).map_err(|source| peer_error(segment, PeerError::Io { context: "configuring", source }))?;
+            Ok(stream)
         };
-        configure(&stream).map_err(|source| (0, peer_error(segments.start, PeerError::Io { context: "configuring", source })))?;
+        let mut stream = connect(segments.start).map_err(|error| (0, error))?;
         let (mut frame, mut body, mut bytes) = (Vec::new(), Vec::new(), Vec::new());
         let mut stored = 0;
         for segment in segments {
             let segment_keys = &keys[segment * per_segment..(segment + 1) * per_segment];
             let request = ReadSegment { space: *space, index: segment as u32, keys: segment_keys.to_vec() };
-            let segment_deadline = deadline.min(Instant::now() + SEGMENT_DEADLINE);
-            let served = self
-                .receive_segment(&mut stream, &request, &mut frame, &mut body, &mut bytes, segment_deadline, stopped)
-                .map_err(|source| (stored, peer_error(segment, source)))?;
-            stored += self.store_segment(store, segment_keys, &bytes).map_err(|error| {
+            let started = Instant::now();
+            let segment_deadline = deadline.min(started + self.bounds.segment);
+            // A busy holder (its connections or request slots all taken, its staging area
+            // queued past its wait) is asked again on a new connection after a pause, until
+            // the segment's deadline: busy is not broken.
+            let mut pause = Duration::from_millis(50);
+            let served = loop {
+                match self.receive_segment(&mut stream, &request, &mut frame, &mut body, &mut bytes, segment_deadline, stopped) {
+                    Ok(served) => break served,
+                    Err(PeerError::Refused { code: FailureCode::Unavailable, message }) => {
+                        if Instant::now() + pause >= segment_deadline || !pause_unless_stopped(pause, stopped) {
+                            let waited = started.elapsed();
+                            let busy = FetchError::HolderBusy { node: node.to_owned(), address, segment: segment as u32, waited, message };
+                            return Err((stored, busy));
+                        }
+                        pause = (pause * 2).min(BUSY_PAUSE_MAX);
+                        stream = connect(segment).map_err(|error| (stored, error))?;
+                    }
+                    Err(source) => return Err((stored, peer_error(segment, source))),
+                }
+            };
+            stored += self.store_segment(store, segment_keys, &bytes, deadline, stopped).map_err(|error| {
                 (
                     stored,
                     match error {
@@ -444,7 +595,12 @@ impl DataPlane {
         peer::write_all(stream, frame, deadline, stopped, "sending a read")?;
         let block_bytes = self.block_bytes as u64;
         let body_max = |kind| peer::answer_body_max(kind, block_bytes);
-        match peer::read_frame(stream, body, body_max, PEER_STALL, PEER_STALL, deadline, stopped, "waiting for the segment header")? {
+        let stall = self.bounds.stall;
+        // The header's first byte may take until the segment's deadline: the holder pins the
+        // blocks, waits for its staging area's turn (up to 8 peer reads and 4 stores queue for
+        // it) and reads the whole segment before sending it. Every byte after it: `stall`.
+        let header_wait = deadline.saturating_duration_since(Instant::now());
+        match peer::read_frame(stream, body, body_max, header_wait, stall, deadline, stopped, "waiting for the segment header")? {
             PeerKind::SegmentHeader => {}
             PeerKind::Failure => return Err(peer::decode_failure(body)),
             other => return Err(PeerError::Garbage(format!("a {other:?} frame where a segment header was due"))),
@@ -458,7 +614,7 @@ impl DataPlane {
         }
         bytes.clear();
         for expected in 0..usize::from(blocks) {
-            match peer::read_frame(stream, body, body_max, PEER_STALL, PEER_STALL, deadline, stopped, "receiving a block")? {
+            match peer::read_frame(stream, body, body_max, stall, stall, deadline, stopped, "receiving a block")? {
                 PeerKind::Block => {}
                 PeerKind::Failure => return Err(peer::decode_failure(body)),
                 other => return Err(PeerError::Garbage(format!("a {other:?} frame where block {expected} was due"))),
@@ -473,8 +629,21 @@ impl DataPlane {
     }
 
     /// Asker: stores a fetched segment (`bytes`: its blocks in order) in the local pool; its
-    /// blocks already here are shared, not written. Returns the blocks written.
-    fn store_segment(&self, store: &Mutex<StoreState>, keys: &[u64], bytes: &[u8]) -> Result<usize, FetchError> {
+    /// blocks already here are shared, not written. Returns the blocks written. The wait for
+    /// the staging area counts against the fetch's `deadline` and ends when `stopped`; a write
+    /// begun is finished (bounded by the staging area's per-layer timeout): abandoning it
+    /// would leave layers in flight and retire the staging area.
+    fn store_segment(
+        &self,
+        store: &Mutex<StoreState>,
+        keys: &[u64],
+        bytes: &[u8],
+        deadline: Instant,
+        stopped: &dyn Fn() -> bool,
+    ) -> Result<usize, FetchError> {
+        if stopped() {
+            return Err(FetchError::Stopped);
+        }
         let engine_blocks: Vec<u32> = (0..keys.len() as u32).collect();
         let store_error = |source| FetchError::Store { segment: 0, source: Box::new(source) };
         let (handle, placements, records_crcs) = {
@@ -494,7 +663,7 @@ impl DataPlane {
             return Ok(0);
         }
         let mut crcs = Vec::new();
-        let written = self.with_staging(handle, |staging| {
+        let written = self.with_staging(handle, deadline, stopped, |staging| {
             let keep = |error| StagingError { error, retire: false };
             for placement in &placements {
                 let block = placement.engine_block as usize;
@@ -517,6 +686,58 @@ impl DataPlane {
                 // no-op then); anything else left it reserved: nothing of it becomes visible.
                 release(store, handle);
                 Err(error)
+            }
+        }
+    }
+}
+
+/// The `NotHeld` text a peer gets: the store's own (which blocks are cached) is logged here.
+const NOT_HELD: &str = "the segment is not held whole here";
+
+/// Sleeps `pause`, in steps that ask `stopped`; false if stopped.
+fn pause_unless_stopped(pause: Duration, stopped: &dyn Fn() -> bool) -> bool {
+    let until = Instant::now() + pause;
+    loop {
+        if stopped() {
+            return false;
+        }
+        let now = Instant::now();
+        if now >= until {
+            return true;
+        }
+        std::thread::sleep((until - now).min(Duration::from_millis(20)));
+    }
+}
+
+/// Holder: answers a connection over [`PEERS_MAX`] `Unavailable` (the asker retries) and closes
+/// it, from the accept thread, so every step is short: the frame is small (a new socket's send
+/// buffer takes it whole; the write is still bounded), then the write half is shut (a FIN after
+/// the frame) and what the asker sent already is drained without waiting (closing with unread
+/// bytes would reset the connection, which may discard the frame before it is read).
+fn refuse_busy(mut stream: TcpStream) {
+    let mut frame = Vec::new();
+    peer::encode_failure(
+        &mut frame,
+        FailureCode::Unavailable,
+        &format!("busy: this holder serves {PEERS_MAX} peer connections already; retry"),
+    );
+    let never = || false;
+    let sent = stream
+        .set_write_timeout(Some(Duration::from_millis(100)))
+        .map_err(|source| PeerError::Io { context: "configuring a refused connection", source })
+        .and_then(|()| peer::write_all(&mut stream, &frame, Instant::now() + Duration::from_millis(100), &never, "refusing a connection"));
+    if let Err(error) = sent {
+        tracing::info!(%error, "refusing a data-plane connection over the limit");
+        return;
+    }
+    let _ = stream.shutdown(std::net::Shutdown::Write);
+    if stream.set_nonblocking(true).is_ok() {
+        let mut scratch = [0u8; 4096];
+        // At most 64 KiB: a request is under 1 KiB.
+        for _ in 0..16 {
+            match std::io::Read::read(&mut stream, &mut scratch) {
+                Ok(count) if count > 0 => {}
+                _ => break,
             }
         }
     }
@@ -548,3 +769,6 @@ fn release(store: &Mutex<StoreState>, handle: RequestHandle) {
     // Ended already (committed, or failed while writing) is fine.
     let _ = lock(store).control.release(handle);
 }
+
+#[cfg(test)]
+mod tests;

@@ -42,6 +42,13 @@ impl ServedCounts {
         self.counts.len()
     }
 
+    /// What [`ServedCounts::served`] would answer now (the count plus this read), without
+    /// counting it: a holder sends this in the segment's header and counts the read only once
+    /// the whole segment is sent (a read that fails mid-stream is no demand met).
+    pub fn next(&self, space: &ModelSpace, key: SegmentKey) -> u32 {
+        self.counts.get(&(*space, key)).copied().unwrap_or(0).saturating_add(1)
+    }
+
     /// One more read of segment `key` of `space` served: its count now (saturating).
     pub fn served(&mut self, space: &ModelSpace, key: SegmentKey) -> u32 {
         if self.counts.len() >= self.max && !self.counts.contains_key(&(*space, key)) {
@@ -94,8 +101,11 @@ mod tests {
     fn counts_are_per_segment_and_model_space() {
         // Goal: each read served counts for its own segment of its own model space.
         let mut counts = ServedCounts::new(64);
+        assert_eq!(counts.next(&space(1), key(7)), 1, "peeking counts nothing");
+        assert_eq!(counts.next(&space(1), key(7)), 1);
         assert_eq!(counts.served(&space(1), key(7)), 1);
         assert_eq!(counts.served(&space(1), key(7)), 2);
+        assert_eq!(counts.next(&space(1), key(7)), 3);
         assert_eq!(counts.served(&space(2), key(7)), 1, "another model space is another segment");
         assert_eq!(counts.served(&space(1), key(8)), 1);
         assert_eq!(counts.served(&space(1), key(7)), 3);

@@ -1,0 +1,357 @@
+//! The data plane against hostile and unlucky peers, over loopback TCP with raw clients: a holder
+//! (a `DataPlane` serving a one-device pool on a software controller) and, for the asker's side,
+//! a second one fetching from it. Bounds are shortened per test (`PeerBounds`); every wait in a
+//! test is bounded.
+
+use std::io::{Read, Write};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use nvme_driver::{Controller, ControllerConfig, NamespaceId};
+use nvme_emu::{Backing, EmuConfig, EmuDevice, NamespaceConfig};
+use objstore::{format_pool, FormatParams, ModelGeometry, Pool, PoolTarget};
+use tutti_cluster::FINGERPRINT_BYTES;
+
+use super::*;
+use crate::relay::{DoorbellRelay, RelayConfig};
+
+const SEGMENT: u16 = 16;
+
+/// A node: its pool, data plane and stop flag.
+struct Node {
+    store: Mutex<StoreState>,
+    plane: DataPlane,
+    stop: StopHandle,
+    metrics: ClusterMetrics,
+}
+
+/// A serving node (stopped and joined when dropped).
+struct Serving {
+    node: Arc<Node>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Drop for Serving {
+    fn drop(&mut self) {
+        self.node.stop.stop();
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// A node over a fresh pool of blocks of `layers` × 2 × 8 heads × `head_dim` × 16 tokens × 2
+/// bytes.
+fn node(layers: u32, head_dim: u32, backing_bytes: u64, bounds: PeerBounds) -> Node {
+    let config =
+        EmuConfig::default().with_backing(Backing::Memory { bytes: backing_bytes }).with_namespaces(vec![NamespaceConfig::new(4096, None)]);
+    let device = EmuDevice::start(config).unwrap();
+    let controller = Arc::new(Controller::init(device.clone(), ControllerConfig::default()).unwrap());
+    let targets = vec![PoolTarget { controller, namespace: NamespaceId(1) }];
+    let geometry = ModelGeometry { layers, kv_heads: 8, head_dim, dtype_bytes: 2, block_tokens: 16 };
+    let params = FormatParams { geometry, blocks_per_slot: 1, slot_count_max: Some(48), pool_uuid: None, payload_crc: false };
+    format_pool(&targets, &params).unwrap();
+    let (pool, _) = Pool::open(targets, Some(&geometry)).unwrap();
+    let control = StoreControl::new(pool, 16).unwrap();
+    let mut plane = DataPlane::bind("127.0.0.1:0".parse().unwrap(), &control, SegmentBlocks::new(SEGMENT).unwrap(), 16).unwrap();
+    plane.bounds = bounds;
+    let relay = DoorbellRelay::start(RelayConfig::default()).unwrap();
+    let store = Mutex::new(StoreState { control, emulators: vec![Some(device)], relay });
+    Node { store, plane, stop: StopHandle::default(), metrics: ClusterMetrics::default() }
+}
+
+/// A small node: 16 KiB blocks (256 KiB segments).
+fn small(bounds: PeerBounds) -> Node {
+    node(1, 64, 32 << 20, bounds)
+}
+
+fn serve(node: Node) -> Serving {
+    let node = Arc::new(node);
+    let serving = Arc::clone(&node);
+    let thread =
+        std::thread::spawn(move || serving.plane.serve(&serving.store, &serving.stop, Duration::from_millis(10), &serving.metrics));
+    Serving { node, thread: Some(thread) }
+}
+
+fn space() -> ModelSpace {
+    ModelSpace::new([3; FINGERPRINT_BYTES], 0, 1).unwrap()
+}
+
+/// Prompt `seed`'s block keys (`segments` whole segments).
+fn keys(seed: u64, segments: usize) -> Vec<u64> {
+    (0..segments as u64 * u64::from(SEGMENT)).map(|i| (seed << 32) + i + 1).collect()
+}
+
+/// Segment bytes whose every block differs (block i of prompt `seed`).
+fn segment_bytes(node: &Node, seed: u64, segment: usize) -> Vec<u8> {
+    let block = node.plane.block_bytes;
+    (0..usize::from(SEGMENT) * block).map(|i| (i / block + segment * 64 + seed as usize * 7 + i % 251) as u8).collect()
+}
+
+/// Stores segment `segment` of prompt `seed` in `node`'s pool (as a fetch would).
+fn put(node: &Node, seed: u64, segment: usize) {
+    let keys = keys(seed, segment + 1);
+    let per = usize::from(SEGMENT);
+    let bytes = segment_bytes(node, seed, segment);
+    let stored = node.plane.store_segment(&node.store, &keys[segment * per..(segment + 1) * per], &bytes, far(), &|| false).unwrap();
+    assert_eq!(stored, per);
+}
+
+fn far() -> Instant {
+    Instant::now() + Duration::from_secs(30)
+}
+
+fn pinned(node: &Node) -> u64 {
+    lock(&node.store).control.counts().pinned_slots
+}
+
+fn connect(serving: &Serving) -> TcpStream {
+    let stream = TcpStream::connect(serving.node.plane.address()).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    stream
+}
+
+fn request(seed: u64, segment: usize) -> Vec<u8> {
+    let per = usize::from(SEGMENT);
+    let mut frame = Vec::new();
+    ReadSegment { space: space(), index: segment as u32, keys: keys(seed, segment + 1)[segment * per..].to_vec() }.encode(&mut frame);
+    frame
+}
+
+/// Reads one frame (kind, body); `None` at a clean close.
+fn read_frame(stream: &mut TcpStream) -> Option<(u16, Vec<u8>)> {
+    let mut header = [0u8; 12];
+    if stream.read_exact(&mut header).is_err() {
+        return None;
+    }
+    assert_eq!(&header[..4], b"TPDP");
+    let mut body = vec![0u8; u32::from_le_bytes(header[8..12].try_into().unwrap()) as usize];
+    stream.read_exact(&mut body).ok()?;
+    Some((u16::from_le_bytes([header[6], header[7]]), body))
+}
+
+fn failure(stream: &mut TcpStream) -> (FailureCode, String) {
+    let (kind, body) = read_frame(stream).expect("a Failure frame");
+    assert_eq!(kind, PeerKind::Failure as u16);
+    match peer::decode_failure(&body) {
+        PeerError::Refused { code, message } => (code, message),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// Reads a whole segment's answer: its served count and bytes.
+fn segment_answer(stream: &mut TcpStream, block_bytes: usize) -> (u32, Vec<u8>) {
+    let (kind, body) = read_frame(stream).expect("a segment header");
+    assert_eq!(kind, PeerKind::SegmentHeader as u16, "{:?}", String::from_utf8_lossy(&body));
+    let header = peer::decode_segment_header(&body).unwrap();
+    let mut bytes = Vec::new();
+    for expected in 0..header.blocks {
+        let (kind, body) = read_frame(stream).expect("a block");
+        assert_eq!(kind, PeerKind::Block as u16);
+        let (index, _, block) = peer::decode_block(&body, block_bytes).unwrap();
+        assert_eq!(index, expected);
+        bytes.extend_from_slice(block);
+    }
+    (header.served, bytes)
+}
+
+fn wait_for(what: &str, within: Duration, mut done: impl FnMut() -> bool) {
+    let until = Instant::now() + within;
+    while !done() {
+        assert!(Instant::now() < until, "{what}: not within {within:?}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn garbage_gets_a_bad_request_failure_then_the_connection_closes() {
+    // Goal: bytes that are no frame are answered BadRequest (a sentence saying why) and the
+    // connection is closed; the holder serves on.
+    let holder = serve(small(PeerBounds::default()));
+    let mut stream = connect(&holder);
+    stream.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let (code, message) = failure(&mut stream);
+    assert_eq!(code, FailureCode::BadRequest);
+    assert!(message.contains("magic"), "{message}");
+    assert!(read_frame(&mut stream).is_none(), "closed after the refusal");
+    wait_for("the slot is given back", Duration::from_secs(5), || holder.node.plane.peers.load(Ordering::Acquire) == 0);
+}
+
+#[test]
+fn a_frame_of_another_kind_is_refused_and_pipelined_reads_are_answered_in_order() {
+    // Goal: a holder's own kind of frame sent to it is refused BadRequest and the connection
+    // serves on; two reads sent back to back are answered in order, each whole, with the bytes
+    // stored; a segment not held whole is refused NotHeld with a plain sentence that does not
+    // say which of its blocks are cached.
+    let node = small(PeerBounds::default());
+    put(&node, 1, 0);
+    put(&node, 1, 1);
+    let (first, second) = (segment_bytes(&node, 1, 0), segment_bytes(&node, 1, 1));
+    let block_bytes = node.plane.block_bytes;
+    let holder = serve(node);
+    let mut stream = connect(&holder);
+    // Bodiless: a body over the kind's cap (0 for an answer's kind, sent to a holder) is garbage.
+    let mut header = Vec::new();
+    peer::encode_header(&mut header, PeerKind::SegmentHeader, 0);
+    stream.write_all(&header).unwrap();
+    let (code, message) = failure(&mut stream);
+    assert_eq!(code, FailureCode::BadRequest, "{message}");
+
+    let mut both = request(1, 0);
+    both.extend_from_slice(&request(1, 1));
+    stream.write_all(&both).unwrap();
+    assert_eq!(segment_answer(&mut stream, block_bytes), (1, first));
+    assert_eq!(segment_answer(&mut stream, block_bytes), (1, second));
+
+    // Half of segment 2's keys are segment 1's (cached), half not.
+    let mut keys = keys(1, 2)[24..].to_vec();
+    keys.extend((0..8).map(|i| 900 + i));
+    let mut frame = Vec::new();
+    ReadSegment { space: space(), index: 2, keys }.encode(&mut frame);
+    stream.write_all(&frame).unwrap();
+    let (code, message) = failure(&mut stream);
+    assert_eq!((code, message.as_str()), (FailureCode::NotHeld, NOT_HELD));
+    assert_eq!(pinned(&holder.node), 0);
+}
+
+#[test]
+fn a_connection_over_the_cap_is_answered_busy() {
+    // Goal: with PEERS_MAX connections held open, one more is answered Unavailable (saying
+    // busy) and closed, not just closed; once one closes, a new connection is served.
+    let node = small(PeerBounds::default());
+    put(&node, 1, 0);
+    let block_bytes = node.plane.block_bytes;
+    let holder = serve(node);
+    let held: Vec<TcpStream> = (0..PEERS_MAX).map(|_| connect(&holder)).collect();
+    wait_for("every slot taken", Duration::from_secs(5), || holder.node.plane.peers.load(Ordering::Acquire) == PEERS_MAX);
+    let mut over = connect(&holder);
+    over.write_all(&request(1, 0)).unwrap();
+    let (code, message) = failure(&mut over);
+    assert_eq!(code, FailureCode::Unavailable);
+    assert!(message.contains("busy"), "{message}");
+    assert!(read_frame(&mut over).is_none());
+    drop(held);
+    wait_for("the slots are given back", Duration::from_secs(5), || holder.node.plane.peers.load(Ordering::Acquire) == 0);
+    let mut stream = connect(&holder);
+    stream.write_all(&request(1, 0)).unwrap();
+    assert_eq!(segment_answer(&mut stream, block_bytes).0, 1);
+}
+
+#[test]
+fn refused_requests_do_not_keep_a_slot() {
+    // Goal: a peer that sends a request the holder refuses (not held) every 200 ms, well inside
+    // the idle bound each time, loses its connection one idle bound after it was accepted (a
+    // read served whole would have extended it), and one refused too often loses it at once.
+    let bounds = PeerBounds { idle: Duration::from_millis(800), ..PeerBounds::default() };
+    let holder = serve(small(bounds));
+    let mut stream = connect(&holder);
+    let started = Instant::now();
+    let closed = loop {
+        assert!(started.elapsed() < Duration::from_secs(5), "the bogus peer kept its slot");
+        if stream.write_all(&request(7, 0)).is_err() {
+            break started.elapsed();
+        }
+        match read_frame(&mut stream) {
+            Some((kind, _)) => assert_eq!(kind, PeerKind::Failure as u16),
+            None => break started.elapsed(),
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert!(closed >= Duration::from_millis(700), "closed after {closed:?}");
+    assert!(closed < Duration::from_millis(2500), "closed after {closed:?}");
+
+    let mut stream = connect(&holder);
+    for _ in 0..REFUSALS_PER_CONNECTION_MAX {
+        stream.write_all(&request(7, 0)).unwrap();
+        assert_eq!(failure(&mut stream).0, FailureCode::NotHeld);
+    }
+    let _ = stream.write_all(&request(7, 0));
+    assert!(read_frame(&mut stream).is_none(), "closed after {REFUSALS_PER_CONNECTION_MAX} refusals");
+}
+
+#[test]
+fn a_reader_that_never_reads_loses_its_pins_within_the_bounds() {
+    // Goal: a peer asks for a segment and reads nothing: within the stall bound (300 ms here;
+    // the whole send's bound, when the bytes trickle) the blocks are unpinned and the slot given
+    // back. (On loopback the 256 KiB segment may fit the sockets' buffers whole; a stall cut is
+    // `peer.rs`'s trickle test.)
+    let bounds = PeerBounds { stall: Duration::from_millis(300), idle: Duration::from_millis(500), ..PeerBounds::default() };
+    let node = small(bounds);
+    put(&node, 1, 0);
+    let block_bytes = node.plane.block_bytes;
+    let holder = serve(node);
+    let stream = connect(&holder);
+    nix::sys::socket::setsockopt(&stream, nix::sys::socket::sockopt::RcvBuf, &4096).unwrap();
+    let asked = Instant::now();
+    (&stream).write_all(&request(1, 0)).unwrap();
+    wait_for("the pins go and the slot is given back", Duration::from_secs(3), || {
+        pinned(&holder.node) == 0 && holder.node.plane.peers.load(Ordering::Acquire) == 0
+    });
+    assert!(asked.elapsed() < Duration::from_millis(1500), "{:?}", asked.elapsed());
+    drop(stream);
+    let mut stream = connect(&holder);
+    stream.write_all(&request(1, 0)).unwrap();
+    let (served, _) = segment_answer(&mut stream, block_bytes);
+    assert!(served <= 2, "{served}");
+}
+
+/// An asker node and a serving holder of prompt 1's two segments.
+fn asker_and_holder(bounds: PeerBounds) -> (Node, Serving) {
+    let holder = small(bounds);
+    put(&holder, 1, 0);
+    put(&holder, 1, 1);
+    (small(bounds), serve(holder))
+}
+
+fn fetch(asker: &Node, holder: &Serving, deadline: Instant) -> Result<usize, (usize, FetchError)> {
+    let keys = keys(1, 2);
+    let address = holder.node.plane.address();
+    asker.plane.fetch(&asker.store, &space(), &keys, 0..2, "holder", address, deadline, &|| false, &mut |_, _, _| {})
+}
+
+#[test]
+fn a_fetch_waits_for_a_holder_whose_staging_area_is_busy() {
+    // Goal: the holder's staging area is taken for 3 s (as by queued peer reads and stores)
+    // when a read arrives: the asker waits for the segment header past the 2 s stall bound
+    // (up to the segment's deadline) and the fetch succeeds.
+    let (asker, holder) = asker_and_holder(PeerBounds::default());
+    let turn = holder.node.plane.staging.take(far(), &|| false).ok().unwrap();
+    let started = Instant::now();
+    let fetched = std::thread::scope(|scope| {
+        let fetching = scope.spawn(|| fetch(&asker, &holder, Instant::now() + FETCH_DEADLINE));
+        std::thread::sleep(Duration::from_secs(3));
+        drop(turn);
+        fetching.join().unwrap()
+    });
+    assert_eq!(fetched.map_err(|(_, error)| error.to_string()), Ok(32));
+    assert!(started.elapsed() >= Duration::from_secs(3));
+}
+
+#[test]
+fn an_asker_retries_a_busy_holder_and_its_own_staging_wait_ends_at_the_deadline() {
+    // Goal: with every connection slot of the holder taken for 1 s, a fetch is answered busy,
+    // retries and succeeds; a fetch whose own staging area stays busy past its deadline fails
+    // at the deadline (StagingBusy), not when the area frees.
+    let (asker, holder) = asker_and_holder(PeerBounds::default());
+    let held: Vec<TcpStream> = (0..PEERS_MAX).map(|_| connect(&holder)).collect();
+    wait_for("every slot taken", Duration::from_secs(5), || holder.node.plane.peers.load(Ordering::Acquire) == PEERS_MAX);
+    let freeing = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_secs(1));
+        drop(held);
+    });
+    let fetched = fetch(&asker, &holder, Instant::now() + FETCH_DEADLINE);
+    freeing.join().unwrap();
+    assert_eq!(fetched.map_err(|(_, error)| error.to_string()), Ok(32));
+
+    let (asker, holder) = asker_and_holder(PeerBounds::default());
+    let turn = asker.plane.staging.take(far(), &|| false).ok().unwrap();
+    let started = Instant::now();
+    let fetched = fetch(&asker, &holder, started + Duration::from_millis(1500));
+    let took = started.elapsed();
+    drop(turn);
+    match fetched {
+        Err((0, FetchError::StagingBusy)) => {}
+        other => panic!("{other:?}"),
+    }
+    assert!(took < Duration::from_millis(2500), "{took:?}");
+}
