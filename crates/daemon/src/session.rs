@@ -394,6 +394,7 @@ impl Holdings {
                     size_blocks: namespace.size_blocks,
                 }],
                 sgl: controller.data_pointer_mode() == DataPointerMode::Sgl,
+                sgl_dword_lengths: controller.identify().sgl_support.dword_alignment_required(),
                 max_transfer_bytes: controller.max_transfer_bytes(),
                 register_fd: device as u8,
                 register_bytes,

@@ -164,6 +164,10 @@ pub struct AttachedQueueConfig {
     pub data_pointer_mode: DataPointerMode,
     /// The controller's per-command transfer limit (MDTS), as the daemon's controller computed it.
     pub max_transfer_bytes: u64,
+    /// The controller requires SGL Data Blocks of whole dwords (Identify SGLS bits 1:0 = 10b), as
+    /// the daemon's controller read it: this pair then refuses other lengths, as a pair the
+    /// controller made itself does, rather than sending commands the controller would fail.
+    pub sgl_dword_lengths: bool,
 }
 
 impl IoQueuePair {
@@ -202,7 +206,7 @@ impl IoQueuePair {
         dma: &dyn DmaAllocator,
         registers: Arc<dyn RegisterIo>,
     ) -> Result<IoQueuePair, NvmeError> {
-        let AttachedQueueConfig { layout, namespaces, data_pointer_mode, max_transfer_bytes } = config;
+        let AttachedQueueConfig { layout, namespaces, data_pointer_mode, max_transfer_bytes, sgl_dword_lengths } = config;
         check_grant(&namespaces, max_transfer_bytes)?;
         let depth = layout.depth;
         if !(2..=QUEUE_DEPTH_MAX).contains(&depth) {
@@ -234,7 +238,11 @@ impl IoQueuePair {
         }
         let scratch = dma.allocate((depth as usize - 1) * SCRATCH_BYTES)?;
         let queue = QueuePair::from_regions(layout.id, depth, [submission, completion, scratch], registers, doorbells);
-        Ok(IoQueuePair::new(queue, PairOwner::Attached, data_pointer_mode, max_transfer_bytes, namespaces, Vec::new()))
+        let mut pair = IoQueuePair::new(queue, PairOwner::Attached, data_pointer_mode, max_transfer_bytes, namespaces, Vec::new());
+        if sgl_dword_lengths {
+            pair.require_dword_sgl_lengths();
+        }
+        Ok(pair)
     }
 }
 

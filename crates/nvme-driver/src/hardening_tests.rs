@@ -638,6 +638,18 @@ fn attach_with(
     mode: crate::DataPointerMode,
     max_transfer_bytes: u64,
 ) -> (crate::DetachedQueuePair, Result<IoQueuePair, NvmeError>) {
+    attach_requiring(device, controller, namespaces, mode, max_transfer_bytes, false)
+}
+
+/// As [`attach_with`], the grant saying whether the controller requires whole-dword SGL lengths.
+fn attach_requiring(
+    device: &FakeDevice,
+    controller: &Controller,
+    namespaces: Vec<crate::Namespace>,
+    mode: crate::DataPointerMode,
+    max_transfer_bytes: u64,
+    sgl_dword_lengths: bool,
+) -> (crate::DetachedQueuePair, Result<IoQueuePair, NvmeError>) {
     let detached = controller.create_detached_queue_pair(8, None).expect("detached pair");
     let layout = detached.layout();
     let pool = device.pool();
@@ -645,7 +657,7 @@ fn attach_with(
         pool.translate(layout.submission_iova, 8 * crate::spec::SUBMISSION_ENTRY_BYTES).expect("SQ"),
         pool.translate(layout.completion_iova, 8 * crate::spec::COMPLETION_ENTRY_BYTES).expect("CQ"),
     );
-    let config = crate::AttachedQueueConfig { layout, namespaces, data_pointer_mode: mode, max_transfer_bytes };
+    let config = crate::AttachedQueueConfig { layout, namespaces, data_pointer_mode: mode, max_transfer_bytes, sgl_dword_lengths };
     let attached = IoQueuePair::attach(config, rings, controller.dma().as_ref(), device.registers());
     (detached, attached)
 }
@@ -683,6 +695,31 @@ fn an_attach_grant_with_block_sizes_or_a_transfer_limit_the_driver_cannot_use_is
     let buffer = controller.dma().allocate(8192).expect("buffer");
     let halves = [DataSegment::new(buffer.iova(), 4096), DataSegment::new(buffer.iova().checked_add(4096).expect("iova"), 4096)];
     assert_eq!(pair.submit_read(NamespaceId(1), Lba(0), &halves, 0).expect("a two-segment read"), 1);
+}
+
+#[test]
+fn an_attached_pair_refuses_odd_sgl_lengths_where_its_grant_says_the_controller_requires_dwords() {
+    // Goal: a pair attached from a grant carries the controller's whole-dword SGL requirement,
+    // as a pair the controller made does: 510 + 2 bytes is refused with nothing queued (it was
+    // sent, for the controller to fail), 508 + 4 is taken; without the requirement both are.
+    use crate::{DataPointerMode, Iova, Namespace, NamespaceId};
+    let (device, controller) = bring_up(FakeScript::default());
+    let namespace = Namespace { id: NamespaceId(1), block_size_bytes: 512, size_blocks: 1 << 20 };
+    for required in [true, false] {
+        let (_detached, attached) =
+            attach_requiring(&device, &controller, vec![namespace.clone()], DataPointerMode::Sgl, 1 << 20, required);
+        let mut pair = attached.expect("attach");
+        let whole_dwords = [DataSegment::new(Iova(0x100_0000), 508), DataSegment::new(Iova(0x200_0000), 4)];
+        assert_eq!(pair.submit_read(NamespaceId(1), Lba(0), &whole_dwords, 0).expect("whole dwords"), 1);
+        let odd = [DataSegment::new(Iova(0x100_0000), 510), DataSegment::new(Iova(0x200_0000), 2)];
+        let submitted = pair.submit_read(NamespaceId(1), Lba(0), &odd, 0);
+        if required {
+            assert!(matches!(submitted, Err(NvmeError::UnsupportedLayout { index: 0, .. })), "{submitted:?}");
+            assert_eq!(pair.in_flight(), 1, "the refused transfer queued nothing");
+        } else {
+            assert_eq!(submitted.expect("no dword requirement"), 1);
+        }
+    }
 }
 
 #[test]

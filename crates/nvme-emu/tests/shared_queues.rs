@@ -120,6 +120,8 @@ impl Client {
             namespaces: grant.namespaces,
             data_pointer_mode: grant.mode,
             max_transfer_bytes: grant.max_transfer_bytes,
+            // The software controller takes SGL Data Blocks of any length (SGLS bits 1:0 = 01b).
+            sgl_dword_lengths: false,
         };
         self.pair = Some(IoQueuePair::attach(config, self.rings.clone(), &self.window, registers)?);
         Ok(())

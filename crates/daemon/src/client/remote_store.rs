@@ -601,6 +601,7 @@ fn attach_config(grant: &QueueGrant, submission: &DmaRegion, completion: &DmaReg
             .collect(),
         data_pointer_mode: if grant.sgl { DataPointerMode::Sgl } else { DataPointerMode::Prp },
         max_transfer_bytes: grant.max_transfer_bytes,
+        sgl_dword_lengths: grant.sgl_dword_lengths,
     }
 }
 

@@ -73,6 +73,9 @@ pub struct QueueGrant {
     pub namespaces: Vec<NamespaceGrant>,
     /// SGL data pointers (else PRP).
     pub sgl: bool,
+    /// The controller requires SGL Data Blocks of whole dwords (Identify SGLS bits 1:0 = 10b):
+    /// the client's pair refuses other lengths, as the daemon's own pairs do.
+    pub sgl_dword_lengths: bool,
     pub max_transfer_bytes: u64,
     /// Index, in the reply frame's descriptors, of the controller's register page memfd.
     pub register_fd: u8,
@@ -306,6 +309,7 @@ impl BodyReader<'_> {
             completion_doorbell_offset,
             namespaces,
             sgl: self.flag("sgl")?,
+            sgl_dword_lengths: self.flag("sgl_dword_lengths")?,
             max_transfer_bytes: self.u64("max_transfer_bytes")?,
             register_fd: self.bytes(1, "register_fd")?[0],
             register_bytes: self.u64("register_bytes")?,
@@ -350,6 +354,7 @@ fn put_queue_grant(out: &mut Vec<u8>, grant: &QueueGrant) {
         put_u64(out, namespace.size_blocks);
     }
     out.push(u8::from(grant.sgl));
+    out.push(u8::from(grant.sgl_dword_lengths));
     put_u64(out, grant.max_transfer_bytes);
     out.push(grant.register_fd);
     put_u64(out, grant.register_bytes);

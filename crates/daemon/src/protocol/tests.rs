@@ -244,6 +244,7 @@ fn store_replies() -> Vec<Reply> {
                 completion_doorbell_offset: 0x102c,
                 namespaces: vec![NamespaceGrant { nsid: 1, lba_bytes: 4096, size_blocks: 16384 }],
                 sgl: true,
+                sgl_dword_lengths: true,
                 max_transfer_bytes: 1 << 20,
                 register_fd: 0,
                 register_bytes: 16384,
