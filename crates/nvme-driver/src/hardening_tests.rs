@@ -706,8 +706,7 @@ fn an_attached_pair_refuses_odd_sgl_lengths_where_its_grant_says_the_controller_
     let (device, controller) = bring_up(FakeScript::default());
     let namespace = Namespace { id: NamespaceId(1), block_size_bytes: 512, size_blocks: 1 << 20 };
     for required in [true, false] {
-        let (_detached, attached) =
-            attach_requiring(&device, &controller, vec![namespace.clone()], DataPointerMode::Sgl, 1 << 20, required);
+        let (_detached, attached) = attach_requiring(&device, &controller, vec![namespace], DataPointerMode::Sgl, 1 << 20, required);
         let mut pair = attached.expect("attach");
         let whole_dwords = [DataSegment::new(Iova(0x100_0000), 508), DataSegment::new(Iova(0x200_0000), 4)];
         assert_eq!(pair.submit_read(NamespaceId(1), Lba(0), &whole_dwords, 0).expect("whole dwords"), 1);
