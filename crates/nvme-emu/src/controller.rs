@@ -197,6 +197,10 @@ pub(crate) struct ControllerCore {
     /// cache flushes, in tests).
     #[cfg(test)]
     pub(crate) fail_syncs_for_tests: bool,
+    /// Writes and zeroing that go straight to the store (FUA, cache off, Write Zeroes) fail
+    /// with an I/O error while set (in tests).
+    #[cfg(test)]
+    pub(crate) fail_write_throughs_for_tests: bool,
 }
 
 impl ControllerCore {
@@ -251,6 +255,8 @@ impl ControllerCore {
             fail_write_backs_for_tests: false,
             #[cfg(test)]
             fail_syncs_for_tests: false,
+            #[cfg(test)]
+            fail_write_throughs_for_tests: false,
             config,
         })
     }

@@ -138,19 +138,30 @@ impl ControllerCore {
         let cache_on = self.config.volatile_write_cache && self.features.write_cache_enabled;
         let length = data.len() as u64;
         if !cache_on || force_unit_access || length > self.config.write_cache_bytes {
-            // Older cached copies of these blocks must not be written back over the new data.
-            self.cache.discard_range(index, start_lba, (data.len() / block_size) as u64);
             let offset = namespace.base_offset_bytes + start_lba * block_size as u64;
-            self.store.write(offset, data).map_err(|error| {
+            self.write_through_refused().and_then(|()| self.store.write(offset, data)).map_err(|error| {
                 tracing::error!(%error, offset, "backing store write failed");
                 media(codes::WRITE_FAULT)
             })?;
+            // Older cached copies of these blocks must not be written back over the new data,
+            // but only once it is in the store: a write that failed must not take an earlier
+            // completed cached write with it (the in-flight path's `landed` does the same).
+            self.cache.discard_range(index, start_lba, (data.len() / block_size) as u64);
             return self.sync_if_promised(force_unit_access);
         }
         if self.cache.dirty_bytes() + length > self.config.write_cache_bytes {
             self.write_back(None)?;
         }
         self.cache.insert(index, start_lba, block_size, data);
+        Ok(())
+    }
+
+    /// Whether a test makes writes straight to the store fail (never outside tests).
+    fn write_through_refused(&self) -> std::io::Result<()> {
+        #[cfg(test)]
+        if self.fail_write_throughs_for_tests {
+            return Err(std::io::Error::other("backing store write refused (injected by a test)"));
+        }
         Ok(())
     }
 
@@ -195,13 +206,15 @@ impl ControllerCore {
     /// Zeroes blocks on media (write-through: durable early is allowed, and it keeps huge
     /// deallocations out of the cache).
     fn zero_blocks(&mut self, index: usize, namespace: &Namespace, start_lba: u64, blocks: u64) -> Result<(), NvmeStatus> {
-        self.cache.discard_range(index, start_lba, blocks);
         let block_size = u64::from(namespace.block_size_bytes);
         let offset = namespace.base_offset_bytes + start_lba * block_size;
-        self.store.write_zeroes(offset, blocks * block_size).map_err(|error| {
+        self.write_through_refused().and_then(|()| self.store.write_zeroes(offset, blocks * block_size)).map_err(|error| {
             tracing::error!(%error, offset, "backing store zeroing failed");
             media(codes::WRITE_FAULT)
-        })
+        })?;
+        // As in `store_blocks`: cached copies go only once the zeroes are in the store.
+        self.cache.discard_range(index, start_lba, blocks);
+        Ok(())
     }
 
     fn write_zeroes(&mut self, entry: &SubmissionEntry) -> CommandResult {

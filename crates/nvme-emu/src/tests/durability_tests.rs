@@ -274,3 +274,41 @@ fn the_driver_sees_a_failed_shutdown_as_an_error() {
     drop(controller);
     assert!(!ControllerStatus(device.registers().read32(registers::CSTS)).ready(), "teardown stopped the controller (RDY = 0)");
 }
+
+#[test]
+fn a_failed_write_through_keeps_an_earlier_completed_cached_write() {
+    // Goal: a FUA Write (and a Write Zeroes) that goes straight to the store and fails there
+    // leaves the blocks' earlier completed cached write in place: it still reads back, and a
+    // later Flush makes it durable. The cached copy used to be dropped before the store write,
+    // so a failed write took a completed one with it (reads and media then held the data from
+    // before it), while the in-flight path drops cached copies only once a write landed.
+    let write_fault = Err(nvme_driver::spec::NvmeStatus::new(
+        nvme_driver::spec::StatusCodeType::MediaAndDataIntegrity,
+        nvme_driver::spec::status::codes::WRITE_FAULT,
+    ));
+    for zeroes in [false, true] {
+        let (config, path) = file_config(&format!("failed-write-through-{zeroes}"), false);
+        let mut host = TestHost::start(config);
+        let mut queue = host.create_io_pair(1, 16);
+        write(&host, &mut queue, 3, 0xA1, false);
+        host.device.with_core(|core| core.fail_write_throughs_for_tests = true);
+        let failed = if zeroes {
+            let mut entry = SubmissionEntry::write_zeroes(NamespaceId(1), Lba(3), block_count(1), false);
+            entry.cdw12 |= 1 << 30;
+            host.execute_on(&mut queue, entry)
+        } else {
+            let (entry, _source) = write_entry(&host, 3, 0xB2, true);
+            host.execute_on(&mut queue, entry)
+        };
+        assert_eq!(status_of(&failed), write_fault, "zeroes {zeroes}: the write-through fails while the store refuses it");
+        host.device.with_core(|core| core.fail_write_throughs_for_tests = false);
+        assert!(read_block(&host, &mut queue, 3).iter().all(|&byte| byte == 0xA1), "zeroes {zeroes}: the cached write still reads");
+        assert_eq!(status_of(&host.execute_on(&mut queue, SubmissionEntry::flush(NamespaceId(1)))), Ok(()));
+        host.device.power_loss();
+        host.enable();
+        let mut queue = host.create_io_pair(1, 16);
+        assert!(read_block(&host, &mut queue, 3).iter().all(|&byte| byte == 0xA1), "zeroes {zeroes}: the flush made it durable");
+        drop(host);
+        let _ = std::fs::remove_file(&path);
+    }
+}
