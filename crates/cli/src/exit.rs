@@ -41,15 +41,17 @@ pub fn is_unusable(error: &(dyn std::error::Error + 'static)) -> bool {
     false
 }
 
-/// An error and its causes on one line, `outer: cause: cause`, leaving out a cause whose text the
-/// line already holds: many errors name their source in their own message (`"NVMe: {0}"` with
-/// `#[from]`), and anyhow's `{:#}` would print it twice.
+/// An error and its causes on one line, `outer: cause: cause`, leaving out a cause the line
+/// already ends with after a `": "`: many errors name their source at the end of their own
+/// message (`"NVMe: {0}"` with `#[from]`), and anyhow's `{:#}` would print it twice. Only a
+/// whole last part counts, so a short cause that happens to appear in the line is still printed.
 pub fn error_line(error: &(dyn std::error::Error + 'static)) -> String {
     let mut line = error.to_string();
     let mut cause = error.source();
     while let Some(current) = cause {
         let text = current.to_string();
-        if !text.is_empty() && !line.contains(&text) {
+        let named = line.strip_suffix(text.as_str()).is_some_and(|before| before.ends_with(": ") || before.is_empty());
+        if !text.is_empty() && !named {
             line.push_str(": ");
             line.push_str(&text);
         }
@@ -121,5 +123,7 @@ mod tests {
         assert_eq!(error_line(&Naming(Unusable("nsid:2 does not exist".into()))), "NVMe: nsid:2 does not exist");
         let wrapped = anyhow::Error::new(Naming(Unusable("nsid:2 does not exist".into()))).context("formatting a pool");
         assert_eq!(error_line(wrapped.as_ref()), "formatting a pool: NVMe: nsid:2 does not exist");
+        // A cause the line holds only earlier on is its own news.
+        assert_eq!(error_line(&Context(Unusable("pool".into()))), "opening the pool: pool");
     }
 }
