@@ -79,8 +79,9 @@ impl ServerConfig {
     pub const FRAME_TIMEOUT_RANGE: std::ops::RangeInclusive<Duration> = Duration::from_millis(10)..=Duration::from_secs(3_600);
     pub const TICK_RANGE: std::ops::RangeInclusive<Duration> = Duration::from_millis(1)..=Duration::from_secs(1);
     /// The most connections `clients_max` may allow: the sessions one status reply can list
-    /// (each session is one connection), so that `tuttid --status` still works when the daemon
-    /// is at its busiest.
+    /// (each session is one connection), so that a status reply can list every session when
+    /// the daemon is at its busiest (the query itself is let in then on the one status-only
+    /// connection kept beyond `clients_max`).
     pub const CLIENTS_MAX: usize = crate::protocol::STATUS_CLIENTS_MAX;
 
     /// Refuses durations and counts the server cannot run with (a lease of `u64::MAX` seconds
@@ -370,7 +371,8 @@ impl Server {
                 }
             }
         };
-        let mut workers: Vec<JoinHandle<()>> = Vec::new();
+        // Connection threads, each marked whether it is the one status-only connection.
+        let mut workers: Vec<(JoinHandle<()>, bool)> = Vec::new();
         let mut connections_served = 0u64;
         let tick_ms = u16::try_from(shared.config.tick.as_millis()).unwrap_or(u16::MAX);
         // A listener that cannot be polled ends serving as a stop does, through the drain
@@ -390,13 +392,16 @@ impl Server {
                 }
             }
             // Accept everything pending (bounded: each accepted connection either gets a
-            // thread, up to clients_max, or a Busy answer and is closed).
+            // thread, up to clients_max plus one status-only connection, or a Busy answer and
+            // is closed). The status-only one takes only Status and ClusterStatus, so that
+            // `tuttid --status` works while every other connection is taken.
             loop {
                 match listener.accept() {
                     Ok((stream, _)) => {
                         connections_served += 1;
-                        workers.retain(|worker| !worker.is_finished());
-                        if workers.len() >= shared.config.clients_max {
+                        workers.retain(|(worker, _)| !worker.is_finished());
+                        let status_only = workers.iter().filter(|(_, status_only)| !status_only).count() >= shared.config.clients_max;
+                        if status_only && workers.iter().any(|(_, status_only)| *status_only) {
                             refuse(stream, &shared.config, ErrorCode::Busy, "tuttid serves its maximum number of connections; retry later");
                             continue;
                         }
@@ -404,9 +409,9 @@ impl Server {
                         let connection_shared = Arc::clone(&shared);
                         let spawned = std::thread::Builder::new()
                             .name("tuttid-client".into())
-                            .spawn(move || serve_connection(stream, &connection_shared));
+                            .spawn(move || serve_connection(stream, &connection_shared, status_only));
                         match spawned {
-                            Ok(worker) => workers.push(worker),
+                            Ok(worker) => workers.push((worker, status_only)),
                             Err(error) => {
                                 shared.connections.fetch_sub(1, Ordering::AcqRel);
                                 tracing::error!("cannot start a connection thread: {error}");
@@ -442,7 +447,7 @@ impl Server {
         if data_plane_thread.is_some_and(|thread| thread.join().is_err()) {
             tracing::error!("the data plane panicked");
         }
-        for worker in workers {
+        for (worker, _) in workers {
             // A connection thread ends within a tick plus one request plus a frame timeout.
             if worker.join().is_err() {
                 tracing::error!("a connection thread panicked");

@@ -79,7 +79,8 @@ struct Cli {
     /// A frame must arrive whole within this of its first byte.
     #[arg(long, default_value = "2s", value_parser = parse_duration)]
     frame_timeout: Duration,
-    /// Connections served at once, at most 7279 (the sessions one status reply can list).
+    /// Connections served at once, at most 7279 (the sessions one status reply can list); past
+    /// it, one more connection is let in for status queries only.
     /// Each software controller is started with this many I/O queue pairs plus two (one per
     /// client, one for the pool's metadata, one spare); a session attaches one pair per
     /// device, however many windows it registers.

@@ -176,6 +176,50 @@ fn bad_frames_get_typed_errors_and_the_daemon_serves_others() {
 }
 
 #[test]
+fn a_status_query_is_answered_while_every_connection_is_taken() {
+    // Goal: with --clients-max connections held, one more connection is still let in for status
+    // queries only (it was answered Busy, so `tuttid --status` failed when the daemon was at its
+    // busiest); it refuses anything else with Busy, and a second one past it is refused.
+    let directory = tempfile::tempdir().unwrap();
+    let daemon = memory_daemon(directory.path(), &["--clients-max", "1"]);
+    // The start-up probe's connection takes a tick to end: until it has, the engine would be
+    // the status-only one.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let _engine = loop {
+        let mut engine = daemon.client();
+        match engine.hello(&hello(0, 1, "engine")) {
+            Ok(_) => break engine,
+            Err(DaemonError::Remote { code: ErrorCode::Busy, .. }) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(20))
+            }
+            Err(error) => panic!("the engine's hello: {error}"),
+        }
+    };
+    let mut status = daemon.client();
+    let reply = status.status().expect("a status query past clients_max");
+    assert_eq!(reply.clients.len(), 1, "{reply:?}");
+    let mut second = daemon.client();
+    let error = second.status().unwrap_err();
+    assert!(matches!(error, DaemonError::Remote { code: ErrorCode::Busy, .. }), "a second status-only connection: {error}");
+    let error = status.hello(&hello(0, 1, "late")).unwrap_err();
+    assert!(matches!(&error, DaemonError::Remote { code: ErrorCode::Busy, message } if message.contains("status queries only")), "{error}");
+    let printed = output_bounded(Command::new(TUTTID).arg("--status").arg(&daemon.socket));
+    assert!(!printed.status.success(), "the status-only connection is taken: the command is refused");
+    drop(status);
+    drop(second);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let printed = output_bounded(Command::new(TUTTID).arg("--status").arg(&daemon.socket));
+        if printed.status.success() {
+            assert!(String::from_utf8_lossy(&printed.stdout).contains("engine"), "{printed:?}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "tuttid --status kept failing once the status-only connection was free: {printed:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
 fn requests_out_of_order_and_bad_identities_are_refused() {
     // Goal: lookup before hello, a second hello, and an impossible TP rank are typed refusals.
     let directory = tempfile::tempdir().unwrap();

@@ -23,8 +23,9 @@ use super::{lock, status, SessionRecord, Shared};
 
 /// One connection's life: credentials, then frames until it closes, its lease runs out, it
 /// breaks the protocol, or the server stops. Its session is released on every path out.
-pub(super) fn serve_connection(mut stream: UnixStream, shared: &Shared) {
+pub(super) fn serve_connection(mut stream: UnixStream, shared: &Shared, status_only: bool) {
     let mut connection = Connection {
+        status_only,
         session: None,
         peer_pid: 0,
         peer_uid: 0,
@@ -85,6 +86,8 @@ pub(super) enum Ending {
 }
 
 pub(super) struct Connection {
+    /// The connection let in past `clients_max`: it takes Status and ClusterStatus only.
+    pub(super) status_only: bool,
     pub(super) session: Option<u64>,
     pub(super) peer_pid: u32,
     pub(super) peer_uid: u32,
@@ -262,6 +265,10 @@ impl Connection {
     }
 
     fn handle(&mut self, request: Request, fds: &mut Vec<OwnedFd>, shared: &Shared) -> (Reply, Vec<OwnedFd>) {
+        if self.status_only && !matches!(request, Request::Status | Request::ClusterStatus | Request::Ping) {
+            let message = "tuttid serves its maximum number of connections (this one takes status queries only); retry later";
+            return (Reply::error(ErrorCode::Busy, message), Vec::new());
+        }
         let space = self.session.and_then(|session| {
             lock(&shared.sessions).get_mut(&session).map(|record| {
                 record.requests += 1;
