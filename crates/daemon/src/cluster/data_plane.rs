@@ -6,23 +6,29 @@
 //! more is answered `Unavailable`, "busy", and closed) has a thread that serves `ReadSegment`s in
 //! turn, in order, for at most [`PEER_IDLE`] after the last one it served whole (requests that
 //! are refused do not extend it, and a connection refused [`REFUSALS_PER_CONNECTION_MAX`] times
-//! is closed): a peer sending bogus requests cannot keep a slot. The blocks are reserved in the index (pinned, so
-//! no eviction reuses their slots) until the last byte is sent; read from the SSDs through the
-//! daemon's staging data half (`staging.rs`); each block's CRC computed (and, when the pool
-//! records payload CRCs, checked against the one recorded at commit: a holder never sends bytes
-//! its own pool says are damaged); then streamed, a frame per block with its CRC.
+//! is closed): a peer sending bogus requests cannot keep a slot. The blocks are reserved in the
+//! index (pinned, so no eviction reuses their slots) until the last byte is sent; the segment
+//! header sent at once; the blocks read from the SSDs through the daemon's staging data half
+//! (`staging.rs`, its turn awaited up to half the segment's deadline, else a `Failure` where the
+//! first block was due); each block's CRC computed (and, when the pool records payload CRCs,
+//! checked against the one recorded at commit: a holder never sends bytes its own pool says are
+//! damaged); then streamed, a frame per block with its CRC.
 //!
 //! **Asker.** `FetchRemote` (a client's request): the registry says who holds what lies past the
 //! local prefix (`lookup.rs`); the holder's data address comes from its member record; each
-//! segment is read in turn (the segment header awaited until the segment's deadline — the
-//! holder may queue for its staging area first — every frame after it, and every frame once
-//! begun, bounded by [`PEER_STALL`]; a block out of order, of another size or whose CRC does not
-//! match fails the read; a holder that answers `Unavailable` is asked again, on a new
-//! connection, with a growing pause, until the segment's deadline), then stored in the local pool as
-//! a store of its own (reserve, write through the staging half, flush, headers with FUA): the
-//! client then retrieves it through the normal path. Segments stored before a failure stay (each
-//! is whole and checked); the failure is the client's typed error for the rest. The copy is a
-//! replica in waiting: not registered, unless its holder has served it more than the node's
+//! segment is read in turn (the segment header bounded by [`PEER_STALL`], so a holder that
+//! accepted and hangs costs that long; the first block's first byte awaited until the segment's
+//! deadline — the holder queues for its staging area then — and every other frame, and every
+//! frame once begun, bounded by [`PEER_STALL`]; a block out of order, of another size or whose
+//! CRC does not match fails the read; a holder that answers `Unavailable`, instead of the header
+//! or of the first block, is asked again, on a new connection, with a growing pause, until the
+//! segment's deadline; a connection found closed before a byte of the answer — a holder closes
+//! one idle for [`PEER_IDLE`], and this node's wait for its staging area between segments may be
+//! longer — is made anew, once a segment), then stored in the local pool as a store of its own
+//! (reserve, write through the staging half, flush, headers with FUA): the client then retrieves
+//! it through the normal path. Segments stored before a failure stay (each is whole and
+//! checked); the failure is the client's typed error for the rest. The copy is a replica in
+//! waiting: not registered, unless its holder has served it more than the node's
 //! `--cluster-replicate-after` times (the count in each `SegmentHeader`, `heavy_hitters.rs`):
 //! then it is handed to the registrar as a second replica (registered under this node's lease,
 //! unregistered when evicted, kept in the manifest).
@@ -36,7 +42,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use objstore::{Direction, MismatchedBlock, NoLender, ObjstoreError, RequestHandle, StoreControl};
+use objstore::{Direction, MismatchedBlock, NoLender, ObjstoreError, Placement, RequestHandle, StoreControl};
 use tutti_cluster::{ModelSpace, SegmentBlocks, SegmentKey};
 
 use super::heavy_hitters::{ServedCounts, SERVED_COUNTS_MAX};
@@ -48,8 +54,8 @@ use crate::session::StoreState;
 
 /// Peer connections a holder serves at once; one more is answered `Unavailable` and closed.
 pub const PEERS_MAX: usize = 8;
-/// The longest a peer may leave a frame half sent (or an asker wait between a holder's frames
-/// once the segment header came).
+/// The longest a peer may leave a frame half sent, or an asker wait for a holder's segment
+/// header or between its blocks (not for the first block: the holder's staging wait is then).
 pub const PEER_STALL: Duration = Duration::from_secs(2);
 /// The longest a holder keeps a peer connection after the last read it served whole (or after
 /// accepting it): refused requests do not extend it.
@@ -122,21 +128,34 @@ impl StagingGate {
         }
         *busy = true;
         drop(busy);
-        // Uncontended: only the holder of the turn locks the area.
-        Ok(StagingTurn { gate: self, area: lock(&self.area) })
+        // Uncontended: only the holder of the turn locks the area, and a turn's drop unlocks it
+        // before it passes the turn on.
+        Ok(StagingTurn { gate: self, area: Some(lock(&self.area)) })
     }
 }
 
 /// One turn of the staging area; the next waiter's when dropped.
 struct StagingTurn<'a> {
     gate: &'a StagingGate,
-    area: MutexGuard<'a, Option<Staging>>,
+    /// Always `Some` until the drop, which unlocks it first.
+    area: Option<MutexGuard<'a, Option<Staging>>>,
+}
+
+impl StagingTurn<'_> {
+    /// The staging area (`None` once retired).
+    fn area(&mut self) -> &mut Option<Staging> {
+        self.area.as_mut().expect("a turn's area is held until its drop")
+    }
 }
 
 impl Drop for StagingTurn<'_> {
     fn drop(&mut self) {
+        drop(self.area.take());
         *lock(&self.gate.busy) = false;
-        self.gate.freed.notify_one();
+        // Every waiter is woken (at most 8 peer reads and 4 stores): the first to lock the gate
+        // takes the turn and the others wait on, so a waiter that gives up (deadline, drain) as
+        // it wakes cannot strand the turn with the waiters behind it asleep.
+        self.gate.freed.notify_all();
     }
 }
 
@@ -312,21 +331,28 @@ impl DataPlane {
                     continue;
                 }
             };
-            match self.read_segment(&request, store, &mut bytes, &stopped) {
-                Ok((handle, crcs)) => {
+            match self.reserve_segment(&request, store) {
+                Ok(reserved) => {
                     // `ReadSegment::decode` refuses empty segments and zero keys.
                     let key = request.keys.last().and_then(|&last| SegmentKey::new(last).ok());
                     let served = key.map_or(0, |key| lock(&self.served).next(&request.space, key));
                     // The blocks stay pinned until the last byte is sent.
-                    let sent = self.send_segment(&mut stream, &mut frame, &bytes, &crcs, served, &stopped);
-                    release(store, handle);
-                    sent?;
-                    // Counted once sent whole: a read that failed mid-stream met no demand.
-                    if let Some(key) = key {
-                        lock(&self.served).served(&request.space, key);
+                    let answered = self.answer_segment(&mut stream, &mut frame, &mut bytes, store, &reserved, served, &stopped);
+                    release(store, reserved.handle);
+                    match answered? {
+                        Answered::Whole => {
+                            // Counted once sent whole: a read that failed mid-stream met no demand.
+                            if let Some(key) = key {
+                                lock(&self.served).served(&request.space, key);
+                            }
+                            metrics.served_segments.inc();
+                            kept_until = Instant::now() + idle;
+                        }
+                        Answered::Refused => {
+                            metrics.serve_refusals.inc();
+                            refusals += 1;
+                        }
                     }
-                    metrics.served_segments.inc();
-                    kept_until = Instant::now() + idle;
                 }
                 Err((code, message)) => {
                     metrics.serve_refusals.inc();
@@ -338,15 +364,9 @@ impl DataPlane {
         }
     }
 
-    /// Holder: pins the segment's blocks and reads them into `bytes` (block after block, each
-    /// in disk order); returns the reservation (still pinned) and each block's CRC.
-    fn read_segment(
-        &self,
-        request: &ReadSegment,
-        store: &Mutex<StoreState>,
-        bytes: &mut Vec<u8>,
-        stopped: &dyn Fn() -> bool,
-    ) -> Result<(RequestHandle, Vec<u32>), (FailureCode, String)> {
+    /// Holder: pins the segment's blocks (reserved in the index until released, so no eviction
+    /// reuses their slots) and notes where they lie and the CRCs recorded at their commit.
+    fn reserve_segment(&self, request: &ReadSegment, store: &Mutex<StoreState>) -> Result<Reserved, (FailureCode, String)> {
         let blocks = request.keys.len();
         if blocks != usize::from(self.segment_blocks.get()) {
             return Err((
@@ -355,39 +375,90 @@ impl DataPlane {
             ));
         }
         let engine_blocks: Vec<u32> = (0..blocks as u32).collect();
-        let (handle, placements, recorded) = {
-            let mut store = lock(store);
-            let control = &mut store.control;
-            let handle = control.reserve_retrieve(&request.keys, &engine_blocks, 0).map_err(|error| match error {
-                // Every request slot is taken: busy, not a sign the blocks are gone.
-                ObjstoreError::TooManyRequests { .. } => (FailureCode::Unavailable, error.to_string()),
-                // The store's detail (which of the blocks are cached) stays here: a peer learns
-                // only that the segment is not held whole.
-                _ => {
-                    tracing::debug!(%error, "a peer's read of a segment not held whole");
-                    (FailureCode::NotHeld, NOT_HELD.to_owned())
-                }
-            })?;
-            let placements = control.placements(handle).map(<[_]>::to_vec);
-            let mut recorded = Vec::new();
-            let recorded = if control.records_payload_crcs() {
-                control.recorded_payload_crcs(handle, &mut recorded).map(|()| Some(recorded))
-            } else {
-                Ok(None)
-            };
-            match (placements, recorded) {
-                (Ok(placements), Ok(recorded)) => (handle, placements, recorded),
-                (Err(error), _) | (_, Err(error)) => {
-                    let _ = control.release(handle);
-                    return Err((FailureCode::ReadFailed, error.to_string()));
-                }
+        let mut store = lock(store);
+        let control = &mut store.control;
+        let handle = control.reserve_retrieve(&request.keys, &engine_blocks, 0).map_err(|error| match error {
+            // Every request slot is taken: busy, not a sign the blocks are gone.
+            ObjstoreError::TooManyRequests { .. } => (FailureCode::Unavailable, error.to_string()),
+            // The store's detail (which of the blocks are cached) stays here: a peer learns
+            // only that the segment is not held whole.
+            _ => {
+                tracing::debug!(%error, "a peer's read of a segment not held whole");
+                (FailureCode::NotHeld, NOT_HELD.to_owned())
+            }
+        })?;
+        let placements = control.placements(handle).map(<[_]>::to_vec);
+        let mut recorded = Vec::new();
+        let recorded = if control.records_payload_crcs() {
+            control.recorded_payload_crcs(handle, &mut recorded).map(|()| Some(recorded))
+        } else {
+            Ok(None)
+        };
+        match (placements, recorded) {
+            (Ok(placements), Ok(recorded)) => Ok(Reserved { handle, blocks, placements, recorded }),
+            (Err(error), _) | (_, Err(error)) => {
+                let _ = control.release(handle);
+                Err((FailureCode::ReadFailed, error.to_string()))
+            }
+        }
+    }
+
+    /// Holder: answers a read of a reserved segment, the whole bounded by [`SEGMENT_DEADLINE`]
+    /// (its blocks stay pinned meanwhile, so a slow reader must not hold them longer). The
+    /// header goes first, at once: the asker bounds it by the stall bound, so a holder that
+    /// hangs costs an asker 2 s, not a segment's deadline. Then the wait for the staging area
+    /// (the asker awaits the first block up to the segment's deadline) and the read; a wait or
+    /// read that fails is a `Failure` frame where the first block was due. The caller releases
+    /// the reservation.
+    #[allow(clippy::too_many_arguments)]
+    fn answer_segment(
+        &self,
+        stream: &mut TcpStream,
+        frame: &mut Vec<u8>,
+        bytes: &mut Vec<u8>,
+        store: &Mutex<StoreState>,
+        reserved: &Reserved,
+        served: u32,
+        stopped: &dyn Fn() -> bool,
+    ) -> Result<Answered, PeerError> {
+        let deadline = Instant::now() + self.bounds.segment;
+        let header = SegmentHeader { blocks: reserved.blocks as u16, block_bytes: self.block_bytes as u64, served };
+        peer::encode_segment_header(frame, header);
+        peer::write_all(stream, frame, deadline, stopped, "sending a segment header")?;
+        // Waiting longer for the staging area than half the asker's wait for the first block
+        // would only send it blocks it has given up on.
+        let staging_deadline = Instant::now() + self.bounds.segment / 2;
+        let crcs = match self.read_reserved(reserved, store, bytes, staging_deadline, stopped) {
+            Ok(crcs) => crcs,
+            Err((code, message)) => {
+                peer::encode_failure(frame, code, &message);
+                peer::write_all(stream, frame, Instant::now() + self.bounds.stall, stopped, "refusing a read")?;
+                return Ok(Answered::Refused);
             }
         };
-        // Waiting longer for the staging area than half the asker's wait for the header would
-        // only send it a header it has given up on.
-        let staging_deadline = Instant::now() + self.bounds.segment / 2;
+        for (index, (block, &crc)) in bytes.chunks_exact(self.block_bytes).zip(&crcs).enumerate() {
+            peer::encode_block_prefix(frame, index as u16, crc, self.block_bytes);
+            peer::write_all(stream, frame, deadline, stopped, "sending a block")?;
+            peer::write_all(stream, block, deadline, stopped, "sending a block")?;
+        }
+        Ok(Answered::Whole)
+    }
+
+    /// Holder: reads a reserved segment's blocks into `bytes` (block after block, each in disk
+    /// order) through the staging area, its turn awaited until `staging_deadline`; returns each
+    /// block's CRC. A block whose bytes do not match the CRC recorded at its commit is evicted
+    /// and the read refused.
+    fn read_reserved(
+        &self,
+        reserved: &Reserved,
+        store: &Mutex<StoreState>,
+        bytes: &mut Vec<u8>,
+        staging_deadline: Instant,
+        stopped: &dyn Fn() -> bool,
+    ) -> Result<Vec<u32>, (FailureCode, String)> {
+        let Reserved { handle, blocks, ref placements, ref recorded } = *reserved;
         let read = self.with_staging(handle, staging_deadline, stopped, |staging| {
-            staging.transfer(handle, Direction::Retrieve, &placements)?;
+            staging.transfer(handle, Direction::Retrieve, placements)?;
             bytes.resize(blocks * self.block_bytes, 0);
             for (block, chunk) in bytes.chunks_exact_mut(self.block_bytes).enumerate() {
                 staging.read_block(block as u32, chunk).map_err(|error| StagingError { error, retire: false })?;
@@ -395,8 +466,7 @@ impl DataPlane {
             Ok(())
         });
         if let Err(failed) = read {
-            // Reads only: a read still in flight cannot damage a slot, so the pins go.
-            release(store, handle);
+            // Reads only: a read still in flight cannot damage a slot, so the pins may go.
             let code = match failed.error {
                 FetchError::StagingBusy | FetchError::Stopped => FailureCode::Unavailable,
                 _ => FailureCode::ReadFailed,
@@ -426,7 +496,6 @@ impl DataPlane {
                 if let Err(error) = state.control.evict_mismatched(handle, &damaged, &mut NoLender) {
                     tracing::warn!(%error, "evicting a segment's damaged blocks");
                 }
-                let _ = state.control.release(handle);
                 return Err((
                     FailureCode::ReadFailed,
                     format!(
@@ -437,29 +506,7 @@ impl DataPlane {
                 ));
             }
         }
-        Ok((handle, crcs))
-    }
-
-    /// Holder: streams a segment, the whole bounded by [`SEGMENT_DEADLINE`] (its blocks stay
-    /// pinned meanwhile, so a slow reader must not hold them longer).
-    fn send_segment(
-        &self,
-        stream: &mut TcpStream,
-        frame: &mut Vec<u8>,
-        bytes: &[u8],
-        crcs: &[u32],
-        served: u32,
-        stopped: &dyn Fn() -> bool,
-    ) -> Result<(), PeerError> {
-        let deadline = Instant::now() + self.bounds.segment;
-        peer::encode_segment_header(frame, SegmentHeader { blocks: crcs.len() as u16, block_bytes: self.block_bytes as u64, served });
-        peer::write_all(stream, frame, deadline, stopped, "sending a segment header")?;
-        for (index, (block, &crc)) in bytes.chunks_exact(self.block_bytes).zip(crcs).enumerate() {
-            peer::encode_block_prefix(frame, index as u16, crc, self.block_bytes);
-            peer::write_all(stream, frame, deadline, stopped, "sending a block")?;
-            peer::write_all(stream, block, deadline, stopped, "sending a block")?;
-        }
-        Ok(())
+        Ok(crcs)
     }
 
     /// Runs `work` on the staging area. After a layer that may still be in flight the area is
@@ -479,7 +526,7 @@ impl DataPlane {
             Err(NoTurn::Deadline) => return Err(Staged { error: FetchError::StagingBusy, keep_reservation: false }),
             Err(NoTurn::Stopped) => return Err(Staged { error: FetchError::Stopped, keep_reservation: false }),
         };
-        let staging = &mut turn.area;
+        let staging = turn.area();
         let Some(area) = staging.as_mut() else { return Err(Staged { error: FetchError::NoStaging, keep_reservation: false }) };
         match work(area) {
             Ok(()) => Ok(()),
@@ -549,10 +596,15 @@ impl DataPlane {
             // queued past its wait) is asked again on a new connection after a pause, until
             // the segment's deadline: busy is not broken.
             let mut pause = Duration::from_millis(50);
+            // A holder closes a connection idle for PEER_IDLE, and this node's wait for its own
+            // staging area between two segments may be longer (up to the fetch's deadline): a
+            // connection found closed before a byte of the answer is made anew, once a segment.
+            // One closed mid-answer is the holder's failure.
+            let mut reconnected = false;
             let served = loop {
                 match self.receive_segment(&mut stream, &request, &mut frame, &mut body, &mut bytes, segment_deadline, stopped) {
                     Ok(served) => break served,
-                    Err(PeerError::Refused { code: FailureCode::Unavailable, message }) => {
+                    Err(Unreceived { error: PeerError::Refused { code: FailureCode::Unavailable, message }, .. }) => {
                         if Instant::now() + pause >= segment_deadline || !pause_unless_stopped(pause, stopped) {
                             let waited = started.elapsed();
                             let busy = FetchError::HolderBusy { node: node.to_owned(), address, segment: segment as u32, waited, message };
@@ -561,7 +613,12 @@ impl DataPlane {
                         pause = (pause * 2).min(BUSY_PAUSE_MAX);
                         stream = connect(segment).map_err(|error| (stored, error))?;
                     }
-                    Err(source) => return Err((stored, peer_error(segment, source))),
+                    Err(Unreceived { error, unanswered: true }) if !reconnected && !stopped() && Instant::now() < segment_deadline => {
+                        tracing::debug!(%address, segment, %error, "the holder closed the connection before answering: connecting again");
+                        reconnected = true;
+                        stream = connect(segment).map_err(|error| (stored, error))?;
+                    }
+                    Err(Unreceived { error, .. }) => return Err((stored, peer_error(segment, error))),
                 }
             };
             stored += self.store_segment(store, segment_keys, &bytes, deadline, stopped).map_err(|error| {
@@ -590,38 +647,46 @@ impl DataPlane {
         bytes: &mut Vec<u8>,
         deadline: Instant,
         stopped: &dyn Fn() -> bool,
-    ) -> Result<u32, PeerError> {
+    ) -> Result<u32, Unreceived> {
+        let before_answer = |error: PeerError| Unreceived { unanswered: closed_or_reset(&error), error };
+        let failed = |error: PeerError| Unreceived { error, unanswered: false };
         request.encode(frame);
-        peer::write_all(stream, frame, deadline, stopped, "sending a read")?;
+        peer::write_all(stream, frame, deadline, stopped, "sending a read").map_err(before_answer)?;
         let block_bytes = self.block_bytes as u64;
         let body_max = |kind| peer::answer_body_max(kind, block_bytes);
         let stall = self.bounds.stall;
-        // The header's first byte may take until the segment's deadline: the holder pins the
-        // blocks, waits for its staging area's turn (up to 8 peer reads and 4 stores queue for
-        // it) and reads the whole segment before sending it. Every byte after it: `stall`.
-        let header_wait = deadline.saturating_duration_since(Instant::now());
-        match peer::read_frame(stream, body, body_max, header_wait, stall, deadline, stopped, "waiting for the segment header")? {
+        // The holder sends the header as soon as the blocks are pinned: `stall` bounds it, so a
+        // holder that accepted and hangs costs 2 s, not the segment's deadline.
+        let mut first = [0u8; 1];
+        peer::read_exact_bounded(stream, &mut first, stall, deadline, stopped, "waiting for the segment header").map_err(before_answer)?;
+        let context = "receiving the segment header";
+        match peer::read_frame_begun(stream, first[0], body, body_max, stall, deadline, stopped, context).map_err(failed)? {
             PeerKind::SegmentHeader => {}
-            PeerKind::Failure => return Err(peer::decode_failure(body)),
-            other => return Err(PeerError::Garbage(format!("a {other:?} frame where a segment header was due"))),
+            PeerKind::Failure => return Err(failed(peer::decode_failure(body))),
+            other => return Err(failed(PeerError::Garbage(format!("a {other:?} frame where a segment header was due")))),
         }
-        let SegmentHeader { blocks, block_bytes: sent_bytes, served } = peer::decode_segment_header(body)?;
+        let SegmentHeader { blocks, block_bytes: sent_bytes, served } = peer::decode_segment_header(body).map_err(failed)?;
         if usize::from(blocks) != request.keys.len() || sent_bytes != block_bytes {
-            return Err(PeerError::Garbage(format!(
+            return Err(failed(PeerError::Garbage(format!(
                 "a segment of {blocks} blocks of {sent_bytes} bytes; asked for {} of {block_bytes}",
                 request.keys.len()
-            )));
+            ))));
         }
         bytes.clear();
         for expected in 0..usize::from(blocks) {
-            match peer::read_frame(stream, body, body_max, stall, stall, deadline, stopped, "receiving a block")? {
+            // The first block's first byte may take until the segment's deadline: the holder
+            // waits for its staging area's turn (up to 8 peer reads and 4 stores queue for it)
+            // and reads the whole segment before sending it, or sends a `Failure` here instead.
+            // Every byte after it: `stall`.
+            let wait = if expected == 0 { deadline.saturating_duration_since(Instant::now()) } else { stall };
+            match peer::read_frame(stream, body, body_max, wait, stall, deadline, stopped, "receiving a block").map_err(failed)? {
                 PeerKind::Block => {}
-                PeerKind::Failure => return Err(peer::decode_failure(body)),
-                other => return Err(PeerError::Garbage(format!("a {other:?} frame where block {expected} was due"))),
+                PeerKind::Failure => return Err(failed(peer::decode_failure(body))),
+                other => return Err(failed(PeerError::Garbage(format!("a {other:?} frame where block {expected} was due")))),
             }
-            let (index, _, block) = peer::decode_block(body, self.block_bytes)?;
+            let (index, _, block) = peer::decode_block(body, self.block_bytes).map_err(failed)?;
             if usize::from(index) != expected {
-                return Err(PeerError::Garbage(format!("block {index} where block {expected} was due")));
+                return Err(failed(PeerError::Garbage(format!("block {index} where block {expected} was due"))));
             }
             bytes.extend_from_slice(block);
         }
@@ -757,6 +822,45 @@ impl Drop for FetchSlot<'_> {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::AcqRel);
     }
+}
+
+/// Asker: a segment's read that failed, and whether the connection was found closed or reset
+/// before a byte of the answer came (sending the request or awaiting the header's first byte).
+struct Unreceived {
+    error: PeerError,
+    unanswered: bool,
+}
+
+/// A connection the peer closed or reset (not one that stalled, nor the daemon's drain).
+fn closed_or_reset(error: &PeerError) -> bool {
+    use std::io::ErrorKind;
+    match error {
+        PeerError::Closed { .. } => true,
+        PeerError::Io { source, .. } => {
+            matches!(
+                source.kind(),
+                ErrorKind::ConnectionReset | ErrorKind::ConnectionAborted | ErrorKind::BrokenPipe | ErrorKind::UnexpectedEof
+            )
+        }
+        _ => false,
+    }
+}
+
+/// A holder's reservation of a segment it was asked for: pinned until released.
+struct Reserved {
+    handle: RequestHandle,
+    blocks: usize,
+    placements: Vec<Placement>,
+    /// The CRCs recorded at commit, when the pool records them.
+    recorded: Option<Vec<u32>>,
+}
+
+/// How a holder's answer to a read ended (a failure to send is the connection's end).
+enum Answered {
+    /// Every block sent.
+    Whole,
+    /// A `Failure` frame sent where the first block was due.
+    Refused,
 }
 
 /// A staging failure, and whether the request's reservation must be kept for good.

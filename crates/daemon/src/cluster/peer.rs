@@ -10,7 +10,9 @@
 //! keys); the holder answers `SegmentHeader` (blocks, bytes per block, how many times it has
 //! served this segment, this read included: the heavy-hitter count, docs/cluster.md) then one
 //! `Block` per block in order (its index, its payload CRC, its bytes), or `Failure` (code, text)
-//! instead. Version 2 added the served count (a version-1 peer's frames are refused by version).
+//! instead of the header or in place of the first block (the holder sends the header once the
+//! blocks are pinned, before it waits for its staging area: a wait that fails ends the answer).
+//! Version 2 added the served count (a version-1 peer's frames are refused by version).
 //! Every read has a deadline per frame ([`read_frame`]): a peer that stalls mid-stream costs
 //! that long, then the read fails.
 
@@ -184,10 +186,28 @@ pub fn read_frame(
     stopped: &dyn Fn() -> bool,
     context: &'static str,
 ) -> Result<PeerKind, PeerError> {
+    let mut first = [0u8; 1];
+    read_exact_bounded(stream, &mut first, idle, deadline, stopped, context)?;
+    read_frame_begun(stream, first[0], body, body_max, stall, deadline, stopped, context)
+}
+
+/// [`read_frame`] once the frame's first byte (`first`) came: the rest of it, every byte
+/// bounded by `stall` and the whole by `deadline`. For a caller that tells a connection closed
+/// before a byte of the answer from one closed mid-frame.
+#[allow(clippy::too_many_arguments)]
+pub fn read_frame_begun(
+    stream: &mut impl Read,
+    first: u8,
+    body: &mut Vec<u8>,
+    body_max: impl Fn(PeerKind) -> u64,
+    stall: Duration,
+    deadline: Instant,
+    stopped: &dyn Fn() -> bool,
+    context: &'static str,
+) -> Result<PeerKind, PeerError> {
     let mut header = [0u8; HEADER_BYTES];
-    let (first, rest) = header.split_at_mut(1);
-    read_exact_bounded(stream, first, idle, deadline, stopped, context)?;
-    read_exact_bounded(stream, rest, stall, deadline, stopped, context)?;
+    header[0] = first;
+    read_exact_bounded(stream, &mut header[1..], stall, deadline, stopped, context)?;
     let header = decode_header(&header, body_max)?;
     body.clear();
     body.resize(header.body_bytes as usize, 0);

@@ -260,6 +260,8 @@ fn refused_requests_do_not_keep_a_slot() {
     assert!(closed >= Duration::from_millis(700), "closed after {closed:?}");
     assert!(closed < Duration::from_millis(2500), "closed after {closed:?}");
 
+    // A holder of its own with a generous idle bound: the refusals alone close the connection.
+    let holder = serve(small(PeerBounds::default()));
     let mut stream = connect(&holder);
     for _ in 0..REFUSALS_PER_CONNECTION_MAX {
         stream.write_all(&request(7, 0)).unwrap();
@@ -354,4 +356,134 @@ fn an_asker_retries_a_busy_holder_and_its_own_staging_wait_ends_at_the_deadline(
         other => panic!("{other:?}"),
     }
     assert!(took < Duration::from_millis(2500), "{took:?}");
+}
+
+#[test]
+fn a_holder_that_accepts_and_never_answers_fails_a_fetch_within_the_stall_bound() {
+    // Goal: a holder whose kernel accepts the connection but which never answers (a stopped
+    // process, a frozen host) costs the asker the stall bound (2 s) for the segment header, not
+    // the segment's deadline: the fetch fails Stalled, its slot given back, nothing stored.
+    let asker = small(PeerBounds::default());
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let address = listener.local_addr().unwrap();
+    let (done, wait) = std::sync::mpsc::channel::<()>();
+    let silent = std::thread::spawn(move || {
+        let accepted = listener.accept();
+        let _ = wait.recv_timeout(Duration::from_secs(30));
+        drop(accepted);
+    });
+    let keys = keys(1, 2);
+    let started = Instant::now();
+    let fetched = asker.plane.fetch(
+        &asker.store,
+        &space(),
+        &keys,
+        0..2,
+        "silent",
+        address,
+        started + Duration::from_secs(10),
+        &|| false,
+        &mut |_, _, _| {},
+    );
+    let took = started.elapsed();
+    done.send(()).unwrap();
+    silent.join().unwrap();
+    match fetched {
+        Err((0, FetchError::Peer { segment: 0, source, .. })) => assert!(matches!(*source, PeerError::Stalled { .. }), "{source}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(took >= PEER_STALL && took < Duration::from_secs(4), "{took:?}");
+    assert_eq!(asker.plane.fetches.load(Ordering::Acquire), 0);
+    assert_eq!(lock(&asker.store).control.counts().cached_blocks, 0);
+}
+
+#[test]
+fn a_holder_whose_staging_stays_busy_sends_the_header_then_a_failure_and_counts_nothing() {
+    // Goal: the holder sends the segment header as soon as the blocks are pinned, before its
+    // wait for the staging area; when that wait fails (half the segment's bound: 1 s here) a
+    // `Failure` (Unavailable) comes where the first block was due, the pins go, the connection
+    // serves on, and the refused read is not counted for heavy hitters.
+    let bounds = PeerBounds { segment: Duration::from_secs(2), ..PeerBounds::default() };
+    let node = small(bounds);
+    put(&node, 1, 0);
+    let block_bytes = node.plane.block_bytes;
+    let holder = serve(node);
+    let turn = holder.node.plane.staging.take(far(), &|| false).ok().unwrap();
+    let mut stream = connect(&holder);
+    let asked = Instant::now();
+    stream.write_all(&request(1, 0)).unwrap();
+    let (kind, body) = read_frame(&mut stream).expect("a segment header");
+    assert_eq!(kind, PeerKind::SegmentHeader as u16);
+    assert!(asked.elapsed() < Duration::from_millis(700), "the header waited for staging: {:?}", asked.elapsed());
+    let header = peer::decode_segment_header(&body).unwrap();
+    assert_eq!((header.blocks, header.served), (SEGMENT, 1));
+    let (code, message) = failure(&mut stream);
+    assert_eq!(code, FailureCode::Unavailable, "{message}");
+    assert!(asked.elapsed() >= Duration::from_millis(900), "{:?}", asked.elapsed());
+    wait_for("the pins go", Duration::from_secs(2), || pinned(&holder.node) == 0);
+    drop(turn);
+    stream.write_all(&request(1, 0)).unwrap();
+    let (served, bytes) = segment_answer(&mut stream, block_bytes);
+    assert_eq!(served, 1, "the refused read was counted");
+    assert_eq!(bytes, segment_bytes(&holder.node, 1, 0));
+}
+
+#[test]
+fn an_asker_retries_a_busy_failure_in_place_of_the_first_block_and_stores_nothing_partial() {
+    // Goal: a holder whose staging area stays busy past its wait (3 s here) sends `Unavailable`
+    // where the first block was due: the asker asks again and the fetch succeeds once the area
+    // frees. When it stays busy past the asker's segment deadline, the fetch fails by then,
+    // cleanly: nothing stored, nothing left pinned, the fetch slot given back.
+    let bounds = PeerBounds { segment: Duration::from_secs(6), ..PeerBounds::default() };
+    let (asker, holder) = asker_and_holder(bounds);
+    let turn = holder.node.plane.staging.take(far(), &|| false).ok().unwrap();
+    let started = Instant::now();
+    let fetched = std::thread::scope(|scope| {
+        let fetching = scope.spawn(|| fetch(&asker, &holder, Instant::now() + FETCH_DEADLINE));
+        std::thread::sleep(Duration::from_secs(4));
+        drop(turn);
+        fetching.join().unwrap()
+    });
+    assert_eq!(fetched.map_err(|(_, error)| error.to_string()), Ok(32));
+    assert!(started.elapsed() >= Duration::from_secs(4));
+
+    let bounds = PeerBounds { segment: Duration::from_secs(2), ..PeerBounds::default() };
+    let (asker, holder) = asker_and_holder(bounds);
+    let turn = holder.node.plane.staging.take(far(), &|| false).ok().unwrap();
+    let started = Instant::now();
+    let fetched = fetch(&asker, &holder, started + FETCH_DEADLINE);
+    let took = started.elapsed();
+    drop(turn);
+    match fetched {
+        Err((0, FetchError::HolderBusy { segment: 0, .. })) => {}
+        Err((0, FetchError::Peer { segment: 0, source, .. })) if matches!(*source, PeerError::Stalled { .. }) => {}
+        other => panic!("{other:?}"),
+    }
+    assert!(took < Duration::from_millis(3500), "{took:?}");
+    assert_eq!(lock(&asker.store).control.counts().cached_blocks, 0, "a partial segment was stored");
+    assert_eq!(asker.plane.fetches.load(Ordering::Acquire), 0);
+    wait_for("the holder's pins go", Duration::from_secs(3), || pinned(&holder.node) == 0);
+}
+
+#[test]
+fn a_holder_closing_an_idle_connection_between_segments_is_asked_again() {
+    // Goal: the asker's wait between two segments (its own staging area, up to the fetch's
+    // deadline) may outlast the holder's idle bound (300 ms here): the holder closes the
+    // connection, and the asker, finding it closed before a byte of the next answer, connects
+    // again once and the fetch succeeds.
+    let bounds = PeerBounds { idle: Duration::from_millis(300), ..PeerBounds::default() };
+    let (asker, holder) = asker_and_holder(bounds);
+    let keys = keys(1, 2);
+    let address = holder.node.plane.address();
+    let mut stored = Vec::new();
+    let fetched = asker.plane.fetch(&asker.store, &space(), &keys, 0..2, "holder", address, far(), &|| false, &mut |segment, _, _| {
+        stored.push(segment);
+        if segment == 0 {
+            wait_for("the holder closes the idle connection", Duration::from_secs(5), || {
+                holder.node.plane.peers.load(Ordering::Acquire) == 0
+            });
+        }
+    });
+    assert_eq!(fetched.map_err(|(_, error)| error.to_string()), Ok(32));
+    assert_eq!(stored, [0, 1]);
 }
