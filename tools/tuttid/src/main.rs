@@ -81,8 +81,9 @@ struct Cli {
     frame_timeout: Duration,
     /// Connections served at once, at most 7279 (the sessions one status reply can list); past
     /// it, one more connection is let in for status queries only.
-    /// Each software controller is started with this many I/O queue pairs plus two (one per
-    /// client, one for the pool's metadata, one spare); a session attaches one pair per
+    /// Each software controller is started with this many I/O queue pairs plus two, or plus
+    /// three on a cluster node (one per client, one for the pool's metadata, one spare, and on a
+    /// cluster node one for the data plane's staging area); a session attaches one pair per
     /// device, however many windows it registers.
     #[arg(long, default_value_t = 64)]
     clients_max: usize,
