@@ -557,30 +557,63 @@ fn a_controller_left_running_is_disabled_before_any_memory_is_mapped_for_it() {
 #[test]
 fn a_timeout_names_the_oldest_command_outstanding() {
     // Goal: when commands never complete, the timeout names the one issued first, which is
-    // the one most overdue. Slots are reused last-freed-first, so here the oldest command
-    // (B, slot 1) sits above a newer one (C, reusing slot 0 after A completed): the timeout
-    // used to name the lowest busy slot, C.
+    // the one most overdue. Slots are reused in the order they were freed, so once every slot
+    // was used, the oldest command (B, in the last slot) sits above a newer one (C, reusing
+    // slot 0): the timeout used to name the lowest busy slot, C.
     let (device, controller) = bring_up(FakeScript::default());
     let mut queue = controller.create_io_queue_pair(8).expect("queue pair");
-    queue.submit_raw(flush(), 0).expect("A");
-    queue.ring_doorbell().expect("ring A");
-    device.update_script(|script| script.io_unanswered = true);
-    queue.submit_raw(flush(), 1).expect("B");
-    queue.ring_doorbell().expect("ring B");
     let mut completed = Vec::new();
-    queue.reap(8, |completion| completed.push((completion.tag, completion.command_id))).expect("reap A");
-    assert_eq!(completed.iter().map(|(tag, _)| *tag).collect::<Vec<_>>(), [0], "A completed");
-    queue.submit_raw(flush(), 2).expect("C");
+    for tag in 0..6 {
+        queue.submit_raw(flush(), tag).expect("a command that completes");
+        queue.ring_doorbell().expect("ring");
+        queue.reap(8, |completion| completed.push((completion.tag, completion.command_id))).expect("reap");
+    }
+    assert_eq!(completed.iter().map(|(tag, _)| *tag).collect::<Vec<_>>(), [0, 1, 2, 3, 4, 5], "slots 0 to 5 used");
+    device.update_script(|script| script.io_unanswered = true);
+    queue.submit_raw(flush(), 6).expect("B");
+    queue.ring_doorbell().expect("ring B");
+    queue.submit_raw(flush(), 7).expect("C");
     queue.ring_doorbell().expect("ring C");
     assert_eq!(device.counters().io_unanswered, 2, "B and C are lost");
-    // Slots are reused LIFO: C took A's slot (0), below B's (1).
-    let a_slot = completed[0].1 .0 & 7;
-    assert_eq!(a_slot, 0);
     let timed_out = queue.wait_idle(std::time::Instant::now() + Duration::from_millis(20), |_| {});
     let Err(NvmeError::Timeout { queue: QueueId(1), command_id, outstanding: 2, .. }) = timed_out else {
         panic!("{timed_out:?}");
     };
-    assert_eq!(command_id.0 & 7, 1, "the timeout named {command_id}, not B (slot 1), the oldest command outstanding");
+    assert_eq!(command_id.0 & 7, 6, "the timeout named {command_id}, not B (slot 6), the oldest command outstanding");
+}
+
+#[test]
+fn a_duplicated_completion_of_an_earlier_command_is_not_taken_for_a_later_one() {
+    // Goal: a command id recurs only after every slot was used again, so a completion the
+    // controller posts twice (a firmware bug) for a command long done names no command in
+    // flight. Slots used to be reused last-freed-first: at queue depth 1 every command took
+    // slot 0, its id recurred every 2^13 commands on a depth-8 queue (every 2 at depth 32768),
+    // and the stale completion was delivered as the later command's, before its data landed.
+    let (device, controller) = bring_up(FakeScript::default());
+    let mut queue = controller.create_io_queue_pair(8).expect("queue pair");
+    let mut first = None;
+    // 2^13 commands, one at a time: under last-freed-first the next one carried A's id again.
+    for tag in 0..8192u64 {
+        queue.submit_raw(flush(), tag).expect("submit");
+        queue.ring_doorbell().expect("ring");
+        queue.reap(8, |completion| first = first.or(Some(completion.command_id))).expect("reap");
+    }
+    let first = first.expect("A completed");
+    device.update_script(|script| script.io_unanswered = true);
+    queue.submit_raw(flush(), 8192).expect("C");
+    queue.ring_doorbell().expect("ring C");
+    // D's fetch posts A's completion again, naming an SQ head past C's entry (8194 entries
+    // pushed on a ring of 8: head 2).
+    device.update_script(|script| {
+        script.io_unanswered = false;
+        script.io_completions.push_back(completion(first.0, 2));
+    });
+    queue.submit_raw(flush(), 8193).expect("D");
+    queue.ring_doorbell().expect("ring D");
+    let mut delivered = Vec::new();
+    let reaped = queue.reap(8, |completion| delivered.push(completion.tag));
+    assert!(!delivered.contains(&8192), "A's stale completion was taken for C ({reaped:?})");
+    assert!(matches!(reaped, Err(NvmeError::UnexpectedCompletion { .. })), "{reaped:?}");
 }
 
 #[test]

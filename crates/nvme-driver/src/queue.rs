@@ -52,6 +52,7 @@
 //!   be published by `ring_doorbell` (their callers were told they were queued); waits give up
 //!   with `QueueFailed` once only commands of unknown outcome remain.
 
+use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -98,7 +99,7 @@ struct Slot {
     tag: u64,
     /// Where the slot's command falls in the pair's issue order ([`QueuePair::issue_sequence`]
     /// when it was reserved): a timeout names the busy slot with the smallest, the command
-    /// outstanding longest. Slots are reused last-freed-first, so the index says nothing.
+    /// outstanding longest. Slots are reused in the order they were freed, so the index says nothing.
     issued: u64,
     /// A completion named this command but broke the queue protocol: its outcome is unknown. The
     /// slot stays busy (never reused: the controller may still read its scratch page and move
@@ -207,7 +208,12 @@ pub struct QueuePair {
     phase: bool,
     doorbell_pending: bool,
     slots: Vec<Slot>,
-    free: Vec<u16>,
+    /// Free slots, reused first-freed-first: a slot's id comes back only after every other
+    /// slot was used once more, so the generation bits (as few as one at depth 32768) tell a
+    /// late or duplicated completion of a slot's earlier command from its current one as long
+    /// as they can. Last-freed-first handed one slot to every command at queue depth 1, and its
+    /// id recurred every 2^generation_bits commands (every 2 at depth 32768).
+    free: VecDeque<u16>,
     slot_bits: u32,
     /// The low `slot_bits` bits of a command id (the slot index), and what is left of a
     /// generation above them: computed once, used on every submission and completion.
@@ -287,7 +293,7 @@ impl QueuePair {
             phase: true,
             doorbell_pending: false,
             slots: vec![Slot::default(); slot_count],
-            free: (0..slot_count as u16).rev().collect(),
+            free: (0..slot_count as u16).collect(),
             slot_bits,
             slot_mask: ((1u32 << slot_bits) - 1) as u16,
             generation_mask: ((1u32 << (16 - slot_bits)) - 1) as u16,
@@ -335,7 +341,7 @@ impl QueuePair {
             slot.outcome_unknown = false;
             slot.generation = slot.generation.wrapping_add(1);
         }
-        self.free = (0..self.slots.len() as u16).rev().collect();
+        self.free = (0..self.slots.len() as u16).collect();
         self.in_flight = 0;
         self.failed = false;
         self.unknown_outcomes = 0;
@@ -414,7 +420,7 @@ impl QueuePair {
     /// Reserves a slot and returns the command id its entry must carry.
     fn reserve(&mut self, opcode: u8, tag: u64) -> Result<CommandId, NvmeError> {
         // Not `ok_or`: an error built eagerly on every submission is dropped on every one.
-        let Some(slot) = self.free.pop() else {
+        let Some(slot) = self.free.pop_front() else {
             return Err(NvmeError::QueueFull { queue: self.id, depth: self.depth });
         };
         let mut command_id = self.command_id(slot);
@@ -475,7 +481,8 @@ impl QueuePair {
             if entry.busy {
                 entry.busy = false;
                 self.in_flight -= 1;
-                self.free.push(slot);
+                // Never issued: it may be the next one again.
+                self.free.push_front(slot);
             }
         }
     }
@@ -728,7 +735,7 @@ impl QueuePair {
                 dw0: entry.dw0,
                 status: NvmeStatus::from_status_field(status_field),
             };
-            self.free.push(slot_index);
+            self.free.push_back(slot_index);
             self.in_flight -= 1;
             on_completion(completion);
         }
