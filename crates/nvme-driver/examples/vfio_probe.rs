@@ -148,7 +148,13 @@ fn probe(address: PciAddress, reset_first: bool) -> Result<String> {
     // SAFETY: `external` is a live, page-aligned 4 KiB allocation that outlives `mapped` (dropped
     // first, below), and no Rust reference into it exists while the device writes it.
     let mapped = unsafe { dma.map_external(external.pointer, PAGE_BYTES)? };
-    admin.run(&*registers, SubmissionEntry::identify(IdentifyCns::Controller, 0, mapped.iova().0))?;
+    if let Err(error) = admin.run(&*registers, SubmissionEntry::identify(IdentifyCns::Controller, 0, mapped.iova().0)) {
+        // The command may still write the page: unmap it, and never free it, since an unmap
+        // that fails keeps the mapping (the driver's rule: memory a device may write leaks).
+        drop(mapped);
+        std::mem::forget(external);
+        return Err(error);
+    }
     let mut external_bytes = vec![0u8; IDENTIFY_BYTES];
     mapped.read(0, &mut external_bytes)?;
     drop(mapped);

@@ -211,7 +211,11 @@ pub fn plan_command(
                 // command's last, and the next command's PRP1 may carry any dword offset (the
                 // block-boundary back-off below keeps it dword aligned). Only where two segments
                 // join inside one command must the earlier one end on a page.
-                if take == available && cursor.segment + 1 < segments.len() && !is_page_aligned(address + take) {
+                // (Empty segments after this one join nothing.)
+                if take == available
+                    && !is_page_aligned(address + take)
+                    && segments.get(cursor.segment + 1..).is_some_and(|later| later.iter().any(|segment| segment.len > 0))
+                {
                     return Err(NvmeError::UnsupportedLayout {
                         index: cursor.segment,
                         reason: "segment does not end on a page",
@@ -446,6 +450,18 @@ mod tests {
             out.push(plan);
         }
         Ok(out)
+    }
+
+    #[test]
+    fn empty_segments_after_the_last_bytes_join_nothing() {
+        // Goal: a PRP transfer whose last bytes end mid-page is fine when only empty segments
+        // follow (they were counted as a join, and the transfer refused); bytes after it still
+        // need the page end.
+        let tail_empty = [segment(0x10_0000, 4608), segment(0x20_0000, 0)];
+        let planned = plans(&tail_empty, 1 << 20, 512, DataPointerMode::Prp).expect("empty tail");
+        assert_eq!(planned.iter().map(|plan| plan.bytes).sum::<u64>(), 4608);
+        let joined = [segment(0x10_0000, 4608), segment(0x20_0000, 0), segment(0x30_0000, 512)];
+        assert!(matches!(plans(&joined, 1 << 20, 512, DataPointerMode::Prp), Err(NvmeError::UnsupportedLayout { index: 0, .. })));
     }
 
     #[test]

@@ -204,14 +204,32 @@ impl Container {
         let mut buffer = query(header_bytes)?;
         // With capabilities, the kernel raises argsz to the size it needs; ask again with that.
         let needed = u32_at(&buffer, 0).unwrap_or(0) as usize;
-        if needed > header_bytes && needed <= 64 * 1024 {
-            buffer = query(needed)?;
+        if let Some(len) = capability_query_bytes(needed, header_bytes)? {
+            buffer = query(len)?;
         } else {
             // Only the fixed header was filled: drop a capability offset that points past it.
             let flags = IommuInfoFlags::from_bits_retain(u32_at(&buffer, 4).unwrap_or(0)).difference(IommuInfoFlags::CAPS);
             buffer[4..8].copy_from_slice(&flags.bits().to_le_bytes());
         }
         parse_iommu_info(&buffer)
+    }
+}
+
+/// The most IOMMU information (header and capability chain) asked of the kernel: a few
+/// hundred bytes in practice (one reserved-range entry is 16 bytes).
+const IOMMU_INFO_BYTES_MAX: usize = 1 << 20;
+
+/// How large a second `VFIO_IOMMU_GET_INFO` must be when the first (header only) answered that
+/// `needed` bytes hold everything: `None` when the header was all there is. More than
+/// [`IOMMU_INFO_BYTES_MAX`] is an error: dropping the capabilities then would lose the
+/// reserved IOVA ranges and guess a window that may overlap them.
+fn capability_query_bytes(needed: usize, header_bytes: usize) -> Result<Option<usize>, VfioError> {
+    if needed <= header_bytes {
+        Ok(None)
+    } else if needed <= IOMMU_INFO_BYTES_MAX {
+        Ok(Some(needed))
+    } else {
+        Err(VfioError::BadCapabilityChain { reason: "the kernel asks for more than 1 MiB of IOMMU information" })
     }
 }
 
@@ -333,6 +351,17 @@ mod tests {
         assert_eq!(info.page_sizes, 0x4020_1000);
         assert_eq!(info.ranges, ranges);
         assert_eq!(info.mappings_available, Some(65535));
+    }
+
+    #[test]
+    fn iommu_information_past_the_cap_is_an_error_not_a_guessed_window() {
+        // Goal: a kernel answer asking for more capability data than read (64 KiB used to be
+        // the limit) was taken as "no capabilities", dropping the reserved ranges for a guessed
+        // window; now up to 1 MiB is read and more is refused.
+        assert!(matches!(capability_query_bytes(24, 24), Ok(None)));
+        assert!(matches!(capability_query_bytes(0, 24), Ok(None)));
+        assert!(matches!(capability_query_bytes(70_000, 24), Ok(Some(70_000))));
+        assert!(matches!(capability_query_bytes(IOMMU_INFO_BYTES_MAX + 1, 24), Err(VfioError::BadCapabilityChain { .. })));
     }
 
     #[test]
