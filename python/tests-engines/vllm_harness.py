@@ -10,10 +10,12 @@ over a pipe. Every wait is bounded.
 
 from __future__ import annotations
 
-import contextlib
+import atexit
 import hashlib
 import multiprocessing
-import socket as socketlib
+import os
+import shutil
+import tempfile
 import traceback
 from typing import Any, Optional
 
@@ -214,16 +216,16 @@ def _tutti() -> Any:
 
 
 class Worker:
-    """The test's handle on one worker process (one TP rank). With `distributed_port`, the
-    process joins vLLM's distributed environment first (gloo over loopback, as vLLM's own CPU
+    """The test's handle on one worker process (one TP rank). With `distributed_init` (a
+    `file://` rendezvous), the process joins vLLM's distributed environment first (gloo over loopback, as vLLM's own CPU
     workers do): its TP group is then real, and the workers of a TP group must be started
     together (`start_workers`) and stepped together (`call_all`)."""
 
-    def __init__(self, socket: str, tp_world: int, rank: int, distributed_port: Optional[int] = None, ready: bool = True) -> None:
+    def __init__(self, socket: str, tp_world: int, rank: int, distributed_init: Optional[str] = None, ready: bool = True) -> None:
         context = multiprocessing.get_context("spawn")
         self._pipe, child = context.Pipe()
         self.process = context.Process(
-            target=_worker_main, args=(child, socket, tp_world, rank, distributed_port), daemon=True
+            target=_worker_main, args=(child, socket, tp_world, rank, distributed_init), daemon=True
         )
         self.process.start()
         self.rank = rank
@@ -261,11 +263,13 @@ class Worker:
 
 
 def start_workers(socket: str, tp_world: int) -> list[Worker]:
-    """A TP group's worker processes in one real vLLM distributed environment."""
-    with contextlib.closing(socketlib.socket()) as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    workers = [Worker(socket, tp_world, rank, distributed_port=port, ready=False) for rank in range(tp_world)]
+    """A TP group's worker processes in one real vLLM distributed environment. They meet through
+    a file store (vLLM's `file://` init method) in a directory of their own: a port picked free
+    here and released could be taken by another process before rank 0 bound it."""
+    directory = tempfile.mkdtemp(prefix="tutti-tp-")
+    atexit.register(shutil.rmtree, directory, True)
+    rendezvous = "file://" + os.path.join(directory, "store")
+    workers = [Worker(socket, tp_world, rank, distributed_init=rendezvous, ready=False) for rank in range(tp_world)]
     for worker in workers:
         worker.send("ping")
     for worker in workers:
@@ -280,7 +284,7 @@ def call_all(workers: list[Worker], command: str, *args: Any) -> list[Any]:
     return [worker.receive(command) for worker in workers]
 
 
-def _join_distributed(socket: str, tp_world: int, rank: int, port: int) -> None:
+def _join_distributed(socket: str, tp_world: int, rank: int, rendezvous: str) -> None:
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
@@ -288,19 +292,19 @@ def _join_distributed(socket: str, tp_world: int, rank: int, port: int) -> None:
         init_distributed_environment(
             world_size=tp_world,
             rank=rank,
-            distributed_init_method=f"tcp://127.0.0.1:{port}",
+            distributed_init_method=rendezvous,
             local_rank=rank,
             backend="gloo",
         )
         initialize_model_parallel(tensor_model_parallel_size=tp_world, backend="gloo")
 
 
-def _worker_main(pipe: Any, socket: str, tp_world: int, rank: int, distributed_port: Optional[int]) -> None:
+def _worker_main(pipe: Any, socket: str, tp_world: int, rank: int, distributed_init: Optional[str]) -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     state: dict[str, Any] = {}
-    if distributed_port is not None:
-        _join_distributed(socket, tp_world, rank, distributed_port)
+    if distributed_init is not None:
+        _join_distributed(socket, tp_world, rank, distributed_init)
     while True:
         command, args = pipe.recv()
         try:
