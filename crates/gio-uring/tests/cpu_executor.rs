@@ -460,12 +460,19 @@ fn a_queue_pair_failed_by_a_completion_is_reported_once_then_waits_time_out_and_
     }
 }
 
-#[test]
-fn a_controller_reset_on_one_device_holds_back_only_that_devices_iocbs() {
-    // Goal: after controller A is reset, A's queue pair is stale (every reap says so). That is
-    // reported once, and from then on only IOCTXs for A are held back (in place, for the
-    // caller's reset): an IOCB on controller B, issued behind one on A, completes. Before, every
-    // poll failed at A's reap, B was never reaped, and the IOCB on A held back every later one.
+/// Controllers A and B (software, one DMA space, SGL), a buffer of one layer in it, the device
+/// entry both serve and the buffer registered: the set-up of the two-device tests below.
+struct TwoControllers {
+    controller_a: Controller,
+    controller_b: Controller,
+    buffer: DmaRegion,
+    info: DeviceInfo,
+    registered: RegisteredMemory,
+    /// Kept while the controllers are used.
+    _devices: (Arc<EmuDevice>, Arc<EmuDevice>),
+}
+
+fn two_controllers() -> TwoControllers {
     let config = || {
         EmuConfig::default()
             .with_backing(Backing::Memory { bytes: 8 << 20 })
@@ -474,25 +481,40 @@ fn a_controller_reset_on_one_device_holds_back_only_that_devices_iocbs() {
     };
     let device_a = EmuDevice::start(config()).expect("controller A");
     let device_b = EmuDevice::start_in(config(), &device_a.dma_pool()).expect("controller B, same DMA space");
-    let mut controller_a = Controller::init(device_a.clone() as Arc<dyn DeviceBackend>, ControllerConfig::default()).expect("A up");
+    let controller_a = Controller::init(device_a.clone() as Arc<dyn DeviceBackend>, ControllerConfig::default()).expect("A up");
     let controller_b = Controller::init(device_b.clone() as Arc<dyn DeviceBackend>, ControllerConfig::default()).expect("B up");
     let buffer = controller_a.dma().allocate(LAYER_BYTES as usize).unwrap();
     let namespace = controller_a.namespaces()[0];
     let info = DeviceInfo { nsid: namespace.id.0, capacity_blocks: namespace.size_blocks, block_bytes: BLOCK_BYTES, sgl_supported: true };
     let registered = RegisteredMemory::new(vec![IovaRange::new(buffer.iova(), buffer.len() as u64)]).unwrap();
+    TwoControllers { controller_a, controller_b, buffer, info, registered, _devices: (device_a, device_b) }
+}
+
+/// Two single-layer Read IOCBs of 4 IOCTXs into `buffer`: one on device 0 (A), one on device 1 (B).
+fn one_read_on_each<E: Executor>(queue: &mut GioQueue<E>, buffer: &DmaRegion) -> (IocbId, IocbId) {
+    let ids = queue.get_iocb(2, Dependency::None).unwrap();
+    let on_device = |device: u16| -> Vec<IoctxSpec> {
+        ioctxs(buffer, true, 1).into_iter().take(4).map(|spec| IoctxSpec { device: DeviceIndex(device), ..spec }).collect()
+    };
+    let single = gio_uring::IocbSpec::single(Opcode::Read, 0);
+    queue.fill_iocb(ids[0], &single, &on_device(0)).unwrap();
+    queue.fill_iocb(ids[1], &single, &on_device(1)).unwrap();
+    (ids[0], ids[1])
+}
+
+#[test]
+fn a_controller_reset_on_one_device_holds_back_only_that_devices_iocbs() {
+    // Goal: after controller A is reset, A's queue pair is stale (every reap says so). That is
+    // reported once, and from then on only IOCTXs for A are held back (in place, for the
+    // caller's reset): an IOCB on controller B, issued behind one on A, completes. Before, every
+    // poll failed at A's reap, B was never reaped, and the IOCB on A held back every later one.
+    let TwoControllers { mut controller_a, controller_b, buffer, info, registered, _devices } = two_controllers();
     let executor =
         CpuExecutor::new(vec![controller_a.create_io_queue_pair(64).unwrap(), controller_b.create_io_queue_pair(64).unwrap()], 16);
     let mut queue =
         GioQueue::init_queue(QueueConfig { depth: 16, ioctx_per_iocb_max: 64 }, DeviceTable::new(vec![info; 2]), registered, executor)
             .unwrap();
-    let ids = queue.get_iocb(2, Dependency::None).unwrap();
-    let (on_a, on_b) = (ids[0], ids[1]);
-    let on_device = |device: u16| -> Vec<IoctxSpec> {
-        ioctxs(&buffer, true, 1).into_iter().take(4).map(|spec| IoctxSpec { device: DeviceIndex(device), ..spec }).collect()
-    };
-    let single = gio_uring::IocbSpec::single(Opcode::Read, 0);
-    queue.fill_iocb(on_a, &single, &on_device(0)).unwrap();
-    queue.fill_iocb(on_b, &single, &on_device(1)).unwrap();
+    let (on_a, on_b) = one_read_on_each(&mut queue, &buffer);
     controller_a.reset(false).expect("controller A reset");
     queue.issue_io(&[on_a], LayerIndex(0), SmBudget(1)).unwrap();
     queue.issue_io(&[on_b], LayerIndex(0), SmBudget(1)).unwrap();
@@ -517,20 +539,7 @@ fn a_worker_holding_one_stale_devices_work_beside_an_idle_device_waits_instead_o
     // caller's reset. B's pair is usable but has nothing to do: the worker waits for a message
     // (it spun, because IOCTXs were pending while a usable pair existed), and B's later work and
     // the reset still reach it at once.
-    let config = || {
-        EmuConfig::default()
-            .with_backing(Backing::Memory { bytes: 8 << 20 })
-            .with_namespaces(vec![NamespaceConfig::new(BLOCK_BYTES, Some(4 << 20))])
-            .with_sgl(true)
-    };
-    let device_a = EmuDevice::start(config()).expect("controller A");
-    let device_b = EmuDevice::start_in(config(), &device_a.dma_pool()).expect("controller B, same DMA space");
-    let mut controller_a = Controller::init(device_a.clone() as Arc<dyn DeviceBackend>, ControllerConfig::default()).expect("A up");
-    let controller_b = Controller::init(device_b.clone() as Arc<dyn DeviceBackend>, ControllerConfig::default()).expect("B up");
-    let buffer = controller_a.dma().allocate(LAYER_BYTES as usize).unwrap();
-    let namespace = controller_a.namespaces()[0];
-    let info = DeviceInfo { nsid: namespace.id.0, capacity_blocks: namespace.size_blocks, block_bytes: BLOCK_BYTES, sgl_supported: true };
-    let registered = RegisteredMemory::new(vec![IovaRange::new(buffer.iova(), buffer.len() as u64)]).unwrap();
+    let TwoControllers { mut controller_a, controller_b, buffer, info, registered, _devices } = two_controllers();
     let pairs = vec![
         (DeviceIndex(0), controller_a.create_io_queue_pair(64).unwrap()),
         (DeviceIndex(1), controller_b.create_io_queue_pair(64).unwrap()),
@@ -541,14 +550,7 @@ fn a_worker_holding_one_stale_devices_work_beside_an_idle_device_waits_instead_o
         GioQueue::init_queue(QueueConfig { depth: 16, ioctx_per_iocb_max: 64 }, DeviceTable::new(vec![info; 2]), registered, executor)
             .unwrap()
     });
-    let ids = queue.get_iocb(2, Dependency::None).unwrap();
-    let (on_a, on_b) = (ids[0], ids[1]);
-    let on_device = |device: u16| -> Vec<IoctxSpec> {
-        ioctxs(&buffer, true, 1).into_iter().take(4).map(|spec| IoctxSpec { device: DeviceIndex(device), ..spec }).collect()
-    };
-    let single = gio_uring::IocbSpec::single(Opcode::Read, 0);
-    queue.fill_iocb(on_a, &single, &on_device(0)).unwrap();
-    queue.fill_iocb(on_b, &single, &on_device(1)).unwrap();
+    let (on_a, on_b) = one_read_on_each(&mut queue, &buffer);
     controller_a.reset(false).expect("controller A reset");
     queue.issue_io(&[on_a], LayerIndex(0), SmBudget(1)).unwrap();
     let held = queue.wait_cqe(on_a, Instant::now() + Duration::from_millis(200));
