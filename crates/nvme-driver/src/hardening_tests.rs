@@ -735,22 +735,12 @@ fn an_attached_pair_refuses_odd_sgl_lengths_where_its_grant_says_the_controller_
     // Goal: a pair attached from a grant carries the controller's whole-dword SGL requirement,
     // as a pair the controller made does: 510 + 2 bytes is refused with nothing queued (it was
     // sent, for the controller to fail), 508 + 4 is taken; without the requirement both are.
-    use crate::{DataPointerMode, Iova, Namespace, NamespaceId};
+    use crate::{DataPointerMode, Namespace, NamespaceId};
     let (device, controller) = bring_up(FakeScript::default());
     let namespace = Namespace { id: NamespaceId(1), block_size_bytes: 512, size_blocks: 1 << 20 };
     for required in [true, false] {
         let (_detached, attached) = attach_requiring(&device, &controller, vec![namespace], DataPointerMode::Sgl, 1 << 20, required);
-        let mut pair = attached.expect("attach");
-        let whole_dwords = [DataSegment::new(Iova(0x100_0000), 508), DataSegment::new(Iova(0x200_0000), 4)];
-        assert_eq!(pair.submit_read(NamespaceId(1), Lba(0), &whole_dwords, 0).expect("whole dwords"), 1);
-        let odd = [DataSegment::new(Iova(0x100_0000), 510), DataSegment::new(Iova(0x200_0000), 2)];
-        let submitted = pair.submit_read(NamespaceId(1), Lba(0), &odd, 0);
-        if required {
-            assert!(matches!(submitted, Err(NvmeError::UnsupportedLayout { index: 0, .. })), "{submitted:?}");
-            assert_eq!(pair.in_flight(), 1, "the refused transfer queued nothing");
-        } else {
-            assert_eq!(submitted.expect("no dword requirement"), 1);
-        }
+        crate::io::tests::check_dword_sgl_rule(&mut attached.expect("attach"), required);
     }
 }
 

@@ -549,7 +549,7 @@ impl Drop for IoQueuePair {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::fake_device::{identify_namespace_bytes, FakeDevice, FakeScript};
     use crate::{Controller, ControllerConfig, Iova};
@@ -614,16 +614,23 @@ mod tests {
             let controller = Controller::init(FakeDevice::new(script), ControllerConfig::default()).expect("bring-up");
             let mut pair = controller.create_io_queue_pair(8).expect("queue pair");
             assert_eq!(pair.data_pointer_mode(), DataPointerMode::Sgl);
-            let whole_dwords = [DataSegment::new(Iova(0x100_0000), 508), DataSegment::new(Iova(0x200_0000), 4)];
-            assert_eq!(pair.submit_read(NamespaceId(1), Lba(0), &whole_dwords, 0).expect("whole dwords"), 1);
-            let odd = [DataSegment::new(Iova(0x100_0000), 510), DataSegment::new(Iova(0x200_0000), 2)];
-            let submitted = pair.submit_read(NamespaceId(1), Lba(0), &odd, 0);
-            if required {
-                assert!(matches!(submitted, Err(NvmeError::UnsupportedLayout { index: 0, .. })), "{submitted:?}");
-                assert_eq!(pair.in_flight(), 1, "the refused transfer queued nothing");
-            } else {
-                assert_eq!(submitted.expect("no dword requirement"), 1);
-            }
+            check_dword_sgl_rule(&mut pair, required);
+        }
+    }
+
+    /// On an SGL pair with nothing in flight: 508 + 4 bytes is taken; 510 + 2 is refused with
+    /// nothing queued when `required` (the controller wants whole-dword SGL data blocks), taken
+    /// otherwise.
+    pub(crate) fn check_dword_sgl_rule(pair: &mut IoQueuePair, required: bool) {
+        let whole_dwords = [DataSegment::new(Iova(0x100_0000), 508), DataSegment::new(Iova(0x200_0000), 4)];
+        assert_eq!(pair.submit_read(NamespaceId(1), Lba(0), &whole_dwords, 0).expect("whole dwords"), 1);
+        let odd = [DataSegment::new(Iova(0x100_0000), 510), DataSegment::new(Iova(0x200_0000), 2)];
+        let submitted = pair.submit_read(NamespaceId(1), Lba(0), &odd, 0);
+        if required {
+            assert!(matches!(submitted, Err(NvmeError::UnsupportedLayout { index: 0, .. })), "{submitted:?}");
+            assert_eq!(pair.in_flight(), 1, "the refused transfer queued nothing");
+        } else {
+            assert_eq!(submitted.expect("no dword requirement"), 1);
         }
     }
 
