@@ -175,8 +175,9 @@ typedef struct gio_ring_header {
  * Per-slot tracker of an NVMe submission queue driven by the I/O kernel, 32 bytes. ticket is the
  * free-running SQ reservation number; the NVMe command id is ticket & 0xFFFF, so slot = cid & mask
  * and the upper bits are a generation that tells a stale completion apart.
- * The CPU initialises ready_ticket and done_ticket of slot s to s + 1 - sq_depth (mod 2^32): "the
- * previous round of this slot is complete".
+ * The CPU initialises ready_ticket and done_ticket of slot s to s + 1 - sq_depth and ticket to
+ * s - sq_depth (mod 2^32): "the previous round of this slot is complete", so no completion is
+ * accepted for the slot before its first submission.
  */
 typedef struct gio_nvme_slot {
     uint32_t ready_ticket; /* ticket + 1 once the SQE for ticket is written and fenced */

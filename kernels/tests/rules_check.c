@@ -68,6 +68,22 @@ static void check_completion_verdicts(void) {
            "the last ticket before the wrap is accepted", 0xFFFFFFFFu);
     expect(gio_completion_verdict(queue, queue, 0xFFFFu, 0xFFFFFFFFu, 0u) == GIO_COMPLETION_UNEXPECTED,
            "the last ticket before the wrap completes once", 0xFFFFFFFFu);
+    /* A fresh slot s (as plan.rs writes it: ticket s - depth, done_ticket s + 1 - depth, "the
+     * previous round is complete") accepts no command id before its first submission. With
+     * ticket 0, a stray completion of command id 0 would have completed slot 0. */
+    {
+        const uint32_t depth = 16u;
+        uint32_t slot, command_id;
+        for (slot = 0; slot < depth; slot++) {
+            for (command_id = 0; command_id <= 0xFFFFu; command_id++) {
+                expect(gio_completion_verdict(queue, queue, command_id, slot - depth, slot + 1u - depth) ==
+                           GIO_COMPLETION_UNEXPECTED,
+                       "a fresh slot accepts no completion", command_id);
+            }
+        }
+        expect(gio_completion_verdict(queue, queue, 0u, 0u, 1u - depth) == GIO_COMPLETION_ACCEPT,
+               "(a slot left at ticket 0 would accept command id 0)", 0u);
+    }
     /* A wrong SQ id wins over a stale id: nothing in the entry is trusted. */
     expect(gio_completion_verdict(queue + 1u, queue, 0x2346u, ticket, ticket + 1u) ==
                GIO_COMPLETION_WRONG_QUEUE,

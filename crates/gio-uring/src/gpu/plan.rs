@@ -102,8 +102,9 @@ fn put_u64(image: &mut [u8], offset: usize, value: u64) {
 /// Writes the fresh state of queue pair `index` into `image` (the host copy of the allocation at
 /// GPU address `state_base`): line 0 from `qp`, every counter and lock zero (a newly created NVMe
 /// queue has head = tail = 0 and expects phase 1), and slot `s` with
-/// `ready_ticket = done_ticket = s + 1 - depth` (mod 2^32): "the previous round of this slot is
-/// complete", which is what the kernel waits for before reusing a slot.
+/// `ready_ticket = done_ticket = s + 1 - depth` and `ticket = s - depth` (mod 2^32): "the previous
+/// round of this slot is complete", which is what the kernel waits for before reusing a slot, and
+/// what makes the completion verdict refuse any completion for the slot until it is submitted.
 pub fn write_queue_pair_state(image: &mut [u8], layout: &StateLayout, index: usize, qp: &QueuePairAddresses, state_base: u64) {
     let base = StateLayout::qp_offset(index);
     image[base..base + size_of::<gio_nvme_qp>()].fill(0);
@@ -123,6 +124,10 @@ pub fn write_queue_pair_state(image: &mut [u8], layout: &StateLayout, index: usi
         let previous_round_done = slot.wrapping_add(1).wrapping_sub(qp.depth);
         put_u32(image, at + offset_of!(gio_nvme_slot, ready_ticket), previous_round_done);
         put_u32(image, at + offset_of!(gio_nvme_slot, done_ticket), previous_round_done);
+        // The slot holds the previous round's ticket, completed (done_ticket = ticket + 1), not 0:
+        // with ticket 0 a stray completion of command id 0 before ticket 0 was submitted would
+        // pass gio_completion_verdict for slot 0 and count as a finished command.
+        put_u32(image, at + offset_of!(gio_nvme_slot, ticket), slot.wrapping_sub(qp.depth));
     }
 }
 
@@ -417,6 +422,12 @@ mod tests {
             assert_eq!(get_u32(&image, at + 4), expected, "done_ticket of slot {slot}");
             // The kernel's test for ticket t = slot: done_ticket == t + 1 - depth.
             assert_eq!(get_u32(&image, at + 4), slot.wrapping_add(1).wrapping_sub(8));
+            // The slot holds the previous round's ticket, already completed (done = ticket + 1):
+            // gio_completion_verdict then refuses every command id for it, so a stray completion
+            // before the slot's first submission (command id 0 for slot 0) completes nothing.
+            let ticket = get_u32(&image, at + offset_of!(gio_nvme_slot, ticket));
+            assert_eq!(ticket, slot.wrapping_sub(8), "ticket of slot {slot}");
+            assert_eq!(get_u32(&image, at + offset_of!(gio_nvme_slot, done_ticket)), ticket.wrapping_add(1));
         }
     }
 
