@@ -424,6 +424,41 @@ impl DeviceMemory {
         check("cuMemcpyHtoD", unsafe { sys::cuMemcpyHtoD_v2(self.address + offset as u64, source.as_ptr().cast(), source.len()) })
     }
 
+    /// Copies `source` to `offset` (bounds checked) on `stream` and waits, polling up to
+    /// `timeout`, until `stream` is idle; work enqueued on `stream` afterwards (a kernel launch)
+    /// is ordered after the copy either way. For state a kernel on `stream` reads: a synchronous
+    /// `cuMemcpyHtoD` runs on the legacy default stream, which a non-blocking stream is not
+    /// ordered after, and from pageable memory it may return before the bytes land.
+    ///
+    /// The copy reads a private duplicate of `source`, so the caller may change `source` at once.
+    /// When the stream does not go idle in time the duplicate is leaked (the copy may still read
+    /// it) and the timeout is returned; the copy stays queued ahead of later work.
+    pub(crate) fn copy_from_host_on_stream(
+        &self,
+        offset: usize,
+        source: &[u8],
+        stream: sys::CUstream,
+        timeout: std::time::Duration,
+    ) -> Result<(), GioError> {
+        self.check_range(offset, source.len())?;
+        let duplicate: Box<[u8]> = source.into();
+        // SAFETY: the destination range is inside this allocation (checked); `duplicate` is freed
+        // below only once the stream is idle (the copy done), and leaked otherwise; `stream` is a
+        // live stream of the current context.
+        let queued = check("cuMemcpyHtoDAsync", unsafe {
+            sys::cuMemcpyHtoDAsync_v2(self.address + offset as u64, duplicate.as_ptr().cast(), duplicate.len(), stream)
+        });
+        // A failed enqueue queued nothing: the duplicate is dropped.
+        queued?;
+        match drain_stream(stream, timeout) {
+            Ok(()) => Ok(()),
+            Err(error) => {
+                Box::leak(duplicate);
+                Err(error)
+            }
+        }
+    }
+
     /// Synchronous copy from `offset` into `destination` (bounds checked).
     pub fn copy_to_host(&self, offset: usize, destination: &mut [u8]) -> Result<(), GioError> {
         self.check_range(offset, destination.len())?;
@@ -539,6 +574,19 @@ pub fn stream_is_idle(stream: sys::CUstream) -> Result<bool, GioError> {
         sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
         other => Err(GioError::Cuda { call: "cuStreamQuery", result: format!("{other:?}") }),
     }
+}
+
+/// Waits, polling every 50 µs up to `timeout`, until everything enqueued on `stream` has
+/// completed. Never blocks inside the driver (a `cuStreamSynchronize` could wait forever).
+pub fn drain_stream(stream: sys::CUstream, timeout: std::time::Duration) -> Result<(), GioError> {
+    let deadline = std::time::Instant::now() + timeout;
+    while !stream_is_idle(stream)? {
+        if std::time::Instant::now() >= deadline {
+            return Err(GioError::Executor { executor: "cuda", reason: format!("I/O stream still busy after {timeout:?}") });
+        }
+        std::thread::sleep(std::time::Duration::from_micros(50));
+    }
+    Ok(())
 }
 
 /// Blocks of `threads_per_block` threads of `function` resident per SM.

@@ -36,13 +36,13 @@
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use nvme_driver::spec::{COMPLETION_ENTRY_BYTES, SUBMISSION_ENTRY_BYTES};
 use nvme_driver::{Controller, DmaRegion};
 
 use super::driver::{self, BarMapping, CallerEvent, CopyDirection, DeviceMemory, Event, HostRegistration, MemoryOwner};
-use super::plan::{self, CopyRun, GridLimits, LaunchAddresses, SpanLookup, StagedIoctx, StagingPair, StateLayout};
+use super::plan::{self, CopyRun, GridLimits, LaunchAddresses, QueuePairCounters, SpanLookup, StagedIoctx, StagingPair, StateLayout};
 use super::retire::{self, sq_entry};
 use super::{DmaMode, GpuRuntime};
 use crate::abi::{self, gio_ring_header};
@@ -309,7 +309,13 @@ impl GpuExecutor {
         let state_layout = StateLayout::new(&depths);
         let state = DeviceMemory::allocate(state_layout.total_bytes)?;
         let state_image = plan::state_image(&state_layout, &addresses, state.address());
-        state.copy_from_host(0, &state_image)?;
+        // On the I/O stream, so the first launch reads this state (see `reset_queue_pairs`).
+        if let Err(error) = state.copy_from_host_on_stream(0, &state_image, runtime.stream(), config.drain_timeout) {
+            // The copy may still be queued: its destination is not freed.
+            let mut state = state;
+            state.keep_for_good();
+            return Err(error);
+        }
         tracing::info!(
             queue_pairs = device_queues.len(),
             blocks_per_sm = limits.blocks_per_sm,
@@ -342,6 +348,25 @@ impl GpuExecutor {
     /// is logged. The CQEs the caller sees are posted from the IOCBs' final lines either way.
     pub fn kernel_cqe_overflows(&self) -> u32 {
         self.attached.as_ref().map_or(0, |attached| attached.sink_overflows)
+    }
+
+    /// The kernel's own counters for gio device `device`'s NVMe queue pair, read back from GPU
+    /// memory once the I/O stream is idle (bounded by `drain_timeout`), so no kernel is writing
+    /// them. They restart at zero with each queue-pair reset. Non-zero anomaly counters mean the
+    /// kernel saw completions it could not match (a stale or foreign command id) or that named
+    /// another SQ.
+    pub fn queue_pair_counters(&self, device: usize) -> Result<QueuePairCounters, GioError> {
+        if device >= self.queues.len() {
+            return Err(GioError::InvalidConfig { reason: format!("gio device {device}: {} queue pairs", self.queues.len()) });
+        }
+        self.runtime.make_current()?;
+        self.drain_stream()?;
+        let mut bytes = [0u8; core::mem::size_of::<abi::gio_nvme_qp>()];
+        // Synchronous, on the legacy default stream: the kernels that wrote the state have
+        // completed (the I/O stream is idle), and a device-to-host copy into pageable memory
+        // returns only once the bytes are here.
+        self.state.copy_to_host(StateLayout::qp_offset(device), &mut bytes)?;
+        Ok(QueuePairCounters::from_state(&bytes))
     }
 
     /// Queue-pair resets done after kernel timeouts.
@@ -388,14 +413,7 @@ impl GpuExecutor {
 
     /// Waits, polling with a deadline, until everything enqueued on the I/O stream has completed.
     fn drain_stream(&self) -> Result<(), GioError> {
-        let deadline = Instant::now() + self.config.drain_timeout;
-        while !driver::stream_is_idle(self.runtime.stream())? {
-            if Instant::now() >= deadline {
-                return Err(executor_error(format!("I/O stream still busy after {:?}", self.config.drain_timeout)));
-            }
-            std::thread::sleep(Duration::from_micros(50));
-        }
-        Ok(())
+        driver::drain_stream(self.runtime.stream(), self.config.drain_timeout)
     }
 
     /// Deletes and recreates every detached queue pair on its rings and rewrites the kernel state,
@@ -425,7 +443,13 @@ impl GpuExecutor {
         if let Some(error) = failure {
             return Err(error);
         }
-        self.state.copy_from_host(0, &self.state_image)?;
+        // Stream-ordered before the next launch, and waited for: the executor is idle here (the
+        // stream drained above), so the wait is the copy's alone. A synchronous cuMemcpyHtoD
+        // would run on the legacy default stream, which the non-blocking I/O stream does not
+        // follow, and from pageable memory may return before the bytes land: the next kernel
+        // could read the old tickets and counters. On error the reset is not counted; the
+        // launch stays unretired and the next `poll` redoes it.
+        self.state.copy_from_host_on_stream(0, &self.state_image, self.runtime.stream(), self.config.drain_timeout)?;
         self.reset_generation = generation;
         tracing::warn!(resets = self.reset_generation, "gio-uring: reset the GPU's NVMe queue pairs after a kernel timeout");
         Ok(())

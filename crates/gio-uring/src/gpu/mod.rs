@@ -269,6 +269,16 @@ impl GpuRuntime {
         }
     }
 
+    /// CU_DEVICE_ATTRIBUTE_HOST_NATIVE_ATOMIC_SUPPORTED: whether the GPU's atomics on host
+    /// memory are native over the link (NVLink-C2C) rather than done as PCIe read-modify-writes
+    /// that are atomic only against the GPU itself. The kernel's locks and counters live in GPU
+    /// memory; this is for the test log and for judging host-memory rings.
+    pub fn host_native_atomics(&self) -> Result<bool, GioError> {
+        let value =
+            driver::device_attribute(self.handles.device, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HOST_NATIVE_ATOMIC_SUPPORTED)?;
+        Ok(value != 0)
+    }
+
     pub(crate) fn stream(&self) -> sys::CUstream {
         self.handles.stream
     }

@@ -140,6 +140,38 @@ pub fn state_image(layout: &StateLayout, qps: &[QueuePairAddresses], state_base:
     image
 }
 
+/// The kernel's own counters of one queue pair, as read back from its `gio_nvme_qp`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QueuePairCounters {
+    /// Completions whose command id matched no command in flight (stale or foreign).
+    pub unexpected_completions: u32,
+    /// Completions naming another SQ.
+    pub controller_faults: u32,
+    /// SQ slots reserved so far (free-running tickets).
+    pub sq_reserved: u32,
+    /// SQ tail last written to the doorbell (free-running).
+    pub sq_tail: u32,
+    /// CQ head last written to the doorbell (free-running).
+    pub cq_head: u32,
+}
+
+fn get_u32(image: &[u8], offset: usize) -> u32 {
+    u32::from_le_bytes([image[offset], image[offset + 1], image[offset + 2], image[offset + 3]])
+}
+
+impl QueuePairCounters {
+    /// Reads the counters from the bytes of one `gio_nvme_qp`.
+    pub fn from_state(qp: &[u8; size_of::<gio_nvme_qp>()]) -> Self {
+        Self {
+            unexpected_completions: get_u32(qp, offset_of!(gio_nvme_qp, unexpected_completions)),
+            controller_faults: get_u32(qp, offset_of!(gio_nvme_qp, controller_faults)),
+            sq_reserved: get_u32(qp, offset_of!(gio_nvme_qp, sq_reserved)),
+            sq_tail: get_u32(qp, offset_of!(gio_nvme_qp, sq_tail)),
+            cq_head: get_u32(qp, offset_of!(gio_nvme_qp, cq_head)),
+        }
+    }
+}
+
 /// What bounds the grid of one launch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GridLimits {
@@ -429,6 +461,29 @@ mod tests {
             assert_eq!(ticket, slot.wrapping_sub(8), "ticket of slot {slot}");
             assert_eq!(get_u32(&image, at + offset_of!(gio_nvme_slot, done_ticket)), ticket.wrapping_add(1));
         }
+    }
+
+    #[test]
+    fn counters_are_read_at_their_abi_offsets_and_start_at_zero() {
+        // Goal: the read-back of a queue pair's counters takes each from its gio_abi.h field,
+        // and a fresh state reads all zero (what the GPU test asserts after its traffic).
+        let state = StateLayout::new(&[4]);
+        let qp = queue_pair_addresses(&layout(4), (1, 2), 0, 0x2000).unwrap();
+        let mut image = state_image(&state, &[qp], 0);
+        let bytes = |image: &[u8]| -> [u8; size_of::<gio_nvme_qp>()] { image[..size_of::<gio_nvme_qp>()].try_into().unwrap() };
+        let zero = QueuePairCounters { unexpected_completions: 0, controller_faults: 0, sq_reserved: 0, sq_tail: 0, cq_head: 0 };
+        assert_eq!(QueuePairCounters::from_state(&bytes(&image)), zero);
+        for (field, value) in [
+            (offset_of!(gio_nvme_qp, unexpected_completions), 7u32),
+            (offset_of!(gio_nvme_qp, controller_faults), 9),
+            (offset_of!(gio_nvme_qp, sq_reserved), 11),
+            (offset_of!(gio_nvme_qp, sq_tail), 13),
+            (offset_of!(gio_nvme_qp, cq_head), 15),
+        ] {
+            put_u32(&mut image, field, value);
+        }
+        let read = QueuePairCounters::from_state(&bytes(&image));
+        assert_eq!(read, QueuePairCounters { unexpected_completions: 7, controller_faults: 9, sq_reserved: 11, sq_tail: 13, cq_head: 15 });
     }
 
     #[test]
