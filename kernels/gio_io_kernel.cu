@@ -24,9 +24,14 @@
 // occupancy from cuOccupancyMaxActiveBlocksPerMultiprocessor): a block's polling thread waits for
 // IOCTXs that other blocks submit, so a block that never gets scheduled would turn into a timeout.
 //
-// Every wait is bounded by params.poll_iterations_max iterations with exponential __nanosleep
-// backoff capped at params.backoff_ns_max. An expired wait fails the IOCB with
-// GIO_IOCB_STATUS_TIMEOUT; it never spins forever. A completion naming another SQ is a controller
+// Every wait is bounded twice: by params.poll_iterations_max iterations with exponential
+// __nanosleep backoff capped at params.backoff_ns_max, and by one deadline per block, read from
+// %globaltimer when the block starts: poll_iterations_max x backoff_ns_max nanoseconds later (2 s
+// with the executor's defaults). Without the deadline a warp that waits for several chunks in turn
+// could wait that long for each. An expired wait fails the IOCB with GIO_IOCB_STATUS_TIMEOUT; it
+// never spins forever. Past the deadline nothing waits: what is left of the launch (submitting the
+// remaining chunks' free slots, finalising IOCBs, one claim attempt each) takes microseconds, so a
+// launch ends about the budget after its last block started (docs/gio-uring.md: "Time bounds"). A completion naming another SQ is a controller
 // fault (gio_completion_verdict): it completes nothing and fails the launch's unfinished IOCBs with
 // GIO_IOCB_STATUS_CONTROLLER_FAULT. After either, the queue pairs may hold commands the kernel no
 // longer tracks: the host must reset them before reuse (docs/gio-uring.md).
@@ -73,6 +78,22 @@ struct Backoff {
     }
 };
 
+// ---- the launch's deadline ----
+
+// Nanoseconds since an arbitrary epoch, the same for every SM (PTX %globaltimer).
+__device__ __forceinline__ uint64_t global_time_ns() {
+    uint64_t now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    return now;
+}
+
+// When this block's waits end: set once by thread 0 at the block's start, read by every wait.
+__shared__ uint64_t block_deadline_ns;
+
+__device__ __forceinline__ bool deadline_passed() {
+    return global_time_ns() >= block_deadline_ns;
+}
+
 // Try-locks guard the two per-queue-pair critical sections (tail publication, completion
 // reaping). Nobody ever blocks on them: a thread that fails to take one leaves the work to the
 // holder, and the holder re-checks for such work after releasing (see try_publish_sq).
@@ -108,13 +129,26 @@ enum class CqeClaim {
 
 // Claims one gio CQ entry if the ring has room. Each failed compare-and-swap means another
 // producer claimed meanwhile (lock-free progress); the attempts are bounded all the same.
+//
+// A refused room check re-reads producer_claimed before it gives up: `claimed` may be older than
+// the head read after it. The consumer (the CPU) moves head up to tail, and tail up to claims other
+// producers made after our read, so a stale `claimed` below the new head makes `claimed - head`
+// wrap and read as full. Only a refusal with producer_claimed unchanged across the head read is
+// believed.
 __device__ bool try_claim_cqe(const gio_launch_params& params) {
     gio_ring_header* header = device_pointer<gio_ring_header>(params.cq_header);
     const uint32_t depth = load_volatile(&header->entry_count);
     uint32_t claimed = load_volatile(&header->producer_claimed);
     for (uint32_t attempt = 0; attempt < params.poll_iterations_max; ++attempt) {
-        if (!gio_cq_may_claim(claimed, load_volatile(&header->head), depth)) {
-            return false;
+        const uint32_t head = load_volatile(&header->head);
+        if (!gio_cq_may_claim(claimed, head, depth)) {
+            __threadfence();  // the re-read below happens after the head read above
+            const uint32_t fresh = load_volatile(&header->producer_claimed);
+            if (fresh == claimed) {
+                return false;
+            }
+            claimed = fresh;
+            continue;
         }
         const uint32_t seen = atomicCAS(&header->producer_claimed, claimed, claimed + 1);
         if (seen == claimed) {
@@ -134,7 +168,8 @@ __device__ bool claim_cqe(const gio_launch_params& params, CqeClaim mode) {
         if (try_claim_cqe(params)) {
             return true;
         }
-        if (mode == CqeClaim::kTryOnce) {
+        // Past the launch's deadline a waiting claim becomes a single try.
+        if (mode == CqeClaim::kTryOnce || deadline_passed()) {
             return false;
         }
         backoff.pause();  // no lock is held here (kWait callers hold none)
@@ -422,7 +457,7 @@ __device__ uint32_t submit_ioctx(const gio_launch_params& params, gio_nvme_qp* q
         if (queue_pair_faulted(qp)) {
             return GIO_IOCB_STATUS_CONTROLLER_FAULT;
         }
-        if (++attempt >= params.poll_iterations_max) {
+        if (++attempt >= params.poll_iterations_max || deadline_passed()) {
             return GIO_IOCB_STATUS_TIMEOUT;
         }
         help_all_queue_pairs(params);  // whoever waits also drives completions: no deadlock
@@ -565,6 +600,16 @@ __device__ void end_launch(const gio_launch_params& params, uint32_t status, Cqe
 }  // namespace
 
 extern "C" __global__ void gio_io_kernel(gio_launch_params params) {
+    // One deadline for every wait of this block (see the top of the file). The budget fits 64
+    // bits (< 2^64); the sum saturates, since %globaltimer may count from the Unix epoch.
+    if (threadIdx.x == 0) {
+        // The backoff cap as Backoff clamps it (>= 32 ns), so a zero cap is no zero budget.
+        const uint32_t backoff_ns = params.backoff_ns_max < 32 ? 32 : params.backoff_ns_max;
+        const uint64_t budget_ns = static_cast<uint64_t>(params.poll_iterations_max) * backoff_ns;
+        const uint64_t now_ns = global_time_ns();
+        block_deadline_ns = now_ns > ~0ull - budget_ns ? ~0ull : now_ns + budget_ns;
+    }
+    __syncthreads();
     const uint32_t warp = (blockIdx.x * blockDim.x + threadIdx.x) / kWarpLanes;
     const uint32_t warp_count = (gridDim.x * blockDim.x) / kWarpLanes;
     const uint32_t* sq = device_pointer<const uint32_t>(params.sq_entries);
@@ -596,6 +641,9 @@ extern "C" __global__ void gio_io_kernel(gio_launch_params params) {
         help_all_queue_pairs(params);
         if (launch_finished(params)) {
             return;
+        }
+        if (deadline_passed()) {
+            break;
         }
         // A controller fault ends the launch now rather than at the deadline: the IOCTX whose
         // completion it garbled would otherwise only end as a timeout.

@@ -80,10 +80,15 @@ pub struct GpuExecutorConfig {
     pub threads_per_block: u32,
     /// Bound on every wait inside the kernel, in polling iterations.
     pub poll_iterations_max: u32,
-    /// Cap of the kernel's exponential `__nanosleep` backoff. The kernel gives up after roughly
-    /// `poll_iterations_max × backoff_ns_max` (2 s with the defaults).
+    /// Cap of the kernel's exponential `__nanosleep` backoff. Every wait of a launch ends at one
+    /// deadline, `poll_iterations_max × backoff_ns_max` after its block started (2 s with the
+    /// defaults); a launch ends within [`plan::kernel_time_bound`] of starting.
     pub backoff_ns_max: u32,
-    /// Bound on waiting for the stream to drain before a queue-pair reset and on teardown.
+    /// Bound on waiting for the stream to drain before a queue-pair reset and on teardown; at
+    /// least [`plan::kernel_time_bound`] (checked by [`GpuExecutor::new`]), so that one launch
+    /// that runs to its deadline always drains. The default, 10 s, drains the launch ahead and
+    /// three more that all run to a 2 s deadline; a drain that runs out is retried by the next
+    /// `poll` (reset) or keeps the memory for good (teardown).
     pub drain_timeout: Duration,
     /// Staged mode only (required there, refused in p2p mode).
     pub staging: Vec<StagingBuffer>,
@@ -249,6 +254,15 @@ impl GpuExecutor {
         runtime.make_current()?;
         if queues.is_empty() || queues.len() > usize::from(u16::MAX) {
             return Err(GioError::InvalidConfig { reason: format!("{} queue pairs; 1..=65535 are possible", queues.len()) });
+        }
+        let kernel_bound = plan::kernel_time_bound(config.poll_iterations_max, config.backoff_ns_max);
+        if config.drain_timeout < kernel_bound {
+            return Err(GioError::InvalidConfig {
+                reason: format!(
+                    "drain timeout {:?} is shorter than one launch may run ({kernel_bound:?}: {} polls x {} ns backoff + margin)",
+                    config.drain_timeout, config.poll_iterations_max, config.backoff_ns_max
+                ),
+            });
         }
         let dma_mode = runtime.report().dma_mode;
         match (dma_mode, config.staging.is_empty()) {

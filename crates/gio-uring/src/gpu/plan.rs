@@ -5,6 +5,7 @@
 //! the staged-mode copies.
 
 use core::mem::{offset_of, size_of};
+use core::time::Duration;
 
 use nvme_driver::DetachedQueueLayout;
 
@@ -170,6 +171,23 @@ impl QueuePairCounters {
             cq_head: get_u32(qp, offset_of!(gio_nvme_qp, cq_head)),
         }
     }
+}
+
+/// The smallest backoff cap the kernel uses (its `Backoff` clamps below this).
+pub const BACKOFF_NS_MIN: u32 = 32;
+
+/// Allowance for what a launch does after its deadline: no waiting, only submitting into free
+/// slots, finalising IOCBs and one claim attempt each, whose lock-free retries repeat only when
+/// another thread succeeded. Microseconds in practice; a second is a wide margin.
+pub const KERNEL_TAIL_MARGIN: Duration = Duration::from_secs(1);
+
+/// How long one launch of the I/O kernel runs at most once its blocks have started: every wait of
+/// a block ends at one deadline, `poll_iterations_max × max(backoff_ns_max, 32)` ns after the block
+/// started (kernels/gio_io_kernel.cu), plus [`KERNEL_TAIL_MARGIN`]. Launches on the I/O stream run
+/// one after another, so draining `n` queued launches takes at most `n` times this.
+pub fn kernel_time_bound(poll_iterations_max: u32, backoff_ns_max: u32) -> Duration {
+    let budget_ns = u64::from(poll_iterations_max) * u64::from(backoff_ns_max.max(BACKOFF_NS_MIN));
+    Duration::from_nanos(budget_ns) + KERNEL_TAIL_MARGIN
 }
 
 /// What bounds the grid of one launch.
@@ -500,6 +518,19 @@ mod tests {
         write_queue_pair_state(&mut image, &state, 1, &qp, 0);
         assert_eq!(image[dirty], 0);
         assert_eq!(image[neighbour], 9);
+    }
+
+    #[test]
+    fn the_kernel_time_bound_is_its_deadline_plus_the_tail_margin() {
+        // Goal: the bound the executor checks its drain timeout against is the kernel's one
+        // deadline (iterations x backoff cap, the cap clamped as the kernel clamps it), not
+        // that per wait; the executor's defaults give 2 s + the margin.
+        assert_eq!(kernel_time_bound(200_000, 10_000), Duration::from_secs(2) + KERNEL_TAIL_MARGIN);
+        assert_eq!(kernel_time_bound(1000, 0), Duration::from_micros(32) + KERNEL_TAIL_MARGIN);
+        assert_eq!(
+            kernel_time_bound(u32::MAX, u32::MAX),
+            Duration::from_nanos(u64::from(u32::MAX) * u64::from(u32::MAX)) + KERNEL_TAIL_MARGIN
+        );
     }
 
     #[test]
