@@ -77,7 +77,17 @@ assert torch.__version__.startswith('2.14.1'), torch.__version__"
     ;;
 esac
 
-key_text="$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])') ${pins[*]} --no-deps ${no_deps[*]}"
+# Every package the environment holds, the engine's dependencies and pip included, is held at
+# the version in python/constraints/$engine.txt (pip's -c): the pins above name what the tests
+# need, the constraints keep what those leave open from moving with each release. The file's
+# hash is part of the environment's name, so a change of it builds a new one.
+constraints="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)/python/constraints/$engine.txt"
+[[ -f "$constraints" ]] || {
+    echo "engine-env: $constraints is missing" >&2
+    exit 1
+}
+constraints_hash="$(sha256sum "$constraints" | cut -c1-12)"
+key_text="$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])') ${pins[*]} --no-deps ${no_deps[*]} -c $engine.txt@$constraints_hash"
 key_hash="$(printf '%s' "$key_text" | sha256sum | cut -c1-12)"
 env_dir="$cache_root/$engine-$version-$key_hash"
 
@@ -115,12 +125,12 @@ if [[ ! -x "$env_dir/bin/python" ]] || ! "$env_dir/bin/python" -m pip --version 
     rm -rf "$env_dir"
     "$python" -m venv "$env_dir"
 fi
-"$env_dir/bin/python" -m pip install --quiet --upgrade pip >&2
+"$env_dir/bin/python" -m pip install --quiet -c "$constraints" --upgrade pip >&2
 if ((${#pins[@]})); then
-    "$env_dir/bin/python" -m pip install --quiet "${pins[@]}" >&2
+    "$env_dir/bin/python" -m pip install --quiet -c "$constraints" "${pins[@]}" >&2
 fi
 if ((${#no_deps[@]})); then
-    "$env_dir/bin/python" -m pip install --quiet --no-deps "${no_deps[@]}" >&2
+    "$env_dir/bin/python" -m pip install --quiet -c "$constraints" --no-deps "${no_deps[@]}" >&2
 fi
 printf '%s\n' "$key_text" >"$env_dir/tutti-env-pins.txt"
 
