@@ -110,7 +110,21 @@ pub fn staged_executor(
     stagings: &[&Staging],
     poll_iterations_max: u32,
 ) -> Result<GpuExecutor, String> {
+    let threads_per_block = GpuExecutorConfig::default().threads_per_block;
+    staged_executor_with_blocks(runtime, emulated, depth, stagings, poll_iterations_max, threads_per_block)
+}
+
+/// As [`staged_executor`], with blocks of `threads_per_block` threads (a multiple of 32).
+pub fn staged_executor_with_blocks(
+    runtime: GpuRuntime,
+    emulated: &EmulatedController,
+    depth: u32,
+    stagings: &[&Staging],
+    poll_iterations_max: u32,
+    threads_per_block: u32,
+) -> Result<GpuExecutor, String> {
     let config = GpuExecutorConfig {
+        threads_per_block,
         poll_iterations_max,
         staging: stagings.iter().map(|staging| staging.buffer()).collect(),
         ..GpuExecutorConfig::default()
