@@ -31,10 +31,11 @@
 // could wait that long for each. An expired wait fails the IOCB with GIO_IOCB_STATUS_TIMEOUT; it
 // never spins forever. Past the deadline nothing waits: what is left of the launch (submitting the
 // remaining chunks' free slots, finalising IOCBs, one claim attempt each) takes microseconds, so a
-// launch ends about the budget after its last block started (docs/gio-uring.md: "Time bounds"). A completion naming another SQ is a controller
-// fault (gio_completion_verdict): it completes nothing and fails the launch's unfinished IOCBs with
-// GIO_IOCB_STATUS_CONTROLLER_FAULT. After either, the queue pairs may hold commands the kernel no
-// longer tracks: the host must reset them before reuse (docs/gio-uring.md).
+// launch ends about the budget after its last block started (docs/gio-uring.md: "Time bounds").
+// A completion naming another SQ is a controller fault (gio_completion_verdict): it completes
+// nothing and fails the launch's unfinished IOCBs with GIO_IOCB_STATUS_CONTROLLER_FAULT. After
+// either, the queue pairs may hold commands the kernel no longer tracks: the host must reset them
+// before reuse (docs/gio-uring.md).
 
 #include "gio_abi.h"
 #include "gio_kernel_rules.h"
