@@ -176,6 +176,12 @@ pub fn plan_command(
     // Pages touched, for PRP (PRP1 + list entries).
     let mut prp_pages = 0usize;
     while let Some(segment) = segments.get(cursor.segment) {
+        if cursor.offset >= segment.len {
+            // An empty segment holds no byte: nothing of it is checked or described (its
+            // address may be anything).
+            cursor = Cursor { segment: cursor.segment + 1, offset: 0 };
+            continue;
+        }
         // A segment that wraps past the last address is no memory at all. Once its end is known
         // to be an address, every sum below (address + bytes taken from it) stays at or under it.
         let (Some(address), Some(_end)) =
@@ -214,7 +220,7 @@ pub fn plan_command(
                 // (Empty segments after this one join nothing.)
                 if take == available
                     && !is_page_aligned(address + take)
-                    && segments.get(cursor.segment + 1..).is_some_and(|later| later.iter().any(|segment| segment.len > 0))
+                    && next_data(segments, Cursor { segment: cursor.segment + 1, offset: 0 }).is_some()
                 {
                     return Err(NvmeError::UnsupportedLayout {
                         index: cursor.segment,
@@ -252,7 +258,7 @@ pub fn plan_command(
     // A command carries whole blocks; a transfer that is not whole blocks is a caller error.
     let remainder = bytes % block_bytes;
     if remainder != 0 {
-        let more_follows = cursor.segment < segments.len();
+        let more_follows = next_data(segments, cursor).is_some();
         if !more_follows {
             return Err(NvmeError::UnalignedTransfer { bytes, block_size_bytes: block_bytes as u32 });
         }
@@ -462,6 +468,16 @@ mod tests {
         assert_eq!(planned.iter().map(|plan| plan.bytes).sum::<u64>(), 4608);
         let joined = [segment(0x10_0000, 4608), segment(0x20_0000, 0), segment(0x30_0000, 512)];
         assert!(matches!(plans(&joined, 1 << 20, 512, DataPointerMode::Prp), Err(NvmeError::UnsupportedLayout { index: 0, .. })));
+        // An empty segment anywhere, at any address, is skipped in both modes (one at an address
+        // off a page, or off a dword, was refused as if it held data there).
+        for mode in [DataPointerMode::Prp, DataPointerMode::Sgl] {
+            let scattered = [segment(0x10_0000, 4096), segment(0x20_0003, 0), segment(0x30_0000, 4096), segment(0x40_0006, 0)];
+            let planned = plans(&scattered, 1 << 20, 512, mode).expect("empty segments between and after");
+            assert_eq!(planned.iter().map(|plan| plan.bytes).sum::<u64>(), 8192, "{mode:?}");
+        }
+        // A transfer of part blocks is refused naming its bytes, empty tail or not.
+        let part = [segment(0x10_0000, 4600), segment(0x20_0000, 0)];
+        assert!(matches!(plans(&part, 1 << 20, 512, DataPointerMode::Prp), Err(NvmeError::UnalignedTransfer { bytes: 4600, .. })));
     }
 
     #[test]
