@@ -109,7 +109,7 @@ if [[ "${GIO_SKIP_CARGO:-0}" != "1" ]]; then
   echo "cuda-build: cargo build -p gio-uring --features cuda OK"
   # The GPU executor's pure logic (launch planning, retirement, the queue-pair reset rules) and
   # the plan test need no GPU: run them, since the rust stage builds without the feature.
-  (cd "$ROOT" && cargo test --locked -p gio-uring --features cuda --lib --test gpu_plan)
+  (cd "$ROOT" && cargo test --locked -p gio-uring --features cuda --lib --test gpu_plan --test gpu)
   echo "cuda-build: gio-uring's unit tests and gpu_plan with the cuda feature (no GPU) OK"
   # The lint stage builds without features: the CUDA IPC code is linted here.
   CUDA_IPC_FEATURES=(-p tutti-cuda-ipc -p tutti-daemon -p tuttid --features tutti-cuda-ipc/cuda,tutti-daemon/cuda,tuttid/cuda)

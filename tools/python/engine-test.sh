@@ -44,9 +44,10 @@ for engine in "${engines[@]}"; do
     env_dir=$(timeout 3600 tools/python/engine-env.sh "$engine" | tail -n 1)
     python="$env_dir/bin/python"
     # pytest is the one package added to the engine's environment besides its pins (the test
-    # runner, at the python stage's version); checked by its version, installed if different.
+    # runner, at the python stage's version); checked by its version, installed if different,
+    # with its own dependencies held by the environment's constraints like everything else.
     if [ "$("$python" -c 'import pytest; print("pytest==" + pytest.__version__)' 2>/dev/null)" != "$pytest_pin" ]; then
-        timeout 600 "$python" -m pip install --quiet --disable-pip-version-check "$pytest_pin"
+        timeout 600 "$python" -m pip install --quiet --disable-pip-version-check -c "python/constraints/$engine.txt" "$pytest_pin"
     fi
     site="$scratch/$engine-site"
     timeout 300 "$python" -m pip install --quiet --disable-pip-version-check --no-deps --target "$site" "$wheel"

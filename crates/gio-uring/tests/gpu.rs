@@ -57,7 +57,7 @@ mod cuda {
     use gio_uring::abi::Opcode;
     use gio_uring::gpu::GpuExecutor;
     use gio_uring::{
-        Dependency, Descriptor, DeviceIndex, DeviceTable, GioQueue, IocbFailure, IocbSpec, IoctxSpec, LayerIndex, Lba, QueueConfig,
+        Dependency, Descriptor, DeviceIndex, DeviceTable, GioQueue, IocbFailure, IocbId, IocbSpec, IoctxSpec, LayerIndex, Lba, QueueConfig,
         SmBudget,
     };
     use nvme_driver::hw::DmaRegion;
@@ -89,6 +89,18 @@ mod cuda {
 
     /// The kernel's anomaly counters of gio device 0's queue pair must be zero: every completion
     /// matched a command in flight on its own SQ.
+    /// Waits for `id` and asserts it ended `Ok`, printing the queue pair's counters first when
+    /// it did not (the reservations, tail and head tell a slot-wait deadlock, a stuck
+    /// publication and lost completions apart: a bare timeout would not).
+    fn assert_done(queue: &mut GioQueue<GpuExecutor>, id: IocbId, what: &str) {
+        let result = queue.wait_cqe(id, deadline()).map(|completion| completion.result);
+        if !matches!(result, Ok(Ok(()))) {
+            let (executor, _) = queue.executor_and_memory();
+            println!("gpu test: {what} ended {result:?}; queue-pair counters: {:?}", executor.queue_pair_counters(0));
+        }
+        assert!(matches!(result, Ok(Ok(()))), "{what}: {result:?}");
+    }
+
     fn assert_no_anomalies(executor: &GpuExecutor, when: &str) {
         let counters = executor.queue_pair_counters(0).unwrap();
         println!("gpu test: queue-pair counters {when}: {counters:?}");
@@ -238,7 +250,7 @@ mod cuda {
         }
         queue.issue_io(&writes, LayerIndex(0), SmBudget(2)).unwrap();
         for (&write, count) in writes.iter().zip(COUNTS) {
-            assert_eq!(queue.wait_cqe(write, deadline()).unwrap().result, Ok(()), "write IOCB of {count} IOCTXs");
+            assert_done(&mut queue, write, &format!("write IOCB of {count} IOCTXs"));
         }
         // The SSD holds IOCTX g at its reversed LBA (a self-consistent wrong mapping cannot pass).
         let namespace = controller.namespaces()[0];
@@ -255,7 +267,7 @@ mod cuda {
         }
         queue.issue_io(&reads, LayerIndex(0), SmBudget(2)).unwrap();
         for (&read, count) in reads.iter().zip(COUNTS) {
-            assert_eq!(queue.wait_cqe(read, deadline()).unwrap().result, Ok(()), "read IOCB of {count} IOCTXs");
+            assert_done(&mut queue, read, &format!("read IOCB of {count} IOCTXs"));
         }
         let mut back = vec![0u8; bytes];
         target.gpu.copy_to_host(0, &mut back).unwrap();

@@ -86,8 +86,8 @@ pub struct GpuExecutorConfig {
     pub backoff_ns_max: u32,
     /// Bound on waiting for the stream to drain before a queue-pair reset and on teardown; at
     /// least [`plan::kernel_time_bound`] (checked by [`GpuExecutor::new`]), so that one launch
-    /// that runs to its deadline always drains. The default, 10 s, drains the launch ahead and
-    /// three more that all run to a 2 s deadline; a drain that runs out is retried by the next
+    /// that runs to its deadline always drains. The default, 10 s, drains three launches that
+    /// all run to a 2 s deadline (a 3 s bound each); a drain that runs out is retried by the next
     /// `poll` (reset) or keeps the memory for good (teardown).
     pub drain_timeout: Duration,
     /// Staged mode only (required there, refused in p2p mode).
