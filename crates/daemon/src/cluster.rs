@@ -46,8 +46,10 @@ mod held;
 mod lookup;
 #[cfg(feature = "cluster")]
 mod manifest;
-#[cfg(feature = "cluster")]
-mod peer;
+/// The data plane's wire format. Built with or without the `cluster` feature (it needs no
+/// etcd) and public, so its decoders of untrusted peer bytes are property-tested in every
+/// `cargo test` and fuzzed (`fuzz/fuzz_targets/data_plane_frames.rs`).
+pub mod peer;
 #[cfg(feature = "cluster")]
 mod registrar;
 #[cfg(feature = "cluster")]

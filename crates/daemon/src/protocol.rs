@@ -737,4 +737,6 @@ impl<'a> BodyReader<'a> {
 }
 
 #[cfg(test)]
+mod proptests;
+#[cfg(test)]
 mod tests;

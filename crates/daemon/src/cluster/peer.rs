@@ -393,6 +393,9 @@ pub fn request_body_max(kind: PeerKind) -> u64 {
 }
 
 #[cfg(test)]
+mod proptests;
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
