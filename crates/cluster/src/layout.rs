@@ -331,6 +331,9 @@ impl SegmentRecord {
 }
 
 #[cfg(test)]
+mod proptests;
+
+#[cfg(test)]
 mod tests {
     use super::*;
 

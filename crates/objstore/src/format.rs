@@ -536,6 +536,9 @@ impl SlotHeader {
 }
 
 #[cfg(test)]
+mod proptests;
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
