@@ -737,6 +737,6 @@ impl<'a> BodyReader<'a> {
 }
 
 #[cfg(test)]
-mod proptests;
+pub(crate) mod proptests;
 #[cfg(test)]
 mod tests;

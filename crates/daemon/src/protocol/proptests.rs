@@ -435,9 +435,9 @@ fn message() -> impl Strategy<Value = Message> {
     prop_oneof![request().prop_map(Message::Request), reply().prop_map(Message::Reply)]
 }
 
-/// One edit of an encoded body.
+/// One edit of an encoded body (the data plane's frame properties use these too).
 #[derive(Debug, Clone)]
-enum Mutation {
+pub(crate) enum Mutation {
     /// XOR one byte with a nonzero value.
     Flip(Index, u8),
     /// Cut the body at a point.
@@ -450,7 +450,7 @@ enum Mutation {
     Count(Index, u32, bool),
 }
 
-fn mutation() -> impl Strategy<Value = Mutation> {
+pub(crate) fn mutation() -> impl Strategy<Value = Mutation> {
     let counts =
         select(vec![0u32, 1, 2, 6, 15, 16, 17, 63, 64, 65, 255, 256, 257, 1023, 1024, 1025, 4096, 4097, 0xFFFF, 0x1_0000, u32::MAX]);
     prop_oneof![
@@ -462,7 +462,7 @@ fn mutation() -> impl Strategy<Value = Mutation> {
     ]
 }
 
-fn mutate(body: &mut Vec<u8>, mutation: &Mutation) {
+pub(crate) fn mutate(body: &mut Vec<u8>, mutation: &Mutation) {
     match mutation {
         Mutation::Flip(at, xor) if !body.is_empty() => {
             let at = at.index(body.len());

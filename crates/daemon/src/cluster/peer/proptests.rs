@@ -7,6 +7,7 @@ use proptest::prelude::*;
 use proptest::sample::{select, Index};
 
 use super::*;
+use crate::protocol::proptests::{mutate, mutation};
 
 const KINDS: [PeerKind; 4] = [PeerKind::ReadSegment, PeerKind::SegmentHeader, PeerKind::Block, PeerKind::Failure];
 
@@ -65,22 +66,6 @@ fn read_segment() -> impl Strategy<Value = ReadSegment> {
             let space = ModelSpace::new(fingerprint, rank % world, world).ok()?;
             Some(ReadSegment { space, index, keys })
         })
-}
-
-/// One edit of an encoded body.
-fn mutate(body: &mut Vec<u8>, op: u8, at: Index, value: u8, extra: &[u8]) {
-    match op % 4 {
-        0 if !body.is_empty() => {
-            let at = at.index(body.len());
-            body[at] ^= value.max(1);
-        }
-        1 => body.truncate(at.index(body.len() + 1)),
-        2 => body.extend_from_slice(extra),
-        _ => {
-            let at = at.index(body.len() + 1);
-            body.splice(at..at, extra.iter().copied());
-        }
-    }
 }
 
 /// A `read_frame` over in-memory bytes (a `&[u8]` never blocks: its end is a close).
@@ -212,17 +197,14 @@ proptest! {
     #[test]
     fn read_segment_round_trips_and_mutations_are_refused_or_canonical(
         request in read_segment(),
-        op in any::<u8>(),
-        at in any::<Index>(),
-        value in any::<u8>(),
-        extra in vec(any::<u8>(), 1..16),
+        edit in mutation(),
     ) {
         let mut frame = Vec::new();
         request.encode(&mut frame);
         let mut body = Vec::new();
         prop_assert_eq!(read_all(&frame, &mut body, Side::Holder).unwrap(), PeerKind::ReadSegment);
         prop_assert_eq!(ReadSegment::decode(&body), Ok(request));
-        mutate(&mut body, op, at, value, &extra);
+        mutate(&mut body, &edit);
         if let Ok(decoded) = ReadSegment::decode(&body) {
             decoded.encode(&mut frame);
             prop_assert_eq!(&frame[HEADER_BYTES..], &body[..]);
