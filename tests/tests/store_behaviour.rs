@@ -320,7 +320,7 @@ fn open_refuses_other_geometries_versions_and_damaged_superblocks() {
     raw_write(&controller, 1, 0, &with_version(FORMAT_VERSION + 1)[..512]);
     assert!(matches!(
         Pool::open(targets(&controller, &[1]), None),
-        Err(ObjstoreError::NewerFormatVersion { found, supported: FORMAT_VERSION, .. }) if found == FORMAT_VERSION + 1
+        Err(ObjstoreError::NewerFormatVersion { found, supported: FORMAT_VERSION, sealed: true, .. }) if found == FORMAT_VERSION + 1
     ));
     // Version 1 had this layout with keys of the first hash scheme, version 2 all-zero Empty
     // headers: both refused, with the fix.

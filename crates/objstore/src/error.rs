@@ -81,8 +81,11 @@ pub enum ObjstoreError {
     NamespaceTooSmall { device: usize, needed_bytes: u64, available_bytes: u64 },
     #[error("device {device}: superblock: {reason}")]
     CorruptSuperblock { device: usize, reason: String },
-    #[error("device {device}: superblock format version {found} is newer than this build's {supported}")]
-    NewerFormatVersion { device: usize, found: u32, supported: u32 },
+    /// `sealed`: whether the superblock's CRC checks under this build's layout. When it does, a
+    /// newer tutti formatted the pool; when it does not, the version field itself may be the
+    /// damage (a newer format may also place its CRC elsewhere, so neither is ruled out).
+    #[error("device {device}: superblock format version {found} is newer than this build's {supported}{}", newer_version_hint(.sealed))]
+    NewerFormatVersion { device: usize, found: u32, supported: u32, sealed: bool },
     #[error("device {device}: superblock format version {found} is older than this build's {supported}: {reason}")]
     OlderFormatVersion { device: usize, found: u32, supported: u32, reason: &'static str },
     #[error("pool geometry mismatch: the pool was formatted for {on_disk}, the registration is {registered}")]
@@ -140,3 +143,12 @@ pub enum ObjstoreError {
 }
 
 pub type Result<T, E = ObjstoreError> = std::result::Result<T, E>;
+
+/// The end of [`ObjstoreError::NewerFormatVersion`]'s message: what the CRC says about it.
+fn newer_version_hint(sealed: &bool) -> &'static str {
+    if *sealed {
+        " (its CRC checks: a newer tutti formatted this pool; open it with that version)"
+    } else {
+        " and its CRC does not check under this build's layout: a newer format, or a damaged version field"
+    }
+}

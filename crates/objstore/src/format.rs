@@ -210,11 +210,18 @@ impl Superblock {
             return Err(corrupt(format!("magic {:02x?}, expected {:02x?} (not a tutti pool, or never formatted)", &bytes[..8], MAGIC)));
         }
         let version = u32_at(bytes, 8);
-        if version > FORMAT_VERSION {
-            return Err(ObjstoreError::NewerFormatVersion { device, found: version, supported: FORMAT_VERSION });
-        }
         let stored = u32_at(bytes, SUPERBLOCK_CRC_OFFSET);
         let computed = crc32fast::hash(&bytes[..SUPERBLOCK_CRC_OFFSET]);
+        if version > FORMAT_VERSION {
+            // Refused before the CRC (a newer format may place it elsewhere), but the CRC under
+            // this layout tells a newer pool from a damaged version field in the message.
+            return Err(ObjstoreError::NewerFormatVersion {
+                device,
+                found: version,
+                supported: FORMAT_VERSION,
+                sealed: stored == computed,
+            });
+        }
         if stored != computed {
             return Err(corrupt(format!("CRC32 {stored:#010x}, computed {computed:#010x}")));
         }
@@ -599,12 +606,27 @@ mod tests {
         assert!(
             matches!(Superblock::decode(&flipped, 0, 512, 16 << 11), Err(ObjstoreError::CorruptSuperblock { reason, .. }) if reason.contains("CRC"))
         );
+        // A version field past this build's: unsealed, it may be damage and the message says so;
+        // resealed (a newer tutti wrote it), the message says to open it with that version.
         let mut newer = good;
         put_u32(&mut newer, 8, FORMAT_VERSION + 1);
-        assert!(matches!(
-            Superblock::decode(&newer, 3, 512, 16 << 11),
-            Err(ObjstoreError::NewerFormatVersion { device: 3, found, supported: FORMAT_VERSION }) if found == FORMAT_VERSION + 1
-        ));
+        match Superblock::decode(&newer, 3, 512, 16 << 11) {
+            Err(error @ ObjstoreError::NewerFormatVersion { device: 3, found, supported: FORMAT_VERSION, sealed: false })
+                if found == FORMAT_VERSION + 1 =>
+            {
+                assert!(error.to_string().contains("damaged version field"), "{error}")
+            }
+            other => panic!("{other:?}"),
+        }
+        let crc = crc32fast::hash(&newer[..SUPERBLOCK_CRC_OFFSET]);
+        put_u32(&mut newer, SUPERBLOCK_CRC_OFFSET, crc);
+        match Superblock::decode(&newer, 3, 512, 16 << 11) {
+            Err(error @ ObjstoreError::NewerFormatVersion { device: 3, sealed: true, .. }) => {
+                let message = error.to_string();
+                assert!(message.contains("a newer tutti formatted") && !message.contains("damaged"), "{message}")
+            }
+            other => panic!("{other:?}"),
+        }
         for older in [1, 2] {
             let mut bytes = good;
             put_u32(&mut bytes, 8, older);

@@ -228,7 +228,8 @@ proptest! {
             Err(error) => prop_assert!(
                 matches!(
                     error,
-                    ObjstoreError::CorruptSuperblock { device: 0, .. } | ObjstoreError::NewerFormatVersion { device: 0, .. }
+                    ObjstoreError::CorruptSuperblock { device: 0, .. }
+                        | ObjstoreError::NewerFormatVersion { device: 0, sealed: false, .. }
                 ),
                 "{:?}: {}", damage, error
             ),
