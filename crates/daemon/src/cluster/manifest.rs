@@ -334,6 +334,9 @@ fn held_record(out: &mut Vec<u8>, space: &ModelSpace, index: u32, keys: &[u64]) 
 }
 
 #[cfg(test)]
+mod proptests;
+
+#[cfg(test)]
 mod tests {
     use super::super::held::HeldSegments;
     use super::*;
