@@ -237,16 +237,60 @@ fn session_gone(socket: &Path, session: u64, deadline: Instant) -> bool {
 /// layer in flight is ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LeakCount {
-    /// No daemon listens at the socket: none is left to move bytes.
+    /// No daemon is left at the socket (its file is gone): none is left to move bytes.
     NoDaemon,
     Counted(u64),
-    /// tuttid did not answer by the deadline (paused, overloaded): nothing can be concluded.
+    /// tuttid did not answer by the deadline (paused, overloaded, draining): nothing can be
+    /// concluded.
     NoAnswer,
 }
 
+/// What connecting to tuttid's socket says about the daemon.
+enum Reached {
+    Daemon(Client),
+    /// The socket file is gone. tuttid removes it only once its drain released every session
+    /// (`server.rs`), so no session of it is left to move bytes.
+    Gone,
+    /// Nothing can be concluded by the deadline: the connection is refused while the socket
+    /// file exists (a draining daemon has closed its listener but is still releasing sessions,
+    /// whose in-flight reads may still write the memory; or a daemon that died without removing
+    /// it: the two look alike from here), or connecting failed some other way.
+    Unknown(String),
+}
+
+/// Connects to tuttid at `socket`, asking again every 10 ms while the connection is refused and
+/// the socket file exists, until `deadline`.
+fn reach(socket: &Path, deadline: Instant) -> Reached {
+    loop {
+        let timeout = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(100));
+        let error = match Client::connect(socket, timeout) {
+            Ok(client) => return Reached::Daemon(client),
+            Err(error) => error,
+        };
+        match &error {
+            tutti_daemon::DaemonError::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => return Reached::Gone,
+            tutti_daemon::DaemonError::Io { source, .. } if source.kind() == std::io::ErrorKind::ConnectionRefused => {
+                if Instant::now() >= deadline {
+                    return Reached::Unknown(format!(
+                        "{error} while its socket file exists: a daemon draining its sessions, or one that died without removing it"
+                    ));
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            _ => return Reached::Unknown(error.to_string()),
+        }
+    }
+}
+
 pub fn leaked_queue_pairs(socket: &Path, deadline: Instant) -> LeakCount {
-    let timeout = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(100));
-    let Ok(mut client) = Client::connect(socket, timeout) else { return LeakCount::NoDaemon };
+    let mut client = match reach(socket, deadline) {
+        Reached::Daemon(client) => client,
+        Reached::Gone => return LeakCount::NoDaemon,
+        Reached::Unknown(reason) => {
+            tracing::warn!(%reason, "tutti: asking tuttid for its leaked queue pairs");
+            return LeakCount::NoAnswer;
+        }
+    };
     match client.status() {
         Ok(status) => LeakCount::Counted(status.leaked_queue_pairs),
         Err(error) => {
@@ -258,7 +302,8 @@ pub fn leaked_queue_pairs(socket: &Path, deadline: Instant) -> LeakCount {
 
 /// Whether tuttid ended `session` and deleted its queue pairs: the session is no longer listed
 /// and no queue pair was leaked since tuttid counted `leaked_before` (another session's leak in
-/// between also answers false: then the memory is kept, the safe side).
+/// between also answers false: then the memory is kept, the safe side; so does a daemon gone
+/// before its count could be compared).
 pub fn session_ended_cleanly(socket: &Path, session: u64, leaked_before: u64, deadline: Instant) -> bool {
     let mut clean = false;
     let gone = poll_status(socket, deadline, |status| {
@@ -269,21 +314,32 @@ pub fn session_ended_cleanly(socket: &Path, session: u64, leaked_before: u64, de
 }
 
 /// Asks tuttid's status until `done` accepts one or `deadline` passes (every 10 ms); false if
-/// tuttid did not answer. No daemon listening counts as done (it is gone, and its sessions).
+/// nothing could be concluded by then. A daemon whose socket file is gone counts as done (it
+/// removes the file only after releasing every session); a refused connection while the file
+/// exists does not (see [`Reached::Unknown`]), nor does a connection that breaks: the daemon is
+/// asked again on a new one until the deadline.
 fn poll_status(socket: &Path, deadline: Instant, mut done: impl FnMut(&tutti_daemon::protocol::StatusReply) -> bool) -> bool {
-    let timeout = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(100));
-    let Ok(mut client) = Client::connect(socket, timeout) else {
-        // No daemon to ask: it is gone, and its imports and queue pairs with it.
-        return true;
-    };
     loop {
-        match client.status() {
-            Ok(status) if done(&status) => return true,
-            Ok(_) => {}
-            Err(error) => {
-                tracing::warn!(%error, "tutti: asking tuttid whether the session ended");
+        match reach(socket, deadline) {
+            Reached::Gone => return true,
+            Reached::Unknown(reason) => {
+                tracing::warn!(%reason, "tutti: asking tuttid whether the session ended");
                 return false;
             }
+            Reached::Daemon(mut client) => loop {
+                match client.status() {
+                    Ok(status) if done(&status) => return true,
+                    Ok(_) => {}
+                    Err(error) => {
+                        tracing::warn!(%error, "tutti: asking tuttid whether the session ended");
+                        break;
+                    }
+                }
+                if Instant::now() >= deadline {
+                    return false;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            },
         }
         if Instant::now() >= deadline {
             return false;
@@ -332,6 +388,41 @@ mod tests {
         assert!(export(&layout(Device::Cpu, &[(elsewhere.as_ptr() as u64, 4096)])).unwrap().is_none());
         drop((stand_in, range));
         assert!(export(&layout(Device::Cpu, &[(base + 0x1000, 0x1000)])).unwrap().is_none(), "a dropped stand-in is forgotten");
+    }
+
+    #[test]
+    fn a_refused_connection_while_the_socket_file_exists_is_no_proof_the_daemon_is_gone() {
+        // Goal: a draining tuttid has closed its listener but still releases its sessions (their
+        // in-flight reads may still write the memory) and removes its socket file only after:
+        // a refused connection with the file present must not read as "no daemon"; once the
+        // file is gone (removed while we wait, or absent), it does.
+        let directory = std::env::temp_dir().join(format!("tutti-python-socket-test-{}", std::process::id()));
+        std::fs::create_dir_all(&directory).unwrap();
+        let socket = directory.join("tuttid.sock");
+        let _ = std::fs::remove_file(&socket);
+        drop(std::os::unix::net::UnixListener::bind(&socket).unwrap());
+        assert!(socket.exists(), "a dropped listener leaves its file, as a draining tuttid's");
+        let soon = || Instant::now() + Duration::from_millis(150);
+        assert_eq!(leaked_queue_pairs(&socket, soon()), LeakCount::NoAnswer);
+        assert!(!session_gone(&socket, 7, soon()));
+        let started = Instant::now();
+        let removed = {
+            let socket = socket.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(200));
+                std::fs::remove_file(socket).unwrap();
+            })
+        };
+        assert!(session_gone(&socket, 7, Instant::now() + Duration::from_secs(10)), "the file went while we waited");
+        assert!(started.elapsed() >= Duration::from_millis(200) && started.elapsed() < Duration::from_secs(5));
+        removed.join().unwrap();
+        assert_eq!(leaked_queue_pairs(&socket, soon()), LeakCount::NoDaemon);
+        assert!(session_gone(&socket, 7, soon()));
+        // Something at the path that is no socket: nothing can be concluded either.
+        std::fs::write(&socket, b"not a socket").unwrap();
+        assert_eq!(leaked_queue_pairs(&socket, soon()), LeakCount::NoAnswer);
+        assert!(!session_gone(&socket, 7, soon()));
+        std::fs::remove_dir_all(&directory).unwrap();
     }
 
     #[test]
