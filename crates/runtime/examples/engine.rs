@@ -37,7 +37,7 @@ use objstore::{
 use scheduler::analytic::{build_table, AnalyticGrid, GpuSpec, ModelConfig};
 use scheduler::ssd::SsdModel;
 use scheduler::table::Profile;
-use tutti_runtime::{PolicyChoice, Runtime, RuntimeConfig};
+use tutti_runtime::{PolicyChoice, Runtime, RuntimeConfig, RuntimeCounters};
 
 const BLOCK_TOKENS: u32 = 16;
 const ENGINE_BLOCKS: u32 = 64;
@@ -156,6 +156,35 @@ fn decode_step(runtime: &mut Runtime<gio_uring::CpuExecutor>, profile: &Profile,
     compute_for(runtime, dilated_us(profile.decode_step(context)?.duration_us))
 }
 
+/// Ends the runtime: drains the write queue, then closes the store, whose answer says whether
+/// the engine may free its KV memory. An engine that cannot drain (a write that timed out, a
+/// request still retiring) gets the runtime back from `finish`; this one gives up, closes the
+/// store all the same, and keeps its KV memory allocated for good unless `close` says no command
+/// can still move it.
+fn finish(runtime: Runtime<gio_uring::CpuExecutor>, engine: EnginePool) -> Result<RuntimeCounters, Failure> {
+    let (store, counters, failure) = match runtime.finish() {
+        Ok((store, counters)) => (store, counters, None),
+        Err(failed) => {
+            let (store, counters) = failed.runtime.into_store();
+            (store, counters, Some(failed.error))
+        }
+    };
+    let memory_free = store.close();
+    if !memory_free {
+        eprintln!("engine example: an I/O queue pair could not be deleted: the engine's KV memory is kept allocated for good");
+        std::mem::forget(engine);
+    }
+    match failure {
+        None if memory_free => Ok(counters),
+        None => Err("the store could not delete an I/O queue pair; the engine's KV memory was leaked on purpose".into()),
+        Some(error) => Err(format!(
+            "finishing the runtime: {error}; the store was closed and the engine's KV memory {}",
+            if memory_free { "freed" } else { "leaked on purpose (a command may still move it)" }
+        )
+        .into()),
+    }
+}
+
 fn main() -> Result<(), Failure> {
     let mut args = std::env::args().skip(1);
     let requests: u32 = args.next().map_or(Ok(16), |arg| arg.parse())?;
@@ -260,8 +289,7 @@ fn main() -> Result<(), Failure> {
         compute_total += compute;
         served += 1;
     }
-    runtime.drain()?;
-    let (_store, counters) = runtime.finish()?;
+    let counters = finish(runtime, engine)?;
     let mixed = device.stats().timing.map_or(Duration::ZERO, |timing| timing.mixed_busy);
     println!(
         "\nhit rate {:.1}% of blocks; mean TTFT {:.2} ms; bubble {:.2} ms total ({:.1}% of TTFT); compute {:.2} ms total; every retrieved block verified",

@@ -1,8 +1,11 @@
 //! The runtime's errors: every misuse by the engine, every refused table and every I/O failure
 //! is one of these, with what was expected and what happened.
 
+use gio_uring::Executor;
 use objstore::ObjstoreError;
 use scheduler::SchedulerError;
+
+use crate::runtime::Runtime;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {
@@ -71,6 +74,25 @@ pub enum RuntimeError {
     DrainIncomplete { queued_stores: usize, retiring: usize },
     #[error("policy {policy} never issued the reads of layer {layer} (unissued IOCBs per layer: {unissued:?})")]
     ReadsNeverIssued { policy: &'static str, layer: u32, unissued: Vec<u32> },
+}
+
+/// [`Runtime::finish`] failed: what went wrong, and the runtime handed back with its store and
+/// everything the store still has in flight. Dropping it would drop the store unclosed: the
+/// engine would lose `KvStore::close`'s answer (whether its registered KV memory may be freed),
+/// `Runtime::abandon_in_flight` and `Runtime::releasable`. Drain again, abandon what is in flight
+/// (a CPU executor), or give up with [`Runtime::into_store`] and `KvStore::close`.
+#[derive(thiserror::Error)]
+#[error("finishing the runtime: {error} (the runtime is handed back: its store is not closed yet)")]
+pub struct FinishError<E: Executor> {
+    #[source]
+    pub error: RuntimeError,
+    pub runtime: Box<Runtime<E>>,
+}
+
+impl<E: Executor> std::fmt::Debug for FinishError<E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FinishError").field("error", &self.error).field("runtime", &self.runtime).finish()
+    }
 }
 
 pub type Result<T, E = RuntimeError> = std::result::Result<T, E>;

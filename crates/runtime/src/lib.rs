@@ -32,6 +32,6 @@ pub mod runtime;
 mod writes;
 
 pub use config::{PolicyChoice, RuntimeConfig, WriteQueueFullAction, IO_TIMEOUT_MAX};
-pub use error::{Result, RuntimeError};
+pub use error::{FinishError, Result, RuntimeError};
 pub use events::{IoDirection, IoEvent, IoEventKind, RuntimeCounters};
 pub use runtime::{PrefillId, PrefillStart, Runtime};

@@ -24,7 +24,7 @@ use scheduler::table::{IoKind, ModelIdentity, Profile};
 use scheduler::SchedulerError;
 
 use crate::config::{PolicyChoice, RuntimeConfig, WriteQueueFullAction, IO_TIMEOUT_MAX};
-use crate::error::{store_error, Result, RuntimeError};
+use crate::error::{store_error, FinishError, Result, RuntimeError};
 use crate::events::{EventLog, IoEvent, RuntimeCounters};
 use crate::writes::{PendingStore, WriteQueue};
 
@@ -630,10 +630,25 @@ impl<E: Executor> Runtime<E> {
         Err(RuntimeError::DrainIncomplete { queued_stores: self.writes.stores.len(), retiring: self.writes.retiring.len() })
     }
 
-    /// Drains the write queue and gives the store back.
-    pub fn finish(mut self) -> Result<(KvStore<E>, RuntimeCounters)> {
-        self.drain()?;
-        Ok((self.store, self.counters))
+    /// Drains the write queue and gives the store back. If draining fails (a write that timed
+    /// out, a request still retiring, a prefill still running) the runtime comes back in the
+    /// error, store and all: nothing the device may still be doing is dropped with it. The
+    /// engine then drains again, calls [`Runtime::abandon_in_flight`], or gives up with
+    /// [`Runtime::into_store`] and `KvStore::close`, whose answer says whether its KV memory
+    /// may be freed.
+    pub fn finish(mut self) -> std::result::Result<(KvStore<E>, RuntimeCounters), FinishError<E>> {
+        match self.drain() {
+            Ok(()) => Ok((self.store, self.counters)),
+            Err(error) => Err(FinishError { error, runtime: Box::new(self) }),
+        }
+    }
+
+    /// Gives the store back as it is, without draining: stores still queued are never
+    /// committed, and anything in flight stays in flight until the store is closed (whose
+    /// answer says whether the engine may free its KV memory) or dropped (the same, unheard).
+    /// For an engine giving up after [`Runtime::finish`] failed.
+    pub fn into_store(self) -> (KvStore<E>, RuntimeCounters) {
+        (self.store, self.counters)
     }
 }
 

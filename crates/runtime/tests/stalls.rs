@@ -176,3 +176,36 @@ fn force_oldest_stores_the_first_blocks_of_a_request_larger_than_the_queue() {
         }
     });
 }
+
+#[test]
+fn a_finish_that_cannot_drain_hands_the_runtime_back() {
+    // Goal: `finish` whose drain fails (here a write whose completion the device lost) hands
+    // the runtime back, store and all, instead of dropping them with the write in flight: the
+    // engine keeps `releasable`, `abandon_in_flight` and, in the end, `KvStore::close`'s answer
+    // (whether its KV memory may be freed). Before, the error came alone and the store was
+    // dropped unclosed.
+    bounded(|| {
+        let mut stack = stalled_stack(PolicyChoice::SlackAware);
+        let tokens = prompt(0, 0);
+        let blocks = [0, 1, 2, 3];
+        prefill(&mut stack, &tokens, &blocks).unwrap();
+        assert_eq!(stack.runtime.queued_stores(), 1, "slack-aware keeps the last layer queued");
+        stack.device.set_faults(
+            FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion).with_opcode(NvmOpcode::Write as u8)),
+        );
+        // The engine's KV memory outlives the store, as in an engine.
+        let Stack { device: _device, runtime, engine: _engine } = stack;
+        let failed = match runtime.finish() {
+            Ok(_) => panic!("finish drained a store whose write completion was lost"),
+            Err(failed) => failed,
+        };
+        assert!(failed.to_string().contains("handed back"), "{failed}");
+        let mut runtime = *failed.runtime;
+        assert_eq!(runtime.queued_stores(), 1, "the store with its lost write is still queued");
+        assert!(blocks.iter().all(|&block| !runtime.releasable(block)), "the lost write may still read them");
+        assert_eq!(runtime.abandon_in_flight().unwrap(), 1, "the lost write is the one layer in flight");
+        let (store, counters) = runtime.finish().expect("the abandoned write was issued again and committed");
+        assert_eq!(counters.stores_committed, 1, "{counters:?}");
+        assert!(store.close(), "every queue pair was deleted: the engine may free its KV memory");
+    });
+}

@@ -185,11 +185,31 @@ pub fn serve(plan: &ServePlan, profile: &Profile, policy: PolicyChoice, requests
         served.push(driver.request(request, closed, plan.stream.decode_steps, request_blocks as usize)?);
     }
     let Driver { runtime, backlog, started, dilation, .. } = driver;
-    let (store, counters) = runtime.finish().context("draining the write queue")?;
+    // A drain that fails hands the runtime back: the store is closed either way, and the
+    // engine's KV memory freed only if `close` says no command can still move it.
+    let (store, counters, failure) = match runtime.finish() {
+        Ok((store, counters)) => (store, counters, None),
+        Err(failed) => {
+            let (store, counters) = failed.runtime.into_store();
+            (store, counters, Some(failed.error))
+        }
+    };
     let wall_us = started.elapsed().as_secs_f64() * 1e6 / dilation;
+    let memory_free = store.close();
+    if memory_free {
+        drop(engine);
+    } else {
+        eprintln!("serve: an I/O queue pair could not be deleted: the engine's KV memory is kept allocated for good");
+        std::mem::forget(engine);
+    }
+    if let Some(error) = failure {
+        let memory = if memory_free { "freed" } else { "leaked on purpose (a command may still move it)" };
+        return Err(anyhow::Error::new(error).context(format!("draining the write queue (store closed, engine KV memory {memory})")));
+    }
+    if !memory_free {
+        return Err(anyhow!("closing the store: an I/O queue pair could not be deleted; the engine's KV memory was leaked on purpose"));
+    }
     let after = emulator.stats().timing.ok_or_else(|| anyhow!("the software controller ran without its timing model"))?;
-    drop(store);
-    drop(engine);
     let model_us = |later: Duration, earlier: Duration| later.saturating_sub(earlier).as_secs_f64() * 1e6 / dilation;
     Ok(LiveRun {
         requests: served,
