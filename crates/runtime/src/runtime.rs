@@ -8,7 +8,9 @@
 //! whole (it reissues one request's IOCBs per layer), so a layer's reads are handed over when the
 //! policy first issues any of them, and writes are released in whole layers once the policy's
 //! write grants (carried forward while smaller than the oldest layer, with the time of windows
-//! too short for one IOCB) cover them. Offsets inside a layer are not timed: what the policy
+//! too short for one IOCB) cover them, each layer priced with its own command latency; only a
+//! flush (naive, no-overlap: a write issued without waiting for reads) releases every ready
+//! layer at once. Offsets inside a layer are not timed: what the policy
 //! issues at a boundary is handed to the executor at that boundary, FIFO per direction, one
 //! layer of each direction at a time (one write layer across all queued stores, oldest first);
 //! later layers wait in the runtime and go when the previous one completed (checked at every
@@ -455,9 +457,8 @@ impl<E: Executor> Runtime<E> {
             let plan =
                 self.policy.plan_layer(&view).map_err(|source| RuntimeError::Scheduler { policy: self.config.policy.name(), source })?;
             wait_for_all = plan.wait_for_all_reads;
-            let queued_seen_iocbs = view.queued_write_iocbs;
             for issue in &plan.issues {
-                self.apply(issue, queued_seen_iocbs);
+                self.apply(issue);
             }
         }
         self.pump()?;
@@ -541,11 +542,10 @@ impl<E: Executor> Runtime<E> {
             self.writes.stores[index].prefill_ended = true;
         }
         let view = queue_view(&self.profile, &self.reads, &self.writes, context_tokens);
-        let queued_seen_iocbs = view.queued_write_iocbs;
         let issues =
             self.policy.plan_prefill_end(&view).map_err(|source| RuntimeError::Scheduler { policy: self.config.policy.name(), source })?;
         for issue in &issues {
-            self.apply(issue, queued_seen_iocbs);
+            self.apply(issue);
         }
         self.progress()?;
         Ok(kv_wait)
@@ -583,11 +583,10 @@ impl<E: Executor> Runtime<E> {
         }
         self.progress()?;
         let view = queue_view(&self.profile, &self.reads, &self.writes, context_tokens);
-        let queued_seen_iocbs = view.queued_write_iocbs;
         match self.policy.plan_decode_step(&view) {
             Ok(issues) => {
                 for issue in &issues {
-                    self.apply(issue, queued_seen_iocbs);
+                    self.apply(issue);
                 }
             }
             // A context the table has no step for: no slack is known, nothing is written.

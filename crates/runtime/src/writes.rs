@@ -185,13 +185,10 @@ impl WriteQueue {
     /// IOCBs, latency included, because the store hands a layer over only once the one before it
     /// completed. So a window granted k layers' bytes as one kernel releases fewer layers when
     /// their k latencies do not fit (before, they overran it: in the last decode step of a
-    /// request, into the next request, whose first read then waited behind them). A grant
-    /// covering every IOCB queued when the policy decided (`queued_seen_iocbs`: its view's
-    /// `queued_write_iocbs`) releases everything queued (the policy asked for all of it, as naive
-    /// and no-overlap do). Not the queue as it is now: a plan's earlier grants released layers
-    /// from it, and a later grant of the same plan that covers the rest, priced as one kernel,
-    /// paid for fewer latencies than the rest's layers (a slack-aware plan of grants of 2 and 6
-    /// IOCBs for 4 layers of 2 released all four, 100 µs past its windows at 50 µs a command).
+    /// request, into the next request, whose first read then waited behind them). This holds for
+    /// a grant that covers the whole queue too: a slack-aware decode step that granted all 8
+    /// IOCBs of 4 layers of 2 as one kernel (1450 µs of a 1500 µs step at 50 + 175 µs per IOCB)
+    /// released all four (1600 µs). Only a flush ([`WriteQueue::flush`]) releases everything.
     ///
     /// A layer moves whole (the store issues a layer's IOCBs together), so time granted and not
     /// used is kept, up to the oldest waiting layer's cost, and adds to the next grants: the
@@ -200,15 +197,18 @@ impl WriteQueue {
     /// path). The price: such a layer overruns the window it goes in by what that window's grant
     /// lacks. Returns the layers released.
     /// The grant's `sm_budget` goes with every layer it releases.
-    pub fn decide(&mut self, grant_iocbs: u32, queued_seen_iocbs: u32, sm_budget: u32, cost_us: impl Fn(u32) -> f64) -> u32 {
-        let stores = self.stores.iter_mut().map(|store| {
-            (
-                Released { decided_layers: &mut store.decided_layers, sm_budget: &mut store.sm_budget },
-                store.ready_layers,
-                store.iocbs_per_layer,
-            )
-        });
-        decide_layers(&mut self.granted_us, grant_iocbs, queued_seen_iocbs, sm_budget, stores, cost_us)
+    pub fn decide(&mut self, grant_iocbs: u32, sm_budget: u32, cost_us: impl Fn(u32) -> f64) -> u32 {
+        let grant_us = cost_us(grant_iocbs);
+        self.release(grant_us, sm_budget, cost_us)
+    }
+
+    /// A flush grant (naive and no-overlap ask for the whole queue, whatever else the device
+    /// does: `scheduler::policy::Issue::after_reads` false): every ready layer is released on
+    /// `sm_budget` SMs, and the carry is spent. Returns the layers released.
+    pub fn flush(&mut self, sm_budget: u32) -> u32 {
+        let released = self.decide_all(sm_budget);
+        self.granted_us = 0.0;
+        released
     }
 
     /// Window time in which not one write IOCB fits (a write grant of 0 IOCBs,
@@ -232,15 +232,18 @@ impl WriteQueue {
         release_layers(&mut self.granted_us, grant_us, sm_budget, stores, cost_us)
     }
 
-    /// Releases every ready layer on `sm_budget` SMs (a grant of everything, forced drains,
-    /// `finish`).
-    pub fn decide_all(&mut self, sm_budget: u32) {
+    /// Releases every ready layer on `sm_budget` SMs (a flush, forced drains, `finish`).
+    /// Returns the layers released.
+    pub fn decide_all(&mut self, sm_budget: u32) -> u32 {
+        let mut released = 0;
         for store in self.stores.iter_mut() {
             if store.decided_layers < store.ready_layers {
+                released += store.ready_layers - store.decided_layers;
                 store.decided_layers = store.ready_layers;
                 store.sm_budget = sm_budget;
             }
         }
+        released
     }
 }
 
@@ -248,32 +251,6 @@ impl WriteQueue {
 struct Released<'a> {
     decided_layers: &'a mut u32,
     sm_budget: &'a mut u32,
-}
-
-/// [`WriteQueue::decide`] over each store's (decided layers and budget, ready layers, IOCBs per
-/// layer), oldest first: everything ready when the grant covers the queue the policy saw (the
-/// carry is spent), else [`release_layers`].
-fn decide_layers<'a>(
-    carried_us: &mut f64,
-    grant_iocbs: u32,
-    queued_seen_iocbs: u32,
-    sm_budget: u32,
-    stores: impl Iterator<Item = (Released<'a>, u32, u32)>,
-    cost_us: impl Fn(u32) -> f64,
-) -> u32 {
-    if grant_iocbs >= queued_seen_iocbs {
-        let mut released = 0;
-        for (store, ready_layers, _) in stores {
-            if *store.decided_layers < ready_layers {
-                released += ready_layers - *store.decided_layers;
-                *store.decided_layers = ready_layers;
-                *store.sm_budget = sm_budget;
-            }
-        }
-        *carried_us = 0.0;
-        return released;
-    }
-    release_layers(carried_us, cost_us(grant_iocbs), sm_budget, stores, cost_us)
 }
 
 /// The release rule of [`WriteQueue::decide`] over each store's (decided layers and budget,
@@ -341,27 +318,22 @@ mod tests {
 
     #[test]
     fn a_plans_later_grant_releases_no_more_than_it_and_the_carry_pay_for() {
-        // Goal: released layers never cost more than the carry plus the grants, unless a grant
-        // covers the whole queue the policy saw. One store of 4 layers of 2 IOCBs (400 µs each,
-        // latency included; 8 IOCBs queued); a plan grants 2 then 6 IOCBs (400 + 1100 µs). The
-        // first releases one layer; the second covers the 6 IOCBs left, but 3 layers cost
-        // 1200 µs: it releases 2 and carries 300 µs. Before, it was compared with the queue left
-        // and released all 3, 100 µs more than granted.
+        // Goal: released layers never cost more than the carry plus the grants, even when a
+        // grant covers the whole queue. One store of 4 layers of 2 IOCBs (400 µs each, latency
+        // included; 8 queued); a plan grants 2 then 6 IOCBs (400 + 1100 µs). The first releases
+        // one layer; the second covers the 6 IOCBs left, but 3 layers cost 1200 µs: it releases
+        // 2 and carries 300 µs. A single grant of all 8 (1450 µs) releases 3, not 4 (1600 µs).
         let cost_us = |iocbs: u32| 50.0 + 175.0 * f64::from(iocbs);
         let (mut carried_us, mut decided, mut budget) = (0.0, 0, 4);
         let mut granted_us = 0.0;
         for grant in [2, 6] {
             let store = Released { decided_layers: &mut decided, sm_budget: &mut budget };
-            decide_layers(&mut carried_us, grant, 8, 4, std::iter::once((store, 4, 2)), cost_us);
+            release_layers(&mut carried_us, cost_us(grant), 4, std::iter::once((store, 4, 2)), cost_us);
             granted_us += cost_us(grant);
             assert!(f64::from(decided) * cost_us(2) + carried_us <= granted_us, "{decided} layers, {carried_us} µs carried");
         }
         assert_eq!((decided, carried_us), (3, 300.0));
-        // A grant of the whole queue the policy saw (naive, no-overlap) releases all of it.
-        let (mut carried_us, mut decided) = (0.0, 0);
-        let store = Released { decided_layers: &mut decided, sm_budget: &mut budget };
-        assert_eq!(decide_layers(&mut carried_us, 8, 8, 4, std::iter::once((store, 4, 2)), cost_us), 4);
-        assert_eq!((decided, carried_us), (4, 0.0));
+        assert_eq!(releases(4, &[8]), vec![3]);
     }
 
     #[test]

@@ -305,3 +305,55 @@ fn released_writes_wait_for_every_read_of_the_next_request() {
     );
     stack.runtime.drain().unwrap();
 }
+
+/// Goal: a slack-aware decode step's grant that happens to cover the whole write queue is
+/// priced like any other: each released layer pays its own command latency, and what does not
+/// fit the step is carried. Writes cost 50 + 175 µs per IOCB; one store of 4 layers × 2 IOCBs
+/// (8 queued, no prefill slack); a 1500 µs step. The policy grants all 8 IOCBs as one kernel
+/// (1450 µs), but the layers go one at a time at 400 µs each: 3 fit (1200 µs), the 4th would
+/// end 100 µs past the step. Before, a grant covering the queue released all 4. The next step
+/// releases the 4th.
+#[test]
+fn a_slack_aware_grant_of_the_whole_queue_releases_only_what_fits() {
+    let mut table = common::table(common::MODEL, common::geometry().layers);
+    for bucket in &mut table.buckets {
+        for layer in &mut bucket.layers {
+            layer.slack_windows.clear();
+        }
+    }
+    table.io_costs.retain(|row| row.kind == IoKind::Read);
+    for n in [1u32, 2, 4, 8, 16, 32, 64] {
+        let duration_us = 50.0 + 175.0 * f64::from(n);
+        table.io_costs.push(IoCostEntry {
+            kind: IoKind::Write,
+            iocb_count: n,
+            sm_budget: 4,
+            duration_us,
+            bytes: u64::from(n) * common::IOCB_BYTES,
+        });
+    }
+    for step in &mut table.decode_steps {
+        (step.duration_us, step.free_sms) = (1500.0, 4);
+    }
+    let profile = scheduler::table::Profile::from_table(table).expect("valid table");
+    let mut stack = common::stack_with_profile(config(PolicyChoice::SlackAware), None, profile);
+    let tokens: Vec<u32> = (0..2 * BLOCK_TOKENS).collect();
+    let engine_blocks = [0, 1];
+    prefill(&mut stack, &tokens, &engine_blocks).unwrap();
+    assert_eq!((stack.runtime.queued_stores(), stack.runtime.counters().write_layers_issued), (1, 0), "no prefill slack");
+    // Lets the released layers go, one at a time (no timing model: microseconds each).
+    let settle = |stack: &mut Stack| {
+        for _ in 0..200 {
+            stack.runtime.poll_io().unwrap();
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    };
+    stack.runtime.decode_step(tokens.len() as u32).unwrap();
+    settle(&mut stack);
+    let counters = stack.runtime.counters();
+    assert_eq!((counters.write_layers_issued, counters.stores_committed), (3, 0), "{counters:?}");
+    stack.runtime.decode_step(tokens.len() as u32).unwrap();
+    settle(&mut stack);
+    let counters = stack.runtime.counters();
+    assert_eq!((counters.write_layers_issued, counters.stores_committed), (4, 1), "{counters:?}");
+}

@@ -37,8 +37,8 @@ impl<E: Executor> Runtime<E> {
         self.reads.outstanding_iocbs()
     }
 
-    /// Applies one issue of a plan the policy made seeing `queued_seen_iocbs` write IOCBs queued.
-    pub(super) fn apply(&mut self, issue: &Issue, queued_seen_iocbs: u32) {
+    /// Applies one issue of a plan.
+    pub(super) fn apply(&mut self, issue: &Issue) {
         match (issue.kind, issue.layer) {
             (IoKind::Read, Some(layer)) => self.decide_read(layer, issue.sm_budget.clamp(1, self.read_budget.0)),
             (IoKind::Read, None) => {}
@@ -51,11 +51,15 @@ impl<E: Executor> Runtime<E> {
                 // A table without write rows for the budget: the count itself, for grants and
                 // layers alike (the IOCB-counting rule, latency not included).
                 let cost_us = |iocbs| profile.io_duration_us(IoKind::Write, iocbs, budget).unwrap_or(f64::from(iocbs));
-                if issue.iocb_count == 0 {
+                if !issue.after_reads {
+                    // A flush (naive, no-overlap: the whole queue, whatever else the device
+                    // does), not a grant priced into a window: everything ready goes.
+                    self.writes.flush(budget);
+                } else if issue.iocb_count == 0 {
                     // A window where not one IOCB fits: its time joins the carry.
                     self.writes.decide_time(issue.slack_us, budget, cost_us);
                 } else {
-                    self.writes.decide(issue.iocb_count, queued_seen_iocbs, budget, cost_us);
+                    self.writes.decide(issue.iocb_count, budget, cost_us);
                 }
             }
         }
