@@ -668,24 +668,25 @@ impl Pool {
         self.sync_headers_by(lender, None)
     }
 
-    /// [`Self::sync_headers`], each device's sync within what is left of `deadline` (and the
-    /// metadata timeout): a caller that must return by a deadline (a `wait`) is not held up to
-    /// the metadata timeout per device. A device reached with no time left is not written: its
-    /// staged sectors stay staged for the next sync, and [`ObjstoreError::DeadlinePassed`]
-    /// (counting the devices synced) says so. A write cut short by the deadline is a timeout
-    /// like any other (`metadata_queue`): its sectors stay staged too.
+    /// [`Self::sync_headers`] for a caller that must return by `deadline` (a `wait`): a device
+    /// is written only if the whole metadata timeout still fits before `deadline`; one reached
+    /// later is not written: its staged sectors stay staged for the next sync, and
+    /// [`ObjstoreError::DeadlinePassed`] (counting the devices synced) says so. A write is never
+    /// submitted with a shorter timeout: one cut short by the caller's deadline, not by the
+    /// device, would leave its commands in flight, which costs the queue pair (`metadata_queue`:
+    /// deleted and made again, or, on the executor's queue pair lent for metadata, the device
+    /// fenced until reopen) for a device that may be healthy. So every timeout a sync meets
+    /// spent the full metadata timeout and says the device is not answering (it counts toward
+    /// [`HEADER_SYNC_FAILURES_FENCE`]). `None`: no deadline but the metadata timeout's.
     pub(crate) fn sync_headers_by(&mut self, lender: &mut dyn QueueLender, deadline: Option<Instant>) -> Result<()> {
         let mut first_error = None;
         let mut synced_devices = 0;
+        let timeout = self.timeout;
         for (index, d) in self.devices.iter_mut().enumerate() {
             if !d.mirror.has_dirty() {
                 continue;
             }
-            let timeout = match deadline {
-                None => self.timeout,
-                Some(deadline) => self.timeout.min(deadline.saturating_duration_since(Instant::now())),
-            };
-            if timeout.is_zero() {
+            if deadline.is_some_and(|deadline| deadline.saturating_duration_since(Instant::now()) < timeout) {
                 first_error.get_or_insert(ObjstoreError::DeadlinePassed { what: "header sync", done: synced_devices });
                 continue;
             }

@@ -13,7 +13,7 @@ use super::*;
 use crate::error::KvKind;
 use crate::hash::block_keys_seeded;
 use crate::index::BlockLocation;
-use crate::pool::{format_pool, FormatParams, NoLender, PoolTarget};
+use crate::pool::{format_pool, FormatParams, NoLender, PoolTarget, METADATA_TIMEOUT};
 use crate::registration::KvLayout;
 use crate::ModelGeometry;
 
@@ -43,8 +43,12 @@ struct Fixture {
 /// A formatted pool (k blocks per slot, at most `slots` slots) on one software controller,
 /// and engine memory in its DMA space.
 fn fixture(k: u32, slots: Option<u64>) -> Fixture {
-    let config =
-        EmuConfig::default().with_backing(Backing::Memory { bytes: 64 << 20 }).with_namespaces(vec![NamespaceConfig::new(512, None)]);
+    fixture_on(EmuConfig::default(), k, slots)
+}
+
+/// [`fixture`] on a software controller built from `config` (a queue-pair grant, say).
+fn fixture_on(config: EmuConfig, k: u32, slots: Option<u64>) -> Fixture {
+    let config = config.with_backing(Backing::Memory { bytes: 64 << 20 }).with_namespaces(vec![NamespaceConfig::new(512, None)]);
     let device = EmuDevice::start(config).expect("software controller");
     let backend: Arc<dyn DeviceBackend> = device.clone();
     let controller = Arc::new(Controller::init(backend, ControllerConfig::default()).expect("bring-up"));
@@ -816,8 +820,8 @@ fn a_wait_that_finds_a_mismatch_returns_by_its_deadline_and_the_eviction_is_writ
     // caller's deadline: the wait that finds the mismatch returns by it even when the header
     // write is slow (here it completes 4 s late; the pool allows METADATA_TIMEOUT, 10 s, per
     // device), where it used to block until the write completed. The Empty entries are not
-    // dropped: they stay staged, `KvStore::sync_headers` writes them once the device answers,
-    // and a reopen serves nothing of the evicted blocks.
+    // dropped: they stay staged, `KvStore::sync_headers` with a deadline that leaves the
+    // metadata timeout writes them, and a reopen serves nothing of the evicted blocks.
     use nvme_emu::{FaultAction, FaultPlan, FaultRule};
     let fixture = fixture(2, None);
     let mut store = in_process(&fixture, StoreConfig { verify_retrieves: true, requests_max: 2, ..StoreConfig::default() });
@@ -841,10 +845,55 @@ fn a_wait_that_finds_a_mismatch_returns_by_its_deadline_and_the_eviction_is_writ
     fixture.device.set_faults(FaultPlan::none());
     assert_eq!(store.lookup(&tokens), 0, "out of the index at once");
     store.finish(handle).expect("finish");
-    store.sync_headers(deadline()).expect("the staged Empty entries are written");
+    store.sync_headers(Instant::now() + METADATA_TIMEOUT + Duration::from_secs(1)).expect("the staged Empty entries are written");
     drop(store);
     let (_, report) = Pool::open(fixture.targets.clone(), Some(&geometry())).expect("reopen");
     assert_eq!(report.cached_blocks, 0, "the evicted blocks are not served after a reopen: {report:?}");
+}
+
+#[test]
+fn a_short_wait_deadline_does_not_fence_a_device_whose_metadata_borrows_the_executors_queue() {
+    // Goal: on a controller granting one queue pair per pool device (the pool's metadata
+    // borrows the executor's queue pair, which the pool cannot delete), a wait that finds a
+    // mismatch with 500 ms left does not submit the Empty header writes with a 500 ms timeout:
+    // such a write cut short by the caller's deadline, not by the device, left commands in
+    // flight and fenced the device until reopen (no slot allocated there, the staged Empty
+    // entries dropped). The entries stay staged instead, the device stays unfenced, and a sync
+    // whose deadline leaves the metadata timeout writes them.
+    use nvme_emu::{FaultAction, FaultPlan, FaultRule};
+    let fixture = fixture_on(EmuConfig::default().with_io_queue_pairs_max(1), 2, None);
+    let mut store = in_process(&fixture, StoreConfig { verify_retrieves: true, requests_max: 2, ..StoreConfig::default() });
+    assert!(store.pool().metadata_queue_shared(0), "one queue pair granted: metadata borrows the executor's");
+    let later = tokens(16, 2);
+    let tokens = tokens(15, 2);
+    let keys = store_two_blocks(&fixture, &mut store, &tokens);
+    corrupt_layer_0_on_disk(&fixture, &mut store, &keys);
+    let handle = store.prepare_retrieve(&KvRequest { tokens: &tokens, block_ids: &[4, 5] }).expect("prepare_retrieve");
+    let layers = geometry().layers;
+    for layer in 0..layers - 1 {
+        store.retrieve_layer(handle, layer, BUDGET).unwrap();
+        store.wait(handle, deadline()).expect("an earlier layer");
+    }
+    store.retrieve_layer(handle, layers - 1, BUDGET).unwrap();
+    let slow_write = FaultRule::on_nth_io(1, FaultAction::Delay(Duration::from_secs(2))).with_opcode(0x01);
+    fixture.device.set_faults(FaultPlan::none().with_rule(slow_write));
+    let start = Instant::now();
+    let result = store.wait(handle, start + Duration::from_millis(500));
+    let took = start.elapsed();
+    assert!(matches!(result, Err(ObjstoreError::PayloadMismatch { .. })), "{result:?}");
+    assert!(took < Duration::from_millis(2500), "the wait returned {took:?} after it was called, past its 500 ms deadline");
+    assert!(!store.pool().metadata_fenced(0), "a write cut short by the caller's deadline fenced the device");
+    assert_eq!(store.lookup(&tokens), 0, "out of the index at once");
+    store.finish(handle).expect("finish");
+    fixture.device.set_faults(FaultPlan::none());
+    let short = store.sync_headers(Instant::now() + Duration::from_millis(100));
+    assert!(matches!(short, Err(ObjstoreError::DeadlinePassed { .. })), "the metadata timeout does not fit: {short:?}");
+    assert!(!store.pool().metadata_fenced(0));
+    store.sync_headers(Instant::now() + METADATA_TIMEOUT + Duration::from_secs(1)).expect("the staged Empty entries are written");
+    store_two_blocks(&fixture, &mut store, &later);
+    drop(store);
+    let (_, report) = Pool::open(fixture.targets.clone(), Some(&geometry())).expect("reopen");
+    assert_eq!(report.cached_blocks, 2, "the evicted blocks are not served after a reopen, the later store is: {report:?}");
 }
 
 #[test]
