@@ -70,8 +70,9 @@ pub enum WriteQueueFullAction {
     /// counted in `RuntimeCounters::stores_refused`. The engine may run the prefill without the
     /// runtime (nothing stored) or wait for decode steps to drain the queue: a layer longer than
     /// any step goes once the steps' time adds up to it, and under slack-aware `Runtime::new`
-    /// refuses a table whose every decode step leaves fewer SMs free than its smallest write
-    /// budget.
+    /// refuses a table whose decode steps leave fewer SMs free than its smallest write budget
+    /// past the last row and between every two adjacent rows (only a context exactly on a row
+    /// could write).
     Refuse,
 }
 

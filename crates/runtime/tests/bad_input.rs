@@ -225,3 +225,31 @@ fn a_table_where_no_decode_step_can_write_is_refused_under_slack_aware() {
     let (_device, store, _engine) = parts(None);
     Runtime::new(store, Profile::from_table(starved).unwrap(), config(PolicyChoice::SlackAware)).expect("one step can write");
 }
+
+/// Goal: under slack-aware, the decode-step check asks for what `decode_step` can grant, not
+/// for one row: a context between two rows gets the fewer free SMs of the two, past the last
+/// row the last row's, below the first row nothing. Rows {16: 4 free, 4096: 0 free} with write
+/// rows on 4 SMs let only a context of exactly 16 tokens write; they were accepted, and under
+/// `Refuse` a full queue then refused every later request. Refused now; a table where the last
+/// row, or two adjacent rows, leave enough SMs is accepted.
+#[test]
+fn a_table_where_only_one_decode_row_can_write_is_refused_under_slack_aware() {
+    use scheduler::table::DecodeStep;
+    let layers = common::geometry().layers;
+    let step = |context_tokens, free_sms| DecodeStep { context_tokens, duration_us: 2000.0, free_sms };
+    for (steps, accepted) in [
+        (vec![step(16, 4), step(4096, 0)], false),
+        (vec![step(16, 4), step(2048, 0), step(4096, 4)], true),
+        (vec![step(16, 4), step(2048, 4), step(4096, 0)], true),
+        (vec![step(16, 4), step(2048, 0), step(4096, 0)], false),
+    ] {
+        let mut starved = table(MODEL, layers);
+        starved.decode_steps = steps.clone();
+        let (_device, store, _engine) = parts(None);
+        match Runtime::new(store, Profile::from_table(starved).unwrap(), config(PolicyChoice::SlackAware)) {
+            Ok(_) if accepted => {}
+            Err(RuntimeError::InvalidConfig { reason }) if !accepted => assert!(reason.contains("decode step"), "{reason}"),
+            other => panic!("{steps:?}: {other:?}"),
+        }
+    }
+}
