@@ -156,8 +156,9 @@ impl Drop for PoolDevice {
 }
 
 /// Header syncs (or, counted apart, cache flushes) of one device that may fail in a row (the
-/// device answering them with an error status) before it is fenced: a transient error costs
-/// the stores of that sync; a device that keeps failing stops costing the other devices' stores.
+/// device answering them with an error status, or not within the metadata timeout) before it
+/// is fenced: a transient error costs the stores of that sync; a device that keeps failing
+/// stops costing the other devices' stores.
 pub(crate) const HEADER_SYNC_FAILURES_FENCE: u32 = 3;
 
 /// An open pool: devices in pool order (device index i at position i) and the index.

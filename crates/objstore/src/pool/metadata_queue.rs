@@ -86,10 +86,11 @@ impl PoolDevice {
         }
     }
 
-    /// Counts a header sync of device `index`: one that failed with nothing left in flight (a
-    /// stuck command fenced the device already, in `run_metadata`) adds to the failures in a
-    /// row, and the [`HEADER_SYNC_FAILURES_FENCE`]th fences the device; its buffers are freed at
-    /// close as usual, since no command of it is in flight. One that succeeded resets the count.
+    /// Counts a header sync of device `index`: one that failed on the device (an error status,
+    /// or a timeout whose queue pair `run_metadata` deleted; one it could not delete fenced the
+    /// device already) adds to the failures in a row, and the [`HEADER_SYNC_FAILURES_FENCE`]th
+    /// fences the device; its buffers are freed at close as usual, since no command of it is
+    /// in flight. One that succeeded resets the count.
     pub(super) fn count_header_sync(&mut self, index: usize, synced: &Result<()>) {
         if let Some(error) = count_in_a_row(&mut self.header_sync_failures, synced, self.fence.is_some()) {
             self.fence_after_failures(index, "header syncs", error);
@@ -125,14 +126,18 @@ impl PoolDevice {
 }
 
 /// Adds `outcome` to a count of failures in a row; returns the failure that reaches
-/// [`HEADER_SYNC_FAILURES_FENCE`]. Only a command the device answered with an error status
-/// counts: a queue that could not be lent in time, or any other failure that says nothing about
-/// the device, neither counts nor resets the count (a busy executor must not fence a healthy
-/// device); nothing counts on a device fenced already.
+/// [`HEADER_SYNC_FAILURES_FENCE`]. What counts is what the device did: a command it answered
+/// with an error status, or one it did not answer within the full metadata timeout (header
+/// syncs and flushes always wait that long: `Pool::sync_headers_by` submits nothing it could
+/// not wait the whole timeout for). A timeout whose queue pair was deleted retires the queue
+/// without fencing (`run_metadata`), so a device whose writes hang would otherwise fail every
+/// sync, and every store, until reopen. A queue that could not be lent in time, or any other
+/// failure that says nothing about the device, neither counts nor resets the count (a busy
+/// executor must not fence a healthy device); nothing counts on a device fenced already.
 fn count_in_a_row<'a>(failures: &mut u32, outcome: &'a Result<()>, fenced: bool) -> Option<&'a ObjstoreError> {
     match outcome {
         Ok(()) => *failures = 0,
-        Err(error @ ObjstoreError::Nvme(NvmeError::Command { .. })) if !fenced => {
+        Err(error @ ObjstoreError::Nvme(NvmeError::Command { .. } | NvmeError::Timeout { .. })) if !fenced => {
             *failures += 1;
             if *failures >= HEADER_SYNC_FAILURES_FENCE {
                 return Some(error);

@@ -462,6 +462,55 @@ fn a_device_whose_header_writes_keep_failing_is_fenced_and_the_others_sync_on() 
 }
 
 #[test]
+fn a_device_whose_header_writes_keep_timing_out_is_fenced_and_the_others_sync_on() {
+    // Goal: one pool device whose header writes are never answered (lost I/O; the controller
+    // still confirms the deletion of the queue pair, so each timeout only retires the queue)
+    // costs the syncs it is part of, HEADER_SYNC_FAILURES_FENCE of them, not every sync until
+    // reopen: each timeout spent the full metadata timeout, so it counts toward the fence like
+    // an error status, and once fenced the other device's syncs succeed without waiting on it.
+    // Before, only an error status counted: such a device was never fenced, and every later
+    // sync waited out the metadata timeout on it and failed.
+    use nvme_emu::{FaultAction, FaultPlan, FaultRule};
+    let config =
+        || EmuConfig::default().with_backing(Backing::Memory { bytes: 16 << 20 }).with_namespaces(vec![NamespaceConfig::new(512, None)]);
+    let (hanging, hanging_targets) = start(config());
+    let (_healthy, healthy_targets) = start(config());
+    let targets = vec![hanging_targets[0].clone(), healthy_targets[0].clone()];
+    format(&targets, geometry());
+    let (mut pool, _) = Pool::open(targets.clone(), Some(&geometry())).unwrap();
+    assert!(!pool.metadata_queue_shared(0), "the pool's own queue pair: a timeout retires it, it does not fence");
+    pool.set_metadata_timeout(Duration::from_millis(200));
+    let record = |key| [crate::format::BlockRecord { key, token_count: 16, payload_crc: 0 }];
+    hanging.set_faults(
+        FaultPlan::none().with_rule(FaultRule::every_nth_io(1, FaultAction::DropCompletion).with_opcode(NvmOpcode::Write as u8)),
+    );
+    for round in 0..HEADER_SYNC_FAILURES_FENCE {
+        assert!(!pool.metadata_fenced(0), "fenced after {round} timeouts");
+        pool.stage_header(0, round, SlotState::Valid, &record(100 + u64::from(round))).unwrap();
+        pool.stage_header(1, round, SlotState::Valid, &record(200 + u64::from(round))).unwrap();
+        match pool.sync_headers(&mut NoLender) {
+            Err(ObjstoreError::Nvme(nvme_driver::NvmeError::Timeout { .. })) => {}
+            other => panic!("round {round}: device 0's write is never answered: expected a timeout, got {other:?}"),
+        }
+        assert_eq!(pool.devices[1].mirror.dirty_blocks(), 0, "round {round}: device 1 synced all the same");
+    }
+    assert!(pool.metadata_fenced(0), "fenced after {HEADER_SYNC_FAILURES_FENCE} timeouts in a row");
+    assert_eq!(pool.devices[0].mirror.dirty_blocks(), 0, "a fenced device's staged sectors are dropped");
+    pool.stage_header(1, 7, SlotState::Valid, &record(207)).unwrap();
+    let start = Instant::now();
+    pool.sync_headers(&mut NoLender).expect("the healthy device syncs once the hanging one is fenced");
+    assert!(start.elapsed() < Duration::from_millis(200), "no wait on the fenced device: {:?}", start.elapsed());
+    drop(pool);
+    hanging.set_faults(FaultPlan::none());
+    // Device 0's writes were carried out, only their completions lost: what it holds is not
+    // asserted.
+    let (pool, _) = Pool::open(targets, Some(&geometry())).unwrap();
+    for key in [200, 201, 202, 207] {
+        assert_eq!(pool.index().get(key).map(|location| location.device), Some(1), "key {key}");
+    }
+}
+
+#[test]
 fn a_header_sync_that_fails_once_does_not_fence() {
     // Goal: a transient error status on a header write fails that sync only; the next sync
     // writes the still-staged sectors and resets the count, so occasional errors never add up
