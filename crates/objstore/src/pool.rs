@@ -680,6 +680,19 @@ impl Pool {
     /// spent the full metadata timeout and says the device is not answering (it counts toward
     /// [`HEADER_SYNC_FAILURES_FENCE`]). `None`: no deadline but the metadata timeout's.
     pub(crate) fn sync_headers_by(&mut self, lender: &mut dyn QueueLender, deadline: Option<Instant>) -> Result<()> {
+        self.sync_devices(lender, deadline, None)
+    }
+
+    /// [`Self::sync_headers`] for a store or a commit whose slots are on `devices` alone (a
+    /// bitmap by index): every device with staged sectors is synced as there, but only a
+    /// failure on one of `devices` is returned; one elsewhere is logged (and counted toward
+    /// that device's fence). Its own headers durable, a store must not fail because another
+    /// device's writes hang, at every sync until that device is fenced.
+    pub(crate) fn sync_headers_of(&mut self, lender: &mut dyn QueueLender, devices: &[bool]) -> Result<()> {
+        self.sync_devices(lender, None, Some(devices))
+    }
+
+    fn sync_devices(&mut self, lender: &mut dyn QueueLender, deadline: Option<Instant>, judged: Option<&[bool]>) -> Result<()> {
         let mut first_error = None;
         let mut synced_devices = 0;
         let timeout = self.timeout;
@@ -696,8 +709,11 @@ impl Pool {
             d.count_header_sync(index, &synced);
             match synced {
                 Ok(()) => synced_devices += 1,
-                Err(error) => {
+                Err(error) if judged.is_none_or(|devices| devices.get(index).copied().unwrap_or(false)) => {
                     first_error.get_or_insert(error);
+                }
+                Err(error) => {
+                    tracing::warn!(device = index, %error, "objstore: a header sync failed on a device this store has no slot on; its sectors stay staged");
                 }
             }
         }

@@ -281,9 +281,14 @@ impl StoreControl {
             return Err(ObjstoreError::PoolFull { needed, evictable: available as usize });
         }
         let placed = self.place_new_blocks(&mut reservation, k);
+        self.used_devices.fill(false);
+        for &(device, _, _) in &reservation.slots {
+            self.used_devices[usize::from(device)] = true;
+        }
         self.reservations[index] = reservation;
-        // Evicted slots must read Empty on disk before new data can land in them.
-        let result = placed.and_then(|evicted| self.pool.sync_headers(lender).map(|()| evicted));
+        // Evicted slots must read Empty on disk before new data can land in them: judged on
+        // this store's devices (another device's headers failing says nothing of its slots).
+        let result = placed.and_then(|evicted| self.pool.sync_headers_of(lender, &self.used_devices).map(|()| evicted));
         match result {
             Ok(evicted) => Ok(StorePlan {
                 handle: self.handle_of(index),
@@ -380,8 +385,10 @@ impl StoreControl {
     /// enters the blocks into the index and releases the handle. Returns the blocks stored.
     ///
     /// CRCs of the wrong count, on a pool that records them, are refused before anything is
-    /// written (the handle stays reserved). A failed flush or header write releases the
-    /// handle: its slots go back free and nothing of it becomes visible.
+    /// written (the handle stays reserved). A failed flush or header write on a device its
+    /// slots are on releases the handle: its slots go back free and nothing of it becomes
+    /// visible. Other devices' staged headers are synced too, but their failure is not this
+    /// commit's (logged, and counted toward that device's fence).
     pub fn commit_store(&mut self, handle: RequestHandle, payload_crcs: Option<&[u32]>, lender: &mut dyn QueueLender) -> Result<usize> {
         let index = self.index_of(handle)?;
         if self.reservations[index].direction != Some(Direction::Store) {
@@ -412,7 +419,7 @@ impl StoreControl {
             .pool
             .flush(&self.used_devices, lender)
             .and_then(|()| self.stage_valid_headers(&reservation, crcs))
-            .and_then(|()| self.pool.sync_headers(lender));
+            .and_then(|()| self.pool.sync_headers_of(lender, &self.used_devices));
         self.reservations[index] = reservation;
         if let Err(error) = result {
             // Headers staged Valid must not reach the disk for slots that go back to the free

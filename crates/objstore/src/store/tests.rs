@@ -959,6 +959,50 @@ fn eviction_takes_a_prefix_from_its_end_after_a_retrieve_and_a_store() {
 }
 
 #[test]
+fn a_store_on_a_healthy_device_commits_while_another_devices_header_writes_hang() {
+    // Goal: a store whose slots are all on a healthy device reserves and commits while another
+    // pool device's header writes are never answered (lost I/O, before that device is
+    // fenced): a store and its commit are judged on the headers of their own devices. Before,
+    // they judged every device's staged headers: the hanging device's sync timed out and the
+    // store on the healthy device failed with it (its commit released though its own headers
+    // were durable). k = 1, one-block stores: round-robin puts A on device 0, B on device 1.
+    use nvme_emu::{FaultAction, FaultPlan, FaultRule};
+    let config =
+        || EmuConfig::default().with_backing(Backing::Memory { bytes: 16 << 20 }).with_namespaces(vec![NamespaceConfig::new(512, None)]);
+    let start = || {
+        let device = EmuDevice::start(config()).expect("software controller");
+        let backend: Arc<dyn DeviceBackend> = device.clone();
+        let controller = Arc::new(Controller::init(backend, ControllerConfig::default()).expect("bring-up"));
+        (device, PoolTarget { controller, namespace: NamespaceId(1) })
+    };
+    let (hanging, hanging_target) = start();
+    let (_healthy, healthy_target) = start();
+    let targets = vec![hanging_target, healthy_target];
+    let params = FormatParams { geometry: geometry(), blocks_per_slot: 1, slot_count_max: Some(8), pool_uuid: None, payload_crc: true };
+    format_pool(&targets, &params).expect("format");
+    let (mut pool, _) = Pool::open(targets.clone(), Some(&geometry())).expect("open");
+    pool.set_metadata_timeout(Duration::from_millis(200));
+    let mut control = StoreControl::new(pool, 4).expect("control");
+    let (a, b) = (41, 42);
+    hanging.set_faults(
+        FaultPlan::none()
+            .with_rule(FaultRule::every_nth_io(1, FaultAction::DropCompletion).with_opcode(nvme_driver::spec::NvmOpcode::Write as u8)),
+    );
+    let plan = control.reserve_store(&[a], &[0], &mut NoLender).expect("A's slot needs no header write");
+    assert_eq!(control.placements(plan.handle).unwrap()[0].location.device, 0);
+    assert!(control.commit_store(plan.handle, Some(&[0]), &mut NoLender).is_err(), "A's header on device 0 is never written");
+    assert!(!control.pool().metadata_fenced(0), "one timeout does not fence");
+    let plan = control.reserve_store(&[b], &[1], &mut NoLender).expect("B's slots are on device 1 alone");
+    assert_eq!(control.placements(plan.handle).unwrap()[0].location.device, 1);
+    assert_eq!(control.commit_store(plan.handle, Some(&[0]), &mut NoLender).expect("B's header on device 1 is durable"), 1);
+    assert_eq!(control.lookup(&[b]), 1);
+    drop(control);
+    hanging.set_faults(FaultPlan::none());
+    let (pool, _) = Pool::open(targets, Some(&geometry())).expect("reopen");
+    assert_eq!(pool.index().get(b).map(|location| location.device), Some(1), "B committed durably");
+}
+
+#[test]
 fn key_zero_is_refused() {
     // Goal: 0 is no block's key (the index marks unused entries with it): a request naming it
     // is refused before anything is reserved, both ways.
