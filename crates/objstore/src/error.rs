@@ -116,7 +116,7 @@ pub enum ObjstoreError {
     #[error("layer {layer} I/O failed on {iocb}: {failure:?}")]
     LayerIo { layer: u32, iocb: String, failure: IocbFailure },
     #[error(
-        "request handle {handle}: payload CRC mismatch in {count} block(s), first {first}; their slots were evicted, the request's other blocks were delivered",
+        "request handle {handle}: payload CRC mismatch in {count} block(s), first {first}; their slots are to be evicted by the pool's holder (KvStore as it returns this; a failed eviction is logged), the request's other blocks were delivered",
         count = blocks.len(),
         first = blocks.first().map_or(String::new(), ToString::to_string)
     )]

@@ -86,9 +86,14 @@ pub struct StoreConfig {
     pub requests_max: usize,
     /// Verify every retrieve against the payload CRCs recorded at commit (the pool must record
     /// them, and the KV memory must be host-visible through the store's DMA allocator): the
-    /// last layer's `wait` succeeds only once every block's CRC matched; a block that does
-    /// not is named in [`ObjstoreError::PayloadMismatch`] and evicted. Costs one CPU pass over
-    /// the retrieved bytes (docs/objstore.md gives the figures).
+    /// `wait` that completes the last missing layer compares every block's CRC, and succeeds
+    /// only if all matched; a block that does not is named in
+    /// [`ObjstoreError::PayloadMismatch`] and evicted. A layer whose read failed (`LayerIo`)
+    /// stays missing until it is issued again and completes: until then no `wait` compares
+    /// anything, whichever layer it returns (the last layer's included), so an engine that
+    /// must not compute on unverified KV uses the blocks only once every layer's latest
+    /// `wait` succeeded. Costs one CPU pass over the retrieved bytes (docs/objstore.md gives
+    /// the figures).
     pub verify_retrieves: bool,
 }
 

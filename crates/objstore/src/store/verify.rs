@@ -8,8 +8,10 @@
 //! the last missing layer. A layer issued again after it was folded unfolds the request (the
 //! re-read replaces the bytes the CRCs covered): every layer is folded again, and compared,
 //! once the re-read and all others are done. Earlier layers are reported complete before
-//! their block is verified; an engine that must not compute on unverified KV waits for the
-//! last layer. A mismatching
+//! their block is verified; an engine that must not compute on unverified KV uses the blocks
+//! only once every layer's latest `wait` succeeded: a layer whose read failed stays missing
+//! until it is issued again and completes, and while one is missing no `wait` compares (the
+//! last layer's included). A mismatching
 //! block is named in `ObjstoreError::PayloadMismatch` and its slot is evicted by the control
 //! half (`StoreControl::evict_mismatched`): out of the index at once (no lookup finds it
 //! again), its header made Empty on disk (a reopen does not serve it either), the slot reused
