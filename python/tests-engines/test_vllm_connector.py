@@ -1037,6 +1037,70 @@ def test_a_failed_load_cancels_the_requests_save_in_the_same_step(tuttid):
         worker.shutdown()
 
 
+def wait_reported(worker, req_id: str, reported=frozenset()) -> None:
+    deadline = time.monotonic() + FINISH_TIMEOUT_S
+    while req_id not in reported:
+        assert time.monotonic() < deadline, f"the save of {req_id} was never reported"
+        time.sleep(0.01)
+        reported = worker.connector.get_finished(set())[0] or set()
+
+
+@pytest.mark.parametrize("later_step", [False, True], ids=["same-step", "next-step"])
+def test_a_failed_load_cancels_the_saves_of_requests_sharing_its_blocks(tuttid, later_step):
+    """Goal: a request B that shares a failed load's blocks through vLLM's own prefix cache (vLLM
+    caches a loaded block when it allocates it) saves nothing either, in the load's step or the
+    next (async scheduling: B scheduled before vLLM learned of the failure): those blocks hold
+    stale bytes, and B's blocks after them were computed against them. Committed, they would
+    serve wrong KV under the real prefix keys to every later request."""
+    daemon = tuttid(harness.TUTTID_GEOMETRY)
+    worker = LocalWorker(daemon.socket)
+    try:
+        tokens = prompt(12, blocks=3, tail=2)
+        worker.fill([1], 12)
+        worker.save("S", tokens[: harness.BLOCK_TOKENS], [1])  # block 0 only: block 1 is missing
+        worker.fill([5, 6, 7, 8, 9], 13)
+        tokens_b = tokens[: 2 * harness.BLOCK_TOKENS] + prompt(19, blocks=2, tail=1)
+        load = LoadSpec("R", tokens[: 2 * harness.BLOCK_TOKENS], [5, 6])
+        save_r = SaveSpec("R", tokens[: 3 * harness.BLOCK_TOKENS], [5, 6, 7])
+        save_b = SaveSpec("B", tokens_b[: 4 * harness.BLOCK_TOKENS], [5, 6, 8, 9])  # R's blocks, then its own
+        if later_step:
+            result = worker.step(TuttiConnectorMetadata(loads=[load], saves=[save_r]), finished={"R"})
+            assert result["load_errors"] == {5, 6}
+            wait_reported(worker, "R", result["finished_sending"])
+            result = worker.step(TuttiConnectorMetadata(saves=[save_b]), finished={"B"})
+        else:
+            # B's save first: it, not R's, prepares the shared blocks' writes.
+            result = worker.step(TuttiConnectorMetadata(loads=[load], saves=[save_b, save_r]), finished={"R", "B"})
+            assert result["load_errors"] == {5, 6}
+            wait_reported(worker, "R", result["finished_sending"])
+        wait_reported(worker, "B", result["finished_sending"])
+        assert worker.connector._store.lookup(tokens_b[: 4 * harness.BLOCK_TOKENS]) < 2, "B's save over R's failed blocks was committed"
+        # The step after that, the mark is gone: B saved again (recomputed) is committed.
+        worker.fill([5, 6, 8, 9], 14)
+        worker.step(TuttiConnectorMetadata())
+        worker.save("B2", tokens_b[: 4 * harness.BLOCK_TOKENS], [5, 6, 8, 9])
+        assert worker.connector._store.lookup(tokens_b[: 4 * harness.BLOCK_TOKENS]) == 4
+    finally:
+        worker.shutdown()
+
+
+def test_a_load_failing_on_one_rank_cancels_other_requests_saves_over_its_blocks_on_every_rank(cluster):
+    """Goal: B's save over blocks whose load (by another request) failed on rank 0 is cancelled
+    on rank 1 too (the ranks agree per save), as the failed request's own save is."""
+    daemon, scheduler, workers = cluster
+    prefix = prompt(41, blocks=2, tail=0)
+    save_prompt_on_every_rank(scheduler, workers, "P", prefix, [1, 2], 41)
+    tokens_b = prefix + prompt(42, blocks=2, tail=0)
+    for worker in workers:
+        worker.call("fill", [12, 13], 43)
+    workers[0].call("fail_loads")
+    meta = TuttiConnectorMetadata(loads=[LoadSpec("A", prefix, [10, 11])], saves=[SaveSpec("B", tokens_b, [10, 11, 12, 13])])
+    results = step(workers, meta)
+    assert results[0]["load_errors"] == {10, 11} and results[1]["load_errors"] == set()
+    wait_finished(workers, "B")
+    assert cached_blocks_per_rank(daemon, scheduler, tokens_b) == [2, 2], "a rank committed B's save over A's failed blocks"
+
+
 def test_requests_whose_kv_is_not_their_tokens_alone_neither_load_nor_save(tuttid):
     """Goal: tutti's keys are the prompt's tokens only, so a request with a cache salt, a LoRA
     adapter, multimodal inputs or prompt embeddings (vLLM's own prefix keys include them) is

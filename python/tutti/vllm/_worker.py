@@ -93,6 +93,14 @@ class WorkerSide:
         self._loads: dict[str, _WorkerLoad] = {}
         self._saves: dict[str, _WorkerSave] = {}
         self._failed_block_ids: set[int] = set()
+        # Blocks whose load failed on this rank in this step and in the step before, and whether
+        # those steps' metadata had loads: a save over such a block (another request sharing
+        # them through vLLM's prefix cache; with async scheduling, scheduled a step before vLLM
+        # learned of the failure) is cancelled on every rank (`_agree_on_loads`).
+        self._step_failed_blocks: set[int] = set()
+        self._last_step_failed_blocks: set[int] = set()
+        self._step_had_loads = False
+        self._last_step_had_loads = False
         # Whether this step's loads were started (by start_load_kv, or by the first
         # wait_for_layer_load if vLLM had not called it before the forward).
         self._loads_started = False
@@ -251,6 +259,8 @@ class WorkerSide:
         """The worker's part of bind_connector_metadata: prepares the step's saves."""
         assert isinstance(connector_metadata, TuttiConnectorMetadata)
         self._loads_started = False
+        self._last_step_failed_blocks, self._step_failed_blocks = self._step_failed_blocks, set()
+        self._last_step_had_loads, self._step_had_loads = self._step_had_loads, bool(connector_metadata.loads)
         self._reattach_if_due()
         self._end_session_if_broken()
         self._prepare_saves(connector_metadata.saves)
@@ -413,7 +423,7 @@ class WorkerSide:
                 continue
             self._load_completed[load.req_id] = False  # until every layer is in vLLM's blocks
             if self._dead is not None:
-                self._failed_block_ids.update(own_blocks)
+                self._load_blocks_failed(own_blocks)
                 self._cancel_save_of_failed_load(load.req_id)
                 continue
             try:
@@ -421,7 +431,7 @@ class WorkerSide:
             except tutti.Error as error:
                 logger.warning("tutti: load of request %s failed to prepare (%s); its blocks are recomputed", load.req_id, error)
                 self._note_daemon_failure(error)
-                self._failed_block_ids.update(own_blocks)
+                self._load_blocks_failed(own_blocks)
                 self._cancel_save_of_failed_load(load.req_id)
                 continue
             state = _WorkerLoad(request, own_blocks)
@@ -469,10 +479,16 @@ class WorkerSide:
         self._loads.pop(req_id, None)
         if not self._settle(state.request):
             self._end_session(f"a layer of request {req_id}'s load did not complete")
-        self._failed_block_ids.update(state.block_ids)
+        self._load_blocks_failed(state.block_ids)
         self._cancel_save_of_failed_load(req_id)
 
-    def _cancel_save_of_failed_load(self, req_id: str, on_this_rank: bool = True) -> None:
+    def _load_blocks_failed(self, block_ids: list[int]) -> None:
+        """Records blocks whose load failed: reported to vLLM (get_block_ids_with_load_errors),
+        and kept for this step and the next, whose saves over them are cancelled."""
+        self._failed_block_ids.update(block_ids)
+        self._step_failed_blocks.update(block_ids)
+
+    def _cancel_save_of_failed_load(self, req_id: str, on_this_rank: bool = True, shared: bool = False) -> None:
         """A request whose load failed saves nothing in this step: its blocks hold what vLLM had
         there before (recomputed only after the step), and the blocks after them were computed
         against those. Its save (prepared when the metadata was bound, possibly with layers
@@ -482,44 +498,64 @@ class WorkerSide:
         if state is None:
             return
         where = "" if on_this_rank else " on another tensor-parallel rank"
-        logger.warning("tutti: save of request %s cancelled: its load in the same step failed%s", req_id, where)
+        why = "it shares blocks whose load failed" if shared else "its load failed"
+        logger.warning("tutti: save of request %s cancelled: %s%s", req_id, why, where)
         # Its layers in flight only read vLLM's blocks; see _give_up_save.
         self._give_up_save(req_id, state)
 
     def _agree_on_loads(self) -> None:
-        """A request that loaded blocks saves nothing if its load did not complete, whether the
-        save is in the load's step or a later one (with chunked prefill and async scheduling,
-        vLLM may schedule the prompt's next chunk, and its save, before it learns of the failure:
-        that chunk was computed against the stale blocks). With tensor parallelism it saves on no
-        rank if its load failed on any: every rank's forward mixes every rank's heads (the
-        all-reduce after each layer), so what was computed after a failed load is wrong on every
-        rank, and a rank's committed blocks would later pair with another rank's good ones under
-        one prefix. The ranks agree in one all-reduce over vLLM's TP CPU group, in steps with
-        such a save only: every rank takes part whatever its own session's state, as the
-        requests it asks about follow the metadata, which every rank gets the same. Ranks that
-        cannot agree (no TP group, the collective failed) commit none of those saves."""
+        """Cancels the step's saves computed against blocks whose load failed:
+        - a request that loaded blocks saves nothing if its load did not complete, whether the
+          save is in the load's step or a later one (with chunked prefill and async scheduling,
+          vLLM may schedule the prompt's next chunk, and its save, before it learns of the
+          failure: that chunk was computed against the stale blocks);
+        - nor does a request whose save covers a block whose load (another request's) failed in
+          this step or the step before: vLLM's prefix cache shares a loaded block from its
+          allocation on (kv_cache_manager.allocate_slots caches it), so a request with a local
+          hit on it computed against the stale bytes, and would save them under the real
+          prefix keys (vLLM recomputes that request itself, `_update_requests_with_invalid_blocks`).
+        With tensor parallelism a save is cancelled on every rank if it must be on any: every
+        rank's forward mixes every rank's heads (the all-reduce after each layer), so what was
+        computed after a failed load is wrong on every rank, and a rank's committed blocks
+        would later pair with another rank's good ones under one prefix. The ranks agree in one
+        all-reduce over vLLM's TP CPU group, one flag per save of the step, in steps with a save
+        whose request loaded or with a save and loads in this step or the one before: every rank
+        takes part whatever its own session's state, as that is decided by the metadata, which
+        every rank gets the same. Ranks that cannot agree (no TP group, the collective failed)
+        commit none of the saves they asked about."""
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, TuttiConnectorMetadata)
-        joint = sorted({save.req_id for save in meta.saves if save.req_id in self._load_completed})
-        if not joint:
+        if not meta.saves:
             return
-        # A request saves once (again only after a preemption, which forgets it).
-        failed_here = [not self._load_completed.pop(req_id) for req_id in joint]
+        joint = {save.req_id for save in meta.saves if save.req_id in self._load_completed}
+        if not joint and not (self._step_had_loads or self._last_step_had_loads):
+            return
+        failed_blocks = self._step_failed_blocks | self._last_step_failed_blocks
+        req_ids: list[str] = []
+        failed_here: list[bool] = []
+        shared: list[bool] = []
+        for save in meta.saves:
+            # A request saves once (again only after a preemption, which forgets it).
+            own = save.req_id in joint and not self._load_completed.pop(save.req_id)
+            overlaps = not failed_blocks.isdisjoint(save.block_ids)
+            req_ids.append(save.req_id)
+            failed_here.append(own or overlaps)
+            shared.append(not own)
         failed_anywhere = failed_here
         if self._tp_world > 1:
             try:
                 failed_anywhere = _failed_on_any_rank(failed_here)
             except Exception as error:  # noqa: BLE001 - whatever the failure, no rank may commit
                 logger.error(
-                    "tutti: the tensor-parallel ranks could not agree on the loads of requests %s (%s); their saves are cancelled",
-                    joint, error,
+                    "tutti: the tensor-parallel ranks could not agree on the loads of the step's saves %s (%s); those saves are cancelled",
+                    req_ids, error,
                 )  # fmt: skip
-                failed_anywhere = [True] * len(joint)
-        for req_id, anywhere, here in zip(joint, failed_anywhere, failed_here):
+                failed_anywhere = [True] * len(req_ids)
+        for req_id, anywhere, here, by_sharing in zip(req_ids, failed_anywhere, failed_here, shared):
             if anywhere:
-                self._cancel_save_of_failed_load(req_id, on_this_rank=here)
+                self._cancel_save_of_failed_load(req_id, on_this_rank=here, shared=by_sharing)
 
     def _fail_save(self, req_id: str, state: _WorkerSave, error: Exception) -> None:
         logger.warning("tutti: save of request %s failed (%s); nothing of it becomes visible", req_id, error)
@@ -622,7 +658,7 @@ class WorkerSide:
             )
         # Nothing moves their bytes any more: vLLM recomputes the loads; the saves are misses.
         for state in loads:
-            self._failed_block_ids.update(state.block_ids)
+            self._load_blocks_failed(state.block_ids)
         for req_id, state in saves:
             self._save_settled(req_id, state.token, False)
 
