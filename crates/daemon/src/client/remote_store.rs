@@ -8,6 +8,10 @@
 //! CPU executor. `retrieve_layer` / `store_layer` / `wait` / `poll` are `StoreData`'s calls and
 //! send nothing on the socket ([`RemoteKvStore::requests_sent`] proves it in the tests).
 //!
+//! The engine holds the daemon's request handles; the data half holds each request in one of
+//! this process's `StoreConfig::requests_max` slots, and every call translates
+//! (`request_slots.rs`): the daemon numbers the requests of all its sessions together.
+//!
 //! The KV memory lies in the window in the layout the engine asks for ([`WindowKvLayout`]:
 //! block-major by default, or per-layer tensors as engines allocate them), so that an engine
 //! can use it as its KV cache in place ([`RemoteKvStore::kv_regions`], what the Python package
@@ -44,6 +48,9 @@ use crate::protocol::{
     AttachQueues, Commit, ErrorCode, Hello, HelloReply, Kind, Prepare, QueueGrant, RegisterMemory, Reply, Request, RingOffsets,
 };
 use crate::DaemonError;
+
+mod request_slots;
+use request_slots::{to_daemon, RequestSlots};
 
 /// Bytes per page of the window (rings and regions are page aligned).
 const PAGE_BYTES: u64 = 4096;
@@ -146,6 +153,8 @@ pub struct RemoteKvStore {
     reported: [Transferred; 2],
     /// The queue ids the daemon granted, one per pool device.
     queue_ids: Vec<u16>,
+    /// Which daemon request each of the data half's request slots holds.
+    slots: RequestSlots,
 }
 
 /// `layout` with its offsets (from the device memory's start) moved to `base`, the IOVA the
@@ -385,6 +394,7 @@ impl RemoteKvStore {
         let payload_crcs = shape.payload_crcs;
         let queue_ids = grants.iter().map(|grant| grant.queue_id).collect();
         let data = StoreData::new(shape, registration, dma, executor, config.store)?;
+        let slots = RequestSlots::new(config.store.requests_max);
         Ok(RemoteKvStore {
             data,
             client,
@@ -399,6 +409,7 @@ impl RemoteKvStore {
             crcs: Vec::new(),
             reported: [Transferred::default(); 2],
             queue_ids,
+            slots,
         })
     }
 
@@ -446,7 +457,8 @@ impl RemoteKvStore {
         &self.window
     }
 
-    /// The data half (its queue: tests drive a raw command through it).
+    /// The data half (its queue: tests drive a raw command through it). Its request handles
+    /// are this process's slots, not the daemon's handles the store's calls take.
     pub fn data_mut(&mut self) -> &mut StoreData<CpuExecutor> {
         &mut self.data
     }
@@ -522,7 +534,14 @@ impl RemoteKvStore {
     /// The blocks a prepared request moves as the daemon placed them (a store's new blocks
     /// only, each naming its engine block).
     pub fn placements(&self, handle: RequestHandle) -> Result<&[Placement], ObjstoreError> {
-        self.data.placements(handle)
+        let local = self.slots.local(handle)?;
+        self.data.placements(local).map_err(|error| to_daemon(error, local, handle))
+    }
+
+    /// The layers of the request `handle` (the daemon's) in flight, oldest first.
+    pub fn layers_in_flight(&self, handle: RequestHandle) -> Result<impl Iterator<Item = u32> + '_, ObjstoreError> {
+        let local = self.slots.local(handle)?;
+        self.data.layers_in_flight(local).map_err(|error| to_daemon(error, local, handle))
     }
 
     /// Where the run of blocks of `tokens`' prefix from `first_block` cached on every
@@ -531,6 +550,40 @@ impl RemoteKvStore {
     pub fn lookup_all_ranks(&mut self, tokens: &[u32], first_block: usize) -> Result<usize, ObjstoreError> {
         let first_block = wire_first_block(first_block)?;
         self.client.lookup_all_ranks_from(tokens, first_block).map(|blocks| blocks as usize).map_err(remote)
+    }
+
+    /// Prepares the data path of the daemon's request `handle`: takes a request slot here and
+    /// prepares `placements` in it. On failure the slot is free again and the request is
+    /// released at the daemon.
+    fn prepare_data(
+        &mut self,
+        handle: RequestHandle,
+        direction: Direction,
+        placements: &[Placement],
+        expected_crcs: Option<&[u32]>,
+    ) -> Result<(), ObjstoreError> {
+        let local = match self.slots.take(handle) {
+            Ok(local) => local,
+            Err(error) => {
+                self.release_remote(handle, Transferred::default());
+                return Err(error);
+            }
+        };
+        if let Err(error) = self.data.prepare(local, direction, placements, expected_crcs) {
+            // Nothing stays prepared in the data half after a failed prepare.
+            self.slots.free(handle);
+            self.release_remote(handle, Transferred::default());
+            return Err(to_daemon(error, local, handle));
+        }
+        Ok(())
+    }
+
+    /// Ends the data path of the daemon's request `handle` (slot `local`): the slot is free
+    /// once the data half's request ended, and only then (a layer in flight keeps both).
+    fn finish_data(&mut self, handle: RequestHandle, local: RequestHandle) -> Result<(), ObjstoreError> {
+        self.data.finish(local).map_err(|error| to_daemon(error, local, handle))?;
+        self.slots.free(handle);
+        Ok(())
     }
 
     fn prepare_request(request: &KvRequest<'_>, registration: u64, first_block: u32) -> Prepare {
@@ -636,10 +689,7 @@ impl LayerKvStore for RemoteKvStore {
             other => return Err(unexpected(Kind::PrepareRetrieve, &other)),
         };
         let handle = RequestHandle::from_bits(prepared.handle);
-        if let Err(error) = self.data.prepare(handle, Direction::Retrieve, &prepared.placements, prepared.expected_crcs.as_deref()) {
-            self.release_remote(handle, Transferred::default());
-            return Err(error);
-        }
+        self.prepare_data(handle, Direction::Retrieve, &prepared.placements, prepared.expected_crcs.as_deref())?;
         Ok(handle)
     }
 
@@ -656,10 +706,7 @@ impl LayerKvStore for RemoteKvStore {
                 reason: format!("{} placements for {} new blocks", prepared.placements.len(), prepared.new_blocks),
             });
         }
-        if let Err(error) = self.data.prepare(handle, Direction::Store, &prepared.placements, None) {
-            self.release_remote(handle, Transferred::default());
-            return Err(error);
-        }
+        self.prepare_data(handle, Direction::Store, &prepared.placements, None)?;
         Ok(StorePlan {
             handle,
             new_blocks: prepared.new_blocks as usize,
@@ -670,12 +717,14 @@ impl LayerKvStore for RemoteKvStore {
 
     #[inline]
     fn retrieve_layer(&mut self, handle: RequestHandle, layer: u32, budget: SmBudget) -> Result<(), ObjstoreError> {
-        self.data.retrieve_layer(handle, layer, budget)
+        let local = self.slots.local(handle)?;
+        self.data.retrieve_layer(local, layer, budget).map_err(|error| to_daemon(error, local, handle))
     }
 
     #[inline]
     fn store_layer(&mut self, handle: RequestHandle, layer: u32, budget: SmBudget) -> Result<(), ObjstoreError> {
-        self.data.store_layer(handle, layer, budget)
+        let local = self.slots.local(handle)?;
+        self.data.store_layer(local, layer, budget).map_err(|error| to_daemon(error, local, handle))
     }
 
     fn layers_in_flight_max(&self) -> u32 {
@@ -683,32 +732,36 @@ impl LayerKvStore for RemoteKvStore {
     }
 
     fn any_layer_in_flight(&self, handle: RequestHandle) -> Result<bool, ObjstoreError> {
-        Ok(self.data.layers_in_flight(handle)?.next().is_some())
+        Ok(self.layers_in_flight(handle)?.next().is_some())
     }
 
     fn wait(&mut self, handle: RequestHandle, deadline: Instant) -> Result<Option<u32>, ObjstoreError> {
-        self.data.wait(handle, deadline)
+        let local = self.slots.local(handle)?;
+        self.data.wait(local, deadline).map_err(|error| to_daemon(error, local, handle))
     }
 
     fn poll(&mut self, handle: RequestHandle) -> Result<bool, ObjstoreError> {
-        self.data.poll(handle)
+        let local = self.slots.local(handle)?;
+        self.data.poll(local).map_err(|error| to_daemon(error, local, handle))
     }
 
     /// Every layer must have completed (checked here); the payload CRCs are computed here from
     /// the KV memory, and the daemon flushes, writes the headers with FUA and makes the blocks
     /// visible. The handle is finished either way. What the layers moved goes with the commit.
     fn commit_store(&mut self, handle: RequestHandle) -> Result<usize, ObjstoreError> {
-        self.data.check_stored(handle)?;
+        let local = self.slots.local(handle)?;
+        let daemons = |error| to_daemon(error, local, handle);
+        self.data.check_stored(local).map_err(daemons)?;
         // Every layer completed (checked): from here the handle ends either way, here and at
         // the daemon, as the in-process store's commit does.
-        let transferred = self.data.transferred(handle)?;
+        let transferred = self.data.transferred(local).map_err(daemons)?;
         let crcs = if self.payload_crcs {
-            if let Err(error) = self.data.payload_crcs(handle, &mut self.crcs) {
-                if let Err(finish) = self.data.finish(handle) {
+            if let Err(error) = self.data.payload_crcs(local, &mut self.crcs) {
+                if let Err(finish) = self.finish_data(handle, local) {
                     tracing::warn!(error = %finish, "finishing a store whose payload CRCs failed");
                 }
                 self.release_remote(handle, transferred);
-                return Err(error);
+                return Err(daemons(error));
             }
             Some(self.crcs.clone())
         } else {
@@ -716,7 +769,7 @@ impl LayerKvStore for RemoteKvStore {
         };
         let commit = Commit { handle: handle.to_bits(), payload_crcs: crcs, transferred };
         let result = self.client.call(&Request::Commit(commit));
-        if let Err(error) = self.data.finish(handle) {
+        if let Err(error) = self.finish_data(handle, local) {
             tracing::warn!(%error, "finishing a committed store's data path");
         }
         match result {
@@ -737,10 +790,13 @@ impl LayerKvStore for RemoteKvStore {
     /// retrieve that found blocks corrupt, those blocks: the daemon evicts them (in one
     /// process `KvStore::wait` evicts at once; here the index is the daemon's).
     fn finish(&mut self, handle: RequestHandle) -> Result<(), ObjstoreError> {
-        let direction = self.data.direction(handle)?;
-        let transferred = self.data.transferred(handle)?;
-        let corrupt_blocks = self.data.mismatched_blocks(handle).to_vec();
-        self.data.finish(handle)?;
+        let local = self.slots.local(handle)?;
+        let daemons = |error| to_daemon(error, local, handle);
+        let direction = self.data.direction(local).map_err(daemons)?;
+        let transferred = self.data.transferred(local).map_err(daemons)?;
+        let corrupt_blocks = self.data.mismatched_blocks(local).to_vec();
+        // The slot is free from here whatever the daemon answers: the data path has ended.
+        self.finish_data(handle, local)?;
         self.release_at_daemon(handle, transferred, corrupt_blocks)?;
         self.count_reported(direction, transferred);
         Ok(())
