@@ -624,7 +624,13 @@ impl<E: Executor> Runtime<E> {
             if self.writes.stores.is_empty() {
                 break;
             }
-            self.wait_writes()?;
+            if let Some(timeout) = self.wait_writes()? {
+                // The layer stays in flight and its store queued: waiting longer cannot end a
+                // lost completion. The retiring requests are still waited for, and the answer
+                // says what is left.
+                tracing::warn!(error = %timeout, "runtime: a write timed out while draining");
+                break;
+            }
         }
         self.progress()?;
         if !self.writes.retiring.is_empty() {

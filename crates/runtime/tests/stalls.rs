@@ -209,3 +209,52 @@ fn a_finish_that_cannot_drain_hands_the_runtime_back() {
         assert!(store.close(), "every queue pair was deleted: the engine may free its KV memory");
     });
 }
+
+#[test]
+fn a_forced_write_that_times_out_is_write_queue_full() {
+    // Goal: under `ForceOldest`, a forced store whose write times out (its completion lost)
+    // fails `begin_prefill` with `WriteQueueFull`, counted in `stores_refused`, and prepares
+    // nothing, as documented. Before, the wait's `Store { "wait for a write", WaitTimeout }`
+    // came up as it was and nothing was counted.
+    bounded(|| {
+        let mut stack = stalled_stack(PolicyChoice::SlackAware);
+        let first = prompt(0, 0);
+        prefill(&mut stack, &first, &[0, 1, 2, 3]).unwrap();
+        assert_eq!(stack.runtime.queued_stores(), 1, "slack-aware keeps the last layer queued");
+        stack.device.set_faults(
+            FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion).with_opcode(NvmOpcode::Write as u8)),
+        );
+        let second = prompt(1, 0);
+        let refused = stack.runtime.begin_prefill(&KvRequest { tokens: &second, block_ids: &[4, 5, 6, 7] });
+        assert!(matches!(refused, Err(RuntimeError::WriteQueueFull { .. })), "{refused:?}");
+        let counters = stack.runtime.counters();
+        assert_eq!((counters.stores_refused, counters.stores_forced, counters.prefills), (1, 0, 1), "{counters:?}");
+        assert!((4..8).all(|block| stack.runtime.releasable(block)), "nothing of the refused request was prepared");
+        assert_eq!(stack.runtime.abandon_in_flight().unwrap(), 1);
+        stack.runtime.drain().unwrap();
+        assert_eq!(stack.runtime.lookup(&first), 4);
+        prefill(&mut stack, &second, &[4, 5, 6, 7]).unwrap();
+        stack.runtime.drain().unwrap();
+    });
+}
+
+#[test]
+fn a_drain_whose_write_times_out_is_drain_incomplete() {
+    // Goal: `drain` whose write times out (its completion lost) goes on to its documented end:
+    // it waits for the retiring requests and answers `DrainIncomplete` with what is left. Before,
+    // the wait's `Store { "wait for a write", WaitTimeout }` came up at once.
+    bounded(|| {
+        let mut stack = stalled_stack(PolicyChoice::SlackAware);
+        let first = prompt(0, 0);
+        prefill(&mut stack, &first, &[0, 1, 2, 3]).unwrap();
+        stack.device.set_faults(
+            FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion).with_opcode(NvmOpcode::Write as u8)),
+        );
+        let drained = stack.runtime.drain();
+        assert!(matches!(drained, Err(RuntimeError::DrainIncomplete { queued_stores: 1, retiring: 0 })), "{drained:?}");
+        assert!((0..4).all(|block| !stack.runtime.releasable(block)), "the lost write may still read them");
+        assert_eq!(stack.runtime.abandon_in_flight().unwrap(), 1);
+        stack.runtime.drain().unwrap();
+        assert_eq!(stack.runtime.lookup(&first), 4);
+    });
+}

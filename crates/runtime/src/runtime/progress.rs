@@ -413,7 +413,11 @@ impl<E: Executor> Runtime<E> {
         }
     }
 
-    pub(super) fn wait_writes(&mut self) -> Result<()> {
+    /// Waits (one `io_timeout` each) for the write layers in flight. `Ok(Some(timeout))` when a
+    /// wait timed out: that layer is still in flight and its store queued, and the caller says
+    /// what that means for it (a read waiting behind it fails, a drain is incomplete, a forced
+    /// store leaves the queue full). A write that failed drops its store (`write_failed`).
+    pub(super) fn wait_writes(&mut self) -> Result<Option<ObjstoreError>> {
         let mut index = 0;
         while index < self.writes.stores.len() {
             if self.writes.stores[index].in_flight.is_none() {
@@ -426,13 +430,11 @@ impl<E: Executor> Runtime<E> {
                     self.complete_write(index);
                     index += 1;
                 }
-                Err(ObjstoreError::Gio(timeout @ gio_uring::GioError::WaitTimeout { .. })) => {
-                    return Err(RuntimeError::Store { operation: "wait for a write", source: ObjstoreError::Gio(timeout) })
-                }
+                Err(ObjstoreError::Gio(timeout @ gio_uring::GioError::WaitTimeout { .. })) => return Ok(Some(ObjstoreError::Gio(timeout))),
                 Err(source) => self.write_failed(index, &source)?,
             }
         }
-        Ok(())
+        Ok(None)
     }
 
     /// Waits until layer `layer`'s reads (all reads with `None`) completed, issuing waiting
@@ -453,7 +455,9 @@ impl<E: Executor> Runtime<E> {
                 self.wait_read()?;
             } else if !self.reads.waiting.is_empty() && self.writes.any_in_flight() {
                 // Under the barrier a read waits for the writes in flight.
-                self.wait_writes()?;
+                if let Some(source) = self.wait_writes()? {
+                    return Err(RuntimeError::Store { operation: "wait for a write", source });
+                }
             } else if self.reads.waiting.is_empty() {
                 break;
             }
@@ -497,7 +501,16 @@ impl<E: Executor> Runtime<E> {
             // runs every queued store is one; anything else would never commit, so it is skipped
             // rather than forced forever.
             let Some(index) = self.writes.stores.iter().position(|store| store.prefill_ended) else { break };
-            self.force_store(index)?;
+            if let Err(error) = self.force_store(index) {
+                return Err(match error {
+                    // The forced store stays queued (a write timed out): no room is made.
+                    RuntimeError::WriteQueueFull { action, .. } => {
+                        self.counters.stores_refused += 1;
+                        full(&self.writes, action)
+                    }
+                    other => other,
+                });
+            }
             self.counters.stores_forced += 1;
             if !over(&self.writes) {
                 return Ok(());
@@ -508,8 +521,9 @@ impl<E: Executor> Runtime<E> {
     }
 
     /// Writes and commits the queued store at `index` now (no prefill runs: no read is
-    /// pending); it leaves the queue committed, or dropped after a failure. An error if it
-    /// cannot (a write that timed out) or did not within its bound.
+    /// pending); it leaves the queue committed, or dropped after a failure. `WriteQueueFull` if
+    /// it cannot (a write that timed out: the layer stays in flight, the store queued) or did
+    /// not within its bound.
     pub(super) fn force_store(&mut self, index: usize) -> Result<()> {
         let Some(store) = self.writes.stores.get_mut(index) else { return Ok(()) };
         store.decided_layers = store.ready_layers;
@@ -523,19 +537,26 @@ impl<E: Executor> Runtime<E> {
             if self.writes.index_of(request).is_none() {
                 return Ok(());
             }
-            self.wait_writes()?;
+            if let Some(timeout) = self.wait_writes()? {
+                tracing::warn!(request, error = %timeout, "runtime: a forced store's write timed out; it stays queued");
+                return Err(self.forced_store_stuck("a forced write timed out"));
+            }
         }
         self.progress()?;
         if self.writes.index_of(request).is_none() {
             return Ok(());
         }
-        Err(RuntimeError::WriteQueueFull {
+        Err(self.forced_store_stuck("a forced store did not complete"))
+    }
+
+    fn forced_store_stuck(&self, action: &'static str) -> RuntimeError {
+        RuntimeError::WriteQueueFull {
             queued_blocks: self.writes.queued_blocks,
             queued_stores: self.writes.stores.len(),
             incoming_blocks: 0,
             limit_blocks: self.config.write_queue_limit_blocks,
             limit_stores: self.config.write_queue_limit_stores,
-            action: "a forced store did not complete",
-        })
+            action,
+        }
     }
 }
