@@ -456,7 +456,7 @@ impl StoreState {
         let bits = RequestHandle::from_bits(handle);
         match &mut self.backend {
             Backend::Local { store, .. } => store.layers_in_flight(bits).ok().map(Iterator::collect),
-            Backend::Remote { store } => store.data_mut().layers_in_flight(bits).ok().map(Iterator::collect),
+            Backend::Remote { store } => store.layers_in_flight(bits).ok().map(Iterator::collect),
             _ => None,
         }
     }
