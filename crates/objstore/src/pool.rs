@@ -658,18 +658,13 @@ impl Pool {
         self.devices[device].fence(device, "fenced by a test".into());
     }
 
-    /// Writes every staged header sector with FUA and waits: on return they are durable.
-    ///
-    /// Every device with staged sectors is synced even after another failed (the first error is
-    /// returned): one device whose header writes fail must not keep the others' headers from
-    /// the disk. A device whose syncs fail [`HEADER_SYNC_FAILURES_FENCE`] times in a row is
-    /// fenced (its staged sectors dropped, none of its slots reused until reopen), so that the
-    /// other devices' stores go on instead of failing with it at every sync.
+    /// [`Self::sync_devices`] with no deadline, every device's failure returned (tests).
+    #[cfg(test)]
     pub(crate) fn sync_headers(&mut self, lender: &mut dyn QueueLender) -> Result<()> {
         self.sync_headers_by(lender, None)
     }
 
-    /// [`Self::sync_headers`] for a caller that must return by `deadline` (a `wait`): a device
+    /// [`Self::sync_devices`] for a caller that must return by `deadline` (a `wait`): a device
     /// is written only if the whole metadata timeout still fits before `deadline`; one reached
     /// later is not written: its staged sectors stay staged for the next sync, and
     /// [`ObjstoreError::DeadlinePassed`] (counting the devices synced) says so. A write is never
@@ -683,7 +678,7 @@ impl Pool {
         self.sync_devices(lender, deadline, None)
     }
 
-    /// [`Self::sync_headers`] for a store or a commit whose slots are on `devices` alone (a
+    /// [`Self::sync_devices`] for a store or a commit whose slots are on `devices` alone (a
     /// bitmap by index): every device with staged sectors is synced as there, but only a
     /// failure on one of `devices` is returned; one elsewhere is logged (and counted toward
     /// that device's fence). Its own headers durable, a store must not fail because another
@@ -692,6 +687,14 @@ impl Pool {
         self.sync_devices(lender, None, Some(devices))
     }
 
+    /// Writes every staged header sector with FUA and waits: on `Ok` they are durable. Returns
+    /// the first failure of a device in `judged` (every device for `None`).
+    ///
+    /// Every device with staged sectors is synced even after another failed: one device whose
+    /// header writes fail must not keep the others' headers from the disk. A device whose syncs
+    /// fail [`HEADER_SYNC_FAILURES_FENCE`] times in a row is fenced (its staged sectors dropped,
+    /// none of its slots reused until reopen), so that the other devices' stores go on instead
+    /// of failing with it at every sync.
     fn sync_devices(&mut self, lender: &mut dyn QueueLender, deadline: Option<Instant>, judged: Option<&[bool]>) -> Result<()> {
         let mut first_error = None;
         let mut synced_devices = 0;
