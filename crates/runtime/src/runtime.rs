@@ -58,6 +58,9 @@ struct Prefill {
     input_tokens: u32,
     prefix_tokens: u32,
     retrieve: Option<RequestHandle>,
+    /// The retrieve's target engine blocks, held (not `releasable`) until the prefill ends: the
+    /// device writes them while its reads are in flight.
+    read_targets: Vec<u32>,
     next_layer: u32,
     in_layer: Option<u32>,
     /// The policy asked, at the layer begun, that every read land before it goes on.
@@ -273,7 +276,8 @@ impl<E: Executor> Runtime<E> {
     /// Whether the engine may reuse engine block `block`: no queued store still has to write
     /// its data, and no I/O the device may still be doing names it. A block handed to
     /// `begin_prefill` for storing stays held until its store has committed (its data is on the
-    /// device and durable) or failed (it will never be written) with nothing of it in flight. A
+    /// device and durable) or failed (it will never be written) with nothing of it in flight; one
+    /// the running prefill's retrieve reads into stays held until the prefill ends. A
     /// request that ended with a layer still in flight (a wait that timed out or an executor
     /// failure: `ReadFailed`, `StillInFlight` from `abort_prefill`, a failed deferred write) is
     /// *retiring*: the blocks it reads into or writes from stay held until the device ends that
@@ -377,6 +381,11 @@ impl<E: Executor> Runtime<E> {
         } else {
             None
         };
+        let mut read_targets = self.writes.take_list();
+        if retrieve.is_some() {
+            read_targets.extend_from_slice(&request.block_ids[..hit]);
+            self.writes.hold_targets(&read_targets);
+        }
         let input_tokens = u32::try_from(request.tokens.len()).unwrap_or(u32::MAX);
         let prefix_tokens = u32::try_from(hit as u64 * u64::from(self.block_tokens)).unwrap_or(u32::MAX);
         let fallback = self.profile.bucket(input_tokens, prefix_tokens).is_err();
@@ -396,6 +405,7 @@ impl<E: Executor> Runtime<E> {
             input_tokens,
             prefix_tokens,
             retrieve,
+            read_targets,
             next_layer: 0,
             in_layer: None,
             wait_for_all: false,
@@ -544,7 +554,10 @@ impl<E: Executor> Runtime<E> {
             // Every layer waited for its own reads, so none is in flight.
             self.store.finish(handle).map_err(store_error("finish the retrieve"))?;
         }
-        self.prefill = None;
+        if let Some(prefill) = self.prefill.take() {
+            // Its reads are over: their target blocks are the engine's again.
+            self.writes.release_targets(prefill.read_targets);
+        }
         if let Some(index) = self.writes.index_of(id.0) {
             self.writes.stores[index].prefill_ended = true;
         }

@@ -125,10 +125,24 @@ impl WriteQueue {
         Some(store.request)
     }
 
+    /// Holds the running retrieve's target engine blocks: the device writes them until the
+    /// prefill ends ([`WriteQueue::release_targets`]) or, if it ends with a read in flight,
+    /// until the retiring retrieve is finished ([`WriteQueue::retire_retrieve`]).
+    pub fn hold_targets(&mut self, engine_blocks: &[u32]) {
+        self.hold(engine_blocks);
+    }
+
+    /// Releases targets held by [`WriteQueue::hold_targets`] (the retrieve is finished: nothing
+    /// of it in flight) and keeps the list for reuse.
+    pub fn release_targets(&mut self, engine_blocks: Vec<u32>) {
+        self.unhold(&engine_blocks);
+        self.recycle(engine_blocks);
+    }
+
     /// A retrieve ended with a layer still in flight: it is retiring, and `engine_blocks` (its
-    /// targets) are held until it is finished.
+    /// targets, held by [`WriteQueue::hold_targets`] since its prefill began) stay held until it
+    /// is finished.
     pub fn retire_retrieve(&mut self, request: u64, handle: RequestHandle, engine_blocks: Vec<u32>) {
-        self.hold(&engine_blocks);
         self.retiring.push(Retiring { request, handle, engine_blocks });
     }
 

@@ -357,3 +357,45 @@ fn a_slack_aware_grant_of_the_whole_queue_releases_only_what_fits() {
     let counters = stack.runtime.counters();
     assert_eq!((counters.write_layers_issued, counters.stores_committed), (4, 1), "{counters:?}");
 }
+
+/// Goal: the running prefill's retrieve holds its target engine blocks (the cached prefix's)
+/// from `begin_prefill` to `end_prefill`: the device writes them meanwhile, so `releasable`
+/// says no, as its contract promises ("no I/O the device may still be doing names it"). Before,
+/// they were releasable while their reads were in flight. An aborted prefill releases them.
+#[test]
+fn a_running_retrieve_holds_its_target_blocks_until_the_prefill_ends() {
+    let layers = common::geometry().layers;
+    let mut stack = stack(config(PolicyChoice::SlackAware), Some(common::slow_ssd()));
+    let first = prompt(0, 0);
+    prefill(&mut stack, &first, &[0, 1, 2, 3]).unwrap();
+    stack.runtime.drain().unwrap();
+    for (turn, abort) in [(1, false), (2, true)] {
+        let next = prompt(0, turn);
+        let blocks: Vec<u32> = (10 * turn..10 * turn + next.len() as u32 / BLOCK_TOKENS).collect();
+        let start = stack.runtime.begin_prefill(&objstore::KvRequest { tokens: &next, block_ids: &blocks }).unwrap();
+        let cached = start.cached_blocks;
+        assert!(cached > 0, "the turn hits its session's blocks");
+        let held = |stack: &Stack| blocks[..cached].iter().all(|&block| !stack.runtime.releasable(block));
+        assert!(held(&stack), "targets of reads about to be issued");
+        stack.runtime.begin_layer(start.id, 0).unwrap();
+        assert!(held(&stack), "targets of reads in flight");
+        stack.runtime.wait_layer_kv(start.id, 0).unwrap();
+        stack.engine.compute_layer(&next, cached as u32..blocks.len() as u32, &blocks, 0);
+        stack.runtime.after_layer(start.id, 0).unwrap();
+        if abort {
+            stack.runtime.abort_prefill(start.id).unwrap();
+            assert!(blocks.iter().all(|&block| stack.runtime.releasable(block)), "an aborted prefill holds nothing");
+            continue;
+        }
+        for layer in 1..layers {
+            stack.runtime.before_layer(start.id, layer).unwrap();
+            assert!(held(&stack), "layer {layer}");
+            stack.engine.compute_layer(&next, cached as u32..blocks.len() as u32, &blocks, layer);
+            stack.runtime.after_layer(start.id, layer).unwrap();
+        }
+        stack.runtime.end_prefill(start.id).unwrap();
+        assert!(blocks[..cached].iter().all(|&block| stack.runtime.releasable(block)), "the reads ended with the prefill");
+        assert!(stack.engine.holds(&next, 0..cached as u32, &blocks, layers));
+        stack.runtime.drain().unwrap();
+    }
+}

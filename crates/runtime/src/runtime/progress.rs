@@ -230,23 +230,29 @@ impl<E: Executor> Runtime<E> {
         self.reads.unissued_iocbs.fill(0);
         self.reads.in_flight = None;
         let Some(prefill) = self.prefill.take() else { return Ok(()) };
-        let Some(handle) = prefill.retrieve else { return Ok(()) };
+        let Some(handle) = prefill.retrieve else {
+            self.writes.release_targets(prefill.read_targets);
+            return Ok(());
+        };
         match self.store.finish(handle) {
-            Ok(()) => Ok(()),
+            Ok(()) => {
+                self.writes.release_targets(prefill.read_targets);
+                Ok(())
+            }
             Err(refusal) if self.device_holds(handle) => {
-                let mut blocks = self.writes.take_list();
-                if let Ok(placements) = self.store.placements(handle) {
-                    blocks.extend(placements.iter().map(|placement| placement.engine_block));
-                }
+                // Its target blocks, held since `begin_prefill`, stay held while it retires.
                 tracing::warn!(
                     request = prefill.id,
-                    blocks = blocks.len(),
+                    blocks = prefill.read_targets.len(),
                     "runtime: a retrieve ended with a layer in flight; it retires when the device ends it, its target blocks held"
                 );
-                self.writes.retire_retrieve(prefill.id, handle, blocks);
+                self.writes.retire_retrieve(prefill.id, handle, prefill.read_targets);
                 Err(RuntimeError::StillInFlight { request: prefill.id, operation: "finish the retrieve", source: refusal })
             }
-            Err(source) => Err(RuntimeError::Store { operation: "finish the retrieve", source }),
+            Err(source) => {
+                self.writes.release_targets(prefill.read_targets);
+                Err(RuntimeError::Store { operation: "finish the retrieve", source })
+            }
         }
     }
 
