@@ -282,6 +282,46 @@ def test_preemption_resets_and_saves_again_after_resume(cluster):
     wait_finished(workers, "P")
 
 
+def test_a_request_preempted_outside_schedule_then_aborted_is_freed(cluster):
+    """Goal: vLLM's reset_prefix_cache(reset_running_requests=True) preempts every running
+    request outside schedule() (Scheduler._preempt_request); aborted before the next metadata,
+    the request is finished while the connector still holds its save as emitted. The workers
+    forget that save when the next step names it preempted (and finished), so it would never
+    be reported: request_finished must not ask vLLM to wait for it, or the request is never
+    freed and the engine never goes idle."""
+    _, scheduler, workers = cluster
+    prompt_a = prompt(8, blocks=2, tail=3)
+    request_a = harness.request("A", prompt_a)
+    assert scheduler.get_num_new_matched_tokens(request_a, 0) == (0, False)
+    scheduler.update_state_after_alloc(request_a, harness.blocks([5, 6, 7]), 0)
+    meta = scheduler.build_connector_meta(harness.scheduler_output(new=[("A", prompt_a, [5, 6, 7], 0, len(prompt_a))]))
+    assert [save.req_id for save in meta.saves] == ["A"]
+    for worker in workers:
+        worker.call("fill", [5, 6, 7], 8)
+    step(workers, meta)
+    # What Scheduler._preempt_request does to it (vLLM 0.32), outside schedule(); then the abort.
+    request_a.num_preemptions += 1
+    request_a.num_computed_tokens = 0
+    keep, _ = scheduler.request_finished(request_a, [])
+    assert keep is False, "vLLM would wait for a save the workers forget"
+    meta = scheduler.build_connector_meta(harness.scheduler_output(preempted={"A"}, finished={"A"}))
+    results = step(workers, meta, finished={"A"})
+    assert all("A" not in result["finished_sending"] for result in results)
+
+    # A request saved (not preempted since) is still kept until its save is reported.
+    prompt_b = prompt(9, blocks=2, tail=3)
+    request_b = harness.request("B", prompt_b)
+    request_b.num_preemptions = 1  # preempted and resumed before its save was emitted
+    scheduler.get_num_new_matched_tokens(request_b, 0)
+    scheduler.update_state_after_alloc(request_b, harness.blocks([8, 9, 10]), 0)
+    meta = scheduler.build_connector_meta(harness.scheduler_output(new=[("B", prompt_b, [8, 9, 10], 0, len(prompt_b))]))
+    for worker in workers:
+        worker.call("fill", [8, 9, 10], 9)
+    step(workers, meta)
+    assert scheduler.request_finished(request_b, [8, 9, 10]) == (True, None)
+    wait_finished(workers, "B")
+
+
 def test_every_abstract_method_of_the_base_class_is_implemented():
     """Goal: a vLLM upgrade that adds an abstract method to KVConnectorBase_V1 fails here, not in
     a user's server."""

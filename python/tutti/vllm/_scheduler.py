@@ -42,6 +42,11 @@ class _SchedulerRequest:
     load_pending: Optional[int] = None  # blocks to load, set after allocation, emitted once
     load_first_block: int = 0  # the first of them vLLM does not hold locally
     save_emitted: bool = False
+    # vLLM's Request (None while only its NewRequestData was seen) and its num_preemptions when
+    # the save was emitted: a request preempted outside schedule() since (reset_prefix_cache
+    # with reset_running_requests) has a save the workers forget at the next step.
+    request: Any = None
+    save_preemptions: Optional[int] = None  # None: not known (no Request seen)
     # What makes the request's KV depend on more than its prompt tokens (vLLM's own prefix keys
     # include it: a LoRA adapter, multimodal inputs, a cache salt, prompt embeddings); tutti's
     # keys are the tokens only, so such a request is neither loaded nor saved. None: nothing.
@@ -132,6 +137,7 @@ class SchedulerSide:
         if state is None:
             state = _SchedulerRequest(prompt=list(request.prompt_token_ids or []), uncacheable=self._uncacheable(request))
             self._requests[request.request_id] = state
+        state.request = request
         return state
 
     def _uncacheable(self, request: Any) -> Optional[str]:
@@ -254,6 +260,7 @@ class SchedulerSide:
                         SaveSpec(req_id, state.prompt[: full_blocks * self._block_size], state.block_ids[:full_blocks])
                     )
                     state.save_emitted = True
+                    state.save_preemptions = None if state.request is None else _preemptions(state.request)
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -264,6 +271,22 @@ class SchedulerSide:
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
         """True (keep the blocks) when a save of this request was handed to the workers: they
-        report it through get_finished once its last layer completed (and it was committed)."""
+        report it through get_finished once its last layer completed (and it was committed).
+        False when the request was preempted since its save was emitted, outside schedule()
+        (vLLM's reset_prefix_cache(reset_running_requests=True) preempts every running request;
+        an abort can then come before the next metadata names it preempted): the workers forget
+        that save when they handle the preemption and never report it, so vLLM would keep the
+        request forever. Its blocks were freed by the preemption already. (Not judged by
+        num_computed_tokens == 0: vLLM's invalid-block handling resets that too.)"""
         state = self._requests.pop(request.request_id, None)
-        return (state is not None and state.save_emitted), None
+        keep = (
+            state is not None
+            and state.save_emitted
+            and state.save_preemptions in (None, _preemptions(request))
+        )
+        return keep, None
+
+
+def _preemptions(request: Any) -> int:
+    """vLLM's count of the request's preemptions (Scheduler._preempt_request adds one)."""
+    return int(getattr(request, "num_preemptions", 0) or 0)
