@@ -101,6 +101,8 @@ fn queue_view<'a>(profile: &'a Profile, reads: &Reads, writes: &WriteQueue, cont
         context_tokens,
         outstanding_read_iocbs: reads.outstanding_iocbs(),
         outstanding_write_iocbs: writes.outstanding_iocbs(),
+        // Handed over a layer at a time: each pays the command latency.
+        outstanding_write_kernels: writes.outstanding_layers(),
         queued_write_iocbs: writes.queued_iocbs(),
     }
 }
@@ -469,6 +471,7 @@ impl<E: Executor> Runtime<E> {
                 // Handed over a layer at a time: each pays the command latency.
                 outstanding_read_kernels: self.reads.waiting.len() as u32 + u32::from(self.reads.in_flight.is_some()),
                 outstanding_write_iocbs: self.writes.outstanding_iocbs(),
+                outstanding_write_kernels: self.writes.outstanding_layers(),
                 queued_write_iocbs: self.writes.queued_iocbs(),
             };
             let plan =

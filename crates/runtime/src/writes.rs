@@ -189,6 +189,12 @@ impl WriteQueue {
         self.stores.iter().fold(0u32, |sum, s| sum.saturating_add((s.decided_layers - s.written_layers).saturating_mul(s.iocbs_per_layer)))
     }
 
+    /// Layers released for writing and not written yet: the kernels the outstanding writes reach
+    /// the device as (one layer handed over at a time, each paying the command latency).
+    pub fn outstanding_layers(&self) -> u32 {
+        self.stores.iter().fold(0u32, |sum, s| sum.saturating_add(s.decided_layers - s.written_layers))
+    }
+
     pub fn any_in_flight(&self) -> bool {
         self.stores.iter().any(|store| store.in_flight.is_some())
     }

@@ -61,6 +61,7 @@ fn plan_layer(c: &mut Criterion) {
                         outstanding_read_iocbs: per_layer,
                         outstanding_read_kernels: 1,
                         outstanding_write_iocbs: 8,
+                        outstanding_write_kernels: 1,
                         queued_write_iocbs: 64,
                     };
                     black_box(planner.plan_layer(&view).expect("plan"))

@@ -56,7 +56,11 @@ pub struct LayerView<'a> {
     /// completed, so its layers waiting and in flight; 1 for a runtime whose queued kernels
     /// hide the latency (the SSD already holds their commands). 0 counts as 1.
     pub outstanding_read_kernels: u32,
+    /// Writes released (granted) and not completed, in IOCBs.
     pub outstanding_write_iocbs: u32,
+    /// How many kernels the outstanding writes reach the SSD as, each paying the command
+    /// latency (`tutti-runtime` hands them over a layer at a time); 0 counts as 1.
+    pub outstanding_write_kernels: u32,
     /// New KV of finished layers waiting to be written, in IOCBs.
     pub queued_write_iocbs: u32,
 }
@@ -69,6 +73,8 @@ pub struct QueueView<'a> {
     pub context_tokens: u32,
     pub outstanding_read_iocbs: u32,
     pub outstanding_write_iocbs: u32,
+    /// As [`LayerView::outstanding_write_kernels`].
+    pub outstanding_write_kernels: u32,
     pub queued_write_iocbs: u32,
 }
 
@@ -302,9 +308,13 @@ impl IoPolicy for SlackAware {
         let reads_left = targets.iter().any(|t| t.1 > 0);
         if !reads_left && view.queued_write_iocbs > 0 {
             let write_budget = table.io_sm_budget_max(IoKind::Write);
-            let writes_free_at_us = table.io_duration_us(IoKind::Write, view.outstanding_write_iocbs, write_budget)?;
+            // Writes released earlier start only once the reads ahead of them completed (the
+            // barrier: no write beside a pending read), so the new ones start after both, one
+            // after the other; as their max, they were placed into the earlier writes' time.
+            let writes_us =
+                kernels_duration_us(table, IoKind::Write, view.outstanding_write_iocbs, view.outstanding_write_kernels, write_budget)?;
             let mut writes = [(None, view.queued_write_iocbs)];
-            let fill = fill_windows(table, IoKind::Write, &windows, ssd_free_at_us.max(writes_free_at_us), &mut writes)?;
+            let fill = fill_windows(table, IoKind::Write, &windows, ssd_free_at_us + writes_us, &mut writes)?;
             plan.issues.extend(fill.issues);
         }
         Ok(plan)
@@ -325,11 +335,10 @@ impl IoPolicy for SlackAware {
         let table = view.table;
         let read_budget = table.io_sm_budget_max(IoKind::Read);
         let write_budget = table.io_sm_budget_max(IoKind::Write);
-        let busy_until_us = table.io_duration_us(IoKind::Read, view.outstanding_read_iocbs, read_budget)?.max(table.io_duration_us(
-            IoKind::Write,
-            view.outstanding_write_iocbs,
-            write_budget,
-        )?);
+        // Reads and writes never share the SSD (the barrier): what is outstanding of each runs
+        // one after the other, the writes as the kernels they reach the SSD as.
+        let busy_until_us = table.io_duration_us(IoKind::Read, view.outstanding_read_iocbs, read_budget)?
+            + kernels_duration_us(table, IoKind::Write, view.outstanding_write_iocbs, view.outstanding_write_kernels, write_budget)?;
         let mut writes = [(None, view.queued_write_iocbs)];
         Ok(fill_windows(table, IoKind::Write, &[window], busy_until_us, &mut writes)?.issues)
     }

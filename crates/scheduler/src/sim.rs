@@ -534,6 +534,7 @@ impl<'a> Sim<'a> {
                 u32::try_from(self.reads.len()).unwrap_or(u32::MAX)
             },
             outstanding_write_iocbs: self.outstanding_iocbs(IoKind::Write),
+            outstanding_write_kernels: self.outstanding_write_kernels(),
             queued_write_iocbs: self.queued_write_iocbs(),
         };
         let plan = self.policy.plan_layer(&view)?;
@@ -626,7 +627,18 @@ impl<'a> Sim<'a> {
             context_tokens,
             outstanding_read_iocbs: self.outstanding_iocbs(IoKind::Read),
             outstanding_write_iocbs: self.outstanding_iocbs(IoKind::Write),
+            outstanding_write_kernels: self.outstanding_write_kernels(),
             queued_write_iocbs: self.queued_write_iocbs(),
+        }
+    }
+
+    /// Write jobs not completed, as the kernels that pay the command latency (one when queued
+    /// kernels hide it), as for reads.
+    fn outstanding_write_kernels(&self) -> u32 {
+        if self.config.queued_kernels_hide_latency {
+            u32::from(!self.writes.is_empty())
+        } else {
+            u32::try_from(self.writes.len()).unwrap_or(u32::MAX)
         }
     }
 

@@ -20,6 +20,7 @@ fn view<'a>(table: &'a Profile, layer: u32, unissued: &'a [u32]) -> LayerView<'a
         outstanding_read_iocbs: 0,
         outstanding_read_kernels: 0,
         outstanding_write_iocbs: 0,
+        outstanding_write_kernels: 0,
         queued_write_iocbs: 0,
     }
 }
@@ -106,8 +107,14 @@ fn slack_aware_writes_only_into_leftover_slack() {
 #[test]
 fn slack_aware_defers_writes_to_decode() {
     let table = profile();
-    let mut queue =
-        QueueView { table: &table, context_tokens: 1500, outstanding_read_iocbs: 0, outstanding_write_iocbs: 0, queued_write_iocbs: 8 };
+    let mut queue = QueueView {
+        table: &table,
+        context_tokens: 1500,
+        outstanding_read_iocbs: 0,
+        outstanding_write_iocbs: 0,
+        outstanding_write_kernels: 0,
+        queued_write_iocbs: 8,
+    };
     assert!(SlackAware.plan_prefill_end(&queue).unwrap().is_empty());
     // Context 1500 rounds down to the 1000 µs step: 4 writes (800 µs) fit, 5 would cost 1600.
     assert_eq!(SlackAware.plan_decode_step(&queue).unwrap(), vec![write(4, 4, 0.0, true)]);
@@ -162,8 +169,14 @@ fn slack_aware_decode_steps_between_rows_take_the_fewer_free_sms() {
     let mut t = common::table();
     t.decode_steps[1].free_sms = 2;
     let table = Profile::from_table(t).unwrap();
-    let mut queue =
-        QueueView { table: &table, context_tokens: 1500, outstanding_read_iocbs: 0, outstanding_write_iocbs: 0, queued_write_iocbs: 8 };
+    let mut queue = QueueView {
+        table: &table,
+        context_tokens: 1500,
+        outstanding_read_iocbs: 0,
+        outstanding_write_iocbs: 0,
+        outstanding_write_kernels: 0,
+        queued_write_iocbs: 8,
+    };
     assert_eq!(table.decode_step(1500).unwrap().free_sms, 2);
     assert_eq!(SlackAware.plan_decode_step(&queue).unwrap(), vec![write(2, 2, 0.0, true)]);
     // On a row: that row's.
@@ -186,8 +199,14 @@ fn slack_aware_grants_windows_too_short_for_one_write_as_time() {
         step.duration_us = 150.0; // one write IOCB on 4 SMs takes 200 µs
     }
     let table = Profile::from_table(t.clone()).unwrap();
-    let mut queue =
-        QueueView { table: &table, context_tokens: 1500, outstanding_read_iocbs: 0, outstanding_write_iocbs: 0, queued_write_iocbs: 8 };
+    let mut queue = QueueView {
+        table: &table,
+        context_tokens: 1500,
+        outstanding_read_iocbs: 0,
+        outstanding_write_iocbs: 0,
+        outstanding_write_kernels: 0,
+        queued_write_iocbs: 8,
+    };
     assert_eq!(SlackAware.plan_decode_step(&queue).unwrap(), vec![window_time(4, 0.0, 150.0)]);
     // A read in flight (100 µs) leaves 50 µs of the step.
     queue.outstanding_read_iocbs = 1;
@@ -200,8 +219,14 @@ fn slack_aware_grants_windows_too_short_for_one_write_as_time() {
         step.free_sms = 1;
     }
     let table = Profile::from_table(t).unwrap();
-    let queue =
-        QueueView { table: &table, context_tokens: 1500, outstanding_read_iocbs: 0, outstanding_write_iocbs: 0, queued_write_iocbs: 8 };
+    let queue = QueueView {
+        table: &table,
+        context_tokens: 1500,
+        outstanding_read_iocbs: 0,
+        outstanding_write_iocbs: 0,
+        outstanding_write_kernels: 0,
+        queued_write_iocbs: 8,
+    };
     assert!(SlackAware.plan_decode_step(&queue).unwrap().is_empty());
 
     // Prefill windows too: [0,100) on 4 SMs, [100,600) on 2, [600,1000) on 4; one write IOCB
@@ -360,4 +385,61 @@ fn slack_aware_read_counts_past_u32_do_not_overflow() {
     let plan = SlackAware.plan_layer(&state).unwrap();
     assert_eq!(plan.issues[..2], [read(0, u32::MAX, 4, 0.0), read(1, u32::MAX, 4, 0.0)]);
     assert!(plan.issues.iter().all(|issue| issue.kind == IoKind::Read), "no write while reads are left: {plan:?}");
+}
+
+/// Goal: under the read/write barrier the writes already released start only once the reads
+/// ahead of them completed, so a prefill window's writes start after both, one after the other
+/// (sum), not after the longer of the two (max). Windows [0,100) on 4 SMs, [100,600) on 2,
+/// [600,1000) on 4; 2 read IOCBs outstanding (200 µs) then 1 write (200 µs): the SSD is busy to
+/// 400 µs, [100,600)'s 200 µs left are too short for a write on 2 SMs (300 µs) and are granted
+/// as time, and the IOCB goes into [600,1000). Before, it went at 200 µs, into the outstanding
+/// write's time.
+#[test]
+fn slack_aware_starts_writes_after_outstanding_reads_and_writes_both() {
+    let window_time = |sm_budget: u32, offset_us: f64, slack_us: f64| Issue { slack_us, ..write(0, sm_budget, offset_us, true) };
+    let table = profile();
+    let unissued = [0, 0, 0, 0];
+    let mut v = view(&table, 2, &unissued);
+    v.queued_write_iocbs = 1;
+    v.outstanding_read_iocbs = 2;
+    v.outstanding_read_kernels = 1;
+    v.outstanding_write_iocbs = 1;
+    let plan = SlackAware.plan_layer(&v).unwrap();
+    assert_eq!(plan.issues, vec![window_time(2, 400.0, 200.0), write(1, 4, 600.0, true)]);
+}
+
+/// Goal: writes released and not written are priced as the kernels they reach the SSD as (a
+/// runtime hands them over a layer at a time, each paying its command latency), as outstanding
+/// reads are. Writes cost 50 + 175 µs per IOCB; a 1500 µs decode step; 4 write IOCBs
+/// outstanding as 2 layers take 2 × 400 = 800 µs, leaving room for 3 more (575 µs), not one
+/// 4-IOCB kernel's 750 µs, which left room for 4 (750 µs) that overran the step by 50 µs.
+#[test]
+fn slack_aware_prices_outstanding_writes_per_kernel() {
+    let mut t = common::table();
+    t.io_costs.retain(|row| row.kind == IoKind::Read);
+    for count in 1..=8u32 {
+        t.io_costs.push(scheduler::table::IoCostEntry {
+            kind: IoKind::Write,
+            iocb_count: count,
+            sm_budget: 4,
+            duration_us: 50.0 + 175.0 * f64::from(count),
+            bytes: u64::from(count) << 20,
+        });
+    }
+    t.io_costs.sort_by_key(|row| (row.kind, row.sm_budget, row.iocb_count));
+    for step in &mut t.decode_steps {
+        (step.duration_us, step.free_sms) = (1500.0, 4);
+    }
+    let table = Profile::from_table(t).unwrap();
+    let mut queue = QueueView {
+        table: &table,
+        context_tokens: 1500,
+        outstanding_read_iocbs: 0,
+        outstanding_write_iocbs: 4,
+        outstanding_write_kernels: 2,
+        queued_write_iocbs: 8,
+    };
+    assert_eq!(SlackAware.plan_decode_step(&queue).unwrap(), vec![write(3, 4, 800.0, true)]);
+    queue.outstanding_write_kernels = 1;
+    assert_eq!(SlackAware.plan_decode_step(&queue).unwrap(), vec![write(4, 4, 750.0, true)]);
 }
