@@ -17,7 +17,7 @@ mod tests;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use nvme_driver::{Controller, DmaRegion, IoQueuePair, NamespaceId};
+use nvme_driver::{Controller, DmaRegion, IoQueuePair, NamespaceId, NvmeError};
 
 pub use metadata_io::METADATA_QUEUE_DEPTH;
 use metadata_io::{create_metadata_queue, transfer_region, Transfer, METADATA_CHUNK_BYTES};
@@ -664,16 +664,18 @@ impl Pool {
         self.sync_headers_by(lender, None)
     }
 
-    /// [`Self::sync_devices`] for a caller that must return by `deadline` (a `wait`): a device
-    /// is written only if the whole metadata timeout still fits before `deadline`; one reached
-    /// later is not written: its staged sectors stay staged for the next sync, and
-    /// [`ObjstoreError::DeadlinePassed`] (counting the devices synced) says so. A write is never
-    /// submitted with a shorter timeout: one cut short by the caller's deadline, not by the
-    /// device, would leave its commands in flight, which costs the queue pair (`metadata_queue`:
-    /// deleted and made again, or, on the executor's queue pair lent for metadata, the device
-    /// fenced until reopen) for a device that may be healthy. So every timeout a sync meets
-    /// spent the full metadata timeout and says the device is not answering (it counts toward
-    /// [`HEADER_SYNC_FAILURES_FENCE`]). `None`: no deadline but the metadata timeout's.
+    /// [`Self::sync_devices`] for a caller that must return by `deadline` (a `wait`): each
+    /// device's writes wait within what is left of `deadline` (and the metadata timeout). A
+    /// device reached with no time left is not written: its staged sectors stay staged for the
+    /// next sync, and [`ObjstoreError::DeadlinePassed`] (counting the devices synced) says so.
+    /// A write whose wait the caller's deadline cut short and that timed out left commands in
+    /// flight: on the pool's own (or a temporary) queue pair, that pair is deleted
+    /// (`metadata_queue`) and the sectors stay staged, and the timeout says nothing about the
+    /// device, so it does not count toward [`HEADER_SYNC_FAILURES_FENCE`]. On the executor's
+    /// queue pair lent for metadata, which the pool cannot delete, such a timeout would fence
+    /// a device that may be healthy until reopen: there the writes are submitted only if the
+    /// whole metadata timeout fits before `deadline`, else they stay staged (`DeadlinePassed`).
+    /// `None`: no deadline but the metadata timeout's.
     pub(crate) fn sync_headers_by(&mut self, lender: &mut dyn QueueLender, deadline: Option<Instant>) -> Result<()> {
         self.sync_devices(lender, deadline, None)
     }
@@ -698,18 +700,30 @@ impl Pool {
     fn sync_devices(&mut self, lender: &mut dyn QueueLender, deadline: Option<Instant>, judged: Option<&[bool]>) -> Result<()> {
         let mut first_error = None;
         let mut synced_devices = 0;
-        let timeout = self.timeout;
+        let full_timeout = self.timeout;
         for (index, d) in self.devices.iter_mut().enumerate() {
             if !d.mirror.has_dirty() {
                 continue;
             }
-            if deadline.is_some_and(|deadline| deadline.saturating_duration_since(Instant::now()) < timeout) {
+            let left = match deadline {
+                None => full_timeout,
+                Some(deadline) => full_timeout.min(deadline.saturating_duration_since(Instant::now())),
+            };
+            if left.is_zero() {
                 first_error.get_or_insert(ObjstoreError::DeadlinePassed { what: "header sync", done: synced_devices });
                 continue;
             }
+            let cut_short = left < full_timeout;
             let namespace = d.target.namespace;
-            let synced = d.run_metadata(index, lender, &mut None, timeout, |queue, mirror, _| mirror.sync(queue, namespace, timeout));
-            d.count_header_sync(index, &synced);
+            let mut synced =
+                d.run_metadata(index, lender, &mut None, left, !cut_short, |queue, mirror, _| mirror.sync(queue, namespace, left));
+            if let Err(ObjstoreError::DeadlinePassed { .. }) = synced {
+                synced = Err(ObjstoreError::DeadlinePassed { what: "header sync", done: synced_devices });
+            }
+            // A timeout the caller's deadline cut short says nothing about the device.
+            if !(cut_short && matches!(synced, Err(ObjstoreError::Nvme(NvmeError::Timeout { .. })))) {
+                d.count_header_sync(index, &synced);
+            }
             match synced {
                 Ok(()) => synced_devices += 1,
                 Err(error) if judged.is_none_or(|devices| devices.get(index).copied().unwrap_or(false)) => {
@@ -733,7 +747,7 @@ impl Pool {
             if used {
                 let namespace = d.target.namespace;
                 let flushed =
-                    d.run_metadata(index, lender, &mut None, timeout, |queue, _, _| metadata_io::flush(queue, namespace, timeout));
+                    d.run_metadata(index, lender, &mut None, timeout, true, |queue, _, _| metadata_io::flush(queue, namespace, timeout));
                 d.count_flush(index, &flushed);
                 flushed?;
             }
@@ -777,7 +791,7 @@ impl Pool {
                         let lba = superblock.block_lba(slot, j as u32) + u64::from(layer) * superblock.layer_stride_blocks();
                         let d = &mut self.devices[device];
                         let (namespace, timeout) = (d.target.namespace, self.timeout);
-                        d.run_metadata(device, &mut no_lender, &mut temporary, timeout, |queue, _, scratch| {
+                        d.run_metadata(device, &mut no_lender, &mut temporary, timeout, true, |queue, _, scratch| {
                             let lba_bytes = u64::from(superblock.lba_bytes);
                             transfer_region(queue, namespace, lba, scratch, 0, pair, lba_bytes, Transfer::Read, timeout)?;
                             scratch.read(0, &mut bytes)?;

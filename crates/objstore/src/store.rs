@@ -445,10 +445,12 @@ impl<E: Executor> KvStore<E> {
     ///
     /// On a verified retrieve whose verification failed, this and every later `wait` and `poll`
     /// return that failure until `finish`; the bad blocks' slots are evicted when it is first
-    /// found: out of the index at once, their headers made Empty on disk if `deadline` leaves
-    /// the metadata timeout ([`crate::pool::METADATA_TIMEOUT`]) for each device's write (what
-    /// does not fit stays staged for the next sync: the next commit, or
-    /// [`KvStore::sync_headers`]; a write cut short would cost the device its metadata queue).
+    /// found: out of the index at once, their headers made Empty on disk within `deadline`
+    /// (what does not fit stays staged for the next sync: the next commit, or
+    /// [`KvStore::sync_headers`]). On a device whose metadata borrows the executor's queue
+    /// pair, they are written only if the whole metadata timeout
+    /// ([`crate::pool::METADATA_TIMEOUT`]) fits before `deadline`: a write timed out early
+    /// there would fence the device until reopen.
     pub fn wait(&mut self, handle: RequestHandle, deadline: Instant) -> Result<Option<u32>> {
         let failed_before = self.data.verify_failed(handle);
         let result = self.data.wait(handle, deadline);
@@ -468,10 +470,10 @@ impl<E: Executor> KvStore<E> {
     }
 
     /// Writes the slot header entries staged and not yet durable (the Empty entries of an
-    /// eviction whose `wait` or `poll` left no time for them). A device is written only if the
-    /// whole metadata timeout ([`crate::pool::METADATA_TIMEOUT`]) still fits before `deadline`
-    /// (a write cut short by it would cost the device its metadata queue, see
-    /// [`StoreControl::sync_headers`]); [`ObjstoreError::DeadlinePassed`] if some stay staged.
+    /// eviction whose `wait` or `poll` left no time for them), each device within what is left
+    /// of `deadline` (on a device whose metadata borrows the executor's queue pair, only if the
+    /// whole metadata timeout fits: see [`StoreControl::sync_headers`]);
+    /// [`ObjstoreError::DeadlinePassed`] if some stay staged.
     pub fn sync_headers(&mut self, deadline: Instant) -> Result<()> {
         self.control.sync_headers(self.data.lender(), deadline)
     }

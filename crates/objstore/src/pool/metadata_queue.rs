@@ -27,13 +27,17 @@ impl PoolDevice {
     /// again if a failure deleted it), else the lender's, else a temporary one kept in
     /// `temporary` (the caller drops it, deleting it). `work` gets the queue, the mirror and
     /// the scratch buffer. A failure with commands left in flight retires the queue pair or
-    /// fences the device (module docs).
+    /// fences the device (module docs). `timeout_is_full`: false when a caller's deadline cut
+    /// `timeout` below the metadata timeout; then a lent queue pair is not used (a timeout
+    /// there would fence the device for the caller's haste, not the device's): nothing is
+    /// submitted and [`ObjstoreError::DeadlinePassed`] is returned.
     pub(super) fn run_metadata<T>(
         &mut self,
         index: usize,
         lender: &mut dyn QueueLender,
         temporary: &mut Option<IoQueuePair>,
         timeout: Duration,
+        timeout_is_full: bool,
         work: impl FnOnce(&mut IoQueuePair, &mut HeaderMirror, &DmaRegion) -> Result<T>,
     ) -> Result<T> {
         self.check_fence(index)?;
@@ -44,6 +48,9 @@ impl PoolDevice {
             let (queue, lent) = match self.queue.as_mut() {
                 Some(queue) => (queue, false),
                 None => match lender.lend(index, Instant::now() + timeout)? {
+                    Some(_) if !timeout_is_full => {
+                        return Err(ObjstoreError::DeadlinePassed { what: "metadata command on a lent queue pair", done: 0 })
+                    }
                     Some(queue) => (queue, true),
                     None => {
                         if temporary.is_none() {
@@ -127,9 +134,9 @@ impl PoolDevice {
 
 /// Adds `outcome` to a count of failures in a row; returns the failure that reaches
 /// [`HEADER_SYNC_FAILURES_FENCE`]. What counts is what the device did: a command it answered
-/// with an error status, or one it did not answer within the full metadata timeout (header
-/// syncs and flushes always wait that long: `Pool::sync_headers_by` submits nothing it could
-/// not wait the whole timeout for). A timeout whose queue pair was deleted retires the queue
+/// with an error status, or one it did not answer within the full metadata timeout (a timeout
+/// a caller's deadline cut short is not counted: `Pool::sync_devices` leaves it out). A
+/// timeout whose queue pair was deleted retires the queue
 /// without fencing (`run_metadata`), so a device whose writes hang would otherwise fail every
 /// sync, and every store, until reopen. A queue that could not be lent in time, or any other
 /// failure that says nothing about the device, neither counts nor resets the count (a busy

@@ -511,6 +511,35 @@ fn a_device_whose_header_writes_keep_timing_out_is_fenced_and_the_others_sync_on
 }
 
 #[test]
+fn header_writes_timed_out_early_by_a_callers_deadline_do_not_count_toward_the_fence() {
+    // Goal: a sync bounded by a caller's deadline (a `wait`'s) that times out before the
+    // metadata timeout says nothing about the device: however many in a row, the device is
+    // not fenced (its own queue pair is deleted each time, its sectors stay staged); the
+    // counted timeouts are those that waited the whole metadata timeout.
+    use nvme_emu::{FaultAction, FaultPlan, FaultRule};
+    let config =
+        EmuConfig::default().with_backing(Backing::Memory { bytes: 16 << 20 }).with_namespaces(vec![NamespaceConfig::new(512, None)]);
+    let (device, targets) = start(config);
+    format(&targets, geometry());
+    let (mut pool, _) = Pool::open(targets.clone(), Some(&geometry())).unwrap();
+    pool.set_metadata_timeout(Duration::from_secs(2));
+    device.set_faults(
+        FaultPlan::none().with_rule(FaultRule::every_nth_io(1, FaultAction::DropCompletion).with_opcode(NvmOpcode::Write as u8)),
+    );
+    pool.stage_header(0, 3, SlotState::Empty, &[]).unwrap();
+    for round in 0..2 * HEADER_SYNC_FAILURES_FENCE {
+        match pool.sync_headers_by(&mut NoLender, Some(Instant::now() + Duration::from_millis(50))) {
+            Err(ObjstoreError::Nvme(nvme_driver::NvmeError::Timeout { .. })) => {}
+            other => panic!("round {round}: expected a timeout, got {other:?}"),
+        }
+        assert!(!pool.metadata_fenced(0), "fenced after {} early timeouts", round + 1);
+        assert_eq!(pool.devices[0].mirror.dirty_blocks(), 1, "the sector stays staged");
+    }
+    device.set_faults(FaultPlan::none());
+    pool.sync_headers(&mut NoLender).expect("the device answers again");
+}
+
+#[test]
 fn a_header_sync_that_fails_once_does_not_fence() {
     // Goal: a transient error status on a header write fails that sync only; the next sync
     // writes the still-staged sectors and resets the count, so occasional errors never add up

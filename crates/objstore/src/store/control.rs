@@ -502,11 +502,13 @@ impl StoreControl {
     }
 
     /// Writes the slot header entries staged and not yet durable (an eviction whose sync did
-    /// not fit its caller's deadline, say). A device is written only if the whole metadata
-    /// timeout (`METADATA_TIMEOUT`) still fits before `deadline`: a write cut short by the
-    /// caller's deadline would leave commands in flight, and the pool would then delete its
-    /// queue pair or, on a device whose metadata borrows an executor's queue pair, fence the
-    /// device until reopen. What does not fit stays staged (`DeadlinePassed`).
+    /// not fit its caller's deadline, say), each device within what is left of `deadline` (and
+    /// `METADATA_TIMEOUT`); what does not fit stays staged (`DeadlinePassed`). A write that
+    /// times out early because of `deadline` leaves commands in flight: the pool deletes its
+    /// own queue pair then (the timeout does not count toward fencing the device), but it
+    /// cannot delete an executor's queue pair lent for a device's metadata, and would fence
+    /// that device until reopen: there the writes are submitted only if the whole metadata
+    /// timeout fits before `deadline`.
     pub fn sync_headers(&mut self, lender: &mut dyn QueueLender, deadline: Instant) -> Result<()> {
         self.pool.sync_headers_by(lender, Some(deadline))
     }
@@ -520,10 +522,9 @@ impl StoreControl {
     }
 
     /// [`Self::evict_mismatched`], its header sync bounded by `deadline` (a `wait`'s): the
-    /// entries of a device whose write does not fit (the metadata timeout must fit before
-    /// `deadline`, see [`Self::sync_headers`]) stay staged, written by the next sync (the next
-    /// commit, or [`Self::sync_headers`]), which comes before any data is issued into these
-    /// slots.
+    /// entries whose write does not fit (see [`Self::sync_headers`]) stay staged, written by
+    /// the next sync (the next commit, or [`Self::sync_headers`]), which comes before any data
+    /// is issued into these slots.
     pub fn evict_mismatched_by(
         &mut self,
         handle: RequestHandle,

@@ -820,8 +820,8 @@ fn a_wait_that_finds_a_mismatch_returns_by_its_deadline_and_the_eviction_is_writ
     // caller's deadline: the wait that finds the mismatch returns by it even when the header
     // write is slow (here it completes 4 s late; the pool allows METADATA_TIMEOUT, 10 s, per
     // device), where it used to block until the write completed. The Empty entries are not
-    // dropped: they stay staged, `KvStore::sync_headers` with a deadline that leaves the
-    // metadata timeout writes them, and a reopen serves nothing of the evicted blocks.
+    // dropped: they stay staged, `KvStore::sync_headers` writes them once the device answers,
+    // and a reopen serves nothing of the evicted blocks.
     use nvme_emu::{FaultAction, FaultPlan, FaultRule};
     let fixture = fixture(2, None);
     let mut store = in_process(&fixture, StoreConfig { verify_retrieves: true, requests_max: 2, ..StoreConfig::default() });
@@ -845,7 +845,7 @@ fn a_wait_that_finds_a_mismatch_returns_by_its_deadline_and_the_eviction_is_writ
     fixture.device.set_faults(FaultPlan::none());
     assert_eq!(store.lookup(&tokens), 0, "out of the index at once");
     store.finish(handle).expect("finish");
-    store.sync_headers(Instant::now() + METADATA_TIMEOUT + Duration::from_secs(1)).expect("the staged Empty entries are written");
+    store.sync_headers(deadline()).expect("the staged Empty entries are written");
     drop(store);
     let (_, report) = Pool::open(fixture.targets.clone(), Some(&geometry())).expect("reopen");
     assert_eq!(report.cached_blocks, 0, "the evicted blocks are not served after a reopen: {report:?}");
