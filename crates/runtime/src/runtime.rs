@@ -664,10 +664,10 @@ impl<E: Executor> Runtime<E> {
     /// engine then drains again, calls [`Runtime::abandon_in_flight`], or gives up with
     /// [`Runtime::into_store`] and `KvStore::close`, whose answer says whether its KV memory
     /// may be freed.
-    pub fn finish(mut self) -> std::result::Result<(KvStore<E>, RuntimeCounters), FinishError<E>> {
+    pub fn finish(mut self) -> std::result::Result<(KvStore<E>, RuntimeCounters), Box<FinishError<E>>> {
         match self.drain() {
             Ok(()) => Ok((self.store, self.counters)),
-            Err(error) => Err(FinishError { error, runtime: Box::new(self) }),
+            Err(error) => Err(Box::new(FinishError { error, runtime: Box::new(self) })),
         }
     }
 
