@@ -109,6 +109,12 @@ impl Store {
         matches!(self, Store::File(_))
     }
 
+    /// Whether this is a file store without an `O_DIRECT` descriptor (the filesystem refused
+    /// it): every transfer then goes through the page cache, i.e. memory.
+    pub(crate) fn is_buffered_file(&self) -> bool {
+        matches!(self, Store::File(FileStore { direct: None, .. }))
+    }
+
     pub(crate) fn describe(&self) -> String {
         match self {
             Store::Memory(bytes) => format!("memory:{}", bytes.len()),
@@ -271,7 +277,7 @@ impl FileStore {
             Ok(file) => Some(file),
             Err(error) => {
                 // Once per device: tmpfs and some FUSE filesystems refuse O_DIRECT.
-                tracing::info!(path = %path.display(), %error, "O_DIRECT refused; using buffered pread/pwrite");
+                tracing::warn!(path = %path.display(), %error, "O_DIRECT refused; using buffered pread/pwrite (the page cache, not the disk, serves I/O)");
                 None
             }
         };
@@ -324,6 +330,23 @@ mod tests {
         assert!(check[..4096].iter().all(|&b| b == 0));
         assert!(store.read((1 << 20) - 1, &mut small).is_err(), "reads past the end fail");
         let _ = std::fs::remove_file(&path);
+    }
+
+    #[test]
+    fn only_a_file_store_without_o_direct_is_buffered() {
+        // Goal: the accessor tools use to say "buffered" is true only for a file without its
+        // O_DIRECT descriptor (a filesystem that refused O_DIRECT).
+        let path = std::env::temp_dir().join(format!("nvme-emu-buffered-{}", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        let mut store = Store::open(&Backing::File { path: path.clone(), create_bytes: Some(1 << 20) }, false).unwrap();
+        let _ = std::fs::remove_file(&path);
+        let direct_accepted = matches!(&store, Store::File(FileStore { direct: Some(_), .. }));
+        assert_eq!(store.is_buffered_file(), !direct_accepted);
+        if let Store::File(file) = &mut store {
+            file.direct = None;
+        }
+        assert!(store.is_buffered_file());
+        assert!(!Store::open(&Backing::Memory { bytes: 1 << 20 }, false).unwrap().is_buffered_file());
     }
 
     #[test]

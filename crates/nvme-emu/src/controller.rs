@@ -273,6 +273,10 @@ impl ControllerCore {
         self.store.describe()
     }
 
+    pub(crate) fn store_is_buffered_file(&self) -> bool {
+        self.store.is_buffered_file()
+    }
+
     pub(crate) fn stats(&self) -> EmuStats {
         EmuStats {
             timing: self.timing.as_ref().map(TimingState::stats),

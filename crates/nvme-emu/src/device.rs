@@ -205,6 +205,13 @@ impl EmuDevice {
         self.shared.core().set_faults(plan);
     }
 
+    /// Whether the backing store is a file the controller reads and writes through the page
+    /// cache, because its filesystem refused `O_DIRECT` (tmpfs before Linux 6.6, some FUSE
+    /// filesystems): its figures are then memory's, not a disk's.
+    pub fn backing_is_buffered(&self) -> bool {
+        self.shared.core().store_is_buffered_file()
+    }
+
     /// A snapshot of the counters.
     pub fn stats(&self) -> EmuStats {
         self.shared.core().stats()

@@ -17,8 +17,9 @@ use tutti_devices::{parse_size, DeviceKind};
 /// fio-like benchmark of the raw NVMe path and of layer-wise KV store/retrieve.
 ///
 /// With no arguments (or only --output-format, --keep, --directory): a temporary pool file on
-/// the local disk, the software NVMe controller and the CPU executor run the embedded default
-/// KV workload, then the file is removed.
+/// the local disk (the system temp directory, or /var/tmp when that is in memory), the software
+/// NVMe controller and the CPU executor run the embedded default KV workload, then the file is
+/// removed.
 #[derive(Debug, Parser, Clone)]
 #[command(name = "tutti-bench", version, about, long_about = None, after_long_help = exit_status_help())]
 pub struct Cli {
@@ -172,7 +173,9 @@ pub struct Cli {
     #[arg(long)]
     pub keep: bool,
 
-    /// Where the default run puts its temporary pool file (default: the system temp directory).
+    /// Where a run without --device puts its temporary pool file (default: the system temp
+    /// directory, or /var/tmp when that is tmpfs or ramfs). On tmpfs or ramfs the run goes on,
+    /// and the device line says the file is memory, not a disk.
     #[arg(long)]
     pub directory: Option<PathBuf>,
 

@@ -228,6 +228,20 @@ fn timing_note(spec: &DeviceSpec, options: OpenOptions2) -> String {
     }
 }
 
+/// What a device description adds when its data is in memory while it reads like a disk: a
+/// file on tmpfs or ramfs, or a software controller that runs buffered (its filesystem refused
+/// `O_DIRECT`, so the page cache serves its I/O). Nothing otherwise.
+pub fn storage_note(spec: &DeviceSpec, emulator: Option<&EmuDevice>) -> String {
+    let mut note = match spec {
+        DeviceSpec::EmuFile(path) | DeviceSpec::Uring(path) => crate::filesystems::memory_note(path),
+        _ => String::new(),
+    };
+    if emulator.is_some_and(EmuDevice::backing_is_buffered) {
+        note.push_str(", buffered pread/pwrite (O_DIRECT refused: the page cache, not the disk, serves I/O)");
+    }
+    note
+}
+
 /// Checks a file can be opened as the run needs, creating it (and laying it out) when missing
 /// and allowed. A created file is registered in `created` so that a failed run removes it.
 pub fn prepare_file(path: &Path, options: OpenOptions2, created: &mut CreatedFiles) -> Result<(), DeviceError> {
@@ -303,8 +317,9 @@ impl NvmeDevice {
             .first()
             .ok_or_else(|| DeviceError::Setup(format!("{name}: the controller has no active namespace")))?;
         let description = format!(
-            "{}: namespace {} of {} ({}-byte LBAs), {} data pointers, max transfer {}{}{}",
+            "{}{}: namespace {} of {} ({}-byte LBAs), {} data pointers, max transfer {}{}{}",
             device.spec.describe(),
+            storage_note(&device.spec, device.emulator.as_deref()),
             namespace.id.0,
             format_size(namespace.size_bytes()),
             namespace.block_size_bytes,
@@ -624,8 +639,9 @@ pub fn open_controllers(specs: &[DeviceSpec], options: OpenOptions2, created: &m
         let controller =
             Controller::init(device.backend, ControllerConfig::default()).map_err(|source| DeviceError::Nvme { device: name, source })?;
         let description = format!(
-            "{}: {} data pointers, max transfer {}{}",
+            "{}{}: {} data pointers, max transfer {}{}",
             device.spec.describe(),
+            storage_note(&device.spec, device.emulator.as_deref()),
             controller.data_pointer_mode().name(),
             format_size(controller.max_transfer_bytes()),
             timing_note(&device.spec, options)

@@ -11,6 +11,7 @@ mod args;
 mod attach;
 mod cpus;
 mod devices;
+mod filesystems;
 mod kv;
 mod kv_workload;
 mod memory;

@@ -385,7 +385,8 @@ fn runtime_text(micros: u64) -> String {
     }
 }
 
-/// A pool file in `directory` (default: the system temp directory) sized for the free space.
+/// A pool file in `directory` (default: the system temp directory, or `/var/tmp` when that is
+/// tmpfs or ramfs) sized for the free space.
 struct TemporaryPool {
     path: PathBuf,
     bytes: u64,
@@ -400,7 +401,24 @@ fn free_bytes(directory: &Path) -> anyhow::Result<u64> {
 }
 
 fn temporary_pool(directory: Option<&Path>, wanted_bytes: Option<u64>, lay_out: bool) -> anyhow::Result<TemporaryPool> {
-    let directory = directory.map(Path::to_path_buf).unwrap_or_else(std::env::temp_dir);
+    let directory = match directory {
+        Some(directory) => {
+            // The user's choice is kept, and said plainly: its figures are memory's.
+            if let Ok(Some(kind)) = crate::filesystems::memory_filesystem(directory) {
+                eprintln!(
+                    "tutti-bench: warning: --directory {} is {kind}: the pool file is in memory, not on a disk, and the figures are memory's",
+                    directory.display()
+                );
+            }
+            directory.to_path_buf()
+        }
+        // The system temp directory is tmpfs on several distributions: a disk instead.
+        None => crate::filesystems::choose_default_directory(
+            &crate::filesystems::default_directory_candidates(),
+            crate::filesystems::memory_filesystem,
+        )
+        .map_err(Unusable)?,
+    };
     let free = free_bytes(&directory)?;
     let fitting = (free / DEFAULT_POOL_FREE_DIVISOR).min(DEFAULT_POOL_BYTES_MAX) / (1 << 20) * (1 << 20);
     let bytes = match wanted_bytes {

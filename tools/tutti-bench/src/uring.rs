@@ -90,8 +90,9 @@ impl Device for UringDevice {
     fn describe(&self) -> String {
         let kind = if self.block_device { "block device" } else { "file" };
         format!(
-            "kernel io_uring, O_DIRECT, on {kind} {} of {}, ring setup {}{}",
+            "kernel io_uring, O_DIRECT, on {kind} {}{} of {}, ring setup {}{}",
             self.path.display(),
+            crate::filesystems::memory_note(&self.path),
             format_size(self.capacity_bytes),
             self.setup_flags,
             if self.setup_flags == SetupFlags::FIO { " (as fio's)" } else { " (fio's less what this kernel refused)" },

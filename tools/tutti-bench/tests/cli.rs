@@ -656,3 +656,24 @@ fn an_emulated_timing_model_slows_the_run_and_says_so() {
     assert_refused(&["--device", "uring:/dev/null", "--emu-timing=tutti-ssd"], &["--emu-timing models the software controller"]);
     assert_refused(&["--emu-timing=fast"], &["timing model 'fast'", "accepted: tutti-ssd"]);
 }
+
+#[test]
+fn a_pool_directory_in_memory_is_named_memory_in_text_and_json() {
+    // Goal: a run over a file on tmpfs measures memory; an explicit --directory there still
+    // runs, but the device description (text and JSON) says so plainly.
+    let shm = Path::new("/dev/shm");
+    if !shm.is_dir() {
+        eprintln!("skipped: no /dev/shm here");
+        return;
+    }
+    let arguments = ["--directory", "/dev/shm", "--rw", "read", "--size", "1m"];
+    let output = bench(&[&arguments[..], &["--output-format=json"]].concat());
+    assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
+    let json: serde_json::Value = serde_json::from_slice(&output.stdout).expect("JSON output parses");
+    let description = json["global options"]["devices"][0]["description"].as_str().unwrap_or_default();
+    assert!(description.contains("tmpfs: memory, not a disk"), "{description}");
+    let output = bench(&arguments);
+    assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
+    let text = String::from_utf8_lossy(&output.stdout);
+    assert!(text.contains("tmpfs: memory, not a disk"), "{text}");
+}
