@@ -46,11 +46,10 @@ pub fn run(cli: &Cli, selected: Selected, matches: &ArgMatches) -> anyhow::Resul
                     kv_options.join(", ")
                 ));
             }
-            // Checked before anything is created: the end of the region must be a byte offset.
-            let end_bytes = match cli.size {
-                Some(size) => Some(region_end(cli.offset, size)?),
-                None => None,
-            };
+            // Checked before anything is created: without --device the temporary pool file is
+            // laid out (written) to --offset + --size first.
+            validate_raw(cli)?;
+            let end_bytes = cli.size.map(|size| region_end(cli.offset, size)).transpose()?;
             let lay_out = !raw_writes(cli);
             with_devices(cli, end_bytes, lay_out, |devices, created| run_raw(cli, devices, created))
         }
@@ -139,15 +138,6 @@ fn plan_phases(cli: &Cli, region_start: u64, region_bytes: u64, seed: u64) -> an
     if !cli.verify {
         return Ok((vec![base], 0));
     }
-    if cli.rw == Pattern::Randrw {
-        return usage("--verify works with --rw=read|write|randread|randwrite, not randrw");
-    }
-    if cli.time_based {
-        return usage("--verify makes one full pass (write, then read back); drop --time_based");
-    }
-    if cli.number_ios.is_some() {
-        return usage("--verify makes one full pass (write, then read back); drop --number_ios");
-    }
     // Each job verifies its own slice, so that every block is written once and read back once:
     // a job without a block of its own would fail at run time, so refuse that here.
     let blocks = region_bytes / cli.bs;
@@ -191,8 +181,9 @@ fn stripe_share_bytes(end_bytes: u64, bs: u64, devices: u64) -> anyhow::Result<u
     })
 }
 
-fn run_raw(cli: &Cli, specs: &[DeviceSpec], created: &mut CreatedFiles) -> anyhow::Result<()> {
-    // Checks that need no device come first, so that nothing is created for a doomed run.
+/// Every check of a raw command line that needs no device, made before anything is created or
+/// written: a run without --device lays out its whole temporary pool file first.
+fn validate_raw(cli: &Cli) -> anyhow::Result<()> {
     if !cli.bs.is_multiple_of(512) {
         return usage(format!(
             "--bs={} is not a multiple of 512 bytes; accepted: multiples of the device block size, e.g. 4k, 128k, 1m",
@@ -205,7 +196,7 @@ fn run_raw(cli: &Cli, specs: &[DeviceSpec], created: &mut CreatedFiles) -> anyho
     if !cli.offset.is_multiple_of(cli.bs) {
         return usage(format!("--offset={} is not a multiple of --bs={}", cli.offset, cli.bs));
     }
-    if cli.verify && specs.iter().any(|spec| matches!(spec, DeviceSpec::EmuNull(_))) {
+    if cli.verify && cli.devices.iter().any(|spec| matches!(spec, DeviceSpec::EmuNull(_))) {
         return usage("--verify cannot check emu:null devices (they move no data); accepted: emu:PATH, emu:mem:SIZE, uring:PATH, vfio:BDF");
     }
     if cli.time_based && cli.runtime.is_none() {
@@ -214,6 +205,42 @@ fn run_raw(cli: &Cli, specs: &[DeviceSpec], created: &mut CreatedFiles) -> anyho
     if cli.size.is_some_and(|size| size < cli.bs) {
         return usage(format!("--size={} is smaller than --bs={}", cli.size.unwrap_or(0), cli.bs));
     }
+    if cli.verify {
+        if cli.rw == Pattern::Randrw {
+            return usage("--verify works with --rw=read|write|randread|randwrite, not randrw");
+        }
+        if cli.time_based {
+            return usage("--verify makes one full pass (write, then read back); drop --time_based");
+        }
+        if cli.number_ios.is_some() {
+            return usage("--verify makes one full pass (write, then read back); drop --number_ios");
+        }
+    }
+    // Memory devices are checked together: two emu:mem devices may fit one by one, not both.
+    tutti_devices::check_memory(&cli.devices).map_err(|error| Unusable(error.to_string()))?;
+    // And the I/O buffers beside them: every job opens a queue of --iodepth buffers of --bs on
+    // every device (DMA memory, or aligned memory for uring:), allocated before the run starts.
+    // Without --device the run has one device, the temporary pool file (no memory device).
+    let devices = cli.devices.len().max(1);
+    crate::memory::check_host_memory(
+        &format!(
+            "I/O buffers (--numjobs={} × {} device(s) × --iodepth={} × --bs={})",
+            cli.numjobs,
+            devices,
+            cli.iodepth,
+            format_size(cli.bs)
+        ),
+        crate::memory::raw_buffer_bytes(cli.numjobs, devices, cli.iodepth, cli.bs),
+        &cli.devices,
+        "a smaller --iodepth, --bs or --numjobs",
+    )?;
+    // So are files: the same file as two devices of a stripe would overwrite itself.
+    tutti_devices::refuse_shared_files(&cli.devices).map_err(|error| Unusable(error.to_string()))?;
+    Ok(())
+}
+
+fn run_raw(cli: &Cli, specs: &[DeviceSpec], created: &mut CreatedFiles) -> anyhow::Result<()> {
+    // Checks that need no device were made by `validate_raw`, before anything was created.
     let writes = raw_writes(cli);
     let end_bytes = cli.size.map(|size| region_end(cli.offset, size)).transpose()?;
     let per_device_bytes = end_bytes.map(|end| stripe_share_bytes(end, cli.bs, specs.len() as u64)).transpose()?;
@@ -226,24 +253,6 @@ fn run_raw(cli: &Cli, specs: &[DeviceSpec], created: &mut CreatedFiles) -> anyho
         timing: cli.emu_timing,
         shadow_doorbells: cli.shadow_doorbells,
     };
-    // Memory devices are checked together: two emu:mem devices may fit one by one, not both.
-    tutti_devices::check_memory(specs).map_err(|error| Unusable(error.to_string()))?;
-    // And the I/O buffers beside them: every job opens a queue of --iodepth buffers of --bs on
-    // every device (DMA memory, or aligned memory for uring:), allocated before the run starts.
-    crate::memory::check_host_memory(
-        &format!(
-            "I/O buffers (--numjobs={} × {} device(s) × --iodepth={} × --bs={})",
-            cli.numjobs,
-            specs.len(),
-            cli.iodepth,
-            format_size(cli.bs)
-        ),
-        crate::memory::raw_buffer_bytes(cli.numjobs, specs.len(), cli.iodepth, cli.bs),
-        specs,
-        "a smaller --iodepth, --bs or --numjobs",
-    )?;
-    // So are files: the same file as two devices of a stripe would overwrite itself.
-    tutti_devices::refuse_shared_files(specs).map_err(|error| Unusable(error.to_string()))?;
     let mut devices: Vec<Arc<dyn Device>> = Vec::with_capacity(specs.len());
     for spec in specs {
         let device = devices::open(spec, options, created).map_err(|error| match error {

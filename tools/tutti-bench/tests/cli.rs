@@ -677,3 +677,18 @@ fn a_pool_directory_in_memory_is_named_memory_in_text_and_json() {
     let text = String::from_utf8_lossy(&output.stdout);
     assert!(text.contains("tmpfs: memory, not a disk"), "{text}");
 }
+
+#[test]
+fn raw_arguments_are_checked_before_a_temporary_pool_is_written() {
+    // Goal: with no --device a raw run lays out --offset + --size bytes of a pool file; bad
+    // arguments that need no device must be refused first (30 GiB were written before a
+    // `--bs 1000` was refused). A directory that does not exist shows the order: the refusal
+    // names the argument, not the directory.
+    let missing = ["--directory", "/nonexistent-tutti-bench-dir"];
+    assert_refused(&[&missing[..], &["--size", "1m", "--bs", "1000"]].concat(), &["--bs=1000", "512"]);
+    assert_refused(&[&missing[..], &["--size", "1m", "--bs", "128m"]].concat(), &["--bs", "64 MiB"]);
+    assert_refused(&[&missing[..], &["--size", "1m", "--offset", "1000"]].concat(), &["--offset"]);
+    assert_refused(&[&missing[..], &["--size", "1m", "--time_based"]].concat(), &["--time_based needs --runtime"]);
+    assert_refused(&[&missing[..], &["--size", "4k", "--bs", "8k"]].concat(), &["smaller than --bs"]);
+    assert_refused(&[&missing[..], &["--size", "1m", "--rw=randrw", "--verify"]].concat(), &["randrw"]);
+}
