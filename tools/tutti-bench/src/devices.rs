@@ -93,6 +93,11 @@ pub trait IoQueue: Send {
     fn write_buffer(&mut self, slot: u32, source: &[u8]) -> Result<(), DeviceError>;
     /// Copies the slot's buffer out (only while the slot is idle).
     fn read_buffer(&self, slot: u32, destination: &mut [u8]) -> Result<(), DeviceError>;
+    /// Makes the slot's next write unlike its last (only while the slot is idle): `stamp` +
+    /// the chunk's offset goes into the first 8 bytes of every [`STAMP_CHUNK_BYTES`] of the
+    /// buffer, as fio's default `scramble_buffers` stamps each I/O, so that blocks written from
+    /// one buffer do not deduplicate. One 8-byte store per 4 KiB.
+    fn stamp_buffer(&mut self, slot: u32, stamp: u64) -> Result<(), DeviceError>;
     /// Waits for everything in flight (bounded), discarding results: used before tearing down.
     fn drain(&mut self, deadline: Instant);
     /// Paces a loop that polls this queue without waiting on it (several devices polled in
@@ -294,6 +299,9 @@ pub fn lay_out(file: &std::fs::File, bytes: u64) -> std::io::Result<()> {
     file.sync_all()
 }
 
+/// The granule of [`IoQueue::stamp_buffer`]: the block size deduplicating storage commonly works in.
+pub const STAMP_CHUNK_BYTES: usize = 4096;
+
 /// A controller reached through `nvme-driver`: the software one or a VFIO function.
 struct NvmeDevice {
     controller: Controller,
@@ -363,12 +371,10 @@ impl NvmeDevice {
             .checked_mul(depth as usize)
             .ok_or_else(|| DeviceError::Setup(format!("{name}: {depth} buffers of {slot_bytes} bytes overflow")))?;
         let buffers = self.controller.dma().allocate(total).map_err(|source| nvme(NvmeError::Hardware(source)))?;
-        // Fill write buffers with non-zero bytes once (some devices shortcut zeroes).
-        let fill: Vec<u8> = (0..slot_bytes).map(|index| (index as u8).wrapping_mul(31) ^ 0xa5).collect();
+        // A job that writes fills the buffers with pseudorandom bytes itself (`run_job`).
         let mut segments = Vec::with_capacity(depth as usize);
         for slot in 0..depth as usize {
             let region = buffers.subregion(slot * slot_bytes, slot_bytes).map_err(|source| nvme(NvmeError::Hardware(source)))?;
-            region.write(0, &fill).map_err(|source| nvme(NvmeError::Hardware(source)))?;
             segments.push(DataSegment::new(region.iova(), slot_len));
         }
         Ok(NvmeQueue {
@@ -579,6 +585,16 @@ impl IoQueue for NvmeQueue {
         self.buffers
             .write(offset, &source[..source.len().min(self.slot_bytes)])
             .map_err(|source| DeviceError::Nvme { device: self.name.clone(), source: source.into() })
+    }
+
+    fn stamp_buffer(&mut self, slot: u32, stamp: u64) -> Result<(), DeviceError> {
+        let start = slot as usize * self.slot_bytes;
+        for chunk in (0..self.slot_bytes).step_by(STAMP_CHUNK_BYTES) {
+            self.buffers
+                .write(start + chunk, &stamp.wrapping_add(chunk as u64).to_le_bytes())
+                .map_err(|source| DeviceError::Nvme { device: self.name.clone(), source: source.into() })?;
+        }
+        Ok(())
     }
 
     fn read_buffer(&self, slot: u32, destination: &mut [u8]) -> Result<(), DeviceError> {

@@ -114,12 +114,11 @@ impl Device for UringDevice {
     fn open_queue(&self, depth: u32, slot_bytes: usize) -> Result<Box<dyn IoQueue>, DeviceError> {
         let name = self.name();
         let ring = Ring::with_setup(depth, self.setup_flags).map_err(|error| DeviceError::Setup(format!("{name}: {error}")))?;
-        let fill: Vec<u8> = (0..slot_bytes).map(|index| (index as u8).wrapping_mul(31) ^ 0xa5).collect();
+        // A job that writes fills the buffers with pseudorandom bytes itself (`run_job`).
         let mut buffers = Vec::with_capacity(depth as usize);
         for _ in 0..depth {
-            let mut buffer = AlignedBuffer::with_capacity(slot_bytes)
+            let buffer = AlignedBuffer::with_capacity(slot_bytes)
                 .map_err(|error| DeviceError::Setup(format!("{name}: {depth} buffers of {slot_bytes} bytes: {error}")))?;
-            buffer.slice(slot_bytes).copy_from_slice(&fill);
             buffers.push(buffer);
         }
         Ok(Box::new(UringQueue {
@@ -239,6 +238,16 @@ impl IoQueue for UringQueue {
         self.idle_buffer(slot)?;
         let len = source.len().min(self.slot_bytes);
         self.buffers[slot as usize].slice(len).copy_from_slice(&source[..len]);
+        Ok(())
+    }
+
+    fn stamp_buffer(&mut self, slot: u32, stamp: u64) -> Result<(), DeviceError> {
+        self.idle_buffer(slot)?;
+        let buffer = self.buffers[slot as usize].slice(self.slot_bytes);
+        for (chunk, bytes) in buffer.chunks_mut(crate::devices::STAMP_CHUNK_BYTES).enumerate() {
+            let value = stamp.wrapping_add((chunk * crate::devices::STAMP_CHUNK_BYTES) as u64).to_le_bytes();
+            bytes[..8].copy_from_slice(&value);
+        }
         Ok(())
     }
 

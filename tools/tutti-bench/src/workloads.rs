@@ -83,6 +83,32 @@ pub fn fill_pattern(buffer: &mut [u8], logical_offset_bytes: u64, seed: u64) {
     }
 }
 
+/// Pseudorandom bytes from `seed` (each 8-byte word a hash of the seed and its index): what a
+/// slot's buffer holds for writes that carry no verify pattern. fio writes random buffers too;
+/// a short repeating pattern would compress and deduplicate on storage that does.
+pub fn fill_random(buffer: &mut [u8], seed: u64) {
+    for (index, word) in buffer.chunks_mut(8).enumerate() {
+        let bytes = mix(seed.wrapping_add(index as u64)).to_le_bytes();
+        word.copy_from_slice(&bytes[..word.len()]);
+    }
+}
+
+/// Fills every slot buffer of `queues` once, before the job's clock starts, with pseudorandom
+/// bytes seeded by the job, device and slot, when the phase writes without a verify pattern.
+fn fill_write_buffers(queues: &mut [Box<dyn IoQueue>], plan: &PhasePlan, job_seed: u64) -> Result<(), DeviceError> {
+    if plan.verify != VerifyMode::None || !matches!(plan.pattern, Pattern::Write | Pattern::Randwrite | Pattern::Randrw) {
+        return Ok(());
+    }
+    let mut bytes = vec![0u8; plan.bs as usize];
+    for (device, queue) in queues.iter_mut().enumerate() {
+        for slot in 0..plan.iodepth {
+            fill_random(&mut bytes, mix(job_seed ^ ((device as u64) << 32 | u64::from(slot))));
+            queue.write_buffer(slot, &bytes)?;
+        }
+    }
+    Ok(())
+}
+
 /// The first byte where `actual` differs from the pattern: (index, expected, actual).
 pub fn find_mismatch(actual: &[u8], logical_offset_bytes: u64, seed: u64) -> Option<(usize, u8, u8)> {
     for (index, word) in actual.chunks(8).enumerate() {
@@ -273,8 +299,10 @@ fn run_job(
     // Pin (when asked) and open queues first, then meet the other jobs, so that timing starts
     // together; a failure is reported after the barrier, which every job must reach.
     let pinned = plan.cpus_allowed.as_ref().map_or(Ok(()), |cpus| cpus.pin_current_thread().map_err(|error| (cpus, error)));
+    let seed = mix(plan.seed ^ u64::from(job));
     let opened: Result<Vec<Box<dyn IoQueue>>, DeviceError> =
         devices.iter().map(|device| device.open_queue(plan.iodepth, plan.bs as usize)).collect();
+    let opened = opened.and_then(|mut queues| fill_write_buffers(&mut queues, plan, seed).map(|()| queues));
     barrier.wait();
     pinned.map_err(|(cpus, error)| anyhow!("job{job}: --cpus_allowed={cpus}: {error}"))?;
     let mut queues = opened.with_context(|| format!("job{job}: opening queues"))?;
@@ -288,7 +316,6 @@ fn run_job(
     if blocks == 0 {
         return Err(anyhow!("job{job}: region of {region_bytes} bytes holds no {}-byte block", plan.bs));
     }
-    let seed = mix(plan.seed ^ u64::from(job));
     let mut generator = OffsetGenerator {
         pattern: plan.pattern,
         start_bytes: region_start,
@@ -339,9 +366,14 @@ fn run_job(
                 generator.next()
             });
             let (device, device_offset) = stripe(logical, plan.bs, device_count);
-            if plan.verify == VerifyMode::WritePattern && direction == Direction::Write {
-                fill_pattern(&mut scratch, logical, plan.seed);
-                queues[device].write_buffer(slot, &scratch)?;
+            if direction == Direction::Write {
+                if plan.verify == VerifyMode::WritePattern {
+                    fill_pattern(&mut scratch, logical, plan.seed);
+                    queues[device].write_buffer(slot, &scratch)?;
+                } else {
+                    // The slot's random bytes, stamped with this I/O (fio's scramble_buffers).
+                    queues[device].stamp_buffer(slot, seed ^ logical ^ issued.rotate_left(40))?;
+                }
             }
             match queues[device].queue(slot, direction, device_offset) {
                 Ok(()) => {
@@ -543,6 +575,9 @@ mod tests {
             Ok(())
         }
         fn read_buffer(&self, _slot: u32, _destination: &mut [u8]) -> Result<(), DeviceError> {
+            Ok(())
+        }
+        fn stamp_buffer(&mut self, _slot: u32, _stamp: u64) -> Result<(), DeviceError> {
             Ok(())
         }
         fn drain(&mut self, _deadline: Instant) {}
