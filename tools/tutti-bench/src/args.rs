@@ -261,6 +261,19 @@ pub fn kv_options_given(matches: &ArgMatches) -> Vec<String> {
         .collect()
 }
 
+/// Names of the raw-only options given on the command line (refused with the kv and serve
+/// workloads), as the user spells them (fio's `--time_based`, `--number_ios`, `--cpus_allowed`).
+pub fn raw_options_given(matches: &ArgMatches) -> Vec<String> {
+    RAW_OPTIONS
+        .iter()
+        .filter(|id| matches.value_source(id) == Some(ValueSource::CommandLine))
+        .map(|id| match *id {
+            "time_based" | "number_ios" | "cpus_allowed" => format!("--{id}"),
+            id => format!("--{}", id.replace('_', "-")),
+        })
+        .collect()
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Workload {
     Raw,

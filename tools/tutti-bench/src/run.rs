@@ -31,6 +31,19 @@ pub fn run(cli: &Cli, selected: Selected, matches: &ArgMatches) -> anyhow::Resul
     if cli.cpus_allowed.is_some() && selected != Selected::Raw {
         return usage("--cpus_allowed applies to --workload=raw");
     }
+    if matches!(selected, Selected::Kv | Selected::Serve) {
+        let raw_options = crate::args::raw_options_given(matches);
+        if !raw_options.is_empty() {
+            let (workload, accepted) = match selected {
+                Selected::Kv => ("kv", "--device, --verify, --output-format and the KV options"),
+                _ => ("serve", "--device, --output-format, the KV and the serve options"),
+            };
+            return usage(format!(
+                "{} apply to --workload=raw; the {workload} workload sizes its I/O from the model, the prompt and the pool (accepted with it: {accepted})",
+                raw_options.join(", ")
+            ));
+        }
+    }
     match selected {
         Selected::Default => default_run(cli),
         Selected::Kv => crate::kv::run(cli),
@@ -206,6 +219,9 @@ fn validate_raw(cli: &Cli) -> anyhow::Result<()> {
         return usage(format!("--size={} is smaller than --bs={}", cli.size.unwrap_or(0), cli.bs));
     }
     if cli.verify {
+        if cli.runtime.is_some() {
+            return usage("--verify makes one full pass (write, then read back) and does not stop at --runtime; drop --runtime");
+        }
         if cli.rw == Pattern::Randrw {
             return usage("--verify works with --rw=read|write|randread|randwrite, not randrw");
         }

@@ -721,3 +721,19 @@ fn written_blocks_carry_pseudorandom_data_that_differs_between_blocks() {
         assert!(!is_periodic(&data[..4096], 512), "{device}: the first block repeats every 512 bytes");
     }
 }
+
+#[test]
+fn raw_options_with_the_kv_and_serve_workloads_are_refused_naming_them() {
+    // Goal: the kv and serve workloads used to drop --runtime, --numjobs, --iodepth, --bs, --rw,
+    // --size and --offset without a word; like kv options with the raw workload, they are
+    // refused (exit 2) naming each option given. And --verify makes one pass, so a --runtime
+    // beside it (dropped, while the configuration printed it) is refused too.
+    assert_refused(&["--workload=kv", "--device", "emu:mem:128m", "--runtime", "5"], &["--runtime", "--workload=raw"]);
+    assert_refused(&["--workload=kv", "--iodepth", "8", "--bs", "1m"], &["--iodepth", "--bs", "--workload=raw"]);
+    for option in ["--numjobs=2", "--rw=write", "--size=1m", "--offset=4k", "--time_based", "--number_ios=5", "--rwmixread=10"] {
+        assert_refused(&["--workload=kv", "--device", "emu:mem:128m", option], &[option.split('=').next().unwrap(), "--workload=raw"]);
+    }
+    assert_refused(&["--workload=serve", "--runtime", "5"], &["--runtime", "--workload=raw"]);
+    assert_refused(&["--policy=all", "--size", "1m"], &["--size", "--workload=raw"]);
+    assert_refused(&["--device", "emu:mem:16m", "--verify", "--runtime", "5"], &["--verify", "--runtime"]);
+}
