@@ -83,6 +83,29 @@ pub fn fill_pattern(buffer: &mut [u8], logical_offset_bytes: u64, seed: u64) {
     }
 }
 
+/// The devices holding the I/Os in flight (slots not free), each with its count when there are
+/// several: what a timeout names. Cold path (once, at a timeout).
+fn stuck_devices(devices: &[Arc<dyn Device>], slots: &[SlotState], free_slots: &[u32]) -> String {
+    let mut counts = vec![0usize; devices.len()];
+    for (slot, state) in slots.iter().enumerate() {
+        if !free_slots.contains(&(slot as u32)) {
+            if let Some(count) = counts.get_mut(state.device) {
+                *count += 1;
+            }
+        }
+    }
+    let stuck: Vec<usize> = (0..devices.len()).filter(|&device| counts[device] > 0).collect();
+    match stuck.as_slice() {
+        [] => devices.iter().map(|device| device.name()).collect::<Vec<_>>().join(", "),
+        [device] => devices[*device].name(),
+        several => several
+            .iter()
+            .map(|&device| format!("{} ({} in flight)", devices[device].name(), counts[device]))
+            .collect::<Vec<_>>()
+            .join(", "),
+    }
+}
+
 /// Pseudorandom bytes from `seed` (each 8-byte word a hash of the seed and its index): what a
 /// slot's buffer holds for writes that carry no verify pattern. fio writes random buffers too;
 /// a short repeating pattern would compress and deduplicate on storage that does.
@@ -408,7 +431,8 @@ fn run_job(
         }
         if completed.is_empty() {
             if Instant::now() > deadline {
-                return Err(DeviceError::Timeout { device: devices[0].name(), timeout_s: IO_TIMEOUT.as_secs(), in_flight }.into());
+                let device = stuck_devices(devices, &slots, &free_slots);
+                return Err(DeviceError::Timeout { device, timeout_s: IO_TIMEOUT.as_secs(), in_flight }.into());
             }
             // With one device, submit_and_reap has waited under that device's waiter, and what
             // it reaped was part of an I/O split into several commands (larger than the MDTS):
@@ -518,6 +542,45 @@ mod tests {
         let (byte, expected, actual) = find_mismatch(&buffer, 8192, 5).unwrap();
         assert_eq!(byte, 1234);
         assert_eq!(expected ^ 0xff, actual);
+    }
+
+    #[test]
+    fn a_timeout_names_the_devices_whose_ios_are_stuck() {
+        // Goal: a timeout named devices[0] even when the I/Os in flight were on another device.
+        let paced = Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let devices: Vec<Arc<dyn Device>> = ["emu:a", "emu:b", "emu:c"]
+            .into_iter()
+            .map(|name| Arc::new(NamedDevice { name, inner: SplitDevice { paced: Arc::clone(&paced) } }) as Arc<dyn Device>)
+            .collect();
+        let slot = |device| SlotState { direction: Direction::Read, logical_bytes: 0, device, queued_ns: 0, submitted_ns: 0 };
+        let slots = [slot(1), slot(0), slot(1), slot(2)];
+        // Slots 1 and 3 (devices 0 and 2) are free: only device 1 holds I/Os.
+        assert_eq!(stuck_devices(&devices, &slots, &[1, 3]), "emu:b");
+        assert_eq!(stuck_devices(&devices, &slots, &[1]), "emu:b (2 in flight), emu:c (1 in flight)");
+    }
+
+    /// [`SplitDevice`] under another name.
+    struct NamedDevice {
+        name: &'static str,
+        inner: SplitDevice,
+    }
+
+    impl Device for NamedDevice {
+        fn name(&self) -> String {
+            self.name.into()
+        }
+        fn describe(&self) -> String {
+            self.inner.describe()
+        }
+        fn capacity_bytes(&self) -> u64 {
+            self.inner.capacity_bytes()
+        }
+        fn block_size_bytes(&self) -> u32 {
+            self.inner.block_size_bytes()
+        }
+        fn open_queue(&self, depth: u32, slot_bytes: usize) -> Result<Box<dyn IoQueue>, DeviceError> {
+            self.inner.open_queue(depth, slot_bytes)
+        }
     }
 
     /// A device whose every I/O completes as two commands, one per reap (an I/O larger than
