@@ -234,7 +234,10 @@ if [ "$OURS" = 1 ]; then
                     printf '%s\n' "echo JSON_BEGIN spdk $name $pass; LD_LIBRARY_PATH=$(printf %q "$SPDK_DIR/build/lib") /usr/bin/spdk_nvme_perf -r 'trtype:PCIe traddr:'\$TUTTI_BDF0 -q $depth -o $bytes -w $rw -t $RUNTIME_S -c 0x1 -s 128 --iova-mode pa > /tmp/perf.txt 2>&1; status=\$?; sed 's/^/PERF /' /tmp/perf.txt; echo JSON_END; exit \$status" >> "$COMMANDS"
                     continue
                 fi
-                printf '%s\n' "echo JSON_BEGIN $label $name $pass; $binary --workload=raw --device vfio:\$TUTTI_BDF0 --rw=$rw --bs=$block --iodepth=$depth --numjobs=1 --size=${SIZE_MIB}M --time_based --runtime=${RUNTIME_S}s --output-format=json > /tmp/result.json 2> /tmp/stderr.txt; status=\$?; [ \$status = 0 ] || cat /tmp/stderr.txt; sed 's/^/JSON /' /tmp/result.json; echo JSON_END; exit \$status" >> "$COMMANDS"
+                # Writes as SPDK's perf writes (its buffers unchanged from I/O to I/O): a build
+                # that stamps each write (--scramble_buffers, fio's default) is told not to;
+                # older builds ("before") have neither the stamp nor the option.
+                printf '%s\n' "echo JSON_BEGIN $label $name $pass; unstamped=; $binary --help 2>/dev/null | grep -q -- --scramble_buffers && unstamped=--scramble_buffers=0; $binary --workload=raw --device vfio:\$TUTTI_BDF0 --rw=$rw --bs=$block --iodepth=$depth --numjobs=1 --size=${SIZE_MIB}M --time_based --runtime=${RUNTIME_S}s --output-format=json \$unstamped > /tmp/result.json 2> /tmp/stderr.txt; status=\$?; [ \$status = 0 ] || cat /tmp/stderr.txt; sed 's/^/JSON /' /tmp/result.json; echo JSON_END; exit \$status" >> "$COMMANDS"
             done
         done
     done

@@ -64,6 +64,13 @@ pub struct Cli {
     #[arg(long = "number_ios", alias = "number-ios", value_parser = clap::value_parser!(u64).range(1..))]
     pub number_ios: Option<u64>,
 
+    /// Stamp 8 bytes of every 4 KiB of a write's buffer before each write (1, fio's
+    /// `scramble_buffers` default), so that writes from one buffer do not deduplicate; 0 writes
+    /// each slot's pseudorandom bytes unchanged (as SPDK's perf writes its fixed buffers:
+    /// tools/vm-bench.sh compares with it so).
+    #[arg(long = "scramble_buffers", alias = "scramble-buffers", default_value = "1", value_parser = parse_fio_bool, action = clap::ArgAction::Set)]
+    pub scramble_buffers: bool,
+
     /// Percentage of reads in a randrw mix.
     #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u8).range(0..=100))]
     pub rwmixread: u8,
@@ -203,8 +210,9 @@ pub enum Selected {
 }
 
 /// Options that shape only the raw workload, and only the kv workload (by clap id).
-const RAW_OPTIONS: [&str; 12] = [
+const RAW_OPTIONS: [&str; 13] = [
     "rw",
+    "scramble_buffers",
     "bs",
     "iodepth",
     "numjobs",
@@ -268,7 +276,7 @@ pub fn raw_options_given(matches: &ArgMatches) -> Vec<String> {
         .iter()
         .filter(|id| matches.value_source(id) == Some(ValueSource::CommandLine))
         .map(|id| match *id {
-            "time_based" | "number_ios" | "cpus_allowed" => format!("--{id}"),
+            "time_based" | "number_ios" | "cpus_allowed" | "scramble_buffers" => format!("--{id}"),
             id => format!("--{}", id.replace('_', "-")),
         })
         .collect()
@@ -338,6 +346,15 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
 }
 
 /// A block size: a size that is not zero (every stripe and region is counted in blocks of it).
+/// fio's boolean spelling: 0 or 1 (also true / false).
+fn parse_fio_bool(text: &str) -> Result<bool, String> {
+    match text {
+        "1" | "true" => Ok(true),
+        "0" | "false" => Ok(false),
+        other => Err(format!("{other:?}: expected 0 or 1")),
+    }
+}
+
 fn parse_block_size_arg(text: &str) -> Result<u64, String> {
     match parse_size(text).map_err(|error| error.to_string())? {
         0 => Err(format!("block size '{text}' is zero; accepted: a multiple of 512 bytes up to 64 MiB, e.g. 4k, 128k, 1m")),

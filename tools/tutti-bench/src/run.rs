@@ -145,6 +145,7 @@ fn plan_phases(cli: &Cli, region_start: u64, region_bytes: u64, seed: u64) -> an
         number_ios: cli.number_ios,
         rwmixread: cli.rwmixread,
         verify: VerifyMode::None,
+        scramble_buffers: cli.scramble_buffers,
         seed,
         cpus_allowed: cli.cpus_allowed.clone(),
     };

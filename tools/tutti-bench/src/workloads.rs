@@ -43,6 +43,8 @@ pub struct PhasePlan {
     pub number_ios: Option<u64>,
     pub rwmixread: u8,
     pub verify: VerifyMode,
+    /// Stamp each write's buffer before it goes (`--scramble_buffers`).
+    pub scramble_buffers: bool,
     pub seed: u64,
     /// CPUs every job thread is confined to (`--cpus_allowed`).
     pub cpus_allowed: Option<crate::cpus::CpuList>,
@@ -393,7 +395,7 @@ fn run_job(
                 if plan.verify == VerifyMode::WritePattern {
                     fill_pattern(&mut scratch, logical, plan.seed);
                     queues[device].write_buffer(slot, &scratch)?;
-                } else {
+                } else if plan.scramble_buffers {
                     // The slot's random bytes, stamped with this I/O (fio's scramble_buffers).
                     queues[device].stamp_buffer(slot, seed ^ logical ^ issued.rotate_left(40))?;
                 }
@@ -666,6 +668,7 @@ mod tests {
             number_ios: Some(200),
             rwmixread: 100,
             verify: VerifyMode::None,
+            scramble_buffers: true,
             seed: 1,
             cpus_allowed: None,
         };

@@ -720,6 +720,17 @@ fn written_blocks_carry_pseudorandom_data_that_differs_between_blocks() {
         assert!(!is_periodic(&data[..8192], 256), "{device}: the data repeats every 256 bytes");
         assert!(!is_periodic(&data[..4096], 512), "{device}: the first block repeats every 512 bytes");
     }
+    // --scramble_buffers=0 (as SPDK's perf, which vm-bench compares with, writes its buffers):
+    // the slot's pseudorandom bytes go unchanged, so two writes from one slot are equal.
+    let file = directory.path().join("unscrambled.img");
+    let device = format!("emu:{}", file.display());
+    let output = bench(&["--device", &device, "--rw=write", "--bs=4k", "--size=8k", "--scramble_buffers=0"]);
+    assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
+    let data = std::fs::read(&file).unwrap();
+    assert_eq!(data[..4096], data[4096..8192], "one slot, no stamp: the same bytes twice");
+    assert!(!is_periodic(&data[..4096], 512), "still pseudorandom");
+    let refused = bench(&["--device", &device, "--scramble_buffers=2"]);
+    assert_eq!(refused.status.code(), Some(2), "{}", stderr(&refused));
 }
 
 #[test]
