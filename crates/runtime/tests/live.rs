@@ -229,20 +229,31 @@ fn in_flight_max(events: &[IoEvent], direction: IoDirection) -> usize {
 /// flight and the next request's first read waited for all of them.
 #[test]
 fn one_write_layer_in_flight_across_queued_stores() {
-    let mut stack = stack(config(PolicyChoice::NoOverlap), Some(common::slow_ssd()));
+    // Writes at a quarter of slow_ssd's rate, so that stores queue behind one another however
+    // the machine's load stretches the prefills; each session on engine blocks of its own, so
+    // that no later session's store holds the first's blocks when the test asks whether they
+    // were let go (take_blocks would hand a committed store's blocks to the next prefill).
+    let timing = nvme_emu::TimingModel { write_bytes_per_s: 32_000_000, ..common::slow_ssd() };
+    let mut stack = stack(config(PolicyChoice::NoOverlap), Some(timing));
+    let blocks_per_prompt = prompt(0, 0).len() / BLOCK_TOKENS as usize;
+    let own_blocks =
+        |session: usize| -> Vec<u32> { (0..blocks_per_prompt).map(|index| (session * blocks_per_prompt + index) as u32).collect() };
     let mut first = None;
-    for session in 0..3 {
-        let tokens = prompt(session + 10, 0);
-        let engine_blocks = take_blocks(&mut stack, tokens.len() / BLOCK_TOKENS as usize);
+    let mut sessions = 0;
+    while sessions < 3 || (stack.runtime.queued_stores() < 2 && sessions < 8) {
+        let tokens = prompt(sessions as u32 + 10, 0);
+        let engine_blocks = own_blocks(sessions);
         prefill(&mut stack, &tokens, &engine_blocks).expect("prefill");
         first.get_or_insert((tokens, engine_blocks));
+        sessions += 1;
     }
     assert!(stack.runtime.queued_stores() >= 2, "the test needs stores queued together: {:?}", stack.runtime);
     // A turn that reads once its session's store is visible (others may still be queued).
     let (first_tokens, first_blocks) = first.expect("three prefills");
     decode_until_visible(&mut stack, &first_tokens, &first_blocks);
     let tokens = prompt(10, 1);
-    let engine_blocks = take_blocks(&mut stack, tokens.len() / BLOCK_TOKENS as usize);
+    let engine_blocks: Vec<u32> =
+        (0..tokens.len() / BLOCK_TOKENS as usize).map(|index| (sessions * blocks_per_prompt + index) as u32).collect();
     assert!(prefill(&mut stack, &tokens, &engine_blocks).expect("prefill") > 0, "the turn hits its session's blocks");
     stack.runtime.drain().expect("drain");
     let events = stack.runtime.events();
