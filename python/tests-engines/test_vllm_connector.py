@@ -1141,6 +1141,85 @@ def test_a_load_failing_on_one_rank_cancels_other_requests_saves_over_its_blocks
     assert cached_blocks_per_rank(daemon, scheduler, tokens_b) == [2, 2], "a rank committed B's save over A's failed blocks"
 
 
+class Panic(BaseException):
+    """Stands for pyo3's PanicException (a panic in the binding): a BaseException."""
+
+
+class CommitRaising:
+    """A tutti.Request whose commit raises `error`; the rest is the real request's."""
+
+    def __init__(self, request, error: BaseException) -> None:
+        self._request = request
+        self._error = error
+
+    def __getattr__(self, name: str):
+        return getattr(self._request, name)
+
+    def commit(self):
+        raise self._error
+
+
+class StoreWithCommitsRaising:
+    def __init__(self, store, error: BaseException) -> None:
+        self._store = store
+        self._error = error
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
+
+    def prepare_store(self, tokens, block_ids):
+        return CommitRaising(self._store.prepare_store(tokens, block_ids), self._error)
+
+
+def test_a_save_whose_commit_panics_is_reported_and_the_committer_goes_on(tuttid):
+    """Goal: a BaseException out of the binding in the committer thread (pyo3's PanicException)
+    does not end the thread silently, leaving the save never reported (vLLM would keep the
+    request forever) and every later save stuck: the save is a miss, reported, and the next
+    save is committed."""
+    daemon = tuttid(harness.TUTTID_GEOMETRY)
+    worker = LocalWorker(daemon.socket)
+    try:
+        connector = worker.connector
+        real = connector._store
+        tokens = prompt(51, blocks=2, tail=0)
+        worker.fill([1, 2], 51)
+        connector._store = StoreWithCommitsRaising(real, Panic("injected: a panic in the binding"))
+        result = worker.step(TuttiConnectorMetadata(saves=[SaveSpec("P", tokens, [1, 2])]), finished={"P"})
+        wait_reported(worker, "P", result["finished_sending"])
+        assert real.lookup(tokens) == 0
+        assert connector._committer.is_alive()
+        connector._store = real
+        worker.save("Q", tokens, [1, 2])
+        assert real.lookup(tokens) == 2
+    finally:
+        worker.shutdown()
+
+
+def test_a_stopped_committer_fails_later_saves_instead_of_hanging(tuttid):
+    """Goal: a committer stopped by SystemExit (or KeyboardInterrupt) reports the save it held; a
+    later wait_for_save gives its saves up (reported, misses) and raises a tutti error naming the
+    stopped committer, rather than hand them to a thread that never reports them."""
+    daemon = tuttid(harness.TUTTID_GEOMETRY)
+    worker = LocalWorker(daemon.socket)
+    try:
+        connector = worker.connector
+        real = connector._store
+        tokens = prompt(52, blocks=2, tail=0)
+        worker.fill([1, 2], 52)
+        connector._store = StoreWithCommitsRaising(real, SystemExit(3))
+        result = worker.step(TuttiConnectorMetadata(saves=[SaveSpec("P", tokens, [1, 2])]), finished={"P"})
+        wait_reported(worker, "P", result["finished_sending"])
+        connector._committer.join(timeout=FINISH_TIMEOUT_S)
+        assert not connector._committer.is_alive()
+        connector._store = real
+        with pytest.raises(tutti.InvalidState, match="committer thread has stopped"):
+            worker.step(TuttiConnectorMetadata(saves=[SaveSpec("Q", tokens, [1, 2])]), finished={"Q"})
+        wait_reported(worker, "Q", connector.get_finished({"Q"})[0] or set())
+        assert real.lookup(tokens) == 0
+    finally:
+        worker.shutdown()
+
+
 def test_requests_whose_kv_is_not_their_tokens_alone_neither_load_nor_save(tuttid):
     """Goal: tutti's keys are the prompt's tokens only, so a request with a cache salt, a LoRA
     adapter, multimodal inputs or prompt embeddings (vLLM's own prefix keys include them) is

@@ -7,6 +7,7 @@ promotes them into its rows, and the bytes match."""
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -363,3 +364,93 @@ def test_the_tier_opens_its_pool_with_its_queue_depth(tmp_path: Path, store_opti
         manager.shutdown()
         name, options = store_options[-1]
         assert (name, options["queue_depth"]) == ("open", depth)
+
+
+class Panic(BaseException):
+    """Stands for pyo3's PanicException (a panic in the binding): a BaseException."""
+
+
+class StoreWithCommitsRaising:
+    """The tier's tutti.Store whose store requests raise `error` at commit."""
+
+    def __init__(self, store, error: BaseException) -> None:
+        self._store = store
+        self._error = error
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
+
+    def prepare_store(self, tokens, block_ids):
+        request = self._store.prepare_store(tokens, block_ids)
+        error = self._error
+
+        class Raising:
+            def __getattr__(self, name: str):
+                return getattr(request, name)
+
+            def commit(self):
+                raise error
+
+        return Raising()
+
+
+def drain_within(tier, seconds: float) -> None:
+    """tier.drain_jobs(), failing the test (not hanging it) if it does not return in time."""
+    outcome: list = []
+
+    def drain() -> None:
+        try:
+            tier.drain_jobs()
+            outcome.append(None)
+        except BaseException as error:  # noqa: BLE001
+            outcome.append(error)
+
+    thread = threading.Thread(target=drain, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert outcome, f"drain_jobs did not return within {seconds} s"
+    if outcome[0] is not None:
+        raise outcome[0]
+
+
+@pytest.mark.parametrize("error", [Panic("injected: a panic in the binding"), SystemExit(3)], ids=["panic", "system-exit"])
+def test_a_job_failing_with_a_base_exception_is_reported_and_nothing_hangs(tmp_path: Path, error):
+    """Goal: a BaseException out of the binding in the tier's thread (pyo3's PanicException; an
+    interrupt) does not end the thread silently, leaving its job never reported and drain_jobs
+    spinning for ever: the job is reported failed, the pool closed (the job's requests are in an
+    unknown state), later jobs fail at once, and drain_jobs returns."""
+    manager = offloading_spec(tmp_path / "pool.img", True, timeout_s=0.2).get_manager()
+    tier = manager.secondary_tiers[0]
+    try:
+        tier._store = StoreWithCommitsRaising(tier._store, error)
+        context = ReqContext(req_id="r")
+        tier.submit_store(TransferJob(job_id=20, keys=keys(2, 20), chunk_ids=np.array([0, 1]), is_promotion=False, req_context=context))
+        drain_within(tier, 20.0)
+        assert [(result.job_id, result.success) for result in tier.get_finished_jobs()] == [(20, False)]
+        assert tier._dead is not None
+        tier.submit_store(TransferJob(job_id=21, keys=keys(1, 21), chunk_ids=np.array([2]), is_promotion=False, req_context=context))
+        drain_within(tier, 20.0)
+        assert [(result.job_id, result.success) for result in tier.get_finished_jobs()] == [(21, False)]
+        assert not tier.has_pending_work()
+    finally:
+        manager.shutdown()
+
+
+def test_drain_jobs_raises_when_no_job_finishes_in_time(tmp_path: Path):
+    """Goal: a job that makes no progress (every wait of its I/O is bounded, so it is stuck) does
+    not make drain_jobs wait for ever: it raises a tutti timeout (it must not return while a job
+    may still touch rows vLLM would free)."""
+    manager = offloading_spec(tmp_path / "pool.img", True, timeout_s=0.1, requests_max=1).get_manager()
+    tier = manager.secondary_tiers[0]
+    release = threading.Event()
+    try:
+        tier._store_chunks = lambda keys_, chunks: (release.wait(30.0), [])[1]
+        tier.submit_store(TransferJob(job_id=22, keys=keys(1, 22), chunk_ids=np.array([0]), is_promotion=False, req_context=ReqContext(req_id="r")))
+        with pytest.raises(tutti.TimeoutError, match="none finished"):
+            drain_within(tier, 20.0)
+        release.set()
+        drain_within(tier, 20.0)
+        assert [(result.job_id, result.success) for result in tier.get_finished_jobs()] == [(22, False)]
+    finally:
+        release.set()
+        manager.shutdown()

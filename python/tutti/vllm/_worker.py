@@ -31,6 +31,8 @@ logger = logging.getLogger("tutti.vllm")
 
 # How long the committer thread waits for one layer before it looks at its queue again.
 _COMMIT_POLL_S = 0.05
+# How long a hand-over to a full commit queue waits before it checks that the committer runs.
+_COMMIT_PUT_CHECK_S = 1.0
 # A worker whose session ended and whose KV memory can be registered again (device memory)
 # opens a new session at its next step; after a failed try, not before a back-off that doubles
 # from the first to the last value.
@@ -315,7 +317,9 @@ class WorkerSide:
 
     def wait_for_save(self) -> None:
         """Issues what save_kv_layer did not (all layers, when vLLM called it for none), and hands
-        each save, its last layers possibly in flight, to the committer thread."""
+        each save, its last layers possibly in flight, to the committer thread. Raises
+        tutti.InvalidState (after giving the step's saves up as misses) when the committer thread
+        has stopped: its saves would never be reported."""
         # Loads are synchronous: one whose later layers vLLM did not wait for ends in this step.
         if self._layers:
             self.wait_for_layer_load(self._layer_names[-1])
@@ -329,17 +333,54 @@ class WorkerSide:
             except tutti.Error as error:
                 self._fail_save(req_id, state, error)
                 continue
-            del self._saves[req_id]
-            with self._lock:
-                self._save_done[req_id] = None  # with the committer
-            # Bounded: a full queue waits here for the committer (back-pressure, not a leak).
-            self._commit_queue.put((req_id, state.token, state.request, self._session, state.issued - state.completed))
+            if not self._hand_to_committer(req_id, state):
+                for other_id, other in list(self._saves.items()):
+                    self._fail_save(other_id, other, tutti.InvalidState("the committer thread has stopped"))
+                self._fail_orphaned_saves()
+                raise tutti.InvalidState(
+                    "tutti: the vLLM connector's committer thread has stopped (see the error logged by it): saves "
+                    "can no longer be committed; restart the worker"
+                )
+
+    def _hand_to_committer(self, req_id: str, state: _WorkerSave) -> bool:
+        """Hands the save to the committer; a full queue waits for it (back-pressure), as long as
+        the committer runs. False when it has stopped: the save is given up (a miss)."""
+        del self._saves[req_id]
+        with self._lock:
+            self._save_done[req_id] = None  # with the committer
+        item = (req_id, state.token, state.request, self._session, state.issued - state.completed)
+        while self._committer.is_alive():
+            try:
+                self._commit_queue.put(item, timeout=_COMMIT_PUT_CHECK_S)
+                return True
+            except queue.Full:
+                continue
+        logger.error("tutti: the committer thread has stopped; save of request %s not committed", req_id)
+        self._give_up_save(req_id, state)
+        return False
+
+    def _fail_orphaned_saves(self) -> None:
+        """With the committer stopped: the saves left in its queue are given up (misses), so that
+        get_finished reports them."""
+        if self._committer.is_alive():
+            return
+        while True:
+            try:
+                item = self._commit_queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is None:
+                continue
+            req_id, token, request, session, _ = item
+            self._settle_save(request, session)
+            self._save_settled(req_id, token, False)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
         """Requests (named finished now or earlier) whose save is over: committed, or failed and
         given up (their blocks can be freed either way). Loads are synchronous: none."""
         for req_id in finished_req_ids:
             self._load_completed.pop(req_id, None)
+        self._fail_orphaned_saves()
         with self._lock:
             self._finished_req_ids |= finished_req_ids
             done = {req_id for req_id in self._finished_req_ids if self._save_done.get(req_id) is not None}
@@ -705,35 +746,56 @@ class WorkerSide:
         return False
 
     def _commit_loop(self) -> None:
+        """The committer thread. Every save handed to it is reported, whatever fails (a panic of
+        the binding, PanicException, is a BaseException): one it could not handle is given up
+        as a miss; KeyboardInterrupt and SystemExit stop the thread after that (wait_for_save
+        then refuses to hand it more, and get_finished gives up what is left in its queue)."""
         while True:
             item = self._commit_queue.get()
             if item is None:
                 return
             req_id, token, request, session, outstanding = item
-            committed = False
             try:
-                for _ in range(outstanding):  # the save's layers still in flight, oldest first
-                    request.wait(self._timeout_s)
-            except tutti.Error as error:
-                logger.warning("tutti: save of request %s not committed: one of its last layers failed or timed out (%s)", req_id, error)
-                self._settle_save(request, session)
-                self._save_settled(req_id, token, False)
-                continue
-            with self._lock:
-                cancelled = token in self._cancelled
-            if cancelled:
-                # Preempted while a layer was in flight: its bytes may have been read after
-                # vLLM reused the blocks. Never committed.
-                self._settle_save(request, session)
-            else:
+                self._commit_save(req_id, token, request, session, outstanding)
+            except BaseException as error:  # noqa: BLE001 - the save must be reported whatever failed
+                logger.error("tutti: the committer failed on the save of request %s (%r); it is not committed", req_id, error)
                 try:
-                    request.commit()
-                    committed = True
-                except tutti.Error as error:
-                    logger.warning("tutti: save of request %s not committed: %s", req_id, error)
-                    self._note_daemon_failure(error, session)
                     self._settle_save(request, session)
-            self._save_settled(req_id, token, committed)
+                except BaseException as settle_error:  # noqa: BLE001
+                    logger.error("tutti: the save of request %s could not be settled (%r); the session is ended at the next step", req_id, settle_error)
+                    with self._lock:
+                        if session == self._session and self._broken is None:
+                            self._broken = f"a save the committer failed on could not be settled: {settle_error!r}"
+                self._save_settled(req_id, token, False)
+                if isinstance(error, (KeyboardInterrupt, SystemExit)):
+                    raise
+
+    def _commit_save(self, req_id: str, token: int, request: Any, session: int, outstanding: int) -> None:
+        """Waits for the save's last layers, then commits it (unless it was cancelled)."""
+        committed = False
+        try:
+            for _ in range(outstanding):  # the save's layers still in flight, oldest first
+                request.wait(self._timeout_s)
+        except tutti.Error as error:
+            logger.warning("tutti: save of request %s not committed: one of its last layers failed or timed out (%s)", req_id, error)
+            self._settle_save(request, session)
+            self._save_settled(req_id, token, False)
+            return
+        with self._lock:
+            cancelled = token in self._cancelled
+        if cancelled:
+            # Preempted while a layer was in flight: its bytes may have been read after
+            # vLLM reused the blocks. Never committed.
+            self._settle_save(request, session)
+        else:
+            try:
+                request.commit()
+                committed = True
+            except tutti.Error as error:
+                logger.warning("tutti: save of request %s not committed: %s", req_id, error)
+                self._note_daemon_failure(error, session)
+                self._settle_save(request, session)
+        self._save_settled(req_id, token, committed)
 
 
 def _failed_on_any_rank(failed_here: list[bool]) -> list[bool]:

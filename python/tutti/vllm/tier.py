@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
@@ -52,6 +53,9 @@ if TYPE_CHECKING:
     from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 
 logger = logging.getLogger("tutti.vllm")
+
+# How often drain_jobs looks at the tier's thread while it waits.
+_DRAIN_POLL_S = 0.5
 
 TIER_CONFIG_FIELDS = {
     "devices": Field((str, list), "the pool's devices, e.g. \"vfio:0000:01:00.0\" or [\"emu:/var/tutti/pool.img\"]", required=True),
@@ -162,11 +166,13 @@ class TuttiTier(SecondaryTierManager):
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         self._raise_if_unsafe()
+        self._fail_orphaned_jobs()
         with self._results_lock:
             results, self._results = self._results, []
         return results
 
     def has_pending_work(self) -> bool:
+        self._fail_orphaned_jobs()
         with self._results_lock:
             return self._in_progress > 0 or bool(self._results)
 
@@ -174,12 +180,45 @@ class TuttiTier(SecondaryTierManager):
         return RequestOffloadingContext()
 
     def drain_jobs(self) -> None:
-        """Waits until every submitted job finished (bounded: timeout_s per chunk outstanding)."""
-        with self._idle:
-            while self._in_progress > 0:
-                self._raise_if_unsafe()
-                if not self._idle.wait(timeout=self._timeout_s):
-                    logger.error("tutti tier: %d jobs still running after %.1f s", self._in_progress, self._timeout_s)
+        """Waits until every submitted job finished. Every wait of a job's I/O is bounded (a wave
+        of requests_max chunks, each waited for at most timeout_s, then abandoned), so when no
+        job finished for timeout_s x (requests_max + 2) the tier is stuck: raises
+        tutti.TimeoutError rather than return (vLLM frees rows after drain_jobs, which a job
+        may still touch) or wait for ever. Jobs queued for a thread that has stopped are
+        reported failed (they touched no row)."""
+        stall_s = self._timeout_s * (self._requests_max + 2)
+        last_in_progress, progress_at = None, time.monotonic()
+        while True:
+            self._raise_if_unsafe()
+            self._fail_orphaned_jobs()
+            with self._idle:
+                if self._in_progress == 0:
+                    return
+                if last_in_progress is None or self._in_progress < last_in_progress:
+                    last_in_progress, progress_at = self._in_progress, time.monotonic()
+                elif time.monotonic() - progress_at > stall_s:
+                    raise tutti.TimeoutError(
+                        f"tutti tier: {self._in_progress} jobs still running and none finished in {stall_s:.1f} s"
+                        f"{'' if self._thread.is_alive() else ' (the tier thread has stopped)'}"
+                    )
+                self._idle.wait(timeout=_DRAIN_POLL_S)
+
+    def _fail_orphaned_jobs(self) -> None:
+        """Once the tier's thread has stopped (a KeyboardInterrupt or SystemExit in it): the jobs
+        left in its queue are reported failed (never started, they touched no row)."""
+        if self._thread.is_alive():
+            return
+        while True:
+            try:
+                item = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if item is None:
+                continue
+            with self._idle:
+                self._results.append(JobResult(job_id=item[0], success=False))
+                self._in_progress -= 1
+                self._idle.notify_all()
 
     def shutdown(self) -> None:
         """Finishes the queued jobs, stops the thread, closes the pool (each wait bounded; the
@@ -207,6 +246,9 @@ class TuttiTier(SecondaryTierManager):
         with self._results_lock:
             self._in_progress += 1
         try:
+            if not self._thread.is_alive():
+                logger.error("tutti tier: the tier's thread has stopped; job %d fails", job.job_id)
+                raise queue.Full
             self._jobs.put_nowait((job.job_id, store, keys, chunks))
         except queue.Full:
             with self._idle:
@@ -218,11 +260,17 @@ class TuttiTier(SecondaryTierManager):
             logger.warning("tutti tier: job queue full, job %d dropped", job.job_id)
 
     def _run(self) -> None:
+        """The tier's thread: runs each job and reports it, whatever fails. What is not an
+        Exception (pyo3's PanicException: a panic in the binding; KeyboardInterrupt, SystemExit)
+        closes the pool first (the job's requests are in an unknown state: a load's rows may
+        still be written); KeyboardInterrupt and SystemExit then stop the thread, and the jobs
+        after are reported failed (`_fail_orphaned_jobs`)."""
         while True:
             item = self._jobs.get()
             if item is None:
                 return
             job_id, store, keys, chunks = item
+            fatal: Optional[BaseException] = None
             try:
                 if self._dead is not None:
                     succeeded = []  # the pool is closed: the job touches no row
@@ -238,6 +286,15 @@ class TuttiTier(SecondaryTierManager):
             except Exception as error:  # the thread must report every job, whatever failed
                 logger.error("tutti tier: job %d failed: %s", job_id, error)
                 succeeded = []
+            except BaseException as error:  # noqa: BLE001 - a panic of the binding, an interrupt
+                logger.error("tutti tier: job %d failed: %r", job_id, error)
+                succeeded = []
+                if isinstance(error, (KeyboardInterrupt, SystemExit)):
+                    fatal = error
+                if not self._close_pool_after(job_id, f"job {job_id} failed: {error!r}", rows_written=not store):
+                    if fatal is not None:
+                        raise
+                    continue
             result = JobResult(
                 job_id=job_id,
                 success=len(succeeded) == len(keys),
@@ -248,6 +305,28 @@ class TuttiTier(SecondaryTierManager):
                 self._results.append(result)
                 self._in_progress -= 1
                 self._idle.notify_all()
+            if fatal is not None:
+                raise fatal
+
+    def _close_pool_after(self, job_id: int, reason: str, rows_written: bool) -> bool:
+        """Closes the pool after a job failed in an unknown state; False (the job is not to be
+        reported: its rows may still be written) when that cannot be confirmed."""
+        try:
+            if self._dead is None:
+                self._close_pool(reason, rows_written=rows_written)
+            return True
+        except _RowsUnsafe as error:
+            unsafe = str(error)
+        except BaseException as error:  # noqa: BLE001
+            if not rows_written:
+                logger.error("tutti tier: closing the pool after job %d failed: %r", job_id, error)
+                return True
+            unsafe = f"tutti tier: {reason}, and closing the pool failed ({error!r}): vLLM's chunk rows may still be written"
+        logger.error("tutti tier: job %d is not reported: %s", job_id, unsafe)
+        with self._idle:
+            self._unsafe = unsafe
+            self._idle.notify_all()
+        return False
 
     def _store_chunks(self, keys: list[OffloadKey], chunks: list[int]) -> list[OffloadKey]:
         """Stores each chunk not in the pool yet, `requests_max` at a time; returns the keys that
