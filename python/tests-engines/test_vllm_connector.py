@@ -1295,6 +1295,20 @@ def test_pipeline_and_context_parallelism_are_refused(field):
             harness.make_connector(config, role)
 
 
+@pytest.mark.parametrize("field, value", [("enable_dbo", True), ("ubatch_size", 2)])
+def test_micro_batching_is_refused(field, value):
+    """Goal: with micro-batching (dual batch overlap, ubatch_size > 1: ParallelConfig.use_ubatching)
+    vLLM runs the forward as micro-batches in two threads, each calling save_kv_layer per layer:
+    the connector would issue a layer's save on the first call, before the second micro-batch
+    wrote its KV. Refused when vLLM builds the connector, naming the setting."""
+    config = harness.vllm_config("/nonexistent/tuttid.sock", 1)
+    object.__setattr__(config.parallel_config, field, value)
+    assert config.parallel_config.use_ubatching
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(tutti.InvalidArgument, match=f"micro-batching.*{field}"):
+            harness.make_connector(config, role)
+
+
 def test_reset_cache_says_the_pool_was_not_cleared(cluster):
     """Goal: vLLM treats any answer of reset_cache but False as a cleared connector cache
     (pause_scheduler(clear_cache=True), sleep); tutti cannot forget its pool's blocks, so it

@@ -159,8 +159,20 @@ def _blocks_per_request_max(vllm_config: "VllmConfig", block_size: int) -> Optio
 def _refuse_unsupported_parallelism(parallel: Any) -> None:
     """Raises ConfigError for pipeline or context parallelism: a worker's key space names its
     tensor-parallel rank only (pipeline stages would share keys while holding other layers), and
-    context parallelism changes the block size vLLM's scheduler plans with."""
+    context parallelism changes the block size vLLM's scheduler plans with. And for
+    micro-batching (dual batch overlap, ubatch_size > 1: vLLM's ParallelConfig.use_ubatching):
+    the forward then runs as micro-batches in two threads, each calling save_kv_layer for every
+    layer, and the connector would issue a layer's save on the first call, before the other
+    micro-batch wrote its KV."""
     from tutti._engine import ConfigError
+
+    if getattr(parallel, "use_ubatching", False):
+        setting = "enable_dbo = True" if getattr(parallel, "enable_dbo", False) else f"ubatch_size = {parallel.ubatch_size}"
+        raise ConfigError(
+            f"TuttiConnector does not support micro-batching ({setting}): each micro-batch's thread saves every "
+            "layer, and a layer's save would start before the other micro-batch wrote its KV; run vLLM without "
+            "--enable-dbo (and ubatch_size <= 1) or without the connector"
+        )
 
     for name, what in (
         ("pipeline_parallel_size", "pipeline parallelism"),
