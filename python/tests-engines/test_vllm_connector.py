@@ -1312,9 +1312,26 @@ def test_micro_batching_is_refused(field, value):
 def test_reset_cache_says_the_pool_was_not_cleared(cluster):
     """Goal: vLLM treats any answer of reset_cache but False as a cleared connector cache
     (pause_scheduler(clear_cache=True), sleep); tutti cannot forget its pool's blocks, so it
-    answers False (and logs what to do after a weight update)."""
+    answers False (and logs what to do after a weight update). vLLM 0.32's scheduler then says
+    the connector's cache was not reset, and its engine core's cache reset (pause_scheduler with
+    clear_cache, sleep at level 1 or more, release_kv_cache_memory) raises: what docs/vllm.md
+    says, checked through vLLM's own methods."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.core import EngineCore
+
     _, scheduler, _ = cluster
     assert scheduler.reset_cache() is False
+    vllm_scheduler = SimpleNamespace(connector=scheduler, log_stats=False)
+    assert Scheduler.reset_connector_cache(vllm_scheduler) is False
+    engine = SimpleNamespace(
+        reset_prefix_cache=lambda reset_running_requests, reset_connector: Scheduler.reset_connector_cache(vllm_scheduler),
+        reset_mm_cache=lambda: None,
+        reset_encoder_cache=lambda: None,
+    )
+    with pytest.raises(RuntimeError, match="Failed to reset the KV connector cache"):
+        EngineCore._reset_caches(engine)
 
 
 def test_a_save_whose_layer_never_completes_ends_the_session_at_the_next_step(tuttid):

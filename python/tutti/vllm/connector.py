@@ -131,9 +131,11 @@ class TuttiConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
 
     def reset_cache(self) -> bool:
         """False: tutti cannot forget the blocks its pool holds (vLLM treats anything but False as
-        a cleared cache, e.g. for pause_scheduler(clear_cache=True) or sleep mode). After a weight
-        update use a new pool or another model_fingerprint, or the pool serves KV computed with
-        the old weights."""
+        a cleared cache). vLLM 0.32's engine core then raises RuntimeError("Failed to reset the
+        KV connector cache.") from the calls that clear its caches: pause_scheduler with
+        clear_cache=True (its default), sleep at level 1 or more, release_kv_cache_memory
+        (docs/vllm.md). After a weight update use a new pool or another model_fingerprint, or the
+        pool serves KV computed with the old weights."""
         logging.getLogger("tutti.vllm").warning(
             "tutti: reset_cache: tuttid's pool keeps its blocks (tutti cannot forget them); after a weight update "
             "use a new pool or another model_fingerprint"
