@@ -7,8 +7,11 @@
 //! first.
 //!
 //! Contexts: a [`Gpu`] retains its device's primary context; every operation makes it current on
-//! the calling thread first (the daemon's controller threads call in from wherever they run), and
-//! nothing here leaves another context current. The driver API is thread-safe.
+//! the calling thread first (the daemon's controller threads call in from wherever they run). The
+//! engine-side entry points ([`Gpu::open`], [`export_range`]) make the caller's current context
+//! current again before they return ([`RestoreCurrent`]): in an engine the current context is
+//! the framework's current device (PyTorch's `torch.cuda.current_device()`), which registering
+//! KV tensors of another GPU must not move. The driver API is thread-safe.
 #![allow(unsafe_code)]
 
 use std::ffi::{c_char, c_void};
@@ -61,6 +64,31 @@ fn ensure_driver() -> Result<i32, CudaIpcError> {
     Ok(version)
 }
 
+/// The context current on the calling thread when saved (none: null), made current again when
+/// dropped.
+struct RestoreCurrent(sys::CUcontext);
+
+impl RestoreCurrent {
+    /// Only once the driver is loaded ([`ensure_driver`]).
+    fn save() -> Result<RestoreCurrent, CudaIpcError> {
+        let mut current: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: `current` is a valid out-pointer; the driver is loaded and initialized (the
+        // caller's contract).
+        check("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut current) })?;
+        Ok(RestoreCurrent(current))
+    }
+}
+
+impl Drop for RestoreCurrent {
+    fn drop(&mut self) {
+        // SAFETY: the handle was current on this thread when saved, or null (unbinds whatever
+        // is current); the caller's context outlives this call, which cannot destroy it.
+        if let Err(error) = check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(self.0) }) {
+            tracing::warn!(%error, "making the caller's CUDA context current again");
+        }
+    }
+}
+
 /// One GPU and its retained primary context.
 #[derive(Debug)]
 pub struct Gpu {
@@ -82,8 +110,10 @@ unsafe impl Sync for Gpu {}
 
 impl Gpu {
     /// Device `ordinal` (as CUDA numbers them in this process), its primary context retained.
+    /// The caller's current context is current again when this returns.
     pub fn open(ordinal: i32) -> Result<Arc<Gpu>, CudaIpcError> {
         let driver_version = ensure_driver()?;
+        let _restore = RestoreCurrent::save()?;
         let mut count = 0i32;
         // SAFETY: `count` is a valid out-pointer; cuInit succeeded.
         check("cuDeviceGetCount", unsafe { sys::cuDeviceGetCount(&mut count) })?;
@@ -337,11 +367,13 @@ pub struct Export {
 /// Exports `length_bytes` of device memory at `device_pointer` (any pointer into an allocation
 /// of `gpu`'s context, e.g. an engine's KV tensor) for another process. Marks the allocation
 /// `SYNC_MEMOPS` (NVIDIA's rule for memory a third party reads: this process's synchronous
-/// copies into it complete before they return).
+/// copies into it complete before they return). The caller's current context is current again
+/// when this returns.
 pub fn export_range(gpu: &Gpu, device_pointer: u64, length_bytes: u64) -> Result<Export, CudaIpcError> {
     if length_bytes == 0 {
         return Err(CudaIpcError::ZeroLength);
     }
+    let _restore = RestoreCurrent::save()?;
     gpu.make_current()?;
     let (base, allocation_bytes) = gpu.address_range(device_pointer)?;
     let offset_bytes = device_pointer - base;
