@@ -159,6 +159,9 @@ pub struct IoctxEncoder<'a> {
     /// `mem_stride_bytes % CONTROLLER_PAGE_BYTES`: how far a layer moves the data inside its
     /// page (PRP page counting).
     mem_step_in_page: u64,
+    /// `desc_stride_bytes % CONTROLLER_PAGE_BYTES`: how far a layer moves a PRP list inside its
+    /// page.
+    desc_step_in_page: u64,
     desc_stride_bytes: u64,
 }
 
@@ -174,6 +177,7 @@ impl<'a> IoctxEncoder<'a> {
             mem_span: span(iocb.mem_stride_bytes),
             desc_span: span(iocb.desc_stride_bytes),
             mem_step_in_page: iocb.mem_stride_bytes % CONTROLLER_PAGE_BYTES,
+            desc_step_in_page: iocb.desc_stride_bytes % CONTROLLER_PAGE_BYTES,
             desc_stride_bytes: iocb.desc_stride_bytes,
         }
     }
@@ -336,25 +340,11 @@ impl<'a> IoctxEncoder<'a> {
         Ok(())
     }
 
-    /// The lowest and the highest offset of the data inside its memory page over the layers:
-    /// exact while the layers do not wrap past a page boundary (the offsets then rise from
-    /// layer 0's), else bounds (every offset is layer 0's modulo the largest power of two
-    /// dividing the stride's in-page part).
+    /// The lowest and the highest offset of the data inside its memory page over the layers
+    /// (see [`page_offsets`]).
     #[inline]
     fn data_page_offsets(&self, data: u64) -> (u64, u64) {
-        let first = data % CONTROLLER_PAGE_BYTES;
-        let step = self.mem_step_in_page;
-        if step == 0 || self.last_layer == 0 {
-            return (first, first);
-        }
-        match step.checked_mul(u64::from(self.last_layer)).and_then(|rise| rise.checked_add(first)) {
-            Some(last) if last < CONTROLLER_PAGE_BYTES => (first, last),
-            _ => {
-                let granule = 1u64 << step.trailing_zeros(); // step < page size: at most half a page
-                let low = first % granule;
-                (low, CONTROLLER_PAGE_BYTES - granule + low)
-            }
-        }
+        page_offsets(data, self.mem_step_in_page, self.last_layer)
     }
 
     /// PRP2 against what the controller does with it (NVMe Base Spec §4.1.1): data inside one
@@ -400,6 +390,18 @@ impl<'a> IoctxEncoder<'a> {
         if !aligned {
             return Err(mismatch(misaligned));
         }
+        // A list must lie inside one memory page at every layer: when more entries are needed
+        // than its page holds, the controller reads the page's last entry as a pointer to the
+        // next list page (§4.1.1), so a list running into the next page would have a data page
+        // read as a list. This also caps a list at one page of entries (512).
+        if pages_max > 2 {
+            let (_, list_offset_max) = page_offsets(range.start.0, self.desc_step_in_page, self.last_layer);
+            if list_offset_max + needed_bytes > CONTROLLER_PAGE_BYTES {
+                return Err(mismatch(
+                    "the PRP list does not fit in its memory page at every layer (the controller would chain to the next list page)",
+                ));
+            }
+        }
         Ok(())
     }
 
@@ -420,6 +422,26 @@ impl<'a> IoctxEncoder<'a> {
             return Err(outside(self.last_layer, last_start));
         }
         Ok(())
+    }
+}
+
+/// The lowest and the highest offset inside its memory page of `first + layer * stride` over
+/// layers `0..=last_layer`, where `step_in_page` is `stride % CONTROLLER_PAGE_BYTES`: exact while
+/// the layers do not wrap past a page boundary (the offsets then rise from layer 0's), else
+/// bounds (every offset is layer 0's modulo the largest power of two dividing the step).
+#[inline]
+fn page_offsets(first_address: u64, step_in_page: u64, last_layer: u32) -> (u64, u64) {
+    let first = first_address % CONTROLLER_PAGE_BYTES;
+    if step_in_page == 0 || last_layer == 0 {
+        return (first, first);
+    }
+    match step_in_page.checked_mul(u64::from(last_layer)).and_then(|rise| rise.checked_add(first)) {
+        Some(last) if last < CONTROLLER_PAGE_BYTES => (first, last),
+        _ => {
+            let granule = 1u64 << step_in_page.trailing_zeros(); // step < page size: at most half a page
+            let low = first % granule;
+            (low, CONTROLLER_PAGE_BYTES - granule + low)
+        }
     }
 }
 
@@ -677,6 +699,55 @@ mod tests {
         let list = IoctxSpec { block_count: 24, descriptor: Descriptor::Prp { prp2: Some(IovaRange::new(Iova(0x80_0000), 16)) }, ..good() };
         assert!(check(list, strided(4, 0x3000, 16)).is_ok());
         assert!(matches!(check(list, strided(4, 0x3000, 12)), Err(IoctxFault::PrpMismatch { .. })));
+    }
+
+    #[test]
+    fn a_prp_list_that_crosses_a_memory_page_at_any_layer_is_refused() {
+        // Goal: the controller reads the last entry of a list page as a pointer to the next
+        // list page when more entries are needed (NVMe §4.1.1), so a list that crosses a page
+        // would make it take a data page for a list and move data to whatever addresses its
+        // bytes spell. A list must fit in its page at every layer (which caps it at 512
+        // entries); one ending exactly at the page end is fine.
+        let list = |start: u64, len: u64| IoctxSpec {
+            device: DeviceIndex(1),
+            block_count: 3,
+            data: Iova(0x10_0000),
+            descriptor: Descriptor::Prp { prp2: Some(IovaRange::new(Iova(start), len)) },
+            ..good()
+        };
+        let strided = |layers: u32, desc: u64| IocbSpec {
+            layer_count: layers,
+            lba_stride_blocks: 0,
+            mem_stride_bytes: 0x3000,
+            desc_stride_bytes: desc,
+            ..layered(1)
+        };
+        // Two entries at page offset 0xFF8: the second is in the next page.
+        let fault = check(list(0x10_0FF8, 16), layered(1)).unwrap_err();
+        assert!(matches!(fault, IoctxFault::PrpMismatch { pages_max: 3, .. }), "{fault}");
+        // Fits at layer 0 (0xFE8..0xFF8) and 1, crosses at layer 2 (0xFF8..0x1008).
+        assert!(check(list(0x10_0FE8, 16), strided(2, 8)).is_ok());
+        let fault = check(list(0x10_0FE8, 16), strided(3, 8)).unwrap_err();
+        assert!(matches!(fault, IoctxFault::PrpMismatch { .. }), "{fault}");
+        // Ending exactly at the page end, and moving a page a layer, is fine.
+        assert!(check(list(0x10_0FF0, 16), layered(1)).is_ok());
+        assert!(check(list(0x10_0FF0, 16), strided(3, 0x1000)).is_ok());
+        // Wrapping past the page end with a 16-byte step stays inside: offsets are 0xFF0 mod 16.
+        assert!(check(list(0x10_0FF0, 16), strided(3, 0x1010)).is_ok());
+        // More than 512 entries cannot fit in one page, wherever the list starts.
+        let big = RegisteredMemory::new(vec![IovaRange::new(Iova(0x100_0000), 0x100_0000)]).unwrap();
+        let long = IoctxSpec {
+            device: DeviceIndex(1),
+            block_count: 514,
+            data: Iova(0x100_0000),
+            descriptor: Descriptor::Prp { prp2: Some(IovaRange::new(Iova(0x180_0000), 513 * 8)) },
+            ..good()
+        };
+        let fault = encode_ioctx(&long, &layered(1), &devices(), &big).unwrap_err();
+        assert!(matches!(fault, IoctxFault::PrpMismatch { pages_max: 514, .. }), "{fault}");
+        let longest =
+            IoctxSpec { block_count: 513, descriptor: Descriptor::Prp { prp2: Some(IovaRange::new(Iova(0x180_0000), 512 * 8)) }, ..long };
+        assert!(encode_ioctx(&longest, &layered(1), &devices(), &big).is_ok());
     }
 
     #[test]
