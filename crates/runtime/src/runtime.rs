@@ -182,24 +182,10 @@ impl<E: Executor> Runtime<E> {
         let model = ModelIdentity { name: config.model_name.clone(), layer_count: geometry.layers, kv_bytes_per_token_per_layer };
         profile.check_identity(&model, &config.gpu).map_err(|source| RuntimeError::ProfileMismatch { source })?;
         // Under slack-aware, deferred writes drain in decode steps; when the queue is full and
-        // `Refuse` stops prefills, nowhere else. `Profile::decode_step` gives a context between
-        // two rows the fewer free SMs of the two, one past the last row the last row's, and one
-        // below the first row nothing: unless the last row, or two adjacent rows, leave the
-        // smallest write budget free, only contexts exactly on a row could write (rows
-        // {1024: 60 free, 2048: 0 free} wrote at 1024 tokens and nowhere else).
-        let write_budget_min = profile.io_sm_budget_min(IoKind::Write);
-        let steps = &profile.table().decode_steps;
-        let writable = |step: &scheduler::table::DecodeStep| step.free_sms >= write_budget_min;
-        let some_range_writes = steps.last().is_some_and(writable) || steps.windows(2).any(|pair| pair.iter().all(writable));
-        if config.policy == PolicyChoice::SlackAware && !some_range_writes {
-            return Err(RuntimeError::InvalidConfig {
-                reason: format!(
-                    "the profile table's decode steps leave fewer SMs free than its smallest write budget ({write_budget_min} SMs) \
-                     past the last row and between every two rows (free SMs per row: {:?}): no deferred write could go in a \
-                     decode step under the slack-aware policy, but at a context exactly on a row",
-                    steps.iter().map(|step| step.free_sms).collect::<Vec<_>>()
-                ),
-            });
+        // `Refuse` stops prefills, nowhere else: the scheduler's predicate (shared with
+        // `tutti-profile check` and `import`) says whether any decode range can write.
+        if config.policy == PolicyChoice::SlackAware {
+            profile.check_decode_steps_can_write().map_err(|error| RuntimeError::InvalidConfig { reason: error.to_string() })?;
         }
         // One size for every cost row, reads and writes, at least one LBA (validated with the
         // table): the policy counts both directions in it and costs them with their own rows.

@@ -19,7 +19,15 @@
 //! - `kernel`: kernel name; the first kernel of a layer whose name contains `attn` (any case) is
 //!   where the layer needs its cached KV.
 //! - `start_us`, `end_us`: kernel start and end on any common clock (only differences matter).
-//! - `sms_used`: SMs the kernel occupies (from the launch grid or an occupancy tool).
+//! - `sms_used`: SMs the kernel occupies (from the launch grid or an occupancy tool). Import
+//!   reserves `io_sms` SMs for I/O as the analytic model does (compute runs on
+//!   `sm_count − io_sms` SMs, the green-context split of Tutti §3.2): a kernel's `sms_used` is
+//!   clamped to `sm_count − io_sms`, so every layer and decode step keeps `io_sms` free. A
+//!   profiler gives a kernel min(grid, SMs) or all SMs, and one full-grid kernel left a decode
+//!   step no free SM: the table validated and simulated, and the slack-aware runtime refused it.
+//!   Durations are kept as measured: a timeline measured without the reservation understates
+//!   compute slightly once `io_sms` are taken away (measure under a green context for exact
+//!   figures). The table's `compute_source` records the reservation.
 //! - `run` (optional: a ninth column, named in the header, then on every row): which run of the
 //!   bucket, or which decode step at the context, the kernel belongs to (any u32). Without the
 //!   column, all rows of a bucket are one run and all decode rows of a context one step: a
@@ -34,7 +42,9 @@
 //! SMs; per layer the shortest duration, the earliest KV need and the runs' windows intersected
 //! (at each offset the fewest SMs any run has free, none where a run has none). The input and
 //! prefix steps are inferred (smallest input; greatest common divisor of the prefix lengths) and
-//! the table is then validated, so a missing bucket is named.
+//! the table is then validated, so a missing bucket is named; a table in which the slack-aware
+//! policy could never write in a decode step ([`Profile::check_decode_steps_can_write`]) is
+//! refused.
 
 use std::collections::BTreeMap;
 
@@ -59,15 +69,29 @@ struct Kernel {
     sms_used: u32,
 }
 
-/// Parses a timeline and builds a validated table.
+/// Parses a timeline and builds a validated table, reserving `io_sms` SMs (1 to
+/// `sm_count − 1`) for I/O.
 pub fn import_timeline(
     text: &str,
     model: ModelIdentity,
     gpu: GpuIdentity,
+    io_sms: u32,
     io_costs: Vec<IoCostEntry>,
     compute_source: &str,
     io_cost_source: &str,
 ) -> Result<Profile> {
+    if io_sms == 0 || io_sms >= gpu.sm_count {
+        return Err(SchedulerError::InvalidConfig {
+            field: "io_sms".into(),
+            reason: format!(
+                "{io_sms} SMs reserved for I/O on a GPU of {} SMs; accepted: 1 to {}",
+                gpu.sm_count,
+                gpu.sm_count.saturating_sub(1)
+            ),
+        });
+    }
+    // The SMs compute may occupy: the rest is the I/O green context's.
+    let compute_sms = gpu.sm_count - io_sms;
     let mut prefill: PrefillKernels = BTreeMap::new();
     // Per context, per step: its kernels.
     let mut decode: BTreeMap<u32, BTreeMap<u32, Vec<Kernel>>> = BTreeMap::new();
@@ -113,6 +137,7 @@ pub fn import_timeline(
         if kernel.sms_used > gpu.sm_count {
             return Err(bad(format!("sms_used {} exceeds the GPU's {} SMs", kernel.sms_used, gpu.sm_count)));
         }
+        let kernel = Kernel { sms_used: kernel.sms_used.min(compute_sms), ..kernel };
         let input_tokens = int("input_tokens", fields[1])?;
         let run = match fields.get(8) {
             Some(run) => int("run", run)?,
@@ -189,7 +214,11 @@ pub fn import_timeline(
         format_version: PROFILE_FORMAT_VERSION,
         model,
         gpu,
-        compute_source: compute_source.to_string(),
+        compute_source: format!(
+            "{compute_source}; {io_sms} of {} SMs reserved for I/O (each kernel's sms_used clamped to {compute_sms}; durations as \
+             measured)",
+            compute_sms + io_sms
+        ),
         io_cost_source: io_cost_source.to_string(),
         input_step_tokens,
         input_step_count: input_max / input_step_tokens,
@@ -198,7 +227,9 @@ pub fn import_timeline(
         io_costs,
         decode_steps,
     };
-    Profile::from_table(table)
+    let profile = Profile::from_table(table)?;
+    profile.check_decode_steps_can_write()?;
+    Ok(profile)
 }
 
 fn gcd(a: u32, b: u32) -> u32 {

@@ -413,6 +413,38 @@ impl Profile {
         self.table.io_costs.iter().filter(|r| r.kind == kind).map(|r| r.sm_budget).max().unwrap_or(0)
     }
 
+    /// Whether the slack-aware policy could ever write in a decode step: some range of contexts
+    /// must leave the smallest write budget free. [`Profile::decode_step`] gives a context
+    /// between two rows the fewer free SMs of the two, one past the last row the last row's, and
+    /// one below the first row nothing, so the last row, or two adjacent rows, must leave that
+    /// budget free; else only contexts exactly on a row could write (rows {1024: 60 free, 2048:
+    /// 0 free} wrote at 1024 tokens and nowhere else). Under slack-aware, deferred writes drain
+    /// in decode steps, and when the queue is full and prefills are refused, nowhere else.
+    ///
+    /// One predicate for every consumer: the runtime refuses such a table under slack-aware
+    /// (`Runtime::new`), `tutti-profile check` reports it invalid and `import` refuses to write
+    /// it. A table of timelines measured with every SM busy (free SMs 0) was valid, checked
+    /// valid and simulated, and then the runtime refused it.
+    pub fn check_decode_steps_can_write(&self) -> Result<()> {
+        let write_budget_min = self.io_sm_budget_min(IoKind::Write);
+        let steps = &self.table.decode_steps;
+        let writable = |step: &DecodeStep| step.free_sms >= write_budget_min;
+        let some_range_writes = steps.last().is_some_and(writable) || steps.windows(2).any(|pair| pair.iter().all(writable));
+        if some_range_writes {
+            return Ok(());
+        }
+        Err(invalid(
+            "decode_steps.free_sms",
+            "table".into(),
+            format!(
+                "the decode steps leave fewer SMs free than the smallest write budget ({write_budget_min} SMs) past the last row \
+                 and between every two rows (free SMs per row: {:?}): no deferred write could go in a decode step under the \
+                 slack-aware policy, but at a context exactly on a row",
+                steps.iter().map(|step| step.free_sms).collect::<Vec<_>>()
+            ),
+        ))
+    }
+
     /// The decode step at a context length: the row rounded down (shorter step, less slack),
     /// with the fewer free SMs of the two rows bracketing the context (the row itself on a grid
     /// point; past the last row, the last row's). Free SMs need not fall as the context grows (a

@@ -404,8 +404,11 @@ fn timeline(skip: Option<(u32, u32)>) -> String {
     out
 }
 
+/// SMs import reserves for I/O in these tests: the cost rows' smallest budget.
+const IO_SMS: u32 = 2;
+
 fn import(text: &str) -> scheduler::Result<Profile> {
-    import_timeline(text, common::model(), common::gpu(), common::io_costs(), "test", "test")
+    import_timeline(text, common::model(), common::gpu(), IO_SMS, common::io_costs(), "test", "test")
 }
 
 #[test]
@@ -417,10 +420,60 @@ fn timeline_import_derives_windows_and_attention_offset() {
     assert_eq!(layer.compute_duration_us, 1000.0);
     assert_eq!(layer.kv_needed_offset_us, 100.0);
     let windows: Vec<(f64, f64, u32)> = layer.slack_windows.iter().map(|w| (w.offset_us, w.duration_us, w.free_sms)).collect();
-    // 16 − 12, 16 − 14, then the idle gap; the MLP leaves nothing free and is dropped.
-    assert_eq!(windows, vec![(0.0, 100.0, 4), (100.0, 500.0, 2), (600.0, 50.0, 16)]);
+    // 16 − 12, 16 − 14, then the idle gap; the MLP's 16 SMs are clamped to 14, leaving the
+    // 2 reserved for I/O.
+    assert_eq!(windows, vec![(0.0, 100.0, 4), (100.0, 500.0, 2), (600.0, 50.0, 16), (650.0, 350.0, 2)]);
+    assert!(t.compute_source.contains("2 of 16 SMs reserved for I/O"), "{}", t.compute_source);
     assert_eq!(profile.decode_step(2048).unwrap().duration_us, 6000.0);
     assert_eq!(profile.decode_step(2048).unwrap().free_sms, 6);
+}
+
+/// Goal: import reserves `io_sms` for I/O as the analytic model does: a timeline whose every
+/// kernel, decode steps included, occupies the whole GPU still gives every decode step and every
+/// layer `io_sms` free SMs (before: 0 free, no window at all, and a table the slack-aware
+/// runtime refused). A reservation of 0 or of the whole GPU is refused.
+#[test]
+fn import_reserves_io_sms_on_a_timeline_that_fills_the_gpu() {
+    let full = timeline(None).replace(",12\n", ",16\n").replace(",14\n", ",16\n").replace(",10\n", ",16\n");
+    assert!(!full.contains(",12\n") && !full.contains(",10\n"), "{full}");
+    let profile = import_timeline(&full, common::model(), common::gpu(), 4, common::io_costs(), "test", "test").unwrap();
+    for step in &profile.table().decode_steps {
+        assert_eq!(step.free_sms, 4, "{step:?}");
+    }
+    for bucket in &profile.table().buckets {
+        for layer in &bucket.layers {
+            assert!(layer.slack_windows.iter().any(|window| window.free_sms >= 4), "{layer:?}");
+        }
+    }
+    for io_sms in [0, 16, 17] {
+        let error = import_timeline(&full, common::model(), common::gpu(), io_sms, common::io_costs(), "test", "test").unwrap_err();
+        assert!(matches!(&error, SchedulerError::InvalidConfig { field, .. } if field == "io_sms"), "{error}");
+    }
+}
+
+/// Goal: one predicate says whether the slack-aware policy could ever write in a decode step;
+/// `Runtime::new`, `tutti-profile check` and `import` all call it. A hand-made table with no
+/// free SM anywhere is valid as a table and refused by the predicate; the toy table passes.
+#[test]
+fn the_decode_write_predicate_refuses_a_table_with_no_free_sms() {
+    assert!(Profile::from_table(common::table()).unwrap().check_decode_steps_can_write().is_ok());
+    let mut starved = common::table();
+    for step in &mut starved.decode_steps {
+        step.free_sms = 0;
+    }
+    for bucket in &mut starved.buckets {
+        for layer in &mut bucket.layers {
+            layer.slack_windows.clear();
+        }
+    }
+    let profile = Profile::from_table(starved).expect("valid as a table");
+    let error = profile.check_decode_steps_can_write().unwrap_err();
+    assert!(error.to_string().contains("smallest write budget (2 SMs)") && error.to_string().contains("[0, 0]"), "{error}");
+    // import refuses to write such a table: a reservation below the write budget leaves the
+    // decode steps (16 SMs busy, clamped to 15) 1 SM where a write needs 2.
+    let full = timeline(None).replace(",10\n", ",16\n");
+    let error = import_timeline(&full, common::model(), common::gpu(), 1, common::io_costs(), "test", "test").unwrap_err();
+    assert!(error.to_string().contains("smallest write budget"), "{error}");
 }
 
 #[test]
@@ -433,7 +486,7 @@ fn overlapping_kernels_whose_sms_sum_past_u32_leave_no_slack() {
     lines[2] = "prefill,1024,0,0,qkv_gemm,5000,5100,3000000000".into();
     lines.insert(3, "prefill,1024,0,0,side_copy,5000,5100,3000000000".into());
     let gpu = scheduler::table::GpuIdentity { name: "huge".into(), sm_count: 4_000_000_000 };
-    let profile = import_timeline(&lines.join("\n"), common::model(), gpu, common::io_costs(), "test", "test").unwrap();
+    let profile = import_timeline(&lines.join("\n"), common::model(), gpu, IO_SMS, common::io_costs(), "test", "test").unwrap();
     let layer = &profile.bucket(1024, 0).unwrap().layers[0];
     assert!(layer.slack_windows.iter().all(|window| window.offset_us >= 100.0), "{:?}", layer.slack_windows);
 }
@@ -502,8 +555,9 @@ fn timeline_runs_keep_the_conservative_figure() {
     let layer = &profile.bucket(1024, 0).unwrap().layers[2];
     assert_eq!((layer.compute_duration_us, layer.kv_needed_offset_us), (1000.0, 100.0));
     let windows: Vec<(f64, f64, u32)> = layer.slack_windows.iter().map(|w| (w.offset_us, w.duration_us, w.free_sms)).collect();
-    // Run 0: 4 free, then 2, the gap, nothing under the MLP; run 1: 2 free, the gap, then 4.
-    assert_eq!(windows, vec![(0.0, 100.0, 2), (100.0, 500.0, 2), (600.0, 50.0, 16)]);
+    // Run 0: 4 free, then 2, the gap, the 2 reserved SMs under the MLP; run 1: 2 free, the
+    // gap, then 4.
+    assert_eq!(windows, vec![(0.0, 100.0, 2), (100.0, 500.0, 2), (600.0, 50.0, 16), (650.0, 350.0, 2)]);
     // Buckets with one run are as before.
     assert_eq!(profile.bucket(2048, 1024).unwrap().layers[3].compute_duration_us, 1000.0);
 

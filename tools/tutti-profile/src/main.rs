@@ -225,7 +225,8 @@ struct ImportArgs {
     io_costs: Option<PathBuf>,
     #[command(flatten)]
     ssd: SsdArgs,
-    /// SM budget of the analytic I/O cost rows.
+    /// SMs reserved for the I/O green context: each kernel's SMs are clamped to the GPU's SMs
+    /// less these (as the analytic model runs compute), and the analytic I/O cost rows' budget.
     #[arg(long, default_value_t = 4)]
     io_sms: u32,
     /// Output file (JSON).
@@ -378,6 +379,7 @@ fn import(args: &ImportArgs) -> Result<()> {
         &text,
         model.identity(),
         gpu.identity(),
+        args.io_sms,
         io_costs,
         &format!("imported-timeline: {}", args.timeline.display()),
         &io_source,
@@ -427,6 +429,9 @@ fn check(args: &CheckArgs) -> Result<()> {
         let gpu = args.target.gpu()?;
         profile.check_identity(&model.identity(), &gpu.identity())?;
     }
+    // The slack-aware runtime refuses a table whose decode steps could never write (the same
+    // predicate): valid here and refused there was no verdict.
+    profile.check_decode_steps_can_write().with_context(|| format!("{} is unusable by the slack-aware runtime", args.table.display()))?;
     let t = profile.table();
     outln!(
         "{}: valid (format {}, model {}, GPU {}, {} buckets, inputs up to {} tokens, compute: {}, io costs: {})",

@@ -327,6 +327,57 @@ fn import_builds_a_table_from_a_timeline() {
     assert!(text.contains("gpu.sm_count"), "{text}");
 }
 
+/// Goal: a timeline measured with every kernel on the whole GPU (what `slack-profile.py` and the
+/// `--timing events` fallback write: min(grid, SMs) or all SMs) imports into a table the
+/// slack-aware runtime accepts: import reserves `--io-sms` for I/O, as the analytic model runs
+/// compute on sm_count − io_sms SMs, so every decode step and every layer keeps them free.
+/// Before, such a table had 0 free SMs everywhere, `check` called it valid, and
+/// `Runtime::new(slack-aware)` refused it.
+#[test]
+fn import_reserves_the_io_sms_of_a_timeline_measured_on_every_sm() {
+    let _one = exclusive();
+    let dir = scratch("import-io-sms");
+    let timeline = dir.join("timeline.csv");
+    let mut csv = String::from("phase,input_tokens,prefix_tokens,layer,kernel,start_us,end_us,sms_used\n");
+    for (input, prefix) in [(4096, 0), (4096, 4096)] {
+        for layer in 0..32 {
+            let t = f64::from(layer) * 1000.0;
+            csv.push_str(&format!("prefill,{input},{prefix},{layer},qkv,{t},{},132\n", t + 100.0));
+            csv.push_str(&format!("prefill,{input},{prefix},{layer},attn,{},{},132\n", t + 100.0, t + 1000.0));
+        }
+    }
+    csv.push_str("decode,4096,,,step,0,3000,132\ndecode,8192,,,step,0,3500,132\n");
+    std::fs::write(&timeline, csv).unwrap();
+    let table = dir.join("imported.json");
+    let arguments = ["import", "--timeline", timeline.to_str().unwrap(), "--io-sms", "4", "--out", table.to_str().unwrap()];
+    let (code, text) = status(&arguments);
+    assert_eq!(code, Some(0), "{text}");
+    let value: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&table).unwrap()).unwrap();
+    for step in value["decode_steps"].as_array().unwrap() {
+        assert!(step["free_sms"].as_u64().unwrap() >= 4, "{step}");
+    }
+    for bucket in value["buckets"].as_array().unwrap() {
+        for layer in bucket["layers"].as_array().unwrap() {
+            let windows = layer["slack_windows"].as_array().unwrap();
+            assert!(windows.iter().any(|window| window["free_sms"].as_u64().unwrap() >= 4), "{layer}");
+        }
+    }
+    let (code, text) = status(&["check", table.to_str().unwrap()]);
+    assert_eq!(code, Some(0), "{text}");
+
+    // `check` refuses (status 1) a table the slack-aware runtime would refuse: no decode step
+    // leaves the write budget free.
+    let mut starved = value.clone();
+    for step in starved["decode_steps"].as_array_mut().unwrap() {
+        step["free_sms"] = serde_json::json!(0);
+    }
+    let starved_path = dir.join("starved.json");
+    std::fs::write(&starved_path, serde_json::to_string(&starved).unwrap()).unwrap();
+    let (code, text) = status(&["check", starved_path.to_str().unwrap()]);
+    assert_eq!(code, Some(1), "{text}");
+    assert!(text.contains("slack-aware") && text.contains("smallest write budget (4 SMs)"), "{text}");
+}
+
 /// Exit status and standard error of `arguments`, asserting no panic.
 fn status(arguments: &[&str]) -> (Option<i32>, String) {
     let output = run(bin().args(arguments));
