@@ -34,7 +34,9 @@
 //!   timeline holding several must number them, or one span covers them all (two 5 ms steps
 //!   at 0 and 100 ms made one step of 105 ms).
 //!
-//! A run's layer lasts from its first start to its last end. Its slack windows are the maximal
+//! A run's layer lasts from its first start to its last end, and starts no earlier than the
+//! run's layer before it ends (overlapping layers are refused, naming bucket, run and layers:
+//! each layer's windows come from its own kernels). Its slack windows are the maximal
 //! intervals with a constant number of free SMs (`sm_count −` SMs of the kernels running), gaps
 //! between kernels counting as fully free; intervals with no free SM are dropped. A decode
 //! step's duration spans its kernels and its free SMs are the minimum over the step. Several
@@ -171,6 +173,32 @@ pub fn import_timeline(
 
     let mut buckets = Vec::with_capacity(prefill.len());
     for ((input_tokens, prefix_tokens), runs) in prefill {
+        // Per run, layer k+1 starts no earlier than layer k ends: a layer's span and windows
+        // come from its own kernels only, so overlapping layers showed SMs the next layer used
+        // as free and summed past the real time. (A missing layer is named below.)
+        for (&run, layers) in &runs {
+            let spans = layers.iter().map(|(&layer, kernels)| {
+                let first_start_us = kernels.iter().map(|k| k.start_us).fold(f64::INFINITY, f64::min);
+                let last_end_us = kernels.iter().map(|k| k.end_us).fold(0.0, f64::max);
+                (layer, first_start_us, last_end_us)
+            });
+            let mut previous: Option<(u32, f64)> = None;
+            for (layer, first_start_us, last_end_us) in spans {
+                if let Some((previous_layer, previous_end_us)) = previous {
+                    if first_start_us < previous_end_us {
+                        return Err(SchedulerError::Timeline {
+                            line: 0,
+                            reason: format!(
+                                "bucket(input_tokens={input_tokens}, prefix_tokens={prefix_tokens}) run {run}: layer {layer} starts at \
+                                 {first_start_us} us, before layer {previous_layer} ends at {previous_end_us} us; layers must not \
+                                 overlap in time (each layer's windows would show SMs the other uses)"
+                            ),
+                        });
+                    }
+                }
+                previous = Some((layer, last_end_us));
+            }
+        }
         let mut profiles = Vec::new();
         for layer in 0..model.layer_count {
             let mut conservative: Option<LayerProfile> = None;

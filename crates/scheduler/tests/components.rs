@@ -476,6 +476,38 @@ fn the_decode_write_predicate_refuses_a_table_with_no_free_sms() {
     assert!(error.to_string().contains("smallest write budget"), "{error}");
 }
 
+/// Goal: layers of one run that overlap in time are refused, naming the bucket, the run and the
+/// layers. Each layer's span and windows come from its own kernels only, so when layer 1 starts
+/// before layer 0 ends, layer 0's windows showed SMs layer 1 was using and the layers' sums
+/// exceeded the real time (here 600 + 600 µs for 1100 µs).
+#[test]
+fn layers_overlapping_in_time_are_refused() {
+    let model = scheduler::table::ModelIdentity { name: "two".into(), layer_count: 2, kv_bytes_per_token_per_layer: 1024 };
+    let gpu = scheduler::table::GpuIdentity { name: "g".into(), sm_count: 132 };
+    let csv = |layer_1_start: f64| {
+        format!(
+            "phase,input_tokens,prefix_tokens,layer,kernel,start_us,end_us,sms_used\n\
+             prefill,1024,0,0,qkv,0,100,100\nprefill,1024,0,0,attn,100,600,100\n\
+             prefill,1024,0,1,qkv,{layer_1_start},{},100\nprefill,1024,0,1,attn,{},{},100\n\
+             prefill,1024,1024,0,qkv,0,100,100\nprefill,1024,1024,0,attn,100,600,100\n\
+             prefill,1024,1024,1,qkv,600,700,100\nprefill,1024,1024,1,attn,700,1200,100\n\
+             decode,1024,,,step,0,1000,100\n",
+            layer_1_start + 100.0,
+            layer_1_start + 100.0,
+            layer_1_start + 600.0
+        )
+    };
+    let error = import_timeline(&csv(500.0), model.clone(), gpu.clone(), 4, common::io_costs(), "test", "test").unwrap_err();
+    let text = error.to_string();
+    assert!(matches!(error, SchedulerError::Timeline { .. }), "{text}");
+    assert!(
+        text.contains("bucket(input_tokens=1024, prefix_tokens=0) run 0") && text.contains("layer 1") && text.contains("layer 0"),
+        "{text}"
+    );
+    // Touching layers are fine.
+    import_timeline(&csv(600.0), model, gpu, 4, common::io_costs(), "test", "test").unwrap();
+}
+
 #[test]
 fn overlapping_kernels_whose_sms_sum_past_u32_leave_no_slack() {
     // Goal: two concurrent kernels of 3e9 SMs each on a GPU of 4e9 (each row within the GPU,
@@ -543,7 +575,7 @@ fn timeline_runs_keep_the_conservative_figure() {
     text.push_str("decode,4096,,,decode_step,0,5000,10,0\ndecode,4096,,,decode_step,100000,105000,10,1\n");
     // A second run of bucket (1024, 0): later, other SMs in use, and its MLP 200 µs longer.
     for layer in 0..common::LAYERS {
-        let t = 200_000.0 + 1000.0 * f64::from(layer);
+        let t = 200_000.0 + 2000.0 * f64::from(layer); // its layers are 1200 µs long
         text.push_str(&format!("prefill,1024,0,{layer},qkv_gemm,{t},{},14,1\n", t + 100.0));
         text.push_str(&format!("prefill,1024,0,{layer},flash_attn_fwd,{},{},14,1\n", t + 100.0, t + 600.0));
         text.push_str(&format!("prefill,1024,0,{layer},mlp,{},{},12,1\n", t + 650.0, t + 1200.0));
