@@ -32,8 +32,14 @@ use crate::table::{
 
 /// Configs come from files: a limit keeps a typo from allocating gigabytes.
 pub const LAYER_COUNT_MAX: u32 = 1024;
-/// Largest grid an analytic table may have (buckets × layers), for the same reason.
-pub const GRID_ENTRIES_MAX: u64 = 50_000_000;
+/// Largest grid an analytic table may have (buckets × layers), for the same reason. An entry
+/// (one layer of one bucket, nine windows) takes ~285 bytes in memory and ~800 bytes of JSON,
+/// so 2.2M entries are ~0.6 GB in memory and ~1.8 GB of JSON. The cap was 50M (~14 GB in memory,
+/// ~40 GB of JSON): `--input-step 64 --input-count 1760 --prefix-step 64` (49.6M) was accepted
+/// and then ran out of memory. The default grid is 18,688 entries, the presets' at most 147,968;
+/// the largest table `tutti-bench --workload=serve` builds for a model of 32 layers (a
+/// 1,048,576-token prompt, every 16-token block a prefix) is 2,097,184, just inside.
+pub const GRID_ENTRIES_MAX: u64 = 2_200_000;
 
 /// Shape of a decoder-only transformer.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -342,7 +348,13 @@ pub fn build_table(
     if bucket_count.saturating_mul(u64::from(model.layer_count)) > GRID_ENTRIES_MAX {
         return Err(SchedulerError::InvalidConfig {
             field: "grid".into(),
-            reason: format!("{bucket_count} buckets × {} layers exceeds {GRID_ENTRIES_MAX} entries: use a coarser step", model.layer_count),
+            reason: format!(
+                "{bucket_count} buckets × {} layers = {} entries exceeds {GRID_ENTRIES_MAX} (~1.8 GB of JSON): use a coarser \
+                 prefix_step_tokens or input_step_tokens, or a smaller input_step_count (tutti-profile analytic: --prefix-step, \
+                 --input-step, --input-count)",
+                model.layer_count,
+                bucket_count.saturating_mul(u64::from(model.layer_count))
+            ),
         });
     }
 

@@ -93,6 +93,25 @@ fn analytic_build_rejects_bad_configs() {
     assert!(bad_ssd.cost_table(1 << 20, 8, &[4]).is_err());
 }
 
+/// Goal: an analytic grid is bounded so that its table fits in memory and on disk: the cap was
+/// 50M bucket × layer entries (~13 GB in memory, ~40 GB of JSON at ~800 bytes per entry), and
+/// `--input-step 64 --input-count 1760 --prefix-step 64` (49.6M) was accepted and then ran out
+/// of memory. A grid just past the 2.2M cap (69,005 buckets × 32 layers) is refused at once,
+/// naming the grid's fields; the grids of the presets are far below it.
+#[test]
+fn an_analytic_grid_past_2_2_million_entries_is_refused() {
+    let model = ModelConfig::llama3_8b();
+    let io = SsdModel::tutti_two_ssds().cost_table(1 << 20, 8, &[4]).unwrap();
+    let grid = AnalyticGrid { input_step_tokens: 64, input_step_count: 370, prefix_step_tokens: 64, io_sms: 4, decode_step_tokens: 64 };
+    match build_table(&model, &GpuSpec::h100(), &grid, io, "t") {
+        Err(SchedulerError::InvalidConfig { reason, .. }) => {
+            assert!(reason.contains("2208160") && reason.contains("input_step_count"), "{reason}")
+        }
+        Err(other) => panic!("expected InvalidConfig, got {other}"),
+        Ok(table) => panic!("accepted a grid of {} buckets", table.buckets.len()),
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Simulator
 

@@ -378,6 +378,20 @@ fn import_reserves_the_io_sms_of_a_timeline_measured_on_every_sm() {
     assert!(text.contains("slack-aware") && text.contains("smallest write budget (4 SMs)"), "{text}");
 }
 
+/// Goal: a grid too large to hold is refused at once with status 2, naming the flags: this one
+/// (49.6M bucket × layer entries) was accepted under the old cap and ran out of memory.
+#[test]
+fn an_analytic_grid_too_large_to_hold_is_status_2() {
+    let _one = exclusive();
+    let dir = scratch("huge-grid");
+    let out = dir.join("x.json");
+    let arguments = ["analytic", "--input-step", "64", "--input-count", "1760", "--prefix-step", "64", "--out", out.to_str().unwrap()];
+    let (code, text) = status(&arguments);
+    assert_eq!(code, Some(2), "{text}");
+    assert!(text.contains("--prefix-step") && text.contains("--input-count") && text.contains("--input-step"), "{text}");
+    assert!(!out.exists());
+}
+
 /// Exit status and standard error of `arguments`, asserting no panic.
 fn status(arguments: &[&str]) -> (Option<i32>, String) {
     let output = run(bin().args(arguments));
