@@ -47,6 +47,20 @@ pub enum SchedulerError {
     #[error("timeline line {line}: {reason}")]
     Timeline { line: usize, reason: String },
 
+    /// The table built from a timeline fails validation (a bucket missing, no decode step where
+    /// a write fits): unusable input, and the grid it is checked against was inferred from the
+    /// timeline, not declared by it.
+    #[error(
+        "the table built from the timeline is invalid (its grid is inferred: input step {input_step_tokens} tokens, the smallest \
+         input; prefix step {prefix_step_tokens} tokens, the greatest common divisor of the prefixes): {source}"
+    )]
+    ImportedTable {
+        input_step_tokens: u32,
+        prefix_step_tokens: u32,
+        #[source]
+        source: Box<SchedulerError>,
+    },
+
     /// A policy asked for something impossible (more IOCBs than are pending, an unknown layer).
     #[error("policy `{policy}` produced an invalid decision at {location}: {reason}")]
     InvalidDecision { policy: &'static str, location: String, reason: String },

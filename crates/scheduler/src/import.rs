@@ -46,7 +46,8 @@
 //! prefix steps are inferred (smallest input; greatest common divisor of the prefix lengths) and
 //! the table is then validated, so a missing bucket is named; a table in which the slack-aware
 //! policy could never write in a decode step ([`Profile::check_decode_steps_can_write`]) is
-//! refused.
+//! refused. Either is [`SchedulerError::ImportedTable`] (the steps were inferred, not declared);
+//! an input that is no multiple of the smallest is a [`SchedulerError::Timeline`] error.
 
 use std::collections::BTreeMap;
 
@@ -170,6 +171,18 @@ pub fn import_timeline(
     }
     let prefix_step_tokens = prefill.keys().map(|k| k.1).filter(|&p| p > 0).fold(0, gcd).max(1);
     let prefix_step_tokens = if prefill.keys().all(|k| k.1 == 0) { input_step_tokens } else { prefix_step_tokens };
+    // The input step is inferred from the smallest input: say so in those terms (validation
+    // spoke of a grid "declared by input_step_tokens", which a timeline never declares).
+    if let Some(&(input_tokens, prefix_tokens)) = prefill.keys().find(|k| k.0 % input_step_tokens != 0) {
+        return Err(SchedulerError::Timeline {
+            line: 0,
+            reason: format!(
+                "bucket(input_tokens={input_tokens}, prefix_tokens={prefix_tokens}): input_tokens {input_tokens} is not a multiple of \
+                 the smallest, {input_step_tokens}; import infers the input step from the smallest input, so inputs must be \
+                 multiples of it"
+            ),
+        });
+    }
 
     let mut buckets = Vec::with_capacity(prefill.len());
     for ((input_tokens, prefix_tokens), runs) in prefill {
@@ -255,8 +268,9 @@ pub fn import_timeline(
         io_costs,
         decode_steps,
     };
-    let profile = Profile::from_table(table)?;
-    profile.check_decode_steps_can_write()?;
+    let imported = |source| SchedulerError::ImportedTable { input_step_tokens, prefix_step_tokens, source: Box::new(source) };
+    let profile = Profile::from_table(table).map_err(imported)?;
+    profile.check_decode_steps_can_write().map_err(imported)?;
     Ok(profile)
 }
 

@@ -545,7 +545,11 @@ fn overlapping_kernels_whose_sms_sum_past_u32_leave_no_slack() {
 #[test]
 fn timeline_errors_name_the_line_or_bucket() {
     let error = import(&timeline(Some((2048, 1024)))).unwrap_err();
-    assert!(matches!(error, SchedulerError::MissingBucket { input_tokens: 2048, prefix_tokens: 1024 }), "{error}");
+    assert!(
+        matches!(&error, SchedulerError::ImportedTable { input_step_tokens: 1024, prefix_step_tokens: 1024, source }
+            if matches!(**source, SchedulerError::MissingBucket { input_tokens: 2048, prefix_tokens: 1024 })),
+        "{error}"
+    );
 
     let with_line = |line_no: usize, replacement: &str| {
         let mut lines: Vec<String> = timeline(None).lines().map(str::to_string).collect();

@@ -265,7 +265,11 @@ fn main() -> std::process::ExitCode {
                 || error.chain().any(|cause| {
                     matches!(
                         cause.downcast_ref::<scheduler::SchedulerError>(),
-                        Some(scheduler::SchedulerError::InvalidConfig { .. } | scheduler::SchedulerError::Timeline { .. })
+                        Some(
+                            scheduler::SchedulerError::InvalidConfig { .. }
+                                | scheduler::SchedulerError::Timeline { .. }
+                                | scheduler::SchedulerError::ImportedTable { .. }
+                        )
                     )
                 });
             ExitCode::from(if unusable { exit::UNUSABLE_INPUT } else { exit::FAILURE })

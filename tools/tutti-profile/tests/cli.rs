@@ -392,6 +392,54 @@ fn an_analytic_grid_too_large_to_hold_is_status_2() {
     assert!(!out.exists());
 }
 
+/// Goal: a timeline import cannot use is unusable input (status 2), however the table built
+/// from it fails: a bucket missing, an input off the grid import inferred (said in those terms),
+/// no decode step where a write fits. They were status 1, and an input off the grid was "not on
+/// the grid declared by input_step_tokens/…", which the timeline never declared.
+#[test]
+fn import_of_an_unusable_timeline_is_status_2() {
+    let _one = exclusive();
+    let dir = scratch("import-status");
+    let write = |name: &str, buckets: &[(u32, u32)], decode_sms: u32| {
+        let mut csv = String::from("phase,input_tokens,prefix_tokens,layer,kernel,start_us,end_us,sms_used\n");
+        for (input, prefix) in buckets {
+            for layer in 0..32 {
+                let t = f64::from(layer) * 1000.0;
+                csv.push_str(&format!("prefill,{input},{prefix},{layer},qkv,{t},{},100\n", t + 100.0));
+                csv.push_str(&format!("prefill,{input},{prefix},{layer},attn,{},{},100\n", t + 100.0, t + 900.0));
+            }
+        }
+        csv.push_str(&format!("decode,4096,,,step,0,3000,{decode_sms}\n"));
+        let path = dir.join(name);
+        std::fs::write(&path, csv).unwrap();
+        path
+    };
+    let import = |timeline: &Path, extra: &[&str]| {
+        let out = dir.join("out.json");
+        let arguments = [&["import", "--timeline", timeline.to_str().unwrap(), "--out", out.to_str().unwrap()][..], extra].concat();
+        status(&arguments)
+    };
+    // (8192, 4096) missing.
+    let missing = write("missing.csv", &[(4096, 0), (4096, 4096), (8192, 0), (8192, 8192)], 100);
+    let (code, text) = import(&missing, &[]);
+    assert_eq!(code, Some(2), "{text}");
+    assert!(text.contains("missing bucket input_tokens=8192 prefix_tokens=4096") && text.contains("inferred"), "{text}");
+    // 6144 is no multiple of the smallest input.
+    let off_grid = write("off-grid.csv", &[(4096, 0), (4096, 4096), (6144, 0), (6144, 4096)], 100);
+    let (code, text) = import(&off_grid, &[]);
+    assert_eq!(code, Some(2), "{text}");
+    assert!(text.contains("multiple of the smallest, 4096") && !text.contains("declared"), "{text}");
+    // A reservation of 1 SM leaves the decode step (132 SMs busy) 1 free SM, below the write
+    // rows' budget of 4.
+    let full = write("full.csv", &[(4096, 0), (4096, 4096)], 132);
+    let costs = dir.join("costs.json");
+    let (code, text) = status(&["analytic", "--input-count", "1", "--out", costs.to_str().unwrap()]);
+    assert_eq!(code, Some(0), "{text}");
+    let (code, text) = import(&full, &["--io-sms", "1", "--io-costs", costs.to_str().unwrap()]);
+    assert_eq!(code, Some(2), "{text}");
+    assert!(text.contains("smallest write budget (4 SMs)"), "{text}");
+}
+
 /// Exit status and standard error of `arguments`, asserting no panic.
 fn status(arguments: &[&str]) -> (Option<i32>, String) {
     let output = run(bin().args(arguments));
