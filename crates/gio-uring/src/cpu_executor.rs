@@ -28,7 +28,7 @@ use crate::abi::{self, NvmeStatus, Opcode};
 use crate::error::GioError;
 use crate::executor::{complete_ioctx, post_cqe, Executor, IssueBatch};
 use crate::ioctx_index::IoctxIndex;
-use crate::layout::{IocbHeader, QueueMemory};
+use crate::layout::{FilledLines, IocbHeader, QueueMemory};
 use crate::ring::Ring;
 use crate::types::IocbId;
 
@@ -60,6 +60,12 @@ pub struct CpuExecutor {
     stale: Vec<bool>,
     /// `retire_queue_pairs` ran: no queue pair is left, and an issue ends at once.
     retired: bool,
+    /// Line 0 of each IOCB as validated by `fill_iocb` (recorded by `prepared`): what `submit`
+    /// builds commands from. Unused in worker mode (the dealing thread holds it).
+    filled: FilledLines,
+    /// Per IOCB, line 0 of its issue in flight as this executor accepted it: what completions
+    /// are counted against (never line 0 re-read from shared memory).
+    issued: Vec<Option<IocbHeader>>,
     /// The last submit pass left pending only IOCTXs held for failed or stale pairs (it was
     /// not stopped by a full queue), and nothing was accepted since: polling again cannot
     /// submit any of them until a reset.
@@ -77,12 +83,18 @@ fn note_device_error(stale: &mut [bool], first_error: &mut Option<GioError>, dev
     first_error.get_or_insert(device_error(device, error));
 }
 
-/// Line 0 of issued IOCB `id`, checked ([`QueueMemory::read_issued_header`]); when it was
-/// overwritten, nothing of the IOCB runs: it ends now with its CQE, the error goes to `refused`
-/// (the first one is what the issue returns) and `None` comes back. `who` names the executor in
-/// the log.
-pub(crate) fn issued_header_or_end(memory: &QueueMemory, id: IocbId, who: &str, refused: &mut Option<GioError>) -> Option<IocbHeader> {
-    match memory.read_issued_header(id) {
+/// Line 0 of issued IOCB `id` as `fill_iocb` validated it, with the issue's layer
+/// ([`FilledLines::issued`]); when the shared line was overwritten, nothing of the IOCB runs: it
+/// ends now with its CQE, the error goes to `refused` (the first one is what the issue returns)
+/// and `None` comes back. `who` names the executor in the log.
+pub(crate) fn issued_header_or_end(
+    memory: &QueueMemory,
+    filled: &FilledLines,
+    id: IocbId,
+    who: &str,
+    refused: &mut Option<GioError>,
+) -> Option<IocbHeader> {
+    match filled.issued(memory, id) {
         Ok(header) => Some(header),
         Err(error) => {
             if let Err(posting) = finish_as_timeout(memory, id) {
@@ -135,12 +147,20 @@ impl CpuExecutor {
             undeleted: Vec::new(),
             stale,
             retired: false,
+            filled: FilledLines::new(depth),
+            issued: vec![None; depth as usize],
             pending_held_only: false,
         }
     }
 
     /// Takes an IOCB another thread consumed from the SQ (worker mode).
     pub(crate) fn accept(&mut self, header: IocbHeader) {
+        match self.issued.get_mut(header.id as usize) {
+            Some(slot) => *slot = Some(header),
+            // Only with a depth below the queue's: its completions are then refused as naming
+            // no IOCB issued here, and the IOCB waits for a reset.
+            None => tracing::error!(id = header.id, "gio-uring CPU executor: an IOCB outside the depth it was built for"),
+        }
         let (next, len) = match &self.index {
             Some((index, worker)) => index.range(IocbId(header.id), *worker),
             None => (0, header.ioctx_count),
@@ -421,6 +441,20 @@ impl Executor for CpuExecutor {
         "cpu"
     }
 
+    /// Sizes the per-IOCB tables for the queue's depth (once; nothing is allocated per I/O).
+    fn attach(&mut self, memory: &Arc<QueueMemory>) -> Result<(), GioError> {
+        let depth = memory.layout.config.depth;
+        self.filled = FilledLines::new(depth);
+        self.issued = vec![None; depth as usize];
+        self.pending.reserve(depth as usize);
+        Ok(())
+    }
+
+    /// Keeps the line `fill_iocb` just wrote and validated: commands are built from this copy.
+    fn prepared(&mut self, memory: &QueueMemory, id: IocbId) -> Result<(), GioError> {
+        self.filled.record(memory, id)
+    }
+
     fn submit(&mut self, memory: &QueueMemory, batch: &IssueBatch) -> Result<(), GioError> {
         let ring: Ring<'_, IocbId> = Ring::new(&memory.region, memory.layout.sq, "sq");
         let mut consumer = ring.consumer()?;
@@ -442,7 +476,7 @@ impl Executor for CpuExecutor {
                 return Err(GioError::Executor { executor: "cpu", reason: format!("SQ names {id}, outside the pool") });
             }
             // Capacity is the depth and an IOCB is pending at most once: never reallocates.
-            if let Some(header) = issued_header_or_end(memory, id, "CPU executor", &mut refused) {
+            if let Some(header) = issued_header_or_end(memory, &self.filled, id, "CPU executor", &mut refused) {
                 self.accept(header);
             }
         }
@@ -462,7 +496,7 @@ impl Executor for CpuExecutor {
                 continue; // its controller was reset: nothing to reap; reported already
             }
             let depth = queue.depth() as usize;
-            if let Err(error) = queue.reap(depth, |completion| finish_command(memory, completion, &mut posting)) {
+            if let Err(error) = queue.reap(depth, |completion| finish_command(memory, &self.issued, completion, &mut posting)) {
                 note_device_error(&mut self.stale, &mut first_error, device, error);
             }
         }
@@ -493,9 +527,9 @@ impl Executor for CpuExecutor {
         let Some(Some(queue)) = self.queues.get_mut(device) else { return Ok(None) };
         // Everything submitted was announced (`pump` rings before it returns): wait for it.
         let mut posting = Ok(());
-        queue.wait_idle(deadline, |completion| finish_command(memory, completion, &mut posting)).map_err(|error| GioError::Executor {
-            executor: "cpu",
-            reason: format!("device {device}: emptying the queue pair to lend it: {error}"),
+        let issued = &self.issued;
+        queue.wait_idle(deadline, |completion| finish_command(memory, issued, completion, &mut posting)).map_err(|error| {
+            GioError::Executor { executor: "cpu", reason: format!("device {device}: emptying the queue pair to lend it: {error}") }
         })?;
         posting?;
         Ok(Some(queue))
@@ -504,19 +538,24 @@ impl Executor for CpuExecutor {
 
 /// Accounts one NVMe completion to its IOCTX and posts the IOCB's CQE if it was the last. A tag
 /// naming no IOCB (a borrower's [`crate::executor::LENT_COMMAND_TAG`], or garbage) is an error.
-fn finish_command(memory: &QueueMemory, completion: nvme_driver::Completion, posting: &mut Result<(), GioError>) {
+///
+/// The IOCB's IOCTX count and issue sequence number come from `issued`, the line this executor
+/// accepted for the issue, not from shared memory: a line 0 rewritten after the issue cannot
+/// make the IOCB end while some of its commands still move data.
+fn finish_command(
+    memory: &QueueMemory,
+    issued: &[Option<IocbHeader>],
+    completion: nvme_driver::Completion,
+    posting: &mut Result<(), GioError>,
+) {
     let (id, index) = untag(completion.tag);
-    if id.0 >= memory.layout.config.depth {
-        *posting = Err(GioError::Executor { executor: "cpu", reason: format!("completion tag {:#x} names no IOCB", completion.tag) });
+    let Some(header) = issued.get(id.0 as usize).copied().flatten() else {
+        // Not counted: an IOCB this executor issued waits for a reset, which ends it as timed out.
+        *posting = Err(GioError::Executor {
+            executor: "cpu",
+            reason: format!("completion tag {:#x} names no IOCB issued to this executor", completion.tag),
+        });
         return;
-    }
-    let header = match memory.read_issued_header(id) {
-        Ok(header) => header,
-        Err(error) => {
-            // Not counted: the IOCB waits for a reset, which ends it as timed out.
-            *posting = Err(error);
-            return;
-        }
     };
     let status = completion.status.map_err(|status| (abi::GIO_IOCB_STATUS_NVME_ERROR, abi_status(status)));
     if let Some(cqe) = complete_ioctx(memory, id, index, header.ioctx_count, header.issue_seq, status) {
@@ -548,6 +587,95 @@ mod tests {
         }
         let ended = queue.wait_cqe(id, Instant::now() + std::time::Duration::from_secs(5)).expect("ended once");
         assert!(matches!(ended.result, Err(crate::IocbFailure::Timeout { .. })), "{:?}", ended.result);
+    }
+
+    /// A software controller with one namespace of 512-byte blocks and one I/O queue pair, a
+    /// 64 KiB DMA buffer (the only registered memory) and a gio queue over `executor` holding
+    /// one filled, not issued, one-block Read of two layers (the second 512 bytes on).
+    /// Fields drop in order: the queue pair is deleted while the controller is up.
+    struct EmuRig<E: Executor> {
+        queue: crate::queue::GioQueue<E>,
+        id: IocbId,
+        _buffer: nvme_driver::hw::DmaRegion,
+        _controller: nvme_driver::Controller,
+        device: Arc<nvme_emu::EmuDevice>,
+    }
+
+    fn emu_rig<E: Executor>(executor: impl FnOnce(IoQueuePair) -> E) -> EmuRig<E> {
+        use crate::types::{DeviceIndex, IovaRange, Lba};
+        use crate::validate::{Descriptor, DeviceInfo, DeviceTable, IocbSpec, IoctxSpec, RegisteredMemory};
+        let config = nvme_emu::EmuConfig::default()
+            .with_backing(nvme_emu::Backing::Memory { bytes: 1 << 20 })
+            .with_namespaces(vec![nvme_emu::NamespaceConfig::new(512, Some(1024))]);
+        let device = nvme_emu::EmuDevice::start(config).expect("software controller");
+        let backend: Arc<dyn nvme_driver::hw::DeviceBackend> = device.clone();
+        let controller = nvme_driver::Controller::init(backend, nvme_driver::ControllerConfig::default()).expect("bring-up");
+        let namespace = controller.namespaces()[0];
+        let pair = controller.create_io_queue_pair(16).expect("I/O queue pair");
+        let buffer = controller.dma().allocate(64 << 10).expect("DMA buffer");
+        let info = DeviceInfo {
+            nsid: namespace.id.0,
+            capacity_blocks: namespace.size_blocks,
+            block_bytes: namespace.block_size_bytes,
+            sgl_supported: false,
+        };
+        let registered = RegisteredMemory::new(vec![IovaRange::new(buffer.iova(), buffer.len() as u64)]).expect("registered");
+        let config = crate::layout::QueueConfig { depth: 4, ioctx_per_iocb_max: 4 };
+        let mut queue =
+            crate::queue::GioQueue::init_queue(config, DeviceTable::new(vec![info]), registered, executor(pair)).expect("queue");
+        let id = queue.get_iocb(1, crate::types::Dependency::None).expect("IOCB")[0];
+        let ioctx = IoctxSpec {
+            device: DeviceIndex(0),
+            nsid: namespace.id.0,
+            start_lba: Lba(0),
+            block_count: 1,
+            data: buffer.iova(),
+            descriptor: Descriptor::Prp { prp2: None },
+            force_unit_access: false,
+        };
+        let spec = IocbSpec { layer_count: 2, lba_stride_blocks: 1, mem_stride_bytes: 512, ..IocbSpec::single(Opcode::Read, 0) };
+        queue.fill_iocb(id, &spec, &[ioctx]).expect("fill");
+        EmuRig { queue, id, _buffer: buffer, _controller: controller, device }
+    }
+
+    fn io_commands(device: &nvme_emu::EmuDevice) -> u64 {
+        device.stats().io_commands.values().sum()
+    }
+
+    #[test]
+    fn a_stride_rewritten_in_line_0_after_the_fill_sends_no_command() {
+        // Goal: the executor builds commands from what fill_iocb validated, not from line 0 as
+        // it finds it at the issue: a memory stride rewritten between the fill and the issue
+        // (16 MiB: layer 1's data far outside the 64 KiB registered) sends no command to the
+        // device; the IOCB ends as timed out, and the CPU executor names the corrupt field.
+        use crate::executor::test_double::Corrupting;
+        let stride_field = core::mem::offset_of!(abi::gio_iocb, mem_stride_bytes);
+        let mut rig = emu_rig(|pair| Corrupting::new(CpuExecutor::new(vec![pair], 4), IocbId(0), stride_field, 16 << 20));
+        let issued = rig.queue.issue_io(&[rig.id], crate::types::LayerIndex(1), crate::types::SmBudget(1));
+        match &issued {
+            Err(GioError::SubmitFailed { source, .. }) => {
+                assert!(matches!(**source, GioError::CorruptIocb { field: "mem_stride_bytes", .. }), "{source}")
+            }
+            other => panic!("expected a refused issue, got {other:?}"),
+        }
+        let ended = rig.queue.wait_cqe(rig.id, Instant::now() + std::time::Duration::from_secs(5)).expect("ended once");
+        assert!(matches!(ended.result, Err(crate::IocbFailure::Timeout { .. })), "{:?}", ended.result);
+        assert_eq!(io_commands(&rig.device), 0, "no command reached the device");
+
+        let mut rig = emu_rig(|pair| {
+            let workers = crate::CpuWorkers::new(1, vec![vec![(crate::types::DeviceIndex(0), pair)]], 4).expect("workers");
+            Corrupting::new(workers, IocbId(0), stride_field, 16 << 20)
+        });
+        let _ = rig.queue.issue_io(&[rig.id], crate::types::LayerIndex(1), crate::types::SmBudget(1));
+        let ended = rig.queue.wait_cqe(rig.id, Instant::now() + std::time::Duration::from_secs(5)).expect("ended once");
+        assert!(matches!(ended.result, Err(crate::IocbFailure::Timeout { .. })), "{:?}", ended.result);
+        assert_eq!(io_commands(&rig.device), 0, "no command reached the device");
+        // Untouched, the same request runs.
+        let mut rig = emu_rig(|pair| CpuExecutor::new(vec![pair], 4));
+        rig.queue.issue_io(&[rig.id], crate::types::LayerIndex(1), crate::types::SmBudget(1)).expect("issue");
+        let done = rig.queue.wait_cqe(rig.id, Instant::now() + std::time::Duration::from_secs(5)).expect("completes");
+        assert_eq!(done.result, Ok(()));
+        assert_eq!(io_commands(&rig.device), 1);
     }
 
     #[test]

@@ -35,7 +35,7 @@ use crate::cpu_executor::{finish_as_timeout, issued_header_or_end, CpuExecutor};
 use crate::error::GioError;
 use crate::executor::{Executor, IssueBatch};
 use crate::ioctx_index::IoctxIndex;
-use crate::layout::{IocbHeader, QueueMemory};
+use crate::layout::{FilledLines, IocbHeader, QueueMemory};
 use crate::ring::{Consumer, Ring};
 use crate::types::{DeviceIndex, IocbId};
 
@@ -116,6 +116,9 @@ pub struct CpuWorkers {
     counts: Vec<u32>,
     /// Per IOCB, the SM budget its index group was built for (0: not built since it was filled).
     built_for_budget: Vec<u32>,
+    /// Line 0 of each IOCB as validated by `fill_iocb` (sized by `attach`, recorded by
+    /// `prepared`): what is dealt and sent to the workers, never line 0 as found at the issue.
+    filled: FilledLines,
     /// Scratch: the worker each IOCTX of the IOCB being dealt goes to (sized by `attach`).
     dealt_to: Vec<usize>,
     /// Scratch: per device, IOCTXs of the IOCB being dealt so far.
@@ -205,6 +208,7 @@ impl CpuWorkers {
             index: None,
             counts,
             built_for_budget: Vec::new(),
+            filled: FilledLines::default(),
             dealt_to: Vec::new(),
             dealt: vec![0; device_count],
             wanted: Vec::new(),
@@ -314,10 +318,11 @@ impl Executor for CpuWorkers {
         self.index = Some(Arc::clone(&ioctx_index));
         self.dealt_to = vec![0; config.ioctx_per_iocb_max as usize];
         self.built_for_budget = vec![0; config.depth as usize];
+        self.filled = FilledLines::new(config.depth);
         self.wanted = vec![0; self.assignments.len()];
         for (index, queues) in std::mem::take(&mut self.assignments).into_iter().enumerate() {
             let (sender, receiver) = mpsc::sync_channel(capacity);
-            let core = CpuExecutor::for_devices(queues, self.depth, Some((Arc::clone(&ioctx_index), index)));
+            let core = CpuExecutor::for_devices(queues, config.depth, Some((Arc::clone(&ioctx_index), index)));
             let memory = Arc::clone(memory);
             let failure = Arc::clone(&self.failure);
             let queued = Arc::new(AtomicUsize::new(0));
@@ -331,14 +336,14 @@ impl Executor for CpuWorkers {
         Ok(())
     }
 
-    fn prepared(&mut self, _memory: &QueueMemory, id: IocbId) -> Result<(), GioError> {
+    fn prepared(&mut self, memory: &QueueMemory, id: IocbId) -> Result<(), GioError> {
         // Refilled: its IOCTXs (and their devices) may have changed; deal them at the next issue.
         let built = self
             .built_for_budget
             .get_mut(id.0 as usize)
             .ok_or_else(|| GioError::Executor { executor: "cpu-workers", reason: format!("{id} is outside the pool (not attached?)") })?;
         *built = 0;
-        Ok(())
+        self.filled.record(memory, id)
     }
 
     fn submit(&mut self, memory: &QueueMemory, batch: &IssueBatch) -> Result<(), GioError> {
@@ -387,7 +392,7 @@ impl Executor for CpuWorkers {
                 continue;
             }
             // Overwritten since `plan` read it: no worker gets it, and it ends now.
-            let Some(header) = issued_header_or_end(memory, id, "CPU workers", &mut refused) else { continue };
+            let Some(header) = issued_header_or_end(memory, &self.filled, id, "CPU workers", &mut refused) else { continue };
             for (index, worker) in self.workers.iter().enumerate() {
                 if ioctx_index.range(id, index).1 == 0 {
                     continue; // dealt none of this IOCB's IOCTXs
@@ -494,7 +499,7 @@ impl CpuWorkers {
             if id.0 >= memory.layout.config.depth {
                 return Err(GioError::Executor { executor: "cpu-workers", reason: format!("SQ names {id}, outside the pool") });
             }
-            let header = memory.read_issued_header(id)?;
+            let header = self.filled.issued(memory, id)?;
             if self.built_for_budget[id.0 as usize] != budget {
                 // The IOCB's previous issue has completed: no worker reads its group any more.
                 self.deal(memory, &header, budget as usize)?;

@@ -84,9 +84,10 @@ pub enum GioError {
     #[error("{ring} ring corrupt: head {head}, tail {tail}, depth {depth}")]
     RingCorrupt { ring: &'static str, head: u32, tail: u32, depth: u32 },
     /// Line 0 of an issued IOCB, read back from shared memory by an executor, is not what the
-    /// queue wrote there: another agent overwrote it. The IOCB is not run.
+    /// queue wrote there (or, for the CPU executors, not what `fill_iocb` validated): another
+    /// agent overwrote it. The IOCB is not run.
     #[error("{id}: line 0 read back from shared memory is corrupt: {field} = {value} ({expected})")]
-    CorruptIocb { id: IocbId, field: &'static str, value: u32, expected: &'static str },
+    CorruptIocb { id: IocbId, field: &'static str, value: u64, expected: &'static str },
     /// A CQE the queue does not trust. One that matches nothing in flight is dropped; one that
     /// names the issue in flight with impossible fields (a status no executor may post, a
     /// failed IOCTX outside the IOCB) ends that issue as timed out, so it is not left in flight.

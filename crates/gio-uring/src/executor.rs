@@ -50,7 +50,9 @@ pub trait Executor: Send {
 
     /// Called by `fill_iocb` once the IOCB's records are validated and written, before it becomes
     /// issuable, for executors that precompute per-request state (the CUDA executor's staged
-    /// copies). An error leaves the IOCB unissuable, like a failed validation.
+    /// copies). An error leaves the IOCB unissuable, like a failed validation. The CPU executors
+    /// keep the validated line 0 here and build commands from that copy: an executor that wraps
+    /// another must forward this call (and `attach`), or the inner one refuses the IOCB at issue.
     fn prepared(&mut self, memory: &QueueMemory, id: IocbId) -> Result<(), GioError> {
         let _ = (memory, id);
         Ok(())

@@ -138,9 +138,20 @@ impl QueueLayout {
 }
 
 /// A queue's shared region together with its layout; shared by the queue and its executor.
+///
+/// The region, and the writes of the records the queue validates (line 0 of an IOCB, the
+/// IOCTXs), are crate-private: code outside the crate, which reaches a `QueueMemory` through
+/// [`crate::GioQueue::memory`] or an executor's arguments, cannot rewrite a validated record
+/// between `fill_iocb` and `issue_io`.
+///
+/// ```compile_fail
+/// fn rewrite(memory: &gio_uring::layout::QueueMemory) {
+///     memory.region.store_u64(0, 0, std::sync::atomic::Ordering::Relaxed);
+/// }
+/// ```
 #[derive(Debug)]
 pub struct QueueMemory {
-    pub region: SharedRegion,
+    pub(crate) region: SharedRegion,
     pub layout: QueueLayout,
 }
 
@@ -245,7 +256,7 @@ impl QueueMemory {
     }
 
     /// Writes the CPU line of an IOCB. Relaxed: published by the SQ tail's Release store.
-    pub fn write_iocb_header(&self, id: IocbId, header: &IocbHeader) {
+    pub(crate) fn write_iocb_header(&self, id: IocbId, header: &IocbHeader) {
         let base = self.layout.iocb_offset(id);
         let r = &self.region;
         let o = Ordering::Relaxed;
@@ -293,7 +304,7 @@ impl QueueMemory {
             return Err(GioError::UnknownIocb { id, depth });
         }
         let header = self.read_iocb_header(id);
-        let corrupt = |field, value, expected| Err(GioError::CorruptIocb { id, field, value, expected });
+        let corrupt = |field, value: u32, expected| Err(GioError::CorruptIocb { id, field, value: u64::from(value), expected });
         if header.id != id.0 {
             return corrupt("id", header.id, "its position in the pool");
         }
@@ -348,7 +359,8 @@ impl QueueMemory {
         }
     }
 
-    pub fn write_ioctx(&self, array_index: u32, ioctx: &gio_ioctx) {
+    #[cfg(test)]
+    pub(crate) fn write_ioctx(&self, array_index: u32, ioctx: &gio_ioctx) {
         self.write_ioctx_record(array_index, &ioctx_words(ioctx));
     }
 
@@ -357,7 +369,7 @@ impl QueueMemory {
     /// narrower accesses, and only after the issue that publishes it (see
     /// [`SharedRegion::store_u64_array`]).
     #[inline]
-    pub fn write_ioctx_record(&self, array_index: u32, words: &[u64; IOCTX_WORDS]) {
+    pub(crate) fn write_ioctx_record(&self, array_index: u32, words: &[u64; IOCTX_WORDS]) {
         self.region.store_u64_array(self.layout.ioctx_offset(array_index), words, Ordering::Relaxed);
     }
 
@@ -378,6 +390,59 @@ impl QueueMemory {
             flags: r.load_u8(base + field!(gio_ioctx, flags), o),
             reserved0: 0,
         }
+    }
+}
+
+/// Line 0 of each IOCB as `fill_iocb` wrote it, once validated: an executor's private copy,
+/// taken when the IOCB is prepared (from [`crate::Executor::prepared`], right after the queue
+/// wrote the line), in a table sized at construction or attach. At an issue the executor takes
+/// the command-shaping fields (opcode, IOCTX count, layer count, strides) from this copy, never
+/// from shared memory another agent can write, and refuses the IOCB when the shared line no
+/// longer matches it. The CPU executors use it; the CUDA kernel reads line 0 from device-visible
+/// memory itself.
+#[derive(Debug, Default)]
+pub(crate) struct FilledLines {
+    lines: Vec<Option<IocbHeader>>,
+}
+
+impl FilledLines {
+    pub(crate) fn new(depth: u32) -> Self {
+        Self { lines: vec![None; depth as usize] }
+    }
+
+    /// Records IOCB `id`'s line 0 just written by `fill_iocb` (checked as an issued one: its
+    /// own id and IOCTXs, a count within the maximum, layer 0 below its layer count).
+    pub(crate) fn record(&mut self, memory: &QueueMemory, id: IocbId) -> Result<(), GioError> {
+        let header = memory.read_issued_header(id)?;
+        let depth = self.lines.len() as u32;
+        let slot = self.lines.get_mut(id.0 as usize).ok_or(GioError::UnknownIocb { id, depth })?;
+        *slot = Some(header);
+        Ok(())
+    }
+
+    /// Line 0 of issued IOCB `id` for building its commands: the copy recorded at the fill,
+    /// with the layer and issue sequence number the issue wrote. The shared line is checked
+    /// ([`QueueMemory::read_issued_header`]) and must equal the copy in every field the fill
+    /// wrote, else [`GioError::CorruptIocb`] names the first field that differs.
+    pub(crate) fn issued(&self, memory: &QueueMemory, id: IocbId) -> Result<IocbHeader, GioError> {
+        let shared = memory.read_issued_header(id)?;
+        let Some(filled) = self.lines.get(id.0 as usize).copied().flatten() else {
+            return Err(GioError::CorruptIocb { id, field: "id", value: u64::from(id.0), expected: "an IOCB filled on this queue" });
+        };
+        let fields = [
+            ("ioctx_count", u64::from(shared.ioctx_count), u64::from(filled.ioctx_count)),
+            ("layer_count", u64::from(shared.layer_count), u64::from(filled.layer_count)),
+            ("opcode", u64::from(shared.opcode), u64::from(filled.opcode)),
+            ("user_data", shared.user_data, filled.user_data),
+            ("lba_stride_blocks", shared.lba_stride_blocks, filled.lba_stride_blocks),
+            ("mem_stride_bytes", shared.mem_stride_bytes, filled.mem_stride_bytes),
+            ("desc_stride_bytes", shared.desc_stride_bytes, filled.desc_stride_bytes),
+        ];
+        if let Some(&(field, value, _)) = fields.iter().find(|(_, value, expected)| value != expected) {
+            return Err(GioError::CorruptIocb { id, field, value, expected: "what fill_iocb validated" });
+        }
+        // `shared.layer` is below `shared.layer_count`, which equals the validated one.
+        Ok(IocbHeader { layer: shared.layer, issue_seq: shared.issue_seq, ..filled })
     }
 }
 

@@ -546,6 +546,14 @@ impl gio_uring::Executor for FailsAfterPublishing {
         "fails after publishing"
     }
 
+    fn attach(&mut self, memory: &std::sync::Arc<gio_uring::layout::QueueMemory>) -> std::result::Result<(), GioError> {
+        self.inner.attach(memory)
+    }
+
+    fn prepared(&mut self, memory: &gio_uring::layout::QueueMemory, id: gio_uring::IocbId) -> std::result::Result<(), GioError> {
+        self.inner.prepared(memory, id)
+    }
+
     fn submit(&mut self, memory: &gio_uring::layout::QueueMemory, batch: &gio_uring::IssueBatch) -> std::result::Result<(), GioError> {
         self.inner.submit(memory, batch)?;
         if std::mem::take(&mut self.fail_next) {
