@@ -324,6 +324,12 @@ pub fn build_table(
 ) -> Result<ProfileTable> {
     model.validate()?;
     gpu.validate()?;
+    if grid.io_sms == 0 {
+        return Err(SchedulerError::InvalidConfig {
+            field: "io_sms".into(),
+            reason: "0 SMs reserved for I/O: the I/O kernels need at least 1 (tutti-profile: --io-sms)".into(),
+        });
+    }
     if grid.io_sms >= gpu.sm_count {
         return Err(SchedulerError::InvalidConfig {
             field: "io_sms".into(),

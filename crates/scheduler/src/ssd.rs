@@ -100,6 +100,14 @@ impl SsdModel {
                 reason: "iocb_bytes, iocb_count_max and sm_budgets must be non-zero/non-empty".into(),
             });
         }
+        // A budget of 0 SMs moves nothing: its rows cost infinity, which validation then
+        // reported as a non-finite duration rather than as the budget it was.
+        if sm_budgets.contains(&0) {
+            return Err(SchedulerError::InvalidConfig {
+                field: "sm_budgets".into(),
+                reason: "an SM budget of 0 moves no I/O; budgets must be at least 1 (tutti-profile: --io-sms)".into(),
+            });
+        }
         // The largest kernel of the grid moves iocb_count_max IOCBs; every smaller one fits if it does.
         if iocb_bytes.checked_mul(u64::from(iocb_count_max)).is_none() {
             return Err(SchedulerError::InvalidConfig {

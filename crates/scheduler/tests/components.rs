@@ -80,6 +80,12 @@ fn analytic_build_rejects_bad_configs() {
 
     let too_many_io_sms = AnalyticGrid { io_sms: 132, ..grid.clone() };
     assert!(build_table(&model, &gpu, &too_many_io_sms, io.clone(), "t").is_err());
+    // No SM for I/O: refused as such, not as rows of infinite duration.
+    let no_io_sms = AnalyticGrid { io_sms: 0, ..grid.clone() };
+    let error = build_table(&model, &gpu, &no_io_sms, io.clone(), "t").unwrap_err();
+    assert!(matches!(&error, SchedulerError::InvalidConfig { field, .. } if field == "io_sms"), "{error}");
+    let error = ssd.cost_table(1 << 20, 8, &[0, 4]).unwrap_err();
+    assert!(matches!(&error, SchedulerError::InvalidConfig { field, .. } if field == "sm_budgets"), "{error}");
     let huge = AnalyticGrid { input_step_count: u32::MAX / 1024, prefix_step_tokens: 1, ..grid.clone() };
     assert!(matches!(build_table(&model, &gpu, &huge, io.clone(), "t"), Err(SchedulerError::InvalidConfig { .. })));
     let mut bad_model = model.clone();

@@ -190,8 +190,9 @@ struct AnalyticArgs {
     target: TargetArgs,
     #[command(flatten)]
     ssd: SsdArgs,
-    /// SMs reserved for the I/O green context.
-    #[arg(long, default_value_t = 4)]
+    /// SMs reserved for the I/O green context (at least 1: the analytic I/O cost rows run on
+    /// them).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
     io_sms: u32,
     /// Input-length step of the grid, tokens.
     #[arg(long, default_value_t = 4096)]
@@ -226,8 +227,9 @@ struct ImportArgs {
     #[command(flatten)]
     ssd: SsdArgs,
     /// SMs reserved for the I/O green context: each kernel's SMs are clamped to the GPU's SMs
-    /// less these (as the analytic model runs compute), and the analytic I/O cost rows' budget.
-    #[arg(long, default_value_t = 4)]
+    /// less these (as the analytic model runs compute), and the analytic I/O cost rows' budget
+    /// (at least 1).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
     io_sms: u32,
     /// Output file (JSON).
     #[arg(long, short)]

@@ -440,6 +440,29 @@ fn import_of_an_unusable_timeline_is_status_2() {
     assert!(text.contains("smallest write budget (4 SMs)"), "{text}");
 }
 
+/// Goal: `--io-sms 0` is refused as such (status 2, naming the flag): it made analytic I/O cost
+/// rows of 0 SMs, and the run failed with "io_costs.duration_us … inf is not a finite number"
+/// (status 1).
+#[test]
+fn io_sms_of_zero_is_refused_naming_the_flag() {
+    let _one = exclusive();
+    let dir = scratch("io-sms-0");
+    let timeline = dir.join("t.csv");
+    std::fs::write(&timeline, "phase,input_tokens,prefix_tokens,layer,kernel,start_us,end_us,sms_used\nprefill,64,0,0,attn,0,10,1\n")
+        .unwrap();
+    for command in ["analytic", "import"] {
+        let mut arguments = vec![command, "--io-sms", "0", "--out"];
+        let out = dir.join(format!("{command}.json"));
+        arguments.push(out.to_str().unwrap());
+        if command == "import" {
+            arguments.extend(["--timeline", timeline.to_str().unwrap()]);
+        }
+        let (code, text) = status(&arguments);
+        assert_eq!(code, Some(2), "{command}: {text}");
+        assert!(text.contains("--io-sms") && !text.contains("not a finite number"), "{command}: {text}");
+    }
+}
+
 /// Exit status and standard error of `arguments`, asserting no panic.
 fn status(arguments: &[&str]) -> (Option<i32>, String) {
     let output = run(bin().args(arguments));
