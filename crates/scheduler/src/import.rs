@@ -16,8 +16,8 @@
 //!   the cached prefix). For `decode` rows `input_tokens` is the context length and
 //!   `prefix_tokens` and `layer` may be empty.
 //! - `layer`: 0-based layer index of a prefill kernel.
-//! - `kernel`: kernel name; the first kernel of a layer whose name contains `attn` (any case) is
-//!   where the layer needs its cached KV.
+//! - `kernel`: kernel name; the first kernel of a layer whose name contains `attn` or
+//!   `attention` (any case) is where the layer needs its cached KV.
 //! - `start_us`, `end_us`: kernel start and end on any common clock (only differences matter).
 //! - `sms_used`: SMs the kernel occupies (from the launch grid or an occupancy tool). Import
 //!   reserves `io_sms` SMs for I/O as the analytic model does (compute runs on
@@ -304,7 +304,7 @@ fn layer_from_kernels(kernels: &[Kernel], sm_count: u32) -> std::result::Result<
         .map(|k| k.start_us)
         .fold(f64::INFINITY, f64::min);
     if !attention.is_finite() {
-        return Err("no attention kernel (name containing `attn`)".into());
+        return Err("no attention kernel (name containing `attn` or `attention`)".into());
     }
     let slack_windows = free_intervals(kernels, sm_count)
         .into_iter()

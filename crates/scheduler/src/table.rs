@@ -41,9 +41,13 @@
 //! intersected, at each offset the fewest SMs any corner has free (docs/scheduler.md).
 //! An input longer than the table is looked up at the longest input (again the cheaper side);
 //! an input shorter than the first step, or a prefix longer than the input, is
-//! [`SchedulerError::OutOfRange`]. I/O costs round the IOCB count up and the SM budget down (the
-//! slower entry); a count beyond the largest row is costed as back-to-back kernels of the largest
-//! row. Decode steps round the context down, and clamp to the longest profiled context.
+//! [`SchedulerError::OutOfRange`]. I/O costs round the IOCB count up; a profiled SM budget is
+//! priced by its own rows, and a budget between profiled ones by the slowest of every profiled
+//! budget below it (fewer SMs need not be slower in a measured table; a budget below every row
+//! is `OutOfRange`); a count beyond the largest row is costed as back-to-back kernels of the
+//! largest row. Decode steps round the context down (shorter step) and take the fewer free SMs
+//! of the two rows bracketing the context; past the last row, the last row; before the first,
+//! `OutOfRange`.
 
 use serde::{Deserialize, Serialize};
 
