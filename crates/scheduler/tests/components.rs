@@ -388,6 +388,29 @@ fn an_iocb_size_other_than_the_tables_is_refused() {
     assert!(simulate(&table, &table, &toy_ssd(), &matching, policy.as_mut()).is_ok());
 }
 
+/// Goal: a decode context the scheduler's table has no row for (before its first) writes
+/// nothing that step and the run goes on, as the runtime does (`table_fallbacks`); the
+/// simulator stopped with `OutOfRange`. The simulated GPU's own table (`truth`) still needs a
+/// row: it is what the step takes.
+#[test]
+fn a_decode_context_the_policys_table_lacks_writes_nothing_that_step() {
+    let truth = Profile::from_table(common::table()).unwrap();
+    let mut late = common::table();
+    for step in &mut late.decode_steps {
+        step.context_tokens += 4096;
+    }
+    let late = Profile::from_table(late).unwrap();
+    let config =
+        SimConfig { input_tokens: 2048, prefix_tokens: 1024, iocb_bytes: 1 << 20, decode_step_count: 3, queued_kernels_hide_latency: true };
+    let mut policy = PolicyKind::SlackAware.build();
+    let fallback = simulate(&truth, &late, &toy_ssd(), &config, policy.as_mut()).unwrap();
+    assert_eq!(fallback.write_backlog_bytes_at_end, fallback.write_backlog_bytes_at_ttft, "{fallback:?}");
+    // With the rows, the same steps write.
+    let mut policy = PolicyKind::SlackAware.build();
+    let planned = simulate(&truth, &truth, &toy_ssd(), &config, policy.as_mut()).unwrap();
+    assert!(planned.write_backlog_bytes_at_end < planned.write_backlog_bytes_at_ttft, "{planned:?}");
+}
+
 /// Goal: a table whose KV size per token makes the request's bytes pass 2^64 is refused
 /// (`InvalidConfig`), never an arithmetic overflow (a panic in debug builds). The table file's
 /// `kv_bytes_per_token_per_layer` is only checked > 0.
