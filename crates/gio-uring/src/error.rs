@@ -43,6 +43,15 @@ pub enum IoctxFault {
          {prp2:?})"
     )]
     PrpMismatch { reason: &'static str, pages_min: u64, pages_max: u64, prp2: Option<IovaRange> },
+    /// More data than the device moves in one command (its MDTS, given with
+    /// `DeviceTable::with_max_transfer_bytes`): the controller would refuse it (Invalid Field)
+    /// at every issue.
+    #[error("{data_bytes} data bytes exceed the device's largest transfer of {max_transfer_bytes} bytes (MDTS)")]
+    TransferTooLarge { data_bytes: u32, max_transfer_bytes: u64 },
+    /// The data address (PRP1, or an SGL data block) is not dword aligned at some layer: the
+    /// controller would refuse it (PRP Offset Invalid) at that layer's issue.
+    #[error("data address {data_iova:#x} at layer {layer} is not a multiple of 4")]
+    UnalignedData { data_iova: u64, layer: u32 },
     /// A record in shared memory names a descriptor kind the ABI does not define
     /// (`gio_descriptor_kind_is_valid` in kernels/gio_abi.h).
     #[error("descriptor kind {kind} is not one the ABI defines")]

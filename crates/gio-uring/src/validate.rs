@@ -24,11 +24,32 @@ pub struct DeviceInfo {
 #[derive(Debug, Clone, Default)]
 pub struct DeviceTable {
     devices: Vec<DeviceInfo>,
+    /// Per device, the most data bytes one command may move (see
+    /// [`DeviceTable::with_max_transfer_bytes`]); `u64::MAX` where the caller gave none.
+    max_transfer_bytes: Vec<u64>,
 }
 
 impl DeviceTable {
+    /// Devices whose transfer limit is not known here: only NVMe's 65536 blocks per command
+    /// bound an IOCTX. A caller that knows each controller's limit (MDTS) passes it with
+    /// [`DeviceTable::with_max_transfer_bytes`]: the CPU executors send one command per IOCTX
+    /// without the driver's checks, so a larger one fails on the device at every issue.
     pub fn new(devices: Vec<DeviceInfo>) -> Self {
-        Self { devices }
+        let max_transfer_bytes = vec![u64::MAX; devices.len()];
+        Self { devices, max_transfer_bytes }
+    }
+
+    /// Devices with the most data bytes one command may move on each: the controller's MDTS
+    /// in bytes (`nvme_driver::Controller::max_transfer_bytes`). `fill_iocb` refuses an IOCTX
+    /// above its device's limit ([`IoctxFault::TransferTooLarge`]).
+    pub fn with_max_transfer_bytes(devices: Vec<(DeviceInfo, u64)>) -> Self {
+        let (devices, max_transfer_bytes) = devices.into_iter().unzip();
+        Self { devices, max_transfer_bytes }
+    }
+
+    /// The most data bytes one command may move on `device` (`u64::MAX`: not known).
+    pub fn max_transfer_bytes(&self, device: DeviceIndex) -> Option<u64> {
+        self.max_transfer_bytes.get(usize::from(device.0)).copied()
     }
 
     pub fn get(&self, device: DeviceIndex) -> Option<&DeviceInfo> {
@@ -138,6 +159,9 @@ pub const CONTROLLER_PAGE_BYTES: u64 = nvme_driver::datapath::PAGE_BYTES;
 /// Bytes of one PRP list entry.
 const PRP_ENTRY_BYTES: u64 = 8;
 
+/// The alignment of a data address (PRP1, an SGL data block): a dword.
+const DATA_ALIGN_BYTES: u64 = 4;
+
 /// Checks one IOCTX against the devices and registered memory and encodes it.
 pub fn encode_ioctx(spec: &IoctxSpec, iocb: &IocbSpec, devices: &DeviceTable, memory: &RegisteredMemory) -> Result<gio_ioctx, IoctxFault> {
     IoctxEncoder::new(iocb, devices, memory).encode(spec)
@@ -163,6 +187,9 @@ pub struct IoctxEncoder<'a> {
     /// page.
     desc_step_in_page: u64,
     desc_stride_bytes: u64,
+    mem_stride_bytes: u64,
+    /// Some layer moves dword-aligned data off a dword boundary (layer 1 does, when any does).
+    mem_stride_unaligned: bool,
 }
 
 impl<'a> IoctxEncoder<'a> {
@@ -179,6 +206,8 @@ impl<'a> IoctxEncoder<'a> {
             mem_step_in_page: iocb.mem_stride_bytes % CONTROLLER_PAGE_BYTES,
             desc_step_in_page: iocb.desc_stride_bytes % CONTROLLER_PAGE_BYTES,
             desc_stride_bytes: iocb.desc_stride_bytes,
+            mem_stride_bytes: iocb.mem_stride_bytes,
+            mem_stride_unaligned: last_layer > 0 && !iocb.mem_stride_bytes.is_multiple_of(DATA_ALIGN_BYTES),
         }
     }
 
@@ -204,6 +233,12 @@ impl<'a> IoctxEncoder<'a> {
             return None;
         }
         let data_bytes = count.checked_mul(device.block_bytes)?;
+        if u64::from(data_bytes) > self.devices.max_transfer_bytes(spec.device)?
+            || !spec.data.0.is_multiple_of(DATA_ALIGN_BYTES)
+            || self.mem_stride_unaligned
+        {
+            return None;
+        }
         let (kind, desc, desc_bytes) = descriptor_parts(spec.descriptor).ok()?;
         if kind == DescriptorKind::Sgl && !device.sgl_supported {
             return None;
@@ -260,12 +295,17 @@ impl<'a> IoctxEncoder<'a> {
                 block_bytes: device.block_bytes,
             }));
         };
+        let max_transfer_bytes = self.devices.max_transfer_bytes(spec.device).unwrap_or(u64::MAX);
+        if u64::from(data_bytes) > max_transfer_bytes {
+            return Err(cold_fault(|| IoctxFault::TransferTooLarge { data_bytes, max_transfer_bytes }));
+        }
         let (kind, desc, desc_bytes) = descriptor_parts(spec.descriptor)?;
         if kind == DescriptorKind::Sgl && !device.sgl_supported {
             return Err(cold_fault(|| IoctxFault::SglUnsupported));
         }
         self.check_lbas(spec, device)?;
         self.check_registered("data", spec.data.0, u64::from(data_bytes), self.mem_span)?;
+        self.check_data_alignment(spec.data.0)?;
         if let Some(desc) = desc {
             self.check_registered("descriptor", desc.start.0, desc.len_bytes, self.desc_span)?;
         }
@@ -336,6 +376,20 @@ impl<'a> IoctxEncoder<'a> {
         };
         if !fits(last) {
             return Err(out_of_range(last, self.last_layer));
+        }
+        Ok(())
+    }
+
+    /// The data address dword aligned at every layer (NVMe §4.1.1: PRP1's bits 1:0 are zero;
+    /// the same is asked of an SGL data block): at layer 0, and a stride that keeps it so. Runs
+    /// after the registered-memory check, so layer 1's address does not overflow.
+    #[inline]
+    fn check_data_alignment(&self, data: u64) -> Result<(), IoctxFault> {
+        if !data.is_multiple_of(DATA_ALIGN_BYTES) {
+            return Err(cold_fault(|| IoctxFault::UnalignedData { data_iova: data, layer: 0 }));
+        }
+        if self.mem_stride_unaligned {
+            return Err(cold_fault(|| IoctxFault::UnalignedData { data_iova: data.wrapping_add(self.mem_stride_bytes), layer: 1 }));
         }
         Ok(())
     }
@@ -748,6 +802,39 @@ mod tests {
         let longest =
             IoctxSpec { block_count: 513, descriptor: Descriptor::Prp { prp2: Some(IovaRange::new(Iova(0x180_0000), 512 * 8)) }, ..long };
         assert!(encode_ioctx(&longest, &layered(1), &devices(), &big).is_ok());
+    }
+
+    #[test]
+    fn a_transfer_above_the_devices_limit_or_unaligned_data_is_refused() {
+        // Goal: the CPU executors send one command per IOCTX without the driver's checks, so
+        // what a device would refuse at every issue is refused at the fill: 64 x 4 KiB (256 KiB)
+        // on a device whose MDTS is 128 KiB (nvme-emu's default answers INVALID_FIELD), and data
+        // not dword aligned at some layer (PRP1 and an SGL data block; INVALID_PRP_OFFSET).
+        let device = DeviceInfo { nsid: 1, capacity_blocks: 1 << 20, block_bytes: 4096, sgl_supported: true };
+        let limited = DeviceTable::with_max_transfer_bytes(vec![(device, 128 << 10)]);
+        let spec = |block_count: u32, data: u64| IoctxSpec { block_count, data: Iova(data), ..good() };
+        let fault = encode_ioctx(&spec(64, 0x10_0000), &layered(1), &limited, &memory()).unwrap_err();
+        assert_eq!(fault, IoctxFault::TransferTooLarge { data_bytes: 256 << 10, max_transfer_bytes: 128 << 10 });
+        assert!(encode_ioctx(&spec(32, 0x10_0000), &layered(1), &limited, &memory()).is_ok(), "128 KiB fits");
+        assert!(encode_ioctx(&spec(64, 0x10_0000), &layered(1), &DeviceTable::new(vec![device]), &memory()).is_ok(), "no limit given");
+        // Through fill_iocb: refused, naming the IOCTX.
+        let config = crate::layout::QueueConfig { depth: 2, ioctx_per_iocb_max: 2 };
+        let executor = crate::executor::test_double::MemoryExecutor::default();
+        let mut queue = crate::queue::GioQueue::init_queue(config, limited.clone(), memory(), executor).unwrap();
+        let id = queue.get_iocb(1, crate::types::Dependency::None).unwrap()[0];
+        let filled = queue.fill_iocb(id, &layered(1), &[spec(32, 0x10_0000), spec(64, 0x10_8000)]);
+        assert!(
+            matches!(filled, Err(crate::GioError::InvalidIoctx { index: 1, fault: IoctxFault::TransferTooLarge { .. }, .. })),
+            "{filled:?}"
+        );
+        // Dword alignment, at the first and at a later layer, PRP and SGL alike.
+        let fault = check(spec(1, 0x10_0002), layered(1)).unwrap_err();
+        assert_eq!(fault, IoctxFault::UnalignedData { data_iova: 0x10_0002, layer: 0 });
+        let prp = IoctxSpec { device: DeviceIndex(1), descriptor: Descriptor::Prp { prp2: None }, ..spec(1, 0x10_0001) };
+        assert!(matches!(check(prp, layered(1)), Err(IoctxFault::UnalignedData { layer: 0, .. })));
+        let strided = IocbSpec { mem_stride_bytes: 0x1002, ..layered(2) };
+        assert_eq!(check(spec(1, 0x10_0000), strided).unwrap_err(), IoctxFault::UnalignedData { data_iova: 0x10_1002, layer: 1 });
+        assert!(check(spec(1, 0x10_0004), IocbSpec { mem_stride_bytes: 0x1004, ..layered(2) }).is_ok());
     }
 
     #[test]

@@ -169,12 +169,15 @@ impl<E: Executor> StoreData<E> {
                     ),
                 });
             }
-            devices.push(DeviceInfo {
-                nsid: device.nsid,
-                capacity_blocks: device.capacity_blocks,
-                block_bytes: device.lba_bytes,
-                sgl_supported: device.sgl_supported,
-            });
+            devices.push((
+                DeviceInfo {
+                    nsid: device.nsid,
+                    capacity_blocks: device.capacity_blocks,
+                    block_bytes: device.lba_bytes,
+                    sgl_supported: device.sgl_supported,
+                },
+                device.max_transfer_bytes,
+            ));
         }
         // On the SGL-table path IOCTXs point only into the table (the KV addresses are in the
         // descriptors, checked at registration): registering just the table keeps gio_uring's
@@ -185,7 +188,7 @@ impl<E: Executor> StoreData<E> {
             .ok_or_else(|| ObjstoreError::InvalidRegistration { reason: "the mapping table overlaps the registered KV memory".into() })?;
         let queue = GioQueue::init_queue(
             QueueConfig { depth: config.iocbs, ioctx_per_iocb_max: config.ioctx_per_iocb_max },
-            DeviceTable::new(devices),
+            DeviceTable::with_max_transfer_bytes(devices),
             registered,
             executor,
         )?;
