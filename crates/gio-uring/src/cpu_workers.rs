@@ -372,12 +372,13 @@ impl Executor for CpuWorkers {
         // Deal the whole batch and check that every worker it needs can take its messages
         // before an id is consumed: a refusal part way would leave the SQ head inside the
         // batch, and every later submit would fail.
-        let mut failure = self.plan(memory, &consumer, batch, &ioctx_index).err().map(|error| match error {
+        let mut refused = None;
+        let mut failure = self.plan(memory, &consumer, batch, &ioctx_index, &mut refused).err().map(|error| match error {
             GioError::Executor { reason, .. } => reason,
             other => other.to_string(),
         });
         let mut ended = 0u32;
-        let mut refused = None;
+        let budget = batch.sm_budget.0;
         for _ in 0..batch.count {
             let Some(id) = consumer.next() else { break };
             if id.0 >= memory.layout.config.depth {
@@ -388,6 +389,14 @@ impl Executor for CpuWorkers {
                 match finish_as_timeout(memory, id) {
                     Ok(_) => ended += 1,
                     Err(error) => tracing::error!(%id, %error, "gio-uring CPU workers: ending an IOCB no worker took"),
+                }
+                continue;
+            }
+            if self.built_for_budget[id.0 as usize] != budget {
+                // `plan` refused its line 0 (the error is in `refused`) and dealt it to no
+                // worker: it ends now, whatever the line reads like by now.
+                if let Err(error) = finish_as_timeout(memory, id) {
+                    tracing::error!(%id, %error, "gio-uring CPU workers: ending an IOCB with a corrupt line 0");
                 }
                 continue;
             }
@@ -482,13 +491,16 @@ impl Executor for CpuWorkers {
 
 impl CpuWorkers {
     /// Deals every IOCB of `batch` (consuming nothing) and checks that each worker it sends to
-    /// is running and has room in its channel for all its messages.
+    /// is running and has room in its channel for all its messages. An IOCB whose line 0 is
+    /// corrupt is dealt to no worker (its `built_for_budget` is cleared, so `submit` ends it
+    /// alone) and its error goes to `refused` (the first one is what the issue returns).
     fn plan(
         &mut self,
         memory: &QueueMemory,
         sq: &Consumer<'_, IocbId>,
         batch: &IssueBatch,
         ioctx_index: &IoctxIndex,
+        refused: &mut Option<GioError>,
     ) -> Result<(), GioError> {
         let budget = batch.sm_budget.0;
         self.wanted.fill(0);
@@ -499,7 +511,14 @@ impl CpuWorkers {
             if id.0 >= memory.layout.config.depth {
                 return Err(GioError::Executor { executor: "cpu-workers", reason: format!("SQ names {id}, outside the pool") });
             }
-            let header = self.filled.issued(memory, id)?;
+            let header = match self.filled.issued(memory, id) {
+                Ok(header) => header,
+                Err(error) => {
+                    self.built_for_budget[id.0 as usize] = 0; // its group is rebuilt at its next issue
+                    refused.get_or_insert(error);
+                    continue;
+                }
+            };
             if self.built_for_budget[id.0 as usize] != budget {
                 // The IOCB's previous issue has completed: no worker reads its group any more.
                 self.deal(memory, &header, budget as usize)?;
@@ -646,7 +665,7 @@ mod tests {
         crate::queue::GioQueue::init_queue(QueueConfig { depth: 4, ioctx_per_iocb_max: 4 }, devices, registered, executor).expect("queue")
     }
 
-    fn fill(queue: &mut crate::queue::GioQueue<CpuWorkers>, count: usize) -> Vec<IocbId> {
+    fn fill<E: Executor>(queue: &mut crate::queue::GioQueue<E>, count: usize) -> Vec<IocbId> {
         use crate::abi::Opcode;
         use crate::types::{Dependency, DeviceIndex, Iova, Lba};
         use crate::validate::{Descriptor, IocbSpec, IoctxSpec};
@@ -692,6 +711,37 @@ mod tests {
             let completion = queue.wait_cqe(id, soon()).expect("completes");
             assert_eq!(completion.result, Err(IocbFailure::InvalidIoctx { ioctx_index: 0 }), "device 0 has no worker's queue pair");
         }
+    }
+
+    #[test]
+    fn a_corrupt_line_0_ends_only_its_iocb_with_the_typed_error() {
+        // Goal: as docs/gio-uring.md says, an IOCB whose line 0 was overwritten ends at once as
+        // TIMEOUT and the issue reports GioError::CorruptIocb; the other IOCBs of its batch run
+        // as usual (they used to end as TIMEOUT too, with an untyped executor error).
+        use crate::error::IocbFailure;
+        use crate::executor::test_double::Corrupting;
+        use crate::types::{Iova, IovaRange, LayerIndex, SmBudget};
+        use crate::validate::{DeviceInfo, DeviceTable, RegisteredMemory};
+        let workers = CpuWorkers::new(0, vec![Vec::new()], 4).expect("workers");
+        let stride = core::mem::offset_of!(crate::abi::gio_iocb, mem_stride_bytes);
+        let devices = DeviceTable::new(vec![DeviceInfo { nsid: 1, capacity_blocks: 1 << 20, block_bytes: 512, sgl_supported: true }]);
+        let registered = RegisteredMemory::new(vec![IovaRange::new(Iova(0x1000_0000), 1 << 20)]).expect("registered");
+        let config = QueueConfig { depth: 4, ioctx_per_iocb_max: 4 };
+        let executor = Corrupting::new(workers, IocbId(0), stride, 1 << 30);
+        let mut queue = crate::queue::GioQueue::init_queue(config, devices, registered, executor).expect("queue");
+        let ids = fill(&mut queue, 2);
+        assert_eq!(ids[0], IocbId(0));
+        let issued = queue.issue_io(&ids, LayerIndex(0), SmBudget(1));
+        match &issued {
+            Err(GioError::SubmitFailed { source, .. }) => {
+                assert!(matches!(**source, GioError::CorruptIocb { field: "mem_stride_bytes", .. }), "{source}")
+            }
+            other => panic!("expected a refused issue, got {other:?}"),
+        }
+        let corrupt = queue.wait_cqe(ids[0], soon()).expect("ended once");
+        assert_eq!(corrupt.result, Err(IocbFailure::Timeout { ioctx_index: None }));
+        let other = queue.wait_cqe(ids[1], soon()).expect("ran");
+        assert_eq!(other.result, Err(IocbFailure::InvalidIoctx { ioctx_index: 0 }), "run by the worker (device 0 has no queue pair)");
     }
 
     #[test]
