@@ -36,7 +36,8 @@
 //!
 //! A run's layer lasts from its first start to its last end, and starts no earlier than the
 //! run's layer before it ends (overlapping layers are refused, naming bucket, run and layers:
-//! each layer's windows come from its own kernels). Its slack windows are the maximal
+//! each layer's windows come from its own kernels; up to 1 µs of overlap is taken for the
+//! profiler's rounding and accepted). Its slack windows are the maximal
 //! intervals with a constant number of free SMs (`sm_count −` SMs of the kernels running), gaps
 //! between kernels counting as fully free; intervals with no free SM are dropped. A decode
 //! step's duration spans its kernels and its free SMs are the minimum over the step. Several
@@ -184,6 +185,9 @@ pub fn import_timeline(
         });
     }
 
+    // Profilers round a kernel's start and duration apart (PyTorch's trace: µs with three
+    // decimals), so one stream's back-to-back kernels can seem to overlap by a rounding step.
+    const LAYER_OVERLAP_TOLERANCE_US: f64 = 1.0;
     let mut buckets = Vec::with_capacity(prefill.len());
     for ((input_tokens, prefix_tokens), runs) in prefill {
         // Per run, layer k+1 starts no earlier than layer k ends: a layer's span and windows
@@ -198,7 +202,7 @@ pub fn import_timeline(
             let mut previous: Option<(u32, f64)> = None;
             for (layer, first_start_us, last_end_us) in spans {
                 if let Some((previous_layer, previous_end_us)) = previous {
-                    if first_start_us < previous_end_us {
+                    if previous_end_us - first_start_us > LAYER_OVERLAP_TOLERANCE_US {
                         return Err(SchedulerError::Timeline {
                             line: 0,
                             reason: format!(

@@ -552,8 +552,11 @@ fn layers_overlapping_in_time_are_refused() {
         text.contains("bucket(input_tokens=1024, prefix_tokens=0) run 0") && text.contains("layer 1") && text.contains("layer 0"),
         "{text}"
     );
-    // Touching layers are fine.
-    import_timeline(&csv(600.0), model, gpu, 4, common::io_costs(), "test", "test").unwrap();
+    // Touching layers are fine, and so is an overlap of a profiler's rounding (up to 1 µs);
+    // 2 µs is not.
+    import_timeline(&csv(600.0), model.clone(), gpu.clone(), 4, common::io_costs(), "test", "test").unwrap();
+    import_timeline(&csv(599.999), model.clone(), gpu.clone(), 4, common::io_costs(), "test", "test").unwrap();
+    import_timeline(&csv(598.0), model, gpu, 4, common::io_costs(), "test", "test").unwrap_err();
 }
 
 #[test]
