@@ -473,7 +473,11 @@ impl Executor for CpuExecutor {
         for _ in 0..batch.count {
             let Some(id) = consumer.next() else { break };
             if id.0 >= memory.layout.config.depth {
-                return Err(GioError::Executor { executor: "cpu", reason: format!("SQ names {id}, outside the pool") });
+                // Names no IOCB: skipped, as CpuWorkers does, so the rest of the batch is
+                // taken (returning here left it on the SQ and every later submit failed). The
+                // IOCB whose entry this was stays ISSUED until a reset ends it.
+                refused.get_or_insert(GioError::Executor { executor: "cpu", reason: format!("SQ names {id}, outside the pool: skipped") });
+                continue;
             }
             // Capacity is the depth and an IOCB is pending at most once: never reallocates.
             if let Some(header) = issued_header_or_end(memory, &self.filled, id, "CPU executor", &mut refused) {
@@ -676,6 +680,70 @@ mod tests {
         let done = rig.queue.wait_cqe(rig.id, Instant::now() + std::time::Duration::from_secs(5)).expect("completes");
         assert_eq!(done.result, Ok(()));
         assert_eq!(io_commands(&rig.device), 1);
+    }
+
+    /// Overwrites the first SQ entry of the next batch before `submit` reads it: an SQ entry
+    /// naming no IOCB, as another agent scribbling on the shared ring would leave it.
+    struct ForgedSqEntry {
+        inner: CpuExecutor,
+        value: Option<u32>,
+    }
+
+    impl Executor for ForgedSqEntry {
+        fn name(&self) -> &'static str {
+            self.inner.name()
+        }
+        fn attach(&mut self, memory: &Arc<QueueMemory>) -> Result<(), GioError> {
+            self.inner.attach(memory)
+        }
+        fn prepared(&mut self, memory: &QueueMemory, id: IocbId) -> Result<(), GioError> {
+            self.inner.prepared(memory, id)
+        }
+        fn submit(&mut self, memory: &QueueMemory, batch: &IssueBatch) -> Result<(), GioError> {
+            if let Some(value) = self.value.take() {
+                let sq = memory.layout.sq;
+                let offset = sq.entries_offset_bytes + (batch.sq_first & sq.mask()) as usize * 4;
+                memory.region.store_u32(offset, value, std::sync::atomic::Ordering::Relaxed);
+            }
+            self.inner.submit(memory, batch)
+        }
+        fn poll(&mut self, memory: &QueueMemory) -> Result<(), GioError> {
+            self.inner.poll(memory)
+        }
+    }
+
+    #[test]
+    fn an_sq_entry_naming_no_iocb_is_skipped_and_the_rest_of_the_batch_runs() {
+        // Goal: as CpuWorkers does, an SQ entry outside the pool is skipped (and reported)
+        // instead of stopping submit part way through the batch, which left the rest of it on
+        // the SQ and failed every later issue until a reset. The IOCB whose entry was forged
+        // was never taken: a reset ends it.
+        use crate::executor::test_double::queue_with_one_read;
+        use crate::types::{LayerIndex, SmBudget};
+        let executor = ForgedSqEntry { inner: CpuExecutor::for_devices(vec![None], 4, None), value: Some(999) };
+        let (mut queue, first) = queue_with_one_read(executor);
+        let second = queue.get_iocb(1, crate::types::Dependency::None).expect("IOCB")[0];
+        let ioctx = crate::validate::IoctxSpec {
+            device: crate::types::DeviceIndex(0),
+            nsid: 1,
+            start_lba: crate::types::Lba(0),
+            block_count: 1,
+            data: crate::types::Iova(0x1000_0000),
+            descriptor: crate::validate::Descriptor::SglInline,
+            force_unit_access: false,
+        };
+        queue.fill_iocb(second, &crate::validate::IocbSpec::single(Opcode::Read, 0), &[ioctx]).expect("fill");
+        let issued = queue.issue_io(&[first, second], LayerIndex(0), SmBudget(1));
+        assert!(matches!(&issued, Err(GioError::SubmitFailed { .. })), "{issued:?}");
+        let soon = || Instant::now() + std::time::Duration::from_secs(2);
+        let ran = queue.wait_cqe(second, soon()).expect("the rest of the batch was taken and ran");
+        assert_eq!(ran.result, Err(crate::IocbFailure::InvalidIoctx { ioctx_index: 0 }), "no queue pair for device 0");
+        queue.issue_io(&[second], LayerIndex(0), SmBudget(1)).expect("the SQ is not stuck");
+        queue.wait_cqe(second, soon()).expect("runs again");
+        let (executor, memory) = queue.executor_and_memory();
+        assert_eq!(executor.inner.reset(memory, Vec::new()).expect("reset"), 1, "the IOCB never taken ends at the reset");
+        let ended = queue.wait_cqe(first, soon()).expect("ended");
+        assert_eq!(ended.result, Err(crate::IocbFailure::Timeout { ioctx_index: None }));
     }
 
     #[test]
