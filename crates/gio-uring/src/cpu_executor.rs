@@ -60,6 +60,10 @@ pub struct CpuExecutor {
     stale: Vec<bool>,
     /// `retire_queue_pairs` ran: no queue pair is left, and an issue ends at once.
     retired: bool,
+    /// The queue's memory, kept by `attach`, so that `retire_queue_pairs` can end the IOCBs
+    /// still issued. `None` in worker mode (a worker's pairs are not all of them: `CpuWorkers`
+    /// ends the IOCBs once every worker's are deleted).
+    memory: Option<Arc<QueueMemory>>,
     /// Line 0 of each IOCB as validated by `fill_iocb` (recorded by `prepared`): what `submit`
     /// builds commands from. Unused in worker mode (the dealing thread holds it).
     filled: FilledLines,
@@ -147,6 +151,7 @@ impl CpuExecutor {
             undeleted: Vec::new(),
             stale,
             retired: false,
+            memory: None,
             filled: FilledLines::new(depth),
             issued: vec![None; depth as usize],
             pending_held_only: false,
@@ -380,6 +385,16 @@ pub(crate) fn finish_issued_as_timeout(memory: &QueueMemory) -> Result<usize, Gi
     Ok(reclaimed)
 }
 
+/// Teardown, once every queue pair is deleted: ends each IOCB still ISSUED as TIMEOUT with its
+/// one CQE ([`finish_issued_as_timeout`]), so nothing issued is left in flight for ever.
+pub(crate) fn end_issued_after_retirement(memory: &QueueMemory, who: &str) {
+    match finish_issued_as_timeout(memory) {
+        Ok(0) => {}
+        Ok(ended) => tracing::warn!(ended, "gio-uring {who} teardown: IOCBs still issued ended as timed out"),
+        Err(error) => tracing::error!(%error, "gio-uring {who} teardown: ending the IOCBs still issued"),
+    }
+}
+
 /// Takes `count` entries off the SQ and ends each IOCB they name as TIMEOUT with its one CQE:
 /// a batch no queue pair can run (the executor's were retired).
 pub(crate) fn end_batch_as_timeout(consumer: &mut crate::ring::Consumer<'_, IocbId>, memory: &QueueMemory, count: u32) {
@@ -447,6 +462,7 @@ impl Executor for CpuExecutor {
         self.filled = FilledLines::new(depth);
         self.issued = vec![None; depth as usize];
         self.pending.reserve(depth as usize);
+        self.memory = Some(Arc::clone(memory));
         Ok(())
     }
 
@@ -524,7 +540,13 @@ impl Executor for CpuExecutor {
         }
         self.pending.clear();
         self.retired = true;
-        Some(self.undeleted.is_empty())
+        let all_deleted = self.undeleted.is_empty();
+        if let (true, Some(memory)) = (all_deleted, &self.memory) {
+            // No command of this executor can complete any more: what is still issued (sent
+            // or pending) would never end otherwise.
+            end_issued_after_retirement(memory, "CPU executor");
+        }
+        Some(all_deleted)
     }
 
     fn lend_queue_pair(&mut self, memory: &QueueMemory, device: usize, deadline: Instant) -> Result<Option<&mut IoQueuePair>, GioError> {
@@ -680,6 +702,40 @@ mod tests {
         let done = rig.queue.wait_cqe(rig.id, Instant::now() + std::time::Duration::from_secs(5)).expect("completes");
         assert_eq!(done.result, Ok(()));
         assert_eq!(io_commands(&rig.device), 1);
+    }
+
+    /// Issues the rig's IOCB with its completion lost (it stays in flight), retires the queue
+    /// pairs, and returns how the IOCB then ends.
+    fn retire_with_an_iocb_in_flight<E: Executor>(mut rig: EmuRig<E>) -> Result<crate::queue::Completion, GioError> {
+        use nvme_emu::{FaultAction, FaultPlan, FaultRule};
+        rig.device.set_faults(FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion)));
+        rig.queue.issue_io(&[rig.id], crate::types::LayerIndex(0), crate::types::SmBudget(1)).expect("issue");
+        let lost = rig.queue.wait_cqe(rig.id, Instant::now() + std::time::Duration::from_millis(200));
+        assert!(matches!(lost, Err(GioError::WaitTimeout { .. })), "{lost:?}");
+        assert_eq!(io_commands(&rig.device), 1, "the command was sent");
+        assert_eq!(rig.queue.executor_mut().retire_queue_pairs(), Some(true), "every queue pair deleted");
+        rig.queue.wait_cqe(rig.id, Instant::now() + std::time::Duration::from_secs(2))
+    }
+
+    #[test]
+    fn retiring_the_queue_pairs_ends_the_iocbs_still_issued() {
+        // Goal: once every queue pair is deleted no command can complete, so an IOCB still
+        // issued (its command in flight with a lost completion, or never sent) ends at once as
+        // TIMEOUT with its one CQE, as after a reset; it used to stay in flight for ever.
+        let timeout = Err(crate::IocbFailure::Timeout { ioctx_index: None });
+        let ended = retire_with_an_iocb_in_flight(emu_rig(|pair| CpuExecutor::new(vec![pair], 4))).expect("ended");
+        assert_eq!(ended.result, timeout, "CPU executor, command in flight");
+        let ended = retire_with_an_iocb_in_flight(emu_rig(|pair| {
+            crate::CpuWorkers::new(1, vec![vec![(crate::types::DeviceIndex(0), pair)]], 4).expect("workers")
+        }))
+        .expect("ended");
+        assert_eq!(ended.result, timeout, "CPU workers, command in flight");
+        // Never sent: submit only takes the ids, commands are built on the next poll.
+        let mut rig = emu_rig(|pair| CpuExecutor::new(vec![pair], 4));
+        rig.queue.issue_io(&[rig.id], crate::types::LayerIndex(0), crate::types::SmBudget(1)).expect("issue");
+        assert_eq!(rig.queue.executor_mut().retire_queue_pairs(), Some(true));
+        let ended = rig.queue.wait_cqe(rig.id, Instant::now() + std::time::Duration::from_secs(2)).expect("ended");
+        assert_eq!((ended.result, io_commands(&rig.device)), (timeout, 0), "CPU executor, IOCB pending");
     }
 
     /// Overwrites the first SQ entry of the next batch before `submit` reads it: an SQ entry

@@ -133,6 +133,9 @@ pub struct CpuWorkers {
     failure: Arc<Failure>,
     /// `retire_queue_pairs` ran: the workers hold no queue pair, and an issue ends at once.
     retired: bool,
+    /// The queue's memory, kept by `attach`, so that `retire_queue_pairs` can end the IOCBs
+    /// still issued once every worker's queue pairs are deleted.
+    memory: Option<Arc<QueueMemory>>,
 }
 
 /// The first error any worker hit since it was last reported, like a `CpuExecutor` error:
@@ -216,6 +219,7 @@ impl CpuWorkers {
             depth,
             failure: Arc::default(),
             retired: false,
+            memory: None,
         })
     }
 
@@ -319,6 +323,7 @@ impl Executor for CpuWorkers {
         self.dealt_to = vec![0; config.ioctx_per_iocb_max as usize];
         self.built_for_budget = vec![0; config.depth as usize];
         self.filled = FilledLines::new(config.depth);
+        self.memory = Some(Arc::clone(memory));
         self.wanted = vec![0; self.assignments.len()];
         for (index, queues) in std::mem::take(&mut self.assignments).into_iter().enumerate() {
             let (sender, receiver) = mpsc::sync_channel(capacity);
@@ -484,6 +489,11 @@ impl Executor for CpuWorkers {
                     all_deleted = false;
                 }
             }
+        }
+        if let (true, Some(memory)) = (all_deleted, &self.memory) {
+            // Every worker deleted its pairs and dropped what it held pending: no command can
+            // complete any more, so what is still issued would never end otherwise.
+            crate::cpu_executor::end_issued_after_retirement(memory, "CPU workers");
         }
         Some(all_deleted)
     }

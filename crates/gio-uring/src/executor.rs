@@ -92,7 +92,8 @@ pub trait Executor: Send {
     /// none of its commands moves data any more, so the memory its IOCTXs name (the caller's
     /// buffers, descriptor tables and PRP lists) may be freed. `Some(false)`: at least one pair
     /// could not be deleted (its rings are leaked) and its commands may still read or write that
-    /// memory: the caller must keep it for good. Afterwards the executor serves no I/O.
+    /// memory: the caller must keep it for good. Afterwards the executor serves no I/O. With
+    /// `Some(true)` the CPU executors end every IOCB still issued as TIMEOUT (one CQE each).
     /// `None` (the default): this executor does not report it (the CUDA executor, whose
     /// detached queue pairs its own teardown handles).
     fn retire_queue_pairs(&mut self) -> Option<bool> {
