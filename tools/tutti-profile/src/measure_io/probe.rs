@@ -243,7 +243,8 @@ impl CpuProbe {
             block_bytes: namespace.block_size_bytes,
             sgl_supported: self.sgl,
         };
-        let devices = DeviceTable::new(vec![info; usize::from(worker_count)]);
+        // Each IOCTX is checked against the controller's MDTS at fill time, as the store's are.
+        let devices = DeviceTable::with_max_transfer_bytes(vec![(info, controller.max_transfer_bytes()); usize::from(worker_count)]);
         let mut ranges = vec![IovaRange::new(self.buffer.iova(), self.buffer.len() as u64)];
         if let Some(lists) = &self.prp_lists {
             ranges.push(IovaRange::new(lists.iova(), lists.len() as u64));
