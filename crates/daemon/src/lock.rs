@@ -1,169 +1,32 @@
-//! One daemon per pool: an exclusive advisory lock (`flock`) on each pool device, taken before
-//! the devices are opened and held for the daemon's life. The kernel drops it when the daemon
-//! dies, even by SIGKILL, so a stale lock cannot outlive its holder. A second daemon is refused
-//! with the holder named: its pid and command line, found in `/proc/locks` by the lock file's
-//! device and inode.
-//!
-//! - `emu:PATH`: the pool's backing file itself;
-//! - `vfio:BDF`: `LOCK_DIR/vfio-BDF.lock` (the kernel also refuses a second open of the VFIO
-//!   group, but without naming who holds it);
-//! - `emu:mem:` / `emu:null:`: nothing to share, no lock.
+//! One daemon per pool: tuttid takes [`tutti_devices::lock`]'s exclusive lock on each pool
+//! device before the devices are opened and holds it for its life (`tutti pool` takes the same
+//! lock, so neither runs under the other). This adapter keeps the daemon's own errors: a second
+//! daemon is refused as [`DaemonError::DeviceInUse`], naming the holder.
 
-use std::fs::{File, OpenOptions};
-use std::os::unix::fs::MetadataExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use nix::errno::Errno;
-use nix::fcntl::{Flock, FlockArg};
-use tutti_devices::DeviceSpec;
+use tutti_devices::{DeviceError, DeviceSpec};
+
+pub use tutti_devices::lock::{holder_of, lists_flock_exactly};
 
 use crate::DaemonError;
 
 /// Held locks; dropping releases them.
 #[derive(Debug, Default)]
-pub struct DeviceLocks {
-    held: Vec<(PathBuf, Flock<File>)>,
-}
+pub struct DeviceLocks(tutti_devices::DeviceLocks);
 
 impl DeviceLocks {
-    /// Locks every device of `specs` that can be shared. `create_files`: an `emu:PATH` that does
-    /// not exist is created empty (the software controller sizes it), as `--emu-create-bytes`
-    /// allows; otherwise a missing file is left for the device opening to report.
+    /// [`tutti_devices::DeviceLocks::acquire`], its errors as the daemon's.
     pub fn acquire(specs: &[DeviceSpec], lock_dir: &Path, create_files: bool) -> Result<DeviceLocks, DaemonError> {
-        let mut locks = DeviceLocks::default();
-        for spec in specs {
-            let path = match spec {
-                DeviceSpec::EmuFile(path) => path.clone(),
-                DeviceSpec::Vfio(address) => {
-                    std::fs::create_dir_all(lock_dir).map_err(|source| DaemonError::Io {
-                        context: format!("creating the lock directory {}", lock_dir.display()),
-                        source,
-                    })?;
-                    lock_dir.join(format!("vfio-{address}.lock"))
-                }
-                _ => continue,
-            };
-            let is_file = matches!(spec, DeviceSpec::EmuFile(_));
-            let opened =
-                OpenOptions::new().read(true).write(!is_file || create_files).create(!is_file || create_files).truncate(false).open(&path);
-            let file = match opened {
-                Ok(file) => file,
-                Err(error) if is_file && error.kind() == std::io::ErrorKind::NotFound => continue,
-                Err(source) => return Err(DaemonError::Io { context: format!("opening {} to lock it", path.display()), source }),
-            };
-            locks.lock(spec, path, file)?;
-        }
-        Ok(locks)
-    }
-
-    fn lock(&mut self, spec: &DeviceSpec, path: PathBuf, file: File) -> Result<(), DaemonError> {
-        match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
-            Ok(lock) => {
-                self.held.push((path, lock));
-                Ok(())
-            }
-            Err((file, Errno::EWOULDBLOCK)) => {
-                Err(DaemonError::DeviceInUse { spec: spec.to_string(), lock: path.clone(), holder: holder_of(&file, Path::new("/proc")) })
-            }
-            Err((_, errno)) => Err(DaemonError::Io {
-                context: format!("locking {}", path.display()),
-                source: std::io::Error::from_raw_os_error(errno as i32),
-            }),
-        }
+        tutti_devices::DeviceLocks::acquire(specs, lock_dir, create_files).map(DeviceLocks).map_err(|error| match error {
+            DeviceError::DeviceInUse { spec, lock, holder } => DaemonError::DeviceInUse { spec, lock, holder },
+            DeviceError::Io { context, source } => DaemonError::Io { context, source },
+            error => DaemonError::Devices(error),
+        })
     }
 
     pub fn paths(&self) -> impl Iterator<Item = &Path> {
-        self.held.iter().map(|(path, _)| path.as_path())
-    }
-}
-
-/// Reads of `/proc/locks` before the holder is given up as not found.
-const PROC_LOCKS_READS: usize = 5;
-
-/// "pid N (command line)" of the process holding a flock on `file`, from `proc/locks`; a
-/// sentence saying it could not be found otherwise (the holder may have just exited).
-pub fn holder_of(file: &File, proc_root: &Path) -> String {
-    let Ok(metadata) = file.metadata() else {
-        return "another process (the lock file cannot be examined)".into();
-    };
-    let (major, minor) = split_device(metadata.dev());
-    // The kernel produces /proc/locks page by page from lists other processes change meanwhile,
-    // so one read can miss a line that was there all along (seen under load in CI): read again.
-    let holder = (0..PROC_LOCKS_READS).find_map(|_| {
-        let locks = std::fs::read_to_string(proc_root.join("locks")).unwrap_or_default();
-        find_flock_holder(&locks, major, minor, metadata.ino())
-    });
-    match holder {
-        Some(pid) => {
-            let command = std::fs::read(proc_root.join(pid.to_string()).join("cmdline"))
-                .map(|raw| {
-                    let text: String = String::from_utf8_lossy(&raw).replace('\0', " ").trim().chars().take(200).collect();
-                    text
-                })
-                .unwrap_or_default();
-            if command.is_empty() {
-                format!("pid {pid}")
-            } else {
-                format!("pid {pid} ({command})")
-            }
-        }
-        None => "another process (not found in /proc/locks; it may have just exited)".into(),
-    }
-}
-
-/// Whether `/proc/locks` lists a FLOCK WRITE lock held by `pid` on `path`'s own device and inode.
-/// Tests use it to tell a lookup that must name the holder from a system that hides the lock (a
-/// holder outside the reading pid namespace is left out; a stacked filesystem lists the lock
-/// under another device); a line that merely shares the inode number is no evidence, since inode
-/// numbers repeat across filesystems.
-pub fn lists_flock_exactly(path: &Path, pid: u32) -> bool {
-    let Ok(metadata) = std::fs::metadata(path) else {
-        return false;
-    };
-    let (major, minor) = split_device(metadata.dev());
-    let ours = (pid, major, minor, metadata.ino());
-    std::fs::read_to_string("/proc/locks").unwrap_or_default().lines().filter_map(parse_flock_write).any(|lock| lock == ours)
-}
-
-/// (pid, major, minor, inode) of a `/proc/locks` FLOCK WRITE line, e.g.
-/// `3: FLOCK  ADVISORY  WRITE 1234 fd:01:5678 0 EOF`; `None` for any other line (waiters `->`,
-/// POSIX locks, malformed text: the file is the kernel's, but nothing here trusts its shape).
-fn parse_flock_write(line: &str) -> Option<(u32, u64, u64, u64)> {
-    let fields: Vec<&str> = line.split_whitespace().collect();
-    if fields.get(1) != Some(&"FLOCK") || fields.get(3) != Some(&"WRITE") {
-        return None;
-    }
-    let pid = fields.get(4)?.parse::<u32>().ok()?;
-    let mut location = fields.get(5)?.split(':');
-    let major = u64::from_str_radix(location.next()?, 16).ok()?;
-    let minor = u64::from_str_radix(location.next()?, 16).ok()?;
-    let inode = location.next()?.parse::<u64>().ok()?;
-    Some((pid, major, minor, inode))
-}
-
-/// Linux's encoding of a `dev_t` (glibc's `gnu_dev_major`/`minor`).
-fn split_device(dev: u64) -> (u64, u64) {
-    let major = ((dev >> 8) & 0xfff) | ((dev >> 32) & !0xfff);
-    let minor = (dev & 0xff) | ((dev >> 12) & !0xff);
-    (major, minor)
-}
-
-/// The pid of the FLOCK WRITE lock on (major:minor:inode) in `/proc/locks` text (lines read by
-/// [`parse_flock_write`]). When no line names this exact device (a stacked filesystem can report another device number
-/// to `stat` than the one its locks are listed under), a single FLOCK WRITE line on the same
-/// inode is taken: the name is a diagnostic, and one candidate is the likely holder.
-fn find_flock_holder(locks: &str, major: u64, minor: u64, inode: u64) -> Option<u32> {
-    let same_inode: Vec<(u32, u64, u64)> = locks
-        .lines()
-        .filter_map(parse_flock_write)
-        .filter(|&(_, _, _, found_inode)| found_inode == inode)
-        .map(|(pid, found_major, found_minor, _)| (pid, found_major, found_minor))
-        .collect();
-    let exact = same_inode.iter().find(|&&(_, found_major, found_minor)| found_major == major && found_minor == minor);
-    match (exact, same_inode.as_slice()) {
-        (Some(&(pid, _, _)), _) => Some(pid),
-        (None, [(pid, _, _)]) => Some(*pid),
-        _ => None,
+        self.0.paths()
     }
 }
 
@@ -172,57 +35,19 @@ mod tests {
     use super::*;
 
     #[test]
-    fn proc_locks_lines_are_parsed_and_waiters_skipped() {
-        let text = "1: POSIX  ADVISORY  WRITE 10 fd:01:99 0 EOF\n2: -> FLOCK  ADVISORY  WRITE 11 fd:01:42 0 EOF\n\
-                    3: FLOCK  ADVISORY  WRITE 12 fd:01:42 0 EOF\ngarbage\n4: FLOCK ADVISORY WRITE x 00:zz:1 0 EOF\n";
-        assert_eq!(find_flock_holder(text, 0xfd, 1, 42), Some(12));
-        assert_eq!(find_flock_holder(text, 0xfd, 1, 99), None, "a POSIX lock is not ours");
-        // Another device number, one lock on the inode: that one (stacked filesystems).
-        assert_eq!(find_flock_holder(text, 0xfd, 2, 42), Some(12));
-        // Two candidates on other devices: none is named.
-        let two = "1: FLOCK  ADVISORY  WRITE 12 fd:01:42 0 EOF\n2: FLOCK  ADVISORY  WRITE 13 fd:03:42 0 EOF\n";
-        assert_eq!(find_flock_holder(two, 0xfd, 2, 42), None);
-        assert_eq!(find_flock_holder(two, 0xfd, 3, 42), Some(13));
-    }
-
-    #[test]
-    fn a_second_lock_is_refused_naming_this_process() {
-        // Goal: two lockers of one file (separate open file descriptions, as two daemons would
-        // have): the second gets DeviceInUse with our pid, found through /proc/locks.
+    fn a_second_daemon_is_refused_as_the_daemons_device_in_use() {
+        // Goal: the lock lives in tutti-devices; the daemon still reports a held device as its
+        // own DeviceInUse ("in use by another daemon"), naming the lock file.
         let directory = tempfile::tempdir().unwrap();
         let image = directory.path().join("pool.img");
         std::fs::write(&image, [0u8; 4096]).unwrap();
         let spec = DeviceSpec::EmuFile(image.clone());
         let first = DeviceLocks::acquire(std::slice::from_ref(&spec), directory.path(), false).unwrap();
-        assert_eq!(first.paths().count(), 1);
-        let error = DeviceLocks::acquire(std::slice::from_ref(&spec), directory.path(), false).unwrap_err().to_string();
-        let pid = std::process::id();
-        // The holder must be named when /proc/locks lists this very lock: a FLOCK WRITE line
-        // with our pid on the file's own device and inode. /proc/locks can leave it out (a lock
-        // whose owner is not visible in the reading pid namespace is skipped) or list it under
-        // another device (stacked filesystems); then the message may only say it could not be
-        // found, and the parsing is covered by the synthetic lines above. A line that merely
-        // ends in the same inode number is no evidence: inode numbers repeat across filesystems.
-        let listed_exactly = lists_flock_exactly(&image, pid);
-        if listed_exactly {
-            assert!(error.contains(&format!("held by pid {pid} (")), "{error}");
-        } else {
-            assert!(error.contains("held by"), "{error}");
-            eprintln!("note: /proc/locks does not list this test's lock on its own device; naming the holder is not checked here");
-        }
+        assert_eq!(first.paths().collect::<Vec<_>>(), [image.as_path()]);
+        let error = DeviceLocks::acquire(std::slice::from_ref(&spec), directory.path(), false).unwrap_err();
+        assert!(matches!(error, DaemonError::DeviceInUse { .. }), "{error}");
+        assert!(error.to_string().contains("is in use by another daemon"), "{error}");
         drop(first);
         DeviceLocks::acquire(&[spec], directory.path(), false).expect("free again once the holder let go");
-    }
-
-    #[test]
-    fn vfio_devices_lock_a_file_in_the_lock_directory_and_memory_devices_none() {
-        let directory = tempfile::tempdir().unwrap();
-        let lock_dir = directory.path().join("run");
-        let specs = [DeviceSpec::parse("vfio:0000:00:04.0", &tutti_devices::DeviceKind::ALL).unwrap(), DeviceSpec::EmuMemory(1 << 20)];
-        let locks = DeviceLocks::acquire(&specs, &lock_dir, false).unwrap();
-        let paths: Vec<_> = locks.paths().collect();
-        assert_eq!(paths, [lock_dir.join("vfio-0000:00:04.0.lock").as_path()]);
-        let error = DeviceLocks::acquire(&specs[..1], &lock_dir, false).unwrap_err();
-        assert!(matches!(error, DaemonError::DeviceInUse { .. }), "{error}");
     }
 }

@@ -7,6 +7,8 @@
 //! - [`timing`]: the software controller's timing model (`--emu-timing`);
 //! - [`memory`]: the check that `emu:mem:` devices fit the memory the machine has available
 //!   (`MemAvailable` less a reserve), before anything is allocated (`emu:null:` allocates none);
+//! - [`lock`]: one user per pool device: an exclusive `flock` on an `emu:` file or on a `vfio:`
+//!   function's lock file, naming the holder when refused (tuttid and `tutti pool` both take it);
 //! - [`open`]: opening a list of specs in one DMA space (every `vfio:` function in one VFIO
 //!   container, every software controller in one DMA pool), as an object-store pool needs; one
 //!   file named by two `emu:` specs, however spelled, is refused.
@@ -16,6 +18,7 @@
 #![forbid(unsafe_code)]
 
 pub mod duration;
+pub mod lock;
 pub mod memory;
 pub mod open;
 pub mod size;
@@ -23,6 +26,7 @@ pub mod spec;
 pub mod timing;
 
 pub use duration::parse_duration;
+pub use lock::{DeviceLocks, DEFAULT_LOCK_DIR};
 pub use memory::{check_memory, check_memory_with, mem_available_bytes, memory_reserve_bytes, memory_shortfall, MemoryShortfall};
 pub use open::{open_in_one_space, open_pool_devices, refuse_shared_files, OpenedDevice, PoolDevice};
 pub use size::{format_size, format_size_exact, parse_size};
@@ -68,6 +72,10 @@ pub enum DeviceError {
     Emulator { spec: String, source: nvme_emu::EmuError },
     #[error("bringing up {spec}: {source}")]
     BringUp { spec: String, source: nvme_driver::NvmeError },
+    #[error("{spec} is in use by another process: {lock} is held by {holder}")]
+    DeviceInUse { spec: String, lock: std::path::PathBuf, holder: String },
+    #[error("{context}: {source}")]
+    Io { context: String, source: std::io::Error },
     #[error("{listed}: {source} (needs the device bound to vfio-pci, e.g. `tutti bind BDF`, and access to /dev/vfio)")]
     Vfio { listed: String, source: nvme_driver::HwError },
 }

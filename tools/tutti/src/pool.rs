@@ -6,6 +6,11 @@
 //! benchmarks on machines without a spare SSD). Devices are listed in pool order for `format`;
 //! `inspect` and `check` take them in any order.
 //!
+//! Every command first takes tuttid's lock on each device (tutti-devices' `DeviceLocks`: an
+//! exclusive `flock` on an `emu:` file, `LOCK_DIR/vfio-BDF.lock` for a `vfio:` function) and
+//! holds it until it ends, so none runs on a pool a live tuttid (or another `tutti pool`) is
+//! using: refused with status 2, naming the holder.
+//!
 //! Exit status: 2 when the devices or options cannot be used (nothing is written), 1 when the
 //! pool is damaged (`check`, `inspect`) or a device fails, 0 otherwise.
 
@@ -18,7 +23,7 @@ use objstore::format::Superblock;
 use objstore::pool::{format_uuid, read_superblock};
 use objstore::{format_pool, mapping_memory, FormatParams, ObjstoreError, Pool, PoolTarget};
 use tutti_cli::{outln, GeometryArgs};
-use tutti_devices::{format_size, open_pool_devices, parse_size, DeviceError, DeviceKind, DeviceSpec};
+use tutti_devices::{format_size, open_pool_devices, parse_size, DeviceError, DeviceKind, DeviceLocks, DeviceSpec, DEFAULT_LOCK_DIR};
 
 use crate::Unusable;
 
@@ -37,6 +42,18 @@ pub struct DeviceArgs {
     /// LBA size of an `emu:` device's namespace.
     #[arg(long, default_value_t = 4096)]
     emu_lba_bytes: u32,
+    /// Where `vfio:` devices' lock files live: tuttid's `--lock-dir`, so that the two exclude
+    /// each other.
+    #[arg(long, default_value = DEFAULT_LOCK_DIR)]
+    lock_dir: std::path::PathBuf,
+}
+
+/// Takes the lock on every device of `args` that has one, held until the value is dropped;
+/// another holder (a live tuttid) is unusable input, named. `create_files`: a missing `emu:`
+/// file is created empty to be locked (format, once nothing can refuse it any more); otherwise
+/// it is left for opening to report.
+fn lock_devices(args: &DeviceArgs, specs: &[DeviceSpec], create_files: bool) -> Result<DeviceLocks> {
+    DeviceLocks::acquire(specs, &args.lock_dir, create_files).map_err(|error| Unusable(error.to_string()).into())
 }
 
 fn parse_pool_device(text: &str) -> Result<DeviceSpec, String> {
@@ -203,9 +220,23 @@ pub fn run(command: &PoolCommand) -> Result<()> {
             };
             let what = format!("formatting a pool for {model}");
             check_namespace(&args.devices)?;
+            // Existing files are locked before anything is read or planned; the ones format is
+            // to create, once nothing can refuse any more (a refusal leaves no file behind).
+            let locks = lock_devices(&args.devices, &args.devices.devices, false)?;
             if let Some(create_bytes) = args.emu_create_bytes {
                 plan_emu_files(&args.devices, create_bytes, &params).map_err(|error| classify(error, &what))?;
             }
+            let to_create: Vec<DeviceSpec> = args
+                .devices
+                .devices
+                .iter()
+                .filter(|spec| matches!(spec, DeviceSpec::EmuFile(path) if !locks.paths().any(|held| held == path)))
+                .cloned()
+                .collect();
+            let _created_locks = match args.emu_create_bytes {
+                Some(_) => Some(lock_devices(&args.devices, &to_create, true)?),
+                None => None,
+            };
             let targets = open_targets(&args.devices, args.emu_create_bytes)?;
             let superblocks = format_pool(&targets, &params).map_err(|error| classify(error, &what))?;
             for superblock in superblocks {
@@ -214,6 +245,7 @@ pub fn run(command: &PoolCommand) -> Result<()> {
             Ok(())
         }
         PoolCommand::Inspect(args) => {
+            let _locks = lock_devices(args, &args.devices, false)?;
             let targets = open_targets(args, None)?;
             for ((position, target), spec) in targets.iter().enumerate().zip(&args.devices) {
                 match read_superblock(target, position) {
@@ -240,6 +272,7 @@ pub fn run(command: &PoolCommand) -> Result<()> {
             Ok(())
         }
         PoolCommand::Check(args) => {
+            let _locks = lock_devices(&args.devices, &args.devices.devices, false)?;
             let (mut pool, report) =
                 Pool::open(open_targets(&args.devices, None)?, None).map_err(|error| classify(error, "opening the pool"))?;
             outln!(

@@ -235,3 +235,52 @@ fn help_documents_the_exit_statuses() {
         stdout(&output)
     );
 }
+
+/// Holds an exclusive `flock` on `path` (as tuttid does on its pool file) until dropped.
+struct FlockHolder {
+    _file: std::fs::File,
+}
+
+impl FlockHolder {
+    fn take(path: &Path) -> FlockHolder {
+        use std::os::fd::AsRawFd;
+        let file = std::fs::File::open(path).unwrap();
+        // SAFETY: flock on a descriptor this process owns for the call; no memory is passed.
+        let result = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+        assert_eq!(result, 0, "flock: {}", std::io::Error::last_os_error());
+        FlockHolder { _file: file }
+    }
+}
+
+#[test]
+fn a_pool_held_by_another_process_is_refused_naming_the_holder() {
+    // Goal: tuttid flocks its pool file for its life; `tutti pool format|inspect|check` take the
+    // same lock, so none of them runs under a live daemon (format would zero what the daemon
+    // serves): status 2, naming the holder (this test's pid, found in /proc/locks), the file
+    // unchanged. Once the lock is let go, all three run.
+    let directory = tempfile::tempdir().unwrap();
+    let path = directory.path().join("pool.img");
+    assert_status(&format(&path, &["--model", "llama3-8b"]), 0, &[]);
+    let before = std::fs::read(&path).unwrap();
+    let device = device(&path);
+    let holder = FlockHolder::take(&path);
+    let pid = std::process::id();
+    let runs = [
+        tutti(&["pool", "format", "--device", &device, "--model", "llama3-8b"]),
+        tutti(&["pool", "inspect", "--device", &device]),
+        tutti(&["pool", "check", "--device", &device]),
+    ];
+    for output in &runs {
+        assert_status(output, 2, &["is in use by another process", &path.display().to_string(), "is held by"]);
+        // Named when /proc/locks lists our lock on the file's own device (see tutti-devices'
+        // `lists_flock_exactly`, which a user of the binary cannot call: the text is checked).
+        let text = stderr(output);
+        if !text.contains(&format!("held by pid {pid} (")) {
+            eprintln!("note: the holder was not named (/proc/locks hides it here): {text}");
+        }
+    }
+    assert!(std::fs::read(&path).unwrap() == before, "a refused format wrote to the pool");
+    drop(holder);
+    assert_status(&tutti(&["pool", "check", "--device", &device]), 0, &[]);
+    assert_status(&tutti(&["pool", "format", "--device", &device, "--model", "llama3-8b"]), 0, &[]);
+}
