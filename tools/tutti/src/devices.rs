@@ -29,9 +29,13 @@ pub struct BindArgs {
     address: String,
     /// Bind even if the device is in use (a mounted filesystem, swap, a stacked device, or any
     /// other claim the kernel reports as EBUSY to an exclusive open, such as a ZFS pool: it will
-    /// stop working) or the function is not an NVMe controller.
+    /// stop working).
     #[arg(long)]
     force: bool,
+    /// Bind even if the function is not an NVMe controller (PCI class 0x010802). Its disks are
+    /// still checked: a disk in use needs --force as well.
+    #[arg(long)]
+    not_nvme: bool,
 }
 
 #[derive(Args)]
@@ -50,7 +54,7 @@ pub enum Readiness {
     Ready,
     /// `tutti bind` would make it ready.
     Bindable,
-    /// Bindable, but the blocking reason must be resolved first (or `--force`d).
+    /// Bindable, but the blocking reason must be resolved first (or `--force`d when in use).
     Blocked(String),
     /// VFIO cannot take it in this configuration.
     Impossible(String),
@@ -173,6 +177,15 @@ pub fn run_devices(system: &System, _args: &DevicesArgs) -> Result<()> {
     Ok(())
 }
 
+/// The refusals a caller chose to override; each flag lifts one check only.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Overrides {
+    /// `--force`: take the function's disks away even while in use.
+    pub in_use: bool,
+    /// `--not-nvme`: act on a function whose class is not NVMe.
+    pub not_nvme: bool,
+}
+
 /// What `bind` did.
 #[derive(Debug, PartialEq, Eq)]
 pub enum BindOutcome {
@@ -181,13 +194,14 @@ pub enum BindOutcome {
 }
 
 /// Moves `address` to vfio-pci. Refuses non-NVMe functions and devices in use (mounted
-/// filesystems, active swap, holders, an exclusive claim such as a ZFS vdev) unless `force`.
-pub fn bind(system: &System, address: PciAddress, force: bool) -> Result<BindOutcome> {
+/// filesystems, active swap, holders, an exclusive claim such as a ZFS vdev), each unless its
+/// override is given: passing the class check never passes the in-use check.
+pub fn bind(system: &System, address: PciAddress, overrides: Overrides) -> Result<BindOutcome> {
     if !system.sysfs.exists(address) {
         bail!("no PCI function {address} (see `tutti devices`)");
     }
-    if !system.is_nvme(address) && !force {
-        bail!("{address} is not an NVMe controller (class 0x010802); use --force to bind it anyway");
+    if !system.is_nvme(address) && !overrides.not_nvme {
+        bail!("{address} is not an NVMe controller (class 0x010802); use --not-nvme to bind it anyway");
     }
     let previous_driver = system.sysfs.driver(address)?;
     if previous_driver.as_deref() == Some(VFIO_PCI_DRIVER) {
@@ -200,7 +214,7 @@ pub fn bind(system: &System, address: PciAddress, force: bool) -> Result<BindOut
         bail!("{address} has no IOMMU group: enable VT-d/AMD-Vi in firmware and boot with intel_iommu=on or amd_iommu=on");
     }
     let uses = system.uses_of(&system.block_devices(address))?;
-    if !uses.is_empty() && !force {
+    if !uses.is_empty() && !overrides.in_use {
         let list: Vec<String> = uses.iter().map(|(device, how)| format!("/dev/{device} {how}")).collect();
         bail!("{address} is in use: {}; unmount first, or pass --force to take it away from the kernel anyway", list.join(", "));
     }
@@ -256,7 +270,7 @@ fn roll_back_bind(system: &System, address: PciAddress, previous_driver: Option<
 
 pub fn run_bind(system: &System, args: &BindArgs) -> Result<()> {
     let address = parse_address(&args.address)?;
-    match bind(system, address, args.force)? {
+    match bind(system, address, Overrides { in_use: args.force, not_nvme: args.not_nvme })? {
         BindOutcome::AlreadyBound => outln!("{address} is already bound to vfio-pci")?,
         BindOutcome::Bound { previous_driver } => outln!("{address}: {} -> vfio-pci", previous_driver.as_deref().unwrap_or("(no driver)"))?,
     }

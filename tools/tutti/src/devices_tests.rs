@@ -81,6 +81,16 @@ impl FakeHost {
         dir
     }
 
+    /// A block device `name` (device number `dev`, "major:minor") whose sysfs directory is
+    /// `device_dir`, linked from `class/block` as the kernel links it.
+    fn block(&self, device_dir: &Path, name: &str, dev: &str) {
+        std::fs::create_dir_all(device_dir).unwrap();
+        std::fs::write(device_dir.join("dev"), format!("{dev}\n")).unwrap();
+        let class = self.sys.join("class/block");
+        std::fs::create_dir_all(&class).unwrap();
+        symlink(device_dir, class.join(name)).unwrap();
+    }
+
     fn mount(&self, device: &str, target: &str) {
         let mut mounts = std::fs::read_to_string(self.proc.join("mounts")).unwrap();
         mounts.push_str(&format!("/dev/{device} {target} ext4 rw 0 0\n"));
@@ -159,6 +169,9 @@ fn fake_driver_core_step(sys: &Path, declined: &[&str]) {
     }
 }
 
+/// `--force`: past the in-use check only.
+const FORCE: Overrides = Overrides { in_use: true, not_nvme: false };
+
 fn at(text: &str) -> PciAddress {
     text.parse().unwrap()
 }
@@ -203,11 +216,11 @@ fn bind_and_unbind_round_trip() {
     let system = host.system();
     let _kernel = host.kernel();
 
-    let outcome = bind(&system, at("0000:00:04.0"), false).unwrap();
+    let outcome = bind(&system, at("0000:00:04.0"), Overrides::default()).unwrap();
     assert_eq!(outcome, BindOutcome::Bound { previous_driver: Some("nvme".into()) });
     assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("vfio-pci"));
     assert_eq!(std::fs::read_to_string(dir.join("driver_override")).unwrap(), "vfio-pci");
-    assert_eq!(bind(&system, at("0000:00:04.0"), false).unwrap(), BindOutcome::AlreadyBound);
+    assert_eq!(bind(&system, at("0000:00:04.0"), Overrides::default()).unwrap(), BindOutcome::AlreadyBound);
 
     let driver = unbind(&system, at("0000:00:04.0"), true).unwrap();
     assert_eq!(driver.as_deref(), Some("nvme"));
@@ -224,22 +237,22 @@ fn bind_refuses_mounted_devices_unless_forced() {
     host.mount("nvme0n2p1", r"/mnt/my\040data");
     let system = host.system();
     let _kernel = host.kernel();
-    let error = bind(&system, at("0000:00:04.0"), false).unwrap_err().to_string();
+    let error = bind(&system, at("0000:00:04.0"), Overrides::default()).unwrap_err().to_string();
     assert!(error.contains("/dev/nvme0n2p1 mounted on /mnt/my data") && error.contains("--force"), "{error}");
     assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("nvme"), "nothing changed");
-    assert!(bind(&system, at("0000:00:04.0"), true).is_ok());
+    assert!(bind(&system, at("0000:00:04.0"), FORCE).is_ok());
     assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("vfio-pci"));
 
     let swap_host = FakeHost::new();
     swap_host.add("0000:00:04.0", 0x010802, Some("nvme"), 3, 0, 1);
     std::fs::write(swap_host.proc.join("swaps"), "Filename Type Size Used Priority\n/dev/nvme0n1p1 partition 100 0 -2\n").unwrap();
-    let error = bind(&swap_host.system(), at("0000:00:04.0"), false).unwrap_err().to_string();
+    let error = bind(&swap_host.system(), at("0000:00:04.0"), Overrides::default()).unwrap_err().to_string();
     assert!(error.contains("/dev/nvme0n1p1 used as swap"), "{error}");
 
     let stacked_host = FakeHost::new();
     stacked_host.add("0000:00:04.0", 0x010802, Some("nvme"), 3, 0, 1);
     std::fs::create_dir_all(stacked_host.sys.join("class/block/nvme0n1/holders/dm-0")).unwrap();
-    let error = bind(&stacked_host.system(), at("0000:00:04.0"), false).unwrap_err().to_string();
+    let error = bind(&stacked_host.system(), at("0000:00:04.0"), Overrides::default()).unwrap_err().to_string();
     // Each kind of use reads as itself: this was "/dev/nvme0n1 on held by dm-0".
     assert!(error.contains("/dev/nvme0n1 held by dm-0") && !error.contains(" on held"), "{error}");
 }
@@ -254,14 +267,14 @@ fn bind_refuses_a_device_claimed_without_a_mount_unless_forced() {
     host.claim("nvme0n2");
     let system = host.system();
     let _kernel = host.kernel();
-    let error = bind(&system, at("0000:00:04.0"), false).unwrap_err().to_string();
+    let error = bind(&system, at("0000:00:04.0"), Overrides::default()).unwrap_err().to_string();
     assert!(
         error.contains("/dev/nvme0n2 claimed exclusively by another opener") && error.contains("EBUSY") && error.contains("--force"),
         "{error}"
     );
     assert!(!error.contains(" on an exclusive claim"), "{error}");
     assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("nvme"), "nothing changed");
-    assert!(bind(&system, at("0000:00:04.0"), true).is_ok());
+    assert!(bind(&system, at("0000:00:04.0"), FORCE).is_ok());
     assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("vfio-pci"));
 }
 
@@ -272,16 +285,16 @@ fn bind_refuses_what_vfio_cannot_take() {
     let host = FakeHost::new();
     let sata = host.add("0000:00:1f.2", 0x010601, Some("ahci"), 6, 0, 0);
     let system = host.system();
-    assert!(bind(&system, at("0000:00:1f.2"), false).unwrap_err().to_string().contains("not an NVMe controller"));
+    assert!(bind(&system, at("0000:00:1f.2"), Overrides::default()).unwrap_err().to_string().contains("not an NVMe controller"));
     assert_eq!(std::fs::read_to_string(sata.join("driver_override")).unwrap(), "(null)\n");
-    assert!(bind(&system, at("0000:00:09.0"), false).unwrap_err().to_string().contains("no PCI function"));
+    assert!(bind(&system, at("0000:00:09.0"), Overrides::default()).unwrap_err().to_string().contains("no PCI function"));
 
     let nvme = host.add("0000:00:04.0", 0x010802, None, 3, 0, 0);
     std::fs::remove_file(nvme.join("iommu_group")).unwrap();
-    assert!(bind(&system, at("0000:00:04.0"), false).unwrap_err().to_string().contains("intel_iommu=on"));
+    assert!(bind(&system, at("0000:00:04.0"), Overrides::default()).unwrap_err().to_string().contains("intel_iommu=on"));
 
     std::fs::remove_dir_all(host.sys.join("bus/pci/drivers/vfio-pci")).unwrap();
-    assert!(bind(&system, at("0000:00:04.0"), false).unwrap_err().to_string().contains("modprobe vfio-pci"));
+    assert!(bind(&system, at("0000:00:04.0"), Overrides::default()).unwrap_err().to_string().contains("modprobe vfio-pci"));
 }
 
 #[test]
@@ -291,7 +304,7 @@ fn bind_times_out_when_the_kernel_does_not_react() {
     let host = FakeHost::new();
     host.add("0000:00:04.0", 0x010802, None, 3, 0, 0);
     let started = Instant::now();
-    let error = bind(&host.system(), at("0000:00:04.0"), false).unwrap_err();
+    let error = bind(&host.system(), at("0000:00:04.0"), Overrides::default()).unwrap_err();
     assert!(format!("{error:#}").contains("vfio-pci did not take"), "{error:#}");
     assert!(started.elapsed() < DRIVER_CHANGE_TIMEOUT + Duration::from_secs(5));
 }
@@ -304,7 +317,7 @@ fn a_failed_bind_is_rolled_back_to_the_driver_it_had() {
     let dir = host.add("0000:00:04.0", 0x010802, Some("nvme"), 3, 0, 1);
     let system = host.system();
     let _kernel = host.kernel_declining(&["vfio-pci"]);
-    let error = format!("{:#}", bind(&system, at("0000:00:04.0"), false).unwrap_err());
+    let error = format!("{:#}", bind(&system, at("0000:00:04.0"), Overrides::default()).unwrap_err());
     assert!(error.contains("vfio-pci did not take") && error.contains("rolled back"), "{error}");
     assert!(error.contains("bound to nvme, driver_override cleared"), "{error}");
     assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("nvme"));
@@ -319,10 +332,30 @@ fn a_bind_that_cannot_be_rolled_back_says_where_the_function_is_and_how_to_resto
     let dir = host.add("0000:00:04.0", 0x010802, Some("nvme"), 3, 0, 1);
     let system = host.system();
     let _kernel = host.kernel_declining(&["vfio-pci", "nvme"]);
-    let error = format!("{:#}", bind(&system, at("0000:00:04.0"), false).unwrap_err());
+    let error = format!("{:#}", bind(&system, at("0000:00:04.0"), Overrides::default()).unwrap_err());
     assert!(error.contains("could not be rolled back"), "{error}");
     assert!(error.contains("now bound to no driver, driver_override cleared (it was bound to nvme)"), "{error}");
     assert!(error.contains("`tutti unbind 0000:00:04.0` restores it"), "{error}");
     assert_eq!(host.driver_of("0000:00:04.0"), None);
     assert_eq!(std::fs::read_to_string(dir.join("driver_override")).unwrap().trim(), "");
+}
+
+#[test]
+fn bind_past_the_class_check_still_refuses_a_disk_in_use_whatever_drives_it() {
+    // Goal: a function driven by something other than nvme (ahci here; vmd or a RAID HBA alike)
+    // has its disks found under its sysfs device, and letting bind past the class check never
+    // lets it past the in-use check: a mounted root filesystem stays with the kernel.
+    let host = FakeHost::new();
+    let dir = host.add("0000:00:17.0", 0x010601, Some("ahci"), 6, 0, 0);
+    host.block(&dir.join("ata1/host0/target0:0:0/0:0:0:0/block/sda"), "sda", "8:0");
+    host.block(&dir.join("ata1/host0/target0:0:0/0:0:0:0/block/sda/sda1"), "sda1", "8:1");
+    host.mount("sda1", "/");
+    let system = host.system();
+    let _kernel = host.kernel();
+    let error = bind(&system, at("0000:00:17.0"), Overrides { in_use: false, not_nvme: true }).unwrap_err().to_string();
+    assert!(error.contains("/dev/sda1 mounted on /") && error.contains("--force"), "{error}");
+    // --force alone lifts the in-use check only; the class check still stands.
+    let error = bind(&system, at("0000:00:17.0"), FORCE).unwrap_err().to_string();
+    assert!(error.contains("not an NVMe controller") && error.contains("--not-nvme"), "{error}");
+    assert_eq!(host.driver_of("0000:00:17.0").as_deref(), Some("ahci"), "nothing changed");
 }

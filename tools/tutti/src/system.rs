@@ -72,8 +72,10 @@ impl System {
         std::fs::read_to_string(path).ok().map(|text| text.trim().to_string()).filter(|text| !text.is_empty())
     }
 
-    /// Block devices backed by this function: namespaces (`nvme0n1`) and their partitions
-    /// (`nvme0n1p1`). A multipath path node `nvme0c0n1` stands for the block device `nvme0n1`.
+    /// Block devices backed by this function, whatever drives it (nvme, ahci, vmd, a RAID HBA):
+    /// every entry of `class/block` whose resolved sysfs device lies under the function's, and
+    /// the namespaces (`nvme0n1`) and partitions (`nvme0n1p1`) under its nvme controllers. A
+    /// multipath path node `nvme0c0n1` stands for the block device `nvme0n1`.
     pub fn block_devices(&self, address: PciAddress) -> BTreeSet<String> {
         let mut devices = BTreeSet::new();
         for controller in self.nvme_controllers(address) {
@@ -86,6 +88,17 @@ impl System {
                     }
                 }
                 devices.insert(namespace);
+            }
+        }
+        // The function's own directory, resolved as the class/block links resolve (a VMD
+        // domain's or an HBA's disks are its descendants in /sys/devices).
+        if let Ok(function_dir) = std::fs::canonicalize(self.sysfs.device_dir(address)) {
+            let class_block = self.sysfs_root().join("class/block");
+            for name in read_names(&class_block) {
+                let Ok(device) = std::fs::canonicalize(class_block.join(&name)) else { continue };
+                if device.starts_with(&function_dir) {
+                    devices.insert(namespace_block_name(&name).unwrap_or(name));
+                }
             }
         }
         devices
