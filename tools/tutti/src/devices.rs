@@ -45,6 +45,9 @@ pub struct UnbindArgs {
     /// Only detach from vfio-pci; do not ask the kernel to probe a driver for it again.
     #[arg(long)]
     no_reprobe: bool,
+    /// Unbind even if the function is not an NVMe controller (PCI class 0x010802).
+    #[arg(long)]
+    not_nvme: bool,
 }
 
 /// Whether VFIO can take a function, and what stands in the way.
@@ -287,15 +290,29 @@ pub fn run_bind(system: &System, args: &BindArgs) -> Result<()> {
 }
 
 /// Detaches `address` from vfio-pci and, with `reprobe`, lets the kernel pick its driver again.
-/// Returns the driver that took it (None if none did).
-pub fn unbind(system: &System, address: PciAddress, reprobe: bool) -> Result<Option<String>> {
+/// Returns the driver that took it (None if none did). Refuses, before writing anything, a
+/// function that is not an NVMe controller (unless `not_nvme`) and one whose VFIO group or
+/// device some process holds open: the kernel's unbind would wait for that process to let go
+/// (for ever, if it has no request handler), with the override already cleared.
+pub fn unbind(system: &System, address: PciAddress, reprobe: bool, not_nvme: bool) -> Result<Option<String>> {
     if !system.sysfs.exists(address) {
         bail!("no PCI function {address} (see `tutti devices`)");
+    }
+    if !system.is_nvme(address) && !not_nvme {
+        bail!("{address} is not an NVMe controller (class 0x010802); use --not-nvme to unbind it anyway");
     }
     let device_dir = system.sysfs.device_dir(address);
     let driver = system.sysfs.driver(address)?;
     if driver.as_deref().is_some_and(|driver| driver != VFIO_PCI_DRIVER) {
         bail!("{address} is bound to {}, not vfio-pci: nothing to undo", driver.as_deref().unwrap_or_default());
+    }
+    if driver.is_some() {
+        let nodes = system.vfio_nodes(address, system.sysfs.iommu_group(address)?);
+        let holders = system.openers(|_, target| nodes.iter().any(|node| node == target));
+        if !holders.is_empty() {
+            let list: Vec<String> = holders.iter().map(ToString::to_string).collect();
+            bail!("{address} is in use through VFIO: {}; stop it first (tuttid, a VM) and run `tutti unbind` again", list.join(", "));
+        }
     }
     // An empty line clears the override, so that the default driver matches again.
     system.write_attribute(&device_dir.join("driver_override"), "\n")?;
@@ -314,7 +331,7 @@ pub fn unbind(system: &System, address: PciAddress, reprobe: bool) -> Result<Opt
 
 pub fn run_unbind(system: &System, args: &UnbindArgs) -> Result<()> {
     let address = parse_address(&args.address)?;
-    match unbind(system, address, !args.no_reprobe)? {
+    match unbind(system, address, !args.no_reprobe, args.not_nvme)? {
         Some(driver) => outln!("{address}: vfio-pci -> {driver}")?,
         None if args.no_reprobe => outln!("{address}: detached from vfio-pci (no driver)")?,
         None => outln!("{address}: detached from vfio-pci; no driver claimed it (`modprobe nvme`?)")?,

@@ -91,6 +91,14 @@ impl FakeHost {
         symlink(device_dir, class.join(name)).unwrap();
     }
 
+    /// Process `pid` (named `comm`) holding `target` open as file descriptor `fd`.
+    fn open_fd(&self, pid: u32, comm: &str, fd: u32, target: &str) {
+        let dir = self.proc.join(pid.to_string());
+        std::fs::create_dir_all(dir.join("fd")).unwrap();
+        std::fs::write(dir.join("comm"), format!("{comm}\n")).unwrap();
+        symlink(target, dir.join("fd").join(fd.to_string())).unwrap();
+    }
+
     fn mount(&self, device: &str, target: &str) {
         let mut mounts = std::fs::read_to_string(self.proc.join("mounts")).unwrap();
         mounts.push_str(&format!("/dev/{device} {target} ext4 rw 0 0\n"));
@@ -222,7 +230,7 @@ fn bind_and_unbind_round_trip() {
     assert_eq!(std::fs::read_to_string(dir.join("driver_override")).unwrap(), "vfio-pci");
     assert_eq!(bind(&system, at("0000:00:04.0"), Overrides::default()).unwrap(), BindOutcome::AlreadyBound);
 
-    let driver = unbind(&system, at("0000:00:04.0"), true).unwrap();
+    let driver = unbind(&system, at("0000:00:04.0"), true, false).unwrap();
     assert_eq!(driver.as_deref(), Some("nvme"));
     assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("nvme"));
     assert_eq!(std::fs::read_to_string(dir.join("driver_override")).unwrap().trim(), "");
@@ -358,4 +366,41 @@ fn bind_past_the_class_check_still_refuses_a_disk_in_use_whatever_drives_it() {
     let error = bind(&system, at("0000:00:17.0"), FORCE).unwrap_err().to_string();
     assert!(error.contains("not an NVMe controller") && error.contains("--not-nvme"), "{error}");
     assert_eq!(host.driver_of("0000:00:17.0").as_deref(), Some("ahci"), "nothing changed");
+}
+
+#[test]
+fn unbind_refuses_what_is_not_nvme_and_a_vfio_device_someone_holds() {
+    // Goal: a mistyped address (a GPU passed through to a VM) or a controller whose VFIO group a
+    // process holds open (tuttid, a VM) is refused before anything is written: the kernel's
+    // unbind would block until the holder lets go, with the override already cleared.
+    let host = FakeHost::new();
+    let gpu = host.add("0000:3b:00.0", 0x030000, Some("vfio-pci"), 7, 0, 0);
+    let nvme = host.add("0000:00:04.0", 0x010802, Some("vfio-pci"), 3, 0, 0);
+    std::fs::write(gpu.join("driver_override"), "vfio-pci\n").unwrap();
+    std::fs::write(nvme.join("driver_override"), "vfio-pci\n").unwrap();
+    host.open_fd(1234, "tuttid", 5, "/dev/vfio/3");
+    host.open_fd(99, "bash", 0, "/dev/pts/0");
+    let system = host.system();
+    let _kernel = host.kernel();
+
+    let error = format!("{:#}", unbind(&system, at("0000:3b:00.0"), true, false).unwrap_err());
+    assert!(error.contains("not an NVMe controller") && error.contains("--not-nvme"), "{error}");
+    assert_eq!(host.driver_of("0000:3b:00.0").as_deref(), Some("vfio-pci"), "nothing changed");
+    assert_eq!(std::fs::read_to_string(gpu.join("driver_override")).unwrap(), "vfio-pci\n");
+    assert!(unbind(&system, at("0000:3b:00.0"), false, true).is_ok(), "--not-nvme lets it through");
+
+    let error = format!("{:#}", unbind(&system, at("0000:00:04.0"), true, false).unwrap_err());
+    assert!(error.contains("pid 1234 (tuttid)") && error.contains("/dev/vfio/3"), "{error}");
+    assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("vfio-pci"), "nothing changed");
+    assert_eq!(std::fs::read_to_string(nvme.join("driver_override")).unwrap(), "vfio-pci\n");
+
+    // The iommufd cdev of this function counts as well; another function's does not.
+    std::fs::remove_dir_all(host.proc.join("1234")).unwrap();
+    std::fs::create_dir_all(nvme.join("vfio-dev/vfio0")).unwrap();
+    host.open_fd(77, "qemu-system-x86", 9, "/dev/vfio/devices/vfio1");
+    host.open_fd(78, "qemu-system-x86", 9, "/dev/vfio/devices/vfio0");
+    let error = format!("{:#}", unbind(&system, at("0000:00:04.0"), true, false).unwrap_err());
+    assert!(error.contains("pid 78 (qemu-system-x86)") && !error.contains("pid 77"), "{error}");
+    std::fs::remove_dir_all(host.proc.join("78")).unwrap();
+    assert_eq!(unbind(&system, at("0000:00:04.0"), true, false).unwrap().as_deref(), Some("nvme"), "free once nothing holds it");
 }

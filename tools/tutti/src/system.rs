@@ -150,6 +150,38 @@ impl System {
         Ok(uses)
     }
 
+    /// Every process with an open file descriptor that `holds` accepts, given the descriptor's
+    /// `/proc/<pid>/fd/<n>` path and the path it links to; a process or descriptor that goes
+    /// away (or cannot be read) while scanning is skipped.
+    pub fn openers(&self, holds: impl Fn(&Path, &Path) -> bool) -> Vec<Opener> {
+        let mut openers = Vec::new();
+        for pid in read_names(&self.proc_root) {
+            let Ok(pid_number) = pid.parse::<u32>() else { continue };
+            let fd_dir = self.proc_root.join(&pid).join("fd");
+            for fd in read_names(&fd_dir) {
+                let fd_path = fd_dir.join(&fd);
+                let Ok(target) = std::fs::read_link(&fd_path) else { continue };
+                if holds(&fd_path, &target) {
+                    let comm = std::fs::read_to_string(self.proc_root.join(&pid).join("comm")).unwrap_or_default();
+                    openers.push(Opener { pid: pid_number, comm: comm.trim().to_string(), path: target });
+                }
+            }
+        }
+        openers.sort_by(|a, b| (a.pid, &a.path).cmp(&(b.pid, &b.path)));
+        openers.dedup();
+        openers
+    }
+
+    /// The VFIO device nodes through which user space can hold this function: its group's
+    /// `/dev/vfio/<group>` and its iommufd cdevs `/dev/vfio/devices/<name>` (from `vfio-dev/`).
+    pub fn vfio_nodes(&self, address: PciAddress, group: Option<u32>) -> Vec<PathBuf> {
+        let mut nodes: Vec<PathBuf> = group.map(|group| PathBuf::from(format!("/dev/vfio/{group}"))).into_iter().collect();
+        for name in read_names(&self.sysfs.device_dir(address).join("vfio-dev")) {
+            nodes.push(Path::new("/dev/vfio/devices").join(name));
+        }
+        nodes
+    }
+
     /// Writes a sysfs attribute the way `echo value > file` does (sysfs ignores the truncation,
     /// a fake tree needs it); never creates files.
     pub fn write_attribute(&self, path: &Path, value: &str) -> Result<()> {
@@ -175,6 +207,22 @@ impl System {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+}
+
+/// A process holding a file open.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Opener {
+    pub pid: u32,
+    /// `/proc/<pid>/comm`, empty when unreadable.
+    pub comm: String,
+    /// What its descriptor links to.
+    pub path: PathBuf,
+}
+
+impl std::fmt::Display for Opener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "pid {} ({}) holds {}", self.pid, self.comm, self.path.display())
     }
 }
 
