@@ -404,3 +404,23 @@ fn unbind_refuses_what_is_not_nvme_and_a_vfio_device_someone_holds() {
     std::fs::remove_dir_all(host.proc.join("78")).unwrap();
     assert_eq!(unbind(&system, at("0000:00:04.0"), true, false).unwrap().as_deref(), Some("nvme"), "free once nothing holds it");
 }
+
+#[test]
+fn bind_sees_the_partitions_of_a_multipath_head_disk() {
+    // Goal: with native NVMe multipath the controller holds only the hidden path disk
+    // (nvme0c0n1, no partitions); the head disk nvme0n1 and its partitions live under
+    // nvme-subsystem/. A partition of the head mounted is still found, and bind refuses.
+    let host = FakeHost::new();
+    let dir = host.add("0000:00:04.0", 0x010802, Some("nvme"), 3, 0, 0);
+    host.block(&dir.join("nvme/nvme0/nvme0c0n1"), "nvme0c0n1", "259:9");
+    let head = host.sys.join("devices/virtual/nvme-subsystem/nvme-subsys0/nvme0n1");
+    host.block(&head, "nvme0n1", "259:0");
+    host.block(&head.join("nvme0n1p1"), "nvme0n1p1", "259:1");
+    host.mount("nvme0n1p1", "/data");
+    let system = host.system();
+    let _kernel = host.kernel();
+    assert_eq!(system.block_devices(at("0000:00:04.0")).into_iter().collect::<Vec<_>>(), ["nvme0n1", "nvme0n1p1"]);
+    let error = bind(&system, at("0000:00:04.0"), Overrides::default()).unwrap_err().to_string();
+    assert!(error.contains("/dev/nvme0n1p1 mounted on /data"), "{error}");
+    assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("nvme"), "nothing changed");
+}

@@ -75,7 +75,8 @@ impl System {
     /// Block devices backed by this function, whatever drives it (nvme, ahci, vmd, a RAID HBA):
     /// every entry of `class/block` whose resolved sysfs device lies under the function's, and
     /// the namespaces (`nvme0n1`) and partitions (`nvme0n1p1`) under its nvme controllers. A
-    /// multipath path node `nvme0c0n1` stands for the block device `nvme0n1`.
+    /// multipath path node `nvme0c0n1` stands for the head disk `nvme0n1`, whose partitions are
+    /// listed from `class/block/nvme0n1/`.
     pub fn block_devices(&self, address: PciAddress) -> BTreeSet<String> {
         let mut devices = BTreeSet::new();
         for controller in self.nvme_controllers(address) {
@@ -98,6 +99,20 @@ impl System {
                 let Ok(device) = std::fs::canonicalize(class_block.join(&name)) else { continue };
                 if device.starts_with(&function_dir) {
                     devices.insert(namespace_block_name(&name).unwrap_or(name));
+                }
+            }
+        }
+        // With native multipath the controller holds only the hidden path disk; the head disk
+        // and its partitions are under nvme-subsystem/, reached through class/block.
+        let namespaces: Vec<String> =
+            devices.iter().filter(|name| namespace_block_name(name).as_deref() == Some(name.as_str())).cloned().collect();
+        for namespace in namespaces {
+            for child in read_names(&self.sysfs_root().join("class/block").join(&namespace)) {
+                if child
+                    .strip_prefix(&format!("{namespace}p"))
+                    .is_some_and(|number| !number.is_empty() && number.bytes().all(|b| b.is_ascii_digit()))
+                {
+                    devices.insert(child);
                 }
             }
         }
