@@ -7,6 +7,8 @@
 //! - [`timing`]: the software controller's timing model (`--emu-timing`);
 //! - [`memory`]: the check that `emu:mem:` devices fit the memory the machine has available
 //!   (`MemAvailable` less a reserve), before anything is allocated (`emu:null:` allocates none);
+//! - [`claim`]: exclusive opens (`O_EXCL`) of the block devices a tool is to write, refusing
+//!   one that is mounted or otherwise in use, held until the tool is done;
 //! - [`lock`]: one user per pool device: an exclusive `flock` on an `emu:` file or on a `vfio:`
 //!   function's lock file, naming the holder when refused (tuttid and `tutti pool` both take it);
 //! - [`open`]: opening a list of specs in one DMA space (every `vfio:` function in one VFIO
@@ -17,6 +19,7 @@
 //! accepted; the tools print it as one line and exit with status 2 (unusable input).
 #![forbid(unsafe_code)]
 
+pub mod claim;
 pub mod duration;
 pub mod lock;
 pub mod memory;
@@ -25,6 +28,7 @@ pub mod size;
 pub mod spec;
 pub mod timing;
 
+pub use claim::{BlockDeviceClaims, BlockDeviceOpener, HostBlockDevices};
 pub use duration::parse_duration;
 pub use lock::{DeviceLocks, DEFAULT_LOCK_DIR};
 pub use memory::{check_memory, check_memory_with, mem_available_bytes, memory_reserve_bytes, memory_shortfall, MemoryShortfall};
@@ -74,6 +78,11 @@ pub enum DeviceError {
     BringUp { spec: String, source: nvme_driver::NvmeError },
     #[error("{spec} is in use by another process: {lock} is held by {holder}")]
     DeviceInUse { spec: String, lock: std::path::PathBuf, holder: String },
+    #[error(
+        "{spec}: the block device is in use (mounted, swap, under device-mapper/RAID, or held open exclusively by another \
+         program): refusing to touch it; unmount or release it first"
+    )]
+    BlockDeviceInUse { spec: String },
     #[error("{context}: {source}")]
     Io { context: String, source: std::io::Error },
     #[error("{listed}: {source} (needs the device bound to vfio-pci, e.g. `tutti bind BDF`, and access to /dev/vfio)")]

@@ -1,10 +1,18 @@
 //! `tutti pool format|inspect|check`: create, describe and verify an object-store pool
 //! (crates/objstore, format in docs/objstore.md) on one or more NVMe namespaces.
 //!
-//! A device is `vfio:<PCI address>` (a function bound to vfio-pci) or `emu:<file>` (the software
-//! controller over a regular file, created by `format --emu-create-bytes`; useful for tests and
-//! benchmarks on machines without a spare SSD). Devices are listed in pool order for `format`;
-//! `inspect` and `check` take them in any order.
+//! A device is `vfio:<PCI address>` (a function bound to vfio-pci) or `emu:<path>` (the software
+//! controller over a regular file, created by `format --emu-create-bytes`, or over a whole block
+//! device such as `/dev/nvme0n1`). Devices are listed in pool order for `format`; `inspect` and
+//! `check` take them in any order.
+//!
+//! `format` destroys what the devices hold. Every `emu:` block device is first opened
+//! exclusively (`O_EXCL`, tutti-devices' `BlockDeviceClaims`) and held so until the command ends:
+//! one that is mounted or otherwise in use is refused (status 2), and nothing can mount it
+//! meanwhile (`inspect` and `check` claim it too). A device whose first bytes are not a tutti
+//! superblock (a block device), or a non-empty file whose first MiB is neither a tutti superblock
+//! nor all zeroes, is refused, saying what was found, unless `--overwrite` is given; a tutti pool
+//! is reformatted without it.
 //!
 //! Every command first takes tuttid's lock on each device (tutti-devices' `DeviceLocks`: an
 //! exclusive `flock` on an `emu:` file, `LOCK_DIR/vfio-BDF.lock` for a `vfio:` function) and
@@ -14,6 +22,8 @@
 //! Exit status: 2 when the devices or options cannot be used (nothing is written), 1 when the
 //! pool is damaged (`check`, `inspect`) or a device fails, 0 otherwise.
 
+use std::fs::File;
+use std::os::unix::fs::FileExt;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
@@ -23,7 +33,10 @@ use objstore::format::Superblock;
 use objstore::pool::{format_uuid, read_superblock};
 use objstore::{format_pool, mapping_memory, FormatParams, ObjstoreError, Pool, PoolTarget};
 use tutti_cli::{outln, GeometryArgs};
-use tutti_devices::{format_size, open_pool_devices, parse_size, DeviceError, DeviceKind, DeviceLocks, DeviceSpec, DEFAULT_LOCK_DIR};
+use tutti_devices::{
+    format_size, open_pool_devices, parse_size, BlockDeviceClaims, BlockDeviceOpener, DeviceError, DeviceKind, DeviceLocks, DeviceSpec,
+    HostBlockDevices, DEFAULT_LOCK_DIR,
+};
 
 use crate::Unusable;
 
@@ -32,7 +45,8 @@ const POOL_DEVICE_KINDS: [DeviceKind; 2] = [DeviceKind::Vfio, DeviceKind::EmuFil
 
 #[derive(Args, Debug, Clone)]
 pub struct DeviceArgs {
-    /// A pool member: `vfio:0000:01:00.0` or `emu:/path/to/file`. Repeat for several devices.
+    /// A pool member: `vfio:0000:01:00.0`, `emu:/path/to/file` or `emu:/dev/BLOCKDEVICE` (the
+    /// whole device; refused while mounted or in use). Repeat for several devices.
     #[arg(long = "device", required = true, value_parser = parse_pool_device)]
     devices: Vec<DeviceSpec>,
     /// Namespace id on every device: 1..=4294967294 (0 is no namespace, 0xFFFFFFFF is the
@@ -54,6 +68,106 @@ pub struct DeviceArgs {
 /// it is left for opening to report.
 fn lock_devices(args: &DeviceArgs, specs: &[DeviceSpec], create_files: bool) -> Result<DeviceLocks> {
     DeviceLocks::acquire(specs, &args.lock_dir, create_files).map_err(|error| Unusable(error.to_string()).into())
+}
+
+/// Claims every `emu:` block device of `args` exclusively ([`BlockDeviceClaims`]), held until
+/// the value is dropped; one in use (mounted, swap, claimed) is unusable input.
+fn claim_block_devices(args: &DeviceArgs, opener: &dyn BlockDeviceOpener) -> Result<BlockDeviceClaims> {
+    BlockDeviceClaims::acquire(&args.devices, opener).map_err(|error| Unusable(error.to_string()).into())
+}
+
+/// Bytes read from the start of a device to tell what it holds: file systems keep their
+/// signatures within it (ext4 at 1 KiB, swap at 4 KiB, btrfs at 64 KiB, GPT at LBA 1).
+const PROBE_BYTES: usize = 1 << 20;
+
+/// Signatures at fixed offsets, named for the refusal; the first that matches is given (GPT
+/// before the MBR, since a GPT disk carries a protective MBR).
+const SIGNATURES: [(usize, &[u8], &str); 10] = [
+    (512, b"EFI PART", "a GPT partition table"),
+    (4096, b"EFI PART", "a GPT partition table"),
+    (0, b"XFSB", "an XFS file system"),
+    (0, b"LUKS\xba\xbe", "a LUKS encrypted volume"),
+    (512, b"LABELONE", "an LVM physical volume"),
+    (1080, &[0x53, 0xef], "an ext2/3/4 file system"),
+    (4086, b"SWAPSPACE2", "a swap area"),
+    (65536 + 64, b"_BHRfS_M", "a btrfs file system"),
+    (3, b"NTFS    ", "an NTFS file system"),
+    (510, &[0x55, 0xaa], "a DOS partition table or boot sector"),
+];
+
+/// What the first bytes of a device hold, for `format`: `None` when it may be formatted without
+/// `--overwrite` (a tutti pool, or blank where blank is enough), a description otherwise.
+fn foreign_contents(head: &[u8], blank_is_enough: bool) -> Option<String> {
+    if head.starts_with(&objstore::format::MAGIC) {
+        return None;
+    }
+    for (offset, signature, name) in SIGNATURES {
+        if head.get(offset..offset + signature.len()) == Some(signature) {
+            return Some(name.to_string());
+        }
+    }
+    match head.iter().position(|&byte| byte != 0) {
+        Some(first) => Some(format!("non-zero bytes (the first at byte {first})")),
+        None if blank_is_enough => None,
+        None => Some(format!(
+            "no tutti superblock (its first {} are zero, but a block device may hold data further on)",
+            format_size(head.len() as u64)
+        )),
+    }
+}
+
+/// Reads up to [`PROBE_BYTES`] from the start of `file` (less if it is shorter).
+fn read_head(file: &File) -> std::io::Result<Vec<u8>> {
+    let mut head = vec![0u8; PROBE_BYTES];
+    let mut filled = 0;
+    // Bounded: every pass reads at least one byte or ends the loop.
+    while filled < head.len() {
+        match file.read_at(&mut head[filled..], filled as u64) {
+            Ok(0) => break,
+            Ok(read) => filled += read,
+            Err(error) if error.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(error) => return Err(error),
+        }
+    }
+    head.truncate(filled);
+    Ok(head)
+}
+
+/// Refuses (unusable input) every `emu:` device of `args` that holds something other than a
+/// tutti pool, unless `overwrite`: block devices through their claimed descriptor, which must
+/// start with a tutti superblock; regular files that exist and are not empty, which may also be
+/// blank in their first MiB (a file made by `truncate` or by a crashed format holds nothing).
+fn refuse_foreign_contents(args: &DeviceArgs, claims: &BlockDeviceClaims, overwrite: bool) -> Result<()> {
+    if overwrite {
+        return Ok(());
+    }
+    for spec in &args.devices {
+        let DeviceSpec::EmuFile(path) = spec else { continue };
+        let opened;
+        let (file, blank_is_enough) = match claims.file(spec) {
+            Some(file) => (file, false),
+            None => {
+                opened = match File::open(path) {
+                    Ok(file) => file,
+                    // Missing: format creates it (or reports it); unreadable: opening reports it.
+                    Err(_) => continue,
+                };
+                (&opened, true)
+            }
+        };
+        let head = read_head(file).map_err(|error| Unusable(format!("{spec}: reading its first bytes to see what it holds: {error}")))?;
+        if head.is_empty() {
+            continue;
+        }
+        if let Some(found) = foreign_contents(&head, blank_is_enough) {
+            return Err(Unusable(format!(
+                "{spec} holds {found}: it is not a tutti pool, and formatting it destroys what is there; \
+                 give --overwrite to format it anyway"
+            ))
+            .into());
+        }
+    }
+    Ok(())
 }
 
 fn parse_pool_device(text: &str) -> Result<DeviceSpec, String> {
@@ -92,6 +206,12 @@ pub struct FormatArgs {
     /// Record a CRC32 of every slot's payload at commit.
     #[arg(long)]
     payload_crc: bool,
+    /// Format devices that hold something other than a tutti pool (a file system, a partition
+    /// table, any non-zero bytes in a file's first MiB; any block device that is not a tutti
+    /// pool): everything on them is lost. Not needed for a tutti pool, a missing, empty or
+    /// all-zero file.
+    #[arg(long)]
+    overwrite: bool,
 }
 
 #[derive(Args, Debug)]
@@ -208,6 +328,11 @@ fn describe(superblock: &Superblock) -> String {
 }
 
 pub fn run(command: &PoolCommand) -> Result<()> {
+    run_with(command, &HostBlockDevices)
+}
+
+/// [`run`] with `opener` answering for the block devices (tests give a fake).
+fn run_with(command: &PoolCommand, opener: &dyn BlockDeviceOpener) -> Result<()> {
     match command {
         PoolCommand::Format(args) => {
             let model = args.geometry.resolve(None).map_err(|error| Unusable(error.to_string()))?;
@@ -220,9 +345,12 @@ pub fn run(command: &PoolCommand) -> Result<()> {
             };
             let what = format!("formatting a pool for {model}");
             check_namespace(&args.devices)?;
+            // Block devices are claimed before anything is read or written, and held to the end.
+            let claims = claim_block_devices(&args.devices, opener)?;
             // Existing files are locked before anything is read or planned; the ones format is
             // to create, once nothing can refuse any more (a refusal leaves no file behind).
             let locks = lock_devices(&args.devices, &args.devices.devices, false)?;
+            refuse_foreign_contents(&args.devices, &claims, args.overwrite)?;
             if let Some(create_bytes) = args.emu_create_bytes {
                 plan_emu_files(&args.devices, create_bytes, &params).map_err(|error| classify(error, &what))?;
             }
@@ -245,6 +373,7 @@ pub fn run(command: &PoolCommand) -> Result<()> {
             Ok(())
         }
         PoolCommand::Inspect(args) => {
+            let _claims = claim_block_devices(args, opener)?;
             let _locks = lock_devices(args, &args.devices, false)?;
             let targets = open_targets(args, None)?;
             for ((position, target), spec) in targets.iter().enumerate().zip(&args.devices) {
@@ -272,6 +401,7 @@ pub fn run(command: &PoolCommand) -> Result<()> {
             Ok(())
         }
         PoolCommand::Check(args) => {
+            let _claims = claim_block_devices(&args.devices, opener)?;
             let _locks = lock_devices(&args.devices, &args.devices.devices, false)?;
             let (mut pool, report) =
                 Pool::open(open_targets(&args.devices, None)?, None).map_err(|error| classify(error, "opening the pool"))?;
@@ -307,5 +437,83 @@ pub fn run(command: &PoolCommand) -> Result<()> {
             }
             Ok(())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::Cell;
+    use std::path::{Path, PathBuf};
+
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(subcommand)]
+        command: PoolCommand,
+    }
+
+    fn command(arguments: &[&str]) -> PoolCommand {
+        Cli::try_parse_from(std::iter::once("pool").chain(arguments.iter().copied())).unwrap().command
+    }
+
+    /// Calls `path` a block device and answers EBUSY for it, as the kernel does for a mounted one.
+    struct BusyDevice {
+        path: PathBuf,
+        opens: Cell<usize>,
+    }
+
+    impl BlockDeviceOpener for BusyDevice {
+        fn is_block_device(&self, path: &Path) -> bool {
+            path == self.path
+        }
+
+        fn open_exclusive(&self, _path: &Path) -> std::io::Result<File> {
+            self.opens.set(self.opens.get() + 1);
+            Err(std::io::Error::from_raw_os_error(libc::EBUSY))
+        }
+    }
+
+    #[test]
+    fn a_block_device_in_use_is_refused_before_anything_is_written() {
+        // Goal: format (even with --overwrite and a size to grow to), inspect and check claim
+        // every emu: block device first; EBUSY is unusable input naming the device, and the
+        // device is neither written nor grown.
+        let directory = tempfile::tempdir().unwrap();
+        let path = directory.path().join("disk");
+        let bytes = vec![0xa5u8; 1 << 20];
+        std::fs::write(&path, &bytes).unwrap();
+        let device = format!("emu:{}", path.display());
+        let opener = BusyDevice { path: path.clone(), opens: Cell::new(0) };
+        let runs = [
+            vec!["format", "--device", &device, "--model", "llama3-8b", "--overwrite", "--emu-create-bytes", "64m"],
+            vec!["inspect", "--device", &device],
+            vec!["check", "--device", &device],
+        ];
+        for (count, arguments) in runs.iter().enumerate() {
+            let error = run_with(&command(arguments), &opener).unwrap_err();
+            let unusable = error.downcast_ref::<Unusable>().unwrap_or_else(|| panic!("{arguments:?}: not status 2: {error:#}"));
+            assert!(unusable.0.contains(&device) && unusable.0.contains("in use"), "{}", unusable.0);
+            assert_eq!(opener.opens.get(), count + 1, "{arguments:?}: claimed once");
+        }
+        assert!(std::fs::read(&path).unwrap() == bytes, "a refused command wrote to the device");
+    }
+
+    #[test]
+    fn what_a_device_holds_is_named() {
+        // Goal: the refusal says what is there; a tutti pool, and a blank file, are not foreign.
+        let mut head = vec![0u8; 8192];
+        assert_eq!(foreign_contents(&head, true), None);
+        assert!(foreign_contents(&head, false).unwrap().contains("no tutti superblock"));
+        head[1080..1082].copy_from_slice(&[0x53, 0xef]);
+        assert_eq!(foreign_contents(&head, true).as_deref(), Some("an ext2/3/4 file system"));
+        head[510..512].copy_from_slice(&[0x55, 0xaa]);
+        head[512..520].copy_from_slice(b"EFI PART");
+        assert_eq!(foreign_contents(&head, true).as_deref(), Some("a GPT partition table"));
+        head[..8].copy_from_slice(&objstore::format::MAGIC);
+        assert_eq!(foreign_contents(&head, false), None);
+        assert_eq!(foreign_contents(&[0, 0, 7], true).as_deref(), Some("non-zero bytes (the first at byte 2)"));
     }
 }

@@ -284,3 +284,120 @@ fn a_pool_held_by_another_process_is_refused_naming_the_holder() {
     assert_status(&tutti(&["pool", "check", "--device", &device]), 0, &[]);
     assert_status(&tutti(&["pool", "format", "--device", &device, "--model", "llama3-8b"]), 0, &[]);
 }
+
+#[test]
+fn a_file_holding_something_else_is_formatted_only_with_overwrite() {
+    // Goal: `pool format` destroys what the device holds (LBA 0 first). An existing file whose
+    // first bytes are neither a tutti pool nor blank is refused (status 2, saying what is there,
+    // the file unchanged) unless --overwrite is given; a tutti pool is reformatted without it,
+    // as before, and so is a blank (all-zero) file.
+    let directory = tempfile::tempdir().unwrap();
+    let path = directory.path().join("data.img");
+    let mut bytes: Vec<u8> = (0..(64u32 << 20)).map(|i| (i % 251) as u8).collect();
+    bytes[510] = 0x55;
+    bytes[511] = 0xAA;
+    std::fs::write(&path, &bytes).unwrap();
+    let device = device(&path);
+    assert_status(
+        &tutti(&["pool", "format", "--device", &device, "--model", "llama3-8b"]),
+        2,
+        &["is not a tutti pool", "partition table", "--overwrite"],
+    );
+    assert!(std::fs::read(&path).unwrap() == bytes, "a refused format wrote to the file");
+    let arbitrary = directory.path().join("arbitrary.img");
+    bytes[510] = 1;
+    std::fs::write(&arbitrary, &bytes).unwrap();
+    let arbitrary = format!("emu:{}", arbitrary.display());
+    assert_status(&tutti(&["pool", "format", "--device", &arbitrary, "--model", "llama3-8b"]), 2, &["non-zero bytes", "--overwrite"]);
+    assert_status(&tutti(&["pool", "format", "--device", &device, "--model", "llama3-8b", "--overwrite"]), 0, &[]);
+    assert_status(&tutti(&["pool", "check", "--device", &device]), 0, &[]);
+    // Now a tutti pool: reformatting needs no flag.
+    assert_status(&tutti(&["pool", "format", "--device", &device, "--model", "llama3-8b"]), 0, &[]);
+}
+
+/// A loop device over a file, detached (and its file system unmounted) when dropped.
+struct LoopDevice {
+    node: String,
+    mount_point: Option<std::path::PathBuf>,
+}
+
+impl LoopDevice {
+    /// `None` with the reason printed where this host cannot make one (not root, no losetup).
+    fn attach(image: &Path) -> Option<LoopDevice> {
+        // SAFETY: geteuid has no preconditions and touches no memory.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("skipped: not root, so no loop device can be attached");
+            return None;
+        }
+        let output = Command::new("losetup").args(["--find", "--show"]).arg(image).output();
+        match output {
+            Ok(output) if output.status.success() => {
+                Some(LoopDevice { node: String::from_utf8_lossy(&output.stdout).trim().to_string(), mount_point: None })
+            }
+            Ok(output) => {
+                eprintln!("skipped: losetup --find --show failed: {}", String::from_utf8_lossy(&output.stderr));
+                None
+            }
+            Err(error) => {
+                eprintln!("skipped: losetup cannot run: {error}");
+                None
+            }
+        }
+    }
+
+    fn unmount(&mut self) {
+        if let Some(point) = self.mount_point.take() {
+            let status = Command::new("umount").arg(&point).status().unwrap();
+            assert!(status.success(), "umount {}", point.display());
+        }
+    }
+}
+
+impl Drop for LoopDevice {
+    fn drop(&mut self) {
+        if let Some(point) = self.mount_point.take() {
+            let _ = Command::new("umount").arg(&point).status();
+        }
+        let _ = Command::new("losetup").arg("-d").arg(&self.node).status();
+    }
+}
+
+#[test]
+fn a_mounted_block_device_is_refused_as_in_use() {
+    // Goal: `emu:` also takes a block device (docs/vllm.md's pool is emu:/dev/nvme0n1), and
+    // kernel NVMe names can swap between boots: format on a mounted disk is refused as in use
+    // (an exclusive open fails with EBUSY), even with --overwrite, before anything is written.
+    // Unmounted, the ext4 file system there is named and needs --overwrite; then the pool works.
+    // Needs root, losetup and mkfs.ext4 (skipped, saying why, otherwise).
+    let directory = tempfile::tempdir().unwrap();
+    let image = directory.path().join("disk.img");
+    std::fs::File::create(&image).unwrap().set_len(64 << 20).unwrap();
+    let Some(mut disk) = LoopDevice::attach(&image) else { return };
+    match Command::new("mkfs.ext4").args(["-q", "-F"]).arg(&disk.node).output() {
+        Ok(output) if output.status.success() => {}
+        other => {
+            eprintln!("skipped: mkfs.ext4 {} failed: {other:?}", disk.node);
+            return;
+        }
+    }
+    let point = directory.path().join("mnt");
+    std::fs::create_dir(&point).unwrap();
+    match Command::new("mount").arg(&disk.node).arg(&point).output() {
+        Ok(output) if output.status.success() => disk.mount_point = Some(point.clone()),
+        other => {
+            eprintln!("skipped: mount {} failed: {other:?}", disk.node);
+            return;
+        }
+    }
+    std::fs::write(point.join("keep.txt"), b"user data").unwrap();
+    let before = std::fs::read(&image).unwrap()[..4096].to_vec();
+    let device = format!("emu:{}", disk.node);
+    assert_status(&tutti(&["pool", "format", "--device", &device, "--model", "llama3-8b", "--overwrite"]), 2, &[&disk.node, "in use"]);
+    assert_status(&tutti(&["pool", "check", "--device", &device]), 2, &["in use"]);
+    assert!(std::fs::read(&image).unwrap()[..4096] == before[..], "a refused format wrote to the disk");
+    assert_eq!(std::fs::read(point.join("keep.txt")).unwrap(), b"user data");
+    disk.unmount();
+    assert_status(&tutti(&["pool", "format", "--device", &device, "--model", "llama3-8b"]), 2, &["ext2/3/4", "--overwrite"]);
+    assert_status(&tutti(&["pool", "format", "--device", &device, "--model", "llama3-8b", "--overwrite"]), 0, &[]);
+    assert_status(&tutti(&["pool", "check", "--device", &device]), 0, &[]);
+}
