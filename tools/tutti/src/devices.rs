@@ -128,7 +128,7 @@ fn readiness(
     if driver == Some(VFIO_PCI_DRIVER) {
         return Ok(Readiness::Ready);
     }
-    let uses = system.uses_of(block_devices)?;
+    let (uses, _claims) = system.uses_of(block_devices)?;
     if !uses.is_empty() {
         let list: Vec<String> = uses.iter().map(|(device, how)| format!("{device} {how}")).collect();
         return Ok(Readiness::Blocked(format!("in use: {}", list.join(", "))));
@@ -216,7 +216,9 @@ pub fn bind(system: &System, address: PciAddress, overrides: Overrides) -> Resul
     if system.sysfs.iommu_group(address)?.is_none() {
         bail!("{address} has no IOMMU group: enable VT-d/AMD-Vi in firmware and boot with intel_iommu=on or amd_iommu=on");
     }
-    let uses = system.uses_of(&system.block_devices(address))?;
+    // The exclusive opens stay held until the old driver has let go of the function, so that
+    // nothing mounts one of its disks between this check and the unbind.
+    let (uses, claims) = system.uses_of(&system.block_devices(address))?;
     if !uses.is_empty() && !overrides.in_use {
         let list: Vec<String> = uses.iter().map(|(device, how)| format!("/dev/{device} {how}")).collect();
         bail!("{address} is in use: {}; unmount first, or pass --force to take it away from the kernel anyway", list.join(", "));
@@ -233,6 +235,7 @@ pub fn bind(system: &System, address: PciAddress, overrides: Overrides) -> Resul
             .wait_for_driver(address, DRIVER_CHANGE_TIMEOUT, |driver| driver == Some(VFIO_PCI_DRIVER))
             .with_context(|| format!("vfio-pci did not take {address}"))
     })();
+    drop(claims);
     match moved {
         Ok(_) => Ok(BindOutcome::Bound { previous_driver }),
         Err(error) => Err(roll_back_bind(system, address, previous_driver.as_deref(), error)),

@@ -4,11 +4,12 @@
 use std::os::unix::fs::symlink;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::*;
+use crate::system::ExclusiveHandle;
 
 struct FakeHost {
     _temp: tempfile::TempDir,
@@ -34,15 +35,58 @@ impl FakeHost {
     }
 
     /// The fake host; its block device nodes are files under `dev/` that answer an exclusive
-    /// open with EBUSY when they hold `EBUSY` ([`FakeHost::claim`]), and are free otherwise (a
-    /// missing node included), so no test opens the real /dev.
+    /// open with EBUSY when they hold `EBUSY` ([`FakeHost::claim`]), open as that block device
+    /// when they hold its `major:minor` ([`FakeHost::node`]), and as something else otherwise;
+    /// a missing node is not found. No test opens the real /dev.
     fn system(&self) -> System {
+        self.system_logging(None).0
+    }
+
+    /// [`FakeHost::system`] whose exclusive opens log `open <node> (driver <d>)` and, when their
+    /// handle drops, `close <node> (driver <d>)`, `<d>` being the driver of `function` then.
+    fn system_logging(&self, function: Option<&str>) -> (System, Arc<Mutex<Vec<String>>>) {
         let dev = self.proc.with_file_name("dev");
-        let exclusive_open = |path: &Path| match std::fs::read_to_string(path) {
-            Ok(text) if text == "EBUSY" => Err(std::io::Error::from_raw_os_error(libc::EBUSY)),
-            _ => Ok(()),
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let driver_link = function.map(|function| self.sys.join("bus/pci/devices").join(function).join("driver"));
+        let driver_now = move || {
+            let target = driver_link.as_ref().and_then(|link| std::fs::read_link(link).ok());
+            target.map_or("none".to_string(), |target| target.file_name().unwrap().to_string_lossy().into_owned())
         };
-        System::with_exclusive_open(self.sys.clone(), self.proc.clone(), dev, Box::new(exclusive_open))
+        let opens_log = Arc::clone(&log);
+        // As the kernel does, an exclusive open of a partition fails while its whole disk is
+        // held exclusively (by another open file: each is its own holder).
+        let held = Arc::new(Mutex::new(Vec::<String>::new()));
+        let exclusive_open = move |path: &Path| {
+            let text = std::fs::read_to_string(path)?;
+            let node = path.file_name().unwrap().to_string_lossy().into_owned();
+            let disk_held = held.lock().unwrap().iter().any(|disk| node.starts_with(disk.as_str()) && node != *disk);
+            if text == "EBUSY" || disk_held {
+                return Err(std::io::Error::from_raw_os_error(libc::EBUSY));
+            }
+            held.lock().unwrap().push(node.clone());
+            opens_log.lock().unwrap().push(format!("open {node} (driver {})", driver_now()));
+            let device_number = text.contains(':').then(|| text.trim().to_string());
+            let closed = LogOnDrop {
+                log: Arc::clone(&opens_log),
+                line: Box::new({
+                    let driver_now = driver_now.clone();
+                    let held = Arc::clone(&held);
+                    move || {
+                        held.lock().unwrap().retain(|disk| *disk != node);
+                        format!("close {node} (driver {})", driver_now())
+                    }
+                }),
+            };
+            Ok(ExclusiveHandle::new(device_number, Box::new(closed)))
+        };
+        (System::with_exclusive_open(self.sys.clone(), self.proc.clone(), dev, Box::new(exclusive_open)), log)
+    }
+
+    /// Makes `/dev/<device>` a node of block device `major_minor`, free for an exclusive open.
+    fn node(&self, device: &str, major_minor: &str) {
+        let dev = self.proc.with_file_name("dev");
+        std::fs::create_dir_all(&dev).unwrap();
+        std::fs::write(dev.join(device), major_minor).unwrap();
     }
 
     /// Makes `/dev/<device>` busy for an exclusive open, as a claim /proc/mounts does not show
@@ -75,7 +119,9 @@ impl FakeHost {
             std::fs::write(controller.join("model"), "QEMU NVMe Ctrl                          \n").unwrap();
             for namespace in 1..=namespaces {
                 let name = format!("nvme{index}n{namespace}");
-                std::fs::create_dir_all(controller.join(&name).join(format!("{name}p1"))).unwrap();
+                let minor = (index * 16 + namespace) * 2;
+                self.block(&controller.join(&name), &name, &format!("259:{minor}"));
+                self.block(&controller.join(&name).join(format!("{name}p1")), &format!("{name}p1"), &format!("259:{}", minor + 1));
             }
         }
         dir
@@ -131,6 +177,19 @@ impl FakeHost {
             }
         });
         FakeKernel { stop, handle: Some(handle) }
+    }
+}
+
+/// Logs a line when dropped (a fake exclusive open being closed).
+struct LogOnDrop {
+    log: Arc<Mutex<Vec<String>>>,
+    line: Box<dyn Fn() -> String + Send + Sync>,
+}
+
+impl Drop for LogOnDrop {
+    fn drop(&mut self) {
+        let line = (self.line)();
+        self.log.lock().unwrap().push(line);
     }
 }
 
@@ -422,5 +481,44 @@ fn bind_sees_the_partitions_of_a_multipath_head_disk() {
     assert_eq!(system.block_devices(at("0000:00:04.0")).into_iter().collect::<Vec<_>>(), ["nvme0n1", "nvme0n1p1"]);
     let error = bind(&system, at("0000:00:04.0"), Overrides::default()).unwrap_err().to_string();
     assert!(error.contains("/dev/nvme0n1p1 mounted on /data"), "{error}");
+    assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("nvme"), "nothing changed");
+}
+
+#[test]
+fn bind_holds_the_exclusive_opens_until_the_old_driver_let_go() {
+    // Goal: nothing can mount a disk between the in-use check and the unbind: the O_EXCL opens
+    // of the check stay open until nvme has let go of the function (closed only once vfio-pci
+    // holds it).
+    let host = FakeHost::new();
+    host.add("0000:00:04.0", 0x010802, Some("nvme"), 3, 0, 1);
+    host.node("nvme0n1", "259:2");
+    host.node("nvme0n1p1", "259:3");
+    let (system, log) = host.system_logging(Some("0000:00:04.0"));
+    let _kernel = host.kernel();
+    bind(&system, at("0000:00:04.0"), Overrides::default()).unwrap();
+    let log = log.lock().unwrap().clone();
+    assert_eq!(
+        log,
+        [
+            "open nvme0n1p1 (driver nvme)",
+            "open nvme0n1 (driver nvme)",
+            "close nvme0n1p1 (driver vfio-pci)",
+            "close nvme0n1 (driver vfio-pci)"
+        ]
+    );
+}
+
+#[test]
+fn bind_refuses_a_node_that_is_not_the_disk_it_names() {
+    // Goal: an exclusive open proves nothing when /dev/<name> is some other device (a stale or
+    // hand-made node): its device number must be the one sysfs gives, or bind refuses, naming
+    // both.
+    let host = FakeHost::new();
+    host.add("0000:00:04.0", 0x010802, Some("nvme"), 3, 0, 1);
+    host.node("nvme0n1", "8:0");
+    let system = host.system();
+    let _kernel = host.kernel();
+    let error = bind(&system, at("0000:00:04.0"), Overrides::default()).unwrap_err().to_string();
+    assert!(error.contains("/dev/nvme0n1 is not the disk of that name: the node is device 8:0, sysfs gives 259:2"), "{error}");
     assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("nvme"), "nothing changed");
 }

@@ -13,10 +13,28 @@ use nvme_driver::hw::vfio::{PciAddress, PciSysfs};
 /// PCI class code of an NVM Express controller (mass storage / NVM / NVMe).
 pub const NVME_CLASS: u32 = 0x010802;
 
-/// Opens a block device node for reading with `O_EXCL` and closes it again: the kernel answers
-/// `EBUSY` while anything claims the device (a mount, a ZFS vdev, any member of a btrfs
-/// filesystem, md, device-mapper, swap), also claims /proc/mounts does not name.
-pub type ExclusiveOpen = Box<dyn Fn(&Path) -> std::io::Result<()> + Send + Sync>;
+/// Opens a block device node for reading with `O_EXCL`: the kernel answers `EBUSY` while
+/// anything claims the device (a mount, a ZFS vdev, any member of a btrfs filesystem, md,
+/// device-mapper, swap), also claims /proc/mounts does not name. While the returned handle lives
+/// the claim is ours, so nothing else can mount the device in the meantime.
+pub type ExclusiveOpen = Box<dyn Fn(&Path) -> std::io::Result<ExclusiveHandle> + Send + Sync>;
+
+/// An exclusive open that succeeded: the device number of the node opened, and the open file
+/// (dropping the handle closes it and ends the claim).
+pub struct ExclusiveHandle {
+    /// `major:minor` as sysfs writes it; None when the node is not a block device.
+    pub device_number: Option<String>,
+    _open: Box<dyn Send + Sync>,
+}
+
+impl ExclusiveHandle {
+    pub fn new(device_number: Option<String>, open: Box<dyn Send + Sync>) -> Self {
+        Self { device_number, _open: open }
+    }
+}
+
+/// Exclusive claims on block devices, held until dropped.
+pub type ExclusiveClaims = Vec<ExclusiveHandle>;
 
 pub struct System {
     pub sysfs: PciSysfs,
@@ -121,8 +139,10 @@ impl System {
 
     /// Mount points, swap areas, stacked devices and other exclusive claims (an open with
     /// `O_EXCL` that the kernel answers with EBUSY) on the given block devices, as
-    /// `(device, use)`.
-    pub fn uses_of(&self, block_devices: &BTreeSet<String>) -> Result<Vec<(String, BlockDeviceUse)>> {
+    /// `(device, use)`, and the exclusive opens that succeeded: while they are held nothing else
+    /// can claim (mount) those devices. A node whose device number is not the one sysfs gives
+    /// for its name is reported as a use: it proves nothing about the disk.
+    pub fn uses_of(&self, block_devices: &BTreeSet<String>) -> Result<(Vec<(String, BlockDeviceUse)>, ExclusiveClaims)> {
         let mut uses = Vec::new();
         let mounts_path = self.proc_root.join("mounts");
         let mounts = std::fs::read_to_string(&mounts_path).with_context(|| format!("reading {}", mounts_path.display()))?;
@@ -150,19 +170,38 @@ impl System {
             }
         }
         // Claims none of the above shows (a ZFS vdev, the btrfs members /proc/mounts does not
-        // name): the kernel refuses an exclusive open with EBUSY. Any other answer (no node, not
-        // root) says nothing either way; the checks above stand.
-        for name in block_devices {
+        // name): the kernel refuses an exclusive open with EBUSY. Any other error (no node, not
+        // root) says nothing either way; the checks above stand. An open that succeeds is kept.
+        let mut claims = ExclusiveClaims::new();
+        // Partitions before their disk: while we hold the whole disk exclusively the kernel
+        // refuses an exclusive open of its partitions (EBUSY), not the other way round. A
+        // partition's name is its disk's name and more, so longest first does it.
+        let mut by_length: Vec<&String> = block_devices.iter().collect();
+        by_length.sort_by_key(|name| std::cmp::Reverse(name.len()));
+        for name in by_length {
             if uses.iter().any(|(used, _)| used == name) {
                 continue;
             }
-            if let Err(error) = (self.exclusive_open)(&self.dev_root.join(name)) {
-                if error.raw_os_error() == Some(libc::EBUSY) {
-                    uses.push((name.clone(), BlockDeviceUse::ExclusiveClaim));
+            match (self.exclusive_open)(&self.dev_root.join(name)) {
+                Ok(handle) => {
+                    let sysfs_dev = self.sysfs_root().join("class/block").join(name).join("dev");
+                    let expected = std::fs::read_to_string(&sysfs_dev).map(|text| text.trim().to_string()).ok();
+                    if expected.is_none() || handle.device_number != expected {
+                        uses.push((
+                            name.clone(),
+                            BlockDeviceUse::OtherNode {
+                                node: handle.device_number.clone().unwrap_or_else(|| "not a block device".into()),
+                                sysfs: expected.unwrap_or_else(|| format!("unreadable ({})", sysfs_dev.display())),
+                            },
+                        ));
+                    }
+                    claims.push(handle);
                 }
+                Err(error) if error.raw_os_error() == Some(libc::EBUSY) => uses.push((name.clone(), BlockDeviceUse::ExclusiveClaim)),
+                Err(_) => {}
             }
         }
-        Ok(uses)
+        Ok((uses, claims))
     }
 
     /// Every process with an open file descriptor that `holds` accepts, given the descriptor's
@@ -253,6 +292,9 @@ pub enum BlockDeviceUse {
     Swap,
     /// None of the above, but an `O_EXCL` open is refused with EBUSY.
     ExclusiveClaim,
+    /// The node `/dev/<name>` is device `node`, sysfs says the disk is `sysfs`: what the node
+    /// shows says nothing about the disk.
+    OtherNode { node: String, sysfs: String },
 }
 
 impl std::fmt::Display for BlockDeviceUse {
@@ -264,14 +306,24 @@ impl std::fmt::Display for BlockDeviceUse {
             Self::ExclusiveClaim => f.write_str(
                 "claimed exclusively by another opener (an O_EXCL open fails with EBUSY: e.g. a ZFS pool or a btrfs filesystem)",
             ),
+            Self::OtherNode { node, sysfs } => {
+                write!(f, "is not the disk of that name: the node is device {node}, sysfs gives {sysfs}, so its use cannot be checked")
+            }
         }
     }
 }
 
-/// The real [`ExclusiveOpen`]: `open(path, O_RDONLY | O_EXCL)`, closed when the file drops.
-fn open_exclusive(path: &Path) -> std::io::Result<()> {
-    use std::os::unix::fs::OpenOptionsExt;
-    std::fs::OpenOptions::new().read(true).custom_flags(libc::O_EXCL).open(path).map(drop)
+/// The real [`ExclusiveOpen`]: `open(path, O_RDONLY | O_EXCL)`, kept open in the handle, with
+/// the device number of what was opened (fstat, so it is the node opened, not one swapped in).
+fn open_exclusive(path: &Path) -> std::io::Result<ExclusiveHandle> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
+    let file = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_EXCL).open(path)?;
+    let metadata = file.metadata()?;
+    let device_number = metadata.file_type().is_block_device().then(|| {
+        let rdev = metadata.rdev();
+        format!("{}:{}", libc::major(rdev), libc::minor(rdev))
+    });
+    Ok(ExclusiveHandle::new(device_number, Box::new(file)))
 }
 
 /// Names of the entries of a directory; empty when it does not exist or cannot be read.
