@@ -2,31 +2,52 @@
 //! device before the devices are opened and holds it for its life (`tutti pool` takes the same
 //! lock, so neither runs under the other). This adapter keeps the daemon's own errors: a second
 //! daemon is refused as [`DaemonError::DeviceInUse`], naming the holder.
+//!
+//! An `emu:` device that is a block device (the software controller over a whole disk) is also
+//! claimed exclusively ([`tutti_devices::claim`], `O_EXCL`) for the daemon's life, as `tutti pool`
+//! claims it: a disk that is mounted, used as swap or held by device-mapper/MD is refused before
+//! tuttid writes to it (a `--format` included), and while tuttid serves it nothing can mount it.
 
 use std::path::Path;
 
-use tutti_devices::{DeviceError, DeviceSpec};
+use tutti_devices::{BlockDeviceClaims, BlockDeviceOpener, DeviceError, DeviceSpec, HostBlockDevices};
 
 pub use tutti_devices::lock::{holder_of, lists_flock_exactly};
 
 use crate::DaemonError;
 
-/// Held locks; dropping releases them.
+/// Held locks and block-device claims; dropping releases them.
 #[derive(Debug, Default)]
-pub struct DeviceLocks(tutti_devices::DeviceLocks);
+pub struct DeviceLocks {
+    locks: tutti_devices::DeviceLocks,
+    _claims: BlockDeviceClaims,
+}
 
 impl DeviceLocks {
-    /// [`tutti_devices::DeviceLocks::acquire`], its errors as the daemon's.
+    /// [`tutti_devices::DeviceLocks::acquire`] and the claims of the block devices among
+    /// `specs`, their errors as the daemon's.
     pub fn acquire(specs: &[DeviceSpec], lock_dir: &Path, create_files: bool) -> Result<DeviceLocks, DaemonError> {
-        tutti_devices::DeviceLocks::acquire(specs, lock_dir, create_files).map(DeviceLocks).map_err(|error| match error {
+        Self::acquire_with(specs, lock_dir, create_files, &HostBlockDevices)
+    }
+
+    fn acquire_with(
+        specs: &[DeviceSpec],
+        lock_dir: &Path,
+        create_files: bool,
+        opener: &dyn BlockDeviceOpener,
+    ) -> Result<DeviceLocks, DaemonError> {
+        let daemon_error = |error| match error {
             DeviceError::DeviceInUse { spec, lock, holder } => DaemonError::DeviceInUse { spec, lock, holder },
             DeviceError::Io { context, source } => DaemonError::Io { context, source },
             error => DaemonError::Devices(error),
-        })
+        };
+        let locks = tutti_devices::DeviceLocks::acquire(specs, lock_dir, create_files).map_err(daemon_error)?;
+        let claims = BlockDeviceClaims::acquire(specs, opener).map_err(daemon_error)?;
+        Ok(DeviceLocks { locks, _claims: claims })
     }
 
     pub fn paths(&self) -> impl Iterator<Item = &Path> {
-        self.0.paths()
+        self.locks.paths()
     }
 }
 
@@ -49,5 +70,43 @@ mod tests {
         assert!(error.to_string().contains("is in use by another daemon"), "{error}");
         drop(first);
         DeviceLocks::acquire(&[spec], directory.path(), false).expect("free again once the holder let go");
+    }
+
+    /// Answers for the kernel: `block` is a block device, busy (mounted) or not.
+    struct FakeDisk {
+        block: std::path::PathBuf,
+        busy: bool,
+    }
+
+    impl BlockDeviceOpener for FakeDisk {
+        fn is_block_device(&self, path: &Path) -> bool {
+            path == self.block
+        }
+
+        fn open_exclusive(&self, path: &Path) -> std::io::Result<std::fs::File> {
+            if self.busy {
+                return Err(std::io::Error::from_raw_os_error(nix::libc::EBUSY));
+            }
+            std::fs::File::open(path)
+        }
+    }
+
+    #[test]
+    fn a_block_device_in_use_is_refused_before_the_daemon_opens_it() {
+        // Goal: `tuttid --device emu:/dev/…` (with or without --format) over a disk that is
+        // mounted, swap or held is refused naming it, before anything opens or writes it; a free
+        // disk is claimed and held with the lock.
+        let directory = tempfile::tempdir().unwrap();
+        let disk = directory.path().join("disk");
+        std::fs::write(&disk, [0u8; 4096]).unwrap();
+        let spec = DeviceSpec::EmuFile(disk.clone());
+        let busy = FakeDisk { block: disk.clone(), busy: true };
+        let error = DeviceLocks::acquire_with(std::slice::from_ref(&spec), directory.path(), false, &busy).unwrap_err();
+        assert!(matches!(error, DaemonError::Devices(DeviceError::BlockDeviceInUse { .. })), "{error}");
+        assert!(error.to_string().contains("in use"), "{error}");
+        // The lock taken before the claim was let go with the refusal.
+        let free = FakeDisk { block: disk, busy: false };
+        let held = DeviceLocks::acquire_with(std::slice::from_ref(&spec), directory.path(), false, &free).unwrap();
+        assert_eq!(held._claims.len(), 1);
     }
 }
