@@ -53,7 +53,8 @@ pub struct UnbindArgs {
 /// Whether VFIO can take a function, and what stands in the way.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Readiness {
-    /// Bound to vfio-pci; the group's device node exists.
+    /// Bound to vfio-pci, its IOMMU group holding nothing bound elsewhere (the group's device
+    /// node `/dev/vfio/<group>` is not checked here).
     Ready,
     /// `tutti bind` would make it ready.
     Bindable,
@@ -163,7 +164,15 @@ pub fn run_devices(system: &System, _args: &DevicesArgs) -> Result<()> {
     }
     outln!("{:<13} {:<9} {:<28} {:<9} {:<5} {:<16} VFIO", "ADDRESS", "ID", "MODEL", "DRIVER", "GROUP", "BLOCK")?;
     for address in functions {
-        let report = inspect(system, address).with_context(|| format!("inspecting {address}"))?;
+        // One function the kernel describes oddly (a strange iommu_group link, an unreadable
+        // vendor) is noted and skipped; the others are still listed.
+        let report = match inspect(system, address) {
+            Ok(report) => report,
+            Err(error) => {
+                eprintln!("note: {address} skipped: {error:#}");
+                continue;
+            }
+        };
         let block = if report.block_devices.is_empty() { "-".to_string() } else { report.block_devices.join(",") };
         outln!(
             "{:<13} {:04x}:{:04x} {:<28} {:<9} {:<5} {:<16} {}",
@@ -280,14 +289,19 @@ pub fn run_bind(system: &System, args: &BindArgs) -> Result<()> {
         BindOutcome::AlreadyBound => outln!("{address} is already bound to vfio-pci")?,
         BindOutcome::Bound { previous_driver } => outln!("{address}: {} -> vfio-pci", previous_driver.as_deref().unwrap_or("(no driver)"))?,
     }
-    if let Some(group) = system.sysfs.iommu_group(address)? {
-        let blockers = system.sysfs.group_blockers(group, address)?;
-        if !blockers.is_empty() {
-            eprintln!(
-                "warning: IOMMU group {group} also holds {}: VFIO will refuse the group until they are bound too",
-                describe_blockers(&blockers)
-            );
-        }
+    // The function is bound by now: what follows is advice, and failing to read it is a warning
+    // (exit 0), not a failed bind.
+    let blockers = system.sysfs.iommu_group(address).map_err(anyhow::Error::from).and_then(|group| match group {
+        Some(group) => Ok(Some((group, system.sysfs.group_blockers(group, address)?))),
+        None => Ok(None),
+    });
+    match blockers {
+        Ok(Some((group, blockers))) if !blockers.is_empty() => eprintln!(
+            "warning: IOMMU group {group} also holds {}: VFIO will refuse the group until they are bound too",
+            describe_blockers(&blockers)
+        ),
+        Ok(_) => {}
+        Err(error) => eprintln!("warning: {address} is bound to vfio-pci, but its IOMMU group could not be checked: {error:#}"),
     }
     Ok(())
 }

@@ -522,3 +522,22 @@ fn bind_refuses_a_node_that_is_not_the_disk_it_names() {
     assert!(error.contains("/dev/nvme0n1 is not the disk of that name: the node is device 8:0, sysfs gives 259:2"), "{error}");
     assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("nvme"), "nothing changed");
 }
+
+#[test]
+fn one_odd_function_neither_hides_the_others_nor_fails_a_done_bind() {
+    // Goal: `tutti devices` lists every function it can read, noting the one it cannot (an odd
+    // iommu_group link, an unreadable vendor), instead of stopping there; and a function that
+    // is bound to vfio-pci is reported so (exit 0) even if its group cannot be read afterwards.
+    let host = FakeHost::new();
+    host.add("0000:00:04.0", 0x010802, Some("nvme"), 3, 0, 1);
+    let odd = host.add("0000:00:05.0", 0x010802, Some("vfio-pci"), 4, 1, 0);
+    std::fs::remove_file(odd.join("iommu_group")).unwrap();
+    symlink(host.sys.join("kernel/iommu_groups/not-a-number"), odd.join("iommu_group")).unwrap();
+    let unreadable = host.add("0000:00:06.0", 0x010802, Some("nvme"), 5, 2, 0);
+    std::fs::remove_file(unreadable.join("vendor")).unwrap();
+    let system = host.system();
+    run_devices(&system, &DevicesArgs {}).unwrap();
+
+    let args = BindArgs { address: "0000:00:05.0".into(), force: false, not_nvme: false };
+    run_bind(&system, &args).unwrap();
+}
