@@ -43,13 +43,13 @@ pub struct BlockDeviceClaims {
 }
 
 impl BlockDeviceClaims {
-    /// Claims every `emu:` spec that names a block device, in order; the first that cannot be
+    /// Claims every `emu:` or `uring:` spec that names a block device, in order; the first that cannot be
     /// claimed is refused ([`DeviceError::BlockDeviceInUse`] for `EBUSY`), releasing the rest.
     /// Other specs (regular files, memory, `vfio:`) are not touched.
     pub fn acquire(specs: &[DeviceSpec], opener: &dyn BlockDeviceOpener) -> Result<BlockDeviceClaims, DeviceError> {
         let mut claims = BlockDeviceClaims::default();
         for spec in specs {
-            let DeviceSpec::EmuFile(path) = spec else { continue };
+            let (DeviceSpec::EmuFile(path) | DeviceSpec::Uring(path)) = spec else { continue };
             if !opener.is_block_device(path) {
                 continue;
             }

@@ -157,7 +157,7 @@ pub fn run(cli: &Cli) -> anyhow::Result<()> {
         }
     }
     let create_bytes = (plan.pool == PoolMode::Format).then(|| plan.pool_bytes_per_device(1));
-    crate::run::with_devices(cli, create_bytes, false, |specs, created| run_plan(specs, &plan, cli.output_format, created))
+    crate::run::with_devices(cli, create_bytes, false, true, |specs, created| run_plan(specs, &plan, cli.output_format, created))
 }
 
 pub(crate) fn check_plan(plan: &KvPlan) -> anyhow::Result<()> {

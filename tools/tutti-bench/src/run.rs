@@ -16,6 +16,7 @@ use crate::progress::with_progress;
 use crate::report::{phase_json, phase_text, PhaseResult};
 use crate::workloads::{run_phase, PhasePlan, Progress, VerifyMode};
 use crate::{usage, Unusable};
+use tutti_devices::{BlockDeviceClaims, HostBlockDevices};
 
 /// Largest pool file the default run creates, and the share of the free space it may take.
 const DEFAULT_POOL_BYTES_MAX: u64 = 1 << 30;
@@ -64,7 +65,7 @@ pub fn run(cli: &Cli, selected: Selected, matches: &ArgMatches) -> anyhow::Resul
             validate_raw(cli)?;
             let end_bytes = cli.size.map(|size| region_end(cli.offset, size)).transpose()?;
             let lay_out = !raw_writes(cli);
-            with_devices(cli, end_bytes, lay_out, |devices, created| run_raw(cli, devices, created))
+            with_devices(cli, end_bytes, lay_out, raw_writes(cli), |devices, created| run_raw(cli, devices, created))
         }
     }
 }
@@ -94,6 +95,7 @@ pub fn with_devices(
     cli: &Cli,
     bytes: Option<u64>,
     lay_out: bool,
+    writes: bool,
     body: impl FnOnce(&[DeviceSpec], &mut CreatedFiles) -> anyhow::Result<()>,
 ) -> anyhow::Result<()> {
     if let Some(spec) = cli.emu_timing.and(cli.devices.iter().find(|spec| !spec.is_emulated())) {
@@ -112,6 +114,18 @@ pub fn with_devices(
     if cli.keep {
         created.keep();
     }
+    // A run that writes claims every block device it names (O_EXCL, held to the end): one that
+    // is mounted, swap or under device-mapper/MD is refused before a byte is written, and
+    // nothing mounts it meanwhile. A run that only reads, like fio's, may read a disk in use.
+    let _claims = if !writes {
+        BlockDeviceClaims::default()
+    } else {
+        match BlockDeviceClaims::acquire(&devices, &HostBlockDevices) {
+            Ok(claims) => claims,
+            Err(error @ tutti_devices::DeviceError::BlockDeviceInUse { .. }) => return usage(error.to_string()),
+            Err(error) => return Err(error.into()),
+        }
+    };
     let result = body(&devices, &mut created);
     if !cli.devices.is_empty() {
         if result.is_ok() {
