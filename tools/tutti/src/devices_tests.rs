@@ -541,3 +541,22 @@ fn one_odd_function_neither_hides_the_others_nor_fails_a_done_bind() {
     let args = BindArgs { address: "0000:00:05.0".into(), force: false, not_nvme: false };
     run_bind(&system, &args).unwrap();
 }
+
+#[test]
+fn bind_refuses_a_disk_a_process_holds_open_unless_forced() {
+    // Goal: an ordinary (non-exclusive) opener, such as a VM whose disk is /dev/nvme0n2 or a
+    // database on a raw partition, shows in no mount, holder, swap or O_EXCL answer; bind finds
+    // it in /proc/*/fd, names pid and command, and refuses unless forced.
+    let host = FakeHost::new();
+    host.add("0000:00:04.0", 0x010802, Some("nvme"), 3, 0, 2);
+    host.open_fd(4321, "qemu-system-x86", 12, "/dev/nvme0n2");
+    host.open_fd(4400, "postgres", 3, "/dev/nvme0n1p1");
+    host.open_fd(99, "bash", 0, "/dev/nvme0n10");
+    let system = host.system();
+    let _kernel = host.kernel();
+    let error = bind(&system, at("0000:00:04.0"), Overrides::default()).unwrap_err().to_string();
+    assert!(error.contains("/dev/nvme0n2 open by pid 4321 (qemu-system-x86)"), "{error}");
+    assert!(error.contains("/dev/nvme0n1p1 open by pid 4400 (postgres)") && !error.contains("pid 99"), "{error}");
+    assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("nvme"), "nothing changed");
+    assert!(bind(&system, at("0000:00:04.0"), FORCE).is_ok());
+}

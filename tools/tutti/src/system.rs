@@ -169,6 +169,33 @@ impl System {
                 }
             }
         }
+        // Ordinary openers (a VM's disk, a database on a raw partition) claim nothing: they are
+        // found by their descriptors, by path or by device number. Before our own exclusive
+        // opens below, and never counting this process.
+        let device_numbers: Vec<(&String, Option<String>)> = block_devices
+            .iter()
+            .map(|name| {
+                let dev = std::fs::read_to_string(self.sysfs_root().join("class/block").join(name).join("dev"));
+                (name, dev.ok().map(|text| text.trim().to_string()))
+            })
+            .collect();
+        let own_pid = std::process::id();
+        let opened = |fd_path: &Path, target: &Path| -> Option<String> {
+            if let Some((name, _)) = device_numbers.iter().find(|(name, _)| target == Path::new("/dev").join(name)) {
+                return Some((*name).clone());
+            }
+            let opened_number = block_device_number(fd_path)?;
+            device_numbers.iter().find(|(_, number)| number.as_deref() == Some(opened_number.as_str())).map(|(name, _)| (*name).clone())
+        };
+        for opener in self.openers(|fd_path, target| opened(fd_path, target).is_some()) {
+            if opener.pid == own_pid {
+                continue;
+            }
+            // It may have closed it since: then it is no longer a use.
+            if let Some(name) = opened(&opener.fd, &opener.path) {
+                uses.push((name, BlockDeviceUse::OpenBy { pid: opener.pid, comm: opener.comm }));
+            }
+        }
         // Claims none of the above shows (a ZFS vdev, the btrfs members /proc/mounts does not
         // name): the kernel refuses an exclusive open with EBUSY. Any other error (no node, not
         // root) says nothing either way; the checks above stand. An open that succeeds is kept.
@@ -217,12 +244,12 @@ impl System {
                 let Ok(target) = std::fs::read_link(&fd_path) else { continue };
                 if holds(&fd_path, &target) {
                     let comm = std::fs::read_to_string(self.proc_root.join(&pid).join("comm")).unwrap_or_default();
-                    openers.push(Opener { pid: pid_number, comm: comm.trim().to_string(), path: target });
+                    openers.push(Opener { pid: pid_number, comm: comm.trim().to_string(), fd: fd_path, path: target });
                 }
             }
         }
         openers.sort_by(|a, b| (a.pid, &a.path).cmp(&(b.pid, &b.path)));
-        openers.dedup();
+        openers.dedup_by(|a, b| a.pid == b.pid && a.path == b.path);
         openers
     }
 
@@ -270,6 +297,8 @@ pub struct Opener {
     pub pid: u32,
     /// `/proc/<pid>/comm`, empty when unreadable.
     pub comm: String,
+    /// The descriptor, `/proc/<pid>/fd/<n>`.
+    pub fd: PathBuf,
     /// What its descriptor links to.
     pub path: PathBuf,
 }
@@ -292,6 +321,8 @@ pub enum BlockDeviceUse {
     Swap,
     /// None of the above, but an `O_EXCL` open is refused with EBUSY.
     ExclusiveClaim,
+    /// Held open (not exclusively) by this process: a VM's disk, a database's raw device.
+    OpenBy { pid: u32, comm: String },
     /// The node `/dev/<name>` is device `node`, sysfs says the disk is `sysfs`: what the node
     /// shows says nothing about the disk.
     OtherNode { node: String, sysfs: String },
@@ -306,6 +337,7 @@ impl std::fmt::Display for BlockDeviceUse {
             Self::ExclusiveClaim => f.write_str(
                 "claimed exclusively by another opener (an O_EXCL open fails with EBUSY: e.g. a ZFS pool or a btrfs filesystem)",
             ),
+            Self::OpenBy { pid, comm } => write!(f, "open by pid {pid} ({comm})"),
             Self::OtherNode { node, sysfs } => {
                 write!(f, "is not the disk of that name: the node is device {node}, sysfs gives {sysfs}, so its use cannot be checked")
             }
@@ -324,6 +356,14 @@ fn open_exclusive(path: &Path) -> std::io::Result<ExclusiveHandle> {
         format!("{}:{}", libc::major(rdev), libc::minor(rdev))
     });
     Ok(ExclusiveHandle::new(device_number, Box::new(file)))
+}
+
+/// `major:minor` of the block device a path (a `/proc/<pid>/fd/<n>` link) leads to; None for
+/// anything else or when it cannot be read.
+fn block_device_number(path: &Path) -> Option<String> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let metadata = std::fs::metadata(path).ok()?;
+    metadata.file_type().is_block_device().then(|| format!("{}:{}", libc::major(metadata.rdev()), libc::minor(metadata.rdev())))
 }
 
 /// Names of the entries of a directory; empty when it does not exist or cannot be read.
