@@ -178,6 +178,19 @@ pub fn holders(reader: &ClusterClient, seed: u32) -> Vec<Vec<String>> {
     lookup.holders.iter().map(|nodes| nodes.iter().map(|node| node.to_string()).collect()).collect()
 }
 
+/// [`holders`], or `None` while the registry is unavailable (an etcd leader election that
+/// outlasts a request timeout on a loaded machine): for polls that ride out a disruption.
+pub fn holders_once_available(reader: &ClusterClient, seed: u32) -> Option<Vec<Vec<String>>> {
+    match reader.lookup(&model(), &segments(seed)) {
+        Ok(lookup) => Some(lookup.holders.iter().map(|nodes| nodes.iter().map(|node| node.to_string()).collect()).collect()),
+        Err(error @ tutti_cluster::ClusterError::Unavailable { .. }) => {
+            eprintln!("registry unavailable, asking again: {error}");
+            None
+        }
+        Err(error) => panic!("lookup: {error}"),
+    }
+}
+
 pub fn members(reader: &ClusterClient) -> Vec<String> {
     reader.members().expect("members").nodes.iter().map(|record| record.node.to_string()).collect()
 }
