@@ -262,18 +262,19 @@ pub fn select_workload(matches: &ArgMatches, cli: &Cli) -> Selected {
 
 /// Names of the kv-only options given on the command line (refused with the raw workload).
 pub fn kv_options_given(matches: &ArgMatches) -> Vec<String> {
-    KV_OPTIONS
-        .iter()
-        .filter(|id| matches.value_source(id) == Some(ValueSource::CommandLine))
-        .map(|id| format!("--{}", id.replace('_', "-")))
-        .collect()
+    options_given(&KV_OPTIONS, matches)
 }
 
 /// Names of the raw-only options given on the command line (refused with the kv and serve
-/// workloads), as the user spells them (fio's `--time_based`, `--number_ios`, `--cpus_allowed`).
+/// workloads).
 pub fn raw_options_given(matches: &ArgMatches) -> Vec<String> {
-    RAW_OPTIONS
-        .iter()
+    options_given(&RAW_OPTIONS, matches)
+}
+
+/// Those of `ids` given on the command line, as the user spells them (fio's `--time_based`,
+/// `--number_ios`, `--cpus_allowed`, `--scramble_buffers` keep their underscores).
+fn options_given(ids: &[&str], matches: &ArgMatches) -> Vec<String> {
+    ids.iter()
         .filter(|id| matches.value_source(id) == Some(ValueSource::CommandLine))
         .map(|id| match *id {
             "time_based" | "number_ios" | "cpus_allowed" | "scramble_buffers" => format!("--{id}"),

@@ -345,11 +345,13 @@ impl std::fmt::Display for BlockDeviceUse {
     }
 }
 
-/// The real [`ExclusiveOpen`]: `open(path, O_RDONLY | O_EXCL)`, kept open in the handle, with
+/// The real [`ExclusiveOpen`]: `open(path, O_RDONLY | O_EXCL)` (tutti-devices' claim opener, as
+/// `tutti pool` claims disks), kept open in the handle, with
 /// the device number of what was opened (fstat, so it is the node opened, not one swapped in).
 fn open_exclusive(path: &Path) -> std::io::Result<ExclusiveHandle> {
-    use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
-    let file = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_EXCL).open(path)?;
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    use tutti_devices::BlockDeviceOpener;
+    let file = tutti_devices::HostBlockDevices.open_exclusive(path)?;
     let metadata = file.metadata()?;
     let device_number = metadata.file_type().is_block_device().then(|| {
         let rdev = metadata.rdev();

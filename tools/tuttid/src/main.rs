@@ -97,7 +97,7 @@ struct Cli {
     #[arg(long, default_value_t = 32)]
     requests_per_session: usize,
     /// Where vfio: devices' lock files live.
-    #[arg(long, default_value = "/run/tutti")]
+    #[arg(long, default_value = tutti_devices::DEFAULT_LOCK_DIR)]
     lock_dir: PathBuf,
     /// KV memory clients may register outside their windows, which the software controllers
     /// reach by copies: `cuda` (GPU memory through CUDA IPC; needs a build with the `cuda`

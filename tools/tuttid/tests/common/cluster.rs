@@ -174,7 +174,10 @@ pub fn segments(seed: u32) -> Vec<Segment> {
 
 /// The nodes the registry lists for each segment of prompt `seed` (up to the first miss).
 pub fn holders(reader: &ClusterClient, seed: u32) -> Vec<Vec<String>> {
-    let lookup = reader.lookup(&model(), &segments(seed)).expect("lookup");
+    holder_names(&reader.lookup(&model(), &segments(seed)).expect("lookup"))
+}
+
+fn holder_names(lookup: &tutti_cluster::Lookup) -> Vec<Vec<String>> {
     lookup.holders.iter().map(|nodes| nodes.iter().map(|node| node.to_string()).collect()).collect()
 }
 
@@ -182,7 +185,7 @@ pub fn holders(reader: &ClusterClient, seed: u32) -> Vec<Vec<String>> {
 /// outlasts a request timeout on a loaded machine): for polls that ride out a disruption.
 pub fn holders_once_available(reader: &ClusterClient, seed: u32) -> Option<Vec<Vec<String>>> {
     match reader.lookup(&model(), &segments(seed)) {
-        Ok(lookup) => Some(lookup.holders.iter().map(|nodes| nodes.iter().map(|node| node.to_string()).collect()).collect()),
+        Ok(lookup) => Some(holder_names(&lookup)),
         Err(error @ tutti_cluster::ClusterError::Unavailable { .. }) => {
             eprintln!("registry unavailable, asking again: {error}");
             None

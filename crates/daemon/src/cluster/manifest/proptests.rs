@@ -102,6 +102,29 @@ fn body() -> impl Strategy<Value = Vec<u8>> {
     ]
 }
 
+/// Appends what a held, dropped or lease step records, to the journal and to the model alike;
+/// false for the other steps (nothing recorded).
+fn record(manifest: &mut Manifest, model: &mut Model, step: &Step) -> bool {
+    match *step {
+        Step::Held { space: which, index, last, salt } => {
+            let keys = segment_keys(last, salt);
+            manifest.held(&space(which), index, &keys).unwrap();
+            model.held(space(which), index, keys);
+        }
+        Step::Dropped { space: which, last } => {
+            let key = u64::from(last) + 1;
+            manifest.dropped(&space(which), SegmentKey::new(key).unwrap()).unwrap();
+            model.dropped(space(which), key);
+        }
+        Step::Lease { lease_id } => {
+            manifest.lease(lease_id).unwrap();
+            model.lease_id = lease_id;
+        }
+        Step::Flush | Step::Restart => return false,
+    }
+    true
+}
+
 proptest! {
     #![proptest_config(config(512))]
 
@@ -151,20 +174,6 @@ proptest! {
         let mut manifest = Manifest::rewrite(&path, blocks(), 0, std::iter::empty()).unwrap();
         for step in &steps {
             match *step {
-                Step::Held { space: which, index, last, salt } => {
-                    let keys = segment_keys(last, salt);
-                    manifest.held(&space(which), index, &keys).unwrap();
-                    model.held(space(which), index, keys);
-                }
-                Step::Dropped { space: which, last } => {
-                    let key = u64::from(last) + 1;
-                    manifest.dropped(&space(which), SegmentKey::new(key).unwrap()).unwrap();
-                    model.dropped(space(which), key);
-                }
-                Step::Lease { lease_id } => {
-                    manifest.lease(lease_id).unwrap();
-                    model.lease_id = lease_id;
-                }
                 Step::Flush => manifest.flush().unwrap(),
                 Step::Restart => {
                     manifest.flush().unwrap();
@@ -185,6 +194,9 @@ proptest! {
                         .collect();
                     model.segments.sort_by_key(|segment| order[&(segment.space, *segment.keys.last().unwrap())]);
                     prop_assert_eq!(manifest.records() as usize, model.segments.len() + usize::from(model.lease_id != 0));
+                }
+                Step::Held { .. } | Step::Dropped { .. } | Step::Lease { .. } => {
+                    record(&mut manifest, &mut model, step);
                 }
             }
         }
@@ -209,22 +221,8 @@ proptest! {
         let mut after = vec![(HEADER_BYTES, Model::default())];
         let mut model = Model::default();
         for step in &steps {
-            match *step {
-                Step::Held { space: which, index, last, salt } => {
-                    let keys = segment_keys(last, salt);
-                    manifest.held(&space(which), index, &keys).unwrap();
-                    model.held(space(which), index, keys);
-                }
-                Step::Dropped { space: which, last } => {
-                    let key = u64::from(last) + 1;
-                    manifest.dropped(&space(which), SegmentKey::new(key).unwrap()).unwrap();
-                    model.dropped(space(which), key);
-                }
-                Step::Lease { lease_id } => {
-                    manifest.lease(lease_id).unwrap();
-                    model.lease_id = lease_id;
-                }
-                Step::Flush | Step::Restart => continue,
+            if !record(&mut manifest, &mut model, step) {
+                continue;
             }
             manifest.flush().unwrap();
             after.push((std::fs::metadata(&path).unwrap().len() as usize, model.clone()));
