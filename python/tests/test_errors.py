@@ -385,6 +385,20 @@ def test_devices_and_pools_that_cannot_be_used(tmp_path):
         tutti.Store.open(f"emu:{pool}", other)
 
 
+def test_format_refuses_a_file_holding_something_else(tmp_path):
+    # Goal: format=True over a file holding other bytes is PoolError naming what it found and
+    # the keyword that allows it, and writes nothing; overwrite=True formats it; a tutti pool
+    # is reformatted without it.
+    image = tmp_path / "notes.img"
+    contents = b"notes" + bytes(8187)
+    image.write_bytes(contents)
+    with raises(tutti.PoolError, match=r"non-zero bytes \(the first at byte 0\).*overwrite=True"):
+        tutti.Store.open(f"emu:{image}", GEOMETRY, format=True, create_bytes=64 << 20)
+    assert image.read_bytes() == contents
+    tutti.Store.open(f"emu:{image}", GEOMETRY, format=True, overwrite=True, create_bytes=64 << 20).close()
+    tutti.Store.open(f"emu:{image}", GEOMETRY, format=True).close()
+
+
 def test_corrupted_block_is_an_integrity_error(tmp_path):
     # Goal: with verify_retrieves, a block whose bytes changed on the device behind the store's
     # back (the emu file edited) raises IntegrityError at the last layer's wait, naming the

@@ -20,7 +20,7 @@ use crate::DaemonError;
 #[derive(Debug, Default)]
 pub struct DeviceLocks {
     locks: tutti_devices::DeviceLocks,
-    _claims: BlockDeviceClaims,
+    claims: BlockDeviceClaims,
 }
 
 impl DeviceLocks {
@@ -43,7 +43,12 @@ impl DeviceLocks {
         };
         let locks = tutti_devices::DeviceLocks::acquire(specs, lock_dir, create_files).map_err(daemon_error)?;
         let claims = BlockDeviceClaims::acquire(specs, opener).map_err(daemon_error)?;
-        Ok(DeviceLocks { locks, _claims: claims })
+        Ok(DeviceLocks { locks, claims })
+    }
+
+    /// The block devices claimed, to read what they hold before formatting them.
+    pub fn claims(&self) -> &BlockDeviceClaims {
+        &self.claims
     }
 
     pub fn paths(&self) -> impl Iterator<Item = &Path> {
@@ -107,6 +112,6 @@ mod tests {
         // The lock taken before the claim was let go with the refusal.
         let free = FakeDisk { block: disk, busy: false };
         let held = DeviceLocks::acquire_with(std::slice::from_ref(&spec), directory.path(), false, &free).unwrap();
-        assert_eq!(held._claims.len(), 1);
+        assert_eq!(held.claims.len(), 1);
     }
 }

@@ -1,6 +1,7 @@
 //! Opening the daemon's devices and pool from device strings: lock every device (one daemon
 //! per pool), open them in one DMA space (`tutti_devices::open_in_one_space`), bring up each
-//! controller, format the pool if asked, then open it (recovery happens there).
+//! controller, format the pool if asked (refusing devices that hold something else unless told
+//! to overwrite them), then open it (recovery happens there).
 //!
 //! Software controllers run inside the daemon with their register page in a memfd (so each
 //! client rings its own doorbells; with `emu_doorbell_relay`, without it: clients' doorbells then
@@ -36,6 +37,10 @@ pub struct PoolOptions {
     pub emu_create_bytes: Option<u64>,
     /// Format a fresh pool before opening (`emu:mem:` needs it at every start).
     pub format: Option<FormatParams>,
+    /// With `format`: format `emu:` devices that hold something other than a tutti pool (a file
+    /// system, a partition table, stray bytes), which are refused otherwise
+    /// ([`tutti_devices::contents`]; a tutti pool is reformatted either way).
+    pub overwrite: bool,
     /// Where `vfio:` devices' lock files live.
     pub lock_dir: PathBuf,
     /// Client queue pairs each software controller must be able to create (one per client).
@@ -60,6 +65,10 @@ pub struct OpenedPool {
 
 pub fn open_pool(options: &PoolOptions) -> Result<OpenedPool, DaemonError> {
     let locks = DeviceLocks::acquire(&options.specs, &options.lock_dir, options.emu_create_bytes.is_some())?;
+    // Before a file is grown or a controller writes anything: read through the claims just taken.
+    if options.format.is_some() && !options.overwrite {
+        tutti_devices::refuse_foreign_contents(&options.specs, locks.claims()).map_err(DaemonError::Devices)?;
+    }
     let mut emu = pool_emu_options(options.emu_lba_bytes, options.emu_create_bytes);
     emu.config =
         emu.config.with_shared_registers(!options.emu_doorbell_relay).with_io_queue_pairs_max(options.client_queue_pairs.saturating_add(2));

@@ -9,6 +9,8 @@
 //!   (`MemAvailable` less a reserve), before anything is allocated (`emu:null:` allocates none);
 //! - [`claim`]: exclusive opens (`O_EXCL`) of the block devices a tool is to write, refusing
 //!   one that is mounted or otherwise in use, held until the tool is done;
+//! - [`contents`]: what a device holds (a tutti pool, blank, a file system, ...), so that
+//!   formatting refuses to destroy anything but a pool unless told to overwrite it;
 //! - [`lock`]: one user per pool device: an exclusive `flock` on an `emu:` file or on a `vfio:`
 //!   function's lock file, naming the holder when refused (tuttid and `tutti pool` both take it);
 //! - [`open`]: opening a list of specs in one DMA space (every `vfio:` function in one VFIO
@@ -20,6 +22,7 @@
 #![forbid(unsafe_code)]
 
 pub mod claim;
+pub mod contents;
 pub mod duration;
 pub mod lock;
 pub mod memory;
@@ -29,6 +32,7 @@ pub mod spec;
 pub mod timing;
 
 pub use claim::{BlockDeviceClaims, BlockDeviceOpener, HostBlockDevices};
+pub use contents::refuse_foreign_contents;
 pub use duration::parse_duration;
 pub use lock::{DeviceLocks, DEFAULT_LOCK_DIR};
 pub use memory::{check_memory, check_memory_with, mem_available_bytes, memory_reserve_bytes, memory_shortfall, MemoryShortfall};
@@ -83,6 +87,11 @@ pub enum DeviceError {
          program): refusing to touch it; unmount or release it first"
     )]
     BlockDeviceInUse { spec: String },
+    #[error(
+        "{spec} holds {found}: it is not a tutti pool, and formatting it destroys what is there; \
+         give --overwrite to format it anyway"
+    )]
+    ForeignContents { spec: String, found: String },
     #[error("{context}: {source}")]
     Io { context: String, source: std::io::Error },
     #[error("{listed}: {source} (needs the device bound to vfio-pci, e.g. `tutti bind BDF`, and access to /dev/vfio)")]

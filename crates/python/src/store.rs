@@ -278,6 +278,14 @@ fn open_failure(error: DaemonError) -> Failure {
             let failure = Failure::from(&source);
             Failure { message: format!("{context}: {}", failure.message), ..failure }
         }
+        // The tools' refusal names their flag; here it is a keyword.
+        DaemonError::Devices(tutti_devices::DeviceError::ForeignContents { spec, found }) => Failure::new(
+            ErrorClass::Pool,
+            format!(
+                "{spec} holds {found}: it is not a tutti pool, and formatting it destroys what is there; \
+                 pass overwrite=True to format it anyway"
+            ),
+        ),
         other => Failure::new(ErrorClass::Device, other.to_string()),
     }
 }
@@ -309,7 +317,7 @@ impl Store {
 impl Store {
     #[staticmethod]
     #[pyo3(signature = (
-        devices, geometry, *, format = false, create_bytes = None, blocks_per_slot = 1, slots_max = None, payload_crcs = true,
+        devices, geometry, *, format = false, overwrite = false, create_bytes = None, blocks_per_slot = 1, slots_max = None, payload_crcs = true,
         verify_retrieves = false, model_fingerprint = None, tp_rank = 0, tp_world = 1, namespace = 1,
         lock_dir = "/run/tutti".to_string(), queue_depth = 64, iocbs = 64, requests_max = 32, timeout_s = 30.0,
         layers_in_flight = 1
@@ -320,6 +328,7 @@ impl Store {
         devices: &Bound<'_, PyAny>,
         geometry: &ModelGeometry,
         format: bool,
+        overwrite: bool,
         create_bytes: Option<u64>,
         blocks_per_slot: u32,
         slots_max: Option<u64>,
@@ -374,6 +383,7 @@ impl Store {
                 pool_uuid: None,
                 payload_crc: payload_crcs,
             }),
+            overwrite,
             lock_dir: PathBuf::from(lock_dir),
             // The executor's queue pair on each controller (the pool keeps its own for metadata).
             client_queue_pairs: 1,

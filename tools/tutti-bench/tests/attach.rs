@@ -42,6 +42,7 @@ impl Daemon {
             emu_lba_bytes: 4096,
             emu_create_bytes: None,
             format: Some(FormatParams { geometry, blocks_per_slot, slot_count_max: None, pool_uuid: None, payload_crc: false }),
+            overwrite: false,
             lock_dir: directory.join("locks"),
             client_queue_pairs: 8,
             emu_doorbell_relay: false,

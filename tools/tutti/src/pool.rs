@@ -22,8 +22,6 @@
 //! Exit status: 2 when the devices or options cannot be used (nothing is written), 1 when the
 //! pool is damaged (`check`, `inspect`) or a device fails, 0 otherwise.
 
-use std::fs::File;
-use std::os::unix::fs::FileExt;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
@@ -76,98 +74,14 @@ fn claim_block_devices(args: &DeviceArgs, opener: &dyn BlockDeviceOpener) -> Res
     BlockDeviceClaims::acquire(&args.devices, opener).map_err(|error| Unusable(error.to_string()).into())
 }
 
-/// Bytes read from the start of a device to tell what it holds: file systems keep their
-/// signatures within it (ext4 at 1 KiB, swap at 4 KiB, btrfs at 64 KiB, GPT at LBA 1).
-const PROBE_BYTES: usize = 1 << 20;
-
-/// Signatures at fixed offsets, named for the refusal; the first that matches is given (GPT
-/// before the MBR, since a GPT disk carries a protective MBR).
-const SIGNATURES: [(usize, &[u8], &str); 10] = [
-    (512, b"EFI PART", "a GPT partition table"),
-    (4096, b"EFI PART", "a GPT partition table"),
-    (0, b"XFSB", "an XFS file system"),
-    (0, b"LUKS\xba\xbe", "a LUKS encrypted volume"),
-    (512, b"LABELONE", "an LVM physical volume"),
-    (1080, &[0x53, 0xef], "an ext2/3/4 file system"),
-    (4086, b"SWAPSPACE2", "a swap area"),
-    (65536 + 64, b"_BHRfS_M", "a btrfs file system"),
-    (3, b"NTFS    ", "an NTFS file system"),
-    (510, &[0x55, 0xaa], "a DOS partition table or boot sector"),
-];
-
-/// What the first bytes of a device hold, for `format`: `None` when it may be formatted without
-/// `--overwrite` (a tutti pool, or blank where blank is enough), a description otherwise.
-fn foreign_contents(head: &[u8], blank_is_enough: bool) -> Option<String> {
-    if head.starts_with(&objstore::format::MAGIC) {
-        return None;
-    }
-    for (offset, signature, name) in SIGNATURES {
-        if head.get(offset..offset + signature.len()) == Some(signature) {
-            return Some(name.to_string());
-        }
-    }
-    match head.iter().position(|&byte| byte != 0) {
-        Some(first) => Some(format!("non-zero bytes (the first at byte {first})")),
-        None if blank_is_enough => None,
-        None => Some(format!(
-            "no tutti superblock (its first {} are zero, but a block device may hold data further on)",
-            format_size(head.len() as u64)
-        )),
-    }
-}
-
-/// Reads up to [`PROBE_BYTES`] from the start of `file` (less if it is shorter).
-fn read_head(file: &File) -> std::io::Result<Vec<u8>> {
-    let mut head = vec![0u8; PROBE_BYTES];
-    let mut filled = 0;
-    // Bounded: every pass reads at least one byte or ends the loop.
-    while filled < head.len() {
-        match file.read_at(&mut head[filled..], filled as u64) {
-            Ok(0) => break,
-            Ok(read) => filled += read,
-            Err(error) if error.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(error) => return Err(error),
-        }
-    }
-    head.truncate(filled);
-    Ok(head)
-}
-
 /// Refuses (unusable input) every `emu:` device of `args` that holds something other than a
-/// tutti pool, unless `overwrite`: block devices through their claimed descriptor, which must
-/// start with a tutti superblock; regular files that exist and are not empty, which may also be
-/// blank in their first MiB (a file made by `truncate` or by a crashed format holds nothing).
+/// tutti pool, unless `overwrite` (tutti-devices' `contents`: a block device must start with a
+/// tutti superblock, a non-empty file may also be blank in its first MiB).
 fn refuse_foreign_contents(args: &DeviceArgs, claims: &BlockDeviceClaims, overwrite: bool) -> Result<()> {
     if overwrite {
         return Ok(());
     }
-    for spec in &args.devices {
-        let DeviceSpec::EmuFile(path) = spec else { continue };
-        let opened;
-        let (file, blank_is_enough) = match claims.file(spec) {
-            Some(file) => (file, false),
-            None => {
-                opened = match File::open(path) {
-                    Ok(file) => file,
-                    // Missing: format creates it (or reports it); unreadable: opening reports it.
-                    Err(_) => continue,
-                };
-                (&opened, true)
-            }
-        };
-        let head = read_head(file).map_err(|error| Unusable(format!("{spec}: reading its first bytes to see what it holds: {error}")))?;
-        if head.is_empty() {
-            continue;
-        }
-        if let Some(found) = foreign_contents(&head, blank_is_enough) {
-            return Err(Unusable(format!(
-                "{spec} holds {found}: it is not a tutti pool, and formatting it destroys what is there; \
-                 give --overwrite to format it anyway"
-            ))
-            .into());
-        }
-    }
-    Ok(())
+    tutti_devices::refuse_foreign_contents(&args.devices, claims).map_err(|error| Unusable(error.to_string()).into())
 }
 
 fn parse_pool_device(text: &str) -> Result<DeviceSpec, String> {
@@ -443,6 +357,7 @@ fn run_with(command: &PoolCommand, opener: &dyn BlockDeviceOpener) -> Result<()>
 #[cfg(test)]
 mod tests {
     use std::cell::Cell;
+    use std::fs::File;
     use std::path::{Path, PathBuf};
 
     use clap::Parser;
@@ -499,21 +414,5 @@ mod tests {
             assert_eq!(opener.opens.get(), count + 1, "{arguments:?}: claimed once");
         }
         assert!(std::fs::read(&path).unwrap() == bytes, "a refused command wrote to the device");
-    }
-
-    #[test]
-    fn what_a_device_holds_is_named() {
-        // Goal: the refusal says what is there; a tutti pool, and a blank file, are not foreign.
-        let mut head = vec![0u8; 8192];
-        assert_eq!(foreign_contents(&head, true), None);
-        assert!(foreign_contents(&head, false).unwrap().contains("no tutti superblock"));
-        head[1080..1082].copy_from_slice(&[0x53, 0xef]);
-        assert_eq!(foreign_contents(&head, true).as_deref(), Some("an ext2/3/4 file system"));
-        head[510..512].copy_from_slice(&[0x55, 0xaa]);
-        head[512..520].copy_from_slice(b"EFI PART");
-        assert_eq!(foreign_contents(&head, true).as_deref(), Some("a GPT partition table"));
-        head[..8].copy_from_slice(&objstore::format::MAGIC);
-        assert_eq!(foreign_contents(&head, false), None);
-        assert_eq!(foreign_contents(&[0, 0, 7], true).as_deref(), Some("non-zero bytes (the first at byte 2)"));
     }
 }

@@ -51,6 +51,11 @@ struct Cli {
     /// options below say for which model.
     #[arg(long)]
     format: bool,
+    /// With --format: format an emu: device that holds something other than a tutti pool (a
+    /// file system, a partition table, a non-empty file of other bytes), refused without it,
+    /// saying what was found. A tutti pool is reformatted either way.
+    #[arg(long, requires = "format")]
+    overwrite: bool,
     #[command(flatten)]
     geometry: GeometryArgs,
     /// Engine blocks per slot (k), with --format.
@@ -256,6 +261,7 @@ fn serve(cli: &Cli) -> Result<()> {
         emu_lba_bytes: 4096,
         emu_create_bytes: cli.emu_create_bytes,
         format,
+        overwrite: cli.overwrite,
         lock_dir: cli.lock_dir.clone(),
         // One queue pair per client on each software controller (each is one pool device), and
         // in a cluster one for the data plane's staging area.

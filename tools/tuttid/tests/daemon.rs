@@ -306,6 +306,32 @@ fn a_second_daemon_on_the_same_pool_is_refused_naming_the_holder() {
     first.client().status().unwrap();
 }
 
+#[test]
+fn format_refuses_a_device_holding_something_else_unless_told_to_overwrite() {
+    // Goal: `tuttid --format` over an emu: file that holds other bytes (here an ext4 signature)
+    // exits with status 2 naming what it found and writes nothing; with --overwrite it formats
+    // and serves; a tutti pool is reformatted without it; --overwrite needs --format.
+    let directory = tempfile::tempdir().unwrap();
+    let image = directory.path().join("pool.img");
+    let mut foreign = vec![0u8; 1 << 20];
+    foreign[1080..1082].copy_from_slice(&[0x53, 0xef]);
+    std::fs::write(&image, &foreign).unwrap();
+    let device = format!("emu:{}", image.display());
+    let socket = directory.path().join("tuttid.sock");
+    let output = output_bounded(formatting_daemon(&device, &socket).args(["--emu-create-bytes", "64m"]));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("holds an ext2/3/4 file system") && stderr.contains("--overwrite"), "{stderr}");
+    assert!(std::fs::read(&image).unwrap() == foreign, "the refused daemon wrote to (or grew) the device");
+    let output = output_bounded(Command::new(TUTTID).args(["--device", &device, "--overwrite", "--socket"]).arg(&socket));
+    assert_eq!(output.status.code(), Some(2), "--overwrite without --format: {}", String::from_utf8_lossy(&output.stderr));
+    let first = Daemon::start(directory.path(), &device, &["--format", "--overwrite", "--emu-create-bytes", "64m"]);
+    first.client().status().unwrap();
+    drop(first);
+    let again = Daemon::start(directory.path(), &device, &["--format", "--emu-create-bytes", "64m"]);
+    again.client().status().unwrap();
+}
+
 /// Runs as a client process when `TUTTID_TEST_CHILD` is set (`lookup SOCKET RANK COUNT`,
 /// `io SOCKET RANK` or `attach SOCKET`); as an ordinary test it does nothing. The parent tests
 /// check its exit status and output.

@@ -54,6 +54,7 @@ impl InProcessDaemon {
             emu_lba_bytes: 4096,
             emu_create_bytes: None,
             format: Some(FormatParams { geometry, blocks_per_slot: 1, slot_count_max: None, pool_uuid: None, payload_crc: false }),
+            overwrite: false,
             lock_dir: directory.join("locks"),
             client_queue_pairs: 3,
             emu_doorbell_relay: false,
