@@ -33,7 +33,7 @@ HEADS = 2
 HEAD_DIM = 64
 PAGE = 16
 DEVICE_PAGES = 8
-LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
+LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
 
 
 def host_pool(layout: str, start_layer: int = 0) -> MHATokenToKVPoolHost:
@@ -113,6 +113,7 @@ def page_view(pool: MHATokenToKVPoolHost, page: int) -> torch.Tensor:
         return buffer[:, :, page * PAGE : (page + 1) * PAGE]
     if pool.layout == "page_first":
         return buffer[:, page * PAGE : (page + 1) * PAGE]
+    # page_first_direct [2, pages, layers, page, heads, dim], page_head [2, pages, heads, page, layers, dim].
     return buffer[:, page]
 
 
