@@ -293,7 +293,10 @@ impl CpuExecutor {
         }
         for (device, (queue, due)) in self.queues.iter_mut().zip(&mut self.doorbell_due).enumerate() {
             if let (true, Some(queue)) = (std::mem::take(due), queue) {
-                // Fails only for a pair whose controller was reset: its commands never reach it.
+                // Fails with QueueStale only for a pair whose controller was reset before this
+                // batch's tail went out (the driver answers Ok once the tail is written, even
+                // if a reset begins right after). Either way the IOCBs submitted stay in flight
+                // here: only `reset`, once the old pair's deletion succeeded, ends them.
                 if let Err(error) = queue.ring_doorbell() {
                     note_device_error(&mut self.stale, &mut first_error, device, error);
                 }

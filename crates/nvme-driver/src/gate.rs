@@ -215,6 +215,15 @@ impl DoorbellGate {
         ResetGuard { state }
     }
 
+    /// Ends the current generation without waiting for ringers: what a pair sees when a reset
+    /// began just after its flag dropped (tests place that moment inside a register write).
+    #[cfg(test)]
+    pub(crate) fn end_generation_unwaited(&self) {
+        let mut state = self.state.write().unwrap_or_else(|poisoned| poisoned.into_inner());
+        state.generation += 1;
+        self.generation_now.store(state.generation, Ordering::SeqCst);
+    }
+
     /// Waits until no pair is in the middle of a doorbell write. A write is a few stores (its
     /// thread may be preempted in it, hence the yields); every pair that raises its flag from
     /// now on reads the new generation and lowers it without writing. Past

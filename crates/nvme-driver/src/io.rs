@@ -379,8 +379,13 @@ impl IoQueuePair {
     }
 
     /// Makes every queued command visible to the controller with one doorbell write. Fails with
-    /// [`NvmeError::QueueStale`], writing nothing, once the controller was reset since this pair
-    /// was created (its queue id may belong to a new pair by then).
+    /// [`NvmeError::QueueStale`], writing nothing of this batch, once the controller was reset
+    /// since this pair was created (its queue id may belong to a new pair by then). Once the
+    /// SQ tail is written it returns `Ok`, even if a reset beginning right after makes the CQ
+    /// head write that may follow stale: those commands are in flight, and the memory they name
+    /// stays the controller's until [`IoQueuePair::delete`] returns `Ok`. Any other error
+    /// leaves the batch's fate unknown: treat its commands as in flight (see
+    /// `QueuePair::ring_doorbell`).
     pub fn ring_doorbell(&mut self) -> Result<(), NvmeError> {
         self.queue.ring_doorbell()
     }

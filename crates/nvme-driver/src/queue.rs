@@ -533,8 +533,8 @@ impl QueuePair {
     }
 
     /// Writes one doorbell (the CQ head's when `completion`), moving it from `previous` to
-    /// `value`: through the gate for an I/O queue (refused with `QueueStale` once the controller
-    /// was reset), directly for the admin queue. `fence` runs first. With shadow doorbells the
+    /// `value`: through the gate for an I/O queue (refused with `QueueStale`, writing nothing,
+    /// once the controller was reset), directly for the admin queue. `fence` runs first. With shadow doorbells the
     /// value goes to the shadow slot, and the MMIO write only when the EventIdx asks for it.
     fn write_doorbell(&self, completion: bool, value: u32, previous: u32, fence: fn()) -> Result<(), NvmeError> {
         let offset = if completion { self.cq_doorbell } else { self.sq_doorbell };
@@ -607,8 +607,17 @@ impl QueuePair {
     /// (§4.6 lets it: a full CQ holds completions, it is not an error). Under QEMU's TCG, where
     /// each doorbell is a trip through the device model, 4 KiB reads at queue depth 1 went
     /// from 0.89x SPDK's to 0.96-1.00x (docs/vfio.md).
-    /// Fails with [`NvmeError::QueueStale`], writing nothing, once the controller was reset since
-    /// this pair was created.
+    ///
+    /// Fails with [`NvmeError::QueueStale`], writing nothing of this batch, once the controller
+    /// was reset since this pair was created: the batch's commands never reach the controller.
+    /// Once the SQ tail is written the batch is the controller's, and this returns `Ok` even
+    /// when a reset that began in between refuses the CQ head write that follows (see
+    /// `QueuePair::publish_completion_head_after_tail`): the commands are in flight like any
+    /// other, and their buffers stay untouchable until a deletion says none moves data
+    /// (`IoQueuePair::delete` returns `Ok` at once after a reset that saw the controller stop,
+    /// and [`NvmeError::QueueMaybeLive`] after one that did not). Any other error (a shadow
+    /// doorbell slot out of reach) says nothing about whether the tail went out: treat the
+    /// batch's commands as in flight too.
     pub fn ring_doorbell(&mut self) -> Result<(), NvmeError> {
         if self.is_stale_hint() {
             return Err(NvmeError::QueueStale { queue: self.id });
@@ -619,9 +628,25 @@ impl QueuePair {
             self.write_doorbell(false, self.sq_tail, self.sq_tail_published, hw::fence_before_submission_doorbell)?;
             self.sq_tail_published = self.sq_tail;
             self.doorbell_pending = false;
-            self.publish_completion_head()?;
+            self.publish_completion_head_after_tail()?;
         }
         Ok(())
+    }
+
+    /// [`QueuePair::publish_completion_head`] right after this ring's SQ tail was written: a
+    /// reset can begin between the two writes (the pair's flag is down between them, so the
+    /// reset need not wait for the second), and the gate then refuses the head. That refusal
+    /// must not reach the caller as `QueueStale`, which promises nothing was written: the tail
+    /// was. Leaving the head unpublished is safe: the reset ends these queues (it disables the
+    /// controller, which deletes them, §3.7.2), so no completion needs the entries it frees;
+    /// and if the reset never sees the controller stop, the pair keeps its rings for good
+    /// (`QueueFate::MaybeLive`), so an entry the controller still writes lands in memory that
+    /// was never freed. The next reap reports the staleness.
+    fn publish_completion_head_after_tail(&mut self) -> Result<(), NvmeError> {
+        match self.publish_completion_head() {
+            Err(NvmeError::QueueStale { .. }) => Ok(()),
+            other => other,
+        }
     }
 
     /// Checks a completion's SQ head (§4.6: where the controller's fetching had got to) and
@@ -849,3 +874,6 @@ mod ring_index_tests {
         }
     }
 }
+
+#[cfg(test)]
+mod stale_ring_tests;
