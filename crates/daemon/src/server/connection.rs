@@ -5,6 +5,7 @@ use std::io::{ErrorKind, Read};
 use std::net::Shutdown;
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::UnixStream;
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
@@ -22,32 +23,70 @@ use crate::DaemonError;
 use super::{lock, status, SessionRecord, Shared};
 
 /// One connection's life: credentials, then frames until it closes, its lease runs out, it
-/// breaks the protocol, or the server stops. Its session is released on every path out.
+/// breaks the protocol, or the server stops. Its session is released on every path out, a
+/// panic included: a handler's panic (a bug) is caught and ends the connection as a protocol
+/// error would, and [`Ended`] releases the session and uncounts the connection even if what
+/// follows panics too.
 pub(super) fn serve_connection(mut stream: UnixStream, shared: &Shared, status_only: bool) {
-    let mut connection = Connection {
-        status_only,
-        session: None,
-        peer_pid: 0,
-        peer_uid: 0,
-        peer: None,
-        ending: Ending::Other,
-        keys: Vec::new(),
-        holdings: Holdings::default(),
-        prepared_stores: PreparedStores::default(),
+    let mut ended = Ended {
+        shared,
+        connection: Connection {
+            status_only,
+            session: None,
+            peer_pid: 0,
+            peer_uid: 0,
+            peer: None,
+            ending: Ending::Other,
+            keys: Vec::new(),
+            holdings: Holdings::default(),
+            prepared_stores: PreparedStores::default(),
+        },
     };
-    let outcome = connection.run(&mut stream, shared);
+    let connection = &mut ended.connection;
+    // AssertUnwindSafe: after a panic the connection's state is only released (in the safe
+    // order, `release_session`), never served from again; the shared state's mutexes are taken
+    // through `lock`, which accepts a poisoned one (see there).
+    let outcome = match std::panic::catch_unwind(AssertUnwindSafe(|| connection.run(&mut stream, shared))) {
+        Ok(outcome) => outcome,
+        Err(_) => {
+            tracing::error!("the connection of pid {} panicked serving a request; its session is released", connection.peer_pid);
+            // The client may be running its data path still: `Ending::Other`.
+            connection.ending = Ending::Other;
+            Err(DaemonError::Io { context: "serving a request".into(), source: std::io::Error::other("the connection's handler panicked") })
+        }
+    };
     if outcome.as_ref().is_err_and(closed_by_peer) {
         connection.ending = Ending::PeerClosed;
     }
-    if let Some(session) = connection.session.take() {
+    if let Some(session) = connection.session {
         if connection.may_still_ring(shared) {
             connection.await_peer_exit(shared, session, &mut stream);
         }
-        release_session(shared, session, &mut connection.holdings);
     }
-    shared.connections.fetch_sub(1, Ordering::AcqRel);
+    let peer_pid = connection.peer_pid;
+    // The release and the uncounting, here or on a panic's unwinding.
+    drop(ended);
     if let Err(error) = outcome {
-        tracing::info!("connection of pid {} ended: {error}", connection.peer_pid);
+        tracing::info!("connection of pid {peer_pid} ended: {error}");
+    }
+}
+
+/// What every way out of a connection does, in its `Drop`: releases the session (relay tickets,
+/// then queue pairs, then reservations, then windows: [`Holdings::release`]) and uncounts the
+/// connection. A `Drop` so that a panic anywhere after the connection was counted cannot skip
+/// them: a session left unreleased would keep its queue ids relayed to whichever client gets
+/// them next, its reservations pinned, and its record listed.
+struct Ended<'a> {
+    shared: &'a Shared,
+    connection: Connection,
+}
+
+impl Drop for Ended<'_> {
+    fn drop(&mut self) {
+        if let Some(session) = self.connection.session.take() {
+            release_session(self.shared, session, &mut self.connection.holdings);
+        }
+        self.shared.connections.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -180,6 +219,13 @@ impl Connection {
         let mut last_frame = Instant::now();
         loop {
             let stop = || shared.stop.is_stopped();
+            // Checked before every request, not only when a read times out: a client that sends
+            // its next request within a tick of each answer never lets one time out, and would
+            // keep its connection served (and the drain joining it waiting) for as long as it likes.
+            if stop() {
+                self.ending = Ending::DaemonStopping;
+                return self.end_with(shared, stream, &mut frame, Reply::error(ErrorCode::ShuttingDown, "tuttid is shutting down"));
+            }
             let header = match read_frame(stream, &mut body, &mut fds, last_frame + config.lease, config.frame_timeout, &stop) {
                 Ok(ReadOutcome::Frame(header)) => header,
                 Ok(ReadOutcome::Closed) => {
@@ -265,6 +311,14 @@ impl Connection {
     }
 
     fn handle(&mut self, request: Request, fds: &mut Vec<OwnedFd>, shared: &Shared) -> (Reply, Vec<OwnedFd>) {
+        // A bug's panic, for the test that every way out of a connection releases its session.
+        #[cfg(test)]
+        if matches!(request, Request::Ping) {
+            let panics = self.session.is_some_and(|session| {
+                lock(&shared.sessions).get(&session).is_some_and(|record| record.name == super::tests::PANICS_ON_PING)
+            });
+            assert!(!panics, "test hook: a handler panics");
+        }
         if self.status_only && !matches!(request, Request::Status | Request::ClusterStatus | Request::Ping) {
             let message = "tuttid serves its maximum number of connections (this one takes status queries only); retry later";
             return (Reply::error(ErrorCode::Busy, message), Vec::new());

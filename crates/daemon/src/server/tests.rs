@@ -1,0 +1,229 @@
+//! The server's own tests: configuration checks, and a daemon serving an in-memory software
+//! controller in a thread of the test process (so a test can stop it, and reach test-only
+//! hooks inside the connection threads). Every wait is bounded.
+
+use std::sync::mpsc;
+use std::thread;
+
+use objstore::{FormatParams, KvRequest, LayerKvStore, ModelGeometry};
+use tutti_devices::{DeviceKind, DeviceSpec};
+
+use super::*;
+use crate::client::{RemoteConfig, RemoteKvStore};
+use crate::pool_open::{open_pool, PoolOptions};
+use crate::protocol::Hello;
+use crate::Client;
+
+/// A client whose Ping makes its connection thread panic (`Connection::handle`, test builds
+/// only): what a bug in a handler would do.
+pub(super) const PANICS_ON_PING: &str = "panics-on-ping";
+
+/// The longest any wait here takes before the test fails.
+const WAIT: Duration = Duration::from_secs(10);
+
+/// A daemon serving in a thread: its socket, its stop handle, and a channel that says when
+/// `serve` returned (and how).
+struct InProcess {
+    socket: PathBuf,
+    stop: StopHandle,
+    served: mpsc::Receiver<Result<u64, String>>,
+    thread: Option<JoinHandle<()>>,
+    _directory: tempfile::TempDir,
+}
+
+impl InProcess {
+    /// `relay`: the software controller withholds its register page, so clients' doorbells go
+    /// through the daemon's relay (as on a VFIO device).
+    fn start(clients_max: usize, relay: bool) -> InProcess {
+        let directory = tempfile::tempdir().unwrap();
+        let geometry = ModelGeometry { layers: 2, kv_heads: 2, head_dim: 64, dtype_bytes: 2, block_tokens: 16 };
+        let options = PoolOptions {
+            specs: vec![DeviceSpec::parse("emu:mem:64m", &DeviceKind::ALL).unwrap()],
+            namespace: 1,
+            emu_lba_bytes: 4096,
+            emu_create_bytes: None,
+            format: Some(FormatParams { geometry, blocks_per_slot: 1, slot_count_max: None, pool_uuid: None, payload_crc: false }),
+            overwrite: false,
+            lock_dir: directory.path().join("locks"),
+            client_queue_pairs: 4,
+            emu_doorbell_relay: relay,
+        };
+        let opened = open_pool(&options).expect("open the pool");
+        let socket = directory.path().join("tuttid.sock");
+        let mut config = ServerConfig::new(socket.clone());
+        config.clients_max = clients_max;
+        let server = Server::bind(config, opened).expect("bind");
+        let stop = server.stop_handle();
+        let (sender, served) = mpsc::channel();
+        let thread = thread::spawn(move || {
+            let outcome = server.serve().map(|report| report.connections_served).map_err(|error| error.to_string());
+            let _ = sender.send(outcome);
+        });
+        InProcess { socket, stop, served, thread: Some(thread), _directory: directory }
+    }
+
+    fn client(&self) -> Client {
+        Client::connect(&self.socket, Duration::from_secs(5)).expect("connect")
+    }
+
+    /// Stops the daemon; how long `serve` took to return after that (`None`: not within `WAIT`).
+    fn stop(&mut self) -> Option<Duration> {
+        let stopping = Instant::now();
+        self.stop.stop();
+        let returned = self.served.recv_timeout(WAIT).ok().map(|outcome| {
+            outcome.expect("serve ended with an error");
+            stopping.elapsed()
+        });
+        if returned.is_some() {
+            if let Some(thread) = self.thread.take() {
+                thread.join().unwrap();
+            }
+        }
+        returned
+    }
+}
+
+impl Drop for InProcess {
+    fn drop(&mut self) {
+        // A test that failed before stopping: the daemon thread is left to the process's end.
+        self.stop.stop();
+    }
+}
+
+fn hello(name: &str) -> Hello {
+    Hello { model_fingerprint: [0x5a; 32], tp_rank: 0, tp_world: 1, client_name: name.into() }
+}
+
+#[test]
+fn a_client_pinging_without_pause_does_not_hold_off_stopping() {
+    // Goal: docs/tuttid.md "Shutdown": each connection finishes the request it serves and
+    // answers ShuttingDown. A client that sends its next request as soon as it has the answer
+    // (well within the 50 ms tick, so a read never times out) must not keep its connection
+    // served, and `serve` joining it, after the stop: serve returns within about two seconds
+    // and the client sees ShuttingDown or the close.
+    let mut daemon = InProcess::start(4, false);
+    let mut client = daemon.client();
+    client.hello(&hello("pinger")).unwrap();
+    let pinging = Arc::new(AtomicBool::new(true));
+    let pinger = {
+        let pinging = Arc::clone(&pinging);
+        thread::spawn(move || {
+            let mut pings = 0u64;
+            // Bounded: the test clears `pinging` whatever happens.
+            while pinging.load(Ordering::Acquire) {
+                match client.ping() {
+                    Ok(()) => pings += 1,
+                    Err(error) => return (pings, Some(error)),
+                }
+            }
+            (pings, None)
+        })
+    };
+    thread::sleep(Duration::from_millis(300));
+    let took = daemon.stop();
+    pinging.store(false, Ordering::Release);
+    let (pings, ended) = pinger.join().unwrap();
+    // A daemon held off by the pings returns once they end: not what is measured.
+    if took.is_none() {
+        daemon.stop();
+    }
+    assert!(pings > 10, "the client pinged only {pings} times");
+    let took = took.expect("serve did not return while the client pinged");
+    assert!(took < Duration::from_secs(2), "serve returned {took:?} after the stop");
+    match ended {
+        Some(DaemonError::Remote { code: ErrorCode::ShuttingDown, .. } | DaemonError::Closed | DaemonError::Truncated { .. }) => {}
+        Some(DaemonError::Io { .. }) => {}
+        other => panic!("the client's pings ended with {other:?}"),
+    }
+}
+
+#[test]
+fn a_flood_of_connections_does_not_hold_off_stopping() {
+    // Goal: the accept loop must see the stop flag even while local users keep the socket's
+    // accept queue full. With the one client connection and the status-only one taken, every
+    // further connection is refused (Busy, written there and then); flooders connect without
+    // pause; after the stop, serve returns within a few seconds (it used to accept and refuse
+    // until the queue ran dry, which a flood need never let happen).
+    let mut daemon = InProcess::start(1, false);
+    let _held = daemon.client();
+    let _status_only = daemon.client();
+    let flooding = Arc::new(AtomicBool::new(true));
+    let flooders: Vec<_> = (0..6)
+        .map(|_| {
+            let flooding = Arc::clone(&flooding);
+            let socket = daemon.socket.clone();
+            thread::spawn(move || {
+                while flooding.load(Ordering::Acquire) {
+                    // Bounded: Client::connect waits at most its timeout for the connect.
+                    let _ = Client::connect(&socket, Duration::from_millis(200));
+                }
+            })
+        })
+        .collect();
+    thread::sleep(Duration::from_millis(300));
+    let took = daemon.stop();
+    flooding.store(false, Ordering::Release);
+    for flooder in flooders {
+        flooder.join().unwrap();
+    }
+    if took.is_none() {
+        daemon.stop();
+    }
+    let took = took.expect("serve did not return during the flood");
+    assert!(took < Duration::from_secs(3), "serve returned {took:?} after the stop");
+}
+
+#[test]
+fn a_connection_thread_that_panics_still_releases_its_session() {
+    // Goal: a panic inside a request's handling (a bug) must not skip the session's release:
+    // the relay stops forwarding the client's doorbells (its queue ids would otherwise reach
+    // the next client's queues), its queue pairs are deleted, its reservations and window given
+    // back, its record removed and the connection uncounted, as on any other way out. The hook
+    // (`PANICS_ON_PING`) panics in `Connection::handle` for this client's Ping.
+    let mut daemon = InProcess::start(4, true);
+    let config = RemoteConfig { kv_blocks: 8, ..RemoteConfig::default() };
+    let mut store = RemoteKvStore::connect(&daemon.socket, &hello(PANICS_ON_PING), &config).expect("attach");
+    let tokens: Vec<u32> = (0..64).collect();
+    let plan = store.prepare_store(&KvRequest { tokens: &tokens, block_ids: &[0, 1, 2, 3] }).expect("prepare_store");
+    assert_eq!(plan.new_blocks, 4);
+    let held = daemon.client().status().unwrap();
+    assert_eq!((held.clients.len(), held.relay.queues), (1, 1), "{held:?}");
+    assert!(held.pool.writing_slots > 0, "{:?}", held.pool);
+    let answered = store.client().ping();
+    assert!(answered.is_err(), "the panicking connection answered {answered:?}");
+    let deadline = Instant::now() + WAIT;
+    let released = loop {
+        let status = daemon.client().status().unwrap();
+        // The status query's own connection is the one counted.
+        if status.clients.is_empty() && status.relay.queues == 0 && status.connections == 1 {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "the panicked session was not released: {status:?}");
+        thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!((released.leaked_queue_pairs, released.pool.writing_slots), (0, 0), "{released:?}");
+    drop(store);
+    // The freed queue pair serves the next client.
+    let mut next = RemoteKvStore::connect(&daemon.socket, &hello("next"), &config).expect("attach after the panic");
+    next.client().ping().unwrap();
+    drop(next);
+    assert!(daemon.stop().is_some(), "serve did not return");
+}
+
+#[test]
+fn clients_max_is_capped_at_what_a_status_reply_can_list() {
+    // Goal: `tuttid --status` must work when the daemon is at its busiest, so
+    // `clients_max` is refused past the sessions one status reply's body can hold (it used
+    // to take up to 65532, while a reply of ~7,700 sessions is over the body cap).
+    let mut config = ServerConfig::new("/nonexistent/tuttid.sock".into());
+    config.clients_max = 65_532;
+    assert!(matches!(config.validate(), Err(DaemonError::Config(_))), "65532 clients accepted");
+    config.clients_max = ServerConfig::CLIENTS_MAX + 1;
+    match config.validate() {
+        Err(DaemonError::Config(message)) => assert!(message.contains(&ServerConfig::CLIENTS_MAX.to_string()), "{message}"),
+        other => panic!("one past the cap: {other:?}"),
+    }
+    config.clients_max = ServerConfig::CLIENTS_MAX;
+    config.validate().expect("the cap itself");
+    assert_eq!(ServerConfig::CLIENTS_MAX, 7279, "tuttid --help and docs/tuttid.md give the number");
+}
