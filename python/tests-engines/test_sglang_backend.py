@@ -660,7 +660,7 @@ def test_pipeline_stages_and_dp_attention_groups_open_their_own_pools_in_their_o
     fingerprints = [options["model_fingerprint"] for _, options in store_options]
     assert fingerprints[0] != fingerprints[1], "two pipeline stages share a key space"
     assert fingerprints[2] == tutti.fingerprint(
-        "sglang hicache", "tutti-test-model", "page_first", LAYERS, HEADS, HEAD_DIM, str(torch.bfloat16), PAGE
+        "sglang hicache", "tutti-test-model", "MHATokenToKVPoolHost", "page_first", LAYERS, HEADS, HEAD_DIM, str(torch.bfloat16), PAGE
     ), "an unsplit model's fingerprint changed"
 
 
@@ -695,3 +695,23 @@ def test_a_host_pool_of_part_pages_is_refused_in_every_layout(tmp_path: Path, la
     created = StorageBackendFactory.create_backend("dynamic", storage_config(layout, extra_config(tmp_path / "pool.img", True)), pool)
     with pytest.raises(tutti.InvalidArgument, match=message):
         created.register_mem_pool_host(pool)
+
+
+def test_a_host_pool_class_tutti_does_not_move_exactly_is_refused(tmp_path: Path, store_options: list):
+    """Goal: only host pools whose every byte of a page tutti moves are registered. SGLang's
+    MXFP8 host pool keeps the fp8 payload in a kv_buffer shaped like a page_first MHA pool's,
+    but each page's scales in k_scale_host / v_scale_host, which tutti never stores: a page
+    read back would carry the scales of the host page's previous occupant (wrong KV). It is
+    refused at registration, naming the class. (Its constructor needs CUDA's JIT kernels, so
+    the instance is the real class over a real MHA pool's state plus its scale buffers.)"""
+    from sglang.srt.mem_cache.pool_host.mha_mxfp8 import MHATokenToKVPoolMXFP8Host
+
+    real = host_pool("page_first")
+    pool = object.__new__(MHATokenToKVPoolMXFP8Host)
+    pool.__dict__.update(real.__dict__)
+    pool.k_scale_host = torch.zeros(real.page_num, LAYERS, 64, dtype=torch.uint8)
+    pool.v_scale_host = torch.zeros(real.page_num, LAYERS, 64, dtype=torch.uint8)
+    created = StorageBackendFactory.create_backend("dynamic", storage_config("page_first", extra_config(tmp_path / "pool.img", True)), pool)
+    with pytest.raises(tutti.InvalidArgument, match="MHATokenToKVPoolMXFP8Host"):
+        created.register_mem_pool_host(pool)
+    assert store_options == [], "the pool was opened for a host pool tutti does not store exactly"

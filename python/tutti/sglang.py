@@ -50,6 +50,7 @@ from tutti._engine import (
     queue_depth_field,
 )
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
 logger = logging.getLogger("tutti.sglang")
 
@@ -152,6 +153,7 @@ class TuttiHiCacheStorage(HiCacheStorage):
             config["model_fingerprint"],
             "sglang hicache",
             str(storage.model_name),
+            type(mem_pool_host).__name__,
             mem_pool_host.layout,
             mem_pool_host.layer_num,
             mem_pool_host.head_num,
@@ -550,6 +552,17 @@ def _flush_logs() -> None:
 def host_pool_layout(host_pool: Any) -> tuple[list[torch.Tensor], list[torch.Tensor], int, int]:
     """SGLang's MHA host pool as tutti's "separate" layout over raw bytes: (keys, values, layers,
     bytes of one layer's K+V of a page). Raises ConfigError for a pool tutti cannot register."""
+    # Only the pool class whose pages are wholly in kv_buffer, by exact class: a subclass may keep
+    # part of a page elsewhere (SGLang 0.5.23's MHATokenToKVPoolMXFP8Host keeps each page's fp8
+    # scales in k_scale_host / v_scale_host, which tutti would never store, so a page read back
+    # would carry the scales of the host page's previous occupant; its own L3 page calls raise).
+    if type(host_pool) is not MHATokenToKVPoolHost:
+        raise ConfigError(
+            f"tutti stores SGLang's MHATokenToKVPoolHost pages byte-exact; this server's host pool is "
+            f"{type(host_pool).__module__}.{type(host_pool).__name__}, whose pages tutti cannot move exactly "
+            "(not supported: run without --hicache-storage-backend, or with a KV cache format SGLang keeps "
+            "in a plain MHA host pool)"
+        )
     layout = getattr(host_pool, "layout", None)
     buffer = getattr(host_pool, "kv_buffer", None)
     if not isinstance(buffer, torch.Tensor) or buffer.dim() < 5 or buffer.shape[0] != 2:
