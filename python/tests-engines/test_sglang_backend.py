@@ -36,12 +36,13 @@ DEVICE_PAGES = 8
 LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
 
 
-def host_pool(layout: str, start_layer: int = 0) -> MHATokenToKVPoolHost:
+def host_pool(layout: str, start_layer: int = 0, dtype: torch.dtype = torch.bfloat16) -> MHATokenToKVPoolHost:
     """SGLang's MHA host pool on the CPU, over device buffers that live on the CPU too;
-    `start_layer`: the model's first layer this pipeline stage holds."""
+    `start_layer`: the model's first layer this pipeline stage holds; `dtype`: the device pool's
+    store dtype (torch.uint8 for every fp8 --kv-cache-dtype)."""
     tokens = DEVICE_PAGES * PAGE
-    keys = tuple(torch.zeros(tokens, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(LAYERS))
-    values = tuple(torch.zeros(tokens, HEADS, HEAD_DIM, dtype=torch.bfloat16) for _ in range(LAYERS))
+    keys = tuple(torch.zeros(tokens, HEADS, HEAD_DIM, dtype=dtype) for _ in range(LAYERS))
+    values = tuple(torch.zeros(tokens, HEADS, HEAD_DIM, dtype=dtype) for _ in range(LAYERS))
     info = MHABufferInfo(
         buffers=KVBuffers(
             k=keys,
@@ -54,7 +55,7 @@ def host_pool(layout: str, start_layer: int = 0) -> MHATokenToKVPoolHost:
         head_num=HEADS,
         head_dim=HEAD_DIM,
         v_head_dim=HEAD_DIM,
-        dtype=torch.bfloat16,
+        dtype=dtype,
         device=torch.device("cpu"),
     )
     return MHATokenToKVPoolHost(
@@ -715,3 +716,28 @@ def test_a_host_pool_class_tutti_does_not_move_exactly_is_refused(tmp_path: Path
     with pytest.raises(tutti.InvalidArgument, match="MHATokenToKVPoolMXFP8Host"):
         created.register_mem_pool_host(pool)
     assert store_options == [], "the pool was opened for a host pool tutti does not store exactly"
+
+
+def test_fp8_kv_formats_get_their_own_key_spaces(tmp_path: Path, store_options: list):
+    """Goal: SGLang stores every fp8 --kv-cache-dtype as torch.uint8 (the device pool's
+    store_dtype, which the host pool takes), so the host pool's dtype cannot tell fp8_e5m2 from
+    fp8_e4m3: the default fingerprint names SGLang's kv_cache_dtype, and two servers differing
+    only in it never serve each other's pages. When it cannot be read (SGLang's config not
+    published in this process), a uint8 host pool is refused unless "model_fingerprint" names
+    the KV bytes."""
+    from sglang.srt.runtime_context import get_context
+
+    for kv_cache_dtype in ("fp8_e5m2", "fp8_e4m3"):
+        with get_context().override_server_args(kv_cache_dtype=kv_cache_dtype):
+            storage = backend("page_first", host_pool("page_first", dtype=torch.uint8), extra_config(tmp_path / "pool.img", True))
+            storage.close()
+    e5m2, e4m3 = (options["model_fingerprint"] for _, options in store_options)
+    assert e5m2 != e4m3, "fp8_e5m2 and fp8_e4m3 pages share a key space"
+
+    created = StorageBackendFactory.create_backend("dynamic", storage_config("page_first", extra_config(tmp_path / "pool.img", True)), None)
+    with pytest.raises(tutti.InvalidArgument, match="kv-cache-dtype.*model_fingerprint"):
+        created.register_mem_pool_host(host_pool("page_first", dtype=torch.uint8))
+    assert len(store_options) == 2
+    explicit = backend("page_first", host_pool("page_first", dtype=torch.uint8), extra_config(tmp_path / "pool.img", True, model_fingerprint="ab" * 32))
+    explicit.close()
+    assert store_options[2][1]["model_fingerprint"] == bytes.fromhex("ab" * 32)

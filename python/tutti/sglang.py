@@ -149,6 +149,15 @@ class TuttiHiCacheStorage(HiCacheStorage):
         self._layers_ahead = min(self._layers_ahead, layers)
         config = self._config
         storage = self._storage_config
+        kv_format = _kv_format_parts(mem_pool_host)
+        if kv_format is None and config["model_fingerprint"] is None:
+            raise ConfigError(
+                f"SGLang's host pool stores its KV as {mem_pool_host.dtype} (as SGLang stores every fp8 "
+                "--kv-cache-dtype), and SGLang's --kv-cache-dtype could not be read in this process, so the "
+                "default fingerprint cannot tell fp8 formats apart (fp8_e5m2 and fp8_e4m3 pages would be served "
+                "for each other): set \"model_fingerprint\" in --hicache-storage-backend-extra-config to 64 hex "
+                "digits naming this model and KV format"
+            )
         fingerprint = fingerprint_from_config(
             config["model_fingerprint"],
             "sglang hicache",
@@ -160,6 +169,7 @@ class TuttiHiCacheStorage(HiCacheStorage):
             mem_pool_host.head_dim,
             str(mem_pool_host.dtype),
             mem_pool_host.page_size,
+            *(kv_format or ()),
         )
         shard = _shard_parts(storage, mem_pool_host)
         if shard:
@@ -512,6 +522,27 @@ def _shard_parts(storage: HiCacheStorageConfig, host_pool: Any) -> tuple[Any, ..
         f"layers from {getattr(host_pool, 'start_layer', 0)}",
         f"cp {storage.attn_cp_rank}/{storage.attn_cp_size}",
     )
+
+
+def _kv_format_parts(host_pool: Any) -> Optional[tuple[str, ...]]:
+    """What tells this host pool's KV format apart beyond its dtype, for the default fingerprint:
+    empty for a floating-point pool (its dtype is the KV format). SGLang 0.5.23 stores every fp8
+    --kv-cache-dtype as torch.uint8 (memory_pool.py: store_dtype; the host pool takes it), so for
+    an integer pool: SGLang's kv_cache_dtype and speculative_draft_kv_cache_dtype (the packed
+    draft layers' format) and the platform (on ROCm fp8 strings resolve to the platform's fp8
+    type; "auto" resolves from the model's quant config, which the model name covers). None when
+    SGLang's config is not published in this process (it cannot be read)."""
+    if host_pool.dtype.is_floating_point:
+        return ()
+    from sglang.srt.runtime_context import get_model, get_spec
+
+    try:
+        kv_cache_dtype = get_model().kv_cache_dtype
+        draft_kv_cache_dtype = get_spec().speculative_draft_kv_cache_dtype
+    except (ValueError, RuntimeError, AttributeError):
+        return None
+    platform = "rocm" if getattr(torch.version, "hip", None) else "cuda"
+    return ("kv_cache_dtype", str(kv_cache_dtype), "draft kv_cache_dtype", str(draft_kv_cache_dtype), platform)
 
 
 def _host_pages_unsafe(why: str) -> None:
