@@ -741,3 +741,34 @@ def test_fp8_kv_formats_get_their_own_key_spaces(tmp_path: Path, store_options: 
     explicit = backend("page_first", host_pool("page_first", dtype=torch.uint8), extra_config(tmp_path / "pool.img", True, model_fingerprint="ab" * 32))
     explicit.close()
     assert store_options[2][1]["model_fingerprint"] == bytes.fromhex("ab" * 32)
+
+
+def test_hybrid_models_with_extra_host_pools_are_refused_at_attach(tmp_path: Path, caplog):
+    """Goal: for hybrid models (SWA, Mamba, ...) SGLang's HybridCacheController registers each
+    host pool entry with register_mem_host_pool_v2 after register_mem_pool_host, then calls
+    batch_exists_v2 / batch_get_v2 / batch_set_v2, which tutti does not implement (every call
+    would raise). A pool other than the KV one is refused when it is registered (failing the
+    attach, as on_host_pools_registered would), naming it, and the tutti pool is closed so a
+    half-attached backend moves nothing; the KV pool's own entry is accepted."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    pool = host_pool("page_first")
+    storage = backend("page_first", pool, extra_config(tmp_path / "pool.img", True))
+    try:
+        keys = page_keys(15, 1)
+        assert storage.batch_set_v1(keys, indices([1])) == [True]
+        # HybridCacheController.attach_storage_backend: each entry of the host pool group.
+        storage.register_mem_host_pool_v2(pool, PoolName.KV)
+        with pytest.raises(tutti.InvalidArgument, match="'swa'.*not supported"):
+            storage.register_mem_host_pool_v2(host_pool("page_first"), PoolName.SWA)
+        assert storage.batch_exists(keys) == 0
+        assert storage.batch_get_v1(keys, indices([2])) == [False]
+    finally:
+        storage.close()
+    plain = backend("page_first", pool, extra_config(tmp_path / "pool.img", False))
+    try:
+        plain.register_mem_host_pool_v2(pool, PoolName.KV)
+        plain.on_host_pools_registered()
+        assert plain.batch_exists(page_keys(15, 1)) == 1
+    finally:
+        plain.close()

@@ -200,6 +200,26 @@ class TuttiHiCacheStorage(HiCacheStorage):
         self._layers = layers
         self._page_size = mem_pool_host.page_size
 
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """SGLang's HybridCacheController (0.5.23) registers every entry of its host pool group
+        here after register_mem_pool_host, the KV pool's own entry included; any other pool (a
+        hybrid model's SWA, Mamba, indexer... state) makes it call batch_exists_v2 /
+        batch_get_v2 / batch_set_v2, which tutti does not implement (every call would raise).
+        Such a pool is refused: the attach fails (SGLang does not start, or the runtime attach
+        reports failure), and the tutti pool is closed first so a backend left half-attached
+        moves nothing and misses."""
+        name = getattr(host_pool_name, "value", host_pool_name)
+        if name == "kv" and host_pool is getattr(self, "mem_pool_host", None):
+            super().register_mem_host_pool_v2(host_pool, host_pool_name)
+            return
+        reason = (
+            f"SGLang registered a host pool {name!r} ({type(host_pool).__name__}) besides the KV pool: "
+            "hybrid models (SWA, Mamba, ...) whose extra pools move through batch_*_v2 are not supported by tutti"
+        )
+        if self._store is not None:
+            self._close_pool(reason, pages_written=False)
+        raise ConfigError(f"{reason}; run this model without --hicache-storage-backend")
+
     # -- the zero-copy interface ----------------------------------------------------------------
 
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
