@@ -530,6 +530,7 @@ impl Controller {
             }
         };
         DetachedQueuePair::validate_rings(depth, &submission, &completion)?;
+        DetachedQueuePair::check_rings_in(self.dma.as_ref(), depth, &submission, &completion)?;
         completion.fill(0, depth as usize * COMPLETION_ENTRY_BYTES, 0)?;
         let id = self.admin.reserve_queue_id(self.granted_queue_pairs)?;
         // The agent writes these offsets of BAR0 itself: check them as QueuePair::allocate does

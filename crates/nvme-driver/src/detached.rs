@@ -101,6 +101,45 @@ impl DetachedQueuePair {
         Ok(())
     }
 
+    /// Checks that the rings are this controller's DMA memory and apart: `dma` (the controller's
+    /// space) must map each ring's IOVA range, as far as the controller uses it, to the very
+    /// host memory the region is, and the two rings must not share an IOVA or a host byte.
+    /// A region from another pool (two identity pools hand out the same IOVAs) or a stale
+    /// clone of one whose IOVA was reused would otherwise point the controller at other
+    /// memory; one region given twice would have the controller write completions over the
+    /// commands. Called after [`DetachedQueuePair::validate_rings`] (the sizes are checked).
+    pub(crate) fn check_rings_in(
+        dma: &dyn DmaAllocator,
+        depth: u32,
+        submission: &DmaRegion,
+        completion: &DmaRegion,
+    ) -> Result<(), NvmeError> {
+        let (submission_bytes, completion_bytes) = (depth as usize * SUBMISSION_ENTRY_BYTES, depth as usize * COMPLETION_ENTRY_BYTES);
+        for (region, bytes, ring) in [(submission, submission_bytes, "submission ring"), (completion, completion_bytes, "completion ring")]
+        {
+            // One mapping covers the whole range (translate finds no range spanning two), and
+            // within a mapping IOVA and host address advance together: equal first bytes mean
+            // every byte the controller reaches is this region's.
+            let mapped = dma.translate(region.iova(), bytes).map(|mapped| mapped.host_address());
+            if mapped.ok() != Some(region.host_address()) {
+                return Err(NvmeError::RingNotDeviceMemory { ring, iova: region.iova(), host_address: region.host_address() });
+            }
+        }
+        // Half-open ranges in u128: no sum of a u64 or usize start and a length can overflow.
+        let apart = |a: u128, a_bytes: usize, b: u128, b_bytes: usize| a + a_bytes as u128 <= b || b + b_bytes as u128 <= a;
+        let iovas_apart = apart(u128::from(submission.iova().0), submission_bytes, u128::from(completion.iova().0), completion_bytes);
+        let hosts_apart = apart(submission.host_address() as u128, submission_bytes, completion.host_address() as u128, completion_bytes);
+        if !(iovas_apart && hosts_apart) {
+            return Err(NvmeError::RingsOverlap {
+                submission: submission.iova(),
+                submission_bytes,
+                completion: completion.iova(),
+                completion_bytes,
+            });
+        }
+        Ok(())
+    }
+
     pub(crate) fn new(
         layout: DetachedQueueLayout,
         submission: DmaRegion,

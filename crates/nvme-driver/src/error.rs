@@ -4,7 +4,7 @@ use crate::hw::HwError;
 use crate::namespace::RefusedNamespace;
 use crate::spec::identify::IdentifyError;
 use crate::spec::NvmeStatus;
-use crate::types::{CommandId, NamespaceId, QueueId};
+use crate::types::{CommandId, Iova, NamespaceId, QueueId};
 
 /// Errors from the NVMe driver.
 #[derive(Debug, thiserror::Error)]
@@ -75,6 +75,17 @@ pub enum NvmeError {
 
     #[error("the doorbells of {queue} would lie at {offset:#x}, outside BAR0 ({bar_bytes} bytes): CAP.DSTRD is too large for this BAR")]
     DoorbellOutsideBar { queue: QueueId, offset: usize, bar_bytes: usize },
+
+    /// A ring given for a detached queue pair is not memory of this controller's DMA space at
+    /// its IOVA: the controller would read commands from, or write completions into, whatever
+    /// its space maps there (another pool's IOVAs name this space's other memory, or none).
+    #[error("the {ring} at {iova} (host {host_address:#x}) is not this controller's DMA memory: its DMA space maps that IOVA range to other memory, or to none")]
+    RingNotDeviceMemory { ring: &'static str, iova: Iova, host_address: usize },
+
+    /// The SQ and CQ given for a detached queue pair overlap (by IOVA or in host memory): the
+    /// controller would write completions over the commands.
+    #[error("the submission ring ({submission} +{submission_bytes} bytes) and the completion ring ({completion} +{completion_bytes} bytes) overlap: the controller would write completions over the commands")]
+    RingsOverlap { submission: Iova, submission_bytes: usize, completion: Iova, completion_bytes: usize },
 
     #[error("{queue} belongs to a controller generation that was reset; create a new queue pair")]
     QueueStale { queue: QueueId },

@@ -795,3 +795,42 @@ fn a_function_left_running_cannot_dma_into_memory_mapped_for_another_function_of
     }
     assert_eq!(left_running.counters().doorbells_without_bus_master, 0);
 }
+
+#[test]
+fn detached_rings_outside_the_controllers_dma_space_or_shared_by_both_queues_are_refused() {
+    // Goal: the rings a caller hands create_detached_queue_pair are programmed into the
+    // controller by IOVA, so they must be memory the controller's own DMA space maps at that
+    // IOVA, and the SQ and CQ must not overlap. A region of another identity pool carries an
+    // IOVA (from 1 << 32) that this controller's pool maps to other memory, its admin SQ among
+    // it; one region given as both rings makes the controller write completions over the
+    // commands. Both are refused before any Create I/O queue command is sent.
+    let (device, controller) = bring_up(FakeScript::default());
+    let sent = device.counters().commands_by_queue.get(&0).copied();
+    let depth = 8usize;
+    let (sq_bytes, cq_bytes) = (depth * crate::spec::SUBMISSION_ENTRY_BYTES, depth * crate::spec::COMPLETION_ENTRY_BYTES);
+    let foreign = crate::hw::DmaPool::identity();
+    let rings = (foreign.allocate(sq_bytes).expect("SQ"), foreign.allocate(cq_bytes).expect("CQ"));
+    assert!(
+        controller.dma().translate(rings.0.iova(), sq_bytes).is_ok(),
+        "the test needs the foreign IOVA to name memory in the controller's space too"
+    );
+    let result = controller.create_detached_queue_pair(depth as u32, Some(rings));
+    assert!(matches!(result, Err(NvmeError::RingNotDeviceMemory { ring: "submission ring", .. })), "{result:?}");
+
+    let shared = controller.dma().allocate(sq_bytes).expect("ring");
+    let result = controller.create_detached_queue_pair(depth as u32, Some((shared.clone(), shared.clone())));
+    assert!(matches!(result, Err(NvmeError::RingsOverlap { .. })), "{result:?}");
+    // Rings at IOVAs apart that are two mappings of the same host pages overlap too.
+    let memory = crate::hw::SharedMemory::create("detached-rings-test", 4096).expect("shared memory");
+    let (first, second) = (controller.dma().map_shared(&memory).expect("map"), controller.dma().map_shared(&memory).expect("map again"));
+    assert_ne!(first.iova(), second.iova());
+    let result = controller.create_detached_queue_pair(depth as u32, Some((first, second)));
+    assert!(matches!(result, Err(NvmeError::RingsOverlap { .. })), "{result:?}");
+
+    assert_eq!(device.counters().commands_by_queue.get(&0).copied(), sent, "no Create I/O CQ/SQ was sent");
+    // Rings of the controller's own space, apart, still work.
+    let cq = controller.dma().allocate(cq_bytes).expect("CQ");
+    let pair = controller.create_detached_queue_pair(depth as u32, Some((shared, cq))).expect("rings of the controller's space");
+    pair.delete().map_err(|undeleted| undeleted.source).expect("delete");
+    assert_eq!(controller.leaked_queue_pairs(), 0);
+}
