@@ -517,6 +517,10 @@ impl Controller {
     /// then never touches the rings. The returned layout has the ring addresses and doorbell
     /// offsets that agent needs. The host cannot stop that agent's doorbell writes: see
     /// [`DetachedQueuePair`] for the contract around drop and reset.
+    ///
+    /// Rings the caller gives must be memory of this controller's DMA space ([`Controller::dma`]'s
+    /// allocations and mappings) at their IOVAs ([`NvmeError::RingNotDeviceMemory`] otherwise)
+    /// and apart from each other ([`NvmeError::RingsOverlap`]).
     pub fn create_detached_queue_pair(&self, depth: u32, rings: Option<(DmaRegion, DmaRegion)>) -> Result<DetachedQueuePair, NvmeError> {
         self.check_doorbells_known()?;
         if self.shadow_doorbells_active() {
