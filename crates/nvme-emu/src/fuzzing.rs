@@ -50,6 +50,9 @@ pub fn process_raw(admin: bool, entry: &[u8; 64], memory: &[u8]) -> Result<RawOu
     let region = dma.allocate(used.len().max(1))?;
     region.write(0, used)?;
     let mut core = ControllerCore::new(config, registers, dma)?;
+    // Takes that CC write as the controller thread's first poll would: untaken, its EN = 0
+    // reads as a reset the host asked for, and a long command (a deallocate) gives way to it.
+    core.react_to_configuration();
     let entry = SubmissionEntry::from_bytes(entry);
     let result = core.execute(if admin { 0 } else { 1 }, &entry);
     // A write-back after the command exercises the cache paths too.

@@ -99,6 +99,11 @@ impl ControllerCore {
                 }
                 _ => self.execute(queue_id, entry),
             };
+            if result == Err(crate::io::abandoned_for_reset()) && self.registers.reset_requested() {
+                // A long command (a deallocate) stopped for the reset the host asked for, which
+                // deletes its queue: like the commands after it, it gets no completion.
+                break;
+            }
             self.complete(queue_id, completion_queue_id, *sq_head, entry, result, fault, now);
         }
         self.submit_in_flight();

@@ -3,6 +3,7 @@
 mod admin_tests;
 mod configuration_tests;
 mod copied_tests;
+mod deallocate_tests;
 mod durability_tests;
 mod harness;
 mod held_transfer_tests;

@@ -1,0 +1,118 @@
+//! Dataset Management (deallocate) bounds: one command's work is at most the namespace once,
+//! however many and however large its ranges, and it gives way to a controller reset.
+
+use std::time::{Duration, Instant};
+
+use nvme_driver::spec::command::DatasetRange;
+use nvme_driver::spec::registers;
+use nvme_driver::spec::SubmissionEntry;
+use nvme_driver::{Lba, NamespaceId};
+
+use super::harness::{read_block, status_of, write_block, TestHost};
+use crate::{Backing, EmuConfig, NamespaceConfig};
+
+/// Most ranges one Dataset Management command carries (NR = FFh).
+const RANGES_MAX: usize = 256;
+
+/// A deallocate of `RANGES_MAX` copies of `range` with its range list in host memory (kept
+/// alive by the returned region).
+fn deallocate_repeated(host: &TestHost, range: DatasetRange) -> (SubmissionEntry, nvme_driver::hw::DmaRegion) {
+    let list = host.buffer(RANGES_MAX * DatasetRange::BYTES);
+    for index in 0..RANGES_MAX {
+        list.write(index * DatasetRange::BYTES, &range.to_bytes()).unwrap();
+    }
+    let mut entry = SubmissionEntry::deallocate(NamespaceId(1), RANGES_MAX as u32);
+    entry.dptr[0] = list.iova().0;
+    (entry, list)
+}
+
+fn whole_namespace(blocks: u64) -> DatasetRange {
+    DatasetRange { context_attributes: 0, blocks: u32::try_from(blocks).unwrap(), start: Lba(0) }
+}
+
+#[test]
+fn a_deallocate_of_256_whole_namespace_ranges_gives_way_to_a_reset_within_cap_to() {
+    // Goal: a host (or one restricted client) cannot hold the controller thread with one DSM:
+    // 256 copies of a whole 1 GiB namespace (the memory store maps lazily, so this costs no
+    // RAM) once took 256 passes over the namespace on the controller thread, and a CC.EN = 0
+    // written meanwhile waited for all of them. RDY must read 0 within CAP.TO.
+    const STORE_BYTES: u64 = 1 << 30;
+    let config =
+        EmuConfig::default().with_backing(Backing::Memory { bytes: STORE_BYTES }).with_namespaces(vec![NamespaceConfig::new(4096, None)]);
+    let cap_to = Duration::from_millis(500 * u64::from(config.ready_timeout_500ms_units));
+    let mut host = TestHost::start(config);
+    let mut queue = host.create_io_pair(1, 8);
+    write_block(&host, &mut queue, 5, 0xAB);
+    let (entry, _list) = deallocate_repeated(&host, whole_namespace(STORE_BYTES / 4096));
+    TestHost::push(&mut queue, entry);
+    host.ring_submission(&queue);
+    // Let the controller thread take the command (it may even finish it: that passes too).
+    std::thread::sleep(Duration::from_millis(50));
+    let cleared = Instant::now();
+    host.registers.write32(registers::CC, 0);
+    while host.csts().ready() {
+        assert!(cleared.elapsed() < cap_to, "CSTS.RDY still 1 {:?} after CC.EN = 0 (CAP.TO {cap_to:?})", cleared.elapsed());
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // The controller works again after the reset.
+    host.enable();
+    let mut queue = host.create_io_pair(1, 8);
+    write_block(&host, &mut queue, 7, 0xCD);
+    assert!(read_block(&host, &mut queue, 7).iter().all(|&byte| byte == 0xCD));
+}
+
+#[test]
+fn a_deallocate_zeroes_each_block_once_however_often_its_ranges_repeat_it() {
+    // Goal: where zeroing means writing zeroes (a block device without write-zeroes offload,
+    // simulated by refusing the hole punch), 256 copies of a whole-namespace range write the
+    // namespace once, not 256 times, and every block reads as zero after the completion.
+    const STORE_BYTES: u64 = 4 << 20;
+    let path = std::env::temp_dir().join(format!("nvme-emu-deallocate-once-{}", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let config = EmuConfig::default()
+        .with_backing(Backing::File { path: path.clone(), create_bytes: Some(STORE_BYTES) })
+        .with_namespaces(vec![NamespaceConfig::new(4096, None)])
+        .with_volatile_write_cache(false);
+    let mut host = TestHost::start(config);
+    let _ = std::fs::remove_file(&path);
+    let mut queue = host.create_io_pair(1, 8);
+    write_block(&host, &mut queue, 0, 0x11);
+    write_block(&host, &mut queue, STORE_BYTES / 4096 - 1, 0x22);
+    host.device.with_core(|core| core.store.refuse_punch_for_tests());
+    let (entry, _list) = deallocate_repeated(&host, whole_namespace(STORE_BYTES / 4096));
+    assert_eq!(status_of(&host.execute_on(&mut queue, entry)), Ok(()));
+    let written = host.device.with_core(|core| core.store.zeroes_written_bytes());
+    assert_eq!(written, STORE_BYTES, "zero bytes the fallback wrote for 256 copies of the whole namespace");
+    assert!(read_block(&host, &mut queue, 0).iter().all(|&byte| byte == 0));
+    assert!(read_block(&host, &mut queue, STORE_BYTES / 4096 - 1).iter().all(|&byte| byte == 0));
+}
+
+#[test]
+fn overlapping_and_adjacent_ranges_are_zeroed_and_nothing_else() {
+    // Goal: merging ranges keeps exactly their union: blocks in any range read as zero, the
+    // blocks between and around them keep their data, and zero-length ranges do nothing.
+    let config =
+        EmuConfig::default().with_backing(Backing::Memory { bytes: 1 << 20 }).with_namespaces(vec![NamespaceConfig::new(4096, None)]);
+    let mut host = TestHost::start(config);
+    let mut queue = host.create_io_pair(1, 8);
+    for lba in 0..16 {
+        write_block(&host, &mut queue, lba, 0x40 + lba as u8);
+    }
+    // Unsorted, overlapping (2..6 and 4..8), adjacent (8..9 after 4..8), empty (at 12), and
+    // apart (10..11, 14..15).
+    let ranges = [(4u64, 4u32), (10, 1), (2, 4), (8, 1), (12, 0), (14, 1), (3, 1)];
+    let list = host.buffer(4096);
+    for (index, (start, blocks)) in ranges.iter().enumerate() {
+        let range = DatasetRange { context_attributes: 0, blocks: *blocks, start: Lba(*start) };
+        list.write(index * DatasetRange::BYTES, &range.to_bytes()).unwrap();
+    }
+    let mut entry = SubmissionEntry::deallocate(NamespaceId(1), ranges.len() as u32);
+    entry.dptr[0] = list.iova().0;
+    assert_eq!(status_of(&host.execute_on(&mut queue, entry)), Ok(()));
+    let zeroed = |lba: u64| (2..9).contains(&lba) || lba == 10 || lba == 14;
+    for lba in 0..16 {
+        let block = read_block(&host, &mut queue, lba);
+        let expected = if zeroed(lba) { 0 } else { 0x40 + lba as u8 };
+        assert!(block.iter().all(|&byte| byte == expected), "block {lba}: expected {expected:#x}, read {:#x}", block[0]);
+    }
+}
