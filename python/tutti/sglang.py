@@ -261,15 +261,23 @@ class TuttiHiCacheStorage(HiCacheStorage):
         raise _copying_interface("batch_set")
 
     def clear(self) -> None:
-        """SGLang's storage flush (/hicache/storage-backend/clear, e.g. after a weight update):
-        tutti cannot forget a pool's blocks, so this fails. SGLang 0.5.23's cache controller
-        ignores the return value; its storage attachment turns an exception into a failed clear
-        (logged with this message, its existence cache kept), so this raises."""
-        raise tutti.InvalidState(
-            "tutti cannot forget a pool's blocks: the storage tier was NOT cleared, and its pages (named by "
-            "page hashes of the token prefix, not the weights) would still be served. After a weight update, "
-            "restart with a new pool (\"format\": true, or other devices) or a new \"model_fingerprint\" in "
-            "--hicache-storage-backend-extra-config"
+        """SGLang's storage flush (/hicache/storage-backend/clear, e.g. after a weight update).
+        tutti cannot forget a pool's blocks (no bulk delete), and SGLang 0.5.23 reports the clear
+        a success whatever happens here (the scheduler ignores the outcome: "cleared
+        successfully", HTTP 200), so the clear must make sure nothing stored before is served
+        again: the pool is retired for this process through the stuck layer's close path (its
+        queue pairs deleted; lookups miss and nothing moves until a restart), logged at warning
+        level with what a restart does. A second clear does nothing."""
+        if self._store is None or self._dead is not None:
+            return
+        self._close_pool(
+            "SGLang cleared the storage tier (/hicache/storage-backend/clear): tutti cannot delete a pool's "
+            "pages, so it stops using the pool until this server restarts; a restart opens the same pool and "
+            "serves the pages stored before the clear (they are named by token-prefix hashes, not by the "
+            "weights): after a weight update restart with \"format\": true, other devices or a new "
+            "\"model_fingerprint\" in --hicache-storage-backend-extra-config",
+            pages_written=False,
+            level=logging.WARNING,
         )
 
     def close(self) -> None:
