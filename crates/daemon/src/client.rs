@@ -14,10 +14,15 @@
 //! A session idle for its lease (`HelloReply::lease_ms`) is ended by the daemon: an engine
 //! that may idle longer calls [`Client::ping`] in between.
 
-use std::os::fd::{BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::{Duration, Instant};
+
+use nix::errno::Errno;
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+use nix::sys::socket::sockopt::SocketError;
+use nix::sys::socket::{connect, getsockopt, socket as new_socket, AddressFamily, SockFlag, SockType, UnixAddr};
 
 use crate::frame_io::{read_frame, write_frame_with_fds, ReadOutcome};
 use crate::protocol::{encode_frame, encode_lookup_body, encode_lookup_from_body, Hello, HelloReply, Kind, Reply, Request, StatusReply};
@@ -49,10 +54,10 @@ pub struct Client {
 }
 
 impl Client {
-    /// Connects; every later call waits at most `timeout` for its answer.
+    /// Connects within `timeout` ([`DaemonError::Timeout`] if the daemon does not take the
+    /// connection by then); every later call waits at most `timeout` for its answer.
     pub fn connect(socket: &Path, timeout: Duration) -> Result<Client, DaemonError> {
-        let stream = UnixStream::connect(socket)
-            .map_err(|source| DaemonError::Io { context: format!("connecting to tuttid at {}", socket.display()), source })?;
+        let stream = connect_within(socket, timeout)?;
         let io = |context: &'static str| move |source| DaemonError::Io { context: context.into(), source };
         stream.set_read_timeout(Some(TICK)).map_err(io("setting the read tick"))?;
         stream.set_write_timeout(Some(timeout)).map_err(io("setting the write timeout"))?;
@@ -260,8 +265,67 @@ impl Client {
     }
 }
 
+/// Connects to the Unix socket at `socket` within `timeout`. A blocking connect waits, with no
+/// bound, while the listener's backlog is full (a daemon stopped with SIGSTOP, or stuck, whose
+/// clients queue on its socket); a non-blocking one is refused at once then (EAGAIN), so it is
+/// tried again, at most a tick apart, until the deadline: [`DaemonError::Timeout`]. Any other
+/// refusal (no socket, no listener) is [`DaemonError::Io`] at once.
+pub(crate) fn connect_within(socket: &Path, timeout: Duration) -> Result<UnixStream, DaemonError> {
+    let io = |source: std::io::Error| DaemonError::Io { context: format!("connecting to tuttid at {}", socket.display()), source };
+    let address = UnixAddr::new(socket).map_err(|errno| io(errno.into()))?;
+    // Capped so that the deadline is representable whatever the caller passed.
+    let deadline = Instant::now() + timeout.min(CONNECT_TIMEOUT_MAX);
+    let timed_out = || DaemonError::Timeout {
+        what: format!("connecting to tuttid at {} (it does not take connections: its backlog is full)", socket.display()),
+        after_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
+    };
+    let mut pause = Duration::from_millis(1);
+    let connected = loop {
+        let stream = new_socket(AddressFamily::Unix, SockType::Stream, SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK, None)
+            .map_err(|errno| io(errno.into()))?;
+        match connect(stream.as_raw_fd(), &address) {
+            Ok(()) => break stream,
+            // Not what Linux does for a Unix socket, but what a non-blocking connect may answer:
+            // wait for it to complete, to the deadline.
+            Err(Errno::EINPROGRESS) => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                let wait = PollTimeout::try_from(left.as_micros().div_ceil(1000)).unwrap_or(PollTimeout::MAX);
+                let mut polled = [PollFd::new(stream.as_fd(), PollFlags::POLLOUT)];
+                match poll(&mut polled, wait) {
+                    Ok(0) => return Err(timed_out()),
+                    Ok(_) => match getsockopt(&stream, SocketError) {
+                        Ok(0) => break stream,
+                        Ok(errno) => return Err(io(std::io::Error::from_raw_os_error(errno))),
+                        Err(errno) => return Err(io(errno.into())),
+                    },
+                    Err(Errno::EINTR) => {}
+                    Err(errno) => return Err(io(errno.into())),
+                }
+            }
+            // The backlog is full: try again shortly (a fresh socket each time).
+            Err(Errno::EAGAIN) => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(timed_out());
+                }
+                std::thread::sleep(pause.min(left));
+                pause = pause.saturating_mul(2).min(TICK);
+            }
+            Err(Errno::EINTR) => {}
+            Err(errno) => return Err(io(errno.into())),
+        }
+    };
+    let stream = UnixStream::from(connected);
+    stream.set_nonblocking(false).map_err(io)?;
+    Ok(stream)
+}
+
+/// The longest connect wait [`connect_within`] computes a deadline for (a day: longer than
+/// any caller means, short enough that `Instant::now() + it` cannot overflow).
+const CONNECT_TIMEOUT_MAX: Duration = Duration::from_secs(86_400);
+
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::os::unix::net::UnixListener;
 
     use super::*;
@@ -290,6 +354,51 @@ mod tests {
         match outcome {
             Err(DaemonError::Remote { code: ErrorCode::Busy, .. }) => {}
             other => panic!("expected the daemon's Busy, got {other:?}"),
+        }
+    }
+
+    /// A listener with a one-connection backlog that never accepts, its backlog filled (what a
+    /// stopped daemon's socket looks like once clients queue on it); returns it with the
+    /// queued connections, which keep the backlog full while held.
+    pub(crate) fn full_listener(socket: &std::path::Path) -> (OwnedFd, Vec<OwnedFd>) {
+        use nix::sys::socket::{bind, connect, listen, socket as new_socket, AddressFamily, Backlog, SockFlag, SockType, UnixAddr};
+        let address = UnixAddr::new(socket).unwrap();
+        let listener = new_socket(AddressFamily::Unix, SockType::Stream, SockFlag::SOCK_CLOEXEC, None).unwrap();
+        bind(listener.as_raw_fd(), &address).unwrap();
+        listen(&listener, Backlog::new(1).unwrap()).unwrap();
+        let mut queued = Vec::new();
+        // Bounded: the kernel refuses (EAGAIN) once backlog + 1 connections wait.
+        for _ in 0..64 {
+            let stream = new_socket(AddressFamily::Unix, SockType::Stream, SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK, None).unwrap();
+            match connect(stream.as_raw_fd(), &address) {
+                Ok(()) => queued.push(stream),
+                Err(nix::errno::Errno::EAGAIN) => return (listener, queued),
+                Err(errno) => panic!("filling the backlog: {errno}"),
+            }
+        }
+        panic!("the backlog took 64 connections");
+    }
+
+    /// Goal: `Client::connect`'s timeout bounds the connect too: a Unix connect waits while the
+    /// listener's backlog is full (a daemon stopped with SIGSTOP, or stuck), so a client must
+    /// get an error within about its timeout rather than wait for as long as the daemon is.
+    #[test]
+    fn a_connect_to_a_full_backlog_fails_within_the_timeout() {
+        let directory = tempfile::tempdir().unwrap();
+        let socket = directory.path().join("socket");
+        let (_listener, _queued) = full_listener(&socket);
+        let (sender, outcome) = std::sync::mpsc::channel();
+        let started = Instant::now();
+        let connecting = socket.clone();
+        // In a thread: a connect without a bound would otherwise hang the test.
+        std::thread::spawn(move || {
+            let _ = sender.send(Client::connect(&connecting, Duration::from_millis(200)).map(|_| ()));
+        });
+        let outcome = outcome.recv_timeout(Duration::from_secs(3));
+        let took = started.elapsed();
+        match outcome {
+            Ok(Err(DaemonError::Timeout { .. })) => assert!(took < Duration::from_secs(1), "the connect failed after {took:?}"),
+            other => panic!("a connect to a full backlog: {other:?} after {took:?}"),
         }
     }
 

@@ -49,6 +49,9 @@ use connection::{serve_connection, Connection};
 /// like, and hold off the drain. 64 refusals take well under a tick.
 pub const ACCEPTS_PER_PASS_MAX: usize = 64;
 
+/// How long `Server::bind` waits to tell whether a daemon is serving the socket already.
+const SOCKET_PROBE_TIMEOUT: Duration = Duration::from_secs(1);
+
 /// How the server runs.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
@@ -242,8 +245,12 @@ impl Server {
         let io = |context: String| move |source| DaemonError::Io { context, source };
         match std::fs::symlink_metadata(socket) {
             Ok(metadata) if metadata.file_type().is_socket() => {
-                if UnixStream::connect(socket).is_ok() {
-                    return Err(DaemonError::SocketInUse { socket: socket.clone() });
+                // Bounded: a live daemon that does not accept (stopped with SIGSTOP, its backlog
+                // full) would hold a plain connect here for as long as it is stopped. One whose
+                // backlog stays full is live, not stale: its socket is left alone.
+                match crate::client::connect_within(socket, SOCKET_PROBE_TIMEOUT) {
+                    Ok(_) | Err(DaemonError::Timeout { .. }) => return Err(DaemonError::SocketInUse { socket: socket.clone() }),
+                    Err(_) => {}
                 }
                 std::fs::remove_file(socket).map_err(io(format!("removing the stale socket {}", socket.display())))?;
             }

@@ -36,19 +36,7 @@ impl InProcess {
     /// through the daemon's relay (as on a VFIO device).
     fn start(clients_max: usize, relay: bool) -> InProcess {
         let directory = tempfile::tempdir().unwrap();
-        let geometry = ModelGeometry { layers: 2, kv_heads: 2, head_dim: 64, dtype_bytes: 2, block_tokens: 16 };
-        let options = PoolOptions {
-            specs: vec![DeviceSpec::parse("emu:mem:64m", &DeviceKind::ALL).unwrap()],
-            namespace: 1,
-            emu_lba_bytes: 4096,
-            emu_create_bytes: None,
-            format: Some(FormatParams { geometry, blocks_per_slot: 1, slot_count_max: None, pool_uuid: None, payload_crc: false }),
-            overwrite: false,
-            lock_dir: directory.path().join("locks"),
-            client_queue_pairs: 4,
-            emu_doorbell_relay: relay,
-        };
-        let opened = open_pool(&options).expect("open the pool");
+        let opened = pool(directory.path(), relay);
         let socket = directory.path().join("tuttid.sock");
         let mut config = ServerConfig::new(socket.clone());
         config.clients_max = clients_max;
@@ -88,6 +76,23 @@ impl Drop for InProcess {
         // A test that failed before stopping: the daemon thread is left to the process's end.
         self.stop.stop();
     }
+}
+
+/// A fresh pool on an in-memory software controller (`relay`: its register page withheld).
+fn pool(directory: &std::path::Path, relay: bool) -> crate::pool_open::OpenedPool {
+    let geometry = ModelGeometry { layers: 2, kv_heads: 2, head_dim: 64, dtype_bytes: 2, block_tokens: 16 };
+    let options = PoolOptions {
+        specs: vec![DeviceSpec::parse("emu:mem:64m", &DeviceKind::ALL).unwrap()],
+        namespace: 1,
+        emu_lba_bytes: 4096,
+        emu_create_bytes: None,
+        format: Some(FormatParams { geometry, blocks_per_slot: 1, slot_count_max: None, pool_uuid: None, payload_crc: false }),
+        overwrite: false,
+        lock_dir: directory.join("locks"),
+        client_queue_pairs: 4,
+        emu_doorbell_relay: relay,
+    };
+    open_pool(&options).expect("open the pool")
 }
 
 fn hello(name: &str) -> Hello {
@@ -226,4 +231,32 @@ fn clients_max_is_capped_at_what_a_status_reply_can_list() {
     config.clients_max = ServerConfig::CLIENTS_MAX;
     config.validate().expect("the cap itself");
     assert_eq!(ServerConfig::CLIENTS_MAX, 7279, "tuttid --help and docs/tuttid.md give the number");
+}
+
+#[test]
+fn bind_refuses_a_socket_whose_daemon_does_not_accept_without_waiting_on_it() {
+    // Goal: `Server::bind` asks whether a daemon serves the socket already; one that is stopped
+    // (SIGSTOP) with its backlog full would hold a plain connect for as long as it is stopped.
+    // The probe is bounded, and a listener that does not take connections is a live daemon's
+    // (SocketInUse), not a stale file to remove.
+    let directory = tempfile::tempdir().unwrap();
+    let socket = directory.path().join("tuttid.sock");
+    let (_listener, _queued) = crate::client::tests::full_listener(&socket);
+    let opened = pool(directory.path(), false);
+    let (sender, bound) = mpsc::channel();
+    let started = Instant::now();
+    let config = ServerConfig::new(socket.clone());
+    // In a thread: a probe without a bound would otherwise hang the test.
+    thread::spawn(move || {
+        let _ = sender.send(Server::bind(config, opened).map(|_| ()).map_err(|error| error.to_string()));
+    });
+    let outcome = bound.recv_timeout(Duration::from_secs(5));
+    let took = started.elapsed();
+    match outcome {
+        Ok(Err(message)) if message.contains("served by a live daemon") => {
+            assert!(took < Duration::from_secs(3), "refused after {took:?}")
+        }
+        other => panic!("bind over a listener that does not accept: {other:?} after {took:?}"),
+    }
+    assert!(socket.exists(), "the live daemon's socket was removed");
 }
