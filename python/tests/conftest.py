@@ -154,6 +154,26 @@ def retrieve_prompt(store: tutti.Store, prompt: list[int], blocks: list[int], fi
             assert request.wait(WAIT_S) == layer
 
 
+class HandsOverOnExport:
+    """A DLPack producer that lets go of its array when it exports it: afterwards the array is
+    reachable only through the DLPack export (numpy's capsule holds it until the consumer's
+    deleter call), so whether it stays alive is up to the store's keep, not to the layout
+    that holds this producer."""
+
+    def __init__(self, array: np.ndarray):
+        self.array: np.ndarray | None = array
+
+    def __dlpack_device__(self):
+        assert self.array is not None
+        return self.array.__dlpack_device__()
+
+    def __dlpack__(self, **kwargs):
+        assert self.array is not None
+        capsule = self.array.__dlpack__(**kwargs)
+        self.array = None
+        return capsule
+
+
 def run_child(*args: str, timeout: float = WAIT_S) -> subprocess.CompletedProcess:
     """Runs python/tests/child.py in a fresh interpreter (bounded)."""
     return subprocess.run([sys.executable, str(HERE / "child.py"), *args], capture_output=True, text=True, timeout=timeout)

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import ctypes.util
 import gc
+import weakref
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 import tutti
-from conftest import FINGERPRINT, GEOMETRY, Daemon, fill_block, holds, run_child, store_prompt, tokens
+from conftest import FINGERPRINT, GEOMETRY, Daemon, HandsOverOnExport, fill_block, holds, run_child, store_prompt, tokens
 
 BLOCKS = 8
 # A paged layer's bytes: per block its K and V (2 x 4 KiB objects).
@@ -27,13 +29,17 @@ def stand_in_layout(stand_in: tutti.DeviceMemoryStandIn) -> tutti.KvLayout:
     """vLLM 0.32's shape of GPU KV: one allocation, a region per layer in it; here the layers
     lie in reverse order after LEAD_BYTES, so the offsets the daemon sees are not the order the
     layout lists them in."""
-    data = stand_in.numpy()
+    return tutti.KvLayout.paged(stand_in_views(stand_in.numpy()))
+
+
+def stand_in_views(data: np.ndarray) -> list[np.ndarray]:
+    """The per-layer views of stand_in_layout over the stand-in's bytes `data`."""
     layers = GEOMETRY.layers
     views = []
     for layer in range(layers):
         start = LEAD_BYTES + (layers - 1 - layer) * LAYER_BYTES
         views.append(data[start : start + LAYER_BYTES].view(np.uint16).reshape(BLOCKS, 2, 16, 2 * 64))
-    return tutti.KvLayout.paged(views)
+    return views
 
 
 def attach(daemon: Daemon) -> tutti.Store:
@@ -52,13 +58,21 @@ def test_device_memory_stored_by_one_process_is_retrieved_by_another(memfd_daemo
     # (tuttid maps the memfd, copies out of it) and stores a prompt; a child process registers its
     # own stand-in, retrieves the prompt into other blocks and compares every byte. The layout's
     # tensors are not at the allocation's start and not in address order. The stand-in and
-    # the arrays are dropped by the caller after registration: the store keeps them.
+    # the arrays are dropped by the caller after registration: the store keeps them (the
+    # registered layout holds producers that let go of their views at the export, so the
+    # stand-in's bytes are reachable only through what the store consumed).
     stand_in = tutti.DeviceMemoryStandIn(LEAD_BYTES + GEOMETRY.layers * LAYER_BYTES + 4096)
-    layout = stand_in_layout(stand_in)
+    data = stand_in.numpy()
+    watch = weakref.ref(data)
+    registered = tutti.KvLayout.paged([HandsOverOnExport(view) for view in stand_in_views(data)])
     store = attach(memfd_daemon)
-    store.register_kv(layout)
-    del stand_in
+    store.register_kv(registered)
+    del stand_in, data
     gc.collect()
+    assert watch() is not None, "the store keeps the stand-in's memory alive"
+    # The test's own views over what the store kept, to fill and check the blocks (the
+    # helpers read a layout's kind, num_blocks and tensors).
+    layout = SimpleNamespace(kind="paged", num_blocks=BLOCKS, tensors=stand_in_views(watch()))
     prompt = tokens(11, 4)
     for block in range(4):
         fill_block(layout, block, 50 + block)

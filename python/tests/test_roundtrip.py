@@ -18,6 +18,7 @@ import tutti
 from conftest import (
     FINGERPRINT,
     GEOMETRY,
+    HandsOverOnExport,
     WAIT_S,
     block_parts,
     fill_block,
@@ -142,26 +143,6 @@ def test_buffer_protocol_objects_and_raw_memory_register():
         retrieve_prompt(store, prompt, [4, 2])
         assert np.array_equal(data[:, [4, 2]], data[:, :2])
         del data
-
-
-class HandsOverOnExport:
-    """A DLPack producer that lets go of its array when it exports it: afterwards the array is
-    reachable only through the DLPack export (numpy's capsule holds it until the consumer's
-    deleter call), so whether it stays alive is up to the store's keep, not to the layout
-    that holds this producer."""
-
-    def __init__(self, array: np.ndarray):
-        self.array: np.ndarray | None = array
-
-    def __dlpack_device__(self):
-        assert self.array is not None
-        return self.array.__dlpack_device__()
-
-    def __dlpack__(self, **kwargs):
-        assert self.array is not None
-        capsule = self.array.__dlpack__(**kwargs)
-        self.array = None
-        return capsule
 
 
 def test_registered_memory_stays_alive_while_the_store_may_use_it():
