@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use etcd_client::{Client, ConnectOptions, KvClient, LeaseClient};
+use etcd_client::{Client, ConnectOptions, KvClient, LeaseClient, WatchClient};
 use tokio::runtime::{Builder, Runtime};
 
 use crate::config::RESPONSE_BYTES_MAX;
@@ -37,11 +37,13 @@ pub(crate) fn attempt_timeout(request_timeout: Duration) -> Duration {
 }
 
 /// The clients of one etcd member: the key-value service (every read and write of records,
-/// its answers bounded by [`RESPONSE_BYTES_MAX`]) and the lease service.
+/// its answers bounded by [`RESPONSE_BYTES_MAX`]), the lease service, and the watch service
+/// (the keep-alive's watch of the node's own member key: events of one small key).
 #[derive(Clone)]
 pub(crate) struct MemberClient {
     pub(crate) kv: KvClient,
     pub(crate) lease: LeaseClient,
+    pub(crate) watch: WatchClient,
 }
 
 /// One client per etcd member and the member requests go to now. Shared with the keep-alive.
@@ -134,7 +136,7 @@ impl Connection {
             // The decode limit is set here, explicitly, for every key-value answer: the readers
             // size their reads to fit it (`ClusterConfig::validate`, `scan.rs`).
             let kv = client.kv_client().max_decoding_message_size(RESPONSE_BYTES_MAX);
-            clients.push(MemberClient { kv, lease: client.lease_client() });
+            clients.push(MemberClient { kv, lease: client.lease_client(), watch: client.watch_client() });
         }
         let members = Arc::new(Members { clients, preferred: AtomicUsize::new(0) });
         Ok(Connection { runtime: Some(runtime), members, request_timeout, requests_sent: AtomicU64::new(0) })

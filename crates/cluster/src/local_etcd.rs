@@ -250,10 +250,30 @@ impl LocalEtcd {
     /// (`pause`) costs that bound, never a hang. The first success ends it; `Unavailable` when
     /// no member revoked it (etcd's answer if one refused, e.g. a lease it does not know).
     pub fn revoke_lease(&self, lease_id: i64) -> Result<()> {
+        self.on_any_member("revoke a lease", |mut client| async move { client.lease_revoke(lease_id).await.map(|_| ()) })
+    }
+
+    /// Deletes `key` behind its writer's back, as an operator's `etcdctl del` would; bounded
+    /// as [`LocalEtcd::revoke_lease`] is. Deleting a key that does not exist is not an error.
+    pub fn delete_key(&self, key: &str) -> Result<()> {
+        let key = key.to_owned();
+        self.on_any_member("delete a key", move |mut client| {
+            let key = key.clone();
+            async move { client.delete(key, None).await.map(|_| ()) }
+        })
+    }
+
+    /// Runs `request` on each running member in turn until one answers, each attempt within
+    /// [`REVOKE_ATTEMPT_TIMEOUT`] (connection included).
+    fn on_any_member<F, Fut>(&self, operation: &'static str, mut request: F) -> Result<()>
+    where
+        F: FnMut(etcd_client::Client) -> Fut,
+        Fut: std::future::Future<Output = std::result::Result<(), etcd_client::Error>>,
+    {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
-            .map_err(|error| io_error("start a runtime to revoke a lease", error))?;
+            .map_err(|error| io_error(format!("start a runtime to {operation}"), error))?;
         let started = Instant::now();
         let mut last_error = String::from("no etcd member is running");
         for member in self.members.iter().filter(|member| member.child.is_some()) {
@@ -261,20 +281,20 @@ impl LocalEtcd {
             let options =
                 etcd_client::ConnectOptions::new().with_connect_timeout(REVOKE_ATTEMPT_TIMEOUT).with_timeout(REVOKE_ATTEMPT_TIMEOUT);
             let attempt = async {
-                let mut client = etcd_client::Client::connect([endpoint.as_str()], Some(options)).await?;
-                client.lease_revoke(lease_id).await.map(|_| ())
+                let client = etcd_client::Client::connect([endpoint.as_str()], Some(options)).await?;
+                request(client).await
             };
             match runtime.block_on(async { tokio::time::timeout(REVOKE_ATTEMPT_TIMEOUT, attempt).await }) {
                 Ok(Ok(())) => return Ok(()),
                 // etcd refused it for good: another member would answer the same.
                 Ok(Err(source)) if !crate::connection::is_transient(&source) => {
-                    return Err(ClusterError::Etcd { operation: "revoke a lease", source });
+                    return Err(ClusterError::Etcd { operation, source });
                 }
                 Ok(Err(error)) => last_error = format!("{}: {error}", member.name),
                 Err(_) => last_error = format!("{}: no answer within {REVOKE_ATTEMPT_TIMEOUT:?}", member.name),
             }
         }
-        Err(ClusterError::Unavailable { operation: "revoke a lease", waited: started.elapsed(), last_error })
+        Err(ClusterError::Unavailable { operation, waited: started.elapsed(), last_error })
     }
 
     /// Unary gRPC requests member `index` has started for `method` (e.g. "Txn"; "" for every

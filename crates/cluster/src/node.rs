@@ -5,7 +5,9 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use etcd_client::{Compare, CompareOp, LeaseKeepAliveStream, LeaseKeeper, PutOptions, Txn, TxnOp};
+use etcd_client::{
+    Compare, CompareOp, EventType, LeaseKeepAliveStream, LeaseKeeper, PutOptions, Txn, TxnOp, WatchOptions, WatchResponse, WatchStream,
+};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
@@ -21,8 +23,9 @@ use crate::segments::Segment;
 #[derive(Debug)]
 struct LeaseState {
     lease_id: AtomicI64,
-    /// Set when etcd said the lease is gone (a renewal answered with TTL 0, or a registration
-    /// refused for an unknown lease). Cleared only by `rejoin`.
+    /// Set when etcd said the lease is gone (a renewal answered with TTL 0, a registration
+    /// refused for an unknown lease, or the member key seen deleted or put under another lease
+    /// by the keep-alive's watch). Cleared only by `rejoin`.
     lost: AtomicBool,
     renewals: AtomicU64,
     renewal_failures: AtomicU64,
@@ -129,6 +132,9 @@ impl ClusterNode {
                 return Err(self.taken_by(key, holder));
             }
         }
+        // The member key was under this lease at this revision (the put's, or the read that
+        // found our own put): the keep-alive's watch starts right after it.
+        let seen_at = answer.header().map(|header| header.revision()).filter(|&revision| revision > 0);
         self.lease.lease_id.store(lease_id, Ordering::Relaxed);
         self.lease.lost.store(false, Ordering::Relaxed);
         let granted_at_ms = granted_at.saturating_duration_since(self.lease.origin).as_millis() as u64;
@@ -140,6 +146,8 @@ impl ClusterNode {
             member: 0,
             lease: self.lease.clone(),
             lease_id,
+            member_key: key,
+            watch_from: seen_at.map(|revision| revision + 1),
             interval,
             first_wait: first_renewal_wait(interval, granted_at.elapsed()),
             request_timeout: self.client.config.request_timeout,
@@ -408,23 +416,58 @@ struct RenewalLoop {
     member: usize,
     lease: Arc<LeaseState>,
     lease_id: i64,
+    /// The node's member key, watched (`watch_member_key`).
+    member_key: String,
+    /// Where the first watch starts: right after the join's revision, so a change between the
+    /// join and the watch is replayed; None after that (a watch opened again starts now and
+    /// is followed by one check of the key).
+    watch_from: Option<i64>,
     interval: Duration,
     /// Before the first renewal: the first interval less the time since the grant.
     first_wait: Duration,
     request_timeout: Duration,
 }
 
+/// What woke the keep-alive.
+enum Woken {
+    Stopped,
+    RenewalDue,
+    Watch(std::result::Result<Option<WatchResponse>, etcd_client::Error>),
+}
+
 impl RenewalLoop {
+    /// Renews the lease and watches the member key. Renewals go by lease id and succeed
+    /// whatever the lease holds: without the watch, a node learned that its member key was
+    /// deleted behind its back (an operator's `etcdctl del`) only from its next guarded write,
+    /// and an idle node makes none — it stayed unlisted while its segments stayed listed, and
+    /// peers chose it only to find no data address for it. A watch (a stream, no request per
+    /// interval) sees the delete at once; the owner's rejoin repairs the node.
     async fn run(mut self, mut stopped: watch::Receiver<bool>) {
         let mut stream: Option<(LeaseKeeper, LeaseKeepAliveStream)> = None;
         // After a failure the next attempt comes soon (another member may answer), not a whole
         // interval later: the lease must be renewed before it runs out.
-        let mut wait = self.first_wait;
+        let mut renew_at = tokio::time::Instant::now() + self.first_wait;
+        let mut watching: Option<WatchStream> = None;
+        if !self.open_watch(&mut watching).await {
+            return;
+        }
         let mut retry_pause = RETRY_PAUSE_FIRST;
         loop {
-            // Ok: told to stop (or the owner is gone); Err: the wait passed.
-            if tokio::time::timeout(wait, stopped.changed()).await.is_ok() {
-                return;
+            let woken = tokio::select! {
+                // A change, or the owner gone: stop either way.
+                _ = stopped.changed() => Woken::Stopped,
+                _ = tokio::time::sleep_until(renew_at) => Woken::RenewalDue,
+                message = next_message(&mut watching) => Woken::Watch(message),
+            };
+            match woken {
+                Woken::Stopped => return,
+                Woken::Watch(message) => {
+                    if !self.watched(message, &mut watching) {
+                        return;
+                    }
+                    continue;
+                }
+                Woken::RenewalDue => {}
             }
             let outcome = match tokio::time::timeout(attempt_timeout(self.request_timeout), self.renew(&mut stream)).await {
                 Ok(Ok(ttl_s)) if ttl_s > 0 => Ok(()),
@@ -439,19 +482,123 @@ impl RenewalLoop {
             match outcome {
                 Ok(()) => {
                     self.lease.mark_renewed();
-                    wait = self.interval;
+                    renew_at = tokio::time::Instant::now() + self.interval;
                     retry_pause = RETRY_PAUSE_FIRST;
+                    // A watch that broke is opened again once etcd answers (here, at most once
+                    // per renewal).
+                    if watching.is_none() && !self.open_watch(&mut watching).await {
+                        return;
+                    }
                 }
                 Err(error) => {
                     tracing::warn!(lease_id = self.lease_id, %error, "lease renewal failed; retrying");
                     self.lease.renewal_failures.fetch_add(1, Ordering::Relaxed);
                     stream = None;
                     self.members.failed(self.member);
-                    wait = retry_pause;
+                    renew_at = tokio::time::Instant::now() + retry_pause;
                     retry_pause = (retry_pause * 2).min(RETRY_PAUSE_MAX);
                 }
             }
         }
+    }
+
+    /// One message of the member key's watch. False when it says the key is no longer under
+    /// this lease (deleted, or put under another: the node is marked lost); a broken or
+    /// cancelled watch is dropped, to be opened again after the next renewal.
+    fn watched(
+        &mut self,
+        message: std::result::Result<Option<WatchResponse>, etcd_client::Error>,
+        watching: &mut Option<WatchStream>,
+    ) -> bool {
+        let response = match message {
+            Ok(Some(response)) => response,
+            Ok(None) => {
+                tracing::warn!(lease_id = self.lease_id, "the member key's watch ended; watching again after the next renewal");
+                *watching = None;
+                return true;
+            }
+            Err(error) => {
+                tracing::warn!(lease_id = self.lease_id, %error, "the member key's watch failed; watching again after the next renewal");
+                *watching = None;
+                return true;
+            }
+        };
+        for event in response.events() {
+            let ours = event.event_type() == EventType::Put && event.kv().is_some_and(|entry| entry.lease() == self.lease_id);
+            if !ours {
+                tracing::error!(lease_id = self.lease_id, key = %self.member_key, "the member key is no longer under this node's lease: the lease is lost");
+                self.lease.lost.store(true, Ordering::Relaxed);
+                return false;
+            }
+        }
+        if response.canceled() {
+            // Compacted past where it started, the member lost its leader, or etcd cancelled it.
+            tracing::warn!(
+                lease_id = self.lease_id,
+                reason = response.cancel_reason(),
+                "etcd cancelled the member key's watch; watching again after the next renewal"
+            );
+            *watching = None;
+            self.watch_from = None;
+        }
+        true
+    }
+
+    /// Opens the member key's watch, bounded by one attempt; a failure leaves `watching` None
+    /// (tried again after the next renewal). A watch that does not start at `watch_from`
+    /// misses what happened before it, so the key is then checked once (a transaction that
+    /// compares its lease and writes nothing). False when that check finds the key gone.
+    async fn open_watch(&mut self, watching: &mut Option<WatchStream>) -> bool {
+        let opened = tokio::time::timeout(attempt_timeout(self.request_timeout), self.watch_member_key()).await;
+        match opened {
+            Ok(Ok(Some(stream))) => {
+                *watching = Some(stream);
+                // From here on the watch sees every change: it is never started at the join's
+                // revision again (etcd may have compacted it).
+                self.watch_from = None;
+                true
+            }
+            Ok(Ok(None)) => {
+                tracing::error!(lease_id = self.lease_id, key = %self.member_key, "the member key is no longer under this node's lease: the lease is lost");
+                self.lease.lost.store(true, Ordering::Relaxed);
+                false
+            }
+            Ok(Err(error)) => {
+                tracing::warn!(lease_id = self.lease_id, %error, "could not watch the member key; trying again after the next renewal");
+                true
+            }
+            Err(_) => {
+                tracing::warn!(lease_id = self.lease_id, "watching the member key timed out; trying again after the next renewal");
+                true
+            }
+        }
+    }
+
+    /// The watch, once etcd confirmed it (None: the key was found gone when checked).
+    async fn watch_member_key(&self) -> std::result::Result<Option<WatchStream>, etcd_client::Error> {
+        let (_, client) = self.members.current();
+        let mut watch_client = client.watch;
+        let mut options = WatchOptions::new();
+        if let Some(revision) = self.watch_from {
+            options = options.with_start_revision(revision);
+        }
+        let mut watching = watch_client.watch(self.member_key.clone(), Some(options)).await?;
+        // etcd confirms a watch before any event: past this, nothing after it goes unseen.
+        match watching.message().await? {
+            Some(response) if response.created() && !response.canceled() => {}
+            Some(response) => {
+                return Err(etcd_client::Error::WatchError(format!("etcd refused the watch: {}", response.cancel_reason())));
+            }
+            None => return Err(etcd_client::Error::WatchError("the watch ended before it started".into())),
+        }
+        if self.watch_from.is_none() {
+            let mut kv = client.kv;
+            let transaction = Txn::new().when([Compare::lease(self.member_key.clone(), CompareOp::Equal, self.lease_id)]);
+            if !kv.txn(transaction).await?.succeeded() {
+                return Ok(None);
+            }
+        }
+        Ok(Some(watching))
     }
 
     /// One renewal over the keep-alive stream (opened again after a failure): the TTL etcd
@@ -484,6 +631,14 @@ impl RenewalLoop {
             Some(response) => Ok(response.ttl()),
             None => Err(etcd_client::Error::LeaseKeepAliveError("the keep-alive stream ended".into())),
         }
+    }
+}
+
+/// The next message of the watch, or never when there is none.
+async fn next_message(watching: &mut Option<WatchStream>) -> std::result::Result<Option<WatchResponse>, etcd_client::Error> {
+    match watching {
+        Some(stream) => stream.message().await,
+        None => std::future::pending().await,
     }
 }
 

@@ -11,12 +11,14 @@
 
 use std::time::{Duration, Instant};
 
+use tutti_cluster::layout::KeyLayout;
 use tutti_cluster::local_etcd::LocalEtcd;
+use tutti_cluster::{ClusterId, NodeId};
 use tutti_daemon::protocol::{RegistryAnswer, RemoteHolder};
 use tutti_daemon::{DaemonError, ErrorCode};
 
 mod common;
-use common::cluster::{client_of, holders, members, reader, store, wait_for, Node, BLOCK_TOKENS, LEASE, PROMPT_BLOCKS, SOON};
+use common::cluster::{client_of, holders, members, reader, store, wait_for, Node, BLOCK_TOKENS, CLUSTER, LEASE, PROMPT_BLOCKS, SOON};
 use common::{hello, store_prompt};
 
 #[test]
@@ -212,4 +214,39 @@ fn a_segment_fetched_more_than_n_times_gets_a_second_replica_that_outlives_its_f
     assert!(holders(&reader, 30).is_empty(), "b left: its replica leaves with it (c's copy, served once, is not registered)");
     b.start(&etcd, false);
     wait_for("b registers its replica again from its manifest", SOON, || holders(&reader, 30) == [["b"], ["b"]]);
+}
+
+#[test]
+fn an_idle_node_whose_member_key_was_deleted_is_listed_again_and_read_from() {
+    // Goal: node a's member key is deleted behind its back (an operator's `etcdctl del`) while
+    // a is idle: its lease lives on and keeps its segment entries listed, so peers choose a
+    // and, without its record, find no data address for it. a must notice with no write of
+    // its own to make, rejoin (a new lease: the old entries go) and register again, within
+    // two leases; b's fetch from a then works. Before, a stayed unlisted until it next wrote.
+    let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
+    let root = tempfile::tempdir().unwrap();
+    let reader = reader(&etcd);
+    let (mut a, mut b) = (Node::new(root.path(), "a"), Node::new(root.path(), "b"));
+    a.start(&etcd, true);
+    b.start(&etcd, true);
+    wait_for("both nodes join", SOON, || members(&reader) == ["a", "b"]);
+    store(&a, 13);
+    wait_for("a's segments registered", SOON, || holders(&reader, 13) == [["a"], ["a"]]);
+    let old_lease = a.status().lease_id;
+    let layout = KeyLayout::new(ClusterId::new(CLUSTER).unwrap());
+    etcd.delete_key(&layout.member_key(&NodeId::new("a").unwrap())).unwrap();
+    assert_eq!(members(&reader), ["b"], "the member key was not deleted");
+    let back = wait_for("a is listed again with its segments", 2 * LEASE, || {
+        members(&reader) == ["a", "b"] && holders(&reader, 13) == [["a"], ["a"]]
+    });
+    eprintln!("a was listed again {back:?} after its member key was deleted (lease {LEASE:?})");
+    let status = a.status();
+    assert_ne!(status.lease_id, old_lease, "{status:?}");
+    assert_eq!((status.lease_losses, status.joins), (1, 2), "{status:?}");
+    let tokens = common::prompt(13, PROMPT_BLOCKS, BLOCK_TOKENS);
+    let mut on_b = b.daemon().client();
+    on_b.hello(&hello(0, 1, "rejoined-b")).unwrap();
+    assert_eq!(on_b.fetch_remote(&tokens).unwrap(), (32, 32));
+    let mut store_b = b.connect();
+    assert_eq!(common::retrieve_prompt(&mut store_b, 13, 0, 32).expect("retrieve on b"), 0, "wrong bytes on b");
 }
