@@ -792,3 +792,24 @@ def test_hybrid_models_with_extra_host_pools_are_refused_at_attach(tmp_path: Pat
         assert plain.batch_exists(page_keys(15, 1)) == 1
     finally:
         plain.close()
+
+
+def test_plain_data_parallel_replicas_get_their_own_devices(tmp_path: Path, store_options: list):
+    """Goal: with plain data parallelism (--dp-size 2 without DP attention) SGLang 0.5.23 gives
+    every replica's storage config dp_rank 0, but states the replica in its runtime context
+    (get_parallel().dp_rank, dp_size): "{dp_rank}" in a device template is filled from it, so two
+    replicas never open the same devices; a template without it is refused when the backend is
+    built, naming the key, and so is a replica whose rank SGLang did not state."""
+    from sglang.srt.runtime_context import get_parallel
+
+    shared = extra_config(tmp_path / "pool.img", True)
+    with get_parallel().override(dp_size=2, dp_rank=1):
+        with pytest.raises(tutti.InvalidArgument, match=r"field 'devices'.*dp_size 2.*put \"\{dp_rank\}\" in every device string"):
+            StorageBackendFactory.create_backend("dynamic", storage_config("page_first", shared), None)
+        replica = backend("page_first", host_pool("page_first"), extra_config(tmp_path / "unused.img", True, devices=f"emu:{tmp_path}/pool-dp{{dp_rank}}.img"))
+        replica.close()
+    assert (tmp_path / "pool-dp1.img").is_file() and not (tmp_path / "pool-dp0.img").exists()
+    with get_parallel().override(dp_size=2):
+        templated = extra_config(tmp_path / "unused.img", True, devices=f"emu:{tmp_path}/pool-dp{{dp_rank}}.img")
+        with pytest.raises(tutti.InvalidArgument, match="replica"):
+            StorageBackendFactory.create_backend("dynamic", storage_config("page_first", templated), None)

@@ -8,8 +8,8 @@ Loaded by SGLang with
 
 SGLang's HiCache moves pages between its host memory pool and the storage backend, whole pages
 (every layer) at a time, naming each page by a hash string chained over the prefix. Each
-scheduler process (one per tensor-parallel rank, pipeline stage, DP-attention group and
-context-parallel rank) builds its own backend, so each opens its own tutti pool in-process
+scheduler process (one per tensor-parallel rank, pipeline stage, DP-attention group or DP
+replica, and context-parallel rank) builds its own backend, so each opens its own tutti pool in-process
 (`tutti.Store.open`; "{tp_rank}", "{pp_rank}", "{dp_rank}" and "{cp_rank}" in a device string are
 replaced by the process's ranks, and a template that would give two processes the same devices
 is refused) and registers SGLang's host pool where it lies: `batch_get_v1` / `batch_set_v1` move
@@ -68,7 +68,8 @@ EXTRA_CONFIG_FIELDS = {
     "devices": Field(
         (str, list),
         "the pool's devices, e.g. \"vfio:0000:01:00.0\" or \"emu:/var/tutti/pp{pp_rank}-tp{tp_rank}.img\" "
-        "({tp_rank}, {pp_rank}, {dp_rank}, {cp_rank}: the scheduler process's ranks)",
+        "({tp_rank}, {pp_rank}, {dp_rank}, {cp_rank}: the scheduler process's ranks; {dp_rank} is the DP-attention "
+        "group, or the replica with plain --dp-size)",
         required=True,
     ),
     "format": Field(bool, "format a fresh pool for this host pool's page first (everything on it is lost)", default=False),
@@ -500,41 +501,81 @@ class _RequestPlaces:
             self._cond.notify_all()
 
 
-# The device-string keys filled in per scheduler process: (key, HiCacheStorageConfig rank
-# attribute, whether processes of this server differ in it). SGLang 0.5.23 sets tp_rank to the
-# attention-TP rank under --enable-dp-attention (group-local: dp_rank tells the groups apart);
-# with plain DP (no DP attention) each replica has dp_rank 0 and nothing here tells them apart.
-_RANK_KEYS = (
-    ("tp_rank", "tp_rank", lambda storage: storage.tp_size > 1),
-    ("pp_rank", "pp_rank", lambda storage: storage.pp_size > 1),
-    ("dp_rank", "dp_rank", lambda storage: getattr(storage, "dp_rank", 0) > 0),
-    ("cp_rank", "attn_cp_rank", lambda storage: storage.attn_cp_size > 1),
+def _replicas() -> tuple[Optional[int], int]:
+    """(this process's data-parallel replica, the replica count) from SGLang's runtime context:
+    with plain DP (--dp-size N, no DP attention) SGLang 0.5.23 gives every replica's storage
+    config dp_rank 0, and states the replica only in get_parallel().dp_rank (numbered by its data
+    parallel controller; None without one) and dp_size. (0, 1) when SGLang's config is not
+    published here; (None, N) when it runs N replicas and did not state this one's."""
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    try:
+        count = int(parallel.dp_size)
+    except (ValueError, RuntimeError, AttributeError, TypeError):
+        return 0, 1
+    if count <= 1:
+        return 0, 1
+    try:
+        rank = parallel.dp_rank
+    except (ValueError, RuntimeError, AttributeError):
+        rank = None
+    return (None if rank is None else int(rank)), count
+
+
+def _dp_rank(storage: HiCacheStorageConfig) -> int:
+    """"{dp_rank}": the DP-attention group (the storage config's dp_rank), or with plain DP the
+    replica (DP attention does not run inside replicas: one of the two is always 0)."""
+    rank, count = _replicas()
+    if count <= 1:
+        return int(getattr(storage, "dp_rank", 0))
+    if rank is None:
+        raise ConfigError(
+            f"SGLang runs {count} data-parallel replicas (--dp-size {count}) but did not state this process's "
+            "replica rank (get_parallel().dp_rank), so \"{dp_rank}\" in field 'devices' of "
+            "--hicache-storage-backend-extra-config cannot tell the replicas' devices apart"
+        )
+    return rank
+
+
+# The device-string keys filled in per scheduler process: (key, what the message calls it, this
+# process's value, whether processes of this server differ in it). SGLang 0.5.23 sets tp_rank to
+# the attention-TP rank under --enable-dp-attention (group-local: dp_rank tells the groups apart);
+# with plain DP the replica fills "{dp_rank}" (_dp_rank).
+_RANK_KEYS: tuple[tuple[str, str, Callable[[HiCacheStorageConfig], int], Callable[[HiCacheStorageConfig], bool]], ...] = (
+    ("tp_rank", "tp_rank", lambda storage: storage.tp_rank, lambda storage: storage.tp_size > 1),
+    ("pp_rank", "pp_rank", lambda storage: storage.pp_rank, lambda storage: storage.pp_size > 1),
+    ("dp_rank", "dp_rank", _dp_rank, lambda storage: getattr(storage, "dp_rank", 0) > 0 or _replicas()[1] > 1),
+    ("cp_rank", "attn_cp_rank", lambda storage: storage.attn_cp_rank, lambda storage: storage.attn_cp_size > 1),
 )
 
 
 def rank_devices(devices: Any, storage: HiCacheStorageConfig) -> list[str]:
     """The device strings of this scheduler process: "{tp_rank}", "{pp_rank}", "{dp_rank}" and
-    "{cp_rank}" replaced by its ranks."""
+    "{cp_rank}" replaced by its ranks (a key not in any string is not looked up)."""
     listed = [devices] if isinstance(devices, str) else list(devices)
-    for key, attribute, _ in _RANK_KEYS:
-        rank = str(getattr(storage, attribute, 0))
-        listed = [device.replace("{" + key + "}", rank) for device in listed]
+    for key, _, value, _ in _RANK_KEYS:
+        if any("{" + key + "}" in device for device in listed):
+            rank = str(value(storage))
+            listed = [device.replace("{" + key + "}", rank) for device in listed]
     return listed
 
 
 def check_rank_devices(devices: Any, storage: HiCacheStorageConfig) -> None:
     """Raises ConfigError when another scheduler process of this server (another TP rank,
-    pipeline stage, DP-attention group or CP rank) would get the same device strings: its
-    open of the same devices would fail, and SGLang would not start."""
+    pipeline stage, DP-attention group, DP replica or CP rank) would get the same device strings:
+    its open of the same devices would fail, and SGLang would not start."""
     listed = [devices] if isinstance(devices, str) else list(devices)
-    for key, attribute, differs in _RANK_KEYS:
+    for key, name, value, differs in _RANK_KEYS:
         if differs(storage) and not all("{" + key + "}" in device for device in listed):
             raise ConfigError(
                 f"--hicache-storage-backend-extra-config: field 'devices' = {devices!r} gives every scheduler process "
-                f"of this server the same device for each {attribute} (this one's is {getattr(storage, attribute, 0)}: "
-                f"tp_size {storage.tp_size}, pp_size {storage.pp_size}, attn_cp_size {storage.attn_cp_size}); "
+                f"of this server the same device for each {name} (tp_size {storage.tp_size}, pp_size {storage.pp_size}, "
+                f"attn_cp_size {storage.attn_cp_size}, DP-attention group {getattr(storage, 'dp_rank', 0)}, "
+                f"dp_size {_replicas()[1]}); "
                 f"put \"{{{key}}}\" in every device string, e.g. \"emu:/var/tutti/pp{{pp_rank}}-tp{{tp_rank}}.img\""
             )
+    rank_devices(devices, storage)  # a replica whose rank SGLang did not state is refused here
 
 
 def _shard_parts(storage: HiCacheStorageConfig, host_pool: Any) -> tuple[Any, ...]:
