@@ -578,12 +578,15 @@ impl Controller {
     ///
     /// If the controller never reaches CSTS.RDY = 0 (an error from this call), the old queues
     /// may still be live: their pairs keep (leak) their rings when dropped, until a later reset
-    /// succeeds.
+    /// succeeds. The same holds when a doorbell write in progress on another thread does not
+    /// finish within a bound (its thread is stopped):
+    /// [`NvmeError::ResetBlockedByDoorbellWrite`], with the controller left untouched; retry
+    /// once that thread runs again.
     pub fn reset(&mut self, function_reset: bool) -> Result<(), NvmeError> {
         // The gate stays exclusive until bring-up saw RDY = 0 (or failed before): a pair
         // dropped on another thread meanwhile waits to learn whether its rings may go.
         let gate = Arc::clone(&self.admin.gate);
-        let ending = gate.begin_reset();
+        let ending = gate.begin_reset()?;
         if function_reset {
             self.backend.function_reset()?;
         }
@@ -726,11 +729,18 @@ impl Controller {
 impl Drop for Controller {
     fn drop(&mut self) {
         // Stale first: from here no queue pair of this controller can ring a doorbell or delete
-        // itself, so nothing races with the disable below.
+        // itself, so nothing races with the disable below. If a doorbell write on another
+        // thread outlasts the gate's bound, stop the controller all the same (nothing enables
+        // it again, so the late write lands on a live queue of its own pair or on a disabled
+        // controller), but leave the old pairs possibly live: they keep their rings.
         let gate = Arc::clone(&self.admin.gate);
-        let ending = gate.begin_reset();
+        let ending = gate.begin_reset().ok();
         match self.stop() {
-            Ok(()) => ending.mark_quiesced(),
+            Ok(()) => {
+                if let Some(ending) = ending {
+                    ending.mark_quiesced();
+                }
+            }
             Err(error) => {
                 drop(ending);
                 // Still enabled as far as we know: it may write its admin CQ and any I/O queue,

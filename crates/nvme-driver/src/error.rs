@@ -90,6 +90,13 @@ pub enum NvmeError {
     #[error("{queue} belongs to a controller generation that was reset; create a new queue pair")]
     QueueStale { queue: QueueId },
 
+    /// A reset waited its bound for a doorbell write in progress on another thread (a thread
+    /// stopped inside it) and gave up. The controller was not touched (once re-enabled, a late
+    /// write could land on a queue id a new pair holds); the queue pairs created before are
+    /// stale and keep their rings.
+    #[error("a controller reset waited {waited_ms} ms for a doorbell write in progress on another thread and gave up: the controller was left as it was, and the queue pairs created before are stale and keep (leak) their rings until a later reset succeeds; retry the reset once that thread runs again")]
+    ResetBlockedByDoorbellWrite { waited_ms: u64 },
+
     #[error("{queue}: the controller was reset but never confirmed it stopped (CSTS.RDY stayed 1): the queues may still be live, so their rings are kept; reset the controller successfully first")]
     QueueMaybeLive { queue: QueueId },
 

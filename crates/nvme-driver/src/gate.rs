@@ -32,7 +32,10 @@
 //! generation must keep its rings allocated forever rather than free memory the controller may
 //! still write. A reset keeps the exclusive side until it knows which ([`ResetGuard`]), so a
 //! pair dropped on another thread in the meantime waits for the answer instead of leaking its
-//! rings on a reset that is about to succeed. That wait is bounded by CAP.TO.
+//! rings on a reset that is about to succeed. That wait is bounded by CAP.TO, and a reset's own
+//! wait for doorbell writes in progress by `RINGER_WAIT_MAX`: a thread stopped inside a write
+//! makes the reset fail (its generation's pairs then keep their rings) rather than hold the
+//! gate forever.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard, Weak};
@@ -41,9 +44,14 @@ use std::time::{Duration, Instant};
 use crate::error::NvmeError;
 use crate::types::QueueId;
 
-/// How long a reset waits for doorbell writes in progress before it reports the wait. A write
-/// is a few stores, so only a descheduled or stopped thread takes this long.
-const RINGER_WAIT_WARNING: Duration = Duration::from_secs(1);
+/// How long a reset waits for doorbell writes in progress before it gives up. A write is a few
+/// stores (with shadow doorbells, a fence and a load more): microseconds, or a scheduler's
+/// timeslice or two (milliseconds) for a thread preempted inside it. Only a stopped thread
+/// (a debugger, SIGSTOP, a page fault on swapped-out memory) takes seconds, and the reset
+/// holds the gate's exclusive side meanwhile, stalling every pair's drop and fate query: two
+/// seconds keeps a loaded machine's preemptions well inside and a stuck one from stalling
+/// the process for long.
+const RINGER_WAIT_MAX: Duration = Duration::from_secs(2);
 
 #[derive(Debug, Clone, Copy)]
 struct GateState {
@@ -77,6 +85,8 @@ pub(crate) struct DoorbellGate {
     /// Every live pair's flag, for a reset to wait on. Locked only to register a pair and by a
     /// reset, never by a doorbell write.
     ringers: Mutex<Vec<Weak<RingFlag>>>,
+    /// [`RINGER_WAIT_MAX`], shorter in tests.
+    ringer_wait_max: Duration,
 }
 
 /// A queue pair's flag at the gate: raised while the pair checks the generation and writes a
@@ -139,7 +149,14 @@ impl DoorbellGate {
             state: RwLock::new(GateState { generation: 0, quiesced_below: 0 }),
             generation_now: AtomicU64::new(0),
             ringers: Mutex::new(Vec::new()),
+            ringer_wait_max: RINGER_WAIT_MAX,
         }
+    }
+
+    /// A gate whose resets wait at most `ringer_wait_max` for a doorbell write in progress.
+    #[cfg(test)]
+    pub(crate) fn with_ringer_wait_max(ringer_wait_max: Duration) -> Self {
+        Self { ringer_wait_max, ..Self::new() }
     }
 
     /// A flag for a new queue pair, which every reset from now on waits on while it is raised.
@@ -205,14 +222,32 @@ impl DoorbellGate {
     /// reset or teardown touches CC. The returned guard keeps the exclusive side until the
     /// caller knows whether the controller stopped, so that no pair decides its rings' fate
     /// (free or leak) from a reset still in progress.
-    pub(crate) fn begin_reset(&self) -> ResetGuard<'_> {
+    ///
+    /// If a doorbell write is still in progress after [`RINGER_WAIT_MAX`] (its thread is
+    /// stopped), fails with [`NvmeError::ResetBlockedByDoorbellWrite`] and releases the
+    /// exclusive side: the generation stays ended (no pair of it rings again, except that
+    /// write), but is not marked quiesced, so its pairs stay [`QueueFate::MaybeLive`] and keep
+    /// their rings. The caller must then leave CC alone if it would enable the controller
+    /// again: the late write could land on a queue id a new pair holds.
+    pub(crate) fn begin_reset(&self) -> Result<ResetGuard<'_>, NvmeError> {
         let mut state = self.state.write().unwrap_or_else(|poisoned| poisoned.into_inner());
         state.generation += 1;
         // Sequentially consistent, like the flags' loads after it and the swap and load in
         // `ring`: the new generation is out before any flag is read.
         self.generation_now.store(state.generation, Ordering::SeqCst);
-        self.wait_for_ringers();
-        ResetGuard { state }
+        match self.wait_for_ringers() {
+            Ok(()) => Ok(ResetGuard { state }),
+            Err(waited) => {
+                drop(state);
+                let waited_ms = waited.as_millis() as u64;
+                tracing::error!(
+                    waited_ms,
+                    "controller reset gave up waiting for a doorbell write in progress on another thread: the queue pairs of before \
+                     the reset keep their rings until a later reset succeeds"
+                );
+                Err(NvmeError::ResetBlockedByDoorbellWrite { waited_ms })
+            }
+        }
     }
 
     /// Ends the current generation without waiting for ringers: what a pair sees when a reset
@@ -224,16 +259,14 @@ impl DoorbellGate {
         self.generation_now.store(state.generation, Ordering::SeqCst);
     }
 
-    /// Waits until no pair is in the middle of a doorbell write. A write is a few stores (its
-    /// thread may be preempted in it, hence the yields); every pair that raises its flag from
-    /// now on reads the new generation and lowers it without writing. Past
-    /// [`RINGER_WAIT_WARNING`] it says so, loudly, and keeps waiting: returning early would let
-    /// a stale doorbell land on a queue id a new pair may hold, and the flag drops once its
-    /// thread runs again (it is lowered on every exit from `ring`, panics included).
-    fn wait_for_ringers(&self) {
+    /// Waits until no pair is in the middle of a doorbell write, at most `ringer_wait_max` for
+    /// all of them together. A write is a few stores (its thread may be preempted in it, hence
+    /// the yields); every pair that raises its flag from now on reads the new generation and
+    /// lowers it without writing. `Err` with the time waited when a flag is still up at the
+    /// bound: the caller must not proceed as if no stale write could land (see `begin_reset`).
+    fn wait_for_ringers(&self) -> Result<(), Duration> {
         let ringers = self.ringers.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let started = Instant::now();
-        let mut warned = false;
         for flag in ringers.iter().filter_map(Weak::upgrade) {
             let mut spins = 0u32;
             while flag.load(Ordering::SeqCst) {
@@ -242,13 +275,14 @@ impl DoorbellGate {
                     std::hint::spin_loop();
                     continue;
                 }
-                if !warned && started.elapsed() > RINGER_WAIT_WARNING {
-                    warned = true;
-                    tracing::error!(waited = ?started.elapsed(), "controller reset still waiting for a doorbell write in progress");
+                let waited = started.elapsed();
+                if waited >= self.ringer_wait_max {
+                    return Err(waited);
                 }
                 std::thread::yield_now();
             }
         }
+        Ok(())
     }
 }
 
@@ -305,10 +339,10 @@ mod tests {
         // controller, and possibly live after one that did not.
         let gate = DoorbellGate::new();
         assert_eq!(gate.fate(0), QueueFate::Live);
-        drop(gate.begin_reset()); // a reset that never saw RDY = 0
+        drop(gate.begin_reset().expect("no ringer")); // a reset that never saw RDY = 0
         assert_eq!(gate.fate(0), QueueFate::MaybeLive);
         assert!(!gate.is_current_hint(0));
-        gate.begin_reset().mark_quiesced(); // a retry that did
+        gate.begin_reset().expect("no ringer").mark_quiesced(); // a retry that did
         assert_eq!((gate.fate(0), gate.fate(1), gate.fate(2)), (QueueFate::Gone, QueueFate::Gone, QueueFate::Live));
         let registers = SlowRegisters::default();
         let ringer = gate.register();
@@ -342,7 +376,7 @@ mod tests {
             })
         };
         started.wait();
-        drop(gate.begin_reset());
+        drop(gate.begin_reset().expect("the ringer finishes"));
         let landed_before_reset = registers.last.load(Ordering::SeqCst);
         let result = ringer.join().expect("ringer thread");
         match result {
@@ -381,12 +415,60 @@ mod tests {
             .collect();
         assert_eq!(gate.ringers.lock().unwrap().len(), registers.len(), "the dropped pair's flag was pruned");
         inside.wait();
-        drop(gate.begin_reset());
+        drop(gate.begin_reset().expect("the ringers finish"));
         for (index, registers) in registers.iter().enumerate() {
             assert_eq!(registers.last.load(Ordering::SeqCst), 11, "pair {index}: begin_reset returned before its write landed");
         }
         for ringer in ringers {
             assert!(ringer.join().expect("ringer thread").is_ok());
         }
+    }
+
+    #[test]
+    fn a_reset_gives_up_on_a_ringer_that_never_finishes() {
+        // Goal: a thread stopped inside a doorbell write (here blocked on a channel) cannot
+        // make a reset, and so every fate()/hold() and every pair's drop behind its exclusive
+        // side, wait forever: the reset gives up within its bound, without marking the older
+        // generations quiesced (their pairs stay MaybeLive and keep their rings), and the gate
+        // is free again for everyone else.
+        let gate = Arc::new(DoorbellGate::with_ringer_wait_max(Duration::from_millis(200)));
+        let (inside_sender, inside) = std::sync::mpsc::channel();
+        let (release, released) = std::sync::mpsc::channel::<()>();
+        let ringer = {
+            let gate = Arc::clone(&gate);
+            let ringer = gate.register();
+            std::thread::spawn(move || {
+                gate.ring(0, &ringer, QueueId(1), || {
+                    inside_sender.send(()).expect("main thread");
+                    released.recv().expect("released");
+                    Ok(())
+                })
+            })
+        };
+        inside.recv_timeout(Duration::from_secs(10)).expect("the ringer is inside its write");
+        let (done_sender, done) = std::sync::mpsc::channel();
+        let resetter = {
+            let gate = Arc::clone(&gate);
+            std::thread::spawn(move || {
+                let started = Instant::now();
+                let outcome = gate.begin_reset().map(drop);
+                done_sender.send((started.elapsed(), outcome)).expect("main thread");
+            })
+        };
+        // Watchdog: well past the bound, so that an unbounded wait fails here, not the run.
+        let waited = done.recv_timeout(Duration::from_secs(10));
+        release.send(()).expect("ringer");
+        assert!(ringer.join().expect("ringer thread").is_ok(), "the write past its check completes");
+        let (waited, outcome) = waited.expect("begin_reset is still waiting for the stopped ringer");
+        resetter.join().expect("resetter thread");
+        assert!(
+            matches!(outcome, Err(NvmeError::ResetBlockedByDoorbellWrite { waited_ms }) if waited_ms >= 200),
+            "{outcome:?} after {waited:?}"
+        );
+        assert_eq!(gate.fate(0), QueueFate::MaybeLive, "a reset that could not wait must not mark the old queues gone");
+        assert!(!gate.is_current_hint(0), "the old generation stays ended");
+        // Once the ringer is done, a reset goes through and can confirm the old queues gone.
+        gate.begin_reset().expect("no ringer left").mark_quiesced();
+        assert_eq!(gate.fate(0), QueueFate::Gone);
     }
 }
