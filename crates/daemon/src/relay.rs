@@ -111,6 +111,38 @@ struct Slot {
     seen: u32,
 }
 
+/// The warning a pair's bad doorbell values get: the first at once, then at most one per
+/// [`BAD_VALUE_WARNING_INTERVAL`], saying how many went unlogged in between. A client writing a
+/// new bad value every pass would otherwise have the relay thread log thousands of lines a
+/// second, under the queue list's lock that every pair's forwarding waits on. The counters
+/// (`PairCounters::dropped`, the relay's) count every value whatever is logged.
+#[derive(Debug, Default)]
+struct BadValueWarnings {
+    /// When the last warning was logged (`None`: never).
+    logged_at: Option<Instant>,
+    /// Bad values since then that were not logged.
+    unlogged: u64,
+    /// Warnings logged (for the tests).
+    logged: u64,
+}
+
+/// The least time between two of one pair's bad-value warnings.
+const BAD_VALUE_WARNING_INTERVAL: Duration = Duration::from_secs(1);
+
+impl BadValueWarnings {
+    /// Whether to log the bad value seen at `now`; if so, how many went unlogged before it.
+    fn log_now(&mut self, now: Instant) -> Option<u64> {
+        let due = self.logged_at.is_none_or(|logged_at| now.saturating_duration_since(logged_at) >= BAD_VALUE_WARNING_INTERVAL);
+        if !due {
+            self.unlogged = self.unlogged.saturating_add(1);
+            return None;
+        }
+        self.logged_at = Some(now);
+        self.logged = self.logged.saturating_add(1);
+        Some(std::mem::take(&mut self.unlogged))
+    }
+}
+
 struct RelayedQueue {
     ticket: u64,
     counters: Arc<PairCounters>,
@@ -120,6 +152,7 @@ struct RelayedQueue {
     depth: u32,
     submission: Slot,
     completion: Slot,
+    bad_values: BadValueWarnings,
 }
 
 #[derive(Clone, Copy)]
@@ -172,13 +205,16 @@ impl RelayedQueue {
         if value >= depth {
             dropped.fetch_add(1, Ordering::Relaxed);
             self.counters.dropped.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(
-                queue = self.queue_id,
-                value,
-                depth = self.depth,
-                ?doorbell,
-                "relay: a doorbell value outside the queue's depth, dropped"
-            );
+            if let Some(unlogged) = self.bad_values.log_now(Instant::now()) {
+                tracing::warn!(
+                    queue = self.queue_id,
+                    value,
+                    depth = self.depth,
+                    ?doorbell,
+                    unlogged,
+                    "relay: a doorbell value outside the queue's depth, dropped (unlogged: those dropped since the last warning)"
+                );
+            }
             return None;
         }
         (value != slot.forwarded).then_some(value)
@@ -276,6 +312,7 @@ impl DoorbellRelay {
             depth: layout.depth,
             submission: slot(layout.submission_doorbell_offset),
             completion: slot(layout.completion_doorbell_offset),
+            bad_values: BadValueWarnings::default(),
         };
         lock(&self.shared.queues).push(queue);
         self.waker.unpark();
@@ -467,6 +504,7 @@ mod tests {
             depth: 8,
             submission: Slot { offset: own.submission_doorbell_offset, ..Slot::default() },
             completion: Slot { offset: own.completion_doorbell_offset, ..Slot::default() },
+            bad_values: BadValueWarnings::default(),
         };
         let dropped = AtomicU64::new(0);
         client.write32(own.submission_doorbell_offset, 7);
@@ -504,6 +542,40 @@ mod tests {
         assert_eq!(relay.counts().dropped, 2);
         let pair = ticket.counters();
         assert_eq!((pair.forwarded.load(Ordering::Relaxed), pair.dropped.load(Ordering::Relaxed)), (1, 2), "the pair's own counters");
+    }
+
+    #[test]
+    fn bad_values_are_all_counted_but_logged_at_most_once_a_second_per_pair() {
+        // Goal: a client writing a new out-of-depth value before every pass has each one
+        // dropped and counted (exactly), but the warning logged once (the first), not once per
+        // value: the relay thread logs under the lock every pair's forwarding waits on. A second
+        // later the next bad value is logged again, saying how many were not.
+        let bar = Arc::new(RecordingBar::default());
+        let own = layout(1, 8);
+        let page = DoorbellRelay::make_page(bar.as_ref(), &own).unwrap();
+        let client = SharedRegisters::new(Arc::clone(&page));
+        let mut queue = RelayedQueue {
+            ticket: 0,
+            counters: Arc::default(),
+            page: SharedRegisters::new(page),
+            bar: bar.clone(),
+            queue_id: 1,
+            depth: 8,
+            submission: Slot { offset: own.submission_doorbell_offset, ..Slot::default() },
+            completion: Slot { offset: own.completion_doorbell_offset, ..Slot::default() },
+            bad_values: BadValueWarnings::default(),
+        };
+        let dropped = AtomicU64::new(0);
+        for value in 8..1008 {
+            client.write32(own.submission_doorbell_offset, value);
+            assert_eq!(queue.forward(&dropped), 0);
+        }
+        assert!(lock(&bar.writes).is_empty());
+        assert_eq!((dropped.load(Ordering::Relaxed), queue.counters.dropped.load(Ordering::Relaxed)), (1000, 1000));
+        assert_eq!(queue.bad_values.logged, 1, "warnings logged for 1000 bad values within a second");
+        let later = Instant::now() + BAD_VALUE_WARNING_INTERVAL;
+        assert_eq!(queue.bad_values.log_now(later), Some(999), "a second on: logged, with the count of those not");
+        assert_eq!(queue.bad_values.log_now(later), None);
     }
 
     /// A BAR that stamps the time of each doorbell it receives.
