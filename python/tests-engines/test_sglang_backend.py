@@ -1,6 +1,6 @@
 """tutti.sglang.TuttiHiCacheStorage against SGLang 0.5.23's real classes: built by SGLang's
 StorageBackendFactory from the dynamic backend's extra config, registered on a real MHA host
-pool (`MHATokenToKVPoolHost`, on the CPU) in its layer-first and page-first layouts, and driven as
+pool (`MHATokenToKVPoolHost`, on the CPU) in its layer-first and page layouts, and driven as
 SGLang's cache controller drives it (batch_exists for the hit prefix, batch_set_v1 to back pages
 up, batch_get_v1 to prefetch them into other host pages); bytes checked per page."""
 
@@ -781,6 +781,8 @@ def test_hybrid_models_with_extra_host_pools_are_refused_at_attach(tmp_path: Pat
         storage.register_mem_host_pool_v2(pool, PoolName.KV)
         with pytest.raises(tutti.InvalidArgument, match="'swa'.*not supported"):
             storage.register_mem_host_pool_v2(host_pool("page_first"), PoolName.SWA)
+        with pytest.raises(tutti.InvalidArgument, match="KV host pool .* other than the one"):
+            storage.register_mem_host_pool_v2(host_pool("page_first"), PoolName.KV)
         assert storage.batch_exists(keys) == 0
         assert storage.batch_get_v1(keys, indices([2])) == [False]
     finally:

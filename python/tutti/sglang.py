@@ -213,10 +213,16 @@ class TuttiHiCacheStorage(HiCacheStorage):
         if name == "kv" and host_pool is getattr(self, "mem_pool_host", None):
             super().register_mem_host_pool_v2(host_pool, host_pool_name)
             return
-        reason = (
-            f"SGLang registered a host pool {name!r} ({type(host_pool).__name__}) besides the KV pool: "
-            "hybrid models (SWA, Mamba, ...) whose extra pools move through batch_*_v2 are not supported by tutti"
-        )
+        if name == "kv":
+            reason = (
+                f"SGLang registered a KV host pool ({type(host_pool).__name__}) other than the one it gave "
+                "register_mem_pool_host: tutti moves only that one"
+            )
+        else:
+            reason = (
+                f"SGLang registered a host pool {name!r} ({type(host_pool).__name__}) besides the KV pool: "
+                "hybrid models (SWA, Mamba, ...) whose extra pools move through batch_*_v2 are not supported by tutti"
+            )
         if self._store is not None:
             self._close_pool(reason, pages_written=False)
         raise ConfigError(f"{reason}; run this model without --hicache-storage-backend")
