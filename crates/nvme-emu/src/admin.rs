@@ -1,10 +1,11 @@
-//! Admin command set (§5): Identify, queue management, features, log pages, Abort.
+//! Admin command set (§5): Identify, queue management, features, log pages, Abort,
+//! Asynchronous Event Request.
 
 use nvme_driver::hw::DmaAllocator;
 use nvme_driver::spec::identify::{IdentifyController, IdentifyNamespace, LbaFormat, SglSupport};
 use nvme_driver::spec::registers::{self, ControllerConfiguration, Version};
 use nvme_driver::spec::status::codes;
-use nvme_driver::spec::{AdminOpcode, SubmissionEntry, COMPLETION_ENTRY_BYTES, IDENTIFY_BYTES, SUBMISSION_ENTRY_BYTES};
+use nvme_driver::spec::{AdminOpcode, NvmeStatus, SubmissionEntry, COMPLETION_ENTRY_BYTES, IDENTIFY_BYTES, SUBMISSION_ENTRY_BYTES};
 use nvme_driver::Iova;
 
 use crate::controller::{command_specific, generic, CommandResult, ControllerCore, ERROR_LOG_ENTRIES};
@@ -22,16 +23,35 @@ const FEATURE_NUMBER_OF_QUEUES: u32 = 0x07;
 const LOG_ERROR_INFORMATION: u32 = 0x01;
 const LOG_SMART_HEALTH: u32 = 0x02;
 const SMART_LOG_BYTES: usize = 512;
+/// Asynchronous Event Request (§5.2): mandatory, but not named by nvme-driver's `AdminOpcode`
+/// (the driver never sends it).
+const ASYNC_EVENT_REQUEST: u8 = 0x0C;
+/// AERL (Identify Controller byte 259, 0's based): AERL + 1 AERs are held at once.
+pub(crate) const ASYNC_EVENT_REQUEST_LIMIT: u8 = 3;
+/// Command specific status of an AER past that limit (§5.2.1).
+const ASYNC_EVENT_REQUEST_LIMIT_EXCEEDED: u8 = 0x05;
+
+/// Whether `entry`, executed on the admin queue with `result`, is a held Asynchronous Event
+/// Request: the caller posts no completion for it.
+pub(crate) fn is_held(entry: &SubmissionEntry, result: &CommandResult) -> bool {
+    entry.opcode() == ASYNC_EVENT_REQUEST && result.is_ok()
+}
 
 impl ControllerCore {
+    /// Executes an admin command. `Ok(0)` for an Asynchronous Event Request means it is held,
+    /// not completed: the batch posts no completion for it (see [`is_held`]).
     pub(crate) fn execute_admin(&mut self, entry: &SubmissionEntry) -> CommandResult {
-        let Some(opcode) = AdminOpcode::from_u8(entry.opcode()) else {
+        let known = AdminOpcode::from_u8(entry.opcode());
+        if known.is_none() && entry.opcode() != ASYNC_EVENT_REQUEST {
             return Err(generic(codes::INVALID_OPCODE));
-        };
+        }
         // Admin commands on PCIe use PRPs only (§4.1.2: SGLs are for I/O commands).
         if entry.psdt() != 0 {
             return Err(generic(codes::INVALID_FIELD));
         }
+        let Some(opcode) = known else {
+            return self.hold_async_event_request(entry).map(|()| 0);
+        };
         match opcode {
             AdminOpcode::Identify => self.identify(entry),
             AdminOpcode::CreateIoCompletionQueue => self.create_completion_queue(entry),
@@ -42,10 +62,24 @@ impl ControllerCore {
             AdminOpcode::SetFeatures => self.set_features(entry),
             AdminOpcode::GetLogPage => self.get_log_page(entry),
             AdminOpcode::DoorbellBufferConfig => self.doorbell_buffer_config(entry),
-            // Abort (§5.1): nothing is ever outstanding long enough to abort; dw0 bit 0 = 1 says
-            // "command not aborted".
+            // Abort (§5.1) is best effort, and this one never aborts (dw0 bit 0 = 1: "command
+            // not aborted"): other commands are never outstanding long enough, and a held
+            // Asynchronous Event Request is not aborted either (a reset takes them back).
             AdminOpcode::Abort => Ok(1),
         }
+    }
+
+    /// Asynchronous Event Request (§5.2): holds it, without a completion, until an event to
+    /// report (the controller generates none, so until a reset aborts it; a reset posts
+    /// nothing, its admin queue being deleted). At most AERL + 1 are held; one more completes
+    /// with Asynchronous Event Request Limit Exceeded. A held AER keeps no completion queue
+    /// slot: it will never post into the queue it came from.
+    fn hold_async_event_request(&mut self, entry: &SubmissionEntry) -> Result<(), NvmeStatus> {
+        if self.async_event_requests.len() > usize::from(ASYNC_EVENT_REQUEST_LIMIT) {
+            return Err(command_specific(ASYNC_EVENT_REQUEST_LIMIT_EXCEEDED));
+        }
+        self.async_event_requests.push(entry.command_id());
+        Ok(())
     }
 
     fn to_host(&self, entry: &SubmissionEntry, data: &[u8]) -> Result<(), nvme_driver::spec::NvmeStatus> {
@@ -96,7 +130,7 @@ impl ControllerCore {
         let mut bytes = controller.to_bytes();
         bytes[111] = 1; // CNTRLTYPE: I/O controller.
         bytes[258] = 3; // ACL: 4 concurrent Aborts.
-        bytes[259] = 3; // AERL.
+        bytes[259] = ASYNC_EVENT_REQUEST_LIMIT; // AERL.
         bytes[262] = (ERROR_LOG_ENTRIES - 1) as u8; // ELPE, 0's based.
         if present {
             // VWC bits 2:1 = 11b: Flush with NSID FFFFFFFFh flushes every namespace.

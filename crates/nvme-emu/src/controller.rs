@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use nvme_driver::hw::DmaPool;
 use nvme_driver::spec::status::codes;
 use nvme_driver::spec::{CompletionEntry, NvmOpcode, NvmeStatus, StatusCodeType, SubmissionEntry};
+use nvme_driver::CommandId;
 
 use crate::backing::{AlignedBuffer, Store};
 use crate::cache::WriteCache;
@@ -184,6 +185,9 @@ pub(crate) struct ControllerCore {
     pub(crate) shadow_doorbells: Option<ShadowDoorbells>,
     /// Commands refused by a restriction (a Cell: the refusing paths only borrow the core).
     pub(crate) restriction_refusals: Cell<u64>,
+    /// Command ids of the Asynchronous Event Requests held (at most AERL + 1; see `admin.rs`);
+    /// every stop aborts them without a completion.
+    pub(crate) async_event_requests: Vec<CommandId>,
     /// Where batched transfers go instead of the store's file (a stalled socket, in tests).
     #[cfg(test)]
     batch_descriptor_override: Option<std::os::fd::RawFd>,
@@ -247,6 +251,7 @@ impl ControllerCore {
             configuration_seen: 0,
             shadow_doorbells: None,
             restriction_refusals: Cell::new(0),
+            async_event_requests: Vec::with_capacity(usize::from(crate::admin::ASYNC_EVENT_REQUEST_LIMIT) + 1),
             #[cfg(test)]
             batch_descriptor_override: None,
             #[cfg(test)]

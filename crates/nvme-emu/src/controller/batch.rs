@@ -99,6 +99,10 @@ impl ControllerCore {
                 }
                 _ => self.execute(queue_id, entry),
             };
+            if admin && crate::admin::is_held(entry, &result) {
+                // An Asynchronous Event Request: held, it completes only with an event.
+                continue;
+            }
             if result == Err(crate::io::abandoned_for_reset()) && self.registers.reset_requested() {
                 // A long command (a deallocate) stopped for the reset the host asked for, which
                 // deletes its queue: like the commands after it, it gets no completion.

@@ -110,10 +110,13 @@ impl ControllerCore {
     }
 
     /// What every stop shares (controller reset, power loss, function reset): queues deleted,
-    /// delayed completions forgotten, features back to their defaults. The caller settled what
+    /// delayed completions and held Asynchronous Event Requests forgotten, features back to
+    /// their defaults. The caller settled what
     /// was in flight first and reports the stop afterwards ([`ControllerCore::report_stopped`]).
     fn stop(&mut self) {
         self.drop_queues();
+        // Aborted with the admin queue, which is gone: no completion (§5.2).
+        self.async_event_requests.clear();
         self.features = Self::default_features(&self.config);
     }
 

@@ -224,3 +224,60 @@ fn out_of_range_doorbells_are_ignored_and_counted() {
     let flush = host.execute_on(&mut queue, SubmissionEntry::flush(nvme_driver::NamespaceId(1)));
     assert_eq!(status_of(&flush), Ok(()));
 }
+
+/// Asynchronous Event Request (§5.2): opcode 0Ch, no fields.
+fn async_event_request() -> SubmissionEntry {
+    SubmissionEntry { cdw0: 0x0C, ..SubmissionEntry::default() }
+}
+
+/// Asynchronous Event Request Limit Exceeded (§5.2.1, Figure 146: command specific 05h).
+const ASYNC_EVENT_REQUEST_LIMIT_EXCEEDED: u8 = 0x05;
+
+/// Submits `count` AERs on the admin queue without waiting (none completes).
+fn hold_async_event_requests(host: &mut TestHost, count: usize) {
+    for _ in 0..count {
+        TestHost::push(&mut host.admin, async_event_request());
+    }
+    host.ring_submission(&host.admin);
+}
+
+#[test]
+fn asynchronous_event_requests_stay_outstanding_up_to_the_limit_and_a_reset_clears_them() {
+    // Goal: AER is mandatory: up to AERL + 1 are accepted and held (no event is ever generated,
+    // so none completes) while other admin commands and I/O complete past them, more than the
+    // admin CQ's size, so a held AER keeps no CQ slot; the (AERL + 2)th is refused with
+    // Asynchronous Event Request Limit Exceeded; a controller reset aborts the held ones
+    // without a completion, and the limit counts afresh after it.
+    let mut host = TestHost::start(small_config());
+    let buffer = host.buffer(4096);
+    assert_eq!(status_of(&host.admin(SubmissionEntry::identify(IdentifyCns::Controller, 0, buffer.iova().0))), Ok(()));
+    let mut identify = vec![0u8; 4096];
+    buffer.read(0, &mut identify).unwrap();
+    let limit = usize::from(identify[259]) + 1;
+    assert_eq!(limit, 4, "AERL = 3 (0's based)");
+    hold_async_event_requests(&mut host, limit);
+    // Each admin command's completion is its own (`admin` checks the command id), not an AER's.
+    for _ in 0..40 {
+        assert_eq!(status_of(&host.admin(SubmissionEntry::get_features(FeatureId::NumberOfQueues))), Ok(()));
+    }
+    let mut queue = host.create_io_pair(1, 8);
+    super::harness::write_block(&host, &mut queue, 3, 0x5A);
+    assert!(super::harness::read_block(&host, &mut queue, 3).iter().all(|&byte| byte == 0x5A));
+    assert_eq!(status_of(&host.admin(async_event_request())), specific(ASYNC_EVENT_REQUEST_LIMIT_EXCEEDED));
+    let mut admin = host.admin.clone();
+    assert!(TestHost::try_reap_within(&mut admin, Duration::from_millis(50)).is_none(), "a held AER completed");
+    // The reset (enable() clears CC.EN first) aborts the four: after it, four fit again.
+    host.enable();
+    hold_async_event_requests(&mut host, limit);
+    assert_eq!(status_of(&host.admin(SubmissionEntry::get_features(FeatureId::NumberOfQueues))), Ok(()));
+    assert_eq!(status_of(&host.admin(async_event_request())), specific(ASYNC_EVENT_REQUEST_LIMIT_EXCEEDED));
+    // A power loss and a function reset abort them too.
+    host.device.power_loss();
+    host.enable();
+    hold_async_event_requests(&mut host, limit);
+    assert_eq!(status_of(&host.admin(SubmissionEntry::get_features(FeatureId::NumberOfQueues))), Ok(()));
+    nvme_driver::hw::DeviceBackend::function_reset(&*host.device).unwrap();
+    host.enable();
+    hold_async_event_requests(&mut host, limit);
+    assert_eq!(status_of(&host.admin(async_event_request())), specific(ASYNC_EVENT_REQUEST_LIMIT_EXCEEDED));
+}
