@@ -615,3 +615,40 @@ fn status_prints_devices_pool_fill_and_clients() {
     assert_eq!(missing.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&missing.stderr).contains("connecting to tuttid"));
 }
+
+#[test]
+fn sigterm_drains_while_a_client_pings_without_pause() {
+    // Goal: the drain does not wait on a busy client: one sending its next Ping as soon as it
+    // has the answer (well within the daemon's 50 ms read tick) is answered ShuttingDown (or
+    // closed) after SIGTERM, and the daemon exits 0 within a few seconds (it used to serve such
+    // a client for as long as it pinged, and never finish draining).
+    let directory = tempfile::tempdir().unwrap();
+    let daemon = Daemon::start(directory.path(), "emu:mem:64m", &["--format"]);
+    let mut client = daemon.client();
+    client.hello(&hello(0, 1, "pinger")).unwrap();
+    let pinger = std::thread::spawn(move || {
+        let started = Instant::now();
+        let mut pings = 0u64;
+        // Bounded: the daemon ends the connection, or WAIT runs out.
+        while started.elapsed() < WAIT {
+            match client.ping() {
+                Ok(()) => pings += 1,
+                Err(error) => return (pings, Some(error)),
+            }
+        }
+        (pings, None)
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let stopping = Instant::now();
+    let (status, stderr) = daemon.terminate();
+    let took = stopping.elapsed();
+    let (pings, ended) = pinger.join().unwrap();
+    assert!(status.success(), "{status}: {stderr}");
+    assert!(pings > 10, "the client pinged only {pings} times");
+    assert!(took < Duration::from_secs(5), "tuttid exited {took:?} after SIGTERM");
+    match ended {
+        Some(DaemonError::Remote { code: ErrorCode::ShuttingDown, .. } | DaemonError::Closed | DaemonError::Truncated { .. }) => {}
+        Some(DaemonError::Io { .. }) => {}
+        other => panic!("the client's pings ended with {other:?}"),
+    }
+}
