@@ -42,8 +42,8 @@ const BLOCK_BYTES: usize = 2 * 2 * 2 * 64 * 16 * 2;
 
 fn frame(kind: u16, body: &[u8]) -> Vec<u8> {
     let mut out = b"TPDP".to_vec();
-    // The data plane's version 2 (the segment header carries the holder's served count).
-    out.extend_from_slice(&2u16.to_le_bytes());
+    // The data plane's version 3 (the request and the segment header carry the pool geometry).
+    out.extend_from_slice(&3u16.to_le_bytes());
     out.extend_from_slice(&kind.to_le_bytes());
     out.extend_from_slice(&(body.len() as u32).to_le_bytes());
     out.extend_from_slice(body);
@@ -98,6 +98,10 @@ fn fake_holder(misbehaviour: Misbehaviour) -> (std::net::SocketAddr, std::thread
         segment_header.extend_from_slice(&(BLOCK_BYTES as u64).to_le_bytes());
         // Served once: never a heavy hitter.
         segment_header.extend_from_slice(&1u32.to_le_bytes());
+        // The nodes' geometry: layers, KV heads, head dim, bytes per element, tokens per block.
+        for field in [2u32, 2, 64, 2, BLOCK_TOKENS] {
+            segment_header.extend_from_slice(&field.to_le_bytes());
+        }
         let bytes = vec![0x5au8; BLOCK_BYTES];
         let _ = match misbehaviour {
             Misbehaviour::Garbage => stream.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello"),

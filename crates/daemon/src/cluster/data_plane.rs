@@ -42,7 +42,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use objstore::{Direction, MismatchedBlock, NoLender, ObjstoreError, Placement, RequestHandle, StoreControl};
+use objstore::{Direction, MismatchedBlock, ModelGeometry, NoLender, ObjstoreError, Placement, RequestHandle, StoreControl};
 use tutti_cluster::{ModelSpace, SegmentBlocks, SegmentKey};
 
 use super::heavy_hitters::{ServedCounts, SERVED_COUNTS_MAX};
@@ -186,6 +186,9 @@ pub struct DataPlane {
     bounds: PeerBounds,
     segment_blocks: SegmentBlocks,
     block_bytes: usize,
+    /// The pool's geometry: sent with every read and answer, and required of the other side's
+    /// (equal block sizes do not make equal bytes: `peer.rs`, version 3).
+    geometry: ModelGeometry,
     /// Peer connections being served now.
     peers: AtomicUsize,
     /// `FetchRemote`s in progress now.
@@ -209,6 +212,7 @@ impl DataPlane {
         let staging = Staging::new(control.pool(), u32::from(segment_blocks.get()), requests_max)
             .map_err(|error| std::io::Error::other(format!("the data plane's staging area: {error}")))?;
         let block_bytes = staging.block_bytes();
+        let geometry = *control.pool().geometry();
         if block_bytes as u64 > peer::BLOCK_BYTES_MAX {
             return Err(std::io::Error::other(format!(
                 "blocks of {block_bytes} bytes: the data plane moves blocks of at most {} bytes",
@@ -222,6 +226,7 @@ impl DataPlane {
             bounds: PeerBounds::default(),
             segment_blocks,
             block_bytes,
+            geometry,
             peers: AtomicUsize::new(0),
             fetches: AtomicUsize::new(0),
             served: Mutex::new(ServedCounts::new(SERVED_COUNTS_MAX)),
@@ -374,6 +379,14 @@ impl DataPlane {
                 format!("a segment of {blocks} blocks; this cluster's segments have {}", self.segment_blocks.get()),
             ));
         }
+        // Before anything is pinned: bytes of another geometry would be stored as the asker's
+        // KV and mean something else there.
+        if request.geometry != self.geometry {
+            return Err((
+                FailureCode::BadRequest,
+                format!("blocks of geometry {} asked for; this pool's geometry is {}", request.geometry, self.geometry),
+            ));
+        }
         let engine_blocks: Vec<u32> = (0..blocks as u32).collect();
         let mut store = lock(store);
         let control = &mut store.control;
@@ -422,7 +435,8 @@ impl DataPlane {
         stopped: &dyn Fn() -> bool,
     ) -> Result<Answered, PeerError> {
         let deadline = Instant::now() + self.bounds.segment;
-        let header = SegmentHeader { blocks: reserved.blocks as u16, block_bytes: self.block_bytes as u64, served };
+        let header =
+            SegmentHeader { blocks: reserved.blocks as u16, block_bytes: self.block_bytes as u64, served, geometry: self.geometry };
         peer::encode_segment_header(frame, header);
         peer::write_all(stream, frame, deadline, stopped, "sending a segment header")?;
         // Waiting longer for the staging area than half the asker's wait for the first block
@@ -589,7 +603,7 @@ impl DataPlane {
         let mut stored = 0;
         for segment in segments {
             let segment_keys = &keys[segment * per_segment..(segment + 1) * per_segment];
-            let request = ReadSegment { space: *space, index: segment as u32, keys: segment_keys.to_vec() };
+            let request = ReadSegment { space: *space, index: segment as u32, geometry: self.geometry, keys: segment_keys.to_vec() };
             let started = Instant::now();
             let segment_deadline = deadline.min(started + self.bounds.segment);
             // A busy holder (its connections or request slots all taken, its staging area
@@ -665,11 +679,19 @@ impl DataPlane {
             PeerKind::Failure => return Err(failed(peer::decode_failure(body))),
             other => return Err(failed(PeerError::Garbage(format!("a {other:?} frame where a segment header was due")))),
         }
-        let SegmentHeader { blocks, block_bytes: sent_bytes, served } = peer::decode_segment_header(body).map_err(failed)?;
+        let SegmentHeader { blocks, block_bytes: sent_bytes, served, geometry } = peer::decode_segment_header(body).map_err(failed)?;
         if usize::from(blocks) != request.keys.len() || sent_bytes != block_bytes {
             return Err(failed(PeerError::Garbage(format!(
                 "a segment of {blocks} blocks of {sent_bytes} bytes; asked for {} of {block_bytes}",
                 request.keys.len()
+            ))));
+        }
+        // The holder checks the request's geometry too; a holder that did not (or lies about
+        // its block size) is caught here, before a byte is stored.
+        if geometry != self.geometry {
+            return Err(failed(PeerError::Garbage(format!(
+                "a segment of blocks of geometry {geometry}; this pool's geometry is {}",
+                self.geometry
             ))));
         }
         bytes.clear();

@@ -6,23 +6,30 @@
 //! cap, a block that is not the one expected or whose CRC does not match is a typed
 //! [`PeerError`], never a panic and never bytes passed on.
 //!
-//! A read: the asker sends `ReadSegment` (model space, segment position, the segment's block
-//! keys); the holder answers `SegmentHeader` (blocks, bytes per block, how many times it has
-//! served this segment, this read included: the heavy-hitter count, docs/cluster.md) then one
+//! A read: the asker sends `ReadSegment` (model space, segment position, its pool's geometry,
+//! the segment's block keys); the holder answers `SegmentHeader` (blocks, bytes per block, how
+//! many times it has served this segment, this read included: the heavy-hitter count,
+//! docs/cluster.md; its pool's geometry) then one
 //! `Block` per block in order (its index, its payload CRC, its bytes), or `Failure` (code, text)
 //! instead of the header or in place of the first block (the holder sends the header once the
 //! blocks are pinned, before it waits for its staging area: a wait that fails ends the answer).
 //! Version 2 added the served count (a version-1 peer's frames are refused by version).
+//! Version 3 added the pools' geometry (layers, KV heads, head dim, bytes per element, tokens
+//! per block) to the request and the header: two pools whose blocks have the same size but
+//! another shape (1 layer × dim 64 and 2 layers × dim 32) exchanged bytes that mean something
+//! else, and the block size was all either side checked. Each side refuses a geometry not its
+//! own (the holder before it pins anything).
 //! Every read has a deadline per frame ([`read_frame`]): a peer that stalls mid-stream costs
 //! that long, then the read fails.
 
 use std::io::{ErrorKind, Read, Write};
 use std::time::{Duration, Instant};
 
+use objstore::ModelGeometry;
 use tutti_cluster::{ModelSpace, FINGERPRINT_BYTES};
 
 const MAGIC: [u8; 4] = *b"TPDP";
-pub const VERSION: u16 = 2;
+pub const VERSION: u16 = 3;
 pub const HEADER_BYTES: usize = 12;
 /// Most blocks one segment has (`SegmentBlocks::MAX`).
 pub const SEGMENT_BLOCKS_MAX: usize = 64;
@@ -247,27 +254,51 @@ pub fn write_all(
     Ok(())
 }
 
-/// A read of one segment: its model space, position and block keys (the last is its key).
+/// Bytes of a pool's geometry on the wire: layers, KV heads, head dim, bytes per element and
+/// tokens per block, each a u32.
+pub const GEOMETRY_BYTES: usize = 20;
+
+/// Appends `geometry` (see [`GEOMETRY_BYTES`]).
+fn encode_geometry(out: &mut Vec<u8>, geometry: &ModelGeometry) {
+    for field in [geometry.layers, geometry.kv_heads, geometry.head_dim, geometry.dtype_bytes, geometry.block_tokens] {
+        out.extend_from_slice(&field.to_le_bytes());
+    }
+}
+
+/// A geometry as sent: plain numbers, not checked here — the receiver compares it with its
+/// own pool's, field for field, and that equality is the only check that matters.
+fn decode_geometry(bytes: &[u8; GEOMETRY_BYTES]) -> ModelGeometry {
+    let field = |at: usize| u32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]]);
+    ModelGeometry { layers: field(0), kv_heads: field(4), head_dim: field(8), dtype_bytes: field(12), block_tokens: field(16) }
+}
+
+/// A read of one segment: its model space, position, the asker's pool geometry (what its
+/// blocks' bytes must mean) and block keys (the last is its key).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReadSegment {
     pub space: ModelSpace,
     pub index: u32,
+    pub geometry: ModelGeometry,
     pub keys: Vec<u64>,
 }
 
 impl ReadSegment {
+    /// Bytes of the body before the keys.
+    const FIXED_BYTES: usize = FINGERPRINT_BYTES + 4 + 4 + 4 + GEOMETRY_BYTES + 2;
+
     pub fn body_max() -> u64 {
-        (FINGERPRINT_BYTES + 4 + 4 + 4 + 2 + 8 * SEGMENT_BLOCKS_MAX) as u64
+        (Self::FIXED_BYTES + 8 * SEGMENT_BLOCKS_MAX) as u64
     }
 
     pub fn encode(&self, out: &mut Vec<u8>) {
         out.clear();
-        let body = FINGERPRINT_BYTES + 14 + 8 * self.keys.len();
+        let body = Self::FIXED_BYTES + 8 * self.keys.len();
         encode_header(out, PeerKind::ReadSegment, body as u32);
         out.extend_from_slice(self.space.fingerprint());
         out.extend_from_slice(&self.space.tp_rank().to_le_bytes());
         out.extend_from_slice(&self.space.tp_world().to_le_bytes());
         out.extend_from_slice(&self.index.to_le_bytes());
+        encode_geometry(out, &self.geometry);
         out.extend_from_slice(&(self.keys.len() as u16).to_le_bytes());
         for key in &self.keys {
             out.extend_from_slice(&key.to_le_bytes());
@@ -275,14 +306,18 @@ impl ReadSegment {
     }
 
     pub fn decode(body: &[u8]) -> Result<ReadSegment, String> {
-        let fixed = FINGERPRINT_BYTES + 14;
+        let fixed = Self::FIXED_BYTES;
         if body.len() < fixed {
             return Err(format!("a ReadSegment body of {} bytes, at least {fixed} expected", body.len()));
         }
         let fingerprint: [u8; FINGERPRINT_BYTES] = body[..FINGERPRINT_BYTES].try_into().map_err(|_| "fingerprint")?;
         let word = |at: usize| u32::from_le_bytes([body[at], body[at + 1], body[at + 2], body[at + 3]]);
         let (rank, world, index) = (word(FINGERPRINT_BYTES), word(FINGERPRINT_BYTES + 4), word(FINGERPRINT_BYTES + 8));
-        let count = usize::from(u16::from_le_bytes([body[FINGERPRINT_BYTES + 12], body[FINGERPRINT_BYTES + 13]]));
+        let at = FINGERPRINT_BYTES + 12;
+        let geometry: &[u8; GEOMETRY_BYTES] = body[at..at + GEOMETRY_BYTES].try_into().map_err(|_| "geometry")?;
+        let geometry = decode_geometry(geometry);
+        let at = at + GEOMETRY_BYTES;
+        let count = usize::from(u16::from_le_bytes([body[at], body[at + 1]]));
         if count == 0 || count > SEGMENT_BLOCKS_MAX || body.len() != fixed + 8 * count {
             return Err(format!("{count} keys in a body of {} bytes", body.len()));
         }
@@ -291,12 +326,13 @@ impl ReadSegment {
         if keys.contains(&0) {
             return Err("a block key of 0".into());
         }
-        Ok(ReadSegment { space, index, keys })
+        Ok(ReadSegment { space, index, geometry, keys })
     }
 }
 
-/// Bytes of a `SegmentHeader` body: blocks u16, bytes per block u64, times served u32.
-const SEGMENT_HEADER_BYTES: usize = 14;
+/// Bytes of a `SegmentHeader` body: blocks u16, bytes per block u64, times served u32, the
+/// holder's pool geometry.
+const SEGMENT_HEADER_BYTES: usize = 14 + GEOMETRY_BYTES;
 
 /// The holder's answer before the blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -307,6 +343,8 @@ pub struct SegmentHeader {
     /// included; its bounded count, `heavy_hitters.rs`): what the asker compares with its
     /// `--cluster-replicate-after`.
     pub served: u32,
+    /// The holder's pool geometry: what its blocks' bytes mean.
+    pub geometry: ModelGeometry,
 }
 
 pub fn encode_segment_header(out: &mut Vec<u8>, header: SegmentHeader) {
@@ -315,17 +353,22 @@ pub fn encode_segment_header(out: &mut Vec<u8>, header: SegmentHeader) {
     out.extend_from_slice(&header.blocks.to_le_bytes());
     out.extend_from_slice(&header.block_bytes.to_le_bytes());
     out.extend_from_slice(&header.served.to_le_bytes());
+    encode_geometry(out, &header.geometry);
 }
 
 pub fn decode_segment_header(body: &[u8]) -> Result<SegmentHeader, PeerError> {
     let Ok(body) = <&[u8; SEGMENT_HEADER_BYTES]>::try_from(body) else {
         return Err(PeerError::Garbage(format!("a SegmentHeader body of {} bytes, {SEGMENT_HEADER_BYTES} expected", body.len())));
     };
-    let [b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11, b12, b13] = *body;
+    let (fixed, geometry) = body.split_at(14);
+    let [b0, b1, b2, b3, b4, b5, b6, b7, b8, b9, b10, b11, b12, b13] = <[u8; 14]>::try_from(fixed).unwrap_or([0; 14]);
+    let geometry: &[u8; GEOMETRY_BYTES] =
+        geometry.try_into().map_err(|_| PeerError::Garbage("a SegmentHeader's geometry cut short".into()))?;
     Ok(SegmentHeader {
         blocks: u16::from_le_bytes([b0, b1]),
         block_bytes: u64::from_le_bytes([b2, b3, b4, b5, b6, b7, b8, b9]),
         served: u32::from_le_bytes([b10, b11, b12, b13]),
+        geometry: decode_geometry(geometry),
     })
 }
 
@@ -399,8 +442,15 @@ mod proptests;
 mod tests {
     use super::*;
 
+    const GEOMETRY: ModelGeometry = ModelGeometry { layers: 80, kv_heads: 8, head_dim: 128, dtype_bytes: 2, block_tokens: 16 };
+
     fn request() -> ReadSegment {
-        ReadSegment { space: ModelSpace::new([9; FINGERPRINT_BYTES], 1, 2).unwrap(), index: 3, keys: (1..=16).collect() }
+        ReadSegment {
+            space: ModelSpace::new([9; FINGERPRINT_BYTES], 1, 2).unwrap(),
+            index: 3,
+            geometry: GEOMETRY,
+            keys: (1..=16).collect(),
+        }
     }
 
     fn body(frame: &[u8]) -> &[u8] {
@@ -444,10 +494,11 @@ mod tests {
         }
         assert!(matches!(decode_failure(&body(&frame)[..5]), PeerError::Garbage(_)));
 
-        let sent = SegmentHeader { blocks: 16, block_bytes: 4096, served: 3 };
+        let sent = SegmentHeader { blocks: 16, block_bytes: 4096, served: 3, geometry: GEOMETRY };
         encode_segment_header(&mut frame, sent);
         assert_eq!(decode_segment_header(body(&frame)).unwrap(), sent);
         assert!(matches!(decode_segment_header(&body(&frame)[..10]), Err(PeerError::Garbage(_))), "a version-1 header body");
+        assert!(matches!(decode_segment_header(&body(&frame)[..14]), Err(PeerError::Garbage(_))), "a version-2 header body");
         let header: [u8; HEADER_BYTES] = frame[..HEADER_BYTES].try_into().unwrap();
         for (position, value) in [(0, b'X'), (4, 9), (6, 0x77)] {
             let mut bad = header;

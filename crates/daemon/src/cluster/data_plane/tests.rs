@@ -60,6 +60,9 @@ fn node(layers: u32, head_dim: u32, backing_bytes: u64, bounds: PeerBounds) -> N
     Node { store, plane, stop: StopHandle::default(), metrics: ClusterMetrics::default() }
 }
 
+/// The geometry of a `small` node's pool.
+const SMALL_GEOMETRY: ModelGeometry = ModelGeometry { layers: 1, kv_heads: 8, head_dim: 64, dtype_bytes: 2, block_tokens: 16 };
+
 /// A small node: 16 KiB blocks (256 KiB segments).
 fn small(bounds: PeerBounds) -> Node {
     node(1, 64, 32 << 20, bounds)
@@ -114,7 +117,8 @@ fn connect(serving: &Serving) -> TcpStream {
 fn request(seed: u64, segment: usize) -> Vec<u8> {
     let per = usize::from(SEGMENT);
     let mut frame = Vec::new();
-    ReadSegment { space: space(), index: segment as u32, keys: keys(seed, segment + 1)[segment * per..].to_vec() }.encode(&mut frame);
+    let keys = keys(seed, segment + 1)[segment * per..].to_vec();
+    ReadSegment { space: space(), index: segment as u32, geometry: SMALL_GEOMETRY, keys }.encode(&mut frame);
     frame
 }
 
@@ -207,7 +211,7 @@ fn a_frame_of_another_kind_is_refused_and_pipelined_reads_are_answered_in_order(
     let mut keys = keys(1, 2)[24..].to_vec();
     keys.extend((0..8).map(|i| 900 + i));
     let mut frame = Vec::new();
-    ReadSegment { space: space(), index: 2, keys }.encode(&mut frame);
+    ReadSegment { space: space(), index: 2, geometry: SMALL_GEOMETRY, keys }.encode(&mut frame);
     stream.write_all(&frame).unwrap();
     let (code, message) = failure(&mut stream);
     assert_eq!((code, message.as_str()), (FailureCode::NotHeld, NOT_HELD));
@@ -486,4 +490,29 @@ fn a_holder_closing_an_idle_connection_between_segments_is_asked_again() {
     });
     assert_eq!(fetched.map_err(|(_, error)| error.to_string()), Ok(32));
     assert_eq!(stored, [0, 1]);
+}
+
+#[test]
+fn pools_of_another_geometry_with_equal_block_sizes_exchange_nothing() {
+    // Goal: a holder's blocks are 1 layer × 8 heads × dim 64 and the asker's 2 layers × 8
+    // heads × dim 32: the same 32 KiB a block, bytes that mean something else. Checking the
+    // block size alone let the asker store them as its own KV; the pools' geometries travel
+    // with the request and the segment header, and the holder refuses the read (BadRequest,
+    // naming both) before it pins anything: the fetch fails, nothing is stored, nothing served.
+    let holder = small(PeerBounds::default());
+    put(&holder, 1, 0);
+    put(&holder, 1, 1);
+    let holder = serve(holder);
+    let asker = node(2, 32, 32 << 20, PeerBounds::default());
+    assert_eq!(asker.plane.block_bytes, holder.node.plane.block_bytes, "the test needs equal block sizes");
+    match fetch(&asker, &holder, far()) {
+        Err((0, FetchError::Peer { segment: 0, source, .. })) => match *source {
+            PeerError::Refused { code: FailureCode::BadRequest, ref message } => assert!(message.contains("geometry"), "{message}"),
+            ref other => panic!("{other}"),
+        },
+        other => panic!("a fetch across geometries: {other:?}"),
+    }
+    assert_eq!(lock(&asker.store).control.counts().cached_blocks, 0, "bytes of another geometry were stored");
+    assert_eq!(holder.node.metrics.served_segments.get(), 0);
+    assert_eq!(pinned(&holder.node), 0);
 }

@@ -54,17 +54,29 @@ fn side() -> impl Strategy<Value = Side> {
     prop_oneof![Just(Side::Holder), prop_oneof![0u64..=64, Just(4096u64), Just(BLOCK_BYTES_MAX)].prop_map(Side::Asker)]
 }
 
+/// Any five numbers: a geometry on the wire is plain data, compared by the receiver.
+fn geometry() -> impl Strategy<Value = objstore::ModelGeometry> {
+    any::<[u32; 5]>().prop_map(|[layers, kv_heads, head_dim, dtype_bytes, block_tokens]| objstore::ModelGeometry {
+        layers,
+        kv_heads,
+        head_dim,
+        dtype_bytes,
+        block_tokens,
+    })
+}
+
 fn read_segment() -> impl Strategy<Value = ReadSegment> {
     (
         any::<[u8; FINGERPRINT_BYTES]>(),
         1u32..=tutti_cluster::TP_WORLD_MAX,
         any::<u32>(),
         any::<u32>(),
+        geometry(),
         vec(1u64..=u64::MAX, 1..=SEGMENT_BLOCKS_MAX),
     )
-        .prop_filter_map("an all-zero fingerprint", |(fingerprint, world, rank, index, keys)| {
+        .prop_filter_map("an all-zero fingerprint", |(fingerprint, world, rank, index, geometry, keys)| {
             let space = ModelSpace::new(fingerprint, rank % world, world).ok()?;
-            Some(ReadSegment { space, index, keys })
+            Some(ReadSegment { space, index, geometry, keys })
         })
 }
 
@@ -211,10 +223,13 @@ proptest! {
         }
     }
 
-    /// Goal: a segment header body decodes exactly when it is 14 bytes, to what encodes back to
+    /// Goal: a segment header body decodes exactly when it is 34 bytes, to what encodes back to
     /// those bytes.
     #[test]
-    fn segment_header_round_trips(body in vec(any::<u8>(), 0..=32), sent in (any::<u16>(), any::<u64>(), any::<u32>())) {
+    fn segment_header_round_trips(
+        body in vec(any::<u8>(), 0..=48),
+        sent in (any::<u16>(), any::<u64>(), any::<u32>(), geometry()),
+    ) {
         match decode_segment_header(&body) {
             Ok(header) => {
                 prop_assert_eq!(body.len(), SEGMENT_HEADER_BYTES);
@@ -224,7 +239,7 @@ proptest! {
             }
             Err(error) => prop_assert!(body.len() != SEGMENT_HEADER_BYTES && matches!(error, PeerError::Garbage(_))),
         }
-        let header = SegmentHeader { blocks: sent.0, block_bytes: sent.1, served: sent.2 };
+        let header = SegmentHeader { blocks: sent.0, block_bytes: sent.1, served: sent.2, geometry: sent.3 };
         let mut frame = Vec::new();
         encode_segment_header(&mut frame, header);
         let mut body = Vec::new();
