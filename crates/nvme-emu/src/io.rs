@@ -13,10 +13,10 @@ use crate::restriction::{access_denied, HostAccess};
 const ALL_NAMESPACES: u32 = 0xFFFF_FFFF;
 /// Most Dataset Management ranges (NR is 8 bits, 0's based).
 const DSM_RANGES_MAX: usize = 256;
-/// Most bytes a deallocate zeroes between looks at CC.EN = 0: about half a second where zeroes
+/// Most bytes a deallocate or Write Zeroes zeroes between looks at CC.EN = 0: about half a second where zeroes
 /// are written to a disk at 128 MB/s, well inside CAP.TO (10 s); one syscall where the store
 /// punches a hole (16 Ki of them for a whole terabyte).
-const DEALLOCATE_SLICE_BYTES: u64 = 64 << 20;
+const ZEROING_SLICE_BYTES: u64 = 64 << 20;
 
 fn check_range(namespace: &Namespace, start_lba: u64, blocks: u64) -> Result<(), NvmeStatus> {
     let end = start_lba.checked_add(blocks).filter(|&end| end <= namespace.blocks);
@@ -228,7 +228,8 @@ impl ControllerCore {
         check_range(&namespace, start_lba, blocks)?;
         self.check_allowed_blocks(entry.nsid, start_lba, blocks)?;
         if !self.config.no_storage {
-            self.zero_blocks(index, &namespace, start_lba, blocks)?;
+            // Up to 65536 blocks of up to 64 KiB: 4 GiB, sliced as a deallocate is.
+            self.zero_blocks_unless_reset(index, &namespace, start_lba, start_lba + blocks)?;
             // The zeroes bypass the cache (as a FUA write does), but the completion promises
             // media only with FUA (CDW12 bit 30) or the cache off, as a Write's does.
             self.sync_if_promised(entry.force_unit_access())?;
@@ -241,10 +242,9 @@ impl ControllerCore {
     ///
     /// The ranges are host input: up to 256 of them, each up to 2^32 blocks, may repeat and
     /// overlap. They are sorted and merged first, so one command zeroes each block at most once
-    /// (at most the namespace), and the zeroing runs in slices of [`DEALLOCATE_SLICE_BYTES`]
-    /// with a look at CC.EN = 0 before each: on a store that must write zeroes (a block device
-    /// without write-zeroes offload) a whole namespace takes minutes, and the reset must not
-    /// wait for it (CAP.TO). A command the reset cuts short gets no completion (its queue is
+    /// (at most the namespace), and the zeroing runs in slices with a look at CC.EN = 0 before
+    /// each: on a store that must write zeroes (a block device without write-zeroes offload) a
+    /// whole namespace takes minutes, and the reset must not wait for it (CAP.TO). A command the reset cuts short gets no completion (its queue is
     /// deleted); the blocks it had zeroed read as zero, the rest keep their data, which is
     /// all a host may assume of a command that never completed.
     fn dataset_management(&mut self, entry: &SubmissionEntry) -> CommandResult {
@@ -278,21 +278,29 @@ impl ControllerCore {
             return Ok(0);
         }
         let merged = merge_runs(&mut runs[..run_count]);
-        let slice_blocks = (DEALLOCATE_SLICE_BYTES / u64::from(namespace.block_size_bytes)).max(1);
         for &(start, end) in &runs[..merged] {
-            let mut lba = start;
-            // Bounded: each pass zeroes at least one block of the run, or returns.
-            while lba < end {
-                if self.registers.reset_requested() {
-                    tracing::info!(lba, end, "deallocate cut short by a controller reset");
-                    return Err(abandoned_for_reset());
-                }
-                let blocks = (end - lba).min(slice_blocks);
-                self.zero_blocks(index, &namespace, lba, blocks)?;
-                lba += blocks;
-            }
+            self.zero_blocks_unless_reset(index, &namespace, start, end)?;
         }
         Ok(0)
+    }
+
+    /// Zeroes blocks `start..end` in slices of [`ZEROING_SLICE_BYTES`], looking at CC.EN = 0
+    /// before each: a reset the host asked for stops it ([`abandoned_for_reset`]; the caller
+    /// posts no completion), since where the store must write zeroes a range can take minutes.
+    fn zero_blocks_unless_reset(&mut self, index: usize, namespace: &Namespace, start: u64, end: u64) -> Result<(), NvmeStatus> {
+        let slice_blocks = (ZEROING_SLICE_BYTES / u64::from(namespace.block_size_bytes)).max(1);
+        let mut lba = start;
+        // Bounded: each pass zeroes at least one block of the range, or returns.
+        while lba < end {
+            if self.registers.reset_requested() {
+                tracing::info!(lba, end, "zeroing cut short by a controller reset");
+                return Err(abandoned_for_reset());
+            }
+            let blocks = (end - lba).min(slice_blocks);
+            self.zero_blocks(index, namespace, lba, blocks)?;
+            lba += blocks;
+        }
+        Ok(())
     }
 }
 

@@ -1,5 +1,6 @@
-//! Dataset Management (deallocate) bounds: one command's work is at most the namespace once,
-//! however many and however large its ranges, and it gives way to a controller reset.
+//! Zeroing bounds: one Dataset Management (deallocate) command's work is at most the namespace
+//! once, however many and however large its ranges, and it, like a Write Zeroes of up to 4 GiB,
+//! gives way to a controller reset.
 
 use std::time::{Duration, Instant};
 
@@ -8,7 +9,7 @@ use nvme_driver::spec::registers;
 use nvme_driver::spec::SubmissionEntry;
 use nvme_driver::{Lba, NamespaceId};
 
-use super::harness::{read_block, status_of, write_block, TestHost};
+use super::harness::{block_count, read_block, status_of, write_block, TestHost};
 use crate::{Backing, EmuConfig, NamespaceConfig};
 
 /// Most ranges one Dataset Management command carries (NR = FFh).
@@ -114,5 +115,36 @@ fn overlapping_and_adjacent_ranges_are_zeroed_and_nothing_else() {
         let block = read_block(&host, &mut queue, lba);
         let expected = if zeroed(lba) { 0 } else { 0x40 + lba as u8 };
         assert!(block.iter().all(|&byte| byte == expected), "block {lba}: expected {expected:#x}, read {:#x}", block[0]);
+    }
+}
+
+#[test]
+fn a_write_zeroes_of_4_gib_gives_way_to_a_reset_promptly() {
+    // Goal: Write Zeroes is bounded by its NLB (65536 blocks), but of 64 KiB blocks that is
+    // 4 GiB, which a store that must write zeroes takes half a minute over: like a deallocate,
+    // it looks at CC.EN = 0 between slices, so RDY reads 0 well inside CAP.TO. (A 4 GiB memory
+    // store maps lazily: the test costs what it writes, one block.)
+    const STORE_BYTES: u64 = 4 << 30;
+    const BLOCK_BYTES: u32 = 64 << 10;
+    let config = EmuConfig::default()
+        .with_backing(Backing::Memory { bytes: STORE_BYTES })
+        .with_namespaces(vec![NamespaceConfig::new(BLOCK_BYTES, None)]);
+    let mut host = TestHost::start(config);
+    let mut queue = host.create_io_pair(1, 8);
+    let source = host.buffer(BLOCK_BYTES as usize);
+    source.fill(0, BLOCK_BYTES as usize, 0xEE).unwrap();
+    let write = super::harness::with_sgl(SubmissionEntry::write(NamespaceId(1), Lba(1), block_count(1), false), &source, BLOCK_BYTES);
+    assert_eq!(status_of(&host.execute_on(&mut queue, write)), Ok(()));
+    TestHost::push(&mut queue, SubmissionEntry::write_zeroes(NamespaceId(1), Lba(0), block_count(65536), false));
+    host.ring_submission(&queue);
+    std::thread::sleep(Duration::from_millis(50));
+    let cleared = Instant::now();
+    host.registers.write32(registers::CC, 0);
+    // A slice is 64 MiB, about 0.1 s unoptimized here; the whole 4 GiB took 6 s before it was
+    // sliced. 3 s leaves room for a loaded machine.
+    let bound = Duration::from_secs(3);
+    while host.csts().ready() {
+        assert!(cleared.elapsed() < bound, "CSTS.RDY still 1 {:?} after CC.EN = 0", cleared.elapsed());
+        std::thread::sleep(Duration::from_millis(1));
     }
 }
