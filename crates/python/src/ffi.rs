@@ -358,8 +358,18 @@ impl<K> Drop for CallerMemory<K> {
 /// keeps the memory alive) with the mapping. The mapping covers the whole pages the range
 /// touches (the devices map pages); only bytes inside `address..address + len` are ever named
 /// in a command, because every address the store issues comes from the registration, whose
-/// tensors `tensor::check_layout` placed inside their ranges.
-pub fn map_caller_memory<K>(dma: &Arc<dyn DmaAllocator>, address: u64, len: u64, keep: K) -> Result<CallerMemory<K>, HwError> {
+/// tensors `tensor::check_layout` placed inside their ranges. A failure hands `keep` back (no
+/// device was given the memory): the caller drops it where a deleter may take the GIL.
+pub fn map_caller_memory<K>(dma: &Arc<dyn DmaAllocator>, address: u64, len: u64, keep: K) -> Result<CallerMemory<K>, (HwError, K)> {
+    match map_pages(dma, address, len) {
+        Ok((region, iova)) => Ok(CallerMemory { region: Some(region), keep: Some(keep), iova }),
+        Err(error) => Err((error, keep)),
+    }
+}
+
+/// The pages holding `address..address + len` mapped for `dma`'s devices, and the IOVA of
+/// `address` (see `map_caller_memory`, whose `keep` keeps them alive).
+fn map_pages(dma: &Arc<dyn DmaAllocator>, address: u64, len: u64) -> Result<(DmaRegion, Iova), HwError> {
     let start = address & !(PAGE_BYTES - 1);
     let end = address
         .checked_add(len)
@@ -377,5 +387,5 @@ pub fn map_caller_memory<K>(dma: &Arc<dyn DmaAllocator>, address: u64, len: u64,
     // writes it only through DMA (the software controller's copies).
     let region = unsafe { dma.map_external(start as *mut u8, mapped)? };
     let iova = region.iova().checked_add(address - start).ok_or(HwError::ZeroLength)?;
-    Ok(CallerMemory { region: Some(region), keep: Some(keep), iova })
+    Ok((region, iova))
 }

@@ -61,7 +61,7 @@ impl LookupClient {
         Ok(LookupClient {
             client: Mutex::new(Some(client)),
             session: reply.session,
-            geometry: crate::geometry::of_hello(&reply.shape),
+            geometry: crate::geometry::of_hello(&reply.shape).map_err(|failure| failure.to_pyerr(py))?,
             lease_ms: reply.lease_ms,
         })
     }

@@ -444,7 +444,8 @@ impl Store {
                 Ok::<_, DaemonError>((client, reply))
             })
             .map_err(|error| Failure::from(error).to_pyerr(py))?;
-        let geometry = crate::geometry::of_hello(&reply.shape);
+        // Checked before anything else uses it (the session ends with the client dropped here).
+        let geometry = crate::geometry::of_hello(&reply.shape).map_err(|failure| failure.to_pyerr(py))?;
         let session = reply.session;
         let lease = Duration::from_millis(u64::from(reply.lease_ms));
         let config = RemoteConfig {

@@ -290,6 +290,9 @@ fn check_tensor(tensor: &TensorDescription, kind: LayoutKind, geometry: &ModelGe
 /// Checks `tensors` as a layout of `kind` for `geometry`: their count, each tensor, one block
 /// count and one block stride across them, no two overlapping in memory.
 pub fn check_layout(kind: LayoutKind, tensors: &[TensorDescription], geometry: &ModelGeometry) -> Result<CheckedLayout, String> {
+    // Every geometry a store holds was validated (ModelGeometry's constructor, tuttid's Hello at
+    // attach); checked again here because the sizes below divide by its dimensions.
+    geometry.validate().map_err(|error| format!("the store's model geometry {geometry} is invalid: {error}"))?;
     let expected = kind.tensor_count(geometry.layers);
     if tensors.len() != expected {
         return Err(format!("a {} layout of {} layers has {expected} tensors, got {}", kind.name(), geometry.layers, tensors.len()));

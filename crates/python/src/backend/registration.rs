@@ -62,8 +62,19 @@ impl StoreState {
     }
 
     /// `register_kv`: caller memory mapped for the pool's devices (in-process), or device
-    /// memory registered with tuttid (CUDA tensors, a stand-in; `device_memory`).
+    /// memory registered with tuttid (CUDA tensors, a stand-in; `device_memory`). What a
+    /// refusal leaves of `keeps` (consumed DLPack exports, whose deleter takes the GIL) goes to
+    /// `released`, dropped after the store's lock is let go, as every release is.
     pub fn register(&mut self, checked: CheckedLayout, keeps: Vec<Keep>, timeout: Duration) -> Result<(), Failure> {
+        let mut keeps = keeps;
+        let registered = self.register_with(checked, &mut keeps, timeout);
+        self.released.append(&mut keeps);
+        registered
+    }
+
+    /// `register`: takes `keeps` (leaving it empty) only on the routes that keep or release
+    /// them themselves; a refusal before that leaves them to the caller.
+    fn register_with(&mut self, checked: CheckedLayout, keeps: &mut Vec<Keep>, timeout: Duration) -> Result<(), Failure> {
         if let Some(registered) = &self.registered {
             return if *registered == checked {
                 Ok(()) // the same memory again (an engine handing back an allocation)
@@ -80,9 +91,9 @@ impl StoreState {
                     checked.device
                 ),
             )),
-            Backend::LocalOpen { .. } => self.register_caller_memory(checked, keeps),
+            Backend::LocalOpen { .. } => self.register_caller_memory(checked, std::mem::take(keeps)),
             Backend::RemoteAttached { .. } => match device_memory::export(&checked)? {
-                Some(range) => self.register_device_memory(checked, keeps, range, timeout),
+                Some(range) => self.register_device_memory(checked, std::mem::take(keeps), range, timeout),
                 None => Err(Failure::new(
                     ErrorClass::UnsupportedMemory,
                     "tuttid cannot map CPU memory this process allocated: allocate the KV cache with store.allocate_kv(num_blocks, kind) \
@@ -161,17 +172,23 @@ impl StoreState {
             _ => unreachable!("register matched LocalOpen"),
         };
         let mut mapped = Vec::with_capacity(keeps.len());
-        for (tensor, keep) in checked.tensors.iter().zip(keeps) {
+        let mut keeps = keeps.into_iter();
+        for (tensor, keep) in checked.tensors.iter().zip(keeps.by_ref()) {
             match crate::ffi::map_caller_memory(&dma, tensor.address, tensor.extent_bytes, keep) {
                 Ok(memory) => mapped.push(memory),
-                Err(error) => {
+                Err((error, keep)) => {
+                    // This one, those mapped before it and those not reached yet: all dropped
+                    // once the lock is let go (`released`).
+                    self.released.push(keep);
                     for memory in mapped {
                         self.released.extend(CallerMemory::release(memory, &QueuesGone::never_used()));
                     }
+                    self.released.extend(keeps);
                     return Err(Failure::from(error));
                 }
             }
         }
+        self.released.extend(keeps);
         let iovas: Vec<Iova> = mapped.iter().map(CallerMemory::iova).collect();
         let layout = store_layout(&checked, &iovas);
         if let Err(failure) = self.build_local(layout, checked.num_blocks) {
@@ -218,7 +235,7 @@ impl StoreState {
                 };
                 config.kv_blocks = num_blocks;
                 config.timeout = timeout;
-                let geometry = crate::geometry::of_hello(&hello.shape);
+                let geometry = crate::geometry::of_hello(&hello.shape)?;
                 let window = match kind {
                     LayoutKind::Separate => WindowKvLayout::SeparateKv,
                     LayoutKind::Fused => WindowKvLayout::FusedPerLayer,
