@@ -13,9 +13,9 @@ use crate::restriction::{access_denied, HostAccess};
 const ALL_NAMESPACES: u32 = 0xFFFF_FFFF;
 /// Most Dataset Management ranges (NR is 8 bits, 0's based).
 const DSM_RANGES_MAX: usize = 256;
-/// Most bytes a deallocate or Write Zeroes zeroes between looks at CC.EN = 0: about half a second where zeroes
-/// are written to a disk at 128 MB/s, well inside CAP.TO (10 s); one syscall where the store
-/// punches a hole (16 Ki of them for a whole terabyte).
+/// Most bytes a deallocate or Write Zeroes zeroes between looks at CC.EN = 0: about half a
+/// second where zeroes are written to a disk at 128 MB/s, well inside CAP.TO (10 s); one
+/// syscall where the store punches a hole (16 Ki of them for a whole terabyte).
 const ZEROING_SLICE_BYTES: u64 = 64 << 20;
 
 fn check_range(namespace: &Namespace, start_lba: u64, blocks: u64) -> Result<(), NvmeStatus> {
@@ -244,9 +244,10 @@ impl ControllerCore {
     /// overlap. They are sorted and merged first, so one command zeroes each block at most once
     /// (at most the namespace), and the zeroing runs in slices with a look at CC.EN = 0 before
     /// each: on a store that must write zeroes (a block device without write-zeroes offload) a
-    /// whole namespace takes minutes, and the reset must not wait for it (CAP.TO). A command the reset cuts short gets no completion (its queue is
-    /// deleted); the blocks it had zeroed read as zero, the rest keep their data, which is
-    /// all a host may assume of a command that never completed.
+    /// whole namespace takes minutes, and the reset must not wait for it (CAP.TO). A command
+    /// the reset cuts short gets no completion (its queue is deleted); the blocks it had
+    /// zeroed read as zero, the rest keep their data, which is all a host may assume of a
+    /// command that never completed.
     fn dataset_management(&mut self, entry: &SubmissionEntry) -> CommandResult {
         let (index, namespace) = self.namespace(entry.nsid)?;
         let range_count = (entry.cdw10 & 0xFF) as usize + 1;

@@ -104,8 +104,8 @@ impl ControllerCore {
                 continue;
             }
             if result == Err(crate::io::abandoned_for_reset()) && self.registers.reset_requested() {
-                // A long command (a deallocate) stopped for the reset the host asked for, which
-                // deletes its queue: like the commands after it, it gets no completion.
+                // A long zeroing (deallocate, Write Zeroes) stopped for the reset the host asked
+                // for, which deletes its queue: like the commands after it, it gets no completion.
                 break;
             }
             self.complete(queue_id, completion_queue_id, *sq_head, entry, result, fault, now);
