@@ -442,7 +442,7 @@ impl DataPlane {
         // Waiting longer for the staging area than half the asker's wait for the first block
         // would only send it blocks it has given up on.
         let staging_deadline = Instant::now() + self.bounds.segment / 2;
-        let crcs = match self.read_reserved(reserved, store, bytes, staging_deadline, stopped) {
+        let crcs = match self.read_reserved(reserved, store, bytes, staging_deadline, deadline, stopped) {
             Ok(crcs) => crcs,
             Err((code, message)) => {
                 peer::encode_failure(frame, code, &message);
@@ -459,20 +459,22 @@ impl DataPlane {
     }
 
     /// Holder: reads a reserved segment's blocks into `bytes` (block after block, each in disk
-    /// order) through the staging area, its turn awaited until `staging_deadline`; returns each
-    /// block's CRC. A block whose bytes do not match the CRC recorded at its commit is evicted
-    /// and the read refused.
+    /// order) through the staging area, its turn awaited until `staging_deadline` and its
+    /// layers issued until `deadline` (the segment's: its blocks stay pinned meanwhile); returns
+    /// each block's CRC. A block whose bytes do not match the CRC recorded at its commit is
+    /// evicted and the read refused.
     fn read_reserved(
         &self,
         reserved: &Reserved,
         store: &Mutex<StoreState>,
         bytes: &mut Vec<u8>,
         staging_deadline: Instant,
+        deadline: Instant,
         stopped: &dyn Fn() -> bool,
     ) -> Result<Vec<u32>, (FailureCode, String)> {
         let Reserved { handle, blocks, ref placements, ref recorded } = *reserved;
         let read = self.with_staging(handle, staging_deadline, stopped, |staging| {
-            staging.transfer(handle, Direction::Retrieve, placements)?;
+            staging.transfer(handle, Direction::Retrieve, placements, deadline)?;
             bytes.resize(blocks * self.block_bytes, 0);
             for (block, chunk) in bytes.chunks_exact_mut(self.block_bytes).enumerate() {
                 staging.read_block(block as u32, chunk).map_err(|error| StagingError { error, retire: false })?;
@@ -587,8 +589,15 @@ impl DataPlane {
         let peer_error =
             |segment: usize, source| FetchError::Peer { node: node.to_owned(), address, segment: segment as u32, source: Box::new(source) };
         let stall = self.bounds.stall;
-        let connect = |segment: usize| {
-            let stream = TcpStream::connect_timeout(&address, CONNECT_TIMEOUT)
+        // Clamped to the time left: a connect begun just before the deadline must not run
+        // CONNECT_TIMEOUT past it.
+        let connect = |segment: usize, until: Instant| {
+            let left = until.saturating_duration_since(Instant::now()).min(CONNECT_TIMEOUT);
+            if left.is_zero() {
+                let source = std::io::Error::new(std::io::ErrorKind::TimedOut, "the deadline passed before connecting");
+                return Err(peer_error(segment, PeerError::Io { context: "connecting", source }));
+            }
+            let stream = TcpStream::connect_timeout(&address, left)
                 .map_err(|source| peer_error(segment, PeerError::Io { context: "connecting", source }))?;
             let configure = |stream: &TcpStream| {
                 stream.set_read_timeout(Some(Duration::from_millis(50)))?;
@@ -598,7 +607,7 @@ impl DataPlane {
             configure(&stream).map_err(|source| peer_error(segment, PeerError::Io { context: "configuring", source }))?;
             Ok(stream)
         };
-        let mut stream = connect(segments.start).map_err(|error| (0, error))?;
+        let mut stream = connect(segments.start, deadline).map_err(|error| (0, error))?;
         let (mut frame, mut body, mut bytes) = (Vec::new(), Vec::new(), Vec::new());
         let mut stored = 0;
         for segment in segments {
@@ -625,12 +634,12 @@ impl DataPlane {
                             return Err((stored, busy));
                         }
                         pause = (pause * 2).min(BUSY_PAUSE_MAX);
-                        stream = connect(segment).map_err(|error| (stored, error))?;
+                        stream = connect(segment, segment_deadline).map_err(|error| (stored, error))?;
                     }
                     Err(Unreceived { error, unanswered: true }) if !reconnected && !stopped() && Instant::now() < segment_deadline => {
                         tracing::debug!(%address, segment, %error, "the holder closed the connection before answering: connecting again");
                         reconnected = true;
-                        stream = connect(segment).map_err(|error| (stored, error))?;
+                        stream = connect(segment, segment_deadline).map_err(|error| (stored, error))?;
                     }
                     Err(Unreceived { error, .. }) => return Err((stored, peer_error(segment, error))),
                 }
@@ -717,9 +726,10 @@ impl DataPlane {
 
     /// Asker: stores a fetched segment (`bytes`: its blocks in order) in the local pool; its
     /// blocks already here are shared, not written. Returns the blocks written. The wait for
-    /// the staging area counts against the fetch's `deadline` and ends when `stopped`; a write
-    /// begun is finished (bounded by the staging area's per-layer timeout): abandoning it
-    /// would leave layers in flight and retire the staging area.
+    /// the staging area counts against the fetch's `deadline` and ends when `stopped`; so does
+    /// the write, which issues no layer past it (`Staging::transfer`); a layer issued is
+    /// finished (bounded by the staging area's per-layer timeout): abandoning it would leave it
+    /// in flight and retire the staging area.
     fn store_segment(
         &self,
         store: &Mutex<StoreState>,
@@ -758,7 +768,7 @@ impl DataPlane {
                     .write_block(placement.engine_block, &bytes[block * self.block_bytes..(block + 1) * self.block_bytes])
                     .map_err(keep)?;
             }
-            staging.transfer(handle, Direction::Store, &placements)?;
+            staging.transfer(handle, Direction::Store, &placements, deadline)?;
             staging.finish_store(handle, records_crcs, &mut crcs).map_err(keep)?;
             // The staging lock is held until the commit: lock order staging, then pool.
             let mut store = lock(store);

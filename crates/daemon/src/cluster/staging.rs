@@ -75,18 +75,39 @@ impl Staging {
 
     /// Moves every layer of `placements` (engine block i = staging block i) between the pool's
     /// devices and the staging memory, in `direction`, for the control half's request `handle`.
-    pub fn transfer(&mut self, handle: RequestHandle, direction: Direction, placements: &[Placement]) -> Result<(), StagingError> {
+    ///
+    /// No layer is issued past `deadline` (the caller's: a segment's or a fetch's): the transfer
+    /// then ends with `DeadlinePassed`, its request finished, nothing in flight. A layer already
+    /// issued is waited for up to [`LAYER_TIMEOUT`], deadline or not — abandoning it would
+    /// retire the staging area for a device that is merely slow — so a transfer ends by
+    /// `deadline` plus one layer's timeout. Before, only `LAYER_TIMEOUT × layers` bounded it
+    /// (800 s for 80 layers), far past the 60 s a holder's serve and the 120 s a `FetchRemote`
+    /// promise.
+    pub fn transfer(
+        &mut self,
+        handle: RequestHandle,
+        direction: Direction,
+        placements: &[Placement],
+        deadline: Instant,
+    ) -> Result<(), StagingError> {
         let keep = |error| StagingError { error, retire: false };
         let layers = self.layers;
         let data = self.data_mut().map_err(keep)?;
         data.prepare(handle, direction, placements, None).map_err(keep)?;
-        let deadline = Instant::now() + LAYER_TIMEOUT * layers;
+        let deadline = deadline.min(Instant::now() + LAYER_TIMEOUT * layers);
         for layer in 0..layers {
+            if Instant::now() >= deadline {
+                // Between layers: nothing is in flight, so the request can be finished and the
+                // staging area kept.
+                let finished = data.finish(handle).is_ok();
+                let error = ObjstoreError::DeadlinePassed { what: "the staging transfer's layers", done: u64::from(layer) };
+                return Err(StagingError { error, retire: !finished });
+            }
             let issued = match direction {
                 Direction::Retrieve => data.retrieve_layer(handle, layer, SmBudget(1)),
                 Direction::Store => data.store_layer(handle, layer, SmBudget(1)),
             };
-            let result = issued.and_then(|()| data.wait(handle, deadline.min(Instant::now() + LAYER_TIMEOUT)));
+            let result = issued.and_then(|()| data.wait(handle, Instant::now() + LAYER_TIMEOUT));
             if let Err(error) = result {
                 // A layer still in flight (a wait that timed out, a submission published before
                 // it failed, a queue pair failed under a command whose outcome is unknown) may

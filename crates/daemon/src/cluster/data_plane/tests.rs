@@ -516,3 +516,44 @@ fn pools_of_another_geometry_with_equal_block_sizes_exchange_nothing() {
     assert_eq!(holder.node.metrics.served_segments.get(), 0);
     assert_eq!(pinned(&holder.node), 0);
 }
+
+#[test]
+fn a_holder_whose_disk_is_slow_ends_a_read_at_the_segments_deadline_and_keeps_its_staging_area() {
+    // Goal: a holder of 8-layer blocks whose device answers every command 400 ms late (a slow
+    // disk, not a dead one) serves a read under a 1 s segment bound. The transfer was bounded
+    // only by LAYER_TIMEOUT × layers (80 s here, 800 s for 80 layers), so the blocks stayed
+    // pinned for the whole ≥ 3.2 s read; now no layer is issued past the segment's deadline:
+    // a `Failure` (ReadFailed) comes within ~1.5 s, the pins go, and the staging area is not
+    // retired — once the disk is quick again the same connection gets the segment whole.
+    let bounds = PeerBounds { segment: Duration::from_secs(1), ..PeerBounds::default() };
+    let node = node(8, 16, 32 << 20, bounds);
+    put(&node, 1, 0);
+    let block_bytes = node.plane.block_bytes;
+    let geometry = node.plane.geometry;
+    let device = lock(&node.store).emulators[0].clone().expect("an emulated device");
+    let holder = serve(node);
+    device.set_faults(nvme_emu::FaultPlan {
+        rules: vec![nvme_emu::FaultRule::every_nth_io(1, nvme_emu::FaultAction::Delay(Duration::from_millis(400)))],
+    });
+    let per = usize::from(SEGMENT);
+    let mut frame = Vec::new();
+    ReadSegment { space: space(), index: 0, geometry, keys: keys(1, 1)[..per].to_vec() }.encode(&mut frame);
+    let mut stream = connect(&holder);
+    let asked = Instant::now();
+    stream.write_all(&frame).unwrap();
+    let (kind, _) = read_frame(&mut stream).expect("a segment header");
+    assert_eq!(kind, PeerKind::SegmentHeader as u16);
+    let (kind, body) = read_frame(&mut stream).expect("a Failure where the first block was due");
+    let took = asked.elapsed();
+    assert_eq!(kind, PeerKind::Failure as u16, "the slow read was sent whole after {took:?}");
+    match peer::decode_failure(&body) {
+        PeerError::Refused { code: FailureCode::ReadFailed, message } => assert!(message.contains("deadline"), "{message}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(took < Duration::from_millis(1800), "the read ran {took:?} past a 1 s segment bound");
+    wait_for("the pins go", Duration::from_secs(1), || pinned(&holder.node) == 0);
+    device.set_faults(nvme_emu::FaultPlan::default());
+    stream.write_all(&frame).unwrap();
+    let (_, bytes) = segment_answer(&mut stream, block_bytes);
+    assert_eq!(bytes, segment_bytes(&holder.node, 1, 0), "the staging area was retired or the bytes are wrong");
+}
