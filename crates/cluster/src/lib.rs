@@ -47,7 +47,7 @@ pub use error::{ClusterError, Result};
 pub use layout::{MemberRecord, SegmentRecord, FORMAT_VERSION};
 pub use names::{ClusterId, ModelSpace, NodeId, SegmentKey, FINGERPRINT_BYTES, TP_WORLD_MAX};
 #[cfg(feature = "etcd")]
-pub use node::{ClusterNode, LeaseHealth};
+pub use node::{ClusterNode, LeaseHealth, Rejoined};
 pub use segments::{segments_of, Segment, SegmentBlocks};
 #[cfg(feature = "etcd")]
 pub use status::{ClusterStatus, HolderSet, MemberStatus, HOLDER_SETS_LISTED, STATUS_REQUEST_TIMEOUTS};

@@ -52,6 +52,14 @@ pub struct LeaseHealth {
     pub since_renewal: Duration,
 }
 
+/// What [`ClusterNode::rejoin`] did with the old lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Rejoined {
+    pub old_lease_id: i64,
+    /// False when its revoke failed: it and its entries live until it expires.
+    pub old_lease_revoked: bool,
+}
+
 struct KeepAlive {
     stop: watch::Sender<bool>,
     task: JoinHandle<()>,
@@ -116,7 +124,7 @@ impl ClusterNode {
         let answer = match answer {
             Ok(answer) => answer,
             Err(error) => {
-                self.revoke(lease_id);
+                let _ = self.revoke(lease_id);
                 return Err(error);
             }
         };
@@ -128,7 +136,7 @@ impl ClusterNode {
                 _ => None,
             });
             if holder.as_ref().map(|(holder_lease, _)| *holder_lease) != Some(lease_id) {
-                self.revoke(lease_id);
+                let _ = self.revoke(lease_id);
                 return Err(self.taken_by(key, holder));
             }
         }
@@ -178,11 +186,16 @@ impl ClusterNode {
         ClusterError::MemberKeyBlocked { node, key, lease_id, reason }
     }
 
-    /// Revokes `lease_id`, bounded; a failure leaves the lease to expire by itself.
-    fn revoke(&self, lease_id: i64) {
+    /// Revokes `lease_id`, bounded; a failure leaves the lease to expire by itself. Whether it
+    /// is gone now (revoked, or etcd no longer knew it).
+    fn revoke(&self, lease_id: i64) -> bool {
         let result = self.client.connection.call_lease("revoke the lease", |mut lease| async move { lease.revoke(lease_id).await });
-        if let Err(error) = revoked(result) {
-            tracing::warn!(lease_id, %error, "could not revoke the lease; it expires by itself");
+        match revoked(result) {
+            Ok(()) => true,
+            Err(error) => {
+                tracing::warn!(lease_id, %error, "could not revoke the lease; it expires by itself");
+                false
+            }
         }
     }
 
@@ -210,12 +223,16 @@ impl ClusterNode {
     /// old lease revoked): it is marked lost first, so a failed rejoin — one asked for with the
     /// lease still live (the registrar's unregister queue overflowed) included — leaves it
     /// reporting lost, its writes refused, not joined under a revoked lease.
-    pub fn rejoin(&mut self) -> Result<()> {
+    /// The answer says whether the old lease is gone: if its revoke failed, the entries under
+    /// it live on until it expires (a TTL at most), and an owner that meant to delete some of
+    /// them must still do so (under the new lease: the keys name the node, not the lease).
+    pub fn rejoin(&mut self) -> Result<Rejoined> {
         self.lease.lost.store(true, Ordering::Relaxed);
         self.stop_keep_alive();
-        let old = self.lease.lease_id.load(Ordering::Relaxed);
-        self.revoke(old);
-        self.establish()
+        let old_lease_id = self.lease.lease_id.load(Ordering::Relaxed);
+        let old_lease_revoked = self.revoke(old_lease_id);
+        self.establish()?;
+        Ok(Rejoined { old_lease_id, old_lease_revoked })
     }
 
     /// Leaves the cluster now: the member record and every segment vanish (one request
@@ -227,7 +244,7 @@ impl ClusterNode {
     fn shut_down(&mut self) {
         if self.keep_alive.is_some() {
             self.stop_keep_alive();
-            self.revoke(self.lease.lease_id.load(Ordering::Relaxed));
+            let _ = self.revoke(self.lease.lease_id.load(Ordering::Relaxed));
         }
     }
 

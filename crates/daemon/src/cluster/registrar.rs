@@ -28,7 +28,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use tutti_cluster::layout::FINGERPRINTS_MAX;
-use tutti_cluster::{segments_of, ClusterClient, ClusterConfig, ClusterError, ClusterNode, MemberRecord, ModelSpace, Segment};
+use tutti_cluster::{segments_of, ClusterClient, ClusterConfig, ClusterError, ClusterNode, MemberRecord, ModelSpace, Rejoined, Segment};
 
 use super::held::{HeldSegment, HeldSegments};
 use super::manifest::Manifest;
@@ -270,7 +270,7 @@ impl Registrar {
                 self.metrics.lease_losses.inc();
                 tracing::warn!(lease_id = node.health().lease_id, "the cluster lease is lost; rejoining");
             }
-            node.rejoin()?;
+            let rejoined = node.rejoin()?;
             tracing::info!(lease_id = node.health().lease_id, "rejoined the cluster");
             let lease_id = node.health().lease_id;
             if let Some(manifest) = self.manifest.as_mut() {
@@ -280,9 +280,10 @@ impl Registrar {
             }
             self.rejoin_needed = false;
             self.held.unregister_all();
-            self.to_unregister.clear();
+            self.rejoined(rejoined);
             self.metrics.joins.inc();
         }
+        let Some(node) = self.node.as_mut() else { return Ok(()) };
         self.state.lease_id.store(node.health().lease_id, Ordering::Relaxed);
         if stop.is_stopped() {
             return Ok(());
@@ -378,6 +379,23 @@ impl Registrar {
         }
     }
 
+    /// After a rejoin: the old lease's registrations vanished with it, so the unregister queue
+    /// has nothing left to do — unless its revoke failed. Then they live until it expires (up to
+    /// a TTL), listing segments this pool no longer holds, and the queue is kept: this pass
+    /// deletes them under the new lease (a guarded delete of the key, which names the node, not
+    /// the lease). Clearing it regardless left them claimed for that TTL.
+    fn rejoined(&mut self, rejoined: Rejoined) {
+        if rejoined.old_lease_revoked {
+            self.to_unregister.clear();
+        } else if !self.to_unregister.is_empty() {
+            tracing::warn!(
+                lease_id = rejoined.old_lease_id,
+                segments = self.to_unregister.len(),
+                "the old lease was not revoked: its registrations of segments no longer held are deleted under the new one"
+            );
+        }
+    }
+
     /// A new lease: nothing of this node is registered under it.
     fn joined_anew(&mut self) {
         self.held.unregister_all();
@@ -465,5 +483,31 @@ mod tests {
         let segment = Segment { index: 0, key: SegmentKey::new(16).unwrap() };
         assert_eq!(registrar.stale, vec![(space, segment)], "not queued for the forget before the join");
         assert!(registrar.to_unregister.is_empty());
+    }
+
+    #[test]
+    fn a_rejoin_whose_old_lease_was_not_revoked_keeps_the_unregister_queue() {
+        // Goal: segments broken while joined wait in the unregister queue. A rejoin whose revoke
+        // of the old lease succeeded (or found it gone) drops the queue: the entries vanished
+        // with the lease. One whose revoke failed keeps it, so the entries (alive until the
+        // old lease expires) are deleted under the new lease this pass instead of lingering
+        // for a TTL, listing segments the pool no longer holds.
+        let directory = tempfile::tempdir().unwrap();
+        let blocks = SegmentBlocks::new(16).unwrap();
+        let config = ClusterConfig::new(vec!["http://127.0.0.1:9".into()], ClusterId::new("rejoin").unwrap(), blocks);
+        let record =
+            MemberRecord { node: NodeId::new("a").unwrap(), address: "127.0.0.1:9".into(), capacity_bytes: 0, fingerprints: Vec::new() };
+        let manifest = Manifest::rewrite(&directory.path().join("segments"), blocks, 0, HeldSegments::default().iter()).unwrap();
+        let (_sender, inbox) = std::sync::mpsc::sync_channel(1);
+        let recovered = Recovered { held: HeldSegments::default(), manifest, stale: Vec::new(), previous_lease: 0 };
+        let mut registrar =
+            Registrar::new(config, record, inbox, ClusterMetrics::default(), Arc::new(super::super::AgentState::new()), recovered);
+        let space = ModelSpace::new([1; 32], 0, 1).unwrap();
+        let queued = vec![(space, Segment { index: 0, key: SegmentKey::new(16).unwrap() })];
+        registrar.to_unregister = queued.clone();
+        registrar.rejoined(Rejoined { old_lease_id: 0x77, old_lease_revoked: false });
+        assert_eq!(registrar.to_unregister, queued, "dropped though the old lease's entries live on");
+        registrar.rejoined(Rejoined { old_lease_id: 0x77, old_lease_revoked: true });
+        assert!(registrar.to_unregister.is_empty(), "kept though the old lease's entries are gone");
     }
 }
