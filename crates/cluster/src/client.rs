@@ -6,7 +6,7 @@ use std::time::Instant;
 use etcd_client::{Compare, CompareOp, GetOptions, Txn, TxnOp, TxnOpResponse};
 
 use crate::config::ClusterConfig;
-use crate::connection::{is_too_large, Connection};
+use crate::connection::{is_too_large, requests_sent_here, Connection};
 use crate::error::{ClusterError, Result};
 use crate::layout::{KeyLayout, MemberRecord, SegmentRecord, MEMBER_ENTRY_BYTES_MAX};
 use crate::names::{ModelSpace, NodeId};
@@ -178,14 +178,15 @@ impl ClusterClient {
     /// refused and counted like any other.
     pub fn lookup(&self, space: &ModelSpace, segments: &[Segment]) -> Result<Lookup> {
         let mut lookup = Lookup::default();
-        let requests_before = self.connection.requests_sent();
+        // This thread's count, not the client's: other threads share the client.
+        let requests_before = requests_sent_here();
         for chunk in segments.chunks(self.config.txn_ops_max) {
             let deadline = Instant::now() + self.config.request_timeout;
             if !self.lookup_chunk(space, chunk, deadline, &mut lookup)? {
                 break;
             }
         }
-        lookup.requests = self.connection.requests_sent() - requests_before;
+        lookup.requests = requests_sent_here() - requests_before;
         Ok(lookup)
     }
 

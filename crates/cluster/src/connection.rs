@@ -13,6 +13,7 @@
 //! requests sharing one deadline) on clients whose answers are limited to
 //! [`RESPONSE_BYTES_MAX`], set here explicitly; lease requests through `call_lease`.
 
+use std::cell::Cell;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -23,6 +24,18 @@ use tokio::runtime::{Builder, Runtime};
 
 use crate::config::RESPONSE_BYTES_MAX;
 use crate::error::{ClusterError, Result};
+
+thread_local! {
+    /// Requests sent to etcd by calls made on this thread: what one call of a caller cost, for
+    /// a client shared by threads (`requests_sent` counts them all).
+    static REQUESTS_SENT_HERE: Cell<u64> = const { Cell::new(0) };
+}
+
+/// Requests sent by calls made on this thread so far, on any connection: the difference
+/// across a call is that call's cost, whatever other threads sent meanwhile.
+pub(crate) fn requests_sent_here() -> u64 {
+    REQUESTS_SENT_HERE.with(Cell::get)
+}
 
 /// First pause between attempts after a transient error; doubles up to [`RETRY_PAUSE_MAX`].
 pub(crate) const RETRY_PAUSE_FIRST: Duration = Duration::from_millis(20);
@@ -203,9 +216,13 @@ impl Connection {
         let started = Instant::now();
         let deadline = deadline.min(started + self.request_timeout);
         let requests_sent = &self.requests_sent;
+        // Counted here as well as on the connection: block_on runs the attempts on this thread,
+        // but the count is added to the thread's own after it, not from inside the future.
+        let sent_here = Cell::new(0u64);
+        let sent_here_ref = &sent_here;
         let members = &self.members;
         let attempt_bound = attempt_timeout(self.request_timeout);
-        self.runtime().block_on(async move {
+        let result = self.runtime().block_on(async move {
             let mut pause = RETRY_PAUSE_FIRST;
             let mut last_error = String::from("no attempt finished");
             loop {
@@ -214,6 +231,7 @@ impl Connection {
                     return Err(ClusterError::Unavailable { operation, waited: started.elapsed(), last_error });
                 }
                 requests_sent.fetch_add(1, Ordering::Relaxed);
+                sent_here_ref.set(sent_here_ref.get() + 1);
                 let (member, client) = members.current();
                 match tokio::time::timeout(left.min(attempt_bound), attempt(client)).await {
                     Ok(Ok(answer)) => return Ok(answer),
@@ -226,7 +244,9 @@ impl Connection {
                 tokio::time::sleep(pause.min(left)).await;
                 pause = (pause * 2).min(RETRY_PAUSE_MAX);
             }
-        })
+        });
+        REQUESTS_SENT_HERE.with(|count| count.set(count.get() + sent_here.get()));
+        result
     }
 }
 

@@ -559,3 +559,24 @@ fn an_idle_node_whose_member_key_was_deleted_notices_within_its_lease() {
     assert_eq!(node_a.members().unwrap().nodes, vec![record("a")]);
     assert_eq!(node_a.lookup(&space(), &segments).unwrap().prefix_segments(), 2);
 }
+
+#[test]
+fn a_lookups_request_count_is_its_own_while_other_threads_look_up_too() {
+    // Goal: `Lookup::requests` is what that lookup sent (here 1: one chunk, no retry), also
+    // while other threads share the client and look up at the same time (tuttid's connection
+    // threads do). It was the difference of the client's counter, shared by every thread, so
+    // a lookup counted the others' requests sent meanwhile.
+    let Some(etcd) = start_etcd(1) else { return };
+    let node_a = ClusterNode::join(config(&etcd, "counted"), record("a")).unwrap();
+    let segments = prompt(51, 4);
+    node_a.register(&space(), &segments).unwrap();
+    let reader = ClusterClient::connect(config(&etcd, "counted")).unwrap();
+    let counts: Vec<u64> = std::thread::scope(|scope| {
+        let threads: Vec<_> = (0..4)
+            .map(|_| scope.spawn(|| (0..50).map(|_| reader.lookup(&space(), &segments).unwrap().requests).collect::<Vec<u64>>()))
+            .collect();
+        threads.into_iter().flat_map(|thread| thread.join().unwrap()).collect()
+    });
+    assert_eq!(counts.len(), 200);
+    assert!(counts.iter().all(|&requests| requests == 1), "request counts of single-request lookups: {counts:?}");
+}
