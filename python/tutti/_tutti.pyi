@@ -343,7 +343,16 @@ class Store:
     every request still prepared (waiting up to `timeout_s` for every layer in flight), deletes the
     store's queue pairs, and only then drops the references to the registered tensors. If a
     queue pair could not be deleted (its commands may still move bytes) the references are
-    kept for the life of the process and counted in `leaked_registrations()`."""
+    kept for the life of the process and counted in `leaked_registrations()`.
+
+    One process: a store belongs to the process that opened or attached it. A child forked
+    from it inherits the same socket, queue pairs and memory as the parent's, so there every
+    call of the store and of its requests that reaches them (close too; fixed properties such
+    as geometry or handle still answer) raises InvalidState ("inherited across fork: open or
+    attach again in the child"), and dropping it there neither waits, nor
+    finishes, nor closes anything: the child keeps what it inherited, unused, until it exits,
+    and the parent's store goes on as if there were no child. Open or attach a store of its own
+    in the child (multiprocessing: the "spawn" or "forkserver" start method)."""
 
     @staticmethod
     def open(
@@ -435,7 +444,8 @@ class Store:
 
         Raises Disconnected (no daemon there), InvalidArgument (the daemon refused the identity:
         an all-zero fingerprint, rank >= world; a bad layers_in_flight), DaemonError (e.g. code
-        "Busy": the daemon serves its maximum of clients), TimeoutError."""
+        "Busy": the daemon serves its maximum of clients; a model geometry from the daemon
+        that is not valid, e.g. 0 KV heads, named with its values), TimeoutError."""
     @property
     def kind(self) -> Literal["in-process", "tuttid"]: ...
     @property
@@ -556,7 +566,13 @@ class Request:
     default: issue, wait, issue); they complete in issue order, and `wait` returns them in that
     order, one per call (a layer's LayerIo.wait returns that one instead). A context
     manager: leaving the `with` finishes it unless it was committed or finished, first waiting
-    out every layer in flight (all within the store's timeout_s)."""
+    out every layer in flight (all within the store's timeout_s).
+
+    A Request garbage-collected while prepared (neither committed nor finished) is finished
+    then if no layer of it is in flight, giving back its place among requests_max, its pins and
+    its IOCBs; one with a layer in flight is held until the store closes (which waits for the
+    layer): a destructor does not wait for I/O. Finish or commit explicitly (or use `with`)
+    rather than rely on this."""
 
     @property
     def handle(self) -> int:
@@ -632,7 +648,9 @@ class Request:
         True once nothing is in flight. Raises StaleRequest, and a wait's failure that ended no
         layer (the layer stays in flight)."""
     def fileno(self) -> int:
-        """An eventfd (non-blocking, close-on-exec, owned by the request: do not close it),
+        """An eventfd (non-blocking, close-on-exec, owned by this Request object: do not close
+        it; it stays open, and its number stays this eventfd's, as long as the object lives,
+        also after commit, finish or the store's close, when it is no longer written),
         written once each time a layer of this request ends (completes or fails) or a wait
         fails without ending its layer, whoever observed it (a wait, a poll, a LayerIo, or the
         store's completion thread); layers ended before the first call are announced at once.
@@ -709,7 +727,10 @@ class LayerIo:
 
 class LookupClient:
     """A tuttid session that only looks up: no memory registration, no queue pairs (tutti-daemon's
-    `Client`). Cheap: one socket. Thread-safe (calls are serialised)."""
+    `Client`). Cheap: one socket. Thread-safe (calls are serialised). One process, as a Store:
+    inherited across fork, every call that reaches the connection (close too) raises
+    InvalidState in the child, and
+    dropping it there sends nothing and closes nothing: connect again in the child."""
 
     @staticmethod
     def connect(

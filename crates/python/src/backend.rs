@@ -642,6 +642,16 @@ impl StoreState {
         }
     }
 
+    /// A request whose Python object was dropped while prepared: finished if nothing of it is
+    /// in flight (and the store still holds it); one with a layer in flight is left for the
+    /// store's close, which waits for it (a destructor may not wait).
+    pub fn finish_dropped(&mut self, handle: u64) -> Result<(), Failure> {
+        match self.requests.get(&handle) {
+            Some(state) if state.in_flight.is_empty() => self.finish(handle),
+            _ => Ok(()),
+        }
+    }
+
     pub fn finish(&mut self, handle: u64) -> Result<(), Failure> {
         let state = self.request(handle)?;
         if !state.in_flight.is_empty() {

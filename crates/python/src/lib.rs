@@ -10,6 +10,7 @@
 //! - [`tensor`] — the checks a registered tensor must pass (no Python);
 //! - [`errors`] — the exception classes and the mapping from the Rust errors;
 //! - [`lookup`] — `LookupClient`;
+//! - [`process`] — which process a session belongs to (a forked child may not use it);
 //! - [`ffi`] — the crate's only unsafe code (DLPack capsules, mapping caller memory).
 #![deny(unsafe_code)]
 
@@ -21,6 +22,7 @@ pub mod ffi;
 pub mod geometry;
 pub mod lookup;
 pub mod memory;
+pub mod process;
 pub mod request;
 pub mod store;
 pub mod tensor;

@@ -11,6 +11,7 @@ use tutti_daemon::{Client, DaemonError};
 
 use crate::errors::{ErrorClass, Failure};
 use crate::geometry::ModelGeometry;
+use crate::process::OwningProcess;
 
 /// A lookup-only session (module stub: `LookupClient`).
 #[pyclass(frozen, module = "tutti")]
@@ -19,11 +20,26 @@ pub struct LookupClient {
     session: u64,
     geometry: objstore::ModelGeometry,
     lease_ms: u32,
+    /// The process that connected: the only one whose calls go on the connection (a forked
+    /// child shares its socket with the parent; `process`).
+    owner: OwningProcess,
+}
+
+impl Drop for LookupClient {
+    fn drop(&mut self) {
+        if !self.owner.is_current() {
+            // Inherited across fork: the connection is the parent's. Its copy here is kept
+            // (never closed, nothing sent on it) until this process exits.
+            let client = self.client.get_mut().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
+            std::mem::forget(client);
+        }
+    }
 }
 
 impl LookupClient {
     fn call<T: Send>(&self, py: Python<'_>, call: impl FnOnce(&mut Client) -> Result<T, DaemonError> + Send) -> PyResult<T> {
         py.detach(|| {
+            self.owner.check("the lookup client")?;
             let mut client = self.client.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
             let client = client.as_mut().ok_or_else(|| Failure::new(ErrorClass::Disconnected, "the client is closed"))?;
             call(client).map_err(Failure::from)
@@ -63,6 +79,7 @@ impl LookupClient {
             session: reply.session,
             geometry: crate::geometry::of_hello(&reply.shape).map_err(|failure| failure.to_pyerr(py))?,
             lease_ms: reply.lease_ms,
+            owner: OwningProcess::current(),
         })
     }
 
@@ -155,8 +172,11 @@ impl LookupClient {
         Ok(out)
     }
 
-    fn close(&self, py: Python<'_>) {
+    /// InvalidState in another process (the connection is the parent's to close).
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        self.owner.check("the lookup client").map_err(|failure| failure.to_pyerr(py))?;
         py.detach(|| drop(self.client.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take()));
+        Ok(())
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -164,7 +184,7 @@ impl LookupClient {
     }
 
     #[pyo3(signature = (*_exc))]
-    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, pyo3::types::PyTuple>) {
-        self.close(py);
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<()> {
+        self.close(py)
     }
 }

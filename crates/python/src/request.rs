@@ -8,6 +8,7 @@ use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use nix::sys::eventfd::EventFd;
 use objstore::{Direction, StorePlan};
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
@@ -39,6 +40,36 @@ pub struct Request {
     completed_at_end: Mutex<Vec<u32>>,
     /// How each issue ended, kept when the request ends: what its LayerIo answers then.
     issues_at_end: Mutex<Issues>,
+    /// The eventfd `fileno` handed out, kept open as long as this object lives: the caller may
+    /// hold its number in a selector after the request ended (the store lets go of it then),
+    /// and a number closed under it would name the next file opened.
+    eventfd: Mutex<Option<Arc<EventFd>>>,
+}
+
+/// A request dropped while it is prepared (neither committed nor finished): finished now if
+/// nothing of it is in flight, so that its place, pins and IOCBs are given back; a request with
+/// a layer in flight is left to the store's close (which waits for it): a destructor does not
+/// wait for I/O (an attached store's finish is one bounded exchange with tuttid). Only in the process that prepared it (another one's store is not its to
+/// touch: `process`). The store's lock is taken with the GIL released (see
+/// `StoreShared::locked`).
+impl Drop for Request {
+    fn drop(&mut self) {
+        if self.phase() != Phase::Prepared || !self.shared.owner.is_current() {
+            return;
+        }
+        let (shared, handle) = (&self.shared, self.handle);
+        let finish = || shared.locked(|state| state.finish_dropped(handle));
+        // No interpreter to detach from (Rust tests, an interpreter shutting down): the lock is
+        // taken as is, which cannot deadlock: no thread that holds the store's lock waits for
+        // the GIL (what it releases is dropped after the lock is let go).
+        let finished = match Python::try_attach(|py| py.detach(finish)) {
+            Some(finished) => finished,
+            None => finish(),
+        };
+        if let Ok(Err(failure)) = finished {
+            tracing::warn!(message = %failure.message, "tutti: finishing request {handle:#x}, dropped without finish");
+        }
+    }
 }
 
 /// The deadline `timeout_s` seconds from now: 0..=`TIMEOUT_MAX_S`, else InvalidArgument.
@@ -79,6 +110,7 @@ impl Request {
             phase: Mutex::new(Phase::Prepared),
             completed_at_end: Mutex::new(Vec::new()),
             issues_at_end: Mutex::new(Issues::default()),
+            eventfd: Mutex::new(None),
         }
     }
 
@@ -93,8 +125,9 @@ impl Request {
     /// Runs `end` (commit or finish) under the store's lock, keeping the layers completed and
     /// how each issue ended; the second value says whether the request is still live after it
     /// (a failure that left the store holding it: see `StoreState::commit`).
+    /// In another process (`process`) it is refused and the request stays live.
     fn end<T>(&self, end: impl FnOnce(&mut crate::backend::StoreState, u64) -> Result<T, Failure>) -> (Result<T, Failure>, bool) {
-        self.shared.locked(|state| {
+        let ended = self.shared.locked(|state| {
             let kept = state.request(self.handle).map(|request| (request.completed.clone(), request.issues.clone())).unwrap_or_default();
             let result = end(state, self.handle);
             let live = state.request(self.handle).is_ok();
@@ -104,7 +137,8 @@ impl Request {
                 *self.issues_at_end.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = issues;
             }
             (result, live)
-        })
+        });
+        ended.unwrap_or_else(|failure| (Err(failure), true))
     }
 
     /// How `issue` ended, for its LayerIo once the request ended: Ok only if it completed, its
@@ -154,7 +188,7 @@ impl Request {
     fn wait_until(&self, deadline: Instant) -> Result<Option<u32>, Failure> {
         self.check_live()?;
         loop {
-            let mut state = self.shared.lock();
+            let mut state = self.shared.lock()?;
             let request = state.request(self.handle)?;
             // Layers ended before a failure the completion thread saw come first: issue order.
             if let Some(outcome) = request.unreported.pop_front() {
@@ -202,7 +236,7 @@ impl Request {
     fn settle(&self, deadline: Instant) {
         loop {
             let step = self.shared.locked(|state| state.settle_step(self.handle, deadline));
-            if step != Settling::Continue {
+            if step != Ok(Settling::Continue) {
                 return;
             }
         }
@@ -213,7 +247,7 @@ impl Request {
     /// flight. Raises only a wait that failed without ending its layer.
     fn poll_once(&self) -> Result<bool, Failure> {
         self.check_live()?;
-        let mut state = self.shared.lock();
+        let mut state = self.shared.lock()?;
         let request = state.request(self.handle)?;
         if let Some(failure) = request.take_stall() {
             return Err(failure);
@@ -231,12 +265,12 @@ impl Request {
     }
 
     /// Whether `issue` ended, completed or failed (seen by anyone), without driving I/O.
-    fn layer_done(&self, issue: u64) -> bool {
+    fn layer_done(&self, issue: u64) -> Result<bool, Failure> {
         if self.phase() != Phase::Prepared {
-            return true;
+            return Ok(true);
         }
-        let mut state = self.shared.lock();
-        state.request(self.handle).is_ok_and(|request| request.is_ended(issue))
+        let mut state = self.shared.lock()?;
+        Ok(state.request(self.handle).is_ok_and(|request| request.is_ended(issue)))
     }
 
     /// Waits until `issue` of `layer` ended (or `deadline`), driving the layers in flight
@@ -251,7 +285,7 @@ impl Request {
     fn wait_layer(&self, layer: u32, issue: u64, deadline: Instant) -> Result<(), Failure> {
         loop {
             self.check_live()?;
-            let mut state = self.shared.lock();
+            let mut state = self.shared.lock()?;
             let request = state.request(self.handle)?;
             if !request.issues.is_in_flight(issue) {
                 if let Some(outcome) = request.take_outcome(issue) {
@@ -335,7 +369,7 @@ impl Request {
     }
 
     #[getter]
-    fn layer_in_flight(&self, py: Python<'_>) -> Option<u32> {
+    fn layer_in_flight(&self, py: Python<'_>) -> PyResult<Option<u32>> {
         let handle = self.handle;
         self.shared.read(py, |state| state.request(handle).ok().and_then(|request| request.in_flight.front().copied()))
     }
@@ -345,7 +379,7 @@ impl Request {
         let handle = self.handle;
         let layers: Vec<u32> = self
             .shared
-            .read(py, |state| state.request(handle).map(|request| request.in_flight.iter().copied().collect()).unwrap_or_default());
+            .read(py, |state| state.request(handle).map(|request| request.in_flight.iter().copied().collect()).unwrap_or_default())?;
         id_list(py, &layers)
     }
 
@@ -353,7 +387,7 @@ impl Request {
     fn layers_completed<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let completed = if self.phase() == Phase::Prepared {
             let handle = self.handle;
-            self.shared.read(py, |state| state.request(handle).map(|request| request.completed.clone()).unwrap_or_default())
+            self.shared.read(py, |state| state.request(handle).map(|request| request.completed.clone()).unwrap_or_default())?
         } else {
             self.completed_at_end.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone()
         };
@@ -393,11 +427,13 @@ impl Request {
     fn fileno(&self, py: Python<'_>) -> PyResult<i32> {
         self.check_live().map_err(|failure| failure.to_pyerr(py))?;
         let handle = self.handle;
-        let (fd, in_flight) = self.shared.with_state(py, move |state| {
+        let (eventfd, in_flight) = self.shared.with_state(py, move |state| {
             let request = state.request(handle)?;
-            let eventfd = request.eventfd()?;
-            Ok((eventfd.as_raw_fd(), !request.in_flight.is_empty()))
+            Ok((request.eventfd()?, !request.in_flight.is_empty()))
         })?;
+        let fd = eventfd.as_raw_fd();
+        // Kept with this object: the number stays this eventfd's after the request ended.
+        *self.eventfd.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(eventfd);
         self.shared.ensure_service().map_err(|failure| failure.to_pyerr(py))?;
         if in_flight {
             self.shared.wake();
@@ -491,10 +527,10 @@ impl LayerIo {
     }
 
     #[getter]
-    fn done(&self, py: Python<'_>) -> bool {
+    fn done(&self, py: Python<'_>) -> PyResult<bool> {
         let request = self.request.get();
         let issue = self.issue;
-        py.detach(|| request.layer_done(issue))
+        py.detach(|| request.layer_done(issue)).map_err(|failure| failure.to_pyerr(py))
     }
 
     fn poll(&self, py: Python<'_>) -> PyResult<bool> {
@@ -535,7 +571,10 @@ impl LayerIo {
     }
 
     fn __repr__(&self, py: Python<'_>) -> String {
-        format!("LayerIo(layer {}, done={})", self.layer, self.done(py))
+        match self.done(py) {
+            Ok(done) => format!("LayerIo(layer {}, done={done})", self.layer),
+            Err(_) => format!("LayerIo(layer {}, inherited across fork)", self.layer),
+        }
     }
 }
 

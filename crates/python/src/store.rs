@@ -21,6 +21,7 @@ use crate::backend::{key_seed, Backend, RequestLimits, StoreState, STALL_RETRY_B
 use crate::errors::{ErrorClass, Failure};
 use crate::geometry::ModelGeometry;
 use crate::memory::{describe, tensor_names, KvBuffer, KvLayout};
+use crate::process::OwningProcess;
 use crate::request::Request;
 use crate::tensor::{check_layout, LayoutKind, UNSUPPORTED_DEVICE};
 
@@ -48,47 +49,56 @@ pub struct StoreShared {
     keepalive: Option<Duration>,
     /// The registered layout's Python object (its tensors).
     kv_layout: Mutex<Option<Py<KvLayout>>>,
+    /// The process that opened or attached the store: the only one whose calls reach it (a
+    /// forked child shares its socket and queue pairs with the parent; `process`).
+    pub owner: OwningProcess,
 }
 
 impl StoreShared {
-    pub fn lock(&self) -> MutexGuard<'_, StoreState> {
-        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    /// The store's lock; InvalidState in a process other than the one that opened the store
+    /// (checked before the lock is taken: a thread of the parent may have held it at the fork).
+    pub fn lock(&self) -> Result<MutexGuard<'_, StoreState>, Failure> {
+        self.owner.check("the store")?;
+        Ok(self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner()))
     }
 
     /// Runs `call` under the store's lock with the GIL released.
     pub fn with_state<T: Send>(&self, py: Python<'_>, call: impl FnOnce(&mut StoreState) -> Result<T, Failure> + Send) -> PyResult<T> {
-        py.detach(|| self.locked(call)).map_err(|failure| failure.to_pyerr(py))
+        py.detach(|| self.locked(call).and_then(|result| result)).map_err(|failure| failure.to_pyerr(py))
     }
 
     /// Runs `call` under the store's lock (the caller does not hold the GIL, or released it),
     /// then drops what the call released (`StoreState::released`) after the lock is let go: a
     /// DLPack producer's deleter (numpy's) takes the GIL, and a thread holding the GIL may be
     /// waiting for this lock.
-    pub fn locked<T>(&self, call: impl FnOnce(&mut StoreState) -> T) -> T {
+    /// InvalidState in another process (see `lock`).
+    pub fn locked<T>(&self, call: impl FnOnce(&mut StoreState) -> T) -> Result<T, Failure> {
         let (result, released) = {
-            let mut state = self.lock();
+            let mut state = self.lock()?;
             let result = call(&mut state);
             (result, std::mem::take(&mut state.released))
         };
         drop(released);
-        result
+        Ok(result)
     }
 
     /// Reads the state with the GIL released (getters): never wait for the store's lock while
     /// holding the GIL (see `locked`).
-    pub fn read<T: Send>(&self, py: Python<'_>, read: impl FnOnce(&mut StoreState) -> T + Send) -> T {
-        py.detach(|| self.locked(read))
+    pub fn read<T: Send>(&self, py: Python<'_>, read: impl FnOnce(&mut StoreState) -> T + Send) -> PyResult<T> {
+        py.detach(|| self.locked(read)).map_err(|failure| failure.to_pyerr(py))
     }
 
     /// Closes the store (if it is not closed) with the completion thread stopped; called without
-    /// the GIL.
-    fn close_now(&self, deadline: Instant) {
+    /// the GIL. InvalidState in another process, before anything is stopped or closed: the
+    /// completion thread and the session are the parent's.
+    fn close_now(&self, deadline: Instant) -> Result<(), Failure> {
+        self.owner.check("the store")?;
         self.stop_service();
         self.locked(|state| {
             if !state.is_closed() {
                 state.close(deadline);
             }
-        });
+        })
     }
 
     /// Tests: what a `Store` over `state` shares with its requests (no completion thread, no
@@ -107,6 +117,7 @@ impl StoreShared {
             layers_in_flight,
             keepalive: None,
             kv_layout: Mutex::new(None),
+            owner: OwningProcess::current(),
         })
     }
 
@@ -150,7 +161,7 @@ fn run_service(weak: Weak<StoreShared>) {
         if shared.stop.load(Ordering::Acquire) {
             return;
         }
-        let mut state = shared.lock();
+        let Ok(mut state) = shared.lock() else { return };
         if state.is_closed() {
             return;
         }
@@ -187,13 +198,22 @@ pub struct Store {
 
 impl Drop for Store {
     fn drop(&mut self) {
+        let shared = &self.shared;
+        if !shared.owner.is_current() {
+            // Inherited across fork: the session, its queue pairs, its memory and its
+            // completion thread are the parent's. Nothing is joined, waited for, finished or
+            // closed here, and the state is never dropped in this process (its drop would close
+            // it): the child keeps what it inherited, unused, until it exits.
+            std::mem::forget(Arc::clone(shared));
+            return;
+        }
         // Garbage-collected without close(): close now, in this (the interpreter's) thread,
         // with the GIL released while the store's lock is taken (see StoreShared::locked).
-        let shared = &self.shared;
         // The timeout went through `duration_of` at open; should the clock still not hold the
         // deadline, closing at once beats a panic in a destructor.
         let deadline = deadline_after(shared.timeout).unwrap_or_else(|_| Instant::now());
-        Python::attach(|py| py.detach(|| shared.close_now(deadline)));
+        Python::attach(|py| py.detach(|| shared.close_now(deadline)))
+            .unwrap_or_else(|failure| tracing::warn!(message = %failure.message, "tutti: closing a dropped store"));
     }
 }
 
@@ -408,6 +428,7 @@ impl Store {
             layers_in_flight,
             keepalive: None,
             kv_layout: Mutex::new(None),
+            owner: OwningProcess::current(),
         })
     }
 
@@ -470,6 +491,7 @@ impl Store {
             layers_in_flight,
             keepalive: keepalive.then_some(lease / 3),
             kv_layout: Mutex::new(None),
+            owner: OwningProcess::current(),
         })
     }
 
@@ -494,7 +516,7 @@ impl Store {
     }
 
     #[getter]
-    fn registered(&self, py: Python<'_>) -> bool {
+    fn registered(&self, py: Python<'_>) -> PyResult<bool> {
         self.shared.read(py, |state| state.registered.is_some())
     }
 
@@ -504,7 +526,7 @@ impl Store {
     }
 
     #[getter]
-    fn closed(&self, py: Python<'_>) -> bool {
+    fn closed(&self, py: Python<'_>) -> PyResult<bool> {
         self.shared.read(py, |state| state.is_closed())
     }
 
@@ -514,7 +536,7 @@ impl Store {
     }
 
     #[getter]
-    fn requests_sent(&self, py: Python<'_>) -> u64 {
+    fn requests_sent(&self, py: Python<'_>) -> PyResult<u64> {
         self.shared.read(py, |state| match &mut state.backend {
             Backend::Remote { store } => store.requests_sent(),
             Backend::RemoteAttached { client, .. } => client.requests_sent(),
@@ -530,7 +552,7 @@ impl Store {
         let timeout = self.shared.timeout;
         let regions = self.shared.with_state(py, move |state| state.allocate(kind, num_blocks, timeout))?;
         let buffers = regions.into_iter().map(|region| Py::new(py, KvBuffer { region }).map(Py::into_any)).collect::<PyResult<Vec<_>>>()?;
-        let checked = self.shared.read(py, |state| state.registered.clone());
+        let checked = self.shared.read(py, |state| state.registered.clone())?;
         let layout = Py::new(py, KvLayout::new_checked(kind, buffers, checked))?;
         *self.shared.kv_layout.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(layout.clone_ref(py));
         Ok(layout)
@@ -595,14 +617,14 @@ impl Store {
         };
         let deadline = deadline_after(timeout)?;
         let shared = Arc::clone(&self.shared);
-        py.detach(move || shared.close_now(deadline));
+        py.detach(move || shared.close_now(deadline)).map_err(|failure| failure.to_pyerr(py))?;
         // The registered layout's Python objects go last, after the memory they describe.
         let layout = self.shared.kv_layout.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
         drop(layout);
         Ok(())
     }
 
-    fn leaked_registrations(&self, py: Python<'_>) -> usize {
+    fn leaked_registrations(&self, py: Python<'_>) -> PyResult<usize> {
         self.shared.read(py, |state| state.leaked_tensors)
     }
 
@@ -616,15 +638,18 @@ impl Store {
     }
 
     fn __repr__(&self, py: Python<'_>) -> String {
-        let status = self.shared.read(py, |state| {
-            if state.is_closed() {
-                "closed"
-            } else if state.registered.is_some() {
-                "registered"
-            } else {
-                "no KV memory yet"
-            }
-        });
+        let status = self
+            .shared
+            .read(py, |state| {
+                if state.is_closed() {
+                    "closed"
+                } else if state.registered.is_some() {
+                    "registered"
+                } else {
+                    "no KV memory yet"
+                }
+            })
+            .unwrap_or("inherited across fork");
         format!("Store({}, {}, {status})", self.shared.kind, self.shared.geometry)
     }
 }
