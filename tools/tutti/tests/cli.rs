@@ -315,6 +315,16 @@ fn a_file_holding_something_else_is_formatted_only_with_overwrite() {
     assert_status(&tutti(&["pool", "format", "--device", &device, "--model", "llama3-8b"]), 0, &[]);
 }
 
+/// Says why a loop-device test cannot run here and returns (the test passes as skipped), unless
+/// `TUTTI_REQUIRE_LOOP=1` is in the environment (tools/test.sh's rust stage sets it when it runs as
+/// root with losetup): then the skip fails the test, so such a machine cannot make it vanish.
+fn skip_without_loop(reason: &str) {
+    if std::env::var_os("TUTTI_REQUIRE_LOOP").is_some_and(|value| value == "1") {
+        panic!("TUTTI_REQUIRE_LOOP=1, but the loop-device test cannot run: {reason}");
+    }
+    eprintln!("SKIPPED (set TUTTI_REQUIRE_LOOP=1 to fail instead): {reason}");
+}
+
 /// A loop device over a file, detached (and its file system unmounted) when dropped.
 struct LoopDevice {
     node: String,
@@ -322,11 +332,12 @@ struct LoopDevice {
 }
 
 impl LoopDevice {
-    /// `None` with the reason printed where this host cannot make one (not root, no losetup).
+    /// `None` with the reason given to `skip_without_loop` where this host cannot make one (not
+    /// root, no losetup, no free loop device).
     fn attach(image: &Path) -> Option<LoopDevice> {
         // SAFETY: geteuid has no preconditions and touches no memory.
         if unsafe { libc::geteuid() } != 0 {
-            eprintln!("skipped: not root, so no loop device can be attached");
+            skip_without_loop("not root, so no loop device can be attached");
             return None;
         }
         let output = Command::new("losetup").args(["--find", "--show"]).arg(image).output();
@@ -335,11 +346,11 @@ impl LoopDevice {
                 Some(LoopDevice { node: String::from_utf8_lossy(&output.stdout).trim().to_string(), mount_point: None })
             }
             Ok(output) => {
-                eprintln!("skipped: losetup --find --show failed: {}", String::from_utf8_lossy(&output.stderr));
+                skip_without_loop(&format!("losetup --find --show failed: {}", String::from_utf8_lossy(&output.stderr).trim()));
                 None
             }
             Err(error) => {
-                eprintln!("skipped: losetup cannot run: {error}");
+                skip_without_loop(&format!("losetup cannot run: {error}"));
                 None
             }
         }
@@ -368,7 +379,8 @@ fn a_mounted_block_device_is_refused_as_in_use() {
     // kernel NVMe names can swap between boots: format on a mounted disk is refused as in use
     // (an exclusive open fails with EBUSY), even with --overwrite, before anything is written.
     // Unmounted, the ext4 file system there is named and needs --overwrite; then the pool works.
-    // Needs root, losetup and mkfs.ext4 (skipped, saying why, otherwise).
+    // Needs root, losetup, mkfs.ext4 and mount (skipped, saying why, otherwise; a failure
+    // instead with TUTTI_REQUIRE_LOOP=1).
     let directory = tempfile::tempdir().unwrap();
     let image = directory.path().join("disk.img");
     std::fs::File::create(&image).unwrap().set_len(64 << 20).unwrap();
@@ -376,7 +388,7 @@ fn a_mounted_block_device_is_refused_as_in_use() {
     match Command::new("mkfs.ext4").args(["-q", "-F"]).arg(&disk.node).output() {
         Ok(output) if output.status.success() => {}
         other => {
-            eprintln!("skipped: mkfs.ext4 {} failed: {other:?}", disk.node);
+            skip_without_loop(&format!("mkfs.ext4 {} failed: {other:?}", disk.node));
             return;
         }
     }
@@ -385,7 +397,7 @@ fn a_mounted_block_device_is_refused_as_in_use() {
     match Command::new("mount").arg(&disk.node).arg(&point).output() {
         Ok(output) if output.status.success() => disk.mount_point = Some(point.clone()),
         other => {
-            eprintln!("skipped: mount {} failed: {other:?}", disk.node);
+            skip_without_loop(&format!("mount {} failed: {other:?}", disk.node));
             return;
         }
     }
