@@ -38,13 +38,19 @@
 # `cargo run --release --bin tutti-bench` builds without protoc (the rust stage checks it);
 # tuttid needs it.
 #
+# It does not install Rust: rustc and cargo at the workspace's rust-version or newer, with clippy
+# and rustfmt, must be on PATH (checked; rustup's downloads are not among the hosts CI reaches).
+# A C compiler and linker (gcc, libc6-dev) are installed, checked by compiling a program.
+#
 # Stages run in that order; a failing stage does not stop the later ones, and the script exits
-# non-zero if any failed. Every command of a stage (apt-get and rustup included) runs under a time
-# limit (generous: a cold build on two cores included), so one hung test fails its stage instead
-# of hanging CI. The scripts a stage runs (tools/python/*.sh, tools/vm-test.sh, ...) bound their
-# own steps with `timeout` as well; each such `timeout` moves into a process group of its own,
-# which an outer `timeout`'s signal misses, so those scripts run through `bounded` below: in a
-# session of their own, all of which is killed when the script ends or its limit expires.
+# non-zero if any failed. SIGINT, SIGTERM or SIGHUP stops the running stage with everything it
+# started, prints the summary so far and exits 130, 143 or 129. Every command of a stage (apt-get
+# and rustup included) runs under a time limit (generous: a cold build on two cores included), so
+# one hung test fails its stage instead of hanging CI. The scripts a stage runs
+# (tools/python/*.sh, tools/vm-test.sh, ...) bound their own steps with `timeout` as well; each
+# such `timeout` moves into a process group of its own, which an outer `timeout`'s signal misses,
+# so those scripts run through `bounded` below: in a session of their own, all of which is killed
+# when the script ends or its limit expires.
 #
 # usage: tools/test.sh [STAGE...]      e.g. tools/test.sh cluster python   (default: all, in order)
 #        TUTTI_STAGES="rust lint" tools/test.sh   (the same selection from the environment)
@@ -64,6 +70,11 @@ else
     STAGES=${TUTTI_STAGES:-$ALL_STAGES}
 fi
 # Every name is checked before any stage runs: a typo fails at once, not after an hour of stages.
+# An empty selection (`tools/test.sh ""`, a blank TUTTI_STAGES) is an error too, not a pass.
+if [ -z "${STAGES//[[:space:]]/}" ]; then
+    echo "tools/test.sh: no stage selected (known: $ALL_STAGES)" >&2
+    exit 2
+fi
 for stage in $STAGES; do
     case " $ALL_STAGES " in
         *" $stage "*) ;;
@@ -81,22 +92,120 @@ failed=0
 failed_names=()
 summary=()
 
-# Free space on the file system the builds go to, in GiB. A full run from a fresh clone writes
-# about 14 GiB (the cargo target directory, the VM images, the wheels); running out shows up as
-# a confusing failure in whichever stage is writing, so the figure is printed with every stage.
+# Free space on the file system the builds go to, in GiB. A full run on a fresh machine writes
+# about 30 GiB: the engines' environments under ~/.cache/tutti (15 GiB measured with du on a
+# machine that had run everything), pip's download cache, the cargo target directory (about
+# 9 GiB after one full run; more as builds accumulate), target-vm and the VM images, the CUDA
+# wheels (.tools, 0.3 GiB). Running out shows up as a confusing failure in whichever stage is
+# writing, so the figure is printed with every stage.
 free_gibibytes() { df --output=avail -B1G "${CARGO_TARGET_DIR:-target}" 2> /dev/null | tail -1 | tr -d ' ' || true; }
 mkdir -p "${CARGO_TARGET_DIR:-target}"
-if [ -n "$(free_gibibytes)" ] && [ "$(free_gibibytes)" -lt 16 ]; then
-    echo "tools/test.sh: warning: only $(free_gibibytes) GiB free here; a full run needs about 14 GiB" >&2
+if [ -n "$(free_gibibytes)" ] && [ "$(free_gibibytes)" -lt 32 ]; then
+    echo "tools/test.sh: warning: only $(free_gibibytes) GiB free here; a full run from a fresh machine needs about 30 GiB" >&2
 fi
 
+# Scratch files of this run (bounded's session ids); removed on exit, however the run ends.
+run_tmp=$(mktemp -d) || exit 1
+trap 'restore_own_policy_rc_d; rm -rf "$run_tmp"' EXIT
+
+print_summary() {
+    echo
+    echo "===== summary ====="
+    [ ${#summary[@]} -eq 0 ] || printf '%s\n' "${summary[@]}"
+    echo "stages: $passed passed, $failed failed"
+    [ "$failed" -eq 0 ] || echo "failed stages: ${failed_names[*]}"
+}
+
+# kill_tree PID: kills PID, every process below it, and every process in the process groups and
+# sessions those belong to (the `timeout`s' groups, `bounded`'s sessions: processes there may
+# already have been handed to init), except this script's own group and session. SIGTERM first,
+# then, for what is still there after a few seconds, SIGKILL. /proc, not pkill: procps is not on
+# every fresh machine.
+kill_tree() {
+    local root=$1 signal round line stat pid ppid pgid sid fields changed own_pgid own_sid
+    local -A pids=() pgids=() sids=()
+    read -r line < /proc/$$/stat
+    read -r -a fields <<< "${line##*") "}"
+    own_pgid=${fields[2]} own_sid=${fields[3]}
+    pids[$root]=1
+    for signal in TERM KILL; do
+        # Until a pass finds nothing new: the members of a group or session found on one pass may
+        # have children of their own.
+        changed=1
+        while [ "$changed" = 1 ]; do
+            changed=0
+            for stat in /proc/[0-9]*/stat; do
+                read -r line 2> /dev/null < "$stat" || continue
+                read -r -a fields <<< "${line##*") "}"
+                pid=${stat#/proc/} pid=${pid%/stat}
+                ppid=${fields[1]} pgid=${fields[2]} sid=${fields[3]}
+                [ "$pid" != $$ ] || continue
+                if [ -n "${pids[$ppid]:-}" ] || [ -n "${pgids[$pgid]:-}" ] || [ -n "${sids[$sid]:-}" ]; then
+                    [ -n "${pids[$pid]:-}" ] || { pids[$pid]=1 changed=1; }
+                fi
+                if [ -n "${pids[$pid]:-}" ]; then
+                    [ "$pgid" = "$own_pgid" ] || [ -n "${pgids[$pgid]:-}" ] || { pgids[$pgid]=1 changed=1; }
+                    [ "$sid" = "$own_sid" ] || [ -n "${sids[$sid]:-}" ] || { sids[$sid]=1 changed=1; }
+                fi
+            done
+        done
+        for pid in "${!pids[@]}"; do kill -"$signal" "$pid" 2> /dev/null; done
+        [ "$signal" = KILL ] && break
+        # A few seconds for them to end (a zombie has ended: its parent has not reaped it yet).
+        for round in 1 2 3 4 5 6 7 8 9 10; do
+            changed=0
+            for pid in "${!pids[@]}"; do
+                read -r line 2> /dev/null < "/proc/$pid/stat" || continue
+                read -r -a fields <<< "${line##*") "}"
+                [ "${fields[0]}" = Z ] || { changed=1 && break; }
+            done
+            [ "$changed" = 1 ] || break
+            sleep 0.5
+        done
+    done
+    wait "$root" 2> /dev/null
+    return 0
+}
+
+# A signal (CI cancelling the job, Ctrl-C, a closed terminal) stops the running stage and
+# everything it started at once (the `timeout`s sit in process groups of their own, which the
+# signal does not reach), prints the summary so far and exits 128+signal. The stage runs in the
+# background with `wait`, which a trapped signal interrupts (a foreground command would delay
+# the trap until it ended).
+stage_pid=
+current_stage=
+on_signal() {
+    local signal=$1 code=$2
+    trap '' INT TERM HUP
+    echo >&2
+    echo "tools/test.sh: SIG$signal: stopping${current_stage:+ stage $current_stage and} everything it started" >&2
+    [ -z "$stage_pid" ] || kill_tree "$stage_pid"
+    [ -z "$current_stage" ] || {
+        failed=$((failed + 1))
+        failed_names+=("$current_stage")
+        summary+=("INTERRUPTED $current_stage (SIG$signal)")
+    }
+    restore_own_policy_rc_d
+    print_summary
+    exit "$code"
+}
+trap 'on_signal INT 130' INT
+trap 'on_signal TERM 143' TERM
+trap 'on_signal HUP 129' HUP
+
 run_stage() {
-    local name=$1
+    local name=$1 rc
     shift
     local started=$SECONDS
     echo
     echo "===== stage: $name ====="
-    if "$@"; then
+    current_stage=$name
+    "$@" &
+    stage_pid=$!
+    wait "$stage_pid"
+    rc=$?
+    stage_pid= current_stage=
+    if [ "$rc" = 0 ]; then
         passed=$((passed + 1))
         summary+=("PASS $name ($((SECONDS - started)) s, $(free_gibibytes) GiB free after)")
     else
@@ -115,7 +224,7 @@ run_stage() {
 bounded() {
     local limit=$1 sidfile sid rc stat line fields
     shift
-    sidfile=$(mktemp) || return 1
+    sidfile=$(mktemp -p "$run_tmp") || return 1
     # `timeout`'s child is not a process-group leader, so setsid makes it a session leader without
     # forking: the session id is the pid the child writes before exec'ing.
     timeout -k 30 "$limit" bash -c 'echo $$ > "$0" && exec setsid "$@"' "$sidfile" "$@"
@@ -149,13 +258,66 @@ ensure_installed() {
         fi
         echo "tools/test.sh: installing $* (because '$check' fails)"
         timeout -k 30 600 dpkg --configure -a > /dev/null || true
-        timeout -k 30 900 apt-get update -q > /dev/null &&
-            timeout -k 30 1800 apt-get install -y -q --no-install-recommends "$@" > /dev/null || return 1
+        # DPkg::Lock::Timeout: another apt-get running (a second clone's test.sh, unattended
+        # upgrades) is waited for, up to 10 minutes, instead of failing at once.
+        timeout -k 30 900 apt-get -o DPkg::Lock::Timeout=600 update -q > /dev/null &&
+            timeout -k 30 1800 apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends "$@" > /dev/null || return 1
     fi
     eval "$check" > /dev/null 2>&1 || { echo "tools/test.sh: '$check' still fails after installing $*" >&2; return 1; }
 }
 
 ensure_protoc() { ensure_installed tools/check-protoc.sh protobuf-compiler libprotobuf-dev; }
+
+# rustc links through `cc` (and build scripts compile C with it): a machine with rustup only
+# fails every cargo build with "linker `cc` not found". Checked by compiling, linking and running
+# a C program, not by finding a file.
+cc_links() {
+    local dir rc
+    dir=$(mktemp -d) || return 1
+    printf 'int main(void) { return 0; }\n' > "$dir/check.c"
+    timeout -k 10 120 cc -o "$dir/check" "$dir/check.c" && "$dir/check"
+    rc=$?
+    rm -rf "$dir"
+    return "$rc"
+}
+ensure_cc() { ensure_installed cc_links gcc libc6-dev; }
+
+# The Rust toolchain is not installed here (rustup's downloads come from static.rust-lang.org):
+# it must be on PATH, at least at the workspace's rust-version (Cargo.toml).
+ensure_rust() {
+    local need have
+    need=$(sed -n 's/^rust-version *= *"\([0-9.]*\)".*/\1/p' Cargo.toml | head -1)
+    have=$(rustc --version 2> /dev/null | sed -n 's/^rustc \([0-9][0-9.]*\).*/\1/p')
+    if [ -z "$have" ] || ! cargo --version > /dev/null 2>&1; then
+        echo "tools/test.sh: no working rustc and cargo on PATH: install a Rust toolchain (rustup), version ${need:-?} or newer" >&2
+        return 1
+    fi
+    if [ -n "$need" ] && [ "$(printf '%s\n%s\n' "$need" "$have" | sort -V | head -1)" != "$need" ]; then
+        echo "tools/test.sh: rustc $have is older than the workspace's rust-version $need (Cargo.toml): install a newer toolchain" >&2
+        return 1
+    fi
+}
+# What every stage that runs cargo needs first.
+ensure_build() { ensure_rust && ensure_cc; }
+
+# cargo_tests_ran LIMIT CARGO-TEST-ARGS...: `cargo test` under `timeout`, its output shown and
+# kept, failing also when its "test result: ok. N passed" lines add up to no test at all: a name
+# filter that matches nothing (after a rename) would otherwise pass silently.
+cargo_tests_ran() {
+    local limit=$1 log rc count
+    shift
+    log=$(mktemp -p "$run_tmp") || return 1
+    timeout -k 30 "$limit" cargo test "$@" 2>&1 | tee "$log"
+    rc=${PIPESTATUS[0]}
+    count=$(awk '/^test result: ok\. [0-9]+ passed/ { n += $4 } END { print n + 0 }' "$log")
+    rm -f "$log"
+    [ "$rc" = 0 ] || return "$rc"
+    if [ "$count" -eq 0 ]; then
+        echo "tools/test.sh: 'cargo test $*' ran no test (does its filter still match any?)" >&2
+        return 1
+    fi
+    echo "tools/test.sh: 'cargo test $*': $count passed"
+}
 
 # What the scripts call but a fresh Debian lacks, checked by using it (stock bookworm has no
 # python3-venv nor python3-pip, and may have no python3 or g++ at all). The python checked is
@@ -175,21 +337,57 @@ python_makes_venvs() {
 }
 ensure_venv() { ensure_python3 && ensure_installed "python_makes_venvs '${1:-python3}'" python3-venv; }
 
-# The etcd binary the cluster tests run (by PATH), checked by running it, not by dpkg's state.
-# Installing etcd-server on a machine with systemd also enables its service on port 2379: the
-# tests never use it (they start their own members on free ports), so it is stopped again.
-ensure_etcd() {
-    local installed_here=0
-    command -v etcd > /dev/null 2>&1 || installed_here=1
-    # Not `etcd --version | grep -q`: grep leaving early kills etcd with SIGPIPE, which pipefail reports.
-    ensure_installed '[[ "$(etcd --version 2> /dev/null)" == "etcd Version: 3."* ]]' etcd-server || return 1
-    if [ "$installed_here" = 1 ] && command -v systemctl > /dev/null 2>&1 && systemctl is-active -q etcd 2> /dev/null; then
-        systemctl disable --now etcd > /dev/null 2>&1 || true
+# Debian's policy-rc.d hook: while ours is in place (exit 101), package scripts start no service
+# (invoke-rc.d and deb-systemd-invoke both ask it). One that was there before is kept aside and
+# put back after; ours is recognised by its marker line, so an interrupted run's is removed by
+# the next (and by this run's exit and signal handlers).
+POLICY_RC_D=/usr/sbin/policy-rc.d
+POLICY_RC_D_MARK="# tools/test.sh: no service is started while it installs packages"
+restore_policy_rc_d() {
+    [ -f "$POLICY_RC_D" ] && grep -qxF "$POLICY_RC_D_MARK" "$POLICY_RC_D" 2> /dev/null || return 0
+    if [ -e "$POLICY_RC_D.tutti-saved" ]; then
+        mv -f "$POLICY_RC_D.tutti-saved" "$POLICY_RC_D"
+    else
+        rm -f "$POLICY_RC_D"
     fi
+}
+# At exit, ours is removed only if this run put it there (another clone's may be in use).
+restore_own_policy_rc_d() { [ ! -e "$run_tmp/policy-rc.d-ours" ] || restore_policy_rc_d; }
+forbid_service_starts() {
+    restore_policy_rc_d
+    : > "$run_tmp/policy-rc.d-ours" || return 1
+    if [ -e "$POLICY_RC_D" ]; then cp -p "$POLICY_RC_D" "$POLICY_RC_D.tutti-saved" || return 1; fi
+    printf '#!/bin/sh\n%s\nexit 101\n' "$POLICY_RC_D_MARK" > "$POLICY_RC_D.tutti-new" &&
+        chmod 755 "$POLICY_RC_D.tutti-new" && mv -f "$POLICY_RC_D.tutti-new" "$POLICY_RC_D"
+}
+
+# The etcd binary the cluster tests run (by PATH), checked by running it, not by dpkg's state.
+# etcd-server's post-install enables its service on port 2379 and starts it (with systemd, or
+# its init.d script without): the tests never use it (they start their own members on free
+# ports), so it is installed with service starts forbidden, and disabled (and stopped, should it
+# run regardless) after.
+etcd_runs() { [[ "$(etcd --version 2> /dev/null)" == "etcd Version: 3."* ]]; }
+ensure_etcd() {
+    local rc=0
+    # Not `etcd --version | grep -q`: grep leaving early kills etcd with SIGPIPE, which pipefail reports.
+    if ! etcd_runs && [ "$(id -u)" -eq 0 ]; then
+        forbid_service_starts || return 1
+        ensure_installed etcd_runs etcd-server || rc=1
+        restore_policy_rc_d
+        if [ -d /run/systemd/system ] && command -v systemctl > /dev/null 2>&1; then
+            systemctl disable --now etcd > /dev/null 2>&1 || true
+        elif [ -x /etc/init.d/etcd ]; then
+            update-rc.d etcd disable > /dev/null 2>&1 || true
+            /etc/init.d/etcd status > /dev/null 2>&1 && { /etc/init.d/etcd stop > /dev/null 2>&1 || true; }
+        fi
+        [ "$rc" = 0 ] || return 1
+    fi
+    ensure_installed etcd_runs etcd-server || return 1
     echo "etcd: $(command -v etcd) ($(etcd --version | head -1))"
 }
 
 stage_rust() {
+    ensure_build || return 1
     # The README's first command must build on a machine without protoc (the workspace's
     # default-members leave out the etcd client's users): with PROTOC pointing nowhere, any
     # build script that runs protoc fails this check, installed protoc or not.
@@ -200,13 +398,25 @@ stage_rust() {
     # TUTTI_REQUIRE_URING=1: a test that finds no io_uring (tutti_uring::available) fails instead
     # of passing as skipped, so a CI machine without it cannot make the ring tests vanish.
     # --no-fail-fast: a failing test binary does not hide the failures of the ones after it.
-    ensure_protoc && TUTTI_REQUIRE_URING=1 timeout -k 30 2700 cargo test --workspace --all-targets --locked --no-fail-fast 2>&1
+    # TUTTI_REQUIRE_LOOP=1 where this runs as root with losetup (CI): the loop-device test of
+    # tools/tutti/tests/cli.rs fails instead of passing as skipped when it cannot attach one.
+    local require_loop=0
+    [ "$(id -u)" -ne 0 ] || ! command -v losetup > /dev/null 2>&1 || require_loop=1
+    ensure_protoc && TUTTI_REQUIRE_URING=1 TUTTI_REQUIRE_LOOP=$require_loop \
+        timeout -k 30 2700 cargo test --workspace --all-targets --locked --no-fail-fast 2>&1
 }
 
 stage_lint() {
-    # Checked by running each tool, not by rustup's list: a toolchain may have one without the other.
+    ensure_build || return 1
+    # Checked by running each tool, not by rustup's list: a toolchain may have one without the
+    # other. rustup downloads them from static.rust-lang.org, which a CI machine limited to the
+    # package registries cannot reach: then the toolchain must come with them.
     if ! cargo clippy --version > /dev/null 2>&1 || ! cargo fmt --version > /dev/null 2>&1; then
-        timeout -k 30 900 rustup component add clippy rustfmt || return 1
+        timeout -k 30 900 rustup component add clippy rustfmt
+        if ! cargo clippy --version > /dev/null 2>&1 || ! cargo fmt --version > /dev/null 2>&1; then
+            echo "tools/test.sh: lint needs clippy and rustfmt, and 'rustup component add clippy rustfmt' did not provide them (it downloads from static.rust-lang.org): preinstall a toolchain with clippy and rustfmt" >&2
+            return 1
+        fi
     fi
     # clippy's incompatible_msrv lint checks std APIs against rust-version; check-msrv.sh checks
     # that every package declares it and that no locked dependency needs a newer compiler.
@@ -215,12 +425,14 @@ stage_lint() {
         timeout -k 30 300 cargo fmt --all -- --check
 }
 
-stage_bindings() { bounded 300 tools/check-bindings-test.sh && bounded 1200 tools/check-bindings.sh; }
-# cuda-build.sh installs the nvcc wheels with `python3 -m pip` and compiles the ABI header with
-# gcc and g++; check.sh runs python3. After the engines stage, check.sh must rehearse the prefill
-# step with the vLLM environment (GPU_CHECK_REQUIRE_PREFILL=1): a missing one fails the stage.
+stage_bindings() { ensure_build && bounded 300 tools/check-bindings-test.sh && bounded 1200 tools/check-bindings.sh; }
+# cuda-build.sh installs the nvcc wheels with `python3 -m pip`, compiles the ABI header with
+# gcc and g++ and builds tuttid (protoc); check.sh runs python3, builds tuttid and makes the
+# python stage's venv (tools/python/wheel.sh: python3-venv). After the engines stage, check.sh
+# must rehearse the prefill step with the vLLM environment (GPU_CHECK_REQUIRE_PREFILL=1): a
+# missing one fails the stage.
 stage_cuda() {
-    ensure_pip && ensure_gxx || return 1
+    ensure_build && ensure_protoc && ensure_pip && ensure_gxx && ensure_venv || return 1
     local require_prefill=0
     case " $STAGES " in *" engines "*) require_prefill=1 ;; esac
     bounded 1200 tools/cuda-build.sh && GPU_CHECK_REQUIRE_PREFILL=$require_prefill bounded 1200 tools/gpu/check.sh
@@ -229,12 +441,12 @@ stage_cuda() {
 stage_fuzz() {
     # The fuzz crate has its own workspace; `cargo fuzz run` needs nightly, building it does not.
     # libfuzzer-sys compiles libFuzzer's C++ sources.
-    ensure_gxx || return 1
+    ensure_build && ensure_gxx || return 1
     (cd fuzz && timeout -k 30 1800 cargo check --bins --locked 2>&1)
 }
 
 stage_benches() {
-    ensure_protoc && timeout -k 30 1800 cargo bench --workspace --no-run --locked 2>&1 &&
+    ensure_build && ensure_protoc && timeout -k 30 1800 cargo bench --workspace --no-run --locked 2>&1 &&
         # Criterion's --test runs each benchmark once: the driver benches' set-up (a software
         # controller, and for the one-CPU placement the pinned threads) and their bounded
         # waits run on every CI run, not only when someone measures.
@@ -244,12 +456,13 @@ stage_benches() {
 # TUTTI_REQUIRE_ETCD=1: a test that finds no etcd fails instead of skipping. Each test bounds
 # its own waits; `timeout` bounds the whole stage should one hang regardless. tuttid's cluster
 # tests are one file per theme (tools/tuttid/tests/cluster_*.rs): the glob runs them all, and
-# cargo fails should it match none.
+# cargo fails should it match none; the daemon's `--lib cluster` is a name filter, which would
+# pass matching nothing, so its count is checked.
 stage_cluster() {
-    ensure_protoc && ensure_etcd || return 1
+    ensure_build && ensure_protoc && ensure_etcd || return 1
     TUTTI_REQUIRE_ETCD=1 timeout -k 30 900 cargo test --locked -p tutti-cluster --all-targets 2>&1 &&
         TUTTI_REQUIRE_ETCD=1 timeout -k 30 600 cargo test --locked -p tutti --test cluster 2>&1 &&
-        timeout -k 30 600 cargo test --locked -p tutti-daemon --features cluster --lib cluster 2>&1 &&
+        cargo_tests_ran 600 --locked -p tutti-daemon --features cluster --lib cluster &&
         TUTTI_REQUIRE_ETCD=1 timeout -k 30 600 cargo test --locked -p tuttid --test 'cluster_*' 2>&1
 }
 
@@ -257,23 +470,17 @@ stage_cluster() {
 # both through one VFIO container (VfioDevice::open_many).
 # The wheel build, the venv (first run: a few pip downloads) and the tests are bounded inside the
 # script; `bounded` bounds the whole stage, inner steps included.
-stage_python() { ensure_protoc && ensure_venv "${TUTTI_PYTHON:-python3}" && bounded 1500 tools/python/core-test.sh; }
+stage_python() { ensure_build && ensure_protoc && ensure_venv "${TUTTI_PYTHON:-python3}" && bounded 1500 tools/python/core-test.sh; }
 # The engines' environments are large (vLLM's ~8 GB): built once per pin set, reused after.
-stage_engines() { ensure_protoc && ensure_venv "${TUTTI_ENGINE_PYTHON:-python3}" && bounded 2700 tools/python/engine-test.sh; }
+stage_engines() { ensure_build && ensure_protoc && ensure_venv "${TUTTI_ENGINE_PYTHON:-python3}" && bounded 2700 tools/python/engine-test.sh; }
 
 # Two guests of about 4 minutes each under TCG; a cold machine also installs QEMU, downloads the
 # guest kernel and builds the static binaries first.
-stage_vm() { ensure_protoc && TUTTI_VM_NVME_COUNT=${TUTTI_VM_NVME_COUNT:-2} bounded 2400 tools/vm-test.sh; }
+stage_vm() { ensure_build && ensure_protoc && TUTTI_VM_NVME_COUNT=${TUTTI_VM_NVME_COUNT:-2} bounded 2400 tools/vm-test.sh; }
 
 for stage in $STAGES; do
     run_stage "$stage" "stage_$stage"
 done
 
-echo
-echo "===== summary ====="
-printf '%s\n' "${summary[@]}"
-echo "stages: $passed passed, $failed failed"
-if [ "$failed" -gt 0 ]; then
-    echo "failed stages: ${failed_names[*]}"
-    exit 1
-fi
+print_summary
+[ "$failed" -eq 0 ] || exit 1
