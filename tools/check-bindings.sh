@@ -82,9 +82,10 @@ if ! LIBCLANG=$(find_libclang /); then
   # is, every apt-get install fails).
   export DEBIAN_FRONTEND=noninteractive
   timeout -k 30 600 dpkg --configure -a >/dev/null || true
-  timeout -k 30 1200 apt-get install -y -q --no-install-recommends libclang-dev >/dev/null \
-    || { timeout -k 30 600 apt-get update -q >/dev/null \
-      && timeout -k 30 1200 apt-get install -y -q --no-install-recommends libclang-dev >/dev/null; } \
+  # DPkg::Lock::Timeout: a concurrent apt-get is waited for (up to 10 minutes), not a failure.
+  timeout -k 30 1200 apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends libclang-dev >/dev/null \
+    || { timeout -k 30 900 apt-get -o DPkg::Lock::Timeout=600 update -q >/dev/null \
+      && timeout -k 30 1200 apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends libclang-dev >/dev/null; } \
     || { echo "check-bindings: apt-get install libclang-dev failed" >&2; exit 1; }
   if ! LIBCLANG=$(find_libclang /); then
     echo "check-bindings: libclang-dev is installed but no libclang that bindgen can load was found; set LIBCLANG_PATH" >&2
@@ -96,7 +97,7 @@ export LIBCLANG_PATH="$LIBCLANG"
 echo "check-bindings: libclang: $LIBCLANG"
 
 export CARGO_TARGET_DIR="${GIO_REGEN_TARGET_DIR:-$ROOT/target-gio/regen}"
-cargo build --release -q --manifest-path "$ROOT/crates/gio-uring/regen/Cargo.toml"
+cargo build --locked --release -q --manifest-path "$ROOT/crates/gio-uring/regen/Cargo.toml"
 REGEN="$CARGO_TARGET_DIR/release/gio-uring-regen"
 
 TMP="$(mktemp --suffix=.rs)"

@@ -105,8 +105,8 @@ ls -l "$OUT"/*.cubin "$OUT"/*.ptx
 echo "cuda-build: kernels OK -> $OUT"
 
 if [[ "${GIO_SKIP_CARGO:-0}" != "1" ]]; then
-  (cd "$ROOT" && cargo build -p gio-uring --features cuda)
-  echo "cuda-build: cargo build -p gio-uring --features cuda OK"
+  (cd "$ROOT" && cargo build --locked -p gio-uring --features cuda)
+  echo "cuda-build: cargo build --locked -p gio-uring --features cuda OK"
   # The GPU executor's pure logic (launch planning, retirement, the queue-pair reset rules) and
   # the plan test need no GPU: run them, since the rust stage builds without the feature.
   (cd "$ROOT" && cargo test --locked -p gio-uring --features cuda --lib --test gpu_plan --test gpu)
@@ -115,7 +115,13 @@ if [[ "${GIO_SKIP_CARGO:-0}" != "1" ]]; then
   CUDA_IPC_FEATURES=(-p tutti-cuda-ipc -p tutti-daemon -p tuttid --features tutti-cuda-ipc/cuda,tutti-daemon/cuda,tuttid/cuda)
   (cd "$ROOT" && cargo clippy --locked "${CUDA_IPC_FEATURES[@]}" --all-targets -- -D warnings)
   (cd "$ROOT" && cargo test --locked -p tutti-cuda-ipc --features cuda)
-  (cd "$ROOT" && cargo test --locked -p tutti-daemon --features cuda --lib gpu_memory)
+  # `gpu_memory` is a name filter, which would pass matching nothing: its tests are counted.
+  log="$(mktemp)"
+  (cd "$ROOT" && cargo test --locked -p tutti-daemon --features cuda --lib gpu_memory 2>&1) | tee "$log"
+  count=$(awk '/^test result: ok\. [0-9]+ passed/ { n += $4 } END { print n + 0 }' "$log")
+  rm -f "$log"
+  [[ "$count" -gt 0 ]] || { echo "cuda-build: 'cargo test -p tutti-daemon --features cuda --lib gpu_memory' ran no test (does the filter still match?)" >&2; exit 1; }
+  echo "cuda-build: tutti-daemon's gpu_memory tests with the cuda feature: $count passed"
   (cd "$ROOT" && cargo test --locked -p tuttid --features cuda --test gpu_check)
   echo "cuda-build: tutti-cuda-ipc, tutti-daemon and tuttid with the cuda feature: built, linted, tested (no GPU) OK"
 fi

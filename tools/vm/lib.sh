@@ -46,9 +46,11 @@ vm_install_host_tools() {
         vm_log "installing ${missing[*]}"
         export DEBIAN_FRONTEND=noninteractive
         timeout -k 30 600 dpkg --configure -a > "$VM_DIR/logs/apt.log" 2>&1 || true
-        if ! timeout -k 30 1200 apt-get install -y -qq --no-install-recommends "${missing[@]}" >> "$VM_DIR/logs/apt.log" 2>&1; then
-            timeout -k 30 600 apt-get update -qq >> "$VM_DIR/logs/apt.log" 2>&1 || true
-            timeout -k 30 1200 apt-get install -y -qq --no-install-recommends "${missing[@]}" >> "$VM_DIR/logs/apt.log" 2>&1 ||
+        # DPkg::Lock::Timeout: a concurrent apt-get (another clone's run) is waited for, up to 10
+        # minutes, instead of failing at once.
+        if ! timeout -k 30 1200 apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends "${missing[@]}" >> "$VM_DIR/logs/apt.log" 2>&1; then
+            timeout -k 30 900 apt-get -o DPkg::Lock::Timeout=600 update -qq >> "$VM_DIR/logs/apt.log" 2>&1 || true
+            timeout -k 30 1200 apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends "${missing[@]}" >> "$VM_DIR/logs/apt.log" 2>&1 ||
                 vm_die "apt-get install ${missing[*]} failed; see $VM_DIR/logs/apt.log"
         fi
         timeout 60 qemu-system-x86_64 -version > /dev/null 2>&1 || vm_die "qemu-system-x86_64 does not run after installing qemu-system-x86"
@@ -73,7 +75,7 @@ vm_prepare_kernel() {
     else
         package=$(vm_kernel_target_package)
         if [ -z "$package" ]; then
-            timeout -k 30 600 apt-get update -qq > /dev/null 2>&1 || true
+            timeout -k 30 900 apt-get -o DPkg::Lock::Timeout=600 update -qq > /dev/null 2>&1 || true
             package=$(vm_kernel_target_package)
         fi
         [ -n "$package" ] || vm_die "cannot resolve linux-image-amd64 to a kernel package (apt-get update?)"
@@ -92,7 +94,7 @@ vm_prepare_kernel() {
                 # Stale package lists name a kernel build the archive has since replaced (a
                 # 404): update them, resolve linux-image-amd64 again, and try once more.
                 vm_log "apt-get download $package failed; updating the package lists and retrying once"
-                timeout -k 30 600 apt-get update -qq >> "$VM_DIR/logs/download.log" 2>&1 || true
+                timeout -k 30 900 apt-get -o DPkg::Lock::Timeout=600 update -qq >> "$VM_DIR/logs/download.log" 2>&1 || true
                 if [ -z "${TUTTI_VM_KERNEL_PACKAGE:-}" ]; then
                     package=$(vm_kernel_target_package)
                     [ -n "$package" ] || vm_die "cannot resolve linux-image-amd64 to a kernel package after apt-get update"
@@ -142,7 +144,7 @@ VM_TARGET_DIR=${TUTTI_VM_TARGET_DIR:-$VM_REPO/target-vm}
 vm_cargo_static() {
     # Debug info is dropped: the guest loads the whole initramfs into RAM.
     (cd "$VM_REPO" && RUSTFLAGS="-C target-feature=+crt-static" CARGO_PROFILE_RELEASE_DEBUG=0 \
-        CARGO_TARGET_DIR=$VM_TARGET_DIR cargo build --release --target x86_64-unknown-linux-gnu "$@")
+        CARGO_TARGET_DIR=$VM_TARGET_DIR cargo build --locked --release --target x86_64-unknown-linux-gnu "$@")
 }
 VM_BIN_DIR=$VM_TARGET_DIR/x86_64-unknown-linux-gnu/release
 
