@@ -8,9 +8,10 @@
 # ${TUTTI_ENV_CACHE:-~/.cache/tutti}/engines/, in a folder named after the pinned versions and a
 # hash of the whole pin list: every clone (a CI run's fresh one too) reuses one copy, and a change
 # of pins builds a new folder instead of mutating the old one. Whether an environment is complete
-# is decided by importing what the tests load (the engine's base classes, at the pinned version),
-# never by a stamp alone: a half-finished install (an interrupted pip, a full disk) is detected and
-# finished on the next call (a venv whose pip does not run, e.g. one interrupted in ensurepip,
+# is decided by importing what the tests load (the engine's base classes, at the pinned version,
+# and pytest at the python stage's pin) and by finding every file each installed distribution's
+# RECORD lists, never by a stamp alone: a half-finished install (an interrupted pip, a full disk)
+# is detected and finished on the next call (a venv whose pip does not run, e.g. one interrupted in ensurepip,
 # is made again). Concurrent callers serialise on a lock file (waiting at most
 # TUTTI_ENV_LOCK_WAIT_S, default 3000 s).
 #
@@ -77,11 +78,24 @@ assert torch.__version__.startswith('2.14.1'), torch.__version__"
     ;;
 esac
 
+# The test runner, at the python stage's pin (python/requirements-test.txt), is installed here,
+# under the lock, like the pins: engine-test.sh runs it with the environment's interpreter and
+# never installs into the shared environment itself. The constraints below pin pytest too (their
+# hash is in the environment's key), so the two must agree: pip fails loudly if they do not.
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+test_pin="$(grep -E '^pytest==' "$repo/python/requirements-test.txt")" || {
+    echo "engine-env: no pytest== pin in $repo/python/requirements-test.txt" >&2
+    exit 1
+}
+check="$check
+import pytest
+assert 'pytest==' + pytest.__version__ == '$test_pin', pytest.__version__"
+
 # Every package the environment holds, the engine's dependencies and pip included, is held at
 # the version in python/constraints/$engine.txt (pip's -c): the pins above name what the tests
 # need, the constraints keep what those leave open from moving with each release. The file's
 # hash is part of the environment's name, so a change of it builds a new one.
-constraints="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)/python/constraints/$engine.txt"
+constraints="$repo/python/constraints/$engine.txt"
 [[ -f "$constraints" ]] || {
     echo "engine-env: $constraints is missing" >&2
     exit 1
@@ -91,8 +105,22 @@ key_text="$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])') ${
 key_hash="$(printf '%s' "$key_text" | sha256sum | cut -c1-12)"
 env_dir="$cache_root/$engine-$version-$key_hash"
 
+# Every file that the RECORD of every distribution installed in the environment lists is there
+# (a pip interrupted while unpacking leaves a distribution whose modules import but whose other
+# files are missing; ~85,000 files for vLLM's, about a second).
+records_whole='
+import importlib.metadata as metadata, os, sys
+for dist in metadata.distributions():
+    files = dist.files
+    if files is None:
+        sys.exit("engine-env: %s has no RECORD" % dist.metadata["Name"])
+    for file in files:
+        if not os.path.exists(file.locate()):
+            sys.exit("engine-env: %s is missing %s" % (dist.metadata["Name"], file))
+'
 complete() {
-    [[ -x "$env_dir/bin/python" ]] && "$env_dir/bin/python" -c "$check" >/dev/null 2>&1
+    [[ -x "$env_dir/bin/python" ]] && "$env_dir/bin/python" -c "$check" >/dev/null 2>&1 &&
+        "$env_dir/bin/python" -c "$records_whole" >/dev/null 2>&1
 }
 
 if ((existing)); then
@@ -132,10 +160,15 @@ fi
 if ((${#no_deps[@]})); then
     "$env_dir/bin/python" -m pip install --quiet -c "$constraints" --no-deps "${no_deps[@]}" >&2
 fi
+"$env_dir/bin/python" -m pip install --quiet -c "$constraints" "$test_pin" >&2
 printf '%s\n' "$key_text" >"$env_dir/tutti-env-pins.txt"
 
 if ! "$env_dir/bin/python" -c "$check" >&2; then
     echo "engine-env: $env_dir was installed but does not load what the tests need (see above)" >&2
+    exit 1
+fi
+if ! "$env_dir/bin/python" -c "$records_whole" >&2; then
+    echo "engine-env: $env_dir was installed but files its distributions list are missing (see above)" >&2
     exit 1
 fi
 echo "$env_dir"

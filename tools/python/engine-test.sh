@@ -6,7 +6,8 @@
 #    abi3, into target/wheels);
 # 2. builds tuttid (the tests start their own daemons on emu: devices and stop them);
 # 3. per engine, creates or reuses its environment under ~/.cache/tutti (tools/python/engine-env.sh:
-#    keyed by the pins, checked by importing the engine's base classes), installs the wheel into a
+#    keyed by the pins, checked by importing the engine's base classes and pytest, which it installs
+#    at the python stage's pin under its lock), installs the wheel into a
 #    per-run directory on PYTHONPATH (the shared environment is never given this clone's tutti),
 #    and runs that engine's tests with the environment's interpreter.
 # Every step is bounded by `timeout`.
@@ -22,8 +23,6 @@ if [ ! -x tools/python/wheel.sh ] || [ ! -f python/requirements-test.txt ]; then
     echo "engine-test.sh: the python stage's wheel builder (tools/python/wheel.sh, python/requirements-test.txt) is missing" >&2
     exit 1
 fi
-# The test runner, at the python stage's pin.
-pytest_pin=$(grep -E '^pytest==' python/requirements-test.txt)
 timeout 1800 tools/python/wheel.sh > /dev/null
 wheel=$(ls target/wheels/tutti-*-abi3-*.whl)
 timeout 1800 cargo build --locked -p tuttid --bin tuttid
@@ -43,12 +42,8 @@ for engine in "${engines[@]}"; do
     esac
     env_dir=$(timeout 3600 tools/python/engine-env.sh "$engine" | tail -n 1)
     python="$env_dir/bin/python"
-    # pytest is the one package added to the engine's environment besides its pins (the test
-    # runner, at the python stage's version); checked by its version, installed if different,
-    # with its own dependencies held by the environment's constraints like everything else.
-    if [ "$("$python" -c 'import pytest; print("pytest==" + pytest.__version__)' 2>/dev/null)" != "$pytest_pin" ]; then
-        timeout 600 "$python" -m pip install --quiet --disable-pip-version-check -c "python/constraints/$engine.txt" "$pytest_pin"
-    fi
+    # pytest comes with the environment (engine-env.sh installs it at the python stage's pin,
+    # under its lock): nothing is installed into the shared environment here.
     site="$scratch/$engine-site"
     timeout 300 "$python" -m pip install --quiet --disable-pip-version-check --no-deps --target "$site" "$wheel"
     # What the tests import is the wheel just installed, with the engine of the environment.
