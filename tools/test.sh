@@ -366,12 +366,21 @@ forbid_service_starts() {
 # its init.d script without): the tests never use it (they start their own members on free
 # ports), so it is installed with service starts forbidden, and disabled (and stopped, should it
 # run regardless) after.
+# An install of etcd-server that was interrupted (unpacked, not configured): its binary may run,
+# but the next `dpkg --configure -a` (any apt-get) would enable and start the service, so it is
+# finished here, with service starts forbidden.
 etcd_runs() { [[ "$(etcd --version 2> /dev/null)" == "etcd Version: 3."* ]]; }
+etcd_half_installed() {
+    local status
+    status=$(dpkg-query -W -f='${Status}' etcd-server 2> /dev/null) || return 1
+    case $status in "" | "install ok installed" | *" not-installed" | *" config-files") return 1 ;; esac
+}
 ensure_etcd() {
     local rc=0
     # Not `etcd --version | grep -q`: grep leaving early kills etcd with SIGPIPE, which pipefail reports.
-    if ! etcd_runs && [ "$(id -u)" -eq 0 ]; then
+    if { ! etcd_runs || etcd_half_installed; } && [ "$(id -u)" -eq 0 ]; then
         forbid_service_starts || return 1
+        if etcd_half_installed; then timeout -k 30 600 dpkg --configure -a > /dev/null || true; fi
         ensure_installed etcd_runs etcd-server || rc=1
         restore_policy_rc_d
         if [ -d /run/systemd/system ] && command -v systemctl > /dev/null 2>&1; then
