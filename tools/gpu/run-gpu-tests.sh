@@ -12,7 +12,8 @@
 # no network; only the working tree travels, 64 MiB at most): cargo and rustc are NOT there. The
 # test binary is therefore built here by --prepare and carried: target/ is ignored by git, so the
 # remote call must name `target/gpu-carry` in its `carry` list. If cargo does exist there, the
-# binary is built in place instead. The kernels are compiled there with its own nvcc
+# carried binary is still preferred; only without one is it built in place (a failed build then
+# says so). The kernels are compiled there with its own nvcc
 # (tools/cuda-build.sh with GIO_NVCC), else the carried target/gpu-carry/kernels are used; if
 # that build fails (its nvcc warns where --prepare's did not, say), the carried kernels are used
 # and summary.txt says so in a NOTE line. The carried binary links glibc dynamically: it needs a
@@ -27,8 +28,11 @@
 # exercises staged mode only today; a p2p-style mode (the emulator DMAs straight into host memory
 # mapped into the GPU) is not written yet, and a mode the test does not know fails loudly.
 #
-# Results in $OUT (default target/gpu-results): versions.txt, kernels.log, gpu-MODE.log per mode,
-# summary.txt. Exit status: non-zero if any step failed.
+# Results in $OUT (default target/gpu-results): versions.txt (with tools/gpu/cuda-attrs.py's
+# attributes), kernels.log, gpu-MODE.log per mode, summary.txt. With GIO_GPU_TESTS_LIVE_LOG=FILE
+# (run-all.sh's run.log) each of those is also appended to FILE as it is written, so a kill keeps
+# it. nvcc: on PATH, else /usr/local/cuda/bin/nvcc. Scripts run through bash (exec bits may not
+# survive the copy; the carried binary is chmod +x'ed). Exit status: non-zero if any step failed.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
@@ -37,7 +41,7 @@ CARRY="$ROOT/target/gpu-carry"
 if [[ "${1:-}" == "--prepare" ]]; then
   set -e
   mkdir -p "$CARRY"
-  GIO_SKIP_CARGO=1 tools/cuda-build.sh "$CARRY/kernels"
+  GIO_SKIP_CARGO=1 bash tools/cuda-build.sh "$CARRY/kernels"
   # Release: a debug test binary with its dependencies is tens of MiB; the carry limit is 64 MiB.
   binary=$(cargo test -p gio-uring --features cuda --release --locked --test gpu --no-run \
              --message-format=json 2>/dev/null \
@@ -60,25 +64,32 @@ SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
 failed=0
 record() { echo "$1" | tee -a "$SUMMARY"; }
+LIVE="${GIO_GPU_TESTS_LIVE_LOG:-/dev/null}"
+# live NAME: a file of $OUT, written from stdin and appended to $LIVE as it comes.
+live() { echo "===== run-gpu-tests: $1 ($(date -u +%H:%M:%S))" >>"$LIVE"; tee "$OUT/$1" >>"$LIVE"; }
+NVCC_PATH=$(command -v nvcc 2>/dev/null) || { [[ -f /usr/local/cuda/bin/nvcc ]] && NVCC_PATH=/usr/local/cuda/bin/nvcc; } || NVCC_PATH=""
 
 {
   echo "== date"; date -u
   echo "== uname"; uname -a
   echo "== nvidia-smi"; nvidia-smi 2>&1 || echo "nvidia-smi failed"
   echo "== gpu"; nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total --format=csv 2>&1
-  echo "== nvcc"; command -v nvcc && nvcc --version 2>&1
+  echo "== nvcc"; if [[ -n "$NVCC_PATH" ]]; then echo "$NVCC_PATH"; "$NVCC_PATH" --version 2>&1; else echo "not found (PATH, /usr/local/cuda/bin)"; fi
   echo "== torch"; python3 -c 'import torch; print(torch.__version__, "cuda", torch.version.cuda)' 2>&1
   echo "== cargo"; command -v cargo && cargo --version 2>&1 || echo "no cargo"
   echo "== glibc"; ldd --version 2>&1 | head -n 1
-} >"$OUT/versions.txt" 2>&1
+  echo "== LD_LIBRARY_PATH ${LD_LIBRARY_PATH-<unset>}"
+  echo "== cuda attributes (tools/gpu/cuda-attrs.py)"; timeout -k 5 30 python3 tools/gpu/cuda-attrs.py 2>&1
+} 2>&1 | live versions.txt
 
 BUDGET_S=${GIO_GPU_TESTS_BUDGET_S:-600}
 
 # Kernels and the shared-rule checks (C, C++, CUDA C++), with this machine's nvcc if it has one.
 KERNEL_DIR="$ROOT/target/kernels"
-if NVCC_PATH=$(command -v nvcc); then
-  if GIO_NVCC="$NVCC_PATH" GIO_SKIP_CARGO=1 timeout --foreground -k 5 "$((BUDGET_S / 2))" \
-       tools/cuda-build.sh "$KERNEL_DIR" >"$OUT/kernels.log" 2>&1; then
+if [[ -n "$NVCC_PATH" ]]; then
+  GIO_NVCC="$NVCC_PATH" GIO_SKIP_CARGO=1 timeout --foreground -k 5 "$((BUDGET_S / 2))" \
+    bash tools/cuda-build.sh "$KERNEL_DIR" 2>&1 | live kernels.log
+  if [[ ${PIPESTATUS[0]} -eq 0 ]]; then
     record "PASS kernels built here with $NVCC_PATH"
   elif [[ -f "$CARRY/kernels/gio_io_kernel.sm_90.cubin" ]]; then
     KERNEL_DIR="$CARRY/kernels"
@@ -93,17 +104,21 @@ else
   record "FAIL no nvcc and no carried kernels"; failed=1
 fi
 
-# The test binary: built here if cargo exists, else the carried one.
+# The test binary: the carried one (--prepare's release build), else built here if cargo exists.
 BINARY=""
-if command -v cargo >/dev/null 2>&1; then
-  if cargo test -p gio-uring --features cuda --locked --test gpu --no-run >"$OUT/build.log" 2>&1; then
-    BINARY=$(ls -t target/debug/deps/gpu-* 2>/dev/null | grep -v '\.d$' | head -n 1)
-  fi
-elif [[ -x "$CARRY/gpu-test" ]]; then
+if [[ -f "$CARRY/gpu-test" ]]; then
+  chmod +x "$CARRY/gpu-test" 2>/dev/null
   BINARY="$CARRY/gpu-test"
+elif command -v cargo >/dev/null 2>&1; then
+  cargo test -p gio-uring --features cuda --locked --test gpu --no-run 2>&1 | live build.log
+  if [[ ${PIPESTATUS[0]} -eq 0 ]]; then
+    BINARY=$(ls -t target/debug/deps/gpu-* 2>/dev/null | grep -v '\.d$' | head -n 1)
+  else
+    record "NOTE no carried gpu test binary, and building it here with cargo failed (see build.log)"
+  fi
 fi
 if [[ -z "$BINARY" ]]; then
-  record "FAIL no gpu test binary (no cargo here; carry target/gpu-carry made by --prepare)"
+  record "FAIL no gpu test binary (carry target/gpu-carry made by --prepare)"
   exit 1
 fi
 
@@ -115,9 +130,9 @@ for mode in ${GIO_GPU_TEST_MODES:-staged}; do
     record "FAIL gpu test, DMA mode $mode: not run, ${limit} s of GIO_GPU_TESTS_BUDGET_S ($BUDGET_S s) left"; failed=1
     continue
   fi
-  GIO_DMA_MODE="$mode" GIO_KERNEL_DIR="$KERNEL_DIR" timeout --foreground -k 5 "$limit" "$BINARY" >"$OUT/gpu-$mode.log" 2>&1
-  rc=$?
-  ((rc == 124 || rc == 137)) && echo "run-gpu-tests: the GPU test ran past its limit of $limit s and was stopped" >>"$OUT/gpu-$mode.log"
+  GIO_DMA_MODE="$mode" GIO_KERNEL_DIR="$KERNEL_DIR" timeout --foreground -k 5 "$limit" "$BINARY" 2>&1 | live "gpu-$mode.log"
+  rc=${PIPESTATUS[0]}
+  ((rc == 124 || rc == 137)) && echo "run-gpu-tests: the GPU test ran past its limit of $limit s and was stopped" | tee -a "$OUT/gpu-$mode.log" >>"$LIVE"
   if [[ $rc -eq 0 ]] && grep -q "gpu test: passed" "$OUT/gpu-$mode.log"; then
     record "PASS gpu test, DMA mode $mode ($((SECONDS - started)) s)"
   elif grep -q "gpu test skipped" "$OUT/gpu-$mode.log"; then
