@@ -26,16 +26,33 @@
 #                set-up) → prefill-ttft.json (rewritten after each hit rate)
 #
 # The device allows 10 minutes per call and 15 minutes of device time per session, machine start
-# and idle waits included. Call 1: `tools/gpu/run-all.sh tests green bandwidth ipc prefill python`
-# (timeout_s 480; about 4 to 6 minutes; ipc, short, comes before prefill because it proves the CUDA
-# IPC path through tuttid that prefill stands on). Call 2, at once after it: read the device tool's
-# budget_left_s (its `status`), set timeout_s = min(330, budget_left_s - 20) and
-# RUN_ALL_SLACK_BUDGET_S = timeout_s - 100, and run `RUN_ALL_SLACK_BUDGET_S=B tools/gpu/run-all.sh
-# slack`; if B comes out under 90 s, skip call 2 and give the machine back. The slack step's
-# profile gets --budget-s B and a hard `timeout` of B + 45 s (it rewrites its CSV after each input
-# length, so a kill keeps the lengths done), then the import: the step ends within about B + 80 s,
-# before the call's limit. The rest of its grid waits for a later session. docs/gio-uring.md
-# ("Running on a GPU") gives the exact calls and the carry list.
+# and idle waits included. Call 1: `bash tools/gpu/run-all.sh tests green bandwidth ipc prefill
+# python` (timeout_s 480; about 4 to 6 minutes; ipc, short, comes before prefill because it proves
+# the CUDA IPC path through tuttid that prefill stands on). Call 2, in the very next tool call
+# (the machine goes back ~30 s after a call): take budget_left_s and warm from call 1's own reply
+# (its `lease`); if warm is false subtract 150 s (a fresh start) and skip call 2 below 240 s (no
+# machine starts with less); T = min(330, left - 20), B = T - 100, and run
+# `RUN_ALL_DEADLINE_S=<T-20> RUN_ALL_SLACK_BUDGET_S=<B> bash tools/gpu/run-all.sh slack` with
+# timeout_s T; if B comes out under 90 s, skip call 2 and give the machine back. The slack
+# step's profile gets --budget-s B and a hard `timeout` of B + 45 s (less where the deadline is
+# nearer; it rewrites its CSV after each input length, so a kill keeps the lengths done); the SM
+# count comes from the header's probe (no second torch import), then the import: everything ends
+# by the deadline, before the call's limit. The rest of its grid waits for a later session.
+# docs/gio-uring.md ("Running on a GPU") gives the exact calls and the carry list. `bash` in front:
+# the copy may not keep exec bits (carried binaries are chmod +x'ed at the start for the same
+# reason).
+#
+# Deadline: RUN_ALL_DEADLINE_S (default 460: call 1's timeout_s 480 less 20 s) seconds after this
+# script starts, every step has ended. Each step's timeouts are capped at what is left of it less
+# 15 s (their kill grace included); a step that no longer fits its minimum gets a `NOT RUN <step>:
+# deadline` line and is skipped. summary.txt is written as the run goes (a `RUNNING <step>` line
+# while a step runs, replaced by its PASS/FAIL line), and run.log gets each step's output live, so
+# a call killed at its limit still brings back what ran. RUN_ALL_DRY=1 runs the bookkeeping alone
+# (each step a `sleep` of RUN_ALL_DRY_SLEEP_S, default 1, under the same caps; no GPU needed).
+#
+# run.log is capped: a step's output over RUN_ALL_STEP_LOG_MAX bytes (default 4 MiB) keeps its
+# first quarter and last three quarters around a line saying how much was cut, and the whole log
+# is cut the same way at RUN_ALL_LOG_MAX (default 15 MiB; the tool brings back no file over 16 MiB).
 #
 # What the GPU machine has (the lent H100/H200: CUDA with nvcc, a driver, python3 with PyTorch;
 # no cargo, no network; only the working tree and carried paths travel, 64 MiB): the .cu programs
@@ -50,8 +67,8 @@
 # this machine's glibc, and where libcuda is, so an ABI mismatch shows in $OUT.
 #
 # Results in $OUT (default target/gpu-results), at most 8 files, flat:
-#   summary.txt            one PASS/FAIL/NOT RUN line per step, with versions and times
-#   run.log                every step's output (run-gpu-tests.sh's own files are appended here)
+#   summary.txt            one PASS/FAIL/NOT RUN line per step, with versions, CUDA attributes, times
+#   run.log                every step's output, live (run-gpu-tests.sh's files are streamed here)
 #   green-contexts.json    item 3 figures          bandwidth.json       item 5 figures (cudaMemcpy & co.)
 #   bandwidth-kernel.json  item 5 through the gio kernel (gpu-layer-load)
 #   slack-timeline.csv     item 4 kernel timeline (provenance in its '#' lines)
@@ -79,7 +96,7 @@ build_programs() {
 if [[ "${1:-}" == "--prepare" ]]; then
   set -e
   rm -f "$CARRY/COMMIT" "$CARRY/TRACKED" "$CARRY/ABI"     # never a stale record of an earlier carry
-  tools/gpu/run-gpu-tests.sh --prepare                   # kernels + gio-uring GPU test binary
+  bash tools/gpu/run-gpu-tests.sh --prepare              # kernels + gio-uring GPU test binary
   cargo build --release --locked -p tutti-profile
   cp target/release/tutti-profile "$CARRY/tutti-profile"
   strip "$CARRY/tutti-profile"
@@ -108,7 +125,7 @@ if [[ "${1:-}" == "--prepare" ]]; then
   python3 tools/gpu/provenance.py prepare "$CARRY" && sed 's/^/run-all: ABI /' "$CARRY/ABI" ||
     echo "run-all: WARNING: provenance not recorded (target/gpu-carry/COMMIT, ABI); the GPU run will say commit unknown" >&2
   du -sh "$CARRY"
-  echo "run-all: carry target/gpu-carry; run tools/gpu/run-all.sh there (see docs/gio-uring.md, Running on a GPU)"
+  echo "run-all: carry target/gpu-carry; run `bash tools/gpu/run-all.sh ...` there (see docs/gio-uring.md, Running on a GPU)"
   exit 0
 fi
 
@@ -119,11 +136,53 @@ LOG="$OUT/run.log"
 : >"$SUMMARY"
 : >"$LOG"
 WORK="$(mktemp -d)"
-trap 'rm -rf "$WORK"' EXIT
 failed=0
 record() { echo "$1" | tee -a "$SUMMARY"; }
-section() { echo "===== $1 ($(date -u +%H:%M:%S))" >>"$LOG"; }
+section() { echo "===== $1 ($(date -u +%H:%M:%S), +${SECONDS} s)" >>"$LOG"; }
 budget() { local name="RUN_ALL_${1}_BUDGET_S"; echo "${!name:-$2}"; }
+
+DEADLINE=${RUN_ALL_DEADLINE_S:-460}
+[[ "$DEADLINE" =~ ^[1-9][0-9]*$ ]] || { echo "run-all: RUN_ALL_DEADLINE_S must be a positive number of seconds" >&2; exit 2; }
+# cap SECONDS: SECONDS, or less so that a `timeout -k 10` of it ends 5 s before the deadline (at
+# least 1: `timeout 0` would mean no limit at all).
+cap() {
+  local room=$((DEADLINE - SECONDS - 15))
+  ((room < 1)) && room=1
+  ((${1} < room)) && room=$1
+  echo "$room"
+}
+# The least a step needs to be worth starting (its set-up included); below it: NOT RUN, deadline.
+step_minimum() {
+  case "$1" in tests) echo 60 ;; prefill) echo 120 ;; slack) echo 60 ;; python) echo 40 ;; *) echo 30 ;; esac
+}
+
+# run.log's size: the device tool brings back no file over 16 MiB.
+STEP_LOG_MAX=${RUN_ALL_STEP_LOG_MAX:-4194304}
+LOG_MAX=${RUN_ALL_LOG_MAX:-15728640}
+# trim_log OFFSET MAX: if run.log from byte OFFSET on is over MAX bytes, keep its first quarter and
+# last three quarters of MAX around a line saying what was cut. Rewritten in place (truncate and
+# write), so a process still appending to it (O_APPEND) keeps appending to the same file.
+trim_log() {
+  local offset=$1 max=$2 size
+  size=$(stat -c %s "$LOG" 2>/dev/null) || return 0
+  ((size - offset > max)) || return 0
+  local head=$((max / 4)) tail=$((max * 3 / 4 - 256))
+  {
+    head -c "$((offset + head))" "$LOG"
+    printf '\n===== run-all: %d bytes cut here (over %d bytes; RUN_ALL_STEP_LOG_MAX / RUN_ALL_LOG_MAX)\n' \
+      "$((size - offset - head - tail))" "$max"
+    tail -c "$tail" "$LOG"
+  } >"$WORK/log.trim" && cat "$WORK/log.trim" >"$LOG"
+  rm -f "$WORK/log.trim"
+}
+CURRENT_STEP=""
+finish() {
+  trim_log 0 "$LOG_MAX"
+  rm -rf "$WORK"
+}
+trap finish EXIT
+# A TERM or INT (the device tool's limit, say) leaves a line naming the step it stopped.
+trap 'record "STOPPED by a signal at +${SECONDS} s${CURRENT_STEP:+ during $CURRENT_STEP}"; exit 143' TERM INT
 
 STEPS=("$@")
 [[ ${#STEPS[@]} -eq 0 ]] && STEPS=(tests green bandwidth ipc python slack)
@@ -131,16 +190,42 @@ for step in "${STEPS[@]}"; do
   case "$step" in tests | green | bandwidth | ipc | python | slack | prefill) ;; *) echo "run-all: unknown step '$step' (tests green bandwidth ipc python slack prefill)" >&2; exit 2 ;; esac
 done
 
+# The copy to the GPU machine may drop exec bits: the carried binaries are made executable here
+# (ignoring errors), the scripts are run through bash, and carried binaries are checked with -f.
+NOT_EXECUTABLE=""
+for file in "$CARRY"/*; do
+  [[ -f "$file" && ! -x "$file" ]] || continue
+  chmod +x "$file" 2>/dev/null
+  [[ -x "$file" ]] || NOT_EXECUTABLE+=" $(basename "$file")"
+done
+
+# nvcc: on PATH, else the toolkit's usual place.
+NVCC=$(command -v nvcc 2>/dev/null) || { [[ -f /usr/local/cuda/bin/nvcc ]] && NVCC=/usr/local/cuda/bin/nvcc; } || NVCC=""
+
+# The CUDA attributes that decide whether the gio kernel's atomics on host-mapped memory are atomic
+# with respect to the host, and how host memory is reached (tools/gpu/cuda-attrs.py; ctypes on
+# libcuda, no torch), once per call: the header shows them, the tests step notes the risk, the
+# slack step takes the SM count from them.
+timeout -k 5 30 python3 tools/gpu/cuda-attrs.py >"$WORK/cuda-attrs.txt" 2>&1 || echo "cuda-attrs: probe did not finish (exit $?)" >>"$WORK/cuda-attrs.txt"
+cuda_attr() { local value; value=$(sed -n "s/^$1=//p" "$WORK/cuda-attrs.txt" | head -n 1); echo "${value:-unknown}"; }
+
 {
-  echo "== run-all $(date -u +%Y-%m-%dT%H:%M:%SZ), steps: ${STEPS[*]}"
+  echo "== run-all $(date -u +%Y-%m-%dT%H:%M:%SZ), steps: ${STEPS[*]}, deadline ${DEADLINE} s${RUN_ALL_DRY:+ (DRY RUN: RUN_ALL_DRY=1, every step a sleep)}"
   echo "== commit $(python3 tools/gpu/provenance.py line "$CARRY" 2>&1)"
   echo "== uname $(uname -srm)"
-  echo "== gpu $(command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total,clocks.max.sm --format=csv,noheader 2>&1 || echo "no nvidia-smi")"
-  echo "== nvcc $(command -v nvcc >/dev/null && nvcc --version | tail -n 1 || echo 'not found')"
-  echo "== python $(python3 -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1)"
+  echo "== gpu $(command -v nvidia-smi >/dev/null && timeout 20 nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total,clocks.max.sm --format=csv,noheader 2>&1 || echo "no nvidia-smi")"
+  echo "== nvcc ${NVCC:-not found}${NVCC:+ $(timeout 20 "$NVCC" --version 2>&1 | tail -n 1)}"
+  echo "== python $(timeout 60 python3 -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1 | tail -n 1)"
   echo "== glibc $(ldd --version 2>&1 | head -n 1)"
   echo "== carry abi $(python3 tools/gpu/provenance.py abi "$CARRY" 2>&1)"
+  [[ -n "$NOT_EXECUTABLE" ]] && echo "== carry NOT executable after chmod +x:$NOT_EXECUTABLE"
   echo "== libcuda $(ldconfig -p 2>/dev/null | grep -E 'libcuda\.so' | sed -E 's/^[[:space:]]+//' | paste -sd ';' - | grep . || echo 'not in the ldconfig cache')"
+  # A stub libcuda (a toolkit's lib64/stubs) on LD_LIBRARY_PATH makes cuInit fail.
+  echo "== LD_LIBRARY_PATH ${LD_LIBRARY_PATH-<unset>}"
+  # CUDA IPC export refuses expandable segments: the python and prefill steps set it to
+  # expandable_segments:False whatever it was.
+  echo "== PYTORCH_CUDA_ALLOC_CONF ${PYTORCH_CUDA_ALLOC_CONF-<unset>} (python and prefill steps: expandable_segments:False)"
+  echo "== cuda $(grep -v '^LD_LIBRARY_PATH=' "$WORK/cuda-attrs.txt" | paste -sd ' ' -)"
 } >>"$SUMMARY"
 cat "$SUMMARY"
 
@@ -152,16 +237,16 @@ programs() {
   [[ -n "$PROGRAMS" ]] && return 0
   local arch
   arch="sm_$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1 | tr -d '. ')"
-  if [[ $PROGRAMS_BUILD_TRIED -eq 0 ]] && command -v nvcc >/dev/null 2>&1 && [[ "$arch" =~ ^sm_[0-9]+$ ]]; then
+  if [[ $PROGRAMS_BUILD_TRIED -eq 0 && -n "$NVCC" && "$arch" =~ ^sm_[0-9]+$ ]]; then
     PROGRAMS_BUILD_TRIED=1
-    section "build ${CU_PROGRAMS[*]} with $(command -v nvcc) for $arch"
-    if timeout -k 5 180 bash -c "$(declare -p NVCC_FLAGS); $(declare -f build_programs); build_programs nvcc $arch $WORK/bin" >>"$LOG" 2>&1; then
+    section "build ${CU_PROGRAMS[*]} with $NVCC for $arch"
+    if timeout -k 5 "$(cap 180)" bash -c "$(declare -p NVCC_FLAGS); $(declare -f build_programs); build_programs $(printf %q "$NVCC") $arch $WORK/bin" >>"$LOG" 2>&1; then
       PROGRAMS="$WORK/bin"
       return 0
     fi
     record "NOTE building ${CU_PROGRAMS[*]} here failed (see run.log); trying the carried builds"
   fi
-  if [[ -x "$CARRY/green-contexts" && -x "$CARRY/h2d-bandwidth" ]]; then
+  if [[ -f "$CARRY/green-contexts" && -f "$CARRY/h2d-bandwidth" ]]; then
     PROGRAMS="$CARRY"
     return 0
   fi
@@ -188,17 +273,24 @@ PY
 step_tests() {
   local out="$WORK/tests" rc budget_s
   mkdir -p "$out"
-  budget_s=$(budget TESTS 240)
+  budget_s=$(cap "$(budget TESTS 240)")
+  # The attributes behind the gio kernel's atomics on host-mapped memory (the header's probe).
+  section "cuda attributes (tools/gpu/cuda-attrs.py)"
+  cat "$WORK/cuda-attrs.txt" >>"$LOG"
+  local atomics
+  atomics=$(cuda_attr hostNativeAtomicSupported)
+  echo "tests: hostNativeAtomicSupported=$atomics pageableMemoryAccess=$(cuda_attr pageableMemoryAccess)" \
+    "canUseHostPointerForRegisteredMem=$(cuda_attr canUseHostPointerForRegisteredMem)" >>"$SUMMARY"
+  [[ "$atomics" == 0 ]] && record "NOTE tests: hostNativeAtomicSupported=0: the gio kernel's atomicCAS/atomicAdd on host-mapped memory (sink ring header, IOCB status and counters) are not atomic with respect to the host here; a wrong result may be that (docs/gio-uring.md, Known risks)"
   # run-gpu-tests.sh bounds each GPU test run by what is left of GIO_GPU_TESTS_BUDGET_S, under
   # `timeout --foreground` (in this timeout's process group): it ends before this limit, and this
-  # timeout's kill reaches the test binary too, so no persistent kernel outlives the step.
-  OUT="$out" GIO_GPU_TESTS_BUDGET_S=$((budget_s > 40 ? budget_s - 15 : budget_s / 2)) \
-    timeout -k 10 "$budget_s" tools/gpu/run-gpu-tests.sh >>"$LOG" 2>&1
-  rc=$?
-  for file in "$out"/*; do
-    [[ -f "$file" ]] && { section "run-gpu-tests: $(basename "$file")"; cat "$file" >>"$LOG"; }
-  done
-  sed 's/^/tests: /' "$out/summary.txt" 2>/dev/null >>"$SUMMARY"
+  # timeout's kill reaches the test binary too, so no persistent kernel outlives the step. Its
+  # files are streamed into run.log as they are written (GIO_GPU_TESTS_LIVE_LOG), so a kill keeps
+  # them; its PASS/FAIL lines go to summary.txt as they come.
+  OUT="$out" GIO_GPU_TESTS_LIVE_LOG="$LOG" GIO_GPU_TESTS_BUDGET_S=$((budget_s > 40 ? budget_s - 15 : budget_s / 2)) \
+    timeout -k 10 "$budget_s" bash tools/gpu/run-gpu-tests.sh 2>>"$LOG" | tee -a "$LOG" | sed -u 's/^/tests: /' >>"$SUMMARY"
+  rc=${PIPESTATUS[0]}
+  [[ $rc -eq 124 || $rc -eq 137 ]] && record "NOTE tests: stopped at its limit of $budget_s s"
   [[ $rc -eq 0 ]]
 }
 
@@ -207,7 +299,7 @@ step_green() {
   local cublas
   cublas=$(find_cublas)
   echo "green: cuBLAS ${cublas:-not found}" >>"$SUMMARY"
-  GREEN_CUBLAS_LIBRARY="$cublas" timeout -k 10 "$(budget GREEN 150)" "$PROGRAMS/green-contexts" --json "$OUT/green-contexts.json" >>"$LOG" 2>&1
+  GREEN_CUBLAS_LIBRARY="$cublas" timeout -k 10 "$(cap "$(budget GREEN 150)")" "$PROGRAMS/green-contexts" --json "$OUT/green-contexts.json" >>"$LOG" 2>&1
 }
 
 step_bandwidth() {
@@ -215,7 +307,7 @@ step_bandwidth() {
   # The two measurements are independent: a failed cudaMemcpy baseline must not cost the
   # gio-kernel layer loads (item 5 proper), nor the other way round.
   if programs; then
-    timeout -k 10 "$(budget BANDWIDTH 120)" "$PROGRAMS/h2d-bandwidth" --json "$OUT/bandwidth.json" >>"$LOG" 2>&1 || {
+    timeout -k 10 "$(cap "$(budget BANDWIDTH 120)")" "$PROGRAMS/h2d-bandwidth" --json "$OUT/bandwidth.json" >>"$LOG" 2>&1 || {
       record "NOTE bandwidth: h2d-bandwidth (the cudaMemcpy baseline) failed; see run.log"
       failed=1
     }
@@ -226,7 +318,7 @@ step_bandwidth() {
   # KV layer loads through the gio kernel (staged mode, software controller): the example
   # crates/gio-uring/examples/gpu_layer_load.rs (docs/gio-uring.md, "Running on a GPU"), carried
   # by --prepare; without it this says so rather than measure something else.
-  if [[ ! -x "$CARRY/gpu-layer-load" ]]; then
+  if [[ ! -f "$CARRY/gpu-layer-load" ]]; then
     record "NOT RUN bandwidth through the gio kernel: target/gpu-carry/gpu-layer-load was not carried (tools/gpu/run-all.sh --prepare)"
     return "$failed"
   fi
@@ -237,7 +329,11 @@ step_bandwidth() {
   section "gpu-layer-load (kernels from $kernels)"
   # The example stops by itself 30 s before the step's timeout (exit 3: the sizes done are kept).
   local layer_budget
-  layer_budget=$(budget LAYER_LOAD 180)
+  layer_budget=$(cap "$(budget LAYER_LOAD 180)")
+  if ((layer_budget < 30)); then
+    record "NOT RUN bandwidth through the gio kernel: deadline (${layer_budget} s left of RUN_ALL_DEADLINE_S)"
+    return 1
+  fi
   GIO_KERNEL_DIR="$kernels" GIO_DMA_MODE=staged timeout -k 10 "$layer_budget" "$CARRY/gpu-layer-load" \
     --budget-s "$((layer_budget > 60 ? layer_budget - 30 : layer_budget / 2))" --json "$OUT/bandwidth-kernel.json" >>"$LOG" 2>&1
   rc=$?
@@ -247,14 +343,15 @@ step_bandwidth() {
 }
 
 step_ipc() {
-  if [[ ! -x "$CARRY/tuttid-gpu-check" || ! -x "$CARRY/tuttid" ]]; then
+  if [[ ! -f "$CARRY/tuttid-gpu-check" || ! -f "$CARRY/tuttid" ]]; then
     record "NOT RUN ipc: target/gpu-carry/tuttid and tuttid-gpu-check were not carried (tools/gpu/run-all.sh --prepare)"
     return 1
   fi
   local rc line
-  timeout -k 10 "$(budget IPC 180)" "$CARRY/tuttid-gpu-check" --tuttid "$CARRY/tuttid" --timeout-seconds 60 >"$WORK/ipc.log" 2>&1
-  rc=$?
-  cat "$WORK/ipc.log" >>"$LOG"
+  # Live into run.log (a kill keeps it) and into ipc.log for the summary lines.
+  timeout -k 10 "$(cap "$(budget IPC 180)")" "$CARRY/tuttid-gpu-check" --tuttid "$CARRY/tuttid" --timeout-seconds 60 2>&1 |
+    tee "$WORK/ipc.log" >>"$LOG"
+  rc=${PIPESTATUS[0]}
   # Its last line says PASS or FAIL and why (the CUDA call or the daemon's refusal that failed).
   line=$(grep -E '^(PASS|FAIL) ' "$WORK/ipc.log" | tail -n 1)
   echo "ipc: ${line:-no PASS/FAIL line (exit $rc; see run.log)}" >>"$SUMMARY"
@@ -267,7 +364,7 @@ step_ipc() {
 install_wheel() {
   local python=$1 wheel=$2
   [[ -f "$WORK/python-site/tutti/__init__.py" ]] && return 0
-  timeout 120 "$python" -m pip install --quiet --disable-pip-version-check --no-index --no-deps \
+  timeout -k 10 "$(cap 120)" "$python" -m pip install --quiet --disable-pip-version-check --no-index --no-deps \
     --target "$WORK/python-site" "$wheel" >>"$LOG" 2>&1
 }
 
@@ -277,14 +374,14 @@ step_python() {
   local device=${RUN_ALL_PYTHON_DEVICE:-cuda} python=${RUN_ALL_PYTHON:-python3}
   local tuttid=${RUN_ALL_TUTTID:-$CARRY/tuttid} wheel=${RUN_ALL_WHEEL:-}
   [[ -n "$wheel" ]] || wheel=$(ls "$CARRY"/tutti-*-abi3-*.whl 2>/dev/null | head -n 1)
-  if [[ ! -x "$tuttid" || ! -f "$wheel" ]]; then
+  if [[ ! -f "$tuttid" || ! -f "$wheel" ]]; then
     record "NOT RUN python: no tuttid ($tuttid) or no tutti wheel in target/gpu-carry (tools/gpu/run-all.sh --prepare)"
     return 1
   fi
   local import=numpy memory=memfd
   [[ "$device" == cuda ]] && import=torch memory=cuda
-  if ! "$python" -c "import $import" >>"$LOG" 2>&1; then
-    record "NOT RUN python: $python cannot import $import"
+  if ! timeout -k 10 "$(cap 90)" "$python" -c "import $import" >>"$LOG" 2>&1; then
+    record "NOT RUN python: $python cannot import $import (or not within $(cap 90) s)"
     return 1
   fi
   local site="$WORK/python-site" dir="$WORK/python-tuttid" rc pid
@@ -301,13 +398,24 @@ step_python() {
     record "FAIL python: tuttid did not listen (see run.log)"
     return 1
   fi
-  (cd "$WORK" && PYTHONPATH="$site" timeout -k 10 "$(budget PYTHON 240)" "$python" "$ROOT/tools/gpu/python-cuda-check.py" \
-    --socket "$dir/tuttid.sock" --device "$device") >"$WORK/python.log" 2>&1
-  rc=$?
+  # Live into run.log (a kill keeps it) and into python.log for the summary lines. The last 40 s
+  # of the cap are kept for stopping tuttid.
+  local limit
+  limit=$(($(cap $(($(budget PYTHON 240) + 40))) - 40))
+  if ((limit < 20)); then
+    kill "$pid" 2>/dev/null
+    wait "$pid" 2>/dev/null
+    record "NOT RUN python: deadline (python-cuda-check.py would get ${limit} s)"
+    return 1
+  fi
+  section "python-cuda-check.py (limit $limit s)"
+  (cd "$WORK" && PYTHONPATH="$site" PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False \
+    timeout -k 10 "$limit" "$python" "$ROOT/tools/gpu/python-cuda-check.py" \
+    --socket "$dir/tuttid.sock" --device "$device") 2>&1 | tee "$WORK/python.log" >>"$LOG"
+  rc=${PIPESTATUS[0]}
   kill -TERM "$pid" 2>/dev/null
-  timeout 30 tail --pid="$pid" -f /dev/null 2>/dev/null || kill -KILL "$pid" 2>/dev/null
+  timeout "$(cap 30)" tail --pid="$pid" -f /dev/null 2>/dev/null || kill -KILL "$pid" 2>/dev/null
   wait "$pid" 2>/dev/null
-  cat "$WORK/python.log" >>"$LOG"
   local line
   line=$(grep -E '^(PASS|FAIL) ' "$WORK/python.log" | tail -n 1)
   echo "python: ${line:-no PASS/FAIL line (exit $rc; see run.log)}" >>"$SUMMARY"
@@ -321,25 +429,34 @@ step_python() {
 step_prefill() {
   local python=${RUN_ALL_PYTHON:-python3} tuttid=${RUN_ALL_TUTTID:-$CARRY/tuttid} wheel=${RUN_ALL_WHEEL:-}
   [[ -n "$wheel" ]] || wheel=$(ls "$CARRY"/tutti-*-abi3-*.whl 2>/dev/null | head -n 1)
-  if [[ ! -x "$tuttid" || ! -f "$wheel" ]]; then
+  if [[ ! -f "$tuttid" || ! -f "$wheel" ]]; then
     record "NOT RUN prefill: no tuttid ($tuttid) or no tutti wheel in target/gpu-carry (tools/gpu/run-all.sh --prepare)"
     return 1
   fi
-  if ! "$python" -c "import torch, transformers" >>"$LOG" 2>&1; then
-    record "NOT RUN prefill: $python cannot import torch and transformers"
+  if ! timeout -k 10 "$(cap 90)" "$python" -c "import torch, transformers" >>"$LOG" 2>&1; then
+    record "NOT RUN prefill: $python cannot import torch and transformers (or not within $(cap 90) s)"
     return 1
   fi
   install_wheel "$python" "$wheel" || { record "NOT RUN prefill: installing $wheel failed (see run.log)"; return 1; }
-  local budget_s rc device_args extra_args=() out
+  local budget_s rc device_args extra_args=() out limit
   budget_s=$(budget PREFILL 150)
+  # The script's own budget (model set-up included) plus 90 s for a hit rate it mispredicted, both
+  # within the deadline.
+  limit=$(cap $((budget_s + 90)))
+  ((budget_s > limit - 90)) && budget_s=$((limit - 90))
+  if ((budget_s < 30)); then
+    record "NOT RUN prefill: deadline (a ${limit} s limit leaves no 30 s budget after 90 s of margin)"
+    return 1
+  fi
   out=$(cd "$OUT" && pwd)  # the script runs in $WORK
   read -r -a device_args <<<"${RUN_ALL_PREFILL_DEVICE_ARGS:---device cuda}"
   read -r -a extra_args <<<"${RUN_ALL_PREFILL_ARGS:-}"  # e.g. "--prompt-tokens 16384"
-  (cd "$WORK" && PYTHONPATH="$WORK/python-site" PYTHONUNBUFFERED=1 timeout -k 10 $((budget_s + 90)) "$python" \
+  section "prefill-ttft.py (budget $budget_s s, limit $limit s)"
+  (cd "$WORK" && PYTHONPATH="$WORK/python-site" PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False \
+    timeout -k 10 "$limit" "$python" \
     "$ROOT/tools/gpu/prefill-ttft.py" "${device_args[@]}" --tuttid "$tuttid" --budget-s "$budget_s" \
-    --out "$out/prefill-ttft.json" "${extra_args[@]}") >"$WORK/prefill.log" 2>&1
-  rc=$?
-  cat "$WORK/prefill.log" >>"$LOG"
+    --out "$out/prefill-ttft.json" "${extra_args[@]}") 2>&1 | tee "$WORK/prefill.log" >>"$LOG"
+  rc=${PIPESTATUS[0]}
   local line
   line=$(grep -E '^(PASS|FAIL) ' "$WORK/prefill.log" | tail -n 1)
   echo "prefill: ${line:-no PASS/FAIL line (exit $rc; see run.log)}" >>"$SUMMARY"
@@ -349,7 +466,7 @@ step_prefill() {
 }
 
 step_slack() {
-  local budget_s rc started=$SECONDS
+  local budget_s rc started=$SECONDS limit
   budget_s=$(budget SLACK 420)
   # RUN_ALL_SLACK_DEVICE_ARGS="--device cpu --tiny" and RUN_ALL_GPU_PRESET=h100 rehearse this step
   # without a GPU (the CSV → import → check path), as docs/gio-uring.md describes.
@@ -361,40 +478,53 @@ step_slack() {
   read -r -a extra_args <<<"${RUN_ALL_SLACK_ARGS:-}"
   args+=("${extra_args[@]}")
   # The profile's hard limit is its budget plus 45 s (an input length it mispredicted): it rewrites
-  # the CSV after each input length, so a kill keeps the lengths done, and the import that follows
-  # (seconds) still fits in the call: the step ends within about budget + 80 s (docs/gio-uring.md:
-  # call 2's timeout_s is RUN_ALL_SLACK_BUDGET_S + 100).
-  PYTHONUNBUFFERED=1 timeout -k 5 $((budget_s + 45)) python3 tools/gpu/slack-profile.py "${args[@]}" --budget-s "$budget_s" >>"$LOG" 2>&1
+  # the CSV after each input length, so a kill keeps the lengths done. 20 s of the deadline are kept
+  # for what follows (the SM count, from the header's probe or the profile's provenance: no torch
+  # import; the import and check take seconds): where the deadline is nearer, the hard limit shrinks
+  # first, then the budget (at most the limit less 20 s).
+  limit=$(($(cap $((budget_s + 45 + 20))) - 20))
+  ((budget_s > limit - 20)) && budget_s=$((limit - 20))
+  if ((budget_s < 30)); then
+    record "NOT RUN slack: deadline (a ${limit} s limit leaves no 30 s budget)"
+    return 1
+  fi
+  section "slack-profile.py (budget $budget_s s, limit $limit s)"
+  PYTHONUNBUFFERED=1 timeout -k 5 "$limit" python3 tools/gpu/slack-profile.py "${args[@]}" --budget-s "$budget_s" >>"$LOG" 2>&1
   rc=$?
   if [[ $rc -ne 0 && $rc -ne 3 && ! -s "$OUT/slack-timeline.csv" ]]; then
     # The profiler path failed outright: CUDA events give group durations (SMs unknown) instead.
     local left=$((budget_s - (SECONDS - started)))
+    local room=$(($(cap $((left + 45 + 20))) - 20))
+    ((left > room - 20)) && left=$((room - 20))
     if [[ $left -gt 60 ]]; then
       record "NOTE slack: the profiler run failed (exit $rc); retrying with --timing events, ${left} s left"
-      PYTHONUNBUFFERED=1 timeout -k 5 $((left + 45)) python3 tools/gpu/slack-profile.py "${args[@]}" --timing events --budget-s "$left" >>"$LOG" 2>&1
+      limit=$room
+      PYTHONUNBUFFERED=1 timeout -k 5 "$limit" python3 tools/gpu/slack-profile.py "${args[@]}" --timing events --budget-s "$left" >>"$LOG" 2>&1
       rc=$?
     fi
   fi
-  [[ $rc -eq 124 || $rc -eq 137 ]] && record "NOTE slack: the profile ran past its limit ($((budget_s + 45)) s) and was stopped; the CSV keeps the input lengths completed before"
+  [[ $rc -eq 124 || $rc -eq 137 ]] && record "NOTE slack: the profile ran past its limit ($limit s) and was stopped; the CSV keeps the input lengths completed before"
   [[ $rc -eq 3 ]] && record "NOTE slack: PARTIAL grid (budget reached); the table ends at the last complete input length"
   [[ -s "$OUT/slack-timeline.csv" ]] || return 1
-  if [[ ! -x "$CARRY/tutti-profile" ]]; then
+  if [[ ! -f "$CARRY/tutti-profile" ]]; then
     record "NOT RUN tutti-profile import: target/gpu-carry/tutti-profile was not carried (import the CSV afterwards)"
     return 1
   fi
   # The table's GPU identity: the presets are h100 and h200 with 132 SMs; another SM count gets
-  # a spec of its own so that the table says what it was measured on.
+  # a spec of its own so that the table says what it was measured on. The SM count: the header's
+  # probe (cuDeviceGetAttribute), else the one the profile recorded (torch's, in its provenance),
+  # else torch asked here, within what is left.
   local name sms target=()
-  name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
-  sms=$(timeout 60 python3 -c 'import torch; print(torch.cuda.get_device_properties(0).multi_processor_count)' 2>/dev/null | tail -n 1)
-  # Else the SM count the profile itself recorded (torch's, in its provenance).
+  name=$(timeout 20 nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
+  sms=$(cuda_attr multiProcessorCount)
   [[ "$sms" =~ ^[1-9][0-9]*$ ]] || sms=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["sm_count"])' \
     "$OUT/slack-provenance.json" 2>/dev/null)
+  [[ "$sms" =~ ^[1-9][0-9]*$ ]] || sms=$(timeout "$(cap 30)" python3 -c 'import torch; print(torch.cuda.get_device_properties(0).multi_processor_count)' 2>/dev/null | tail -n 1)
   case "$name" in *H200*) target=(--gpu h200) ;; *H100*) target=(--gpu h100) ;; esac
   if [[ -n "${RUN_ALL_GPU_PRESET:-}" ]]; then
     target=(--gpu "$RUN_ALL_GPU_PRESET")
   elif [[ ! "$sms" =~ ^[1-9][0-9]*$ ]]; then
-    record "FAIL slack: the GPU's SM count is unknown (torch reported '${sms}'; none in slack-provenance.json): not imported; slack-timeline.csv is kept (import it afterwards with --gpu or --gpu-spec)"
+    record "FAIL slack: the GPU's SM count is unknown (probe, slack-provenance.json and torch gave '${sms}'): not imported; slack-timeline.csv is kept (import it afterwards with --gpu or --gpu-spec)"
     return 1
   elif [[ ${#target[@]} -eq 0 || "$sms" != "132" ]]; then
     [[ -n "$name" ]] || name="gpu"
@@ -409,20 +539,49 @@ PY
     record "NOTE slack: GPU '$name' with $sms SMs is not a 132-SM preset; the table uses a spec named after it"
   fi
   section "tutti-profile import ${target[*]}"
-  "$CARRY/tutti-profile" import --timeline "$OUT/slack-timeline.csv" --model llama3-8b "${target[@]}" \
+  timeout -k 5 "$(cap 60)" "$CARRY/tutti-profile" import --timeline "$OUT/slack-timeline.csv" --model llama3-8b "${target[@]}" \
     --out "$OUT/slack-table.json" >>"$LOG" 2>&1 &&
-    "$CARRY/tutti-profile" check "$OUT/slack-table.json" >>"$LOG" 2>&1
+    timeout -k 5 "$(cap 60)" "$CARRY/tutti-profile" check "$OUT/slack-table.json" >>"$LOG" 2>&1
+}
+
+# RUN_ALL_DRY=1: each step a sleep of RUN_ALL_DRY_SLEEP_S under the step's own cap, with a few
+# lines of output (RUN_ALL_DRY_BYTES more, to exercise the log cap): the deadline, NOT RUN lines,
+# summary.txt and run.log bookkeeping without a GPU. It measures and proves nothing else.
+step_dry() {
+  local limit
+  limit=$(cap "$(budget "${1^^}" 240)")
+  echo "dry $1: sleep ${RUN_ALL_DRY_SLEEP_S:-1} under timeout $limit"
+  ((${RUN_ALL_DRY_BYTES:-0} > 0)) && head -c "$RUN_ALL_DRY_BYTES" /dev/zero | tr '\0' 'x' | fold -w 100
+  timeout -k 10 "$limit" sleep "${RUN_ALL_DRY_SLEEP_S:-1}"
 }
 
 for step in "${STEPS[@]}"; do
+  room=$((DEADLINE - SECONDS - 15))
+  if ((room < $(step_minimum "$step"))); then
+    record "NOT RUN $step: deadline (${room} s left of RUN_ALL_DEADLINE_S=${DEADLINE} after the 15 s margin; it needs $(step_minimum "$step"))"
+    failed=1
+    continue
+  fi
   section "step $step"
   started=$SECONDS
-  if "step_$step"; then
+  offset=$(stat -c %s "$LOG")
+  CURRENT_STEP=$step
+  echo "RUNNING $step (from +${started} s; ${room} s left before the deadline)" >>"$SUMMARY"
+  if [[ -n "${RUN_ALL_DRY:-}" ]]; then
+    step_dry "$step" >>"$LOG" 2>&1
+  else
+    "step_$step"
+  fi
+  rc=$?
+  CURRENT_STEP=""
+  sed -i "/^RUNNING $step /d" "$SUMMARY"
+  if [[ $rc -eq 0 ]]; then
     record "PASS $step ($((SECONDS - started)) s)"
   else
     record "FAIL $step ($((SECONDS - started)) s; see run.log)"
     failed=1
   fi
+  trim_log "$offset" "$STEP_LOG_MAX"
 done
 ls -l "$OUT" >>"$LOG"
 exit $failed
