@@ -125,9 +125,16 @@ if [[ "${1:-}" == "--prepare" ]]; then
   python3 tools/gpu/provenance.py prepare "$CARRY" && sed 's/^/run-all: ABI /' "$CARRY/ABI" ||
     echo "run-all: WARNING: provenance not recorded (target/gpu-carry/COMMIT, ABI); the GPU run will say commit unknown" >&2
   du -sh "$CARRY"
-  echo "run-all: carry target/gpu-carry; run `bash tools/gpu/run-all.sh ...` there (see docs/gio-uring.md, Running on a GPU)"
+  echo "run-all: carry target/gpu-carry; run bash tools/gpu/run-all.sh STEP... there (see docs/gio-uring.md, Running on a GPU)"
   exit 0
 fi
+
+# The steps are checked before $OUT is touched.
+STEPS=("$@")
+[[ ${#STEPS[@]} -eq 0 ]] && STEPS=(tests green bandwidth ipc python slack)
+for step in "${STEPS[@]}"; do
+  case "$step" in tests | green | bandwidth | ipc | python | slack | prefill) ;; *) echo "run-all: unknown step '$step' (tests green bandwidth ipc python slack prefill)" >&2; exit 2 ;; esac
+done
 
 OUT="${OUT:-$ROOT/target/gpu-results}"
 mkdir -p "$OUT"
@@ -183,12 +190,6 @@ finish() {
 trap finish EXIT
 # A TERM or INT (the device tool's limit, say) leaves a line naming the step it stopped.
 trap 'record "STOPPED by a signal at +${SECONDS} s${CURRENT_STEP:+ during $CURRENT_STEP}"; exit 143' TERM INT
-
-STEPS=("$@")
-[[ ${#STEPS[@]} -eq 0 ]] && STEPS=(tests green bandwidth ipc python slack)
-for step in "${STEPS[@]}"; do
-  case "$step" in tests | green | bandwidth | ipc | python | slack | prefill) ;; *) echo "run-all: unknown step '$step' (tests green bandwidth ipc python slack prefill)" >&2; exit 2 ;; esac
-done
 
 # The copy to the GPU machine may drop exec bits: the carried binaries are made executable here
 # (ignoring errors), the scripts are run through bash, and carried binaries are checked with -f.
