@@ -104,10 +104,6 @@ if [ -n "$(free_gibibytes)" ] && [ "$(free_gibibytes)" -lt 32 ]; then
     echo "tools/test.sh: warning: only $(free_gibibytes) GiB free here; a full run from a fresh machine needs about 30 GiB" >&2
 fi
 
-# Scratch files of this run (bounded's session ids); removed on exit, however the run ends.
-run_tmp=$(mktemp -d) || exit 1
-trap 'restore_own_policy_rc_d; rm -rf "$run_tmp"' EXIT
-
 print_summary() {
     echo
     echo "===== summary ====="
@@ -189,10 +185,6 @@ on_signal() {
     print_summary
     exit "$code"
 }
-trap 'on_signal INT 130' INT
-trap 'on_signal TERM 143' TERM
-trap 'on_signal HUP 129' HUP
-
 run_stage() {
     local name=$1 rc
     shift
@@ -486,6 +478,14 @@ stage_engines() { ensure_build && ensure_protoc && ensure_venv "${TUTTI_ENGINE_P
 # Two guests of about 4 minutes each under TCG; a cold machine also installs QEMU, downloads the
 # guest kernel and builds the static binaries first.
 stage_vm() { ensure_build && ensure_protoc && TUTTI_VM_NVME_COUNT=${TUTTI_VM_NVME_COUNT:-2} bounded 2400 tools/vm-test.sh; }
+
+# Scratch files of this run (bounded's session ids); removed on exit, however the run ends. The
+# handlers are set here, once every function they call is defined.
+run_tmp=$(mktemp -d) || exit 1
+trap 'restore_own_policy_rc_d; rm -rf "$run_tmp"' EXIT
+trap 'on_signal INT 130' INT
+trap 'on_signal TERM 143' TERM
+trap 'on_signal HUP 129' HUP
 
 for stage in $STAGES; do
     run_stage "$stage" "stage_$stage"
