@@ -73,6 +73,12 @@ EXTRA_CONFIG_FIELDS = {
         required=True,
     ),
     "format": Field(bool, "format a fresh pool for this host pool's page first (everything on it is lost)", default=False),
+    "overwrite": Field(
+        bool,
+        "with format: format a device that holds something other than a tutti pool (a file system, a blank disk, "
+        "a file of other bytes), refused without it",
+        default=False,
+    ),
     "create_bytes": Field(int, "create or grow an emu:PATH file to this size", check=positive),
     "slots_max": Field(int, "at most this many pool slots per device when formatting", check=positive),
     "model_fingerprint": Field(str, "64 hex digits naming the model's KV bytes; default: from SGLang's model name and pool shape"),
@@ -181,6 +187,7 @@ class TuttiHiCacheStorage(HiCacheStorage):
             rank_devices(config["devices"], storage),
             byte_geometry(layer_block_bytes, layers),
             format=config["format"],
+            overwrite=config["overwrite"],
             create_bytes=config["create_bytes"],
             slots_max=config["slots_max"],
             model_fingerprint=fingerprint,

@@ -3,8 +3,10 @@
 //! something other than a tutti pool unless told to overwrite it: a block device whose first
 //! bytes are not a tutti superblock (a blank start proves nothing: data may lie further on), or
 //! a non-empty regular file whose first MiB is neither a tutti superblock nor all zeroes (a file
-//! made by `truncate`, or left by a crashed format, holds nothing). The refusal names what was
-//! found. A tutti pool is reformatted without being told.
+//! made by `truncate` holds nothing). The refusal names what was found. A tutti pool is
+//! reformatted without being told, and so is a device a format was interrupted on (its
+//! superblock zeroed, slot headers behind it: `objstore::format::looks_like_unfinished_format`),
+//! since formatting again is how such a device is recovered.
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -34,9 +36,10 @@ const SIGNATURES: [(usize, &[u8], &str); 10] = [
 ];
 
 /// What the first bytes of a device hold: `None` when it may be formatted without being told
-/// to overwrite (a tutti pool, or blank where blank is enough), a description otherwise.
+/// to overwrite (a tutti pool, an interrupted format of one, or blank where blank is enough),
+/// a description otherwise.
 pub fn foreign_contents(head: &[u8], blank_is_enough: bool) -> Option<String> {
-    if head.starts_with(&objstore::format::MAGIC) {
+    if head.starts_with(&objstore::format::MAGIC) || objstore::format::looks_like_unfinished_format(head) {
         return None;
     }
     for (offset, signature, name) in SIGNATURES {
@@ -120,6 +123,10 @@ mod tests {
         assert_eq!(foreign_contents(&head, true).as_deref(), Some("a GPT partition table"));
         head[..8].copy_from_slice(&objstore::format::MAGIC);
         assert_eq!(foreign_contents(&head, false), None);
+        // An interrupted format: the superblock region zeroed, slot 0's Empty entry behind it.
+        let mut interrupted = vec![0u8; 1 << 20];
+        objstore::format::encode_empty_entry(&mut interrupted[4096..4096 + 64], 0, 0x1234, 0);
+        assert_eq!(foreign_contents(&interrupted, false), None);
         assert_eq!(foreign_contents(&[0, 0, 7], true).as_deref(), Some("non-zero bytes (the first at byte 2)"));
     }
 

@@ -542,6 +542,40 @@ impl SlotHeader {
     }
 }
 
+/// Whether `head` (a device's first bytes) is what a format interrupted before its superblock
+/// leaves: [`format_pool`](crate::format_pool) first zeroes every device's superblock region,
+/// then writes the slot-header region, and the superblock last. So the superblock region reads
+/// zero and slot 0's entry, at byte `max(4096, LBA size)`, is a CRC-valid entry (the new pool's
+/// Empty one, or the old pool's, Empty or Valid, where the interruption came before it). The
+/// LBA size and the entry size are not known without the superblock, so every possible pair is
+/// tried (LBAs 512 B..=64 KiB, entries 64 B..=32 KiB, powers of two: at most 50 CRCs); a CRC
+/// matching by chance at a fixed place behind a zeroed region is a 2^-32 event per pair.
+pub fn looks_like_unfinished_format(head: &[u8]) -> bool {
+    let mut header_start = SUPERBLOCK_REGION_BYTES as usize;
+    while header_start <= 1 << 16 {
+        if head.len() < header_start || head[..header_start].iter().any(|&byte| byte != 0) {
+            return false;
+        }
+        let mut entry_bytes = header_entry_bytes(0) as usize;
+        while entry_bytes <= header_entry_bytes(1024) as usize {
+            if let Some(entry) = head.get(header_start..header_start + entry_bytes) {
+                let crc_at = entry_bytes - 4;
+                let state = u16::from_le_bytes([entry[20], entry[21]]);
+                if crc32fast::hash(&entry[..crc_at]) == u32_at(entry, crc_at)
+                    && u32_at(entry, 16) == 0
+                    && state <= 1
+                    && u64_at(entry, 0) <= GENERATION_MAX
+                {
+                    return true;
+                }
+            }
+            entry_bytes *= 2;
+        }
+        header_start *= 2;
+    }
+    false
+}
+
 #[cfg(test)]
 mod proptests;
 
@@ -556,6 +590,34 @@ mod tests {
 
     fn plan() -> Superblock {
         Superblock::plan(small(), 1, 512, 16 << 11, None, [7; 16], 0, 2, 0).unwrap()
+    }
+
+    #[test]
+    fn an_interrupted_format_is_recognised_by_its_first_entry_behind_a_zeroed_superblock() {
+        // Goal: what format leaves when stopped before the superblock (a zeroed superblock region,
+        // then slot 0's CRC-valid entry at max(4096, LBA size), of any entry size) is recognised;
+        // zeroes alone, a non-zero superblock region, a broken CRC or another slot are not.
+        let mut head = vec![0u8; 1 << 20];
+        assert!(!looks_like_unfinished_format(&head), "all zeroes");
+        for (header_start, entry_bytes) in [(4096, 64), (4096, 32768), (8192, 128), (65536, 4096)] {
+            head.fill(0);
+            encode_empty_entry(&mut head[header_start..header_start + entry_bytes], 0, 0x1234, 0);
+            assert!(looks_like_unfinished_format(&head), "Empty entry of {entry_bytes} B at {header_start}");
+            head[1] = 1;
+            assert!(!looks_like_unfinished_format(&head), "a non-zero superblock region");
+            head[1] = 0;
+            head[header_start + 30] ^= 1;
+            assert!(!looks_like_unfinished_format(&head), "a broken CRC");
+        }
+        // The old pool's Valid entry, where the format stopped before writing slot 0's.
+        head.fill(0);
+        let blocks = [BlockRecord { key: 9, token_count: 16, payload_crc: 0 }];
+        encode_entry(&mut head[4096..4096 + 128], 5, 0x1234, 0, SlotState::Valid, false, &blocks);
+        assert!(looks_like_unfinished_format(&head));
+        head.fill(0);
+        encode_empty_entry(&mut head[4096..4096 + 64], 0, 0x1234, 1);
+        assert!(!looks_like_unfinished_format(&head), "slot 1's entry where slot 0's belongs");
+        assert!(!looks_like_unfinished_format(&head[..4000]), "shorter than a superblock region");
     }
 
     #[test]

@@ -60,6 +60,12 @@ _DRAIN_POLL_S = 0.5
 TIER_CONFIG_FIELDS = {
     "devices": Field((str, list), "the pool's devices, e.g. \"vfio:0000:01:00.0\" or [\"emu:/var/tutti/pool.img\"]", required=True),
     "format": Field(bool, "format a fresh pool for this engine's chunk size first (everything on it is lost)", default=False),
+    "overwrite": Field(
+        bool,
+        "with format: format a device that holds something other than a tutti pool (a file system, a blank disk, "
+        "a file of other bytes), refused without it",
+        default=False,
+    ),
     "create_bytes": Field(int, "create or grow an emu:PATH file to this size", check=positive),
     "slots_max": Field(int, "at most this many pool slots per device when formatting", check=positive),
     "model_fingerprint": Field(str, "64 hex digits naming the model's KV bytes; default: derived from vLLM's offloading config"),
@@ -115,6 +121,7 @@ class TuttiTier(SecondaryTierManager):
             format_devices(config["devices"], 0),
             geometry,
             format=config["format"],
+            overwrite=config["overwrite"],
             create_bytes=config["create_bytes"],
             slots_max=config["slots_max"],
             model_fingerprint=fingerprint,

@@ -310,7 +310,8 @@ fn a_second_daemon_on_the_same_pool_is_refused_naming_the_holder() {
 fn format_refuses_a_device_holding_something_else_unless_told_to_overwrite() {
     // Goal: `tuttid --format` over an emu: file that holds other bytes (here an ext4 signature)
     // exits with status 2 naming what it found and writes nothing; with --overwrite it formats
-    // and serves; a tutti pool is reformatted without it; --overwrite needs --format.
+    // and serves; a tutti pool is reformatted without it, and so is one whose format was
+    // interrupted (superblock zeroed, slot headers behind it); --overwrite needs --format.
     let directory = tempfile::tempdir().unwrap();
     let image = directory.path().join("pool.img");
     let mut foreign = vec![0u8; 1 << 20];
@@ -330,6 +331,13 @@ fn format_refuses_a_device_holding_something_else_unless_told_to_overwrite() {
     drop(first);
     let again = Daemon::start(directory.path(), &device, &["--format", "--emu-create-bytes", "64m"]);
     again.client().status().unwrap();
+    drop(again);
+    // What a format stopped before writing its superblock leaves: formatting again recovers it.
+    let mut interrupted = std::fs::read(&image).unwrap();
+    interrupted[..4096].fill(0);
+    std::fs::write(&image, &interrupted).unwrap();
+    let recovered = Daemon::start(directory.path(), &device, &["--format", "--emu-create-bytes", "64m"]);
+    recovered.client().status().unwrap();
 }
 
 /// Runs as a client process when `TUTTID_TEST_CHILD` is set (`lookup SOCKET RANK COUNT`,
