@@ -10,7 +10,10 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import tutti
 from conftest import FINGERPRINT, GEOMETRY, WAIT_S, attach, fill_block, holds, open_store, store_prompt, tokens
@@ -177,3 +180,98 @@ def test_a_request_dropped_without_finish_gives_back_its_place():
             assert again.wait(WAIT_S) == layer
         again.finish()
         assert holds(layout, 2, 4)
+
+
+def fork_sleeper(seconds: float) -> int:
+    """A forked child that only sleeps (holding whatever it inherited) and exits without running
+    the parent's cleanups."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            time.sleep(seconds)
+        finally:
+            os._exit(0)
+    return pid
+
+
+def reap(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+
+
+def still_running(pid: int) -> bool:
+    return os.waitpid(pid, os.WNOHANG) == (0, 0)
+
+
+def test_a_forked_childs_copy_of_the_socket_does_not_keep_the_parents_session(formatted_daemon):
+    # Goal: a child forked from a process with an attached store closes its copy of the socket
+    # (at the fork), so when the parent closes its store tuttid sees the connection end at once:
+    # the session is gone from its status within a few seconds while the child still lives, and
+    # the parent's close found it ended (nothing kept). Before, the child's copy kept the
+    # connection open: tuttid never saw EOF and the session stayed until the parent exited.
+    store = attach(formatted_daemon)
+    store.allocate_kv(8, "paged")
+    session = store.session
+    child = fork_sleeper(20.0)
+    try:
+        started = time.monotonic()
+        store.close(timeout_s=10.0)
+        close_s = time.monotonic() - started
+        with tutti.LookupClient.connect(formatted_daemon.socket, model_fingerprint=FINGERPRINT) as probe:
+            deadline = time.monotonic() + 5.0
+            while session in [client["session"] for client in probe.status()["clients"]]:
+                assert time.monotonic() < deadline, "tuttid kept the closed store's session while the forked child lives"
+                time.sleep(0.02)
+        assert still_running(child), "the child was to outlive the parent's close"
+        assert close_s < 5.0, f"the parent's close waited {close_s:.1f} s for tuttid to end the session"
+        assert store.leaked_registrations() == 0
+    finally:
+        reap(child)
+
+
+# Opens an in-process store on an emu: file, forks a child that sleeps, prints the child's pid and
+# dies by SIGKILL (no close, no unlock): only the fds the process had go.
+OPEN_FORK_AND_DIE = """
+import os, signal, sys, time
+import tutti
+sys.path.insert(0, sys.argv[3])
+from conftest import GEOMETRY
+store = tutti.Store.open("emu:" + sys.argv[1], GEOMETRY, format=True, lock_dir=sys.argv[2], create_bytes=64 << 20)
+pid = os.fork()
+if pid == 0:
+    try:
+        null = os.open(os.devnull, os.O_RDWR)  # the test reads the parent's output to its end
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        time.sleep(20)
+    finally:
+        os._exit(0)
+print(pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_forked_childs_copy_of_the_device_lock_does_not_keep_the_pool(tmp_path):
+    # Goal: a child forked from a process with an in-process store on an emu: file closes its
+    # copy of the device lock's fd at the fork (a flock belongs to the open file, which the
+    # child's copy keeps), so when the opening process dies without closing, the pool can be
+    # opened again while the child lives. Before, the open failed DeviceInUse until the child
+    # exited.
+    image = tmp_path / "pool.img"
+    locks = str(tmp_path / "locks")
+    opener = subprocess.run(
+        [sys.executable, "-c", OPEN_FORK_AND_DIE, str(image), locks, str(Path(__file__).resolve().parent)],
+        capture_output=True, text=True, timeout=WAIT_S,
+    )  # fmt: skip
+    assert opener.returncode == -signal.SIGKILL, opener.stderr
+    child = int(opener.stdout.split()[0])
+    try:
+        assert os.path.exists(f"/proc/{child}"), "the child was to outlive its parent"
+        again = tutti.Store.open(f"emu:{image}", GEOMETRY, lock_dir=locks)
+        assert os.path.exists(f"/proc/{child}"), "the child was to outlive the re-open"
+        again.close()
+    finally:
+        try:
+            os.kill(child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -45,6 +45,16 @@ fn stand_ins() -> std::sync::MutexGuard<'static, Vec<(u64, u64, Weak<SharedMemor
 #[pyclass(frozen, module = "tutti")]
 pub struct DeviceMemoryStandIn {
     region: DmaRegion,
+    /// Dropped in a forked child, the region is leaked without taking the DMA pool's lock.
+    owner: crate::process::OwningProcess,
+}
+
+impl Drop for DeviceMemoryStandIn {
+    fn drop(&mut self) {
+        if !self.owner.is_current() {
+            std::mem::forget(self.region.clone());
+        }
+    }
 }
 
 #[pymethods]
@@ -70,7 +80,7 @@ impl DeviceMemoryStandIn {
         let mut live = stand_ins();
         live.retain(|(_, _, memory)| memory.strong_count() > 0);
         live.push((region.host_address() as u64, nbytes, Arc::downgrade(&memory)));
-        Ok(DeviceMemoryStandIn { region })
+        Ok(DeviceMemoryStandIn { region, owner: crate::process::OwningProcess::current() })
     }
 
     #[getter]

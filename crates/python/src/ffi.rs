@@ -389,3 +389,77 @@ fn map_pages(dma: &Arc<dyn DmaAllocator>, address: u64, len: u64) -> Result<(Dma
     let iova = region.iova().checked_add(address - start).ok_or(HwError::ZeroLength)?;
     Ok((region, iova))
 }
+
+/// Runs `handler` in the child of every `fork()` of this process, before `fork()` returns there
+/// (`pthread_atfork(3)`; registered once per call: the caller registers once). The parent may be
+/// multi-threaded, so `handler` may do only async-signal-safe work (`fd_identity`, `close_fd`,
+/// atomics).
+pub fn at_fork_in_child(handler: extern "C" fn()) -> std::io::Result<()> {
+    extern "C" {
+        fn pthread_atfork(
+            prepare: Option<extern "C" fn()>,
+            parent: Option<extern "C" fn()>,
+            child: Option<extern "C" fn()>,
+        ) -> std::ffi::c_int;
+    }
+    // SAFETY: pthread_atfork only records the three function pointers (None: no handler); the
+    // handler is a plain `extern "C" fn()` with no arguments, valid for the process's life.
+    let status = unsafe { pthread_atfork(None, None, Some(handler)) };
+    match status {
+        0 => Ok(()),
+        errno => Err(std::io::Error::from_raw_os_error(errno)),
+    }
+}
+
+/// (device, inode) of the open file `fd` names, None when `fd` is not open. Async-signal-safe
+/// (one `fstat(2)`, no allocation).
+pub fn fd_identity(fd: std::os::fd::RawFd) -> Option<(u64, u64)> {
+    if fd < 0 {
+        return None;
+    }
+    // SAFETY: the borrow lives only for the fstat below; a number that is not open makes fstat
+    // fail with EBADF (no file is touched).
+    let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+    nix::sys::stat::fstat(borrowed).ok().map(|stat| (stat.st_dev, stat.st_ino))
+}
+
+/// Closes the descriptor `fd` (`close(2)`, nothing else: never `shutdown(2)`, which would act
+/// on the open file shared with other processes) if it still names the file `identity` (device,
+/// inode); returns whether it did. Async-signal-safe. Only for the copies a forked child
+/// inherited of descriptors its parent's sessions own (`process::close_inherited`): whatever
+/// owns them in the child is leaked and never uses the number again.
+pub fn close_inherited_copy(fd: std::os::fd::RawFd, identity: (u64, u64)) -> bool {
+    use std::os::fd::FromRawFd;
+    if fd_identity(fd) != Some(identity) {
+        return false;
+    }
+    // SAFETY: `fd` is open (fstat just answered for it) and its owner in this process is
+    // leaked (the contract above), so this OwnedFd is its only user; dropping it at once is one
+    // close(2).
+    drop(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) });
+    true
+}
+
+/// Tests: forks; the child runs `check` (async-signal-safe work only) and exits with what it
+/// returned; the parent waits for it (bounded by `check`) and returns that exit status.
+#[cfg(test)]
+pub fn fork_for_tests(check: impl FnOnce() -> i32) -> i32 {
+    extern "C" {
+        fn fork() -> std::ffi::c_int;
+        fn _exit(status: std::ffi::c_int) -> !;
+        fn waitpid(pid: std::ffi::c_int, status: *mut std::ffi::c_int, options: std::ffi::c_int) -> std::ffi::c_int;
+    }
+    // SAFETY: the child runs only `check` (async-signal-safe by contract) and _exit.
+    let pid = unsafe { fork() };
+    assert!(pid >= 0, "fork failed");
+    if pid == 0 {
+        let status = check();
+        // SAFETY: leaves the child at once, running no destructor or atexit handler.
+        unsafe { _exit(status) };
+    }
+    let mut status = 0;
+    // SAFETY: `status` is a valid out-pointer for the call.
+    let reaped = unsafe { waitpid(pid, &mut status, 0) };
+    assert_eq!(reaped, pid, "waitpid");
+    (status >> 8) & 0xff
+}

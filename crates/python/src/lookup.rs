@@ -28,10 +28,13 @@ pub struct LookupClient {
 impl Drop for LookupClient {
     fn drop(&mut self) {
         if !self.owner.is_current() {
-            // Inherited across fork: the connection is the parent's. Its copy here is kept
-            // (never closed, nothing sent on it) until this process exits.
+            // Inherited across fork: the connection is the parent's. Nothing is sent on it and
+            // the client is never dropped here; only this process's copy of the socket is
+            // closed (close(2), at the fork already: `process`), so that tuttid sees the
+            // connection end when the parent closes.
             let client = self.client.get_mut().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
             std::mem::forget(client);
+            crate::process::close_inherited();
         }
     }
 }
@@ -69,7 +72,10 @@ impl LookupClient {
         let hello = Hello { model_fingerprint: fingerprint, tp_rank, tp_world, client_name };
         let (client, reply) = py
             .detach(|| {
+                let before = crate::process::open_fds();
                 let mut client = Client::connect(&socket, timeout)?;
+                // A forked child closes its copy of the socket (`process`).
+                crate::process::keep_from_forked_children(&crate::process::daemon_connections_since(&before, &socket));
                 let reply = client.hello(&hello)?;
                 Ok::<_, DaemonError>((client, reply))
             })

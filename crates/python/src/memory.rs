@@ -9,6 +9,7 @@ use pyo3::types::PyList;
 
 use crate::errors::{ErrorClass, Failure};
 use crate::ffi::{self, ImportedDlpack, DLPACK_CPU, DLPACK_CUDA, DLPACK_CUDA_HOST};
+use crate::process::OwningProcess;
 use crate::tensor::{CheckedLayout, Device, LayoutKind, TensorDescription};
 
 /// What keeps a registered tensor's memory alive while the store may use it.
@@ -111,6 +112,24 @@ impl RawMemory {
 #[pyclass(frozen, module = "tutti")]
 pub struct KvBuffer {
     pub(crate) region: DmaRegion,
+    /// The process that allocated it: dropped in a forked child, the region is leaked without
+    /// taking the DMA pool's lock (a thread of the parent may have held it at the fork).
+    owner: OwningProcess,
+}
+
+impl KvBuffer {
+    pub(crate) fn new(region: DmaRegion) -> KvBuffer {
+        KvBuffer { region, owner: OwningProcess::current() }
+    }
+}
+
+impl Drop for KvBuffer {
+    fn drop(&mut self) {
+        if !self.owner.is_current() {
+            // One more reference, never dropped: the field's drop below is never the last.
+            std::mem::forget(self.region.clone());
+        }
+    }
 }
 
 #[pymethods]

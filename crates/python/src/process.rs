@@ -5,8 +5,26 @@
 //! parent's requests. So a session answers only in the process that opened it: elsewhere every
 //! call is refused, and its drop lets go of nothing (the parent still owns it all; what the
 //! child inherited stays, unused, until the child exits).
+//!
+//! Except the child's copies of the descriptors that let the parent's session end: tuttid's
+//! socket (tuttid ends a session when the connection reaches end of file, which a child's copy
+//! holds off: the session and its memory would stay until the parent exits), the device locks
+//! (a `flock` belongs to the open file: a child's copy keeps the pool locked once the parent is
+//! gone), block-device claims and VFIO's container, group and device fds (their release runs
+//! only when the last reference to the open file goes, and the parent holds its own: closing
+//! the child's copy runs no driver teardown, unmap or queue deletion). The owner records them
+//! (`keep_from_forked_children`) and every forked child closes its copies with `close(2)` at
+//! the fork (`pthread_atfork`, so a Store the child never drops pins nothing either), and again
+//! when it drops an inherited object (`close_inherited`). Memory and mappings stay leaked.
+
+use std::collections::HashSet;
+use std::os::fd::RawFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, AtomicU8, Ordering};
+use std::sync::Once;
 
 use crate::errors::{ErrorClass, Failure};
+use crate::ffi::{at_fork_in_child, close_inherited_copy, fd_identity};
 
 /// The process that opened a session (`std::process::id()` then).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,6 +64,167 @@ fn refusal(what: &str, owner: u32, current: u32) -> Failure {
     )
 }
 
+/// Descriptors recorded to close in forked children: a few per open store or client (a socket,
+/// a lock and a file per device, VFIO's three), so 512 is room for over a hundred at once; past
+/// that a child keeps its copy (said once per registration, loudly).
+const FORK_SLOTS: usize = 512;
+const SLOT_FREE: u8 = 0;
+const SLOT_WRITING: u8 = 1;
+const SLOT_READY: u8 = 2;
+
+/// One recorded descriptor: lock-free, since a forked child reads them where a lock a parent
+/// thread held at the fork would never be let go.
+struct ForkSlot {
+    state: AtomicU8,
+    pid: AtomicU32,
+    fd: AtomicI32,
+    device: AtomicU64,
+    inode: AtomicU64,
+}
+
+#[allow(clippy::declare_interior_mutable_const)] // one fresh slot per array element
+const EMPTY_SLOT: ForkSlot = ForkSlot {
+    state: AtomicU8::new(SLOT_FREE),
+    pid: AtomicU32::new(0),
+    fd: AtomicI32::new(-1),
+    device: AtomicU64::new(0),
+    inode: AtomicU64::new(0),
+};
+static FORK_COPIES: [ForkSlot; FORK_SLOTS] = [EMPTY_SLOT; FORK_SLOTS];
+static AT_FORK: Once = Once::new();
+
+extern "C" fn in_forked_child() {
+    close_inherited();
+}
+
+/// Records `fds` (open in this process, owned by a session of it) to be closed in every child
+/// forked from now on. A descriptor is recorded with the file it names (device, inode): one
+/// closed and its number reused names another file, which a child leaves alone; such stale
+/// records of this process are dropped here.
+pub fn keep_from_forked_children(fds: &[RawFd]) {
+    AT_FORK.call_once(|| {
+        if let Err(error) = at_fork_in_child(in_forked_child) {
+            tracing::error!(%error, "tutti: pthread_atfork failed: forked children keep copies of tuttid's socket and the device locks until they drop what they inherited");
+        }
+    });
+    let pid = std::process::id();
+    for slot in &FORK_COPIES {
+        if slot.state.load(Ordering::Acquire) == SLOT_READY && slot.pid.load(Ordering::Relaxed) == pid {
+            let fd = slot.fd.load(Ordering::Relaxed);
+            let recorded = (slot.device.load(Ordering::Relaxed), slot.inode.load(Ordering::Relaxed));
+            if fd_identity(fd) != Some(recorded) {
+                let _ = slot.state.compare_exchange(SLOT_READY, SLOT_FREE, Ordering::AcqRel, Ordering::Relaxed);
+            }
+        }
+    }
+    for &fd in fds {
+        let Some((device, inode)) = fd_identity(fd) else { continue };
+        let known = FORK_COPIES.iter().any(|slot| {
+            slot.state.load(Ordering::Acquire) == SLOT_READY
+                && slot.pid.load(Ordering::Relaxed) == pid
+                && slot.fd.load(Ordering::Relaxed) == fd
+                && slot.device.load(Ordering::Relaxed) == device
+                && slot.inode.load(Ordering::Relaxed) == inode
+        });
+        if known {
+            continue;
+        }
+        let claimed = FORK_COPIES
+            .iter()
+            .find(|slot| slot.state.compare_exchange(SLOT_FREE, SLOT_WRITING, Ordering::AcqRel, Ordering::Relaxed).is_ok());
+        let Some(slot) = claimed else {
+            tracing::error!(fd, "tutti: no room to record a descriptor to close in forked children ({FORK_SLOTS} recorded): a child forked now keeps its copy until it exits");
+            continue;
+        };
+        slot.pid.store(pid, Ordering::Relaxed);
+        slot.fd.store(fd, Ordering::Relaxed);
+        slot.device.store(device, Ordering::Relaxed);
+        slot.inode.store(inode, Ordering::Relaxed);
+        slot.state.store(SLOT_READY, Ordering::Release);
+    }
+}
+
+/// In a process forked from one that recorded descriptors: closes this process's copies of
+/// them (those still naming the file recorded) and forgets them; the records of this process
+/// itself stay. Async-signal-safe (atomics, getpid, fstat, close): it runs in `pthread_atfork`'s
+/// child handler. Idempotent.
+pub fn close_inherited() {
+    let pid = std::process::id();
+    for slot in &FORK_COPIES {
+        let state = slot.state.load(Ordering::Acquire);
+        if state == SLOT_FREE || slot.pid.load(Ordering::Relaxed) == pid {
+            continue;
+        }
+        // A slot the parent was writing at the fork is forgotten: its descriptor was not yet
+        // recorded (the child keeps that one copy).
+        if state == SLOT_READY {
+            let fd = slot.fd.load(Ordering::Relaxed);
+            let recorded = (slot.device.load(Ordering::Relaxed), slot.inode.load(Ordering::Relaxed));
+            // Only while it still names the file recorded: whatever owns it here is
+            // inherited and leaked (every call refused, its drop forgets it).
+            close_inherited_copy(fd, recorded);
+        }
+        slot.state.store(SLOT_FREE, Ordering::Release);
+    }
+}
+
+/// The descriptors open in this process now (`/proc/self/fd`), to tell which ones an open or
+/// connect added.
+pub fn open_fds() -> HashSet<RawFd> {
+    let Ok(entries) = std::fs::read_dir("/proc/self/fd") else { return HashSet::new() };
+    let listed: Vec<RawFd> = entries.filter_map(|entry| entry.ok()?.file_name().to_str()?.parse().ok()).collect();
+    // The listing's own descriptor is closed now: left in, the next file opened (a lock)
+    // would take its number and never count as opened since.
+    listed.into_iter().filter(|&fd| fd_identity(fd).is_some()).collect()
+}
+
+fn link_of(fd: RawFd) -> Option<PathBuf> {
+    std::fs::read_link(format!("/proc/self/fd/{fd}")).ok()
+}
+
+/// The descriptors opened since `before` that are connections to tuttid's `socket`: Unix
+/// stream sockets whose peer is bound at a path of the same name (tuttid binds the path it was
+/// given, which may be spelled otherwise than the client's). Another thread's connection to the
+/// same daemon may be among them: a forked child has no use for that copy either.
+pub fn daemon_connections_since(before: &HashSet<RawFd>, socket: &Path) -> Vec<RawFd> {
+    let name = socket.file_name();
+    let mut found: Vec<RawFd> = open_fds()
+        .difference(before)
+        .copied()
+        .filter(|&fd| link_of(fd).is_some_and(|link| link.to_string_lossy().starts_with("socket:")))
+        .filter(|&fd| {
+            nix::sys::socket::getpeername::<nix::sys::socket::UnixAddr>(fd)
+                .ok()
+                .and_then(|peer| peer.path().map(|path| path.file_name() == name))
+                .unwrap_or(false)
+        })
+        .collect();
+    found.sort_unstable();
+    found
+}
+
+/// The descriptors opened since `before` that hold devices of an in-process store: files under
+/// `lock_dir` (the locks), the devices' own files or block devices (`paths`: their claims and
+/// the software controller's backing), and VFIO's container, groups and devices.
+pub fn device_fds_since(before: &HashSet<RawFd>, lock_dir: &Path, paths: &[PathBuf]) -> Vec<RawFd> {
+    let lock_dir = std::fs::canonicalize(lock_dir).unwrap_or_else(|_| lock_dir.to_path_buf());
+    let paths: Vec<PathBuf> = paths.iter().map(|path| std::fs::canonicalize(path).unwrap_or_else(|_| path.clone())).collect();
+    let mut found: Vec<RawFd> = open_fds()
+        .difference(before)
+        .copied()
+        .filter(|&fd| {
+            link_of(fd).is_some_and(|link| {
+                link.starts_with(&lock_dir)
+                    || paths.contains(&link)
+                    || link.starts_with("/dev/vfio")
+                    || link.to_string_lossy().starts_with("anon_inode:[vfio")
+            })
+        })
+        .collect();
+    found.sort_unstable();
+    found
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -63,5 +242,34 @@ mod tests {
         assert_eq!(failure.class, ErrorClass::InvalidState);
         assert!(failure.message.contains("inherited across fork: open or attach again in the child"), "{}", failure.message);
         assert!(failure.message.starts_with(&format!("the store was opened by process {}", parent.pid)), "{}", failure.message);
+    }
+
+    #[test]
+    fn a_forked_child_closes_its_copies_of_what_was_recorded() {
+        // Goal: a descriptor recorded by this process is closed in a forked child at the fork
+        // (pthread_atfork), the parent's stays open, and one not recorded stays open in the child.
+        let directory = std::env::temp_dir().join(format!("tutti-fork-copies-{}", std::process::id()));
+        std::fs::create_dir_all(&directory).unwrap();
+        let recorded = std::fs::File::create(directory.join("recorded")).unwrap();
+        let unrecorded = std::fs::File::create(directory.join("unrecorded")).unwrap();
+        use std::os::fd::AsRawFd;
+        keep_from_forked_children(&[recorded.as_raw_fd()]);
+        let status = fork_and_check(recorded.as_raw_fd(), unrecorded.as_raw_fd());
+        assert_eq!(status, 0, "in the child: 1 = the recorded copy stayed open, 2 = one not recorded was closed");
+        assert!(fd_identity(recorded.as_raw_fd()).is_some(), "the parent's descriptor is open");
+        std::fs::remove_dir_all(&directory).unwrap();
+    }
+
+    /// Forks; the child reports (exit status) whether `closed` is closed and `open` open.
+    fn fork_and_check(closed: RawFd, open: RawFd) -> i32 {
+        crate::ffi::fork_for_tests(|| {
+            if fd_identity(closed).is_some() {
+                1
+            } else if fd_identity(open).is_none() {
+                2
+            } else {
+                0
+            }
+        })
     }
 }

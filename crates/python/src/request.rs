@@ -54,7 +54,9 @@ pub struct Request {
 /// `StoreShared::locked`).
 impl Drop for Request {
     fn drop(&mut self) {
-        if self.phase() != Phase::Prepared || !self.shared.owner.is_current() {
+        // The owner first: in a forked child no lock is taken (a thread of the parent may
+        // have held the phase's at the fork).
+        if !self.shared.owner.is_current() || self.phase() != Phase::Prepared {
             return;
         }
         let (shared, handle) = (&self.shared, self.handle);
@@ -159,6 +161,8 @@ impl Request {
     }
 
     fn check_live(&self) -> Result<(), Failure> {
+        // The owner before the phase's lock (see `Drop`).
+        self.shared.owner.check("the store")?;
         if self.phase() == Phase::Prepared {
             Ok(())
         } else {

@@ -203,8 +203,11 @@ impl Drop for Store {
             // Inherited across fork: the session, its queue pairs, its memory and its
             // completion thread are the parent's. Nothing is joined, waited for, finished or
             // closed here, and the state is never dropped in this process (its drop would close
-            // it): the child keeps what it inherited, unused, until it exits.
+            // it): the child keeps the memory and mappings it inherited, unused, until it exits;
+            // only its copies of the socket and device fds are closed (at the fork already,
+            // again here should the fork have skipped the handler: `process`).
             std::mem::forget(Arc::clone(shared));
+            crate::process::close_inherited();
             return;
         }
         // Garbage-collected without close(): close now, in this (the interpreter's) thread,
@@ -409,7 +412,23 @@ impl Store {
             client_queue_pairs: 1,
             emu_doorbell_relay: false,
         };
-        let opened = py.detach(|| open_pool(&options)).map_err(|error| open_failure(error).to_pyerr(py))?;
+        let device_paths: Vec<PathBuf> = options
+            .specs
+            .iter()
+            .filter_map(|spec| match spec {
+                DeviceSpec::EmuFile(path) | DeviceSpec::Uring(path) => Some(path.clone()),
+                _ => None,
+            })
+            .collect();
+        let opened = py
+            .detach(|| {
+                let before = crate::process::open_fds();
+                let opened = open_pool(&options)?;
+                // A forked child closes its copies of the locks and device fds (`process`).
+                crate::process::keep_from_forked_children(&crate::process::device_fds_since(&before, &options.lock_dir, &device_paths));
+                Ok(opened)
+            })
+            .map_err(|error| open_failure(error).to_pyerr(py))?;
         if *opened.pool.geometry() != geometry {
             let mismatch = ObjstoreError::GeometryMismatch { on_disk: *opened.pool.geometry(), registered: geometry };
             return Err(Failure::from(mismatch).to_pyerr(py));
@@ -460,7 +479,10 @@ impl Store {
         let hello = Hello { model_fingerprint: fingerprint, tp_rank, tp_world, client_name };
         let (client, reply) = py
             .detach(|| {
+                let before = crate::process::open_fds();
                 let mut client = Client::connect(&socket, timeout)?;
+                // A forked child closes its copy of the socket (`process`).
+                crate::process::keep_from_forked_children(&crate::process::daemon_connections_since(&before, &socket));
                 let reply = client.hello(&hello)?;
                 Ok::<_, DaemonError>((client, reply))
             })
@@ -521,8 +543,10 @@ impl Store {
     }
 
     #[getter]
-    fn kv(&self, py: Python<'_>) -> Option<Py<KvLayout>> {
-        self.shared.kv_layout.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).as_ref().map(|layout| layout.clone_ref(py))
+    fn kv(&self, py: Python<'_>) -> PyResult<Option<Py<KvLayout>>> {
+        // Checked before the lock: a thread of the parent may have held it at the fork.
+        self.shared.owner.check("the store").map_err(|failure| failure.to_pyerr(py))?;
+        Ok(self.shared.kv_layout.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).as_ref().map(|layout| layout.clone_ref(py)))
     }
 
     #[getter]
@@ -551,7 +575,8 @@ impl Store {
         })?;
         let timeout = self.shared.timeout;
         let regions = self.shared.with_state(py, move |state| state.allocate(kind, num_blocks, timeout))?;
-        let buffers = regions.into_iter().map(|region| Py::new(py, KvBuffer { region }).map(Py::into_any)).collect::<PyResult<Vec<_>>>()?;
+        let buffers =
+            regions.into_iter().map(|region| Py::new(py, KvBuffer::new(region)).map(Py::into_any)).collect::<PyResult<Vec<_>>>()?;
         let checked = self.shared.read(py, |state| state.registered.clone())?;
         let layout = Py::new(py, KvLayout::new_checked(kind, buffers, checked))?;
         *self.shared.kv_layout.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(layout.clone_ref(py));
@@ -634,6 +659,13 @@ impl Store {
 
     #[pyo3(signature = (*_exc))]
     fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<()> {
+        if !self.shared.owner.is_current() {
+            // Inherited across fork: left as a drop leaves it (the parent's), and nothing is
+            // raised, so that the exception leaving the block, if any, is the one seen.
+            tracing::debug!("tutti: a store inherited across fork left its with block: not closed (the parent's)");
+            crate::process::close_inherited();
+            return Ok(());
+        }
         self.close(py, None)
     }
 
