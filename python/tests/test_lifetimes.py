@@ -275,3 +275,25 @@ def test_a_forked_childs_copy_of_the_device_lock_does_not_keep_the_pool(tmp_path
             os.kill(child, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def test_with_store_in_a_forked_child_lets_the_blocks_exception_through():
+    # Goal: a `with store:` block left by an exception in a forked child raises that exception,
+    # not __exit__'s InvalidState (the store is the parent's: left as a drop leaves it). Before,
+    # InvalidState replaced the block's exception.
+    store = open_store()
+    pid = os.fork()
+    if pid == 0:
+        code = CHILD_FAILED
+        try:
+            with store:
+                raise KeyError("the block's own")
+        except KeyError:
+            code = CHILD_REFUSED
+        except BaseException:  # noqa: BLE001 - anything else fails the test
+            code = CHILD_NOT_REFUSED
+        os._exit(code)
+    try:
+        assert wait_child(pid) == CHILD_REFUSED, "the child saw another exception than its block's"
+    finally:
+        store.close()
