@@ -248,11 +248,25 @@ impl Server {
                 // Bounded: a live daemon that does not accept (stopped with SIGSTOP, its backlog
                 // full) would hold a plain connect here for as long as it is stopped. One whose
                 // backlog stays full is live, not stale: its socket is left alone.
+                // Only a refusal says nobody listens: any other failure (EACCES from another
+                // user's daemon, EMFILE here) says nothing about the socket, which is left alone.
                 match crate::client::connect_within(socket, SOCKET_PROBE_TIMEOUT) {
                     Ok(_) | Err(DaemonError::Timeout { .. }) => return Err(DaemonError::SocketInUse { socket: socket.clone() }),
-                    Err(_) => {}
+                    Err(DaemonError::Io { source, .. }) if source.kind() == std::io::ErrorKind::ConnectionRefused => {
+                        std::fs::remove_file(socket).map_err(io(format!("removing the stale socket {}", socket.display())))?;
+                    }
+                    // Gone meanwhile: nothing to remove.
+                    Err(DaemonError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(error) => {
+                        return Err(DaemonError::Io {
+                            context: format!(
+                                "{} exists and cannot be probed for a live daemon ({error}); remove it if no daemon serves it",
+                                socket.display()
+                            ),
+                            source: std::io::Error::from(std::io::ErrorKind::AlreadyExists),
+                        })
+                    }
                 }
-                std::fs::remove_file(socket).map_err(io(format!("removing the stale socket {}", socket.display())))?;
             }
             Ok(_) => {
                 return Err(DaemonError::Io {

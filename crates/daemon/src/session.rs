@@ -623,6 +623,40 @@ impl Holdings {
 
     /// Ends the session's holdings in the safe order (module docs). Returns how many queue
     /// pairs could not be deleted (then nothing else was given back either).
+    /// Keeps everything for good: what a way out does when it cannot tell whether the client
+    /// still rings its queues (a panic while the daemon waited for the client's exit). The relay
+    /// stops forwarding for the session (its pairs are kept, so their queue ids go to nobody
+    /// else); the pairs, the windows they may write and the reservations whose slots they may
+    /// write are never released, and counted as leaks. Returns the pairs kept.
+    pub fn leak(&mut self, store: &Mutex<StoreState>, leaks: &LeakCounters) -> u64 {
+        {
+            let store = lock(store);
+            for registration in &mut self.registrations {
+                for ticket in registration.relayed.drain(..) {
+                    store.relay.remove(&ticket);
+                }
+            }
+        }
+        let pairs: u64 = self.registrations.iter().map(|registration| registration.queues.len() as u64).sum();
+        let window_bytes: u64 = self.registrations.iter().map(|registration| registration.window.len() as u64).sum();
+        leaks.queue_pairs.fetch_add(pairs, Ordering::Relaxed);
+        leaks.windows.fetch_add(self.registrations.len() as u64, Ordering::Relaxed);
+        leaks.window_bytes.fetch_add(window_bytes, Ordering::Relaxed);
+        leaks.requests.fetch_add(self.handles.len() as u64, Ordering::Relaxed);
+        tracing::error!(
+            queue_pairs = pairs,
+            windows = self.registrations.len(),
+            window_bytes,
+            requests = self.handles.len(),
+            "a session ended without knowing whether its client still rings its queues: its queue pairs, windows and \
+             reservations are kept, for good"
+        );
+        std::mem::forget(std::mem::take(&mut self.registrations));
+        std::mem::forget(std::mem::take(&mut self.device_memory));
+        self.handles.clear();
+        pairs
+    }
+
     pub fn release(&mut self, store: &Mutex<StoreState>, leaks: &LeakCounters) -> u64 {
         // 1. The relay forwards nothing more for the session's pairs: a doorbell forwarded after
         //    a deletion would land on whichever queue gets the id next.

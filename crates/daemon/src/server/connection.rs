@@ -83,10 +83,26 @@ struct Ended<'a> {
 
 impl Drop for Ended<'_> {
     fn drop(&mut self) {
-        if let Some(session) = self.connection.session.take() {
+        // Uncounted after the release (a new client is admitted once the old one's queue pairs
+        // are gone), but even if the release panics: a local's drop runs on unwinding too.
+        struct Uncount<'a>(&'a std::sync::atomic::AtomicU32);
+        impl Drop for Uncount<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
+        let _uncount = Uncount(&self.shared.connections);
+        let Some(session) = self.connection.session.take() else { return };
+        if std::thread::panicking() {
+            // A panic after the handler's (caught) one: in the wait for the client's exit, or
+            // in deciding whether to wait. Whether the client still rings its queues is not
+            // known, so nothing it may write is released (and a panic inside a release here
+            // would abort the daemon).
+            self.connection.holdings.leak(&self.shared.store, &self.shared.leaks);
+            lock(&self.shared.sessions).remove(&session);
+        } else {
             release_session(self.shared, session, &mut self.connection.holdings);
         }
-        self.shared.connections.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -165,6 +181,12 @@ impl Connection {
     /// for writing (the client reads the end after the daemon's last answer); what the client
     /// still sends is read and dropped.
     fn await_peer_exit(&self, shared: &Shared, session: u64, stream: &mut UnixStream) {
+        // A bug's panic in the wait, for the test that such a session is kept, not released.
+        #[cfg(test)]
+        {
+            let panics = lock(&shared.sessions).get(&session).is_some_and(|record| record.name == super::tests::PANICS_AWAITING_EXIT);
+            assert!(!panics, "test hook: the wait for the client's exit panics");
+        }
         if let Some(record) = lock(&shared.sessions).get_mut(&session) {
             record.awaiting_exit = true;
         }
@@ -315,7 +337,9 @@ impl Connection {
         #[cfg(test)]
         if matches!(request, Request::Ping) {
             let panics = self.session.is_some_and(|session| {
-                lock(&shared.sessions).get(&session).is_some_and(|record| record.name == super::tests::PANICS_ON_PING)
+                lock(&shared.sessions)
+                    .get(&session)
+                    .is_some_and(|record| record.name == super::tests::PANICS_ON_PING || record.name == super::tests::PANICS_AWAITING_EXIT)
             });
             assert!(!panics, "test hook: a handler panics");
         }

@@ -17,6 +17,9 @@ use crate::Client;
 /// A client whose Ping makes its connection thread panic (`Connection::handle`, test builds
 /// only): what a bug in a handler would do.
 pub(super) const PANICS_ON_PING: &str = "panics-on-ping";
+/// A client whose Ping panics (ending its connection while it may still ring its queues) and
+/// whose wait for its exit then panics too.
+pub(super) const PANICS_AWAITING_EXIT: &str = "panics-awaiting-exit";
 
 /// The longest any wait here takes before the test fails.
 const WAIT: Duration = Duration::from_secs(10);
@@ -216,6 +219,39 @@ fn a_connection_thread_that_panics_still_releases_its_session() {
 }
 
 #[test]
+fn a_panic_while_awaiting_a_clients_exit_keeps_its_session_instead_of_releasing_it() {
+    // Goal: a session whose client may still ring its queues (shared register page, the client
+    // process alive, the connection ended by a handler's panic) is kept until the client exits;
+    // a second panic in that wait must not release it on the unwinding (its queue ids would go
+    // to the next client while this one may still write their doorbells): the queue pairs,
+    // window and reservations are kept for good and counted as leaks, the record removed and
+    // the connection uncounted. The hooks panic on Ping and in `await_peer_exit`.
+    let mut daemon = InProcess::start(4, false);
+    let config = RemoteConfig { kv_blocks: 8, ..RemoteConfig::default() };
+    let mut store = RemoteKvStore::connect(&daemon.socket, &hello(PANICS_AWAITING_EXIT), &config).expect("attach");
+    let tokens: Vec<u32> = (0..64).collect();
+    store.prepare_store(&KvRequest { tokens: &tokens, block_ids: &[0, 1, 2, 3] }).expect("prepare_store");
+    assert!(store.client().ping().is_err(), "the panicking connection answered");
+    let deadline = Instant::now() + WAIT;
+    let ended = loop {
+        let status = daemon.client().status().unwrap();
+        if status.clients.is_empty() && status.connections == 1 {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "the session did not end: {status:?}");
+        thread::sleep(Duration::from_millis(20));
+    };
+    assert!(ended.leaked_queue_pairs >= 1, "the session's queue pairs were released, not kept: {ended:?}");
+    assert!(ended.pool.writing_slots > 0, "the session's reservation was released, not kept: {:?}", ended.pool);
+    std::mem::forget(store); // its memory is the daemon's for good now
+                             // The daemon serves on.
+    let mut next = RemoteKvStore::connect(&daemon.socket, &hello("next"), &config).expect("attach after the panics");
+    next.client().ping().unwrap();
+    drop(next);
+    assert!(daemon.stop().is_some(), "serve did not return");
+}
+
+#[test]
 fn clients_max_is_capped_at_what_a_status_reply_can_list() {
     // Goal: `tuttid --status` must work when the daemon is at its busiest, so
     // `clients_max` is refused past the sessions one status reply's body can hold (it used
@@ -231,6 +267,19 @@ fn clients_max_is_capped_at_what_a_status_reply_can_list() {
     config.clients_max = ServerConfig::CLIENTS_MAX;
     config.validate().expect("the cap itself");
     assert_eq!(ServerConfig::CLIENTS_MAX, 7279, "tuttid --help and docs/tuttid.md give the number");
+}
+
+#[test]
+fn bind_replaces_a_socket_nobody_listens_on() {
+    // Goal: a socket file left by a dead daemon (connections refused) is removed and bound again;
+    // only a refusal counts as nobody listening (other probe failures leave the file alone).
+    let directory = tempfile::tempdir().unwrap();
+    let socket = directory.path().join("tuttid.sock");
+    drop(std::os::unix::net::UnixListener::bind(&socket).unwrap());
+    assert!(socket.exists(), "the dead listener's file stays");
+    let server = Server::bind(ServerConfig::new(socket.clone()), pool(directory.path(), false)).expect("bind over a stale socket");
+    std::os::unix::net::UnixStream::connect(&socket).expect("the new listener answers");
+    drop(server);
 }
 
 #[test]
