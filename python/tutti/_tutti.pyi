@@ -349,9 +349,12 @@ class Store:
     from it inherits the same socket, queue pairs and memory as the parent's, so there every
     call of the store and of its requests that reaches them (close too; fixed properties such
     as geometry or handle still answer) raises InvalidState ("inherited across fork: open or
-    attach again in the child"), and dropping it there neither waits, nor
-    finishes, nor closes anything: the child keeps what it inherited, unused, until it exits,
-    and the parent's store goes on as if there were no child. Open or attach a store of its own
+    attach again in the child"; kv too), and dropping it there neither waits, nor
+    finishes, nor releases anything: the child keeps the memory it inherited, unused, until it
+    exits. The child's copies of the descriptors holding the parent's session or devices (the
+    socket to tuttid, device locks and files, VFIO) are closed at the fork, so the parent's
+    close ends its session and frees its devices while the child lives; the parent's store goes
+    on as if there were no child. Open or attach a store of its own
     in the child (multiprocessing: the "spawn" or "forkserver" start method)."""
 
     @staticmethod
@@ -730,7 +733,8 @@ class LookupClient:
     `Client`). Cheap: one socket. Thread-safe (calls are serialised). One process, as a Store:
     inherited across fork, every call that reaches the connection (close too) raises
     InvalidState in the child, and
-    dropping it there sends nothing and closes nothing: connect again in the child."""
+    dropping it there sends nothing (the child's copy of the socket is closed at the fork, so the
+    parent's close still ends its session): connect again in the child."""
 
     @staticmethod
     def connect(
