@@ -43,8 +43,11 @@
 # A C compiler and linker (gcc, libc6-dev) are installed, checked by compiling a program.
 #
 # Stages run in that order; a failing stage does not stop the later ones, and the script exits
-# non-zero if any failed. SIGINT, SIGTERM or SIGHUP stops the running stage with everything it
-# started, prints the summary so far and exits 130, 143 or 129. Every command of a stage (apt-get
+# non-zero if any failed. Each stage runs in a session of its own, so a signal sent to this
+# script's process group (a cancelled CI job, a closed terminal) reaches this script and not the
+# stage: SIGINT, SIGTERM or SIGHUP stops the running stage with everything it started (its
+# session, and whatever left it for a group or session of its own), prints the summary so far
+# and exits 130, 143 or 129. Every command of a stage (apt-get
 # and rustup included) runs under a time limit (generous: a cold build on two cores included), so
 # one hung test fails its stage instead of hanging CI. The scripts a stage runs
 # (tools/python/*.sh, tools/vm-test.sh, ...) bound their own steps with `timeout` as well; each
@@ -112,9 +115,11 @@ print_summary() {
     [ "$failed" -eq 0 ] || echo "failed stages: ${failed_names[*]}"
 }
 
-# kill_tree PID: kills PID, every process below it, and every process in the process groups and
-# sessions those belong to (the `timeout`s' groups, `bounded`'s sessions: processes there may
-# already have been handed to init), except this script's own group and session. SIGTERM first,
+# kill_tree SID: kills every process of session SID (a stage's: its leader, SID, is the stage's
+# shell; members handed to init are found by the session, not by parent links), every process
+# below them, and every process in the process groups and sessions those belong to (the
+# `timeout`s' groups, `bounded`'s sessions: processes there may already have been handed to
+# init), except this script's own group and session. SIGTERM first,
 # then, for what is still there after a few seconds, SIGKILL. /proc, not pkill: procps is not on
 # every fresh machine.
 kill_tree() {
@@ -123,7 +128,7 @@ kill_tree() {
     read -r line < /proc/$$/stat
     read -r -a fields <<< "${line##*") "}"
     own_pgid=${fields[2]} own_sid=${fields[3]}
-    pids[$root]=1
+    pids[$root]=1 sids[$root]=1
     for signal in TERM KILL; do
         # Until a pass finds nothing new: the members of a group or session found on one pass may
         # have children of their own.
@@ -164,10 +169,13 @@ kill_tree() {
 }
 
 # A signal (CI cancelling the job, Ctrl-C, a closed terminal) stops the running stage and
-# everything it started at once (the `timeout`s sit in process groups of their own, which the
-# signal does not reach), prints the summary so far and exits 128+signal. The stage runs in the
-# background with `wait`, which a trapped signal interrupts (a foreground command would delay
-# the trap until it ended).
+# everything it started at once, prints the summary so far and exits 128+signal. The stage runs
+# in a session of its own (run_stage), which a signal to this script's group or session does
+# not reach: were the stage's shell in this script's group, such a signal would kill it at once
+# (a child shell does not keep this script's traps), its `timeout`s (in groups of their own,
+# which the signal misses) would be handed to init, and nothing would lead to them any more;
+# the stage's session still holds them. The stage runs in the background with `wait`, which a
+# trapped signal interrupts (a foreground command would delay the trap until it ended).
 stage_pid=
 current_stage=
 on_signal() {
@@ -192,7 +200,14 @@ run_stage() {
     echo
     echo "===== stage: $name ====="
     current_stage=$name
-    "$@" &
+    # In a session of its own (see on_signal): `setsid` makes the background child (never a
+    # process-group leader here: this script runs without job control) a session leader without
+    # forking, so the session id is $! (-w: had it to fork, it would wait and pass the status on;
+    # kill_tree would find the forked child below $! then). The stage's shell is a new bash that
+    # reads this script's functions and the variables they use from $run_tmp/functions.sh.
+    # stdin is /dev/null, as for any background command; stdout and stderr are this script's.
+    setsid -w bash -c 'set -uo pipefail && . "$1" && shift && "$@"' "tools/test.sh:$name" \
+        "$run_tmp/functions.sh" "$@" < /dev/null &
     stage_pid=$!
     wait "$stage_pid"
     rc=$?
@@ -486,6 +501,10 @@ trap 'restore_own_policy_rc_d; rm -rf "$run_tmp"' EXIT
 trap 'on_signal INT 130' INT
 trap 'on_signal TERM 143' TERM
 trap 'on_signal HUP 129' HUP
+
+# What a stage's shell (run_stage) starts from: the variables the functions read, and the
+# functions. A variable missing here fails the stage loudly (set -u), not silently.
+{ declare -p STAGES run_tmp POLICY_RC_D POLICY_RC_D_MARK && declare -f; } > "$run_tmp/functions.sh" || exit 1
 
 for stage in $STAGES; do
     run_stage "$stage" "stage_$stage"
