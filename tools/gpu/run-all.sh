@@ -144,7 +144,13 @@ LOG="$OUT/run.log"
 : >"$LOG"
 WORK="$(mktemp -d)"
 failed=0
-record() { echo "$1" | tee -a "$SUMMARY"; }
+# The line goes to summary.txt first, then to stdout; the echo runs in a subshell and its errors
+# are ignored: were the tool's pipe closed, `tee` (which wrote stdout first) died of SIGPIPE
+# before the file got the line, and an echo here would kill the script the same way.
+record() {
+  printf '%s\n' "$1" >>"$SUMMARY"
+  (printf '%s\n' "$1") 2>/dev/null || true
+}
 section() { echo "===== $1 ($(date -u +%H:%M:%S), +${SECONDS} s)" >>"$LOG"; }
 budget() { local name="RUN_ALL_${1}_BUDGET_S"; echo "${!name:-$2}"; }
 
@@ -189,7 +195,8 @@ finish() {
 }
 trap finish EXIT
 # A TERM or INT (the device tool's limit, say) leaves a line naming the step it stopped.
-trap 'record "STOPPED by a signal at +${SECONDS} s${CURRENT_STEP:+ during $CURRENT_STEP}"; exit 143' TERM INT
+trap 'record "STOPPED by SIGTERM at +${SECONDS} s${CURRENT_STEP:+ during $CURRENT_STEP}"; exit 143' TERM
+trap 'record "STOPPED by SIGINT at +${SECONDS} s${CURRENT_STEP:+ during $CURRENT_STEP}"; exit 130' INT
 
 # The copy to the GPU machine may drop exec bits: the carried binaries are made executable here
 # (ignoring errors), the scripts are run through bash, and carried binaries are checked with -f.
