@@ -83,8 +83,10 @@ esac
 # never installs into the shared environment itself. The constraints below pin pytest too (their
 # hash is in the environment's key), so the two must agree: pip fails loudly if they do not.
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-test_pin="$(grep -E '^pytest==' "$repo/python/requirements-test.txt")" || {
-    echo "engine-env: no pytest== pin in $repo/python/requirements-test.txt" >&2
+# The pin's line without a trailing comment, spaces or a CR (`pytest==9.2.0  # runner`).
+test_pin="$(sed -n 's/\r$//; s/[[:space:]]*#.*$//; s/[[:space:]]*$//; /^pytest==/{p;q}' "$repo/python/requirements-test.txt")"
+[[ "$test_pin" =~ ^pytest==[0-9A-Za-z.+!-]+$ ]] || {
+    echo "engine-env: no pytest==VERSION pin in $repo/python/requirements-test.txt (found '$test_pin')" >&2
     exit 1
 }
 check="$check
@@ -107,20 +109,44 @@ env_dir="$cache_root/$engine-$version-$key_hash"
 
 # Every file that the RECORD of every distribution installed in the environment lists is there
 # (a pip interrupted while unpacking leaves a distribution whose modules import but whose other
-# files are missing; ~85,000 files for vLLM's, about a second).
+# files are missing; ~85,000 files for vLLM's, about a second). Each incomplete distribution is
+# printed as NAME==VERSION on stdout (what it misses on stderr), and the status is 1 if any.
 records_whole='
 import importlib.metadata as metadata, os, sys
+bad = 0
 for dist in metadata.distributions():
-    files = dist.files
-    if files is None:
-        sys.exit("engine-env: %s has no RECORD" % dist.metadata["Name"])
-    for file in files:
-        if not os.path.exists(file.locate()):
-            sys.exit("engine-env: %s is missing %s" % (dist.metadata["Name"], file))
+    name, files = dist.metadata["Name"], dist.files
+    missing = "has no RECORD" if files is None else next(("is missing %s" % f for f in files if not os.path.exists(f.locate())), None)
+    if missing is not None:
+        bad = 1
+        print("%s==%s" % (name, dist.version))
+        print("engine-env: %s %s %s" % (name, dist.version, missing), file=sys.stderr)
+sys.exit(bad)
 '
+records_ok() { "$env_dir/bin/python" -c "$records_whole" >/dev/null 2>&1; }
 complete() {
-    [[ -x "$env_dir/bin/python" ]] && "$env_dir/bin/python" -c "$check" >/dev/null 2>&1 &&
-        "$env_dir/bin/python" -c "$records_whole" >/dev/null 2>&1
+    [[ -x "$env_dir/bin/python" ]] && "$env_dir/bin/python" -c "$check" >/dev/null 2>&1 && records_ok
+}
+pip_runs() { [[ -x "$env_dir/bin/python" ]] && "$env_dir/bin/python" -m pip --version >/dev/null 2>&1; }
+
+# An environment whose distributions miss files: `pip install NAME==VERSION` would find each
+# "already satisfied" and put nothing back, so each is reinstalled from scratch (--force-reinstall
+# --no-deps, at the version installed); if files are still missing after that (a distribution
+# without a RECORD cannot even be uninstalled), the environment, a cache, is removed and built
+# again from nothing.
+repair_records() {
+    local incomplete
+    pip_runs || return 0
+    incomplete="$("$env_dir/bin/python" -c "$records_whole" 2>/dev/null)" && return 0
+    if [[ -n "$incomplete" ]]; then
+        echo "engine-env: reinstalling distributions whose files are missing: $(echo $incomplete)" >&2
+        # shellcheck disable=SC2086 # one NAME==VERSION a word
+        "$env_dir/bin/python" -m pip install --quiet --force-reinstall --no-deps $incomplete >&2 || true
+    fi
+    records_ok && return 0
+    "$env_dir/bin/python" -c "$records_whole" >/dev/null || true
+    echo "engine-env: files are still missing: removing $env_dir to build it again from nothing" >&2
+    rm -rf "$env_dir"
 }
 
 if ((existing)); then
@@ -146,22 +172,40 @@ if complete; then
 fi
 
 echo "engine-env: building $env_dir ($key_text)" >&2
-# What an earlier build installed is kept (vLLM's is gigabytes), unless the venv itself is broken:
-# `python -m venv` writes bin/python before ensurepip installs pip, so an interrupted creation
-# leaves a python without pip, which no rerun could repair.
-if [[ ! -x "$env_dir/bin/python" ]] || ! "$env_dir/bin/python" -m pip --version >/dev/null 2>&1; then
-    rm -rf "$env_dir"
-    "$python" -m venv "$env_dir"
+# What an earlier build installed is kept (vLLM's is gigabytes), its incomplete distributions
+# reinstalled (repair_records), unless the venv itself is broken: `python -m venv` writes
+# bin/python before ensurepip installs pip, so an interrupted creation leaves a python without
+# pip, which no rerun could repair.
+repair_records
+if complete; then
+    echo "$env_dir"
+    exit 0
 fi
-"$env_dir/bin/python" -m pip install --quiet -c "$constraints" --upgrade pip >&2
-if ((${#pins[@]})); then
-    "$env_dir/bin/python" -m pip install --quiet -c "$constraints" "${pins[@]}" >&2
-fi
-if ((${#no_deps[@]})); then
-    "$env_dir/bin/python" -m pip install --quiet -c "$constraints" --no-deps "${no_deps[@]}" >&2
-fi
-"$env_dir/bin/python" -m pip install --quiet -c "$constraints" "$test_pin" >&2
-printf '%s\n' "$key_text" >"$env_dir/tutti-env-pins.txt"
+# pip at the constraints' version: upgraded only when it is not (asking the index on every
+# rebuild would need the network for nothing).
+pip_pin="$(sed -n 's/[[:space:]]*#.*$//; s/[[:space:]]*$//; /^pip==/{p;q}' "$constraints")"
+build_env() {
+    if ! pip_runs; then
+        rm -rf "$env_dir"
+        "$python" -m venv "$env_dir"
+    fi
+    if [[ -z "$pip_pin" || "pip==$("$env_dir/bin/python" -c 'import pip; print(pip.__version__)')" != "$pip_pin" ]]; then
+        "$env_dir/bin/python" -m pip install --quiet -c "$constraints" --upgrade pip >&2
+    fi
+    if ((${#pins[@]})); then
+        "$env_dir/bin/python" -m pip install --quiet -c "$constraints" "${pins[@]}" >&2
+    fi
+    if ((${#no_deps[@]})); then
+        "$env_dir/bin/python" -m pip install --quiet -c "$constraints" --no-deps "${no_deps[@]}" >&2
+    fi
+    "$env_dir/bin/python" -m pip install --quiet -c "$constraints" "$test_pin" >&2
+    printf '%s\n' "$key_text" >"$env_dir/tutti-env-pins.txt"
+}
+build_env
+# Files a distribution lists missing right after the install (a RECORD pip wrote wrong, a full
+# disk): reinstalled, and if that does not do, the environment built once more from nothing.
+repair_records
+[[ -d "$env_dir" ]] || build_env
 
 if ! "$env_dir/bin/python" -c "$check" >&2; then
     echo "engine-env: $env_dir was installed but does not load what the tests need (see above)" >&2
