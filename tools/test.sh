@@ -47,9 +47,9 @@
 # script's process group (a cancelled CI job, a closed terminal) reaches this script and not the
 # stage: SIGINT, SIGTERM or SIGHUP stops the running stage with everything it started (its
 # session, and whatever left it for a group or session of its own), prints the summary so far
-# and exits 130, 143 or 129. Every command of a stage (apt-get
-# and rustup included) runs under a time limit (generous: a cold build on two cores included), so
-# one hung test fails its stage instead of hanging CI. The scripts a stage runs
+# and exits 130, 143 or 129. Every command of a stage (apt-get and rustup included) runs under a
+# time limit (generous: a cold build on two cores included), so one hung test fails its stage
+# instead of hanging CI. The scripts a stage runs
 # (tools/python/*.sh, tools/vm-test.sh, ...) bound their own steps with `timeout` as well; each
 # such `timeout` moves into a process group of its own, which an outer `timeout`'s signal misses,
 # so those scripts run through `bounded` below: in a session of their own, all of which is killed
