@@ -316,8 +316,9 @@ fn a_file_holding_something_else_is_formatted_only_with_overwrite() {
 }
 
 /// Says why a loop-device test cannot run here and returns (the test passes as skipped), unless
-/// `TUTTI_REQUIRE_LOOP=1` is in the environment (tools/test.sh's rust stage sets it when it runs as
-/// root with losetup): then the skip fails the test, so such a machine cannot make it vanish.
+/// `TUTTI_REQUIRE_LOOP=1` is in the environment (tools/test.sh's rust stage sets it when it has
+/// just attached, formatted and mounted a loop device itself): then the skip fails the test, so
+/// such a machine cannot make it vanish.
 fn skip_without_loop(reason: &str) {
     if std::env::var_os("TUTTI_REQUIRE_LOOP").is_some_and(|value| value == "1") {
         panic!("TUTTI_REQUIRE_LOOP=1, but the loop-device test cannot run: {reason}");
