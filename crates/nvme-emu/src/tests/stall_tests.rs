@@ -19,6 +19,8 @@ use crate::{Backing, EmuConfig};
 
 /// The batch deadline the stalled controller gets (the real one is 30 s).
 const STALL_TIMEOUT: Duration = Duration::from_millis(200);
+/// How long the writes of `stop_over_a_cached_write` stay stalled before they time out.
+const IN_FLIGHT_WINDOW: Duration = Duration::from_secs(3);
 
 fn media(code: u8) -> Result<(), NvmeStatus> {
     Err(NvmeStatus::new(StatusCodeType::MediaAndDataIntegrity, code))
@@ -239,7 +241,10 @@ fn a_direct_write_the_kernel_keeps_is_never_completed_and_stops_the_controller()
 /// completing them. Returns the controller, brought up again, and the media's first 5 blocks
 /// right after the stop.
 fn stop_over_a_cached_write(name: &str, stop: impl FnOnce(&Stalled)) -> Option<(Stalled, Vec<u8>)> {
-    let mut stalled = Stalled::start(name, true)?;
+    // The writes must be seen in flight together before their stall times out: a 200 ms window
+    // was missed once by this thread's 1 ms polls on a loaded 2-core CI machine. The stop below
+    // cancels them, so the longer timeout costs no time.
+    let mut stalled = Stalled::start_with(name, true, IN_FLIGHT_WINDOW)?;
     let source = stalled.host.buffer(4096);
     source.write(0, &block(0xA)).unwrap();
     let cached = with_sgl(SubmissionEntry::write(NamespaceId(1), Lba(3), block_count(1), false), &source, 4096);
