@@ -486,16 +486,14 @@ mod tests {
         assert_eq!((pair.forwarded.load(Ordering::Relaxed), pair.dropped.load(Ordering::Relaxed)), (2, 0), "the pair's own counters");
     }
 
-    #[test]
-    fn a_pass_forwards_the_completion_head_before_the_submission_tail() {
-        // Goal: when a client gave back CQ entries and queued new commands between two passes,
-        // the controller gets the head first; the tail first would show it commands whose
-        // completions may find the CQ full (a full queue: depth - 1 in flight again).
+    /// Queue 1 of depth 8 relayed onto a recording BAR, driven by hand (`forward`), and the
+    /// client's view of its page.
+    fn relayed_queue() -> (Arc<RecordingBar>, DetachedQueueLayout, SharedRegisters, RelayedQueue) {
         let bar = Arc::new(RecordingBar::default());
         let own = layout(1, 8);
         let page = DoorbellRelay::make_page(bar.as_ref(), &own).unwrap();
         let client = SharedRegisters::new(Arc::clone(&page));
-        let mut queue = RelayedQueue {
+        let queue = RelayedQueue {
             ticket: 0,
             counters: Arc::default(),
             page: SharedRegisters::new(page),
@@ -506,6 +504,15 @@ mod tests {
             completion: Slot { offset: own.completion_doorbell_offset, ..Slot::default() },
             bad_values: BadValueWarnings::default(),
         };
+        (bar, own, client, queue)
+    }
+
+    #[test]
+    fn a_pass_forwards_the_completion_head_before_the_submission_tail() {
+        // Goal: when a client gave back CQ entries and queued new commands between two passes,
+        // the controller gets the head first; the tail first would show it commands whose
+        // completions may find the CQ full (a full queue: depth - 1 in flight again).
+        let (bar, own, client, mut queue) = relayed_queue();
         let dropped = AtomicU64::new(0);
         client.write32(own.submission_doorbell_offset, 7);
         assert_eq!(queue.forward(&dropped), 1);
@@ -550,21 +557,7 @@ mod tests {
         // dropped and counted (exactly), but the warning logged once (the first), not once per
         // value: the relay thread logs under the lock every pair's forwarding waits on. A second
         // later the next bad value is logged again, saying how many were not.
-        let bar = Arc::new(RecordingBar::default());
-        let own = layout(1, 8);
-        let page = DoorbellRelay::make_page(bar.as_ref(), &own).unwrap();
-        let client = SharedRegisters::new(Arc::clone(&page));
-        let mut queue = RelayedQueue {
-            ticket: 0,
-            counters: Arc::default(),
-            page: SharedRegisters::new(page),
-            bar: bar.clone(),
-            queue_id: 1,
-            depth: 8,
-            submission: Slot { offset: own.submission_doorbell_offset, ..Slot::default() },
-            completion: Slot { offset: own.completion_doorbell_offset, ..Slot::default() },
-            bad_values: BadValueWarnings::default(),
-        };
+        let (bar, own, client, mut queue) = relayed_queue();
         let dropped = AtomicU64::new(0);
         for value in 8..1008 {
             client.write32(own.submission_doorbell_offset, value);

@@ -629,15 +629,26 @@ impl Holdings {
     /// else); the pairs, the windows they may write and the reservations whose slots they may
     /// write are never released, and counted as leaks. Returns the pairs kept.
     pub fn leak(&mut self, store: &Mutex<StoreState>, leaks: &LeakCounters) -> u64 {
-        {
-            let store = lock(store);
-            for registration in &mut self.registrations {
-                for ticket in registration.relayed.drain(..) {
-                    store.relay.remove(&ticket);
-                }
+        self.stop_relaying(store);
+        let pairs: u64 = self.registrations.iter().map(|registration| registration.queues.len() as u64).sum();
+        self.keep_for_good(pairs, leaks, "a session ended without knowing whether its client still rings its queues");
+        pairs
+    }
+
+    /// The relay forwards nothing more for the session's pairs.
+    fn stop_relaying(&mut self, store: &Mutex<StoreState>) {
+        let store = lock(store);
+        for registration in &mut self.registrations {
+            for ticket in registration.relayed.drain(..) {
+                store.relay.remove(&ticket);
             }
         }
-        let pairs: u64 = self.registrations.iter().map(|registration| registration.queues.len() as u64).sum();
+    }
+
+    /// Counts `pairs` queue pairs, the windows and the reservations as leaks, says so with
+    /// `why`, and keeps the windows and device memory mapped for good (the pairs themselves are
+    /// the caller's to keep); the reservations are never released, so their slots never reused.
+    fn keep_for_good(&mut self, pairs: u64, leaks: &LeakCounters, why: &str) {
         let window_bytes: u64 = self.registrations.iter().map(|registration| registration.window.len() as u64).sum();
         leaks.queue_pairs.fetch_add(pairs, Ordering::Relaxed);
         leaks.windows.fetch_add(self.registrations.len() as u64, Ordering::Relaxed);
@@ -648,26 +659,17 @@ impl Holdings {
             windows = self.registrations.len(),
             window_bytes,
             requests = self.handles.len(),
-            "a session ended without knowing whether its client still rings its queues: its queue pairs, windows and \
-             reservations are kept, for good"
+            "{why}: its queue pairs, windows and reservations are kept, for good"
         );
         std::mem::forget(std::mem::take(&mut self.registrations));
         std::mem::forget(std::mem::take(&mut self.device_memory));
         self.handles.clear();
-        pairs
     }
 
     pub fn release(&mut self, store: &Mutex<StoreState>, leaks: &LeakCounters) -> u64 {
         // 1. The relay forwards nothing more for the session's pairs: a doorbell forwarded after
         //    a deletion would land on whichever queue gets the id next.
-        {
-            let store = lock(store);
-            for registration in &mut self.registrations {
-                for ticket in registration.relayed.drain(..) {
-                    store.relay.remove(&ticket);
-                }
-            }
-        }
+        self.stop_relaying(store);
         // 2. Queue pairs: the controller must confirm each deletion before anything they could
         //    write (the window, the slots of the session's reservations) is reused.
         let mut undeleted = Vec::new();
@@ -681,25 +683,11 @@ impl Holdings {
         }
         if !undeleted.is_empty() {
             let count = undeleted.len() as u64;
-            leaks.queue_pairs.fetch_add(count, Ordering::Relaxed);
-            let window_bytes: u64 = self.registrations.iter().map(|registration| registration.window.len() as u64).sum();
-            leaks.windows.fetch_add(self.registrations.len() as u64, Ordering::Relaxed);
-            leaks.window_bytes.fetch_add(window_bytes, Ordering::Relaxed);
-            leaks.requests.fetch_add(self.handles.len() as u64, Ordering::Relaxed);
-            tracing::error!(
-                queue_pairs = count,
-                windows = self.registrations.len(),
-                window_bytes,
-                requests = self.handles.len(),
-                "a session ended with queue pairs that could not be deleted: its windows stay mapped and its reservations held, for good"
-            );
             // Kept for good: the pairs (dropping one would try again and then leak its rings
             // anyway), the windows they may write, and the reservations whose slots they may
             // write (never released, so never reused).
             std::mem::forget(undeleted);
-            std::mem::forget(std::mem::take(&mut self.registrations));
-            std::mem::forget(std::mem::take(&mut self.device_memory));
-            self.handles.clear();
+            self.keep_for_good(count, leaks, "a session ended with queue pairs that could not be deleted");
             return count;
         }
         // 3. Reservations: an uncommitted store's slots go back free, invisible.
