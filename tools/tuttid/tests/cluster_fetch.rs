@@ -9,17 +9,49 @@
 //! TUTTI_REQUIRE_ETCD=1 (the cluster stage of tools/test.sh). The nodes and the registry reader
 //! are `common::cluster`'s (16-block segments, 48-slot pools, a 2 s lease unless a test sets one).
 
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use tutti_cluster::layout::KeyLayout;
 use tutti_cluster::local_etcd::LocalEtcd;
-use tutti_cluster::{ClusterId, NodeId};
+use tutti_cluster::{ClusterClient, ClusterId, NodeId};
 use tutti_daemon::protocol::{RegistryAnswer, RemoteHolder};
-use tutti_daemon::{DaemonError, ErrorCode};
+use tutti_daemon::{Client, DaemonError, ErrorCode};
 
 mod common;
 use common::cluster::{client_of, holders, members, reader, store, wait_for, Node, BLOCK_TOKENS, CLUSTER, LEASE, PROMPT_BLOCKS, SOON};
 use common::{hello, store_prompt};
+
+/// Nodes a and b started and joined, a holding prompt `seed`'s two segments, registered.
+/// `a_format_extra`: more of a's format options (e.g. `--payload-crc`).
+fn two_nodes_a_holding(
+    etcd: &LocalEtcd,
+    root: &Path,
+    reader: &ClusterClient,
+    seed: u32,
+    a_format_extra: Vec<&'static str>,
+) -> (Node, Node) {
+    let (mut a, mut b) = (Node::new(root, "a"), Node::new(root, "b"));
+    a.format_extra = a_format_extra;
+    a.start(etcd, true);
+    b.start(etcd, true);
+    wait_for("both nodes join", SOON, || members(reader) == ["a", "b"]);
+    store(&a, seed);
+    wait_for("a's segments registered", SOON, || holders(reader, seed) == [["a"], ["a"]]);
+    (a, b)
+}
+
+/// On b, a client named `name` fetches prompt `seed` (all 32 blocks from a), then a store on b
+/// retrieves them byte-exact. Returns the prompt's tokens and the client.
+fn fetch_onto_b_byte_exact(b: &Node, seed: u32, name: &str) -> (Vec<u32>, Client) {
+    let tokens = common::prompt(seed, PROMPT_BLOCKS, BLOCK_TOKENS);
+    let mut on_b = b.daemon().client();
+    on_b.hello(&hello(0, 1, name)).unwrap();
+    assert_eq!(on_b.fetch_remote(&tokens).unwrap(), (32, 32));
+    let mut store_b = b.connect();
+    assert_eq!(common::retrieve_prompt(&mut store_b, seed, 0, 32).expect("retrieve on b"), 0, "wrong bytes on b");
+    (tokens, on_b)
+}
 
 #[test]
 fn a_cluster_lookup_finds_what_other_nodes_hold_past_the_local_prefix_in_one_round_trip() {
@@ -32,12 +64,7 @@ fn a_cluster_lookup_finds_what_other_nodes_hold_past_the_local_prefix_in_one_rou
     let Some(mut etcd) = LocalEtcd::start_or_skip(1) else { return };
     let root = tempfile::tempdir().unwrap();
     let reader = reader(&etcd);
-    let (mut a, mut b) = (Node::new(root.path(), "a"), Node::new(root.path(), "b"));
-    a.start(&etcd, true);
-    b.start(&etcd, true);
-    wait_for("both nodes join", SOON, || members(&reader) == ["a", "b"]);
-    store(&a, 8);
-    wait_for("a's segments registered", SOON, || holders(&reader, 8) == [["a"], ["a"]]);
+    let (a, b) = two_nodes_a_holding(&etcd, root.path(), &reader, 8, Vec::new());
     let tokens = common::prompt(8, PROMPT_BLOCKS, BLOCK_TOKENS);
     let mut on_b = b.daemon().client();
     on_b.hello(&hello(0, 1, "lookup-b")).unwrap();
@@ -90,18 +117,8 @@ fn a_node_reads_another_nodes_segments_byte_exact_and_serves_them_locally_after(
     let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
     let root = tempfile::tempdir().unwrap();
     let reader = reader(&etcd);
-    let (mut a, mut b) = (Node::new(root.path(), "a"), Node::new(root.path(), "b"));
-    a.start(&etcd, true);
-    b.start(&etcd, true);
-    wait_for("both nodes join", SOON, || members(&reader) == ["a", "b"]);
-    store(&a, 9);
-    wait_for("a's segments registered", SOON, || holders(&reader, 9) == [["a"], ["a"]]);
-    let tokens = common::prompt(9, PROMPT_BLOCKS, BLOCK_TOKENS);
-    let mut on_b = b.daemon().client();
-    on_b.hello(&hello(0, 1, "fetch-b")).unwrap();
-    assert_eq!(on_b.fetch_remote(&tokens).unwrap(), (32, 32));
-    let mut store_b = b.connect();
-    assert_eq!(common::retrieve_prompt(&mut store_b, 9, 0, 32).expect("retrieve on b"), 0, "wrong bytes on b");
+    let (a, b) = two_nodes_a_holding(&etcd, root.path(), &reader, 9, Vec::new());
+    let (tokens, mut on_b) = fetch_onto_b_byte_exact(&b, 9, "fetch-b");
     let answer = on_b.lookup_cluster(&tokens).unwrap();
     assert_eq!((answer.cached_blocks, answer.remote_blocks), (32, 0));
     assert_eq!(on_b.fetch_remote(&tokens).unwrap(), (32, 0), "nothing more to fetch");
@@ -120,13 +137,7 @@ fn a_holder_never_sends_a_block_its_own_pool_says_is_damaged() {
     let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
     let root = tempfile::tempdir().unwrap();
     let reader = reader(&etcd);
-    let (mut a, mut b) = (Node::new(root.path(), "a"), Node::new(root.path(), "b"));
-    a.format_extra = vec!["--payload-crc"];
-    a.start(&etcd, true);
-    b.start(&etcd, true);
-    wait_for("both nodes join", SOON, || members(&reader) == ["a", "b"]);
-    store(&a, 12);
-    wait_for("a's segments registered", SOON, || holders(&reader, 12) == [["a"], ["a"]]);
+    let (a, b) = two_nodes_a_holding(&etcd, root.path(), &reader, 12, vec!["--payload-crc"]);
     // Block 20 (in segment 1): found on a's pool file by its pattern, its first bytes flipped.
     let image = a.directory.join("pool");
     let pattern: Vec<u8> = (0..64).map(|at| common::pattern_byte(12, 0, 20, at)).collect();
@@ -226,12 +237,7 @@ fn an_idle_node_whose_member_key_was_deleted_is_listed_again_and_read_from() {
     let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
     let root = tempfile::tempdir().unwrap();
     let reader = reader(&etcd);
-    let (mut a, mut b) = (Node::new(root.path(), "a"), Node::new(root.path(), "b"));
-    a.start(&etcd, true);
-    b.start(&etcd, true);
-    wait_for("both nodes join", SOON, || members(&reader) == ["a", "b"]);
-    store(&a, 13);
-    wait_for("a's segments registered", SOON, || holders(&reader, 13) == [["a"], ["a"]]);
+    let (a, b) = two_nodes_a_holding(&etcd, root.path(), &reader, 13, Vec::new());
     let old_lease = a.status().lease_id;
     let layout = KeyLayout::new(ClusterId::new(CLUSTER).unwrap());
     etcd.delete_key(&layout.member_key(&NodeId::new("a").unwrap())).unwrap();
@@ -243,10 +249,5 @@ fn an_idle_node_whose_member_key_was_deleted_is_listed_again_and_read_from() {
     let status = a.status();
     assert_ne!(status.lease_id, old_lease, "{status:?}");
     assert_eq!((status.lease_losses, status.joins), (1, 2), "{status:?}");
-    let tokens = common::prompt(13, PROMPT_BLOCKS, BLOCK_TOKENS);
-    let mut on_b = b.daemon().client();
-    on_b.hello(&hello(0, 1, "rejoined-b")).unwrap();
-    assert_eq!(on_b.fetch_remote(&tokens).unwrap(), (32, 32));
-    let mut store_b = b.connect();
-    assert_eq!(common::retrieve_prompt(&mut store_b, 13, 0, 32).expect("retrieve on b"), 0, "wrong bytes on b");
+    fetch_onto_b_byte_exact(&b, 13, "rejoined-b");
 }

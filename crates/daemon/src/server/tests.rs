@@ -57,6 +57,20 @@ impl InProcess {
         Client::connect(&self.socket, Duration::from_secs(5)).expect("connect")
     }
 
+    /// The daemon's status once `done` holds of it, asked every 20 ms until `WAIT`; past that
+    /// the test fails with `what` and the last status.
+    fn status_once(&self, what: &str, done: impl Fn(&crate::protocol::StatusReply) -> bool) -> crate::protocol::StatusReply {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let status = self.client().status().unwrap();
+            if done(&status) {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "{what}: {status:?}");
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// Stops the daemon; how long `serve` took to return after that (`None`: not within `WAIT`).
     fn stop(&mut self) -> Option<Duration> {
         let stopping = Instant::now();
@@ -199,16 +213,10 @@ fn a_connection_thread_that_panics_still_releases_its_session() {
     assert!(held.pool.writing_slots > 0, "{:?}", held.pool);
     let answered = store.client().ping();
     assert!(answered.is_err(), "the panicking connection answered {answered:?}");
-    let deadline = Instant::now() + WAIT;
-    let released = loop {
-        let status = daemon.client().status().unwrap();
-        // The status query's own connection is the one counted.
-        if status.clients.is_empty() && status.relay.queues == 0 && status.connections == 1 {
-            break status;
-        }
-        assert!(Instant::now() < deadline, "the panicked session was not released: {status:?}");
-        thread::sleep(Duration::from_millis(20));
-    };
+    // The status query's own connection is the one counted.
+    let released = daemon.status_once("the panicked session was not released", |status| {
+        status.clients.is_empty() && status.relay.queues == 0 && status.connections == 1
+    });
     assert_eq!((released.leaked_queue_pairs, released.pool.writing_slots), (0, 0), "{released:?}");
     drop(store);
     // The freed queue pair serves the next client.
@@ -232,19 +240,12 @@ fn a_panic_while_awaiting_a_clients_exit_keeps_its_session_instead_of_releasing_
     let tokens: Vec<u32> = (0..64).collect();
     store.prepare_store(&KvRequest { tokens: &tokens, block_ids: &[0, 1, 2, 3] }).expect("prepare_store");
     assert!(store.client().ping().is_err(), "the panicking connection answered");
-    let deadline = Instant::now() + WAIT;
-    let ended = loop {
-        let status = daemon.client().status().unwrap();
-        if status.clients.is_empty() && status.connections == 1 {
-            break status;
-        }
-        assert!(Instant::now() < deadline, "the session did not end: {status:?}");
-        thread::sleep(Duration::from_millis(20));
-    };
+    let ended = daemon.status_once("the session did not end", |status| status.clients.is_empty() && status.connections == 1);
     assert!(ended.leaked_queue_pairs >= 1, "the session's queue pairs were released, not kept: {ended:?}");
     assert!(ended.pool.writing_slots > 0, "the session's reservation was released, not kept: {:?}", ended.pool);
-    std::mem::forget(store); // its memory is the daemon's for good now
-                             // The daemon serves on.
+    // Its memory is the daemon's for good now.
+    std::mem::forget(store);
+    // The daemon serves on.
     let mut next = RemoteKvStore::connect(&daemon.socket, &hello("next"), &config).expect("attach after the panics");
     next.client().ping().unwrap();
     drop(next);
