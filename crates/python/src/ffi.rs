@@ -441,7 +441,7 @@ pub fn close_inherited_copy(fd: std::os::fd::RawFd, identity: (u64, u64)) -> boo
 }
 
 /// Tests: forks; the child runs `check` (async-signal-safe work only) and exits with what it
-/// returned; the parent waits for it (bounded by `check`) and returns that exit status.
+/// returned; the parent waits for it (at most 10 s) and returns that exit status.
 #[cfg(test)]
 pub fn fork_for_tests(check: impl FnOnce() -> i32) -> i32 {
     extern "C" {
@@ -457,9 +457,18 @@ pub fn fork_for_tests(check: impl FnOnce() -> i32) -> i32 {
         // SAFETY: leaves the child at once, running no destructor or atexit handler.
         unsafe { _exit(status) };
     }
+    // Bounded: asked without blocking (WNOHANG) until a deadline; a child that hangs fails the test.
+    const WNOHANG: std::ffi::c_int = 1;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     let mut status = 0;
-    // SAFETY: `status` is a valid out-pointer for the call.
-    let reaped = unsafe { waitpid(pid, &mut status, 0) };
-    assert_eq!(reaped, pid, "waitpid");
-    (status >> 8) & 0xff
+    loop {
+        // SAFETY: `status` is a valid out-pointer for the call.
+        let reaped = unsafe { waitpid(pid, &mut status, WNOHANG) };
+        if reaped == pid {
+            return (status >> 8) & 0xff;
+        }
+        assert_eq!(reaped, 0, "waitpid");
+        assert!(std::time::Instant::now() < deadline, "the forked child did not exit within 10 s");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
 }
