@@ -176,6 +176,18 @@ pub struct Cli {
     #[arg(long = "attach-client", hide = true, requires = "attach")]
     pub attach_client: Option<u32>,
 
+    /// Let the kv workload format a pool over an emu: device that holds something other than a
+    /// tutti pool (a file system, a partition table, any non-zero bytes in a file's first MiB;
+    /// a block device that is not a tutti pool), destroying it, as `tutti pool format
+    /// --overwrite` does. Without it such a device is refused, naming what it holds.
+    #[arg(long)]
+    pub overwrite: bool,
+
+    /// Where `vfio:` devices' lock files live: tuttid's `--lock-dir`, so that a run is refused
+    /// on a device tuttid or `tutti pool` is using (emu: files are locked themselves).
+    #[arg(long = "lock-dir", default_value = tutti_devices::DEFAULT_LOCK_DIR)]
+    pub lock_dir: PathBuf,
+
     /// Keep the temporary pool file of the default run.
     #[arg(long)]
     pub keep: bool,
@@ -225,7 +237,7 @@ const RAW_OPTIONS: [&str; 13] = [
     "shadow_doorbells",
     "cpus_allowed",
 ];
-const KV_OPTIONS: [&str; 16] = [
+const KV_OPTIONS: [&str; 17] = [
     "model",
     "model_config",
     "layers",
@@ -242,6 +254,7 @@ const KV_OPTIONS: [&str; 16] = [
     "blocks_per_slot",
     "attach",
     "clients",
+    "overwrite",
 ];
 
 /// The workload a command line selects. Presentation options (--output-format, --keep,

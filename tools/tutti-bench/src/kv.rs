@@ -157,7 +157,8 @@ pub fn run(cli: &Cli) -> anyhow::Result<()> {
         }
     }
     let create_bytes = (plan.pool == PoolMode::Format).then(|| plan.pool_bytes_per_device(1));
-    crate::run::with_devices(cli, create_bytes, false, true, |specs, created| run_plan(specs, &plan, cli.output_format, created))
+    let access = if plan.pool == PoolMode::Format { crate::run::Access::Formats } else { crate::run::Access::WritesPool };
+    crate::run::with_devices(cli, create_bytes, false, access, |specs, created| run_plan(specs, &plan, cli.output_format, created))
 }
 
 pub(crate) fn check_plan(plan: &KvPlan) -> anyhow::Result<()> {

@@ -16,7 +16,7 @@ use crate::progress::with_progress;
 use crate::report::{phase_json, phase_text, PhaseResult};
 use crate::workloads::{run_phase, PhasePlan, Progress, VerifyMode};
 use crate::{usage, Unusable};
-use tutti_devices::{BlockDeviceClaims, HostBlockDevices};
+use tutti_devices::{BlockDeviceClaims, DeviceLocks, HostBlockDevices};
 
 /// Largest pool file the default run creates, and the share of the free space it may take.
 const DEFAULT_POOL_BYTES_MAX: u64 = 1 << 30;
@@ -65,7 +65,8 @@ pub fn run(cli: &Cli, selected: Selected, matches: &ArgMatches) -> anyhow::Resul
             validate_raw(cli)?;
             let end_bytes = cli.size.map(|size| region_end(cli.offset, size)).transpose()?;
             let lay_out = !raw_writes(cli);
-            with_devices(cli, end_bytes, lay_out, raw_writes(cli), |devices, created| run_raw(cli, devices, created))
+            let access = if raw_writes(cli) { Access::Writes } else { Access::Reads };
+            with_devices(cli, end_bytes, lay_out, access, |devices, created| run_raw(cli, devices, created))
         }
     }
 }
@@ -86,6 +87,19 @@ fn region_end(offset: u64, size: u64) -> anyhow::Result<u64> {
     })
 }
 
+/// What a run does to its devices, for the checks before it starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// Only reads (a raw read pattern).
+    Reads,
+    /// Writes where the run's own I/O lands (a raw write pattern, `--verify`).
+    Writes,
+    /// Formats a pool over whatever the devices held (the kv workload without `--keep-pool`).
+    Formats,
+    /// Writes into the pool already on the devices (`--keep-pool`, `--retrieve-only`).
+    WritesPool,
+}
+
 /// Runs `body` on the devices the command line names or, when it names none, on a temporary
 /// pool file on the software controller (`bytes`, or the default size; with `lay_out` written
 /// with data first, so that a run that only reads hits real blocks, as `prepare_file` does for
@@ -95,7 +109,7 @@ pub fn with_devices(
     cli: &Cli,
     bytes: Option<u64>,
     lay_out: bool,
-    writes: bool,
+    access: Access,
     body: impl FnOnce(&[DeviceSpec], &mut CreatedFiles) -> anyhow::Result<()>,
 ) -> anyhow::Result<()> {
     if let Some(spec) = cli.emu_timing.and(cli.devices.iter().find(|spec| !spec.is_emulated())) {
@@ -114,10 +128,13 @@ pub fn with_devices(
     if cli.keep {
         created.keep();
     }
+    // One user per pool, readers included, as tuttid and `tutti pool` take it: held to the end,
+    // so that neither formats or writes under the other, nor reads a pool mid-write.
+    let _locks = lock_devices(&devices, &cli.lock_dir)?;
     // A run that writes claims every block device it names (O_EXCL, held to the end): one that
     // is mounted, swap or under device-mapper/MD is refused before a byte is written, and
     // nothing mounts it meanwhile. A run that only reads, like fio's, may read a disk in use.
-    let _claims = if !writes {
+    let claims = if access == Access::Reads {
         BlockDeviceClaims::default()
     } else {
         match BlockDeviceClaims::acquire(&devices, &HostBlockDevices) {
@@ -126,6 +143,16 @@ pub fn with_devices(
             Err(error) => return Err(error.into()),
         }
     };
+    // Formatting destroys what a device holds: as `tutti pool format` and `tuttid --format`,
+    // refuse a device holding something other than a tutti pool unless told to overwrite it.
+    // A raw write is fio's and writes where it is told, like fio.
+    if access == Access::Formats && !cli.overwrite {
+        match tutti_devices::refuse_foreign_contents(&devices, &claims) {
+            Ok(()) => {}
+            Err(error @ tutti_devices::DeviceError::ForeignContents { .. }) => return usage(error.to_string()),
+            Err(error) => return Err(error.into()),
+        }
+    }
     let result = body(&devices, &mut created);
     if !cli.devices.is_empty() {
         if result.is_ok() {
@@ -135,6 +162,29 @@ pub fn with_devices(
         eprintln!("pool file: {} ({})", path.display(), if cli.keep { "kept" } else { "removed" });
     }
     result
+}
+
+/// Takes tuttid's lock ([`DeviceLocks`]) on every device of `devices` that has one: an `emu:`
+/// or `uring:` file or block device (the file itself), a `vfio:` function
+/// (`LOCK_DIR/vfio-BDF.lock`). Another holder is unusable input, named. A file that does not
+/// exist yet is not locked: the run creates it (`create_new`, so it cannot be another's).
+fn lock_devices(devices: &[DeviceSpec], lock_dir: &Path) -> anyhow::Result<Vec<DeviceLocks>> {
+    let mut locks = Vec::with_capacity(devices.len());
+    for spec in devices {
+        // uring: opens the same file an emu: spec would, and tuttid locks that file itself.
+        let locked = match spec {
+            DeviceSpec::Uring(path) => DeviceSpec::EmuFile(path.clone()),
+            other => other.clone(),
+        };
+        match DeviceLocks::acquire(std::slice::from_ref(&locked), lock_dir, false) {
+            Ok(held) => locks.push(held),
+            Err(tutti_devices::DeviceError::DeviceInUse { lock, holder, .. }) => {
+                return usage(tutti_devices::DeviceError::DeviceInUse { spec: spec.to_string(), lock, holder }.to_string())
+            }
+            Err(error) => return Err(error.into()),
+        }
+    }
+    Ok(locks)
 }
 
 fn check_executor(executor: Executor) -> anyhow::Result<()> {

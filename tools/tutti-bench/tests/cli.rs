@@ -748,3 +748,57 @@ fn raw_options_with_the_kv_and_serve_workloads_are_refused_naming_them() {
     assert_refused(&["--policy=all", "--size", "1m"], &["--size", "--workload=raw"]);
     assert_refused(&["--device", "emu:mem:16m", "--verify", "--runtime", "5"], &["--verify", "--runtime"]);
 }
+
+/// A file of `bytes` zeroes but for ext4's superblock magic (at byte 1080, as mkfs writes it).
+fn ext4_image(path: &Path, bytes: usize) -> Vec<u8> {
+    let mut image = vec![0u8; bytes];
+    image[1080..1082].copy_from_slice(&[0x53, 0xef]);
+    std::fs::write(path, &image).unwrap();
+    image
+}
+
+#[test]
+fn a_pool_file_another_process_holds_is_refused_and_left_untouched() {
+    // Goal: one user per pool. tuttid, `tutti pool` and Python's Store hold an exclusive flock
+    // on each emu: file they use; a bench run that would write over it (kv format, a raw write)
+    // or read it under them is refused with status 2 ("in use") before a byte moves.
+    let directory = tempfile::tempdir().unwrap();
+    let pool = directory.path().join("pool.img");
+    let original: Vec<u8> = (0..128u32 << 20).map(|index| (index % 251) as u8).collect();
+    std::fs::write(&pool, &original).unwrap();
+    let holder = std::fs::File::open(&pool).unwrap();
+    let _held = nix::fcntl::Flock::lock(holder, nix::fcntl::FlockArg::LockExclusiveNonblock).map_err(|(_, errno)| errno).unwrap();
+    let device = format!("emu:{}", pool.display());
+    let kv = small_kv_run(&[&device]);
+    let mut kv_overwrite = kv.clone();
+    kv_overwrite.push("--overwrite");
+    for arguments in [
+        kv,
+        kv_overwrite,
+        vec!["--device", &device, "--rw=write", "--bs=4k", "--size=1m"],
+        vec!["--device", &device, "--rw=read", "--bs=4k", "--size=1m"],
+    ] {
+        assert_refused(&arguments, &["in use", &pool.display().to_string()]);
+        assert!(std::fs::read(&pool).unwrap() == original, "{arguments:?} changed the held file");
+    }
+}
+
+#[test]
+fn a_kv_run_refuses_to_format_over_a_file_system_unless_told_to_overwrite() {
+    // Goal: the kv workload formats a pool, which destroys what the file held; like `tutti pool
+    // format` and `tuttid --format` it refuses a file holding something else (here ext4's
+    // magic), naming what it found, unless given --overwrite.
+    let directory = tempfile::tempdir().unwrap();
+    let image = directory.path().join("vm.img");
+    let original = ext4_image(&image, 128 << 20);
+    let device = format!("emu:{}", image.display());
+    assert_refused(&small_kv_run(&[&device]), &["ext2/3/4", "--overwrite"]);
+    assert!(std::fs::read(&image).unwrap() == original, "the refused run changed the image");
+    let mut overwrite = small_kv_run(&[&device]);
+    overwrite.push("--overwrite");
+    let output = bench(&overwrite);
+    assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
+    // A pool the bench formatted is reformatted without being told.
+    let again = bench(&small_kv_run(&[&device]));
+    assert_eq!(again.status.code(), Some(0), "{}", stderr(&again));
+}
