@@ -12,16 +12,20 @@
 //! [`OwnedFd`]s from the moment they arrive). Received descriptors are close-on-exec.
 #![allow(unsafe_code)]
 
-use std::io::{self, IoSlice, IoSliceMut};
+use std::io::{self, IoSlice};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 
 use nix::errno::Errno;
-use nix::sys::socket::{recvmsg, sendmsg, ControlMessage, ControlMessageOwned, MsgFlags};
+use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
 
 /// Most descriptors one frame may carry (a memfd per device's register page on a node with a
 /// few SSDs, or one KV memfd).
 pub const FDS_PER_FRAME_MAX: usize = 8;
+
+/// Linux's cap on descriptors in one message (`SCM_MAX_FD`, include/net/scm.h): the most one
+/// `recvmsg` can install, whatever the sender attempts.
+const SCM_MAX_FD: usize = 253;
 
 /// Sends `bytes` (as much as one `sendmsg` takes without waiting, `MSG_DONTWAIT`; the caller
 /// waits for room and sends the rest: `crate::frame_io`) with `fds` attached to its first byte.
@@ -52,36 +56,50 @@ pub fn send_with_fds(stream: &UnixStream, bytes: &[u8], fds: &[BorrowedFd<'_>]) 
     }
 }
 
+/// Bytes of control buffer for [`SCM_MAX_FD`] descriptors: the kernel never has to truncate
+/// an SCM_RIGHTS message (which would install some descriptors and report the rest lost), so
+/// "too many" is always seen whole and refused.
+// SAFETY: CMSG_SPACE is arithmetic on its argument (it reads no memory).
+const CONTROL_BYTES: usize = unsafe { nix::libc::CMSG_SPACE((SCM_MAX_FD * size_of::<RawFd>()) as u32) } as usize;
+
+/// The control buffer in `u64`s: `cmsghdr`s are read in place, so the buffer must be aligned
+/// for them (the kernel writes each at a `CMSG_ALIGN`ed offset from the start).
+const CONTROL_WORDS: usize = CONTROL_BYTES.div_ceil(size_of::<u64>());
+const _: () = assert!(align_of::<u64>() >= align_of::<nix::libc::cmsghdr>());
+
 /// Reads into `buffer` (one `recvmsg`, like `read`), appending descriptors that came with the
-/// bytes to `fds`. 0 means the peer closed. More than `FDS_PER_FRAME_MAX` in `fds` in all, or a
-/// truncated control message, is an error (`InvalidData`); the descriptors are then closed.
+/// bytes to `fds`. 0 means the peer closed. More than `FDS_PER_FRAME_MAX` in `fds` in all, a
+/// control message other than SCM_RIGHTS, or a truncated control message, is an error
+/// (`InvalidData`); every descriptor in `fds` is then closed, those the kernel installed before
+/// it truncated included.
 pub fn recv_with_fds(stream: &UnixStream, buffer: &mut [u8], fds: &mut Vec<OwnedFd>) -> io::Result<usize> {
-    // Room for one more than allowed, so that "too many" is seen rather than truncated away.
-    let mut control = nix::cmsg_space!([RawFd; FDS_PER_FRAME_MAX + 1]);
-    let mut slices = [IoSliceMut::new(buffer)];
-    let message = loop {
-        match recvmsg::<()>(stream.as_raw_fd(), &mut slices, Some(&mut control), MsgFlags::MSG_CMSG_CLOEXEC) {
-            Ok(message) => break message,
-            Err(Errno::EINTR) => continue,
-            Err(errno) => return Err(io::Error::from(errno)),
+    let mut control = [0u64; CONTROL_WORDS];
+    let mut data = nix::libc::iovec { iov_base: buffer.as_mut_ptr().cast(), iov_len: buffer.len() };
+    // The raw call rather than nix's: nix refuses to walk a control buffer the kernel marked
+    // truncated (`cmsgs()` is ENOBUFS), but the descriptors it installed before truncating are
+    // in this process's table all the same and must be found and closed.
+    let (received, header) = loop {
+        // SAFETY: an all-zero `msghdr` is a valid value (null pointers, zero lengths); the
+        // fields that matter are set below.
+        let mut header: nix::libc::msghdr = unsafe { std::mem::zeroed() };
+        header.msg_iov = &mut data;
+        header.msg_iovlen = 1;
+        header.msg_control = control.as_mut_ptr().cast();
+        header.msg_controllen = CONTROL_BYTES as _;
+        // SAFETY: `header` points at one iovec over `buffer` (exclusively borrowed, its length)
+        // and at `control` (CONTROL_BYTES, within its CONTROL_WORDS words); both outlive the
+        // call, and the kernel writes no further than the lengths given.
+        let count = unsafe { nix::libc::recvmsg(stream.as_raw_fd(), &mut header, nix::libc::MSG_CMSG_CLOEXEC) };
+        match usize::try_from(count) {
+            Ok(count) => break (count, header),
+            Err(_) => match Errno::last() {
+                Errno::EINTR => continue,
+                errno => return Err(io::Error::from(errno)),
+            },
         }
     };
-    let received = message.bytes;
-    let truncated = message.flags.contains(MsgFlags::MSG_CTRUNC);
-    let mut other_control = false;
-    for control_message in message.cmsgs().map_err(io::Error::from)? {
-        match control_message {
-            ControlMessageOwned::ScmRights(raw) => {
-                for fd in raw {
-                    // SAFETY: the kernel installed `fd` in this process's table for this
-                    // recvmsg and returned it to us alone; nothing else knows or closes it, so
-                    // adopting it as the one owner is sound (dropping it closes it once).
-                    fds.push(unsafe { OwnedFd::from_raw_fd(fd) });
-                }
-            }
-            _ => other_control = true,
-        }
-    }
+    let truncated = header.msg_flags & nix::libc::MSG_CTRUNC != 0;
+    let other_control = adopt_descriptors(&header, fds);
     if truncated || fds.len() > FDS_PER_FRAME_MAX || other_control {
         let count = fds.len();
         fds.clear();
@@ -95,6 +113,57 @@ pub fn recv_with_fds(stream: &UnixStream, buffer: &mut [u8], fds: &mut Vec<Owned
         return Err(io::Error::new(io::ErrorKind::InvalidData, format!("descriptors refused: {reason}")));
     }
     Ok(received)
+}
+
+/// Walks the control messages `header` describes after a successful `recvmsg` (truncated or
+/// not) and adopts every descriptor of every SCM_RIGHTS message into `fds`, so that none stays
+/// open unowned whatever is decided about them. Returns whether another kind of message came.
+// msg_controllen and cmsg_len are size_t with glibc (the casts are no-ops) but socklen_t with musl.
+#[allow(clippy::unnecessary_cast)]
+fn adopt_descriptors(header: &nix::libc::msghdr, fds: &mut Vec<OwnedFd>) -> bool {
+    let start = header.msg_control as usize;
+    // The kernel set msg_controllen to the bytes it wrote; never more than the buffer.
+    let written = (header.msg_controllen as usize).min(CONTROL_BYTES);
+    // SAFETY: CMSG_LEN is arithmetic on its argument.
+    let data_offset = unsafe { nix::libc::CMSG_LEN(0) } as usize;
+    let mut other_control = false;
+    // SAFETY: `header` came back from recvmsg: msg_control points at the caller's live control
+    // buffer and msg_controllen at most its length. CMSG_FIRSTHDR reads only `header`.
+    let mut message = unsafe { nix::libc::CMSG_FIRSTHDR(header) };
+    while !message.is_null() {
+        // SAFETY: CMSG_FIRSTHDR and CMSG_NXTHDR return only headers that lie whole within the
+        // first msg_controllen bytes of the buffer, at CMSG_ALIGNed offsets of an 8-aligned
+        // buffer: aligned, initialized (zeroed, then written by the kernel) and not written by
+        // anything while this reads them.
+        let (level, kind, length) = unsafe { ((*message).cmsg_level, (*message).cmsg_type, (*message).cmsg_len as usize) };
+        if level == nix::libc::SOL_SOCKET && kind == nix::libc::SCM_RIGHTS {
+            // The descriptors in it: what cmsg_len claims, but never past what the kernel wrote
+            // (cmsg_len comes from the kernel; the bound costs nothing and keeps reads inside).
+            let offset = (message as usize).saturating_sub(start);
+            let room = written.saturating_sub(offset).saturating_sub(data_offset);
+            let count = length.saturating_sub(data_offset).min(room) / size_of::<RawFd>();
+            // SAFETY: CMSG_DATA is arithmetic on the header's address (just past it).
+            let first = unsafe { nix::libc::CMSG_DATA(message) }.cast::<RawFd>();
+            for index in 0..count {
+                // SAFETY: `index < count` keeps the read inside the message's data and inside
+                // the bytes the kernel wrote (`room` above); read_unaligned because the data
+                // need only be int-aligned by the kernel's layout, not by Rust's reading.
+                let fd = unsafe { first.add(index).read_unaligned() };
+                if fd >= 0 {
+                    // SAFETY: the kernel installed `fd` in this process's table for this
+                    // recvmsg and returned it to us alone; nothing else knows or closes it, so
+                    // adopting it as the one owner is sound (dropping it closes it once).
+                    fds.push(unsafe { OwnedFd::from_raw_fd(fd) });
+                }
+            }
+        } else {
+            other_control = true;
+        }
+        // SAFETY: `message` is a valid header within the buffer `header` describes (above);
+        // CMSG_NXTHDR returns null rather than a header that would not fit in msg_controllen.
+        message = unsafe { nix::libc::CMSG_NXTHDR(header, message) };
+    }
+    other_control
 }
 
 #[cfg(test)]
@@ -138,17 +207,62 @@ mod tests {
         assert_eq!(contents, ["alpha", "beta"]);
     }
 
-    #[test]
-    fn too_many_descriptors_are_refused_and_closed() {
-        // Goal: a peer sending more than the cap (as raw sendmsg would) gets nothing adopted.
+    /// A pipe whose read end does not block: it reads `Ok(0)` once every copy of the write end,
+    /// wherever it went, is closed, and `WouldBlock` while one is still open (a leaked copy).
+    fn pipe_with_nonblocking_reader() -> (std::io::PipeReader, std::io::PipeWriter) {
+        let (reader, writer) = std::io::pipe().unwrap();
+        let flags = nix::fcntl::fcntl(&reader, nix::fcntl::FcntlArg::F_GETFL).unwrap();
+        let flags = nix::fcntl::OFlag::from_bits_retain(flags) | nix::fcntl::OFlag::O_NONBLOCK;
+        nix::fcntl::fcntl(&reader, nix::fcntl::FcntlArg::F_SETFL(flags)).unwrap();
+        (reader, writer)
+    }
+
+    /// Sends `count` copies of `fd` with one byte in one raw `sendmsg` (as a peer that ignores
+    /// the cap would), then checks that `recv_with_fds` refuses them and that every copy the
+    /// kernel installed here was closed: the pipe's read end sees end-of-file.
+    fn refused_and_all_closed(count: usize, pass_credentials: bool) {
         let (left, right) = UnixStream::pair().unwrap();
-        let files: Vec<std::fs::File> = (0..FDS_PER_FRAME_MAX + 1).map(|_| memfile(b"x")).collect();
-        let raw: Vec<RawFd> = files.iter().map(|file| file.as_raw_fd()).collect();
-        sendmsg::<()>(left.as_raw_fd(), &[IoSlice::new(b"many")], &[ControlMessage::ScmRights(&raw)], MsgFlags::empty(), None).unwrap();
-        assert!(send_with_fds(&left, b"x", &files.iter().map(|file| file.as_fd()).collect::<Vec<_>>()).is_err(), "the sender caps too");
+        if pass_credentials {
+            nix::sys::socket::setsockopt(&right, nix::sys::socket::sockopt::PassCred, &true).unwrap();
+        }
+        let (mut reader, writer) = pipe_with_nonblocking_reader();
+        let raw: Vec<RawFd> = vec![writer.as_raw_fd(); count];
+        sendmsg::<()>(left.as_raw_fd(), &[IoSlice::new(b"m")], &[ControlMessage::ScmRights(&raw)], MsgFlags::empty(), None).unwrap();
+        // The copies in flight (in the socket's queue) hold the write end open until received.
+        drop(writer);
         let mut fds = Vec::new();
         let error = recv_with_fds(&right, &mut [0u8; 16], &mut fds).unwrap_err();
-        assert_eq!(error.kind(), io::ErrorKind::InvalidData, "{error}");
+        assert_eq!(error.kind(), io::ErrorKind::InvalidData, "{count} descriptors: {error}");
         assert!(fds.is_empty());
+        match reader.read(&mut [0u8; 1]) {
+            Ok(0) => {}
+            other => panic!("{count} descriptors: a copy of the write end is still open after the refusal ({other:?})"),
+        }
+    }
+
+    #[test]
+    fn too_many_descriptors_are_refused_and_closed() {
+        // Goal: a peer sending one more than the cap (as raw sendmsg would) gets nothing
+        // adopted, every descriptor received is closed, and the sender caps too.
+        refused_and_all_closed(FDS_PER_FRAME_MAX + 1, false);
+        let files: Vec<std::fs::File> = (0..FDS_PER_FRAME_MAX + 1).map(|_| memfile(b"x")).collect();
+        let (left, _right) = UnixStream::pair().unwrap();
+        assert!(send_with_fds(&left, b"x", &files.iter().map(|file| file.as_fd()).collect::<Vec<_>>()).is_err(), "the sender caps too");
+    }
+
+    #[test]
+    fn far_too_many_descriptors_are_refused_and_closed() {
+        // Goal: more descriptors than a small control buffer holds (20, and Linux's per-message
+        // maximum SCM_MAX_FD) are refused as InvalidData and none stays open: the kernel
+        // installs what fits before it reports truncation, and those must be closed too.
+        refused_and_all_closed(20, false);
+        refused_and_all_closed(SCM_MAX_FD, false);
+    }
+
+    #[test]
+    fn a_truncated_control_message_is_refused_and_its_descriptors_closed() {
+        // Goal: when the kernel must truncate (credentials take room ahead of SCM_MAX_FD
+        // descriptors), the refusal is InvalidData and the descriptors it did install are closed.
+        refused_and_all_closed(SCM_MAX_FD, true);
     }
 }
