@@ -4,14 +4,18 @@
 
 mod common;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{config, prefill, prompt, stack, Stack};
+use gio_uring::layout::QueueMemory;
+use gio_uring::{Executor, GioError, IocbId, IssueBatch};
 use nvme_driver::spec::NvmOpcode;
 use nvme_emu::{FaultAction, FaultPlan, FaultRule};
 use objstore::KvRequest;
-use tutti_runtime::{PolicyChoice, RuntimeError, WriteQueueFullAction};
+use tutti_runtime::{PolicyChoice, Runtime, RuntimeError, WriteQueueFullAction};
 
 const IO_TIMEOUT: Duration = Duration::from_millis(200);
 
@@ -256,5 +260,139 @@ fn a_drain_whose_write_times_out_is_drain_incomplete() {
         assert_eq!(stack.runtime.abandon_in_flight().unwrap(), 1);
         stack.runtime.drain().unwrap();
         assert_eq!(stack.runtime.lookup(&first), 4);
+    });
+}
+
+/// A CPU executor whose `submit`, once armed, takes the batch and then fails: as a GPU executor
+/// whose launch call errs after the kernel was queued, or a CPU executor that meets a retired
+/// queue pair part way through. The IOCBs still run and complete (`GioError::SubmitFailed`).
+struct FailsOnceAfterPublishing {
+    inner: gio_uring::CpuExecutor,
+    armed: Arc<AtomicBool>,
+}
+
+impl Executor for FailsOnceAfterPublishing {
+    fn name(&self) -> &'static str {
+        "fails once after publishing"
+    }
+
+    fn attach(&mut self, memory: &Arc<QueueMemory>) -> Result<(), GioError> {
+        self.inner.attach(memory)
+    }
+
+    fn prepared(&mut self, memory: &QueueMemory, id: IocbId) -> Result<(), GioError> {
+        self.inner.prepared(memory, id)
+    }
+
+    fn submit(&mut self, memory: &QueueMemory, batch: &IssueBatch) -> Result<(), GioError> {
+        self.inner.submit(memory, batch)?;
+        if self.armed.swap(false, Ordering::SeqCst) {
+            return Err(GioError::Executor { executor: "fails once after publishing", reason: "after the batch was taken".into() });
+        }
+        Ok(())
+    }
+
+    fn poll(&mut self, memory: &QueueMemory) -> Result<(), GioError> {
+        self.inner.poll(memory)
+    }
+
+    fn lend_queue_pair(
+        &mut self,
+        memory: &QueueMemory,
+        device: usize,
+        deadline: Instant,
+    ) -> Result<Option<&mut nvme_driver::IoQueuePair>, GioError> {
+        self.inner.lend_queue_pair(memory, device, deadline)
+    }
+
+    fn retire_queue_pairs(&mut self) -> Option<bool> {
+        self.inner.retire_queue_pairs()
+    }
+}
+
+/// The stalled stack's configuration over `FailsOnceAfterPublishing`, and its arming switch.
+fn failing_stack(policy: PolicyChoice) -> (Stack<FailsOnceAfterPublishing>, Arc<AtomicBool>) {
+    let armed = Arc::new(AtomicBool::new(false));
+    let switch = Arc::clone(&armed);
+    let (device, store, engine) = common::parts_with(None, move |pool, store_config| FailsOnceAfterPublishing {
+        inner: objstore::cpu_executor_for(pool, 256, store_config).expect("executor"),
+        armed: switch,
+    });
+    let mut config = config(policy);
+    config.io_timeout = IO_TIMEOUT;
+    let runtime = Runtime::new(store, common::profile(), config).expect("runtime");
+    (Stack { device, runtime, engine }, armed)
+}
+
+#[test]
+fn a_write_whose_submission_failed_after_publishing_is_collected() {
+    // Goal: a write layer whose submission failed after its IOCBs were published (they are in
+    // flight in the object store and still complete) is tracked as in flight by the runtime:
+    // the failing call says so, the next calls collect the layer, and the queue drains. Before,
+    // the runtime recorded nothing, handed the same layer over again at every call and got
+    // "layer N is already in flight" forever: no call succeeded, the store's blocks were never
+    // released, and a read could go to the device under the write (the barrier broken).
+    bounded(|| {
+        let (mut stack, armed) = failing_stack(PolicyChoice::SlackAware);
+        let tokens = prompt(0, 0);
+        let blocks = [0, 1, 2, 3];
+        prefill(&mut stack, &tokens, &blocks).unwrap();
+        assert_eq!(stack.runtime.queued_stores(), 1, "slack-aware keeps the last layer queued");
+        armed.store(true, Ordering::SeqCst);
+        // Decode steps until one hands a write layer over (the layer the prefill left in flight
+        // completes first); that step fails.
+        let mut failed = Ok(());
+        for _ in 0..8 {
+            failed = common::decode(&mut stack, tokens.len() as u32);
+            if !armed.load(Ordering::SeqCst) {
+                break;
+            }
+            failed.as_ref().expect("nothing failed before the submission");
+        }
+        assert!(matches!(failed, Err(RuntimeError::Store { operation: "store_layer", .. })), "{failed:?}");
+        let until = Instant::now() + Duration::from_secs(5);
+        while stack.runtime.queued_stores() > 0 {
+            assert!(Instant::now() < until, "the write whose submission failed was never collected");
+            stack.runtime.poll_io().expect("the layer in flight is collected, not issued again");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        stack.runtime.drain().unwrap();
+        // Its IOCBs completed as the device ran them: the store is whole, each layer handed over
+        // once.
+        let counters = stack.runtime.counters();
+        assert_eq!((counters.stores_committed, counters.stores_failed), (1, 0), "{counters:?}");
+        assert_eq!(counters.write_layers_issued, u64::from(common::geometry().layers), "{counters:?}");
+        assert!(blocks.iter().all(|&block| stack.runtime.releasable(block)));
+        assert_eq!(stack.runtime.lookup(&tokens), 4);
+    });
+}
+
+#[test]
+fn a_read_whose_submission_failed_after_publishing_is_collected() {
+    // Goal: the same for a read: `before_layer` fails, the layer stays the one read in flight,
+    // and the engine's retry of `before_layer` waits for it and goes on; every byte arrives.
+    // Before, the retry handed the same layer over again: "already in flight" at every call.
+    bounded(|| {
+        let layers = common::geometry().layers;
+        let (mut stack, armed) = failing_stack(PolicyChoice::SlackAware);
+        prefill(&mut stack, &prompt(0, 0), &[0, 1, 2, 3]).unwrap();
+        stack.runtime.drain().unwrap();
+        let tokens = prompt(0, 1);
+        let blocks: Vec<u32> = (4..10).collect();
+        armed.store(true, Ordering::SeqCst);
+        let start = stack.runtime.begin_prefill(&KvRequest { tokens: &tokens, block_ids: &blocks }).unwrap();
+        assert_eq!(start.cached_blocks, 4);
+        let failed = stack.runtime.before_layer(start.id, 0);
+        assert!(matches!(failed, Err(RuntimeError::Store { operation: "retrieve_layer", .. })), "{failed:?}");
+        assert!(!armed.load(Ordering::SeqCst), "layer 0's read was handed over");
+        for layer in 0..layers {
+            stack.runtime.before_layer(start.id, layer).expect("the read in flight is collected, not issued again");
+            stack.engine.compute_layer(&tokens, 4..6, &blocks, layer);
+            stack.runtime.after_layer(start.id, layer).unwrap();
+        }
+        stack.runtime.end_prefill(start.id).unwrap();
+        assert!(stack.engine.holds(&tokens, 0..6, &blocks, layers), "every byte of the prefix arrived");
+        stack.runtime.drain().unwrap();
+        assert_eq!(stack.runtime.lookup(&tokens), 6);
     });
 }

@@ -143,6 +143,12 @@ impl<E: Executor> Runtime<E> {
         self.store.layers_in_flight(handle).is_ok_and(|mut layers| layers.next().is_some())
     }
 
+    /// Whether the object store has layer `layer` of `handle` in flight: after an issue that
+    /// failed, whether its commands were published all the same (`GioError::SubmitFailed`).
+    fn device_holds_layer(&self, handle: RequestHandle, layer: u32) -> bool {
+        self.store.layers_in_flight(handle).is_ok_and(|mut layers| layers.any(|in_flight| in_flight == layer))
+    }
+
     /// Finishes the retiring requests whose layer in flight ended, releasing their engine
     /// blocks. Never blocks: each is polled once. A finish refused although nothing of the
     /// request is in flight is returned (after the others were looked at); its blocks are
@@ -367,7 +373,15 @@ impl<E: Executor> Runtime<E> {
         if self.reads.in_flight.is_none() && !(barrier && self.writes.any_in_flight()) {
             if let (Some(&layer), Some(handle)) = (self.reads.waiting.front(), self.prefill.as_ref().and_then(|p| p.retrieve)) {
                 let budget = SmBudget(self.reads.budgets[layer as usize]);
-                self.store.retrieve_layer(handle, layer, budget).map_err(store_error("retrieve_layer"))?;
+                let issued = self.store.retrieve_layer(handle, layer, budget);
+                // An issue that failed once its commands were published (`SubmitFailed`) left
+                // the layer in flight in the object store: it is recorded as in flight here as
+                // well, so that the next call collects it (completed, or failed through
+                // `read_failed`) and no write goes under it. Left waiting, it was handed over
+                // again at every call and refused as "already in flight", for good.
+                if issued.is_err() && !self.device_holds_layer(handle, layer) {
+                    return issued.map_err(store_error("retrieve_layer"));
+                }
                 self.reads.waiting.pop_front();
                 self.reads.in_flight = Some(layer);
                 self.counters.read_layers_issued += 1;
@@ -376,6 +390,7 @@ impl<E: Executor> Runtime<E> {
                 }
                 let request = self.prefill.as_ref().map_or(0, |p| p.id);
                 self.record(request, IoDirection::Read, layer, IoEventKind::Issued, Some(budget));
+                issued.map_err(store_error("retrieve_layer"))?;
             }
         }
         if barrier && self.reads_pending() {
@@ -394,7 +409,13 @@ impl<E: Executor> Runtime<E> {
             let store = &self.writes.stores[index];
             let (handle, layer, request, deferred) = (store.handle, store.written_layers, store.request, store.prefill_ended);
             let budget = SmBudget(store.sm_budget);
-            self.store.store_layer(handle, layer, budget).map_err(store_error("store_layer"))?;
+            let issued = self.store.store_layer(handle, layer, budget);
+            // As for a read: a layer the object store holds in flight after a failed issue is
+            // in flight here too, so that the next call collects it (through `write_failed` if
+            // it failed) and reads keep waiting for it under the barrier.
+            if issued.is_err() && !self.device_holds_layer(handle, layer) {
+                return issued.map_err(store_error("store_layer"));
+            }
             self.writes.stores[index].in_flight = Some(layer);
             self.counters.write_layers_issued += 1;
             if deferred {
@@ -404,6 +425,7 @@ impl<E: Executor> Runtime<E> {
                 self.counters.mixed_issues += 1;
             }
             self.record(request, IoDirection::Write, layer, IoEventKind::Issued, Some(budget));
+            issued.map_err(store_error("store_layer"))?;
         }
         Ok(())
     }

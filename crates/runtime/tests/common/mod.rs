@@ -93,9 +93,9 @@ pub fn slow_ssd() -> TimingModel {
     }
 }
 
-pub struct Stack {
+pub struct Stack<E: gio_uring::Executor = gio_uring::CpuExecutor> {
     pub device: Arc<EmuDevice>,
-    pub runtime: Runtime<gio_uring::CpuExecutor>,
+    pub runtime: Runtime<E>,
     pub engine: Engine,
 }
 
@@ -234,7 +234,11 @@ pub fn compute_for(duration: Duration) {
 
 /// Runs one request's prefill through the runtime, computing the uncached blocks' KV into
 /// engine memory layer by layer. Returns the cached block count.
-pub fn prefill(stack: &mut Stack, tokens: &[u32], engine_blocks: &[u32]) -> Result<usize, tutti_runtime::RuntimeError> {
+pub fn prefill<E: gio_uring::Executor>(
+    stack: &mut Stack<E>,
+    tokens: &[u32],
+    engine_blocks: &[u32],
+) -> Result<usize, tutti_runtime::RuntimeError> {
     let layers = geometry().layers;
     let blocks = engine_blocks.len() as u32;
     let start = stack.runtime.begin_prefill(&objstore::KvRequest { tokens, block_ids: engine_blocks })?;
@@ -252,7 +256,7 @@ pub fn prefill(stack: &mut Stack, tokens: &[u32], engine_blocks: &[u32]) -> Resu
 pub const DECODE_STEP_US: u64 = 2000;
 
 /// One decode step: the runtime's boundary, then the step's compute.
-pub fn decode(stack: &mut Stack, context_tokens: u32) -> Result<(), tutti_runtime::RuntimeError> {
+pub fn decode<E: gio_uring::Executor>(stack: &mut Stack<E>, context_tokens: u32) -> Result<(), tutti_runtime::RuntimeError> {
     stack.runtime.decode_step(context_tokens)?;
     compute_for(Duration::from_micros(DECODE_STEP_US));
     Ok(())
