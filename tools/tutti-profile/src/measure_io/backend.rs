@@ -74,7 +74,9 @@ pub struct Backend {
 
 impl Backend {
     /// Opens `spec`, or a software controller over a temporary file when `None`.
-    pub fn open(spec: Option<&DeviceSpec>, needs: Requirements) -> Result<Self> {
+    /// `emu_file_is_new`: an `emu:` file this run created (empty, to lock it) is grown to the
+    /// span; any other keeps its size.
+    pub fn open(spec: Option<&DeviceSpec>, needs: Requirements, emu_file_is_new: bool) -> Result<Self> {
         let Some(spec) = spec else {
             let path = temporary_path();
             // Registered before the controller creates it, so that a failed start removes it.
@@ -87,7 +89,7 @@ impl Backend {
         match spec {
             DeviceSpec::EmuFile(path) => {
                 // An existing file keeps its size: growing a user's file is not ours to do.
-                let create_bytes = (!path.exists()).then_some(needs.span_bytes);
+                let create_bytes = (emu_file_is_new || !path.exists()).then_some(needs.span_bytes);
                 Self::emu(spec, create_bytes, needs, format!("nvme-emu software controller over file {} (host page cache)", path.display()))
             }
             DeviceSpec::EmuMemory(bytes) => {

@@ -23,7 +23,7 @@ use tutti_cli::outln;
 use crate::{load_table, unusable, write_file, TargetArgs};
 use backend::{parse_size, Backend, Requirements};
 use probe::{CpuProbe, DataPointer, ProbeShape};
-use tutti_devices::DeviceSpec;
+use tutti_devices::{BlockDeviceClaims, DeviceLocks, DeviceSpec, HostBlockDevices, DEFAULT_LOCK_DIR};
 
 /// Which executor runs the I/O kernels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -71,6 +71,10 @@ pub struct IoArgs {
     /// the write rows and the lay-out pass overwrite the LBAs the grid spans.
     #[arg(long)]
     overwrite: bool,
+    /// Where `vfio:` devices' lock files live: tuttid's `--lock-dir`, so that `io` never writes
+    /// to a device a live tuttid (or `tutti pool`) is using.
+    #[arg(long, default_value = DEFAULT_LOCK_DIR)]
+    lock_dir: PathBuf,
     /// Longest one sample may take, seconds (1 to 86400).
     #[arg(long, default_value = "60", value_parser = tutti_cli::timeout::parse_timeout_s)]
     timeout_s: Duration,
@@ -178,13 +182,6 @@ pub fn run(args: &IoArgs) -> Result<()> {
         Some(text) => Some(DeviceSpec::parse(text, &backend::DEVICE_KINDS).map_err(|error| unusable(error.to_string()))?),
         None => None,
     };
-    if backend::holds_prior_data(spec.as_ref()) && !args.overwrite {
-        return Err(unusable(format!(
-            "{}: measuring writes overwrites the first {} MiB of namespace 1; pass --overwrite if that is intended",
-            args.device.as_deref().unwrap_or("device"),
-            (u64::from(iocb_count_max) * u64::from(args.ioctxs_per_iocb) * u64::from(ioctx_bytes)) >> 20
-        )));
-    }
     let shape = ProbeShape {
         ioctxs_per_iocb: args.ioctxs_per_iocb,
         ioctx_bytes,
@@ -193,8 +190,25 @@ pub fn run(args: &IoArgs) -> Result<()> {
         data_pointer: args.data_pointer,
         sample_timeout: args.timeout_s,
     };
+    if backend::holds_prior_data(spec.as_ref()) && !args.overwrite {
+        return Err(unusable(format!(
+            "{}: measuring writes overwrites the first {} of the device's first namespace; pass --overwrite if that \
+             is intended",
+            args.device.as_deref().unwrap_or("device"),
+            tutti_devices::format_size(shape.span_bytes())
+        )));
+    }
+    // Taken before the device is opened and held until the probe (and with it the controller)
+    // is dropped, as `tutti pool` does: a block device that is mounted or claimed, or a device a
+    // live tuttid (or `tutti pool`) holds, is refused before anything is written.
+    let specs: Vec<DeviceSpec> = spec.iter().cloned().collect();
+    let claims = BlockDeviceClaims::acquire(&specs, &HostBlockDevices).map_err(|error| unusable(error.to_string()))?;
+    // A missing emu: file is created empty here so that it is locked before the controller
+    // grows it (a tuttid starting beside this run cannot take it meanwhile).
+    let emu_file_is_new = matches!(&spec, Some(DeviceSpec::EmuFile(path)) if !path.exists());
+    let locks = DeviceLocks::acquire(&specs, &args.lock_dir, emu_file_is_new).map_err(|error| unusable(error.to_string()))?;
     let needs = Requirements { span_bytes: shape.span_bytes(), command_bytes: u64::from(ioctx_bytes), queue_pairs };
-    let backend = Backend::open(spec.as_ref(), needs)?;
+    let backend = Backend::open(spec.as_ref(), needs, emu_file_is_new)?;
     let mut probe = CpuProbe::new(backend, shape)?;
     let sm_budget_min = grid.sm_budgets.iter().copied().min().unwrap_or(1);
 
@@ -242,7 +256,10 @@ pub fn run(args: &IoArgs) -> Result<()> {
         },
         host
     );
+    // The controller stops before the claim and the lock are let go.
     drop(probe);
+    drop(locks);
+    drop(claims);
 
     let Some(out) = &args.out else {
         eprintln!("io: no --out given; nothing written");
