@@ -22,7 +22,9 @@
 //! - `sms_used`: SMs the kernel occupies (from the launch grid or an occupancy tool). Import
 //!   reserves `io_sms` SMs for I/O as the analytic model does (compute runs on
 //!   `sm_count − io_sms` SMs, the green-context split of Tutti §3.2): a kernel's `sms_used` is
-//!   clamped to `sm_count − io_sms`, so every layer and decode step keeps `io_sms` free. A
+//!   clamped to `sm_count − io_sms`, and so is the sum of the kernels running at once (two
+//!   full-grid kernels overlapping by a profiler's rounding left a decode step no free SM), so
+//!   every layer and decode step keeps `io_sms` free. A
 //!   profiler gives a kernel min(grid, SMs) or all SMs, and one full-grid kernel left a decode
 //!   step no free SM: the table validated and simulated, and the slack-aware runtime refused it.
 //!   Durations are kept as measured: a timeline measured without the reservation understates
@@ -37,9 +39,10 @@
 //! A run's layer lasts from its first start to its last end, and starts no earlier than the
 //! run's layer before it ends (overlapping layers are refused, naming bucket, run and layers:
 //! each layer's windows come from its own kernels; up to 1 µs of overlap is taken for the
-//! profiler's rounding and accepted). Its slack windows are the maximal
-//! intervals with a constant number of free SMs (`sm_count −` SMs of the kernels running), gaps
-//! between kernels counting as fully free; intervals with no free SM are dropped. A decode
+//! profiler's rounding and accepted). Its slack windows are the maximal intervals with a
+//! constant number of free SMs (`sm_count −` SMs of the kernels running, which count at most
+//! `sm_count − io_sms`), gaps between kernels counting as fully free; intervals with no free
+//! SM are dropped. A decode
 //! step's duration spans its kernels and its free SMs are the minimum over the step. Several
 //! runs give the conservative figure: per decode context the shortest step and the fewest free
 //! SMs; per layer the shortest duration, the earliest KV need and the runs' windows intersected
@@ -227,7 +230,7 @@ pub fn import_timeline(
                 let kernels = layers
                     .get(&layer)
                     .ok_or_else(|| SchedulerError::Timeline { line: 0, reason: format!("{}: no kernels", location()) })?;
-                let profile = layer_from_kernels(kernels, gpu.sm_count)
+                let profile = layer_from_kernels(kernels, gpu.sm_count, compute_sms)
                     .map_err(|reason| SchedulerError::Timeline { line: 0, reason: format!("{}: {reason}", location()) })?;
                 conservative = Some(match conservative {
                     None => profile,
@@ -249,7 +252,8 @@ pub fn import_timeline(
                 let start_us = kernels.iter().map(|k| k.start_us).fold(f64::INFINITY, f64::min);
                 let end_us = kernels.iter().map(|k| k.end_us).fold(0.0, f64::max);
                 duration_us = duration_us.min(end_us - start_us);
-                free_sms = free_sms.min(free_intervals(kernels, gpu.sm_count).iter().map(|w| w.free_sms).min().unwrap_or(gpu.sm_count));
+                free_sms = free_sms
+                    .min(free_intervals(kernels, gpu.sm_count, compute_sms).iter().map(|w| w.free_sms).min().unwrap_or(gpu.sm_count));
             }
             DecodeStep { context_tokens, duration_us, free_sms }
         })
@@ -299,7 +303,7 @@ fn cheaper_of(a: &LayerProfile, b: &LayerProfile) -> LayerProfile {
     }
 }
 
-fn layer_from_kernels(kernels: &[Kernel], sm_count: u32) -> std::result::Result<LayerProfile, String> {
+fn layer_from_kernels(kernels: &[Kernel], sm_count: u32, compute_sms: u32) -> std::result::Result<LayerProfile, String> {
     let start_us = kernels.iter().map(|k| k.start_us).fold(f64::INFINITY, f64::min);
     let end_us = kernels.iter().map(|k| k.end_us).fold(0.0, f64::max);
     let attention = kernels
@@ -310,7 +314,7 @@ fn layer_from_kernels(kernels: &[Kernel], sm_count: u32) -> std::result::Result<
     if !attention.is_finite() {
         return Err("no attention kernel (name containing `attn` or `attention`)".into());
     }
-    let slack_windows = free_intervals(kernels, sm_count)
+    let slack_windows = free_intervals(kernels, sm_count, compute_sms)
         .into_iter()
         .filter(|w| w.free_sms > 0 && w.duration_us > 0.0)
         .map(|w| SlackWindow { offset_us: w.offset_us - start_us, ..w })
@@ -325,8 +329,12 @@ fn layer_from_kernels(kernels: &[Kernel], sm_count: u32) -> std::result::Result<
 /// no `run` number, pooled) gives one list of hundreds of thousands (a scan of every kernel per
 /// interval was quadratic).
 /// A kernel is busy over [start, end): over the interval between two neighbouring bounds, the
-/// busy SMs are those of the kernels started at or before its beginning and not yet ended.
-fn free_intervals(kernels: &[Kernel], sm_count: u32) -> Vec<SlackWindow> {
+/// busy SMs are those of the kernels started at or before its beginning and not yet ended, at
+/// most `compute_sms`. Compute runs on `compute_sms` SMs (the rest are reserved for I/O), so
+/// kernels running together share them: each one's `sms_used` is clamped to `compute_sms`, and
+/// so is their sum. Summed unclamped, two full-grid kernels overlapping by a profiler's rounding
+/// (0.001 µs) left a decode step no free SM and the table was refused.
+fn free_intervals(kernels: &[Kernel], sm_count: u32, compute_sms: u32) -> Vec<SlackWindow> {
     // (time, change in busy SMs). Summed wide and signed: each kernel is within the GPU, their
     // sum need not be within a u32, and an end may be applied before a start at the same time.
     let mut events: Vec<(f64, i64)> =
@@ -342,7 +350,8 @@ fn free_intervals(kernels: &[Kernel], sm_count: u32) -> Vec<SlackWindow> {
             index += 1;
         }
         let Some(&(to, _)) = events.get(index) else { break };
-        let free_sms = u64::from(sm_count).saturating_sub(busy.max(0) as u64) as u32;
+        let busy_sms = busy.clamp(0, i64::from(compute_sms)) as u64;
+        let free_sms = u64::from(sm_count).saturating_sub(busy_sms) as u32;
         match windows.last_mut() {
             Some(last) if last.free_sms == free_sms && (last.end_us() - from).abs() < 1e-9 => {
                 last.duration_us = to - last.offset_us;
@@ -362,8 +371,8 @@ mod tests {
     }
 
     /// The definition the sweep replaces: for each interval between neighbouring bounds, the
-    /// kernels running at its middle.
-    fn free_intervals_by_scan(kernels: &[Kernel], sm_count: u32) -> Vec<(f64, f64, u32)> {
+    /// kernels running at its middle, at most `compute_sms` of them together.
+    fn free_intervals_by_scan(kernels: &[Kernel], sm_count: u32, compute_sms: u32) -> Vec<(f64, f64, u32)> {
         let mut bounds: Vec<f64> = kernels.iter().flat_map(|k| [k.start_us, k.end_us]).collect();
         bounds.sort_by(f64::total_cmp);
         bounds.dedup();
@@ -371,7 +380,7 @@ mod tests {
         for pair in bounds.windows(2) {
             let middle = (pair[0] + pair[1]) / 2.0;
             let busy: u64 = kernels.iter().filter(|k| k.start_us <= middle && middle < k.end_us).map(|k| u64::from(k.sms_used)).sum();
-            let free = u64::from(sm_count).saturating_sub(busy) as u32;
+            let free = u64::from(sm_count).saturating_sub(busy.min(u64::from(compute_sms))) as u32;
             match windows.last_mut() {
                 Some(last) if last.2 == free => last.1 = pair[1],
                 _ => windows.push((pair[0], pair[1], free)),
@@ -381,7 +390,8 @@ mod tests {
     }
 
     /// Goal: the sweep finds the same windows as the scan over every interval, on overlapping,
-    /// nested, touching and zero-length kernels.
+    /// nested, touching and zero-length kernels, and kernels whose SMs together exceed the
+    /// compute SMs (up to 12 of up to 80 SMs on 128) leave the reserved SMs free.
     #[test]
     fn the_sweep_finds_the_windows_the_scan_over_every_interval_finds() {
         let mut state = 0x2545_f491_4f6c_dd1du64;
@@ -398,8 +408,10 @@ mod tests {
                     kernel(start, start + next(6) as f64, 1 + next(80) as u32)
                 })
                 .collect();
-            let swept: Vec<(f64, f64, u32)> = free_intervals(&kernels, 132).iter().map(|w| (w.offset_us, w.end_us(), w.free_sms)).collect();
-            assert_eq!(swept, free_intervals_by_scan(&kernels, 132), "kernels {kernels:?}");
+            let swept: Vec<(f64, f64, u32)> =
+                free_intervals(&kernels, 132, 128).iter().map(|w| (w.offset_us, w.end_us(), w.free_sms)).collect();
+            assert_eq!(swept, free_intervals_by_scan(&kernels, 132, 128), "kernels {kernels:?}");
+            assert!(swept.iter().all(|&(_, _, free_sms)| free_sms >= 4), "kernels {kernels:?}: {swept:?}");
         }
     }
 
@@ -410,7 +422,7 @@ mod tests {
         let kernels: Vec<Kernel> =
             (0..200_000u32).map(|index| kernel(f64::from(index) * 10.0, f64::from(index) * 10.0 + 7.0, 100)).collect();
         let started = std::time::Instant::now();
-        let windows = free_intervals(&kernels, 132);
+        let windows = free_intervals(&kernels, 132, 128);
         let elapsed = started.elapsed();
         assert_eq!(windows.len(), 2 * 200_000 - 1);
         assert!(windows.iter().all(|w| w.free_sms == 32 || w.free_sms == 132));
