@@ -84,6 +84,8 @@ pub struct ServeArgs {
     pub arrivals: Arrivals,
 
     /// serve: requests per second of the modelled (real-speed) system, for --arrivals=poisson.
+    /// The run waits for arrivals in real time (× the SSD model's slow motion): a rate whose
+    /// arrivals are expected to span more than an hour of real time is refused.
     #[arg(long = "arrival-rate", default_value_t = 10.0, value_parser = parse_rate)]
     pub arrival_rate: f64,
 
@@ -176,6 +178,9 @@ impl ServePlan {
             args.arrival_rate,
         )?;
         model.check_prompt(stream.prompt_tokens)?;
+        if args.arrivals == Arrivals::Poisson {
+            check_arrival_span(stream.requests(), args.arrival_rate, model.dilation)?;
+        }
         Ok(Self {
             policies,
             model,
@@ -185,6 +190,37 @@ impl ServePlan {
             seed: cli.seed,
             repeat: args.repeat,
         })
+    }
+}
+
+/// The most real time a Poisson stream's arrivals may be expected to span: the run waits for
+/// each arrival in real time (the model's gaps × its slow motion), so a tiny rate would sleep
+/// for hours per request with nothing to show.
+const ARRIVALS_REAL_SECONDS_MAX: f64 = 3600.0;
+
+/// Refuses an --arrival-rate whose `requests` arrivals are expected (`requests − 1` mean gaps
+/// of 1/rate modelled seconds, stretched `dilation` times) to take more than
+/// [`ARRIVALS_REAL_SECONDS_MAX`] of real time, naming the smallest rate accepted.
+fn check_arrival_span(requests: usize, rate: f64, dilation: u32) -> anyhow::Result<()> {
+    let gaps = requests.saturating_sub(1) as f64;
+    let real_seconds = gaps / rate * f64::from(dilation);
+    if real_seconds.is_finite() && real_seconds <= ARRIVALS_REAL_SECONDS_MAX {
+        return Ok(());
+    }
+    let smallest = gaps * f64::from(dilation) / ARRIVALS_REAL_SECONDS_MAX;
+    usage(format!(
+        "--arrival-rate={rate:?}: {requests} Poisson arrivals at {rate:?}/s are expected to span {} s of real time at the SSD model's {dilation}x slow motion; the limit is {ARRIVALS_REAL_SECONDS_MAX} s of real time (accepted: --arrival-rate of at least {smallest:.3e} for this stream, or fewer --sessions/--turns)",
+        format_seconds(real_seconds)
+    ))
+}
+
+fn format_seconds(seconds: f64) -> String {
+    if seconds < 1e6 {
+        format!("{seconds:.0}")
+    } else if seconds.is_finite() {
+        format!("{seconds:.2e}")
+    } else {
+        "unboundedly many".into()
     }
 }
 

@@ -210,3 +210,20 @@ fn serve_buffers_beyond_the_machine_are_refused_up_front() {
     }
     assert!(output.stdout.is_empty(), "printed on stdout before the refusal: {}", String::from_utf8_lossy(&output.stdout));
 }
+
+#[test]
+fn an_arrival_rate_too_small_for_real_time_is_refused_with_status_2() {
+    // Goal: Poisson gaps are 1/rate seconds of modelled time, stretched by the SSD model's slow
+    // motion: a rate of 1e-20 used to panic converting a gap to a Duration (exit 101), and a rate
+    // that spreads the stream over hours of real time is refused up front, naming the limit.
+    for rate in ["--arrival-rate=1e-20", "--arrival-rate=0.001"] {
+        let mut arguments = TINY.to_vec();
+        arguments.extend(["--arrivals=poisson", rate]);
+        let output = bench(&arguments);
+        let text = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{arguments:?}: status {:?}, stderr: {text}", output.status);
+        assert_eq!(text.trim_end().lines().count(), 1, "{arguments:?}: not one line: {text}");
+        assert!(text.contains("--arrival-rate") && text.contains("real time"), "{arguments:?}: {text}");
+        assert!(output.stdout.is_empty(), "{arguments:?}: printed on stdout");
+    }
+}

@@ -239,7 +239,10 @@ impl Driver<'_> {
 
     /// Sleeps `table_us` × N of wall time, letting the runtime progress its I/O meanwhile.
     fn compute(&mut self, table_us: f64) -> anyhow::Result<()> {
-        let end = Instant::now() + Duration::from_secs_f64(table_us * self.dilation / 1e6);
+        let end =
+            Duration::try_from_secs_f64(table_us * self.dilation / 1e6).ok().and_then(|span| Instant::now().checked_add(span)).ok_or_else(
+                || anyhow!("a compute step of {table_us} µs (× {} slow motion) is not a time this clock can wait for", self.dilation),
+            )?;
         loop {
             self.runtime.poll_io()?;
             let now = Instant::now();
@@ -278,8 +281,18 @@ impl Driver<'_> {
     /// Serves one request. Closed loop: it arrives now (the previous one finished decoding);
     /// Poisson: at its arrival time, waiting for it if the stack is idle before.
     fn request(&mut self, request: &Request, closed: bool, decode_steps: u32, blocks: usize) -> anyhow::Result<ServedRequest> {
-        let arrival =
-            if closed { Instant::now() } else { self.started + Duration::from_secs_f64(request.arrival_us * self.dilation / 1e6) };
+        // ServePlan::from_cli bounds the stream's expected span; a draw far in the tail (or a
+        // rate that slipped past it) is an error, not a panic converting or adding the time.
+        let arrival = if closed {
+            Instant::now()
+        } else {
+            Duration::try_from_secs_f64(request.arrival_us * self.dilation / 1e6)
+                .ok()
+                .and_then(|offset| self.started.checked_add(offset))
+                .ok_or_else(|| {
+                anyhow!("a request arriving {} µs into the modelled stream is not a time this clock can wait for", request.arrival_us)
+            })?
+        };
         while Instant::now() < arrival {
             self.runtime.poll_io()?;
             std::thread::sleep(arrival.saturating_duration_since(Instant::now()).min(POLL_INTERVAL));
