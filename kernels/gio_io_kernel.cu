@@ -448,7 +448,8 @@ __device__ __forceinline__ bool queue_pair_faulted(gio_nvme_qp* qp) {
 // with: TIMEOUT if the slot did not become free within the bounded wait, CONTROLLER_FAULT if the
 // queue pair's controller faulted meanwhile (its completions, so the slot's, will never be trusted).
 __device__ uint32_t submit_ioctx(const gio_launch_params& params, gio_nvme_qp* qp, uint32_t ticket,
-                             const gio_iocb* iocb, uint32_t ioctx_index, const gio_ioctx& ioctx) {
+                             const gio_iocb* iocb, uint32_t ioctx_index, const gio_ioctx& ioctx,
+                             uint8_t opcode, const gio_ioctx_target& at) {
     gio_nvme_slot* slot = &device_pointer<gio_nvme_slot>(qp->slots)[ticket & (qp->sq_depth - 1)];
     // The slot is free once the previous round's ticket (ticket - depth) was completed.
     const uint32_t previous_done = ticket + 1 - qp->sq_depth;
@@ -465,13 +466,14 @@ __device__ uint32_t submit_ioctx(const gio_launch_params& params, gio_nvme_qp* q
         backoff.pause();
     }
 
-    const uint64_t layer = iocb->layer;
-    const uint64_t lba = ioctx.start_lba + layer * iocb->lba_stride_blocks;
-    const uint64_t data = ioctx.data_iova + layer * iocb->mem_stride_bytes;
-    const uint64_t desc = ioctx.desc_iova == 0 ? 0 : ioctx.desc_iova + layer * iocb->desc_stride_bytes;
+    // submit_chunk applied the IOCTX command rule (gio_ioctx_command): the opcode is Read or
+    // Write, block_count is in 1..=GIO_IOCTX_BLOCK_COUNT_MAX and the addresses did not wrap.
+    const uint64_t lba = at.lba;
+    const uint64_t data = at.data_iova;
+    const uint64_t desc = at.desc_iova;
 
     alignas(16) nvme_sqe sqe = {};
-    sqe.opcode = iocb->opcode;
+    sqe.opcode = opcode;
     sqe.command_id = static_cast<uint16_t>(ticket & 0xFFFFu);
     sqe.nsid = ioctx.nsid;
     if (ioctx.descriptor_kind == GIO_DESCRIPTOR_SGL) {
@@ -494,7 +496,7 @@ __device__ uint32_t submit_ioctx(const gio_launch_params& params, gio_nvme_qp* q
     }
     sqe.cdw10 = static_cast<uint32_t>(lba);
     sqe.cdw11 = static_cast<uint32_t>(lba >> 32);
-    sqe.cdw12 = ((ioctx.block_count - 1) & 0xFFFFu) |
+    sqe.cdw12 = (ioctx.block_count - 1u) |
                 ((ioctx.flags & GIO_IOCTX_FLAG_FUA) != 0 ? NVME_RW_CDW12_FUA : 0u);
 
     // Four 16-byte stores of the 64-byte entry (SQ entries are 64-byte aligned).
@@ -525,14 +527,24 @@ __device__ void submit_chunk(const gio_launch_params& params, gio_iocb* iocb, ui
     const bool active = index < count;
     const uint32_t array_index = iocb->ioctx_first + index;
     gio_ioctx ioctx = {};
+    gio_ioctx_target target = {};
+    // Read once: the command rule checks this value, and this value is what the SQE carries.
+    const uint8_t opcode = *reinterpret_cast<const volatile uint8_t*>(&iocb->opcode);
     bool valid = false;
     if (active) {
         if (array_index < params.ioctx_capacity) {
             ioctx = device_pointer<const gio_ioctx>(params.ioctxs)[array_index];
-            // The one descriptor-kind rule of gio_abi.h: an unknown kind is refused here, as the
-            // CPU executor refuses it, and never built into a command as PRP.
+            // The one IOCTX command rule of gio_kernel_rules.h (opcode, block count, descriptor
+            // kind, per-layer addresses without wrapping): what it refuses is refused here, as the
+            // CPU executor refuses it, and never built into a command.
+            gio_iocb rule_iocb = {};
+            rule_iocb.opcode = opcode;
+            rule_iocb.layer = iocb->layer;
+            rule_iocb.lba_stride_blocks = iocb->lba_stride_blocks;
+            rule_iocb.mem_stride_bytes = iocb->mem_stride_bytes;
+            rule_iocb.desc_stride_bytes = iocb->desc_stride_bytes;
             valid = ioctx.device_index < params.device_count &&
-                    gio_descriptor_kind_is_valid(ioctx.descriptor_kind);
+                    gio_ioctx_command(&rule_iocb, &ioctx, &target);
         }
         if (!valid) {
             complete_ioctx(params, iocb, index, GIO_IOCB_STATUS_INVALID_IOCTX, 0, CqeClaim::kWait);
@@ -550,7 +562,7 @@ __device__ void submit_chunk(const gio_launch_params& params, gio_iocb* iocb, ui
             base = atomicAdd(&qp->sq_reserved, static_cast<uint32_t>(__popc(group)));
         }
         base = __shfl_sync(group, base, static_cast<int>(leader));
-        const uint32_t failure = submit_ioctx(params, qp, base + rank, iocb, index, ioctx);
+        const uint32_t failure = submit_ioctx(params, qp, base + rank, iocb, index, ioctx, opcode, target);
         if (failure != 0) {
             complete_ioctx(params, iocb, index, failure, 0, CqeClaim::kWait);
         }

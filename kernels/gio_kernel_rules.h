@@ -43,4 +43,63 @@ GIO_RULE int gio_cq_may_claim(uint32_t claimed, uint32_t head, uint32_t entry_co
     return (uint32_t)(claimed - head) < entry_count;
 }
 
+/* The most logical blocks one IOCTX moves: NLB in CDW12 is a 0-based 16-bit count (NVMe Base
+ * Spec 2.0, Read/Write command, CDW12 bits 15:0). */
+#define GIO_IOCTX_BLOCK_COUNT_MAX 65536u
+
+/* Where layer `layer` of an IOCTX reads or writes (gio_ioctx_command's result). */
+typedef struct gio_ioctx_target {
+    uint64_t lba;       /* start_lba + layer x lba_stride_blocks */
+    uint64_t data_iova; /* data_iova + layer x mem_stride_bytes */
+    uint64_t desc_iova; /* 0, or desc_iova + layer x desc_stride_bytes */
+} gio_ioctx_target;
+
+/* base + layer x stride into *out, or 0 (and *out untouched) if it does not fit in 64 bits. */
+GIO_RULE int gio_layer_address(uint64_t base, uint32_t layer, uint64_t stride, uint64_t *out) {
+    const uint64_t max = ~(uint64_t)0;
+    if (layer != 0u && stride > max / layer) {
+        return 0;
+    }
+    if (base > max - (uint64_t)layer * stride) {
+        return 0;
+    }
+    *out = base + (uint64_t)layer * stride;
+    return 1;
+}
+
+/*
+ * The IOCTX command rule: whether the IOCTX, at the IOCB's current layer, is a command an executor
+ * may build, and if so where it reads or writes (*out). Valid exactly when the IOCB's opcode is
+ * Read or Write (never Write Zeroes, Dataset Management or any other opcode a corrupted byte could
+ * name: they destroy data), block_count is in 1..=GIO_IOCTX_BLOCK_COUNT_MAX (NLB is block_count - 1
+ * in 16 bits: 0 would read as 65536 blocks, 65537 as one), the descriptor kind is valid, and every
+ * per-layer address is computed without wrapping. Every executor refuses an invalid IOCTX
+ * (GIO_IOCB_STATUS_INVALID_IOCTX, no command built); the CPU executor applies the Rust mirror
+ * (abi::ioctx_command), and tests/gpu_rules.rs checks the two agree. The device index is checked
+ * by each executor against its own table.
+ */
+GIO_RULE int gio_ioctx_command(const gio_iocb *iocb, const gio_ioctx *ioctx, gio_ioctx_target *out) {
+    gio_ioctx_target command;
+    if (iocb->opcode != GIO_OPCODE_READ && iocb->opcode != GIO_OPCODE_WRITE) {
+        return 0;
+    }
+    if (ioctx->block_count < 1u || ioctx->block_count > GIO_IOCTX_BLOCK_COUNT_MAX) {
+        return 0;
+    }
+    if (!gio_descriptor_kind_is_valid(ioctx->descriptor_kind)) {
+        return 0;
+    }
+    if (!gio_layer_address(ioctx->start_lba, iocb->layer, iocb->lba_stride_blocks, &command.lba) ||
+        !gio_layer_address(ioctx->data_iova, iocb->layer, iocb->mem_stride_bytes, &command.data_iova)) {
+        return 0;
+    }
+    command.desc_iova = 0u;
+    if (ioctx->desc_iova != 0u &&
+        !gio_layer_address(ioctx->desc_iova, iocb->layer, iocb->desc_stride_bytes, &command.desc_iova)) {
+        return 0;
+    }
+    *out = command;
+    return 1;
+}
+
 #endif /* TUTTI_GIO_KERNEL_RULES_H */

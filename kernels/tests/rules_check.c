@@ -4,11 +4,14 @@
  * tools/cuda-build.sh). main() checks each rule against its specification written out here and
  * exits non-zero on any mismatch; `rules_check descriptor-kinds` also prints the verdict for every
  * descriptor kind 0..=255, one "KIND VALID" line each, which crates/gio-uring/tests/gpu_rules.rs
- * compares with the Rust rule.
+ * compares with the Rust rule; `rules_check ioctx-commands` reads IOCTX cases from stdin, one
+ * "OPCODE LAYER LBA_STRIDE MEM_STRIDE DESC_STRIDE START_LBA DATA_IOVA DESC_IOVA BLOCK_COUNT KIND"
+ * line each (decimal), and prints the command rule's verdict for each: "0", or "1 LBA DATA DESC".
  */
 #include "gio_abi.h"
 #include "gio_kernel_rules.h"
 
+#include <inttypes.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -142,11 +145,110 @@ static void check_cq_claims(void) {
     expect(head - start > 1000u, "the model wrapped and made progress", head - start);
 }
 
+/* The IOCTX command rule (gio_ioctx_command): only Read and Write, 1..=65536 blocks, a known
+ * descriptor kind, and every per-layer address computed without wrapping. */
+static gio_iocb layer_iocb(uint8_t opcode, uint32_t layer, uint64_t stride) {
+    gio_iocb iocb;
+    memset(&iocb, 0, sizeof iocb);
+    iocb.opcode = opcode;
+    iocb.layer = layer;
+    iocb.lba_stride_blocks = stride;
+    iocb.mem_stride_bytes = stride;
+    iocb.desc_stride_bytes = stride;
+    return iocb;
+}
+
+static void check_ioctx_commands(void) {
+    const uint64_t max = ~(uint64_t)0;
+    gio_ioctx ioctx;
+    gio_iocb iocb;
+    gio_ioctx_target command;
+    unsigned opcode;
+    memset(&ioctx, 0, sizeof ioctx);
+    ioctx.start_lba = 5u;
+    ioctx.data_iova = 0x10000u;
+    ioctx.desc_iova = 0x8000u;
+    ioctx.block_count = 8u;
+    ioctx.descriptor_kind = GIO_DESCRIPTOR_PRP;
+    for (opcode = 0; opcode <= 255u; opcode++) {
+        iocb = layer_iocb((uint8_t)opcode, 3u, 0x20u);
+        expect(gio_ioctx_command(&iocb, &ioctx, &command) ==
+                   (opcode == GIO_OPCODE_READ || opcode == GIO_OPCODE_WRITE),
+               "only Read and Write are valid opcodes (0x08 Write Zeroes, 0x09 DSM destroy data)", opcode);
+    }
+    iocb = layer_iocb(GIO_OPCODE_READ, 3u, 0x20u);
+    expect(gio_ioctx_command(&iocb, &ioctx, &command) && command.lba == 5u + 0x60u &&
+               command.data_iova == 0x10060u && command.desc_iova == 0x8060u,
+           "layer 3 of stride 0x20", 3u);
+    ioctx.block_count = 0u;
+    expect(!gio_ioctx_command(&iocb, &ioctx, &command), "0 blocks is invalid (NLB would read 65536)", 0u);
+    ioctx.block_count = GIO_IOCTX_BLOCK_COUNT_MAX;
+    expect(gio_ioctx_command(&iocb, &ioctx, &command), "65536 blocks is valid", GIO_IOCTX_BLOCK_COUNT_MAX);
+    ioctx.block_count = GIO_IOCTX_BLOCK_COUNT_MAX + 1u;
+    expect(!gio_ioctx_command(&iocb, &ioctx, &command), "65537 blocks is invalid (NLB would read 1)", 65537u);
+    ioctx.block_count = 8u;
+    ioctx.descriptor_kind = 2u;
+    expect(!gio_ioctx_command(&iocb, &ioctx, &command), "an unknown descriptor kind is invalid", 2u);
+    ioctx.descriptor_kind = GIO_DESCRIPTOR_SGL;
+    /* Overflow of layer x stride, and of base + offset, on each of the three addresses. */
+    iocb = layer_iocb(GIO_OPCODE_WRITE, 2u, max / 2u + 1u);
+    expect(!gio_ioctx_command(&iocb, &ioctx, &command), "layer x stride overflowing is invalid", 2u);
+    iocb = layer_iocb(GIO_OPCODE_WRITE, 1u, 0u);
+    iocb.lba_stride_blocks = max - 4u;
+    expect(!gio_ioctx_command(&iocb, &ioctx, &command), "start_lba + offset overflowing is invalid", 1u);
+    iocb.lba_stride_blocks = max - 5u;
+    expect(gio_ioctx_command(&iocb, &ioctx, &command) && command.lba == max, "the last LBA is reachable", 1u);
+    iocb = layer_iocb(GIO_OPCODE_WRITE, 1u, 0u);
+    iocb.mem_stride_bytes = max - 0xFFFFu;
+    expect(!gio_ioctx_command(&iocb, &ioctx, &command), "data_iova + offset overflowing is invalid", 1u);
+    iocb = layer_iocb(GIO_OPCODE_WRITE, 1u, 0u);
+    iocb.desc_stride_bytes = max - 0x7FFFu;
+    expect(!gio_ioctx_command(&iocb, &ioctx, &command), "desc_iova + offset overflowing is invalid", 1u);
+    /* desc_iova 0 means "no descriptors": no offset is applied, so its stride cannot overflow. */
+    ioctx.desc_iova = 0u;
+    expect(gio_ioctx_command(&iocb, &ioctx, &command) && command.desc_iova == 0u, "desc_iova 0 stays 0", 1u);
+}
+
+/* Reads the cases of `rules_check ioctx-commands` from stdin and prints one verdict per case. */
+static void print_ioctx_commands(void) {
+    unsigned opcode, kind;
+    uint32_t layer, block_count;
+    uint64_t lba_stride, mem_stride, desc_stride, start_lba, data_iova, desc_iova;
+    while (scanf("%u %" SCNu32 " %" SCNu64 " %" SCNu64 " %" SCNu64 " %" SCNu64 " %" SCNu64 " %" SCNu64 " %" SCNu32
+                 " %u",
+                 &opcode, &layer, &lba_stride, &mem_stride, &desc_stride, &start_lba, &data_iova, &desc_iova,
+                 &block_count, &kind) == 10) {
+        gio_iocb iocb = layer_iocb((uint8_t)opcode, layer, 0u);
+        gio_ioctx ioctx;
+        gio_ioctx_target command;
+        iocb.lba_stride_blocks = lba_stride;
+        iocb.mem_stride_bytes = mem_stride;
+        iocb.desc_stride_bytes = desc_stride;
+        memset(&ioctx, 0, sizeof ioctx);
+        ioctx.start_lba = start_lba;
+        ioctx.data_iova = data_iova;
+        ioctx.desc_iova = desc_iova;
+        ioctx.block_count = block_count;
+        ioctx.descriptor_kind = (uint8_t)kind;
+        if (gio_ioctx_command(&iocb, &ioctx, &command)) {
+            printf("1 %" PRIu64 " %" PRIu64 " %" PRIu64 "\n", command.lba, command.data_iova, command.desc_iova);
+        } else {
+            printf("0\n");
+        }
+    }
+}
+
 int main(int argc, char **argv) {
     const int print_kinds = argc > 1 && strcmp(argv[1], "descriptor-kinds") == 0;
+    const int print_commands = argc > 1 && strcmp(argv[1], "ioctx-commands") == 0;
+    if (print_commands) {
+        print_ioctx_commands();
+        return 0;
+    }
     check_descriptor_kinds(print_kinds);
     check_completion_verdicts();
     check_cq_claims();
+    check_ioctx_commands();
     if (failures != 0) {
         fprintf(stderr, "rules_check: %d failed checks\n", failures);
         return 1;

@@ -194,21 +194,26 @@ impl CpuExecutor {
         in_flight_on_usable || (self.has_pending() && !self.pending_held_only)
     }
 
-    /// Builds the NVMe command for one IOCTX at the IOCB's current layer, or says why it cannot.
+    /// Builds the NVMe command for one IOCTX at the IOCB's current layer, or `None` when the
+    /// IOCTX command rule (`abi::ioctx_command`, the kernel's `gio_ioctx_command`) refuses it.
     fn command(header: &IocbHeader, ioctx: &abi::gio_ioctx) -> Option<SubmissionEntry> {
-        let layer = u64::from(header.layer);
-        let lba = ioctx.start_lba.checked_add(layer.checked_mul(header.lba_stride_blocks)?)?;
-        let data = ioctx.data_iova.checked_add(layer.checked_mul(header.mem_stride_bytes)?)?;
-        let desc = if ioctx.desc_iova == 0 { 0 } else { ioctx.desc_iova.checked_add(layer.checked_mul(header.desc_stride_bytes)?)? };
-        let namespace = NamespaceId(ioctx.nsid);
-        let start = nvme_driver::Lba(lba);
-        let fua = u32::from(ioctx.flags) & abi::GIO_IOCTX_FLAG_FUA != 0;
-        let blocks = nvme_driver::BlockCount::new(ioctx.block_count)?;
-        let mut entry = match Opcode::from_abi(header.opcode)? {
-            Opcode::Read => SubmissionEntry::read(namespace, start, blocks),
-            Opcode::Write => SubmissionEntry::write(namespace, start, blocks, fua),
+        let layer = abi::IocbLayer {
+            opcode: header.opcode,
+            layer: header.layer,
+            lba_stride_blocks: header.lba_stride_blocks,
+            mem_stride_bytes: header.mem_stride_bytes,
+            desc_stride_bytes: header.desc_stride_bytes,
         };
-        match abi::DescriptorKind::from_abi(ioctx.descriptor_kind)? {
+        let command = abi::ioctx_command(&layer, ioctx)?;
+        let namespace = NamespaceId(ioctx.nsid);
+        let start = nvme_driver::Lba(command.lba);
+        let fua = u32::from(ioctx.flags) & abi::GIO_IOCTX_FLAG_FUA != 0;
+        let (data, desc) = (command.data_iova, command.desc_iova);
+        let mut entry = match command.opcode {
+            Opcode::Read => SubmissionEntry::read(namespace, start, command.block_count),
+            Opcode::Write => SubmissionEntry::write(namespace, start, command.block_count, fua),
+        };
+        match command.descriptor_kind {
             abi::DescriptorKind::Sgl => {
                 entry.set_data_pointer_kind(DataPointerKind::Sgl);
                 // SGL descriptor: address, then length (bits 31:0) and identifier (bits 63:56).
@@ -869,5 +874,58 @@ mod tests {
         assert_eq!((prp.psdt(), prp.dptr), (0, [0x13000, 0x8060]));
         ioctx.descriptor_kind = 9;
         assert!(CpuExecutor::command(&header, &ioctx).is_none());
+    }
+
+    #[test]
+    fn commands_are_built_exactly_when_the_ioctx_command_rule_accepts() {
+        // Goal: CpuExecutor::command refuses what the shared rule (abi::ioctx_command, the
+        // kernel's gio_ioctx_command) refuses — any opcode but Read and Write, a block count
+        // outside 1..=65536, an overflowing per-layer address — and builds the rest.
+        let ioctx = abi::gio_ioctx {
+            desc_iova: 0x8000,
+            data_iova: 0x10000,
+            start_lba: 5,
+            nsid: 1,
+            block_count: 8,
+            data_bytes: 4096,
+            desc_bytes: 32,
+            device_index: 0,
+            descriptor_kind: abi::GIO_DESCRIPTOR_PRP as u8,
+            flags: 0,
+            reserved0: 0,
+        };
+        let header = |opcode: u8, stride: u64| IocbHeader {
+            id: 1,
+            ioctx_count: 1,
+            ioctx_first: 0,
+            layer_count: 4,
+            layer: 3,
+            issue_seq: 1,
+            opcode,
+            user_data: 0,
+            lba_stride_blocks: stride,
+            mem_stride_bytes: stride,
+            desc_stride_bytes: stride,
+        };
+        for opcode in 0..=u8::MAX {
+            for block_count in [0, 1, 65536, 65537, u32::MAX] {
+                for stride in [0x20, u64::MAX / 3 + 1, u64::MAX / 3 - 1] {
+                    let ioctx = abi::gio_ioctx { block_count, ..ioctx };
+                    let header = header(opcode, stride);
+                    let layer = abi::IocbLayer {
+                        opcode,
+                        layer: header.layer,
+                        lba_stride_blocks: stride,
+                        mem_stride_bytes: stride,
+                        desc_stride_bytes: stride,
+                    };
+                    let rule = abi::ioctx_command(&layer, &ioctx);
+                    let built = CpuExecutor::command(&header, &ioctx);
+                    assert_eq!(built.is_some(), rule.is_some(), "opcode {opcode:#x}, {block_count} blocks, stride {stride:#x}");
+                    let expected = matches!(opcode, 0x01 | 0x02) && (1..=65536).contains(&block_count) && stride == 0x20;
+                    assert_eq!(built.is_some(), expected, "opcode {opcode:#x}, {block_count} blocks, stride {stride:#x}");
+                }
+            }
+        }
     }
 }

@@ -82,6 +82,54 @@ pub fn descriptor_kind_is_valid(raw: u8) -> bool {
     u32::from(raw) < GIO_DESCRIPTOR_KIND_COUNT
 }
 
+/// The most logical blocks one IOCTX moves (`GIO_IOCTX_BLOCK_COUNT_MAX` of
+/// kernels/gio_kernel_rules.h): NLB is a 0-based 16-bit count.
+pub const IOCTX_BLOCK_COUNT_MAX: u32 = 65536;
+const _: () = assert!(IOCTX_BLOCK_COUNT_MAX == nvme_driver::BlockCount::MAX);
+
+/// The CPU-written fields of an IOCB that the IOCTX command rule reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IocbLayer {
+    /// `gio_iocb.opcode`, unchecked.
+    pub opcode: u8,
+    /// The layer of the current issue.
+    pub layer: u32,
+    pub lba_stride_blocks: u64,
+    pub mem_stride_bytes: u64,
+    pub desc_stride_bytes: u64,
+}
+
+/// A command [`ioctx_command`] accepted: what it is and where layer `layer` reads or writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IoctxCommand {
+    pub opcode: Opcode,
+    pub descriptor_kind: DescriptorKind,
+    pub block_count: nvme_driver::BlockCount,
+    /// `start_lba + layer × lba_stride_blocks`.
+    pub lba: u64,
+    /// `data_iova + layer × mem_stride_bytes`.
+    pub data_iova: u64,
+    /// 0, or `desc_iova + layer × desc_stride_bytes`.
+    pub desc_iova: u64,
+}
+
+/// The IOCTX command rule of `kernels/gio_kernel_rules.h` (`gio_ioctx_command`): `None` unless the
+/// opcode is Read or Write, the block count is in `1..=IOCTX_BLOCK_COUNT_MAX`, the descriptor kind
+/// is valid and every per-layer address is computed without overflow. Every executor refuses an
+/// IOCTX this refuses (it fails as invalid, no command is built): a corrupted opcode byte must
+/// never become Write Zeroes or Dataset Management, nor a bad count a wrapped NLB.
+/// `tests/gpu_rules.rs` checks that this and the C rule agree.
+pub fn ioctx_command(iocb: &IocbLayer, ioctx: &gio_ioctx) -> Option<IoctxCommand> {
+    let opcode = Opcode::from_abi(iocb.opcode)?;
+    let block_count = nvme_driver::BlockCount::new(ioctx.block_count)?;
+    let descriptor_kind = DescriptorKind::from_abi(ioctx.descriptor_kind)?;
+    let layer = u64::from(iocb.layer);
+    let lba = ioctx.start_lba.checked_add(layer.checked_mul(iocb.lba_stride_blocks)?)?;
+    let data_iova = ioctx.data_iova.checked_add(layer.checked_mul(iocb.mem_stride_bytes)?)?;
+    let desc_iova = if ioctx.desc_iova == 0 { 0 } else { ioctx.desc_iova.checked_add(layer.checked_mul(iocb.desc_stride_bytes)?)? };
+    Some(IoctxCommand { opcode, descriptor_kind, block_count, lba, data_iova, desc_iova })
+}
+
 impl DescriptorKind {
     pub fn to_abi(self) -> u8 {
         match self {
