@@ -78,7 +78,9 @@ fn read_head(file: &File) -> std::io::Result<Vec<u8>> {
 /// something other than a tutti pool: block devices are read through their claimed descriptor
 /// in `claims` (claim them first); regular files that exist and are not empty are opened to be
 /// read. Missing files are left to whoever creates or opens them; `vfio:` and memory devices
-/// are not read (only a controller could).
+/// are not read here (only a controller could: `tutti pool format` reads a `vfio:` SSD's first
+/// MiB through its controller and applies [`foreign_contents`] to it, a blank start not being
+/// enough).
 pub fn refuse_foreign_contents(specs: &[DeviceSpec], claims: &BlockDeviceClaims) -> Result<(), DeviceError> {
     for spec in specs {
         let DeviceSpec::EmuFile(path) = spec else { continue };

@@ -10,9 +10,10 @@
 //! exclusively (`O_EXCL`, tutti-devices' `BlockDeviceClaims`) and held so until the command ends:
 //! one that is mounted or otherwise in use is refused (status 2), and nothing can mount it
 //! meanwhile (`inspect` and `check` claim it too). A device whose first bytes are not a tutti
-//! superblock (a block device), or a non-empty file whose first MiB is neither a tutti superblock
-//! nor all zeroes, is refused, saying what was found, unless `--overwrite` is given; a tutti pool
-//! is reformatted without it.
+//! superblock (a block device, or a `vfio:` SSD, whose first MiB is read through its controller
+//! once it is up, before anything is written), or a non-empty file whose first MiB is neither a
+//! tutti superblock nor all zeroes, is refused, saying what was found, unless `--overwrite` is
+//! given; a tutti pool is reformatted without it.
 //!
 //! Every command first takes tuttid's lock on each device (tutti-devices' `DeviceLocks`: an
 //! exclusive `flock` on an `emu:` file, `LOCK_DIR/vfio-BDF.lock` for a `vfio:` function) and
@@ -24,7 +25,7 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
 use nvme_driver::NamespaceId;
 use objstore::format::Superblock;
@@ -84,6 +85,72 @@ fn refuse_foreign_contents(args: &DeviceArgs, claims: &BlockDeviceClaims, overwr
     tutti_devices::refuse_foreign_contents(&args.devices, claims).map_err(|error| Unusable(error.to_string()).into())
 }
 
+/// Refuses (unusable input) every target whose namespace holds something other than a tutti
+/// pool, reading its first bytes through the controller, unless `overwrite`. For `vfio:`
+/// devices, which only a controller can read (tutti-devices' file check cannot): an SSD is a
+/// whole disk, so, as for an `emu:` block device, a blank start proves nothing.
+fn refuse_foreign_namespaces<'a>(targets: impl IntoIterator<Item = (&'a DeviceSpec, &'a PoolTarget)>, overwrite: bool) -> Result<()> {
+    if overwrite {
+        return Ok(());
+    }
+    for (spec, target) in targets {
+        let head = read_namespace_head(target).with_context(|| format!("{spec}: reading its first bytes to see what it holds"))?;
+        if let Some(found) = tutti_devices::contents::foreign_contents(&head, false) {
+            return Err(Unusable(DeviceError::ForeignContents { spec: spec.to_string(), found }.to_string()).into());
+        }
+    }
+    Ok(())
+}
+
+/// Bytes read from the start of a namespace to tell what it holds: tutti-devices reads as much
+/// of an `emu:` device (file systems keep their signatures within it; btrfs's is at 64 KiB).
+const HEAD_BYTES_MAX: u64 = 1 << 20;
+
+/// Longest the read of a namespace's head may take: a controller that does not answer is a
+/// device failure, not a wait without end.
+const HEAD_READ_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The first min([`HEAD_BYTES_MAX`], namespace size) bytes of `target`'s namespace, read through
+/// its controller on a queue pair of its own (deleted afterwards), in commands of at most MDTS.
+fn read_namespace_head(target: &PoolTarget) -> Result<Vec<u8>> {
+    let namespace = target.controller.namespace(target.namespace)?;
+    let lba_bytes = u64::from(namespace.block_size_bytes);
+    // Whole LBAs: a namespace smaller than HEAD_BYTES_MAX is read to its end.
+    let bytes = HEAD_BYTES_MAX.min(namespace.size_blocks.saturating_mul(lba_bytes)) / lba_bytes * lba_bytes;
+    if bytes == 0 {
+        return Ok(Vec::new());
+    }
+    let region = target.controller.dma().allocate(bytes as usize)?;
+    let mut queue = target.controller.create_io_queue_pair(2.min(target.controller.max_queue_depth()))?;
+    let piece_max = (queue.max_transfer_bytes().min(bytes) / lba_bytes).max(1) * lba_bytes;
+    let mut read = Ok(());
+    let mut done = 0u64;
+    // Bounded: every pass reads at least one LBA, and each waits at most HEAD_READ_TIMEOUT.
+    while done < bytes && read.is_ok() {
+        let piece = (bytes - done).min(piece_max);
+        read = region.subregion(done as usize, piece as usize).map_err(anyhow::Error::from).and_then(|window| {
+            let segment = [nvme_driver::DataSegment::new(window.iova(), piece as u32)];
+            Ok(queue.read(target.namespace, nvme_driver::Lba(done / lba_bytes), &segment, HEAD_READ_TIMEOUT)?)
+        });
+        done += piece;
+    }
+    let in_flight = queue.in_flight();
+    if let Err(undeleted) = queue.delete() {
+        if in_flight > 0 {
+            // A command the controller may still complete could write into the buffer: it is
+            // kept for good rather than handed back to the allocator.
+            region.leak();
+            return Err(anyhow::Error::new(undeleted.source).context("deleting the queue pair of a timed-out read"));
+        }
+        // Nothing in flight: no command can reach the buffer; dropping the pair tries the
+        // deletion once more (else it leaks only its own rings), and the data read stands.
+    }
+    read?;
+    let mut head = vec![0u8; bytes as usize];
+    region.read(0, &mut head)?;
+    Ok(head)
+}
+
 fn parse_pool_device(text: &str) -> Result<DeviceSpec, String> {
     DeviceSpec::parse(text, &POOL_DEVICE_KINDS).map_err(|error| error.to_string())
 }
@@ -122,8 +189,8 @@ pub struct FormatArgs {
     payload_crc: bool,
     /// Format devices that hold something other than a tutti pool (a file system, a partition
     /// table, any non-zero bytes in a file's first MiB; any block device that is not a tutti
-    /// pool): everything on them is lost. Not needed for a tutti pool, a missing, empty or
-    /// all-zero file.
+    /// pool, any `vfio:` SSD that is not a tutti pool): everything on them is lost. Not needed
+    /// for a tutti pool, a missing, empty or all-zero file.
     #[arg(long)]
     overwrite: bool,
 }
@@ -280,6 +347,10 @@ fn run_with(command: &PoolCommand, opener: &dyn BlockDeviceOpener) -> Result<()>
                 None => None,
             };
             let targets = open_targets(&args.devices, args.emu_create_bytes)?;
+            // What a vfio: SSD holds can only be read through its controller, now that it is up;
+            // emu: devices were read before anything was created or grown.
+            let vfio = args.devices.devices.iter().zip(&targets).filter(|(spec, _)| matches!(spec, DeviceSpec::Vfio(_)));
+            refuse_foreign_namespaces(vfio, args.overwrite)?;
             let superblocks = format_pool(&targets, &params).map_err(|error| classify(error, &what))?;
             for superblock in superblocks {
                 outln!("{}", describe(&superblock))?;
@@ -389,6 +460,27 @@ mod tests {
             self.opens.set(self.opens.get() + 1);
             Err(std::io::Error::from_raw_os_error(libc::EBUSY))
         }
+    }
+
+    #[test]
+    fn a_namespace_holding_a_file_system_is_refused_unless_overwrite() {
+        // Goal: what a vfio: SSD holds is read through its controller before format (an
+        // emu:-file-backed target stands in for it here): an ext4 signature at byte 1080 is
+        // refused, status 2, naming it, nothing written; --overwrite lets it through.
+        let directory = tempfile::tempdir().unwrap();
+        let path = directory.path().join("ssd.img");
+        let mut bytes = vec![0u8; 8 << 20];
+        bytes[1080..1082].copy_from_slice(&[0x53, 0xef]);
+        std::fs::write(&path, &bytes).unwrap();
+        let device = format!("emu:{}", path.display());
+        let PoolCommand::Inspect(args) = command(&["inspect", "--device", &device]) else { unreachable!() };
+        let targets = open_targets(&args, None).unwrap();
+        let error = refuse_foreign_namespaces(args.devices.iter().zip(&targets), false).unwrap_err();
+        let unusable = error.downcast_ref::<Unusable>().unwrap_or_else(|| panic!("not status 2: {error:#}"));
+        assert!(unusable.0.contains(&device) && unusable.0.contains("ext2/3/4"), "{}", unusable.0);
+        refuse_foreign_namespaces(args.devices.iter().zip(&targets), true).unwrap();
+        drop(targets);
+        assert!(std::fs::read(&path).unwrap() == bytes, "reading what a device holds wrote to it");
     }
 
     #[test]
