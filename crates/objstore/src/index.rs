@@ -558,6 +558,8 @@ impl Index {
         d.valid += 1;
         d.unpinned_valid += 1;
         Self::account(d, slot, before);
+        // Linked now so that a newer copy found later can unlink it; `finish_recovery` puts
+        // the list in commit order.
         Self::push_front(d, slot);
         freed
     }
@@ -575,12 +577,34 @@ impl Index {
         true
     }
 
-    /// Recovery: after every header was read, rebuilds the free lists from the slot states
-    /// (every slot not committed, low slots first), in O(slots). Must follow the last
-    /// [`Index::recover`] before anything is allocated.
+    /// Recovery: after every header was read, rebuilds each device's LRU list in commit order
+    /// and its free list from the slot states (every slot not committed, low slots first).
+    /// Must follow the last [`Index::recover`] before anything is allocated.
+    ///
+    /// The LRU list is ordered by the generation each header was committed with, oldest at
+    /// the tail: `recover` sees the slots in slot order, which would make the highest slot
+    /// the most recent and evict a prefix from its start. A commit stages a store's headers
+    /// from its last slot to its first, so the prefix's first block comes back the most
+    /// recent, as that commit left it in memory. What only touched a slot (a retrieve, a store
+    /// sharing a cached block) wrote no header and is not seen here: after a reopen the order
+    /// is commit recency. Sorting the committed slots costs O(n log n) (well under a second for
+    /// 2^20 slots) and no memory: the free list, reserved for every slot at open, is the
+    /// scratch before it is rebuilt.
     pub fn finish_recovery(&mut self) {
         for d in &mut self.devices {
-            d.free.clear();
+            // Taken, not copied: `Vec::new` allocates nothing and the capacity comes back.
+            let mut order = std::mem::take(&mut d.free);
+            order.clear();
+            order.extend((0..d.meta.len() as u32).filter(|&s| d.meta[s as usize].state == SlotUse::Valid));
+            // Ties (equal generations only on a damaged pool) go by slot, so the order is
+            // the same at every open.
+            order.sort_unstable_by_key(|&s| (d.meta[s as usize].generation, s));
+            (d.head, d.tail) = (NONE, NONE);
+            for &slot in &order {
+                Self::push_front(d, slot);
+            }
+            order.clear();
+            d.free = order;
             d.free.extend((0..d.meta.len() as u32).rev().filter(|&s| d.meta[s as usize].state == SlotUse::Free));
         }
         self.recovering = false;

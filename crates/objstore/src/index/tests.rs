@@ -135,6 +135,31 @@ fn recovery_keeps_the_newest_copy_of_a_key() {
     assert_eq!(index.counts().free_slots, 2);
 }
 
+#[test]
+fn after_recovery_eviction_goes_by_generation_not_slot_number() {
+    // Goal: `recover` sees slots in slot order; `finish_recovery` orders each device's LRU
+    // list by the generation its header was committed with, oldest evicted first, on every
+    // device. Before, the list kept the order `recover` saw: slot 0 was evicted first.
+    let mut index = Index::new(&[4, 2], 1);
+    let rec = |key| [BlockRecord { key, token_count: 16, payload_crc: 0 }];
+    for (device, slot, key, generation) in [(0, 0, 10, 7), (0, 1, 11, 2), (0, 2, 12, 9), (0, 3, 13, 4), (1, 0, 20, 8), (1, 1, 21, 3)] {
+        assert_eq!(index.recover(device, slot, &rec(key), generation), 0);
+    }
+    index.finish_recovery();
+    let evicted_key = |index: &mut Index, device: u16, keys: &[u64]| {
+        let cached: Vec<u64> = keys.iter().copied().filter(|&key| index.get(key).is_some()).collect();
+        let allocation = index.allocate_on(device).expect("an evictable slot");
+        assert!(allocation.evicted);
+        let key = *cached.iter().find(|&&key| index.get(key).is_none()).expect("a key left");
+        index.commit(device, allocation.slot, &[key + 100], 100);
+        key
+    };
+    let order: Vec<u64> = (0..4).map(|_| evicted_key(&mut index, 0, &[10, 11, 12, 13])).collect();
+    assert_eq!(order, [11, 13, 10, 12], "generations 2, 4, 7, 9");
+    assert_eq!(evicted_key(&mut index, 1, &[20, 21]), 21);
+    assert_eq!(index.counts(), index.counts_walked());
+}
+
 /// Distinct, well-mixed, non-zero keys (real keys are hashes; the map uses them as their own
 /// hash, so sequential small keys would all share one control tag).
 fn mixed_key(i: u64) -> u64 {

@@ -451,12 +451,17 @@ impl StoreControl {
         Ok(blocks)
     }
 
+    /// Stages a store's slot headers Valid, last slot first: each header staged takes the
+    /// pool's next generation, so the slot of the prefix's first block gets the highest. A
+    /// reopen orders the LRU list by generation (`Index::finish_recovery`), and so finds the
+    /// order `commit_store` gives it in memory: the prefix's first block the most recent.
     fn stage_valid_headers(&mut self, reservation: &Reservation, crcs: Option<&[u32]>) -> Result<()> {
         let block_tokens = self.pool.geometry().block_tokens;
-        let mut start = 0;
-        for &(device, slot, used) in &reservation.slots {
-            let range = start..start + usize::from(used);
-            start = range.end;
+        let mut end: usize = reservation.slots.iter().map(|&(_, _, used)| usize::from(used)).sum();
+        for &(device, slot, used) in reservation.slots.iter().rev() {
+            // A slot's blocks are contiguous (`place_new_blocks` fills one slot at a time).
+            let range = end - usize::from(used)..end;
+            end = range.start;
             self.records.clear();
             for i in range {
                 let payload_crc = crcs.map_or(0, |crcs| crcs[i]);

@@ -967,6 +967,29 @@ fn eviction_takes_a_prefix_from_its_end_after_a_retrieve_and_a_store() {
 }
 
 #[test]
+fn eviction_after_a_reopen_goes_by_commit_recency_and_takes_a_prefix_from_its_end() {
+    // Goal (one block per slot, three slots): a reopened pool evicts as the session before it
+    // would have. [A, B, C] committed in one store sits in slots 0, 1, 2; after a reopen a
+    // store of X evicts C, and [A, B] still answers. Before, recovery rebuilt the LRU list in
+    // slot order (the highest slot most recent), X evicted A in slot 0 and the prefix answered
+    // 0 while B and C kept two slots for nothing.
+    let fixture = fixture(1, Some(3));
+    let (mut control, data) = halves(&fixture, StoreConfig::default());
+    let (a, b, c, x) = (31, 32, 33, 34);
+    commit_recorded(&mut control, &[a, b, c]);
+    let slots: Vec<u32> = [a, b, c].iter().map(|&key| control.pool().index().get(key).unwrap().slot).collect();
+    assert_eq!(slots, [0, 1, 2], "the prefix fills the slots in order");
+    drop((control, data));
+    let (mut control, _data) = halves(&fixture, StoreConfig::default());
+    assert_eq!(control.lookup(&[a, b, c]), 3, "durable across the reopen");
+    commit_recorded(&mut control, &[x]);
+    let index = control.pool().index();
+    assert!(index.get(c).is_none(), "C, the prefix's last block, evicted");
+    assert_eq!(index.cached_prefix(&[a, b, c]), 2, "the prefix keeps its start");
+    assert!(index.get(x).is_some());
+}
+
+#[test]
 fn a_store_on_a_healthy_device_commits_while_another_devices_header_writes_hang() {
     // Goal: a store whose slots are all on a healthy device reserves and commits while another
     // pool device's header writes are never answered (lost I/O, before that device is
