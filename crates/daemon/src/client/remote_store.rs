@@ -25,7 +25,9 @@
 //! and the window holds only the rings and the mapping table.
 //!
 //! Everything the daemon sends is untrusted: the pool's shape is checked
-//! (`PoolShape::check`), every placement by `StoreData::prepare`, every queue layout by
+//! (`PoolShape::check`), every prepare reply against the request it answers
+//! (`reply_checks.rs`: the engine blocks named, their count and order), every placement by
+//! `StoreData::prepare`, every queue layout by
 //! `IoQueuePair::attach` (doorbells from the register page's own CAP.DSTRD, rings at the IOVAs
 //! this process allocated), every register page by `SharedMemory::from_fd`.
 
@@ -49,7 +51,11 @@ use crate::protocol::{
 };
 use crate::DaemonError;
 
+mod reply_checks;
 mod request_slots;
+#[cfg(test)]
+mod tampered_replies;
+use reply_checks::{check_retrieve, check_store};
 use request_slots::{to_daemon, RequestSlots};
 
 /// Bytes per page of the window (rings and regions are page aligned).
@@ -552,23 +558,33 @@ impl RemoteKvStore {
         self.client.lookup_all_ranks_from(tokens, first_block).map(|blocks| blocks as usize).map_err(remote)
     }
 
-    /// Prepares the data path of the daemon's request `handle`: takes a request slot here and
-    /// prepares `placements` in it. On failure the slot is free again and the request is
-    /// released at the daemon.
+    /// Prepares the data path of the daemon's request `handle`: takes a request slot here and,
+    /// if the reply answers the request (`consistent`: `reply_checks`), prepares `placements`
+    /// in it. On failure the slot is free again and the request is released at the daemon,
+    /// except when `handle` names a request this process already holds (`HandleState`): that
+    /// one is live (its layers may be moving data) and is left alone; the daemon's new request,
+    /// whose handle this process never learned, stays reserved until the session ends.
     fn prepare_data(
         &mut self,
         handle: RequestHandle,
         direction: Direction,
         placements: &[Placement],
         expected_crcs: Option<&[u32]>,
+        consistent: Result<(), String>,
     ) -> Result<(), ObjstoreError> {
         let local = match self.slots.take(handle) {
             Ok(local) => local,
+            Err(error @ ObjstoreError::HandleState { .. }) => return Err(error),
             Err(error) => {
                 self.release_remote(handle, Transferred::default());
                 return Err(error);
             }
         };
+        if let Err(reason) = consistent {
+            self.slots.free(handle);
+            self.release_remote(handle, Transferred::default());
+            return Err(ObjstoreError::Remote { reason: format!("tuttid's reply does not answer the request: {reason}") });
+        }
         if let Err(error) = self.data.prepare(local, direction, placements, expected_crcs) {
             // Nothing stays prepared in the data half after a failed prepare.
             self.slots.free(handle);
@@ -689,7 +705,8 @@ impl LayerKvStore for RemoteKvStore {
             other => return Err(unexpected(Kind::PrepareRetrieve, &other)),
         };
         let handle = RequestHandle::from_bits(prepared.handle);
-        self.prepare_data(handle, Direction::Retrieve, &prepared.placements, prepared.expected_crcs.as_deref())?;
+        let consistent = check_retrieve(request.block_ids, &prepared);
+        self.prepare_data(handle, Direction::Retrieve, &prepared.placements, prepared.expected_crcs.as_deref(), consistent)?;
         Ok(handle)
     }
 
@@ -700,13 +717,8 @@ impl LayerKvStore for RemoteKvStore {
             other => return Err(unexpected(Kind::PrepareStore, &other)),
         };
         let handle = RequestHandle::from_bits(prepared.handle);
-        if prepared.placements.len() != prepared.new_blocks as usize {
-            self.release_remote(handle, Transferred::default());
-            return Err(ObjstoreError::Remote {
-                reason: format!("{} placements for {} new blocks", prepared.placements.len(), prepared.new_blocks),
-            });
-        }
-        self.prepare_data(handle, Direction::Store, &prepared.placements, None)?;
+        let consistent = check_store(request.block_ids, &prepared);
+        self.prepare_data(handle, Direction::Store, &prepared.placements, None, consistent)?;
         Ok(StorePlan {
             handle,
             new_blocks: prepared.new_blocks as usize,

@@ -1,0 +1,277 @@
+//! A daemon whose prepare replies do not match the request: a real daemon (an in-memory
+//! software controller, in a thread) behind a proxy that forwards every frame, descriptors
+//! included, and rewrites the next `RetrievePrepared` or `StorePrepared` as a test asks. The
+//! client must refuse such a reply (its placements would move other requests' KV blocks, or
+//! leave some of the request's blocks unfilled while reporting success). Every wait is bounded.
+
+use std::os::fd::AsFd;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+use gio_uring::SmBudget;
+use objstore::{FormatParams, KvRequest, LayerKvStore, ModelGeometry, ObjstoreError, RequestHandle};
+use tutti_devices::{DeviceKind, DeviceSpec};
+
+use super::{RemoteConfig, RemoteKvStore};
+use crate::frame_io::{read_frame, write_frame_with_fds, ReadOutcome};
+use crate::pool_open::{open_pool, PoolOptions};
+use crate::protocol::{encode_frame, Hello, Kind, Reply};
+use crate::{Server, ServerConfig, StopHandle};
+
+/// The longest any wait here takes before the test fails.
+const WAIT: Duration = Duration::from_secs(10);
+/// The proxy's read tick (a chance to see its deadline).
+const TICK: Duration = Duration::from_millis(50);
+/// Engine KV blocks of the test's store, and the layers of its model.
+const KV_BLOCKS: u32 = 8;
+const LAYERS: u32 = 2;
+const BLOCK_TOKENS: u32 = 16;
+
+/// Rewrites one prepare reply.
+type Tamper = Box<dyn FnOnce(&mut Reply) + Send>;
+
+/// A daemon in a thread behind a proxy; `tamper` rewrites the next prepare reply.
+struct TamperingDaemon {
+    proxy_socket: PathBuf,
+    tamper: Arc<Mutex<Option<Tamper>>>,
+    stop: StopHandle,
+    served: Option<JoinHandle<()>>,
+    _directory: tempfile::TempDir,
+}
+
+impl TamperingDaemon {
+    fn start() -> TamperingDaemon {
+        let directory = tempfile::tempdir().unwrap();
+        let geometry = ModelGeometry { layers: LAYERS, kv_heads: 2, head_dim: 64, dtype_bytes: 2, block_tokens: BLOCK_TOKENS };
+        let options = PoolOptions {
+            specs: vec![DeviceSpec::parse("emu:mem:64m", &DeviceKind::ALL).unwrap()],
+            namespace: 1,
+            emu_lba_bytes: 4096,
+            emu_create_bytes: None,
+            format: Some(FormatParams { geometry, blocks_per_slot: 1, slot_count_max: None, pool_uuid: None, payload_crc: false }),
+            overwrite: false,
+            lock_dir: directory.path().join("locks"),
+            client_queue_pairs: 4,
+            emu_doorbell_relay: false,
+        };
+        let opened = open_pool(&options).expect("open the pool");
+        let daemon_socket = directory.path().join("tuttid.sock");
+        let server = Server::bind(ServerConfig::new(daemon_socket.clone()), opened).expect("bind");
+        let stop = server.stop_handle();
+        let served = thread::spawn(move || {
+            let _ = server.serve();
+        });
+        let proxy_socket = directory.path().join("proxy.sock");
+        let listener = UnixListener::bind(&proxy_socket).unwrap();
+        let tamper: Arc<Mutex<Option<Tamper>>> = Arc::new(Mutex::new(None));
+        let replies_tamper = Arc::clone(&tamper);
+        // One connection: the test's store.
+        thread::spawn(move || {
+            let Some(client) = accept_within(&listener, WAIT) else { return };
+            let daemon = UnixStream::connect(&daemon_socket).unwrap();
+            for stream in [&client, &daemon] {
+                stream.set_read_timeout(Some(TICK)).unwrap();
+                stream.set_write_timeout(Some(WAIT)).unwrap();
+            }
+            let (requests_from, requests_to) = (client.try_clone().unwrap(), daemon.try_clone().unwrap());
+            let requests = thread::spawn(move || forward(&requests_from, &requests_to, None));
+            forward(&daemon, &client, Some(&replies_tamper));
+            let _ = requests.join();
+        });
+        TamperingDaemon { proxy_socket, tamper, stop, served: Some(served), _directory: directory }
+    }
+
+    /// Rewrites the next `RetrievePrepared` or `StorePrepared` with `tamper`.
+    fn tamper_next(&self, tamper: impl FnOnce(&mut Reply) + Send + 'static) {
+        *self.tamper.lock().unwrap() = Some(Box::new(tamper));
+    }
+
+    fn store(&self) -> RemoteKvStore {
+        let hello = Hello { model_fingerprint: [0x5b; 32], tp_rank: 0, tp_world: 1, client_name: "tampered".into() };
+        let config = RemoteConfig { kv_blocks: KV_BLOCKS, ..RemoteConfig::default() };
+        RemoteKvStore::connect(&self.proxy_socket, &hello, &config).expect("attach through the proxy")
+    }
+}
+
+impl Drop for TamperingDaemon {
+    fn drop(&mut self) {
+        self.stop.stop();
+        let deadline = Instant::now() + WAIT;
+        while self.served.as_ref().is_some_and(|served| !served.is_finished()) && Instant::now() < deadline {
+            thread::sleep(Duration::from_millis(10));
+        }
+        if let Some(served) = self.served.take().filter(JoinHandle::is_finished) {
+            let _ = served.join();
+        }
+    }
+}
+
+fn accept_within(listener: &UnixListener, wait: Duration) -> Option<UnixStream> {
+    listener.set_nonblocking(true).unwrap();
+    let deadline = Instant::now() + wait;
+    while Instant::now() < deadline {
+        match listener.accept() {
+            Ok((stream, _)) => {
+                stream.set_nonblocking(false).unwrap();
+                return Some(stream);
+            }
+            Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => thread::sleep(Duration::from_millis(5)),
+            Err(error) => panic!("accepting the store's connection: {error}"),
+        }
+    }
+    None
+}
+
+/// Copies frames (with their descriptors) from `from` to `to` until either side closes or
+/// fails; with `tamper`, the prepare replies pass through it.
+fn forward(from: &UnixStream, to: &UnixStream, tamper: Option<&Mutex<Option<Tamper>>>) {
+    let (mut body, mut fds, mut frame) = (Vec::new(), Vec::new(), Vec::new());
+    let never = || false;
+    loop {
+        let header = match read_frame(from, &mut body, &mut fds, Instant::now() + WAIT, WAIT, &never) {
+            Ok(ReadOutcome::Frame(header)) => header,
+            Ok(ReadOutcome::Idle) => continue,
+            _ => break,
+        };
+        let prepared = matches!(header.kind, Kind::RetrievePrepared | Kind::StorePrepared);
+        if let Some(rewrite) = tamper.filter(|_| prepared).and_then(|tamper| tamper.lock().unwrap().take()) {
+            let mut reply = Reply::decode(header.kind, &body).unwrap();
+            rewrite(&mut reply);
+            body.clear();
+            reply.encode_body(&mut body);
+        }
+        encode_frame(&mut frame, header.kind, header.request_id, |out| out.extend_from_slice(&body)).unwrap();
+        let attached: Vec<_> = fds.iter().map(|fd| fd.as_fd()).collect();
+        if write_frame_with_fds(to, &frame, &attached).is_err() {
+            break;
+        }
+    }
+    let _ = from.shutdown(std::net::Shutdown::Both);
+    let _ = to.shutdown(std::net::Shutdown::Both);
+}
+
+fn tokens() -> Vec<u32> {
+    (0..4 * BLOCK_TOKENS).collect()
+}
+
+/// Stores blocks 0..4 of `tokens()` from engine blocks 0..4, honestly answered.
+fn store_four_blocks(store: &mut RemoteKvStore) {
+    let tokens = tokens();
+    let plan = store.prepare_store(&KvRequest { tokens: &tokens, block_ids: &[0, 1, 2, 3] }).expect("prepare_store");
+    for layer in 0..LAYERS {
+        store.store_layer(plan.handle, layer, SmBudget(1)).unwrap();
+        store.wait(plan.handle, Instant::now() + WAIT).unwrap();
+    }
+    assert_eq!(store.commit_store(plan.handle).unwrap(), 4);
+}
+
+/// Retrieves blocks 0..4 into engine blocks 4..8, honestly answered: the daemon still serves
+/// the session after the refusals before (nothing was left reserved that blocks it).
+fn retrieve_four_blocks(store: &mut RemoteKvStore) {
+    let tokens = tokens();
+    let handle = store.prepare_retrieve(&KvRequest { tokens: &tokens, block_ids: &[4, 5, 6, 7] }).expect("prepare_retrieve");
+    read_all_layers(store, handle);
+    store.finish(handle).expect("finish");
+}
+
+fn read_all_layers(store: &mut RemoteKvStore, handle: RequestHandle) {
+    for layer in 0..LAYERS {
+        store.retrieve_layer(handle, layer, SmBudget(1)).unwrap();
+        store.wait(handle, Instant::now() + WAIT).unwrap();
+    }
+}
+
+fn retrieve_placements(reply: &mut Reply) -> &mut Vec<objstore::Placement> {
+    match reply {
+        Reply::RetrievePrepared(prepared) => &mut prepared.placements,
+        other => panic!("expected RetrievePrepared, got {:?}", other.kind()),
+    }
+}
+
+fn store_prepared(reply: &mut Reply) -> &mut crate::protocol::StorePrepared {
+    match reply {
+        Reply::StorePrepared(prepared) => prepared,
+        other => panic!("expected StorePrepared, got {:?}", other.kind()),
+    }
+}
+
+#[test]
+fn retrieve_placements_that_do_not_match_the_request_are_refused() {
+    // Goal: a RetrievePrepared whose placements name an engine block the request did not
+    // (another sequence's KV memory), or fewer blocks than asked (some left unfilled while
+    // the retrieve "succeeds"), or CRCs of another count, is an error, and the request is
+    // released at the daemon: the same session retrieves normally afterwards.
+    let daemon = TamperingDaemon::start();
+    let mut store = daemon.store();
+    store_four_blocks(&mut store);
+    let tokens = tokens();
+    let request = KvRequest { tokens: &tokens, block_ids: &[4, 5, 6, 7] };
+
+    daemon.tamper_next(|reply| retrieve_placements(reply)[1].engine_block = 0);
+    let outcome = store.prepare_retrieve(&request);
+    assert!(matches!(outcome, Err(ObjstoreError::Remote { .. })), "a placement into engine block 0: {outcome:?}");
+
+    daemon.tamper_next(|reply| {
+        retrieve_placements(reply).pop();
+    });
+    let outcome = store.prepare_retrieve(&request);
+    assert!(matches!(outcome, Err(ObjstoreError::Remote { .. })), "three placements for four blocks: {outcome:?}");
+
+    daemon.tamper_next(|reply| retrieve_placements(reply).swap(0, 1));
+    let outcome = store.prepare_retrieve(&request);
+    assert!(matches!(outcome, Err(ObjstoreError::Remote { .. })), "placements out of the request's order: {outcome:?}");
+
+    daemon.tamper_next(|reply| match reply {
+        Reply::RetrievePrepared(prepared) => prepared.expected_crcs = Some(vec![1, 2]),
+        other => panic!("expected RetrievePrepared, got {:?}", other.kind()),
+    });
+    let outcome = store.prepare_retrieve(&request);
+    assert!(matches!(outcome, Err(ObjstoreError::Remote { .. })), "two CRCs for four placements: {outcome:?}");
+
+    retrieve_four_blocks(&mut store);
+}
+
+#[test]
+fn store_replies_that_do_not_match_the_request_are_refused() {
+    // Goal: a StorePrepared whose new and shared blocks do not add up to the request's, or
+    // whose placements name an engine block the request did not, is an error, and the
+    // reservation is released at the daemon: the same blocks store normally afterwards.
+    let daemon = TamperingDaemon::start();
+    let mut store = daemon.store();
+    let tokens = tokens();
+    let request = KvRequest { tokens: &tokens, block_ids: &[0, 1, 2, 3] };
+    daemon.tamper_next(|reply| store_prepared(reply).shared_blocks += 1);
+    let outcome = store.prepare_store(&request);
+    assert!(matches!(outcome, Err(ObjstoreError::Remote { .. })), "five blocks for a four-block request: {outcome:?}");
+
+    daemon.tamper_next(|reply| store_prepared(reply).placements[2].engine_block = 6);
+    let outcome = store.prepare_store(&request);
+    assert!(matches!(outcome, Err(ObjstoreError::Remote { .. })), "a placement from engine block 6: {outcome:?}");
+
+    store_four_blocks(&mut store);
+    retrieve_four_blocks(&mut store);
+}
+
+#[test]
+fn a_handle_already_held_is_refused_without_releasing_the_live_request() {
+    // Goal: a daemon answering a prepare with the handle of a request this process already
+    // holds gets an error, and that live request is not released (its layers may still move
+    // data): it reads its layers and finishes at the daemon as usual.
+    let daemon = TamperingDaemon::start();
+    let mut store = daemon.store();
+    store_four_blocks(&mut store);
+    let tokens = tokens();
+    let live = store.prepare_retrieve(&KvRequest { tokens: &tokens, block_ids: &[4, 5, 6, 7] }).expect("the live retrieve");
+    let held = live.to_bits();
+    daemon.tamper_next(move |reply| match reply {
+        Reply::RetrievePrepared(prepared) => prepared.handle = held,
+        other => panic!("expected RetrievePrepared, got {:?}", other.kind()),
+    });
+    let outcome = store.prepare_retrieve(&KvRequest { tokens: &tokens[..2 * BLOCK_TOKENS as usize], block_ids: &[0, 1] });
+    assert!(matches!(outcome, Err(ObjstoreError::HandleState { .. })), "a handle already held: {outcome:?}");
+    read_all_layers(&mut store, live);
+    store.finish(live).expect("the live request is still the daemon's: its release is accepted");
+}
