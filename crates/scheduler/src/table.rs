@@ -429,13 +429,33 @@ impl Profile {
     /// (`Runtime::new`), `tutti-profile check` reports it invalid and `import` refuses to write
     /// it. A table of timelines measured with every SM busy (free SMs 0) was valid, checked
     /// valid and simulated, and then the runtime refused it.
+    ///
+    /// A step must also last: a context takes the duration of the row at or below it, and in a
+    /// step of 0 µs (valid as a table, as every duration may be 0) the policy finds no room for
+    /// a write, not even as time carried forward. So the last row, or the lower of two adjacent
+    /// rows, must last more than 0 µs; rows that all lasted 0 µs passed, and nothing was ever
+    /// written in a decode step.
     pub fn check_decode_steps_can_write(&self) -> Result<()> {
         let write_budget_min = self.io_sm_budget_min(IoKind::Write);
         let steps = &self.table.decode_steps;
-        let writable = |step: &DecodeStep| step.free_sms >= write_budget_min;
-        let some_range_writes = steps.last().is_some_and(writable) || steps.windows(2).any(|pair| pair.iter().all(writable));
+        let enough_sms = |step: &DecodeStep| step.free_sms >= write_budget_min;
+        let writable = |step: &DecodeStep| enough_sms(step) && step.duration_us > 0.0;
+        let some_range_writes =
+            steps.last().is_some_and(writable) || steps.windows(2).any(|pair| writable(&pair[0]) && enough_sms(&pair[1]));
         if some_range_writes {
             return Ok(());
+        }
+        let some_range_has_sms = steps.last().is_some_and(enough_sms) || steps.windows(2).any(|pair| pair.iter().all(enough_sms));
+        if some_range_has_sms {
+            return Err(invalid(
+                "decode_steps.duration_us",
+                "table".into(),
+                format!(
+                    "every decode step that leaves the smallest write budget ({write_budget_min} SMs) free lasts 0 us (durations \
+                     per row: {:?}): no deferred write could go in a decode step under the slack-aware policy",
+                    steps.iter().map(|step| step.duration_us).collect::<Vec<_>>()
+                ),
+            ));
         }
         Err(invalid(
             "decode_steps.free_sms",

@@ -524,6 +524,27 @@ fn the_decode_write_predicate_refuses_a_table_with_no_free_sms() {
     assert!(error.to_string().contains("smallest write budget"), "{error}");
 }
 
+/// Goal: a decode step of no time is no step a write can go in: the predicate refuses a table
+/// whose every decode step lasts 0 µs (valid as a table: durations may be 0), as it refuses one
+/// with no free SM. Before, it looked at free SMs only and passed it, and under slack-aware the
+/// policy's window had no room (`room_us <= 0`): nothing was ever granted in a decode step.
+/// A range of contexts writes when the row whose duration it takes (the one below) lasts.
+#[test]
+fn the_decode_write_predicate_refuses_decode_steps_of_no_time() {
+    let with_durations = |durations: [f64; 2]| {
+        let mut table = common::table();
+        for (step, duration_us) in table.decode_steps.iter_mut().zip(durations) {
+            step.duration_us = duration_us;
+        }
+        Profile::from_table(table).expect("valid as a table")
+    };
+    let error = with_durations([0.0, 0.0]).check_decode_steps_can_write().unwrap_err();
+    assert!(error.to_string().contains("decode_steps.duration_us") && error.to_string().contains("[0.0, 0.0]"), "{error}");
+    // Past the last row, the last row's step; between the rows, the first row's.
+    with_durations([0.0, 2000.0]).check_decode_steps_can_write().expect("the last row lasts");
+    with_durations([1000.0, 0.0]).check_decode_steps_can_write().expect("contexts between the rows take the first row's 1000 us");
+}
+
 /// Goal: layers of one run that overlap in time are refused, naming the bucket, the run and the
 /// layers. Each layer's span and windows come from its own kernels only, so when layer 1 starts
 /// before layer 0 ends, layer 0's windows showed SMs layer 1 was using and the layers' sums
