@@ -19,6 +19,7 @@ import torch
 import tutti
 import vllm_harness as harness
 from tutti.vllm import TuttiConnector, TuttiConnectorMetadata
+from tutti._engine import ConfigError
 from tutti.vllm.connector import KvMemoryUnsafe, LoadSpec, SaveSpec
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
@@ -1293,6 +1294,24 @@ def test_pipeline_and_context_parallelism_are_refused(field):
     for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
         with pytest.raises(tutti.InvalidArgument, match=f"{field} = 2"):
             harness.make_connector(config, role)
+
+
+def test_vllms_default_load_failure_policy_is_refused_naming_the_field():
+    """Goal: vLLM's kv_load_failure_policy defaults to "fail": every load the connector reports
+    failed (get_block_ids_with_load_errors) would fail the user's request and every running
+    request sharing the block (Scheduler._handle_invalid_blocks), where tutti is a best-effort
+    cache whose failed loads vLLM must recompute. vLLM's default is refused when vLLM builds the
+    connector, naming the kv_transfer_config field to set; "recompute" is accepted. Checked
+    before tuttid is asked (the socket here does not exist)."""
+    for policy in (None, "fail"):
+        config = harness.vllm_config("/nonexistent/tuttid.sock", 1, load_failure_policy=policy)
+        assert config.kv_transfer_config.kv_load_failure_policy == "fail"
+        for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+            with pytest.raises(ConfigError, match='"kv_load_failure_policy": "recompute"'):
+                harness.make_connector(config, role)
+    config = harness.vllm_config("/nonexistent/tuttid.sock", 1)
+    with pytest.raises(tutti.Disconnected):  # past the configuration: tuttid is asked
+        harness.make_connector(config, KVConnectorRole.SCHEDULER)
 
 
 @pytest.mark.parametrize("field, value", [("enable_dbo", True), ("ubatch_size", 2)])

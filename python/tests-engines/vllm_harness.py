@@ -41,15 +41,20 @@ def layer_names() -> list[str]:
     return [f"model.layers.{layer}.self_attn.attn" for layer in range(LAYERS)]
 
 
-def vllm_config(socket: str, tp_world: int, rank: int = 0, extra: Optional[dict] = None) -> Any:
-    """vLLM's own config objects, with the connector named as on vLLM's command line."""
+def vllm_config(
+    socket: str, tp_world: int, rank: int = 0, extra: Optional[dict] = None, load_failure_policy: Optional[str] = "recompute"
+) -> Any:
+    """vLLM's own config objects, with the connector named as on vLLM's command line (with
+    "kv_load_failure_policy": "recompute", which the connector requires; None: vLLM's default)."""
     from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ParallelConfig, VllmConfig
 
+    policy = {} if load_failure_policy is None else {"kv_load_failure_policy": load_failure_policy}
     transfer = KVTransferConfig(
         kv_connector="TuttiConnector",
         kv_connector_module_path="tutti.vllm",
         kv_role="kv_both",
         kv_connector_extra_config={"socket": socket, "timeout_s": 20} if extra is None else extra,
+        **policy,
     )
     parallel = ParallelConfig(tensor_parallel_size=tp_world)
     parallel.rank = rank

@@ -2,7 +2,9 @@
 
 Loaded by vLLM with
     --kv-transfer-config '{"kv_connector": "TuttiConnector", "kv_connector_module_path": "tutti.vllm",
-                           "kv_role": "kv_both", "kv_connector_extra_config": {"socket": "/run/tutti/tuttid.sock"}}'
+                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"socket": "/run/tutti/tuttid.sock"}}'
+(kv_load_failure_policy "recompute" is required: a failed load is recomputed, not an error).
 
 vLLM builds one connector in the scheduler process (role SCHEDULER) and one per worker (role
 WORKER, one per tensor-parallel rank), each in its own process:
@@ -85,6 +87,7 @@ class TuttiConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
         self._config = parse_config(
             "kv_connector_extra_config", self._kv_transfer_config.kv_connector_extra_config, EXTRA_CONFIG_FIELDS
         )
+        _refuse_failing_loads(self._kv_transfer_config)
         self._block_size = int(vllm_config.cache_config.block_size)
         parallel = vllm_config.parallel_config
         _refuse_unsupported_parallelism(parallel)
@@ -156,6 +159,24 @@ def _blocks_per_request_max(vllm_config: "VllmConfig", block_size: int) -> Optio
     if not isinstance(max_model_len, int) or max_model_len <= 0:
         return None
     return -(-max_model_len // block_size)
+
+
+def _refuse_failing_loads(kv_transfer_config: Any) -> None:
+    """Raises ConfigError unless vLLM recomputes the blocks of a failed load
+    (kv_load_failure_policy "recompute"). vLLM's default, "fail", ends the request whose load
+    failed with an error, and every running request sharing one of its blocks
+    (Scheduler._handle_invalid_blocks), while tutti is a best-effort cache: a block evicted since
+    the lookup, an I/O error or a worker whose session ended makes a load fail, and a worker with
+    CPU KV whose session ended fails every load until it is restarted."""
+    from tutti._engine import ConfigError
+
+    policy = getattr(kv_transfer_config, "kv_load_failure_policy", "fail")
+    if policy != "recompute":
+        raise ConfigError(
+            f"TuttiConnector needs vLLM to recompute the blocks of a failed load, but kv_load_failure_policy = "
+            f"{policy!r} (vLLM's default, 'fail', fails the request and every request sharing its blocks): add "
+            '"kv_load_failure_policy": "recompute" to --kv-transfer-config (kv_transfer_config)'
+        )
 
 
 def _refuse_unsupported_parallelism(parallel: Any) -> None:
