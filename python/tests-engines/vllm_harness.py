@@ -66,10 +66,13 @@ def vllm_config(
     )
 
 
-def kv_cache_config(num_blocks: int = NUM_BLOCKS) -> Any:
+def kv_cache_config(num_blocks: int = NUM_BLOCKS, spec: Any = None) -> Any:
+    """vLLM's KVCacheConfig for the harness's layers: one group of `spec` (full attention by
+    default)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 
-    spec = FullAttentionSpec(block_size=BLOCK_TOKENS, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=DTYPE)
+    if spec is None:
+        spec = FullAttentionSpec(block_size=BLOCK_TOKENS, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=DTYPE)
     page = spec.page_size_bytes
     tensors = [
         KVCacheTensor(size=page * num_blocks, layers=[name], layer_stride=page * num_blocks, block_stride=page)
@@ -82,10 +85,10 @@ def kv_cache_config(num_blocks: int = NUM_BLOCKS) -> Any:
     )
 
 
-def make_connector(config: Any, role: Any) -> Any:
+def make_connector(config: Any, role: Any, cache_config: Any = None) -> Any:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    return KVConnectorFactory.create_connector(config, role, kv_cache_config())
+    return KVConnectorFactory.create_connector(config, role, kv_cache_config() if cache_config is None else cache_config)
 
 
 def request(req_id: str, prompt: list[int]) -> Any:

@@ -91,6 +91,7 @@ class TuttiConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
         self._block_size = int(vllm_config.cache_config.block_size)
         parallel = vllm_config.parallel_config
         _refuse_unsupported_parallelism(parallel)
+        _refuse_kv_cache_groups_freed_early(kv_cache_config)
         self._tp_world = int(parallel.tensor_parallel_size)
         self._kv_layout = _resolved_kv_layout(vllm_config, kv_cache_config)
         self._fingerprint = fingerprint_from_config(
@@ -177,6 +178,28 @@ def _refuse_failing_loads(kv_transfer_config: Any) -> None:
             f"{policy!r} (vLLM's default, 'fail', fails the request and every request sharing its blocks): add "
             '"kv_load_failure_policy": "recompute" to --kv-transfer-config (kv_transfer_config)'
         )
+
+
+def _refuse_kv_cache_groups_freed_early(kv_cache_config: Optional["KVCacheConfig"]) -> None:
+    """Raises ConfigError for a KV cache group that is not full attention (vLLM's
+    FullAttentionSpec, MLA's included): vLLM frees a sliding-window or chunked-local group's
+    blocks outside the window while the request runs (SlidingWindowManager.remove_skipped_blocks,
+    during chunked prefill and before request_finished), so the blocks a save names may hold
+    another request's bytes by the time it is written; other kinds (Mamba state, cross
+    attention) are not a prompt's paged KV at all. A FullAttentionSpec whose layers compute a
+    sliding window (the hybrid KV cache manager disabled) keeps every block: accepted."""
+    from tutti._engine import ConfigError
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    for group in getattr(kv_cache_config, "kv_cache_groups", None) or []:
+        spec = group.kv_cache_spec
+        if not isinstance(spec, FullAttentionSpec):
+            raise ConfigError(
+                f"TuttiConnector stores full-attention KV only; this model has a KV cache group of "
+                f"{type(spec).__name__} ({len(group.layer_names)} layers), whose blocks vLLM frees or reuses while a "
+                "request runs (a save would store other requests' bytes under its prompt's keys): serve it with "
+                "--disable-sliding-window (all layers full attention) or without the connector"
+            )
 
 
 def _refuse_unsupported_parallelism(parallel: Any) -> None:
