@@ -380,10 +380,29 @@ impl AttachedPhase<'_> {
         self.clients.iter().map(|phase| phase.bytes_per_layer * phase.layer_latencies.len() as u64).sum()
     }
 
-    /// The slowest client's time in its layers: the clients started together, so every byte
-    /// moved within it.
+    /// The slowest client's own time in its layers (reported beside the span; not a bound on
+    /// when the bytes moved: the clients' phases start at the barrier's release, but each
+    /// process is scheduled when the machine gets to it).
     fn layer_time(&self) -> Duration {
         self.clients.iter().map(|phase| phase.layer_time()).max().unwrap_or_default()
+    }
+
+    /// From the first client's first layer issue to the last client's last completion, on the
+    /// system-wide monotonic clock every client process read: every byte moved within it. Over
+    /// the slowest client's own layer time instead, clients that started apart claimed up to
+    /// N times the rate. Without every client's span (a clock that could not be read), the sum
+    /// of their layer times: never shorter than the span, so the rate is never overstated.
+    fn layers_span(&self) -> Duration {
+        let spans: Option<Vec<(u64, u64)>> = self.clients.iter().map(|phase| phase.layers_span_ns).collect();
+        let span_ns = spans.and_then(|spans| {
+            let start = spans.iter().map(|&(start, _)| start).min()?;
+            let end = spans.iter().map(|&(_, end)| end).max()?;
+            end.checked_sub(start)
+        });
+        match span_ns {
+            Some(nanos) => Duration::from_nanos(nanos),
+            None => self.clients.iter().map(|phase| phase.layer_time()).sum(),
+        }
     }
 
     fn wall(&self) -> Duration {
@@ -391,7 +410,7 @@ impl AttachedPhase<'_> {
     }
 
     fn gb_per_second(&self) -> f64 {
-        let seconds = self.layer_time().as_secs_f64();
+        let seconds = self.layers_span().as_secs_f64();
         if seconds > 0.0 {
             self.io_bytes() as f64 / seconds / 1e9
         } else {
@@ -416,10 +435,11 @@ impl AttachedPhase<'_> {
         let mut lines = vec![
             format!("{} [attach: {} client process(es)]", first.label, self.clients.len()),
             format!(
-                "  aggregate: {} blocks, {}, {:.2} GB/s (every client's bytes over the slowest client's layer time, {:.3}s), wall {:.3}s with prepare/commit",
+                "  aggregate: {} blocks, {}, {:.2} GB/s (every client's bytes over {:.3}s from the first client's first layer issue to the last client's last completion; the slowest client's own layer time {:.3}s), wall {:.3}s with prepare/commit",
                 self.clients.iter().map(|phase| phase.blocks).sum::<u64>(),
                 format_size(self.io_bytes()),
                 self.gb_per_second(),
+                self.layers_span().as_secs_f64(),
                 self.layer_time().as_secs_f64(),
                 self.wall().as_secs_f64()
             ),
@@ -451,6 +471,7 @@ impl AttachedPhase<'_> {
             "blocks": self.clients.iter().map(|phase| phase.blocks).sum::<u64>(),
             "io_bytes": self.io_bytes(),
             "bw_bytes": (self.gb_per_second() * 1e9).round() as u64,
+            "layers_span_ns": ns(self.layers_span()),
             "layer_time_ns": ns(self.layer_time()),
             "wall_ns": ns(self.wall()),
             "lat_ns": {
@@ -540,4 +561,53 @@ fn report(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A client's phase as its process reports it: 1 GB in 10 layers of 100 ms, its layers
+    /// running from `start_ns` on the system's monotonic clock for one second.
+    fn one_gigabyte_in_one_second(start_ns: u64) -> LayerPhase {
+        let layers: Vec<Value> = (0..10).map(|layer| json!({"layer": layer, "lat_ns": 100_000_000u64})).collect();
+        LayerPhase::from_json(&json!({
+            "phase": "retrieve",
+            "blocks": 1,
+            "bytes_per_layer": 100_000_000u64,
+            "layers": layers,
+            "wall_ns": 1_000_000_000u64,
+            "cpu_user_ns": 0,
+            "cpu_system_ns": 0,
+            "verified_bytes": null,
+            "layers_start_monotonic_ns": start_ns,
+            "layers_end_monotonic_ns": start_ns + 1_000_000_000,
+        }))
+        .expect("a well-formed client report")
+    }
+
+    #[test]
+    fn clients_that_ran_one_after_the_other_aggregate_to_one_clients_bandwidth() {
+        // Goal: the aggregate divides every client's bytes by the span from the first client's
+        // first issue to the last client's last completion; over the slowest client's own layer
+        // time, two clients that ran back to back (staggered starts) claimed twice the rate.
+        let first = one_gigabyte_in_one_second(5_000_000_000);
+        let second = one_gigabyte_in_one_second(6_000_000_000);
+        let back_to_back = AttachedPhase { clients: vec![&first, &second] };
+        assert!(back_to_back.gb_per_second() <= 1.0 + 1e-9, "{} GB/s", back_to_back.gb_per_second());
+        // Overlapping exactly, the two did move 2 GB in one second.
+        let together = AttachedPhase { clients: vec![&first, &first] };
+        assert!((together.gb_per_second() - 2.0).abs() < 1e-9, "{} GB/s", together.gb_per_second());
+    }
+
+    #[test]
+    fn an_instant_maps_onto_the_system_monotonic_clock() {
+        // Goal: the spans client processes report are on CLOCK_MONOTONIC, the clock Instant
+        // reads: an Instant taken between two readings maps between them.
+        let before = crate::uring::monotonic_now_ns().expect("CLOCK_MONOTONIC reads");
+        let at = Instant::now();
+        let mapped = crate::kv_workload::monotonic_ns(at).expect("a past Instant maps");
+        let after = crate::uring::monotonic_now_ns().expect("CLOCK_MONOTONIC reads");
+        assert!(before <= mapped && mapped <= after, "{before} <= {mapped} <= {after}");
+    }
 }

@@ -106,6 +106,26 @@ pub(crate) struct LayerPhase {
     pub(crate) wall: Duration,
     pub(crate) cpu: CpuTime,
     pub(crate) verified: Option<u64>,
+    /// The first layer's issue and the last layer's completion, in nanoseconds on the system's
+    /// monotonic clock ([`monotonic_ns`]): attach mode's aggregate spans the client processes'
+    /// phases with them. `None` when the phase moved no layer or the clock could not be read.
+    pub(crate) layers_span_ns: Option<(u64, u64)>,
+}
+
+/// `at` in nanoseconds on `CLOCK_MONOTONIC`: `Instant` reads that clock on Linux but keeps its
+/// value private, so the distance from `at` to now is taken off a reading of it. `None` for an
+/// `at` in the future or a failed reading.
+pub(crate) fn monotonic_ns(at: Instant) -> Option<u64> {
+    let now = Instant::now();
+    let now_ns = crate::uring::monotonic_now_ns()?;
+    let ago_ns = u64::try_from(now.checked_duration_since(at)?.as_nanos()).ok()?;
+    now_ns.checked_sub(ago_ns)
+}
+
+/// [`LayerPhase::layers_span_ns`] of a phase whose layers ran over `span`.
+fn span_ns(span: Option<(Instant, Instant)>) -> Option<(u64, u64)> {
+    let (first_issue, last_done) = span?;
+    Some((monotonic_ns(first_issue)?, monotonic_ns(last_done)?))
 }
 
 impl LayerPhase {
@@ -208,6 +228,8 @@ impl LayerPhase {
             "cpu_user_ns": ns(self.cpu.user),
             "cpu_system_ns": ns(self.cpu.system),
             "verified_bytes": self.verified,
+            "layers_start_monotonic_ns": self.layers_span_ns.map(|(start, _)| start),
+            "layers_end_monotonic_ns": self.layers_span_ns.map(|(_, end)| end),
         })
     }
 
@@ -227,6 +249,7 @@ impl LayerPhase {
                 Value::Null => None,
                 verified => Some(verified.as_u64()?),
             },
+            layers_span_ns: value["layers_start_monotonic_ns"].as_u64().zip(value["layers_end_monotonic_ns"].as_u64()),
         })
     }
 }
@@ -281,7 +304,7 @@ pub(crate) fn run_phases<T: KvTarget>(
         let request = KvRequest { tokens: &tokens[..cached as usize * block_tokens], block_ids: &ids[..cached as usize] };
         let store = target.store();
         let handle = store.prepare_retrieve(&request).context("prepare_retrieve")?;
-        let latencies = move_layers(store, handle, layers, Direction::Retrieve)?;
+        let (latencies, span) = move_layers(store, handle, layers, Direction::Retrieve)?;
         store.finish(handle).context("finishing the retrieve")?;
         let wall = started.elapsed();
         let cpu = ProcessCpu::now().since(&cpu_before);
@@ -301,6 +324,7 @@ pub(crate) fn run_phases<T: KvTarget>(
             wall,
             cpu,
             verified,
+            layers_span_ns: span_ns(span),
         });
     }
     if cached < blocks && plan.pool != PoolMode::RetrieveOnly {
@@ -321,7 +345,8 @@ enum Direction {
 /// issued ahead, each waited for in order. Returns each layer's time (module docs). A failed
 /// layer ends the run, after the layers issued behind it are waited for (the device may still
 /// be moving their bytes).
-fn move_layers<S: LayerKvStore>(store: &mut S, handle: RequestHandle, layers: u32, direction: Direction) -> anyhow::Result<Vec<Duration>> {
+/// Also the first layer's issue and the last layer's completion (`None` with no layer).
+fn move_layers<S: LayerKvStore>(store: &mut S, handle: RequestHandle, layers: u32, direction: Direction) -> anyhow::Result<MovedLayers> {
     let ahead = store.layers_in_flight_max().max(1);
     let verb = if direction == Direction::Retrieve { "retrieve" } else { "store" };
     let mut latencies = Vec::with_capacity(layers as usize);
@@ -361,8 +386,12 @@ fn move_layers<S: LayerKvStore>(store: &mut S, handle: RequestHandle, layers: u3
         latencies.push(done - started);
         previous_done = Some(done);
     }
-    Ok(latencies)
+    let span = issued_at.first().copied().zip(previous_done);
+    Ok((latencies, span))
 }
+
+/// Each layer's time, and the span from the first issue to the last completion.
+type MovedLayers = (Vec<Duration>, Option<(Instant, Instant)>);
 
 /// After a failure: waits for the layers still in flight (bounded by the layer timeout each),
 /// so that the request can be finished; their own errors are dropped (the first one is what
@@ -380,7 +409,7 @@ fn store_phase<T: KvTarget>(target: &mut T, label: &str, request: &KvRequest<'_>
     let cpu_before = ProcessCpu::now();
     let started = Instant::now();
     let plan = store.prepare_store(request).context("prepare_store")?;
-    let latencies = move_layers(store, plan.handle, layers, Direction::Store)?;
+    let (latencies, span) = move_layers(store, plan.handle, layers, Direction::Store)?;
     store.commit_store(plan.handle).context("commit_store")?;
     Ok(LayerPhase {
         label: label.to_string(),
@@ -390,6 +419,7 @@ fn store_phase<T: KvTarget>(target: &mut T, label: &str, request: &KvRequest<'_>
         wall: started.elapsed(),
         cpu: ProcessCpu::now().since(&cpu_before),
         verified: None,
+        layers_span_ns: span_ns(span),
     })
 }
 

@@ -274,6 +274,22 @@ impl Drop for UringQueue {
     }
 }
 
+/// Now on `CLOCK_MONOTONIC` in nanoseconds (`clock_gettime(2)`), here because this module holds
+/// the binary's unsafe code. It is the clock `Instant` reads on Linux, and one clock for the
+/// whole system, so that times taken in different processes compare; `None` if the call fails.
+pub fn monotonic_now_ns() -> Option<u64> {
+    let mut now = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes one `struct timespec` through the pointer, which points at a
+    // live, initialised value of that type.
+    let status = unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) };
+    if status != 0 {
+        return None;
+    }
+    let seconds = u64::try_from(now.tv_sec).ok()?;
+    let nanos = u64::try_from(now.tv_nsec).ok()?;
+    seconds.checked_mul(1_000_000_000)?.checked_add(nanos)
+}
+
 /// `getrusage(2)`, here because this module holds the binary's unsafe code.
 pub fn getrusage(who: libc::c_int) -> Option<libc::rusage> {
     let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
