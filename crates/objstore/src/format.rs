@@ -92,6 +92,27 @@ pub fn header_entry_bytes(blocks_per_slot: u32) -> u64 {
         .next_power_of_two()
 }
 
+/// Where format puts a device's metadata for `slot_count` slots of `blocks_per_slot` blocks on
+/// LBAs of `lba_bytes`, in bytes: the header region's start and length (whole LBAs, after the
+/// superblock's region) and the data region's start (the next 1 MiB boundary past the
+/// headers). `None` when it does not fit in 64 bits. The one rule for both
+/// [`Superblock::plan`] and a check of a layout from elsewhere (`PoolShape::check`).
+pub fn metadata_layout(slot_count: u64, blocks_per_slot: u32, lba_bytes: u32) -> Option<MetadataLayout> {
+    let lba = u64::from(lba_bytes).max(1);
+    let header_start = SUPERBLOCK_REGION_BYTES.max(lba);
+    let header_bytes = slot_count.checked_mul(header_entry_bytes(blocks_per_slot))?.div_ceil(lba).checked_mul(lba)?;
+    let data_start = header_start.checked_add(header_bytes)?.div_ceil(DATA_ALIGN_BYTES).checked_mul(DATA_ALIGN_BYTES)?;
+    Some(MetadataLayout { header_start, header_bytes, data_start })
+}
+
+/// See [`metadata_layout`]: byte offsets in a namespace.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MetadataLayout {
+    pub header_start: u64,
+    pub header_bytes: u64,
+    pub data_start: u64,
+}
+
 impl Superblock {
     /// Lays out a namespace of `size_blocks` LBAs of `lba_bytes` for `geometry` with k blocks per
     /// slot, using at most `slot_count_max` slots (as many as fit when `None`).
@@ -128,22 +149,20 @@ impl Superblock {
         let slot_bytes = geometry.block_bytes() * u64::from(blocks_per_slot);
         let size_bytes = size_blocks.saturating_mul(lba);
         let header_start = SUPERBLOCK_REGION_BYTES.max(lba);
-        let layout = |slots: u64| -> (u64, u64) {
-            let header_bytes = (slots * entry).div_ceil(lba) * lba;
-            let data_start = (header_start + header_bytes).div_ceil(DATA_ALIGN_BYTES) * DATA_ALIGN_BYTES;
-            (header_bytes, data_start)
-        };
+        let layout = |slots: u64| metadata_layout(slots, blocks_per_slot, lba_bytes);
+        // The end of the last slot, when it fits in 64 bits.
+        let end = |slots: u64| layout(slots).and_then(|layout| slots.checked_mul(slot_bytes)?.checked_add(layout.data_start));
         let mut slots = size_bytes.saturating_sub(header_start + DATA_ALIGN_BYTES) / (slot_bytes + entry);
         if let Some(max) = slot_count_max {
             slots = slots.min(max);
         }
-        while slots > 0 && layout(slots).1 + slots * slot_bytes > size_bytes {
+        while slots > 0 && end(slots).is_none_or(|end| end > size_bytes) {
             slots -= 1;
         }
         if slots == 0 {
             return Err(ObjstoreError::NamespaceTooSmall {
                 device: device_index as usize,
-                needed_bytes: layout(1).1 + slot_bytes,
+                needed_bytes: end(1).unwrap_or(u64::MAX),
                 available_bytes: size_bytes,
             });
         }
@@ -153,7 +172,9 @@ impl Superblock {
         if slots > u64::from(u32::MAX) {
             return Err(invalid(format!("device {device_index}: {slots} slots, at most {} supported", u32::MAX)));
         }
-        let (header_bytes, data_start) = layout(slots);
+        // Fits: the loop above found its end within the namespace.
+        let MetadataLayout { header_start, header_bytes, data_start } =
+            layout(slots).ok_or_else(|| invalid(format!("device {device_index}: {slots} slots overflow the layout")))?;
         Ok(Self {
             version: FORMAT_VERSION,
             pool_uuid,

@@ -5,7 +5,7 @@
 //! half checks every placement it is given against it.
 
 use crate::error::{ObjstoreError, Result};
-use crate::format::{SlotAddressing, DATA_ALIGN_BYTES, FLAG_PAYLOAD_CRC};
+use crate::format::{metadata_layout, SlotAddressing, FLAG_PAYLOAD_CRC};
 use crate::geometry::ModelGeometry;
 use crate::index::BlockLocation;
 use crate::pool::Pool;
@@ -186,13 +186,20 @@ impl PoolShape {
             if slot_needs.is_none_or(|needs| needs > a.slot_blocks) {
                 return Err(bad_shape(format!("device {index}: slots of {} LBAs cannot hold {layers} layers", a.slot_blocks)));
             }
-            // The data region starts past the superblock and the headers, on a 1 MiB boundary,
-            // as format places it: a data half must never write slots over them.
-            let data_byte = a.data_lba.checked_shl(a.lba_shift).filter(|&byte| byte >> a.lba_shift == a.data_lba);
-            if data_byte.is_none_or(|byte| byte < DATA_ALIGN_BYTES || !byte.is_multiple_of(DATA_ALIGN_BYTES)) {
+            // The data region starts exactly where format places it for this many slots: past
+            // the superblock and every slot's header, on a 1 MiB boundary (`metadata_layout`,
+            // the rule `Superblock::plan` uses, and `open` holds every superblock to). A data
+            // half must never write slots over them: a start merely on the boundary could lie
+            // inside a header region longer than 1 MiB.
+            let expected_lba = metadata_layout(device.slot_count, self.blocks_per_slot, device.lba_bytes)
+                .map(|layout| layout.data_start >> a.lba_shift)
+                .filter(|&lba| lba > 0);
+            if expected_lba != Some(a.data_lba) {
                 return Err(bad_shape(format!(
-                    "device {index}: the data region at LBA {} is not past the pool's metadata on a {DATA_ALIGN_BYTES}-byte boundary",
-                    a.data_lba
+                    "device {index}: the data region at LBA {} is not where format puts it past the pool's metadata for {} slots (LBA {})",
+                    a.data_lba,
+                    device.slot_count,
+                    expected_lba.map_or_else(|| "beyond 64 bits".to_string(), |lba| lba.to_string())
                 )));
             }
             let end = a.slot_blocks.checked_mul(device.slot_count).and_then(|bytes| bytes.checked_add(a.data_lba));
@@ -293,6 +300,29 @@ mod tests {
             let mut shape = good.clone();
             shape.devices[0].addressing.data_lba = data_lba;
             let reason = refused(&shape, &format!("data at LBA {data_lba}"));
+            assert!(reason.contains("data region"), "{reason}");
+        }
+    }
+
+    #[test]
+    fn a_shape_whose_slots_overlap_the_slot_headers_is_refused() {
+        // Goal: the data region must start where format puts it for the shape's slot count,
+        // past the whole header region. A 1 GiB namespace at k = 2 holds ~16,000 slots whose
+        // headers (128 B each) reach past 1 MiB, so format puts the data at 2 MiB; a shape
+        // saying 1 MiB used to pass (on the 1 MiB boundary, past the superblock), and a store
+        // into slot 0 would have overwritten the header entries of slots 8,160 on.
+        let mut shape = good_shape();
+        let size_blocks = (1 << 30) / 512;
+        let superblock = Superblock::plan(shape.geometry, 2, 512, size_blocks, None, [7; 16], 0, 1, 0).expect("plan");
+        assert_eq!(superblock.data_lba * 512, 2 << 20, "the headers reach past 1 MiB");
+        shape.devices[0].addressing = superblock.addressing();
+        shape.devices[0].slot_count = superblock.slot_count;
+        shape.devices[0].capacity_blocks = size_blocks;
+        shape.check().expect("the shape of a real pool");
+        for (data_lba, what) in [(2048, "inside the header region"), (3 * 2048, "not where format puts it")] {
+            let mut moved = shape.clone();
+            moved.devices[0].addressing.data_lba = data_lba;
+            let reason = refused(&moved, &format!("data at LBA {data_lba}, {what}"));
             assert!(reason.contains("data region"), "{reason}");
         }
     }
