@@ -89,6 +89,16 @@ impl FakeHost {
         std::fs::write(dev.join(device), major_minor).unwrap();
     }
 
+    /// The nodes of the namespaces (and their partitions) [`FakeHost::add`] gave controller
+    /// `nvme<index>`, free for an exclusive open, as the host's /dev has them.
+    fn nodes(&self, index: u32, namespaces: u32) {
+        for namespace in 1..=namespaces {
+            let minor = (index * 16 + namespace) * 2;
+            self.node(&format!("nvme{index}n{namespace}"), &format!("259:{minor}"));
+            self.node(&format!("nvme{index}n{namespace}p1"), &format!("259:{}", minor + 1));
+        }
+    }
+
     /// Makes `/dev/<device>` busy for an exclusive open, as a claim /proc/mounts does not show
     /// (a ZFS vdev, a btrfs member other than the one mounted) makes it.
     fn claim(&self, device: &str) {
@@ -280,6 +290,7 @@ fn bind_and_unbind_round_trip() {
     // unbind gives it back to nvme, with the override cleared.
     let host = FakeHost::new();
     let dir = host.add("0000:00:04.0", 0x010802, Some("nvme"), 3, 0, 1);
+    host.nodes(0, 1);
     let system = host.system();
     let _kernel = host.kernel();
 
@@ -382,6 +393,7 @@ fn a_failed_bind_is_rolled_back_to_the_driver_it_had() {
     // sticky driver_override: the override is cleared, nvme gets it back, and the error says so.
     let host = FakeHost::new();
     let dir = host.add("0000:00:04.0", 0x010802, Some("nvme"), 3, 0, 1);
+    host.nodes(0, 1);
     let system = host.system();
     let _kernel = host.kernel_declining(&["vfio-pci"]);
     let error = format!("{:#}", bind(&system, at("0000:00:04.0"), Overrides::default()).unwrap_err());
@@ -397,6 +409,7 @@ fn a_bind_that_cannot_be_rolled_back_says_where_the_function_is_and_how_to_resto
     // driver, override cleared) and `tutti unbind`; the override is not left behind.
     let host = FakeHost::new();
     let dir = host.add("0000:00:04.0", 0x010802, Some("nvme"), 3, 0, 1);
+    host.nodes(0, 1);
     let system = host.system();
     let _kernel = host.kernel_declining(&["vfio-pci", "nvme"]);
     let error = format!("{:#}", bind(&system, at("0000:00:04.0"), Overrides::default()).unwrap_err());
@@ -540,6 +553,22 @@ fn one_odd_function_neither_hides_the_others_nor_fails_a_done_bind() {
 
     let args = BindArgs { address: "0000:00:05.0".into(), force: false, not_nvme: false };
     run_bind(&system, &args).unwrap();
+}
+
+#[test]
+fn bind_refuses_a_disk_whose_node_cannot_be_opened_unless_forced() {
+    // Goal: the exclusive open is the check that sees claims /proc does not show here (a mount
+    // in another mount namespace, a ZFS vdev); in a container with /sys writable but no
+    // /dev/nvme0n1 it fails with ENOENT, and bind must not take that for "free": the disk
+    // cannot be checked, a use that needs --force.
+    let host = FakeHost::new();
+    host.add("0000:00:04.0", 0x010802, Some("nvme"), 3, 0, 1);
+    let system = host.system();
+    let _kernel = host.kernel();
+    let error = bind(&system, at("0000:00:04.0"), Overrides::default()).unwrap_err().to_string();
+    assert!(error.contains("/dev/nvme0n1 cannot be checked") && error.contains("--force"), "{error}");
+    assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("nvme"), "nothing changed");
+    assert!(bind(&system, at("0000:00:04.0"), FORCE).is_ok());
 }
 
 #[test]

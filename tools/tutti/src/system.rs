@@ -197,8 +197,11 @@ impl System {
             }
         }
         // Claims none of the above shows (a ZFS vdev, the btrfs members /proc/mounts does not
-        // name): the kernel refuses an exclusive open with EBUSY. Any other error (no node, not
-        // root) says nothing either way; the checks above stand. An open that succeeds is kept.
+        // name, and in a container a mount in the host's mount namespace, where /proc/mounts
+        // and /proc/*/fd see only the container): the kernel refuses an exclusive open with
+        // EBUSY. Any other error (no node in this /dev, not root) leaves the disk unchecked,
+        // which is a use too (--force): free is what only a successful open shows. An open
+        // that succeeds is kept.
         let mut claims = ExclusiveClaims::new();
         // Partitions before their disk: while we hold the whole disk exclusively the kernel
         // refuses an exclusive open of its partitions (EBUSY), not the other way round. A
@@ -225,7 +228,9 @@ impl System {
                     claims.push(handle);
                 }
                 Err(error) if error.raw_os_error() == Some(libc::EBUSY) => uses.push((name.clone(), BlockDeviceUse::ExclusiveClaim)),
-                Err(_) => {}
+                Err(error) => {
+                    uses.push((name.clone(), BlockDeviceUse::Unchecked { node: self.dev_root.join(name), error: error.to_string() }))
+                }
             }
         }
         Ok((uses, claims))
@@ -326,6 +331,9 @@ pub enum BlockDeviceUse {
     /// The node `/dev/<name>` is device `node`, sysfs says the disk is `sysfs`: what the node
     /// shows says nothing about the disk.
     OtherNode { node: String, sysfs: String },
+    /// The exclusive open of `node` failed other than with EBUSY (no such node in this /dev,
+    /// not permitted): a claim only the kernel sees would go unseen.
+    Unchecked { node: PathBuf, error: String },
 }
 
 impl std::fmt::Display for BlockDeviceUse {
@@ -341,6 +349,12 @@ impl std::fmt::Display for BlockDeviceUse {
             Self::OtherNode { node, sysfs } => {
                 write!(f, "is not the disk of that name: the node is device {node}, sysfs gives {sysfs}, so its use cannot be checked")
             }
+            Self::Unchecked { node, error } => write!(
+                f,
+                "cannot be checked: {}: {error} (an exclusive open is what shows a claim /proc does not, such as a mount in \
+                 another mount namespace)",
+                node.display()
+            ),
         }
     }
 }
