@@ -24,7 +24,7 @@ use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::socket::sockopt::SocketError;
 use nix::sys::socket::{connect, getsockopt, socket as new_socket, AddressFamily, SockFlag, SockType, UnixAddr};
 
-use crate::frame_io::{read_frame, write_frame_with_fds, ReadOutcome};
+use crate::frame_io::{deadline_after, read_frame, write_frame_with_fds, ReadOutcome, WAIT_MAX};
 use crate::protocol::{encode_frame, encode_lookup_body, encode_lookup_from_body, Hello, HelloReply, Kind, Reply, Request, StatusReply};
 use crate::DaemonError;
 
@@ -55,8 +55,11 @@ pub struct Client {
 
 impl Client {
     /// Connects within `timeout` ([`DaemonError::Timeout`] if the daemon does not take the
-    /// connection by then); every later call waits at most `timeout` for its answer.
+    /// connection by then); every later call waits at most `timeout` for its answer. A timeout
+    /// past [`WAIT_MAX`] (a day; `Duration::MAX` for "for ever") is a day: deadlines are
+    /// `Instant`s, and a socket timeout that long would read back as none (no bound at all).
     pub fn connect(socket: &Path, timeout: Duration) -> Result<Client, DaemonError> {
+        let timeout = timeout.min(WAIT_MAX);
         let stream = connect_within(socket, timeout)?;
         let io = |context: &'static str| move |source| DaemonError::Io { context: context.into(), source };
         stream.set_read_timeout(Some(TICK)).map_err(io("setting the read tick"))?;
@@ -231,13 +234,14 @@ impl Client {
         }
         let started = Instant::now();
         let never = || false;
-        let header = match read_frame(&self.stream, &mut self.body, &mut self.fds, started + self.timeout, self.timeout, &never)? {
-            ReadOutcome::Frame(header) => header,
-            ReadOutcome::Closed => return Err(DaemonError::Closed),
-            ReadOutcome::Idle | ReadOutcome::Stopped => {
-                return Err(DaemonError::Timeout { what: format!("{kind:?} request"), after_ms: self.timeout.as_millis() as u64 })
-            }
-        };
+        let header =
+            match read_frame(&self.stream, &mut self.body, &mut self.fds, deadline_after(started, self.timeout), self.timeout, &never)? {
+                ReadOutcome::Frame(header) => header,
+                ReadOutcome::Closed => return Err(DaemonError::Closed),
+                ReadOutcome::Idle | ReadOutcome::Stopped => {
+                    return Err(DaemonError::Timeout { what: format!("{kind:?} request"), after_ms: self.timeout.as_millis() as u64 })
+                }
+            };
         let reply = Reply::decode(header.kind, &self.body)?;
         // The request id first: an `Error` is this request's answer only with its id, or with
         // id 0 (the daemon ended the connection: lease, shutdown, a broken frame). Any other id
@@ -254,7 +258,7 @@ impl Client {
     /// for at most one read tick).
     fn queued_refusal(&mut self) -> Option<DaemonError> {
         let never = || false;
-        let deadline = Instant::now() + TICK.min(self.timeout);
+        let deadline = deadline_after(Instant::now(), TICK.min(self.timeout));
         match read_frame(&self.stream, &mut self.body, &mut self.fds, deadline, self.timeout, &never) {
             Ok(ReadOutcome::Frame(header)) => match Reply::decode(header.kind, &self.body) {
                 Ok(Reply::Error { code, message }) => Some(DaemonError::Remote { code, message }),
@@ -273,8 +277,8 @@ impl Client {
 pub(crate) fn connect_within(socket: &Path, timeout: Duration) -> Result<UnixStream, DaemonError> {
     let io = |source: std::io::Error| DaemonError::Io { context: format!("connecting to tuttid at {}", socket.display()), source };
     let address = UnixAddr::new(socket).map_err(|errno| io(errno.into()))?;
-    // Capped so that the deadline is representable whatever the caller passed.
-    let deadline = Instant::now() + timeout.min(CONNECT_TIMEOUT_MAX);
+    // Capped (at WAIT_MAX) so that the deadline is representable whatever the caller passed.
+    let deadline = deadline_after(Instant::now(), timeout);
     let timed_out = || DaemonError::Timeout {
         what: format!("connecting to tuttid at {} (it does not take connections: its backlog is full)", socket.display()),
         after_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
@@ -319,10 +323,6 @@ pub(crate) fn connect_within(socket: &Path, timeout: Duration) -> Result<UnixStr
     stream.set_nonblocking(false).map_err(io)?;
     Ok(stream)
 }
-
-/// The longest connect wait [`connect_within`] computes a deadline for (a day: longer than
-/// any caller means, short enough that `Instant::now() + it` cannot overflow).
-const CONNECT_TIMEOUT_MAX: Duration = Duration::from_secs(86_400);
 
 #[cfg(test)]
 pub(crate) mod tests {
@@ -416,6 +416,42 @@ pub(crate) mod tests {
         match read_frame(stream, &mut body, &mut fds, Instant::now() + wait, wait, &never) {
             Ok(ReadOutcome::Frame(header)) => Some(header.request_id),
             _ => None,
+        }
+    }
+
+    /// Goal: a client connected with the longest timeout a caller can pass (`Duration::MAX`,
+    /// "wait for ever") computes its deadlines without overflowing `Instant`: a ping is
+    /// answered, and a read that finds the daemon gone is an error, never a panic.
+    #[test]
+    fn a_huge_timeout_never_overflows_a_deadline() {
+        let directory = tempfile::tempdir().unwrap();
+        let socket = directory.path().join("socket");
+        let listener = UnixListener::bind(&socket).unwrap();
+        let daemon = std::thread::spawn(move || {
+            let (stream, _) = listener.accept().unwrap();
+            stream.set_read_timeout(Some(TICK)).unwrap();
+            stream.set_write_timeout(Some(Duration::from_secs(2))).unwrap();
+            let ping = request_id(&stream, Duration::from_secs(5)).expect("the ping");
+            answer(&stream, ping, &Reply::Pong);
+            // Then the daemon goes: the next request's read meets the close.
+        });
+        // The daemon thread is joined inside: the closure owns it (AssertUnwindSafe: a panic
+        // leaves nothing shared behind that this test reads).
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let mut client = Client::connect(&socket, Duration::MAX).expect("connect");
+            let pong = client.ping();
+            daemon.join().unwrap();
+            (pong.map_err(|error| error.to_string()), client.ping().map_err(|error| error.to_string()))
+        }));
+        match outcome {
+            Ok((pong, after_close)) => {
+                assert_eq!(pong, Ok(()), "the ping");
+                assert!(after_close.is_err(), "a ping to a closed daemon: {after_close:?}");
+            }
+            Err(panic) => {
+                let message = panic.downcast_ref::<String>().cloned().or_else(|| panic.downcast_ref::<&str>().map(|text| text.to_string()));
+                panic!("a client with a timeout of Duration::MAX panicked: {message:?}");
+            }
         }
     }
 

@@ -18,6 +18,18 @@ use crate::fd_passing::{recv_with_fds, send_with_fds};
 use crate::protocol::{FrameHeader, HEADER_BYTES};
 use crate::DaemonError;
 
+/// The longest wait a deadline here (or a client's) is computed for: a day, longer than any
+/// caller means, and short enough that `Instant::now()` plus it is representable.
+pub const WAIT_MAX: Duration = Duration::from_secs(86_400);
+
+/// `start + wait`, `wait` capped at [`WAIT_MAX`]: a caller's "for ever" (`Duration::MAX`) must
+/// not overflow `Instant`, which panics.
+pub fn deadline_after(start: Instant, wait: Duration) -> Instant {
+    // A day past an instant of a running system is representable; were it not, the wait ends
+    // at once (`start`) rather than the process panicking.
+    start.checked_add(wait.min(WAIT_MAX)).unwrap_or(start)
+}
+
 /// How a read ended when it did not produce a frame.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ReadOutcome {
@@ -53,7 +65,7 @@ pub fn read_frame(
             Ok(0) => return Err(DaemonError::Truncated { received: filled, expected: HEADER_BYTES }),
             Ok(count) => {
                 filled += count;
-                let deadline = *frame_deadline.get_or_insert_with(|| Instant::now() + frame_timeout);
+                let deadline = *frame_deadline.get_or_insert_with(|| deadline_after(Instant::now(), frame_timeout));
                 // Checked after every read, not only when one times out: a peer trickling a
                 // byte per tick never lets a read time out, and would hold the connection
                 // (and a drain that joins it) for as long as it likes.
@@ -77,7 +89,7 @@ pub fn read_frame(
         }
     }
     let header = FrameHeader::decode(&header)?;
-    let deadline = frame_deadline.unwrap_or_else(|| Instant::now() + frame_timeout);
+    let deadline = frame_deadline.unwrap_or_else(|| deadline_after(Instant::now(), frame_timeout));
     body.clear();
     body.resize(header.body_bytes as usize, 0);
     let mut filled = 0;
@@ -119,7 +131,7 @@ pub fn write_frame(stream: &UnixStream, frame: &[u8]) -> Result<(), DaemonError>
 pub fn write_frame_with_fds(stream: &UnixStream, frame: &[u8], fds: &[BorrowedFd<'_>]) -> Result<(), DaemonError> {
     let budget =
         stream.write_timeout().map_err(|source| DaemonError::Io { context: "reading the socket's write timeout".into(), source })?;
-    let deadline = budget.map(|budget| Instant::now() + budget);
+    let deadline = budget.map(|budget| deadline_after(Instant::now(), budget));
     let mut sent = 0;
     while sent < frame.len() {
         // The descriptors ride on the first byte only.
@@ -189,6 +201,15 @@ mod tests {
 
     use super::*;
     use crate::protocol::{encode_frame, encode_lookup_body, Kind};
+
+    #[test]
+    fn a_wait_of_duration_max_is_a_day() {
+        // Goal: "for ever" (`Duration::MAX`) as a wait gives a deadline a day away instead of
+        // the panic of `Instant + Duration` overflowing; shorter waits are kept.
+        let now = Instant::now();
+        assert_eq!(deadline_after(now, Duration::MAX), now + WAIT_MAX);
+        assert_eq!(deadline_after(now, Duration::from_millis(5)), now + Duration::from_millis(5));
+    }
 
     /// A lookup frame of 200 tokens (800 body bytes).
     fn lookup_frame() -> Vec<u8> {
