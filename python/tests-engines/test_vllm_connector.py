@@ -1406,6 +1406,79 @@ def test_a_save_whose_layer_never_completes_ends_the_session_at_the_next_step(tu
         worker.shutdown()
 
 
+class RecordingIssues:
+    """A tutti.Store whose prepared requests record each layer issue in `events`."""
+
+    def __init__(self, store, events: list) -> None:
+        self._store = store
+        self._events = events
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
+
+    def prepare_retrieve(self, tokens, block_ids, first_block=0):
+        return RecordingRequest(self._store.prepare_retrieve(tokens, block_ids, first_block=first_block), self._events)
+
+
+class RecordingRequest:
+    def __init__(self, request, events: list) -> None:
+        self._request = request
+        self._events = events
+
+    def __getattr__(self, name: str):
+        return getattr(self._request, name)
+
+    def retrieve_layer(self, layer: int, **options):
+        self._events.append(f"retrieve_layer:{layer}")
+        return self._request.retrieve_layer(layer, **options)
+
+
+def test_a_load_into_gpu_kv_waits_for_the_compute_stream_before_its_first_layer(tuttid, monkeypatch):
+    """Goal: with GPU KV the blocks a load fills may still be written by kernels of an earlier
+    step on vLLM's compute stream (async scheduling: a block freed at step N-1, still written by
+    step N's kernels, handed to a request with a tutti hit at N+1), while tuttid writes them from
+    another process through CUDA IPC, unordered with that stream: the worker synchronizes the
+    current CUDA stream once per step with loads, before the first layer is issued (vLLM's own
+    offloading connector makes its copy stream wait for the current stream for the same reason).
+    Runs with CPU KV here (no GPU): the worker is told its KV is on a CUDA device and
+    torch.cuda.current_stream is replaced by a stand-in recording synchronize; a CUDA run is
+    tools/gpu's."""
+    daemon = tuttid(harness.TUTTID_GEOMETRY)
+    worker = LocalWorker(daemon.socket)
+    try:
+        tokens = prompt(61, blocks=2, tail=0)
+        worker.fill([1, 2], 61)
+        worker.save("S", tokens, [1, 2])
+        events: list = []
+
+        class Stream:
+            def synchronize(self):
+                events.append("synchronize")
+
+        devices: list = []
+
+        def current_stream(device=None):
+            devices.append(device)
+            return Stream()
+
+        monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+        connector = worker.connector
+        connector._cuda_device = torch.device("cuda", 0)
+        connector._store = RecordingIssues(connector._store, events)
+        result = worker.step(TuttiConnectorMetadata(loads=[LoadSpec("L", tokens, [20, 21])]))
+        assert result["load_errors"] == set()
+        assert events and events[0] == "synchronize", events
+        assert events.count("synchronize") == 1, events
+        assert [event for event in events if event != "synchronize"] == [f"retrieve_layer:{layer}" for layer in range(harness.LAYERS)]
+        assert devices == [torch.device("cuda", 0)]
+        events.clear()
+        worker.step(TuttiConnectorMetadata())
+        assert events == [], "a step without loads waits for nothing"
+        connector._cuda_device = None
+    finally:
+        worker.shutdown()
+
+
 def test_the_connector_sizes_its_iocbs_for_vllms_longest_request():
     """Goal: the connector's IOCBs are sized from vLLM's max_model_len (in blocks) when its model
     config has one (tutti._engine.iocbs_for), and as before when it has none (these tests'

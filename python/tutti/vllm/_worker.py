@@ -415,8 +415,9 @@ class WorkerSide:
 
     def _gpu_writes_done(self) -> None:
         """With GPU KV: waits until the work queued on the current CUDA stream (the layers'
-        attention, which wrote the KV a save moves) has completed, since tuttid copies the
-        bytes as they are in GPU memory. A no-op for CPU KV."""
+        attention, which wrote the KV a save moves or a load's blocks held before) has
+        completed, since tuttid reads and writes GPU memory from its own process, unordered with
+        that stream. A no-op for CPU KV."""
         if self._cuda_device is not None:
             torch.cuda.current_stream(self._cuda_device).synchronize()
 
@@ -455,6 +456,13 @@ class WorkerSide:
         if self._loads_started:
             return
         self._loads_started = True
+        if meta.loads and self._dead is None:
+            # GPU KV: the blocks a load fills may still be written by kernels queued on vLLM's
+            # compute stream (with async scheduling, step N's kernels on blocks freed at N-1 and
+            # given to this load at N+1), and tuttid writes them from its own process, unordered
+            # with that stream: a late kernel would overwrite the loaded bytes. vLLM's own
+            # offloading connector makes its copy stream wait for the current stream likewise.
+            self._gpu_writes_done()
         for load in meta.loads:
             # Nothing of a load that does not start is written: only its own blocks are missing.
             # Blocks before first_block are vLLM's own (its local prefix hit, possibly shared
