@@ -26,7 +26,7 @@ use nvme_driver::{IoQueuePair, NamespaceId};
 
 use crate::abi::{self, NvmeStatus, Opcode};
 use crate::error::GioError;
-use crate::executor::{complete_ioctx, post_cqe, Executor, IssueBatch};
+use crate::executor::{complete_ioctx, post_cqe_or_keep, repost_kept_cqes, Executor, IssueBatch};
 use crate::ioctx_index::IoctxIndex;
 use crate::layout::{FilledLines, IocbHeader, QueueMemory};
 use crate::ring::Ring;
@@ -264,7 +264,7 @@ impl CpuExecutor {
                     // the IOCTX, never guess.
                     let status = Err((abi::GIO_IOCB_STATUS_INVALID_IOCTX, NvmeStatus::SUCCESS));
                     if let Some(cqe) = complete_ioctx(memory, id, index, header.ioctx_count, header.issue_seq, status) {
-                        if let Err(error) = post_cqe(memory, cqe) {
+                        if let Err(error) = post_cqe_or_keep(memory, cqe) {
                             first_error.get_or_insert(error);
                         }
                     }
@@ -385,12 +385,19 @@ pub(crate) fn finish_issued_as_timeout(memory: &QueueMemory) -> Result<usize, Gi
         tracing::warn!(dropped, "gio-uring CPU executor reset: SQ entries no submit took were dropped");
     }
     let mut reclaimed = 0;
+    let mut first_error = None;
     for id in (0..memory.layout.config.depth).map(IocbId) {
-        if finish_as_timeout(memory, id)? {
-            reclaimed += 1;
+        // A CQE that could not be posted is kept for the next poll: the IOCB is ended either
+        // way, and the IOCBs after it still are.
+        match finish_as_timeout(memory, id) {
+            Ok(ended) => reclaimed += usize::from(ended),
+            Err(error) => {
+                reclaimed += 1;
+                first_error.get_or_insert(error);
+            }
         }
     }
-    Ok(reclaimed)
+    first_error.map_or(Ok(reclaimed), Err)
 }
 
 /// Teardown, once every queue pair is deleted: ends each IOCB still ISSUED as TIMEOUT with its
@@ -420,7 +427,8 @@ pub(crate) fn end_batch_as_timeout(consumer: &mut crate::ring::Consumer<'_, Iocb
 /// Ends IOCB `id` as TIMEOUT with one CQE if it is still ISSUED (the compare-and-swap of a
 /// normal completion, so never a second CQE); `false` if it had ended already. Only for an
 /// IOCB none of whose commands can still complete: none was sent, or its queue pairs were
-/// deleted.
+/// deleted. A CQE that cannot be posted is kept for the next poll (`post_cqe_or_keep`): the
+/// error is returned, but the IOCB has ended.
 pub(crate) fn finish_as_timeout(memory: &QueueMemory, id: IocbId) -> Result<bool, GioError> {
     let status = memory.iocb_field_offset(id, crate::layout::IocbField::Status);
     let finished = memory.region.compare_exchange_u32(
@@ -436,7 +444,7 @@ pub(crate) fn finish_as_timeout(memory: &QueueMemory, id: IocbId) -> Result<bool
     let header = memory.read_iocb_header(id);
     let progress = memory.read_iocb_progress(id);
     let failed = progress.failed_ioctx != abi::GIO_NO_FAILED_IOCTX;
-    post_cqe(
+    post_cqe_or_keep(
         memory,
         crate::ring::Cqe {
             iocb_id: id,
@@ -516,7 +524,8 @@ impl Executor for CpuExecutor {
     /// Reaps every device, then pumps, even after an error: one device's error (reported
     /// once) never stops the others. Returns the first error seen.
     fn poll(&mut self, memory: &QueueMemory) -> Result<(), GioError> {
-        let mut first_error = None;
+        // CQEs an earlier poll (or a reset) built but could not post go out first.
+        let mut first_error = repost_kept_cqes(memory).err();
         let mut posting = Ok(());
         for (device, queue) in self.queues.iter_mut().enumerate() {
             let Some(queue) = queue else { continue };
@@ -593,7 +602,7 @@ fn finish_command(
     };
     let status = completion.status.map_err(|status| (abi::GIO_IOCB_STATUS_NVME_ERROR, abi_status(status)));
     if let Some(cqe) = complete_ioctx(memory, id, index, header.ioctx_count, header.issue_seq, status) {
-        if let Err(error) = post_cqe(memory, cqe) {
+        if let Err(error) = post_cqe_or_keep(memory, cqe) {
             *posting = Err(error);
         }
     }
@@ -674,6 +683,27 @@ mod tests {
 
     fn io_commands(device: &nvme_emu::EmuDevice) -> u64 {
         device.stats().io_commands.values().sum()
+    }
+
+    #[test]
+    fn a_cqe_whose_post_failed_is_posted_by_the_next_poll() {
+        // Goal: a completion whose CQE cannot be posted (the CQ producer lock held past the
+        // attempt bound: a preempted holder) is reported once, and not lost: the CQE is kept and
+        // the next poll posts it, so wait_cqe returns the IOCB's completion once the lock is
+        // free. (The IOCB had already left ISSUED: no reset could end it, put_iocb refuses it.)
+        let mut rig = emu_rig(|pair| CpuExecutor::new(vec![pair], 4));
+        let lock = rig.queue.memory().layout.cq.header_offset_bytes + core::mem::offset_of!(abi::gio_ring_header, producer_lock);
+        rig.queue.memory().region.store_u32(lock, 1, std::sync::atomic::Ordering::Release);
+        rig.queue.issue_io(&[rig.id], crate::types::LayerIndex(0), crate::types::SmBudget(1)).expect("issue");
+        let deadline = Instant::now() + std::time::Duration::from_secs(20);
+        match rig.queue.wait_cqe(rig.id, deadline) {
+            Err(GioError::Executor { reason, .. }) => assert!(reason.contains("producer lock"), "{reason}"),
+            other => panic!("expected the failed post to be reported, got {other:?}"),
+        }
+        rig.queue.memory().region.store_u32(lock, 0, std::sync::atomic::Ordering::Release);
+        let completion = rig.queue.wait_cqe(rig.id, Instant::now() + std::time::Duration::from_secs(5)).expect("posted by the next poll");
+        assert_eq!(completion.result, Ok(()));
+        assert_eq!(io_commands(&rig.device), 1, "one command, one completion");
     }
 
     #[test]

@@ -429,10 +429,13 @@ impl Executor for CpuWorkers {
         }
     }
 
-    fn poll(&mut self, _memory: &QueueMemory) -> Result<(), GioError> {
+    fn poll(&mut self, memory: &QueueMemory) -> Result<(), GioError> {
+        // CQEs a worker (or a reset) built but could not post: posted here, on the caller's
+        // thread, as the CPU executor does in its poll.
+        let reposted = crate::executor::repost_kept_cqes(memory);
         match self.failure.take() {
             Some(reason) => Err(GioError::Executor { executor: "cpu-workers", reason }),
-            None => Ok(()),
+            None => reposted,
         }
     }
 

@@ -5,8 +5,8 @@
 //! trait, the completion accounting every executor follows ([`complete_ioctx`], [`post_cqe`]),
 //! and — in tests only — an in-memory test double.
 
-use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use crate::abi::{self, NvmeStatus};
@@ -192,7 +192,7 @@ pub fn post_cqe(memory: &QueueMemory, cqe: Cqe) -> Result<(), GioError> {
         if attempts >= CQ_LOCK_ATTEMPTS_MAX {
             return Err(GioError::Executor {
                 executor: "cq",
-                reason: format!("CQ producer lock never released; CQE for {} lost", cqe.iocb_id),
+                reason: format!("CQ producer lock not released within {CQ_LOCK_ATTEMPTS_MAX} attempts; CQE for {} not posted", cqe.iocb_id),
             });
         }
         if attempts.is_multiple_of(64) {
@@ -207,6 +207,71 @@ pub fn post_cqe(memory: &QueueMemory, cqe: Cqe) -> Result<(), GioError> {
     // The producer view published the tail (Release) when it was dropped, before this unlock.
     memory.region.store_u32(lock, 0, Ordering::Release);
     posted
+}
+
+/// CQEs a CPU executor built but could not post (the CQ producer lock was not released within
+/// its attempt bound, or the CQ was full): the IOCB already left ISSUED (its compare-and-swap
+/// succeeded), so no reset ends it again and it is in flight until this CQE is posted. They are
+/// kept here and posted by the executor's next `poll` ([`repost_kept_cqes`]). At most one per
+/// IOCB (one CQE per issue), so the list is bounded by the queue depth and allocated once, with
+/// the queue's memory: nothing is allocated per I/O. The GPU executor does not use it (its
+/// retirement counts what it posted and retries the rest itself).
+#[derive(Debug)]
+pub(crate) struct KeptCqes {
+    /// How many CQEs are kept: polls look here without taking the lock.
+    count: AtomicU32,
+    entries: Mutex<Vec<Cqe>>,
+}
+
+impl KeptCqes {
+    pub(crate) fn new(depth: u32) -> Self {
+        KeptCqes { count: AtomicU32::new(0), entries: Mutex::new(Vec::with_capacity(depth as usize)) }
+    }
+
+    fn entries(&self) -> std::sync::MutexGuard<'_, Vec<Cqe>> {
+        // A panic while holding the lock leaves the list whole (push/remove only): keep using it.
+        self.entries.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn keep(&self, cqe: Cqe) {
+        let mut entries = self.entries();
+        if entries.len() == entries.capacity() {
+            // Unreachable while one CQE per issue holds: more CQEs than IOCBs were built.
+            tracing::error!(id = %cqe.iocb_id, kept = entries.len(), "gio-uring: more unposted CQEs than IOCBs; this one is dropped");
+            return;
+        }
+        entries.push(cqe);
+        self.count.store(entries.len() as u32, Ordering::Release);
+    }
+}
+
+/// [`post_cqe`] for the CPU executors: a CQE that cannot be posted is kept in
+/// `memory.kept_cqes` and posted by the next poll's [`repost_kept_cqes`]. The error is still
+/// returned (reported once, by the call that saw it).
+pub(crate) fn post_cqe_or_keep(memory: &QueueMemory, cqe: Cqe) -> Result<(), GioError> {
+    post_cqe(memory, cqe).inspect_err(|_| memory.kept_cqes.keep(cqe))
+}
+
+/// Posts the CQEs kept by [`post_cqe_or_keep`], oldest first; stops at the first that still
+/// cannot be posted (it and the rest stay kept) and returns that error. Cheap when none is kept.
+pub(crate) fn repost_kept_cqes(memory: &QueueMemory) -> Result<(), GioError> {
+    let kept = &memory.kept_cqes;
+    if kept.count.load(Ordering::Acquire) == 0 {
+        return Ok(());
+    }
+    let mut entries = kept.entries();
+    let mut result = Ok(());
+    let mut posted = 0;
+    for &cqe in entries.iter() {
+        if let Err(error) = post_cqe(memory, cqe) {
+            result = Err(error);
+            break;
+        }
+        posted += 1;
+    }
+    entries.drain(..posted); // shifts in place: no allocation
+    kept.count.store(entries.len() as u32, Ordering::Release);
+    result
 }
 
 #[cfg(test)]

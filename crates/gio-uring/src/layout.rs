@@ -153,6 +153,8 @@ impl QueueLayout {
 pub struct QueueMemory {
     pub(crate) region: SharedRegion,
     pub layout: QueueLayout,
+    /// CQEs a CPU executor could not post yet (`executor::post_cqe_or_keep`), up to the depth.
+    pub(crate) kept_cqes: crate::executor::KeptCqes,
 }
 
 macro_rules! field {
@@ -240,7 +242,7 @@ impl QueueMemory {
         // registrations must never share one.
         let len_bytes = layout.total_bytes.div_ceil(REGION_ALIGN_BYTES) * REGION_ALIGN_BYTES;
         let region = SharedRegion::allocate_host(len_bytes)?;
-        let memory = Self { region, layout };
+        let memory = Self { region, layout, kept_cqes: crate::executor::KeptCqes::new(config.depth) };
         for ring in [layout.sq, layout.cq] {
             let base = ring.header_offset_bytes;
             memory.region.store_u32(base + field!(gio_ring_header, mask), ring.mask(), Ordering::Relaxed);
