@@ -53,14 +53,17 @@ impl FakeHost {
             target.map_or("none".to_string(), |target| target.file_name().unwrap().to_string_lossy().into_owned())
         };
         let opens_log = Arc::clone(&log);
-        // As the kernel does, an exclusive open of a partition fails while its whole disk is
-        // held exclusively (by another open file: each is its own holder).
+        // As the kernel does (block/bdev.c, bd_may_claim), an exclusive open of a partition
+        // fails while its whole disk is held exclusively, and one of the whole disk fails while
+        // one of its partitions is (claiming a partition marks its disk claimed), each open
+        // file being its own holder.
         let held = Arc::new(Mutex::new(Vec::<String>::new()));
         let exclusive_open = move |path: &Path| {
             let text = std::fs::read_to_string(path)?;
             let node = path.file_name().unwrap().to_string_lossy().into_owned();
-            let disk_held = held.lock().unwrap().iter().any(|disk| node.starts_with(disk.as_str()) && node != *disk);
-            if text == "EBUSY" || disk_held {
+            let partition_of = |partition: &str, disk: &str| partition.strip_prefix(disk).is_some_and(|rest| rest.starts_with('p'));
+            let conflict = held.lock().unwrap().iter().any(|other| partition_of(&node, other) || partition_of(other, &node));
+            if text == "EBUSY" || conflict {
                 return Err(std::io::Error::from_raw_os_error(libc::EBUSY));
             }
             held.lock().unwrap().push(node.clone());
@@ -138,10 +141,15 @@ impl FakeHost {
     }
 
     /// A block device `name` (device number `dev`, "major:minor") whose sysfs directory is
-    /// `device_dir`, linked from `class/block` as the kernel links it.
+    /// `device_dir` (a partition when that lies in another block device's), linked from
+    /// `class/block` as the kernel links it.
     fn block(&self, device_dir: &Path, name: &str, dev: &str) {
         std::fs::create_dir_all(device_dir).unwrap();
         std::fs::write(device_dir.join("dev"), format!("{dev}\n")).unwrap();
+        // A partition's directory lies in its disk's, and only partitions have `partition`.
+        if device_dir.parent().is_some_and(|parent| parent.join("dev").exists()) {
+            std::fs::write(device_dir.join("partition"), "1\n").unwrap();
+        }
         let class = self.sys.join("class/block");
         std::fs::create_dir_all(&class).unwrap();
         symlink(device_dir, class.join(name)).unwrap();
@@ -499,9 +507,9 @@ fn bind_sees_the_partitions_of_a_multipath_head_disk() {
 
 #[test]
 fn bind_holds_the_exclusive_opens_until_the_old_driver_let_go() {
-    // Goal: nothing can mount a disk between the in-use check and the unbind: the O_EXCL opens
-    // of the check stay open until nvme has let go of the function (closed only once vfio-pci
-    // holds it).
+    // Goal: nothing can mount a disk between the in-use check and the unbind: the O_EXCL open
+    // of the whole disk stays open until nvme has let go of the function (closed only once
+    // vfio-pci holds it).
     let host = FakeHost::new();
     host.add("0000:00:04.0", 0x010802, Some("nvme"), 3, 0, 1);
     host.node("nvme0n1", "259:2");
@@ -510,15 +518,38 @@ fn bind_holds_the_exclusive_opens_until_the_old_driver_let_go() {
     let _kernel = host.kernel();
     bind(&system, at("0000:00:04.0"), Overrides::default()).unwrap();
     let log = log.lock().unwrap().clone();
+    // A held partition would make the whole disk's exclusive open fail: partitions are probed
+    // and closed at once, and the whole disk, whose hold also bars claims of its partitions, is
+    // what stays open.
     assert_eq!(
         log,
-        [
-            "open nvme0n1p1 (driver nvme)",
-            "open nvme0n1 (driver nvme)",
-            "close nvme0n1p1 (driver vfio-pci)",
-            "close nvme0n1 (driver vfio-pci)"
-        ]
+        ["open nvme0n1p1 (driver nvme)", "close nvme0n1p1 (driver nvme)", "open nvme0n1 (driver nvme)", "close nvme0n1 (driver vfio-pci)"]
     );
+}
+
+#[test]
+fn an_idle_partitioned_disk_is_not_its_own_exclusive_claim() {
+    // Goal: an idle GPT-partitioned SSD binds without --force. Holding a partition's O_EXCL open
+    // makes the kernel refuse the whole disk's (EBUSY), so the check must not hold one while it
+    // opens the other, or every partitioned disk reads as "claimed exclusively by another opener".
+    let host = FakeHost::new();
+    host.add("0000:00:04.0", 0x010802, Some("nvme"), 3, 0, 1);
+    host.node("nvme0n1", "259:2");
+    host.node("nvme0n1p1", "259:3");
+    let system = host.system();
+    let _kernel = host.kernel();
+    assert_eq!(
+        bind(&system, at("0000:00:04.0"), Overrides::default()).unwrap(),
+        BindOutcome::Bound { previous_driver: Some("nvme".into()) }
+    );
+    // A partition someone else claims is still seen.
+    let busy = FakeHost::new();
+    busy.add("0000:00:04.0", 0x010802, Some("nvme"), 3, 0, 1);
+    busy.node("nvme0n1", "259:2");
+    busy.claim("nvme0n1p1");
+    let _busy_kernel = busy.kernel();
+    let error = bind(&busy.system(), at("0000:00:04.0"), Overrides::default()).unwrap_err().to_string();
+    assert!(error.contains("/dev/nvme0n1p1 claimed exclusively") && !error.contains("/dev/nvme0n1 claimed"), "{error}");
 }
 
 #[test]

@@ -203,12 +203,14 @@ impl System {
         // which is a use too (--force): free is what only a successful open shows. An open
         // that succeeds is kept.
         let mut claims = ExclusiveClaims::new();
-        // Partitions before their disk: while we hold the whole disk exclusively the kernel
-        // refuses an exclusive open of its partitions (EBUSY), not the other way round. A
-        // partition's name is its disk's name and more, so longest first does it.
-        let mut by_length: Vec<&String> = block_devices.iter().collect();
-        by_length.sort_by_key(|name| std::cmp::Reverse(name.len()));
-        for name in by_length {
+        // Partitions are probed and closed at once; only whole disks are held. The kernel
+        // (block/bdev.c, bd_may_claim) marks a disk claimed while one of its partitions is, so
+        // an exclusive open of the disk fails with EBUSY while we hold a partition: holding
+        // both would call every idle partitioned disk claimed. A held whole disk in turn makes
+        // any claim of its partitions fail (a mount among them), so holding the disks alone
+        // keeps everything under them unclaimable until we let go.
+        let (partitions, disks): (Vec<&String>, Vec<&String>) = block_devices.iter().partition(|name| self.is_partition(name));
+        for (name, hold) in partitions.into_iter().map(|name| (name, false)).chain(disks.into_iter().map(|name| (name, true))) {
             if uses.iter().any(|(used, _)| used == name) {
                 continue;
             }
@@ -225,7 +227,9 @@ impl System {
                             },
                         ));
                     }
-                    claims.push(handle);
+                    if hold {
+                        claims.push(handle);
+                    }
                 }
                 Err(error) if error.raw_os_error() == Some(libc::EBUSY) => uses.push((name.clone(), BlockDeviceUse::ExclusiveClaim)),
                 Err(error) => {
@@ -234,6 +238,12 @@ impl System {
             }
         }
         Ok((uses, claims))
+    }
+
+    /// Whether block device `name` is a partition: the kernel gives partitions, and only
+    /// them, a `partition` attribute.
+    fn is_partition(&self, name: &str) -> bool {
+        self.sysfs_root().join("class/block").join(name).join("partition").exists()
     }
 
     /// Every process with an open file descriptor that `holds` accepts, given the descriptor's
