@@ -57,6 +57,38 @@ impl Default for RoundTripConfig {
     }
 }
 
+impl RoundTripConfig {
+    /// Checks that the round trip's sizes fit their types before anything is formatted:
+    /// the engine holds twice a request's blocks (u32 block ids), a request's tokens are
+    /// counted in u32, and the engine memory's bytes in usize. [`ObjstoreError::BadRequest`]
+    /// names what overflows (a command line may ask for any u32).
+    pub fn check(&self) -> Result<(), ObjstoreError> {
+        let bad = |reason: String| ObjstoreError::BadRequest { reason };
+        let blocks = self.blocks_per_request;
+        if self.requests == 0 || blocks == 0 || self.blocks_per_slot == 0 {
+            return Err(bad(format!(
+                "{} requests of {blocks} blocks, k = {}: each must be at least 1",
+                self.requests, self.blocks_per_slot
+            )));
+        }
+        self.geometry.validate()?;
+        let engine_blocks =
+            blocks.checked_mul(2).ok_or_else(|| bad(format!("{blocks} blocks per request: twice as many engine blocks overflow u32")))?;
+        blocks.checked_mul(self.geometry.block_tokens).ok_or_else(|| {
+            bad(format!("{blocks} blocks per request of {} tokens: the request's tokens overflow u32", self.geometry.block_tokens))
+        })?;
+        // The largest engine allocation: every layer's K and V tensors in one region (PRP), as
+        // many bytes as the block-major region.
+        self.geometry
+            .checked_object_bytes()
+            .and_then(|bytes| bytes.checked_mul(2 * u64::from(self.geometry.layers)))
+            .and_then(|bytes| bytes.checked_mul(u64::from(engine_blocks)))
+            .and_then(|bytes| usize::try_from(bytes).ok())
+            .ok_or_else(|| bad(format!("{blocks} blocks per request: the engine memory for {engine_blocks} blocks overflows usize")))?;
+        Ok(())
+    }
+}
+
 /// What the round trip found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RoundTripReport {
@@ -110,6 +142,8 @@ fn object_pattern(tokens: &[u32], block: u32, block_tokens: u32, layer: u32, val
 /// or emulators started in one DMA pool). The engine memory is allocated in the first
 /// target's space; PRP is registered if any controller lacks SGL.
 pub fn round_trip(targets: Vec<PoolTarget>, config: &RoundTripConfig) -> Result<RoundTripReport, RoundTripError> {
+    // Before the format: a size that overflows must not cost the devices' contents.
+    config.check()?;
     let geometry = config.geometry;
     let Some(first) = targets.first() else {
         return Err(ObjstoreError::BadRequest { reason: "a round trip needs at least one pool device".into() }.into());

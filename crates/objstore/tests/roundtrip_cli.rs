@@ -1,6 +1,7 @@
 //! The `objstore-roundtrip` binary's exit statuses without a VFIO device (the round trip itself
 //! runs in tools/vm-test.sh): help is 0, bad usage 2, and a reader that closes standard output
-//! ends it quietly with 141 instead of a panic.
+//! ends it quietly with 141 instead of a panic; sizes whose arithmetic overflows are bad usage,
+//! refused before any device is opened (let alone formatted).
 
 use std::process::{Command, Stdio};
 
@@ -26,4 +27,20 @@ fn help_usage_and_a_closed_pipe() {
     let text = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(141), "{text}");
     assert!(!text.contains("panicked"), "{text}");
+}
+
+#[test]
+fn a_request_size_that_overflows_is_bad_usage_before_any_device_is_opened() {
+    // Goal: `--blocks` takes any positive u32, but the round trip doubles it (engine blocks)
+    // and multiplies it by the block's tokens: u32::MAX, or anything past 2^28 with 16-token
+    // blocks, overflowed only after the devices were formatted (a panic in a debug build, a
+    // wrapped size in release). It is now refused as bad usage (2) before any device is
+    // opened; it used to go on to open the device (here: no such device, exit 1).
+    for blocks in ["4294967295", "268435456"] {
+        let output = binary().args(["--device", "vfio:0000:ff:1f.7", "--blocks", blocks]).output().unwrap();
+        let text = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "--blocks {blocks}: {text}");
+        assert!(text.contains("usage:") && text.contains("blocks"), "--blocks {blocks}: {text}");
+        assert!(!text.contains("panicked"), "{text}");
+    }
 }

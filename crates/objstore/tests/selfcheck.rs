@@ -75,3 +75,34 @@ fn round_trip_passes_on_a_controller_with_a_small_mdts_and_one_queue_pair() {
         }
     }
 }
+
+#[test]
+fn a_round_trip_whose_sizes_overflow_is_refused_before_the_device_is_formatted() {
+    // Goal: a request size whose engine-block or token arithmetic overflows u32 (2 × blocks,
+    // blocks × block tokens) is refused with BadRequest before anything is written: the file
+    // behind the controller stays as it was (zeroes). It used to format the pool first and
+    // then overflow (a panic in a debug build).
+    let path = std::env::temp_dir().join(format!("objstore-roundtrip-overflow-{}.img", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let bytes = 64u64 << 20;
+    let config = EmuConfig::default().with_backing(Backing::File { path: path.clone(), create_bytes: Some(bytes) });
+    let device = EmuDevice::start(config).expect("software controller");
+    let targets = vec![PoolTarget { controller: bring_up(device), namespace: NamespaceId(1) }];
+    for blocks_per_request in [u32::MAX, 1 << 28] {
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            round_trip(targets.clone(), &RoundTripConfig { blocks_per_request, ..small() })
+        }));
+        let outcome = result.unwrap_or_else(|_| panic!("{blocks_per_request} blocks per request: a panic"));
+        match outcome {
+            Err(objstore::selfcheck::RoundTripError::Store(objstore::ObjstoreError::BadRequest { reason })) => {
+                assert!(reason.contains("blocks"), "{reason}")
+            }
+            other => panic!("{blocks_per_request} blocks per request: expected BadRequest, got {other:?}"),
+        }
+    }
+    drop(targets);
+    let contents = std::fs::read(&path).expect("the backing file");
+    let _ = std::fs::remove_file(&path);
+    assert_eq!(contents.len() as u64, bytes);
+    assert!(contents.iter().all(|&byte| byte == 0), "the file was written: the pool was formatted before the refusal");
+}

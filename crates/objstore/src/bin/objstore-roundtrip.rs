@@ -81,6 +81,8 @@ fn parse() -> Result<Request, String> {
     if addresses.is_empty() {
         return Err("--device is required".into());
     }
+    // Bad usage, refused before any device is opened (the round trip formats them first).
+    config.check().map_err(|error| error.to_string())?;
     Ok(Request::RoundTrip(addresses, config))
 }
 
