@@ -76,11 +76,24 @@ pub trait Device: Send + Sync {
     }
 }
 
+/// What [`IoQueue::queue`] did for the device's sight of the I/O: the job loop reads its clock
+/// once per publish and stamps the I/Os it made visible, so that each I/O's clat runs from when
+/// the device could start on it (not from after the whole refill) and no I/O costs a clock read
+/// of its own on a queue that publishes per batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Visibility {
+    /// Queued, not yet visible: a later `queue` or `submit_and_reap` publishes it.
+    Queued,
+    /// This I/O and every one queued before it on this queue are visible to the device now.
+    Published,
+}
+
 /// A job's queue on one device. Slots `0..depth` each own one buffer; a slot is queued at most
 /// once until its completion was handed to `on_done`.
 pub trait IoQueue: Send {
-    /// Queues an I/O of the slot's whole buffer at `offset_bytes` (not yet visible to the device).
-    fn queue(&mut self, slot: u32, direction: Direction, offset_bytes: u64) -> Result<(), DeviceError>;
+    /// Queues an I/O of the slot's whole buffer at `offset_bytes`, saying whether that made it
+    /// (and what was queued before it) visible to the device.
+    fn queue(&mut self, slot: u32, direction: Direction, offset_bytes: u64) -> Result<Visibility, DeviceError>;
     /// Makes queued I/Os visible to the device and reaps what completed; with `wait`, blocks until
     /// at least one I/O completed or `deadline` passed (then [`DeviceError::Timeout`]).
     fn submit_and_reap(
@@ -483,7 +496,7 @@ impl Drop for NvmeQueue {
 }
 
 impl IoQueue for NvmeQueue {
-    fn queue(&mut self, slot: u32, direction: Direction, offset_bytes: u64) -> Result<(), DeviceError> {
+    fn queue(&mut self, slot: u32, direction: Direction, offset_bytes: u64) -> Result<Visibility, DeviceError> {
         let index = slot as usize;
         let segment =
             self.segments.get(index..=index).ok_or_else(|| DeviceError::Setup(format!("{}: slot {slot} out of range", self.name)))?;
@@ -500,8 +513,9 @@ impl IoQueue for NvmeQueue {
                 self.offsets_bytes[index] = offset_bytes;
                 if self.pair.unpublished_submissions() >= self.ring_every_commands {
                     self.pair.ring_doorbell().map_err(|source| DeviceError::Nvme { device: self.name.clone(), source })?;
+                    return Ok(Visibility::Published);
                 }
-                Ok(())
+                Ok(Visibility::Queued)
             }
             Err(error) if error.is_backpressure() => Err(DeviceError::Backpressure { device: self.name.clone() }),
             Err(source) => Err(DeviceError::Nvme { device: self.name.clone(), source }),

@@ -23,7 +23,7 @@ use std::time::Instant;
 use tutti_uring::{AlignedBuffer, Refused, Ring, SetupFlags, Transfer, UringError};
 
 use crate::args::format_size;
-use crate::devices::{Device, DeviceError, Direction, IoQueue, IO_TIMEOUT};
+use crate::devices::{Device, DeviceError, Direction, IoQueue, Visibility, IO_TIMEOUT};
 
 /// `O_DIRECT` needs buffers, offsets and lengths aligned to the logical block size; a page covers
 /// every device we expect.
@@ -170,7 +170,7 @@ fn enter_error(name: &str, error: UringError) -> DeviceError {
 }
 
 impl IoQueue for UringQueue {
-    fn queue(&mut self, slot: u32, direction: Direction, offset_bytes: u64) -> Result<(), DeviceError> {
+    fn queue(&mut self, slot: u32, direction: Direction, offset_bytes: u64) -> Result<Visibility, DeviceError> {
         self.idle_buffer(slot)?;
         let index = slot as usize;
         let buffer = std::mem::take(&mut self.buffers[index]);
@@ -187,7 +187,8 @@ impl IoQueue for UringQueue {
                 // (iodepth_batch_submit=1): one enter per batch ran the batch's submissions back
                 // to back while its completions waited, and the disk's queue ran short (~0.87 of
                 // fio's 4 KiB random-read IOPS at QD 32; docs/tutti-bench.md).
-                self.ring.submit().map_err(|error| enter_error(&self.name, error))
+                self.ring.submit().map_err(|error| enter_error(&self.name, error))?;
+                Ok(Visibility::Published)
             }
             Err(Refused { buffer, error }) => {
                 self.buffers[index] = buffer;
