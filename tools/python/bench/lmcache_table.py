@@ -29,6 +29,11 @@ def load(path):
         raise BadReport(f"{path}: {error}") from error
 
 
+# What tutti-bench's device description carries when its I/O does not reach a disk
+# (tools/tutti-bench/src/filesystems.rs memory_note, devices.rs storage_note).
+TUTTI_NOT_A_DISK = ("memory, not a disk", "buffered pread/pwrite")
+
+
 def tutti_figures(path, kv_bytes):
     """(store, retrieve) GB/s over the layers' time, the same over the phase's wall time, the
     retrieve's per-layer latencies and the configuration line."""
@@ -47,6 +52,17 @@ def tutti_figures(path, kv_bytes):
     if retrieve.get("verified_bytes") != kv_bytes:
         raise BadReport(f"{path}: retrieve verified {retrieve.get('verified_bytes')} bytes, "
                         f"expected {kv_bytes}")
+    # LMCache's retrieve must read from the block layer (lmcache_figures); tutti's is held to
+    # the same rule: tutti-bench's device description says when its pool file is memory (tmpfs
+    # or ramfs: "(tmpfs: memory, not a disk)") or the software controller runs buffered through
+    # the page cache ("buffered pread/pwrite"), and such a run measured memory, not a disk.
+    description = options.get("device_description")
+    if not isinstance(description, str):
+        raise BadReport(f"{path}: no device_description: cannot tell whether the retrieve read a disk")
+    for marker in TUTTI_NOT_A_DISK:
+        if marker in description:
+            raise BadReport(f"{path}: tutti's device is not a disk ({marker!r} in its description "
+                            f"{description!r}): its retrieve did not read from the block layer")
 
     def layer_time_ns(phase):
         return sum(layer["lat_ns"] for layer in phase["layers"])
