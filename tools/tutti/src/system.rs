@@ -184,6 +184,9 @@ impl System {
             if let Some((name, _)) = device_numbers.iter().find(|(name, _)| target == Path::new("/dev").join(name)) {
                 return Some((*name).clone());
             }
+            if !may_be_a_file(target) {
+                return None;
+            }
             let opened_number = block_device_number(fd_path)?;
             device_numbers.iter().find(|(_, number)| number.as_deref() == Some(opened_number.as_str())).map(|(name, _)| (*name).clone())
         };
@@ -384,12 +387,34 @@ fn open_exclusive(path: &Path) -> std::io::Result<ExclusiveHandle> {
     Ok(ExclusiveHandle::new(device_number, Box::new(file)))
 }
 
+/// Whether a `/proc/<pid>/fd/<n>` link's target can be a file at all (a block device node
+/// among them): sockets, pipes and anonymous inodes read `socket:[N]`, `pipe:[N]`,
+/// `anon_inode:...`, never a path, and need no stat.
+fn may_be_a_file(target: &Path) -> bool {
+    target.is_absolute()
+}
+
 /// `major:minor` of the block device a path (a `/proc/<pid>/fd/<n>` link) leads to; None for
 /// anything else or when it cannot be read.
+///
+/// `statx` with `AT_STATX_DONT_SYNC` and only the file type asked for: the attributes the kernel
+/// has cached are enough to tell a block device node, and a file on a FUSE or NFS mount whose
+/// server hangs is answered from them instead of blocking the scan for ever (a full `stat`
+/// reaches the file system's getattr).
 fn block_device_number(path: &Path) -> Option<String> {
-    use std::os::unix::fs::{FileTypeExt, MetadataExt};
-    let metadata = std::fs::metadata(path).ok()?;
-    metadata.file_type().is_block_device().then(|| format!("{}:{}", libc::major(metadata.rdev()), libc::minor(metadata.rdev())))
+    use std::os::unix::ffi::OsStrExt;
+    let c_path = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
+    let mut buffer = std::mem::MaybeUninit::<libc::statx>::zeroed();
+    // SAFETY: `c_path` is a NUL-terminated string alive for the call and `buffer` a writable
+    // `statx` the kernel fills; nothing else is passed or kept.
+    let result = unsafe { libc::statx(libc::AT_FDCWD, c_path.as_ptr(), libc::AT_STATX_DONT_SYNC, libc::STATX_TYPE, buffer.as_mut_ptr()) };
+    if result != 0 {
+        return None;
+    }
+    // SAFETY: zeroed before the call, so every field is initialised; statx succeeded and filled it.
+    let stat = unsafe { buffer.assume_init() };
+    let block_device = u32::from(stat.stx_mode) & libc::S_IFMT == libc::S_IFBLK;
+    block_device.then(|| format!("{}:{}", stat.stx_rdev_major, stat.stx_rdev_minor))
 }
 
 /// Names of the entries of a directory; empty when it does not exist or cannot be read.
@@ -457,5 +482,20 @@ mod tests {
         assert_eq!(unescape_mount_path(r"/mnt/my\040disk"), "/mnt/my disk");
         assert_eq!(unescape_mount_path(r"/a\\b\9"), r"/a\\b\9");
         assert_eq!(unescape_mount_path(r"/x\134y"), r"/x\y");
+    }
+
+    #[test]
+    fn descriptors_that_are_no_files_are_not_looked_at() {
+        // Goal: `tutti devices`/`bind` stat what other processes hold open to find block devices
+        // opened by another path; sockets, pipes and anonymous inodes cannot be one and are
+        // skipped before any stat, and a file is looked at without asking its file system
+        // (AT_STATX_DONT_SYNC: a hung FUSE or NFS server cannot block the scan).
+        for target in ["socket:[12345]", "pipe:[678]", "anon_inode:[eventfd]", "anon_inode:bpf-map", "net:[4026531840]"] {
+            assert!(!may_be_a_file(Path::new(target)), "{target}");
+        }
+        assert!(may_be_a_file(Path::new("/dev/nvme0n1")));
+        assert!(may_be_a_file(Path::new("/var/lib/vm/disk-node")));
+        assert_eq!(block_device_number(Path::new("/dev/null")), None, "a character device is no block device");
+        assert_eq!(block_device_number(Path::new("/nonexistent/tutti-test")), None);
     }
 }
