@@ -31,7 +31,7 @@
 #endif
 
 /* Bumped on any layout change; the Rust side asserts it matches. */
-#define GIO_ABI_VERSION 2u
+#define GIO_ABI_VERSION 3u
 
 /* Upper bound of IOCTXs in one IOCB: two H100 SMs of 64 warps x 32 threads, halved for register
  * pressure (Tutti §3.2). One IOCTX is one NVMe command. */
@@ -168,7 +168,13 @@ typedef struct gio_ring_header {
     uint32_t overflow_count;   /* CQEs a GPU producer could not post (the ring stayed full past
                                 * its wait): the IOCB's final status is in memory, only the entry
                                 * is missing; the host reads this and must not wait for them */
-    uint8_t reserved3[52];
+    uint32_t reset_requests;   /* bumped by the GPU executor's kernel whenever it leaves an NVMe
+                                * queue pair in a state only a reset clears, whatever the IOCBs'
+                                * statuses say: a reserved SQ ticket abandoned before its entry was
+                                * written (no later tail passes it), a completion naming another
+                                * SQ. The host resets the queue pairs when it differs from the
+                                * value it last saw after a reset (free-running) */
+    uint8_t reserved3[48];
 } gio_ring_header;
 
 /*
@@ -282,6 +288,7 @@ GIO_STATIC_ASSERT(offsetof(gio_ring_header, entry_count) == 132, "ring entry_cou
 GIO_STATIC_ASSERT(offsetof(gio_ring_header, producer_lock) == 192, "ring producer lock on line 3");
 GIO_STATIC_ASSERT(offsetof(gio_ring_header, producer_claimed) == 196, "ring producer_claimed");
 GIO_STATIC_ASSERT(offsetof(gio_ring_header, overflow_count) == 200, "ring overflow_count");
+GIO_STATIC_ASSERT(offsetof(gio_ring_header, reset_requests) == 204, "ring reset_requests");
 
 GIO_STATIC_ASSERT(sizeof(gio_nvme_slot) == 32, "gio_nvme_slot is 32 bytes");
 GIO_STATIC_ASSERT(offsetof(gio_nvme_slot, ticket) == 8, "gio_nvme_slot.ticket");

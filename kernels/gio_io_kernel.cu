@@ -187,6 +187,15 @@ __device__ void count_cqe_overflow(const gio_launch_params& params) {
     atomicAdd(&device_pointer<gio_ring_header>(params.cq_header)->overflow_count, 1u);
 }
 
+// Tells the host that a queue pair needs a reset whatever the IOCBs' statuses say (see
+// gio_ring_header.reset_requests): an IOCB's status is decided by its first failure, so the
+// damage a later failure left (an abandoned ticket, a controller fault) may show in none of them.
+// The counter lives in the host-mapped sink; the host reads it after the launch's event.
+__device__ void request_queue_pair_reset(const gio_launch_params& params) {
+    atomicAdd(&device_pointer<gio_ring_header>(params.cq_header)->reset_requests, 1u);
+    __threadfence_system();
+}
+
 // Posts one gio CQE into an entry claimed beforehand: tail < producer_claimed and
 // producer_claimed - head <= depth, so the entry at tail is free and this never waits for space.
 // Producers serialise the in-order tail publication on producer_lock, held for a few stores only.
@@ -345,6 +354,9 @@ __device__ uint32_t process_nvme_completion(const gio_launch_params& params, gio
                                                     load_volatile(&slot->done_ticket));
     if (verdict == GIO_COMPLETION_WRONG_QUEUE) {
         atomicAdd(&qp->controller_faults, 1u);
+        // Also when every IOCB is final already (the launch then ends with no CONTROLLER_FAULT
+        // status): the pair stays faulted until the host resets it.
+        request_queue_pair_reset(params);
         return verdict;
     }
     if (verdict != GIO_COMPLETION_ACCEPT) {
@@ -564,6 +576,10 @@ __device__ void submit_chunk(const gio_launch_params& params, gio_iocb* iocb, ui
         base = __shfl_sync(group, base, static_cast<int>(leader));
         const uint32_t failure = submit_ioctx(params, qp, base + rank, iocb, index, ioctx, opcode, target);
         if (failure != 0) {
+            // Ticket base + rank was reserved and its SQE never written: try_publish_sq stops
+            // before it for good. Only a reset clears that, even if this IOCB ends with another
+            // IOCTX's NVMe error (first failure wins) rather than this TIMEOUT.
+            request_queue_pair_reset(params);
             complete_ioctx(params, iocb, index, failure, 0, CqeClaim::kWait);
         }
         __syncwarp(group);

@@ -19,7 +19,7 @@ pub const MAX_IOCTX_PER_IOCB: u32 = GIO_MAX_IOCTX_PER_IOCB;
 pub const ABI_VERSION: u32 = GIO_ABI_VERSION;
 
 const _: () = {
-    assert!(ABI_VERSION == 2, "update the Rust side for the new ABI version");
+    assert!(ABI_VERSION == 3, "update the Rust side for the new ABI version");
     assert!(MAX_IOCTX_PER_IOCB == 2048);
     assert!(size_of::<gio_ioctx>() == 48);
     assert!(size_of::<gio_iocb>() == 2 * CACHE_LINE_BYTES);
@@ -34,6 +34,7 @@ const _: () = {
     assert!(offset_of!(gio_ring_header, producer_lock) == 3 * CACHE_LINE_BYTES);
     assert!(offset_of!(gio_ring_header, producer_claimed) == 3 * CACHE_LINE_BYTES + 4);
     assert!(offset_of!(gio_ring_header, overflow_count) == 3 * CACHE_LINE_BYTES + 8);
+    assert!(offset_of!(gio_ring_header, reset_requests) == 3 * CACHE_LINE_BYTES + 12);
     assert!(offset_of!(gio_nvme_qp, controller_faults) == 3 * CACHE_LINE_BYTES + 8);
     assert!(size_of::<gio_nvme_slot>() == 32);
     assert!(size_of::<gio_nvme_qp>() == 5 * CACHE_LINE_BYTES);

@@ -194,6 +194,9 @@ struct Attached {
     runs: Vec<Vec<CopyRun>>,
     /// The sink's `overflow_count` when last retired: CQEs the kernel could not post.
     sink_overflows: u32,
+    /// The sink's `reset_requests` when the queue pairs were last reset (or attached): a launch
+    /// retired with another value left a queue pair that only a reset repairs.
+    sink_reset_requests: u32,
 }
 
 /// The CUDA executor (see the module documentation). Compiled, never run on a GPU.
@@ -465,6 +468,12 @@ impl GpuExecutor {
         // launch stays unretired and the next `poll` redoes it.
         self.state.copy_from_host_on_stream(0, &self.state_image, self.runtime.stream(), self.config.drain_timeout)?;
         self.reset_generation = generation;
+        if let Some(attached) = self.attached.as_mut() {
+            // The stream drained above: every request counted so far was made on the pairs just
+            // replaced, so this reset answers all of them.
+            attached.sink_reset_requests =
+                attached.sink.load_u32(core::mem::offset_of!(gio_ring_header, reset_requests), Ordering::Acquire);
+        }
         tracing::warn!(resets = self.reset_generation, "gio-uring: reset the GPU's NVMe queue pairs after a kernel timeout");
         Ok(())
     }
@@ -562,7 +571,14 @@ impl GpuExecutor {
             // the next `poll` waits again.
             self.drain_stream()?;
         }
-        let timed_out = retire::settle(memory, launch.sq_first, launch.count, enqueued)?;
+        // Read after the launch's event (or the drain): the kernels that counted into it are done.
+        // A request counted by a later launch still running is seen here too; the reset then
+        // drains the stream first, so it covers that launch as well.
+        let kernel_requested_reset = self.attached.as_ref().is_some_and(|attached| {
+            attached.sink.load_u32(core::mem::offset_of!(gio_ring_header, reset_requests), Ordering::Acquire)
+                != attached.sink_reset_requests
+        });
+        let timed_out = retire::settle(memory, launch.sq_first, launch.count, enqueued, kernel_requested_reset)?;
         // Launches enqueued before the last reset ran on the queue pairs it replaced.
         if timed_out && launch.reached.ran && launch.reset_generation == self.reset_generation {
             self.reset_queue_pairs()?;
@@ -627,6 +643,7 @@ impl Executor for GpuExecutor {
             launches: VecDeque::with_capacity(depth as usize),
             runs: vec![Vec::new(); depth as usize],
             sink_overflows: 0,
+            sink_reset_requests: 0,
         });
         Ok(())
     }

@@ -3,7 +3,8 @@
 //!
 //! Order, once the launch's event says the kernel (and its copies) completed:
 //! 1. [`settle`]: any IOCB the kernel left ISSUED is finished as TIMEOUT (same compare-and-swap as
-//!    the kernel, so still one completion per issue); reports whether any IOCB timed out. For a
+//!    the kernel, so still one completion per issue); reports whether any IOCB timed out (or the
+//!    kernel requested a queue-pair reset in its sink). For a
 //!    launch whose enqueueing failed after the kernel started ([`Enqueued::Partly`]: a staged
 //!    copy that should have followed it never ran), an IOCB the kernel finished as SUCCESS
 //!    becomes TIMEOUT too: its bytes may not be where the caller reads them;
@@ -63,8 +64,13 @@ pub enum Enqueued {
 /// as TIMEOUT with no failed IOCTX, and the queue pairs are reset (the kernel broke the
 /// protocol; what its commands did is unknown). Posted as it was, the queue would refuse its
 /// CQE and the IOCB would stay in flight for good.
-pub fn settle(memory: &QueueMemory, sq_first: u32, count: u32, enqueued: Enqueued) -> Result<bool, GioError> {
-    let mut reset_needed = false;
+///
+/// `kernel_requested_reset`: the kernel counted a reset request in its sink
+/// (`gio_ring_header.reset_requests`) since the last reset: it left a queue pair damaged in a way
+/// no IOCB's status need show (an abandoned SQ ticket, a controller fault after every IOCB was
+/// final), so the queue pairs are reset even if every IOCB succeeded.
+pub fn settle(memory: &QueueMemory, sq_first: u32, count: u32, enqueued: Enqueued, kernel_requested_reset: bool) -> Result<bool, GioError> {
+    let mut reset_needed = kernel_requested_reset;
     for position in 0..count {
         let id = sq_entry(memory, sq_first.wrapping_add(position))?;
         let status = memory.iocb_field_offset(id, IocbField::Status);
@@ -201,7 +207,7 @@ mod tests {
         memory.region.store_u32(memory.iocb_field_offset(a, IocbField::FailedIoctx), 1, Ordering::Relaxed);
         memory.region.store_u16(memory.iocb_field_offset(a, IocbField::FailedNvmeStatus), NvmeStatus::new(2, 0x81).0, Ordering::Relaxed);
         memory.region.store_u32(memory.iocb_field_offset(a, IocbField::Status), abi::GIO_IOCB_STATUS_NVME_ERROR, Ordering::Release);
-        assert!(settle(memory, 0, 2, Enqueued::Fully).unwrap(), "IOCB b was left ISSUED: a timeout");
+        assert!(settle(memory, 0, 2, Enqueued::Fully, false).unwrap(), "IOCB b was left ISSUED: a timeout");
         assert!(queue.peek_cqe().unwrap().is_none(), "nothing is visible before the CQEs are posted");
         let memory = queue.memory();
         post_completions(memory, 0, 2, &mut 0).unwrap();
@@ -234,7 +240,7 @@ mod tests {
             memory.region.store_u32(memory.iocb_field_offset(a, IocbField::FailedIoctx), failed_ioctx, Ordering::Relaxed);
             memory.region.store_u32(memory.iocb_field_offset(a, IocbField::Status), status, Ordering::Release);
             memory.region.store_u32(memory.iocb_field_offset(b, IocbField::Status), abi::GIO_IOCB_STATUS_SUCCESS, Ordering::Release);
-            assert!(settle(memory, 0, 2, Enqueued::Fully).unwrap(), "status {status}: the queue pairs must be reset");
+            assert!(settle(memory, 0, 2, Enqueued::Fully, false).unwrap(), "status {status}: the queue pairs must be reset");
             post_completions(memory, 0, 2, &mut 0).unwrap();
             advance_sq(memory, 0, 2).unwrap();
             let deadline = Instant::now() + Duration::from_secs(1);
@@ -263,7 +269,7 @@ mod tests {
             producer.push(filler).unwrap();
         }
         drop(producer);
-        assert!(!settle(memory, 0, 2, Enqueued::Fully).unwrap());
+        assert!(!settle(memory, 0, 2, Enqueued::Fully, false).unwrap());
         let mut posted = 0;
         assert!(matches!(post_completions(memory, 0, 2, &mut posted), Err(GioError::CompletionQueueFull { .. })), "room for one of two");
         assert_eq!(posted, 1);
@@ -284,8 +290,25 @@ mod tests {
         for id in [a, b] {
             memory.region.store_u32(memory.iocb_field_offset(id, IocbField::Status), abi::GIO_IOCB_STATUS_SUCCESS, Ordering::Release);
         }
-        assert!(!settle(memory, 0, 2, Enqueued::Fully).unwrap());
+        assert!(!settle(memory, 0, 2, Enqueued::Fully, false).unwrap());
         assert!(advance_sq(memory, 1, 1).is_err(), "retirement must start at the SQ head");
+    }
+
+    #[test]
+    fn a_reset_the_kernel_requested_is_made_even_when_every_iocb_succeeded() {
+        // Goal: damage a launch leaves on a queue pair that no IOCB's status shows (a reserved
+        // SQ ticket abandoned while another IOCTX's NVMe error decided the IOCB's status; a
+        // completion naming another SQ reaped after every IOCB was final) still resets the
+        // queue pairs: the kernel raised the sink's reset request and settle reports it, with
+        // every IOCB a success. Without the request, nothing asks for a reset.
+        let (queue, [a, b]) = queue_with_two_issued();
+        let memory = queue.memory();
+        for id in [a, b] {
+            memory.region.store_u32(memory.iocb_field_offset(id, IocbField::Status), abi::GIO_IOCB_STATUS_SUCCESS, Ordering::Release);
+        }
+        assert!(settle(memory, 0, 2, Enqueued::Fully, true).unwrap(), "the kernel asked for a queue-pair reset");
+        assert!(!settle(memory, 0, 2, Enqueued::Fully, false).unwrap(), "nothing else asks for one");
+        assert_eq!(queue.memory().read_iocb_progress(a).status, abi::GIO_IOCB_STATUS_SUCCESS, "the IOCBs keep their success");
     }
 
     #[test]
@@ -296,7 +319,7 @@ mod tests {
         let memory = queue.memory();
         memory.region.store_u32(memory.iocb_field_offset(a, IocbField::Status), abi::GIO_IOCB_STATUS_SUCCESS, Ordering::Release);
         memory.region.store_u32(memory.iocb_field_offset(b, IocbField::Status), abi::GIO_IOCB_STATUS_CONTROLLER_FAULT, Ordering::Release);
-        assert!(settle(memory, 0, 2, Enqueued::Fully).unwrap(), "a controller fault requires a queue-pair reset");
+        assert!(settle(memory, 0, 2, Enqueued::Fully, false).unwrap(), "a controller fault requires a queue-pair reset");
         post_completions(memory, 0, 2, &mut 0).unwrap();
         advance_sq(memory, 0, 2).unwrap();
         let deadline = Instant::now() + Duration::from_secs(1);
@@ -316,7 +339,7 @@ mod tests {
         memory.region.store_u32(memory.iocb_field_offset(b, IocbField::FailedIoctx), 0, Ordering::Relaxed);
         memory.region.store_u16(memory.iocb_field_offset(b, IocbField::FailedNvmeStatus), NvmeStatus::new(2, 0x81).0, Ordering::Relaxed);
         memory.region.store_u32(memory.iocb_field_offset(b, IocbField::Status), abi::GIO_IOCB_STATUS_NVME_ERROR, Ordering::Release);
-        assert!(!settle(memory, 0, 2, Enqueued::Partly).unwrap(), "nothing timed out in the kernel");
+        assert!(!settle(memory, 0, 2, Enqueued::Partly, false).unwrap(), "nothing timed out in the kernel");
         post_completions(memory, 0, 2, &mut 0).unwrap();
         advance_sq(memory, 0, 2).unwrap();
         let deadline = Instant::now() + Duration::from_secs(1);
