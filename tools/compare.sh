@@ -163,7 +163,7 @@ run_kv() {
                 fio --name=job --filename="$FILE" --offset=1m --size="$KV_BYTES" --rw="$rw" --bs="$bs" --iodepth="$depth" \
                     --numjobs=1 --ioengine=io_uring --direct=1 --mem="$(fio_memory "$tool")" --output-format=json --output="$out.$pass" ;;
             emu)
-                "$BENCH" --device "emu:$FILE" --workload=kv --prompt-tokens="$KV_TOKENS" --blocks-per-slot="$KV_K" --hit-rate=1 --verify \
+                "$BENCH" --device "emu:$FILE" --workload=kv --prompt-tokens="$KV_TOKENS" --blocks-per-slot="$KV_K" --hit-rate=1 --verify --overwrite \
                     --output-format=json >"$out.$pass" 2>"$WORK/stderr" \
                     || { say "tutti-bench kv failed: $(cat "$WORK/stderr")"; echo '{}' >"$out.$pass"; } ;;
         esac

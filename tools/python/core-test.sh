@@ -29,3 +29,5 @@ timeout 1800 cargo build --locked -p tuttid --bin tuttid
 export TUTTI_TUTTID="$target_dir/debug/tuttid"
 # The wheel as wheel.sh installed it for this clone (target/python-site), with the venv's pytest.
 PYTHONPATH="$PWD/target/python-site" timeout 1200 "$venv/bin/python" -m pytest -q -p no:cacheprovider python/tests
+# The benchmark tables' own checks (tools/compare-lmcache.sh's verdicts on what a run measured).
+timeout 120 "$venv/bin/python" -m pytest -q -p no:cacheprovider tools/python/bench
