@@ -1479,6 +1479,60 @@ def test_a_load_into_gpu_kv_waits_for_the_compute_stream_before_its_first_layer(
         worker.shutdown()
 
 
+@pytest.mark.parametrize("layers_in_flight", [2, harness.LAYERS], ids=["in-the-step", "at-the-committer"])
+def test_saves_on_a_stalled_device_are_given_up_within_about_two_timeouts(tuttid, layers_in_flight):
+    """Goal: once one save's layer did not complete (tuttid stalled: its device moves nothing),
+    the worker's session is broken (ended at its next step), and the step's other saves, and
+    those queued at the committer, are given up as misses at once instead of each waiting its
+    own timeout_s twice (a wait, then the settle's): four stalled saves are all reported within
+    about two timeouts, not eight (vLLM's execute timeout is 300 s; with timeout_s 30 that was
+    240 s of one step). layers_in_flight 2: the step itself waits (save_kv_layer waits for layer
+    l-2); 4: every layer is issued and the committer waits. The session is ended at the next
+    step."""
+    daemon = tuttid(harness.TUTTID_GEOMETRY)
+    timeout_s = 1.0
+    worker = LocalWorker(daemon.socket, timeout_s=timeout_s, layers_in_flight=layers_in_flight)
+    try:
+        saves = []
+        for index in range(4):
+            blocks = [10 + 2 * index, 11 + 2 * index]
+            worker.fill(blocks, 70 + index)
+            saves.append(SaveSpec(f"T{index}", prompt(70 + index, blocks=2, tail=0), blocks))
+        ids = {save.req_id for save in saves}
+        connector = worker.connector
+        meta = TuttiConnectorMetadata(saves=saves)
+        connector.handle_preemptions(meta)
+        connector.bind_connector_metadata(meta)  # prepared while tuttid answers
+        daemon.pause()
+        try:
+            started = time.monotonic()
+            connector.start_load_kv(None)
+            for name in harness.layer_names():
+                connector.wait_for_layer_load(name)
+                connector.save_kv_layer(name, worker.caches[name], None)
+            connector.wait_for_save()
+            connector.clear_connector_metadata()
+            reported: set = set()
+            deadline = started + 8 * timeout_s + 5.0
+            while reported != ids and time.monotonic() < deadline:
+                reported |= connector.get_finished(ids)[0] or set()
+                time.sleep(0.01)
+            elapsed_s = time.monotonic() - started
+        finally:
+            daemon.resume()
+        assert reported == ids
+        assert elapsed_s < 3.5 * timeout_s, f"four stalled saves took {elapsed_s:.2f} s to be reported"
+        assert connector._broken is not None
+        worker.step(TuttiConnectorMetadata())
+        assert connector._dead is not None, "the broken session was not ended at the next step"
+        wait_no_worker_session(daemon.socket)
+        with tutti.LookupClient.connect(daemon.socket, model_fingerprint=connector._fingerprint) as lookup:
+            for save in saves:
+                assert lookup.lookup(save.tokens) == 0, f"{save.req_id}, given up, was committed"
+    finally:
+        worker.shutdown()
+
+
 def test_the_connector_sizes_its_iocbs_for_vllms_longest_request():
     """Goal: the connector's IOCBs are sized from vLLM's max_model_len (in blocks) when its model
     config has one (tutti._engine.iocbs_for), and as before when it has none (these tests'

@@ -129,6 +129,9 @@ class WorkerSide:
         # Counts the worker's tuttid sessions (a new one at each re-attach), read by the
         # committer under the lock: a late failure of an old session's request is not the new one's.
         self._session = 0
+        # Requests of saves given up in a broken session without a wait or an exchange (either
+        # could take timeout_s each): kept until the session is ended, which settles them.
+        self._abandoned: list[Any] = []
         self._lock = threading.Lock()
         self._commit_queue: queue.Queue = queue.Queue(maxsize=self._config["requests_max"])
         self._committer = threading.Thread(target=self._commit_loop, name="tutti-vllm-commit", daemon=True)
@@ -309,6 +312,9 @@ class WorkerSide:
         if self._saves:
             self._gpu_writes_done()
         for req_id, state in list(self._saves.items()):
+            if self._session_broken():
+                self._abandon_save(req_id, state)
+                continue
             try:
                 while state.issued <= layer:
                     self._advance_save(state)
@@ -326,14 +332,19 @@ class WorkerSide:
         self._agree_on_loads()
         if self._saves:
             self._gpu_writes_done()
+        # The step's hand-overs to a full commit queue wait at most timeout_s together.
+        deadline = time.monotonic() + self._timeout_s
         for req_id, state in list(self._saves.items()):
+            if self._session_broken():
+                self._abandon_save(req_id, state)
+                continue
             try:
                 while state.issued < self._layers:
                     self._advance_save(state)
             except tutti.Error as error:
                 self._fail_save(req_id, state, error)
                 continue
-            if not self._hand_to_committer(req_id, state):
+            if not self._hand_to_committer(req_id, state, deadline):
                 for other_id, other in list(self._saves.items()):
                     self._fail_save(other_id, other, tutti.InvalidState("the committer thread has stopped"))
                 self._fail_orphaned_saves()
@@ -342,16 +353,26 @@ class WorkerSide:
                     "can no longer be committed; restart the worker"
                 )
 
-    def _hand_to_committer(self, req_id: str, state: _WorkerSave) -> bool:
+    def _hand_to_committer(self, req_id: str, state: _WorkerSave, deadline: float) -> bool:
         """Hands the save to the committer; a full queue waits for it (back-pressure), as long as
-        the committer runs. False when it has stopped: the save is given up (a miss)."""
+        the committer runs and at most until `deadline` (time.monotonic()), after which the save
+        is given up (a miss; a layer of it still in flight ends the session at the next step).
+        False when the committer has stopped: the save is given up (a miss)."""
         del self._saves[req_id]
         with self._lock:
             self._save_done[req_id] = None  # with the committer
         item = (req_id, state.token, state.request, self._session, state.issued - state.completed)
         while self._committer.is_alive():
+            left_s = deadline - time.monotonic()
+            if left_s <= 0:
+                logger.warning(
+                    "tutti: the commit queue stayed full for %.1f s; save of request %s not committed", self._timeout_s, req_id
+                )
+                self._settle_save(state.request, deadline=time.monotonic())
+                self._save_settled(req_id, state.token, False)
+                return True
             try:
-                self._commit_queue.put(item, timeout=_COMMIT_PUT_CHECK_S)
+                self._commit_queue.put(item, timeout=min(_COMMIT_PUT_CHECK_S, left_s))
                 return True
             except queue.Full:
                 continue
@@ -412,6 +433,8 @@ class WorkerSide:
         for state in list(self._loads.values()) + list(self._saves.values()):
             self._settle(state.request)
         self._store.close()
+        with self._lock:
+            self._abandoned.clear()
 
     def _gpu_writes_done(self) -> None:
         """With GPU KV: waits until the work queued on the current CUDA stream (the layers'
@@ -617,6 +640,26 @@ class WorkerSide:
         self._settle_save(state.request)
         self._save_settled(req_id, state.token, False)
 
+    def _session_broken(self, session: Optional[int] = None) -> bool:
+        """Whether the worker's session is over or will be ended at the next step (`session`: or
+        is no longer the one a save belonged to): its saves are given up without a wait."""
+        with self._lock:
+            return self._broken is not None or self._dead is not None or (session is not None and session != self._session)
+
+    def _abandon_save(self, req_id: str, state: _WorkerSave) -> None:
+        """Gives up a save of a broken session at once (a miss): no wait for its layers and no
+        exchange with tuttid, either of which could take timeout_s (a stalled device, a lost
+        connection); its request is kept until the session is ended, which settles it."""
+        logger.warning("tutti: save of request %s given up: the worker's tuttid session is ended at the next step", req_id)
+        self._saves.pop(req_id, None)
+        self._keep_until_session_ends(state.request, self._session)
+        self._save_settled(req_id, state.token, False)
+
+    def _keep_until_session_ends(self, request: Any, session: int) -> None:
+        with self._lock:
+            if session == self._session and self._dead is None:
+                self._abandoned.append(request)
+
     def _save_settled(self, req_id: str, token: int, committed: bool) -> None:
         """Records the outcome of the request's save `token` (ignored if it is not its current
         save any more: preempted and forgotten, or saved anew)."""
@@ -695,6 +738,8 @@ class WorkerSide:
         # Waits for the layers still in flight (bounded), closes the connection; with a layer
         # still in flight, waits until tuttid dropped the session (its queue pairs deleted).
         self._store.close(timeout_s=self._timeout_s)
+        with self._lock:
+            self._abandoned.clear()  # settled by the close
         kept = self._store.leaked_registrations()
         if kept:
             # Never re-registered, even if a caller above catches the exception: the tensors
@@ -783,10 +828,19 @@ class WorkerSide:
         committed = False
         try:
             for _ in range(outstanding):  # the save's layers still in flight, oldest first
+                if self._session_broken(session):
+                    break
                 request.wait(self._timeout_s)
         except tutti.Error as error:
             logger.warning("tutti: save of request %s not committed: one of its last layers failed or timed out (%s)", req_id, error)
             self._settle_save(request, session)
+            self._save_settled(req_id, token, False)
+            return
+        if self._session_broken(session):
+            # Ended or to be ended at the worker's next step (a layer that did not complete, a
+            # lost connection): neither its layers nor tuttid are waited for.
+            logger.warning("tutti: save of request %s not committed: the worker's tuttid session is ended", req_id)
+            self._keep_until_session_ends(request, session)
             self._save_settled(req_id, token, False)
             return
         with self._lock:
