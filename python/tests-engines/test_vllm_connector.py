@@ -537,9 +537,9 @@ def test_the_default_fingerprint_names_the_kv_layout(tuttid):
 
 def test_lookups_after_a_timeout_reconnect_and_back_off(tuttid):
     """Goal: a lookup that times out (tuttid stalled) is a miss after lookup_timeout_s; the
-    connection it leaves out of step is dropped; a failed reconnect starts a back-off during
-    which lookups are misses at once (no timeout per request); once tuttid answers again, the
-    next lookup after the back-off reconnects and is answered."""
+    connection it leaves out of step is dropped; the timeout starts a back-off during which
+    lookups are misses at once (no timeout per request); once tuttid answers again, the next
+    lookup after the back-off reconnects and is answered."""
     daemon = tuttid(harness.TUTTID_GEOMETRY)
     extra = {"socket": daemon.socket, "timeout_s": 20.0, "lookup_timeout_s": 0.5}
     scheduler = harness.make_connector(harness.vllm_config(daemon.socket, 1, extra=extra), KVConnectorRole.SCHEDULER)
@@ -551,7 +551,7 @@ def test_lookups_after_a_timeout_reconnect_and_back_off(tuttid):
             started = time.monotonic()
             assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
             assert 0.4 < time.monotonic() - started < 5.0, "bounded by lookup_timeout_s"
-            # The next use reconnects first: tuttid still stalled, the connect times out.
+            # The lookup that timed out started the back-off: the next ones are misses at once.
             assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
             started = time.monotonic()
             for _ in range(5):
@@ -567,6 +567,70 @@ def test_lookups_after_a_timeout_reconnect_and_back_off(tuttid):
         assert scheduler.lookup_reconnects == reconnects + 1
     finally:
         scheduler.shutdown()
+
+
+def test_lookups_that_time_out_on_a_daemon_that_still_connects_back_off(monkeypatch):
+    """Goal: a tuttid that accepts connections but does not answer lookups in time costs the
+    scheduler's loop one lookup_timeout_s per back-off, not one per request: a lookup that timed
+    out starts the back-off (1 s, doubling while lookups keep timing out, reset by an answered
+    lookup), during which lookups are misses without a word to tuttid. Before, only a failed
+    connect started it, and a connect that succeeded reset it, so every new request waited
+    lookup_timeout_s. The lookup session and the clock are stand-ins (no tuttid can be told to
+    answer connects but not lookups)."""
+    from types import SimpleNamespace
+
+    from tutti.vllm import _scheduler
+
+    class Session:
+        def __init__(self, answer):
+            self.answer = answer
+
+        def lookup_all_ranks(self, tokens, first_block=0):
+            lookups.append(clock.now)
+            if self.answer is None:
+                raise tutti.TimeoutError("injected: tuttid did not answer the lookup in time")
+            return self.answer
+
+        def close(self):
+            pass
+
+    lookups: list = []
+    connects: list = []
+    answer: list = [None]
+
+    def connect(self):
+        connects.append(clock.now)
+        return Session(answer[0])
+
+    clock = SimpleNamespace(now=100.0)
+    monkeypatch.setattr(_scheduler, "time", SimpleNamespace(monotonic=lambda: clock.now))
+    monkeypatch.setattr(_scheduler.SchedulerSide, "_connect_lookup", connect)
+    scheduler = harness.make_connector(harness.vllm_config("/nonexistent/tuttid.sock", 1), KVConnectorRole.SCHEDULER)
+    tokens = prompt(80, blocks=3, tail=1)
+
+    def matched(at: float) -> int:
+        clock.now = at
+        request = harness.request(f"R{at}", tokens)
+        tokens_matched, asynchronous = scheduler.get_num_new_matched_tokens(request, 0)
+        assert asynchronous is False
+        return tokens_matched
+
+    assert matched(100.0) == 0 and lookups == [100.0]  # timed out: back-off 1 s
+    assert matched(100.5) == 0 and lookups == [100.0], "a lookup during the back-off asked tuttid"
+    assert matched(101.1) == 0 and lookups == [100.0, 101.1]  # again: back-off 2 s
+    assert matched(102.5) == 0 and lookups == [100.0, 101.1]
+    assert matched(103.2) == 0 and lookups == [100.0, 101.1, 103.2]  # back-off 4 s
+    assert matched(107.0) == 0 and len(lookups) == 3
+    answer[0] = 2
+    assert matched(107.3) == 2 * harness.BLOCK_TOKENS and len(lookups) == 4
+    answer[0] = None
+    scheduler._lookup.answer = None
+    assert matched(108.0) == 0 and len(lookups) == 5  # back-off reset by the answer: 1 s
+    assert matched(108.9) == 0 and len(lookups) == 5
+    assert matched(109.1) == 0 and len(lookups) == 6
+    assert scheduler.lookup_failures == 9
+    assert len(connects) == 1 + 4  # at start, then once after each back-off
+    scheduler.shutdown()
 
 
 def test_a_daemon_exchange_that_times_out_ends_the_worker_session(tuttid):

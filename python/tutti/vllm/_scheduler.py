@@ -21,15 +21,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger("tutti.vllm")
 
 # The scheduler's lookup session, once lost, is connected again at the next lookup; after a
-# failed connect, lookups are misses without asking tuttid for a back-off that doubles from the
-# first to the last value (a dead daemon costs one lookup_timeout_s per back-off, not per request).
+# failed connect or a lookup that timed out, lookups are misses without asking tuttid for a
+# back-off that doubles from the first to the last value while they keep failing (a dead or
+# stalled daemon costs one lookup_timeout_s per back-off, not per request); an answered lookup
+# resets it.
 _RECONNECT_BACKOFF_FIRST_S = 1.0
 _RECONNECT_BACKOFF_MAX_S = 30.0
 
 
 class _LookupBackingOff(tutti.Disconnected):
     """A lookup answered as a miss without asking tuttid: the lookup session is lost and the
-    back-off after a failed connect is running."""
+    back-off after a failed connect or a timed-out lookup is running."""
 
 
 @dataclass
@@ -74,7 +76,8 @@ class SchedulerSide:
         self._allocated: set[str] = set()
         self.lookup_failures = 0
         self.lookup_reconnects = 0
-        # After a failed connect: no attempt before _lookup_retry_at (monotonic seconds).
+        # After a failed connect or a timed-out lookup: no attempt before _lookup_retry_at
+        # (monotonic seconds).
         self._lookup_retry_at = 0.0
         self._lookup_backoff_s = 0.0
 
@@ -101,12 +104,17 @@ class SchedulerSide:
         try:
             self._lookup = self._connect_lookup()
         except tutti.Error as error:
-            self._lookup_backoff_s = min(max(2 * self._lookup_backoff_s, _RECONNECT_BACKOFF_FIRST_S), _RECONNECT_BACKOFF_MAX_S)
-            self._lookup_retry_at = time.monotonic() + self._lookup_backoff_s
-            logger.warning("tutti: connecting to tuttid for lookups failed (%s); lookups are misses for %.1f s", error, self._lookup_backoff_s)
+            self._back_off_lookups(f"connecting to tuttid for lookups failed ({error})")
             raise
-        self._lookup_backoff_s = 0.0
         self.lookup_reconnects += 1
+
+    def _back_off_lookups(self, why: str) -> None:
+        """Starts the back-off, or doubles it while lookups keep failing (an answered lookup
+        resets it, not a connect: a daemon that connects but does not answer in time keeps
+        doubling it)."""
+        self._lookup_backoff_s = min(max(2 * self._lookup_backoff_s, _RECONNECT_BACKOFF_FIRST_S), _RECONNECT_BACKOFF_MAX_S)
+        self._lookup_retry_at = time.monotonic() + self._lookup_backoff_s
+        logger.warning("tutti: %s; lookups are misses for %.1f s", why, self._lookup_backoff_s)
 
     def _drop_lookup(self) -> None:
         if self._lookup is not None:
@@ -118,18 +126,25 @@ class SchedulerSide:
         blocks before are vLLM's own: they need not be in tutti). A lost session (closed by tuttid after a
         scheduler idle past its lease, or an exchange that timed out, after which the connection
         cannot be trusted) is dropped and connected again before the next use; a session tuttid
-        closed is connected again at once, and the lookup asked again (once)."""
+        closed is connected again at once, and the lookup asked again (once). A lookup that
+        timed out starts (or doubles) the back-off: the scheduler's loop waited lookup_timeout_s
+        for it, and a daemon that connects but answers late would cost that per request."""
         for attempt in range(2):
             if self._lookup is None:
                 self._reconnect_lookup()
             try:
-                return self._lookup.lookup_all_ranks(tokens, first_block=first_block)
+                hit_blocks = self._lookup.lookup_all_ranks(tokens, first_block=first_block)
             except tutti.Error as error:
                 if not connection_lost(error):
                     raise
                 self._drop_lookup()
+                if isinstance(error, tutti.TimeoutError):
+                    self._back_off_lookups(f"a lookup timed out after {self._lookup_timeout_s:.1f} s ({error})")
                 if attempt == 1 or not isinstance(error, tutti.Disconnected):
                     raise
+                continue
+            self._lookup_backoff_s = 0.0
+            return hit_blocks
         raise AssertionError("unreachable")
 
     def _scheduler_request(self, request: "Request") -> _SchedulerRequest:
