@@ -535,6 +535,41 @@ def test_the_default_fingerprint_names_the_kv_layout(tuttid):
         worker.shutdown()
 
 
+def test_the_default_fingerprint_names_rope_and_hf_overrides():
+    """Goal: a model served with other RoPE parameters (rope_scaling / rope_parameters,
+    rope_theta, partial_rotary_factor: a context extension through --hf-overrides, a patched
+    config) computes other KV bytes for the same tokens, so it gets another key space; the same
+    configuration gets the same one in every process (no object ids, dict order ignored), and
+    so does a callable hf_overrides (named by module and name). The model config is a stand-in
+    (a real one loads the model's Hugging Face config)."""
+    import json
+    from types import SimpleNamespace
+
+    from tutti._engine import fingerprint_from_config
+    from tutti.vllm.connector import _model_identity
+
+    def fingerprint(hf_overrides=None, **text_config):
+        model = SimpleNamespace(
+            model="/models/m", revision=None, dtype="bfloat16", quantization=None,
+            hf_overrides={} if hf_overrides is None else hf_overrides,
+            hf_text_config=SimpleNamespace(**text_config),
+        )  # fmt: skip
+        config = SimpleNamespace(model_config=model, cache_config=SimpleNamespace(block_size=16, cache_dtype="auto"))
+        return fingerprint_from_config(None, *_model_identity(config, harness.kv_cache_config(), "LBHNC"))
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    base = fingerprint(rope_scaling=None, rope_theta=1e6)
+    assert fingerprint(rope_scaling=None, rope_theta=1e6) == base
+    assert fingerprint(rope_scaling=yarn, rope_theta=1e6) != base
+    assert fingerprint(rope_scaling=yarn, rope_theta=1e6) == fingerprint(rope_scaling=dict(reversed(list(yarn.items()))), rope_theta=1e6)
+    assert fingerprint(rope_scaling=None, rope_theta=5e5) != base
+    assert fingerprint(rope_parameters={"rope_type": "default", "rope_theta": 1e6}) != fingerprint(rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+    assert fingerprint(rope_scaling=None, rope_theta=1e6, partial_rotary_factor=0.5) != base
+    assert fingerprint({"rope_scaling": yarn}, rope_scaling=None, rope_theta=1e6) != base
+    assert fingerprint(json.loads, rope_scaling=None, rope_theta=1e6) == fingerprint(json.loads, rope_scaling=None, rope_theta=1e6)
+    assert fingerprint(json.loads, rope_scaling=None, rope_theta=1e6) != fingerprint(json.dumps, rope_scaling=None, rope_theta=1e6)
+
+
 def test_lookups_after_a_timeout_reconnect_and_back_off(tuttid):
     """Goal: a lookup that times out (tuttid stalled) is a miss after lookup_timeout_s; the
     connection it leaves out of step is dropped; the timeout starts a back-off during which

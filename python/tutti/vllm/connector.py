@@ -28,6 +28,7 @@ reported, and the worker raises if tuttid cannot confirm that.
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -162,6 +163,39 @@ def _blocks_per_request_max(vllm_config: "VllmConfig", block_size: int) -> Optio
     return -(-max_model_len // block_size)
 
 
+# The Hugging Face config fields that change a model's KV for the same weights and tokens, and
+# that vLLM's scheduler and workers hold alike (set when the config is loaded, from the model's
+# config.json and hf_overrides; never rewritten by a worker's model code, so both roles agree).
+_HF_KV_FIELDS = ("rope_scaling", "rope_parameters", "rope_theta", "partial_rotary_factor")
+
+
+def _hf_config_identity(model: Any) -> str:
+    """The model config's RoPE parameters (of its text config, as vLLM's hf_text_config has them
+    after applying hf_overrides) and hf_overrides itself, as canonical JSON: the same in every
+    process and run (keys sorted, no object ids; a callable hf_overrides by its module and
+    name)."""
+    text_config = getattr(model, "hf_text_config", None)
+    identity = {name: _stable_value(getattr(text_config, name, None)) for name in _HF_KV_FIELDS}
+    identity["hf_overrides"] = _stable_value(getattr(model, "hf_overrides", None))
+    return json.dumps(identity, sort_keys=True, separators=(",", ":"))
+
+
+def _stable_value(value: Any) -> Any:
+    """`value` as plain JSON data that reads the same in every process: dicts (keys as strings),
+    lists, numbers, strings; a callable by its module and qualified name; anything else by its
+    str() unless that names an object id, then by its type."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, dict):
+        return {str(key): _stable_value(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_stable_value(item) for item in value]
+    if callable(value):
+        return f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', type(value).__qualname__)}"
+    text = str(value)
+    return type(value).__qualname__ if " at 0x" in text else text
+
+
 def _refuse_failing_loads(kv_transfer_config: Any) -> None:
     """Raises ConfigError unless vLLM recomputes the blocks of a failed load
     (kv_load_failure_policy "recompute"). vLLM's default, "fail", ends the request whose load
@@ -247,13 +281,15 @@ def _resolved_kv_layout(vllm_config: "VllmConfig", kv_cache_config: Optional["KV
 
 def _model_identity(vllm_config: "VllmConfig", kv_cache_config: Optional["KVCacheConfig"], kv_layout: str) -> list[Any]:
     """What changes a model's KV bytes or their order in a block, for the default fingerprint:
-    the model, the cache dtype, the KV layout (LBHNC and LBNHC blocks are the same size with
-    heads and slots transposed) and the page shape of each KV cache group."""
+    the model, its RoPE parameters and hf_overrides, the cache dtype, the KV layout (LBHNC and
+    LBNHC blocks are the same size with heads and slots transposed) and the page shape of each
+    KV cache group."""
     model = vllm_config.model_config
     cache = vllm_config.cache_config
     parts: list[Any] = ["vllm", cache.block_size, str(cache.cache_dtype)]
     if model is not None:
         parts += [model.model, str(model.revision), str(model.dtype), str(model.quantization)]
+        parts += ["hf config", _hf_config_identity(model)]
     parts += ["kv layout", kv_layout]
     for group in getattr(kv_cache_config, "kv_cache_groups", None) or []:
         spec = group.kv_cache_spec
