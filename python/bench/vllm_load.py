@@ -83,6 +83,8 @@ def worker(socket: str, setting: str, num_blocks: int):
         kv_connector="TuttiConnector",
         kv_connector_module_path="tutti.vllm",
         kv_role="kv_both",
+        # The connector refuses vLLM's default "fail" (a tutti miss must be recomputed; docs/vllm.md).
+        kv_load_failure_policy="recompute",
         kv_connector_extra_config=extra_config(socket, setting),
     )
     config = VllmConfig(
