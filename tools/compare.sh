@@ -110,6 +110,11 @@ if [ -z "${COMPARE_BENCH:-}" ]; then
     say "building tutti-bench (release)"
     (cd "$ROOT" && cargo build --release --bin tutti-bench --quiet)
 fi
+# The KV rows format the file fio laid out: a build that refuses foreign contents is told to
+# overwrite them; older builds (COMPARE_BENCH, "the commit before") have neither the check nor
+# the option.
+KV_OVERWRITE=
+"$BENCH" --help 2>/dev/null | grep -q -- --overwrite && KV_OVERWRITE=--overwrite
 
 # One file for everyone, written in full so that every read hits allocated blocks.
 say "laying out $FILE ($SIZE)"
@@ -163,7 +168,7 @@ run_kv() {
                 fio --name=job --filename="$FILE" --offset=1m --size="$KV_BYTES" --rw="$rw" --bs="$bs" --iodepth="$depth" \
                     --numjobs=1 --ioengine=io_uring --direct=1 --mem="$(fio_memory "$tool")" --output-format=json --output="$out.$pass" ;;
             emu)
-                "$BENCH" --device "emu:$FILE" --workload=kv --prompt-tokens="$KV_TOKENS" --blocks-per-slot="$KV_K" --hit-rate=1 --verify --overwrite \
+                "$BENCH" --device "emu:$FILE" --workload=kv --prompt-tokens="$KV_TOKENS" --blocks-per-slot="$KV_K" --hit-rate=1 --verify $KV_OVERWRITE \
                     --output-format=json >"$out.$pass" 2>"$WORK/stderr" \
                     || { say "tutti-bench kv failed: $(cat "$WORK/stderr")"; echo '{}' >"$out.$pass"; } ;;
         esac
