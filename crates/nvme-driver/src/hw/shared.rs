@@ -3,9 +3,11 @@
 //!
 //! The fd is untrusted when it comes from another process: it may be a pipe, a file the sender
 //! can shrink under our mapping (a later access past the new end raises SIGBUS, which no error
-//! path can catch), or smaller than claimed. So [`SharedMemory::from_fd`] maps only a memfd
-//! (one that answers `F_GET_SEALS`) that is sealed against shrinking and at least as large as
-//! claimed; `F_SEAL_SHRINK` cannot be removed once set, so the check holds for the mapping's life.
+//! path can catch), a hugetlbfs memfd (a page the sender punches out is faulted in again from a
+//! huge-page pool it can drain: SIGBUS again), or smaller than claimed. So
+//! [`SharedMemory::from_fd`] maps only a memfd (one that answers `F_GET_SEALS`) on shmem that is
+//! sealed against shrinking and at least as large as claimed; `F_SEAL_SHRINK` cannot be removed
+//! once set, so the check holds for the mapping's life.
 //!
 //! # Who unmaps
 //!
@@ -43,6 +45,13 @@ pub enum SharedMemoryError {
     NotSealed { seals: libc::c_int },
     #[error("the memfd holds {actual} bytes, fewer than the {claimed} claimed")]
     TooSmall { claimed: usize, actual: u64 },
+    #[error(
+        "the memfd is on a filesystem of type {f_type:#x}, not shmem (0x1021994): only a plain memfd is mapped (a \
+         hugetlbfs one, MFD_HUGETLB, can fault when its huge-page pool runs dry, which would kill this process)"
+    )]
+    NotShmem { f_type: u64 },
+    #[error("fstatfs of the shared memory fd failed: {source}")]
+    StatFs { source: std::io::Error },
     #[error("fstat of the shared memory fd failed: {source}")]
     Stat { source: std::io::Error },
     #[error("mmap of {len} bytes of shared memory failed: {source}")]
@@ -98,7 +107,8 @@ impl SharedMemory {
     }
 
     /// Maps `len` bytes of a memfd received from another process, after checking it: a memfd
-    /// (`F_GET_SEALS` succeeds), sealed against shrinking, and at least `len` bytes long.
+    /// (`F_GET_SEALS` succeeds), sealed against shrinking, on shmem (not a hugetlbfs memfd:
+    /// [`check_filesystem`]), and at least `len` bytes long.
     pub fn from_fd(fd: OwnedFd, len: usize) -> Result<Arc<Self>, SharedMemoryError> {
         check_length(len)?;
         // SAFETY: fcntl(F_GET_SEALS) reads no memory; on an fd that does not support sealing
@@ -120,6 +130,13 @@ impl SharedMemory {
         if stat.st_mode & libc::S_IFMT != libc::S_IFREG {
             return Err(SharedMemoryError::NotMemfd { source: std::io::Error::other("not a regular file") });
         }
+        let mut statfs = std::mem::MaybeUninit::<libc::statfs>::zeroed();
+        // SAFETY: `statfs` is a valid, writable buffer of the right type for fstatfs to fill.
+        if unsafe { libc::fstatfs(fd.as_raw_fd(), statfs.as_mut_ptr()) } != 0 {
+            return Err(SharedMemoryError::StatFs { source: std::io::Error::last_os_error() });
+        }
+        // SAFETY: fstatfs returned 0, so it initialised the buffer.
+        check_filesystem(filesystem_type(&unsafe { statfs.assume_init() }))?;
         let actual = u64::try_from(stat.st_size).unwrap_or(0);
         if actual < len as u64 {
             return Err(SharedMemoryError::TooSmall { claimed: len, actual });
@@ -190,9 +207,44 @@ impl Drop for SharedMemory {
     fn drop(&mut self) {
         // SAFETY: ptr/len describe exactly the mapping made in `map`; every DmaRegion and
         // SharedRegisters over it holds an Arc to this value, so none can access it any more.
-        unsafe {
-            libc::munmap(self.ptr.as_ptr().cast(), self.len);
+        let result = unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+        if result != 0 {
+            // Only a mapping that is not what `map` made can fail here (from_fd maps only shmem,
+            // unmapped at any page size); said, not hidden: it stays mapped for good.
+            let error = std::io::Error::last_os_error();
+            tracing::error!(len = self.len, %error, "munmap of shared memory failed: the mapping is leaked");
         }
+    }
+}
+
+/// `statfs.f_type` of shmem (`TMPFS_MAGIC`, linux/magic.h): where every memfd made without
+/// `MFD_HUGETLB` lives, whatever its name.
+const TMPFS_MAGIC: u64 = 0x0102_1994;
+/// `statfs.f_type` of hugetlbfs (`HUGETLBFS_MAGIC`): `memfd_create(MFD_HUGETLB)` files.
+#[cfg(test)]
+const HUGETLBFS_MAGIC: u64 = 0x9584_58f6;
+
+/// A filesystem type as [`check_filesystem`] takes it (`f_type`'s C type differs per target;
+/// a value that does not fit is no known magic, so it is refused).
+fn filesystem_type(statfs: &libc::statfs) -> u64 {
+    u64::try_from(statfs.f_type).unwrap_or(u64::MAX)
+}
+
+/// Whether a received fd's filesystem is one whose mapping this process may access without a
+/// fault no error path can catch: shmem only (a plain memfd). Refused first of all: hugetlbfs
+/// (an `MFD_HUGETLB` memfd), which passes every other check (it answers `F_GET_SEALS` and takes
+/// `F_SEAL_SHRINK`), but a page the sender punches out (`fallocate(PUNCH_HOLE)`: no seal but
+/// `F_SEAL_WRITE` stops it) is faulted in again from the huge-page pool, which the sender can
+/// drain, and then our access raises SIGBUS; its mappings are also rounded up to the huge
+/// page, so an unmap of the length asked for would fail. Not checked: `st_blksize`, which
+/// shmem reports as the huge page size where transparent huge pages are on for shmem
+/// (`shmem_enabled` always/within_size/force), for memfds that are safe: such a page falls
+/// back to small pages when none is free and is split by a partial unmap.
+fn check_filesystem(f_type: u64) -> Result<(), SharedMemoryError> {
+    if f_type == TMPFS_MAGIC {
+        Ok(())
+    } else {
+        Err(SharedMemoryError::NotShmem { f_type })
     }
 }
 
@@ -331,5 +383,56 @@ mod tests {
         // SAFETY: ftruncate on an fd this test holds; it must fail.
         assert_ne!(unsafe { libc::ftruncate(small.fd().as_raw_fd(), 0) }, 0);
         assert!(matches!(SharedMemory::create("odd", 100), Err(SharedMemoryError::InvalidLength { len: 100 })));
+    }
+
+    #[test]
+    fn only_shmem_is_mapped() {
+        // Goal: the filesystem check takes a plain memfd's filesystem (shmem, TMPFS_MAGIC) and
+        // refuses every other, hugetlbfs (an MFD_HUGETLB memfd) first of all, whatever its
+        // seals: a huge-page pool that runs dry faults SIGBUS on a later access, and its
+        // mappings round up to the huge page.
+        assert!(check_filesystem(TMPFS_MAGIC).is_ok());
+        for other in [HUGETLBFS_MAGIC, 0xEF53 /* ext4 */, 0x5846_5342 /* xfs */, 0] {
+            assert!(matches!(check_filesystem(other), Err(SharedMemoryError::NotShmem { f_type }) if f_type == other), "{other:#x}");
+        }
+        // And what a real memfd's filesystem answers here.
+        let memory = SharedMemory::create("statfs", 4096).unwrap();
+        let mut statfs = std::mem::MaybeUninit::<libc::statfs>::zeroed();
+        // SAFETY: `statfs` is a valid, writable buffer of the right type for fstatfs to fill.
+        assert_eq!(unsafe { libc::fstatfs(memory.fd().as_raw_fd(), statfs.as_mut_ptr()) }, 0);
+        // SAFETY: fstatfs returned 0, so it initialised the buffer.
+        let statfs = unsafe { statfs.assume_init() };
+        assert_eq!(filesystem_type(&statfs), TMPFS_MAGIC);
+    }
+
+    #[test]
+    fn a_hugetlb_memfd_is_refused() {
+        // Goal: a sealed MFD_HUGETLB memfd (a peer could punch a hole in it and exhaust the
+        // huge-page pool, so that our next access to the mapping raises SIGBUS) is refused
+        // before anything is mapped, as NotShmem. No huge page needs to be configured: the
+        // refusal comes before mmap (which would reserve one). Skipped where the kernel makes
+        // no such memfd.
+        let name = CString::new("hugetlb").unwrap();
+        // SAFETY: a valid name and flags; the fd is checked and owned right after.
+        let raw = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING | libc::MFD_HUGETLB) };
+        if raw < 0 {
+            println!("skipped: memfd_create(MFD_HUGETLB) failed here ({})", std::io::Error::last_os_error());
+            return;
+        }
+        // SAFETY: a fresh fd owned by this test from here on.
+        let huge = unsafe { OwnedFd::from_raw_fd(raw) };
+        // One 2 MiB huge page long (the common size; ftruncate reserves nothing).
+        // SAFETY: ftruncate on an fd we own.
+        if unsafe { libc::ftruncate(huge.as_raw_fd(), 2 << 20) } != 0 {
+            println!("skipped: ftruncate of a hugetlb memfd failed here ({})", std::io::Error::last_os_error());
+            return;
+        }
+        // SAFETY: fcntl(F_ADD_SEALS) on an fd we own, with a valid seal set.
+        if unsafe { libc::fcntl(huge.as_raw_fd(), libc::F_ADD_SEALS, CREATED_SEALS) } != 0 {
+            println!("skipped: sealing a hugetlb memfd failed here ({})", std::io::Error::last_os_error());
+            return;
+        }
+        let refused = SharedMemory::from_fd(huge, 4096);
+        assert!(matches!(refused, Err(SharedMemoryError::NotShmem { f_type: HUGETLBFS_MAGIC })), "{refused:?}");
     }
 }
