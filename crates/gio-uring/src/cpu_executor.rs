@@ -379,25 +379,34 @@ impl CpuExecutor {
 /// First the SQ head moves past any entries still on it: a CPU executor takes a batch off the
 /// SQ inside `submit`, so an entry left there belongs to a submit that failed before it took
 /// it, and names an IOCB that is ISSUED (ended here) or already ended.
+///
+/// A CQE that cannot be posted yet (the CQ producer lock held past its bound) does not fail the
+/// reset: its IOCB has ended, the CQE is kept and the next poll posts it (reporting the error
+/// again while it still cannot). Callers read an error of a reset as "a queue pair cannot be
+/// deleted: reset the controller", which a busy CQ is not; it is logged here instead.
 pub(crate) fn finish_issued_as_timeout(memory: &QueueMemory) -> Result<usize, GioError> {
     let dropped = Ring::<IocbId>::new(&memory.region, memory.layout.sq, "sq").consumer()?.count();
     if dropped > 0 {
         tracing::warn!(dropped, "gio-uring CPU executor reset: SQ entries no submit took were dropped");
     }
     let mut reclaimed = 0;
+    let mut kept = 0;
     let mut first_error = None;
     for id in (0..memory.layout.config.depth).map(IocbId) {
-        // A CQE that could not be posted is kept for the next poll: the IOCB is ended either
-        // way, and the IOCBs after it still are.
+        // The IOCB is ended either way, and the IOCBs after it still are.
         match finish_as_timeout(memory, id) {
             Ok(ended) => reclaimed += usize::from(ended),
             Err(error) => {
                 reclaimed += 1;
+                kept += 1;
                 first_error.get_or_insert(error);
             }
         }
     }
-    first_error.map_or(Ok(reclaimed), Err)
+    if let Some(error) = first_error {
+        tracing::warn!(kept, %error, "gio-uring CPU executor reset: TIMEOUT CQEs kept for the next poll to post");
+    }
+    Ok(reclaimed)
 }
 
 /// Teardown, once every queue pair is deleted: ends each IOCB still ISSUED as TIMEOUT with its
@@ -640,7 +649,7 @@ mod tests {
         queue: crate::queue::GioQueue<E>,
         id: IocbId,
         _buffer: nvme_driver::hw::DmaRegion,
-        _controller: nvme_driver::Controller,
+        controller: nvme_driver::Controller,
         device: Arc<nvme_emu::EmuDevice>,
     }
 
@@ -678,7 +687,7 @@ mod tests {
         };
         let spec = IocbSpec { layer_count: 2, lba_stride_blocks: 1, mem_stride_bytes: 512, ..IocbSpec::single(Opcode::Read, 0) };
         queue.fill_iocb(id, &spec, &[ioctx]).expect("fill");
-        EmuRig { queue, id, _buffer: buffer, _controller: controller, device }
+        EmuRig { queue, id, _buffer: buffer, controller, device }
     }
 
     fn io_commands(device: &nvme_emu::EmuDevice) -> u64 {
@@ -688,7 +697,7 @@ mod tests {
     #[test]
     fn a_cqe_whose_post_failed_is_posted_by_the_next_poll() {
         // Goal: a completion whose CQE cannot be posted (the CQ producer lock held past the
-        // attempt bound: a preempted holder) is reported once, and not lost: the CQE is kept and
+        // attempt bound: a preempted holder) is reported, and not lost: the CQE is kept and
         // the next poll posts it, so wait_cqe returns the IOCB's completion once the lock is
         // free. (The IOCB had already left ISSUED: no reset could end it, put_iocb refuses it.)
         let mut rig = emu_rig(|pair| CpuExecutor::new(vec![pair], 4));
@@ -704,6 +713,29 @@ mod tests {
         let completion = rig.queue.wait_cqe(rig.id, Instant::now() + std::time::Duration::from_secs(5)).expect("posted by the next poll");
         assert_eq!(completion.result, Ok(()));
         assert_eq!(io_commands(&rig.device), 1, "one command, one completion");
+    }
+
+    #[test]
+    fn a_reset_whose_timeout_cqe_could_not_be_posted_yet_succeeds() {
+        // Goal: a reset that deleted the old queue pair and ended the IOCB in flight succeeded,
+        // even when that IOCB's TIMEOUT CQE could not be posted at once (the CQ producer lock
+        // held past its attempt bound): the CQE is kept and the next poll posts it. An error
+        // here reads to callers as "a queue pair cannot be deleted: reset the controller".
+        use nvme_emu::{FaultAction, FaultPlan, FaultRule};
+        let mut rig = emu_rig(|pair| CpuExecutor::new(vec![pair], 4));
+        rig.device.set_faults(FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion)));
+        rig.queue.issue_io(&[rig.id], crate::types::LayerIndex(0), crate::types::SmBudget(1)).expect("issue");
+        let lost = rig.queue.wait_cqe(rig.id, Instant::now() + std::time::Duration::from_millis(200));
+        assert!(matches!(lost, Err(GioError::WaitTimeout { .. })), "{lost:?}");
+        let fresh = rig.controller.create_io_queue_pair(16).expect("fresh I/O queue pair");
+        let lock = rig.queue.memory().layout.cq.header_offset_bytes + core::mem::offset_of!(abi::gio_ring_header, producer_lock);
+        rig.queue.memory().region.store_u32(lock, 1, std::sync::atomic::Ordering::Release);
+        let (executor, memory) = rig.queue.executor_and_memory();
+        let reset = executor.reset(memory, vec![fresh]);
+        rig.queue.memory().region.store_u32(lock, 0, std::sync::atomic::Ordering::Release);
+        assert_eq!(reset.expect("the reset succeeded"), 1, "the IOCB in flight was ended");
+        let ended = rig.queue.wait_cqe(rig.id, Instant::now() + std::time::Duration::from_secs(5)).expect("posted by the next poll");
+        assert_eq!(ended.result, Err(crate::IocbFailure::Timeout { ioctx_index: None }));
     }
 
     #[test]

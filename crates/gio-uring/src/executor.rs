@@ -110,8 +110,9 @@ pub const LENT_COMMAND_TAG: u64 = u64::MAX;
 /// controllers (so none of their commands moves data afterwards), installs `fresh` (one per
 /// served device, in the order of `served_queue_depths`), then ends every IOCB still in flight
 /// as TIMEOUT with one CQE, and returns how many. If a deletion fails nothing is reclaimed and
-/// the error says that controller needs a reset. (The GPU executor resets its queue pairs
-/// itself after a kernel timeout.)
+/// the error says that controller needs a reset. A TIMEOUT CQE that cannot be posted at once is
+/// no failure of the reset: it is kept and the next poll posts it. (The GPU executor resets its
+/// queue pairs itself after a kernel timeout.)
 pub trait QueuePairReset: Executor {
     /// `(device index, NVMe queue depth)` of every device served.
     fn served_queue_depths(&self) -> Vec<(usize, u32)>;
@@ -247,7 +248,8 @@ impl KeptCqes {
 
 /// [`post_cqe`] for the CPU executors: a CQE that cannot be posted is kept in
 /// `memory.kept_cqes` and posted by the next poll's [`repost_kept_cqes`]. The error is still
-/// returned (reported once, by the call that saw it).
+/// returned to the caller, and each later poll returns it again for as long as the CQE still
+/// cannot be posted (a CQ nobody can post to is not a one-off), so a waiter sees it until then.
 pub(crate) fn post_cqe_or_keep(memory: &QueueMemory, cqe: Cqe) -> Result<(), GioError> {
     post_cqe(memory, cqe).inspect_err(|_| memory.kept_cqes.keep(cqe))
 }
