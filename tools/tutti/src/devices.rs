@@ -14,7 +14,7 @@ use clap::Args;
 use nvme_driver::hw::vfio::{describe_blockers, PciAddress, VFIO_PCI_DRIVER};
 use tutti_cli::outln;
 
-use crate::system::System;
+use crate::system::{BlockDeviceUse, System};
 
 /// How long the kernel gets to bind or release a function after a probe request (short in unit
 /// tests, where one test waits it out on purpose).
@@ -60,6 +60,10 @@ pub enum Readiness {
     Bindable,
     /// Bindable, but the blocking reason must be resolved first (or `--force`d when in use).
     Blocked(String),
+    /// Bindable as far as could be seen, but whether its disks are in use could not be checked
+    /// (as a user other than root, an exclusive open is not permitted); `tutti bind` refuses it
+    /// unless `--force`.
+    Unchecked(String),
     /// VFIO cannot take it in this configuration.
     Impossible(String),
 }
@@ -70,6 +74,7 @@ impl std::fmt::Display for Readiness {
             Readiness::Ready => write!(f, "yes"),
             Readiness::Bindable => write!(f, "after `tutti bind`"),
             Readiness::Blocked(reason) => write!(f, "blocked: {reason}"),
+            Readiness::Unchecked(reason) => write!(f, "unknown: {reason}"),
             Readiness::Impossible(reason) => write!(f, "no: {reason}"),
         }
     }
@@ -129,7 +134,11 @@ fn readiness(
     if driver == Some(VFIO_PCI_DRIVER) {
         return Ok(Readiness::Ready);
     }
+    // A disk whose exclusive open failed other than with EBUSY (not root, the usual case here)
+    // is a use to `tutti bind`, which then needs --force; here it is no use seen but a check
+    // not made, and said so.
     let (uses, _claims) = system.uses_of(block_devices)?;
+    let (unchecked, uses): (Vec<_>, Vec<_>) = uses.into_iter().partition(|(_, how)| matches!(how, BlockDeviceUse::Unchecked { .. }));
     if !uses.is_empty() {
         let list: Vec<String> = uses.iter().map(|(device, how)| format!("{device} {how}")).collect();
         return Ok(Readiness::Blocked(format!("in use: {}", list.join(", "))));
@@ -137,7 +146,38 @@ fn readiness(
     if !system.driver_loaded(VFIO_PCI_DRIVER) {
         return Ok(Readiness::Blocked("vfio-pci is not loaded (`modprobe vfio-pci`)".into()));
     }
+    if !unchecked.is_empty() {
+        return Ok(Readiness::Unchecked(describe_unchecked(&unchecked)));
+    }
     Ok(Readiness::Bindable)
+}
+
+/// Why the disks whose exclusive open failed (other than with EBUSY) leave their use unknown:
+/// the ones this user may not open need root to be checked; any other failure (no node in a
+/// container's /dev) is named, with the --force that `tutti bind` would need.
+fn describe_unchecked(unchecked: &[(String, BlockDeviceUse)]) -> String {
+    let mut denied: Vec<&str> = Vec::new();
+    let mut failed: Vec<String> = Vec::new();
+    for (device, how) in unchecked {
+        match how {
+            BlockDeviceUse::Unchecked { kind: std::io::ErrorKind::PermissionDenied, .. } => denied.push(device),
+            BlockDeviceUse::Unchecked { node, error, .. } => failed.push(format!("{device} ({}: {error})", node.display())),
+            _ => {}
+        }
+    }
+    denied.sort_unstable();
+    failed.sort_unstable();
+    let mut reasons = Vec::new();
+    if !denied.is_empty() {
+        reasons.push(format!(
+            "{} cannot be checked as this user (an exclusive open is not permitted): run as root to check",
+            denied.join(", ")
+        ));
+    }
+    if !failed.is_empty() {
+        reasons.push(format!("{} cannot be checked for use; `tutti bind` needs --force", failed.join(", ")));
+    }
+    reasons.join("; ")
 }
 
 /// A few vendors, for functions whose model the kernel has not read (not bound to nvme).

@@ -35,7 +35,8 @@ impl FakeHost {
     }
 
     /// The fake host; its block device nodes are files under `dev/` that answer an exclusive
-    /// open with EBUSY when they hold `EBUSY` ([`FakeHost::claim`]), open as that block device
+    /// open with EBUSY when they hold `EBUSY` ([`FakeHost::claim`]), with EACCES when they hold
+    /// `EACCES` ([`FakeHost::deny`]), open as that block device
     /// when they hold its `major:minor` ([`FakeHost::node`]), and as something else otherwise;
     /// a missing node is not found. No test opens the real /dev.
     fn system(&self) -> System {
@@ -65,6 +66,9 @@ impl FakeHost {
             let conflict = held.lock().unwrap().iter().any(|other| partition_of(&node, other) || partition_of(other, &node));
             if text == "EBUSY" || conflict {
                 return Err(std::io::Error::from_raw_os_error(libc::EBUSY));
+            }
+            if text == "EACCES" {
+                return Err(std::io::Error::from_raw_os_error(libc::EACCES));
             }
             held.lock().unwrap().push(node.clone());
             opens_log.lock().unwrap().push(format!("open {node} (driver {})", driver_now()));
@@ -108,6 +112,14 @@ impl FakeHost {
         let dev = self.proc.with_file_name("dev");
         std::fs::create_dir_all(&dev).unwrap();
         std::fs::write(dev.join(device), "EBUSY").unwrap();
+    }
+
+    /// Makes `/dev/<device>` refuse an exclusive open with EACCES, as the host's /dev does to a
+    /// user other than root (and the `disk` group).
+    fn deny(&self, device: &str) {
+        let dev = self.proc.with_file_name("dev");
+        std::fs::create_dir_all(&dev).unwrap();
+        std::fs::write(dev.join(device), "EACCES").unwrap();
     }
 
     /// A PCI function; with `namespaces`, an nvme controller `nvme<index>` with those namespaces
@@ -598,6 +610,32 @@ fn bind_refuses_a_disk_whose_node_cannot_be_opened_unless_forced() {
     let _kernel = host.kernel();
     let error = bind(&system, at("0000:00:04.0"), Overrides::default()).unwrap_err().to_string();
     assert!(error.contains("/dev/nvme0n1 cannot be checked") && error.contains("--force"), "{error}");
+    assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("nvme"), "nothing changed");
+    assert!(bind(&system, at("0000:00:04.0"), FORCE).is_ok());
+}
+
+#[test]
+fn devices_says_a_disk_it_may_not_open_exclusively_needs_root_to_check_and_bind_still_refuses() {
+    // Goal: run as a user other than root, every exclusive open fails with EACCES. `tutti
+    // devices` (no --force, no claim to make) must not call such a function blocked or in use:
+    // it says the check needs root. `tutti bind`, which would take the disks away, still
+    // refuses them unless --force, as any disk it cannot check.
+    let host = FakeHost::new();
+    host.add("0000:00:04.0", 0x010802, Some("nvme"), 3, 0, 1);
+    host.deny("nvme0n1");
+    host.deny("nvme0n1p1");
+    let system = host.system();
+    let readiness = inspect(&system, at("0000:00:04.0")).unwrap().readiness;
+    let shown = readiness.to_string();
+    assert!(!matches!(readiness, Readiness::Blocked(_)) && !shown.contains("in use"), "{shown}");
+    assert!(shown.contains("nvme0n1, nvme0n1p1 cannot be checked as this user") && shown.contains("run as root"), "{shown}");
+
+    let _kernel = host.kernel();
+    let error = bind(&system, at("0000:00:04.0"), Overrides::default()).unwrap_err().to_string();
+    assert!(
+        error.contains("/dev/nvme0n1 cannot be checked") && error.contains("Permission denied") && error.contains("--force"),
+        "{error}"
+    );
     assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("nvme"), "nothing changed");
     assert!(bind(&system, at("0000:00:04.0"), FORCE).is_ok());
 }

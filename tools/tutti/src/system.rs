@@ -235,9 +235,10 @@ impl System {
                     }
                 }
                 Err(error) if error.raw_os_error() == Some(libc::EBUSY) => uses.push((name.clone(), BlockDeviceUse::ExclusiveClaim)),
-                Err(error) => {
-                    uses.push((name.clone(), BlockDeviceUse::Unchecked { node: self.dev_root.join(name), error: error.to_string() }))
-                }
+                Err(error) => uses.push((
+                    name.clone(),
+                    BlockDeviceUse::Unchecked { node: self.dev_root.join(name), kind: error.kind(), error: error.to_string() },
+                )),
             }
         }
         Ok((uses, claims))
@@ -345,8 +346,9 @@ pub enum BlockDeviceUse {
     /// shows says nothing about the disk.
     OtherNode { node: String, sysfs: String },
     /// The exclusive open of `node` failed other than with EBUSY (no such node in this /dev,
-    /// not permitted): a claim only the kernel sees would go unseen.
-    Unchecked { node: PathBuf, error: String },
+    /// not permitted): a claim only the kernel sees would go unseen. `kind` tells a user who
+    /// may not open it (PermissionDenied: not root) from a missing node.
+    Unchecked { node: PathBuf, kind: std::io::ErrorKind, error: String },
 }
 
 impl std::fmt::Display for BlockDeviceUse {
@@ -362,7 +364,7 @@ impl std::fmt::Display for BlockDeviceUse {
             Self::OtherNode { node, sysfs } => {
                 write!(f, "is not the disk of that name: the node is device {node}, sysfs gives {sysfs}, so its use cannot be checked")
             }
-            Self::Unchecked { node, error } => write!(
+            Self::Unchecked { node, error, .. } => write!(
                 f,
                 "cannot be checked: {}: {error} (an exclusive open is what shows a claim /proc does not, such as a mount in \
                  another mount namespace)",
