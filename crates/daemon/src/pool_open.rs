@@ -1,7 +1,9 @@
 //! Opening the daemon's devices and pool from device strings: lock every device (one daemon
 //! per pool), open them in one DMA space (`tutti_devices::open_in_one_space`), bring up each
 //! controller, format the pool if asked (refusing devices that hold something else unless told
-//! to overwrite them), then open it (recovery happens there).
+//! to overwrite them: `emu:` files and block devices read before anything is opened, `vfio:`
+//! SSDs through their controllers once up, before anything is written, as `tutti pool format`
+//! does), then open it (recovery happens there).
 //!
 //! Software controllers run inside the daemon with their register page in a memfd (so each
 //! client rings its own doorbells; with `emu_doorbell_relay`, without it: clients' doorbells then
@@ -37,9 +39,10 @@ pub struct PoolOptions {
     pub emu_create_bytes: Option<u64>,
     /// Format a fresh pool before opening (`emu:mem:` needs it at every start).
     pub format: Option<FormatParams>,
-    /// With `format`: format `emu:` devices that hold something other than a tutti pool (a file
-    /// system, a partition table, stray bytes), which are refused otherwise
-    /// ([`tutti_devices::contents`]; a tutti pool is reformatted either way).
+    /// With `format`: format devices that hold something other than a tutti pool (a file
+    /// system, a partition table, stray bytes; a `vfio:` SSD or block device that does not start
+    /// with a tutti superblock), which are refused otherwise ([`tutti_devices::contents`]; a
+    /// tutti pool is reformatted either way).
     pub overwrite: bool,
     /// Where `vfio:` devices' lock files live.
     pub lock_dir: PathBuf,
@@ -84,11 +87,66 @@ pub fn open_pool(options: &PoolOptions) -> Result<OpenedPool, DaemonError> {
         emulators.push(device.emulator);
     }
     if let Some(params) = &options.format {
-        format_pool(&targets, params).map_err(|source| DaemonError::Pool { context: "formatting the pool".into(), source })?;
+        // What a vfio: SSD holds can only be read through its controller, now that it is up;
+        // emu: devices were read before anything was created or grown.
+        format_targets(&options.specs, &targets, params, options.overwrite, |spec| matches!(spec, DeviceSpec::Vfio(_)))?;
     }
     let (pool, report) = Pool::open(targets, None).map_err(|source| DaemonError::Pool {
         context: "opening the pool (a device that holds none: start with --format, or run `tutti pool format`)".into(),
         source,
     })?;
     Ok(OpenedPool { pool, devices, report, emulators, locks })
+}
+
+/// Formats a pool on `targets` (one per spec of `specs`, in order), first refusing, unless
+/// `overwrite`, any of the devices `read_through_controller` picks (the `vfio:` ones) whose
+/// namespace holds something other than a tutti pool: nothing is written then.
+fn format_targets(
+    specs: &[DeviceSpec],
+    targets: &[PoolTarget],
+    params: &FormatParams,
+    overwrite: bool,
+    read_through_controller: fn(&DeviceSpec) -> bool,
+) -> Result<(), DaemonError> {
+    if !overwrite {
+        let read = specs.iter().zip(targets).filter(|(spec, _)| read_through_controller(spec));
+        tutti_devices::refuse_foreign_namespaces(read).map_err(DaemonError::Devices)?;
+    }
+    format_pool(targets, params).map_err(|source| DaemonError::Pool { context: "formatting the pool".into(), source })?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use objstore::ModelGeometry;
+    use tutti_devices::DeviceError;
+
+    use super::*;
+
+    #[test]
+    fn a_namespace_holding_a_file_system_is_not_formatted_unless_overwrite() {
+        // Goal: open_pool's format step reads what a vfio: SSD holds through its controller and
+        // refuses a file system (an emu:-file-backed controller read the same way stands in for
+        // the SSD: no VFIO here), writing nothing; with overwrite it formats.
+        let directory = tempfile::tempdir().unwrap();
+        let path = directory.path().join("ssd.img");
+        let mut bytes = vec![0u8; 16 << 20];
+        bytes[1080..1082].copy_from_slice(&[0x53, 0xef]);
+        std::fs::write(&path, &bytes).unwrap();
+        let specs = [DeviceSpec::EmuFile(path.clone())];
+        let targets: Vec<PoolTarget> = tutti_devices::open_pool_devices(&specs, 4096, None)
+            .unwrap()
+            .into_iter()
+            .map(|device| PoolTarget { controller: device.controller, namespace: NamespaceId(1) })
+            .collect();
+        let geometry = ModelGeometry { layers: 2, kv_heads: 2, head_dim: 64, dtype_bytes: 2, block_tokens: 16 };
+        let params = FormatParams { geometry, blocks_per_slot: 1, slot_count_max: None, pool_uuid: None, payload_crc: false };
+        let error = format_targets(&specs, &targets, &params, false, |_| true).unwrap_err();
+        assert!(matches!(error, DaemonError::Devices(DeviceError::ForeignContents { .. })), "{error}");
+        assert!(error.to_string().contains("an ext2/3/4 file system"), "{error}");
+        assert!(std::fs::read(&path).unwrap() == bytes, "the refused format wrote to the device");
+        format_targets(&specs, &targets, &params, true, |_| true).expect("overwrite formats it");
+        drop(targets);
+        assert!(std::fs::read(&path).unwrap().starts_with(&objstore::format::MAGIC), "formatted");
+    }
 }

@@ -32,7 +32,7 @@ pub mod spec;
 pub mod timing;
 
 pub use claim::{BlockDeviceClaims, BlockDeviceOpener, HostBlockDevices};
-pub use contents::refuse_foreign_contents;
+pub use contents::{read_namespace_head, refuse_foreign_contents, refuse_foreign_namespaces};
 pub use duration::parse_duration;
 pub use lock::{DeviceLocks, DEFAULT_LOCK_DIR};
 pub use memory::{check_memory, check_memory_with, mem_available_bytes, memory_reserve_bytes, memory_shortfall, MemoryShortfall};
@@ -92,6 +92,8 @@ pub enum DeviceError {
          give --overwrite to format it anyway"
     )]
     ForeignContents { spec: String, found: String },
+    #[error("{spec}: {context}: {source}")]
+    NamespaceHead { spec: String, context: String, source: nvme_driver::NvmeError },
     #[error("{context}: {source}")]
     Io { context: String, source: std::io::Error },
     #[error("{listed}: {source} (needs the device bound to vfio-pci, e.g. `tutti bind BDF`, and access to /dev/vfio)")]

@@ -147,7 +147,7 @@ pub fn with_devices(
     // refuse a device holding something other than a tutti pool unless told to overwrite it.
     // A raw write is fio's and writes where it is told, like fio.
     if access == Access::Formats && !cli.overwrite {
-        match tutti_devices::refuse_foreign_contents(&devices, &claims) {
+        match tutti_devices::refuse_foreign_contents(&devices, &claims).and_then(|()| refuse_foreign_ssds(&devices)) {
             Ok(()) => {}
             Err(error @ tutti_devices::DeviceError::ForeignContents { .. }) => return usage(error.to_string()),
             Err(error) => return Err(error.into()),
@@ -162,6 +162,26 @@ pub fn with_devices(
         eprintln!("pool file: {} ({})", path.display(), if cli.keep { "kept" } else { "removed" });
     }
     result
+}
+
+/// Refuses ([`tutti_devices::DeviceError::ForeignContents`]) a `vfio:` SSD among `devices`
+/// whose namespace 1 (the kv workload's) holds something other than a tutti pool: only its
+/// controller can read it, so the `vfio:` devices are opened and brought up here, read
+/// (tutti-devices' `refuse_foreign_namespaces`, as `tutti pool format` and `tuttid --format`
+/// do) and closed again (each controller stopped) before the run opens them for itself. The
+/// locks taken before keep anyone else off them in between.
+fn refuse_foreign_ssds(devices: &[DeviceSpec]) -> Result<(), tutti_devices::DeviceError> {
+    let ssds: Vec<DeviceSpec> = devices.iter().filter(|spec| matches!(spec, DeviceSpec::Vfio(_))).cloned().collect();
+    if ssds.is_empty() {
+        return Ok(());
+    }
+    // The LBA size is the software controller's; a vfio: SSD reports its own.
+    let opened = tutti_devices::open_pool_devices(&ssds, 4096, None)?;
+    let targets: Vec<objstore::PoolTarget> = opened
+        .iter()
+        .map(|device| objstore::PoolTarget { controller: Arc::clone(&device.controller), namespace: nvme_driver::NamespaceId(1) })
+        .collect();
+    tutti_devices::refuse_foreign_namespaces(ssds.iter().zip(&targets))
 }
 
 /// Takes tuttid's lock ([`DeviceLocks`]) on every device of `devices` that has one: an `emu:`

@@ -25,7 +25,7 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use clap::Args;
 use nvme_driver::NamespaceId;
 use objstore::format::Superblock;
@@ -86,69 +86,17 @@ fn refuse_foreign_contents(args: &DeviceArgs, claims: &BlockDeviceClaims, overwr
 }
 
 /// Refuses (unusable input) every target whose namespace holds something other than a tutti
-/// pool, reading its first bytes through the controller, unless `overwrite`. For `vfio:`
-/// devices, which only a controller can read (tutti-devices' file check cannot): an SSD is a
-/// whole disk, so, as for an `emu:` block device, a blank start proves nothing.
+/// pool, reading its first bytes through the controller, unless `overwrite`: for `vfio:`
+/// devices, which only a controller can read (tutti-devices' `refuse_foreign_namespaces`, as
+/// tuttid's `--format` does). A read that fails is a device failure (status 1).
 fn refuse_foreign_namespaces<'a>(targets: impl IntoIterator<Item = (&'a DeviceSpec, &'a PoolTarget)>, overwrite: bool) -> Result<()> {
     if overwrite {
         return Ok(());
     }
-    for (spec, target) in targets {
-        let head = read_namespace_head(target).with_context(|| format!("{spec}: reading its first bytes to see what it holds"))?;
-        if let Some(found) = tutti_devices::contents::foreign_contents(&head, false) {
-            return Err(Unusable(DeviceError::ForeignContents { spec: spec.to_string(), found }.to_string()).into());
-        }
-    }
-    Ok(())
-}
-
-/// Bytes read from the start of a namespace to tell what it holds: tutti-devices reads as much
-/// of an `emu:` device (file systems keep their signatures within it; btrfs's is at 64 KiB).
-const HEAD_BYTES_MAX: u64 = 1 << 20;
-
-/// Longest the read of a namespace's head may take: a controller that does not answer is a
-/// device failure, not a wait without end.
-const HEAD_READ_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// The first min([`HEAD_BYTES_MAX`], namespace size) bytes of `target`'s namespace, read through
-/// its controller on a queue pair of its own (deleted afterwards), in commands of at most MDTS.
-fn read_namespace_head(target: &PoolTarget) -> Result<Vec<u8>> {
-    let namespace = target.controller.namespace(target.namespace)?;
-    let lba_bytes = u64::from(namespace.block_size_bytes);
-    // Whole LBAs: a namespace smaller than HEAD_BYTES_MAX is read to its end.
-    let bytes = HEAD_BYTES_MAX.min(namespace.size_blocks.saturating_mul(lba_bytes)) / lba_bytes * lba_bytes;
-    if bytes == 0 {
-        return Ok(Vec::new());
-    }
-    let region = target.controller.dma().allocate(bytes as usize)?;
-    let mut queue = target.controller.create_io_queue_pair(2.min(target.controller.max_queue_depth()))?;
-    let piece_max = (queue.max_transfer_bytes().min(bytes) / lba_bytes).max(1) * lba_bytes;
-    let mut read = Ok(());
-    let mut done = 0u64;
-    // Bounded: every pass reads at least one LBA, and each waits at most HEAD_READ_TIMEOUT.
-    while done < bytes && read.is_ok() {
-        let piece = (bytes - done).min(piece_max);
-        read = region.subregion(done as usize, piece as usize).map_err(anyhow::Error::from).and_then(|window| {
-            let segment = [nvme_driver::DataSegment::new(window.iova(), piece as u32)];
-            Ok(queue.read(target.namespace, nvme_driver::Lba(done / lba_bytes), &segment, HEAD_READ_TIMEOUT)?)
-        });
-        done += piece;
-    }
-    let in_flight = queue.in_flight();
-    if let Err(undeleted) = queue.delete() {
-        if in_flight > 0 {
-            // A command the controller may still complete could write into the buffer: it is
-            // kept for good rather than handed back to the allocator.
-            region.leak();
-            return Err(anyhow::Error::new(undeleted.source).context("deleting the queue pair of a timed-out read"));
-        }
-        // Nothing in flight: no command can reach the buffer; dropping the pair tries the
-        // deletion once more (else it leaks only its own rings), and the data read stands.
-    }
-    read?;
-    let mut head = vec![0u8; bytes as usize];
-    region.read(0, &mut head)?;
-    Ok(head)
+    tutti_devices::refuse_foreign_namespaces(targets).map_err(|error| match error {
+        error @ DeviceError::ForeignContents { .. } => Unusable(error.to_string()).into(),
+        error => anyhow::Error::new(error),
+    })
 }
 
 fn parse_pool_device(text: &str) -> Result<DeviceSpec, String> {
@@ -464,9 +412,9 @@ mod tests {
 
     #[test]
     fn a_namespace_holding_a_file_system_is_refused_unless_overwrite() {
-        // Goal: what a vfio: SSD holds is read through its controller before format (an
-        // emu:-file-backed target stands in for it here): an ext4 signature at byte 1080 is
-        // refused, status 2, naming it, nothing written; --overwrite lets it through.
+        // Goal: tutti pool format's wrapper of tutti-devices' check (tested there) makes what a
+        // vfio: SSD holds (an emu:-file-backed target stands in for it here) status 2, naming
+        // it; --overwrite lets it through.
         let directory = tempfile::tempdir().unwrap();
         let path = directory.path().join("ssd.img");
         let mut bytes = vec![0u8; 8 << 20];

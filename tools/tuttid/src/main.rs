@@ -51,9 +51,10 @@ struct Cli {
     /// options below say for which model.
     #[arg(long)]
     format: bool,
-    /// With --format: format an emu: device that holds something other than a tutti pool (a
-    /// file system, a partition table, a non-empty file of other bytes), refused without it,
-    /// saying what was found. A tutti pool is reformatted either way.
+    /// With --format: format a device that holds something other than a tutti pool (a file
+    /// system, a partition table, a non-empty file of other bytes; a vfio: SSD or emu: block
+    /// device that does not start with a tutti superblock), refused without it, saying what was
+    /// found. A tutti pool is reformatted either way.
     #[arg(long, requires = "format")]
     overwrite: bool,
     #[command(flatten)]
@@ -327,6 +328,8 @@ fn serve(cli: &Cli) -> Result<()> {
 /// a pool is unusable input (exit 2); a device that fails is a failure (exit 1).
 fn classify(error: DaemonError) -> anyhow::Error {
     match error {
+        // A vfio: SSD whose first bytes could not be read (to see what it holds) failed.
+        error @ DaemonError::Devices(tutti_devices::DeviceError::NamespaceHead { .. }) => error.into(),
         error @ (DaemonError::DeviceInUse { .. }
         | DaemonError::SocketInUse { .. }
         | DaemonError::Devices(_)
