@@ -35,7 +35,9 @@ pub struct PoolOptions {
     pub namespace: u32,
     /// LBA size of a software controller's namespace.
     pub emu_lba_bytes: u32,
-    /// Create (or grow) `emu:PATH` files to this size.
+    /// With `format`: create (or grow) `emu:PATH` files to this size. Without it, ignored: an
+    /// existing pool's size is fixed by its superblock, so no file is created or grown (a
+    /// missing one is refused as missing).
     pub emu_create_bytes: Option<u64>,
     /// Format a fresh pool before opening (`emu:mem:` needs it at every start).
     pub format: Option<FormatParams>,
@@ -67,12 +69,15 @@ pub struct OpenedPool {
 }
 
 pub fn open_pool(options: &PoolOptions) -> Result<OpenedPool, DaemonError> {
-    let locks = DeviceLocks::acquire(&options.specs, &options.lock_dir, options.emu_create_bytes.is_some())?;
+    // Only a format creates or grows a file: opening a file that holds no pool (a mistyped path)
+    // must leave it as it was.
+    let create_bytes = options.emu_create_bytes.filter(|_| options.format.is_some());
+    let locks = DeviceLocks::acquire(&options.specs, &options.lock_dir, create_bytes.is_some())?;
     // Before a file is grown or a controller writes anything: read through the claims just taken.
     if options.format.is_some() && !options.overwrite {
         tutti_devices::refuse_foreign_contents(&options.specs, locks.claims()).map_err(DaemonError::Devices)?;
     }
-    let mut emu = pool_emu_options(options.emu_lba_bytes, options.emu_create_bytes);
+    let mut emu = pool_emu_options(options.emu_lba_bytes, create_bytes);
     emu.config =
         emu.config.with_shared_registers(!options.emu_doorbell_relay).with_io_queue_pairs_max(options.client_queue_pairs.saturating_add(2));
     let opened = open_in_one_space(&options.specs, &emu)?;

@@ -76,7 +76,9 @@ struct Cli {
     /// through the daemon's relay, as on vfio: devices (a test of that path without VFIO).
     #[arg(long)]
     emu_doorbell_relay: bool,
-    /// Create (or grow) emu: files to this size (e.g. 256m).
+    /// With --format: create (or grow) emu: files to this size (e.g. 256m). Ignored without
+    /// it: an existing pool's size is fixed by its superblock, so no file is created or grown
+    /// (a missing one is refused).
     #[arg(long, value_parser = parse_size)]
     emu_create_bytes: Option<u64>,
     /// A session that sends nothing for this long is ended and its holdings released.

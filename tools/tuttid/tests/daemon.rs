@@ -340,6 +340,35 @@ fn format_refuses_a_device_holding_something_else_unless_told_to_overwrite() {
     recovered.client().status().unwrap();
 }
 
+#[test]
+fn emu_create_bytes_without_format_neither_grows_nor_creates_a_file() {
+    // Goal: without --format, --emu-create-bytes changes no file: a mistyped path to a 1 MiB
+    // file of other bytes is refused (exit 2: no pool there) and left at 1 MiB, not grown by
+    // 63 MiB of zeroes first; a missing file is refused as missing, not created.
+    let directory = tempfile::tempdir().unwrap();
+    let image = directory.path().join("archive.zip");
+    let foreign: Vec<u8> = (0..1u32 << 20).map(|index| (index % 251) as u8 | 1).collect();
+    std::fs::write(&image, &foreign).unwrap();
+    let socket = directory.path().join("tuttid.sock");
+    let daemon = |device: &str| {
+        let mut command = Command::new(TUTTID);
+        command.args(["--device", device, "--emu-create-bytes", "64m", "--metrics", "off", "--socket"]).arg(&socket);
+        command.arg("--lock-dir").arg(directory.path().join("locks"));
+        output_bounded(&mut command)
+    };
+    let output = daemon(&format!("emu:{}", image.display()));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert_eq!(std::fs::metadata(&image).unwrap().len(), 1 << 20, "the file was grown: {stderr}");
+    assert!(std::fs::read(&image).unwrap() == foreign, "the file was changed: {stderr}");
+    let missing = directory.path().join("missing.img");
+    let output = daemon(&format!("emu:{}", missing.display()));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("no such file"), "{stderr}");
+    assert!(!missing.exists(), "a missing file was created without --format: {stderr}");
+}
+
 /// Runs as a client process when `TUTTID_TEST_CHILD` is set (`lookup SOCKET RANK COUNT`,
 /// `io SOCKET RANK` or `attach SOCKET`); as an ordinary test it does nothing. The parent tests
 /// check its exit status and output.
