@@ -199,14 +199,16 @@ pub fn run(args: &IoArgs) -> Result<()> {
         )));
     }
     // Taken before the device is opened and held until the probe (and with it the controller)
-    // is dropped, as `tutti pool` does: a block device that is mounted or claimed, or a device a
-    // live tuttid (or `tutti pool`) holds, is refused before anything is written.
+    // is dropped: a block device that is mounted or claimed, or a device a live tuttid (or
+    // `tutti pool`) holds, is refused before anything is written. The lock comes first, as
+    // tuttid and tutti-bench take it: tuttid also claims an emu: block device it serves, and
+    // only the lock's refusal names the holder (the claim's says "in use", not by whom).
     let specs: Vec<DeviceSpec> = spec.iter().cloned().collect();
-    let claims = BlockDeviceClaims::acquire(&specs, &HostBlockDevices).map_err(|error| unusable(error.to_string()))?;
     // A missing emu: file is created empty here so that it is locked before the controller
     // grows it (a tuttid starting beside this run cannot take it meanwhile).
     let emu_file_is_new = matches!(&spec, Some(DeviceSpec::EmuFile(path)) if !path.exists());
     let locks = DeviceLocks::acquire(&specs, &args.lock_dir, emu_file_is_new).map_err(|error| unusable(error.to_string()))?;
+    let claims = BlockDeviceClaims::acquire(&specs, &HostBlockDevices).map_err(|error| unusable(error.to_string()))?;
     let needs = Requirements { span_bytes: shape.span_bytes(), command_bytes: u64::from(ioctx_bytes), queue_pairs };
     let backend = Backend::open(spec.as_ref(), needs, emu_file_is_new)?;
     let mut probe = CpuProbe::new(backend, shape)?;
@@ -258,8 +260,8 @@ pub fn run(args: &IoArgs) -> Result<()> {
     );
     // The controller stops before the claim and the lock are let go.
     drop(probe);
-    drop(locks);
     drop(claims);
+    drop(locks);
 
     let Some(out) = &args.out else {
         eprintln!("io: no --out given; nothing written");
