@@ -12,14 +12,17 @@
 //! pool device is a software controller ([`VFIO_REFUSAL`] otherwise); the range lies in the
 //! allocation as the daemon itself sees it once imported (the driver's size, the memfd's size),
 //! not as the client claims; no two registrations overlap, in this session ([`ErrorCode::BadRequest`])
-//! or another ([`ErrorCode::NotYours`]: memory someone else registered). What it cannot check: a
+//! or another ([`ErrorCode::NotYours`]: memory someone else registered), windows included: a
+//! window's memfd is claimed as bytes `0..window_bytes` of that memfd ([`DeviceMemoryService::claim_window`],
+//! keyed as a memfd stand-in is), so one memfd is never one session's window (its rings, its
+//! mapping table) and another's device memory, or two sessions' windows. What it cannot check: a
 //! CUDA IPC handle is a bearer capability, and the driver does not say which process exported
 //! it, so a client holding another process's handle bytes can register that memory if nobody
 //! registered it first. The socket's owner-only mode and peer-credential check are the boundary
 //! (every client of one daemon is trusted as much as the daemon, as for the IOMMU).
 
 use std::fs::File;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -60,12 +63,23 @@ impl DeviceMemoryImport {
 pub(crate) use crate::report::Refusal;
 
 /// Identifies an allocation across registrations: two registrations of one allocation carry the
-/// same key (the memfd's device and inode; the GPU and the imported allocation's base, which the
-/// driver returns again for a handle this context opened already).
+/// same key, whichever request made them (a window or device memory).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct AllocationKey {
-    pub space: u64,
-    pub id: u64,
+pub enum AllocationKey {
+    /// A memfd (a window, or the device-memory stand-in): its device and inode, the same for
+    /// every descriptor of it in any process (and not reused while the daemon maps it).
+    File { device: u64, inode: u64 },
+    /// GPU memory: the GPU and the imported allocation's base, which the driver returns again
+    /// for a handle this context opened already.
+    Gpu { ordinal: u64, base: u64 },
+}
+
+impl AllocationKey {
+    /// The key of the file behind `fd` (`fstat`).
+    pub fn of_file(fd: std::os::fd::BorrowedFd<'_>) -> std::io::Result<AllocationKey> {
+        let metadata = File::from(fd.try_clone_to_owned()?).metadata()?;
+        Ok(AllocationKey::File { device: metadata.dev(), inode: metadata.ino() })
+    }
 }
 
 /// One imported registration, before it is mapped.
@@ -86,10 +100,13 @@ struct ClaimEntry {
     end: u64,
     session: u64,
     registration: u64,
+    /// What the registration is, for the refusal's message.
+    what: &'static str,
 }
 
 /// A registration's hold on its range of an allocation; released when dropped (with the
-/// registration, after its session's queue pairs were deleted).
+/// registration, after its session's queue pairs were deleted; never, for a registration kept
+/// for good).
 pub struct Claim {
     claims: Arc<Mutex<Vec<ClaimEntry>>>,
     registration: u64,
@@ -106,7 +123,7 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 /// The daemon's device-memory import: which kind it takes, the GPUs it opened, and every
-/// registered range (for the overlap check).
+/// registered range, windows' included (for the overlap check).
 pub struct DeviceMemoryService {
     import: DeviceMemoryImport,
     claims: Arc<Mutex<Vec<ClaimEntry>>>,
@@ -161,23 +178,43 @@ impl DeviceMemoryService {
     }
 
     /// Enters `imported`'s range for `registration` of `session`, unless it overlaps a range
-    /// registered before.
+    /// registered before (device memory or a window).
     pub fn claim(&self, imported: &Imported, session: u64, registration: u64) -> Result<Claim, Refusal> {
+        self.claim_range(ClaimEntry {
+            key: imported.key,
+            start: imported.start,
+            end: imported.end,
+            session,
+            registration,
+            what: "device memory",
+        })
+    }
+
+    /// Enters a window's memfd, bytes `0..window.len()` (what the daemon maps), for
+    /// `registration` of `session`, unless they overlap a range registered before (device
+    /// memory or a window). Keyed as a memfd registered as device memory is, so either finds
+    /// the other.
+    pub fn claim_window(&self, window: &SharedMemory, session: u64, registration: u64) -> Result<Claim, Refusal> {
+        let key = AllocationKey::of_file(window.fd().as_fd())
+            .map_err(|error| (ErrorCode::StoreFailed, format!("fstat of the window's memfd in the daemon: {error}")))?;
+        self.claim_range(ClaimEntry { key, start: 0, end: window.len() as u64, session, registration, what: "a window" })
+    }
+
+    fn claim_range(&self, entry: ClaimEntry) -> Result<Claim, Refusal> {
         let mut claims = lock(&self.claims);
-        if let Some(other) =
-            claims.iter().find(|entry| entry.key == imported.key && entry.start < imported.end && imported.start < entry.end)
-        {
+        if let Some(other) = claims.iter().find(|other| other.key == entry.key && other.start < entry.end && entry.start < other.end) {
             let what = format!(
-                "bytes {}..{} of this allocation overlap bytes {}..{} of registration {}",
-                imported.start, imported.end, other.start, other.end, other.registration
+                "bytes {}..{} of this allocation overlap bytes {}..{} of registration {} ({})",
+                entry.start, entry.end, other.start, other.end, other.registration, other.what
             );
-            return Err(if other.session == session {
+            return Err(if other.session == entry.session {
                 (ErrorCode::BadRequest, format!("{what} of this session"))
             } else {
                 (ErrorCode::NotYours, format!("{what}, another session's: memory another client registered"))
             });
         }
-        claims.push(ClaimEntry { key: imported.key, start: imported.start, end: imported.end, session, registration });
+        let registration = entry.registration;
+        claims.push(entry);
         Ok(Claim { claims: Arc::clone(&self.claims), registration })
     }
 
@@ -188,11 +225,9 @@ impl DeviceMemoryService {
         let bad = |message: String| (ErrorCode::BadRequest, message);
         let allocation_bytes =
             usize::try_from(request.allocation_bytes).map_err(|_| bad(format!("an allocation of {} bytes", request.allocation_bytes)))?;
-        let file = File::from(fds.remove(0));
-        let metadata = file.metadata().map_err(|error| bad(format!("the memfd's metadata: {error}")))?;
-        let key = AllocationKey { space: metadata.dev(), id: metadata.ino() };
-        let memory = SharedMemory::from_fd(OwnedFd::from(file), allocation_bytes)
-            .map_err(|error| bad(format!("the device memory descriptor: {error}")))?;
+        let fd = fds.remove(0);
+        let key = AllocationKey::of_file(fd.as_fd()).map_err(|error| bad(format!("the memfd's metadata: {error}")))?;
+        let memory = SharedMemory::from_fd(fd, allocation_bytes).map_err(|error| bad(format!("the device memory descriptor: {error}")))?;
         // The memfd's real size bounds the range: `from_fd` checked it holds the claimed size.
         let (start, end) = range_in(request, request.allocation_bytes)?;
         let window = self
@@ -247,7 +282,7 @@ impl DeviceMemoryService {
             None => None,
             Some(fd) => Some(check_dma_buf(fd, end - start)?),
         };
-        let key = AllocationKey { space: gpu.ordinal() as u64, id: imported.imported_base() };
+        let key = AllocationKey::Gpu { ordinal: gpu.ordinal() as u64, base: imported.imported_base() };
         Ok(Imported { memory: Arc::new(imported), key, start, end, dma_buf })
     }
 }

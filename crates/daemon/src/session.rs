@@ -14,8 +14,10 @@
 //! Ending a session ([`Holdings::release`]) goes in the one safe order: stop relaying its
 //! doorbells, delete its queue pairs (only once the controller confirmed the deletion may anything they could write be reused),
 //! then release its reservations (uncommitted stores never become visible: the commit rule),
-//! then unmap its windows. A queue pair whose deletion fails is kept for good, and with it
-//! the session's windows and reservations (leaked, counted, logged).
+//! then unmap its windows and give back their claims (a window's memfd is claimed like device
+//! memory, `crate::gpu_memory`: nobody else's window or device memory while it is registered).
+//! A queue pair whose deletion fails is kept for good, and with it the session's windows, their
+//! claims and its reservations (leaked, counted, logged).
 
 use std::ops::Range;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -28,6 +30,7 @@ use nvme_driver::{DataPointerMode, DetachedQueuePair, NamespaceId};
 use nvme_emu::{EmuDevice, QueueRestriction};
 use objstore::{MismatchedBlock, NoLender, ObjstoreError, Placement, PoolShape, RequestHandle, StoreControl, Transferred};
 
+use crate::gpu_memory::{Claim, DeviceMemoryService};
 use crate::keys::KeySpace;
 use crate::metrics::Metrics;
 use crate::protocol::{
@@ -80,7 +83,8 @@ pub struct LeakCounters {
 }
 
 /// One registered window: the daemon's mapping of the client's memfd (every region over it,
-/// the queue rings included, holds the mapping) and the queue pairs in it.
+/// the queue rings included, holds the mapping), the queue pairs in it, and its claim on the
+/// memfd (given back with the registration, after its queue pairs were deleted).
 struct Registration {
     id: u64,
     window: DmaRegion,
@@ -88,6 +92,7 @@ struct Registration {
     queues: Vec<DetachedQueuePair>,
     /// The relay's tickets for those of `queues` whose doorbells it forwards.
     relayed: Vec<RelayTicket>,
+    _claim: Claim,
 }
 
 /// Everything a session holds beyond its record.
@@ -178,8 +183,10 @@ impl Holdings {
             .ok_or_else(|| (ErrorCode::NotYours, format!("request handle {handle:#x} is not one this session holds")))
     }
 
-    /// `RegisterMemory`: checks the memfd (sealed, as long as claimed), maps it into the pool
-    /// devices' one DMA space.
+    /// `RegisterMemory`: checks the memfd (sealed, as long as claimed), claims it (`service`'s
+    /// overlap check: no other registration of this session's or another's holds it, as a
+    /// window or as device memory), maps it into the pool devices' one DMA space.
+    #[allow(clippy::too_many_arguments)] // the session's context, as for `register_device_memory`
     pub fn register(
         &mut self,
         request: RegisterMemory,
@@ -188,6 +195,8 @@ impl Holdings {
         limits: &SessionLimits,
         block_bytes: u64,
         next_id: &AtomicU64,
+        service: &DeviceMemoryService,
+        session: u64,
     ) -> Reply {
         if fds.len() != 1 {
             return Reply::error(ErrorCode::BadRequest, format!("RegisterMemory takes one descriptor (a sealed memfd), got {}", fds.len()));
@@ -234,6 +243,12 @@ impl Holdings {
             }
             dma
         };
+        // Claimed before it is mapped: a refused window pins nothing.
+        let id = next_id.fetch_add(1, Ordering::Relaxed);
+        let claim = match service.claim_window(&memory, session, id) {
+            Ok(claim) => claim,
+            Err(refusal) => return refused(refusal),
+        };
         // Mapped outside the pool lock: on VFIO this pins and maps the whole window (up to
         // `window_bytes_max`, seconds for tens of GiB), which must not stall every other
         // session's lookups and commits. Nothing here needs the lock: the allocator places the
@@ -243,9 +258,15 @@ impl Holdings {
             Ok(window) => window,
             Err(error) => return Reply::error(ErrorCode::StoreFailed, format!("mapping the window for the devices: {error}")),
         };
-        let id = next_id.fetch_add(1, Ordering::Relaxed);
         let reply = Registered { registration: id, iova_base: window.iova().0, address_space: dma.address_space().0 };
-        self.registrations.push(Registration { id, window, kv_blocks: request.kv_blocks, queues: Vec::new(), relayed: Vec::new() });
+        self.registrations.push(Registration {
+            id,
+            window,
+            kv_blocks: request.kv_blocks,
+            queues: Vec::new(),
+            relayed: Vec::new(),
+            _claim: claim,
+        });
         Reply::Registered(reply)
     }
 
@@ -699,8 +720,9 @@ impl Holdings {
                 }
             }
         }
-        // 4. Windows: unmapped when their last region (the rings were the other holders) goes;
-        //    device memory: unmapped, closed (cuIpcCloseMemHandle) and its claim given back.
+        // 4. Windows: unmapped when their last region (the rings were the other holders) goes,
+        //    and their claims given back; device memory: unmapped, closed (cuIpcCloseMemHandle)
+        //    and its claim given back.
         self.registrations.clear();
         self.device_memory.clear();
         0

@@ -15,7 +15,7 @@ use gio_uring::SmBudget;
 use nvme_driver::hw::{DmaAllocator, DmaPool, DmaRegion, SharedMemory};
 use objstore::{KvRequest, LayerKvStore};
 use tutti_daemon::client::{DeviceKvMemory, RemoteConfig, RemoteKvStore};
-use tutti_daemon::protocol::{DeviceMemoryKind, Prepare, Reply, Request, StatusReply};
+use tutti_daemon::protocol::{DeviceMemoryKind, Prepare, RegisterMemory, Reply, Request, StatusReply};
 use tutti_daemon::{DaemonError, ErrorCode};
 
 mod common;
@@ -278,6 +278,57 @@ fn bad_device_memory_registrations_get_typed_errors_and_the_daemon_serves_on() {
     assert_eq!(retrieve_prompt(&mut store, &engine, 3), 0, "wrong bytes retrieved");
     drop(store);
     assert_idle(&status_when(&daemon, "the store's session gone", |status| status.clients.is_empty()));
+}
+
+#[test]
+fn a_window_memfd_is_nobody_elses_device_memory_or_window() {
+    // Goal: windows take part in the overlap check with device memory, keyed alike (the memfd's
+    // device and inode), so one memfd is never two registrations at once: client a's window M
+    // registered by client b as device memory is NotYours (it used to be Registered, and b's
+    // retrieves would have written a's rings and mapping table), by client c as its own window
+    // NotYours too, by a itself as device memory BadRequest (its own registration); a device
+    // memfd D of b's is nobody's window either. A session's end gives its memfd back.
+    let directory = tempfile::tempdir().unwrap();
+    let daemon = device_daemon(directory.path());
+    let window_bytes = 1u64 << 20;
+    let window = SharedMemory::create("window", window_bytes as usize).unwrap();
+    let as_window = Request::RegisterMemory(RegisterMemory { window_bytes, kv_blocks: 0 });
+    let as_device = |memory: &Arc<SharedMemory>| {
+        Request::RegisterDeviceMemory(DeviceKvMemory::memfd(memory, 0, memory.len() as u64).unwrap().request(1))
+    };
+    let registered = |client: &mut tutti_daemon::Client, request: &Request, memory: &Arc<SharedMemory>| match client
+        .call_with_fds(request, &[memory.fd()])
+    {
+        Ok((Reply::Registered(_), _)) => {}
+        other => panic!("{:?} was not registered: {other:?}", request.kind()),
+    };
+
+    let mut a = raw_client(&daemon, "a");
+    registered(&mut a, &as_window, &window);
+    let mut b = raw_client(&daemon, "b");
+    refused_with(refusal(&mut b, &as_device(&window), &[window.fd()]), ErrorCode::NotYours, "another client registered");
+    let mut c = raw_client(&daemon, "c");
+    refused_with(refusal(&mut c, &as_window, &[window.fd()]), ErrorCode::NotYours, "another client registered");
+    refused_with(refusal(&mut a, &as_device(&window), &[window.fd()]), ErrorCode::BadRequest, "of this session");
+    refused_with(refusal(&mut a, &as_window, &[window.fd()]), ErrorCode::BadRequest, "of this session");
+
+    // The other way round: b's device memory is not c's window.
+    let device = SharedMemory::create("device", window_bytes as usize).unwrap();
+    registered(&mut b, &as_device(&device), &device);
+    refused_with(refusal(&mut c, &as_window, &[device.fd()]), ErrorCode::NotYours, "another client registered");
+    let held = daemon.client().status().unwrap();
+    let registrations = |name: &str| held.clients.iter().find(|client| client.name == name).unwrap().registrations;
+    assert_eq!((registrations("a"), registrations("b"), registrations("c")), (1, 1, 0));
+
+    // a's session ends: its window is free for b's device memory, b's for c's window.
+    drop(a);
+    status_when(&daemon, "a's session gone", |status| !status.clients.iter().any(|client| client.name == "a"));
+    registered(&mut b, &as_device(&window), &window);
+    drop(b);
+    status_when(&daemon, "b's session gone", |status| !status.clients.iter().any(|client| client.name == "b"));
+    registered(&mut c, &as_window, &device);
+    drop(c);
+    assert_idle(&status_when(&daemon, "every session gone", |status| status.clients.is_empty()));
 }
 
 #[test]

@@ -362,7 +362,17 @@ impl Connection {
         let not_attached = || Reply::error(ErrorCode::NotAttached, "send Hello (model fingerprint, TP rank and world size) first");
         let reply = match (request, space) {
             (Request::RegisterMemory(register), Some(_)) => {
-                self.holdings.register(register, fds, &shared.store, limits, shared.block_bytes, &shared.next_registration)
+                let session = self.session.unwrap_or(0);
+                self.holdings.register(
+                    register,
+                    fds,
+                    &shared.store,
+                    limits,
+                    shared.block_bytes,
+                    &shared.next_registration,
+                    &shared.device_memory,
+                    session,
+                )
             }
             (Request::AttachQueues(attach), Some(_)) => {
                 let (reply, reply_fds) = self.holdings.attach(attach, &shared.store, limits);

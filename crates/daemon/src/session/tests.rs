@@ -35,6 +35,11 @@ fn store_on(config: EmuConfig, backend: impl FnOnce(Arc<EmuDevice>) -> Arc<dyn D
     Mutex::new(StoreState { control, emulators: vec![Some(device)], relay })
 }
 
+/// A device-memory service of its own (its claim table: a test's windows never meet another's).
+fn service() -> DeviceMemoryService {
+    DeviceMemoryService::new(crate::gpu_memory::DeviceMemoryImport::Memfd).unwrap()
+}
+
 /// Registration ids, unique across the tests (as the server's are across sessions).
 static NEXT_REGISTRATION: AtomicU64 = AtomicU64::new(1);
 
@@ -42,7 +47,7 @@ fn registered(holdings: &mut Holdings, store: &Mutex<StoreState>) -> u64 {
     let memory = SharedMemory::create("session-test", 1 << 20).unwrap();
     let mut fds = vec![memory.fd().try_clone_to_owned().unwrap()];
     let register = RegisterMemory { window_bytes: 1 << 20, kv_blocks: 4 };
-    match holdings.register(register, &mut fds, store, &SessionLimits::default(), 16 << 10, &NEXT_REGISTRATION) {
+    match holdings.register(register, &mut fds, store, &SessionLimits::default(), 16 << 10, &NEXT_REGISTRATION, &service(), 1) {
         Reply::Registered(registered) => registered.registration,
         other => panic!("{other:?}"),
     }
@@ -193,7 +198,7 @@ fn a_memfd_stand_in_counts_against_the_sessions_window_bytes() {
     let window = SharedMemory::create("window", 1 << 20).unwrap();
     let mut fds = vec![window.fd().try_clone_to_owned().unwrap()];
     let request = RegisterMemory { window_bytes: 1 << 20, kv_blocks: 4 };
-    let reply = holdings.register(request, &mut fds, &emulated, &limits, 16 << 10, &next_id);
+    let reply = holdings.register(request, &mut fds, &emulated, &limits, 16 << 10, &next_id, &service, 1);
     assert!(matches!(reply, Reply::Error { code: ErrorCode::LimitReached, .. }), "{reply:?}");
     assert_eq!(holdings.release(&emulated, &LeakCounters::default()), 0);
 }
@@ -229,6 +234,31 @@ fn a_session_attaches_one_queue_pair_per_device_and_leaves_the_others_theirs() {
     spare.delete().map_err(|undeleted| undeleted.source).unwrap();
     assert_eq!(first.release(&store, &LeakCounters::default()), 0);
     assert_eq!(second.release(&store, &LeakCounters::default()), 0);
+}
+
+#[test]
+fn a_windows_claim_is_given_back_with_it_and_kept_with_a_leaked_one() {
+    // Goal: a window's memfd is claimed while the window is registered (another session's
+    // registration of it is NotYours), given back when its session ends in order, and kept for
+    // good when the session is kept for good (`leak`: its queues may still write the window).
+    let service = service();
+    let store = store(true);
+    let window = SharedMemory::create("claimed-window", 1 << 20).unwrap();
+    let register = |holdings: &mut Holdings, session: u64| {
+        let mut fds = vec![window.fd().try_clone_to_owned().unwrap()];
+        let request = RegisterMemory { window_bytes: 1 << 20, kv_blocks: 4 };
+        holdings.register(request, &mut fds, &store, &SessionLimits::default(), 16 << 10, &NEXT_REGISTRATION, &service, session)
+    };
+    let not_yours = |reply: Reply| assert!(matches!(reply, Reply::Error { code: ErrorCode::NotYours, .. }), "{reply:?}");
+    let mut first = Holdings::default();
+    assert!(matches!(register(&mut first, 1), Reply::Registered(_)));
+    let mut second = Holdings::default();
+    not_yours(register(&mut second, 2));
+    assert_eq!(first.release(&store, &LeakCounters::default()), 0);
+    assert!(matches!(register(&mut second, 2), Reply::Registered(_)), "the released window's memfd is free again");
+    assert_eq!(second.leak(&store, &LeakCounters::default()), 0);
+    let mut third = Holdings::default();
+    not_yours(register(&mut third, 3));
 }
 
 /// A DMA allocator whose `map_shared` signals that it began, then takes `delay` (what
