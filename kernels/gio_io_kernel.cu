@@ -41,6 +41,18 @@
 #include "gio_kernel_rules.h"
 #include "nvme_spec.h"
 
+// The ABI version this image was compiled with. The host reads it back with cuModuleGetGlobal when
+// it loads the module and refuses any other (crates/gio-uring/src/gpu/mod.rs, ABI_VERSION_SYMBOL),
+// as it refuses image file names of another version (tools/cuda-build.sh names them from
+// GIO_ABI_VERSION): an old kernel must never run against new crates. Not const: an unreferenced
+// const variable is dropped from the image (nvcc warning 177); this one is kept, a 4-byte object
+// symbol of the cubin (local in whole-program mode, .global in the PTX) for cuModuleGetGlobal to
+// find by name (as the runtime finds such variables; not yet run on a GPU). tools/cuda-build.sh
+// checks that every image carries it.
+extern "C" {
+__device__ uint32_t gio_abi_version = GIO_ABI_VERSION;
+}
+
 namespace {
 
 constexpr uint32_t kWarpLanes = 32;

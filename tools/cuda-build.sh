@@ -5,6 +5,8 @@
 # need no GPU (no driver -> typed errors; tuttid-gpu-check's processes with the memfd stand-in).
 #
 # usage: tools/cuda-build.sh [OUT_DIR]        (default: target/kernels)
+#        tools/cuda-build.sh --image-stem     print what the kernel images' names start with
+#                                             (gio_io_kernel.vN, N the ABI version) and exit
 #   GIO_SKIP_CARGO=1   skip the cargo builds, lints and tests
 #   GIO_NVCC=PATH      use this nvcc (an installed toolkit) instead of installing the pinned wheels
 #
@@ -16,6 +18,20 @@
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+
+# The kernel images' names carry the ABI version they are built from (gio_io_kernel.v3.sm_90.cubin,
+# gio_io_kernel.v3.compute_80.ptx): gio-uring looks only for its own version
+# (gpu::KernelImage::locate) and names an older image it finds instead, so a kernel directory left
+# from an older build is refused rather than run. The one place the scripts derive the version:
+# GIO_ABI_VERSION in kernels/gio_abi.h (tools/gpu/*.sh ask --image-stem).
+ABI_VERSION="$(sed -n 's/^#define GIO_ABI_VERSION \([0-9][0-9]*\)u$/\1/p' "$ROOT/kernels/gio_abi.h")"
+[[ "$ABI_VERSION" =~ ^[0-9]+$ ]] || { echo "cuda-build: no '#define GIO_ABI_VERSION <n>u' line in kernels/gio_abi.h" >&2; exit 1; }
+IMAGE_STEM="gio_io_kernel.v$ABI_VERSION"
+if [[ "${1:-}" == "--image-stem" ]]; then
+  echo "$IMAGE_STEM"
+  exit 0
+fi
+
 OUT="${1:-$ROOT/target/kernels}"
 CUDA_WHEEL_VERSION="13.2.86"
 WHEELS_DIR="$ROOT/.tools/cuda-wheels-$CUDA_WHEEL_VERSION"
@@ -71,13 +87,25 @@ rm -f "$OUT/kernels-ok.txt"
 NVCC_FLAGS=(-std=c++17 -O3 -lineinfo -Werror all-warnings -Xcompiler -Wall,-Wextra,-Werror
             -I "$KERNELS" -I "$CUDA_HOME/include")
 
+# Images of other ABI versions (or from before names carried one) are removed: a directory holds
+# one version's kernels.
+rm -f "$OUT"/gio_io_kernel.*.cubin "$OUT"/gio_io_kernel.*.ptx
 for arch in 80 90; do
   "$NVCC" "${NVCC_FLAGS[@]}" -cubin -arch="sm_$arch" \
-    -o "$OUT/gio_io_kernel.sm_$arch.cubin" "$KERNELS/gio_io_kernel.cu"
+    -o "$OUT/$IMAGE_STEM.sm_$arch.cubin" "$KERNELS/gio_io_kernel.cu"
 done
 # PTX for the lowest architecture we support: the driver JIT-compiles it for newer GPUs.
-"$NVCC" "${NVCC_FLAGS[@]}" -ptx -arch=compute_80 -o "$OUT/gio_io_kernel.compute_80.ptx" \
+"$NVCC" "${NVCC_FLAGS[@]}" -ptx -arch=compute_80 -o "$OUT/$IMAGE_STEM.compute_80.ptx" \
   "$KERNELS/gio_io_kernel.cu"
+# Each image carries its version for the host to check at load time (gio_abi_version, read with
+# cuModuleGetGlobal). Whole-program mode emits it without .visible (a local symbol of the cubin).
+grep -Eq "^(\.visible )?\.global \.align 4 \.u32 gio_abi_version = $ABI_VERSION;\$" "$OUT/$IMAGE_STEM.compute_80.ptx" || {
+  echo "cuda-build: $IMAGE_STEM.compute_80.ptx lacks the global gio_abi_version = $ABI_VERSION" >&2
+  exit 1
+}
+for arch in 80 90; do
+  grep -qa gio_abi_version "$OUT/$IMAGE_STEM.sm_$arch.cubin" || { echo "cuda-build: $IMAGE_STEM.sm_$arch.cubin has no gio_abi_version symbol" >&2; exit 1; }
+done
 
 # The ABI header must be valid C11 (gcc), C++ (g++) and CUDA C++ (nvcc), and its static asserts
 # hold in all three.
@@ -100,7 +128,7 @@ g++ -std=c++17 -Wall -Wextra -Werror -pedantic -x c++ -I "$KERNELS" -o "$OUT/rul
 "$NVCC" "${NVCC_FLAGS[@]}" -x cu -arch=sm_80 -c -o "$OUT/rules_check_cu.o" \
   "$KERNELS/tests/rules_check.c"
 
-ls -l "$OUT"/*.cubin "$OUT"/*.ptx
+ls -l "$OUT/$IMAGE_STEM".*
 "$NVCC" --version | tail -n 1 >"$OUT/kernels-ok.txt"
 echo "cuda-build: kernels OK -> $OUT"
 

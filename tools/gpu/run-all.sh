@@ -333,7 +333,7 @@ step_bandwidth() {
   # The kernels run-gpu-tests.sh built here, if that build completed (tools/cuda-build.sh writes
   # kernels-ok.txt last), else the carried ones.
   local kernels="$ROOT/target/kernels"
-  [[ -f "$kernels/kernels-ok.txt" && -f "$kernels/gio_io_kernel.sm_90.cubin" ]] || kernels="$CARRY/kernels"
+  [[ -f "$kernels/kernels-ok.txt" && -f "$kernels/$(bash tools/cuda-build.sh --image-stem).sm_90.cubin" ]] || kernels="$CARRY/kernels"
   section "gpu-layer-load (kernels from $kernels)"
   # The example stops by itself 30 s before the step's timeout (exit 3: the sizes done are kept).
   local layer_budget

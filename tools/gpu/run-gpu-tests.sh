@@ -91,7 +91,7 @@ if [[ -n "$NVCC_PATH" ]]; then
     bash tools/cuda-build.sh "$KERNEL_DIR" 2>&1 | live kernels.log
   if [[ ${PIPESTATUS[0]} -eq 0 ]]; then
     record "PASS kernels built here with $NVCC_PATH"
-  elif [[ -f "$CARRY/kernels/gio_io_kernel.sm_90.cubin" ]]; then
+  elif [[ -f "$CARRY/kernels/$(bash tools/cuda-build.sh --image-stem).sm_90.cubin" ]]; then
     KERNEL_DIR="$CARRY/kernels"
     record "NOTE kernels: building here with $NVCC_PATH failed (see kernels.log); the GPU test uses the carried kernels (target/gpu-carry/kernels, built by --prepare)"
   else

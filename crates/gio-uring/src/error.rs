@@ -126,6 +126,18 @@ pub enum GioError {
     Cuda { call: &'static str, result: String },
     #[error("cannot read kernel image {path}: {source}")]
     KernelImage { path: std::path::PathBuf, source: std::io::Error },
+    /// No kernel image of this ABI version in the kernel directory (image names carry it).
+    #[error(
+        "no I/O kernel image of ABI version {abi_version} in {dir}: looked for {looked_for}{}; tools/cuda-build.sh builds them",
+        other_kernel_versions(.other_versions)
+    )]
+    KernelImageMissing { dir: std::path::PathBuf, abi_version: u32, looked_for: String, other_versions: Vec<String> },
+    /// The loaded kernel image carries another ABI version than these crates (or none).
+    #[error(
+        "kernel image {path} {}, not {expected}: it reads the shared records differently; rebuild it with tools/cuda-build.sh",
+        kernel_abi_found(.found)
+    )]
+    KernelAbiMismatch { path: std::path::PathBuf, expected: u32, found: Option<u32> },
     #[error("{token:?} is not an event this executor created")]
     UnknownEvent { token: crate::types::EventToken },
     #[error("NVMe driver: {context}: {source}")]
@@ -155,4 +167,21 @@ pub enum IocbFailure {
     /// kernel checks it as nvme-driver does); the executor resets its queue pairs.
     #[error("a controller posted a completion for another submission queue (first failed IOCTX {ioctx_index:?})")]
     ControllerFault { ioctx_index: Option<u32> },
+}
+
+/// The tail of [`GioError::KernelImageMissing`]'s message: the images of other ABI versions found.
+fn other_kernel_versions(names: &[String]) -> String {
+    if names.is_empty() {
+        String::new()
+    } else {
+        format!("; found only {}, built for another ABI version (an old kernel directory)", names.join(", "))
+    }
+}
+
+/// What [`GioError::KernelAbiMismatch`]'s image says of its ABI version.
+fn kernel_abi_found(found: &Option<u32>) -> String {
+    match found {
+        Some(version) => format!("was built for ABI version {version}"),
+        None => "has no gio_abi_version (built before ABI version 3)".to_string(),
+    }
 }

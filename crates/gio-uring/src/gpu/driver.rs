@@ -94,6 +94,28 @@ pub fn unload_module(module: sys::CUmodule) -> Result<(), GioError> {
     check("cuModuleUnload", unsafe { sys::cuModuleUnload(module) })
 }
 
+/// The value of the module's 4-byte global `name` (a `__device__` variable), or `None` if the
+/// module has no global of that name. Synchronous: run at load time, before any launch.
+pub fn module_global_u32(module: sys::CUmodule, name: &CStr) -> Result<Option<u32>, GioError> {
+    let mut address: sys::CUdeviceptr = 0;
+    let mut bytes = 0usize;
+    // SAFETY: `address` and `bytes` are valid out-pointers, `name` a NUL-terminated string alive
+    // for the call, `module` a loaded module of the current context.
+    let found = unsafe { sys::cuModuleGetGlobal_v2(&mut address, &mut bytes, module, name.as_ptr()) };
+    if found == sys::CUresult::CUDA_ERROR_NOT_FOUND {
+        return Ok(None);
+    }
+    check("cuModuleGetGlobal", found)?;
+    if bytes != size_of::<u32>() {
+        return Err(GioError::Cuda { call: "cuModuleGetGlobal", result: format!("global {name:?} is {bytes} bytes, not 4") });
+    }
+    let mut value = 0u32;
+    // SAFETY: `value` is 4 writable bytes alive for the call; `address` is a 4-byte global of a
+    // module loaded in the current context (checked just above).
+    check("cuMemcpyDtoH", unsafe { sys::cuMemcpyDtoH_v2((&raw mut value).cast(), address, size_of::<u32>()) })?;
+    Ok(Some(value))
+}
+
 pub fn function(module: sys::CUmodule, name: &CStr) -> Result<sys::CUfunction, GioError> {
     let mut function: sys::CUfunction = std::ptr::null_mut();
     // SAFETY: `function` is a valid out-pointer, `name` a NUL-terminated string alive for the call,

@@ -33,6 +33,10 @@ use crate::types::SmBudget;
 /// The kernel's entry point in the cubin/PTX (`extern "C"` in kernels/gio_io_kernel.cu).
 pub const KERNEL_NAME: &CStr = c"gio_io_kernel";
 
+/// The kernel image's `u32` global holding the `GIO_ABI_VERSION` it was compiled with (`extern
+/// "C"` in kernels/gio_io_kernel.cu), read back and checked when the module is loaded.
+pub const ABI_VERSION_SYMBOL: &CStr = c"gio_abi_version";
+
 /// Where the SSD's DMA lands. Always chosen explicitly by the caller and reported; there is no
 /// default and no fallback from one to the other.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -103,8 +107,8 @@ pub struct GpuConfig {
     /// SMs for the I/O domain (green context). The driver may round up to its SM granularity.
     pub io_sm_budget: SmBudget,
     pub dma_mode: DmaMode,
-    /// Directory holding gio_io_kernel.sm_XY.cubin and gio_io_kernel.compute_80.ptx
-    /// (tools/cuda-build.sh writes them to target/kernels).
+    /// Directory holding gio_io_kernel.vN.sm_XY.cubin and gio_io_kernel.vN.compute_80.ptx, N the
+    /// ABI version (tools/cuda-build.sh writes them to target/kernels; see [`KernelImage`]).
     pub kernel_dir: PathBuf,
 }
 
@@ -129,6 +133,13 @@ pub struct GpuReport {
 }
 
 /// A kernel image on disk, chosen for a compute capability.
+///
+/// Image names carry the ABI version the kernel was built from (`gio_io_kernel.v3.sm_90.cubin`),
+/// and only this crate's version is looked for: a kernel directory left from a build of another
+/// version (whose kernel reads and writes the shared records differently) is refused by name, with
+/// an error that says so, rather than run. tools/cuda-build.sh names them from
+/// `GIO_ABI_VERSION` in kernels/gio_abi.h; here the name comes from [`KernelImage::stem`]. The
+/// loaded module's own stamp ([`ABI_VERSION_SYMBOL`]) is checked as well.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KernelImage {
     pub path: PathBuf,
@@ -136,17 +147,73 @@ pub struct KernelImage {
 }
 
 impl KernelImage {
+    /// What every image name of this ABI version starts with: `gio_io_kernel.v{ABI_VERSION}`.
+    pub fn stem() -> String {
+        format!("gio_io_kernel.v{}", crate::abi::ABI_VERSION)
+    }
+
+    /// The cubin's file name for compute capability `major.minor`.
+    pub fn cubin_file_name(major: i32, minor: i32) -> String {
+        format!("{}.sm_{major}{minor}.cubin", Self::stem())
+    }
+
+    /// The PTX's file name (compute_80, the lowest architecture supported).
+    pub fn ptx_file_name() -> String {
+        format!("{}.compute_80.ptx", Self::stem())
+    }
+
     /// The cubin built for exactly `major.minor` if there is one, else the PTX (JIT-compiled by the
-    /// driver for newer GPUs).
+    /// driver for newer GPUs); both of this ABI version. Neither there is
+    /// [`GioError::KernelImageMissing`], which names images of other versions found instead.
     pub fn locate(dir: &Path, major: i32, minor: i32) -> Result<Self, GioError> {
-        let cubin = dir.join(format!("gio_io_kernel.sm_{major}{minor}.cubin"));
-        let path = if cubin.is_file() { cubin } else { dir.join("gio_io_kernel.compute_80.ptx") };
+        let cubin = dir.join(Self::cubin_file_name(major, minor));
+        let ptx = dir.join(Self::ptx_file_name());
+        let path = if cubin.is_file() {
+            cubin
+        } else if ptx.is_file() {
+            ptx
+        } else {
+            return Err(GioError::KernelImageMissing {
+                dir: dir.to_path_buf(),
+                abi_version: crate::abi::ABI_VERSION,
+                looked_for: format!("{} or {}", Self::cubin_file_name(major, minor), Self::ptx_file_name()),
+                other_versions: Self::other_versions(dir),
+            });
+        };
         let mut bytes = std::fs::read(&path).map_err(|source| GioError::KernelImage { path: path.clone(), source })?;
         if path.extension().is_some_and(|ext| ext == "ptx") {
             bytes.push(0); // cuModuleLoadData reads PTX as a C string
         }
         Ok(Self { path, bytes })
     }
+
+    /// The names of the kernel images in `dir` that are not of this ABI version (named with
+    /// another, or without one: built before version 3), sorted; at most
+    /// [`OTHER_VERSIONS_NAMED_MAX`], for an error message. None if `dir` cannot be listed.
+    fn other_versions(dir: &Path) -> Vec<String> {
+        let own = format!("{}.", Self::stem());
+        let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
+        let mut names: Vec<String> = entries
+            .filter_map(|entry| entry.ok()?.file_name().into_string().ok())
+            .filter(|name| name.starts_with("gio_io_kernel.") && !name.starts_with(&own))
+            .filter(|name| name.ends_with(".cubin") || name.ends_with(".ptx"))
+            .take(OTHER_VERSIONS_NAMED_MAX)
+            .collect();
+        names.sort();
+        names
+    }
+}
+
+/// How many images of other ABI versions [`GioError::KernelImageMissing`] names at most.
+const OTHER_VERSIONS_NAMED_MAX: usize = 8;
+
+/// Refuses a loaded module whose [`ABI_VERSION_SYMBOL`] is not this crate's ABI version, or which
+/// has none (`found` is `None`: a kernel built before the stamp existed).
+fn check_abi_stamp(path: &Path, found: Option<u32>) -> Result<(), GioError> {
+    if found == Some(crate::abi::ABI_VERSION) {
+        return Ok(());
+    }
+    Err(GioError::KernelAbiMismatch { path: path.to_path_buf(), expected: crate::abi::ABI_VERSION, found })
 }
 
 /// A CUDA context, the loaded I/O kernel and the stream it launches on.
@@ -199,7 +266,10 @@ impl GpuRuntime {
         let image = KernelImage::locate(&config.kernel_dir, major, minor);
         let loaded = driver::set_current(context).and(image).and_then(|image| {
             let module = driver::load_module(&image.bytes)?;
-            match driver::function(module, KERNEL_NAME) {
+            let stamped = driver::module_global_u32(module, ABI_VERSION_SYMBOL)
+                .and_then(|found| check_abi_stamp(&image.path, found))
+                .and_then(|()| driver::function(module, KERNEL_NAME));
+            match stamped {
                 Ok(function) => Ok((image.path, module, function)),
                 Err(error) => {
                     let _ = driver::unload_module(module);
@@ -340,17 +410,71 @@ mod tests {
         }
     }
 
+    /// A fresh, empty directory under the system's temporary directory, unique to `name` and
+    /// this process.
+    fn scratch_dir(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("gio-kernels-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
     #[test]
     fn kernel_image_prefers_the_exact_cubin_and_falls_back_to_nul_terminated_ptx() {
-        let dir = std::env::temp_dir().join(format!("gio-kernels-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        std::fs::write(dir.join("gio_io_kernel.sm_90.cubin"), b"CUBIN").unwrap();
-        std::fs::write(dir.join("gio_io_kernel.compute_80.ptx"), b".version").unwrap();
+        let dir = scratch_dir("choice");
+        std::fs::write(dir.join("gio_io_kernel.v3.sm_90.cubin"), b"CUBIN").unwrap();
+        std::fs::write(dir.join("gio_io_kernel.v3.compute_80.ptx"), b".version").unwrap();
         let cubin = KernelImage::locate(&dir, 9, 0).unwrap();
         assert_eq!(cubin.bytes, b"CUBIN");
         let ptx = KernelImage::locate(&dir, 10, 0).unwrap();
         assert_eq!(ptx.bytes, b".version\0");
         std::fs::remove_dir_all(&dir).unwrap();
-        assert!(matches!(KernelImage::locate(&dir, 9, 0), Err(GioError::KernelImage { .. })));
+        assert!(locate_error(&dir, 9, 0).contains("no I/O kernel image"));
+    }
+
+    fn locate_error(dir: &Path, major: i32, minor: i32) -> String {
+        match KernelImage::locate(dir, major, minor) {
+            Ok(image) => panic!("{} was taken", image.path.display()),
+            Err(error) => error.to_string(),
+        }
+    }
+
+    #[test]
+    fn a_kernel_directory_of_another_abi_version_is_refused_by_name() {
+        // Goal: the crates and the kernel share the ABI of gio_abi.h (version 3), and the image
+        // names carry it: a directory left from an older build (images named without a version,
+        // before version 3, or with another one) is refused, and the error names what was looked
+        // for and what was found, instead of an old kernel running silently.
+        assert_eq!(crate::abi::ABI_VERSION, 3, "the names below follow the ABI version");
+        for old in ["gio_io_kernel.sm_90.cubin", "gio_io_kernel.compute_80.ptx", "gio_io_kernel.v2.sm_90.cubin"] {
+            let dir = scratch_dir("old");
+            std::fs::write(dir.join(old), b"OLD").unwrap();
+            let error = locate_error(&dir, 9, 0);
+            for expected in ["ABI version 3", "gio_io_kernel.v3.sm_90.cubin", "gio_io_kernel.v3.compute_80.ptx", old, "another ABI version"]
+            {
+                assert!(error.contains(expected), "{old}: {expected:?} not in: {error}");
+            }
+            std::fs::write(dir.join("gio_io_kernel.v3.compute_80.ptx"), b".version").unwrap();
+            let image = KernelImage::locate(&dir, 9, 0).expect("this version's image is taken");
+            assert_eq!(image.path, dir.join("gio_io_kernel.v3.compute_80.ptx"));
+            std::fs::remove_dir_all(&dir).unwrap();
+        }
+        // Nothing at all: the names looked for, and no mention of another version.
+        let dir = scratch_dir("none");
+        let error = locate_error(&dir, 8, 0);
+        assert!(error.contains("gio_io_kernel.v3.sm_80.cubin") && !error.contains("another ABI version"), "{error}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn an_abi_stamp_other_than_this_version_is_refused() {
+        // Goal: the version the loaded module carries (its gio_abi_version global) is checked
+        // too: another value, or none (a kernel built before the stamp), is an error naming both.
+        let path = Path::new("/k/gio_io_kernel.v3.sm_90.cubin");
+        assert!(check_abi_stamp(path, Some(crate::abi::ABI_VERSION)).is_ok());
+        let error = check_abi_stamp(path, Some(2)).unwrap_err().to_string();
+        assert!(error.contains("ABI version 2") && error.contains("not 3") && error.contains("/k/gio_io_kernel"), "{error}");
+        let error = check_abi_stamp(path, None).unwrap_err().to_string();
+        assert!(error.contains("no gio_abi_version"), "{error}");
     }
 }
