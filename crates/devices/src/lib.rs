@@ -13,6 +13,7 @@
 //!   formatting refuses to destroy anything but a pool unless told to overwrite it;
 //! - [`lock`]: one user per pool device: an exclusive `flock` on an `emu:` file or on a `vfio:`
 //!   function's lock file, naming the holder when refused (tuttid and `tutti pool` both take it);
+//!   one file or PCI function named twice is refused as such first, not as in use;
 //! - [`open`]: opening a list of specs in one DMA space (every `vfio:` function in one VFIO
 //!   container, every software controller in one DMA pool), as an object-store pool needs; one
 //!   file named by two `emu:` specs, however spelled, is refused.
@@ -74,6 +75,8 @@ pub enum DeviceError {
          give each file once"
     )]
     DuplicateFile { first: String, second: String },
+    #[error("{first} and {second} name the same PCI function: one controller cannot be two devices of a pool; give each device once")]
+    DuplicateFunction { first: String, second: String },
     #[error("the devices of one set share one DMA space: give only vfio: devices (one VFIO container) or only emu: ones")]
     MixedSpaces,
     #[error("{spec}: cannot start the software NVMe controller: {source}")]

@@ -13,6 +13,7 @@ use std::fs::{File, OpenOptions};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
+use crate::open::refuse_shared_files;
 use crate::spec::DeviceSpec;
 use crate::DeviceError;
 use nix::errno::Errno;
@@ -30,8 +31,12 @@ pub struct DeviceLocks {
 impl DeviceLocks {
     /// Locks every device of `specs` that can be shared. `create_files`: an `emu:PATH` that does
     /// not exist is created empty (the software controller sizes it), as `--emu-create-bytes`
-    /// allows; otherwise a missing file is left for the device opening to report.
+    /// allows; otherwise a missing file is left for the device opening to report. One file or
+    /// PCI function named twice is refused first ([`refuse_shared_files`]): each spec's lock is
+    /// an open file description of its own, so the second would be refused as in use, naming
+    /// this very process as the other holder.
     pub fn acquire(specs: &[DeviceSpec], lock_dir: &Path, create_files: bool) -> Result<DeviceLocks, DeviceError> {
+        refuse_shared_files(specs)?;
         let mut locks = DeviceLocks::default();
         for spec in specs {
             let path = match spec {
@@ -214,6 +219,27 @@ mod tests {
         }
         drop(first);
         DeviceLocks::acquire(&[spec], directory.path(), false).expect("free again once the holder let go");
+    }
+
+    #[test]
+    fn one_device_named_twice_is_refused_as_such_not_as_in_use() {
+        // Goal: a file and a hard link to it, or one PCI function spelled twice, used to be
+        // refused as held by another process (this one: the second flock is on an open file
+        // description of its own); they are refused as one device named twice, naming both,
+        // and nothing is left locked.
+        let directory = tempfile::tempdir().unwrap();
+        let image = directory.path().join("pool.img");
+        std::fs::write(&image, [0u8; 4096]).unwrap();
+        std::fs::hard_link(&image, directory.path().join("link.img")).unwrap();
+        let files = [DeviceSpec::EmuFile(image.clone()), DeviceSpec::EmuFile(directory.path().join("link.img"))];
+        let error = DeviceLocks::acquire(&files, directory.path(), false).unwrap_err();
+        assert!(matches!(error, DeviceError::DuplicateFile { .. }), "{error}");
+        let function = |text| DeviceSpec::parse(text, &crate::DeviceKind::ALL).unwrap();
+        let functions = [function("vfio:0000:00:04.0"), function("vfio:0000:00:04.0")];
+        let error = DeviceLocks::acquire(&functions, &directory.path().join("run"), false).unwrap_err();
+        assert!(matches!(error, DeviceError::DuplicateFunction { .. }), "{error}");
+        assert!(error.to_string().starts_with("vfio:0000:00:04.0 and vfio:0000:00:04.0 name the same PCI function"), "{error}");
+        DeviceLocks::acquire(&files[..1], directory.path(), false).expect("nothing was left locked");
     }
 
     #[test]

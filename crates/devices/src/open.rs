@@ -189,9 +189,23 @@ fn to_create(path: &Path) -> Option<FileIdentity> {
 
 /// Refuses two specs naming one file ([`DeviceError::DuplicateFile`], naming both): `emu:`
 /// files (two software controllers on one file) and `uring:` files (tutti-bench's kernel
-/// path), in any mix. [`open_in_one_space`] checks its own set; a tool that opens its devices
-/// one by one calls this first.
+/// path), in any mix; and two `vfio:` specs of one PCI function
+/// ([`DeviceError::DuplicateFunction`]; addresses compare parsed, so however spelled).
+/// [`open_in_one_space`] and [`crate::DeviceLocks::acquire`] check their own sets (the second
+/// lock on one file would otherwise be refused as held by another process); a tool that opens
+/// its devices one by one calls this first.
 pub fn refuse_shared_files(specs: &[DeviceSpec]) -> Result<(), DeviceError> {
+    let functions = specs.iter().filter_map(|spec| match spec {
+        DeviceSpec::Vfio(address) => Some((address, spec)),
+        _ => None,
+    });
+    let mut seen_functions: Vec<(&PciAddress, &DeviceSpec)> = Vec::with_capacity(specs.len());
+    for (address, spec) in functions {
+        if let Some((_, first)) = seen_functions.iter().find(|(earlier, _)| *earlier == address) {
+            return Err(DeviceError::DuplicateFunction { first: first.to_string(), second: spec.to_string() });
+        }
+        seen_functions.push((address, spec));
+    }
     let mut seen: Vec<(FileIdentity, &DeviceSpec)> = Vec::with_capacity(specs.len());
     for spec in specs {
         let (DeviceSpec::EmuFile(path) | DeviceSpec::Uring(path)) = spec else { continue };

@@ -369,6 +369,27 @@ fn emu_create_bytes_without_format_neither_grows_nor_creates_a_file() {
     assert!(!missing.exists(), "a missing file was created without --format: {stderr}");
 }
 
+#[test]
+fn one_file_given_twice_is_refused_as_such_not_as_held_by_another_daemon() {
+    // Goal: the same file as two devices (here through a hard link) exits 2 saying the two
+    // name the same file; it used to say the file was in use by another daemon, naming
+    // tuttid's own pid (its second lock on the file was refused by its first).
+    let directory = tempfile::tempdir().unwrap();
+    let image = directory.path().join("pool.img");
+    std::fs::write(&image, vec![0u8; 1 << 20]).unwrap();
+    let link = directory.path().join("link.img");
+    std::fs::hard_link(&image, &link).unwrap();
+    let (first, second) = (format!("emu:{}", image.display()), format!("emu:{}", link.display()));
+    let mut command = Command::new(TUTTID);
+    command.args(["--device", &first, "--device", &second, "--metrics", "off", "--socket"]).arg(directory.path().join("tuttid.sock"));
+    command.arg("--lock-dir").arg(directory.path().join("locks"));
+    let output = output_bounded(&mut command);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains(&format!("{first} and {second} name the same file")), "{stderr}");
+    assert!(!stderr.contains("another daemon"), "{stderr}");
+}
+
 /// Runs as a client process when `TUTTID_TEST_CHILD` is set (`lookup SOCKET RANK COUNT`,
 /// `io SOCKET RANK` or `attach SOCKET`); as an ordinary test it does nothing. The parent tests
 /// check its exit status and output.
