@@ -246,7 +246,7 @@ impl DeviceMemoryService {
 
     #[cfg(feature = "cuda")]
     fn import_cuda(&self, request: &RegisterDeviceMemory, fds: &mut Vec<OwnedFd>) -> Result<Imported, Refusal> {
-        use tutti_cuda_ipc::{CudaIpcError, Gpu, ImportedMemory};
+        use tutti_cuda_ipc::{Gpu, ImportedMemory};
         if fds.len() > 1 {
             return Err((
                 ErrorCode::BadRequest,
@@ -254,36 +254,63 @@ impl DeviceMemoryService {
             ));
         }
         let (start, end) = range_in(request, request.allocation_bytes)?;
-        let refuse = |context: &str, error: CudaIpcError| {
-            let code = match error {
-                CudaIpcError::NoDriver | CudaIpcError::DriverTooOld { .. } => ErrorCode::Unsupported,
-                CudaIpcError::Cuda { .. } | CudaIpcError::NoDeviceWithUuid { .. } | CudaIpcError::OutsideAllocation { .. } => {
-                    ErrorCode::BadRequest
-                }
-                CudaIpcError::NoSuchDevice { .. } | CudaIpcError::ZeroLength | CudaIpcError::NotIpcCapable => ErrorCode::BadRequest,
-            };
-            (code, format!("{context}: {error}"))
-        };
         let gpu = {
             let mut gpus = lock(&self.gpus);
             match gpus.iter().find(|gpu| gpu.uuid() == request.device_uuid) {
                 Some(gpu) => Arc::clone(gpu),
                 None => {
-                    let gpu = Gpu::open_by_uuid(&request.device_uuid).map_err(|error| refuse("the registration's GPU", error))?;
+                    let gpu = Gpu::open_by_uuid(&request.device_uuid).map_err(|error| cuda_refusal(REGISTRATION_GPU, error))?;
                     tracing::info!(ordinal = gpu.ordinal(), name = gpu.name(), "opened a GPU for CUDA IPC imports");
                     gpus.push(Arc::clone(&gpu));
                     gpu
                 }
             }
         };
-        let imported = ImportedMemory::open(&gpu, &request.handle, start, end - start)
-            .map_err(|error| refuse("the CUDA IPC handle (another process's allocation, still alive?)", error))?;
+        let imported =
+            ImportedMemory::open(&gpu, &request.handle, start, end - start).map_err(|error| cuda_refusal(CUDA_IPC_HANDLE, error))?;
         let dma_buf = match fds.pop() {
             None => None,
             Some(fd) => Some(check_dma_buf(fd, end - start)?),
         };
         let key = AllocationKey::Gpu { ordinal: gpu.ordinal() as u64, base: imported.imported_base() };
         Ok(Imported { memory: Arc::new(imported), key, start, end, dma_buf })
+    }
+}
+
+/// What a CUDA failure in `import_cuda` was doing: opening the GPU the client named.
+#[cfg(feature = "cuda")]
+const REGISTRATION_GPU: &str = "the registration's GPU";
+/// ... opening the client's handle in that GPU's context.
+#[cfg(feature = "cuda")]
+const CUDA_IPC_HANDLE: &str = "the CUDA IPC handle";
+
+/// What `cuIpcOpenMemHandle` answers for a handle that does not open (forged, stale: its
+/// allocation freed or its exporter gone; or one of this process's own), as `tutti_cuda_ipc`
+/// names a `CUresult` (its `Debug` name, cudarc's `cudaError_enum` variant).
+#[cfg(feature = "cuda")]
+const HANDLE_REFUSALS: [&str; 3] = ["CUDA_ERROR_INVALID_VALUE", "CUDA_ERROR_INVALID_HANDLE", "CUDA_ERROR_ALREADY_MAPPED"];
+
+/// The answer to a failed CUDA import, by whose fault it is: what the client sent
+/// ([`ErrorCode::BadRequest`]: a handle `cuIpcOpenMemHandle` refuses ([`HANDLE_REFUSALS`]), a
+/// range outside the allocation, a GPU this machine does not have) or the daemon's own CUDA
+/// context ([`ErrorCode::StoreFailed`]: retaining or making it current, a sticky error such as
+/// `CUDA_ERROR_ILLEGAL_ADDRESS`, out of memory while importing, any other call), or a kind the
+/// daemon cannot import ([`ErrorCode::Unsupported`]).
+#[cfg(feature = "cuda")]
+fn cuda_refusal(context: &str, error: tutti_cuda_ipc::CudaIpcError) -> Refusal {
+    use tutti_cuda_ipc::CudaIpcError;
+    match &error {
+        CudaIpcError::NoDriver | CudaIpcError::DriverTooOld { .. } => (ErrorCode::Unsupported, format!("{context}: {error}")),
+        CudaIpcError::Cuda { call: "cuIpcOpenMemHandle", result } if HANDLE_REFUSALS.contains(&result.as_str()) => {
+            (ErrorCode::BadRequest, format!("{context} does not open (another process's allocation, still alive?): {error}"))
+        }
+        CudaIpcError::Cuda { .. } | CudaIpcError::NoSuchDevice { .. } => {
+            (ErrorCode::StoreFailed, format!("{context}: the daemon's CUDA context failed, not the request: {error}"))
+        }
+        CudaIpcError::NoDeviceWithUuid { .. }
+        | CudaIpcError::OutsideAllocation { .. }
+        | CudaIpcError::ZeroLength
+        | CudaIpcError::NotIpcCapable => (ErrorCode::BadRequest, format!("{context}: {error}")),
     }
 }
 
@@ -361,5 +388,39 @@ mod tests {
         let refused = check_dma_buf(memory.fd().try_clone_to_owned().unwrap(), 1 << 20).expect_err("refused");
         assert_eq!(refused.0, ErrorCode::BadRequest);
         assert!(refused.1.contains("is not one"), "{}", refused.1);
+    }
+
+    #[test]
+    fn cuda_failures_in_the_daemon_are_not_the_clients_bad_request() {
+        // Goal: only what the client sent is its BadRequest: a handle cuIpcOpenMemHandle does not
+        // open (INVALID_VALUE, INVALID_HANDLE, ALREADY_MAPPED) and a range outside the
+        // allocation. The daemon's own CUDA context failing (retaining or making it current, a
+        // sticky ILLEGAL_ADDRESS, out of memory while importing, any other call) is StoreFailed
+        // and does not send the client looking for "another process's allocation".
+        use tutti_cuda_ipc::CudaIpcError;
+        let cuda = |call: &'static str, result: &str| CudaIpcError::Cuda { call, result: result.into() };
+        for daemon_side in [
+            cuda("cuCtxSetCurrent", "CUDA_ERROR_ILLEGAL_ADDRESS"),
+            cuda("cuDevicePrimaryCtxRetain", "CUDA_ERROR_OUT_OF_MEMORY"),
+            cuda("cuIpcOpenMemHandle", "CUDA_ERROR_OUT_OF_MEMORY"),
+            cuda("cuIpcOpenMemHandle", "CUDA_ERROR_ILLEGAL_ADDRESS"),
+            cuda("cuMemGetAddressRange", "CUDA_ERROR_INVALID_VALUE"),
+            cuda("cuDeviceGetCount", "CUDA_ERROR_NOT_INITIALIZED"),
+        ] {
+            let described = daemon_side.to_string();
+            let (code, message) = cuda_refusal(CUDA_IPC_HANDLE, daemon_side);
+            assert_eq!(code, ErrorCode::StoreFailed, "{described}: {message}");
+            assert!(!message.contains("still alive"), "{message}");
+        }
+        for handle in ["CUDA_ERROR_INVALID_VALUE", "CUDA_ERROR_INVALID_HANDLE", "CUDA_ERROR_ALREADY_MAPPED"] {
+            let (code, message) = cuda_refusal(CUDA_IPC_HANDLE, cuda("cuIpcOpenMemHandle", handle));
+            assert_eq!(code, ErrorCode::BadRequest, "{message}");
+            assert!(message.contains(handle) && message.contains("still alive"), "{message}");
+        }
+        let outside = CudaIpcError::OutsideAllocation { offset_bytes: 0, length_bytes: 1 << 30, allocation_bytes: 1 << 20 };
+        assert_eq!(cuda_refusal(CUDA_IPC_HANDLE, outside).0, ErrorCode::BadRequest);
+        let unknown_gpu = CudaIpcError::NoDeviceWithUuid { uuid: "GPU-0".into() };
+        assert_eq!(cuda_refusal(REGISTRATION_GPU, unknown_gpu).0, ErrorCode::BadRequest);
+        assert_eq!(cuda_refusal(REGISTRATION_GPU, CudaIpcError::NoDriver).0, ErrorCode::Unsupported);
     }
 }
