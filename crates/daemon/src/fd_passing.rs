@@ -56,9 +56,11 @@ pub fn send_with_fds(stream: &UnixStream, bytes: &[u8], fds: &[BorrowedFd<'_>]) 
     }
 }
 
-/// Bytes of control buffer for [`SCM_MAX_FD`] descriptors: the kernel never has to truncate
-/// an SCM_RIGHTS message (which would install some descriptors and report the rest lost), so
-/// "too many" is always seen whole and refused.
+/// Bytes of control buffer for [`SCM_MAX_FD`] descriptors: room for the largest SCM_RIGHTS
+/// message Linux sends when it is the only control message. Another one ahead of it (the
+/// peer's credentials with SO_PASSCRED, its security label with SO_PASSSEC) takes room, and the
+/// kernel then truncates the rights message (installs the descriptors that fit, reports the
+/// rest lost, MSG_CTRUNC): [`recv_with_fds`] refuses that too and closes what was installed.
 // SAFETY: CMSG_SPACE is arithmetic on its argument (it reads no memory).
 const CONTROL_BYTES: usize = unsafe { nix::libc::CMSG_SPACE((SCM_MAX_FD * size_of::<RawFd>()) as u32) } as usize;
 
@@ -234,9 +236,18 @@ mod tests {
         let error = recv_with_fds(&right, &mut [0u8; 16], &mut fds).unwrap_err();
         assert_eq!(error.kind(), io::ErrorKind::InvalidData, "{count} descriptors: {error}");
         assert!(fds.is_empty());
-        match reader.read(&mut [0u8; 1]) {
-            Ok(0) => {}
-            other => panic!("{count} descriptors: a copy of the write end is still open after the refusal ({other:?})"),
+        // Another test of this binary may be spawning a process: between its fork and exec the
+        // child holds copies (close-on-exec, not yet closed) of every descriptor here, this
+        // write end included. Such a copy goes within microseconds; a leaked one never does.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(1);
+        loop {
+            match reader.read(&mut [0u8; 1]) {
+                Ok(0) => return,
+                Err(error) if error.kind() == io::ErrorKind::WouldBlock && std::time::Instant::now() < deadline => {
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                }
+                other => panic!("{count} descriptors: a copy of the write end is still open 1 s after the refusal ({other:?})"),
+            }
         }
     }
 
