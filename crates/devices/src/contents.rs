@@ -14,7 +14,7 @@
 //! format`, `tuttid --format` (and `Store.open(format=True)`, which opens the pool the same way)
 //! and tutti-bench's kv workload all call it.
 
-use std::fs::File;
+use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::time::Duration;
 
@@ -22,6 +22,7 @@ use nvme_driver::{DataSegment, Lba, NvmeError};
 use objstore::PoolTarget;
 
 use crate::claim::BlockDeviceClaims;
+use crate::lock::{open_without_waiting, refuse_special_file};
 use crate::size::format_size;
 use crate::spec::DeviceSpec;
 use crate::DeviceError;
@@ -87,7 +88,8 @@ fn read_head(file: &File) -> std::io::Result<Vec<u8>> {
 /// Refuses ([`DeviceError::ForeignContents`]) the first `emu:` spec among `specs` that holds
 /// something other than a tutti pool: block devices are read through their claimed descriptor
 /// in `claims` (claim them first); regular files that exist and are not empty are opened to be
-/// read. Missing files are left to
+/// read (without waiting: a FIFO, or anything but a regular file or block device, is refused,
+/// [`DeviceError::NotAFileOrBlockDevice`]). Missing files are left to
 /// whoever creates or opens them; `vfio:` and memory devices are not read here (only a
 /// controller can: [`refuse_foreign_namespaces`]).
 pub fn refuse_foreign_contents(specs: &[DeviceSpec], claims: &BlockDeviceClaims) -> Result<(), DeviceError> {
@@ -97,11 +99,12 @@ pub fn refuse_foreign_contents(specs: &[DeviceSpec], claims: &BlockDeviceClaims)
         let (file, blank_is_enough) = match claims.file(spec) {
             Some(file) => (file, false),
             None => {
-                opened = match File::open(path) {
+                opened = match open_without_waiting(path, OpenOptions::new().read(true)) {
                     Ok(file) => file,
                     // Missing: format creates it (or reports it); unreadable: opening reports it.
                     Err(_) => continue,
                 };
+                refuse_special_file(spec, path, &opened)?;
                 (&opened, true)
             }
         };

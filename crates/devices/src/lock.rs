@@ -10,7 +10,7 @@
 //! - `emu:mem:` / `emu:null:`: nothing to share, no lock.
 
 use std::fs::{File, OpenOptions};
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use crate::open::refuse_shared_files;
@@ -51,13 +51,16 @@ impl DeviceLocks {
                 _ => continue,
             };
             let is_file = matches!(spec, DeviceSpec::EmuFile(_));
-            let opened =
-                OpenOptions::new().read(true).write(!is_file || create_files).create(!is_file || create_files).truncate(false).open(&path);
+            let opened = open_without_waiting(
+                &path,
+                OpenOptions::new().read(true).write(!is_file || create_files).create(!is_file || create_files).truncate(false),
+            );
             let file = match opened {
                 Ok(file) => file,
                 Err(error) if is_file && error.kind() == std::io::ErrorKind::NotFound => continue,
                 Err(source) => return Err(DeviceError::Io { context: format!("opening {} to lock it", path.display()), source }),
             };
+            refuse_special_file(spec, &path, &file)?;
             locks.lock(spec, path, file)?;
         }
         Ok(locks)
@@ -82,6 +85,37 @@ impl DeviceLocks {
     pub fn paths(&self) -> impl Iterator<Item = &Path> {
         self.held.iter().map(|(path, _)| path.as_path())
     }
+}
+
+/// Opens `path` as `options` say, with `O_NONBLOCK`: opening a FIFO for reading waits for a
+/// writer, without end (and tuttid, its SIGINT and SIGTERM blocked until the pool is open,
+/// could not even be stopped). On a regular file or a block device the flag changes nothing
+/// here: the descriptor is only locked or read with `pread`, which it does not affect.
+pub(crate) fn open_without_waiting(path: &Path, options: &mut OpenOptions) -> std::io::Result<File> {
+    options.custom_flags(nix::libc::O_NONBLOCK).open(path)
+}
+
+/// Refuses ([`DeviceError::NotAFileOrBlockDevice`], naming `path` and what it is) `file`, opened
+/// from `path` for `spec`, unless it is a regular file or a block device: a FIFO, a socket, a
+/// character device or a directory is no place for a pool.
+pub(crate) fn refuse_special_file(spec: &DeviceSpec, path: &Path, file: &File) -> Result<(), DeviceError> {
+    let metadata =
+        file.metadata().map_err(|source| DeviceError::Io { context: format!("examining {} (what it is)", path.display()), source })?;
+    let file_type = metadata.file_type();
+    let kind = if file_type.is_file() || file_type.is_block_device() {
+        return Ok(());
+    } else if file_type.is_fifo() {
+        "a FIFO (named pipe)"
+    } else if file_type.is_socket() {
+        "a socket"
+    } else if file_type.is_char_device() {
+        "a character device"
+    } else if file_type.is_dir() {
+        "a directory"
+    } else {
+        "a special file"
+    };
+    Err(DeviceError::NotAFileOrBlockDevice { spec: spec.to_string(), path: path.to_path_buf(), kind: kind.into() })
 }
 
 /// Reads of `/proc/locks` before the holder is given up as not found.
@@ -240,6 +274,45 @@ mod tests {
         assert!(matches!(error, DeviceError::DuplicateFunction { .. }), "{error}");
         assert!(error.to_string().starts_with("vfio:0000:00:04.0 and vfio:0000:00:04.0 name the same PCI function"), "{error}");
         DeviceLocks::acquire(&files[..1], directory.path(), false).expect("nothing was left locked");
+    }
+
+    /// Runs `call` on a thread of its own and gives its answer, or `None` if it has none within
+    /// a second (then `release` is run so the thread can end): a test of something that used to
+    /// wait without end fails instead of hanging.
+    fn within_a_second<T: Send + 'static>(call: impl FnOnce() -> T + Send + 'static, release: impl FnOnce()) -> Option<T> {
+        let (sender, receiver) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = sender.send(call());
+        });
+        let answer = receiver.recv_timeout(std::time::Duration::from_secs(1)).ok();
+        if answer.is_none() {
+            release();
+        }
+        answer
+    }
+
+    #[test]
+    fn a_fifo_is_refused_at_once_naming_what_it_is() {
+        // Goal: `emu:FIFO` used to wait in open(2) for a writer, for good (tuttid hung with its
+        // signals blocked); locking it, and reading what it holds, refuse it at once, naming the
+        // path and what it is.
+        let directory = tempfile::tempdir().unwrap();
+        let fifo = directory.path().join("pool.img");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRUSR | nix::sys::stat::Mode::S_IWUSR).unwrap();
+        let spec = DeviceSpec::EmuFile(fifo.clone());
+        // A writer that opens the FIFO lets a reader stuck in open(2) go on.
+        let release = || drop(OpenOptions::new().write(true).custom_flags(nix::libc::O_NONBLOCK).open(&fifo));
+        for create_files in [false, true] {
+            let (specs, lock_dir) = ([spec.clone()], directory.path().to_path_buf());
+            let answer = within_a_second(move || DeviceLocks::acquire(&specs, &lock_dir, create_files).map(|_| ()), release);
+            let error = answer.expect("locking a FIFO is still waiting after 1 s").unwrap_err();
+            assert!(matches!(error, DeviceError::NotAFileOrBlockDevice { .. }), "{error}");
+            assert!(error.to_string().contains(&format!("{} is a FIFO (named pipe)", fifo.display())), "{error}");
+        }
+        let specs = [spec.clone()];
+        let answer = within_a_second(move || crate::refuse_foreign_contents(&specs, &crate::BlockDeviceClaims::default()), release);
+        let error = answer.expect("reading a FIFO's contents is still waiting after 1 s").unwrap_err();
+        assert!(matches!(error, DeviceError::NotAFileOrBlockDevice { .. }), "{error}");
     }
 
     #[test]
