@@ -130,9 +130,11 @@ pub fn holder_of(file: &File, proc_root: &Path) -> String {
     let (major, minor) = split_device(metadata.dev());
     // The kernel produces /proc/locks page by page from lists other processes change meanwhile,
     // so one read can miss a line that was there all along (seen under load in CI): read again.
+    let file_id = (metadata.dev(), metadata.ino());
+    let holds_the_file = |pid: u32| has_open(proc_root, pid, file_id);
     let holder = (0..PROC_LOCKS_READS).find_map(|_| {
         let locks = std::fs::read_to_string(proc_root.join("locks")).unwrap_or_default();
-        find_flock_holder(&locks, major, minor, metadata.ino())
+        find_flock_holder(&locks, major, minor, metadata.ino(), &holds_the_file)
     });
     match holder {
         Some(pid) => {
@@ -190,10 +192,12 @@ fn split_device(dev: u64) -> (u64, u64) {
 }
 
 /// The pid of the FLOCK WRITE lock on (major:minor:inode) in `/proc/locks` text (lines read by
-/// [`parse_flock_write`]). When no line names this exact device (a stacked filesystem can report another device number
-/// to `stat` than the one its locks are listed under), a single FLOCK WRITE line on the same
-/// inode is taken: the name is a diagnostic, and one candidate is the likely holder.
-fn find_flock_holder(locks: &str, major: u64, minor: u64, inode: u64) -> Option<u32> {
+/// [`parse_flock_write`]). When no line names this exact device (a stacked filesystem can
+/// report another device number to `stat` than the one its locks are listed under), a line on
+/// the same inode is only evidence once `holds_the_file` confirms that its pid has the file
+/// open (inode numbers repeat across filesystems: an unconfirmed line may be any process's
+/// lock on any other file).
+fn find_flock_holder(locks: &str, major: u64, minor: u64, inode: u64, holds_the_file: &dyn Fn(u32) -> bool) -> Option<u32> {
     let same_inode: Vec<(u32, u64, u64)> = locks
         .lines()
         .filter_map(parse_flock_write)
@@ -201,11 +205,28 @@ fn find_flock_holder(locks: &str, major: u64, minor: u64, inode: u64) -> Option<
         .map(|(pid, found_major, found_minor, _)| (pid, found_major, found_minor))
         .collect();
     let exact = same_inode.iter().find(|&&(_, found_major, found_minor)| found_major == major && found_minor == minor);
-    match (exact, same_inode.as_slice()) {
-        (Some(&(pid, _, _)), _) => Some(pid),
-        (None, [(pid, _, _)]) => Some(*pid),
-        _ => None,
+    match exact {
+        Some(&(pid, _, _)) => Some(pid),
+        None => same_inode.iter().map(|&(pid, _, _)| pid).find(|&pid| holds_the_file(pid)),
     }
+}
+
+/// Descriptors of one process looked at before giving up: a bound on the walk of
+/// `proc_root/PID/fd` (a process may hold very many).
+const FDS_EXAMINED_MAX: usize = 1 << 16;
+
+/// Whether process `pid` has a file open whose (device, inode), as `stat` reports them, is
+/// `file_id`: a look at `proc_root/PID/fd/*` (each followed to its file). False when that cannot
+/// be read (another user's process, one that has exited).
+fn has_open(proc_root: &Path, pid: u32, file_id: (u64, u64)) -> bool {
+    let Ok(entries) = std::fs::read_dir(proc_root.join(pid.to_string()).join("fd")) else {
+        return false;
+    };
+    entries
+        .take(FDS_EXAMINED_MAX)
+        .filter_map(Result::ok)
+        .filter_map(|entry| std::fs::metadata(entry.path()).ok())
+        .any(|metadata| (metadata.dev(), metadata.ino()) == file_id)
 }
 
 #[cfg(test)]
@@ -216,14 +237,42 @@ mod tests {
     fn proc_locks_lines_are_parsed_and_waiters_skipped() {
         let text = "1: POSIX  ADVISORY  WRITE 10 fd:01:99 0 EOF\n2: -> FLOCK  ADVISORY  WRITE 11 fd:01:42 0 EOF\n\
                     3: FLOCK  ADVISORY  WRITE 12 fd:01:42 0 EOF\ngarbage\n4: FLOCK ADVISORY WRITE x 00:zz:1 0 EOF\n";
-        assert_eq!(find_flock_holder(text, 0xfd, 1, 42), Some(12));
-        assert_eq!(find_flock_holder(text, 0xfd, 1, 99), None, "a POSIX lock is not ours");
-        // Another device number, one lock on the inode: that one (stacked filesystems).
-        assert_eq!(find_flock_holder(text, 0xfd, 2, 42), Some(12));
-        // Two candidates on other devices: none is named.
+        let nobody = |_: u32| false;
+        assert_eq!(find_flock_holder(text, 0xfd, 1, 42, &nobody), Some(12));
+        assert_eq!(find_flock_holder(text, 0xfd, 1, 99, &nobody), None, "a POSIX lock is not ours");
+        // Another device number, a lock on the inode: that one only if it has the file open
+        // (stacked filesystems); otherwise it is any process's lock on another file.
+        assert_eq!(find_flock_holder(text, 0xfd, 2, 42, &nobody), None);
+        assert_eq!(find_flock_holder(text, 0xfd, 2, 42, &|pid| pid == 12), Some(12));
+        // Two candidates on other devices: the one that has the file open.
         let two = "1: FLOCK  ADVISORY  WRITE 12 fd:01:42 0 EOF\n2: FLOCK  ADVISORY  WRITE 13 fd:03:42 0 EOF\n";
-        assert_eq!(find_flock_holder(two, 0xfd, 2, 42), None);
-        assert_eq!(find_flock_holder(two, 0xfd, 3, 42), Some(13));
+        assert_eq!(find_flock_holder(two, 0xfd, 2, 42, &nobody), None);
+        assert_eq!(find_flock_holder(two, 0xfd, 2, 42, &|pid| pid == 13), Some(13));
+        assert_eq!(find_flock_holder(two, 0xfd, 3, 42, &nobody), Some(13));
+    }
+
+    #[test]
+    fn a_lock_on_another_device_names_its_holder_only_if_it_has_the_file_open() {
+        // Goal: a /proc/locks line with the lock file's inode number but another device is no
+        // evidence (inode numbers repeat across filesystems): with no descriptor of the file in
+        // PID/fd the holder is "not found" (it used to be that pid, an unrelated process); with
+        // one (a stacked filesystem listing the lock under another device) it is named.
+        let directory = tempfile::tempdir().unwrap();
+        let image = directory.path().join("pool.img");
+        std::fs::write(&image, [0u8; 4096]).unwrap();
+        let file = File::open(&image).unwrap();
+        let metadata = file.metadata().unwrap();
+        let (major, minor) = split_device(metadata.dev());
+        let proc_root = directory.path().join("proc");
+        let process = proc_root.join("4242");
+        std::fs::create_dir_all(process.join("fd")).unwrap();
+        std::fs::write(process.join("cmdline"), b"unrelated\0--flag\0").unwrap();
+        let line = format!("1: FLOCK  ADVISORY  WRITE 4242 {:02x}:{:02x}:{} 0 EOF\n", major + 1, minor, metadata.ino());
+        std::fs::write(proc_root.join("locks"), line).unwrap();
+        let holder = holder_of(&file, &proc_root);
+        assert!(holder.contains("not found"), "{holder}");
+        std::os::unix::fs::symlink(&image, process.join("fd").join("3")).unwrap();
+        assert_eq!(holder_of(&file, &proc_root), "pid 4242 (unrelated --flag)");
     }
 
     #[test]
