@@ -72,10 +72,22 @@ pub fn open_pool(options: &PoolOptions) -> Result<OpenedPool, DaemonError> {
     // Only a format creates or grows a file: opening a file that holds no pool (a mistyped path)
     // must leave it as it was.
     let create_bytes = options.emu_create_bytes.filter(|_| options.format.is_some());
-    let locks = DeviceLocks::acquire(&options.specs, &options.lock_dir, create_bytes.is_some())?;
-    // Before a file is grown or a controller writes anything: read through the claims just taken.
-    if options.format.is_some() && !options.overwrite {
-        tutti_devices::refuse_foreign_contents(&options.specs, locks.claims()).map_err(DaemonError::Devices)?;
+    // Existing files are locked and read first, the ones a format is to create only once
+    // nothing refused (as `tutti pool format` orders it): a refusal leaves no file behind.
+    let mut locks = DeviceLocks::acquire(&options.specs, &options.lock_dir, false)?;
+    refuse_foreign_files(options, &locks)?;
+    let missing = |locks: &DeviceLocks| {
+        options.specs.iter().any(|spec| matches!(spec, DeviceSpec::EmuFile(path) if !locks.paths().any(|held| held == path)))
+    };
+    if create_bytes.is_some() && missing(&locks) {
+        // The opened pool keeps one set of locks (`OpenedPool::locks`), so the set is taken
+        // again, creating the missing files this time. A process that takes one of the locks
+        // in between makes this open fail as in use, as any holder does; what the existing
+        // files hold is read again under the new locks (only a change made in between can be
+        // refused here, after the missing files were made).
+        drop(locks);
+        locks = DeviceLocks::acquire(&options.specs, &options.lock_dir, true)?;
+        refuse_foreign_files(options, &locks)?;
     }
     let mut emu = pool_emu_options(options.emu_lba_bytes, create_bytes);
     emu.config =
@@ -101,6 +113,16 @@ pub fn open_pool(options: &PoolOptions) -> Result<OpenedPool, DaemonError> {
         source,
     })?;
     Ok(OpenedPool { pool, devices, report, emulators, locks })
+}
+
+/// With `format` and without `overwrite`, refuses an `emu:` device that holds something other
+/// than a tutti pool (tutti-devices' `refuse_foreign_contents`), reading block devices through
+/// the claims in `locks`: before a file is created or grown or a controller writes anything.
+fn refuse_foreign_files(options: &PoolOptions, locks: &DeviceLocks) -> Result<(), DaemonError> {
+    if options.format.is_some() && !options.overwrite {
+        tutti_devices::refuse_foreign_contents(&options.specs, locks.claims()).map_err(DaemonError::Devices)?;
+    }
+    Ok(())
 }
 
 /// Formats a pool on `targets` (one per spec of `specs`, in order), first refusing, unless

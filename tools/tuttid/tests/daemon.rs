@@ -390,6 +390,29 @@ fn one_file_given_twice_is_refused_as_such_not_as_held_by_another_daemon() {
     assert!(!stderr.contains("another daemon"), "{stderr}");
 }
 
+#[test]
+fn a_refused_format_creates_no_file() {
+    // Goal: --format --emu-create-bytes over a new file and a file holding a file system exits 2
+    // and leaves no new file behind: the new one used to be created (empty) when it was locked,
+    // before the other was read and refused.
+    let directory = tempfile::tempdir().unwrap();
+    let new = directory.path().join("new.img");
+    let file_system = directory.path().join("fs.img");
+    let mut foreign = vec![0u8; 1 << 20];
+    foreign[1080..1082].copy_from_slice(&[0x53, 0xef]);
+    std::fs::write(&file_system, &foreign).unwrap();
+    let (new_device, file_system_device) = (format!("emu:{}", new.display()), format!("emu:{}", file_system.display()));
+    let mut command = formatting_daemon(&new_device, &directory.path().join("tuttid.sock"));
+    command.args(["--device", &file_system_device, "--emu-create-bytes", "1g", "--metrics", "off"]);
+    command.arg("--lock-dir").arg(directory.path().join("locks"));
+    let output = output_bounded(&mut command);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("holds an ext2/3/4 file system"), "{stderr}");
+    assert!(!new.exists(), "the refused format left {} behind", new.display());
+    assert!(std::fs::read(&file_system).unwrap() == foreign, "the refused format wrote to the file system");
+}
+
 /// Runs as a client process when `TUTTID_TEST_CHILD` is set (`lookup SOCKET RANK COUNT`,
 /// `io SOCKET RANK` or `attach SOCKET`); as an ordinary test it does nothing. The parent tests
 /// check its exit status and output.
