@@ -88,8 +88,8 @@ fn read_head(file: &File) -> std::io::Result<Vec<u8>> {
 /// Refuses ([`DeviceError::ForeignContents`]) the first `emu:` spec among `specs` that holds
 /// something other than a tutti pool: block devices are read through their claimed descriptor
 /// in `claims` (claim them first); regular files that exist and are not empty are opened to be
-/// read (without waiting: a FIFO, or anything but a regular file or block device, is refused,
-/// [`DeviceError::NotAFileOrBlockDevice`]). Missing files are left to
+/// read (without waiting: a FIFO, a socket or a directory is refused,
+/// [`DeviceError::NotAFileOrDevice`]). Missing files are left to
 /// whoever creates or opens them; `vfio:` and memory devices are not read here (only a
 /// controller can: [`refuse_foreign_namespaces`]).
 pub fn refuse_foreign_contents(specs: &[DeviceSpec], claims: &BlockDeviceClaims) -> Result<(), DeviceError> {

@@ -76,11 +76,11 @@ pub enum DeviceError {
     )]
     DuplicateFile { first: String, second: String },
     #[error(
-        "{spec}: {} is {kind}, not a regular file or a block device: a pool device must be one (opening it could \
-         wait without end, as for a FIFO's writer)",
+        "{spec}: {} is {kind}, not a regular file or a device: a pool device must be one (opening it could wait \
+         without end, as for a FIFO's writer)",
         path.display()
     )]
-    NotAFileOrBlockDevice { spec: String, path: std::path::PathBuf, kind: String },
+    NotAFileOrDevice { spec: String, path: std::path::PathBuf, kind: String },
     #[error("{first} and {second} name the same PCI function: one controller cannot be two devices of a pool; give each device once")]
     DuplicateFunction { first: String, second: String },
     #[error("the devices of one set share one DMA space: give only vfio: devices (one VFIO container) or only emu: ones")]
