@@ -147,10 +147,19 @@ pub fn with_devices(
     // refuse a device holding something other than a tutti pool unless told to overwrite it.
     // A raw write is fio's and writes where it is told, like fio.
     if access == Access::Formats && !cli.overwrite {
-        match tutti_devices::refuse_foreign_contents(&devices, &claims).and_then(|()| refuse_foreign_ssds(&devices)) {
+        match tutti_devices::refuse_foreign_contents(&devices, &claims) {
             Ok(()) => {}
             Err(error @ tutti_devices::DeviceError::ForeignContents { .. }) => return usage(error.to_string()),
             Err(error) => return Err(error.into()),
+        }
+        match refuse_foreign_ssds(&devices) {
+            Ok(()) => {}
+            // A controller that failed (to come up, to read) failed, as in the run itself.
+            Err(error @ (tutti_devices::DeviceError::BringUp { .. } | tutti_devices::DeviceError::NamespaceHead { .. })) => {
+                return Err(error.into())
+            }
+            // What was found, or devices that cannot be opened: unusable, as the run says.
+            Err(error) => return usage(error.to_string()),
         }
     }
     let result = body(&devices, &mut created);
@@ -164,24 +173,24 @@ pub fn with_devices(
     result
 }
 
-/// Refuses ([`tutti_devices::DeviceError::ForeignContents`]) a `vfio:` SSD among `devices`
-/// whose namespace 1 (the kv workload's) holds something other than a tutti pool: only its
-/// controller can read it, so the `vfio:` devices are opened and brought up here, read
-/// (tutti-devices' `refuse_foreign_namespaces`, as `tutti pool format` and `tuttid --format`
-/// do) and closed again (each controller stopped) before the run opens them for itself. The
-/// locks taken before keep anyone else off them in between.
+/// Refuses ([`tutti_devices::DeviceError::ForeignContents`]) a pool of `vfio:` SSDs (`devices`)
+/// one of whose namespace 1 (the kv workload's) holds something other than a tutti pool: only a
+/// controller can read it, so the SSDs are opened and brought up here, read (tutti-devices'
+/// `refuse_foreign_namespaces`, as `tutti pool format` and `tuttid --format` do) and closed
+/// again (each controller stopped) before the run opens them for itself. The locks taken before
+/// keep anyone else off them in between. A set that is not all `vfio:` is left alone: the run
+/// refuses a mix (two DMA spaces) before it opens anything, and that refusal comes first.
 fn refuse_foreign_ssds(devices: &[DeviceSpec]) -> Result<(), tutti_devices::DeviceError> {
-    let ssds: Vec<DeviceSpec> = devices.iter().filter(|spec| matches!(spec, DeviceSpec::Vfio(_))).cloned().collect();
-    if ssds.is_empty() {
+    if devices.is_empty() || !devices.iter().all(|spec| matches!(spec, DeviceSpec::Vfio(_))) {
         return Ok(());
     }
     // The LBA size is the software controller's; a vfio: SSD reports its own.
-    let opened = tutti_devices::open_pool_devices(&ssds, 4096, None)?;
+    let opened = tutti_devices::open_pool_devices(devices, 4096, None)?;
     let targets: Vec<objstore::PoolTarget> = opened
         .iter()
         .map(|device| objstore::PoolTarget { controller: Arc::clone(&device.controller), namespace: nvme_driver::NamespaceId(1) })
         .collect();
-    tutti_devices::refuse_foreign_namespaces(ssds.iter().zip(&targets))
+    tutti_devices::refuse_foreign_namespaces(devices.iter().zip(&targets))
 }
 
 /// Takes tuttid's lock ([`DeviceLocks`]) on every device of `devices` that has one: an `emu:`
