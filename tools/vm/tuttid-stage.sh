@@ -5,10 +5,13 @@
 # tuttid-client processes, one after another: ranks 0 and 1 of TP 2 each store a prompt of 4
 # blocks of 256 KiB, then each retrieves it into other blocks and checks every byte (2 MiB
 # stored, 2 MiB checked); then SIGTERM, and the daemon must drain and exit 0. Every wait is
-# bounded; any failure kills the daemon and exits non-zero.
+# bounded; any failure kills the daemon and exits non-zero. --overwrite: the disks are the
+# harness's scratch images, and what the earlier commands left on them (conformance's integrity
+# data if objstore-roundtrip failed) is no reason to refuse; tuttid reads a vfio: namespace's
+# head before a format and refuses anything but a tutti pool without it.
 set -eu
 socket=/tmp/tuttid.sock
-tuttid "$@" --socket "$socket" --lock-dir /tmp/tuttid-locks --metrics off --format \
+tuttid "$@" --socket "$socket" --lock-dir /tmp/tuttid-locks --metrics off --format --overwrite \
     --layers 4 --kv-heads 8 --head-dim 128 --slots 64 &
 daemon=$!
 fail() {
