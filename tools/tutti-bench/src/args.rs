@@ -176,10 +176,11 @@ pub struct Cli {
     #[arg(long = "attach-client", hide = true, requires = "attach")]
     pub attach_client: Option<u32>,
 
-    /// Let the kv workload format a pool over an emu: device that holds something other than a
-    /// tutti pool (a file system, a partition table, any non-zero bytes in a file's first MiB;
-    /// a block device that is not a tutti pool), destroying it, as `tutti pool format
-    /// --overwrite` does. Without it such a device is refused, naming what it holds.
+    /// Let the kv workload format a pool over a device that holds something other than a tutti
+    /// pool (a file system, a partition table, any non-zero bytes in a file's first MiB; a block
+    /// device or a vfio: SSD whose first MiB is not a tutti pool's, blank included), destroying
+    /// it, as `tutti pool format --overwrite` does. Without it such a device is refused, naming
+    /// what it holds.
     #[arg(long)]
     pub overwrite: bool,
 

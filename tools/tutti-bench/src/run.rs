@@ -198,6 +198,15 @@ fn refuse_foreign_ssds(devices: &[DeviceSpec]) -> Result<(), tutti_devices::Devi
 /// (`LOCK_DIR/vfio-BDF.lock`). Another holder is unusable input, named. A file that does not
 /// exist yet is not locked: the run creates it (`create_new`, so it cannot be another's).
 fn lock_devices(devices: &[DeviceSpec], lock_dir: &Path) -> anyhow::Result<Vec<DeviceLocks>> {
+    // One device named twice would otherwise be refused below as held by "another process"
+    // (this one): each spec takes its lock through its own open file.
+    match tutti_devices::refuse_shared_files(devices) {
+        Ok(()) => {}
+        Err(error @ (tutti_devices::DeviceError::DuplicateFile { .. } | tutti_devices::DeviceError::DuplicateFunction { .. })) => {
+            return usage(error.to_string())
+        }
+        Err(error) => return Err(error.into()),
+    }
     let mut locks = Vec::with_capacity(devices.len());
     for spec in devices {
         // uring: opens the same file an emu: spec would, and tuttid locks that file itself.
@@ -209,6 +218,11 @@ fn lock_devices(devices: &[DeviceSpec], lock_dir: &Path) -> anyhow::Result<Vec<D
             Ok(held) => locks.push(held),
             Err(tutti_devices::DeviceError::DeviceInUse { lock, holder, .. }) => {
                 return usage(tutti_devices::DeviceError::DeviceInUse { spec: spec.to_string(), lock, holder }.to_string())
+            }
+            // A vfio: lock file lives in the lock directory, /run/tutti by default, which a user
+            // other than root may not create: say which option picks another.
+            Err(error @ tutti_devices::DeviceError::Io { .. }) if matches!(spec, DeviceSpec::Vfio(_)) => {
+                return usage(format!("{error} (--lock-dir picks another directory for vfio: lock files; give tuttid's, so that a run is refused on a device it uses)"))
             }
             Err(error) => return Err(error.into()),
         }

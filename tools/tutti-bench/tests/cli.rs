@@ -784,6 +784,22 @@ fn a_pool_file_another_process_holds_is_refused_and_left_untouched() {
 }
 
 #[test]
+fn a_kv_run_naming_one_existing_file_twice_is_refused_as_such_not_as_in_use() {
+    // Goal: one file given as two devices of a kv stripe (here through `./`) is refused as the
+    // same file, naming both, before anything is locked: each spec locks through its own open
+    // file, so the second lock used to be refused as held by "another process" (this one).
+    let directory = tempfile::tempdir().unwrap();
+    let pool = directory.path().join("pool.img");
+    std::fs::write(&pool, vec![0u8; 64 << 20]).unwrap();
+    let spec = format!("emu:{}", pool.display());
+    let dotted = format!("emu:{}/./pool.img", directory.path().display());
+    let output = bench(&small_kv_run(&[&spec, &dotted]));
+    let message = stderr(&output);
+    assert_eq!(output.status.code(), Some(2), "{message}");
+    assert!(message.contains("name the same file") && !message.contains("in use"), "{message}");
+}
+
+#[test]
 fn a_kv_run_refuses_to_format_over_a_file_system_unless_told_to_overwrite() {
     // Goal: the kv workload formats a pool, which destroys what the file held; like `tutti pool
     // format` and `tuttid --format` it refuses a file holding something else (here ext4's
