@@ -535,24 +535,28 @@ def test_the_default_fingerprint_names_the_kv_layout(tuttid):
         worker.shutdown()
 
 
-def test_the_default_fingerprint_names_rope_and_hf_overrides():
+def test_the_default_fingerprint_names_rope_and_hf_overrides(tmp_path):
     """Goal: a model served with other RoPE parameters (rope_scaling / rope_parameters,
-    rope_theta, partial_rotary_factor: a context extension through --hf-overrides, a patched
-    config) computes other KV bytes for the same tokens, so it gets another key space; the same
-    configuration gets the same one in every process (no object ids, dict order ignored), and
-    so does a callable hf_overrides (named by module and name). The model config is a stand-in
-    (a real one loads the model's Hugging Face config)."""
+    rope_theta, partial_rotary_factor in its checkpoint's config.json, or a context extension
+    through --hf-overrides) computes other KV bytes for the same tokens, so it gets another key
+    space; the same configuration gets the same one in every process (no object ids, dict order
+    ignored), and so does a callable hf_overrides (named by module and name). The model config
+    is a stand-in over a config.json rewritten in one model directory (a real one is
+    test_scheduler_and_workers_agree_on_the_fingerprint_when_model_code_rewrites_rope's)."""
     import json
     from types import SimpleNamespace
 
     from tutti._engine import fingerprint_from_config
     from tutti.vllm.connector import _model_identity
 
-    def fingerprint(hf_overrides=None, **text_config):
+    model_dir = tmp_path / "m"
+    model_dir.mkdir()
+
+    def fingerprint(hf_overrides=None, **checkpoint_config):
+        (model_dir / "config.json").write_text(json.dumps({"model_type": "llama", **checkpoint_config}))
         model = SimpleNamespace(
-            model="/models/m", revision=None, dtype="bfloat16", quantization=None,
+            model=str(model_dir), revision=None, dtype="bfloat16", quantization=None,
             hf_overrides={} if hf_overrides is None else hf_overrides,
-            hf_text_config=SimpleNamespace(**text_config),
         )  # fmt: skip
         config = SimpleNamespace(model_config=model, cache_config=SimpleNamespace(block_size=16, cache_dtype="auto"))
         return fingerprint_from_config(None, *_model_identity(config, harness.kv_cache_config(), "LBHNC"))
@@ -565,9 +569,67 @@ def test_the_default_fingerprint_names_rope_and_hf_overrides():
     assert fingerprint(rope_scaling=None, rope_theta=5e5) != base
     assert fingerprint(rope_parameters={"rope_type": "default", "rope_theta": 1e6}) != fingerprint(rope_parameters={"rope_type": "default", "rope_theta": 5e5})
     assert fingerprint(rope_scaling=None, rope_theta=1e6, partial_rotary_factor=0.5) != base
+    assert fingerprint(text_config={"rope_scaling": yarn}, rope_theta=1e6) != fingerprint(text_config={}, rope_theta=1e6)
     assert fingerprint({"rope_scaling": yarn}, rope_scaling=None, rope_theta=1e6) != base
     assert fingerprint(json.loads, rope_scaling=None, rope_theta=1e6) == fingerprint(json.loads, rope_scaling=None, rope_theta=1e6)
     assert fingerprint(json.loads, rope_scaling=None, rope_theta=1e6) != fingerprint(json.dumps, rope_scaling=None, rope_theta=1e6)
+
+
+@pytest.mark.parametrize("rope_from", ["hf_overrides", "config.json"])
+def test_scheduler_and_workers_agree_on_the_fingerprint_when_model_code_rewrites_rope(tuttid, tmp_path, rope_from):
+    """Goal: the scheduler's connector and the workers' name the same key space although model
+    code rewrites the RoPE parameters of vLLM's config in place while a worker loads the model
+    (DeepSeek-V2/V3: rope_type "yarn" -> "deepseek_yarn"; GLM-4: partial_rotary_factor set),
+    which vLLM 0.32's worker does before it builds its connector (initialize_from_config after
+    load_model) and the scheduler's process never does (multiprocess executor, TP >= 2): with
+    fingerprints of those in-memory fields every lookup missed. A real vLLM ModelConfig over a
+    local config.json, yarn in it or through hf_overrides (whose dict vLLM makes the config's
+    own rope_parameters object, rewritten with it); the worker's rewrite is made by hand, as the
+    model constructors make it. And the yarn deployment's key space is not the plain model's."""
+    import json
+
+    from vllm.config import ModelConfig
+
+    daemon = tuttid(harness.TUTTID_GEOMETRY)
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}
+
+    def config(name, hf_overrides, **checkpoint):
+        model_dir = tmp_path / name
+        model_dir.mkdir()
+        (model_dir / "config.json").write_text(json.dumps({
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
+            "num_attention_heads": 4, "num_key_value_heads": harness.KV_HEADS, "num_hidden_layers": harness.LAYERS,
+            "head_dim": harness.HEAD_DIM, "vocab_size": 1000, "max_position_embeddings": 4096, "rope_theta": 10000.0,
+            "torch_dtype": "bfloat16", **checkpoint,
+        }))  # fmt: skip
+        vllm_config = harness.vllm_config(daemon.socket, 1)
+        vllm_config.model_config = ModelConfig(
+            model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", hf_overrides=hf_overrides
+        )
+        return vllm_config
+
+    if rope_from == "hf_overrides":
+        vllm_config, plain_config = config("m", {"rope_scaling": yarn}), config("m-plain", {})
+        plain_config.model_config.model = vllm_config.model_config.model  # the same model, without the override
+    else:
+        # (the same path with another config.json: test_the_default_fingerprint_names_rope_and_hf_overrides)
+        vllm_config, plain_config = config("m", {}, rope_scaling=yarn), None
+    rope = vllm_config.model_config.hf_text_config.rope_parameters
+    assert rope["rope_type"] == "yarn", rope
+    scheduler = harness.make_connector(vllm_config, KVConnectorRole.SCHEDULER)
+    # What DeepSeek-V2/V3's and GLM-4's constructors do to the worker's config at load_model.
+    rope["rope_type"] = "deepseek_yarn"
+    rope.setdefault("partial_rotary_factor", 0.5)
+    worker = harness.make_connector(vllm_config, KVConnectorRole.WORKER)
+    try:
+        assert worker._fingerprint == scheduler._fingerprint, "the workers' key space is not the scheduler's"
+        if plain_config is not None:
+            plain = harness.make_connector(plain_config, KVConnectorRole.SCHEDULER)
+            plain.shutdown()
+            assert plain._fingerprint != scheduler._fingerprint, "yarn through hf_overrides shares the plain model's keys"
+    finally:
+        worker.shutdown()
+        scheduler.shutdown()
 
 
 def test_lookups_after_a_timeout_reconnect_and_back_off(tuttid):

@@ -163,21 +163,119 @@ def _blocks_per_request_max(vllm_config: "VllmConfig", block_size: int) -> Optio
     return -(-max_model_len // block_size)
 
 
-# The Hugging Face config fields that change a model's KV for the same weights and tokens, and
-# that vLLM's scheduler and workers hold alike (set when the config is loaded, from the model's
-# config.json and hf_overrides; never rewritten by a worker's model code, so both roles agree).
-_HF_KV_FIELDS = ("rope_scaling", "rope_parameters", "rope_theta", "partial_rotary_factor")
+# The RoPE fields of a checkpoint's config that change its KV for the same weights and tokens
+# (rotary_emb_base: the older name of rope_theta, which vLLM reads as such).
+_HF_KV_FIELDS = ("rope_scaling", "rope_parameters", "rope_theta", "partial_rotary_factor", "rotary_emb_base")
+# How deep the checkpoint's config is searched for them (a text config inside a multimodal one).
+_CONFIG_DEPTH_MAX = 8
+# The Hugging Face config file vLLM's HF config parser reads.
+_HF_CONFIG_NAME = "config.json"
+# RoPE fields of a dict vLLM holds as its config's RoPE parameters that model code rewrites in
+# place at load_model (vLLM 0.32): GLM-4/4.5 setdefault partial_rotary_factor 0.5; Falcon-H1,
+# Bailing, GPT-J, MiniMax-M2 write rotary_dim / head_dim (named by the checkpoint's config.json).
+_REWRITTEN_ROPE_FIELDS = ("partial_rotary_factor",)
+# rope_type values model code writes in place, as the value they stand for: DeepSeek-V2/V3 turn
+# any rope_type but "default" into one of these (by attention_factor, which stays hashed).
+_REWRITTEN_ROPE_TYPES = {"deepseek_yarn": "yarn", "deepseek_llama_scaling": "yarn"}
 
 
 def _hf_config_identity(model: Any) -> str:
-    """The model config's RoPE parameters (of its text config, as vLLM's hf_text_config has them
-    after applying hf_overrides) and hf_overrides itself, as canonical JSON: the same in every
-    process and run (keys sorted, no object ids; a callable hf_overrides by its module and
-    name)."""
-    text_config = getattr(model, "hf_text_config", None)
-    identity = {name: _stable_value(getattr(text_config, name, None)) for name in _HF_KV_FIELDS}
-    identity["hf_overrides"] = _stable_value(getattr(model, "hf_overrides", None))
+    """The RoPE parameters of the model's checkpoint config and vLLM's hf_overrides, as
+    canonical JSON: the same in every process, role and run (keys sorted, no object ids; a
+    callable hf_overrides by its module and name).
+
+    Not vLLM's hf_config / hf_text_config: model code rewrites them in place when the worker
+    loads the model (DeepSeek-V2/V3 rope_type "yarn" -> "deepseek_yarn", GLM-4 and GLM-4.5
+    partial_rotary_factor, Falcon-H1, Bailing), and vLLM 0.32's worker builds its connector
+    after load_model, while the scheduler's process (multiprocess executor, TP >= 2) never loads
+    the model: the two roles would hash different values and never find each other's blocks.
+    vLLM derives the RoPE parameters from the checkpoint's config.json, read here fresh from the
+    model's directory or the Hugging Face cache (never downloaded), which no model code
+    changes, and from hf_overrides. A dict hf_overrides gives for a RoPE field is the config's
+    own object in vLLM (rewritten with it), so the fields model code rewrites are left out of it
+    or mapped back (`_rope_rewrites_undone`): a change of only those through hf_overrides needs
+    its own model_fingerprint. A config.json that cannot be read locally (a GGUF file, a Mistral
+    params.json-only checkpoint, ModelScope) leaves the checkpoint's part out (logged): the
+    fingerprint then names the model, its revision and hf_overrides, and a changed config at the
+    same path needs its own model_fingerprint."""
+    identity = {
+        "checkpoint rope": _checkpoint_rope_fields(model),
+        "hf_overrides": _rope_rewrites_undone(_stable_value(getattr(model, "hf_overrides", None))),
+    }
     return json.dumps(identity, sort_keys=True, separators=(",", ":"))
+
+
+def _rope_rewrites_undone(overrides: Any, in_rope: bool = False, depth_left: int = _CONFIG_DEPTH_MAX) -> Any:
+    """hf_overrides (as `_stable_value` gives them) with the RoPE fields model code rewrites in
+    place left out or mapped back (`_REWRITTEN_ROPE_FIELDS`, `_REWRITTEN_ROPE_TYPES`), inside
+    the dicts given for a RoPE field. vLLM sets such a dict as the config's attribute itself
+    (ModelConfig._apply_dict_overrides), so the worker's hf_overrides are rewritten with its
+    config at load_model, and the scheduler's are not."""
+    if not isinstance(overrides, dict) or depth_left <= 0:
+        return overrides
+    undone: dict[str, Any] = {}
+    for key, value in overrides.items():
+        if in_rope and key in _REWRITTEN_ROPE_FIELDS:
+            continue
+        if in_rope and key == "rope_type" and isinstance(value, str):
+            value = _REWRITTEN_ROPE_TYPES.get(value, value)
+        undone[key] = _rope_rewrites_undone(value, in_rope or key in _HF_KV_FIELDS, depth_left - 1)
+    return undone
+
+
+def _checkpoint_rope_fields(model: Any) -> Optional[dict[str, Any]]:
+    """The RoPE fields of the checkpoint's config.json wherever they are (top level, a text
+    config), by their dotted path; None when the file cannot be read locally."""
+    raw = _read_checkpoint_config(model)
+    if raw is None:
+        return None
+    found: dict[str, Any] = {}
+    _collect_rope_fields(raw, "", found, _CONFIG_DEPTH_MAX)
+    return found
+
+
+def _collect_rope_fields(config: dict, prefix: str, found: dict[str, Any], depth_left: int) -> None:
+    for key, value in config.items():
+        if key in _HF_KV_FIELDS:
+            found[prefix + str(key)] = _stable_value(value)
+        elif isinstance(value, dict) and depth_left > 1:
+            _collect_rope_fields(value, f"{prefix}{key}.", found, depth_left - 1)
+
+
+def _read_checkpoint_config(model: Any) -> Optional[dict]:
+    """The checkpoint's config.json as a dict, read from the model's directory or from the
+    Hugging Face cache where vLLM's config loading put it (vLLM's try_get_local_file: no
+    download, no network), with vLLM's hf_config_path and revision; None (logged) when there is
+    none locally."""
+    from pathlib import Path
+
+    source = getattr(model, "hf_config_path", None) or getattr(model, "model", None)
+    revision = getattr(model, "_hf_config_revision", None) or getattr(model, "revision", None)
+    if not source:
+        return None
+    path: Any = None
+    try:
+        from vllm.transformers_utils.repo_utils import try_get_local_file
+
+        path = try_get_local_file(model=source, file_name=_HF_CONFIG_NAME, revision=revision)
+    except Exception as error:  # noqa: BLE001 - any failure to find it is "not available locally"
+        logging.getLogger("tutti.vllm").debug("tutti: looking for %s of %s failed: %s", _HF_CONFIG_NAME, source, error)
+    config = None
+    if isinstance(path, Path) and path.is_file():
+        try:
+            with open(path, encoding="utf-8") as file:
+                config = json.load(file)
+        except (OSError, ValueError) as error:
+            logging.getLogger("tutti.vllm").warning("tutti: %s could not be read: %s", path, error)
+            config = None
+    if not isinstance(config, dict):
+        logging.getLogger("tutti.vllm").warning(
+            "tutti: no local %s for model %s: the default model fingerprint names the model, its revision and "
+            "hf_overrides, not the checkpoint's RoPE parameters; set model_fingerprint if the config at this path changes",
+            _HF_CONFIG_NAME, source,
+        )  # fmt: skip
+        return None
+    return config
 
 
 def _stable_value(value: Any) -> Any:
@@ -281,7 +379,7 @@ def _resolved_kv_layout(vllm_config: "VllmConfig", kv_cache_config: Optional["KV
 
 def _model_identity(vllm_config: "VllmConfig", kv_cache_config: Optional["KVCacheConfig"], kv_layout: str) -> list[Any]:
     """What changes a model's KV bytes or their order in a block, for the default fingerprint:
-    the model, its RoPE parameters and hf_overrides, the cache dtype, the KV layout (LBHNC and
+    the model, its checkpoint's RoPE parameters and hf_overrides, the cache dtype, the KV layout (LBHNC and
     LBNHC blocks are the same size with heads and slots transposed) and the page shape of each
     KV cache group."""
     model = vllm_config.model_config
