@@ -274,11 +274,13 @@ fn run_with(command: &PoolCommand, opener: &dyn BlockDeviceOpener) -> Result<()>
             };
             let what = format!("formatting a pool for {model}");
             check_namespace(&args.devices)?;
-            // Block devices are claimed before anything is read or written, and held to the end.
-            let claims = claim_block_devices(&args.devices, opener)?;
             // Existing files are locked before anything is read or planned; the ones format is
             // to create, once nothing can refuse any more (a refusal leaves no file behind).
+            // The lock comes before the claim, as in tuttid and tutti-bench: a tuttid holding a
+            // block device holds both, and its lock's refusal names it (the claim's cannot).
             let locks = lock_devices(&args.devices, &args.devices.devices, false)?;
+            // Block devices are claimed before anything is read or written, and held to the end.
+            let claims = claim_block_devices(&args.devices, opener)?;
             refuse_foreign_contents(&args.devices, &claims, args.overwrite)?;
             if let Some(create_bytes) = args.emu_create_bytes {
                 plan_emu_files(&args.devices, create_bytes, &params).map_err(|error| classify(error, &what))?;
@@ -306,8 +308,9 @@ fn run_with(command: &PoolCommand, opener: &dyn BlockDeviceOpener) -> Result<()>
             Ok(())
         }
         PoolCommand::Inspect(args) => {
-            let _claims = claim_block_devices(args, opener)?;
+            // Lock, then claim (see format).
             let _locks = lock_devices(args, &args.devices, false)?;
+            let _claims = claim_block_devices(args, opener)?;
             let targets = open_targets(args, None)?;
             for ((position, target), spec) in targets.iter().enumerate().zip(&args.devices) {
                 match read_superblock(target, position) {
@@ -334,8 +337,9 @@ fn run_with(command: &PoolCommand, opener: &dyn BlockDeviceOpener) -> Result<()>
             Ok(())
         }
         PoolCommand::Check(args) => {
-            let _claims = claim_block_devices(&args.devices, opener)?;
+            // Lock, then claim (see format).
             let _locks = lock_devices(&args.devices, &args.devices.devices, false)?;
+            let _claims = claim_block_devices(&args.devices, opener)?;
             let (mut pool, report) =
                 Pool::open(open_targets(&args.devices, None)?, None).map_err(|error| classify(error, "opening the pool"))?;
             outln!(

@@ -375,6 +375,37 @@ impl Drop for LoopDevice {
 }
 
 #[test]
+fn a_block_device_a_daemon_holds_is_refused_naming_its_holder() {
+    // Goal: on an emu: block device tuttid holds both its flock and an exclusive (O_EXCL)
+    // claim. `tutti pool format|inspect|check` take the lock before the claim, as tuttid and
+    // tutti-bench do, so the refusal (status 2) names the holder instead of only saying the
+    // block device is in use (the claim's refusal cannot name anyone). Needs root and losetup
+    // (skipped, saying why, otherwise; a failure instead with TUTTI_REQUIRE_LOOP=1).
+    use std::os::unix::fs::OpenOptionsExt;
+    let directory = tempfile::tempdir().unwrap();
+    let image = directory.path().join("disk.img");
+    std::fs::File::create(&image).unwrap().set_len(64 << 20).unwrap();
+    let Some(disk) = LoopDevice::attach(&image) else { return };
+    let device = format!("emu:{}", disk.node);
+    assert_status(&tutti(&["pool", "format", "--device", &device, "--model", "llama3-8b", "--overwrite"]), 0, &[]);
+    let before = std::fs::read(&image).unwrap();
+    let held = {
+        let _lock = FlockHolder::take(Path::new(&disk.node));
+        let _claim = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_EXCL).open(&disk.node).unwrap();
+        [
+            tutti(&["pool", "format", "--device", &device, "--model", "llama3-8b", "--overwrite"]),
+            tutti(&["pool", "inspect", "--device", &device]),
+            tutti(&["pool", "check", "--device", &device]),
+        ]
+    };
+    for output in &held {
+        assert_status(output, 2, &["is in use by another process", &disk.node, "is held by"]);
+    }
+    assert!(std::fs::read(&image).unwrap() == before, "a refused run wrote to the disk");
+    assert_status(&tutti(&["pool", "check", "--device", &device]), 0, &[]);
+}
+
+#[test]
 fn a_mounted_block_device_is_refused_as_in_use() {
     // Goal: `emu:` also takes a block device (docs/vllm.md's pool is emu:/dev/nvme0n1), and
     // kernel NVMe names can swap between boots: format on a mounted disk is refused as in use
