@@ -1694,6 +1694,90 @@ def test_saves_on_a_stalled_device_are_given_up_within_about_two_timeouts(tuttid
         worker.shutdown()
 
 
+@pytest.mark.parametrize("case", ["full-queue", "room-after-the-deadline"])
+def test_a_save_given_up_at_a_full_commit_queue_is_a_miss_not_the_sessions_end(tuttid, monkeypatch, case):
+    """Goal: a save that waited out the step's hand-over deadline (back-pressure) is a miss and
+    nothing more: its last layers, still in flight, are left to complete (its request is finished
+    at a later step), the session is not ended (with CPU KV that would end tutti for the worker
+    until it is restarted), and later saves and loads work. And a commit queue with room takes a
+    save even when the step's deadline has passed. tuttid is stalled (SIGSTOP) from layer 1 on,
+    so the saves' last layers are in flight at the hand-over. full-queue: a committer that fell
+    behind (held on an event, its queue given one place: with requests_max places a real store's
+    prepare limit keeps it from filling), two saves: the first is queued, the second waits
+    timeout_s and is given up. room-after-the-deadline: the step's earlier work used its deadline
+    (a sleep before the first hand-over) while the queue has room. Before: the give-up settled the
+    save with no wait, found its layer in flight and broke the session (ended at the next step);
+    in room-after-the-deadline both saves were misses."""
+    import queue
+
+    from tutti.vllm._worker import WorkerSide
+
+    daemon = tuttid(harness.TUTTID_GEOMETRY)
+    timeout_s = 1.0
+    gate = threading.Event()
+    if case == "full-queue":
+        commit_loop = WorkerSide._commit_loop
+
+        def held_commit_loop(self):
+            gate.wait(FINISH_TIMEOUT_S)
+            commit_loop(self)
+
+        monkeypatch.setattr(WorkerSide, "_commit_loop", held_commit_loop)
+    else:
+        gate.set()
+    worker = LocalWorker(daemon.socket, timeout_s=timeout_s, requests_max=2, layers_in_flight=harness.LAYERS)
+    connector = worker.connector
+    try:
+        saves = []
+        for index, name in enumerate(["A", "B"]):
+            blocks = [10 + 2 * index, 11 + 2 * index]
+            worker.fill(blocks, 80 + index)
+            saves.append(SaveSpec(name, prompt(80 + index, blocks=2, tail=0), blocks))
+        if case == "full-queue":
+            connector._commit_queue = queue.Queue(maxsize=1)  # before the held committer's first get
+        else:
+            hand_to_committer = connector._hand_to_committer
+
+            def late_hand_to_committer(req_id, state, deadline):
+                if req_id == "A":
+                    time.sleep(max(0.0, deadline - time.monotonic()) + 0.1)
+                return hand_to_committer(req_id, state, deadline)
+
+            connector._hand_to_committer = late_hand_to_committer
+        with saves_stuck_at_the_committer(daemon, worker, saves):
+            assert connector._broken is None, f"the give-up broke the session: {connector._broken}"
+            if case == "full-queue":
+                assert connector.get_finished({"B"})[0] == {"B"}, "the save given up is reported at once"
+        gate.set()
+        worker.step(TuttiConnectorMetadata())
+        assert connector._dead is None, f"the session was ended: {connector._dead}"
+        committed = {"A"} if case == "full-queue" else {"A", "B"}
+        for save in saves:
+            if save.req_id in committed:
+                wait_reported(worker, save.req_id, connector.get_finished({save.req_id})[0] or set())
+        deadline = time.monotonic() + FINISH_TIMEOUT_S
+        while connector._parked:  # finished once its layers completed, at a step
+            assert time.monotonic() < deadline, "a parked save was never finished"
+            worker.step(TuttiConnectorMetadata())
+            time.sleep(0.01)
+        assert connector._broken is None and connector._dead is None
+        with tutti.LookupClient.connect(daemon.socket, model_fingerprint=connector._fingerprint) as lookup:
+            for save in saves:
+                expected = 2 if save.req_id in committed else 0  # blocks
+                assert lookup.lookup(save.tokens) == expected, save.req_id
+        # Later saves and loads work in the same session.
+        tokens = prompt(90, blocks=2, tail=0)
+        worker.fill([30, 31], 90)
+        worker.save("C", tokens, [30, 31])
+        result = worker.step(TuttiConnectorMetadata(loads=[LoadSpec("L", tokens, [40, 41])]))
+        assert result["load_errors"] == set()
+        assert all(torch.equal(got, want) for got, want in zip(worker.blocks_bytes([40, 41]), worker.blocks_bytes([30, 31])))
+        assert connector._dead is None
+    finally:
+        gate.set()
+        worker.shutdown()
+
+
 def test_the_connector_sizes_its_iocbs_for_vllms_longest_request():
     """Goal: the connector's IOCBs are sized from vLLM's max_model_len (in blocks) when its model
     config has one (tutti._engine.iocbs_for), and as before when it has none (these tests'

@@ -63,6 +63,17 @@ class _WorkerSave:
     completed: int = 0
 
 
+@dataclass
+class _ParkedSave:
+    """A save given up at a full commit queue (a miss) whose last layers may still be in flight:
+    finished once they complete; `since` (time.monotonic()) is when `layer`, its oldest layer in
+    flight, was first seen in flight, which gets timeout_s to complete."""
+
+    request: Any  # tutti.Request
+    layer: Optional[int]
+    since: float
+
+
 class WorkerSide:
     """TuttiConnector's worker-side methods (a mixin: TuttiConnector sets the shared fields and
     calls `_init_worker` in each worker process)."""
@@ -132,6 +143,11 @@ class WorkerSide:
         # Requests of saves given up in a broken session without a wait or an exchange (either
         # could take timeout_s each): kept until the session is ended, which settles them.
         self._abandoned: list[Any] = []
+        # Saves given up at a full commit queue (back-pressure): misses, their requests finished
+        # once their layers complete (`_settle_parked`, at each step). Back-pressure says
+        # nothing about the session: only a layer that does not complete in its own timeout_s
+        # ends it.
+        self._parked: list[_ParkedSave] = []
         self._lock = threading.Lock()
         self._commit_queue: queue.Queue = queue.Queue(maxsize=self._config["requests_max"])
         self._committer = threading.Thread(target=self._commit_loop, name="tutti-vllm-commit", daemon=True)
@@ -267,6 +283,7 @@ class WorkerSide:
         self._last_step_failed_blocks, self._step_failed_blocks = self._step_failed_blocks, set()
         self._last_step_had_loads, self._step_had_loads = self._step_had_loads, bool(connector_metadata.loads)
         self._reattach_if_due()
+        self._settle_parked()
         self._end_session_if_broken()
         self._prepare_saves(connector_metadata.saves)
         self._end_session_if_broken()
@@ -354,21 +371,29 @@ class WorkerSide:
                 )
 
     def _hand_to_committer(self, req_id: str, state: _WorkerSave, deadline: float) -> bool:
-        """Hands the save to the committer; a full queue waits for it (back-pressure), as long as
-        the committer runs and at most until `deadline` (time.monotonic()), after which the save
-        is given up (a miss; a layer of it still in flight ends the session at the next step).
-        False when the committer has stopped: the save is given up (a miss)."""
+        """Hands the save to the committer. A queue with room takes it whatever the time; a full
+        one is waited for (back-pressure) as long as the committer runs and at most until
+        `deadline` (time.monotonic(), shared by the step's hand-overs), after which the save is
+        given up: a miss, its request parked until its layers in flight complete
+        (`_settle_parked`; the session goes on). False when the committer has stopped: the save
+        is given up (a miss)."""
         del self._saves[req_id]
         with self._lock:
             self._save_done[req_id] = None  # with the committer
         item = (req_id, state.token, state.request, self._session, state.issued - state.completed)
         while self._committer.is_alive():
+            try:
+                self._commit_queue.put_nowait(item)
+                return True
+            except queue.Full:
+                pass
             left_s = deadline - time.monotonic()
             if left_s <= 0:
                 logger.warning(
-                    "tutti: the commit queue stayed full for %.1f s; save of request %s not committed", self._timeout_s, req_id
-                )
-                self._settle_save(state.request, deadline=time.monotonic())
+                    "tutti: the commit queue stayed full for the step's %.1f s; save of request %s not committed (a miss)",
+                    self._timeout_s, req_id,
+                )  # fmt: skip
+                self._park(state.request)
                 self._save_settled(req_id, state.token, False)
                 return True
             try:
@@ -430,8 +455,9 @@ class WorkerSide:
         except queue.Full:
             logger.error("tutti: the committer did not take the stop in %.1f s", self._timeout_s)
         self._committer.join(timeout=self._timeout_s)
-        for state in list(self._loads.values()) + list(self._saves.values()):
+        for state in list(self._loads.values()) + list(self._saves.values()) + self._parked:
             self._settle(state.request)
+        self._parked.clear()
         self._store.close()
         with self._lock:
             self._abandoned.clear()
@@ -655,6 +681,49 @@ class WorkerSide:
         self._keep_until_session_ends(state.request, self._session)
         self._save_settled(req_id, state.token, False)
 
+    def _park(self, request: Any) -> None:
+        """Keeps a save given up at a full commit queue until its layers in flight complete: no
+        wait now (the step's hand-overs already waited their timeout_s) and no end of the
+        session, which back-pressure says nothing about."""
+        try:
+            request.poll()
+        except tutti.Error:
+            pass  # a failed layer is no longer in flight
+        self._parked.append(_ParkedSave(request, request.layer_in_flight, time.monotonic()))
+
+    def _settle_parked(self) -> None:
+        """Finishes the parked saves whose layers completed (their request places and pins given
+        back). One whose oldest layer stayed in flight for timeout_s did not complete within its
+        own timeout: it holds its request place and pins, so the session is ended (now, at the
+        step), as for a save the committer gave up with a layer in flight."""
+        if not self._parked or self._dead is not None:
+            return
+        now = time.monotonic()
+        kept: list[_ParkedSave] = []
+        for parked in self._parked:
+            try:
+                parked.request.poll()
+            except tutti.Error:
+                pass  # a failed layer is no longer in flight
+            layer = parked.request.layer_in_flight
+            if layer is None:
+                self._settle_save(parked.request, deadline=now)  # nothing in flight: no wait
+                continue
+            kept.append(parked)
+            if layer != parked.layer:
+                parked.layer, parked.since = layer, now
+            elif now - parked.since >= self._timeout_s:
+                logger.error(
+                    "tutti: layer %d of a save given up at a full commit queue did not complete in %.1f s", layer, self._timeout_s
+                )
+                with self._lock:
+                    if self._broken is None:
+                        self._broken = (
+                            "a layer of a save given up at a full commit queue did not complete (its request place and "
+                            "pins are held)"
+                        )
+        self._parked = kept
+
     def _keep_until_session_ends(self, request: Any, session: int) -> None:
         with self._lock:
             if session == self._session and self._dead is None:
@@ -738,6 +807,7 @@ class WorkerSide:
         # Waits for the layers still in flight (bounded), closes the connection; with a layer
         # still in flight, waits until tuttid dropped the session (its queue pairs deleted).
         self._store.close(timeout_s=self._timeout_s)
+        self._parked.clear()  # settled by the close
         with self._lock:
             self._abandoned.clear()  # settled by the close
         kept = self._store.leaked_registrations()
