@@ -384,7 +384,8 @@ class Store:
 
         devices: device strings as tuttid and tutti-bench take them: "emu:mem:SIZE" (software
         controller over memory, e.g. "emu:mem:1g": starts empty, so needs format=True),
-        "emu:PATH" (over a file; `create_bytes` creates or grows it), "vfio:BDF". Several devices
+        "emu:PATH" (over a file; with format=True, `create_bytes` creates or grows it; without
+        format it is not used: a pool's size is its superblock's), "vfio:BDF". Several devices
         make one pool striped across them.
         format: write a fresh pool for `geometry` first (everything there is lost), with
         `blocks_per_slot` engine blocks per slot, at most `slots_max` slots per device,
