@@ -288,7 +288,17 @@ const CUDA_IPC_HANDLE: &str = "the CUDA IPC handle";
 /// allocation freed or its exporter gone; or one of this process's own), as `tutti_cuda_ipc`
 /// names a `CUresult` (its `Debug` name, cudarc's `cudaError_enum` variant).
 #[cfg(feature = "cuda")]
-const HANDLE_REFUSALS: [&str; 3] = ["CUDA_ERROR_INVALID_VALUE", "CUDA_ERROR_INVALID_HANDLE", "CUDA_ERROR_ALREADY_MAPPED"];
+const HANDLE_REFUSALS: [&str; 6] = [
+    "CUDA_ERROR_INVALID_VALUE",
+    "CUDA_ERROR_INVALID_HANDLE",
+    "CUDA_ERROR_ALREADY_MAPPED",
+    // Documented answers of cuIpcOpenMemHandle to what the client sent: an exporter that died or
+    // lives in another IPC namespace (MAP_FAILED), an allocation on a GPU this one cannot or may
+    // no more reach as a peer (the registration named another GPU than the allocation's).
+    "CUDA_ERROR_MAP_FAILED",
+    "CUDA_ERROR_TOO_MANY_PEERS",
+    "CUDA_ERROR_PEER_ACCESS_UNSUPPORTED",
+];
 
 /// The answer to a failed CUDA import, by whose fault it is: what the client sent
 /// ([`ErrorCode::BadRequest`]: a handle `cuIpcOpenMemHandle` refuses ([`HANDLE_REFUSALS`]), a
@@ -393,7 +403,8 @@ mod tests {
     #[test]
     fn cuda_failures_in_the_daemon_are_not_the_clients_bad_request() {
         // Goal: only what the client sent is its BadRequest: a handle cuIpcOpenMemHandle does not
-        // open (INVALID_VALUE, INVALID_HANDLE, ALREADY_MAPPED) and a range outside the
+        // open (INVALID_VALUE, INVALID_HANDLE, ALREADY_MAPPED, MAP_FAILED, TOO_MANY_PEERS,
+        // PEER_ACCESS_UNSUPPORTED) and a range outside the
         // allocation. The daemon's own CUDA context failing (retaining or making it current, a
         // sticky ILLEGAL_ADDRESS, out of memory while importing, any other call) is StoreFailed
         // and does not send the client looking for "another process's allocation".
@@ -412,7 +423,14 @@ mod tests {
             assert_eq!(code, ErrorCode::StoreFailed, "{described}: {message}");
             assert!(!message.contains("still alive"), "{message}");
         }
-        for handle in ["CUDA_ERROR_INVALID_VALUE", "CUDA_ERROR_INVALID_HANDLE", "CUDA_ERROR_ALREADY_MAPPED"] {
+        for handle in [
+            "CUDA_ERROR_INVALID_VALUE",
+            "CUDA_ERROR_INVALID_HANDLE",
+            "CUDA_ERROR_ALREADY_MAPPED",
+            "CUDA_ERROR_MAP_FAILED",
+            "CUDA_ERROR_TOO_MANY_PEERS",
+            "CUDA_ERROR_PEER_ACCESS_UNSUPPORTED",
+        ] {
             let (code, message) = cuda_refusal(CUDA_IPC_HANDLE, cuda("cuIpcOpenMemHandle", handle));
             assert_eq!(code, ErrorCode::BadRequest, "{message}");
             assert!(message.contains(handle) && message.contains("still alive"), "{message}");
