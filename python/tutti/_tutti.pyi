@@ -392,9 +392,10 @@ class Store:
         `payload_crcs` (record each slot's CRC at commit: needed by verify_retrieves). Without
         format, the pool on the devices is opened (recovery runs) and must have been formatted
         for `geometry` (PoolError otherwise).
-        overwrite: with format, format an "emu:PATH" that holds something other than a tutti
-        pool (a file system, a partition table, a non-empty file of other bytes); without it
-        that is PoolError naming what was found. A tutti pool is reformatted either way.
+        overwrite: with format, format a device that holds something other than a tutti pool
+        (a file system, a partition table, a non-empty file of other bytes; a block device or a
+        "vfio:" SSD that is not a tutti pool, a blank one included); without it that is
+        PoolError naming what was found. A tutti pool is reformatted either way.
         verify_retrieves: check every retrieved block against its recorded CRC (IntegrityError).
         model_fingerprint, tp_rank, tp_world: the key space, as tuttid's (32 bytes, see
         `tutti.fingerprint`); a pool written in-process with a fingerprint is found by tuttid

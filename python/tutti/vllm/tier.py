@@ -66,7 +66,7 @@ TIER_CONFIG_FIELDS = {
         "a file of other bytes), refused without it",
         default=False,
     ),
-    "create_bytes": Field(int, "create or grow an emu:PATH file to this size", check=positive),
+    "create_bytes": Field(int, "with format: create or grow an emu:PATH file to this size (unused without format)", check=positive),
     "slots_max": Field(int, "at most this many pool slots per device when formatting", check=positive),
     "model_fingerprint": Field(str, "64 hex digits naming the model's KV bytes; default: derived from vLLM's offloading config"),
     "lock_dir": Field(str, "where vfio: devices' lock files live (as tuttid's --lock-dir)", default="/run/tutti"),
