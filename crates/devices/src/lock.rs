@@ -9,7 +9,10 @@
 //!   group, but without naming who holds it);
 //! - `emu:mem:` / `emu:null:`: nothing to share, no lock.
 
+use std::cell::RefCell;
+use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
@@ -128,10 +131,18 @@ pub fn holder_of(file: &File, proc_root: &Path) -> String {
         return "another process (the lock file cannot be examined)".into();
     };
     let (major, minor) = split_device(metadata.dev());
+    // A candidate on another device is confirmed by the path its descriptors name, compared with
+    // the one ours names (`has_open`); without our own path there is nothing to compare, and
+    // only a line on the exact device can name the holder.
+    let own_path = own_descriptor_path(file);
+    // Each pid's descriptors are looked at once, however many times /proc/locks is read.
+    let confirmed: RefCell<HashMap<u32, bool>> = RefCell::default();
+    let holds_the_file = |pid: u32| match &own_path {
+        Some(own_path) => *confirmed.borrow_mut().entry(pid).or_insert_with(|| has_open(proc_root, pid, own_path)),
+        None => false,
+    };
     // The kernel produces /proc/locks page by page from lists other processes change meanwhile,
     // so one read can miss a line that was there all along (seen under load in CI): read again.
-    let file_id = (metadata.dev(), metadata.ino());
-    let holds_the_file = |pid: u32| has_open(proc_root, pid, file_id);
     let holder = (0..PROC_LOCKS_READS).find_map(|_| {
         let locks = std::fs::read_to_string(proc_root.join("locks")).unwrap_or_default();
         find_flock_holder(&locks, major, minor, metadata.ino(), &holds_the_file)
@@ -212,21 +223,34 @@ fn find_flock_holder(locks: &str, major: u64, minor: u64, inode: u64, holds_the_
 }
 
 /// Descriptors of one process looked at before giving up: a bound on the walk of
-/// `proc_root/PID/fd` (a process may hold very many).
+/// `proc_root/PID/fd` (a process may hold very many; each look is one readlink, about a
+/// microsecond, so the bound costs at most some tens of milliseconds per candidate).
 const FDS_EXAMINED_MAX: usize = 1 << 16;
 
-/// Whether process `pid` has a file open whose (device, inode), as `stat` reports them, is
-/// `file_id`: a look at `proc_root/PID/fd/*` (each followed to its file). False when that cannot
-/// be read (another user's process, one that has exited).
-fn has_open(proc_root: &Path, pid: u32, file_id: (u64, u64)) -> bool {
+/// The path the kernel shows for this process's descriptor `file` (`/proc/self/fd/N`, always
+/// the real /proc: it is our own descriptor), as it shows another process's descriptors of the
+/// same file; `None` if it cannot be read.
+fn own_descriptor_path(file: &File) -> Option<PathBuf> {
+    std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd())).ok()
+}
+
+/// Whether process `pid` has a descriptor whose link in `proc_root/PID/fd` names `own_path`
+/// (the lock file as our own descriptor names it). Only the links' text is read (readlink, which
+/// the kernel answers from its own record of the open file): following a link (stat, open)
+/// reaches the file's filesystem, and on a hung hard-mounted NFS or FUSE mount that blocks
+/// without end, with tuttid's stop signals blocked while it opens its pool. So a descriptor
+/// opened through another name (a hard link, another mount namespace's path) is not recognised
+/// and the holder is reported as not found, never misnamed. False when the directory cannot be
+/// read (another user's process, one that has exited).
+fn has_open(proc_root: &Path, pid: u32, own_path: &Path) -> bool {
     let Ok(entries) = std::fs::read_dir(proc_root.join(pid.to_string()).join("fd")) else {
         return false;
     };
     entries
         .take(FDS_EXAMINED_MAX)
         .filter_map(Result::ok)
-        .filter_map(|entry| std::fs::metadata(entry.path()).ok())
-        .any(|metadata| (metadata.dev(), metadata.ino()) == file_id)
+        .filter_map(|entry| std::fs::read_link(entry.path()).ok())
+        .any(|target| target == own_path)
 }
 
 #[cfg(test)]
@@ -271,8 +295,39 @@ mod tests {
         std::fs::write(proc_root.join("locks"), line).unwrap();
         let holder = holder_of(&file, &proc_root);
         assert!(holder.contains("not found"), "{holder}");
-        std::os::unix::fs::symlink(&image, process.join("fd").join("3")).unwrap();
+        std::os::unix::fs::symlink(own_descriptor_path(&file).unwrap(), process.join("fd").join("3")).unwrap();
         assert_eq!(holder_of(&file, &proc_root), "pid 4242 (unrelated --flag)");
+    }
+
+    #[test]
+    fn a_holder_is_confirmed_by_the_path_its_descriptor_names_never_by_following_it() {
+        // Goal: confirming a candidate holder must not stat through its /proc/PID/fd links: a
+        // descriptor of a file on a hung NFS or FUSE mount would block that stat without end,
+        // inside tuttid's open_pool with its SIGINT and SIGTERM blocked. The link's text (the
+        // kernel's path of the open file) is compared with the lock file's own: a descriptor
+        // naming the file through a hard link (same device and inode, another path) is no
+        // confirmation, which only following the link could give; one naming its path is.
+        let directory = tempfile::tempdir().unwrap();
+        let image = directory.path().join("pool.img");
+        std::fs::write(&image, [0u8; 4096]).unwrap();
+        let other_name = directory.path().join("other-name.img");
+        std::fs::hard_link(&image, &other_name).unwrap();
+        let file = File::open(&image).unwrap();
+        let metadata = file.metadata().unwrap();
+        let (major, minor) = split_device(metadata.dev());
+        let proc_root = directory.path().join("proc");
+        let process = proc_root.join("4242");
+        std::fs::create_dir_all(process.join("fd")).unwrap();
+        std::fs::write(process.join("cmdline"), b"holder\0").unwrap();
+        let line = format!("1: FLOCK  ADVISORY  WRITE 4242 {:02x}:{:02x}:{} 0 EOF\n", major + 1, minor, metadata.ino());
+        std::fs::write(proc_root.join("locks"), line).unwrap();
+        std::os::unix::fs::symlink(&other_name, process.join("fd").join("3")).unwrap();
+        let holder = holder_of(&file, &proc_root);
+        assert!(holder.contains("not found"), "the link was followed to the file: {holder}");
+        // What the kernel shows for a descriptor of the file: its path, as a holder's link has it.
+        let own_path = own_descriptor_path(&file).expect("this process's descriptor names its file");
+        std::os::unix::fs::symlink(own_path, process.join("fd").join("4")).unwrap();
+        assert_eq!(holder_of(&file, &proc_root), "pid 4242 (holder)");
     }
 
     #[test]
