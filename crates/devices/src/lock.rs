@@ -61,7 +61,12 @@ impl DeviceLocks {
             let file = match opened {
                 Ok(file) => file,
                 Err(error) if is_file && error.kind() == std::io::ErrorKind::NotFound => continue,
-                Err(source) => return Err(DeviceError::Io { context: format!("opening {} to lock it", path.display()), source }),
+                Err(source) => {
+                    // A socket fails open(2) (ENXIO), and a directory opened for writing does
+                    // (EISDIR), before any descriptor could be examined: the path says what it is.
+                    refuse_special_path(spec, &path)?;
+                    return Err(DeviceError::Io { context: format!("opening {} to lock it", path.display()), source });
+                }
             };
             refuse_special_file(spec, &path, &file)?;
             locks.lock(spec, path, file)?;
@@ -106,7 +111,21 @@ pub(crate) fn open_without_waiting(path: &Path, options: &mut OpenOptions) -> st
 pub(crate) fn refuse_special_file(spec: &DeviceSpec, path: &Path, file: &File) -> Result<(), DeviceError> {
     let metadata =
         file.metadata().map_err(|source| DeviceError::Io { context: format!("examining {} (what it is)", path.display()), source })?;
-    let file_type = metadata.file_type();
+    refuse_special_type(spec, path, metadata.file_type())
+}
+
+/// [`refuse_special_file`] for a `path` that could not be opened (a socket cannot be): its
+/// type from `stat` of the path, following symlinks as the open did (stat opens nothing, so a
+/// FIFO does not make it wait). Ok when the path cannot be examined either: the caller reports
+/// the open's own error.
+pub(crate) fn refuse_special_path(spec: &DeviceSpec, path: &Path) -> Result<(), DeviceError> {
+    match std::fs::metadata(path) {
+        Ok(metadata) => refuse_special_type(spec, path, metadata.file_type()),
+        Err(_) => Ok(()),
+    }
+}
+
+fn refuse_special_type(spec: &DeviceSpec, path: &Path, file_type: std::fs::FileType) -> Result<(), DeviceError> {
     let kind = if file_type.is_file() || file_type.is_block_device() || file_type.is_char_device() {
         return Ok(());
     } else if file_type.is_fifo() {
@@ -328,6 +347,21 @@ mod tests {
         let own_path = own_descriptor_path(&file).expect("this process's descriptor names its file");
         std::os::unix::fs::symlink(own_path, process.join("fd").join("4")).unwrap();
         assert_eq!(holder_of(&file, &proc_root), "pid 4242 (holder)");
+    }
+
+    #[test]
+    fn a_socket_is_refused_naming_what_it_is() {
+        // Goal: `emu:SOCKET` is refused as a socket (NotAFileOrDevice), not as an I/O error:
+        // open(2) fails on a socket (ENXIO) before any fstat could tell what it is, so the path
+        // itself is examined (stat, no open) when the open fails.
+        let directory = tempfile::tempdir().unwrap();
+        let socket = directory.path().join("pool.img");
+        let _listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+        for create_files in [false, true] {
+            let error = DeviceLocks::acquire(&[DeviceSpec::EmuFile(socket.clone())], directory.path(), create_files).unwrap_err();
+            assert!(matches!(error, DeviceError::NotAFileOrDevice { .. }), "{error}");
+            assert!(error.to_string().contains(&format!("{} is a socket", socket.display())), "{error}");
+        }
     }
 
     #[test]
