@@ -21,6 +21,8 @@ use crate::DaemonError;
 pub struct DeviceLocks {
     locks: tutti_devices::DeviceLocks,
     claims: BlockDeviceClaims,
+    /// Sets taken later for more devices ([`DeviceLocks::extend`]), held as long as this one.
+    more: Vec<(tutti_devices::DeviceLocks, BlockDeviceClaims)>,
 }
 
 impl DeviceLocks {
@@ -43,16 +45,26 @@ impl DeviceLocks {
         };
         let locks = tutti_devices::DeviceLocks::acquire(specs, lock_dir, create_files).map_err(daemon_error)?;
         let claims = BlockDeviceClaims::acquire(specs, opener).map_err(daemon_error)?;
-        Ok(DeviceLocks { locks, claims })
+        Ok(DeviceLocks { locks, claims, more: Vec::new() })
     }
 
-    /// The block devices claimed, to read what they hold before formatting them.
+    /// The block devices claimed when this set was acquired (not those of sets added by
+    /// [`DeviceLocks::extend`]), to read what they hold before formatting them.
     pub fn claims(&self) -> &BlockDeviceClaims {
         &self.claims
     }
 
+    /// Holds `other` (locks and claims on other devices) as long as this set, without letting go
+    /// of anything: a format locks the files it creates only after the existing ones were taken
+    /// and read, and keeps both.
+    pub fn extend(&mut self, other: DeviceLocks) {
+        self.more.push((other.locks, other.claims));
+        self.more.extend(other.more);
+    }
+
+    /// Every lock file held, this set's and those added by [`DeviceLocks::extend`].
     pub fn paths(&self) -> impl Iterator<Item = &Path> {
-        self.locks.paths()
+        self.locks.paths().chain(self.more.iter().flat_map(|(locks, _)| locks.paths()))
     }
 }
 

@@ -75,19 +75,23 @@ pub fn open_pool(options: &PoolOptions) -> Result<OpenedPool, DaemonError> {
     // Existing files are locked and read first, the ones a format is to create only once
     // nothing refused (as `tutti pool format` orders it): a refusal leaves no file behind.
     let mut locks = DeviceLocks::acquire(&options.specs, &options.lock_dir, false)?;
-    refuse_foreign_files(options, &locks)?;
-    let missing = |locks: &DeviceLocks| {
-        options.specs.iter().any(|spec| matches!(spec, DeviceSpec::EmuFile(path) if !locks.paths().any(|held| held == path)))
-    };
-    if create_bytes.is_some() && missing(&locks) {
-        // The opened pool keeps one set of locks (`OpenedPool::locks`), so the set is taken
-        // again, creating the missing files this time. A process that takes one of the locks
-        // in between makes this open fail as in use, as any holder does; what the existing
-        // files hold is read again under the new locks (only a change made in between can be
-        // refused here, after the missing files were made).
-        drop(locks);
-        locks = DeviceLocks::acquire(&options.specs, &options.lock_dir, true)?;
-        refuse_foreign_files(options, &locks)?;
+    refuse_foreign_files(options, &options.specs, &locks)?;
+    let missing: Vec<DeviceSpec> = options
+        .specs
+        .iter()
+        .filter(|spec| matches!(spec, DeviceSpec::EmuFile(path) if !locks.paths().any(|held| held == path)))
+        .cloned()
+        .collect();
+    if create_bytes.is_some() && !missing.is_empty() {
+        // Only the missing files are locked now, creating them; the locks and claims on the
+        // existing ones stay held throughout (letting go to take the whole set again would let
+        // another starter in between, and two racing starters would both be refused as in use).
+        #[cfg(test)]
+        tests::BEFORE_CREATING_FILES.with(|hook| hook.take().map(|hook| hook()));
+        let created = DeviceLocks::acquire(&missing, &options.lock_dir, true)?;
+        // A file another process made since the first look is read as the others were.
+        refuse_foreign_files(options, &missing, &created)?;
+        locks.extend(created);
     }
     let mut emu = pool_emu_options(options.emu_lba_bytes, create_bytes);
     emu.config =
@@ -115,12 +119,12 @@ pub fn open_pool(options: &PoolOptions) -> Result<OpenedPool, DaemonError> {
     Ok(OpenedPool { pool, devices, report, emulators, locks })
 }
 
-/// With `format` and without `overwrite`, refuses an `emu:` device that holds something other
+/// With `format` and without `overwrite`, refuses an `emu:` device of `specs` that holds something other
 /// than a tutti pool (tutti-devices' `refuse_foreign_contents`), reading block devices through
 /// the claims in `locks`: before a file is created or grown or a controller writes anything.
-fn refuse_foreign_files(options: &PoolOptions, locks: &DeviceLocks) -> Result<(), DaemonError> {
+fn refuse_foreign_files(options: &PoolOptions, specs: &[DeviceSpec], locks: &DeviceLocks) -> Result<(), DaemonError> {
     if options.format.is_some() && !options.overwrite {
-        tutti_devices::refuse_foreign_contents(&options.specs, locks.claims()).map_err(DaemonError::Devices)?;
+        tutti_devices::refuse_foreign_contents(specs, locks.claims()).map_err(DaemonError::Devices)?;
     }
     Ok(())
 }
@@ -145,10 +149,56 @@ fn format_targets(
 
 #[cfg(test)]
 mod tests {
+    use std::cell::{Cell, RefCell};
+    use std::rc::Rc;
+
     use objstore::ModelGeometry;
     use tutti_devices::DeviceError;
 
     use super::*;
+
+    thread_local! {
+        /// Run by open_pool (on the test's thread) just before it locks the files a format is
+        /// to create: a test looks at what is held at that moment.
+        pub(super) static BEFORE_CREATING_FILES: RefCell<Option<Box<dyn FnOnce()>>> = RefCell::new(None);
+    }
+
+    #[test]
+    fn the_existing_files_stay_locked_while_missing_ones_are_created() {
+        // Goal: a format that creates a missing emu: file keeps the locks (and block-device
+        // claims) it took on the existing files to the end: no moment in which another tuttid
+        // or `tutti pool` can take one (two starters racing both failed as in use, each having
+        // let go of what the other then found held). Just before the missing file is locked,
+        // another locker of the existing file must be refused as in use.
+        let directory = tempfile::tempdir().unwrap();
+        let existing = directory.path().join("existing.img");
+        std::fs::write(&existing, b"").unwrap();
+        let missing = directory.path().join("new.img");
+        let geometry = ModelGeometry { layers: 2, kv_heads: 2, head_dim: 64, dtype_bytes: 2, block_tokens: 16 };
+        let options = PoolOptions {
+            specs: vec![DeviceSpec::EmuFile(existing.clone()), DeviceSpec::EmuFile(missing.clone())],
+            namespace: 1,
+            emu_lba_bytes: 4096,
+            emu_create_bytes: Some(64 << 20),
+            format: Some(FormatParams { geometry, blocks_per_slot: 1, slot_count_max: None, pool_uuid: None, payload_crc: false }),
+            overwrite: false,
+            lock_dir: directory.path().join("locks"),
+            client_queue_pairs: 1,
+            emu_doorbell_relay: false,
+        };
+        let refused_meanwhile: Rc<Cell<Option<bool>>> = Rc::default();
+        let (seen, spec, lock_dir) = (refused_meanwhile.clone(), options.specs[0].clone(), options.lock_dir.clone());
+        BEFORE_CREATING_FILES.with(|hook| {
+            *hook.borrow_mut() = Some(Box::new(move || {
+                let other = tutti_devices::DeviceLocks::acquire(&[spec], &lock_dir, false);
+                seen.set(Some(matches!(other, Err(DeviceError::DeviceInUse { .. }))));
+            }))
+        });
+        let opened = open_pool(&options).expect("format and open");
+        assert_eq!(refused_meanwhile.get(), Some(true), "the existing file's lock was let go while the missing file was created");
+        let held: Vec<&std::path::Path> = opened.locks.paths().collect();
+        assert!(held.contains(&existing.as_path()) && held.contains(&missing.as_path()), "{held:?}");
+    }
 
     #[test]
     fn a_namespace_holding_a_file_system_is_not_formatted_unless_overwrite() {
