@@ -632,6 +632,118 @@ def test_scheduler_and_workers_agree_on_the_fingerprint_when_model_code_rewrites
         scheduler.shutdown()
 
 
+def llama_model_config(model_dir, hf_overrides=None, **checkpoint):
+    """A real vLLM ModelConfig over a small Llama config.json written into `model_dir`."""
+    import json
+
+    from vllm.config import ModelConfig
+
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
+        "num_attention_heads": 4, "num_key_value_heads": harness.KV_HEADS, "num_hidden_layers": harness.LAYERS,
+        "head_dim": harness.HEAD_DIM, "vocab_size": 1000, "max_position_embeddings": 4096, "rope_theta": 10000.0,
+        "torch_dtype": "bfloat16", **checkpoint,
+    }))  # fmt: skip
+    return ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", hf_overrides=hf_overrides or {})
+
+
+def test_a_worker_whose_fingerprint_is_not_the_schedulers_stops_at_the_first_step(tuttid, tmp_path):
+    """Goal: scheduler and workers compute their default fingerprints each on its own (each
+    reads the checkpoint's config.json), and when one read failed (the file gone, unreadable, a
+    revision that moved) their key spaces differ: every lookup would miss every save, with only a
+    warning logged. The worker compares the scheduler's fingerprint, carried in each step's
+    metadata, with its own when it binds it, and raises ConfigError naming both fingerprints,
+    their inputs and the fix (an explicit model_fingerprint), at every later step too. A real
+    vLLM ModelConfig over a local directory; config.json renamed away between the scheduler's
+    connector and the worker's. Before: both connectors were built and the step ran, with
+    different fingerprints."""
+    daemon = tuttid(harness.TUTTID_GEOMETRY)
+    vllm_config = harness.vllm_config(daemon.socket, 1)
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}
+    vllm_config.model_config = llama_model_config(tmp_path / "m", rope_scaling=yarn)
+    scheduler = harness.make_connector(vllm_config, KVConnectorRole.SCHEDULER)
+    (tmp_path / "m" / "config.json").rename(tmp_path / "m" / "config.json.away")
+    worker = harness.make_connector(vllm_config, KVConnectorRole.WORKER)
+    try:
+        meta = scheduler.build_connector_meta(harness.scheduler_output())
+        assert meta.model_fingerprint == scheduler._fingerprint
+        worker.handle_preemptions(meta)
+        with pytest.raises(ConfigError) as raised:
+            worker.bind_connector_metadata(meta)
+        message = str(raised.value)
+        for what in (scheduler._fingerprint.hex(), worker._fingerprint.hex(), '"model_fingerprint"', "rope_scaling"):
+            assert what in message, f"{what} not in {message}"
+        worker.clear_connector_metadata()
+        with pytest.raises(ConfigError):
+            worker.bind_connector_metadata(scheduler.build_connector_meta(harness.scheduler_output()))
+    finally:
+        worker.shutdown()
+        scheduler.shutdown()
+    # Both read it: the worker binds the scheduler's metadata.
+    (tmp_path / "m" / "config.json.away").rename(tmp_path / "m" / "config.json")
+    scheduler = harness.make_connector(vllm_config, KVConnectorRole.SCHEDULER)
+    worker = harness.make_connector(vllm_config, KVConnectorRole.WORKER)
+    try:
+        worker.bind_connector_metadata(scheduler.build_connector_meta(harness.scheduler_output()))
+        worker.clear_connector_metadata()
+    finally:
+        worker.shutdown()
+        scheduler.shutdown()
+
+
+def test_the_checkpoint_config_is_read_at_the_commit_vllm_resolved_and_read_again_after_a_failure(monkeypatch, tmp_path):
+    """Goal: the config.json of a Hugging Face model is looked up at the commit vLLM resolved its
+    revision to (huggingface_hub's ResolvedRevision: its str is "main", which may point to another
+    commit by the time another process reads it), and that commit, not "main", is hashed; a read
+    that fails is tried again (a transient failure in one process would split its key space from
+    the others'), and whatever a read raises (RecursionError of a deeply nested file included)
+    leaves the RoPE part out instead of failing the connector. Before: "main" was looked up and
+    hashed, and one failed read was final."""
+    import json
+    from types import SimpleNamespace
+
+    from huggingface_hub._revision import ResolvedRevision
+    from tutti.vllm import connector as connector_module
+    from vllm.transformers_utils import repo_utils
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"rope_theta": 5e5}))
+    asked: list = []
+    answers: list = []
+
+    def try_get_local_file(model, file_name, revision="main"):
+        asked.append(revision)
+        answer = answers.pop(0) if answers else path
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(repo_utils, "try_get_local_file", try_get_local_file)
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    model = SimpleNamespace(model="org/model", revision=ResolvedRevision(commit, None, "org/model"), hf_overrides={})
+    assert str(model.revision) == "main"
+    assert connector_module._read_checkpoint_config(model) == {"rope_theta": 5e5}
+    assert asked == [commit], asked
+    identity = connector_module._model_identity(
+        SimpleNamespace(model_config=SimpleNamespace(dtype="bfloat16", quantization=None, **vars(model)), cache_config=SimpleNamespace(block_size=16, cache_dtype="auto")),
+        None, "LBHNC",
+    )  # fmt: skip
+    assert commit in identity and "main" not in identity, identity
+
+    asked.clear()
+    answers[:] = [None, OSError("injected: the cache is being written")]
+    assert connector_module._read_checkpoint_config(model) == {"rope_theta": 5e5}, "not read again after a failure"
+    assert len(asked) == 3
+    nested = tmp_path / "nested.json"
+    nested.write_text("[" * 100_000 + "]" * 100_000)
+    for failure in ([nested] * 3, [tmp_path] * 3, [RecursionError("injected")] * 3):
+        answers[:] = failure
+        started = time.monotonic()
+        assert connector_module._read_checkpoint_config(model) is None
+        assert time.monotonic() - started < 1.0
+
+
 def test_lookups_after_a_timeout_reconnect_and_back_off(tuttid):
     """Goal: a lookup that times out (tuttid stalled) is a miss after lookup_timeout_s; the
     connection it leaves out of step is dropped; the timeout starts a back-off during which

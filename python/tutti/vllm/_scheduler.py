@@ -63,6 +63,7 @@ class SchedulerSide:
     _block_size: int
     _tp_world: int
     _fingerprint: bytes
+    _fingerprint_inputs: str
 
     def _init_scheduler(self) -> None:
         self._lookup_timeout_s = float(self._config["lookup_timeout_s"])
@@ -214,7 +215,8 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         """This step's loads (allocated since the last step), saves (requests whose prompt is
         complete by the end of this step: its whole blocks) and preemptions."""
-        meta = TuttiConnectorMetadata()
+        # The workers check that they share the scheduler's key space (`_check_scheduler_fingerprint`).
+        meta = TuttiConnectorMetadata(model_fingerprint=self._fingerprint, model_identity=self._fingerprint_inputs)
         preempted = set(scheduler_output.preempted_req_ids or ())
         meta.preempted_req_ids = preempted
         allocated, self._allocated = self._allocated, set()

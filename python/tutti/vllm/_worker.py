@@ -82,6 +82,7 @@ class WorkerSide:
     _block_size: int
     _tp_world: int
     _fingerprint: bytes
+    _fingerprint_inputs: str
     _kv_layout: str
     _timeout_s: float
     _iocbs: int
@@ -99,6 +100,10 @@ class WorkerSide:
         self._reattach_at = 0.0
         self._reattach_backoff_s = 0.0
         self.reattaches = 0
+        # Whether the scheduler's model fingerprint was compared with this worker's (once, at the
+        # first metadata carrying it), and why they differ (raised at every later bind).
+        self._fingerprint_checked = False
+        self._fingerprint_mismatch: Optional[str] = None
         self._layer_index: dict[str, int] = {}
         self._cuda_device: Optional[torch.device] = None
         self._layer_names: list[str] = []
@@ -279,6 +284,7 @@ class WorkerSide:
     def _bind_worker_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """The worker's part of bind_connector_metadata: prepares the step's saves."""
         assert isinstance(connector_metadata, TuttiConnectorMetadata)
+        self._check_scheduler_fingerprint(connector_metadata)
         self._loads_started = False
         self._last_step_failed_blocks, self._step_failed_blocks = self._step_failed_blocks, set()
         self._last_step_had_loads, self._step_had_loads = self._step_had_loads, bool(connector_metadata.loads)
@@ -287,6 +293,51 @@ class WorkerSide:
         self._end_session_if_broken()
         self._prepare_saves(connector_metadata.saves)
         self._end_session_if_broken()
+
+    def _check_scheduler_fingerprint(self, meta: TuttiConnectorMetadata) -> None:
+        """Raises ConfigError when the scheduler's model fingerprint (in its metadata) is not this
+        worker's or another rank's: each process computes its default fingerprint on its own
+        (the checkpoint's config.json read in each), and a difference would make every lookup
+        miss every save, silently. Compared once, at the first metadata that carries it; with
+        tensor parallelism the ranks then agree in one all-reduce over vLLM's TP CPU group (every
+        rank binds the same metadata), so that every rank raises, vLLM's executor reports the
+        error and stops the engine, and no rank is left waiting in the forward's collectives for
+        one that raised. Once raised, raised again at every later bind (nothing is loaded or
+        saved)."""
+        if self._fingerprint_mismatch is not None:
+            raise ConfigError(self._fingerprint_mismatch)
+        theirs = meta.model_fingerprint
+        if theirs is None or self._fingerprint_checked:
+            return
+        self._fingerprint_checked = True
+        differs_here = bytes(theirs) != self._fingerprint
+        differs = [differs_here]
+        ranks = [self._tp_rank]
+        if self._tp_world > 1:
+            ranks = list(range(self._tp_world))
+            flags = [rank == self._tp_rank and differs_here for rank in ranks]
+            try:
+                differs = _failed_on_any_rank(flags)
+            except Exception as error:  # noqa: BLE001 - this rank's own answer still stands
+                logger.error("tutti: the tensor-parallel ranks could not compare their model fingerprints (%s)", error)
+                differs = flags
+        other = [rank for rank, flag in zip(ranks, differs) if flag]
+        if not other:
+            return
+        here = (
+            f"this worker's (rank {self._tp_rank}) is {self._fingerprint.hex()}, computed from {self._fingerprint_inputs}"
+            if differs_here
+            else f"this worker's (rank {self._tp_rank}) is the scheduler's, but tensor-parallel rank(s) {other} computed another"
+        )
+        self._fingerprint_mismatch = (
+            f"tutti: the scheduler's model fingerprint is {bytes(theirs).hex()}, computed from "
+            f"{meta.model_identity or 'inputs it did not send'}; {here}. The scheduler's lookups would never find "
+            "the workers' saves: one process read other inputs than another (the checkpoint's config.json missing or "
+            "unreadable in one of them, see the warnings logged; a Hugging Face revision that moved between their "
+            'reads). Set an explicit "model_fingerprint" (64 hex digits naming the model, its weights and RoPE '
+            "configuration) in kv_connector_extra_config, or make config.json readable in every process"
+        )
+        raise ConfigError(self._fingerprint_mismatch)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         """Prepares this step's loads and issues each one's first layers, `layers_in_flight` of

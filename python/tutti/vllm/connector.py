@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from typing import TYPE_CHECKING, Any, Optional
 
 from tutti._engine import (
@@ -95,8 +96,16 @@ class TuttiConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
         _refuse_kv_cache_groups_freed_early(kv_cache_config)
         self._tp_world = int(parallel.tensor_parallel_size)
         self._kv_layout = _resolved_kv_layout(vllm_config, kv_cache_config)
-        self._fingerprint = fingerprint_from_config(
-            self._config["model_fingerprint"], *_model_identity(vllm_config, kv_cache_config, self._kv_layout)
+        explicit = self._config["model_fingerprint"]
+        # An explicit fingerprint stands for all of the model identity: nothing of it is read.
+        identity = [] if explicit is not None else _model_identity(vllm_config, kv_cache_config, self._kv_layout)
+        self._fingerprint = fingerprint_from_config(explicit, *identity)
+        # What the fingerprint was computed from, for the message of a scheduler and a worker
+        # that disagree (TuttiConnectorMetadata.model_identity).
+        self._fingerprint_inputs = (
+            "the explicit model_fingerprint of kv_connector_extra_config"
+            if explicit is not None
+            else json.dumps(identity, default=str, separators=(",", ":"))
         )
         self._timeout_s = float(self._config["timeout_s"])
         # Checked in both roles, so that a bad pair is refused where vLLM builds the connector.
@@ -170,6 +179,9 @@ _HF_KV_FIELDS = ("rope_scaling", "rope_parameters", "rope_theta", "partial_rotar
 _CONFIG_DEPTH_MAX = 8
 # The Hugging Face config file vLLM's HF config parser reads.
 _HF_CONFIG_NAME = "config.json"
+# The waits before each new try of a config.json read that failed (1 s in all at most: vLLM
+# builds the connector at start-up).
+_CONFIG_READ_RETRIES_S = (0.1, 0.3)
 # RoPE fields of a dict vLLM holds as its config's RoPE parameters that model code rewrites in
 # place at load_model (vLLM 0.32): GLM-4/4.5 setdefault partial_rotary_factor 0.5; Falcon-H1,
 # Bailing, GPT-J, MiniMax-M2 write rotary_dim / head_dim (named by the checkpoint's config.json).
@@ -245,37 +257,61 @@ def _collect_rope_fields(config: dict, prefix: str, found: dict[str, Any], depth
 def _read_checkpoint_config(model: Any) -> Optional[dict]:
     """The checkpoint's config.json as a dict, read from the model's directory or from the
     Hugging Face cache where vLLM's config loading put it (vLLM's try_get_local_file: no
-    download, no network), with vLLM's hf_config_path and revision; None (logged) when there is
-    none locally."""
-    from pathlib import Path
-
+    download, no network), with vLLM's hf_config_path and the commit its revision was resolved
+    to (`_pinned_revision`: the revision's name, e.g. "main", may move between the reads of two
+    processes). A read that fails is tried again (`_CONFIG_READ_RETRIES_S`: a file being
+    replaced, the cache being written; vLLM retries its own config parsing likewise); None
+    (logged) when there is none locally or it cannot be read. Scheduler and workers each read
+    it: a difference between them is caught when the workers bind the scheduler's first
+    metadata (WorkerSide._check_scheduler_fingerprint)."""
     source = getattr(model, "hf_config_path", None) or getattr(model, "model", None)
-    revision = getattr(model, "_hf_config_revision", None) or getattr(model, "revision", None)
+    revision = _pinned_revision(getattr(model, "_hf_config_revision", None) or getattr(model, "revision", None))
     if not source:
         return None
-    path: Any = None
+    why = ""
+    for retry_s in (0.0, *_CONFIG_READ_RETRIES_S):
+        time.sleep(retry_s)
+        config, why, final = _try_read_config(source, revision)
+        if config is not None:
+            return config
+        if final:
+            break
+    logging.getLogger("tutti.vllm").warning(
+        "tutti: no readable local %s for model %s (%s): the default model fingerprint names the model, its revision and "
+        "hf_overrides, not the checkpoint's RoPE parameters; set model_fingerprint if the config at this path changes",
+        _HF_CONFIG_NAME, source, why,
+    )  # fmt: skip
+    return None
+
+
+def _try_read_config(source: Any, revision: Any) -> tuple[Optional[dict], str, bool]:
+    """One read of the checkpoint's config.json: (the config or None, why not, whether the
+    answer is final: read, or known not to exist in the cache)."""
+    from pathlib import Path
+
     try:
         from vllm.transformers_utils.repo_utils import try_get_local_file
 
         path = try_get_local_file(model=source, file_name=_HF_CONFIG_NAME, revision=revision)
-    except Exception as error:  # noqa: BLE001 - any failure to find it is "not available locally"
-        logging.getLogger("tutti.vllm").debug("tutti: looking for %s of %s failed: %s", _HF_CONFIG_NAME, source, error)
-    config = None
-    if isinstance(path, Path) and path.is_file():
-        try:
-            with open(path, encoding="utf-8") as file:
-                config = json.load(file)
-        except (OSError, ValueError) as error:
-            logging.getLogger("tutti.vllm").warning("tutti: %s could not be read: %s", path, error)
-            config = None
+        if not isinstance(path, Path):
+            # None: not found; huggingface_hub's _CACHED_NO_EXIST: known not to exist there.
+            return None, "not in the model's directory nor in the Hugging Face cache", path is not None
+        with open(path, encoding="utf-8") as file:
+            config = json.load(file)
+    except Exception as error:  # noqa: BLE001 - OSError, ValueError (JSON, UnicodeDecodeError), RecursionError, the lookup's
+        return None, f"{type(error).__name__}: {error}", False
     if not isinstance(config, dict):
-        logging.getLogger("tutti.vllm").warning(
-            "tutti: no local %s for model %s: the default model fingerprint names the model, its revision and "
-            "hf_overrides, not the checkpoint's RoPE parameters; set model_fingerprint if the config at this path changes",
-            _HF_CONFIG_NAME, source,
-        )  # fmt: skip
-        return None
-    return config
+        return None, f"{path} holds no JSON object", True
+    return config, "", True
+
+
+def _pinned_revision(revision: Any) -> Any:
+    """The commit a Hugging Face revision was resolved to: vLLM resolves the model's revision
+    once (huggingface_hub's ResolvedRevision, pickled to the workers with it), whose str is the
+    name asked for ("main") and `.resolved` the commit loaded; the name looked up again later
+    could give another commit. Any other revision (a local model: None) as given."""
+    resolved = getattr(revision, "resolved", None)
+    return str(resolved) if resolved else revision
 
 
 def _stable_value(value: Any) -> Any:
@@ -386,7 +422,7 @@ def _model_identity(vllm_config: "VllmConfig", kv_cache_config: Optional["KVCach
     cache = vllm_config.cache_config
     parts: list[Any] = ["vllm", cache.block_size, str(cache.cache_dtype)]
     if model is not None:
-        parts += [model.model, str(model.revision), str(model.dtype), str(model.quantization)]
+        parts += [model.model, str(_pinned_revision(model.revision)), str(model.dtype), str(model.quantization)]
         parts += ["hf config", _hf_config_identity(model)]
     parts += ["kv layout", kv_layout]
     for group in getattr(kv_cache_config, "kv_cache_groups", None) or []:

@@ -39,11 +39,19 @@ class SaveSpec:
 
 @dataclass
 class TuttiConnectorMetadata(KVConnectorMetadata):
-    """One step's instructions for the workers (pickled to them by vLLM)."""
+    """One step's instructions for the workers (pickled to them by vLLM).
+
+    `model_fingerprint` is the scheduler's (its lookups' key space) and `model_identity` what it
+    was computed from: each worker compares it with its own when it binds the metadata and stops
+    on a difference (ConfigError), since every lookup would then miss the workers' saves. Each
+    process computes its default fingerprint itself, from a config.json it reads on its own. None
+    (metadata not built by the scheduler's connector): not compared."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     preempted_req_ids: set[str] = field(default_factory=set)
+    model_fingerprint: Optional[bytes] = None
+    model_identity: Optional[str] = None
 
 
 def connection_lost(error: Exception) -> bool:
