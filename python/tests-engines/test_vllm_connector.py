@@ -648,6 +648,38 @@ def llama_model_config(model_dir, hf_overrides=None, **checkpoint):
     return ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", hf_overrides=hf_overrides or {})
 
 
+def test_a_rope_override_of_any_type_names_one_key_space_although_deepseek_rewrites_its_type(tuttid, tmp_path):
+    """Goal: DeepSeek-V2/V3's constructors turn any rope_type but "default" of the config's RoPE
+    parameters into "deepseek_yarn" or "deepseek_llama_scaling" at the worker's load_model, and a
+    dict hf_overrides gives for rope_scaling is that very object in vLLM: with rope_type "linear"
+    the scheduler hashed "linear" and the worker "yarn" (the rewrites were mapped back to "yarn"
+    only), so no lookup ever hit. rope_type is now left out of hf_overrides' RoPE dicts; the
+    override's factor still gives it another key space than the plain model. The rewrite is made
+    by hand, as the model constructors make it."""
+    daemon = tuttid(harness.TUTTID_GEOMETRY)
+    vllm_config = harness.vllm_config(daemon.socket, 1)
+    vllm_config.model_config = llama_model_config(tmp_path / "m", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+    rope = vllm_config.model_config.hf_text_config.rope_parameters
+    assert rope["rope_type"] == "linear", rope
+    scheduler = harness.make_connector(vllm_config, KVConnectorRole.SCHEDULER)
+    # DeepSeek-V2/V3's DeepseekV2Attention / DeepseekV2MLAAttention at load_model.
+    rope["rope_type"] = "deepseek_llama_scaling" if rope.get("attention_factor") == 1.0 else "deepseek_yarn"
+    worker = harness.make_connector(vllm_config, KVConnectorRole.WORKER)
+    try:
+        assert worker._fingerprint == scheduler._fingerprint, "the workers' key space is not the scheduler's"
+        worker.bind_connector_metadata(scheduler.build_connector_meta(harness.scheduler_output()))
+        worker.clear_connector_metadata()
+    finally:
+        worker.shutdown()
+        scheduler.shutdown()
+    plain_config = harness.vllm_config(daemon.socket, 1)
+    plain_config.model_config = llama_model_config(tmp_path / "plain")
+    plain_config.model_config.model = vllm_config.model_config.model  # the same model, without the override
+    plain = harness.make_connector(plain_config, KVConnectorRole.SCHEDULER)
+    plain.shutdown()
+    assert plain._fingerprint != scheduler._fingerprint, "the linear override shares the plain model's keys"
+
+
 def test_a_worker_whose_fingerprint_is_not_the_schedulers_stops_at_the_first_step(tuttid, tmp_path):
     """Goal: scheduler and workers compute their default fingerprints each on its own (each
     reads the checkpoint's config.json), and when one read failed (the file gone, unreadable, a

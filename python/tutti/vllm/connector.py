@@ -183,12 +183,12 @@ _HF_CONFIG_NAME = "config.json"
 # builds the connector at start-up).
 _CONFIG_READ_RETRIES_S = (0.1, 0.3)
 # RoPE fields of a dict vLLM holds as its config's RoPE parameters that model code rewrites in
-# place at load_model (vLLM 0.32): GLM-4/4.5 setdefault partial_rotary_factor 0.5; Falcon-H1,
+# place at load_model (vLLM 0.32), left out of hf_overrides' RoPE dicts: GLM-4/4.5 setdefault
+# partial_rotary_factor 0.5; DeepSeek-V2/V3 turn any rope_type but "default" ("linear", "yarn",
+# "dynamic", ...) into "deepseek_yarn" or "deepseek_llama_scaling", so the worker's value does not
+# say what the override gave (the override's other parameters, e.g. factor, stay hashed). Falcon-H1,
 # Bailing, GPT-J, MiniMax-M2 write rotary_dim / head_dim (named by the checkpoint's config.json).
-_REWRITTEN_ROPE_FIELDS = ("partial_rotary_factor",)
-# rope_type values model code writes in place, as the value they stand for: DeepSeek-V2/V3 turn
-# any rope_type but "default" into one of these (by attention_factor, which stays hashed).
-_REWRITTEN_ROPE_TYPES = {"deepseek_yarn": "yarn", "deepseek_llama_scaling": "yarn"}
+_REWRITTEN_ROPE_FIELDS = ("partial_rotary_factor", "rope_type")
 
 
 def _hf_config_identity(model: Any) -> str:
@@ -205,9 +205,10 @@ def _hf_config_identity(model: Any) -> str:
     model's directory or the Hugging Face cache (never downloaded), which no model code
     changes, and from hf_overrides. A dict hf_overrides gives for a RoPE field is the config's
     own object in vLLM (rewritten with it), so the fields model code rewrites are left out of it
-    or mapped back (`_rope_rewrites_undone`): a change of only those through hf_overrides needs
-    its own model_fingerprint. A config.json that cannot be read locally (a GGUF file, a Mistral
-    params.json-only checkpoint, ModelScope) leaves the checkpoint's part out (logged): the
+    (`_rope_rewrites_undone`): two overrides that differ only there (e.g. rope_type "linear" and
+    "dynamic" with the same factor) share a key space, and need their own model_fingerprint. A
+    config.json that cannot be read locally (a GGUF file, a Mistral params.json-only checkpoint,
+    ModelScope) leaves the checkpoint's part out (logged): the
     fingerprint then names the model, its revision and hf_overrides, and a changed config at the
     same path needs its own model_fingerprint."""
     identity = {
@@ -219,18 +220,16 @@ def _hf_config_identity(model: Any) -> str:
 
 def _rope_rewrites_undone(overrides: Any, in_rope: bool = False, depth_left: int = _CONFIG_DEPTH_MAX) -> Any:
     """hf_overrides (as `_stable_value` gives them) with the RoPE fields model code rewrites in
-    place left out or mapped back (`_REWRITTEN_ROPE_FIELDS`, `_REWRITTEN_ROPE_TYPES`), inside
-    the dicts given for a RoPE field. vLLM sets such a dict as the config's attribute itself
-    (ModelConfig._apply_dict_overrides), so the worker's hf_overrides are rewritten with its
-    config at load_model, and the scheduler's are not."""
+    place left out (`_REWRITTEN_ROPE_FIELDS`), inside the dicts given for a RoPE field. vLLM
+    sets such a dict as the config's attribute itself (ModelConfig._apply_dict_overrides), so the
+    worker's hf_overrides are rewritten with its config at load_model, and the scheduler's are
+    not."""
     if not isinstance(overrides, dict) or depth_left <= 0:
         return overrides
     undone: dict[str, Any] = {}
     for key, value in overrides.items():
         if in_rope and key in _REWRITTEN_ROPE_FIELDS:
             continue
-        if in_rope and key == "rope_type" and isinstance(value, str):
-            value = _REWRITTEN_ROPE_TYPES.get(value, value)
         undone[key] = _rope_rewrites_undone(value, in_rope or key in _HF_KV_FIELDS, depth_left - 1)
     return undone
 
