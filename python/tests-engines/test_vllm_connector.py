@@ -1922,6 +1922,54 @@ def test_a_save_given_up_at_a_full_commit_queue_is_a_miss_not_the_sessions_end(t
         worker.shutdown()
 
 
+def test_shutdown_settles_its_requests_on_a_stalled_device_within_one_timeout(tuttid):
+    """Goal: a worker shut down with requests in flight on a stalled device (tuttid SIGSTOPped)
+    gives them up within one timeout_s together, as handle_preemptions does, before it closes the
+    store (which waits for the rest): each waiting its own timeout_s, up to requests_max x
+    timeout_s (32 x 30 s by default) went by before the close. Three saves with every layer
+    issued, timeout_s 1: before, the close came after three timeouts."""
+    daemon = tuttid(harness.TUTTID_GEOMETRY)
+    timeout_s = 1.0
+    worker = LocalWorker(daemon.socket, timeout_s=timeout_s, layers_in_flight=harness.LAYERS)
+    connector = worker.connector
+    store = connector._store
+    closed_at: list[float] = []
+
+    class RecordingStore:
+        """The store, its close recorded and tuttid resumed first (the close then waits for the
+        layers still in flight, and confirms the session's end)."""
+
+        def __getattr__(self, name):
+            return getattr(store, name)
+
+        def close(self, *args, **kwargs):
+            closed_at.append(time.monotonic())
+            daemon.resume()
+            return store.close(*args, **kwargs)
+
+    saves = []
+    for index in range(3):
+        blocks = [10 + 2 * index, 11 + 2 * index]
+        worker.fill(blocks, 60 + index)
+        saves.append(SaveSpec(f"S{index}", prompt(60 + index, blocks=2, tail=0), blocks))
+    meta = TuttiConnectorMetadata(saves=saves)
+    connector.handle_preemptions(meta)
+    connector.bind_connector_metadata(meta)  # prepared while tuttid answers
+    daemon.pause()
+    try:
+        for name in harness.layer_names():
+            connector.save_kv_layer(name, worker.caches[name], None)
+        assert len(connector._saves) == 3 and all(state.issued == harness.LAYERS for state in connector._saves.values())
+        connector._store = RecordingStore()
+        started = time.monotonic()
+        connector.shutdown()
+    finally:
+        daemon.resume()
+    assert closed_at, "the store was not closed"
+    assert closed_at[0] - started < 2 * timeout_s, f"three stalled saves took {closed_at[0] - started:.2f} s to be given up"
+    assert store.closed
+
+
 def test_the_connector_sizes_its_iocbs_for_vllms_longest_request():
     """Goal: the connector's IOCBs are sized from vLLM's max_model_len (in blocks) when its model
     config has one (tutti._engine.iocbs_for), and as before when it has none (these tests'

@@ -500,14 +500,18 @@ class WorkerSide:
         return failed
 
     def _shutdown_worker(self) -> None:
-        """Stops the committer (after the saves it holds), then closes the store."""
+        """Stops the committer (after the saves it holds), settles the loads, saves and parked
+        saves left (all within one timeout_s, however many: on a stalled device each waiting its
+        own timeout_s took up to requests_max x timeout_s), then closes the store, which waits
+        for what is still in flight."""
         try:
             self._commit_queue.put(None, timeout=self._timeout_s)
         except queue.Full:
             logger.error("tutti: the committer did not take the stop in %.1f s", self._timeout_s)
         self._committer.join(timeout=self._timeout_s)
+        deadline = time.monotonic() + self._timeout_s
         for state in list(self._loads.values()) + list(self._saves.values()) + self._parked:
-            self._settle(state.request)
+            self._settle(state.request, deadline)
         self._parked.clear()
         self._store.close()
         with self._lock:
