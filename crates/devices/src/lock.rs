@@ -294,6 +294,24 @@ mod tests {
         assert_eq!(find_flock_holder(two, 0xfd, 3, 42, &nobody), Some(13));
     }
 
+    /// A lock file `directory/pool.img`, opened, and a fake proc root whose `locks` lists one
+    /// FLOCK on the file's inode under another device, held by pid 4242 with `cmdline` and no
+    /// descriptors yet: (the file, the proc root, the process's directory).
+    fn lock_listed_on_another_device(directory: &Path, cmdline: &[u8]) -> (File, PathBuf, PathBuf) {
+        let image = directory.join("pool.img");
+        std::fs::write(&image, [0u8; 4096]).unwrap();
+        let file = File::open(&image).unwrap();
+        let metadata = file.metadata().unwrap();
+        let (major, minor) = split_device(metadata.dev());
+        let proc_root = directory.join("proc");
+        let process = proc_root.join("4242");
+        std::fs::create_dir_all(process.join("fd")).unwrap();
+        std::fs::write(process.join("cmdline"), cmdline).unwrap();
+        let line = format!("1: FLOCK  ADVISORY  WRITE 4242 {:02x}:{:02x}:{} 0 EOF\n", major + 1, minor, metadata.ino());
+        std::fs::write(proc_root.join("locks"), line).unwrap();
+        (file, proc_root, process)
+    }
+
     #[test]
     fn a_lock_on_another_device_names_its_holder_only_if_it_has_the_file_open() {
         // Goal: a /proc/locks line with the lock file's inode number but another device is no
@@ -301,17 +319,7 @@ mod tests {
         // PID/fd the holder is "not found" (it used to be that pid, an unrelated process); with
         // one (a stacked filesystem listing the lock under another device) it is named.
         let directory = tempfile::tempdir().unwrap();
-        let image = directory.path().join("pool.img");
-        std::fs::write(&image, [0u8; 4096]).unwrap();
-        let file = File::open(&image).unwrap();
-        let metadata = file.metadata().unwrap();
-        let (major, minor) = split_device(metadata.dev());
-        let proc_root = directory.path().join("proc");
-        let process = proc_root.join("4242");
-        std::fs::create_dir_all(process.join("fd")).unwrap();
-        std::fs::write(process.join("cmdline"), b"unrelated\0--flag\0").unwrap();
-        let line = format!("1: FLOCK  ADVISORY  WRITE 4242 {:02x}:{:02x}:{} 0 EOF\n", major + 1, minor, metadata.ino());
-        std::fs::write(proc_root.join("locks"), line).unwrap();
+        let (file, proc_root, process) = lock_listed_on_another_device(directory.path(), b"unrelated\0--flag\0");
         let holder = holder_of(&file, &proc_root);
         assert!(holder.contains("not found"), "{holder}");
         std::os::unix::fs::symlink(own_descriptor_path(&file).unwrap(), process.join("fd").join("3")).unwrap();
@@ -327,19 +335,9 @@ mod tests {
         // naming the file through a hard link (same device and inode, another path) is no
         // confirmation, which only following the link could give; one naming its path is.
         let directory = tempfile::tempdir().unwrap();
-        let image = directory.path().join("pool.img");
-        std::fs::write(&image, [0u8; 4096]).unwrap();
+        let (file, proc_root, process) = lock_listed_on_another_device(directory.path(), b"holder\0");
         let other_name = directory.path().join("other-name.img");
-        std::fs::hard_link(&image, &other_name).unwrap();
-        let file = File::open(&image).unwrap();
-        let metadata = file.metadata().unwrap();
-        let (major, minor) = split_device(metadata.dev());
-        let proc_root = directory.path().join("proc");
-        let process = proc_root.join("4242");
-        std::fs::create_dir_all(process.join("fd")).unwrap();
-        std::fs::write(process.join("cmdline"), b"holder\0").unwrap();
-        let line = format!("1: FLOCK  ADVISORY  WRITE 4242 {:02x}:{:02x}:{} 0 EOF\n", major + 1, minor, metadata.ino());
-        std::fs::write(proc_root.join("locks"), line).unwrap();
+        std::fs::hard_link(directory.path().join("pool.img"), &other_name).unwrap();
         std::os::unix::fs::symlink(&other_name, process.join("fd").join("3")).unwrap();
         let holder = holder_of(&file, &proc_root);
         assert!(holder.contains("not found"), "the link was followed to the file: {holder}");
