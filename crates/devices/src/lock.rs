@@ -4,7 +4,8 @@
 //! lock cannot outlive its holder. A second user is refused with the holder named: its pid and
 //! command line, found in `/proc/locks` by the lock file's device and inode.
 //!
-//! - `emu:PATH`: the pool's backing file itself;
+//! - `emu:PATH`: the pool's backing file itself; `uring:PATH` (tutti-bench's kernel path) the
+//!   same file, so that neither tool runs on a file the other uses;
 //! - `vfio:BDF`: `LOCK_DIR/vfio-BDF.lock` (the kernel also refuses a second open of the VFIO
 //!   group, but without naming who holds it);
 //! - `emu:mem:` / `emu:null:`: nothing to share, no lock.
@@ -43,7 +44,7 @@ impl DeviceLocks {
         let mut locks = DeviceLocks::default();
         for spec in specs {
             let path = match spec {
-                DeviceSpec::EmuFile(path) => path.clone(),
+                DeviceSpec::EmuFile(path) | DeviceSpec::Uring(path) => path.clone(),
                 DeviceSpec::Vfio(address) => {
                     std::fs::create_dir_all(lock_dir).map_err(|source| DeviceError::Io {
                         context: format!("creating the lock directory {}", lock_dir.display()),
@@ -53,7 +54,7 @@ impl DeviceLocks {
                 }
                 _ => continue,
             };
-            let is_file = matches!(spec, DeviceSpec::EmuFile(_));
+            let is_file = matches!(spec, DeviceSpec::EmuFile(_) | DeviceSpec::Uring(_));
             let opened = open_without_waiting(
                 &path,
                 OpenOptions::new().read(true).write(!is_file || create_files).create(!is_file || create_files).truncate(false),
@@ -389,6 +390,26 @@ mod tests {
         }
         drop(first);
         DeviceLocks::acquire(&[spec], directory.path(), false).expect("free again once the holder let go");
+    }
+
+    #[test]
+    fn a_uring_path_takes_the_lock_an_emu_path_of_the_same_file_takes() {
+        // Goal: tutti-bench's `uring:FILE` and tuttid's `emu:FILE` exclude each other, in both
+        // orders: one lock, on the file itself.
+        let directory = tempfile::tempdir().unwrap();
+        let image = directory.path().join("pool.img");
+        std::fs::write(&image, [0u8; 4096]).unwrap();
+        let emu = DeviceSpec::EmuFile(image.clone());
+        let uring = DeviceSpec::Uring(image.clone());
+        for (first, second) in [(&emu, &uring), (&uring, &emu)] {
+            let held = DeviceLocks::acquire(std::slice::from_ref(first), directory.path(), false).unwrap();
+            assert_eq!(held.paths().collect::<Vec<_>>(), [image.as_path()]);
+            let error = DeviceLocks::acquire(std::slice::from_ref(second), directory.path(), false).unwrap_err();
+            assert!(matches!(&error, DeviceError::DeviceInUse { spec, .. } if *spec == second.to_string()), "{error}");
+        }
+        // A missing uring: file is left for the opening to report, as an emu: one is.
+        let missing = DeviceSpec::Uring(directory.path().join("missing.img"));
+        assert_eq!(DeviceLocks::acquire(&[missing], directory.path(), false).unwrap().paths().count(), 0);
     }
 
     #[test]

@@ -209,16 +209,9 @@ fn lock_devices(devices: &[DeviceSpec], lock_dir: &Path) -> anyhow::Result<Vec<D
     }
     let mut locks = Vec::with_capacity(devices.len());
     for spec in devices {
-        // uring: opens the same file an emu: spec would, and tuttid locks that file itself.
-        let locked = match spec {
-            DeviceSpec::Uring(path) => DeviceSpec::EmuFile(path.clone()),
-            other => other.clone(),
-        };
-        match DeviceLocks::acquire(std::slice::from_ref(&locked), lock_dir, false) {
+        match DeviceLocks::acquire(std::slice::from_ref(spec), lock_dir, false) {
             Ok(held) => locks.push(held),
-            Err(tutti_devices::DeviceError::DeviceInUse { lock, holder, .. }) => {
-                return usage(tutti_devices::DeviceError::DeviceInUse { spec: spec.to_string(), lock, holder }.to_string())
-            }
+            Err(error @ tutti_devices::DeviceError::DeviceInUse { .. }) => return usage(error.to_string()),
             // A vfio: lock file lives in the lock directory, /run/tutti by default, which a user
             // other than root may not create: say which option picks another.
             Err(error @ tutti_devices::DeviceError::Io { .. }) if matches!(spec, DeviceSpec::Vfio(_)) => {

@@ -769,6 +769,8 @@ fn a_pool_file_another_process_holds_is_refused_and_left_untouched() {
     let holder = std::fs::File::open(&pool).unwrap();
     let _held = nix::fcntl::Flock::lock(holder, nix::fcntl::FlockArg::LockExclusiveNonblock).map_err(|(_, errno)| errno).unwrap();
     let device = format!("emu:{}", pool.display());
+    // The kernel path (uring:) reaches the same file: it takes the same lock, named as given.
+    let uring = format!("uring:{}", pool.display());
     let kv = small_kv_run(&[&device]);
     let mut kv_overwrite = kv.clone();
     kv_overwrite.push("--overwrite");
@@ -777,8 +779,11 @@ fn a_pool_file_another_process_holds_is_refused_and_left_untouched() {
         kv_overwrite,
         vec!["--device", &device, "--rw=write", "--bs=4k", "--size=1m"],
         vec!["--device", &device, "--rw=read", "--bs=4k", "--size=1m"],
+        vec!["--device", &uring, "--rw=write", "--bs=4k", "--size=1m"],
+        vec!["--device", &uring, "--rw=read", "--bs=4k", "--size=1m"],
     ] {
-        assert_refused(&arguments, &["in use", &pool.display().to_string()]);
+        let named = arguments[arguments.iter().position(|argument| *argument == "--device").unwrap() + 1].to_string();
+        assert_refused(&arguments, &["in use", &pool.display().to_string(), &named]);
         assert!(std::fs::read(&pool).unwrap() == original, "{arguments:?} changed the held file");
     }
 }
