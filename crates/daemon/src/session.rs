@@ -356,6 +356,26 @@ impl Holdings {
             };
             let target = pool.target(device);
             let controller = &target.controller;
+            let device_layout = &shape.devices[device];
+            let pool_blocks = device_layout.addressing.slot_blocks.saturating_mul(device_layout.slot_count);
+            let restriction = device_ranges
+                .iter()
+                .fold(QueueRestriction::new().allow_memory(window.iova(), window.len() as u64), |restriction, &(iova, len)| {
+                    restriction.allow_memory(iova, len)
+                })
+                .allow_blocks(target.namespace.0, device_layout.addressing.data_lba, pool_blocks);
+            // Preset before Create I/O SQ, so the queue is restricted from the moment it exists:
+            // with the shared register page any client can ring its doorbell right away. The
+            // preset is dropped (removed if no Create I/O SQ took it) once the creation returned.
+            let preset = match store.emulators[device].as_ref().map(|emulator| emulator.preset_restriction(rings.0.iova(), restriction)) {
+                None => None,
+                Some(Ok(preset)) => Some(preset),
+                Some(Err(error)) => {
+                    failure =
+                        Some(Reply::error(ErrorCode::StoreFailed, format!("restricting the queue pair on pool device {device}: {error}")));
+                    break;
+                }
+            };
             let pair = match controller.create_detached_queue_pair(request.depth, Some(rings)) {
                 Ok(pair) => pair,
                 Err(error) => {
@@ -365,20 +385,14 @@ impl Holdings {
                 }
             };
             let layout = pair.layout();
-            let device_layout = &shape.devices[device];
-            let pool_blocks = device_layout.addressing.slot_blocks.saturating_mul(device_layout.slot_count);
-            let restriction = device_ranges
-                .iter()
-                .fold(QueueRestriction::new().allow_memory(window.iova(), window.len() as u64), |restriction, &(iova, len)| {
-                    restriction.allow_memory(iova, len)
-                })
-                .allow_blocks(target.namespace.0, device_layout.addressing.data_lba, pool_blocks);
-            let restricted =
-                store.emulators[device].as_ref().map(|emulator| emulator.restrict_submission_queue(layout.id.0, Some(restriction)));
+            let applied_to = preset.as_ref().map(|preset| preset.queue_id());
+            drop(preset);
             created.push(pair);
-            if let Some(Err(error)) = restricted {
-                failure =
-                    Some(Reply::error(ErrorCode::StoreFailed, format!("restricting the queue pair on pool device {device}: {error}")));
+            if applied_to.is_some_and(|queue_id| queue_id != Some(layout.id.0)) {
+                failure = Some(Reply::error(
+                    ErrorCode::StoreFailed,
+                    format!("restricting the queue pair on pool device {device}: its Create I/O SQ did not apply the restriction"),
+                ));
                 break;
             }
             if registers[device].is_none() {

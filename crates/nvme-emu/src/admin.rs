@@ -219,6 +219,8 @@ impl ControllerCore {
     }
 
     fn create_submission_queue(&mut self, entry: &SubmissionEntry) -> CommandResult {
+        // Taken whatever the outcome: a preset serves the one creation it was set for.
+        let preset = self.pending_restrictions.take(entry.dptr[0]);
         let queue_id = (entry.cdw10 & 0xFFFF) as u16;
         let exists = self.submission_queues.get(usize::from(queue_id)).is_some_and(Option::is_some);
         let completion_queue_id = (entry.cdw11 >> 16) as u16;
@@ -239,7 +241,13 @@ impl ControllerCore {
         if let Some(shadow) = &self.shadow_doorbells {
             shadow.initialize(queue_id, false, 0);
         }
-        *slot = Some(SubmissionQueue::new(memory, entries, completion_queue_id));
+        let mut queue = SubmissionQueue::new(memory, entries, completion_queue_id);
+        // In the step that makes the queue live: no doorbell can be served before it holds.
+        if let Some(preset) = preset {
+            queue.restriction = Some(preset.restriction);
+            let _ = preset.applied_to.set(queue_id);
+        }
+        *slot = Some(queue);
         Ok(0)
     }
 

@@ -25,7 +25,7 @@ use crate::config::EmuConfig;
 use crate::faults::{FaultAction, FaultPlan, FaultState};
 use crate::queues::{CompletionQueue, SubmissionQueue};
 use crate::registers::RegisterFile;
-use crate::restriction::QueueRestriction;
+use crate::restriction::{PendingRestrictions, QueueRestriction};
 use crate::shadow::ShadowDoorbells;
 use crate::stats::{Counters, EmuStats};
 use crate::timing::{FinishedCommand, TimingState};
@@ -177,6 +177,9 @@ pub(crate) struct ControllerCore {
     /// The restriction of the I/O queue whose batch is running (see `restriction.rs`); `None`
     /// for the admin queue and unrestricted queues.
     pub(crate) current_restriction: Option<Arc<QueueRestriction>>,
+    /// Restrictions for I/O SQs not created yet, applied by their Create I/O SQ (see
+    /// `restriction.rs`).
+    pub(crate) pending_restrictions: PendingRestrictions,
     /// The count of host CC writes when the controller last looked at CC: a poll with no write
     /// since (and no stop to finish) costs one load, not the configuration lock.
     configuration_seen: u32,
@@ -248,6 +251,7 @@ impl ControllerCore {
             power_cycles: 1,
             unsafe_shutdowns: 0,
             current_restriction: None,
+            pending_restrictions: PendingRestrictions::default(),
             configuration_seen: 0,
             shadow_doorbells: None,
             restriction_refusals: Cell::new(0),
@@ -291,7 +295,8 @@ impl ControllerCore {
     }
 
     /// Restricts I/O submission queue `queue_id` (or lifts its restriction with `None`). The
-    /// restriction ends with the queue: a queue created again under the id starts unrestricted.
+    /// restriction ends with the queue: a queue created again under the id starts unrestricted
+    /// unless a preset for its ring applies (`pending_restrictions`).
     pub(crate) fn restrict_submission_queue(&mut self, queue_id: u16, restriction: Option<QueueRestriction>) -> bool {
         match self.submission_queues.get_mut(usize::from(queue_id)).and_then(Option::as_mut) {
             Some(queue) if queue_id != 0 => {

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use nvme_driver::hw::{DeviceBackend, DmaAllocator, DmaPool, DmaRegion, HwError, RegisterIo, SharedMemory};
 use nvme_driver::spec::registers::Capabilities;
+use nvme_driver::Iova;
 
 use crate::config::EmuConfig;
 use crate::controller::ControllerCore;
@@ -234,14 +235,31 @@ impl EmuDevice {
     /// Restricts I/O submission queue `queue_id` to the memory and LBA ranges of `restriction`
     /// (tuttid: a client's window and its share of each namespace), or lifts it with `None`.
     /// A command outside them completes with an error status and moves no data (see
-    /// [`crate::restriction`]); counted in [`EmuStats::restriction_refusals`]. Set it after
-    /// creating the queue and before handing its layout to the client.
+    /// [`crate::restriction`]); counted in [`EmuStats::restriction_refusals`]. A queue whose
+    /// doorbell another process can ring (shared registers) must have it from its creation on:
+    /// preset it with [`EmuDevice::preset_restriction`] instead.
     pub fn restrict_submission_queue(&self, queue_id: u16, restriction: Option<QueueRestriction>) -> Result<(), EmuError> {
         if self.shared.core().restrict_submission_queue(queue_id, restriction) {
             Ok(())
         } else {
             Err(EmuError::NoSuchQueue { queue_id })
         }
+    }
+
+    /// Restricts the I/O submission queue that a later Create I/O SQ places at `ring` (its
+    /// PRP1) from the moment it exists, as [`EmuDevice::restrict_submission_queue`] does for a
+    /// queue that exists. tuttid sets it before creating a client's queue: with the shared
+    /// register page every client can ring every doorbell, and a command rung between the
+    /// creation and a later restriction would run unrestricted.
+    ///
+    /// The first Create I/O SQ for `ring` takes the preset whether or not it succeeds, so it
+    /// never applies to a later queue; the returned handle removes it on drop if no Create I/O
+    /// SQ took it (a creation that failed before sending one), and tells which queue it
+    /// restricted. [`EmuError::RestrictionPending`] when a preset for `ring` is held already.
+    pub fn preset_restriction(&self, ring: Iova, restriction: QueueRestriction) -> Result<RestrictionPreset, EmuError> {
+        let (token, applied_to) =
+            self.shared.core().pending_restrictions.add(ring.0, restriction).ok_or(EmuError::RestrictionPending { ring_iova: ring.0 })?;
+        Ok(RestrictionPreset { shared: Arc::clone(&self.shared), token, applied_to })
     }
 
     /// The DMA pool whose table the controller translates through (same as [`DeviceBackend::dma`]).
@@ -274,6 +292,34 @@ impl EmuDevice {
         } else {
             tracing::error!("nvme-emu controller thread did not stop within {STOP_TIMEOUT:?}; detaching it");
         }
+    }
+}
+
+/// A restriction preset for a queue not created yet ([`EmuDevice::preset_restriction`]). Drop
+/// it once the creation returned: a preset no Create I/O SQ took is removed then.
+pub struct RestrictionPreset {
+    shared: Arc<Shared>,
+    token: u64,
+    applied_to: Arc<OnceLock<u16>>,
+}
+
+impl RestrictionPreset {
+    /// The I/O submission queue a Create I/O SQ created with this restriction; `None` while
+    /// none did (not sent yet, failed, or sent with another ring address).
+    pub fn queue_id(&self) -> Option<u16> {
+        self.applied_to.get().copied()
+    }
+}
+
+impl std::fmt::Debug for RestrictionPreset {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.debug_struct("RestrictionPreset").field("token", &self.token).field("queue_id", &self.queue_id()).finish()
+    }
+}
+
+impl Drop for RestrictionPreset {
+    fn drop(&mut self) {
+        self.shared.core().pending_restrictions.remove(self.token);
     }
 }
 

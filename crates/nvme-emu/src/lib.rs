@@ -77,7 +77,7 @@ mod tests;
 use std::path::PathBuf;
 
 pub use config::{Backing, EmuConfig, NamespaceConfig};
-pub use device::EmuDevice;
+pub use device::{EmuDevice, RestrictionPreset};
 pub use faults::{FaultAction, FaultPlan, FaultRule, QueueFilter};
 pub use registers::RegisterFile;
 pub use restriction::QueueRestriction;
@@ -98,6 +98,8 @@ pub enum EmuError {
     Hw(#[from] nvme_driver::hw::HwError),
     #[error("no I/O submission queue {queue_id} exists to restrict")]
     NoSuchQueue { queue_id: u16 },
+    #[error("a restriction for the submission queue with its ring at IOVA {ring_iova:#x} is preset already")]
+    RestrictionPending { ring_iova: u64 },
     #[error("cannot start the controller thread: {0}")]
     Thread(std::io::Error),
     #[error("the volatile write cache could not be written back ({status}): its blocks stay cached")]

@@ -7,6 +7,12 @@
 //! host memory), and every LBA range (Read, Write, Write Zeroes, each Dataset Management
 //! range). A refused command completes with an error status before any data moves.
 //!
+//! A restriction is set before the queue exists ([`crate::EmuDevice::preset_restriction`],
+//! keyed by the SQ's ring address) and applied by the Create I/O SQ that places the queue there,
+//! in the same step that makes the queue live: with a shared register page any client can ring
+//! any doorbell, so a queue restricted only after its creation would run whatever a client
+//! rang in between unrestricted.
+//!
 //! Statuses. Memory outside the queue's ranges gets Data Transfer Error (generic 04h): on real
 //! hardware the IOMMU blocks such a DMA and the controller reports exactly that, so a host sees
 //! the same status from the emulator as from an SSD behind VFIO. LBAs outside the queue's ranges
@@ -16,6 +22,7 @@
 
 use std::cell::Cell;
 use std::collections::BTreeMap;
+use std::sync::{Arc, OnceLock};
 
 use nvme_driver::hw::{DataRegion, DmaAllocator, DmaPool, DmaRegion};
 use nvme_driver::spec::status::codes;
@@ -73,6 +80,65 @@ impl QueueRestriction {
     pub(crate) fn allows_blocks(&self, nsid: u32, start_lba: u64, blocks: u64) -> bool {
         let Some(end) = start_lba.checked_add(blocks) else { return false };
         self.blocks.get(&nsid).is_some_and(|&(first, limit)| first <= start_lba && end <= limit)
+    }
+}
+
+/// Restrictions set for I/O SQs not created yet, each keyed by the IOVA of the ring its queue
+/// will have (tuttid knows a client's ring address before the driver picks the queue id). The
+/// first Create I/O SQ with that ring takes it, whether or not the creation succeeds, so a
+/// preset never outlives the one creation it was meant for; the host removes one that no
+/// Create I/O SQ took (`RestrictionPreset`'s drop). Bounded by the presets the host holds at
+/// once (tuttid: one per attach in progress).
+#[derive(Default)]
+pub(crate) struct PendingRestrictions {
+    pending: Vec<PendingRestriction>,
+    next_token: u64,
+}
+
+struct PendingRestriction {
+    token: u64,
+    ring_iova: u64,
+    restriction: Arc<QueueRestriction>,
+    /// Set to the queue id by the Create I/O SQ that created a queue with it.
+    applied_to: Arc<OnceLock<u16>>,
+}
+
+/// What a Create I/O SQ took from [`PendingRestrictions`]: the restriction, and where to record
+/// the queue it was applied to.
+pub(crate) struct TakenRestriction {
+    pub restriction: Arc<QueueRestriction>,
+    pub applied_to: Arc<OnceLock<u16>>,
+}
+
+impl PendingRestrictions {
+    /// Adds a preset for the SQ whose ring will be at `ring_iova`: its token (to remove it) and
+    /// the cell its queue id is recorded in; `None` when one is pending for that ring already.
+    pub(crate) fn add(&mut self, ring_iova: u64, restriction: QueueRestriction) -> Option<(u64, Arc<OnceLock<u16>>)> {
+        if self.pending.iter().any(|pending| pending.ring_iova == ring_iova) {
+            return None;
+        }
+        let token = self.next_token;
+        self.next_token = self.next_token.wrapping_add(1);
+        let applied_to = Arc::new(OnceLock::new());
+        self.pending.push(PendingRestriction { token, ring_iova, restriction: Arc::new(restriction), applied_to: Arc::clone(&applied_to) });
+        Some((token, applied_to))
+    }
+
+    /// Takes the preset for a queue being created with its ring at `ring_iova`, if any.
+    pub(crate) fn take(&mut self, ring_iova: u64) -> Option<TakenRestriction> {
+        let index = self.pending.iter().position(|pending| pending.ring_iova == ring_iova)?;
+        let pending = self.pending.swap_remove(index);
+        Some(TakenRestriction { restriction: pending.restriction, applied_to: pending.applied_to })
+    }
+
+    /// Removes the preset `token` if no Create I/O SQ took it.
+    pub(crate) fn remove(&mut self, token: u64) {
+        self.pending.retain(|pending| pending.token != token);
+    }
+
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.pending.len()
     }
 }
 

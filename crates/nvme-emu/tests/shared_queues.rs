@@ -339,3 +339,37 @@ fn a_restricted_queue_refuses_stray_memory_and_lbas_and_moves_no_data() {
     drop(client);
     detached.delete().expect("daemon delete");
 }
+
+#[test]
+fn a_queue_restricted_at_creation_refuses_a_command_rung_right_after_create_sq() {
+    // Goal: a restriction preset before Create I/O SQ holds from the queue's first command:
+    // a Read into the daemon's memory rung right after the Create SQ completion is refused
+    // (Data Transfer Error, one refusal counted), which a restriction set after the creation
+    // let through. A preset no Create I/O SQ took is removed with its handle; one a creation
+    // took is pending no more.
+    let mut daemon = Daemon::start(false);
+    let (mut client, grant) = Client::new(&mut daemon);
+    let ring = client.rings.0.iova();
+    let restriction = QueueRestriction::new().allow_memory(daemon.window.iova(), WINDOW_BYTES as u64).allow_blocks(1, 0, 1024);
+    drop(daemon.device.preset_restriction(ring, restriction.clone()).expect("preset"));
+    let preset = daemon.device.preset_restriction(ring, restriction.clone()).expect("the dropped preset is gone");
+    assert!(
+        matches!(daemon.device.preset_restriction(ring, restriction), Err(nvme_emu::EmuError::RestrictionPending { ring_iova }) if ring_iova == ring.0)
+    );
+    let detached = daemon.create_queue(ring, client.rings.1.iova());
+    assert_eq!(preset.queue_id(), Some(detached.layout().id.0), "the Create I/O SQ applied the preset");
+    drop(preset);
+    client.attach(grant, detached.layout()).expect("attach");
+    let secret = daemon.controller.dma().allocate(4096).expect("daemon memory");
+    let namespace = client.namespaces[0].id;
+    let stray = [DataSegment::new(secret.iova(), 4096)];
+    let result = client.pair().read(namespace, Lba(0), &stray, TIMEOUT);
+    let transfer_error = NvmeStatus::generic(codes::DATA_TRANSFER_ERROR);
+    assert!(matches!(result, Err(NvmeError::Command { status, .. }) if status == transfer_error), "{result:?}");
+    assert_eq!(daemon.device.stats().restriction_refusals, 1);
+    client.round_trip(0, 16 << 10, 3);
+    // The creation took the preset: none is pending for the ring any more.
+    drop(daemon.device.preset_restriction(ring, QueueRestriction::new()).expect("the creation took the first preset"));
+    drop(client);
+    detached.delete().expect("daemon delete");
+}

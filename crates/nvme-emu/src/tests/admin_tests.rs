@@ -281,3 +281,39 @@ fn asynchronous_event_requests_stay_outstanding_up_to_the_limit_and_a_reset_clea
     hold_async_event_requests(&mut host, limit);
     assert_eq!(status_of(&host.admin(async_event_request())), specific(ASYNC_EVENT_REQUEST_LIMIT_EXCEEDED));
 }
+
+#[test]
+fn a_restriction_preset_serves_only_the_creation_it_was_set_for() {
+    // Goal: a Create I/O SQ with the preset's ring takes the preset even when it fails (no CQ
+    // to bind to), so a later queue on that ring starts unrestricted; a successful one applies
+    // it to the queue it creates, and a queue on another ring is untouched by a pending preset.
+    let mut host = TestHost::start(small_config().with_io_queue_pairs_max(2));
+    let queue = super::harness::HostQueue::new(&*host.dma, 1, 16);
+    let ring = nvme_driver::Iova(queue.submission.iova().0);
+    let preset = host.device.preset_restriction(ring, crate::QueueRestriction::new()).unwrap();
+    let failed = host.admin(SubmissionEntry::create_io_submission_queue(1, 16, ring.0, 1));
+    assert_eq!(status_of(&failed), specific(codes::COMPLETION_QUEUE_INVALID));
+    assert_eq!(preset.queue_id(), None);
+    assert_eq!(host.device.with_core(|core| core.pending_restrictions.len()), 0, "the failed creation took the preset");
+    let cq = host.admin(SubmissionEntry::create_io_completion_queue(1, 16, queue.completion.iova().0));
+    assert_eq!(status_of(&cq), Ok(()));
+    let sq = host.admin(SubmissionEntry::create_io_submission_queue(1, 16, ring.0, 1));
+    assert_eq!(status_of(&sq), Ok(()));
+    let restricted = |host: &TestHost, id: u16| {
+        host.device.with_core(|core| core.submission_queues[usize::from(id)].as_ref().map(|queue| queue.restriction.is_some()))
+    };
+    assert_eq!(restricted(&host, 1), Some(false), "no preset was left for the ring");
+    drop(preset);
+
+    let other = super::harness::HostQueue::new(&*host.dma, 2, 16);
+    let pending = host.device.preset_restriction(ring, crate::QueueRestriction::new()).unwrap();
+    let applied = host.device.preset_restriction(nvme_driver::Iova(other.submission.iova().0), crate::QueueRestriction::new()).unwrap();
+    let cq = host.admin(SubmissionEntry::create_io_completion_queue(2, 16, other.completion.iova().0));
+    assert_eq!(status_of(&cq), Ok(()));
+    let sq = host.admin(SubmissionEntry::create_io_submission_queue(2, 16, other.submission.iova().0, 2));
+    assert_eq!(status_of(&sq), Ok(()));
+    assert_eq!((applied.queue_id(), pending.queue_id()), (Some(2), None));
+    assert_eq!(restricted(&host, 2), Some(true));
+    drop(pending);
+    assert_eq!(host.device.with_core(|core| core.pending_restrictions.len()), 0, "a dropped handle removes its preset");
+}
