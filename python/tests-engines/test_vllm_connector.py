@@ -535,6 +535,26 @@ def test_the_default_fingerprint_names_the_kv_layout(tuttid):
         worker.shutdown()
 
 
+def test_an_explicit_fingerprint_still_names_the_kv_layout(tuttid):
+    """Goal: an explicit model_fingerprint stands for the model, not for the deployment's KV
+    layout: LBHNC and LBNHC (same block size, heads and slots transposed) under one explicit
+    fingerprint are two key spaces, and neither is the default fingerprint's."""
+    daemon = tuttid(harness.TUTTID_GEOMETRY)
+    explicit = "cd" * 32
+
+    def fingerprint(layout, extra):
+        config = harness.vllm_config(daemon.socket, 1, extra=extra)
+        config.cache_config.kv_cache_layout = layout
+        scheduler = harness.make_connector(config, KVConnectorRole.SCHEDULER)
+        scheduler.shutdown()
+        return scheduler._fingerprint
+
+    given = {"socket": daemon.socket, "timeout_s": 20, "model_fingerprint": explicit}
+    assert fingerprint("LBHNC", given) != fingerprint("LBNHC", given)
+    assert fingerprint("LBNHC", given) == fingerprint("LBNHC", given)
+    assert fingerprint("LBHNC", given) != fingerprint("LBHNC", None)
+
+
 def test_the_default_fingerprint_names_rope_and_hf_overrides(tmp_path):
     """Goal: a model served with other RoPE parameters (rope_scaling / rope_parameters,
     rope_theta, partial_rotary_factor in its checkpoint's config.json, or a context extension

@@ -38,7 +38,7 @@ CHUNKS = 32
 DEADLINE_S = 60.0
 
 
-def offloading_spec(pool_file: Path, format_pool: bool, **tier_changes) -> TieringOffloadingSpec:
+def offloading_spec(pool_file: Path, format_pool: bool, dtype: str = "bfloat16", **tier_changes) -> TieringOffloadingSpec:
     tier = {
         "type": "TuttiTier",
         "module_path": "tutti.vllm",
@@ -58,7 +58,7 @@ def offloading_spec(pool_file: Path, format_pool: bool, **tier_changes) -> Tieri
             "secondary_tiers": [{key: value for key, value in tier.items() if value is not None}],
         },
         engine_id=f"tutti-test-{uuid.uuid4().hex[:8]}",
-        model=OffloadingModelConfig(name="tutti-test-model", dtype="bfloat16"),
+        model=OffloadingModelConfig(name="tutti-test-model", dtype=dtype),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
         parallel=OffloadingParallelConfig(
             rank=0, world_size=WORLD, tp_size=WORLD, pp_size=1, pcp_size=1, dcp_size=1,
@@ -136,6 +136,38 @@ def test_cascade_then_promotion_in_a_new_engine_byte_exact(tmp_path: Path):
         restarted.on_request_finished(context)
     finally:
         restarted.shutdown()
+
+
+def test_an_explicit_fingerprint_is_another_key_space_under_another_dtype(tmp_path: Path):
+    """Goal: an explicit model_fingerprint names the model, not the bytes' layout: chunks stored
+    in bfloat16 are not found by an engine of the same fingerprint in float16 (the same chunk
+    size, other bytes), and are found again in bfloat16."""
+    pool = tmp_path / "pool.img"
+    chunk_keys = keys(2, 3)
+    explicit = "ab" * 32
+
+    def stored_then_found(dtype: str, format_pool: bool, store: bool) -> bool:
+        manager = offloading_spec(pool, format_pool, dtype=dtype, model_fingerprint=explicit).get_manager()
+        try:
+            tier = manager.secondary_tiers[0]
+            context = ReqContext(req_id=f"{dtype}-{store}")
+            manager.on_new_request(context)
+            if store:
+                output = manager.prepare_store(chunk_keys, context)
+                assert output is not None
+                manager.complete_store(chunk_keys, context)
+                step_until(manager, lambda: all(tier.lookup(key, context) is LookupResult.HIT for key in chunk_keys), "cascaded")
+                step_until(manager, lambda: not manager.has_pending_work(), "cascade jobs reported")
+            found = all(tier.lookup(key, context) is LookupResult.HIT for key in chunk_keys)
+            manager.on_request_finished(context)
+            manager.reset_cache()
+            return found
+        finally:
+            manager.shutdown()
+
+    assert stored_then_found("bfloat16", True, store=True)
+    assert not stored_then_found("float16", False, store=False), "float16 found bfloat16's chunks"
+    assert stored_then_found("bfloat16", False, store=False), "bfloat16 lost its own chunks"
 
 
 def test_every_abstract_method_of_the_base_class_is_implemented():

@@ -97,16 +97,21 @@ class TuttiConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
         self._tp_world = int(parallel.tensor_parallel_size)
         self._kv_layout = _resolved_kv_layout(vllm_config, kv_cache_config)
         explicit = self._config["model_fingerprint"]
-        # An explicit fingerprint stands for all of the model identity: nothing of it is read.
-        identity = [] if explicit is not None else _model_identity(vllm_config, kv_cache_config, self._kv_layout)
-        self._fingerprint = fingerprint_from_config(explicit, *identity)
+        # An explicit fingerprint stands for the model (nothing of it is read), not for how this
+        # deployment lays its KV out: the layout parts are hashed with it, so that a restart on
+        # another attention backend (LBHNC and LBNHC blocks are the same size) cannot read the
+        # other order's blocks.
+        identity = _model_identity(vllm_config, kv_cache_config, self._kv_layout, with_model=explicit is None)
+        if explicit is None:
+            self._fingerprint = fingerprint_from_config(None, *identity)
+        else:
+            self._fingerprint = fingerprint_from_config(None, fingerprint_from_config(explicit), *identity)
         # What the fingerprint was computed from, for the message of a scheduler and a worker
         # that disagree (TuttiConnectorMetadata.model_identity).
-        self._fingerprint_inputs = (
-            "the explicit model_fingerprint of kv_connector_extra_config"
-            if explicit is not None
-            else json.dumps(identity, default=str, separators=(",", ":"))
-        )
+        self._fingerprint_inputs = json.dumps(identity, default=str, separators=(",", ":"))
+        if explicit is not None:
+            self._fingerprint_inputs = f"the explicit model_fingerprint of kv_connector_extra_config and {self._fingerprint_inputs}"
+
         self._timeout_s = float(self._config["timeout_s"])
         # Checked in both roles, so that a bad pair is refused where vLLM builds the connector.
         self._iocbs = iocbs_for(
@@ -412,15 +417,18 @@ def _resolved_kv_layout(vllm_config: "VllmConfig", kv_cache_config: Optional["KV
     return _DEFAULT_KV_LAYOUT
 
 
-def _model_identity(vllm_config: "VllmConfig", kv_cache_config: Optional["KVCacheConfig"], kv_layout: str) -> list[Any]:
+def _model_identity(
+    vllm_config: "VllmConfig", kv_cache_config: Optional["KVCacheConfig"], kv_layout: str, with_model: bool = True
+) -> list[Any]:
     """What changes a model's KV bytes or their order in a block, for the default fingerprint:
     the model, its checkpoint's RoPE parameters and hf_overrides, the cache dtype, the KV layout (LBHNC and
     LBNHC blocks are the same size with heads and slots transposed) and the page shape of each
-    KV cache group."""
+    KV cache group. `with_model` False: the layout parts only (block size, cache dtype, layout,
+    groups), hashed with an explicit fingerprint."""
     model = vllm_config.model_config
     cache = vllm_config.cache_config
     parts: list[Any] = ["vllm", cache.block_size, str(cache.cache_dtype)]
-    if model is not None:
+    if model is not None and with_model:
         parts += [model.model, str(_pinned_revision(model.revision)), str(model.dtype), str(model.quantization)]
         parts += ["hf config", _hf_config_identity(model)]
     parts += ["kv layout", kv_layout]

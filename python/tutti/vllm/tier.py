@@ -105,10 +105,10 @@ class TuttiTier(SecondaryTierManager):
         self._requests_max = int(config["requests_max"])
         geometry = byte_geometry(self.block_size_bytes)
         spec_config = offloading_spec.config
-        fingerprint = fingerprint_from_config(
-            config["model_fingerprint"],
-            "vllm offloading tier",
-            spec_config.model.name,
+        # How this deployment lays its KV out. An explicit fingerprint stands for the model, not
+        # for these: they are hashed with it, so that one fingerprint under another dtype or KV
+        # layout (the same chunk size, other bytes) is another key space.
+        layout = [
             spec_config.model.dtype,
             spec_config.worker_kv_bytes_per_block,
             spec_config.parallel.world_size,
@@ -116,7 +116,12 @@ class TuttiTier(SecondaryTierManager):
             spec_config.cache.blocks_per_chunk,
             self.block_size_bytes,
             str(spec_config.kv_cache_layout),
-        )
+        ]
+        explicit = config["model_fingerprint"]
+        if explicit is None:
+            fingerprint = fingerprint_from_config(None, "vllm offloading tier", spec_config.model.name, *layout)
+        else:
+            fingerprint = fingerprint_from_config(None, fingerprint_from_config(explicit), "vllm offloading tier", *layout)
         self._store = tutti.Store.open(
             format_devices(config["devices"], 0),
             geometry,
