@@ -9,10 +9,14 @@ cd "$(dirname "$(readlink -f "$0")")/../.."
 target_dir=$(realpath -m "${CARGO_TARGET_DIR:-target}") # cargo's, as cargo resolves it from here
 
 venv=$(timeout 1800 tools/python/wheel.sh | tail -n 1)
-wheel=$(ls target/wheels/tutti-*-abi3-*.whl)
-
 fresh=$(mktemp -d)
 trap 'rm -rf "$fresh"' EXIT
+# A copy taken under wheel.sh's lock (another build in this clone may replace the wheel).
+(
+    flock -w 1800 8 || { echo "core-test.sh: target/wheel.lock is still held after 30 minutes" >&2; exit 1; }
+    cp target/wheels/tutti-*-abi3-*.whl "$fresh/"
+) 8>target/wheel.lock
+wheel=$(ls "$fresh"/tutti-*-abi3-*.whl)
 timeout 300 "${TUTTI_PYTHON:-python3}" -m venv "$fresh/venv"
 # No index: the wheel has no dependencies, so nothing but the wheel itself is needed.
 timeout 300 "$fresh/venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-index "$wheel"

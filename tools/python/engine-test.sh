@@ -24,12 +24,17 @@ if [ ! -x tools/python/wheel.sh ] || [ ! -f python/requirements-test.txt ]; then
     exit 1
 fi
 timeout 1800 tools/python/wheel.sh > /dev/null
-wheel=$(ls target/wheels/tutti-*-abi3-*.whl)
-timeout 1800 cargo build --locked -p tuttid --bin tuttid
-export TUTTI_TUTTID="$target_dir/debug/tuttid"
-
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
+# A copy taken under wheel.sh's lock: another build in this clone may replace the wheel while
+# these tests run.
+(
+    flock -w 1800 8 || { echo "engine-test.sh: target/wheel.lock is still held after 30 minutes" >&2; exit 1; }
+    cp target/wheels/tutti-*-abi3-*.whl "$scratch/"
+) 8>target/wheel.lock
+wheel=$(ls "$scratch"/tutti-*-abi3-*.whl)
+timeout 1800 cargo build --locked -p tuttid --bin tuttid
+export TUTTI_TUTTID="$target_dir/debug/tuttid"
 
 for engine in "${engines[@]}"; do
     case $engine in

@@ -50,6 +50,12 @@ if ! venv_ok 2>/dev/null; then
 fi
 flock -u 9
 
+# One build at a time in this clone: a second run's `rm` and maturin's write of the same wheel
+# name would leave each a broken or missing wheel (two test runs of one clone at once). Held
+# until the site is installed and checked; engine-test.sh copies the wheel under it too.
+mkdir -p target
+exec 8>target/wheel.lock
+flock -w 1800 8 || { echo "wheel.sh: target/wheel.lock is still held by another build after 30 minutes" >&2; exit 1; }
 rm -f target/wheels/tutti-*.whl
 (cd python && "$venv/bin/maturin" build --release --locked --quiet -o ../target/wheels) >&2
 wheel=$(ls target/wheels/tutti-*-abi3-*.whl)
