@@ -5,6 +5,13 @@
 //! The host side goes through [`RegisterIo`]; the controller thread reads the same memory with
 //! Acquire loads. Read-only registers (CAP, VS, CSTS) ignore host writes, and accesses outside
 //! the file or misaligned ones read as all ones and drop writes, as a device off the bus would.
+//!
+//! A shared page ([`crate::EmuConfig::shared_registers`]) can be stored into behind
+//! [`RegisterIo`]'s back, read-only registers included. So their values are kept here, not
+//! read back from the page: the controller and every read through [`RegisterIo`] see CAP, VS
+//! and the controller's own CSTS (republished to the page at every change of it), whatever a
+//! client stored there; only a reader of the raw page sees the stored value, until the next
+//! change of CSTS or a reset rewrites it.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
@@ -23,6 +30,8 @@ pub struct RegisterFile {
     /// The memfd behind the registers when they are shared with another process.
     shared: Option<Arc<SharedMemory>>,
     capabilities: u64,
+    /// CSTS as the controller set it: the value every read returns (see the module comment).
+    status: AtomicU32,
     doorbell_stride_log2: u8,
     /// Runs after every host write of CC through [`RegisterIo`]: wakes the controller thread,
     /// which applies the write (enable, reset, shutdown) at its next poll. It does not apply it
@@ -67,6 +76,7 @@ impl RegisterFile {
             _pool: pool,
             shared,
             capabilities,
+            status: AtomicU32::new(0),
             doorbell_stride_log2,
             configuration_hook: OnceLock::new(),
             doorbell_hook: OnceLock::new(),
@@ -105,6 +115,7 @@ impl RegisterFile {
         let mut disable_written = self.lock_configuration();
         *disable_written = false;
         self.disable_pending.store(false, Ordering::Release);
+        self.status.store(0, Ordering::Release);
         // The region is at least one page and 8-aligned: these stores cannot fail.
         let _ = self.region.fill(0, self.region.len(), 0);
         let _ = self.region.store_u64(registers::CAP, self.capabilities, Ordering::Relaxed);
@@ -117,12 +128,24 @@ impl RegisterFile {
         let _ = self.region.fill(start, self.region.len().saturating_sub(start), 0);
     }
 
+    /// A 32-bit register: CAP's halves, VS and CSTS are the controller's own values, the others
+    /// what the memory holds (all ones outside the file or misaligned).
     pub(crate) fn load32(&self, offset: usize) -> u32 {
-        self.region.load_u32(offset, Ordering::Acquire).unwrap_or(u32::MAX)
+        match offset {
+            registers::CAP => self.capabilities as u32,
+            _ if offset == registers::CAP + 4 => (self.capabilities >> 32) as u32,
+            registers::VS => Version::V1_4.0,
+            registers::CSTS => self.status.load(Ordering::Acquire),
+            _ => self.region.load_u32(offset, Ordering::Acquire).unwrap_or(u32::MAX),
+        }
     }
 
+    /// A 64-bit register: CAP is the controller's own value, the others what the memory holds.
     pub(crate) fn load64(&self, offset: usize) -> u64 {
-        self.region.load_u64(offset, Ordering::Acquire).unwrap_or(u64::MAX)
+        match offset {
+            registers::CAP => self.capabilities,
+            _ => self.region.load_u64(offset, Ordering::Acquire).unwrap_or(u64::MAX),
+        }
     }
 
     /// Whether the host wrote CC.EN = 0 since the last call (see `disable_written`), CC as the
@@ -153,7 +176,10 @@ impl RegisterFile {
         self.disable_pending.load(Ordering::Acquire)
     }
 
+    /// Sets CSTS: the controller's own value, which every read returns, republished to the
+    /// memory for agents that read the page directly.
     pub(crate) fn set_status(&self, csts: u32) {
+        self.status.store(csts, Ordering::Release);
         let _ = self.region.store_u32(registers::CSTS, csts, Ordering::Release);
     }
 
@@ -248,6 +274,14 @@ mod tests {
         assert_eq!(file.read64(registers::CAP), cap);
         assert_eq!(file.read32(registers::VS), Version::V1_4.0);
         assert_eq!(file.read32(registers::CSTS), 0);
+        // Nor by storing into the memory behind RegisterIo's back (a shared page's client).
+        for offset in [registers::CAP, registers::CAP + 4, registers::VS, registers::CSTS] {
+            file.region().store_u32(offset, 0x9, Ordering::Release).unwrap();
+        }
+        assert_eq!((file.read64(registers::CAP), file.read32(registers::CAP + 4)), (cap, (cap >> 32) as u32));
+        assert_eq!((file.read32(registers::VS), file.read32(registers::CSTS)), (Version::V1_4.0, 0));
+        file.set_status(1);
+        assert_eq!((file.read32(registers::CSTS), file.region().load_u32(registers::CSTS, Ordering::Acquire).unwrap()), (1, 1));
         assert_eq!(file.read32(file.len() + 4), u32::MAX);
         assert_eq!(file.read32(3), u32::MAX, "misaligned reads are all ones");
         file.write32(file.len(), 5); // dropped, no panic

@@ -194,3 +194,26 @@ fn file_backed_512_byte_blocks_at_unaligned_offsets() {
     drop(host);
     let _ = std::fs::remove_file(&path);
 }
+
+#[test]
+fn a_csts_value_stored_into_the_shared_page_does_not_fake_a_shutdown_or_a_fatal_status() {
+    // Goal: CSTS is the controller's own: a client that stores SHST = complete (with RDY, 0x9)
+    // or CFS straight into the shared register page changes neither what the controller nor
+    // what the owner's RegisterIo reads, so a later CC.SHN = 01b still writes the cache back
+    // before SHST reads complete.
+    let mut host = TestHost::start(memory_config().with_shared_registers(true));
+    let mut queue = host.create_io_pair(1, 8);
+    write_block(&host, &mut queue, 1, 0x11);
+    let page = host.device.register_region();
+    page.store_u32(registers::CSTS, 0x9, std::sync::atomic::Ordering::Release).unwrap();
+    assert_eq!(host.registers.read32(registers::CSTS), 0x1, "the owner reads the controller's CSTS, not the page's");
+    page.store_u32(registers::CSTS, 0x3, std::sync::atomic::Ordering::Release).unwrap();
+    assert!(!host.csts().fatal(), "a CFS stored into the page is not the controller's");
+    page.store_u32(registers::CSTS, 0x9, std::sync::atomic::Ordering::Release).unwrap();
+    host.registers.write32(registers::CC, ControllerConfiguration::for_enable().0 | 1 << 14);
+    host.wait_shutdown(ShutdownStatus::Complete);
+    assert!(host.device.stats().cache_writeback_bytes > 0, "the shutdown wrote the cached block back");
+    let mut status = [0u8; 4];
+    page.read(registers::CSTS, &mut status).unwrap();
+    assert_eq!(u32::from_le_bytes(status), 0x9, "the controller republished its CSTS to the page (RDY, SHST complete)");
+}
