@@ -681,8 +681,9 @@ def test_pipeline_stages_and_dp_attention_groups_open_their_own_pools_in_their_o
     fingerprints = [options["model_fingerprint"] for _, options in store_options]
     assert fingerprints[0] != fingerprints[1], "two pipeline stages share a key space"
     assert fingerprints[2] == tutti.fingerprint(
-        "sglang hicache", "tutti-test-model", "MHATokenToKVPoolHost", "page_first", LAYERS, HEADS, HEAD_DIM, str(torch.bfloat16), PAGE
-    ), "an unsplit model's fingerprint changed"
+        tutti.fingerprint("sglang hicache", "tutti-test-model"),
+        "sglang page layout", "MHATokenToKVPoolHost", "page_first", LAYERS, HEADS, HEAD_DIM, str(torch.bfloat16), PAGE,
+    ), "an unsplit model's fingerprint changed"  # fmt: skip
 
 
 def test_heterogeneous_tp_head_splitting_is_refused(tmp_path: Path):
@@ -760,7 +761,33 @@ def test_fp8_kv_formats_get_their_own_key_spaces(tmp_path: Path, store_options: 
     assert len(store_options) == 2
     explicit = backend("page_first", host_pool("page_first", dtype=torch.uint8), extra_config(tmp_path / "pool.img", True, model_fingerprint="ab" * 32))
     explicit.close()
-    assert store_options[2][1]["model_fingerprint"] == bytes.fromhex("ab" * 32)
+    assert len(store_options) == 3, "an explicit model_fingerprint did not open the uint8 pool"
+
+
+def test_an_explicit_fingerprint_keeps_the_page_layout_in_the_key_space(tmp_path: Path):
+    """Goal: an explicit "model_fingerprint" names the model, not the bytes of its pages: the
+    key space is extended with the host pool's layout, dtype, page size and class, as the
+    default fingerprint's is. SGLang turns page_first into page_first_direct on its own when
+    --hicache-io-backend direct is given (hicache_hook.py, resolve_layout_io_compatibility):
+    same bytes per page, so the pool opens, but a page_first page (token-major) read into a
+    page_first_direct page (layer-major) would be scrambled KV. bf16 and fp16 pages are alike."""
+    explicit = "cd" * 32
+    pool = host_pool("page_first")
+    storage = backend("page_first", pool, extra_config(tmp_path / "pool.img", True, model_fingerprint=explicit))
+    keys = page_keys(20, 2)
+    assert storage.batch_set_v1(keys, indices([1, 2])) == [True, True]
+    storage.close()
+
+    reopened = extra_config(tmp_path / "pool.img", False, model_fingerprint=explicit)
+    same = backend("page_first", pool, reopened)
+    assert same.batch_exists(keys) == 2, "the same layout under the same fingerprint lost its pages"
+    same.close()
+    direct = backend("page_first_direct", host_pool("page_first_direct"), reopened)
+    assert direct.batch_exists(keys) == 0, "page_first pages are served to a page_first_direct pool"
+    direct.close()
+    fp16 = backend("page_first", host_pool("page_first", dtype=torch.float16), reopened)
+    assert fp16.batch_exists(keys) == 0, "bf16 pages are served to an fp16 pool"
+    fp16.close()
 
 
 def test_hybrid_models_with_extra_host_pools_are_refused_at_attach(tmp_path: Path, caplog):

@@ -81,7 +81,11 @@ EXTRA_CONFIG_FIELDS = {
     ),
     "create_bytes": Field(int, "with format: create or grow an emu:PATH file to this size (unused without format)", check=positive),
     "slots_max": Field(int, "at most this many pool slots per device when formatting", check=positive),
-    "model_fingerprint": Field(str, "64 hex digits naming the model's KV bytes; default: from SGLang's model name and pool shape"),
+    "model_fingerprint": Field(
+        str,
+        "64 hex digits naming the model (the host pool's page layout, dtype and page size are always added); "
+        "default: from SGLang's model name",
+    ),
     "lock_dir": Field(str, "where vfio: devices' lock files live (as tuttid's --lock-dir)", default="/run/tutti"),
     "timeout_s": Field(float, "the longest wait for one page's I/O, seconds", default=30.0, check=positive),
     "requests_max": Field(int, "pages moved at once", default=32, check=positive),
@@ -165,19 +169,13 @@ class TuttiHiCacheStorage(HiCacheStorage):
                 "for each other): set \"model_fingerprint\" in --hicache-storage-backend-extra-config to 64 hex "
                 "digits naming this model and KV format"
             )
-        fingerprint = fingerprint_from_config(
-            config["model_fingerprint"],
-            "sglang hicache",
-            str(storage.model_name),
-            type(mem_pool_host).__name__,
-            mem_pool_host.layout,
-            mem_pool_host.layer_num,
-            mem_pool_host.head_num,
-            mem_pool_host.head_dim,
-            str(mem_pool_host.dtype),
-            mem_pool_host.page_size,
-            *(kv_format or ()),
-        )
+        # The model (the explicit fingerprint, or SGLang's model name), then always how its
+        # pages' bytes are laid out: an explicit fingerprint names the model, not the layout,
+        # and SGLang may change the layout between two starts on its own (page_first becomes
+        # page_first_direct with --hicache-io-backend direct: the same bytes per page, so the
+        # pool opens, and token-major pages would be read into layer-major ones).
+        model = fingerprint_from_config(config["model_fingerprint"], "sglang hicache", str(storage.model_name))
+        fingerprint = tutti.fingerprint(model, *_page_layout_parts(mem_pool_host, kv_format))
         shard = _shard_parts(storage, mem_pool_host)
         if shard:
             # A pipeline stage (or context-parallel rank) holds other layers (or another slice)
@@ -606,8 +604,26 @@ def _shard_parts(storage: HiCacheStorageConfig, host_pool: Any) -> tuple[Any, ..
     )
 
 
+def _page_layout_parts(host_pool: Any, kv_format: Optional[tuple[str, ...]]) -> tuple[Any, ...]:
+    """How the bytes of this host pool's pages are laid out, added to every fingerprint (an
+    explicit one too): the pool's class, layout (--hicache-mem-layout, as SGLang resolved it),
+    layers, heads, head dimension, dtype and page size, and for an integer pool its KV format
+    (`_kv_format_parts`) when it can be read."""
+    return (
+        "sglang page layout",
+        type(host_pool).__name__,
+        host_pool.layout,
+        host_pool.layer_num,
+        host_pool.head_num,
+        host_pool.head_dim,
+        str(host_pool.dtype),
+        host_pool.page_size,
+        *(kv_format or ()),
+    )
+
+
 def _kv_format_parts(host_pool: Any) -> Optional[tuple[str, ...]]:
-    """What tells this host pool's KV format apart beyond its dtype, for the default fingerprint:
+    """What tells this host pool's KV format apart beyond its dtype, for the fingerprint's page layout:
     empty for a floating-point pool (its dtype is the KV format). SGLang 0.5.23 stores every fp8
     --kv-cache-dtype as torch.uint8 (memory_pool.py: store_dtype; the host pool takes it), so for
     an integer pool: SGLang's kv_cache_dtype and speculative_draft_kv_cache_dtype (the packed
