@@ -346,6 +346,10 @@ pub(crate) struct ClusterAgent {
     data_plane: data_plane::DataPlane,
     /// The data plane's bound address.
     data_address: SocketAddr,
+    /// Held while the agent lives, and so past the registrar's last write of the manifest (the
+    /// server joins the registrar's thread before it drops the agent).
+    #[cfg(feature = "cluster")]
+    _manifest_lock: manifest::ManifestLock,
 }
 
 /// What a `LookupCluster` found past the local prefix.
@@ -391,6 +395,8 @@ impl ClusterAgent {
         use held::HeldSegments;
 
         let segment_blocks = settings.registry.segment_blocks;
+        // First: another daemon using this manifest refuses this start before it reads a byte.
+        let manifest_lock = manifest::lock(&settings.manifest)?;
         let io = |source| DaemonError::Io { context: "the cluster's segment manifest".into(), source };
         let loaded = manifest::load(&settings.manifest, segment_blocks).map_err(io)?;
         if let Some(reason) = &loaded.discarded {
@@ -442,7 +448,17 @@ impl ClusterAgent {
         };
         let recovered = registrar::Recovered { held, manifest, stale, previous_lease: loaded.lease_id };
         let registrar = Registrar::new(settings.registry.clone(), record, receiver, metrics.clone(), Arc::clone(&state), recovered);
-        Ok(ClusterAgent { settings, inbox, registrar: Mutex::new(Some(registrar)), metrics, state, lookups, data_plane, data_address })
+        Ok(ClusterAgent {
+            settings,
+            inbox,
+            registrar: Mutex::new(Some(registrar)),
+            metrics,
+            state,
+            lookups,
+            data_plane,
+            data_address,
+            _manifest_lock: manifest_lock,
+        })
     }
 
     /// Serves other nodes' reads until `stop` (the server runs this on a thread of its own).

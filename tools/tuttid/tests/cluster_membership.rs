@@ -176,6 +176,55 @@ fn a_lost_lease_is_rejoined_and_every_held_segment_registered_again() {
 }
 
 #[test]
+fn a_second_daemon_on_a_live_nodes_manifest_is_refused_and_deletes_nothing() {
+    // Goal: two tuttids given one --cluster-state (the docs' `--node-id "$(hostname -s)"` and
+    // `--cluster-state /var/lib/tutti/segments` for two daemons of one host, each with its own
+    // pool, socket and data address) cannot both run on it. The second finds the first's
+    // segments missing from its fresh pool; before, it deleted their registrations under the
+    // lease the first had recorded (gone within ~0.2 s) and renamed its manifest over the
+    // first's. Now it is refused at start (exit 2), naming the manifest's lock file and, where
+    // /proc/locks shows it, the first daemon; the first's segments stay listed.
+    let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
+    let root = tempfile::tempdir().unwrap();
+    let reader = reader(&etcd);
+    let mut first = Node::new(root.path(), "a");
+    first.start(&etcd, true);
+    store(&first, 1);
+    wait_for("the first daemon's segments are registered", SOON, || holders(&reader, 1) == [["a"], ["a"]]);
+    let mut second = Node::new(&root.path().join("second"), "a");
+    second.manifest = first.manifest.clone();
+    let mut daemon = second.spawn(&etcd, true);
+    let started = Instant::now();
+    let exit = loop {
+        assert_eq!(holders(&reader, 1), [["a"], ["a"]], "the first daemon's segments went {:?} after the second start", started.elapsed());
+        if let Some(exit) = daemon.child.as_mut().unwrap().try_wait().unwrap() {
+            break exit;
+        }
+        assert!(started.elapsed() < common::WAIT, "the second daemon is still running after {:?}", common::WAIT);
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let stderr = daemon.stderr();
+    eprintln!("the second daemon: {exit}: {}", stderr.trim());
+    let lock = format!("{}.lock", first.manifest.display());
+    assert_eq!(exit.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("in use") && stderr.contains(&lock), "{stderr}");
+    let pid = first.daemon().pid();
+    if tutti_devices::lock::lists_flock_exactly(std::path::Path::new(&lock), pid) {
+        assert!(stderr.contains(&format!("pid {pid}")), "the holder is not named: {stderr}");
+    } else {
+        eprintln!("/proc/locks does not list the first daemon's lock on {lock} exactly: its naming is not checked");
+    }
+    std::thread::sleep(Duration::from_secs(3).saturating_sub(started.elapsed()));
+    assert_eq!(holders(&reader, 1), [["a"], ["a"]], "the first daemon's segments went after the second exited");
+    let status = first.status();
+    assert!(status.joined && status.segments_registered == 2, "{status:?}");
+    let (exit, stderr) = first.daemon.take().unwrap().terminate();
+    assert!(exit.success(), "{exit}: {stderr}");
+    first.start(&etcd, false);
+    wait_for("a restart on the manifest finds its segments", SOON, || holders(&reader, 1) == [["a"], ["a"]]);
+}
+
+#[test]
 fn cluster_options_are_checked_at_start() {
     // Goal: a bad node id, a segment size outside 16..=64, a timeout the lease cannot hold and
     // an unspecified data address (other nodes would dial themselves) are refused before the daemon opens anything (exit 2, the reason named); cluster options

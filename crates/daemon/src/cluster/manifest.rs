@@ -32,9 +32,12 @@ use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
 
+use nix::errno::Errno;
+use nix::fcntl::{Flock, FlockArg};
 use tutti_cluster::{ModelSpace, SegmentBlocks, SegmentKey, FINGERPRINT_BYTES};
 
 use super::held::HeldSegment;
+use crate::DaemonError;
 
 const MAGIC: &[u8; 4] = b"TSMF";
 const VERSION: u16 = 2;
@@ -128,6 +131,45 @@ fn frame(out: &mut Vec<u8>, tag: u8, body: impl FnOnce(&mut Vec<u8>)) {
     out[1..3].copy_from_slice(&length.to_le_bytes());
     let crc = crc32fast::hash(out);
     out.extend_from_slice(&crc.to_le_bytes());
+}
+
+/// One daemon per manifest: an exclusive `flock` on `<manifest>.lock`, held for the cluster
+/// agent's life; the kernel drops it when the holder dies, even by SIGKILL. Two tuttids given
+/// one `--cluster-state` (the same `--node-id "$(hostname -s)"` on one host) would otherwise
+/// each read the other's segments as lost from its pool, and the second would delete the
+/// first's registrations under the lease the first recorded (`ClusterClient::forget` allows
+/// exactly that lease), then rename its own manifest over the first's. Not a lock on the
+/// manifest itself: [`Manifest::rewrite`] renames a new file over it, and a lock belongs to
+/// the file it was taken on, not to the path.
+#[derive(Debug)]
+pub struct ManifestLock {
+    _lock: Flock<File>,
+}
+
+/// Takes the [`ManifestLock`] of the manifest at `path`, without waiting: held by another
+/// process, refused as in use ([`DaemonError::DeviceInUse`], exit 2), naming the lock file and
+/// its holder (pid and command line, as for a pool device).
+pub fn lock(path: &Path) -> Result<ManifestLock, DaemonError> {
+    let mut lock_path = path.as_os_str().to_owned();
+    lock_path.push(".lock");
+    let lock_path = PathBuf::from(lock_path);
+    let file =
+        OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&lock_path).map_err(|source| DaemonError::Io {
+            context: format!("opening {} to lock the segment manifest", lock_path.display()),
+            source,
+        })?;
+    match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+        Ok(lock) => Ok(ManifestLock { _lock: lock }),
+        Err((file, Errno::EWOULDBLOCK)) => Err(DaemonError::DeviceInUse {
+            spec: format!("the segment manifest {} (--cluster-state)", path.display()),
+            holder: tutti_devices::lock::holder_of(&file, Path::new("/proc")),
+            lock: lock_path,
+        }),
+        Err((_, errno)) => Err(DaemonError::Io {
+            context: format!("locking {}", lock_path.display()),
+            source: std::io::Error::from_raw_os_error(errno as i32),
+        }),
+    }
 }
 
 /// Reads the journal at `path` (a missing file is an empty one).

@@ -43,6 +43,8 @@ pub struct Node {
     pub extra: Vec<&'static str>,
     /// `--data-address` (a free port by default; a fixed one to restart on the same address).
     pub data_address: String,
+    /// `--cluster-state` (`segments` in the node's directory by default).
+    pub manifest: PathBuf,
 }
 
 impl Node {
@@ -51,13 +53,14 @@ impl Node {
         std::fs::create_dir_all(&directory).unwrap();
         Node {
             name,
-            directory,
             daemon: None,
             lease: "2s",
             timeout: "1s",
             format_extra: Vec::new(),
             extra: Vec::new(),
             data_address: "127.0.0.1:0".into(),
+            manifest: directory.join("segments"),
+            directory,
         }
     }
 
@@ -75,6 +78,15 @@ impl Node {
     /// Starts the daemon as [`Node::start`] does, for a start that must fail: its exit status
     /// and standard error (bounded: a daemon that starts after all is killed and reported).
     pub fn start_failing(&self, etcd: &LocalEtcd, format: bool) -> (std::process::ExitStatus, String) {
+        let mut daemon = self.spawn(etcd, format);
+        let status = super::wait_bounded(daemon.child.as_mut().unwrap());
+        let stderr = daemon.stderr();
+        (status, stderr)
+    }
+
+    /// Starts the daemon as [`Node::start`] does without waiting for it to listen (standard
+    /// error piped): for a start that may fail, watched meanwhile.
+    pub fn spawn(&self, etcd: &LocalEtcd, format: bool) -> Daemon {
         let child = std::process::Command::new(super::TUTTID)
             .args(["--device", &self.device(), "--socket"])
             .arg(self.directory.join("tuttid.sock"))
@@ -87,15 +99,12 @@ impl Node {
             .spawn()
             .expect("start tuttid");
         // A Daemon: killed on drop should it start after all.
-        let mut daemon = Daemon { child: Some(child), socket: self.directory.join("tuttid.sock") };
-        let status = super::wait_bounded(daemon.child.as_mut().unwrap());
-        let stderr = daemon.stderr();
-        (status, stderr)
+        Daemon { child: Some(child), socket: self.directory.join("tuttid.sock") }
     }
 
     /// The daemon's cluster options (and the format's, when `format`).
     fn arguments(&self, etcd: &LocalEtcd, format: bool) -> Vec<String> {
-        let manifest = self.directory.join("segments").display().to_string();
+        let manifest = self.manifest.display().to_string();
         let mut args: Vec<String> = [
             "--cluster-etcd",
             &etcd.endpoints().join(","),
