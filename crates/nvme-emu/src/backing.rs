@@ -194,8 +194,13 @@ impl Store {
                 let range = Self::memory_range(bytes, offset, len)?;
                 // A page never written is the kernel's shared zero page: reading it commits
                 // nothing, writing it would. (Releasing pages with MADV_DONTNEED would need
-                // unsafe code, which this crate forbids.)
-                for chunk in bytes[range].chunks_mut(ZERO_CHECK_BYTES) {
+                // unsafe code, which this crate forbids.) Checked on the mapping's own pages
+                // (it is page-aligned): a range starting inside a page has its first piece end
+                // at the next page boundary, so a piece never spans two pages and a written
+                // page's piece never writes the zero page next to it.
+                let head = (ZERO_CHECK_BYTES - range.start % ZERO_CHECK_BYTES).min(range.len());
+                let (first, rest) = bytes[range].split_at_mut(head);
+                for chunk in std::iter::once(first).chain(rest.chunks_mut(ZERO_CHECK_BYTES)) {
                     // An OR over the page rather than `any`: no early exit, so it vectorizes.
                     if chunk.iter().fold(0u8, |seen, &byte| seen | byte) != 0 {
                         chunk.fill(0);
@@ -484,6 +489,30 @@ mod tests {
         assert!(read.iter().all(|&b| b == 0));
         store.read(GIB - 4096, &mut read[..4096]).unwrap();
         assert!(read[..4096].iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn zeroing_an_unaligned_range_commits_no_page_that_was_zero() {
+        // Goal: zeroing is checked page by page on the store's own 4 KiB pages, so a range that
+        // starts inside a page does not write the untouched (never committed) pages next to
+        // written ones: with every other page written, zeroing all of them from byte 100 keeps
+        // the mapping's resident size, and every byte reads as zero.
+        const PAGES: usize = 512;
+        let mut store = Store::open(&Backing::Memory { bytes: (PAGES * 4096) as u64 }, false).unwrap();
+        let Store::Memory(bytes) = &store else { panic!("a memory store") };
+        // Page-sized pages, so residency counts what was written (not a 2 MiB huge page).
+        bytes.advise(memmap2::Advice::NoHugePage).unwrap();
+        let address = bytes.as_ptr() as usize;
+        for page in (0..PAGES).step_by(2) {
+            store.write((page * 4096) as u64, &[7u8; 4096]).unwrap();
+        }
+        let written = resident_bytes_of_mapping(address);
+        store.write_zeroes(100, (PAGES * 4096 - 200) as u64).unwrap();
+        let after = resident_bytes_of_mapping(address);
+        assert!(after <= written, "zeroing from byte 100 committed {} more bytes ({written} resident before)", after - written);
+        let mut read = vec![0xFFu8; PAGES * 4096];
+        store.read(0, &mut read).unwrap();
+        assert!(read[..100].iter().all(|&b| b == 7) && read[100..PAGES * 4096 - 100].iter().all(|&b| b == 0));
     }
 
     #[test]
