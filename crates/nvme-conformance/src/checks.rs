@@ -4,6 +4,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use nvme_driver::datapath::{PAGE_BYTES, PRP_LIST_ENTRIES_MAX};
 use nvme_driver::spec::status::codes;
 use nvme_driver::spec::{SglDescriptor, StatusCodeType, SubmissionEntry};
 use nvme_driver::{
@@ -330,7 +331,7 @@ fn mdts_split(context: &Context) -> Outcome {
     buffer.fill(0, total as usize, 0)?;
     queue.read(namespace.id, Lba(0), &[DataSegment::new(buffer.iova(), total as u32)], context.config.timeout)?;
     verify_pattern(&buffer, 0, total as usize, 77, 0).map_err(Failure)?;
-    Ok(Verdict::PassedWith(format!("MDTS {} KiB: {total} bytes in {commands} commands", max / 1024)))
+    Ok(Verdict::PassedWith(format!("{}: {total} bytes in {commands} commands", mdts_note(&controller))))
 }
 
 /// Goal: Flush succeeds; Write Zeroes reads back as zeroes; Deallocate succeeds (when supported).
@@ -421,28 +422,65 @@ fn error_lba_out_of_range(context: &Context) -> Outcome {
     Ok(Verdict::Passed)
 }
 
-/// Goal: a transfer above MDTS in one command is answered with Invalid Field in Command.
+/// The device's own MDTS in bytes (Identify MDTS in CAP.MPSMIN units), `None` for no limit. This
+/// is not [`Controller::max_transfer_bytes`], which the driver also caps at one PRP list page
+/// (2 MiB): a device may accept more in one command.
+fn device_max_transfer_bytes(controller: &Controller) -> Option<u64> {
+    controller.identify().max_transfer_bytes(controller.capabilities().min_page_size_bytes())
+}
+
+/// The device's MDTS for a report line, with the driver's own split size when that is smaller.
+fn mdts_note(controller: &Controller) -> String {
+    let split_kib = controller.max_transfer_bytes() / 1024;
+    match device_max_transfer_bytes(controller) {
+        Some(bytes) if bytes / 1024 == split_kib => format!("MDTS {split_kib} KiB"),
+        Some(bytes) => format!("MDTS {} KiB (the driver splits at {split_kib} KiB)", bytes / 1024),
+        None => format!("no MDTS limit (the driver splits at {split_kib} KiB)"),
+    }
+}
+
+/// Goal: a transfer one block above the device's MDTS in one command is answered with Invalid
+/// Field in Command. Skipped when the device reports no MDTS, or when that transfer is more than
+/// one command can describe (more than one PRP list page's 513 pages, more than 65536 blocks):
+/// then the device cannot be asked.
 fn error_invalid_field(context: &Context) -> Outcome {
     let controller = bring_up(context, DataPointerPreference::Auto)?;
     let namespace = first_namespace(&controller)?;
-    if controller.identify().mdts == 0 {
+    let Some(limit) = device_max_transfer_bytes(&controller) else {
         return Ok(Verdict::Skipped("controller reports no MDTS limit".into()));
-    }
+    };
+    let block = u64::from(namespace.block_size_bytes);
+    let bytes = limit.checked_add(block).ok_or_else(|| Failure(format!("MDTS {limit} bytes plus one block overflows")))?;
     let mut queue = queue(&controller, 16)?;
-    let bytes = 2 * controller.max_transfer_bytes();
-    let buffer = controller.dma().allocate(bytes as usize)?;
-    let blocks = u32::try_from(bytes / u64::from(namespace.block_size_bytes))
-        .ok()
-        .and_then(BlockCount::new)
-        .ok_or_else(|| Failure(format!("{bytes} bytes are more blocks than one command carries")))?;
+    let mode = queue.data_pointer_mode();
+    // The buffer is page aligned: PRP1 names its first page, one list page the rest.
+    let pages = bytes.div_ceil(PAGE_BYTES);
+    let pages_max = PRP_LIST_ENTRIES_MAX as u64 + 1;
+    if mode == DataPointerMode::Prp && pages > pages_max {
+        return Ok(Verdict::Skipped(format!(
+            "MDTS {} KiB plus one block is {pages} pages, more than one PRP data pointer describes ({pages_max})",
+            limit / 1024
+        )));
+    }
+    let Some(blocks) = u32::try_from(bytes / block).ok().and_then(BlockCount::new) else {
+        return Ok(Verdict::Skipped(format!(
+            "MDTS {} KiB plus one block is more than the {} blocks of {block} bytes one command carries",
+            limit / 1024,
+            BlockCount::MAX
+        )));
+    };
+    let (Ok(length), Ok(allocation)) = (u32::try_from(bytes), usize::try_from(bytes)) else {
+        return Ok(Verdict::Skipped(format!("MDTS {} KiB plus one block is more than one data segment carries", limit / 1024)));
+    };
+    let buffer = controller.dma().allocate(allocation)?;
     let error = raw_status(
         context,
         &mut queue,
         SubmissionEntry::read(namespace.id, Lba(0), blocks),
-        Some(&[DataSegment::new(buffer.iova(), bytes as u32)]),
+        Some(&[DataSegment::new(buffer.iova(), length)]),
     )?;
-    expect_status(&error, StatusCodeType::Generic, codes::INVALID_FIELD, "read above MDTS")?;
-    Ok(Verdict::Passed)
+    expect_status(&error, StatusCodeType::Generic, codes::INVALID_FIELD, "read of MDTS plus one block")?;
+    Ok(Verdict::PassedWith(format!("{bytes} bytes in one {} command, {}", mode.name(), mdts_note(&controller))))
 }
 
 /// Goal: an unknown opcode and an inactive namespace are answered with their statuses.
@@ -623,11 +661,7 @@ fn data_integrity(context: &Context) -> Outcome {
             verify_pattern(piece, 0, chunk / 16, seed, offset + (piece_index * chunk / 16) as u64).map_err(Failure)?;
         }
     }
-    Ok(Verdict::PassedWith(format!(
-        "{} MiB over {note}, MDTS {} KiB",
-        context.config.integrity_mib,
-        controller.max_transfer_bytes() / 1024
-    )))
+    Ok(Verdict::PassedWith(format!("{} MiB over {note}, {}", context.config.integrity_mib, mdts_note(&controller))))
 }
 
 /// Goal: a queue pair created for another agent (as the GPU executor uses them) works when that

@@ -142,3 +142,20 @@ fn reads_that_move_no_data_fail_the_checks_that_read_back() {
     print!("{report}");
     assert!(matches!(report.results[0].outcome, Outcome::Failed(_)), "{report}");
 }
+
+/// Goal: `error_invalid_field` sends one block past the device's own MDTS, not past the driver's
+/// 2 MiB cap: MDTS 9 (2 MiB) on PRP fits in one command (513 pages) and is refused with Invalid
+/// Field; MDTS 10 (4 MiB) on SGL too; MDTS 10 on PRP needs more than one PRP list page and is
+/// skipped, not passed. Before, the check read twice the capped limit (4 MiB): on PRP the driver
+/// refused the layout, on SGL with MDTS 10 the read was within MDTS and succeeded; both failed.
+#[test]
+fn error_invalid_field_uses_the_device_mdts() {
+    let only_invalid_field = || SuiteConfig { filter: Some("error_invalid_field".into()), ..suite() };
+    for config in [EmuConfig::default().with_sgl(false).with_mdts(9), EmuConfig::default().with_mdts(10)] {
+        let report = run(config, only_invalid_field());
+        assert_eq!(report.results.len(), 1, "{report}");
+        assert_eq!(report.results[0].outcome, Outcome::Passed, "{report}");
+    }
+    let report = run(EmuConfig::default().with_sgl(false).with_mdts(10), only_invalid_field());
+    assert!(matches!(report.results[0].outcome, Outcome::Skipped(_)), "{report}");
+}
