@@ -263,6 +263,17 @@ impl LocalEtcd {
         })
     }
 
+    /// Puts `value` at `key` under no lease, behind any owner's back (an operator's `etcdctl
+    /// put`): a key under a node's lease leaves it, and never expires; bounded as
+    /// [`LocalEtcd::revoke_lease`] is.
+    pub fn put_key(&self, key: &str, value: &[u8]) -> Result<()> {
+        let (key, value) = (key.to_owned(), value.to_vec());
+        self.on_any_member("put a key", move |mut client| {
+            let (key, value) = (key.clone(), value.clone());
+            async move { client.put(key, value, None).await.map(|_| ()) }
+        })
+    }
+
     /// Runs `request` on each running member in turn until one answers, each attempt within
     /// [`REVOKE_ATTEMPT_TIMEOUT`] (connection included).
     fn on_any_member<F, Fut>(&self, operation: &'static str, mut request: F) -> Result<()>

@@ -16,7 +16,7 @@ use tutti_cluster::local_etcd::LocalEtcd;
 use tutti_daemon::client::RemoteKvStore;
 
 mod common;
-use common::cluster::{holders, members, model, reader, store, wait_for, Node, BLOCK_TOKENS, LEASE, PROMPT_BLOCKS, SOON};
+use common::cluster::{holders, members, model, reader, store, wait_for, Node, BLOCK_TOKENS, CLUSTER, LEASE, PROMPT_BLOCKS, SOON};
 
 #[test]
 fn a_node_registers_commits_unregisters_evictions_leaves_and_comes_back() {
@@ -173,6 +173,36 @@ fn a_lost_lease_is_rejoined_and_every_held_segment_registered_again() {
     assert_ne!(status.lease_id, old_lease);
     assert_eq!((status.joins, status.lease_losses, status.segments_registered), (2, 1, 2), "{status:?}");
     assert_eq!(members(&reader), ["c"]);
+}
+
+#[test]
+fn a_lease_lost_once_is_counted_once_however_many_rejoins_fail() {
+    // Goal: one loss etcd reports is one `lease_losses`, however many rejoin attempts fail
+    // before one succeeds, and the node reports nothing registered while it has no lease.
+    // The member key is put under no lease behind the node's back (an operator's `etcdctl
+    // put`): its watch sees the key leave its lease (the loss), and every rejoin is refused
+    // (a key under no lease never expires) until the key is deleted 3 s later. Before, each
+    // failed attempt counted another loss (a rejoin marks the node lost until it succeeds),
+    // and the old lease's 2 segments stayed in `segments_registered`.
+    let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
+    let root = tempfile::tempdir().unwrap();
+    let reader = reader(&etcd);
+    let mut node = Node::new(root.path(), "e");
+    node.start(&etcd, true);
+    store(&node, 8);
+    wait_for("registered", SOON, || holders(&reader, 8) == [["e"], ["e"]]);
+    let member_key = tutti_cluster::layout::KeyLayout::new(tutti_cluster::ClusterId::new(CLUSTER).unwrap())
+        .member_key(&tutti_cluster::NodeId::new("e").unwrap());
+    etcd.put_key(&member_key, b"planted").unwrap();
+    wait_for("the node's rejoins are refused", SOON, || node.status().last_error.contains("no lease"));
+    std::thread::sleep(Duration::from_secs(3));
+    let status = node.status();
+    assert!(!status.joined && status.registry_errors >= 3, "{status:?}");
+    assert_eq!((status.lease_losses, status.segments_registered), (1, 0), "{status:?}");
+    etcd.delete_key(&member_key).unwrap();
+    wait_for("rejoined and registered again", SOON, || holders(&reader, 8) == [["e"], ["e"]] && node.status().joined);
+    let status = node.status();
+    assert_eq!((status.joins, status.lease_losses, status.segments_registered), (2, 1, 2), "{status:?}");
 }
 
 #[test]

@@ -84,6 +84,11 @@ pub(crate) struct Registrar {
     previous_lease: i64,
     /// The unregister queue overflowed: rejoin rather than unregister one by one.
     rejoin_needed: bool,
+    /// A rejoin was attempted and has not succeeded yet. `ClusterNode::rejoin` marks the node
+    /// lost before it tries, and a failed attempt leaves it so: that is this process's doing,
+    /// not a loss etcd reported, so it is not counted again (nor at all for a rejoin asked for
+    /// with the lease still live, `rejoin_needed`).
+    rejoining: bool,
     backoff: Duration,
     next_attempt: Instant,
     /// Scratch.
@@ -116,6 +121,7 @@ impl Registrar {
             stale,
             previous_lease,
             rejoin_needed: false,
+            rejoining: false,
             backoff: BACKOFF_FIRST,
             next_attempt: Instant::now(),
             departed: Vec::new(),
@@ -266,11 +272,15 @@ impl Registrar {
         }
         let Some(node) = self.node.as_mut() else { return Ok(()) };
         if node.health().lost || self.rejoin_needed {
-            if node.health().lost {
+            // Counted once per loss: a failed rejoin leaves the node marked lost, and the
+            // next pass's attempt is the same loss's.
+            if node.health().lost && !self.rejoining {
                 self.metrics.lease_losses.inc();
                 tracing::warn!(lease_id = node.health().lease_id, "the cluster lease is lost; rejoining");
             }
+            self.rejoining = true;
             let rejoined = node.rejoin()?;
+            self.rejoining = false;
             tracing::info!(lease_id = node.health().lease_id, "rejoined the cluster");
             let lease_id = node.health().lease_id;
             if let Some(manifest) = self.manifest.as_mut() {
@@ -423,7 +433,10 @@ impl Registrar {
         let joined = self.node.as_ref().is_some_and(|node| !node.health().lost);
         self.metrics.joined.set(i64::from(joined));
         self.metrics.segments_held.set(self.held.len() as i64);
-        self.metrics.segments_registered.set(self.held.registered() as i64);
+        // A lost lease took its registrations with it (they are registered again once
+        // rejoined): none are listed meanwhile, whatever `held` recorded under the old lease.
+        let registered = if joined { self.held.registered() } else { 0 };
+        self.metrics.segments_registered.set(registered as i64);
     }
 
     /// Leaves the cluster: the lease is revoked, so this node's record and segments vanish now
