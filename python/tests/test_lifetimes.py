@@ -182,6 +182,49 @@ def test_a_request_dropped_without_finish_gives_back_its_place():
         assert holds(layout, 2, 4)
 
 
+def test_a_request_dropped_with_a_layer_in_flight_writes_nothing_after_the_drop():
+    # Goal: a retrieve of 16 blocks with queue_depth = 2 (the CPU executor sends the rest of a
+    # layer's commands only when someone polls) dropped right after retrieve_layer(0): the drop
+    # waits the layer out, so engine blocks 16..31, reused and rewritten by the engine after
+    # the drop, keep the engine's bytes when a later request's wait drives the executor.
+    # Before, the drop left the layer in flight, and that later wait sent its remaining
+    # commands: blocks 17..31 were overwritten with the retrieved bytes.
+    blocks = 16
+    with open_store(queue_depth=2) as store:
+        layout = store.allocate_kv(2 * blocks + 2, "paged")
+        for block in range(blocks):
+            fill_block(layout, block, 10 + block)
+        prompt = tokens(75, blocks)
+        store_prompt(store, prompt, list(range(blocks)))
+        request = store.prepare_retrieve(prompt, list(range(blocks, 2 * blocks)))
+        request.retrieve_layer(0)
+        del request
+        gc.collect()
+        for block in range(blocks, 2 * blocks):
+            fill_block(layout, block, 900 + block)
+        store_prompt(store, tokens(76, 1), [2 * blocks], commit=False).finish()
+        time.sleep(0.2)
+        overwritten = [block for block in range(blocks, 2 * blocks) if not holds(layout, block, 900 + block)]
+        assert overwritten == [], "engine blocks written after their request was dropped"
+
+
+def test_requests_dropped_with_a_layer_in_flight_give_back_their_places():
+    # Goal: with requests_max = 2, two store requests dropped each with layer 0 in flight (not
+    # waited for) are finished by their drop once the layer ended, so the third prepare
+    # succeeds. Before, they were held until the store closed: every later prepare raised
+    # LimitReached.
+    with open_store(requests_max=2) as store:
+        layout = store.allocate_kv(8, "block_major")
+        for seed in (1, 2):
+            fill_block(layout, seed, 80 + seed)
+            request = store.prepare_store(tokens(80 + seed, 1), [seed])
+            request.store_layer(0)
+            del request
+            gc.collect()
+        third = store.prepare_store(tokens(83, 1), [3])
+        third.finish()
+
+
 def fork_sleeper(seconds: float) -> int:
     """A forked child that only sleeps (holding whatever it inherited) and exits without running
     the parent's cleanups."""

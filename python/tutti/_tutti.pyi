@@ -574,10 +574,13 @@ class Request:
     out every layer in flight (all within the store's timeout_s).
 
     A Request garbage-collected while prepared (neither committed nor finished) is finished
-    then if no layer of it is in flight, giving back its place among requests_max, its pins and
-    its IOCBs; one with a layer in flight is held until the store closes (which waits for the
-    layer): a destructor does not wait for I/O. Finish or commit explicitly (or use `with`)
-    rather than rely on this."""
+    then, giving back its place among requests_max, its pins and its IOCBs: its layers in
+    flight are waited out first, as leaving the `with` does (within the store's timeout_s, with
+    the GIL released), so that none moves bytes into or out of engine blocks after the drop. A
+    layer still in flight after that (a device that does not answer) is logged at error level
+    and the request held until the layer ends (the completion thread and the next prepare
+    finish it then; the store's close at the latest). Finish or commit explicitly (or use
+    `with`) rather than rely on this: the drop may block the thread that frees the object."""
 
     @property
     def handle(self) -> int:

@@ -104,10 +104,25 @@ pub enum Settling {
     Continue,
 }
 
+/// What became of a request dropped while prepared (`StoreState::finish_dropped`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dropped {
+    /// Finished (or already gone): its place, pins and IOCBs are given back.
+    Finished,
+    /// A layer is still in flight: kept on `StoreState::orphans` until it ends.
+    Orphaned,
+}
+
 /// Everything under a `Store`'s lock.
 pub struct StoreState {
     pub backend: Backend,
     pub requests: HashMap<u64, RequestState>,
+    /// Requests whose Python object was dropped with a layer its drop could not wait out
+    /// (`Request::drop`): still held (their place, pins and IOCBs, and the engine blocks their
+    /// commands may still move) until the layers in flight ended; the completion thread and the
+    /// next prepare drive them (`drive_orphans`) and finish each once settled, the store's close
+    /// otherwise.
+    pub orphans: Vec<u64>,
     /// Caller memory mapped for the devices (in-process register_kv).
     pub caller_memory: Vec<CallerMemory<Keep>>,
     /// Device memory registered with tuttid (CUDA tensors, a stand-in): the tensors and what
@@ -217,6 +232,7 @@ impl StoreState {
         StoreState {
             backend,
             requests: HashMap::new(),
+            orphans: Vec::new(),
             caller_memory: Vec::new(),
             device_memory: None,
             daemon_socket: None,
@@ -331,6 +347,8 @@ impl StoreState {
         block_ids: &[u32],
         first_block: usize,
     ) -> Result<(RequestHandle, Option<StorePlan>, Vec<u32>), Failure> {
+        // A dropped request whose layers ended since gives back its place first.
+        self.drive_orphans(Duration::ZERO);
         let remote = self.is_remote();
         let request = KvRequest { tokens, block_ids };
         let prepared = match direction {
@@ -642,14 +660,54 @@ impl StoreState {
         }
     }
 
-    /// A request whose Python object was dropped while prepared: finished if nothing of it is
-    /// in flight (and the store still holds it); one with a layer in flight is left for the
-    /// store's close, which waits for it (a destructor may not wait).
-    pub fn finish_dropped(&mut self, handle: u64) -> Result<(), Failure> {
+    /// A request whose Python object was dropped while prepared, after the drop waited out what
+    /// it could of its layers in flight (`Request::drop`): finished if nothing of it is in
+    /// flight (and the store still holds it); one with a layer still in flight is kept on
+    /// `orphans`, held until its layers end (its commands may still move the engine's blocks,
+    /// and the CPU executor sends the rest of a layer only when polled: it is never finished
+    /// or given back before that).
+    pub fn finish_dropped(&mut self, handle: u64) -> Result<Dropped, Failure> {
         match self.requests.get(&handle) {
-            Some(state) if state.in_flight.is_empty() => self.finish(handle),
-            _ => Ok(()),
+            None => Ok(Dropped::Finished),
+            Some(state) if state.in_flight.is_empty() => self.finish(handle).map(|()| Dropped::Finished),
+            Some(_) => {
+                if !self.orphans.contains(&handle) {
+                    self.orphans.push(handle);
+                }
+                Ok(Dropped::Orphaned)
+            }
         }
+    }
+
+    /// Drives every orphan (`orphans`) for at most `slice` each (zero: only what has ended
+    /// already), and finishes each whose layers all ended; returns whether orphans are left.
+    /// A finish that fails leaves the request, nothing of it in flight, for the store's close.
+    pub fn drive_orphans(&mut self, slice: Duration) -> bool {
+        if self.orphans.is_empty() {
+            return false;
+        }
+        for handle in std::mem::take(&mut self.orphans) {
+            let deadline = Instant::now() + slice;
+            // Bounded: each Continue ended a layer or spent a slice before the deadline.
+            let settling = loop {
+                match self.settle_step(handle, deadline) {
+                    Settling::Continue => continue,
+                    other => break other,
+                }
+            };
+            match settling {
+                Settling::Settled if self.requests.contains_key(&handle) => match self.finish(handle) {
+                    Ok(()) => tracing::info!("tutti: request {handle:#x}, dropped with a layer in flight, is finished"),
+                    Err(failure) => tracing::warn!(
+                        message = %failure.message,
+                        "tutti: finishing request {handle:#x}, dropped with a layer in flight (left for the store's close)"
+                    ),
+                },
+                Settling::Settled => {}
+                _ => self.orphans.push(handle),
+            }
+        }
+        !self.orphans.is_empty()
     }
 
     pub fn finish(&mut self, handle: u64) -> Result<(), Failure> {

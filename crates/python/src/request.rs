@@ -13,7 +13,7 @@ use objstore::{Direction, StorePlan};
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 
-use crate::backend::{Issues, Settling, WAIT_SLICE};
+use crate::backend::{Dropped, Issues, Settling, WAIT_SLICE};
 use crate::errors::{ErrorClass, Failure};
 use crate::store::{deadline_after, duration_of, id_list, StoreShared};
 
@@ -46,12 +46,21 @@ pub struct Request {
     eventfd: Mutex<Option<Arc<EventFd>>>,
 }
 
-/// A request dropped while it is prepared (neither committed nor finished): finished now if
-/// nothing of it is in flight, so that its place, pins and IOCBs are given back; a request with
-/// a layer in flight is left to the store's close (which waits for it): a destructor does not
-/// wait for I/O (an attached store's finish is one bounded exchange with tuttid). Only in the process that prepared it (another one's store is not its to
-/// touch: `process`). The store's lock is taken with the GIL released (see
-/// `StoreShared::locked`).
+/// A request dropped while it is prepared (neither committed nor finished): its layers in
+/// flight are waited out first, as `__exit__` does, within the store's timeout, and then it is
+/// finished, so that its place, pins and IOCBs are given back. It may not be left in flight:
+/// the CPU executor sends the rest of a layer's commands only when someone polls, so a layer
+/// left behind would move bytes into (or out of) engine blocks at some later wait, after the
+/// engine reused them. A layer still in flight at the deadline (or whose wait fails without
+/// ending it) is logged at error level and the request kept on the store's orphans, held until
+/// it ended (the completion thread and the next prepare drive it, the store's close at the
+/// latest). Only in the process that prepared it (another one's store is not its to touch:
+/// `process`).
+///
+/// A destructor runs wherever Python frees the object (any thread, any bytecode): the GIL is
+/// released while the store's lock is taken and the layers are waited for (see
+/// `StoreShared::locked`). The thread cannot already hold the store's lock: a thread holding it
+/// runs no Python (it never takes the GIL), so no finalizer runs under it.
 impl Drop for Request {
     fn drop(&mut self) {
         // The owner first: in a forked child no lock is taken (a thread of the parent may
@@ -59,17 +68,38 @@ impl Drop for Request {
         if !self.shared.owner.is_current() || self.phase() != Phase::Prepared {
             return;
         }
-        let (shared, handle) = (&self.shared, self.handle);
-        let finish = || shared.locked(|state| state.finish_dropped(handle));
+        let handle = self.handle;
+        // The store's timeout went through `duration_of` at open; should the clock still not
+        // hold the deadline, settle for what has ended (the rest is orphaned, not given back).
+        let deadline = deadline_after(self.shared.timeout).unwrap_or_else(|_| Instant::now());
+        let this = &*self;
+        let end = || {
+            this.settle(deadline);
+            this.shared.locked(|state| state.finish_dropped(handle))
+        };
         // No interpreter to detach from (Rust tests, an interpreter shutting down): the lock is
         // taken as is, which cannot deadlock: no thread that holds the store's lock waits for
         // the GIL (what it releases is dropped after the lock is let go).
-        let finished = match Python::try_attach(|py| py.detach(finish)) {
-            Some(finished) => finished,
-            None => finish(),
+        let ended = match Python::try_attach(|py| py.detach(end)) {
+            Some(ended) => ended,
+            None => end(),
         };
-        if let Ok(Err(failure)) = finished {
-            tracing::warn!(message = %failure.message, "tutti: finishing request {handle:#x}, dropped without finish");
+        match ended {
+            Ok(Ok(Dropped::Finished)) | Err(_) => {}
+            Ok(Ok(Dropped::Orphaned)) => {
+                tracing::error!(
+                    "tutti: request {handle:#x} was dropped without finish and a layer of it is still in flight after the \
+                     store's timeout: it is kept (its place, pins, IOCBs; its commands may still move the engine blocks \
+                     it names) until the layer ends"
+                );
+                if let Err(failure) = self.shared.ensure_service() {
+                    tracing::error!(message = %failure.message, "tutti: no completion thread to drive request {handle:#x}");
+                }
+                self.shared.wake();
+            }
+            Ok(Err(failure)) => {
+                tracing::warn!(message = %failure.message, "tutti: finishing request {handle:#x}, dropped without finish");
+            }
         }
     }
 }
@@ -586,6 +616,31 @@ impl LayerIo {
 mod tests {
     use super::*;
     use crate::backend::test_store::{self, geometry};
+
+    #[test]
+    fn a_request_dropped_with_a_layer_it_could_not_wait_out_is_held_until_the_layer_ended() {
+        // Goal: a Request dropped while its layer's wait fails without ending the layer (a
+        // queue error) is not finished, nor forgotten: it stays held on the store's orphans
+        // (its place counted, the layer in flight), and once the layer ends the next prepare's
+        // pass (or the completion thread's) finishes it, giving back its place. Before, the
+        // drop left it in flight with nobody to finish it until the store closed.
+        let mut state = test_store::local_state(1);
+        let handle = test_store::prepare_store(&mut state, 5);
+        state.issue(handle, 0, 1, Direction::Store).expect("issue");
+        state.queue_errors_injected = 1;
+        let shared = StoreShared::for_tests(state, geometry(), 1);
+        drop(Request::new(Arc::clone(&shared), handle, Direction::Store, vec![0, 1], vec![0, 1], None));
+        let mut state = shared.lock().expect("the store's lock");
+        assert_eq!(state.orphans, [handle], "kept as an orphan");
+        assert_eq!(state.request(handle).expect("still held").in_flight, [0]);
+        let until = test_store::deadline();
+        while state.drive_orphans(std::time::Duration::from_millis(1)) {
+            assert!(Instant::now() < until, "the orphan never settled");
+        }
+        assert!(state.orphans.is_empty());
+        assert!(!state.requests.contains_key(&handle), "finished once its layer ended");
+        assert!(!state.drive_orphans(std::time::Duration::ZERO), "nothing left");
+    }
 
     #[test]
     fn a_later_layers_wait_retries_a_wait_that_failed_without_ending_an_earlier_layer() {

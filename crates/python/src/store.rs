@@ -166,6 +166,8 @@ fn run_service(weak: Weak<StoreShared>) {
             return;
         }
         let pass = state.drive_armed(SERVICE_SLICE);
+        // Requests dropped with a layer in flight: finished once it ended (`Request::drop`).
+        let orphans = state.drive_orphans(SERVICE_SLICE);
         if let Some(interval) = shared.keepalive {
             if state.last_daemon_request.elapsed() >= interval {
                 if let Err(failure) = state.ping() {
@@ -184,7 +186,7 @@ fn run_service(weak: Weak<StoreShared>) {
             None => SERVICE_IDLE_MAX,
         };
         // A request waiting out its backoff after a failed wait is retried at the end of it.
-        let sleep = if pass.backing_off { idle.min(STALL_RETRY_BACKOFF) } else { idle }.max(Duration::from_millis(1));
+        let sleep = if pass.backing_off || orphans { idle.min(STALL_RETRY_BACKOFF) } else { idle }.max(Duration::from_millis(1));
         let (state, _) = shared.wake.wait_timeout(state, sleep).unwrap_or_else(|poisoned| poisoned.into_inner());
         drop(state);
     }

@@ -52,6 +52,7 @@ impl StoreState {
             }
         }
         self.requests.clear();
+        self.orphans.clear();
         let remote = matches!(self.backend, Backend::Remote { .. });
         let release_wait = deadline.max(Instant::now() + DEVICE_RELEASE_WAIT);
         // Before the connection closes: tuttid's count of leaked queue pairs, to tell a session
