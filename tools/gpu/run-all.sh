@@ -71,7 +71,8 @@
 #   run.log                every step's output, live (run-gpu-tests.sh's files are streamed here)
 #   green-contexts.json    item 3 figures          bandwidth.json       item 5 figures (cudaMemcpy & co.)
 #   bandwidth-kernel.json  item 5 through the gio kernel (gpu-layer-load)
-#   slack-timeline.csv     item 4 kernel timeline (provenance in its '#' lines)
+#   slack-timeline.csv.gz  item 4 kernel timeline, gzipped (provenance in its '#' lines; the CSV of a
+#                          complete grid is ~20 MiB, over the 16 MiB the tool brings back)
 #   slack-provenance.json  machine, driver, versions, date, grid   slack-table.json  the imported table
 #   prefill-ttft.json      item 6 figures (only with the prefill step: name it in a call of ≤ 7 other files)
 # Exit status: non-zero if any step failed. Every step runs under `timeout`.
@@ -480,7 +481,10 @@ step_slack() {
   # without a GPU (the CSV → import → check path), as docs/gio-uring.md describes.
   local device_args
   read -r -a device_args <<<"${RUN_ALL_SLACK_DEVICE_ARGS:---device cuda}"
-  local args=("${device_args[@]}" --out-csv "$OUT/slack-timeline.csv" --out-provenance "$OUT/slack-provenance.json")
+  # The CSV stays in $WORK for the import: a complete grid's is ~20 MiB, over the 16 MiB the tool
+  # brings back; $OUT gets its gzip (~2 MiB), rewritten with it after each input length.
+  local csv="$WORK/slack-timeline.csv"
+  local args=("${device_args[@]}" --out-csv "$WORK/slack-timeline.csv" --out-csv-gz "$OUT/slack-timeline.csv.gz" --out-provenance "$OUT/slack-provenance.json")
   # RUN_ALL_SLACK_ARGS adds options, e.g. "--input-first 7" to finish a PARTIAL grid (docs/gio-uring.md).
   local extra_args=()
   read -r -a extra_args <<<"${RUN_ALL_SLACK_ARGS:-}"
@@ -499,7 +503,7 @@ step_slack() {
   section "slack-profile.py (budget $budget_s s, limit $limit s)"
   PYTHONUNBUFFERED=1 timeout -k 5 "$limit" python3 tools/gpu/slack-profile.py "${args[@]}" --budget-s "$budget_s" >>"$LOG" 2>&1
   rc=$?
-  if [[ $rc -ne 0 && $rc -ne 3 && ! -s "$OUT/slack-timeline.csv" ]]; then
+  if [[ $rc -ne 0 && $rc -ne 3 && ! -s "$csv" ]]; then
     # The profiler path failed outright: CUDA events give group durations (SMs unknown) instead.
     local left=$((budget_s - (SECONDS - started)))
     local room=$(($(cap $((left + 45 + 20))) - 20))
@@ -511,11 +515,11 @@ step_slack() {
       rc=$?
     fi
   fi
-  [[ $rc -eq 124 || $rc -eq 137 ]] && record "NOTE slack: the profile ran past its limit ($limit s) and was stopped; the CSV keeps the input lengths completed before"
+  [[ $rc -eq 124 || $rc -eq 137 ]] && record "NOTE slack: the profile ran past its limit ($limit s) and was stopped; the CSV (and slack-timeline.csv.gz) keeps the input lengths completed before"
   [[ $rc -eq 3 ]] && record "NOTE slack: PARTIAL grid (budget reached); the table ends at the last complete input length"
-  [[ -s "$OUT/slack-timeline.csv" ]] || return 1
+  [[ -s "$csv" ]] || return 1
   if [[ ! -f "$CARRY/tutti-profile" ]]; then
-    record "NOT RUN tutti-profile import: target/gpu-carry/tutti-profile was not carried (import the CSV afterwards)"
+    record "NOT RUN tutti-profile import: target/gpu-carry/tutti-profile was not carried (gunzip slack-timeline.csv.gz and import it afterwards)"
     return 1
   fi
   # The table's GPU identity: the presets are h100 and h200 with 132 SMs; another SM count gets
@@ -532,7 +536,7 @@ step_slack() {
   if [[ -n "${RUN_ALL_GPU_PRESET:-}" ]]; then
     target=(--gpu "$RUN_ALL_GPU_PRESET")
   elif [[ ! "$sms" =~ ^[1-9][0-9]*$ ]]; then
-    record "FAIL slack: the GPU's SM count is unknown (probe, slack-provenance.json and torch gave '${sms}'): not imported; slack-timeline.csv is kept (import it afterwards with --gpu or --gpu-spec)"
+    record "FAIL slack: the GPU's SM count is unknown (probe, slack-provenance.json and torch gave '${sms}'): not imported; slack-timeline.csv.gz is kept (gunzip it and import it afterwards with --gpu or --gpu-spec)"
     return 1
   elif [[ ${#target[@]} -eq 0 || "$sms" != "132" ]]; then
     [[ -n "$name" ]] || name="gpu"
@@ -547,7 +551,7 @@ PY
     record "NOTE slack: GPU '$name' with $sms SMs is not a 132-SM preset; the table uses a spec named after it"
   fi
   section "tutti-profile import ${target[*]}"
-  timeout -k 5 "$(cap 60)" "$CARRY/tutti-profile" import --timeline "$OUT/slack-timeline.csv" --model llama3-8b "${target[@]}" \
+  timeout -k 5 "$(cap 60)" "$CARRY/tutti-profile" import --timeline "$csv" --model llama3-8b "${target[@]}" \
     --out "$OUT/slack-table.json" >>"$LOG" 2>&1 &&
     timeout -k 5 "$(cap 60)" "$CARRY/tutti-profile" check "$OUT/slack-table.json" >>"$LOG" 2>&1
 }

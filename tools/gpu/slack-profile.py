@@ -24,6 +24,9 @@ completed input length, so what is written is always a complete grid of the leng
 table then ends at the last one; `tutti-profile simulate` needs the preset's prompt length, 32768,
 in the grid: measure the rest in a second call with --input-first K and append that CSV's rows
 without its '#' and header lines, `grep -v -e '^#' -e '^phase,' second.csv >> first.csv`).
+--out-csv-gz also writes a gzip of the CSV each time: a complete grid's CSV (~135 000 rows of
+~150 bytes) is ~20 MiB, over the 16 MiB the device tool brings back, so run-all.sh keeps the CSV
+in its scratch directory for the import and puts only the gzip in $OUT (gunzip it here).
 Provenance (machine, driver, versions, date, grid, choices) goes into the CSV's '#' lines and into
 --out-provenance.
 
@@ -40,9 +43,11 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import gzip
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -85,6 +90,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--budget-s", type=float, default=480.0, help="stop before an input length would pass this")
     parser.add_argument("--sm-count", type=int, default=132, help="SMs of the table's GPU in CPU mode (default: H100's)")
     parser.add_argument("--out-csv", required=True)
+    parser.add_argument("--out-csv-gz", help="also a gzip of the CSV, rewritten with it (run-all.sh puts this one in $OUT: "
+                        "a complete grid's CSV is ~20 MiB, over what the device tool brings back)")
     parser.add_argument("--out-provenance")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -348,6 +355,12 @@ def write_outputs(args, rows_by_bucket: dict, info: dict) -> int:
     with open(temporary, "w") as out:
         count = timeline.write_csv(out, (row for _key, rows in ordered for row in rows), comments)
     os.replace(temporary, args.out_csv)
+    if args.out_csv_gz:
+        # mtime 0: the same rows give the same bytes. About 1 s per 20 MiB at level 6.
+        with open(args.out_csv, "rb") as source, open(args.out_csv_gz + ".partial", "wb") as raw:
+            with gzip.GzipFile(filename=os.path.basename(args.out_csv), mode="wb", compresslevel=6, fileobj=raw, mtime=0) as out:
+                shutil.copyfileobj(source, out, 1 << 20)
+        os.replace(args.out_csv_gz + ".partial", args.out_csv_gz)
     if args.out_provenance:
         with open(args.out_provenance + ".partial", "w") as out:
             json.dump(info, out, indent=1, sort_keys=True)

@@ -6,9 +6,15 @@ CPU thread, launches (`cuda_runtime`) inside them, and device events (`kernel`, 
 on a GPU stream, tied to their launch by `correlation`, as torch.profiler exports them.
 """
 
+import gzip
+import importlib.util
 import io
 import os
+import random
+import re
+import shlex
 import sys
+import tempfile
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -188,6 +194,100 @@ class CpuTrace(unittest.TestCase):
         self.assertEqual([r.kernel for r in rows], list(timeline.LAYER_GROUPS))
         self.assertEqual({r.sms_used for r in rows}, {132})
         self.assertEqual(rows[0].end_us - rows[0].start_us, 10.0)
+
+
+# Kernel names as torch.profiler reports them for one eager layer of slack-profile.py's stack on an
+# H100/H200 (cuBLAS GEMMs, flash attention, ATen elementwise, reduction, cat and copy kernels): 27
+# per layer, most longer than KERNEL_NAME_CHARS_MAX once made safe.
+_ELEMENTWISE = ("void at::native::vectorized_elementwise_kernel<4, at::native::BinaryFunctor<c10::BFloat16, c10::BFloat16, "
+                "c10::BFloat16, at::native::binary_internal::MulFunctor<float> >, at::detail::Array<char*, 3> >(int, "
+                "at::native::BinaryFunctor<c10::BFloat16, c10::BFloat16, c10::BFloat16, at::native::binary_internal::MulFunctor<float> >, "
+                "at::detail::Array<char*, 3>)")
+_REDUCE = ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MeanOps<float, float, float, float>, "
+           "unsigned int, c10::BFloat16, 4> >(at::native::ReduceOp<float, at::native::MeanOps<float, float, float, float>, "
+           "unsigned int, c10::BFloat16, 4>)")
+_GEMM = "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1_execute_segment_k_off_kernel__5x_cublas"
+_FLASH = ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, cutlass::bfloat16_t, "
+          "Flash_kernel_traits<128, 128, 64, 4, cutlass::bfloat16_t> >, false, true, false, false, true, true, false, false>"
+          "(pytorch_flash::Flash_fwd_params)")
+_CAT = ("void at::native::(anonymous namespace)::CatArrayBatchedCopy<at::native::(anonymous namespace)::OpaqueType<2u>, "
+        "unsigned int, 4, 64, 64>(at::native::(anonymous namespace)::OpaqueType<2u>*, "
+        "at::native::(anonymous namespace)::CatArrInputTensorMetadata<at::native::(anonymous namespace)::OpaqueType<2u>, "
+        "unsigned int, 64, 64>, at::native::(anonymous namespace)::TensorSizeStride<unsigned int, 4u>, int, unsigned int)")
+_COPY = ("void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl_nocast<at::native::direct_copy_kernel_cuda("
+         "at::TensorIteratorBase&)::{lambda()#3}::operator()() const::{lambda()#12}::operator()() const::{lambda(c10::BFloat16)#1}> "
+         ">(at::TensorIteratorBase&, at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}::operator()() "
+         "const::{lambda()#12}::operator()() const::{lambda(c10::BFloat16)#1} const&)::{lambda(int)#1}>(int, "
+         "at::native::gpu_kernel_impl_nocast<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}>)")
+REALISTIC_LAYER = (
+    [("input_norm", name) for name in (_ELEMENTWISE, _REDUCE, _ELEMENTWISE, _ELEMENTWISE, _ELEMENTWISE)]
+    + [("qkv_proj", _GEMM)]
+    + [("rope_kv_store", name) for name in (_ELEMENTWISE, _ELEMENTWISE, _ELEMENTWISE, _CAT, _ELEMENTWISE, _ELEMENTWISE,
+                                            _ELEMENTWISE, _CAT, _COPY, _COPY)]
+    + [("attention", _FLASH)]
+    + [("o_proj", _GEMM), ("o_proj", _ELEMENTWISE)]
+    + [("post_norm", name) for name in (_ELEMENTWISE, _REDUCE, _ELEMENTWISE, _ELEMENTWISE)]
+    + [("gate_up_proj", _GEMM), ("silu_mul", _ELEMENTWISE), ("down_proj", _GEMM)]
+)
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULT_FILE_BYTES_MAX = 16 << 20  # the device tool brings back no file over 16 MiB
+
+
+def slack_profile_module():
+    spec = importlib.util.spec_from_file_location("slack_profile", os.path.join(HERE, "slack-profile.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)  # no torch at import time: main() imports it
+    return module
+
+
+def run_all_slack_args(out: str, work: str) -> list[str]:
+    """The output options run-all.sh's slack step gives slack-profile.py, with $OUT and $WORK."""
+    with open(os.path.join(HERE, "run-all.sh")) as handle:
+        match = re.search(r'^\s*local args=\("\$\{device_args\[@\]\}" (.*)\)\s*$', handle.read(), re.MULTILINE)
+    assert match, "run-all.sh's step_slack no longer has its `local args=(\"${device_args[@]}\" ...)` line"
+    return [word.replace("$OUT", out).replace("$WORK", work) for word in shlex.split(match.group(1))]
+
+
+class SlackOutputSize(unittest.TestCase):
+    def test_the_full_grid_with_real_kernel_names_comes_back_from_out(self):
+        # Goal: a complete slack grid (inputs 4096 x 1..8, prefixes every 1024: 152 buckets, 32
+        # layers of 27 kernels, plus the decode steps) written as run-all.sh's slack step has
+        # slack-profile.py write it leaves no file in $OUT over the tool's 16 MiB, and the
+        # CSV the import reads still has every row.
+        profile = slack_profile_module()
+        generator = random.Random(1)
+        rows = {}
+        layers = 32
+        for input_tokens, prefix_tokens in timeline.prefill_grid(4096, 8, 1024):
+            clock, bucket = 0.0, []
+            for layer in range(layers):
+                for group, name in REALISTIC_LAYER:
+                    duration = generator.uniform(2.0, 900.0)
+                    bucket.append(timeline.Row("prefill", input_tokens, prefix_tokens, layer, timeline.kernel_label(group, name),
+                                               clock, clock + duration, generator.choice((132, 128, 66, 8))))
+                    clock += duration + generator.uniform(1.0, 12.0)
+            rows[("prefill", input_tokens, prefix_tokens)] = bucket
+        for input_tokens in range(4096, 8 * 4096 + 1, 4096):
+            rows[("decode", input_tokens, input_tokens)] = [
+                timeline.Row("decode", input_tokens, None, None, timeline.kernel_label(group, name), 10.0 * i, 10.0 * i + 8.0, 132)
+                for i, (group, name) in enumerate(REALISTIC_LAYER * layers)]
+        with tempfile.TemporaryDirectory() as out, tempfile.TemporaryDirectory() as work:
+            args = profile.parse_args(["--device", "cuda"] + run_all_slack_args(out, work))
+            count = profile.write_outputs(args, rows, {"tool": "test", "grid": {"input_step_tokens": 4096}})
+            self.assertEqual(count, sum(len(bucket) for bucket in rows.values()))
+            self.assertGreater(count, 130_000)
+            sizes = {name: os.path.getsize(os.path.join(out, name)) for name in os.listdir(out)}
+            self.assertTrue(sizes, "nothing written to $OUT")
+            for name, size in sizes.items():
+                self.assertLess(size, RESULT_FILE_BYTES_MAX, f"$OUT/{name} is {size / 2**20:.1f} MiB: it would not come back")
+            # The import's CSV has every row, and what comes back from $OUT is that CSV.
+            with open(args.out_csv, "rb") as handle:
+                csv = handle.read()
+            self.assertEqual(sum(1 for line in csv.splitlines() if not line.startswith((b"#", b"phase,"))), count)
+            self.assertIn("slack-timeline.csv.gz", sizes)
+            with gzip.open(os.path.join(out, "slack-timeline.csv.gz")) as handle:
+                self.assertEqual(handle.read(), csv)
 
 
 if __name__ == "__main__":
