@@ -82,7 +82,23 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    match run::run(&options, started) {
+    let outcome = run::run(&options, started);
+    // An executor whose teardown could not drain its I/O stream (a hung kernel) kept its GPU
+    // state, and the stagings kept their memory (gpu_setup::Staging): whatever the run said, its
+    // figures are not to be trusted and nothing more is asked of the GPU. Exit 1 at once.
+    if gio_uring::gpu::teardowns_leaked() > 0 {
+        let said = match &outcome {
+            Ok(run::Outcome::Complete) => "complete".to_string(),
+            Ok(run::Outcome::Partial { reason }) => format!("partial: {reason}"),
+            Err(error) => format!("error: {error}"),
+        };
+        eprintln!(
+            "gpu-layer-load: error: the CUDA executor could not drain its stream at teardown (a kernel or copy still runs); \
+             its memory and the staging buffers were kept, not freed (the run itself: {said})"
+        );
+        std::process::exit(1);
+    }
+    match outcome {
         Ok(run::Outcome::Complete) => ExitCode::SUCCESS,
         Ok(run::Outcome::Partial { reason }) => {
             eprintln!("gpu-layer-load: PARTIAL: {reason}");

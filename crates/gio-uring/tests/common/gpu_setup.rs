@@ -78,6 +78,12 @@ impl EmulatedController {
 
 /// A staging buffer of staged mode: DMA memory of the controller and the GPU buffer of the same
 /// length it mirrors.
+///
+/// Dropped after an executor whose teardown could not drain its I/O stream
+/// ([`gio_uring::gpu::teardowns_leaked`] above 0: a hung kernel), it keeps both for good: a
+/// staged copy still queued on that stream may write either, and `cuMemFree` of memory a hung
+/// stream uses may block for ever. The callers declare their queue (which owns the executor)
+/// after their stagings, so the executor is dropped, and counts its leak, first.
 pub struct Staging {
     pub host: DmaRegion,
     pub gpu: DeviceMemory,
@@ -93,6 +99,17 @@ impl Staging {
 
     pub fn buffer(&self) -> StagingBuffer {
         StagingBuffer { host: self.host.clone(), gpu_address: self.gpu.address() }
+    }
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        if gio_uring::gpu::teardowns_leaked() > 0 {
+            self.gpu.keep_for_good();
+            // The region's memory is shared (reference-counted): a forgotten clone never returns
+            // it to the controller's DMA pool, so nothing else is given the bytes a copy may write.
+            std::mem::forget(self.host.clone());
+        }
     }
 }
 
