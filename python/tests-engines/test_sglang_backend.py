@@ -13,7 +13,9 @@ import sys
 import threading
 import time
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -23,6 +25,7 @@ from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHA
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.storage import StorageBackendFactory
+from sglang.srt.runtime_context import get_context
 from stalled import StalledLayer
 from tutti.sglang import TESTED_SGLANG_VERSION, TuttiHiCacheStorage, check_sglang_version
 
@@ -34,6 +37,23 @@ HEAD_DIM = 64
 PAGE = 16
 DEVICE_PAGES = 8
 LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
+# The checkpoint the tests' "server" serves. SGLang publishes its server args in every scheduler
+# process before it builds the cache (run_scheduler_process: runtime_context.publish), and the
+# backend names the checkpoint from them; this process publishes them likewise, once at import,
+# so the child processes some tests run (which import this module) have them too.
+CHECKPOINT = "/models/tutti-test-model"
+PUBLISHED = get_context().override_server_args(model_path=CHECKPOINT)
+PUBLISHED.install()
+
+
+@contextmanager
+def unpublished() -> Iterator[None]:
+    """SGLang's config not published in this process (as in a process SGLang did not start)."""
+    PUBLISHED.restore()
+    try:
+        yield
+    finally:
+        PUBLISHED.install()
 
 
 def host_pool(layout: str, start_layer: int = 0, dtype: torch.dtype = torch.bfloat16) -> MHATokenToKVPoolHost:
@@ -681,7 +701,10 @@ def test_pipeline_stages_and_dp_attention_groups_open_their_own_pools_in_their_o
     fingerprints = [options["model_fingerprint"] for _, options in store_options]
     assert fingerprints[0] != fingerprints[1], "two pipeline stages share a key space"
     assert fingerprints[2] == tutti.fingerprint(
-        tutti.fingerprint("sglang hicache", "tutti-test-model"),
+        tutti.fingerprint(
+            "sglang hicache", "tutti-test-model", "model_path", CHECKPOINT, "revision", "None", "quantization", "None",
+            "json_model_override_args", "{}", "draft model_path", "None", "draft revision", "None", "draft quantization", "None",
+        ),
         "sglang page layout", "MHATokenToKVPoolHost", "page_first", LAYERS, HEADS, HEAD_DIM, str(torch.bfloat16), PAGE,
     ), "an unsplit model's fingerprint changed"  # fmt: skip
 
@@ -755,12 +778,13 @@ def test_fp8_kv_formats_get_their_own_key_spaces(tmp_path: Path, store_options: 
     e5m2, e4m3 = (options["model_fingerprint"] for _, options in store_options)
     assert e5m2 != e4m3, "fp8_e5m2 and fp8_e4m3 pages share a key space"
 
-    created = StorageBackendFactory.create_backend("dynamic", storage_config("page_first", extra_config(tmp_path / "pool.img", True)), None)
-    with pytest.raises(tutti.InvalidArgument, match="kv-cache-dtype.*model_fingerprint"):
-        created.register_mem_pool_host(host_pool("page_first", dtype=torch.uint8))
-    assert len(store_options) == 2
-    explicit = backend("page_first", host_pool("page_first", dtype=torch.uint8), extra_config(tmp_path / "pool.img", True, model_fingerprint="ab" * 32))
-    explicit.close()
+    with unpublished():
+        created = StorageBackendFactory.create_backend("dynamic", storage_config("page_first", extra_config(tmp_path / "pool.img", True)), None)
+        with pytest.raises(tutti.InvalidArgument, match="kv-cache-dtype.*model_fingerprint"):
+            created.register_mem_pool_host(host_pool("page_first", dtype=torch.uint8))
+        assert len(store_options) == 2
+        explicit = backend("page_first", host_pool("page_first", dtype=torch.uint8), extra_config(tmp_path / "pool.img", True, model_fingerprint="ab" * 32))
+        explicit.close()
     assert len(store_options) == 3, "an explicit model_fingerprint did not open the uint8 pool"
 
 
@@ -788,6 +812,45 @@ def test_an_explicit_fingerprint_keeps_the_page_layout_in_the_key_space(tmp_path
     fp16 = backend("page_first", host_pool("page_first", dtype=torch.float16), reopened)
     assert fp16.batch_exists(keys) == 0, "bf16 pages are served to an fp16 pool"
     fp16.close()
+
+
+def test_the_checkpoint_not_the_served_alias_names_the_key_space(tmp_path: Path):
+    """Goal: the model name SGLang 0.5.23 gives the backend is --served-model-name (an alias,
+    the model path only when none is given), so a server restarted with the same alias on
+    another checkpoint must not be served the first one's pages: the default fingerprint names
+    SGLang's model path and revision, its quantization, the JSON overrides of the model config
+    and the speculative draft model's path, revision and quantization (its runtime context).
+    When they cannot be read (SGLang's config not published in this process), the backend is
+    refused unless "model_fingerprint" names the model."""
+    pool = host_pool("page_first")
+    keys = page_keys(21, 2)
+    served = dict(served_model_name="tutti-test-model")
+    with get_context().override_server_args(model_path="/ckpt/v1", **served):
+        first = backend("page_first", pool, extra_config(tmp_path / "pool.img", True))
+        assert first.batch_set_v1(keys, indices([1, 2])) == [True, True]
+        first.close()
+        again = backend("page_first", pool, extra_config(tmp_path / "pool.img", False))
+        assert again.batch_exists(keys) == 2, "the same checkpoint lost its pages"
+        again.close()
+    others = [
+        dict(model_path="/ckpt/v2"),
+        dict(model_path="/ckpt/v1", revision="0123abcd"),
+        dict(model_path="/ckpt/v1", quantization="fp8"),
+        dict(model_path="/ckpt/v1", json_model_override_args='{"rope_scaling": {"rope_type": "linear", "factor": 2.0}}'),
+        dict(model_path="/ckpt/v1", speculative_draft_model_path="/ckpt/draft"),
+    ]
+    for changed in others:
+        with get_context().override_server_args(**changed, **served):
+            other = backend("page_first", pool, extra_config(tmp_path / "pool.img", False))
+            assert other.batch_exists(keys) == 0, f"pages of /ckpt/v1 are served to {changed}"
+            other.close()
+
+    with unpublished():
+        created = StorageBackendFactory.create_backend("dynamic", storage_config("page_first", extra_config(tmp_path / "pool.img", False)), pool)
+        with pytest.raises(tutti.InvalidArgument, match="model path.*model_fingerprint"):
+            created.register_mem_pool_host(pool)
+        explicit = backend("page_first", pool, extra_config(tmp_path / "pool.img", False, model_fingerprint="ab" * 32))
+        explicit.close()
 
 
 def test_hybrid_models_with_extra_host_pools_are_refused_at_attach(tmp_path: Path, caplog):

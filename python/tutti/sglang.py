@@ -84,7 +84,7 @@ EXTRA_CONFIG_FIELDS = {
     "model_fingerprint": Field(
         str,
         "64 hex digits naming the model (the host pool's page layout, dtype and page size are always added); "
-        "default: from SGLang's model name",
+        "default: from SGLang's model name and its checkpoint (model path, revision, quantization, draft model)",
     ),
     "lock_dir": Field(str, "where vfio: devices' lock files live (as tuttid's --lock-dir)", default="/run/tutti"),
     "timeout_s": Field(float, "the longest wait for one page's I/O, seconds", default=30.0, check=positive),
@@ -169,12 +169,21 @@ class TuttiHiCacheStorage(HiCacheStorage):
                 "for each other): set \"model_fingerprint\" in --hicache-storage-backend-extra-config to 64 hex "
                 "digits naming this model and KV format"
             )
-        # The model (the explicit fingerprint, or SGLang's model name), then always how its
-        # pages' bytes are laid out: an explicit fingerprint names the model, not the layout,
-        # and SGLang may change the layout between two starts on its own (page_first becomes
-        # page_first_direct with --hicache-io-backend direct: the same bytes per page, so the
-        # pool opens, and token-major pages would be read into layer-major ones).
-        model = fingerprint_from_config(config["model_fingerprint"], "sglang hicache", str(storage.model_name))
+        checkpoint = _checkpoint_parts() if config["model_fingerprint"] is None else ()
+        if checkpoint is None:
+            raise ConfigError(
+                f"SGLang's model path could not be read in this process (its runtime context, get_model()), and the "
+                f"model name SGLang gives the backend ({storage.model_name!r}) is --served-model-name, an alias that "
+                "stays the same when the checkpoint behind it changes (another checkpoint would be served this one's "
+                "pages): set \"model_fingerprint\" in --hicache-storage-backend-extra-config to 64 hex digits naming "
+                "this model's checkpoint"
+            )
+        # The model (the explicit fingerprint, or SGLang's model name and checkpoint), then
+        # always how its pages' bytes are laid out: an explicit fingerprint names the model, not
+        # the layout, and SGLang may change the layout between two starts on its own (page_first
+        # becomes page_first_direct with --hicache-io-backend direct: the same bytes per page, so
+        # the pool opens, and token-major pages would be read into layer-major ones).
+        model = fingerprint_from_config(config["model_fingerprint"], "sglang hicache", str(storage.model_name), *checkpoint)
         fingerprint = tutti.fingerprint(model, *_page_layout_parts(mem_pool_host, kv_format))
         shard = _shard_parts(storage, mem_pool_host)
         if shard:
@@ -604,6 +613,34 @@ def _shard_parts(storage: HiCacheStorageConfig, host_pool: Any) -> tuple[Any, ..
     )
 
 
+def _checkpoint_parts() -> Optional[tuple[str, ...]]:
+    """What names the checkpoint whose KV the pool holds, for the default fingerprint: the
+    storage config's model_name is --served-model-name in SGLang 0.5.23 (an alias; the model
+    path only when none is given), so from SGLang's runtime context: the model path and
+    revision, the quantization, the JSON overrides of the model config, and the speculative
+    draft model's path, revision and quantization. None when SGLang's config is not published
+    in this process (or names no model path): the checkpoint cannot be named."""
+    from sglang.srt.runtime_context import get_model, get_spec
+
+    try:
+        model = get_model()
+        spec = get_spec()
+        parts = (
+            "model_path", model.model_path,
+            "revision", model.revision,
+            "quantization", model.quantization,
+            "json_model_override_args", model.json_model_override_args,
+            "draft model_path", spec.speculative_draft_model_path,
+            "draft revision", spec.speculative_draft_model_revision,
+            "draft quantization", spec.speculative_draft_model_quantization,
+        )  # fmt: skip
+    except (ValueError, RuntimeError, AttributeError):
+        return None
+    if not model.model_path:
+        return None
+    return tuple(str(part) for part in parts)
+
+
 def _page_layout_parts(host_pool: Any, kv_format: Optional[tuple[str, ...]]) -> tuple[Any, ...]:
     """How the bytes of this host pool's pages are laid out, added to every fingerprint (an
     explicit one too): the pool's class, layout (--hicache-mem-layout, as SGLang resolved it),
@@ -628,7 +665,7 @@ def _kv_format_parts(host_pool: Any) -> Optional[tuple[str, ...]]:
     --kv-cache-dtype as torch.uint8 (memory_pool.py: store_dtype; the host pool takes it), so for
     an integer pool: SGLang's kv_cache_dtype and speculative_draft_kv_cache_dtype (the packed
     draft layers' format) and the platform (on ROCm fp8 strings resolve to the platform's fp8
-    type; "auto" resolves from the model's quant config, which the model name covers). None when
+    type; "auto" resolves from the model's quant config, which the checkpoint (_checkpoint_parts) covers). None when
     SGLang's config is not published in this process (it cannot be read)."""
     if host_pool.dtype.is_floating_point:
         return ()
