@@ -2,8 +2,10 @@
 //! creation and deletion, features, log pages, reset and teardown.
 //!
 //! Teardown. A controller is disabled before its memory goes: `Drop` makes every queue pair
-//! stale (the doorbell gate), requests a normal shutdown, clears CC.EN and waits for
-//! CSTS.RDY = 0, each within CAP.TO. Only a controller seen to stop gets its admin rings and
+//! stale (the doorbell gate), requests a normal shutdown and waits for it to complete (within
+//! the shutdown bound, [`Controller::shutdown_timeout`]: RTD3E, CAP.TO), then clears CC.EN and
+//! waits for CSTS.RDY = 0 within CAP.TO. CC.EN is never cleared while the shutdown reads in
+//! progress within that bound: that would cut an SSD's cache write-back short. Only a controller seen to stop gets its admin rings and
 //! scratch page freed (and lets stale queue pairs free theirs); otherwise they are leaked and
 //! counted, because a controller that is still enabled may still write them.
 
@@ -28,6 +30,23 @@ use crate::types::{NamespaceId, QueueId};
 
 /// Most namespaces bring-up identifies (each costs one admin command).
 const NAMESPACES_MAX: usize = 1024;
+
+/// Longest shutdown latency (Identify RTD3E) the shutdown wait honours: the figure is device
+/// data, and a value near its 71-minute maximum would hold a teardown that long. Linux caps its
+/// shutdown wait at 60 s too.
+const SHUTDOWN_LATENCY_MAX_MS: u64 = 60_000;
+/// Shortest shutdown wait, for controllers that report no RTD3E and a small CAP.TO.
+const SHUTDOWN_TIMEOUT_MIN_MS: u64 = 1_000;
+
+/// How long a normal shutdown may take before the driver gives up on it: the controller's RTD3
+/// Entry Latency (rounded up to a millisecond, at most [`SHUTDOWN_LATENCY_MAX_MS`]), and never
+/// less than CAP.TO (how long enabling or disabling may take; its 8-bit field bounds it at
+/// 127.5 s) or [`SHUTDOWN_TIMEOUT_MIN_MS`]. CAP.TO alone is too short for drives whose cache
+/// write-back takes longer than their enable: RTD3E is what they report for it.
+fn shutdown_timeout_ms(capabilities: Capabilities, rtd3_entry_latency_us: u32) -> u64 {
+    let reported_ms = u64::from(rtd3_entry_latency_us).div_ceil(1000).min(SHUTDOWN_LATENCY_MAX_MS);
+    reported_ms.max(capabilities.ready_timeout_ms()).max(SHUTDOWN_TIMEOUT_MIN_MS)
+}
 
 /// Which data pointer the driver uses for I/O.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -102,6 +121,9 @@ pub struct Controller {
     granted_queue_pairs: u16,
     mode: DataPointerMode,
     max_transfer_bytes: u64,
+    /// The shutdown bound ([`shutdown_timeout_ms`]), from the last Identify (CAP.TO alone
+    /// before one).
+    shutdown_timeout_ms: u64,
     /// A 4 KiB buffer for Identify and log pages.
     scratch: DmaRegion,
     /// The shadow doorbell pages, once allocated (kept across resets).
@@ -247,6 +269,7 @@ impl Controller {
             granted_queue_pairs: 0,
             mode: DataPointerMode::Prp,
             max_transfer_bytes: PAGE_BYTES,
+            shutdown_timeout_ms: shutdown_timeout_ms(capabilities, 0),
             scratch,
             doorbell_buffer: None,
             shadow_doorbells: ShadowState::Off,
@@ -408,6 +431,7 @@ impl Controller {
                 }
             }
         }
+        self.shutdown_timeout_ms = shutdown_timeout_ms(self.capabilities, IdentifyController::rtd3_entry_latency_us(&bytes));
         self.identify = identify;
         self.namespaces = namespaces;
         self.refused_namespaces = refused;
@@ -594,8 +618,10 @@ impl Controller {
     }
 
     /// Stops the controller for teardown: a normal shutdown (so a real SSD commits its cache
-    /// and records a clean shutdown) unless it is disabled or fatal, then CC.EN = 0 and a wait
-    /// for CSTS.RDY = 0, each within CAP.TO. `Ok` means the controller was seen to stop, so it no
+    /// and records a clean shutdown) unless it is disabled or fatal, waited for within the
+    /// shutdown bound ([`Controller::shutdown_timeout`]), then CC.EN = 0 and a wait for
+    /// CSTS.RDY = 0 within CAP.TO. CC.EN is cleared while the shutdown still reads in progress
+    /// only once that bound has passed. `Ok` means the controller was seen to stop, so it no
     /// longer touches any queue memory.
     fn stop(&self) -> Result<(), NvmeError> {
         settle_enable(self.registers.as_ref(), self.capabilities.ready_timeout_ms())?;
@@ -612,12 +638,14 @@ impl Controller {
         wait_ready(self.registers.as_ref(), false, self.capabilities.ready_timeout_ms())
     }
 
-    /// Normal shutdown (§3.6.1): CC.SHN = 01b, wait for CSTS.SHST = complete within CAP.TO;
+    /// Normal shutdown (§3.6.1): CC.SHN = 01b, wait for CSTS.SHST = complete within the
+    /// shutdown bound ([`Controller::shutdown_timeout`]; [`NvmeError::ReadyTimeout`] past it);
     /// `ControllerFatal` as soon as CSTS.CFS shows the shutdown failed.
     pub fn shutdown(&self) -> Result<(), NvmeError> {
         let configuration = self.registers.read32(registers::CC);
         self.registers.write32(registers::CC, configuration & !(0x3 << 14) | 1 << 14);
-        let deadline = Instant::now() + Duration::from_millis(self.capabilities.ready_timeout_ms());
+        let timeout_ms = self.shutdown_timeout_ms;
+        let deadline = Instant::now() + Duration::from_millis(timeout_ms);
         loop {
             let status = read_status(self.registers.as_ref())?;
             if status.shutdown() == registers::ShutdownStatus::Complete {
@@ -629,14 +657,17 @@ impl Controller {
                 return Err(NvmeError::ControllerFatal { context: "during shutdown: its data may not be durable" });
             }
             if Instant::now() >= deadline {
-                return Err(NvmeError::ReadyTimeout {
-                    wanted: "CSTS.SHST=complete",
-                    timeout_ms: self.capabilities.ready_timeout_ms(),
-                    csts: status.0,
-                });
+                return Err(NvmeError::ReadyTimeout { wanted: "CSTS.SHST=complete", timeout_ms, csts: status.0 });
             }
             std::thread::sleep(Duration::from_micros(500));
         }
+    }
+
+    /// How long [`Controller::shutdown`] (and teardown's shutdown) waits for CSTS.SHST to read
+    /// complete: the controller's RTD3 Entry Latency (Identify RTD3E) capped at 60 s, and at
+    /// least CAP.TO and 1 s.
+    pub fn shutdown_timeout(&self) -> Duration {
+        Duration::from_millis(self.shutdown_timeout_ms)
     }
 
     /// Current controller status; `DeviceGone` if the registers read as all ones.

@@ -25,6 +25,8 @@ mod io;
 mod namespace;
 mod queue;
 mod shadow;
+#[cfg(test)]
+mod shutdown_tests;
 pub mod spec;
 mod teardown;
 pub mod types;

@@ -3,6 +3,7 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
 
 use super::{FakeCounters, FakeScript};
 use crate::hw::{DmaAllocator, DmaPool, RegisterIo};
@@ -19,7 +20,9 @@ pub(super) const BAR_BYTES: usize = 0x2000;
 const QUEUE_ID_MAX: u16 = 63;
 /// CSTS bits (§3.1.3.6).
 const CSTS_READY: u32 = 1;
+const CSTS_SHUTDOWN_OCCURRING: u32 = 0x1 << 2;
 const CSTS_SHUTDOWN_COMPLETE: u32 = 0x2 << 2;
+const CSTS_SHUTDOWN_MASK: u32 = 0x3 << 2;
 
 #[derive(Debug, Clone, Copy)]
 pub(super) struct SubmissionRing {
@@ -72,6 +75,8 @@ pub(super) struct FakeState {
     pub(super) left_enabled: bool,
     /// Bus Master Enable: without it the fake does no DMA (fetches no command).
     pub(super) bus_master: bool,
+    /// When the shutdown in progress (CSTS.SHST = 01b) started (`None`: none in progress).
+    pub(super) shutdown_started: Option<Instant>,
 }
 
 pub(super) struct FakeRegisters {
@@ -103,6 +108,7 @@ impl FakeRegisters {
             enabling_reads_left,
             left_enabled,
             bus_master,
+            shutdown_started: None,
         };
         Self { state: Mutex::new(state), pool }
     }
@@ -136,7 +142,16 @@ impl FakeState {
         }
     }
 
+    /// A shutdown in progress reads complete once its scripted time has passed.
+    fn advance_shutdown(&mut self) {
+        if self.shutdown_started.is_some_and(|started| started.elapsed() >= self.script.shutdown_takes) {
+            self.shutdown_started = None;
+            self.csts = self.csts & !CSTS_SHUTDOWN_MASK | CSTS_SHUTDOWN_COMPLETE;
+        }
+    }
+
     fn write_cc(&mut self, value: u32) {
+        self.advance_shutdown();
         let was_enabled = self.cc & 1 == 1;
         self.cc = value;
         let configuration = ControllerConfiguration(value);
@@ -149,12 +164,19 @@ impl FakeState {
                 reads => self.enabling_reads_left = Some(reads),
             }
         } else if !configuration.enabled() && was_enabled {
+            if self.csts & CSTS_SHUTDOWN_MASK == CSTS_SHUTDOWN_OCCURRING {
+                self.counters.disables_during_shutdown += 1;
+            }
             self.disable();
         }
-        if value >> 14 & 0x3 != 0 {
-            self.csts = self.csts & !(0x3 << 2) | CSTS_SHUTDOWN_COMPLETE;
-        } else {
-            self.csts &= !(0x3 << 2);
+        if value >> 14 & 0x3 == 0 {
+            self.shutdown_started = None;
+            self.csts &= !CSTS_SHUTDOWN_MASK;
+        } else if self.csts & CSTS_SHUTDOWN_MASK == 0 {
+            // A new shutdown request (one in progress or complete is left as it is).
+            self.csts |= CSTS_SHUTDOWN_OCCURRING;
+            self.shutdown_started = Some(Instant::now());
+            self.advance_shutdown();
         }
     }
 
@@ -347,6 +369,7 @@ impl RegisterIo for FakeRegisters {
             // RDY comes from the state alone, so a script cannot leave a bounded wait spinning
             // for its whole CAP.TO by forcing it.
             registers::CSTS => {
+                state.advance_shutdown();
                 // An enable in progress reaches RDY after its scripted number of reads.
                 match state.enabling_reads_left {
                     Some(0) => {

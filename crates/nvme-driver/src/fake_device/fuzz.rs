@@ -65,6 +65,8 @@ impl FakeScript {
             starts_enabling: false,
             starts_enabled: false,
             starts_mastering: false,
+            // Shutdowns complete at once: a fuzz run must not wait out RTD3E (up to 60 s).
+            shutdown_takes: Duration::ZERO,
         };
         let raw = sections.next().unwrap_or_default();
         script.io_completions = raw.chunks_exact(COMPLETION_ENTRY_BYTES).map(|chunk| chunk.try_into().unwrap_or([0; 16])).collect();

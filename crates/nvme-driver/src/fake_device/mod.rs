@@ -4,7 +4,7 @@
 //!
 //! [`FakeDevice`] implements [`DeviceBackend`]. Unlike the software controller (`nvme-emu`) it
 //! has no thread and no storage: a register write does its work before returning — CC.EN sets
-//! or clears CSTS.RDY, CC.SHN completes the shutdown, and an SQ tail doorbell fetches the new
+//! or clears CSTS.RDY, CC.SHN completes the shutdown (at once, or after a scripted time), and an SQ tail doorbell fetches the new
 //! entries and posts their completions at once. What it answers comes from a [`FakeScript`]:
 //! CAP, VS, extra CSTS bits, the Identify Controller / Namespace / Active Namespace List data,
 //! Set Features Number of Queues dw0, admin opcodes to fail or leave unanswered (a test can
@@ -27,6 +27,7 @@ mod fuzz;
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, OnceLock, Weak};
+use std::time::Duration;
 
 use crate::hw::{DeviceBackend, DmaAllocator, DmaPool, HwError, RegisterIo};
 use crate::spec::registers::Capabilities;
@@ -82,6 +83,9 @@ pub struct FakeScript {
     /// gate would. False (the default) models VFIO, which opens a function with bus mastering
     /// off until [`DeviceBackend::enable_bus_master`]; without it the fake fetches no command.
     pub starts_mastering: bool,
+    /// How long a normal shutdown (CC.SHN = 01b) reads as in progress (CSTS.SHST = 01b) before
+    /// it reads complete, as an SSD writing back its cache would; zero: complete at once.
+    pub shutdown_takes: Duration,
 }
 
 /// Identify Namespace data with one LBA format (format 0) in use: `block_size_bytes` (a power
@@ -125,6 +129,7 @@ impl Default for FakeScript {
             starts_enabling: false,
             starts_enabled: false,
             starts_mastering: false,
+            shutdown_takes: Duration::ZERO,
         }
     }
 }
@@ -160,6 +165,9 @@ pub struct FakeCounters {
     pub doorbells_without_bus_master: u64,
     /// I/O commands fetched and left unanswered (`FakeScript::io_unanswered`).
     pub io_unanswered: u64,
+    /// CC writes that cleared EN while a shutdown was in progress (CSTS.SHST = 01b): a real SSD
+    /// may then lose what it was writing back.
+    pub disables_during_shutdown: u64,
 }
 
 /// The scripted controller (see the module documentation).

@@ -122,6 +122,14 @@ impl IdentifyController {
         })
     }
 
+    /// rtd3e (bytes 91:88 of Identify Controller data, §5.17.2.1): RTD3 Entry Latency, how
+    /// long the controller expects a normal shutdown (CC.SHN = 01b) to take, in microseconds; 0
+    /// when not reported, and 0 for data shorter than the field. Read from the raw data rather
+    /// than kept in [`IdentifyController`], whose fields the software controller builds by name.
+    pub fn rtd3_entry_latency_us(bytes: &[u8]) -> u32 {
+        bytes.get(88..92).and_then(|field| field.try_into().ok()).map_or(0, u32::from_le_bytes)
+    }
+
     /// Maximum bytes per command given the controller's minimum page size, or `None` if unlimited.
     pub fn max_transfer_bytes(&self, min_page_size_bytes: u64) -> Option<u64> {
         (self.mdts != 0).then(|| min_page_size_bytes << self.mdts.min(20))
@@ -304,6 +312,15 @@ mod tests {
         assert_eq!(parsed.max_transfer_bytes(4096), Some(128 * 1024));
         assert!(parsed.supports_write_zeroes() && parsed.supports_dataset_management());
         assert!(parsed.sgl_support.supported());
+    }
+
+    #[test]
+    fn rtd3_entry_latency_is_read_from_bytes_91_to_88() {
+        let mut bytes = controller().to_bytes();
+        assert_eq!(IdentifyController::rtd3_entry_latency_us(&bytes), 0);
+        bytes[88..92].copy_from_slice(&8_000_000u32.to_le_bytes());
+        assert_eq!(IdentifyController::rtd3_entry_latency_us(&bytes), 8_000_000);
+        assert_eq!(IdentifyController::rtd3_entry_latency_us(&bytes[..90]), 0);
     }
 
     #[test]

@@ -1,0 +1,68 @@
+//! Normal shutdown against the scripted fake controller: the wait for CSTS.SHST is bounded by
+//! what the device says a shutdown takes (Identify RTD3E), not only by CAP.TO (how long CSTS.RDY
+//! may take), and teardown never clears CC.EN while that shutdown is still in progress within the
+//! bound. Each test opens with its goal.
+
+use std::time::{Duration, Instant};
+
+use crate::fake_device::{FakeDevice, FakeScript};
+use crate::spec::registers::{self, ShutdownStatus};
+use crate::{Controller, ControllerConfig, NvmeError};
+
+/// CAP.TO 1 (500 ms, the fake's default), RTD3E `rtd3e_us`, and a shutdown that reads in
+/// progress for `takes`.
+fn slow_shutdown(rtd3e_us: u32, takes: Duration) -> FakeScript {
+    let mut script = FakeScript { shutdown_takes: takes, ..FakeScript::default() };
+    script.identify_controller[88..92].copy_from_slice(&rtd3e_us.to_le_bytes());
+    script
+}
+
+fn bring_up(script: FakeScript) -> (std::sync::Arc<FakeDevice>, Controller) {
+    let device = FakeDevice::new(script);
+    let config = ControllerConfig { admin_timeout: Duration::from_millis(200), ..ControllerConfig::default() };
+    let controller = Controller::init(device.clone(), config).expect("bring-up");
+    (device, controller)
+}
+
+#[test]
+fn a_shutdown_within_rtd3e_but_past_cap_to_completes() {
+    // Goal: a drive whose RTD3E (3 s) is longer than its CAP.TO (500 ms) and whose shutdown takes
+    // 1 s gets its shutdown waited for: before, shutdown() gave up at CAP.TO with ReadyTimeout
+    // while SHST still read "occurring".
+    let (device, controller) = bring_up(slow_shutdown(3_000_000, Duration::from_secs(1)));
+    assert_eq!(controller.shutdown_timeout(), Duration::from_secs(3));
+    let started = Instant::now();
+    let result = controller.shutdown();
+    assert!(result.is_ok(), "{result:?} after {:?}", started.elapsed());
+    assert_eq!(controller.status().expect("status").shutdown(), ShutdownStatus::Complete);
+    drop(controller);
+    assert_eq!(device.counters().disables_during_shutdown, 0);
+}
+
+#[test]
+fn teardown_does_not_disable_a_controller_mid_shutdown() {
+    // Goal: dropping the controller requests a shutdown and lets it finish within RTD3E before
+    // it clears CC.EN: before, Drop's wait ended at CAP.TO (500 ms) and CC.EN was cleared while
+    // SHST read "occurring" (the drive's write-back cut short).
+    let (device, controller) = bring_up(slow_shutdown(3_000_000, Duration::from_secs(1)));
+    drop(controller);
+    let counters = device.counters();
+    assert_eq!(counters.disables_during_shutdown, 0, "{counters:?}");
+    assert_eq!(counters.disables, 1, "the teardown's disable, once the shutdown completed: {counters:?}");
+}
+
+#[test]
+fn the_shutdown_wait_is_bounded() {
+    // Goal: the wait honours RTD3E up to 60 s and never drops below CAP.TO or 1 s; a shutdown
+    // that never completes within it is ReadyTimeout, with SHST still in progress.
+    let (_device, controller) = bring_up(slow_shutdown(u32::MAX, Duration::ZERO));
+    assert_eq!(controller.shutdown_timeout(), Duration::from_secs(60));
+    let (_device, controller) = bring_up(slow_shutdown(0, Duration::from_secs(3600)));
+    assert_eq!(controller.shutdown_timeout(), Duration::from_secs(1));
+    let started = Instant::now();
+    let result = controller.shutdown();
+    assert!(matches!(result, Err(NvmeError::ReadyTimeout { timeout_ms: 1000, .. })), "{result:?}");
+    assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
+    let status = registers::ControllerStatus(controller.registers().read32(registers::CSTS));
+    assert_eq!(status.shutdown(), ShutdownStatus::Occurring);
+}
