@@ -435,6 +435,52 @@ def test_no_daemon_and_a_daemon_that_goes_away_are_disconnected(tmp_path):
     assert issubclass(tutti.Disconnected, tutti.DaemonError)
 
 
+CONSUMED_CAPSULE_WHILE_RAISING = """
+import ctypes, sys, tutti
+rename = ctypes.pythonapi.PyCapsule_SetName
+rename.argtypes = [ctypes.py_object, ctypes.c_char_p]
+rename.restype = ctypes.c_int
+buffer = tutti.DeviceMemoryStandIn(4096)
+def consumed(versioned):
+    # A consumer took the tensor: it renamed the capsule (the deleter is its job now).
+    if versioned:
+        capsule = buffer.__dlpack__(max_version=(1, 0))
+        assert rename(capsule, b"used_dltensor_versioned") == 0
+    else:
+        capsule = buffer.__dlpack__()
+        assert rename(capsule, b"used_dltensor") == 0
+    return capsule
+def boom():
+    raise KeyError("mine")
+def in_a_called_frame(versioned):
+    return (consumed(versioned), boom())  # the capsule is on the value stack when boom() raises
+for versioned in (False, True):
+    try:
+        in_a_called_frame(versioned)
+    except KeyError as error:
+        assert error.args == ("mine",), error
+    try:
+        (consumed(versioned), boom())  # in the handler's own frame
+    except KeyError as error:
+        assert error.args == ("mine",), error
+print("propagated")
+"""
+
+
+def test_a_capsule_freed_while_an_exception_propagates_leaves_the_exception_alone():
+    # Goal: the destructor of a capsule we handed out, renamed by its consumer and freed while
+    # an exception propagates (on the value stack of the frame that raised), leaves the
+    # exception in flight: the KeyError reaches its handler, legacy and versioned capsules
+    # alike. Before, the destructor cleared it: SystemError "error return without exception
+    # set" in a called frame, a segfault in the handler's frame. In a child interpreter: a
+    # crash must fail the test, not end the run.
+    import subprocess
+    import sys
+
+    child = subprocess.run([sys.executable, "-c", CONSUMED_CAPSULE_WHILE_RAISING], capture_output=True, text=True, timeout=WAIT_S)
+    assert (child.returncode, child.stdout.strip()) == (0, "propagated"), child.stdout + child.stderr
+
+
 def test_every_exception_class_was_raised():
     # Goal: the module's other tests raised every class the package defines (run last).
     classes = {value for value in vars(tutti).values() if isinstance(value, type) and issubclass(value, tutti.Error)}

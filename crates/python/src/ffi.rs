@@ -201,19 +201,40 @@ unsafe extern "C" fn export_deleter(managed: *mut DlManagedTensor) {
     }
 }
 
+/// Runs a capsule destructor's `body` with the caller's error indicator set aside, as the DLPack
+/// reference destructor does: a capsule is freed wherever its last reference goes, often while
+/// an exception propagates (a capsule on the value stack of a frame that raised), and the
+/// destructor must neither clear that exception nor leave one of its own (either ends in a
+/// SystemError, or a crash). An error `body` leaves is reported as unraisable.
+///
+/// # Safety
+/// The GIL is held (CPython calls capsule destructors with it) and `capsule` is alive.
+unsafe fn keeping_error_indicator(capsule: *mut ffi::PyObject, body: impl FnOnce()) {
+    let (mut kind, mut value, mut traceback) = (std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut());
+    // SAFETY: the GIL is held (this fn's contract); PyErr_Fetch takes the indicator's three
+    // references (possibly null) into the locals, PyErr_Restore gives them back, unchanged.
+    unsafe {
+        ffi::PyErr_Fetch(&mut kind, &mut value, &mut traceback);
+        body();
+        if !ffi::PyErr_Occurred().is_null() {
+            ffi::PyErr_WriteUnraisable(capsule);
+        }
+        ffi::PyErr_Restore(kind, value, traceback);
+    }
+}
+
 /// Destructor of the capsules we hand out: an unconsumed capsule still owns its tensor.
 unsafe extern "C" fn export_capsule_destructor(capsule: *mut ffi::PyObject) {
     // SAFETY: CPython calls this with the GIL held and `capsule` alive. Under the name
     // "dltensor" nobody consumed it, so the tensor is still ours to delete; a consumer renamed
-    // it and calls the deleter itself.
+    // it and calls the deleter itself (PyCapsule_IsValid sets no error either way).
     unsafe {
-        if ffi::PyCapsule_IsValid(capsule, DLTENSOR.as_ptr()) == 1 {
-            let managed = ffi::PyCapsule_GetPointer(capsule, DLTENSOR.as_ptr()) as *mut DlManagedTensor;
-            export_deleter(managed);
-        } else {
-            // The consumer's: not ours. A failed name check leaves an error set: clear it.
-            ffi::PyErr_Clear();
-        }
+        keeping_error_indicator(capsule, || {
+            if ffi::PyCapsule_IsValid(capsule, DLTENSOR.as_ptr()) == 1 {
+                let managed = ffi::PyCapsule_GetPointer(capsule, DLTENSOR.as_ptr()) as *mut DlManagedTensor;
+                export_deleter(managed);
+            }
+        });
     }
 }
 
@@ -236,12 +257,12 @@ unsafe extern "C" fn export_versioned_capsule_destructor(capsule: *mut ffi::PyOb
     // "dltensor_versioned", nobody consumed it, so the tensor is ours to delete; a consumer
     // renamed it and calls the deleter itself.
     unsafe {
-        if ffi::PyCapsule_IsValid(capsule, DLTENSOR_VERSIONED.as_ptr()) == 1 {
-            let managed = ffi::PyCapsule_GetPointer(capsule, DLTENSOR_VERSIONED.as_ptr()) as *mut DlManagedTensorVersioned;
-            export_versioned_deleter(managed);
-        } else {
-            ffi::PyErr_Clear();
-        }
+        keeping_error_indicator(capsule, || {
+            if ffi::PyCapsule_IsValid(capsule, DLTENSOR_VERSIONED.as_ptr()) == 1 {
+                let managed = ffi::PyCapsule_GetPointer(capsule, DLTENSOR_VERSIONED.as_ptr()) as *mut DlManagedTensorVersioned;
+                export_versioned_deleter(managed);
+            }
+        });
     }
 }
 
