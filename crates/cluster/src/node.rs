@@ -71,13 +71,19 @@ struct KeepAlive {
 ///
 /// Bounds, T the request timeout: `join` ≤ 3 T (grant, member transaction, and the revoke of
 /// the new lease when that fails); `rejoin` ≤ 4 T (the old lease's revoke, then a join);
-/// `leave` or drop ≤ T + 1 s; `register` and `unregister` T per `txn_ops_max` segments;
+/// `leave` or drop ≤ T + 1 s (2 T + 1 s after a rejoin whose revoke of the old lease failed:
+/// that lease is revoked too); `register` and `unregister` T per `txn_ops_max` segments;
 /// `update_record` T.
 pub struct ClusterNode {
     client: ClusterClient,
     record: MemberRecord,
     lease: Arc<LeaseState>,
     keep_alive: Option<KeepAlive>,
+    /// A lease of this node whose revoke failed in a rejoin and none has confirmed since: it
+    /// may live (and keep the member key and segments under it listed) until it expires. A
+    /// rejoin that failed leaves no keep-alive, so `shut_down` would revoke nothing without
+    /// it; the latest such lease is kept (an earlier one was left unrenewed a rejoin before).
+    unrevoked: Option<i64>,
 }
 
 impl ClusterNode {
@@ -99,7 +105,7 @@ impl ClusterNode {
             renewed_at_ms: AtomicU64::new(0),
             origin: Instant::now(),
         });
-        let mut node = ClusterNode { client, record, lease, keep_alive: None };
+        let mut node = ClusterNode { client, record, lease, keep_alive: None, unrevoked: None };
         node.establish()?;
         Ok(node)
     }
@@ -231,6 +237,12 @@ impl ClusterNode {
         self.stop_keep_alive();
         let old_lease_id = self.lease.lease_id.load(Ordering::Relaxed);
         let old_lease_revoked = self.revoke(old_lease_id);
+        if !old_lease_revoked {
+            self.unrevoked = Some(old_lease_id);
+        } else if self.unrevoked == Some(old_lease_id) {
+            // A retry after a rejoin that failed: its lease is gone now.
+            self.unrevoked = None;
+        }
         self.establish()?;
         Ok(Rejoined { old_lease_id, old_lease_revoked })
     }
@@ -242,9 +254,15 @@ impl ClusterNode {
     }
 
     fn shut_down(&mut self) {
+        let lease_id = self.lease.lease_id.load(Ordering::Relaxed);
         if self.keep_alive.is_some() {
             self.stop_keep_alive();
-            let _ = self.revoke(self.lease.lease_id.load(Ordering::Relaxed));
+            let _ = self.revoke(lease_id);
+        }
+        // After a rejoin whose revoke failed (and, when the rejoin failed too, the node's
+        // only lease): revoked now rather than left listed until it expires.
+        if let Some(unrevoked) = self.unrevoked.take() {
+            let _ = self.revoke(unrevoked);
         }
     }
 

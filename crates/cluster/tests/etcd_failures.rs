@@ -167,3 +167,38 @@ fn revoking_a_lease_behind_a_stalled_member_gives_up_in_bounded_time() {
     }
     assert!(node_a.members().unwrap().nodes.is_empty());
 }
+
+#[test]
+fn a_node_left_after_a_failed_rejoin_revokes_the_lease_it_could_not() {
+    // Goal: a rejoin whose revoke of the old lease fails (etcd down: killed, so no request is
+    // left in flight to land later) and whose join fails too leaves the node with no
+    // keep-alive and the old lease alive once etcd is back (a restart extends every lease).
+    // Dropping the node then revokes that lease: its member key and segments go at once.
+    // Before, the drop revoked nothing (no keep-alive), leaving them listed until the lease
+    // expired (here 10 s).
+    let Some(mut etcd) = start_etcd(1) else { return };
+    let mut settings = config(&etcd, "unrevoked");
+    settings.lease_ttl = Duration::from_secs(10);
+    let mut node_a = ClusterNode::join(settings.clone(), record("a")).unwrap();
+    let reader = ClusterClient::connect(settings).unwrap();
+    let segments = prompt(41, 2);
+    node_a.register(&space(), &segments).unwrap();
+    etcd.kill(0).unwrap();
+    let rejoined = node_a.rejoin();
+    assert!(rejoined.is_err(), "rejoined with etcd down: {rejoined:?}");
+    etcd.restart(0).unwrap();
+    let listed = |reader: &ClusterClient| loop {
+        match reader.members() {
+            Ok(members) => break members.nodes.len(),
+            Err(error @ ClusterError::Unavailable { .. }) => eprintln!("registry unavailable, asking again: {error}"),
+            Err(error) => panic!("members: {error}"),
+        }
+    };
+    assert_eq!(listed(&reader), 1, "the old lease did not survive etcd's restart: nothing to show");
+    assert_eq!(reader.lookup(&space(), &segments).unwrap().prefix_segments(), 2);
+    let started = Instant::now();
+    drop(node_a);
+    eprintln!("the node was dropped in {:?}", started.elapsed());
+    assert_eq!(listed(&reader), 0, "the member key outlived the node, under the lease it could not revoke");
+    assert_eq!(reader.lookup(&space(), &segments).unwrap().prefix_segments(), 0);
+}

@@ -20,7 +20,8 @@
 //! (T, the registry's request timeout: a transaction T, a join 3 T, a rejoin 4 T; the cluster
 //! crate lists them) and the stop is checked between calls, so the thread sees the daemon's
 //! stop within a tick plus one call (at most 4 T, a rejoin), then leaves the cluster (revoking
-//! the lease, its segments vanishing at once: T, and 1 s for the client's runtime).
+//! the lease, its segments vanishing at once: T, and 1 s for the client's runtime; 2 T when a
+//! rejoin's revoke of the old lease failed, which is revoked too).
 
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::RecvTimeoutError;
