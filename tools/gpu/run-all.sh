@@ -279,6 +279,12 @@ PY
   echo "$found"
 }
 
+# Whether this call's tests step saw `PASS gpu test` (yes/no; empty: no tests step ran). The
+# layer load runs the same gio kernel: after a failed GPU test (a hung kernel hangs it the same
+# way, for its whole limit) it is skipped, so that ipc, prefill and python, which do not use the
+# gio kernel, keep their time.
+GPU_TEST_PASSED=""
+
 step_tests() {
   local out="$WORK/tests" rc budget_s
   mkdir -p "$out"
@@ -291,7 +297,8 @@ step_tests() {
   echo "tests: hostNativeAtomicSupported=$atomics pageableMemoryAccess=$(cuda_attr pageableMemoryAccess)" \
     "canUseHostPointerForRegisteredMem=$(cuda_attr canUseHostPointerForRegisteredMem)" >>"$SUMMARY"
   [[ "$atomics" == 0 ]] && record "NOTE tests: hostNativeAtomicSupported=0: the gio kernel's atomicCAS/atomicAdd on host-mapped memory (sink ring header, IOCB status and counters) are not atomic with respect to the host here; a wrong result may be that (docs/gio-uring.md, Known risks)"
-  # run-gpu-tests.sh bounds each GPU test run by what is left of GIO_GPU_TESTS_BUDGET_S, under
+  # run-gpu-tests.sh bounds each GPU test run by what is left of GIO_GPU_TESTS_BUDGET_S (at most
+  # GIO_GPU_TEST_LIMIT_S, 90 s: it needs under 30), under
   # `timeout --foreground` (in this timeout's process group): it ends before this limit, and this
   # timeout's kill reaches the test binary too, so no persistent kernel outlives the step. Its
   # files are streamed into run.log as they are written (GIO_GPU_TESTS_LIVE_LOG), so a kill keeps
@@ -300,6 +307,8 @@ step_tests() {
     timeout -k 10 "$budget_s" bash tools/gpu/run-gpu-tests.sh 2>>"$LOG" | tee -a "$LOG" | sed -u 's/^/tests: /' >>"$SUMMARY"
   rc=${PIPESTATUS[0]}
   [[ $rc -eq 124 || $rc -eq 137 ]] && record "NOTE tests: stopped at its limit of $budget_s s"
+  GPU_TEST_PASSED=no
+  grep -q '^tests: PASS gpu test' "$SUMMARY" && GPU_TEST_PASSED=yes
   [[ $rc -eq 0 ]]
 }
 
@@ -329,6 +338,10 @@ step_bandwidth() {
   # by --prepare; without it this says so rather than measure something else.
   if [[ ! -f "$CARRY/gpu-layer-load" ]]; then
     record "NOT RUN bandwidth through the gio kernel: target/gpu-carry/gpu-layer-load was not carried (tools/gpu/run-all.sh --prepare)"
+    return "$failed"
+  fi
+  if [[ "$GPU_TEST_PASSED" == no ]]; then
+    record "NOT RUN bandwidth through the gio kernel: the GPU test did not pass (tests step): the layer load runs the same kernel"
     return "$failed"
   fi
   # The kernels run-gpu-tests.sh built here, if that build completed (tools/cuda-build.sh writes

@@ -1,0 +1,128 @@
+"""Tests of tools/gpu/run-all.sh's and run-gpu-tests.sh's time bookkeeping, without a GPU: each
+test copies the scripts into a temporary root with a stub carry (shell scripts standing in for the
+GPU test, the layer load, the bandwidth program, tuttid, a python) and no nvcc or nvidia-smi on
+PATH, runs one call, and reads summary.txt. Standard library only; run with
+`python3 -m unittest discover -s tools/gpu -p 'test_*.py'` (tools/gpu/check.sh does). Each takes a
+few seconds once the scripts are right (the stubs that hang are what a wrong script waits for).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+COPIED = ("tools/gpu/run-all.sh", "tools/gpu/run-gpu-tests.sh", "tools/gpu/provenance.py", "tools/gpu/cuda-attrs.py",
+          "tools/cuda-build.sh", "kernels/gio_abi.h")
+
+
+def path_without(*commands: str) -> str:
+    """PATH less every directory holding one of `commands`."""
+    kept = [d for d in os.environ.get("PATH", "/usr/bin:/bin").split(":")
+            if d and not any(os.path.exists(os.path.join(d, c)) for c in commands)]
+    return ":".join(kept)
+
+
+class StubRoot:
+    """A temporary repository root: the scripts, and target/gpu-carry made of stubs."""
+
+    def __init__(self):
+        self.directory = tempfile.TemporaryDirectory()
+        self.root = self.directory.name
+        for path in COPIED:
+            os.makedirs(os.path.dirname(os.path.join(self.root, path)), exist_ok=True)
+            shutil.copy(os.path.join(ROOT, path), os.path.join(self.root, path))
+        self.carry = os.path.join(self.root, "target", "gpu-carry")
+        stem = subprocess.run(["bash", os.path.join(self.root, "tools/cuda-build.sh"), "--image-stem"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        os.makedirs(os.path.join(self.carry, "kernels"))
+        open(os.path.join(self.carry, "kernels", f"{stem}.sm_90.cubin"), "w").close()
+        self.bin = os.path.join(self.root, "stub-bin")
+        os.makedirs(self.bin)
+        self.out = os.path.join(self.root, "out")
+
+    def stub(self, path: str, body: str) -> str:
+        full = os.path.join(self.root, path)
+        with open(full, "w") as handle:
+            handle.write("#!/usr/bin/env bash\n" + body + "\n")
+        os.chmod(full, 0o755)
+        return full
+
+    def run(self, script: str, args: list[str], env: dict[str, str], limit_s: float) -> tuple[int, float, str]:
+        """Runs a script in its own session; kills the whole session afterwards (a stub a wrong
+        script orphaned, too). Returns (exit status, seconds, summary.txt)."""
+        environment = {**os.environ, "PATH": self.bin + ":" + path_without("nvcc", "nvidia-smi"), "OUT": self.out, **env}
+        started = time.monotonic()
+        process = subprocess.Popen(["bash", os.path.join(self.root, script), *args], env=environment, cwd=self.root,
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            process.communicate(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            process.wait()
+        elapsed = time.monotonic() - started
+        try:
+            with open(os.path.join(self.out, "summary.txt")) as handle:
+                summary = handle.read()
+        except OSError:
+            summary = ""
+        return process.returncode, elapsed, summary
+
+    def cleanup(self):
+        self.directory.cleanup()
+
+
+def no_local_toolkit() -> bool:
+    # run-gpu-tests.sh and run-all.sh fall back on /usr/local/cuda/bin/nvcc: these tests need none.
+    return not os.path.exists("/usr/local/cuda/bin/nvcc")
+
+
+@unittest.skipUnless(no_local_toolkit(), "a CUDA toolkit at /usr/local/cuda: the scripts would build with it")
+class RunAll(unittest.TestCase):
+    def setUp(self):
+        self.stubs = StubRoot()
+        self.addCleanup(self.stubs.cleanup)
+        s = self.stubs
+        s.stub("target/gpu-carry/h2d-bandwidth", "exit 0")
+        s.stub("target/gpu-carry/green-contexts", "exit 0")
+        s.stub("target/gpu-carry/tuttid", "exit 0")
+        s.stub("target/gpu-carry/tuttid-gpu-check", "echo 'PASS x'")
+
+    def test_a_failed_gpu_test_does_not_cost_the_steps_after_the_layer_load(self):
+        # Goal: the layer load runs the gio kernel the GPU test just failed with (a hung kernel
+        # hangs it the same way, up to its whole limit); it is skipped, and ipc, which needs no
+        # gio kernel, still runs within the deadline.
+        s = self.stubs
+        s.stub("target/gpu-carry/gpu-test", "echo 'gpu test: assertion failed'; exit 101")
+        s.stub("target/gpu-carry/gpu-layer-load", "sleep 1000")
+        env = {"RUN_ALL_DEADLINE_S": "90", "RUN_ALL_TESTS_BUDGET_S": "60", "RUN_ALL_LAYER_LOAD_BUDGET_S": "50"}
+        _rc, elapsed, summary = s.run("tools/gpu/run-all.sh", ["tests", "bandwidth", "ipc"], env, limit_s=120)
+        self.assertIn("tests: FAIL gpu test", summary)
+        self.assertIn("NOT RUN bandwidth through the gio kernel: the GPU test did not pass", summary)
+        self.assertIn("PASS ipc", summary, summary)
+        self.assertLess(elapsed, 30, summary)
+
+    def test_a_passed_gpu_test_keeps_the_layer_load(self):
+        s = self.stubs
+        s.stub("target/gpu-carry/gpu-test", "echo 'gpu test: passed'")
+        marker = os.path.join(s.root, "layer-load-ran")
+        s.stub("target/gpu-carry/gpu-layer-load", f"touch {marker}")
+        _rc, _elapsed, summary = s.run("tools/gpu/run-all.sh", ["tests", "bandwidth"], {}, limit_s=60)
+        self.assertIn("tests: PASS gpu test", summary)
+        self.assertTrue(os.path.exists(marker), summary)
+        self.assertNotIn("NOT RUN bandwidth", summary)
+
+
+if __name__ == "__main__":
+    unittest.main()
