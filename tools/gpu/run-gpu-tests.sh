@@ -91,7 +91,10 @@ TEST_LIMIT_S=${GIO_GPU_TEST_LIMIT_S:-90}
 # Kernels and the shared-rule checks (C, C++, CUDA C++), with this machine's nvcc if it has one.
 KERNEL_DIR="$ROOT/target/kernels"
 if [[ -n "$NVCC_PATH" ]]; then
-  GIO_NVCC="$NVCC_PATH" GIO_SKIP_CARGO=1 timeout --foreground -k 5 "$((BUDGET_S / 2))" \
+  # No --foreground here: `timeout` then signals its whole process group, nvcc included (with it,
+  # only the bash of cuda-build.sh died, and an nvcc left running held the log pipe open past the
+  # limit). The build needs no terminal, and its limit is under any caller's.
+  GIO_NVCC="$NVCC_PATH" GIO_SKIP_CARGO=1 timeout -k 5 "$((BUDGET_S / 2))" \
     bash tools/cuda-build.sh "$KERNEL_DIR" 2>&1 | live kernels.log
   if [[ ${PIPESTATUS[0]} -eq 0 ]]; then
     record "PASS kernels built here with $NVCC_PATH"

@@ -124,5 +124,19 @@ class RunAll(unittest.TestCase):
         self.assertNotIn("NOT RUN bandwidth", summary)
 
 
+@unittest.skipUnless(no_local_toolkit(), "a CUDA toolkit at /usr/local/cuda: the scripts would build with it")
+class RunGpuTests(unittest.TestCase):
+    def test_the_kernel_build_limit_reaches_nvcc(self):
+        # Goal: run-gpu-tests.sh's limit on the kernel build (half its budget: 5 s here) ends
+        # the build, nvcc included; an nvcc left running keeps the log pipe open until it ends.
+        s = StubRoot()
+        self.addCleanup(s.cleanup)
+        s.stub("stub-bin/nvcc", 'if [[ "${1:-}" == --version ]]; then echo "Cuda compilation tools, stub"; exit 0; fi\nsleep 30')
+        s.stub("target/gpu-carry/gpu-test", "echo 'gpu test: passed'")
+        _rc, elapsed, summary = s.run("tools/gpu/run-gpu-tests.sh", [], {"GIO_GPU_TESTS_BUDGET_S": "10"}, limit_s=60)
+        self.assertIn("NOTE kernels: building here with", summary)
+        self.assertLess(elapsed, 15, summary)
+
+
 if __name__ == "__main__":
     unittest.main()
