@@ -13,6 +13,8 @@
 
 mod controller;
 pub mod datapath;
+#[cfg(test)]
+mod delete_retry_tests;
 mod detached;
 mod error;
 #[cfg(any(test, feature = "fake-device"))]

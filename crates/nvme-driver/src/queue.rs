@@ -837,6 +837,11 @@ impl QueuePair {
     /// A queue with a command in flight (one that timed out and never completed, on the admin
     /// queue) is refused with [`NvmeError::QueueBusy`] before anything is submitted, a failed
     /// one with [`NvmeError::QueueFailed`].
+    ///
+    /// Once the command's completion was delivered, its answer is returned even if the same
+    /// reap then failed on a later entry (that failure is logged; where it failed the queue,
+    /// later commands are refused as usual): the command did complete, and a caller told
+    /// otherwise would treat a deletion that happened as one that may not have.
     pub fn execute(&mut self, entry: SubmissionEntry, timeout: Duration) -> Result<Completion, NvmeError> {
         self.check_not_failed()?;
         if self.in_flight != 0 {
@@ -845,7 +850,7 @@ impl QueuePair {
         let command_id = self.submit(entry, 0)?;
         self.ring_doorbell()?;
         let mut result = None;
-        self.poll_until(
+        let polled = self.poll_until(
             Instant::now() + timeout,
             |completion| {
                 if completion.command_id == command_id {
@@ -853,9 +858,16 @@ impl QueuePair {
                 }
             },
             |queue| queue.in_flight == 0,
-        )?;
-        let completion = result.ok_or(NvmeError::UnexpectedCompletion { queue: self.id, command_id })?;
-        completion.into_result(self.id)
+        );
+        match (result, polled) {
+            (Some(completion), Err(error)) => {
+                tracing::warn!(queue = %self.id, %command_id, %error, "the reap that delivered the command's completion failed after it");
+                completion.into_result(self.id)
+            }
+            (Some(completion), Ok(())) => completion.into_result(self.id),
+            (None, Err(error)) => Err(error),
+            (None, Ok(())) => Err(NvmeError::UnexpectedCompletion { queue: self.id, command_id }),
+        }
     }
 }
 
@@ -877,3 +889,6 @@ mod ring_index_tests {
 
 #[cfg(test)]
 mod stale_ring_tests;
+
+#[cfg(test)]
+mod execute_tests;

@@ -144,7 +144,9 @@ impl AdminShared {
 
     /// Ends the life of queue pair `id` created in `generation`: deletes its SQ (unless
     /// `sq_deleted` says an earlier try did) and CQ and releases the id when its generation is
-    /// current; does nothing when a reset since then confirmed the queues gone; and fails with
+    /// current (a delete answered with Invalid Queue Identifier counts as done: a retry after a
+    /// delete that timed out and then completed); does nothing when a reset since then confirmed
+    /// the queues gone; and fails with
     /// [`NvmeError::QueueMaybeLive`] when a reset since then could not confirm it. The gate's
     /// shared side is held throughout, so a reset on another thread waits for the deletion
     /// (bounded by the admin timeout per command) instead of disabling the controller under it.
@@ -159,13 +161,21 @@ impl AdminShared {
             QueueFate::Live => {}
         }
         let mut admin = self.lock_idle_admin()?;
+        // A delete answered with Invalid Queue Identifier finds the queue already gone: an
+        // earlier try of this retirement timed out and its command completed late (consumed by
+        // `lock_idle_admin`). The id is still reserved for this pair, so nothing else created a
+        // queue under it since: that answer means done, as in `abandon_queue_pair`.
+        let delete = |admin: &mut QueuePair, entry: SubmissionEntry| match admin.execute(entry, self.timeout) {
+            Err(error) if !queue_absent(&error) => Err(error),
+            _ => Ok(()),
+        };
         if !*sq_deleted {
             // Deleting the SQ makes the controller abort or finish its commands (§5.7), so none
             // moves data after this succeeded.
-            admin.execute(SubmissionEntry::delete_io_submission_queue(id.0), self.timeout)?;
+            delete(&mut admin, SubmissionEntry::delete_io_submission_queue(id.0))?;
             *sq_deleted = true;
         }
-        admin.execute(SubmissionEntry::delete_io_completion_queue(id.0), self.timeout)?;
+        delete(&mut admin, SubmissionEntry::delete_io_completion_queue(id.0))?;
         drop(admin);
         self.release_queue_id(id);
         drop(hold);

@@ -293,8 +293,14 @@ impl FakeState {
             self.withheld.push(*entry);
             return None;
         }
+        Some(self.run_admin(pool, entry))
+    }
+
+    /// Executes admin command `entry` (scripted failures first) and returns its completion.
+    pub(super) fn run_admin(&mut self, pool: &DmaPool, entry: &SubmissionEntry) -> CompletionEntry {
+        let opcode = entry.opcode();
         if let Some(&(_, status)) = self.script.admin_failures.iter().find(|(failing, _)| *failing == opcode) {
-            return Some(self.completion_for(0, entry, 0, Some(status)));
+            return self.completion_for(0, entry, 0, Some(status));
         }
         let queue_id = (entry.cdw10 & 0xFFFF) as u16;
         let entries = (entry.cdw10 >> 16) + 1;
@@ -308,7 +314,7 @@ impl FakeState {
                         let index = usize::try_from(entry.nsid).ok().and_then(|nsid| nsid.checked_sub(1));
                         index.and_then(|index| self.script.identify_namespaces.get(index)).cloned().unwrap_or_default()
                     }
-                    _ => return Some(self.completion_for(0, entry, 0, Some(NvmeStatus::generic(codes::INVALID_FIELD)))),
+                    _ => return self.completion_for(0, entry, 0, Some(NvmeStatus::generic(codes::INVALID_FIELD))),
                 };
                 (0, Self::to_host(pool, entry.dptr[0], &data))
             }
@@ -330,7 +336,7 @@ impl FakeState {
             Some(AdminOpcode::CreateIoCompletionQueue | AdminOpcode::CreateIoSubmissionQueue) => (0, invalid_queue),
             _ => (0, None),
         };
-        Some(self.completion_for(0, entry, dw0, status))
+        self.completion_for(0, entry, dw0, status)
     }
 
     fn execute_io(&mut self, queue_id: u16, entry: &SubmissionEntry) -> Option<CompletionEntry> {

@@ -217,13 +217,15 @@ impl FakeDevice {
     }
 
     /// Answers the withheld admin commands now, as a slow controller finally would: each is
-    /// completed successfully, without data (write the data pointer first to model a late
-    /// transfer). Returns how many were answered.
+    /// executed as it would have been when fetched (a Delete I/O SQ deletes the queue, an
+    /// Identify writes its data; `admin_failures` still apply) and completed with its status.
+    /// Commands the fake answers without data (Get Log Page) stay so: write the data pointer
+    /// first to model a late transfer. Returns how many were answered.
     pub fn answer_withheld(&self) -> usize {
         let mut state = self.registers.lock();
         let withheld = std::mem::take(&mut state.withheld);
         for entry in &withheld {
-            let completion = state.completion_for(0, entry, 0, None);
+            let completion = state.run_admin(&self.pool, entry);
             state.post(&self.pool, 0, completion, false);
         }
         withheld.len()
