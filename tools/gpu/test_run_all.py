@@ -123,6 +123,41 @@ class RunAll(unittest.TestCase):
         self.assertTrue(os.path.exists(marker), summary)
         self.assertNotIn("NOT RUN bandwidth", summary)
 
+    def python_stub(self, import_s: int) -> str:
+        """A python whose `-c import ...` takes import_s seconds (torch's import on the GPU
+        machine) and whose `-m pip install --target DIR` makes DIR/tutti."""
+        return self.stubs.stub("stub-python", f"""
+case "$1" in
+  -c) sleep {import_s} ;;
+  -m) while [[ $# -gt 0 && "$1" != --target ]]; do shift; done; mkdir -p "$2/tutti"; touch "$2/tutti/__init__.py" ;;
+esac
+exit 0""")
+
+    def step_env(self, deadline_s: int) -> dict[str, str]:
+        s = self.stubs
+        wheel = os.path.join(s.root, "tutti-0-cp39-abi3-linux.whl")
+        open(wheel, "w").close()
+        # tuttid listens on its --socket as the real one does.
+        tuttid = s.stub("stub-tuttid", """
+while [[ $# -gt 0 && "$1" != --socket ]]; do shift; done
+exec python3 -c 'import socket, sys, time; s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); s.listen(); time.sleep(1000)' "$2"
+""")
+        return {"RUN_ALL_DEADLINE_S": str(deadline_s), "RUN_ALL_PYTHON": self.python_stub(12), "RUN_ALL_TUTTID": tuttid,
+                "RUN_ALL_WHEEL": wheel, "RUN_ALL_PREFILL_DEVICE_ARGS": "--device cpu"}
+
+    def test_a_started_python_step_has_room_for_its_check_after_its_imports(self):
+        # Goal: a step the loop starts is not left, after its imports (12 s here; torch's import
+        # takes 10-20 s), without the time its own limits need: either it is not started
+        # (NOT RUN at the loop) or python-cuda-check.py gets its minimum.
+        _rc, _elapsed, summary = self.stubs.run("tools/gpu/run-all.sh", ["python"], self.step_env(78), limit_s=60)
+        self.assertNotIn("python-cuda-check.py would get", summary)
+        self.assertIn("NOT RUN python: deadline", summary)
+
+    def test_a_started_prefill_step_has_room_for_its_budget_after_its_imports(self):
+        _rc, _elapsed, summary = self.stubs.run("tools/gpu/run-all.sh", ["prefill"], self.step_env(145), limit_s=60)
+        self.assertNotIn("leaves no 30 s budget after 90 s of margin", summary)
+        self.assertIn("NOT RUN prefill: deadline", summary)
+
 
 @unittest.skipUnless(no_local_toolkit(), "a CUDA toolkit at /usr/local/cuda: the scripts would build with it")
 class RunGpuTests(unittest.TestCase):
