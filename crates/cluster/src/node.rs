@@ -442,6 +442,16 @@ fn first_renewal_wait(interval: Duration, since_grant: Duration) -> Duration {
     interval.saturating_sub(since_grant)
 }
 
+/// Whether the keep-alive opens its watch before the first renewal, due `first_wait` after it
+/// starts: only when the opening, bounded by one attempt (a third of the request timeout: its
+/// confirmation and a check on a stalled member), ends before then. Opened first regardless,
+/// a slow member transaction (`first_renewal_wait` near zero) and a stalled member could put
+/// the first renewal a third of the request timeout late, past what the lease's TTL allows
+/// for.
+fn watch_before_first_renewal(first_wait: Duration, request_timeout: Duration) -> bool {
+    first_wait >= attempt_timeout(request_timeout)
+}
+
 /// Renews one lease every `interval` until told to stop or etcd says the lease is gone.
 struct RenewalLoop {
     /// The etcd members; the stream is opened on the preferred one, and a failure on it moves
@@ -483,7 +493,10 @@ impl RenewalLoop {
         // interval later: the lease must be renewed before it runs out.
         let mut renew_at = tokio::time::Instant::now() + self.first_wait;
         let mut watching: Option<WatchStream> = None;
-        if !self.open_watch(&mut watching).await {
+        // Opened first only when it cannot hold the first renewal up; otherwise right after
+        // that renewal (as a broken watch is), from the join's revision all the same: a change
+        // meanwhile is seen later, not missed.
+        if watch_before_first_renewal(self.first_wait, self.request_timeout) && !self.open_watch(&mut watching).await {
             return;
         }
         let mut retry_pause = RETRY_PAUSE_FIRST;
@@ -706,5 +719,18 @@ mod tests {
         assert_eq!(first_renewal_wait(interval, Duration::ZERO), interval);
         assert_eq!(first_renewal_wait(interval, Duration::from_secs(1)), interval - Duration::from_secs(1));
         assert_eq!(first_renewal_wait(interval, Duration::from_millis(6600)), Duration::ZERO, "overdue: renew at once");
+    }
+
+    #[test]
+    fn the_watch_never_holds_the_first_renewal_up() {
+        // Goal: the member key's watch, whose opening may take one attempt (T/3), is opened
+        // before the first renewal only when that renewal is due later than that; otherwise
+        // after it. Before, it was always opened first: with the renewal due at once (a slow
+        // member transaction) and a stalled member, the renewal went T/3 late.
+        let request_timeout = Duration::from_secs(3);
+        assert!(watch_before_first_renewal(Duration::from_secs(10) / 3, request_timeout), "a fresh join: room to open it first");
+        assert!(watch_before_first_renewal(Duration::from_secs(1), request_timeout), "exactly one attempt's room");
+        assert!(!watch_before_first_renewal(Duration::from_millis(999), request_timeout));
+        assert!(!watch_before_first_renewal(Duration::ZERO, request_timeout), "the renewal is due at once");
     }
 }
