@@ -31,7 +31,10 @@ print('core-test.sh: import tutti in a fresh venv: ok (', tutti.__file__, ')')
 
 timeout 1800 cargo build --locked -p tuttid --bin tuttid
 export TUTTI_TUTTID="$target_dir/debug/tuttid"
-# The wheel as wheel.sh installed it for this clone (target/python-site), with the venv's pytest.
-PYTHONPATH="$PWD/target/python-site" timeout 1200 "$venv/bin/python" -m pytest -q -p no:cacheprovider python/tests
+# The wheel just built, installed into a site of this run's own (target/python-site is
+# reinstalled by any later wheel.sh of this clone, under the tests' child processes that import
+# from it), with the venv's pytest.
+timeout 300 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-index --no-deps --target "$fresh/site" "$wheel"
+PYTHONPATH="$fresh/site" timeout 1200 "$venv/bin/python" -m pytest -q -p no:cacheprovider python/tests
 # The benchmark tables' own checks (tools/compare-lmcache.sh's verdicts on what a run measured).
 timeout 120 "$venv/bin/python" -m pytest -q -p no:cacheprovider tools/python/bench

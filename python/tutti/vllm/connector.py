@@ -61,7 +61,7 @@ __all__ = ["EXTRA_CONFIG_FIELDS", "KvMemoryUnsafe", "LoadSpec", "SaveSpec", "Tut
 EXTRA_CONFIG_FIELDS = {
     "socket": Field(str, "the path of tuttid's Unix socket, e.g. /run/tutti/tuttid.sock", required=True, check=non_empty),
     "model_fingerprint": Field(
-        str, "64 hex digits naming the model's KV bytes; default: derived from vLLM's model config", check=non_empty
+        str, "64 hex digits naming the model and its weights (the KV layout is hashed with it); default: derived from vLLM's model config", check=non_empty
     ),
     "timeout_s": Field(float, "the longest wait for tuttid and for one layer's I/O, seconds", default=30.0, check=bounded_timeout),
     "lookup_timeout_s": Field(

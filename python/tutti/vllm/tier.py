@@ -68,7 +68,7 @@ TIER_CONFIG_FIELDS = {
     ),
     "create_bytes": Field(int, "with format: create or grow an emu:PATH file to this size (unused without format)", check=positive),
     "slots_max": Field(int, "at most this many pool slots per device when formatting", check=positive),
-    "model_fingerprint": Field(str, "64 hex digits naming the model's KV bytes; default: derived from vLLM's offloading config"),
+    "model_fingerprint": Field(str, "64 hex digits naming the model and its weights (dtype, chunk shape and KV layout are hashed with it); default: derived from vLLM's offloading config"),
     "lock_dir": Field(str, "where vfio: devices' lock files live (as tuttid's --lock-dir)", default="/run/tutti"),
     "timeout_s": Field(float, "the longest wait for one chunk's I/O, seconds", default=30.0, check=bounded_timeout),
     "requests_max": Field(int, "chunks moved at once", default=16, check=positive),
