@@ -140,7 +140,8 @@ struct Cli {
     #[arg(long, default_value_t = 32, requires = "cluster_etcd")]
     segment_blocks: u16,
     /// The segment manifest: which segments this node holds, kept across restarts so a
-    /// restarted node registers what survived (a file beside the pool's, one per pool).
+    /// restarted node registers what survived (a file beside the pool's, one per pool; locked
+    /// through FILE.lock while the daemon runs: a second daemon on it exits 2).
     #[arg(long, value_name = "FILE", requires = "cluster_etcd")]
     cluster_state: Option<PathBuf>,
     /// The node's etcd lease: a node that dies vanishes from the cluster this long after its
