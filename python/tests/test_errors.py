@@ -62,6 +62,38 @@ def test_bad_values_are_invalid_arguments():
             tutti.Store.open("emu:mem:64m", GEOMETRY, format=True).allocate_kv(4, "ragged")
 
 
+def test_queue_options_out_of_bounds_are_refused_at_open_and_attach(tmp_path):
+    # Goal: iocbs not a power of two in 2..=65536 (gio_uring's ring depth bound), queue_depth
+    # outside 2..=1024 and requests_max outside 1..=65536 are InvalidArgument from Store.open
+    # and Store.attach, before a device is opened or tuttid is reached (attach to a socket
+    # that does not exist says InvalidArgument, not Disconnected), and the in-process store
+    # opens at the bounds. Before, iocbs = 1 or 1 << 17 was accepted (allocate_kv then raised
+    # DeviceError and closed the store), a huge iocbs or requests_max aborted the process on
+    # allocation, and attach checked none of them.
+    missing = str(tmp_path / "no-daemon.sock")
+    for options in (
+        {"iocbs": 1},
+        {"iocbs": 1 << 17},
+        {"iocbs": 48},
+        {"requests_max": 0},
+        {"requests_max": 65537},
+        {"requests_max": 1 << 28},
+        {"queue_depth": 1},
+        {"queue_depth": 1025},
+    ):
+        name, value = next(iter(options.items()))
+        with raises(tutti.InvalidArgument, match=f"{name} = {value} "):
+            tutti.Store.open("emu:mem:64m", GEOMETRY, format=True, **options)
+        with raises(tutti.InvalidArgument, match=f"{name} = {value} "):
+            tutti.Store.attach(missing, model_fingerprint=FINGERPRINT, keepalive=False, **options)
+    # (iocbs = 65536 is accepted too, but its rings take seconds to set up: the unit test
+    # store::tests checks that bound.)
+    with open_store(iocbs=2, requests_max=1, queue_depth=2) as store:
+        store.allocate_kv(4, "block_major")
+    with open_store(requests_max=1 << 16, queue_depth=1024) as store:
+        store.allocate_kv(4, "block_major")
+
+
 def test_timeouts_past_the_clock_are_invalid_arguments_not_panics():
     # Goal: a timeout no deadline can hold (1e19 s, past the clock's range) is InvalidArgument
     # from every call that takes one, never a PanicException; the store stays usable.

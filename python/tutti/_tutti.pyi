@@ -404,8 +404,10 @@ class Store:
         lock_dir: where `vfio:` devices' lock files live (`emu:PATH` files are locked in place),
         as tuttid's --lock-dir: a second opener (a daemon or another process) gets DeviceError
         naming the holder.
-        queue_depth: NVMe queue entries; iocbs: gio_uring IOCBs (a power of two); requests_max:
-        requests prepared at once; timeout_s: the default wait of `close`. Every timeout_s
+        queue_depth: NVMe queue entries, 2..=1024; iocbs: gio_uring IOCBs, a power of two in
+        2..=65536 (gio_uring's ring depth bound); requests_max: requests prepared at once,
+        1..=65536 (the store allocates each one's state at open); outside these bounds
+        InvalidArgument, before any device is opened; timeout_s: the default wait of `close`. Every timeout_s
         of this package is 0..=1e9 seconds (about 31 years): a longer one (or a negative one)
         is InvalidArgument, since no deadline that far ahead fits the clock.
         layers_in_flight: how many layers of one request may be in flight at once, 1..=4
@@ -444,11 +446,13 @@ class Store:
         this store pings the daemon every third of its lease (HelloReply's lease) while the
         store is idle, so an idle engine keeps its session; without it, an engine idle longer
         than the lease (tuttid --lease, 10 s by default) loses its session (Disconnected on the
-        next call). layers_in_flight: as for `open` (the data path is this process's, so the
-        daemon is not involved; checked before connecting).
+        next call). queue_depth, iocbs, requests_max, layers_in_flight: as for `open`, with the
+        same bounds (the data path is this process's, so the daemon is not involved; checked
+        before connecting).
 
         Raises Disconnected (no daemon there), InvalidArgument (the daemon refused the identity:
-        an all-zero fingerprint, rank >= world; a bad layers_in_flight), DaemonError (e.g. code
+        an all-zero fingerprint, rank >= world; a queue option or layers_in_flight out of
+        bounds), DaemonError (e.g. code
         "Busy": the daemon serves its maximum of clients; a model geometry from the daemon
         that is not valid, e.g. 0 KV heads, named with its values), TimeoutError."""
     @property

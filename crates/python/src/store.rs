@@ -8,6 +8,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use gio_uring::abi::GIO_RING_DEPTH_MAX;
 use objstore::{Direction, FormatParams, ModelGeometry as Geometry, ObjstoreError, StoreConfig, LAYERS_IN_FLIGHT_LIMIT};
 use pyo3::prelude::*;
 use pyo3::types::PyList;
@@ -280,6 +281,34 @@ fn layers_in_flight_of(layers: i64, iocbs: u32) -> Result<u32, Failure> {
     Ok(layers)
 }
 
+/// The most NVMe queue entries a store asks for (`queue_depth`).
+pub const QUEUE_DEPTH_MAX: u32 = 1024;
+
+/// The most requests a store keeps prepared at once (`requests_max`): the store allocates each
+/// one's state at open (a few hundred bytes each, some 20 MB at this bound), and a request that
+/// moves bytes holds at least one IOCB, of which there are at most `GIO_RING_DEPTH_MAX`
+/// (65536), so more could never be prepared at once anyway.
+pub const REQUESTS_MAX_LIMIT: usize = GIO_RING_DEPTH_MAX as usize;
+
+/// `Store.open`/`attach`'s queue options, checked before anything is opened, allocated or
+/// connected: `queue_depth` in 2..=`QUEUE_DEPTH_MAX`, `iocbs` a power of two in
+/// 2..=`GIO_RING_DEPTH_MAX` (the gio_uring IOCB pool and its rings' depth: past it the store
+/// could not be registered, and a huge one aborts the process on allocation), `requests_max` in
+/// 1..=`REQUESTS_MAX_LIMIT`; else InvalidArgument naming each bound.
+fn check_queue_options(queue_depth: u32, iocbs: u32, requests_max: usize) -> Result<(), Failure> {
+    let iocbs_ok = iocbs.is_power_of_two() && (2..=GIO_RING_DEPTH_MAX).contains(&iocbs);
+    if iocbs_ok && (2..=QUEUE_DEPTH_MAX).contains(&queue_depth) && (1..=REQUESTS_MAX_LIMIT).contains(&requests_max) {
+        return Ok(());
+    }
+    Err(Failure::new(
+        ErrorClass::InvalidArgument,
+        format!(
+            "iocbs = {iocbs} (a power of two in 2..={GIO_RING_DEPTH_MAX}), queue_depth = {queue_depth} (2..={QUEUE_DEPTH_MAX}), \
+             requests_max = {requests_max} (1..={REQUESTS_MAX_LIMIT})"
+        ),
+    ))
+}
+
 fn device_specs(devices: &Bound<'_, PyAny>) -> PyResult<Vec<DeviceSpec>> {
     let texts: Vec<String> = match devices.extract::<String>() {
         Ok(text) => vec![text],
@@ -388,13 +417,7 @@ impl Store {
             }
             None => None,
         };
-        if !iocbs.is_power_of_two() || !(2..=1024).contains(&queue_depth) || requests_max == 0 {
-            return Err(Failure::new(
-                ErrorClass::InvalidArgument,
-                format!("iocbs = {iocbs} (a power of two), queue_depth = {queue_depth} (2..=1024), requests_max = {requests_max} (>= 1)"),
-            )
-            .into());
-        }
+        check_queue_options(queue_depth, iocbs, requests_max)?;
         let layers_in_flight = layers_in_flight_of(layers_in_flight, iocbs)?;
         let options = PoolOptions {
             specs,
@@ -477,6 +500,7 @@ impl Store {
         let fingerprint = fingerprint_of(&model_fingerprint)?;
         let timeout = duration_of(timeout_s, "timeout_s")?;
         // Checked before connecting: a refusal costs no session.
+        check_queue_options(queue_depth, iocbs, requests_max)?;
         let layers_in_flight = layers_in_flight_of(layers_in_flight, iocbs)?;
         let hello = Hello { model_fingerprint: fingerprint, tp_rank, tp_world, client_name };
         let (client, reply) = py
@@ -696,6 +720,23 @@ pub fn id_list<'py>(py: Python<'py>, ids: &[u32]) -> PyResult<Bound<'py, PyList>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn queue_options_outside_their_bounds_are_invalid_arguments() {
+        // Goal: iocbs not a power of two in 2..=65536, queue_depth outside 2..=1024 and
+        // requests_max outside 1..=65536 are refused before anything is opened; the bounds
+        // themselves are accepted. Before, iocbs = 1 or 1 << 17 was accepted (allocate_kv then
+        // failed and closed the store) and a huge requests_max aborted the process.
+        for (queue_depth, iocbs, requests_max) in
+            [(64, 1, 32), (64, 1 << 17, 32), (64, 1 << 28, 32), (64, 48, 32), (1, 64, 32), (1025, 64, 32), (64, 64, 0), (64, 64, 65537)]
+        {
+            let refused = check_queue_options(queue_depth, iocbs, requests_max).expect_err("refused");
+            assert_eq!(refused.class, ErrorClass::InvalidArgument, "{queue_depth} {iocbs} {requests_max}");
+        }
+        for (queue_depth, iocbs, requests_max) in [(2, 2, 1), (1024, 65536, 65536), (64, 64, 32)] {
+            assert_eq!(check_queue_options(queue_depth, iocbs, requests_max), Ok(()));
+        }
+    }
 
     #[test]
     fn a_timeout_past_the_clock_is_invalid_not_a_panic() {
