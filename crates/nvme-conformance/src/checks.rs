@@ -19,6 +19,17 @@ pub(crate) struct Context {
     pub device: Arc<dyn DeviceBackend>,
     pub faults: Option<Arc<dyn FaultInjector>>,
     pub config: SuiteConfig,
+    /// This run's pattern nonce (see [`crate::SuiteReport::pattern_nonce`]).
+    pub nonce: u64,
+}
+
+impl Context {
+    /// The pattern seed for `base` in this run: every check's patterns change with the run's
+    /// nonce, so blocks an earlier run left on persistent media never read back as this run's
+    /// data (a controller that drops writes would otherwise pass a second run).
+    fn seed(&self, base: u64) -> u64 {
+        base ^ self.nonce
+    }
 }
 
 pub(crate) enum Verdict {
@@ -262,7 +273,7 @@ fn read_write_sizes(context: &Context, mode: DataPointerMode) -> Outcome {
             let start_bytes = (round as u64 * 3 * max) % (capacity - size + 1) / block * block;
             let source = dma.allocate(size as usize)?;
             let sink = dma.allocate(size as usize)?;
-            let seed = 0x5eed_0000 + round as u64;
+            let seed = context.seed(0x5eed_0000 + round as u64);
             fill_pattern(&source, 0, size as usize, seed, start_bytes)?;
             let source_segment = DataSegment::new(source.iova(), size as u32);
             let sink_segment = DataSegment::new(sink.iova(), size as u32);
@@ -301,7 +312,7 @@ fn scatter_read(context: &Context, mode: DataPointerMode) -> Outcome {
     let total = piece * count;
     let source = dma.allocate(total)?;
     let start_bytes = 1024 * 1024u64;
-    let seed = 0x5ca7_7e20 + mode as u64;
+    let seed = context.seed(0x5ca7_7e20 + mode as u64);
     fill_pattern(&source, 0, total, seed, start_bytes)?;
     let start = Lba(start_bytes / u64::from(namespace.block_size_bytes));
     queue.write(namespace.id, start, &[DataSegment::new(source.iova(), total as u32)], false, context.config.timeout)?;
@@ -324,13 +335,14 @@ fn mdts_split(context: &Context) -> Outcome {
     let max = controller.max_transfer_bytes();
     let total = 4 * max + u64::from(namespace.block_size_bytes);
     let buffer = controller.dma().allocate(total as usize)?;
-    fill_pattern(&buffer, 0, total as usize, 77, 0)?;
+    let seed = context.seed(77);
+    fill_pattern(&buffer, 0, total as usize, seed, 0)?;
     let commands = queue.submit_write(namespace.id, Lba(0), &[DataSegment::new(buffer.iova(), total as u32)], false, 1)?;
     queue.complete_all(context.config.timeout)?;
     ensure!(commands as u64 == total.div_ceil(max), "{total} bytes with MDTS {max} took {commands} commands");
     buffer.fill(0, total as usize, 0)?;
     queue.read(namespace.id, Lba(0), &[DataSegment::new(buffer.iova(), total as u32)], context.config.timeout)?;
-    verify_pattern(&buffer, 0, total as usize, 77, 0).map_err(Failure)?;
+    verify_pattern(&buffer, 0, total as usize, seed, 0).map_err(Failure)?;
     Ok(Verdict::PassedWith(format!("{}: {total} bytes in {commands} commands", mdts_note(&controller))))
 }
 
@@ -342,7 +354,7 @@ fn flush_write_zeroes_deallocate(context: &Context) -> Outcome {
     let block = namespace.block_size_bytes as usize;
     let buffer = controller.dma().allocate(16 * block)?;
     let segment = DataSegment::new(buffer.iova(), (16 * block) as u32);
-    fill_pattern(&buffer, 0, 16 * block, 3, 0)?;
+    fill_pattern(&buffer, 0, 16 * block, context.seed(3), 0)?;
     queue.write(namespace.id, Lba(32), &[segment], false, context.config.timeout)?;
     queue.flush(namespace.id, context.config.timeout)?;
     // What the controller does not support is not exercised, and the result line says so.
@@ -588,14 +600,15 @@ fn fatal_status_then_reset(context: &Context) -> Outcome {
     let mut fresh = self::queue(&controller, 16)?;
     let block = namespace.block_size_bytes as usize;
     let buffer = controller.dma().allocate(block)?;
-    fill_pattern(&buffer, 0, block, 11, 0)?;
+    let seed = context.seed(11);
+    fill_pattern(&buffer, 0, block, seed, 0)?;
     // Read back into a zeroed buffer of its own and compare: a controller that completes the
     // read without moving data must fail here.
     let sink = controller.dma().allocate(block)?;
     sink.fill(0, block, 0)?;
     let (source, target) = (DataSegment::new(buffer.iova(), block as u32), DataSegment::new(sink.iova(), block as u32));
     write_then_read(context, &mut fresh, &namespace, Lba(0), &[source], &[target])?;
-    verify_pattern(&sink, 0, block, 11, 0).map_err(Failure)?;
+    verify_pattern(&sink, 0, block, seed, 0).map_err(Failure)?;
     Ok(Verdict::Passed)
 }
 
@@ -606,7 +619,8 @@ fn reset_and_continue(context: &Context) -> Outcome {
     let block = namespace.block_size_bytes as usize;
     let buffer = controller.dma().allocate(8 * block)?;
     let segment = DataSegment::new(buffer.iova(), (8 * block) as u32);
-    fill_pattern(&buffer, 0, 8 * block, 21, 64 * block as u64)?;
+    let seed = context.seed(21);
+    fill_pattern(&buffer, 0, 8 * block, seed, 64 * block as u64)?;
     {
         let mut queue = queue(&controller, 16)?;
         queue.write(namespace.id, Lba(64), &[segment], false, context.config.timeout)?;
@@ -616,7 +630,7 @@ fn reset_and_continue(context: &Context) -> Outcome {
     buffer.fill(0, 8 * block, 0)?;
     let mut queue = queue(&controller, 16)?;
     queue.read(namespace.id, Lba(64), &[segment], context.config.timeout)?;
-    verify_pattern(&buffer, 0, 8 * block, 21, 64 * block as u64).map_err(Failure)?;
+    verify_pattern(&buffer, 0, 8 * block, seed, 64 * block as u64).map_err(Failure)?;
     Ok(Verdict::Passed)
 }
 
@@ -639,7 +653,7 @@ fn data_integrity(context: &Context) -> Outcome {
         queues.push(queue(&controller, 256)?);
     }
     let block = u64::from(namespace.block_size_bytes);
-    let seed = 0x1a7e_9417;
+    let seed = context.seed(0x1a7e_9417);
     let staging = controller.dma().allocate(chunk)?;
     for index in 0..context.config.integrity_mib {
         let offset = index * chunk as u64;
@@ -679,7 +693,8 @@ fn detached_queue_pair(context: &Context) -> Outcome {
     ensure!(layout.submission_iova == submission.iova(), "layout names another submission ring");
     let block = namespace.block_size_bytes;
     let buffer = controller.dma().allocate(block as usize)?;
-    fill_pattern(&buffer, 0, block as usize, 41, 0)?;
+    let seed = context.seed(41);
+    fill_pattern(&buffer, 0, block as usize, seed, 0)?;
     // Write one block with PRP1, then read it back into a second buffer.
     let sink = controller.dma().allocate(block as usize)?;
     let mut write = SubmissionEntry::write(namespace.id, Lba(5), BlockCount::ONE, false);
@@ -713,13 +728,13 @@ fn detached_queue_pair(context: &Context) -> Outcome {
     let second = wait_entry(1)?;
     ensure!(second.command_id == 2 && second.status().is_ok(), "read completion {second:?}");
     registers.write32(layout.completion_doorbell_offset, 2);
-    verify_pattern(&sink, 0, block as usize, 41, 0).map_err(Failure)?;
+    verify_pattern(&sink, 0, block as usize, seed, 0).map_err(Failure)?;
     drop(detached);
     // The queue id is free again: an ordinary queue pair can be created and used. The sink is
     // zeroed first, so the read must move the block to pass.
     let mut queue = queue(&controller, 16)?;
     sink.fill(0, block as usize, 0)?;
     queue.read(namespace.id, Lba(5), &[DataSegment::new(sink.iova(), block)], context.config.timeout)?;
-    verify_pattern(&sink, 0, block as usize, 41, 0).map_err(Failure)?;
+    verify_pattern(&sink, 0, block as usize, seed, 0).map_err(Failure)?;
     Ok(Verdict::Passed)
 }

@@ -85,6 +85,11 @@ pub struct CheckResult {
 #[derive(Debug, Clone)]
 pub struct SuiteReport {
     pub device: String,
+    /// Mixed into every data pattern's seed, drawn afresh for each [`run_suite`]: data an
+    /// earlier run left on persistent media does not match this run's patterns, so a controller
+    /// that completes writes without storing them fails instead of reading back the last run's
+    /// blocks. Printed in the report's first line.
+    pub pattern_nonce: u64,
     pub results: Vec<CheckResult>,
 }
 
@@ -105,7 +110,7 @@ impl SuiteReport {
 
 impl fmt::Display for SuiteReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(f, "conformance suite on {}", self.device)?;
+        writeln!(f, "conformance suite on {}, pattern nonce {:#018x}", self.device, self.pattern_nonce)?;
         for result in &self.results {
             let (word, detail) = match &result.outcome {
                 Outcome::Passed => ("PASS", result.note.as_ref().map(|note| format!(": {note}")).unwrap_or_default()),
@@ -176,7 +181,8 @@ impl SuiteConfig {
         if !self.selected_checks().contains(&"data_integrity") {
             return Ok(());
         }
-        let context = checks::Context { device: Arc::clone(device), faults: None, config: self.clone() };
+        // No check runs: no pattern, no nonce.
+        let context = checks::Context { device: Arc::clone(device), faults: None, config: self.clone(), nonce: 0 };
         let Some(namespace_bytes) = checks::first_namespace_bytes(&context) else { return Ok(()) };
         if integrity_bytes(self.integrity_mib).is_none_or(|bytes| bytes > namespace_bytes) {
             return Err(UsageError::IntegrityLargerThanNamespace { mib: self.integrity_mib, namespace_mib: namespace_bytes >> 20 });
@@ -189,6 +195,7 @@ impl SuiteConfig {
 /// a failed check with a message.
 pub fn run_suite(device: Arc<dyn DeviceBackend>, faults: Option<Arc<dyn FaultInjector>>, config: &SuiteConfig) -> SuiteReport {
     let mut results = Vec::new();
+    let nonce = pattern_nonce();
     let selected = config.selected_checks();
     for check in checks::ALL {
         if !selected.contains(&check.name) {
@@ -196,7 +203,7 @@ pub fn run_suite(device: Arc<dyn DeviceBackend>, faults: Option<Arc<dyn FaultInj
         }
         let started = Instant::now();
         let (outcome, note) =
-            match (check.run)(&checks::Context { device: Arc::clone(&device), faults: faults.clone(), config: config.clone() }) {
+            match (check.run)(&checks::Context { device: Arc::clone(&device), faults: faults.clone(), config: config.clone(), nonce }) {
                 Ok(checks::Verdict::Passed) => (Outcome::Passed, None),
                 Ok(checks::Verdict::PassedWith(note)) => (Outcome::Passed, Some(note)),
                 Ok(checks::Verdict::Skipped(reason)) => (Outcome::Skipped(reason), None),
@@ -207,5 +214,19 @@ pub fn run_suite(device: Arc<dyn DeviceBackend>, faults: Option<Arc<dyn FaultInj
         }
         results.push(CheckResult { name: check.name, outcome, duration: started.elapsed(), note });
     }
-    SuiteReport { device: device.name(), results }
+    SuiteReport { device: device.name(), pattern_nonce: nonce, results }
+}
+
+/// A nonce for one run: the standard library's per-process random hash keys over the time and a
+/// per-process count, so that two runs differ whether they are in one process or two.
+fn pattern_nonce() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static RUNS: AtomicU64 = AtomicU64::new(0);
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    let since_epoch = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    hasher.write_u128(since_epoch.as_nanos());
+    hasher.write_u64(RUNS.fetch_add(1, Ordering::Relaxed));
+    hasher.write_u32(std::process::id());
+    hasher.finish()
 }

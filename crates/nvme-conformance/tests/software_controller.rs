@@ -159,3 +159,28 @@ fn error_invalid_field_uses_the_device_mdts() {
     let report = run(EmuConfig::default().with_sgl(false).with_mdts(10), only_invalid_field());
     assert!(matches!(report.results[0].outcome, Outcome::Skipped(_)), "{report}");
 }
+
+/// Goal: the data patterns differ from run to run, so a controller that drops writes cannot pass
+/// on what an earlier run left on persistent media. Two runs of data_integrity on one file; in
+/// the second, every Write completes successfully without executing. Before, every run used the
+/// same seeds: the second run read back the first run's blocks and passed.
+#[test]
+fn a_second_run_does_not_pass_on_an_earlier_runs_data() {
+    let directory = std::env::temp_dir().join(format!("nvme-conformance-rerun-{}", std::process::id()));
+    std::fs::create_dir_all(&directory).expect("temp dir");
+    let path = directory.join("namespace.img");
+    let config = || EmuConfig::default().with_backing(Backing::File { path: path.clone(), create_bytes: Some(64 << 20) });
+    let only_integrity = || SuiteConfig { filter: Some("data_integrity".into()), ..suite() };
+    let first = run(config(), only_integrity());
+    let success = NvmeStatus { code_type: StatusCodeType::Generic, code: codes::SUCCESS, do_not_retry: false, more: false };
+    let drop_writes = FaultRule::every_nth_io(1, FaultAction::Status(success)).with_opcode(NvmOpcode::Write as u8);
+    let device = EmuDevice::start(config()).expect("start the software controller again on the same file");
+    device.set_faults(FaultPlan::none().with_rule(drop_writes));
+    let second = run_suite(device, None, &only_integrity());
+    print!("{second}");
+    let _ = std::fs::remove_dir_all(&directory);
+    assert_eq!(first.results[0].outcome, Outcome::Passed, "{first}");
+    assert!(matches!(second.results[0].outcome, Outcome::Failed(_)), "writes were dropped: {second}");
+    assert_ne!(first.pattern_nonce, second.pattern_nonce);
+    assert!(second.to_string().contains(&format!("pattern nonce {:#018x}", second.pattern_nonce)), "{second}");
+}
