@@ -248,7 +248,7 @@ fn a_shutdown_whose_sync_fails_is_not_reported_complete() {
 #[test]
 fn the_driver_sees_a_failed_shutdown_as_an_error() {
     // Goal: the real driver's normal shutdown returns `ControllerFatal` as soon as CSTS shows
-    // CFS (well before its bounded wait, CAP.TO = 500 ms here, for SHST = complete) when the
+    // CFS (well before its bounded wait, 1 s here: CAP.TO 500 ms, RTD3E unset, the floor, for SHST = complete) when the
     // write-back fails, instead of Ok (which says the data is durable); teardown after it
     // still stops the controller.
     use nvme_driver::hw::DeviceBackend;
