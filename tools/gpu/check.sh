@@ -37,13 +37,12 @@ if [[ -n "${GPU_CHECK_PYTHON:-}" ]]; then
   mkdir -p "$bin"
   printf '#!/bin/sh\nexec %q "$@"\n' "$GPU_CHECK_PYTHON" >"$bin/python3"
   chmod +x "$bin/python3"
-  mkdir -p target/gpu-carry
+  # Its own tutti-profile: one copied into target/gpu-carry would sit there under the carry's
+  # COMMIT and ABI, which describe another build.
   cargo build --release --locked -p tutti-profile
-  cp "$TARGET/release/tutti-profile" target/gpu-carry/tutti-profile
-  strip target/gpu-carry/tutti-profile
   rm -rf "$OUT/rehearsal"
   PATH="$bin:$PATH" OUT="$OUT/rehearsal" RUN_ALL_SLACK_DEVICE_ARGS="--device cpu --tiny" RUN_ALL_GPU_PRESET=h100 \
-    tools/gpu/run-all.sh slack
+    RUN_ALL_TUTTI_PROFILE="$TARGET/release/tutti-profile" tools/gpu/run-all.sh slack
   echo "gpu-check: slack step rehearsed on the CPU: $OUT/rehearsal"
 fi
 # The python step rehearsed without a GPU: the wheel and a tuttid built here, the stand-in for GPU

@@ -6,7 +6,9 @@ records, here, into the carry:
 
   target/gpu-carry/COMMIT        the commit (git rev-parse HEAD), whether the tree was dirty, the
                                  sha256 of `git status --porcelain` and of `git diff HEAD --binary`,
-                                 the sha256 of the tracked files' contents (tree_sha256), the date
+                                 the sha256 of the tracked files' contents (tree_sha256), the date;
+                                 and whether any of those changed since `begin` recorded them
+                                 before the build (changed_during_prepare; if so the begin_* ones)
   target/gpu-carry/TRACKED       the tracked paths, one a line (to recompute tree_sha256 there)
   target/gpu-carry/ABI           the highest GLIBC_ symbol version each carried ELF binary (and the
                                  wheel's extension module) needs (objdump -T), the maximum, and the
@@ -17,7 +19,8 @@ COMMIT, with whether the travelled tracked files still hash to tree_sha256, and 
 carried binaries' glibc need with this machine's glibc. slack-profile.py's provenance uses
 commit_info(). Standard library only.
 
-  python3 tools/gpu/provenance.py prepare [CARRY]   # here, by run-all.sh --prepare
+  python3 tools/gpu/provenance.py begin [CARRY]     # here, by run-all.sh --prepare before it builds
+  python3 tools/gpu/provenance.py prepare [CARRY]   # here, by run-all.sh --prepare once the carry is built
   python3 tools/gpu/provenance.py line [CARRY]      # one line: the commit and where it came from
   python3 tools/gpu/provenance.py abi [CARRY]       # one line: glibc needed by the carry vs here
 """
@@ -117,6 +120,9 @@ def commit_line(carry: str = CARRY) -> str:
                              if info.get("dirty") else " (clean tree)")
     if info["source"] != "git":
         text += f", from {info['source']} at {info.get('prepared_utc', '?')}"
+        if info.get("changed_during_prepare") == "yes":
+            text += (f"; the tree CHANGED while --prepare built ({info.get('changed', '?')}; commit "
+                     f"{info.get('begin_commit', '?')[:12]} at its start): the carry may mix both")
         match = info.get("tree_matches_prepare")
         text += {True: "; the tracked files here are the prepared ones",
                  False: "; the tracked files here DIFFER from the prepared ones (the carry may be stale)",
@@ -165,20 +171,69 @@ def abi_fields(carry: str) -> dict[str, str]:
     return fields
 
 
-def prepare(carry: str) -> int:
+# What `begin` records before --prepare builds; `prepare` compares it with the tree at the end.
+BEGIN_FILE = "PREPARE_BEGIN"
+# The fields of a tree state compared between begin and prepare: (name in `changed`, field).
+_STATE_FIELDS = (("HEAD", "commit"), ("status", "status_sha256"), ("diff", "diff_sha256"), ("tree", "tree_sha256"))
+
+
+def tree_state() -> tuple[dict[str, str], list[str]] | None:
+    """The commit, dirty flag and hashes of this checkout now, and its tracked paths; None
+    without git."""
     head = _git("rev-parse", "HEAD")
     if head is None:
-        print("provenance: no git checkout here; COMMIT not written", file=sys.stderr)
-        return 1
+        return None
     status = _git("status", "--porcelain") or ""
     diff = (_git("diff", "HEAD", "--binary") or "").encode()
     tracked = [path for path in (_git("ls-files") or "").splitlines() if path]
     tree, _missing = tree_sha256(tracked)
+    state = {"commit": head.strip(), "dirty": "yes" if status.strip() else "no", "status_sha256": _sha256(status.encode()),
+             "diff_sha256": _sha256(diff), "untracked_files": str(sum(1 for line in status.splitlines() if line.startswith("??"))),
+             "tree_sha256": tree}
+    return state, tracked
+
+
+def begin(carry: str) -> int:
+    """Before --prepare builds: the tree's state into CARRY/PREPARE_BEGIN, for `prepare` to compare."""
+    found = tree_state()
     os.makedirs(carry, exist_ok=True)
-    commit = {"commit": head.strip(), "dirty": "yes" if status.strip() else "no", "status_sha256": _sha256(status.encode()),
-              "diff_sha256": _sha256(diff), "untracked_files": str(sum(1 for line in status.splitlines() if line.startswith("??"))),
-              "tree_sha256": tree, "prepared_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    path = os.path.join(carry, BEGIN_FILE)
+    if found is None:
+        if os.path.exists(path):
+            os.remove(path)
+        print("provenance: no git checkout here; nothing recorded before the build", file=sys.stderr)
+        return 1
+    with open(path, "w") as handle:
+        handle.write("".join(f"{key}: {value}\n" for key, value in found[0].items()))
+    return 0
+
+
+def prepare(carry: str) -> int:
+    found = tree_state()
+    if found is None:
+        print("provenance: no git checkout here; COMMIT not written", file=sys.stderr)
+        return 1
+    state, tracked = found
+    os.makedirs(carry, exist_ok=True)
+    commit = {**state, "prepared_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
               "prepared_on": f"{platform.node()} {platform.platform()}"}
+    # A commit or an edit landing while --prepare built makes a carry of two trees: both are
+    # recorded, and the GPU run's commit line says so, rather than naming the end's tree alone.
+    begin_path = os.path.join(carry, BEGIN_FILE)
+    before = read_fields(begin_path)
+    if not before.get("commit"):
+        commit["changed_during_prepare"] = "unknown (no record from before the build: provenance.py begin)"
+    else:
+        changed = [name for name, field in _STATE_FIELDS if before.get(field) != state[field]]
+        commit["changed_during_prepare"] = "yes" if changed else "no"
+        if changed:
+            commit["changed"] = ", ".join(changed)
+            commit.update({f"begin_{field}": before.get(field, "") for _name, field in _STATE_FIELDS})
+            print(f"provenance: WARNING: the tree changed while --prepare built ({commit['changed']}; commit "
+                  f"{before.get('commit', '?')[:12]} at the start, {state['commit'][:12]} at the end): the carry may mix "
+                  "both; run --prepare again on a quiet tree", file=sys.stderr)
+    if os.path.exists(begin_path):
+        os.remove(begin_path)
     with open(os.path.join(carry, "TRACKED"), "w") as handle:
         handle.write("".join(path + "\n" for path in tracked))
     with open(os.path.join(carry, "COMMIT"), "w") as handle:
@@ -205,10 +260,12 @@ def abi_line(carry: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("prepare", "line", "abi"):
+    if not argv or argv[0] not in ("begin", "prepare", "line", "abi"):
         print(__doc__, file=sys.stderr)
         return 2
     carry = argv[1] if len(argv) > 1 else CARRY
+    if argv[0] == "begin":
+        return begin(carry)
     if argv[0] == "prepare":
         return prepare(carry)
     print(commit_line(carry) if argv[0] == "line" else abi_line(carry))

@@ -97,6 +97,10 @@ build_programs() {
 if [[ "${1:-}" == "--prepare" ]]; then
   set -e
   rm -f "$CARRY/COMMIT" "$CARRY/TRACKED" "$CARRY/ABI"     # never a stale record of an earlier carry
+  # The tree as the build starts from it: provenance.py prepare compares it with the tree at the
+  # end, so a commit or edit landing during the build is recorded (COMMIT's changed_during_prepare).
+  python3 tools/gpu/provenance.py begin "$CARRY" ||
+    echo "run-all: WARNING: the tree was not recorded before the build; COMMIT will not say whether it changed during it" >&2
   bash tools/gpu/run-gpu-tests.sh --prepare              # kernels + gio-uring GPU test binary
   cargo build --release --locked -p tutti-profile
   cp target/release/tutti-profile "$CARRY/tutti-profile"
@@ -122,7 +126,7 @@ if [[ "${1:-}" == "--prepare" ]]; then
   cp target/wheels/tutti-*-abi3-*.whl "$CARRY/"
   python3 -m unittest discover -s tools/gpu -p 'test_*.py'
   # Provenance and ABI for the GPU machine, where .git is not (tools/gpu/provenance.py), last:
-  # the carry is complete.
+  # the carry is complete. It warns, and COMMIT says so, if the tree changed since `begin`.
   python3 tools/gpu/provenance.py prepare "$CARRY" && sed 's/^/run-all: ABI /' "$CARRY/ABI" ||
     echo "run-all: WARNING: provenance not recorded (target/gpu-carry/COMMIT, ABI); the GPU run will say commit unknown" >&2
   du -sh "$CARRY"
@@ -535,7 +539,10 @@ step_slack() {
   [[ $rc -eq 124 || $rc -eq 137 ]] && record "NOTE slack: the profile ran past its limit ($limit s) and was stopped; the CSV (and slack-timeline.csv.gz) keeps the input lengths completed before"
   [[ $rc -eq 3 ]] && record "NOTE slack: PARTIAL grid (budget reached); the table ends at the last complete input length"
   [[ -s "$csv" ]] || return 1
-  if [[ ! -f "$CARRY/tutti-profile" ]]; then
+  # RUN_ALL_TUTTI_PROFILE: another build (tools/gpu/check.sh's rehearsal, which leaves the carry
+  # and its provenance alone).
+  local profile=${RUN_ALL_TUTTI_PROFILE:-$CARRY/tutti-profile}
+  if [[ ! -f "$profile" ]]; then
     record "NOT RUN tutti-profile import: target/gpu-carry/tutti-profile was not carried (gunzip slack-timeline.csv.gz and import it afterwards)"
     return 1
   fi
@@ -568,9 +575,9 @@ PY
     record "NOTE slack: GPU '$name' with $sms SMs is not a 132-SM preset; the table uses a spec named after it"
   fi
   section "tutti-profile import ${target[*]}"
-  timeout -k 5 "$(cap 60)" "$CARRY/tutti-profile" import --timeline "$csv" --model llama3-8b "${target[@]}" \
+  timeout -k 5 "$(cap 60)" "$profile" import --timeline "$csv" --model llama3-8b "${target[@]}" \
     --out "$OUT/slack-table.json" >>"$LOG" 2>&1 &&
-    timeout -k 5 "$(cap 60)" "$CARRY/tutti-profile" check "$OUT/slack-table.json" >>"$LOG" 2>&1
+    timeout -k 5 "$(cap 60)" "$profile" check "$OUT/slack-table.json" >>"$LOG" 2>&1
 }
 
 # RUN_ALL_DRY=1: each step a sleep of RUN_ALL_DRY_SLEEP_S under the step's own cap, with a few

@@ -72,5 +72,60 @@ class GlibcComparison(unittest.TestCase):
             self.assertIn("unknown", provenance.abi_line(carry))
 
 
+class TreeChangingDuringPrepare(unittest.TestCase):
+    """`run-all.sh --prepare` records the tree before it builds (provenance.py begin) and again
+    at the end (prepare): a commit or an edit landing while it builds must show in COMMIT and in
+    the GPU run's commit line, not be labelled as one tree."""
+
+    def setUp(self):
+        self.root = tempfile.TemporaryDirectory()
+        self.addCleanup(self.root.cleanup)
+        self.carry = os.path.join(self.root.name, "target", "gpu-carry")
+        with open(os.path.join(self.root.name, "a.txt"), "w") as handle:
+            handle.write("one\n")
+        self.head = "a" * 40
+        patches = [mock.patch.object(provenance, "ROOT", self.root.name), mock.patch.object(provenance, "_git", self.git),
+                   mock.patch.object(provenance, "abi_fields", lambda carry: {"glibc_max": "2.34"})]
+        for patch in patches:
+            patch.start()
+            self.addCleanup(patch.stop)
+
+    def git(self, *args):
+        answers = {("rev-parse", "HEAD"): self.head + "\n", ("status", "--porcelain"): "", ("diff", "HEAD", "--binary"): "",
+                   ("ls-files",): "a.txt\n"}
+        return answers[args]
+
+    def commit_fields(self):
+        return provenance.read_fields(os.path.join(self.carry, "COMMIT"))
+
+    def line_on_the_gpu_machine(self):
+        with mock.patch.object(provenance, "_git", lambda *args: None):
+            return provenance.commit_line(self.carry)
+
+    def test_a_commit_landing_during_the_build_is_recorded_with_both_heads(self):
+        self.assertEqual(provenance.main(["begin", self.carry]), 0)
+        self.head = "b" * 40  # a commit lands while cargo builds
+        provenance.main(["prepare", self.carry])
+        fields = self.commit_fields()
+        self.assertEqual((fields.get("commit"), fields.get("begin_commit")), ("b" * 40, "a" * 40))
+        self.assertEqual(fields.get("changed_during_prepare"), "yes")
+        self.assertIn("CHANGED while --prepare built", self.line_on_the_gpu_machine())
+
+    def test_an_edit_during_the_build_is_recorded(self):
+        provenance.main(["begin", self.carry])
+        with open(os.path.join(self.root.name, "a.txt"), "w") as handle:
+            handle.write("two\n")
+        provenance.main(["prepare", self.carry])
+        self.assertEqual(self.commit_fields().get("changed_during_prepare"), "yes")
+        self.assertIn("tree", self.commit_fields().get("changed", ""))
+
+    def test_an_unchanged_tree_is_one_tree(self):
+        provenance.main(["begin", self.carry])
+        self.assertEqual(provenance.main(["prepare", self.carry]), 0)
+        self.assertEqual(self.commit_fields().get("changed_during_prepare"), "no")
+        self.assertNotIn("CHANGED", self.line_on_the_gpu_machine())
+        self.assertFalse(os.path.exists(os.path.join(self.carry, provenance.BEGIN_FILE)))
+
+
 if __name__ == "__main__":
     unittest.main()
