@@ -31,13 +31,14 @@
 # the CUDA IPC path through tuttid that prefill stands on). Call 2, in the very next tool call
 # (the machine goes back ~30 s after a call): take budget_left_s and warm from call 1's own reply
 # (its `lease`); if warm is false subtract 150 s (a fresh start) and skip call 2 below 240 s (no
-# machine starts with less); T = min(330, left - 20), B = T - 100, and run
+# machine starts with less); T = min(580, left - 20) (a call may run 600 s), B = T - 100, and run
 # `RUN_ALL_DEADLINE_S=<T-20> RUN_ALL_SLACK_BUDGET_S=<B> bash tools/gpu/run-all.sh slack` with
 # timeout_s T; if B comes out under 90 s, skip call 2 and give the machine back. The slack
 # step's profile gets --budget-s B and a hard `timeout` of B + 45 s (less where the deadline is
 # nearer; it rewrites its CSV after each input length, so a kill keeps the lengths done); the SM
 # count comes from the header's probe (no second torch import), then the import: everything ends
-# by the deadline, before the call's limit. The rest of its grid waits for a later session.
+# by the deadline, before the call's limit. The rest of its grid waits for a later session; a
+# complete grid's CSV (~20 MiB) comes back as slack-timeline.csv.gz.
 # docs/gio-uring.md ("Running on a GPU") gives the exact calls and the carry list. `bash` in front:
 # the copy may not keep exec bits (carried binaries are chmod +x'ed at the start for the same
 # reason).
