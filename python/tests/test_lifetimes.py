@@ -225,6 +225,18 @@ def test_requests_dropped_with_a_layer_in_flight_give_back_their_places():
         third.finish()
 
 
+def test_a_layer_is_done_once_its_store_closed():
+    # Goal: a layer issued and not waited for, whose store is then closed (the close waits it
+    # out and ends the request), answers done = True. Before, done stayed False for ever.
+    store = open_store()
+    layout = store.allocate_kv(8, "block_major")
+    fill_block(layout, 1, 85)
+    request = store.prepare_store(tokens(85, 1), [1])
+    layer = request.store_layer(0)
+    store.close()
+    assert layer.done
+
+
 def fork_sleeper(seconds: float) -> int:
     """A forked child that only sleeps (holding whatever it inherited) and exits without running
     the parent's cleanups."""

@@ -710,7 +710,8 @@ class LayerIo:
     def done(self) -> bool:
         """Whether this layer ended, completed or failed, as observed (by any wait/poll/the
         completion thread); does not drive I/O (use poll). A failed layer is done: its wait
-        raises the failure. True once the request has ended."""
+        raises the failure. True once the request has ended, its store's close included (the
+        close ends every request)."""
     def poll(self) -> bool:
         """Non-blocking: drives the request's I/O up to this layer; True when this layer
         completed, whose completion it then takes as wait does, and True once the request has

@@ -298,12 +298,17 @@ impl Request {
         Ok(state.request(self.handle)?.in_flight.is_empty())
     }
 
-    /// Whether `issue` ended, completed or failed (seen by anyone), without driving I/O.
+    /// Whether `issue` ended, completed or failed (seen by anyone), without driving I/O. A
+    /// request the store no longer holds (the store closed, which ended every request) has no
+    /// issue left in flight: its layers are done.
     fn layer_done(&self, issue: u64) -> Result<bool, Failure> {
         if self.phase() != Phase::Prepared {
             return Ok(true);
         }
         let mut state = self.shared.lock()?;
+        if state.is_closed() || !state.requests.contains_key(&self.handle) {
+            return Ok(true);
+        }
         Ok(state.request(self.handle).is_ok_and(|request| request.is_ended(issue)))
     }
 
