@@ -193,6 +193,19 @@ fn run_service(weak: Weak<StoreShared>) {
     }
 }
 
+/// The shortest interval between keep-alive pings: the completion thread holds the store's lock
+/// for each ping (one exchange with tuttid), so a lease of 0 or a few ms from tuttid must not
+/// make it ping every millisecond and starve every other call of the lock.
+pub const KEEPALIVE_INTERVAL_MIN: Duration = Duration::from_millis(100);
+
+/// How long an attached store may stay idle before the completion thread pings tuttid: a third
+/// of the session's `lease` (tuttid's, untrusted), so that two pings may be late before the
+/// lease runs out, but never under `KEEPALIVE_INTERVAL_MIN` (a lease under three times that
+/// cannot be kept safely at any sane rate: `attach` warns).
+pub fn keepalive_interval(lease: Duration) -> Duration {
+    (lease / 3).max(KEEPALIVE_INTERVAL_MIN)
+}
+
 /// The layer-wise KV store (module stub: `Store`).
 #[pyclass(frozen, module = "tutti")]
 pub struct Store {
@@ -517,6 +530,13 @@ impl Store {
         let geometry = crate::geometry::of_hello(&reply.shape).map_err(|failure| failure.to_pyerr(py))?;
         let session = reply.session;
         let lease = Duration::from_millis(u64::from(reply.lease_ms));
+        if keepalive && lease < KEEPALIVE_INTERVAL_MIN * 3 {
+            tracing::warn!(
+                lease_ms = reply.lease_ms,
+                "tutti: tuttid's lease is shorter than three keep-alive intervals of {} ms: an idle session may be ended",
+                KEEPALIVE_INTERVAL_MIN.as_millis()
+            );
+        }
         let config = RemoteConfig {
             kv_blocks: 0,
             queue_depth,
@@ -537,7 +557,7 @@ impl Store {
             timeout,
             session: Some(session),
             layers_in_flight,
-            keepalive: keepalive.then_some(lease / 3),
+            keepalive: keepalive.then(|| keepalive_interval(lease)),
             kv_layout: Mutex::new(None),
             owner: OwningProcess::current(),
         })
@@ -720,6 +740,20 @@ pub fn id_list<'py>(py: Python<'py>, ids: &[u32]) -> PyResult<Bound<'py, PyList>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_keepalive_interval_is_a_third_of_the_lease_and_never_under_its_minimum() {
+        // Goal: tuttid's lease is untrusted: 0 or a few ms gives the 100 ms minimum (before,
+        // lease / 3: a ping every 1 ms, each holding the store's lock), a long enough lease
+        // gives its third, and the longest lease tuttid can send does not overflow.
+        assert_eq!(keepalive_interval(Duration::ZERO), KEEPALIVE_INTERVAL_MIN);
+        assert_eq!(keepalive_interval(Duration::from_millis(1)), KEEPALIVE_INTERVAL_MIN);
+        assert_eq!(keepalive_interval(Duration::from_millis(299)), KEEPALIVE_INTERVAL_MIN);
+        assert_eq!(keepalive_interval(Duration::from_millis(300)), Duration::from_millis(100));
+        assert_eq!(keepalive_interval(Duration::from_secs(10)), Duration::from_secs(10) / 3);
+        let longest = Duration::from_millis(u64::from(u32::MAX));
+        assert_eq!(keepalive_interval(longest), longest / 3);
+    }
 
     #[test]
     fn queue_options_outside_their_bounds_are_invalid_arguments() {
