@@ -224,13 +224,62 @@ def test_a_clear_through_sglang_retires_the_pool_so_nothing_stored_before_is_ser
         storage.clear()
     finally:
         storage.close()
-    # The pool's blocks are still on the devices: a restart that opens the pool again (not
-    # "format": true, same fingerprint) serves them; the warning says so.
-    reopened = backend("page_first", host_pool("page_first"), extra_config(tmp_path / "pool.img", False))
-    try:
-        assert reopened.batch_exists(keys) == 2
-    finally:
-        reopened.close()
+    # The pool's blocks are still on the devices: a restart (a new process, with no record of
+    # the clear) that opens the pool again (not "format": true, same fingerprint) serves them;
+    # the warning says so. This process refuses to open it again (the next test).
+    restarted = subprocess.run(
+        [sys.executable, "-c", RESTARTED_CHILD, str(tmp_path), *keys],
+        cwd=Path(__file__).resolve().parent, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert restarted.returncode == 0, restarted.stderr[-3000:]
+    assert "EXISTS 2" in restarted.stdout, (restarted.stdout, restarted.stderr[-3000:])
+
+
+# A restarted server's process: opens tmp/pool.img again and prints batch_exists of the keys.
+RESTARTED_CHILD = """
+import pathlib, sys
+from test_sglang_backend import *
+reopened = backend("page_first", host_pool("page_first"), extra_config(pathlib.Path(sys.argv[1]) / "pool.img", False))
+print("EXISTS", reopened.batch_exists(sys.argv[2:]), flush=True)
+reopened.close()
+"""
+
+
+def test_a_pool_cleared_in_this_process_is_not_opened_again_in_it(tmp_path: Path):
+    """Goal: a clear retires the pool of the backend it reached, and SGLang can build another
+    backend in the same process: StorageAttachment.detach() then attach() (the admin API) makes
+    a new one from the factory on the same host pool, which would open the same pool under the
+    same fingerprint and serve the pages stored before the clear (the old weights'). So the
+    process keeps a record of the pools it cleared (resolved devices and fingerprint), and
+    opening one again without "format" is refused, naming the ways out: "format": true, other
+    devices, or a new "model_fingerprint"; a pool formatted since is opened as any other."""
+    pool = host_pool("page_first")
+    first = backend("page_first", pool, extra_config(tmp_path / "pool.img", True))
+    keys = page_keys(22, 2)
+    assert first.batch_set_v1(keys, indices([1, 2])) == [True, True]
+    first.clear()
+    first.close()
+
+    reopen = extra_config(tmp_path / "pool.img", False)
+    created = StorageBackendFactory.create_backend("dynamic", storage_config("page_first", reopen), pool)
+    with pytest.raises(tutti.InvalidArgument, match=r"cleared.*\"format\": true.*\"model_fingerprint\""):
+        created.register_mem_pool_host(pool)
+    # The same file under another name is the same device.
+    (tmp_path / "link.img").symlink_to(tmp_path / "pool.img")
+    linked = StorageBackendFactory.create_backend("dynamic", storage_config("page_first", extra_config(tmp_path / "link.img", False)), pool)
+    with pytest.raises(tutti.InvalidArgument, match="cleared"):
+        linked.register_mem_pool_host(pool)
+
+    renamed = backend("page_first", pool, extra_config(tmp_path / "pool.img", False, model_fingerprint="ef" * 32))
+    assert renamed.batch_exists(keys) == 0
+    renamed.close()
+    formatted = backend("page_first", pool, extra_config(tmp_path / "pool.img", True))
+    assert formatted.batch_exists(keys) == 0
+    assert formatted.batch_set_v1(keys, indices([1, 2])) == [True, True]
+    formatted.close()
+    again = backend("page_first", pool, reopen)
+    assert again.batch_exists(keys) == 2, "a pool formatted after the clear is still refused"
+    again.close()
 
 
 class SlowWait:

@@ -134,6 +134,8 @@ class TuttiHiCacheStorage(HiCacheStorage):
         self._layers_ahead = int(self._config["layers_in_flight"])
         iocbs_for("--hicache-storage-backend-extra-config", self._requests_max, self._layers_ahead)  # refused here
         self._store: Any = None
+        # The pool's (device identities, fingerprint) once registered: what a clear records.
+        self._pool_identity: Optional[tuple[tuple[str, ...], bytes]] = None
         self._layers = 0
         self._page_size = 0
         # Why the pool was closed for good (a page's layer did not complete): nothing moves any
@@ -190,8 +192,12 @@ class TuttiHiCacheStorage(HiCacheStorage):
             # A pipeline stage (or context-parallel rank) holds other layers (or another slice)
             # of each page under the same page hash: its own key space, even on shared devices.
             fingerprint = tutti.fingerprint(fingerprint, *shard)
+        devices = rank_devices(config["devices"], storage)
+        identities = tuple(sorted({identity for identity in map(_device_identity, devices) if identity is not None}))
+        if not config["format"]:
+            _refuse_cleared_pool(devices, identities, fingerprint)
         self._store = tutti.Store.open(
-            rank_devices(config["devices"], storage),
+            devices,
             byte_geometry(layer_block_bytes, layers),
             format=config["format"],
             overwrite=config["overwrite"],
@@ -212,6 +218,9 @@ class TuttiHiCacheStorage(HiCacheStorage):
         except BaseException:
             self._store.close()
             raise
+        if config["format"]:
+            _forget_cleared_pools(identities)  # formatted: nothing stored before the clear is left
+        self._pool_identity = (identities, fingerprint)
         self._layers = layers
         self._page_size = mem_pool_host.page_size
 
@@ -288,7 +297,13 @@ class TuttiHiCacheStorage(HiCacheStorage):
         successfully", HTTP 200), so the clear must make sure nothing stored before is served
         again: the pool is retired for this process through the stuck layer's close path (its
         queue pairs deleted; lookups miss and nothing moves until a restart), logged at warning
-        level with what a restart does. A second clear does nothing."""
+        level with what a restart does. A second clear does nothing. The pool is also recorded as
+        cleared in this process: a backend built later in it (SGLang's StorageAttachment.detach
+        then attach) is refused that pool under the same fingerprint unless it formats it
+        (_refuse_cleared_pool)."""
+        if self._pool_identity is not None:
+            # Also when the pool was closed already (a stuck layer): its pages are still there.
+            _remember_cleared_pool(*self._pool_identity)
         if self._store is None or self._dead is not None:
             return
         self._close_pool(
@@ -467,6 +482,56 @@ class TuttiHiCacheStorage(HiCacheStorage):
                     )
             if self._unsafe is not None:
                 _host_pages_unsafe(self._unsafe)
+
+
+# The pools this process cleared (SGLang's storage clear): (device identity, fingerprint) pairs.
+# tutti cannot delete a pool's pages, so a backend built later in this process (SGLang's
+# StorageAttachment.detach then attach) must not open such a pool again under the same
+# fingerprint, unless it formats it.
+_CLEARED_POOLS: set[tuple[str, bytes]] = set()
+_CLEARED_POOLS_LOCK = threading.Lock()
+
+
+def _device_identity(device: str) -> Optional[str]:
+    """The storage behind a device string, however it is spelled: a file or block device
+    (emu:PATH and uring:PATH open the same storage) by its resolved path, a vfio: PCI function
+    by its address with the domain; None for memory and no-storage devices (emu:mem:SIZE,
+    emu:null:SIZE), which keep nothing past their close."""
+    kind, _, rest = device.partition(":")
+    if kind == "emu" and rest.startswith(("mem:", "null:")):
+        return None
+    if kind in ("emu", "uring"):
+        return "path:" + os.path.realpath(rest)
+    if kind == "vfio":
+        address = rest.lower()
+        return "vfio:" + (address if address.count(":") == 2 else "0000:" + address)
+    return device
+
+
+def _remember_cleared_pool(identities: tuple[str, ...], fingerprint: bytes) -> None:
+    with _CLEARED_POOLS_LOCK:
+        _CLEARED_POOLS.update((identity, fingerprint) for identity in identities)
+
+
+def _forget_cleared_pools(identities: tuple[str, ...]) -> None:
+    """The devices were formatted: no page of a cleared pool is left on them."""
+    with _CLEARED_POOLS_LOCK:
+        _CLEARED_POOLS.difference_update({entry for entry in _CLEARED_POOLS if entry[0] in identities})
+
+
+def _refuse_cleared_pool(devices: list[str], identities: tuple[str, ...], fingerprint: bytes) -> None:
+    """Raises ConfigError when this process cleared a pool on one of these devices under this
+    fingerprint: opening it again would serve the pages stored before the clear."""
+    with _CLEARED_POOLS_LOCK:
+        cleared = [identity for identity in identities if (identity, fingerprint) in _CLEARED_POOLS]
+    if cleared:
+        raise ConfigError(
+            f"this process cleared the tutti pool on {', '.join(devices)} (SGLang's /hicache/storage-backend/clear, "
+            "or a PD role switch, which clears the storage tier), and tutti cannot delete a pool's pages: opening it "
+            "again under the same model fingerprint would serve the pages stored before the clear (e.g. the old "
+            "weights'). Attach with \"format\": true (everything on the pool is lost), other devices, or a new "
+            "\"model_fingerprint\" in --hicache-storage-backend-extra-config"
+        )
 
 
 class _RequestPlaces:
